@@ -1,0 +1,345 @@
+"""GPT in the GPT-2 / Megatron layout, with the stability switches of the BigScience 104B/176B and OPT-175B runs.
+
+Block: x + Attn(LN(x)), then x + MLP(LN(x)); learned position embeddings; output layer tied to the token
+embedding. The linears and the embedding come from parallel.py, so the same code runs as one process or split
+over tensor- and pipeline-parallel ranks (a pipeline stage builds only its own layers).
+
+Switches, each from a lesson in the seeds (README has the table):
+- embed_layernorm, embed_init, embed_init_std: bitsandbytes' StableEmbedding (LayerNorm on the word embeddings,
+  xavier-uniform init) -- the lever that tamed the tr8b-104B spikes (seeds 000, 004).
+- init_method_std="small_init": sqrt(2/(5h)) from "Transformers without Tears" (seed 004); the output layers of
+  every block are further scaled by 1/sqrt(2*num_layers) as in Megatron.
+- apply_query_key_layer_scaling (Megatron) and stable_attention (q and k each scaled by d^-1/4, tried on the
+  104B and found not to help: an ablation, off by default). Softmax is always computed in fp32.
+- OPT: activation (gelu | gelu_tanh | relu), normformer, position_embedding_init (normal | sinusoidal),
+  scale_embeddings, embed_dropout (OPT turned dropout off on embeddings) (seed 003).
+"""
+import math
+import zlib
+from dataclasses import dataclass, fields
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+import parallel
+from parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+
+
+@dataclass
+class GPTConfig:
+    num_layers: int = 12
+    hidden_size: int = 768
+    num_attention_heads: int = 12
+    seq_length: int = 1024
+    vocab_size: int = 50257
+    make_vocab_size_divisible_by: int = 128
+    hidden_dropout: float = 0.1
+    attention_dropout: float = 0.1
+    embed_dropout: float | None = None  # None: same as hidden_dropout
+    layernorm_epsilon: float = 1e-5
+    activation: str = "gelu"  # gelu (Megatron, erf) | gelu_tanh (GPT-2) | relu (OPT)
+    init_method_std: float | str = 0.02  # or "small_init" = sqrt(2/(5*hidden_size))
+    embed_init: str = "normal"  # normal | xavier_uniform
+    embed_init_std: float | None = None  # None: init_method_std
+    embed_layernorm: bool = False
+    position_embedding_init: str = "normal"  # normal | sinusoidal
+    scale_embeddings: bool = False
+    apply_query_key_layer_scaling: bool = False
+    stable_attention: bool = False
+    normformer: bool = False
+    checkpoint_activations: bool = False
+
+    @classmethod
+    def from_config(cls, cfg):
+        """Pick the model's fields out of a training config (anything with matching attributes)."""
+        return cls(**{f.name: getattr(cfg, f.name) for f in fields(cls)})
+
+    @property
+    def padded_vocab_size(self):
+        """Vocabulary padded to a multiple of make_vocab_size_divisible_by * TP (SPEC), for even TP splits."""
+        multiple = self.make_vocab_size_divisible_by * parallel.grid.tp_size
+        return -(-self.vocab_size // multiple) * multiple
+
+    @property
+    def std(self):
+        if self.init_method_std == "small_init":
+            return math.sqrt(2 / (5 * self.hidden_size))
+        return float(self.init_method_std)
+
+    def num_parameters(self, padded=False):
+        """Exact parameter count of the whole model (all stages, all TP ranks, the tied head counted once).
+
+        Without switches this is the seeds' formula n*(12h^2 + 13h) + v*h + s*h + 2h."""
+        h, n = self.hidden_size, self.num_layers
+        v = self.padded_vocab_size if padded else self.vocab_size
+        per_layer = 12 * h * h + 13 * h
+        if self.normformer:  # post-attention LN, FFN LN, head scales
+            per_layer += 2 * h + 2 * 4 * h + self.num_attention_heads
+        extra = 2 * h if self.embed_layernorm else 0
+        return n * per_layer + v * h + self.seq_length * h + 2 * h + extra
+
+
+# -----------------------------------------------------------------------------
+# Attention
+
+
+def core_attention(q, k, v, dropout_p=0.0, stable=False, layer_scaling=None):
+    """Causal softmax(q k^T / sqrt(d)) v with the softmax in fp32; q, k, v are (batch, heads, seq, head_dim).
+
+    Fused (scaled_dot_product_attention) unless layer_scaling is given, which is Megatron's
+    apply_query_key_layer_scaling: scores are computed scaled down by the layer number and scaled back up in
+    fp32 inside the softmax, which only the unfused path can express. stable=True is the "stable" variant of
+    the 104B chronicle: q and k are each multiplied by d^-1/4 before their product, with no later scaling.
+    In exact arithmetic all variants are the same function; in fp16 they round differently.
+    """
+    head_dim = q.shape[-1]
+    if layer_scaling is None:
+        if stable:
+            s = head_dim ** -0.25
+            return F.scaled_dot_product_attention(q * s, k * s, v, dropout_p=dropout_p, is_causal=True, scale=1.0)
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+    return unfused_attention(q, k, v, dropout_p, stable, layer_scaling)
+
+
+def unfused_attention(q, k, v, dropout_p=0.0, stable=False, layer_scaling=None):
+    """Megatron's explicit path: baddbmm in the input dtype, softmax in fp32 (also the reference for SDPA)."""
+    B, H, T, D = q.shape
+    coeff = layer_scaling or 1.0
+    norm_factor = math.sqrt(D) * coeff
+    q, k = q.reshape(B * H, T, D), k.reshape(B * H, T, D)
+    if stable:  # (q / sqrt(norm)) . (k / sqrt(norm)) with alpha = 1 (Megatron-DeepSpeed PR 118)
+        s = 1.0 / math.sqrt(norm_factor)
+        q, k, alpha = q * s, k * s, 1.0
+    else:
+        alpha = 1.0 / norm_factor
+    scores = torch.baddbmm(q.new_empty(B * H, T, T), q, k.transpose(1, 2), beta=0.0, alpha=alpha)
+    # fp32 softmax (fp64 stays fp64, so that the float64 equivalence tests are exact)
+    scores = scores.view(B, H, T, T).to(torch.promote_types(scores.dtype, torch.float32)) * coeff
+    causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+    probs = scores.masked_fill(~causal, float("-inf")).softmax(dim=-1).to(v.dtype)
+    probs = F.dropout(probs, dropout_p, training=dropout_p > 0)
+    return probs @ v
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: GPTConfig, layer_number: int):
+        super().__init__()
+        h, heads = cfg.hidden_size, cfg.num_attention_heads
+        if h % heads:
+            raise ValueError(f"hidden_size ({h}) is not divisible by num_attention_heads ({heads})")
+        self.head_dim = h // heads
+        self.local_heads = parallel._divide(heads, parallel.grid.tp_size, "num_attention_heads")
+        # One fused projection laid out head by head ([heads, 3, head_dim] as in Megatron), so that a contiguous
+        # TP slice of the output features is a set of whole heads.
+        self.qkv = ColumnParallelLinear(h, 3 * h)
+        self.proj = RowParallelLinear(h, h)
+        self.proj.weight.is_output_layer = True
+        self.head_scale = None
+        if cfg.normformer:  # NormFormer's learned per-head scaling of the attention output
+            self.head_scale = nn.Parameter(torch.ones(self.local_heads))
+            self.head_scale.tp_dim = 0
+        self.dropout = cfg.attention_dropout
+        self.stable = cfg.stable_attention
+        self.layer_scaling = float(layer_number) if cfg.apply_query_key_layer_scaling else None
+
+    def forward(self, x):
+        B, T, _ = x.shape
+        q, k, v = self.qkv(x).view(B, T, self.local_heads, 3, self.head_dim).transpose(1, 2).unbind(dim=3)
+        y = core_attention(q, k, v, self.dropout if self.training else 0.0, self.stable, self.layer_scaling)
+        if self.head_scale is not None:
+            y = y * self.head_scale.view(1, -1, 1, 1)
+        return self.proj(y.transpose(1, 2).reshape(B, T, self.local_heads * self.head_dim))
+
+
+# -----------------------------------------------------------------------------
+# MLP and block
+
+
+ACTIVATIONS = {
+    "gelu": F.gelu,
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "relu": F.relu,
+}
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        if cfg.activation not in ACTIVATIONS:
+            raise ValueError(f"activation={cfg.activation!r} is not one of {sorted(ACTIVATIONS)}")
+        self.fc1 = ColumnParallelLinear(cfg.hidden_size, 4 * cfg.hidden_size)
+        self.fc2 = RowParallelLinear(4 * cfg.hidden_size, cfg.hidden_size)
+        self.fc2.weight.is_output_layer = True
+        self.act = ACTIVATIONS[cfg.activation]
+        # NormFormer's LayerNorm after the activation. Its statistics would span TP ranks: model.py refuses TP>1.
+        self.ln = nn.LayerNorm(4 * cfg.hidden_size, eps=cfg.layernorm_epsilon) if cfg.normformer else None
+
+    def forward(self, x):
+        x = self.act(self.fc1(x))
+        if self.ln is not None:
+            x = self.ln(x)
+        return self.fc2(x)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig, layer_number: int):
+        super().__init__()
+        eps = cfg.layernorm_epsilon
+        self.ln_1 = nn.LayerNorm(cfg.hidden_size, eps=eps)
+        self.attn = Attention(cfg, layer_number)
+        self.ln_attn = nn.LayerNorm(cfg.hidden_size, eps=eps) if cfg.normformer else None
+        self.ln_2 = nn.LayerNorm(cfg.hidden_size, eps=eps)
+        self.mlp = MLP(cfg)
+        self.dropout = nn.Dropout(cfg.hidden_dropout)
+
+    def forward(self, x):
+        a = self.attn(self.ln_1(x))
+        if self.ln_attn is not None:
+            a = self.ln_attn(a)
+        x = x + self.dropout(a)
+        return x + self.dropout(self.mlp(self.ln_2(x)))
+
+
+# -----------------------------------------------------------------------------
+# Embedding and the whole model
+
+
+class Embedding(nn.Module):
+    """Word + learned position embeddings; the optional LayerNorm acts on the word embeddings only, after the
+    TP all-reduce, so its result does not depend on how the vocabulary is split (seed 000, BNB experiment 5)."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.word = VocabParallelEmbedding(cfg.padded_vocab_size, cfg.hidden_size)
+        self.position = nn.Embedding(cfg.seq_length, cfg.hidden_size)
+        self.norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon) if cfg.embed_layernorm else None
+        self.scale = math.sqrt(cfg.hidden_size) if cfg.scale_embeddings else 1.0
+        p = cfg.hidden_dropout if cfg.embed_dropout is None else cfg.embed_dropout
+        self.dropout = nn.Dropout(p)
+
+    def forward(self, ids):
+        x = self.word(ids)
+        if self.norm is not None:
+            x = self.norm(x)
+        if self.scale != 1.0:
+            x = x * self.scale
+        pos = torch.arange(ids.shape[1], device=ids.device)
+        return self.dropout(x + self.position(pos))
+
+
+class GPT(nn.Module):
+    """The whole model, or one pipeline stage of it: layers [first, last) plus the embedding on the first stage
+    and the final LayerNorm and (tied) output layer on the last. Block names keep their global layer number, so
+    a parameter has the same name, and hence the same initial value, whatever the TP/PP layout."""
+
+    def __init__(self, cfg: GPTConfig, layers=None, pre_process=True, post_process=True):
+        super().__init__()
+        if cfg.normformer and parallel.grid.tp_size > 1:
+            raise ValueError("normformer with tensor_model_parallel_size > 1 is not supported (its FFN LayerNorm "
+                             "would need statistics across TP ranks); use TP=1 or turn normformer off")
+        self.cfg = cfg
+        layers = range(cfg.num_layers) if layers is None else layers
+        self.pre_process, self.post_process = pre_process, post_process
+        self.embed = Embedding(cfg) if pre_process else None
+        self.blocks = nn.ModuleDict({str(i): Block(cfg, i + 1) for i in layers})
+        self.ln_f = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon) if post_process else None
+        # A last stage without the embedding keeps its own copy of the word embedding for the tied output layer;
+        # parallel.py all-reduces the two copies' gradients every step (seed 001, DeepSpeed PR 1801).
+        self.output_weight = None
+        if post_process and not pre_process:
+            self.output_weight = nn.Parameter(torch.empty(cfg.padded_vocab_size // parallel.grid.tp_size,
+                                                          cfg.hidden_size))
+            self.output_weight.tp_dim = 0
+            self.output_weight.init_name = "embed.word.weight"
+        self.init_weights()
+
+    # -- initialisation ---------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def init_weights(self, seed=1234):
+        """Every parameter from a generator seeded by (seed, its name): the full tensor is drawn, then this TP
+        rank's slice is kept, so any TP/PP layout starts from exactly the single-process weights."""
+        cfg = self.cfg
+        for name, p in self.named_parameters():
+            if p.is_meta:
+                continue
+            name = getattr(p, "init_name", name)
+            full_shape = list(p.shape)
+            tp_dim = getattr(p, "tp_dim", None)
+            if tp_dim is not None:
+                full_shape[tp_dim] *= parallel.grid.tp_size
+            gen = torch.Generator(device=p.device).manual_seed((seed << 32) + zlib.crc32(name.encode()))
+            full = torch.empty(full_shape, dtype=torch.float32, device=p.device)
+            if name.endswith("bias"):
+                full.zero_()
+            elif p.ndim == 1:  # LayerNorm gains, NormFormer head scales
+                full.fill_(1.0)
+            elif name == "embed.word.weight":
+                if cfg.embed_init == "xavier_uniform":  # bitsandbytes StableEmbedding
+                    bound = math.sqrt(6.0 / (full_shape[0] + full_shape[1]))
+                    full.uniform_(-bound, bound, generator=gen)
+                elif cfg.embed_init == "normal":
+                    full.normal_(0.0, cfg.std if cfg.embed_init_std is None else cfg.embed_init_std, generator=gen)
+                else:
+                    raise ValueError(f"embed_init={cfg.embed_init!r} is not 'normal' or 'xavier_uniform'")
+            elif name == "embed.position.weight" and cfg.position_embedding_init == "sinusoidal":
+                full.copy_(sinusoidal_positions(*full_shape))
+            elif name == "embed.position.weight" and cfg.position_embedding_init != "normal":
+                raise ValueError(f"position_embedding_init={cfg.position_embedding_init!r} is not 'normal' or "
+                                 "'sinusoidal'")
+            else:
+                std = cfg.std
+                if getattr(p, "is_output_layer", False):
+                    std /= math.sqrt(2.0 * cfg.num_layers)
+                full.normal_(0.0, std, generator=gen)
+            p.copy_(parallel.shard(full, tp_dim))
+
+    # -- forward ----------------------------------------------------------------------------------------------
+
+    def forward(self, x, targets=None):
+        """x: token ids (B, T) on the first stage, hidden states (B, T, H) on the others.
+
+        Returns hidden states on a non-last stage; on the last, the mean lm loss if targets are given, otherwise
+        this TP rank's slice of the logits."""
+        if self.pre_process:
+            x = self.embed(x)
+        for block in self.blocks.values():
+            if self.cfg.checkpoint_activations and self.training:
+                x = checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
+        if not self.post_process:
+            return x
+        x = self.ln_f(x)
+        weight = self.embed.word.weight if self.pre_process else self.output_weight
+        logits = F.linear(parallel.copy_to_tp(x), weight)
+        if targets is None:
+            return logits
+        return parallel.vocab_parallel_cross_entropy(logits, targets).mean()
+
+    @torch.no_grad()
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, generator=None):
+        """Sample a continuation of idx (B, T) token by token (whole model on this rank: PP=1)."""
+        if not (self.pre_process and self.post_process):
+            raise ValueError("generate() needs the whole model on one rank (pipeline_model_parallel_size=1)")
+        for _ in range(max_new_tokens):
+            logits = parallel.gather_from_tp(self(idx[:, -self.cfg.seq_length:]))
+            logits = logits[:, -1, :self.cfg.vocab_size].float() / temperature  # never sample padding ids
+            if top_k is not None:
+                kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, [-1]]
+                logits[logits < kth] = float("-inf")
+            probs = logits.softmax(dim=-1)
+            idx = torch.cat([idx, torch.multinomial(probs, 1, generator=generator)], dim=1)
+        return idx
+
+
+def sinusoidal_positions(num_positions, dim):
+    """The fixed sin/cos table of "Attention is all you need", used by OPT as the init of learned positions."""
+    pos = torch.arange(num_positions, dtype=torch.float64).unsqueeze(1)
+    freq = torch.exp(torch.arange(0, dim, 2, dtype=torch.float64) * (-math.log(10000.0) / dim))
+    table = torch.zeros(num_positions, dim, dtype=torch.float64)
+    table[:, 0::2] = torch.sin(pos * freq)
+    table[:, 1::2] = torch.cos(pos * freq)[:, : dim // 2]
+    return table.float()
