@@ -1,0 +1,339 @@
+"""Configuration: every knob is a field of Config, named after Megatron's flag with underscores.
+
+A run is configured by a Python file whose module globals set fields (config/*.py), then by command-line
+overrides in any of the forms the seeds' SLURM scripts use:
+
+    python train.py config/tr8b_104b.py --lr 6e-5 --lr-warmup-samples 216_320 --embed-layernorm \
+        --skip-train-iteration-range 13251-14000 16652-18500 --rampup_batch_size="16 16 9_765_625"
+
+Unknown keys and impossible values stop the run with one message naming the problem and the fix.
+"""
+import difflib
+import math
+import runpy
+import sys
+import types
+import typing
+from dataclasses import MISSING, asdict, dataclass, fields
+
+DEFAULT_CONFIG = "config/tiny.py"
+
+
+@dataclass
+class Config:
+    # -- model (model.GPTConfig has the same fields) --
+    num_layers: int = 12
+    hidden_size: int = 768
+    num_attention_heads: int = 12
+    seq_length: int = 1024
+    vocab_size: int = 50257
+    make_vocab_size_divisible_by: int = 128
+    hidden_dropout: float = 0.1
+    attention_dropout: float = 0.1
+    embed_dropout: float | None = None
+    layernorm_epsilon: float = 1e-5
+    activation: str = "gelu"
+    init_method_std: float | str = 0.02
+    embed_init: str = "normal"
+    embed_init_std: float | None = None
+    embed_layernorm: bool = False
+    position_embedding_init: str = "normal"
+    scale_embeddings: bool = False
+    apply_query_key_layer_scaling: bool = False
+    stable_attention: bool = False
+    normformer: bool = False
+    checkpoint_activations: bool = False
+    # -- batch and length of training (whichever of train_iters/samples/tokens is reached first ends it) --
+    micro_batch_size: int = 8
+    global_batch_size: int | None = None  # None: micro_batch_size * data-parallel size
+    rampup_batch_size: list[int] | None = None  # "start increment samples"
+    train_iters: int | None = None
+    train_samples: int | None = None
+    train_tokens: int | None = None
+    exit_interval: int | None = None  # save and exit after this many iterations of this job
+    exit_duration_in_mins: float | None = None  # save and exit when the job has run this long
+    # -- optimizer and learning rate --
+    lr: float = 6e-4
+    min_lr: float = 0.0
+    lr_decay_style: str = "cosine"
+    lr_warmup_samples: int = 0
+    lr_warmup_tokens: int | None = None
+    lr_decay_samples: int | None = None  # None: the whole run
+    lr_decay_tokens: int | None = None
+    override_lr_scheduler: bool = False
+    weight_decay: float = 0.01
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    skip_grad_norm_above: float | None = None
+    use_bnb_optimizer: bool = False
+    reset_optimizer_warmup_iters: int | str | None = None  # "auto": 5 / (1 - adam_beta2)
+    no_load_optim: bool = False
+    no_load_rng: bool = False
+    # -- precision --
+    fp16: bool = False
+    bf16: bool = False
+    loss_scale: float | None = None  # static fp16 loss scale; None: dynamic
+    initial_loss_scale: float = 2.0**32
+    min_loss_scale: float = 1.0
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
+    # -- data --
+    data_path: list[str] | None = None  # a prefix, or "w1 prefix1 w2 prefix2 ..."; None: bundled Shakespeare
+    split: str = "949,50,1"
+    data_cache_dir: str | None = None
+    skip_train_iteration_range: list[str] | None = None  # ["13251-14000", "16652-18500"]
+    curriculum_learning: bool = False
+    min_difficulty: int = 64
+    max_difficulty: int | None = None  # None: seq_length
+    total_curriculum_step: int | None = None
+    difficulty_step: int = 8
+    # -- parallelism --
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    deepspeed: bool = False
+    zero_stage: int = 0
+    # -- logging, evaluation, checkpoints --
+    seed: int = 1234
+    log_interval: int = 100
+    eval_interval: int = 1000
+    eval_iters: int = 100
+    save: str | None = None
+    load: str | None = None
+    save_interval: int | None = None
+    tensorboard_dir: str | None = None  # None: <save>/tensorboard when saving
+    wandb_project: str | None = None
+    wandb_mode: str = "offline"
+    dump_weights: bool = False  # write every rank's weights around save/load (seed 001's bug hunt)
+    sample_tokens: int = 0  # print a generated sample of this many tokens at the end
+    device: str = "auto"  # auto | cpu | cuda
+    compile: bool = False
+    dry_run: bool = False
+
+
+FIELDS = {f.name: f for f in fields(Config)}
+
+
+# -----------------------------------------------------------------------------
+# Parsing
+
+
+def _convert(key, value, annotation):
+    """Convert a config-file value or a command-line string to the field's type, or explain why not."""
+    args = typing.get_args(annotation) if isinstance(annotation, types.UnionType) else (annotation,)
+    if value is None and type(None) in args:
+        return None
+    if isinstance(value, str) and value.lower() == "none" and type(None) in args:
+        return None
+    errors = []
+    for kind in (a for a in args if a is not type(None)):
+        try:
+            return _convert_one(value, kind)
+        except (TypeError, ValueError) as e:
+            errors.append(str(e))
+    names = " or ".join(getattr(a, "__name__", str(a)) for a in args)
+    raise ValueError(f"config key {key!r}: cannot use {value!r} as {names}")
+
+
+def _convert_one(value, kind):
+    origin = typing.get_origin(kind)
+    if origin is list:
+        (item,) = typing.get_args(kind)
+        if isinstance(value, str):
+            value = value.replace(",", " ").split() if item is int else value.split()
+        if not isinstance(value, (list, tuple)):
+            value = [value]
+        return [_convert_one(v, item) for v in value]
+    if kind is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "1", "yes", "on"):
+            return True
+        if isinstance(value, str) and value.lower() in ("false", "0", "no", "off"):
+            return False
+        raise ValueError(f"{value!r} is not a boolean")
+    if kind is int:
+        if isinstance(value, bool):
+            raise ValueError("bool is not int")
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, str):
+            number = float(value.replace("_", ""))  # "216_320", "1e6"
+            if not number.is_integer():
+                raise ValueError(f"{value!r} is not an integer")
+            return int(number)
+        if isinstance(value, int):
+            return value
+        raise ValueError(f"{value!r} is not an integer")
+    if kind is float:
+        if isinstance(value, bool):
+            raise ValueError("bool is not float")
+        return float(value.replace("_", "") if isinstance(value, str) else value)
+    if kind is str:
+        if not isinstance(value, str):
+            raise ValueError(f"{value!r} is not a string")
+        return value
+    raise TypeError(f"unsupported config type {kind}")
+
+
+def _unknown(key):
+    close = difflib.get_close_matches(key, FIELDS, n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else "; see arguments.py for the list of keys"
+    return ValueError(f"unknown config key {key!r}{hint}")
+
+
+def _accepts_many(annotation):
+    args = typing.get_args(annotation) if isinstance(annotation, types.UnionType) else (annotation,)
+    return any(typing.get_origin(a) is list for a in args)
+
+
+def parse_cli(argv):
+    """Split argv into (config file or None, {key: raw value}). Hyphens and underscores are the same."""
+    config_file, overrides, i = None, {}, 0
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith("--"):
+            if config_file is None and arg.endswith(".py"):
+                config_file = arg
+                i += 1
+                continue
+            raise ValueError(f"unexpected argument {arg!r}: give one config file, then --key=value overrides")
+        key, eq, value = arg[2:].partition("=")
+        key = key.replace("-", "_")
+        if key not in FIELDS:
+            raise _unknown(key)
+        i += 1
+        if not eq:  # --key value [value ...], or a bare --flag
+            values = []
+            while i < len(argv) and not argv[i].startswith("--"):
+                values.append(argv[i])
+                i += 1
+                if not _accepts_many(FIELDS[key].type):
+                    break
+            if not values:
+                if FIELDS[key].type is bool:
+                    value = True
+                elif key == "reset_optimizer_warmup_iters":
+                    value = "auto"
+                else:
+                    raise ValueError(f"--{key} needs a value")
+            else:
+                value = values if len(values) > 1 else values[0]
+        overrides[key] = value
+    return config_file, overrides
+
+
+def load_config(argv=None):
+    """Config from the config file (default config/tiny.py) and command-line overrides; validated."""
+    argv = sys.argv[1:] if argv is None else argv
+    config_file, overrides = parse_cli(argv)
+    config_file = config_file or DEFAULT_CONFIG
+    try:
+        values = runpy.run_path(config_file)
+    except FileNotFoundError:
+        raise ValueError(f"config file {config_file!r} not found; pass a file from config/ (e.g. {DEFAULT_CONFIG})")
+    settings = {}
+    for key, value in values.items():
+        if key.startswith("_") or isinstance(value, (types.ModuleType, types.FunctionType, type)):
+            continue
+        if key not in FIELDS:
+            raise ValueError(f"{config_file}: " + str(_unknown(key)))
+        settings[key] = value
+    settings.update(overrides)
+    cfg = Config(**{k: _convert(k, v, FIELDS[k].type) for k, v in settings.items()})
+    cfg.config_file = config_file
+    return cfg
+
+
+def to_dict(cfg):
+    return asdict(cfg)
+
+
+def changed_fields(cfg):
+    """{key: value} of the fields that differ from Config's defaults (what a log or checkpoint should show)."""
+    out = {}
+    for name, f in FIELDS.items():
+        default = f.default if f.default is not MISSING else f.default_factory()
+        if getattr(cfg, name) != default:
+            out[name] = getattr(cfg, name)
+    return out
+
+
+# -----------------------------------------------------------------------------
+# Validation and derived values
+
+
+def parse_iteration_ranges(ranges):
+    """["13251-14000", "16652-18500"] -> [(13251, 14000), (16652, 18500)], inclusive, as Megatron-DeepSpeed."""
+    out = []
+    for r in ranges or []:
+        start, dash, end = str(r).partition("-")
+        try:
+            start, end = int(start.replace("_", "")), int(end.replace("_", "")) if dash else None
+        except ValueError:
+            end = None
+        if end is None or not 1 <= start <= end:
+            raise ValueError(f"skip_train_iteration_range entry {r!r} is not 'START-END' with 1 <= START <= END "
+                             "(iterations are 1-based and inclusive, e.g. 13251-14000)")
+        out.append((start, end))
+    return sorted(out)
+
+
+def reset_warmup_iters(cfg):
+    """The lr=0 warm-up length of an optimizer reset: N = 5 / (1 - beta2) by default (seed 000)."""
+    if cfg.reset_optimizer_warmup_iters in (None, 0):
+        return 0
+    if cfg.reset_optimizer_warmup_iters == "auto":
+        return math.ceil(5 / (1 - cfg.adam_beta2))
+    return int(cfg.reset_optimizer_warmup_iters)
+
+
+def validate(cfg, world_size=1):
+    """Raise ValueError with a fix for every configuration that cannot work."""
+    def need(ok, message):
+        if not ok:
+            raise ValueError(message)
+
+    need(cfg.hidden_size % cfg.num_attention_heads == 0,
+         f"hidden_size ({cfg.hidden_size}) must be divisible by num_attention_heads ({cfg.num_attention_heads})")
+    tp, pp = cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size
+    need(world_size % (tp * pp) == 0,
+         f"world size {world_size} is not divisible by tensor_model_parallel_size ({tp}) x "
+         f"pipeline_model_parallel_size ({pp}); launch a multiple of {tp * pp} processes")
+    dp = world_size // (tp * pp)
+    need(cfg.num_attention_heads % tp == 0,
+         f"num_attention_heads ({cfg.num_attention_heads}) must be divisible by tensor_model_parallel_size ({tp})")
+    need(cfg.num_layers % pp == 0,
+         f"num_layers ({cfg.num_layers}) must be divisible by pipeline_model_parallel_size ({pp})")
+    if cfg.global_batch_size is None:
+        cfg.global_batch_size = cfg.micro_batch_size * dp
+    need(cfg.global_batch_size % (cfg.micro_batch_size * dp) == 0,
+         f"global_batch_size ({cfg.global_batch_size}) must be divisible by micro_batch_size ({cfg.micro_batch_size})"
+         f" x data-parallel size ({dp}); change one of them")
+    need(any(x is not None for x in (cfg.train_iters, cfg.train_samples, cfg.train_tokens)),
+         "set the length of training: train_iters, train_samples or train_tokens")
+    need(cfg.rampup_batch_size is None or cfg.train_iters is None,
+         "rampup_batch_size counts samples: set train_samples (or train_tokens) instead of train_iters")
+    need(cfg.rampup_batch_size is None or len(cfg.rampup_batch_size) == 3,
+         f"rampup_batch_size must be 'start increment samples', got {cfg.rampup_batch_size}")
+    need(not (cfg.fp16 and cfg.bf16), "fp16 and bf16 are exclusive; choose one")
+    need(cfg.lr_decay_style in ("linear", "cosine", "constant"),
+         f"lr_decay_style={cfg.lr_decay_style!r} is not linear, cosine or constant")
+    need(cfg.min_lr <= cfg.lr, f"min_lr ({cfg.min_lr}) is larger than lr ({cfg.lr})")
+    need(cfg.zero_stage in (0, 1, 2, 3), f"zero_stage={cfg.zero_stage} is not 0, 1, 2 or 3")
+    need(cfg.device in ("auto", "cpu", "cuda"), f"device={cfg.device!r} is not auto, cpu or cuda")
+    need(cfg.log_interval > 0 and cfg.eval_interval > 0, "log_interval and eval_interval must be positive")
+    need(cfg.save_interval is None or cfg.save_interval > 0, "save_interval must be positive")
+    need(cfg.save_interval is None or cfg.save is not None, "save_interval is set but save (a directory) is not")
+    parse_iteration_ranges(cfg.skip_train_iteration_range)
+    need(cfg.reset_optimizer_warmup_iters in (None, "auto") or isinstance(cfg.reset_optimizer_warmup_iters, int),
+         "reset_optimizer_warmup_iters must be a number of iterations or 'auto'")
+    need(cfg.reset_optimizer_warmup_iters is None or cfg.load is not None,
+         "reset_optimizer_warmup_iters resets the optimizer of a loaded checkpoint: set load too")
+    if cfg.curriculum_learning:
+        if cfg.max_difficulty is None:
+            cfg.max_difficulty = cfg.seq_length
+        need(cfg.total_curriculum_step is not None and cfg.total_curriculum_step > 0,
+             "curriculum_learning needs total_curriculum_step (about train_tokens / global_batch / seq_length / 2)")
+    return cfg

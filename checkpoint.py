@@ -1,0 +1,150 @@
+"""Atomic, per-rank checkpoints that resume bit-exactly.
+
+    save/global_step300/mp_rank_00_000_model_states.pt      model shard of (TP rank 0, PP stage 0), + run state
+    save/global_step300/rank_00003_optim_states.pt           per global rank: optimizer (shard), RNG states
+    save/latest                                              "global_step300"
+
+Every rank writes into global_stepN.partial/; only when all ranks are done does rank 0 rename the directory and
+then replace `latest`, each step fsynced. A crash at any point leaves `latest` naming a complete checkpoint.
+SLURM's 20-hour limit made every resume a real one (seed 000), so everything a run depends on is saved: model,
+optimizer with its step counter, LR-schedule and loss-scale state, iteration, consumed samples and tokens, the
+RNG states of python, numpy, torch and cuda, and the config.
+"""
+import os
+import random
+import shutil
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+import parallel
+
+LATEST = "latest"
+
+
+def _barrier():
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _fsync_dir(path):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _atomic_write(obj_or_text, path):
+    tmp = path + ".tmp"
+    if isinstance(obj_or_text, str):
+        with open(tmp, "w") as f:
+            f.write(obj_or_text + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+    else:
+        with open(tmp, "wb") as f:
+            torch.save(obj_or_text, f)
+            f.flush()
+            os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def model_file(tag_dir, g=None):
+    g = g or parallel.grid
+    return os.path.join(tag_dir, f"mp_rank_{g.tp_rank:02d}_{g.pp_rank:03d}_model_states.pt")
+
+
+def rank_file(tag_dir, g=None):
+    g = g or parallel.grid
+    return os.path.join(tag_dir, f"rank_{g.rank:05d}_optim_states.pt")
+
+
+def rng_state():
+    return {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+    }
+
+
+def set_rng_state(state):
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def topology(g=None):
+    g = g or parallel.grid
+    return {"tensor_model_parallel_size": g.tp_size, "pipeline_model_parallel_size": g.pp_size,
+            "data_parallel_size": g.dp_size}
+
+
+def save(save_dir, iteration, model_state, run_state, rank_state, write_model_state):
+    """Write one checkpoint from every rank. model_state: this (TP, PP) shard (written by one DP rank,
+    write_model_state); run_state: iteration, counters, config, schedules; rank_state: optimizer and RNG."""
+    tag = f"global_step{iteration}"
+    final, partial = os.path.join(save_dir, tag), os.path.join(save_dir, tag + ".partial")
+    if parallel.grid.rank == 0:
+        os.makedirs(save_dir, exist_ok=True)
+        shutil.rmtree(partial, ignore_errors=True)  # debris of a crash during an earlier save
+        os.makedirs(partial)
+    _barrier()
+    if write_model_state:
+        _atomic_write({"model": model_state, "run": run_state, "topology": topology()}, model_file(partial))
+    _atomic_write(rank_state, rank_file(partial))
+    _barrier()
+    if parallel.grid.rank == 0:
+        _fsync_dir(partial)
+        if os.path.exists(final):  # saving the same iteration again (e.g. after a rollback): replace it
+            shutil.rmtree(final)
+        os.replace(partial, final)
+        _fsync_dir(save_dir)
+        _atomic_write(tag, os.path.join(save_dir, LATEST))
+        _fsync_dir(save_dir)
+    _barrier()
+    return final
+
+
+def latest_dir(load_dir):
+    """The directory `latest` names, or None when load_dir holds no checkpoint yet."""
+    path = os.path.join(load_dir, LATEST)
+    if not os.path.exists(path):
+        if os.path.isdir(load_dir) and any(n.startswith("global_step") for n in os.listdir(load_dir)):
+            raise ValueError(f"{load_dir} has global_step* directories but no '{LATEST}' file; write the tag of "
+                             f"the checkpoint to resume from into {path} (e.g. echo global_step300 > {path})")
+        return None
+    with open(path) as f:
+        tag = f.read().strip()
+    tag_dir = os.path.join(load_dir, tag)
+    if not os.path.isdir(tag_dir):
+        raise ValueError(f"{path} names {tag!r} but {tag_dir} does not exist; point '{LATEST}' at an existing "
+                         "global_step* directory")
+    return tag_dir
+
+
+def _read(path, what):
+    if not os.path.exists(path):
+        raise ValueError(f"checkpoint file {path} ({what}) is missing; the checkpoint is incomplete or was written "
+                         "by another topology -- resume from another global_step* by editing 'latest'")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as e:  # truncated or corrupt file: say which
+        raise ValueError(f"checkpoint file {path} ({what}) cannot be read ({type(e).__name__}: {e}); it is "
+                         "corrupt -- resume from another global_step* by editing 'latest'") from None
+
+
+def load(tag_dir):
+    """This rank's (model_state, run_state, rank_state) from a checkpoint directory, after checking that the
+    checkpoint was written by the same TP/PP/DP topology."""
+    model_blob = _read(model_file(tag_dir), "model shard")
+    saved, now = model_blob["topology"], topology()
+    if saved != now:
+        diff = ", ".join(f"{k} {saved[k]} (checkpoint) vs {now[k]} (now)" for k in now if saved[k] != now[k])
+        raise ValueError(f"checkpoint {tag_dir} was saved with another parallel layout: {diff}. Resharding is "
+                         "not supported yet: resume with the checkpoint's sizes and number of processes")
+    return model_blob["model"], model_blob["run"], _read(rank_file(tag_dir), "optimizer and RNG state")

@@ -1,0 +1,28 @@
+# The embedded default: a tiny GPT on Shakespeare's plays (bundled, GPT-2 BPE), a few minutes on 2 CPU cores.
+#   python train.py            (this file is the default config)
+num_layers = 4
+hidden_size = 128
+num_attention_heads = 4
+seq_length = 128
+hidden_dropout = 0.0
+attention_dropout = 0.0
+
+micro_batch_size = 16
+global_batch_size = 16
+train_iters = 1000
+
+lr = 2e-3
+min_lr = 2e-4
+lr_decay_style = "cosine"
+lr_warmup_samples = 800  # 50 iterations
+weight_decay = 0.1
+adam_beta2 = 0.95
+clip_grad = 1.0
+embed_layernorm = True  # the tr8b-104B lesson, on by default here
+
+log_interval = 50
+eval_interval = 250
+eval_iters = 20
+save = "out/tiny"
+save_interval = 500
+sample_tokens = 120

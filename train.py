@@ -1,0 +1,469 @@
+"""Pre-train a GPT.
+
+    python train.py                                    # tiny model on bundled Shakespeare, CPU, a few minutes
+    python train.py config/gpt2_125m.py --lr=3e-4       # a config file, then --key=value overrides
+    torchrun --nproc_per_node 8 train.py config/tr8b_104b.py
+
+One iteration consumes one global batch: micro-batches are accumulated (and pipelined across stages), gradients
+are reduced across data-parallel ranks, clipped, and the optimizer steps -- unless the step is skipped (fp16
+overflow, NaN loss, skip_grad_norm_above) or the iteration is in skip_train_iteration_range. Every number that
+decides what happens next (iteration, consumed samples and tokens, LR and loss-scale state, RNG) is in the
+checkpoint, and the sample order is a function of consumed samples only, so a resumed run is bit-exact.
+"""
+import contextlib
+import math
+import os
+import sys
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+import arguments
+import checkpoint
+import data
+import optim
+import parallel
+from model import GPT, GPTConfig
+
+
+def print0(*args, **kwargs):
+    if parallel.grid.rank == 0:
+        print(*args, **kwargs, flush=True)
+
+
+# -----------------------------------------------------------------------------
+# The shape of the run: batch size, sequence length and length of training, as functions of progress
+
+
+class Plan:
+    """Global batch size (ramp-up), sequence length (curriculum) and when training ends."""
+
+    def __init__(self, cfg, dp_size):
+        self.cfg = cfg
+        self.rampup = data.RampupBatchSize(cfg.rampup_batch_size, cfg.global_batch_size, cfg.micro_batch_size,
+                                           dp_size)
+        if cfg.curriculum_learning:
+            data.check_curriculum(cfg.min_difficulty, cfg.max_difficulty, cfg.seq_length, cfg.difficulty_step)
+        self.skip_ranges = arguments.parse_iteration_ranges(cfg.skip_train_iteration_range)
+        self.total_iters, self.total_samples, self.total_tokens = self._simulate()
+
+    def batch_size(self, consumed_samples):
+        return self.rampup(consumed_samples)
+
+    def seqlen(self, iteration):
+        cfg = self.cfg
+        if not cfg.curriculum_learning:
+            return cfg.seq_length
+        return data.curriculum_seqlen(iteration, cfg.min_difficulty, cfg.max_difficulty, cfg.total_curriculum_step,
+                                      cfg.difficulty_step)
+
+    def skipped(self, iteration):
+        return any(a <= iteration <= b for a, b in self.skip_ranges)
+
+    def done(self, iteration, samples, tokens):
+        cfg = self.cfg
+        return ((cfg.train_iters is not None and iteration >= cfg.train_iters)
+                or (cfg.train_samples is not None and samples >= cfg.train_samples)
+                or (cfg.train_tokens is not None and tokens >= cfg.train_tokens))
+
+    def _simulate(self):
+        it = samples = tokens = 0
+        while not self.done(it, samples, tokens):
+            b = self.batch_size(samples)
+            it += 1
+            samples, tokens = samples + b, tokens + b * self.seqlen(it)
+        return it, samples, tokens
+
+
+def flops_per_iteration(cfg, padded_vocab, batch, seqlen):
+    """Megatron's count (SPEC): 24 f B s n h^2 (1 + s/6h + V/16nh), f=4 with recomputed activations."""
+    f = 4 if cfg.checkpoint_activations else 3
+    n, h = cfg.num_layers, cfg.hidden_size
+    return 24 * f * batch * seqlen * n * h * h * (1 + seqlen / (6 * h) + padded_vocab / (16 * n * h))
+
+
+# -----------------------------------------------------------------------------
+# Setup
+
+
+def get_device(cfg):
+    if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def build_model(cfg, device):
+    g = parallel.grid
+    per_stage = cfg.num_layers // g.pp_size
+    layers = range(g.pp_rank * per_stage, (g.pp_rank + 1) * per_stage)
+    with torch.device(device):
+        model = GPT(GPTConfig.from_config(cfg), layers, pre_process=g.is_first_stage, post_process=g.is_last_stage)
+    model.init_weights(cfg.seed)
+    return model
+
+
+def build_optimizer(cfg, model):
+    embedding = model.embed.word.weight if model.embed is not None else model.output_weight
+    return optim.build_optimizer(model, cfg.lr, cfg.weight_decay, cfg.adam_beta1, cfg.adam_beta2, cfg.adam_eps,
+                                 use_bnb_optimizer=cfg.use_bnb_optimizer, embedding=embedding)
+
+
+def build_scheduler(cfg, plan):
+    return optim.AnnealingLR(cfg.lr, cfg.min_lr, cfg.lr_decay_style, warmup_samples=cfg.lr_warmup_samples,
+                             decay_samples=cfg.lr_decay_samples or plan.total_samples,
+                             warmup_tokens=cfg.lr_warmup_tokens, decay_tokens=cfg.lr_decay_tokens)
+
+
+def build_scaler(cfg):
+    if not cfg.fp16:
+        return optim.LossScaler(dynamic=False, static_scale=1.0)
+    if cfg.loss_scale is not None:
+        return optim.LossScaler(dynamic=False, static_scale=cfg.loss_scale)
+    return optim.LossScaler(dynamic=True, initial_scale=cfg.initial_loss_scale, min_scale=cfg.min_loss_scale,
+                            window=cfg.loss_scale_window, hysteresis=cfg.hysteresis)
+
+
+def build_data(cfg, plan):
+    data_path = cfg.data_path
+    if data_path is None:
+        data_path = [data.default_corpus()] if parallel.grid.rank == 0 else None
+        if dist.is_initialized():
+            box = [data_path]
+            dist.broadcast_object_list(box, src=0)
+            data_path = box[0]
+    evals = plan.total_iters // cfg.eval_interval + 1
+    num_samples = (plan.total_samples, cfg.eval_iters * cfg.global_batch_size * (1 if evals else 0), 0)
+    # Rank 0 builds and caches the index arrays first; the others then read the cache.
+    if parallel.grid.rank == 0:
+        datasets = data.build_datasets(data_path, cfg.split, cfg.seq_length, cfg.seed, num_samples,
+                                       cfg.data_cache_dir)
+    if dist.is_initialized():
+        dist.barrier()
+    if parallel.grid.rank != 0:
+        datasets = data.build_datasets(data_path, cfg.split, cfg.seq_length, cfg.seed, num_samples,
+                                       cfg.data_cache_dir)
+    return datasets[0], datasets[1]
+
+
+def micro_batches(dataset, first_sample, batch_size, cfg, seqlen, device):
+    """This DP rank's micro-batches of the global batch [first_sample, first_sample + batch_size), in Megatron's
+    order: micro-batch k takes samples k*mbs*dp + dp_rank*mbs + [0, mbs). Truncated to seqlen (curriculum)."""
+    g, mbs = parallel.grid, cfg.micro_batch_size
+    out = []
+    for k in range(batch_size // (mbs * g.dp_size)):
+        start = first_sample + k * mbs * g.dp_size + g.dp_rank * mbs
+        tokens = torch.from_numpy(np.stack([dataset[start + i] for i in range(mbs)]).astype(np.int64))
+        x, y = tokens[:, :-1][:, :seqlen], tokens[:, 1:][:, :seqlen]
+        out.append((x.to(device, non_blocking=True), y.to(device, non_blocking=True)))
+    return out
+
+
+# -----------------------------------------------------------------------------
+# One training step
+
+
+def autocast(cfg, device):
+    if cfg.fp16 or cfg.bf16:
+        return torch.autocast(device.type, dtype=torch.float16 if cfg.fp16 else torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def forward_backward(model, batches, cfg, device, loss_scale=1.0, forward_only=False):
+    """Mean lm loss over this rank's micro-batches; accumulates (scaled) gradients unless forward_only."""
+    if parallel.grid.pp_size > 1:
+        return parallel.pipeline_forward_backward(model, batches, lambda: autocast(cfg, device), loss_scale,
+                                                  forward_only)
+    total = torch.zeros((), device=device)
+    for x, y in batches:
+        with autocast(cfg, device):
+            loss = model(x, y)
+        if not forward_only:
+            (loss * (loss_scale / len(batches))).backward()
+        total += loss.detach()
+    return total / len(batches)
+
+
+def average_loss(loss):
+    """Mean of the per-rank losses over data parallel, broadcast from the last stage (where the loss lives)."""
+    if dist.is_initialized():
+        return parallel.average_loss(loss)
+    return loss
+
+
+def train_step(model, optimizer, scaler, batches, lr, cfg, device):
+    """Returns (loss, grad_norm, num_zeros, outcome) with outcome one of 'ok', 'skipped', 'nan'."""
+    optimizer.zero_grad(set_to_none=True)
+    loss = forward_backward(model, batches, cfg, device, loss_scale=scaler.scale)
+    loss = average_loss(loss)
+    params = [p for p in model.parameters() if p.grad is not None]
+    if dist.is_initialized():
+        parallel.reduce_gradients(model)
+    if scaler.scale != 1.0:
+        for p in params:
+            p.grad.div_(scaler.scale)
+    grad_norm = parallel.grad_norm(model) if dist.is_initialized() else optim.grad_norm_squared(params).sqrt()
+    grad_norm = grad_norm.item()
+    num_zeros = optim.count_zeros(params)
+    finite = math.isfinite(grad_norm)
+    if cfg.fp16:
+        message = scaler.update(overflow=not finite)
+        if message:
+            print0(message)
+    if not math.isfinite(loss.item()):
+        return loss.item(), grad_norm, num_zeros, "nan"  # a NaN loss never updates the weights
+    if not finite:
+        return loss.item(), grad_norm, num_zeros, "skipped"
+    if cfg.skip_grad_norm_above is not None and grad_norm > cfg.skip_grad_norm_above:  # OPT's batch skipping
+        return loss.item(), grad_norm, num_zeros, "skipped"
+    optim.clip_grads(params, cfg.clip_grad, torch.tensor(grad_norm))
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    optimizer.step()
+    return loss.item(), grad_norm, num_zeros, "ok"
+
+
+@torch.no_grad()
+def evaluate(model, dataset, cfg, device):
+    """Mean loss over the first eval_iters global batches of the validation set, always at full seq_length."""
+    model.eval()
+    losses = []
+    for i in range(cfg.eval_iters):
+        batches = micro_batches(dataset, i * cfg.global_batch_size, cfg.global_batch_size, cfg, cfg.seq_length,
+                                device)
+        losses.append(average_loss(forward_backward(model, batches, cfg, device, forward_only=True)).item())
+    model.train()
+    return sum(losses) / len(losses)
+
+
+# -----------------------------------------------------------------------------
+# Logging
+
+
+class Logger:
+    """Megatron-format lines on stdout; the same scalars to TensorBoard and wandb (offline unless configured)."""
+
+    def __init__(self, cfg):
+        self.tb = self.wandb = None
+        if parallel.grid.rank != parallel.grid.world_size - 1:  # the last rank has the loss of the last stage
+            return
+        tb_dir = cfg.tensorboard_dir or (os.path.join(cfg.save, "tensorboard") if cfg.save else None)
+        if tb_dir:
+            from torch.utils.tensorboard import SummaryWriter
+            self.tb = SummaryWriter(tb_dir)
+        mode = os.environ.get("WANDB_MODE", cfg.wandb_mode)
+        if cfg.wandb_project and mode != "disabled":
+            import wandb
+            self.wandb = wandb.init(project=cfg.wandb_project, mode=mode, config=arguments.to_dict(cfg),
+                                    dir=cfg.save or ".")
+
+    def scalars(self, values, step):
+        if self.tb:
+            for k, v in values.items():
+                self.tb.add_scalar(k, v, step)
+        if self.wandb:
+            self.wandb.log(values, step=step)
+
+    def close(self):
+        if self.tb:
+            self.tb.close()
+        if self.wandb:
+            self.wandb.finish()
+
+
+def log_line(fields):
+    """' iteration        5/      20 | consumed samples: ... |' exactly as Megatron-DeepSpeed prints it."""
+    return "".join(f" {k}: {v} |" if k != "iteration" else f" iteration {v} |" for k, v in fields)
+
+
+def print_last_rank(text):
+    if parallel.grid.rank == parallel.grid.world_size - 1:
+        print(text, flush=True)
+
+
+# -----------------------------------------------------------------------------
+# Checkpoints
+
+
+def save_checkpoint(cfg, state, model, optimizer, scheduler, scaler):
+    if cfg.dump_weights:
+        parallel.dump_weights(cfg.save, "before-save", state["iteration"], model)
+    run = {"state": dict(state), "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
+           "config": arguments.to_dict(cfg)}
+    rank_state = {"optimizer": optimizer.state_dict(), "rng": checkpoint.rng_state()}
+    path = checkpoint.save(cfg.save, state["iteration"], model.state_dict(), run, rank_state,
+                           write_model_state=parallel.grid.dp_rank == 0)
+    print0(f"saved checkpoint at iteration {state['iteration']:8d} to {path}")
+
+
+def load_checkpoint(cfg, state, model, optimizer, scheduler, scaler):
+    """Resume from cfg.load/latest if there is one. Returns True when something was loaded."""
+    tag_dir = checkpoint.latest_dir(cfg.load)
+    if tag_dir is None:
+        print0(f"no checkpoint in {cfg.load}: training from scratch")
+        return False
+    model_state, run, rank_state = checkpoint.load(tag_dir)
+    model.load_state_dict(model_state)  # strict: every parameter of every stage (seed 001, 176B main-4)
+    state.update(run["state"])
+    scheduler.load_state_dict(run["scheduler"], override=cfg.override_lr_scheduler)
+    if cfg.fp16:
+        scaler.load_state_dict(run["scaler"])
+    warmup, reset_now = arguments.reset_warmup_iters(cfg), False
+    if warmup and state.get("optimizer_reset") is None:
+        # The chronicles' half-way optimizer reset in one switch (seed 000, emb-norm experiments 6-7): fresh
+        # Adam (step 0, zero moments), N iterations at lr=0 to warm the moments up, then the normal schedule.
+        # Recorded in the run state, so later resumes keep the lr=0 window and do not reset again.
+        state["optimizer_reset"] = {"iteration": state["iteration"], "warmup_iters": warmup}
+        reset_now = True
+        print0(f"optimizer reset at iteration {state['iteration']}: fresh optimizer, lr=0 for {warmup} iterations")
+    elif warmup:
+        print0(f"reset_optimizer_warmup_iters ignored: this run's optimizer was already reset at iteration "
+               f"{state['optimizer_reset']['iteration']}")
+    if cfg.no_load_optim or reset_now:
+        print0("optimizer state not loaded: starting from a fresh optimizer (step 0, zero moments)")
+    else:
+        optimizer.load_state_dict(rank_state["optimizer"])
+    if not cfg.no_load_rng:
+        checkpoint.set_rng_state(rank_state["rng"])
+    print0(f"loaded checkpoint {tag_dir} at iteration {state['iteration']}")
+    if cfg.dump_weights:
+        parallel.dump_weights(cfg.load, "after-load", state["iteration"], model)
+    return True
+
+
+# -----------------------------------------------------------------------------
+# Main
+
+
+def main(argv=None):
+    cfg = arguments.load_config(argv)
+    grid = parallel.init(cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size)
+    arguments.validate(cfg, grid.world_size)
+    if cfg.dry_run:
+        parallel.dry_run(cfg)
+        return
+    device = get_device(cfg)
+    torch.manual_seed(cfg.seed)
+    np.random.seed(cfg.seed)
+
+    plan = Plan(cfg, grid.dp_size)
+    model = build_model(cfg, device)
+    gpt = model.cfg
+    print0(f"Model size: {gpt.num_parameters() / 1e9:.3f}B ({gpt.num_parameters():,} parameters; "
+           f"{gpt.num_parameters(padded=True):,} with the vocabulary padded to {gpt.padded_vocab_size})")
+    print0(f"{grid}; training for {plan.total_iters} iterations, {plan.total_samples:,} samples")
+    optimizer = build_optimizer(cfg, model)
+    scheduler = build_scheduler(cfg, plan)
+    scaler = build_scaler(cfg)
+    train_data, valid_data = build_data(cfg, plan)
+
+    state = {"iteration": 0, "consumed_samples": 0, "consumed_tokens": 0, "optimizer_reset": None}
+    if cfg.load:
+        load_checkpoint(cfg, state, model, optimizer, scheduler, scaler)
+    train_model = torch.compile(model) if cfg.compile else model
+
+    logger = Logger(cfg)
+    job_start = time.time()
+    interval = {"time": 0.0, "iters": 0, "loss": 0.0, "steps": 0, "skipped": 0, "nan": 0}
+    first_iteration = state["iteration"]
+    model.train()
+    while not plan.done(state["iteration"], state["consumed_samples"], state["consumed_tokens"]):
+        t0 = time.time()
+        iteration = state["iteration"] + 1
+        batch_size = plan.batch_size(state["consumed_samples"])
+        seqlen = plan.seqlen(iteration)
+        if plan.skipped(iteration):
+            # Drawn and thrown away (no forward/backward/update): later iterations see the batches an unskipped
+            # run would see (seed 000 emb-norm 2-4; every range is honoured after any resume).
+            print0(f" iteration {iteration:8d}/{plan.total_iters:8d} | skipped (skip_train_iteration_range): "
+                   f"samples {state['consumed_samples']}-{state['consumed_samples'] + batch_size - 1} not used |")
+        else:
+            batches = micro_batches(train_data, state["consumed_samples"], batch_size, cfg, seqlen, device)
+            reset = state["optimizer_reset"]
+            in_reset_warmup = reset is not None and iteration <= reset["iteration"] + reset["warmup_iters"]
+            lr = 0.0 if in_reset_warmup else scheduler.get_lr(state["consumed_samples"], state["consumed_tokens"])
+            loss, grad_norm, num_zeros, outcome = train_step(train_model, optimizer, scaler, batches, lr, cfg,
+                                                             device)
+            interval["steps"] += 1
+            interval["loss"] += loss if outcome != "nan" else 0.0
+            interval["skipped"] += outcome == "skipped"
+            interval["nan"] += outcome == "nan"
+        state["iteration"] = iteration
+        state["consumed_samples"] += batch_size
+        state["consumed_tokens"] += batch_size * seqlen
+        interval["time"] += time.time() - t0
+        interval["iters"] += 1
+
+        if iteration % cfg.log_interval == 0 and interval["steps"]:
+            elapsed = interval["time"] / interval["iters"]
+            good = interval["steps"] - interval["nan"]
+            mean_loss = interval["loss"] / good if good else float("nan")
+            tflops = flops_per_iteration(cfg, gpt.padded_vocab_size, batch_size, seqlen) / (
+                elapsed * grid.world_size * 1e12)
+            fields = [("iteration", f"{iteration:8d}/{plan.total_iters:8d}"),
+                      ("consumed samples", f"{state['consumed_samples']:12d}"),
+                      ("consumed tokens", f"{state['consumed_tokens']:12d}"),
+                      ("elapsed time per iteration (ms)", f"{elapsed * 1000:.1f}"),
+                      ("learning rate", f"{lr:.3E}"),
+                      ("global batch size", f"{batch_size:5d}")]
+            if cfg.curriculum_learning:
+                fields.append(("curriculum seqlen", f"{seqlen:5d}"))
+            fields += [("lm loss", f"{mean_loss:.6E}"),
+                       ("loss scale", f"{scaler.scale:.1f}"),
+                       ("grad norm", f"{grad_norm:.3f}"),
+                       ("num zeros", f"{float(num_zeros):.1f}"),
+                       ("number of skipped iterations", f"{interval['skipped']:3d}"),
+                       ("number of nan iterations", f"{interval['nan']:3d}"),
+                       ("samples per second", f"{batch_size / elapsed:.3f}"),
+                       ("TFLOPs", f"{tflops:.2f}")]
+            print_last_rank(log_line(fields))
+            logger.scalars({"lm-loss": mean_loss, "learning-rate": lr, "grad-norm": grad_norm,
+                            "loss-scale": scaler.scale, "batch-size": batch_size, "seqlen": seqlen,
+                            "consumed-tokens": state["consumed_tokens"], "tflops": tflops}, iteration)
+            interval = {k: 0 if isinstance(v, int) else 0.0 for k, v in interval.items()}
+
+        last = plan.done(iteration, state["consumed_samples"], state["consumed_tokens"])
+        if valid_data is not None and cfg.eval_iters > 0 and (iteration % cfg.eval_interval == 0 or last):
+            val = evaluate(train_model, valid_data, cfg, device)
+            ppl = math.exp(min(20.0, val))
+            line = f" validation loss at iteration {iteration} | lm loss value: {val:.6E} | lm loss PPL: {ppl:.6E} |"
+            print_last_rank("-" * len(line) + "\n" + line + "\n" + "-" * len(line))
+            logger.scalars({"valid-lm-loss": val, "valid-ppl": ppl}, iteration)
+
+        exit_now = (cfg.exit_interval is not None and iteration - first_iteration >= cfg.exit_interval) or (
+            cfg.exit_duration_in_mins is not None and _minutes_since(job_start) >= cfg.exit_duration_in_mins)
+        if cfg.save and (last or exit_now or (cfg.save_interval and iteration % cfg.save_interval == 0)):
+            save_checkpoint(cfg, state, model, optimizer, scheduler, scaler)
+        if exit_now:
+            print0(f"exiting at iteration {iteration} (exit_interval / exit_duration_in_mins)")
+            break
+
+    logger.close()
+    if cfg.sample_tokens and grid.pp_size == 1:
+        tok = data.get_tokenizer()
+        prompt = torch.tensor([tok.encode("ROMEO:\n")], device=device)
+        gen = torch.Generator(device=device).manual_seed(cfg.seed)
+        model.eval()
+        out = model.generate(prompt, cfg.sample_tokens, temperature=0.8, top_k=200, generator=gen)
+        print0("-" * 30 + " sample " + "-" * 30 + "\n" + tok.decode(out[0].tolist()))
+    return state
+
+
+def _minutes_since(start):
+    """Elapsed minutes, agreed across ranks (rank 0's clock) so that every rank exits at the same iteration."""
+    minutes = torch.tensor([(time.time() - start) / 60.0])
+    if dist.is_initialized():
+        dist.broadcast(minutes, src=0)
+    return minutes.item()
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except ValueError as e:  # configuration and input errors: one clear line, no traceback
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
