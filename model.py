@@ -270,8 +270,9 @@ class GPT(nn.Module):
             tp_dim = getattr(p, "tp_dim", None)
             if tp_dim is not None:
                 full_shape[tp_dim] *= parallel.grid.tp_size
-            gen = torch.Generator(device=p.device).manual_seed((seed << 32) + zlib.crc32(name.encode()))
-            full = torch.empty(full_shape, dtype=torch.float32, device=p.device)
+            # Drawn on the CPU (whose generator takes 32-bit seeds), so CPU and GPU runs start identical.
+            gen = torch.Generator().manual_seed(zlib.crc32(f"{seed}:{name}".encode()))
+            full = torch.empty(full_shape, dtype=torch.float32)
             if name.endswith("bias"):
                 full.zero_()
             elif p.ndim == 1:  # LayerNorm gains, NormFormer head scales
@@ -294,7 +295,7 @@ class GPT(nn.Module):
                 if getattr(p, "is_output_layer", False):
                     std /= math.sqrt(2.0 * cfg.num_layers)
                 full.normal_(0.0, std, generator=gen)
-            p.copy_(parallel.shard(full, tp_dim))
+            p.copy_(parallel.shard(full, tp_dim).to(p.device))
 
     # -- forward ----------------------------------------------------------------------------------------------
 
