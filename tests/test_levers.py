@@ -1,0 +1,244 @@
+"""Every lever of the chronicles, through the trainer: each test fails if the switch does something else."""
+import math
+import os
+import re
+
+import pytest
+import torch
+
+import arguments
+import data
+import train
+from helpers import SMALL, corpus, log_fields, losses, run_cli, run_main  # noqa: F401 (corpus is a fixture)
+
+NO_DROPOUT = ["--hidden_dropout=0", "--attention_dropout=0"]
+
+
+def checkpoint_state(directory, iteration):
+    tag = os.path.join(directory, f"global_step{iteration}")
+    model = torch.load(os.path.join(tag, "mp_rank_00_000_model_states.pt"), weights_only=False)
+    rank = torch.load(os.path.join(tag, "rank_00000_optim_states.pt"), weights_only=False)
+    return model["model"], rank["optimizer"], model["run"]
+
+
+def steps_of(optimizer_state):
+    return {int(s["step"]) for s in optimizer_state["state"].values()}
+
+
+# -- precision and skipped steps -------------------------------------------------------------------------------
+
+
+def test_fp16_dynamic_loss_scale_overflows_skip_and_halve(corpus, tmp_path):
+    out = run_main(*SMALL, "--fp16", "--train_iters=8", "--initial_loss_scale=1048576", "--hysteresis=2",
+                   f"--save={tmp_path}")
+    overflows = re.findall(r"OVERFLOW! Skipping step. Attempted loss scale: (\S+), reducing to (\S+)", out)
+    assert overflows, out
+    # hysteresis 2: the first overflow keeps the scale, the next ones halve it (seed 000, iteration 17062-17063)
+    assert overflows[0] == ("1048576.0", "1048576.0")
+    assert overflows[1] == ("1048576.0", "524288.0")
+    fields = log_fields(out)
+    assert fields[1]["number of skipped iterations"] == "1"
+    assert fields[1]["loss scale"] == "1048576.0" and fields[2]["loss scale"] == "524288.0"
+    assert any(f["number of skipped iterations"] == "0" for f in fields.values())  # it does get to train
+    # a skipped step changes nothing: the optimizer has stepped once per applied iteration only
+    _, opt, run = checkpoint_state(tmp_path, 8)
+    applied = sum(f["number of skipped iterations"] == "0" for f in fields.values())
+    assert steps_of(opt) == {applied}
+    assert run["scaler"]["scale"] == float(fields[8]["loss scale"]) < 2**20  # the scaler state is checkpointed
+
+
+def test_fp16_resume_is_bit_exact_including_the_loss_scaler(corpus, tmp_path):
+    args = [*SMALL, "--fp16", "--initial_loss_scale=65536", "--loss_scale_window=2"]
+    full = losses(run_main(*args, "--train_iters=8", f"--save={tmp_path / 'a'}"))
+    run_main(*args, "--train_iters=4", f"--save={tmp_path / 'b'}")
+    resumed = losses(run_main(*args, "--train_iters=8", f"--save={tmp_path / 'b'}", f"--load={tmp_path / 'b'}"))
+    assert {i: full[i] for i in range(5, 9)} == resumed
+
+
+def test_bf16_trains_close_to_fp32(corpus, tmp_path):
+    fp32 = losses(run_main(*SMALL, *NO_DROPOUT, "--train_iters=3"))
+    bf16 = losses(run_main(*SMALL, *NO_DROPOUT, "--train_iters=3", "--bf16"))
+    assert fp32 != bf16  # bf16 really computes in bf16
+    for i in (1, 2, 3):
+        assert math.isclose(float(fp32[i]), float(bf16[i]), rel_tol=2e-2)
+
+
+def test_static_loss_scale_is_used_and_kept(corpus):
+    out = run_main(*SMALL, "--fp16", "--loss_scale=128", "--train_iters=2")
+    assert all(f["loss scale"] == "128.0" for f in log_fields(out).values())
+
+
+def test_skip_grad_norm_above_skips_without_updating(corpus, tmp_path):
+    out = run_main(*SMALL, "--train_iters=3", "--skip_grad_norm_above=1e-6", f"--save={tmp_path}")
+    fields = log_fields(out)
+    assert all(f["number of skipped iterations"] == "1" for f in fields.values())
+    model_state, opt, _ = checkpoint_state(tmp_path, 3)
+    assert opt["state"] == {}  # never stepped
+    fresh = train.build_model(arguments.validate(arguments.load_config(list(SMALL))), torch.device("cpu"))
+    assert all(torch.equal(v, model_state[k]) for k, v in fresh.state_dict().items())
+
+
+def test_nan_loss_never_updates_the_weights():
+    cfg = arguments.validate(arguments.load_config([*SMALL, *NO_DROPOUT, "--train_iters=1"]))
+    model = train.build_model(cfg, torch.device("cpu"))
+    optimizer = train.build_optimizer(cfg, model)
+    with torch.no_grad():
+        model.ln_f.bias[0] = float("nan")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    x = torch.randint(0, 50257, (4, 64))
+    loss, _, _, outcome = train.train_step(model, optimizer, train.build_scaler(cfg), [(x, x), (x, x)], 1e-3, cfg,
+                                           torch.device("cpu"))
+    assert outcome == "nan" and math.isnan(loss)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items() if k != "ln_f.bias")
+    assert optimizer.state_dict()["state"] == {}
+
+
+def test_bnb_8bit_adam_runs_and_resumes_exactly(corpus, tmp_path):
+    args = [*SMALL, "--use_bnb_optimizer"]
+    full = losses(run_main(*args, "--train_iters=6", f"--save={tmp_path / 'a'}"))
+    assert float(full[6]) < float(full[1])
+    run_main(*args, "--train_iters=3", f"--save={tmp_path / 'b'}")
+    resumed = losses(run_main(*args, "--train_iters=6", f"--save={tmp_path / 'b'}", f"--load={tmp_path / 'b'}"))
+    assert {i: full[i] for i in (4, 5, 6)} == resumed
+
+
+# -- schedules -----------------------------------------------------------------------------------------------------
+
+
+def test_batch_size_rampup_follows_megatron(corpus):
+    out = run_main(*SMALL, "--micro_batch_size=4", "--global_batch_size=12", "--rampup_batch_size", "4", "4", "40",
+                   "--train_samples=120", "--train_iters=none")
+    fields = log_fields(out)
+    ramp = data.RampupBatchSize([4, 4, 40], 12, 4, 1)
+    consumed = 0
+    for i in sorted(fields):
+        expected = ramp(consumed)
+        assert int(fields[i]["global batch size"]) == expected
+        consumed += expected
+        assert int(fields[i]["consumed samples"]) == consumed
+    assert {int(f["global batch size"]) for f in fields.values()} == {4, 8, 12}
+    assert consumed >= 120
+
+
+def test_train_tokens_ends_training(corpus):
+    out = run_main(*SMALL, "--train_iters=none", "--train_tokens=1500")  # 512 tokens per iteration
+    assert sorted(log_fields(out)) == [1, 2, 3]
+
+
+def test_curriculum_truncates_counts_tokens_and_evaluates_at_full_length(corpus, tmp_path):
+    args = [*SMALL, "--curriculum_learning", "--min_difficulty=16", "--total_curriculum_step=8",
+            "--train_iters=10", "--eval_interval=5"]
+    out = run_main(*args)
+    fields = log_fields(out)
+    tokens = 0
+    for i in range(1, 11):
+        seqlen = data.curriculum_seqlen(i, 16, 64, 8, 8)
+        assert int(fields[i]["curriculum seqlen"]) == seqlen
+        tokens += 8 * seqlen
+        assert int(fields[i]["consumed tokens"]) == tokens
+    assert fields[1]["curriculum seqlen"] == "16" and fields[10]["curriculum seqlen"] == "64"
+    # evaluation is at the full sequence length: the same value as a run without curriculum at that point is not
+    # expected (weights differ), but it must equal evaluating the saved model at seq_length 64
+    assert "validation loss at iteration 5" in out
+    # resuming mid-curriculum continues the same lengths and losses
+    run_main(*args, "--train_iters=4", f"--save={tmp_path}")
+    resumed = run_main(*args, f"--save={tmp_path}", f"--load={tmp_path}")
+    assert losses(resumed) == {i: losses(out)[i] for i in range(5, 11)}
+
+
+def test_lr_warmup_and_decay_tokens(corpus):
+    out = run_main(*SMALL, "--train_iters=6", "--lr_warmup_samples=0", "--lr_warmup_tokens=1024",
+                   "--lr_decay_tokens=4096", "--lr_decay_style=linear", "--lr=1e-3", "--min_lr=1e-4")
+    lrs = [float(f["learning rate"]) for _, f in sorted(log_fields(out).items())]
+    # tokens before each iteration: 0, 512, 1024, ...; warm-up over 1024 tokens, then linear to 4096
+    expected = [0.0, 5e-4, 1e-3, 1e-4 + 0.9e-3 * (1 - 512 / 3072), 1e-4 + 0.9e-3 * (1 - 1024 / 3072),
+                1e-4 + 0.9e-3 * (1 - 1536 / 3072)]
+    assert lrs == pytest.approx(expected, rel=1e-3, abs=1e-9)
+
+
+def test_exit_interval_saves_and_resume_continues(corpus, tmp_path):
+    full = losses(run_main(*SMALL, "--train_iters=6"))
+    out = run_main(*SMALL, "--train_iters=6", "--exit_interval=2", f"--save={tmp_path}")
+    assert sorted(losses(out)) == [1, 2] and "exiting at iteration 2" in out
+    assert open(tmp_path / "latest").read().strip() == "global_step2"
+    resumed = run_main(*SMALL, "--train_iters=6", f"--save={tmp_path}", f"--load={tmp_path}")
+    assert losses(resumed) == {i: full[i] for i in range(3, 7)}
+
+
+def test_exit_duration_in_mins_saves_and_exits(corpus, tmp_path):
+    out = run_main(*SMALL, "--train_iters=50", "--exit_duration_in_mins=0", f"--save={tmp_path}")
+    assert sorted(losses(out)) == [1] and os.path.exists(tmp_path / "global_step1")
+
+
+# -- data skipping -----------------------------------------------------------------------------------------------
+
+
+def test_skipped_iterations_consume_their_batches_without_training(corpus, tmp_path):
+    # lr = 0: the weights never move, so a loss depends on the batch only and shows which data an iteration saw
+    frozen = [*SMALL, *NO_DROPOUT, "--lr=0", "--min_lr=0", "--train_iters=8"]
+    plain = run_main(*frozen)
+    skipping = run_main(*frozen, "--skip-train-iteration-range", "3-4", "7-7")
+    plain_f, skip_f = log_fields(plain), log_fields(skipping)
+    for i in (3, 4, 7):
+        assert "lm loss" not in skip_f[i]
+        assert re.search(rf" iteration {i:8d}/.* skipped \(skip_train_iteration_range\)", skipping)
+    for i in (1, 2, 5, 6, 8):
+        assert skip_f[i]["lm loss"] == plain_f[i]["lm loss"]  # the same batch as the unskipped run
+        assert skip_f[i]["consumed samples"] == plain_f[i]["consumed samples"]
+
+
+def test_every_skip_range_is_honoured_after_a_resume(corpus, tmp_path):
+    ranges = ["--skip_train_iteration_range", "2-2", "5-6"]
+    run_main(*SMALL, *ranges, "--train_iters=3", f"--save={tmp_path}")
+    resumed = run_main(*SMALL, *ranges, "--train_iters=8", f"--save={tmp_path}", f"--load={tmp_path}")
+    assert sorted(losses(resumed)) == [4, 7, 8]  # Megatron-DeepSpeed #230 kept only the last range
+
+
+def test_show_samples_tool_prints_what_an_iteration_consumed(corpus):
+    import subprocess
+    import sys
+    from helpers import ROOT
+    proc = subprocess.run([sys.executable, "tools/show_samples.py", "--iterations", "2-2", *SMALL,
+                           "--train_iters=4", "--max_chars=100000"], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert "=== iteration 2: samples 8-15, seqlen 64" in proc.stdout
+    cfg = arguments.validate(arguments.load_config([*SMALL, "--train_iters=4"]))
+    train_data, _ = train.build_data(cfg, train.Plan(cfg, 1))
+    text = data.get_tokenizer().decode(train_data[8].tolist())
+    assert text in proc.stdout
+
+
+# -- optimizer reset ----------------------------------------------------------------------------------------------
+
+
+def test_reset_optimizer_with_lr0_warmup(corpus, tmp_path):
+    base = [*SMALL, "--adam_beta2=0.95", "--save_interval=3", f"--save={tmp_path}"]
+    run_main(*base, "--train_iters=3")
+    out = run_main(*base, "--train_iters=9", f"--load={tmp_path}", "--reset_optimizer_warmup_iters=3")
+    assert "optimizer reset at iteration 3" in out
+    fields = log_fields(out)
+    assert [fields[i]["learning rate"] for i in (4, 5, 6)] == ["0.000E+00"] * 3
+    before, _, _ = checkpoint_state(tmp_path, 3)
+    after, opt, _ = checkpoint_state(tmp_path, 6)
+    assert all(torch.equal(before[k], after[k]) for k in before)  # lr=0: weights bit-identical
+    assert steps_of(opt) == {3}  # fresh optimizer: its step counter restarted at 0
+    assert any(s["exp_avg_sq"].abs().sum() > 0 for s in opt["state"].values())  # moments warmed up
+    # then the normal schedule, no jump: iteration 7 has the lr a plain resume has at the same consumed samples
+    plain = run_main(*SMALL, "--adam_beta2=0.95", "--train_iters=9")
+    assert fields[7]["learning rate"] == log_fields(plain)[7]["learning rate"] != "0.000E+00"
+    # resuming the reset run again (from its iteration-6 checkpoint) does not reset again
+    (tmp_path / "latest").write_text("global_step6\n")
+    again = run_main(*base, "--train_iters=9", f"--load={tmp_path}", "--reset_optimizer_warmup_iters=3")
+    assert "ignored" in again and losses(again) == {i: losses(out)[i] for i in (7, 8, 9)}
+    assert arguments.reset_warmup_iters(arguments.load_config(["--adam_beta2=0.95", "--load=x",
+                                                               "--reset_optimizer_warmup_iters"])) == 100
+
+
+def test_no_load_optim_and_no_load_rng(corpus, tmp_path):
+    run_main(*SMALL, "--train_iters=3", f"--save={tmp_path}")
+    full = losses(run_main(*SMALL, "--train_iters=5"))
+    fresh_rng = losses(run_main(*SMALL, "--train_iters=5", f"--load={tmp_path}", "--no_load_rng"))
+    assert fresh_rng[4] != full[4]  # dropout masks come from a different RNG state
+    run_main(*SMALL, "--train_iters=4", f"--load={tmp_path}", f"--save={tmp_path / 'x'}", "--no_load_optim")
+    _, opt, _ = checkpoint_state(tmp_path / "x", 4)
+    assert steps_of(opt) == {1}  # not 4: the optimizer started fresh
