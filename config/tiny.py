@@ -15,6 +15,7 @@ lr = 2e-3
 min_lr = 2e-4
 lr_decay_style = "cosine"
 lr_warmup_samples = 800  # 50 iterations
+lr_decay_samples = 16_000  # explicit, so that a shorter run resumed to a longer one keeps its schedule
 weight_decay = 0.1
 adam_beta2 = 0.95
 clip_grad = 1.0
