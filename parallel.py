@@ -22,10 +22,14 @@ import torch.nn.functional as F
 class Grid:
     """Who am I in the (PP, DP, TP) grid, and the process groups I talk to."""
 
-    def __init__(self, tensor_parallel_size=1, pipeline_parallel_size=1):
+    def __init__(self, tensor_parallel_size=1, pipeline_parallel_size=1, world_size=None, rank=0):
+        """With world_size given, a grid on paper: sizes and ranks only, no process groups (dry runs)."""
         tp, pp = tensor_parallel_size, pipeline_parallel_size
-        self.world_size = dist.get_world_size() if dist.is_initialized() else 1
-        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        on_paper = world_size is not None
+        if not on_paper:
+            world_size = dist.get_world_size() if dist.is_initialized() else 1
+            rank = dist.get_rank() if dist.is_initialized() else 0
+        self.world_size, self.rank = world_size, rank
         if tp < 1 or pp < 1 or self.world_size % (tp * pp):
             raise ValueError(
                 f"world size {self.world_size} is not divisible by tensor_model_parallel_size ({tp}) x "
@@ -40,7 +44,7 @@ class Grid:
         self.next_rank = self._rank_of(self.tp_rank, self.dp_rank, (self.pp_rank + 1) % pp)
         self.prev_rank = self._rank_of(self.tp_rank, self.dp_rank, (self.pp_rank - 1) % pp)
         self.tp_group = self.dp_group = self.pp_group = self.mp_group = self.embedding_group = None
-        if not dist.is_initialized():
+        if on_paper or not dist.is_initialized():
             return
         # new_group must be called by every rank for every group, in the same order.
         for p in range(pp):
@@ -211,7 +215,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target):
         group = grid.tp_group
-        logits = logits.float()
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # fp32 at least (fp64 stays fp64)
         lmax = logits.max(dim=-1).values
         dist.all_reduce(lmax, op=dist.ReduceOp.MAX, group=group)
         logits = logits - lmax.unsqueeze(-1)
@@ -231,12 +235,454 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad):
         softmax, local, outside = ctx.saved_tensors
         grad_logits = softmax.clone()
-        grad_logits.scatter_add_(-1, local.unsqueeze(-1), (outside.float() - 1.0).unsqueeze(-1))
+        grad_logits.scatter_add_(-1, local.unsqueeze(-1), (outside.to(softmax.dtype) - 1.0).unsqueeze(-1))
         return grad_logits * grad.unsqueeze(-1), None
 
 
 def vocab_parallel_cross_entropy(logits, target):
     """Per-token loss (fp32) from this rank's vocabulary slice of the logits."""
     if grid.tp_size == 1:
-        return F.cross_entropy(logits.float().flatten(0, -2), target.flatten(), reduction="none").view_as(target)
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        return F.cross_entropy(logits.flatten(0, -2), target.flatten(), reduction="none").view_as(target)
     return _VocabParallelCrossEntropy.apply(logits, target)
+
+
+def _unwrap(model):
+    """The GPT stage inside a DeepSpeed engine (or the model itself)."""
+    return getattr(model, "module", model)
+
+
+def backward(model, out, grad=None):
+    """out.backward(grad), through DeepSpeed's engine when the model is one (its bf16 ZeRO-0 optimizer accepts
+    nothing else). The engine takes a scalar only, so a stage output goes in as sum(out * grad), whose gradient
+    with respect to out is exactly grad."""
+    if hasattr(model, "module") and hasattr(model, "backward"):  # a deepspeed.DeepSpeedEngine
+        model.backward(out if grad is None else (out * grad).sum(), scale_wrt_gas=False)
+    else:
+        torch.autograd.backward(out, grad)
+
+
+# -----------------------------------------------------------------------------
+# Pipeline parallelism: point-to-point messages between neighbouring stages and the 1F1B schedule
+#
+# Every stage reads the same micro-batches (train.py builds them on every rank), so the shape of a message is
+# known on both sides -- (micro batch, sequence length, hidden) with the sequence length of *this* batch, which
+# the curriculum changes from step to step -- and only the tensor itself travels.
+
+
+def _communicate(send_next=None, send_prev=None, recv_prev=None, recv_next=None):
+    """Post all sends and receives at once and wait for all of them. recv_* are buffers to fill (or None).
+
+    Posting both directions as one batch is what keeps neighbours that send to each other at the same moment
+    from deadlocking (steady state of 1F1B: my activation goes down while an older micro-batch's gradient comes
+    up); under NCCL the batch is one group, where separate blocking calls would wait on each other.
+    """
+    ops = [dist.P2POp(op, tensor, peer) for op, tensor, peer in (
+        (dist.isend, send_next, grid.next_rank), (dist.isend, send_prev, grid.prev_rank),
+        (dist.irecv, recv_prev, grid.prev_rank), (dist.irecv, recv_next, grid.next_rank)) if tensor is not None]
+    if ops:
+        for request in dist.batch_isend_irecv(ops):
+            request.wait()
+    return recv_prev, recv_next
+
+
+def pipeline_forward_backward(model, batches, autocast_fn, loss_scale=1.0, forward_only=False):
+    """Run this stage's part of forward (and backward) over all micro-batches with the 1F1B schedule.
+
+    Warm-up: stage s runs pp - s - 1 forwards so that the last stage can start; steady state: one forward then
+    one backward, so at most pp - s micro-batches hold activations here; cool-down: the remaining backwards
+    (PipeDream-Flush, arXiv 2104.04473). Each micro-batch's loss is divided by the number of micro-batches
+    and multiplied by loss_scale before backward, exactly as train.forward_backward does with one stage.
+    Returns the mean loss on the last stage and 0 elsewhere (average_loss broadcasts the real one)."""
+    g, m = grid, len(batches)
+    gpt = _unwrap(model)
+    # Activations cross stage boundaries in the dtype of the weights: fp32 natively (autocast keeps the residual
+    # stream fp32, so nothing is rounded), bf16 when DeepSpeed holds bf16 weights (as in Megatron-DeepSpeed).
+    dtype = next(gpt.parameters()).dtype
+    device = batches[0][0].device
+    total = torch.zeros((), device=device)
+
+    def buffer(i):  # receive buffer for micro-batch i's activation or its gradient: (batch, seq, hidden)
+        return torch.empty(*batches[i][0].shape, gpt.cfg.hidden_size, dtype=dtype, device=device)
+
+    def activation(i):  # what comes from the previous stage (nothing on the first)
+        return None if g.is_first_stage else buffer(i)
+
+    def gradient(i):  # what comes back from the next stage (nothing on the last)
+        return None if g.is_last_stage else buffer(i)
+
+    def forward_step(i, received):
+        nonlocal total
+        x, y = batches[i]
+        if received is not None and not forward_only:
+            received.requires_grad_()
+        with autocast_fn():
+            out = model(x if g.is_first_stage else received, y if g.is_last_stage else None)
+        if g.is_last_stage:
+            total += out.detach()
+            return out * (loss_scale / m)  # backward starts from here
+        return out
+
+    def backward_step(received, out, grad_out):
+        backward(model, out, None if g.is_last_stage else grad_out.to(out.dtype))
+        return None if received is None else received.grad.to(dtype).contiguous()
+
+    def sendable(out):
+        return None if g.is_last_stage else out.detach().to(dtype).contiguous()
+
+    if forward_only:
+        for i in range(m):
+            received, _ = _communicate(recv_prev=activation(i))
+            _communicate(send_next=sendable(forward_step(i, received)))
+        return total / m
+
+    # warm-up: forwards only, until the micro-batches in flight fill the stages after this one
+    warmup = min(g.pp_size - g.pp_rank - 1, m)
+    in_flight = []  # (received input, output) of micro-batches waiting for their backward, oldest first
+    for i in range(warmup):
+        received, _ = _communicate(recv_prev=activation(i))
+        out = forward_step(i, received)
+        _communicate(send_next=sendable(out))
+        in_flight.append((received, out))
+
+    # steady state: forward micro-batch i, then backward the oldest one in flight (1F1B)
+    received = _communicate(recv_prev=activation(warmup))[0] if warmup < m else None
+    for i in range(warmup, m):
+        out = forward_step(i, received)
+        in_flight.append((received, out))
+        _, grad_out = _communicate(send_next=sendable(out), recv_next=gradient(i - warmup))
+        grad_in = backward_step(*in_flight.pop(0), grad_out)
+        if i == m - 1:
+            _communicate(send_prev=grad_in)
+        else:
+            received, _ = _communicate(send_prev=grad_in, recv_prev=activation(i + 1))
+
+    # cool-down: the backwards of the warm-up's micro-batches
+    for j in range(m - warmup, m):
+        _, grad_out = _communicate(recv_next=gradient(j))
+        _communicate(send_prev=backward_step(*in_flight.pop(0), grad_out))
+    return total / m
+
+
+# -----------------------------------------------------------------------------
+# Data parallelism and the numbers every rank must agree on
+
+
+def average_loss(loss):
+    """Mean over data parallel of the last stage's loss, then broadcast down the pipeline, so that every rank
+    sees the same value (NaN detection, logging, skip decisions)."""
+    loss = loss.detach().clone()
+    if grid.dp_size > 1:
+        dist.all_reduce(loss, group=grid.dp_group)
+        loss /= grid.dp_size
+    if grid.pp_size > 1:
+        dist.broadcast(loss, src=grid._rank_of(grid.tp_rank, grid.dp_rank, grid.pp_size - 1), group=grid.pp_group)
+    return loss
+
+
+def _buckets(tensors, bucket_numel):
+    """Consecutive runs of same-dtype tensors of about bucket_numel elements (one collective per run)."""
+    bucket, size = [], 0
+    for t in tensors:
+        if bucket and (size + t.numel() > bucket_numel or t.dtype != bucket[0].dtype):
+            yield bucket
+            bucket, size = [], 0
+        bucket.append(t)
+        size += t.numel()
+    if bucket:
+        yield bucket
+
+
+def all_reduce_mean(tensors, group, size, bucket_numel=2**24):
+    """In-place mean of `tensors` across `group`, flattened into buckets: one all-reduce per ~64 MB instead of
+    one per parameter."""
+    for bucket in _buckets(tensors, bucket_numel):
+        flat = torch._utils._flatten_dense_tensors(bucket)
+        dist.all_reduce(flat, group=group)
+        flat /= size
+        for t, reduced in zip(bucket, torch._utils._unflatten_dense_tensors(flat, bucket)):
+            t.copy_(reduced)
+
+
+def tied_embedding(model):
+    """This stage's copy of the tied word embedding, or None on a middle stage (or when PP=1: one copy)."""
+    gpt = _unwrap(model)
+    if grid.pp_size == 1:
+        return None
+    if grid.is_first_stage:
+        return gpt.embed.word.weight
+    return gpt.output_weight if grid.is_last_stage else None
+
+
+def reduce_gradients(model, data_parallel=True):
+    """Make every gradient what one process would have computed for the whole global batch.
+
+    1. Data parallel: average over the DP group (skipped when DP=1, and under DeepSpeed, which does its own).
+    2. Tied embedding: the first stage's embedding and the last stage's output_weight are one parameter; each
+       stage holds the part of its gradient from its own use, and their sum is the real gradient. Summing it
+       into both copies every step keeps them bitwise identical, so the two optimizers make the same update
+       (seed 001: DeepSpeed forgot this, only the front copy learned, and the run spiked on restart, PR 1801).
+       Done after the DP mean so both copies add the same two tensors (a + b == b + a bit for bit).
+    Replicated TP parameters (LayerNorms, row-parallel biases) need nothing: their gradients are computed
+    from identical inputs on every TP rank (tests/test_parallel.py checks it; Megatron-DeepSpeed #271)."""
+    gpt = _unwrap(model)
+    params = [p for p in gpt.parameters() if p.requires_grad]
+    for p in params:  # a parameter unused this step still has to take part in the collectives
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    if data_parallel and grid.dp_size > 1:
+        all_reduce_mean([p.grad for p in params], grid.dp_group, grid.dp_size)
+    tied = tied_embedding(gpt)
+    if tied is not None:
+        dist.all_reduce(tied.grad, group=grid.embedding_group)
+
+
+def _counted_once(model):
+    """The parameters that make up the model exactly once across the model-parallel group: TP-split ones on
+    every TP rank, replicated ones on TP rank 0 only, and not the last stage's copy of the tied embedding."""
+    gpt = _unwrap(model)
+    return [p for p in gpt.parameters()
+            if p is not gpt.output_weight and (getattr(p, "tp_dim", None) is not None or grid.tp_rank == 0)]
+
+
+def grad_norm(model):
+    """Global L2 norm of the gradient (after reduce_gradients), the same on every rank: the squares of this
+    rank's share (_counted_once) summed over TP and PP ranks. DP ranks hold identical reduced gradients."""
+    grads = [p.grad for p in _counted_once(model) if p.grad is not None and p.grad.numel()]
+    device = next(_unwrap(model).parameters()).device
+    square = torch.zeros((), dtype=torch.float32, device=device)
+    if grads:
+        dtype = torch.promote_types(grads[0].dtype, torch.float32)  # fp32 at least: an fp16 norm overflows
+        square = torch.stack(torch._foreach_norm(grads, 2, dtype=dtype)).square().sum()
+    if grid.mp_group is not None and grid.tp_size * grid.pp_size > 1:
+        dist.all_reduce(square, group=grid.mp_group)
+    return square.sqrt()
+
+
+def count_zeros(model):
+    """Megatron's "num zeros" over the whole model (each parameter once), the same on every rank."""
+    grads = [p.grad for p in _counted_once(model) if p.grad is not None]
+    device = next(_unwrap(model).parameters()).device
+    zeros = torch.tensor(sum(g.numel() for g in grads), dtype=torch.int64, device=device)
+    if grads:
+        zeros -= torch.stack([torch.count_nonzero(g) for g in grads]).sum()
+    if grid.mp_group is not None and grid.tp_size * grid.pp_size > 1:
+        dist.all_reduce(zeros, group=grid.mp_group)
+    return int(zeros.item())
+
+
+# -----------------------------------------------------------------------------
+# Native ZeRO stage 1: each data-parallel rank keeps the optimizer state of a shard of the parameters
+
+
+class ZeroShardedOptimizer:
+    """Wrap an optimizer so that each DP rank steps (and keeps Adam moments for) only its own parameters, then
+    every rank broadcasts what it updated (ZeRO-1, arXiv 1910.02054). Gradients are still all-reduced in full
+    by reduce_gradients; the saving is the optimizer state: Adam's two moments (8 bytes per parameter) are
+    divided by DP.
+
+    Parameters are dealt out whole, in model order, each to the rank that holds the fewest elements so far:
+    deterministic, so the same topology finds its shard again in its own rank file on resume. The update of a
+    parameter is the same elementwise arithmetic as without sharding, so the weights are bitwise identical."""
+
+    def __init__(self, optimizer):
+        self.optimizer = optimizer
+        self.params = [p for group in optimizer.param_groups for p in group["params"]]
+        self.owner, load = {}, [0] * grid.dp_size
+        for p in self.params:
+            rank = load.index(min(load))
+            self.owner[p] = rank
+            load[rank] += p.numel()
+        for group in optimizer.param_groups:  # keep the groups (and their hyper-parameters), drop others' params
+            group["params"] = [p for p in group["params"] if self.owner[p] == grid.dp_rank]
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    def zero_grad(self, set_to_none=True):  # every parameter's gradient, not only this rank's shard
+        for p in self.params:
+            if set_to_none:
+                p.grad = None
+            elif p.grad is not None:
+                p.grad.zero_()
+
+    @torch.no_grad()
+    def step(self):
+        self.optimizer.step()
+        for rank in range(grid.dp_size):  # one broadcast per owner of all the parameters it updated
+            mine = [p for p in self.params if self.owner[p] == rank]
+            if not mine:
+                continue
+            flat = torch._utils._flatten_dense_tensors(mine)
+            dist.broadcast(flat, src=grid._rank_of(grid.tp_rank, rank, grid.pp_rank), group=grid.dp_group)
+            for p, new in zip(mine, torch._utils._unflatten_dense_tensors(flat, mine)):
+                p.copy_(new)
+
+    def state_dict(self):
+        return {"zero_stage": 1, "dp_rank": grid.dp_rank, "dp_size": grid.dp_size,
+                "optimizer": self.optimizer.state_dict()}
+
+    def load_state_dict(self, state):
+        if state.get("zero_stage") != 1 or state["dp_size"] != grid.dp_size or state["dp_rank"] != grid.dp_rank:
+            raise ValueError("the optimizer state in the checkpoint is not this rank's ZeRO-1 shard (saved without "
+                             "zero_stage=1 or with another data-parallel size); resume with the same zero_stage "
+                             "and number of processes, or set no_load_optim")
+        self.optimizer.load_state_dict(state["optimizer"])
+
+
+# -----------------------------------------------------------------------------
+# Weight dumps around save and load (seed 001: how the 176B team found the embedding copy and its LayerNorm
+# reset on reload). tools/compare_weight_dumps.py diffs them.
+
+
+def dump_weights(directory, preamble, iteration, model):
+    """Write this rank's parameters, exactly as they are, to directory/weight_dumps/debug-...-{preamble}.pt."""
+    g = grid
+    out = os.path.join(directory, "weight_dumps")
+    os.makedirs(out, exist_ok=True)
+    name = f"debug-{iteration}-pp{g.pp_rank}-tp{g.tp_rank}-dp{g.dp_rank}-global{g.rank}-{preamble}.pt"
+    weights = {n: p.detach().cpu().clone() for n, p in _unwrap(model).named_parameters()}
+    torch.save(weights, os.path.join(out, name))
+
+
+# -----------------------------------------------------------------------------
+# Dry run: how big is each stage, and will it fit? (seed 002's back-of-the-envelope, computed)
+
+
+def dry_run(cfg, world_size=None, file=None):
+    """Build every pipeline stage of TP rank 0 on the meta device (no memory, no processes) and print the
+    parameter counts and the memory each GPU needs.
+
+    The number of GPUs is not in the config: it is WORLD_SIZE (as torchrun or SLURM would set it, e.g.
+    `WORLD_SIZE=256 python train.py config/tr8b_104b.py --dry_run`), default TP x PP (DP=1).
+    Memory per parameter follows SPEC "Model size and memory": mixed precision 2 (half weights) + 4 (fp32
+    master) + 8 (Adam moments) + 4 (gradients) bytes, fp32 4 + 8 + 4; ZeRO-1 divides the optimizer states by
+    DP, ZeRO-2 the gradients too. Activations per layer and micro-batch, 16-bit, without sequence parallelism
+    (Korthikanti et al. 2022): s*b*h*(10 + 24/t + 5*a*s/(h*t)) bytes (34 + 5as/h for t=1); with checkpointing
+    only each layer's input, 2*s*b*h, is kept, plus one layer's full activations while it is recomputed.
+    Under 1F1B the first stage holds min(pp, micro-batches) micro-batches in flight."""
+    from model import GPT, GPTConfig  # model imports this module
+
+    global grid
+    tp, pp = cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size
+    world = world_size or int(os.environ.get("WORLD_SIZE", tp * pp))
+    if world % (tp * pp):
+        raise ValueError(f"WORLD_SIZE {world} is not divisible by tensor_model_parallel_size ({tp}) x "
+                         f"pipeline_model_parallel_size ({pp}); set WORLD_SIZE to a multiple of {tp * pp}")
+    dp = world // (tp * pp)
+    if cfg.num_layers % pp:
+        raise ValueError(f"num_layers ({cfg.num_layers}) must be divisible by pipeline_model_parallel_size ({pp})")
+    per_stage, saved, stages = cfg.num_layers // pp, grid, []
+    try:
+        for stage in range(pp):
+            grid = Grid(tp, pp, world_size=world, rank=stage * dp * tp)
+            with torch.device("meta"):
+                gpt = GPT(GPTConfig.from_config(cfg), range(stage * per_stage, (stage + 1) * per_stage),
+                          pre_process=stage == 0, post_process=stage == pp - 1)
+            gpu = sum(p.numel() for p in gpt.parameters())
+            full = sum(p.numel() * (tp if getattr(p, "tp_dim", None) is not None else 1)
+                       for p in gpt.parameters() if p is not gpt.output_weight)
+            stages.append((gpu, full))
+        padded_vocab = gpt.cfg.padded_vocab_size  # a multiple of TP: read it while the paper grid is in place
+        padded_total, formula = sum(full for _, full in stages), gpt.cfg.num_parameters()
+    finally:
+        grid = saved
+
+    def say(text=""):
+        print(text, file=file, flush=True)
+
+    GiB = 2**30
+    mixed = cfg.fp16 or cfg.bf16
+    say(f"dry run: TP={tp} x PP={pp} x DP={dp} = {world} GPUs (WORLD_SIZE; default TP x PP), nothing allocated")
+    say(f"model: {formula / 1e9:.2f}B parameters (SPEC formula), {padded_total / 1e9:.2f}B with the vocabulary "
+        f"padded to {padded_vocab}; the last stage's copy of the tied embedding is not counted")
+    say(f"{'stages':>10} {'layers/stage':>13} {'params/stage':>15} {'params/GPU':>15}")
+    start = 0
+    for s in range(pp + 1):  # consecutive stages of the same size on one row
+        if s == pp or stages[s] != stages[start]:
+            label = f"{start}" if s - 1 == start else f"{start}-{s - 1}"
+            say(f"{label:>10} {per_stage:>13} {stages[start][1]:>15,} {stages[start][0]:>15,}")
+            start = s
+
+    gpu_params = max(gpu for gpu, _ in stages)
+    weights = 2 + 4 if mixed else 4  # half weights + fp32 master, or fp32 weights
+    optimizer_states = 4 + 8 if mixed else 8  # what ZeRO shards: master weights (mixed) and Adam moments
+    grads = 4
+
+    def model_states(zero):
+        shard = (optimizer_states / dp if zero >= 1 else optimizer_states) + (grads / dp if zero >= 2 else grads)
+        return gpu_params * (weights - (4 if mixed else 0) + shard)
+
+    precision = ("fp16" if cfg.fp16 else "bf16") if mixed else "fp32"
+    per_param = weights + 8 + grads
+    say(f"model states of the whole model without ZeRO: {per_param} B x {formula / 1e9:.2f}B = "
+        f"{per_param * formula / 1e9:,.0f} GB (seed 002's 18 x 104 = 1872 GB for tr8b-104B)")
+    say(f"model states per GPU (largest stage, {gpu_params:,} parameters, {precision}, Adam):")
+    for zero in (0, 1, 2):
+        mark = "  <- configured" if zero == cfg.zero_stage else ""
+        say(f"  ZeRO-{zero} over DP={dp}: {model_states(zero) / GiB:8.2f} GiB{mark}")
+
+    s, b, h, a = cfg.seq_length, cfg.micro_batch_size, cfg.hidden_size, cfg.num_attention_heads
+    gbs = cfg.global_batch_size or b * dp
+    micro = max(1, gbs // (b * dp))
+    in_flight = min(pp, micro)
+    full_layer = s * b * h * (10 + 24 / tp + 5 * a * s / (h * tp))
+    without = per_stage * full_layer * in_flight
+    with_ckpt = per_stage * 2 * s * b * h * in_flight + full_layer
+    say(f"activations on stage 0 (seq {s}, micro batch {b}, {micro} micro-batches, {in_flight} in flight):")
+    say(f"  without checkpointing: {without / GiB:8.2f} GiB, with checkpointing: {with_ckpt / GiB:8.2f} GiB"
+        f"{'  <- configured' if cfg.checkpoint_activations else ''}")
+    total = model_states(cfg.zero_stage) + (with_ckpt if cfg.checkpoint_activations else without)
+    say(f"estimated total per GPU: {total / GiB:.2f} GiB (plus temporaries: logits, communication buffers)")
+    return {"params": formula, "padded_params": padded_total, "stages": stages, "gpu_params": gpu_params,
+            "dp": dp, "model_states": model_states(cfg.zero_stage), "activations": without,
+            "activations_checkpointed": with_ckpt}
+
+
+# -----------------------------------------------------------------------------
+# DeepSpeed, for ZeRO and bf16 only: tensor and pipeline parallelism stay ours
+
+
+class DeepSpeedMPU:
+    """Our grid in the shape of Megatron's `mpu` module. It is how DeepSpeed learns the DP group (to shard the
+    optimizer over and reduce gradients in) and the model-parallel group (TP x PP: to sum the grad norm over)."""
+
+    def __init__(self, g):
+        self.g = g
+
+    def get_data_parallel_group(self):
+        return self.g.dp_group
+
+    def get_data_parallel_rank(self):
+        return self.g.dp_rank
+
+    def get_data_parallel_world_size(self):
+        return self.g.dp_size
+
+    def get_model_parallel_group(self):
+        return self.g.mp_group
+
+    def get_model_parallel_rank(self):
+        return self.g.pp_rank * self.g.tp_size + self.g.tp_rank
+
+    def get_model_parallel_world_size(self):
+        return self.g.tp_size * self.g.pp_size
+
+    def get_tensor_model_parallel_group(self):
+        return self.g.tp_group
+
+    def get_tensor_model_parallel_rank(self):
+        return self.g.tp_rank
+
+    def get_tensor_model_parallel_world_size(self):
+        return self.g.tp_size
+
+    def get_pipeline_model_parallel_group(self):
+        return self.g.pp_group
+
+    def get_pipeline_model_parallel_rank(self):
+        return self.g.pp_rank
+
+    def get_pipeline_model_parallel_world_size(self):
+        return self.g.pp_size

@@ -425,11 +425,11 @@ def load_checkpoint(cfg, state, model, optimizer, scheduler, scaler):
 
 def main(argv=None):
     cfg = arguments.load_config(argv)
-    grid = parallel.init(cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size)
-    arguments.validate(cfg, grid.world_size)
-    if cfg.dry_run:
+    if cfg.dry_run:  # sizes the TP x PP x DP layout on the meta device, without starting any process
         parallel.dry_run(cfg)
         return
+    grid = parallel.init(cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size)
+    arguments.validate(cfg, grid.world_size)
     device = get_device(cfg)
     torch.manual_seed(cfg.seed)
     np.random.seed(cfg.seed)
@@ -441,6 +441,8 @@ def main(argv=None):
            f"{gpt.num_parameters(padded=True):,} with the vocabulary padded to {gpt.padded_vocab_size})")
     print0(f"{grid}; training for {plan.total_iters} iterations, {plan.total_samples:,} samples")
     optimizer = build_optimizer(cfg, model)
+    if cfg.deepspeed:
+        model, optimizer = setup_deepspeed(cfg, model, optimizer)
     scheduler = build_scheduler(cfg, plan)
     scaler = build_scaler(cfg)
     train_data, valid_data = build_data(cfg, plan)
@@ -538,7 +540,7 @@ def main(argv=None):
         prompt = torch.tensor([tok.encode("ROMEO:\n")], device=device)
         gen = torch.Generator(device=device).manual_seed(cfg.seed)
         model.eval()
-        out = model.generate(prompt, cfg.sample_tokens, temperature=0.8, top_k=200, generator=gen)
+        out = parallel._unwrap(model).generate(prompt, cfg.sample_tokens, temperature=0.8, top_k=200, generator=gen)
         print0("-" * 30 + " sample " + "-" * 30 + "\n" + tok.decode(out[0].tolist()))
     return state
 
