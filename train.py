@@ -256,8 +256,9 @@ def average_loss(loss):
     return loss
 
 
-def train_step(model, optimizer, scaler, batches, lr, cfg, device):
-    """Returns (loss, grad_norm, num_zeros, outcome) with outcome one of 'ok', 'skipped', 'nan'."""
+def train_step(model, optimizer, scaler, batches, lr, cfg, device, count_zeros=True):
+    """Returns (loss, grad_norm, num_zeros, outcome) with outcome one of 'ok', 'skipped', 'nan'.
+    count_zeros: count the zero gradients (a pass over all of them: only done for the iterations logged)."""
     optimizer.zero_grad(set_to_none=True)
     loss = forward_backward(model, batches, cfg, device, loss_scale=scaler.scale)
     loss = average_loss(loss)
@@ -271,7 +272,9 @@ def train_step(model, optimizer, scaler, batches, lr, cfg, device):
             p.grad.div_(scaler.scale)
     grad_norm = parallel.grad_norm(model) if dist.is_initialized() else optim.grad_norm_squared(params).sqrt()
     grad_norm = grad_norm.item()
-    num_zeros = parallel.count_zeros(model) if dist.is_initialized() else optim.count_zeros(params)
+    num_zeros = 0
+    if count_zeros:
+        num_zeros = parallel.count_zeros(model) if dist.is_initialized() else optim.count_zeros(params)
     finite = math.isfinite(grad_norm)
     if cfg.fp16:
         message = scaler.update(overflow=not finite)
@@ -476,7 +479,7 @@ def main(argv=None):
             in_reset_warmup = reset is not None and iteration <= reset["iteration"] + reset["warmup_iters"]
             lr = 0.0 if in_reset_warmup else scheduler.get_lr(state["scheduler_samples"], state["scheduler_tokens"])
             loss, grad_norm, num_zeros, outcome = train_step(train_model, optimizer, scaler, batches, lr, cfg,
-                                                             device)
+                                                             device, count_zeros=iteration % cfg.log_interval == 0)
             if outcome == "ok":
                 state["scheduler_samples"] += batch_size
                 state["scheduler_tokens"] += batch_size * seqlen
