@@ -187,6 +187,8 @@ class RowParallelLinear(nn.Linear):
         self.weight.tp_dim = 1
 
     def forward(self, x):
+        if grid.tp_size == 1:  # nothing to reduce: one addmm instead of a matmul and an add
+            return F.linear(x, self.weight, self.bias)
         y = reduce_from_tp(F.linear(x, self.weight))
         # The bias is replicated: add it once, after the reduction.
         return y if self.bias is None else y + self.bias
@@ -210,40 +212,43 @@ class VocabParallelEmbedding(nn.Embedding):
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
-    """Cross-entropy over logits split by vocabulary, without ever gathering the full logits."""
+    """Cross-entropy over logits split by vocabulary, without ever gathering the full logits.
+
+    The logits are the largest activation of a GPT (tokens x vocabulary): as in Megatron they are copied once,
+    shifted by their max, and everything after happens in that copy (exp, softmax, and in backward the gradient
+    softmax - onehot). Also used with TP=1, where it allocates half the memory F.cross_entropy does."""
 
     @staticmethod
     def forward(ctx, logits, target):
         group = grid.tp_group
-        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # fp32 at least (fp64 stays fp64)
-        lmax = logits.max(dim=-1).values
-        dist.all_reduce(lmax, op=dist.ReduceOp.MAX, group=group)
-        logits = logits - lmax.unsqueeze(-1)
+        dtype = torch.promote_types(logits.dtype, torch.float32)  # fp32 at least (fp64 stays fp64)
+        lmax = logits.amax(dim=-1).to(dtype)  # exact: the max of fp16/bf16 numbers is one of them
+        if grid.tp_size > 1:
+            dist.all_reduce(lmax, op=dist.ReduceOp.MAX, group=group)
+        logits = logits - lmax.unsqueeze(-1)  # the one copy, in `dtype` by type promotion; the caller's is intact
         vocab_local = logits.shape[-1]
         local = target - grid.tp_rank * vocab_local
         outside = (local < 0) | (local >= vocab_local)
         local = local.masked_fill(outside, 0)
         target_logit = logits.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
-        dist.all_reduce(target_logit, group=group)
-        exp = logits.exp()
-        sum_exp = exp.sum(dim=-1)
-        dist.all_reduce(sum_exp, group=group)
-        ctx.save_for_backward(exp.div_(sum_exp.unsqueeze(-1)), local, outside)
+        softmax = logits.exp_()
+        sum_exp = softmax.sum(dim=-1)
+        if grid.tp_size > 1:
+            dist.all_reduce(target_logit, group=group)
+            dist.all_reduce(sum_exp, group=group)
+        ctx.save_for_backward(softmax.div_(sum_exp.unsqueeze(-1)), local, outside)
         return sum_exp.log() - target_logit
 
     @staticmethod
     def backward(ctx, grad):
         softmax, local, outside = ctx.saved_tensors
-        grad_logits = softmax.clone()
-        grad_logits.scatter_add_(-1, local.unsqueeze(-1), (outside.to(softmax.dtype) - 1.0).unsqueeze(-1))
-        return grad_logits * grad.unsqueeze(-1), None
+        # softmax - onehot(target), written over the saved softmax (backward runs once: no retain_graph)
+        grad_logits = softmax.scatter_add_(-1, local.unsqueeze(-1), (outside.to(softmax.dtype) - 1.0).unsqueeze(-1))
+        return grad_logits.mul_(grad.unsqueeze(-1)), None
 
 
 def vocab_parallel_cross_entropy(logits, target):
-    """Per-token loss (fp32) from this rank's vocabulary slice of the logits."""
-    if grid.tp_size == 1:
-        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-        return F.cross_entropy(logits.flatten(0, -2), target.flatten(), reduction="none").view_as(target)
+    """Per-token loss (fp32, fp64 for fp64 logits) from this rank's vocabulary slice of the logits."""
     return _VocabParallelCrossEntropy.apply(logits, target)
 
 
