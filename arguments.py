@@ -16,33 +16,15 @@ import types
 import typing
 from dataclasses import MISSING, asdict, dataclass, fields
 
+from model import GPTConfig
+
 DEFAULT_CONFIG = "config/tiny.py"
 
 
 @dataclass
-class Config:
-    # -- model (model.GPTConfig has the same fields) --
-    num_layers: int = 12
-    hidden_size: int = 768
-    num_attention_heads: int = 12
-    seq_length: int = 1024
-    vocab_size: int = 50257
-    make_vocab_size_divisible_by: int = 128
-    hidden_dropout: float = 0.1
-    attention_dropout: float = 0.1
-    embed_dropout: float | None = None
-    layernorm_epsilon: float = 1e-5
-    activation: str = "gelu"
-    init_method_std: float | str = 0.02
-    embed_init: str = "normal"
-    embed_init_std: float | None = None
-    embed_layernorm: bool = False
-    position_embedding_init: str = "normal"
-    scale_embeddings: bool = False
-    apply_query_key_layer_scaling: bool = False
-    stable_attention: bool = False
-    normformer: bool = False
-    checkpoint_activations: bool = False
+class Config(GPTConfig):
+    """The model's fields (model.GPTConfig: num_layers, hidden_size, ..., the stability switches), then these."""
+
     # -- batch and length of training (whichever of train_iters/samples/tokens is reached first ends it) --
     micro_batch_size: int = 8
     global_batch_size: int | None = None  # None: micro_batch_size * data-parallel size

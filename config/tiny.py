@@ -15,7 +15,9 @@ lr = 2e-3
 min_lr = 2e-4
 lr_decay_style = "cosine"
 lr_warmup_samples = 480  # 30 iterations
-lr_decay_samples = 4_800  # explicit, so that a shorter run resumed to a longer one keeps its schedule
+# Decays over 1000 iterations while the run stops at 300: in a run this short, a high LR for longer wins
+# (val 5.6 vs 5.8 with the decay ending at 300). Explicit, so that a resumed, longer run keeps the schedule.
+lr_decay_samples = 16_000
 weight_decay = 0.1
 adam_beta2 = 0.95
 clip_grad = 1.0
