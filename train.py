@@ -200,14 +200,12 @@ def build_data(cfg, plan):
     evals = plan.total_iters // cfg.eval_interval + 1
     num_samples = (plan.total_samples, cfg.eval_iters * cfg.global_batch_size * (1 if evals else 0), 0)
     # Rank 0 builds and caches the index arrays first; the others then read the cache.
-    if parallel.grid.rank == 0:
-        datasets = data.build_datasets(data_path, cfg.split, cfg.seq_length, cfg.seed, num_samples,
-                                       cfg.data_cache_dir)
-    if dist.is_initialized():
-        dist.barrier()
-    if parallel.grid.rank != 0:
-        datasets = data.build_datasets(data_path, cfg.split, cfg.seq_length, cfg.seed, num_samples,
-                                       cfg.data_cache_dir)
+    for builders in (True, False):
+        if (parallel.grid.rank == 0) == builders:
+            datasets = data.build_datasets(data_path, cfg.split, cfg.seq_length, cfg.seed, num_samples,
+                                           cfg.data_cache_dir)
+        if builders and dist.is_initialized():
+            dist.barrier()
     return datasets[0], datasets[1]
 
 
