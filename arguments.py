@@ -14,7 +14,7 @@ import runpy
 import sys
 import types
 import typing
-from dataclasses import MISSING, asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields
 
 from model import GPTConfig
 
@@ -71,8 +71,7 @@ class Config(GPTConfig):
     max_difficulty: int | None = None  # None: seq_length
     total_curriculum_step: int | None = None
     difficulty_step: int = 8
-    # -- parallelism --
-    tensor_model_parallel_size: int = 1
+    # -- parallelism (tensor_model_parallel_size is a model.GPTConfig field: it pads the vocabulary) --
     pipeline_model_parallel_size: int = 1
     deepspeed: bool = False
     zero_stage: int = 0
@@ -230,16 +229,6 @@ def load_config(argv=None):
 
 def to_dict(cfg):
     return asdict(cfg)
-
-
-def changed_fields(cfg):
-    """{key: value} of the fields that differ from Config's defaults (what a log or checkpoint should show)."""
-    out = {}
-    for name, f in FIELDS.items():
-        default = f.default if f.default is not MISSING else f.default_factory()
-        if getattr(cfg, name) != default:
-            out[name] = getattr(cfg, name)
-    return out
 
 
 # -----------------------------------------------------------------------------

@@ -148,3 +148,18 @@ def load(tag_dir):
         raise ValueError(f"checkpoint {tag_dir} was saved with another parallel layout: {diff}. Resharding is "
                          "not supported yet: resume with the checkpoint's sizes and number of processes")
     return model_blob["model"], model_blob["run"], _read(rank_file(tag_dir), "optimizer and RNG state")
+
+
+# -----------------------------------------------------------------------------
+# Weight dumps around save and load: how the 176B team found the tied embedding's lost copy and its LayerNorm
+# reset on reload (lesson 11). tools/compare_weight_dumps.py diffs them.
+
+
+def dump_weights(directory, preamble, iteration, model):
+    """Write this rank's parameters, exactly as they are, to directory/weight_dumps/debug-...-{preamble}.pt."""
+    g = parallel.grid
+    out = os.path.join(directory, "weight_dumps")
+    os.makedirs(out, exist_ok=True)
+    name = f"debug-{iteration}-pp{g.pp_rank}-tp{g.tp_rank}-dp{g.dp_rank}-global{g.rank}-{preamble}.pt"
+    weights = {n: p.detach().cpu().clone() for n, p in parallel._unwrap(model).named_parameters()}
+    torch.save(weights, os.path.join(out, name))

@@ -50,6 +50,7 @@ class GPTConfig:
     stable_attention: bool = False
     normformer: bool = False
     checkpoint_activations: bool = False
+    tensor_model_parallel_size: int = 1  # TP: split each layer over this many ranks (pads the vocabulary too)
 
     @classmethod
     def from_config(cls, cfg):
@@ -59,7 +60,7 @@ class GPTConfig:
     @property
     def padded_vocab_size(self):
         """Vocabulary padded to a multiple of make_vocab_size_divisible_by * TP (SPEC), for even TP splits."""
-        multiple = self.make_vocab_size_divisible_by * parallel.grid.tp_size
+        multiple = self.make_vocab_size_divisible_by * self.tensor_model_parallel_size
         return -(-self.vocab_size // multiple) * multiple
 
     @property
@@ -124,17 +125,17 @@ def unfused_attention(q, k, v, dropout_p=0.0, stable=False, layer_scaling=None):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: GPTConfig, layer_number: int):
+    def __init__(self, cfg: GPTConfig, layer_number: int, grid: parallel.Grid):
         super().__init__()
         h, heads = cfg.hidden_size, cfg.num_attention_heads
         if h % heads:
             raise ValueError(f"hidden_size ({h}) is not divisible by num_attention_heads ({heads})")
         self.head_dim = h // heads
-        self.local_heads = parallel._divide(heads, parallel.grid.tp_size, "num_attention_heads")
+        self.local_heads = parallel._divide(heads, grid.tp_size, "num_attention_heads")
         # One fused projection laid out head by head ([heads, 3, head_dim] as in Megatron), so that a contiguous
         # TP slice of the output features is a set of whole heads.
-        self.qkv = ColumnParallelLinear(h, 3 * h)
-        self.proj = RowParallelLinear(h, h)
+        self.qkv = ColumnParallelLinear(h, 3 * h, grid=grid)
+        self.proj = RowParallelLinear(h, h, grid=grid)
         self.proj.weight.is_output_layer = True
         self.head_scale = None
         if cfg.normformer:  # NormFormer's learned per-head scaling of the attention output
@@ -165,12 +166,12 @@ ACTIVATIONS = {
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: GPTConfig):
+    def __init__(self, cfg: GPTConfig, grid: parallel.Grid):
         super().__init__()
         if cfg.activation not in ACTIVATIONS:
             raise ValueError(f"activation={cfg.activation!r} is not one of {sorted(ACTIVATIONS)}")
-        self.fc1 = ColumnParallelLinear(cfg.hidden_size, 4 * cfg.hidden_size)
-        self.fc2 = RowParallelLinear(4 * cfg.hidden_size, cfg.hidden_size)
+        self.fc1 = ColumnParallelLinear(cfg.hidden_size, 4 * cfg.hidden_size, grid=grid)
+        self.fc2 = RowParallelLinear(4 * cfg.hidden_size, cfg.hidden_size, grid=grid)
         self.fc2.weight.is_output_layer = True
         self.act = ACTIVATIONS[cfg.activation]
         # NormFormer's LayerNorm after the activation. Its statistics would span TP ranks: model.py refuses TP>1.
@@ -184,14 +185,14 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: GPTConfig, layer_number: int):
+    def __init__(self, cfg: GPTConfig, layer_number: int, grid: parallel.Grid):
         super().__init__()
         eps = cfg.layernorm_epsilon
         self.ln_1 = nn.LayerNorm(cfg.hidden_size, eps=eps)
-        self.attn = Attention(cfg, layer_number)
+        self.attn = Attention(cfg, layer_number, grid)
         self.ln_attn = nn.LayerNorm(cfg.hidden_size, eps=eps) if cfg.normformer else None
         self.ln_2 = nn.LayerNorm(cfg.hidden_size, eps=eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, grid)
         self.dropout = nn.Dropout(cfg.hidden_dropout)
 
     def forward(self, x):
@@ -210,9 +211,9 @@ class Embedding(nn.Module):
     """Word + learned position embeddings; the optional LayerNorm acts on the word embeddings only, after the
     TP all-reduce, so its result does not depend on how the vocabulary is split (seed 000, BNB experiment 5)."""
 
-    def __init__(self, cfg: GPTConfig):
+    def __init__(self, cfg: GPTConfig, grid: parallel.Grid):
         super().__init__()
-        self.word = VocabParallelEmbedding(cfg.padded_vocab_size, cfg.hidden_size)
+        self.word = VocabParallelEmbedding(cfg.padded_vocab_size, cfg.hidden_size, grid=grid)
         self.position = nn.Embedding(cfg.seq_length, cfg.hidden_size)
         self.norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon) if cfg.embed_layernorm else None
         self.scale = math.sqrt(cfg.hidden_size) if cfg.scale_embeddings else 1.0
@@ -232,28 +233,43 @@ class Embedding(nn.Module):
 class GPT(nn.Module):
     """The whole model, or one pipeline stage of it: layers [first, last) plus the embedding on the first stage
     and the final LayerNorm and (tied) output layer on the last. Block names keep their global layer number, so
-    a parameter has the same name, and hence the same initial value, whatever the TP/PP layout."""
+    a parameter has the same name, and hence the same initial value, whatever the TP/PP layout.
 
-    def __init__(self, cfg: GPTConfig, layers=None, pre_process=True, post_process=True):
+    grid: the TP rank whose shapes and initial slices to build (default: this process's, parallel.grid);
+    estimate.py passes a grid on paper to size every stage of a large layout on the meta device. The forward
+    pass always communicates over parallel.grid. The vocabulary is padded for the config's
+    tensor_model_parallel_size, which may differ from the grid's (a TP=4 model gathered into one process)."""
+
+    def __init__(self, cfg: GPTConfig, layers=None, pre_process=True, post_process=True, grid=None):
         super().__init__()
-        if cfg.normformer and parallel.grid.tp_size > 1:
+        grid = parallel.grid if grid is None else grid
+        if cfg.normformer and grid.tp_size > 1:
             raise ValueError("normformer with tensor_model_parallel_size > 1 is not supported (its FFN LayerNorm "
                              "would need statistics across TP ranks); use TP=1 or turn normformer off")
-        self.cfg = cfg
+        self.cfg, self.grid = cfg, grid
         layers = range(cfg.num_layers) if layers is None else layers
         self.pre_process, self.post_process = pre_process, post_process
-        self.embed = Embedding(cfg) if pre_process else None
-        self.blocks = nn.ModuleDict({str(i): Block(cfg, i + 1) for i in layers})
+        self.embed = Embedding(cfg, grid) if pre_process else None
+        self.blocks = nn.ModuleDict({str(i): Block(cfg, i + 1, grid) for i in layers})
         self.ln_f = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon) if post_process else None
         # A last stage without the embedding keeps its own copy of the word embedding for the tied output layer;
         # parallel.py all-reduces the two copies' gradients every step (seed 001, DeepSpeed PR 1801).
         self.output_weight = None
         if post_process and not pre_process:
-            self.output_weight = nn.Parameter(torch.empty(cfg.padded_vocab_size // parallel.grid.tp_size,
+            self.output_weight = nn.Parameter(torch.empty(cfg.padded_vocab_size // grid.tp_size,
                                                           cfg.hidden_size))
             self.output_weight.tp_dim = 0
             self.output_weight.init_name = "embed.word.weight"
         self.init_weights()
+
+    def word_embedding_weight(self):
+        """This stage's copy of the tied word embedding (this TP rank's rows): the embedding table on the first
+        stage, the output layer's own copy on a last stage without the embedding, None on a middle stage. The
+        one place that knows the layout: the output layer, the optimizer (32-bit state for bitsandbytes) and the
+        reduction of the two copies' gradients (parallel.reduce_gradients) all ask here."""
+        if self.embed is not None:
+            return self.embed.word.weight
+        return self.output_weight
 
     # -- initialisation ---------------------------------------------------------------------------------------
 
@@ -269,7 +285,7 @@ class GPT(nn.Module):
             full_shape = list(p.shape)
             tp_dim = getattr(p, "tp_dim", None)
             if tp_dim is not None:
-                full_shape[tp_dim] *= parallel.grid.tp_size
+                full_shape[tp_dim] *= self.grid.tp_size
             # Drawn on the CPU (whose generator takes 32-bit seeds), so CPU and GPU runs start identical.
             gen = torch.Generator().manual_seed(zlib.crc32(f"{seed}:{name}".encode()))
             full = torch.empty(full_shape, dtype=torch.float32)
@@ -295,7 +311,7 @@ class GPT(nn.Module):
                 if getattr(p, "is_output_layer", False):
                     std /= math.sqrt(2.0 * cfg.num_layers)
                 full.normal_(0.0, std, generator=gen)
-            p.copy_(parallel.shard(full, tp_dim).to(p.device))
+            p.copy_(parallel.shard(full, tp_dim, self.grid).to(p.device))
 
     # -- forward ----------------------------------------------------------------------------------------------
 
@@ -314,8 +330,7 @@ class GPT(nn.Module):
         if not self.post_process:
             return x
         x = self.ln_f(x)
-        weight = self.embed.word.weight if self.pre_process else self.output_weight
-        logits = F.linear(parallel.copy_to_tp(x), weight)
+        logits = F.linear(parallel.copy_to_tp(x), self.word_embedding_weight())
         if targets is None:
             return logits
         return parallel.vocab_parallel_cross_entropy(logits, targets).mean()

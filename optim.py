@@ -1,7 +1,8 @@
 """Optimizer side of stablegpt: AdamW (ours, or bitsandbytes 8-bit), the learning-rate schedule,
-fp16 loss scaling and the gradient utilities (norm, clipping, zero count, overflow check).
+fp16 loss scaling and the gradient utilities (clipping, overflow check).
 
-Everything here is local to one process; the trainer does the all-reduces across ranks.
+Everything here is local to one process. What ranks must agree on (the global grad norm, the zero count) is in
+parallel.py, which degenerates to the plain computation with one process.
 """
 
 import math
@@ -136,6 +137,7 @@ def build_optimizer(model, lr, weight_decay, adam_beta1, adam_beta2, adam_eps, u
 
 
 def set_lr(optimizer, lr: float) -> None:
+    """The one place the learning rate is written into the param groups (train_step, the DeepSpeed step)."""
     for group in optimizer.param_groups:
         group["lr"] = lr
 
@@ -146,16 +148,6 @@ def set_lr(optimizer, lr: float) -> None:
 
 def _grads(params):
     return [p.grad for p in params if p.grad is not None]
-
-
-def grad_norm_squared(params) -> torch.Tensor:
-    """Sum of squares of all gradients, accumulated in fp32 (an fp16 norm overflows long before the
-    fp16 gradients do). Squared so that ranks can add their parts before the square root."""
-    grads = [g for g in _grads(params) if g.numel() > 0]
-    if not grads:
-        return torch.zeros((), dtype=torch.float32)
-    norms = torch._foreach_norm(grads, 2, dtype=torch.float32)
-    return torch.stack(norms).square().sum()
 
 
 def clip_grads(params, max_norm: float, total_norm) -> None:
@@ -171,15 +163,6 @@ def clip_grads(params, max_norm: float, total_norm) -> None:
     clip_coeff = (max_norm / (total_norm.float() + 1.0e-6)).clamp(max=1.0)
     # multiplying by exactly 1.0 when no clipping is needed leaves the gradients bit-identical
     torch._foreach_mul_(grads, clip_coeff.to(grads[0].device))
-
-
-def count_zeros(params) -> int:
-    """Number of zero entries in the gradients (Megatron's "num zeros" log field)."""
-    grads = _grads(params)
-    if not grads:
-        return 0
-    nonzero = torch.stack([torch.count_nonzero(g) for g in grads]).sum()
-    return sum(g.numel() for g in grads) - int(nonzero)
 
 
 def grads_finite(params) -> bool:

@@ -153,11 +153,17 @@ def gather_from_tp(x):
 # initialisation (model.py) and checkpoint tools can build or check the full tensor and take this rank's slice.
 
 
-def shard(full, dim):
+def _this(g):
+    """The grid a layer is built for: the one given (a grid on paper, estimate.py), else this process's."""
+    return grid if g is None else g
+
+
+def shard(full, dim, grid=None):
     """This TP rank's contiguous slice of a full tensor along `dim`."""
-    if dim is None or grid.tp_size == 1:
+    g = _this(grid)
+    if dim is None or g.tp_size == 1:
         return full
-    return full.chunk(grid.tp_size, dim=dim)[grid.tp_rank]
+    return full.chunk(g.tp_size, dim=dim)[g.tp_rank]
 
 
 def _divide(n, parts, what):
@@ -169,8 +175,8 @@ def _divide(n, parts, what):
 class ColumnParallelLinear(nn.Linear):
     """Y = X A with A split by columns (output features): each rank computes its own slice of Y."""
 
-    def __init__(self, in_features, out_features, bias=True):
-        super().__init__(in_features, _divide(out_features, grid.tp_size, "output features"), bias=bias)
+    def __init__(self, in_features, out_features, bias=True, grid=None):
+        super().__init__(in_features, _divide(out_features, _this(grid).tp_size, "output features"), bias=bias)
         self.weight.tp_dim = 0
         if bias:
             self.bias.tp_dim = 0
@@ -182,8 +188,8 @@ class ColumnParallelLinear(nn.Linear):
 class RowParallelLinear(nn.Linear):
     """Y = X A with A split by rows (input features): partial products are summed across ranks."""
 
-    def __init__(self, in_features, out_features, bias=True):
-        super().__init__(_divide(in_features, grid.tp_size, "input features"), out_features, bias=bias)
+    def __init__(self, in_features, out_features, bias=True, grid=None):
+        super().__init__(_divide(in_features, _this(grid).tp_size, "input features"), out_features, bias=bias)
         self.weight.tp_dim = 1
 
     def forward(self, x):
@@ -197,10 +203,11 @@ class RowParallelLinear(nn.Linear):
 class VocabParallelEmbedding(nn.Embedding):
     """Embedding table split by vocabulary rows; ids owned by other ranks contribute zeros before the sum."""
 
-    def __init__(self, num_embeddings, embedding_dim):
-        super().__init__(_divide(num_embeddings, grid.tp_size, "padded vocabulary"), embedding_dim)
+    def __init__(self, num_embeddings, embedding_dim, grid=None):
+        g = _this(grid)
+        super().__init__(_divide(num_embeddings, g.tp_size, "padded vocabulary"), embedding_dim)
         self.weight.tp_dim = 0
-        self.vocab_start = grid.tp_rank * self.num_embeddings
+        self.vocab_start = g.tp_rank * self.num_embeddings
 
     def forward(self, ids):
         if grid.tp_size == 1:
@@ -409,16 +416,6 @@ def all_reduce_mean(tensors, group, size, bucket_numel=2**24):
             t.copy_(reduced)
 
 
-def tied_embedding(model):
-    """This stage's copy of the tied word embedding, or None on a middle stage (or when PP=1: one copy)."""
-    gpt = _unwrap(model)
-    if grid.pp_size == 1:
-        return None
-    if grid.is_first_stage:
-        return gpt.embed.word.weight
-    return gpt.output_weight if grid.is_last_stage else None
-
-
 def reduce_gradients(model, data_parallel=True):
     """Make every gradient what one process would have computed for the whole global batch.
 
@@ -437,17 +434,17 @@ def reduce_gradients(model, data_parallel=True):
             p.grad = torch.zeros_like(p)
     if data_parallel and grid.dp_size > 1:
         all_reduce_mean([p.grad for p in params], grid.dp_group, grid.dp_size)
-    tied = tied_embedding(gpt)
-    if tied is not None:
-        dist.all_reduce(tied.grad, group=grid.embedding_group)
+    if grid.pp_size > 1 and (grid.is_first_stage or grid.is_last_stage):  # PP=1: one copy, nothing to sum
+        dist.all_reduce(gpt.word_embedding_weight().grad, group=grid.embedding_group)
 
 
 def _counted_once(model):
     """The parameters that make up the model exactly once across the model-parallel group: TP-split ones on
     every TP rank, replicated ones on TP rank 0 only, and not the last stage's copy of the tied embedding."""
     gpt = _unwrap(model)
+    copy = getattr(gpt, "output_weight", None)  # GPT's duplicate of the embedding (None unless PP > 1)
     return [p for p in gpt.parameters()
-            if p is not gpt.output_weight and (getattr(p, "tp_dim", None) is not None or grid.tp_rank == 0)]
+            if p is not copy and (getattr(p, "tp_dim", None) is not None or grid.tp_rank == 0)]
 
 
 def grad_norm(model):
@@ -534,115 +531,6 @@ class ZeroShardedOptimizer:
                              "zero_stage=1 or with another data-parallel size); resume with the same zero_stage "
                              "and number of processes, or set no_load_optim")
         self.optimizer.load_state_dict(state["optimizer"])
-
-
-# -----------------------------------------------------------------------------
-# Weight dumps around save and load (seed 001: how the 176B team found the embedding copy and its LayerNorm
-# reset on reload). tools/compare_weight_dumps.py diffs them.
-
-
-def dump_weights(directory, preamble, iteration, model):
-    """Write this rank's parameters, exactly as they are, to directory/weight_dumps/debug-...-{preamble}.pt."""
-    g = grid
-    out = os.path.join(directory, "weight_dumps")
-    os.makedirs(out, exist_ok=True)
-    name = f"debug-{iteration}-pp{g.pp_rank}-tp{g.tp_rank}-dp{g.dp_rank}-global{g.rank}-{preamble}.pt"
-    weights = {n: p.detach().cpu().clone() for n, p in _unwrap(model).named_parameters()}
-    torch.save(weights, os.path.join(out, name))
-
-
-# -----------------------------------------------------------------------------
-# Dry run: how big is each stage, and will it fit? (seed 002's back-of-the-envelope, computed)
-
-
-def dry_run(cfg, world_size=None, file=None):
-    """Build every pipeline stage of TP rank 0 on the meta device (no memory, no processes) and print the
-    parameter counts and the memory each GPU needs.
-
-    The number of GPUs is not in the config: it is WORLD_SIZE (as torchrun or SLURM would set it, e.g.
-    `WORLD_SIZE=256 python train.py config/tr8b_104b.py --dry_run`), default TP x PP (DP=1).
-    Memory per parameter follows SPEC "Model size and memory": mixed precision 2 (half weights) + 4 (fp32
-    master) + 8 (Adam moments) + 4 (gradients) bytes, fp32 4 + 8 + 4; ZeRO-1 divides the optimizer states by
-    DP, ZeRO-2 the gradients too. Activations per layer and micro-batch, 16-bit, without sequence parallelism
-    (Korthikanti et al. 2022): s*b*h*(10 + 24/t + 5*a*s/(h*t)) bytes (34 + 5as/h for t=1); with checkpointing
-    only each layer's input, 2*s*b*h, is kept, plus one layer's full activations while it is recomputed.
-    Under 1F1B the first stage holds min(pp, micro-batches) micro-batches in flight."""
-    from model import GPT, GPTConfig  # model imports this module
-
-    global grid
-    tp, pp = cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size
-    world = world_size or int(os.environ.get("WORLD_SIZE", tp * pp))
-    if world % (tp * pp):
-        raise ValueError(f"WORLD_SIZE {world} is not divisible by tensor_model_parallel_size ({tp}) x "
-                         f"pipeline_model_parallel_size ({pp}); set WORLD_SIZE to a multiple of {tp * pp}")
-    dp = world // (tp * pp)
-    if cfg.num_layers % pp:
-        raise ValueError(f"num_layers ({cfg.num_layers}) must be divisible by pipeline_model_parallel_size ({pp})")
-    per_stage, saved, stages = cfg.num_layers // pp, grid, []
-    try:
-        for stage in range(pp):
-            grid = Grid(tp, pp, world_size=world, rank=stage * dp * tp)
-            with torch.device("meta"):
-                gpt = GPT(GPTConfig.from_config(cfg), range(stage * per_stage, (stage + 1) * per_stage),
-                          pre_process=stage == 0, post_process=stage == pp - 1)
-            gpu = sum(p.numel() for p in gpt.parameters())
-            full = sum(p.numel() * (tp if getattr(p, "tp_dim", None) is not None else 1)
-                       for p in gpt.parameters() if p is not gpt.output_weight)
-            stages.append((gpu, full))
-        padded_vocab = gpt.cfg.padded_vocab_size  # a multiple of TP: read it while the paper grid is in place
-        padded_total, formula = sum(full for _, full in stages), gpt.cfg.num_parameters()
-    finally:
-        grid = saved
-
-    def say(text=""):
-        print(text, file=file, flush=True)
-
-    GiB = 2**30
-    mixed = cfg.fp16 or cfg.bf16
-    say(f"dry run: TP={tp} x PP={pp} x DP={dp} = {world} GPUs (WORLD_SIZE; default TP x PP), nothing allocated")
-    say(f"model: {formula / 1e9:.2f}B parameters (SPEC formula), {padded_total / 1e9:.2f}B with the vocabulary "
-        f"padded to {padded_vocab}; the last stage's copy of the tied embedding is not counted")
-    say(f"{'stages':>10} {'layers/stage':>13} {'params/stage':>15} {'params/GPU':>15}")
-    start = 0
-    for s in range(pp + 1):  # consecutive stages of the same size on one row
-        if s == pp or stages[s] != stages[start]:
-            label = f"{start}" if s - 1 == start else f"{start}-{s - 1}"
-            say(f"{label:>10} {per_stage:>13} {stages[start][1]:>15,} {stages[start][0]:>15,}")
-            start = s
-
-    gpu_params = max(gpu for gpu, _ in stages)
-    weights = 2 + 4 if mixed else 4  # half weights + fp32 master, or fp32 weights
-    optimizer_states = 4 + 8 if mixed else 8  # what ZeRO shards: master weights (mixed) and Adam moments
-    grads = 4
-
-    def model_states(zero):
-        shard = (optimizer_states / dp if zero >= 1 else optimizer_states) + (grads / dp if zero >= 2 else grads)
-        return gpu_params * (weights - (4 if mixed else 0) + shard)
-
-    precision = ("fp16" if cfg.fp16 else "bf16") if mixed else "fp32"
-    per_param = weights + 8 + grads
-    say(f"model states of the whole model without ZeRO: {per_param} B x {formula / 1e9:.2f}B = "
-        f"{per_param * formula / 1e9:,.0f} GB (seed 002's 18 x 104 = 1872 GB for tr8b-104B)")
-    say(f"model states per GPU (largest stage, {gpu_params:,} parameters, {precision}, Adam):")
-    for zero in (0, 1, 2):
-        mark = "  <- configured" if zero == cfg.zero_stage else ""
-        say(f"  ZeRO-{zero} over DP={dp}: {model_states(zero) / GiB:8.2f} GiB{mark}")
-
-    s, b, h, a = cfg.seq_length, cfg.micro_batch_size, cfg.hidden_size, cfg.num_attention_heads
-    gbs = cfg.global_batch_size or b * dp
-    micro = max(1, gbs // (b * dp))
-    in_flight = min(pp, micro)
-    full_layer = s * b * h * (10 + 24 / tp + 5 * a * s / (h * tp))
-    without = per_stage * full_layer * in_flight
-    with_ckpt = per_stage * 2 * s * b * h * in_flight + full_layer
-    say(f"activations on stage 0 (seq {s}, micro batch {b}, {micro} micro-batches, {in_flight} in flight):")
-    say(f"  without checkpointing: {without / GiB:8.2f} GiB, with checkpointing: {with_ckpt / GiB:8.2f} GiB"
-        f"{'  <- configured' if cfg.checkpoint_activations else ''}")
-    total = model_states(cfg.zero_stage) + (with_ckpt if cfg.checkpoint_activations else without)
-    say(f"estimated total per GPU: {total / GiB:.2f} GiB (plus temporaries: logits, communication buffers)")
-    return {"params": formula, "padded_params": padded_total, "stages": stages, "gpu_params": gpu_params,
-            "dp": dp, "model_states": model_states(cfg.zero_stage), "activations": without,
-            "activations_checkpointed": with_ckpt}
 
 
 # -----------------------------------------------------------------------------

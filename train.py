@@ -23,6 +23,7 @@ import torch.distributed as dist
 import arguments
 import checkpoint
 import data
+import estimate
 import optim
 import parallel
 from model import GPT, GPTConfig
@@ -105,9 +106,8 @@ def build_model(cfg, device):
 
 
 def build_optimizer(cfg, model):
-    embedding = model.embed.word.weight if model.embed is not None else model.output_weight
-    optimizer = optim.build_optimizer(model, cfg.lr, cfg.weight_decay, cfg.adam_beta1, cfg.adam_beta2,
-                                      cfg.adam_eps, use_bnb_optimizer=cfg.use_bnb_optimizer, embedding=embedding)
+    optimizer = optim.build_optimizer(model, cfg.lr, cfg.weight_decay, cfg.adam_beta1, cfg.adam_beta2, cfg.adam_eps,
+                                      use_bnb_optimizer=cfg.use_bnb_optimizer, embedding=model.word_embedding_weight())
     if cfg.deepspeed or cfg.zero_stage == 0 or parallel.grid.dp_size == 1:
         return optimizer  # not sharded here (under DeepSpeed, setup_deepspeed shards it)
     if cfg.zero_stage != 1:
@@ -147,7 +147,7 @@ def setup_deepspeed(cfg, model, optimizer):
         # DeepSpeed's grad norm counts a split parameter on every TP rank and a replicated one on TP rank 0,
         # and skips a pipeline's replicated copy: the same rule as parallel.grad_norm.
         p.tensor_model_parallel = getattr(p, "tp_dim", None) is not None
-    if model.output_weight is not None:
+    if model.output_weight is not None:  # the last stage's copy of the tied embedding
         model.output_weight.ds_pipe_replicated = True
     config = {
         "train_micro_batch_size_per_gpu": cfg.micro_batch_size,
@@ -165,8 +165,7 @@ def setup_deepspeed(cfg, model, optimizer):
     # With bf16 and ZeRO-0, DeepSpeed creates the optimizer state by stepping once with zero gradients: Adam's
     # step counter then reads one too many and weight decay shrinks the weights once. At lr=0 that step
     # leaves the weights bit-identical, and forgetting the state it made restarts the counter at 0.
-    for group in optimizer.param_groups:
-        group["lr"] = 0.0
+    optim.set_lr(optimizer, 0.0)
     engine, ds_optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config,
                                                       mpu=parallel.DeepSpeedMPU(g), dist_init_required=False)
     if any(s.get("step", 0) for s in optimizer.state.values()):
@@ -209,12 +208,13 @@ def build_data(cfg, plan):
     return datasets[0], datasets[1]
 
 
-def micro_batches(dataset, first_sample, batch_size, cfg, seqlen, device):
-    """This DP rank's micro-batches of the global batch [first_sample, first_sample + batch_size), in Megatron's
-    order: micro-batch k takes samples k*mbs*dp + dp_rank*mbs + [0, mbs). Truncated to seqlen (curriculum)."""
+def micro_batches(dataset, first_sample, num_micro_batches, cfg, seqlen, device):
+    """This DP rank's micro-batches of the global batch of num_micro_batches * mbs * dp samples from first_sample,
+    in Megatron's order: micro-batch k takes samples k*mbs*dp + dp_rank*mbs + [0, mbs). Truncated to seqlen
+    (curriculum)."""
     g, mbs = parallel.grid, cfg.micro_batch_size
     out = []
-    for k in range(batch_size // (mbs * g.dp_size)):
+    for k in range(num_micro_batches):
         start = first_sample + k * mbs * g.dp_size + g.dp_rank * mbs
         tokens = torch.from_numpy(np.stack([dataset[start + i] for i in range(mbs)]).astype(np.int64))
         x, y = tokens[:, :-1][:, :seqlen], tokens[:, 1:][:, :seqlen]
@@ -262,17 +262,13 @@ def train_step(model, optimizer, scaler, batches, lr, cfg, device, count_zeros=T
     loss = average_loss(loss)
     if cfg.deepspeed:
         return deepspeed_step(model, optimizer, loss.item(), lr)
+    parallel.reduce_gradients(model)  # with one process: nothing to reduce
     params = [p for p in model.parameters() if p.grad is not None]
-    if dist.is_initialized():
-        parallel.reduce_gradients(model)
     if scaler.scale != 1.0:
         for p in params:
             p.grad.div_(scaler.scale)
-    grad_norm = parallel.grad_norm(model) if dist.is_initialized() else optim.grad_norm_squared(params).sqrt()
-    grad_norm = grad_norm.item()
-    num_zeros = 0
-    if count_zeros:
-        num_zeros = parallel.count_zeros(model) if dist.is_initialized() else optim.count_zeros(params)
+    grad_norm = parallel.grad_norm(model).item()
+    num_zeros = parallel.count_zeros(model) if count_zeros else 0
     finite = math.isfinite(grad_norm)
     if cfg.fp16:
         message = scaler.update(overflow=not finite)
@@ -285,8 +281,7 @@ def train_step(model, optimizer, scaler, batches, lr, cfg, device, count_zeros=T
     if cfg.skip_grad_norm_above is not None and grad_norm > cfg.skip_grad_norm_above:  # OPT's batch skipping
         return loss.item(), grad_norm, num_zeros, "skipped"
     optim.clip_grads(params, cfg.clip_grad, torch.tensor(grad_norm))
-    for group in optimizer.param_groups:
-        group["lr"] = lr
+    optim.set_lr(optimizer, lr)
     optimizer.step()
     return loss.item(), grad_norm, num_zeros, "ok"
 
@@ -298,8 +293,7 @@ def deepspeed_step(engine, optimizer, loss, lr):
     if not math.isfinite(loss):
         optimizer.zero_grad(set_to_none=True)
         return loss, float("nan"), 0, "nan"  # a NaN loss never updates the weights
-    for group in optimizer.param_groups:
-        group["lr"] = lr
+    optim.set_lr(optimizer, lr)
     skipped = engine.skipped_steps
     engine.step()
     grad_norm = float(engine.get_global_grad_norm())
@@ -310,10 +304,9 @@ def deepspeed_step(engine, optimizer, loss, lr):
 def evaluate(model, dataset, cfg, device):
     """Mean loss over the first eval_iters global batches of the validation set, always at full seq_length."""
     model.eval()
-    losses = []
+    losses, count = [], cfg.global_batch_size // (cfg.micro_batch_size * parallel.grid.dp_size)
     for i in range(cfg.eval_iters):
-        batches = micro_batches(dataset, i * cfg.global_batch_size, cfg.global_batch_size, cfg, cfg.seq_length,
-                                device)
+        batches = micro_batches(dataset, i * cfg.global_batch_size, count, cfg, cfg.seq_length, device)
         losses.append(average_loss(forward_backward(model, batches, cfg, device, forward_only=True)).item())
     model.train()
     return sum(losses) / len(losses)
@@ -370,7 +363,7 @@ def print_last_rank(text):
 
 def save_checkpoint(cfg, state, model, optimizer, scheduler, scaler):
     if cfg.dump_weights:
-        parallel.dump_weights(cfg.save, "before-save", state["iteration"], model)
+        checkpoint.dump_weights(cfg.save, "before-save", state["iteration"], model)
     run = {"state": dict(state), "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
            "config": arguments.to_dict(cfg)}
     rank_state = {"optimizer": optimizer.state_dict(), "rng": checkpoint.rng_state()}
@@ -416,7 +409,7 @@ def load_checkpoint(cfg, state, model, optimizer, scheduler, scaler):
         checkpoint.set_rng_state(rank_state["rng"])
     print0(f"loaded checkpoint {tag_dir} at iteration {state['iteration']}")
     if cfg.dump_weights:
-        parallel.dump_weights(cfg.load, "after-load", state["iteration"], model)
+        checkpoint.dump_weights(cfg.load, "after-load", state["iteration"], model)
     return True
 
 
@@ -427,7 +420,7 @@ def load_checkpoint(cfg, state, model, optimizer, scheduler, scaler):
 def main(argv=None):
     cfg = arguments.load_config(argv)
     if cfg.dry_run:  # sizes the TP x PP x DP layout on the meta device, without starting any process
-        parallel.dry_run(cfg)
+        estimate.dry_run(cfg)
         return
     grid = parallel.init(cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size)
     arguments.validate(cfg, grid.world_size)
@@ -445,6 +438,7 @@ def main(argv=None):
     if cfg.deepspeed:
         model, optimizer = setup_deepspeed(cfg, model, optimizer)
     scheduler = build_scheduler(cfg, plan)
+    print0(scheduler.describe())
     scaler = build_scaler(cfg)
     train_data, valid_data = build_data(cfg, plan)
 
@@ -472,7 +466,8 @@ def main(argv=None):
             print0(f" iteration {iteration:8d}/{plan.total_iters:8d} | skipped (skip_train_iteration_range): "
                    f"samples {state['consumed_samples']}-{state['consumed_samples'] + batch_size - 1} not used |")
         else:
-            batches = micro_batches(train_data, state["consumed_samples"], batch_size, cfg, seqlen, device)
+            batches = micro_batches(train_data, state["consumed_samples"],
+                                    plan.rampup.num_micro_batches(state["consumed_samples"]), cfg, seqlen, device)
             reset = state["optimizer_reset"]
             in_reset_warmup = reset is not None and iteration <= reset["iteration"] + reset["warmup_iters"]
             lr = 0.0 if in_reset_warmup else scheduler.get_lr(state["scheduler_samples"], state["scheduler_tokens"])

@@ -53,14 +53,6 @@ def _reference_attention(q, k, v):
     return scores.masked_fill(future, float("-inf")).softmax(dim=-1) @ v
 
 
-@pytest.fixture
-def tp_size(monkeypatch):
-    """Pretend to be one rank of a tensor-parallel group (only the size is read by the code under test)."""
-    def set_size(n):
-        monkeypatch.setattr(parallel.grid, "tp_size", n)
-    return set_size
-
-
 # -----------------------------------------------------------------------------
 # 1. Parameter count
 
@@ -127,9 +119,9 @@ def test_real_model_sizes_on_meta_device(name, n, h, heads, s, size_ok):
     assert _numel(unpadded) == cfg.num_parameters()
 
 
-def test_padded_count_with_tensor_parallel(tp_size):
-    tp_size(4)
-    cfg = GPTConfig(num_layers=64, hidden_size=11600, num_attention_heads=80, seq_length=2048)
+def test_padded_count_with_tensor_parallel():
+    cfg = GPTConfig(num_layers=64, hidden_size=11600, num_attention_heads=80, seq_length=2048,
+                    tensor_model_parallel_size=4)
     assert cfg.padded_vocab_size == 50688
     assert cfg.num_parameters(padded=True) == _formula(64, 11600, 50688, 2048)
     assert cfg.num_parameters() == _formula(64, 11600, 50257, 2048)
@@ -555,10 +547,9 @@ def test_normformer_block_matches_manual_computation():
         torch.testing.assert_close(block(x), expected, atol=1e-12, rtol=0)
 
 
-def test_normformer_refuses_tensor_parallel(tp_size):
-    tp_size(2)
+def test_normformer_refuses_tensor_parallel():
     with pytest.raises(ValueError, match="normformer"):
-        GPT(_cfg(normformer=True))
+        GPT(_cfg(normformer=True, tensor_model_parallel_size=2), grid=parallel.Grid(2, 1, world_size=2))
 
 
 def test_checkpoint_activations_gives_identical_loss_and_grads():
@@ -594,9 +585,8 @@ def test_checkpoint_activations_gives_identical_loss_and_grads():
 @pytest.mark.parametrize("vocab,multiple,tp,expected", [
     (50257, 128, 1, 50304), (50257, 128, 4, 50688), (50257, 1, 1, 50257), (50257, 1, 2, 50258),
     (100, 8, 2, 112), (128, 128, 1, 128), (129, 128, 1, 256)])
-def test_padded_vocab_size(tp_size, vocab, multiple, tp, expected):
-    tp_size(tp)
-    cfg = GPTConfig(vocab_size=vocab, make_vocab_size_divisible_by=multiple)
+def test_padded_vocab_size(vocab, multiple, tp, expected):
+    cfg = GPTConfig(vocab_size=vocab, make_vocab_size_divisible_by=multiple, tensor_model_parallel_size=tp)
     assert cfg.padded_vocab_size == expected
     assert expected % (multiple * tp) == 0 and vocab <= expected < vocab + multiple * tp
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import optim
+import parallel
 from optim import AdamW, AnnealingLR, LossScaler
 
 
@@ -242,13 +243,17 @@ def _grad_params(seed=0, scale=1.0):
     return params
 
 
+def _module(params):
+    """The parameters as a model: parallel.grad_norm / count_zeros take one (with one process, the plain ops)."""
+    return torch.nn.ParameterList(params)
+
+
 @pytest.mark.parametrize("max_norm", [0.5, 1e6])  # clipping, and none needed
 def test_grad_norm_and_clip_match_torch(max_norm):
     ours, ref = _grad_params(), _grad_params()
-    grad_norm_squared = optim.grad_norm_squared(ours)
-    assert grad_norm_squared.dtype == torch.float32 and grad_norm_squared.ndim == 0
+    norm = parallel.grad_norm(_module(ours))
+    assert norm.dtype == torch.float32 and norm.ndim == 0
     ref_norm = torch.nn.utils.clip_grad_norm_([p for p in ref if p.grad is not None], max_norm)
-    norm = grad_norm_squared.sqrt()
     torch.testing.assert_close(norm, ref_norm, rtol=1e-6, atol=0)
     optim.clip_grads(ours, max_norm, norm)
     for p, q in zip(ours, ref):
@@ -269,17 +274,17 @@ def test_grad_utilities_edge_cases():
     # fp16 gradients whose norm overflows fp16 still give the right fp32 norm
     p = torch.nn.Parameter(torch.zeros(2, dtype=torch.float16))
     p.grad = torch.tensor([60000.0, 60000.0], dtype=torch.float16)
-    assert optim.grad_norm_squared([p]).item() == pytest.approx(2 * 60000.0**2, rel=1e-6)
-    assert optim.grad_norm_squared([torch.nn.Parameter(torch.zeros(2))]).item() == 0.0
+    assert parallel.grad_norm(_module([p])).item() ** 2 == pytest.approx(2 * 60000.0**2, rel=1e-6)
+    assert parallel.grad_norm(_module([torch.nn.Parameter(torch.zeros(2))])).item() == 0.0
 
 
 def test_count_zeros():
     params = _grad_params()
-    assert optim.count_zeros(params) == 0
+    assert parallel.count_zeros(_module(params)) == 0
     params[0].grad[2] = 0.0  # 5 zeros
     params[2].grad[0, 1, 1] = 0.0
-    assert optim.count_zeros(params) == 6
-    assert optim.count_zeros(params) == sum(int((p.grad == 0).sum()) for p in params if p.grad is not None)
+    assert parallel.count_zeros(_module(params)) == 6
+    assert parallel.count_zeros(_module(params)) == sum(int((p.grad == 0).sum()) for p in params if p.grad is not None)
 
 
 @pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")])
