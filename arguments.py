@@ -1,7 +1,7 @@
 """Configuration: every knob is a field of Config, named after Megatron's flag with underscores.
 
 A run is configured by a Python file whose module globals set fields (config/*.py), then by command-line
-overrides in any of the forms the seeds' SLURM scripts use:
+overrides in any of the forms BigScience's SLURM scripts use:
 
     python train.py config/tr8b_104b.py --lr 6e-5 --lr-warmup-samples 216_320 --embed-layernorm \
         --skip-train-iteration-range 13251-14000 16652-18500 --rampup_batch_size="16 16 9_765_625"
@@ -86,7 +86,7 @@ class Config(GPTConfig):
     tensorboard_dir: str | None = None  # None: <save>/tensorboard when saving
     wandb_project: str | None = None
     wandb_mode: str = "offline"
-    dump_weights: bool = False  # write every rank's weights around save/load (seed 001's bug hunt)
+    dump_weights: bool = False  # write every rank's weights around save/load (lesson 11's bug hunt)
     sample_tokens: int = 0  # print a generated sample of this many tokens at the end
     device: str = "auto"  # auto | cpu | cuda
     compile: bool = False
@@ -252,7 +252,7 @@ def parse_iteration_ranges(ranges):
 
 
 def reset_warmup_iters(cfg):
-    """The lr=0 warm-up length of an optimizer reset: N = 5 / (1 - beta2) by default (seed 000)."""
+    """The lr=0 warm-up length of an optimizer reset: N = 5 / (1 - beta2) by default (lesson 8)."""
     if cfg.reset_optimizer_warmup_iters in (None, 0):
         return 0
     if cfg.reset_optimizer_warmup_iters == "auto":

@@ -113,7 +113,7 @@ def main(argv=None):
 
     mean, best = statistics.mean(times), min(times)
     flops = train.flops_per_iteration(cfg, gpt.padded_vocab_size, B, T)
-    tflops = flops / (mean * grid.world_size * 1e12)  # per GPU, as in SPEC and training's log line
+    tflops = flops / (mean * grid.world_size * 1e12)  # per GPU, as training's log line (lesson 23)
     memory, memory_source = peak_memory(device)
     dtype = torch.float16 if cfg.fp16 else torch.bfloat16 if cfg.bf16 else torch.float32  # of the matmuls
     peak, peak_source = device_peak(device, dtype)

@@ -6,7 +6,7 @@
 
 Every rank writes into global_stepN.partial/; only when all ranks are done does rank 0 rename the directory and
 then replace `latest`, each step fsynced. A crash at any point leaves `latest` naming a complete checkpoint.
-SLURM's 20-hour limit made every resume a real one (seed 000), so everything a run depends on is saved: model,
+SLURM's 20-hour limit made every resume a real one (lesson 17), so everything a run depends on is saved: model,
 optimizer with its step counter, LR-schedule and loss-scale state, iteration, consumed samples and tokens, the
 RNG states of python, numpy, torch and cuda, and the config.
 """

@@ -606,7 +606,7 @@ def build_datasets(data_path: list[str] | str, split: str, seq_length: int, seed
 
 # -----------------------------------------------------------------------------
 # Batch-size ramp-up (Megatron's --rampup-batch-size "start incr samples"). Small batches early are cheap
-# steps while the loss falls fast; seed 001 notes the flip side: with pipeline parallelism a start batch too
+# steps while the loss falls fast; lesson 12 is the flip side: with pipeline parallelism a start batch too
 # small to fill the pipeline runs at a fraction of the throughput, hence "384 16 9_765_625" there.
 
 class RampupBatchSize:
@@ -650,7 +650,7 @@ class RampupBatchSize:
 
 
 # -----------------------------------------------------------------------------
-# Sequence-length curriculum (DeepSpeed's fixed_linear, seeds 000/002): train on the first d tokens of each
+# Sequence-length curriculum (DeepSpeed's fixed_linear, lesson 13): train on the first d tokens of each
 # sample, d growing linearly from min_difficulty to max_difficulty = seq_length over total_curriculum_step steps.
 
 def check_curriculum(min_difficulty: int, max_difficulty: int, seq_length: int, difficulty_step: int = 8,
@@ -659,16 +659,16 @@ def check_curriculum(min_difficulty: int, max_difficulty: int, seq_length: int, 
     problems = []
     if difficulty_step <= 0 or difficulty_step % 8:
         problems.append(f"difficulty_step {difficulty_step} must be a positive multiple of 8 (tensor cores; "
-                        "seed 002 uses 8)")
+                        "lesson 13)")
     elif min_difficulty <= 0 or min_difficulty % difficulty_step:
         problems.append(f"min_difficulty {min_difficulty} must be a positive multiple of difficulty_step "
-                        f"{difficulty_step} (seed 002: 'min_difficulty % 8 = 0')")
+                        f"{difficulty_step} (lesson 13)")
     if max_difficulty != seq_length:
-        problems.append(f"max_difficulty {max_difficulty} must equal seq_length {seq_length} (seed 002: 'always')")
+        problems.append(f"max_difficulty {max_difficulty} must equal seq_length {seq_length} (lesson 13)")
     if min_difficulty > max_difficulty:
         problems.append(f"min_difficulty {min_difficulty} must not exceed max_difficulty {max_difficulty}")
     if total_curriculum_step is not None and total_curriculum_step <= 0:
-        problems.append(f"total_curriculum_step {total_curriculum_step} must be positive (seed 002 recommends "
+        problems.append(f"total_curriculum_step {total_curriculum_step} must be positive (lesson 13 recommends "
                         "~train_tokens / global_batch / seq_length / 2)")
     if problems:
         raise ValueError("curriculum learning config: " + "; ".join(problems))

@@ -4,15 +4,15 @@ Block: x + Attn(LN(x)), then x + MLP(LN(x)); learned position embeddings; output
 embedding. The linears and the embedding come from parallel.py, so the same code runs as one process or split
 over tensor- and pipeline-parallel ranks (a pipeline stage builds only its own layers).
 
-Switches, each from a lesson in the seeds (README has the table):
+Switches, each from a lesson of docs/lessons.md (README has the table):
 - embed_layernorm, embed_init, embed_init_std: bitsandbytes' StableEmbedding (LayerNorm on the word embeddings,
-  xavier-uniform init) -- the lever that tamed the tr8b-104B spikes (seeds 000, 004).
-- init_method_std="small_init": sqrt(2/(5h)) from "Transformers without Tears" (seed 004); the output layers of
+  xavier-uniform init) -- the lever that tamed the tr8b-104B spikes (lessons 1, 2).
+- init_method_std="small_init": sqrt(2/(5h)) from "Transformers without Tears" (lesson 3); the output layers of
   every block are further scaled by 1/sqrt(2*num_layers) as in Megatron.
 - apply_query_key_layer_scaling (Megatron) and stable_attention (q and k each scaled by d^-1/4, tried on the
   104B and found not to help: an ablation, off by default). Softmax is always computed in fp32.
 - OPT: activation (gelu | gelu_tanh | relu), normformer, position_embedding_init (normal | sinusoidal),
-  scale_embeddings, embed_dropout (OPT turned dropout off on embeddings) (seed 003).
+  scale_embeddings, embed_dropout (OPT turned dropout off on embeddings) (lesson 15).
 """
 import math
 import zlib
@@ -59,7 +59,7 @@ class GPTConfig:
 
     @property
     def padded_vocab_size(self):
-        """Vocabulary padded to a multiple of make_vocab_size_divisible_by * TP (SPEC), for even TP splits."""
+        """Vocabulary padded to a multiple of make_vocab_size_divisible_by * TP (lesson 16), for even TP splits."""
         multiple = self.make_vocab_size_divisible_by * self.tensor_model_parallel_size
         return -(-self.vocab_size // multiple) * multiple
 
@@ -72,7 +72,7 @@ class GPTConfig:
     def num_parameters(self, padded=False):
         """Exact parameter count of the whole model (all stages, all TP ranks, the tied head counted once).
 
-        Without switches this is the seeds' formula n*(12h^2 + 13h) + v*h + s*h + 2h."""
+        Without switches this is lesson 16's formula n*(12h^2 + 13h) + v*h + s*h + 2h."""
         h, n = self.hidden_size, self.num_layers
         v = self.padded_vocab_size if padded else self.vocab_size
         per_layer = 12 * h * h + 13 * h
@@ -209,7 +209,7 @@ class Block(nn.Module):
 
 class Embedding(nn.Module):
     """Word + learned position embeddings; the optional LayerNorm acts on the word embeddings only, after the
-    TP all-reduce, so its result does not depend on how the vocabulary is split (seed 000, BNB experiment 5)."""
+    TP all-reduce, so its result does not depend on how the vocabulary is split (lesson 1)."""
 
     def __init__(self, cfg: GPTConfig, grid: parallel.Grid):
         super().__init__()
@@ -253,7 +253,7 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleDict({str(i): Block(cfg, i + 1, grid) for i in layers})
         self.ln_f = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon) if post_process else None
         # A last stage without the embedding keeps its own copy of the word embedding for the tied output layer;
-        # parallel.py all-reduces the two copies' gradients every step (seed 001, DeepSpeed PR 1801).
+        # parallel.py all-reduces the two copies' gradients every step (lesson 11).
         self.output_weight = None
         if post_process and not pre_process:
             self.output_weight = nn.Parameter(torch.empty(cfg.padded_vocab_size // grid.tp_size,

@@ -22,11 +22,11 @@ class AdamW(torch.optim.Optimizer):
         p  -= lr / (1 - beta1^step) * m / (sqrt(v) / sqrt(1 - beta2^step) + eps)
 
     The step counter lives in each parameter's state, so it is saved by state_dict() and restored by
-    load_state_dict(). Seed 000: apex FusedAdam kept it outside the state, every resume restarted the
+    load_state_dict(). Lesson 7: apex FusedAdam kept it outside the state, every resume restarted the
     bias correction at step 1 and the first updates after a resume were up to 2.2x too large.
 
     With lr = 0 the moments (and the step counter) advance but the weights stay bit-identical: that is
-    the optimizer-reset warm-up of seed 000 (fresh moments, N = 5 / (1 - beta2) iterations at lr 0).
+    the optimizer-reset warm-up of lesson 8 (fresh moments, N = 5 / (1 - beta2) iterations at lr 0).
     """
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0):
@@ -118,7 +118,7 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list:
 
 def build_optimizer(model, lr, weight_decay, adam_beta1, adam_beta2, adam_eps, use_bnb_optimizer=False, embedding=None):
     """Our AdamW, or bitsandbytes' 8-bit AdamW with `embedding` (the token embedding weight) kept in
-    32-bit optimizer state, as bitsandbytes' StableEmbedding requires (seed 000, BNB experiments)."""
+    32-bit optimizer state, as bitsandbytes' StableEmbedding requires (lesson 14)."""
     groups = param_groups(model, weight_decay)
     betas = (adam_beta1, adam_beta2)
     if not use_bnb_optimizer:
@@ -181,7 +181,7 @@ def grads_finite(params) -> bool:
 
 
 class AnnealingLR:
-    """Megatron-DeepSpeed's AnnealingLR (SPEC.md "Learning rate") as a function of consumed samples and
+    """Megatron-DeepSpeed's AnnealingLR (lesson 23) as a function of consumed samples and
     tokens. Megatron's "steps" are consumed samples.
 
     - warm-up: by samples (lr = max_lr * samples / warmup_samples while samples <= warmup_samples) or,
@@ -198,7 +198,7 @@ class AnnealingLR:
 
     Note: Megatron and DeepSpeed advance the schedule only on applied (not skipped) iterations, so the
     samples a caller passes should exclude iterations skipped for an fp16 overflow to reproduce their
-    logs (seed 000, iteration 6502: 5.997E-05 at 216960 consumed samples fits a 731-738 sample lag).
+    logs (lesson 5; the tr8b-104B log at iteration 6502: 5.997E-05 at 216960 consumed samples fits a 731-738 sample lag).
     """
 
     STYLES = ("linear", "cosine", "constant")
@@ -321,7 +321,7 @@ class AnnealingLR:
         return sd
 
     def load_state_dict(self, sd: dict, override: bool) -> None:
-        """Without override the checkpoint's schedule must equal the config's (seed 000: changing min_lr
+        """Without override the checkpoint's schedule must equal the config's (lesson 10: changing min_lr
         on resume was refused with an assertion). With override the config's hyper-parameters win and
         the lr follows them from the current consumed samples/tokens.
 
@@ -349,11 +349,11 @@ class AnnealingLR:
 
 
 class LossScaler:
-    """fp16 loss scaling with Megatron/DeepSpeed semantics (SPEC.md "fp16 dynamic loss scaling").
+    """fp16 loss scaling with Megatron/DeepSpeed semantics (lesson 5).
 
     Dynamic: on an overflow the step is skipped, the clean-step counter restarts and the hysteresis
     counter drops by one; once it is used up every overflow halves the scale (not below min_scale).
-    After `window` clean steps in a row the scale doubles and the hysteresis is restored. Seed 000 shows
+    After `window` clean steps in a row the scale doubles and the hysteresis is restored. Lesson 5's log shows
     the first overflow keeping 1048576.0 and the following ones halving it.
 
     Static (static_scale given, or dynamic=False): the scale never changes. LossScaler(dynamic=False,

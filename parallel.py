@@ -57,7 +57,7 @@ class Grid:
             for t in range(tp):
                 ranks = [self._rank_of(t, d, p) for p in range(pp)]
                 self._group("pp_group", ranks)
-                # The tied word embedding lives on the first and the last stage (seed 001, DeepSpeed PR 1801).
+                # The tied word embedding lives on the first and the last stage (lesson 11).
                 self._group("embedding_group", sorted({ranks[0], ranks[-1]}))
         for d in range(dp):
             self._group("mp_group", [self._rank_of(t, d, p) for p in range(pp) for t in range(tp)])
@@ -423,7 +423,7 @@ def reduce_gradients(model, data_parallel=True):
     2. Tied embedding: the first stage's embedding and the last stage's output_weight are one parameter; each
        stage holds the part of its gradient from its own use, and their sum is the real gradient. Summing it
        into both copies every step keeps them bitwise identical, so the two optimizers make the same update
-       (seed 001: DeepSpeed forgot this, only the front copy learned, and the run spiked on restart, PR 1801).
+       (lesson 11: DeepSpeed forgot this, only the front copy learned, and the run spiked on restart, PR 1801).
        Done after the DP mean so both copies add the same two tensors (a + b == b + a bit for bit).
     Replicated TP parameters (LayerNorms, row-parallel biases) need nothing: their gradients are computed
     from identical inputs on every TP rank (tests/test_parallel.py checks it; Megatron-DeepSpeed #271)."""

@@ -79,7 +79,7 @@ class Plan:
 
 
 def flops_per_iteration(cfg, padded_vocab, batch, seqlen):
-    """Megatron's count (SPEC): 24 f B s n h^2 (1 + s/6h + V/16nh), f=4 with recomputed activations."""
+    """Megatron's count (lesson 23): 24 f B s n h^2 (1 + s/6h + V/16nh), f=4 with recomputed activations."""
     f = 4 if cfg.checkpoint_activations else 3
     n, h = cfg.num_layers, cfg.hidden_size
     return 24 * f * batch * seqlen * n * h * h * (1 + seqlen / (6 * h) + padded_vocab / (16 * n * h))
@@ -379,14 +379,14 @@ def load_checkpoint(cfg, state, model, optimizer, scheduler, scaler):
         print0(f"no checkpoint in {cfg.load}: training from scratch")
         return False
     model_state, run, rank_state = checkpoint.load(tag_dir)
-    parallel._unwrap(model).load_state_dict(model_state)  # strict: every parameter of every stage (seed 001)
+    parallel._unwrap(model).load_state_dict(model_state)  # strict: every parameter of every stage (lesson 11)
     state.update(run["state"])
     scheduler.load_state_dict(run["scheduler"], override=cfg.override_lr_scheduler)
     if cfg.fp16:
         scaler.load_state_dict(run["scaler"])
     warmup, reset_now = arguments.reset_warmup_iters(cfg), False
     if warmup and state.get("optimizer_reset") is None:
-        # The chronicles' half-way optimizer reset in one switch (seed 000, emb-norm experiments 6-7): fresh
+        # The chronicles' half-way optimizer reset in one switch (lesson 8): fresh
         # Adam (step 0, zero moments), N iterations at lr=0 to warm the moments up, then the normal schedule.
         # Recorded in the run state, so later resumes keep the lr=0 window and do not reset again.
         state["optimizer_reset"] = {"iteration": state["iteration"], "warmup_iters": warmup}
@@ -462,7 +462,7 @@ def main(argv=None):
         seqlen = plan.seqlen(iteration)
         if plan.skipped(iteration):
             # Drawn and thrown away (no forward/backward/update): later iterations see the batches an unskipped
-            # run would see (seed 000 emb-norm 2-4; every range is honoured after any resume).
+            # run would see (lesson 9; every range is honoured after any resume).
             print0(f" iteration {iteration:8d}/{plan.total_iters:8d} | skipped (skip_train_iteration_range): "
                    f"samples {state['consumed_samples']}-{state['consumed_samples'] + batch_size - 1} not used |")
         else:

@@ -1,4 +1,4 @@
-# tr1-13B: BigScience's first 13B English baseline (seed 002 compares the 104B runs against it).
+# tr1-13B: BigScience's first 13B English baseline (the 104B runs were sized against it, lesson 16).
 num_layers = 40
 hidden_size = 5120
 num_attention_heads = 32

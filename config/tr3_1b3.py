@@ -1,4 +1,4 @@
-# tr3m-1B3: the 1.3B optimizer-reset experiment of the tr8b-104B chronicle (seed 000, "1.3B optim-reset").
+# tr3m-1B3: the 1.3B optimizer-reset experiment of the tr8b-104B chronicle (lesson 8).
 # Step 1 trains to 5M samples; step 2 is one switch instead of the chronicle's perl edits:
 #   python train.py config/tr3_1b3.py --load out/tr3_1b3 --train_samples 5_563_200 --reset_optimizer_warmup_iters
 num_layers = 24

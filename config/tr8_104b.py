@@ -1,4 +1,4 @@
-# tr8-104B: the "go wide" 104B (hidden/layers ratio 512, seed 002): 32 layers of width 16384.
+# tr8-104B: the "go wide" 104B (hidden/layers ratio 512, lesson 16): 32 layers of width 16384.
 num_layers = 32
 hidden_size = 16384
 num_attention_heads = 32
@@ -27,7 +27,7 @@ tensor_model_parallel_size = 4
 pipeline_model_parallel_size = 32
 zero_stage = 1
 
-log_interval = 1  # every iteration, to map a spike back to its samples (seed 002)
+log_interval = 1  # every iteration, to map a spike back to its samples (lesson 9)
 eval_interval = 1000
 eval_iters = 5
 save = "checkpoints/tr8-104B"

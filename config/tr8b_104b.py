@@ -1,4 +1,4 @@
-# tr8b-104B: 64 layers of width 11600 with the levers of its chronicle (seed 000): embedding LayerNorm,
+# tr8b-104B: 64 layers of width 11600 with the levers of its chronicle (lessons 1-14): embedding LayerNorm,
 # the formulaic small init, beta2 0.95, fp16 with loss scaling, ZeRO-1.
 #   torchrun --nnodes 64 --nproc_per_node 4 train.py config/tr8b_104b.py
 # Rolling back over a bad stretch of data (emb-norm experiments 2-4) is one more flag:
@@ -23,7 +23,7 @@ adam_beta1 = 0.9
 adam_beta2 = 0.95
 adam_eps = 1e-8
 clip_grad = 1.0
-init_method_std = 0.006  # sqrt(2 / (5 * 11600)) = 0.00587 (seed 004); same as "small_init"
+init_method_std = 0.006  # sqrt(2 / (5 * 11600)) = 0.00587 (lesson 3); same as "small_init"
 embed_layernorm = True
 fp16 = True
 checkpoint_activations = True

@@ -1,6 +1,6 @@
 """Tests for data.py: tokenizer, .bin/.idx files, preprocessing, GPTDataset, blending, splits, ramp-up, curriculum.
 Every expected value is computed independently here (struct parsing, a naive token stream, hand arithmetic
-from SPEC.md, DeepSpeed's own scheduler)."""
+from lessons 12-13, DeepSpeed's own scheduler)."""
 
 import json
 import math
@@ -308,7 +308,7 @@ def test_blending_tracks_weights_within_one(weights):
     dataset_index, sample_index = data.blending_indices(w, n)
     assert len(dataset_index) == len(sample_index) == n
     assert _max_deviation(dataset_index, w) <= 1.0
-    for prefix in (1, 7, 100, 12_345, n):  # the spot checks from the spec, on top of every prefix above
+    for prefix in (1, 7, 100, 12_345, n):  # spot checks, on top of every prefix above
         counts = np.bincount(dataset_index[:prefix], minlength=len(w))
         assert np.all(np.abs(counts - w * prefix) <= 1.0)
     # dataset_sample_index counts the earlier draws from the same dataset (naive Python reference)
@@ -395,7 +395,7 @@ def test_build_datasets_single_and_blend(tmp_path):
 
 
 # -----------------------------------------------------------------------------
-# batch-size ramp-up (SPEC: increments = (gbs - start)/incr, per increment = samples/increments,
+# batch-size ramp-up (lesson 12: increments = (gbs - start)/incr, per increment = samples/increments,
 # c > samples -> gbs, else start + floor(c / per_increment) * incr)
 
 def _spec_rampup(c, start, incr, samples, gbs):
@@ -406,7 +406,7 @@ def _spec_rampup(c, start, incr, samples, gbs):
 
 
 def test_rampup_values_against_spec():
-    r = data.RampupBatchSize("16 16 9_765_625", 2048, 1, 16)  # seed 001
+    r = data.RampupBatchSize("16 16 9_765_625", 2048, 1, 16)  # lesson 12: BLOOM main-1
     per_increment = 9_765_625 / 127  # 76894.685...
     assert r(0) == 16
     assert r(76_894) == 16 and r(76_895) == 32  # first boundary
@@ -415,10 +415,10 @@ def test_rampup_values_against_spec():
     assert r.num_micro_batches(0) == 1 and r.num_micro_batches(10**9) == 128
     for c in list(range(0, 400_000, 997)) + [int(k * per_increment) + e for k in range(128) for e in (-1, 0, 1)]:
         assert r(max(c, 0)) == _spec_rampup(max(c, 0), 16, 16, 9_765_625, 2048)
-    r = data.RampupBatchSize([32, 32, 6_000_000], 2048, 1, 32)  # seed 002 (list form)
+    r = data.RampupBatchSize([32, 32, 6_000_000], 2048, 1, 32)  # lesson 12: tr8-104B (list form)
     for c in range(0, 6_100_000, 12_345):
         assert r(c) == _spec_rampup(c, 32, 32, 6_000_000, 2048)
-    assert data.RampupBatchSize("384 16 9_765_625", 2048, 2, 8)(0) == 384  # seed 001 main-2
+    assert data.RampupBatchSize("384 16 9_765_625", 2048, 2, 8)(0) == 384  # lesson 12: BLOOM main-2
     # c == samples is not "> samples": start + floor(9 / (9/7)) * 1 = 8 exactly (float division gives 6.999...)
     assert data.RampupBatchSize("1 1 9", 8, 1, 1)(9) == 8
     const = data.RampupBatchSize(None, 512, 4, 2)
@@ -439,10 +439,10 @@ def test_rampup_validation():
 
 
 # -----------------------------------------------------------------------------
-# curriculum (SPEC: d = floor(t / total * (max - min) + min); d -= d % 8; d = min(d, max))
+# curriculum (lesson 13: d = floor(t / total * (max - min) + min); d -= d % 8; d = min(d, max))
 
 def test_curriculum_hand_computed():
-    cl = lambda t: data.curriculum_seqlen(t, 64, 2048, 36_000)  # seed 002 settings
+    cl = lambda t: data.curriculum_seqlen(t, 64, 2048, 36_000)  # lesson 13's settings
     assert cl(0) == 64 and cl(1) == 64
     assert cl(145) == 64   # 145/36000*1984 + 64 = 71.99 -> 71 -> 64
     assert cl(146) == 72   # 72.05 -> 72

@@ -1,6 +1,6 @@
-"""Tests for model.py: the parameter count against the seeds' formula (seed 002, SPEC) and the real configs'
+"""Tests for model.py: the parameter count against lesson 16's formula and the real configs'
 sizes, equivalence with Hugging Face's GPT-2 (random weights, nothing downloaded), the initialisation rules of
-seed 004, the attention variants against a float64 reference, what each switch changes (seeds 000/003),
+lesson 3, the attention variants against a float64 reference, what each switch changes (lessons 1, 2, 15),
 vocabulary padding and generation, and a short overfit run that catches a broken backward pass."""
 
 import math
@@ -30,7 +30,7 @@ def _numel(model):
 
 
 def _formula(n, h, v, s):
-    """Seed 002 / SPEC, written out: n*(12h^2 + 13h) + v*h + s*h + 2h."""
+    """Lesson 16, written out: n*(12h^2 + 13h) + v*h + s*h + 2h."""
     return n * (12 * h * h + 13 * h) + v * h + s * h + 2 * h
 
 
@@ -91,7 +91,7 @@ def test_pipeline_stages_hold_the_model_with_the_tied_head_twice():
     assert _numel(first) + _numel(last) - duplicate == cfg.num_parameters() == _numel(GPT(cfg))
 
 
-# (name, n, h, heads, s, check of the formula's value in the seeds' rounding)
+# (name, n, h, heads, s, check of the formula's value in the chronicles' rounding)
 REAL_SIZES = [
     ("tr8b-104B", 64, 11600, 80, 2048, lambda p: round(p / 1e9, 2) == 103.96),
     ("tr8-104B", 32, 16384, 32, 2048, lambda p: round(p / 1e9) == 104),
@@ -227,7 +227,7 @@ def test_loss_equals_huggingface_gpt2(dtype):
 
 
 # -----------------------------------------------------------------------------
-# 3. Initialisation (seed 004)
+# 3. Initialisation (lesson 3)
 
 
 def test_small_init_formula():
@@ -435,7 +435,7 @@ def test_layer_scaling_uses_the_layer_number():
 
 
 # -----------------------------------------------------------------------------
-# 5. Switches change what they claim (seeds 000, 003)
+# 5. Switches change what they claim (lessons 1, 2, 15)
 
 
 def test_embed_layernorm_normalises_word_embeddings_only():

@@ -1,6 +1,6 @@
-"""Tests for optim.py: AdamW against torch.optim.AdamW, the step counter across save/load (seed 000),
+"""Tests for optim.py: AdamW against torch.optim.AdamW, the step counter across save/load (lesson 7),
 8-bit Adam, gradient utilities against torch.nn.utils, the lr schedule against hand computations from
-SPEC.md and the seed 000 logs, and the fp16 loss scaler against the seed 000 OVERFLOW lines."""
+lesson 23 and the tr8b-104B logs, and the fp16 loss scaler against lesson 5's OVERFLOW lines."""
 
 import io
 import math
@@ -99,7 +99,7 @@ def test_step_counter_survives_save_and_load():
 
 
 def test_step_reset_inflates_updates_by_the_bias_correction_ratio():
-    # seed 000: a resume that restarts the counter (apex FusedAdam) divides long-run moments by a
+    # lesson 7: a resume that restarts the counter (apex FusedAdam) divides long-run moments by a
     # bias correction meant for fresh ones; update ratio sqrt(1 - b2^k) / (1 - b1^k) at restarted step k
     beta1, beta2, steps = 0.9, 0.95, 300
     w = torch.nn.Parameter(torch.zeros(64, 64, dtype=torch.float64))  # fp64: exact update differences
@@ -148,7 +148,7 @@ def test_lr_zero_keeps_weights_bit_identical_and_warms_up_the_moments():
         assert not torch.equal(opt.state[p]["exp_avg_sq"], v)
         assert opt.state[p]["step"] == 8
 
-    # the seed 000 reset: a fresh optimizer, N = 5 / (1 - beta2) = 100 steps at lr 0
+    # lesson 8's reset: a fresh optimizer, N = 5 / (1 - beta2) = 100 steps at lr 0
     fresh = AdamW(optim.param_groups(model, 0.1), lr=0.0, betas=(0.9, 0.95), weight_decay=0.1)
     _train(model, fresh, 100, torch.Generator().manual_seed(6))
     for p, w in zip(model.parameters(), weights):
@@ -303,7 +303,7 @@ def test_grads_finite(bad):
 
 
 # -----------------------------------------------------------------------------
-# learning-rate schedule: hand computations from SPEC.md
+# learning-rate schedule: hand computations (lesson 23)
 
 
 def test_lr_sample_based_styles():
@@ -429,7 +429,7 @@ def test_lr_override_with_changed_warmup():
     ckpt.get_lr(100, 2000)  # warm-up ended at 2000 tokens
     sd = ckpt.state_dict()
 
-    # unchanged warm-up (the seed 000 optimizer reset: lr 0 / min_lr 0 with override): restored
+    # unchanged warm-up (lesson 8's optimizer reset: lr 0 / min_lr 0 with override): restored
     reset = AnnealingLR(0.0, 0.0, "linear", warmup_samples=100, **kw)
     reset.load_state_dict(sd, override=True)
     assert reset.warmup_end_tokens == 2000 and reset.get_lr(300, 6000) == 0.0

@@ -4,9 +4,9 @@ Unit level (torch.multiprocessing, gloo, 2 and 4 processes): the tensor-parallel
 cross-entropy against the plain ops; whole GPT stages under TP, PP (1F1B), DP and their mixes against the
 single-process model on the same micro-batches (loss, every gradient, the global grad norm), with the
 curriculum changing the sequence length between steps; replicated TP gradients bitwise equal (Megatron-DeepSpeed
-#271); the two copies of the tied embedding bitwise equal (seed 001); native ZeRO-1 bitwise equal to unsharded
+#271); the two copies of the tied embedding bitwise equal (lesson 11); native ZeRO-1 bitwise equal to unsharded
 AdamW. End to end through train.py (torchrun): the log lines of parallel runs against the single-process run,
-save/resume across TP=2 x PP=2, the weight-dump comparison of seed 001, and the topology check on load.
+save/resume across TP=2 x PP=2, the weight-dump comparison of lesson 11, and the topology check on load.
 """
 import contextlib
 import io
@@ -134,7 +134,7 @@ def test_tensor_parallel_layers_match_plain_ops():
 # Whole GPT stages under TP / PP (1F1B) / DP against one process
 
 
-# The vocabulary is padded to a multiple of make_vocab_size_divisible_by * TP (SPEC), and the padded rows take
+# The vocabulary is padded to a multiple of make_vocab_size_divisible_by * TP (lesson 16), and the padded rows take
 # part in the softmax, so TP=1 and TP=2 are the same model only when both pad to the same size: 50 -> 64 here.
 TINY = dict(num_layers=4, hidden_size=16, num_attention_heads=4, seq_length=16, vocab_size=50,
             make_vocab_size_divisible_by=32, hidden_dropout=0.0, attention_dropout=0.0, embed_layernorm=True)
@@ -211,7 +211,7 @@ def _layout_matches_one_process(micro_per_rank, mbs):
                 if getattr(p, "tp_dim", None) is None:
                     for other in _gather(p.grad, g.tp_group):
                         assert torch.equal(other, p.grad), name
-        # the two copies of the tied embedding get the same gradient, bit for bit (seed 001)
+        # the two copies of the tied embedding get the same gradient, bit for bit (lesson 11)
         tied = model.word_embedding_weight()
         if g.pp_size > 1 and tied is not None:
             other = _gather(tied.grad, g.embedding_group)
@@ -295,7 +295,7 @@ def test_native_zero1_matches_adamw():
 
 
 # -----------------------------------------------------------------------------
-# Dry run: no processes, no memory; the 104B numbers of SPEC/seed 002
+# Dry run: no processes, no memory; the 104B numbers of lesson 16
 
 
 def test_dry_run_tr8b_104b(capsys):
@@ -305,7 +305,7 @@ def test_dry_run_tr8b_104b(capsys):
     report = estimate.dry_run(cfg, world_size=256)
     out = capsys.readouterr().out
     n, h, s = 64, 11600, 2048
-    # SPEC: n(12h^2 + 13h) + vh + sh + 2h, plus the embedding LayerNorm (2h) the 104B config turns on
+    # lesson 16: n(12h^2 + 13h) + vh + sh + 2h, plus the embedding LayerNorm (2h) the 104B config turns on
     assert report["params"] == n * (12 * h * h + 13 * h) + 50257 * h + s * h + 2 * h + 2 * h
     assert report["dp"] == 2 and len(report["stages"]) == 32
     assert "103.96B parameters" in out
@@ -316,7 +316,7 @@ def test_dry_run_tr8b_104b(capsys):
     replicated = 2 * (4 * h + 2 * h)  # two LayerNorms and two row-parallel biases per layer
     assert report["stages"][0][0] == split + replicated + v * h // 4 + s * h + 2 * h
     assert report["gpu_params"] == report["stages"][0][0]  # the first stage is the largest
-    # 18 bytes per parameter with fp16 and Adam (seed 002: "18*104"), ZeRO-1 shards the 12 optimizer bytes
+    # 18 bytes per parameter with fp16 and Adam (lesson 16: "18*104"), ZeRO-1 shards the 12 optimizer bytes
     assert report["model_states"] == report["gpu_params"] * (6 + 12 / 2)
     assert parallel.grid.world_size == 1  # the real grid is untouched
 
@@ -409,7 +409,7 @@ SPLIT = re.compile(r"(qkv\.|fc1\.|proj\.weight|fc2\.weight|embed\.word\.weight|o
 
 
 def assert_replicas_identical(weights):
-    """Bitwise: the two copies of the tied embedding (seed 001), replicated TP parameters across TP ranks
+    """Bitwise: the two copies of the tied embedding (lesson 11), replicated TP parameters across TP ranks
     (Megatron-DeepSpeed #271), and every parameter across DP ranks."""
     pp = 1 + max(k[0] for k in weights)
     for (p, t, d), w in weights.items():
@@ -470,7 +470,7 @@ def test_tp2_pp2_resume_is_exact_and_weights_survive_the_reload(tp2_pp2, corpus,
         assert second.lines[it] == tp2_pp2.lines[it], it
         assert second.scalars[it] == tp2_pp2.scalars[it], it
     assert second.valid[10] == tp2_pp2.valid[10]
-    # every stage's every parameter, embedding LayerNorm included, is back after the load (seed 001)
+    # every stage's every parameter, embedding LayerNorm included, is back after the load (lesson 11)
     check = subprocess.run([sys.executable, "tools/compare_weight_dumps.py", str(tmp_path)], cwd=ROOT,
                            capture_output=True, text=True)
     assert check.returncode == 0, check.stdout + check.stderr

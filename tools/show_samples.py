@@ -2,8 +2,8 @@
 
     python tools/show_samples.py config/tr8b_104b.py --iterations 13251-13260 [--key=value ...]
 
-The seeds' 104B team switched to logging every iteration "in case we need to remap samples to text to find a
-really bad text input" (seed 002). The sample order is a function of the config (data, split, seed, batch
+The 104B team switched to logging every iteration "in case we need to remap samples to text to find a
+really bad text input" (lesson 9). The sample order is a function of the config (data, split, seed, batch
 ramp-up, curriculum) and of the consumed samples only, so it can be replayed without the checkpoint.
 Skipped iterations (skip_train_iteration_range) are listed too: their batches were drawn and thrown away.
 """
