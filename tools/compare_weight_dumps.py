@@ -3,7 +3,7 @@
     python tools/compare_weight_dumps.py CHECKPOINT_DIR      # exit 1 if any parameter differs or is missing
 
 Training with dump_weights=True writes CHECKPOINT_DIR/weight_dumps/debug-{iteration}-pp{p}-tp{t}-dp{d}-global{r}-
-{before-save|after-load}.pt (parallel.dump_weights). For each global rank, the after-load dump of an iteration
+{before-save|after-load}.pt (checkpoint.dump_weights). For each global rank, the after-load dump of an iteration
 is compared with the before-save dump of the same iteration, bit for bit. This is the 176B team's
 `diff -u a/debug-805-... b/debug-806-...` over 384 ranks (lesson 11), which showed the last stage's copy of the
 word embedding and its LayerNorm coming back different after a reload.
