@@ -198,7 +198,8 @@ class AnnealingLR:
 
     Note: Megatron and DeepSpeed advance the schedule only on applied (not skipped) iterations, so the
     samples a caller passes should exclude iterations skipped for an fp16 overflow to reproduce their
-    logs (lesson 5; the tr8b-104B log at iteration 6502: 5.997E-05 at 216960 consumed samples fits a 731-738 sample lag).
+    logs (lesson 5; the tr8b-104B log at iteration 6502: 5.997E-05 at 216960 consumed samples fits a
+    731-738 sample lag).
     """
 
     STYLES = ("linear", "cosine", "constant")

@@ -23,7 +23,8 @@ class Grid:
     """Who am I in the (PP, DP, TP) grid, and the process groups I talk to."""
 
     def __init__(self, tensor_parallel_size=1, pipeline_parallel_size=1, world_size=None, rank=0):
-        """With world_size given, a grid on paper: sizes and ranks only, no process groups (dry runs)."""
+        """With world_size given, a grid on paper: sizes and ranks only, no process groups (estimate.py builds
+        the model for one with GPT(..., grid=...))."""
         tp, pp = tensor_parallel_size, pipeline_parallel_size
         on_paper = world_size is not None
         if not on_paper:

@@ -247,19 +247,12 @@ def forward_backward(model, batches, cfg, device, loss_scale=1.0, forward_only=F
     return total / len(batches)
 
 
-def average_loss(loss):
-    """Mean of the per-rank losses over data parallel, broadcast from the last stage (where the loss lives)."""
-    if dist.is_initialized():
-        return parallel.average_loss(loss)
-    return loss
-
-
 def train_step(model, optimizer, scaler, batches, lr, cfg, device, count_zeros=True):
     """Returns (loss, grad_norm, num_zeros, outcome) with outcome one of 'ok', 'skipped', 'nan'.
     count_zeros: count the zero gradients (a pass over all of them: only done for the iterations logged)."""
     optimizer.zero_grad(set_to_none=True)
     loss = forward_backward(model, batches, cfg, device, loss_scale=scaler.scale)
-    loss = average_loss(loss)
+    loss = parallel.average_loss(loss)  # over DP, from the last stage; one process: the loss itself
     if cfg.deepspeed:
         return deepspeed_step(model, optimizer, loss.item(), lr)
     parallel.reduce_gradients(model)  # with one process: nothing to reduce
@@ -307,7 +300,7 @@ def evaluate(model, dataset, cfg, device):
     losses, count = [], cfg.global_batch_size // (cfg.micro_batch_size * parallel.grid.dp_size)
     for i in range(cfg.eval_iters):
         batches = micro_batches(dataset, i * cfg.global_batch_size, count, cfg, cfg.seq_length, device)
-        losses.append(average_loss(forward_backward(model, batches, cfg, device, forward_only=True)).item())
+        losses.append(parallel.average_loss(forward_backward(model, batches, cfg, device, forward_only=True)).item())
     model.train()
     return sum(losses) / len(losses)
 

@@ -33,7 +33,7 @@ def test_fp16_dynamic_loss_scale_overflows_skip_and_halve(corpus, tmp_path):
                    f"--save={tmp_path}")
     overflows = re.findall(r"OVERFLOW! Skipping step. Attempted loss scale: (\S+), reducing to (\S+)", out)
     assert overflows, out
-    # hysteresis 2: the first overflow keeps the scale, the next ones halve it (lesson 5, tr8b-104B iterations 17062-17063)
+    # hysteresis 2: the first overflow keeps the scale, the next ones halve it (lesson 5)
     assert overflows[0] == ("1048576.0", "1048576.0")
     assert overflows[1] == ("1048576.0", "524288.0")
     fields = log_fields(out)

@@ -91,6 +91,34 @@ def test_pipeline_stages_hold_the_model_with_the_tied_head_twice():
     assert _numel(first) + _numel(last) - duplicate == cfg.num_parameters() == _numel(GPT(cfg))
 
 
+def test_word_embedding_weight_is_this_stages_copy():
+    cfg = _cfg(num_layers=3)
+    whole, first = GPT(cfg), GPT(cfg, layers=range(0, 1), post_process=False)
+    middle = GPT(cfg, layers=range(1, 2), pre_process=False, post_process=False)
+    last = GPT(cfg, layers=range(2, 3), pre_process=False)
+    assert whole.word_embedding_weight() is whole.embed.word.weight
+    assert first.word_embedding_weight() is first.embed.word.weight
+    assert middle.word_embedding_weight() is None
+    assert last.word_embedding_weight() is last.output_weight
+    assert torch.equal(last.word_embedding_weight(), first.word_embedding_weight())  # the same initial values
+
+
+def test_a_model_built_for_another_grid_is_that_ranks_slice():
+    """GPT(grid=...) builds TP rank 1 of 2 in this single process: its shapes and initial values are that rank's
+    slices of the one-process model, and this process's grid is left alone (what estimate.py relies on)."""
+    cfg = _cfg(vocab_size=100, make_vocab_size_divisible_by=8, tensor_model_parallel_size=2)  # padded to 112
+    full = GPT(cfg, grid=parallel.Grid(world_size=1))
+    rank1 = GPT(cfg, grid=parallel.Grid(2, 1, world_size=2, rank=1))
+    assert parallel.grid.tp_size == 1 and parallel.grid.world_size == 1
+    assert rank1.embed.word.weight.shape == (56, cfg.hidden_size) and rank1.embed.word.vocab_start == 56
+    assert rank1.blocks["0"].attn.local_heads == cfg.num_attention_heads // 2
+    named = dict(full.named_parameters())
+    for name, p in rank1.named_parameters():
+        dim = getattr(p, "tp_dim", None)
+        expected = named[name] if dim is None else named[name].chunk(2, dim=dim)[1]
+        assert torch.equal(p, expected), name
+
+
 # (name, n, h, heads, s, check of the formula's value in the chronicles' rounding)
 REAL_SIZES = [
     ("tr8b-104B", 64, 11600, 80, 2048, lambda p: round(p / 1e9, 2) == 103.96),
