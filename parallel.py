@@ -266,13 +266,8 @@ def _unwrap(model):
 
 
 def backward(model, out, grad=None):
-    """out.backward(grad), through DeepSpeed's engine when the model is one (its bf16 ZeRO-0 optimizer accepts
-    nothing else). The engine takes a scalar only, so a stage output goes in as sum(out * grad), whose gradient
-    with respect to out is exactly grad."""
-    if hasattr(model, "module") and hasattr(model, "backward"):  # a deepspeed.DeepSpeedEngine
-        model.backward(out if grad is None else (out * grad).sum(), scale_wrt_gas=False)
-    else:
-        torch.autograd.backward(out, grad)
+    """out.backward(grad): a stage's loss, or its output with the gradient that came back from the next stage."""
+    torch.autograd.backward(out, grad)
 
 
 # -----------------------------------------------------------------------------
@@ -532,51 +527,3 @@ class ZeroShardedOptimizer:
                              "zero_stage=1 or with another data-parallel size); resume with the same zero_stage "
                              "and number of processes, or set no_load_optim")
         self.optimizer.load_state_dict(state["optimizer"])
-
-
-# -----------------------------------------------------------------------------
-# DeepSpeed, for ZeRO and bf16 only: tensor and pipeline parallelism stay ours
-
-
-class DeepSpeedMPU:
-    """Our grid in the shape of Megatron's `mpu` module. It is how DeepSpeed learns the DP group (to shard the
-    optimizer over and reduce gradients in) and the model-parallel group (TP x PP: to sum the grad norm over)."""
-
-    def __init__(self, g):
-        self.g = g
-
-    def get_data_parallel_group(self):
-        return self.g.dp_group
-
-    def get_data_parallel_rank(self):
-        return self.g.dp_rank
-
-    def get_data_parallel_world_size(self):
-        return self.g.dp_size
-
-    def get_model_parallel_group(self):
-        return self.g.mp_group
-
-    def get_model_parallel_rank(self):
-        return self.g.pp_rank * self.g.tp_size + self.g.tp_rank
-
-    def get_model_parallel_world_size(self):
-        return self.g.tp_size * self.g.pp_size
-
-    def get_tensor_model_parallel_group(self):
-        return self.g.tp_group
-
-    def get_tensor_model_parallel_rank(self):
-        return self.g.tp_rank
-
-    def get_tensor_model_parallel_world_size(self):
-        return self.g.tp_size
-
-    def get_pipeline_model_parallel_group(self):
-        return self.g.pp_group
-
-    def get_pipeline_model_parallel_rank(self):
-        return self.g.pp_rank
-
-    def get_pipeline_model_parallel_world_size(self):
-        return self.g.pp_size

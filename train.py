@@ -23,6 +23,7 @@ import torch.distributed as dist
 import arguments
 import checkpoint
 import data
+import deepspeed_engine
 import estimate
 import optim
 import parallel
@@ -109,68 +110,11 @@ def build_optimizer(cfg, model):
     optimizer = optim.build_optimizer(model, cfg.lr, cfg.weight_decay, cfg.adam_beta1, cfg.adam_beta2, cfg.adam_eps,
                                       use_bnb_optimizer=cfg.use_bnb_optimizer, embedding=model.word_embedding_weight())
     if cfg.deepspeed or cfg.zero_stage == 0 or parallel.grid.dp_size == 1:
-        return optimizer  # not sharded here (under DeepSpeed, setup_deepspeed shards it)
+        return optimizer  # not sharded here (under DeepSpeed, deepspeed_engine shards it)
     if cfg.zero_stage != 1:
         raise ValueError(f"zero_stage={cfg.zero_stage} needs deepspeed=True (the native path shards the optimizer "
                          "state only: zero_stage=1)")
     return parallel.ZeroShardedOptimizer(optimizer)
-
-
-def setup_deepspeed(cfg, model, optimizer):
-    """Hand the stage model and our optimizer to DeepSpeed for ZeRO (stages 1, 2) and bf16 weights; tensor and
-    pipeline parallelism stay ours. Returns (engine, DeepSpeed's optimizer), used as (model, optimizer).
-
-    Still ours: the micro-batch loop and the pipeline schedule, the loss average, the tied-embedding reduction,
-    the LR schedule (written into the param groups every step), skipping a NaN loss. DeepSpeed's: the DP
-    reduction, the grad norm and clipping (the same rule, scale by max_norm / (norm + 1e-6)), skipping a step
-    whose grad norm is inf/NaN. Under DeepSpeed bf16 the weights themselves are bf16 (fp32 master copy in the
-    optimizer), where the native path keeps fp32 weights and autocasts."""
-    import deepspeed
-    g = parallel.grid
-    if cfg.fp16:
-        raise ValueError("deepspeed=True with fp16 is not supported: DeepSpeed would take over loss scaling (and "
-                         "its CPU build refuses fp16); use bf16, or fp16 with deepspeed=False (native ZeRO-1 too)")
-    if cfg.zero_stage == 0 and not cfg.bf16:
-        raise ValueError("deepspeed=True with zero_stage=0 and fp32 adds nothing to the native path; set "
-                         "zero_stage to 1 or 2, or bf16, or deepspeed=False")
-    if cfg.zero_stage > 2:
-        raise ValueError(f"zero_stage={cfg.zero_stage} is not supported (ZeRO-3 would shard the weights our TP/PP "
-                         "layers hold); use zero_stage 1 or 2")
-    if cfg.zero_stage == 2 and g.pp_size > 1:
-        raise ValueError("zero_stage=2 with pipeline_model_parallel_size > 1 is not supported: ZeRO-2 reduces "
-                         "gradients during backward, before the two stages' tied-embedding gradients are summed "
-                         "(DeepSpeed refuses it with pipelines too); use zero_stage=1")
-    if cfg.skip_grad_norm_above is not None:
-        raise ValueError("skip_grad_norm_above needs the grad norm before the update, which DeepSpeed computes "
-                         "inside its step(); unset it or use deepspeed=False")
-    for p in model.parameters():
-        # DeepSpeed's grad norm counts a split parameter on every TP rank and a replicated one on TP rank 0,
-        # and skips a pipeline's replicated copy: the same rule as parallel.grad_norm.
-        p.tensor_model_parallel = getattr(p, "tp_dim", None) is not None
-    if model.output_weight is not None:  # the last stage's copy of the tied embedding
-        model.output_weight.ds_pipe_replicated = True
-    config = {
-        "train_micro_batch_size_per_gpu": cfg.micro_batch_size,
-        # We run the micro-batches and divide the loss ourselves; DeepSpeed sees one micro-batch per step and
-        # leaves the accumulation boundary to step() (no rescaling, reductions only in step()).
-        "gradient_accumulation_steps": 1,
-        "train_batch_size": cfg.micro_batch_size * g.dp_size,
-        "managed_gradient_accumulation": False,
-        "gradient_clipping": cfg.clip_grad,
-        "zero_optimization": {"stage": cfg.zero_stage, "elastic_checkpoint": False},
-        "bf16": {"enabled": cfg.bf16},
-        "zero_allow_untested_optimizer": True,  # our AdamW (or bitsandbytes') is not on DeepSpeed's list
-        "steps_per_print": 2**62,
-    }
-    # With bf16 and ZeRO-0, DeepSpeed creates the optimizer state by stepping once with zero gradients: Adam's
-    # step counter then reads one too many and weight decay shrinks the weights once. At lr=0 that step
-    # leaves the weights bit-identical, and forgetting the state it made restarts the counter at 0.
-    optim.set_lr(optimizer, 0.0)
-    engine, ds_optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config,
-                                                      mpu=parallel.DeepSpeedMPU(g), dist_init_required=False)
-    if any(s.get("step", 0) for s in optimizer.state.values()):
-        optimizer.state.clear()
-    return engine, ds_optimizer
 
 
 def build_scheduler(cfg, plan):
@@ -254,7 +198,7 @@ def train_step(model, optimizer, scaler, batches, lr, cfg, device, count_zeros=T
     loss = forward_backward(model, batches, cfg, device, loss_scale=scaler.scale)
     loss = parallel.average_loss(loss)  # over DP, from the last stage; one process: the loss itself
     if cfg.deepspeed:
-        return deepspeed_step(model, optimizer, loss.item(), lr)
+        return optimizer.finish_step(loss.item(), lr)  # DeepSpeed reduces, clips and steps in one call
     parallel.reduce_gradients(model)  # with one process: nothing to reduce
     params = [p for p in model.parameters() if p.grad is not None]
     if scaler.scale != 1.0:
@@ -277,20 +221,6 @@ def train_step(model, optimizer, scaler, batches, lr, cfg, device, count_zeros=T
     optim.set_lr(optimizer, lr)
     optimizer.step()
     return loss.item(), grad_norm, num_zeros, "ok"
-
-
-def deepspeed_step(engine, optimizer, loss, lr):
-    """The end of train_step under DeepSpeed, whose step() reduces over DP, computes the grad norm, clips and
-    updates in one call: the norm is known only afterwards, and "num zeros" is not available (logged as 0)."""
-    parallel.reduce_gradients(engine, data_parallel=False)  # the tied embedding's two copies; DP is DeepSpeed's
-    if not math.isfinite(loss):
-        optimizer.zero_grad(set_to_none=True)
-        return loss, float("nan"), 0, "nan"  # a NaN loss never updates the weights
-    optim.set_lr(optimizer, lr)
-    skipped = engine.skipped_steps
-    engine.step()
-    grad_norm = float(engine.get_global_grad_norm())
-    return loss, grad_norm, 0, "skipped" if engine.skipped_steps > skipped else "ok"
 
 
 @torch.no_grad()
@@ -392,10 +322,6 @@ def load_checkpoint(cfg, state, model, optimizer, scheduler, scaler):
         print0("optimizer state not loaded: starting from a fresh optimizer (step 0, zero moments)")
         if hasattr(optimizer, "refresh_fp32_params"):  # DeepSpeed's fp32 master copy: from the loaded weights
             optimizer.refresh_fp32_params()
-    elif cfg.deepspeed and cfg.zero_stage > 0:
-        # ZeRO picks this rank's shard from a list indexed by DP rank; its fp32 master weights come from the
-        # checkpoint, not from the (bf16) model weights, which would round them.
-        optimizer.load_state_dict([rank_state["optimizer"]] * parallel.grid.dp_size, load_from_fp32_weights=True)
     else:
         optimizer.load_state_dict(rank_state["optimizer"])
     if not cfg.no_load_rng:
@@ -429,7 +355,7 @@ def main(argv=None):
     print0(f"{grid}; training for {plan.total_iters} iterations, {plan.total_samples:,} samples")
     optimizer = build_optimizer(cfg, model)
     if cfg.deepspeed:
-        model, optimizer = setup_deepspeed(cfg, model, optimizer)
+        optimizer = deepspeed_engine.DeepSpeedOptimizer(cfg, model, optimizer)
     scheduler = build_scheduler(cfg, plan)
     print0(scheduler.describe())
     scaler = build_scaler(cfg)
