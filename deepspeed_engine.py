@@ -1,11 +1,10 @@
 """DeepSpeed behind the optimizer interface of the trainer: ZeRO and bf16 master weights, nothing else.
 
-    optimizer = deepspeed_engine.DeepSpeedOptimizer(cfg, model, optimizer)   # train.main, deepspeed=True
+    model, optimizer = deepspeed_engine.initialize(cfg, model, optimizer)   # train.main, deepspeed=True
     loss, grad_norm, num_zeros, outcome = optimizer.finish_step(loss, lr)  # train.train_step, after backward
 
 Tensor and pipeline parallelism, the micro-batch loop, the loss average, the LR schedule, checkpoints and the
-tied-embedding reduction stay ours; the model stays our GPT (forward and backward never go through the
-engine). DeepSpeed brings the bf16 weights with an fp32 master copy, the data-parallel reduction, the sharding
+tied-embedding reduction stay ours; the model stays our GPT, and backward is plain autograd. DeepSpeed brings the bf16 weights with an fp32 master copy, the data-parallel reduction, the sharding
 of the optimizer state (ZeRO-1) and gradients (ZeRO-2), the grad norm, clipping and the update.
 
 Which DeepSpeed 0.19 optimizer runs, and why:
@@ -18,6 +17,8 @@ Which DeepSpeed 0.19 optimizer runs, and why:
   as BLOOM-176B ran "ZeRO stage 0" with bf16.
 - bf16, zero_stage 2: DeepSpeedZeroOptimizer with fp32 gradient partitions and fp32 reduce-scatter.
 - fp32, zero_stage 1 or 2: DeepSpeedZeroOptimizer.
+ZeRO-2 reduces and partitions gradients during each micro-batch's backward, through hooks that the engine's
+forward arms: under ZeRO-2 the model to run is the engine (parallel._unwrap finds our GPT inside).
 The grad norm counts each parameter once, as parallel.grad_norm does: DeepSpeed reads `tensor_model_parallel`
 (TP-split: every TP rank's share; replicated: TP rank 0's) and `ds_pipe_replicated` (the last stage's copy of
 the tied embedding: not counted), which are set on our parameters below.
@@ -120,6 +121,12 @@ class DeepSpeedMPU:
 
     def get_pipeline_model_parallel_world_size(self):
         return self.g.pp_size
+
+
+def initialize(cfg, model, optimizer):
+    """(the model to run, the optimizer to step) for deepspeed=True."""
+    wrapper = DeepSpeedOptimizer(cfg, model, optimizer)
+    return (wrapper.engine if cfg.zero_stage == 2 else model), wrapper
 
 
 class DeepSpeedOptimizer:

@@ -355,7 +355,7 @@ def main(argv=None):
     print0(f"{grid}; training for {plan.total_iters} iterations, {plan.total_samples:,} samples")
     optimizer = build_optimizer(cfg, model)
     if cfg.deepspeed:
-        optimizer = deepspeed_engine.DeepSpeedOptimizer(cfg, model, optimizer)
+        model, optimizer = deepspeed_engine.initialize(cfg, model, optimizer)
     scheduler = build_scheduler(cfg, plan)
     print0(scheduler.describe())
     scaler = build_scaler(cfg)
