@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 import arguments
+import deepspeed_engine
 import parallel
 import train
 
@@ -88,7 +89,7 @@ def main(argv=None):
     gpt, local_params = model.cfg, sum(p.numel() for p in model.parameters())
     optimizer = train.build_optimizer(cfg, model)
     if cfg.deepspeed:
-        model, optimizer = train.setup_deepspeed(cfg, model, optimizer)
+        model, optimizer = deepspeed_engine.initialize(cfg, model, optimizer)
     scaler = train.build_scaler(cfg)
     train_model = torch.compile(model) if cfg.compile else model
     model.train()

@@ -24,6 +24,7 @@ The grad norm counts each parameter once, as parallel.grad_norm does: DeepSpeed 
 the tied embedding: not counted), which are set on our parameters below.
 """
 import math
+import os
 
 import torch
 import torch.distributed as dist
@@ -136,6 +137,11 @@ class DeepSpeedOptimizer:
     def __init__(self, cfg, model, optimizer):
         g = parallel.grid
         check(cfg, g)
+        if not dist.is_initialized():  # one process (python train.py): DeepSpeed still wants a process group
+            os.environ.setdefault("LOCAL_RANK", "0")
+            dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", store=dist.HashStore(),
+                                    rank=0, world_size=1)
+            g = parallel.init(cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size)
         import deepspeed
         for p in model.parameters():
             p.tensor_model_parallel = getattr(p, "tp_dim", None) is not None

@@ -201,6 +201,23 @@ def test_deepspeed_bf16_matches_native_tp2xpp2_pp2xdp2(corpus):
     spawn(_world4, 4, 1, 1, corpus)
 
 
+@pytest.mark.slow
+def test_deepspeed_in_one_process(corpus):
+    """python train.py --deepspeed (no torchrun): a one-process group is made for DeepSpeed, and the run is
+    the native one."""
+    rec = Recorder()
+    try:
+        native = rec.run(f"--data_path={corpus}", "--bf16", "--train_iters=3")
+        steps = rec.run(f"--data_path={corpus}", "--bf16", "--train_iters=3", "--deepspeed", "--zero_stage=1")
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        parallel.grid = parallel.Grid()
+    assert len(steps) == len(native) == 3
+    for got, ref in zip(steps, native):
+        assert got[2] == "ok" and math.isclose(got[0], ref[0], rel_tol=5e-3) and math.isclose(got[1], ref[1], rel_tol=5e-3)
+
+
 # -----------------------------------------------------------------------------
 # What DeepSpeed does not run as the native path would: one message each, before DeepSpeed is imported
 
