@@ -4,8 +4,9 @@
     loss, grad_norm, num_zeros, outcome = optimizer.finish_step(loss, lr)  # train.train_step, after backward
 
 Tensor and pipeline parallelism, the micro-batch loop, the loss average, the LR schedule, checkpoints and the
-tied-embedding reduction stay ours; the model stays our GPT, and backward is plain autograd. DeepSpeed brings the bf16 weights with an fp32 master copy, the data-parallel reduction, the sharding
-of the optimizer state (ZeRO-1) and gradients (ZeRO-2), the grad norm, clipping and the update.
+tied-embedding reduction stay ours; the model stays our GPT, and backward is plain autograd. DeepSpeed brings
+the bf16 weights' fp32 master copy, the data-parallel reduction, the sharding of the optimizer state (ZeRO-1)
+and of the gradients (ZeRO-2), the grad norm, clipping and the update.
 
 Which DeepSpeed 0.19 optimizer runs, and why:
 - bf16, zero_stage 0 or 1: BF16_Optimizer, BigScience's for BLOOM-176B (lesson 6). Each micro-batch's bf16
@@ -55,7 +56,7 @@ def check(cfg, grid):
         raise ValueError("use_bnb_optimizer with deepspeed=True is not supported: DeepSpeed hands the optimizer "
                          "flat buffers that mix many parameters, so bitsandbytes could neither keep the "
                          "embedding's state 32-bit nor quantize each parameter on its own (lesson 14); use "
-                         "deepspeed=False, whose zero_stage=1 shards whole parameters")
+                         "deepspeed=False: the native path, zero_stage=1 included, hands it whole parameters")
 
 
 def ds_config(cfg, grid):
@@ -154,7 +155,7 @@ class DeepSpeedOptimizer:
         self.model, self.dp_size = model, g.dp_size
         if any(s.get("step", 0) for s in optimizer.state.values()):  # no optimizer step may happen before ours
             raise RuntimeError(f"{type(self.optimizer).__name__} stepped the optimizer at construction")
-        if cfg.bf16 and cfg.zero_stage < 2 and rank0():
+        if cfg.bf16 and cfg.zero_stage < 2 and g.rank == 0:
             print(f"DeepSpeed bf16, zero_stage={cfg.zero_stage}: {type(self.optimizer).__name__}, fp32 gradient "
                   f"accumulation and DP all-reduce, fp32 master weights and Adam moments sharded over DP="
                   f"{g.dp_size} (ZeRO-1)", flush=True)
@@ -209,7 +210,3 @@ class DeepSpeedOptimizer:
     def refresh_fp32_params(self):
         """A fresh optimizer (no_load_optim): the fp32 master weights from the loaded model weights."""
         self.optimizer.refresh_fp32_params()
-
-
-def rank0():
-    return parallel.grid.rank == 0

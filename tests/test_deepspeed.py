@@ -215,7 +215,8 @@ def test_deepspeed_in_one_process(corpus):
         parallel.grid = parallel.Grid()
     assert len(steps) == len(native) == 3
     for got, ref in zip(steps, native):
-        assert got[2] == "ok" and math.isclose(got[0], ref[0], rel_tol=5e-3) and math.isclose(got[1], ref[1], rel_tol=5e-3)
+        assert got[2] == "ok", got
+        assert math.isclose(got[0], ref[0], rel_tol=5e-3) and math.isclose(got[1], ref[1], rel_tol=5e-3), (got, ref)
 
 
 # -----------------------------------------------------------------------------
