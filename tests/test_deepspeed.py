@@ -87,7 +87,7 @@ def _check_replicas(model, what):
     """Bitwise: the tied embedding's two copies, TP-replicated parameters across TP, everything across DP."""
     g = parallel.grid
     if g.pp_size > 1 and (g.is_first_stage or g.is_last_stage):
-        first, last = _gather(parallel.tied_embedding(model).detach(), g.embedding_group)
+        first, last = _gather(model.word_embedding_weight().detach(), g.embedding_group)
         assert torch.equal(first, last), f"{what}: the tied embedding's two copies differ"
     for name, p in model.named_parameters():
         if getattr(p, "tp_dim", None) is None and g.tp_size > 1:
