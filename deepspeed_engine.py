@@ -30,6 +30,7 @@ import os
 import torch
 import torch.distributed as dist
 
+import optim
 import parallel
 
 
@@ -192,8 +193,7 @@ class DeepSpeedOptimizer:
         if not math.isfinite(loss):
             self.optimizer.zero_grad(set_to_none=True)
             return loss, float("nan"), 0, "nan"  # a NaN loss never updates the weights
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        optim.set_lr(self.optimizer, lr)
         skipped = self.engine.skipped_steps
         self.engine.step()
         grad_norm = float(self.engine.get_global_grad_norm())

@@ -7,7 +7,8 @@ iteration (5e-3 relative under bf16, 1e-5 under fp32), Adam's step counter at 10
 embedding and every replica (TP-replicated parameters, DP ranks) bitwise equal. The native bf16 run is
 whatever the native bf16 path is when the test runs. Then, in the same processes: DeepSpeed's bf16 gradients
 accumulate in fp32 over 64 micro-batches, and a DeepSpeed bf16 run saved at iteration 5 resumes bit-exactly
-with its step counter. The refusals (fp16, bitsandbytes, ...) are checked without starting DeepSpeed.
+with its step counter. One process (python train.py --deepspeed) gets a one-process group and trains as the
+native path. The refusals (fp16, bitsandbytes, ...) are checked without starting DeepSpeed.
 """
 import contextlib
 import io
