@@ -16,6 +16,7 @@ import types
 import typing
 from dataclasses import asdict, dataclass, fields
 
+import parallel
 from model import GPTConfig
 
 DEFAULT_CONFIG = "config/tiny.py"
@@ -73,6 +74,7 @@ class Config(GPTConfig):
     difficulty_step: int = 8
     # -- parallelism (tensor_model_parallel_size is a model.GPTConfig field: it pads the vocabulary) --
     pipeline_model_parallel_size: int = 1
+    pp_partition_method: str = "type:transformer|embedding"  # or "type:transformer": the embedding not counted
     deepspeed: bool = False
     zero_stage: int = 0
     # -- logging, evaluation, checkpoints --
@@ -275,8 +277,7 @@ def validate(cfg, world_size=1):
     dp = world_size // (tp * pp)
     need(cfg.num_attention_heads % tp == 0,
          f"num_attention_heads ({cfg.num_attention_heads}) must be divisible by tensor_model_parallel_size ({tp})")
-    need(cfg.num_layers % pp == 0,
-         f"num_layers ({cfg.num_layers}) must be divisible by pipeline_model_parallel_size ({pp})")
+    parallel.partition_layers(cfg.num_layers, pp, cfg.pp_partition_method)  # raises if it cannot be done
     if cfg.global_batch_size is None:
         cfg.global_batch_size = cfg.micro_batch_size * dp
     need(cfg.global_batch_size % (cfg.micro_batch_size * dp) == 0,

@@ -31,14 +31,13 @@ def dry_run(cfg, world_size=None, file=None):
         raise ValueError(f"WORLD_SIZE {world} is not divisible by tensor_model_parallel_size ({tp}) x "
                          f"pipeline_model_parallel_size ({pp}); set WORLD_SIZE to a multiple of {tp * pp}")
     dp = world // (tp * pp)
-    if cfg.num_layers % pp:
-        raise ValueError(f"num_layers ({cfg.num_layers}) must be divisible by pipeline_model_parallel_size ({pp})")
-    model_cfg, per_stage, stages = GPTConfig.from_config(cfg), cfg.num_layers // pp, []
+    partition = parallel.partition_layers(cfg.num_layers, pp, cfg.pp_partition_method)
+    model_cfg, stages = GPTConfig.from_config(cfg), []
     for stage in range(pp):
         paper = parallel.Grid(tp, pp, world_size=world, rank=stage * dp * tp)  # TP rank 0 of this stage
         with torch.device("meta"):
-            gpt = GPT(model_cfg, range(stage * per_stage, (stage + 1) * per_stage), pre_process=stage == 0,
-                      post_process=stage == pp - 1, grid=paper)
+            gpt = GPT(model_cfg, partition[stage], pre_process=stage == 0, post_process=stage == pp - 1,
+                      grid=paper)
         gpu = sum(p.numel() for p in gpt.parameters())
         full = sum(p.numel() * (tp if getattr(p, "tp_dim", None) is not None else 1)
                    for p in gpt.parameters() if p is not gpt.output_weight)
@@ -59,7 +58,7 @@ def dry_run(cfg, world_size=None, file=None):
     for s in range(pp + 1):  # consecutive stages of the same size on one row
         if s == pp or stages[s] != stages[start]:
             label = f"{start}" if s - 1 == start else f"{start}-{s - 1}"
-            say(f"{label:>10} {per_stage:>13} {stages[start][1]:>15,} {stages[start][0]:>15,}")
+            say(f"{label:>10} {len(partition[start]):>13} {stages[start][1]:>15,} {stages[start][0]:>15,}")
             start = s
 
     gpu_params = max(gpu for gpu, _ in stages)
@@ -85,8 +84,9 @@ def dry_run(cfg, world_size=None, file=None):
     micro = max(1, gbs // (b * dp))
     in_flight = min(pp, micro)
     full_layer = s * b * h * (10 + 24 / tp + 5 * a * s / (h * tp))
-    without = per_stage * full_layer * in_flight
-    with_ckpt = per_stage * 2 * s * b * h * in_flight + full_layer
+    first = len(partition[0])
+    without = first * full_layer * in_flight
+    with_ckpt = first * 2 * s * b * h * in_flight + full_layer
     say(f"activations on stage 0 (seq {s}, micro batch {b}, {micro} micro-batches, {in_flight} in flight):")
     say(f"  without checkpointing: {without / GiB:8.2f} GiB, with checkpointing: {with_ckpt / GiB:8.2f} GiB"
         f"{'  <- configured' if cfg.checkpoint_activations else ''}")

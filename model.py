@@ -294,11 +294,16 @@ class GPT(nn.Module):
             elif p.ndim == 1:  # LayerNorm gains, NormFormer head scales
                 full.fill_(1.0)
             elif name == "embed.word.weight":
+                # Only the real rows are drawn (xavier's bound counts them, not the padding), and the padded rows
+                # are zeros: every padding, hence every TP size, starts from the same model. Padded rows are
+                # never looked up and are masked out of the softmax, so they get no gradient and stay zero.
+                real = full[:cfg.vocab_size]
+                full[cfg.vocab_size:].zero_()
                 if cfg.embed_init == "xavier_uniform":  # bitsandbytes StableEmbedding
-                    bound = math.sqrt(6.0 / (full_shape[0] + full_shape[1]))
-                    full.uniform_(-bound, bound, generator=gen)
+                    bound = math.sqrt(6.0 / (cfg.vocab_size + full_shape[1]))
+                    real.uniform_(-bound, bound, generator=gen)
                 elif cfg.embed_init == "normal":
-                    full.normal_(0.0, cfg.std if cfg.embed_init_std is None else cfg.embed_init_std, generator=gen)
+                    real.normal_(0.0, cfg.std if cfg.embed_init_std is None else cfg.embed_init_std, generator=gen)
                 else:
                     raise ValueError(f"embed_init={cfg.embed_init!r} is not 'normal' or 'xavier_uniform'")
             elif name == "embed.position.weight" and cfg.position_embedding_init == "sinusoidal":
@@ -333,7 +338,7 @@ class GPT(nn.Module):
         logits = F.linear(parallel.copy_to_tp(x), self.word_embedding_weight())
         if targets is None:
             return logits
-        return parallel.vocab_parallel_cross_entropy(logits, targets).mean()
+        return parallel.vocab_parallel_cross_entropy(logits, targets, self.cfg.vocab_size).mean()
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, generator=None):

@@ -79,6 +79,32 @@ class Grid:
 grid = Grid()  # single process until init() is called
 
 
+PARTITION_METHODS = ("type:transformer|embedding", "type:transformer")
+
+
+def partition_layers(num_layers, pp_size, method="type:transformer|embedding"):
+    """The transformer layers of each pipeline stage: pp_size consecutive ranges covering range(num_layers).
+
+    Megatron-DeepSpeed's --pp-partition-method: the units dealt out are the transformer layers and, with
+    'type:transformer|embedding' (what BLOOM-176B used), also the word embedding on the first stage and the
+    tied head on the last, one unit each. n units on p stages as evenly as possible: every stage gets n // p
+    units and the first n % p one more, which is what DeepSpeed's partition_balanced returns for equal weights.
+    BLOOM's 70 layers on 12 stages: 72 units, 6 each, so 5 layers on the first and last stage, 6 in between."""
+    if method not in PARTITION_METHODS:
+        raise ValueError(f"pp_partition_method={method!r} is not one of {', '.join(PARTITION_METHODS)}")
+    ends = 1 if method == "type:transformer|embedding" else 0  # units before the first layer (and after the last)
+    units = num_layers + 2 * ends
+    if num_layers < 1 or pp_size > units:
+        raise ValueError(f"num_layers ({num_layers}) is too small for pipeline_model_parallel_size ({pp_size}) "
+                         f"with pp_partition_method={method!r}: every stage needs a layer (or the embedding or "
+                         "head); use fewer stages")
+    per, extra = divmod(units, pp_size)
+    bounds = [0]
+    for stage in range(pp_size):
+        bounds.append(bounds[-1] + per + (stage < extra))
+    return [range(max(0, a - ends), min(num_layers, b - ends)) for a, b in zip(bounds, bounds[1:])]
+
+
 def init(tensor_parallel_size=1, pipeline_parallel_size=1, backend=None):
     """Start torch.distributed if launched by torchrun and build the grid. Returns the grid."""
     global grid
@@ -224,17 +250,27 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
     The logits are the largest activation of a GPT (tokens x vocabulary): as in Megatron they are copied once,
     shifted by their max, and everything after happens in that copy (exp, softmax, and in backward the gradient
-    softmax - onehot). Also used with TP=1, where it allocates half the memory F.cross_entropy does."""
+    softmax - onehot). Also used with TP=1, where it allocates half the memory F.cross_entropy does.
+
+    Columns from vocab_size on are padding (the vocabulary is padded to a multiple of 128 x TP): they are set to
+    -inf in the copy, so they take no probability and get no gradient, and the model is the same function
+    whatever the padding, hence whatever the TP size."""
 
     @staticmethod
-    def forward(ctx, logits, target):
+    def forward(ctx, logits, target, vocab_size):
         group = grid.tp_group
         dtype = torch.promote_types(logits.dtype, torch.float32)  # fp32 at least (fp64 stays fp64)
-        lmax = logits.amax(dim=-1).to(dtype)  # exact: the max of fp16/bf16 numbers is one of them
+        vocab_local = logits.shape[-1]
+        real = min(max(vocab_size - grid.tp_rank * vocab_local, 0), vocab_local)  # my columns that are tokens
+        if real:  # exact: the max of fp16/bf16 numbers is one of them
+            lmax = logits[..., :real].amax(dim=-1).to(dtype)
+        else:  # a slice of padding only (possible with a large TP): the other ranks have the max
+            lmax = logits.new_full(logits.shape[:-1], float("-inf"), dtype=dtype)
         if grid.tp_size > 1:
             dist.all_reduce(lmax, op=dist.ReduceOp.MAX, group=group)
         logits = logits - lmax.unsqueeze(-1)  # the one copy, in `dtype` by type promotion; the caller's is intact
-        vocab_local = logits.shape[-1]
+        if real < vocab_local:
+            logits[..., real:] = float("-inf")  # exp() = 0: no probability, and softmax - onehot = 0 there
         local = target - grid.tp_rank * vocab_local
         outside = (local < 0) | (local >= vocab_local)
         local = local.masked_fill(outside, 0)
@@ -252,12 +288,15 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         softmax, local, outside = ctx.saved_tensors
         # softmax - onehot(target), written over the saved softmax (backward runs once: no retain_graph)
         grad_logits = softmax.scatter_add_(-1, local.unsqueeze(-1), (outside.to(softmax.dtype) - 1.0).unsqueeze(-1))
-        return grad_logits.mul_(grad.unsqueeze(-1)), None
+        return grad_logits.mul_(grad.unsqueeze(-1)), None, None
 
 
-def vocab_parallel_cross_entropy(logits, target):
-    """Per-token loss (fp32, fp64 for fp64 logits) from this rank's vocabulary slice of the logits."""
-    return _VocabParallelCrossEntropy.apply(logits, target)
+def vocab_parallel_cross_entropy(logits, target, vocab_size=None):
+    """Per-token loss (fp32, fp64 for fp64 logits) from this rank's vocabulary slice of the logits; columns of
+    token ids >= vocab_size (padding) are left out of the softmax."""
+    if vocab_size is None:
+        vocab_size = logits.shape[-1] * grid.tp_size
+    return _VocabParallelCrossEntropy.apply(logits, target, vocab_size)
 
 
 def _unwrap(model):

@@ -98,12 +98,23 @@ def get_device(cfg):
 
 def build_model(cfg, device):
     g = parallel.grid
-    per_stage = cfg.num_layers // g.pp_size
-    layers = range(g.pp_rank * per_stage, (g.pp_rank + 1) * per_stage)
+    layers = parallel.partition_layers(cfg.num_layers, g.pp_size, cfg.pp_partition_method)[g.pp_rank]
     with torch.device(device):
         model = GPT(GPTConfig.from_config(cfg), layers, pre_process=g.is_first_stage, post_process=g.is_last_stage)
     model.init_weights(cfg.seed)
     return model
+
+
+def describe_partition(cfg):
+    """'pipeline stages (type:transformer|embedding): 0: embedding + layers 0-4 | 1: layers 5-10 | ...'"""
+    parts = []
+    pp = cfg.pipeline_model_parallel_size
+    for stage, layers in enumerate(parallel.partition_layers(cfg.num_layers, pp, cfg.pp_partition_method)):
+        what = [f"layers {layers.start}-{layers.stop - 1}" if len(layers) > 1 else f"layer {layers.start}"]
+        what = what if layers else []
+        what = (["embedding"] if stage == 0 else []) + what + (["head"] if stage == pp - 1 else [])
+        parts.append(f"{stage}: {' + '.join(what)}")
+    return f"pipeline stages ({cfg.pp_partition_method}): " + " | ".join(parts)
 
 
 def build_optimizer(cfg, model):
@@ -353,6 +364,8 @@ def main(argv=None):
     print0(f"Model size: {gpt.num_parameters() / 1e9:.3f}B ({gpt.num_parameters():,} parameters; "
            f"{gpt.num_parameters(padded=True):,} with the vocabulary padded to {gpt.padded_vocab_size})")
     print0(f"{grid}; training for {plan.total_iters} iterations, {plan.total_samples:,} samples")
+    if grid.pp_size > 1:
+        print0(describe_partition(cfg))
     optimizer = build_optimizer(cfg, model)
     if cfg.deepspeed:
         model, optimizer = deepspeed_engine.initialize(cfg, model, optimizer)

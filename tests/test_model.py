@@ -277,7 +277,7 @@ def test_init_std_of_every_weight():
                init_method_std="small_init")
     std = math.sqrt(2 / (5 * h))
     model = GPT(cfg)
-    _assert_std(model.embed.word.weight, std)
+    _assert_std(model.embed.word.weight[:1000], std)  # the real rows (the padded ones are zeros)
     _assert_std(model.embed.position.weight, std)
     for block in model.blocks.values():
         _assert_std(block.attn.qkv.weight, std)
@@ -295,7 +295,7 @@ def test_init_std_of_every_weight():
 def test_xavier_uniform_embedding():
     V, h = 1000, 256
     cfg = _cfg(hidden_size=h, vocab_size=V, embed_init="xavier_uniform", init_method_std=0.02)
-    w = GPT(cfg).embed.word.weight.detach().double()
+    w = GPT(cfg).embed.word.weight.detach().double()[:V]  # the real rows (the padded ones are zeros)
     bound = math.sqrt(6 / (V + h))
     assert w.abs().max() <= bound
     assert w.abs().max() > 0.99 * bound  # uniform over the whole interval, not a narrower one
@@ -308,7 +308,7 @@ def test_xavier_uniform_embedding():
 def test_embed_init_std_is_separate_from_init_method_std():
     cfg = _cfg(hidden_size=256, vocab_size=1000, embed_init_std=0.1, init_method_std=0.02)
     model = GPT(cfg)
-    _assert_std(model.embed.word.weight, 0.1)
+    _assert_std(model.embed.word.weight[:1000], 0.1)
     _assert_std(model.embed.position.weight, 0.02)
     _assert_std(model.blocks["0"].attn.qkv.weight, 0.02)
     _assert_std(model.blocks["0"].mlp.fc1.weight, 0.02)
@@ -637,6 +637,25 @@ def test_generate_never_samples_padding_ids():
         assert out.shape == (3, 16)  # longer than seq_length: the context window slides
         assert torch.equal(out[:, :4], prompt)
         assert out.max() < 100 and out.min() >= 0
+
+
+@pytest.mark.parametrize("embed_init", ["normal", "xavier_uniform"])
+def test_padding_does_not_change_the_model(embed_init):
+    """GPT-2's 50257 tokens padded to 50304 (TP=1) and to 50432 (TP=2's multiple): the real rows start the same,
+    the padded rows are zeros, and loss and gradients are the same (the padding is masked out of the softmax)."""
+    models = [GPT(_cfg(num_layers=1, vocab_size=50257, make_vocab_size_divisible_by=m, embed_init=embed_init))
+              for m in (128, 256)]
+    assert [m.embed.word.weight.shape[0] for m in models] == [50304, 50432]
+    a, b = (m.embed.word.weight for m in models)
+    assert torch.equal(a[:50257], b[:50257])
+    assert not a[50257:].any() and not b[50257:].any()
+    x, y = _ids(models[0].cfg, length=9)[:, :-1], _ids(models[0].cfg, length=9, seed=1)[:, 1:]
+    losses = [m(x, y) for m in models]
+    for loss in losses:
+        loss.backward()
+    torch.testing.assert_close(losses[0], losses[1], rtol=1e-6, atol=0)
+    torch.testing.assert_close(a.grad[:50257], b.grad[:50257], rtol=1e-5, atol=1e-7)
+    assert not a.grad[50257:].any() and not b.grad[50257:].any()  # the padded rows never learn
 
 
 # -----------------------------------------------------------------------------

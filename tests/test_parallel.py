@@ -125,6 +125,21 @@ def _tp_layers():
     # all-gather of the logits (generate) is the full logits
     torch.testing.assert_close(parallel.gather_from_tp(logits), F.linear(ref_h, table), rtol=1e-12, atol=1e-12)
 
+    # a padded vocabulary: only the first `real` columns are tokens, the others are left out of the softmax
+    # (7: TP rank 1's slice is all padding); loss and gradient are those of the real columns alone
+    full_logits = 3 * torch.randn(B, T, V, generator=gen)
+    for real in (13, 7):
+        target = torch.randint(0, real, (B, T), generator=gen)
+        mine = parallel.shard(full_logits, 2).clone().requires_grad_()
+        loss = parallel.vocab_parallel_cross_entropy(mine, target, real)
+        (loss * torch.arange(B * T).view(B, T)).sum().backward()
+        ref = full_logits[..., :real].clone().requires_grad_()
+        ref_loss = F.cross_entropy(ref.flatten(0, 1), target.flatten(), reduction="none").view(B, T)
+        (ref_loss * torch.arange(B * T).view(B, T)).sum().backward()
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-12, atol=1e-12)
+        expected = torch.cat([ref.grad, torch.zeros(B, T, V - real)], dim=-1)
+        torch.testing.assert_close(mine.grad, parallel.shard(expected, 2), rtol=1e-12, atol=1e-12)
+
 
 def test_tensor_parallel_layers_match_plain_ops():
     spawn(_tp_layers, 2, 2, 1)
@@ -134,8 +149,8 @@ def test_tensor_parallel_layers_match_plain_ops():
 # Whole GPT stages under TP / PP (1F1B) / DP against one process
 
 
-# The vocabulary is padded to a multiple of make_vocab_size_divisible_by * TP (lesson 16), and the padded rows take
-# part in the softmax, so TP=1 and TP=2 are the same model only when both pad to the same size: 50 -> 64 here.
+# The vocabulary is padded to a multiple of make_vocab_size_divisible_by * TP (lesson 16); the padded rows are zeros
+# outside the softmax, so any padding is the same model (here 50 -> 64 for TP 1 and 2: the shapes compare too).
 TINY = dict(num_layers=4, hidden_size=16, num_attention_heads=4, seq_length=16, vocab_size=50,
             make_vocab_size_divisible_by=32, hidden_dropout=0.0, attention_dropout=0.0, embed_layernorm=True)
 
@@ -163,8 +178,7 @@ def _reference(cfg, global_batches, loss_scale=1.0):
 def _stage(cfg):
     from model import GPT
     g = parallel.grid
-    per = cfg.num_layers // g.pp_size
-    model = GPT(cfg, range(g.pp_rank * per, (g.pp_rank + 1) * per), pre_process=g.is_first_stage,
+    model = GPT(cfg, parallel.partition_layers(cfg.num_layers, g.pp_size)[g.pp_rank], pre_process=g.is_first_stage,
                 post_process=g.is_last_stage)
     model.init_weights(1234)
     return model
