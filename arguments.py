@@ -75,6 +75,8 @@ class Config(GPTConfig):
     # -- parallelism (tensor_model_parallel_size is a model.GPTConfig field: it pads the vocabulary) --
     pipeline_model_parallel_size: int = 1
     pp_partition_method: str = "type:transformer|embedding"  # or "type:transformer": the embedding not counted
+    tp_replica_check_interval: int = 0  # every N iterations check that TP-replicated weights agree (0: never)
+    tp_replica_resync: bool = False  # when they differ, copy TP rank 0's weights (and their Adam state) over
     deepspeed: bool = False
     zero_stage: int = 0
     # -- logging, evaluation, checkpoints --
@@ -294,6 +296,11 @@ def validate(cfg, world_size=1):
          f"lr_decay_style={cfg.lr_decay_style!r} is not linear, cosine or constant")
     need(cfg.min_lr <= cfg.lr, f"min_lr ({cfg.min_lr}) is larger than lr ({cfg.lr})")
     need(cfg.zero_stage in (0, 1, 2, 3), f"zero_stage={cfg.zero_stage} is not 0, 1, 2 or 3")
+    need(cfg.tp_replica_check_interval >= 0, "tp_replica_check_interval must be 0 (off) or a number of iterations")
+    need(not cfg.tp_replica_resync or cfg.tp_replica_check_interval > 0,
+         "tp_replica_resync acts on what the check finds: set tp_replica_check_interval too")
+    need(not (cfg.tp_replica_resync and cfg.deepspeed),
+         "tp_replica_resync cannot reach DeepSpeed's fp32 master weights; use deepspeed=False or only the check")
     need(cfg.device in ("auto", "cpu", "cuda"), f"device={cfg.device!r} is not auto, cpu or cuda")
     need(cfg.log_interval > 0 and cfg.eval_interval > 0, "log_interval and eval_interval must be positive")
     need(cfg.save_interval is None or cfg.save_interval > 0, "save_interval must be positive")

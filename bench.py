@@ -76,7 +76,8 @@ def main(argv=None):
                         help="untimed iterations first (allocator, thread pools, torch.compile, optimizer state)")
     bench, rest = parser.parse_known_args(argv)
     cfg = arguments.load_config(rest)  # the rest is CONFIG.py --key=value ..., exactly as train.py takes it
-    grid = parallel.init(cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size)
+    grid = parallel.init(cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size,
+                         backend="nccl" if train.use_cuda(cfg) else "gloo")
     if cfg.rampup_batch_size is not None:
         train.print0("bench: rampup_batch_size ignored, every iteration uses global_batch_size")
         cfg.rampup_batch_size = None

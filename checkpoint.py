@@ -8,7 +8,7 @@ Every rank writes into global_stepN.partial/; only when all ranks are done does 
 then replace `latest`, each step fsynced. A crash at any point leaves `latest` naming a complete checkpoint.
 SLURM's 20-hour limit made every resume a real one (lesson 17), so everything a run depends on is saved: model,
 optimizer with its step counter, LR-schedule and loss-scale state, iteration, consumed samples and tokens, the
-RNG states of python, numpy, torch and cuda, and the config.
+RNG states of python, numpy, torch and cuda and the dropout streams of rng.py, and the config.
 """
 import os
 import random
@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 import parallel
+import rng
 
 LATEST = "latest"
 
@@ -67,6 +68,7 @@ def rng_state():
         "numpy": np.random.get_state(),
         "torch": torch.get_rng_state(),
         "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+        "model_parallel": rng.get_states(),  # the dropout stream of TP-split activations (rng.py)
     }
 
 
@@ -76,6 +78,8 @@ def set_rng_state(state):
     torch.set_rng_state(state["torch"])
     if state["cuda"] is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+    if state.get("model_parallel") is not None:
+        rng.set_states(state["model_parallel"])
 
 
 def topology(g=None):

@@ -14,6 +14,7 @@ Switches, each from a lesson of docs/lessons.md (README has the table):
 - OPT: activation (gelu | gelu_tanh | relu), normformer, position_embedding_init (normal | sinusoidal),
   scale_embeddings, embed_dropout (OPT turned dropout off on embeddings) (lesson 15).
 """
+import contextlib
 import math
 import zlib
 from dataclasses import dataclass, fields
@@ -21,9 +22,9 @@ from dataclasses import dataclass, fields
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 import parallel
+import rng
 from parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 
 
@@ -148,7 +149,10 @@ class Attention(nn.Module):
     def forward(self, x):
         B, T, _ = x.shape
         q, k, v = self.qkv(x).view(B, T, self.local_heads, 3, self.head_dim).transpose(1, 2).unbind(dim=3)
-        y = core_attention(q, k, v, self.dropout if self.training else 0.0, self.stable, self.layer_scaling)
+        dropout = self.dropout if self.training else 0.0
+        # this rank's heads only: their dropout masks come from the model-parallel stream (lesson 22)
+        with rng.fork(x.device) if dropout else contextlib.nullcontext():
+            y = core_attention(q, k, v, dropout, self.stable, self.layer_scaling)
         if self.head_scale is not None:
             y = y * self.head_scale.view(1, -1, 1, 1)
         return self.proj(y.transpose(1, 2).reshape(B, T, self.local_heads * self.head_dim))
@@ -329,7 +333,7 @@ class GPT(nn.Module):
             x = self.embed(x)
         for block in self.blocks.values():
             if self.cfg.checkpoint_activations and self.training:
-                x = checkpoint(block, x, use_reentrant=False)
+                x = rng.checkpoint(block, x)  # recomputed with both dropout streams replayed (lesson 22)
             else:
                 x = block(x)
         if not self.post_process:

@@ -413,6 +413,38 @@ def pipeline_forward_backward(model, batches, autocast_fn, loss_scale=1.0, forwa
 
 # -----------------------------------------------------------------------------
 # Data parallelism and the numbers every rank must agree on
+#
+# Every tensor handed to a collective lives on the backend's communication device: NCCL takes CUDA tensors only
+# (a CPU tensor raises), gloo takes CPU tensors. Model tensors (losses, gradients, activations) are on the
+# model's device, which train.py makes the backend's; Python numbers go through the scalar helpers below.
+
+
+def comm_device(backend=None):
+    """The device of the tensors a collective takes: the current CUDA device under NCCL, else the CPU."""
+    if backend is None and dist.is_initialized():
+        backend = dist.get_backend()
+    if backend == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def all_reduce_scalars(values, op=dist.ReduceOp.SUM, group=None):
+    """A few Python numbers reduced across `group` (default: every rank) in one collective, as one float64 tensor
+    on the communication device, and back as a list of floats (one host sync)."""
+    if not dist.is_initialized():
+        return [float(v) for v in values]
+    t = torch.tensor(values, dtype=torch.float64, device=comm_device())
+    dist.all_reduce(t, op=op, group=group)
+    return t.tolist()
+
+
+def broadcast_scalars(values, src=0, group=None):
+    """Rank src's Python numbers on every rank of `group` (src is a global rank): one collective, one sync."""
+    if not dist.is_initialized():
+        return [float(v) for v in values]
+    t = torch.tensor(values, dtype=torch.float64, device=comm_device())
+    dist.broadcast(t, src=src, group=group)
+    return t.tolist()
 
 
 def average_loss(loss):
@@ -471,6 +503,47 @@ def reduce_gradients(model, data_parallel=True):
         all_reduce_mean([p.grad for p in params], grid.dp_group, grid.dp_size)
     if grid.pp_size > 1 and (grid.is_first_stage or grid.is_last_stage):  # PP=1: one copy, nothing to sum
         dist.all_reduce(gpt.word_embedding_weight().grad, group=grid.embedding_group)
+
+
+@torch.no_grad()
+def check_tp_replicas(model, resync=False, optimizer=None):
+    """Do the replicated parameters (LayerNorms, row-parallel biases: whole on every TP rank) still agree with
+    TP rank 0's copies? BigScience saw them drift apart on GPUs (lesson 18). One broadcast of the replicated
+    parameters over the TP group (they are small: a few vectors of size hidden per layer) and one all-reduce of
+    the result. Returns (the largest |difference| over all ranks, [(name, |difference|)] of this rank's
+    parameters that differ). resync=True then copies TP rank 0's values in, and its optimizer state of them
+    (our optimizers or ZeroShardedOptimizer; a parameter's ZeRO owner is the same DP rank on every TP rank)."""
+    gpt = _unwrap(model)
+    replicated = [(n, p) for n, p in gpt.named_parameters() if getattr(p, "tp_dim", None) is None]
+    device = next(gpt.parameters()).device
+    diffs = torch.zeros(len(replicated) + 1, dtype=torch.float32, device=device)
+    if grid.tp_size > 1 and replicated:
+        src = grid._rank_of(0, grid.dp_rank, grid.pp_rank)
+        i = 0
+        for bucket in _buckets([p for _, p in replicated], 2**24):
+            reference = torch._utils._flatten_dense_tensors(bucket)
+            dist.broadcast(reference, src=src, group=grid.tp_group)
+            for p, ref in zip(bucket, torch._utils._unflatten_dense_tensors(reference, bucket)):
+                diffs[i] = (p - ref).abs().max()  # NaN if either copy is NaN: a difference too
+                if resync:
+                    p.copy_(ref)
+                i += 1
+        if resync:
+            state = getattr(optimizer, "optimizer", optimizer).state if optimizer is not None else {}
+            for _, p in replicated:
+                for t in state.get(p, {}).values():
+                    if torch.is_tensor(t) and t.shape == p.shape:  # Adam's moments, not its step
+                        dist.broadcast(t, src=src, group=grid.tp_group)
+    diffs = torch.nan_to_num(diffs, nan=float("inf"))
+    diffs[-1] = diffs[:-1].max() if replicated else 0.0
+    worst = diffs[-1:].clone()
+    if dist.is_initialized():
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    worst = worst.item()
+    differ = []
+    if worst > 0:  # rare: then say which parameters, on each rank
+        differ = [(n, d) for (n, _), d in zip(replicated, diffs[:-1].tolist()) if d > 0]
+    return worst, differ
 
 
 def _counted_once(model):

@@ -27,6 +27,7 @@ import deepspeed_engine
 import estimate
 import optim
 import parallel
+import rng
 from model import GPT, GPTConfig
 
 
@@ -90,10 +91,13 @@ def flops_per_iteration(cfg, padded_vocab, batch, seqlen):
 # Setup
 
 
+def use_cuda(cfg):
+    return cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+
+
 def get_device(cfg):
-    if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()):
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    """The model's device, which is also the backend's communication device (NCCL for CUDA, gloo for CPU)."""
+    return torch.device("cuda", torch.cuda.current_device()) if use_cuda(cfg) else torch.device("cpu")
 
 
 def build_model(cfg, device):
@@ -172,6 +176,8 @@ def micro_batches(dataset, first_sample, num_micro_batches, cfg, seqlen, device)
     for k in range(num_micro_batches):
         start = first_sample + k * mbs * g.dp_size + g.dp_rank * mbs
         tokens = torch.from_numpy(np.stack([dataset[start + i] for i in range(mbs)]).astype(np.int64))
+        if device.type == "cuda":
+            tokens = tokens.pin_memory()  # so that the copies below are asynchronous: no host sync
         x, y = tokens[:, :-1][:, :seqlen], tokens[:, 1:][:, :seqlen]
         out.append((x.to(device, non_blocking=True), y.to(device, non_blocking=True)))
     return out
@@ -291,6 +297,17 @@ def print_last_rank(text):
         print(text, flush=True)
 
 
+def check_tp_replicas(model, optimizer, iteration, resync):
+    """Log whether TP-replicated weights still agree across TP ranks (lesson 18); re-sync them if asked."""
+    worst, differ = parallel.check_tp_replicas(model, resync=resync, optimizer=optimizer)
+    if differ:
+        listed = ", ".join(f"{name} ({d:.3e})" for name, d in differ[:8])
+        print(f" rank {parallel.grid.rank} (TP rank {parallel.grid.tp_rank}): {len(differ)} replicated "
+              f"parameter(s) differ from TP rank 0: {listed}{' ...' if len(differ) > 8 else ''}", flush=True)
+    action = " | re-synced from TP rank 0" if resync and worst > 0 else ""
+    print0(f" TP replica check at iteration {iteration} | max abs difference from TP rank 0: {worst:.3e}{action} |")
+
+
 # -----------------------------------------------------------------------------
 # Checkpoints
 
@@ -352,10 +369,11 @@ def main(argv=None):
     if cfg.dry_run:  # sizes the TP x PP x DP layout on the meta device, without starting any process
         estimate.dry_run(cfg)
         return
-    grid = parallel.init(cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size)
+    grid = parallel.init(cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size,
+                         backend="nccl" if use_cuda(cfg) else "gloo")
     arguments.validate(cfg, grid.world_size)
     device = get_device(cfg)
-    torch.manual_seed(cfg.seed)
+    rng.seed(cfg.seed)  # the dropout streams of this TP rank and pipeline stage (lesson 22)
     np.random.seed(cfg.seed)
 
     plan = Plan(cfg, grid.dp_size)
@@ -446,6 +464,9 @@ def main(argv=None):
                             "consumed-tokens": state["consumed_tokens"], "tflops": tflops}, iteration)
             interval = {k: 0 if isinstance(v, int) else 0.0 for k, v in interval.items()}
 
+        if cfg.tp_replica_check_interval and iteration % cfg.tp_replica_check_interval == 0 and grid.tp_size > 1:
+            check_tp_replicas(model, optimizer, iteration, cfg.tp_replica_resync)
+
         last = plan.done(iteration, state["consumed_samples"], state["consumed_tokens"])
         if valid_data is not None and cfg.eval_iters > 0 and (iteration % cfg.eval_interval == 0 or last):
             val = evaluate(train_model, valid_data, cfg, device)
@@ -475,10 +496,7 @@ def main(argv=None):
 
 def _minutes_since(start):
     """Elapsed minutes, agreed across ranks (rank 0's clock) so that every rank exits at the same iteration."""
-    minutes = torch.tensor([(time.time() - start) / 60.0])
-    if dist.is_initialized():
-        dist.broadcast(minutes, src=0)
-    return minutes.item()
+    return parallel.broadcast_scalars([(time.time() - start) / 60.0], src=0)[0]
 
 
 if __name__ == "__main__":

@@ -580,7 +580,10 @@ def test_normformer_refuses_tensor_parallel():
         GPT(_cfg(normformer=True, tensor_model_parallel_size=2), grid=parallel.Grid(2, 1, world_size=2))
 
 
-def test_checkpoint_activations_gives_identical_loss_and_grads():
+@pytest.mark.parametrize("streams", ["default only", "with the model-parallel stream"])
+def test_checkpoint_activations_gives_identical_loss_and_grads(streams, monkeypatch):
+    import rng
+    monkeypatch.setattr(rng, "_states", None)  # unseeded: attention dropout draws from the default stream too
     ids = _ids(_cfg(), length=12)
     results = []
     for checkpointing in (False, True):
@@ -593,6 +596,8 @@ def test_checkpoint_activations_gives_identical_loss_and_grads():
             # activation is rebuilt; the block's first LayerNorm runs in both passes)
             block.ln_1.register_forward_hook(lambda *args: calls.append(1))
         torch.manual_seed(7)
+        if streams != "default only":  # attention dropout from its own stream, replayed in the recomputation
+            rng.seed(7)
         loss = model(ids, targets=ids)
         loss.backward()
         # with checkpointing every block runs twice: forward, then recomputed in backward

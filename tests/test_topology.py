@@ -1,0 +1,194 @@
+"""Parallel training as it runs at scale: NCCL-ready collectives, Megatron's dropout streams under TP and
+activation checkpointing, the TP replica check (lesson 18), a model that does not depend on the vocabulary padding
+(hence on the TP size), and uneven pipeline stages (BLOOM-176B's 70 layers on 12 stages).
+
+Unit level: a fake NCCL backend for the choice of device, DeepSpeed's partition_balanced for the partition, two
+gloo processes for the streams and the replica check. End to end (train.py under torchrun, as test_parallel.py):
+TP=2 with GPT-2's vocabulary and 3 layers on PP=2 against one process, TP=2 with dropout and checkpointing resumed.
+"""
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import parallel
+import rng
+from test_parallel import TINY, _gather, _stage, assert_replicas_identical, assert_same_training, corpus, dumps, \
+    reference, spawn, train  # noqa: F401 (fixtures)
+
+
+# -----------------------------------------------------------------------------
+# Collectives take tensors on the backend's device
+
+
+def test_comm_device_follows_the_backend(monkeypatch):
+    assert parallel.comm_device() == torch.device("cpu")  # no process group
+    assert parallel.comm_device("gloo") == torch.device("cpu")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert parallel.comm_device("nccl") == torch.device("cuda", 3)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+    assert parallel.comm_device() == torch.device("cuda", 3)
+
+
+def test_scalar_collectives_use_the_comm_device(monkeypatch):
+    """The scalars every rank must agree on (train._minutes_since: exit_duration_in_mins) travel on the
+    communication device; a CPU tensor there raises under NCCL. 'meta' stands in for the GPU."""
+    import train
+    seen = []
+
+    class Sent(Exception):
+        pass
+
+    def collective(tensor, *args, **kwargs):
+        seen.append(tensor.device)
+        raise Sent
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(parallel, "comm_device", lambda backend=None: torch.device("meta"))
+    monkeypatch.setattr(dist, "broadcast", collective)
+    monkeypatch.setattr(dist, "all_reduce", collective)
+    for call in (lambda: train._minutes_since(0.0), lambda: parallel.all_reduce_scalars([1.0, 2.0]),
+                 lambda: parallel.broadcast_scalars([1.0])):
+        with pytest.raises(Sent):
+            call()
+    assert seen == [torch.device("meta")] * 3
+
+
+# -----------------------------------------------------------------------------
+# Uneven pipeline stages
+
+
+def test_partition_layers_is_deepspeeds_balanced_partition():
+    from deepspeed.runtime.utils import partition_balanced
+    bloom = parallel.partition_layers(70, 12)  # BLOOM-176B: 70 layers + embedding + head = 72 = 12 x 6
+    assert [len(r) for r in bloom] == [5] + [6] * 10 + [5]
+    assert [len(r) for r in parallel.partition_layers(70, 12, "type:transformer")] == [6] * 10 + [5] * 2
+    for layers in range(1, 13):
+        for pp in range(1, layers + 4):
+            for method, ends in (("type:transformer|embedding", 1), ("type:transformer", 0)):
+                if pp > layers + 2 * ends:
+                    with pytest.raises(ValueError, match="too small"):
+                        parallel.partition_layers(layers, pp, method)
+                    continue
+                ranges = parallel.partition_layers(layers, pp, method)
+                assert [r.step for r in ranges] == [1] * pp and ranges[0].start == 0 and ranges[-1].stop == layers
+                assert all(a.stop == b.start for a, b in zip(ranges, ranges[1:]))
+                # DeepSpeed's partition of the units (embedding, layers..., head), each of weight 1
+                bounds = partition_balanced([1] * (layers + 2 * ends), pp)
+                units = [b - a for a, b in zip(bounds, bounds[1:])]
+                assert [len(r) + ends * ((s == 0) + (s == pp - 1)) for s, r in enumerate(ranges)] == units
+    with pytest.raises(ValueError, match="pp_partition_method"):
+        parallel.partition_layers(4, 2, "parameters")
+
+
+# -----------------------------------------------------------------------------
+# Dropout streams and the TP replica check on two gloo processes (TP=2)
+
+
+def _streams_and_replicas():
+    import optim
+    from model import GPTConfig
+    g = parallel.grid
+    try:
+        # the default stream is the same on both TP ranks, the model-parallel stream is not
+        rng.seed(1234)
+        with rng.fork("cpu"):
+            split = torch.rand(8)
+        shared = torch.rand(8)
+        a, b = _gather(split, g.tp_group)
+        assert not torch.equal(a, b)
+        a, b = _gather(shared, g.tp_group)
+        assert torch.equal(a, b)
+        torch.manual_seed(1234 + 100 * g.pp_rank)  # forking left the default stream where it was
+        assert torch.equal(torch.rand(8), shared)
+
+        # dropout on, TP=2: activation checkpointing changes nothing (both streams replayed in the recomputation),
+        # and the replicated parameters get the same gradient on both TP ranks
+        results = []
+        for checkpointing in (False, True):
+            cfg = GPTConfig(**{**TINY, "hidden_dropout": 0.2, "attention_dropout": 0.2,
+                               "checkpoint_activations": checkpointing})
+            model = _stage(cfg).train()
+            x, y = torch.randint(0, cfg.vocab_size, (2, 2, 16), generator=torch.Generator().manual_seed(0))
+            rng.seed(1234)
+            for _ in range(2):  # two micro-batches: the streams move on between them
+                model(x, y).backward()
+            results.append(model)
+        for (name, p), q in zip(results[0].named_parameters(), results[1].parameters()):
+            assert torch.equal(p.grad, q.grad), name
+            if getattr(p, "tp_dim", None) is None:
+                a, b = _gather(p.grad, g.tp_group)
+                assert torch.equal(a, b), name
+
+        # the replica check: clean, then one rank's LayerNorm gain drifts (lesson 18), then re-synced
+        model = results[0]
+        optimizer = optim.build_optimizer(model, 1e-3, 0.1, 0.9, 0.95, 1e-8)
+        optimizer.step()
+        assert parallel.check_tp_replicas(model) == (0.0, [])
+        ln = model.blocks["1"].ln_1.weight
+        if g.tp_rank == 1:
+            with torch.no_grad():
+                ln[3] += 1e-3
+                optimizer.state[ln]["exp_avg"][3] += 1.0
+        worst, differ = parallel.check_tp_replicas(model)
+        assert math.isclose(worst, 1e-3, rel_tol=1e-3)
+        assert [name for name, _ in differ] == (["blocks.1.ln_1.weight"] if g.tp_rank == 1 else [])
+        worst, _ = parallel.check_tp_replicas(model, resync=True, optimizer=optimizer)
+        assert math.isclose(worst, 1e-3, rel_tol=1e-3)
+        assert parallel.check_tp_replicas(model) == (0.0, [])
+        for t in (ln, optimizer.state[ln]["exp_avg"]):
+            a, b = _gather(t.detach(), g.tp_group)
+            assert torch.equal(a, b)
+    finally:
+        rng.set_states(None)
+
+
+@pytest.mark.slow
+def test_dropout_streams_checkpointing_and_replica_check_tp2():
+    spawn(_streams_and_replicas, 2, 2, 1)
+
+
+# -----------------------------------------------------------------------------
+# End to end through train.py
+
+
+@pytest.mark.slow
+def test_tp2_with_gpt2_vocabulary_matches_one_process(corpus, tmp_path):
+    # 50257 is padded to 50304 by one process and to 50432 by TP=2: the same model all the same
+    gpt2 = [f"--data_path={corpus}", "--vocab_size=50257"]
+    one = train(tmp_path / "one", 1, *gpt2)
+    assert "padded to 50304" in one.out
+    tp2 = train(tmp_path / "tp2", 2, *gpt2, "--tensor_model_parallel_size=2")
+    assert "padded to 50432" in tp2.out
+    assert_same_training(tp2, one, rel=1e-5)
+
+
+@pytest.mark.slow
+def test_three_layers_on_two_stages_match_one_process_and_resume(corpus, tmp_path):
+    three = [f"--data_path={corpus}", "--num_layers=3"]
+    one = train(tmp_path / "one", 1, *three)
+    layout = [*three, "--pipeline_model_parallel_size=2", f"--save={tmp_path / 'ckpt'}"]
+    full = train(tmp_path / "full", 2, *layout)
+    assert "pipeline stages (type:transformer|embedding): 0: embedding + layers 0-1 | 1: layer 2 + head" in full.out
+    assert_same_training(full, one, rel=1e-5)
+    train(tmp_path / "first", 2, *layout, "--exit_interval=5")
+    second = train(tmp_path / "second", 2, *layout, f"--load={tmp_path / 'ckpt'}")
+    for it in range(6, 11):  # bit-exact
+        assert second.scalars[it] == full.scalars[it], it
+
+
+@pytest.mark.slow
+def test_tp2_dropout_with_checkpointing_keeps_replicas_and_resumes_exactly(corpus, tmp_path):
+    layout = [f"--data_path={corpus}", "--tensor_model_parallel_size=2", "--hidden_dropout=0.1",
+              "--attention_dropout=0.1", "--checkpoint_activations", "--tp_replica_check_interval=5", "--dump_weights"]
+    full = train(tmp_path / "full", 2, *layout, f"--save={tmp_path / 'full'}")
+    assert full.out.count("max abs difference from TP rank 0: 0.000e+00") == 2
+    assert_replicas_identical(dumps(tmp_path / "full", 10))
+    ckpt = tmp_path / "ckpt"
+    train(ckpt, 2, *layout, f"--save={ckpt}", "--exit_interval=5")
+    second = train(ckpt, 2, *layout, f"--save={ckpt}", f"--load={ckpt}")
+    for it in range(6, 11):  # both dropout streams come back from the checkpoint
+        assert second.scalars[it] == full.scalars[it], it
+    assert_replicas_identical(dumps(ckpt, 10))
