@@ -560,10 +560,11 @@ def grad_norm(model):
     rank's share (_counted_once) summed over TP and PP ranks. DP ranks hold identical reduced gradients."""
     grads = [p.grad for p in _counted_once(model) if p.grad is not None and p.grad.numel()]
     device = next(_unwrap(model).parameters()).device
-    square = torch.zeros((), dtype=torch.float32, device=device)
+    # Accumulated in fp64: fp16 would overflow, and an fp32 sum over millions of elements (CPU kernels) is off
+    # by 1e-5, which clipping turns into runs that drift apart with the layout (TP=2 against one process).
+    square = torch.zeros((), dtype=torch.float64, device=device)
     if grads:
-        dtype = torch.promote_types(grads[0].dtype, torch.float32)  # fp32 at least: an fp16 norm overflows
-        square = torch.stack(torch._foreach_norm(grads, 2, dtype=dtype)).square().sum()
+        square = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float64)).square().sum()
     if grid.mp_group is not None and grid.tp_size * grid.pp_size > 1:
         dist.all_reduce(square, group=grid.mp_group)
     return square.sqrt()
