@@ -27,6 +27,7 @@ checkpoint_activations = True
 
 tensor_model_parallel_size = 2
 pipeline_model_parallel_size = 4
+pp_partition_method = "type:transformer"  # Megatron-DeepSpeed's fixed choice then: equal layers per stage
 zero_stage = 1
 
 log_interval = 1

@@ -25,6 +25,7 @@ checkpoint_activations = True
 
 tensor_model_parallel_size = 4
 pipeline_model_parallel_size = 32
+pp_partition_method = "type:transformer"  # Megatron-DeepSpeed's fixed choice then: equal layers per stage
 zero_stage = 1
 
 log_interval = 1  # every iteration, to map a spike back to its samples (lesson 9)
