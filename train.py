@@ -176,9 +176,9 @@ def micro_batches(dataset, first_sample, num_micro_batches, cfg, seqlen, device)
     for k in range(num_micro_batches):
         start = first_sample + k * mbs * g.dp_size + g.dp_rank * mbs
         tokens = torch.from_numpy(np.stack([dataset[start + i] for i in range(mbs)]).astype(np.int64))
-        if device.type == "cuda":
-            tokens = tokens.pin_memory()  # so that the copies below are asynchronous: no host sync
         x, y = tokens[:, :-1][:, :seqlen], tokens[:, 1:][:, :seqlen]
+        if device.type == "cuda":  # contiguous and pinned, so that the copies are asynchronous: no host sync
+            x, y = x.contiguous().pin_memory(), y.contiguous().pin_memory()
         out.append((x.to(device, non_blocking=True), y.to(device, non_blocking=True)))
     return out
 
