@@ -82,12 +82,15 @@ def dry_run(cfg, world_size=None, file=None):
     s, b, h, a = cfg.seq_length, cfg.micro_batch_size, cfg.hidden_size, cfg.num_attention_heads
     gbs = cfg.global_batch_size or b * dp
     micro = max(1, gbs // (b * dp))
-    in_flight = min(pp, micro)
+    # Under 1F1B stage k holds min(pp - k, micro) micro-batches in flight; with uneven stages the stage holding
+    # the most layer activations need not be the first (BLOOM on PP=12: stage 1, 6 layers x 11 in flight).
+    held = [len(partition[k]) * min(pp - k, micro) for k in range(pp)]
+    busiest = max(range(pp), key=held.__getitem__)
+    in_flight = min(pp - busiest, micro)
     full_layer = s * b * h * (10 + 24 / tp + 5 * a * s / (h * tp))
-    first = len(partition[0])
-    without = first * full_layer * in_flight
-    with_ckpt = first * 2 * s * b * h * in_flight + full_layer
-    say(f"activations on stage 0 (seq {s}, micro batch {b}, {micro} micro-batches, {in_flight} in flight):")
+    without = held[busiest] * full_layer
+    with_ckpt = held[busiest] * 2 * s * b * h + full_layer
+    say(f"activations on stage {busiest} (seq {s}, micro batch {b}, {micro} micro-batches, {in_flight} in flight):")
     say(f"  without checkpointing: {without / GiB:8.2f} GiB, with checkpointing: {with_ckpt / GiB:8.2f} GiB"
         f"{'  <- configured' if cfg.checkpoint_activations else ''}")
     total = model_states(cfg.zero_stage) + (with_ckpt if cfg.checkpoint_activations else without)

@@ -15,7 +15,7 @@ import torch.distributed as dist
 import parallel
 import rng
 from test_parallel import TINY, _gather, _stage, assert_replicas_identical, assert_same_training, corpus, dumps, \
-    reference, spawn, train  # noqa: F401 (fixtures)
+    spawn, train  # noqa: F401 (corpus: a fixture)
 
 
 # -----------------------------------------------------------------------------
@@ -81,6 +81,21 @@ def test_partition_layers_is_deepspeeds_balanced_partition():
                 assert [len(r) + ends * ((s == 0) + (s == pp - 1)) for s, r in enumerate(ranges)] == units
     with pytest.raises(ValueError, match="pp_partition_method"):
         parallel.partition_layers(4, 2, "parameters")
+
+
+def test_dry_run_of_bloom_layers_on_twelve_stages():
+    import io
+    import os
+    import arguments
+    import estimate
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cfg = arguments.load_config([os.path.join(root, "config/tr8b_104b.py"), "--num_layers=70",
+                                 "--pipeline_model_parallel_size=12", "--pp_partition_method=type:transformer|embedding"])
+    out = io.StringIO()
+    estimate.dry_run(cfg, world_size=384, file=out)
+    rows = [line.split()[:2] for line in out.getvalue().splitlines() if line.split()[:1] in (["0"], ["1-10"], ["11"])]
+    assert rows == [["0", "5"], ["1-10", "6"], ["11", "5"]]
+    assert "activations on stage 1 " in out.getvalue()  # 6 layers x 11 in flight > 5 x 12 on stage 0
 
 
 # -----------------------------------------------------------------------------
