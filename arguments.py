@@ -17,6 +17,7 @@ import typing
 from dataclasses import asdict, dataclass, fields
 
 import parallel
+import usage
 from model import GPTConfig
 
 DEFAULT_CONFIG = "config/tiny.py"
@@ -24,77 +25,85 @@ DEFAULT_CONFIG = "config/tiny.py"
 
 @dataclass
 class Config(GPTConfig):
-    """The model's fields (model.GPTConfig: num_layers, hidden_size, ..., the stability switches), then these."""
+    """Every key of a run: the model's (model.GPTConfig), then these. The comment after a field is its `--help`
+    text and a `# -- group --` comment starts a group of `--help` (usage.py reads them from this source)."""
 
-    # -- batch and length of training (whichever of train_iters/samples/tokens is reached first ends it) --
-    micro_batch_size: int = 8
-    global_batch_size: int | None = None  # None: micro_batch_size * data-parallel size
-    rampup_batch_size: list[int] | None = None  # "start increment samples"
-    train_iters: int | None = None
-    train_samples: int | None = None
-    train_tokens: int | None = None
-    exit_interval: int | None = None  # save and exit after this many iterations of this job
-    exit_duration_in_mins: float | None = None  # save and exit when the job has run this long
-    # -- optimizer and learning rate --
-    lr: float = 6e-4
-    min_lr: float = 0.0
-    lr_decay_style: str = "cosine"
-    lr_warmup_samples: int = 0
-    lr_warmup_tokens: int | None = None
-    lr_decay_samples: int | None = None  # None: the whole run
-    lr_decay_tokens: int | None = None
-    override_lr_scheduler: bool = False
-    weight_decay: float = 0.01
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
-    clip_grad: float = 1.0
-    skip_grad_norm_above: float | None = None
-    use_bnb_optimizer: bool = False
-    reset_optimizer_warmup_iters: int | str | None = None  # "auto": 5 / (1 - adam_beta2)
-    no_load_optim: bool = False
-    no_load_rng: bool = False
-    # -- precision --
-    fp16: bool = False
-    bf16: bool = False
+    # -- schedule: batch size, length of training, learning rate, curriculum --
+    micro_batch_size: int = 8  # samples per forward/backward on each data-parallel rank
+    global_batch_size: int | None = None  # samples per iteration; None: micro_batch_size * data-parallel size
+    rampup_batch_size: list[int] | None = None  # "start increment samples": Megatron's batch-size ramp-up
+    train_iters: int | None = None  # stop after this many iterations (whichever of iters/samples/tokens comes first)
+    train_samples: int | None = None  # stop after this many samples
+    train_tokens: int | None = None  # stop after this many tokens
+    lr: float = 6e-4  # peak learning rate, reached at the end of the warm-up
+    min_lr: float = 0.0  # learning rate at the end of the decay
+    lr_decay_style: str = "cosine"  # linear | cosine | constant
+    lr_warmup_samples: int = 0  # linear warm-up from 0 over this many samples
+    lr_warmup_tokens: int | None = None  # warm-up over tokens instead of samples (with a curriculum)
+    lr_decay_samples: int | None = None  # decay to min_lr over this many samples; None: the whole run
+    lr_decay_tokens: int | None = None  # decay over tokens instead of samples (with a curriculum)
+    override_lr_scheduler: bool = False  # on resume, follow this config's LR schedule, not the checkpoint's
+    curriculum_learning: bool = False  # sequence-length curriculum (DeepSpeed's fixed_linear)
+    min_difficulty: int = 64  # first sequence length of the curriculum
+    max_difficulty: int | None = None  # last sequence length of the curriculum; None: seq_length
+    total_curriculum_step: int | None = None  # iterations until the curriculum reaches max_difficulty
+    difficulty_step: int = 8  # curriculum sequence lengths are multiples of this
+    # -- optimizer --
+    weight_decay: float = 0.01  # AdamW's decoupled weight decay (not on biases and LayerNorms)
+    adam_beta1: float = 0.9  # Adam's first-moment decay
+    adam_beta2: float = 0.999  # Adam's second-moment decay
+    adam_eps: float = 1e-8  # Adam's epsilon
+    clip_grad: float = 1.0  # clip the global gradient norm to this
+    use_bnb_optimizer: bool = False  # bitsandbytes 8-bit AdamW; the embedding's state stays 32-bit
+    # -- stability: precision, skipped steps, resets --
+    fp16: bool = False  # fp16 compute with dynamic loss scaling, fp32 master weights
+    bf16: bool = False  # bf16 compute, fp32 master weights and gradient accumulation
     loss_scale: float | None = None  # static fp16 loss scale; None: dynamic
-    initial_loss_scale: float = 2.0**32
-    min_loss_scale: float = 1.0
-    loss_scale_window: int = 1000
-    hysteresis: int = 2
+    initial_loss_scale: float = 2.0**32  # first dynamic loss scale
+    min_loss_scale: float = 1.0  # the dynamic loss scale never goes below this
+    loss_scale_window: int = 1000  # double the loss scale after this many steps without overflow
+    hysteresis: int = 2  # overflows tolerated before the loss scale is halved
+    skip_grad_norm_above: float | None = None  # skip the update when the grad norm exceeds this (OPT)
+    reset_optimizer_warmup_iters: int | str | None = None  # resume: fresh Adam, lr 0 for N iters ("auto": 5/(1-beta2))
+    skip_train_iteration_range: list[str] | None = None  # discard the batches of iterations "13251-14000 ..."
     # -- data --
-    data_path: list[str] | None = None  # a prefix, or "w1 prefix1 w2 prefix2 ..."; None: bundled Shakespeare
-    split: str = "949,50,1"
-    data_cache_dir: str | None = None
-    skip_train_iteration_range: list[str] | None = None  # ["13251-14000", "16652-18500"]
-    curriculum_learning: bool = False
-    min_difficulty: int = 64
-    max_difficulty: int | None = None  # None: seq_length
-    total_curriculum_step: int | None = None
-    difficulty_step: int = 8
-    # -- parallelism (tensor_model_parallel_size is a model.GPTConfig field: it pads the vocabulary) --
-    pipeline_model_parallel_size: int = 1
+    data_path: list[str] | None = None  # prefix of data.py's .bin/.idx, or "w1 prefix1 w2 prefix2 ..."
+    use_bundled_corpus: bool = False  # without data_path, train on the bundled Shakespeare (the tiny default's choice)
+    split: str = "949,50,1"  # train, validation, test shares of the documents
+    data_cache_dir: str | None = None  # where the sample index is cached; None: next to the data
+    seed: int = 1234  # initialization, data order and dropout
+    # -- parallel --
+    # tensor_model_parallel_size is a model.GPTConfig field: it pads the vocabulary
+    pipeline_model_parallel_size: int = 1  # PP: split the layers into this many stages
     pp_partition_method: str = "type:transformer|embedding"  # or "type:transformer": the embedding not counted
     tp_replica_check_interval: int = 0  # every N iterations check that TP-replicated weights agree (0: never)
     tp_replica_resync: bool = False  # when they differ, copy TP rank 0's weights (and their Adam state) over
-    deepspeed: bool = False
-    zero_stage: int = 0
-    # -- logging, evaluation, checkpoints --
-    seed: int = 1234
-    log_interval: int = 100
-    eval_interval: int = 1000
-    eval_iters: int = 100
-    save: str | None = None
-    load: str | None = None
-    save_interval: int | None = None
-    tensorboard_dir: str | None = None  # None: <save>/tensorboard when saving
-    wandb_project: str | None = None
-    wandb_mode: str = "offline"
-    dump_weights: bool = False  # write every rank's weights around save/load (lesson 11's bug hunt)
-    sample_tokens: int = 0  # print a generated sample of this many tokens at the end
+    deepspeed: bool = False  # data parallelism by DeepSpeed (ZeRO 1/2, bf16 weights); TP and PP stay ours
+    zero_stage: int = 0  # 1: shard the optimizer state over data parallel (2, with deepspeed: gradients too)
     device: str = "auto"  # auto | cpu | cuda
-    compile: bool = False
-    dry_run: bool = False
+    compile: bool = False  # torch.compile the model
+    deterministic: bool = False  # bit-reproducible kernels (torch.use_deterministic_algorithms), whatever they cost
+    dry_run: bool = False  # size the TP x PP x DP layout and memory per GPU on the meta device, then exit
+    # -- checkpoint --
+    save: str | None = None  # checkpoint directory; a run resumes from it when it holds a checkpoint
+    load: str | None = None  # resume from this directory's `latest`; None: from save when it holds one
+    save_interval: int | None = None  # save every this many iterations (and always at the end)
+    no_load_optim: bool = False  # resume without the optimizer state (fresh Adam)
+    no_load_rng: bool = False  # resume without the RNG states
+    exit_interval: int | None = None  # save and exit after this many iterations of this job
+    exit_duration_in_mins: float | None = None  # save and exit when this job has run this long
+    exit_signal_handler: bool = False  # on SIGTERM (SLURM's time limit): finish the iteration, save, exit 0
+    dump_weights: bool = False  # write every rank's weights around save and load, to diff them (lesson 11)
+    # -- logging: evaluation, TensorBoard, wandb, samples --
+    log_interval: int = 100  # print the log line every this many iterations
+    eval_interval: int = 1000  # validation loss every this many iterations (and at the end)
+    eval_iters: int = 100  # global batches per validation
+    eval_only: bool = False  # load the checkpoint, print the validation loss and perplexity, exit
+    tensorboard_dir: str | None = None  # TensorBoard events; None: <save>/tensorboard when saving
+    wandb_project: str | None = None  # log to this wandb project too (files under <save>/wandb)
+    wandb_mode: str = "offline"  # offline | online | disabled (WANDB_MODE overrides it)
+    sample_tokens: int = 0  # at the end, print a sample of this many tokens generated from sample_prompt
+    sample_prompt: str = "ROMEO:\n"  # the prompt of that sample
 
 
 FIELDS = {f.name: f for f in fields(Config)}
@@ -164,7 +173,7 @@ def _convert_one(value, kind):
 
 def _unknown(key):
     close = difflib.get_close_matches(key, FIELDS, n=1)
-    hint = f"; did you mean {close[0]!r}?" if close else "; see arguments.py for the list of keys"
+    hint = f"; did you mean {close[0]!r}?" if close else "; `python train.py --help` lists the keys"
     return ValueError(f"unknown config key {key!r}{hint}")
 
 
@@ -178,6 +187,9 @@ def parse_cli(argv):
     config_file, overrides, i = None, {}, 0
     while i < len(argv):
         arg = argv[i]
+        if arg in ("-h", "--help"):
+            usage.print_help()
+            sys.exit(0)
         if not arg.startswith("--"):
             if config_file is None and arg.endswith(".py"):
                 config_file = arg
@@ -218,6 +230,12 @@ def load_config(argv=None):
         values = runpy.run_path(config_file)
     except FileNotFoundError:
         raise ValueError(f"config file {config_file!r} not found; pass a file from config/ (e.g. {DEFAULT_CONFIG})")
+    except SyntaxError as e:
+        raise ValueError(f"config file {config_file}, line {e.lineno}: {e.msg}; fix the file (a config is Python: "
+                         "key = value per line)") from None
+    except Exception as e:  # a config is executed: NameError, ImportError, ... in it
+        raise ValueError(f"config file {config_file} fails when executed ({type(e).__name__}: {e}); "
+                         "fix the file") from None
     settings = {}
     for key, value in values.items():
         if key.startswith("_") or isinstance(value, (types.ModuleType, types.FunctionType, type)):
@@ -270,6 +288,20 @@ def validate(cfg, world_size=1):
         if not ok:
             raise ValueError(message)
 
+    for key, value in ((k, getattr(cfg, k)) for k in FIELDS):
+        need(not isinstance(value, float) or math.isfinite(value),
+             f"{key}={value} is not a finite number; give a finite value")
+    for key in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size", "micro_batch_size",
+                "global_batch_size", "train_iters", "train_samples", "train_tokens"):
+        value = getattr(cfg, key)
+        need(value is None or value > 0, f"{key}={value} must be positive")
+    for key in ("lr", "min_lr", "weight_decay", "clip_grad", "eval_iters", "sample_tokens", "lr_warmup_samples"):
+        need(getattr(cfg, key) >= 0, f"{key}={getattr(cfg, key)} must not be negative")
+    need(cfg.data_path is not None or cfg.use_bundled_corpus,
+         f"{getattr(cfg, 'config_file', 'this config')} sets no data_path: tokenize a corpus with `python data.py "
+         "--input FILES --output-prefix data/NAME` and pass --data_path data/NAME (only config/tiny.py trains on "
+         "the bundled Shakespeare: use_bundled_corpus)")
+    need(not cfg.eval_only or not cfg.dry_run, "eval_only and dry_run are exclusive; choose one")
     need(cfg.hidden_size % cfg.num_attention_heads == 0,
          f"hidden_size ({cfg.hidden_size}) must be divisible by num_attention_heads ({cfg.num_attention_heads})")
     tp, pp = cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size

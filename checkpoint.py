@@ -10,6 +10,8 @@ SLURM's 20-hour limit made every resume a real one (lesson 17), so everything a 
 optimizer with its step counter, LR-schedule and loss-scale state, iteration, consumed samples and tokens, the
 RNG states of python, numpy, torch and cuda and the dropout streams of rng.py, and the config.
 """
+import contextlib
+import errno
 import os
 import random
 import shutil
@@ -22,11 +24,6 @@ import parallel
 import rng
 
 LATEST = "latest"
-
-
-def _barrier():
-    if dist.is_initialized():
-        dist.barrier()
 
 
 def _fsync_dir(path):
@@ -88,29 +85,62 @@ def topology(g=None):
             "data_parallel_size": g.dp_size}
 
 
+def _phase(work):
+    """work() on this rank, then a barrier that shares failures: (errno, message) of the first rank whose work
+    raised an OSError (disk full, permissions), the same on every rank; None when all succeeded."""
+    failure = None
+    try:
+        work()
+    except OSError as e:
+        failure = (e.errno, f"{e.strerror or e} ({e.filename})" if e.filename else str(e))
+    if not dist.is_initialized():
+        return failure
+    failures = [None] * dist.get_world_size()
+    dist.all_gather_object(failures, failure)
+    return next((f for f in failures if f is not None), None)
+
+
 def save(save_dir, iteration, model_state, run_state, rank_state, write_model_state):
     """Write one checkpoint from every rank. model_state: this (TP, PP) shard (written by one DP rank,
-    write_model_state); run_state: iteration, counters, config, schedules; rank_state: optimizer and RNG."""
+    write_model_state); run_state: iteration, counters, config, schedules; rank_state: optimizer and RNG.
+    A failure on any rank (a full disk) removes the partial directory and raises ValueError on every rank."""
     tag = f"global_step{iteration}"
     final, partial = os.path.join(save_dir, tag), os.path.join(save_dir, tag + ".partial")
-    if parallel.grid.rank == 0:
-        os.makedirs(save_dir, exist_ok=True)
-        shutil.rmtree(partial, ignore_errors=True)  # debris of a crash during an earlier save
-        os.makedirs(partial)
-    _barrier()
-    if write_model_state:
-        _atomic_write({"model": model_state, "run": run_state, "topology": topology()}, model_file(partial))
-    _atomic_write(rank_state, rank_file(partial))
-    _barrier()
-    if parallel.grid.rank == 0:
-        _fsync_dir(partial)
-        if os.path.exists(final):  # saving the same iteration again (e.g. after a rollback): replace it
-            shutil.rmtree(final)
-        os.replace(partial, final)
-        _fsync_dir(save_dir)
-        _atomic_write(tag, os.path.join(save_dir, LATEST))
-        _fsync_dir(save_dir)
-    _barrier()
+    rank0 = parallel.grid.rank == 0
+
+    def prepare():
+        if rank0:
+            os.makedirs(save_dir, exist_ok=True)
+            shutil.rmtree(partial, ignore_errors=True)  # debris of a crash during an earlier save
+            os.makedirs(partial)
+
+    def write():
+        if write_model_state:
+            _atomic_write({"model": model_state, "run": run_state, "topology": topology()}, model_file(partial))
+        _atomic_write(rank_state, rank_file(partial))
+
+    def publish():
+        if rank0:
+            _fsync_dir(partial)
+            if os.path.exists(final):  # saving the same iteration again (e.g. after a rollback): replace it
+                shutil.rmtree(final)
+            os.replace(partial, final)
+            _fsync_dir(save_dir)
+            _atomic_write(tag, os.path.join(save_dir, LATEST))
+            _fsync_dir(save_dir)
+
+    for work in (prepare, write, publish):
+        failure = _phase(work)
+        if failure is not None:
+            if rank0:
+                shutil.rmtree(partial, ignore_errors=True)
+                with contextlib.suppress(OSError):
+                    os.remove(os.path.join(save_dir, LATEST + ".tmp"))
+            code, message = failure
+            problem = "no space left on device" if code == errno.ENOSPC else message
+            raise ValueError(f"saving checkpoint {final} failed: {problem}. The partial checkpoint was removed and "
+                             f"{os.path.join(save_dir, LATEST)} still names the previous one; free space (or fix the "
+                             "directory) and resume")
     return final
 
 

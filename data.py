@@ -24,6 +24,7 @@ import multiprocessing
 import os
 import re
 import struct
+import sys
 import time
 from fractions import Fraction
 from typing import Iterable, Iterator
@@ -187,6 +188,54 @@ class IndexedDataset:
         self.__init__(prefix)
 
 
+def max_token_id(indexed: IndexedDataset) -> int:
+    """The largest token id in the data: one numpy pass over the memory map (about 1 GB/s), remembered in
+    PREFIX.maxid (bytes and mtime of the .bin, the max) so that later runs read one number. The .idx stays
+    Megatron's format."""
+    bin_path = indexed.prefix + ".bin"
+    stat = os.stat(bin_path)
+    key = {"bin_bytes": stat.st_size, "bin_mtime_ns": stat.st_mtime_ns}
+    cache = indexed.prefix + ".maxid"
+    try:
+        with open(cache) as f:
+            saved = json.load(f)
+        if {k: saved.get(k) for k in key} == key:
+            return int(saved["max"])
+    except (OSError, ValueError, KeyError):
+        pass
+    chunk = 1 << 28  # a bounded working set, whatever the size of the corpus
+    result = max((int(indexed.tokens[i:i + chunk].max()) for i in range(0, len(indexed.tokens), chunk)), default=-1)
+    try:  # a read-only data directory just means no cache
+        tmp = f"{cache}.tmp{os.getpid()}"
+        with open(tmp, "w") as f:
+            json.dump({**key, "max": result}, f)
+        os.replace(tmp, cache)
+    except OSError:
+        pass
+    return result
+
+
+def check_token_ids(prefix: str, vocab_size: int) -> None:
+    """Refuse data with token ids outside the vocabulary (tokenized with another tokenizer): the embedding would
+    otherwise fail mid-run with 'index out of range'."""
+    indexed = IndexedDataset(prefix)
+    if np.iinfo(indexed.dtype).max < vocab_size:
+        return  # the dtype cannot hold an id that large
+    top = max_token_id(indexed)
+    if top >= vocab_size:
+        raise ValueError(f"data file {prefix}.bin holds token id {top}, at or above vocab_size {vocab_size}: it was "
+                         f"tokenized with a larger vocabulary; set vocab_size to at least {top + 1} or re-tokenize "
+                         "it with `python data.py`")
+
+
+def train_epochs(prefix: str, split: str, seq_length: int, num_samples: int) -> float:
+    """How many times `num_samples` training samples go over the train split of PREFIX."""
+    indexed = IndexedDataset(prefix)
+    start, end = split_documents(split, len(indexed))[0]
+    tokens = int(indexed.sizes[start:end].sum(dtype=np.int64))
+    return num_samples * seq_length / max(tokens, 1)
+
+
 # -----------------------------------------------------------------------------
 # Preprocessing: text files -> .bin/.idx (`python data.py --input ... --output-prefix ...`)
 
@@ -242,6 +291,9 @@ def preprocess(inputs: list[str], output_prefix: str, workers: int = max(1, (os.
             stats["docs"] += 1
             stats["tokens"] += len(doc)
             yield doc
+        if not stats["docs"]:  # raised inside the writer's loop: it removes its temporary files, writes nothing
+            raise ValueError(f"no text in {', '.join(inputs)} ({stats['empty']} empty documents): nothing to write "
+                             f"to {output_prefix}; check the input files (and --json-key for .jsonl)")
 
     t0 = time.time()
     if workers <= 1:
@@ -547,7 +599,7 @@ def split_documents(split: str, num_docs: int) -> list[tuple[int, int]]:
     return [(bounds[i], bounds[i + 1]) for i in range(3)]
 
 
-def _parse_data_path(data_path) -> tuple[list[str], list[float]]:
+def parse_data_path(data_path) -> tuple[list[str], list[float]]:
     if isinstance(data_path, str):
         data_path = data_path.split()
     data_path = list(data_path)
@@ -591,7 +643,7 @@ def build_datasets(data_path: list[str] | str, split: str, seq_length: int, seed
     """(train, valid, test) datasets; None where the split share or the number of samples is 0.
     With a blend, each component builds ceil(n * weight * 1.005) samples (Megatron's margin, so that the
     blend never runs a component dry) and a BlendedDataset mixes them."""
-    prefixes, weights = _parse_data_path(data_path)
+    prefixes, weights = parse_data_path(data_path)
     if len(prefixes) == 1:
         return tuple(_split_datasets(prefixes[0], split, seq_length, seed, num_samples, cache_dir))
     components = [_split_datasets(prefix, split, seq_length, seed,
@@ -694,4 +746,8 @@ if __name__ == "__main__":
     parser.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 1))
     parser.add_argument("--json-key", default="text", help="field holding the text in JSON lines")
     args = parser.parse_args()
-    preprocess(args.input, args.output_prefix, workers=args.workers, json_key=args.json_key)
+    try:
+        preprocess(args.input, args.output_prefix, workers=args.workers, json_key=args.json_key)
+    except (ValueError, FileNotFoundError) as e:  # bad input: one line naming the problem, no traceback
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)

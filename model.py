@@ -30,27 +30,30 @@ from parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbed
 
 @dataclass
 class GPTConfig:
-    num_layers: int = 12
-    hidden_size: int = 768
-    num_attention_heads: int = 12
-    seq_length: int = 1024
-    vocab_size: int = 50257
-    make_vocab_size_divisible_by: int = 128
-    hidden_dropout: float = 0.1
-    attention_dropout: float = 0.1
-    embed_dropout: float | None = None  # None: same as hidden_dropout
-    layernorm_epsilon: float = 1e-5
+    # -- model --
+    num_layers: int = 12  # transformer blocks
+    hidden_size: int = 768  # width h
+    num_attention_heads: int = 12  # attention heads (head size h / heads)
+    seq_length: int = 1024  # tokens per sample
+    vocab_size: int = 50257  # GPT-2 BPE; token ids in the data must be below it
+    make_vocab_size_divisible_by: int = 128  # pad the vocabulary to a multiple of this x TP size
+    hidden_dropout: float = 0.1  # dropout after attention and MLP
+    attention_dropout: float = 0.1  # dropout on the attention probabilities
+    embed_dropout: float | None = None  # dropout on the embeddings; None: same as hidden_dropout
+    layernorm_epsilon: float = 1e-5  # LayerNorm's epsilon
+    checkpoint_activations: bool = False  # recompute each block's activations in backward (memory for compute)
+    # -- stability: the switches of the 104B, 176B and OPT-175B runs --
     activation: str = "gelu"  # gelu (Megatron, erf) | gelu_tanh (GPT-2) | relu (OPT)
-    init_method_std: float | str = 0.02  # or "small_init" = sqrt(2/(5*hidden_size))
-    embed_init: str = "normal"  # normal | xavier_uniform
-    embed_init_std: float | None = None  # None: init_method_std
-    embed_layernorm: bool = False
+    init_method_std: float | str = 0.02  # std of the init, or "small_init" = sqrt(2/(5*hidden_size))
+    embed_init: str = "normal"  # word embedding init: normal | xavier_uniform
+    embed_init_std: float | None = None  # std of the normal embedding init; None: init_method_std
+    embed_layernorm: bool = False  # LayerNorm on the word embeddings (bitsandbytes' StableEmbedding)
     position_embedding_init: str = "normal"  # normal | sinusoidal
-    scale_embeddings: bool = False
-    apply_query_key_layer_scaling: bool = False
-    stable_attention: bool = False
-    normformer: bool = False
-    checkpoint_activations: bool = False
+    scale_embeddings: bool = False  # multiply the word embeddings by sqrt(hidden_size)
+    apply_query_key_layer_scaling: bool = False  # Megatron's fp16 scaling of attention scores by layer number
+    stable_attention: bool = False  # scale q and k each by head_size^-1/4 before their product
+    normformer: bool = False  # NormFormer's extra LayerNorms and head scales
+    # -- parallel --
     tensor_model_parallel_size: int = 1  # TP: split each layer over this many ranks (pads the vocabulary too)
 
     @classmethod

@@ -10,10 +10,17 @@ overflow, NaN loss, skip_grad_norm_above) or the iteration is in skip_train_iter
 decides what happens next (iteration, consumed samples and tokens, LR and loss-scale state, RNG) is in the
 checkpoint, and the sample order is a function of consumed samples only, so a resumed run is bit-exact.
 """
+import sys
+
+if __name__ == "__main__" and {"-h", "--help"} & set(sys.argv[1:]):
+    import usage  # reads the keys from the source: help prints before torch is imported
+
+    usage.print_help()
+    sys.exit(0)
+
 import contextlib
 import math
 import os
-import sys
 import time
 
 import numpy as np
@@ -28,6 +35,7 @@ import estimate
 import optim
 import parallel
 import rng
+import safety
 from model import GPT, GPTConfig
 
 
@@ -156,7 +164,9 @@ def build_data(cfg, plan):
             dist.broadcast_object_list(box, src=0)
             data_path = box[0]
     evals = plan.total_iters // cfg.eval_interval + 1
-    num_samples = (plan.total_samples, cfg.eval_iters * cfg.global_batch_size * (1 if evals else 0), 0)
+    num_samples = (0 if cfg.eval_only else plan.total_samples,
+                   cfg.eval_iters * cfg.global_batch_size * (1 if evals else 0), 0)
+    check_data(cfg, data_path, num_samples[0])
     # Rank 0 builds and caches the index arrays first; the others then read the cache.
     for builders in (True, False):
         if (parallel.grid.rank == 0) == builders:
@@ -165,6 +175,17 @@ def build_data(cfg, plan):
         if builders and dist.is_initialized():
             dist.barrier()
     return datasets[0], datasets[1]
+
+
+def check_data(cfg, data_path, train_samples):
+    """Token ids within the vocabulary (else an IndexError mid-run); a warning when the data repeats."""
+    prefixes, weights = data.parse_data_path(data_path)
+    for prefix, weight in zip(prefixes, weights):
+        data.check_token_ids(prefix, cfg.vocab_size)
+        epochs = data.train_epochs(prefix, cfg.split, cfg.seq_length, train_samples * weight)
+        if epochs > 4:  # Muennighoff et al. 2023: up to ~4 epochs of repeated data cost little, more do
+            print0(f"warning: this run goes over the train split of {prefix} {epochs:.1f} times; beyond about 4 "
+                   "epochs repeated data stops helping (more data, or a shorter run)")
 
 
 def micro_batches(dataset, first_sample, num_micro_batches, cfg, seqlen, device):
@@ -273,12 +294,17 @@ class Logger:
             self.wandb = wandb.init(project=cfg.wandb_project, mode=mode, config=arguments.to_dict(cfg),
                                     dir=cfg.save or ".")
 
-    def scalars(self, values, step):
+    def scalars(self, values, step, state):
+        """Each scalar against iterations, and in TensorBoard also against consumed samples and tokens (Megatron's
+        "lm-loss vs samples"): runs with different batch sizes or a ramp-up compare on those axes."""
         if self.tb:
             for k, v in values.items():
                 self.tb.add_scalar(k, v, step)
-        if self.wandb:
-            self.wandb.log(values, step=step)
+                self.tb.add_scalar(f"{k} vs samples", v, state["consumed_samples"])
+                self.tb.add_scalar(f"{k} vs tokens", v, state["consumed_tokens"])
+        if self.wandb:  # wandb has one step axis: the counters go along, to be picked as x axis in its UI
+            self.wandb.log({**values, "consumed-samples": state["consumed_samples"],
+                            "consumed-tokens": state["consumed_tokens"]}, step=step)
 
     def close(self):
         if self.tb:
@@ -306,6 +332,14 @@ def check_tp_replicas(model, optimizer, iteration, resync):
               f"parameter(s) differ from TP rank 0: {listed}{' ...' if len(differ) > 8 else ''}", flush=True)
     action = " | re-synced from TP rank 0" if resync and worst > 0 else ""
     print0(f" TP replica check at iteration {iteration} | max abs difference from TP rank 0: {worst:.3e}{action} |")
+
+
+def print_validation(loss, iteration):
+    """Megatron's validation block; returns the perplexity."""
+    ppl = math.exp(min(20.0, loss))
+    line = f" validation loss at iteration {iteration} | lm loss value: {loss:.6E} | lm loss PPL: {ppl:.6E} |"
+    print_last_rank("-" * len(line) + "\n" + line + "\n" + "-" * len(line))
+    return ppl
 
 
 # -----------------------------------------------------------------------------
@@ -372,6 +406,13 @@ def main(argv=None):
     grid = parallel.init(cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size,
                          backend="nccl" if use_cuda(cfg) else "gloo")
     arguments.validate(cfg, grid.world_size)
+    # Before anything is built or written: which checkpoint to resume, is it this model, is save ours (lock).
+    with safety.RunGuard(cfg):
+        return run(cfg, grid)
+
+
+def run(cfg, grid):
+    """Train (or, with eval_only, evaluate) the configured model; returns the run state."""
     device = get_device(cfg)
     rng.seed(cfg.seed)  # the dropout streams of this TP rank and pipeline stage (lesson 22)
     np.random.seed(cfg.seed)
@@ -399,8 +440,15 @@ def main(argv=None):
     if cfg.load:
         load_checkpoint(cfg, state, model, optimizer, scheduler, scaler)
     train_model = torch.compile(model) if cfg.compile else model
+    if cfg.eval_only:
+        if valid_data is None:
+            raise ValueError(f"eval_only: no validation data (split {cfg.split!r}, eval_iters {cfg.eval_iters}); give "
+                             "the validation split a share (e.g. --split 0,100,0 for the whole data_path)")
+        print_validation(evaluate(train_model, valid_data, cfg, device), state["iteration"])
+        return state
 
     logger = Logger(cfg)
+    exit_signal = safety.ExitSignal(cfg.exit_signal_handler)
     job_start = time.time()
     interval = {"time": 0.0, "iters": 0, "loss": 0.0, "steps": 0, "skipped": 0, "nan": 0}
     first_iteration = state["iteration"]
@@ -461,7 +509,7 @@ def main(argv=None):
             print_last_rank(log_line(fields))
             logger.scalars({"lm-loss": mean_loss, "learning-rate": lr, "grad-norm": grad_norm,
                             "loss-scale": scaler.scale, "batch-size": batch_size, "seqlen": seqlen,
-                            "consumed-tokens": state["consumed_tokens"], "tflops": tflops}, iteration)
+                            "consumed-tokens": state["consumed_tokens"], "tflops": tflops}, iteration, state)
             interval = {k: 0 if isinstance(v, int) else 0.0 for k, v in interval.items()}
 
         if cfg.tp_replica_check_interval and iteration % cfg.tp_replica_check_interval == 0 and grid.tp_size > 1:
@@ -470,23 +518,28 @@ def main(argv=None):
         last = plan.done(iteration, state["consumed_samples"], state["consumed_tokens"])
         if valid_data is not None and cfg.eval_iters > 0 and (iteration % cfg.eval_interval == 0 or last):
             val = evaluate(train_model, valid_data, cfg, device)
-            ppl = math.exp(min(20.0, val))
-            line = f" validation loss at iteration {iteration} | lm loss value: {val:.6E} | lm loss PPL: {ppl:.6E} |"
-            print_last_rank("-" * len(line) + "\n" + line + "\n" + "-" * len(line))
-            logger.scalars({"valid-lm-loss": val, "valid-ppl": ppl}, iteration)
+            ppl = print_validation(val, iteration)
+            logger.scalars({"valid-lm-loss": val, "valid-ppl": ppl}, iteration, state)
 
         exit_now = (cfg.exit_interval is not None and iteration - first_iteration >= cfg.exit_interval) or (
             cfg.exit_duration_in_mins is not None and _minutes_since(job_start) >= cfg.exit_duration_in_mins)
+        signalled = exit_signal()
+        exit_now = exit_now or signalled
         if cfg.save and (last or exit_now or (cfg.save_interval and iteration % cfg.save_interval == 0)):
             save_checkpoint(cfg, state, model, optimizer, scheduler, scaler)
         if exit_now:
-            print0(f"exiting at iteration {iteration} (exit_interval / exit_duration_in_mins)")
+            why = "SIGTERM (exit_signal_handler)" if signalled else "exit_interval / exit_duration_in_mins"
+            print0(f"exiting at iteration {iteration} ({why})")
             break
 
+    exit_signal.restore()
     logger.close()
-    if cfg.sample_tokens and grid.pp_size == 1:
+    if cfg.sample_tokens and grid.pp_size > 1:
+        print0(f"no sample printed: with pipeline_model_parallel_size {grid.pp_size} no rank holds the whole model; "
+               "sample from the checkpoint with tools/sample.py")
+    elif cfg.sample_tokens:
         tok = data.get_tokenizer()
-        prompt = torch.tensor([tok.encode("ROMEO:\n")], device=device)
+        prompt = torch.tensor([tok.encode(cfg.sample_prompt)], device=device)
         gen = torch.Generator(device=device).manual_seed(cfg.seed)
         model.eval()
         out = parallel._unwrap(model).generate(prompt, cfg.sample_tokens, temperature=0.8, top_k=200, generator=gen)

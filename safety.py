@@ -1,0 +1,247 @@
+"""What a run checks before it touches anything, and how it stops when told to: nothing may lose a run.
+
+Before the model is built (RunGuard.__enter__), on rank 0, with the verdict shared by every rank:
+  - which checkpoint to resume: `load`, or else `save` when it holds one -- the SLURM habit of passing the same
+    directory to both (lesson 17); a `save` holding another run's checkpoint is never silently written over,
+    and a `load` that does not exist is an error, not a fresh start;
+  - the checkpoint's config against this run's: a different model is refused, key by key, before any tensor
+    is read; the keys allowed to change (train_iters, the LR schedule with override_lr_scheduler, ...) are
+    listed;
+  - the save directory: created and writable now, not at the first save; and locked (DIR/lock holds the
+    holder's host and pid) so that two runs cannot write one directory. A lock left by a dead process on this
+    host is taken over.
+During the run, ExitSignal turns SIGTERM (what SLURM sends before its time limit) into "finish this
+iteration, save, exit 0" (Megatron's exit_signal_handler).
+"""
+import glob
+import json
+import os
+import signal
+import socket
+import time
+from dataclasses import fields
+
+import torch
+import torch.distributed as dist
+
+import checkpoint
+import parallel
+from model import GPTConfig
+
+LOCK = "lock"
+
+# Model keys that do not change the weights' shapes or the function they compute: they may differ on resume.
+# Every other GPTConfig field (shapes, activation, LayerNorms, attention scaling, ...) must match the checkpoint.
+RESUMABLE_MODEL_KEYS = {"hidden_dropout", "attention_dropout", "embed_dropout", "checkpoint_activations",
+                        "init_method_std", "embed_init", "embed_init_std", "position_embedding_init",
+                        "tensor_model_parallel_size", "pipeline_model_parallel_size"}  # the layout: checkpoint.load
+
+
+def architecture_keys():
+    return [f.name for f in fields(GPTConfig) if f.name not in RESUMABLE_MODEL_KEYS]
+
+
+def _print0(*args):
+    if parallel.grid.rank == 0:
+        print(*args, flush=True)
+
+
+def _on_rank0(fn):
+    """fn() on rank 0; its result, or its ValueError, on every rank (the others would hang at a collective)."""
+    box = [None, None]
+    if parallel.grid.rank == 0:
+        try:
+            box[0] = fn()
+        except ValueError as e:
+            box[1] = str(e)
+    if dist.is_initialized():
+        dist.broadcast_object_list(box, src=0)
+    if box[1] is not None:
+        raise ValueError(box[1])
+    return box[0]
+
+
+# -----------------------------------------------------------------------------
+# Which checkpoint to resume, and whether it is this run's model
+
+
+def checkpoint_config(tag_dir):
+    """The config stored in a checkpoint, read without loading its tensors (memory-mapped)."""
+    shards = sorted(glob.glob(os.path.join(tag_dir, "mp_rank_*_model_states.pt")))
+    if not shards:
+        raise ValueError(f"checkpoint {tag_dir} has no model file (mp_rank_*_model_states.pt); it is incomplete -- "
+                         "resume from another global_step* by editing 'latest'")
+    try:
+        blob = torch.load(shards[0], map_location="cpu", mmap=True, weights_only=False)
+    except Exception as e:
+        raise ValueError(f"checkpoint file {shards[0]} cannot be read ({type(e).__name__}: {e}); it is corrupt -- "
+                         "resume from another global_step* by editing 'latest'") from None
+    return blob["run"]["config"]
+
+
+def _show(value):
+    return repr(value) if isinstance(value, str) else str(value)
+
+
+def compare_configs(saved, cfg, tag_dir):
+    """Refuse another model; return the lines describing the keys allowed to differ."""
+    arch = [k for k in architecture_keys() if k in saved and saved[k] != getattr(cfg, k)]
+    if arch:
+        diff = ", ".join(f"{k} {_show(saved[k])} (checkpoint) vs {_show(getattr(cfg, k))} (now)" for k in arch)
+        raise ValueError(f"checkpoint {tag_dir} holds another model: {diff}. Resume with the checkpoint's values, or "
+                         "train this model from scratch with another save directory")
+    lr_keys = {"lr", "min_lr", "lr_decay_style", "lr_warmup_samples", "lr_warmup_tokens", "lr_decay_samples",
+               "lr_decay_tokens"}
+    changed = []
+    for key, value in saved.items():
+        if key in ("load", "save") or not hasattr(cfg, key) or getattr(cfg, key) == value:
+            continue
+        note = ""
+        if key in lr_keys:
+            note = " (override_lr_scheduler)" if cfg.override_lr_scheduler else " (needs override_lr_scheduler)"
+        changed.append(f"{key}: {_show(value)} -> {_show(getattr(cfg, key))}{note}")
+    return changed
+
+
+def _latest(directory):
+    return checkpoint.latest_dir(directory) if directory and os.path.isdir(directory) else None
+
+
+def resolve_resume(cfg):
+    """Set cfg.load to the directory to resume from (or None); return (tag_dir, lines to print). Rank 0 only."""
+    lines = []
+    save_tag = _latest(cfg.save)
+    if cfg.load is None and save_tag is not None:
+        cfg.load = cfg.save
+        lines.append(f"resuming from {save_tag}: save holds a checkpoint and load is unset (same directory for "
+                     "both, the SLURM habit)")
+    if cfg.load is not None and not os.path.isdir(cfg.load) and cfg.load != cfg.save:
+        raise ValueError(f"load directory {cfg.load} does not exist; fix the path, or unset load to train from "
+                         "scratch")
+    load_tag = _latest(cfg.load) if cfg.load else None
+    if save_tag is not None and cfg.save != cfg.load and not cfg.eval_only:
+        raise ValueError(f"save directory {cfg.save} already holds checkpoint {os.path.basename(save_tag)}, which "
+                         f"this run (loading {cfg.load}) would write over; resume it with --load {cfg.save} "
+                         "(or unset load), or pick a new save directory")
+    if cfg.eval_only and load_tag is None:
+        raise ValueError(f"eval_only needs a checkpoint, but {cfg.load or cfg.save or 'no load directory'} holds "
+                         "none; set load to a directory with a 'latest' file")
+    if load_tag is not None:
+        changed = compare_configs(checkpoint_config(load_tag), cfg, load_tag)
+        if changed:
+            lines.append("keys changed since the checkpoint:\n    " + "\n    ".join(changed))
+    return load_tag, lines
+
+
+# -----------------------------------------------------------------------------
+# The save directory: writable, and one run at a time
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process
+    return True
+
+
+def acquire_lock(directory):
+    """Create DIR/lock naming this process, or refuse: one run per save directory. Returns the lock's path."""
+    try:
+        os.makedirs(directory, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"cannot create the save directory {directory} ({e.strerror}); choose another --save") from None
+    path = os.path.join(directory, LOCK)
+    me = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.strftime("%Y-%m-%d %H:%M:%S")}
+    for _ in range(2):  # a second try after taking over a stale lock
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            try:
+                with open(path) as f:
+                    holder = json.load(f)
+            except (OSError, ValueError):
+                holder = None
+            if holder and holder.get("host") == me["host"] and not _alive(holder.get("pid")):
+                _print0(f"taking over the lock {path} of pid {holder['pid']}, which is no longer running")
+                os.remove(path)
+                continue
+            who = (f"host {holder.get('host')} pid {holder.get('pid')} since {holder.get('since')}" if holder
+                   else "an unreadable lock")
+            raise ValueError(f"save directory {directory} is in use by another run ({who}, in {path}); wait for it "
+                             "to end or use another --save (delete the lock only if that run is gone)") from None
+        except OSError as e:
+            raise ValueError(f"save directory {directory} is not writable ({e.strerror}); fix its permissions or "
+                             "choose another --save") from None
+        with os.fdopen(fd, "w") as f:
+            json.dump(me, f)
+        return path
+    raise ValueError(f"could not take the lock {path}; another run took it first")
+
+
+def release_lock(path):
+    try:
+        with open(path) as f:
+            if json.load(f).get("pid") != os.getpid():
+                return  # not ours any more
+        os.remove(path)
+    except (OSError, ValueError):
+        pass
+
+
+class RunGuard:
+    """`with RunGuard(cfg):` around a run: resume decision, checkpoint config check, save directory lock."""
+
+    def __init__(self, cfg):
+        self.cfg, self.lock = cfg, None
+
+    def __enter__(self):
+        cfg = self.cfg
+
+        def prepare():
+            tag_dir, lines = resolve_resume(cfg)
+            lock = acquire_lock(cfg.save) if cfg.save and not cfg.eval_only else None
+            for line in lines:
+                print(line, flush=True)
+            return cfg.load, lock
+
+        cfg.load, lock = _on_rank0(prepare)  # rank 0 decided for everyone (it may resume from save)
+        self.lock = lock if parallel.grid.rank == 0 else None
+        return self
+
+    def __exit__(self, *exc):
+        if self.lock:
+            release_lock(self.lock)
+        return False
+
+
+# -----------------------------------------------------------------------------
+# SIGTERM: save and exit cleanly (lesson 17)
+
+
+class ExitSignal:
+    """Remembers a SIGTERM; `exit_signal()` is True on every rank at the same iteration once any rank got one."""
+
+    def __init__(self, enabled, signum=signal.SIGTERM):
+        self.received, self.signum, self.previous = False, signum, None
+        if enabled:
+            self.previous = signal.signal(signum, self._handler)
+
+    def _handler(self, signum, frame):
+        self.received = True  # only a flag: the loop saves at the end of the iteration
+
+    def __call__(self):
+        if self.previous is None:
+            return False
+        if dist.is_initialized():
+            flags = [None] * dist.get_world_size()
+            dist.all_gather_object(flags, self.received)
+            return any(flags)
+        return self.received
+
+    def restore(self):
+        if self.previous is not None:
+            signal.signal(self.signum, self.previous)
+            self.previous = None
