@@ -103,6 +103,20 @@ def use_cuda(cfg):
     return cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
 
 
+def set_deterministic(cfg):
+    """deterministic=True: the same bits from the same run, whatever the load of the machine. On CPU the matrix
+    products are MKL's, whose default code path depends on the number of threads MKL decides to use (1 and 2
+    threads give different gradient bits); MKL_CBWR=AUTO,STRICT makes them independent of it. MKL reads it at its
+    first call, which train.py makes after this point. torch's own reductions still split by the thread count
+    torch starts with: same machine shape, same bits. On CUDA: deterministic cuBLAS workspaces and kernels."""
+    if not cfg.deterministic:
+        return
+    os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.benchmark = False
+
+
 def get_device(cfg):
     """The model's device, which is also the backend's communication device (NCCL for CUDA, gloo for CPU)."""
     return torch.device("cuda", torch.cuda.current_device()) if use_cuda(cfg) else torch.device("cpu")
@@ -413,6 +427,7 @@ def main(argv=None):
 
 def run(cfg, grid):
     """Train (or, with eval_only, evaluate) the configured model; returns the run state."""
+    set_deterministic(cfg)
     device = get_device(cfg)
     rng.seed(cfg.seed)  # the dropout streams of this TP rank and pipeline stage (lesson 22)
     np.random.seed(cfg.seed)
