@@ -124,7 +124,11 @@ def build_optimizer(model, lr, weight_decay, adam_beta1, adam_beta2, adam_eps, u
     if not use_bnb_optimizer:
         return AdamW(groups, lr=lr, betas=betas, eps=adam_eps, weight_decay=weight_decay)
 
-    import bitsandbytes as bnb
+    try:
+        import bitsandbytes as bnb
+    except Exception as e:  # not installed, or its native library does not load on this machine
+        raise ValueError(f"use_bnb_optimizer needs bitsandbytes, whose import fails ({type(e).__name__}: {e}); "
+                         "`pip install bitsandbytes`, or unset use_bnb_optimizer") from None
 
     manager = bnb.optim.GlobalOptimManager.get_instance()
     # The manager is a process-wide dict keyed by id(param). A freed parameter's id can be reused by

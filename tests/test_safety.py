@@ -1,0 +1,323 @@
+"""Friendly and safe at the edges: --help, resuming without losing a run, SIGTERM, bad input, sampling, eval."""
+import ast
+import errno
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import arguments
+import checkpoint
+import data
+import train
+import usage
+
+from helpers import ROOT, SMALL, corpus, log_fields, run_cli, run_main  # noqa: F401 (corpus is a fixture)
+
+ENV = dict(os.environ, WANDB_MODE="disabled")
+
+
+def _latest(directory):
+    return open(os.path.join(directory, "latest")).read().strip()
+
+
+@pytest.fixture(scope="module")
+def ckpt(corpus, tmp_path_factory):
+    """A 2-iteration checkpoint of the SMALL model; tests copy it before writing into it."""
+    directory = tmp_path_factory.mktemp("ckpt")
+    run_main(*SMALL, "--train_iters=2", f"--save={directory}")
+    return directory
+
+
+def _copy(src, dst):
+    import shutil
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _files(directory):
+    return sorted(os.path.relpath(os.path.join(d, f), directory) for d, _, fs in os.walk(directory) for f in fs
+                  if "tensorboard" not in d)
+
+
+# -- 1. --help --------------------------------------------------------------------------------------------------
+
+
+def test_help_lists_every_key_with_type_default_and_meaning_without_importing_torch():
+    proc = subprocess.run([sys.executable, "-X", "importtime", "train.py", "--help"], cwd=ROOT, env=ENV,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert not re.search(r"\|\s+torch$", proc.stderr, re.M), "--help imported torch"
+    out = proc.stdout
+    for name in arguments.FIELDS:
+        assert re.search(rf"^  --{name} ", out, re.M), name
+    for group in usage.ORDER:
+        assert re.search(rf"^{group}\b", out, re.M), group
+    # read from the source, it matches the real dataclass: same keys, same defaults, a meaning for each
+    parsed = usage.config_fields()
+    assert [f[2] for f in parsed] == list(arguments.FIELDS)
+    for group, _, name, kind, default, meaning in parsed:
+        assert meaning, f"{name} has no comment"
+        assert group in usage.ORDER, (name, group)
+        assert eval(default) == arguments.FIELDS[name].default, name
+    assert run_cli("-h").stdout == out
+    with pytest.raises(SystemExit) as exit_:
+        arguments.load_config(["--lr=1", "--help"])
+    assert exit_.value.code == 0
+
+
+# -- 2. resume ---------------------------------------------------------------------------------------------------
+
+
+def test_rerun_resumes_from_save_and_never_moves_latest_back(ckpt, tmp_path):
+    directory = _copy(ckpt, tmp_path / "run")
+    out = run_main(*SMALL, "--train_iters=3", f"--save={directory}")  # the same command, longer: resumes
+    assert "resuming from" in out and "train_iters: 2 -> 3" in out
+    assert sorted(log_fields(out)) == [3] and _latest(directory) == "global_step3"
+    other = tmp_path / "elsewhere"
+    other.mkdir()
+    before = _files(directory)
+    with pytest.raises(ValueError, match="already holds checkpoint global_step3"):
+        run_main(*SMALL, "--train_iters=2", f"--save={directory}", f"--load={other}")
+    assert _latest(directory) == "global_step3" and _files(directory) == before
+
+
+@pytest.mark.parametrize("change, message", [
+    (["--num_attention_heads=2"], "num_attention_heads 4 (checkpoint) vs 2 (now)"),
+    (["--activation=relu"], "activation 'gelu' (checkpoint) vs 'relu' (now)"),
+    (["--num_layers=3", "--seq_length=32"], "num_layers 2 (checkpoint) vs 3 (now), seq_length 64 (checkpoint) vs "
+                                            "32 (now)"),
+])
+def test_resume_with_another_model_is_refused_before_loading(ckpt, change, message):
+    before = _files(ckpt)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        run_main(*SMALL, "--train_iters=4", f"--load={ckpt}", f"--save={ckpt}", *change)
+    assert _files(ckpt) == before
+
+
+def test_another_model_exits_2_with_one_line(ckpt):
+    proc = run_cli(*SMALL, "--train_iters=4", f"--load={ckpt}", "--num_layers=3", expect_ok=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines() == [proc.stderr.strip()] and "num_layers 2 (checkpoint)" in proc.stderr
+
+
+def test_missing_load_directory_is_an_error(corpus, tmp_path):
+    with pytest.raises(ValueError, match="load directory .*nothing does not exist"):
+        run_main(*SMALL, "--train_iters=2", f"--load={tmp_path}/nothing")
+
+
+@pytest.mark.slow
+def test_sigterm_saves_and_exits_0_then_the_rerun_resumes(corpus, tmp_path):
+    """A real SIGTERM to a training process (what SLURM sends before its time limit)."""
+    proc = subprocess.Popen([sys.executable, "train.py", *SMALL, "--train_iters=1000", f"--save={tmp_path}",
+                             "--exit_signal_handler", "--eval_iters=0"], cwd=ROOT, env=ENV, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    lines = []
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith(" iteration        2/"):
+                proc.send_signal(signal.SIGTERM)
+                break
+        out = "".join(lines) + proc.stdout.read()
+        assert proc.wait(timeout=300) == 0, proc.stderr.read()
+    finally:
+        proc.kill()
+    last = max(log_fields(out))
+    assert f"exiting at iteration {last} (SIGTERM" in out
+    assert _latest(tmp_path) == f"global_step{last}" and not os.path.exists(tmp_path / "lock")
+    resumed = run_main(*SMALL, f"--train_iters={last + 1}", f"--save={tmp_path}", "--eval_iters=0")
+    assert "resuming from" in resumed and sorted(log_fields(resumed)) == [last + 1]
+
+
+# -- 3. configs that do not lie ----------------------------------------------------------------------------------
+
+
+def test_only_the_tiny_default_trains_on_the_bundled_corpus(tmp_path):
+    with pytest.raises(ValueError, match="config/gpt2_125m.py sets no data_path"):
+        arguments.validate(arguments.load_config([os.path.join(ROOT, "config/gpt2_125m.py")]))
+    arguments.validate(arguments.load_config([]))  # config/tiny.py
+    proc = subprocess.run([sys.executable, "tools/show_samples.py", "config/tr8b_104b.py", "--iterations",
+                           "13251-13260"], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "sets no data_path" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_warns_when_the_data_repeats_many_epochs(corpus, capsys):
+    cfg = arguments.validate(arguments.load_config([*SMALL, "--train_iters=1"]))
+    train.check_data(cfg, [corpus], train_samples=100)
+    assert "warning" not in capsys.readouterr().out
+    train.check_data(cfg, [corpus], train_samples=200_000)
+    assert re.search(r"warning: this run goes over the train split of .* \d+\.\d times", capsys.readouterr().out)
+
+
+# -- 4. use the model ---------------------------------------------------------------------------------------------
+
+
+def test_eval_only_prints_validation_and_writes_nothing(ckpt):
+    before = _files(ckpt)
+    out = run_main(*SMALL, "--train_iters=2", f"--load={ckpt}", f"--save={ckpt}", "--eval_only")
+    m = re.search(r"validation loss at iteration 2 \| lm loss value: (\S+) \| lm loss PPL: (\S+) \|", out)
+    assert m and abs(float(m.group(2)) - torch.tensor(float(m.group(1))).exp().item()) < 1e-3 * float(m.group(2))
+    assert log_fields(out) == {} and _files(ckpt) == before  # no training iteration, nothing written
+
+
+def test_eval_only_without_a_checkpoint_is_an_error(corpus, tmp_path):
+    with pytest.raises(ValueError, match="eval_only needs a checkpoint"):
+        run_main(*SMALL, "--train_iters=2", f"--save={tmp_path}", "--eval_only")
+
+
+def test_sample_tool_continues_the_prompt(ckpt):
+    proc = subprocess.run([sys.executable, "tools/sample.py", "--load", str(ckpt), "--prompt", "ROMEO:",
+                           "--max_tokens", "5", "--seed", "3"], cwd=ROOT, env=ENV, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    tok = data.get_tokenizer()
+    assert proc.stdout.startswith("ROMEO:") and len(tok.encode(proc.stdout.rstrip("\n"))) >= 4
+
+
+def test_sample_tool_refuses_a_split_model(ckpt, tmp_path):
+    directory = _copy(ckpt, tmp_path / "tp2")
+    tag = directory / "global_step2"
+    blob = torch.load(tag / "mp_rank_00_000_model_states.pt", weights_only=False)
+    blob["run"]["config"]["tensor_model_parallel_size"] = 2
+    torch.save(blob, tag / "mp_rank_00_000_model_states.pt")
+    import tools.sample as sample  # noqa: F401 -- the module, run in this process
+    with pytest.raises(ValueError, match="TP=2 x PP=1 .* reshard"):
+        sample.load_model(str(directory), torch.device("cpu"))
+
+
+def test_sample_prompt_key(ckpt, tmp_path):
+    out = run_main(*SMALL, "--train_iters=3", f"--save={_copy(ckpt, tmp_path / 'r')}", "--sample_tokens=3",
+                   "--sample_prompt=JULIET:", "--eval_iters=0")
+    assert re.search(r"-+ sample -+\nJULIET:", out)
+
+
+# -- 5. monitoring ------------------------------------------------------------------------------------------------
+
+
+def test_tensorboard_scalars_against_samples_and_tokens(corpus, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    run_main(*SMALL, "--train_iters=2", f"--tensorboard_dir={tmp_path}", "--eval_iters=0")
+    events = EventAccumulator(str(tmp_path))
+    events.Reload()
+    assert [e.step for e in events.Scalars("lm-loss")] == [1, 2]
+    assert [e.step for e in events.Scalars("lm-loss vs samples")] == [8, 16]
+    assert [e.step for e in events.Scalars("lm-loss vs tokens")] == [512, 1024]
+
+
+# -- 8. bad input -------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["--lr=inf"], "lr=inf is not a finite number"),
+    (["--global_batch_size=0"], "global_batch_size=0 must be positive"),
+    (["--micro_batch_size=0"], "micro_batch_size=0 must be positive"),
+    (["--train_iters=-5"], "train_iters=-5 must be positive"),
+])
+def test_values_that_cannot_work(overrides, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        arguments.validate(arguments.load_config(overrides))
+
+
+def test_config_file_with_a_syntax_error(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("num_layers = 2\nlr = = 3\n")
+    with pytest.raises(ValueError, match=r"bad.py, line 2: invalid syntax"):
+        arguments.load_config([str(bad)])
+
+
+def test_failing_bitsandbytes_import(corpus, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # `import bitsandbytes` now raises ImportError
+    with pytest.raises(ValueError, match="use_bnb_optimizer needs bitsandbytes"):
+        run_main(*SMALL, "--train_iters=1", "--use_bnb_optimizer", f"--save={tmp_path}")
+    assert not os.path.exists(tmp_path / "lock")
+
+
+def test_save_directory_is_checked_at_start(corpus, tmp_path):
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ValueError, match="cannot create the save directory"):
+        run_main(*SMALL, "--train_iters=1", f"--save={tmp_path}/file/run")
+
+
+def test_token_ids_outside_the_vocabulary(tmp_path):
+    prefix = str(tmp_path / "big")
+    data.write_indexed_dataset(prefix, [list(range(1, 200)) + [60000]] * 30)
+    with pytest.raises(ValueError, match="token id 60000, at or above vocab_size 50257"):
+        run_main(*SMALL, "--train_iters=1", f"--data_path={prefix}", f"--save={tmp_path}/run")
+    assert json.load(open(prefix + ".maxid"))["max"] == 60000  # remembered for the next run
+    assert not os.path.exists(tmp_path / "run" / "global_step1")
+
+
+def test_disk_full_during_save_cleans_up(corpus, tmp_path, monkeypatch):
+    saves = []
+
+    def full_disk(obj, f, *args, **kwargs):
+        saves.append(1)
+        if len(saves) > 2:  # the first checkpoint (two files) fits, the second does not
+            f.write(b"x" * 100)
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return torch_save(obj, f, *args, **kwargs)
+
+    torch_save = torch.save
+    monkeypatch.setattr(checkpoint.torch, "save", full_disk)
+    with pytest.raises(ValueError, match="no space left on device"):
+        run_main(*SMALL, "--train_iters=2", "--save_interval=1", f"--save={tmp_path}", "--eval_iters=0")
+    assert _latest(tmp_path) == "global_step1"
+    assert sorted(os.listdir(tmp_path)) == ["global_step1", "latest", "tensorboard"]  # no .partial, no lock
+
+
+def _dead_pid():
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+@pytest.mark.parametrize("holder, refused", [
+    ({"host": socket.gethostname(), "pid": os.getpid()}, True),  # a live run on this host
+    ({"host": "another-node", "pid": 1}, True),  # cannot tell: refuse
+    ({"host": socket.gethostname(), "pid": None}, False),  # stale: a dead process on this host
+])
+def test_one_run_per_save_directory(corpus, tmp_path, holder, refused):
+    if holder["pid"] is None:
+        holder["pid"] = _dead_pid()
+    (tmp_path / "lock").write_text(json.dumps({**holder, "since": "2026-01-01 00:00:00"}))
+    if refused:
+        with pytest.raises(ValueError, match=f"in use by another run \\(host {holder['host']} pid {holder['pid']}"):
+            run_main(*SMALL, "--train_iters=1", f"--save={tmp_path}")
+        assert not os.path.exists(tmp_path / "latest")
+    else:
+        out = run_main(*SMALL, "--train_iters=1", f"--save={tmp_path}", "--eval_iters=0")
+        assert "taking over the lock" in out and _latest(tmp_path) == "global_step1"
+        assert not os.path.exists(tmp_path / "lock")  # released at the end
+
+
+@pytest.mark.parametrize("content, message", [
+    ("", "no text in"),
+    ('{"text": "fine"}\nnot json\n', "expected a JSON object"),
+])
+def test_data_py_bad_input(tmp_path, content, message):
+    path = tmp_path / "in.jsonl"
+    path.write_text(content)
+    proc = subprocess.run([sys.executable, "data.py", "--input", str(path), "--output-prefix", str(tmp_path / "out"),
+                           "--workers", "1"], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr
+    assert not [p for p in os.listdir(tmp_path) if p.startswith("out")]
+
+
+# -- 9. determinism -----------------------------------------------------------------------------------------------
+
+
+def test_deterministic_switch(corpus, tmp_path, monkeypatch):
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    try:
+        run_main(*SMALL, "--train_iters=1", "--deterministic", "--eval_iters=0")
+        assert torch.are_deterministic_algorithms_enabled()
+        assert os.environ["MKL_CBWR"] == "AUTO,STRICT" and os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+    finally:
+        torch.use_deterministic_algorithms(False)
