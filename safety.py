@@ -192,10 +192,11 @@ def release_lock(path):
 
 
 class RunGuard:
-    """`with RunGuard(cfg):` around a run: resume decision, checkpoint config check, save directory lock."""
+    """`with RunGuard(cfg) as guard:` around a run: resume decision, checkpoint config check, save directory
+    lock, and guard.exit_signal (SIGTERM), all undone on the way out whatever happens."""
 
     def __init__(self, cfg):
-        self.cfg, self.lock = cfg, None
+        self.cfg, self.lock, self.exit_signal = cfg, None, None
 
     def __enter__(self):
         cfg = self.cfg
@@ -209,9 +210,12 @@ class RunGuard:
 
         cfg.load, lock = _on_rank0(prepare)  # rank 0 decided for everyone (it may resume from save)
         self.lock = lock if parallel.grid.rank == 0 else None
+        self.exit_signal = ExitSignal(cfg.exit_signal_handler)
         return self
 
     def __exit__(self, *exc):
+        if self.exit_signal:
+            self.exit_signal.restore()
         if self.lock:
             release_lock(self.lock)
         return False

@@ -421,12 +421,13 @@ def main(argv=None):
                          backend="nccl" if use_cuda(cfg) else "gloo")
     arguments.validate(cfg, grid.world_size)
     # Before anything is built or written: which checkpoint to resume, is it this model, is save ours (lock).
-    with safety.RunGuard(cfg):
-        return run(cfg, grid)
+    with safety.RunGuard(cfg) as guard:
+        return run(cfg, grid, guard.exit_signal)
 
 
-def run(cfg, grid):
-    """Train (or, with eval_only, evaluate) the configured model; returns the run state."""
+def run(cfg, grid, exit_signal):
+    """Train (or, with eval_only, evaluate) the configured model; returns the run state. exit_signal() says when
+    a SIGTERM asks to save and stop."""
     set_deterministic(cfg)
     device = get_device(cfg)
     rng.seed(cfg.seed)  # the dropout streams of this TP rank and pipeline stage (lesson 22)
@@ -463,7 +464,6 @@ def run(cfg, grid):
         return state
 
     logger = Logger(cfg)
-    exit_signal = safety.ExitSignal(cfg.exit_signal_handler)
     job_start = time.time()
     interval = {"time": 0.0, "iters": 0, "loss": 0.0, "steps": 0, "skipped": 0, "nan": 0}
     first_iteration = state["iteration"]
@@ -547,7 +547,6 @@ def run(cfg, grid):
             print0(f"exiting at iteration {iteration} ({why})")
             break
 
-    exit_signal.restore()
     logger.close()
     if cfg.sample_tokens and grid.pp_size > 1:
         print0(f"no sample printed: with pipeline_model_parallel_size {grid.pp_size} no rank holds the whole model; "
