@@ -14,7 +14,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = ["--num_layers=2", "--hidden_size=64", "--num_attention_heads=4", "--seq_length=64",
          "--micro_batch_size=4", "--global_batch_size=8", "--log_interval=1", "--eval_interval=1000",
          "--eval_iters=2", "--sample_tokens=0", "--lr_warmup_samples=40", "--lr_decay_samples=800",
-         "--hidden_dropout=0.1", "--attention_dropout=0.1", "--save_interval=1000"]
+         "--hidden_dropout=0.1", "--attention_dropout=0.1",
+         # no checkpoints unless a test asks (--save=DIR): tiny's out/tiny would be resumed by the next test
+         "--save=none", "--save_interval=none"]
 
 LOG = re.compile(r"^ iteration\s+(\d+)/\s*\d+ \|(.*)$", re.M)
 
