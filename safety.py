@@ -107,6 +107,10 @@ def _latest(directory):
     return checkpoint.latest_dir(directory) if directory and os.path.isdir(directory) else None
 
 
+def _same_dir(a, b):
+    return a is not None and b is not None and os.path.realpath(a) == os.path.realpath(b)
+
+
 def resolve_resume(cfg):
     """Set cfg.load to the directory to resume from (or None); return (tag_dir, lines to print). Rank 0 only."""
     lines = []
@@ -115,11 +119,11 @@ def resolve_resume(cfg):
         cfg.load = cfg.save
         lines.append(f"resuming from {save_tag}: save holds a checkpoint and load is unset (same directory for "
                      "both, the SLURM habit)")
-    if cfg.load is not None and not os.path.isdir(cfg.load) and cfg.load != cfg.save:
+    if cfg.load is not None and not os.path.isdir(cfg.load) and not _same_dir(cfg.load, cfg.save):
         raise ValueError(f"load directory {cfg.load} does not exist; fix the path, or unset load to train from "
                          "scratch")
     load_tag = _latest(cfg.load) if cfg.load else None
-    if save_tag is not None and cfg.save != cfg.load and not cfg.eval_only:
+    if save_tag is not None and not _same_dir(cfg.save, cfg.load) and not cfg.eval_only:
         raise ValueError(f"save directory {cfg.save} already holds checkpoint {os.path.basename(save_tag)}, which "
                          f"this run (loading {cfg.load}) would write over; resume it with --load {cfg.save} "
                          "(or unset load), or pick a new save directory")
