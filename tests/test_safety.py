@@ -314,7 +314,8 @@ def test_data_py_bad_input(tmp_path, content, message):
 
 
 def test_deterministic_switch(corpus, tmp_path, monkeypatch):
-    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", "")  # recorded, so that teardown removes what the run sets
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG")
     try:
         run_main(*SMALL, "--train_iters=1", "--deterministic", "--eval_iters=0")
         assert torch.are_deterministic_algorithms_enabled()
