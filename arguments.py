@@ -282,8 +282,9 @@ def reset_warmup_iters(cfg):
     return int(cfg.reset_optimizer_warmup_iters)
 
 
-def validate(cfg, world_size=1):
-    """Raise ValueError with a fix for every configuration that cannot work."""
+def validate(cfg, world_size=1, reads_data=True):
+    """Raise ValueError with a fix for every configuration that cannot work. reads_data=False: the caller feeds
+    the model something else than cfg's data (bench.py's random tokens), which then need not be configured."""
     def need(ok, message):
         if not ok:
             raise ValueError(message)
@@ -297,7 +298,7 @@ def validate(cfg, world_size=1):
         need(value is None or value > 0, f"{key}={value} must be positive")
     for key in ("lr", "min_lr", "weight_decay", "clip_grad", "eval_iters", "sample_tokens", "lr_warmup_samples"):
         need(getattr(cfg, key) >= 0, f"{key}={getattr(cfg, key)} must not be negative")
-    need(cfg.data_path is not None or cfg.use_bundled_corpus,
+    need(not reads_data or cfg.data_path is not None or cfg.use_bundled_corpus,
          f"{getattr(cfg, 'config_file', 'this config')} sets no data_path: tokenize a corpus with `python data.py "
          "--input FILES --output-prefix data/NAME` and pass --data_path data/NAME (only config/tiny.py trains on "
          "the bundled Shakespeare: use_bundled_corpus)")

@@ -82,7 +82,7 @@ def main(argv=None):
         train.print0("bench: rampup_batch_size ignored, every iteration uses global_batch_size")
         cfg.rampup_batch_size = None
     cfg.train_iters = bench.bench_warmup + bench.bench_steps  # validate() wants a length of training
-    arguments.validate(cfg, grid.world_size)
+    arguments.validate(cfg, grid.world_size, reads_data=False)  # random tokens
     device = train.get_device(cfg)
     torch.manual_seed(cfg.seed)  # same seed on every rank: TP ranks must see the same tokens
 
