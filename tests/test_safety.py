@@ -140,8 +140,10 @@ def test_sigterm_saves_and_exits_0_then_the_rerun_resumes(corpus, tmp_path):
 
 
 def test_only_the_tiny_default_trains_on_the_bundled_corpus(tmp_path):
+    gpt2 = os.path.join(ROOT, "config/gpt2_125m.py")
     with pytest.raises(ValueError, match="config/gpt2_125m.py sets no data_path"):
-        arguments.validate(arguments.load_config([os.path.join(ROOT, "config/gpt2_125m.py")]))
+        arguments.validate(arguments.load_config([gpt2]))
+    arguments.validate(arguments.load_config([gpt2]), reads_data=False)  # bench.py: random tokens
     arguments.validate(arguments.load_config([]))  # config/tiny.py
     proc = subprocess.run([sys.executable, "tools/show_samples.py", "config/tr8b_104b.py", "--iterations",
                            "13251-13260"], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
