@@ -156,7 +156,8 @@ def acquire_lock(directory):
     try:
         os.makedirs(directory, exist_ok=True)
     except OSError as e:
-        raise ValueError(f"cannot create the save directory {directory} ({e.strerror}); choose another --save") from None
+        raise ValueError(f"cannot create the save directory {directory} ({e.strerror}); choose another "
+                         "--save") from None
     path = os.path.join(directory, LOCK)
     me = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.strftime("%Y-%m-%d %H:%M:%S")}
     for _ in range(2):  # a second try after taking over a stale lock
