@@ -13,6 +13,8 @@ Switches, each from a lesson of docs/lessons.md (README has the table):
   104B and found not to help: an ablation, off by default). Softmax is always computed in fp32.
 - OPT: activation (gelu | gelu_tanh | relu), normformer, position_embedding_init (normal | sinusoidal),
   scale_embeddings, embed_dropout (OPT turned dropout off on embeddings) (lesson 15).
+- Beyond the chronicles (lesson 20): qk_layernorm (LayerNorm on each head's queries and keys, Dehghani et al.
+  2023) against attention-logit growth, and z_loss (PaLM) against output-logit divergence.
 """
 import contextlib
 import math
@@ -52,6 +54,8 @@ class GPTConfig:
     scale_embeddings: bool = False  # multiply the word embeddings by sqrt(hidden_size)
     apply_query_key_layer_scaling: bool = False  # Megatron's fp16 scaling of attention scores by layer number
     stable_attention: bool = False  # scale q and k each by head_size^-1/4 before their product
+    qk_layernorm: bool = False  # LayerNorm over head_dim on each head's q and k before q k^T (lesson 20)
+    z_loss: float = 0.0  # PaLM's auxiliary loss: z_loss * mean of log(Z)^2 of the output softmax (1e-4; lesson 20)
     normformer: bool = False  # NormFormer's extra LayerNorms and head scales
     # -- parallel --
     tensor_model_parallel_size: int = 1  # TP: split each layer over this many ranks (pads the vocabulary too)
@@ -82,6 +86,8 @@ class GPTConfig:
         per_layer = 12 * h * h + 13 * h
         if self.normformer:  # post-attention LN, FFN LN, head scales
             per_layer += 2 * h + 2 * 4 * h + self.num_attention_heads
+        if self.qk_layernorm:  # weight and bias of q's and k's LayerNorm, shared by the heads
+            per_layer += 4 * (h // self.num_attention_heads)
         extra = 2 * h if self.embed_layernorm else 0
         return n * per_layer + v * h + self.seq_length * h + 2 * h + extra
 
@@ -145,6 +151,16 @@ class Attention(nn.Module):
         if cfg.normformer:  # NormFormer's learned per-head scaling of the attention output
             self.head_scale = nn.Parameter(torch.ones(self.local_heads))
             self.head_scale.tp_dim = 0
+        # qk-layernorm as in Dehghani et al. 2023 (ViT-22B) and Wortsman et al. 2023: over head_dim, one weight and
+        # bias shared by all heads. OLMo 2 normalizes the whole q (all heads at once), whose statistics would
+        # span TP ranks. Replicated over TP, but each rank applies them to its own heads only: their gradients
+        # are partial sums, which parallel.reduce_gradients adds up over TP (`tp_partial`).
+        self.q_norm = self.k_norm = None
+        if cfg.qk_layernorm:
+            self.q_norm = nn.LayerNorm(self.head_dim, eps=cfg.layernorm_epsilon)
+            self.k_norm = nn.LayerNorm(self.head_dim, eps=cfg.layernorm_epsilon)
+            for p in (*self.q_norm.parameters(), *self.k_norm.parameters()):
+                p.tp_partial = True
         self.dropout = cfg.attention_dropout
         self.stable = cfg.stable_attention
         self.layer_scaling = float(layer_number) if cfg.apply_query_key_layer_scaling else None
@@ -152,6 +168,8 @@ class Attention(nn.Module):
     def forward(self, x):
         B, T, _ = x.shape
         q, k, v = self.qkv(x).view(B, T, self.local_heads, 3, self.head_dim).transpose(1, 2).unbind(dim=3)
+        if self.q_norm is not None:  # in fp32 under autocast, as every LayerNorm (lesson 6)
+            q, k = self.q_norm(q), self.k_norm(k)
         dropout = self.dropout if self.training else 0.0
         # this rank's heads only: their dropout masks come from the model-parallel stream (lesson 22)
         with rng.fork(x.device) if dropout else contextlib.nullcontext():
@@ -262,6 +280,7 @@ class GPT(nn.Module):
         # A last stage without the embedding keeps its own copy of the word embedding for the tied output layer;
         # parallel.py all-reduces the two copies' gradients every step (lesson 11).
         self.output_weight = None
+        self.z_loss_sum = self.z_loss_count = 0  # the z-loss of the training micro-batches since pop_z_loss()
         if post_process and not pre_process:
             self.output_weight = nn.Parameter(torch.empty(cfg.padded_vocab_size // grid.tp_size,
                                                           cfg.hidden_size))
@@ -331,7 +350,9 @@ class GPT(nn.Module):
         """x: token ids (B, T) on the first stage, hidden states (B, T, H) on the others.
 
         Returns hidden states on a non-last stage; on the last, the mean lm loss if targets are given, otherwise
-        this TP rank's slice of the logits."""
+        this TP rank's slice of the logits. In training with z_loss > 0 the lm loss's gradient includes the
+        z-loss (parallel.vocab_parallel_cross_entropy), whose value is kept for pop_z_loss(); evaluation
+        reports the lm loss alone."""
         if self.pre_process:
             x = self.embed(x)
         for block in self.blocks.values():
@@ -345,7 +366,19 @@ class GPT(nn.Module):
         logits = F.linear(parallel.copy_to_tp(x), self.word_embedding_weight())
         if targets is None:
             return logits
-        return parallel.vocab_parallel_cross_entropy(logits, targets, self.cfg.vocab_size).mean()
+        z_loss = self.cfg.z_loss if self.training else 0.0
+        loss, log_z = parallel.vocab_parallel_cross_entropy(logits, targets, self.cfg.vocab_size, z_loss)
+        if z_loss:
+            self.z_loss_sum = self.z_loss_sum + z_loss * log_z.square().mean()  # stays on the device: no sync
+            self.z_loss_count += 1
+        return loss.mean()
+
+    def pop_z_loss(self):
+        """Mean z-loss of the training micro-batches since the last call (a 0-dim tensor; 0 on a stage without
+        the output layer or with z_loss = 0), for the log."""
+        mean = self.z_loss_sum / max(self.z_loss_count, 1)
+        self.z_loss_sum = self.z_loss_count = 0
+        return torch.as_tensor(mean, dtype=torch.float32, device=next(self.parameters()).device)
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, generator=None):

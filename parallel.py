@@ -254,10 +254,17 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
     Columns from vocab_size on are padding (the vocabulary is padded to a multiple of 128 x TP): they are set to
     -inf in the copy, so they take no probability and get no gradient, and the model is the same function
-    whatever the padding, hence whatever the TP size."""
+    whatever the padding, hence whatever the TP size.
+
+    z_loss (PaLM's auxiliary loss, lesson 20) rides on the same pass: log Z = log(sum exp) + max is already at
+    hand, and d(z_loss * log(Z)^2)/d logits = 2 * z_loss * log(Z) * softmax, so the gradient becomes
+    softmax * (1 + 2 * z_loss * log Z) - onehot. The returned loss keeps the value of the cross-entropy alone
+    (what the log calls lm loss) while its gradient is that of cross-entropy + z_loss * log(Z)^2: whatever
+    reduction the caller applies to the per-token loss (the mean) applies to the z-loss too. log Z comes back
+    alongside, without a gradient, for logging the z-loss."""
 
     @staticmethod
-    def forward(ctx, logits, target, vocab_size):
+    def forward(ctx, logits, target, vocab_size, z_loss):
         group = grid.tp_group
         dtype = torch.promote_types(logits.dtype, torch.float32)  # fp32 at least (fp64 stays fp64)
         vocab_local = logits.shape[-1]
@@ -280,23 +287,30 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         if grid.tp_size > 1:
             dist.all_reduce(target_logit, group=group)
             dist.all_reduce(sum_exp, group=group)
-        ctx.save_for_backward(softmax.div_(sum_exp.unsqueeze(-1)), local, outside)
-        return sum_exp.log() - target_logit
+        softmax.div_(sum_exp.unsqueeze(-1))
+        log_sum_exp = sum_exp.log()
+        log_z = log_sum_exp + lmax
+        if z_loss:  # the z-loss's share of the gradient, folded into the saved softmax now (backward runs once)
+            softmax.mul_((1.0 + 2.0 * z_loss * log_z).unsqueeze(-1))
+        ctx.save_for_backward(softmax, local, outside)
+        ctx.mark_non_differentiable(log_z)
+        return log_sum_exp - target_logit, log_z
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx, grad, _grad_log_z):
         softmax, local, outside = ctx.saved_tensors
         # softmax - onehot(target), written over the saved softmax (backward runs once: no retain_graph)
         grad_logits = softmax.scatter_add_(-1, local.unsqueeze(-1), (outside.to(softmax.dtype) - 1.0).unsqueeze(-1))
-        return grad_logits.mul_(grad.unsqueeze(-1)), None, None
+        return grad_logits.mul_(grad.unsqueeze(-1)), None, None, None
 
 
-def vocab_parallel_cross_entropy(logits, target, vocab_size=None):
-    """Per-token loss (fp32, fp64 for fp64 logits) from this rank's vocabulary slice of the logits; columns of
-    token ids >= vocab_size (padding) are left out of the softmax."""
+def vocab_parallel_cross_entropy(logits, target, vocab_size=None, z_loss=0.0):
+    """(per-token loss, per-token log Z) from this rank's vocabulary slice of the logits, in fp32 (fp64 for fp64
+    logits); columns of token ids >= vocab_size (padding) are left out of the softmax. With z_loss > 0 the
+    loss's gradient includes z_loss * log(Z)^2 (its value does not)."""
     if vocab_size is None:
         vocab_size = logits.shape[-1] * grid.tp_size
-    return _VocabParallelCrossEntropy.apply(logits, target, vocab_size)
+    return _VocabParallelCrossEntropy.apply(logits, target, vocab_size, z_loss)
 
 
 def _unwrap(model):
@@ -492,7 +506,10 @@ def reduce_gradients(model, data_parallel=True):
        into both copies every step keeps them bitwise identical, so the two optimizers make the same update
        (lesson 11: DeepSpeed forgot this, only the front copy learned, and the run spiked on restart, PR 1801).
        Done after the DP mean so both copies add the same two tensors (a + b == b + a bit for bit).
-    Replicated TP parameters (LayerNorms, row-parallel biases) need nothing: their gradients are computed
+    3. Replicated TP parameters used by each rank on its own share of the work (`tp_partial`: the qk-layernorm
+       weights, shared by all heads while each rank computes only its heads) hold a partial gradient: summed
+       over TP, once per step (Megatron-LM does the same for qk-layernorm and sequence-parallel LayerNorms).
+    Other replicated TP parameters (LayerNorms, row-parallel biases) need nothing: their gradients are computed
     from identical inputs on every TP rank (tests/test_parallel.py checks it; Megatron-DeepSpeed #271)."""
     gpt = _unwrap(model)
     params = [p for p in gpt.parameters() if p.requires_grad]
@@ -501,6 +518,9 @@ def reduce_gradients(model, data_parallel=True):
             p.grad = torch.zeros_like(p)
     if data_parallel and grid.dp_size > 1:
         all_reduce_mean([p.grad for p in params], grid.dp_group, grid.dp_size)
+    partial = [p.grad for p in params if getattr(p, "tp_partial", False)]
+    if partial and grid.tp_size > 1:
+        all_reduce_mean(partial, grid.tp_group, 1)  # a sum: "mean" over a size of 1
     if grid.pp_size > 1 and (grid.is_first_stage or grid.is_last_stage):  # PP=1: one copy, nothing to sum
         dist.all_reduce(gpt.word_embedding_weight().grad, group=grid.embedding_group)
 

@@ -513,8 +513,13 @@ def run(cfg, grid, exit_signal):
                       ("global batch size", f"{batch_size:5d}")]
             if cfg.curriculum_learning:
                 fields.append(("curriculum seqlen", f"{seqlen:5d}"))
-            fields += [("lm loss", f"{mean_loss:.6E}"),
-                       ("loss scale", f"{scaler.scale:.1f}"),
+            fields.append(("lm loss", f"{mean_loss:.6E}"))
+            scalars = {"lm-loss": mean_loss}
+            if cfg.z_loss:  # the mean over the interval's micro-batches, apart from the lm loss (lesson 20)
+                z_loss = parallel.average_loss(parallel._unwrap(model).pop_z_loss()).item()
+                fields.append(("z loss", f"{z_loss:.6E}"))
+                scalars["z-loss"] = z_loss
+            fields += [("loss scale", f"{scaler.scale:.1f}"),
                        ("grad norm", f"{grad_norm:.3f}"),
                        ("num zeros", f"{float(num_zeros):.1f}"),
                        ("number of skipped iterations", f"{interval['skipped']:3d}"),
@@ -522,7 +527,7 @@ def run(cfg, grid, exit_signal):
                        ("samples per second", f"{batch_size / elapsed:.3f}"),
                        ("TFLOPs", f"{tflops:.2f}")]
             print_last_rank(log_line(fields))
-            logger.scalars({"lm-loss": mean_loss, "learning-rate": lr, "grad-norm": grad_norm,
+            logger.scalars({**scalars, "learning-rate": lr, "grad-norm": grad_norm,
                             "loss-scale": scaler.scale, "batch-size": batch_size, "seqlen": seqlen,
                             "consumed-tokens": state["consumed_tokens"], "tflops": tflops}, iteration, state)
             interval = {k: 0 if isinstance(v, int) else 0.0 for k, v in interval.items()}

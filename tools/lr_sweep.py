@@ -1,0 +1,387 @@
+"""LR sensitivity of the stability levers on one machine (Wortsman et al. 2023, "Small-scale proxies for
+large-scale Transformer training instabilities"; docs/stability.md has the study and its numbers).
+
+    python tools/lr_sweep.py --quick                 # 12 runs: 2 lever sets x 3 LRs x 2 seeds, ~10 min on 2 cores
+    python tools/lr_sweep.py                         # the study: 9 lever sets x 7 LRs x 3 seeds
+    python tools/lr_sweep.py --lever_sets default,qk_layernorm --lrs 1e-3,1e-2,1e-1 --seeds 1,2,3 --jobs 4
+
+A grid of lever sets x learning rates x seeds of one small GPT on the bundled corpus with a fixed token budget.
+Each run is a `python train.py` subprocess (one thread each, --jobs at a time) in its own directory,
+OUT/runs/<lever set>/lr<lr>-seed<seed>/: its stdout.log, the metrics.jsonl and TensorBoard events train.py
+writes beside its checkpoint, and result.json, written last: a run whose directory holds result.json is
+finished and skipped by the next call, so an interrupted sweep continues where it stopped. After training, a
+probe loads the final checkpoint and measures what the instabilities grow (the largest attention logit of
+each layer, the output log Z) on the validation batches, then the checkpoint is deleted (40 MB a run).
+
+From all finished runs of the grid it writes OUT/results.jsonl (one line per run), OUT/results.md (tables) and
+OUT/lr_sweep.png (final validation loss against LR, one curve per lever set, the seeds' spread shaded: their
+figure 1), and each lever set's LR sensitivity as they define it: the mean over the LR grid of
+min(L(lr), L0) - L*, with L0 the loss at initialisation (ln of the vocabulary: every init here starts there),
+L* the lever set's best final loss over the grid, and a diverged run (NaN/inf, or above L0) counted as L0.
+"""
+import argparse
+import concurrent.futures
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+# The model and schedule every run shares: GPT-2's defaults (init 0.02, beta2 0.999, fp32, no embedding LayerNorm)
+# set explicitly, since the default config (config/tiny.py) turns some levers on. 2 layers of 64, 512 tokens an
+# iteration, 120 iterations (61,440 tokens), 10 of warm-up, cosine to lr/10: about 30 s of one core a run.
+BASE = ["--num_layers=2", "--hidden_size=64", "--num_attention_heads=4", "--seq_length=64", "--micro_batch_size=8",
+        "--global_batch_size=8", "--train_iters=none", "--train_tokens=61440", "--lr_warmup_samples=80",
+        "--lr_decay_samples=960", "--lr_decay_style=cosine", "--hidden_dropout=0", "--attention_dropout=0",
+        "--init_method_std=0.02", "--embed_layernorm=false", "--adam_beta2=0.999", "--weight_decay=0.01",
+        "--clip_grad=1.0", "--log_interval=10", "--eval_interval=1000000", "--eval_iters=4", "--sample_tokens=0",
+        "--save_interval=none"]
+VOCAB_SIZE = 50257  # GPT-2's, the bundled corpus's tokenizer
+
+# Each lever set against the defaults above; the lessons of docs/lessons.md they come from.
+LEVER_SETS = {
+    "default": [],  # GPT-2: init 0.02, fp32, beta2 0.999
+    "small_init": ["--init_method_std=small_init"],  # lesson 3
+    "embed_layernorm": ["--embed_layernorm"],  # lesson 1
+    "small_init+embed_layernorm": ["--init_method_std=small_init", "--embed_layernorm"],  # lessons 1-3
+    "stable_attention": ["--stable_attention"],  # lesson 4
+    "qk_layernorm": ["--qk_layernorm"],  # lesson 20
+    "z_loss": ["--z_loss=1e-4"],  # lesson 20, PaLM's coefficient
+    "adam_beta2_0.95": ["--adam_beta2=0.95"],  # lesson 4 (lower beta2 did not cure the 104B's spikes)
+    "bf16": ["--bf16"],  # lesson 6
+}
+FULL = {"lever_sets": list(LEVER_SETS), "lrs": [3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 3e-1], "seeds": [1, 2, 3]}
+QUICK = {"lever_sets": ["default", "qk_layernorm"], "lrs": [1e-3, 1e-2, 1e-1], "seeds": [1, 2]}
+
+
+# -----------------------------------------------------------------------------
+# One run
+
+
+def run_dir(out, lever_set, lr, seed):
+    return os.path.join(out, "runs", lever_set, f"lr{lr:.0e}-seed{seed}")
+
+
+def train_args(lever_set, lr, seed, directory, extra=()):
+    args = [*BASE, *LEVER_SETS[lever_set], f"--lr={lr}", f"--min_lr={lr / 10}", f"--seed={seed}",
+            f"--save={directory}", *extra]
+    import arguments  # the telemetry of the spike-guard issue, where this checkout has it
+    if "telemetry_interval" in arguments.FIELDS:
+        args.append("--telemetry_interval=10")
+    return args
+
+
+def parse_log(text):
+    """What a run's Megatron log says: {"val_loss": last validation loss, "train_loss": last logged lm loss,
+    "grad_norm_max": largest logged grad norm, "z_loss_max": largest logged z loss, "nan_iterations": count}."""
+    out = {"val_loss": None, "train_loss": None, "grad_norm_max": None, "z_loss_max": None, "nan_iterations": 0}
+    for line in text.splitlines():
+        if "validation loss at iteration" in line and "lm loss value:" in line:
+            out["val_loss"] = float(line.split("lm loss value:")[1].split("|")[0])
+        elif line.startswith(" iteration") and "lm loss:" in line:
+            fields = dict(part.split(":", 1) for part in line.split("|") if ":" in part)
+            fields = {k.strip(): v.strip() for k, v in fields.items()}
+            out["train_loss"] = float(fields["lm loss"])
+            out["nan_iterations"] += int(fields.get("number of nan iterations", 0))
+            for key, name in (("grad norm", "grad_norm_max"), ("z loss", "z_loss_max")):
+                if key in fields:
+                    value = float(fields[key])
+                    out[name] = value if out[name] is None or not value <= out[name] else out[name]
+    return out
+
+
+def read_metrics(path):
+    """The same numbers from metrics.jsonl (the spike-guard issue's file), where the run wrote one: the last
+    record of each iteration counts; telemetry adds the largest attention logit and log Z seen in training."""
+    records = {}
+    with open(path) as f:
+        for line in f:
+            if line.strip():
+                record = json.loads(line)
+                records[record["iteration"]] = {**records.get(record["iteration"], {}), **record}
+    out = {}
+    for _, record in sorted(records.items()):
+        if "validation lm loss" in record:
+            out["val_loss"] = record["validation lm loss"]
+        telemetry = record.get("telemetry") or {}
+        for key, name in (("attention logit max", "train_attention_logit_max"), ("log z max", "train_log_z_max")):
+            value = telemetry.get(key)
+            value = max(value) if isinstance(value, list) else value
+            if value is not None:
+                out[name] = value if name not in out or not value <= out[name] else out[name]
+    return out
+
+
+def probe(directory):
+    """Load the run's final checkpoint and measure, on its validation batches: the largest pre-softmax attention
+    logit q.k/sqrt(d) of each layer (as attention sees q and k: after qk-layernorm, whatever the scaling
+    variant) and the mean and largest log Z of the output softmax. Returns a dict."""
+    import numpy as np
+    import torch
+
+    import arguments
+    import checkpoint
+    import model as model_module
+    import train
+    tag = checkpoint.latest_dir(directory)
+    model_state, run, _ = checkpoint.load(tag)
+    cfg = arguments.Config(**{k: v for k, v in run["config"].items() if k in arguments.FIELDS})
+    cfg = arguments.validate(cfg)
+    gpt = train.build_model(cfg, torch.device("cpu"))
+    gpt.load_state_dict(model_state)
+    gpt.eval()
+    _, valid = train.build_data(cfg, train.Plan(cfg, 1))
+    logits_max, original = [], model_module.core_attention
+
+    def recording(q, k, v, *args, **kwargs):
+        scores = q.float() @ k.float().transpose(-1, -2) / math.sqrt(q.shape[-1])
+        causal = torch.ones(scores.shape[-2:], dtype=torch.bool).tril()
+        logits_max.append(scores.masked_fill(~causal, -math.inf).amax().item())
+        return original(q, k, v, *args, **kwargs)
+
+    log_z = []
+    model_module.core_attention = recording
+    try:
+        with torch.no_grad():
+            for i in range(cfg.eval_iters):
+                first = i * cfg.global_batch_size  # the batches train.evaluate reads
+                tokens = np.stack([valid[first + j] for j in range(cfg.global_batch_size)]).astype(np.int64)
+                with train.autocast(cfg, torch.device("cpu")):
+                    logits = gpt(torch.from_numpy(tokens[:, :-1]))
+                log_z.append(torch.logsumexp(logits.float()[..., :cfg.vocab_size], dim=-1).flatten())
+    finally:
+        model_module.core_attention = original
+    log_z = torch.cat(log_z)
+    layers = cfg.num_layers
+    per_layer = [max(logits_max[layer::layers]) for layer in range(layers)]
+    return {"attention_logit_max": per_layer, "log_z_mean": log_z.mean().item(), "log_z_max": log_z.max().item()}
+
+
+def execute(out, lever_set, lr, seed, extra=()):
+    """Train one run (unless finished), probe it, write result.json last. Returns the result or an error dict."""
+    directory = run_dir(out, lever_set, lr, seed)
+    result_file = os.path.join(directory, "result.json")
+    if os.path.exists(result_file):
+        with open(result_file) as f:
+            return json.load(f)
+    os.makedirs(directory, exist_ok=True)
+    for name in os.listdir(directory):  # an interrupted attempt: start over (metrics.jsonl would append)
+        path = os.path.join(directory, name)
+        shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", WANDB_MODE="disabled")
+    start = time.time()
+    with open(os.path.join(directory, "stdout.log"), "w") as log:
+        proc = subprocess.run([sys.executable, "train.py", *train_args(lever_set, lr, seed, directory, extra)], cwd=ROOT,
+                              env=env, stdout=log, stderr=subprocess.STDOUT)
+    seconds = time.time() - start
+    with open(os.path.join(directory, "stdout.log")) as f:
+        text = f.read()
+    if proc.returncode != 0:
+        return {"lever_set": lever_set, "lr": lr, "seed": seed, "error": text[-2000:]}
+    result = {"lever_set": lever_set, "lr": lr, "seed": seed, "seconds": round(seconds, 1), **parse_log(text)}
+    metrics = os.path.join(directory, "metrics.jsonl")
+    if os.path.exists(metrics):
+        result.update(read_metrics(metrics))
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--probe", directory], cwd=ROOT, env=env,
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        return {**result, "error": proc.stderr[-2000:]}
+    result.update(json.loads(proc.stdout.strip().splitlines()[-1]))
+    for name in os.listdir(directory):  # the checkpoint has served the probe
+        if name.startswith("global_step") or name == "latest":
+            path = os.path.join(directory, name)
+            shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+    with open(result_file + ".tmp", "w") as f:
+        json.dump(result, f)
+    os.replace(result_file + ".tmp", result_file)  # atomically: present means finished
+    return result
+
+
+# -----------------------------------------------------------------------------
+# Summaries
+
+
+def clipped(loss, l0):
+    """A final loss as the sensitivity counts it: a diverged run (NaN/inf or above L0) counts as L0."""
+    return l0 if loss is None or not math.isfinite(loss) or loss > l0 else loss
+
+
+def sensitivity(losses, l0):
+    """Wortsman et al.'s LR sensitivity of one curve {lr: final loss}: mean over the LR grid of
+    min(L(lr), L0) - L*, with L* the curve's best loss (L0 if every run diverged)."""
+    values = [clipped(loss, l0) for loss in losses.values()]
+    best = min(values)
+    return sum(v - best for v in values) / len(values)
+
+
+def summarize(results, lever_sets, lrs, seeds, l0=math.log(VOCAB_SIZE)):
+    """Per lever set: the seed-mean curve, its spread, sensitivity (of the mean curve, and the range over
+    seeds' own curves), best loss and LR, and the largest LR at which no seed diverged."""
+    by_key = {(r["lever_set"], r["lr"], r["seed"]): r for r in results if "error" not in r}
+    rows = []
+    for lever_set in lever_sets:
+        curves = {seed: {lr: clipped(by_key[(lever_set, lr, seed)]["val_loss"], l0) for lr in lrs
+                         if (lever_set, lr, seed) in by_key} for seed in seeds}
+        curves = {seed: curve for seed, curve in curves.items() if curve}
+        if not curves:
+            continue
+        points = {}
+        for lr in lrs:
+            values = [curve[lr] for curve in curves.values() if lr in curve]
+            if values:
+                diverged = sum(clipped(by_key[(lever_set, lr, s)]["val_loss"], l0) == l0 for s in curves
+                               if (lever_set, lr, s) in by_key)
+                points[lr] = {"mean": sum(values) / len(values), "min": min(values), "max": max(values),
+                              "n": len(values), "diverged": diverged}
+        mean_curve = {lr: p["mean"] for lr, p in points.items()}
+        per_seed = [sensitivity(curve, l0) for curve in curves.values() if len(curve) == len(points)]
+        best_lr = min(mean_curve, key=mean_curve.get)
+        stable = [lr for lr, p in points.items() if p["diverged"] == 0]
+        rows.append({"lever_set": lever_set, "points": points, "sensitivity": sensitivity(mean_curve, l0),
+                     "sensitivity_seeds": (min(per_seed), max(per_seed)) if per_seed else None,
+                     "best_loss": mean_curve[best_lr], "best_lr": best_lr,
+                     "max_stable_lr": max(stable) if stable else None, "complete": len(points) == len(lrs)})
+    return rows
+
+
+def markdown(rows, results, lrs, l0):
+    lines = [f"L0 = ln({VOCAB_SIZE}) = {l0:.3f}: the loss at initialisation, and a diverged run's.", "",
+             "| lever set | LR sensitivity (seeds' range) | best val loss | at LR | largest LR, no seed diverged |",
+             "| --- | --- | --- | --- | --- |"]
+    for row in rows:
+        spread = row["sensitivity_seeds"]
+        spread = f" ({spread[0]:.3f}-{spread[1]:.3f})" if spread else ""
+        stable = f"{row['max_stable_lr']:.0e}" if row["max_stable_lr"] else "none"
+        lines.append(f"| {row['lever_set']} | {row['sensitivity']:.3f}{spread} | {row['best_loss']:.3f} | "
+                     f"{row['best_lr']:.0e} | {stable} |")
+    lines += ["", "Final validation loss, mean over seeds [min-max]; `div k` = k seeds diverged (counted as L0):", "",
+              "| lever set | " + " | ".join(f"{lr:.0e}" for lr in lrs) + " |", "| --- |" + " --- |" * len(lrs)]
+    for row in rows:
+        cells = []
+        for lr in lrs:
+            p = row["points"].get(lr)
+            if p is None:
+                cells.append("")
+                continue
+            cell = f"{p['mean']:.2f} [{p['min']:.2f}-{p['max']:.2f}]" if p["n"] > 1 else f"{p['mean']:.2f}"
+            cells.append(cell + (f" div {p['diverged']}" if p["diverged"] else ""))
+        lines.append(f"| {row['lever_set']} | " + " | ".join(cells) + " |")
+    probed = [r for r in results if "attention_logit_max" in r]
+    if probed:
+        lines += ["", "Telemetry of the final model on the validation batches, mean over seeds: largest attention "
+                  "logit (over layers) / mean log Z of the output softmax:", "",
+                  "| lever set | " + " | ".join(f"{lr:.0e}" for lr in lrs) + " |", "| --- |" + " --- |" * len(lrs)]
+        for row in rows:
+            cells = []
+            for lr in lrs:
+                mine = [r for r in probed if r["lever_set"] == row["lever_set"] and r["lr"] == lr]
+                if not mine:
+                    cells.append("")
+                    continue
+                attn = [max(r["attention_logit_max"]) for r in mine]
+                logz = [r["log_z_mean"] for r in mine]
+                cells.append(f"{_mean(attn):.1f} / {_mean(logz):.1f}")
+            lines.append(f"| {row['lever_set']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _mean(values):
+    finite = [v for v in values if math.isfinite(v)]
+    return sum(finite) / len(finite) if finite else float("nan")
+
+
+def plot(rows, lrs, l0, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=100)
+    for row in rows:
+        xs = sorted(row["points"])
+        mean = [row["points"][lr]["mean"] for lr in xs]
+        line, = ax.plot(xs, mean, marker="o", label=f"{row['lever_set']} (LR sens. {row['sensitivity']:.2f})")
+        ax.fill_between(xs, [row["points"][lr]["min"] for lr in xs], [row["points"][lr]["max"] for lr in xs],
+                        color=line.get_color(), alpha=0.2, linewidth=0)
+    ax.axhline(l0, color="grey", linestyle="--", linewidth=1, label="loss at init (diverged runs)")
+    ax.set_xscale("log")
+    ax.set_xticks(lrs, [f"{lr:.0e}" for lr in lrs])
+    ax.set_xlabel("learning rate")
+    ax.set_ylabel("final validation loss (nats)")
+    ax.set_title("LR sensitivity: mean over seeds, shaded min-max")
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+# -----------------------------------------------------------------------------
+# Main
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="the 12-run grid: " + json.dumps(QUICK))
+    p.add_argument("--out", default=os.path.join(ROOT, "out", "lr_sweep"), help="directory of runs and results")
+    p.add_argument("--lever_sets", help="comma-separated, from: " + ", ".join(LEVER_SETS))
+    p.add_argument("--lrs", help="comma-separated learning rates")
+    p.add_argument("--seeds", help="comma-separated seeds")
+    p.add_argument("--jobs", type=int, default=os.cpu_count(), help="runs at a time, one thread each")
+    p.add_argument("--extra", default="", help="more train.py arguments for every run (e.g. '--train_tokens=2048'"
+                                               "); changes the runs, so use another --out")
+    p.add_argument("--probe", help=argparse.SUPPRESS)  # internal: probe one run directory, print JSON
+    args = p.parse_args(argv)
+    grid = QUICK if args.quick else FULL
+    args.lever_sets = args.lever_sets.split(",") if args.lever_sets else grid["lever_sets"]
+    args.lrs = [float(x) for x in args.lrs.split(",")] if args.lrs else grid["lrs"]
+    args.seeds = [int(x) for x in args.seeds.split(",")] if args.seeds else grid["seeds"]
+    unknown = [s for s in args.lever_sets if s not in LEVER_SETS]
+    if unknown:
+        p.error(f"unknown lever set(s) {unknown}; choose from {', '.join(LEVER_SETS)}")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    if args.probe:
+        print(json.dumps(probe(args.probe)))
+        return
+    extra = args.extra.split()
+    grid = [(s, lr, seed) for s in args.lever_sets for lr in args.lrs for seed in args.seeds]
+    todo = [g for g in grid if not os.path.exists(os.path.join(run_dir(args.out, *g), "result.json"))]
+    print(f"{len(grid)} runs, {len(grid) - len(todo)} finished already, {len(todo)} to run, {args.jobs} at a time",
+          flush=True)
+    import data
+    data.default_corpus()  # tokenize the bundled corpus once, before the runs race to do it
+    results, start = [], time.time()
+    with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
+        for result in pool.map(lambda g: execute(args.out, *g, extra), grid):
+            results.append(result)
+            status = "error" if "error" in result else f"val {result['val_loss']:.4f}"
+            print(f"[{time.time() - start:6.0f}s] {result['lever_set']} lr {result['lr']:.0e} seed "
+                  f"{result['seed']}: {status}", flush=True)
+    failed = [r for r in results if "error" in r]
+    for r in failed:
+        print(f"failed: {r['lever_set']} lr {r['lr']} seed {r['seed']}:\n{r['error']}", file=sys.stderr)
+    l0 = math.log(VOCAB_SIZE)
+    rows = summarize(results, args.lever_sets, args.lrs, args.seeds, l0)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "results.jsonl"), "w") as f:
+        for r in results:
+            f.write(json.dumps(r) + "\n")
+    table = markdown(rows, results, args.lrs, l0)
+    with open(os.path.join(args.out, "results.md"), "w") as f:
+        f.write(table)
+    plot(rows, args.lrs, l0, os.path.join(args.out, "lr_sweep.png"))
+    print(table)
+    print(f"wrote {args.out}/results.jsonl, results.md, lr_sweep.png in {time.time() - start:.0f}s")
+    if failed:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
