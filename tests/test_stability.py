@@ -1,0 +1,206 @@
+"""The stability lab: qk_layernorm and z_loss (lesson 20) against references, and tools/lr_sweep.py.
+
+qk_layernorm against attention written out by hand; z_loss against torch.logsumexp on the full logits and its
+gradient against autograd of the plain formula (GPT-2's real vocabulary); both under TP=2 against one process
+(float64); through the trainer, the `z loss` field and an lm loss that excludes it. The sweep: Wortsman et al.'s
+LR sensitivity on hand-made numbers, and a two-run sweep end to end (table, PNG, resume skips finished runs).
+"""
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import arguments
+import parallel
+from helpers import ROOT, SMALL, corpus, log_fields, losses, run_main  # noqa: F401 (corpus is a fixture)
+from model import GPT, Attention, GPTConfig
+from test_parallel import TINY, _batches, _gather, spawn
+
+sys.path.insert(0, os.path.join(ROOT, "tools"))
+import lr_sweep  # noqa: E402
+
+NO_DROPOUT = ["--hidden_dropout=0", "--attention_dropout=0"]
+
+
+# -----------------------------------------------------------------------------
+# z_loss
+
+
+def test_z_loss_value_and_gradient_match_the_plain_formula():
+    gen = torch.Generator().manual_seed(0)
+    V, c = 50257, 1e-2  # GPT-2's vocabulary; a coefficient large enough to move the gradient visibly
+    logits = (torch.randn(2, 3, V, generator=gen, dtype=torch.float64) * 4).requires_grad_()
+    target = torch.randint(0, V, (2, 3), generator=gen)
+    loss, log_z = parallel.vocab_parallel_cross_entropy(logits, target, c)
+    torch.testing.assert_close(log_z, torch.logsumexp(logits.detach(), dim=-1), rtol=0, atol=1e-12)
+    # the value is the cross-entropy alone (what the log calls lm loss) ...
+    plain_ce = F.cross_entropy(logits.detach().flatten(0, 1), target.flatten(), reduction="none").view(2, 3)
+    torch.testing.assert_close(loss.detach(), plain_ce, rtol=0, atol=1e-12)
+    # ... the gradient is that of cross-entropy + c * log(Z)^2, through whatever reduction the caller applies
+    loss.mean().backward()
+    reference = logits.detach().clone().requires_grad_()
+    (F.cross_entropy(reference.flatten(0, 1), target.flatten())
+     + c * torch.logsumexp(reference, dim=-1).square().mean()).backward()
+    torch.testing.assert_close(logits.grad, reference.grad, rtol=1e-10, atol=1e-15)
+    without = logits.detach().clone().requires_grad_()
+    parallel.vocab_parallel_cross_entropy(without, target)[0].mean().backward()
+    assert (without.grad - logits.grad).abs().max() > 1e-4  # the z-loss really is in the gradient
+
+
+def test_model_keeps_the_z_loss_for_the_log_and_evaluates_without_it():
+    cfg = GPTConfig(num_layers=1, hidden_size=16, num_attention_heads=2, seq_length=8, hidden_dropout=0.0,
+                    attention_dropout=0.0, z_loss=1e-3)
+    model = GPT(cfg)
+    x = torch.randint(0, cfg.vocab_size, (2, 8))
+    y = torch.roll(x, -1, dims=1)
+    with torch.no_grad():
+        log_z = torch.logsumexp(model(x).double(), dim=-1)  # every column the softmax sees
+    losses_ = [model(x, y) for _ in range(2)]  # two micro-batches
+    z = model.pop_z_loss()
+    assert math.isclose(z.item(), 1e-3 * log_z.square().mean().item(), rel_tol=1e-5)
+    assert model.pop_z_loss().item() == 0.0  # popped
+    model.eval()
+    with torch.no_grad():
+        assert torch.equal(model(x, y), losses_[0].detach())  # the same lm loss: the value never includes z
+    assert model.pop_z_loss().item() == 0.0  # evaluation adds no z-loss
+
+
+def test_z_loss_is_logged_apart_from_the_lm_loss(corpus):
+    args = [*SMALL, *NO_DROPOUT, "--train_iters=2"]
+    plain = log_fields(run_main(*args))
+    with_z = log_fields(run_main(*args, "--z_loss=1e-2"))
+    assert "z loss" not in plain[1]
+    # iteration 1 runs the same weights on the same batch: the same lm loss, the z-loss beside it
+    assert with_z[1]["lm loss"] == plain[1]["lm loss"]
+    z = float(with_z[1]["z loss"])
+    assert 0.5 * 1e-2 * math.log(50304) ** 2 < z < 1.5 * 1e-2 * math.log(50304) ** 2  # small logits: log Z ~ ln V
+    assert with_z[2]["lm loss"] != plain[2]["lm loss"]  # ... and its gradient changed the update
+    with pytest.raises(ValueError, match="z_loss"):
+        arguments.validate(arguments.load_config([*SMALL, "--train_iters=1", "--z_loss=-1"]))
+
+
+# -----------------------------------------------------------------------------
+# qk_layernorm
+
+
+def _perturb_qk_norms(model):
+    """Non-trivial qk-layernorm weights and biases (init is 1 and 0), the same whatever the TP layout."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "q_norm" in name or "k_norm" in name:
+                base = 1.0 if name.endswith("weight") else 0.0
+                p.copy_(base + torch.linspace(-0.3, 0.5, p.numel(), dtype=p.dtype) + 0.1 * ("k_norm" in name))
+
+
+def test_qk_layernorm_matches_attention_written_out():
+    torch.manual_seed(0)
+    cfg = GPTConfig(hidden_size=32, num_attention_heads=4, seq_length=8, attention_dropout=0.0, qk_layernorm=True)
+    attn = Attention(cfg, 1, parallel.grid).double()
+    with torch.no_grad():
+        for p in attn.parameters():
+            p.copy_(torch.randn_like(p) * 0.3)
+    x = torch.randn(2, 8, 32, dtype=torch.float64)
+    B, T, H, D = 2, 8, 4, 8
+
+    def layernorm(t, norm):  # over head_dim, one weight and bias shared by the heads
+        mean = t.mean(-1, keepdim=True)
+        var = ((t - mean) ** 2).mean(-1, keepdim=True)
+        return (t - mean) / torch.sqrt(var + cfg.layernorm_epsilon) * norm.weight + norm.bias
+
+    qkv = (x @ attn.qkv.weight.T + attn.qkv.bias).view(B, T, H, 3, D)
+    q, k, v = (qkv[:, :, :, i].transpose(1, 2) for i in range(3))  # (B, H, T, D)
+    q, k = layernorm(q, attn.q_norm), layernorm(k, attn.k_norm)
+    scores = (q @ k.transpose(-1, -2)) / math.sqrt(D)
+    scores = scores.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf"))
+    y = (scores.softmax(-1) @ v).transpose(1, 2).reshape(B, T, H * D)
+    expected = y @ attn.proj.weight.T + attn.proj.bias
+    torch.testing.assert_close(attn(x), expected, rtol=1e-10, atol=1e-12)
+    attn.q_norm = attn.k_norm = None  # the same weights without the switch compute something else
+    assert (attn(x) - expected).abs().max() > 1e-3
+    with_norms = GPTConfig(num_layers=3, hidden_size=32, num_attention_heads=4, qk_layernorm=True)
+    assert sum(p.numel() for p in GPT(with_norms).parameters()) == with_norms.num_parameters(padded=True)
+
+
+def _levers_tp_matches_one_process():
+    """qk_layernorm and z_loss under TP=2 against one process, float64: loss, z-loss, every gradient."""
+    g = parallel.grid
+    torch.set_default_dtype(torch.float64)
+    cfg = GPTConfig(**TINY, qk_layernorm=True, z_loss=0.1, tensor_model_parallel_size=g.tp_size)
+    x, y = _batches(0, 1, 2, 16, cfg.vocab_size)[0]
+
+    def step():
+        model = GPT(cfg)
+        model.init_weights(1234)
+        _perturb_qk_norms(model)
+        loss = model(x, y)
+        loss.backward()
+        return model, loss.item(), model.pop_z_loss().item()
+
+    real, parallel.grid = parallel.grid, parallel.Grid(1, 1, world_size=1, rank=0)
+    try:
+        reference, ref_loss, ref_z = step()
+    finally:
+        parallel.grid = real
+    model, loss, z = step()
+    parallel.reduce_gradients(model)  # sums the qk-layernorm gradients over TP
+    assert math.isclose(loss, ref_loss, rel_tol=1e-12) and math.isclose(z, ref_z, rel_tol=1e-12), (loss, z)
+    assert z > 0.1 * loss  # the z-loss is large enough here that a wrong gradient would show
+    ref_grads = dict(reference.named_parameters())
+    for name, p in model.named_parameters():
+        expected = parallel.shard(ref_grads[name].grad, getattr(p, "tp_dim", None))
+        torch.testing.assert_close(p.grad, expected, rtol=1e-5, atol=1e-12, msg=lambda m: f"{name}: {m}")
+        if "_norm" in name:  # the shared qk-layernorm weights: the same gradient on every TP rank, bit for bit
+            assert all(torch.equal(other, p.grad) for other in _gather(p.grad, g.tp_group)), name
+
+
+def test_qk_layernorm_and_z_loss_tp2_match_one_process():
+    spawn(_levers_tp_matches_one_process, 2, 2, 1)
+
+
+# -----------------------------------------------------------------------------
+# tools/lr_sweep.py
+
+
+def test_lr_sensitivity_on_hand_made_numbers():
+    l0 = 10.0
+    # a NaN and a run above L0 both count as L0; the best loss is 4: (1 + 0 + 6 + 6) / 4
+    assert lr_sweep.sensitivity({1e-3: 5.0, 1e-2: 4.0, 1e-1: float("nan"), 1.0: 12.0}, l0) == 3.25
+    assert lr_sweep.sensitivity({1e-3: float("inf"), 1e-2: 11.0}, l0) == 0.0  # all diverged: flat at L0
+    assert lr_sweep.sensitivity({1e-3: 4.5, 1e-2: 4.5}, l0) == 0.0
+    results = [{"lever_set": "a", "lr": lr, "seed": seed, "val_loss": loss}
+               for lr, seed, loss in [(1e-3, 1, 6.0), (1e-3, 2, 7.0), (1e-2, 1, 5.0), (1e-2, 2, 5.5),
+                                      (1e-1, 1, float("nan")), (1e-1, 2, 8.0)]]
+    (row,) = lr_sweep.summarize(results, ["a"], [1e-3, 1e-2, 1e-1], [1, 2], l0)
+    assert row["points"][1e-1] == {"mean": 9.0, "min": 8.0, "max": 10.0, "n": 2, "diverged": 1}
+    assert row["best_lr"] == 1e-2 and row["best_loss"] == 5.25 and row["max_stable_lr"] == 1e-2
+    assert row["sensitivity"] == pytest.approx((1.25 + 0 + 3.75) / 3)  # of the seed-mean curve
+    assert row["sensitivity_seeds"] == pytest.approx(((1 + 0 + 3) / 3, (1.5 + 0 + 4.5) / 3))
+
+
+def test_lr_sweep_end_to_end_writes_table_and_png_and_skips_finished_runs(corpus, tmp_path):
+    cmd = [sys.executable, "tools/lr_sweep.py", "--out", str(tmp_path), "--lever_sets", "default",
+           "--lrs", "1e-3,1e-1", "--seeds", "1", "--jobs", "2", "--extra", "--train_tokens=1024 --eval_iters=1"]
+    first = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    results = [json.loads(line) for line in open(tmp_path / "results.jsonl")]
+    assert sorted(r["lr"] for r in results) == [1e-3, 1e-1]
+    for r in results:
+        assert math.isfinite(r["val_loss"]) and len(r["attention_logit_max"]) == 2 and r["log_z_mean"] > 0
+        run = lr_sweep.run_dir(str(tmp_path), "default", r["lr"], 1)
+        assert "lm loss value" in open(os.path.join(run, "stdout.log")).read()
+        assert not [n for n in os.listdir(run) if n.startswith("global_step")]  # the checkpoint is gone
+    table = open(tmp_path / "results.md").read()
+    assert "| default |" in table and "LR sensitivity" in table
+    png = (tmp_path / "lr_sweep.png").read_bytes()
+    assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) < 200_000
+    import matplotlib.image
+    assert matplotlib.image.imread(str(tmp_path / "lr_sweep.png")).ndim == 3
+    stamp = os.path.getmtime(os.path.join(lr_sweep.run_dir(str(tmp_path), "default", 1e-3, 1), "result.json"))
+    second = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert second.returncode == 0 and "2 finished already, 0 to run" in second.stdout, second.stdout
+    assert os.path.getmtime(os.path.join(lr_sweep.run_dir(str(tmp_path), "default", 1e-3, 1), "result.json")) == stamp
