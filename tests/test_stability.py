@@ -71,7 +71,7 @@ def test_model_keeps_the_z_loss_for_the_log_and_evaluates_without_it():
 
 
 def test_z_loss_is_logged_apart_from_the_lm_loss(corpus):
-    args = [*SMALL, *NO_DROPOUT, "--train_iters=2"]
+    args = [*SMALL, *NO_DROPOUT, "--train_iters=2", "--lr_warmup_samples=0", "--lr=1e-2"]
     plain = log_fields(run_main(*args))
     with_z = log_fields(run_main(*args, "--z_loss=1e-2"))
     assert "z loss" not in plain[1]
