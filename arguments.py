@@ -329,6 +329,9 @@ def validate(cfg, world_size=1, reads_data=True):
          f"lr_decay_style={cfg.lr_decay_style!r} is not linear, cosine or constant")
     need(cfg.min_lr <= cfg.lr, f"min_lr ({cfg.min_lr}) is larger than lr ({cfg.lr})")
     need(cfg.z_loss >= 0, f"z_loss={cfg.z_loss} is negative: it is the coefficient of log(Z)^2 (PaLM used 1e-4)")
+    need(not (cfg.qk_layernorm and cfg.deepspeed and tp > 1),
+         "qk_layernorm with deepspeed=True and tensor_model_parallel_size > 1 is not supported (the qk-layernorm "
+         "gradients must be summed over TP before DeepSpeed's step); use the native path (deepspeed=False) or TP=1")
     need(cfg.zero_stage in (0, 1, 2, 3), f"zero_stage={cfg.zero_stage} is not 0, 1, 2 or 3")
     need(cfg.tp_replica_check_interval >= 0, "tp_replica_check_interval must be 0 (off) or a number of iterations")
     need(not cfg.tp_replica_resync or cfg.tp_replica_check_interval > 0,

@@ -82,6 +82,10 @@ def test_z_loss_is_logged_apart_from_the_lm_loss(corpus):
     assert with_z[2]["lm loss"] != plain[2]["lm loss"]  # ... and its gradient changed the update
     with pytest.raises(ValueError, match="z_loss"):
         arguments.validate(arguments.load_config([*SMALL, "--train_iters=1", "--z_loss=-1"]))
+    with pytest.raises(ValueError, match="qk_layernorm with deepspeed"):
+        cfg = arguments.load_config([*SMALL, "--train_iters=1", "--qk_layernorm", "--deepspeed", "--bf16",
+                                     "--tensor_model_parallel_size=2"])
+        arguments.validate(cfg, world_size=2)
 
 
 # -----------------------------------------------------------------------------
