@@ -2,7 +2,7 @@
 large-scale Transformer training instabilities"; docs/stability.md has the study and its numbers).
 
     python tools/lr_sweep.py --quick                 # 12 runs: 2 lever sets x 3 LRs x 2 seeds, ~10 min on 2 cores
-    python tools/lr_sweep.py                         # the study: 9 lever sets x 7 LRs x 3 seeds
+    python tools/lr_sweep.py                         # the study: 9 lever sets x 6 LRs x 3 seeds
     python tools/lr_sweep.py --lever_sets default,qk_layernorm --lrs 1e-3,1e-2,1e-1 --seeds 1,2,3 --jobs 4
 
 A grid of lever sets x learning rates x seeds of one small GPT on the bundled corpus with a fixed token budget.
@@ -55,7 +55,7 @@ LEVER_SETS = {
     "adam_beta2_0.95": ["--adam_beta2=0.95"],  # lesson 4 (lower beta2 did not cure the 104B's spikes)
     "bf16": ["--bf16"],  # lesson 6
 }
-FULL = {"lever_sets": list(LEVER_SETS), "lrs": [3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 3e-1], "seeds": [1, 2, 3]}
+FULL = {"lever_sets": list(LEVER_SETS), "lrs": [1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 3e-1], "seeds": [1, 2, 3]}
 QUICK = {"lever_sets": ["default", "qk_layernorm"], "lrs": [1e-3, 1e-2, 1e-1], "seeds": [1, 2]}
 
 
@@ -162,13 +162,26 @@ def probe(directory):
     return {"attention_logit_max": per_layer, "log_z_mean": log_z.mean().item(), "log_z_max": log_z.max().item()}
 
 
+def run(command, log, env):
+    """Run command with its output into the file log; returns (exit code, CPU seconds it used, user + system)."""
+    proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    _, status, usage = os.wait4(proc.pid, 0)  # this child's own resource usage (other runs go on in parallel)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    return proc.returncode, usage.ru_utime + usage.ru_stime
+
+
 def execute(out, lever_set, lr, seed, extra=()):
     """Train one run (unless finished), probe it, write result.json last. Returns the result or an error dict."""
     directory = run_dir(out, lever_set, lr, seed)
     result_file = os.path.join(directory, "result.json")
+    args = train_args(lever_set, lr, seed, directory, extra)
     if os.path.exists(result_file):
         with open(result_file) as f:
-            return json.load(f)
+            result = json.load(f)
+        if result.get("args", args) != args:  # the grid was redefined: its old results are not this run's
+            raise SystemExit(f"{directory} holds a run with other arguments than this sweep's; use another --out "
+                             "or delete it")
+        return result
     os.makedirs(directory, exist_ok=True)
     for name in os.listdir(directory):  # an interrupted attempt: start over (metrics.jsonl would append)
         path = os.path.join(directory, name)
@@ -176,22 +189,25 @@ def execute(out, lever_set, lr, seed, extra=()):
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", WANDB_MODE="disabled")
     start = time.time()
     with open(os.path.join(directory, "stdout.log"), "w") as log:
-        proc = subprocess.run([sys.executable, "train.py", *train_args(lever_set, lr, seed, directory, extra)], cwd=ROOT,
-                              env=env, stdout=log, stderr=subprocess.STDOUT)
+        code, cpu = run([sys.executable, "train.py", *args], log, env)
     seconds = time.time() - start
     with open(os.path.join(directory, "stdout.log")) as f:
         text = f.read()
-    if proc.returncode != 0:
+    if code != 0:
         return {"lever_set": lever_set, "lr": lr, "seed": seed, "error": text[-2000:]}
-    result = {"lever_set": lever_set, "lr": lr, "seed": seed, "seconds": round(seconds, 1), **parse_log(text)}
+    result = {"lever_set": lever_set, "lr": lr, "seed": seed, "args": args, "seconds": round(seconds, 1),
+              "cpu_seconds": round(cpu, 1), **parse_log(text)}
     metrics = os.path.join(directory, "metrics.jsonl")
     if os.path.exists(metrics):
         result.update(read_metrics(metrics))
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--probe", directory], cwd=ROOT, env=env,
-                          capture_output=True, text=True)
-    if proc.returncode != 0:
-        return {**result, "error": proc.stderr[-2000:]}
-    result.update(json.loads(proc.stdout.strip().splitlines()[-1]))
+    probe_log = os.path.join(directory, "probe.log")
+    with open(probe_log, "w") as log:
+        code, cpu = run([sys.executable, os.path.abspath(__file__), "--probe", directory], log, env)
+    with open(probe_log) as f:
+        text = f.read()
+    if code != 0:
+        return {**result, "error": text[-2000:]}
+    result.update(json.loads(text.strip().splitlines()[-1]), probe_cpu_seconds=round(cpu, 1))
     for name in os.listdir(directory):  # the checkpoint has served the probe
         if name.startswith("global_step") or name == "latest":
             path = os.path.join(directory, name)
@@ -374,6 +390,11 @@ def main(argv=None):
         for r in results:
             f.write(json.dumps(r) + "\n")
     table = markdown(rows, results, args.lrs, l0)
+    timed = [r for r in results if "cpu_seconds" in r]
+    if timed:  # what the grid costs on a free machine: CPU seconds per run, whatever the load was
+        cpu = [r["cpu_seconds"] + r.get("probe_cpu_seconds", 0.0) for r in timed]
+        table += (f"\nCPU time (train + probe), {len(timed)} runs measured: {sum(cpu) / len(cpu):.0f} s a run, "
+                  f"{sum(cpu) / 60:.0f} min in all (wall time on 2 free cores about half that).\n")
     with open(os.path.join(args.out, "results.md"), "w") as f:
         f.write(table)
     plot(rows, args.lrs, l0, os.path.join(args.out, "lr_sweep.png"))
