@@ -36,7 +36,7 @@ def test_z_loss_value_and_gradient_match_the_plain_formula():
     V, c = 50257, 1e-2  # GPT-2's vocabulary; a coefficient large enough to move the gradient visibly
     logits = (torch.randn(2, 3, V, generator=gen, dtype=torch.float64) * 4).requires_grad_()
     target = torch.randint(0, V, (2, 3), generator=gen)
-    loss, log_z = parallel.vocab_parallel_cross_entropy(logits, target, c)
+    loss, log_z = parallel.vocab_parallel_cross_entropy(logits, target, z_loss=c)
     torch.testing.assert_close(log_z, torch.logsumexp(logits.detach(), dim=-1), rtol=0, atol=1e-12)
     # the value is the cross-entropy alone (what the log calls lm loss) ...
     plain_ce = F.cross_entropy(logits.detach().flatten(0, 1), target.flatten(), reduction="none").view(2, 3)
