@@ -358,7 +358,8 @@ def default_corpus(data_dir: str = "data") -> str:
 def _index_arrays(sizes: np.ndarray, documents: np.ndarray, num_samples: int, seq_length: int, seed: int):
     """doc_idx, sample_idx, shuffle_idx for `num_samples` samples. Compiled loops (numba), linear in documents
     plus samples, and no temporaries beyond the three arrays: 300M samples build in seconds, not minutes."""
-    documents = np.asarray(documents)
+    sizes = _readonly(sizes, np.int32)
+    documents = _readonly(documents, np.int32 if len(sizes) < 2**31 else np.int64)
     tokens_per_epoch = int(_num_tokens(sizes, documents))
     samples_per_epoch = (tokens_per_epoch - 1) // seq_length
     if samples_per_epoch < 1:
@@ -394,6 +395,13 @@ def _index_arrays(sizes: np.ndarray, documents: np.ndarray, num_samples: int, se
 # seeded by init_by_array) and the shuffle (Fisher-Yates drawing j in [0, i] by masked rejection) are NumPy's
 # legacy ones, rewritten so that 43,000 epochs of a small corpus cost no Python work per epoch.
 # tests/test_data.py holds the plain NumPy version and checks that both give identical arrays.
+
+def _readonly(array, dtype):
+    """A read-only view (a copy only if the dtype differs): one argument type for numba, so one compilation."""
+    array = np.asarray(array).astype(dtype, copy=False).view()
+    array.flags.writeable = False
+    return array
+
 
 _U32 = np.uint64(0xFFFFFFFF)  # MT19937's words are 32-bit; uint64 arithmetic keeps numba from going to float
 
@@ -537,7 +545,7 @@ def build_indices(indexed: IndexedDataset, documents: np.ndarray, num_samples: i
     """Build (if not cached yet) and save the index arrays of a GPTDataset; returns their paths. Idempotent:
     call it on rank 0, barrier, then construct the GPTDataset everywhere (which just loads the files)."""
     documents = np.asarray(documents)
-    tokens = int(_num_tokens(indexed.sizes, documents))
+    tokens = int(indexed.sizes[documents].sum(dtype=np.int64))
     paths = _cache_paths(indexed.prefix, documents, tokens, num_samples, seq_length, seed, name, cache_dir)
     if all(os.path.isfile(p) for p in paths.values()):
         return paths
