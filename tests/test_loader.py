@@ -45,7 +45,7 @@ def test_prefetched_batches_equal_direct_ones_across_rampup_curriculum_and_skips
         def load(key):
             loads.append(key)
             _, first, batch_size, seqlen = key
-            return loader.load_tokens(dataset, first, batch_size, seqlen, mbs, dp_rank, dp_size)
+            return loader.load_tokens(dataset, first, batch_size // (mbs * dp_size), seqlen, mbs, dp_rank, dp_size)
 
         with loader.Prefetcher(load, plan.next_key) as prefetcher:
             iteration = samples = tokens = 0
