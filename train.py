@@ -227,8 +227,8 @@ def batch_prefetcher(dataset, plan, cfg, device):
     g = parallel.grid
 
     def load(key):
-        _, first_sample, batch_size, seqlen = key
-        return loader.load_tokens(dataset, first_sample, batch_size // (cfg.micro_batch_size * g.dp_size), seqlen,
+        _, first_sample, _, seqlen = key
+        return loader.load_tokens(dataset, first_sample, plan.rampup.num_micro_batches(first_sample), seqlen,
                                   cfg.micro_batch_size, g.dp_rank, g.dp_size, pin_memory=device.type == "cuda")
     return loader.Prefetcher(load, plan.next_key)
 
