@@ -32,7 +32,8 @@ def reference(dataset, first_sample, batch_size, seqlen, mbs, dp_rank, dp_size):
 
 def test_prefetched_batches_equal_direct_ones_across_rampup_curriculum_and_skips(dataset):
     cfg = arguments.load_config(["--seq_length=32", "--micro_batch_size=2", "--global_batch_size=16",
-                                 "--rampup_batch_size=4 4 60", "--train_iters=none", "--train_samples=400", "--curriculum_learning",
+                                 "--rampup_batch_size=4 4 60", "--train_iters=none", "--train_samples=400",
+                                 "--curriculum_learning",
                                  "--min_difficulty=8", "--total_curriculum_step=12",
                                  "--skip_train_iteration_range", "4-5", "9-9", "20-21"])
     arguments.validate(cfg, world_size=2)
@@ -64,9 +65,8 @@ def test_prefetched_batches_equal_direct_ones_across_rampup_curriculum_and_skips
                     seen["batch sizes"].add(batch_size)
                     seen["seqlens"].add(seqlen)
                 samples, tokens = samples + batch_size, tokens + batch_size * seqlen
-        # every iteration that trained was loaded once, ahead of time except the first: no guess was wrong
-        trained = [k for k in loads]
-        assert len(trained) == len(set(trained)) == plan.total_iters - 5
+        # every iteration that trained was loaded exactly once (ahead of time except the first): no guess was wrong
+        assert len(loads) == len(set(loads)) == plan.total_iters - 5
     assert seen["batch sizes"] == {4, 8, 12, 16} and len(seen["seqlens"]) >= 3 and seen["skipped"] == 2 * 5
 
 

@@ -85,7 +85,8 @@ def main():
         size = sum(a.nbytes for a in arrays)
         del arrays
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        print(f"index:  built in {t_build:.1f}s ({c_build:.1f}s of CPU time), saved in {t_save:.1f}s ({size / 2**30:.2f} GiB of arrays); "
+        print(f"index:  built in {t_build:.1f}s ({c_build:.1f}s of CPU time), saved in {t_save:.1f}s "
+              f"({size / 2**30:.2f} GiB of arrays); "
               f"peak RSS {rss / 2**20:.2f} GiB (the corpus writer alone: {rss0 / 2**20:.2f} GiB)")
     finally:
         shutil.rmtree(work)
