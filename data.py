@@ -360,7 +360,7 @@ def _index_arrays(sizes: np.ndarray, documents: np.ndarray, num_samples: int, se
     plus samples, and no temporaries beyond the three arrays: 300M samples take under a minute, not an hour."""
     sizes = _readonly(sizes, np.int32)
     documents = _readonly(documents, np.int32 if len(sizes) < 2**31 else np.int64)
-    tokens_per_epoch = int(_num_tokens(sizes, documents))
+    tokens_per_epoch = int(sizes[documents].sum(dtype=np.int64))
     samples_per_epoch = (tokens_per_epoch - 1) // seq_length
     if samples_per_epoch < 1:
         raise ValueError(f"{len(documents)} documents with {tokens_per_epoch} tokens cannot fill one sample of "
@@ -390,11 +390,9 @@ def _index_arrays(sizes: np.ndarray, documents: np.ndarray, num_samples: int, se
     return doc_idx, sample_idx, shuffle_idx
 
 
-# The loops behind _index_arrays, compiled by numba (cached next to this file after the first call). Each
-# epoch's order is exactly np.random.RandomState([seed, epoch, stream]).permutation(...): the generator (MT19937
-# seeded by init_by_array) and the shuffle (Fisher-Yates drawing j in [0, i] by masked rejection) are NumPy's
-# legacy ones, rewritten so that 43,000 epochs of a small corpus cost no Python work per epoch.
-# tests/test_data.py holds the plain NumPy version and checks that both give identical arrays.
+# The loops behind _index_arrays, compiled by numba (cached in __pycache__). Each epoch's order is exactly
+# np.random.RandomState([seed, epoch, stream]).permutation(...) (MT19937 seeded by init_by_array, Fisher-Yates by
+# masked rejection), without Python work per epoch; tests/test_data.py checks it against the plain NumPy version.
 
 def _readonly(array, dtype):
     """A read-only view (a copy only if the dtype differs): one argument type for numba, so one compilation."""
@@ -404,14 +402,6 @@ def _readonly(array, dtype):
 
 
 _U32 = np.uint64(0xFFFFFFFF)  # MT19937's words are 32-bit; uint64 arithmetic keeps numba from going to float
-
-
-@numba.njit(cache=True)
-def _num_tokens(sizes, documents):
-    total = 0
-    for d in documents:
-        total += sizes[d]
-    return total
 
 
 @numba.njit(cache=True)
