@@ -1,17 +1,32 @@
-"""Measure the speed of one training iteration: forward, backward, gradient clipping and the optimizer step.
+"""Measure the speed of one training iteration: waiting for data, forward, backward, clipping, optimizer step.
 
     python bench.py config/gpt2_125m.py                            # a config file, then --key=value overrides
     python bench.py config/tiny.py --hidden_size=384 --bench_steps 20 --bench_warmup 3
+    python bench.py --nproc 2 config/tiny.py --pipeline_model_parallel_size=2    # PP2 against one process, CPU
     torchrun --nproc_per_node 8 bench.py config/tr3_1b3.py        # TFLOPs and MFU are per GPU
 
-The model, optimizer and loss scaler are built by train.py's own functions and each iteration is train.train_step,
-so what is timed is what training runs. The batches are random tokens: data loading is left out on purpose (it
-overlaps with compute in a real run, and this measures the model). Reported: tokens/s, ms per iteration, achieved
-TFLOPs by Megatron's formula (the number training logs), MFU against the device's peak, peak memory (rank 0's).
-On a shared CPU other processes move these numbers a lot: compare runs taken back to back, alternating.
+What is timed is what training runs: the model, optimizer and loss scaler come from train.py's own functions,
+each iteration is train.train_step, and its batches come from the training data (data_path, or the bundled
+corpus) through train.batch_prefetcher, which gathers the next iterations' batches on a background thread.
+Reported: tokens/s, ms per iteration, achieved TFLOPs by Megatron's formula (the number training logs), MFU
+against the device's peak, peak memory (rank 0's), and the data wait: the time each iteration waited for its
+batch, as a share of the iteration (next to what loading a batch costs when nobody prepared it ahead).
+
+--nproc N starts N gloo processes on this machine (torch.multiprocessing; TP and PP sizes from the config, DP
+the rest) and, before them, one process on the same global and micro-batch size, and prints both step times
+and the speed-up. The N processes get cores/N threads each, the single one all of them. With PP > 1 it also
+prints the pipeline bubble of each stage: the time the stage spends in parallel._communicate (posting its sends
+and receives and waiting for them: mostly waiting for the neighbour, the copy itself is small on one machine)
+as a share of its time in parallel.pipeline_forward_backward, against the ideal (p-1)/(m+p-1) of 1F1B with
+equal stages and free messages. Unequal stages (on CPU the last one's output layer dominates) add to it.
+
+On a shared machine other processes move these numbers a lot: compare runs taken back to back, alternating,
+and look at the best iteration as well as the mean.
 """
 import argparse
+import os
 import resource
+import socket
 import statistics
 import sys
 import time
@@ -21,6 +36,7 @@ import torch.distributed as dist
 
 import arguments
 import deepspeed_engine
+import loader
 import parallel
 import train
 
@@ -68,23 +84,46 @@ def peak_memory(device):
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "peak RSS of the whole process"
 
 
-def main(argv=None):
+class Stopwatch:
+    """Seconds spent inside module.name, wrapped in place (the pipeline schedule looks its helpers up by name)."""
+
+    def __init__(self, module, name):
+        self.seconds, fn = 0.0, getattr(module, name)
+
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - t0
+        setattr(module, name, timed)
+
+
+def parse(argv):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                      allow_abbrev=False)
     parser.add_argument("--bench_steps", "--bench-steps", type=int, default=10, help="timed iterations")
     parser.add_argument("--bench_warmup", "--bench-warmup", type=int, default=2,
                         help="untimed iterations first (allocator, thread pools, torch.compile, optimizer state)")
-    bench, rest = parser.parse_known_args(argv)
-    cfg = arguments.load_config(rest)  # the rest is CONFIG.py --key=value ..., exactly as train.py takes it
+    parser.add_argument("--nproc", type=int, default=1,
+                        help="gloo processes to start here (CPU), compared with one process on the same batch")
+    return parser.parse_known_args(argv)  # the rest is CONFIG.py --key=value ..., exactly as train.py takes it
+
+
+def measure(argv):
+    """Build, warm up and time one configuration; print its report on rank 0 and return its numbers there."""
+    bench, rest = parse(argv)
+    cfg = arguments.load_config(rest)
     grid = parallel.init(cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size,
                          backend="nccl" if train.use_cuda(cfg) else "gloo")
     if cfg.rampup_batch_size is not None:
         train.print0("bench: rampup_batch_size ignored, every iteration uses global_batch_size")
         cfg.rampup_batch_size = None
-    cfg.train_iters = bench.bench_warmup + bench.bench_steps  # validate() wants a length of training
-    arguments.validate(cfg, grid.world_size, reads_data=False)  # random tokens
+    cfg.train_iters, cfg.train_samples, cfg.train_tokens = bench.bench_warmup + bench.bench_steps, None, None
+    cfg.curriculum_learning, cfg.eval_iters = False, 0  # full-length batches; no validation set to build
+    arguments.validate(cfg, grid.world_size)
     device = train.get_device(cfg)
-    torch.manual_seed(cfg.seed)  # same seed on every rank: TP ranks must see the same tokens
+    torch.manual_seed(cfg.seed)
 
     model = train.build_model(cfg, device)
     gpt, local_params = model.cfg, sum(p.numel() for p in model.parameters())
@@ -94,41 +133,107 @@ def main(argv=None):
     scaler = train.build_scaler(cfg)
     train_model = torch.compile(model) if cfg.compile else model
     model.train()
+    plan = train.Plan(cfg, grid.dp_size)
+    train_data, _ = train.build_data(cfg, plan)
+    B, T = cfg.global_batch_size, cfg.seq_length
+    communicate = Stopwatch(parallel, "_communicate")
+    pipeline = Stopwatch(parallel, "pipeline_forward_backward")
 
-    # This rank's micro-batches of one global batch of random tokens, reused every iteration.
-    B, T, mbs = cfg.global_batch_size, cfg.seq_length, cfg.micro_batch_size
-    batches = [(torch.randint(0, cfg.vocab_size, (mbs, T), device=device),
-                torch.randint(0, cfg.vocab_size, (mbs, T), device=device))
-               for _ in range(B // (mbs * grid.dp_size))]
+    times, waits, key = [], [], (1, 0, B, T)
+    with train.batch_prefetcher(train_data, plan, cfg, device) as prefetcher:
+        for it in range(bench.bench_warmup + bench.bench_steps):
+            if it == bench.bench_warmup:
+                communicate.seconds = pipeline.seconds = 0.0
+                if device.type == "cuda":
+                    torch.cuda.reset_peak_memory_stats(device)
+            sync(device)
+            t0 = time.perf_counter()
+            batches = loader.to_device(prefetcher.get(key), device)
+            t_data = time.perf_counter() - t0
+            train.train_step(train_model, optimizer, scaler, batches, cfg.lr, cfg, device)
+            sync(device)
+            if it >= bench.bench_warmup:
+                times.append(time.perf_counter() - t0)
+                waits.append(t_data)
+            key = plan.next_key(key)
+    t0 = time.perf_counter()  # what a batch costs when it was not prepared ahead
+    train.micro_batches(train_data, 0, B // (cfg.micro_batch_size * grid.dp_size), cfg, T, device)
+    sync(device)
+    load = time.perf_counter() - t0
 
-    for _ in range(bench.bench_warmup):
-        train.train_step(train_model, optimizer, scaler, batches, cfg.lr, cfg, device)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    times = []
-    for _ in range(bench.bench_steps):
-        sync(device)
-        t0 = time.perf_counter()
-        train.train_step(train_model, optimizer, scaler, batches, cfg.lr, cfg, device)
-        sync(device)
-        times.append(time.perf_counter() - t0)
-
+    mine = (grid.pp_rank, communicate.seconds, pipeline.seconds)
+    stages = [mine]
+    if dist.is_initialized():  # each stage's time in the pipeline and in its messages, for rank 0's report
+        stages = [None] * grid.world_size
+        dist.all_gather_object(stages, mine)
+    stages = [next((c, p) for r, c, p in stages if r == stage) for stage in range(grid.pp_size)]
+    if grid.rank != 0:
+        return None
     mean, best = statistics.mean(times), min(times)
     flops = train.flops_per_iteration(cfg, gpt.padded_vocab_size, B, T)
     tflops = flops / (mean * grid.world_size * 1e12)  # per GPU, as training's log line (lesson 23)
     memory, memory_source = peak_memory(device)
     dtype = torch.float16 if cfg.fp16 else torch.bfloat16 if cfg.bf16 else torch.float32  # of the matmuls
     peak, peak_source = device_peak(device, dtype)
-    train.print0(
-        f"model:        {gpt.num_parameters():,} parameters ({gpt.num_parameters(padded=True):,} with the vocabulary "
-        f"padded to {gpt.padded_vocab_size}; {local_params:,} on this rank); {grid}\n"
-        f"run:          {str(dtype).removeprefix('torch.')}, global batch {B} x {T} tokens (micro-batch {mbs}), "
-        f"{bench.bench_steps} timed iterations after {bench.bench_warmup} warm-up, {device}\n"
-        f"tokens/s:     {B * T / mean:,.1f} (best iteration {B * T / best:,.1f})\n"
-        f"ms/iteration: {mean * 1000:.1f} (best {best * 1000:.1f}, stdev {statistics.pstdev(times) * 1000:.1f})\n"
-        f"TFLOPs:       {tflops:.4g} per {'GPU' if device.type == 'cuda' else 'process'} (Megatron's formula)\n"
-        f"MFU:          {100 * tflops * 1e12 / peak:.1f}% of {peak / 1e12:.4g} TFLOP/s ({peak_source})\n"
-        f"peak memory:  {memory / 2**20:,.0f} MiB ({memory_source})")
+    wait_share = sum(waits) / sum(times)
+    print(f"model:        {gpt.num_parameters():,} parameters ({gpt.num_parameters(padded=True):,} with the vocabulary "
+          f"padded to {gpt.padded_vocab_size}; {local_params:,} on this rank); {grid}\n"
+          f"run:          {str(dtype).removeprefix('torch.')}, global batch {B} x {T} tokens (micro-batch "
+          f"{cfg.micro_batch_size}), {bench.bench_steps} timed iterations after {bench.bench_warmup} warm-up, "
+          f"{device}, {torch.get_num_threads()} threads\n"
+          f"tokens/s:     {B * T / mean:,.1f} (best iteration {B * T / best:,.1f})\n"
+          f"ms/iteration: {mean * 1000:.1f} (best {best * 1000:.1f}, stdev {statistics.pstdev(times) * 1000:.1f})\n"
+          f"TFLOPs:       {tflops:.4g} per {'GPU' if device.type == 'cuda' else 'process'} (Megatron's formula)\n"
+          f"MFU:          {100 * tflops * 1e12 / peak:.1f}% of {peak / 1e12:.4g} TFLOP/s ({peak_source})\n"
+          f"peak memory:  {memory / 2**20:,.0f} MiB ({memory_source})\n"
+          f"data wait:    {100 * wait_share:.3f}% of the iteration ({1000 * statistics.mean(waits):.2f} ms; loading "
+          f"a batch not prepared ahead takes {1000 * load:.2f} ms)", flush=True)
+    result = {"mean": mean, "best": best, "wait_share": wait_share, "layout": repr(grid), "stages": stages,
+              "micro_batches": B // (cfg.micro_batch_size * grid.dp_size), "pp": grid.pp_size}
+    if grid.pp_size > 1:
+        result["bubble"] = [comm / pipe for comm, pipe in stages]
+        ideal = (grid.pp_size - 1) / (result["micro_batches"] + grid.pp_size - 1)
+        print("bubble:       " + ", ".join(f"stage {p} waits {100 * b:.1f}%" for p, b in enumerate(result["bubble"]))
+              + f" of its forward-backward; ideal (p-1)/(m+p-1) = {100 * ideal:.1f}% (p={grid.pp_size}, "
+              f"m={result['micro_batches']})", flush=True)
+    return result
+
+
+def _worker(rank, nproc, port, argv, results):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(nproc),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // nproc))  # the cores shared out, not oversubscribed
+    try:
+        result = measure(argv)
+        if rank == 0:
+            results.put(result)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    bench, rest = parse(argv)
+    if bench.nproc <= 1:
+        return measure(argv)
+    print("-- 1 process, the same global batch", flush=True)
+    single = measure(rest + ["--tensor_model_parallel_size=1", "--pipeline_model_parallel_size=1",
+                             f"--bench_steps={bench.bench_steps}", f"--bench_warmup={bench.bench_warmup}"])
+    print(f"-- {bench.nproc} processes", flush=True)
+    ctx = torch.multiprocessing.get_context("spawn")
+    results = ctx.SimpleQueue()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    torch.multiprocessing.start_processes(_worker, args=(bench.nproc, port, argv, results), nprocs=bench.nproc,
+                                          start_method="spawn")
+    multi = results.get()
+    print(f"-- {multi['layout']} against 1 process: {multi['best'] * 1000:.0f} vs {single['best'] * 1000:.0f} ms "
+          f"per iteration (best), {single['best'] / multi['best']:.2f}x the throughput "
+          f"(means {multi['mean'] * 1000:.0f} vs {single['mean'] * 1000:.0f} ms: "
+          f"{single['mean'] / multi['mean']:.2f}x)")
+    return multi
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ import checkpoint
 import data
 import deepspeed_engine
 import estimate
+import loader
 import optim
 import parallel
 import rng
@@ -72,6 +73,16 @@ class Plan:
 
     def skipped(self, iteration):
         return any(a <= iteration <= b for a, b in self.skip_ranges)
+
+    def next_key(self, key):
+        """The (iteration, first sample, batch size, seqlen) of the next iteration that trains after `key`'s
+        (skipped iterations consume their samples unused), None past the end: what loader.Prefetcher loads ahead."""
+        iteration, samples = key[0] + 1, key[1] + key[2]
+        while self.skipped(iteration):
+            iteration, samples = iteration + 1, samples + self.batch_size(samples)
+        if iteration > self.total_iters:
+            return None
+        return iteration, samples, self.batch_size(samples), self.seqlen(iteration)
 
     def done(self, iteration, samples, tokens):
         cfg = self.cfg
@@ -203,19 +214,23 @@ def check_data(cfg, data_path, train_samples):
 
 
 def micro_batches(dataset, first_sample, num_micro_batches, cfg, seqlen, device):
-    """This DP rank's micro-batches of the global batch of num_micro_batches * mbs * dp samples from first_sample,
-    in Megatron's order: micro-batch k takes samples k*mbs*dp + dp_rank*mbs + [0, mbs). Truncated to seqlen
-    (curriculum)."""
-    g, mbs = parallel.grid, cfg.micro_batch_size
-    out = []
-    for k in range(num_micro_batches):
-        start = first_sample + k * mbs * g.dp_size + g.dp_rank * mbs
-        tokens = torch.from_numpy(np.stack([dataset[start + i] for i in range(mbs)]).astype(np.int64))
-        x, y = tokens[:, :-1][:, :seqlen], tokens[:, 1:][:, :seqlen]
-        if device.type == "cuda":  # contiguous and pinned, so that the copies are asynchronous: no host sync
-            x, y = x.contiguous().pin_memory(), y.contiguous().pin_memory()
-        out.append((x.to(device, non_blocking=True), y.to(device, non_blocking=True)))
-    return out
+    """This DP rank's micro-batches [(inputs, labels)] of the global batch of num_micro_batches * mbs * dp samples
+    from first_sample, in Megatron's order (loader.sample_indices), truncated to seqlen (curriculum)."""
+    g = parallel.grid
+    tokens = loader.load_tokens(dataset, first_sample, num_micro_batches, seqlen, cfg.micro_batch_size, g.dp_rank,
+                                g.dp_size, pin_memory=device.type == "cuda")
+    return loader.to_device(tokens, device)
+
+
+def batch_prefetcher(dataset, plan, cfg, device):
+    """Loads the micro-batches of the iterations plan.next_key expects on a background thread (loader.py)."""
+    g = parallel.grid
+
+    def load(key):
+        _, first_sample, _, seqlen = key
+        return loader.load_tokens(dataset, first_sample, plan.rampup.num_micro_batches(first_sample), seqlen,
+                                  cfg.micro_batch_size, g.dp_rank, g.dp_size, pin_memory=device.type == "cuda")
+    return loader.Prefetcher(load, plan.next_key)
 
 
 # -----------------------------------------------------------------------------
@@ -468,6 +483,7 @@ def run(cfg, grid, exit_signal):
     interval = {"time": 0.0, "iters": 0, "loss": 0.0, "steps": 0, "skipped": 0, "nan": 0}
     first_iteration = state["iteration"]
     model.train()
+    prefetcher = batch_prefetcher(train_data, plan, cfg, device)
     while not plan.done(state["iteration"], state["consumed_samples"], state["consumed_tokens"]):
         t0 = time.time()
         iteration = state["iteration"] + 1
@@ -479,8 +495,8 @@ def run(cfg, grid, exit_signal):
             print0(f" iteration {iteration:8d}/{plan.total_iters:8d} | skipped (skip_train_iteration_range): "
                    f"samples {state['consumed_samples']}-{state['consumed_samples'] + batch_size - 1} not used |")
         else:
-            batches = micro_batches(train_data, state["consumed_samples"],
-                                    plan.rampup.num_micro_batches(state["consumed_samples"]), cfg, seqlen, device)
+            key = (iteration, state["consumed_samples"], batch_size, seqlen)
+            batches = loader.to_device(prefetcher.get(key), device)
             reset = state["optimizer_reset"]
             in_reset_warmup = reset is not None and iteration <= reset["iteration"] + reset["warmup_iters"]
             lr = 0.0 if in_reset_warmup else scheduler.get_lr(state["scheduler_samples"], state["scheduler_tokens"])
@@ -552,6 +568,7 @@ def run(cfg, grid, exit_signal):
             print0(f"exiting at iteration {iteration} ({why})")
             break
 
+    prefetcher.close()
     logger.close()
     if cfg.sample_tokens and grid.pp_size > 1:
         print0(f"no sample printed: with pipeline_model_parallel_size {grid.pp_size} no rank holds the whole model; "

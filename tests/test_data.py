@@ -276,6 +276,48 @@ def test_gpt_dataset_determinism_and_cache(toy, tmp_path, monkeypatch):
         data.GPTDataset(indexed, np.arange(1, 12), 30, 8, 1, "valid", str(tmp_path / "a"))  # doc 1 is empty
 
 
+def _reference_index_arrays(sizes, documents, num_samples, seq_length, seed):
+    """The index builder as it was in plain NumPy (a Python loop per epoch, temporaries the size of the stream):
+    the compiled one must give identical arrays."""
+    tokens_per_epoch = int(sizes[documents].sum(dtype=np.int64))
+    num_epochs = max(1, -(-(num_samples * seq_length + 1) // tokens_per_epoch))
+    doc_idx = np.concatenate([np.random.RandomState([seed, e, 0]).permutation(documents)
+                              for e in range(num_epochs)]).astype(np.int32)
+    num_all = (num_epochs * tokens_per_epoch - 1) // seq_length
+    lengths = sizes[doc_idx]
+    ends = np.cumsum(lengths, dtype=np.int64)
+    starts = np.arange(num_all + 1, dtype=np.int64) * seq_length
+    k = np.searchsorted(ends, starts, side="right")
+    sample_idx = np.stack([k, starts - (ends - lengths)[k]], axis=1).astype(np.int32)
+    bounds = [0] + [(e * tokens_per_epoch - 1) // seq_length for e in range(1, num_epochs + 1)]
+    shuffle_idx = np.concatenate([lo + np.random.RandomState([seed, e, 1]).permutation(hi - lo)
+                                  for e, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:]))])
+    return doc_idx, sample_idx, shuffle_idx.astype(np.uint32)
+
+
+@pytest.mark.parametrize("num_docs,num_samples,seq_length,seed", [
+    (1, 50, 8, 0),            # one document, many epochs
+    (12, 3, 8, 42),           # less than an epoch
+    (40, 2000, 16, 7),        # hundreds of epochs, empty documents
+    (3000, 5000, 64, 2**32 - 1),  # thousands of documents (many rejection draws), the largest seed
+])
+def test_index_arrays_equal_the_numpy_reference(num_docs, num_samples, seq_length, seed):
+    rng = np.random.default_rng(num_docs)
+    sizes = rng.integers(0, 3 * seq_length, num_docs + 5).astype(np.int32)
+    sizes[rng.integers(0, len(sizes), len(sizes) // 5)] = 0  # empty documents are skipped by samples
+    sizes[3] = max(sizes[3], 2 * seq_length)
+    documents = np.arange(3, 3 + num_docs) if num_docs > 1 else np.array([3])
+    got = data._index_arrays(sizes, documents, num_samples, seq_length, seed)
+    want = _reference_index_arrays(sizes, documents, num_samples, seq_length, seed)
+    for name, a, b in zip(("doc_idx", "sample_idx", "shuffle_idx"), got, want):
+        assert a.dtype == b.dtype and np.array_equal(a, b), name
+    sparse = np.sort(rng.choice(np.arange(3, num_docs + 5), size=max(1, num_docs // 2), replace=False))[::-1]
+    if sizes[sparse].sum() > seq_length:  # an arbitrary (descending, gapped) document list, as a blend may pass
+        got = data._index_arrays(sizes, sparse, num_samples, seq_length, seed)
+        want = _reference_index_arrays(sizes, sparse, num_samples, seq_length, seed)
+        assert all(np.array_equal(a, b) for a, b in zip(got, want))
+
+
 def test_gpt_dataset_default_cache_dir_and_pickle(toy):
     import pickle
     prefix, docs = toy

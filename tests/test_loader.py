@@ -1,0 +1,113 @@
+"""loader.py: batches prepared on a background thread are exactly the batches computed on the spot."""
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+import arguments
+import data
+import loader
+import train
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("loader")
+    rng = np.random.default_rng(0)
+    docs = [rng.integers(0, 50257, n) for n in rng.integers(0, 90, 60)]  # empty and short documents included
+    data.write_indexed_dataset(str(tmp / "corpus"), docs)
+    return data.GPTDataset(data.IndexedDataset(str(tmp / "corpus")), np.arange(60), 2000, 32, 5, "train", str(tmp))
+
+
+def reference(dataset, first_sample, batch_size, seqlen, mbs, dp_rank, dp_size):
+    """The micro-batches as train.micro_batches built them before loader.py: np.stack of dataset[i], per sample."""
+    out = []
+    for k in range(batch_size // (mbs * dp_size)):
+        start = first_sample + k * mbs * dp_size + dp_rank * mbs
+        tokens = np.stack([dataset[start + i] for i in range(mbs)])
+        out.append((tokens[:, :-1][:, :seqlen], tokens[:, 1:][:, :seqlen]))
+    return out
+
+
+def test_prefetched_batches_equal_direct_ones_across_rampup_curriculum_and_skips(dataset):
+    cfg = arguments.load_config(["--seq_length=32", "--micro_batch_size=2", "--global_batch_size=16",
+                                 "--rampup_batch_size=4 4 60", "--train_iters=none", "--train_samples=400",
+                                 "--curriculum_learning",
+                                 "--min_difficulty=8", "--total_curriculum_step=12",
+                                 "--skip_train_iteration_range", "4-5", "9-9", "20-21"])
+    arguments.validate(cfg, world_size=2)
+    dp_size, mbs = 2, cfg.micro_batch_size
+    plan = train.Plan(cfg, dp_size)
+    seen = {"batch sizes": set(), "seqlens": set(), "skipped": 0, "wrong guesses": 0}
+    for dp_rank in range(dp_size):
+        loads = []
+
+        def load(key):
+            loads.append(key)
+            _, first, batch_size, seqlen = key
+            return loader.load_tokens(dataset, first, batch_size // (mbs * dp_size), seqlen, mbs, dp_rank, dp_size)
+
+        with loader.Prefetcher(load, plan.next_key) as prefetcher:
+            iteration = samples = tokens = 0
+            while not plan.done(iteration, samples, tokens):  # the training loop's bookkeeping
+                iteration += 1
+                batch_size, seqlen = plan.batch_size(samples), plan.seqlen(iteration)
+                if plan.skipped(iteration):
+                    seen["skipped"] += 1
+                else:
+                    got = loader.to_device(prefetcher.get((iteration, samples, batch_size, seqlen)), "cpu")
+                    want = reference(dataset, samples, batch_size, seqlen, mbs, dp_rank, dp_size)
+                    assert len(got) == len(want)
+                    for (x, y), (rx, ry) in zip(got, want):
+                        assert x.dtype == torch.int64 and x.shape == (mbs, seqlen)
+                        assert np.array_equal(x.numpy(), rx) and np.array_equal(y.numpy(), ry)
+                    seen["batch sizes"].add(batch_size)
+                    seen["seqlens"].add(seqlen)
+                samples, tokens = samples + batch_size, tokens + batch_size * seqlen
+        # every iteration that trained was loaded exactly once (ahead of time except the first): no guess was wrong
+        assert len(loads) == len(set(loads)) == plan.total_iters - 5
+    assert seen["batch sizes"] == {4, 8, 12, 16} and len(seen["seqlens"]) >= 3 and seen["skipped"] == 2 * 5
+
+
+def test_wrong_guesses_and_errors(dataset):
+    def load(key):
+        if key < 0:
+            raise KeyError(f"bad key {key}")
+        return key * 10
+
+    with loader.Prefetcher(load, lambda k: k + 1 if k < 5 else None) as prefetcher:
+        assert prefetcher.get(0) == 0 and prefetcher.get(1) == 10
+        assert prefetcher.get(4) == 40  # not the guess (2): dropped, loaded on the spot, then 5 guessed
+        assert prefetcher.get(5) == 50 and prefetcher.get(3) == 30  # a step back (a rollback) works too
+        with pytest.raises(KeyError, match="bad key -1"):
+            prefetcher.get(-1)
+    # a failing guess past the end is never seen; the exception of a requested key surfaces in the caller
+    with loader.Prefetcher(load, lambda k: k - 1) as prefetcher:
+        assert prefetcher.get(1) == 10 and prefetcher.get(0) == 0
+        with pytest.raises(KeyError, match="bad key -1"):
+            prefetcher.get(-1)
+    with pytest.raises(IndexError, match="requested from the train dataset"):
+        loader.load_tokens(dataset, len(dataset) - 3, 4, 8, 2, 0, 1)
+
+
+def test_prefetch_thread_stops_on_close_and_when_dropped():
+    before = threading.active_count()
+    prefetcher = loader.Prefetcher(lambda k: k, lambda k: k + 1)
+    assert prefetcher.get(0) == 0 and threading.active_count() == before + 1
+    prefetcher.close()
+    assert threading.active_count() == before
+    prefetcher = loader.Prefetcher(lambda k: k, lambda k: k + 1)
+    thread = prefetcher._thread
+    assert thread.daemon  # never holds up the interpreter's exit
+    del prefetcher
+    thread.join(timeout=10)
+    assert not thread.is_alive()
+
+
+def test_blended_gather_equals_getitem(dataset):
+    blend = data.BlendedDataset([dataset, dataset], [0.3, 0.7], 500)
+    index = np.random.default_rng(1).integers(0, len(blend), 64)
+    out = np.empty((64, 20), np.int64)
+    blend.gather(index, out)
+    assert np.array_equal(out, np.stack([blend[i][:20] for i in index]))
