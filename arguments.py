@@ -325,6 +325,11 @@ def validate(cfg, world_size=1, reads_data=True):
     need(cfg.rampup_batch_size is None or len(cfg.rampup_batch_size) == 3,
          f"rampup_batch_size must be 'start increment samples', got {cfg.rampup_batch_size}")
     need(not (cfg.fp16 and cfg.bf16), "fp16 and bf16 are exclusive; choose one")
+    need(cfg.position_embedding_type in ("learned", "alibi"),
+         f"position_embedding_type={cfg.position_embedding_type!r} is not 'learned' or 'alibi'")
+    need(cfg.position_embedding_type == "learned" or cfg.position_embedding_init == "normal",
+         f"position_embedding_init={cfg.position_embedding_init!r} has nothing to initialise: ALiBi has no position "
+         "embeddings; drop it or use position_embedding_type='learned'")
     need(cfg.lr_decay_style in ("linear", "cosine", "constant"),
          f"lr_decay_style={cfg.lr_decay_style!r} is not linear, cosine or constant")
     need(cfg.min_lr <= cfg.lr, f"min_lr ({cfg.min_lr}) is larger than lr ({cfg.lr})")

@@ -13,6 +13,7 @@ Switches, each from a lesson of docs/lessons.md (README has the table):
   104B and found not to help: an ablation, off by default). Softmax is always computed in fp32.
 - OPT: activation (gelu | gelu_tanh | relu), normformer, position_embedding_init (normal | sinusoidal),
   scale_embeddings, embed_dropout (OPT turned dropout off on embeddings) (lesson 15).
+- position_embedding_type="alibi": BLOOM's linear attention biases instead of learned positions (lesson 19).
 - Beyond the chronicles (lesson 20): qk_layernorm (LayerNorm on each head's queries and keys, Dehghani et al.
   2023) against attention-logit growth, and z_loss (PaLM) against output-logit divergence.
 """
@@ -50,6 +51,7 @@ class GPTConfig:
     embed_init: str = "normal"  # word embedding init: normal | xavier_uniform
     embed_init_std: float | None = None  # std of the normal embedding init; None: init_method_std
     embed_layernorm: bool = False  # LayerNorm on the word embeddings (bitsandbytes' StableEmbedding)
+    position_embedding_type: str = "learned"  # learned (GPT-2) | alibi (BLOOM: linear attention biases, lesson 19)
     position_embedding_init: str = "normal"  # normal | sinusoidal
     scale_embeddings: bool = False  # multiply the word embeddings by sqrt(hidden_size)
     apply_query_key_layer_scaling: bool = False  # Megatron's fp16 scaling of attention scores by layer number
@@ -89,32 +91,60 @@ class GPTConfig:
         if self.qk_layernorm:  # weight and bias of q's and k's LayerNorm, shared by the heads
             per_layer += 4 * (h // self.num_attention_heads)
         extra = 2 * h if self.embed_layernorm else 0
-        return n * per_layer + v * h + self.seq_length * h + 2 * h + extra
+        positions = self.seq_length * h if self.position_embedding_type == "learned" else 0
+        return n * per_layer + v * h + positions + 2 * h + extra
 
 
 # -----------------------------------------------------------------------------
 # Attention
 
 
-def core_attention(q, k, v, dropout_p=0.0, stable=False, layer_scaling=None):
-    """Causal softmax(q k^T / sqrt(d)) v with the softmax in fp32; q, k, v are (batch, heads, seq, head_dim).
+def alibi_slopes(num_heads):
+    """ALiBi's per-head slopes (Press et al.; lesson 19): 2^(-8i/n), i = 1..n, for a power-of-two n; otherwise
+    the 2^(-8i/c) of the largest power of two c < n, followed by every other slope of the 2c-head sequence,
+    2^(-8j/2c) for odd j (BLOOM's 112 heads: 2^(-i/8), i <= 64, then 2^(-j/16), j = 1, 3, ..., 95). float64."""
+    c = 2 ** math.floor(math.log2(num_heads))
+    slopes = [2.0 ** (-8.0 * i / c) for i in range(1, c + 1)]
+    slopes += [2.0 ** (-8.0 * j / (2 * c)) for j in range(1, 2 * (num_heads - c), 2)]
+    return torch.tensor(slopes, dtype=torch.float64)
+
+
+def alibi_bias(slopes, seq_len, dtype=torch.float32, device=None):
+    """(heads, seq, seq) additive attention bias: -slope * (i - j) for key j <= query i, -inf above the
+    diagonal, so the causal mask travels with it. The relative form keeps the entries that matter (near the
+    diagonal) small, where BLOOM's slope * j grows with the position and rounds in bf16; the softmax cannot
+    tell the two apart (they differ by a constant per row)."""
+    pos = torch.arange(seq_len, device=device)
+    distance = (pos.view(1, -1) - pos.view(-1, 1)).to(dtype)  # j - i, <= 0 on and below the diagonal
+    bias = slopes.to(device=device, dtype=dtype).view(-1, 1, 1) * distance
+    return bias.masked_fill(distance > 0, float("-inf"))
+
+
+def core_attention(q, k, v, dropout_p=0.0, stable=False, layer_scaling=None, bias=None):
+    """Causal softmax(q k^T / sqrt(d) + bias) v with the softmax in fp32; q, k, v are (batch, heads, seq,
+    head_dim), bias (heads, seq, seq) is ALiBi's (alibi_bias, causal mask included) or None.
 
     Fused (scaled_dot_product_attention) unless layer_scaling is given, which is Megatron's
     apply_query_key_layer_scaling: scores are computed scaled down by the layer number and scaled back up in
     fp32 inside the softmax, which only the unfused path can express. stable=True is the "stable" variant of
     the 104B chronicle: q and k are each multiplied by d^-1/4 before their product, with no later scaling.
-    In exact arithmetic all variants are the same function; in fp16 they round differently.
+    In exact arithmetic all variants are the same function; in fp16 they round differently. With a bias the
+    fused path passes it as SDPA's float attn_mask in the input dtype (no flash kernel takes an arbitrary bias;
+    the memory-efficient one does); the unfused path adds it in fp32 to the scores scaled back up.
     """
     head_dim = q.shape[-1]
     if layer_scaling is None:
+        mask = None if bias is None else bias.to(q.dtype)
+        scale = None
         if stable:
             s = head_dim ** -0.25
-            return F.scaled_dot_product_attention(q * s, k * s, v, dropout_p=dropout_p, is_causal=True, scale=1.0)
-        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
-    return unfused_attention(q, k, v, dropout_p, stable, layer_scaling)
+            q, k, scale = q * s, k * s, 1.0
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=mask is None,
+                                              scale=scale)
+    return unfused_attention(q, k, v, dropout_p, stable, layer_scaling, bias)
 
 
-def unfused_attention(q, k, v, dropout_p=0.0, stable=False, layer_scaling=None):
+def unfused_attention(q, k, v, dropout_p=0.0, stable=False, layer_scaling=None, bias=None):
     """Megatron's explicit path: baddbmm in the input dtype, softmax in fp32 (also the reference for SDPA)."""
     B, H, T, D = q.shape
     coeff = layer_scaling or 1.0
@@ -128,8 +158,12 @@ def unfused_attention(q, k, v, dropout_p=0.0, stable=False, layer_scaling=None):
     scores = torch.baddbmm(q.new_empty(B * H, T, T), q, k.transpose(1, 2), beta=0.0, alpha=alpha)
     # fp32 softmax (fp64 stays fp64, so that the float64 equivalence tests are exact)
     scores = scores.view(B, H, T, T).to(torch.promote_types(scores.dtype, torch.float32)) * coeff
-    causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
-    probs = scores.masked_fill(~causal, float("-inf")).softmax(dim=-1).to(v.dtype)
+    if bias is None:
+        causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill(~causal, float("-inf"))
+    else:  # ALiBi (causal mask included), added at full scale: Megatron's beta = 1/layer_number undone
+        scores = scores + bias.to(scores.dtype)
+    probs = scores.softmax(dim=-1).to(v.dtype)
     probs = F.dropout(probs, dropout_p, training=dropout_p > 0)
     return probs @ v
 
@@ -165,7 +199,7 @@ class Attention(nn.Module):
         self.stable = cfg.stable_attention
         self.layer_scaling = float(layer_number) if cfg.apply_query_key_layer_scaling else None
 
-    def forward(self, x):
+    def forward(self, x, bias=None):
         B, T, _ = x.shape
         q, k, v = self.qkv(x).view(B, T, self.local_heads, 3, self.head_dim).transpose(1, 2).unbind(dim=3)
         if self.q_norm is not None:  # in fp32 under autocast, as every LayerNorm (lesson 6)
@@ -173,7 +207,7 @@ class Attention(nn.Module):
         dropout = self.dropout if self.training else 0.0
         # this rank's heads only: their dropout masks come from the model-parallel stream (lesson 22)
         with rng.fork(x.device) if dropout else contextlib.nullcontext():
-            y = core_attention(q, k, v, dropout, self.stable, self.layer_scaling)
+            y = core_attention(q, k, v, dropout, self.stable, self.layer_scaling, bias)
         if self.head_scale is not None:
             y = y * self.head_scale.view(1, -1, 1, 1)
         return self.proj(y.transpose(1, 2).reshape(B, T, self.local_heads * self.head_dim))
@@ -220,8 +254,8 @@ class Block(nn.Module):
         self.mlp = MLP(cfg, grid)
         self.dropout = nn.Dropout(cfg.hidden_dropout)
 
-    def forward(self, x):
-        a = self.attn(self.ln_1(x))
+    def forward(self, x, attn_bias=None):
+        a = self.attn(self.ln_1(x), attn_bias)
         if self.ln_attn is not None:
             a = self.ln_attn(a)
         x = x + self.dropout(a)
@@ -233,13 +267,14 @@ class Block(nn.Module):
 
 
 class Embedding(nn.Module):
-    """Word + learned position embeddings; the optional LayerNorm acts on the word embeddings only, after the
-    TP all-reduce, so its result does not depend on how the vocabulary is split (lesson 1)."""
+    """Word + learned position embeddings (none with ALiBi); the optional LayerNorm acts on the word embeddings
+    only, after the TP all-reduce, so its result does not depend on how the vocabulary is split (lesson 1)."""
 
     def __init__(self, cfg: GPTConfig, grid: parallel.Grid):
         super().__init__()
         self.word = VocabParallelEmbedding(cfg.padded_vocab_size, cfg.hidden_size, grid=grid)
-        self.position = nn.Embedding(cfg.seq_length, cfg.hidden_size)
+        learned = cfg.position_embedding_type == "learned"
+        self.position = nn.Embedding(cfg.seq_length, cfg.hidden_size) if learned else None
         self.norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon) if cfg.embed_layernorm else None
         self.scale = math.sqrt(cfg.hidden_size) if cfg.scale_embeddings else 1.0
         p = cfg.hidden_dropout if cfg.embed_dropout is None else cfg.embed_dropout
@@ -251,8 +286,9 @@ class Embedding(nn.Module):
             x = self.norm(x)
         if self.scale != 1.0:
             x = x * self.scale
-        pos = torch.arange(ids.shape[1], device=ids.device)
-        return self.dropout(x + self.position(pos))
+        if self.position is not None:
+            x = x + self.position(torch.arange(ids.shape[1], device=ids.device))
+        return self.dropout(x)
 
 
 class GPT(nn.Module):
@@ -271,7 +307,13 @@ class GPT(nn.Module):
         if cfg.normformer and grid.tp_size > 1:
             raise ValueError("normformer with tensor_model_parallel_size > 1 is not supported (its FFN LayerNorm "
                              "would need statistics across TP ranks); use TP=1 or turn normformer off")
+        if cfg.position_embedding_type not in ("learned", "alibi"):
+            raise ValueError(f"position_embedding_type={cfg.position_embedding_type!r} is not 'learned' or 'alibi'")
         self.cfg, self.grid = cfg, grid
+        # ALiBi: this TP rank's heads are a contiguous slice of all heads, and so are their slopes.
+        self.alibi_slopes = None
+        if cfg.position_embedding_type == "alibi":
+            self.alibi_slopes = parallel.shard(alibi_slopes(cfg.num_attention_heads), 0, grid)
         layers = range(cfg.num_layers) if layers is None else layers
         self.pre_process, self.post_process = pre_process, post_process
         self.embed = Embedding(cfg, grid) if pre_process else None
@@ -355,11 +397,14 @@ class GPT(nn.Module):
         reports the lm loss alone."""
         if self.pre_process:
             x = self.embed(x)
+        bias = None
+        if self.alibi_slopes is not None:  # one bias for all layers, fp32 at least (fp64 for an fp64 model)
+            bias = alibi_bias(self.alibi_slopes, x.shape[1], torch.promote_types(x.dtype, torch.float32), x.device)
         for block in self.blocks.values():
             if self.cfg.checkpoint_activations and self.training:
-                x = rng.checkpoint(block, x)  # recomputed with both dropout streams replayed (lesson 22)
+                x = rng.checkpoint(block, x, bias)  # recomputed with both dropout streams replayed (lesson 22)
             else:
-                x = block(x)
+                x = block(x, bias)
         if not self.post_process:
             return x
         x = self.ln_f(x)
