@@ -68,6 +68,7 @@ class Config(GPTConfig):
     skip_train_iteration_range: list[str] | None = None  # discard the batches of iterations "13251-14000 ..."
     # -- data --
     data_path: list[str] | None = None  # prefix of data.py's .bin/.idx, or "w1 prefix1 w2 prefix2 ..."
+    tokenizer_file: str | None = None  # a Hugging Face tokenizer.json the data was prepared with; None: GPT-2 BPE
     use_bundled_corpus: bool = False  # without data_path, train on the bundled Shakespeare (the tiny default's choice)
     split: str = "949,50,1"  # train, validation, test shares of the documents
     data_cache_dir: str | None = None  # where the sample index is cached; None: next to the data
@@ -347,6 +348,9 @@ def validate(cfg, world_size=1, reads_data=True):
     need(cfg.log_interval > 0 and cfg.eval_interval > 0, "log_interval and eval_interval must be positive")
     need(cfg.save_interval is None or cfg.save_interval > 0, "save_interval must be positive")
     need(cfg.save_interval is None or cfg.save is not None, "save_interval is set but save (a directory) is not")
+    need(not reads_data or cfg.tokenizer_file is None or cfg.data_path is not None,
+         "tokenizer_file is set but data_path is not: the bundled corpus is GPT-2 tokens; prepare your data with "
+         "`python data.py --input ... --output-prefix PREFIX --tokenizer-file FILE` and set data_path=PREFIX")
     parse_iteration_ranges(cfg.skip_train_iteration_range)
     need(cfg.reset_optimizer_warmup_iters in (None, "auto") or isinstance(cfg.reset_optimizer_warmup_iters, int),
          "reset_optimizer_warmup_iters must be a number of iterations or 'auto'")

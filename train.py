@@ -180,6 +180,17 @@ def build_scaler(cfg):
                             window=cfg.loss_scale_window, hysteresis=cfg.hysteresis)
 
 
+def check_tokenizer(cfg):
+    """A tokenizer_file must have exactly the model's vocabulary: a smaller one wastes rows, a larger one
+    produces ids the embedding does not have. (The GPT-2 default is not checked: tests use small vocabularies.)"""
+    if cfg.tokenizer_file is None:
+        return
+    n_vocab = data.get_tokenizer(cfg.tokenizer_file).n_vocab
+    if n_vocab != cfg.vocab_size:
+        raise ValueError(f"tokenizer_file {cfg.tokenizer_file} has {n_vocab} tokens but vocab_size is "
+                         f"{cfg.vocab_size}; set vocab_size={n_vocab} (padding to a multiple is automatic)")
+
+
 def build_data(cfg, plan):
     data_path = cfg.data_path
     if data_path is None:
@@ -435,6 +446,7 @@ def main(argv=None):
     grid = parallel.init(cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size,
                          backend="nccl" if use_cuda(cfg) else "gloo")
     arguments.validate(cfg, grid.world_size)
+    check_tokenizer(cfg)
     # Before anything is built or written: which checkpoint to resume, is it this model, is save ours (lock).
     with safety.RunGuard(cfg) as guard:
         return run(cfg, grid, guard.exit_signal)
@@ -574,8 +586,8 @@ def run(cfg, grid, exit_signal):
         print0(f"no sample printed: with pipeline_model_parallel_size {grid.pp_size} no rank holds the whole model; "
                "sample from the checkpoint with tools/sample.py")
     elif cfg.sample_tokens:
-        tok = data.get_tokenizer()
-        prompt = torch.tensor([tok.encode(cfg.sample_prompt)], device=device)
+        tok = data.get_tokenizer(cfg.tokenizer_file)
+        prompt = torch.tensor([tok.encode_ordinary(cfg.sample_prompt)], device=device)
         gen = torch.Generator(device=device).manual_seed(cfg.seed)
         model.eval()
         out = parallel._unwrap(model).generate(prompt, cfg.sample_tokens, temperature=0.8, top_k=200, generator=gen)

@@ -58,9 +58,9 @@ def main(argv=None):
     if args.temperature <= 0 or args.max_tokens < 0 or args.top_k < 0:
         raise ValueError("--temperature must be positive, --max_tokens and --top_k not negative")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    model, _ = load_model(args.load, device)
-    tok = data.get_tokenizer()
-    prompt = tok.encode_ordinary(args.prompt) or [data.EOD]
+    model, config = load_model(args.load, device)
+    tok = data.get_tokenizer(config.get("tokenizer_file"))  # the run's tokenizer (GPT-2 BPE by default)
+    prompt = tok.encode_ordinary(args.prompt) or [tok.eot_token]
     generator = torch.Generator(device=device).manual_seed(args.seed)
     with torch.no_grad():
         for i in range(args.num_samples):

