@@ -161,12 +161,14 @@ def latest_dir(load_dir):
     return tag_dir
 
 
-def _read(path, what):
+def read(path, what, mmap=False):
+    """torch.load of a checkpoint file (memory-mapped with mmap=True: only the bytes used are read), or one
+    ValueError naming the missing or corrupt file."""
     if not os.path.exists(path):
         raise ValueError(f"checkpoint file {path} ({what}) is missing; the checkpoint is incomplete or was written "
                          "by another topology -- resume from another global_step* by editing 'latest'")
     try:
-        return torch.load(path, map_location="cpu", weights_only=False)
+        return torch.load(path, map_location="cpu", weights_only=False, mmap=mmap)
     except Exception as e:  # truncated or corrupt file: say which
         raise ValueError(f"checkpoint file {path} ({what}) cannot be read ({type(e).__name__}: {e}); it is "
                          "corrupt -- resume from another global_step* by editing 'latest'") from None
@@ -175,13 +177,19 @@ def _read(path, what):
 def load(tag_dir):
     """This rank's (model_state, run_state, rank_state) from a checkpoint directory, after checking that the
     checkpoint was written by the same TP/PP/DP topology."""
-    model_blob = _read(model_file(tag_dir), "model shard")
+    model_blob = read(model_file(tag_dir), "model shard")
     saved, now = model_blob["topology"], topology()
     if saved != now:
         diff = ", ".join(f"{k} {saved[k]} (checkpoint) vs {now[k]} (now)" for k in now if saved[k] != now[k])
-        raise ValueError(f"checkpoint {tag_dir} was saved with another parallel layout: {diff}. Resharding is "
-                         "not supported yet: resume with the checkpoint's sizes and number of processes")
-    return model_blob["model"], model_blob["run"], _read(rank_file(tag_dir), "optimizer and RNG state")
+        raise ValueError(f"checkpoint {tag_dir} was saved with another parallel layout: {diff}; load it with "
+                         "reshard.load")
+    return model_blob["model"], model_blob["run"], read(rank_file(tag_dir), "optimizer and RNG state")
+
+
+def saved_topology(tag_dir):
+    """The TP/PP/DP sizes a checkpoint was written with (from TP rank 0, stage 0's file, which every layout has)."""
+    first = parallel.Grid(world_size=1)
+    return read(model_file(tag_dir, first), "model shard", mmap=True)["topology"]
 
 
 # -----------------------------------------------------------------------------

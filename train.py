@@ -21,6 +21,7 @@ if __name__ == "__main__" and {"-h", "--help"} & set(sys.argv[1:]):
 import contextlib
 import math
 import os
+import random
 import time
 
 import numpy as np
@@ -35,6 +36,7 @@ import estimate
 import loader
 import optim
 import parallel
+import reshard
 import rng
 import safety
 from model import GPT, GPTConfig
@@ -391,7 +393,9 @@ def save_checkpoint(cfg, state, model, optimizer, scheduler, scaler):
         checkpoint.dump_weights(cfg.save, "before-save", state["iteration"], model)
     run = {"state": dict(state), "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
            "config": arguments.to_dict(cfg)}
-    rank_state = {"optimizer": optimizer.state_dict(), "rng": checkpoint.rng_state()}
+    rank_state = {"optimizer": optimizer.state_dict(), "rng": checkpoint.rng_state(),
+                  # what another layout needs to find this state by parameter name (reshard.py)
+                  "param_names": None if cfg.deepspeed else reshard.param_names(model, optimizer)}
     path = checkpoint.save(cfg.save, state["iteration"], parallel._unwrap(model).state_dict(), run, rank_state,
                            write_model_state=parallel.grid.dp_rank == 0)
     print0(f"saved checkpoint at iteration {state['iteration']:8d} to {path}")
@@ -403,7 +407,14 @@ def load_checkpoint(cfg, state, model, optimizer, scheduler, scaler):
     if tag_dir is None:
         print0(f"no checkpoint in {cfg.load}: training from scratch")
         return False
-    model_state, run, rank_state = checkpoint.load(tag_dir)
+    saved = checkpoint.saved_topology(tag_dir)
+    if saved == checkpoint.topology():
+        model_state, run, rank_state = checkpoint.load(tag_dir)
+    else:  # another TP x PP x DP layout: rebuilt from its slices (reshard.py)
+        print0(f"resharding checkpoint {tag_dir}: saved with {reshard.describe(saved)}, now "
+               f"{reshard.describe(checkpoint.topology())}")
+        need_optimizer = not (cfg.no_load_optim or arguments.reset_warmup_iters(cfg))
+        model_state, run, rank_state = reshard.load(tag_dir, saved, model, optimizer, cfg, need_optimizer)
     parallel._unwrap(model).load_state_dict(model_state)  # strict: every parameter of every stage (lesson 11)
     state.update(run["state"])
     scheduler.load_state_dict(run["scheduler"], override=cfg.override_lr_scheduler)
@@ -426,7 +437,15 @@ def load_checkpoint(cfg, state, model, optimizer, scheduler, scaler):
             optimizer.refresh_fp32_params()
     else:
         optimizer.load_state_dict(rank_state["optimizer"])
-    if not cfg.no_load_rng:
+    if rank_state["rng"] is None:
+        # A resharded checkpoint: a rank's RNG streams do not map onto another layout's ranks. Fresh streams,
+        # seeded as at the start of a run (rng.seed: per TP rank and stage) from a seed that differs from it.
+        seed = cfg.seed + state["iteration"]
+        rng.seed(seed)
+        np.random.seed(seed)
+        random.seed(seed)
+        print0(f"RNG states not restored (the layout changed): fresh streams seeded with seed + iteration = {seed}")
+    elif not cfg.no_load_rng:
         checkpoint.set_rng_state(rank_state["rng"])
     print0(f"loaded checkpoint {tag_dir} at iteration {state['iteration']}")
     if cfg.dump_weights:
