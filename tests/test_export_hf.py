@@ -1,0 +1,104 @@
+"""tools/export_hf.py: GPT2LMHeadModel and BloomForCausalLM exports from TP=2 checkpoints (the vocabulary padding
+of TP=2 dropped), logits checked by the tool itself and greedy generation in transformers against
+model.generate; a tiny ALiBi + embedding-LayerNorm model resumes bit-exactly; configurations neither class can
+express are refused by name."""
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+import data
+from helpers import ROOT, corpus, losses, run_main  # noqa: F401 (corpus is a fixture)
+from model import GPTConfig
+from test_parallel import train
+from test_tokenizer_file import _corpus, build_tokenizer_file
+
+sys.path.insert(0, os.path.join(ROOT, "tools"))
+import export_hf  # noqa: E402
+
+pytest.importorskip("transformers")
+
+TINY = ["--num_layers=2", "--hidden_size=32", "--num_attention_heads=4", "--seq_length=32", "--micro_batch_size=2",
+        "--global_batch_size=4", "--log_interval=1", "--eval_iters=0", "--device=cpu", "--split=1,0,0",
+        "--hidden_dropout=0.1", "--attention_dropout=0.1", "--lr=1e-2", "--sample_tokens=0"]
+
+
+@pytest.mark.parametrize("switches, message", [
+    (dict(embed_layernorm=True), "learned position embeddings with embed_layernorm"),
+    (dict(position_embedding_type="alibi"), "ALiBi without embed_layernorm"),
+    (dict(position_embedding_type="alibi", embed_layernorm=True, activation="relu"), "activation='relu' to Bloom"),
+    (dict(position_embedding_type="alibi", embed_layernorm=True, activation="gelu"), "activation='gelu' to Bloom"),
+    (dict(normformer=True), "normformer=True"),
+    (dict(scale_embeddings=True), "scale_embeddings=True"),
+])
+def test_what_neither_class_expresses_is_refused(switches, message):
+    with pytest.raises(ValueError, match=message):
+        export_hf.target_class(GPTConfig(**switches))
+    assert export_hf.target_class(GPTConfig(stable_attention=True, apply_query_key_layer_scaling=True)) == "gpt2"
+    assert export_hf.target_class(GPTConfig(position_embedding_type="alibi", embed_layernorm=True,
+                                            activation="gelu_tanh")) == "bloom"
+
+
+@pytest.mark.slow
+def test_gpt2_export_from_tp2(corpus, tmp_path):  # noqa: F811
+    # GPT-2's real vocabulary: 50257 is padded to 50432 for TP=2, and the export must drop those rows
+    train(tmp_path, 2, *TINY, f"--data_path={corpus}", "--vocab_size=50257", "--train_iters=2",
+          "--tensor_model_parallel_size=2", f"--save={tmp_path / 'ckpt'}", "--activation=gelu_tanh",
+          "--embed_layernorm=false")
+    diff, hf, tok = export_hf.export(str(tmp_path / "ckpt"), str(tmp_path / "hf"))
+    assert diff <= 1e-5 and type(hf).__name__ == "GPT2LMHeadModel"
+    assert hf.config.vocab_size == 50257 and hf.config.activation_function == "gelu_new"
+    names = set(os.listdir(tmp_path / "hf"))
+    assert {"model.safetensors", "config.json", "tokenizer.json", "tokenizer_config.json"} <= names
+    import transformers
+    loaded = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
+    text = "ROMEO:\nBut soft, what light through yonder window breaks?"
+    assert loaded(text)["input_ids"] == data.get_tokenizer().encode_ordinary(text)
+
+
+@pytest.fixture(scope="module")
+def play(tmp_path_factory):
+    """A tokenizer.json of 400 tokens (</s> ends documents) and a play tokenized with it."""
+    tmp = tmp_path_factory.mktemp("play")
+    tokenizer_file = build_tokenizer_file(tmp / "tokenizer.json")
+    return tokenizer_file, _corpus(tokenizer_file, tmp)
+
+
+def _greedy_matches(hf, tok, gpt_dir, prompt="ROMEO:\n", new=16):
+    ids = torch.tensor([tok(prompt)["input_ids"]])
+    gpt, _, _ = export_hf.load_full_model(gpt_dir)
+    ours = gpt.generate(ids, new, top_k=1)  # top-1 sampling is greedy
+    theirs = hf.generate(ids, max_new_tokens=new, do_sample=False, min_new_tokens=new)
+    assert ours.tolist() == theirs.tolist(), (tok.decode(ours[0]), tok.decode(theirs[0]))
+
+
+@pytest.mark.slow
+def test_bloom_export_from_tp2_generates_the_same_tokens(play, tmp_path):
+    tokenizer_file, prefix = play
+    train(tmp_path, 2, *TINY, f"--data_path={prefix}", f"--tokenizer_file={tokenizer_file}", "--vocab_size=400",
+          "--position_embedding_type=alibi", "--embed_layernorm", "--activation=gelu_tanh", "--train_iters=4",
+          "--tensor_model_parallel_size=2", f"--save={tmp_path / 'ckpt'}")
+    diff, hf, tok = export_hf.export(str(tmp_path / "ckpt"), str(tmp_path / "hf"))
+    assert diff <= 1e-5 and type(hf).__name__ == "BloomForCausalLM" and hf.config.vocab_size == 400  # not 512
+    config = json.load(open(tmp_path / "hf" / "config.json"))
+    assert config["eos_token_id"] == 2 and config["n_head"] == 4
+    assert tok.eos_token == "</s>" and os.path.exists(tmp_path / "hf" / "tokenizer.json")
+    _greedy_matches(hf, tok, str(tmp_path / "ckpt"))
+
+
+def test_tiny_alibi_model_resumes_bit_exactly_and_exports(play, tmp_path):
+    tokenizer_file, prefix = play
+    args = [*TINY, f"--data_path={prefix}", f"--tokenizer_file={tokenizer_file}", "--vocab_size=400",
+            "--position_embedding_type=alibi", "--embed_layernorm", "--activation=gelu_tanh", "--train_iters=6"]
+    straight = losses(run_main(*args, f"--save={tmp_path / 'straight'}"))
+    run_main(*args, f"--save={tmp_path}", "--exit_interval=3")
+    resumed = losses(run_main(*args, f"--load={tmp_path}", f"--save={tmp_path}"))
+    assert sorted(resumed) == [4, 5, 6] and all(resumed[i] == straight[i] for i in resumed)
+    final = [torch.load(d / "global_step6" / "mp_rank_00_000_model_states.pt", weights_only=False)["model"]
+             for d in (tmp_path, tmp_path / "straight")]
+    assert all(torch.equal(final[0][k], final[1][k]) for k in final[1])  # bit-exact
+    diff, hf, tok = export_hf.export(str(tmp_path), str(tmp_path / "hf"))
+    assert diff <= 1e-5
+    _greedy_matches(hf, tok, str(tmp_path))
