@@ -7,8 +7,8 @@ its own slices:
 
 - a parameter split over TP carries `tp_dim` (parallel.py): its old slices, side by side along that dimension,
   are the full tensor, of which the new rank takes its part. The word embedding's rows are the vocabulary padded
-  to a multiple of make_vocab_size_divisible_by x TP: the padding is dropped and the rows re-padded (with zeros)
-  for the new TP size;
+  to a multiple of make_vocab_size_divisible_by x TP: when the new TP size pads differently, the padding rows
+  are dropped and new ones added as zeros (their values only matter while padded rows take part in the softmax);
 - a replicated parameter (LayerNorms, row-parallel biases) is taken from one TP rank after checking that every
   TP rank holds the same values (lesson 18: they can drift apart); the last stage's copy of the tied embedding
   must equal the first stage's (lesson 11) and is rebuilt from it;
@@ -110,14 +110,6 @@ class Resharder:
             raise ValueError(f"checkpoint {layout.tag_dir} has vocab_size {saved_vocab}, this model "
                              f"{gpt.cfg.vocab_size}; resume with the checkpoint's vocab_size")
 
-    def _geometry(self, name, live_shape):
-        """(tp_dim, real entries along it, new padded total) of parameter `name` of this model."""
-        tp_dim = getattr(self.params.get(name), "tp_dim", None)
-        if tp_dim is None:
-            return None, None, None
-        total = live_shape[tp_dim] * self.grid.tp_size
-        real = self.gpt.cfg.vocab_size if name in VOCAB_PARAMS else total
-        return tp_dim, real, total
 
     def _pieces(self, name, get):
         """[get(state dict of old TP rank t at the stage holding name) for each old TP rank t]."""
@@ -129,7 +121,7 @@ class Resharder:
 
     def _merge(self, name, pieces, live_shape, what):
         """The new slice of `name` (or of an optimizer tensor shaped like it) from its old TP pieces."""
-        tp_dim, real, total = self._geometry(name, live_shape)
+        tp_dim = getattr(self.params.get(name), "tp_dim", None)
         if tp_dim is None:
             for t, piece in enumerate(pieces[1:], 1):
                 if not torch.equal(piece, pieces[0]):
@@ -137,7 +129,9 @@ class Resharder:
                                      f"{self.old.tag_dir}: replicated copies must be identical (lesson 18); "
                                      "resume with the saved layout, or repair the checkpoint")
             return pieces[0]
-        old_total = sum(p.shape[tp_dim] for p in pieces)
+        old_total, total = sum(p.shape[tp_dim] for p in pieces), live_shape[tp_dim] * self.grid.tp_size
+        # the vocabulary's padding rows are dropped (and zeros padded) only when the padded size changes
+        real = self.gpt.cfg.vocab_size if name in VOCAB_PARAMS and old_total != total else total
         other_dims = [n for d, n in enumerate(pieces[0].shape) if d != tp_dim]
         if other_dims != [n for d, n in enumerate(live_shape) if d != tp_dim] or (
                 name not in VOCAB_PARAMS and old_total != total):
@@ -199,24 +193,28 @@ class Resharder:
                 cache[t, pp] = self._old_optimizer(t, pp)
             return cache[t, pp].get(src)
 
+        # The same TP cut (and vocabulary padding): each TP rank's state is what it was, whatever its format.
+        same_cut = old.tp == self.grid.tp_size and config.get("make_vocab_size_divisible_by") == \
+            self.gpt.cfg.make_vocab_size_divisible_by
         template = optimizer.state_dict()
         inner = template["optimizer"] if "zero_stage" in template else template
         for index, name in enumerate(param_names(model, optimizer)):
             states = self._pieces(name, old_state)
-            if all(s is None for s in states):
-                continue  # never stepped
-            if old.tp == self.grid.tp_size:  # the same cut: this TP rank's state as it was, whatever its format
+            if any(s is None for s in states):
+                if all(s is None for s in states):
+                    continue  # never stepped
+                raise ValueError(f"checkpoint {old.tag_dir} has optimizer state for {name!r} on some TP ranks only")
+            if same_cut:
                 inner["state"][index] = states[self.grid.tp_rank]
                 continue
             live = self.params[name]
-            old_shape = list(live.shape)
             tp_dim = getattr(live, "tp_dim", None)
             merged = {}
             for key, value in states[0].items():
                 values = [s[key] for s in states]
                 if torch.is_tensor(value) and value.ndim > 0:
                     like_param = value.is_floating_point() and (
-                        tp_dim is None and list(value.shape) == old_shape
+                        tp_dim is None and value.shape == live.shape
                         or tp_dim is not None and value.ndim == live.ndim)
                     if not like_param:
                         raise ValueError(f"optimizer state {key!r} of {name!r} (shape {tuple(value.shape)}, "

@@ -80,9 +80,19 @@ def _save_layout(directory, tp, pp, dp, zero_stage, cfg_args=(), mutate=None):
         parallel.grid, checkpoint.save = saved, save
 
 
-def _load_one_process(directory, *extra):
-    cfg = arguments.load_config([*CFG, f"--load={directory}", *extra])
-    arguments.validate(cfg, 1)
+def _load_one_process(directory, *extra, tp=1, rank=0):
+    """Load as one process, or as rank `rank` of a TP=tp layout (on paper: loading needs no collectives)."""
+    cfg = arguments.load_config([*CFG, f"--load={directory}", f"--tensor_model_parallel_size={tp}", *extra])
+    arguments.validate(cfg, tp)
+    saved = parallel.grid
+    parallel.grid = parallel.Grid(tp, 1, world_size=tp, rank=rank)
+    try:
+        return _load(cfg)
+    finally:
+        parallel.grid = saved
+
+
+def _load(cfg):
     model = trainer.build_model(cfg, "cpu")
     reference = {n: p.detach().clone() for n, p in model.named_parameters()}
     with torch.no_grad():
@@ -113,6 +123,16 @@ def test_tp2_pp2_dp2_zero1_checkpoint_loads_as_one_process(tmp_path, capsys):
         assert torch.equal(s["exp_avg"][rows], 2 * reference[name][rows]), name
         assert torch.equal(s["exp_avg_sq"][rows], reference[name][rows] ** 2), name
     assert not model.embed.word.weight[300:].any() and not optimizer.state[model.embed.word.weight]["exp_avg"][300:].any()
+
+
+def test_same_tp_keeps_each_ranks_state_as_it_was(tmp_path):
+    _save_layout(tmp_path, 2, 2, 2, zero_stage=1)  # to TP=2 x PP=1 x DP=1: stages joined, ZeRO shards merged
+    for rank in range(2):
+        model, optimizer, _, reference = _load_one_process(tmp_path, tp=2, rank=rank)
+        for name, p in model.named_parameters():
+            assert torch.equal(p, reference[name]), name  # padding rows included: the same padding
+            assert torch.equal(optimizer.state[p]["exp_avg"], 2 * reference[name]), name
+            assert optimizer.state[p]["step"] == 7
 
 
 def test_replicated_copies_that_differ_are_refused(tmp_path):
