@@ -68,6 +68,14 @@ def test_attention_with_alibi_equals_reference_in_float64(path):
     assert not torch.allclose(out, core_attention(q, k, v), atol=1e-3)
 
 
+@pytest.mark.parametrize("switch", [dict(stable_attention=True), dict(apply_query_key_layer_scaling=True)])
+def test_model_with_alibi_and_attention_switches_is_the_same_function(switch):
+    ids = torch.randint(0, 100, (2, 24), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        torch.testing.assert_close(GPT(_cfg(num_layers=3, **switch)).double()(ids),
+                                   GPT(_cfg(num_layers=3)).double()(ids), atol=1e-12, rtol=0)
+
+
 def test_fused_and_unfused_agree_in_half_precision():
     dtype = torch.bfloat16
     q, k, v = _qkv(dtype, T=64, D=32)
