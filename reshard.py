@@ -103,7 +103,7 @@ class Resharder:
     """Builds this rank's model, optimizer and run state from a SavedLayout (see the module docstring)."""
 
     def __init__(self, layout, gpt):
-        self.old, self.gpt, self.grid = layout, gpt, parallel.grid
+        self.old, self.gpt, self.grid = layout, gpt, gpt.grid
         self.params = dict(gpt.named_parameters())
         saved_vocab = layout.config.get("vocab_size")
         if saved_vocab != gpt.cfg.vocab_size:

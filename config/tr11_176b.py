@@ -1,4 +1,4 @@
-# tr11-176B-ml (BLOOM): the final 176B training of lesson 19, 70 layers of width 14336 with 112 heads, ALiBi
+# tr11-176B-ml (BLOOM, lesson 19): the final 176B training. 70 layers of width 14336 with 112 heads, ALiBi
 # instead of position embeddings, the embedding LayerNorm that tamed the 104B (lesson 1), bf16 (lesson 6).
 #   torchrun --nnodes 48 --nproc_per_node 8 train.py config/tr11_176b.py     # 384 A100-80GB: TP 4 x PP 12 x DP 8
 #   WORLD_SIZE=384 python train.py config/tr11_176b.py --dry_run

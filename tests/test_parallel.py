@@ -501,5 +501,3 @@ def test_tp2_pp2_resume_is_exact_and_weights_survive_the_reload(tp2_pp2, corpus,
     assert check.returncode == 1
     assert "output_weight: 1 of" in check.stdout and "ln_f.bias: missing after load" in check.stdout
     assert "3 of 4 rank(s) identical" in check.stdout
-
-

@@ -33,7 +33,7 @@ from model import GPT, GPTConfig  # noqa: E402
 # GPTConfig fields the export does not need to express: training only, or the same function in exact arithmetic
 NOT_EXPORTED = {"hidden_dropout", "attention_dropout", "embed_dropout", "init_method_std", "embed_init",
                 "embed_init_std", "position_embedding_init", "checkpoint_activations", "make_vocab_size_divisible_by",
-                "apply_query_key_layer_scaling", "stable_attention"}
+                "apply_query_key_layer_scaling", "stable_attention", "tensor_model_parallel_size"}
 # ... and those each target maps (anything else with a non-default value is refused by name)
 MAPPED = {"num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size", "layernorm_epsilon",
           "activation", "position_embedding_type", "embed_layernorm"}
@@ -71,6 +71,7 @@ def load_full_model(load_dir):
     layout = reshard.SavedLayout(tag_dir, checkpoint.saved_topology(tag_dir))
     saved = layout.config
     cfg = GPTConfig(**{f.name: saved[f.name] for f in fields(GPTConfig) if f.name in saved})
+    cfg.tensor_model_parallel_size = 1  # the vocabulary padded for one process
     with torch.device("cpu"):
         gpt = GPT(cfg).eval()  # parallel.grid is one process here: TP=1, PP=1
     gpt.load_state_dict(reshard.Resharder(layout, gpt).model_state())
