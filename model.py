@@ -99,14 +99,16 @@ class GPTConfig:
 # Attention
 
 
-def alibi_slopes(num_heads):
+def alibi_slopes(num_heads, heads=None, device=None):
     """ALiBi's per-head slopes (Press et al.; lesson 19): 2^(-8i/n), i = 1..n, for a power-of-two n; otherwise
     the 2^(-8i/c) of the largest power of two c < n, followed by every other slope of the 2c-head sequence,
-    2^(-8j/2c) for odd j (BLOOM's 112 heads: 2^(-i/8), i <= 64, then 2^(-j/16), j = 1, 3, ..., 95). float64."""
+    2^(-8j/2c) for odd j (BLOOM's 112 heads: 2^(-i/8), i <= 64, then 2^(-j/16), j = 1, 3, ..., 95).
+    heads: the range of head indices wanted (a TP rank's own), default all. float64, computed on `device`
+    (no host-to-device copy in the forward pass)."""
     c = 2 ** math.floor(math.log2(num_heads))
-    slopes = [2.0 ** (-8.0 * i / c) for i in range(1, c + 1)]
-    slopes += [2.0 ** (-8.0 * j / (2 * c)) for j in range(1, 2 * (num_heads - c), 2)]
-    return torch.tensor(slopes, dtype=torch.float64)
+    heads = range(num_heads) if heads is None else heads
+    i = torch.arange(heads.start, heads.stop, device=device, dtype=torch.float64)
+    return torch.exp2(-8.0 * torch.where(i < c, (i + 1) / c, (2 * (i - c) + 1) / (2 * c)))
 
 
 def alibi_bias(slopes, seq_len, dtype=torch.float32, device=None):
@@ -311,9 +313,10 @@ class GPT(nn.Module):
             raise ValueError(f"position_embedding_type={cfg.position_embedding_type!r} is not 'learned' or 'alibi'")
         self.cfg, self.grid = cfg, grid
         # ALiBi: this TP rank's heads are a contiguous slice of all heads, and so are their slopes.
-        self.alibi_slopes = None
+        self.alibi_heads = None
         if cfg.position_embedding_type == "alibi":
-            self.alibi_slopes = parallel.shard(alibi_slopes(cfg.num_attention_heads), 0, grid)
+            local = cfg.num_attention_heads // grid.tp_size
+            self.alibi_heads = range(grid.tp_rank * local, (grid.tp_rank + 1) * local)
         layers = range(cfg.num_layers) if layers is None else layers
         self.pre_process, self.post_process = pre_process, post_process
         self.embed = Embedding(cfg, grid) if pre_process else None
@@ -398,8 +401,9 @@ class GPT(nn.Module):
         if self.pre_process:
             x = self.embed(x)
         bias = None
-        if self.alibi_slopes is not None:  # one bias for all layers, fp32 at least (fp64 for an fp64 model)
-            bias = alibi_bias(self.alibi_slopes, x.shape[1], torch.promote_types(x.dtype, torch.float32), x.device)
+        if self.alibi_heads is not None:  # one bias for all layers, fp32 at least (fp64 for an fp64 model)
+            slopes = alibi_slopes(self.cfg.num_attention_heads, self.alibi_heads, x.device)
+            bias = alibi_bias(slopes, x.shape[1], torch.promote_types(x.dtype, torch.float32), x.device)
         for block in self.blocks.values():
             if self.cfg.checkpoint_activations and self.training:
                 x = rng.checkpoint(block, x, bias)  # recomputed with both dropout streams replayed (lesson 22)

@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 
+import model
 import parallel
 from model import GPT, GPTConfig, alibi_bias, alibi_slopes, core_attention, unfused_attention
 
@@ -18,13 +19,18 @@ def _cfg(**kw):
     return GPTConfig(**base)
 
 
+def _close(slopes, expected):
+    torch.testing.assert_close(slopes, torch.tensor(expected, dtype=torch.float64), rtol=1e-15, atol=0)
+
+
 def test_slopes_power_of_two_and_bloom_112_heads():
-    assert alibi_slopes(8).tolist() == [2.0 ** -i for i in range(1, 9)]
-    assert alibi_slopes(16).tolist() == [2.0 ** (-i / 2) for i in range(1, 17)]
-    bloom = alibi_slopes(112).tolist()  # 2^(-i/8), i = 1..64, then 2^(-j/16), j = 1, 3, ..., 95
-    assert bloom == [2.0 ** (-i / 8) for i in range(1, 65)] + [2.0 ** (-j / 16) for j in range(1, 96, 2)]
+    assert alibi_slopes(8).tolist() == [2.0 ** -i for i in range(1, 9)]  # exact powers of two
+    _close(alibi_slopes(16), [2.0 ** (-i / 2) for i in range(1, 17)])
+    # BLOOM: 2^(-i/8), i = 1..64, then 2^(-j/16), j = 1, 3, ..., 95
+    _close(alibi_slopes(112), [2.0 ** (-i / 8) for i in range(1, 65)] + [2.0 ** (-j / 16) for j in range(1, 96, 2)])
     # 6 heads: 4 of the 4-head sequence, then the 1st and 3rd of the 8-head sequence
     assert alibi_slopes(6).tolist() == [2.0 ** -2, 2.0 ** -4, 2.0 ** -6, 2.0 ** -8, 2.0 ** -1, 2.0 ** -3]
+    assert torch.equal(alibi_slopes(112, range(56, 84)), alibi_slopes(112)[56:84])  # a TP rank's heads
 
 
 def test_slopes_equal_transformers_bloom():
@@ -105,7 +111,7 @@ def test_model_has_no_position_embedding_and_counts_parameters():
 def test_each_tp_rank_takes_its_heads_slopes():
     for rank in range(2):
         model = GPT(_cfg(tensor_model_parallel_size=2), grid=parallel.Grid(2, 1, world_size=2, rank=rank))
-        assert torch.equal(model.alibi_slopes, alibi_slopes(6)[3 * rank:3 * rank + 3])
+        assert model.alibi_heads == range(3 * rank, 3 * rank + 3)
 
 
 def _hf_bloom_and_ours(dtype, checkpoint_activations=False):
@@ -135,7 +141,7 @@ def _hf_bloom_and_ours(dtype, checkpoint_activations=False):
 
 
 @pytest.mark.parametrize("dtype,atol", [(torch.float64, 1e-6), (torch.float32, 1e-5)])
-def test_logits_equal_transformers_bloom(dtype, atol):
+def test_logits_equal_transformers_bloom(dtype, atol, monkeypatch):
     # float64: HF computes its slopes in float32 (a 1e-8 relative difference, times the distance)
     hf, ours = _hf_bloom_and_ours(dtype)
     ids = torch.randint(0, 100, (2, 24), generator=torch.Generator().manual_seed(1))
@@ -145,7 +151,7 @@ def test_logits_equal_transformers_bloom(dtype, atol):
     assert expected.std() > 0.1
     torch.testing.assert_close(logits, expected, atol=atol, rtol=0)
     # the biases matter: with zero slopes (no position information) the logits are different
-    ours.alibi_slopes = torch.zeros(6)
+    monkeypatch.setattr(model, "alibi_slopes", lambda n, heads, device: torch.zeros(6, dtype=torch.float64))
     with torch.no_grad():
         assert not torch.allclose(ours(ids), expected, atol=1e-2)
 
