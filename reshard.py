@@ -8,7 +8,7 @@ its own slices:
 - a parameter split over TP carries `tp_dim` (parallel.py): its old slices, side by side along that dimension,
   are the full tensor, of which the new rank takes its part. The word embedding's rows are the vocabulary padded
   to a multiple of make_vocab_size_divisible_by x TP: when the new TP size pads differently, the padding rows
-  are dropped and new ones added as zeros (their values only matter while padded rows take part in the softmax);
+  are dropped and new ones added as zeros, as the model initialises them (they are masked out of the softmax);
 - a replicated parameter (LayerNorms, row-parallel biases) is taken from one TP rank after checking that every
   TP rank holds the same values (lesson 18: they can drift apart); the last stage's copy of the tied embedding
   must equal the first stage's (lesson 11) and is rebuilt from it;

@@ -2,8 +2,6 @@
 # instead of position embeddings, the embedding LayerNorm that tamed the 104B (lesson 1), bf16 (lesson 6).
 #   torchrun --nnodes 48 --nproc_per_node 8 train.py config/tr11_176b.py     # 384 A100-80GB: TP 4 x PP 12 x DP 8
 #   WORLD_SIZE=384 python train.py config/tr11_176b.py --dry_run
-# Its 70 layers do not divide into 12 stages: the embedding and the output layer count as layers in the
-# partition, 70 + 2 = 72 = 12 x 6 (Megatron-DeepSpeed's "type:transformer|embedding").
 num_layers = 70
 hidden_size = 14336
 num_attention_heads = 112
@@ -15,7 +13,8 @@ hidden_dropout = 0.0  # the released BLOOM config: no dropout
 attention_dropout = 0.0
 vocab_size = 250_680  # BLOOM's multilingual BPE; padded to 250,880 = 490 x 128 x TP
 make_vocab_size_divisible_by = 128
-tokenizer_file = "data/bloom/tokenizer.json"  # BLOOM's public tokenizer.json (bigscience/bloom); data.py reads it
+tokenizer_file = "data/bloom/tokenizer.json"  # BLOOM's public tokenizer.json (bigscience/bloom)
+data_path = ["data/bloom/roots"]  # python data.py --input ... --output-prefix data/bloom/roots --tokenizer-file ...
 init_method_std = 0.0048
 
 micro_batch_size = 2
@@ -38,7 +37,10 @@ checkpoint_activations = True
 
 tensor_model_parallel_size = 4
 pipeline_model_parallel_size = 12
-zero_stage = 0  # BLOOM trained with ZeRO stage 0: the optimizer states fit once split over TP x PP
+pp_partition_method = "type:transformer|embedding"  # 70 layers + embedding + head = 72 = 12 stages x 6
+# BLOOM's DeepSpeed config said ZeRO stage 0, but with bf16 its BF16_Optimizer sharded the fp32 master weights and
+# Adam moments over DP: ZeRO-1 (the dry run: 66.8 GiB of model states per GPU without, 27.8 GiB with).
+zero_stage = 1
 
 log_interval = 1
 eval_interval = 1000
