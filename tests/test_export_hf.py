@@ -32,11 +32,13 @@ TINY = ["--num_layers=2", "--hidden_size=32", "--num_attention_heads=4", "--seq_
     (dict(position_embedding_type="alibi", embed_layernorm=True, activation="gelu"), "activation='gelu' to Bloom"),
     (dict(normformer=True), "normformer=True"),
     (dict(scale_embeddings=True), "scale_embeddings=True"),
+    (dict(qk_layernorm=True), "qk_layernorm=True"),
 ])
 def test_what_neither_class_expresses_is_refused(switches, message):
     with pytest.raises(ValueError, match=message):
         export_hf.target_class(GPTConfig(**switches))
-    assert export_hf.target_class(GPTConfig(stable_attention=True, apply_query_key_layer_scaling=True)) == "gpt2"
+    assert export_hf.target_class(GPTConfig(stable_attention=True, apply_query_key_layer_scaling=True,
+                                            z_loss=1e-4)) == "gpt2"
     assert export_hf.target_class(GPTConfig(position_embedding_type="alibi", embed_layernorm=True,
                                             activation="gelu_tanh")) == "bloom"
 

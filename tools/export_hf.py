@@ -33,7 +33,8 @@ from model import GPT, GPTConfig  # noqa: E402
 # GPTConfig fields the export does not need to express: training only, or the same function in exact arithmetic
 NOT_EXPORTED = {"hidden_dropout", "attention_dropout", "embed_dropout", "init_method_std", "embed_init",
                 "embed_init_std", "position_embedding_init", "checkpoint_activations", "make_vocab_size_divisible_by",
-                "apply_query_key_layer_scaling", "stable_attention", "tensor_model_parallel_size"}
+                "apply_query_key_layer_scaling", "stable_attention", "tensor_model_parallel_size",
+                "z_loss"}  # a term of the training loss only
 # ... and those each target maps (anything else with a non-default value is refused by name)
 MAPPED = {"num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size", "layernorm_epsilon",
           "activation", "position_embedding_type", "embed_layernorm"}
