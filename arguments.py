@@ -210,7 +210,7 @@ def parse_cli(argv):
                 if not _accepts_many(FIELDS[key].type):
                     break
             if not values:
-                if FIELDS[key].type is bool:
+                if FIELDS[key].type in (bool, bool | None):
                     value = True
                 elif key == "reset_optimizer_warmup_iters":
                     value = "auto"
@@ -331,6 +331,8 @@ def validate(cfg, world_size=1, reads_data=True):
     need(cfg.position_embedding_type == "learned" or cfg.position_embedding_init == "normal",
          f"position_embedding_init={cfg.position_embedding_init!r} has nothing to initialise: ALiBi has no position "
          "embeddings; drop it or use position_embedding_type='learned'")
+    if cfg.apply_query_key_layer_scaling is None:  # Megatron's default: on with fp16, where it avoids overflows
+        cfg.apply_query_key_layer_scaling = cfg.fp16
     need(cfg.lr_decay_style in ("linear", "cosine", "constant"),
          f"lr_decay_style={cfg.lr_decay_style!r} is not linear, cosine or constant")
     need(cfg.min_lr <= cfg.lr, f"min_lr ({cfg.min_lr}) is larger than lr ({cfg.lr})")

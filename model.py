@@ -10,7 +10,9 @@ Switches, each from a lesson of docs/lessons.md (README has the table):
 - init_method_std="small_init": sqrt(2/(5h)) from "Transformers without Tears" (lesson 3); the output layers of
   every block are further scaled by 1/sqrt(2*num_layers) as in Megatron.
 - apply_query_key_layer_scaling (Megatron) and stable_attention (q and k each scaled by d^-1/4, tried on the
-  104B and found not to help: an ablation, off by default). Softmax is always computed in fp32.
+  104B and found not to help: an ablation, off by default). Softmax is always computed in fp32, and so are the
+  LayerNorm statistics: PyTorch's kernels (CPU and CUDA) compute them in fp32 for fp16/bf16 inputs and return the
+  input's dtype, which is Megatron's fused LayerNorm (tests/test_precision.py checks it).
 - OPT: activation (gelu | gelu_tanh | relu), normformer, position_embedding_init (normal | sinusoidal),
   scale_embeddings, embed_dropout (OPT turned dropout off on embeddings) (lesson 15).
 - position_embedding_type="alibi": BLOOM's linear attention biases instead of learned positions (lesson 19).
@@ -54,7 +56,7 @@ class GPTConfig:
     position_embedding_type: str = "learned"  # learned (GPT-2) | alibi (BLOOM: linear attention biases, lesson 19)
     position_embedding_init: str = "normal"  # normal | sinusoidal
     scale_embeddings: bool = False  # multiply the word embeddings by sqrt(hidden_size)
-    apply_query_key_layer_scaling: bool = False  # Megatron's fp16 scaling of attention scores by layer number
+    apply_query_key_layer_scaling: bool | None = None  # scale attention scores by 1/layer number; None: on with fp16
     stable_attention: bool = False  # scale q and k each by head_size^-1/4 before their product
     qk_layernorm: bool = False  # LayerNorm over head_dim on each head's q and k before q k^T (lesson 20)
     z_loss: float = 0.0  # PaLM's auxiliary loss: z_loss * mean of log(Z)^2 of the output softmax (1e-4; lesson 20)

@@ -101,12 +101,13 @@ class AdamW(torch.optim.Optimizer):
 # parameter groups and optimizer construction
 
 
-def param_groups(model: torch.nn.Module, weight_decay: float) -> list:
+def param_groups(model: torch.nn.Module, weight_decay: float, params=None) -> list:
     """Megatron's rule: biases and LayerNorm weights (every parameter with ndim < 2) get no weight
-    decay; linear weights and embeddings do. Empty groups are left out."""
+    decay; linear weights and embeddings do. Empty groups are left out. params: only these (a ZeRO shard)."""
     decay, no_decay = [], []
+    keep = None if params is None else set(params)
     for p in model.parameters():  # shared (tied) parameters are listed once
-        if not p.requires_grad:
+        if not p.requires_grad or (keep is not None and p not in keep):
             continue
         (decay if p.ndim >= 2 else no_decay).append(p)
     groups = [
@@ -116,10 +117,12 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list:
     return [g for g in groups if g["params"]]
 
 
-def build_optimizer(model, lr, weight_decay, adam_beta1, adam_beta2, adam_eps, use_bnb_optimizer=False, embedding=None):
+def build_optimizer(model, lr, weight_decay, adam_beta1, adam_beta2, adam_eps, use_bnb_optimizer=False, embedding=None,
+                    params=None):
     """Our AdamW, or bitsandbytes' 8-bit AdamW with `embedding` (the token embedding weight) kept in
-    32-bit optimizer state, as bitsandbytes' StableEmbedding requires (lesson 14)."""
-    groups = param_groups(model, weight_decay)
+    32-bit optimizer state, as bitsandbytes' StableEmbedding requires (lesson 14). params: only these of the
+    model's parameters (a ZeRO-1 shard), default all."""
+    groups = param_groups(model, weight_decay, params)
     betas = (adam_beta1, adam_beta2)
     if not use_bnb_optimizer:
         return AdamW(groups, lr=lr, betas=betas, eps=adam_eps, weight_decay=weight_decay)

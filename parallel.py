@@ -347,7 +347,7 @@ def _communicate(send_next=None, send_prev=None, recv_prev=None, recv_next=None)
     return recv_prev, recv_next
 
 
-def pipeline_forward_backward(model, batches, autocast_fn, loss_scale=1.0, forward_only=False):
+def pipeline_forward_backward(model, batches, loss_scale=1.0, forward_only=False):
     """Run this stage's part of forward (and backward) over all micro-batches with the 1F1B schedule.
 
     Warm-up: stage s runs pp - s - 1 forwards so that the last stage can start; steady state: one forward then
@@ -357,8 +357,8 @@ def pipeline_forward_backward(model, batches, autocast_fn, loss_scale=1.0, forwa
     Returns the mean loss on the last stage and 0 elsewhere (average_loss broadcasts the real one)."""
     g, m = grid, len(batches)
     gpt = _unwrap(model)
-    # Activations cross stage boundaries in the dtype of the weights: fp32 natively (autocast keeps the residual
-    # stream fp32, so nothing is rounded), bf16 when DeepSpeed holds bf16 weights (as in Megatron-DeepSpeed).
+    # Activations and their gradients cross stage boundaries in the compute dtype, that of the weights: fp16/bf16
+    # under mixed precision (half the traffic of fp32, as in Megatron), fp32 otherwise.
     dtype = next(gpt.parameters()).dtype
     device = batches[0][0].device
     total = torch.zeros((), device=device)
@@ -377,8 +377,7 @@ def pipeline_forward_backward(model, batches, autocast_fn, loss_scale=1.0, forwa
         x, y = batches[i]
         if received is not None and not forward_only:
             received.requires_grad_()
-        with autocast_fn():
-            out = model(x if g.is_first_stage else received, y if g.is_last_stage else None)
+        out = model(x if g.is_first_stage else received, y if g.is_last_stage else None)
         if g.is_last_stage:
             total += out.detach()
             return out * (loss_scale / m)  # backward starts from here
@@ -497,10 +496,111 @@ def all_reduce_mean(tensors, group, size, bucket_numel=2**24):
             t.copy_(reduced)
 
 
+class GradBuffer:
+    """Where the gradients of the native path go: Megatron's gradient buffers, DDP's buckets.
+
+    Every parameter gets `main_grad`, a view into one of a few flat buckets of `dtype`: fp32 for fp32 and bf16
+    training (Megatron's accumulate_allreduce_grads_in_fp32: a bf16 sum of 64 micro-batches keeps 8 bits of
+    mantissa, lesson 6), the half dtype for fp16 (Megatron's default, which the fp16 104B ran). A hook that runs
+    after autograd has accumulated a parameter's .grad adds it into main_grad and frees it, so micro-batches
+    accumulate in `dtype` whatever the parameter's dtype, and no .grad outlives its micro-batch.
+
+    Data parallel (a group of size > 1): during the last micro-batch's backward, a bucket is all-reduced
+    asynchronously as soon as all its parameters have their final gradient, while backward goes on through the
+    earlier layers. Buckets hold parameters in reverse model order (about the order backward finishes them) and
+    are launched strictly in order, so every rank issues the same collectives in the same order, as DDP does.
+    Each bucket is divided by the DP size before the sum, as Megatron does (an fp16 sum could overflow).
+    finish() launches what is left (buckets with a parameter that got no gradient) and waits for all.
+    """
+
+    def __init__(self, params, dtype, group=None, size=1, bucket_numel=2**22):
+        self.params = [p for p in params if p.requires_grad]
+        self.group = group if size > 1 else None
+        self.size = size
+        self.index = {p: i for i, p in enumerate(self.params)}
+        self.buckets, self.members, self.bucket_of = [], [], {}
+        chunk, numel = [], 0
+        for i in reversed(range(len(self.params))):
+            chunk.append(i)
+            numel += self.params[i].numel()
+            if numel >= bucket_numel or i == 0:
+                self._add_bucket(chunk, numel, dtype)
+                chunk, numel = [], 0
+        for p in self.params:
+            p.register_post_accumulate_grad_hook(self._accumulate)
+        self.countdown = None  # per parameter: gradients still to come this step (armed by start())
+        self.handles = []
+
+    def _add_bucket(self, members, numel, dtype):
+        flat = torch.zeros(numel, dtype=dtype, device=self.params[members[0]].device)
+        offset = 0
+        for i in members:
+            p = self.params[i]
+            p.main_grad = flat[offset:offset + p.numel()].view_as(p)
+            offset += p.numel()
+            self.bucket_of[i] = len(self.buckets)
+        self.buckets.append(flat)
+        self.members.append(members)
+
+    def start(self, micro_batches):
+        """Zero the gradients before the first micro-batch of a step that runs `micro_batches` backwards."""
+        for p in self.params:
+            p.grad = None
+        for flat in self.buckets:
+            flat.zero_()
+        self.countdown = [micro_batches] * len(self.params)
+        self.missing = [len(m) for m in self.members]  # per bucket: parameters whose gradient is not final
+        self.launched, self.handles = 0, []
+
+    def _accumulate(self, p):
+        p.main_grad.add_(p.grad)
+        p.grad = None
+        if self.group is None or self.countdown is None:
+            return
+        i = self.index[p]
+        self.countdown[i] -= 1
+        if self.countdown[i] == 0:
+            self.missing[self.bucket_of[i]] -= 1
+            while self.launched < len(self.buckets) and self.missing[self.launched] == 0:
+                self._launch()
+
+    def _launch(self):
+        flat = self.buckets[self.launched]
+        flat.div_(self.size)
+        self.handles.append(dist.all_reduce(flat, group=self.group, async_op=True))
+        self.launched += 1
+
+    def finish(self):
+        """Wait for the DP mean of every bucket (launching those that backward did not complete)."""
+        if self.group is not None and self.countdown is not None:
+            while self.launched < len(self.buckets):
+                self._launch()
+            for handle in self.handles:
+                handle.wait()
+        self.countdown, self.handles = None, []
+
+
+def attach_grad_buffer(model, dtype, bucket_numel=2**22):
+    """Give a stage model its GradBuffer over this rank's DP group (not under DeepSpeed, which has its own)."""
+    gpt = _unwrap(model)
+    gpt.grad_buffer = GradBuffer(gpt.parameters(), dtype, grid.dp_group, grid.dp_size, bucket_numel)
+    return gpt.grad_buffer
+
+
+def grad_buffer(model):
+    return getattr(_unwrap(model), "grad_buffer", None)
+
+
+def main_grad(p):
+    """A parameter's gradient: its GradBuffer view (native path) or .grad (DeepSpeed)."""
+    return getattr(p, "main_grad", p.grad)
+
+
 def reduce_gradients(model, data_parallel=True):
     """Make every gradient what one process would have computed for the whole global batch.
 
-    1. Data parallel: average over the DP group (skipped when DP=1, and under DeepSpeed, which does its own).
+    1. Data parallel: the mean over the DP group. With a GradBuffer it was started during backward: wait for it.
+       Without one (DeepSpeed, which does its own: data_parallel=False), one pass over the .grads.
     2. Tied embedding: the first stage's embedding and the last stage's output_weight are one parameter; each
        stage holds the part of its gradient from its own use, and their sum is the real gradient. Summing it
        into both copies every step keeps them bitwise identical, so the two optimizers make the same update
@@ -512,17 +612,21 @@ def reduce_gradients(model, data_parallel=True):
     Other replicated TP parameters (LayerNorms, row-parallel biases) need nothing: their gradients are computed
     from identical inputs on every TP rank (tests/test_parallel.py checks it; Megatron-DeepSpeed #271)."""
     gpt = _unwrap(model)
-    params = [p for p in gpt.parameters() if p.requires_grad]
-    for p in params:  # a parameter unused this step still has to take part in the collectives
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-    if data_parallel and grid.dp_size > 1:
-        all_reduce_mean([p.grad for p in params], grid.dp_group, grid.dp_size)
-    partial = [p.grad for p in params if getattr(p, "tp_partial", False)]
+    buffer = grad_buffer(gpt)
+    if buffer is not None:
+        buffer.finish()
+    else:
+        params = [p for p in gpt.parameters() if p.requires_grad]
+        for p in params:  # a parameter unused this step still has to take part in the collectives
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        if data_parallel and grid.dp_size > 1:
+            all_reduce_mean([p.grad for p in params], grid.dp_group, grid.dp_size)
+    partial = [main_grad(p) for p in gpt.parameters() if p.requires_grad and getattr(p, "tp_partial", False)]
     if partial and grid.tp_size > 1:
         all_reduce_mean(partial, grid.tp_group, 1)  # a sum: "mean" over a size of 1
     if grid.pp_size > 1 and (grid.is_first_stage or grid.is_last_stage):  # PP=1: one copy, nothing to sum
-        dist.all_reduce(gpt.word_embedding_weight().grad, group=grid.embedding_group)
+        dist.all_reduce(main_grad(gpt.word_embedding_weight()), group=grid.embedding_group)
 
 
 @torch.no_grad()
@@ -550,8 +654,13 @@ def check_tp_replicas(model, resync=False, optimizer=None):
                 i += 1
         if resync:
             state = getattr(optimizer, "optimizer", optimizer).state if optimizer is not None else {}
+            # the optimizer steps fp32 masters of half-precision weights (precision.py): those are resynced too
+            main_param = getattr(optimizer, "main_param", lambda p: p)
             for _, p in replicated:
-                for t in state.get(p, {}).values():
+                main = main_param(p)
+                if main is not None and main is not p:
+                    dist.broadcast(main, src=src, group=grid.tp_group)
+                for t in state.get(main, {}).values():
                     if torch.is_tensor(t) and t.shape == p.shape:  # Adam's moments, not its step
                         dist.broadcast(t, src=src, group=grid.tp_group)
     diffs = torch.nan_to_num(diffs, nan=float("inf"))
@@ -578,7 +687,7 @@ def _counted_once(model):
 def grad_norm(model):
     """Global L2 norm of the gradient (after reduce_gradients), the same on every rank: the squares of this
     rank's share (_counted_once) summed over TP and PP ranks. DP ranks hold identical reduced gradients."""
-    grads = [p.grad for p in _counted_once(model) if p.grad is not None and p.grad.numel()]
+    grads = [g for g in map(main_grad, _counted_once(model)) if g is not None and g.numel()]
     device = next(_unwrap(model).parameters()).device
     # Accumulated in fp64: fp16 would overflow, and an fp32 sum over millions of elements (CPU kernels) is off
     # by 1e-5, which clipping turns into runs that drift apart with the layout (TP=2 against one process).
@@ -592,7 +701,7 @@ def grad_norm(model):
 
 def count_zeros(model):
     """Megatron's "num zeros" over the whole model (each parameter once), the same on every rank."""
-    grads = [p.grad for p in _counted_once(model) if p.grad is not None]
+    grads = [g for g in map(main_grad, _counted_once(model)) if g is not None]
     device = next(_unwrap(model).parameters()).device
     zeros = torch.tensor(sum(g.numel() for g in grads), dtype=torch.int64, device=device)
     if grads:
@@ -607,31 +716,37 @@ def count_zeros(model):
 
 
 class ZeroShardedOptimizer:
-    """Wrap an optimizer so that each DP rank steps (and keeps Adam moments for) only its own parameters, then
-    every rank broadcasts what it updated (ZeRO-1, arXiv 1910.02054). Gradients are still all-reduced in full
-    by reduce_gradients; the saving is the optimizer state: Adam's two moments (8 bytes per parameter) are
-    divided by DP.
+    """Each DP rank builds the optimizer of its own shard of the parameters, steps it, then every rank broadcasts
+    what it updated (ZeRO-1, arXiv 1910.02054). Gradients are still all-reduced in full (GradBuffer); the saving
+    is the optimizer's state: Adam's two moments and, under mixed precision, the fp32 master weights (12 bytes
+    per parameter) are divided by DP. The broadcast carries the model's weights in their own (half) dtype.
 
     Parameters are dealt out whole, in model order, each to the rank that holds the fewest elements so far:
     deterministic, so the same topology finds its shard again in its own rank file on resume. The update of a
-    parameter is the same elementwise arithmetic as without sharding, so the weights are bitwise identical."""
+    parameter is the same elementwise arithmetic as without sharding, so the weights are bitwise identical.
+    Anything else (prepare_grads, refresh_fp32_params) is the shard optimizer's."""
 
-    def __init__(self, optimizer):
-        self.optimizer = optimizer
-        self.params = [p for group in optimizer.param_groups for p in group["params"]]
+    def __init__(self, params, build):
+        """params: this stage's parameters in model order; build(shard) makes the optimizer of a list of them."""
+        self.params = [p for p in params if p.requires_grad]
         self.owner, load = {}, [0] * grid.dp_size
         for p in self.params:
             rank = load.index(min(load))
             self.owner[p] = rank
             load[rank] += p.numel()
-        for group in optimizer.param_groups:  # keep the groups (and their hyper-parameters), drop others' params
-            group["params"] = [p for p in group["params"] if self.owner[p] == grid.dp_rank]
+        self.optimizer = build([p for p in self.params if self.owner[p] == grid.dp_rank])
+
+    def __getattr__(self, name):
+        if name == "optimizer":  # not built yet (or unpickling): no recursion
+            raise AttributeError(name)
+        return getattr(self.optimizer, name)
 
     @property
     def param_groups(self):
         return self.optimizer.param_groups
 
     def zero_grad(self, set_to_none=True):  # every parameter's gradient, not only this rank's shard
+        self.optimizer.zero_grad(set_to_none=set_to_none)
         for p in self.params:
             if set_to_none:
                 p.grad = None

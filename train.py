@@ -18,7 +18,6 @@ if __name__ == "__main__" and {"-h", "--help"} & set(sys.argv[1:]):
     usage.print_help()
     sys.exit(0)
 
-import contextlib
 import math
 import os
 import random
@@ -39,6 +38,7 @@ import parallel
 import reshard
 import rng
 import safety
+import precision
 from model import GPT, GPTConfig
 
 
@@ -136,11 +136,16 @@ def get_device(cfg):
 
 
 def build_model(cfg, device):
+    """This rank's stage, its weights in the compute dtype (precision.py); on the native path with the GradBuffer
+    its gradients accumulate and are all-reduced in (DeepSpeed brings its own)."""
     g = parallel.grid
     layers = parallel.partition_layers(cfg.num_layers, g.pp_size, cfg.pp_partition_method)[g.pp_rank]
     with torch.device(device):
         model = GPT(GPTConfig.from_config(cfg), layers, pre_process=g.is_first_stage, post_process=g.is_last_stage)
     model.init_weights(cfg.seed)
+    model.to(precision.compute_dtype(cfg))
+    if not cfg.deepspeed:
+        parallel.attach_grad_buffer(model, precision.grad_dtype(cfg))
     return model
 
 
@@ -157,14 +162,22 @@ def describe_partition(cfg):
 
 
 def build_optimizer(cfg, model):
-    optimizer = optim.build_optimizer(model, cfg.lr, cfg.weight_decay, cfg.adam_beta1, cfg.adam_beta2, cfg.adam_eps,
-                                      use_bnb_optimizer=cfg.use_bnb_optimizer, embedding=model.word_embedding_weight())
+    """AdamW (or bitsandbytes') over fp32 master weights (precision.MixedPrecisionOptimizer), sharded over DP with
+    zero_stage=1. Under DeepSpeed, the bare optimizer: DeepSpeed keeps the masters and shards them itself."""
+    embedding = model.word_embedding_weight()
+
+    def build(params):
+        optimizer = optim.build_optimizer(model, cfg.lr, cfg.weight_decay, cfg.adam_beta1, cfg.adam_beta2,
+                                          cfg.adam_eps, use_bnb_optimizer=cfg.use_bnb_optimizer, embedding=embedding,
+                                          params=params)
+        return optimizer if cfg.deepspeed else precision.MixedPrecisionOptimizer(optimizer)
+
     if cfg.deepspeed or cfg.zero_stage == 0 or parallel.grid.dp_size == 1:
-        return optimizer  # not sharded here (under DeepSpeed, deepspeed_engine shards it)
+        return build(list(model.parameters()))  # not sharded here (under DeepSpeed, deepspeed_engine shards it)
     if cfg.zero_stage != 1:
         raise ValueError(f"zero_stage={cfg.zero_stage} needs deepspeed=True (the native path shards the optimizer "
                          "state only: zero_stage=1)")
-    return parallel.ZeroShardedOptimizer(optimizer)
+    return parallel.ZeroShardedOptimizer(model.parameters(), build)
 
 
 def build_scheduler(cfg, plan):
@@ -250,21 +263,14 @@ def batch_prefetcher(dataset, plan, cfg, device):
 # One training step
 
 
-def autocast(cfg, device):
-    if cfg.fp16 or cfg.bf16:
-        return torch.autocast(device.type, dtype=torch.float16 if cfg.fp16 else torch.bfloat16)
-    return contextlib.nullcontext()
-
-
 def forward_backward(model, batches, cfg, device, loss_scale=1.0, forward_only=False):
-    """Mean lm loss over this rank's micro-batches; accumulates (scaled) gradients unless forward_only."""
+    """Mean lm loss over this rank's micro-batches; accumulates (scaled) gradients unless forward_only.
+    No host sync: the loss stays a tensor."""
     if parallel.grid.pp_size > 1:
-        return parallel.pipeline_forward_backward(model, batches, lambda: autocast(cfg, device), loss_scale,
-                                                  forward_only)
+        return parallel.pipeline_forward_backward(model, batches, loss_scale, forward_only)
     total = torch.zeros((), device=device)
     for x, y in batches:
-        with autocast(cfg, device):
-            loss = model(x, y)
+        loss = model(x, y)
         if not forward_only:
             parallel.backward(model, loss * (loss_scale / len(batches)))
         total += loss.detach()
@@ -275,32 +281,34 @@ def train_step(model, optimizer, scaler, batches, lr, cfg, device, count_zeros=T
     """Returns (loss, grad_norm, num_zeros, outcome) with outcome one of 'ok', 'skipped', 'nan'.
     count_zeros: count the zero gradients (a pass over all of them: only done for the iterations logged)."""
     optimizer.zero_grad(set_to_none=True)
+    buffer = parallel.grad_buffer(model)  # None under DeepSpeed
+    if buffer is not None:
+        buffer.start(len(batches))
     loss = forward_backward(model, batches, cfg, device, loss_scale=scaler.scale)
     loss = parallel.average_loss(loss)  # over DP, from the last stage; one process: the loss itself
     if cfg.deepspeed:
         return optimizer.finish_step(loss.item(), lr)  # DeepSpeed reduces, clips and steps in one call
-    parallel.reduce_gradients(model)  # with one process: nothing to reduce
-    params = [p for p in model.parameters() if p.grad is not None]
-    if scaler.scale != 1.0:
-        for p in params:
-            p.grad.div_(scaler.scale)
-    grad_norm = parallel.grad_norm(model).item()
+    # Wait for the DP all-reduce that backward started, sum the tied embedding's two copies.
+    parallel.reduce_gradients(model)
+    grad_norm = parallel.grad_norm(model) / scaler.scale  # of the unscaled gradient, fp32, over the whole model
+    loss_value, grad_norm_value = (float(v) for v in torch.stack([loss.float(), grad_norm]).cpu())  # one sync
     num_zeros = parallel.count_zeros(model) if count_zeros else 0
-    finite = math.isfinite(grad_norm)
+    finite = math.isfinite(grad_norm_value)
     if cfg.fp16:
         message = scaler.update(overflow=not finite)
         if message:
             print0(message)
-    if not math.isfinite(loss.item()):
-        return loss.item(), grad_norm, num_zeros, "nan"  # a NaN loss never updates the weights
+    if not math.isfinite(loss_value):
+        return loss_value, grad_norm_value, num_zeros, "nan"  # a NaN loss never updates the weights
     if not finite:
-        return loss.item(), grad_norm, num_zeros, "skipped"
-    if cfg.skip_grad_norm_above is not None and grad_norm > cfg.skip_grad_norm_above:  # OPT's batch skipping
-        return loss.item(), grad_norm, num_zeros, "skipped"
-    optim.clip_grads(params, cfg.clip_grad, torch.tensor(grad_norm))
+        return loss_value, grad_norm_value, num_zeros, "skipped"
+    if cfg.skip_grad_norm_above is not None and grad_norm_value > cfg.skip_grad_norm_above:  # OPT's batch skipping
+        return loss_value, grad_norm_value, num_zeros, "skipped"
+    params = optimizer.prepare_grads(scaler.scale)  # fp32 master weights with fp32, unscaled gradients
+    optim.clip_grads(params, cfg.clip_grad, grad_norm)
     optim.set_lr(optimizer, lr)
     optimizer.step()
-    return loss.item(), grad_norm, num_zeros, "ok"
+    return loss_value, grad_norm_value, num_zeros, "ok"
 
 
 @torch.no_grad()

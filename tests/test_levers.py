@@ -47,12 +47,20 @@ def test_fp16_dynamic_loss_scale_overflows_skip_and_halve(corpus, tmp_path):
     assert run["scaler"]["scale"] == float(fields[8]["loss scale"]) < 2**20  # the scaler state is checkpointed
 
 
-def test_fp16_resume_is_bit_exact_including_the_loss_scaler(corpus, tmp_path):
-    args = [*SMALL, "--fp16", "--initial_loss_scale=65536", "--loss_scale_window=2"]
+@pytest.mark.parametrize("half", [["--fp16", "--initial_loss_scale=65536", "--loss_scale_window=2"], ["--bf16"]],
+                         ids=["fp16", "bf16"])
+def test_half_precision_resume_is_bit_exact_including_the_loss_scaler(corpus, tmp_path, half):
+    args = [*SMALL, *half]
     full = losses(run_main(*args, "--train_iters=8", f"--save={tmp_path / 'a'}"))
     run_main(*args, "--train_iters=4", f"--save={tmp_path / 'b'}")
     resumed = losses(run_main(*args, "--train_iters=8", f"--save={tmp_path / 'b'}", f"--load={tmp_path / 'b'}"))
     assert {i: full[i] for i in range(5, 9)} == resumed
+    # the checkpoint holds the half-precision model and the fp32 master weights it was rounded from
+    model, opt, _ = checkpoint_state(tmp_path / "b", 4)
+    half_dtype = torch.float16 if "--fp16" in half else torch.bfloat16
+    assert {v.dtype for v in model.values()} == {half_dtype}
+    masters = opt["fp32_master_weights"]
+    assert {m.dtype for m in masters} == {torch.float32} and len(masters) == len(model)
 
 
 def test_bf16_trains_close_to_fp32(corpus, tmp_path):

@@ -9,7 +9,6 @@ AdamW. End to end through train.py (torchrun): the log lines of parallel runs ag
 save/resume across TP=2 x PP=2 and the weight-dump comparison of lesson 11 (another layout on load:
 tests/test_reshard.py).
 """
-import contextlib
 import io
 import math
 import os
@@ -199,43 +198,51 @@ def _layout_matches_one_process(micro_per_rank, mbs):
     torch.set_default_dtype(torch.float64)
     cfg = GPTConfig(**TINY, tensor_model_parallel_size=g.tp_size)
     model = _stage(cfg)
+    # gradients go through train.py's path: accumulated in a GradBuffer, DP all-reduce overlapped with backward
+    buffer = parallel.attach_grad_buffer(model, torch.float64, bucket_numel=500)  # several buckets per stage
     for step, seqlen in enumerate((16, 8)):
         everything = _batches(step, micro_per_rank * g.dp_size, mbs, seqlen, cfg.vocab_size)
         # micro-batch k of DP rank d is global micro-batch k * dp + d (Megatron's order, train.micro_batches)
         mine = [everything[k * g.dp_size + g.dp_rank] for k in range(micro_per_rank)]
         ref_loss, ref_grads, ref_norm = _reference(cfg, everything, loss_scale=4.0)
-        model.zero_grad(set_to_none=True)
+        buffer.start(len(mine))
         if g.pp_size > 1:
-            loss = parallel.pipeline_forward_backward(model, mine, contextlib.nullcontext, loss_scale=4.0)
+            loss = parallel.pipeline_forward_backward(model, mine, loss_scale=4.0)
         else:
-            loss = sum(model(x, y) for x, y in mine) / len(mine)
-            (loss * 4.0).backward()
+            loss = 0.0
+            for x, y in mine:
+                micro = model(x, y)
+                (micro * (4.0 / len(mine))).backward()
+                loss = loss + micro.detach() / len(mine)
+        if g.dp_size > 1:  # every bucket's all-reduce was started by the hooks during backward, none after
+            assert buffer.launched == len(buffer.buckets) == len(buffer.handles) > 1
         loss = parallel.average_loss(loss)
         parallel.reduce_gradients(model)
         for p in model.parameters():
-            p.grad /= 4.0
+            assert p.grad is None  # freed into main_grad micro-batch by micro-batch
+            p.main_grad /= 4.0
         assert math.isclose(loss.item(), ref_loss, rel_tol=1e-12), (loss.item(), ref_loss)
         for name, p in model.named_parameters():
             ref = ref_grads[getattr(p, "init_name", name)]
-            torch.testing.assert_close(p.grad, parallel.shard(ref, getattr(p, "tp_dim", None)), rtol=1e-9,
+            torch.testing.assert_close(p.main_grad, parallel.shard(ref, getattr(p, "tp_dim", None)), rtol=1e-9,
                                        atol=1e-12, msg=lambda m: f"{name}: {m}")
         assert math.isclose(parallel.grad_norm(model).item(), ref_norm, rel_tol=1e-12)
         # replicated TP parameters: bitwise equal gradients on every TP rank (Megatron-DeepSpeed #271)
         if g.tp_size > 1:
             for name, p in model.named_parameters():
                 if getattr(p, "tp_dim", None) is None:
-                    for other in _gather(p.grad, g.tp_group):
-                        assert torch.equal(other, p.grad), name
+                    for other in _gather(p.main_grad, g.tp_group):
+                        assert torch.equal(other, p.main_grad), name
         # the two copies of the tied embedding get the same gradient, bit for bit (lesson 11)
         tied = model.word_embedding_weight()
         if g.pp_size > 1 and tied is not None:
-            other = _gather(tied.grad, g.embedding_group)
+            other = _gather(tied.main_grad, g.embedding_group)
             assert torch.equal(other[0], other[1])
         # forward only (evaluation): the same loss, no gradients touched
         model.zero_grad(set_to_none=True)
         with torch.no_grad():
             if g.pp_size > 1:
-                loss = parallel.pipeline_forward_backward(model, mine, contextlib.nullcontext, forward_only=True)
+                loss = parallel.pipeline_forward_backward(model, mine, forward_only=True)
             else:
                 loss = sum(model(x, y) for x, y in mine) / len(mine)
         assert math.isclose(parallel.average_loss(loss).item(), ref_loss, rel_tol=1e-12)
@@ -266,47 +273,69 @@ def test_four_process_layouts_match_one_process():
 # Native ZeRO-1: sharded optimizer state, bitwise the same weights as plain AdamW
 
 
-def _zero1_matches_adamw():
+def _zero1_matches_adamw(dtype):
+    """fp32: AdamW on the weights; bf16: AdamW on fp32 master weights, which ZeRO-1 shards with the moments."""
     import optim
+    import precision
     from model import GPTConfig
     g = parallel.grid
     cfg = GPTConfig(**TINY)
-    sharded_model, plain_model = _stage(cfg), _stage(cfg)
-    build = lambda m: optim.build_optimizer(m, 1e-2, 0.1, 0.9, 0.95, 1e-8)
-    sharded = parallel.ZeroShardedOptimizer(build(sharded_model))
-    plain = build(plain_model)
+
+    def stage():
+        model = _stage(cfg).to(dtype)
+        parallel.attach_grad_buffer(model, torch.float32)
+        return model
+
+    def build(model):
+        return lambda params: precision.MixedPrecisionOptimizer(
+            optim.build_optimizer(model, 1e-2, 0.1, 0.9, 0.95, 1e-8, params=params))
+
+    sharded_model, plain_model = stage(), stage()
+    sharded = parallel.ZeroShardedOptimizer(sharded_model.parameters(), build(sharded_model))
+    plain = build(plain_model)(list(plain_model.parameters()))
     owned = sum(p.numel() for group in sharded.param_groups for p in group["params"])
     assert 0 < owned < sum(p.numel() for p in sharded_model.parameters())
+    assert all(p.dtype == torch.float32 for group in sharded.param_groups for p in group["params"])
+
     def step(pairs, seed):
         x, y = _batches(seed + g.dp_rank, 1, 2, 16, cfg.vocab_size)[0]
         for model, opt in pairs:
             opt.zero_grad(set_to_none=True)
+            parallel.grad_buffer(model).start(1)
             model(x, y).backward()
             parallel.reduce_gradients(model)
+            opt.prepare_grads()
             opt.step()
         for (name, a), b in zip(pairs[0][0].named_parameters(), pairs[1][0].parameters()):
             assert torch.equal(a, b), name
 
     for i in range(3):
         step([(sharded_model, sharded), (plain_model, plain)], 10 * i)
-    # the shard's state, step counter included, comes back from its rank file: the next step from the restored
-    # optimizer is bit for bit the original's; a checkpoint of another DP layout is refused
+    # the shard's state, step counter (and master weights) included, comes back from its rank file: the next step
+    # from the restored optimizer is bit for bit the original's; a checkpoint of another DP layout is refused
     buffer = io.BytesIO()
     torch.save(sharded.state_dict(), buffer)
     buffer.seek(0)
     state = torch.load(buffer)
     assert state["optimizer"]["state"] and all(s["step"] == 3 for s in state["optimizer"]["state"].values())
-    resumed_model = _stage(cfg)
+    if dtype != torch.float32:
+        assert sum(m.numel() for m in state["optimizer"]["fp32_master_weights"]) == owned
+    resumed_model = stage()
     resumed_model.load_state_dict(sharded_model.state_dict())
-    resumed = parallel.ZeroShardedOptimizer(build(resumed_model))
+    resumed = parallel.ZeroShardedOptimizer(resumed_model.parameters(), build(resumed_model))
     resumed.load_state_dict(state)
     step([(sharded_model, sharded), (resumed_model, resumed)], 100)
     with pytest.raises(ValueError, match="ZeRO-1 shard"):
         resumed.load_state_dict({**state, "dp_size": 4})
 
 
+def _zero1_both_precisions():
+    for dtype in (torch.float32, torch.bfloat16):
+        _zero1_matches_adamw(dtype)
+
+
 def test_native_zero1_matches_adamw():
-    spawn(_zero1_matches_adamw, 2, 1, 1)
+    spawn(_zero1_both_precisions, 2, 1, 1)
 
 
 # -----------------------------------------------------------------------------

@@ -1,0 +1,127 @@
+"""What fp16 and bf16 mean: Megatron's mixed-precision regime, as the 104B (fp16) and 176B (bf16) ran it (lesson 6).
+
+    what                                                 fp32     bf16     fp16     where
+    model weights, activations, residual stream          fp32     bf16     fp16     train.build_model
+    pipeline messages (activations and their gradients)  fp32     bf16     fp16     parallel.pipeline_forward_backward
+    LayerNorm statistics, softmax, cross-entropy         fp32     fp32     fp32     model.LayerNorm, core_attention,
+                                                                                    vocab_parallel_cross_entropy
+    gradient accumulation over micro-batches, DP mean    fp32     fp32     fp16     parallel.GradBuffer
+    master weights, Adam moments (sharded by ZeRO-1)     fp32     fp32     fp32     MixedPrecisionOptimizer below
+    loss scaling (dynamic, OVERFLOW lines, lesson 5)      -        -       yes      optim.LossScaler
+    checkpoint                                           the model in its dtype + the fp32 master weights
+
+fp16 keeps fp16 gradients, as Megatron does by default (accumulate_allreduce_grads_in_fp32 is a bf16 setting):
+the loss scale keeps them in range, and they are copied to fp32 and unscaled only for the update. With fp16,
+apply_query_key_layer_scaling is on unless set (Megatron's default; arguments.validate).
+
+There is no autocast: weights are stored in the compute dtype, so what runs is what Megatron ran, and the
+half-precision rounding of the residual stream (a source of the 104B's spikes) is reproduced, not hidden.
+"""
+import torch
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def name(cfg):
+    return "fp16" if cfg.fp16 else "bf16" if cfg.bf16 else "fp32"
+
+
+def compute_dtype(cfg):
+    """The dtype of the weights and activations."""
+    return DTYPES[name(cfg)]
+
+
+def grad_dtype(cfg):
+    """The dtype gradients are accumulated and all-reduced in: fp32, except fp16's own (Megatron's defaults)."""
+    return torch.float16 if cfg.fp16 else torch.float32
+
+
+class MixedPrecisionOptimizer:
+    """An optimizer over fp32 master copies of half-precision parameters (Megatron's
+    Float16OptimizerWithFloat16Params); for fp32 parameters the master is the parameter itself (its FP32Optimizer).
+
+    Built around an optimizer of the model's parameters, it swaps each half parameter in the param groups for an
+    fp32 copy, so the optimizer's state (Adam's moments, bitsandbytes' 8-bit state) lives on the copies. A step:
+    prepare_grads() gives every master its model parameter's accumulated gradient in fp32, unscaled (a view of
+    the fp32 GradBuffer for bf16; an fp32 copy of fp16 gradients, unscaled after the copy so nothing underflows);
+    the caller clips; step() updates the masters and rounds them into the model's weights. state_dict() adds the
+    masters to the optimizer's state, so a checkpoint resumes from fp32 weights, bit-exactly."""
+
+    def __init__(self, optimizer):
+        self.optimizer = optimizer
+        self.model_params, self.main_params = [], []
+        for group in optimizer.param_groups:
+            for i, p in enumerate(group["params"]):
+                main = p
+                if p.dtype != torch.float32:
+                    main = torch.nn.Parameter(p.detach().float())
+                    group["params"][i] = main
+                    optimizer.state.pop(p, None)
+                    # bitsandbytes finds a parameter's overrides (the embedding's 32-bit state, lesson 14) by id
+                    overrides = getattr(getattr(optimizer, "mng", None), "pid2config", {})
+                    if id(p) in overrides:
+                        overrides[id(main)] = overrides[id(p)]
+                self.model_params.append(p)
+                self.main_params.append(main)
+        self.copies = [(p, m) for p, m in zip(self.model_params, self.main_params) if m is not p]
+        self._main = dict(zip(self.model_params, self.main_params))
+
+    def main_param(self, p):
+        """The fp32 master this optimizer steps for model parameter p (p itself if fp32; None if not held here)."""
+        return self._main.get(p)
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    @property
+    def state(self):
+        return self.optimizer.state
+
+    def zero_grad(self, set_to_none=True):
+        for p in self.main_params:
+            p.grad = None
+
+    def prepare_grads(self, loss_scale=1.0):
+        """Point each master's .grad at its model parameter's gradient in fp32, divided by loss_scale. Returns the
+        master parameters (the ones to clip and step)."""
+        grads = []
+        for p, main in zip(self.model_params, self.main_params):
+            grad = getattr(p, "main_grad", p.grad)
+            main.grad = None if grad is None else grad.to(torch.float32)  # no copy when it is fp32 already
+            if main.grad is not None:
+                grads.append(main.grad)
+        if loss_scale != 1.0 and grads:
+            torch._foreach_div_(grads, loss_scale)
+        return self.main_params
+
+    @torch.no_grad()
+    def step(self):
+        self.optimizer.step()
+        for p, main in self.copies:
+            p.copy_(main)
+
+    def state_dict(self):
+        state = self.optimizer.state_dict()
+        if self.copies:
+            state["fp32_master_weights"] = [main.detach() for _, main in self.copies]
+        return state
+
+    def load_state_dict(self, state):
+        state = dict(state)
+        masters = state.pop("fp32_master_weights", None)
+        if self.copies and (masters is None or len(masters) != len(self.copies)):
+            raise ValueError("the optimizer state in the checkpoint has no fp32 master weights for this model's "
+                             "half-precision parameters (saved with another precision?); resume with the same "
+                             "fp16/bf16 setting, or set no_load_optim to start the masters from the weights")
+        self.optimizer.load_state_dict(state)
+        with torch.no_grad():
+            for (p, main), saved in zip(self.copies, masters or []):
+                main.copy_(saved)
+                p.copy_(main)
+
+    @torch.no_grad()
+    def refresh_fp32_params(self):
+        """Masters from the model's weights (a fresh optimizer after a load without its state)."""
+        for p, main in self.copies:
+            main.copy_(p)
