@@ -19,9 +19,8 @@ def dry_run(cfg, world_size=None, file=None):
 
     The number of GPUs is not in the config: it is WORLD_SIZE (as torchrun or SLURM would set it, e.g.
     `WORLD_SIZE=256 python train.py config/tr8b_104b.py --dry_run`), default TP x PP (DP=1).
-    Memory per parameter follows lesson 16 (docs/lessons.md): mixed precision 2 (half weights) + 4 (fp32
-    master) + 8 (Adam moments) + 4 (gradients) bytes, fp32 4 + 8 + 4; ZeRO-1 divides the optimizer states by
-    DP, ZeRO-2 the gradients too. Activations per layer and micro-batch, 16-bit, without sequence parallelism
+    Memory per parameter: bytes_per_parameter, what the code allocates (tests/test_parallel.py measures it).
+    Activations per layer and micro-batch, 16-bit, without sequence parallelism
     (Korthikanti et al. 2022): s*b*h*(10 + 24/t + 5*a*s/(h*t)) bytes (34 + 5as/h for t=1); with checkpointing
     only each layer's input, 2*s*b*h, is kept, plus one layer's full activations while it is recomputed.
     Under 1F1B the first stage holds min(pp, micro-batches) micro-batches in flight."""
@@ -62,22 +61,22 @@ def dry_run(cfg, world_size=None, file=None):
             start = s
 
     gpu_params = max(gpu for gpu, _ in stages)
-    weights = 2 + 4 if mixed else 4  # half weights + fp32 master, or fp32 weights
-    optimizer_states = 4 + 8 if mixed else 8  # what ZeRO shards: master weights (mixed) and Adam moments
-    grads = 4
+    precision = "fp16" if cfg.fp16 else "bf16" if cfg.bf16 else "fp32"
+    path = "DeepSpeed" if cfg.deepspeed else "native"
 
     def model_states(zero):
-        shard = (optimizer_states / dp if zero >= 1 else optimizer_states) + (grads / dp if zero >= 2 else grads)
-        return gpu_params * (weights - (4 if mixed else 0) + shard)
+        return gpu_params * sum(bytes_per_parameter(precision, zero, dp, cfg.deepspeed).values())
 
-    precision = ("fp16" if cfg.fp16 else "bf16") if mixed else "fp32"
-    per_param = weights + 8 + grads
+    per_param = (2 + 4 if mixed else 4) + 8 + 4  # lesson 16's textbook count: weights (+ master), Adam, gradients
     say(f"model states of the whole model without ZeRO: {per_param} B x {formula / 1e9:.2f}B = "
         f"{per_param * formula / 1e9:,.0f} GB (lesson 16: 18 x 104 = 1872 GB for tr8b-104B)")
-    say(f"model states per GPU (largest stage, {gpu_params:,} parameters, {precision}, Adam):")
-    for zero in (0, 1, 2):
+    say(f"model states per GPU as the {path} path allocates them (largest stage, {gpu_params:,} parameters, "
+        f"{precision}, Adam):")
+    for zero in (0, 1, 2) if cfg.deepspeed else (0, 1):
+        parts = bytes_per_parameter(precision, zero, dp, cfg.deepspeed)
         mark = "  <- configured" if zero == cfg.zero_stage else ""
-        say(f"  ZeRO-{zero} over DP={dp}: {model_states(zero) / GiB:8.2f} GiB{mark}")
+        say(f"  ZeRO-{zero} over DP={dp}: {model_states(zero) / GiB:8.2f} GiB = "
+            + " + ".join(f"{v:.3g} ({k})" for k, v in parts.items()) + f" B/param{mark}")
 
     s, b, h, a = cfg.seq_length, cfg.micro_batch_size, cfg.hidden_size, cfg.num_attention_heads
     gbs = cfg.global_batch_size or b * dp
@@ -98,3 +97,25 @@ def dry_run(cfg, world_size=None, file=None):
     return {"params": formula, "padded_params": padded_total, "stages": stages, "gpu_params": gpu_params,
             "dp": dp, "model_states": model_states(cfg.zero_stage), "activations": without,
             "activations_checkpointed": with_ckpt}
+
+
+def bytes_per_parameter(precision, zero_stage, dp, deepspeed=False):
+    """Model-state bytes per parameter as the code allocates them: {"weights", "gradients", "optimizer"}.
+
+    Native path (precision.py; parallel.GradBuffer; ZeRO-1 = parallel.ZeroShardedOptimizer divides "optimizer"):
+        fp32: 4 weights + 4 gradient buffer + 8 Adam moments                               = 4 + 4 + 8/DP
+        bf16: 2 weights + 4 fp32 gradient buffer + 4 fp32 masters + 8 moments              = 2 + 4 + 12/DP
+        fp16: 2 weights + 2 fp16 gradient buffer + 4 masters + 8 moments + 4 for the fp32
+              copy of the gradients the masters step with (Megatron's fp16 regime)       = 2 + 2 + 16/DP
+    DeepSpeed (lesson 16's textbook count, DeepSpeed's own buffers not modelled): 2 or 4 weights + 4 gradients +
+    12 (master + moments) or 8; ZeRO-1 divides the optimizer by DP, ZeRO-2 the gradients too.
+    bitsandbytes' 8-bit Adam would hold about 2 bytes of moments instead of 8 (not modelled)."""
+    half = precision != "fp32"
+    weights = 2 if half else 4
+    if deepspeed:
+        grads, optimizer = 4, (12 if half else 8)
+    else:
+        grads = 2 if precision == "fp16" else 4
+        optimizer = 8 + (4 if half else 0) + (4 if precision == "fp16" else 0)
+    return {"weights": weights, "gradients": grads / dp if deepspeed and zero_stage >= 2 else grads,
+            "optimizer": optimizer / dp if zero_stage >= 1 else optimizer}
