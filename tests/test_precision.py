@@ -141,3 +141,17 @@ def test_master_weights_are_fp32_and_round_into_the_model():
     for p, master in optimizer.copies:  # the model holds the masters rounded to bf16
         assert torch.equal(p, master.to(torch.bfloat16))
     assert any(not torch.equal(m, m.to(torch.bfloat16).float()) for m in state["fp32_master_weights"])
+
+
+def test_bnb_8bit_state_lives_on_the_fp32_masters_with_the_embedding_32bit():
+    pytest.importorskip("bitsandbytes")
+    cfg = _cfg("--bf16", "--use_bnb_optimizer", "--vocab_size=512", "--seq_length=16")
+    model = train.build_model(cfg, torch.device("cpu"))
+    optimizer = train.build_optimizer(cfg, model)
+    x = torch.randint(0, cfg.vocab_size, (4, cfg.seq_length))
+    train.train_step(model, optimizer, train.build_scaler(cfg), [(x, x)], 1e-3, cfg, torch.device("cpu"))
+    master = dict((id(p), m) for p, m in optimizer.copies)
+    embedding, fc1 = master[id(model.word_embedding_weight())], master[id(model.blocks["0"].mlp.fc1.weight)]
+    assert embedding.dtype == fc1.dtype == torch.float32
+    assert optimizer.state[embedding]["state1"].dtype == torch.float32  # lesson 14: the embedding stays 32-bit
+    assert optimizer.state[fc1]["state1"].dtype == torch.uint8
