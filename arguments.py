@@ -56,8 +56,8 @@ class Config(GPTConfig):
     clip_grad: float = 1.0  # clip the global gradient norm to this
     use_bnb_optimizer: bool = False  # bitsandbytes 8-bit AdamW; the embedding's state stays 32-bit
     # -- stability: precision, skipped steps, resets --
-    fp16: bool = False  # fp16 compute with dynamic loss scaling, fp32 master weights
-    bf16: bool = False  # bf16 compute, fp32 master weights and gradient accumulation
+    fp16: bool = False  # fp16 weights and activations, fp32 master weights, dynamic loss scaling (precision.py)
+    bf16: bool = False  # bf16 weights and activations, fp32 master weights and gradient accumulation
     loss_scale: float | None = None  # static fp16 loss scale; None: dynamic
     initial_loss_scale: float = 2.0**32  # first dynamic loss scale
     min_loss_scale: float = 1.0  # the dynamic loss scale never goes below this
