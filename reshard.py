@@ -37,8 +37,13 @@ def param_names(model, optimizer):
     """Names of the parameters in the order of optimizer.state_dict()'s integer keys (saved next to the optimizer
     state, so that another layout can find an entry by name). For ZeRO-1: this DP rank's shard only."""
     names = {id(p): n for n, p in parallel._unwrap(model).named_parameters()}
-    inner = getattr(optimizer, "optimizer", optimizer)  # parallel.ZeroShardedOptimizer wraps the real one
-    return [names[id(p)] for group in inner.param_groups for p in group["params"]]
+    # Under fp16/bf16 the optimizer steps fp32 masters (precision.MixedPrecisionOptimizer, possibly inside
+    # parallel.ZeroShardedOptimizer): its model_params are the model's parameters in the same order.
+    params = getattr(optimizer, "model_params", None)
+    if params is None:
+        inner = getattr(optimizer, "optimizer", optimizer)
+        params = [p for group in inner.param_groups for p in group["params"]]
+    return [names[id(p)] for p in params]
 
 
 def describe(topology):
@@ -167,8 +172,19 @@ class Resharder:
                                  "resharded; resume with the saved layout, or set no_load_optim")
             zero = opt.get("zero_stage") == 1
             inner = opt["optimizer"] if zero else opt
-            for index, state in inner["state"].items():
-                states[names[index]] = state
+            # The fp32 masters (fp16/bf16, lesson 6) are listed in the same order as the names: every parameter
+            # of a half-precision model has one. Kept as one more per-parameter state, re-sliced like the rest.
+            masters = inner.get("fp32_master_weights")
+            if masters is not None and len(masters) != len(names):
+                raise ValueError(f"checkpoint {self.old.tag_dir} holds {len(masters)} fp32 master weights for "
+                                 f"{len(names)} parameters: it cannot be resharded; resume with the saved layout, "
+                                 "or set no_load_optim (the masters then start from the weights)")
+            for index, name in enumerate(names):
+                state = inner["state"].get(index)
+                if masters is not None:
+                    state = dict(state or {}, fp32_master=masters[index])
+                if state is not None:
+                    states[name] = state
             dp = dp + 1 if zero else self.old.dp  # without ZeRO every DP rank holds the same full state
         return states
 
@@ -198,37 +214,53 @@ class Resharder:
             self.gpt.cfg.make_vocab_size_divisible_by
         template = optimizer.state_dict()
         inner = template["optimizer"] if "zero_stage" in template else template
+        masters = inner.get("fp32_master_weights")  # this run's masters (fp16/bf16), to be replaced one by one
         for index, name in enumerate(param_names(model, optimizer)):
             states = self._pieces(name, old_state)
             if any(s is None for s in states):
-                if all(s is None for s in states):
+                if all(s is None for s in states) and masters is None:
                     continue  # never stepped
-                raise ValueError(f"checkpoint {old.tag_dir} has optimizer state for {name!r} on some TP ranks only")
+                raise ValueError(f"checkpoint {old.tag_dir} has no optimizer state (or fp32 master weight) for "
+                                 f"{name!r} on some TP ranks: saved with another precision? Resume with the same "
+                                 "fp16/bf16 setting, or set no_load_optim")
             if same_cut:
-                inner["state"][index] = states[self.grid.tp_rank]
-                continue
-            live = self.params[name]
-            tp_dim = getattr(live, "tp_dim", None)
-            merged = {}
-            for key, value in states[0].items():
-                values = [s[key] for s in states]
-                if torch.is_tensor(value) and value.ndim > 0:
-                    like_param = value.is_floating_point() and (
-                        tp_dim is None and value.shape == live.shape
-                        or tp_dim is not None and value.ndim == live.ndim)
-                    if not like_param:
-                        raise ValueError(f"optimizer state {key!r} of {name!r} (shape {tuple(value.shape)}, "
-                                         f"{value.dtype}) is not shaped like the parameter and cannot be re-sliced "
-                                         f"for TP={self.grid.tp_size}; resume with tensor_model_parallel_size="
-                                         f"{old.tp}, or set no_load_optim")
-                    merged[key] = self._merge(name, values, live.shape, f"optimizer state {key!r}")
-                else:  # Adam's step, as an int or a 0-d tensor: the same on every TP rank
-                    if any(not torch.equal(torch.as_tensor(v), torch.as_tensor(value)) for v in values):
-                        raise ValueError(f"optimizer state {key!r} of {name!r} differs across TP ranks in "
-                                         f"checkpoint {old.tag_dir}: {values}")
-                    merged[key] = value
-            inner["state"][index] = merged
+                merged = dict(states[self.grid.tp_rank])
+            else:
+                merged = self._merge_state(name, states)
+            master = merged.pop("fp32_master", None)
+            if masters is not None:
+                if master is None:
+                    raise ValueError(f"checkpoint {old.tag_dir} has no fp32 master weight for {name!r} (saved "
+                                     "without fp16/bf16): resume with the same precision, or set no_load_optim")
+                masters[index] = master.float()
+            if merged:
+                inner["state"][index] = merged
         return template
+
+    def _merge_state(self, name, states):
+        """One parameter's optimizer state for this rank, from the old TP ranks' states of it."""
+        old = self.old
+        live = self.params[name]
+        tp_dim = getattr(live, "tp_dim", None)
+        merged = {}
+        for key, value in states[0].items():
+            values = [s[key] for s in states]
+            if torch.is_tensor(value) and value.ndim > 0:
+                like_param = value.is_floating_point() and (
+                    tp_dim is None and value.shape == live.shape
+                    or tp_dim is not None and value.ndim == live.ndim)
+                if not like_param:
+                    raise ValueError(f"optimizer state {key!r} of {name!r} (shape {tuple(value.shape)}, "
+                                     f"{value.dtype}) is not shaped like the parameter and cannot be re-sliced "
+                                     f"for TP={self.grid.tp_size}; resume with tensor_model_parallel_size="
+                                     f"{old.tp}, or set no_load_optim")
+                merged[key] = self._merge(name, values, live.shape, f"optimizer state {key!r}")
+            else:  # Adam's step, as an int or a 0-d tensor: the same on every TP rank
+                if any(not torch.equal(torch.as_tensor(v), torch.as_tensor(value)) for v in values):
+                    raise ValueError(f"optimizer state {key!r} of {name!r} differs across TP ranks in "
+                                     f"checkpoint {old.tag_dir}: {values}")
+                merged[key] = value
+        return merged
 
 
 def load(tag_dir, saved_topology, model, optimizer, cfg, need_optimizer=True):

@@ -125,6 +125,28 @@ def test_tp2_pp2_dp2_zero1_checkpoint_loads_as_one_process(tmp_path, capsys):
     assert not model.embed.word.weight[300:].any() and not optimizer.state[model.embed.word.weight]["exp_avg"][300:].any()
 
 
+def test_bf16_fp32_masters_are_resharded_not_rounded(tmp_path):
+    """Under bf16 the checkpoint's truth is the fp32 masters (lesson 6): they are re-sliced like the parameter,
+    and the model's weights are those masters rounded -- not the template's masters of a fresh optimizer."""
+    delta = 1e-4  # smaller than bf16's spacing at the weights' size: the masters hold what the weights cannot
+
+    def nudge(model, inner):
+        for group in inner.param_groups:
+            for master in group["params"]:
+                master.data.add_(delta)
+
+    _save_layout(tmp_path, 2, 2, 2, zero_stage=1, cfg_args=["--bf16"], mutate=nudge)
+    model, optimizer, _, reference = _load_one_process(tmp_path, "--bf16")
+    for name, p in model.named_parameters():
+        rows = slice(0, 300) if name == "embed.word.weight" else slice(None)
+        want = reference[name][rows].float() + delta
+        master = optimizer.main_param(p)
+        assert master.dtype == torch.float32 and torch.equal(master[rows], want), name
+        assert torch.equal(p[rows], want.to(torch.bfloat16)), name
+        assert torch.equal(optimizer.state[master]["exp_avg"][rows], 2 * reference[name][rows].float()), name
+    assert not model.embed.word.weight[300:].any()
+
+
 def test_same_tp_keeps_each_ranks_state_as_it_was(tmp_path):
     _save_layout(tmp_path, 2, 2, 2, zero_stage=1)  # to TP=2 x PP=1 x DP=1: stages joined, ZeRO shards merged
     for rank in range(2):
