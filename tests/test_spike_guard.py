@@ -307,3 +307,29 @@ def test_metrics_file_has_the_log_line_telemetry_and_validation(run):
             "number of skipped iterations", "TFLOPs", "validation lm loss"} <= set(last)
     assert [r["iteration"] for r in records if "telemetry" in r] == [10, 20, 30, 40, 50, 60]
     assert len(last["telemetry"]["grad norm"]) == 4 and len(last["telemetry"]["attention logit max"]) == 2
+
+
+def _png_pixels(path):
+    import matplotlib.image
+    with open(path, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    return matplotlib.image.imread(path)
+
+
+def test_plot_overlays_a_metrics_file_and_a_log_and_draws_the_layer_heat_maps(run, tmp_path):
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
+    import plot
+    run("clean_guarded", *GUARD, "--telemetry_interval=10", f"--save={run.dir / 'clean_guarded'}")
+    log = tmp_path / "bad_guarded.log"
+    log.write_text(run("bad_guarded", *BAD, *GUARD))
+    parsed = plot.load(str(log))
+    assert parsed.records[60]["validation lm loss"] == validation(run("bad_guarded", *BAD, *GUARD))
+    assert (40, "skip") in parsed.actions and (42, "rollback") in parsed.actions and 37 in parsed.skipped
+    out = tmp_path / "runs.png"
+    plot.main([str(run.dir / "clean_guarded"), str(log), "--out", str(out)])
+    for path, min_size in ((out, 30_000), (tmp_path / "runs_layers.png", 15_000)):
+        pixels = _png_pixels(path)
+        assert os.path.getsize(path) > min_size and pixels.shape[0] > 400
+        assert pixels[..., :3].std() > 0.05  # not a blank canvas
+        assert (pixels[..., :3] < 0.9).mean() > 0.02  # lines and colours drawn
