@@ -555,11 +555,13 @@ def run(cfg, grid, exit_signal):
         if guard.skips(iteration):
             print0(f" iteration {iteration:8d}/{plan.total_iters:8d} | skipped (spike guard): "
                    f"samples {state['consumed_samples']}-{state['consumed_samples'] + batch_size - 1} not used |")
+            logger.record(iteration, {"skipped": "spike guard"})
         elif plan.skipped(iteration):
             # Drawn and thrown away (no forward/backward/update): later iterations see the batches an unskipped
             # run would see (lesson 9; every range is honoured after any resume).
             print0(f" iteration {iteration:8d}/{plan.total_iters:8d} | skipped (skip_train_iteration_range): "
                    f"samples {state['consumed_samples']}-{state['consumed_samples'] + batch_size - 1} not used |")
+            logger.record(iteration, {"skipped": "skip_train_iteration_range"})
         else:
             key = (iteration, state["consumed_samples"], batch_size, seqlen)
             batches = loader.to_device(prefetcher.get(key), device)
@@ -606,6 +608,7 @@ def run(cfg, grid, exit_signal):
                 logger.close()
                 raise spike_guard.SpikeGuardStop(decision["line"] + "; saved and stopped: look at the samples "
                                                  "named above, then resume with the caps raised or other settings")
+            interval = {k: 0 if isinstance(v, int) else 0.0 for k, v in interval.items()}  # an abandoned timeline
             continue
 
         if iteration % cfg.log_interval == 0 and interval["steps"]:

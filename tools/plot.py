@@ -75,6 +75,8 @@ def load(path):
                 record = json.loads(line)
                 for decision in record.pop("spike guard", []):
                     run.actions.append((decision["iteration"], decision["action"]))
+                if record.pop("skipped", None):
+                    run.skipped.append(record["iteration"])
                 run.add(record.pop("iteration"), record)
         else:
             for line in f:
