@@ -36,7 +36,10 @@ class Run:
         self.skipped = []  # iterations skipped by a skip range (no update)
         self.actions = []  # (iteration, action) of the spike guard
 
-    def add(self, iteration, values):
+    def add(self, iteration, values, replace=False):
+        """replace: a new record of the iteration (a rollback or resume ran it again) drops the old one."""
+        if replace:
+            self.records[iteration] = {}
         self.records.setdefault(iteration, {}).update(values)
 
     def series(self, key):
@@ -77,7 +80,7 @@ def load(path):
                     run.actions.append((decision["iteration"], decision["action"]))
                 if record.pop("skipped", None):
                     run.skipped.append(record["iteration"])
-                run.add(record.pop("iteration"), record)
+                run.add(record.pop("iteration"), record, replace=True)
         else:
             for line in f:
                 _parse_log_line(run, line.rstrip("\n"))
@@ -97,11 +100,12 @@ def _parse_log_line(run, line):
                 continue
             if key.strip().startswith("skipped"):
                 run.skipped.append(iteration)
+                run.add(iteration, {}, replace=True)
                 return
             value = _number(text.strip())
             if value is not None:
                 values[key.strip()] = value
-        run.add(iteration, values)
+        run.add(iteration, values, replace=True)
         return
     m = VALIDATION.search(line)
     if m:
@@ -140,6 +144,7 @@ def plot_runs(runs, out):
             for i in its:
                 loss.axvline(i, color=c, ls=style, lw=0.8, alpha=0.6)
     loss.set_title("lm loss (lines: spike guard skip / rollback / stop)")
+    loss.set_yscale("log")
     norm.set_title("grad norm")
     norm.set_yscale("log")
     scale.set_title("loss scale")
