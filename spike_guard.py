@@ -117,7 +117,7 @@ class SpikeGuard:
         """Before the update (called by train.train_step): why this step is a spike, or None."""
         cfg, reasons = self.cfg, []
         for name, value in (("loss", loss), ("grad norm", grad_norm)):
-            # Grad norms are closer to log-normal (the seeds plot them on a log scale): judged as logarithms,
+            # Grad norms are closer to log-normal (lesson 21: plotted on a log scale): judged as logarithms,
             # a healthy step 4x the mean is not 6 std out, a broken one 30x is.
             f = math.log if name == "grad norm" else float
             window = [f(max(v, 1e-30)) for v in self.history[name]]

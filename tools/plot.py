@@ -1,8 +1,8 @@
-"""Plot runs the way the seeds compare them: loss, grad norm, loss scale, LR, batch size, skips and spike-guard
+"""Plot runs the way the chronicles compare them: loss, grad norm, loss scale, LR, batch size, skips and spike-guard
 actions, several runs overlaid; and the per-layer telemetry as heat maps (layer x iteration).
 
     python tools/plot.py checkpoints/tr8b-104B checkpoints/tr8b-104B-bnb --out runs.png
-    python tools/plot.py slurm-1234.out --out old.png          # a log of Megatron lines (the seeds' own logs)
+    python tools/plot.py slurm-1234.out --out old.png          # a log of Megatron lines (the chronicles' own logs)
 
 A RUN is a directory holding metrics.jsonl (train.py writes it beside the checkpoints), a metrics.jsonl file, or
 a log file of Megatron-DeepSpeed lines (` iteration N/ M | consumed samples: ... | lm loss: ... |`, validation
