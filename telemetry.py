@@ -88,10 +88,14 @@ class Telemetry:
     @torch.no_grad()
     def _attention(self, layer, q, k):
         T, D = q.shape[-2], q.shape[-1]
-        causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
-        for b in range(q.shape[0]):  # one sample at a time bounds the (heads, T, T) scores' memory
-            scores = torch.matmul(q[b].float(), k[b].float().transpose(-1, -2)) / math.sqrt(D)
-            self.attn[layer] = torch.maximum(self.attn[layer], scores.masked_fill(~causal, -math.inf).amax())
+        q, k = q.reshape(-1, T, D), k.reshape(-1, T, D)
+        # the causal mask added by baddbmm's beta term: one fused op, no masked copy of the scores
+        mask = torch.full((1, T, T), -math.inf, device=q.device).triu(1)
+        rows = max(1, 2**24 // (T * T))  # bounds the fp32 scores in flight to 64 MB
+        for i in range(0, q.shape[0], rows):
+            scores = torch.baddbmm(mask, q[i:i + rows].float(), k[i:i + rows].float().transpose(1, 2),
+                                   alpha=1.0 / math.sqrt(D))
+            self.attn[layer] = torch.maximum(self.attn[layer], scores.amax())
 
     @torch.no_grad()
     def _logits(self, logits):
@@ -119,7 +123,8 @@ class Telemetry:
     @torch.no_grad()
     def updated(self):
         """After the optimizer step (not called when the step was skipped: the update is then zero)."""
-        self.update_sq = self._per_slot(torch._foreach_sub(self.updating, self.before), self.updating_index)
+        torch._foreach_sub_(self.before, self.updating)  # in place: before - after, the update's negative
+        self.update_sq = self._per_slot(self.before, self.updating_index)
 
     @torch.no_grad()
     def finish(self):
