@@ -333,3 +333,42 @@ def test_plot_overlays_a_metrics_file_and_a_log_and_draws_the_layer_heat_maps(ru
         assert os.path.getsize(path) > min_size and pixels.shape[0] > 400
         assert pixels[..., :3].std() > 0.05  # not a blank canvas
         assert (pixels[..., :3] < 0.9).mean() > 0.02  # lines and colours drawn
+
+
+def _telemetry_of_one_step(cfg, batches):
+    model = train.build_model(cfg, torch.device("cpu"))
+    optimizer, scaler = train.build_optimizer(cfg, model), train.build_scaler(cfg)
+    recorder = telemetry.Telemetry(model, cfg)
+    recorder.begin()
+    train.train_step(model, optimizer, scaler, batches, 1e-3, cfg, torch.device("cpu"), probe=recorder)
+    return recorder.finish()
+
+
+def _telemetry_layouts():
+    """On 4 processes: TP2 x PP2, TP2 x DP2, PP2 x DP2 give the telemetry of one process (each parameter
+    counted once, activations averaged over DP, the last stage's copy of the embedding left out)."""
+    import parallel
+    for tp, pp in ((2, 2), (2, 1), (1, 2)):
+        parallel.grid = g = parallel.Grid(tp, pp)
+        argv = ["--num_layers=2", "--hidden_size=32", "--num_attention_heads=2", "--seq_length=16",
+                "--vocab_size=512", "--micro_batch_size=2", "--global_batch_size=8", "--hidden_dropout=0",
+                "--attention_dropout=0", "--embed_layernorm"]
+        cfg = arguments.validate(arguments.load_config(argv + [f"--tensor_model_parallel_size={tp}",
+                                                               f"--pipeline_model_parallel_size={pp}"]), 4)
+        gen = torch.Generator().manual_seed(0)
+        tokens = torch.randint(0, 512, (8, 17), generator=gen)
+        everything = [(tokens[i:i + 2, :-1], tokens[i:i + 2, 1:]) for i in range(0, 8, 2)]
+        mine = [everything[k * g.dp_size + g.dp_rank] for k in range(len(everything) // g.dp_size)]
+        stats = _telemetry_of_one_step(cfg, mine)
+        parallel.grid = parallel.Grid(1, 1, world_size=1, rank=0)
+        reference = _telemetry_of_one_step(arguments.validate(arguments.load_config(argv)), everything)
+        parallel.grid = g
+        for key, ref in reference.items():
+            ref, got = (ref, stats[key]) if isinstance(ref, list) else ([ref], [stats[key]])
+            assert all(math.isclose(a, b, rel_tol=1e-4) for a, b in zip(got, ref)), (tp, pp, key, got, ref)
+
+
+@pytest.mark.slow
+def test_telemetry_is_the_same_in_every_layout():
+    from test_parallel import spawn
+    spawn(_telemetry_layouts, 4)
