@@ -234,7 +234,7 @@ def restore(snapshot, model, optimizer, scheduler, scaler, state, guard):
     parallel._unwrap(model).load_state_dict(model_state)
     # load_state_dict keeps tensors that already have the right device and dtype: give it a copy to keep
     optimizer.load_state_dict(copy.deepcopy(rank_state["optimizer"]))
-    scheduler.load_state_dict(run["scheduler"], override=False)
+    scheduler.load_state_dict(run["scheduler"], override=guard.cfg.override_lr_scheduler)
     scaler.load_state_dict(run["scaler"])
     state.update(copy.deepcopy(run["state"]))  # its "spike_guard" entry is stale: rewritten before any save
     saved = run.get("guard_stats") or (run["state"].get("spike_guard") or {}).get("stats")

@@ -116,6 +116,16 @@ def test_resume_across_a_rollback_is_bit_exact_and_keeps_the_skip_range(run):
     assert a["run"]["state"]["spike_guard"]["decisions"] == b["run"]["state"]["spike_guard"]["decisions"]
 
 
+def test_a_rollback_to_a_disk_checkpoint_is_the_rollback_to_a_snapshot(run):
+    memory = run("lr_guarded", *LR_SPIKE, *GUARD)
+    disk = run("lr_guarded_disk", *LR_SPIKE, *GUARD, "--spike_guard_snapshot_interval=0",
+               f"--save={run.dir / 'disk'}", "--save_interval=5")
+    assert "spike guard: rolled back to iteration 35; iterations 38-45 will be skipped" in guard_lines(disk)
+    assert {i: f["lm loss"] for i, f in log_fields(disk).items() if "lm loss" in f} == \
+        {i: f["lm loss"] for i, f in log_fields(memory).items() if "lm loss" in f}
+    assert validation(disk) == validation(memory)
+
+
 def test_at_the_cap_the_run_saves_its_last_good_state_and_stops(run):
     save = str(run.dir / "capped")
     with pytest.raises(spike_guard.SpikeGuardStop, match="another rollback would exceed spike_guard_max_rollbacks=0"):
