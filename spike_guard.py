@@ -168,8 +168,10 @@ class SpikeGuard:
                 return self._decide(iteration, "stop", reason, f"{self.skipped_iters} iterations skipped, more than "
                                     f"spike_guard_max_skipped_iters={cfg.spike_guard_max_skipped_iters}")
             what = "update skipped" if outcome == "spike" else "no update"
-            return self._decide(iteration, "skip", reason,
-                                f"{what} (spike {len(self.strikes)} of {cfg.spike_guard_max_skips} before a rollback)")
+            decision = self._decide(iteration, "skip", reason, f"{what} (spike {len(self.strikes)} of "
+                                    f"{cfg.spike_guard_max_skips} before a rollback)")
+            self.decisions.append(decision)
+            return decision
         start = max(1, self.strikes[0] - cfg.spike_guard_rewind)
         end = iteration + cfg.spike_guard_skip_after
         if self.rollbacks >= cfg.spike_guard_max_rollbacks:

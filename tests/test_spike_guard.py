@@ -113,7 +113,10 @@ def test_resume_across_a_rollback_is_bit_exact_and_keeps_the_skip_range(run):
     a = torch.load(os.path.join(straight, "global_step60", "mp_rank_00_000_model_states.pt"), weights_only=False)
     b = torch.load(os.path.join(parts, "global_step60", "mp_rank_00_000_model_states.pt"), weights_only=False)
     assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
-    assert a["run"]["state"]["spike_guard"]["decisions"] == b["run"]["state"]["spike_guard"]["decisions"]
+    decisions = a["run"]["state"]["spike_guard"]["decisions"]
+    assert decisions == b["run"]["state"]["spike_guard"]["decisions"]
+    assert [(d["iteration"], d["action"]) for d in decisions] == [(41, "skip"), (42, "skip"), (43, "rollback")]
+    assert decisions[-1]["restored_iteration"] == 35 and len(decisions[0]["samples"]) == 3
 
 
 def test_a_rollback_to_a_disk_checkpoint_is_the_rollback_to_a_snapshot(run):
