@@ -29,7 +29,7 @@ import parallel
 class Telemetry:
     def __init__(self, model, cfg):
         self.gpt = parallel._unwrap(model)
-        self.num_layers = cfg.num_layers
+        self.num_layers, self.vocab_size = cfg.num_layers, cfg.vocab_size
         self.n = cfg.num_layers + 2  # slot 0: embedding, 1..L: blocks, L+1: final LayerNorm
         counted = {id(p) for p in parallel._counted_once(model)}
         self.params, slots = [], []
@@ -99,8 +99,10 @@ class Telemetry:
 
     @torch.no_grad()
     def _logits(self, logits):
-        lse = torch.logsumexp(logits.detach().float(), dim=-1)
         g = parallel.grid
+        # this rank's slice of the vocabulary without the padding columns, which the softmax leaves out too
+        real = min(max(self.vocab_size - g.tp_rank * logits.shape[-1], 0), logits.shape[-1])
+        lse = torch.logsumexp(logits.detach()[..., :real].float(), dim=-1)
         if g.tp_size > 1:  # this rank holds a slice of the vocabulary: combine the slices' log-sum-exps
             top = lse.clone()
             dist.all_reduce(top, op=dist.ReduceOp.MAX, group=g.tp_group)
