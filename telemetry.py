@@ -115,11 +115,13 @@ class Telemetry:
             self.logz[2] = torch.maximum(self.logz[2], lse.max())
 
     @torch.no_grad()
-    def grads(self):
-        """After the gradients are reduced and unscaled, before clipping and the update."""
-        with_grad = [i for i, p in enumerate(self.params) if p.grad is not None]
+    def grads(self, loss_scale=1.0):
+        """After the gradients are reduced, before clipping and the update; they are still multiplied by
+        loss_scale (fp16)."""
+        grads = [parallel.main_grad(p) for p in self.params]
+        with_grad = [i for i, g in enumerate(grads) if g is not None]
         self.updating, self.updating_index = [self.params[i] for i in with_grad], self.index[with_grad]
-        self.grad_sq = self._per_slot([p.grad for p in self.updating], self.updating_index)
+        self.grad_sq = self._per_slot([grads[i] for i in with_grad], self.updating_index) / loss_scale**2
         self.before = torch._foreach_mul(self.updating, 1.0)  # a copy, on telemetry iterations only
 
     @torch.no_grad()

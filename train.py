@@ -299,7 +299,7 @@ def train_step(model, optimizer, scaler, batches, lr, cfg, device, count_zeros=T
     num_zeros = parallel.count_zeros(model) if count_zeros else 0
     finite = math.isfinite(grad_norm_value)
     if probe is not None:
-        probe.grads()
+        probe.grads(scaler.scale)
     if cfg.fp16:
         message = scaler.update(overflow=not finite)
         if message:
