@@ -105,6 +105,24 @@ class Config(GPTConfig):
     wandb_mode: str = "offline"  # offline | online | disabled (WANDB_MODE overrides it)
     sample_tokens: int = 0  # at the end, print a sample of this many tokens generated from sample_prompt
     sample_prompt: str = "ROMEO:\n"  # the prompt of that sample
+    telemetry_interval: int = 0  # per-layer grad/param/update norms, activations, logits every N iterations (0: off)
+    # -- stability: the spike guard (lesson 21; PaLM: ~100 steps back, 200-500 batches skipped) and fault injection --
+    spike_guard: bool = False  # skip a spiking step; if it persists roll back and skip data; on a relapse lower the LR
+    spike_guard_window: int = 128  # applied steps in the trailing loss / grad-norm statistics (OLMo-core: 128)
+    spike_guard_min_steps: int = 64  # steps recorded, and the LR warm-up over, before it can trigger (OLMo-core: 64)
+    spike_guard_zscore: float = 6.0  # a spike: loss or grad norm above the window's mean + zscore * std ...
+    spike_guard_ema_ratio: float = 1.1  # ... and above this multiple of its EMA over the window
+    spike_guard_max_skips: int = 3  # spikes (or NaN/inf steps) within spike_guard_rewind iterations before a rollback
+    spike_guard_rewind: int = 100  # roll back to before (first spike - this) and skip the data from there ...
+    spike_guard_skip_after: int = 200  # ... to this many iterations after the last spike (PaLM: 200-500 in all)
+    spike_guard_snapshot_interval: int = 50  # a CPU copy of the run every N iterations to roll back to (0: disk only)
+    spike_guard_lr_factor: float = 0.5  # on a relapse (a second rollback), multiply the LR by this from then on
+    spike_guard_reset_optimizer: bool = False  # on a relapse, also reset the optimizer with the lr=0 warm-up (lesson 8)
+    spike_guard_max_rollbacks: int = 3  # more would be needed: save the last good state and exit (code 3)
+    spike_guard_max_skipped_iters: int = 2000  # iterations skipped by the guard in all, then save and exit (code 3)
+    inject_bad_batch_iters: list[str] | None = None  # fault injection: iterations ("40-45") given random-token batches
+    inject_lr_iters: list[str] | None = None  # fault injection: iteration ranges whose LR is x inject_lr_factor
+    inject_lr_factor: float = 100.0  # the LR multiplier of inject_lr_iters
 
 
 FIELDS = {f.name: f for f in fields(Config)}
@@ -258,7 +276,7 @@ def to_dict(cfg):
 # Validation and derived values
 
 
-def parse_iteration_ranges(ranges):
+def parse_iteration_ranges(ranges, key="skip_train_iteration_range"):
     """["13251-14000", "16652-18500"] -> [(13251, 14000), (16652, 18500)], inclusive, as Megatron-DeepSpeed."""
     out = []
     for r in ranges or []:
@@ -268,7 +286,7 @@ def parse_iteration_ranges(ranges):
         except ValueError:
             end = None
         if end is None or not 1 <= start <= end:
-            raise ValueError(f"skip_train_iteration_range entry {r!r} is not 'START-END' with 1 <= START <= END "
+            raise ValueError(f"{key} entry {r!r} is not 'START-END' with 1 <= START <= END "
                              "(iterations are 1-based and inclusive, e.g. 13251-14000)")
         out.append((start, end))
     return sorted(out)
@@ -358,6 +376,23 @@ def validate(cfg, world_size=1, reads_data=True):
          "reset_optimizer_warmup_iters must be a number of iterations or 'auto'")
     need(cfg.reset_optimizer_warmup_iters is None or cfg.load is not None,
          "reset_optimizer_warmup_iters resets the optimizer of a loaded checkpoint: set load too")
+    need(cfg.telemetry_interval >= 0, "telemetry_interval must be >= 0 (0 turns telemetry off)")
+    need(not (cfg.deepspeed and cfg.telemetry_interval), "telemetry_interval needs the gradients before the "
+         "update, which DeepSpeed keeps inside its step(); set telemetry_interval=0 or deepspeed=False")
+    need(not (cfg.deepspeed and cfg.spike_guard), "spike_guard judges the loss and grad norm before the update, "
+         "which DeepSpeed computes inside its step(); set spike_guard=False or deepspeed=False")
+    need(cfg.spike_guard_window >= 2 and 2 <= cfg.spike_guard_min_steps <= cfg.spike_guard_window,
+         "spike_guard_min_steps must be in [2, spike_guard_window]")
+    need(cfg.spike_guard_zscore > 0 and cfg.spike_guard_ema_ratio >= 1,
+         "spike_guard_zscore must be > 0 and spike_guard_ema_ratio >= 1")
+    need(cfg.spike_guard_max_skips >= 1 and cfg.spike_guard_rewind >= 0 and cfg.spike_guard_skip_after >= 0,
+         "spike_guard_max_skips must be >= 1, spike_guard_rewind and spike_guard_skip_after >= 0")
+    need(cfg.spike_guard_snapshot_interval >= 0, "spike_guard_snapshot_interval must be >= 0 (0: disk checkpoints)")
+    need(not cfg.spike_guard or cfg.spike_guard_snapshot_interval or cfg.save,
+         "spike_guard with spike_guard_snapshot_interval=0 rolls back to disk checkpoints: set save and save_interval")
+    need(0 < cfg.spike_guard_lr_factor <= 1, "spike_guard_lr_factor must be in (0, 1]")
+    for key in ("inject_bad_batch_iters", "inject_lr_iters"):
+        parse_iteration_ranges(getattr(cfg, key), key)
     if cfg.curriculum_learning:
         if cfg.max_difficulty is None:
             cfg.max_difficulty = cfg.seq_length

@@ -38,6 +38,7 @@ import arguments
 import deepspeed_engine
 import loader
 import parallel
+import telemetry
 import train
 
 # Dense bf16 tensor-core peaks (no sparsity) of the SXM parts, TFLOP/s. PCIe cards are slower (H100 PCIe: 756),
@@ -139,21 +140,32 @@ def measure(argv):
     communicate = Stopwatch(parallel, "_communicate")
     pipeline = Stopwatch(parallel, "pipeline_forward_backward")
 
-    times, waits, key = [], [], (1, 0, B, T)
+    # With telemetry_interval, every interval-th timed step records telemetry, as in training: timed apart, so
+    # that its cost can be stated per step (interleaved steps share the machine's noise); CPU time too.
+    recorder = telemetry.Telemetry(model, cfg) if cfg.telemetry_interval else None
+    times, waits, key, probed, cpu = [], [], (1, 0, B, T), [], {False: [], True: []}
     with train.batch_prefetcher(train_data, plan, cfg, device) as prefetcher:
         for it in range(bench.bench_warmup + bench.bench_steps):
             if it == bench.bench_warmup:
                 communicate.seconds = pipeline.seconds = 0.0
                 if device.type == "cuda":
                     torch.cuda.reset_peak_memory_stats(device)
+            timed = it >= bench.bench_warmup
+            probe = recorder if recorder and timed and (it + 1 - bench.bench_warmup) % cfg.telemetry_interval == 0 \
+                else None
             sync(device)
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             batches = loader.to_device(prefetcher.get(key), device)
             t_data = time.perf_counter() - t0
-            train.train_step(train_model, optimizer, scaler, batches, cfg.lr, cfg, device)
+            if probe:
+                probe.begin()
+            train.train_step(train_model, optimizer, scaler, batches, cfg.lr, cfg, device, probe=probe)
+            if probe:
+                probe.finish()
             sync(device)
-            if it >= bench.bench_warmup:
-                times.append(time.perf_counter() - t0)
+            if timed:
+                (probed if probe else times).append(time.perf_counter() - t0)
+                cpu[probe is not None].append(time.process_time() - c0)
                 waits.append(t_data)
             key = plan.next_key(key)
     t0 = time.perf_counter()  # what a batch costs when it was not prepared ahead
@@ -175,7 +187,7 @@ def measure(argv):
     memory, memory_source = peak_memory(device)
     dtype = torch.float16 if cfg.fp16 else torch.bfloat16 if cfg.bf16 else torch.float32  # of the matmuls
     peak, peak_source = device_peak(device, dtype)
-    wait_share = sum(waits) / sum(times)
+    wait_share = sum(waits) / (sum(times) + sum(probed))
     print(f"model:        {gpt.num_parameters():,} parameters ({gpt.num_parameters(padded=True):,} with the vocabulary "
           f"padded to {gpt.padded_vocab_size}; {local_params:,} on this rank); {grid}\n"
           f"run:          {str(dtype).removeprefix('torch.')}, global batch {B} x {T} tokens (micro-batch "
@@ -188,6 +200,12 @@ def measure(argv):
           f"peak memory:  {memory / 2**20:,.0f} MiB ({memory_source})\n"
           f"data wait:    {100 * wait_share:.3f}% of the iteration ({1000 * statistics.mean(waits):.2f} ms; loading "
           f"a batch not prepared ahead takes {1000 * load:.2f} ms)", flush=True)
+    if probed:  # CPU time too: on a shared machine it is the steadier measure of the work added
+        for what, plain, recording in (("wall", times, probed), ("CPU", cpu[False], cpu[True])):
+            plain, recording = statistics.median(plain), statistics.median(recording)
+            print(f"telemetry:    {what} {recording * 1000:.1f} ms per recording step vs {plain * 1000:.1f} ms "
+                  f"(medians of {len(probed)} and {len(times)}): +{100 * (recording / plain - 1):.1f}% per "
+                  f"recording step, +{10 * (recording / plain - 1):.2f}% at telemetry_interval=10", flush=True)
     result = {"mean": mean, "best": best, "wait_share": wait_share, "layout": repr(grid), "stages": stages,
               "micro_batches": B // (cfg.micro_batch_size * grid.dp_size), "pp": grid.pp_size}
     if grid.pp_size > 1:

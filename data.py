@@ -773,6 +773,12 @@ def build_datasets(data_path: list[str] | str, split: str, seq_length: int, seed
     return tuple(out)
 
 
+def sample_text(dataset, index: int, seqlen: int, max_chars: int = 2000, tokenizer_file=None) -> str:
+    """The text of sample `index` as training read it (seqlen + 1 tokens), truncated to max_chars."""
+    text = get_tokenizer(tokenizer_file).decode(dataset[index][:seqlen + 1].tolist())
+    return text[:max_chars] + (" [...]" if len(text) > max_chars else "")
+
+
 # -----------------------------------------------------------------------------
 # Batch-size ramp-up (Megatron's --rampup-batch-size "start incr samples"). Small batches early are cheap
 # steps while the loss falls fast; lesson 12 is the flip side: with pipeline parallelism a start batch too

@@ -202,12 +202,15 @@ class Attention(nn.Module):
         self.dropout = cfg.attention_dropout
         self.stable = cfg.stable_attention
         self.layer_scaling = float(layer_number) if cfg.apply_query_key_layer_scaling else None
+        self.probe = None  # telemetry.py sets it on the iterations it records: probe(q, k)
 
     def forward(self, x, bias=None):
         B, T, _ = x.shape
         q, k, v = self.qkv(x).view(B, T, self.local_heads, 3, self.head_dim).transpose(1, 2).unbind(dim=3)
         if self.q_norm is not None:  # in fp32 under autocast, as every LayerNorm (lesson 6)
             q, k = self.q_norm(q), self.k_norm(k)
+        if self.probe is not None:  # the softmax's q and k (after qk-layernorm; ALiBi's bias not included)
+            self.probe(q, k)
         dropout = self.dropout if self.training else 0.0
         # this rank's heads only: their dropout masks come from the model-parallel stream (lesson 22)
         with rng.fork(x.device) if dropout else contextlib.nullcontext():
@@ -333,6 +336,7 @@ class GPT(nn.Module):
                                                           cfg.hidden_size))
             self.output_weight.tp_dim = 0
             self.output_weight.init_name = "embed.word.weight"
+        self.logits_probe = None  # telemetry.py sets it on the iterations it records: logits_probe(logits)
         self.init_weights()
 
     def word_embedding_weight(self):
@@ -415,6 +419,8 @@ class GPT(nn.Module):
             return x
         x = self.ln_f(x)
         logits = F.linear(parallel.copy_to_tp(x), self.word_embedding_weight())
+        if self.logits_probe is not None:
+            self.logits_probe(logits)
         if targets is None:
             return logits
         z_loss = self.cfg.z_loss if self.training else 0.0

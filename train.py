@@ -39,6 +39,8 @@ import reshard
 import rng
 import safety
 import precision
+import spike_guard
+import telemetry
 from model import GPT, GPTConfig
 
 
@@ -277,9 +279,11 @@ def forward_backward(model, batches, cfg, device, loss_scale=1.0, forward_only=F
     return total / len(batches)
 
 
-def train_step(model, optimizer, scaler, batches, lr, cfg, device, count_zeros=True):
-    """Returns (loss, grad_norm, num_zeros, outcome) with outcome one of 'ok', 'skipped', 'nan'.
-    count_zeros: count the zero gradients (a pass over all of them: only done for the iterations logged)."""
+def train_step(model, optimizer, scaler, batches, lr, cfg, device, count_zeros=True, judge=None, probe=None):
+    """Returns (loss, grad_norm, num_zeros, outcome) with outcome one of 'ok', 'skipped', 'nan', 'spike'.
+    count_zeros: count the zero gradients (a pass over all of them: only done for the iterations logged).
+    judge: the spike guard's judge(loss, grad_norm), a reason to skip the update or None.
+    probe: a telemetry.Telemetry recording this step (its grads() and updated() are called here)."""
     optimizer.zero_grad(set_to_none=True)
     buffer = parallel.grad_buffer(model)  # None under DeepSpeed
     if buffer is not None:
@@ -294,6 +298,8 @@ def train_step(model, optimizer, scaler, batches, lr, cfg, device, count_zeros=T
     loss_value, grad_norm_value = (float(v) for v in torch.stack([loss.float(), grad_norm]).cpu())  # one sync
     num_zeros = parallel.count_zeros(model) if count_zeros else 0
     finite = math.isfinite(grad_norm_value)
+    if probe is not None:
+        probe.grads(scaler.scale)
     if cfg.fp16:
         message = scaler.update(overflow=not finite)
         if message:
@@ -304,10 +310,14 @@ def train_step(model, optimizer, scaler, batches, lr, cfg, device, count_zeros=T
         return loss_value, grad_norm_value, num_zeros, "skipped"
     if cfg.skip_grad_norm_above is not None and grad_norm_value > cfg.skip_grad_norm_above:  # OPT's batch skipping
         return loss_value, grad_norm_value, num_zeros, "skipped"
+    if judge is not None and judge(loss_value, grad_norm_value):  # the spike guard skips: nothing at all changes
+        return loss_value, grad_norm_value, num_zeros, "spike"
     params = optimizer.prepare_grads(scaler.scale)  # fp32 master weights with fp32, unscaled gradients
     optim.clip_grads(params, cfg.clip_grad, grad_norm)
     optim.set_lr(optimizer, lr)
     optimizer.step()
+    if probe is not None:
+        probe.updated()
     return loss_value, grad_norm_value, num_zeros, "ok"
 
 
@@ -331,9 +341,12 @@ class Logger:
     """Megatron-format lines on stdout; the same scalars to TensorBoard and wandb (offline unless configured)."""
 
     def __init__(self, cfg):
-        self.tb = self.wandb = None
+        self.tb = self.wandb = self.metrics = None
         if parallel.grid.rank != parallel.grid.world_size - 1:  # the last rank has the loss of the last stage
             return
+        metrics_dir = cfg.save or cfg.tensorboard_dir  # beside the checkpoints; without them, the TensorBoard logs
+        if metrics_dir:
+            self.metrics = telemetry.MetricsFile(os.path.join(metrics_dir, "metrics.jsonl"))
         tb_dir = cfg.tensorboard_dir or (os.path.join(cfg.save, "tensorboard") if cfg.save else None)
         if tb_dir:
             from torch.utils.tensorboard import SummaryWriter
@@ -356,7 +369,14 @@ class Logger:
             self.wandb.log({**values, "consumed-samples": state["consumed_samples"],
                             "consumed-tokens": state["consumed_tokens"]}, step=step)
 
+    def record(self, step, values):
+        """Into metrics.jsonl only (the log line's scalars by their log names, lists, decisions)."""
+        if self.metrics:
+            self.metrics.add(step, values)
+
     def close(self):
+        if self.metrics:
+            self.metrics.close()
         if self.tb:
             self.tb.close()
         if self.wandb:
@@ -506,9 +526,11 @@ def run(cfg, grid, exit_signal):
     # The LR schedule advances only with applied updates (Megatron steps its scheduler only when the update
     # succeeded: not on fp16 overflows nor on skip_train_iteration_range), hence its own sample/token counters.
     state = {"iteration": 0, "consumed_samples": 0, "consumed_tokens": 0, "scheduler_samples": 0,
-             "scheduler_tokens": 0, "optimizer_reset": None}
+             "scheduler_tokens": 0, "optimizer_reset": None, "spike_guard": None}
     if cfg.load:
         load_checkpoint(cfg, state, model, optimizer, scheduler, scaler)
+    # Its decisions (skip ranges, LR factor) come back with the run state and hold even with spike_guard off.
+    guard, snapshots = spike_guard.SpikeGuard(cfg, state.get("spike_guard")), spike_guard.Snapshots(cfg)
     train_model = torch.compile(model) if cfg.compile else model
     if cfg.eval_only:
         if valid_data is None:
@@ -518,6 +540,7 @@ def run(cfg, grid, exit_signal):
         return state
 
     logger = Logger(cfg)
+    recorder = telemetry.Telemetry(model, cfg) if cfg.telemetry_interval else None
     job_start = time.time()
     interval = {"time": 0.0, "iters": 0, "loss": 0.0, "steps": 0, "skipped": 0, "nan": 0}
     first_iteration = state["iteration"]
@@ -528,31 +551,65 @@ def run(cfg, grid, exit_signal):
         iteration = state["iteration"] + 1
         batch_size = plan.batch_size(state["consumed_samples"])
         seqlen = plan.seqlen(iteration)
-        if plan.skipped(iteration):
+        decision = None
+        if guard.skips(iteration):
+            print0(f" iteration {iteration:8d}/{plan.total_iters:8d} | skipped (spike guard): "
+                   f"samples {state['consumed_samples']}-{state['consumed_samples'] + batch_size - 1} not used |")
+            logger.record(iteration, {"skipped": "spike guard"})
+        elif plan.skipped(iteration):
             # Drawn and thrown away (no forward/backward/update): later iterations see the batches an unskipped
             # run would see (lesson 9; every range is honoured after any resume).
             print0(f" iteration {iteration:8d}/{plan.total_iters:8d} | skipped (skip_train_iteration_range): "
                    f"samples {state['consumed_samples']}-{state['consumed_samples'] + batch_size - 1} not used |")
+            logger.record(iteration, {"skipped": "skip_train_iteration_range"})
         else:
             key = (iteration, state["consumed_samples"], batch_size, seqlen)
             batches = loader.to_device(prefetcher.get(key), device)
+            batches = spike_guard.inject_bad_batches(cfg, iteration, batches)
             reset = state["optimizer_reset"]
             in_reset_warmup = reset is not None and iteration <= reset["iteration"] + reset["warmup_iters"]
             lr = 0.0 if in_reset_warmup else scheduler.get_lr(state["scheduler_samples"], state["scheduler_tokens"])
+            lr *= guard.lr_scale * spike_guard.injected_lr_factor(cfg, iteration)
+            judge = guard.judge if guard.armed(cfg, state) else None
+            probe = recorder if recorder and iteration % cfg.telemetry_interval == 0 else None
+            if probe:
+                probe.begin()
             loss, grad_norm, num_zeros, outcome = train_step(train_model, optimizer, scaler, batches, lr, cfg,
-                                                             device, count_zeros=iteration % cfg.log_interval == 0)
+                                                             device, count_zeros=iteration % cfg.log_interval == 0,
+                                                             judge=judge, probe=probe)
+            if probe:
+                stats = probe.finish()
+                logger.scalars(telemetry.scalars(stats), iteration, state)
+                logger.record(iteration, {"telemetry": stats})
+            decision = guard.update(iteration, outcome, loss, grad_norm, scaler)
+            if decision is not None:
+                decision["samples"] = spike_guard.name_samples(train_model, batches, state["consumed_samples"],
+                                                               cfg, train_data, seqlen, iteration)
             if outcome == "ok":
                 state["scheduler_samples"] += batch_size
                 state["scheduler_tokens"] += batch_size * seqlen
             interval["steps"] += 1
             interval["loss"] += loss if outcome != "nan" else 0.0
-            interval["skipped"] += outcome == "skipped"
+            interval["skipped"] += outcome in ("skipped", "spike")
             interval["nan"] += outcome == "nan"
         state["iteration"] = iteration
         state["consumed_samples"] += batch_size
         state["consumed_tokens"] += batch_size * seqlen
         interval["time"] += time.time() - t0
         interval["iters"] += 1
+        if decision is not None:
+            logger.record(iteration, {"spike guard": [decision]})  # written out later: after the rollback
+        if decision is not None and decision["action"] != "skip":
+            if snapshots.roll_back(decision, model, optimizer, scheduler, scaler, state, guard) is None \
+                    or decision["action"] == "stop":
+                state["spike_guard"] = guard.state_dict()
+                if cfg.save:
+                    save_checkpoint(cfg, state, model, optimizer, scheduler, scaler)
+                logger.close()
+                raise spike_guard.SpikeGuardStop(decision["line"] + "; saved and stopped: look at the samples "
+                                                 "named above, then resume with the caps raised or other settings")
+            interval = {k: 0 if isinstance(v, int) else 0.0 for k, v in interval.items()}  # an abandoned timeline
+            continue
 
         if iteration % cfg.log_interval == 0 and interval["steps"]:
             elapsed = interval["time"] / interval["iters"]
@@ -582,6 +639,7 @@ def run(cfg, grid, exit_signal):
                        ("samples per second", f"{batch_size / elapsed:.3f}"),
                        ("TFLOPs", f"{tflops:.2f}")]
             print_last_rank(log_line(fields))
+            logger.record(iteration, telemetry.line_values(fields))
             logger.scalars({**scalars, "learning-rate": lr, "grad-norm": grad_norm,
                             "loss-scale": scaler.scale, "batch-size": batch_size, "seqlen": seqlen,
                             "consumed-tokens": state["consumed_tokens"], "tflops": tflops}, iteration, state)
@@ -595,13 +653,16 @@ def run(cfg, grid, exit_signal):
             val = evaluate(train_model, valid_data, cfg, device)
             ppl = print_validation(val, iteration)
             logger.scalars({"valid-lm-loss": val, "valid-ppl": ppl}, iteration, state)
+            logger.record(iteration, {"validation lm loss": val, "validation ppl": ppl})
 
         exit_now = (cfg.exit_interval is not None and iteration - first_iteration >= cfg.exit_interval) or (
             cfg.exit_duration_in_mins is not None and _minutes_since(job_start) >= cfg.exit_duration_in_mins)
         signalled = exit_signal()
         exit_now = exit_now or signalled
         if cfg.save and (last or exit_now or (cfg.save_interval and iteration % cfg.save_interval == 0)):
+            state["spike_guard"] = guard.state_dict()
             save_checkpoint(cfg, state, model, optimizer, scheduler, scaler)
+        snapshots.maybe_take(iteration, model, optimizer, scheduler, scaler, state, guard)
         if exit_now:
             why = "SIGTERM (exit_signal_handler)" if signalled else "exit_interval / exit_duration_in_mins"
             print0(f"exiting at iteration {iteration} ({why})")
@@ -633,6 +694,9 @@ if __name__ == "__main__":
     except (ValueError, FileNotFoundError) as e:  # configuration and input errors: one clear line, no traceback
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    except spike_guard.SpikeGuardStop as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(spike_guard.EXIT_CODE)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

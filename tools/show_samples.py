@@ -41,17 +41,14 @@ def main(argv=None):
     if last > plan.total_iters:
         raise ValueError(f"iteration {last} is past the end of this run ({plan.total_iters} iterations)")
     train_data, _ = train.build_data(cfg, plan)
-    tok = data.get_tokenizer(cfg.tokenizer_file)
     for it, (start, batch, seqlen) in iteration_starts(plan, last).items():
         if it < first:
             continue
         note = " (skipped by skip_train_iteration_range)" if plan.skipped(it) else ""
         print(f"=== iteration {it}: samples {start}-{start + batch - 1}, seqlen {seqlen}{note}")
         for i in range(start, start + batch):
-            tokens = train_data[i][:seqlen + 1].tolist()
-            text = tok.decode(tokens)
-            print(f"--- sample {i} ({len(tokens)} tokens)")
-            print(text[:args.max_chars] + (" [...]" if len(text) > args.max_chars else ""))
+            print(f"--- sample {i} ({len(train_data[i][:seqlen + 1])} tokens)")
+            print(data.sample_text(train_data, i, seqlen, args.max_chars, cfg.tokenizer_file))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,234 @@
+"""Stability telemetry and the metrics file: what a run records so that a spike can be seen coming and analysed
+after the fact (lesson 21).
+
+Every `telemetry_interval` iterations, per layer (embedding, blocks 1..L, final LayerNorm):
+  grad norm, parameter norm, update/parameter RMS ratio (|p_after - p_before| / |p_after|),
+  RMS of the block's output, the largest pre-softmax attention logit,
+and for the model: the mean and largest log-sum-exp of the output logits (log Z, the quantity z-loss keeps near
+0, lesson 20) and the word-embedding norm (the 104B's embedding grew before its spikes, lesson 1).
+
+Norms are taken with foreach ops over the parameters that make up the model exactly once (parallel's
+_counted_once rule), summed into per-layer slots on the device, and every statistic takes part in one SUM and
+one MAX all-reduce over all ranks; a single host transfer at the end. The forward probes (block-output hooks, the
+attention and logits probes of model.py) are installed only on telemetry iterations, so other iterations pay
+nothing. Fused attention never forms q k^T, so on telemetry iterations the probe computes it once more.
+
+MetricsFile writes metrics.jsonl: one JSON object per logged iteration, with every scalar of the log line under
+the log line's own names, validation losses, telemetry and spike-guard decisions -- what tools/plot.py reads.
+"""
+import json
+import math
+import os
+
+import torch
+import torch.distributed as dist
+
+import parallel
+
+
+class Telemetry:
+    def __init__(self, model, cfg):
+        self.gpt = parallel._unwrap(model)
+        self.num_layers, self.vocab_size = cfg.num_layers, cfg.vocab_size
+        self.n = cfg.num_layers + 2  # slot 0: embedding, 1..L: blocks, L+1: final LayerNorm
+        counted = {id(p) for p in parallel._counted_once(model)}
+        self.params, slots = [], []
+        for name, p in self.gpt.named_parameters():
+            if id(p) in counted:
+                self.params.append(p)
+                slots.append(self._slot(name))
+        self.device = self.params[0].device
+        self.index = torch.tensor(slots, device=self.device)
+        self.handles = []
+
+    def _slot(self, name):
+        if name.startswith("embed."):
+            return 0
+        if name.startswith("blocks."):
+            return int(name.split(".")[1]) + 1
+        return self.n - 1
+
+    def _zeros(self, n, fill=0.0):
+        return torch.full((n,), fill, dtype=torch.float32, device=self.device)
+
+    def _per_slot(self, tensors, index):
+        """Squared norms of the tensors summed into their layers' slots (index: each tensor's slot)."""
+        sums = self._zeros(self.n)
+        if tensors:
+            norms = torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float32))
+            sums.index_add_(0, index, norms.square())
+        return sums
+
+    # -- one telemetry iteration: begin (before forward), grads/updated (inside train_step), finish ------------
+
+    def begin(self):
+        L = self.num_layers
+        self.act = self._zeros(2 * L)  # sum of mean squares, number of calls
+        self.attn = self._zeros(L, -math.inf)
+        self.logz = self._zeros(3)  # sum over tokens, token count, max
+        self.logz[2] = -math.inf
+        self.grad_sq = self.param_sq = self.update_sq = self._zeros(self.n)
+        self.before = None
+        for key, block in self.gpt.blocks.items():
+            layer = int(key)
+            if parallel.grid.tp_rank == 0:  # a block's output is replicated over TP: counted once
+                self.handles.append(block.register_forward_hook(
+                    lambda module, args, out, layer=layer: self._block_output(layer, out)))
+            block.attn.probe = lambda q, k, layer=layer: self._attention(layer, q, k)
+        if self.gpt.post_process:
+            self.gpt.logits_probe = self._logits
+
+    @torch.no_grad()
+    def _block_output(self, layer, out):
+        # with activation checkpointing the recomputation calls this again with the same output: the mean over
+        # calls is unchanged
+        self.act[layer] += out.detach().float().square().mean()
+        self.act[self.num_layers + layer] += 1
+
+    @torch.no_grad()
+    def _attention(self, layer, q, k):
+        T, D = q.shape[-2], q.shape[-1]
+        q, k = q.reshape(-1, T, D), k.reshape(-1, T, D)
+        # the causal mask added by baddbmm's beta term: one fused op, no masked copy of the scores
+        mask = torch.full((1, T, T), -math.inf, device=q.device).triu(1)
+        rows = max(1, 2**24 // (T * T))  # bounds the fp32 scores in flight to 64 MB
+        for i in range(0, q.shape[0], rows):
+            scores = torch.baddbmm(mask, q[i:i + rows].float(), k[i:i + rows].float().transpose(1, 2),
+                                   alpha=1.0 / math.sqrt(D))
+            self.attn[layer] = torch.maximum(self.attn[layer], scores.amax())
+
+    @torch.no_grad()
+    def _logits(self, logits):
+        g = parallel.grid
+        # this rank's slice of the vocabulary without the padding columns, which the softmax leaves out too
+        real = min(max(self.vocab_size - g.tp_rank * logits.shape[-1], 0), logits.shape[-1])
+        lse = torch.logsumexp(logits.detach()[..., :real].float(), dim=-1)
+        if g.tp_size > 1:  # this rank holds a slice of the vocabulary: combine the slices' log-sum-exps
+            top = lse.clone()
+            dist.all_reduce(top, op=dist.ReduceOp.MAX, group=g.tp_group)
+            total = (lse - top).exp()
+            dist.all_reduce(total, group=g.tp_group)
+            lse = top + total.log()
+        if g.tp_rank == 0:
+            self.logz[0] += lse.sum()
+            self.logz[1] += lse.numel()
+            self.logz[2] = torch.maximum(self.logz[2], lse.max())
+
+    @torch.no_grad()
+    def grads(self, loss_scale=1.0):
+        """After the gradients are reduced, before clipping and the update; they are still multiplied by
+        loss_scale (fp16)."""
+        grads = [parallel.main_grad(p) for p in self.params]
+        with_grad = [i for i, g in enumerate(grads) if g is not None]
+        self.updating, self.updating_index = [self.params[i] for i in with_grad], self.index[with_grad]
+        self.grad_sq = self._per_slot([grads[i] for i in with_grad], self.updating_index) / loss_scale**2
+        self.before = torch._foreach_mul(self.updating, 1.0)  # a copy, on telemetry iterations only
+
+    @torch.no_grad()
+    def updated(self):
+        """After the optimizer step (not called when the step was skipped: the update is then zero)."""
+        torch._foreach_sub_(self.before, self.updating)  # in place: before - after, the update's negative
+        self.update_sq = self._per_slot(self.before, self.updating_index)
+
+    @torch.no_grad()
+    def finish(self):
+        """Remove the probes, reduce over all ranks, return the statistics as plain numbers."""
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+        for block in self.gpt.blocks.values():
+            block.attn.probe = None
+        self.gpt.logits_probe = None
+        self.before = None
+        self.param_sq = self._per_slot(self.params, self.index)
+        word = self.gpt.embed.word.weight if self.gpt.embed is not None else None
+        embed_sq = word.detach().float().square().sum().view(1) if word is not None else self._zeros(1)
+        g = parallel.grid
+        # Parameter statistics are the same on every DP rank; activations differ. One SUM and one MAX reduction.
+        sums = torch.cat([self.grad_sq, self.param_sq, self.update_sq, embed_sq, self.act, self.logz[:2]])
+        maxes = torch.cat([self.attn, self.logz[2:]])
+        if dist.is_initialized() and g.world_size > 1:
+            dist.all_reduce(sums)
+            dist.all_reduce(maxes, op=dist.ReduceOp.MAX)
+            sums[:3 * self.n + 1] /= g.dp_size
+        sums, maxes = sums.tolist(), maxes.tolist()
+        n, L = self.n, self.num_layers
+        grad, param, update = sums[:n], sums[n:2 * n], sums[2 * n:3 * n]
+        act = sums[3 * n + 1:3 * n + 1 + 2 * L]
+        logz_sum, logz_count = sums[-2:]
+        return {
+            "grad norm": [math.sqrt(v) for v in grad],
+            "param norm": [math.sqrt(v) for v in param],
+            "update/param rms": [math.sqrt(u / p) if p > 0 else 0.0 for u, p in zip(update, param)],
+            "block output rms": [math.sqrt(s / c) if c else float("nan") for s, c in zip(act[:L], act[L:])],
+            "attention logit max": maxes[:L],
+            "log z": logz_sum / logz_count if logz_count else float("nan"),
+            "log z max": maxes[L],
+            "word embedding norm": math.sqrt(sums[3 * n]),
+        }
+
+
+def scalars(stats):
+    """Telemetry flattened to TensorBoard / wandb scalar names: telemetry/grad-norm/layer-03 ..."""
+    out = {}
+    for key, value in stats.items():
+        name = "telemetry/" + key.replace(" ", "-").replace("/", "-")
+        if isinstance(value, list):
+            labels = layer_labels(len(value), len(stats["block output rms"]))
+            out.update({f"{name}/{label}": v for label, v in zip(labels, value)})
+        else:
+            out[name] = value
+    return out
+
+
+def layer_labels(count, num_layers):
+    """Row labels of a per-layer statistic: 'embedding', 'layer-01' .. 'layer-L', 'final' (or the blocks only)."""
+    blocks = [f"layer-{i:02d}" for i in range(1, num_layers + 1)]
+    return ["embedding", *blocks, "final"] if count == num_layers + 2 else blocks
+
+
+# -----------------------------------------------------------------------------
+# metrics.jsonl
+
+
+def line_values(fields):
+    """The log line's fields [(name, text)] as numbers: {"iteration": 45, "train iters": 100, "lm loss": ...}."""
+    out = {}
+    for key, text in fields:
+        if key == "iteration":
+            done, total = text.split("/")
+            out["iteration"], out["train iters"] = int(done), int(total)
+        else:
+            out[key] = float(text)
+    return out
+
+
+class MetricsFile:
+    """Appends one JSON object per iteration to PATH (resumed runs continue the file; after a rollback an
+    iteration appears again, and readers keep the last record of each iteration)."""
+
+    def __init__(self, path):
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        self.file = open(path, "a")
+        self.record = None
+
+    def add(self, iteration, values):
+        if self.record is not None and self.record["iteration"] != iteration:
+            self.flush()
+        if self.record is None:
+            self.record = {"iteration": iteration}
+        for key, value in values.items():
+            if isinstance(value, list) and key == "spike guard":
+                self.record.setdefault(key, []).extend(value)
+            else:
+                self.record[key] = value
+
+    def flush(self):
+        if self.record is not None:
+            self.file.write(json.dumps(self.record) + "\n")
+            self.file.flush()
+            self.record = None
+
+    def close(self):
+        self.flush()
+        self.file.close()

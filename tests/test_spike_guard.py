@@ -1,0 +1,387 @@
+"""The spike guard against injected faults, its decision ladder, fault injection, and the telemetry numbers.
+
+End-to-end runs use a 512-token vocabulary (the bundled corpus's ids mod 512): the guard watches losses and
+grad norms, which do not depend on the vocabulary, and a run is then a few seconds."""
+import math
+import os
+import re
+import types
+
+import numpy as np
+import pytest
+import torch
+
+import arguments
+import data
+import spike_guard
+import telemetry
+import train
+from helpers import corpus, log_fields, run_main  # noqa: F401 (corpus is a fixture)
+
+GUARD = ["--spike_guard", "--spike_guard_window=20", "--spike_guard_min_steps=10", "--spike_guard_rewind=3",
+         "--spike_guard_skip_after=2", "--spike_guard_snapshot_interval=5"]
+BAD = ["--inject_bad_batch_iters=40-45"]
+LR_SPIKE = ["--inject_lr_iters=40-45", "--inject_lr_factor=1000"]
+
+
+@pytest.fixture(scope="module")
+def corpus512(corpus, tmp_path_factory):
+    src = data.IndexedDataset(corpus)
+    prefix = str(tmp_path_factory.mktemp("corpus512") / "shakespeare512")
+    data.write_indexed_dataset(prefix, (src.get(i) % 512 for i in range(len(src))))
+    return prefix
+
+
+@pytest.fixture(scope="module")
+def run(corpus512, tmp_path_factory):
+    """run(name, *extra) -> stdout of a 60-iteration run; cached by name, so tests share the runs."""
+    cache = {}
+    base = ["--num_layers=2", "--hidden_size=64", "--num_attention_heads=4", "--seq_length=64", "--vocab_size=512",
+            "--micro_batch_size=8", "--global_batch_size=8", "--train_iters=60", "--lr=2e-3",
+            "--lr_warmup_samples=40", "--lr_decay_samples=1600", "--hidden_dropout=0", "--attention_dropout=0",
+            "--log_interval=1", "--eval_interval=1000", "--eval_iters=4", "--sample_tokens=0", "--save=none",
+            "--save_interval=none", f"--data_path={corpus512}"]
+
+    def get(name, *extra):
+        if name not in cache:
+            cache[name] = run_main(*base, *extra)
+        return cache[name]
+    get.dir = tmp_path_factory.mktemp("runs")
+    return get
+
+
+def loss(out, iteration):
+    return float(log_fields(out)[iteration]["lm loss"])
+
+
+def validation(out):
+    return float(re.findall(r"lm loss value: (\S+)", out)[-1])
+
+
+def guard_lines(out):
+    return [line for line in out.splitlines() if line.startswith("spike guard:")]
+
+
+# -- end to end ---------------------------------------------------------------------------------------------------
+
+
+def test_clean_run_never_triggers_the_guard_and_is_unchanged_by_it_and_by_telemetry(run):
+    clean = run("clean")
+    save = str(run.dir / "clean_guarded")
+    guarded = run("clean_guarded", *GUARD, "--telemetry_interval=10", f"--save={save}")
+    assert guard_lines(guarded) == []
+    assert {i: f["lm loss"] for i, f in log_fields(guarded).items()} == \
+        {i: f["lm loss"] for i, f in log_fields(clean).items()}
+    assert validation(guarded) == validation(clean)
+
+
+def test_bad_batches_spike_and_the_guard_skips_rolls_back_and_recovers(run):
+    clean, bad, guarded = run("clean"), run("bad", *BAD), run("bad_guarded", *BAD, *GUARD)
+    assert all(loss(bad, i) > 1.15 * loss(clean, i) for i in range(40, 46))  # the injected batches spike
+    lines = guard_lines(guarded)
+    assert any(re.match(r"spike guard: iteration 40: loss .* std above .*: update skipped \(spike 1 of 3", x)
+               for x in lines), lines
+    assert any(re.match(r"spike guard: iteration 42: .*: roll back to before iteration 37 and skip iterations "
+                        r"37-44$", x) for x in lines), lines
+    assert "spike guard: rolled back to iteration 35; iterations 37-44 will be skipped" in lines
+    assert any(x.startswith("spike guard: iteration 40: sample 3") for x in lines)  # the bad samples, named
+    assert " iteration       37/      60 | skipped (spike guard): samples 288-295 not used |" in guarded
+    assert abs(validation(guarded) / validation(clean) - 1) < 0.02
+
+
+def test_lr_spike_diverges_unguarded_and_the_guard_carries_the_run_to_the_end(run):
+    clean, spiked, guarded = run("clean"), run("lr", *LR_SPIKE), run("lr_guarded", *LR_SPIKE, *GUARD)
+    assert loss(spiked, 60) > 2 * loss(spiked, 39)
+    assert any("roll back to before iteration 38 and skip iterations 38-45" in x for x in guard_lines(guarded))
+    assert abs(loss(guarded, 60) / loss(clean, 60) - 1) < 0.05
+    assert abs(validation(guarded) / validation(clean) - 1) < 0.05
+
+
+def test_resume_across_a_rollback_is_bit_exact_and_keeps_the_skip_range(run):
+    straight, parts = str(run.dir / "straight"), str(run.dir / "parts")
+    full = run("lr_guarded_saved", *LR_SPIKE, *GUARD, f"--save={straight}")
+    # exit at iteration 44: after the rollback at 43 and inside the skip range 38-45 it added
+    first = run("lr_guarded_part1", *LR_SPIKE, *GUARD, f"--save={parts}", "--exit_interval=44")
+    assert "roll back to before iteration 38" in first and "exiting at iteration 44" in first
+    second = run("lr_guarded_part2", *LR_SPIKE, *GUARD, f"--save={parts}", f"--load={parts}")
+    assert " iteration       45/      60 | skipped (spike guard)" in second
+    assert guard_lines(second) == []  # nothing decided again
+    def numbers(out, after):
+        return {i: (f["lm loss"], f["grad norm"]) for i, f in log_fields(out).items() if i > after and "lm loss" in f}
+    assert numbers(second, 0) == numbers(full, 45) and len(numbers(full, 45)) == 15
+    assert validation(second) == validation(full)
+    a = torch.load(os.path.join(straight, "global_step60", "mp_rank_00_000_model_states.pt"), weights_only=False)
+    b = torch.load(os.path.join(parts, "global_step60", "mp_rank_00_000_model_states.pt"), weights_only=False)
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+    decisions = a["run"]["state"]["spike_guard"]["decisions"]
+    assert decisions == b["run"]["state"]["spike_guard"]["decisions"]
+    assert [(d["iteration"], d["action"]) for d in decisions] == [(41, "skip"), (42, "skip"), (43, "rollback")]
+    assert decisions[-1]["restored_iteration"] == 35 and len(decisions[0]["samples"]) == 3
+
+
+def test_a_rollback_to_a_disk_checkpoint_is_the_rollback_to_a_snapshot(run):
+    memory = run("lr_guarded", *LR_SPIKE, *GUARD)
+    disk = run("lr_guarded_disk", *LR_SPIKE, *GUARD, "--spike_guard_snapshot_interval=0",
+               f"--save={run.dir / 'disk'}", "--save_interval=5")
+    assert "spike guard: rolled back to iteration 35; iterations 38-45 will be skipped" in guard_lines(disk)
+    assert {i: f["lm loss"] for i, f in log_fields(disk).items() if "lm loss" in f} == \
+        {i: f["lm loss"] for i, f in log_fields(memory).items() if "lm loss" in f}
+    assert validation(disk) == validation(memory)
+
+
+def test_at_the_cap_the_run_saves_its_last_good_state_and_stops(run):
+    save = str(run.dir / "capped")
+    with pytest.raises(spike_guard.SpikeGuardStop, match="another rollback would exceed spike_guard_max_rollbacks=0"):
+        run("capped", *LR_SPIKE, *GUARD, "--spike_guard_max_rollbacks=0", f"--save={save}")
+    with open(os.path.join(save, "latest")) as f:
+        assert f.read().strip() == "global_step35"  # rolled back to the snapshot before saving
+    assert spike_guard.EXIT_CODE == 3
+
+
+# -- the decision ladder, on synthetic numbers ------------------------------------------------------------------
+
+
+def _guard(**overrides):
+    cfg = arguments.load_config(["--spike_guard", "--spike_guard_window=16", "--spike_guard_min_steps=8",
+                                 "--spike_guard_rewind=10", "--spike_guard_skip_after=20",
+                                 *[f"--{k}={v}" for k, v in overrides.items()]])
+    return cfg, spike_guard.SpikeGuard(cfg)
+
+
+SCALER = types.SimpleNamespace(dynamic=False, scale=1.0, min_scale=1.0)
+STATE = {"scheduler_samples": 10**9, "scheduler_tokens": 10**12}
+
+
+def _feed(guard, cfg, start, values):
+    """Steps start, start+1, ... with (loss, grad norm) values; returns the decisions."""
+    out = []
+    for i, (loss_, norm) in enumerate(values, start):
+        outcome = "spike" if guard.armed(cfg, STATE) and guard.judge(loss_, norm) else "ok"
+        out.append(guard.update(i, outcome, loss_, norm, SCALER))
+    return out
+
+
+def test_ladder_skip_then_rollback_then_lower_lr_and_reset_and_at_last_stop():
+    cfg, guard = _guard(spike_guard_reset_optimizer=True, spike_guard_max_rollbacks=2)
+    rng = np.random.default_rng(0)
+    normal = [(3.0 + 0.01 * rng.standard_normal(), 1.0 + 0.05 * rng.standard_normal()) for _ in range(40)]
+    assert not any(_feed(guard, cfg, 1, normal[:7]))
+    assert not guard.armed(cfg, STATE)  # 7 < min_steps: a spike now is not judged
+    assert _feed(guard, cfg, 8, [(9.0, 1.0)]) == [None]
+    assert guard.armed(cfg, STATE)
+    warm = dict(STATE, scheduler_samples=0)
+    cfg.lr_warmup_samples = 1
+    assert not guard.armed(cfg, warm)  # nor during the LR warm-up
+    cfg.lr_warmup_samples = 0
+    # the 9.0 above was recorded as a normal step; fill the window with normal steps again
+    _feed(guard, cfg, 9, normal[:16])
+    skip1, skip2, roll = _feed(guard, cfg, 100, [(6.0, 1.0), (3.0, 50.0), (6.0, 1.0)])
+    assert skip1["action"] == "skip" and "loss 6 is" in skip1["reason"]
+    assert skip2["action"] == "skip" and "grad norm 50" in skip2["reason"]
+    assert roll["action"] == "rollback" and (roll["start"], roll["end"]) == (90, 122)
+    assert roll["lr_scale"] == 1.0 and not roll["reset_optimizer"]
+    guard.applied(roll, 85)
+    assert guard.skips(90) and guard.skips(122) and not guard.skips(123) and guard.skipped_iters == 2 + 33
+    # a relapse: the next rollback also lowers the LR and resets the optimizer
+    *_, again = _feed(guard, cfg, 130, [(6.0, 1.0)] * 3)
+    assert again["action"] == "rollback" and again["lr_scale"] == 0.5 and again["reset_optimizer"]
+    assert "relapse 1: LR x0.5 from now on, optimizer reset" in again["line"]
+    guard.applied(again, 115)
+    assert guard.lr_scale == 0.5
+    *_, stop = _feed(guard, cfg, 200, [(6.0, 1.0)] * 3)
+    assert stop["action"] == "stop" and "spike_guard_max_rollbacks=2" in stop["line"]
+    # decisions survive a checkpoint; statistics are restored with the weights
+    copy = spike_guard.SpikeGuard(cfg, guard.state_dict())
+    assert copy.state_dict() == guard.state_dict() and copy.lr_scale == 0.5 and copy.skips(100)
+
+
+def test_nan_streak_and_fp16_loss_scale_collapse():
+    cfg, guard = _guard()
+    decisions = [guard.update(i, "nan", float("nan"), float("nan"), SCALER) for i in (50, 51, 52)]
+    assert [d["action"] for d in decisions] == ["skip", "skip", "rollback"]
+    assert "the loss is nan" in decisions[0]["line"]
+    cfg, guard = _guard()
+    fp16 = types.SimpleNamespace(dynamic=True, scale=1024.0, min_scale=1.0)
+    assert guard.update(50, "skipped", 3.0, float("inf"), fp16) is None  # an overflow: the loss scaler's business
+    fp16.scale = 1.0
+    collapse = guard.update(51, "skipped", 3.0, float("inf"), fp16)
+    assert collapse["action"] == "rollback" and "loss scale collapsed to 1.0" in collapse["line"]
+
+
+def test_skipped_cap_stops():
+    cfg, guard = _guard(spike_guard_max_skipped_iters=10)
+    d = guard.update(50, "nan", float("nan"), 1.0, SCALER)
+    d = guard.update(51, "nan", float("nan"), 1.0, SCALER)
+    d = guard.update(52, "nan", float("nan"), 1.0, SCALER)  # would skip 40-72: 33 iterations
+    assert d["action"] == "stop" and "spike_guard_max_skipped_iters=10" in d["line"]
+
+
+# -- a skipped update changes nothing ---------------------------------------------------------------------------
+
+
+def test_a_skipped_update_changes_no_weight_moment_or_step_counter():
+    cfg = arguments.validate(arguments.load_config(["--num_layers=1", "--hidden_size=32", "--num_attention_heads=2",
+                                                    "--seq_length=16", "--vocab_size=512", "--micro_batch_size=2",
+                                                    "--hidden_dropout=0", "--attention_dropout=0"]))
+    model = train.build_model(cfg, torch.device("cpu"))
+    optimizer = train.build_optimizer(cfg, model)
+    scaler = train.build_scaler(cfg)
+    batches = [(torch.randint(0, 512, (2, 16)), torch.randint(0, 512, (2, 16)))]
+    train.train_step(model, optimizer, scaler, batches, 1e-3, cfg, torch.device("cpu"))  # create Adam's state
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    moments = {id(p): {k: v.clone() if torch.is_tensor(v) else v for k, v in s.items()}
+               for p, s in optimizer.state.items()}
+    *_, outcome = train.train_step(model, optimizer, scaler, batches, 1e-3, cfg, torch.device("cpu"),
+                                   judge=lambda loss, norm: "a spike")
+    assert outcome == "spike"
+    assert all(torch.equal(weights[k], v) for k, v in model.state_dict().items())
+    for p, s in optimizer.state.items():
+        assert s["step"] == moments[id(p)]["step"] == 1
+        assert torch.equal(s["exp_avg"], moments[id(p)]["exp_avg"])
+        assert torch.equal(s["exp_avg_sq"], moments[id(p)]["exp_avg_sq"])
+
+
+# -- fault injection and telemetry --------------------------------------------------------------------------------
+
+
+def test_fault_injection_only_in_its_ranges_and_reproducible():
+    cfg = arguments.load_config(["--inject_bad_batch_iters", "3-4", "9-9", "--inject_lr_iters=5-6",
+                                 "--inject_lr_factor=7", "--vocab_size=512"])
+    batches = [(torch.zeros(2, 8, dtype=torch.long), torch.zeros(2, 8, dtype=torch.long))]
+    assert spike_guard.inject_bad_batches(cfg, 2, batches) is batches
+    a, b = spike_guard.inject_bad_batches(cfg, 4, batches), spike_guard.inject_bad_batches(cfg, 4, batches)
+    assert torch.equal(a[0][0], b[0][0]) and a[0][0].max() > 0 and a[0][0].max() < 512
+    assert torch.equal(a[0][0][:, 1:], a[0][1][:, :-1])  # still a sample: labels are the next tokens
+    assert [spike_guard.injected_lr_factor(cfg, i) for i in (4, 5, 6, 7)] == [1.0, 7.0, 7.0, 1.0]
+    with pytest.raises(ValueError, match="inject_lr_iters entry '6-5'"):
+        arguments.validate(arguments.load_config(["--inject_lr_iters=6-5"]))
+
+
+def test_telemetry_matches_direct_computation():
+    cfg = arguments.validate(arguments.load_config(["--num_layers=2", "--hidden_size=32", "--num_attention_heads=2",
+                                                    "--seq_length=16", "--micro_batch_size=2", "--global_batch_size=4",
+                                                    "--hidden_dropout=0", "--attention_dropout=0",
+                                                    "--embed_layernorm", "--clip_grad=1e9"]))  # p.grad unclipped
+    cpu = torch.device("cpu")
+    model = train.build_model(cfg, cpu)
+    optimizer, scaler = train.build_optimizer(cfg, model), train.build_scaler(cfg)
+    gen = torch.Generator().manual_seed(0)
+    batches = [(torch.randint(0, 50257, (2, 16), generator=gen), torch.randint(0, 50257, (2, 16), generator=gen))
+               for _ in range(2)]
+    before = {k: v.clone() for k, v in model.named_parameters()}
+    recorder = telemetry.Telemetry(model, cfg)
+    recorder.begin()
+    loss, grad_norm, _, outcome = train.train_step(model, optimizer, scaler, batches, 1e-3, cfg, cpu, probe=recorder)
+    stats = recorder.finish()
+    assert outcome == "ok"
+    # every parameter once: the per-layer grad norms add up to the global grad norm
+    assert math.isclose(math.sqrt(sum(g * g for g in stats["grad norm"])), grad_norm, rel_tol=1e-4)
+    params = dict(model.named_parameters())
+
+    def norm(prefix, what):
+        return math.sqrt(sum(what(n).double().square().sum().item() for n in params if n.startswith(prefix)))
+    assert math.isclose(stats["grad norm"][2], norm("blocks.1.", lambda n: params[n].grad), rel_tol=1e-4)
+    assert math.isclose(stats["param norm"][0], norm("embed.", lambda n: params[n].detach()), rel_tol=1e-4)
+    assert math.isclose(stats["update/param rms"][1], norm("blocks.0.", lambda n: params[n].detach() - before[n])
+                        / norm("blocks.0.", lambda n: params[n].detach()), rel_tol=1e-4)
+    assert math.isclose(stats["word embedding norm"], params["embed.word.weight"].norm().item(), rel_tol=1e-4)
+    # activations, attention logits and log Z, recomputed by hand with the weights of the forward pass
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(before[name])
+        outs, logit_max, lse = {0: [], 1: []}, {0: -math.inf, 1: -math.inf}, []
+        for x, _ in batches:
+            h = model.embed(x)
+            for i, block in model.blocks.items():
+                a = block.attn
+                q, k, _v = a.qkv(block.ln_1(h)).view(2, 16, 2, 3, 16).transpose(1, 2).unbind(dim=3)
+                s = (q @ k.transpose(-1, -2) / 4.0).masked_fill(~torch.ones(16, 16, dtype=torch.bool).tril(),
+                                                                  -math.inf)
+                logit_max[int(i)] = max(logit_max[int(i)], s.max().item())
+                h = block(h)
+                outs[int(i)].append(h.square().mean().item())
+            lse.append(torch.logsumexp((model.ln_f(h) @ model.embed.word.weight.T)[..., :50257], dim=-1))  # no padding
+    for i in (0, 1):
+        assert math.isclose(stats["block output rms"][i], math.sqrt(sum(outs[i]) / 2), rel_tol=1e-4)
+        assert math.isclose(stats["attention logit max"][i], logit_max[i], rel_tol=1e-4)
+    assert math.isclose(stats["log z"], torch.cat(lse).mean().item(), rel_tol=1e-4)
+    assert math.isclose(stats["log z max"], torch.cat(lse).max().item(), rel_tol=1e-4)
+    assert all(p.probe is None for p in (b.attn for b in model.blocks.values())) and model.logits_probe is None
+
+
+def test_metrics_file_has_the_log_line_telemetry_and_validation(run):
+    run("clean_guarded", *GUARD, "--telemetry_interval=10", f"--save={run.dir / 'clean_guarded'}")
+    import json
+    with open(run.dir / "clean_guarded" / "metrics.jsonl") as f:
+        records = [json.loads(line) for line in f]
+    assert [r["iteration"] for r in records] == list(range(1, 61))
+    last = records[-1]
+    assert {"lm loss", "grad norm", "learning rate", "loss scale", "global batch size", "consumed tokens",
+            "number of skipped iterations", "TFLOPs", "validation lm loss"} <= set(last)
+    assert [r["iteration"] for r in records if "telemetry" in r] == [10, 20, 30, 40, 50, 60]
+    assert len(last["telemetry"]["grad norm"]) == 4 and len(last["telemetry"]["attention logit max"]) == 2
+
+
+def _png_pixels(path):
+    import matplotlib.image
+    with open(path, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    return matplotlib.image.imread(path)
+
+
+def test_plot_overlays_a_metrics_file_and_a_log_and_draws_the_layer_heat_maps(run, tmp_path):
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
+    import plot
+    run("clean_guarded", *GUARD, "--telemetry_interval=10", f"--save={run.dir / 'clean_guarded'}")
+    log = tmp_path / "bad_guarded.log"
+    log.write_text(run("bad_guarded", *BAD, *GUARD))
+    parsed = plot.load(str(log))
+    assert parsed.records[60]["validation lm loss"] == validation(run("bad_guarded", *BAD, *GUARD))
+    assert (40, "skip") in parsed.actions and (42, "rollback") in parsed.actions and 37 in parsed.skipped
+    out = tmp_path / "runs.png"
+    plot.main([str(run.dir / "clean_guarded"), str(log), "--out", str(out)])
+    for path, min_size in ((out, 30_000), (tmp_path / "runs_layers.png", 15_000)):
+        pixels = _png_pixels(path)
+        assert os.path.getsize(path) > min_size and pixels.shape[0] > 400
+        assert pixels[..., :3].std() > 0.05  # not a blank canvas
+        assert (pixels[..., :3] < 0.9).mean() > 0.02  # lines and colours drawn
+
+
+def _telemetry_of_one_step(cfg, batches):
+    model = train.build_model(cfg, torch.device("cpu"))
+    optimizer, scaler = train.build_optimizer(cfg, model), train.build_scaler(cfg)
+    recorder = telemetry.Telemetry(model, cfg)
+    recorder.begin()
+    train.train_step(model, optimizer, scaler, batches, 1e-3, cfg, torch.device("cpu"), probe=recorder)
+    return recorder.finish()
+
+
+def _telemetry_layouts():
+    """On 4 processes: TP2 x PP2, TP2 x DP2, PP2 x DP2 give the telemetry of one process (each parameter
+    counted once, activations averaged over DP, the last stage's copy of the embedding left out)."""
+    import parallel
+    for tp, pp in ((2, 2), (2, 1), (1, 2)):
+        parallel.grid = g = parallel.Grid(tp, pp)
+        argv = ["--num_layers=2", "--hidden_size=32", "--num_attention_heads=2", "--seq_length=16",
+                "--vocab_size=512", "--micro_batch_size=2", "--global_batch_size=8", "--hidden_dropout=0",
+                "--attention_dropout=0", "--embed_layernorm"]
+        cfg = arguments.validate(arguments.load_config(argv + [f"--tensor_model_parallel_size={tp}",
+                                                               f"--pipeline_model_parallel_size={pp}"]), 4)
+        gen = torch.Generator().manual_seed(0)
+        tokens = torch.randint(0, 512, (8, 17), generator=gen)
+        everything = [(tokens[i:i + 2, :-1], tokens[i:i + 2, 1:]) for i in range(0, 8, 2)]
+        mine = [everything[k * g.dp_size + g.dp_rank] for k in range(len(everything) // g.dp_size)]
+        stats = _telemetry_of_one_step(cfg, mine)
+        parallel.grid = parallel.Grid(1, 1, world_size=1, rank=0)
+        reference = _telemetry_of_one_step(arguments.validate(arguments.load_config(argv)), everything)
+        parallel.grid = g
+        for key, ref in reference.items():
+            ref, got = (ref, stats[key]) if isinstance(ref, list) else ([ref], [stats[key]])
+            assert all(math.isclose(a, b, rel_tol=1e-4) for a, b in zip(got, ref)), (tp, pp, key, got, ref)
+
+
+@pytest.mark.slow
+def test_telemetry_is_the_same_in_every_layout():
+    from test_parallel import spawn
+    spawn(_telemetry_layouts, 4)
