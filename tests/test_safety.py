@@ -271,7 +271,8 @@ def test_disk_full_during_save_cleans_up(corpus, tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="no space left on device"):
         run_main(*SMALL, "--train_iters=2", "--save_interval=1", f"--save={tmp_path}", "--eval_iters=0")
     assert _latest(tmp_path) == "global_step1"
-    assert sorted(os.listdir(tmp_path)) == ["global_step1", "latest", "tensorboard"]  # no .partial, no lock
+    # no .partial, no lock; metrics.jsonl and TensorBoard's events are the run's logs, not checkpoint debris
+    assert sorted(os.listdir(tmp_path)) == ["global_step1", "latest", "metrics.jsonl", "tensorboard"]
 
 
 def _dead_pid():

@@ -151,8 +151,7 @@ def probe(directory):
             for i in range(cfg.eval_iters):
                 first = i * cfg.global_batch_size  # the batches train.evaluate reads
                 tokens = np.stack([valid[first + j] for j in range(cfg.global_batch_size)]).astype(np.int64)
-                with train.autocast(cfg, torch.device("cpu")):
-                    logits = gpt(torch.from_numpy(tokens[:, :-1]))
+                logits = gpt(torch.from_numpy(tokens[:, :-1]))  # in the run's own precision (precision.py)
                 log_z.append(torch.logsumexp(logits.float()[..., :cfg.vocab_size], dim=-1).flatten())
     finally:
         model_module.core_attention = original
