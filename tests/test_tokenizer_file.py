@@ -88,7 +88,7 @@ def _corpus(tokenizer_file, tmp_path):
 
 TINY = ["--num_layers=2", "--hidden_size=32", "--num_attention_heads=4", "--seq_length=32", "--micro_batch_size=4",
         "--global_batch_size=4", "--train_iters=3", "--log_interval=1", "--eval_iters=0", "--device=cpu",
-        "--position_embedding_type=alibi", "--embed_layernorm"]
+        "--position_embedding_type=alibi", "--embed_layernorm", "--save=none", "--save_interval=none"]
 
 
 def test_training_refuses_a_vocabulary_mismatch(tokenizer_file, tmp_path):
