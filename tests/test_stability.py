@@ -176,30 +176,38 @@ def test_lr_sensitivity_on_hand_made_numbers():
     assert lr_sweep.sensitivity({1e-3: 5.0, 1e-2: 4.0, 1e-1: float("nan"), 1.0: 12.0}, l0) == 3.25
     assert lr_sweep.sensitivity({1e-3: float("inf"), 1e-2: 11.0}, l0) == 0.0  # all diverged: flat at L0
     assert lr_sweep.sensitivity({1e-3: 4.5, 1e-2: 4.5}, l0) == 0.0
-    results = [{"lever_set": "a", "lr": lr, "seed": seed, "val_loss": loss}
-               for lr, seed, loss in [(1e-3, 1, 6.0), (1e-3, 2, 7.0), (1e-2, 1, 5.0), (1e-2, 2, 5.5),
-                                      (1e-1, 1, float("nan")), (1e-1, 2, 8.0)]]
+    # the training loss's peak: above L0 at 1e-2 seed 2 (recovered by the end), a NaN iteration at 1e-1 seed 2
+    runs = [(1e-3, 1, 6.0, 9.0, 0), (1e-3, 2, 7.0, 9.5, 0), (1e-2, 1, 5.0, 9.0, 0), (1e-2, 2, 5.5, 30.0, 0),
+            (1e-1, 1, float("nan"), float("nan"), 0), (1e-1, 2, 8.0, 9.0, 3)]
+    results = [{"lever_set": "a", "lr": lr, "seed": seed, "val_loss": loss, "train_loss_max": peak,
+                "nan_iterations": nan} for lr, seed, loss, peak, nan in runs]
     (row,) = lr_sweep.summarize(results, ["a"], [1e-3, 1e-2, 1e-1], [1, 2], l0)
-    assert row["points"][1e-1] == {"mean": 9.0, "min": 8.0, "max": 10.0, "n": 2, "diverged": 1}
+    assert row["points"][1e-1] == {"mean": 9.0, "min": 8.0, "max": 10.0, "n": 2, "diverged": 1, "blew_up": 2}
+    assert row["points"][1e-2]["blew_up"] == 1 and row["points"][1e-3]["blew_up"] == 0
     assert row["best_lr"] == 1e-2 and row["best_loss"] == 5.25 and row["max_stable_lr"] == 1e-2
+    assert row["max_calm_lr"] == 1e-3
     assert row["sensitivity"] == pytest.approx((1.25 + 0 + 3.75) / 3)  # of the seed-mean curve
     assert row["sensitivity_seeds"] == pytest.approx(((1 + 0 + 3) / 3, (1.5 + 0 + 4.5) / 3))
 
 
 def test_lr_sweep_end_to_end_writes_table_and_png_and_skips_finished_runs(corpus, tmp_path):
     cmd = [sys.executable, "tools/lr_sweep.py", "--out", str(tmp_path), "--lever_sets", "default",
-           "--lrs", "1e-3,1e-1", "--seeds", "1", "--jobs", "2", "--extra", "--train_tokens=1024 --eval_iters=1"]
+           "--lrs", "1e-3,1e-1", "--seeds", "1", "--jobs", "2", "--extra", "--train_tokens=1024 --eval_iters=1 --log_interval=1 --telemetry_interval=1"]
     first = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     results = [json.loads(line) for line in open(tmp_path / "results.jsonl")]
     assert sorted(r["lr"] for r in results) == [1e-3, 1e-1]
     for r in results:
         assert math.isfinite(r["val_loss"]) and len(r["attention_logit_max"]) == 2 and r["log_z_mean"] > 0
+        # the training loss's peak (the blow-up count) and the telemetry maxima came back from the run
+        assert r["train_loss_max"] >= r["train_loss"] and r["nan_iterations"] == 0
+        assert r["train_log_z_max"] > 0 and len(r["train_grad_norm_layer_max"]) == 4  # embedding, 2 blocks, final
         run = lr_sweep.run_dir(str(tmp_path), "default", r["lr"], 1)
         assert "lm loss value" in open(os.path.join(run, "stdout.log")).read()
         assert not [n for n in os.listdir(run) if n.startswith("global_step")]  # the checkpoint is gone
     table = open(tmp_path / "results.md").read()
-    assert "| default |" in table and "LR sensitivity" in table
+    assert "| default |" in table and "LR sensitivity" in table and "no seed blew up" in table
+    assert "During training" in table and "The final model" in table
     png = (tmp_path / "lr_sweep.png").read_bytes()
     assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) < 200_000
     import matplotlib.image

@@ -1,12 +1,13 @@
 """LR sensitivity of the stability levers on one machine (Wortsman et al. 2023, "Small-scale proxies for
 large-scale Transformer training instabilities"; docs/stability.md has the study and its numbers).
 
-    python tools/lr_sweep.py --quick                 # 12 runs: 2 lever sets x 3 LRs x 2 seeds, ~10 min on 2 cores
-    python tools/lr_sweep.py                         # the study: 9 lever sets x 6 LRs x 3 seeds
+    python tools/lr_sweep.py --quick                 # 12 runs: 2 lever sets x 3 LRs x 2 seeds, ~5 min on 2 cores
+    python tools/lr_sweep.py                         # the study: 9 lever sets x 6 LRs x 3 seeds, ~55 min
     python tools/lr_sweep.py --lever_sets default,qk_layernorm --lrs 1e-3,1e-2,1e-1 --seeds 1,2,3 --jobs 4
 
 A grid of lever sets x learning rates x seeds of one small GPT on the bundled corpus with a fixed token budget.
-Each run is a `python train.py` subprocess (one thread each, --jobs at a time) in its own directory,
+Each run is train.py in a process of its own (`lr_sweep.py --train ARGS`: train.main with denormals flushed, one
+thread each, --jobs at a time) in its own directory,
 OUT/runs/<lever set>/lr<lr>-seed<seed>/: its stdout.log, the metrics.jsonl and TensorBoard events train.py
 writes beside its checkpoint, and result.json, written last: a run whose directory holds result.json is
 finished and skipped by the next call, so an interrupted sweep continues where it stopped. After training, a
@@ -15,9 +16,11 @@ each layer, the output log Z) on the validation batches, then the checkpoint is 
 
 From all finished runs of the grid it writes OUT/results.jsonl (one line per run), OUT/results.md (tables) and
 OUT/lr_sweep.png (final validation loss against LR, one curve per lever set, the seeds' spread shaded: their
-figure 1), and each lever set's LR sensitivity as they define it: the mean over the LR grid of
+figure 1; beside it the peak training loss), and each lever set's LR sensitivity as they define it: the mean over the LR grid of
 min(L(lr), L0) - L*, with L0 the loss at initialisation (ln of the vocabulary: every init here starts there),
 L* the lever set's best final loss over the grid, and a diverged run (NaN/inf, or above L0) counted as L0.
+The tables also count the runs that blew up on the way (a logged training loss above L0) even where the decayed
+LR let them recover by the end: the final loss alone hides those.
 """
 import argparse
 import concurrent.futures
@@ -35,12 +38,16 @@ sys.path.insert(0, ROOT)
 # The model and schedule every run shares: GPT-2's defaults (init 0.02, beta2 0.999, fp32, no embedding LayerNorm)
 # set explicitly, since the default config (config/tiny.py) turns some levers on. 2 layers of 64, 512 tokens an
 # iteration, 120 iterations (61,440 tokens), 10 of warm-up, cosine to lr/10: about 30 s of one core a run.
-BASE = ["--num_layers=2", "--hidden_size=64", "--num_attention_heads=4", "--seq_length=64", "--micro_batch_size=8",
+# Micro-batches of 2: their logits (2 x 64 x 50304 fp32, 26 MB) fit under glibc's largest mmap threshold (32 MB,
+# which execute() sets), so the allocator reuses their memory instead of page-faulting fresh memory for each one:
+# 225 ms an iteration against 311 ms for the batch of 8 at once, with the same numbers up to summation order.
+# 16 validation batches (8,192 tokens): fewer made the seeds' spread mostly the validation sample's.
+BASE = ["--num_layers=2", "--hidden_size=64", "--num_attention_heads=4", "--seq_length=64", "--micro_batch_size=2",
         "--global_batch_size=8", "--train_iters=none", "--train_tokens=61440", "--lr_warmup_samples=80",
         "--lr_decay_samples=960", "--lr_decay_style=cosine", "--hidden_dropout=0", "--attention_dropout=0",
         "--init_method_std=0.02", "--embed_layernorm=false", "--adam_beta2=0.999", "--weight_decay=0.01",
-        "--clip_grad=1.0", "--log_interval=10", "--eval_interval=1000000", "--eval_iters=4", "--sample_tokens=0",
-        "--save_interval=none"]
+        "--clip_grad=1.0", "--log_interval=10", "--eval_interval=1000000", "--eval_iters=16", "--sample_tokens=0",
+        "--save_interval=none", "--telemetry_interval=10"]
 VOCAB_SIZE = 50257  # GPT-2's, the bundled corpus's tokenizer
 
 # Each lever set against the defaults above; the lessons of docs/lessons.md they come from.
@@ -55,8 +62,9 @@ LEVER_SETS = {
     "adam_beta2_0.95": ["--adam_beta2=0.95"],  # lesson 4 (lower beta2 did not cure the 104B's spikes)
     "bf16": ["--bf16"],  # lesson 6
 }
-FULL = {"lever_sets": list(LEVER_SETS), "lrs": [1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 3e-1], "seeds": [1, 2, 3]}
-QUICK = {"lever_sets": ["default", "qk_layernorm"], "lrs": [1e-3, 1e-2, 1e-1], "seeds": [1, 2]}
+# From well below the default's best LR (1e-2) to where it blows up (1): 2.5 orders of magnitude.
+FULL = {"lever_sets": list(LEVER_SETS), "lrs": [3e-3, 1e-2, 3e-2, 1e-1, 3e-1, 1.0], "seeds": [1, 2, 3]}
+QUICK = {"lever_sets": ["default", "qk_layernorm"], "lrs": [1e-2, 1e-1, 1.0], "seeds": [1, 2]}
 
 
 # -----------------------------------------------------------------------------
@@ -68,18 +76,15 @@ def run_dir(out, lever_set, lr, seed):
 
 
 def train_args(lever_set, lr, seed, directory, extra=()):
-    args = [*BASE, *LEVER_SETS[lever_set], f"--lr={lr}", f"--min_lr={lr / 10}", f"--seed={seed}",
+    return [*BASE, *LEVER_SETS[lever_set], f"--lr={lr}", f"--min_lr={lr / 10}", f"--seed={seed}",
             f"--save={directory}", *extra]
-    import arguments  # the telemetry of the spike-guard issue, where this checkout has it
-    if "telemetry_interval" in arguments.FIELDS:
-        args.append("--telemetry_interval=10")
-    return args
 
 
 def parse_log(text):
     """What a run's Megatron log says: {"val_loss": last validation loss, "train_loss": last logged lm loss,
-    "grad_norm_max": largest logged grad norm, "z_loss_max": largest logged z loss, "nan_iterations": count}."""
-    out = {"val_loss": None, "train_loss": None, "grad_norm_max": None, "z_loss_max": None, "nan_iterations": 0}
+    "train_loss_max", "grad_norm_max", "z_loss_max": the largest logged, "nan_iterations": count}."""
+    out = {"val_loss": None, "train_loss": None, "train_loss_max": None, "grad_norm_max": None, "z_loss_max": None,
+           "nan_iterations": 0}
     for line in text.splitlines():
         if "validation loss at iteration" in line and "lm loss value:" in line:
             out["val_loss"] = float(line.split("lm loss value:")[1].split("|")[0])
@@ -88,7 +93,7 @@ def parse_log(text):
             fields = {k.strip(): v.strip() for k, v in fields.items()}
             out["train_loss"] = float(fields["lm loss"])
             out["nan_iterations"] += int(fields.get("number of nan iterations", 0))
-            for key, name in (("grad norm", "grad_norm_max"), ("z loss", "z_loss_max")):
+            for key, name in (("lm loss", "train_loss_max"), ("grad norm", "grad_norm_max"), ("z loss", "z_loss_max")):
                 if key in fields:
                     value = float(fields[key])
                     out[name] = value if out[name] is None or not value <= out[name] else out[name]
@@ -97,7 +102,8 @@ def parse_log(text):
 
 def read_metrics(path):
     """The same numbers from metrics.jsonl (the spike-guard issue's file), where the run wrote one: the last
-    record of each iteration counts; telemetry adds the largest attention logit and log Z seen in training."""
+    record of each iteration counts; telemetry adds the largest attention logit, log Z, word-embedding norm and
+    block-output RMS seen in training, and each layer's largest grad norm (embedding, blocks, final LayerNorm)."""
     records = {}
     with open(path) as f:
         for line in f:
@@ -109,11 +115,16 @@ def read_metrics(path):
         if "validation lm loss" in record:
             out["val_loss"] = record["validation lm loss"]
         telemetry = record.get("telemetry") or {}
-        for key, name in (("attention logit max", "train_attention_logit_max"), ("log z max", "train_log_z_max")):
+        for key, name in (("attention logit max", "train_attention_logit_max"), ("log z max", "train_log_z_max"),
+                          ("word embedding norm", "train_embedding_norm_max"),
+                          ("block output rms", "train_block_output_rms_max")):
             value = telemetry.get(key)
             value = max(value) if isinstance(value, list) else value
             if value is not None:
                 out[name] = value if name not in out or not value <= out[name] else out[name]
+        if "grad norm" in telemetry:
+            old = out.get("train_grad_norm_layer_max", telemetry["grad norm"])
+            out["train_grad_norm_layer_max"] = [a if not b > a else b for a, b in zip(old, telemetry["grad norm"])]
     return out
 
 
@@ -149,10 +160,11 @@ def probe(directory):
     try:
         with torch.no_grad():
             for i in range(cfg.eval_iters):
-                first = i * cfg.global_batch_size  # the batches train.evaluate reads
-                tokens = np.stack([valid[first + j] for j in range(cfg.global_batch_size)]).astype(np.int64)
-                logits = gpt(torch.from_numpy(tokens[:, :-1]))  # in the run's own precision (precision.py)
-                log_z.append(torch.logsumexp(logits.float()[..., :cfg.vocab_size], dim=-1).flatten())
+                for first in range(i * cfg.global_batch_size, (i + 1) * cfg.global_batch_size, cfg.micro_batch_size):
+                    # the batches train.evaluate reads, a micro-batch at a time
+                    tokens = np.stack([valid[first + j] for j in range(cfg.micro_batch_size)]).astype(np.int64)
+                    logits = gpt(torch.from_numpy(tokens[:, :-1]))  # in the run's own precision (precision.py)
+                    log_z.append(torch.logsumexp(logits.float()[..., :cfg.vocab_size], dim=-1).flatten())
     finally:
         model_module.core_attention = original
     log_z = torch.cat(log_z)
@@ -185,10 +197,15 @@ def execute(out, lever_set, lr, seed, extra=()):
     for name in os.listdir(directory):  # an interrupted attempt: start over (metrics.jsonl would append)
         path = os.path.join(directory, name)
         shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", WANDB_MODE="disabled")
+    # glibc hands blocks above its mmap threshold back to the kernel when freed, and trims the heap's free top, so
+    # each new logits tensor was page-faulted in afresh (a quarter of a run's time was the kernel's). With the
+    # threshold fixed at its 32 MB maximum and trimming out of reach, the 26 MB blocks are reused: the same
+    # numbers, 24% faster with two runs side by side.
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", WANDB_MODE="disabled",
+               MALLOC_MMAP_THRESHOLD_=str(32 << 20), MALLOC_TRIM_THRESHOLD_=str(4 << 30))
     start = time.time()
     with open(os.path.join(directory, "stdout.log"), "w") as log:
-        code, cpu = run([sys.executable, "train.py", *args], log, env)
+        code, cpu = run([sys.executable, os.path.abspath(__file__), "--train", *args], log, env)
     seconds = time.time() - start
     with open(os.path.join(directory, "stdout.log")) as f:
         text = f.read()
@@ -234,9 +251,17 @@ def sensitivity(losses, l0):
     return sum(v - best for v in values) / len(values)
 
 
+def blew_up(result, l0):
+    """Whether the run's training loss left the trained regime on the way: a NaN iteration or a logged loss above
+    L0 (what every run starts from), even if the decaying LR let it recover by the end."""
+    peak = result.get("train_loss_max")
+    return bool(result.get("nan_iterations")) or (peak is not None and not peak <= l0)
+
+
 def summarize(results, lever_sets, lrs, seeds, l0=math.log(VOCAB_SIZE)):
     """Per lever set: the seed-mean curve, its spread, sensitivity (of the mean curve, and the range over
-    seeds' own curves), best loss and LR, and the largest LR at which no seed diverged."""
+    seeds' own curves), best loss and LR, the largest LR at which no seed's final loss diverged, and the largest
+    up to which no seed blew up during training."""
     by_key = {(r["lever_set"], r["lr"], r["seed"]): r for r in results if "error" not in r}
     rows = []
     for lever_set in lever_sets:
@@ -247,35 +272,38 @@ def summarize(results, lever_sets, lrs, seeds, l0=math.log(VOCAB_SIZE)):
             continue
         points = {}
         for lr in lrs:
-            values = [curve[lr] for curve in curves.values() if lr in curve]
-            if values:
-                diverged = sum(clipped(by_key[(lever_set, lr, s)]["val_loss"], l0) == l0 for s in curves
-                               if (lever_set, lr, s) in by_key)
+            runs = [by_key[(lever_set, lr, s)] for s in curves if (lever_set, lr, s) in by_key]
+            if runs:
+                values = [clipped(r["val_loss"], l0) for r in runs]
                 points[lr] = {"mean": sum(values) / len(values), "min": min(values), "max": max(values),
-                              "n": len(values), "diverged": diverged}
+                              "n": len(values), "diverged": sum(v == l0 for v in values),
+                              "blew_up": sum(blew_up(r, l0) for r in runs)}
         mean_curve = {lr: p["mean"] for lr, p in points.items()}
         per_seed = [sensitivity(curve, l0) for curve in curves.values() if len(curve) == len(points)]
         best_lr = min(mean_curve, key=mean_curve.get)
         stable = [lr for lr, p in points.items() if p["diverged"] == 0]
+        calm = [lr for lr in sorted(points) if all(points[x]["blew_up"] == 0 for x in points if x <= lr)]
         rows.append({"lever_set": lever_set, "points": points, "sensitivity": sensitivity(mean_curve, l0),
                      "sensitivity_seeds": (min(per_seed), max(per_seed)) if per_seed else None,
                      "best_loss": mean_curve[best_lr], "best_lr": best_lr,
-                     "max_stable_lr": max(stable) if stable else None, "complete": len(points) == len(lrs)})
+                     "max_stable_lr": max(stable) if stable else None, "max_calm_lr": max(calm) if calm else None,
+                     "complete": len(points) == len(lrs)})
     return rows
 
 
 def markdown(rows, results, lrs, l0):
     lines = [f"L0 = ln({VOCAB_SIZE}) = {l0:.3f}: the loss at initialisation, and a diverged run's.", "",
-             "| lever set | LR sensitivity (seeds' range) | best val loss | at LR | largest LR, no seed diverged |",
-             "| --- | --- | --- | --- | --- |"]
+             "| lever set | LR sensitivity (seeds' range) | best val loss | at LR | largest LR, no seed diverged | "
+             "largest LR up to which no seed blew up |", "| --- | --- | --- | --- | --- | --- |"]
     for row in rows:
         spread = row["sensitivity_seeds"]
         spread = f" ({spread[0]:.3f}-{spread[1]:.3f})" if spread else ""
-        stable = f"{row['max_stable_lr']:.0e}" if row["max_stable_lr"] else "none"
+        stable, calm = (f"{row[k]:.0e}" if row[k] else "none" for k in ("max_stable_lr", "max_calm_lr"))
         lines.append(f"| {row['lever_set']} | {row['sensitivity']:.3f}{spread} | {row['best_loss']:.3f} | "
-                     f"{row['best_lr']:.0e} | {stable} |")
-    lines += ["", "Final validation loss, mean over seeds [min-max]; `div k` = k seeds diverged (counted as L0):", "",
-              "| lever set | " + " | ".join(f"{lr:.0e}" for lr in lrs) + " |", "| --- |" + " --- |" * len(lrs)]
+                     f"{row['best_lr']:.0e} | {stable} | {calm} |")
+    header = ["| lever set | " + " | ".join(f"{lr:.0e}" for lr in lrs) + " |", "| --- |" + " --- |" * len(lrs)]
+    lines += ["", "Final validation loss, mean over seeds [min-max]; `div k`: k seeds' final loss diverged (counted as "
+              "L0); `up k`: k seeds' training loss rose above L0 on the way:", "", *header]
     for row in rows:
         cells = []
         for lr in lrs:
@@ -284,24 +312,31 @@ def markdown(rows, results, lrs, l0):
                 cells.append("")
                 continue
             cell = f"{p['mean']:.2f} [{p['min']:.2f}-{p['max']:.2f}]" if p["n"] > 1 else f"{p['mean']:.2f}"
-            cells.append(cell + (f" div {p['diverged']}" if p["diverged"] else ""))
+            cells.append(cell + (f" div {p['diverged']}" if p["diverged"] else "") +
+                         (f" up {p['blew_up']}" if p["blew_up"] else ""))
         lines.append(f"| {row['lever_set']} | " + " | ".join(cells) + " |")
-    probed = [r for r in results if "attention_logit_max" in r]
-    if probed:
-        lines += ["", "Telemetry of the final model on the validation batches, mean over seeds: largest attention "
-                  "logit (over layers) / mean log Z of the output softmax:", "",
-                  "| lever set | " + " | ".join(f"{lr:.0e}" for lr in lrs) + " |", "| --- |" + " --- |" * len(lrs)]
+
+    def table(title, keys, where):
+        """A table of per-run numbers (mean over seeds) of the runs that have them, cells 'a / b / c'."""
+        have = [r for r in results if "error" not in r and all(where(r, k) is not None for k in keys)]
+        if not have:
+            return []
+        out = ["", title, "", *header]
         for row in rows:
             cells = []
             for lr in lrs:
-                mine = [r for r in probed if r["lever_set"] == row["lever_set"] and r["lr"] == lr]
-                if not mine:
-                    cells.append("")
-                    continue
-                attn = [max(r["attention_logit_max"]) for r in mine]
-                logz = [r["log_z_mean"] for r in mine]
-                cells.append(f"{_mean(attn):.1f} / {_mean(logz):.1f}")
-            lines.append(f"| {row['lever_set']} | " + " | ".join(cells) + " |")
+                mine = [r for r in have if r["lever_set"] == row["lever_set"] and r["lr"] == lr]
+                cells.append(" / ".join(f"{_mean([where(r, k) for r in mine]):.3g}" for k in keys) if mine else "")
+            out.append(f"| {row['lever_set']} | " + " | ".join(cells) + " |")
+        return out
+
+    lines += table("During training, the largest value logged (telemetry every 10 iterations), mean over seeds: "
+                   "attention logit / output log Z / word-embedding norm:",
+                   ["train_attention_logit_max", "train_log_z_max", "train_embedding_norm_max"],
+                   lambda r, k: r.get(k))
+    lines += table("The final model on the validation batches, mean over seeds: largest attention logit (over "
+                   "layers) / mean output log Z:", ["attention_logit_max", "log_z_mean"],
+                   lambda r, k: (max(r[k]) if isinstance(r.get(k), list) else r.get(k)))
     return "\n".join(lines) + "\n"
 
 
@@ -310,25 +345,38 @@ def _mean(values):
     return sum(finite) / len(finite) if finite else float("nan")
 
 
-def plot(rows, lrs, l0, path):
+def plot(rows, results, lrs, l0, path):
+    """Left, their figure 1: final validation loss against LR, mean over seeds, min-max shaded. Right: the peak of
+    the logged training loss, which shows the runs that blew up on the way and recovered by the end."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=100)
-    for row in rows:
+    fig, (ax, peak_ax) = plt.subplots(1, 2, figsize=(12, 4.8), dpi=100)
+    styles = ["-", "--", "-.", ":"]
+    for i, row in enumerate(rows):
+        style = dict(marker="o", markersize=4, linestyle=styles[i // 10 % len(styles)])
         xs = sorted(row["points"])
         mean = [row["points"][lr]["mean"] for lr in xs]
-        line, = ax.plot(xs, mean, marker="o", label=f"{row['lever_set']} (LR sens. {row['sensitivity']:.2f})")
+        line, = ax.plot(xs, mean, label=f"{row['lever_set']} (LR sens. {row['sensitivity']:.2f})", **style)
         ax.fill_between(xs, [row["points"][lr]["min"] for lr in xs], [row["points"][lr]["max"] for lr in xs],
-                        color=line.get_color(), alpha=0.2, linewidth=0)
-    ax.axhline(l0, color="grey", linestyle="--", linewidth=1, label="loss at init (diverged runs)")
-    ax.set_xscale("log")
-    ax.set_xticks(lrs, [f"{lr:.0e}" for lr in lrs])
-    ax.set_xlabel("learning rate")
+                        color=line.get_color(), alpha=0.15, linewidth=0)
+        peaks = {lr: [r["train_loss_max"] for r in results if r["lever_set"] == row["lever_set"] and r["lr"] == lr
+                      and "error" not in r and r.get("train_loss_max") is not None] for lr in xs}
+        px = [lr for lr in xs if peaks[lr]]
+        if px:
+            peak_ax.plot(px, [_mean(peaks[lr]) for lr in px], color=line.get_color(), **style)
+    for axis in (ax, peak_ax):
+        axis.axhline(l0, color="grey", linestyle="--", linewidth=1, label="loss at init, L0")
+        axis.set_xscale("log")
+        axis.set_xticks(lrs, [f"{lr:.0e}" for lr in lrs])
+        axis.set_xlabel("learning rate")
+        axis.grid(alpha=0.3)
     ax.set_ylabel("final validation loss (nats)")
-    ax.set_title("LR sensitivity: mean over seeds, shaded min-max")
+    ax.set_title("final loss: mean over seeds, shaded min-max")
     ax.legend(fontsize=7)
-    ax.grid(alpha=0.3)
+    peak_ax.set_yscale("log")
+    peak_ax.set_ylabel("largest logged training loss (nats)")
+    peak_ax.set_title("on the way: above L0 = blew up")
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
@@ -346,8 +394,8 @@ def parse_args(argv):
     p.add_argument("--lrs", help="comma-separated learning rates")
     p.add_argument("--seeds", help="comma-separated seeds")
     p.add_argument("--jobs", type=int, default=os.cpu_count(), help="runs at a time, one thread each")
-    p.add_argument("--extra", default="", help="more train.py arguments for every run (e.g. '--train_tokens=2048'"
-                                               "); changes the runs, so use another --out")
+    p.add_argument("--extra", default="", help="more train.py arguments for every run, after an = sign (e.g. "
+                   "--extra=--z_loss=1e-2); changes the runs, so use another --out")
     p.add_argument("--probe", help=argparse.SUPPRESS)  # internal: probe one run directory, print JSON
     args = p.parse_args(argv)
     grid = QUICK if args.quick else FULL
@@ -360,8 +408,22 @@ def parse_args(argv):
     return args
 
 
+def train(argv):
+    """One run: train.py's main with denormal floats flushed to zero. A run that blows up drives most of its
+    softmax's probabilities below fp32's normal range, where x86 arithmetic on denormals is 2-4x slower; flushed,
+    they read as the zeros they round to a moment later (a blown-up run, run both ways, ended on the same
+    validation loss to 7 digits)."""
+    import torch
+    torch.set_flush_denormal(True)
+    import train as train_module
+    train_module.main(argv)
+
+
 def main(argv=None):
-    args = parse_args(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--train"]:  # internal: one run of the grid, in its own process
+        return train(argv[1:])
+    args = parse_args(argv)
     if args.probe:
         print(json.dumps(probe(args.probe)))
         return
@@ -396,7 +458,7 @@ def main(argv=None):
                   f"{sum(cpu) / 60:.0f} min in all (wall time on 2 free cores about half that).\n")
     with open(os.path.join(args.out, "results.md"), "w") as f:
         f.write(table)
-    plot(rows, args.lrs, l0, os.path.join(args.out, "lr_sweep.png"))
+    plot(rows, results, args.lrs, l0, os.path.join(args.out, "lr_sweep.png"))
     print(table)
     print(f"wrote {args.out}/results.jsonl, results.md, lr_sweep.png in {time.time() - start:.0f}s")
     if failed:
