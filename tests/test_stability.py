@@ -182,7 +182,9 @@ def test_lr_sensitivity_on_hand_made_numbers():
     results = [{"lever_set": "a", "lr": lr, "seed": seed, "val_loss": loss, "train_loss_max": peak,
                 "nan_iterations": nan} for lr, seed, loss, peak, nan in runs]
     (row,) = lr_sweep.summarize(results, ["a"], [1e-3, 1e-2, 1e-1], [1, 2], l0)
-    assert row["points"][1e-1] == {"mean": 9.0, "min": 8.0, "max": 10.0, "n": 2, "diverged": 1, "blew_up": 2}
+    assert row["points"][1e-1] == {"mean": 9.0, "min": 8.0, "max": 10.0, "n": 2, "diverged": 1, "blew_up": 2,
+                                   "peak": 9.0}  # the NaN peak is left out of the mean (its run counts in blew_up)
+    assert row["points"][1e-2]["peak"] == 19.5
     assert row["points"][1e-2]["blew_up"] == 1 and row["points"][1e-3]["blew_up"] == 0
     assert row["best_lr"] == 1e-2 and row["best_loss"] == 5.25 and row["max_stable_lr"] == 1e-2
     assert row["max_calm_lr"] == 1e-3
@@ -192,7 +194,8 @@ def test_lr_sensitivity_on_hand_made_numbers():
 
 def test_lr_sweep_end_to_end_writes_table_and_png_and_skips_finished_runs(corpus, tmp_path):
     cmd = [sys.executable, "tools/lr_sweep.py", "--out", str(tmp_path), "--lever_sets", "default",
-           "--lrs", "1e-3,1e-1", "--seeds", "1", "--jobs", "2", "--extra", "--train_tokens=1024 --eval_iters=1 --log_interval=1 --telemetry_interval=1"]
+           "--lrs", "1e-3,1e-1", "--seeds", "1", "--jobs", "2",
+           "--extra", "--train_tokens=1024 --eval_iters=1 --log_interval=1 --telemetry_interval=1"]
     first = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     results = [json.loads(line) for line in open(tmp_path / "results.jsonl")]

@@ -16,9 +16,10 @@ each layer, the output log Z) on the validation batches, then the checkpoint is 
 
 From all finished runs of the grid it writes OUT/results.jsonl (one line per run), OUT/results.md (tables) and
 OUT/lr_sweep.png (final validation loss against LR, one curve per lever set, the seeds' spread shaded: their
-figure 1; beside it the peak training loss), and each lever set's LR sensitivity as they define it: the mean over the LR grid of
-min(L(lr), L0) - L*, with L0 the loss at initialisation (ln of the vocabulary: every init here starts there),
-L* the lever set's best final loss over the grid, and a diverged run (NaN/inf, or above L0) counted as L0.
+figure 1; beside it the peak training loss), and each lever set's LR sensitivity as they define it: the mean over
+the LR grid of min(L(lr), L0) - L*, with L0 the loss at initialisation (ln of the vocabulary: every init here
+starts there), L* the lever set's best final loss over the grid, and a diverged run (NaN/inf, or above L0) counted
+as L0.
 The tables also count the runs that blew up on the way (a logged training loss above L0) even where the decayed
 LR let them recover by the end: the final loss alone hides those.
 """
@@ -277,7 +278,8 @@ def summarize(results, lever_sets, lrs, seeds, l0=math.log(VOCAB_SIZE)):
                 values = [clipped(r["val_loss"], l0) for r in runs]
                 points[lr] = {"mean": sum(values) / len(values), "min": min(values), "max": max(values),
                               "n": len(values), "diverged": sum(v == l0 for v in values),
-                              "blew_up": sum(blew_up(r, l0) for r in runs)}
+                              "blew_up": sum(blew_up(r, l0) for r in runs),
+                              "peak": _mean([r.get("train_loss_max") for r in runs])}
         mean_curve = {lr: p["mean"] for lr, p in points.items()}
         per_seed = [sensitivity(curve, l0) for curve in curves.values() if len(curve) == len(points)]
         best_lr = min(mean_curve, key=mean_curve.get)
@@ -341,11 +343,12 @@ def markdown(rows, results, lrs, l0):
 
 
 def _mean(values):
-    finite = [v for v in values if math.isfinite(v)]
+    """The mean of the finite values (None, NaN and inf left out); NaN if there are none."""
+    finite = [v for v in values if v is not None and math.isfinite(v)]
     return sum(finite) / len(finite) if finite else float("nan")
 
 
-def plot(rows, results, lrs, l0, path):
+def plot(rows, lrs, l0, path):
     """Left, their figure 1: final validation loss against LR, mean over seeds, min-max shaded. Right: the peak of
     the logged training loss, which shows the runs that blew up on the way and recovered by the end."""
     import matplotlib
@@ -360,11 +363,8 @@ def plot(rows, results, lrs, l0, path):
         line, = ax.plot(xs, mean, label=f"{row['lever_set']} (LR sens. {row['sensitivity']:.2f})", **style)
         ax.fill_between(xs, [row["points"][lr]["min"] for lr in xs], [row["points"][lr]["max"] for lr in xs],
                         color=line.get_color(), alpha=0.15, linewidth=0)
-        peaks = {lr: [r["train_loss_max"] for r in results if r["lever_set"] == row["lever_set"] and r["lr"] == lr
-                      and "error" not in r and r.get("train_loss_max") is not None] for lr in xs}
-        px = [lr for lr in xs if peaks[lr]]
-        if px:
-            peak_ax.plot(px, [_mean(peaks[lr]) for lr in px], color=line.get_color(), **style)
+        peaks = [lr for lr in xs if math.isfinite(row["points"][lr]["peak"])]
+        peak_ax.plot(peaks, [row["points"][lr]["peak"] for lr in peaks], color=line.get_color(), **style)
     for axis in (ax, peak_ax):
         axis.axhline(l0, color="grey", linestyle="--", linewidth=1, label="loss at init, L0")
         axis.set_xscale("log")
@@ -458,7 +458,7 @@ def main(argv=None):
                   f"{sum(cpu) / 60:.0f} min in all (wall time on 2 free cores about half that).\n")
     with open(os.path.join(args.out, "results.md"), "w") as f:
         f.write(table)
-    plot(rows, results, args.lrs, l0, os.path.join(args.out, "lr_sweep.png"))
+    plot(rows, args.lrs, l0, os.path.join(args.out, "lr_sweep.png"))
     print(table)
     print(f"wrote {args.out}/results.jsonl, results.md, lr_sweep.png in {time.time() - start:.0f}s")
     if failed:
