@@ -11,7 +11,8 @@
 #   LayerNorm weights and row-parallel biases over TP in every forward, leaving the fp32 masters and Adam's state
 #   apart; they drifted because BF16_Optimizer did not clip the gradients of TP ranks > 1 (lesson 18). Here every
 #   TP rank clips by the same global norm, so they stay bitwise equal; what we have instead is the check below,
-#   which copies TP rank 0's weights, fp32 masters and Adam moments over where they differ, before each save.
+#   which copies TP rank 0's weights, fp32 masters and Adam moments over where they differ, every 100 iterations
+#   (just before the periodic save).
 # - ZeRO: the script says stage 0, but its BF16_Optimizer sharded the fp32 master weights and Adam moments over DP:
 #   ZeRO-1 (the dry run: 66.8 GiB of model states per GPU without, 27.8 GiB with).
 # - data: separate weighted train and valid paths of the ROOTS catalogue (29 validation sets, one batch each per
@@ -55,7 +56,7 @@ tensor_model_parallel_size = 4
 pipeline_model_parallel_size = 12
 pp_partition_method = "type:transformer|embedding"  # 70 layers + embedding + head = 72 = 12 stages x 6
 zero_stage = 1  # see above
-tp_replica_check_interval = 100  # see above: instead of --sync-tp-duplicated-parameters, at every save_interval
+tp_replica_check_interval = 100  # see above: instead of --sync-tp-duplicated-parameters, with each periodic save
 tp_replica_resync = True
 
 log_interval = 1
