@@ -15,9 +15,9 @@ batch, as a share of the iteration (next to what loading a batch costs when nobo
 --nproc N starts N gloo processes on this machine (torch.multiprocessing; TP and PP sizes from the config, DP
 the rest) and, before them, one process on the same global and micro-batch size, and prints both step times
 and the speed-up. The N processes get cores/N threads each, the single one all of them. With PP > 1 it also
-prints the pipeline bubble of each stage: the time the stage spends in parallel._communicate (posting its sends
-and receives and waiting for them: mostly waiting for the neighbour, the copy itself is small on one machine)
-as a share of its time in parallel.pipeline_forward_backward, against the ideal (p-1)/(m+p-1) of 1F1B with
+prints the pipeline bubble of each stage: the time the stage spends in parallel.communicate (waiting for its
+sends and receives: mostly waiting for the neighbour, the copy itself is small on one machine) as a share of
+its time in parallel.pipeline_forward_backward (both counted in parallel.pipeline_seconds), against the ideal (p-1)/(m+p-1) of 1F1B with
 equal stages and free messages. Unequal stages (on CPU the last one's output layer dominates) add to it.
 
 On a shared machine other processes move these numbers a lot: compare runs taken back to back, alternating,
@@ -85,21 +85,6 @@ def peak_memory(device):
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "peak RSS of the whole process"
 
 
-class Stopwatch:
-    """Seconds spent inside module.name, wrapped in place (the pipeline schedule looks its helpers up by name)."""
-
-    def __init__(self, module, name):
-        self.seconds, fn = 0.0, getattr(module, name)
-
-        def timed(*args, **kwargs):
-            t0 = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.seconds += time.perf_counter() - t0
-        setattr(module, name, timed)
-
-
 def parse(argv):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                      allow_abbrev=False)
@@ -137,8 +122,6 @@ def measure(argv):
     plan = train.Plan(cfg, grid.dp_size)
     train_data, _ = train.build_data(cfg, plan)
     B, T = cfg.global_batch_size, cfg.seq_length
-    communicate = Stopwatch(parallel, "_communicate")
-    pipeline = Stopwatch(parallel, "pipeline_forward_backward")
 
     # With telemetry_interval, every interval-th timed step records telemetry, as in training: timed apart, so
     # that its cost can be stated per step (interleaved steps share the machine's noise); CPU time too.
@@ -147,7 +130,7 @@ def measure(argv):
     with train.batch_prefetcher(train_data, plan, cfg, device) as prefetcher:
         for it in range(bench.bench_warmup + bench.bench_steps):
             if it == bench.bench_warmup:
-                communicate.seconds = pipeline.seconds = 0.0
+                parallel.pipeline_seconds.update(schedule=0.0, communicate=0.0)
                 if device.type == "cuda":
                     torch.cuda.reset_peak_memory_stats(device)
             timed = it >= bench.bench_warmup
@@ -173,7 +156,7 @@ def measure(argv):
     sync(device)
     load = time.perf_counter() - t0
 
-    mine = (grid.pp_rank, communicate.seconds, pipeline.seconds)
+    mine = (grid.pp_rank, parallel.pipeline_seconds["communicate"], parallel.pipeline_seconds["schedule"])
     stages = [mine]
     if dist.is_initialized():  # each stage's time in the pipeline and in its messages, for rank 0's report
         stages = [None] * grid.world_size

@@ -179,7 +179,7 @@ class Attention(nn.Module):
         if h % heads:
             raise ValueError(f"hidden_size ({h}) is not divisible by num_attention_heads ({heads})")
         self.head_dim = h // heads
-        self.local_heads = parallel._divide(heads, grid.tp_size, "num_attention_heads")
+        self.local_heads = parallel.divide(heads, grid.tp_size, "num_attention_heads")
         # One fused projection laid out head by head ([heads, 3, head_dim] as in Megatron), so that a contiguous
         # TP slice of the output features is a set of whole heads.
         self.qkv = ColumnParallelLinear(h, 3 * h, grid=grid)

@@ -1,5 +1,5 @@
 """Optimizer side of stablegpt: AdamW (ours, or bitsandbytes 8-bit), the learning-rate schedule,
-fp16 loss scaling and the gradient utilities (clipping, overflow check).
+fp16 loss scaling and gradient clipping.
 
 Everything here is local to one process. What ranks must agree on (the global grad norm, the zero count) is in
 parallel.py, which degenerates to the plain computation with one process.
@@ -170,17 +170,6 @@ def clip_grads(params, max_norm: float, total_norm) -> None:
     clip_coeff = (max_norm / (total_norm.float() + 1.0e-6)).clamp(max=1.0)
     # multiplying by exactly 1.0 when no clipping is needed leaves the gradients bit-identical
     torch._foreach_mul_(grads, clip_coeff.to(grads[0].device))
-
-
-def grads_finite(params) -> bool:
-    """False if any gradient holds an inf or a nan. A sum propagates both, so one fp32 L1-norm reduction
-    per tensor answers it without an elementwise mask (like DeepSpeed's check, a sum beyond the fp32
-    range, ~3e38, also counts as an overflow)."""
-    grads = [g for g in _grads(params) if g.numel() > 0]
-    if not grads:
-        return True
-    l1 = torch._foreach_norm(grads, 1, dtype=torch.float32)
-    return bool(torch.stack(l1).isfinite().all())
 
 
 # -----------------------------------------------------------------------------

@@ -225,7 +225,7 @@ def _to_cpu(obj):
 
 def capture(model, optimizer, scheduler, scaler, state, guard):
     """(model_state, run, rank_state) in the layout of a checkpoint (checkpoint.load returns the same)."""
-    model_state = _to_cpu(parallel._unwrap(model).state_dict())
+    model_state = _to_cpu(parallel.unwrap(model).state_dict())
     run = {"state": copy.deepcopy(state), "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
            "guard_stats": copy.deepcopy(guard.stats())}
     return model_state, run, {"optimizer": _to_cpu(optimizer.state_dict()), "rng": checkpoint.rng_state()}
@@ -233,7 +233,7 @@ def capture(model, optimizer, scheduler, scaler, state, guard):
 
 def restore(snapshot, model, optimizer, scheduler, scaler, state, guard):
     model_state, run, rank_state = snapshot
-    parallel._unwrap(model).load_state_dict(model_state)
+    parallel.unwrap(model).load_state_dict(model_state)
     # load_state_dict keeps tensors that already have the right device and dtype: give it a copy to keep
     optimizer.load_state_dict(copy.deepcopy(rank_state["optimizer"]))
     scheduler.load_state_dict(run["scheduler"], override=guard.cfg.override_lr_scheduler)

@@ -8,7 +8,7 @@ and for the model: the mean and largest log-sum-exp of the output logits (log Z,
 0, lesson 20) and the word-embedding norm (the 104B's embedding grew before its spikes, lesson 1).
 
 Norms are taken with foreach ops over the parameters that make up the model exactly once (parallel's
-_counted_once rule), summed into per-layer slots on the device, and every statistic takes part in one SUM and
+counted_once rule), summed into per-layer slots on the device, and every statistic takes part in one SUM and
 one MAX all-reduce over all ranks; a single host transfer at the end. The forward probes (block-output hooks, the
 attention and logits probes of model.py) are installed only on telemetry iterations, so other iterations pay
 nothing. Fused attention never forms q k^T, so on telemetry iterations the probe computes it once more.
@@ -28,10 +28,10 @@ import parallel
 
 class Telemetry:
     def __init__(self, model, cfg):
-        self.gpt = parallel._unwrap(model)
+        self.gpt = parallel.unwrap(model)
         self.num_layers, self.vocab_size = cfg.num_layers, cfg.vocab_size
         self.n = cfg.num_layers + 2  # slot 0: embedding, 1..L: blocks, L+1: final LayerNorm
-        counted = {id(p) for p in parallel._counted_once(model)}
+        counted = {id(p) for p in parallel.counted_once(model)}
         self.params, slots = [], []
         for name, p in self.gpt.named_parameters():
             if id(p) in counted:

@@ -424,7 +424,7 @@ def save_checkpoint(cfg, state, model, optimizer, scheduler, scaler):
     rank_state = {"optimizer": optimizer.state_dict(), "rng": checkpoint.rng_state(),
                   # what another layout needs to find this state by parameter name (reshard.py)
                   "param_names": None if cfg.deepspeed else reshard.param_names(model, optimizer)}
-    path = checkpoint.save(cfg.save, state["iteration"], parallel._unwrap(model).state_dict(), run, rank_state,
+    path = checkpoint.save(cfg.save, state["iteration"], parallel.unwrap(model).state_dict(), run, rank_state,
                            write_model_state=parallel.grid.dp_rank == 0)
     print0(f"saved checkpoint at iteration {state['iteration']:8d} to {path}")
 
@@ -443,7 +443,7 @@ def load_checkpoint(cfg, state, model, optimizer, scheduler, scaler):
                f"{reshard.describe(checkpoint.topology())}")
         need_optimizer = not (cfg.no_load_optim or arguments.reset_warmup_iters(cfg))
         model_state, run, rank_state = reshard.load(tag_dir, saved, model, optimizer, cfg, need_optimizer)
-    parallel._unwrap(model).load_state_dict(model_state)  # strict: every parameter of every stage (lesson 11)
+    parallel.unwrap(model).load_state_dict(model_state)  # strict: every parameter of every stage (lesson 11)
     state.update(run["state"])
     scheduler.load_state_dict(run["scheduler"], override=cfg.override_lr_scheduler)
     if cfg.fp16:
@@ -628,7 +628,7 @@ def run(cfg, grid, exit_signal):
             fields.append(("lm loss", f"{mean_loss:.6E}"))
             scalars = {"lm-loss": mean_loss}
             if cfg.z_loss:  # the mean over the interval's micro-batches, apart from the lm loss (lesson 20)
-                z_loss = parallel.average_loss(parallel._unwrap(model).pop_z_loss()).item()
+                z_loss = parallel.average_loss(parallel.unwrap(model).pop_z_loss()).item()
                 fields.append(("z loss", f"{z_loss:.6E}"))
                 scalars["z-loss"] = z_loss
             fields += [("loss scale", f"{scaler.scale:.1f}"),
@@ -656,7 +656,7 @@ def run(cfg, grid, exit_signal):
             logger.record(iteration, {"validation lm loss": val, "validation ppl": ppl})
 
         exit_now = (cfg.exit_interval is not None and iteration - first_iteration >= cfg.exit_interval) or (
-            cfg.exit_duration_in_mins is not None and _minutes_since(job_start) >= cfg.exit_duration_in_mins)
+            cfg.exit_duration_in_mins is not None and minutes_since(job_start) >= cfg.exit_duration_in_mins)
         signalled = exit_signal()
         exit_now = exit_now or signalled
         if cfg.save and (last or exit_now or (cfg.save_interval and iteration % cfg.save_interval == 0)):
@@ -678,12 +678,12 @@ def run(cfg, grid, exit_signal):
         prompt = torch.tensor([tok.encode_ordinary(cfg.sample_prompt)], device=device)
         gen = torch.Generator(device=device).manual_seed(cfg.seed)
         model.eval()
-        out = parallel._unwrap(model).generate(prompt, cfg.sample_tokens, temperature=0.8, top_k=200, generator=gen)
+        out = parallel.unwrap(model).generate(prompt, cfg.sample_tokens, temperature=0.8, top_k=200, generator=gen)
         print0("-" * 30 + " sample " + "-" * 30 + "\n" + tok.decode(out[0].tolist()))
     return state
 
 
-def _minutes_since(start):
+def minutes_since(start):
     """Elapsed minutes, agreed across ranks (rank 0's clock) so that every rank exits at the same iteration."""
     return parallel.broadcast_scalars([(time.time() - start) / 60.0], src=0)[0]
 
