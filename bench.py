@@ -38,6 +38,7 @@ import arguments
 import deepspeed_engine
 import loader
 import parallel
+import schedule
 import telemetry
 import train
 
@@ -107,7 +108,7 @@ def measure(argv):
         cfg.rampup_batch_size = None
     cfg.train_iters, cfg.train_samples, cfg.train_tokens = bench.bench_warmup + bench.bench_steps, None, None
     cfg.curriculum_learning, cfg.eval_iters = False, 0  # full-length batches; no validation set to build
-    arguments.validate(cfg, grid.world_size)
+    arguments.prepare(cfg, grid.world_size)
     device = train.get_device(cfg)
     torch.manual_seed(cfg.seed)
 
@@ -119,7 +120,7 @@ def measure(argv):
     scaler = train.build_scaler(cfg)
     train_model = torch.compile(model) if cfg.compile else model
     model.train()
-    plan = train.Plan(cfg, grid.dp_size)
+    plan = schedule.Schedule(cfg, grid.dp_size)
     train_data, _ = train.build_data(cfg, plan)
     B, T = cfg.global_batch_size, cfg.seq_length
 
@@ -165,7 +166,7 @@ def measure(argv):
     if grid.rank != 0:
         return None
     mean, best = statistics.mean(times), min(times)
-    flops = train.flops_per_iteration(cfg, gpt.padded_vocab_size, B, T)
+    flops = gpt.flops_per_iteration(B, T)
     tflops = flops / (mean * grid.world_size * 1e12)  # per GPU, as training's log line (lesson 23)
     memory, memory_source = peak_memory(device)
     dtype = torch.float16 if cfg.fp16 else torch.bfloat16 if cfg.bf16 else torch.float32  # of the matmuls

@@ -5,8 +5,8 @@ Everything between raw text and the token batches the model sees:
   2. Megatron's memory-mapped .bin/.idx token files (writer, reader, `python data.py` preprocessing),
   3. the bundled Shakespeare corpus,
   4. GPTDataset (samples of seq_length+1 tokens across document boundaries, shuffled, cached indices),
-     BlendedDataset (weighted mixture of datasets) and the train/valid/test split,
-  5. the batch-size ramp-up and the sequence-length curriculum schedules.
+     BlendedDataset (weighted mixture of datasets) and the train/valid/test split.
+Which samples an iteration takes (batch-size ramp-up, sequence-length curriculum) is schedule.py's.
 
 The files are byte-compatible with Megatron-DeepSpeed's tools/preprocess_data.py output, so a corpus tokenized
 there can be trained on here and vice versa. Nothing below does per-token Python work: index building is
@@ -777,85 +777,6 @@ def sample_text(dataset, index: int, seqlen: int, max_chars: int = 2000, tokeniz
     """The text of sample `index` as training read it (seqlen + 1 tokens), truncated to max_chars."""
     text = get_tokenizer(tokenizer_file).decode(dataset[index][:seqlen + 1].tolist())
     return text[:max_chars] + (" [...]" if len(text) > max_chars else "")
-
-
-# -----------------------------------------------------------------------------
-# Batch-size ramp-up (Megatron's --rampup-batch-size "start incr samples"). Small batches early are cheap
-# steps while the loss falls fast; lesson 12 is the flip side: with pipeline parallelism a start batch too
-# small to fill the pipeline runs at a fraction of the throughput, hence "384 16 9_765_625" there.
-
-class RampupBatchSize:
-    def __init__(self, rampup, global_batch_size: int, micro_batch_size: int, data_parallel_size: int):
-        self.global_batch_size = global_batch_size
-        self.micro_batch_times_dp = micro_batch_size * data_parallel_size
-        if rampup is None:
-            self.start, self.increment, self.samples, self.increments = global_batch_size, 0, 0, 0
-        else:
-            try:
-                parts = rampup.split() if isinstance(rampup, str) else list(rampup)
-                self.start, self.increment, self.samples = (int(str(p).replace("_", "")) for p in parts)
-            except ValueError:
-                raise ValueError(f"rampup_batch_size {rampup!r} must be three integers 'start increment samples', "
-                                 "e.g. '16 16 9_765_625'") from None
-            if self.start <= 0 or self.increment <= 0 or self.samples <= 0 or self.start > global_batch_size:
-                raise ValueError(f"rampup_batch_size {rampup!r}: need 0 < start <= global_batch_size "
-                                 f"({global_batch_size}), increment > 0 and samples > 0")
-            diff = global_batch_size - self.start
-            if diff % self.increment:
-                raise ValueError(f"rampup_batch_size {rampup!r}: global_batch_size - start = {diff} is not a multiple "
-                                 f"of the increment {self.increment}")
-            self.increments = diff // self.increment
-        for batch in range(self.start, global_batch_size + 1, self.increment or 1):
-            if batch % self.micro_batch_times_dp:
-                raise ValueError(f"batch size {batch} (reached by rampup_batch_size {rampup!r} / global_batch_size "
-                                 f"{global_batch_size}) is not divisible by micro_batch_size * data_parallel_size = "
-                                 f"{micro_batch_size} * {data_parallel_size}; change the ramp-up or the batch sizes")
-
-    def __call__(self, consumed_samples: int) -> int:
-        """Global batch size once `consumed_samples` samples have been consumed."""
-        if self.increments == 0 or consumed_samples > self.samples:
-            return self.global_batch_size
-        # start + floor(c / (samples / increments)) * incr, in integers: Megatron's float division can land a hair
-        # below an exact boundary (e.g. c == samples) and return the previous batch size.
-        return self.start + (consumed_samples * self.increments // self.samples) * self.increment
-
-    def num_micro_batches(self, consumed_samples: int) -> int:
-        """Gradient-accumulation steps per iteration on each data-parallel rank."""
-        return self(consumed_samples) // self.micro_batch_times_dp
-
-
-# -----------------------------------------------------------------------------
-# Sequence-length curriculum (DeepSpeed's fixed_linear, lesson 13): train on the first d tokens of each
-# sample, d growing linearly from min_difficulty to max_difficulty = seq_length over total_curriculum_step steps.
-
-def check_curriculum(min_difficulty: int, max_difficulty: int, seq_length: int, difficulty_step: int = 8,
-                     total_curriculum_step: int | None = None) -> None:
-    """Raise one ValueError listing every violated constraint (total_curriculum_step is checked when given)."""
-    problems = []
-    if difficulty_step <= 0 or difficulty_step % 8:
-        problems.append(f"difficulty_step {difficulty_step} must be a positive multiple of 8 (tensor cores; "
-                        "lesson 13)")
-    elif min_difficulty <= 0 or min_difficulty % difficulty_step:
-        problems.append(f"min_difficulty {min_difficulty} must be a positive multiple of difficulty_step "
-                        f"{difficulty_step} (lesson 13)")
-    if max_difficulty != seq_length:
-        problems.append(f"max_difficulty {max_difficulty} must equal seq_length {seq_length} (lesson 13)")
-    if min_difficulty > max_difficulty:
-        problems.append(f"min_difficulty {min_difficulty} must not exceed max_difficulty {max_difficulty}")
-    if total_curriculum_step is not None and total_curriculum_step <= 0:
-        problems.append(f"total_curriculum_step {total_curriculum_step} must be positive (lesson 13 recommends "
-                        "~train_tokens / global_batch / seq_length / 2)")
-    if problems:
-        raise ValueError("curriculum learning config: " + "; ".join(problems))
-
-
-def curriculum_seqlen(step: int, min_difficulty: int, max_difficulty: int, total_curriculum_step: int,
-                      difficulty_step: int = 8) -> int:
-    """Sequence length for 1-based iteration `step` (Megatron-DeepSpeed calls update_difficulty(iteration + 1)).
-    Same float expression as DeepSpeed, so the lengths switch at exactly the same iterations."""
-    d = math.floor(float(step) / total_curriculum_step * (max_difficulty - min_difficulty) + min_difficulty)
-    d -= d % difficulty_step
-    return min(d, max_difficulty)
 
 
 # -----------------------------------------------------------------------------

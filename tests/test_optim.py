@@ -10,7 +10,8 @@ import torch
 
 import optim
 import parallel
-from optim import AdamW, AnnealingLR, LossScaler
+from optim import AdamW, LossScaler
+from schedule import AnnealingLR
 
 
 def _mlp(seed=0):

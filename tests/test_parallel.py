@@ -392,7 +392,7 @@ def _measure_model_states(results):
     import train
     g = parallel.grid
     for precision in ("fp32", "bf16", "fp16"):
-        cfg = arguments.validate(arguments.load_config(
+        cfg = arguments.prepare(arguments.load_config(
             ["--num_layers=2", "--hidden_size=64", "--num_attention_heads=4", "--seq_length=16", "--vocab_size=512",
              "--micro_batch_size=2", "--train_iters=1", "--zero_stage=1", "--loss_scale=1"]
             + ([f"--{precision}"] if precision != "fp32" else [])), g.world_size)

@@ -31,7 +31,7 @@ def one_thread():
 
 
 def _cfg(*extra):
-    return arguments.validate(arguments.load_config([*SMALL, "--train_iters=1", *extra]))
+    return arguments.prepare(arguments.load_config([*SMALL, "--train_iters=1", *extra]))
 
 
 @pytest.mark.parametrize("name", PRECISIONS)
