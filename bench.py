@@ -17,8 +17,9 @@ the rest) and, before them, one process on the same global and micro-batch size,
 and the speed-up. The N processes get cores/N threads each, the single one all of them. With PP > 1 it also
 prints the pipeline bubble of each stage: the time the stage spends in parallel.communicate (waiting for its
 sends and receives: mostly waiting for the neighbour, the copy itself is small on one machine) as a share of
-its time in parallel.pipeline_forward_backward (both counted in parallel.pipeline_seconds), against the ideal (p-1)/(m+p-1) of 1F1B with
-equal stages and free messages. Unequal stages (on CPU the last one's output layer dominates) add to it.
+its time in parallel.pipeline_forward_backward (both kept in parallel.pipeline_seconds), against the ideal
+(p-1)/(m+p-1) of 1F1B with equal stages and free messages. Unequal stages (on CPU the last one's output layer
+dominates) add to it.
 
 On a shared machine other processes move these numbers a lot: compare runs taken back to back, alternating,
 and look at the best iteration as well as the mean.

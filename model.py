@@ -109,8 +109,8 @@ class GPTConfig:
         problems = [
             (h % heads == 0, f"hidden_size ({h}) must be divisible by num_attention_heads ({heads})"),
             (heads % tp == 0, f"num_attention_heads ({heads}) must be divisible by tensor_model_parallel_size ({tp})"),
-            (self.position_embedding_type in POSITION_EMBEDDINGS,
-             f"position_embedding_type={self.position_embedding_type!r} is not one of {', '.join(POSITION_EMBEDDINGS)}"),
+            (self.position_embedding_type in POSITION_EMBEDDINGS, f"position_embedding_type="
+             f"{self.position_embedding_type!r} is not one of {', '.join(POSITION_EMBEDDINGS)}"),
             (self.position_embedding_init in ("normal", "sinusoidal"),
              f"position_embedding_init={self.position_embedding_init!r} is not 'normal' or 'sinusoidal'"),
             (self.position_embedding_type == "learned" or self.position_embedding_init == "normal",

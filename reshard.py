@@ -85,7 +85,7 @@ class SavedLayout:
         return self._ranks[tp, dp, pp]
 
 
-def _slice(pieces, dim, real, total, tp, rank):
+def reslice(pieces, dim, real, total, tp, rank):
     """This rank's part, along dim, of the tensor whose old TP slices are `pieces`: of their concatenation only
     the first `real` entries count (the rest is vocabulary padding); the new full tensor has `total` entries
     (zero padding after the real ones) cut into tp equal parts. Copies only the overlapping ranges."""
@@ -143,7 +143,7 @@ class Resharder:
             raise ValueError(f"checkpoint {self.old.tag_dir}: {name!r} has {self.old.tp} slices of shape "
                              f"{tuple(pieces[0].shape)}, this model needs {tuple(live_shape)} x TP "
                              f"{self.grid.tp_size}: the model config differs from the checkpoint's")
-        return _slice(pieces, tp_dim, real, total, self.grid.tp_size, self.grid.tp_rank)
+        return reslice(pieces, tp_dim, real, total, self.grid.tp_size, self.grid.tp_rank)
 
     def model_state(self):
         old = self.old

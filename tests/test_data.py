@@ -267,7 +267,7 @@ def test_gpt_dataset_determinism_and_cache(toy, tmp_path, monkeypatch):
     def no_rebuild(*args, **kwargs):
         raise AssertionError("indices rebuilt although cached")
 
-    monkeypatch.setattr(data, "_index_arrays", no_rebuild)
+    monkeypatch.setattr(data, "index_arrays", no_rebuild)
     again = data.GPTDataset(indexed, documents, 30, 8, 1, "train", str(tmp_path / "a"))
     assert {p: os.stat(p).st_mtime_ns for p in again.paths.values()} == mtimes
     for k in ("doc_idx", "sample_idx", "shuffle_idx"):
@@ -308,13 +308,13 @@ def test_index_arrays_equal_the_numpy_reference(num_docs, num_samples, seq_lengt
     sizes[rng.integers(0, len(sizes), len(sizes) // 5)] = 0  # empty documents are skipped by samples
     sizes[3] = max(sizes[3], 2 * seq_length)
     documents = np.arange(3, 3 + num_docs) if num_docs > 1 else np.array([3])
-    got = data._index_arrays(sizes, documents, num_samples, seq_length, seed)
+    got = data.index_arrays(sizes, documents, num_samples, seq_length, seed)
     want = _reference_index_arrays(sizes, documents, num_samples, seq_length, seed)
     for name, a, b in zip(("doc_idx", "sample_idx", "shuffle_idx"), got, want):
         assert a.dtype == b.dtype and np.array_equal(a, b), name
     sparse = np.sort(rng.choice(np.arange(3, num_docs + 5), size=max(1, num_docs // 2), replace=False))[::-1]
     if sizes[sparse].sum() > seq_length:  # an arbitrary (descending, gapped) document list, as a blend may pass
-        got = data._index_arrays(sizes, sparse, num_samples, seq_length, seed)
+        got = data.index_arrays(sizes, sparse, num_samples, seq_length, seed)
         want = _reference_index_arrays(sizes, sparse, num_samples, seq_length, seed)
         assert all(np.array_equal(a, b) for a, b in zip(got, want))
 

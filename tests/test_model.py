@@ -581,9 +581,9 @@ def test_normformer_refuses_tensor_parallel():
 
 
 @pytest.mark.parametrize("streams", ["default only", "with the model-parallel stream"])
-def test_checkpoint_activations_gives_identical_loss_and_grads(streams, monkeypatch):
+def test_checkpoint_activations_gives_identical_loss_and_grads(streams):
     import rng
-    monkeypatch.setattr(rng, "_states", None)  # unseeded: attention dropout draws from the default stream too
+    rng.set_states(None)  # unseeded: attention dropout draws from the default stream too (conftest resets it)
     ids = _ids(_cfg(), length=12)
     results = []
     for checkpointing in (False, True):

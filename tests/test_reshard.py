@@ -22,18 +22,18 @@ import schedule
 import spike_guard
 import train as trainer
 from model import GPT
-from test_parallel import E2E_ARGS, corpus, train  # noqa: F401 (corpus is a fixture)
+from helpers import E2E_ARGS, launch, synthetic_corpus  # noqa: F401 (synthetic_corpus is a fixture)
 
 
 def test_slice_drops_and_repads_the_vocabulary():
     full = torch.arange(300 * 3, dtype=torch.float32).view(300, 3)
     old = torch.cat([full, torch.full((212, 3), 7.0)]).chunk(2)  # TP=2 pads 300 rows to 512
-    one = reshard._slice(list(old), 0, 300, 384, 1, 0)  # TP=1 pads to 384
+    one = reshard.reslice(list(old), 0, 300, 384, 1, 0)  # TP=1 pads to 384
     assert torch.equal(one[:300], full) and not one[300:].any()
-    four = [reshard._slice([one], 0, 300, 512, 4, r) for r in range(4)]  # and back to TP=4: 4 x 128 rows
+    four = [reshard.reslice([one], 0, 300, 512, 4, r) for r in range(4)]  # and back to TP=4: 4 x 128 rows
     assert torch.equal(torch.cat(four)[:300], full) and not torch.cat(four)[300:].any()
     cols = torch.randn(4, 6)  # a row-parallel weight: split along dim 1
-    assert torch.equal(reshard._slice(list(cols.chunk(3, 1)), 1, 6, 6, 2, 1), cols[:, 3:])
+    assert torch.equal(reshard.reslice(list(cols.chunk(3, 1)), 1, 6, 6, 2, 1), cols[:, 3:])
 
 
 CFG = ["--num_layers=4", "--hidden_size=32", "--num_attention_heads=4", "--seq_length=16", "--vocab_size=300",
@@ -124,7 +124,8 @@ def test_tp2_pp2_dp2_zero1_checkpoint_loads_as_one_process(tmp_path, capsys):
         assert s["step"] == 7, name
         assert torch.equal(s["exp_avg"][rows], 2 * reference[name][rows]), name
         assert torch.equal(s["exp_avg_sq"][rows], reference[name][rows] ** 2), name
-    assert not model.embed.word.weight[300:].any() and not optimizer.state[model.embed.word.weight]["exp_avg"][300:].any()
+    word = model.embed.word.weight
+    assert not word[300:].any() and not optimizer.state[word]["exp_avg"][300:].any()
 
 
 def test_bf16_fp32_masters_are_resharded_not_rounded(tmp_path):
@@ -197,17 +198,18 @@ def _assert_follows(run, straight, iterations):
 
 
 @pytest.mark.slow
-def test_resume_on_other_layouts_follows_the_straight_run(corpus, tmp_path):  # noqa: F811
+def test_resume_on_other_layouts_follows_the_straight_run(synthetic_corpus, tmp_path):  # noqa: F811
     # ALiBi and the embedding LayerNorm, BLOOM's model, with GPT-2's real vocabulary: padded to 50432 rows at TP=2
     # and to 50304 at TP=1, so the padding is dropped and redone (padded rows are masked out of the softmax).
     # Dropout is off: RNG streams do not survive a layout change.
-    args = [f"--data_path={corpus}", "--position_embedding_type=alibi", "--train_iters=12", "--vocab_size=50257"]
-    straight = train(tmp_path / "straight", 1, *args)
-    first = train(tmp_path / "a", 4, *args, "--tensor_model_parallel_size=2", "--pipeline_model_parallel_size=2",
+    args = [f"--data_path={synthetic_corpus}", "--position_embedding_type=alibi", "--train_iters=12",
+            "--vocab_size=50257"]
+    straight = launch(tmp_path / "straight", 1, *args)
+    first = launch(tmp_path / "a", 4, *args, "--tensor_model_parallel_size=2", "--pipeline_model_parallel_size=2",
                   f"--save={tmp_path / 'a'}", "--exit_interval=6")
     _assert_follows(first, straight, range(1, 7))
-    one = train(tmp_path / "b", 1, *args, f"--load={tmp_path / 'a'}")
+    one = launch(tmp_path / "b", 1, *args, f"--load={tmp_path / 'a'}")
     assert "saved with TP=2 x PP=2 x DP=1, now TP=1 x PP=1 x DP=1" in one.out
     _assert_follows(one, straight, range(7, 13))
-    dp2 = train(tmp_path / "c", 2, *args, f"--load={tmp_path / 'a'}", "--zero_stage=1")  # Adam's state split
+    dp2 = launch(tmp_path / "c", 2, *args, f"--load={tmp_path / 'a'}", "--zero_stage=1")  # Adam's state split
     _assert_follows(dp2, straight, range(7, 13))

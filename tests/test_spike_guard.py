@@ -387,5 +387,5 @@ def _telemetry_layouts():
 
 @pytest.mark.slow
 def test_telemetry_is_the_same_in_every_layout():
-    from test_parallel import spawn
+    from helpers import spawn
     spawn(_telemetry_layouts, 4)
