@@ -1,13 +1,14 @@
-"""What a run tells: Megatron's log line, the validation block, metrics.jsonl, TensorBoard and wandb.
+"""What a run tells: Megatron's log line, the validation block, metrics.jsonl, TensorBoard, wandb.
 
-    report = Report(cfg, schedule, model)          # the writers live on the last rank, which has the loss
-    report.step(step, lr)                          # each trained iteration's numbers, into the interval
-    report.log(iteration, state, batch, seqlen, loss_scale)   # the log line, every log_interval iterations
+    report = Report(cfg, schedule, model)   # writers on the last rank, which has the loss
+    report.step(step, lr)                   # a trained iteration's numbers, into the interval
+    report.log(iteration, state, batch_size, seqlen, loss_scale)   # every log_interval iterations
 
-The log line is Megatron-DeepSpeed's, field for field and width for width (the chronicles' logs parse with the
-same tools); a new field is one entry in Report.log's `fields`, and it reaches metrics.jsonl under its log name.
-Each scalar also goes to TensorBoard against iterations, consumed samples and consumed tokens, and to wandb.
-Between two log lines the interval accumulates the mean lm loss, the skipped and NaN iterations and the time.
+The log line is Megatron-DeepSpeed's, field for field and width for width, so the chronicles' logs
+and ours parse alike. A new field is one entry in Report.log's `fields`; it reaches metrics.jsonl
+under its log name. Scalars go to TensorBoard against iterations, consumed samples and consumed
+tokens, and to wandb. Between two log lines the interval sums the lm loss, the skipped and NaN
+iterations and the time.
 
 Nothing here decides anything: the numbers come from train.py, spike_guard.py and telemetry.py.
 """
@@ -31,8 +32,8 @@ def print_last_rank(text):
 
 
 class Report:
-    """Megatron-format lines on stdout; the same scalars to TensorBoard and wandb (offline unless configured), and
-    every number of an iteration in metrics.jsonl."""
+    """Megatron-format lines on stdout; the same scalars to TensorBoard and wandb (offline unless
+    configured); every number of an iteration in metrics.jsonl."""
 
     def __init__(self, cfg, schedule, model):
         self.cfg, self.schedule = cfg, schedule
@@ -40,28 +41,29 @@ class Report:
         self.last = None  # (step, lr) of the last trained iteration
         self.restart_interval()
         self.tb = self.wandb = self.metrics = None
-        if parallel.grid.rank != parallel.grid.world_size - 1:  # the last rank has the loss of the last stage
+        if parallel.grid.rank != parallel.grid.world_size - 1:  # the last stage's loss is there
             return
-        metrics_dir = cfg.save or cfg.tensorboard_dir  # beside the checkpoints; without them, the TensorBoard logs
+        metrics_dir = cfg.save or cfg.tensorboard_dir  # beside the checkpoints, else TensorBoard's
         if metrics_dir:
             self.metrics = MetricsFile(os.path.join(metrics_dir, "metrics.jsonl"))
-        tb_dir = cfg.tensorboard_dir or (os.path.join(cfg.save, "tensorboard") if cfg.save else None)
+        tb_dir = cfg.tensorboard_dir or (cfg.save and os.path.join(cfg.save, "tensorboard"))
         if tb_dir:
             from torch.utils.tensorboard import SummaryWriter
             self.tb = SummaryWriter(tb_dir)
         mode = os.environ.get("WANDB_MODE", cfg.wandb_mode)
         if cfg.wandb_project and mode != "disabled":
             import wandb
-            self.wandb = wandb.init(project=cfg.wandb_project, mode=mode, config=asdict(cfg), dir=cfg.save or ".")
+            self.wandb = wandb.init(project=cfg.wandb_project, mode=mode, config=asdict(cfg),
+                                    dir=cfg.save or ".")
 
-    # -- the interval between two log lines -----------------------------------------------------------------
+    # -- the interval between two log lines -------------------------------------------------
 
     def restart_interval(self):
-        """Forget the interval so far (at a log line, and after a rollback: an abandoned timeline)."""
+        """Forget the interval so far (at a log line; after a rollback: an abandoned timeline)."""
         self.interval = {"time": 0.0, "iters": 0, "loss": 0.0, "steps": 0, "skipped": 0, "nan": 0}
 
     def step(self, step, lr):
-        """A trained iteration (train.Step): its loss into the interval's mean unless NaN, skips counted."""
+        """A trained iteration (a train.Step): its loss into the mean unless NaN, skips counted."""
         self.last = (step, lr)
         self.interval["steps"] += 1
         self.interval["loss"] += step.loss if step.outcome != "nan" else 0.0
@@ -69,9 +71,10 @@ class Report:
         self.interval["nan"] += step.outcome == "nan"
 
     def skipped(self, iteration, state, batch_size, why):
-        """An iteration whose batch is drawn and thrown away (skip_train_iteration_range, the spike guard)."""
+        """An iteration whose batch is drawn and thrown away (skip_train_iteration_range, guard)."""
+        first, last = state.consumed_samples, state.consumed_samples + batch_size - 1
         print0(f" iteration {iteration:8d}/{self.schedule.total_iters:8d} | skipped ({why}): "
-               f"samples {state.consumed_samples}-{state.consumed_samples + batch_size - 1} not used |")
+               f"samples {first}-{last} not used |")
         self.record(iteration, {"skipped": why})
 
     def timed(self, seconds):
@@ -79,10 +82,11 @@ class Report:
         self.interval["time"] += seconds
         self.interval["iters"] += 1
 
-    # -- the log line ---------------------------------------------------------------------------------------
+    # -- the log line -----------------------------------------------------------------------
 
     def log(self, iteration, state, batch_size, seqlen, loss_scale):
-        """Megatron's log line every log_interval iterations (called on every rank: the z-loss is averaged)."""
+        """Megatron's log line, every log_interval iterations. Called on every rank (the z-loss is
+        averaged over DP); the last one prints."""
         interval, cfg = self.interval, self.cfg
         if iteration % cfg.log_interval or not interval["steps"]:
             return
@@ -90,7 +94,8 @@ class Report:
         elapsed = interval["time"] / interval["iters"]
         good = interval["steps"] - interval["nan"]
         mean_loss = interval["loss"] / good if good else float("nan")
-        tflops = self.gpt.cfg.flops_per_iteration(batch_size, seqlen) / (elapsed * parallel.grid.world_size * 1e12)
+        flops = self.gpt.cfg.flops_per_iteration(batch_size, seqlen)  # Megatron's count (lesson 23)
+        tflops = flops / (elapsed * parallel.grid.world_size * 1e12)
         fields = [("iteration", f"{iteration:8d}/{self.schedule.total_iters:8d}"),
                   ("consumed samples", f"{state.consumed_samples:12d}"),
                   ("consumed tokens", f"{state.consumed_tokens:12d}"),
@@ -101,7 +106,7 @@ class Report:
             fields.append(("curriculum seqlen", f"{seqlen:5d}"))
         fields.append(("lm loss", f"{mean_loss:.6E}"))
         scalars = {"lm-loss": mean_loss}
-        if cfg.z_loss:  # the mean over the interval's micro-batches, apart from the lm loss (lesson 20)
+        if cfg.z_loss:  # the interval's mean, apart from the lm loss (lesson 20)
             z_loss = parallel.average_loss(self.gpt.pop_z_loss()).item()
             fields.append(("z loss", f"{z_loss:.6E}"))
             scalars["z-loss"] = z_loss
@@ -114,12 +119,13 @@ class Report:
                    ("TFLOPs", f"{tflops:.2f}")]
         print_last_rank(log_line(fields))
         self.record(iteration, line_values(fields))
-        self.scalars({**scalars, "learning-rate": lr, "grad-norm": step.grad_norm, "loss-scale": loss_scale,
-                      "batch-size": batch_size, "seqlen": seqlen, "consumed-tokens": state.consumed_tokens,
-                      "tflops": tflops}, iteration, state)
+        scalars.update({"learning-rate": lr, "grad-norm": step.grad_norm, "loss-scale": loss_scale,
+                        "batch-size": batch_size, "seqlen": seqlen,
+                        "consumed-tokens": state.consumed_tokens, "tflops": tflops})
+        self.scalars(scalars, iteration, state)
         self.restart_interval()
 
-    # -- everything else an iteration may produce ------------------------------------------------------------
+    # -- everything else an iteration may produce -------------------------------------------
 
     def validation(self, iteration, state, loss):
         ppl = print_validation(loss, iteration)
@@ -131,18 +137,18 @@ class Report:
         self.record(iteration, {"telemetry": stats})
 
     def decision(self, iteration, decision):
-        """A spike-guard decision; the dict is written out later, with what the rollback added to it."""
+        """A spike-guard decision; written out later, with what a rollback adds to the dict."""
         self.record(iteration, {"spike guard": [decision]})
 
     def scalars(self, values, step, state):
-        """Each scalar against iterations, and in TensorBoard also against consumed samples and tokens (Megatron's
-        "lm-loss vs samples"): runs with different batch sizes or a ramp-up compare on those axes."""
+        """Each scalar against iterations, and in TensorBoard also against consumed samples and
+        tokens (Megatron's "lm-loss vs samples"): runs with other batch sizes compare on those."""
         if self.tb:
             for k, v in values.items():
                 self.tb.add_scalar(k, v, step)
                 self.tb.add_scalar(f"{k} vs samples", v, state.consumed_samples)
                 self.tb.add_scalar(f"{k} vs tokens", v, state.consumed_tokens)
-        if self.wandb:  # wandb has one step axis: the counters go along, to be picked as x axis in its UI
+        if self.wandb:  # one step axis: the counters go along, to be picked as x axis in its UI
             self.wandb.log({**values, "consumed-samples": state.consumed_samples,
                             "consumed-tokens": state.consumed_tokens}, step=step)
 
@@ -161,12 +167,12 @@ class Report:
 
 
 def log_line(fields):
-    """' iteration        5/      20 | consumed samples: ... |' exactly as Megatron-DeepSpeed prints it."""
+    """' iteration        5/      20 | consumed samples: ... |', as Megatron-DeepSpeed prints it."""
     return "".join(f" {k}: {v} |" if k != "iteration" else f" iteration {v} |" for k, v in fields)
 
 
 def line_values(fields):
-    """The log line's fields [(name, text)] as numbers: {"iteration": 45, "train iters": 100, "lm loss": ...}."""
+    """The log line's [(name, text)] as numbers: {"iteration": 45, "train iters": 100, ...}."""
     out = {}
     for key, text in fields:
         if key == "iteration":
@@ -180,7 +186,8 @@ def line_values(fields):
 def print_validation(loss, iteration):
     """Megatron's validation block; returns the perplexity."""
     ppl = math.exp(min(20.0, loss))
-    line = f" validation loss at iteration {iteration} | lm loss value: {loss:.6E} | lm loss PPL: {ppl:.6E} |"
+    line = (f" validation loss at iteration {iteration} | lm loss value: {loss:.6E} | "
+            f"lm loss PPL: {ppl:.6E} |")
     print_last_rank("-" * len(line) + "\n" + line + "\n" + "-" * len(line))
     return ppl
 
@@ -190,8 +197,8 @@ def print_validation(loss, iteration):
 
 
 class MetricsFile:
-    """Appends one JSON object per iteration to PATH (resumed runs continue the file; after a rollback an
-    iteration appears again, and readers keep the last record of each iteration)."""
+    """Appends one JSON object per iteration to PATH (resumed runs continue the file; after a
+    rollback an iteration appears again, and readers keep the last record of each iteration)."""
 
     def __init__(self, path):
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)

@@ -1,20 +1,20 @@
-"""The run's plan: what each iteration does, as a function of the run's progress (run_state.RunState).
+"""The run's plan: what each iteration does, as a function of the run's progress.
 
     schedule = Schedule(cfg, dp_size)
-    schedule.batch_size(consumed_samples)      global batch size: Megatron's ramp-up (lesson 12)
-    schedule.seqlen(iteration)                 sequence length: DeepSpeed's curriculum (lesson 13)
-    schedule.skipped(iteration)                in skip_train_iteration_range: drawn, not trained on (lesson 9)
-    schedule.lr_at(iteration, state, factor)   the learning rate, every rule of it in one function
-    schedule.done(state)                       train_iters, train_samples or train_tokens reached
+    schedule.batch_size(consumed_samples)     the global batch: Megatron's ramp-up (lesson 12)
+    schedule.seqlen(iteration)                its length: DeepSpeed's curriculum (lesson 13)
+    schedule.skipped(iteration)               in skip_train_iteration_range: skipped (lesson 9)
+    schedule.lr_at(iteration, state, factor)  the learning rate, every rule of it in one function
+    schedule.done(state)                      train_iters, train_samples or train_tokens reached
 
-The learning rate of an iteration is Megatron-DeepSpeed's AnnealingLR of the samples (or tokens) of the updates
-applied so far, zero during the lr=0 warm-up of an optimizer reset (lesson 8), times the spike guard's factor
-(lowered on a relapse, lesson 21), times inject_lr_factor in inject_lr_iters (fault injection). A new LR rule
-goes into lr_at.
+The learning rate of an iteration is Megatron-DeepSpeed's AnnealingLR of the samples (or tokens) of
+the updates applied so far; zero during the warm-up of an optimizer reset (lesson 8); times the
+spike guard's factor (lowered on a relapse, lesson 21) and inject_lr_factor in inject_lr_iters
+(fault injection). A new LR rule is one more factor in lr_at.
 
-Everything here follows from the config and the run state, except AnnealingLR's remembered end-of-warm-up
-token count, which the checkpoint keeps (run_state.py). Not here: the counters themselves (run_state.py) and
-what the run decides on its own, the spike guard's skip ranges and LR factor (spike_guard.py).
+Everything here follows from the config and the run state (run_state.RunState), except AnnealingLR's
+token count at the end of a sample warm-up, which the checkpoint keeps. Not here: the counters
+(run_state.py), and what the run decides by itself: the spike guard's skips and LR factor.
 """
 import math
 
@@ -24,15 +24,18 @@ class Schedule:
 
     def __init__(self, cfg, dp_size):
         self.cfg = cfg
-        self.rampup = RampupBatchSize(cfg.rampup_batch_size, cfg.global_batch_size, cfg.micro_batch_size, dp_size)
+        self.rampup = RampupBatchSize(cfg.rampup_batch_size, cfg.global_batch_size,
+                                      cfg.micro_batch_size, dp_size)
         if cfg.curriculum_learning:
-            check_curriculum(cfg.min_difficulty, cfg.max_difficulty, cfg.seq_length, cfg.difficulty_step)
+            check_curriculum(cfg.min_difficulty, cfg.max_difficulty, cfg.seq_length,
+                             cfg.difficulty_step)
         self.skip_ranges = parse_iteration_ranges(cfg.skip_train_iteration_range)
         self.inject_lr_ranges = parse_iteration_ranges(cfg.inject_lr_iters, "inject_lr_iters")
         self.total_iters, self.total_samples, self.total_tokens = self._simulate()
-        self.lr_schedule = AnnealingLR(cfg.lr, cfg.min_lr, cfg.lr_decay_style, warmup_samples=cfg.lr_warmup_samples,
-                                       decay_samples=cfg.lr_decay_samples or self.total_samples,
-                                       warmup_tokens=cfg.lr_warmup_tokens, decay_tokens=cfg.lr_decay_tokens)
+        self.lr_schedule = AnnealingLR(
+            cfg.lr, cfg.min_lr, cfg.lr_decay_style, warmup_samples=cfg.lr_warmup_samples,
+            decay_samples=cfg.lr_decay_samples or self.total_samples,
+            warmup_tokens=cfg.lr_warmup_tokens, decay_tokens=cfg.lr_decay_tokens)
 
     def batch_size(self, consumed_samples):
         return self.rampup(consumed_samples)
@@ -41,15 +44,16 @@ class Schedule:
         cfg = self.cfg
         if not cfg.curriculum_learning:
             return cfg.seq_length
-        return curriculum_seqlen(iteration, cfg.min_difficulty, cfg.max_difficulty, cfg.total_curriculum_step,
-                                 cfg.difficulty_step)
+        return curriculum_seqlen(iteration, cfg.min_difficulty, cfg.max_difficulty,
+                                 cfg.total_curriculum_step, cfg.difficulty_step)
 
     def skipped(self, iteration):
         return in_ranges(iteration, self.skip_ranges)
 
     def lr_at(self, iteration, state, guard_factor=1.0):
-        """The learning rate of `iteration`, given the run state before it (state.scheduler_samples/tokens count
-        the applied updates: Megatron's schedule does not advance on skipped steps, lesson 5)."""
+        """The learning rate of `iteration`, from the run state before it. Its scheduler_samples and
+        scheduler_tokens count the applied updates: Megatron's schedule stands still on skipped
+        steps (lesson 5)."""
         reset = state.optimizer_reset
         if reset is not None and iteration <= reset["iteration"] + reset["warmup_iters"]:
             return 0.0  # lesson 8: the fresh moments warm up while the weights stay put
@@ -63,8 +67,9 @@ class Schedule:
         return self._done(state.iteration, state.consumed_samples, state.consumed_tokens)
 
     def next_key(self, key):
-        """The (iteration, first sample, batch size, seqlen) of the next iteration that trains after `key`'s
-        (skipped iterations consume their samples unused), None past the end: what loader.Prefetcher loads ahead."""
+        """The (iteration, first sample, batch size, seqlen) of the next iteration that trains after
+        `key`'s (skipped ones draw their samples unused); None past the end. What loader.Prefetcher
+        loads ahead."""
         iteration, samples = key[0] + 1, key[1] + key[2]
         while self.skipped(iteration):
             iteration, samples = iteration + 1, samples + self.batch_size(samples)
@@ -95,7 +100,8 @@ class Schedule:
 
 
 def parse_iteration_ranges(ranges, key="skip_train_iteration_range"):
-    """["13251-14000", "16652-18500"] -> [(13251, 14000), (16652, 18500)], inclusive, as Megatron-DeepSpeed."""
+    """["13251-14000", "16652-18500"] -> [(13251, 14000), (16652, 18500)]: inclusive, 1-based
+    (Megatron-DeepSpeed's format)."""
     out = []
     for r in ranges or []:
         start, dash, end = str(r).partition("-")
@@ -119,9 +125,9 @@ def in_ranges(iteration, ranges):
 
 
 def reset_warmup_iters(cfg, unset=None):
-    """The lr=0 iterations after an optimizer reset (lesson 8): reset_optimizer_warmup_iters, "auto" meaning
-    5 / (1 - beta2), the time Adam's second moment needs; 0 without one. `unset`: the setting to use when the
-    config has none (the spike guard resets with "auto")."""
+    """The lr=0 iterations after an optimizer reset (lesson 8): reset_optimizer_warmup_iters, where
+    "auto" is 5 / (1 - beta2), the time Adam's second moment needs; 0 without one. `unset`: the
+    setting when the config has none (the spike guard resets with "auto")."""
     setting = cfg.reset_optimizer_warmup_iters or unset
     if not setting:
         return 0

@@ -1,21 +1,22 @@
 """Pre-train a GPT.
 
-    python train.py                                    # tiny model on bundled Shakespeare, CPU, a few minutes
-    python train.py config/gpt2_125m.py --lr=3e-4       # a config file, then --key=value overrides
+    python train.py                                # tiny model on bundled Shakespeare, CPU, minutes
+    python train.py config/gpt2_125m.py --lr=3e-4   # a config file, then --key=value overrides
     torchrun --nproc_per_node 8 train.py config/tr8b_104b.py
 
-One iteration consumes one global batch: micro-batches are accumulated (and pipelined across stages), gradients
-are reduced across data-parallel ranks, clipped, and the optimizer steps -- unless the step is skipped (fp16
-overflow, NaN loss, skip_grad_norm_above) or the iteration is skipped (skip_train_iteration_range, the spike
-guard). This file is the loop and its builders; the run's rules live beside it:
+One iteration consumes one global batch: micro-batches are accumulated (and pipelined across stages),
+gradients are reduced across data-parallel ranks, clipped, and the optimizer steps -- unless the
+step is skipped (fp16 overflow, NaN loss, skip_grad_norm_above) or the whole iteration is
+(skip_train_iteration_range, the spike guard). This file is the loop and its builders; the rules
+of the run live beside it:
 
-    schedule.py    batch size, sequence length, skipped iterations and the learning rate of each iteration
-    run_state.py   the run's counters, and what a checkpoint or a spike-guard snapshot captures and restores
-    report.py      the log line, the validation block, metrics.jsonl, TensorBoard and wandb
-    spike_guard.py what to do about a spiking step
+    schedule.py      batch size, sequence length, skipped iterations, learning rate of an iteration
+    run_state.py     the counters; what a checkpoint or a snapshot captures and restores
+    report.py        the log line, the validation block, metrics.jsonl, TensorBoard and wandb
+    spike_guard.py   what to do about a spiking step
 
-Every number that decides what happens next is in the checkpoint, and the sample order is a function of
-consumed samples only, so a resumed run is bit-exact.
+Every number that decides what happens next is in the checkpoint, and the sample order is a function
+of consumed samples only, so a resumed run is bit-exact.
 """
 import sys
 
@@ -54,7 +55,7 @@ from schedule import Schedule
 
 def main(argv=None):
     cfg = arguments.load_config(argv)
-    if cfg.dry_run:  # sizes the TP x PP x DP layout on the meta device, without starting any process
+    if cfg.dry_run:  # sizes the TP x PP x DP layout on the meta device, starting no process
         estimate.dry_run(cfg)
         return
     grid = parallel.init(cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size,
@@ -67,8 +68,8 @@ def main(argv=None):
 
 
 def run(cfg, grid, exit_signal):
-    """Train (or, with eval_only, evaluate) the configured model; returns the run state. exit_signal() says when
-    a SIGTERM asks to save and stop."""
+    """Train (or, with eval_only, evaluate) the configured model; returns the run state.
+    exit_signal() says when a SIGTERM asks to save and stop."""
     device = setup(cfg)
     schedule = Schedule(cfg, grid.dp_size)
     parts = build(cfg, grid, schedule, device)
@@ -79,8 +80,9 @@ def run(cfg, grid, exit_signal):
     train_model = torch.compile(parts.model) if cfg.compile else parts.model
     if cfg.eval_only:
         if valid_data is None:
-            raise ValueError(f"eval_only: no validation data (split {cfg.split!r}, eval_iters {cfg.eval_iters}); give "
-                             "the validation split a share (e.g. --split 0,100,0 for the whole data_path)")
+            raise ValueError(f"eval_only: no validation data (split {cfg.split!r}, eval_iters "
+                             f"{cfg.eval_iters}); give the validation split a share (e.g. --split "
+                             "0,100,0 for the whole data_path)")
         print_validation(evaluate(train_model, valid_data, cfg, device), state.iteration)
         return state
 
@@ -92,17 +94,17 @@ def run(cfg, grid, exit_signal):
     prefetcher = batch_prefetcher(train_data, schedule, cfg, device)
     while not schedule.done(state):
         t0 = time.time()
-        iteration = state.iteration + 1
-        batch_size, seqlen = schedule.batch_size(state.consumed_samples), schedule.seqlen(iteration)
+        iteration, samples = state.iteration + 1, state.consumed_samples
+        batch_size, seqlen = schedule.batch_size(samples), schedule.seqlen(iteration)
         step = decision = None
         if guard.skips(iteration) or schedule.skipped(iteration):
-            # Drawn and thrown away (no forward/backward/update): later iterations see the batches an unskipped
-            # run would see (lesson 9; every range is honoured after any resume).
+            # Drawn and thrown away (no forward, backward or update): later iterations see the
+            # batches an unskipped run would see (lesson 9; every range holds after any resume).
             why = "spike guard" if guard.skips(iteration) else "skip_train_iteration_range"
             report.skipped(iteration, state, batch_size, why)
         else:
-            key = (iteration, state.consumed_samples, batch_size, seqlen)
-            batches = spike_guard.inject_bad_batches(cfg, iteration, loader.to_device(prefetcher.get(key), device))
+            batches = loader.to_device(prefetcher.get((iteration, samples, batch_size, seqlen)), device)
+            batches = spike_guard.inject_bad_batches(cfg, iteration, batches)
             lr = schedule.lr_at(iteration, state, guard.lr_scale)
             probe = recorder if recorder and iteration % cfg.telemetry_interval == 0 else None
             if probe:
@@ -114,7 +116,7 @@ def run(cfg, grid, exit_signal):
                 report.telemetry(iteration, state, probe.finish())
             decision = guard.update(iteration, step.outcome, step.loss, step.grad_norm, parts.scaler)
             if decision is not None:
-                decision["samples"] = spike_guard.name_samples(train_model, batches, state.consumed_samples, cfg,
+                decision["samples"] = spike_guard.name_samples(train_model, batches, samples, cfg,
                                                                train_data, seqlen, iteration)
             report.step(step, lr)
         state.advance(batch_size, seqlen, applied=step is not None and step.outcome == "ok")
@@ -126,19 +128,22 @@ def run(cfg, grid, exit_signal):
                 if cfg.save:
                     run_state.save(parts)
                 report.close()
-                raise spike_guard.SpikeGuardStop(decision["line"] + "; saved and stopped: look at the samples "
-                                                 "named above, then resume with the caps raised or other settings")
+                raise spike_guard.SpikeGuardStop(
+                    decision["line"] + "; saved and stopped: look at the samples named above, then "
+                    "resume with the caps raised or other settings")
             report.restart_interval()  # an abandoned timeline
             continue
 
         report.log(iteration, state, batch_size, seqlen, parts.scaler.scale)
-        if cfg.tp_replica_check_interval and iteration % cfg.tp_replica_check_interval == 0 and grid.tp_size > 1:
+        if grid.tp_size > 1 and cfg.tp_replica_check_interval \
+                and iteration % cfg.tp_replica_check_interval == 0:
             check_tp_replicas(parts.model, parts.optimizer, iteration, cfg.tp_replica_resync)
         last = schedule.done(state)
-        if valid_data is not None and cfg.eval_iters > 0 and (iteration % cfg.eval_interval == 0 or last):
+        if valid_data is not None and cfg.eval_iters > 0 and (last or iteration % cfg.eval_interval == 0):
             report.validation(iteration, state, evaluate(train_model, valid_data, cfg, device))
         why_exit = exit_reason(cfg, iteration - first_iteration, job_start, exit_signal)
-        if cfg.save and (last or why_exit or (cfg.save_interval and iteration % cfg.save_interval == 0)):
+        saving = last or why_exit or (cfg.save_interval and iteration % cfg.save_interval == 0)
+        if cfg.save and saving:
             run_state.save(parts)
         snapshots.maybe_take(iteration, parts)
         if why_exit:
@@ -164,20 +169,23 @@ def setup(cfg):
 
 
 def build(cfg, grid, schedule, device):
-    """The model, optimizer and loss scaler of this rank, the spike guard, a fresh run state: run_state.Parts."""
+    """This rank's model, optimizer and loss scaler, the spike guard, a fresh run state: the Parts."""
     model = build_model(cfg, device)
     gpt = model.cfg
-    print0(f"Model size: {gpt.num_parameters() / 1e9:.3f}B ({gpt.num_parameters():,} parameters; "
-           f"{gpt.num_parameters(padded=True):,} with the vocabulary padded to {gpt.padded_vocab_size})")
-    print0(f"{grid}; training for {schedule.total_iters} iterations, {schedule.total_samples:,} samples")
+    n, padded = gpt.num_parameters(), gpt.num_parameters(padded=True)
+    print0(f"Model size: {n / 1e9:.3f}B ({n:,} parameters; {padded:,} with the vocabulary padded to "
+           f"{gpt.padded_vocab_size})")
+    print0(f"{grid}; training for {schedule.total_iters} iterations, {schedule.total_samples:,} "
+           "samples")
     if grid.pp_size > 1:
         print0(describe_partition(cfg))
     optimizer = build_optimizer(cfg, model)
     if cfg.deepspeed:
         model, optimizer = deepspeed_engine.initialize(cfg, model, optimizer)
     print0(schedule.describe())
-    # The guard's decisions (skip ranges, LR factor) come back with a checkpoint and hold even with it off.
-    return run_state.Parts(cfg, model, optimizer, schedule, build_scaler(cfg), spike_guard.SpikeGuard(cfg))
+    # The guard's decisions (skip ranges, LR factor) come back with a checkpoint, even with it off.
+    guard = spike_guard.SpikeGuard(cfg)
+    return run_state.Parts(cfg, model, optimizer, schedule, build_scaler(cfg), guard)
 
 
 def use_cuda(cfg):
