@@ -42,6 +42,7 @@ import parallel
 import schedule
 import telemetry
 import train
+from report import print0
 
 # Dense bf16 tensor-core peaks (no sparsity) of the SXM parts, TFLOP/s. PCIe cards are slower (H100 PCIe: 756),
 # so on one of those the MFU printed here is an underestimate.
@@ -105,7 +106,7 @@ def measure(argv):
     grid = parallel.init(cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size,
                          backend="nccl" if train.use_cuda(cfg) else "gloo")
     if cfg.rampup_batch_size is not None:
-        train.print0("bench: rampup_batch_size ignored, every iteration uses global_batch_size")
+        print0("bench: rampup_batch_size ignored, every iteration uses global_batch_size")
         cfg.rampup_batch_size = None
     cfg.train_iters, cfg.train_samples, cfg.train_tokens = bench.bench_warmup + bench.bench_steps, None, None
     cfg.curriculum_learning, cfg.eval_iters = False, 0  # full-length batches; no validation set to build
