@@ -161,3 +161,28 @@ def test_no_line_is_over_120_characters():
     long = [f"{os.path.relpath(path, ROOT)}:{i}" for path in _python_files()
             for i, line in enumerate(_read(path).splitlines(), 1) if len(line) > 120]
     assert not long, f"lines over 120 characters: {long}"
+
+
+def _rule_sites(source):
+    """Where source implements two run rules: "iteration in these ranges" (a chained `a <= iteration <= b`)
+    and the optimizer reset's lr=0 warm-up length (`5 / (1 - beta2)`)."""
+    sites = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Compare) and len(node.ops) == 2 and all(isinstance(o, ast.LtE) for o in node.ops) \
+                and isinstance(node.comparators[0], ast.Name) and node.comparators[0].id == "iteration":
+            sites.append("iteration ranges")
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div) and isinstance(node.left, ast.Constant) \
+                and node.left.value == 5 and "beta2" in ast.unparse(node.right):
+            sites.append("reset warm-up")
+    return sites
+
+
+def test_each_run_rule_has_one_home():
+    homes = {}
+    for path in _python_files():
+        if os.sep + "tests" + os.sep not in path:
+            for rule in _rule_sites(_read(path)):
+                homes.setdefault(rule, set()).add(os.path.relpath(path, ROOT))
+    assert homes == {"iteration ranges": {"schedule.py"}, "reset warm-up": {"schedule.py"}}, homes
+    assert _rule_sites("if a <= iteration <= b:\n    n = math.ceil(5 / (1 - cfg.adam_beta2))\n") == [
+        "iteration ranges", "reset warm-up"]
