@@ -1,8 +1,8 @@
-"""Rotary position embeddings (position_embedding_type="rotary", GPT-NeoX's as Megatron-DeepSpeed has them): the
-rotation against a naive float64 one and its relative-position property, the whole model against transformers'
-GPTNeoXForCausalLM (sequential residual, random weights, nothing downloaded), the fused (SDPA) and unfused
-attention paths, activation checkpointing, TP=2 against one process, a bit-exact resume, and tools/export_hf.py
-refusing it by name."""
+"""Rotary position embeddings (position_embedding_type="rotary", GPT-NeoX's, as Megatron-DeepSpeed has
+them): the rotation against a naive float64 one and its relative-position property; the whole model
+against transformers' GPTNeoXForCausalLM (sequential residual, random weights, nothing downloaded);
+the fused (SDPA) and unfused attention paths; activation checkpointing; TP=2 against one process; a
+bit-exact resume; tools/export_hf.py refusing it by name."""
 import math
 import os
 import subprocess
@@ -26,7 +26,7 @@ def _cfg(**kw):
 
 
 def _naive_rotation(x, base=10000.0):
-    """Each feature pair (i, i + d/2) of position t turned by the angle t * base^(-2i/d), one by one in float64."""
+    """Each feature pair (i, i + d/2) of position t turned by t * base^(-2i/d), one at a time."""
     *_, T, d = x.shape
     out = x.clone()
     for t in range(T):
