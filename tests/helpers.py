@@ -281,6 +281,7 @@ def build_tokenizer_file(path, vocab_size=400, eod="</s>"):
 
 def play_corpus(tokenizer_file, tmp_path):
     """The play tokenized with tokenizer_file into tmp_path/play (Megatron's format); returns the prefix."""
+    import data
     prefix = str(tmp_path / "play")
     text = play_text()
     data.write_indexed_dataset(prefix, [data.get_tokenizer(tokenizer_file).encode_ordinary(text[i:i + 4000]) + [2]
