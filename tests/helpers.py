@@ -11,6 +11,7 @@
 import contextlib
 import importlib.metadata
 import io
+import math
 import os
 import re
 import socket

@@ -10,7 +10,6 @@ import data
 import loader
 import schedule
 from run_state import RunState
-import train
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ import schedule
 import spike_guard
 import train as trainer
 from model import GPT
-from helpers import E2E_ARGS, launch, synthetic_corpus  # noqa: F401 (synthetic_corpus is a fixture)
+from helpers import launch, synthetic_corpus  # noqa: F401 (synthetic_corpus is a fixture)
 
 
 def test_slice_drops_and_repads_the_vocabulary():

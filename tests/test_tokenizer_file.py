@@ -1,7 +1,6 @@
 """tokenizer_file: a Hugging Face tokenizer.json (here a small BPE trained by the test on one play) for data.py
 preprocessing and the trainer's sample, its end-of-document id, and the vocabulary check."""
 import json
-import os
 import subprocess
 import sys
 
