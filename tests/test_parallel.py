@@ -216,7 +216,7 @@ def _zero1_matches_adamw(dtype):
     g = parallel.grid
     cfg = GPTConfig(**TINY)
 
-    def stage():
+    def fresh_stage():
         model = stage(cfg).to(dtype)
         parallel.attach_grad_buffer(model, torch.float32)
         return model
@@ -225,7 +225,7 @@ def _zero1_matches_adamw(dtype):
         return lambda params: precision.MixedPrecisionOptimizer(
             optim.build_optimizer(model, 1e-2, 0.1, 0.9, 0.95, 1e-8, params=params))
 
-    sharded_model, plain_model = stage(), stage()
+    sharded_model, plain_model = fresh_stage(), fresh_stage()
     sharded = parallel.ZeroShardedOptimizer(sharded_model.parameters(), build(sharded_model))
     plain = build(plain_model)(list(plain_model.parameters()))
     owned = sum(p.numel() for group in sharded.param_groups for p in group["params"])
@@ -255,7 +255,7 @@ def _zero1_matches_adamw(dtype):
     assert state["optimizer"]["state"] and all(s["step"] == 3 for s in state["optimizer"]["state"].values())
     if dtype != torch.float32:
         assert sum(m.numel() for m in state["optimizer"]["fp32_master_weights"]) == owned
-    resumed_model = stage()
+    resumed_model = fresh_stage()
     resumed_model.load_state_dict(sharded_model.state_dict())
     resumed = parallel.ZeroShardedOptimizer(resumed_model.parameters(), build(resumed_model))
     resumed.load_state_dict(state)
