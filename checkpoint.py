@@ -203,5 +203,5 @@ def dump_weights(directory, preamble, iteration, model):
     out = os.path.join(directory, "weight_dumps")
     os.makedirs(out, exist_ok=True)
     name = f"debug-{iteration}-pp{g.pp_rank}-tp{g.tp_rank}-dp{g.dp_rank}-global{g.rank}-{preamble}.pt"
-    weights = {n: p.detach().cpu().clone() for n, p in parallel._unwrap(model).named_parameters()}
+    weights = {n: p.detach().cpu().clone() for n, p in parallel.unwrap(model).named_parameters()}
     torch.save(weights, os.path.join(out, name))

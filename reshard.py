@@ -36,7 +36,7 @@ TIED_COPY = {"output_weight": "embed.word.weight"}  # the last stage's copy of t
 def param_names(model, optimizer):
     """Names of the parameters in the order of optimizer.state_dict()'s integer keys (saved next to the optimizer
     state, so that another layout can find an entry by name). For ZeRO-1: this DP rank's shard only."""
-    names = {id(p): n for n, p in parallel._unwrap(model).named_parameters()}
+    names = {id(p): n for n, p in parallel.unwrap(model).named_parameters()}
     # Under fp16/bf16 the optimizer steps fp32 masters (precision.MixedPrecisionOptimizer, possibly inside
     # parallel.ZeroShardedOptimizer): its model_params are the model's parameters in the same order.
     params = getattr(optimizer, "model_params", None)
@@ -85,7 +85,7 @@ class SavedLayout:
         return self._ranks[tp, dp, pp]
 
 
-def _slice(pieces, dim, real, total, tp, rank):
+def reslice(pieces, dim, real, total, tp, rank):
     """This rank's part, along dim, of the tensor whose old TP slices are `pieces`: of their concatenation only
     the first `real` entries count (the rest is vocabulary padding); the new full tensor has `total` entries
     (zero padding after the real ones) cut into tp equal parts. Copies only the overlapping ranges."""
@@ -143,7 +143,7 @@ class Resharder:
             raise ValueError(f"checkpoint {self.old.tag_dir}: {name!r} has {self.old.tp} slices of shape "
                              f"{tuple(pieces[0].shape)}, this model needs {tuple(live_shape)} x TP "
                              f"{self.grid.tp_size}: the model config differs from the checkpoint's")
-        return _slice(pieces, tp_dim, real, total, self.grid.tp_size, self.grid.tp_rank)
+        return reslice(pieces, tp_dim, real, total, self.grid.tp_size, self.grid.tp_rank)
 
     def model_state(self):
         old = self.old
@@ -267,7 +267,7 @@ def load(tag_dir, saved_topology, model, optimizer, cfg, need_optimizer=True):
     """(model_state, run_state, rank_state) for this rank from a checkpoint of another layout, in the format
     checkpoint.load returns; rank_state's "rng" is None (see the module docstring). need_optimizer=False
     (no_load_optim, an optimizer reset) skips the optimizer state, whatever its format."""
-    gpt = parallel._unwrap(model)
+    gpt = parallel.unwrap(model)
     layout = SavedLayout(tag_dir, saved_topology)
     resharder = Resharder(layout, gpt)
     model_state = resharder.model_state()

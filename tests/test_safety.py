@@ -151,7 +151,7 @@ def test_only_the_tiny_default_trains_on_the_bundled_corpus(tmp_path):
 
 
 def test_warns_when_the_data_repeats_many_epochs(corpus, capsys):
-    cfg = arguments.validate(arguments.load_config([*SMALL, "--train_iters=1"]))
+    cfg = arguments.prepare(arguments.load_config([*SMALL, "--train_iters=1"]))
     train.check_data(cfg, [corpus], train_samples=100)
     assert "warning" not in capsys.readouterr().out
     train.check_data(cfg, [corpus], train_samples=200_000)

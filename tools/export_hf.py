@@ -4,9 +4,10 @@
 
 The target class follows from the model's config: learned positions without the embedding LayerNorm are
 GPT2LMHeadModel, ALiBi with the embedding LayerNorm is BloomForCausalLM (lesson 19); anything the class cannot
-compute exactly (learned positions with the embedding LayerNorm, NormFormer, ReLU in BLOOM, ...) is refused with
-its name. The output directory gets model.safetensors, config.json and the tokenizer the data was prepared with
-(the tokenizer_file's tokenizer.json, or GPT-2's vocab.json/merges.txt). Afterwards the export is loaded back
+compute exactly (learned positions with the embedding LayerNorm, NormFormer, ReLU in BLOOM, rotary embeddings,
+a config key a fork added, ...) is refused with its name. The output directory gets model.safetensors,
+config.json and the tokenizer the data was prepared with (the tokenizer_file's tokenizer.json, or GPT-2's
+vocab.json/merges.txt). Afterwards the export is loaded back
 with transformers and its logits are compared with the checkpoint's own model on a few sequences; the largest
 difference is printed, and more than 1e-5 (float32 export) fails the export.
 
@@ -39,6 +40,7 @@ NOT_EXPORTED = {"hidden_dropout", "attention_dropout", "embed_dropout", "init_me
 MAPPED = {"num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size", "layernorm_epsilon",
           "activation", "position_embedding_type", "embed_layernorm"}
 GPT2_ACTIVATIONS = {"gelu": "gelu", "gelu_tanh": "gelu_new", "relu": "relu"}  # transformers' ACT2FN names
+TARGETS = {"learned": "gpt2", "alibi": "bloom"}  # the position embeddings this tool writes, and as which class
 
 
 def target_class(cfg):
@@ -48,6 +50,10 @@ def target_class(cfg):
                if f.name not in NOT_EXPORTED | MAPPED and getattr(cfg, f.name) != getattr(defaults, f.name)]
     if unknown:
         raise ValueError(f"cannot export {', '.join(unknown)}: neither GPT2LMHeadModel nor BloomForCausalLM has it")
+    if cfg.position_embedding_type not in TARGETS:
+        raise ValueError(f"cannot export position_embedding_type={cfg.position_embedding_type!r}: this tool writes "
+                         "GPT2LMHeadModel (learned positions) or BloomForCausalLM (ALiBi), and has no mapping to a "
+                         "class with rotary embeddings (transformers' GPTNeoXForCausalLM would be one)")
     if cfg.position_embedding_type == "learned":
         if cfg.embed_layernorm:
             raise ValueError("cannot export learned position embeddings with embed_layernorm: GPT2LMHeadModel has no "

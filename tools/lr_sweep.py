@@ -139,15 +139,16 @@ def probe(directory):
     import arguments
     import checkpoint
     import model as model_module
+    import schedule
     import train
     tag = checkpoint.latest_dir(directory)
     model_state, run, _ = checkpoint.load(tag)
     cfg = arguments.Config(**{k: v for k, v in run["config"].items() if k in arguments.FIELDS})
-    cfg = arguments.validate(cfg)
+    cfg = arguments.prepare(cfg)
     gpt = train.build_model(cfg, torch.device("cpu"))
     gpt.load_state_dict(model_state)
     gpt.eval()
-    _, valid = train.build_data(cfg, train.Plan(cfg, 1))
+    _, valid = train.build_data(cfg, schedule.Schedule(cfg, 1))
     logits_max, original = [], model_module.core_attention
 
     def recording(q, k, v, *args, **kwargs):
