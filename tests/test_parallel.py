@@ -13,54 +13,16 @@ import io
 import math
 import os
 import re
-import socket
 import subprocess
 import sys
-import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 import parallel
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank, world, port, tp, pp, fn, args, errors):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
-    try:
-        parallel.init(tp, pp, backend="gloo")
-        fn(*args)
-    except Exception:
-        errors.put(f"rank {rank}:\n{traceback.format_exc()}")
-        raise
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        parallel.grid = parallel.Grid()
-
-
-def spawn(fn, world, tp=1, pp=1, *args):
-    """Run fn(*args) on `world` gloo processes laid out as TP x PP x DP; fail with the first rank's traceback."""
-    ctx = mp.get_context("spawn")
-    errors = ctx.SimpleQueue()
-    try:
-        mp.start_processes(_worker, args=(world, free_port(), tp, pp, fn, args, errors), nprocs=world,
-                           start_method="spawn")
-    except Exception as e:
-        message = errors.get() if not errors.empty() else str(e)
-        pytest.fail(message, pytrace=False)
+from helpers import ROOT, free_port, spawn  # noqa: F401 (spawn: other test modules import it from here)
 
 
 def _gather(t, group):

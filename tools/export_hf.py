@@ -24,11 +24,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-import checkpoint  # noqa: E402
 import data  # noqa: E402
-import parallel  # noqa: E402
 import reshard  # noqa: E402
-from model import GPT, GPTConfig  # noqa: E402
+from model import GPTConfig  # noqa: E402
 
 # GPTConfig fields the export does not need to express: training only, or the same function in exact arithmetic
 NOT_EXPORTED = {"hidden_dropout", "attention_dropout", "embed_dropout", "init_method_std", "embed_init",
@@ -62,21 +60,6 @@ def target_class(cfg):
         raise ValueError(f"cannot export activation={cfg.activation!r} to BloomForCausalLM: its GeLU is the tanh "
                          "approximation (activation='gelu_tanh')")
     return "bloom"
-
-
-def load_full_model(load_dir):
-    """(GPT on one process with the checkpoint's weights, its training config as a dict, the tag directory)."""
-    tag_dir = checkpoint.latest_dir(load_dir)
-    if tag_dir is None:
-        raise ValueError(f"{load_dir} holds no checkpoint ('latest' is missing)")
-    layout = reshard.SavedLayout(tag_dir, checkpoint.saved_topology(tag_dir))
-    saved = layout.config
-    cfg = GPTConfig(**{f.name: saved[f.name] for f in fields(GPTConfig) if f.name in saved})
-    cfg.tensor_model_parallel_size = 1  # the vocabulary padded for one process
-    with torch.device("cpu"):
-        gpt = GPT(cfg).eval()  # parallel.grid is one process here: TP=1, PP=1
-    gpt.load_state_dict(reshard.Resharder(layout, gpt).model_state())
-    return gpt, saved, tag_dir
 
 
 def _qkv_to_gpt2(t, heads):
@@ -173,9 +156,7 @@ def compare_logits(gpt, output, dtype, sequences=4, length=None, seed=0):
 
 def export(load_dir, output, dtype="float32", tokenizer_file=None, tolerance=1e-5):
     """Write the export; returns (largest logit difference, the transformers model, its tokenizer or None)."""
-    if parallel.grid.world_size != 1:
-        raise ValueError("export_hf runs as one process")
-    gpt, saved, tag_dir = load_full_model(load_dir)
+    gpt, saved, tag_dir = reshard.load_full_model(load_dir)
     kind = target_class(gpt.cfg)
     tokenizer_file = tokenizer_file or saved.get("tokenizer_file")
     eod = data.get_tokenizer(tokenizer_file).eot_token
