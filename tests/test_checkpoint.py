@@ -74,7 +74,7 @@ def test_a_save_whose_manifest_fails_leaves_latest_where_it_was(corpus, tmp_path
 
 def test_truncated_file_stops_the_run_with_one_message_and_touches_nothing(ckpt, tmp_path):
     directory = shutil.copytree(ckpt, tmp_path / "run")
-    path = directory / "global_step2" / "rank_00000_optim_states.pt"
+    path = directory / "global_step2" / "mp_rank_00_000_model_states.pt"
     path.write_bytes(path.read_bytes()[:-1000])  # a copy cut short
     before = _contents(directory)
     proc = run_cli(*SMALL, "--train_iters=4", f"--load={directory}", f"--save={directory}", expect_ok=False)
@@ -87,15 +87,17 @@ def test_truncated_file_stops_the_run_with_one_message_and_touches_nothing(ckpt,
 
 def test_flipped_byte_is_found_before_the_tensors_are_read(ckpt, tmp_path):
     directory = shutil.copytree(ckpt, tmp_path / "run")
-    path = directory / "global_step2" / "mp_rank_00_000_model_states.pt"
-    content = bytearray(path.read_bytes())
-    content[len(content) // 2] ^= 0x04  # one bit, inside a weight's bytes
-    path.write_bytes(bytes(content))
-    torch.load(path, weights_only=False)  # torch reads it without a word: only the checksum can tell
-    with pytest.raises(ValueError, match=r"mp_rank_00_000_model_states.pt: its CRC-32 is [0-9a-f]{8} where the "
-                                         r"manifest says [0-9a-f]{8}: it is corrupt .* resume from global_step1"):
-        checkpoint.load(str(directory / "global_step2"))
-    with pytest.raises(ValueError, match="its CRC-32 is"):
+    # the optimizer file, then the model file too (read first): each named in turn
+    for name in ("rank_00000_optim_states.pt", "mp_rank_00_000_model_states.pt"):
+        path = directory / "global_step2" / name
+        content = bytearray(path.read_bytes())
+        content[len(content) // 2] ^= 0x04  # one bit, inside a tensor's bytes
+        path.write_bytes(bytes(content))
+        torch.load(path, weights_only=False)  # torch reads it without a word: only the checksum can tell
+        with pytest.raises(ValueError, match=rf"{name}: its CRC-32 is [0-9a-f]{{8}} where the manifest says "
+                                             r"[0-9a-f]{8}: it is corrupt .* resume from global_step1"):
+            checkpoint.load(str(directory / "global_step2"))
+    with pytest.raises(ValueError, match="mp_rank_00_000_model_states.pt: its CRC-32 is"):
         sample.load_model(str(directory), "cpu")
 
 
