@@ -169,20 +169,25 @@ def test_check_tool_finds_damaged_and_drifted_files(tp2pp2, tmp_path, capsys):
     assert f"FAIL {shard}: it is truncated or overwritten" in proc.stdout
     assert f"FAIL {tag_dir / 'rank_00002_optim_states.pt'}: it is missing" in proc.stdout
 
-    # A LayerNorm drifted on TP rank 1 (lesson 18), written with a manifest that matches: the files are whole,
-    # the model is not.
-    directory = shutil.copytree(tp2pp2, tmp_path / "drift")
+    # Whole files whose contents are wrong, each rewritten with a manifest that matches: a LayerNorm drifted on
+    # TP rank 1 (lesson 18); on the last stage, a parameter gone and one of another shape.
+    directory = shutil.copytree(tp2pp2, tmp_path / "wrong")
     tag_dir = str(directory / "global_step1")
-    manifest = checkpoint.read_manifest(tag_dir)
-    g = parallel.Grid(2, 2, world_size=4, rank=1)  # TP rank 1, stage 0
-    blob = torch.load(checkpoint.model_file(tag_dir, g), weights_only=False)
-    blob["model"]["blocks.0.ln_1.weight"][3] += 1e-3
-    manifest["files"].update(checkpoint.write_files(tag_dir, blob["model"], blob["run"], {"optimizer": {}},
-                                                    True, g))
-    checkpoint.write_manifest(tag_dir, [manifest["files"]], g)
+    files = checkpoint.read_manifest(tag_dir)["files"]
+    for rank, change in ((1, lambda m: m["blocks.0.ln_1.weight"][3].add_(1e-3)),
+                         (2, lambda m: (m.pop("ln_f.bias"), m.update({"blocks.3.mlp.fc1.weight": torch.zeros(3)})))):
+        g = parallel.Grid(2, 2, world_size=4, rank=rank)
+        blob = torch.load(checkpoint.model_file(tag_dir, g), weights_only=False)
+        change(blob["model"])
+        files.update(checkpoint.write_files(tag_dir, blob["model"], blob["run"], {"optimizer": {}}, True, g))
+    checkpoint.write_manifest(tag_dir, [files], g)
     assert check_checkpoint.main([str(directory)]) == 1
     out = capsys.readouterr().out
     assert "mp_rank_01_000_model_states.pt: blocks.0.ln_1.weight differs from TP rank 0's copy" in out, out
+    assert "mp_rank_00_001_model_states.pt: ln_f.bias is missing" in out
+    assert "mp_rank_00_001_model_states.pt: blocks.3.mlp.fc1.weight has shape (3,), the stored config's model " \
+           "(64, 32)" in out
+    assert out.count("FAIL") == 3
 
 
 def test_sample_reads_a_tp2_pp2_checkpoint(tp2pp2, capsys):

@@ -71,18 +71,20 @@ def check_model(tag_dir, topology):
             with torch.device("meta"):
                 stage = GPT(cfg, stages[pp], g.is_first_stage, g.is_last_stage, grid=g)
             have, where = layout.model(tp, pp)["model"], checkpoint.model_file(tag_dir, g)
-            for name, p in stage.named_parameters():
+            first = layout.model(0, pp)["model"]
+            params = dict(stage.named_parameters())
+            for name, p in params.items():
                 if name not in have:
                     problems.append(f"{where}: {name} is missing (the stored config's model has it)")
                 elif have[name].shape != p.shape:
                     problems.append(f"{where}: {name} has shape {tuple(have[name].shape)}, the stored config's "
                                     f"model {tuple(p.shape)}")
-                elif tp > 0 and getattr(p, "tp_dim", None) is None and not torch.equal(
-                        have[name], layout.model(0, pp)["model"][name]):
+                elif tp > 0 and getattr(p, "tp_dim", None) is None and name in first and not torch.equal(
+                        have[name], first[name]):
                     problems.append(f"{where}: {name} differs from TP rank 0's copy (replicated parameters must be "
                                     "identical, lesson 18)")
             problems += [f"{where}: {name} is not a parameter of the stored config's model"
-                         for name in have if name not in dict(stage.named_parameters())]
+                         for name in have if name not in params]
     if layout.pp > 1 and not problems:
         for tp in range(layout.tp):
             first, last = layout.model(tp, 0)["model"], layout.model(tp, layout.pp - 1)["model"]
