@@ -20,7 +20,6 @@ import socket
 import time
 from dataclasses import fields
 
-import torch
 import torch.distributed as dist
 
 import checkpoint

@@ -19,6 +19,7 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 import parallel
