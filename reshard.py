@@ -24,10 +24,14 @@ draws fresh streams seeded from seed + iteration, and says so; bitsandbytes' 8-b
 changes (their quantization blocks run along the flattened tensor, which a new TP cut would split) and
 DeepSpeed's optimizer states (its own format): both are refused with the fix (the old layout, or no_load_optim).
 """
+import os
+from dataclasses import fields
+
 import torch
 
 import checkpoint
 import parallel
+from model import GPT, GPTConfig
 
 VOCAB_PARAMS = ("embed.word.weight", "output_weight")  # rows are the padded vocabulary
 TIED_COPY = {"output_weight": "embed.word.weight"}  # the last stage's copy of the tied word embedding
@@ -278,3 +282,24 @@ def load(tag_dir, saved_topology, model, optimizer, cfg, need_optimizer=True):
                              "or set no_load_optim (the weights are resharded, the optimizer starts fresh)")
         optimizer_state = resharder.optimizer_state(optimizer, model, cfg.use_bnb_optimizer)
     return model_state, layout.run, {"optimizer": optimizer_state, "rng": None}
+
+
+def load_full_model(load_dir):
+    """The model of load_dir's latest checkpoint, whatever its layout, gathered into this one process (TP=1,
+    PP=1, the vocabulary padded for one process), on the CPU in eval mode: (GPT, the checkpoint's training config
+    as a dict, its tag directory). What tools/sample.py and tools/export_hf.py read."""
+    if parallel.grid.world_size != 1:
+        raise ValueError("a checkpoint is gathered into one process: run this as one process")
+    if not os.path.isdir(load_dir):
+        raise ValueError(f"checkpoint directory {load_dir} does not exist")
+    tag_dir = checkpoint.latest_dir(load_dir)
+    if tag_dir is None:
+        raise ValueError(f"{load_dir} holds no checkpoint (no '{checkpoint.LATEST}' file)")
+    layout = SavedLayout(tag_dir, checkpoint.saved_topology(tag_dir))
+    saved = layout.config
+    cfg = GPTConfig(**{f.name: saved[f.name] for f in fields(GPTConfig) if f.name in saved})
+    cfg.tensor_model_parallel_size = 1
+    with torch.device("cpu"):
+        gpt = GPT(cfg).eval()
+    gpt.load_state_dict(Resharder(layout, gpt).model_state())
+    return gpt, saved, tag_dir

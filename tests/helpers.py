@@ -7,6 +7,7 @@
 - end to end: launch() runs train.py under torchrun on the `synthetic_corpus` fixture with E2E_ARGS, a Run holds
   its log lines and TensorBoard scalars, assert_same_training / assert_replicas_identical / dumps compare runs;
 - a tokenizer.json trained on one play (build_tokenizer_file, play_corpus).
+- a checkpoint of any layout written from one process (write_checkpoint).
 """
 import contextlib
 import importlib.metadata
@@ -288,3 +289,34 @@ def play_corpus(tokenizer_file, tmp_path):
     data.write_indexed_dataset(prefix, [data.get_tokenizer(tokenizer_file).encode_ordinary(text[i:i + 4000]) + [2]
                                         for i in range(0, len(text), 4000)])
     return prefix
+
+
+# -----------------------------------------------------------------------------
+# A checkpoint of any layout, written from one process
+
+
+def write_checkpoint(directory, argv, fill, iteration=1):
+    """Write DIRECTORY/global_stepITERATION as the ranks of the layout in argv (config keys as on the command
+    line; DP=1) would: each rank's stage is built on a grid on paper and fill(stage) sets its weights (e.g.
+    hf.load_into). Files, manifest and `latest` as checkpoint.save writes them. Returns the tag directory."""
+    import arguments
+    import checkpoint
+    import parallel
+    from model import GPT, GPTConfig
+    cfg = arguments.load_config(argv)
+    tp, pp = cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size
+    run = {"state": {"iteration": iteration}, "config": arguments.to_dict(cfg)}
+    tag_dir = os.path.join(directory, f"global_step{iteration}")
+    os.makedirs(tag_dir)
+    entries = []
+    for rank in range(tp * pp):
+        g = parallel.Grid(tp, pp, world_size=tp * pp, rank=rank)
+        layers = parallel.partition_layers(cfg.num_layers, pp, cfg.pp_partition_method)[g.pp_rank]
+        stage = GPT(GPTConfig.from_config(cfg), layers, g.is_first_stage, g.is_last_stage, grid=g)
+        fill(stage)
+        entries.append(checkpoint.write_files(tag_dir, stage.state_dict(), run, {"optimizer": {}, "rng": None},
+                                              write_model_state=True, g=g))
+    checkpoint.write_manifest(tag_dir, entries, g)
+    with open(os.path.join(directory, checkpoint.LATEST), "w") as f:
+        f.write(f"global_step{iteration}\n")
+    return tag_dir

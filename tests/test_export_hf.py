@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import data
+import reshard
 from helpers import ROOT, build_tokenizer_file, corpus, launch, losses, play_corpus, run_main  # noqa: F401
 from model import GPTConfig
 
@@ -70,7 +71,7 @@ def play(tmp_path_factory):
 
 def _greedy_matches(hf, tok, gpt_dir, prompt="ROMEO:\n", new=16):
     ids = torch.tensor([tok(prompt)["input_ids"]])
-    gpt, _, _ = export_hf.load_full_model(gpt_dir)
+    gpt, _, _ = reshard.load_full_model(gpt_dir)
     ours = gpt.generate(ids, new, top_k=1)  # top-1 sampling is greedy
     theirs = hf.generate(ids, max_new_tokens=new, do_sample=False, min_new_tokens=new)
     assert ours.tolist() == theirs.tolist(), (tok.decode(ours[0]), tok.decode(theirs[0]))
