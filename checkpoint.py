@@ -278,21 +278,21 @@ def check_file(path, manifest):
 
 
 _verified = set()  # (path, size, mtime) of the files already checked by this process
-_warned_no_manifest = False
+warned_no_manifest = False
 
 
 def verify(path):
     """Check one checkpoint file against its directory's manifest before its tensors are read: one ValueError
     naming the file, what is wrong and the earlier checkpoint to resume from. A checkpoint without a manifest
     (written by an older version) is read unchecked, with a note the first time."""
-    global _warned_no_manifest
+    global warned_no_manifest
     tag_dir = os.path.dirname(path)
     manifest = read_manifest(tag_dir)
     if manifest is None:
-        if not _warned_no_manifest and parallel.grid.rank == 0:
+        if not warned_no_manifest and parallel.grid.rank == 0:
             print(f"note: checkpoint {tag_dir} has no {MANIFEST} (written by an older version): its files are read "
                   "without checking their sizes and checksums", flush=True)
-        _warned_no_manifest = True
+        warned_no_manifest = True
         return
     stat = os.stat(path)
     key = (os.path.realpath(path), stat.st_size, stat.st_mtime_ns)

@@ -9,6 +9,7 @@ import os
 
 import torch
 
+import arguments
 import parallel
 from model import GPT, GPTConfig
 
@@ -30,6 +31,7 @@ def dry_run(cfg, world_size=None, file=None):
         raise ValueError(f"WORLD_SIZE {world} is not divisible by tensor_model_parallel_size ({tp}) x "
                          f"pipeline_model_parallel_size ({pp}); set WORLD_SIZE to a multiple of {tp * pp}")
     dp = world // (tp * pp)
+    arguments.prepare(cfg, world, reads_data=False)  # a layout that cannot train is refused here too
     partition = parallel.partition_layers(cfg.num_layers, pp, cfg.pp_partition_method)
     model_cfg, stages = GPTConfig.from_config(cfg), []
     for stage in range(pp):

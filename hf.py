@@ -200,7 +200,8 @@ def _hf_config(directory):
         refusals += [
             (theirs.activation_function not in GPT2_ACTIVATIONS_IN,
              f"activation_function={theirs.activation_function!r}: not one of {sorted(GPT2_ACTIVATIONS_IN)}"),
-            (theirs.n_inner not in (None, 4 * theirs.n_embd), f"n_inner={theirs.n_inner}: stablegpt's MLP is 4 x n_embd wide"),
+            (theirs.n_inner not in (None, 4 * theirs.n_embd),
+             f"n_inner={theirs.n_inner}: stablegpt's MLP is 4 x n_embd wide"),
             (not theirs.scale_attn_weights, "scale_attn_weights=false: attention scores without 1/sqrt(head_dim)"),
             (theirs.scale_attn_by_inverse_layer_idx, "scale_attn_by_inverse_layer_idx=true: scores divided by the "
                                                  "layer number"),

@@ -6,7 +6,7 @@ over tensor- and pipeline-parallel ranks (a pipeline stage builds only its own l
 
 Switches, each from a lesson of docs/lessons.md (README has the table):
 - embed_layernorm, embed_init, embed_init_std: bitsandbytes' StableEmbedding (LayerNorm on the word embeddings,
-  xavier-uniform init) -- the lever that tamed the tr8b-104B spikes (lessons 1, 2).
+  xavier-uniform init): it helped the tr8b-104B a lot, and that run still diverged (lessons 1, 2).
 - init_method_std="small_init": sqrt(2/(5h)) from "Transformers without Tears" (lesson 3); the output layers of
   every block are further scaled by 1/sqrt(2*num_layers) as in Megatron.
 - apply_query_key_layer_scaling (Megatron) and stable_attention (q and k each scaled by d^-1/4, tried on the
@@ -54,7 +54,7 @@ class GPTConfig:
     layernorm_epsilon: float = 1e-5  # LayerNorm's epsilon
     checkpoint_activations: bool = False  # recompute each block's activations in backward (memory for compute)
     # -- stability: the switches of the 104B, 176B and OPT-175B runs --
-    activation: str = "gelu"  # gelu (Megatron, erf) | gelu_tanh (GPT-2) | relu (OPT)
+    activation: str = "gelu"  # gelu (exact, erf) | gelu_tanh (GPT-2, Megatron's fused bias-GeLU) | relu (OPT)
     init_method_std: float | str = 0.02  # std of the init, or "small_init" = sqrt(2/(5*hidden_size))
     embed_init: str = "normal"  # word embedding init: normal | xavier_uniform
     embed_init_std: float | None = None  # std of the normal embedding init; None: init_method_std

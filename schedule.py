@@ -81,9 +81,12 @@ class Schedule:
         return self.lr_schedule.describe()
 
     def _done(self, iteration, samples, tokens):
+        """Megatron's update_train_iters: a last batch that would go past train_samples is not run
+        (tr8b-104B's 300M samples are "159576" iterations, not 159577)."""
         cfg = self.cfg
         return ((cfg.train_iters is not None and iteration >= cfg.train_iters)
-                or (cfg.train_samples is not None and samples >= cfg.train_samples)
+                or (cfg.train_samples is not None
+                    and samples + self.batch_size(samples) > cfg.train_samples)
                 or (cfg.train_tokens is not None and tokens >= cfg.train_tokens))
 
     def _simulate(self):
@@ -145,7 +148,8 @@ def warmed_up(cfg, state):
 # -----------------------------------------------------------------------------
 # Batch-size ramp-up (Megatron's --rampup-batch-size "start incr samples"). Small batches early are cheap
 # steps while the loss falls fast; lesson 12 is the flip side: with pipeline parallelism a start batch too
-# small to fill the pipeline runs at a fraction of the throughput, hence "384 16 9_765_625" there.
+# small to fill the pipeline runs at a fraction of the throughput: main-2 tried "384 16 9_765_625", the final
+# run started at 192.
 
 class RampupBatchSize:
     def __init__(self, rampup, global_batch_size: int, micro_batch_size: int, data_parallel_size: int):

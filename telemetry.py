@@ -5,7 +5,7 @@ Every `telemetry_interval` iterations, per layer (embedding, blocks 1..L, final 
   grad norm, parameter norm, update/parameter RMS ratio (|p_after - p_before| / |p_after|),
   RMS of the block's output, the largest pre-softmax attention logit,
 and for the model: the mean and largest log-sum-exp of the output logits (log Z, the quantity z-loss keeps near
-0, lesson 20) and the word-embedding norm (the 104B's embedding grew before its spikes, lesson 1).
+0, lesson 20) and the word-embedding norm (what the embedding LayerNorm of lesson 1 holds in check).
 
 Norms are taken with foreach ops over the parameters that make up the model exactly once (parallel's
 counted_once rule), summed into per-layer slots on the device, and every statistic takes part in one SUM and

@@ -105,7 +105,7 @@ def test_checkpoint_without_a_manifest_loads_with_one_note(ckpt, tmp_path, capsy
     directory = shutil.copytree(ckpt, tmp_path / "old")
     for tag in ("global_step1", "global_step2"):
         os.remove(directory / tag / checkpoint.MANIFEST)
-    monkeypatch.setattr(checkpoint, "_warned_no_manifest", False)
+    monkeypatch.setattr(checkpoint, "warned_no_manifest", False)
     assert checkpoint.saved_topology(str(directory / "global_step2"))["data_parallel_size"] == 1
     model, run, rank = checkpoint.load(str(directory / "global_step2"))
     checkpoint.load(str(directory / "global_step1"))

@@ -5,8 +5,9 @@
 The target class follows from the model's config: learned positions without the embedding LayerNorm are
 GPT2LMHeadModel, ALiBi with the embedding LayerNorm is BloomForCausalLM (lesson 19); anything the class cannot
 compute exactly (learned positions with the embedding LayerNorm, NormFormer, ReLU in BLOOM, rotary embeddings,
-a config key a fork added, ...) is refused with its name. The output directory gets model.safetensors, config.json and the tokenizer the data was prepared with
-(the tokenizer_file's tokenizer.json, or GPT-2's vocab.json/merges.txt). Afterwards the export is loaded back
+a config key a fork added, ...) is refused with its name. The output directory gets model.safetensors,
+config.json and the tokenizer the data was prepared with (the tokenizer_file's tokenizer.json, or GPT-2's
+vocab.json/merges.txt). Afterwards the export is loaded back
 with transformers and its logits are compared with the checkpoint's own model on a few sequences; the largest
 difference is printed, and more than 1e-5 (float32 export) fails the export.
 
