@@ -1,4 +1,4 @@
-"""Tests marked `cuda` need an NVIDIA GPU: without one they are skipped, with one `python -m pytest -m cuda` runs them."""
+"""Tests marked `cuda` need an NVIDIA GPU: skipped without one; with one, `python -m pytest -m cuda` runs them."""
 import pytest
 import torch
 

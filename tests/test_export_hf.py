@@ -33,7 +33,8 @@ TINY = ["--num_layers=2", "--hidden_size=32", "--num_attention_heads=4", "--seq_
     (dict(scale_embeddings=True), "scale_embeddings=True"),
     (dict(qk_layernorm=True), "qk_layernorm=True"),
     (dict(position_embedding_type="rotary"), "position_embedding_type='rotary'"),
-    (dict(position_embedding_type="rotary", embed_layernorm=True, activation="gelu_tanh"), "neither has rotary embeddings"),
+    (dict(position_embedding_type="rotary", embed_layernorm=True, activation="gelu_tanh"),
+     "neither has rotary embeddings"),
 ])
 def test_what_neither_class_expresses_is_refused(switches, message):
     with pytest.raises(ValueError, match=message):
