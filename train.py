@@ -216,9 +216,11 @@ def build_model(cfg, device):
     its gradients accumulate and are all-reduced in (DeepSpeed brings its own)."""
     g = parallel.grid
     layers = parallel.partition_layers(cfg.num_layers, g.pp_size, cfg.pp_partition_method)[g.pp_rank]
+    # Allocated on the device directly; the weights are drawn once, on the CPU (GPT.init_weights), for this rank's
+    # slice only, and copied in. The ambient device is only where the parameters are allocated.
     with torch.device(device):
-        model = GPT(GPTConfig.from_config(cfg), layers, pre_process=g.is_first_stage, post_process=g.is_last_stage)
-    model.init_weights(cfg.seed)
+        model = GPT(GPTConfig.from_config(cfg), layers, pre_process=g.is_first_stage, post_process=g.is_last_stage,
+                    seed=cfg.seed)
     model.to(precision.compute_dtype(cfg))
     if not cfg.deepspeed:
         parallel.attach_grad_buffer(model, precision.grad_dtype(cfg))
