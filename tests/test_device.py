@@ -11,6 +11,8 @@ Every user trains on NVIDIA GPUs and no GPU runs these tests, so what would brea
 """
 import pytest
 import torch
+import torch.distributed as dist
+from torch.overrides import TorchFunctionMode
 
 import model as model_module
 import parallel
@@ -125,3 +127,212 @@ def test_no_rank_holds_a_full_tensor(monkeypatch):
             tp_dim = getattr(p, "tp_dim", None)
             assert torch.equal(p, parallel.shard(dict(whole.named_parameters())[name], tp_dim,
                                                  parallel.Grid(2, 1, world_size=2, rank=rank))), name
+
+
+# -----------------------------------------------------------------------------
+# The audit: host syncs and collectives, recorded
+
+
+# What makes the host wait for the device: a value read (item, tolist, float, bool, ...) or a blocking copy out.
+HOST_READS = {"item", "tolist", "numpy", "__bool__", "__float__", "__int__", "__index__", "cpu"}
+# What NCCL's all-reduce, broadcast, all-gather and send/recv take (no bool, int16, complex).
+NCCL_DTYPES = {torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8, torch.uint8, torch.int32,
+               torch.int64}
+OBJECT_COLLECTIVES = ("all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list",
+                      "send_object_list", "recv_object_list")
+COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter",
+               "reduce_scatter_tensor", "reduce", "gather", "scatter", "all_to_all", "all_to_all_single", "send",
+               "recv", "isend", "irecv", "batch_isend_irecv", "barrier", "all_gather_coalesced",
+               "all_reduce_coalesced", "monitored_barrier") + OBJECT_COLLECTIVES
+
+
+class HostSyncs(TorchFunctionMode):
+    """Counts the host syncs on tensors of `device` (the model's). On the meta device, where nothing has a value,
+    a read gets a stand-in (ones: a finite loss and grad norm, so the step goes on to the update) and a copy to
+    the host leaves the destination as it is; the count is what a GPU would wait for."""
+
+    def __init__(self, device):
+        super().__init__()
+        self.device, self.syncs = torch.device(device), []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        t = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if name == "copy_" and len(args) > 1 and isinstance(args[1], torch.Tensor):  # host.copy_(device tensor)
+            if args[0].device.type == "cpu" and args[1].device.type == self.device.type != "cpu":
+                if not kwargs.get("non_blocking", args[2] if len(args) > 2 else False):
+                    self.syncs.append("copy_")
+                return args[0] if self.device.type == "meta" else func(*args, **kwargs)
+        if t is None or t.device.type != self.device.type:
+            return func(*args, **kwargs)
+        if name == "to" or name == "cpu":
+            to = {k: v for k, v in kwargs.items() if k != "copy"}
+            target, dtype, non_blocking, _ = torch._C._nn._parse_to(*args[1:], **to) if name == "to" else (
+                torch.device("cpu"), None, False, None)
+            if target is None or target.type != "cpu":
+                return func(*args, **kwargs)
+            if not non_blocking:
+                self.syncs.append(name)
+            if self.device.type == "meta":
+                return torch.ones(t.shape, dtype=dtype or t.dtype)
+            return func(*args, **kwargs)
+        if name in HOST_READS:
+            self.syncs.append(name)
+            if self.device.type == "meta":
+                stand_in = torch.ones(t.shape, dtype=t.dtype)
+                return getattr(stand_in, name)(*args[1:], **kwargs)
+        return func(*args, **kwargs)
+
+
+class Collectives:
+    """Every torch.distributed collective and point-to-point call, recorded with its tensors: `with
+    Collectives(run=False)` records without communicating (a rank of a layout simulated in one process, its
+    groups sentinels), run=True wraps the real calls of a multi-process run. `phase` labels what is recorded
+    (train_step sets it to "loop" in the runs below)."""
+
+    def __init__(self, run=True):
+        self.run, self.calls, self.phase, self.patched = run, [], "setup", []
+
+    def __enter__(self):
+        for name in COLLECTIVES:
+            if hasattr(dist, name):
+                self.patched.append((name, getattr(dist, name)))
+                setattr(dist, name, self._wrap(name, getattr(dist, name)))
+        if not self.run:
+            self.patched.append(("P2POp", dist.P2POp))
+            dist.P2POp = lambda op, tensor, peer, group=None, tag=0: (op, tensor, peer)
+        return self
+
+    def __exit__(self, *exc):
+        for name, original in reversed(self.patched):
+            setattr(dist, name, original)
+
+    def _wrap(self, name, original):
+        def call(*args, **kwargs):
+            tensors = [t for a in (*args, *kwargs.values()) for t in _tensors(a)]
+            self.calls.append((self.phase, name, tensors))
+            if self.run:
+                return original(*args, **kwargs)
+            handle = _Done()
+            return [handle] * len(args[0]) if name == "batch_isend_irecv" else handle if kwargs.get("async_op") \
+                else None
+        return call
+
+    def problems(self, device):
+        """What NCCL would refuse, or what would sync the host inside the training loop."""
+        out = []
+        for phase, name, tensors in self.calls:
+            if name in OBJECT_COLLECTIVES and phase == "loop":
+                out.append(f"{name}: an object collective inside the training loop (pickles and syncs the host)")
+            for t in tensors:
+                if t.device.type != torch.device(device).type:
+                    out.append(f"{name} ({phase}): a tensor on {t.device}, not the model's device {device}")
+                if not t.is_contiguous():
+                    out.append(f"{name} ({phase}): a non-contiguous tensor")
+                if t.dtype not in NCCL_DTYPES:
+                    out.append(f"{name} ({phase}): dtype {t.dtype}, which NCCL does not take")
+        return out
+
+
+class _Done:
+    def wait(self):
+        return True
+
+    def is_completed(self):
+        return True
+
+
+def _tensors(a):
+    if isinstance(a, torch.Tensor):
+        return [a]
+    if isinstance(a, (list, tuple)):
+        return [t for x in a for t in _tensors(x)]
+    return []
+
+
+# -----------------------------------------------------------------------------
+# One training step with every tensor on the meta device
+
+
+META_ARGV = ["--num_layers=4", "--hidden_size=32", "--num_attention_heads=4", "--seq_length=16",
+             "--vocab_size=50257", "--micro_batch_size=2", "--log_interval=1", "--telemetry_interval=1",
+             "--spike_guard", "--spike_guard_snapshot_interval=1", "--exit_signal_handler", "--save=none",
+             "--save_interval=none", "--hidden_dropout=0.1", "--attention_dropout=0.1"]
+
+
+def _meta_step(monkeypatch, extra, tp=1, pp=1, dp=1, rank=0, micro_batches=2):
+    """Build rank `rank` of a TP x PP x DP layout on the meta device, in this process, and run one iteration of
+    the loop on it: train_step (forward, backward, reductions, grad norm, zero count, loss scaler, clipping,
+    optimizer), telemetry, the spike guard's update and snapshot, the exit signal. Collectives are recorded and
+    not run (their groups are sentinels). Returns (the Step, the host syncs, the collectives)."""
+    import arguments
+    import safety
+    import schedule
+    import spike_guard
+    import telemetry
+    world = tp * pp * dp
+    cfg = arguments.load_config(META_ARGV + [f"--tensor_model_parallel_size={tp}",
+                                             f"--pipeline_model_parallel_size={pp}",
+                                             f"--global_batch_size={2 * micro_batches * dp}", *extra])
+    cfg = arguments.prepare(cfg, world)
+    grid = parallel.Grid(tp, pp, world_size=world, rank=rank)
+    for group in ("tp_group", "dp_group", "pp_group", "mp_group", "embedding_group"):
+        setattr(grid, group, group)  # sentinels: Collectives(run=False) communicates nothing
+    meta = torch.device("meta")
+    monkeypatch.setattr(parallel, "grid", grid)
+    monkeypatch.setattr(parallel, "comm_device", lambda backend=None: meta)  # NCCL's: the model's GPU
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: world)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: rank)
+    plan = schedule.Schedule(cfg, dp)
+    with Collectives(run=False) as comms:
+        parts = train.build(cfg, grid, plan, meta)
+        assert all(p.is_meta for p in parts.model.parameters())
+        recorder, snapshots = telemetry.Telemetry(parts.model, cfg), spike_guard.Snapshots(cfg)
+        exit_signal = safety.ExitSignal(True)
+        ids = torch.zeros(cfg.micro_batch_size, cfg.seq_length, dtype=torch.int64, device=meta)
+        batches = [(ids, ids)] * micro_batches
+        syncs = HostSyncs(meta)
+        comms.phase = "loop"
+        try:
+            with syncs:
+                recorder.begin()
+                step = train.train_step(parts.model, parts.optimizer, parts.scaler, batches, 1e-4, cfg, meta,
+                                        count_zeros=True, probe=recorder)
+                recorder.finish()
+                parts.guard.update(1, step.outcome, step.loss, step.grad_norm, parts.scaler)
+                parts.state.advance(cfg.global_batch_size, cfg.seq_length, applied=step.outcome == "ok")
+                exit_signal()
+                in_step = list(syncs.syncs)
+                snapshots.maybe_take(1, parts)  # every spike_guard_snapshot_interval iterations, not each one
+        finally:
+            exit_signal.restore()
+    assert snapshots.items
+    return step, in_step, comms
+
+
+LAYOUTS = {"one process": {}, "TP2": dict(tp=2, rank=1), "PP2 first": dict(pp=2, rank=0),
+           "PP2 last": dict(pp=2, rank=1), "DP2 ZeRO-1": dict(dp=2, rank=1, extra=["--zero_stage=1"])}
+
+
+@pytest.mark.parametrize("precision", ["--fp16", "--bf16"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_train_step_on_meta(monkeypatch, layout, precision):
+    """One iteration of the loop with every tensor on the meta device, the stand-in for CUDA here: a meta tensor
+    has a device but no data, so an op that mixes it with a CPU tensor raises as it would with a CUDA tensor,
+    a tensor made on the CPU by mistake (a missing device=) fails at its first use with the model's, and a read
+    of a value would fail if HostSyncs did not count it. Every collective takes tensors on the model's device,
+    contiguous, in a dtype NCCL takes; the host syncs are as many with 8 micro-batches as with 2."""
+    kw = dict(LAYOUTS[layout])
+    extra = kw.pop("extra", []) + [precision]
+    step, syncs_2, comms = _meta_step(monkeypatch, extra, **kw, micro_batches=2)
+    assert step.outcome == "ok"  # the update ran
+    assert comms.problems("meta") == []
+    if kw:  # a layout of several ranks communicates inside the step
+        assert any(phase == "loop" for phase, _, _ in comms.calls)
+    _, syncs_8, _ = _meta_step(monkeypatch, extra, **kw, micro_batches=8)
+    assert syncs_8 == syncs_2
+    # one copy of the step's numbers (loss, grad norm, zero count), telemetry's two lists (on its iterations only),
+    # one read of the exit flag: nothing per micro-batch, nothing per parameter
+    assert syncs_2 == ["cpu", "tolist", "tolist", "item"]
