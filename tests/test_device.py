@@ -17,6 +17,7 @@ from torch.overrides import TorchFunctionMode
 import model as model_module
 import parallel
 import train
+from helpers import E2E_ARGS, spawn, synthetic_corpus  # noqa: F401 (synthetic_corpus: a fixture)
 from model import GPT, GPTConfig, draw_slice
 
 CFG = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=1000,
@@ -196,7 +197,8 @@ class Collectives:
 
     def __enter__(self):
         for name in COLLECTIVES:
-            if hasattr(dist, name):
+            # isend/irecv inside a P2POp must stay torch's own (P2POp checks): batch_isend_irecv records them
+            if hasattr(dist, name) and name not in ("isend", "irecv"):
                 self.patched.append((name, getattr(dist, name)))
                 setattr(dist, name, self._wrap(name, getattr(dist, name)))
         if not self.run:
@@ -246,6 +248,8 @@ class _Done:
 def _tensors(a):
     if isinstance(a, torch.Tensor):
         return [a]
+    if isinstance(a, dist.P2POp):
+        return [a.tensor]
     if isinstance(a, (list, tuple)):
         return [t for x in a for t in _tensors(x)]
     return []
@@ -336,3 +340,47 @@ def test_train_step_on_meta(monkeypatch, layout, precision):
     # one copy of the step's numbers (loss, grad norm, zero count), telemetry's two lists (on its iterations only),
     # one read of the exit flag: nothing per micro-batch, nothing per parameter
     assert syncs_2 == ["cpu", "tolist", "tolist", "item"]
+
+
+# -----------------------------------------------------------------------------
+# Two gloo processes: every collective of the real runs
+
+
+def _audited_runs(corpus, layouts):
+    """train.main for each layout in turn on this rank, every collective recorded; raises what NCCL would refuse
+    or what syncs the host inside the loop (the loop: from the first train_step on)."""
+    import contextlib
+    import io
+    original = train.train_step
+    for layout in layouts:
+        with Collectives(run=True) as comms:
+            def train_step(*a, **k):
+                comms.phase = "loop"
+                return original(*a, **k)
+            train.train_step = train_step
+            try:
+                with contextlib.redirect_stdout(io.StringIO()):
+                    train.main([*E2E_ARGS, f"--data_path={corpus}", "--train_iters=3", "--exit_signal_handler",
+                                *layout])
+            finally:
+                train.train_step = original
+        assert any(phase == "loop" for phase, _, _ in comms.calls), layout
+        problems = comms.problems("cpu")  # gloo's device and the model's (the meta test checks the device apart)
+        assert not problems, f"{layout}: {sorted(set(problems))}"
+
+
+@pytest.mark.slow
+def test_collectives_of_two_process_runs(synthetic_corpus):
+    """TP2, PP2 and DP2 with ZeRO-1 (fp16 on PP2: the loss scaler's path), 3 iterations each on 2 gloo processes:
+    every collective and point-to-point call takes contiguous tensors of a dtype NCCL takes, and no object
+    collective happens inside the loop (the exit signal used to all-gather a Python object every iteration)."""
+    spawn(_audited_runs, 2, 1, 1, synthetic_corpus,
+          [["--tensor_model_parallel_size=2", "--telemetry_interval=2"],
+           ["--pipeline_model_parallel_size=2", "--fp16"], ["--zero_stage=1", "--bf16"]])
+
+
+@pytest.mark.slow
+def test_collectives_of_a_two_process_deepspeed_run(synthetic_corpus):
+    """DeepSpeed ZeRO-1 bf16 on 2 gloo processes: the same audit, DeepSpeed's own collectives included."""
+    pytest.importorskip("deepspeed")
+    spawn(_audited_runs, 2, 1, 1, synthetic_corpus, [["--deepspeed", "--zero_stage=1", "--bf16"]])
