@@ -89,7 +89,7 @@ def run(cfg, grid, exit_signal):
 
     report = Report(cfg, schedule, parts.model)
     snapshots = spike_guard.Snapshots(cfg)
-    recorder = telemetry.Telemetry(parts.model, cfg) if cfg.telemetry_interval else None
+    recorder = telemetry.Telemetry(parts.model, cfg, parts.optimizer) if cfg.telemetry_interval else None
     first_iteration, job_start = state.iteration, time.time()
     parts.model.train()
     prefetcher = batch_prefetcher(train_data, schedule, cfg, device)
