@@ -9,6 +9,9 @@ Every user trains on NVIDIA GPUs and no GPU runs these tests, so what would brea
   in a dtype NCCL takes, no object collective inside the training loop;
 - the RNG state saved and restored is the current CUDA device's only.
 """
+import datetime
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -293,7 +296,8 @@ def _meta_step(monkeypatch, extra, tp=1, pp=1, dp=1, rank=0, micro_batches=2):
     with Collectives(run=False) as comms:
         parts = train.build(cfg, grid, plan, meta)
         assert all(p.is_meta for p in parts.model.parameters())
-        recorder, snapshots = telemetry.Telemetry(parts.model, cfg), spike_guard.Snapshots(cfg)
+        recorder = telemetry.Telemetry(parts.model, cfg, parts.optimizer)
+        snapshots = spike_guard.Snapshots(cfg)
         exit_signal = safety.ExitSignal(True)
         ids = torch.zeros(cfg.micro_batch_size, cfg.seq_length, dtype=torch.int64, device=meta)
         batches = [(ids, ids)] * micro_batches
@@ -384,3 +388,114 @@ def test_collectives_of_a_two_process_deepspeed_run(synthetic_corpus):
     """DeepSpeed ZeRO-1 bf16 on 2 gloo processes: the same audit, DeepSpeed's own collectives included."""
     pytest.importorskip("deepspeed")
     spawn(_audited_runs, 2, 1, 1, synthetic_corpus, [["--deepspeed", "--zero_stage=1", "--bf16"]])
+
+
+# -----------------------------------------------------------------------------
+# The process group, the CUDA settings, the RNG state: what a GPU run starts with
+
+
+def test_process_group_binds_the_gpu_and_waits_for_checkpoint_writes(monkeypatch):
+    """Under NCCL: LOCAL_RANK's GPU made current and given as device_id (eager communicators on it); the timeout
+    is the configured one (an hour by default: ranks wait at a barrier while others write a checkpoint)."""
+    import arguments
+    calls = []
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: calls.append(("set_device", device)))
+    monkeypatch.setattr(dist, "init_process_group", lambda *a, **k: calls.append(("init", a, k)))
+    parallel.init(1, 1, backend="nccl", timeout_minutes=arguments.Config().distributed_timeout_minutes)
+    (_, device), (_, args, kwargs) = calls
+    assert device == torch.device("cuda", 1) and args == ("nccl",) and kwargs["device_id"] == device
+    assert kwargs["timeout"].total_seconds() == 3600
+    calls.clear()
+    parallel.init(1, 1, backend="gloo", timeout_minutes=5)
+    assert calls == [("init", ("gloo",), {"timeout": datetime.timedelta(minutes=5), "device_id": None})]
+
+
+def test_cuda_settings(monkeypatch):
+    """tf32 (default on) sets the fp32 matmul precision on CUDA, and only there; train.py asks for expandable
+    segments unless the user configured the allocator, and never on the CPU."""
+    import arguments
+    cfg = arguments.prepare(arguments.load_config(["--device=cuda"]))
+    assert cfg.tf32
+    monkeypatch.setattr(train, "get_device", lambda cfg: torch.device("cuda", 0))
+    previous = torch.get_float32_matmul_precision()
+    try:
+        train.setup(cfg)
+        assert torch.get_float32_matmul_precision() == "high"
+        cfg.tf32 = False
+        train.setup(cfg)
+        assert torch.get_float32_matmul_precision() == "highest"
+        monkeypatch.setattr(train, "get_device", lambda cfg: torch.device("cpu"))
+        cfg.tf32 = True
+        train.setup(cfg)
+        assert torch.get_float32_matmul_precision() == "highest"  # CPU matmuls untouched
+    finally:
+        torch.set_float32_matmul_precision(previous)
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        monkeypatch.delenv(name, raising=False)
+    train.use_expandable_segments(arguments.load_config(["--device=cpu"]))
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in os.environ
+    train.use_expandable_segments(cfg)
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512")
+    train.use_expandable_segments(cfg)
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:512"
+
+
+def test_rng_state_is_the_current_gpus_only(monkeypatch):
+    """A checkpoint holds the current CUDA device's generator state, not every visible device's (which ties it to
+    CUDA_VISIBLE_DEVICES); an older checkpoint's list gives back the current device's entry."""
+    import checkpoint
+    restored = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device="cuda": torch.tensor([7], dtype=torch.uint8))
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device="cuda": restored.append(state))
+
+    def every_device(*args):
+        raise AssertionError("every visible device's RNG state")
+    monkeypatch.setattr(torch.cuda, "get_rng_state_all", every_device)
+    monkeypatch.setattr(torch.cuda, "set_rng_state_all", every_device)
+    state = checkpoint.rng_state()
+    assert torch.equal(state["cuda"], torch.tensor([7], dtype=torch.uint8))
+    checkpoint.set_rng_state(state)
+    older = dict(state, cuda=[torch.tensor([i], dtype=torch.uint8) for i in range(8)])
+    checkpoint.set_rng_state(older)
+    assert [int(s) for s in restored] == [7, 1]
+
+
+# -----------------------------------------------------------------------------
+# Telemetry: the update on the fp32 masters
+
+
+def test_telemetry_update_ratio_on_fp32_masters():
+    """bf16 weights with a small learning rate: most updates are below half a bf16 ulp, so the weights barely
+    move while the fp32 masters do. The update/param ratio is the masters' (|m_after - m_before| / |p|)."""
+    import arguments
+    import telemetry
+    cfg = arguments.prepare(arguments.load_config(["--num_layers=2", "--hidden_size=32", "--num_attention_heads=4",
+                                                   "--seq_length=16", "--vocab_size=512", "--bf16",
+                                                   "--micro_batch_size=2", "--global_batch_size=2",
+                                                   "--telemetry_interval=1", "--hidden_dropout=0",
+                                                   "--attention_dropout=0"]))
+    model = train.build_model(cfg, torch.device("cpu"))
+    optimizer = train.build_optimizer(cfg, model)
+    recorder = telemetry.Telemetry(model, cfg, optimizer)
+    ids = torch.randint(0, 512, (2, 17), generator=torch.Generator().manual_seed(0))
+    masters = [optimizer.main_param(p) for p in model.parameters()]
+    before = [m.detach().clone() for m in masters]
+    weights_before = [p.detach().clone() for p in model.parameters()]
+    recorder.begin()
+    step = train.train_step(model, optimizer, train.build_scaler(cfg), [(ids[:, :-1], ids[:, 1:])], 1e-6, cfg,
+                            torch.device("cpu"), probe=recorder)
+    stats = recorder.finish()
+    assert step.outcome == "ok"
+    update = sum(float((m.detach() - b).double().square().sum()) for m, b in zip(masters, before))
+    weights_moved = sum(int((p != b).sum()) for p, b in zip(model.parameters(), weights_before))
+    param = sum(float(p.double().square().sum()) for p in model.parameters())
+    # per layer, the squares add up: the whole model's ratio from the per-layer ones and norms
+    ratios, norms = stats["update/param rms"], stats["param norm"]
+    total = sum((r * n) ** 2 for r, n in zip(ratios, norms))
+    assert update > 0 and weights_moved < 0.5 * sum(p.numel() for p in model.parameters())
+    assert abs(total - update) <= 1e-3 * update and param > 0
