@@ -499,3 +499,31 @@ def test_telemetry_update_ratio_on_fp32_masters():
     total = sum((r * n) ** 2 for r, n in zip(ratios, norms))
     assert update > 0 and weights_moved < 0.5 * sum(p.numel() for p in model.parameters())
     assert abs(total - update) <= 1e-3 * update and param > 0
+
+
+def _telemetry_with_and_without_zero():
+    import arguments
+    import telemetry
+    stats = {}
+    for zero in (0, 1):
+        cfg = arguments.prepare(arguments.load_config(
+            ["--num_layers=2", "--hidden_size=32", "--num_attention_heads=4", "--seq_length=16", "--vocab_size=512",
+             "--bf16", "--micro_batch_size=2", "--global_batch_size=4", "--hidden_dropout=0",
+             "--attention_dropout=0", f"--zero_stage={zero}"]), 2)
+        model = train.build_model(cfg, torch.device("cpu"))
+        optimizer = train.build_optimizer(cfg, model)
+        recorder = telemetry.Telemetry(model, cfg, optimizer)
+        tokens = torch.randint(0, 512, (2, 17), generator=torch.Generator().manual_seed(parallel.grid.dp_rank))
+        recorder.begin()
+        train.train_step(model, optimizer, train.build_scaler(cfg), [(tokens[:, :-1], tokens[:, 1:])], 1e-3, cfg,
+                         torch.device("cpu"), probe=recorder)
+        stats[zero] = recorder.finish()["update/param rms"]
+    assert all(r > 0 for r in stats[0])
+    for a, b in zip(stats[0], stats[1]):
+        assert abs(a - b) <= 1e-6 * a, (stats[0], stats[1])
+
+
+@pytest.mark.slow
+def test_telemetry_update_ratio_with_zero1_masters():
+    """DP2 with ZeRO-1 (each fp32 master on one DP rank) reports the update/param ratio DP2 without it does."""
+    spawn(_telemetry_with_and_without_zero, 2)
