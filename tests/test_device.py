@@ -20,7 +20,8 @@ from torch.overrides import TorchFunctionMode
 import model as model_module
 import parallel
 import train
-from helpers import E2E_ARGS, spawn, synthetic_corpus  # noqa: F401 (synthetic_corpus: a fixture)
+from helpers import (E2E_ARGS, SMALL, assert_same_training, corpus, launch, losses, run_cli, spawn,  # noqa: F401
+                     synthetic_corpus)  # (corpus, synthetic_corpus: fixtures)
 from model import GPT, GPTConfig, draw_slice
 
 CFG = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=1000,
@@ -527,3 +528,56 @@ def _telemetry_with_and_without_zero():
 def test_telemetry_update_ratio_with_zero1_masters():
     """DP2 with ZeRO-1 (each fp32 master on one DP rank) reports the update/param ratio DP2 without it does."""
     spawn(_telemetry_with_and_without_zero, 2)
+
+
+# -----------------------------------------------------------------------------
+# On a GPU (python -m pytest -m cuda): what the CPU tests stand in for, checked on the real thing
+
+
+GPU = [*SMALL, "--device=cuda", "--deterministic"]
+
+
+@pytest.mark.cuda
+def test_gpu_build_has_the_cpu_weights():
+    """build_model on the GPU (the construction that used to stop every CUDA run) gives the CPU's weights."""
+    import arguments
+    cfg = arguments.prepare(arguments.load_config(["--num_layers=2", "--hidden_size=64", "--num_attention_heads=4",
+                                                   "--seq_length=32", "--embed_layernorm", "--tensor_model_parallel_"
+                                                   "size=1"]))
+    on_cpu = _weights(train.build_model(cfg, torch.device("cpu")))
+    on_gpu = train.build_model(cfg, torch.device("cuda", torch.cuda.current_device()))
+    assert all(p.is_cuda for p in on_gpu.parameters())
+    _assert_same({n: t.cpu() for n, t in _weights(on_gpu).items()}, on_cpu)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("precision", [[], ["--bf16"], ["--fp16"]])
+def test_train_on_a_gpu(corpus, precision):
+    """python train.py --device=cuda in fp32 (TF32 matmuls), bf16 and fp16: builds, trains 3 iterations, finite
+    losses, the log line printed."""
+    got = losses(run_cli(*GPU, "--train_iters=3", *precision).stdout)
+    assert sorted(got) == [1, 2, 3] and all(float(v) == float(v) and float(v) < 20 for v in got.values()), got
+
+
+@pytest.mark.cuda
+def test_resume_on_a_gpu_is_bit_exact(corpus, tmp_path):
+    """bf16 on the GPU, deterministic: 6 iterations straight, or 3 then a resume for 3 more, end with the same
+    weights, bit for bit (the CUDA generator state of this device is in the checkpoint)."""
+    import checkpoint
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    full = losses(run_cli(*GPU, "--bf16", "--train_iters=6", f"--save={straight}").stdout)
+    run_cli(*GPU, "--bf16", "--train_iters=3", f"--save={split}")
+    resumed = losses(run_cli(*GPU, "--bf16", "--train_iters=6", f"--save={split}").stdout)
+    assert {i: full[i] for i in range(4, 7)} == resumed
+    a, b = (checkpoint.read(checkpoint.model_file(str(d / "global_step6"), parallel.Grid(world_size=1)), "model")
+            for d in (straight, split))
+    _assert_same(a["model"], b["model"])
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_two_gpus_nccl_tp2_trains_as_one(synthetic_corpus, tmp_path):
+    """torchrun with 2 processes on 2 GPUs (NCCL, TP=2) trains the model one GPU trains (full fp32 matmuls)."""
+    gpu = [f"--data_path={synthetic_corpus}", "--device=cuda", "--tf32=false"]
+    ref = launch(tmp_path / "one", 1, *gpu)
+    assert_same_training(launch(tmp_path / "tp2", 2, *gpu, "--tensor_model_parallel_size=2"), ref, rel=1e-4)
