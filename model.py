@@ -558,7 +558,8 @@ def draw_slice(out, full_shape, tp_dim, tp_rank, draw, rows=None, chunk_numel=No
     c0 = tp_rank * out.shape[1] if tp_dim == 1 else 0
     r1 = r0 + out.shape[0]
     out[max(0, min(rows - r0, out.shape[0])):].zero_()
-    step = -(-max(1, chunk_numel // C) // (16 // math.gcd(C, 16))) * (16 // math.gcd(C, 16))  # rows; x C % 16 == 0
+    align = 16 // math.gcd(C, 16)  # rows whose values are a multiple of 16: chunks start at such boundaries
+    step = max(align, chunk_numel // C // align * align)  # rows per chunk
     starts = list(range(0, rows, step))
     if len(starts) > 1 and (rows - starts[-1]) * C < 16:
         starts.pop()  # a last chunk of fewer than 16 values would be drawn another way: join it to the one before
