@@ -7,7 +7,10 @@ Every user trains on NVIDIA GPUs and no GPU runs these tests, so what would brea
   for CUDA), its host syncs counted: as many with 8 micro-batches as with 2;
 - every collective and point-to-point call of 2-process gloo runs recorded: on the model's device, contiguous,
   in a dtype NCCL takes, no object collective inside the training loop;
-- the RNG state saved and restored is the current CUDA device's only.
+- the RNG state saved and restored is the current CUDA device's only; the process group binds the GPU and
+  waits long enough for checkpoint writes; TF32 and expandable segments are asked for on CUDA only;
+- telemetry's update/param ratio is the fp32 masters' (a bf16 update mostly rounds away);
+- marked `cuda` (python -m pytest -m cuda, skipped without a GPU): the same on a GPU.
 """
 import datetime
 import os
