@@ -152,6 +152,7 @@ COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor"
                "reduce_scatter_tensor", "reduce", "gather", "scatter", "all_to_all", "all_to_all_single", "send",
                "recv", "isend", "irecv", "batch_isend_irecv", "barrier", "all_gather_coalesced",
                "all_reduce_coalesced", "monitored_barrier") + OBJECT_COLLECTIVES
+P2P_OP = dist.P2POp  # torch's (Collectives(run=False) puts a stand-in in its place)
 
 
 class HostSyncs(TorchFunctionMode):
@@ -255,7 +256,7 @@ class _Done:
 def _tensors(a):
     if isinstance(a, torch.Tensor):
         return [a]
-    if isinstance(a, dist.P2POp):
+    if isinstance(a, P2P_OP):
         return [a.tensor]
     if isinstance(a, (list, tuple)):
         return [t for x in a for t in _tensors(x)]
