@@ -497,7 +497,7 @@ def test_telemetry_update_ratio_on_fp32_masters():
     assert step.outcome == "ok"
     update = sum(float((m.detach() - b).double().square().sum()) for m, b in zip(masters, before))
     weights_moved = sum(int((p != b).sum()) for p, b in zip(model.parameters(), weights_before))
-    param = sum(float(p.double().square().sum()) for p in model.parameters())
+    param = sum(float(p.detach().double().square().sum()) for p in model.parameters())
     # per layer, the squares add up: the whole model's ratio from the per-layer ones and norms
     ratios, norms = stats["update/param rms"], stats["param norm"]
     total = sum((r * n) ** 2 for r, n in zip(ratios, norms))
