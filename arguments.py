@@ -85,6 +85,8 @@ class Config(GPTConfig):
     device: str = "auto"  # auto | cpu | cuda
     compile: bool = False  # torch.compile the model
     deterministic: bool = False  # bit-reproducible kernels (torch.use_deterministic_algorithms), whatever they cost
+    tf32: bool = True  # fp32 matmuls on CUDA in TF32 (tensor cores, 10-bit mantissa); False: full fp32 matmuls
+    distributed_timeout_minutes: int = 60  # how long a collective waits for the slowest rank (checkpoint writes)
     dry_run: bool = False  # size the TP x PP x DP layout and memory per GPU on the meta device, then exit
     # -- checkpoint --
     save: str | None = None  # checkpoint directory; a run resumes from it when it holds a checkpoint
@@ -335,6 +337,8 @@ def validate(cfg, world_size=1, reads_data=True):
     need(not (cfg.tp_replica_resync and cfg.deepspeed),
          "tp_replica_resync cannot reach DeepSpeed's fp32 master weights; use deepspeed=False or only the check")
     need(cfg.device in ("auto", "cpu", "cuda"), f"device={cfg.device!r} is not auto, cpu or cuda")
+    need(cfg.distributed_timeout_minutes >= 1, f"distributed_timeout_minutes={cfg.distributed_timeout_minutes} must "
+         "be at least 1 (minutes a collective waits for the slowest rank)")
     need(cfg.log_interval > 0 and cfg.eval_interval > 0, "log_interval and eval_interval must be positive")
     need(cfg.save_interval is None or cfg.save_interval > 0, "save_interval must be positive")
     need(cfg.save_interval is None or cfg.save is not None, "save_interval is set but save (a directory) is not")

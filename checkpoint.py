@@ -100,7 +100,7 @@ def rng_state():
         "python": random.getstate(),
         "numpy": np.random.get_state(),
         "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+        "cuda": rng.cuda_state(),  # this rank's GPU only (rng.py)
         "model_parallel": rng.get_states(),  # the dropout stream of TP-split activations (rng.py)
     }
 
@@ -109,8 +109,7 @@ def set_rng_state(state):
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
-    if state["cuda"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    rng.set_cuda_state(state["cuda"])
     if state.get("model_parallel") is not None:
         rng.set_states(state["model_parallel"])
 

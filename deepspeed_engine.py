@@ -139,10 +139,13 @@ class DeepSpeedOptimizer:
     def __init__(self, cfg, model, optimizer):
         g = parallel.grid
         check(cfg, g)
+        # DeepSpeed's accelerator and the process group's backend follow the model's device (configured by
+        # `device`), not torch.cuda.is_available(): device=cpu on a GPU machine stays on the CPU with gloo.
+        on_cuda = next(model.parameters()).is_cuda
+        os.environ.setdefault("DS_ACCELERATOR", "cuda" if on_cuda else "cpu")  # read at DeepSpeed's first use
         if not dist.is_initialized():  # one process (python train.py): DeepSpeed still wants a process group
             os.environ.setdefault("LOCAL_RANK", "0")
-            dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", store=dist.HashStore(),
-                                    rank=0, world_size=1)
+            dist.init_process_group("nccl" if on_cuda else "gloo", store=dist.HashStore(), rank=0, world_size=1)
             g = parallel.init(cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size)
         import deepspeed
         for p in model.parameters():

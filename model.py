@@ -389,9 +389,10 @@ class GPT(nn.Module):
     grid: the TP rank whose shapes and initial slices to build (default: this process's, parallel.grid);
     estimate.py passes a grid on paper to size every stage of a large layout on the meta device. The forward
     pass always communicates over parallel.grid. The vocabulary is padded for the config's
-    tensor_model_parallel_size, which may differ from the grid's (a TP=4 model gathered into one process)."""
+    tensor_model_parallel_size, which may differ from the grid's (a TP=4 model gathered into one process).
+    seed: of the initial weights (init_weights), drawn on the CPU whatever the device the model is built on."""
 
-    def __init__(self, cfg: GPTConfig, layers=None, pre_process=True, post_process=True, grid=None):
+    def __init__(self, cfg: GPTConfig, layers=None, pre_process=True, post_process=True, grid=None, seed=1234):
         super().__init__()
         grid = parallel.grid if grid is None else grid
         cfg.check(grid.tp_size)
@@ -416,7 +417,7 @@ class GPT(nn.Module):
             self.output_weight.tp_dim = 0
             self.output_weight.init_name = "embed.word.weight"
         self.logits_probe = None  # telemetry.py sets it on the iterations it records: logits_probe(logits)
-        self.init_weights()
+        self.init_weights(seed)  # once, here (nothing is drawn for a model built on the meta device)
 
     def word_embedding_weight(self):
         """This stage's copy of the tied word embedding (this TP rank's rows): the embedding table on the first
@@ -431,43 +432,43 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, seed=1234):
-        """Every parameter from a generator seeded by (seed, its name): the full tensor is drawn, then this TP
-        rank's slice is kept, so any TP/PP layout starts from exactly the single-process weights."""
+        """Every parameter from a generator seeded by (seed, its name), as if its full tensor were drawn at once
+        on the CPU and this TP rank's slice kept: any TP/PP layout, on any device, starts from exactly the
+        single-process weights. Large tensors are drawn in chunks (draw_slice), so no rank ever holds a full one
+        (BLOOM's embedding is 14 GiB); each chunk is copied to the parameter's device. Every scratch tensor is
+        made on the CPU explicitly: the ambient device (torch.device(...) around this call) changes nothing."""
         cfg = self.cfg
         for name, p in self.named_parameters():
             if p.is_meta:
                 continue
             name = getattr(p, "init_name", name)
-            full_shape = list(p.shape)
             tp_dim = getattr(p, "tp_dim", None)
+            full_shape = list(p.shape)
             if tp_dim is not None:
                 full_shape[tp_dim] *= self.grid.tp_size
-            # Drawn on the CPU (whose generator takes 32-bit seeds), so CPU and GPU runs start identical.
-            gen = torch.Generator().manual_seed(zlib.crc32(f"{seed}:{name}".encode()))
-            full = torch.empty(full_shape, dtype=torch.float32)
+            # The CPU's generator (32-bit seeds) whatever the device, so CPU and GPU runs start identical.
+            gen = torch.Generator(device="cpu").manual_seed(zlib.crc32(f"{seed}:{name}".encode()))
             if name.endswith("bias"):
-                full.zero_()
+                p.zero_()
             elif p.ndim == 1:  # LayerNorm gains, NormFormer head scales
-                full.fill_(1.0)
+                p.fill_(1.0)
             elif name == "embed.word.weight":
                 # Only the real rows are drawn (xavier's bound counts them, not the padding), and the padded rows
                 # are zeros: every padding, hence every TP size, starts from the same model. Padded rows are
                 # never looked up and are masked out of the softmax, so they get no gradient and stay zero.
-                real = full[:cfg.vocab_size]
-                full[cfg.vocab_size:].zero_()
-                if cfg.embed_init == "xavier_uniform":  # bitsandbytes StableEmbedding
-                    bound = math.sqrt(6.0 / (cfg.vocab_size + full_shape[1]))
-                    real.uniform_(-bound, bound, generator=gen)
-                else:
-                    real.normal_(0.0, cfg.std if cfg.embed_init_std is None else cfg.embed_init_std, generator=gen)
+                bound = math.sqrt(6.0 / (cfg.vocab_size + full_shape[1]))  # bitsandbytes StableEmbedding's xavier
+                std = cfg.std if cfg.embed_init_std is None else cfg.embed_init_std
+
+                def draw(t):
+                    if cfg.embed_init == "xavier_uniform":
+                        return t.uniform_(-bound, bound, generator=gen)
+                    return t.normal_(0.0, std, generator=gen)
+                draw_slice(p, full_shape, tp_dim, self.grid.tp_rank, draw, rows=cfg.vocab_size)
             elif name == "embed.position.weight" and cfg.position_embedding_init == "sinusoidal":
-                full.copy_(sinusoidal_positions(*full_shape))
+                p.copy_(parallel.shard(sinusoidal_positions(*full_shape), tp_dim, self.grid))
             else:
-                std = cfg.std
-                if getattr(p, "is_output_layer", False):
-                    std /= math.sqrt(2.0 * cfg.num_layers)
-                full.normal_(0.0, std, generator=gen)
-            p.copy_(parallel.shard(full, tp_dim, self.grid).to(p.device))
+                std = cfg.std / math.sqrt(2.0 * cfg.num_layers) if getattr(p, "is_output_layer", False) else cfg.std
+                draw_slice(p, full_shape, tp_dim, self.grid.tp_rank, lambda t: t.normal_(0.0, std, generator=gen))
 
     # -- forward ----------------------------------------------------------------------------------------------
 
@@ -535,11 +536,49 @@ class GPT(nn.Module):
         return idx
 
 
+INIT_CHUNK_NUMEL = 2**24  # values drawn at a time by draw_slice: 64 MiB of fp32 on the host
+
+
+def draw_slice(out, full_shape, tp_dim, tp_rank, draw, rows=None, chunk_numel=None):
+    """Fill `out`, TP rank tp_rank's slice along tp_dim (0, 1 or None) of a 2-D tensor of full_shape, with the
+    values that draw(t) -- an in-place normal_/uniform_ on a CPU generator -- gives the full tensor's first `rows`
+    rows (default all; the rows after them are zeros), drawn chunk_numel values at a time (default
+    INIT_CHUNK_NUMEL).
+
+    The full tensor is drawn on the CPU a chunk of rows at a time, in order, and only this rank's part of each
+    chunk is copied to out's device: the host holds one chunk, never the full tensor. The bits are those of one
+    draw of the whole tensor, because the CPU's normal_ turns its uniforms into normals 16 at a time counted from
+    the tensor's start (and redraws the last 16 when the size is not a multiple of 16), and uniform_ draws one
+    number per element: chunks that start at multiples of 16 elements and a last chunk of at least 16 elements
+    consume the generator exactly as the whole tensor does (tests/test_device.py checks it)."""
+    R, C = full_shape
+    rows = R if rows is None else rows
+    chunk_numel = chunk_numel or INIT_CHUNK_NUMEL
+    r0 = tp_rank * out.shape[0] if tp_dim == 0 else 0  # where this rank's slice starts in the full tensor
+    c0 = tp_rank * out.shape[1] if tp_dim == 1 else 0
+    r1 = r0 + out.shape[0]
+    out[max(0, min(rows - r0, out.shape[0])):].zero_()
+    align = 16 // math.gcd(C, 16)  # rows whose values are a multiple of 16: chunks start at such boundaries
+    step = max(align, chunk_numel // C // align * align)  # rows per chunk
+    starts = list(range(0, rows, step))
+    if len(starts) > 1 and (rows - starts[-1]) * C < 16:
+        starts.pop()  # a last chunk of fewer than 16 values would be drawn another way: join it to the one before
+    for a, b in zip(starts, starts[1:] + [rows]):
+        if a >= r1:
+            break  # nothing of ours further on (this parameter's generator is used for nothing else)
+        chunk = draw(torch.empty(b - a, C, dtype=torch.float32, device="cpu"))
+        lo, hi = max(a, r0), min(b, r1)
+        if lo < hi:
+            out[lo - r0:hi - r0].copy_(chunk[lo - a:hi - a, c0:c0 + out.shape[1]])
+
+
 def sinusoidal_positions(num_positions, dim):
-    """The fixed sin/cos table of "Attention is all you need", used by OPT as the init of learned positions."""
-    pos = torch.arange(num_positions, dtype=torch.float64).unsqueeze(1)
-    freq = torch.exp(torch.arange(0, dim, 2, dtype=torch.float64) * (-math.log(10000.0) / dim))
-    table = torch.zeros(num_positions, dim, dtype=torch.float64)
+    """The fixed sin/cos table of "Attention is all you need", used by OPT as the init of learned positions (on the
+    CPU, whatever the ambient device)."""
+    cpu = torch.device("cpu")
+    pos = torch.arange(num_positions, dtype=torch.float64, device=cpu).unsqueeze(1)
+    freq = torch.exp(torch.arange(0, dim, 2, dtype=torch.float64, device=cpu) * (-math.log(10000.0) / dim))
+    table = torch.zeros(num_positions, dim, dtype=torch.float64, device=cpu)
     table[:, 0::2] = torch.sin(pos * freq)
     table[:, 1::2] = torch.cos(pos * freq)[:, : dim // 2]
     return table.float()

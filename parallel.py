@@ -7,6 +7,7 @@ uses these layers unconditionally and reads like a normal GPT.
 Tensor parallelism follows the Megatron-LM paper (arXiv 1909.08053): a column-parallel linear followed by a
 row-parallel one needs one all-reduce forward (the paper's g) and one backward (its conjugate f).
 """
+import datetime
 import os
 import time
 
@@ -106,14 +107,22 @@ def partition_layers(num_layers, pp_size, method="type:transformer|embedding"):
     return [range(max(0, a - ends), min(num_layers, b - ends)) for a, b in zip(bounds, bounds[1:])]
 
 
-def init(tensor_parallel_size=1, pipeline_parallel_size=1, backend=None):
-    """Start torch.distributed if launched by torchrun and build the grid. Returns the grid."""
+def init(tensor_parallel_size=1, pipeline_parallel_size=1, backend=None, timeout_minutes=60):
+    """Start torch.distributed if launched by torchrun and build the grid. Returns the grid.
+
+    Under NCCL this process's GPU is LOCAL_RANK's, made current and bound to the process group (device_id: the
+    communicators are created for it at once, not lazily on whatever device is current at the first
+    collective). timeout_minutes: how long a collective may wait for the slowest rank before the job fails;
+    the other ranks wait at a barrier while one writes its share of a multi-GB checkpoint, so it is an hour
+    (torch's default is 10 minutes)."""
     global grid
     if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1 and not dist.is_initialized():
         backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        device = None
         if backend == "nccl":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group(backend)
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+            torch.cuda.set_device(device)
+        dist.init_process_group(backend, timeout=datetime.timedelta(minutes=timeout_minutes), device_id=device)
     grid = Grid(tensor_parallel_size, pipeline_parallel_size)
     return grid
 
@@ -700,7 +709,8 @@ def grad_norm(model):
 
 
 def count_zeros(model):
-    """Megatron's "num zeros" over the whole model (each parameter once), the same on every rank."""
+    """Megatron's "num zeros" over the whole model (each parameter once), the same on every rank: a 0-dim int64
+    tensor on the model's device, read by the caller with its other numbers (one host sync per iteration)."""
     grads = [g for g in map(main_grad, counted_once(model)) if g is not None]
     device = next(unwrap(model).parameters()).device
     zeros = torch.tensor(sum(g.numel() for g in grads), dtype=torch.int64, device=device)
@@ -708,7 +718,7 @@ def count_zeros(model):
         zeros -= torch.stack([torch.count_nonzero(g) for g in grads]).sum()
     if grid.mp_group is not None and grid.tp_size * grid.pp_size > 1:
         dist.all_reduce(zeros, group=grid.mp_group)
-    return int(zeros.item())
+    return zeros
 
 
 # -----------------------------------------------------------------------------

@@ -41,6 +41,23 @@ def _set_generator_state(device_type, state):
         torch.set_rng_state(state)
 
 
+def cuda_state():
+    """The current CUDA device's default generator state, None without CUDA: this rank's own GPU only. Every
+    visible device's (get_rng_state_all) would tie a checkpoint to how many GPUs the process sees: a resume
+    with another CUDA_VISIBLE_DEVICES fails on the count or puts a state on a device that never used it."""
+    return torch.cuda.get_rng_state() if torch.cuda.is_available() else None
+
+
+def set_cuda_state(state):
+    """Put cuda_state()'s state back into the current device. A list, every visible device's state (checkpoints
+    written before), gives the current device's entry: the one this rank drew from under torchrun."""
+    if state is None or not torch.cuda.is_available():
+        return
+    if isinstance(state, (list, tuple)):
+        state = state[min(torch.cuda.current_device(), len(state) - 1)]
+    torch.cuda.set_rng_state(state)
+
+
 def seed(seed):
     """Seed this rank's two streams (after parallel.init, which fixes the TP and pipeline ranks)."""
     global _states

@@ -20,6 +20,7 @@ import socket
 import time
 from dataclasses import fields
 
+import torch
 import torch.distributed as dist
 
 import checkpoint
@@ -233,12 +234,14 @@ class ExitSignal:
         self.received = True  # only a flag: the loop saves at the end of the iteration
 
     def __call__(self):
+        """Called every iteration: with the handler on, one all-reduce of a flag on the backend's device (no object
+        collective: those pickle on the host and sync) and one host read of it."""
         if self.previous is None:
             return False
         if dist.is_initialized():
-            flags = [None] * dist.get_world_size()
-            dist.all_gather_object(flags, self.received)
-            return any(flags)
+            flag = torch.tensor([int(self.received)], dtype=torch.int32, device=parallel.comm_device())
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            return bool(flag.item())
         return self.received
 
     def restore(self):

@@ -2,7 +2,8 @@
 after the fact (lesson 21).
 
 Every `telemetry_interval` iterations, per layer (embedding, blocks 1..L, final LayerNorm):
-  grad norm, parameter norm, update/parameter RMS ratio (|p_after - p_before| / |p_after|),
+  grad norm, parameter norm, update/parameter RMS ratio (|p_after - p_before| / |p_after|, the update measured on
+  the fp32 master weights the optimizer steps),
   RMS of the block's output, the largest pre-softmax attention logit,
 and for the model: the mean and largest log-sum-exp of the output logits (log Z, the quantity z-loss keeps near
 0, lesson 20) and the word-embedding norm (what the embedding LayerNorm of lesson 1 holds in check).
@@ -24,8 +25,13 @@ import parallel
 
 
 class Telemetry:
-    def __init__(self, model, cfg):
+    def __init__(self, model, cfg, optimizer=None):
+        """optimizer: the one that steps the model (train.build_optimizer's), whose fp32 master weights the
+        update/param ratio is measured on; None: the model's weights themselves."""
         self.gpt = parallel.unwrap(model)
+        self.main_param = getattr(optimizer, "main_param", lambda p: p)
+        # ZeRO-1: each master is on one DP rank only, so the sum over DP ranks counts it once (not dp_size times)
+        self.masters_sharded = isinstance(optimizer, parallel.ZeroShardedOptimizer)
         self.num_layers, self.vocab_size = cfg.num_layers, cfg.vocab_size
         self.n = cfg.num_layers + 2  # slot 0: embedding, 1..L: blocks, L+1: final LayerNorm
         counted = {id(p) for p in parallel.counted_once(model)}
@@ -119,13 +125,20 @@ class Telemetry:
         with_grad = [i for i, g in enumerate(grads) if g is not None]
         self.updating, self.updating_index = [self.params[i] for i in with_grad], self.index[with_grad]
         self.grad_sq = self._per_slot([grads[i] for i in with_grad], self.updating_index) / loss_scale**2
-        self.before = torch._foreach_mul(self.updating, 1.0)  # a copy, on telemetry iterations only
+        # The update is measured on the fp32 masters the optimizer steps: on bf16/fp16 weights most updates are
+        # below half an ulp and round away (ZeRO-1: only the masters this rank holds).
+        masters = [self.main_param(p) for p in self.updating]
+        held = [i for i, m in enumerate(masters) if m is not None]
+        self.masters, self.masters_index = [masters[i] for i in held], self.updating_index[held]
+        self.before = torch._foreach_mul(self.masters, 1.0)  # a copy, on telemetry iterations only
 
     @torch.no_grad()
     def updated(self):
         """After the optimizer step (not called when the step was skipped: the update is then zero)."""
-        torch._foreach_sub_(self.before, self.updating)  # in place: before - after, the update's negative
-        self.update_sq = self._per_slot(self.before, self.updating_index)
+        torch._foreach_sub_(self.before, self.masters)  # in place: before - after, the update's negative
+        self.update_sq = self._per_slot(self.before, self.masters_index)
+        if self.masters_sharded:
+            self.update_sq *= parallel.grid.dp_size  # finish() divides the DP sum by dp_size
 
     @torch.no_grad()
     def finish(self):

@@ -58,8 +58,9 @@ def main(argv=None):
     if cfg.dry_run:  # sizes the TP x PP x DP layout on the meta device, starting no process
         estimate.dry_run(cfg)
         return
+    use_expandable_segments(cfg)  # before CUDA's allocator starts
     grid = parallel.init(cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size,
-                         backend="nccl" if use_cuda(cfg) else "gloo")
+                         backend="nccl" if use_cuda(cfg) else "gloo", timeout_minutes=cfg.distributed_timeout_minutes)
     arguments.prepare(cfg, grid.world_size)
     check_tokenizer(cfg)
     # Before anything is built or written: which checkpoint to resume, is it this model, is save ours (lock).
@@ -88,7 +89,7 @@ def run(cfg, grid, exit_signal):
 
     report = Report(cfg, schedule, parts.model)
     snapshots = spike_guard.Snapshots(cfg)
-    recorder = telemetry.Telemetry(parts.model, cfg) if cfg.telemetry_interval else None
+    recorder = telemetry.Telemetry(parts.model, cfg, parts.optimizer) if cfg.telemetry_interval else None
     first_iteration, job_start = state.iteration, time.time()
     parts.model.train()
     prefetcher = batch_prefetcher(train_data, schedule, cfg, device)
@@ -161,11 +162,16 @@ def run(cfg, grid, exit_signal):
 
 
 def setup(cfg):
-    """Determinism, the device, and the seeds of this TP rank and pipeline stage (lesson 22)."""
+    """Determinism, the device and its matmul precision, and the seeds of this TP rank and pipeline stage."""
     set_deterministic(cfg)
     rng.seed(cfg.seed)  # the dropout streams of this TP rank and pipeline stage (lesson 22)
     np.random.seed(cfg.seed)
-    return get_device(cfg)
+    device = get_device(cfg)
+    if device.type == "cuda":
+        # tf32: fp32 matmuls on the tensor cores with a 10-bit mantissa (8x the throughput on A100/H100), as
+        # Megatron's users run them; only fp32 runs are affected (bf16/fp16 weights multiply in their dtype).
+        torch.set_float32_matmul_precision("high" if cfg.tf32 else "highest")
+    return device
 
 
 def build(cfg, grid, schedule, device):
@@ -192,6 +198,15 @@ def use_cuda(cfg):
     return cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
 
 
+def use_expandable_segments(cfg):
+    """PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True unless the user set an allocator config: the curriculum
+    and ALiBi change the activations' shapes from step to step, which fragments the caching allocator's fixed
+    segments (out of memory with memory free). Read by CUDA's allocator when it starts: call before any CUDA
+    work."""
+    if use_cuda(cfg) and not {"PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"} & set(os.environ):
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+
+
 def set_deterministic(cfg):
     """deterministic=True: the same bits from the same run, whatever the load of the machine. On CPU the matrix
     products are MKL's, whose default code path depends on the number of threads MKL decides to use (1 and 2
@@ -216,9 +231,11 @@ def build_model(cfg, device):
     its gradients accumulate and are all-reduced in (DeepSpeed brings its own)."""
     g = parallel.grid
     layers = parallel.partition_layers(cfg.num_layers, g.pp_size, cfg.pp_partition_method)[g.pp_rank]
+    # Allocated on the device directly; the weights are drawn once, on the CPU (GPT.init_weights), for this rank's
+    # slice only, and copied in. The ambient device is only where the parameters are allocated.
     with torch.device(device):
-        model = GPT(GPTConfig.from_config(cfg), layers, pre_process=g.is_first_stage, post_process=g.is_last_stage)
-    model.init_weights(cfg.seed)
+        model = GPT(GPTConfig.from_config(cfg), layers, pre_process=g.is_first_stage, post_process=g.is_last_stage,
+                    seed=cfg.seed)
     model.to(precision.compute_dtype(cfg))
     if not cfg.deepspeed:
         parallel.attach_grad_buffer(model, precision.grad_dtype(cfg))
@@ -371,8 +388,9 @@ def train_step(model, optimizer, scaler, batches, lr, cfg, device, count_zeros=T
     # Wait for the DP all-reduce that backward started, sum the tied embedding's two copies.
     parallel.reduce_gradients(model)
     grad_norm = parallel.grad_norm(model) / scaler.scale  # of the unscaled gradient, fp32, over the whole model
-    loss_value, grad_norm_value = (float(v) for v in torch.stack([loss.float(), grad_norm]).cpu())  # one sync
-    num_zeros = parallel.count_zeros(model) if count_zeros else 0
+    zeros = parallel.count_zeros(model) if count_zeros else torch.zeros((), device=device)
+    numbers = torch.stack([loss.double(), grad_norm.double(), zeros.double()]).cpu()  # the one host sync
+    loss_value, grad_norm_value, num_zeros = float(numbers[0]), float(numbers[1]), int(numbers[2])
     finite = math.isfinite(grad_norm_value)
     if probe is not None:
         probe.grads(scaler.scale)
