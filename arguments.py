@@ -16,6 +16,7 @@ import types
 import typing
 from dataclasses import asdict, dataclass, fields
 
+import hf
 import parallel
 import schedule
 import usage
@@ -87,6 +88,7 @@ class Config(GPTConfig):
     deterministic: bool = False  # bit-reproducible kernels (torch.use_deterministic_algorithms), whatever they cost
     dry_run: bool = False  # size the TP x PP x DP layout and memory per GPU on the meta device, then exit
     # -- checkpoint --
+    init_from_hf: str | None = None  # a local transformers GPT-2/BLOOM directory: its config and weights start the run
     save: str | None = None  # checkpoint directory; a run resumes from it when it holds a checkpoint
     load: str | None = None  # resume from this directory's `latest`; None: from save when it holds one
     save_interval: int | None = None  # save every this many iterations (and always at the end)
@@ -266,7 +268,25 @@ def load_config(argv=None):
     settings.update(overrides)
     cfg = Config(**{k: _convert(k, v, FIELDS[k].type) for k, v in settings.items()})
     cfg.config_file = config_file
+    if cfg.init_from_hf is not None:
+        from_hf(cfg, given=set(settings))
     return cfg
+
+
+def from_hf(cfg, given):
+    """init_from_hf: the model keys the config does not give (`given`: set by the file or the command line) come
+    from the Hugging Face model; a given one that contradicts it is refused (hf.check_config), before anything is
+    built. The weights are loaded by train.build_model."""
+    for key, value in hf.config_from_hf(cfg.init_from_hf).items():
+        if key not in given:
+            setattr(cfg, key, value)
+    try:
+        hf.check_config(cfg, cfg.init_from_hf)
+    except ValueError as e:
+        hint = "" if cfg.config_file != DEFAULT_CONFIG else (
+            f" ({DEFAULT_CONFIG}, the default config, describes a model of its own: start from config/finetune.py, "
+            "which sets training keys only)")
+        raise ValueError(f"{e}{hint}") from None
 
 
 def to_dict(cfg):

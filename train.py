@@ -266,12 +266,19 @@ def build_scaler(cfg):
 
 
 def check_tokenizer(cfg):
-    """A tokenizer_file must have exactly the model's vocabulary: a smaller one wastes rows, a larger one
-    produces ids the embedding does not have. (The GPT-2 default is not checked: tests use small vocabularies.)"""
+    """A tokenizer_file must have the model's vocabulary: a larger one produces ids the embedding does not have, a
+    smaller one wastes rows -- except in a model imported with init_from_hf, whose rows are given (BLOOM's
+    tokenizer has 250680 tokens, its embedding 250880 rows). (The GPT-2 default is not checked: tests use small
+    vocabularies.)"""
     if cfg.tokenizer_file is None:
         return
     n_vocab = data.get_tokenizer(cfg.tokenizer_file).n_vocab
-    if n_vocab != cfg.vocab_size:
+    if n_vocab > cfg.vocab_size:
+        raise ValueError(f"tokenizer_file {cfg.tokenizer_file} has {n_vocab} tokens but the model's vocab_size is "
+                         f"{cfg.vocab_size}: its ids would not all have an embedding row; "
+                         + ("use the tokenizer of the model in init_from_hf" if cfg.init_from_hf else
+                            f"set vocab_size={n_vocab} (padding to a multiple is automatic)"))
+    if n_vocab < cfg.vocab_size and not cfg.init_from_hf:
         raise ValueError(f"tokenizer_file {cfg.tokenizer_file} has {n_vocab} tokens but vocab_size is "
                          f"{cfg.vocab_size}; set vocab_size={n_vocab} (padding to a multiple is automatic)")
 
