@@ -36,9 +36,11 @@ import torch
 import torch.distributed as dist
 
 import arguments
+import checkpoint
 import data
 import deepspeed_engine
 import estimate
+import hf
 import loader
 import optim
 import parallel
@@ -219,10 +221,23 @@ def build_model(cfg, device):
     with torch.device(device):
         model = GPT(GPTConfig.from_config(cfg), layers, pre_process=g.is_first_stage, post_process=g.is_last_stage)
     model.init_weights(cfg.seed)
+    if cfg.init_from_hf:
+        init_from_hf(cfg, model)
     model.to(precision.compute_dtype(cfg))
     if not cfg.deepspeed:
         parallel.attach_grad_buffer(model, precision.grad_dtype(cfg))
     return model
+
+
+def init_from_hf(cfg, model):
+    """The weights of the Hugging Face model cfg.init_from_hf (hf.load_into), unless the run resumes: then the
+    checkpoint's weights win and the model directory is not read."""
+    if cfg.load and checkpoint.latest_dir(cfg.load):
+        print0(f"init_from_hf {cfg.init_from_hf} not loaded: resuming from the checkpoint in {cfg.load}, whose "
+               "weights win")
+        return
+    hf.load_into(model, cfg.init_from_hf)
+    print0(f"initialised from the Hugging Face model in {cfg.init_from_hf}")
 
 
 def describe_partition(cfg):
