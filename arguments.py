@@ -92,6 +92,7 @@ class Config(GPTConfig):
     save: str | None = None  # checkpoint directory; a run resumes from it when it holds a checkpoint
     load: str | None = None  # resume from this directory's `latest`; None: from save when it holds one
     save_interval: int | None = None  # save every this many iterations (and always at the end)
+    async_save: bool = False  # copy the state to host memory and write it on a background thread while training goes on
     no_load_optim: bool = False  # resume without the optimizer state (fresh Adam)
     no_load_rng: bool = False  # resume without the RNG states
     exit_interval: int | None = None  # save and exit after this many iterations of this job

@@ -65,13 +65,15 @@ def main(argv=None):
     arguments.prepare(cfg, grid.world_size)
     check_tokenizer(cfg)
     # Before anything is built or written: which checkpoint to resume, is it this model, is save ours (lock).
-    with safety.RunGuard(cfg) as guard:
-        return run(cfg, grid, guard.exit_signal)
+    # The checkpoint writer inside: a save in flight is on disk before the lock is released.
+    with safety.RunGuard(cfg) as guard, checkpoint.AsyncWriter(cfg.async_save) as writer:
+        return run(cfg, grid, guard.exit_signal, writer)
 
 
-def run(cfg, grid, exit_signal):
+def run(cfg, grid, exit_signal, writer=None):
     """Train (or, with eval_only, evaluate) the configured model; returns the run state.
-    exit_signal() says when a SIGTERM asks to save and stop."""
+    exit_signal() says when a SIGTERM asks to save and stop. writer: the checkpoint.AsyncWriter saves go
+    through (None: written synchronously); the caller waits for its last one."""
     device = setup(cfg)
     schedule = Schedule(cfg, grid.dp_size)
     parts = build(cfg, grid, schedule, device)
@@ -126,9 +128,11 @@ def run(cfg, grid, exit_signal):
         if decision is not None:
             report.decision(iteration, decision)
         if decision is not None and decision["action"] != "skip":
+            if writer is not None:
+                writer.wait()  # a rollback may read the checkpoint being written
             if snapshots.roll_back(decision, parts) is None or decision["action"] == "stop":
                 if cfg.save:
-                    run_state.save(parts)
+                    run_state.save(parts, writer)
                 report.close()
                 raise spike_guard.SpikeGuardStop(
                     decision["line"] + "; saved and stopped: look at the samples named above, then "
@@ -146,7 +150,7 @@ def run(cfg, grid, exit_signal):
         why_exit = exit_reason(cfg, iteration - first_iteration, job_start, exit_signal)
         saving = last or why_exit or (cfg.save_interval and iteration % cfg.save_interval == 0)
         if cfg.save and saving:
-            run_state.save(parts)
+            run_state.save(parts, writer)
         snapshots.maybe_take(iteration, parts)
         if why_exit:
             print0(f"exiting at iteration {iteration} ({why_exit})")

@@ -3,13 +3,12 @@ import os
 import re
 
 import pytest
-import torch
 
 import arguments
 import data
 import schedule
 
-from helpers import SMALL, corpus, losses, run_cli as run  # noqa: F401 (corpus is a fixture)
+from helpers import SMALL, assert_same, corpus, final_state, losses, run_cli as run  # noqa: F401 (a fixture)
 
 
 # -- configuration ----------------------------------------------------------------------------------------------
@@ -94,28 +93,6 @@ def test_log_line_format_matches_the_seeds(corpus, tmp_path):
 # -- resume --------------------------------------------------------------------------------------------------------
 
 
-def _final_state(directory):
-    tag = open(os.path.join(directory, "latest")).read().strip()
-    model = torch.load(os.path.join(directory, tag, "mp_rank_00_000_model_states.pt"), weights_only=False)
-    rank = torch.load(os.path.join(directory, tag, "rank_00000_optim_states.pt"), weights_only=False)
-    return tag, model, rank
-
-
-def _assert_same(a, b, path="state"):
-    if isinstance(a, torch.Tensor):
-        assert torch.equal(a, b), path
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys(), path
-        for k in a:
-            _assert_same(a[k], b[k], f"{path}.{k}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), path
-        for i, (x, y) in enumerate(zip(a, b)):
-            _assert_same(x, y, f"{path}[{i}]")
-    else:
-        assert a == b, path
-
-
 def test_resume_is_bit_exact(corpus, tmp_path):
     straight, split = tmp_path / "straight", tmp_path / "split"
     full = losses(run(*SMALL, "--train_iters=20", f"--save={straight}", "--save_interval=10").stdout)
@@ -126,11 +103,11 @@ def test_resume_is_bit_exact(corpus, tmp_path):
     assert sorted(full) == list(range(1, 21)) and sorted(resumed) == list(range(11, 21))
     assert {i: full[i] for i in range(1, 11)} == first
     assert {i: full[i] for i in range(11, 21)} == resumed
-    tag_a, model_a, rank_a = _final_state(straight)
-    tag_b, model_b, rank_b = _final_state(split)
+    tag_a, model_a, rank_a = final_state(straight)
+    tag_b, model_b, rank_b = final_state(split)
     assert tag_a == tag_b == "global_step20"
-    _assert_same(model_a["model"], model_b["model"], "model")
-    _assert_same(rank_a["optimizer"], rank_b["optimizer"], "optimizer")
+    assert_same(model_a["model"], model_b["model"], "model")
+    assert_same(rank_a["optimizer"], rank_b["optimizer"], "optimizer")
     assert model_a["run"]["state"] == model_b["run"]["state"]
 
 
