@@ -10,11 +10,14 @@ Unknown keys and impossible values stop the run with one message naming the prob
 """
 import difflib
 import math
+import os
 import runpy
 import sys
 import types
 import typing
 from dataclasses import asdict, dataclass, fields
+
+import torch
 
 import hf
 import parallel
@@ -288,6 +291,24 @@ def from_hf(cfg, given):
             f" ({DEFAULT_CONFIG}, the default config, describes a model of its own: start from config/finetune.py, "
             "which sets training keys only)")
         raise ValueError(f"{e}{hint}") from None
+
+
+def check_device(cfg, local_world_size=None):
+    """device=cuda where this torch has no CUDA, or with fewer GPUs than processes on the node: one message with
+    the fix, before the process group or a device is touched (where torch's own error is a bare traceback)."""
+    if cfg.device != "cuda":
+        return
+    if not torch.cuda.is_available():
+        why = ("this torch is a CPU-only build" if torch.version.cuda is None else
+               f"this torch (CUDA {torch.version.cuda}) sees no GPU: check the node and CUDA_VISIBLE_DEVICES")
+        raise ValueError(f"device=cuda but {why}; install a CUDA build of torch on a GPU node (see "
+                         "https://pytorch.org/get-started/locally), or use --device=cpu (--device=auto takes the GPU "
+                         "when there is one)")
+    local = local_world_size or int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    gpus = torch.cuda.device_count()
+    if gpus < local:
+        raise ValueError(f"device=cuda with {local} processes on this node but {gpus} GPU(s) visible: one process per "
+                         f"GPU; launch torchrun --nproc_per_node {gpus}, or check CUDA_VISIBLE_DEVICES")
 
 
 def to_dict(cfg):

@@ -26,6 +26,7 @@ if __name__ == "__main__" and {"-h", "--help"} & set(sys.argv[1:]):
     usage.print_help()
     sys.exit(0)
 
+import json
 import math
 import os
 import time
@@ -57,6 +58,7 @@ from schedule import Schedule
 
 def main(argv=None):
     cfg = arguments.load_config(argv)
+    arguments.check_device(cfg)
     if cfg.dry_run:  # sizes the TP x PP x DP layout on the meta device, starting no process
         estimate.dry_run(cfg)
         return
@@ -479,15 +481,28 @@ def print_sample(cfg, model, device):
         print0("-" * 30 + " sample " + "-" * 30 + "\n" + tok.decode(out[0].tolist()))
 
 
+def exit_with(error, code):
+    """Stop on a configuration or input error: one clear line, no traceback. Every rank has it (the config is
+    everyone's) or some do (a file): rank 0 prints it, and each rank that has it leaves it in torchrun's error file,
+    so that the launcher's summary names it as the root cause instead of 'To enable traceback see ...'."""
+    line = f"error: {error}"
+    if int(os.environ.get("RANK", "0")) == 0:  # torchrun's rank (the process group may not exist yet)
+        print(line, file=sys.stderr, flush=True)
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:
+        with open(error_file, "w") as f:  # torch.distributed.elastic's format
+            json.dump({"message": {"message": f"{type(error).__name__}: {error}",
+                                   "extraInfo": {"py_callstack": line, "timestamp": str(int(time.time()))}}}, f)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
     try:
         main()
-    except (ValueError, FileNotFoundError) as e:  # configuration and input errors: one clear line, no traceback
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    except (ValueError, FileNotFoundError) as e:
+        exit_with(e, 2)
     except spike_guard.SpikeGuardStop as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(spike_guard.EXIT_CODE)
+        exit_with(e, spike_guard.EXIT_CODE)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -1,14 +1,18 @@
 """The trainer through its real command line: config parsing, log lines, bit-exact resume, clear errors."""
 import os
 import re
+import subprocess
+import sys
 
 import pytest
+import torch
 
 import arguments
 import data
 import schedule
 
-from helpers import SMALL, assert_same, corpus, final_state, losses, run_cli as run  # noqa: F401 (a fixture)
+from helpers import (ROOT, SMALL, assert_same, corpus, final_state, free_port, losses,  # noqa: F401 (a fixture)
+                     run_cli as run)
 
 
 # -- configuration ----------------------------------------------------------------------------------------------
@@ -61,6 +65,47 @@ def test_unknown_key_in_config_file(tmp_path):
     bad.write_text("num_layer = 2\n")
     with pytest.raises(ValueError, match=r"bad.py: unknown config key 'num_layer'; did you mean 'num_layers'"):
         arguments.load_config([str(bad)])
+
+
+def test_device_cuda_without_a_usable_gpu_is_one_message(monkeypatch):
+    """A CPU-only torch on a GPU node, or more processes than GPUs: refused before any process group or device
+    is touched (torch's own error is a traceback from inside torch.cuda)."""
+    cuda = arguments.load_config(["--device=cuda"])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.version, "cuda", None)
+    with pytest.raises(ValueError, match=r"device=cuda but this torch is a CPU-only build; install a CUDA build of "
+                                         r"torch .* or use --device=cpu"):
+        arguments.check_device(cuda)
+    arguments.check_device(arguments.load_config(["--device=auto"]))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    arguments.check_device(cuda, local_world_size=2)
+    with pytest.raises(ValueError, match=r"device=cuda with 4 processes on this node but 2 GPU\(s\) visible: one "
+                                         r"process per GPU; launch torchrun --nproc_per_node 2"):
+        arguments.check_device(cuda, local_world_size=4)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a torch without CUDA")
+def test_device_cuda_on_a_cpu_torch_through_the_command_line():
+    proc = run("--device=cuda", "--save=none", expect_ok=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.startswith("error: device=cuda but this torch") and proc.stderr.count("error:") == 1
+
+
+@pytest.mark.slow
+def test_config_error_under_torchrun_is_printed_once_and_is_the_root_cause(tmp_path):
+    """Every rank has the error: rank 0 prints it; torchrun's failure summary carries it (the error file) instead of
+    'To enable traceback see ...'; no traceback of ours."""
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                           str(free_port()), "train.py", "--lr=fast", "--save=none"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600, env=dict(os.environ, WANDB_MODE="disabled"))
+    assert proc.returncode != 0
+    message = "config key 'lr': cannot use 'fast' as float"
+    ours = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert ours == [f"error: {message}"], proc.stderr[-3000:]
+    root_cause = proc.stderr.split("Root Cause")[1]
+    assert f"traceback : error: {message}" in root_cause and "To enable traceback" not in root_cause
+    assert "File \"" + os.path.join(ROOT, "train.py") not in proc.stderr  # the launcher's own stack only
 
 
 # -- the log line -------------------------------------------------------------------------------------------------
