@@ -224,9 +224,7 @@ class AsyncWriter:
     enabled=False: save() is checkpoint.save, synchronous."""
 
     def __init__(self, enabled=True):
-        self.enabled, self.thread, self.error, self.buffers = enabled, None, None, {}
-        # created by every rank, in the same order: a collective of its own
-        self.group = dist.new_group(backend="gloo") if enabled and dist.is_initialized() else None
+        self.enabled, self.thread, self.error, self.buffers, self.group = enabled, None, None, {}, None
 
     def save(self, save_dir, iteration, model_state, run_state, rank_state, write_model_state):
         """Returns when the state is safe from the training (copied, for async); the path the checkpoint will
@@ -234,6 +232,8 @@ class AsyncWriter:
         if not self.enabled:
             return save(save_dir, iteration, model_state, run_state, rank_state, write_model_state)
         self.wait()  # the previous write is done before its buffers are reused
+        if self.group is None and dist.is_initialized():  # every rank saves at the same iteration: in step
+            self.group = dist.new_group(backend="gloo")  # (at the first save: DeepSpeed may start the group late)
         payload = to_host((model_state, run_state, rank_state), self.buffers)
         if any(t.is_cuda for t in _tensors((model_state, rank_state))):
             torch.cuda.current_stream().synchronize()  # the non-blocking copies have landed
@@ -249,8 +249,8 @@ class AsyncWriter:
         except BaseException as e:  # re-raised by wait(), in the main thread
             self.error = e
             if parallel.grid.rank == 0:
-                print(f"error: background checkpoint write failed: {e} (the run stops at its next save or at its "
-                      "end)", flush=True)
+                print(f"the background write of checkpoint {args[1]} failed; the run stops at its next save (or its "
+                      "end) and says why", flush=True)
             return
         if parallel.grid.rank == 0:
             print(f"saved checkpoint {path} (written in the background in {time.perf_counter() - start:.2f} s)",

@@ -20,8 +20,8 @@ import checkpoint
 import data
 import parallel
 import reshard
-from helpers import (ROOT, SMALL, assert_same, corpus, final_state, losses, run_cli, run_main,  # noqa: F401
-                     write_checkpoint)
+from helpers import (ROOT, SMALL, assert_same, corpus, final_state, launch, losses, run_cli,  # noqa: F401
+                     run_main, synthetic_corpus, write_checkpoint)
 from model import GPT, GPTConfig
 
 sys.path.insert(0, os.path.join(ROOT, "tools"))
@@ -152,6 +152,24 @@ def test_async_save_writes_what_a_save_writes_and_resumes_bit_exactly(ckpt, stra
         assert check_checkpoint.main([str(directory / tag)]) == 0
     assert losses(run_main(*args, "--train_iters=3")) == {3: straight[0][3]}
     assert_same_end(straight, directory)
+
+
+@pytest.mark.slow
+def test_async_save_on_two_ranks_writes_what_a_save_writes(synthetic_corpus, tmp_path):
+    """TP=2 under torchrun: the writer threads' barriers run on their own gloo group beside the training's
+    collectives; every file of each checkpoint holds what a synchronous run's holds."""
+    args = [f"--data_path={synthetic_corpus}", "--tensor_model_parallel_size=2", "--train_iters=4",
+            "--save_interval=2"]
+    sync = launch(tmp_path, 2, *args, f"--save={tmp_path / 'sync'}")
+    background = launch(tmp_path, 2, *args, f"--save={tmp_path / 'async'}", "--async_save")
+    assert background.lines == sync.lines and "saving checkpoint in the background" in background.out
+    for tag in ("global_step2", "global_step4"):
+        names = sorted(checkpoint.read_manifest(str(tmp_path / "sync" / tag))["files"])
+        assert sorted(checkpoint.read_manifest(str(tmp_path / "async" / tag))["files"]) == names
+        for name in names:
+            a, b = (torch.load(tmp_path / d / tag / name, weights_only=False) for d in ("sync", "async"))
+            assert_same(a.get("model", a.get("optimizer")), b.get("model", b.get("optimizer")), f"{tag}/{name}")
+    assert check_checkpoint.main([str(tmp_path / "async")]) == 0
 
 
 # A run whose background write of global_step2 stops half-way through its first file (until killed), while its
