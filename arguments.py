@@ -10,12 +10,16 @@ Unknown keys and impossible values stop the run with one message naming the prob
 """
 import difflib
 import math
+import os
 import runpy
 import sys
 import types
 import typing
 from dataclasses import asdict, dataclass, fields
 
+import torch
+
+import hf
 import parallel
 import schedule
 import usage
@@ -89,9 +93,11 @@ class Config(GPTConfig):
     distributed_timeout_minutes: int = 60  # how long a collective waits for the slowest rank (checkpoint writes)
     dry_run: bool = False  # size the TP x PP x DP layout and memory per GPU on the meta device, then exit
     # -- checkpoint --
+    init_from_hf: str | None = None  # a local transformers GPT-2/BLOOM directory: its config and weights start the run
     save: str | None = None  # checkpoint directory; a run resumes from it when it holds a checkpoint
     load: str | None = None  # resume from this directory's `latest`; None: from save when it holds one
     save_interval: int | None = None  # save every this many iterations (and always at the end)
+    async_save: bool = False  # copy the state to host memory and write it on a background thread while training goes on
     no_load_optim: bool = False  # resume without the optimizer state (fresh Adam)
     no_load_rng: bool = False  # resume without the RNG states
     exit_interval: int | None = None  # save and exit after this many iterations of this job
@@ -268,7 +274,43 @@ def load_config(argv=None):
     settings.update(overrides)
     cfg = Config(**{k: _convert(k, v, FIELDS[k].type) for k, v in settings.items()})
     cfg.config_file = config_file
+    if cfg.init_from_hf is not None:
+        from_hf(cfg, given=set(settings))
     return cfg
+
+
+def from_hf(cfg, given):
+    """init_from_hf: the model keys the config does not give (`given`: set by the file or the command line) come
+    from the Hugging Face model; a given one that contradicts it is refused (hf.check_config), before anything is
+    built. The weights are loaded by train.build_model."""
+    for key, value in hf.config_from_hf(cfg.init_from_hf).items():
+        if key not in given:
+            setattr(cfg, key, value)
+    try:
+        hf.check_config(cfg, cfg.init_from_hf)
+    except ValueError as e:
+        hint = "" if cfg.config_file != DEFAULT_CONFIG else (
+            f" ({DEFAULT_CONFIG}, the default config, describes a model of its own: start from config/finetune.py, "
+            "which sets training keys only)")
+        raise ValueError(f"{e}{hint}") from None
+
+
+def check_device(cfg, local_world_size=None):
+    """device=cuda where this torch has no CUDA, or with fewer GPUs than processes on the node: one message with
+    the fix, before the process group or a device is touched (where torch's own error is a bare traceback)."""
+    if cfg.device != "cuda":
+        return
+    if not torch.cuda.is_available():
+        why = ("this torch is a CPU-only build" if torch.version.cuda is None else
+               f"this torch (CUDA {torch.version.cuda}) sees no GPU: check the node and CUDA_VISIBLE_DEVICES")
+        raise ValueError(f"device=cuda but {why}; install a CUDA build of torch on a GPU node (see "
+                         "https://pytorch.org/get-started/locally), or use --device=cpu (--device=auto takes the GPU "
+                         "when there is one)")
+    local = local_world_size or int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    gpus = torch.cuda.device_count()
+    if gpus < local:
+        raise ValueError(f"device=cuda with {local} processes on this node but {gpus} GPU(s) visible: one process per "
+                         f"GPU; launch torchrun --nproc_per_node {gpus}, or check CUDA_VISIBLE_DEVICES")
 
 
 def to_dict(cfg):

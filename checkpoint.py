@@ -16,12 +16,15 @@ optimizer with its step counter, LR-schedule and loss-scale state, iteration, co
 RNG states of python, numpy, torch and cuda and the dropout streams of rng.py, and the config.
 """
 import contextlib
+import copy
 import errno
 import json
 import os
 import random
 import re
 import shutil
+import threading
+import time
 import zlib
 
 import numpy as np
@@ -120,10 +123,10 @@ def topology(g=None):
             "data_parallel_size": g.dp_size}
 
 
-def _phase(work):
-    """work() on this rank, then a barrier that shares failures and results: (failure, [every rank's result]),
-    failure being (errno, message) of the first rank whose work raised an OSError (disk full, permissions), the
-    same on every rank, or None when all succeeded."""
+def _phase(work, group=None):
+    """work() on this rank, then a barrier (on `group`) that shares failures and results: (failure, [every rank's
+    result]), failure being (errno, message) of the first rank whose work raised an OSError (disk full,
+    permissions), the same on every rank, or None when all succeeded."""
     failure = result = None
     try:
         result = work()
@@ -132,7 +135,7 @@ def _phase(work):
     if not dist.is_initialized():
         return failure, [result]
     gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (failure, result))
+    dist.all_gather_object(gathered, (failure, result), group=group)
     return next((f for f, _ in gathered if f is not None), None), [r for _, r in gathered]
 
 
@@ -161,9 +164,10 @@ def write_manifest(tag_dir, entries, g=None):
     _atomic_write(json.dumps(manifest, indent=1), os.path.join(tag_dir, MANIFEST))
 
 
-def save(save_dir, iteration, model_state, run_state, rank_state, write_model_state):
+def save(save_dir, iteration, model_state, run_state, rank_state, write_model_state, group=None):
     """Write one checkpoint from every rank (write_files' arguments). A failure on any rank (a full disk) removes
-    the partial directory and raises ValueError on every rank."""
+    the partial directory and raises ValueError on every rank. group: the process group of its barriers (an
+    AsyncWriter's own, off the training's)."""
     tag = f"global_step{iteration}"
     final, partial = os.path.join(save_dir, tag), os.path.join(save_dir, tag + ".partial")
     rank0 = parallel.grid.rank == 0
@@ -190,7 +194,7 @@ def save(save_dir, iteration, model_state, run_state, rank_state, write_model_st
             _fsync_dir(save_dir)
 
     for work in (prepare, write, publish):
-        failure, results = _phase(work)
+        failure, results = _phase(work, group)
         if work is write:
             written = results
         if failure is not None:
@@ -204,6 +208,99 @@ def save(save_dir, iteration, model_state, run_state, rank_state, write_model_st
                              f"{os.path.join(save_dir, LATEST)} still names the previous one; free space (or fix the "
                              "directory) and resume")
     return final
+
+
+class AsyncWriter:
+    """Checkpoints written by a background thread while training goes on (async_save): save() copies the state
+    to host memory -- the only time the loop waits -- and returns; the thread writes it exactly as save() does,
+    so the manifest comes last and `latest` moves only once every rank's files are complete, and a crash (even
+    kill -9) mid-write leaves `latest` at the previous checkpoint. One save at a time: the next save, wait() and
+    leaving the `with` block wait for the one in flight, and re-raise its error in the main thread.
+
+    The host copies go to buffers kept from one save to the next (pinned for CUDA tensors, copied without
+    blocking, then one stream sync): as much host memory as the state, but no allocation per save. The thread's
+    barriers run on a gloo group of their own, never beside the training's collectives on the default group.
+    enabled=False: save() is checkpoint.save, synchronous."""
+
+    def __init__(self, enabled=True):
+        self.enabled, self.thread, self.error, self.buffers, self.group = enabled, None, None, {}, None
+
+    def save(self, save_dir, iteration, model_state, run_state, rank_state, write_model_state):
+        """Returns when the state is safe from the training (copied, for async); the path the checkpoint will
+        have."""
+        if not self.enabled:
+            return save(save_dir, iteration, model_state, run_state, rank_state, write_model_state)
+        self.wait()  # the previous write is done before its buffers are reused
+        if self.group is None and dist.is_initialized():  # every rank saves at the same iteration: in step
+            self.group = dist.new_group(backend="gloo")  # (at the first save: DeepSpeed may start the group late)
+        payload = to_host((model_state, run_state, rank_state), self.buffers)
+        if any(t.is_cuda for t in _tensors((model_state, rank_state))):
+            torch.cuda.current_stream().synchronize()  # the non-blocking copies have landed
+        self.thread = threading.Thread(target=self._write, args=(save_dir, iteration, *payload, write_model_state),
+                                       name=f"checkpoint-{iteration}")
+        self.thread.start()
+        return os.path.join(save_dir, f"global_step{iteration}")
+
+    def _write(self, *args):
+        start = time.perf_counter()
+        try:
+            path = save(*args, group=self.group)
+        except BaseException as e:  # re-raised by wait(), in the main thread
+            self.error = e
+            if parallel.grid.rank == 0:
+                print(f"the background write of checkpoint {args[1]} failed; the run stops at its next save (or its "
+                      "end) and says why", flush=True)
+            return
+        if parallel.grid.rank == 0:
+            print(f"saved checkpoint {path} (written in the background in {time.perf_counter() - start:.2f} s)",
+                  flush=True)
+
+    def wait(self):
+        """Until the save in flight (if any) is on disk and published; its error, if it failed."""
+        if self.thread is not None:
+            self.thread.join()
+            self.thread = None
+        if self.error is not None:
+            error, self.error = self.error, None
+            raise error
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, value, tb):
+        if value is None:
+            self.wait()
+        else:  # the run failed: still let the write finish (its files are whole or absent), keep the run's error
+            with contextlib.suppress(Exception):
+                self.wait()
+        return False
+
+
+def _tensors(obj):
+    if torch.is_tensor(obj):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _tensors(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _tensors(v)
+
+
+def to_host(obj, buffers, key=()):
+    """A copy of obj whose tensors are in host memory, in buffers[key path] (reused when shape and dtype match;
+    pinned, and filled without blocking, for CUDA tensors); other values deep-copied."""
+    if torch.is_tensor(obj):
+        t = obj.detach()
+        buffer = buffers.get(key)
+        if buffer is None or buffer.shape != t.shape or buffer.dtype != t.dtype:
+            buffer = buffers[key] = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
+        return buffer.copy_(t, non_blocking=t.is_cuda)
+    if isinstance(obj, dict):
+        return {k: to_host(v, buffers, (*key, k)) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(to_host(v, buffers, (*key, i)) for i, v in enumerate(obj))
+    return copy.deepcopy(obj)
 
 
 def latest_dir(load_dir):

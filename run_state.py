@@ -15,6 +15,7 @@ Not here: how the files are written (checkpoint.py), what the counters mean for 
 """
 import copy
 import random
+import time
 from dataclasses import asdict, dataclass, field, fields
 
 import numpy as np
@@ -131,13 +132,17 @@ def cpu_copy(obj):
 # On disk
 
 
-def save(parts):
+def save(parts, writer=None):
+    """A checkpoint of the run in cfg.save; by writer (a checkpoint.AsyncWriter) when given, in the background
+    if it is enabled. The log says how long the training loop waited for it."""
     cfg, iteration = parts.cfg, parts.state.iteration
     if cfg.dump_weights:
         checkpoint.dump_weights(cfg.save, "before-save", iteration, parts.model)
-    path = checkpoint.save(cfg.save, iteration, *capture(parts),
-                           write_model_state=parallel.grid.dp_rank == 0)
-    print0(f"saved checkpoint at iteration {iteration:8d} to {path}")
+    start = time.perf_counter()
+    write = writer.save if writer is not None else checkpoint.save
+    path = write(cfg.save, iteration, *capture(parts), write_model_state=parallel.grid.dp_rank == 0)
+    how = "saving checkpoint in the background" if writer is not None and writer.enabled else "saved checkpoint"
+    print0(f"{how} at iteration {iteration:8d} to {path} (the loop waited {time.perf_counter() - start:.3f} s)")
 
 
 def load(parts):

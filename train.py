@@ -26,6 +26,7 @@ if __name__ == "__main__" and {"-h", "--help"} & set(sys.argv[1:]):
     usage.print_help()
     sys.exit(0)
 
+import json
 import math
 import os
 import time
@@ -36,9 +37,11 @@ import torch
 import torch.distributed as dist
 
 import arguments
+import checkpoint
 import data
 import deepspeed_engine
 import estimate
+import hf
 import loader
 import optim
 import parallel
@@ -55,6 +58,7 @@ from schedule import Schedule
 
 def main(argv=None):
     cfg = arguments.load_config(argv)
+    arguments.check_device(cfg)
     if cfg.dry_run:  # sizes the TP x PP x DP layout on the meta device, starting no process
         estimate.dry_run(cfg)
         return
@@ -64,13 +68,15 @@ def main(argv=None):
     arguments.prepare(cfg, grid.world_size)
     check_tokenizer(cfg)
     # Before anything is built or written: which checkpoint to resume, is it this model, is save ours (lock).
-    with safety.RunGuard(cfg) as guard:
-        return run(cfg, grid, guard.exit_signal)
+    # The checkpoint writer inside: a save in flight is on disk before the lock is released.
+    with safety.RunGuard(cfg) as guard, checkpoint.AsyncWriter(cfg.async_save) as writer:
+        return run(cfg, grid, guard.exit_signal, writer)
 
 
-def run(cfg, grid, exit_signal):
+def run(cfg, grid, exit_signal, writer=None):
     """Train (or, with eval_only, evaluate) the configured model; returns the run state.
-    exit_signal() says when a SIGTERM asks to save and stop."""
+    exit_signal() says when a SIGTERM asks to save and stop. writer: the checkpoint.AsyncWriter saves go
+    through (None: written synchronously); the caller waits for its last one."""
     device = setup(cfg)
     schedule = Schedule(cfg, grid.dp_size)
     parts = build(cfg, grid, schedule, device)
@@ -125,9 +131,11 @@ def run(cfg, grid, exit_signal):
         if decision is not None:
             report.decision(iteration, decision)
         if decision is not None and decision["action"] != "skip":
+            if writer is not None:
+                writer.wait()  # a rollback may read the checkpoint being written
             if snapshots.roll_back(decision, parts) is None or decision["action"] == "stop":
                 if cfg.save:
-                    run_state.save(parts)
+                    run_state.save(parts, writer)
                 report.close()
                 raise spike_guard.SpikeGuardStop(
                     decision["line"] + "; saved and stopped: look at the samples named above, then "
@@ -145,7 +153,7 @@ def run(cfg, grid, exit_signal):
         why_exit = exit_reason(cfg, iteration - first_iteration, job_start, exit_signal)
         saving = last or why_exit or (cfg.save_interval and iteration % cfg.save_interval == 0)
         if cfg.save and saving:
-            run_state.save(parts)
+            run_state.save(parts, writer)
         snapshots.maybe_take(iteration, parts)
         if why_exit:
             print0(f"exiting at iteration {iteration} ({why_exit})")
@@ -154,6 +162,8 @@ def run(cfg, grid, exit_signal):
     prefetcher.close()
     report.close()
     print_sample(cfg, parts.model, device)
+    if cfg.deepspeed:
+        parts.optimizer.engine.destroy()  # DeepSpeed's state released before the process groups go (shut_down)
     return state
 
 
@@ -236,10 +246,23 @@ def build_model(cfg, device):
     with torch.device(device):
         model = GPT(GPTConfig.from_config(cfg), layers, pre_process=g.is_first_stage, post_process=g.is_last_stage,
                     seed=cfg.seed)
+    if cfg.init_from_hf:
+        init_from_hf(cfg, model)
     model.to(precision.compute_dtype(cfg))
     if not cfg.deepspeed:
         parallel.attach_grad_buffer(model, precision.grad_dtype(cfg))
     return model
+
+
+def init_from_hf(cfg, model):
+    """The weights of the Hugging Face model cfg.init_from_hf (hf.load_into), unless the run resumes: then the
+    checkpoint's weights win and the model directory is not read."""
+    if cfg.load and checkpoint.latest_dir(cfg.load):
+        print0(f"init_from_hf {cfg.init_from_hf} not loaded: resuming from the checkpoint in {cfg.load}, whose "
+               "weights win")
+        return
+    hf.load_into(model, cfg.init_from_hf)
+    print0(f"initialised from the Hugging Face model in {cfg.init_from_hf}")
 
 
 def describe_partition(cfg):
@@ -283,12 +306,19 @@ def build_scaler(cfg):
 
 
 def check_tokenizer(cfg):
-    """A tokenizer_file must have exactly the model's vocabulary: a smaller one wastes rows, a larger one
-    produces ids the embedding does not have. (The GPT-2 default is not checked: tests use small vocabularies.)"""
+    """A tokenizer_file must have the model's vocabulary: a larger one produces ids the embedding does not have, a
+    smaller one wastes rows -- except in a model imported with init_from_hf, whose rows are given (BLOOM's
+    tokenizer has 250680 tokens, its embedding 250880 rows). (The GPT-2 default is not checked: tests use small
+    vocabularies.)"""
     if cfg.tokenizer_file is None:
         return
     n_vocab = data.get_tokenizer(cfg.tokenizer_file).n_vocab
-    if n_vocab != cfg.vocab_size:
+    if n_vocab > cfg.vocab_size:
+        raise ValueError(f"tokenizer_file {cfg.tokenizer_file} has {n_vocab} tokens but the model's vocab_size is "
+                         f"{cfg.vocab_size}: its ids would not all have an embedding row; "
+                         + ("use the tokenizer of the model in init_from_hf" if cfg.init_from_hf else
+                            f"set vocab_size={n_vocab} (padding to a multiple is automatic)"))
+    if n_vocab < cfg.vocab_size and not cfg.init_from_hf:
         raise ValueError(f"tokenizer_file {cfg.tokenizer_file} has {n_vocab} tokens but vocab_size is "
                          f"{cfg.vocab_size}; set vocab_size={n_vocab} (padding to a multiple is automatic)")
 
@@ -471,15 +501,41 @@ def print_sample(cfg, model, device):
         print0("-" * 30 + " sample " + "-" * 30 + "\n" + tok.decode(out[0].tolist()))
 
 
+def exit_with(error, code):
+    """Stop on a configuration or input error: one clear line, no traceback. Every rank has it (the config is
+    everyone's) or some do (a file): rank 0 prints it, and each rank that has it leaves it in torchrun's error file,
+    so that the launcher's summary names it as the root cause instead of 'To enable traceback see ...'."""
+    line = f"error: {error}"
+    if int(os.environ.get("RANK", "0")) == 0:  # torchrun's rank (the process group may not exist yet)
+        print(line, file=sys.stderr, flush=True)
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:
+        with open(error_file, "w") as f:  # torch.distributed.elastic's format
+            json.dump({"message": {"message": f"{type(error).__name__}: {error}",
+                                   "extraInfo": {"py_callstack": line, "timestamp": str(int(time.time()))}}}, f)
+    sys.exit(code)
+
+
+def shut_down(finished):
+    """The process groups last (the prefetch thread, the checkpoint writer and DeepSpeed are done by then), after a
+    barrier when the run finished: no rank tears its connections down while another still talks to it (a
+    DeepSpeed bf16 PP=2 run that had saved aborted at exit on one rank, 'terminate called without an active
+    exception', in 1 of 5 runs, and torchrun called the job failed). After an error there is no barrier: the
+    other ranks may be gone."""
+    if dist.is_initialized():
+        if finished:
+            dist.barrier()
+        dist.destroy_process_group()
+
+
 if __name__ == "__main__":
+    finished = False
     try:
         main()
-    except (ValueError, FileNotFoundError) as e:  # configuration and input errors: one clear line, no traceback
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        finished = True
+    except (ValueError, FileNotFoundError) as e:
+        exit_with(e, 2)
     except spike_guard.SpikeGuardStop as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(spike_guard.EXIT_CODE)
+        exit_with(e, spike_guard.EXIT_CODE)
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        shut_down(finished)

@@ -7,7 +7,8 @@
 - end to end: launch() runs train.py under torchrun on the `synthetic_corpus` fixture with E2E_ARGS, a Run holds
   its log lines and TensorBoard scalars, assert_same_training / assert_replicas_identical / dumps compare runs;
 - a tokenizer.json trained on one play (build_tokenizer_file, play_corpus).
-- a checkpoint of any layout written from one process (write_checkpoint).
+- a checkpoint of any layout written from one process (write_checkpoint); the files `latest` names
+  (final_state), compared bit for bit (assert_same).
 """
 import contextlib
 import importlib.metadata
@@ -320,3 +321,28 @@ def write_checkpoint(directory, argv, fill, iteration=1):
     with open(os.path.join(directory, checkpoint.LATEST), "w") as f:
         f.write(f"global_step{iteration}\n")
     return tag_dir
+
+
+def final_state(directory):
+    """(tag, model file, rank file) of the checkpoint DIRECTORY/latest names, as torch.load reads them (one
+    process: TP rank 0, stage 0, rank 0)."""
+    tag = open(os.path.join(directory, "latest")).read().strip()
+    model = torch.load(os.path.join(directory, tag, "mp_rank_00_000_model_states.pt"), weights_only=False)
+    rank = torch.load(os.path.join(directory, tag, "rank_00000_optim_states.pt"), weights_only=False)
+    return tag, model, rank
+
+
+def assert_same(a, b, path="state"):
+    """Nested dicts, lists and tensors equal bit for bit; path names the first difference."""
+    if isinstance(a, torch.Tensor):
+        assert torch.equal(a, b), path
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), path
+        for k in a:
+            assert_same(a[k], b[k], f"{path}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{path}[{i}]")
+    else:
+        assert a == b, path

@@ -6,7 +6,10 @@ generates what one process generates from the same weights."""
 import hashlib
 import os
 import shutil
+import signal
+import subprocess
 import sys
+import time
 import zlib
 
 import pytest
@@ -17,7 +20,8 @@ import checkpoint
 import data
 import parallel
 import reshard
-from helpers import ROOT, SMALL, corpus, run_cli, run_main, write_checkpoint  # noqa: F401 (corpus is a fixture)
+from helpers import (ROOT, SMALL, assert_same, corpus, final_state, launch, losses, run_cli,  # noqa: F401
+                     run_main, synthetic_corpus, write_checkpoint)
 from model import GPT, GPTConfig
 
 sys.path.insert(0, os.path.join(ROOT, "tools"))
@@ -112,6 +116,115 @@ def test_checkpoint_without_a_manifest_loads_with_one_note(ckpt, tmp_path, capsy
     assert run["state"]["iteration"] == 2 and "optimizer" in rank
     assert capsys.readouterr().out.count("has no manifest.json (written by an older version)") == 1
     assert check_checkpoint.main([str(directory)]) == 0
+
+
+# -----------------------------------------------------------------------------
+# async_save: written by a background thread, published as a synchronous save is
+
+
+@pytest.fixture(scope="module")
+def straight(corpus, tmp_path_factory):
+    """(losses, final checkpoint's directory) of 3 iterations uninterrupted, saved synchronously at the end."""
+    directory = tmp_path_factory.mktemp("straight")
+    return losses(run_main(*SMALL, "--eval_iters=0", "--train_iters=3", f"--save={directory}")), directory
+
+
+def assert_same_end(straight, directory):
+    (tag_a, model_a, rank_a), (tag_b, model_b, rank_b) = final_state(straight[1]), final_state(directory)
+    assert tag_a == tag_b == "global_step3"
+    assert_same(model_a["model"], model_b["model"], "model")
+    assert_same(rank_a["optimizer"], rank_b["optimizer"], "optimizer")
+
+
+def test_async_save_writes_what_a_save_writes_and_resumes_bit_exactly(ckpt, straight, tmp_path):
+    """The background thread writes, from its host copy, the tensors a synchronous save writes at the same
+    iteration (the training went on meanwhile: a copy that aliased the live weights would differ); a run resumed
+    from it follows an uninterrupted one bit for bit."""
+    directory = tmp_path / "async"
+    args = [*SMALL, "--eval_iters=0", f"--save={directory}", "--async_save"]
+    out = run_main(*args, "--train_iters=2", "--save_interval=1")
+    assert "saving checkpoint in the background at iteration        1" in out
+    for tag in ("global_step1", "global_step2"):
+        (model_a, run_a, rank_a), (model_b, run_b, rank_b) = (checkpoint.load(str(d / tag)) for d in (ckpt, directory))
+        assert_same(model_a, model_b, f"{tag} model")
+        assert_same(rank_a["optimizer"], rank_b["optimizer"], f"{tag} optimizer")
+        assert run_a["state"] == run_b["state"]
+        assert check_checkpoint.main([str(directory / tag)]) == 0
+    assert losses(run_main(*args, "--train_iters=3")) == {3: straight[0][3]}
+    assert_same_end(straight, directory)
+
+
+@pytest.mark.slow
+def test_async_save_on_two_ranks_writes_what_a_save_writes(synthetic_corpus, tmp_path):
+    """TP=2 under torchrun: the writer threads' barriers run on their own gloo group beside the training's
+    collectives; every file of each checkpoint holds what a synchronous run's holds."""
+    args = [f"--data_path={synthetic_corpus}", "--tensor_model_parallel_size=2", "--train_iters=4",
+            "--save_interval=2"]
+    sync = launch(tmp_path, 2, *args, f"--save={tmp_path / 'sync'}")
+    background = launch(tmp_path, 2, *args, f"--save={tmp_path / 'async'}", "--async_save")
+    assert background.lines == sync.lines and "saving checkpoint in the background" in background.out
+    for tag in ("global_step2", "global_step4"):
+        names = sorted(checkpoint.read_manifest(str(tmp_path / "sync" / tag))["files"])
+        assert sorted(checkpoint.read_manifest(str(tmp_path / "async" / tag))["files"]) == names
+        for name in names:
+            a, b = (torch.load(tmp_path / d / tag / name, weights_only=False) for d in ("sync", "async"))
+            assert_same(a.get("model", a.get("optimizer")), b.get("model", b.get("optimizer")), f"{tag}/{name}")
+    assert check_checkpoint.main([str(tmp_path / "async")]) == 0
+
+
+# A run whose background write of global_step2 stops half-way through its first file (until killed), while its
+# training goes on; torch.save is the one checkpoint.py calls, so nothing else changes.
+KILLED_MID_WRITE = """
+import io, os, sys, time, torch
+import train
+marker, real_save = sys.argv[1], torch.save
+def save(obj, f, *args, **kwargs):
+    if "global_step2" in getattr(getattr(f, "f", None), "name", ""):
+        data = io.BytesIO()
+        real_save(obj, data, *args, **kwargs)
+        f.write(data.getvalue()[:len(data.getvalue()) // 2])
+        f.flush()
+        open(marker, "w").close()
+        time.sleep(600)
+    return real_save(obj, f, *args, **kwargs)
+torch.save = save
+train.main(sys.argv[2:])
+"""
+
+
+@pytest.mark.slow
+def test_kill_during_a_background_write_leaves_the_previous_checkpoint(straight, tmp_path):
+    """kill -9 while global_step2 is half written: `latest` still names global_step1, which is whole, and the
+    run resumed from it (the stale lock taken over, the debris removed) ends as an uninterrupted run does."""
+    directory, marker = tmp_path / "run", tmp_path / "writing"
+    args = [*SMALL, "--eval_iters=0", "--train_iters=3", f"--save={directory}", "--save_interval=1", "--async_save"]
+    env = dict(os.environ, WANDB_MODE="disabled", PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen([sys.executable, "-c", KILLED_MID_WRITE, str(marker), *args], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.time() + 300
+        while not marker.exists() and proc.poll() is None and time.time() < deadline:
+            time.sleep(0.2)
+        assert marker.exists(), proc.communicate(timeout=60)[0][-3000:] if proc.poll() is not None else "timeout"
+        time.sleep(1.0)  # the loop goes on beside the write: iteration 3 runs
+        os.kill(proc.pid, signal.SIGKILL)
+        out = proc.communicate(timeout=60)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == -signal.SIGKILL
+    assert "saving checkpoint in the background at iteration        2" in out
+    assert open(directory / "latest").read().strip() == "global_step1"
+    assert not (directory / "global_step2").exists()
+    partial = directory / "global_step2.partial"
+    assert [n for n in os.listdir(partial) if n.endswith(".tmp")] and not (partial / checkpoint.MANIFEST).exists()
+    assert check_checkpoint.main([str(directory)]) == 0  # global_step1, the one `latest` names
+    resumed = run_main(*args)
+    assert "resuming from" in resumed and "taking over the lock" in resumed
+    assert losses(resumed) == {i: straight[0][i] for i in (2, 3)}
+    assert_same_end(straight, directory)
+    assert sorted(n for n in os.listdir(directory) if n.startswith("global_step")) == [
+        "global_step1", "global_step2", "global_step3"]
 
 
 # -----------------------------------------------------------------------------

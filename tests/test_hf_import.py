@@ -3,17 +3,23 @@ downloaded) imported into stablegpt computes HF's logits within 1e-5 at TP1 and 
 GPT-2's real vocabulary of 50257 (padded to 50304 for TP1, 50432 for TP2); the files as the Hub has them
 (sharded, .bin without the "transformer." prefix, GPT-2's mask buffers) import the same; HF -> a TP2 x PP2
 checkpoint -> tools/export_hf.py -> HF is weight-identical; a config contradicting the model and a missing or
-corrupt directory are refused with one message each."""
+corrupt directory are refused with one message each. A run started with init_from_hf (train.py) has transformers'
+loss at its first step, trains, and resumes bit-exactly from its checkpoint, which then wins over the model."""
 import json
+import math
 import os
 import sys
 
 import pytest
 import torch
 
+import arguments
 import hf
 import parallel
-from helpers import ROOT, spawn, write_checkpoint
+import train
+from helpers import (ROOT, assert_same, build_tokenizer_file, corpus, final_state, losses,  # noqa: F401
+                     play_corpus, run_cli, run_main, spawn, write_checkpoint)
+from schedule import Schedule
 from model import GPT, GPTConfig
 
 transformers = pytest.importorskip("transformers")
@@ -205,3 +211,55 @@ def test_missing_or_corrupt_directory(models, tmp_path):
     (broken / "config.json").write_text("{")
     with pytest.raises(ValueError, match=r"config.json cannot be read"):
         hf.config_from_hf(str(broken))
+
+
+# -----------------------------------------------------------------------------
+# A run started from the model: train.py --init_from_hf=DIR (config/finetune.py: training keys only)
+
+RUN = ["config/finetune.py", "--bf16=false", "--micro_batch_size=2", "--global_batch_size=4", "--log_interval=1",
+       "--eval_iters=0", "--lr_warmup_samples=0", "--lr=1e-3", "--lr_decay_samples=40", "--save_interval=none"]
+
+
+def first_batch_loss(reference, argv):
+    """transformers' mean loss over the micro-batches of the run's first iteration (train.py's own data path)."""
+    cfg = arguments.prepare(arguments.load_config(argv))
+    batches = train.micro_batches(train.build_data(cfg, Schedule(cfg, 1))[0], 0, 2, cfg, cfg.seq_length,
+                                  torch.device("cpu"))
+    with torch.no_grad():
+        return sum(torch.nn.functional.cross_entropy(reference(x).logits.flatten(0, 1), y.flatten()).item()
+                   for x, y in batches) / len(batches)
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "bloom"])
+def test_run_from_the_model_starts_at_its_loss_trains_and_resumes_exactly(models, kind, corpus, tmp_path):
+    """GPT-2's real vocabulary on the bundled corpus; BLOOM with a tokenizer of 280 tokens and 300 embedding rows
+    (as bloom-560m: 250680 and 250880), on a play tokenized with it."""
+    directory, reference = models[kind]
+    if kind == "gpt2":
+        data_args = [f"--data_path={corpus}"]
+    else:
+        tokenizer = build_tokenizer_file(tmp_path / "tokenizer.json", vocab_size=280)
+        data_args = [f"--data_path={play_corpus(tokenizer, tmp_path)}", f"--tokenizer_file={tokenizer}",
+                     "--seq_length=32"]
+    argv = [*RUN, f"--init_from_hf={directory}", *data_args]
+    straight = run_main(*argv, "--train_iters=4", f"--save={tmp_path / 'a'}")
+    assert f"initialised from the Hugging Face model in {directory}" in straight
+    loss = losses(straight)
+    expected = first_batch_loss(reference, [*argv, "--train_iters=4"])
+    assert math.isclose(float(loss[1]), expected, rel_tol=2e-6), (loss[1], expected)
+    assert float(loss[4]) < float(loss[1])
+    run_main(*argv, "--train_iters=2", f"--save={tmp_path / 'b'}")
+    resumed = run_main(*argv, "--train_iters=4", f"--save={tmp_path / 'b'}")
+    assert "not loaded: resuming from the checkpoint" in resumed
+    assert losses(resumed) == {i: loss[i] for i in (3, 4)}
+    (_, model_a, rank_a), (_, model_b, rank_b) = final_state(tmp_path / "a"), final_state(tmp_path / "b")
+    assert_same(model_a["model"], model_b["model"], "model")
+    assert_same(rank_a["optimizer"], rank_b["optimizer"], "optimizer")
+
+
+def test_run_config_that_contradicts_the_model_stops_with_one_message(models):
+    """The default config (config/tiny.py) has a model of its own: refused before anything is built, exit 2."""
+    proc = run_cli(f"--init_from_hf={models['gpt2'][0]}", "--save=none", expect_ok=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.count("error:") == 1
+    assert "num_layers 4 (config) vs 2 (model)" in proc.stderr and "start from config/finetune.py" in proc.stderr

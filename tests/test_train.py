@@ -1,6 +1,8 @@
 """The trainer through its real command line: config parsing, log lines, bit-exact resume, clear errors."""
 import os
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -9,7 +11,8 @@ import arguments
 import data
 import schedule
 
-from helpers import SMALL, corpus, losses, run_cli as run  # noqa: F401 (corpus is a fixture)
+from helpers import (ROOT, SMALL, assert_same, corpus, final_state, free_port, launch, losses,  # noqa: F401
+                     run_cli as run, synthetic_corpus)
 
 
 # -- configuration ----------------------------------------------------------------------------------------------
@@ -64,6 +67,60 @@ def test_unknown_key_in_config_file(tmp_path):
         arguments.load_config([str(bad)])
 
 
+def test_device_cuda_without_a_usable_gpu_is_one_message(monkeypatch):
+    """A CPU-only torch on a GPU node, or more processes than GPUs: refused before any process group or device
+    is touched (torch's own error is a traceback from inside torch.cuda)."""
+    cuda = arguments.load_config(["--device=cuda"])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.version, "cuda", None)
+    with pytest.raises(ValueError, match=r"device=cuda but this torch is a CPU-only build; install a CUDA build of "
+                                         r"torch .* or use --device=cpu"):
+        arguments.check_device(cuda)
+    arguments.check_device(arguments.load_config(["--device=auto"]))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    arguments.check_device(cuda, local_world_size=2)
+    with pytest.raises(ValueError, match=r"device=cuda with 4 processes on this node but 2 GPU\(s\) visible: one "
+                                         r"process per GPU; launch torchrun --nproc_per_node 2"):
+        arguments.check_device(cuda, local_world_size=4)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a torch without CUDA")
+def test_device_cuda_on_a_cpu_torch_through_the_command_line():
+    proc = run("--device=cuda", "--save=none", expect_ok=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.startswith("error: device=cuda but this torch") and proc.stderr.count("error:") == 1
+
+
+@pytest.mark.slow
+def test_config_error_under_torchrun_is_printed_once_and_is_the_root_cause(tmp_path):
+    """Every rank has the error: rank 0 prints it; torchrun's failure summary carries it (the error file) instead of
+    'To enable traceback see ...'; no traceback of ours."""
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                           str(free_port()), "train.py", "--lr=fast", "--save=none"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600, env=dict(os.environ, WANDB_MODE="disabled"))
+    assert proc.returncode != 0
+    message = "config key 'lr': cannot use 'fast' as float"
+    ours = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert ours == [f"error: {message}"], proc.stderr[-3000:]
+    root_cause = proc.stderr.split("Root Cause")[1]
+    assert f"traceback : error: {message}" in root_cause and "To enable traceback" not in root_cause
+    assert "File \"" + os.path.join(ROOT, "train.py") not in proc.stderr  # the launcher's own stack only
+
+
+@pytest.mark.slow
+def test_deepspeed_bf16_pp2_exits_cleanly_every_time(synthetic_corpus, tmp_path):
+    """A finished run exits 0 on every rank, every time (train.shut_down): a SLURM chain of jobs
+    (--dependency=afterok) stops at the first that does not. Such a run aborted at exit in 1 of 5 tries."""
+    pytest.importorskip("deepspeed")
+    for i in range(5):
+        run_i = launch(tmp_path / f"run{i}", 2, f"--data_path={synthetic_corpus}", "--deepspeed", "--bf16",
+                       "--zero_stage=0", "--pipeline_model_parallel_size=2", "--train_iters=6",
+                       f"--save={tmp_path / f'ckpt{i}'}", expect_ok=False)
+        assert run_i.proc.returncode == 0, f"run {i + 1} of 5: exit code {run_i.proc.returncode}\n{run_i.err[-3000:]}"
+        assert "terminate called" not in run_i.err and sorted(run_i.lines) == list(range(1, 7))
+
+
 # -- the log line -------------------------------------------------------------------------------------------------
 
 SEED_LINE = (" iteration    17060/  159576 | consumed samples:      8126688 | consumed tokens:  16643457024 | "
@@ -94,28 +151,6 @@ def test_log_line_format_matches_the_seeds(corpus, tmp_path):
 # -- resume --------------------------------------------------------------------------------------------------------
 
 
-def _final_state(directory):
-    tag = open(os.path.join(directory, "latest")).read().strip()
-    model = torch.load(os.path.join(directory, tag, "mp_rank_00_000_model_states.pt"), weights_only=False)
-    rank = torch.load(os.path.join(directory, tag, "rank_00000_optim_states.pt"), weights_only=False)
-    return tag, model, rank
-
-
-def _assert_same(a, b, path="state"):
-    if isinstance(a, torch.Tensor):
-        assert torch.equal(a, b), path
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys(), path
-        for k in a:
-            _assert_same(a[k], b[k], f"{path}.{k}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), path
-        for i, (x, y) in enumerate(zip(a, b)):
-            _assert_same(x, y, f"{path}[{i}]")
-    else:
-        assert a == b, path
-
-
 def test_resume_is_bit_exact(corpus, tmp_path):
     straight, split = tmp_path / "straight", tmp_path / "split"
     full = losses(run(*SMALL, "--train_iters=20", f"--save={straight}", "--save_interval=10").stdout)
@@ -126,11 +161,11 @@ def test_resume_is_bit_exact(corpus, tmp_path):
     assert sorted(full) == list(range(1, 21)) and sorted(resumed) == list(range(11, 21))
     assert {i: full[i] for i in range(1, 11)} == first
     assert {i: full[i] for i in range(11, 21)} == resumed
-    tag_a, model_a, rank_a = _final_state(straight)
-    tag_b, model_b, rank_b = _final_state(split)
+    tag_a, model_a, rank_a = final_state(straight)
+    tag_b, model_b, rank_b = final_state(split)
     assert tag_a == tag_b == "global_step20"
-    _assert_same(model_a["model"], model_b["model"], "model")
-    _assert_same(rank_a["optimizer"], rank_b["optimizer"], "optimizer")
+    assert_same(model_a["model"], model_b["model"], "model")
+    assert_same(rank_a["optimizer"], rank_b["optimizer"], "optimizer")
     assert model_a["run"]["state"] == model_b["run"]["state"]
 
 
