@@ -2,6 +2,7 @@
 
 Each test fails under the old autocast regime (fp32 weights, fp32 residual stream and pipeline messages, gradients
 accumulated in the parameters' dtype)."""
+import io
 import math
 import os
 
@@ -9,8 +10,8 @@ import pytest
 import torch
 
 import arguments
-import parallel
 import model
+import parallel
 import precision
 import train
 from helpers import SMALL, corpus, losses, run_main  # noqa: F401 (corpus is a fixture)
@@ -52,10 +53,11 @@ def test_weights_and_block_output_are_in_the_compute_dtype(name):
 
 def test_layernorm_computes_in_fp32_and_returns_half():
     """PyTorch's LayerNorm takes its statistics in fp32 for half inputs (Megatron's fused LayerNorm does too)."""
+    g = torch.Generator().manual_seed(0)  # seeded: bit-for-bit comparisons of drawn inputs, independent of order
     ln = torch.nn.LayerNorm(64).to(torch.bfloat16)
     with torch.no_grad():
-        ln.weight.normal_(), ln.bias.normal_()
-    x = (torch.randn(4, 64) * 30 + 200).to(torch.bfloat16)  # a large mean: bf16 statistics would be off
+        ln.weight.copy_(torch.randn(64, generator=g)), ln.bias.copy_(torch.randn(64, generator=g))
+    x = (torch.randn(4, 64, generator=g) * 30 + 200).to(torch.bfloat16)  # a large mean: bf16 statistics would be off
     out = ln(x)
     assert out.dtype == torch.bfloat16
     ref = torch.nn.functional.layer_norm(x.float(), (64,), ln.weight.float(), ln.bias.float(), 1e-5)
@@ -138,10 +140,17 @@ def test_master_weights_are_fp32_and_round_into_the_model():
         train.train_step(model, optimizer, train.build_scaler(cfg), [(x, x)], 1e-3, cfg, torch.device("cpu"))
     state = optimizer.state_dict()
     assert all(s["exp_avg"].dtype == torch.float32 for s in state["state"].values())
-    assert all(torch.equal(m, saved) for (_, m), saved in zip(optimizer.copies, state["fp32_master_weights"]))
-    for p, master in optimizer.copies:  # the model holds the masters rounded to bf16
-        assert torch.equal(p, master.to(torch.bfloat16))
-    assert any(not torch.equal(m, m.to(torch.bfloat16).float()) for m in state["fp32_master_weights"])
+    for p, master in optimizer.copies:  # the model holds the masters rounded to bf16, in storage of its own
+        assert torch.equal(p, master.to(torch.bfloat16)) and p.data_ptr() != master.data_ptr()
+    masters = [m.clone() for _, m in optimizer.copies]
+    assert any(not torch.equal(m, m.to(torch.bfloat16).float()) for m in masters)  # more bits than the weights
+    # the saved masters are what a fresh optimizer resumes from, not the weights' bf16 values widened
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    fresh = train.build_optimizer(cfg, train.build_model(cfg, torch.device("cpu")))
+    fresh.load_state_dict(torch.load(io.BytesIO(buffer.getvalue()), weights_only=False))
+    assert all(torch.equal(m, saved) for (_, m), saved in zip(fresh.copies, masters))
+    assert all(torch.equal(p, m.to(torch.bfloat16)) for p, m in fresh.copies)
 
 
 def test_bnb_8bit_state_lives_on_the_fp32_masters_with_the_embedding_32bit():
