@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -18,7 +19,7 @@ import data
 import train
 import usage
 
-from helpers import ROOT, SMALL, corpus, log_fields, run_cli, run_main  # noqa: F401 (corpus is a fixture)
+from helpers import ROOT, SMALL, corpus, log_fields, run_cli, run_main, spawn  # noqa: F401 (corpus is a fixture)
 
 ENV = dict(os.environ, WANDB_MODE="disabled")
 
@@ -314,3 +315,31 @@ def test_deterministic_switch(corpus, tmp_path, monkeypatch):
         assert os.environ["MKL_CBWR"] == "AUTO,STRICT" and os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
     finally:
         torch.use_deterministic_algorithms(False)
+
+
+# -- 10. every torchrun worker stops at the same iteration ----------------------------------------------------------
+
+
+def _workers_agree_when_to_exit():
+    import types
+
+    import parallel
+    import safety
+    rank = parallel.grid.rank
+    exit_signal = safety.ExitSignal(True)
+    try:
+        assert exit_signal() is False
+        if rank == 1:  # torchrun forwards SIGTERM to every worker, but they need not get it in the same iteration
+            os.kill(os.getpid(), signal.SIGTERM)
+        assert exit_signal() is True, rank
+    finally:
+        exit_signal.restore()
+    # exit_duration_in_mins runs on rank 0's clock: a worker whose clock says otherwise follows rank 0
+    cfg = types.SimpleNamespace(exit_interval=None, exit_duration_in_mins=1.0)
+    now = time.time()
+    assert train.exit_reason(cfg, 1, now - (120 if rank == 1 else 0), lambda: False) is None, rank
+    assert train.exit_reason(cfg, 1, now - (120 if rank == 0 else 0), lambda: False) is not None, rank
+
+
+def test_sigterm_and_exit_duration_are_agreed_across_workers():
+    spawn(_workers_agree_when_to_exit, 2)
