@@ -2,6 +2,7 @@
 import ast
 import errno
 import json
+import math
 import os
 import re
 import signal
@@ -195,12 +196,19 @@ def test_sample_prompt_key(ckpt, tmp_path):
 
 def test_tensorboard_scalars_against_samples_and_tokens(corpus, tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-    run_main(*SMALL, "--train_iters=2", f"--tensorboard_dir={tmp_path}", "--eval_iters=0")
+    out = run_main(*SMALL, "--train_iters=2", f"--tensorboard_dir={tmp_path}", "--eval_iters=0")
     events = EventAccumulator(str(tmp_path))
     events.Reload()
     assert [e.step for e in events.Scalars("lm-loss")] == [1, 2]
     assert [e.step for e in events.Scalars("lm-loss vs samples")] == [8, 16]
     assert [e.step for e in events.Scalars("lm-loss vs tokens")] == [512, 1024]
+    # without save, metrics.jsonl goes to tensorboard_dir: one object per iteration, every field of the log line
+    with open(tmp_path / "metrics.jsonl") as f:
+        records = [json.loads(line) for line in f]
+    assert [r["iteration"] for r in records] == [1, 2]
+    for record, (it, fields) in zip(records, sorted(log_fields(out).items())):
+        assert set(fields) <= set(record), set(fields) - set(record)
+        assert math.isclose(record["lm loss"], float(fields["lm loss"]), rel_tol=1e-6), it
 
 
 # -- 8. bad input -------------------------------------------------------------------------------------------------
