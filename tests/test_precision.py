@@ -207,7 +207,8 @@ def test_attention_softmax_is_fp32_on_every_path(path, dtype, device):
     """What each path rounds to half by design is rounded here too (the stable variant's scaled q and k, the
     explicit path's scores from baddbmm, the fused path's float mask); everything after -- scaling the scores back
     up, adding ALiBi's bias, the softmax -- must be the fp64 result to the rounding of the probabilities and of the
-    output (half an ulp each, of |v| at most: tolerance 2 x 2^-8 |v| in bf16, 2 x 2^-11 |v| in fp16). The same formula with the scores kept in half is checked to miss by 8x that."""
+    output (half an ulp each, of |v| at most: tolerance 2 x 2^-8 |v| in bf16, 2 x 2^-11 |v| in fp16). The same
+    formula with the scores kept in half is checked to miss by 8x that."""
     kw = dict(PATHS[path])
     q, k, v = _peaked_qkv(dtype, 300.0, device)
     D, coeff = q.shape[-1], kw.get("layer_scaling") or 1.0
