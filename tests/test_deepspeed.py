@@ -6,8 +6,8 @@ ZeRO stage allowed, 10 iterations each, compared inside the workers -- lm loss a
 iteration (relative: the README's 6e-5 and 7e-4 under bf16, 1e-5 under fp32), Adam's step counter at 10, the
 two copies of the tied embedding and every replica (TP-replicated parameters, DP ranks) bitwise equal. The native
 bf16 reference is itself held to one process by tests/test_parallel.py (half-precision layouts). Then, in the
-same processes: DeepSpeed's bf16 gradients accumulate in fp32 over 64 micro-batches, and a DeepSpeed bf16 run saved at iteration 5 resumes bit-exactly
-with its step counter. One process (python train.py --deepspeed) gets a one-process group and trains as the
+same processes: DeepSpeed's bf16 gradients accumulate in fp32 over 64 micro-batches, and a DeepSpeed bf16 run
+saved at iteration 5 resumes bit-exactly with its step counter. One process (python train.py --deepspeed) gets a one-process group and trains as the
 native path. The refusals (fp16, bitsandbytes, ...) are checked without starting DeepSpeed.
 """
 import contextlib
