@@ -1,13 +1,13 @@
 """DeepSpeed (deepspeed_engine.py) trains as the native path does.
 
-One process group per world size (2 and 4 gloo processes) runs train.main over several layouts in turn, which
-pays DeepSpeed's import and the process start-up once: for each layout the native run, then DeepSpeed at each
-ZeRO stage allowed, 10 iterations each, compared inside the workers -- lm loss and grad norm at every
-iteration (relative: the README's 6e-5 and 7e-4 under bf16, 1e-5 under fp32), Adam's step counter at 10, the
-two copies of the tied embedding and every replica (TP-replicated parameters, DP ranks) bitwise equal. The native
-bf16 reference is itself held to one process by tests/test_parallel.py (half-precision layouts). Then, in the
-same processes: DeepSpeed's bf16 gradients accumulate in fp32 over 64 micro-batches, and a DeepSpeed bf16 run
-saved at iteration 5 resumes bit-exactly with its step counter. One process (python train.py --deepspeed) gets a one-process group and trains as the
+One process group per world size (2 and 4 gloo processes) runs train.main over several layouts in turn, which pays
+DeepSpeed's import and the process start-up once: for each layout the native run, then DeepSpeed at each ZeRO stage
+allowed, 10 iterations each, compared inside the workers -- lm loss and grad norm at every iteration (relative: the
+README's 6e-5 and 7e-4 under bf16, 1e-5 under fp32), Adam's step counter at 10, the two copies of the tied
+embedding and every replica (TP-replicated parameters, DP ranks) bitwise equal. The native bf16 reference is itself
+held to one process by tests/test_parallel.py (half-precision layouts). Then, in the same processes: DeepSpeed's
+bf16 gradients accumulate in fp32 over 64 micro-batches, and a DeepSpeed bf16 run saved at iteration 5 resumes
+bit-exactly with its step counter. One process (python train.py --deepspeed) gets a one-process group and trains as the
 native path. The refusals (fp16, bitsandbytes, ...) are checked without starting DeepSpeed.
 """
 import contextlib
