@@ -7,6 +7,9 @@ gloo processes for the streams and the replica check. End to end (train.py under
 TP=2 with GPT-2's vocabulary and 3 layers on PP=2 against one process, TP=2 with dropout and checkpointing resumed.
 """
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -14,8 +17,8 @@ import torch.distributed as dist
 
 import parallel
 import rng
-from helpers import (TINY, assert_replicas_identical, assert_same_training, dumps, gather, launch, spawn,  # noqa: F401
-                     stage, synthetic_corpus)  # (synthetic_corpus: a fixture)
+from helpers import (ROOT, TINY, assert_replicas_identical, assert_same_training, dumps, free_port,  # noqa: F401
+                     gather, launch, spawn, stage, synthetic_corpus)  # (synthetic_corpus: a fixture)
 
 
 # -----------------------------------------------------------------------------
@@ -224,6 +227,26 @@ def test_tp2_dropout_with_checkpointing_keeps_replicas_and_resumes_exactly(synth
     resumed = launch(tmp_path / "resumed", 2, *layout, f"--load={rewind(ckpt, 5)}")
     for it in range(6, 11):  # both dropout streams come back from the checkpoint
         assert resumed.scalars[it] == full.scalars[it], it
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc, layout, message", [
+    (3, ["--tensor_model_parallel_size=2"], "world size 3 is not divisible by tensor_model_parallel_size (2) x "
+                                            "pipeline_model_parallel_size (1); launch a multiple of 2 processes"),
+    (2, ["--tensor_model_parallel_size=2", "--num_attention_heads=3", "--hidden_size=48"],
+     "num_attention_heads (3) must be divisible by tensor_model_parallel_size (2)"),
+    (2, ["--pipeline_model_parallel_size=2", "--num_layers=1", "--pp_partition_method=type:transformer"],
+     "num_layers (1) is too small for pipeline_model_parallel_size (2)"),
+], ids=["world-size", "heads", "stages"])
+def test_layout_errors_under_torchrun_are_one_line_and_exit_2(nproc, layout, message, tmp_path):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
+           str(free_port()), "train.py", "--train_iters=1", f"--save={tmp_path / 'ckpt'}", *layout]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled"))
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert errors and all(line.startswith(f"error: {message}") for line in errors), proc.stderr[-3000:]
+    assert "exitcode  : 2" in proc.stderr and 'train.py", line' not in proc.stderr  # no traceback of ours
+    assert not (tmp_path / "ckpt").exists()  # stopped before anything was written
 
 
 def rewind(directory, iteration):
