@@ -9,7 +9,7 @@ import arguments
 import data
 import schedule
 
-from helpers import SMALL, corpus, losses, run_cli as run  # noqa: F401 (corpus is a fixture)
+from helpers import SMALL, assert_same, corpus, losses, run_cli as run  # noqa: F401 (corpus is a fixture)
 
 
 # -- configuration ----------------------------------------------------------------------------------------------
@@ -101,21 +101,6 @@ def _final_state(directory):
     return tag, model, rank
 
 
-def _assert_same(a, b, path="state"):
-    if isinstance(a, torch.Tensor):
-        assert torch.equal(a, b), path
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys(), path
-        for k in a:
-            _assert_same(a[k], b[k], f"{path}.{k}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), path
-        for i, (x, y) in enumerate(zip(a, b)):
-            _assert_same(x, y, f"{path}[{i}]")
-    else:
-        assert a == b, path
-
-
 def test_resume_is_bit_exact(corpus, tmp_path):
     straight, split = tmp_path / "straight", tmp_path / "split"
     full = losses(run(*SMALL, "--train_iters=20", f"--save={straight}", "--save_interval=10").stdout)
@@ -129,8 +114,8 @@ def test_resume_is_bit_exact(corpus, tmp_path):
     tag_a, model_a, rank_a = _final_state(straight)
     tag_b, model_b, rank_b = _final_state(split)
     assert tag_a == tag_b == "global_step20"
-    _assert_same(model_a["model"], model_b["model"], "model")
-    _assert_same(rank_a["optimizer"], rank_b["optimizer"], "optimizer")
+    assert_same(model_a["model"], model_b["model"], "model")
+    assert_same(rank_a["optimizer"], rank_b["optimizer"], "optimizer")
     assert model_a["run"]["state"] == model_b["run"]["state"]
 
 
