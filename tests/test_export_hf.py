@@ -13,7 +13,8 @@ import torch
 
 import data
 import reshard
-from helpers import ROOT, build_tokenizer_file, corpus, launch, losses, play_corpus, run_main  # noqa: F401
+from helpers import (ROOT, assert_same_checkpoint, build_tokenizer_file, corpus, launch, losses,  # noqa: F401
+                     play_corpus, run_main)
 from model import GPT, GPTConfig
 
 sys.path.insert(0, os.path.join(ROOT, "tools"))
@@ -132,9 +133,7 @@ def test_tiny_alibi_model_resumes_bit_exactly_and_exports(play, tmp_path):
     run_main(*args, f"--save={tmp_path}", "--exit_interval=3")
     resumed = losses(run_main(*args, f"--load={tmp_path}", f"--save={tmp_path}"))
     assert sorted(resumed) == [4, 5, 6] and all(resumed[i] == straight[i] for i in resumed)
-    final = [torch.load(d / "global_step6" / "mp_rank_00_000_model_states.pt", weights_only=False)["model"]
-             for d in (tmp_path, tmp_path / "straight")]
-    assert all(torch.equal(final[0][k], final[1][k]) for k in final[1])  # bit-exact
+    assert_same_checkpoint(tmp_path, tmp_path / "straight", 6)  # bit-exact: weights, moments, RNG
     diff, hf, tok = export_hf.export(str(tmp_path), str(tmp_path / "hf"))
     assert diff <= 1e-5
     _greedy_matches(hf, tok, str(tmp_path))
