@@ -1,7 +1,8 @@
 """What several test files share (no test imports another test module: tests/test_structure.py):
 
 - one process: a small model on the bundled corpus through the real command line (run_cli, run_main), the log
-  lines' fields (log_fields, losses), the bundled corpus (the `corpus` fixture);
+  lines' fields (log_fields, losses), the bundled corpus (the `corpus` fixture); two checkpoints bit for bit
+  (assert_same_checkpoint, assert_same);
 - several processes: spawn(fn, world, tp, pp) runs fn on gloo processes, gather, TINY / stage / random_batches
   for GPT stages against one process;
 - end to end: launch() runs train.py under torchrun on the `synthetic_corpus` fixture with E2E_ARGS, a Run holds
@@ -86,6 +87,40 @@ def losses(stdout):
 def corpus():
     import data
     return data.default_corpus(os.path.join(ROOT, "data"))
+
+
+def assert_same(a, b, path="state"):
+    """a and b equal bit for bit, tensors and arrays included, recursively through dicts, lists and tuples."""
+    import numpy as np
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), path
+    elif isinstance(a, np.ndarray):
+        assert np.array_equal(a, b), path
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), (path, set(a) ^ set(b))
+        for k in a:
+            assert_same(a[k], b[k], f"{path}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{path}[{i}]")
+    else:
+        assert a == b, (path, a, b)
+
+
+def assert_same_checkpoint(dir_a, dir_b, iteration):
+    """global_stepITERATION of two save directories bit for bit, every file: weights, fp32 masters, the optimizer's
+    moments and step, the loss scaler, the LR schedule, the counters and the RNG streams; all but the stored
+    config (its paths differ). What "a resume is bit-exact" means."""
+    tags = [os.path.join(str(d), f"global_step{iteration}") for d in (dir_a, dir_b)]
+    files = sorted(f for f in os.listdir(tags[0]) if f.endswith(".pt"))
+    assert files and files == sorted(f for f in os.listdir(tags[1]) if f.endswith(".pt")), tags
+    for name in files:
+        a, b = (torch.load(os.path.join(t, name), weights_only=False) for t in tags)
+        for payload in (a, b):
+            if "run" in payload:
+                payload["run"] = {k: v for k, v in payload["run"].items() if k != "config"}
+        assert_same(a, b, name)
 
 
 # -----------------------------------------------------------------------------
@@ -330,19 +365,3 @@ def final_state(directory):
     model = torch.load(os.path.join(directory, tag, "mp_rank_00_000_model_states.pt"), weights_only=False)
     rank = torch.load(os.path.join(directory, tag, "rank_00000_optim_states.pt"), weights_only=False)
     return tag, model, rank
-
-
-def assert_same(a, b, path="state"):
-    """Nested dicts, lists and tensors equal bit for bit; path names the first difference."""
-    if isinstance(a, torch.Tensor):
-        assert torch.equal(a, b), path
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys(), path
-        for k in a:
-            assert_same(a[k], b[k], f"{path}.{k}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), path
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert_same(x, y, f"{path}[{i}]")
-    else:
-        assert a == b, path

@@ -6,7 +6,6 @@ import json
 import math
 import os
 import struct
-import time
 from fractions import Fraction
 
 import numpy as np
@@ -523,7 +522,7 @@ def test_check_curriculum():
 # -----------------------------------------------------------------------------
 # bundled corpus
 
-def test_default_corpus(tmp_path):
+def test_default_corpus(tmp_path, monkeypatch):
     prefix = data.default_corpus(str(tmp_path))
     assert prefix == os.path.join(str(tmp_path), f"shakespeare-v{data.CORPUS_VERSION}")  # versioned: new tokens
     ds = data.IndexedDataset(prefix)
@@ -541,7 +540,8 @@ def test_default_corpus(tmp_path):
     assert "HAMLET:\nTo be, or not to be: that is the question:\nWhether 'tis nobler in the mind to suffer\n" in hamlet
     assert "\nExit Ghost\n" in hamlet and "[Aside]" in text and "--O God, that I were a man!" in text
     mtimes = [os.stat(prefix + ext).st_mtime_ns for ext in (".bin", ".idx")]
-    t0 = time.time()
+    # a second call reuses the files: it reads no play and tokenizes nothing (no clock: a loaded machine is slow)
+    monkeypatch.setattr(data, "write_indexed_dataset", lambda *a, **k: pytest.fail("the corpus was written again"))
+    monkeypatch.setattr(data, "get_tokenizer", lambda *a, **k: pytest.fail("the corpus was tokenized again"))
     assert data.default_corpus(str(tmp_path)) == prefix
-    assert time.time() - t0 < 0.5
     assert [os.stat(prefix + ext).st_mtime_ns for ext in (".bin", ".idx")] == mtimes

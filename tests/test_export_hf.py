@@ -1,7 +1,9 @@
 """tools/export_hf.py: GPT2LMHeadModel and BloomForCausalLM exports from TP=2 checkpoints (the vocabulary padding
-of TP=2 dropped), logits checked by the tool itself and greedy generation in transformers against
-model.generate; a tiny ALiBi + embedding-LayerNorm model resumes bit-exactly; configurations neither class can
+of TP=2 dropped), logits checked by the tool itself and against a merge of the TP shards written here (so a wrong
+merge in reshard.py, which the tool uses, is not exported and "verified"), greedy generation in transformers
+against model.generate; a tiny ALiBi + embedding-LayerNorm model resumes bit-exactly; configurations neither class can
 express are refused by name."""
+import dataclasses
 import json
 import os
 import sys
@@ -11,8 +13,9 @@ import torch
 
 import data
 import reshard
-from helpers import ROOT, build_tokenizer_file, corpus, launch, losses, play_corpus, run_main  # noqa: F401
-from model import GPTConfig
+from helpers import (ROOT, assert_same_checkpoint, build_tokenizer_file, corpus, launch, losses,  # noqa: F401
+                     play_corpus, run_main)
+from model import GPT, GPTConfig
 
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 import export_hf  # noqa: E402
@@ -60,6 +63,36 @@ def test_gpt2_export_from_tp2(corpus, tmp_path):  # noqa: F811
     loaded = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
     text = "ROMEO:\nBut soft, what light through yonder window breaks?"
     assert loaded(text)["input_ids"] == data.get_tokenizer().encode_ordinary(text)
+    # against a merge that shares no code with the export's (reshard.py): the two shards concatenated here
+    gpt = merged_by_hand(tmp_path / "ckpt" / "global_step2", tp=2)
+    ids = torch.randint(0, 50257, (2, 32), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert (gpt(ids)[..., :50257] - hf(ids).logits).abs().max().item() <= 1e-5
+    _greedy_matches(hf, loaded, str(tmp_path / "ckpt"))  # greedy generation in transformers is model.generate's
+
+
+def merged_by_hand(tag_dir, tp):
+    """The one-process model of a TP checkpoint (PP=1): each parameter's TP shards concatenated along the
+    dimension where their shape differs from the one-process shape, the vocabulary padding cut and redone;
+    replicated parameters must be equal on every rank. Independent of reshard.py, which the export uses."""
+    files = [torch.load(tag_dir / f"mp_rank_{t:02d}_000_model_states.pt", weights_only=False) for t in range(tp)]
+    saved = files[0]["run"]["config"]
+    cfg = GPTConfig(**{f.name: saved[f.name] for f in dataclasses.fields(GPTConfig) if f.name in saved})
+    cfg.tensor_model_parallel_size = 1
+    gpt = GPT(cfg).eval()
+    state = {}
+    for name, full in gpt.state_dict().items():
+        pieces = [f["model"][name] for f in files]
+        if pieces[0].shape == full.shape:
+            assert all(torch.equal(p, pieces[0]) for p in pieces), name
+            state[name] = pieces[0]
+            continue
+        dim = next(d for d in range(full.dim()) if pieces[0].shape[d] != full.shape[d])
+        real = cfg.vocab_size if pieces[0].shape[dim] * tp != full.shape[dim] else full.shape[dim]
+        state[name] = torch.zeros_like(full)
+        state[name].narrow(dim, 0, real).copy_(torch.cat(pieces, dim).narrow(dim, 0, real))
+    gpt.load_state_dict(state)
+    return gpt
 
 
 @pytest.fixture(scope="module")
@@ -100,9 +133,7 @@ def test_tiny_alibi_model_resumes_bit_exactly_and_exports(play, tmp_path):
     run_main(*args, f"--save={tmp_path}", "--exit_interval=3")
     resumed = losses(run_main(*args, f"--load={tmp_path}", f"--save={tmp_path}"))
     assert sorted(resumed) == [4, 5, 6] and all(resumed[i] == straight[i] for i in resumed)
-    final = [torch.load(d / "global_step6" / "mp_rank_00_000_model_states.pt", weights_only=False)["model"]
-             for d in (tmp_path, tmp_path / "straight")]
-    assert all(torch.equal(final[0][k], final[1][k]) for k in final[1])  # bit-exact
+    assert_same_checkpoint(tmp_path, tmp_path / "straight", 6)  # bit-exact: weights, moments, RNG
     diff, hf, tok = export_hf.export(str(tmp_path), str(tmp_path / "hf"))
     assert diff <= 1e-5
     _greedy_matches(hf, tok, str(tmp_path))

@@ -268,15 +268,17 @@ def test_logits_equal_huggingface_gpt2(dtype, atol):
     torch.testing.assert_close(logits, expected, atol=atol, rtol=0)
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_loss_equals_huggingface_gpt2(dtype):
+@pytest.mark.parametrize("dtype,atol", [(torch.float64, 1e-10), (torch.float32, 1e-5)])  # the logits' standard
+def test_loss_equals_huggingface_gpt2(dtype, atol):
     hf, ours = _hf_and_ours(dtype)
     ids = torch.randint(0, 50257, (2, 32), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
-        expected = hf(ids, labels=ids).loss  # HF shifts the labels itself
+        out = hf(ids, labels=ids)  # HF shifts the labels itself, and takes its loss in fp32 whatever the dtype
         loss = ours(ids[:, :-1], targets=ids[:, 1:])  # ours takes them already shifted
-    assert loss.ndim == 0
-    torch.testing.assert_close(loss.double(), expected.double(), atol=1e-5, rtol=1e-6)
+        expected = F.cross_entropy(out.logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())  # in dtype
+    assert loss.ndim == 0 and loss.dtype == dtype
+    torch.testing.assert_close(loss, expected, atol=atol, rtol=0)
+    torch.testing.assert_close(loss.double(), out.loss.double(), atol=1e-5, rtol=0)
 
 
 # -----------------------------------------------------------------------------

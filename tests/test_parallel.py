@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 import parallel
 from helpers import (ROOT, TINY, assert_replicas_identical, assert_same_training, dumps, gather, launch,  # noqa: F401
-                     random_batches, spawn, stage, synthetic_corpus)  # (synthetic_corpus is a fixture)
+                     log_fields, random_batches, spawn, stage, synthetic_corpus)  # (synthetic_corpus is a fixture)
 
 
 # -----------------------------------------------------------------------------
@@ -438,3 +438,99 @@ def test_tp2_pp2_resume_is_exact_and_weights_survive_the_reload(tp2_pp2, synthet
     assert check.returncode == 1
     assert "output_weight: 1 of" in check.stdout and "ln_f.bias: missing after load" in check.stdout
     assert "3 of 4 rank(s) identical" in check.stdout
+
+
+# -----------------------------------------------------------------------------
+# Half precision: every layout against one process in the same precision, with GPT-2's vocabulary (padded to
+# 50304 by one process, 50432 by TP=2)
+
+GPT2_VOCAB = ["--vocab_size=50257"]
+HALF_PRECISION = {"bf16": ["--bf16"], "fp16": ["--fp16", "--loss_scale=1024"]}  # a static scale: no skipped step
+HALF_LAYOUTS = {"tp2": (2, ["--tensor_model_parallel_size=2"]), "pp2": (2, ["--pipeline_model_parallel_size=2"]),
+                "dp2": (2, [])}
+
+
+@pytest.fixture(scope="module")
+def one_process(synthetic_corpus, tmp_path_factory):
+    """one_process(name, *args): the one-process run with GPT-2's vocabulary and args, launched once per module."""
+    runs = {}
+
+    def get(name, *extra):
+        if name not in runs:
+            runs[name] = launch(tmp_path_factory.mktemp(name), 1, f"--data_path={synthetic_corpus}", *GPT2_VOCAB,
+                                *extra)
+        return runs[name]
+    return get
+
+
+def relative_gaps(run, ref):
+    """|run - ref| / |ref| of every iteration's lm loss and grad norm (TensorBoard, full precision); a value that
+    is not finite (an fp16 overflow's grad norm) must be so in both."""
+    assert sorted(run.scalars) == sorted(ref.scalars) == list(range(1, 11))
+    assert all(run.scalars[it].keys() == ref.scalars[it].keys() for it in ref.scalars)
+    gaps = []
+    for it in ref.scalars:
+        for tag, b in ref.scalars[it].items():
+            a = run.scalars[it][tag]
+            assert math.isfinite(a) == math.isfinite(b), (it, tag, a, b)
+            gaps.append(abs(a - b) / abs(b) if math.isfinite(b) else 0.0)
+    return gaps
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", HALF_LAYOUTS)
+@pytest.mark.parametrize("precision", HALF_PRECISION)
+def test_half_precision_layouts_match_one_process(precision, layout, one_process, synthetic_corpus, tmp_path):
+    """A layout only reorders the roundings of the same computation (TP's partial sums, fp16's DP all-reduce in
+    fp16), roundings as large as the precision's own: it may move a run away from the one-process run in the same
+    precision by no more than twice as far as that precision moves it from fp32. The tolerance is measured: twice
+    the largest relative gap, over 10 iterations of lm loss and grad norm, between the one-process runs in half and
+    in fp32 (8e-3 in bf16, 1e-3 in fp16; TP2, PP2, DP2 measured at most 1.8e-3 and 6e-4). A layout that
+    trains another model -- masters not stepped, a gradient summed twice or not reduced, a wrong loss scale on one
+    rank -- misses by far more."""
+    half = HALF_PRECISION[precision]
+    fp32, one = one_process("fp32"), one_process(precision, *half)
+    tolerance = 2 * max(relative_gaps(one, fp32))
+    assert 1e-4 < tolerance < 5e-2, tolerance  # half computes in half, and trains the model fp32 trains
+    nproc, extra = HALF_LAYOUTS[layout]
+    run = launch(tmp_path, nproc, f"--data_path={synthetic_corpus}", *GPT2_VOCAB, *half, *extra)
+    assert ("padded to 50432" if layout == "tp2" else "padded to 50304") in run.out
+    worst = max(relative_gaps(run, one))
+    print(f"{precision} {layout}: largest relative gap {worst:.2e} to one process, tolerance {tolerance:.2e}")
+    assert worst <= tolerance, (worst, tolerance)
+
+
+FP16_DYNAMIC = ["--fp16", "--initial_loss_scale=131072", "--loss_scale_window=1", "--hysteresis=1"]
+
+
+def loss_scaling(run):
+    """{iteration: (loss scale, skipped iterations)} of the log lines."""
+    return {it: (f["loss scale"], f["number of skipped iterations"]) for it, f in log_fields(run.out).items()}
+
+
+@pytest.mark.slow
+def test_fp16_overflow_skips_agree_across_stages_and_with_one_process(one_process, synthetic_corpus, tmp_path):
+    """Dynamic loss scaling from 2^17, doubled after every good step until the gradients overflow, on one stage
+    or the other: both stages must skip those steps and halve the scale where one process does (PP does not
+    change a value), and otherwise train as one process does, within fp16's tolerance of the test above."""
+    one = one_process("fp16-dynamic", *FP16_DYNAMIC)
+    assert {skipped for _, skipped in loss_scaling(one).values()} == {"1", "0"}, loss_scaling(one)
+    run = launch(tmp_path, 2, f"--data_path={synthetic_corpus}", *GPT2_VOCAB, *FP16_DYNAMIC,
+                 "--pipeline_model_parallel_size=2")
+    assert loss_scaling(run) == loss_scaling(one)
+    tolerance = 2 * max(relative_gaps(one_process("fp16", *HALF_PRECISION["fp16"]), one_process("fp32")))
+    worst = max(relative_gaps(run, one))
+    assert worst <= tolerance, (worst, tolerance)
+
+
+@pytest.mark.slow
+def test_fp16_overflow_skips_agree_across_dp_ranks(synthetic_corpus, tmp_path):
+    """The same scaling under DP=2: an overflow may show on one rank's micro-batches only (each rank sums its own
+    fp16 gradients: near the threshold the overflows need not fall where one process's do), and every rank must
+    then skip: the replicas stay bitwise equal, and the run skips some steps and trains on the others."""
+    run = launch(tmp_path, 2, f"--data_path={synthetic_corpus}", *GPT2_VOCAB, *FP16_DYNAMIC,
+                 f"--save={tmp_path / 'ckpt'}", "--dump_weights")
+    scaling = loss_scaling(run)
+    assert {skipped for _, skipped in scaling.values()} == {"1", "0"}, scaling
+    assert_replicas_identical(dumps(tmp_path / "ckpt", 10))
+    assert run.scalars[10]["lm-loss"] < run.scalars[1]["lm-loss"]

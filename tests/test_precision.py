@@ -2,6 +2,7 @@
 
 Each test fails under the old autocast regime (fp32 weights, fp32 residual stream and pipeline messages, gradients
 accumulated in the parameters' dtype)."""
+import io
 import math
 import os
 
@@ -9,6 +10,7 @@ import pytest
 import torch
 
 import arguments
+import model
 import parallel
 import precision
 import train
@@ -51,10 +53,11 @@ def test_weights_and_block_output_are_in_the_compute_dtype(name):
 
 def test_layernorm_computes_in_fp32_and_returns_half():
     """PyTorch's LayerNorm takes its statistics in fp32 for half inputs (Megatron's fused LayerNorm does too)."""
+    g = torch.Generator().manual_seed(0)  # seeded: bit-for-bit comparisons of drawn inputs, independent of order
     ln = torch.nn.LayerNorm(64).to(torch.bfloat16)
     with torch.no_grad():
-        ln.weight.normal_(), ln.bias.normal_()
-    x = (torch.randn(4, 64) * 30 + 200).to(torch.bfloat16)  # a large mean: bf16 statistics would be off
+        ln.weight.copy_(torch.randn(64, generator=g)), ln.bias.copy_(torch.randn(64, generator=g))
+    x = (torch.randn(4, 64, generator=g) * 30 + 200).to(torch.bfloat16)  # a large mean: bf16 statistics would be off
     out = ln(x)
     assert out.dtype == torch.bfloat16
     ref = torch.nn.functional.layer_norm(x.float(), (64,), ln.weight.float(), ln.bias.float(), 1e-5)
@@ -137,10 +140,17 @@ def test_master_weights_are_fp32_and_round_into_the_model():
         train.train_step(model, optimizer, train.build_scaler(cfg), [(x, x)], 1e-3, cfg, torch.device("cpu"))
     state = optimizer.state_dict()
     assert all(s["exp_avg"].dtype == torch.float32 for s in state["state"].values())
-    assert all(torch.equal(m, saved) for (_, m), saved in zip(optimizer.copies, state["fp32_master_weights"]))
-    for p, master in optimizer.copies:  # the model holds the masters rounded to bf16
-        assert torch.equal(p, master.to(torch.bfloat16))
-    assert any(not torch.equal(m, m.to(torch.bfloat16).float()) for m in state["fp32_master_weights"])
+    for p, master in optimizer.copies:  # the model holds the masters rounded to bf16, in storage of its own
+        assert torch.equal(p, master.to(torch.bfloat16)) and p.data_ptr() != master.data_ptr()
+    masters = [m.clone() for _, m in optimizer.copies]
+    assert any(not torch.equal(m, m.to(torch.bfloat16).float()) for m in masters)  # more bits than the weights
+    # the saved masters are what a fresh optimizer resumes from, not the weights' bf16 values widened
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    fresh = train.build_optimizer(cfg, train.build_model(cfg, torch.device("cpu")))
+    fresh.load_state_dict(torch.load(io.BytesIO(buffer.getvalue()), weights_only=False))
+    assert all(torch.equal(m, saved) for (_, m), saved in zip(fresh.copies, masters))
+    assert all(torch.equal(p, m.to(torch.bfloat16)) for p, m in fresh.copies)
 
 
 def test_bnb_8bit_state_lives_on_the_fp32_masters_with_the_embedding_32bit():
@@ -155,3 +165,71 @@ def test_bnb_8bit_state_lives_on_the_fp32_masters_with_the_embedding_32bit():
     assert embedding.dtype == fc1.dtype == torch.float32
     assert optimizer.state[embedding]["state1"].dtype == torch.float32  # lesson 14: the embedding stays 32-bit
     assert optimizer.state[fc1]["state1"].dtype == torch.uint8
+
+
+# -----------------------------------------------------------------------------
+# The attention softmax is computed in fp32 from half inputs, on every path
+
+EPS = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}  # half an ulp at 1: the relative rounding of a value
+
+
+def _peaked_qkv(dtype, score, device):
+    """Half q, k, v (batch 1, 2 heads, 16 positions, head_dim 8) whose scores q.k/sqrt(8) are all near `score`
+    (feature 0 of q and k carries it) and differ by about 1 (the other features): half-precision rounding of
+    scores that large is as big as their differences, so only an fp32 softmax gets the weights right."""
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(2, 1, 2, 16, 8, generator=g)
+    q[..., 0] = k[..., 0] = math.sqrt(score * math.sqrt(8))
+    v = torch.randn(1, 2, 16, 8, generator=g)
+    return q.to(dtype).to(device), k.to(dtype).to(device), v.to(dtype).to(device)
+
+
+def _softmax_attention(scores, v, bias=None):
+    """softmax(scores + bias) v of the given scores (causal unless bias, which carries the mask), in their dtype."""
+    T = scores.shape[-1]
+    if bias is None:
+        scores = scores.masked_fill(~torch.ones(T, T, dtype=torch.bool, device=scores.device).tril(), float("-inf"))
+    else:
+        scores = scores + bias.to(scores.dtype)
+    return scores.softmax(dim=-1).to(v.dtype) @ v
+
+
+PATHS = {  # core_attention's keywords: the fused (SDPA) path unless layer_scaling, Megatron's explicit one
+    "fused": {}, "fused-stable": dict(stable=True), "fused-alibi": dict(bias=True),
+    "unfused": dict(layer_scaling=3.0), "unfused-stable": dict(layer_scaling=3.0, stable=True),
+    "unfused-alibi": dict(layer_scaling=3.0, bias=True)}
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("path", PATHS)
+def test_attention_softmax_is_fp32_on_every_path(path, dtype, device):
+    """What each path rounds to half by design is rounded here too (the stable variant's scaled q and k, the
+    explicit path's scores from baddbmm, the fused path's float mask); everything after -- scaling the scores back
+    up, adding ALiBi's bias, the softmax -- must be the fp64 result to the rounding of the probabilities and of the
+    output (half an ulp each, of |v| at most: tolerance 2 x 2^-8 |v| in bf16, 2 x 2^-11 |v| in fp16). The same
+    formula with the scores kept in half is checked to miss by 8x that."""
+    kw = dict(PATHS[path])
+    q, k, v = _peaked_qkv(dtype, 300.0, device)
+    D, coeff = q.shape[-1], kw.get("layer_scaling") or 1.0
+    bias = None
+    if kw.pop("bias", False):
+        bias = model.alibi_bias(model.alibi_slopes(2, device=device), 16, device=device)
+        kw["bias"] = bias
+        bias = bias.to(dtype) if coeff == 1.0 else bias  # the fused path's mask is in the input dtype
+    out = model.core_attention(q, k, v, **kw)
+    if kw.get("stable"):
+        s = (D ** 0.5 * coeff) ** -0.5 if coeff != 1.0 else D ** -0.25
+        q, k, alpha = q * s, k * s, 1.0
+    else:
+        alpha = 1.0 / (D ** 0.5 * coeff)
+    if coeff == 1.0:  # SDPA multiplies and accumulates in fp32
+        scores = (q.double() @ k.double().transpose(-1, -2)) * alpha
+    else:  # Megatron's baddbmm in the input dtype, scaled down by the layer number
+        scores = (q.float() @ k.float().transpose(-1, -2) * alpha).to(dtype).double()
+    reference = _softmax_attention(scores * coeff, v.double(), bias)
+    tolerance = 2 * EPS[dtype] * v.abs().max().item()
+    error = (out.double() - reference).abs().max().item()
+    assert error <= tolerance, (error, tolerance)
+    in_half = _softmax_attention(scores.to(dtype) * coeff, v, bias)  # the scores kept in the input dtype
+    assert (in_half.double() - reference).abs().max().item() > 8 * tolerance  # the inputs can tell the two apart

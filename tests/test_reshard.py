@@ -213,3 +213,35 @@ def test_resume_on_other_layouts_follows_the_straight_run(synthetic_corpus, tmp_
     _assert_follows(one, straight, range(7, 13))
     dp2 = launch(tmp_path / "c", 2, *args, f"--load={tmp_path / 'a'}", "--zero_stage=1")  # Adam's state split
     _assert_follows(dp2, straight, range(7, 13))
+
+
+def test_tied_copies_that_differ_are_refused(tmp_path):
+    def drift(model, optimizer):  # lesson 11: the last stage's copy of the tied embedding left behind
+        if parallel.grid.is_last_stage:
+            with torch.no_grad():
+                model.output_weight[5, 3] += 1e-3
+
+    _save_layout(tmp_path, 1, 2, 1, zero_stage=0, mutate=drift)
+    with pytest.raises(ValueError, match=r"the last stage's copy of the tied word embedding differs from the first "
+                                         r"stage's on TP rank 0 \(lesson 11\)"):
+        _load_one_process(tmp_path)
+
+
+def test_deepspeed_optimizer_state_is_refused_in_both_directions(tmp_path):
+    """A checkpoint saved under DeepSpeed (its optimizer state is DeepSpeed's flat buffers) cannot be resharded,
+    nor can a checkpoint be resharded into DeepSpeed's optimizer; no_load_optim takes the weights alone."""
+    _save_layout(tmp_path, 2, 1, 1, zero_stage=0)
+    tag_dir = tmp_path / "global_step10"
+    with pytest.raises(ValueError, match="resharding into DeepSpeed's optimizer is not supported: resume with the "
+                                         "saved layout, or set no_load_optim"):
+        cfg = arguments.load_config([*CFG, "--deepspeed", "--bf16", "--zero_stage=1"])
+        reshard.load(str(tag_dir), checkpoint.saved_topology(str(tag_dir)), GPT(cfg), None, cfg)
+    for path in tag_dir.glob("mp_rank_*_model_states.pt"):  # as if saved with deepspeed=True
+        blob = torch.load(path, weights_only=False)
+        blob["run"]["config"]["deepspeed"] = True
+        torch.save(blob, path)
+    with pytest.raises(ValueError, match="holds DeepSpeed's optimizer state, which cannot be resharded here; "
+                                         "resume with the saved layout, or set no_load_optim"):
+        _load_one_process(tmp_path)
+    model, _, _, reference = _load_one_process(tmp_path, "--no_load_optim")
+    assert torch.equal(model.blocks["0"].mlp.fc1.weight, reference["blocks.0.mlp.fc1.weight"])

@@ -13,8 +13,8 @@ import torch
 
 import model
 import parallel
-from helpers import (ROOT, SMALL, TINY, corpus, gather, log_fields, losses, random_batches, run_main,  # noqa: F401
-                     spawn, stage)  # (corpus is a fixture)
+from helpers import (ROOT, SMALL, TINY, assert_same_checkpoint, corpus, gather, log_fields, losses,  # noqa: F401
+                     random_batches, run_main, spawn, stage)  # (corpus is a fixture)
 from model import GPT, GPTConfig, apply_rotary, core_attention, rotary_cos_sin, unfused_attention
 
 
@@ -177,9 +177,7 @@ def test_resume_is_bit_exact_and_export_refuses_it_by_name(corpus, tmp_path):
     def numbers(out, after=0):
         return {i: (f["lm loss"], f["grad norm"]) for i, f in log_fields(out).items() if i > after}
     assert sorted(losses(resumed)) == [4, 5, 6] and numbers(resumed) == numbers(straight, after=3)
-    a, b = (torch.load(tmp_path / d / "global_step6" / "mp_rank_00_000_model_states.pt", weights_only=False)
-            for d in ("a", "b"))
-    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+    assert_same_checkpoint(tmp_path / "a", tmp_path / "b", 6)  # weights, moments, RNG: bit for bit
     out = tmp_path / "hf"
     proc = subprocess.run([sys.executable, "tools/export_hf.py", "--load", str(tmp_path / "a"), "--output", str(out)],
                           cwd=ROOT, capture_output=True, text=True, env=dict(os.environ, HF_HUB_OFFLINE="1"))

@@ -2,12 +2,14 @@
 import ast
 import errno
 import json
+import math
 import os
 import re
 import signal
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -18,7 +20,7 @@ import data
 import train
 import usage
 
-from helpers import ROOT, SMALL, corpus, log_fields, run_cli, run_main  # noqa: F401 (corpus is a fixture)
+from helpers import ROOT, SMALL, corpus, log_fields, run_cli, run_main, spawn  # noqa: F401 (corpus is a fixture)
 
 ENV = dict(os.environ, WANDB_MODE="disabled")
 
@@ -194,12 +196,19 @@ def test_sample_prompt_key(ckpt, tmp_path):
 
 def test_tensorboard_scalars_against_samples_and_tokens(corpus, tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-    run_main(*SMALL, "--train_iters=2", f"--tensorboard_dir={tmp_path}", "--eval_iters=0")
+    out = run_main(*SMALL, "--train_iters=2", f"--tensorboard_dir={tmp_path}", "--eval_iters=0")
     events = EventAccumulator(str(tmp_path))
     events.Reload()
     assert [e.step for e in events.Scalars("lm-loss")] == [1, 2]
     assert [e.step for e in events.Scalars("lm-loss vs samples")] == [8, 16]
     assert [e.step for e in events.Scalars("lm-loss vs tokens")] == [512, 1024]
+    # without save, metrics.jsonl goes to tensorboard_dir: one object per iteration, every field of the log line
+    with open(tmp_path / "metrics.jsonl") as f:
+        records = [json.loads(line) for line in f]
+    assert [r["iteration"] for r in records] == [1, 2]
+    for record, (it, fields) in zip(records, sorted(log_fields(out).items())):
+        assert set(fields) <= set(record), set(fields) - set(record)
+        assert math.isclose(record["lm loss"], float(fields["lm loss"]), rel_tol=1e-6), it
 
 
 # -- 8. bad input -------------------------------------------------------------------------------------------------
@@ -314,3 +323,31 @@ def test_deterministic_switch(corpus, tmp_path, monkeypatch):
         assert os.environ["MKL_CBWR"] == "AUTO,STRICT" and os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
     finally:
         torch.use_deterministic_algorithms(False)
+
+
+# -- 10. every torchrun worker stops at the same iteration ----------------------------------------------------------
+
+
+def _workers_agree_when_to_exit():
+    import types
+
+    import parallel
+    import safety
+    rank = parallel.grid.rank
+    exit_signal = safety.ExitSignal(True)
+    try:
+        assert exit_signal() is False
+        if rank == 1:  # torchrun forwards SIGTERM to every worker, but they need not get it in the same iteration
+            os.kill(os.getpid(), signal.SIGTERM)
+        assert exit_signal() is True, rank
+    finally:
+        exit_signal.restore()
+    # exit_duration_in_mins runs on rank 0's clock: a worker whose clock says otherwise follows rank 0
+    cfg = types.SimpleNamespace(exit_interval=None, exit_duration_in_mins=1.0)
+    now = time.time()
+    assert train.exit_reason(cfg, 1, now - (120 if rank == 1 else 0), lambda: False) is None, rank
+    assert train.exit_reason(cfg, 1, now - (120 if rank == 0 else 0), lambda: False) is not None, rank
+
+
+def test_sigterm_and_exit_duration_are_agreed_across_workers():
+    spawn(_workers_agree_when_to_exit, 2)
