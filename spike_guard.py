@@ -1,34 +1,45 @@
-"""The spike guard: the chronicles' firefighting done by the run itself (lessons 8, 9, 21).
+"""The spike guard: the chronicles' firefighting done by the run itself (lessons 8, 9, 21), after a diagnosis.
 
 The tr8b-104B team watched the loss, rolled back to a checkpoint, skipped a window of data with
 skip_train_iteration_range, lowered the LR or reset the optimizer, and relaunched -- by hand, for days. PaLM wrote
-the recipe down (restart ~100 steps before the spike, skip 200-500 batches); OLMo-core automated its first rung
-(skip a step more than 6 std above a 128-step window). The guard climbs the whole ladder, in one process:
+the recipe down (restart ~100 steps before the spike, skip 200-500 batches); OLMo-core automated its first rung.
+But the causes call for different remedies, so the guard asks why before it acts (docs/spike_guard.md):
 
-  detect  the loss or the grad norm (its logarithm) of a step is more than `spike_guard_zscore` std above the mean
-          of the last `spike_guard_window` applied steps, and above `spike_guard_ema_ratio` x its EMA; or the
-          loss is NaN/inf;
-          or (fp16) the loss scale has collapsed to min_loss_scale. Not before the LR warm-up is over and
-          `spike_guard_min_steps` steps are recorded.
-  act     (a) skip the update: no weight, Adam moment, step counter or LR-schedule change;
-          (b) at the `spike_guard_max_skips`-th spike within `spike_guard_rewind` iterations: roll back to the
-              newest snapshot (CPU copy, or disk checkpoint) before the spike window and add the window -- from
-              `spike_guard_rewind` before the first spike to `spike_guard_skip_after` after the last -- to the
-              run's skip ranges;
-          (c) on a relapse (any later rollback): also multiply the LR by `spike_guard_lr_factor` and, with
-              `spike_guard_reset_optimizer`, reset the optimizer with the lr=0 warm-up of lesson 8.
-          Rollbacks and skipped iterations are capped; at a cap the run saves its last good state and exits
-          with code 3 and a message.
-  explain every decision is one `spike guard: ...` line, a record in metrics.jsonl and an entry in the run state
-          of the checkpoint; a resumed run honours the skip ranges and the LR factor and never decides again.
-          The highest-loss samples of a spiking batch are named and decoded, to find the bad input (lesson 9).
+  detect     a step's loss is more than `spike_guard_zscore` scatters above the line fitted to the last 16 applied
+             losses and above `spike_guard_ema_ratio` x that line's value; or its grad norm (its logarithm) the
+             same and above `spike_guard_grad_norm_ratio` x; or the loss is NaN/inf; or the DP replicas computed
+             different numbers; or (fp16) the loss scale collapsed to min_loss_scale. From
+             `spike_guard_min_steps` applied steps on: the trend makes the warm-up's falling loss ordinary.
+  diagnose   (investigate(), before any update) replay the step, same weights, batch and RNG:
+               not reproduced (or the replicas disagreed)  -> hardware: the replayed step is applied (a retry),
+                                                             no data skipped, no LR cut; the Nth on one DP rank
+                                                             (N = spike_guard_max_skips) stops the run, naming it
+               reproduced: the batch on the model of the newest snapshot two updates back
+                 still an outlier against that model's trend -> data: the ladder below
+                 ordinary there                              -> optimizer: roll back at once, skip no data
+  act (data) (a) skip the update: no weight, Adam moment, step counter or LR-schedule change;
+             (b) at the `spike_guard_max_skips`-th spike within `spike_guard_rewind` iterations: roll back to the
+                 newest snapshot (host copy, or disk checkpoint) before the spike window and add the window -- from
+                 `spike_guard_rewind` before the first spike to `spike_guard_skip_after` after the last -- to the
+                 run's skip ranges;
+             (c) on a relapse (any later rollback, of either cause): also multiply the LR by
+                 `spike_guard_lr_factor` and, with `spike_guard_reset_optimizer`, reset the optimizer with the
+                 lr=0 warm-up of lesson 8.
+             Rollbacks and skipped iterations are capped; at a cap the run saves its last good state and exits
+             with code 3 and a message.
+  explain    every decision is one `spike guard: ...` line with its cause and evidence, a record in metrics.jsonl
+             and an entry in the run state of the checkpoint; a resumed run honours the skip ranges and the LR
+             factor and never decides again. The highest-loss samples of a spiking batch are named and decoded.
 
-The guard's state has two parts. Its statistics (windows, EMAs) belong to the weights and are rolled back with
-them; its decisions (skip ranges, LR factor, counters, the decision log) are history and never are.
+The guard's state has two parts. Its statistics (the recent losses and grad norms) belong to the weights and are
+rolled back with them; its decisions (skip ranges, LR factor, counters, faults per rank, the decision log) are
+history and never are. Every replica decides from DP rank 0's numbers (agreed()), so replicas cannot split.
 
 Fault injection, to make a spike on purpose (Megatron-LM's --error-injection-*): `inject_bad_batch_iters`
-replaces the batches of those iterations by random token ids (here), `inject_lr_iters` multiplies their LR by
-`inject_lr_factor` (schedule.lr_at).
+replaces the batches of those iterations by random token ids (data: it comes back when the iterations are run
+again), `inject_lr_iters` multiplies their LR by `inject_lr_factor` (schedule.lr_at), `inject_bitflip_iters`
+flips a bit of a reduced gradient on `inject_bitflip_rank` (bitflip()). The last two are events in time: a
+replay or a rollback does not meet them again (SpikeGuard.meets_fault).
 """
 import collections
 import copy as copy_module
@@ -196,6 +207,9 @@ class SpikeGuard:
             self.series["grad norm"].record(grad_norm)
             return None
         if not self.enabled:
+            if outcome == "replicas differ":  # no update anywhere: the replicas stay identical
+                print0(f"warning: iteration {iteration}: the DP replicas computed different loss / grad norm "
+                       f"{replica_values}: update skipped (a faulty GPU? spike_guard retries such steps)")
             return None
         collapse = False
         if outcome == "spike":
