@@ -190,7 +190,7 @@ class SpikeGuard:
         it strikes the first pass through its iterations, and a rollback decided after it began ends it (the
         iterations run again, and the rest of its range, do not meet it). A bad batch is data: it comes back."""
         for start, end in ranges:
-            if start <= iteration <= end:
+            if schedule.in_ranges(iteration, [(start, end)]):
                 rolled_back = any(d["action"] == "rollback" and d["iteration"] >= start for d in self.decisions)
                 return iteration > self.last_run and not rolled_back
         return False
