@@ -313,6 +313,21 @@ class SpikeGuard:
         self.decisions.append({k: v for k, v in decision.items()})
 
 
+def spikes_in(series, cfg, stats=None):
+    """The iterations of a recorded run [(iteration, loss, grad norm)] that the detector calls spikes, fed as
+    train.py feeds it (a spike is not recorded: its update is skipped), from `stats` (a snapshot's) or afresh."""
+    guard = SpikeGuard(cfg)
+    guard.enabled = True
+    guard.load_stats(stats)
+    found = []
+    for iteration, loss, grad_norm in series:
+        if guard.armed() and guard.judge(loss, grad_norm):
+            found.append(iteration)
+        else:
+            guard.update(iteration, "ok", loss, grad_norm, None)
+    return found
+
+
 # -----------------------------------------------------------------------------
 # Rolling back: snapshots of the whole run (run_state.capture: model, optimizer, schedules, counters, RNG), in
 # memory or on disk

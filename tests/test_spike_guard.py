@@ -295,18 +295,9 @@ def _default_runs():
         return json.load(f)
 
 
-def _triggers(series, **overrides):
-    """The iterations the guard's detector (default settings) calls spikes in a recorded run, fed as train.py
-    feeds it: a spike is not recorded (its update is skipped)."""
-    cfg, guard = _guard(spike_guard_window=128, spike_guard_min_steps=16, spike_guard_rewind=100,
-                        spike_guard_skip_after=200, **overrides)
-    found = []
-    for it, loss_, norm in series:
-        if guard.armed() and guard.judge(loss_, norm):
-            found.append(it)
-        else:
-            guard.update(it, "ok", loss_, norm, SCALER)
-    return found
+def _triggers(series):
+    """The iterations the detector, with its default settings, calls spikes in a recorded run."""
+    return spike_guard.spikes_in(series, arguments.load_config([]))
 
 
 def test_the_detector_catches_the_lr_x30_spikes_of_the_default_run_early_and_armed_and_no_clean_step():

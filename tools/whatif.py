@@ -84,21 +84,6 @@ def records(directory, after):
     return [found[k] for k in sorted(found)]
 
 
-def spikes(series, cfg, stats):
-    """The iterations of a fork the guard's detector calls spikes, seeded with the checkpoint's statistics."""
-    cfg = arguments.load_config(["--spike_guard", f"--spike_guard_window={cfg.spike_guard_window}",
-                                 f"--spike_guard_min_steps={cfg.spike_guard_min_steps}"])
-    guard = spike_guard.SpikeGuard(cfg)
-    guard.load_stats(stats)
-    found = []
-    for it, loss, norm in series:
-        if guard.armed() and guard.judge(loss, norm):
-            found.append(it)
-        else:
-            guard.update(it, "ok", loss, norm, None)
-    return found
-
-
 def table(results, start, iters):
     lines = [f"what-if from iteration {start}, {iters} iterations per fork:",
              f"{'fork':<18} {'spikes':>7} {'first':>6} {'max loss':>9} {'last loss':>10}  got through"]
@@ -160,7 +145,7 @@ def main(argv=None):
                              change(name, cfg, start, args.lr_factor, args.skip))
         series = records(directory, start)
         reached = saved_iteration(directory) == start + args.iters
-        results.append((label, series, spikes(series, cfg, stats), reached))
+        results.append((label, series, spike_guard.spikes_in(series, cfg, stats), reached))
     text = table(results, start, args.iters)
     print(text)
     with open(os.path.join(args.out, "whatif.txt"), "w") as f:
