@@ -114,10 +114,11 @@ def test_a_bit_flip_is_retried_as_a_transient_fault_and_the_run_is_the_clean_one
     lines = guard_lines(guarded)
     assert re.match(r"spike guard: iteration 30: injected a bit flip into gradient element \d+ on rank 0: \S+e\+3",
                     lines[0]), lines
+    assert re.match(r"spike guard: iteration 30: DP rank 0 is global rank 0 on host ", lines[1]), lines
     assert re.match(r"spike guard: iteration 30: hardware/transient fault on DP rank 0: first loss \S+, grad norm "
                     r"\S+e\+\d\d; replayed: .*, not reproduced: step retried and applied; no data skipped, LR "
-                    r"unchanged \(fault 1 of 3 on DP rank 0 before a stop\)$", lines[1]), lines
-    assert len(lines) == 2  # no rollback, no skip, no LR cut
+                    r"unchanged \(fault 1 of 3 on DP rank 0 before a stop\)$", lines[2]), lines
+    assert len(lines) == 3  # no rollback, no skip, no LR cut
     assert {i: f["lm loss"] for i, f in log_fields(guarded).items()} == \
         {i: f["lm loss"] for i, f in log_fields(clean).items()}
     assert validation(guarded) == validation(clean)
@@ -143,7 +144,7 @@ def test_resume_across_a_rollback_is_bit_exact_and_keeps_the_skip_range(run):
         return [re.sub(r"model of iteration \d+", "model of iteration N", x) for x in lines]
     assert same(guard_lines(second)) == same([x for x in guard_lines(full) if re.match(r"spike guard: iteration 4[5-9]",
                                                                                       x)])
-    assert _numbers(second, 0) == _numbers(full, 44) and len(_numbers(full, 44)) == 15
+    assert _numbers(second, 0) == _numbers(full, 44) and len(_numbers(full, 44)) == 16
     assert validation(second) == validation(full)
     a = torch.load(os.path.join(straight, "global_step60", "mp_rank_00_000_model_states.pt"), weights_only=False)
     b = torch.load(os.path.join(parts, "global_step60", "mp_rank_00_000_model_states.pt"), weights_only=False)
