@@ -118,9 +118,10 @@ class Config(GPTConfig):
     # -- stability: the spike guard (lesson 21; PaLM: ~100 steps back, 200-500 batches skipped) and fault injection --
     spike_guard: bool = False  # skip a spiking step; if it persists roll back and skip data; on a relapse lower the LR
     spike_guard_window: int = 128  # applied steps in the trailing loss / grad-norm statistics (OLMo-core: 128)
-    spike_guard_min_steps: int = 64  # steps recorded, and the LR warm-up over, before it can trigger (OLMo-core: 64)
-    spike_guard_zscore: float = 6.0  # a spike: loss or grad norm above the window's mean + zscore * std ...
-    spike_guard_ema_ratio: float = 1.1  # ... and above this multiple of its EMA over the window
+    spike_guard_min_steps: int = 16  # applied steps recorded before it judges (its own warm-up; the LR's need not end)
+    spike_guard_zscore: float = 6.0  # a spike: loss or grad norm this many spreads above its trend's prediction ...
+    spike_guard_ema_ratio: float = 1.1  # ... and above this multiple of the predicted value
+    spike_guard_grad_norm_ratio: float = 10.0  # the grad norm's multiple: clean runs have lone 5-7x grad-norm jumps
     spike_guard_max_skips: int = 3  # spikes (or NaN/inf steps) within spike_guard_rewind iterations before a rollback
     spike_guard_rewind: int = 100  # roll back to before (first spike - this) and skip the data from there ...
     spike_guard_skip_after: int = 200  # ... to this many iterations after the last spike (PaLM: 200-500 in all)
@@ -132,6 +133,8 @@ class Config(GPTConfig):
     inject_bad_batch_iters: list[str] | None = None  # fault injection: iterations ("40-45") given random-token batches
     inject_lr_iters: list[str] | None = None  # fault injection: iteration ranges whose LR is x inject_lr_factor
     inject_lr_factor: float = 100.0  # the LR multiplier of inject_lr_iters
+    inject_bitflip_iters: list[str] | None = None  # fault injection: flip a bit of one gradient element at these iters
+    inject_bitflip_rank: int = 0  # ... on this rank, after the DP all-reduce (a faulty GPU: silent data corruption)
 
 
 FIELDS = {f.name: f for f in fields(Config)}
@@ -387,7 +390,7 @@ def validate(cfg, world_size=1, reads_data=True):
     need(not reads_data or cfg.tokenizer_file is None or cfg.data_path is not None,
          "tokenizer_file is set but data_path is not: the bundled corpus is GPT-2 tokens; prepare your data with "
          "`python data.py --input ... --output-prefix PREFIX --tokenizer-file FILE` and set data_path=PREFIX")
-    for key in ("skip_train_iteration_range", "inject_bad_batch_iters", "inject_lr_iters"):
+    for key in ("skip_train_iteration_range", "inject_bad_batch_iters", "inject_lr_iters", "inject_bitflip_iters"):
         schedule.parse_iteration_ranges(getattr(cfg, key), key)
     need(cfg.reset_optimizer_warmup_iters in (None, "auto") or isinstance(cfg.reset_optimizer_warmup_iters, int),
          "reset_optimizer_warmup_iters must be a number of iterations or 'auto'")
@@ -400,8 +403,8 @@ def validate(cfg, world_size=1, reads_data=True):
          "which DeepSpeed computes inside its step(); set spike_guard=False or deepspeed=False")
     need(cfg.spike_guard_window >= 2 and 2 <= cfg.spike_guard_min_steps <= cfg.spike_guard_window,
          "spike_guard_min_steps must be in [2, spike_guard_window]")
-    need(cfg.spike_guard_zscore > 0 and cfg.spike_guard_ema_ratio >= 1,
-         "spike_guard_zscore must be > 0 and spike_guard_ema_ratio >= 1")
+    need(cfg.spike_guard_zscore > 0 and cfg.spike_guard_ema_ratio >= 1 and cfg.spike_guard_grad_norm_ratio >= 1,
+         "spike_guard_zscore must be > 0, spike_guard_ema_ratio and spike_guard_grad_norm_ratio >= 1")
     need(cfg.spike_guard_max_skips >= 1 and cfg.spike_guard_rewind >= 0 and cfg.spike_guard_skip_after >= 0,
          "spike_guard_max_skips must be >= 1, spike_guard_rewind and spike_guard_skip_after >= 0")
     need(cfg.spike_guard_snapshot_interval >= 0, "spike_guard_snapshot_interval must be >= 0 (0: disk checkpoints)")

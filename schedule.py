@@ -50,15 +50,16 @@ class Schedule:
     def skipped(self, iteration):
         return in_ranges(iteration, self.skip_ranges)
 
-    def lr_at(self, iteration, state, guard_factor=1.0):
+    def lr_at(self, iteration, state, guard_factor=1.0, inject=True):
         """The learning rate of `iteration`, from the run state before it. Its scheduler_samples and
         scheduler_tokens count the applied updates: Megatron's schedule stands still on skipped
-        steps (lesson 5)."""
+        steps (lesson 5). inject=False: without inject_lr_iters (an iteration run again after a rollback:
+        an injected fault happens once in time)."""
         reset = state.optimizer_reset
         if reset is not None and iteration <= reset["iteration"] + reset["warmup_iters"]:
             return 0.0  # lesson 8: the fresh moments warm up while the weights stay put
         lr = self.lr_schedule.get_lr(state.scheduler_samples, state.scheduler_tokens)
-        return lr * (guard_factor * self.injected_lr_factor(iteration))
+        return lr * (guard_factor * (self.injected_lr_factor(iteration) if inject else 1.0))
 
     def injected_lr_factor(self, iteration):
         return self.cfg.inject_lr_factor if in_ranges(iteration, self.inject_lr_ranges) else 1.0

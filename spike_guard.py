@@ -1,39 +1,52 @@
-"""The spike guard: the chronicles' firefighting done by the run itself (lessons 8, 9, 21).
+"""The spike guard: the chronicles' firefighting done by the run itself (lessons 8, 9, 21), after a diagnosis.
 
 The tr8b-104B team watched the loss, rolled back to a checkpoint, skipped a window of data with
 skip_train_iteration_range, lowered the LR or reset the optimizer, and relaunched -- by hand, for days. PaLM wrote
-the recipe down (restart ~100 steps before the spike, skip 200-500 batches); OLMo-core automated its first rung
-(skip a step more than 6 std above a 128-step window). The guard climbs the whole ladder, in one process:
+the recipe down (restart ~100 steps before the spike, skip 200-500 batches); OLMo-core automated its first rung.
+But the causes call for different remedies, so the guard asks why before it acts (docs/spike_guard.md):
 
-  detect  the loss or the grad norm (its logarithm) of a step is more than `spike_guard_zscore` std above the mean
-          of the last `spike_guard_window` applied steps, and above `spike_guard_ema_ratio` x its EMA; or the
-          loss is NaN/inf;
-          or (fp16) the loss scale has collapsed to min_loss_scale. Not before the LR warm-up is over and
-          `spike_guard_min_steps` steps are recorded.
-  act     (a) skip the update: no weight, Adam moment, step counter or LR-schedule change;
-          (b) at the `spike_guard_max_skips`-th spike within `spike_guard_rewind` iterations: roll back to the
-              newest snapshot (CPU copy, or disk checkpoint) before the spike window and add the window -- from
-              `spike_guard_rewind` before the first spike to `spike_guard_skip_after` after the last -- to the
-              run's skip ranges;
-          (c) on a relapse (any later rollback): also multiply the LR by `spike_guard_lr_factor` and, with
-              `spike_guard_reset_optimizer`, reset the optimizer with the lr=0 warm-up of lesson 8.
-          Rollbacks and skipped iterations are capped; at a cap the run saves its last good state and exits
-          with code 3 and a message.
-  explain every decision is one `spike guard: ...` line, a record in metrics.jsonl and an entry in the run state
-          of the checkpoint; a resumed run honours the skip ranges and the LR factor and never decides again.
-          The highest-loss samples of a spiking batch are named and decoded, to find the bad input (lesson 9).
+  detect     a step's loss is more than `spike_guard_zscore` scatters above the line fitted to the last 16 applied
+             losses and above `spike_guard_ema_ratio` x that line's value; or its grad norm (its logarithm) the
+             same and above `spike_guard_grad_norm_ratio` x; or the loss is NaN/inf; or the DP replicas computed
+             different numbers; or (fp16) the loss scale collapsed to min_loss_scale. From
+             `spike_guard_min_steps` applied steps on: the trend makes the warm-up's falling loss ordinary.
+  diagnose   (investigate(), before any update) replay the step, same weights, batch and RNG:
+               not reproduced (or the replicas disagreed)  -> hardware: the replayed step is applied (a retry),
+                                                             no data skipped, no LR cut; the Nth on one DP rank
+                                                             (N = spike_guard_max_skips) stops the run, naming it
+               reproduced: the batch on the model of the newest snapshot two updates back
+                 still an outlier against that model's trend -> data: the ladder below
+                 ordinary there                              -> optimizer: roll back at once, skip no data
+  act (data) (a) skip the update: no weight, Adam moment, step counter or LR-schedule change;
+             (b) at the `spike_guard_max_skips`-th spike within `spike_guard_rewind` iterations: roll back to the
+                 newest snapshot (host copy, or disk checkpoint) before the spike window and add the window -- from
+                 `spike_guard_rewind` before the first spike to `spike_guard_skip_after` after the last -- to the
+                 run's skip ranges;
+             (c) on a relapse (any later rollback, of either cause): also multiply the LR by
+                 `spike_guard_lr_factor` and, with `spike_guard_reset_optimizer`, reset the optimizer with the
+                 lr=0 warm-up of lesson 8.
+             Rollbacks and skipped iterations are capped; at a cap the run saves its last good state and exits
+             with code 3 and a message.
+  explain    every decision is one `spike guard: ...` line with its cause and evidence, a record in metrics.jsonl
+             and an entry in the run state of the checkpoint; a resumed run honours the skip ranges and the LR
+             factor and never decides again. The highest-loss samples of a spiking batch are named and decoded.
 
-The guard's state has two parts. Its statistics (windows, EMAs) belong to the weights and are rolled back with
-them; its decisions (skip ranges, LR factor, counters, the decision log) are history and never are.
+The guard's state has two parts. Its statistics (the recent losses and grad norms) belong to the weights and are
+rolled back with them; its decisions (skip ranges, LR factor, counters, faults per rank, the decision log) are
+history and never are. Every replica decides from DP rank 0's numbers (agreed()), so replicas cannot split.
 
 Fault injection, to make a spike on purpose (Megatron-LM's --error-injection-*): `inject_bad_batch_iters`
-replaces the batches of those iterations by random token ids (here), `inject_lr_iters` multiplies their LR by
-`inject_lr_factor` (schedule.lr_at).
+replaces the batches of those iterations by random token ids (data: it comes back when the iterations are run
+again), `inject_lr_iters` multiplies their LR by `inject_lr_factor` (schedule.lr_at), `inject_bitflip_iters`
+flips a bit of a reduced gradient on `inject_bitflip_rank` (bitflip()). The last two are events in time: a
+replay or a rollback does not meet them again (SpikeGuard.meets_fault).
 """
 import collections
+import copy as copy_module
 import math
 import os
 import re
+import socket
 
 import torch
 import torch.distributed as dist
@@ -55,15 +68,63 @@ class SpikeGuardStop(RuntimeError):
 # Detection and decisions
 
 
+class Series:
+    """One watched number (the loss, or the logarithm of the grad norm), judged against its own trend.
+
+    A z-score over a long window fails on a loss that is still falling fast: the window's spread is the fall
+    itself, so a 50% jump can be under 6 std. Here a line is fitted to the last FIT applied values; a step is
+    judged by how far it lands above the line's next point, in units of the scatter around the line (1.4826 x
+    the median absolute residual: robust to a spike that got through, and to the fall of the early steps, which
+    a window of past prediction errors would remember)."""
+
+    FIT = 16
+
+    def __init__(self, window, log=False):
+        self.log = log
+        self.values = collections.deque(maxlen=window)  # applied steps (logarithms for the grad norm)
+
+    def transform(self, value):
+        return math.log(max(value, 1e-30)) if self.log else float(value)
+
+    def fit(self):
+        """(the line's next point, the robust scatter around the line), or None before two values."""
+        ys = list(self.values)[-self.FIT:]
+        n = len(ys)
+        if n < 2:
+            return None
+        xm, ym = (n - 1) / 2, sum(ys) / n
+        slope = sum((i - xm) * (y - ym) for i, y in enumerate(ys)) / sum((i - xm) ** 2 for i in range(n))
+        residuals = sorted(abs(y - ym - slope * (i - xm)) for i, y in enumerate(ys))
+        return ym + slope * (n - xm), 1.4826 * residuals[n // 2]
+
+    def record(self, value):
+        self.values.append(self.transform(value))
+
+    def judge(self, value):
+        """(z, ratio): how many scatters above the line's next point, and its multiple of that value."""
+        x, (p, s) = self.transform(value), self.fit()
+        z = (x - p) / s if s > 0 else (math.inf if x > p else 0.0)
+        ratio = math.exp(x - p) if self.log else (value / p if p > 0 else math.inf)
+        return z, ratio
+
+    def expected(self):
+        found = self.fit()
+        return None if found is None else math.exp(found[0]) if self.log else found[0]
+
+    def state(self):
+        return {"values": list(self.values)}
+
+    def load(self, state):
+        self.values.clear()
+        self.values.extend((state or {}).get("values", []))
+
+
 class SpikeGuard:
     def __init__(self, cfg, saved=None):
         self.cfg = cfg
         self.enabled = cfg.spike_guard
-        window = cfg.spike_guard_window
-        self.alpha = 2.0 / (window + 1)  # the EMA whose centre of mass matches the window's
         # statistics of applied steps: rolled back with the weights
-        self.history = {"loss": collections.deque(maxlen=window), "grad norm": collections.deque(maxlen=window)}
-        self.ema = {"loss": None, "grad norm": None}
+        self.series = {"loss": Series(cfg.spike_guard_window), "grad norm": Series(cfg.spike_guard_window, log=True)}
         # decisions: never rolled back
         self.strikes = []  # iterations of the spikes of the current episode
         self.skip_ranges = []  # [start, end] inclusive, added by rollbacks
@@ -71,6 +132,8 @@ class SpikeGuard:
         self.rollbacks = 0
         self.skipped_iters = 0
         self.decisions = []
+        self.faults = {}  # DP rank (None: unknown) -> transient faults seen on it
+        self.last_run = 0  # the highest iteration run (fault injection happens once in time)
         self.pending = None  # why the current step is a spike (judge -> update)
         if saved:
             self.load_state_dict(saved)
@@ -78,19 +141,18 @@ class SpikeGuard:
     # -- state -----------------------------------------------------------------------------------------------
 
     def stats(self):
-        return {"history": {k: list(v) for k, v in self.history.items()}, "ema": dict(self.ema)}
+        return {name: series.state() for name, series in self.series.items()}
 
     def load_stats(self, stats=None):
         """The statistics of a snapshot or checkpoint (None: one written without the guard, start afresh)."""
-        for k in self.history:
-            self.history[k].clear()
-            self.history[k].extend(stats["history"][k] if stats else [])
-        self.ema = dict(stats["ema"]) if stats else {k: None for k in self.ema}
+        for name, series in self.series.items():
+            series.load((stats or {}).get(name))
 
     def state_dict(self):
         return {"stats": self.stats(), "strikes": list(self.strikes), "skip_ranges": [list(r) for r in
                 self.skip_ranges], "lr_scale": self.lr_scale, "rollbacks": self.rollbacks,
-                "skipped_iters": self.skipped_iters, "decisions": list(self.decisions)}
+                "skipped_iters": self.skipped_iters, "decisions": list(self.decisions), "faults": dict(self.faults),
+                "last_run": self.last_run}
 
     def load_state_dict(self, sd):
         self.load_stats(sd["stats"])
@@ -98,47 +160,56 @@ class SpikeGuard:
         self.skip_ranges = [tuple(r) for r in sd["skip_ranges"]]
         self.lr_scale, self.rollbacks, self.skipped_iters = sd["lr_scale"], sd["rollbacks"], sd["skipped_iters"]
         self.decisions = list(sd["decisions"])
+        self.faults, self.last_run = dict(sd.get("faults", {})), sd.get("last_run", 0)
 
     # -- what the training loop asks -------------------------------------------------------------------------
 
     def skips(self, iteration):
         return schedule.in_ranges(iteration, self.skip_ranges)
 
-    def armed(self, state):
-        """Judging starts once the LR warm-up is over and spike_guard_min_steps steps are recorded."""
-        return (self.enabled and schedule.warmed_up(self.cfg, state)
-                and len(self.history["loss"]) >= self.cfg.spike_guard_min_steps)
+    def armed(self, state=None):
+        """Judging starts once spike_guard_min_steps applied steps are recorded (its own warm-up: the trend
+        makes the LR warm-up's falling loss and rising grad norm ordinary)."""
+        return self.enabled and len(self.series["loss"].values) >= self.cfg.spike_guard_min_steps
 
     def judge(self, loss, grad_norm):
         """Before the update (called by train.train_step): why this step is a spike, or None."""
         cfg, reasons = self.cfg, []
         for name, value in (("loss", loss), ("grad norm", grad_norm)):
-            # Grad norms are closer to log-normal (lesson 21: plotted on a log scale): judged as logarithms,
-            # a healthy step 4x the mean is not 6 std out, a broken one 30x is.
-            f = math.log if name == "grad norm" else float
-            window = [f(max(v, 1e-30)) for v in self.history[name]]
-            mean = sum(window) / len(window)
-            std = math.sqrt(sum((v - mean) ** 2 for v in window) / len(window))
-            x = f(max(value, 1e-30))
-            z = (x - mean) / std if std > 0 else (math.inf if x > mean else 0.0)
-            ratio = value / self.ema[name] if self.ema[name] > 0 else math.inf
-            if z > cfg.spike_guard_zscore and ratio > cfg.spike_guard_ema_ratio:
-                scale = " (of its log)" if name == "grad norm" else ""
-                reasons.append(f"{name} {value:.4g} is {z:.1f} std{scale} above the mean of the last {len(window)} "
-                               f"steps and {ratio:.2f}x its EMA")
+            series = self.series[name]
+            z, ratio = series.judge(value)
+            bar = cfg.spike_guard_grad_norm_ratio if name == "grad norm" else cfg.spike_guard_ema_ratio
+            if z > cfg.spike_guard_zscore and ratio > bar:
+                reasons.append(f"{name} {value:.4g} is {ratio:.2f}x its trend's {series.expected():.4g}, {z:.1f} "
+                               f"spreads above it")
         self.pending = "; ".join(reasons) or None
         return self.pending
 
-    def update(self, iteration, outcome, loss, grad_norm, scaler):
-        """After train_step: record an applied step, or decide what a spike calls for. Returns the decision
-        (a dict: action skip | rollback | stop, with its reason and line) or None."""
+    def meets_fault(self, iteration, ranges):
+        """Does fault injection strike this iteration? An injected LR spike or bit flip is an event in time:
+        it strikes the first pass through its iterations, and a rollback decided after it began ends it (the
+        iterations run again, and the rest of its range, do not meet it). A bad batch is data: it comes back."""
+        for start, end in ranges:
+            if schedule.in_ranges(iteration, [(start, end)]):
+                rolled_back = any(d["action"] == "rollback" and d["iteration"] >= start for d in self.decisions)
+                return iteration > self.last_run and not rolled_back
+        return False
+
+    def update(self, iteration, outcome, loss, grad_norm, scaler, diagnosis=None):
+        """After train_step (and investigate()): record an applied step, or decide what a spike calls for, from
+        its diagnosis. Returns the decision (a dict: action skip | retry | rollback | stop, with its reason,
+        cause, evidence and line) or None."""
+        self.last_run = max(self.last_run, iteration)
+        if diagnosis is not None and diagnosis["cause"] == "hardware":
+            return self._hardware(iteration, outcome, loss, grad_norm, diagnosis)
         if outcome == "ok":
-            for name, value in (("loss", loss), ("grad norm", grad_norm)):
-                self.history[name].append(value)
-                ema = self.ema[name]
-                self.ema[name] = value if ema is None else ema + self.alpha * (value - ema)
+            self.series["loss"].record(loss)
+            self.series["grad norm"].record(grad_norm)
             return None
         if not self.enabled:
+            if outcome == "replicas differ":  # no update anywhere: the replicas stay identical
+                print0(f"warning: iteration {iteration}: the DP replicas computed different loss / grad norm "
+                       f"{replica_values}: update skipped (a faulty GPU? spike_guard retries such steps)")
             return None
         collapse = False
         if outcome == "spike":
@@ -156,35 +227,72 @@ class SpikeGuard:
             return None  # skip_grad_norm_above: OPT's rule, not a spike
         self.pending = None
         cfg = self.cfg
+        cause = {"cause": diagnosis["cause"], "evidence": diagnosis["evidence"]} if diagnosis else {}
+        if diagnosis:
+            reason += f"; {diagnosis['cause']}-driven: {diagnosis['evidence']}"
+        if cause.get("cause") == "optimizer":  # the weights are already damaged: skipping updates cannot help
+            self.strikes = [iteration]
+            return self._rollback(iteration, reason, iteration - 1, None, cause)
         self.strikes = [s for s in self.strikes if iteration - s <= cfg.spike_guard_rewind] + [iteration]
         if not collapse and len(self.strikes) < cfg.spike_guard_max_skips:
             if outcome == "spike":
                 self.skipped_iters += 1
             if self.skipped_iters > cfg.spike_guard_max_skipped_iters:
                 return self._decide(iteration, "stop", reason, f"{self.skipped_iters} iterations skipped, more than "
-                                    f"spike_guard_max_skipped_iters={cfg.spike_guard_max_skipped_iters}")
+                                    f"spike_guard_max_skipped_iters={cfg.spike_guard_max_skipped_iters}", **cause)
             what = "update skipped" if outcome == "spike" else "no update"
             decision = self._decide(iteration, "skip", reason, f"{what} (spike {len(self.strikes)} of "
-                                    f"{cfg.spike_guard_max_skips} before a rollback)")
+                                    f"{cfg.spike_guard_max_skips} before a rollback)", **cause)
             self.decisions.append(decision)
             return decision
         start = max(1, self.strikes[0] - cfg.spike_guard_rewind)
-        end = iteration + cfg.spike_guard_skip_after
+        return self._rollback(iteration, reason, start, iteration + cfg.spike_guard_skip_after, cause)
+
+    def _rollback(self, iteration, reason, start, end, cause):
+        """Roll back to before `start` and skip iterations start-end (end None: skip no data)."""
+        cfg = self.cfg
+        skipping = 0 if end is None else end - start + 1
         if self.rollbacks >= cfg.spike_guard_max_rollbacks:
             return self._decide(iteration, "stop", reason, f"another rollback would exceed spike_guard_max_rollbacks"
-                                f"={cfg.spike_guard_max_rollbacks}", start=start)
-        if self.skipped_iters + end - start + 1 > cfg.spike_guard_max_skipped_iters:
+                                f"={cfg.spike_guard_max_rollbacks}", start=start, **cause)
+        if self.skipped_iters + skipping > cfg.spike_guard_max_skipped_iters:
             return self._decide(iteration, "stop", reason, f"skipping iterations {start}-{end} would exceed "
-                                f"spike_guard_max_skipped_iters={cfg.spike_guard_max_skipped_iters}", start=start)
+                                f"spike_guard_max_skipped_iters={cfg.spike_guard_max_skipped_iters}", start=start,
+                                **cause)
         relapse = self.rollbacks > 0
         lr_scale = self.lr_scale * (cfg.spike_guard_lr_factor if relapse else 1.0)
         reset = relapse and cfg.spike_guard_reset_optimizer
-        plan = f"roll back to before iteration {start} and skip iterations {start}-{end}"
+        plan = f"roll back to before iteration {start} and " + (
+            "skip no data" if end is None else f"skip iterations {start}-{end}")
         if relapse:
             plan += f"; relapse {self.rollbacks}: LR x{lr_scale:g} from now on"
             plan += ", optimizer reset with an lr=0 warm-up" if reset else ""
         return self._decide(iteration, "rollback", reason, plan, start=start, end=end, lr_scale=lr_scale,
-                            reset_optimizer=reset)
+                            reset_optimizer=reset, **cause)
+
+    def _hardware(self, iteration, outcome, loss, grad_norm, diagnosis):
+        """A step that its replay (or the other DP replicas) did not reproduce: a transient fault. The retried
+        step stands; no data is skipped and the LR is not cut. Repeated on one rank: stop, naming it."""
+        cfg, rank = self.cfg, diagnosis["rank"]
+        if outcome == "ok":
+            self.series["loss"].record(loss)
+            self.series["grad norm"].record(grad_norm)
+        self.faults[rank] = self.faults.get(rank, 0) + 1
+        where = "an unknown DP rank (the replicas agreed)" if rank is None else f"DP rank {rank}"
+        reason = f"hardware/transient fault on {where}: {diagnosis['evidence']}"
+        cause = {"cause": "hardware", "evidence": diagnosis["evidence"], "rank": rank}
+        if rank is not None and parallel.grid.dp_rank == rank and parallel.grid.tp_rank == 0:
+            print(f"spike guard: iteration {iteration}: DP rank {rank} is global rank {parallel.grid.rank} on host "
+                  f"{socket.gethostname()}", flush=True)
+        if self.faults[rank] >= cfg.spike_guard_max_skips:
+            return self._decide(iteration, "stop", reason, f"{self.faults[rank]} faults on {where}, the "
+                                f"spike_guard_max_skips={cfg.spike_guard_max_skips}th: take its node out", **cause)
+        what = "step retried and applied" if outcome == "ok" else "no update (the retry differed too)"
+        decision = self._decide(iteration, "retry", reason, f"{what}; no data skipped, LR unchanged (fault "
+                                f"{self.faults[rank]} of {cfg.spike_guard_max_skips} on {where} before a stop)",
+                                **cause)
+        self.decisions.append(decision)
+        return decision
 
     def _decide(self, iteration, action, reason, plan, **extra):
         decision = {"iteration": iteration, "action": action, "reason": reason, **extra}
@@ -196,12 +304,28 @@ class SpikeGuard:
         """Book a rollback (or the stop) once train.py has restored the run to iteration `target`."""
         if decision["action"] == "rollback":
             self.rollbacks += 1
-            self.skip_ranges.append((decision["start"], decision["end"]))
-            self.skipped_iters += decision["end"] - decision["start"] + 1
+            if decision["end"] is not None:
+                self.skip_ranges.append((decision["start"], decision["end"]))
+                self.skipped_iters += decision["end"] - decision["start"] + 1
             self.lr_scale = decision["lr_scale"]
         self.strikes = []
         decision["restored_iteration"] = target
         self.decisions.append({k: v for k, v in decision.items()})
+
+
+def spikes_in(series, cfg, stats=None):
+    """The iterations of a recorded run [(iteration, loss, grad norm)] that the detector calls spikes, fed as
+    train.py feeds it (a spike is not recorded: its update is skipped), from `stats` (a snapshot's) or afresh."""
+    guard = SpikeGuard(cfg)
+    guard.enabled = True
+    guard.load_stats(stats)
+    found = []
+    for iteration, loss, grad_norm in series:
+        if guard.armed() and guard.judge(loss, grad_norm):
+            found.append(iteration)
+        else:
+            guard.update(iteration, "ok", loss, grad_norm, None)
+    return found
 
 
 # -----------------------------------------------------------------------------
@@ -210,24 +334,33 @@ class SpikeGuard:
 
 
 class Snapshots:
-    """A CPU copy of the run every spike_guard_snapshot_interval iterations, enough of them to reach back
-    spike_guard_rewind iterations; older ones are dropped. Without one, the disk checkpoints in `save`."""
+    """A host copy of the run every spike_guard_snapshot_interval iterations, enough of them to reach as far
+    back as a rollback can (keep()); older ones are dropped. Without one, the disk checkpoints in `save`.
+
+    On CUDA the copies go into pinned host memory, non-blocking, on the compute stream: the copy is ordered
+    before the next step's kernels that overwrite the weights, and the host waits for it (an event) only when
+    it reads the snapshot back. The pinned buffers of the snapshot dropped are reused: pinning is slow."""
 
     def __init__(self, cfg):
         self.cfg = cfg
         self.interval = cfg.spike_guard_snapshot_interval if cfg.spike_guard else 0
-        self.keep = math.ceil(cfg.spike_guard_rewind / self.interval) + 2 if self.interval else 0
-        self.items = []  # (iteration, snapshot), oldest first
+        self.keep = keep(cfg)
+        self.items = []  # (iteration, snapshot, event or None), oldest first
 
     def maybe_take(self, iteration, parts):
-        if self.interval and iteration % self.interval == 0:
-            self.items = [item for item in self.items if item[0] < iteration][-(self.keep - 1):]
-            self.items.append((iteration, run_state.capture(parts, to_cpu=True)))
+        if not (self.interval and iteration % self.interval == 0):
+            return
+        self.items = [item for item in self.items if item[0] < iteration]
+        spare = self.items.pop(0)[1] if len(self.items) >= self.keep else None
+        copy, event = host_copy(run_state.capture(parts), spare)
+        self.items.append((iteration, copy, event))
 
     def newest_before(self, start):
         """(iteration, snapshot) of the newest state at an iteration < start, from memory or else disk."""
-        for it, snap in reversed(self.items):
+        for it, snap, event in reversed(self.items):
             if it < start:
+                if event is not None:
+                    event.synchronize()
                 return it, snap
         for directory in dict.fromkeys(d for d in (self.cfg.save, self.cfg.load) if d):
             if not os.path.isdir(directory):
@@ -256,10 +389,171 @@ class Snapshots:
         if decision.get("reset_optimizer"):
             run_state.reset_optimizer(parts, schedule.reset_warmup_iters(self.cfg, unset="auto"))
         parts.guard.applied(decision, target)
+        skipping = decision["action"] == "rollback" and decision["end"] is not None
         print0(f"spike guard: rolled back to iteration {target}" + (
-            f"; iterations {decision['start']}-{decision['end']} will be skipped" if decision["action"] ==
-            "rollback" else ""))
+            f"; iterations {decision['start']}-{decision['end']} will be skipped" if skipping else ""))
         return target
+
+
+def keep(cfg):
+    """Snapshots a rollback can need. Strikes within spike_guard_rewind of the last one form an episode, so the
+    first strike can be up to R back and the rollback goes R before it: to before iteration - 2R, i.e. to the
+    newest snapshot up to one interval I further back. From that one to the newest: ceil(2R / I) + 1 snapshots.
+    (Strikes at 1049, 1100, 1149 with R=100, I=50 roll back to 900, with 950-1100 taken since: 5.)"""
+    interval = cfg.spike_guard_snapshot_interval if cfg.spike_guard else 0
+    return math.ceil(2 * cfg.spike_guard_rewind / interval) + 1 if interval else 0
+
+
+def host_copy(payload, spare=None):
+    """(copy, event): every tensor of the payload copied to the host; with CUDA into pinned memory (the spare
+    snapshot's buffers where shapes and dtypes match) by non-blocking copies, and a CUDA event that says when
+    they have landed (None without CUDA, where the copies are done on return)."""
+    spares = collections.defaultdict(list)
+    for t in tensors(spare):
+        spares[(t.shape, t.dtype)].append(t)
+    cuda = [False]
+
+    def copy(obj):
+        if torch.is_tensor(obj):
+            if obj.device.type != "cuda":
+                return obj.detach().to("cpu", copy=True)
+            cuda[0] = True
+            pool = spares[(obj.shape, obj.dtype)]
+            out = pool.pop() if pool else torch.empty(obj.shape, dtype=obj.dtype, pin_memory=True)
+            return out.copy_(obj.detach(), non_blocking=True)
+        if isinstance(obj, dict):
+            return {k: copy(v) for k, v in obj.items()}
+        if isinstance(obj, (list, tuple)):
+            return type(obj)(copy(v) for v in obj)
+        return copy_module.deepcopy(obj)
+    out = copy(payload)
+    event = None
+    if cuda[0]:
+        event = torch.cuda.Event()
+        event.record()
+    return out, event
+
+
+def tensors(obj):
+    if torch.is_tensor(obj):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from tensors(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from tensors(v)
+
+
+def snapshot_bytes(cfg, gpu_params, dp):
+    """Host memory of the guard's snapshots per GPU: weights in the compute dtype and the optimizer state (fp32
+    masters and Adam's moments for half precision, the moments for fp32; divided over DP with ZeRO-1)."""
+    half = cfg.fp16 or cfg.bf16
+    optimizer = (12 if half else 8) / (dp if cfg.zero_stage >= 1 else 1)
+    return keep(cfg) * gpu_params * ((2 if half else 4) + optimizer)
+
+
+def describe_snapshots(cfg, gpu_params, dp):
+    """The dry run's line on the snapshots' host memory per GPU (None when the guard keeps none)."""
+    if not keep(cfg):
+        return None
+    total = snapshot_bytes(cfg, gpu_params, dp)
+    return (f"spike guard snapshots: {keep(cfg)} x {total / keep(cfg) / 2**30:.2f} GiB = {total / 2**30:.2f} GiB of "
+            f"host memory per GPU (spike_guard_rewind {cfg.spike_guard_rewind}, spike_guard_snapshot_interval "
+            f"{cfg.spike_guard_snapshot_interval}; x GPUs per node must fit the node's memory)")
+
+
+# -----------------------------------------------------------------------------
+# Forensics: why did this step spike? (lesson 21; PaLM, Megatron-LM's rerun state machine)
+
+SUSPECT = ("spike", "nan", "replicas differ")  # the train_step outcomes investigate() looks into
+replica_values = []  # [(loss, grad norm)] of every DP replica at the last step (agreed(); "replicas differ")
+
+
+def agreed(loss, grad_norm, *more):
+    """(loss, grad norm, *more, replicas differ): the step's numbers as DP rank 0 computed them, on every rank. One
+    tensor all-gather over DP on the backend's device, and the step's one host sync: every skip decision
+    (skip_grad_norm_above, the guard's) is then taken from the same floats on every replica, which can never
+    split. The DP replicas reduce the same gradients: if their numbers differ, one of them is faulty."""
+    global replica_values
+    values = torch.stack([loss.double(), grad_norm.double(), *(m.double() for m in more)])
+    g = parallel.grid
+    if g.dp_size > 1 and g.dp_group is not None:
+        gathered = [torch.empty_like(values) for _ in range(g.dp_size)]
+        dist.all_gather(gathered, values, group=g.dp_group)
+        values = torch.stack(gathered)
+    rows = [tuple(r) for r in values.reshape(-1, 2 + len(more)).cpu().tolist()]
+    replica_values = rows
+    return (*rows[0], len({repr(r) for r in rows}) > 1)
+
+
+def investigate(guard, step, iteration, rng_before, snapshots, model, rerun, forward):
+    """Before the guard acts on a suspect step: (step, diagnosis). The weights and optimizer are still those
+    before the step (a suspect step is never applied).
+    1. replay: the step again, same weights, batch and RNG (rerun(judge) runs train_step). Not reproduced --
+       the replay is no spike, or the DP replicas disagreed -- is a transient fault ("hardware"): the replay
+       applied its update (the step retried) and its step is returned.
+    2. reproduced: the batch on the model of a snapshot taken at least two updates earlier (forward() is the
+       loss of the batch on the live model). Still an outlier against that model's own trend: "data". The
+       batch is ordinary there, the loss is not now: the update went wrong ("optimizer").
+    Costs one extra step and one forward per spike; a clean run never calls it."""
+    first = f"loss {step.loss:.6g}, grad norm {step.grad_norm:.6g}"
+    rows = list(replica_values)
+    differ = [r for r, row in enumerate(rows) if repr(row) != repr(rows[0])]
+    checkpoint.set_rng_state(rng_before)
+    replay = rerun(guard.judge if guard.armed() else None)
+    again = f"loss {replay.loss:.6g}, grad norm {replay.grad_norm:.6g}"
+    if differ or replay.outcome not in SUSPECT:
+        rank = differ[0] if differ else (0 if parallel.grid.dp_size == 1 else None)
+        if differ:
+            evidence = (f"DP rank {rank} computed loss {rows[rank][0]:.6g}, grad norm {rows[rank][1]:.6g}, DP rank 0 "
+                        f"{first}; replayed: {again}")
+        else:
+            evidence = f"first {first}; replayed: {again}, not reproduced"
+        return replay, {"cause": "hardware", "evidence": evidence, "rank": rank}
+    found = snapshots.newest_before(iteration - 1)
+    if found is None:
+        return replay, {"cause": "data", "evidence": f"replayed: {again}, reproduced; no earlier snapshot to "
+                        "test the batch on"}
+    then, payload = found
+    rng_after = checkpoint.rng_state()
+    gpt = parallel.unwrap(model)
+    live = {k: v.detach().to("cpu", copy=True) for k, v in gpt.state_dict().items()}
+    gpt.load_state_dict(payload[0])
+    old = forward()
+    gpt.load_state_dict(live)
+    checkpoint.set_rng_state(rng_after)
+    trend = Series(guard.cfg.spike_guard_window)
+    trend.load((((payload[1]["state"].get("spike_guard") or {}).get("stats")) or {}).get("loss"))
+    expected_then, expected_now = trend.expected(), guard.series["loss"].expected()
+    excess_now = replay.loss - expected_now if math.isfinite(replay.loss) else math.inf
+    excess_then = old - expected_then if expected_then is not None and math.isfinite(old) else math.inf
+    data = excess_then >= 0.5 * excess_now if math.isfinite(excess_now) else not math.isfinite(old)
+    evidence = (f"replayed: {again}, reproduced; the batch on the model of iteration {then}: loss {old:.4g}, "
+                f"{excess_then:+.3g} against its trend, now {excess_now:+.3g}: the "
+                + ("batch is the outlier" if data else "batch is ordinary, the weights are not"))
+    return replay, {"cause": "data" if data else "optimizer", "evidence": evidence}
+
+
+def bitflip(cfg, iteration, guard):
+    """The fault of inject_bitflip_iters for train_step (or None): on rank inject_bitflip_rank, after the DP
+    all-reduce, the top exponent bit of the largest gradient element of the first matrix flips (x 2^128 for
+    a gradient under 2 in fp32). Once in time: not in a replay, nor when the iteration is run again."""
+    ranges = schedule.parse_iteration_ranges(cfg.inject_bitflip_iters, "inject_bitflip_iters")
+    if not (guard.meets_fault(iteration, ranges) and parallel.grid.rank == cfg.inject_bitflip_rank):
+        return None
+
+    def flip(model):
+        grad = next(g for g in map(parallel.main_grad, parallel.unwrap(model).parameters())
+                    if g is not None and g.dim() == 2)
+        flat = grad.view(-1)
+        i = int(flat.abs().argmax())
+        bits = {torch.float32: (torch.int32, 30), torch.bfloat16: (torch.int16, 14), torch.float16: (torch.int16, 14)}
+        itype, bit = bits[flat.dtype]
+        flat.view(itype)[i] ^= 1 << bit
+        print(f"spike guard: iteration {iteration}: injected a bit flip into gradient element {i} on rank "
+              f"{parallel.grid.rank}: {float(flat[i]):.4g}", flush=True)
+    return flip
 
 
 # -----------------------------------------------------------------------------

@@ -112,17 +112,27 @@ def run(cfg, grid, exit_signal, writer=None):
         else:
             batches = loader.to_device(prefetcher.get((iteration, samples, batch_size, seqlen)), device)
             batches = spike_guard.inject_bad_batches(cfg, iteration, batches)
-            lr = schedule.lr_at(iteration, state, guard.lr_scale)
+            injected = guard.meets_fault(iteration, schedule.inject_lr_ranges)  # once in time
+            lr = schedule.lr_at(iteration, state, guard.lr_scale, inject=injected)
             probe = recorder if recorder and iteration % cfg.telemetry_interval == 0 else None
             if probe:
                 probe.begin()
+            rng_before = checkpoint.rng_state() if guard.enabled else None
             step = train_step(train_model, parts.optimizer, parts.scaler, batches, lr, cfg, device,
                               count_zeros=iteration % cfg.log_interval == 0,
-                              judge=guard.judge if guard.armed(state) else None, probe=probe)
+                              judge=guard.judge if guard.armed(state) else None, probe=probe,
+                              fault=spike_guard.bitflip(cfg, iteration, guard))
             if probe:
                 report.telemetry(iteration, state, probe.finish())
-            decision = guard.update(iteration, step.outcome, step.loss, step.grad_norm, parts.scaler)
-            if decision is not None:
+            diagnosis = None
+            if guard.enabled and step.outcome in spike_guard.SUSPECT:  # replay it, test its batch (forensics)
+                step, diagnosis = spike_guard.investigate(
+                    guard, step, iteration, rng_before, snapshots, train_model,
+                    rerun=lambda judge: train_step(train_model, parts.optimizer, parts.scaler, batches, lr, cfg,
+                                                   device, count_zeros=False, judge=judge),
+                    forward=lambda: evaluate_batches(train_model, batches, cfg, device))
+            decision = guard.update(iteration, step.outcome, step.loss, step.grad_norm, parts.scaler, diagnosis)
+            if decision is not None and decision.get("cause") != "hardware":
                 decision["samples"] = spike_guard.name_samples(train_model, batches, samples, cfg,
                                                                train_data, seqlen, iteration)
             report.step(step, lr)
@@ -130,7 +140,7 @@ def run(cfg, grid, exit_signal, writer=None):
         report.timed(time.time() - t0)
         if decision is not None:
             report.decision(iteration, decision)
-        if decision is not None and decision["action"] != "skip":
+        if decision is not None and decision["action"] in ("rollback", "stop"):
             if writer is not None:
                 writer.wait()  # a rollback may read the checkpoint being written
             if snapshots.roll_back(decision, parts) is None or decision["action"] == "stop":
@@ -398,15 +408,17 @@ class Step(NamedTuple):
     loss: float
     grad_norm: float
     num_zeros: int
-    outcome: str  # ok | skipped (fp16 overflow, skip_grad_norm_above) | nan | spike (the guard's judge)
+    outcome: str  # ok | skipped (fp16 overflow, skip_grad_norm_above) | nan | spike (the guard) | replicas differ
 
 
-def train_step(model, optimizer, scaler, batches, lr, cfg, device, count_zeros=True, judge=None, probe=None):
+def train_step(model, optimizer, scaler, batches, lr, cfg, device, count_zeros=True, judge=None, probe=None,
+               fault=None):
     """One global batch: forward and backward over this rank's micro-batches, gradients reduced, clipped and
     applied at learning rate lr -- unless the step is skipped. Returns a Step.
     count_zeros: count the zero gradients (a pass over all of them: only done for the iterations logged).
     judge: the spike guard's judge(loss, grad_norm), a reason to skip the update or None.
-    probe: a telemetry.Telemetry recording this step (its grads() and updated() are called here)."""
+    probe: a telemetry.Telemetry recording this step (its grads() and updated() are called here).
+    fault: fault injection's bit flip (spike_guard.bitflip), called on the reduced gradients."""
     optimizer.zero_grad(set_to_none=True)
     buffer = parallel.grad_buffer(model)  # None under DeepSpeed
     if buffer is not None:
@@ -417,10 +429,13 @@ def train_step(model, optimizer, scaler, batches, lr, cfg, device, count_zeros=T
         return Step(*optimizer.finish_step(loss.item(), lr))  # DeepSpeed reduces, clips and steps in one call
     # Wait for the DP all-reduce that backward started, sum the tied embedding's two copies.
     parallel.reduce_gradients(model)
+    if fault is not None:
+        fault(model)
     grad_norm = parallel.grad_norm(model) / scaler.scale  # of the unscaled gradient, fp32, over the whole model
     zeros = parallel.count_zeros(model) if count_zeros else torch.zeros((), device=device)
-    numbers = torch.stack([loss.double(), grad_norm.double(), zeros.double()]).cpu()  # the one host sync
-    loss_value, grad_norm_value, num_zeros = float(numbers[0]), float(numbers[1]), int(numbers[2])
+    # DP rank 0's numbers on every replica (one all-gather, the one host sync): skip decisions cannot split them
+    loss_value, grad_norm_value, num_zeros, replicas_differ = spike_guard.agreed(loss, grad_norm, zeros)
+    num_zeros = int(num_zeros)
     finite = math.isfinite(grad_norm_value)
     if probe is not None:
         probe.grads(scaler.scale)
@@ -428,6 +443,8 @@ def train_step(model, optimizer, scaler, batches, lr, cfg, device, count_zeros=T
         message = scaler.update(overflow=not finite)
         if message:
             print0(message)
+    if replicas_differ:  # a faulty GPU: no update anywhere, the spike guard retries the step
+        return Step(loss_value, grad_norm_value, num_zeros, "replicas differ")
     if not math.isfinite(loss_value):
         return Step(loss_value, grad_norm_value, num_zeros, "nan")  # a NaN loss never updates the weights
     if not finite:
@@ -443,6 +460,15 @@ def train_step(model, optimizer, scaler, batches, lr, cfg, device, count_zeros=T
     if probe is not None:
         probe.updated()
     return Step(loss_value, grad_norm_value, num_zeros, "ok")
+
+
+@torch.no_grad()
+def evaluate_batches(model, batches, cfg, device):
+    """The mean loss of these micro-batches, without dropout (the spike guard tests a batch with it)."""
+    model.eval()
+    loss = parallel.average_loss(forward_backward(model, batches, cfg, device, forward_only=True)).item()
+    model.train()
+    return loss
 
 
 @torch.no_grad()

@@ -1,0 +1,158 @@
+"""What-if forks: from a checkpoint before a spike, short continuations side by side, each with one change.
+
+    python tools/whatif.py --load CKPT_DIR --iters 200 --out whatif/ -- config/tr8b_104b.py --key=value ...
+
+Everything after `--` is the run's own command line (config file and overrides). Each fork is a process of its
+own, `python train.py RUN_ARGS --load=CKPT_DIR --save=OUT/FORK --exit_interval=ITERS CHANGE`; a fork whose
+directory already holds a checkpoint resumes from it, so a killed what-if picks up where it stopped. Then one
+table (which forks got through without a spike, found by the spike guard's own detector seeded with the
+checkpoint's statistics, and at what loss) and one figure (loss and grad norm per fork, overlaid): OUT/whatif.png.
+
+The changes leave the model function alone (PaLM's and the chronicles' remedies, docs/spike_guard.md):
+
+    as is            nothing: does the spike come back at all?
+    lr x F           the LR (and min_lr) x --lr_factor (0.5), override_lr_scheduler
+    skip 200         the next 200 iterations' batches skipped (PaLM; --skip), then training goes on
+    z-loss           z_loss=1e-4 (PaLM, lesson 20)
+    optimizer reset  a fresh Adam with the lr=0 warm-up of lesson 8 (both moments: Adam's betas come with the
+                     optimizer state of a checkpoint, so beta2 cannot be changed by a resume)
+    clip 0.3         tighter gradient clipping
+    guard            the spike guard's own ladder, with its diagnosis
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import arguments  # noqa: E402
+import checkpoint  # noqa: E402
+import spike_guard  # noqa: E402
+
+FORKS = ("as is", "lr x F", "skip 200", "z-loss", "optimizer reset", "clip 0.3", "guard")
+
+
+def change(fork, cfg, iteration, lr_factor, skip=200):
+    """The command-line overrides of one fork, from the run's config at the checkpoint's iteration."""
+    return {
+        "as is": [],
+        "lr x F": [f"--lr={cfg.lr * lr_factor!r}", f"--min_lr={cfg.min_lr * lr_factor!r}", "--override_lr_scheduler"],
+        "skip 200": [f"--skip_train_iteration_range={iteration + 1}-{iteration + skip}"],
+        "z-loss": ["--z_loss=1e-4"],
+        "optimizer reset": ["--reset_optimizer_warmup_iters=auto"],
+        "clip 0.3": ["--clip_grad=0.3"],
+        "guard": ["--spike_guard"],
+    }[fork]
+
+
+def saved_iteration(directory):
+    tag = checkpoint.latest_dir(directory)
+    return None if tag is None else int(os.path.basename(tag).replace("global_step", ""))
+
+
+def run_fork(name, run_args, load, out, iters, extra):
+    """Run (or finish) one fork; returns its directory."""
+    directory = os.path.join(out, name.replace(" ", "_"))
+    start, target = saved_iteration(load), saved_iteration(load) + iters
+    done = saved_iteration(directory) if os.path.isdir(directory) else None
+    if done is not None and done >= target:
+        return directory
+    source = directory if done is not None else load
+    remaining = target - (done if done is not None else start)
+    cmd = [sys.executable, "train.py", *run_args, f"--load={source}", f"--save={directory}",
+           f"--exit_interval={remaining}", "--log_interval=1", "--sample_tokens=0", *extra]
+    print(f"whatif: {name}: {' '.join(cmd[2:])}", flush=True)
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    with open(os.path.join(out, name.replace(" ", "_") + ".log"), "a") as f:
+        f.write(proc.stdout + proc.stderr)
+    if proc.returncode not in (0, spike_guard.EXIT_CODE):  # a guard that gives up is a result, not a failure
+        raise RuntimeError(f"fork {name!r} failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}")
+    return directory
+
+
+def records(directory, after):
+    """[(iteration, lm loss, grad norm)] of a fork's metrics.jsonl, the last record of each iteration."""
+    found = {}
+    with open(os.path.join(directory, "metrics.jsonl")) as f:
+        for line in f:
+            r = json.loads(line)
+            if r["iteration"] > after and "lm loss" in r:
+                found[r["iteration"]] = (r["iteration"], r["lm loss"], r["grad norm"])
+    return [found[k] for k in sorted(found)]
+
+
+def table(results, start, iters):
+    lines = [f"what-if from iteration {start}, {iters} iterations per fork:",
+             f"{'fork':<18} {'spikes':>7} {'first':>6} {'max loss':>9} {'last loss':>10}  got through"]
+    for name, series, found, reached in results:
+        losses = [loss for _, loss, _ in series]
+        through = not found and reached
+        lines.append(f"{name:<18} {len(found):>7} {found[0] if found else '-':>6} {max(losses):>9.4f} "
+                     f"{losses[-1]:>10.4f}  {'yes' if through else 'no'}")
+    return "\n".join(lines)
+
+
+def figure(results, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 7), sharex=True)
+    for name, series, *_ in results:
+        its = [it for it, _, _ in series]
+        top.plot(its, [loss for _, loss, _ in series], label=name, linewidth=1.2)
+        bottom.plot(its, [norm for _, _, norm in series], label=name, linewidth=1.2)
+    top.set_ylabel("lm loss")
+    bottom.set_ylabel("grad norm")
+    bottom.set_yscale("log")
+    bottom.set_xlabel("iteration")
+    top.legend(fontsize=8)
+    top.set_title("what-if forks")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    run_args = argv[argv.index("--") + 1:] if "--" in argv else []
+    argv = argv[:argv.index("--")] if "--" in argv else argv
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--load", required=True, help="checkpoint directory (its `latest`) to fork from")
+    parser.add_argument("--iters", type=int, required=True, help="iterations per fork")
+    parser.add_argument("--out", required=True, help="directory of the forks, the table and the figure")
+    parser.add_argument("--forks", default=",".join(FORKS), help=f"comma-separated, of: {', '.join(FORKS)}")
+    parser.add_argument("--lr_factor", type=float, default=0.5, help="the LR multiplier of the 'lr x F' fork")
+    parser.add_argument("--skip", type=int, default=200, help="iterations (batches) the 'skip 200' fork skips")
+    args = parser.parse_args(argv)
+    forks = [f.strip() for f in args.forks.split(",")]
+    unknown = [f for f in forks if f not in FORKS]
+    if unknown:
+        raise SystemExit(f"error: unknown fork(s) {unknown}; choose from {', '.join(FORKS)}")
+    start = saved_iteration(args.load)
+    if start is None:
+        raise SystemExit(f"error: no checkpoint in {args.load} (no `latest`): point --load at a run's save directory")
+    _, run, _ = checkpoint.load(checkpoint.latest_dir(args.load))
+    cfg = arguments.load_config(run_args) if run_args else arguments.load_config([])
+    stats = (run["state"].get("spike_guard") or {}).get("stats")
+    os.makedirs(args.out, exist_ok=True)
+    results = []
+    for name in forks:
+        label = {"lr x F": f"lr x {args.lr_factor:g}", "skip 200": f"skip {args.skip}"}.get(name, name)
+        directory = run_fork(name, run_args, args.load, args.out, args.iters,
+                             change(name, cfg, start, args.lr_factor, args.skip))
+        series = records(directory, start)
+        reached = saved_iteration(directory) == start + args.iters
+        results.append((label, series, spike_guard.spikes_in(series, cfg, stats), reached))
+    text = table(results, start, args.iters)
+    print(text)
+    with open(os.path.join(args.out, "whatif.txt"), "w") as f:
+        f.write(text + "\n")
+    figure(results, os.path.join(args.out, "whatif.png"))
+    return results
+
+
+if __name__ == "__main__":
+    main()
