@@ -63,6 +63,7 @@ class GPTConfig:
     position_embedding_init: str = "normal"  # normal | sinusoidal
     scale_embeddings: bool = False  # multiply the word embeddings by sqrt(hidden_size)
     apply_query_key_layer_scaling: bool | None = None  # scale attention scores by 1/layer number; None: on with fp16
+    unfused_attention: bool = False  # Megatron's explicit attention (B*H*T^2 scores): bit-level repro of 2021 runs
     stable_attention: bool = False  # scale q and k each by head_size^-1/4 before their product
     qk_layernorm: bool = False  # LayerNorm over head_dim on each head's q and k before q k^T (lesson 20)
     z_loss: float = 0.0  # PaLM's auxiliary loss: z_loss * mean of log(Z)^2 of the output softmax (1e-4; lesson 20)
@@ -196,32 +197,32 @@ def apply_rotary(x, cos, sin):
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
-def core_attention(q, k, v, dropout_p=0.0, stable=False, layer_scaling=None, bias=None):
+def core_attention(q, k, v, dropout_p=0.0, stable=False, layer_scaling=None, bias=None, unfused=False):
     """Causal softmax(q k^T / sqrt(d) + bias) v with the softmax in fp32; q, k, v are (batch, heads, seq,
-    head_dim), bias (heads, seq, seq) is ALiBi's (alibi_bias, causal mask included) or None.
+    head_dim), bias (heads, seq, seq) is ALiBi's (alibi_bias, causal mask included, in q's dtype) or None.
 
-    Fused (scaled_dot_product_attention) unless layer_scaling is given, which is Megatron's
-    apply_query_key_layer_scaling: scores are computed scaled down by the layer number and scaled back up in
-    fp32 inside the softmax, which only the unfused path can express. stable=True is the "stable" variant of
-    the 104B chronicle: q and k are each multiplied by d^-1/4 before their product, with no later scaling.
-    In exact arithmetic all variants are the same function; in fp16 they round differently. With a bias the
-    fused path passes it as SDPA's float attn_mask in the input dtype (no flash kernel takes an arbitrary bias;
-    the memory-efficient one does); the unfused path adds it in fp32 to the scores scaled back up.
+    Every variant goes through scaled_dot_product_attention: on CUDA the flash kernel (no bias) or the
+    memory-efficient one (ALiBi's bias; no flash kernel takes an arbitrary bias), neither of which materialises
+    the B*H*T^2 scores. stable=True is the "stable" variant of the 104B chronicle: q and k each multiplied by
+    d^-1/4 before their product, with no later scaling. layer_scaling (Megatron's apply_query_key_layer_scaling)
+    is the same function in exact arithmetic: it scales the fp16 scores down by the layer number so that they
+    cannot overflow before the fp32 softmax scales them back up, and the fused kernels accumulate q k^T in fp32,
+    where that overflow cannot happen; so it changes nothing here. unfused=True (config unfused_attention)
+    takes Megatron's explicit path instead, which rounds as the 2021 runs did (unfused_attention).
     """
-    head_dim = q.shape[-1]
-    if layer_scaling is None:
-        mask = None if bias is None else bias.to(q.dtype)
-        scale = None
-        if stable:
-            s = head_dim ** -0.25
-            q, k, scale = q * s, k * s, 1.0
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=mask is None,
-                                              scale=scale)
-    return unfused_attention(q, k, v, dropout_p, stable, layer_scaling, bias)
+    if unfused:
+        return unfused_attention(q, k, v, dropout_p, stable, layer_scaling, bias)
+    scale = None
+    if stable:
+        s = q.shape[-1] ** -0.25
+        q, k, scale = q * s, k * s, 1.0
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout_p, is_causal=bias is None,
+                                          scale=scale)
 
 
 def unfused_attention(q, k, v, dropout_p=0.0, stable=False, layer_scaling=None, bias=None):
-    """Megatron's explicit path: baddbmm in the input dtype, softmax in fp32 (also the reference for SDPA)."""
+    """Megatron's explicit path: baddbmm in the input dtype, softmax in fp32 over the whole B*H*T^2 scores; the
+    reference for SDPA, and what config unfused_attention runs. bias is added in fp32 (any dtype is taken)."""
     B, H, T, D = q.shape
     coeff = layer_scaling or 1.0
     norm_factor = math.sqrt(D) * coeff
@@ -271,6 +272,7 @@ class Attention(nn.Module):
         self.dropout = cfg.attention_dropout
         self.stable = cfg.stable_attention
         self.layer_scaling = float(layer_number) if cfg.apply_query_key_layer_scaling else None
+        self.unfused = cfg.unfused_attention
         self.probe = None  # telemetry.py sets it on the iterations it records: probe(q, k)
 
     def forward(self, x, bias=None, rotary=None):
@@ -286,7 +288,7 @@ class Attention(nn.Module):
         dropout = self.dropout if self.training else 0.0
         # this rank's heads only: their dropout masks come from the model-parallel stream (lesson 22)
         with rng.fork(x.device) if dropout else contextlib.nullcontext():
-            y = core_attention(q, k, v, dropout, self.stable, self.layer_scaling, bias)
+            y = core_attention(q, k, v, dropout, self.stable, self.layer_scaling, bias, self.unfused)
         if self.head_scale is not None:
             y = y * self.head_scale.view(1, -1, 1, 1)
         return self.proj(y.transpose(1, 2).reshape(B, T, self.local_heads * self.head_dim))
@@ -390,6 +392,8 @@ class GPT(nn.Module):
     estimate.py passes a grid on paper to size every stage of a large layout on the meta device. The forward
     pass always communicates over parallel.grid. The vocabulary is padded for the config's
     tensor_model_parallel_size, which may differ from the grid's (a TP=4 model gathered into one process)."""
+
+    positions_cache = (None, None)  # ((T, dtype, device), what positions() returns for them); see positions()
 
     def __init__(self, cfg: GPTConfig, layers=None, pre_process=True, post_process=True, grid=None):
         super().__init__()
@@ -503,13 +507,24 @@ class GPT(nn.Module):
 
     def positions(self, x):
         """(ALiBi's bias, rotary's (cos, sin)) for every layer's attention, None where the type has none (learned
-        positions are added to the embeddings). Built once per forward, fp32 at least (fp64 for an fp64 model)."""
-        dtype, T = torch.promote_types(x.dtype, torch.float32), x.shape[1]
+        positions are added to the embeddings). Built once per sequence length, dtype and device, in fp32 at least
+        (fp64 for an fp64 model), then cast once to the compute dtype, in which every layer uses them (the
+        explicit attention path takes ALiBi's bias in fp32); the last one is kept, so a curriculum's new length
+        frees the old (H, T, T) bias."""
+        key = (x.shape[1], x.dtype, x.device)
+        if self.positions_cache[0] != key:
+            self.positions_cache = (key, self.build_positions(*key))
+        return self.positions_cache[1]
+
+    def build_positions(self, T, compute_dtype, device):
+        dtype = torch.promote_types(compute_dtype, torch.float32)
         if self.alibi_heads is not None:
-            slopes = alibi_slopes(self.cfg.num_attention_heads, self.alibi_heads, x.device)
-            return alibi_bias(slopes, T, dtype, x.device), None
+            slopes = alibi_slopes(self.cfg.num_attention_heads, self.alibi_heads, device)
+            bias = alibi_bias(slopes, T, dtype, device)
+            return (bias if self.cfg.unfused_attention else bias.to(compute_dtype)), None
         if self.cfg.position_embedding_type == "rotary":
-            return None, rotary_cos_sin(T, self.cfg.hidden_size // self.cfg.num_attention_heads, dtype, x.device)
+            cos, sin = rotary_cos_sin(T, self.cfg.hidden_size // self.cfg.num_attention_heads, dtype, device)
+            return None, (cos.to(compute_dtype), sin.to(compute_dtype))
         return None, None
 
     def pop_z_loss(self):
