@@ -251,6 +251,7 @@ class Attention(nn.Module):
         h, heads = cfg.hidden_size, cfg.num_attention_heads
         self.head_dim = h // heads
         self.local_heads = parallel.divide(heads, grid.tp_size, "num_attention_heads")
+        self.tp_size = grid.tp_size
         # One fused projection laid out head by head ([heads, 3, head_dim] as in Megatron), so that a contiguous
         # TP slice of the output features is a set of whole heads.
         self.qkv = ColumnParallelLinear(h, 3 * h, grid=grid)
@@ -286,8 +287,10 @@ class Attention(nn.Module):
         if self.probe is not None:  # the softmax's q and k (after qk-layernorm and rotary; not ALiBi's bias)
             self.probe(q, k)
         dropout = self.dropout if self.training else 0.0
-        # this rank's heads only: their dropout masks come from the model-parallel stream (lesson 22)
-        with rng.fork(x.device) if dropout else contextlib.nullcontext():
+        # this rank's heads only: with TP their dropout masks come from the model-parallel stream (lesson 22), so
+        # that the heads of different ranks do not share masks. With one TP rank there is nothing to tell apart:
+        # the default stream, and no generator swap that torch.compile cannot trace (one graph per block).
+        with rng.fork(x.device) if dropout and self.tp_size > 1 else contextlib.nullcontext():
             y = core_attention(q, k, v, dropout, self.stable, self.layer_scaling, bias, self.unfused)
         if self.head_scale is not None:
             y = y * self.head_scale.view(1, -1, 1, 1)
@@ -419,7 +422,7 @@ class GPT(nn.Module):
                                                           cfg.hidden_size))
             self.output_weight.tp_dim = 0
             self.output_weight.init_name = "embed.word.weight"
-        self.logits_probe = None  # telemetry.py sets it on the iterations it records: logits_probe(logits)
+        self.logits_probe = None  # telemetry.py sets it on the iterations it records: logits_probe(log Z per token)
         self.init_weights()
 
     def word_embedding_weight(self):
@@ -480,7 +483,7 @@ class GPT(nn.Module):
 
         Returns hidden states on a non-last stage; on the last, the mean lm loss if targets are given, otherwise
         this TP rank's slice of the logits. In training with z_loss > 0 the lm loss's gradient includes the
-        z-loss (parallel.vocab_parallel_cross_entropy), whose value is kept for pop_z_loss(); evaluation
+        z-loss (parallel.linear_cross_entropy), whose value is kept for pop_z_loss(); evaluation
         reports the lm loss alone."""
         if self.pre_process:
             x = self.embed(x)
@@ -492,14 +495,14 @@ class GPT(nn.Module):
                 x = block(x, bias, rotary)
         if not self.post_process:
             return x
-        x = self.ln_f(x)
-        logits = F.linear(parallel.copy_to_tp(x), self.word_embedding_weight())
-        if self.logits_probe is not None:
-            self.logits_probe(logits)
+        x, weight = parallel.copy_to_tp(self.ln_f(x)), self.word_embedding_weight()
         if targets is None:
-            return logits
+            return F.linear(x, weight)
         z_loss = self.cfg.z_loss if self.training else 0.0
-        loss, log_z = parallel.vocab_parallel_cross_entropy(logits, targets, self.cfg.vocab_size, z_loss)
+        # the output layer and the loss in one, never holding the (tokens x vocabulary) logits
+        loss, log_z = parallel.linear_cross_entropy(x, weight, targets, self.cfg.vocab_size, z_loss)
+        if self.logits_probe is not None:
+            self.logits_probe(log_z)
         if z_loss:
             self.z_loss_sum = self.z_loss_sum + z_loss * log_z.square().mean()  # stays on the device: no sync
             self.z_loss_count += 1
@@ -526,6 +529,14 @@ class GPT(nn.Module):
             cos, sin = rotary_cos_sin(T, self.cfg.hidden_size // self.cfg.num_attention_heads, dtype, device)
             return None, (cos.to(compute_dtype), sin.to(compute_dtype))
         return None, None
+
+    def compile_blocks(self, **kwargs):
+        """torch.compile each block in place (config compile): one graph per layer, reused by every layer of the
+        same shapes, with activation checkpointing and the pipeline schedule outside the compiled region (so its
+        recomputation replays the dropout masks as in eager mode). kwargs go to torch.compile (a backend)."""
+        for block in self.blocks.values():
+            block.compile(**kwargs)
+        return self
 
     def pop_z_loss(self):
         """Mean z-loss of the training micro-batches since the last call (a 0-dim tensor; 0 on a stage without

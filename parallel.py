@@ -314,6 +314,85 @@ def vocab_parallel_cross_entropy(logits, target, vocab_size=None, z_loss=0.0):
     return _VocabParallelCrossEntropy.apply(logits, target, vocab_size, z_loss)
 
 
+# Elements of the (tokens x columns) fp32 logits that linear_cross_entropy holds at once: on CUDA a few large
+# chunks (each costs a dozen kernel launches), on the CPU chunks under glibc's largest mmap threshold (32 MiB), so
+# that the allocator reuses their pages instead of faulting fresh ones in for every chunk.
+CROSS_ENTROPY_CHUNK = {"cuda": 2**26, "cpu": 2**22}
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """The output layer and the vocab-parallel cross-entropy in one, a chunk of this rank's vocabulary at a time,
+    so that the (tokens x vocabulary) logits never exist: each chunk's logits are computed (in the compute
+    dtype, as F.linear), taken to fp32 for an online log-sum-exp and the target's logit, and freed; backward
+    computes them again, chunk by chunk, as softmax - onehot, and turns them into this chunk's rows of the
+    weight's gradient (exact: no accumulation) and a share of the hidden states' (summed in fp32). The price is
+    one more (tokens x hidden x vocabulary) matmul in backward.
+
+    Padding columns (ids >= vocab_size) are not computed at all: no probability, no gradient (their weight rows'
+    gradient is zero), the same function whatever the padding, hence whatever the TP size. With TP each rank's
+    log-sum-exp is combined by two all-reduces (max, then sum of exp), and the target's logit by a third.
+    z_loss as vocab_parallel_cross_entropy: softmax * (1 + 2 * z_loss * log Z) - onehot in the gradient."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, target, vocab_size, z_loss, columns):
+        dtype = torch.promote_types(hidden.dtype, torch.float32)  # fp32 at least (fp64 stays fp64)
+        vocab_local = weight.shape[0]
+        real = min(max(vocab_size - grid.tp_rank * vocab_local, 0), vocab_local)  # my columns that are tokens
+        local = target - grid.tp_rank * vocab_local
+        outside = (local < 0) | (local >= real)
+        local = local.masked_fill(outside, 0)
+        lse = hidden.new_full(target.shape, float("-inf"), dtype=dtype)
+        target_logit = hidden.new_zeros(target.shape, dtype=dtype)
+        for start in range(0, real, columns):
+            logits = F.linear(hidden, weight[start:min(start + columns, real)]).to(dtype)
+            lse = torch.logaddexp(lse, logits.logsumexp(dim=-1))
+            mine = ~outside & (local >= start) & (local < start + logits.shape[-1])
+            at = (local - start).clamp(0, logits.shape[-1] - 1).unsqueeze(-1)
+            target_logit += torch.where(mine, logits.gather(-1, at).squeeze(-1), 0.0)
+        if grid.tp_size > 1:
+            top = lse.clone()
+            dist.all_reduce(top, op=dist.ReduceOp.MAX, group=grid.tp_group)
+            total = (lse - top).exp()
+            dist.all_reduce(total, group=grid.tp_group)
+            dist.all_reduce(target_logit, group=grid.tp_group)
+            lse = top + total.log()
+        ctx.save_for_backward(hidden, weight, local, outside, lse)
+        ctx.real, ctx.z_loss, ctx.columns = real, z_loss, columns
+        ctx.mark_non_differentiable(lse)
+        return lse - target_logit, lse
+
+    @staticmethod
+    def backward(ctx, grad, _grad_log_z):
+        hidden, weight, local, outside, lse = ctx.saved_tensors
+        scale = (grad * (1.0 + 2.0 * ctx.z_loss * lse) if ctx.z_loss else grad).unsqueeze(-1)
+        grad_hidden = torch.zeros(hidden.shape, dtype=lse.dtype, device=hidden.device)
+        grad_weight = torch.zeros_like(weight)  # padding rows: none
+        for start in range(0, ctx.real, ctx.columns):
+            w = weight[start:min(start + ctx.columns, ctx.real)]
+            softmax = F.linear(hidden, w).to(lse.dtype).sub_(lse.unsqueeze(-1)).exp_()
+            mine = ~outside & (local >= start) & (local < start + w.shape[0])
+            at = (local - start).clamp(0, w.shape[0] - 1).unsqueeze(-1)
+            # d/dlogits of (lse - target logit) * grad, plus the z-loss's share: softmax * scale - onehot * grad
+            g = softmax.mul_(scale).scatter_add_(-1, at, -(grad * mine).unsqueeze(-1).to(softmax.dtype))
+            g = g.to(hidden.dtype)
+            grad_weight[start:start + w.shape[0]] = g.flatten(0, -2).t() @ hidden.flatten(0, -2)
+            grad_hidden += g @ w
+        return grad_hidden.to(hidden.dtype), grad_weight, None, None, None, None
+
+
+def linear_cross_entropy(hidden, weight, target, vocab_size=None, z_loss=0.0):
+    """(per-token loss, per-token log Z) of the logits hidden @ weight^T, weight this rank's vocabulary slice of
+    the output layer, as vocab_parallel_cross_entropy(F.linear(hidden, weight), ...) computes them to fp32
+    rounding, without the logits (_LinearCrossEntropy): a chunk of columns at a time, at most
+    CROSS_ENTROPY_CHUNK fp32 elements of it. vocab_size=None: every column is a token (no padding mask)."""
+    vocab_local = weight.shape[0]
+    if vocab_size is None:
+        vocab_size = vocab_local * grid.tp_size
+    tokens = target.numel()
+    columns = max(64, CROSS_ENTROPY_CHUNK["cuda" if hidden.is_cuda else "cpu"] // max(tokens, 1))
+    return _LinearCrossEntropy.apply(hidden, weight, target, vocab_size, z_loss, columns)
+
+
 def unwrap(model):
     """The GPT stage inside a DeepSpeed engine (or the model itself)."""
     return getattr(model, "module", model)
