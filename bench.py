@@ -120,7 +120,9 @@ def measure(argv):
     if cfg.deepspeed:
         model, optimizer = deepspeed_engine.initialize(cfg, model, optimizer)
     scaler = train.build_scaler(cfg)
-    train_model = torch.compile(model) if cfg.compile else model
+    if cfg.compile:
+        parallel.unwrap(model).compile_blocks()
+    train_model = model
     model.train()
     plan = schedule.Schedule(cfg, grid.dp_size)
     train_data, _ = train.build_data(cfg, plan)
