@@ -102,6 +102,15 @@ class GPTConfig:
         dense = 2 * census(self)["block matmul weights"]
         return f * batch * seqlen * dense * (1 + seqlen / (6 * h) + v / (16 * n * h))
 
+    def model_flops_per_iteration(self, batch, seqlen):
+        """The model's own FLOPs, what MFU divides (PaLM's 6N + 12 n h s per token): forward and backward of every
+        matmul weight once, the output layer's full vocabulary included (vocab_size: the loss computes no padding
+        columns), plus q k^T and its product with v over the whole s x s (as the kernels compute it). No
+        recomputation: neither activation checkpointing's nor the loss's second pass over the output layer."""
+        n, h = self.num_layers, self.hidden_size
+        weights = census(self)["block matmul weights"] + self.vocab_size * h
+        return batch * seqlen * (6 * weights + 12 * n * h * seqlen)
+
     def check(self, tp_size=None):
         """Every rule a model config must follow, with its fix: here once, asked by GPT and by arguments.validate
         (before anything is built). tp_size: the TP ranks the model is split over (default: the config's)."""

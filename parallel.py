@@ -411,8 +411,26 @@ def backward(out, grad=None):
 # the curriculum changes from step to step -- and only the tensor itself travels.
 
 # Host seconds this process spent in the 1F1B schedule and, inside it, in communicate(): posting the messages
-# and waiting for the neighbouring stages. bench.py reads them as each stage's pipeline bubble.
+# and waiting for the neighbouring stages. bench.py reads them as each stage's pipeline bubble. On CUDA the host
+# does not wait (NCCL's wait() makes the stream wait), so bench.py sets pipeline_events to {"schedule": [],
+# "communicate": []} and gets (start, end) CUDA events on the current stream of each, to read after a sync.
 pipeline_seconds = {"schedule": 0.0, "communicate": 0.0}
+pipeline_events = None
+
+
+def pipeline_event(device):
+    """A CUDA event recorded now on the current stream, when bench.py collects them; else None."""
+    if pipeline_events is None or torch.device(device).type != "cuda":
+        return None
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
+
+
+def pipeline_time(kind, start, start_event, device):
+    pipeline_seconds[kind] += time.perf_counter() - start
+    if start_event is not None:
+        pipeline_events[kind].append((start_event, pipeline_event(device)))
 
 
 def communicate(send_next=None, send_prev=None, recv_prev=None, recv_next=None):
@@ -426,10 +444,11 @@ def communicate(send_next=None, send_prev=None, recv_prev=None, recv_next=None):
         (dist.isend, send_next, grid.next_rank), (dist.isend, send_prev, grid.prev_rank),
         (dist.irecv, recv_prev, grid.prev_rank), (dist.irecv, recv_next, grid.next_rank)) if tensor is not None]
     if ops:
-        start = time.perf_counter()
+        device = ops[0].tensor.device
+        start, start_event = time.perf_counter(), pipeline_event(device)
         for request in dist.batch_isend_irecv(ops):
             request.wait()
-        pipeline_seconds["communicate"] += time.perf_counter() - start
+        pipeline_time("communicate", start, start_event, device)
     return recv_prev, recv_next
 
 
@@ -441,13 +460,13 @@ def pipeline_forward_backward(model, batches, loss_scale=1.0, forward_only=False
     (PipeDream-Flush, arXiv 2104.04473). Each micro-batch's loss is divided by the number of micro-batches
     and multiplied by loss_scale before backward, exactly as train.forward_backward does with one stage.
     Returns the mean loss on the last stage and 0 elsewhere (average_loss broadcasts the real one)."""
-    start = time.perf_counter()
     g, m = grid, len(batches)
     gpt = unwrap(model)
+    device = batches[0][0].device
+    start, start_event = time.perf_counter(), pipeline_event(device)
     # Activations and their gradients cross stage boundaries in the compute dtype, that of the weights: fp16/bf16
     # under mixed precision (half the traffic of fp32, as in Megatron), fp32 otherwise.
     dtype = next(gpt.parameters()).dtype
-    device = batches[0][0].device
     total = torch.zeros((), device=device)
 
     def buffer(i):  # receive buffer for micro-batch i's activation or its gradient: (batch, seq, hidden)
@@ -481,7 +500,7 @@ def pipeline_forward_backward(model, batches, loss_scale=1.0, forward_only=False
         for i in range(m):
             received, _ = communicate(recv_prev=activation(i))
             communicate(send_next=sendable(forward_step(i, received)))
-        pipeline_seconds["schedule"] += time.perf_counter() - start
+        pipeline_time("schedule", start, start_event, device)
         return total / m
 
     # warm-up: forwards only, until the micro-batches in flight fill the stages after this one
@@ -509,7 +528,7 @@ def pipeline_forward_backward(model, batches, loss_scale=1.0, forward_only=False
     for j in range(m - warmup, m):
         _, grad_out = communicate(recv_next=gradient(j))
         communicate(send_prev=backward_step(*in_flight.pop(0), grad_out))
-    pipeline_seconds["schedule"] += time.perf_counter() - start
+    pipeline_time("schedule", start, start_event, device)
     return total / m
 
 
