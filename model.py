@@ -48,6 +48,7 @@ class GPTConfig:
     seq_length: int = 1024  # tokens per sample
     vocab_size: int = 50257  # GPT-2 BPE; token ids in the data must be below it
     make_vocab_size_divisible_by: int = 128  # pad the vocabulary to a multiple of this x TP size
+    padded_vocab_in_softmax: bool = False  # Megatron: padding columns in the softmax (exact repro; TP sizes differ)
     hidden_dropout: float = 0.1  # dropout after attention and MLP
     attention_dropout: float = 0.1  # dropout on the attention probabilities
     embed_dropout: float | None = None  # dropout on the embeddings; None: same as hidden_dropout
@@ -509,7 +510,10 @@ class GPT(nn.Module):
             return F.linear(x, weight)
         z_loss = self.cfg.z_loss if self.training else 0.0
         # the output layer and the loss in one, never holding the (tokens x vocabulary) logits
-        loss, log_z = parallel.linear_cross_entropy(x, weight, targets, self.cfg.vocab_size, z_loss)
+        # the padding columns are left out of the softmax (every padding, so every TP size, is the same model),
+        # unless padded_vocab_in_softmax asks for Megatron's softmax over all of them (docs/lessons.md, lesson 16)
+        vocab = None if self.cfg.padded_vocab_in_softmax else self.cfg.vocab_size
+        loss, log_z = parallel.linear_cross_entropy(x, weight, targets, vocab, z_loss)
         if self.logits_probe is not None:
             self.logits_probe(log_z)
         if z_loss:

@@ -813,6 +813,17 @@ def count_zeros(model):
 # Native ZeRO stage 1: each data-parallel rank keeps the optimizer state of a shard of the parameters
 
 
+def deal_out(sizes, ranks):
+    """The rank of each of `sizes` (parameters' element counts, in model order) under native ZeRO-1: each to the
+    rank that holds the fewest elements so far (estimate.py sizes the largest rank with it)."""
+    owners, load = [], [0] * ranks
+    for size in sizes:
+        rank = load.index(min(load))
+        owners.append(rank)
+        load[rank] += size
+    return owners
+
+
 class ZeroShardedOptimizer:
     """Each DP rank builds the optimizer of its own shard of the parameters, steps it, then every rank broadcasts
     what it updated (ZeRO-1, arXiv 1910.02054). Gradients are still all-reduced in full (GradBuffer); the saving
@@ -827,11 +838,7 @@ class ZeroShardedOptimizer:
     def __init__(self, params, build):
         """params: this stage's parameters in model order; build(shard) makes the optimizer of a list of them."""
         self.params = [p for p in params if p.requires_grad]
-        self.owner, load = {}, [0] * grid.dp_size
-        for p in self.params:
-            rank = load.index(min(load))
-            self.owner[p] = rank
-            load[rank] += p.numel()
+        self.owner = dict(zip(self.params, deal_out([p.numel() for p in self.params], grid.dp_size)))
         self.optimizer = build([p for p in self.params if self.owner[p] == grid.dp_rank])
 
     def __getattr__(self, name):

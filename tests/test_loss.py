@@ -119,3 +119,21 @@ def _tp2_equals_plain_ops(z_loss):
 def test_tensor_parallel_2_equals_one_process():
     # TP 1 equals the plain ops (above); TP 2, each rank with 25152 columns (the second with the 47 padding ones)
     spawn(_tp2_equals_plain_ops, 2, 2, 1, 1e-2)
+
+
+def test_megatrons_padded_softmax_is_a_switch():
+    # padded_vocab_in_softmax: the padding columns (zero rows here: logit 0) take part in the softmax, as Megatron
+    hidden, weight, target = _inputs()
+    cfg = dict(num_layers=1, hidden_size=H, num_attention_heads=2, seq_length=6, vocab_size=V_REAL,
+               hidden_dropout=0.0, attention_dropout=0.0)
+    ours, megatron = GPT(GPTConfig(**cfg)).double(), GPT(GPTConfig(**cfg, padded_vocab_in_softmax=True)).double()
+    megatron.load_state_dict(ours.state_dict())
+    x = torch.randint(0, V_REAL, (2, 6), generator=torch.Generator().manual_seed(3))
+    logits = ours(x)
+    masked = F.cross_entropy(logits[..., :V_REAL].flatten(0, 1), x.flatten())
+    full = F.cross_entropy(logits.flatten(0, 1), x.flatten())
+    assert full > masked + 1e-6  # 47 more columns at logit 0 take some probability
+    torch.testing.assert_close(ours(x, targets=x), masked, atol=1e-12, rtol=0)
+    torch.testing.assert_close(megatron(x, targets=x), full, atol=1e-12, rtol=0)
+    megatron(x, targets=x).backward()
+    assert megatron.embed.word.weight.grad[V_REAL:].abs().max() > 0  # the padded rows learn, as Megatron's
