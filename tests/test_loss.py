@@ -137,3 +137,29 @@ def test_megatrons_padded_softmax_is_a_switch():
     torch.testing.assert_close(megatron(x, targets=x), full, atol=1e-12, rtol=0)
     megatron(x, targets=x).backward()
     assert megatron.embed.word.weight.grad[V_REAL:].abs().max() > 0  # the padded rows learn, as Megatron's
+
+
+@pytest.mark.cuda
+def test_gpt2_output_layer_peak_memory_on_cuda():
+    """gpt2_125m's micro-batch (16 x 1024 tokens, bf16): the logits path held 6 bytes per logit (4.6 GiB: bf16
+    logits and their fp32 copy); the chunked loss about 10 bytes per element of one chunk plus the hidden states'
+    fp32 gradient (~0.25 GiB)."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    hidden = torch.randn(16, 1024, 768, device="cuda", generator=g).bfloat16().requires_grad_()
+    weight = (0.02 * torch.randn(50304, 768, device="cuda", generator=g)).bfloat16().requires_grad_()
+    target = torch.randint(0, 50257, (16, 1024), device="cuda", generator=g)
+    peaks = []
+    for path in ("logits", "chunked"):
+        hidden.grad = weight.grad = None
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        if path == "logits":
+            loss, _ = parallel.vocab_parallel_cross_entropy(F.linear(hidden, weight), target, 50257)
+        else:
+            loss, _ = parallel.linear_cross_entropy(hidden, weight, target, 50257)
+        loss.mean().backward()
+        torch.cuda.synchronize()
+        peaks.append((torch.cuda.max_memory_allocated() - base) / 2**30)
+    print(f"peak above the inputs: logits path {peaks[0]:.2f} GiB, chunked {peaks[1]:.2f} GiB")
+    assert peaks[0] > 4.5 and peaks[1] < 0.5
