@@ -4,20 +4,24 @@
     python bench.py config/tiny.py --hidden_size=384 --bench_steps 20 --bench_warmup 3
     python bench.py --nproc 2 config/tiny.py --pipeline_model_parallel_size=2    # PP2 against one process, CPU
     torchrun --nproc_per_node 8 bench.py config/tr3_1b3.py        # TFLOPs and MFU are per GPU
+    python bench.py --table config/gpt2_125m.py config/tr3_1b3.py --use_bundled_corpus \
+        --pipeline_model_parallel_size=1 --global_batch_size=16    # one GPU: one table of both
 
 What is timed is what training runs: the model, optimizer and loss scaler come from train.py's own functions,
 each iteration is train.train_step, and its batches come from the training data (data_path, or the bundled
 corpus) through train.batch_prefetcher, which gathers the next iterations' batches on a background thread.
-Reported: tokens/s, ms per iteration, achieved TFLOPs by Megatron's formula (the number training logs), MFU
-against the device's peak, peak memory (rank 0's), and the data wait: the time each iteration waited for its
-batch, as a share of the iteration (next to what loading a batch costs when nobody prepared it ahead).
+Reported: tokens/s, ms per iteration, achieved TFLOPs by Megatron's formula (the number training logs, with
+activation recomputation counted as work), MFU: the model's own FLOPs (6N + attention, no recomputation;
+GPTConfig.model_flops_per_iteration) against the device's peak, peak memory (rank 0's), and the data wait: the
+time each iteration waited for its batch, as a share of the iteration (next to what loading a batch costs when
+nobody prepared it ahead). --table measures several configs in turn and prints one table of them.
 
 --nproc N starts N gloo processes on this machine (torch.multiprocessing; TP and PP sizes from the config, DP
 the rest) and, before them, one process on the same global and micro-batch size, and prints both step times
 and the speed-up. The N processes get cores/N threads each, the single one all of them. With PP > 1 it also
 prints the pipeline bubble of each stage: the time the stage spends in parallel.communicate (waiting for its
 sends and receives: mostly waiting for the neighbour, the copy itself is small on one machine) as a share of
-its time in parallel.pipeline_forward_backward (both kept in parallel.pipeline_seconds), against the ideal
+its time in parallel.pipeline_forward_backward (host seconds on the CPU, CUDA events on a GPU), against the ideal
 (p-1)/(m+p-1) of 1F1B with equal stages and free messages. Unequal stages (on CPU the last one's output layer
 dominates) add to it.
 
@@ -96,6 +100,8 @@ def parse(argv):
                         help="untimed iterations first (allocator, thread pools, torch.compile, optimizer state)")
     parser.add_argument("--nproc", type=int, default=1,
                         help="gloo processes to start here (CPU), compared with one process on the same batch")
+    parser.add_argument("--table", action="store_true",
+                        help="measure each CONFIG.py given in turn (the overrides apply to all), then print one table")
     return parser.parse_known_args(argv)  # the rest is CONFIG.py --key=value ..., exactly as train.py takes it
 
 
@@ -120,7 +126,9 @@ def measure(argv):
     if cfg.deepspeed:
         model, optimizer = deepspeed_engine.initialize(cfg, model, optimizer)
     scaler = train.build_scaler(cfg)
-    train_model = torch.compile(model) if cfg.compile else model
+    if cfg.compile:
+        parallel.unwrap(model).compile_blocks()
+    train_model = model
     model.train()
     plan = schedule.Schedule(cfg, grid.dp_size)
     train_data, _ = train.build_data(cfg, plan)
@@ -136,6 +144,7 @@ def measure(argv):
                 parallel.pipeline_seconds.update(schedule=0.0, communicate=0.0)
                 if device.type == "cuda":
                     torch.cuda.reset_peak_memory_stats(device)
+                    parallel.pipeline_events = {"schedule": [], "communicate": []}  # the host does not wait there
             timed = it >= bench.bench_warmup
             probe = recorder if recorder and timed and (it + 1 - bench.bench_warmup) % cfg.telemetry_interval == 0 \
                 else None
@@ -159,7 +168,12 @@ def measure(argv):
     sync(device)
     load = time.perf_counter() - t0
 
-    mine = (grid.pp_rank, parallel.pipeline_seconds["communicate"], parallel.pipeline_seconds["schedule"])
+    seconds = dict(parallel.pipeline_seconds)
+    if parallel.pipeline_events is not None:  # CUDA: the stream's time between the events, after the sync above
+        seconds = {kind: sum(a.elapsed_time(b) for a, b in pairs) / 1000
+                   for kind, pairs in parallel.pipeline_events.items()}
+        parallel.pipeline_events = None
+    mine = (grid.pp_rank, seconds["communicate"], seconds["schedule"])
     stages = [mine]
     if dist.is_initialized():  # each stage's time in the pipeline and in its messages, for rank 0's report
         stages = [None] * grid.world_size
@@ -170,6 +184,7 @@ def measure(argv):
     mean, best = statistics.mean(times), min(times)
     flops = gpt.flops_per_iteration(B, T)
     tflops = flops / (mean * grid.world_size * 1e12)  # per GPU, as training's log line (lesson 23)
+    model_tflops = gpt.model_flops_per_iteration(B, T) / (mean * grid.world_size * 1e12)  # without recomputation
     memory, memory_source = peak_memory(device)
     dtype = torch.float16 if cfg.fp16 else torch.bfloat16 if cfg.bf16 else torch.float32  # of the matmuls
     peak, peak_source = device_peak(device, dtype)
@@ -181,8 +196,10 @@ def measure(argv):
           f"{device}, {torch.get_num_threads()} threads\n"
           f"tokens/s:     {B * T / mean:,.1f} (best iteration {B * T / best:,.1f})\n"
           f"ms/iteration: {mean * 1000:.1f} (best {best * 1000:.1f}, stdev {statistics.pstdev(times) * 1000:.1f})\n"
-          f"TFLOPs:       {tflops:.4g} per {'GPU' if device.type == 'cuda' else 'process'} (Megatron's formula)\n"
-          f"MFU:          {100 * tflops * 1e12 / peak:.1f}% of {peak / 1e12:.4g} TFLOP/s ({peak_source})\n"
+          f"TFLOPs:       {tflops:.4g} per {'GPU' if device.type == 'cuda' else 'process'} (Megatron's formula, "
+          f"recomputation included)\n"
+          f"MFU:          {100 * model_tflops * 1e12 / peak:.1f}% of {peak / 1e12:.4g} TFLOP/s ({peak_source}): the "
+          f"model's FLOPs alone, {model_tflops:.4g} TFLOPs (6N + attention, no recomputation)\n"
           f"peak memory:  {memory / 2**20:,.0f} MiB ({memory_source})\n"
           f"data wait:    {100 * wait_share:.3f}% of the iteration ({1000 * statistics.mean(waits):.2f} ms; loading "
           f"a batch not prepared ahead takes {1000 * load:.2f} ms)", flush=True)
@@ -193,6 +210,7 @@ def measure(argv):
                   f"(medians of {len(probed)} and {len(times)}): +{100 * (recording / plain - 1):.1f}% per "
                   f"recording step, +{10 * (recording / plain - 1):.2f}% at telemetry_interval=10", flush=True)
     result = {"mean": mean, "best": best, "wait_share": wait_share, "layout": repr(grid), "stages": stages,
+              "tokens/s": B * T / mean, "TFLOPs": tflops, "MFU": model_tflops * 1e12 / peak, "memory": memory,
               "micro_batches": B // (cfg.micro_batch_size * grid.dp_size), "pp": grid.pp_size}
     if grid.pp_size > 1:
         result["bubble"] = [comm / pipe for comm, pipe in stages]
@@ -216,9 +234,24 @@ def _worker(rank, nproc, port, argv, results):
             dist.destroy_process_group()
 
 
+def table(argv):
+    """One process per configuration, one after the other, then a row each: what a GPU's note quotes."""
+    configs = [a for a in argv if a.endswith(".py")]
+    others = [a for a in argv if not a.endswith(".py") and a != "--table"]
+    rows = [(name, measure([name, *others])) for name in configs]
+    print("\n| config | tokens/s | TFLOPs (Megatron) | MFU (model FLOPs) | peak memory |\n"
+          "| --- | ---: | ---: | ---: | ---: |")
+    for name, r in rows:
+        print(f"| {os.path.basename(name)[:-3]} | {r['tokens/s']:,.0f} | {r['TFLOPs']:.1f} | {100 * r['MFU']:.1f}% | "
+              f"{r['memory'] / 2**30:.1f} GiB |")
+    return rows
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     bench, rest = parse(argv)
+    if bench.table:
+        return table(argv)
     if bench.nproc <= 1:
         return measure(argv)
     print("-- 1 process, the same global batch", flush=True)

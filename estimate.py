@@ -34,7 +34,7 @@ def dry_run(cfg, world_size=None, file=None):
     dp = world // (tp * pp)
     arguments.prepare(cfg, world, reads_data=False)  # a layout that cannot train is refused here too
     partition = parallel.partition_layers(cfg.num_layers, pp, cfg.pp_partition_method)
-    model_cfg, stages = GPTConfig.from_config(cfg), []
+    model_cfg, stages, largest_shard = GPTConfig.from_config(cfg), [], []
     for stage in range(pp):
         paper = parallel.Grid(tp, pp, world_size=world, rank=stage * dp * tp)  # TP rank 0 of this stage
         with torch.device("meta"):
@@ -44,6 +44,10 @@ def dry_run(cfg, world_size=None, file=None):
         full = sum(p.numel() * (tp if getattr(p, "tp_dim", None) is not None else 1)
                    for p in gpt.parameters() if p is not gpt.output_weight)
         stages.append((gpu, full))
+        # native ZeRO-1 deals out whole parameters: the DP rank with the most elements of optimizer state
+        sizes = [p.numel() for p in gpt.parameters() if p.requires_grad]
+        owners = parallel.deal_out(sizes, dp)
+        largest_shard.append(max(sum(n for n, r in zip(sizes, owners) if r == rank) for rank in range(dp)))
     padded_vocab = model_cfg.padded_vocab_size
     padded_total, params = sum(full for _, full in stages), model_cfg.num_parameters()
 
@@ -68,7 +72,13 @@ def dry_run(cfg, world_size=None, file=None):
     path = "DeepSpeed" if cfg.deepspeed else "native"
 
     def model_states(zero):
-        return gpu_params * sum(bytes_per_parameter(precision, zero, dp, cfg.deepspeed).values())
+        """Of the GPU that needs the most: with native ZeRO-1 the rank holding the most optimizer state (whole
+        parameters are dealt out: tr11's embedding shard makes its rank the largest), else the largest stage."""
+        if zero == 0 or cfg.deepspeed:  # DeepSpeed partitions a flat buffer evenly
+            return gpu_params * sum(bytes_per_parameter(precision, zero, dp, cfg.deepspeed).values())
+        whole = bytes_per_parameter(precision, 0, dp)
+        return max(gpu * (whole["weights"] + whole["gradients"]) + shard * whole["optimizer"]
+                   for (gpu, _), shard in zip(stages, largest_shard))
 
     per_param = (2 + 4 if mixed else 4) + 8 + 4  # lesson 16's textbook count: weights (+ master), Adam, gradients
     say(f"model states of the whole model without ZeRO: {per_param} B x {params / 1e9:.2f}B = "
@@ -78,7 +88,10 @@ def dry_run(cfg, world_size=None, file=None):
     for zero in (0, 1, 2) if cfg.deepspeed else (0, 1):
         parts = bytes_per_parameter(precision, zero, dp, cfg.deepspeed)
         mark = "  <- configured" if zero == cfg.zero_stage else ""
-        say(f"  ZeRO-{zero} over DP={dp}: {model_states(zero) / GiB:8.2f} GiB = "
+        even = gpu_params * sum(parts.values())
+        uneven = "" if abs(model_states(zero) - even) < 0.005 * GiB else \
+            f" on the largest rank (an even share would be {even / GiB:.2f} GiB)"
+        say(f"  ZeRO-{zero} over DP={dp}: {model_states(zero) / GiB:8.2f} GiB{uneven} = "
             + " + ".join(f"{v:.3g} ({k})" for k, v in parts.items()) + f" B/param{mark}")
 
     s, b, h, a = cfg.seq_length, cfg.micro_batch_size, cfg.hidden_size, cfg.num_attention_heads

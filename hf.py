@@ -51,7 +51,7 @@ GPT2_ACTIVATIONS_IN = {**{v: k for k, v in GPT2_ACTIVATIONS.items()}, "gelu_pyto
 # GPTConfig fields neither class needs to express: training only, or the same function in exact arithmetic
 NOT_MAPPED = {"hidden_dropout", "attention_dropout", "embed_dropout", "init_method_std", "embed_init",
               "embed_init_std", "position_embedding_init", "checkpoint_activations", "make_vocab_size_divisible_by",
-              "apply_query_key_layer_scaling", "stable_attention", "tensor_model_parallel_size",
+              "apply_query_key_layer_scaling", "stable_attention", "unfused_attention", "tensor_model_parallel_size",
               "z_loss"}  # a term of the training loss only
 MAPPED = {"activation", *FIXED["gpt2"], *CONFIG["gpt2"], *CONFIG["bloom"]}
 

@@ -48,6 +48,7 @@ class GPTConfig:
     seq_length: int = 1024  # tokens per sample
     vocab_size: int = 50257  # GPT-2 BPE; token ids in the data must be below it
     make_vocab_size_divisible_by: int = 128  # pad the vocabulary to a multiple of this x TP size
+    padded_vocab_in_softmax: bool = False  # Megatron: padding columns in the softmax (exact repro; TP sizes differ)
     hidden_dropout: float = 0.1  # dropout after attention and MLP
     attention_dropout: float = 0.1  # dropout on the attention probabilities
     embed_dropout: float | None = None  # dropout on the embeddings; None: same as hidden_dropout
@@ -63,6 +64,7 @@ class GPTConfig:
     position_embedding_init: str = "normal"  # normal | sinusoidal
     scale_embeddings: bool = False  # multiply the word embeddings by sqrt(hidden_size)
     apply_query_key_layer_scaling: bool | None = None  # scale attention scores by 1/layer number; None: on with fp16
+    unfused_attention: bool = False  # Megatron's explicit attention (B*H*T^2 scores): bit-level repro of 2021 runs
     stable_attention: bool = False  # scale q and k each by head_size^-1/4 before their product
     qk_layernorm: bool = False  # LayerNorm over head_dim on each head's q and k before q k^T (lesson 20)
     z_loss: float = 0.0  # PaLM's auxiliary loss: z_loss * mean of log(Z)^2 of the output softmax (1e-4; lesson 20)
@@ -100,6 +102,15 @@ class GPTConfig:
         n, h, v = self.num_layers, self.hidden_size, self.padded_vocab_size
         dense = 2 * census(self)["block matmul weights"]
         return f * batch * seqlen * dense * (1 + seqlen / (6 * h) + v / (16 * n * h))
+
+    def model_flops_per_iteration(self, batch, seqlen):
+        """The model's own FLOPs, what MFU divides (PaLM's 6N + 12 n h s per token): forward and backward of every
+        matmul weight once, the output layer's full vocabulary included (vocab_size: the loss computes no padding
+        columns), plus q k^T and its product with v over the whole s x s (as the kernels compute it). No
+        recomputation: neither activation checkpointing's nor the loss's second pass over the output layer."""
+        n, h = self.num_layers, self.hidden_size
+        weights = census(self)["block matmul weights"] + self.vocab_size * h
+        return batch * seqlen * (6 * weights + 12 * n * h * seqlen)
 
     def check(self, tp_size=None):
         """Every rule a model config must follow, with its fix: here once, asked by GPT and by arguments.validate
@@ -196,32 +207,32 @@ def apply_rotary(x, cos, sin):
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
-def core_attention(q, k, v, dropout_p=0.0, stable=False, layer_scaling=None, bias=None):
+def core_attention(q, k, v, dropout_p=0.0, stable=False, layer_scaling=None, bias=None, unfused=False):
     """Causal softmax(q k^T / sqrt(d) + bias) v with the softmax in fp32; q, k, v are (batch, heads, seq,
-    head_dim), bias (heads, seq, seq) is ALiBi's (alibi_bias, causal mask included) or None.
+    head_dim), bias (heads, seq, seq) is ALiBi's (alibi_bias, causal mask included, in q's dtype) or None.
 
-    Fused (scaled_dot_product_attention) unless layer_scaling is given, which is Megatron's
-    apply_query_key_layer_scaling: scores are computed scaled down by the layer number and scaled back up in
-    fp32 inside the softmax, which only the unfused path can express. stable=True is the "stable" variant of
-    the 104B chronicle: q and k are each multiplied by d^-1/4 before their product, with no later scaling.
-    In exact arithmetic all variants are the same function; in fp16 they round differently. With a bias the
-    fused path passes it as SDPA's float attn_mask in the input dtype (no flash kernel takes an arbitrary bias;
-    the memory-efficient one does); the unfused path adds it in fp32 to the scores scaled back up.
+    Every variant goes through scaled_dot_product_attention: on CUDA the flash kernel (no bias) or the
+    memory-efficient one (ALiBi's bias; no flash kernel takes an arbitrary bias), neither of which materialises
+    the B*H*T^2 scores. stable=True is the "stable" variant of the 104B chronicle: q and k each multiplied by
+    d^-1/4 before their product, with no later scaling. layer_scaling (Megatron's apply_query_key_layer_scaling)
+    is the same function in exact arithmetic: it scales the fp16 scores down by the layer number so that they
+    cannot overflow before the fp32 softmax scales them back up, and the fused kernels accumulate q k^T in fp32,
+    where that overflow cannot happen; so it changes nothing here. unfused=True (config unfused_attention)
+    takes Megatron's explicit path instead, which rounds as the 2021 runs did (unfused_attention).
     """
-    head_dim = q.shape[-1]
-    if layer_scaling is None:
-        mask = None if bias is None else bias.to(q.dtype)
-        scale = None
-        if stable:
-            s = head_dim ** -0.25
-            q, k, scale = q * s, k * s, 1.0
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=mask is None,
-                                              scale=scale)
-    return unfused_attention(q, k, v, dropout_p, stable, layer_scaling, bias)
+    if unfused:
+        return unfused_attention(q, k, v, dropout_p, stable, layer_scaling, bias)
+    scale = None
+    if stable:
+        s = q.shape[-1] ** -0.25
+        q, k, scale = q * s, k * s, 1.0
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout_p, is_causal=bias is None,
+                                          scale=scale)
 
 
 def unfused_attention(q, k, v, dropout_p=0.0, stable=False, layer_scaling=None, bias=None):
-    """Megatron's explicit path: baddbmm in the input dtype, softmax in fp32 (also the reference for SDPA)."""
+    """Megatron's explicit path: baddbmm in the input dtype, softmax in fp32 over the whole B*H*T^2 scores; the
+    reference for SDPA, and what config unfused_attention runs. bias is added in fp32 (any dtype is taken)."""
     B, H, T, D = q.shape
     coeff = layer_scaling or 1.0
     norm_factor = math.sqrt(D) * coeff
@@ -250,6 +261,7 @@ class Attention(nn.Module):
         h, heads = cfg.hidden_size, cfg.num_attention_heads
         self.head_dim = h // heads
         self.local_heads = parallel.divide(heads, grid.tp_size, "num_attention_heads")
+        self.tp_size = grid.tp_size
         # One fused projection laid out head by head ([heads, 3, head_dim] as in Megatron), so that a contiguous
         # TP slice of the output features is a set of whole heads.
         self.qkv = ColumnParallelLinear(h, 3 * h, grid=grid)
@@ -271,6 +283,7 @@ class Attention(nn.Module):
         self.dropout = cfg.attention_dropout
         self.stable = cfg.stable_attention
         self.layer_scaling = float(layer_number) if cfg.apply_query_key_layer_scaling else None
+        self.unfused = cfg.unfused_attention
         self.probe = None  # telemetry.py sets it on the iterations it records: probe(q, k)
 
     def forward(self, x, bias=None, rotary=None):
@@ -284,9 +297,11 @@ class Attention(nn.Module):
         if self.probe is not None:  # the softmax's q and k (after qk-layernorm and rotary; not ALiBi's bias)
             self.probe(q, k)
         dropout = self.dropout if self.training else 0.0
-        # this rank's heads only: their dropout masks come from the model-parallel stream (lesson 22)
-        with rng.fork(x.device) if dropout else contextlib.nullcontext():
-            y = core_attention(q, k, v, dropout, self.stable, self.layer_scaling, bias)
+        # this rank's heads only: with TP their dropout masks come from the model-parallel stream (lesson 22), so
+        # that the heads of different ranks do not share masks. With one TP rank there is nothing to tell apart:
+        # the default stream, and no generator swap that torch.compile cannot trace (one graph per block).
+        with rng.fork(x.device) if dropout and self.tp_size > 1 else contextlib.nullcontext():
+            y = core_attention(q, k, v, dropout, self.stable, self.layer_scaling, bias, self.unfused)
         if self.head_scale is not None:
             y = y * self.head_scale.view(1, -1, 1, 1)
         return self.proj(y.transpose(1, 2).reshape(B, T, self.local_heads * self.head_dim))
@@ -392,6 +407,8 @@ class GPT(nn.Module):
     tensor_model_parallel_size, which may differ from the grid's (a TP=4 model gathered into one process).
     seed: of the initial weights (init_weights), drawn on the CPU whatever the device the model is built on."""
 
+    positions_cache = (None, None)  # ((T, dtype, device), what positions() returns for them); see positions()
+
     def __init__(self, cfg: GPTConfig, layers=None, pre_process=True, post_process=True, grid=None, seed=1234):
         super().__init__()
         grid = parallel.grid if grid is None else grid
@@ -416,7 +433,7 @@ class GPT(nn.Module):
                                                           cfg.hidden_size))
             self.output_weight.tp_dim = 0
             self.output_weight.init_name = "embed.word.weight"
-        self.logits_probe = None  # telemetry.py sets it on the iterations it records: logits_probe(logits)
+        self.logits_probe = None  # telemetry.py sets it on the iterations it records: logits_probe(log Z per token)
         self.init_weights(seed)  # once, here (nothing is drawn for a model built on the meta device)
 
     def word_embedding_weight(self):
@@ -456,14 +473,16 @@ class GPT(nn.Module):
                 # Only the real rows are drawn (xavier's bound counts them, not the padding), and the padded rows
                 # are zeros: every padding, hence every TP size, starts from the same model. Padded rows are
                 # never looked up and are masked out of the softmax, so they get no gradient and stay zero.
-                bound = math.sqrt(6.0 / (cfg.vocab_size + full_shape[1]))  # bitsandbytes StableEmbedding's xavier
+                # Megatron's softmax over the padding (padded_vocab_in_softmax) draws every row, as Megatron does.
+                rows = full_shape[0] if cfg.padded_vocab_in_softmax else cfg.vocab_size
+                bound = math.sqrt(6.0 / (rows + full_shape[1]))  # bitsandbytes StableEmbedding's xavier
                 std = cfg.std if cfg.embed_init_std is None else cfg.embed_init_std
 
                 def draw(t):
                     if cfg.embed_init == "xavier_uniform":
                         return t.uniform_(-bound, bound, generator=gen)
                     return t.normal_(0.0, std, generator=gen)
-                draw_slice(p, full_shape, tp_dim, self.grid.tp_rank, draw, rows=cfg.vocab_size)
+                draw_slice(p, full_shape, tp_dim, self.grid.tp_rank, draw, rows=rows)
             elif name == "embed.position.weight" and cfg.position_embedding_init == "sinusoidal":
                 p.copy_(parallel.shard(sinusoidal_positions(*full_shape), tp_dim, self.grid))
             else:
@@ -477,7 +496,7 @@ class GPT(nn.Module):
 
         Returns hidden states on a non-last stage; on the last, the mean lm loss if targets are given, otherwise
         this TP rank's slice of the logits. In training with z_loss > 0 the lm loss's gradient includes the
-        z-loss (parallel.vocab_parallel_cross_entropy), whose value is kept for pop_z_loss(); evaluation
+        z-loss (parallel.linear_cross_entropy), whose value is kept for pop_z_loss(); evaluation
         reports the lm loss alone."""
         if self.pre_process:
             x = self.embed(x)
@@ -489,14 +508,17 @@ class GPT(nn.Module):
                 x = block(x, bias, rotary)
         if not self.post_process:
             return x
-        x = self.ln_f(x)
-        logits = F.linear(parallel.copy_to_tp(x), self.word_embedding_weight())
-        if self.logits_probe is not None:
-            self.logits_probe(logits)
+        x, weight = parallel.copy_to_tp(self.ln_f(x)), self.word_embedding_weight()
         if targets is None:
-            return logits
+            return F.linear(x, weight)
         z_loss = self.cfg.z_loss if self.training else 0.0
-        loss, log_z = parallel.vocab_parallel_cross_entropy(logits, targets, self.cfg.vocab_size, z_loss)
+        # the output layer and the loss in one, never holding the (tokens x vocabulary) logits
+        # the padding columns are left out of the softmax (every padding, so every TP size, is the same model),
+        # unless padded_vocab_in_softmax asks for Megatron's softmax over all of them (docs/lessons.md, lesson 16)
+        vocab = None if self.cfg.padded_vocab_in_softmax else self.cfg.vocab_size
+        loss, log_z = parallel.linear_cross_entropy(x, weight, targets, vocab, z_loss)
+        if self.logits_probe is not None:
+            self.logits_probe(log_z)
         if z_loss:
             self.z_loss_sum = self.z_loss_sum + z_loss * log_z.square().mean()  # stays on the device: no sync
             self.z_loss_count += 1
@@ -504,14 +526,33 @@ class GPT(nn.Module):
 
     def positions(self, x):
         """(ALiBi's bias, rotary's (cos, sin)) for every layer's attention, None where the type has none (learned
-        positions are added to the embeddings). Built once per forward, fp32 at least (fp64 for an fp64 model)."""
-        dtype, T = torch.promote_types(x.dtype, torch.float32), x.shape[1]
+        positions are added to the embeddings). Built once per sequence length, dtype and device, in fp32 at least
+        (fp64 for an fp64 model), then cast once to the compute dtype, in which every layer uses them (the
+        explicit attention path takes ALiBi's bias in fp32); the last one is kept, so a curriculum's new length
+        frees the old (H, T, T) bias."""
+        key = (x.shape[1], x.dtype, x.device)
+        if self.positions_cache[0] != key:
+            self.positions_cache = (key, self.build_positions(*key))
+        return self.positions_cache[1]
+
+    def build_positions(self, T, compute_dtype, device):
+        dtype = torch.promote_types(compute_dtype, torch.float32)
         if self.alibi_heads is not None:
-            slopes = alibi_slopes(self.cfg.num_attention_heads, self.alibi_heads, x.device)
-            return alibi_bias(slopes, T, dtype, x.device), None
+            slopes = alibi_slopes(self.cfg.num_attention_heads, self.alibi_heads, device)
+            bias = alibi_bias(slopes, T, dtype, device)
+            return (bias if self.cfg.unfused_attention else bias.to(compute_dtype)), None
         if self.cfg.position_embedding_type == "rotary":
-            return None, rotary_cos_sin(T, self.cfg.hidden_size // self.cfg.num_attention_heads, dtype, x.device)
+            cos, sin = rotary_cos_sin(T, self.cfg.hidden_size // self.cfg.num_attention_heads, dtype, device)
+            return None, (cos.to(compute_dtype), sin.to(compute_dtype))
         return None, None
+
+    def compile_blocks(self, **kwargs):
+        """torch.compile each block in place (config compile): one graph per layer, reused by every layer of the
+        same shapes, with activation checkpointing and the pipeline schedule outside the compiled region (so its
+        recomputation replays the dropout masks as in eager mode). kwargs go to torch.compile (a backend)."""
+        for block in self.blocks.values():
+            block.compile(**kwargs)
+        return self
 
     def pop_z_loss(self):
         """Mean z-loss of the training micro-batches since the last call (a 0-dim tensor; 0 on a stage without

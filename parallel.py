@@ -323,6 +323,86 @@ def vocab_parallel_cross_entropy(logits, target, vocab_size=None, z_loss=0.0):
     return _VocabParallelCrossEntropy.apply(logits, target, vocab_size, z_loss)
 
 
+# Elements of the (tokens x columns) fp32 logits that linear_cross_entropy holds at once: on CUDA 64 MiB chunks
+# (gpt2_125m's micro-batch: 49 chunks of 1024 columns, each matmul long enough to hide a dozen kernel launches),
+# on the CPU chunks under glibc's largest mmap threshold (32 MiB), so that the allocator reuses their pages
+# instead of faulting fresh ones in for every chunk.
+CROSS_ENTROPY_CHUNK = {"cuda": 2**24, "cpu": 2**22}
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """The output layer and the vocab-parallel cross-entropy in one, a chunk of this rank's vocabulary at a time,
+    so that the (tokens x vocabulary) logits never exist: each chunk's logits are computed (in the compute
+    dtype, as F.linear), taken to fp32 for an online log-sum-exp and the target's logit, and freed; backward
+    computes them again, chunk by chunk, as softmax - onehot, and turns them into this chunk's rows of the
+    weight's gradient (exact: no accumulation) and a share of the hidden states' (summed in fp32). The price is
+    one more (tokens x hidden x vocabulary) matmul in backward.
+
+    Padding columns (ids >= vocab_size) are not computed at all: no probability, no gradient (their weight rows'
+    gradient is zero), the same function whatever the padding, hence whatever the TP size. With TP each rank's
+    log-sum-exp is combined by two all-reduces (max, then sum of exp), and the target's logit by a third.
+    z_loss as vocab_parallel_cross_entropy: softmax * (1 + 2 * z_loss * log Z) - onehot in the gradient."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, target, vocab_size, z_loss, columns):
+        dtype = torch.promote_types(hidden.dtype, torch.float32)  # fp32 at least (fp64 stays fp64)
+        vocab_local = weight.shape[0]
+        real = min(max(vocab_size - grid.tp_rank * vocab_local, 0), vocab_local)  # my columns that are tokens
+        local = target - grid.tp_rank * vocab_local
+        outside = (local < 0) | (local >= real)
+        local = local.masked_fill(outside, 0)
+        lse = hidden.new_full(target.shape, float("-inf"), dtype=dtype)
+        target_logit = hidden.new_zeros(target.shape, dtype=dtype)
+        for start in range(0, real, columns):
+            logits = F.linear(hidden, weight[start:min(start + columns, real)]).to(dtype)
+            lse = torch.logaddexp(lse, logits.logsumexp(dim=-1))
+            mine = ~outside & (local >= start) & (local < start + logits.shape[-1])
+            at = (local - start).clamp(0, logits.shape[-1] - 1).unsqueeze(-1)
+            target_logit += torch.where(mine, logits.gather(-1, at).squeeze(-1), 0.0)
+        if grid.tp_size > 1:
+            top = lse.clone()
+            dist.all_reduce(top, op=dist.ReduceOp.MAX, group=grid.tp_group)
+            total = (lse - top).exp()
+            dist.all_reduce(total, group=grid.tp_group)
+            dist.all_reduce(target_logit, group=grid.tp_group)
+            lse = top + total.log()
+        ctx.save_for_backward(hidden, weight, local, outside, lse)
+        ctx.real, ctx.z_loss, ctx.columns = real, z_loss, columns
+        ctx.mark_non_differentiable(lse)
+        return lse - target_logit, lse
+
+    @staticmethod
+    def backward(ctx, grad, _grad_log_z):
+        hidden, weight, local, outside, lse = ctx.saved_tensors
+        scale = (grad * (1.0 + 2.0 * ctx.z_loss * lse) if ctx.z_loss else grad).unsqueeze(-1)
+        grad_hidden = torch.zeros(hidden.shape, dtype=lse.dtype, device=hidden.device)
+        grad_weight = torch.zeros_like(weight)  # padding rows: none
+        for start in range(0, ctx.real, ctx.columns):
+            w = weight[start:min(start + ctx.columns, ctx.real)]
+            softmax = F.linear(hidden, w).to(lse.dtype).sub_(lse.unsqueeze(-1)).exp_()
+            mine = ~outside & (local >= start) & (local < start + w.shape[0])
+            at = (local - start).clamp(0, w.shape[0] - 1).unsqueeze(-1)
+            # d/dlogits of (lse - target logit) * grad, plus the z-loss's share: softmax * scale - onehot * grad
+            g = softmax.mul_(scale).scatter_add_(-1, at, -(grad * mine).unsqueeze(-1).to(softmax.dtype))
+            g = g.to(hidden.dtype)
+            grad_weight[start:start + w.shape[0]] = g.flatten(0, -2).t() @ hidden.flatten(0, -2)
+            grad_hidden += g @ w
+        return grad_hidden.to(hidden.dtype), grad_weight, None, None, None, None
+
+
+def linear_cross_entropy(hidden, weight, target, vocab_size=None, z_loss=0.0):
+    """(per-token loss, per-token log Z) of the logits hidden @ weight^T, weight this rank's vocabulary slice of
+    the output layer, as vocab_parallel_cross_entropy(F.linear(hidden, weight), ...) computes them to fp32
+    rounding, without the logits (_LinearCrossEntropy): a chunk of columns at a time, at most
+    CROSS_ENTROPY_CHUNK fp32 elements of it. vocab_size=None: every column is a token (no padding mask)."""
+    vocab_local = weight.shape[0]
+    if vocab_size is None:
+        vocab_size = vocab_local * grid.tp_size
+    tokens = target.numel()
+    columns = max(64, CROSS_ENTROPY_CHUNK["cuda" if hidden.is_cuda else "cpu"] // max(tokens, 1))
+    return _LinearCrossEntropy.apply(hidden, weight, target, vocab_size, z_loss, columns)
+
+
 def unwrap(model):
     """The GPT stage inside a DeepSpeed engine (or the model itself)."""
     return getattr(model, "module", model)
@@ -341,8 +421,26 @@ def backward(out, grad=None):
 # the curriculum changes from step to step -- and only the tensor itself travels.
 
 # Host seconds this process spent in the 1F1B schedule and, inside it, in communicate(): posting the messages
-# and waiting for the neighbouring stages. bench.py reads them as each stage's pipeline bubble.
+# and waiting for the neighbouring stages. bench.py reads them as each stage's pipeline bubble. On CUDA the host
+# does not wait (NCCL's wait() makes the stream wait), so bench.py sets pipeline_events to {"schedule": [],
+# "communicate": []} and gets (start, end) CUDA events on the current stream of each, to read after a sync.
 pipeline_seconds = {"schedule": 0.0, "communicate": 0.0}
+pipeline_events = None
+
+
+def pipeline_event(device):
+    """A CUDA event recorded now on the current stream, when bench.py collects them; else None."""
+    if pipeline_events is None or torch.device(device).type != "cuda":
+        return None
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
+
+
+def pipeline_time(kind, start, start_event, device):
+    pipeline_seconds[kind] += time.perf_counter() - start
+    if start_event is not None:
+        pipeline_events[kind].append((start_event, pipeline_event(device)))
 
 
 def communicate(send_next=None, send_prev=None, recv_prev=None, recv_next=None):
@@ -356,10 +454,11 @@ def communicate(send_next=None, send_prev=None, recv_prev=None, recv_next=None):
         (dist.isend, send_next, grid.next_rank), (dist.isend, send_prev, grid.prev_rank),
         (dist.irecv, recv_prev, grid.prev_rank), (dist.irecv, recv_next, grid.next_rank)) if tensor is not None]
     if ops:
-        start = time.perf_counter()
+        device = ops[0].tensor.device
+        start, start_event = time.perf_counter(), pipeline_event(device)
         for request in dist.batch_isend_irecv(ops):
             request.wait()
-        pipeline_seconds["communicate"] += time.perf_counter() - start
+        pipeline_time("communicate", start, start_event, device)
     return recv_prev, recv_next
 
 
@@ -371,13 +470,13 @@ def pipeline_forward_backward(model, batches, loss_scale=1.0, forward_only=False
     (PipeDream-Flush, arXiv 2104.04473). Each micro-batch's loss is divided by the number of micro-batches
     and multiplied by loss_scale before backward, exactly as train.forward_backward does with one stage.
     Returns the mean loss on the last stage and 0 elsewhere (average_loss broadcasts the real one)."""
-    start = time.perf_counter()
     g, m = grid, len(batches)
     gpt = unwrap(model)
+    device = batches[0][0].device
+    start, start_event = time.perf_counter(), pipeline_event(device)
     # Activations and their gradients cross stage boundaries in the compute dtype, that of the weights: fp16/bf16
     # under mixed precision (half the traffic of fp32, as in Megatron), fp32 otherwise.
     dtype = next(gpt.parameters()).dtype
-    device = batches[0][0].device
     total = torch.zeros((), device=device)
 
     def buffer(i):  # receive buffer for micro-batch i's activation or its gradient: (batch, seq, hidden)
@@ -411,7 +510,7 @@ def pipeline_forward_backward(model, batches, loss_scale=1.0, forward_only=False
         for i in range(m):
             received, _ = communicate(recv_prev=activation(i))
             communicate(send_next=sendable(forward_step(i, received)))
-        pipeline_seconds["schedule"] += time.perf_counter() - start
+        pipeline_time("schedule", start, start_event, device)
         return total / m
 
     # warm-up: forwards only, until the micro-batches in flight fill the stages after this one
@@ -439,7 +538,7 @@ def pipeline_forward_backward(model, batches, loss_scale=1.0, forward_only=False
     for j in range(m - warmup, m):
         _, grad_out = communicate(recv_next=gradient(j))
         communicate(send_prev=backward_step(*in_flight.pop(0), grad_out))
-    pipeline_seconds["schedule"] += time.perf_counter() - start
+    pipeline_time("schedule", start, start_event, device)
     return total / m
 
 
@@ -725,6 +824,17 @@ def count_zeros(model):
 # Native ZeRO stage 1: each data-parallel rank keeps the optimizer state of a shard of the parameters
 
 
+def deal_out(sizes, ranks):
+    """The rank of each of `sizes` (parameters' element counts, in model order) under native ZeRO-1: each to the
+    rank that holds the fewest elements so far (estimate.py sizes the largest rank with it)."""
+    owners, load = [], [0] * ranks
+    for size in sizes:
+        rank = load.index(min(load))
+        owners.append(rank)
+        load[rank] += size
+    return owners
+
+
 class ZeroShardedOptimizer:
     """Each DP rank builds the optimizer of its own shard of the parameters, steps it, then every rank broadcasts
     what it updated (ZeRO-1, arXiv 1910.02054). Gradients are still all-reduced in full (GradBuffer); the saving
@@ -739,11 +849,7 @@ class ZeroShardedOptimizer:
     def __init__(self, params, build):
         """params: this stage's parameters in model order; build(shard) makes the optimizer of a list of them."""
         self.params = [p for p in params if p.requires_grad]
-        self.owner, load = {}, [0] * grid.dp_size
-        for p in self.params:
-            rank = load.index(min(load))
-            self.owner[p] = rank
-            load[rank] += p.numel()
+        self.owner = dict(zip(self.params, deal_out([p.numel() for p in self.params], grid.dp_size)))
         self.optimizer = build([p for p in self.params if self.owner[p] == grid.dp_rank])
 
     def __getattr__(self, name):

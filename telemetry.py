@@ -101,18 +101,9 @@ class Telemetry:
             self.attn[layer] = torch.maximum(self.attn[layer], scores.amax())
 
     @torch.no_grad()
-    def _logits(self, logits):
-        g = parallel.grid
-        # this rank's slice of the vocabulary without the padding columns, which the softmax leaves out too
-        real = min(max(self.vocab_size - g.tp_rank * logits.shape[-1], 0), logits.shape[-1])
-        lse = torch.logsumexp(logits.detach()[..., :real].float(), dim=-1)
-        if g.tp_size > 1:  # this rank holds a slice of the vocabulary: combine the slices' log-sum-exps
-            top = lse.clone()
-            dist.all_reduce(top, op=dist.ReduceOp.MAX, group=g.tp_group)
-            total = (lse - top).exp()
-            dist.all_reduce(total, group=g.tp_group)
-            lse = top + total.log()
-        if g.tp_rank == 0:
+    def _logits(self, lse):
+        # log Z per token of the output softmax (padding left out), combined over TP by the loss itself
+        if parallel.grid.tp_rank == 0:
             self.logz[0] += lse.sum()
             self.logz[1] += lse.numel()
             self.logz[2] = torch.maximum(self.logz[2], lse.max())

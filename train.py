@@ -84,7 +84,9 @@ def run(cfg, grid, exit_signal, writer=None):
     if cfg.load:
         run_state.load(parts)
     state, guard = parts.state, parts.guard
-    train_model = torch.compile(parts.model) if cfg.compile else parts.model
+    if cfg.compile:  # each block one graph, activation checkpointing outside it (model.GPT.compile_blocks)
+        parallel.unwrap(parts.model).compile_blocks()
+    train_model = parts.model
     if cfg.eval_only:
         if valid_data is None:
             raise ValueError(f"eval_only: no validation data (split {cfg.split!r}, eval_iters "

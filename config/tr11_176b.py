@@ -14,7 +14,8 @@
 #   which copies TP rank 0's weights, fp32 masters and Adam moments over where they differ, every 100 iterations
 #   (just before the periodic save).
 # - ZeRO: the script says stage 0, but its BF16_Optimizer sharded the fp32 master weights and Adam moments over DP:
-#   ZeRO-1 (the dry run: 66.8 GiB of model states per GPU without, 27.8 GiB with).
+#   ZeRO-1 (the dry run: 66.8 GiB of model states per GPU without, 32.3 GiB with on the rank holding the
+#   embedding's shard, 27.8 GiB an even share).
 # - data: separate weighted train and valid paths of the ROOTS catalogue (29 validation sets, one batch each per
 #   evaluation); here one data_path blend split by `split`. --kill-switch-path: SIGTERM with exit_signal_handler.
 num_layers = 70

@@ -408,7 +408,7 @@ def _qkv(dtype=torch.float64, B=2, H=3, T=24, D=16, seed=0):
 ATTENTION_VARIANTS = {
     "fused": lambda q, k, v: core_attention(q, k, v),
     "fused_stable": lambda q, k, v: core_attention(q, k, v, stable=True),
-    "core_layer_scaling": lambda q, k, v: core_attention(q, k, v, stable=True, layer_scaling=5.0),
+    "core_unfused_layer_scaling": lambda q, k, v: core_attention(q, k, v, stable=True, layer_scaling=5.0, unfused=True),
     "unfused": lambda q, k, v: unfused_attention(q, k, v),
     "unfused_stable": lambda q, k, v: unfused_attention(q, k, v, stable=True),
     "unfused_layer_scaling": lambda q, k, v: unfused_attention(q, k, v, layer_scaling=3.0),
@@ -475,11 +475,13 @@ def test_model_with_attention_switches_computes_the_same_function_in_float64(swi
         torch.testing.assert_close(other(ids, targets=ids), base(ids, targets=ids), atol=1e-6, rtol=1e-6)
 
 
-def test_layer_scaling_takes_the_unfused_path():
-    # Only the explicit path can scale the scores down and back up (Megatron); core_attention must route there.
+def test_layer_scaling_is_fused_unless_unfused_is_asked():
+    # Fused kernels accumulate q k^T in fp32: layer scaling changes nothing there. unfused=True is Megatron's path.
     q, k, v = _qkv(_half_dtype(), T=64, D=64)
     for stable in (False, True):
-        assert torch.equal(core_attention(q, k, v, stable=stable, layer_scaling=3.0),
+        fused = core_attention(q, k, v, stable=stable)
+        assert torch.equal(core_attention(q, k, v, stable=stable, layer_scaling=3.0), fused)
+        assert torch.equal(core_attention(q, k, v, stable=stable, layer_scaling=3.0, unfused=True),
                            unfused_attention(q, k, v, stable=stable, layer_scaling=3.0))
 
 

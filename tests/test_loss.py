@@ -1,0 +1,167 @@
+"""parallel.linear_cross_entropy: the output layer and the vocab-parallel cross-entropy without the logits.
+Against the plain ops (F.linear, F.cross_entropy, autograd of the z-loss) in float64 with the real GPT-2
+vocabulary (50257, padded), under TP 1 and TP 2; against today's logits path in the model; and never holding a
+(tokens x vocabulary) tensor."""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import parallel
+from helpers import spawn
+from model import GPT, GPTConfig
+
+V_REAL, V_PADDED, H = 50257, 50304, 16
+
+
+def _inputs(dtype=torch.float64, B=2, T=6, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(B, T, H, generator=g, dtype=torch.float64).to(dtype)
+    weight = (0.5 * torch.randn(V_PADDED, H, generator=g, dtype=torch.float64)).to(dtype)
+    weight[V_REAL:] = 0.0  # the model's padded rows
+    target = torch.randint(0, V_REAL, (B, T), generator=g)
+    target[0, 0], target[-1, -1] = 0, V_REAL - 1  # the first and last real columns
+    return hidden, weight, target
+
+
+def _reference(hidden, weight, target, z_loss, weights):
+    """Plain ops on the real columns: (loss, log Z, grad of hidden, grad of weight) of sum(weights * (ce + z))."""
+    hidden, weight = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    logits = F.linear(hidden, weight)[..., :V_REAL]
+    ce = F.cross_entropy(logits.flatten(0, 1), target.flatten(), reduction="none").view(target.shape)
+    log_z = logits.logsumexp(dim=-1)
+    (weights * (ce + z_loss * log_z.square())).sum().backward()
+    return ce.detach(), log_z.detach(), hidden.grad, weight.grad
+
+
+def _ours(hidden, weight, target, z_loss, weights):
+    hidden, weight = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    loss, log_z = parallel.linear_cross_entropy(hidden, weight, target, V_REAL, z_loss)
+    (weights * loss).sum().backward()
+    return loss.detach(), log_z, hidden.grad, weight.grad
+
+
+@pytest.mark.parametrize("z_loss", [0.0, 1e-2])
+@pytest.mark.parametrize("chunk", [2**22, 12 * 1000 + 7])  # one chunk, or ragged chunks of 1000 columns
+def test_equals_plain_ops_in_float64(z_loss, chunk, monkeypatch):
+    monkeypatch.setitem(parallel.CROSS_ENTROPY_CHUNK, "cpu", chunk)
+    hidden, weight, target = _inputs()
+    weights = torch.arange(1.0, target.numel() + 1, dtype=torch.float64).view(target.shape)
+    ours, expected = _ours(hidden, weight, target, z_loss, weights), _reference(hidden, weight, target, z_loss, weights)
+    for name, a, b in zip(("loss", "log Z", "grad hidden", "grad weight"), ours, expected):
+        torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10, msg=name)
+    assert ours[3][V_REAL:].abs().max() == 0  # padding: no gradient
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_equals_the_logits_path_to_rounding(dtype, monkeypatch):
+    # today's path: F.linear then vocab_parallel_cross_entropy on the logits
+    monkeypatch.setitem(parallel.CROSS_ENTROPY_CHUNK, "cpu", 12 * 4096)
+    hidden, weight, target = _inputs(dtype)
+    weights = torch.rand(target.shape, generator=torch.Generator().manual_seed(1))
+    ours = _ours(hidden, weight, target, 1e-3, weights)
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    loss, log_z = parallel.vocab_parallel_cross_entropy(F.linear(h, w), target, V_REAL, 1e-3)
+    (weights * loss).sum().backward()
+    # fp32: sums over 50k columns in another order; bf16: the gradient rounds to bf16 in both
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
+    for a, b in zip(ours, (loss, log_z, h.grad, w.grad)):
+        assert a.dtype == b.dtype
+        torch.testing.assert_close(a, b, **tol)
+
+
+class LargestTensor(TorchDispatchMode):
+    """Records the largest tensor any op creates."""
+    largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+def test_the_model_never_holds_the_logits(monkeypatch):
+    monkeypatch.setitem(parallel.CROSS_ENTROPY_CHUNK, "cpu", 2**18)  # 2048 columns per chunk
+    cfg = GPTConfig(num_layers=1, hidden_size=H, num_attention_heads=2, seq_length=64, vocab_size=V_REAL,
+                    hidden_dropout=0.0, attention_dropout=0.0, z_loss=1e-4)
+    gpt = GPT(cfg)
+    ids = torch.randint(0, V_REAL, (2, 64), generator=torch.Generator().manual_seed(0))
+    with LargestTensor() as mode:
+        gpt(ids, targets=ids).backward()
+    tokens_x_vocab = ids.numel() * cfg.padded_vocab_size
+    assert mode.largest <= cfg.padded_vocab_size * H < tokens_x_vocab / 4  # the weight (and its gradient)
+    # and the same loss and gradients as through the logits
+    loss = gpt(ids, targets=ids)
+    grads = torch.autograd.grad(loss, list(gpt.parameters()))
+    logits = gpt(ids)
+    ce, _ = parallel.vocab_parallel_cross_entropy(logits, ids, V_REAL, 1e-4)
+    torch.testing.assert_close(loss, ce.mean(), atol=1e-6, rtol=1e-6)
+    for a, b in zip(grads, torch.autograd.grad(ce.mean(), list(gpt.parameters()))):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+def _tp2_equals_plain_ops(z_loss):
+    hidden, weight, target = _inputs()
+    weights = torch.arange(1.0, target.numel() + 1, dtype=torch.float64).view(target.shape)
+    expected = _reference(hidden, weight, target, z_loss, weights)
+    mine = parallel.shard(weight, 0).clone().requires_grad_()
+    h = hidden.clone().requires_grad_()
+    loss, log_z = parallel.linear_cross_entropy(parallel.copy_to_tp(h), mine, target, V_REAL, z_loss)
+    (weights * loss).sum().backward()
+    torch.testing.assert_close(loss, expected[0], atol=1e-10, rtol=1e-10)
+    torch.testing.assert_close(log_z, expected[1], atol=1e-10, rtol=1e-10)
+    torch.testing.assert_close(h.grad, expected[2], atol=1e-10, rtol=1e-10)  # copy_to_tp's all-reduce
+    torch.testing.assert_close(mine.grad, parallel.shard(expected[3], 0), atol=1e-10, rtol=1e-10)
+
+
+def test_tensor_parallel_2_equals_one_process():
+    # TP 1 equals the plain ops (above); TP 2, each rank with 25152 columns (the second with the 47 padding ones)
+    spawn(_tp2_equals_plain_ops, 2, 2, 1, 1e-2)
+
+
+def test_megatrons_padded_softmax_is_a_switch():
+    # padded_vocab_in_softmax: the padding columns (zero rows here: logit 0) take part in the softmax, as Megatron
+    hidden, weight, target = _inputs()
+    cfg = dict(num_layers=1, hidden_size=H, num_attention_heads=2, seq_length=6, vocab_size=V_REAL,
+               hidden_dropout=0.0, attention_dropout=0.0)
+    ours, megatron = GPT(GPTConfig(**cfg)).double(), GPT(GPTConfig(**cfg, padded_vocab_in_softmax=True)).double()
+    assert not ours.embed.word.weight[V_REAL:].any()  # ours: the padded rows start at zero
+    assert megatron.embed.word.weight[V_REAL:].abs().min() > 0  # Megatron's: drawn like the others
+    megatron.load_state_dict(ours.state_dict())
+    x = torch.randint(0, V_REAL, (2, 6), generator=torch.Generator().manual_seed(3))
+    logits = ours(x)
+    masked = F.cross_entropy(logits[..., :V_REAL].flatten(0, 1), x.flatten())
+    full = F.cross_entropy(logits.flatten(0, 1), x.flatten())
+    assert full > masked + 1e-6  # 47 more columns at logit 0 take some probability
+    torch.testing.assert_close(ours(x, targets=x), masked, atol=1e-12, rtol=0)
+    torch.testing.assert_close(megatron(x, targets=x), full, atol=1e-12, rtol=0)
+    megatron(x, targets=x).backward()
+    assert megatron.embed.word.weight.grad[V_REAL:].abs().max() > 0  # the padded rows learn, as Megatron's
+
+
+@pytest.mark.cuda
+def test_gpt2_output_layer_peak_memory_on_cuda():
+    """gpt2_125m's micro-batch (16 x 1024 tokens, bf16): the logits path held 6 bytes per logit (4.6 GiB: bf16
+    logits and their fp32 copy); the chunked loss about 10 bytes per element of one chunk plus the hidden states'
+    fp32 gradient (~0.25 GiB)."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    hidden = torch.randn(16, 1024, 768, device="cuda", generator=g).bfloat16().requires_grad_()
+    weight = (0.02 * torch.randn(50304, 768, device="cuda", generator=g)).bfloat16().requires_grad_()
+    target = torch.randint(0, 50257, (16, 1024), device="cuda", generator=g)
+    peaks = []
+    for path in ("logits", "chunked"):
+        hidden.grad = weight.grad = None
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        if path == "logits":
+            loss, _ = parallel.vocab_parallel_cross_entropy(F.linear(hidden, weight), target, 50257)
+        else:
+            loss, _ = parallel.linear_cross_entropy(hidden, weight, target, 50257)
+        loss.mean().backward()
+        torch.cuda.synchronize()
+        peaks.append((torch.cuda.max_memory_allocated() - base) / 2**30)
+    print(f"peak above the inputs: logits path {peaks[0]:.2f} GiB, chunked {peaks[1]:.2f} GiB")
+    assert peaks[0] > 4.5 and peaks[1] < 0.5
