@@ -450,11 +450,12 @@ def communicate(send_next=None, send_prev=None, recv_prev=None, recv_next=None):
     from deadlocking (steady state of 1F1B: my activation goes down while an older micro-batch's gradient comes
     up); under NCCL the batch is one group, where separate blocking calls would wait on each other.
     """
-    ops = [dist.P2POp(op, tensor, peer) for op, tensor, peer in (
+    posts = [(op, tensor, peer) for op, tensor, peer in (
         (dist.isend, send_next, grid.next_rank), (dist.isend, send_prev, grid.prev_rank),
         (dist.irecv, recv_prev, grid.prev_rank), (dist.irecv, recv_next, grid.next_rank)) if tensor is not None]
+    ops = [dist.P2POp(*post) for post in posts]
     if ops:
-        device = ops[0].tensor.device
+        device = posts[0][1].device
         start, start_event = time.perf_counter(), pipeline_event(device)
         for request in dist.batch_isend_irecv(ops):
             request.wait()

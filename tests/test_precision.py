@@ -194,10 +194,11 @@ def _softmax_attention(scores, v, bias=None):
     return scores.softmax(dim=-1).to(v.dtype) @ v
 
 
-PATHS = {  # core_attention's keywords: the fused (SDPA) path unless layer_scaling, Megatron's explicit one
+PATHS = {  # core_attention's keywords: the fused (SDPA) path, or Megatron's explicit one with its layer scaling
     "fused": {}, "fused-stable": dict(stable=True), "fused-alibi": dict(bias=True),
-    "unfused": dict(layer_scaling=3.0), "unfused-stable": dict(layer_scaling=3.0, stable=True),
-    "unfused-alibi": dict(layer_scaling=3.0, bias=True)}
+    "unfused": dict(layer_scaling=3.0, unfused=True),
+    "unfused-stable": dict(layer_scaling=3.0, stable=True, unfused=True),
+    "unfused-alibi": dict(layer_scaling=3.0, bias=True, unfused=True)}
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
