@@ -1,18 +1,19 @@
 """The stability lab: LR sensitivity of the stability levers, measured as Wortsman et al. 2023 do ("Small-scale
 proxies for large-scale Transformer training instabilities"); docs/stability.md has the study and its numbers.
 
-    python tools/lr_sweep.py --out out/lab --jobs 2  # the study: pilot, arms A, B, C (102 runs, ~2.5 h on 2 cores)
-    python tools/lr_sweep.py --quick                 # 4 runs: the pilot and qk-layernorm beside it, ~6 min
+    python tools/lr_sweep.py --out out/lab --jobs 2  # the study: pilot, arms A, B, C (62 runs, ~2.5 h on 2 cores)
+    python tools/lr_sweep.py --quick                 # the pilot alone: 2 runs, ~5 min
     python tools/lr_sweep.py --arms A --lever_sets default --lrs 1e-2,1e-1 --seeds 1,2 --out out/mine
 
 One GPT (4 layers of 128, 4 heads of 32) on the bundled corpus under the lab's own 512-token BPE
-(tools/lab_corpus.py: with GPT-2's 50k vocabulary a small model is 97% embedding), trained as Wortsman et al.
-train theirs, scaled down: 500 steps of 16 x 128 tokens, 100 of linear warm-up then a constant LR, AdamW
-(0.9, 0.95, eps 1e-8), clipping at 1, independent weight decay 1e-4 (the decay per step does not change with
-the LR: optim.decay_coefficient), fp32, no dropout. Three arms, each pairing levers as the paper does:
+(tools/lab_corpus.py: with GPT-2's 50k vocabulary a small model is 89-97% embedding), trained as Wortsman et al.
+train theirs, scaled down: 1,000 steps of 16 x 128 tokens, 100 of linear warm-up then cosine decay to 1e-5,
+AdamW (0.9, 0.95, eps 1e-8), clipping at 1, independent weight decay 1e-4 (the decay per step does not change
+with the LR: optim.decay_coefficient), fp32, no dropout. Three arms, each pairing levers as the paper does:
 
-  A  qk-layernorm (their figs. 1-2): default vs qk-layernorm, both with z-loss 1e-4, LRs 1e-3 .. 1 in half decades;
-  B  z-loss (figs. 3-4): qk-layernorm on, no weight decay, z-loss 0 vs 1e-4, 1,000 steps, the drift of log Z;
+  A  qk-layernorm (their figs. 1-2): default vs qk-layernorm, both with z-loss 1e-4, LRs 1e-3 .. 1 in half decades,
+     3 seeds at 3e-2 .. 3e-1 where the default breaks;
+  B  z-loss (figs. 3-4): qk-layernorm on, no weight decay, z-loss 0 vs 1e-4 at LRs 1e-2, 1e-1, 1: log Z's drift;
   C  the chronicles' levers on arm A's default at the high LRs: the init std 0.63/sqrt(h) (the 104B's "small
      init", sqrt(2/5h)) against 2.15/sqrt(h) (0.02 at the 104B's h = 11,600), each with and without the
      embedding LayerNorm; gradient-norm spikes counted (OLMo 2's spike score).
@@ -26,7 +27,8 @@ problems written at the top of results.md.
 Each run is train.py in a process of its own (`lr_sweep.py --train ARGS`: train.main with denormals flushed, one
 thread each, --jobs at a time) in OUT/runs/<arm>/<lever set>/lr<lr>-seed<seed>/: stdout.log, the metrics.jsonl
 train.py writes (every iteration's loss and grad norm, the telemetry every 10), checkpoints every 100 iterations,
-and result.json, written last. A run whose directory holds result.json is finished and skipped; a run killed
+and result.json, written last. A run whose directory holds result.json is finished and skipped (its numbers are
+read again from its metrics.jsonl, so that a change to the summaries applies to it); a run killed
 half way resumes from its last checkpoint (train.py resumes bit for bit; metrics.jsonl keeps the last record of
 an iteration). From all finished runs of the selection it writes OUT/results.jsonl, OUT/results.md (the tables)
 and OUT/lr_sweep.png (the figure).
@@ -58,11 +60,14 @@ WIDTH = 128
 DATA = ["--data_path=data/lab/" + lab_corpus.NAME, "--tokenizer_file=data/lab/tokenizer.json",
         f"--vocab_size={lab_corpus.VOCAB_SIZE}"]
 # Every run: the model, Wortsman et al.'s optimizer and schedule scaled down, the telemetry. 16 x 128 tokens an
-# iteration (one micro-batch: its logits are 4 MB), 500 iterations = 1M tokens, 40% of an epoch; about 0.25 s of
-# one core an iteration. The levers of the defaults below are set explicitly (config/tiny.py turns some on).
+# iteration (one micro-batch: its logits are 4 MB), 1,000 iterations = 2M tokens, 80% of an epoch; about 0.28 s
+# of one core an iteration. 100 iterations of warm-up, then cosine decay to 1e-5 as theirs: with a constant LR,
+# or with 500 iterations, the pilot's default at LR 1e-2 ended within 0.2 nats of the bigram entropy
+# (docs/stability.md). The levers of the defaults below are set explicitly (config/tiny.py turns some on).
 BASE = ["--num_layers=4", f"--hidden_size={WIDTH}", "--num_attention_heads=4", "--seq_length=128",
-        "--micro_batch_size=16", "--global_batch_size=16", "--train_iters=500", "--lr_warmup_samples=1600",
-        "--lr_decay_style=constant", "--min_lr=0", "--hidden_dropout=0", "--attention_dropout=0",
+        "--micro_batch_size=16", "--global_batch_size=16", "--train_iters=1000", "--lr_warmup_samples=1600",
+        "--lr_decay_style=cosine", "--lr_decay_samples=16000", "--min_lr=1e-5", "--hidden_dropout=0",
+        "--attention_dropout=0",
         "--init_method_std=0.02", "--embed_layernorm=false", "--adam_beta1=0.9", "--adam_beta2=0.95",
         "--adam_eps=1e-8", "--weight_decay=1e-4", "--weight_decay_independent", "--clip_grad=1.0",
         "--log_interval=1", "--eval_interval=1000000", "--eval_iters=16", "--sample_tokens=0", "--save_interval=100",
@@ -83,26 +88,31 @@ def init(c):
 Z_LOSS, QK = ["--z_loss=1e-4"], ["--qk_layernorm"]
 HALF_DECADES = [1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 3e-1, 1.0]
 # Each arm: its lever sets (arguments on top of BASE and the arm's own), LR grid, seeds (more at some LRs).
+# Each arm: its lever sets (arguments on top of BASE and the arm's own), its LR grid, its seeds (and more seeds at
+# some LRs: {lr: seeds}).
 ARMS = {
     "A": {"title": "qk-layernorm, z-loss 1e-4 on both (Wortsman et al. figs. 1-2)", "args": [],
           "levers": {"default": Z_LOSS, "qk_layernorm": [*Z_LOSS, *QK]},
-          "lrs": HALF_DECADES, "seeds": [1, 2, 3]},
-    "B": {"title": "z-loss, qk-layernorm on both, no weight decay, 1,000 steps (figs. 3-4)",
-          "args": ["--train_iters=1000", "--weight_decay=0", *QK],
-          "levers": {"no_z_loss": [], "z_loss": Z_LOSS}, "lrs": [3e-2, 1e-1, 3e-1], "seeds": [1, 2]},
+          "lrs": HALF_DECADES, "seeds": [1], "more_seeds": {3e-2: [2, 3], 1e-1: [2, 3], 3e-1: [2, 3]}},
+    "B": {"title": "z-loss, qk-layernorm on both, no weight decay (figs. 3-4)", "args": ["--weight_decay=0", *QK],
+          "levers": {"no_z_loss": [], "z_loss": Z_LOSS}, "lrs": [1e-2, 1e-1, 1.0], "seeds": [1, 2]},
     "C": {"title": "the chronicles' levers on arm A's default (z-loss 1e-4) at the high LRs", "args": Z_LOSS,
           "levers": {"init_2.15": [init(2.15)], "init_0.63": [init(0.63)],
                      "init_2.15+embed_layernorm": [init(2.15), "--embed_layernorm"],
                      "init_0.63+embed_layernorm": [init(0.63), "--embed_layernorm"]},
-          "lrs": [1e-1, 3e-1, 1.0], "seeds": [1, 2, 3]},
+          "lrs": [1e-1, 3e-1, 1.0], "seeds": [1, 2]},
 }
 PILOT = [("A", "default", 1e-2, 1), ("A", "default", 3e-1, 1)]
-QUICK = {"arms": ["A"], "lrs": [1e-2, 3e-1], "seeds": [1]}  # the pilot, and qk-layernorm at the same LRs
+QUICK = {"arms": ["A"], "lever_sets": ["default"], "lrs": [1e-2, 3e-1], "seeds": [1]}  # the pilot
 PILOT_MARGIN = 0.2  # "clearly below" the bigram entropy, in nats: 4x the seeds' spread of the final loss there
 
 
 # -----------------------------------------------------------------------------
 # The study's runs
+
+
+def seeds_at(spec, lr):
+    return [*spec["seeds"], *spec.get("more_seeds", {}).get(lr, [])]
 
 
 def run_dir(out, arm, lever_set, lr, seed):
@@ -258,7 +268,9 @@ def execute(out, arm, lever_set, lr, seed, extra=()):
         if result.get("args") != args:  # the study was redefined: its old results are not this run's
             raise SystemExit(f"{directory} holds a run with other arguments than this study's; use another --out "
                              "or delete it")
-        return result
+        # the numbers are read again from metrics.jsonl: a changed summary applies to finished runs too
+        return {**result, **summarize_run(read_metrics(os.path.join(directory, "metrics.jsonl")),
+                                          config_of(args).adam_eps)}
     os.makedirs(directory, exist_ok=True)
     # glibc would hand large freed blocks back to the kernel and page-fault them in afresh: keep them.
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", WANDB_MODE="disabled",
@@ -471,7 +483,7 @@ def plot(rows_by_arm, results, corpus, path):
 
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="the pilot and qk-layernorm beside it: " + json.dumps(QUICK))
+    p.add_argument("--quick", action="store_true", help="the pilot alone: " + json.dumps(QUICK))
     p.add_argument("--out", default=os.path.join(ROOT, "out", "lab"), help="directory of runs and results")
     p.add_argument("--arms", help="comma-separated, from: " + ", ".join(ARMS))
     p.add_argument("--lever_sets", help="comma-separated: only these lever sets of the arms")
@@ -483,8 +495,10 @@ def parse_args(argv):
     p.add_argument("--allow_weak_study", action="store_true",
                    help="run a study that the preflight or the pilot refuses; results.md says why it is weak")
     args = p.parse_args(argv)
+    args.out = os.path.abspath(args.out)  # the runs' --save, whatever directory they are started from
     if args.quick:
-        args.arms, args.lrs, args.seeds = args.arms or "A", args.lrs or "1e-2,3e-1", args.seeds or "1"
+        for key, value in QUICK.items():
+            setattr(args, key, getattr(args, key) or ",".join(map(str, value)))
     args.arms = args.arms.split(",") if args.arms else list(ARMS)
     unknown = [a for a in args.arms if a not in ARMS]
     if unknown:
@@ -504,6 +518,7 @@ def selection(args):
             spec["levers"] = {k: v for k, v in spec["levers"].items() if k in args.lever_sets}
         spec["lrs"] = args.lrs or spec["lrs"]
         spec["seeds"] = args.seeds or spec["seeds"]
+        spec["more_seeds"] = {} if args.seeds else spec.get("more_seeds", {})
         if spec["levers"]:
             arms[arm] = spec
     if not arms:
@@ -552,7 +567,7 @@ def main(argv=None):
     import data
     data.IndexedDataset(corpus["prefix"])
     grid = [(arm, lever, lr, seed) for arm, spec in arms.items() for lever in spec["levers"]
-            for lr in spec["lrs"] for seed in spec["seeds"]]
+            for lr in spec["lrs"] for seed in seeds_at(spec, lr)]
     grid = PILOT + [g for g in grid if g not in PILOT]
     todo = [g for g in grid if not os.path.exists(os.path.join(run_dir(args.out, *g), "result.json"))]
     print(f"{len(grid)} runs (the pilot's 2 first), {len(grid) - len(todo)} finished already, {len(todo)} to run, "
@@ -579,7 +594,7 @@ def main(argv=None):
     for r in failed:
         print(f"failed: {r['arm']} {r['lever_set']} lr {r['lr']} seed {r['seed']}:\n{r['error']}", file=sys.stderr)
     selected = [r for r in results if r["arm"] in arms and r["lever_set"] in arms[r["arm"]]["levers"]
-                and r["lr"] in arms[r["arm"]]["lrs"] and r["seed"] in arms[r["arm"]]["seeds"]]
+                and r["lr"] in arms[r["arm"]]["lrs"] and r["seed"] in seeds_at(arms[r["arm"]], r["lr"])]
     rows_by_arm = {arm: summarize(selected, arm, list(spec["levers"]), spec["lrs"], corpus["bigram_entropy"])
                    for arm, spec in arms.items()}
     rows_by_arm = {arm: rows for arm, rows in rows_by_arm.items() if rows}
