@@ -332,7 +332,7 @@ def blew_up(result, bigram, start=BLOWUP_FROM):
 def summarize(results, arm, lever_sets, lrs, bigram):
     """Per lever set of an arm: per LR the seeds' final losses (mean, min, max), how many blew up, never got
     below the bigram entropy, diverged; the precursors (mean over seeds); the LR sensitivity of the seed-mean
-    curve and the range of each seed's own over the seeds with the whole grid."""
+    curve and the range of each seed's own."""
     by_key = {(r["lever_set"], r["lr"], r["seed"]): r for r in results if r["arm"] == arm and "error" not in r}
     rows = []
     for lever_set in lever_sets:
@@ -349,9 +349,12 @@ def summarize(results, arm, lever_sets, lrs, bigram):
                           **{key: _mean([r.get(key) for r in runs]) for key in PRECURSORS}}
         if not points:
             continue
+        # each seed's own curve; where a seed was not run (more seeds only where the curves part), the first
+        # seed's run stands in
         seeds = sorted({seed for (s, _, seed) in by_key if s == lever_set})
-        curves = [{lr: clipped(by_key[(lever_set, lr, seed)]["val_loss"]) for lr in points} for seed in seeds
-                  if all((lever_set, lr, seed) in by_key for lr in points)]
+        curves = [{lr: clipped(by_key.get((lever_set, lr, seed), by_key.get((lever_set, lr, seeds[0])))["val_loss"])
+                   for lr in points} for seed in seeds
+                  if all((lever_set, lr, seeds[0]) in by_key for lr in points)]
         mean_curve = {lr: p["mean"] for lr, p in points.items()}
         per_seed = [sensitivity(curve) for curve in curves]
         best_lr = min(mean_curve, key=mean_curve.get)
