@@ -76,7 +76,7 @@ VOCAB_SIZE = lab_corpus.VOCAB_SIZE
 L0 = math.log(VOCAB_SIZE)
 ATTENTION_LOGIT_BLOWUP = 1e4  # Wortsman et al. 3.1: past it, attention collapses and the loss diverges
 # From the pilot (docs/stability.md): arm A's default at LR 1e-2 trains below the bigram entropy from here on
-BLOWUP_FROM = 150
+BLOWUP_FROM = 440
 
 
 def init(c):
@@ -104,7 +104,7 @@ ARMS = {
 }
 PILOT = [("A", "default", 1e-2, 1), ("A", "default", 3e-1, 1)]
 QUICK = {"arms": ["A"], "lever_sets": ["default"], "lrs": [1e-2, 3e-1], "seeds": [1]}  # the pilot
-PILOT_MARGIN = 0.2  # "clearly below" the bigram entropy, in nats: 4x the seeds' spread of the final loss there
+PILOT_MARGIN = 0.2  # "clearly below" the bigram entropy, in nats: a perplexity 18% lower than the bigram model's
 
 
 # -----------------------------------------------------------------------------
