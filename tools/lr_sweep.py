@@ -14,9 +14,9 @@ with the LR: optim.decay_coefficient), fp32, no dropout. Three arms, each pairin
   A  qk-layernorm (their figs. 1-2): default vs qk-layernorm, both with z-loss 1e-4, LRs 1e-3 .. 1 in half decades,
      3 seeds at 3e-2 .. 3e-1 where the default breaks;
   B  z-loss (figs. 3-4): qk-layernorm on, no weight decay, z-loss 0 vs 1e-4 at LRs 1e-2, 1e-1, 1: log Z's drift;
-  C  the chronicles' levers on arm A's default at the high LRs: the init std 0.63/sqrt(h) (the 104B's "small
-     init", sqrt(2/5h)) against 2.15/sqrt(h) (0.02 at the 104B's h = 11,600), each with and without the
-     embedding LayerNorm; gradient-norm spikes counted (OLMo 2's spike score).
+  C  the chronicles' levers on arm A's default where it breaks (LRs 1e-2 .. 1e-1): the init std 0.63/sqrt(h)
+     (the 104B's "small init", sqrt(2/5h)) against 2.15/sqrt(h) (0.02 at the 104B's h = 11,600), each with and
+     without the embedding LayerNorm; gradient-norm spikes counted (OLMo 2's spike score).
 
 Before any run a preflight refuses a study that cannot show anything (an embedding-dominated model, a warm-up under
 100 steps, weight decay coupled to the LR across an LR grid, qk-layernorm or z-loss tested without its partner);
@@ -96,11 +96,11 @@ ARMS = {
           "lrs": HALF_DECADES, "seeds": [1], "more_seeds": {3e-2: [2, 3], 1e-1: [2, 3], 3e-1: [2, 3]}},
     "B": {"title": "z-loss, qk-layernorm on both, no weight decay (figs. 3-4)", "args": ["--weight_decay=0", *QK],
           "levers": {"no_z_loss": [], "z_loss": Z_LOSS}, "lrs": [1e-2, 1e-1, 1.0], "seeds": [1, 2]},
-    "C": {"title": "the chronicles' levers on arm A's default (z-loss 1e-4) at the high LRs", "args": Z_LOSS,
+    "C": {"title": "the chronicles' levers on arm A's default (z-loss 1e-4) where it breaks", "args": Z_LOSS,
           "levers": {"init_2.15": [init(2.15)], "init_0.63": [init(0.63)],
                      "init_2.15+embed_layernorm": [init(2.15), "--embed_layernorm"],
                      "init_0.63+embed_layernorm": [init(0.63), "--embed_layernorm"]},
-          "lrs": [1e-1, 3e-1, 1.0], "seeds": [1, 2]},
+          "lrs": [1e-2, 3e-2, 1e-1], "seeds": [1, 2]},
 }
 PILOT = [("A", "default", 1e-2, 1), ("A", "default", 3e-1, 1)]
 QUICK = {"arms": ["A"], "lever_sets": ["default"], "lrs": [1e-2, 3e-1], "seeds": [1]}  # the pilot
