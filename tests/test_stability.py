@@ -220,12 +220,14 @@ def test_lr_sensitivity_blow_ups_and_spike_score_on_hand_made_numbers():
     assert lr_sweep.sensitivity({1e-3: 5.0, 1e-2: 4.0, 1e-1: float("nan"), 1.0: 12.0}, l0) == 3.25
     assert lr_sweep.sensitivity({1e-3: float("inf"), 1e-2: 11.0}, l0) == 0.0  # all diverged: flat at L0
     bigram = 3.5
-    # the 10-iteration loss means: below H2 from iteration 30, back above it at iteration 200
-    learned = [6.0, 4.0, 3.4] + [3.2] * 17
+    # the 10-iteration loss means over 500 iterations: clearly below H2 (by 0.2) from iteration 40
+    learned = [6.0, 4.0, 3.4] + [3.2] * 47
     assert not lr_sweep.blew_up({"loss10": learned}, bigram, start=150)
     assert lr_sweep.blew_up({"loss10": learned[:19] + [3.6]}, bigram, start=150)
-    assert not lr_sweep.blew_up({"loss10": [6.0, 3.4, 3.8] + [3.2] * 17}, bigram, start=150)  # before `start`
+    assert not lr_sweep.blew_up({"loss10": [6.0, 3.2, 3.8] + [3.2] * 17}, bigram, start=150)  # before `start`
     assert not lr_sweep.blew_up({"loss10": [6.0] * 20}, bigram, start=150)  # never learned: not a blow-up
+    slow = [6.0] * 10 + [3.52, 3.45, 3.53, 3.47, 3.55, 3.44, 3.51, 3.42, 3.6, 3.4]  # hovering at H2: noise
+    assert not lr_sweep.blew_up({"loss10": slow}, bigram, start=150)
     assert lr_sweep.blew_up({"loss10": [6.0] * 20, "attention_logit_max": 2e4}, bigram)
     assert lr_sweep.blew_up({"loss10": learned, "nan_iterations": 1}, bigram)
     # spike score: 7 sigma above the mean of the 100 values before; a NaN is a spike
@@ -239,8 +241,8 @@ def test_lr_sensitivity_blow_ups_and_spike_score_on_hand_made_numbers():
     spiky[150] = 1.005 + 0.005 * 6.5
     assert lr_sweep.spike_score(spiky) == 1 / 100
     # summarize: two seeds of one lever set over two LRs
-    runs = [(1e-2, 1, 3.2, learned), (1e-2, 2, 3.4, learned), (1.0, 1, 5.0, [6.0] * 20),
-            (1.0, 2, 11.0, learned[:19] + [9])]
+    runs = [(1e-2, 1, 3.2, learned), (1e-2, 2, 3.4, learned), (1.0, 1, 5.0, [6.0] * 50),
+            (1.0, 2, 11.0, learned[:49] + [9])]  # up at iteration 500, after BLOWUP_FROM
     results = [{"arm": "A", "lever_set": "a", "lr": lr, "seed": seed, "val_loss": loss, "loss10": loss10,
                 "attention_logit_max": 10.0 * seed} for lr, seed, loss, loss10 in runs]
     (row,) = lr_sweep.summarize(results, "A", ["a"], [1e-2, 1.0], bigram)
