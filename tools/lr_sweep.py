@@ -572,8 +572,12 @@ def main(argv=None):
     data.IndexedDataset(corpus["prefix"])
     grid = [(arm, lever, lr, seed) for arm, spec in arms.items() for lever in spec["levers"]
             for lr in spec["lrs"] for seed in seeds_at(spec, lr)]
-    # the pilot first, then every arm's first seed, then the second seeds...: an interrupted study has whole curves
-    grid = PILOT + sorted((g for g in grid if g not in PILOT), key=lambda g: seeds_at(arms[g[0]], g[2]).index(g[3]))
+    # the pilot first, then every arm's first seed, then arm A's more seeds, then the others': an interrupted
+    # study has whole curves, and arm A its seeds' spread first
+    def order(g):
+        again = seeds_at(arms[g[0]], g[2]).index(g[3])
+        return (again > 0, again > 0 and g[0] != "A", again)
+    grid = PILOT + sorted((g for g in grid if g not in PILOT), key=order)
     todo = [g for g in grid if not os.path.exists(os.path.join(run_dir(args.out, *g), "result.json"))]
     print(f"{len(grid)} runs (the pilot's 2 first), {len(grid) - len(todo)} finished already, {len(todo)} to run, "
           f"{args.jobs} at a time", flush=True)
