@@ -468,10 +468,9 @@ def plot(rows_by_arm, results, corpus, path):
             right.axhline(0, color="grey", linewidth=0.8)
             right.set_title("arm B: mean output logit (thin) and mean log Z (thick), seed 1", fontsize=10)
             right.set_xlabel("iteration")
-        if arm != "B":
-            for axis in (ax, right):
-                axis.set_xscale("log")
-                axis.set_xlabel("learning rate")
+        for axis in (ax, right) if arm != "B" else (ax,):
+            axis.set_xscale("log")
+            axis.set_xlabel("learning rate")
         for axis in (ax, right):
             axis.grid(alpha=0.3)
         if right.lines:
