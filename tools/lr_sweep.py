@@ -13,7 +13,8 @@ with the LR: optim.decay_coefficient), fp32, no dropout. Three arms, each pairin
 
   A  qk-layernorm (their figs. 1-2): default vs qk-layernorm, both with z-loss 1e-4, LRs 1e-3 .. 1 in half decades,
      3 seeds at 1e-2 .. 3e-1, where the default breaks and then qk-layernorm;
-  B  z-loss (figs. 3-4): qk-layernorm on, no weight decay, z-loss 0 vs 1e-4 at LRs 1e-2, 1e-1, 1: log Z's drift;
+  B  z-loss (figs. 3-4): qk-layernorm on, no weight decay, z-loss 0 vs 1e-4 (and 1e-2) at LRs 1e-2, 1e-1, 1: log Z's
+     drift;
   C  the chronicles' levers on arm A's default where it breaks (LRs 1e-2 .. 1e-1): the init std 0.63/sqrt(h)
      (the 104B's "small init", sqrt(2/5h)) against 2.15/sqrt(h) (0.02 at the 104B's h = 11,600), each with and
      without the embedding LayerNorm; gradient-norm spikes counted (OLMo 2's spike score).
@@ -96,7 +97,8 @@ ARMS = {
           "levers": {"default": Z_LOSS, "qk_layernorm": [*Z_LOSS, *QK]},
           "lrs": HALF_DECADES, "seeds": [1], "more_seeds": {lr: [2, 3] for lr in (1e-2, 3e-2, 1e-1, 3e-1)}},
     "B": {"title": "z-loss, qk-layernorm on both, no weight decay (figs. 3-4)", "args": ["--weight_decay=0", *QK],
-          "levers": {"no_z_loss": [], "z_loss": Z_LOSS}, "lrs": [1e-2, 1e-1, 1.0], "seeds": [1, 2]},
+          "levers": {"no_z_loss": [], "z_loss": Z_LOSS, "z_loss_1e-2": ["--z_loss=1e-2"]},  # PaLM's, and 100x
+          "lrs": [1e-2, 1e-1, 1.0], "seeds": [1, 2]},
     "C": {"title": "the chronicles' levers on arm A's default (z-loss 1e-4) where it breaks", "args": Z_LOSS,
           "levers": {"init_2.15": [init(2.15)], "init_0.63": [init(0.63)],
                      "init_2.15+embed_layernorm": [init(2.15), "--embed_layernorm"],
