@@ -17,6 +17,7 @@ import typing
 from dataclasses import asdict, dataclass, fields
 
 import parallel
+import schedule
 import usage
 from model import GPTConfig
 
@@ -242,7 +243,7 @@ def parse_cli(argv):
 
 
 def load_config(argv=None):
-    """Config from the config file (default config/tiny.py) and command-line overrides; validated."""
+    """Config from the config file (default config/tiny.py) and command-line overrides; prepare() checks it."""
     argv = sys.argv[1:] if argv is None else argv
     config_file, overrides = parse_cli(argv)
     config_file = config_file or DEFAULT_CONFIG
@@ -277,34 +278,16 @@ def to_dict(cfg):
 # Validation and derived values
 
 
-def parse_iteration_ranges(ranges, key="skip_train_iteration_range"):
-    """["13251-14000", "16652-18500"] -> [(13251, 14000), (16652, 18500)], inclusive, as Megatron-DeepSpeed."""
-    out = []
-    for r in ranges or []:
-        start, dash, end = str(r).partition("-")
-        try:
-            start, end = int(start.replace("_", "")), int(end.replace("_", "")) if dash else None
-        except ValueError:
-            end = None
-        if end is None or not 1 <= start <= end:
-            raise ValueError(f"{key} entry {r!r} is not 'START-END' with 1 <= START <= END "
-                             "(iterations are 1-based and inclusive, e.g. 13251-14000)")
-        out.append((start, end))
-    return sorted(out)
-
-
-def reset_warmup_iters(cfg):
-    """The lr=0 warm-up length of an optimizer reset: N = 5 / (1 - beta2) by default (lesson 8)."""
-    if cfg.reset_optimizer_warmup_iters in (None, 0):
-        return 0
-    if cfg.reset_optimizer_warmup_iters == "auto":
-        return math.ceil(5 / (1 - cfg.adam_beta2))
-    return int(cfg.reset_optimizer_warmup_iters)
+def prepare(cfg, world_size=1, reads_data=True):
+    """The config a run uses: validate() it, then derive() what it leaves open. Returns cfg."""
+    validate(cfg, world_size, reads_data)
+    return derive(cfg, world_size)
 
 
 def validate(cfg, world_size=1, reads_data=True):
-    """Raise ValueError with a fix for every configuration that cannot work. reads_data=False: the caller feeds
-    the model something else than cfg's data (bench.py's random tokens), which then need not be configured."""
+    """Raise ValueError with a fix for every configuration that cannot work; changes nothing. The model's own
+    rules are model.GPTConfig.check's. reads_data=False: the caller feeds the model something else than cfg's data
+    (bench.py's random tokens), which then need not be configured."""
     def need(ok, message):
         if not ok:
             raise ValueError(message)
@@ -323,19 +306,14 @@ def validate(cfg, world_size=1, reads_data=True):
          "--input FILES --output-prefix data/NAME` and pass --data_path data/NAME (only config/tiny.py trains on "
          "the bundled Shakespeare: use_bundled_corpus)")
     need(not cfg.eval_only or not cfg.dry_run, "eval_only and dry_run are exclusive; choose one")
-    need(cfg.hidden_size % cfg.num_attention_heads == 0,
-         f"hidden_size ({cfg.hidden_size}) must be divisible by num_attention_heads ({cfg.num_attention_heads})")
+    GPTConfig.check(cfg)
     tp, pp = cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size
     need(world_size % (tp * pp) == 0,
          f"world size {world_size} is not divisible by tensor_model_parallel_size ({tp}) x "
          f"pipeline_model_parallel_size ({pp}); launch a multiple of {tp * pp} processes")
     dp = world_size // (tp * pp)
-    need(cfg.num_attention_heads % tp == 0,
-         f"num_attention_heads ({cfg.num_attention_heads}) must be divisible by tensor_model_parallel_size ({tp})")
     parallel.partition_layers(cfg.num_layers, pp, cfg.pp_partition_method)  # raises if it cannot be done
-    if cfg.global_batch_size is None:
-        cfg.global_batch_size = cfg.micro_batch_size * dp
-    need(cfg.global_batch_size % (cfg.micro_batch_size * dp) == 0,
+    need(cfg.global_batch_size is None or cfg.global_batch_size % (cfg.micro_batch_size * dp) == 0,
          f"global_batch_size ({cfg.global_batch_size}) must be divisible by micro_batch_size ({cfg.micro_batch_size})"
          f" x data-parallel size ({dp}); change one of them")
     need(any(x is not None for x in (cfg.train_iters, cfg.train_samples, cfg.train_tokens)),
@@ -345,17 +323,9 @@ def validate(cfg, world_size=1, reads_data=True):
     need(cfg.rampup_batch_size is None or len(cfg.rampup_batch_size) == 3,
          f"rampup_batch_size must be 'start increment samples', got {cfg.rampup_batch_size}")
     need(not (cfg.fp16 and cfg.bf16), "fp16 and bf16 are exclusive; choose one")
-    need(cfg.position_embedding_type in ("learned", "alibi"),
-         f"position_embedding_type={cfg.position_embedding_type!r} is not 'learned' or 'alibi'")
-    need(cfg.position_embedding_type == "learned" or cfg.position_embedding_init == "normal",
-         f"position_embedding_init={cfg.position_embedding_init!r} has nothing to initialise: ALiBi has no position "
-         "embeddings; drop it or use position_embedding_type='learned'")
-    if cfg.apply_query_key_layer_scaling is None:  # Megatron's default: on with fp16, where it avoids overflows
-        cfg.apply_query_key_layer_scaling = cfg.fp16
     need(cfg.lr_decay_style in ("linear", "cosine", "constant"),
          f"lr_decay_style={cfg.lr_decay_style!r} is not linear, cosine or constant")
     need(cfg.min_lr <= cfg.lr, f"min_lr ({cfg.min_lr}) is larger than lr ({cfg.lr})")
-    need(cfg.z_loss >= 0, f"z_loss={cfg.z_loss} is negative: it is the coefficient of log(Z)^2 (PaLM used 1e-4)")
     need(not (cfg.qk_layernorm and cfg.deepspeed and tp > 1),
          "qk_layernorm with deepspeed=True and tensor_model_parallel_size > 1 is not supported (the qk-layernorm "
          "gradients must be summed over TP before DeepSpeed's step); use the native path (deepspeed=False) or TP=1")
@@ -372,7 +342,8 @@ def validate(cfg, world_size=1, reads_data=True):
     need(not reads_data or cfg.tokenizer_file is None or cfg.data_path is not None,
          "tokenizer_file is set but data_path is not: the bundled corpus is GPT-2 tokens; prepare your data with "
          "`python data.py --input ... --output-prefix PREFIX --tokenizer-file FILE` and set data_path=PREFIX")
-    parse_iteration_ranges(cfg.skip_train_iteration_range)
+    for key in ("skip_train_iteration_range", "inject_bad_batch_iters", "inject_lr_iters"):
+        schedule.parse_iteration_ranges(getattr(cfg, key), key)
     need(cfg.reset_optimizer_warmup_iters in (None, "auto") or isinstance(cfg.reset_optimizer_warmup_iters, int),
          "reset_optimizer_warmup_iters must be a number of iterations or 'auto'")
     need(cfg.reset_optimizer_warmup_iters is None or cfg.load is not None,
@@ -392,11 +363,17 @@ def validate(cfg, world_size=1, reads_data=True):
     need(not cfg.spike_guard or cfg.spike_guard_snapshot_interval or cfg.save,
          "spike_guard with spike_guard_snapshot_interval=0 rolls back to disk checkpoints: set save and save_interval")
     need(0 < cfg.spike_guard_lr_factor <= 1, "spike_guard_lr_factor must be in (0, 1]")
-    for key in ("inject_bad_batch_iters", "inject_lr_iters"):
-        parse_iteration_ranges(getattr(cfg, key), key)
-    if cfg.curriculum_learning:
-        if cfg.max_difficulty is None:
-            cfg.max_difficulty = cfg.seq_length
-        need(cfg.total_curriculum_step is not None and cfg.total_curriculum_step > 0,
-             "curriculum_learning needs total_curriculum_step (about train_tokens / global_batch / seq_length / 2)")
+    need(not cfg.curriculum_learning or (cfg.total_curriculum_step is not None and cfg.total_curriculum_step > 0),
+         "curriculum_learning needs total_curriculum_step (about train_tokens / global_batch / seq_length / 2)")
+
+
+def derive(cfg, world_size=1):
+    """Fill in the values a config leaves to be derived; returns cfg. Call it on a validated config."""
+    if cfg.global_batch_size is None:  # one micro-batch per data-parallel rank
+        dp = world_size // (cfg.tensor_model_parallel_size * cfg.pipeline_model_parallel_size)
+        cfg.global_batch_size = cfg.micro_batch_size * dp
+    if cfg.apply_query_key_layer_scaling is None:  # Megatron's default: on with fp16, where it avoids overflows
+        cfg.apply_query_key_layer_scaling = cfg.fp16
+    if cfg.curriculum_learning and cfg.max_difficulty is None:
+        cfg.max_difficulty = cfg.seq_length
     return cfg

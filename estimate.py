@@ -9,6 +9,7 @@ import os
 
 import torch
 
+import arguments
 import parallel
 from model import GPT, GPTConfig
 
@@ -30,6 +31,7 @@ def dry_run(cfg, world_size=None, file=None):
         raise ValueError(f"WORLD_SIZE {world} is not divisible by tensor_model_parallel_size ({tp}) x "
                          f"pipeline_model_parallel_size ({pp}); set WORLD_SIZE to a multiple of {tp * pp}")
     dp = world // (tp * pp)
+    arguments.prepare(cfg, world, reads_data=False)  # a layout that cannot train is refused here too
     partition = parallel.partition_layers(cfg.num_layers, pp, cfg.pp_partition_method)
     model_cfg, stages = GPTConfig.from_config(cfg), []
     for stage in range(pp):
@@ -42,7 +44,7 @@ def dry_run(cfg, world_size=None, file=None):
                    for p in gpt.parameters() if p is not gpt.output_weight)
         stages.append((gpu, full))
     padded_vocab = model_cfg.padded_vocab_size
-    padded_total, formula = sum(full for _, full in stages), model_cfg.num_parameters()
+    padded_total, params = sum(full for _, full in stages), model_cfg.num_parameters()
 
     def say(text=""):
         print(text, file=file, flush=True)
@@ -50,7 +52,7 @@ def dry_run(cfg, world_size=None, file=None):
     GiB = 2**30
     mixed = cfg.fp16 or cfg.bf16
     say(f"dry run: TP={tp} x PP={pp} x DP={dp} = {world} GPUs (WORLD_SIZE; default TP x PP), nothing allocated")
-    say(f"model: {formula / 1e9:.2f}B parameters (lesson 16's formula), {padded_total / 1e9:.2f}B with the "
+    say(f"model: {params / 1e9:.2f}B parameters, {padded_total / 1e9:.2f}B with the "
         f"vocabulary padded to {padded_vocab}; the last stage's copy of the tied embedding is not counted")
     say(f"{'stages':>10} {'layers/stage':>13} {'params/stage':>15} {'params/GPU':>15}")
     start = 0
@@ -68,8 +70,8 @@ def dry_run(cfg, world_size=None, file=None):
         return gpu_params * sum(bytes_per_parameter(precision, zero, dp, cfg.deepspeed).values())
 
     per_param = (2 + 4 if mixed else 4) + 8 + 4  # lesson 16's textbook count: weights (+ master), Adam, gradients
-    say(f"model states of the whole model without ZeRO: {per_param} B x {formula / 1e9:.2f}B = "
-        f"{per_param * formula / 1e9:,.0f} GB (lesson 16: 18 x 104 = 1872 GB for tr8b-104B)")
+    say(f"model states of the whole model without ZeRO: {per_param} B x {params / 1e9:.2f}B = "
+        f"{per_param * params / 1e9:,.0f} GB (lesson 16: 18 x 104 = 1872 GB for tr8b-104B)")
     say(f"model states per GPU as the {path} path allocates them (largest stage, {gpu_params:,} parameters, "
         f"{precision}, Adam):")
     for zero in (0, 1, 2) if cfg.deepspeed else (0, 1):
@@ -94,7 +96,7 @@ def dry_run(cfg, world_size=None, file=None):
         f"{'  <- configured' if cfg.checkpoint_activations else ''}")
     total = model_states(cfg.zero_stage) + (with_ckpt if cfg.checkpoint_activations else without)
     say(f"estimated total per GPU: {total / GiB:.2f} GiB (plus temporaries: logits, communication buffers)")
-    return {"params": formula, "padded_params": padded_total, "stages": stages, "gpu_params": gpu_params,
+    return {"params": params, "padded_params": padded_total, "stages": stages, "gpu_params": gpu_params,
             "dp": dp, "model_states": model_states(cfg.zero_stage), "activations": without,
             "activations_checkpointed": with_ckpt}
 

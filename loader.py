@@ -2,10 +2,10 @@
 
 Which samples an iteration trains on is a pure function of (iteration, first sample, batch size, seqlen): the
 "key". The training loop asks for its key with `get`; meanwhile the Prefetcher has already loaded the keys it
-guessed would come next (Plan.next_key: batch-size ramp-up, curriculum, skipped iterations). A wrong guess (a
-resume, a rollback, a plan changed under it) costs one synchronous load, never a wrong batch: a batch is only
-ever handed out for exactly the key it was loaded for, so the sample order and bit-exact resume do not depend
-on the prefetching at all.
+guessed would come next (schedule.Schedule.next_key: batch-size ramp-up, curriculum, skipped iterations). A
+wrong guess (a resume, a rollback, a plan changed under it) costs one synchronous load, never a wrong batch: a
+batch is only ever handed out for exactly the key it was loaded for, so the sample order and bit-exact resume
+do not depend on the prefetching at all.
 
 The gather itself (GPTDataset.gather) is compiled and releases the GIL, so the thread runs beside the training
 step. On CUDA the host buffer is pinned and the copy to the device is non-blocking.
@@ -56,7 +56,7 @@ class Prefetcher:
         # The thread holds only the queue and `load`, not self: dropping the Prefetcher ends it (finalize).
         thread = threading.Thread(target=_serve, args=(self._requests, load), name="batch-prefetch", daemon=True)
         thread.start()
-        self._load, self._thread = load, thread
+        self._load, self.thread = load, thread
         self._finalizer = weakref.finalize(self, self._requests.put, None)
 
     def get(self, key):
@@ -83,7 +83,7 @@ class Prefetcher:
             f.cancel()
         self._pending.clear()
         self._finalizer()
-        self._thread.join()
+        self.thread.join()
 
     def __enter__(self):
         return self

@@ -6,7 +6,7 @@ over tensor- and pipeline-parallel ranks (a pipeline stage builds only its own l
 
 Switches, each from a lesson of docs/lessons.md (README has the table):
 - embed_layernorm, embed_init, embed_init_std: bitsandbytes' StableEmbedding (LayerNorm on the word embeddings,
-  xavier-uniform init) -- the lever that tamed the tr8b-104B spikes (lessons 1, 2).
+  xavier-uniform init): it helped the tr8b-104B a lot, and that run still diverged (lessons 1, 2).
 - init_method_std="small_init": sqrt(2/(5h)) from "Transformers without Tears" (lesson 3); the output layers of
   every block are further scaled by 1/sqrt(2*num_layers) as in Megatron.
 - apply_query_key_layer_scaling (Megatron) and stable_attention (q and k each scaled by d^-1/4, tried on the
@@ -15,9 +15,15 @@ Switches, each from a lesson of docs/lessons.md (README has the table):
   input's dtype, which is Megatron's fused LayerNorm (tests/test_precision.py checks it).
 - OPT: activation (gelu | gelu_tanh | relu), normformer, position_embedding_init (normal | sinusoidal),
   scale_embeddings, embed_dropout (OPT turned dropout off on embeddings) (lesson 15).
-- position_embedding_type="alibi": BLOOM's linear attention biases instead of learned positions (lesson 19).
+- position_embedding_type: "learned" (GPT-2), "alibi" (BLOOM's linear attention biases, lesson 19) or "rotary"
+  (GPT-NeoX's rotary embeddings of q and k, as Megatron-DeepSpeed has them; BigScience compared all three).
 - Beyond the chronicles (lesson 20): qk_layernorm (LayerNorm on each head's queries and keys, Dehghani et al.
   2023) against attention-logit growth, and z_loss (PaLM) against output-logit divergence.
+
+A fork changes one place each: every normalization is norm(), the block's feed-forward is chosen in mlp(), a
+position embedding is a POSITION_EMBEDDINGS entry plus what GPT.positions hands each layer's attention. The
+parameter count and the FLOPs come from the model as built (census), and GPTConfig.check holds every rule a
+model config must follow (arguments.validate asks it too, before anything is built).
 """
 import contextlib
 import math
@@ -48,12 +54,12 @@ class GPTConfig:
     layernorm_epsilon: float = 1e-5  # LayerNorm's epsilon
     checkpoint_activations: bool = False  # recompute each block's activations in backward (memory for compute)
     # -- stability: the switches of the 104B, 176B and OPT-175B runs --
-    activation: str = "gelu"  # gelu (Megatron, erf) | gelu_tanh (GPT-2) | relu (OPT)
+    activation: str = "gelu"  # gelu (exact, erf) | gelu_tanh (GPT-2, Megatron's fused bias-GeLU) | relu (OPT)
     init_method_std: float | str = 0.02  # std of the init, or "small_init" = sqrt(2/(5*hidden_size))
     embed_init: str = "normal"  # word embedding init: normal | xavier_uniform
     embed_init_std: float | None = None  # std of the normal embedding init; None: init_method_std
     embed_layernorm: bool = False  # LayerNorm on the word embeddings (bitsandbytes' StableEmbedding)
-    position_embedding_type: str = "learned"  # learned (GPT-2) | alibi (BLOOM: linear attention biases, lesson 19)
+    position_embedding_type: str = "learned"  # learned (GPT-2) | alibi (BLOOM, lesson 19) | rotary (GPT-NeoX)
     position_embedding_init: str = "normal"  # normal | sinusoidal
     scale_embeddings: bool = False  # multiply the word embeddings by sqrt(hidden_size)
     apply_query_key_layer_scaling: bool | None = None  # scale attention scores by 1/layer number; None: on with fp16
@@ -82,19 +88,67 @@ class GPTConfig:
         return float(self.init_method_std)
 
     def num_parameters(self, padded=False):
-        """Exact parameter count of the whole model (all stages, all TP ranks, the tied head counted once).
+        """Exact parameter count of the whole model (all stages, all TP ranks, the tied head counted once), as
+        built (census). Without switches it is lesson 16's n*(12h^2 + 13h) + v*h + s*h + 2h."""
+        return census(self)["padded parameters" if padded else "parameters"]
 
-        Without switches this is lesson 16's formula n*(12h^2 + 13h) + v*h + s*h + 2h."""
-        h, n = self.hidden_size, self.num_layers
-        v = self.padded_vocab_size if padded else self.vocab_size
-        per_layer = 12 * h * h + 13 * h
-        if self.normformer:  # post-attention LN, FFN LN, head scales
-            per_layer += 2 * h + 2 * 4 * h + self.num_attention_heads
-        if self.qk_layernorm:  # weight and bias of q's and k's LayerNorm, shared by the heads
-            per_layer += 4 * (h // self.num_attention_heads)
-        extra = 2 * h if self.embed_layernorm else 0
-        positions = self.seq_length * h if self.position_embedding_type == "learned" else 0
-        return n * per_layer + v * h + positions + 2 * h + extra
+    def flops_per_iteration(self, batch, seqlen):
+        """Megatron's count (lesson 23), what the log line's TFLOPs divide: 24 f B s n h^2 (1 + s/6h + V/16nh),
+        f = 4 with recomputed activations, else 3. Its 24 n h^2 is twice the blocks' matmul weights (12 n h^2
+        in this block), counted as built: a fork's MLP brings its own."""
+        f = 4 if self.checkpoint_activations else 3
+        n, h, v = self.num_layers, self.hidden_size, self.padded_vocab_size
+        dense = 2 * census(self)["block matmul weights"]
+        return f * batch * seqlen * dense * (1 + seqlen / (6 * h) + v / (16 * n * h))
+
+    def check(self, tp_size=None):
+        """Every rule a model config must follow, with its fix: here once, asked by GPT and by arguments.validate
+        (before anything is built). tp_size: the TP ranks the model is split over (default: the config's)."""
+        tp = self.tensor_model_parallel_size if tp_size is None else tp_size
+        h, heads = self.hidden_size, self.num_attention_heads
+        problems = [
+            (h % heads == 0, f"hidden_size ({h}) must be divisible by num_attention_heads ({heads})"),
+            (heads % tp == 0, f"num_attention_heads ({heads}) must be divisible by tensor_model_parallel_size ({tp})"),
+            (self.position_embedding_type in POSITION_EMBEDDINGS, f"position_embedding_type="
+             f"{self.position_embedding_type!r} is not one of {', '.join(POSITION_EMBEDDINGS)}"),
+            (self.position_embedding_init in ("normal", "sinusoidal"),
+             f"position_embedding_init={self.position_embedding_init!r} is not 'normal' or 'sinusoidal'"),
+            (self.position_embedding_type == "learned" or self.position_embedding_init == "normal",
+             f"position_embedding_init={self.position_embedding_init!r} has nothing to initialise: "
+             f"{self.position_embedding_type} has no position embeddings; drop it or use position_embedding_type="
+             "'learned'"),
+            (self.position_embedding_type != "rotary" or (h // heads) % 2 == 0,
+             f"rotary embeddings turn pairs of q and k features: the head size ({h // heads}) must be even"),
+            (self.activation in ACTIVATIONS, f"activation={self.activation!r} is not one of {sorted(ACTIVATIONS)}"),
+            (self.embed_init in ("normal", "xavier_uniform"),
+             f"embed_init={self.embed_init!r} is not 'normal' or 'xavier_uniform'"),
+            (not (self.normformer and tp > 1), "normformer with tensor_model_parallel_size > 1 is not supported (its "
+             "FFN LayerNorm would need statistics across TP ranks); use TP=1 or turn normformer off"),
+            (self.z_loss >= 0, f"z_loss={self.z_loss} is negative: it is the coefficient of log(Z)^2 (PaLM used 1e-4)"),
+        ]
+        for ok, message in problems:
+            if not ok:
+                raise ValueError(message)
+
+
+POSITION_EMBEDDINGS = ("learned", "alibi", "rotary")
+_CENSUS = {}
+
+
+def census(cfg):
+    """{"parameters", "padded parameters", "block matmul weights"} of the whole model, counted on the model itself
+    built on the meta device for one process (no memory, no formula to keep in step with the code)."""
+    key = tuple(getattr(cfg, f.name) for f in fields(GPTConfig))
+    if key not in _CENSUS:
+        whole = GPTConfig(**{f.name: getattr(cfg, f.name) for f in fields(GPTConfig)})
+        with torch.device("meta"):
+            gpt = GPT(whole, grid=parallel.Grid(1, 1, world_size=1, rank=0))
+        padded = sum(p.numel() for p in gpt.parameters())
+        _CENSUS[key] = {"parameters": padded - (whole.padded_vocab_size - whole.vocab_size) * whole.hidden_size,
+                        "padded parameters": padded,
+                        "block matmul weights": sum(p.numel() for name, p in gpt.named_parameters()
+                                                    if name.startswith("blocks.") and p.ndim >= 2)}
+    return _CENSUS[key]
 
 
 # -----------------------------------------------------------------------------
@@ -122,6 +176,24 @@ def alibi_bias(slopes, seq_len, dtype=torch.float32, device=None):
     distance = (pos.view(1, -1) - pos.view(-1, 1)).to(dtype)  # j - i, <= 0 on and below the diagonal
     bias = slopes.to(device=device, dtype=dtype).view(-1, 1, 1) * distance
     return bias.masked_fill(distance > 0, float("-inf"))
+
+
+def rotary_cos_sin(seq_len, head_dim, dtype=torch.float32, device=None, base=10000.0):
+    """cos and sin, (seq, head_dim), of rotary embeddings (Su et al. 2021) as GPT-NeoX and Megatron-DeepSpeed
+    lay them out: position t times the frequencies base^(-2i/d), i < d/2, the list written twice (feature i and
+    i + d/2 turn together). Computed in `dtype` (fp32 at least) on `device`, for every layer at once."""
+    inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, device=device, dtype=dtype) / head_dim)
+    angles = torch.outer(torch.arange(seq_len, device=device, dtype=dtype), inv_freq)
+    angles = torch.cat((angles, angles), dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def apply_rotary(x, cos, sin):
+    """x (batch, heads, seq, head_dim) with each feature pair (i, i + d/2) turned by its position's angle, in x's
+    dtype (Megatron-DeepSpeed rotates in the compute dtype). Per head and position: TP's head split is exact."""
+    x1, x2 = x.chunk(2, dim=-1)
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
 def core_attention(q, k, v, dropout_p=0.0, stable=False, layer_scaling=None, bias=None):
@@ -176,10 +248,8 @@ class Attention(nn.Module):
     def __init__(self, cfg: GPTConfig, layer_number: int, grid: parallel.Grid):
         super().__init__()
         h, heads = cfg.hidden_size, cfg.num_attention_heads
-        if h % heads:
-            raise ValueError(f"hidden_size ({h}) is not divisible by num_attention_heads ({heads})")
         self.head_dim = h // heads
-        self.local_heads = parallel._divide(heads, grid.tp_size, "num_attention_heads")
+        self.local_heads = parallel.divide(heads, grid.tp_size, "num_attention_heads")
         # One fused projection laid out head by head ([heads, 3, head_dim] as in Megatron), so that a contiguous
         # TP slice of the output features is a set of whole heads.
         self.qkv = ColumnParallelLinear(h, 3 * h, grid=grid)
@@ -195,8 +265,7 @@ class Attention(nn.Module):
         # are partial sums, which parallel.reduce_gradients adds up over TP (`tp_partial`).
         self.q_norm = self.k_norm = None
         if cfg.qk_layernorm:
-            self.q_norm = nn.LayerNorm(self.head_dim, eps=cfg.layernorm_epsilon)
-            self.k_norm = nn.LayerNorm(self.head_dim, eps=cfg.layernorm_epsilon)
+            self.q_norm, self.k_norm = norm(cfg, self.head_dim), norm(cfg, self.head_dim)
             for p in (*self.q_norm.parameters(), *self.k_norm.parameters()):
                 p.tp_partial = True
         self.dropout = cfg.attention_dropout
@@ -204,12 +273,15 @@ class Attention(nn.Module):
         self.layer_scaling = float(layer_number) if cfg.apply_query_key_layer_scaling else None
         self.probe = None  # telemetry.py sets it on the iterations it records: probe(q, k)
 
-    def forward(self, x, bias=None):
+    def forward(self, x, bias=None, rotary=None):
+        """bias: ALiBi's (heads, seq, seq) scores bias; rotary: the (cos, sin) that turn q and k (GPT.positions)."""
         B, T, _ = x.shape
         q, k, v = self.qkv(x).view(B, T, self.local_heads, 3, self.head_dim).transpose(1, 2).unbind(dim=3)
-        if self.q_norm is not None:  # in fp32 under autocast, as every LayerNorm (lesson 6)
+        if self.q_norm is not None:  # statistics in fp32, as every LayerNorm (lesson 6)
             q, k = self.q_norm(q), self.k_norm(k)
-        if self.probe is not None:  # the softmax's q and k (after qk-layernorm; ALiBi's bias not included)
+        if rotary is not None:  # after qk-layernorm, as OLMo 2: the norm sees the features, not their rotation
+            q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
+        if self.probe is not None:  # the softmax's q and k (after qk-layernorm and rotary; not ALiBi's bias)
             self.probe(q, k)
         dropout = self.dropout if self.training else 0.0
         # this rank's heads only: their dropout masks come from the model-parallel stream (lesson 22)
@@ -224,6 +296,18 @@ class Attention(nn.Module):
 # MLP and block
 
 
+def norm(cfg: GPTConfig, size: int):
+    """Every normalization of the model (blocks, embedding, final, qk-layernorm, NormFormer's): LayerNorm, whose
+    statistics PyTorch computes in fp32 for half inputs (lesson 6). A fork's RMSNorm replaces this line."""
+    return nn.LayerNorm(size, eps=cfg.layernorm_epsilon)
+
+
+def mlp(cfg: GPTConfig, grid: parallel.Grid):
+    """The block's feed-forward. A fork's MLP (a gated SwiGLU: a class beside MLP) is chosen here; the parameter
+    count and FLOPs follow from the model as built."""
+    return MLP(cfg, grid)
+
+
 ACTIVATIONS = {
     "gelu": F.gelu,
     "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
@@ -234,14 +318,12 @@ ACTIVATIONS = {
 class MLP(nn.Module):
     def __init__(self, cfg: GPTConfig, grid: parallel.Grid):
         super().__init__()
-        if cfg.activation not in ACTIVATIONS:
-            raise ValueError(f"activation={cfg.activation!r} is not one of {sorted(ACTIVATIONS)}")
         self.fc1 = ColumnParallelLinear(cfg.hidden_size, 4 * cfg.hidden_size, grid=grid)
         self.fc2 = RowParallelLinear(4 * cfg.hidden_size, cfg.hidden_size, grid=grid)
         self.fc2.weight.is_output_layer = True
         self.act = ACTIVATIONS[cfg.activation]
         # NormFormer's LayerNorm after the activation. Its statistics would span TP ranks: model.py refuses TP>1.
-        self.ln = nn.LayerNorm(4 * cfg.hidden_size, eps=cfg.layernorm_epsilon) if cfg.normformer else None
+        self.ln = norm(cfg, 4 * cfg.hidden_size) if cfg.normformer else None
 
     def forward(self, x):
         x = self.act(self.fc1(x))
@@ -253,16 +335,16 @@ class MLP(nn.Module):
 class Block(nn.Module):
     def __init__(self, cfg: GPTConfig, layer_number: int, grid: parallel.Grid):
         super().__init__()
-        eps = cfg.layernorm_epsilon
-        self.ln_1 = nn.LayerNorm(cfg.hidden_size, eps=eps)
+        h = cfg.hidden_size
+        self.ln_1 = norm(cfg, h)
         self.attn = Attention(cfg, layer_number, grid)
-        self.ln_attn = nn.LayerNorm(cfg.hidden_size, eps=eps) if cfg.normformer else None
-        self.ln_2 = nn.LayerNorm(cfg.hidden_size, eps=eps)
-        self.mlp = MLP(cfg, grid)
+        self.ln_attn = norm(cfg, h) if cfg.normformer else None
+        self.ln_2 = norm(cfg, h)
+        self.mlp = mlp(cfg, grid)
         self.dropout = nn.Dropout(cfg.hidden_dropout)
 
-    def forward(self, x, attn_bias=None):
-        a = self.attn(self.ln_1(x), attn_bias)
+    def forward(self, x, attn_bias=None, rotary=None):
+        a = self.attn(self.ln_1(x), attn_bias, rotary)
         if self.ln_attn is not None:
             a = self.ln_attn(a)
         x = x + self.dropout(a)
@@ -274,15 +356,16 @@ class Block(nn.Module):
 
 
 class Embedding(nn.Module):
-    """Word + learned position embeddings (none with ALiBi); the optional LayerNorm acts on the word embeddings
-    only, after the TP all-reduce, so its result does not depend on how the vocabulary is split (lesson 1)."""
+    """Word + learned position embeddings (none with ALiBi or rotary); the optional LayerNorm acts on the word
+    embeddings only, after the TP all-reduce, so its result does not depend on how the vocabulary is split
+    (lesson 1)."""
 
     def __init__(self, cfg: GPTConfig, grid: parallel.Grid):
         super().__init__()
         self.word = VocabParallelEmbedding(cfg.padded_vocab_size, cfg.hidden_size, grid=grid)
         learned = cfg.position_embedding_type == "learned"
         self.position = nn.Embedding(cfg.seq_length, cfg.hidden_size) if learned else None
-        self.norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon) if cfg.embed_layernorm else None
+        self.norm = norm(cfg, cfg.hidden_size) if cfg.embed_layernorm else None
         self.scale = math.sqrt(cfg.hidden_size) if cfg.scale_embeddings else 1.0
         p = cfg.hidden_dropout if cfg.embed_dropout is None else cfg.embed_dropout
         self.dropout = nn.Dropout(p)
@@ -311,11 +394,7 @@ class GPT(nn.Module):
     def __init__(self, cfg: GPTConfig, layers=None, pre_process=True, post_process=True, grid=None):
         super().__init__()
         grid = parallel.grid if grid is None else grid
-        if cfg.normformer and grid.tp_size > 1:
-            raise ValueError("normformer with tensor_model_parallel_size > 1 is not supported (its FFN LayerNorm "
-                             "would need statistics across TP ranks); use TP=1 or turn normformer off")
-        if cfg.position_embedding_type not in ("learned", "alibi"):
-            raise ValueError(f"position_embedding_type={cfg.position_embedding_type!r} is not 'learned' or 'alibi'")
+        cfg.check(grid.tp_size)
         self.cfg, self.grid = cfg, grid
         # ALiBi: this TP rank's heads are a contiguous slice of all heads, and so are their slopes.
         self.alibi_heads = None
@@ -326,7 +405,7 @@ class GPT(nn.Module):
         self.pre_process, self.post_process = pre_process, post_process
         self.embed = Embedding(cfg, grid) if pre_process else None
         self.blocks = nn.ModuleDict({str(i): Block(cfg, i + 1, grid) for i in layers})
-        self.ln_f = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon) if post_process else None
+        self.ln_f = norm(cfg, cfg.hidden_size) if post_process else None
         # A last stage without the embedding keeps its own copy of the word embedding for the tied output layer;
         # parallel.py all-reduces the two copies' gradients every step (lesson 11).
         self.output_weight = None
@@ -379,15 +458,10 @@ class GPT(nn.Module):
                 if cfg.embed_init == "xavier_uniform":  # bitsandbytes StableEmbedding
                     bound = math.sqrt(6.0 / (cfg.vocab_size + full_shape[1]))
                     real.uniform_(-bound, bound, generator=gen)
-                elif cfg.embed_init == "normal":
-                    real.normal_(0.0, cfg.std if cfg.embed_init_std is None else cfg.embed_init_std, generator=gen)
                 else:
-                    raise ValueError(f"embed_init={cfg.embed_init!r} is not 'normal' or 'xavier_uniform'")
+                    real.normal_(0.0, cfg.std if cfg.embed_init_std is None else cfg.embed_init_std, generator=gen)
             elif name == "embed.position.weight" and cfg.position_embedding_init == "sinusoidal":
                 full.copy_(sinusoidal_positions(*full_shape))
-            elif name == "embed.position.weight" and cfg.position_embedding_init != "normal":
-                raise ValueError(f"position_embedding_init={cfg.position_embedding_init!r} is not 'normal' or "
-                                 "'sinusoidal'")
             else:
                 std = cfg.std
                 if getattr(p, "is_output_layer", False):
@@ -406,15 +480,12 @@ class GPT(nn.Module):
         reports the lm loss alone."""
         if self.pre_process:
             x = self.embed(x)
-        bias = None
-        if self.alibi_heads is not None:  # one bias for all layers, fp32 at least (fp64 for an fp64 model)
-            slopes = alibi_slopes(self.cfg.num_attention_heads, self.alibi_heads, x.device)
-            bias = alibi_bias(slopes, x.shape[1], torch.promote_types(x.dtype, torch.float32), x.device)
+        bias, rotary = self.positions(x)
         for block in self.blocks.values():
             if self.cfg.checkpoint_activations and self.training:
-                x = rng.checkpoint(block, x, bias)  # recomputed with both dropout streams replayed (lesson 22)
+                x = rng.checkpoint(block, x, bias, rotary)  # recomputed with both dropout streams replayed (lesson 22)
             else:
-                x = block(x, bias)
+                x = block(x, bias, rotary)
         if not self.post_process:
             return x
         x = self.ln_f(x)
@@ -429,6 +500,17 @@ class GPT(nn.Module):
             self.z_loss_sum = self.z_loss_sum + z_loss * log_z.square().mean()  # stays on the device: no sync
             self.z_loss_count += 1
         return loss.mean()
+
+    def positions(self, x):
+        """(ALiBi's bias, rotary's (cos, sin)) for every layer's attention, None where the type has none (learned
+        positions are added to the embeddings). Built once per forward, fp32 at least (fp64 for an fp64 model)."""
+        dtype, T = torch.promote_types(x.dtype, torch.float32), x.shape[1]
+        if self.alibi_heads is not None:
+            slopes = alibi_slopes(self.cfg.num_attention_heads, self.alibi_heads, x.device)
+            return alibi_bias(slopes, T, dtype, x.device), None
+        if self.cfg.position_embedding_type == "rotary":
+            return None, rotary_cos_sin(T, self.cfg.hidden_size // self.cfg.num_attention_heads, dtype, x.device)
+        return None, None
 
     def pop_z_loss(self):
         """Mean z-loss of the training micro-batches since the last call (a 0-dim tensor; 0 on a stage without

@@ -8,6 +8,7 @@ Tensor parallelism follows the Megatron-LM paper (arXiv 1909.08053): a column-pa
 row-parallel one needs one all-reduce forward (the paper's g) and one backward (its conjugate f).
 """
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -42,28 +43,28 @@ class Grid:
         self.pp_rank = self.rank // (tp * dp)
         self.is_first_stage = self.pp_rank == 0
         self.is_last_stage = self.pp_rank == pp - 1
-        self.next_rank = self._rank_of(self.tp_rank, self.dp_rank, (self.pp_rank + 1) % pp)
-        self.prev_rank = self._rank_of(self.tp_rank, self.dp_rank, (self.pp_rank - 1) % pp)
+        self.next_rank = self.rank_of(self.tp_rank, self.dp_rank, (self.pp_rank + 1) % pp)
+        self.prev_rank = self.rank_of(self.tp_rank, self.dp_rank, (self.pp_rank - 1) % pp)
         self.tp_group = self.dp_group = self.pp_group = self.mp_group = self.embedding_group = None
         if on_paper or not dist.is_initialized():
             return
         # new_group must be called by every rank for every group, in the same order.
         for p in range(pp):
             for d in range(dp):
-                self._group("tp_group", [self._rank_of(t, d, p) for t in range(tp)])
+                self._group("tp_group", [self.rank_of(t, d, p) for t in range(tp)])
         for p in range(pp):
             for t in range(tp):
-                self._group("dp_group", [self._rank_of(t, d, p) for d in range(dp)])
+                self._group("dp_group", [self.rank_of(t, d, p) for d in range(dp)])
         for d in range(dp):
             for t in range(tp):
-                ranks = [self._rank_of(t, d, p) for p in range(pp)]
+                ranks = [self.rank_of(t, d, p) for p in range(pp)]
                 self._group("pp_group", ranks)
                 # The tied word embedding lives on the first and the last stage (lesson 11).
                 self._group("embedding_group", sorted({ranks[0], ranks[-1]}))
         for d in range(dp):
-            self._group("mp_group", [self._rank_of(t, d, p) for p in range(pp) for t in range(tp)])
+            self._group("mp_group", [self.rank_of(t, d, p) for p in range(pp) for t in range(tp)])
 
-    def _rank_of(self, tp_rank, dp_rank, pp_rank):
+    def rank_of(self, tp_rank, dp_rank, pp_rank):
         return (pp_rank * self.dp_size + dp_rank) * self.tp_size + tp_rank
 
     def _group(self, attr, ranks):
@@ -193,7 +194,7 @@ def shard(full, dim, grid=None):
     return full.chunk(g.tp_size, dim=dim)[g.tp_rank]
 
 
-def _divide(n, parts, what):
+def divide(n, parts, what):
     if n % parts:
         raise ValueError(f"{what} ({n}) is not divisible by tensor_model_parallel_size ({parts})")
     return n // parts
@@ -203,7 +204,7 @@ class ColumnParallelLinear(nn.Linear):
     """Y = X A with A split by columns (output features): each rank computes its own slice of Y."""
 
     def __init__(self, in_features, out_features, bias=True, grid=None):
-        super().__init__(in_features, _divide(out_features, _this(grid).tp_size, "output features"), bias=bias)
+        super().__init__(in_features, divide(out_features, _this(grid).tp_size, "output features"), bias=bias)
         self.weight.tp_dim = 0
         if bias:
             self.bias.tp_dim = 0
@@ -216,7 +217,7 @@ class RowParallelLinear(nn.Linear):
     """Y = X A with A split by rows (input features): partial products are summed across ranks."""
 
     def __init__(self, in_features, out_features, bias=True, grid=None):
-        super().__init__(_divide(in_features, _this(grid).tp_size, "input features"), out_features, bias=bias)
+        super().__init__(divide(in_features, _this(grid).tp_size, "input features"), out_features, bias=bias)
         self.weight.tp_dim = 1
 
     def forward(self, x):
@@ -232,7 +233,7 @@ class VocabParallelEmbedding(nn.Embedding):
 
     def __init__(self, num_embeddings, embedding_dim, grid=None):
         g = _this(grid)
-        super().__init__(_divide(num_embeddings, g.tp_size, "padded vocabulary"), embedding_dim)
+        super().__init__(divide(num_embeddings, g.tp_size, "padded vocabulary"), embedding_dim)
         self.weight.tp_dim = 0
         self.vocab_start = g.tp_rank * self.num_embeddings
 
@@ -313,12 +314,12 @@ def vocab_parallel_cross_entropy(logits, target, vocab_size=None, z_loss=0.0):
     return _VocabParallelCrossEntropy.apply(logits, target, vocab_size, z_loss)
 
 
-def _unwrap(model):
+def unwrap(model):
     """The GPT stage inside a DeepSpeed engine (or the model itself)."""
     return getattr(model, "module", model)
 
 
-def backward(model, out, grad=None):
+def backward(out, grad=None):
     """out.backward(grad): a stage's loss, or its output with the gradient that came back from the next stage."""
     torch.autograd.backward(out, grad)
 
@@ -330,8 +331,12 @@ def backward(model, out, grad=None):
 # known on both sides -- (micro batch, sequence length, hidden) with the sequence length of *this* batch, which
 # the curriculum changes from step to step -- and only the tensor itself travels.
 
+# Host seconds this process spent in the 1F1B schedule and, inside it, in communicate(): posting the messages
+# and waiting for the neighbouring stages. bench.py reads them as each stage's pipeline bubble.
+pipeline_seconds = {"schedule": 0.0, "communicate": 0.0}
 
-def _communicate(send_next=None, send_prev=None, recv_prev=None, recv_next=None):
+
+def communicate(send_next=None, send_prev=None, recv_prev=None, recv_next=None):
     """Post all sends and receives at once and wait for all of them. recv_* are buffers to fill (or None).
 
     Posting both directions as one batch is what keeps neighbours that send to each other at the same moment
@@ -342,8 +347,10 @@ def _communicate(send_next=None, send_prev=None, recv_prev=None, recv_next=None)
         (dist.isend, send_next, grid.next_rank), (dist.isend, send_prev, grid.prev_rank),
         (dist.irecv, recv_prev, grid.prev_rank), (dist.irecv, recv_next, grid.next_rank)) if tensor is not None]
     if ops:
+        start = time.perf_counter()
         for request in dist.batch_isend_irecv(ops):
             request.wait()
+        pipeline_seconds["communicate"] += time.perf_counter() - start
     return recv_prev, recv_next
 
 
@@ -355,8 +362,9 @@ def pipeline_forward_backward(model, batches, loss_scale=1.0, forward_only=False
     (PipeDream-Flush, arXiv 2104.04473). Each micro-batch's loss is divided by the number of micro-batches
     and multiplied by loss_scale before backward, exactly as train.forward_backward does with one stage.
     Returns the mean loss on the last stage and 0 elsewhere (average_loss broadcasts the real one)."""
+    start = time.perf_counter()
     g, m = grid, len(batches)
-    gpt = _unwrap(model)
+    gpt = unwrap(model)
     # Activations and their gradients cross stage boundaries in the compute dtype, that of the weights: fp16/bf16
     # under mixed precision (half the traffic of fp32, as in Megatron), fp32 otherwise.
     dtype = next(gpt.parameters()).dtype
@@ -384,7 +392,7 @@ def pipeline_forward_backward(model, batches, loss_scale=1.0, forward_only=False
         return out
 
     def backward_step(received, out, grad_out):
-        backward(model, out, None if g.is_last_stage else grad_out.to(out.dtype))
+        backward(out, None if g.is_last_stage else grad_out.to(out.dtype))
         return None if received is None else received.grad.to(dtype).contiguous()
 
     def sendable(out):
@@ -392,35 +400,37 @@ def pipeline_forward_backward(model, batches, loss_scale=1.0, forward_only=False
 
     if forward_only:
         for i in range(m):
-            received, _ = _communicate(recv_prev=activation(i))
-            _communicate(send_next=sendable(forward_step(i, received)))
+            received, _ = communicate(recv_prev=activation(i))
+            communicate(send_next=sendable(forward_step(i, received)))
+        pipeline_seconds["schedule"] += time.perf_counter() - start
         return total / m
 
     # warm-up: forwards only, until the micro-batches in flight fill the stages after this one
     warmup = min(g.pp_size - g.pp_rank - 1, m)
     in_flight = []  # (received input, output) of micro-batches waiting for their backward, oldest first
     for i in range(warmup):
-        received, _ = _communicate(recv_prev=activation(i))
+        received, _ = communicate(recv_prev=activation(i))
         out = forward_step(i, received)
-        _communicate(send_next=sendable(out))
+        communicate(send_next=sendable(out))
         in_flight.append((received, out))
 
     # steady state: forward micro-batch i, then backward the oldest one in flight (1F1B)
-    received = _communicate(recv_prev=activation(warmup))[0] if warmup < m else None
+    received = communicate(recv_prev=activation(warmup))[0] if warmup < m else None
     for i in range(warmup, m):
         out = forward_step(i, received)
         in_flight.append((received, out))
-        _, grad_out = _communicate(send_next=sendable(out), recv_next=gradient(i - warmup))
+        _, grad_out = communicate(send_next=sendable(out), recv_next=gradient(i - warmup))
         grad_in = backward_step(*in_flight.pop(0), grad_out)
         if i == m - 1:
-            _communicate(send_prev=grad_in)
+            communicate(send_prev=grad_in)
         else:
-            received, _ = _communicate(send_prev=grad_in, recv_prev=activation(i + 1))
+            received, _ = communicate(send_prev=grad_in, recv_prev=activation(i + 1))
 
     # cool-down: the backwards of the warm-up's micro-batches
     for j in range(m - warmup, m):
-        _, grad_out = _communicate(recv_next=gradient(j))
-        _communicate(send_prev=backward_step(*in_flight.pop(0), grad_out))
+        _, grad_out = communicate(recv_next=gradient(j))
+        communicate(send_prev=backward_step(*in_flight.pop(0), grad_out))
+    pipeline_seconds["schedule"] += time.perf_counter() - start
     return total / m
 
 
@@ -441,16 +451,6 @@ def comm_device(backend=None):
     return torch.device("cpu")
 
 
-def all_reduce_scalars(values, op=dist.ReduceOp.SUM, group=None):
-    """A few Python numbers reduced across `group` (default: every rank) in one collective, as one float64 tensor
-    on the communication device, and back as a list of floats (one host sync)."""
-    if not dist.is_initialized():
-        return [float(v) for v in values]
-    t = torch.tensor(values, dtype=torch.float64, device=comm_device())
-    dist.all_reduce(t, op=op, group=group)
-    return t.tolist()
-
-
 def broadcast_scalars(values, src=0, group=None):
     """Rank src's Python numbers on every rank of `group` (src is a global rank): one collective, one sync."""
     if not dist.is_initialized():
@@ -468,7 +468,7 @@ def average_loss(loss):
         dist.all_reduce(loss, group=grid.dp_group)
         loss /= grid.dp_size
     if grid.pp_size > 1:
-        dist.broadcast(loss, src=grid._rank_of(grid.tp_rank, grid.dp_rank, grid.pp_size - 1), group=grid.pp_group)
+        dist.broadcast(loss, src=grid.rank_of(grid.tp_rank, grid.dp_rank, grid.pp_size - 1), group=grid.pp_group)
     return loss
 
 
@@ -582,13 +582,13 @@ class GradBuffer:
 
 def attach_grad_buffer(model, dtype, bucket_numel=2**22):
     """Give a stage model its GradBuffer over this rank's DP group (not under DeepSpeed, which has its own)."""
-    gpt = _unwrap(model)
+    gpt = unwrap(model)
     gpt.grad_buffer = GradBuffer(gpt.parameters(), dtype, grid.dp_group, grid.dp_size, bucket_numel)
     return gpt.grad_buffer
 
 
 def grad_buffer(model):
-    return getattr(_unwrap(model), "grad_buffer", None)
+    return getattr(unwrap(model), "grad_buffer", None)
 
 
 def main_grad(p):
@@ -611,7 +611,7 @@ def reduce_gradients(model, data_parallel=True):
        over TP, once per step (Megatron-LM does the same for qk-layernorm and sequence-parallel LayerNorms).
     Other replicated TP parameters (LayerNorms, row-parallel biases) need nothing: their gradients are computed
     from identical inputs on every TP rank (tests/test_parallel.py checks it; Megatron-DeepSpeed #271)."""
-    gpt = _unwrap(model)
+    gpt = unwrap(model)
     buffer = grad_buffer(gpt)
     if buffer is not None:
         buffer.finish()
@@ -637,12 +637,12 @@ def check_tp_replicas(model, resync=False, optimizer=None):
     the result. Returns (the largest |difference| over all ranks, [(name, |difference|)] of this rank's
     parameters that differ). resync=True then copies TP rank 0's values in, and its optimizer state of them
     (our optimizers or ZeroShardedOptimizer; a parameter's ZeRO owner is the same DP rank on every TP rank)."""
-    gpt = _unwrap(model)
+    gpt = unwrap(model)
     replicated = [(n, p) for n, p in gpt.named_parameters() if getattr(p, "tp_dim", None) is None]
     device = next(gpt.parameters()).device
     diffs = torch.zeros(len(replicated) + 1, dtype=torch.float32, device=device)
     if grid.tp_size > 1 and replicated:
-        src = grid._rank_of(0, grid.dp_rank, grid.pp_rank)
+        src = grid.rank_of(0, grid.dp_rank, grid.pp_rank)
         i = 0
         for bucket in _buckets([p for _, p in replicated], 2**24):
             reference = torch._utils._flatten_dense_tensors(bucket)
@@ -675,10 +675,10 @@ def check_tp_replicas(model, resync=False, optimizer=None):
     return worst, differ
 
 
-def _counted_once(model):
+def counted_once(model):
     """The parameters that make up the model exactly once across the model-parallel group: TP-split ones on
     every TP rank, replicated ones on TP rank 0 only, and not the last stage's copy of the tied embedding."""
-    gpt = _unwrap(model)
+    gpt = unwrap(model)
     copy = getattr(gpt, "output_weight", None)  # GPT's duplicate of the embedding (None unless PP > 1)
     return [p for p in gpt.parameters()
             if p is not copy and (getattr(p, "tp_dim", None) is not None or grid.tp_rank == 0)]
@@ -686,9 +686,9 @@ def _counted_once(model):
 
 def grad_norm(model):
     """Global L2 norm of the gradient (after reduce_gradients), the same on every rank: the squares of this
-    rank's share (_counted_once) summed over TP and PP ranks. DP ranks hold identical reduced gradients."""
-    grads = [g for g in map(main_grad, _counted_once(model)) if g is not None and g.numel()]
-    device = next(_unwrap(model).parameters()).device
+    rank's share (counted_once) summed over TP and PP ranks. DP ranks hold identical reduced gradients."""
+    grads = [g for g in map(main_grad, counted_once(model)) if g is not None and g.numel()]
+    device = next(unwrap(model).parameters()).device
     # Accumulated in fp64: fp16 would overflow, and an fp32 sum over millions of elements (CPU kernels) is off
     # by 1e-5, which clipping turns into runs that drift apart with the layout (TP=2 against one process).
     square = torch.zeros((), dtype=torch.float64, device=device)
@@ -701,8 +701,8 @@ def grad_norm(model):
 
 def count_zeros(model):
     """Megatron's "num zeros" over the whole model (each parameter once), the same on every rank."""
-    grads = [g for g in map(main_grad, _counted_once(model)) if g is not None]
-    device = next(_unwrap(model).parameters()).device
+    grads = [g for g in map(main_grad, counted_once(model)) if g is not None]
+    device = next(unwrap(model).parameters()).device
     zeros = torch.tensor(sum(g.numel() for g in grads), dtype=torch.int64, device=device)
     if grads:
         zeros -= torch.stack([torch.count_nonzero(g) for g in grads]).sum()
@@ -761,7 +761,7 @@ class ZeroShardedOptimizer:
             if not mine:
                 continue
             flat = torch._utils._flatten_dense_tensors(mine)
-            dist.broadcast(flat, src=grid._rank_of(grid.tp_rank, rank, grid.pp_rank), group=grid.dp_group)
+            dist.broadcast(flat, src=grid.rank_of(grid.tp_rank, rank, grid.pp_rank), group=grid.dp_group)
             for p, new in zip(mine, torch._utils._unflatten_dense_tensors(flat, mine)):
                 p.copy_(new)
 

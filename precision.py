@@ -12,7 +12,7 @@
 
 fp16 keeps fp16 gradients, as Megatron does by default (accumulate_allreduce_grads_in_fp32 is a bf16 setting):
 the loss scale keeps them in range, and they are copied to fp32 and unscaled only for the update. With fp16,
-apply_query_key_layer_scaling is on unless set (Megatron's default; arguments.validate).
+apply_query_key_layer_scaling is on unless set (Megatron's default; arguments.derive).
 
 There is no autocast: weights are stored in the compute dtype, so what runs is what Megatron ran, and the
 half-precision rounding of the residual stream (a source of the 104B's spikes) is reproduced, not hidden.

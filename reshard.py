@@ -24,10 +24,14 @@ draws fresh streams seeded from seed + iteration, and says so; bitsandbytes' 8-b
 changes (their quantization blocks run along the flattened tensor, which a new TP cut would split) and
 DeepSpeed's optimizer states (its own format): both are refused with the fix (the old layout, or no_load_optim).
 """
+import os
+from dataclasses import fields
+
 import torch
 
 import checkpoint
 import parallel
+from model import GPT, GPTConfig
 
 VOCAB_PARAMS = ("embed.word.weight", "output_weight")  # rows are the padded vocabulary
 TIED_COPY = {"output_weight": "embed.word.weight"}  # the last stage's copy of the tied word embedding
@@ -36,7 +40,7 @@ TIED_COPY = {"output_weight": "embed.word.weight"}  # the last stage's copy of t
 def param_names(model, optimizer):
     """Names of the parameters in the order of optimizer.state_dict()'s integer keys (saved next to the optimizer
     state, so that another layout can find an entry by name). For ZeRO-1: this DP rank's shard only."""
-    names = {id(p): n for n, p in parallel._unwrap(model).named_parameters()}
+    names = {id(p): n for n, p in parallel.unwrap(model).named_parameters()}
     # Under fp16/bf16 the optimizer steps fp32 masters (precision.MixedPrecisionOptimizer, possibly inside
     # parallel.ZeroShardedOptimizer): its model_params are the model's parameters in the same order.
     params = getattr(optimizer, "model_params", None)
@@ -85,7 +89,7 @@ class SavedLayout:
         return self._ranks[tp, dp, pp]
 
 
-def _slice(pieces, dim, real, total, tp, rank):
+def reslice(pieces, dim, real, total, tp, rank):
     """This rank's part, along dim, of the tensor whose old TP slices are `pieces`: of their concatenation only
     the first `real` entries count (the rest is vocabulary padding); the new full tensor has `total` entries
     (zero padding after the real ones) cut into tp equal parts. Copies only the overlapping ranges."""
@@ -143,7 +147,7 @@ class Resharder:
             raise ValueError(f"checkpoint {self.old.tag_dir}: {name!r} has {self.old.tp} slices of shape "
                              f"{tuple(pieces[0].shape)}, this model needs {tuple(live_shape)} x TP "
                              f"{self.grid.tp_size}: the model config differs from the checkpoint's")
-        return _slice(pieces, tp_dim, real, total, self.grid.tp_size, self.grid.tp_rank)
+        return reslice(pieces, tp_dim, real, total, self.grid.tp_size, self.grid.tp_rank)
 
     def model_state(self):
         old = self.old
@@ -267,7 +271,7 @@ def load(tag_dir, saved_topology, model, optimizer, cfg, need_optimizer=True):
     """(model_state, run_state, rank_state) for this rank from a checkpoint of another layout, in the format
     checkpoint.load returns; rank_state's "rng" is None (see the module docstring). need_optimizer=False
     (no_load_optim, an optimizer reset) skips the optimizer state, whatever its format."""
-    gpt = parallel._unwrap(model)
+    gpt = parallel.unwrap(model)
     layout = SavedLayout(tag_dir, saved_topology)
     resharder = Resharder(layout, gpt)
     model_state = resharder.model_state()
@@ -278,3 +282,24 @@ def load(tag_dir, saved_topology, model, optimizer, cfg, need_optimizer=True):
                              "or set no_load_optim (the weights are resharded, the optimizer starts fresh)")
         optimizer_state = resharder.optimizer_state(optimizer, model, cfg.use_bnb_optimizer)
     return model_state, layout.run, {"optimizer": optimizer_state, "rng": None}
+
+
+def load_full_model(load_dir):
+    """The model of load_dir's latest checkpoint, whatever its layout, gathered into this one process (TP=1,
+    PP=1, the vocabulary padded for one process), on the CPU in eval mode: (GPT, the checkpoint's training config
+    as a dict, its tag directory). What tools/sample.py and tools/export_hf.py read."""
+    if parallel.grid.world_size != 1:
+        raise ValueError("a checkpoint is gathered into one process: run this as one process")
+    if not os.path.isdir(load_dir):
+        raise ValueError(f"checkpoint directory {load_dir} does not exist")
+    tag_dir = checkpoint.latest_dir(load_dir)
+    if tag_dir is None:
+        raise ValueError(f"{load_dir} holds no checkpoint (no '{checkpoint.LATEST}' file)")
+    layout = SavedLayout(tag_dir, checkpoint.saved_topology(tag_dir))
+    saved = layout.config
+    cfg = GPTConfig(**{f.name: saved[f.name] for f in fields(GPTConfig) if f.name in saved})
+    cfg.tensor_model_parallel_size = 1
+    with torch.device("cpu"):
+        gpt = GPT(cfg).eval()
+    gpt.load_state_dict(Resharder(layout, gpt).model_state())
+    return gpt, saved, tag_dir

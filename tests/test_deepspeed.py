@@ -22,8 +22,7 @@ import torch
 import torch.distributed as dist
 
 import parallel
-from test_parallel import E2E_ARGS, ROOT, spawn
-from test_parallel import corpus  # noqa: F401 (the synthetic corpus fixture)
+from helpers import E2E_ARGS, ROOT, gather, spawn, synthetic_corpus  # noqa: F401 (synthetic_corpus: a fixture)
 
 E2E = list(E2E_ARGS)  # --save=none: a run that saves passes --save=DIR after it (the later value wins)
 
@@ -78,30 +77,24 @@ class Recorder:
         return self.steps
 
 
-def _gather(t, group):
-    parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, t.contiguous(), group=group)
-    return parts
-
-
 def _check_replicas(model, what):
     """Bitwise: the tied embedding's two copies, TP-replicated parameters across TP, everything across DP."""
     g = parallel.grid
     if g.pp_size > 1 and (g.is_first_stage or g.is_last_stage):
-        first, last = _gather(model.word_embedding_weight().detach(), g.embedding_group)
+        first, last = gather(model.word_embedding_weight().detach(), g.embedding_group)
         assert torch.equal(first, last), f"{what}: the tied embedding's two copies differ"
     for name, p in model.named_parameters():
         if getattr(p, "tp_dim", None) is None and g.tp_size > 1:
-            assert all(torch.equal(q, p) for q in _gather(p.detach(), g.tp_group)), f"{what}: {name} across TP"
+            assert all(torch.equal(q, p) for q in gather(p.detach(), g.tp_group)), f"{what}: {name} across TP"
         if g.dp_size > 1:
-            assert all(torch.equal(q, p) for q in _gather(p.detach(), g.dp_group)), f"{what}: {name} across DP"
+            assert all(torch.equal(q, p) for q in gather(p.detach(), g.dp_group)), f"{what}: {name} across DP"
 
 
-def _matrix(rec, corpus, layouts):
+def _matrix(rec, synthetic_corpus, layouts):
     """layouts: (TP, PP, {precision: zero stages}). Per layout and precision: the native run, then DeepSpeed
     at each stage against it. Prints the worst relative differences (pytest -s shows them)."""
     for tp, pp, runs in layouts:
-        layout = [f"--data_path={corpus}", f"--tensor_model_parallel_size={tp}",
+        layout = [f"--data_path={synthetic_corpus}", f"--tensor_model_parallel_size={tp}",
                   f"--pipeline_model_parallel_size={pp}"]
         for precision, stages in runs.items():
             flags = ["--bf16"] if precision == "bf16" else []
@@ -130,20 +123,20 @@ def _matrix(rec, corpus, layouts):
                           f" grad norm {worst[1]:.1e}", file=sys.stderr, flush=True)
 
 
-def _world2(corpus, tmp):
+def _world2(synthetic_corpus, tmp):
     os.environ["DS_ACCELERATOR"] = "cpu"
     rec = Recorder()
-    _matrix(rec, corpus, [(1, 1, {"bf16": (0, 1, 2)}),  # DP=2
+    _matrix(rec, synthetic_corpus, [(1, 1, {"bf16": (0, 1, 2)}),  # DP=2
                           (2, 1, {"bf16": (0, 1, 2), "fp32": (1, 2)}),  # TP=2
                           (1, 2, {"bf16": (0, 1)})])  # PP=2: the last run, resumed below
     full = rec.steps
     _accumulates_in_fp32(rec)
-    _resumes_exactly(rec, corpus, tmp, full)
+    _resumes_exactly(rec, synthetic_corpus, tmp, full)
 
 
-def _world4(corpus):
+def _world4(synthetic_corpus):
     os.environ["DS_ACCELERATOR"] = "cpu"
-    _matrix(Recorder(), corpus, [(2, 2, {"bf16": (0, 1)}),  # TP=2 x PP=2
+    _matrix(Recorder(), synthetic_corpus, [(2, 2, {"bf16": (0, 1)}),  # TP=2 x PP=2
                                  (1, 2, {"bf16": (0, 1)})])  # PP=2 x DP=2
 
 
@@ -178,12 +171,12 @@ def _accumulates_in_fp32(rec):
     wrapper.zero_grad()
 
 
-def _resumes_exactly(rec, corpus, tmp, full):
+def _resumes_exactly(rec, synthetic_corpus, tmp, full):
     """PP=2, DeepSpeed bf16 ZeRO-1: 5 iterations, save, resume for 5 more: the same numbers bit for bit as the
     uninterrupted run (`full`), the fp32 master weights and Adam's step counter from the rank files, and every
     stage's weights the same after the load as before the save."""
-    args = [f"--data_path={corpus}", "--bf16", "--deepspeed", "--zero_stage=1", "--pipeline_model_parallel_size=2",
-            f"--save={tmp}", "--dump_weights"]
+    args = [f"--data_path={synthetic_corpus}", "--bf16", "--deepspeed", "--zero_stage=1",
+            "--pipeline_model_parallel_size=2", f"--save={tmp}", "--dump_weights"]
     assert rec.run(*args, "--exit_interval=5") == full[:5]
     steps = torch.load(os.path.join(tmp, "global_step5", f"rank_{parallel.grid.rank:05d}_optim_states.pt"),
                        weights_only=False)["optimizer"]["base_optimizer_state"]["state"]
@@ -197,21 +190,21 @@ def _resumes_exactly(rec, corpus, tmp, full):
 
 
 @pytest.mark.slow
-def test_deepspeed_matches_native_dp2_tp2_pp2_and_resumes_exactly(corpus, tmp_path):
-    spawn(_world2, 2, 1, 1, corpus, str(tmp_path))
+def test_deepspeed_matches_native_dp2_tp2_pp2_and_resumes_exactly(synthetic_corpus, tmp_path):
+    spawn(_world2, 2, 1, 1, synthetic_corpus, str(tmp_path))
 
 
 @pytest.mark.slow
-def test_deepspeed_bf16_matches_native_tp2xpp2_pp2xdp2(corpus):
-    spawn(_world4, 4, 1, 1, corpus)
+def test_deepspeed_bf16_matches_native_tp2xpp2_pp2xdp2(synthetic_corpus):
+    spawn(_world4, 4, 1, 1, synthetic_corpus)
 
 
-def _one_process(corpus):
+def _one_process(synthetic_corpus):
     os.environ["DS_ACCELERATOR"] = "cpu"
     assert not dist.is_initialized()
     rec = Recorder()
-    native = rec.run(f"--data_path={corpus}", "--bf16", "--train_iters=3")
-    steps = rec.run(f"--data_path={corpus}", "--bf16", "--train_iters=3", "--deepspeed", "--zero_stage=1")
+    native = rec.run(f"--data_path={synthetic_corpus}", "--bf16", "--train_iters=3")
+    steps = rec.run(f"--data_path={synthetic_corpus}", "--bf16", "--train_iters=3", "--deepspeed", "--zero_stage=1")
     assert len(steps) == len(native) == 3
     for got, ref in zip(steps, native):
         assert got[2] == "ok", got
@@ -219,10 +212,10 @@ def _one_process(corpus):
 
 
 @pytest.mark.slow
-def test_deepspeed_in_one_process(corpus):
+def test_deepspeed_in_one_process(synthetic_corpus):
     """python train.py --deepspeed (no torchrun): a one-process group is made for DeepSpeed, and the run is
     the native one."""
-    spawn(_one_process, 1, 1, 1, corpus)
+    spawn(_one_process, 1, 1, 1, synthetic_corpus)
 
 
 # -----------------------------------------------------------------------------

@@ -10,10 +10,9 @@ import pytest
 import torch
 
 import data
-from helpers import ROOT, corpus, losses, run_main  # noqa: F401 (corpus is a fixture)
+import reshard
+from helpers import ROOT, build_tokenizer_file, corpus, launch, losses, play_corpus, run_main  # noqa: F401
 from model import GPTConfig
-from test_parallel import train
-from test_tokenizer_file import _corpus, build_tokenizer_file
 
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 import export_hf  # noqa: E402
@@ -33,6 +32,9 @@ TINY = ["--num_layers=2", "--hidden_size=32", "--num_attention_heads=4", "--seq_
     (dict(normformer=True), "normformer=True"),
     (dict(scale_embeddings=True), "scale_embeddings=True"),
     (dict(qk_layernorm=True), "qk_layernorm=True"),
+    (dict(position_embedding_type="rotary"), "position_embedding_type='rotary'"),
+    (dict(position_embedding_type="rotary", embed_layernorm=True, activation="gelu_tanh"),
+     "neither has rotary embeddings"),
 ])
 def test_what_neither_class_expresses_is_refused(switches, message):
     with pytest.raises(ValueError, match=message):
@@ -46,7 +48,7 @@ def test_what_neither_class_expresses_is_refused(switches, message):
 @pytest.mark.slow
 def test_gpt2_export_from_tp2(corpus, tmp_path):  # noqa: F811
     # GPT-2's real vocabulary: 50257 is padded to 50432 for TP=2, and the export must drop those rows
-    train(tmp_path, 2, *TINY, f"--data_path={corpus}", "--vocab_size=50257", "--train_iters=2",
+    launch(tmp_path, 2, *TINY, f"--data_path={corpus}", "--vocab_size=50257", "--train_iters=2",
           "--tensor_model_parallel_size=2", f"--save={tmp_path / 'ckpt'}", "--activation=gelu_tanh",
           "--embed_layernorm=false")
     diff, hf, tok = export_hf.export(str(tmp_path / "ckpt"), str(tmp_path / "hf"))
@@ -65,12 +67,12 @@ def play(tmp_path_factory):
     """A tokenizer.json of 400 tokens (</s> ends documents) and a play tokenized with it."""
     tmp = tmp_path_factory.mktemp("play")
     tokenizer_file = build_tokenizer_file(tmp / "tokenizer.json")
-    return tokenizer_file, _corpus(tokenizer_file, tmp)
+    return tokenizer_file, play_corpus(tokenizer_file, tmp)
 
 
 def _greedy_matches(hf, tok, gpt_dir, prompt="ROMEO:\n", new=16):
     ids = torch.tensor([tok(prompt)["input_ids"]])
-    gpt, _, _ = export_hf.load_full_model(gpt_dir)
+    gpt, _, _ = reshard.load_full_model(gpt_dir)
     ours = gpt.generate(ids, new, top_k=1)  # top-1 sampling is greedy
     theirs = hf.generate(ids, max_new_tokens=new, do_sample=False, min_new_tokens=new)
     assert ours.tolist() == theirs.tolist(), (tok.decode(ours[0]), tok.decode(theirs[0]))
@@ -79,7 +81,7 @@ def _greedy_matches(hf, tok, gpt_dir, prompt="ROMEO:\n", new=16):
 @pytest.mark.slow
 def test_bloom_export_from_tp2_generates_the_same_tokens(play, tmp_path):
     tokenizer_file, prefix = play
-    train(tmp_path, 2, *TINY, f"--data_path={prefix}", f"--tokenizer_file={tokenizer_file}", "--vocab_size=400",
+    launch(tmp_path, 2, *TINY, f"--data_path={prefix}", f"--tokenizer_file={tokenizer_file}", "--vocab_size=400",
           "--position_embedding_type=alibi", "--embed_layernorm", "--activation=gelu_tanh", "--train_iters=4",
           "--tensor_model_parallel_size=2", f"--save={tmp_path / 'ckpt'}")
     diff, hf, tok = export_hf.export(str(tmp_path / "ckpt"), str(tmp_path / "hf"))

@@ -98,7 +98,7 @@ def test_independent_weight_decay_per_step_does_not_depend_on_the_lr():
 
 
 def test_weight_decay_independent_reaches_the_optimizer_from_the_config():
-    cfg = arguments.validate(arguments.load_config(["--num_layers=1", "--hidden_size=16", "--num_attention_heads=2",
+    cfg = arguments.prepare(arguments.load_config(["--num_layers=1", "--hidden_size=16", "--num_attention_heads=2",
                                                     "--seq_length=8", "--vocab_size=512", "--lr=0.02",
                                                     "--weight_decay=1e-4", "--weight_decay_independent"]))
     model = train.build_model(cfg, torch.device("cpu"))
@@ -112,7 +112,7 @@ def test_weight_decay_independent_reaches_the_optimizer_from_the_config():
 
 def test_telemetry_precursors_match_direct_computation():
     H, T, D = 2, 16, 16
-    cfg = arguments.validate(arguments.load_config(["--num_layers=2", "--hidden_size=32", "--num_attention_heads=2",
+    cfg = arguments.prepare(arguments.load_config(["--num_layers=2", "--hidden_size=32", "--num_attention_heads=2",
                                                     "--seq_length=16", "--micro_batch_size=2", "--global_batch_size=4",
                                                     "--hidden_dropout=0", "--attention_dropout=0", "--lr=1e-3",
                                                     "--init_method_std=0.1",
@@ -169,7 +169,7 @@ def test_telemetry_precursors_match_direct_computation():
 def test_attention_entropy_of_uniform_and_one_hot_attention():
     """Zero queries and keys attend uniformly: entropy ln(t) at query t (1-based), so the mean over T queries is
     mean(ln 1 .. ln T); a huge logit on the diagonal makes it 0."""
-    cfg = arguments.validate(arguments.load_config(["--num_layers=1", "--hidden_size=32", "--num_attention_heads=2",
+    cfg = arguments.prepare(arguments.load_config(["--num_layers=1", "--hidden_size=32", "--num_attention_heads=2",
                                                     "--seq_length=8", "--vocab_size=512"]))
     model = train.build_model(cfg, torch.device("cpu"))
     recorder = telemetry.Telemetry(model, cfg)

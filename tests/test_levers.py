@@ -8,6 +8,7 @@ import torch
 
 import arguments
 import data
+import schedule
 import train
 from helpers import SMALL, corpus, log_fields, losses, run_cli, run_main  # noqa: F401 (corpus is a fixture)
 
@@ -82,12 +83,12 @@ def test_skip_grad_norm_above_skips_without_updating(corpus, tmp_path):
     assert all(f["number of skipped iterations"] == "1" for f in fields.values())
     model_state, opt, _ = checkpoint_state(tmp_path, 3)
     assert opt["state"] == {}  # never stepped
-    fresh = train.build_model(arguments.validate(arguments.load_config(list(SMALL))), torch.device("cpu"))
+    fresh = train.build_model(arguments.prepare(arguments.load_config(list(SMALL))), torch.device("cpu"))
     assert all(torch.equal(v, model_state[k]) for k, v in fresh.state_dict().items())
 
 
 def test_nan_loss_never_updates_the_weights():
-    cfg = arguments.validate(arguments.load_config([*SMALL, *NO_DROPOUT, "--train_iters=1"]))
+    cfg = arguments.prepare(arguments.load_config([*SMALL, *NO_DROPOUT, "--train_iters=1"]))
     model = train.build_model(cfg, torch.device("cpu"))
     optimizer = train.build_optimizer(cfg, model)
     with torch.no_grad():
@@ -117,7 +118,7 @@ def test_batch_size_rampup_follows_megatron(corpus):
     out = run_main(*SMALL, "--micro_batch_size=4", "--global_batch_size=12", "--rampup_batch_size", "4", "4", "40",
                    "--train_samples=120", "--train_iters=none")
     fields = log_fields(out)
-    ramp = data.RampupBatchSize([4, 4, 40], 12, 4, 1)
+    ramp = schedule.RampupBatchSize([4, 4, 40], 12, 4, 1)
     consumed = 0
     for i in sorted(fields):
         expected = ramp(consumed)
@@ -140,7 +141,7 @@ def test_curriculum_truncates_counts_tokens_and_evaluates_at_full_length(corpus,
     fields = log_fields(out)
     tokens = 0
     for i in range(1, 11):
-        seqlen = data.curriculum_seqlen(i, 16, 64, 8, 8)
+        seqlen = schedule.curriculum_seqlen(i, 16, 64, 8, 8)
         assert int(fields[i]["curriculum seqlen"]) == seqlen
         tokens += 8 * seqlen
         assert int(fields[i]["consumed tokens"]) == tokens
@@ -210,8 +211,8 @@ def test_show_samples_tool_prints_what_an_iteration_consumed(corpus):
                            "--train_iters=4", "--max_chars=100000"], cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     assert "=== iteration 2: samples 8-15, seqlen 64" in proc.stdout
-    cfg = arguments.validate(arguments.load_config([*SMALL, "--train_iters=4"]))
-    train_data, _ = train.build_data(cfg, train.Plan(cfg, 1))
+    cfg = arguments.prepare(arguments.load_config([*SMALL, "--train_iters=4"]))
+    train_data, _ = train.build_data(cfg, schedule.Schedule(cfg, 1))
     text = data.get_tokenizer().decode(train_data[8].tolist())
     assert text in proc.stdout
 
@@ -238,7 +239,7 @@ def test_reset_optimizer_with_lr0_warmup(corpus, tmp_path):
     (tmp_path / "latest").write_text("global_step6\n")
     again = run_main(*base, "--train_iters=9", f"--load={tmp_path}", "--reset_optimizer_warmup_iters=3")
     assert "ignored" in again and losses(again) == {i: losses(out)[i] for i in (7, 8, 9)}
-    assert arguments.reset_warmup_iters(arguments.load_config(["--adam_beta2=0.95", "--load=x",
+    assert schedule.reset_warmup_iters(arguments.load_config(["--adam_beta2=0.95", "--load=x",
                                                                "--reset_optimizer_warmup_iters"])) == 100
 
 

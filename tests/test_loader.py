@@ -8,7 +8,8 @@ import torch
 import arguments
 import data
 import loader
-import train
+import schedule
+from run_state import RunState
 
 
 @pytest.fixture(scope="module")
@@ -36,9 +37,9 @@ def test_prefetched_batches_equal_direct_ones_across_rampup_curriculum_and_skips
                                  "--curriculum_learning",
                                  "--min_difficulty=8", "--total_curriculum_step=12",
                                  "--skip_train_iteration_range", "4-5", "9-9", "20-21"])
-    arguments.validate(cfg, world_size=2)
+    arguments.prepare(cfg, world_size=2)
     dp_size, mbs = 2, cfg.micro_batch_size
-    plan = train.Plan(cfg, dp_size)
+    plan = schedule.Schedule(cfg, dp_size)
     seen = {"batch sizes": set(), "seqlens": set(), "skipped": 0, "wrong guesses": 0}
     for dp_rank in range(dp_size):
         loads = []
@@ -50,7 +51,7 @@ def test_prefetched_batches_equal_direct_ones_across_rampup_curriculum_and_skips
 
         with loader.Prefetcher(load, plan.next_key) as prefetcher:
             iteration = samples = tokens = 0
-            while not plan.done(iteration, samples, tokens):  # the training loop's bookkeeping
+            while not plan.done(RunState(iteration, samples, tokens)):  # the training loop's bookkeeping
                 iteration += 1
                 batch_size, seqlen = plan.batch_size(samples), plan.seqlen(iteration)
                 if plan.skipped(iteration):
@@ -98,7 +99,7 @@ def test_prefetch_thread_stops_on_close_and_when_dropped():
     prefetcher.close()
     assert threading.active_count() == before
     prefetcher = loader.Prefetcher(lambda k: k, lambda k: k + 1)
-    thread = prefetcher._thread
+    thread = prefetcher.thread
     assert thread.daemon  # never holds up the interpreter's exit
     del prefetcher
     thread.join(timeout=10)

@@ -8,9 +8,11 @@ import os
 
 import pytest
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 
 import arguments
+import model as model_module
 import parallel
 from model import GPT, GPTConfig, core_attention, sinusoidal_positions, unfused_attention
 
@@ -153,6 +155,29 @@ def test_padded_count_with_tensor_parallel():
     assert cfg.padded_vocab_size == 50688
     assert cfg.num_parameters(padded=True) == _formula(64, 11600, 50688, 2048)
     assert cfg.num_parameters() == _formula(64, 11600, 50257, 2048)
+
+
+@pytest.mark.parametrize("recompute, f", [(False, 3), (True, 4)])
+def test_flops_are_megatrons_formula(recompute, f):
+    """The log line's TFLOPs (lesson 23): 24 f B s n h^2 (1 + s/6h + V/16nh), f = 4 with recomputation."""
+    n, h, s, B = 64, 11600, 2048, 2048
+    cfg = GPTConfig(num_layers=n, hidden_size=h, num_attention_heads=80, seq_length=s,
+                    checkpoint_activations=recompute, tensor_model_parallel_size=4)
+    V = cfg.padded_vocab_size
+    assert cfg.flops_per_iteration(B, s) == 24 * f * B * s * n * h * h * (1 + s / (6 * h) + V / (16 * n * h))
+
+
+def test_a_forked_mlp_is_counted_as_built(monkeypatch):
+    """Parameter count and FLOPs come from the model as built: a fork's feed-forward (here 8h wide, the dense
+    weights of a block 4h^2 + 16h^2) changes both without a formula to edit. (A config no other test uses: the
+    count is cached per config.)"""
+    h, n = 40, 3
+    monkeypatch.setattr(model_module, "mlp", lambda cfg, grid: nn.Sequential(nn.Linear(h, 8 * h), nn.Linear(8 * h, h)))
+    cfg = GPTConfig(num_layers=n, hidden_size=h, num_attention_heads=5, seq_length=8, vocab_size=99,
+                    make_vocab_size_divisible_by=1)
+    assert cfg.num_parameters() == _numel(GPT(cfg)) == n * (4 * h * h + 4 * h + 16 * h * h + 9 * h + 4 * h) + 99 * h \
+        + 8 * h + 2 * h
+    assert cfg.flops_per_iteration(2, 8) == 3 * 2 * 8 * (2 * 20 * n * h * h) * (1 + 8 / (6 * h) + 99 / (16 * n * h))
 
 
 # (file, n, h, s, size check): the shipped configs must be the models the seeds describe.
@@ -581,9 +606,9 @@ def test_normformer_refuses_tensor_parallel():
 
 
 @pytest.mark.parametrize("streams", ["default only", "with the model-parallel stream"])
-def test_checkpoint_activations_gives_identical_loss_and_grads(streams, monkeypatch):
+def test_checkpoint_activations_gives_identical_loss_and_grads(streams):
     import rng
-    monkeypatch.setattr(rng, "_states", None)  # unseeded: attention dropout draws from the default stream too
+    rng.set_states(None)  # unseeded: attention dropout draws from the default stream too (conftest resets it)
     ids = _ids(_cfg(), length=12)
     results = []
     for checkpointing in (False, True):

@@ -10,7 +10,8 @@ import torch
 
 import optim
 import parallel
-from optim import AdamW, AnnealingLR, LossScaler
+from optim import AdamW, LossScaler
+from schedule import AnnealingLR
 
 
 def _mlp(seed=0):
@@ -286,21 +287,6 @@ def test_count_zeros():
     params[2].grad[0, 1, 1] = 0.0
     assert parallel.count_zeros(_module(params)) == 6
     assert parallel.count_zeros(_module(params)) == sum(int((p.grad == 0).sum()) for p in params if p.grad is not None)
-
-
-@pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")])
-def test_grads_finite(bad):
-    params = _grad_params(scale=1e30)  # large but finite
-    assert optim.grads_finite(params)
-    params[2].grad[1, 2, 0] = bad
-    assert not optim.grads_finite(params)
-    half = torch.nn.Parameter(torch.zeros(4, dtype=torch.float16))
-    half.grad = torch.tensor([1.0, 2.0, bad, 0.0], dtype=torch.float16)
-    assert not optim.grads_finite([half])
-    # large but finite fp16 gradients: the check accumulates in fp32, so no false overflow
-    big = torch.nn.Parameter(torch.zeros(1000, dtype=torch.float16))
-    big.grad = torch.full((1000,), 65504.0, dtype=torch.float16)
-    assert optim.grads_finite([big])
 
 
 # -----------------------------------------------------------------------------

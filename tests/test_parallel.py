@@ -12,61 +12,17 @@ tests/test_reshard.py).
 import io
 import math
 import os
-import re
-import socket
 import subprocess
 import sys
-import traceback
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 import parallel
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank, world, port, tp, pp, fn, args, errors):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
-    try:
-        parallel.init(tp, pp, backend="gloo")
-        fn(*args)
-    except Exception:
-        errors.put(f"rank {rank}:\n{traceback.format_exc()}")
-        raise
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        parallel.grid = parallel.Grid()
-
-
-def spawn(fn, world, tp=1, pp=1, *args):
-    """Run fn(*args) on `world` gloo processes laid out as TP x PP x DP; fail with the first rank's traceback."""
-    ctx = mp.get_context("spawn")
-    errors = ctx.SimpleQueue()
-    try:
-        mp.start_processes(_worker, args=(world, free_port(), tp, pp, fn, args, errors), nprocs=world,
-                           start_method="spawn")
-    except Exception as e:
-        message = errors.get() if not errors.empty() else str(e)
-        pytest.fail(message, pytrace=False)
-
-
-def _gather(t, group):
-    parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, t.contiguous(), group=group)
-    return parts
+from helpers import (ROOT, TINY, assert_replicas_identical, assert_same_training, dumps, gather, launch,  # noqa: F401
+                     random_batches, spawn, stage, synthetic_corpus)  # (synthetic_corpus is a fixture)
 
 
 # -----------------------------------------------------------------------------
@@ -100,7 +56,7 @@ def _tp_layers():
     torch.testing.assert_close(row.weight.grad, parallel.shard(full[3].grad, 1), rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(row.bias.grad, full[4].grad, rtol=1e-12, atol=1e-12)
     # the replicated bias gets the same gradient on every TP rank, bit for bit (Megatron-DeepSpeed #271)
-    for other in _gather(row.bias.grad, g.tp_group):
+    for other in gather(row.bias.grad, g.tp_group):
         assert torch.equal(other, row.bias.grad)
 
     # vocab-parallel embedding, then vocab-parallel cross-entropy on logits from the same (tied) table
@@ -149,12 +105,6 @@ def test_tensor_parallel_layers_match_plain_ops():
 # Whole GPT stages under TP / PP (1F1B) / DP against one process
 
 
-# The vocabulary is padded to a multiple of make_vocab_size_divisible_by * TP (lesson 16); the padded rows are zeros
-# outside the softmax, so any padding is the same model (here 50 -> 64 for TP 1 and 2: the shapes compare too).
-TINY = dict(num_layers=4, hidden_size=16, num_attention_heads=4, seq_length=16, vocab_size=50,
-            make_vocab_size_divisible_by=32, hidden_dropout=0.0, attention_dropout=0.0, embed_layernorm=True)
-
-
 def _reference(cfg, global_batches, loss_scale=1.0):
     """Loss, gradients and grad norm of the whole model in one process (the paper grid has TP=1; the forward
     pass communicates over parallel.grid, so it is swapped for the paper grid while the reference runs)."""
@@ -175,21 +125,6 @@ def _reference(cfg, global_batches, loss_scale=1.0):
         parallel.grid = real
 
 
-def _stage(cfg):
-    from model import GPT
-    g = parallel.grid
-    model = GPT(cfg, parallel.partition_layers(cfg.num_layers, g.pp_size)[g.pp_rank], pre_process=g.is_first_stage,
-                post_process=g.is_last_stage)
-    model.init_weights(1234)
-    return model
-
-
-def _batches(seed, n, mbs, seqlen, vocab):
-    gen = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, vocab, (n * mbs, seqlen + 1), generator=gen)
-    return [(tokens[i * mbs:(i + 1) * mbs, :-1], tokens[i * mbs:(i + 1) * mbs, 1:]) for i in range(n)]
-
-
 def _layout_matches_one_process(micro_per_rank, mbs):
     """One GPT stage per rank; the same global batch as the reference, split over DP as train.micro_batches
     does; two steps with different sequence lengths (curriculum) plus a forward-only pass."""
@@ -197,11 +132,11 @@ def _layout_matches_one_process(micro_per_rank, mbs):
     g = parallel.grid
     torch.set_default_dtype(torch.float64)
     cfg = GPTConfig(**TINY, tensor_model_parallel_size=g.tp_size)
-    model = _stage(cfg)
+    model = stage(cfg)
     # gradients go through train.py's path: accumulated in a GradBuffer, DP all-reduce overlapped with backward
     buffer = parallel.attach_grad_buffer(model, torch.float64, bucket_numel=500)  # several buckets per stage
     for step, seqlen in enumerate((16, 8)):
-        everything = _batches(step, micro_per_rank * g.dp_size, mbs, seqlen, cfg.vocab_size)
+        everything = random_batches(step, micro_per_rank * g.dp_size, mbs, seqlen, cfg.vocab_size)
         # micro-batch k of DP rank d is global micro-batch k * dp + d (Megatron's order, train.micro_batches)
         mine = [everything[k * g.dp_size + g.dp_rank] for k in range(micro_per_rank)]
         ref_loss, ref_grads, ref_norm = _reference(cfg, everything, loss_scale=4.0)
@@ -231,12 +166,12 @@ def _layout_matches_one_process(micro_per_rank, mbs):
         if g.tp_size > 1:
             for name, p in model.named_parameters():
                 if getattr(p, "tp_dim", None) is None:
-                    for other in _gather(p.main_grad, g.tp_group):
+                    for other in gather(p.main_grad, g.tp_group):
                         assert torch.equal(other, p.main_grad), name
         # the two copies of the tied embedding get the same gradient, bit for bit (lesson 11)
         tied = model.word_embedding_weight()
         if g.pp_size > 1 and tied is not None:
-            other = _gather(tied.main_grad, g.embedding_group)
+            other = gather(tied.main_grad, g.embedding_group)
             assert torch.equal(other[0], other[1])
         # forward only (evaluation): the same loss, no gradients touched
         model.zero_grad(set_to_none=True)
@@ -281,8 +216,8 @@ def _zero1_matches_adamw(dtype):
     g = parallel.grid
     cfg = GPTConfig(**TINY)
 
-    def stage():
-        model = _stage(cfg).to(dtype)
+    def fresh_stage():
+        model = stage(cfg).to(dtype)
         parallel.attach_grad_buffer(model, torch.float32)
         return model
 
@@ -290,7 +225,7 @@ def _zero1_matches_adamw(dtype):
         return lambda params: precision.MixedPrecisionOptimizer(
             optim.build_optimizer(model, 1e-2, 0.1, 0.9, 0.95, 1e-8, params=params))
 
-    sharded_model, plain_model = stage(), stage()
+    sharded_model, plain_model = fresh_stage(), fresh_stage()
     sharded = parallel.ZeroShardedOptimizer(sharded_model.parameters(), build(sharded_model))
     plain = build(plain_model)(list(plain_model.parameters()))
     owned = sum(p.numel() for group in sharded.param_groups for p in group["params"])
@@ -298,7 +233,7 @@ def _zero1_matches_adamw(dtype):
     assert all(p.dtype == torch.float32 for group in sharded.param_groups for p in group["params"])
 
     def step(pairs, seed):
-        x, y = _batches(seed + g.dp_rank, 1, 2, 16, cfg.vocab_size)[0]
+        x, y = random_batches(seed + g.dp_rank, 1, 2, 16, cfg.vocab_size)[0]
         for model, opt in pairs:
             opt.zero_grad(set_to_none=True)
             parallel.grad_buffer(model).start(1)
@@ -320,7 +255,7 @@ def _zero1_matches_adamw(dtype):
     assert state["optimizer"]["state"] and all(s["step"] == 3 for s in state["optimizer"]["state"].values())
     if dtype != torch.float32:
         assert sum(m.numel() for m in state["optimizer"]["fp32_master_weights"]) == owned
-    resumed_model = stage()
+    resumed_model = fresh_stage()
     resumed_model.load_state_dict(sharded_model.state_dict())
     resumed = parallel.ZeroShardedOptimizer(resumed_model.parameters(), build(resumed_model))
     resumed.load_state_dict(state)
@@ -392,7 +327,7 @@ def _measure_model_states(results):
     import train
     g = parallel.grid
     for precision in ("fp32", "bf16", "fp16"):
-        cfg = arguments.validate(arguments.load_config(
+        cfg = arguments.prepare(arguments.load_config(
             ["--num_layers=2", "--hidden_size=64", "--num_attention_heads=4", "--seq_length=16", "--vocab_size=512",
              "--micro_batch_size=2", "--train_iters=1", "--zero_stage=1", "--loss_scale=1"]
             + ([f"--{precision}"] if precision != "fp32" else [])), g.world_size)
@@ -437,114 +372,17 @@ def test_memory_estimate_matches_what_the_code_allocates():
 # -----------------------------------------------------------------------------
 # End to end: the real train.py under torchrun against the single-process run
 
-E2E_ARGS = ["--num_layers=4", "--hidden_size=64", "--num_attention_heads=4", "--seq_length=32",
-            # 512 is a multiple of make_vocab_size_divisible_by * TP for TP 1 and 2: the same padded model
-            "--vocab_size=512", "--make_vocab_size_divisible_by=128", "--embed_layernorm",
-            "--hidden_dropout=0", "--attention_dropout=0", "--micro_batch_size=2", "--global_batch_size=8",
-            "--train_iters=10", "--lr=5e-3", "--min_lr=1e-4", "--lr_warmup_samples=16", "--weight_decay=0.1",
-            "--clip_grad=0.5",  # below the grad norms: clipping by the global norm is exercised every step
-            "--log_interval=1", "--eval_interval=1000", "--eval_iters=1", "--split=90,10,0", "--sample_tokens=0",
-            "--device=cpu", "--save=none", "--save_interval=none"]
-LINE = re.compile(r" iteration\s+(\d+)/\s*\d+ \|.* lm loss: (\S+) \|.* grad norm: (\S+) \|")
-VALID = re.compile(r"validation loss at iteration (\d+) \| lm loss value: (\S+) \|")
+@pytest.fixture(scope="module")
+def reference(synthetic_corpus, tmp_path_factory):
+    return launch(tmp_path_factory.mktemp("reference"), 1, f"--data_path={synthetic_corpus}")
 
 
 @pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    """A small synthetic corpus (arithmetic progressions mod 512: something to learn) in Megatron's format."""
-    import numpy as np
-    import data
-    rng = np.random.default_rng(0)
-    docs = [((rng.integers(0, 512) + rng.integers(1, 8) * np.arange(rng.integers(20, 120))) % 512).astype(np.uint16)
-            for _ in range(300)]
-    prefix = str(tmp_path_factory.mktemp("corpus") / "synthetic")
-    data.write_indexed_dataset(prefix, docs)
-    return prefix
-
-
-class Run:
-    """One train.py run: its stdout/stderr, the log lines' (lm loss, grad norm) strings per iteration, and
-    the same scalars at full precision from TensorBoard."""
-
-    def __init__(self, proc, tb_dir):
-        self.proc, self.out, self.err = proc, proc.stdout, proc.stderr
-        self.lines = {int(m.group(1)): (m.group(2), m.group(3)) for m in LINE.finditer(self.out)}
-        self.valid = {int(m.group(1)): m.group(2) for m in VALID.finditer(self.out)}
-        self.scalars = {}
-        if proc.returncode == 0 and os.path.isdir(tb_dir):
-            from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-            events = EventAccumulator(tb_dir)
-            events.Reload()
-            for tag in ("lm-loss", "grad-norm"):
-                for e in events.Scalars(tag):
-                    self.scalars.setdefault(e.step, {})[tag] = e.value
-
-
-def train(tmp_path, nproc, *extra, expect_ok=True):
-    tmp_path.mkdir(parents=True, exist_ok=True)
-    tb_dir = str(tmp_path / f"tb-{len(os.listdir(tmp_path))}")
-    launcher = [sys.executable] if nproc == 1 else [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
-        str(free_port())]
-    cmd = launcher + ["train.py", *E2E_ARGS, f"--tensorboard_dir={tb_dir}", *extra]
-    env = dict(os.environ, WANDB_MODE="disabled", DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1",
-               PYTHONHASHSEED="0")
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    if expect_ok and proc.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
-    return Run(proc, tb_dir)
-
-
-def assert_same_training(run, ref, rel):
-    """Every iteration's lm loss and grad norm (full precision, TensorBoard) and the validation loss within rel;
-    the printed lines must then agree to the printed digits, give or take the last one."""
-    assert sorted(run.scalars) == sorted(ref.scalars) == list(range(1, 11))
-    for it in ref.scalars:
-        for tag in ("lm-loss", "grad-norm"):
-            a, b = run.scalars[it][tag], ref.scalars[it][tag]
-            assert math.isclose(a, b, rel_tol=rel), f"iteration {it} {tag}: {a} vs {b} (single process)"
-        for a, b in zip(run.lines[it], ref.lines[it]):
-            assert math.isclose(float(a), float(b), rel_tol=rel, abs_tol=1.01e-3 if "." in b and "E" not in b
-                                else 0), f"iteration {it}: {run.lines[it]} vs {ref.lines[it]}"
-    assert math.isclose(float(run.valid[10]), float(ref.valid[10]), rel_tol=rel)
-
-
-def dumps(directory, iteration, preamble="before-save"):
-    """{(pp, tp, dp): {name: tensor}} from checkpoint.dump_weights files."""
-    out = {}
-    for path in sorted((directory / "weight_dumps").glob(f"debug-{iteration}-*-{preamble}.pt")):
-        pp, tp, dp = map(int, re.search(r"-pp(\d+)-tp(\d+)-dp(\d+)-", path.name).groups())
-        out[(pp, tp, dp)] = torch.load(path)
-    return out
-
-
-SPLIT = re.compile(r"(qkv\.|fc1\.|proj\.weight|fc2\.weight|embed\.word\.weight|output_weight)")
-
-
-def assert_replicas_identical(weights):
-    """Bitwise: the two copies of the tied embedding (lesson 11), replicated TP parameters across TP ranks
-    (Megatron-DeepSpeed #271), and every parameter across DP ranks."""
-    pp = 1 + max(k[0] for k in weights)
-    for (p, t, d), w in weights.items():
-        if pp > 1 and p == pp - 1:
-            assert torch.equal(w["output_weight"], weights[(0, t, d)]["embed.word.weight"]), (t, d)
-        for name, tensor in w.items():
-            if not SPLIT.search(name):
-                assert torch.equal(tensor, weights[(p, 0, d)][name]), f"{name} differs on TP rank {t}"
-            assert torch.equal(tensor, weights[(p, t, 0)][name]), f"{name} differs on DP rank {d}"
-
-
-@pytest.fixture(scope="module")
-def reference(corpus, tmp_path_factory):
-    return train(tmp_path_factory.mktemp("reference"), 1, f"--data_path={corpus}")
-
-
-@pytest.fixture(scope="module")
-def tp2_pp2(corpus, tmp_path_factory):
+def tp2_pp2(synthetic_corpus, tmp_path_factory):
     """TP=2 x PP=2, uninterrupted, saved (and dumped) at iteration 10."""
     tmp = tmp_path_factory.mktemp("tp2pp2")
-    run = train(tmp, 4, f"--data_path={corpus}", "--tensor_model_parallel_size=2", "--pipeline_model_parallel_size=2",
-                f"--save={tmp / 'ckpt'}", "--dump_weights")
+    run = launch(tmp, 4, f"--data_path={synthetic_corpus}", "--tensor_model_parallel_size=2",
+                 "--pipeline_model_parallel_size=2", f"--save={tmp / 'ckpt'}", "--dump_weights")
     run.dir = tmp / "ckpt"
     return run
 
@@ -557,8 +395,9 @@ def tp2_pp2(corpus, tmp_path_factory):
     (4, ["--pipeline_model_parallel_size=2", "--zero_stage=1"]),  # PP=2 x DP=2, native ZeRO-1
     (2, ["--deepspeed", "--zero_stage=1"]),  # DeepSpeed ZeRO-1, DP=2
 ], ids=["tp2", "pp2", "dp2", "pp2-dp2-zero1", "deepspeed-zero1-dp2"])
-def test_parallel_training_matches_single_process(nproc, extra, corpus, reference, tmp_path):
-    run = train(tmp_path, nproc, f"--data_path={corpus}", f"--save={tmp_path / 'ckpt'}", "--dump_weights", *extra)
+def test_parallel_training_matches_single_process(nproc, extra, synthetic_corpus, reference, tmp_path):
+    run = launch(tmp_path, nproc, f"--data_path={synthetic_corpus}", f"--save={tmp_path / 'ckpt'}", "--dump_weights",
+                 *extra)
     assert_same_training(run, reference, rel=1e-5)
     assert_replicas_identical(dumps(tmp_path / "ckpt", 10))
 
@@ -572,12 +411,12 @@ def test_tp2_pp2_matches_single_process(tp2_pp2, reference):
 
 
 @pytest.mark.slow
-def test_tp2_pp2_resume_is_exact_and_weights_survive_the_reload(tp2_pp2, corpus, tmp_path):
-    layout = [f"--data_path={corpus}", "--tensor_model_parallel_size=2", "--pipeline_model_parallel_size=2",
+def test_tp2_pp2_resume_is_exact_and_weights_survive_the_reload(tp2_pp2, synthetic_corpus, tmp_path):
+    layout = [f"--data_path={synthetic_corpus}", "--tensor_model_parallel_size=2", "--pipeline_model_parallel_size=2",
               f"--save={tmp_path}", "--dump_weights"]
-    first = train(tmp_path, 4, *layout, "--exit_interval=5")
+    first = launch(tmp_path, 4, *layout, "--exit_interval=5")
     assert sorted(first.lines) == [1, 2, 3, 4, 5] and (tmp_path / "global_step5").is_dir()
-    second = train(tmp_path, 4, *layout, f"--load={tmp_path}")
+    second = launch(tmp_path, 4, *layout, f"--load={tmp_path}")
     assert sorted(second.lines) == [6, 7, 8, 9, 10]
     for it in range(6, 11):  # bit-exact: the same printed numbers and the same full-precision scalars
         assert second.lines[it] == tp2_pp2.lines[it], it

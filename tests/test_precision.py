@@ -31,7 +31,7 @@ def one_thread():
 
 
 def _cfg(*extra):
-    return arguments.validate(arguments.load_config([*SMALL, "--train_iters=1", *extra]))
+    return arguments.prepare(arguments.load_config([*SMALL, "--train_iters=1", *extra]))
 
 
 @pytest.mark.parametrize("name", PRECISIONS)
@@ -78,7 +78,7 @@ def test_pipeline_messages_are_in_the_compute_dtype(name, monkeypatch):
                 t.normal_(0, 1e-3)
         return recv_prev, recv_next
 
-    monkeypatch.setattr(parallel, "_communicate", communicate)
+    monkeypatch.setattr(parallel, "communicate", communicate)
     monkeypatch.setattr(parallel, "grid", parallel.Grid(1, 2, world_size=2, rank=0))
     model = GPT(GPTConfig(**TINY), range(1), pre_process=True, post_process=False).to(HALF[name])
     parallel.attach_grad_buffer(model, torch.float32).start(3)

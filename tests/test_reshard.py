@@ -2,7 +2,7 @@
 
 Unit level, in one process (a Grid "on paper" stands for each rank of the old layout): re-slicing with the
 vocabulary padding dropped and re-padded; a TP=2 x PP=2 x DP=2 ZeRO-1 checkpoint written rank by rank through
-train.save_checkpoint and loaded as one process gives exactly the full weights and Adam state; replicated copies
+run_state.save and loaded as one process gives exactly the full weights and Adam state; replicated copies
 that differ and 8-bit states across a TP change are refused with the parameter named.
 End to end (torchrun): 6 iterations at TP2 x PP2, resumed at TP1 x PP1 and at DP2 with ZeRO-1: the losses
 follow a straight 12-iteration run within 1e-5.
@@ -17,20 +17,23 @@ import arguments
 import checkpoint
 import parallel
 import reshard
+import run_state
+import schedule
+import spike_guard
 import train as trainer
 from model import GPT
-from test_parallel import E2E_ARGS, corpus, train  # noqa: F401 (corpus is a fixture)
+from helpers import launch, synthetic_corpus  # noqa: F401 (synthetic_corpus is a fixture)
 
 
 def test_slice_drops_and_repads_the_vocabulary():
     full = torch.arange(300 * 3, dtype=torch.float32).view(300, 3)
     old = torch.cat([full, torch.full((212, 3), 7.0)]).chunk(2)  # TP=2 pads 300 rows to 512
-    one = reshard._slice(list(old), 0, 300, 384, 1, 0)  # TP=1 pads to 384
+    one = reshard.reslice(list(old), 0, 300, 384, 1, 0)  # TP=1 pads to 384
     assert torch.equal(one[:300], full) and not one[300:].any()
-    four = [reshard._slice([one], 0, 300, 512, 4, r) for r in range(4)]  # and back to TP=4: 4 x 128 rows
+    four = [reshard.reslice([one], 0, 300, 512, 4, r) for r in range(4)]  # and back to TP=4: 4 x 128 rows
     assert torch.equal(torch.cat(four)[:300], full) and not torch.cat(four)[300:].any()
     cols = torch.randn(4, 6)  # a row-parallel weight: split along dim 1
-    assert torch.equal(reshard._slice(list(cols.chunk(3, 1)), 1, 6, 6, 2, 1), cols[:, 3:])
+    assert torch.equal(reshard.reslice(list(cols.chunk(3, 1)), 1, 6, 6, 2, 1), cols[:, 3:])
 
 
 CFG = ["--num_layers=4", "--hidden_size=32", "--num_attention_heads=4", "--seq_length=16", "--vocab_size=300",
@@ -45,19 +48,20 @@ def _save_one_rank(save_dir, iteration, model_state, run_state, rank_state, writ
     os.makedirs(tag_dir, exist_ok=True)
     if write_model_state:
         blob = {"model": model_state, "run": run_state, "topology": checkpoint.topology()}
-        checkpoint._atomic_write(blob, checkpoint.model_file(tag_dir))
-    checkpoint._atomic_write(rank_state, checkpoint.rank_file(tag_dir))
-    checkpoint._atomic_write(f"global_step{iteration}", os.path.join(save_dir, checkpoint.LATEST))
+        torch.save(blob, checkpoint.model_file(tag_dir))
+    torch.save(rank_state, checkpoint.rank_file(tag_dir))
+    with open(os.path.join(save_dir, checkpoint.LATEST), "w") as f:
+        f.write(f"global_step{iteration}\n")
     return tag_dir
 
 
 def _save_layout(directory, tp, pp, dp, zero_stage, cfg_args=(), mutate=None):
     """Write a checkpoint of a TP x PP x DP layout from this one process, rank by rank, through the trainer's
-    own save_checkpoint (collectives are not needed: each rank only writes its files). The model is the
+    own run_state.save (collectives are not needed: each rank only writes its files). The model is the
     deterministic init; every Adam state is made up from the weights so that a wrong mapping shows."""
     cfg = arguments.load_config([*CFG, f"--tensor_model_parallel_size={tp}", f"--pipeline_model_parallel_size={pp}",
                                  f"--zero_stage={zero_stage}", f"--save={directory}", *cfg_args])
-    arguments.validate(cfg, tp * pp * dp)
+    arguments.prepare(cfg, tp * pp * dp)
     saved, save = parallel.grid, checkpoint.save
     checkpoint.save = _save_one_rank
     try:
@@ -71,11 +75,10 @@ def _save_layout(directory, tp, pp, dp, zero_stage, cfg_args=(), mutate=None):
                     inner.state[p] = {"step": 7, "exp_avg": p.detach() * 2, "exp_avg_sq": p.detach() ** 2}
             if mutate:
                 mutate(model, inner)
-            state = {"iteration": 10, "consumed_samples": 80, "consumed_tokens": 1280, "scheduler_samples": 80,
-                     "scheduler_tokens": 1280, "optimizer_reset": None}
-            plan = trainer.Plan(cfg, parallel.grid.dp_size)
-            trainer.save_checkpoint(cfg, state, model, optimizer, trainer.build_scheduler(cfg, plan),
-                                    trainer.build_scaler(cfg))
+            state = run_state.RunState(iteration=10, consumed_samples=80, consumed_tokens=1280,
+                                       scheduler_samples=80, scheduler_tokens=1280)
+            run_state.save(run_state.Parts(cfg, model, optimizer, schedule.Schedule(cfg, parallel.grid.dp_size),
+                                           trainer.build_scaler(cfg), spike_guard.SpikeGuard(cfg), state))
     finally:
         parallel.grid, checkpoint.save = saved, save
 
@@ -83,7 +86,7 @@ def _save_layout(directory, tp, pp, dp, zero_stage, cfg_args=(), mutate=None):
 def _load_one_process(directory, *extra, tp=1, rank=0):
     """Load as one process, or as rank `rank` of a TP=tp layout (on paper: loading needs no collectives)."""
     cfg = arguments.load_config([*CFG, f"--load={directory}", f"--tensor_model_parallel_size={tp}", *extra])
-    arguments.validate(cfg, tp)
+    arguments.prepare(cfg, tp)
     saved = parallel.grid
     parallel.grid = parallel.Grid(tp, 1, world_size=tp, rank=rank)
     try:
@@ -99,11 +102,10 @@ def _load(cfg):
         for p in model.parameters():
             p.zero_()
     optimizer = trainer.build_optimizer(cfg, model)
-    state = {}
-    plan = trainer.Plan(cfg, 1)
-    trainer.load_checkpoint(cfg, state, model, optimizer, trainer.build_scheduler(cfg, plan),
-                            trainer.build_scaler(cfg))
-    return model, optimizer, state, reference
+    parts = run_state.Parts(cfg, model, optimizer, schedule.Schedule(cfg, 1), trainer.build_scaler(cfg),
+                            spike_guard.SpikeGuard(cfg))
+    run_state.load(parts)
+    return model, optimizer, parts.state, reference
 
 
 def test_tp2_pp2_dp2_zero1_checkpoint_loads_as_one_process(tmp_path, capsys):
@@ -112,7 +114,7 @@ def test_tp2_pp2_dp2_zero1_checkpoint_loads_as_one_process(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "saved with TP=2 x PP=2 x DP=2, now TP=1 x PP=1 x DP=1" in out
     assert "fresh streams seeded with seed + iteration = 1244" in out
-    assert state["iteration"] == 10 and state["consumed_samples"] == 80
+    assert state.iteration == 10 and state.consumed_samples == 80
     padded = model.embed.word.weight.shape[0]
     assert padded == 384  # 300 padded for TP=1 (it was 512 for TP=2)
     for name, p in model.named_parameters():
@@ -122,7 +124,8 @@ def test_tp2_pp2_dp2_zero1_checkpoint_loads_as_one_process(tmp_path, capsys):
         assert s["step"] == 7, name
         assert torch.equal(s["exp_avg"][rows], 2 * reference[name][rows]), name
         assert torch.equal(s["exp_avg_sq"][rows], reference[name][rows] ** 2), name
-    assert not model.embed.word.weight[300:].any() and not optimizer.state[model.embed.word.weight]["exp_avg"][300:].any()
+    word = model.embed.word.weight
+    assert not word[300:].any() and not optimizer.state[word]["exp_avg"][300:].any()
 
 
 def test_bf16_fp32_masters_are_resharded_not_rounded(tmp_path):
@@ -195,17 +198,18 @@ def _assert_follows(run, straight, iterations):
 
 
 @pytest.mark.slow
-def test_resume_on_other_layouts_follows_the_straight_run(corpus, tmp_path):  # noqa: F811
+def test_resume_on_other_layouts_follows_the_straight_run(synthetic_corpus, tmp_path):  # noqa: F811
     # ALiBi and the embedding LayerNorm, BLOOM's model, with GPT-2's real vocabulary: padded to 50432 rows at TP=2
     # and to 50304 at TP=1, so the padding is dropped and redone (padded rows are masked out of the softmax).
     # Dropout is off: RNG streams do not survive a layout change.
-    args = [f"--data_path={corpus}", "--position_embedding_type=alibi", "--train_iters=12", "--vocab_size=50257"]
-    straight = train(tmp_path / "straight", 1, *args)
-    first = train(tmp_path / "a", 4, *args, "--tensor_model_parallel_size=2", "--pipeline_model_parallel_size=2",
+    args = [f"--data_path={synthetic_corpus}", "--position_embedding_type=alibi", "--train_iters=12",
+            "--vocab_size=50257"]
+    straight = launch(tmp_path / "straight", 1, *args)
+    first = launch(tmp_path / "a", 4, *args, "--tensor_model_parallel_size=2", "--pipeline_model_parallel_size=2",
                   f"--save={tmp_path / 'a'}", "--exit_interval=6")
     _assert_follows(first, straight, range(1, 7))
-    one = train(tmp_path / "b", 1, *args, f"--load={tmp_path / 'a'}")
+    one = launch(tmp_path / "b", 1, *args, f"--load={tmp_path / 'a'}")
     assert "saved with TP=2 x PP=2 x DP=1, now TP=1 x PP=1 x DP=1" in one.out
     _assert_follows(one, straight, range(7, 13))
-    dp2 = train(tmp_path / "c", 2, *args, f"--load={tmp_path / 'a'}", "--zero_stage=1")  # Adam's state split
+    dp2 = launch(tmp_path / "c", 2, *args, f"--load={tmp_path / 'a'}", "--zero_stage=1")  # Adam's state split
     _assert_follows(dp2, straight, range(7, 13))

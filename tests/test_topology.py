@@ -14,8 +14,8 @@ import torch.distributed as dist
 
 import parallel
 import rng
-from test_parallel import TINY, _gather, _stage, assert_replicas_identical, assert_same_training, corpus, dumps, \
-    spawn, train  # noqa: F401 (corpus: a fixture)
+from helpers import (TINY, assert_replicas_identical, assert_same_training, dumps, gather, launch, spawn,  # noqa: F401
+                     stage, synthetic_corpus)  # (synthetic_corpus: a fixture)
 
 
 # -----------------------------------------------------------------------------
@@ -33,7 +33,7 @@ def test_comm_device_follows_the_backend(monkeypatch):
 
 
 def test_scalar_collectives_use_the_comm_device(monkeypatch):
-    """The scalars every rank must agree on (train._minutes_since: exit_duration_in_mins) travel on the
+    """The scalars every rank must agree on (train.minutes_since: exit_duration_in_mins) travel on the
     communication device; a CPU tensor there raises under NCCL. 'meta' stands in for the GPU."""
     import train
     seen = []
@@ -49,11 +49,10 @@ def test_scalar_collectives_use_the_comm_device(monkeypatch):
     monkeypatch.setattr(parallel, "comm_device", lambda backend=None: torch.device("meta"))
     monkeypatch.setattr(dist, "broadcast", collective)
     monkeypatch.setattr(dist, "all_reduce", collective)
-    for call in (lambda: train._minutes_since(0.0), lambda: parallel.all_reduce_scalars([1.0, 2.0]),
-                 lambda: parallel.broadcast_scalars([1.0])):
+    for call in (lambda: train.minutes_since(0.0), lambda: parallel.broadcast_scalars([1.0])):
         with pytest.raises(Sent):
             call()
-    assert seen == [torch.device("meta")] * 3
+    assert seen == [torch.device("meta")] * 2
 
 
 # -----------------------------------------------------------------------------
@@ -90,7 +89,8 @@ def test_dry_run_of_bloom_layers_on_twelve_stages():
     import estimate
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     cfg = arguments.load_config([os.path.join(root, "config/tr8b_104b.py"), "--num_layers=70",
-                                 "--pipeline_model_parallel_size=12", "--pp_partition_method=type:transformer|embedding"])
+                                 "--pipeline_model_parallel_size=12",
+                                 "--pp_partition_method=type:transformer|embedding"])
     out = io.StringIO()
     estimate.dry_run(cfg, world_size=384, file=out)
     rows = [line.split()[:2] for line in out.getvalue().splitlines() if line.split()[:1] in (["0"], ["1-10"], ["11"])]
@@ -112,9 +112,9 @@ def _streams_and_replicas():
         with rng.fork("cpu"):
             split = torch.rand(8)
         shared = torch.rand(8)
-        a, b = _gather(split, g.tp_group)
+        a, b = gather(split, g.tp_group)
         assert not torch.equal(a, b)
-        a, b = _gather(shared, g.tp_group)
+        a, b = gather(shared, g.tp_group)
         assert torch.equal(a, b)
         torch.manual_seed(1234 + 100 * g.pp_rank)  # forking left the default stream where it was
         assert torch.equal(torch.rand(8), shared)
@@ -125,7 +125,7 @@ def _streams_and_replicas():
         for checkpointing in (False, True):
             cfg = GPTConfig(**{**TINY, "hidden_dropout": 0.2, "attention_dropout": 0.2,
                                "checkpoint_activations": checkpointing})
-            model = _stage(cfg).train()
+            model = stage(cfg).train()
             x, y = torch.randint(0, cfg.vocab_size, (2, 2, 16), generator=torch.Generator().manual_seed(0))
             rng.seed(1234)
             for _ in range(2):  # two micro-batches: the streams move on between them
@@ -134,7 +134,7 @@ def _streams_and_replicas():
         for (name, p), q in zip(results[0].named_parameters(), results[1].parameters()):
             assert torch.equal(p.grad, q.grad), name
             if getattr(p, "tp_dim", None) is None:
-                a, b = _gather(p.grad, g.tp_group)
+                a, b = gather(p.grad, g.tp_group)
                 assert torch.equal(a, b), name
 
         # the replica check: clean, then one rank's LayerNorm gain drifts (lesson 18), then re-synced
@@ -154,7 +154,7 @@ def _streams_and_replicas():
         assert math.isclose(worst, 1e-3, rel_tol=1e-3)
         assert parallel.check_tp_replicas(model) == (0.0, [])
         for t in (ln, optimizer.state[ln]["exp_avg"]):
-            a, b = _gather(t.detach(), g.tp_group)
+            a, b = gather(t.detach(), g.tp_group)
             assert torch.equal(a, b)
     finally:
         rng.set_states(None)
@@ -170,39 +170,39 @@ def test_dropout_streams_checkpointing_and_replica_check_tp2():
 
 
 @pytest.mark.slow
-def test_tp2_with_gpt2_vocabulary_matches_one_process(corpus, tmp_path):
+def test_tp2_with_gpt2_vocabulary_matches_one_process(synthetic_corpus, tmp_path):
     # 50257 is padded to 50304 by one process and to 50432 by TP=2: the same model all the same
-    gpt2 = [f"--data_path={corpus}", "--vocab_size=50257"]
-    one = train(tmp_path / "one", 1, *gpt2)
+    gpt2 = [f"--data_path={synthetic_corpus}", "--vocab_size=50257"]
+    one = launch(tmp_path / "one", 1, *gpt2)
     assert "padded to 50304" in one.out
-    tp2 = train(tmp_path / "tp2", 2, *gpt2, "--tensor_model_parallel_size=2")
+    tp2 = launch(tmp_path / "tp2", 2, *gpt2, "--tensor_model_parallel_size=2")
     assert "padded to 50432" in tp2.out
     assert_same_training(tp2, one, rel=1e-5)
 
 
 @pytest.mark.slow
-def test_three_layers_on_two_stages_match_one_process_and_resume(corpus, tmp_path):
-    three = [f"--data_path={corpus}", "--num_layers=3"]
-    one = train(tmp_path / "one", 1, *three)
+def test_three_layers_on_two_stages_match_one_process_and_resume(synthetic_corpus, tmp_path):
+    three = [f"--data_path={synthetic_corpus}", "--num_layers=3"]
+    one = launch(tmp_path / "one", 1, *three)
     ckpt = tmp_path / "ckpt"
     layout = [*three, "--pipeline_model_parallel_size=2", f"--save={ckpt}"]
-    full = train(tmp_path / "full", 2, *layout, "--save_interval=5")
+    full = launch(tmp_path / "full", 2, *layout, "--save_interval=5")
     assert "pipeline stages (type:transformer|embedding): 0: embedding + layers 0-1 | 1: layer 2 + head" in full.out
     assert_same_training(full, one, rel=1e-5)
-    resumed = train(tmp_path / "resumed", 2, *layout, f"--load={rewind(ckpt, 5)}")
+    resumed = launch(tmp_path / "resumed", 2, *layout, f"--load={rewind(ckpt, 5)}")
     for it in range(6, 11):  # bit-exact
         assert resumed.scalars[it] == full.scalars[it], it
 
 
 @pytest.mark.slow
-def test_tp2_dropout_with_checkpointing_keeps_replicas_and_resumes_exactly(corpus, tmp_path):
-    layout = [f"--data_path={corpus}", "--tensor_model_parallel_size=2", "--hidden_dropout=0.1",
+def test_tp2_dropout_with_checkpointing_keeps_replicas_and_resumes_exactly(synthetic_corpus, tmp_path):
+    layout = [f"--data_path={synthetic_corpus}", "--tensor_model_parallel_size=2", "--hidden_dropout=0.1",
               "--attention_dropout=0.1", "--checkpoint_activations", "--tp_replica_check_interval=5", "--dump_weights"]
     ckpt = tmp_path / "ckpt"
-    full = train(tmp_path / "full", 2, *layout, f"--save={ckpt}", "--save_interval=5")
+    full = launch(tmp_path / "full", 2, *layout, f"--save={ckpt}", "--save_interval=5")
     assert full.out.count("max abs difference from TP rank 0: 0.000e+00") == 2
     assert_replicas_identical(dumps(ckpt, 10))
-    resumed = train(tmp_path / "resumed", 2, *layout, f"--load={rewind(ckpt, 5)}")
+    resumed = launch(tmp_path / "resumed", 2, *layout, f"--load={rewind(ckpt, 5)}")
     for it in range(6, 11):  # both dropout streams come back from the checkpoint
         assert resumed.scalars[it] == full.scalars[it], it
 

@@ -7,6 +7,7 @@ import torch
 
 import arguments
 import data
+import schedule
 
 from helpers import SMALL, corpus, losses, run_cli as run  # noqa: F401 (corpus is a fixture)
 
@@ -28,7 +29,7 @@ def test_cli_forms_hyphens_underscores_bare_flags_and_lists(tmp_path):
     assert cfg.rampup_batch_size == [16, 16, 9765625]
     assert cfg.init_method_std == "small_init"
     assert cfg.data_path == ["0.3", "a", "0.7", "b"]
-    assert arguments.parse_iteration_ranges(cfg.skip_train_iteration_range) == [(13251, 14000), (16652, 18500)]
+    assert schedule.parse_iteration_ranges(cfg.skip_train_iteration_range) == [(13251, 14000), (16652, 18500)]
     assert arguments.load_config(["--reset_optimizer_warmup_iters"]).reset_optimizer_warmup_iters == "auto"
 
 

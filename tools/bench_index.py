@@ -34,7 +34,7 @@ def write_synthetic_corpus(prefix, num_docs, mean_doc_tokens, seed=0):
         mu = np.log(mean_doc_tokens) - sigma**2 / 2
         sizes[lo:lo + n] = np.clip(rng.lognormal(mu, sigma, n), 1, 2**31 - 1)
     with open(prefix + ".idx", "wb") as f:
-        f.write(data._HEADER.pack(data._MAGIC, 1, data._DTYPE_TO_CODE[np.dtype(np.uint16)], num_docs, num_docs + 1))
+        f.write(data.HEADER.pack(data.MAGIC, 1, data.DTYPE_TO_CODE[np.dtype(np.uint16)], num_docs, num_docs + 1))
         f.write(sizes.tobytes())
         pointers = np.empty(0, np.int64)
         offset = 0
@@ -74,9 +74,9 @@ def main():
         rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         indexed = data.IndexedDataset(os.path.join(work, "corpus"))
         documents = np.arange(num_docs, dtype=np.int32 if num_docs < 2**31 else np.int64)
-        data._index_arrays(indexed.sizes[:1], documents[:1], 1, 1, 0)  # compile (or load numba's cache) first
+        data.index_arrays(indexed.sizes[:1], documents[:1], 1, 1, 0)  # compile (or load numba's cache) first
         t0, c0 = time.time(), time.process_time()
-        arrays = data._index_arrays(indexed.sizes, documents, args.samples, args.seq_length, args.seed)
+        arrays = data.index_arrays(indexed.sizes, documents, args.samples, args.seq_length, args.seed)
         t_build, c_build = time.time() - t0, time.process_time() - c0
         t0 = time.time()
         for name, array in zip(("doc_idx", "sample_idx", "shuffle_idx"), arrays):

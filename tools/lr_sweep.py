@@ -130,7 +130,7 @@ def train_args(arm, lever_set, lr, seed, directory, extra=()):
 def config_of(args):
     """The run's validated train.py config (config/tiny.py under the arguments, as train.py builds it)."""
     import arguments
-    return arguments.validate(arguments.load_config(list(args)))
+    return arguments.prepare(arguments.load_config(list(args)))
 
 
 def preflight(arms, extra=(), base=BASE):

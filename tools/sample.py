@@ -1,48 +1,27 @@
-"""Generate text from a checkpoint.
+"""Generate text from a checkpoint of any layout.
 
     python tools/sample.py --load out/tiny --prompt "ROMEO:" [--max_tokens 200 --temperature 0.8 --top_k 200]
 
 Reads DIR/latest, builds the model from the config stored in the checkpoint (no config file needed) and
-samples on one process (CPU, or CUDA when available). A checkpoint whose model is split over tensor- or
-pipeline-parallel ranks (TP or PP > 1) is refused: merge its shards into one first (checkpoint resharding).
+samples on one process (CPU, or CUDA when available). A checkpoint written by tensor- or pipeline-parallel ranks
+is gathered into the one process as it loads (reshard.py), the vocabulary padding dropped.
 """
 import argparse
-import glob
 import os
 import sys
-from types import SimpleNamespace
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-import checkpoint  # noqa: E402
 import data  # noqa: E402
-import parallel  # noqa: E402
-import safety  # noqa: E402
-from model import GPT, GPTConfig  # noqa: E402
+import reshard  # noqa: E402
 
 
 def load_model(directory, device):
     """(model, its training config) from DIR/latest, on device, in eval mode."""
-    if not os.path.isdir(directory):
-        raise ValueError(f"checkpoint directory {directory} does not exist")
-    tag_dir = checkpoint.latest_dir(directory)
-    if tag_dir is None:
-        raise ValueError(f"{directory} holds no checkpoint (no '{checkpoint.LATEST}' file)")
-    shards = sorted(glob.glob(os.path.join(tag_dir, "mp_rank_*_model_states.pt")))
-    config = safety.checkpoint_config(tag_dir)
-    tp, pp = config["tensor_model_parallel_size"], config["pipeline_model_parallel_size"]
-    if tp * pp > 1 or len(shards) != 1:
-        raise ValueError(f"{tag_dir} holds a model split over TP={tp} x PP={pp} ranks ({len(shards)} shards); "
-                         "tools/sample.py needs one shard: reshard the checkpoint to TP=PP=1 first")
-    parallel.init(1, 1)
-    cfg = GPTConfig.from_config(SimpleNamespace(**config))
-    with torch.device(device):
-        model = GPT(cfg)
-    blob = torch.load(shards[0], map_location=device, weights_only=False)
-    model.load_state_dict(blob["model"])
-    return model.eval(), config
+    model, config, _ = reshard.load_full_model(directory)
+    return model.to(device), config
 
 
 def main(argv=None):

@@ -15,6 +15,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import arguments  # noqa: E402
 import data  # noqa: E402
+import schedule  # noqa: E402
 import train  # noqa: E402
 
 
@@ -33,11 +34,11 @@ def main(argv=None):
     parser.add_argument("--iterations", required=True, help="A-B, 1-based and inclusive, as in the log")
     parser.add_argument("--max_chars", type=int, default=2000, help="truncate each sample's text to this")
     args, rest = parser.parse_known_args(argv)
-    (first, last), = arguments.parse_iteration_ranges([args.iterations])
+    (first, last), = schedule.parse_iteration_ranges([args.iterations])
     cfg = arguments.load_config(rest)
     # The order depends on the global batch only, not on the data-parallel size: validate as one replica.
-    arguments.validate(cfg, world_size=cfg.tensor_model_parallel_size * cfg.pipeline_model_parallel_size)
-    plan = train.Plan(cfg, dp_size=1)
+    arguments.prepare(cfg, world_size=cfg.tensor_model_parallel_size * cfg.pipeline_model_parallel_size)
+    plan = schedule.Schedule(cfg, dp_size=1)
     if last > plan.total_iters:
         raise ValueError(f"iteration {last} is past the end of this run ({plan.total_iters} iterations)")
     train_data, _ = train.build_data(cfg, plan)

@@ -1,0 +1,227 @@
+"""What a run tells: Megatron's log line, the validation block, metrics.jsonl, TensorBoard, wandb.
+
+    report = Report(cfg, schedule, model)   # writers on the last rank, which has the loss
+    report.step(step, lr)                   # a trained iteration's numbers, into the interval
+    report.log(iteration, state, batch_size, seqlen, loss_scale)   # every log_interval iterations
+
+The log line is Megatron-DeepSpeed's, field for field and width for width, so the chronicles' logs
+and ours parse alike. A new field is one entry in Report.log's `fields`; it reaches metrics.jsonl
+under its log name. Scalars go to TensorBoard against iterations, consumed samples and consumed
+tokens, and to wandb. Between two log lines the interval sums the lm loss, the skipped and NaN
+iterations and the time.
+
+Nothing here decides anything: the numbers come from train.py, spike_guard.py and telemetry.py.
+"""
+import json
+import math
+import os
+from dataclasses import asdict
+
+import parallel
+import telemetry
+
+
+def print0(*args, **kwargs):
+    if parallel.grid.rank == 0:
+        print(*args, **kwargs, flush=True)
+
+
+def print_last_rank(text):
+    if parallel.grid.rank == parallel.grid.world_size - 1:
+        print(text, flush=True)
+
+
+class Report:
+    """Megatron-format lines on stdout; the same scalars to TensorBoard and wandb (offline unless
+    configured); every number of an iteration in metrics.jsonl."""
+
+    def __init__(self, cfg, schedule, model):
+        self.cfg, self.schedule = cfg, schedule
+        self.gpt = parallel.unwrap(model)  # its z-loss accumulator and its FLOPs
+        self.last = None  # (step, lr) of the last trained iteration
+        self.restart_interval()
+        self.tb = self.wandb = self.metrics = None
+        if parallel.grid.rank != parallel.grid.world_size - 1:  # the last stage's loss is there
+            return
+        metrics_dir = cfg.save or cfg.tensorboard_dir  # beside the checkpoints, else TensorBoard's
+        if metrics_dir:
+            self.metrics = MetricsFile(os.path.join(metrics_dir, "metrics.jsonl"))
+        tb_dir = cfg.tensorboard_dir or (cfg.save and os.path.join(cfg.save, "tensorboard"))
+        if tb_dir:
+            from torch.utils.tensorboard import SummaryWriter
+            self.tb = SummaryWriter(tb_dir)
+        mode = os.environ.get("WANDB_MODE", cfg.wandb_mode)
+        if cfg.wandb_project and mode != "disabled":
+            import wandb
+            self.wandb = wandb.init(project=cfg.wandb_project, mode=mode, config=asdict(cfg),
+                                    dir=cfg.save or ".")
+
+    # -- the interval between two log lines -------------------------------------------------
+
+    def restart_interval(self):
+        """Forget the interval so far (at a log line; after a rollback: an abandoned timeline)."""
+        self.interval = {"time": 0.0, "iters": 0, "loss": 0.0, "steps": 0, "skipped": 0, "nan": 0}
+
+    def step(self, step, lr):
+        """A trained iteration (a train.Step): its loss into the mean unless NaN, skips counted."""
+        self.last = (step, lr)
+        self.interval["steps"] += 1
+        self.interval["loss"] += step.loss if step.outcome != "nan" else 0.0
+        self.interval["skipped"] += step.outcome in ("skipped", "spike")
+        self.interval["nan"] += step.outcome == "nan"
+
+    def skipped(self, iteration, state, batch_size, why):
+        """An iteration whose batch is drawn and thrown away (skip_train_iteration_range, guard)."""
+        first, last = state.consumed_samples, state.consumed_samples + batch_size - 1
+        print0(f" iteration {iteration:8d}/{self.schedule.total_iters:8d} | skipped ({why}): "
+               f"samples {first}-{last} not used |")
+        self.record(iteration, {"skipped": why})
+
+    def timed(self, seconds):
+        """Every iteration's time, skipped ones included."""
+        self.interval["time"] += seconds
+        self.interval["iters"] += 1
+
+    # -- the log line -----------------------------------------------------------------------
+
+    def log(self, iteration, state, batch_size, seqlen, loss_scale):
+        """Megatron's log line, every log_interval iterations. Called on every rank (the z-loss is
+        averaged over DP); the last one prints."""
+        interval, cfg = self.interval, self.cfg
+        if iteration % cfg.log_interval or not interval["steps"]:
+            return
+        step, lr = self.last
+        elapsed = interval["time"] / interval["iters"]
+        good = interval["steps"] - interval["nan"]
+        mean_loss = interval["loss"] / good if good else float("nan")
+        flops = self.gpt.cfg.flops_per_iteration(batch_size, seqlen)  # Megatron's count (lesson 23)
+        tflops = flops / (elapsed * parallel.grid.world_size * 1e12)
+        fields = [("iteration", f"{iteration:8d}/{self.schedule.total_iters:8d}"),
+                  ("consumed samples", f"{state.consumed_samples:12d}"),
+                  ("consumed tokens", f"{state.consumed_tokens:12d}"),
+                  ("elapsed time per iteration (ms)", f"{elapsed * 1000:.1f}"),
+                  ("learning rate", f"{lr:.3E}"),
+                  ("global batch size", f"{batch_size:5d}")]
+        if cfg.curriculum_learning:
+            fields.append(("curriculum seqlen", f"{seqlen:5d}"))
+        fields.append(("lm loss", f"{mean_loss:.6E}"))
+        scalars = {"lm-loss": mean_loss}
+        if cfg.z_loss:  # the interval's mean, apart from the lm loss (lesson 20)
+            z_loss = parallel.average_loss(self.gpt.pop_z_loss()).item()
+            fields.append(("z loss", f"{z_loss:.6E}"))
+            scalars["z-loss"] = z_loss
+        fields += [("loss scale", f"{loss_scale:.1f}"),
+                   ("grad norm", f"{step.grad_norm:.3f}"),
+                   ("num zeros", f"{float(step.num_zeros):.1f}"),
+                   ("number of skipped iterations", f"{interval['skipped']:3d}"),
+                   ("number of nan iterations", f"{interval['nan']:3d}"),
+                   ("samples per second", f"{batch_size / elapsed:.3f}"),
+                   ("TFLOPs", f"{tflops:.2f}")]
+        print_last_rank(log_line(fields))
+        self.record(iteration, line_values(fields))
+        scalars.update({"learning-rate": lr, "grad-norm": step.grad_norm, "loss-scale": loss_scale,
+                        "batch-size": batch_size, "seqlen": seqlen,
+                        "consumed-tokens": state.consumed_tokens, "tflops": tflops})
+        self.scalars(scalars, iteration, state)
+        self.restart_interval()
+
+    # -- everything else an iteration may produce -------------------------------------------
+
+    def validation(self, iteration, state, loss):
+        ppl = print_validation(loss, iteration)
+        self.scalars({"valid-lm-loss": loss, "valid-ppl": ppl}, iteration, state)
+        self.record(iteration, {"validation lm loss": loss, "validation ppl": ppl})
+
+    def telemetry(self, iteration, state, stats):
+        self.scalars(telemetry.scalars(stats), iteration, state)
+        self.record(iteration, {"telemetry": stats})
+
+    def decision(self, iteration, decision):
+        """A spike-guard decision; written out later, with what a rollback adds to the dict."""
+        self.record(iteration, {"spike guard": [decision]})
+
+    def scalars(self, values, step, state):
+        """Each scalar against iterations, and in TensorBoard also against consumed samples and
+        tokens (Megatron's "lm-loss vs samples"): runs with other batch sizes compare on those."""
+        if self.tb:
+            for k, v in values.items():
+                self.tb.add_scalar(k, v, step)
+                self.tb.add_scalar(f"{k} vs samples", v, state.consumed_samples)
+                self.tb.add_scalar(f"{k} vs tokens", v, state.consumed_tokens)
+        if self.wandb:  # one step axis: the counters go along, to be picked as x axis in its UI
+            self.wandb.log({**values, "consumed-samples": state.consumed_samples,
+                            "consumed-tokens": state.consumed_tokens}, step=step)
+
+    def record(self, step, values):
+        """Into metrics.jsonl only (the log line's scalars by their log names, lists, decisions)."""
+        if self.metrics:
+            self.metrics.add(step, values)
+
+    def close(self):
+        if self.metrics:
+            self.metrics.close()
+        if self.tb:
+            self.tb.close()
+        if self.wandb:
+            self.wandb.finish()
+
+
+def log_line(fields):
+    """' iteration        5/      20 | consumed samples: ... |', as Megatron-DeepSpeed prints it."""
+    return "".join(f" {k}: {v} |" if k != "iteration" else f" iteration {v} |" for k, v in fields)
+
+
+def line_values(fields):
+    """The log line's [(name, text)] as numbers: {"iteration": 45, "train iters": 100, ...}."""
+    out = {}
+    for key, text in fields:
+        if key == "iteration":
+            done, total = text.split("/")
+            out["iteration"], out["train iters"] = int(done), int(total)
+        else:
+            out[key] = float(text)
+    return out
+
+
+def print_validation(loss, iteration):
+    """Megatron's validation block; returns the perplexity."""
+    ppl = math.exp(min(20.0, loss))
+    line = (f" validation loss at iteration {iteration} | lm loss value: {loss:.6E} | "
+            f"lm loss PPL: {ppl:.6E} |")
+    print_last_rank("-" * len(line) + "\n" + line + "\n" + "-" * len(line))
+    return ppl
+
+
+# -----------------------------------------------------------------------------
+# metrics.jsonl
+
+
+class MetricsFile:
+    """Appends one JSON object per iteration to PATH (resumed runs continue the file; after a
+    rollback an iteration appears again, and readers keep the last record of each iteration)."""
+
+    def __init__(self, path):
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        self.file = open(path, "a")
+        self.record = None
+
+    def add(self, iteration, values):
+        if self.record is not None and self.record["iteration"] != iteration:
+            self.flush()
+        if self.record is None:
+            self.record = {"iteration": iteration}
+        for key, value in values.items():
+            if isinstance(value, list) and key == "spike guard":
+                self.record.setdefault(key, []).extend(value)
+            else:
+                self.record[key] = value
+
+    def flush(self):
+        if self.record is not None:
+            self.file.write(json.dumps(self.record) + "\n")
+            self.file.flush()
+            self.record = None
+
+    def close(self):
+        self.flush()
+        self.file.close()

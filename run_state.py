@@ -1,0 +1,189 @@
+"""Where a run is, captured and restored in one place: for checkpoints and spike-guard snapshots.
+
+    parts = Parts(cfg, model, optimizer, schedule, scaler, guard)  # the live objects, parts.state
+    payload = capture(parts)    # (model_state, run, rank_state): the layout of a checkpoint's files
+    restore(payload, parts)     # weights, optimizer, LR schedule, loss scale, counters, RNG streams
+    save(parts), load(parts)    # on disk: checkpoint.py writes the files, reshard.py re-cuts them
+
+A checkpoint and a snapshot are the same payload, so rolling back to either is the same run, and a
+resumed run goes on bit-exactly: every number that decides what happens next is in it. The optimizer
+reset of lesson 8 lives here too (reset_optimizer): a resume with reset_optimizer_warmup_iters and a
+spike guard's relapse both go through it.
+
+Not here: how the files are written (checkpoint.py), what the counters mean for the next iteration
+(schedule.py).
+"""
+import copy
+import random
+from dataclasses import asdict, dataclass, field, fields
+
+import numpy as np
+import torch
+
+import checkpoint
+import parallel
+import reshard
+import rng
+import schedule
+from report import print0
+
+
+@dataclass
+class RunState:
+    """A run's numbers besides its weights and optimizer (a checkpoint's "state", as a dict)."""
+
+    iteration: int = 0  # iterations done, skipped ones included
+    consumed_samples: int = 0  # drawn, by skipped iterations too (lesson 9)
+    consumed_tokens: int = 0
+    # The LR schedule advances only with applied updates (Megatron steps its scheduler only when
+    # the update succeeded: not on fp16 overflows nor on skip_train_iteration_range).
+    scheduler_samples: int = 0
+    scheduler_tokens: int = 0
+    optimizer_reset: dict | None = None  # {"iteration", "warmup_iters"} of the reset (lesson 8)
+    spike_guard: dict | None = None  # the guard's state_dict at the last capture (its decisions)
+
+    def advance(self, batch_size, seqlen, applied):
+        """One iteration done: its batch drawn; counted by the LR schedule if its update applied."""
+        if applied:
+            self.scheduler_samples += batch_size
+            self.scheduler_tokens += batch_size * seqlen
+        self.iteration += 1
+        self.consumed_samples += batch_size
+        self.consumed_tokens += batch_size * seqlen
+
+    def load(self, saved):
+        """Every field of a saved dict, copied (a snapshot is used again); missing: the default."""
+        for f in fields(self):
+            setattr(self, f.name, copy.deepcopy(saved[f.name] if f.name in saved else f.default))
+
+
+@dataclass
+class Parts:
+    """The live objects whose state a checkpoint or a snapshot holds."""
+
+    cfg: object
+    model: object  # this rank's stage (or the DeepSpeed engine around it: parallel.unwrap)
+    optimizer: object
+    schedule: object  # schedule.Schedule: its AnnealingLR remembers where a sample warm-up ended
+    scaler: object  # optim.LossScaler
+    guard: object  # spike_guard.SpikeGuard
+    state: RunState = field(default_factory=RunState)
+
+
+def capture(parts, to_cpu=False):
+    """The payload (model_state, run, rank_state), as checkpoint.save writes it and checkpoint.load
+    returns it. to_cpu: every tensor copied to the CPU, not aliasing the live run (a snapshot)."""
+    p = parts
+    p.state.spike_guard = p.guard.state_dict()
+    model_state = parallel.unwrap(p.model).state_dict()
+    run = {"state": asdict(p.state), "scheduler": p.schedule.lr_schedule.state_dict(),
+           "scaler": p.scaler.state_dict(), "config": asdict(p.cfg)}
+    # param_names: what another layout needs to find this optimizer state by name (reshard.py)
+    names = None if p.cfg.deepspeed else reshard.param_names(p.model, p.optimizer)
+    rank_state = {"optimizer": p.optimizer.state_dict(), "rng": checkpoint.rng_state(),
+                  "param_names": names}
+    payload = (model_state, run, rank_state)
+    return cpu_copy(payload) if to_cpu else payload
+
+
+def restore(payload, parts, optimizer=True, rng_state=True, keep_payload=False):
+    """Put the run back to a payload; the LR schedule first, which refuses a changed one without
+    override_lr_scheduler (lesson 10). optimizer, rng_state=False: keep those as they are (a fresh
+    optimizer, fresh streams). keep_payload: the optimizer gets a copy, the payload stays usable."""
+    model_state, run, rank_state = payload
+    p = parts
+    p.schedule.lr_schedule.load_state_dict(run["scheduler"], override=p.cfg.override_lr_scheduler)
+    parallel.unwrap(p.model).load_state_dict(model_state)  # strict: every parameter (lesson 11)
+    p.scaler.load_state_dict(run["scaler"])
+    p.state.load(run["state"])
+    # the guard's statistics go with the weights; its decisions are history and stay
+    p.guard.load_stats((p.state.spike_guard or {}).get("stats"))
+    if optimizer:
+        # load_state_dict keeps tensors of the right device and dtype: a kept payload gives a copy
+        state = rank_state["optimizer"]
+        p.optimizer.load_state_dict(copy.deepcopy(state) if keep_payload else state)
+    if rng_state and rank_state["rng"] is not None:
+        checkpoint.set_rng_state(rank_state["rng"])
+
+
+def reset_optimizer(parts, warmup_iters):
+    """Lesson 8's reset, now: Adam from step 0 with zero moments, then warmup_iters iterations at
+    lr=0 (schedule.lr_at). In the run state: a resumed run keeps the window and resets once only."""
+    state = getattr(parts.optimizer, "state", None)  # DeepSpeed's: reset only at a resume, fresh
+    if state:
+        state.clear()
+    parts.state.optimizer_reset = {"iteration": parts.state.iteration,
+                                   "warmup_iters": warmup_iters}
+
+
+def cpu_copy(obj):
+    """A deep copy with every tensor copied to the CPU."""
+    if torch.is_tensor(obj):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: cpu_copy(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(cpu_copy(v) for v in obj)
+    return copy.deepcopy(obj)
+
+
+# -----------------------------------------------------------------------------
+# On disk
+
+
+def save(parts):
+    cfg, iteration = parts.cfg, parts.state.iteration
+    if cfg.dump_weights:
+        checkpoint.dump_weights(cfg.save, "before-save", iteration, parts.model)
+    path = checkpoint.save(cfg.save, iteration, *capture(parts),
+                           write_model_state=parallel.grid.dp_rank == 0)
+    print0(f"saved checkpoint at iteration {iteration:8d} to {path}")
+
+
+def load(parts):
+    """Resume from cfg.load/latest if there is one, on any layout (reshard.py); True if it did.
+    With reset_optimizer_warmup_iters the optimizer is reset here, once per run (lesson 8)."""
+    cfg, state = parts.cfg, parts.state
+    tag_dir = checkpoint.latest_dir(cfg.load)
+    if tag_dir is None:
+        print0(f"no checkpoint in {cfg.load}: training from scratch")
+        return False
+    warmup = schedule.reset_warmup_iters(cfg)
+    saved = checkpoint.saved_topology(tag_dir)
+    if saved == checkpoint.topology():
+        payload = checkpoint.load(tag_dir)
+    else:  # another TP x PP x DP layout: rebuilt from its slices (reshard.py)
+        print0(f"resharding checkpoint {tag_dir}: saved with {reshard.describe(saved)}, now "
+               f"{reshard.describe(checkpoint.topology())}")
+        payload = reshard.load(tag_dir, saved, parts.model, parts.optimizer, cfg,
+                               need_optimizer=not (cfg.no_load_optim or warmup))
+    reset_now = warmup and payload[1]["state"].get("optimizer_reset") is None
+    fresh = cfg.no_load_optim or reset_now
+    restore(payload, parts, optimizer=not fresh, rng_state=not cfg.no_load_rng)
+    if state.spike_guard:  # its decisions (skip ranges, LR factor) hold even with the guard off now
+        parts.guard.load_state_dict(state.spike_guard)
+    if reset_now:
+        reset_optimizer(parts, warmup)
+        print0(f"optimizer reset at iteration {state.iteration}: fresh optimizer, lr=0 for "
+               f"{warmup} iterations")
+    elif warmup:
+        print0(f"reset_optimizer_warmup_iters ignored: this run's optimizer was already reset at "
+               f"iteration {state.optimizer_reset['iteration']}")
+    if fresh:
+        print0("optimizer state not loaded: starting from a fresh optimizer (step 0, zero "
+               "moments)")
+        if hasattr(parts.optimizer, "refresh_fp32_params"):  # masters from the loaded weights
+            parts.optimizer.refresh_fp32_params()
+    if payload[2]["rng"] is None:
+        # A resharded checkpoint: a rank's RNG streams do not map onto another layout's ranks. Fresh
+        # streams, seeded as at the start of a run (per TP rank and stage) but from another seed.
+        seed = cfg.seed + state.iteration
+        rng.seed(seed)
+        np.random.seed(seed)
+        random.seed(seed)
+        print0(f"RNG states not restored (the layout changed): fresh streams seeded with seed + "
+               f"iteration = {seed}")
+    print0(f"loaded checkpoint {tag_dir} at iteration {state.iteration}")
+    if cfg.dump_weights:
+        checkpoint.dump_weights(cfg.load, "after-load", state.iteration, parts.model)
+    return True

@@ -1,0 +1,394 @@
+"""The run's plan: what each iteration does, as a function of the run's progress.
+
+    schedule = Schedule(cfg, dp_size)
+    schedule.batch_size(consumed_samples)     the global batch: Megatron's ramp-up (lesson 12)
+    schedule.seqlen(iteration)                its length: DeepSpeed's curriculum (lesson 13)
+    schedule.skipped(iteration)               in skip_train_iteration_range: skipped (lesson 9)
+    schedule.lr_at(iteration, state, factor)  the learning rate, every rule of it in one function
+    schedule.done(state)                      train_iters, train_samples or train_tokens reached
+
+The learning rate of an iteration is Megatron-DeepSpeed's AnnealingLR of the samples (or tokens) of
+the updates applied so far; zero during the warm-up of an optimizer reset (lesson 8); times the
+spike guard's factor (lowered on a relapse, lesson 21) and inject_lr_factor in inject_lr_iters
+(fault injection). A new LR rule is one more factor in lr_at.
+
+Everything here follows from the config and the run state (run_state.RunState), except AnnealingLR's
+token count at the end of a sample warm-up, which the checkpoint keeps. Not here: the counters
+(run_state.py), and what the run decides by itself: the spike guard's skips and LR factor.
+"""
+import math
+
+
+class Schedule:
+    """Batch size, sequence length, skipped iterations, learning rate and the end of training."""
+
+    def __init__(self, cfg, dp_size):
+        self.cfg = cfg
+        self.rampup = RampupBatchSize(cfg.rampup_batch_size, cfg.global_batch_size,
+                                      cfg.micro_batch_size, dp_size)
+        if cfg.curriculum_learning:
+            check_curriculum(cfg.min_difficulty, cfg.max_difficulty, cfg.seq_length,
+                             cfg.difficulty_step)
+        self.skip_ranges = parse_iteration_ranges(cfg.skip_train_iteration_range)
+        self.inject_lr_ranges = parse_iteration_ranges(cfg.inject_lr_iters, "inject_lr_iters")
+        self.total_iters, self.total_samples, self.total_tokens = self._simulate()
+        self.lr_schedule = AnnealingLR(
+            cfg.lr, cfg.min_lr, cfg.lr_decay_style, warmup_samples=cfg.lr_warmup_samples,
+            decay_samples=cfg.lr_decay_samples or self.total_samples,
+            warmup_tokens=cfg.lr_warmup_tokens, decay_tokens=cfg.lr_decay_tokens)
+
+    def batch_size(self, consumed_samples):
+        return self.rampup(consumed_samples)
+
+    def seqlen(self, iteration):
+        cfg = self.cfg
+        if not cfg.curriculum_learning:
+            return cfg.seq_length
+        return curriculum_seqlen(iteration, cfg.min_difficulty, cfg.max_difficulty,
+                                 cfg.total_curriculum_step, cfg.difficulty_step)
+
+    def skipped(self, iteration):
+        return in_ranges(iteration, self.skip_ranges)
+
+    def lr_at(self, iteration, state, guard_factor=1.0):
+        """The learning rate of `iteration`, from the run state before it. Its scheduler_samples and
+        scheduler_tokens count the applied updates: Megatron's schedule stands still on skipped
+        steps (lesson 5)."""
+        reset = state.optimizer_reset
+        if reset is not None and iteration <= reset["iteration"] + reset["warmup_iters"]:
+            return 0.0  # lesson 8: the fresh moments warm up while the weights stay put
+        lr = self.lr_schedule.get_lr(state.scheduler_samples, state.scheduler_tokens)
+        return lr * (guard_factor * self.injected_lr_factor(iteration))
+
+    def injected_lr_factor(self, iteration):
+        return self.cfg.inject_lr_factor if in_ranges(iteration, self.inject_lr_ranges) else 1.0
+
+    def done(self, state):
+        return self._done(state.iteration, state.consumed_samples, state.consumed_tokens)
+
+    def next_key(self, key):
+        """The (iteration, first sample, batch size, seqlen) of the next iteration that trains after
+        `key`'s (skipped ones draw their samples unused); None past the end. What loader.Prefetcher
+        loads ahead."""
+        iteration, samples = key[0] + 1, key[1] + key[2]
+        while self.skipped(iteration):
+            iteration, samples = iteration + 1, samples + self.batch_size(samples)
+        if iteration > self.total_iters:
+            return None
+        return iteration, samples, self.batch_size(samples), self.seqlen(iteration)
+
+    def describe(self):
+        return self.lr_schedule.describe()
+
+    def _done(self, iteration, samples, tokens):
+        """Megatron's update_train_iters: a last batch that would go past train_samples is not run
+        (tr8b-104B's 300M samples are "159576" iterations, not 159577)."""
+        cfg = self.cfg
+        return ((cfg.train_iters is not None and iteration >= cfg.train_iters)
+                or (cfg.train_samples is not None
+                    and samples + self.batch_size(samples) > cfg.train_samples)
+                or (cfg.train_tokens is not None and tokens >= cfg.train_tokens))
+
+    def _simulate(self):
+        it = samples = tokens = 0
+        while not self._done(it, samples, tokens):
+            b = self.batch_size(samples)
+            it += 1
+            samples, tokens = samples + b, tokens + b * self.seqlen(it)
+        return it, samples, tokens
+
+
+# -----------------------------------------------------------------------------
+# Iteration ranges: skip_train_iteration_range, the spike guard's skip ranges, fault injection
+
+
+def parse_iteration_ranges(ranges, key="skip_train_iteration_range"):
+    """["13251-14000", "16652-18500"] -> [(13251, 14000), (16652, 18500)]: inclusive, 1-based
+    (Megatron-DeepSpeed's format)."""
+    out = []
+    for r in ranges or []:
+        start, dash, end = str(r).partition("-")
+        try:
+            start, end = int(start.replace("_", "")), int(end.replace("_", "")) if dash else None
+        except ValueError:
+            end = None
+        if end is None or not 1 <= start <= end:
+            raise ValueError(f"{key} entry {r!r} is not 'START-END' with 1 <= START <= END "
+                             "(iterations are 1-based and inclusive, e.g. 13251-14000)")
+        out.append((start, end))
+    return sorted(out)
+
+
+def in_ranges(iteration, ranges):
+    return any(start <= iteration <= end for start, end in ranges)
+
+
+# -----------------------------------------------------------------------------
+# The learning rate's own rules: the optimizer reset's lr=0 warm-up, the end of the warm-up
+
+
+def reset_warmup_iters(cfg, unset=None):
+    """The lr=0 iterations after an optimizer reset (lesson 8): reset_optimizer_warmup_iters, where
+    "auto" is 5 / (1 - beta2), the time Adam's second moment needs; 0 without one. `unset`: the
+    setting when the config has none (the spike guard resets with "auto")."""
+    setting = cfg.reset_optimizer_warmup_iters or unset
+    if not setting:
+        return 0
+    if setting == "auto":
+        return math.ceil(5 / (1 - cfg.adam_beta2))
+    return int(setting)
+
+
+def warmed_up(cfg, state):
+    """Is the LR warm-up over, counted in the samples (or tokens) of the applied updates?"""
+    return state.scheduler_samples >= cfg.lr_warmup_samples and (
+        cfg.lr_warmup_tokens is None or state.scheduler_tokens >= cfg.lr_warmup_tokens)
+
+
+# -----------------------------------------------------------------------------
+# Batch-size ramp-up (Megatron's --rampup-batch-size "start incr samples"). Small batches early are cheap
+# steps while the loss falls fast; lesson 12 is the flip side: with pipeline parallelism a start batch too
+# small to fill the pipeline runs at a fraction of the throughput: main-2 tried "384 16 9_765_625", the final
+# run started at 192.
+
+class RampupBatchSize:
+    def __init__(self, rampup, global_batch_size: int, micro_batch_size: int, data_parallel_size: int):
+        self.global_batch_size = global_batch_size
+        self.micro_batch_times_dp = micro_batch_size * data_parallel_size
+        if rampup is None:
+            self.start, self.increment, self.samples, self.increments = global_batch_size, 0, 0, 0
+        else:
+            try:
+                parts = rampup.split() if isinstance(rampup, str) else list(rampup)
+                self.start, self.increment, self.samples = (int(str(p).replace("_", "")) for p in parts)
+            except ValueError:
+                raise ValueError(f"rampup_batch_size {rampup!r} must be three integers 'start increment samples', "
+                                 "e.g. '16 16 9_765_625'") from None
+            if self.start <= 0 or self.increment <= 0 or self.samples <= 0 or self.start > global_batch_size:
+                raise ValueError(f"rampup_batch_size {rampup!r}: need 0 < start <= global_batch_size "
+                                 f"({global_batch_size}), increment > 0 and samples > 0")
+            diff = global_batch_size - self.start
+            if diff % self.increment:
+                raise ValueError(f"rampup_batch_size {rampup!r}: global_batch_size - start = {diff} is not a multiple "
+                                 f"of the increment {self.increment}")
+            self.increments = diff // self.increment
+        for batch in range(self.start, global_batch_size + 1, self.increment or 1):
+            if batch % self.micro_batch_times_dp:
+                raise ValueError(f"batch size {batch} (reached by rampup_batch_size {rampup!r} / global_batch_size "
+                                 f"{global_batch_size}) is not divisible by micro_batch_size * data_parallel_size = "
+                                 f"{micro_batch_size} * {data_parallel_size}; change the ramp-up or the batch sizes")
+
+    def __call__(self, consumed_samples: int) -> int:
+        """Global batch size once `consumed_samples` samples have been consumed."""
+        if self.increments == 0 or consumed_samples > self.samples:
+            return self.global_batch_size
+        # start + floor(c / (samples / increments)) * incr, in integers: Megatron's float division can land a hair
+        # below an exact boundary (e.g. c == samples) and return the previous batch size.
+        return self.start + (consumed_samples * self.increments // self.samples) * self.increment
+
+    def num_micro_batches(self, consumed_samples: int) -> int:
+        """Gradient-accumulation steps per iteration on each data-parallel rank."""
+        return self(consumed_samples) // self.micro_batch_times_dp
+
+
+# -----------------------------------------------------------------------------
+# Sequence-length curriculum (DeepSpeed's fixed_linear, lesson 13): train on the first d tokens of each
+# sample, d growing linearly from min_difficulty to max_difficulty = seq_length over total_curriculum_step steps.
+
+def check_curriculum(min_difficulty: int, max_difficulty: int, seq_length: int, difficulty_step: int = 8,
+                     total_curriculum_step: int | None = None) -> None:
+    """Raise one ValueError listing every violated constraint (total_curriculum_step is checked when given)."""
+    problems = []
+    if difficulty_step <= 0 or difficulty_step % 8:
+        problems.append(f"difficulty_step {difficulty_step} must be a positive multiple of 8 (tensor cores; "
+                        "lesson 13)")
+    elif min_difficulty <= 0 or min_difficulty % difficulty_step:
+        problems.append(f"min_difficulty {min_difficulty} must be a positive multiple of difficulty_step "
+                        f"{difficulty_step} (lesson 13)")
+    if max_difficulty != seq_length:
+        problems.append(f"max_difficulty {max_difficulty} must equal seq_length {seq_length} (lesson 13)")
+    if min_difficulty > max_difficulty:
+        problems.append(f"min_difficulty {min_difficulty} must not exceed max_difficulty {max_difficulty}")
+    if total_curriculum_step is not None and total_curriculum_step <= 0:
+        problems.append(f"total_curriculum_step {total_curriculum_step} must be positive (lesson 13 recommends "
+                        "~train_tokens / global_batch / seq_length / 2)")
+    if problems:
+        raise ValueError("curriculum learning config: " + "; ".join(problems))
+
+
+def curriculum_seqlen(step: int, min_difficulty: int, max_difficulty: int, total_curriculum_step: int,
+                      difficulty_step: int = 8) -> int:
+    """Sequence length for 1-based iteration `step` (Megatron-DeepSpeed calls update_difficulty(iteration + 1)).
+    Same float expression as DeepSpeed, so the lengths switch at exactly the same iterations."""
+    d = math.floor(float(step) / total_curriculum_step * (max_difficulty - min_difficulty) + min_difficulty)
+    d -= d % difficulty_step
+    return min(d, max_difficulty)
+
+
+# -----------------------------------------------------------------------------
+# The learning-rate schedule
+
+
+class AnnealingLR:
+    """Megatron-DeepSpeed's AnnealingLR (lesson 23) as a function of consumed samples and
+    tokens. Megatron's "steps" are consumed samples.
+
+    - warm-up: by samples (lr = max_lr * samples / warmup_samples while samples <= warmup_samples) or,
+      when warmup_tokens is set, by tokens;
+    - decay by samples, or by tokens when decay_tokens is set (used with curriculum learning, where a
+      sample's length varies). Token decay runs from the token count at the end of warm-up, which is
+      only known once it happens, so it is remembered and saved in state_dict();
+    - "constant": max_lr after warm-up; "linear"/"cosine": min_lr + coeff * (max_lr - min_lr);
+      past the decay end: min_lr.
+
+    Megatron records the warm-up-end token count only at a call with samples == warmup exactly, and
+    keeps 0 when the batch sizes never land on it (the lr then drops at the end of warm-up). We record
+    it at the first call with samples >= warmup, which is the same when they do land on it.
+
+    Note: Megatron and DeepSpeed advance the schedule only on applied (not skipped) iterations, so the
+    samples a caller passes should exclude iterations skipped for an fp16 overflow to reproduce their
+    logs (lesson 5; the tr8b-104B log at iteration 6502: 5.997E-05 at 216960 consumed samples fits a
+    731-738 sample lag).
+    """
+
+    STYLES = ("linear", "cosine", "constant")
+
+    def __init__(self, max_lr, min_lr, decay_style, warmup_samples=0, decay_samples=None,
+                 warmup_tokens=None, decay_tokens=None):
+        self.max_lr = float(max_lr)
+        self.min_lr = float(min_lr)
+        self.decay_style = decay_style
+        self.warmup_samples = int(warmup_samples or 0)
+        self.decay_samples = None if decay_samples is None else int(decay_samples)
+        self.warmup_tokens = None if warmup_tokens is None else int(warmup_tokens)
+        self.decay_tokens = None if decay_tokens is None else int(decay_tokens)
+        self._validate()
+
+        # token count at the end of warm-up: fixed by the config for a token warm-up or no warm-up,
+        # remembered when it happens for a sample warm-up (None until then)
+        self.warmup_end_tokens = self._configured_warmup_end_tokens()
+
+    def _configured_warmup_end_tokens(self):
+        if self.warmup_tokens is not None:
+            return self.warmup_tokens
+        return 0 if self.warmup_samples == 0 else None
+
+    def _validate(self):
+        fix = "check lr, min_lr, lr_decay_style, lr_warmup_samples/tokens and lr_decay_samples/tokens"
+        if self.decay_style not in self.STYLES:
+            raise ValueError(f"unknown lr_decay_style {self.decay_style!r}; use one of {', '.join(self.STYLES)}")
+        if self.min_lr < 0.0 or self.max_lr < 0.0:
+            raise ValueError(f"learning rates must be >= 0 (lr {self.max_lr}, min_lr {self.min_lr}); {fix}")
+        if self.min_lr > self.max_lr:
+            raise ValueError(f"min_lr {self.min_lr} is larger than lr {self.max_lr}; lower min_lr or raise lr")
+        if self.warmup_samples < 0:
+            raise ValueError(f"lr_warmup_samples must be >= 0, got {self.warmup_samples}")
+        if self.warmup_tokens is not None:
+            if self.warmup_samples > 0:
+                raise ValueError("both lr_warmup_samples and lr_warmup_tokens are set; set only one of them")
+            if self.warmup_tokens < 0:
+                raise ValueError(f"lr_warmup_tokens must be >= 0, got {self.warmup_tokens}")
+            if self.decay_tokens is None and self.decay_style != "constant":
+                raise ValueError("lr_warmup_tokens needs lr_decay_tokens (a token warm-up and a sample decay "
+                                 "have no common origin); set lr_decay_tokens or use lr_warmup_samples")
+        if self.decay_tokens is not None:
+            warmup = self.warmup_tokens or 0
+            if self.decay_tokens <= warmup:
+                raise ValueError(f"lr_decay_tokens ({self.decay_tokens}) must be larger than the warm-up "
+                                 f"({warmup} tokens); {fix}")
+        elif self.decay_style != "constant" and self.decay_samples is None:
+            raise ValueError(f"lr_decay_style {self.decay_style!r} needs lr_decay_samples (or lr_decay_tokens)")
+        if self.decay_samples is not None and self.decay_samples <= self.warmup_samples:
+            raise ValueError(f"lr_decay_samples ({self.decay_samples}) must be larger than lr_warmup_samples "
+                             f"({self.warmup_samples}); {fix}")
+
+    def get_lr(self, consumed_samples: int, consumed_tokens: int) -> float:
+        if self.warmup_tokens is None and self.warmup_samples > 0:
+            # remember the token count where the sample warm-up ends; while it has not ended nothing is
+            # remembered (so a count restored from a checkpoint with another warm-up cannot stick)
+            if consumed_samples <= self.warmup_samples:
+                self.warmup_end_tokens = None
+            if self.warmup_end_tokens is None and consumed_samples >= self.warmup_samples:
+                self.warmup_end_tokens = consumed_tokens
+
+        # linear warm-up
+        if self.warmup_tokens is not None:
+            if self.warmup_tokens > 0 and consumed_tokens <= self.warmup_tokens:
+                return self.max_lr * consumed_tokens / self.warmup_tokens
+        elif self.warmup_samples > 0 and consumed_samples <= self.warmup_samples:
+            return self.max_lr * consumed_samples / self.warmup_samples
+
+        if self.decay_style == "constant":
+            return self.max_lr
+
+        if self.decay_tokens is None:
+            if consumed_samples > self.decay_samples:
+                return self.min_lr
+            ratio = (consumed_samples - self.warmup_samples) / (self.decay_samples - self.warmup_samples)
+        else:
+            if consumed_tokens >= self.decay_tokens:  # ratio 1 gives min_lr too; >= avoids 0/0 when
+                return self.min_lr                    # the warm-up ended at or past decay_tokens
+            start = self.warmup_end_tokens
+            ratio = (consumed_tokens - start) / (self.decay_tokens - start)
+        if not 0.0 <= ratio <= 1.0:
+            raise ValueError(f"lr decay ratio {ratio} outside [0, 1] at {consumed_samples} samples / "
+                             f"{consumed_tokens} tokens (warm-up ended at {self.warmup_end_tokens} tokens); "
+                             f"the consumed counters went backwards, check the checkpoint")
+
+        if self.decay_style == "linear":
+            coeff = 1.0 - ratio
+        else:  # cosine
+            coeff = 0.5 * (math.cos(math.pi * ratio) + 1.0)
+        return self.min_lr + coeff * (self.max_lr - self.min_lr)
+
+    def describe(self) -> str:
+        if self.warmup_tokens is not None:
+            warmup = f"warm-up {self.warmup_tokens} tokens"
+        else:
+            warmup = f"warm-up {self.warmup_samples} samples"
+        if self.decay_style == "constant":
+            decay = "then constant"
+        elif self.decay_tokens is not None:
+            decay = f"{self.decay_style} decay to {self.decay_tokens} tokens"
+        else:
+            decay = f"{self.decay_style} decay to {self.decay_samples} samples"
+        return f"lr schedule: max_lr {self.max_lr}, min_lr {self.min_lr}, {warmup}, {decay}"
+
+    # the quantities a resume must agree on, with the names Megatron prints
+    _CHECKED = (
+        ("max_lr", "learning rate"),
+        ("min_lr", "minimum learning rate"),
+        ("warmup_samples", "warm-up samples"),
+        ("warmup_tokens", "warm-up tokens"),
+        ("decay_samples", "decay samples"),
+        ("decay_tokens", "decay tokens"),
+        ("decay_style", "decay style"),
+    )
+
+    def state_dict(self) -> dict:
+        sd = {key: getattr(self, key) for key, _ in self._CHECKED}
+        sd["warmup_end_tokens"] = self.warmup_end_tokens
+        return sd
+
+    def load_state_dict(self, sd: dict, override: bool) -> None:
+        """Without override the checkpoint's schedule must equal the config's (lesson 10: changing min_lr
+        on resume was refused with an assertion). With override the config's hyper-parameters win and
+        the lr follows them from the current consumed samples/tokens.
+
+        The remembered warm-up-end token count is restored for a sample warm-up. When an override
+        changed that warm-up: if the new warm-up has not ended yet, get_lr() forgets the restored count
+        and records the true one when it ends; if it ended in the past, its token count was never seen
+        and the checkpoint's count (the end of the old warm-up) is kept as the best estimate. For a
+        token warm-up or none, the config fixes it (warmup_tokens, or 0)."""
+        mismatches = [
+            f"class input value {getattr(self, key)} and checkpoint value {sd.get(key)} for {name} do not match"
+            for key, name in self._CHECKED
+            if getattr(self, key) != sd.get(key)
+        ]
+        if mismatches and not override:
+            raise ValueError("AnnealingLR: " + "; ".join(mismatches) + "; to use the config's schedule from "
+                             "the current consumed samples/tokens, set override_lr_scheduler "
+                             "(--override-lr-scheduler)")
+        self.warmup_end_tokens = self._configured_warmup_end_tokens()
+        if self.warmup_end_tokens is None:
+            self.warmup_end_tokens = sd.get("warmup_end_tokens")

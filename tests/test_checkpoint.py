@@ -1,0 +1,206 @@
+"""Checkpoints one can trust and use: the manifest (every file's size and CRC-32, computed while writing, in place
+before `latest` moves) checked on load, so a truncated or bit-rotted file stops the run with one message naming it
+and the earlier checkpoint, touching nothing; old checkpoints without one still load; tools/check_checkpoint.py
+finds missing, damaged, misshapen and drifted files offline; tools/sample.py reads a TP2 x PP2 checkpoint and
+generates what one process generates from the same weights."""
+import hashlib
+import os
+import shutil
+import sys
+import zlib
+
+import pytest
+import torch
+
+import arguments
+import checkpoint
+import data
+import parallel
+import reshard
+from helpers import ROOT, SMALL, corpus, run_cli, run_main, write_checkpoint  # noqa: F401 (corpus is a fixture)
+from model import GPT, GPTConfig
+
+sys.path.insert(0, os.path.join(ROOT, "tools"))
+import check_checkpoint  # noqa: E402
+import sample  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def ckpt(corpus, tmp_path_factory):
+    """global_step1 and global_step2 of the SMALL model; tests copy the directory before changing it."""
+    directory = tmp_path_factory.mktemp("ckpt")
+    run_main(*SMALL, "--train_iters=2", "--eval_iters=0", f"--save={directory}", "--save_interval=1")
+    return directory
+
+
+def _contents(directory):
+    """{relative path: sha256} of every file: what 'no checkpoint touched' compares."""
+    out = {}
+    for d, _, names in os.walk(directory):
+        for name in names:
+            path = os.path.join(d, name)
+            out[os.path.relpath(path, directory)] = hashlib.sha256(open(path, "rb").read()).hexdigest()
+    return out
+
+
+def test_manifest_lists_every_file_with_its_size_and_crc(ckpt):
+    tag_dir = os.path.join(ckpt, "global_step2")
+    manifest = checkpoint.read_manifest(tag_dir)
+    assert manifest["topology"] == {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1,
+                                    "data_parallel_size": 1}
+    files = sorted(n for n in os.listdir(tag_dir) if n != checkpoint.MANIFEST)
+    assert sorted(manifest["files"]) == files == ["mp_rank_00_000_model_states.pt", "rank_00000_optim_states.pt"]
+    for name, entry in manifest["files"].items():
+        content = open(os.path.join(tag_dir, name), "rb").read()  # computed here from the file, independently
+        assert entry == {"bytes": len(content), "crc32": f"{zlib.crc32(content):08x}"}, name
+
+
+def test_a_save_whose_manifest_fails_leaves_latest_where_it_was(corpus, tmp_path, monkeypatch):
+    """The manifest is part of publishing: a failure writing it is a failed save, `latest` stays."""
+    write_manifest, calls = checkpoint.write_manifest, []
+
+    def fails_second_time(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise OSError(5, "Input/output error")
+        return write_manifest(*args, **kwargs)
+
+    monkeypatch.setattr(checkpoint, "write_manifest", fails_second_time)
+    with pytest.raises(ValueError, match="saving checkpoint .*global_step2 failed: .*Input/output error"):
+        run_main(*SMALL, "--train_iters=2", "--eval_iters=0", f"--save={tmp_path}", "--save_interval=1")
+    assert open(tmp_path / "latest").read().strip() == "global_step1"
+    assert not [n for n in os.listdir(tmp_path) if n.startswith("global_step2")]
+
+
+def test_truncated_file_stops_the_run_with_one_message_and_touches_nothing(ckpt, tmp_path):
+    directory = shutil.copytree(ckpt, tmp_path / "run")
+    path = directory / "global_step2" / "mp_rank_00_000_model_states.pt"
+    path.write_bytes(path.read_bytes()[:-1000])  # a copy cut short
+    before = _contents(directory)
+    proc = run_cli(*SMALL, "--train_iters=4", f"--load={directory}", f"--save={directory}", expect_ok=False)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(errors) == 1 and errors[0].startswith(f"error: checkpoint file {path}: it is truncated"), proc.stderr
+    assert "Nothing was loaded; resume from global_step1 instead: echo global_step1 > " in errors[0]
+    assert _contents(directory) == before
+
+
+def test_flipped_byte_is_found_before_the_tensors_are_read(ckpt, tmp_path):
+    directory = shutil.copytree(ckpt, tmp_path / "run")
+    # the optimizer file, then the model file too (read first): each named in turn
+    for name in ("rank_00000_optim_states.pt", "mp_rank_00_000_model_states.pt"):
+        path = directory / "global_step2" / name
+        content = bytearray(path.read_bytes())
+        content[len(content) // 2] ^= 0x04  # one bit, inside a tensor's bytes
+        path.write_bytes(bytes(content))
+        torch.load(path, weights_only=False)  # torch reads it without a word: only the checksum can tell
+        with pytest.raises(ValueError, match=rf"{name}: its CRC-32 is [0-9a-f]{{8}} where the manifest says "
+                                             r"[0-9a-f]{8}: it is corrupt .* resume from global_step1"):
+            checkpoint.load(str(directory / "global_step2"))
+    with pytest.raises(ValueError, match="mp_rank_00_000_model_states.pt: its CRC-32 is"):
+        sample.load_model(str(directory), "cpu")
+
+
+def test_checkpoint_without_a_manifest_loads_with_one_note(ckpt, tmp_path, capsys, monkeypatch):
+    directory = shutil.copytree(ckpt, tmp_path / "old")
+    for tag in ("global_step1", "global_step2"):
+        os.remove(directory / tag / checkpoint.MANIFEST)
+    monkeypatch.setattr(checkpoint, "warned_no_manifest", False)
+    assert checkpoint.saved_topology(str(directory / "global_step2"))["data_parallel_size"] == 1
+    model, run, rank = checkpoint.load(str(directory / "global_step2"))
+    checkpoint.load(str(directory / "global_step1"))
+    assert run["state"]["iteration"] == 2 and "optimizer" in rank
+    assert capsys.readouterr().out.count("has no manifest.json (written by an older version)") == 1
+    assert check_checkpoint.main([str(directory)]) == 0
+
+
+# -----------------------------------------------------------------------------
+# tools/check_checkpoint.py, and a TP2 x PP2 checkpoint
+
+
+TP2PP2 = ["--num_layers=4", "--hidden_size=32", "--num_attention_heads=4", "--seq_length=32", "--vocab_size=50257",
+          "--embed_layernorm=false", "--activation=gelu_tanh", "--tensor_model_parallel_size=2",
+          "--pipeline_model_parallel_size=2", "--init_method_std=1.0"]  # large weights: greedy text that varies
+
+
+@torch.no_grad()
+def weights(stage):
+    """The same weights in any layout: GPT.init_weights draws every full tensor by name and keeps this rank's
+    slice; the LayerNorms and biases are then moved away from ones and zeros, drawn the same way."""
+    stage.init_weights(seed=7)
+    for name, p in stage.named_parameters():
+        if p.ndim == 1:
+            tp_dim = getattr(p, "tp_dim", None)
+            full = torch.randn(p.shape[0] * (stage.grid.tp_size if tp_dim is not None else 1),
+                               generator=torch.Generator().manual_seed(zlib.crc32(name.encode())))
+            p.add_(parallel.shard(full, tp_dim, stage.grid))
+
+
+@pytest.fixture(scope="module")
+def tp2pp2(tmp_path_factory):
+    """A TP=2 x PP=2 checkpoint of a 4-layer model with GPT-2's vocabulary (50257, padded to 50432 for TP=2),
+    written rank by rank from this process."""
+    directory = tmp_path_factory.mktemp("tp2pp2")
+    write_checkpoint(str(directory), TP2PP2, weights)
+    return directory
+
+
+def test_check_tool_passes_whole_checkpoints(ckpt, tp2pp2, capsys):
+    assert check_checkpoint.main([str(tp2pp2)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("OK ") and "TP=2 x PP=2 x DP=1, 8 files whole" in out, out
+    assert check_checkpoint.main([str(ckpt / "global_step1")]) == 0
+
+
+def run_tool(directory):
+    import subprocess
+    return subprocess.run([sys.executable, "tools/check_checkpoint.py", str(directory)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_check_tool_finds_damaged_and_drifted_files(tp2pp2, tmp_path, capsys):
+    directory = shutil.copytree(tp2pp2, tmp_path / "bad")
+    tag_dir = directory / "global_step1"
+    shard = tag_dir / "mp_rank_01_001_model_states.pt"
+    shard.write_bytes(shard.read_bytes()[:-10])
+    os.remove(tag_dir / "rank_00002_optim_states.pt")
+    proc = run_tool(directory)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert f"FAIL {shard}: it is truncated or overwritten" in proc.stdout
+    assert f"FAIL {tag_dir / 'rank_00002_optim_states.pt'}: it is missing" in proc.stdout
+
+    # Whole files whose contents are wrong, each rewritten with a manifest that matches: a LayerNorm drifted on
+    # TP rank 1 (lesson 18); on the last stage, a parameter gone and one of another shape.
+    directory = shutil.copytree(tp2pp2, tmp_path / "wrong")
+    tag_dir = str(directory / "global_step1")
+    files = checkpoint.read_manifest(tag_dir)["files"]
+    for rank, change in ((1, lambda m: m["blocks.0.ln_1.weight"][3].add_(1e-3)),
+                         (2, lambda m: (m.pop("ln_f.bias"), m.update({"blocks.3.mlp.fc1.weight": torch.zeros(3)})))):
+        g = parallel.Grid(2, 2, world_size=4, rank=rank)
+        blob = torch.load(checkpoint.model_file(tag_dir, g), weights_only=False)
+        change(blob["model"])
+        files.update(checkpoint.write_files(tag_dir, blob["model"], blob["run"], {"optimizer": {}}, True, g))
+    checkpoint.write_manifest(tag_dir, [files], g)
+    assert check_checkpoint.main([str(directory)]) == 1
+    out = capsys.readouterr().out
+    assert "mp_rank_01_000_model_states.pt: blocks.0.ln_1.weight differs from TP rank 0's copy" in out, out
+    assert "mp_rank_00_001_model_states.pt: ln_f.bias is missing" in out
+    assert "mp_rank_00_001_model_states.pt: blocks.3.mlp.fc1.weight has shape (3,), the stored config's model " \
+           "(64, 32)" in out
+    assert out.count("FAIL") == 3
+
+
+def test_sample_reads_a_tp2_pp2_checkpoint(tp2pp2, capsys):
+    """Greedy text from the TP2 x PP2 files (gathered into one process by reshard.py) is the text of the same
+    weights in one process."""
+    sample.main(["--load", str(tp2pp2), "--prompt", "ROMEO:", "--max_tokens", "12", "--top_k", "1"])
+    text = capsys.readouterr().out.rstrip("\n")
+    cfg = arguments.load_config([*TP2PP2, "--tensor_model_parallel_size=1", "--pipeline_model_parallel_size=1"])
+    one = GPT(GPTConfig.from_config(cfg)).eval()
+    weights(one)
+    tok = data.get_tokenizer()
+    out = one.generate(torch.tensor([tok.encode_ordinary("ROMEO:")]), 12, top_k=1)
+    assert text == tok.decode(out[0].tolist())
+    assert len(set(out[0, 3:].tolist())) >= 4, "a degenerate model would not tell layouts apart"
+    gathered, _, _ = reshard.load_full_model(str(tp2pp2))
+    assert all(torch.equal(p, dict(one.named_parameters())[n][:p.shape[0]]) for n, p in gathered.named_parameters())
