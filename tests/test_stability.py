@@ -259,6 +259,7 @@ def test_lr_sensitivity_blow_ups_and_spike_score_on_hand_made_numbers():
     assert row["sensitivity_seeds"] == pytest.approx(((4.0 - 3.2) / 2, (lr_sweep.L0 - 3.4) / 2))
 
 
+@pytest.mark.slow
 def test_lr_sweep_end_to_end_resumes_a_killed_run_writes_table_and_png_and_skips_finished_runs(tmp_path):
     """The pilot's two runs, shrunk: first stopped at iteration 2 (as if killed), then resumed to the end; one of
     them against the same run uninterrupted; the tables, the figure; a third call finds everything done."""
@@ -295,3 +296,13 @@ def test_lr_sweep_end_to_end_resumes_a_killed_run_writes_table_and_png_and_skips
     second = subprocess.run([*cmd, f"--extra={small}"], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert second.returncode == 0 and "2 finished already, 0 to run" in second.stdout, second.stdout
     assert os.path.getmtime(result_file) == stamp
+    # --report: the tables of the finished runs of a wider selection, starting none
+    lrs = cmd.index("--lrs") + 1
+    wider = [*cmd[:lrs], "1e-2,3e-1,1", *cmd[lrs + 1:], f"--extra={small}", "--report"]
+    report = subprocess.run(wider, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert report.returncode == 0, report.stdout[-3000:] + report.stderr[-3000:]
+    table = open(tmp_path / "lab" / "results.md").read()
+    assert table.startswith("2 of the selection's 3 runs finished") and "| default |" in table
+    assert not os.path.exists(lr_sweep.run_dir(str(tmp_path / "lab"), "A", "default", 1.0, 1))
+    with pytest.raises(SystemExit, match="the pilot has not run"):
+        lr_sweep.main(["--out", str(tmp_path / "empty"), "--arms", "A", "--report"])

@@ -497,6 +497,8 @@ def parse_args(argv):
     p.add_argument("--jobs", type=int, default=os.cpu_count(), help="runs at a time, one thread each")
     p.add_argument("--extra", default="", help="more train.py arguments for every run, after an = sign (e.g. "
                    "--extra=--train_iters=1000); changes the runs, so use another --out")
+    p.add_argument("--report", action="store_true", help="only the tables and the figure, from the selection's "
+                   "runs finished so far (the pilot's included); starts no run")
     p.add_argument("--allow_weak_study", action="store_true",
                    help="run a study that the preflight or the pilot refuses; results.md says why it is weak")
     args = p.parse_args(argv)
@@ -582,6 +584,10 @@ def main(argv=None):
     todo = [g for g in grid if not os.path.exists(os.path.join(run_dir(args.out, *g), "result.json"))]
     print(f"{len(grid)} runs (the pilot's 2 first), {len(grid) - len(todo)} finished already, {len(todo)} to run, "
           f"{args.jobs} at a time", flush=True)
+    if args.report:  # the finished runs alone; results.md says how many of the study's they are
+        if any(g in todo for g in PILOT):
+            raise SystemExit(f"lr_sweep --report: the pilot has not run in {args.out}; run the study first")
+        grid = [g for g in grid if g not in todo]
     results, start = [], time.time()
 
     def report(result):
@@ -613,11 +619,14 @@ def main(argv=None):
         for r in results:
             f.write(json.dumps(r) + "\n")
     table = markdown(rows_by_arm, {arm: spec["lrs"] for arm, spec in arms.items()}, corpus, warnings)
+    if args.report and todo:
+        table = (f"{len(grid)} of the selection's {len(grid) + len(todo)} runs finished; the tables and the figure are "
+                 "theirs (a missing cell or a missing seed was not run).\n\n" + table)
     timed = [r for r in results if "cpu_seconds" in r]
     if timed:
         cpu = [r["cpu_seconds"] for r in timed]
         table += (f"\nCPU time, {len(timed)} runs: {sum(cpu) / len(cpu):.0f} s a run on average, "
-                  f"{sum(cpu) / 3600:.2f} h in all.\n")
+                  f"{sum(cpu) / 3600:.2f} h in all (a resumed run counts its last part only).\n")
     with open(os.path.join(args.out, "results.md"), "w") as f:
         f.write(table)
     plot(rows_by_arm, selected, corpus, os.path.join(args.out, "lr_sweep.png"))
