@@ -209,10 +209,37 @@ def test_lab_corpus_builds_a_512_token_bpe_once(tmp_path):
     assert len(indexed) == 38 and summary["tokens"] == sum(len(indexed.get(i)) for i in range(38))
     assert all(indexed.get(i)[-1] == tok.eot_token for i in range(38))
     first = indexed.get(0)
-    assert (first < 512).all() and len(tok.encode_ordinary(data.bundled_plays()[0])) + 1 == len(first)
+    text = data.bundled_plays(lab_corpus.CORPUS_VERSION)[0]
+    assert (first < 512).all() and len(tok.encode_ordinary(text)) + 1 == len(first)
+    # the corpus the study's finished runs were trained on (docs/stability.md): another would need a new study
+    assert summary["tokens"] == 2_666_329 and round(summary["bigram_entropy"], 3) == 3.509
     # the entropies are those of the tokens written; unigram < uniform, and the previous token tells a lot
     docs = [np.asarray(indexed.get(i)) for i in range(38)]
     assert (summary["unigram_entropy"], summary["bigram_entropy"]) == lab_corpus.entropies(docs, 512)
     assert summary["bigram_entropy"] < summary["unigram_entropy"] - 1 < math.log(512) - 1
     stamp = os.path.getmtime(summary["tokenizer_file"])
     assert lab_corpus.build(str(tmp_path)) == summary and os.path.getmtime(summary["tokenizer_file"]) == stamp
+
+
+def test_lab_corpus_is_rebuilt_for_another_corpus_version(tmp_path, monkeypatch):
+    """A data/lab/ of another version (or of none: built before versions) is not reused."""
+    import data
+    rng = np.random.default_rng(0)  # text enough for 255 merges
+    words = ["".join(rng.choice(list("abcdefghij"), size=rng.integers(2, 7))) for _ in range(20000)]
+    plays = [[" ".join(words)], [" ".join(words[:10000])]]
+    monkeypatch.setattr(data, "bundled_plays", lambda version: plays[version - 1])
+    monkeypatch.setattr(lab_corpus, "CORPUS_VERSION", 1)
+    first = lab_corpus.build(str(tmp_path))
+    assert first["corpus_version"] == 1 and lab_corpus.build(str(tmp_path)) == first
+    monkeypatch.setattr(lab_corpus, "CORPUS_VERSION", 2)
+    second = lab_corpus.build(str(tmp_path))
+    assert second["corpus_version"] == 2 and second["tokens"] != first["tokens"]
+
+
+def test_bundled_plays_as_markdown_and_as_plain_text():
+    import data
+    markdown, plain = data.bundled_plays(1), data.bundled_plays(2)
+    assert len(markdown) == len(plain) == 38 and plain == [data.play_text(m) for m in markdown]
+    assert "**" in markdown[0] and "**" not in plain[0] and not any(" \n" in m for m in markdown)
+    with pytest.raises(ValueError, match="no bundled corpus version 3"):
+        data.bundled_plays(3)

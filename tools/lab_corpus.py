@@ -91,8 +91,8 @@ def build(data_dir=os.path.join(ROOT, "data")):
     documents = [tok.encode_ordinary(text) + [tok.eot_token] for text in texts]
     data.write_indexed_dataset(prefix, documents, dtype=data.token_dtype(tok.n_vocab))
     h1, h2 = entropies(documents, VOCAB_SIZE)
-    summary = {"corpus_version": CORPUS_VERSION, "vocab_size": VOCAB_SIZE, "tokens": sum(len(d) for d in documents), "uniform": math.log(VOCAB_SIZE),
-               "unigram_entropy": h1, "bigram_entropy": h2}
+    summary = {"corpus_version": CORPUS_VERSION, "vocab_size": VOCAB_SIZE, "tokens": sum(len(d) for d in documents),
+               "uniform": math.log(VOCAB_SIZE), "unigram_entropy": h1, "bigram_entropy": h2}
     with open(summary_file + ".tmp", "w") as f:
         json.dump(summary, f, indent=1)
     os.replace(summary_file + ".tmp", summary_file)
