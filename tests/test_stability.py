@@ -257,6 +257,9 @@ def test_lr_sensitivity_blow_ups_and_spike_score_on_hand_made_numbers():
     (row,) = lr_sweep.summarize(results, "A", ["a"], [1e-2, 1.0], bigram)
     assert row["points"][1.0]["n"] == 3 and row["points"][1e-2]["n"] == 2
     assert row["sensitivity_seeds"] == pytest.approx(((4.0 - 3.2) / 2, (lr_sweep.L0 - 3.4) / 2))
+    # an LR of the grid not run: no sensitivity (it would not compare with a whole curve's)
+    (row,) = lr_sweep.summarize(results, "A", ["a"], [1e-2, 1e-1, 1.0], bigram)
+    assert row["sensitivity"] is None and row["sensitivity_seeds"] is None and sorted(row["points"]) == [1e-2, 1.0]
 
 
 @pytest.mark.slow

@@ -1,9 +1,10 @@
 """The stability lab: LR sensitivity of the stability levers, measured as Wortsman et al. 2023 do ("Small-scale
 proxies for large-scale Transformer training instabilities"); docs/stability.md has the study and its numbers.
 
-    python tools/lr_sweep.py --out out/lab --jobs 2  # the study: pilot, arms A, B, C (62 runs, ~2.5 h on 2 cores)
+    python tools/lr_sweep.py --out out/lab --jobs 2  # the whole study: pilot, arms A, B, C (72 runs, 5 CPU-hours)
     python tools/lr_sweep.py --quick                 # the pilot alone: 2 runs, ~5 min
     python tools/lr_sweep.py --arms A --lever_sets default --lrs 1e-2,1e-1 --seeds 1,2 --out out/mine
+    python tools/lr_sweep.py --out out/lab --report  # the tables and the figure of the runs finished so far
 
 One GPT (4 layers of 128, 4 heads of 32) on the bundled corpus under the lab's own 512-token BPE
 (tools/lab_corpus.py: with GPT-2's 50k vocabulary a small model is 89-97% embedding), trained as Wortsman et al.
@@ -89,7 +90,6 @@ def init(c):
 
 Z_LOSS, QK = ["--z_loss=1e-4"], ["--qk_layernorm"]
 HALF_DECADES = [1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 3e-1, 1.0]
-# Each arm: its lever sets (arguments on top of BASE and the arm's own), LR grid, seeds (more at some LRs).
 # Each arm: its lever sets (arguments on top of BASE and the arm's own), its LR grid, its seeds (and more seeds at
 # some LRs: {lr: seeds}).
 ARMS = {
@@ -335,7 +335,7 @@ def blew_up(result, bigram, start=BLOWUP_FROM, margin=PILOT_MARGIN):
 def summarize(results, arm, lever_sets, lrs, bigram):
     """Per lever set of an arm: per LR the seeds' final losses (mean, min, max), how many blew up, never got
     below the bigram entropy, diverged; the precursors (mean over seeds); the LR sensitivity of the seed-mean
-    curve and the range of each seed's own."""
+    curve and the range of each seed's own (None where some LR of the grid was not run: it would not compare)."""
     by_key = {(r["lever_set"], r["lr"], r["seed"]): r for r in results if r["arm"] == arm and "error" not in r}
     rows = []
     for lever_set in lever_sets:
@@ -361,8 +361,10 @@ def summarize(results, arm, lever_sets, lrs, bigram):
         mean_curve = {lr: p["mean"] for lr, p in points.items()}
         per_seed = [sensitivity(curve) for curve in curves]
         best_lr = min(mean_curve, key=mean_curve.get)
-        rows.append({"lever_set": lever_set, "points": points, "sensitivity": sensitivity(mean_curve),
-                     "sensitivity_seeds": (min(per_seed), max(per_seed)) if len(per_seed) > 1 else None,
+        whole = len(points) == len(lrs)
+        rows.append({"lever_set": lever_set, "points": points,
+                     "sensitivity": sensitivity(mean_curve) if whole else None,
+                     "sensitivity_seeds": (min(per_seed), max(per_seed)) if whole and len(per_seed) > 1 else None,
                      "best_loss": mean_curve[best_lr], "best_lr": best_lr})
     return rows
 
@@ -397,7 +399,8 @@ def markdown(rows_by_arm, lrs_by_arm, corpus, warnings):
         for row in rows:
             spread = row["sensitivity_seeds"]
             spread = f" ({spread[0]:.3f}-{spread[1]:.3f})" if spread else ""
-            lines.append(f"| {row['lever_set']} | {row['sensitivity']:.3f}{spread} | {row['best_loss']:.3f} | "
+            value = "not every LR run" if row["sensitivity"] is None else f"{row['sensitivity']:.3f}{spread}"
+            lines.append(f"| {row['lever_set']} | {value} | {row['best_loss']:.3f} | "
                          f"{row['best_lr']:.0e} |")
         lines += ["", "Final validation loss, mean over seeds [min-max] (n seeds); `up k`: k seeds blew up, `flat k`: "
                   "k never got below the bigram entropy, `div k`: k ended above L0 (counted as L0):", "", *header]
@@ -437,7 +440,8 @@ def plot(rows_by_arm, results, corpus, path):
             xs = sorted(row["points"])
             p = [row["points"][lr] for lr in xs]
             line, = ax.plot(xs, [q["mean"] for q in p], marker="o", markersize=4,
-                            label=f"{row['lever_set']} (LR sens. {row['sensitivity']:.2f})")
+                            label=row["lever_set"] + ("" if row["sensitivity"] is None else
+                                                      f" (LR sens. {row['sensitivity']:.2f})"))
             ax.fill_between(xs, [q["min"] for q in p], [q["max"] for q in p], color=line.get_color(), alpha=0.2,
                             linewidth=0)
             if arm == "A":
@@ -463,11 +467,12 @@ def plot(rows_by_arm, results, corpus, path):
             colors = {lr: f"C{i}" for i, lr in enumerate(sorted({r["lr"] for r in runs}))}
             for r in sorted(runs, key=lambda r: (r["lr"], r["lever_set"])):
                 s = r["series"]
-                style = "-" if r["lever_set"] == "z_loss" else "--"
+                style = {"no_z_loss": "--", "z_loss": "-"}.get(r["lever_set"], ":")
                 right.plot(s["iteration"], s["output_logit_mean"], style, color=colors[r["lr"]], linewidth=1,
                            label=f"{r['lever_set']}, LR {r['lr']:.0e}")
                 right.plot(s["iteration"], s["log_z"], style, color=colors[r["lr"]], linewidth=2.5, alpha=0.4)
             right.axhline(0, color="grey", linewidth=0.8)
+            right.set_yscale("symlog", linthresh=10)  # the drift of a few nats, and a diverged run's hundreds
             right.set_title("arm B: mean output logit (thin) and mean log Z (thick), seed 1", fontsize=10)
             right.set_xlabel("iteration")
         for axis in (ax, right) if arm != "B" else (ax,):
