@@ -55,6 +55,7 @@ class Config(GPTConfig):
     difficulty_step: int = 8  # curriculum sequence lengths are multiples of this
     # -- optimizer --
     weight_decay: float = 0.01  # AdamW's decoupled weight decay (not on biases and LayerNorms)
+    weight_decay_independent: bool = False  # decay weight_decay x lr_t/lr per step, not x lr_t: same at any LR
     adam_beta1: float = 0.9  # Adam's first-moment decay
     adam_beta2: float = 0.999  # Adam's second-moment decay
     adam_eps: float = 1e-8  # Adam's epsilon

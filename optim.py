@@ -111,11 +111,24 @@ def param_groups(model: torch.nn.Module, weight_decay: float, params=None) -> li
     return [g for g in groups if g["params"]]
 
 
+def decay_coefficient(weight_decay, lr, independent=False):
+    """AdamW's weight_decay for a decay of `weight_decay` per step, lr being the peak LR of the schedule.
+
+    Coupled (torch, Megatron): each step multiplies the weights by 1 - lr_t * weight_decay, so across an LR grid
+    the decay per step varies as much as the LR. Independent (Loshchilov & Hutter's Algorithm 2; Wortsman et al.
+    2023, 3.2.2): by 1 - s_t * weight_decay, with s_t = lr_t / lr the schedule's multiplier (warm-up and decay
+    included), whatever the LR. That is coupled decay with the coefficient weight_decay / lr."""
+    if not independent:
+        return weight_decay
+    return weight_decay / lr if lr > 0 else 0.0
+
+
 def build_optimizer(model, lr, weight_decay, adam_beta1, adam_beta2, adam_eps, use_bnb_optimizer=False, embedding=None,
-                    params=None):
+                    params=None, independent_decay=False):
     """Our AdamW, or bitsandbytes' 8-bit AdamW with `embedding` (the token embedding weight) kept in
     32-bit optimizer state, as bitsandbytes' StableEmbedding requires (lesson 14). params: only these of the
-    model's parameters (a ZeRO-1 shard), default all."""
+    model's parameters (a ZeRO-1 shard), default all. independent_decay: see decay_coefficient."""
+    weight_decay = decay_coefficient(weight_decay, lr, independent_decay)
     groups = param_groups(model, weight_decay, params)
     betas = (adam_beta1, adam_beta2)
     if not use_bnb_optimizer:

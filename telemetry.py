@@ -2,11 +2,16 @@
 after the fact (lesson 21).
 
 Every `telemetry_interval` iterations, per layer (embedding, blocks 1..L, final LayerNorm):
-  grad norm, parameter norm, update/parameter RMS ratio (|p_after - p_before| / |p_after|, the update measured on
-  the fp32 master weights the optimizer steps),
-  RMS of the block's output, the largest pre-softmax attention logit,
+  grad norm, grad RMS (to hold against Adam's eps: updates shrink once it nears eps, Wortsman et al. 2023),
+  parameter norm, update/parameter RMS ratio (|p_after - p_before| / |p_after|, the update measured on the fp32
+  master weights the optimizer steps),
+  RMS of the block's output, the largest pre-softmax attention logit, the lowest attention entropy of a head
+  (its mean over queries; collapsing entropy precedes attention-logit instabilities, Zhai et al. 2023; both of
+  q k^T alone, without ALiBi's bias),
 and for the model: the mean and largest log-sum-exp of the output logits (log Z, the quantity z-loss keeps near
-0, lesson 20) and the word-embedding norm (what the embedding LayerNorm of lesson 1 holds in check).
+0, lesson 20), the mean output logit (it drifts with log Z when nothing holds it, Wortsman et al.'s fig. 4), the
+RMS entering the final LayerNorm and the word-embedding norm (what the embedding LayerNorm of lesson 1 holds in
+check).
 
 Norms are taken with foreach ops over the parameters that make up the model exactly once (parallel's
 counted_once rule), summed into per-layer slots on the device, and every statistic takes part in one SUM and
@@ -34,6 +39,7 @@ class Telemetry:
         self.masters_sharded = isinstance(optimizer, parallel.ZeroShardedOptimizer)
         self.num_layers, self.vocab_size = cfg.num_layers, cfg.vocab_size
         self.n = cfg.num_layers + 2  # slot 0: embedding, 1..L: blocks, L+1: final LayerNorm
+        self.heads = cfg.num_attention_heads
         counted = {id(p) for p in parallel.counted_once(model)}
         self.params, slots = [], []
         for name, p in self.gpt.named_parameters():
@@ -42,6 +48,8 @@ class Telemetry:
                 slots.append(self._slot(name))
         self.device = self.params[0].device
         self.index = torch.tensor(slots, device=self.device)
+        self.numel = self._zeros(self.n).index_add_(  # each layer's parameter count (this rank's share)
+            0, self.index, torch.tensor([float(p.numel()) for p in self.params], device=self.device))
         self.handles = []
 
     def _slot(self, name):
@@ -68,8 +76,11 @@ class Telemetry:
         L = self.num_layers
         self.act = self._zeros(2 * L)  # sum of mean squares, number of calls
         self.attn = self._zeros(L, -math.inf)
+        self.entropy = self._zeros(2 * L * self.heads)  # per (layer, head): sum over queries, number of queries
         self.logz = self._zeros(3)  # sum over tokens, token count, max
         self.logz[2] = -math.inf
+        self.logit = self._zeros(2)  # sum of the output logits (the real vocabulary's), their count
+        self.final_input = self._zeros(2)  # sum of mean squares entering the final LayerNorm, number of calls
         self.grad_sq = self.param_sq = self.update_sq = self._zeros(self.n)
         self.before = None
         for key, block in self.gpt.blocks.items():
@@ -80,6 +91,9 @@ class Telemetry:
             block.attn.probe = lambda q, k, layer=layer: self._attention(layer, q, k)
         if self.gpt.post_process:
             self.gpt.logits_probe = self._logits
+            if parallel.grid.tp_rank == 0:  # replicated over TP, as a block's output
+                self.handles.append(self.gpt.ln_f.register_forward_pre_hook(
+                    lambda module, args: self._final_input(args[0])))
 
     @torch.no_grad()
     def _block_output(self, layer, out):
@@ -89,24 +103,40 @@ class Telemetry:
         self.act[self.num_layers + layer] += 1
 
     @torch.no_grad()
+    def _final_input(self, x):
+        self.final_input[0] += x.detach().float().square().mean()
+        self.final_input[1] += 1
+
+    @torch.no_grad()
     def _attention(self, layer, q, k):
-        T, D = q.shape[-2], q.shape[-1]
-        q, k = q.reshape(-1, T, D), k.reshape(-1, T, D)
+        local_heads, T, D = q.shape[-3], q.shape[-2], q.shape[-1]
+        q, k = q.reshape(-1, T, D), k.reshape(-1, T, D)  # rows: batch-major, then this rank's heads
+        first_head = layer * self.heads + parallel.grid.tp_rank * local_heads  # this rank's heads are contiguous
         # the causal mask added by baddbmm's beta term: one fused op, no masked copy of the scores
         mask = torch.full((1, T, T), -math.inf, device=q.device).triu(1)
-        rows = max(1, 2**24 // (T * T))  # bounds the fp32 scores in flight to 64 MB
+        rows = max(1, 2**24 // (T * T))  # bounds the fp32 scores in flight to 64 MB (and their softmax)
         for i in range(0, q.shape[0], rows):
             scores = torch.baddbmm(mask, q[i:i + rows].float(), k[i:i + rows].float().transpose(1, 2),
                                    alpha=1.0 / math.sqrt(D))
             self.attn[layer] = torch.maximum(self.attn[layer], scores.amax())
+            probs = scores.softmax(-1)
+            entropy = -torch.special.xlogy(probs, probs).sum(-1).sum(-1)  # masked keys: 0 log 0 = 0
+            head = first_head + torch.arange(i, i + len(scores), device=q.device) % local_heads
+            self.entropy.index_add_(0, head, entropy)
+            self.entropy.index_add_(0, head + self.num_layers * self.heads, torch.full_like(entropy, T))
 
     @torch.no_grad()
-    def _logits(self, lse):
+    def _logits(self, lse, hidden, weight):
         # log Z per token of the output softmax (padding left out), combined over TP by the loss itself
-        if parallel.grid.tp_rank == 0:
+        g = parallel.grid
+        if g.tp_rank == 0:
             self.logz[0] += lse.sum()
             self.logz[1] += lse.numel()
             self.logz[2] = torch.maximum(self.logz[2], lse.max())
+        # the sum of this rank's real logits without the logits: sum_v h . w_v = h . (sum_v w_v)
+        real = min(max(self.vocab_size - g.tp_rank * weight.shape[0], 0), weight.shape[0])
+        self.logit[0] += (hidden.detach().float() @ weight.detach()[:real].float().sum(0)).sum()
+        self.logit[1] += lse.numel() * real
 
     @torch.no_grad()
     def grads(self, loss_scale=1.0):
@@ -146,26 +176,32 @@ class Telemetry:
         embed_sq = word.detach().float().square().sum().view(1) if word is not None else self._zeros(1)
         g = parallel.grid
         # Parameter statistics are the same on every DP rank; activations differ. One SUM and one MAX reduction.
-        sums = torch.cat([self.grad_sq, self.param_sq, self.update_sq, embed_sq, self.act, self.logz[:2]])
+        n, L, LH = self.n, self.num_layers, self.num_layers * self.heads
+        sums = torch.cat([self.grad_sq, self.param_sq, self.update_sq, self.numel, embed_sq, self.act,
+                          self.logz[:2], self.logit, self.final_input, self.entropy])
         maxes = torch.cat([self.attn, self.logz[2:]])
         if dist.is_initialized() and g.world_size > 1:
             dist.all_reduce(sums)
             dist.all_reduce(maxes, op=dist.ReduceOp.MAX)
-            sums[:3 * self.n + 1] /= g.dp_size
+            sums[:4 * n + 1] /= g.dp_size
         sums, maxes = sums.tolist(), maxes.tolist()
-        n, L = self.n, self.num_layers
-        grad, param, update = sums[:n], sums[n:2 * n], sums[2 * n:3 * n]
-        act = sums[3 * n + 1:3 * n + 1 + 2 * L]
-        logz_sum, logz_count = sums[-2:]
+        grad, param, update, numel = sums[:n], sums[n:2 * n], sums[2 * n:3 * n], sums[3 * n:4 * n]
+        act = sums[4 * n + 1:4 * n + 1 + 2 * L]
+        logz_sum, logz_count, logit_sum, logit_count, final_sum, final_calls = sums[4 * n + 1 + 2 * L:-2 * LH]
+        entropy = [s / c if c else float("nan") for s, c in zip(sums[-2 * LH:-LH], sums[-LH:])]
         return {
             "grad norm": [math.sqrt(v) for v in grad],
+            "grad rms": [math.sqrt(v / c) if c else float("nan") for v, c in zip(grad, numel)],
             "param norm": [math.sqrt(v) for v in param],
             "update/param rms": [math.sqrt(u / p) if p > 0 else 0.0 for u, p in zip(update, param)],
             "block output rms": [math.sqrt(s / c) if c else float("nan") for s, c in zip(act[:L], act[L:])],
             "attention logit max": maxes[:L],
+            "attention entropy min": [min(entropy[layer * self.heads:(layer + 1) * self.heads]) for layer in range(L)],
             "log z": logz_sum / logz_count if logz_count else float("nan"),
             "log z max": maxes[L],
-            "word embedding norm": math.sqrt(sums[3 * n]),
+            "output logit mean": logit_sum / logit_count if logit_count else float("nan"),
+            "final layernorm input rms": math.sqrt(final_sum / final_calls) if final_calls else float("nan"),
+            "word embedding norm": math.sqrt(sums[4 * n]),
         }
 
 

@@ -297,7 +297,7 @@ def build_optimizer(cfg, model):
     def build(params):
         optimizer = optim.build_optimizer(model, cfg.lr, cfg.weight_decay, cfg.adam_beta1, cfg.adam_beta2,
                                           cfg.adam_eps, use_bnb_optimizer=cfg.use_bnb_optimizer, embedding=embedding,
-                                          params=params)
+                                          params=params, independent_decay=cfg.weight_decay_independent)
         return optimizer if cfg.deepspeed else precision.MixedPrecisionOptimizer(optimizer)
 
     if cfg.deepspeed or cfg.zero_stage == 0 or parallel.grid.dp_size == 1:

@@ -1,27 +1,46 @@
-"""LR sensitivity of the stability levers on one machine (Wortsman et al. 2023, "Small-scale proxies for
-large-scale Transformer training instabilities"; docs/stability.md has the study and its numbers).
+"""The stability lab: LR sensitivity of the stability levers, measured as Wortsman et al. 2023 do ("Small-scale
+proxies for large-scale Transformer training instabilities"); docs/stability.md has the study and its numbers.
 
-    python tools/lr_sweep.py --quick                 # 12 runs: 2 lever sets x 3 LRs x 2 seeds, ~5 min on 2 cores
-    python tools/lr_sweep.py                         # the study: 9 lever sets x 6 LRs x 3 seeds, ~55 min
-    python tools/lr_sweep.py --lever_sets default,qk_layernorm --lrs 1e-3,1e-2,1e-1 --seeds 1,2,3 --jobs 4
+    python tools/lr_sweep.py --out out/lab --jobs 2  # the whole study: pilot, arms A, B, C (72 runs, 5 CPU-hours)
+    python tools/lr_sweep.py --quick                 # the pilot alone: 2 runs, ~5 min
+    python tools/lr_sweep.py --arms A --lever_sets default --lrs 1e-2,1e-1 --seeds 1,2 --out out/mine
+    python tools/lr_sweep.py --out out/lab --report  # the tables and the figure of the runs finished so far
 
-A grid of lever sets x learning rates x seeds of one small GPT on the bundled corpus with a fixed token budget.
+One GPT (4 layers of 128, 4 heads of 32) on the bundled corpus under the lab's own 512-token BPE
+(tools/lab_corpus.py: with GPT-2's 50k vocabulary a small model is 89-97% embedding), trained as Wortsman et al.
+train theirs, scaled down: 1,000 steps of 16 x 128 tokens, 100 of linear warm-up then cosine decay to 1e-5,
+AdamW (0.9, 0.95, eps 1e-8), clipping at 1, independent weight decay 1e-4 (the decay per step does not change
+with the LR: optim.decay_coefficient), fp32, no dropout. Three arms, each pairing levers as the paper does:
+
+  A  qk-layernorm (their figs. 1-2): default vs qk-layernorm, both with z-loss 1e-4, LRs 1e-3 .. 1 in half decades,
+     3 seeds at 1e-2 .. 3e-1, where the default breaks and then qk-layernorm;
+  B  z-loss (figs. 3-4): qk-layernorm on, no weight decay, z-loss 0 vs 1e-4 (and 1e-2) at LRs 1e-2, 1e-1, 1: log Z's
+     drift;
+  C  the chronicles' levers on arm A's default where it breaks (LRs 1e-2 .. 1e-1): the init std 0.63/sqrt(h)
+     (the 104B's "small init", sqrt(2/5h)) against 2.15/sqrt(h) (0.02 at the 104B's h = 11,600), each with and
+     without the embedding LayerNorm; gradient-norm spikes counted (OLMo 2's spike score).
+
+Before any run a preflight refuses a study that cannot show anything (an embedding-dominated model, a warm-up under
+100 steps, weight decay coupled to the LR across an LR grid, qk-layernorm or z-loss tested without its partner);
+then the pilot (arm A's default at LRs 1e-2 and 3e-1) must end below the corpus's bigram entropy at 1e-2 and pass
+an attention logit of 1e3 at 3e-1, or the rest is refused. --allow_weak_study runs it anyway, with the
+problems written at the top of results.md.
+
 Each run is train.py in a process of its own (`lr_sweep.py --train ARGS`: train.main with denormals flushed, one
-thread each, --jobs at a time) in its own directory,
-OUT/runs/<lever set>/lr<lr>-seed<seed>/: its stdout.log, the metrics.jsonl and TensorBoard events train.py
-writes beside its checkpoint, and result.json, written last: a run whose directory holds result.json is
-finished and skipped by the next call, so an interrupted sweep continues where it stopped. After training, a
-probe loads the final checkpoint and measures what the instabilities grow (the largest attention logit of
-each layer, the output log Z) on the validation batches, then the checkpoint is deleted (40 MB a run).
+thread each, --jobs at a time) in OUT/runs/<arm>/<lever set>/lr<lr>-seed<seed>/: stdout.log, the metrics.jsonl
+train.py writes (every iteration's loss and grad norm, the telemetry every 10), checkpoints every 100 iterations,
+and result.json, written last. A run whose directory holds result.json is finished and skipped (its numbers are
+read again from its metrics.jsonl, so that a change to the summaries applies to it); a run killed
+half way resumes from its last checkpoint (train.py resumes bit for bit; metrics.jsonl keeps the last record of
+an iteration). From all finished runs of the selection it writes OUT/results.jsonl, OUT/results.md (the tables)
+and OUT/lr_sweep.png (the figure).
 
-From all finished runs of the grid it writes OUT/results.jsonl (one line per run), OUT/results.md (tables) and
-OUT/lr_sweep.png (final validation loss against LR, one curve per lever set, the seeds' spread shaded: their
-figure 1; beside it the peak training loss), and each lever set's LR sensitivity as they define it: the mean over
-the LR grid of min(L(lr), L0) - L*, with L0 the loss at initialisation (ln of the vocabulary: every init here
-starts there), L* the lever set's best final loss over the grid, and a diverged run (NaN/inf, or above L0) counted
-as L0.
-The tables also count the runs that blew up on the way (a logged training loss above L0) even where the decayed
-LR let them recover by the end: the final loss alone hides those.
+LR sensitivity is theirs: the mean over the LR grid of min(L(lr), L0) - L*, with L* the lever set's best final
+loss over the grid and L0 = ln 512, the loss of the uniform prediction (every init but the 2.15/sqrt(h) one starts
+there). A run *blew up* if its training loss (mean of 10 iterations) rose above the corpus's bigram entropy after
+iteration BLOWUP_FROM (the pilot's default at LR 1e-2 is below it from there on) having been clearly below it, or
+its largest attention logit passed 1e4 (Wortsman et al. 3.1), or it produced a NaN: the loss at init, which the old
+study used, is above where a small LM learns anything.
 """
 import argparse
 import concurrent.futures
@@ -35,199 +54,246 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-# The model and schedule every run shares: GPT-2's defaults (init 0.02, beta2 0.999, fp32, no embedding LayerNorm)
-# set explicitly, since the default config (config/tiny.py) turns some levers on. 2 layers of 64, 512 tokens an
-# iteration, 120 iterations (61,440 tokens), 10 of warm-up, cosine to lr/10: about 30 s of one core a run.
-# Micro-batches of 2: their logits (2 x 64 x 50304 fp32, 26 MB) fit under glibc's largest mmap threshold (32 MB,
-# which execute() sets), so the allocator reuses their memory instead of page-faulting fresh memory for each one:
-# 225 ms an iteration against 311 ms for the batch of 8 at once, with the same numbers up to summation order.
-# 16 validation batches (8,192 tokens): fewer made the seeds' spread mostly the validation sample's.
-BASE = ["--num_layers=2", "--hidden_size=64", "--num_attention_heads=4", "--seq_length=64", "--micro_batch_size=2",
-        "--global_batch_size=8", "--train_iters=none", "--train_tokens=61440", "--lr_warmup_samples=80",
-        "--lr_decay_samples=960", "--lr_decay_style=cosine", "--hidden_dropout=0", "--attention_dropout=0",
-        "--init_method_std=0.02", "--embed_layernorm=false", "--adam_beta2=0.999", "--weight_decay=0.01",
-        "--clip_grad=1.0", "--log_interval=10", "--eval_interval=1000000", "--eval_iters=16", "--sample_tokens=0",
-        "--save_interval=none", "--telemetry_interval=10"]
-VOCAB_SIZE = 50257  # GPT-2's, the bundled corpus's tokenizer
+import lab_corpus  # noqa: E402
 
-# Each lever set against the defaults above; the lessons of docs/lessons.md they come from.
-LEVER_SETS = {
-    "default": [],  # GPT-2: init 0.02, fp32, beta2 0.999
-    "small_init": ["--init_method_std=small_init"],  # lesson 3
-    "embed_layernorm": ["--embed_layernorm"],  # lesson 1
-    "small_init+embed_layernorm": ["--init_method_std=small_init", "--embed_layernorm"],  # lessons 1-3
-    "stable_attention": ["--stable_attention"],  # lesson 4
-    "qk_layernorm": ["--qk_layernorm"],  # lesson 20
-    "z_loss": ["--z_loss=1e-4"],  # lesson 20, PaLM's coefficient
-    "adam_beta2_0.95": ["--adam_beta2=0.95"],  # lesson 4 (lower beta2 did not cure the 104B's spikes)
-    "bf16": ["--bf16"],  # lesson 6
+WIDTH = 128
+DATA = ["--data_path=data/lab/" + lab_corpus.NAME, "--tokenizer_file=data/lab/tokenizer.json",
+        f"--vocab_size={lab_corpus.VOCAB_SIZE}"]
+# Every run: the model, Wortsman et al.'s optimizer and schedule scaled down, the telemetry. 16 x 128 tokens an
+# iteration (one micro-batch: its logits are 4 MB), 1,000 iterations = 2M tokens, 80% of an epoch; about 0.28 s
+# of one core an iteration. 100 iterations of warm-up, then cosine decay to 1e-5 as theirs: with a constant LR,
+# or with 500 iterations, the pilot's default at LR 1e-2 ended within 0.2 nats of the bigram entropy
+# (docs/stability.md). The levers of the defaults below are set explicitly (config/tiny.py turns some on).
+BASE = ["--num_layers=4", f"--hidden_size={WIDTH}", "--num_attention_heads=4", "--seq_length=128",
+        "--micro_batch_size=16", "--global_batch_size=16", "--train_iters=1000", "--lr_warmup_samples=1600",
+        "--lr_decay_style=cosine", "--lr_decay_samples=16000", "--min_lr=1e-5", "--hidden_dropout=0",
+        "--attention_dropout=0",
+        "--init_method_std=0.02", "--embed_layernorm=false", "--adam_beta1=0.9", "--adam_beta2=0.95",
+        "--adam_eps=1e-8", "--weight_decay=1e-4", "--weight_decay_independent", "--clip_grad=1.0",
+        "--log_interval=1", "--eval_interval=1000000", "--eval_iters=16", "--sample_tokens=0", "--save_interval=100",
+        "--telemetry_interval=10", *DATA]
+VOCAB_SIZE = lab_corpus.VOCAB_SIZE
+L0 = math.log(VOCAB_SIZE)
+ATTENTION_LOGIT_BLOWUP = 1e4  # Wortsman et al. 3.1: past it, attention collapses and the loss diverges
+# From the pilot (docs/stability.md): arm A's default at LR 1e-2 trains below the bigram entropy from here on
+BLOWUP_FROM = 440
+PILOT_MARGIN = 0.2  # "clearly below" the bigram entropy, in nats: a perplexity 18% lower than the bigram model's
+
+
+def init(c):
+    """The init std c / sqrt(h): the 104B's 0.02 is 2.15/sqrt(h) at its h = 11,600, "small init" sqrt(2/5h) is
+    0.63/sqrt(h) at any width (lesson 3); at this width 0.02 itself would be 0.23/sqrt(h)."""
+    return f"--init_method_std={c / math.sqrt(WIDTH):.6g}"
+
+
+Z_LOSS, QK = ["--z_loss=1e-4"], ["--qk_layernorm"]
+HALF_DECADES = [1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 3e-1, 1.0]
+# Each arm: its lever sets (arguments on top of BASE and the arm's own), its LR grid, its seeds (and more seeds at
+# some LRs: {lr: seeds}).
+ARMS = {
+    "A": {"title": "qk-layernorm, z-loss 1e-4 on both (Wortsman et al. figs. 1-2)", "args": [],
+          "levers": {"default": Z_LOSS, "qk_layernorm": [*Z_LOSS, *QK]},
+          "lrs": HALF_DECADES, "seeds": [1], "more_seeds": {lr: [2, 3] for lr in (1e-2, 3e-2, 1e-1, 3e-1)}},
+    "B": {"title": "z-loss, qk-layernorm on both, no weight decay (figs. 3-4)", "args": ["--weight_decay=0", *QK],
+          "levers": {"no_z_loss": [], "z_loss": Z_LOSS, "z_loss_1e-2": ["--z_loss=1e-2"]},  # PaLM's, and 100x
+          "lrs": [1e-2, 1e-1, 1.0], "seeds": [1, 2]},
+    "C": {"title": "the chronicles' levers on arm A's default (z-loss 1e-4) where it breaks", "args": Z_LOSS,
+          "levers": {"init_2.15": [init(2.15)], "init_0.63": [init(0.63)],
+                     "init_2.15+embed_layernorm": [init(2.15), "--embed_layernorm"],
+                     "init_0.63+embed_layernorm": [init(0.63), "--embed_layernorm"]},
+          "lrs": [1e-2, 3e-2, 1e-1], "seeds": [1, 2]},
 }
-# From well below the default's best LR (1e-2) to where it blows up (1): 2.5 orders of magnitude.
-FULL = {"lever_sets": list(LEVER_SETS), "lrs": [3e-3, 1e-2, 3e-2, 1e-1, 3e-1, 1.0], "seeds": [1, 2, 3]}
-QUICK = {"lever_sets": ["default", "qk_layernorm"], "lrs": [1e-2, 1e-1, 1.0], "seeds": [1, 2]}
+PILOT = [("A", "default", 1e-2, 1), ("A", "default", 3e-1, 1)]
+QUICK = {"arms": ["A"], "lever_sets": ["default"], "lrs": [1e-2, 3e-1], "seeds": [1]}  # the pilot
+
+
+# -----------------------------------------------------------------------------
+# The study's runs
+
+
+def seeds_at(spec, lr):
+    return [*spec["seeds"], *spec.get("more_seeds", {}).get(lr, [])]
+
+
+def run_dir(out, arm, lever_set, lr, seed):
+    return os.path.join(out, "runs", arm, lever_set, f"lr{lr:.0e}-seed{seed}")
+
+
+def train_args(arm, lever_set, lr, seed, directory, extra=()):
+    spec = ARMS[arm]
+    return [*BASE, *spec["args"], *spec["levers"][lever_set], f"--lr={lr}", f"--seed={seed}",
+            f"--save={directory}", *extra]
+
+
+def config_of(args):
+    """The run's validated train.py config (config/tiny.py under the arguments, as train.py builds it)."""
+    import arguments
+    return arguments.prepare(arguments.load_config(list(args)))
+
+
+def preflight(arms, extra=(), base=BASE):
+    """What keeps a study from showing anything, as a list of sentences (empty: nothing). arms: {name: spec} as
+    ARMS; extra: arguments added to every run; base: the arguments every run starts from. Checked: parameters
+    mostly in the embedding (the model learns the unigram statistics, and attention has nothing to lose), a
+    warm-up under 100 iterations (the runs blow up in the warm-up, not by the slow growths under study), weight
+    decay coupled to the LR across an LR grid (the decay per step would vary as much as the LR), and a lever
+    without its partner (Wortsman et al. test qk-layernorm with z-loss on, z-loss with qk-layernorm on: alone,
+    either can fail for the other's reason)."""
+    problems = []
+    for name, spec in arms.items():
+        configs = {lever: config_of([*base, *spec["args"], *args, "--lr=0.01", *extra])
+                   for lever, args in spec["levers"].items()}
+        found = {}  # sentence -> the lever sets it applies to
+
+        def check(lever, ok, sentence):
+            if not ok:
+                found.setdefault(sentence, []).append(lever)
+        for lever, cfg in configs.items():
+            share = cfg.vocab_size * cfg.hidden_size / cfg.num_parameters()
+            check(lever, share <= 0.5, f"{share:.0%} of the parameters are the embedding ({cfg.vocab_size} x "
+                  f"{cfg.hidden_size}): a model that learns the unigram statistics; use a small vocabulary "
+                  "(tools/lab_corpus.py) or a wider, deeper model")
+            tokens = cfg.global_batch_size * cfg.seq_length
+            warmup = cfg.lr_warmup_tokens / tokens if cfg.lr_warmup_tokens else \
+                cfg.lr_warmup_samples / cfg.global_batch_size
+            check(lever, warmup >= 100, f"a warm-up of {warmup:g} iterations: runs at high LR blow up in the "
+                  "warm-up, not by the slow growths under study; warm up over 100 iterations or more")
+            check(lever, cfg.weight_decay == 0 or cfg.weight_decay_independent or len(spec["lrs"]) < 2,
+                  f"weight decay {cfg.weight_decay} coupled to the LR across LRs {min(spec['lrs']):g}.."
+                  f"{max(spec['lrs']):g}: the decay per step varies {max(spec['lrs']) / min(spec['lrs']):.3g}x; "
+                  "set weight_decay_independent")
+        problems += [f"arm {name} ({', '.join(levers)}): {sentence}" for sentence, levers in found.items()]
+        qk = {cfg.qk_layernorm for cfg in configs.values()}
+        z = {cfg.z_loss > 0 for cfg in configs.values()}
+        if len(qk) > 1 and z != {True}:
+            problems.append(f"arm {name}: qk-layernorm compared without z-loss on every lever set; Wortsman et al. "
+                            "keep z-loss on (1e-4), so that the output logits cannot be what breaks")
+        if len(z) > 1 and qk != {True}:
+            problems.append(f"arm {name}: z-loss compared without qk-layernorm on every lever set; Wortsman et al. "
+                            "keep qk-layernorm on, so that the attention logits cannot be what breaks")
+    return problems
 
 
 # -----------------------------------------------------------------------------
 # One run
 
 
-def run_dir(out, lever_set, lr, seed):
-    return os.path.join(out, "runs", lever_set, f"lr{lr:.0e}-seed{seed}")
-
-
-def train_args(lever_set, lr, seed, directory, extra=()):
-    return [*BASE, *LEVER_SETS[lever_set], f"--lr={lr}", f"--min_lr={lr / 10}", f"--seed={seed}",
-            f"--save={directory}", *extra]
-
-
-def parse_log(text):
-    """What a run's Megatron log says: {"val_loss": last validation loss, "train_loss": last logged lm loss,
-    "train_loss_max", "grad_norm_max", "z_loss_max": the largest logged, "nan_iterations": count}."""
-    out = {"val_loss": None, "train_loss": None, "train_loss_max": None, "grad_norm_max": None, "z_loss_max": None,
-           "nan_iterations": 0}
-    for line in text.splitlines():
-        if "validation loss at iteration" in line and "lm loss value:" in line:
-            out["val_loss"] = float(line.split("lm loss value:")[1].split("|")[0])
-        elif line.startswith(" iteration") and "lm loss:" in line:
-            fields = dict(part.split(":", 1) for part in line.split("|") if ":" in part)
-            fields = {k.strip(): v.strip() for k, v in fields.items()}
-            out["train_loss"] = float(fields["lm loss"])
-            out["nan_iterations"] += int(fields.get("number of nan iterations", 0))
-            for key, name in (("lm loss", "train_loss_max"), ("grad norm", "grad_norm_max"), ("z loss", "z_loss_max")):
-                if key in fields:
-                    value = float(fields[key])
-                    out[name] = value if out[name] is None or not value <= out[name] else out[name]
-    return out
-
-
 def read_metrics(path):
-    """The same numbers from metrics.jsonl (the spike-guard issue's file), where the run wrote one: the last
-    record of each iteration counts; telemetry adds the largest attention logit, log Z, word-embedding norm and
-    block-output RMS seen in training, and each layer's largest grad norm (embedding, blocks, final LayerNorm)."""
+    """What a run's metrics.jsonl says: per iteration (the last record of each) the loss and grad norm, every
+    telemetry record, the final validation loss. Returns a dict of series and the summaries of result.json."""
     records = {}
     with open(path) as f:
         for line in f:
             if line.strip():
                 record = json.loads(line)
                 records[record["iteration"]] = {**records.get(record["iteration"], {}), **record}
-    out = {}
-    for _, record in sorted(records.items()):
+    out = {"val_loss": None, "loss": [], "grad_norm": [], "nan_iterations": 0, "telemetry": [],
+           "iterations": max(records, default=0)}
+    for iteration, record in sorted(records.items()):
         if "validation lm loss" in record:
             out["val_loss"] = record["validation lm loss"]
-        telemetry = record.get("telemetry") or {}
-        for key, name in (("attention logit max", "train_attention_logit_max"), ("log z max", "train_log_z_max"),
-                          ("word embedding norm", "train_embedding_norm_max"),
-                          ("block output rms", "train_block_output_rms_max")):
-            value = telemetry.get(key)
-            value = max(value) if isinstance(value, list) else value
-            if value is not None:
-                out[name] = value if name not in out or not value <= out[name] else out[name]
-        if "grad norm" in telemetry:
-            old = out.get("train_grad_norm_layer_max", telemetry["grad norm"])
-            out["train_grad_norm_layer_max"] = [a if not b > a else b for a, b in zip(old, telemetry["grad norm"])]
+        if "lm loss" in record:
+            out["loss"].append(record["lm loss"])
+            out["grad_norm"].append(record.get("grad norm"))
+            out["nan_iterations"] += int(record.get("number of nan iterations", 0))
+        if "telemetry" in record:
+            out["telemetry"].append({"iteration": iteration, **record["telemetry"]})
     return out
 
 
-def probe(directory):
-    """Load the run's final checkpoint and measure, on its validation batches: the largest pre-softmax attention
-    logit q.k/sqrt(d) of each layer (as attention sees q and k: after qk-layernorm, whatever the scaling
-    variant) and the mean and largest log Z of the output softmax. Returns a dict."""
-    import numpy as np
-    import torch
+def summarize_run(metrics, eps):
+    """result.json's numbers from read_metrics(): final losses, the 10-iteration loss means, the telemetry's
+    maxima and last values, the precursors' series, the spike score."""
+    t = metrics["telemetry"]
+    loss10 = [_mean(metrics["loss"][i:i + 10]) for i in range(0, len(metrics["loss"]), 10)]
+    finite = [v for v in metrics["loss"] if v is not None and math.isfinite(v)]
+    last = t[-1] if t else {}
 
-    import arguments
-    import checkpoint
-    import model as model_module
-    import schedule
-    import train
-    tag = checkpoint.latest_dir(directory)
-    model_state, run, _ = checkpoint.load(tag)
-    cfg = arguments.Config(**{k: v for k, v in run["config"].items() if k in arguments.FIELDS})
-    cfg = arguments.prepare(cfg)
-    gpt = train.build_model(cfg, torch.device("cpu"))
-    gpt.load_state_dict(model_state)
-    gpt.eval()
-    _, valid = train.build_data(cfg, schedule.Schedule(cfg, 1))
-    logits_max, original = [], model_module.core_attention
+    def peak(key, reduce=max):
+        values = [reduce(r[key]) if isinstance(r[key], list) else r[key] for r in t if key in r]
+        values = [v for v in values if v is not None and math.isfinite(v)]
+        return max(values) if values else None
+    return {
+        "val_loss": metrics["val_loss"], "train_loss": loss10[-1] if loss10 else None,
+        "train_loss_max": max(finite) if finite else None, "nan_iterations": metrics["nan_iterations"],
+        "loss10": loss10, "spike_score": spike_score(metrics["grad_norm"]),
+        "attention_logit_max": peak("attention logit max"), "log_z_max": peak("log z max"),
+        "embedding_norm_max": peak("word embedding norm"),
+        "final_ln_input_rms_max": peak("final layernorm input rms"),
+        "attention_entropy_min": min(last["attention entropy min"]) if t else None,
+        "log_z": last.get("log z"), "output_logit_mean": last.get("output logit mean"),
+        "grad_rms_over_eps": min(last["grad rms"]) / eps if t else None,
+        "series": {key: [r.get(name) if not isinstance(r.get(name), list) else reduce(r[name]) for r in t]
+                   for key, name, reduce in (("iteration", "iteration", None), ("log_z", "log z", None),
+                                             ("output_logit_mean", "output logit mean", None),
+                                             ("attention_logit_max", "attention logit max", max),
+                                             ("attention_entropy_min", "attention entropy min", min))},
+    }
 
-    def recording(q, k, v, *args, **kwargs):
-        scores = q.float() @ k.float().transpose(-1, -2) / math.sqrt(q.shape[-1])
-        causal = torch.ones(scores.shape[-2:], dtype=torch.bool).tril()
-        logits_max.append(scores.masked_fill(~causal, -math.inf).amax().item())
-        return original(q, k, v, *args, **kwargs)
 
-    log_z = []
-    model_module.core_attention = recording
-    try:
-        with torch.no_grad():
-            for i in range(cfg.eval_iters):
-                for first in range(i * cfg.global_batch_size, (i + 1) * cfg.global_batch_size, cfg.micro_batch_size):
-                    # the batches train.evaluate reads, a micro-batch at a time
-                    tokens = np.stack([valid[first + j] for j in range(cfg.micro_batch_size)]).astype(np.int64)
-                    logits = gpt(torch.from_numpy(tokens[:, :-1]))  # in the run's own precision (precision.py)
-                    log_z.append(torch.logsumexp(logits.float()[..., :cfg.vocab_size], dim=-1).flatten())
-    finally:
-        model_module.core_attention = original
-    log_z = torch.cat(log_z)
-    layers = cfg.num_layers
-    per_layer = [max(logits_max[layer::layers]) for layer in range(layers)]
-    return {"attention_logit_max": per_layer, "log_z_mean": log_z.mean().item(), "log_z_max": log_z.max().item()}
+def spike_score(values, window=100, sigmas=7.0):
+    """OLMo 2's spike score: the share of the values at least `sigmas` standard deviations above the mean of the
+    `window` values before them (OLMo 2 looks 1,000 back over runs of 10^5 steps; these are 500 long). A NaN or
+    inf counts as a spike; None (a skipped iteration) is left out."""
+    values = [v for v in values if v is not None]
+    spikes = scored = 0
+    for i in range(window, len(values)):
+        past = [v for v in values[i - window:i] if math.isfinite(v)]
+        scored += 1
+        if not math.isfinite(values[i]):
+            spikes += 1
+            continue
+        mean = sum(past) / len(past)
+        std = math.sqrt(sum((v - mean) ** 2 for v in past) / len(past))
+        spikes += values[i] > mean + sigmas * std
+    return spikes / scored if scored else None
 
 
 def run(command, log, env):
-    """Run command with its output into the file log; returns (exit code, CPU seconds it used, user + system)."""
+    """Run command with its output appended to the file log; returns (exit code, CPU seconds it used)."""
     proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     _, status, usage = os.wait4(proc.pid, 0)  # this child's own resource usage (other runs go on in parallel)
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    return proc.returncode, usage.ru_utime + usage.ru_stime
+    return os.waitstatus_to_exitcode(status), usage.ru_utime + usage.ru_stime
 
 
-def execute(out, lever_set, lr, seed, extra=()):
-    """Train one run (unless finished), probe it, write result.json last. Returns the result or an error dict."""
-    directory = run_dir(out, lever_set, lr, seed)
+def execute(out, arm, lever_set, lr, seed, extra=()):
+    """Train one run (unless finished; resumed if interrupted), write result.json last. Returns the result."""
+    directory = run_dir(out, arm, lever_set, lr, seed)
     result_file = os.path.join(directory, "result.json")
-    args = train_args(lever_set, lr, seed, directory, extra)
+    args = train_args(arm, lever_set, lr, seed, directory, extra)
+    key = {"arm": arm, "lever_set": lever_set, "lr": lr, "seed": seed}
     if os.path.exists(result_file):
         with open(result_file) as f:
             result = json.load(f)
-        if result.get("args", args) != args:  # the grid was redefined: its old results are not this run's
-            raise SystemExit(f"{directory} holds a run with other arguments than this sweep's; use another --out "
+        if result.get("args") != args:  # the study was redefined: its old results are not this run's
+            raise SystemExit(f"{directory} holds a run with other arguments than this study's; use another --out "
                              "or delete it")
-        return result
+        # the numbers are read again from metrics.jsonl: a changed summary applies to finished runs too
+        return {**result, **summarize_run(read_metrics(os.path.join(directory, "metrics.jsonl")),
+                                          config_of(args).adam_eps)}
     os.makedirs(directory, exist_ok=True)
-    for name in os.listdir(directory):  # an interrupted attempt: start over (metrics.jsonl would append)
-        path = os.path.join(directory, name)
-        shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
-    # glibc hands blocks above its mmap threshold back to the kernel when freed, and trims the heap's free top, so
-    # each new logits tensor was page-faulted in afresh (a quarter of a run's time was the kernel's). With the
-    # threshold fixed at its 32 MB maximum and trimming out of reach, the 26 MB blocks are reused: the same
-    # numbers, 24% faster with two runs side by side.
+    # glibc would hand large freed blocks back to the kernel and page-fault them in afresh: keep them.
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", WANDB_MODE="disabled",
                MALLOC_MMAP_THRESHOLD_=str(32 << 20), MALLOC_TRIM_THRESHOLD_=str(4 << 30))
     start = time.time()
-    with open(os.path.join(directory, "stdout.log"), "w") as log:
+    with open(os.path.join(directory, "stdout.log"), "a") as log:  # a resumed run appends
         code, cpu = run([sys.executable, os.path.abspath(__file__), "--train", *args], log, env)
     seconds = time.time() - start
-    with open(os.path.join(directory, "stdout.log")) as f:
-        text = f.read()
     if code != 0:
-        return {"lever_set": lever_set, "lr": lr, "seed": seed, "error": text[-2000:]}
-    result = {"lever_set": lever_set, "lr": lr, "seed": seed, "args": args, "seconds": round(seconds, 1),
-              "cpu_seconds": round(cpu, 1), **parse_log(text)}
-    metrics = os.path.join(directory, "metrics.jsonl")
-    if os.path.exists(metrics):
-        result.update(read_metrics(metrics))
-    probe_log = os.path.join(directory, "probe.log")
-    with open(probe_log, "w") as log:
-        code, cpu = run([sys.executable, os.path.abspath(__file__), "--probe", directory], log, env)
-    with open(probe_log) as f:
-        text = f.read()
-    if code != 0:
-        return {**result, "error": text[-2000:]}
-    result.update(json.loads(text.strip().splitlines()[-1]), probe_cpu_seconds=round(cpu, 1))
-    for name in os.listdir(directory):  # the checkpoint has served the probe
-        if name.startswith("global_step") or name == "latest":
+        with open(os.path.join(directory, "stdout.log")) as f:
+            return {**key, "error": f.read()[-2000:]}
+    cfg = config_of(args)
+    metrics = read_metrics(os.path.join(directory, "metrics.jsonl"))
+    if metrics["iterations"] < cfg.train_iters or metrics["val_loss"] is None:  # stopped early: resumed next time
+        return {**key, "error": f"{directory}: stopped at iteration {metrics['iterations']} of {cfg.train_iters}"
+                + ("" if metrics["val_loss"] is not None else " without its final validation loss (if it is at the "
+                   "last iteration, it was killed after its last save: delete the directory)")}
+    result = {**key, "args": args, "seconds": round(seconds, 1), "cpu_seconds": round(cpu, 1),
+              **summarize_run(metrics, cfg.adam_eps)}
+    for name in os.listdir(directory):  # the checkpoints have served their purpose (resuming)
+        if name.startswith("global_step") or name in ("latest", "lock"):
             path = os.path.join(directory, name)
             shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
     with open(result_file + ".tmp", "w") as f:
@@ -240,12 +306,12 @@ def execute(out, lever_set, lr, seed, extra=()):
 # Summaries
 
 
-def clipped(loss, l0):
+def clipped(loss, l0=L0):
     """A final loss as the sensitivity counts it: a diverged run (NaN/inf or above L0) counts as L0."""
     return l0 if loss is None or not math.isfinite(loss) or loss > l0 else loss
 
 
-def sensitivity(losses, l0):
+def sensitivity(losses, l0=L0):
     """Wortsman et al.'s LR sensitivity of one curve {lr: final loss}: mean over the LR grid of
     min(L(lr), L0) - L*, with L* the curve's best loss (L0 if every run diverged)."""
     values = [clipped(loss, l0) for loss in losses.values()]
@@ -253,94 +319,61 @@ def sensitivity(losses, l0):
     return sum(v - best for v in values) / len(values)
 
 
-def blew_up(result, l0):
-    """Whether the run's training loss left the trained regime on the way: a NaN iteration or a logged loss above
-    L0 (what every run starts from), even if the decaying LR let it recover by the end."""
-    peak = result.get("train_loss_max")
-    return bool(result.get("nan_iterations")) or (peak is not None and not peak <= l0)
+def blew_up(result, bigram, start=BLOWUP_FROM, margin=PILOT_MARGIN):
+    """A NaN, an attention logit above 1e4, or a training loss (10-iteration mean) above the bigram entropy after
+    iteration `start`, having been clearly below it (by `margin`) before: the run lost what it had learned. (A
+    slow run near the bigram entropy crosses it back and forth with the batches' noise: not a blow-up.)"""
+    if result.get("nan_iterations") or (result.get("attention_logit_max") or 0) > ATTENTION_LOGIT_BLOWUP:
+        return True
+    loss10 = [v if v is not None and math.isfinite(v) else math.inf for v in result.get("loss10", [])]
+    for i, value in enumerate(loss10):
+        if (i + 1) * 10 > start and value > bigram and min(loss10[:i], default=math.inf) < bigram - margin:
+            return True
+    return False
 
 
-def summarize(results, lever_sets, lrs, seeds, l0=math.log(VOCAB_SIZE)):
-    """Per lever set: the seed-mean curve, its spread, sensitivity (of the mean curve, and the range over
-    seeds' own curves), best loss and LR, the largest LR at which no seed's final loss diverged, and the largest
-    up to which no seed blew up during training."""
-    by_key = {(r["lever_set"], r["lr"], r["seed"]): r for r in results if "error" not in r}
+def summarize(results, arm, lever_sets, lrs, bigram):
+    """Per lever set of an arm: per LR the seeds' final losses (mean, min, max), how many blew up, never got
+    below the bigram entropy, diverged; the precursors (mean over seeds); the LR sensitivity of the seed-mean
+    curve and the range of each seed's own (None where some LR of the grid was not run: it would not compare)."""
+    by_key = {(r["lever_set"], r["lr"], r["seed"]): r for r in results if r["arm"] == arm and "error" not in r}
     rows = []
     for lever_set in lever_sets:
-        curves = {seed: {lr: clipped(by_key[(lever_set, lr, seed)]["val_loss"], l0) for lr in lrs
-                         if (lever_set, lr, seed) in by_key} for seed in seeds}
-        curves = {seed: curve for seed, curve in curves.items() if curve}
-        if not curves:
-            continue
         points = {}
         for lr in lrs:
-            runs = [by_key[(lever_set, lr, s)] for s in curves if (lever_set, lr, s) in by_key]
-            if runs:
-                values = [clipped(r["val_loss"], l0) for r in runs]
-                points[lr] = {"mean": sum(values) / len(values), "min": min(values), "max": max(values),
-                              "n": len(values), "diverged": sum(v == l0 for v in values),
-                              "blew_up": sum(blew_up(r, l0) for r in runs),
-                              "peak": _mean([r.get("train_loss_max") for r in runs])}
+            runs = [r for (s, x, _), r in sorted(by_key.items()) if s == lever_set and x == lr]
+            if not runs:
+                continue
+            values = [clipped(r["val_loss"]) for r in runs]
+            points[lr] = {"mean": sum(values) / len(values), "min": min(values), "max": max(values),
+                          "n": len(values), "diverged": sum(v == L0 for v in values),
+                          "blew_up": sum(blew_up(r, bigram) for r in runs),
+                          "never_below": sum(min(r["loss10"], default=math.inf) >= bigram for r in runs),
+                          **{key: _mean([r.get(key) for r in runs]) for key in PRECURSORS}}
+        if not points:
+            continue
+        # each seed's own curve; where a seed was not run (more seeds only where the curves part), the first
+        # seed's run stands in
+        seeds = sorted({seed for (s, _, seed) in by_key if s == lever_set})
+        curves = [{lr: clipped(by_key.get((lever_set, lr, seed), by_key.get((lever_set, lr, seeds[0])))["val_loss"])
+                   for lr in points} for seed in seeds
+                  if all((lever_set, lr, seeds[0]) in by_key for lr in points)]
         mean_curve = {lr: p["mean"] for lr, p in points.items()}
-        per_seed = [sensitivity(curve, l0) for curve in curves.values() if len(curve) == len(points)]
+        per_seed = [sensitivity(curve) for curve in curves]
         best_lr = min(mean_curve, key=mean_curve.get)
-        stable = [lr for lr, p in points.items() if p["diverged"] == 0]
-        calm = [lr for lr in sorted(points) if all(points[x]["blew_up"] == 0 for x in points if x <= lr)]
-        rows.append({"lever_set": lever_set, "points": points, "sensitivity": sensitivity(mean_curve, l0),
-                     "sensitivity_seeds": (min(per_seed), max(per_seed)) if per_seed else None,
-                     "best_loss": mean_curve[best_lr], "best_lr": best_lr,
-                     "max_stable_lr": max(stable) if stable else None, "max_calm_lr": max(calm) if calm else None,
-                     "complete": len(points) == len(lrs)})
+        whole = len(points) == len(lrs)
+        rows.append({"lever_set": lever_set, "points": points,
+                     "sensitivity": sensitivity(mean_curve) if whole else None,
+                     "sensitivity_seeds": (min(per_seed), max(per_seed)) if whole and len(per_seed) > 1 else None,
+                     "best_loss": mean_curve[best_lr], "best_lr": best_lr})
     return rows
 
 
-def markdown(rows, results, lrs, l0):
-    lines = [f"L0 = ln({VOCAB_SIZE}) = {l0:.3f}: the loss at initialisation, and a diverged run's.", "",
-             "| lever set | LR sensitivity (seeds' range) | best val loss | at LR | largest LR, no seed diverged | "
-             "largest LR up to which no seed blew up |", "| --- | --- | --- | --- | --- | --- |"]
-    for row in rows:
-        spread = row["sensitivity_seeds"]
-        spread = f" ({spread[0]:.3f}-{spread[1]:.3f})" if spread else ""
-        stable, calm = (f"{row[k]:.0e}" if row[k] else "none" for k in ("max_stable_lr", "max_calm_lr"))
-        lines.append(f"| {row['lever_set']} | {row['sensitivity']:.3f}{spread} | {row['best_loss']:.3f} | "
-                     f"{row['best_lr']:.0e} | {stable} | {calm} |")
-    header = ["| lever set | " + " | ".join(f"{lr:.0e}" for lr in lrs) + " |", "| --- |" + " --- |" * len(lrs)]
-    lines += ["", "Final validation loss, mean over seeds [min-max]; `div k`: k seeds' final loss diverged (counted as "
-              "L0); `up k`: k seeds' training loss rose above L0 on the way:", "", *header]
-    for row in rows:
-        cells = []
-        for lr in lrs:
-            p = row["points"].get(lr)
-            if p is None:
-                cells.append("")
-                continue
-            cell = f"{p['mean']:.2f} [{p['min']:.2f}-{p['max']:.2f}]" if p["n"] > 1 else f"{p['mean']:.2f}"
-            cells.append(cell + (f" div {p['diverged']}" if p["diverged"] else "") +
-                         (f" up {p['blew_up']}" if p["blew_up"] else ""))
-        lines.append(f"| {row['lever_set']} | " + " | ".join(cells) + " |")
-
-    def table(title, keys, where):
-        """A table of per-run numbers (mean over seeds) of the runs that have them, cells 'a / b / c'."""
-        have = [r for r in results if "error" not in r and all(where(r, k) is not None for k in keys)]
-        if not have:
-            return []
-        out = ["", title, "", *header]
-        for row in rows:
-            cells = []
-            for lr in lrs:
-                mine = [r for r in have if r["lever_set"] == row["lever_set"] and r["lr"] == lr]
-                cells.append(" / ".join(f"{_mean([where(r, k) for r in mine]):.3g}" for k in keys) if mine else "")
-            out.append(f"| {row['lever_set']} | " + " | ".join(cells) + " |")
-        return out
-
-    lines += table("During training, the largest value logged (telemetry every 10 iterations), mean over seeds: "
-                   "attention logit / output log Z / word-embedding norm:",
-                   ["train_attention_logit_max", "train_log_z_max", "train_embedding_norm_max"],
-                   lambda r, k: r.get(k))
-    lines += table("The final model on the validation batches, mean over seeds: largest attention logit (over "
-                   "layers) / mean output log Z:", ["attention_logit_max", "log_z_mean"],
-                   lambda r, k: (max(r[k]) if isinstance(r.get(k), list) else r.get(k)))
-    return "\n".join(lines) + "\n"
+# result.json keys shown per LR (mean over seeds), with their table titles
+PRECURSORS = {"attention_logit_max": "largest attention logit", "attention_entropy_min": "lowest head entropy",
+              "log_z": "mean log Z at the end", "output_logit_mean": "mean output logit at the end",
+              "grad_rms_over_eps": "lowest layer grad RMS / eps", "final_ln_input_rms_max": "largest RMS into ln_f",
+              "spike_score": "spike score (grad norm)"}
 
 
 def _mean(values):
@@ -349,35 +382,106 @@ def _mean(values):
     return sum(finite) / len(finite) if finite else float("nan")
 
 
-def plot(rows, lrs, l0, path):
-    """Left, their figure 1: final validation loss against LR, mean over seeds, min-max shaded. Right: the peak of
-    the logged training loss, which shows the runs that blew up on the way and recovered by the end."""
+def markdown(rows_by_arm, lrs_by_arm, corpus, warnings):
+    lines = []
+    if warnings:
+        lines += ["**WARNING: this study cannot show what it tests** (run with --allow_weak_study):", "",
+                  *[f"- {w}" for w in warnings], ""]
+    lines += [f"Corpus: {corpus['tokens']:,} tokens of a {VOCAB_SIZE}-token BPE; entropy per token: uniform "
+              f"L0 = {L0:.3f}, unigram {corpus['unigram_entropy']:.3f}, bigram (given the previous token) "
+              f"H2 = {corpus['bigram_entropy']:.3f} nats.", ""]
+    for arm, rows in rows_by_arm.items():
+        lrs = lrs_by_arm[arm]
+        header = ["| lever set | " + " | ".join(f"{lr:.0e}" for lr in lrs) + " |", "| --- |" + " --- |" * len(lrs)]
+        lines += [f"### Arm {arm}: {ARMS[arm]['title']}", "",
+                  "| lever set | LR sensitivity (seeds' range) | best final loss | at LR |",
+                  "| --- | --- | --- | --- |"]
+        for row in rows:
+            spread = row["sensitivity_seeds"]
+            spread = f" ({spread[0]:.3f}-{spread[1]:.3f})" if spread else ""
+            value = "not every LR run" if row["sensitivity"] is None else f"{row['sensitivity']:.3f}{spread}"
+            lines.append(f"| {row['lever_set']} | {value} | {row['best_loss']:.3f} | "
+                         f"{row['best_lr']:.0e} |")
+        lines += ["", "Final validation loss, mean over seeds [min-max] (n seeds); `up k`: k seeds blew up, `flat k`: "
+                  "k never got below the bigram entropy, `div k`: k ended above L0 (counted as L0):", "", *header]
+        for row in rows:
+            cells = []
+            for lr in lrs:
+                p = row["points"].get(lr)
+                if p is None:
+                    cells.append("")
+                    continue
+                cell = f"{p['mean']:.3f} [{p['min']:.3f}-{p['max']:.3f}] ({p['n']})" if p["n"] > 1 else \
+                    f"{p['mean']:.3f}"
+                for key, label in (("blew_up", "up"), ("never_below", "flat"), ("diverged", "div")):
+                    cell += f" {label} {p[key]}" if p[key] else ""
+                cells.append(cell)
+            lines.append(f"| {row['lever_set']} | " + " | ".join(cells) + " |")
+        lines += ["", "Precursors, mean over seeds: " + "; ".join(PRECURSORS.values()) + ":", "", *header]
+        for row in rows:
+            cells = [" / ".join(f"{row['points'][lr][key]:.3g}" for key in PRECURSORS) if lr in row["points"] else ""
+                     for lr in lrs]
+            lines.append(f"| {row['lever_set']} | " + " | ".join(cells) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot(rows_by_arm, results, corpus, path):
+    """Wortsman et al.'s figures: per arm, final loss against LR (one curve per lever set, the seeds' min-max
+    shaded) and beside it what the arm is about: the largest attention logit against LR (A), the mean output
+    logit and log Z over the iterations (B), the spike score against LR (C)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, (ax, peak_ax) = plt.subplots(1, 2, figsize=(12, 4.8), dpi=100)
-    styles = ["-", "--", "-.", ":"]
-    for i, row in enumerate(rows):
-        style = dict(marker="o", markersize=4, linestyle=styles[i // 10 % len(styles)])
-        xs = sorted(row["points"])
-        mean = [row["points"][lr]["mean"] for lr in xs]
-        line, = ax.plot(xs, mean, label=f"{row['lever_set']} (LR sens. {row['sensitivity']:.2f})", **style)
-        ax.fill_between(xs, [row["points"][lr]["min"] for lr in xs], [row["points"][lr]["max"] for lr in xs],
-                        color=line.get_color(), alpha=0.15, linewidth=0)
-        peaks = [lr for lr in xs if math.isfinite(row["points"][lr]["peak"])]
-        peak_ax.plot(peaks, [row["points"][lr]["peak"] for lr in peaks], color=line.get_color(), **style)
-    for axis in (ax, peak_ax):
-        axis.axhline(l0, color="grey", linestyle="--", linewidth=1, label="loss at init, L0")
-        axis.set_xscale("log")
-        axis.set_xticks(lrs, [f"{lr:.0e}" for lr in lrs])
-        axis.set_xlabel("learning rate")
-        axis.grid(alpha=0.3)
-    ax.set_ylabel("final validation loss (nats)")
-    ax.set_title("final loss: mean over seeds, shaded min-max")
-    ax.legend(fontsize=7)
-    peak_ax.set_yscale("log")
-    peak_ax.set_ylabel("largest logged training loss (nats)")
-    peak_ax.set_title("on the way: above L0 = blew up")
+    arms = list(rows_by_arm)
+    fig, axes = plt.subplots(len(arms), 2, figsize=(11, 3.6 * len(arms)), dpi=72, squeeze=False)
+    for (ax, right), arm in zip(axes, arms):
+        for row in rows_by_arm[arm]:
+            xs = sorted(row["points"])
+            p = [row["points"][lr] for lr in xs]
+            line, = ax.plot(xs, [q["mean"] for q in p], marker="o", markersize=4,
+                            label=row["lever_set"] + ("" if row["sensitivity"] is None else
+                                                      f" (LR sens. {row['sensitivity']:.2f})"))
+            ax.fill_between(xs, [q["min"] for q in p], [q["max"] for q in p], color=line.get_color(), alpha=0.2,
+                            linewidth=0)
+            if arm == "A":
+                right.plot(xs, [q["attention_logit_max"] for q in p], marker="o", markersize=4,
+                           color=line.get_color(), label=row["lever_set"])
+            if arm == "C":
+                right.plot(xs, [100 * q["spike_score"] for q in p], marker="o", markersize=4,
+                           color=line.get_color(), label=row["lever_set"])
+        ax.axhline(corpus["bigram_entropy"], color="grey", linestyle="--", linewidth=1, label="bigram entropy")
+        ax.axhline(corpus["unigram_entropy"], color="grey", linestyle=":", linewidth=1, label="unigram entropy")
+        ax.set_ylim(top=L0 + 0.3)
+        ax.set_title(f"arm {arm}: final validation loss (seeds' min-max shaded)", fontsize=10)
+        ax.set_ylabel("final loss (nats)")
+        ax.legend(fontsize=7)
+        if arm == "A":
+            right.axhline(ATTENTION_LOGIT_BLOWUP, color="grey", linestyle="--", linewidth=1, label="1e4")
+            right.set_yscale("log")
+            right.set_title("arm A: largest attention logit in training", fontsize=10)
+        elif arm == "C":
+            right.set_title("arm C: spike score of the grad norm (%, 7 sigma)", fontsize=10)
+        elif arm == "B":
+            runs = [r for r in results if r["arm"] == "B" and "error" not in r and r["seed"] == 1]
+            colors = {lr: f"C{i}" for i, lr in enumerate(sorted({r["lr"] for r in runs}))}
+            for r in sorted(runs, key=lambda r: (r["lr"], r["lever_set"])):
+                s = r["series"]
+                style = {"no_z_loss": "--", "z_loss": "-"}.get(r["lever_set"], ":")
+                right.plot(s["iteration"], s["output_logit_mean"], style, color=colors[r["lr"]], linewidth=1,
+                           label=f"{r['lever_set']}, LR {r['lr']:.0e}")
+                right.plot(s["iteration"], s["log_z"], style, color=colors[r["lr"]], linewidth=2.5, alpha=0.4)
+            right.axhline(0, color="grey", linewidth=0.8)
+            right.set_yscale("symlog", linthresh=10)  # the drift of a few nats, and a diverged run's hundreds
+            right.set_title("arm B: mean output logit (thin) and mean log Z (thick), seed 1", fontsize=10)
+            right.set_xlabel("iteration")
+        for axis in (ax, right) if arm != "B" else (ax,):
+            axis.set_xscale("log")
+            axis.set_xlabel("learning rate")
+        for axis in (ax, right):
+            axis.grid(alpha=0.3)
+        if right.lines:
+            right.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
@@ -389,35 +493,76 @@ def plot(rows, lrs, l0, path):
 
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="the 12-run grid: " + json.dumps(QUICK))
-    p.add_argument("--out", default=os.path.join(ROOT, "out", "lr_sweep"), help="directory of runs and results")
-    p.add_argument("--lever_sets", help="comma-separated, from: " + ", ".join(LEVER_SETS))
-    p.add_argument("--lrs", help="comma-separated learning rates")
-    p.add_argument("--seeds", help="comma-separated seeds")
+    p.add_argument("--quick", action="store_true", help="the pilot alone: " + json.dumps(QUICK))
+    p.add_argument("--out", default=os.path.join(ROOT, "out", "lab"), help="directory of runs and results")
+    p.add_argument("--arms", help="comma-separated, from: " + ", ".join(ARMS))
+    p.add_argument("--lever_sets", help="comma-separated: only these lever sets of the arms")
+    p.add_argument("--lrs", help="comma-separated learning rates (default: each arm's grid)")
+    p.add_argument("--seeds", help="comma-separated seeds (default: each arm's)")
     p.add_argument("--jobs", type=int, default=os.cpu_count(), help="runs at a time, one thread each")
     p.add_argument("--extra", default="", help="more train.py arguments for every run, after an = sign (e.g. "
-                   "--extra=--z_loss=1e-2); changes the runs, so use another --out")
-    p.add_argument("--probe", help=argparse.SUPPRESS)  # internal: probe one run directory, print JSON
+                   "--extra=--train_iters=1000); changes the runs, so use another --out")
+    p.add_argument("--report", action="store_true", help="only the tables and the figure, from the selection's "
+                   "runs finished so far (the pilot's included); starts no run")
+    p.add_argument("--allow_weak_study", action="store_true",
+                   help="run a study that the preflight or the pilot refuses; results.md says why it is weak")
     args = p.parse_args(argv)
-    grid = QUICK if args.quick else FULL
-    args.lever_sets = args.lever_sets.split(",") if args.lever_sets else grid["lever_sets"]
-    args.lrs = [float(x) for x in args.lrs.split(",")] if args.lrs else grid["lrs"]
-    args.seeds = [int(x) for x in args.seeds.split(",")] if args.seeds else grid["seeds"]
-    unknown = [s for s in args.lever_sets if s not in LEVER_SETS]
+    args.out = os.path.abspath(args.out)  # the runs' --save, whatever directory they are started from
+    if args.quick:
+        for key, value in QUICK.items():
+            setattr(args, key, getattr(args, key) or ",".join(map(str, value)))
+    args.arms = args.arms.split(",") if args.arms else list(ARMS)
+    unknown = [a for a in args.arms if a not in ARMS]
     if unknown:
-        p.error(f"unknown lever set(s) {unknown}; choose from {', '.join(LEVER_SETS)}")
+        p.error(f"unknown arm(s) {unknown}; choose from {', '.join(ARMS)}")
+    args.lever_sets = args.lever_sets.split(",") if args.lever_sets else None
+    args.lrs = [float(x) for x in args.lrs.split(",")] if args.lrs else None
+    args.seeds = [int(x) for x in args.seeds.split(",")] if args.seeds else None
     return args
+
+
+def selection(args):
+    """{arm: spec} narrowed to the command line's lever sets, LRs and seeds."""
+    arms = {}
+    for arm in args.arms:
+        spec = dict(ARMS[arm])
+        if args.lever_sets:
+            spec["levers"] = {k: v for k, v in spec["levers"].items() if k in args.lever_sets}
+        spec["lrs"] = args.lrs or spec["lrs"]
+        spec["seeds"] = args.seeds or spec["seeds"]
+        spec["more_seeds"] = {} if args.seeds else spec.get("more_seeds", {})
+        if spec["levers"]:
+            arms[arm] = spec
+    if not arms:
+        raise SystemExit(f"no lever set of arms {args.arms} is called {args.lever_sets}")
+    return arms
 
 
 def train(argv):
     """One run: train.py's main with denormal floats flushed to zero. A run that blows up drives most of its
     softmax's probabilities below fp32's normal range, where x86 arithmetic on denormals is 2-4x slower; flushed,
-    they read as the zeros they round to a moment later (a blown-up run, run both ways, ended on the same
-    validation loss to 7 digits)."""
+    they read as the zeros they round to a moment later."""
     import torch
     torch.set_flush_denormal(True)
     import train as train_module
     train_module.main(argv)
+
+
+def check_pilot(results, bigram):
+    """The pilot's verdict: a list of sentences, empty when the setup can show the effects."""
+    by_lr = {r["lr"]: r for r in results if "error" not in r}
+    problems = []
+    low, high = by_lr.get(PILOT[0][2]), by_lr.get(PILOT[1][2])
+    if low is None or not low["val_loss"] < bigram - PILOT_MARGIN:
+        loss = "failed" if low is None else f"{low['val_loss']:.3f}"
+        problems.append(f"pilot: arm A's default at LR {PILOT[0][2]:g} ends at {loss}, not clearly below the bigram "
+                        f"entropy {bigram:.3f} (by {PILOT_MARGIN}): nothing that attention learned can be lost; train "
+                        "longer or deeper")
+    if high is None or not (high.get("attention_logit_max") or 0) > 1e3:
+        logit = "failed" if high is None else f"{high.get('attention_logit_max')}"
+        problems.append(f"pilot: arm A's default at LR {PILOT[1][2]:g} has a largest attention logit of {logit}, not "
+                        "above 1e3: the attention-logit growth under study does not happen in this setup")
+    return problems
 
 
 def main(argv=None):
@@ -425,41 +570,71 @@ def main(argv=None):
     if argv[:1] == ["--train"]:  # internal: one run of the grid, in its own process
         return train(argv[1:])
     args = parse_args(argv)
-    if args.probe:
-        print(json.dumps(probe(args.probe)))
-        return
-    extra = args.extra.split()
-    grid = [(s, lr, seed) for s in args.lever_sets for lr in args.lrs for seed in args.seeds]
-    todo = [g for g in grid if not os.path.exists(os.path.join(run_dir(args.out, *g), "result.json"))]
-    print(f"{len(grid)} runs, {len(grid) - len(todo)} finished already, {len(todo)} to run, {args.jobs} at a time",
-          flush=True)
+    arms, extra = selection(args), args.extra.split()
+    warnings = preflight(arms, extra)
+    if warnings and not args.allow_weak_study:
+        raise SystemExit("lr_sweep: this study cannot show what it tests:\n  - " + "\n  - ".join(warnings) +
+                         "\nfix the setup, or pass --allow_weak_study to run it anyway")
+    corpus = lab_corpus.build()  # the corpus and its tokenizer once, before the runs race to build them
     import data
-    data.default_corpus()  # tokenize the bundled corpus once, before the runs race to do it
+    data.IndexedDataset(corpus["prefix"])
+    grid = [(arm, lever, lr, seed) for arm, spec in arms.items() for lever in spec["levers"]
+            for lr in spec["lrs"] for seed in seeds_at(spec, lr)]
+    # the pilot first, then every arm's first seed, then arm A's more seeds, then the others': an interrupted
+    # study has whole curves, and arm A its seeds' spread first
+    def order(g):
+        again = seeds_at(arms[g[0]], g[2]).index(g[3])
+        return (again > 0, again > 0 and g[0] != "A", again)
+    grid = PILOT + sorted((g for g in grid if g not in PILOT), key=order)
+    todo = [g for g in grid if not os.path.exists(os.path.join(run_dir(args.out, *g), "result.json"))]
+    print(f"{len(grid)} runs (the pilot's 2 first), {len(grid) - len(todo)} finished already, {len(todo)} to run, "
+          f"{args.jobs} at a time", flush=True)
+    if args.report:  # the finished runs alone; results.md says how many of the study's they are
+        if any(g in todo for g in PILOT):
+            raise SystemExit(f"lr_sweep --report: the pilot has not run in {args.out}; run the study first")
+        grid = [g for g in grid if g not in todo]
     results, start = [], time.time()
+
+    def report(result):
+        results.append(result)
+        status = "error" if "error" in result else f"val {result['val_loss']:.4f}"
+        print(f"[{time.time() - start:6.0f}s] {result['arm']} {result['lever_set']} lr {result['lr']:.0e} seed "
+              f"{result['seed']}: {status}", flush=True)
+
     with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
-        for result in pool.map(lambda g: execute(args.out, *g, extra), grid):
-            results.append(result)
-            status = "error" if "error" in result else f"val {result['val_loss']:.4f}"
-            print(f"[{time.time() - start:6.0f}s] {result['lever_set']} lr {result['lr']:.0e} seed "
-                  f"{result['seed']}: {status}", flush=True)
+        for result in pool.map(lambda g: execute(args.out, *g, extra), PILOT):
+            report(result)
+        pilot = check_pilot(results, corpus["bigram_entropy"])
+        if pilot and not args.allow_weak_study:
+            raise SystemExit("lr_sweep: the pilot says this study cannot show what it tests:\n  - " +
+                             "\n  - ".join(pilot) + "\nfix the setup, or pass --allow_weak_study to run it anyway")
+        warnings += pilot
+        for result in pool.map(lambda g: execute(args.out, *g, extra), grid[len(PILOT):]):
+            report(result)
     failed = [r for r in results if "error" in r]
     for r in failed:
-        print(f"failed: {r['lever_set']} lr {r['lr']} seed {r['seed']}:\n{r['error']}", file=sys.stderr)
-    l0 = math.log(VOCAB_SIZE)
-    rows = summarize(results, args.lever_sets, args.lrs, args.seeds, l0)
+        print(f"failed: {r['arm']} {r['lever_set']} lr {r['lr']} seed {r['seed']}:\n{r['error']}", file=sys.stderr)
+    selected = [r for r in results if r["arm"] in arms and r["lever_set"] in arms[r["arm"]]["levers"]
+                and r["lr"] in arms[r["arm"]]["lrs"] and r["seed"] in seeds_at(arms[r["arm"]], r["lr"])]
+    rows_by_arm = {arm: summarize(selected, arm, list(spec["levers"]), spec["lrs"], corpus["bigram_entropy"])
+                   for arm, spec in arms.items()}
+    rows_by_arm = {arm: rows for arm, rows in rows_by_arm.items() if rows}
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "results.jsonl"), "w") as f:
         for r in results:
             f.write(json.dumps(r) + "\n")
-    table = markdown(rows, results, args.lrs, l0)
+    table = markdown(rows_by_arm, {arm: spec["lrs"] for arm, spec in arms.items()}, corpus, warnings)
+    if args.report and todo:
+        table = (f"{len(grid)} of the selection's {len(grid) + len(todo)} runs finished; the tables and the figure are "
+                 "theirs (a missing cell or a missing seed was not run).\n\n" + table)
     timed = [r for r in results if "cpu_seconds" in r]
-    if timed:  # what the grid costs on a free machine: CPU seconds per run, whatever the load was
-        cpu = [r["cpu_seconds"] + r.get("probe_cpu_seconds", 0.0) for r in timed]
-        table += (f"\nCPU time (train + probe), {len(timed)} runs measured: {sum(cpu) / len(cpu):.0f} s a run, "
-                  f"{sum(cpu) / 60:.0f} min in all (wall time on 2 free cores about half that).\n")
+    if timed:
+        cpu = [r["cpu_seconds"] for r in timed]
+        table += (f"\nCPU time, {len(timed)} runs: {sum(cpu) / len(cpu):.0f} s a run on average, "
+                  f"{sum(cpu) / 3600:.2f} h in all (a resumed run counts its last part only).\n")
     with open(os.path.join(args.out, "results.md"), "w") as f:
         f.write(table)
-    plot(rows, args.lrs, l0, os.path.join(args.out, "lr_sweep.png"))
+    plot(rows_by_arm, selected, corpus, os.path.join(args.out, "lr_sweep.png"))
     print(table)
     print(f"wrote {args.out}/results.jsonl, results.md, lr_sweep.png in {time.time() - start:.0f}s")
     if failed:
