@@ -213,3 +213,7 @@ class DeepSpeedOptimizer:
     def refresh_fp32_params(self):
         """A fresh optimizer (no_load_optim): the fp32 master weights from the loaded model weights."""
         self.optimizer.refresh_fp32_params()
+
+    def close(self):
+        """DeepSpeed's engine released (its hooks, buffers and groups) before the process groups go."""
+        self.engine.destroy()

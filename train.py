@@ -175,7 +175,7 @@ def run(cfg, grid, exit_signal, writer=None):
     report.close()
     print_sample(cfg, parts.model, device)
     if cfg.deepspeed:
-        parts.optimizer.engine.destroy()  # DeepSpeed's state released before the process groups go (shut_down)
+        parts.optimizer.close()  # DeepSpeed's state released before the process groups go (shut_down)
     return state
 
 
