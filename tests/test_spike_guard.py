@@ -190,7 +190,9 @@ def test_three_faults_three_diagnoses_three_remedies_with_dp2(run, corpus512, tm
     args = [a for a in run.base if not a.startswith("--micro_batch_size")] + ["--micro_batch_size=4"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
            "train.py", *args, *GUARD, *THREE_FAULTS]
-    env = dict(os.environ, WANDB_MODE="disabled", OMP_NUM_THREADS="1")
+    # both ranks write to one pipe: unbuffered, each line goes out whole when printed (block-buffered, rank 1's
+    # output landed in the middle of rank 0's lines at exit)
+    env = dict(os.environ, WANDB_MODE="disabled", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = guard_lines(proc.stdout)
