@@ -234,7 +234,7 @@ class AsyncWriter:
         if self.group is None and dist.is_initialized():  # every rank saves at the same iteration: in step
             self.group = dist.new_group(backend="gloo")  # (at the first save: DeepSpeed may start the group late)
         payload = to_host((model_state, run_state, rank_state), self.buffers)
-        if any(t.is_cuda for t in _tensors((model_state, rank_state))):
+        if any(t.is_cuda for t in tensors((model_state, rank_state))):
             torch.cuda.current_stream().synchronize()  # the non-blocking copies have landed
         self.thread = threading.Thread(target=self._write, args=(save_dir, iteration, *payload, write_model_state),
                                        name=f"checkpoint-{iteration}")
@@ -276,15 +276,16 @@ class AsyncWriter:
         return False
 
 
-def _tensors(obj):
+def tensors(obj):
+    """Every tensor in obj, through dicts, lists and tuples."""
     if torch.is_tensor(obj):
         yield obj
     elif isinstance(obj, dict):
         for v in obj.values():
-            yield from _tensors(v)
+            yield from tensors(v)
     elif isinstance(obj, (list, tuple)):
         for v in obj:
-            yield from _tensors(v)
+            yield from tensors(v)
 
 
 def to_host(obj, buffers, key=()):

@@ -409,7 +409,7 @@ def host_copy(payload, spare=None):
     snapshot's buffers where shapes and dtypes match) by non-blocking copies, and a CUDA event that says when
     they have landed (None without CUDA, where the copies are done on return)."""
     spares = collections.defaultdict(list)
-    for t in tensors(spare):
+    for t in checkpoint.tensors(spare):
         spares[(t.shape, t.dtype)].append(t)
     cuda = [False]
 
@@ -433,16 +433,6 @@ def host_copy(payload, spare=None):
         event.record()
     return out, event
 
-
-def tensors(obj):
-    if torch.is_tensor(obj):
-        yield obj
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            yield from tensors(v)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            yield from tensors(v)
 
 
 def snapshot_bytes(cfg, gpu_params, dp):
