@@ -11,7 +11,7 @@ import torch
 
 import arguments
 import parallel
-import spike_guard
+import snapshots
 from model import GPT, GPTConfig
 
 
@@ -110,8 +110,8 @@ def dry_run(cfg, world_size=None, file=None):
         f"{'  <- configured' if cfg.checkpoint_activations else ''}")
     total = model_states(cfg.zero_stage) + (with_ckpt if cfg.checkpoint_activations else without)
     say(f"estimated total per GPU: {total / GiB:.2f} GiB (plus temporaries: logits, communication buffers)")
-    if spike_guard.describe_snapshots(cfg, gpu_params, dp):
-        say(spike_guard.describe_snapshots(cfg, gpu_params, dp))
+    if snapshots.describe_snapshots(cfg, gpu_params, dp):
+        say(snapshots.describe_snapshots(cfg, gpu_params, dp))
     return {"params": params, "padded_params": padded_total, "stages": stages, "gpu_params": gpu_params,
             "dp": dp, "model_states": model_states(cfg.zero_stage), "activations": without,
             "activations_checkpointed": with_ckpt}

@@ -13,7 +13,7 @@ of the run live beside it:
     schedule.py      batch size, sequence length, skipped iterations, learning rate of an iteration
     run_state.py     the counters; what a checkpoint or a snapshot captures and restores
     report.py        the log line, the validation block, metrics.jsonl, TensorBoard and wandb
-    spike_guard.py   what to do about a spiking step
+    spike_guard.py   what to do about a spiking step; snapshots.py what it rolls back to
 
 Every number that decides what happens next is in the checkpoint, and the sample order is a function
 of consumed samples only, so a resumed run is bit-exact.
@@ -54,6 +54,7 @@ import telemetry
 from model import GPT, GPTConfig
 from report import Report, print0, print_validation
 from schedule import Schedule
+from snapshots import Snapshots
 
 
 def main(argv=None):
@@ -96,7 +97,7 @@ def run(cfg, grid, exit_signal, writer=None):
         return state
 
     report = Report(cfg, schedule, parts.model)
-    snapshots = spike_guard.Snapshots(cfg)
+    snapshots = Snapshots(cfg)
     recorder = telemetry.Telemetry(parts.model, cfg, parts.optimizer) if cfg.telemetry_interval else None
     first_iteration, job_start = state.iteration, time.time()
     parts.model.train()

@@ -281,7 +281,7 @@ def _meta_step(monkeypatch, extra, tp=1, pp=1, dp=1, rank=0, micro_batches=2):
     import arguments
     import safety
     import schedule
-    import spike_guard
+    import snapshots
     import telemetry
     world = tp * pp * dp
     cfg = arguments.load_config(META_ARGV + [f"--tensor_model_parallel_size={tp}",
@@ -302,7 +302,7 @@ def _meta_step(monkeypatch, extra, tp=1, pp=1, dp=1, rank=0, micro_batches=2):
         parts = train.build(cfg, grid, plan, meta)
         assert all(p.is_meta for p in parts.model.parameters())
         recorder = telemetry.Telemetry(parts.model, cfg, parts.optimizer)
-        snapshots = spike_guard.Snapshots(cfg)
+        store = snapshots.Snapshots(cfg)
         exit_signal = safety.ExitSignal(True)
         ids = torch.zeros(cfg.micro_batch_size, cfg.seq_length, dtype=torch.int64, device=meta)
         batches = [(ids, ids)] * micro_batches
@@ -318,10 +318,10 @@ def _meta_step(monkeypatch, extra, tp=1, pp=1, dp=1, rank=0, micro_batches=2):
                 parts.state.advance(cfg.global_batch_size, cfg.seq_length, applied=step.outcome == "ok")
                 exit_signal()
                 in_step = list(syncs.syncs)
-                snapshots.maybe_take(1, parts)  # every spike_guard_snapshot_interval iterations, not each one
+                store.maybe_take(1, parts)  # every spike_guard_snapshot_interval iterations, not each one
         finally:
             exit_signal.restore()
-    assert snapshots.items
+    assert store.items
     return step, in_step, comms
 
 
