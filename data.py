@@ -354,15 +354,23 @@ def default_corpus(data_dir: str = "data") -> str:
 #   sample_idx  (position in doc_idx, token offset) where each sample starts; row j+1 is where sample j ends
 #   shuffle_idx a permutation of the samples, so batches mix documents from all over the corpus
 
-def index_arrays(sizes: np.ndarray, documents: np.ndarray, num_samples: int, seq_length: int, seed: int):
+def index_arrays(sizes: np.ndarray, documents: np.ndarray, num_samples: int, seq_length: int, seed: int,
+                 skip: np.ndarray | None = None):
     """doc_idx, sample_idx, shuffle_idx for `num_samples` samples. Compiled loops (numba), linear in documents
-    plus samples, and no temporaries beyond the three arrays: 300M samples take under a minute, not an hour."""
+    plus samples, and no temporaries beyond the three arrays: 300M samples take under a minute, not an hour.
+    skip: documents (ids, a subset of `documents`) left out (a skip list): each epoch's order is drawn over all
+    documents and the skipped ones are then taken out, so the others keep their order."""
     sizes = _readonly(sizes, np.int32)
     documents = _readonly(documents, np.int32 if len(sizes) < 2**31 else np.int64)
-    tokens_per_epoch = int(sizes[documents].sum(dtype=np.int64))
+    # a mask over all document ids: one pass over doc_idx, whatever the number of skipped documents
+    skipped = None if skip is None or not len(skip) else np.zeros(len(sizes), dtype=bool)
+    if skipped is not None:
+        skipped[np.asarray(skip)] = True
+    kept = documents if skipped is None else documents[~skipped[documents]]
+    tokens_per_epoch = int(sizes[kept].sum(dtype=np.int64))
     samples_per_epoch = (tokens_per_epoch - 1) // seq_length
     if samples_per_epoch < 1:
-        raise ValueError(f"{len(documents)} documents with {tokens_per_epoch} tokens cannot fill one sample of "
+        raise ValueError(f"{len(kept)} documents with {tokens_per_epoch} tokens cannot fill one sample of "
                          f"seq_length+1 = {seq_length + 1} tokens; use more data or a larger split share")
     # Smallest number of epochs whose stream holds num_samples windows: (E*T - 1) // seq_length >= num_samples
     num_epochs = max(1, -(-(num_samples * seq_length + 1) // tokens_per_epoch))
@@ -375,6 +383,8 @@ def index_arrays(sizes: np.ndarray, documents: np.ndarray, num_samples: int, seq
     doc_dtype = np.int32 if documents.max(initial=0) < 2**31 else np.int64
     doc_idx = np.empty(num_epochs * len(documents), dtype=doc_dtype)
     _permute_documents(doc_idx, documents, seed)
+    if skipped is not None:
+        doc_idx = doc_idx[~skipped[doc_idx]]
 
     # sample j starts at stream token j*seq_length: (its position in doc_idx, its offset in that document)
     num_all = (num_epochs * tokens_per_epoch - 1) // seq_length  # samples in all epochs (>= num_samples)
@@ -514,7 +524,7 @@ def _permute_samples(shuffle_idx, tokens_per_epoch, seq_length, seed):
 
 
 def _cache_paths(prefix: str, documents: np.ndarray, tokens: int, num_samples: int, seq_length: int, seed: int,
-                 name: str, cache_dir: str | None) -> dict[str, str]:
+                 name: str, cache_dir: str | None, skip: np.ndarray | None = None) -> dict[str, str]:
     # Everything the arrays depend on is in the name. Megatron names only the split ("train"): change the split
     # string and it silently reuses indices built for other documents. We name the document range instead.
     documents = np.asarray(documents)
@@ -524,22 +534,28 @@ def _cache_paths(prefix: str, documents: np.ndarray, tokens: int, num_samples: i
         docs = f"{documents[0]}-{documents[0] + len(documents)}docs"
     else:
         docs = hashlib.md5(documents.astype(np.int64).tobytes()).hexdigest()[:12] + "docs"
+    if skip is not None and len(skip):  # the documents left out (their ids, sorted): without any, the old names
+        docs += "_skip" + hashlib.md5(np.unique(skip).astype(np.int64).tobytes()).hexdigest()[:12]
     base = os.path.join(cache_dir or os.path.dirname(os.path.abspath(prefix)),
                         f"{os.path.basename(prefix)}_{name}_{num_samples}ns_{seq_length}sl_{seed}s_{docs}_{tokens}tok")
     return {kind: f"{base}_{kind}.npy" for kind in ("doc_idx", "sample_idx", "shuffle_idx")}
 
 
 def build_indices(indexed: IndexedDataset, documents: np.ndarray, num_samples: int, seq_length: int, seed: int,
-                  name: str, cache_dir: str | None = None) -> dict[str, str]:
+                  name: str, cache_dir: str | None = None, skip: np.ndarray | None = None) -> dict[str, str]:
     """Build (if not cached yet) and save the index arrays of a GPTDataset; returns their paths. Idempotent:
-    call it on rank 0, barrier, then construct the GPTDataset everywhere (which just loads the files)."""
+    call it on rank 0, barrier, then construct the GPTDataset everywhere (which just loads the files).
+    skip: the documents of `documents` that never appear in a sample (index_arrays)."""
     documents = np.asarray(documents)
+    if skip is not None:
+        skip = np.unique(skip)
+        skip = skip[np.isin(skip, documents)]  # this split's: another split's leave its index (and name) alone
     tokens = int(indexed.sizes[documents].sum(dtype=np.int64))
-    paths = _cache_paths(indexed.prefix, documents, tokens, num_samples, seq_length, seed, name, cache_dir)
+    paths = _cache_paths(indexed.prefix, documents, tokens, num_samples, seq_length, seed, name, cache_dir, skip)
     if all(os.path.isfile(p) for p in paths.values()):
         return paths
     t0 = time.time()
-    arrays = index_arrays(indexed.sizes, documents, num_samples, seq_length, seed)
+    arrays = index_arrays(indexed.sizes, documents, num_samples, seq_length, seed, skip)
     os.makedirs(os.path.dirname(paths["doc_idx"]), exist_ok=True)
     for (kind, path), array in zip(paths.items(), arrays):
         # tmp + rename: another rank polling for the file never reads a half-written one
@@ -556,10 +572,10 @@ class GPTDataset:
     """Samples of seq_length+1 tokens (int64) from `documents` of `indexed`, shuffled with `seed`."""
 
     def __init__(self, indexed: IndexedDataset, documents: np.ndarray, num_samples: int, seq_length: int, seed: int,
-                 name: str, cache_dir: str | None = None):
+                 name: str, cache_dir: str | None = None, skip: np.ndarray | None = None):
         self.indexed, self.name, self.seq_length = indexed, name, seq_length
         self.num_samples = num_samples
-        self.paths = build_indices(indexed, documents, num_samples, seq_length, seed, name, cache_dir)
+        self.paths = build_indices(indexed, documents, num_samples, seq_length, seed, name, cache_dir, skip)
         self._load()
 
     def _load(self):
@@ -760,7 +776,7 @@ def parse_data_path(data_path) -> tuple[list[str], list[float]]:
     return data_path[1::2], [w / sum(weights) for w in weights]
 
 
-def _split_datasets(prefix: str, split: str, seq_length: int, seed: int, num_samples, cache_dir):
+def _split_datasets(prefix: str, split: str, seq_length: int, seed: int, num_samples, cache_dir, skip=None):
     indexed = IndexedDataset(prefix)
     out = []
     for name, (start, end), share, n in zip(("train", "valid", "test"), split_documents(split, len(indexed)),
@@ -777,21 +793,23 @@ def _split_datasets(prefix: str, split: str, seq_length: int, seed: int, num_sam
             raise ValueError(f"the {name} split of {prefix} (documents {start}..{end - 1}, {tokens} tokens) cannot "
                              f"fill one sample of seq_length+1 = {seq_length + 1} tokens; give {name} a larger "
                              "share, use more data or a shorter seq_length")
-        out.append(GPTDataset(indexed, documents, n, seq_length, seed, name, cache_dir))
+        out.append(GPTDataset(indexed, documents, n, seq_length, seed, name, cache_dir, skip))
     return out
 
 
 def build_datasets(data_path: list[str] | str, split: str, seq_length: int, seed: int,
-                   num_samples: tuple[int, int, int], cache_dir: str | None = None) -> tuple:
+                   num_samples: tuple[int, int, int], cache_dir: str | None = None, skips=None) -> tuple:
     """(train, valid, test) datasets; None where the split share or the number of samples is 0.
     With a blend, each component builds ceil(n * weight * 1.005) samples (Megatron's margin, so that the
-    blend never runs a component dry) and a BlendedDataset mixes them."""
+    blend never runs a component dry) and a BlendedDataset mixes them. skips: per prefix, the ids of the documents
+    no sample takes (skip_list.read: a skip list)."""
     prefixes, weights = parse_data_path(data_path)
+    skips = skips or [None] * len(prefixes)
     if len(prefixes) == 1:
-        return tuple(_split_datasets(prefixes[0], split, seq_length, seed, num_samples, cache_dir))
+        return tuple(_split_datasets(prefixes[0], split, seq_length, seed, num_samples, cache_dir, skips[0]))
     components = [_split_datasets(prefix, split, seq_length, seed,
-                                  [math.ceil(n * w * 1.005) for n in num_samples], cache_dir)
-                  for prefix, w in zip(prefixes, weights)]
+                                  [math.ceil(n * w * 1.005) for n in num_samples], cache_dir, skip)
+                  for prefix, w, skip in zip(prefixes, weights, skips)]
     out = []
     for s, n in enumerate(num_samples):
         parts = [c[s] for c in components]

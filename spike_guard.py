@@ -442,17 +442,38 @@ def highest_loss_samples(model, batches, first_sample, cfg, count=3):
     return [(loss, first_sample + i) for loss, i in zip(top.values.tolist(), top.indices.tolist())]
 
 
-def name_samples(model, batches, first_sample, cfg, dataset, seqlen, iteration):
-    """Print (and return) the highest-loss samples of a spiking batch, decoded."""
+SKIP_LIST = "skip_documents.jsonl"  # in save: the documents of the samples behind data-driven spikes
+
+
+def name_samples(model, batches, first_sample, cfg, dataset, seqlen, iteration, decision=None):
+    """Print (and return) the highest-loss samples of a spiking batch, decoded. When the diagnosis says the data
+    did it (decision's cause "data"), their documents go to the skip list SAVE/skip_documents.jsonl too
+    (skip_list.py's format), which skip_documents=FILE makes the data leave out."""
+    import os
+
     import data
+    import skip_list
     if parallel.grid.pp_size > 1:
         print0(f"spike guard: iteration {iteration}: samples {first_sample}-{first_sample + cfg.global_batch_size - 1}"
             " (not ranked by loss with pipeline parallelism; tools/show_samples.py decodes them)")
         return []
     named = highest_loss_samples(model, batches, first_sample, cfg)
+    records = []
     for loss, index in named:
         print0(f"spike guard: iteration {iteration}: sample {index} (loss {loss:.3f}): "
             f"{data.sample_text(dataset, index, seqlen, 160, cfg.tokenizer_file)!r}")
+        prefix, component, pieces = skip_list.sample_documents(dataset, index, seqlen + 1)
+        records.append({"iteration": iteration, "sample": index, "loss": round(loss, 4), "dataset": prefix,
+                        "dataset_index": component, "documents": [d for d, _ in pieces],
+                        "tokens": [n for _, n in pieces]})
+    if (decision or {}).get("cause") == "data" and cfg.save and records:
+        path = os.path.join(cfg.save, SKIP_LIST)
+        if parallel.grid.rank == 0:
+            skip_list.append(path, records)
+        docs = ", ".join(f"{r['dataset']} {r['documents']}" for r in records)
+        print0(f"spike guard: iteration {iteration}: the documents of these samples ({docs}) appended to the skip "
+               f"list {path}; to train without them, set skip_documents={path} (a new run, or a resume from a "
+               "checkpoint before the spike)")
     return named
 
 

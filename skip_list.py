@@ -1,0 +1,94 @@
+"""Skip lists: documents that no sample takes -- the culprits of a data-driven spike (docs/spike_guard.md).
+
+The spike guard appends the samples behind a data-driven spike to SAVE/skip_documents.jsonl (spike_guard.name_samples),
+one JSON line a sample:
+
+    {"iteration": 30, "sample": 239, "loss": 6.645, "dataset": "data/shakespeare-v2", "dataset_index": 0,
+     "documents": [17, 18], "tokens": [60, 5]}
+
+dataset: the data_path prefix of the blend component the sample came from (dataset_index: its place in the blend);
+documents: the ids (in PREFIX.idx) of the documents whose tokens the sample holds, tokens: how many of each. Only
+"dataset" and "documents" are read, so a list written by hand needs no more; delete a line to keep its documents.
+
+`skip_documents=FILE` hands the list to data.py, which leaves those documents out when it builds the sample index
+(data.index_arrays): each epoch's document order is drawn as before and the listed documents are taken out, so the
+others keep their order. The samples, cut from the shorter stream, change: a run resumed with another list goes on
+in another sample order, as with another seed; the index cache is named after the list, never reused across lists.
+"""
+import json
+import os
+
+import numpy as np
+
+import data
+
+
+def sample_documents(dataset, index, length=None):
+    """(prefix, blend component, [(document id, tokens)]) of sample `index` of a data.GPTDataset or BlendedDataset:
+    the documents its first `length` tokens (seq_length + 1 by default) come from, in order."""
+    component = 0
+    if isinstance(dataset, data.BlendedDataset):
+        component = int(dataset.dataset_index[index])
+        dataset, index = dataset.datasets[component], int(dataset.dataset_sample_index[index])
+    k, offset = (int(v) for v in dataset.sample_idx[int(dataset.shuffle_idx[index])])
+    need, pieces = dataset.seq_length + 1 if length is None else length, []
+    while need > 0:  # the walk of data._gather
+        d = int(dataset.doc_idx[k])
+        take = min(int(dataset.indexed.sizes[d]) - offset, need)
+        if take > 0:
+            pieces.append((d, take))
+        need, k, offset = need - take, k + 1, 0
+    return dataset.indexed.prefix, component, pieces
+
+
+def append(path, records):
+    """Append culprit records (the format above) to the skip list at `path`, one JSON line each."""
+    with open(path, "a") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in records))
+
+
+def read(path, prefixes):
+    """(the ids the list names for each of `prefixes`, sorted and unique, as int64 arrays; the datasets it names that
+    are none of them). Prefixes are matched by absolute path."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"skip_documents file {path} not found; point skip_documents at a skip list (the "
+                                "spike guard writes SAVE/skip_documents.jsonl) or unset it")
+    wanted = {os.path.abspath(p): i for i, p in enumerate(prefixes)}
+    found, others = [set() for _ in prefixes], set()
+    with open(path) as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+                prefix, ids = record["dataset"], record["documents"]
+                ok = isinstance(prefix, str) and isinstance(ids, list)
+                ok = ok and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in ids)
+            except (json.JSONDecodeError, KeyError, TypeError):
+                ok = False
+            if not ok:
+                raise ValueError(f"{path}:{lineno}: expected a JSON object with \"dataset\" (a data_path prefix) and "
+                                 "\"documents\" (a list of document ids), like {\"dataset\": \"data/corpus\", "
+                                 "\"documents\": [17]}; fix or delete that line")
+            if os.path.abspath(prefix) in wanted:
+                found[wanted[os.path.abspath(prefix)]].update(ids)
+            else:
+                others.add(prefix)
+    skips = [np.asarray(sorted(ids), dtype=np.int64) for ids in found]
+    for prefix, ids in zip(prefixes, skips):
+        n = len(data.IndexedDataset(prefix)) if len(ids) else 0
+        if len(ids) and ids[-1] >= n:
+            raise ValueError(f"skip_documents file {path} names document {ids[-1]} of {prefix}, which has {n} "
+                             "documents: the list was written for other data")
+    return skips, sorted(others)
+
+
+def summary(path, prefixes):
+    """What a skip list takes out of this run's data, in one line (read's checks included)."""
+    skips, others = read(path, prefixes)
+    parts = [f"{len(ids)} of {prefix} ({int(data.IndexedDataset(prefix).sizes[ids].sum(dtype=np.int64)):,} tokens)"
+             for prefix, ids in zip(prefixes, skips) if len(ids)]
+    return (f"skip_documents {path}: documents never sampled: {', '.join(parts) or 'none'}"
+            + (f"; entries for datasets not in data_path ignored: {', '.join(others)}" if others else "")
+            + ". The sample order is this list's: a run resumed with another list goes on in another order (as "
+            "with another seed)")
