@@ -59,6 +59,7 @@ class Config(GPTConfig):
     adam_beta1: float = 0.9  # Adam's first-moment decay
     adam_beta2: float = 0.999  # Adam's second-moment decay
     adam_eps: float = 1e-8  # Adam's epsilon
+    override_adam_params: bool = False  # on resume, this config's adam_beta1/2 and adam_eps, not the checkpoint's
     clip_grad: float = 1.0  # clip the global gradient norm to this
     use_bnb_optimizer: bool = False  # bitsandbytes 8-bit AdamW; the embedding's state stays 32-bit
     # -- stability: precision, skipped steps, resets --
@@ -70,6 +71,7 @@ class Config(GPTConfig):
     loss_scale_window: int = 1000  # double the loss scale after this many steps without overflow
     hysteresis: int = 2  # overflows tolerated before the loss scale is halved
     skip_grad_norm_above: float | None = None  # skip the update when the grad norm exceeds this (OPT)
+    soft_skip_loss_ratio: float = 0.0  # loss > this x its trend: gradients x trend/loss before clipping (0: off)
     reset_optimizer_warmup_iters: int | str | None = None  # resume: fresh Adam, lr 0 for N iters ("auto": 5/(1-beta2))
     skip_train_iteration_range: list[str] | None = None  # discard the batches of iterations "13251-14000 ..."
     # -- data --
@@ -78,6 +80,7 @@ class Config(GPTConfig):
     use_bundled_corpus: bool = False  # without data_path, train on the bundled Shakespeare (the tiny default's choice)
     split: str = "949,50,1"  # train, validation, test shares of the documents
     data_cache_dir: str | None = None  # where the sample index is cached; None: next to the data
+    skip_documents: str | None = None  # a skip list (<save>/skip_documents.jsonl): no sample takes its documents
     seed: int = 1234  # initialization, data order and dropout
     # -- parallel --
     # tensor_model_parallel_size is a model.GPTConfig field: it pads the vocabulary
@@ -412,6 +415,10 @@ def validate(cfg, world_size=1, reads_data=True):
     need(not cfg.spike_guard or cfg.spike_guard_snapshot_interval or cfg.save,
          "spike_guard with spike_guard_snapshot_interval=0 rolls back to disk checkpoints: set save and save_interval")
     need(0 < cfg.spike_guard_lr_factor <= 1, "spike_guard_lr_factor must be in (0, 1]")
+    need(cfg.soft_skip_loss_ratio == 0 or cfg.soft_skip_loss_ratio >= 1,
+         f"soft_skip_loss_ratio={cfg.soft_skip_loss_ratio} must be 0 (off) or >= 1 (a multiple of the loss's trend)")
+    need(not (cfg.deepspeed and cfg.soft_skip_loss_ratio), "soft_skip_loss_ratio scales the gradients before the "
+         "update, which DeepSpeed keeps inside its step(); set soft_skip_loss_ratio=0 or deepspeed=False")
     need(not cfg.curriculum_learning or (cfg.total_curriculum_step is not None and cfg.total_curriculum_step > 0),
          "curriculum_learning needs total_curriculum_step (about train_tokens / global_batch / seq_length / 2)")
 

@@ -49,6 +49,7 @@ import precision
 import rng
 import run_state
 import safety
+import skip_list
 import spike_guard
 import telemetry
 from model import GPT, GPTConfig
@@ -124,7 +125,7 @@ def run(cfg, grid, exit_signal, writer=None):
             step = train_step(train_model, parts.optimizer, parts.scaler, batches, lr, cfg, device,
                               count_zeros=iteration % cfg.log_interval == 0,
                               judge=guard.judge if guard.armed(state) else None, probe=probe,
-                              fault=spike_guard.bitflip(cfg, iteration, guard))
+                              fault=spike_guard.bitflip(cfg, iteration, guard), trend=soft_skip_trend(cfg, guard))
             if probe:
                 report.telemetry(iteration, state, probe.finish())
             diagnosis = None
@@ -137,7 +138,7 @@ def run(cfg, grid, exit_signal, writer=None):
             decision = guard.update(iteration, step.outcome, step.loss, step.grad_norm, parts.scaler, diagnosis)
             if decision is not None and decision.get("cause") != "hardware":
                 decision["samples"] = spike_guard.name_samples(train_model, batches, samples, cfg,
-                                                               train_data, seqlen, iteration)
+                                                               train_data, seqlen, iteration, decision)
             report.step(step, lr)
         state.advance(batch_size, seqlen, applied=step is not None and step.outcome == "ok")
         report.timed(time.time() - t0)
@@ -348,11 +349,13 @@ def build_data(cfg, schedule):
     num_samples = (0 if cfg.eval_only else schedule.total_samples,
                    cfg.eval_iters * cfg.global_batch_size * (1 if evals else 0), 0)
     check_data(cfg, data_path, num_samples[0])
+    prefixes = data.parse_data_path(data_path)[0]
+    skips = skip_list.read(cfg.skip_documents, prefixes)[0] if cfg.skip_documents else None
     # Rank 0 builds and caches the index arrays first; the others then read the cache.
     for builders in (True, False):
         if (parallel.grid.rank == 0) == builders:
             datasets = data.build_datasets(data_path, cfg.split, cfg.seq_length, cfg.seed, num_samples,
-                                           cfg.data_cache_dir)
+                                           cfg.data_cache_dir, skips)
         if builders and dist.is_initialized():
             dist.barrier()
     return datasets[0], datasets[1]
@@ -367,6 +370,8 @@ def check_data(cfg, data_path, train_samples):
         if epochs > 4:  # Muennighoff et al. 2023: up to ~4 epochs of repeated data cost little, more do
             print0(f"warning: this run goes over the train split of {prefix} {epochs:.1f} times; beyond about 4 "
                    "epochs repeated data stops helping (more data, or a shorter run)")
+    if cfg.skip_documents:
+        print0(skip_list.summary(cfg.skip_documents, prefixes))
 
 
 def micro_batches(dataset, first_sample, num_micro_batches, cfg, seqlen, device):
@@ -415,13 +420,15 @@ class Step(NamedTuple):
 
 
 def train_step(model, optimizer, scaler, batches, lr, cfg, device, count_zeros=True, judge=None, probe=None,
-               fault=None):
+               fault=None, trend=None):
     """One global batch: forward and backward over this rank's micro-batches, gradients reduced, clipped and
     applied at learning rate lr -- unless the step is skipped. Returns a Step.
     count_zeros: count the zero gradients (a pass over all of them: only done for the iterations logged).
     judge: the spike guard's judge(loss, grad_norm), a reason to skip the update or None.
     probe: a telemetry.Telemetry recording this step (its grads() and updated() are called here).
-    fault: fault injection's bit flip (spike_guard.bitflip), called on the reduced gradients."""
+    fault: fault injection's bit flip (spike_guard.bitflip), called on the reduced gradients.
+    trend: the loss's trend (soft_skip_trend): a loss above soft_skip_loss_ratio x it scales the gradients by
+    trend / loss before clipping (metaseq's soft skip: the step is taken, with less weight)."""
     optimizer.zero_grad(set_to_none=True)
     buffer = parallel.grad_buffer(model)  # None under DeepSpeed
     if buffer is not None:
@@ -456,13 +463,28 @@ def train_step(model, optimizer, scaler, batches, lr, cfg, device, count_zeros=T
         return Step(loss_value, grad_norm_value, num_zeros, "skipped")
     if judge is not None and judge(loss_value, grad_norm_value):  # the spike guard skips: nothing at all changes
         return Step(loss_value, grad_norm_value, num_zeros, "spike")
-    params = optimizer.prepare_grads(scaler.scale)  # fp32 master weights with fp32, unscaled gradients
-    optim.clip_grads(params, cfg.clip_grad, grad_norm)
+    shrink = 1.0
+    if trend is not None and loss_value > cfg.soft_skip_loss_ratio * trend:  # host floats: no sync of its own
+        shrink = trend / loss_value
+        print0(f"soft skip: loss {loss_value:.4g} is {loss_value / trend:.2f}x its trend's {trend:.4g}: gradients "
+               f"x {shrink:.3g}")
+    # fp32 master weights with fp32, unscaled gradients (x shrink: unscaled by scale / shrink, the same pass)
+    params = optimizer.prepare_grads(scaler.scale / shrink)
+    optim.clip_grads(params, cfg.clip_grad, grad_norm * shrink)
     optim.set_lr(optimizer, lr)
     optimizer.step()
     if probe is not None:
         probe.updated()
     return Step(loss_value, grad_norm_value, num_zeros, "ok")
+
+
+def soft_skip_trend(cfg, guard):
+    """The loss's trend for train_step's soft skip (soft_skip_loss_ratio): the spike guard's line through the last
+    applied losses (kept with the guard on or off), once spike_guard_min_steps are recorded; else None."""
+    losses = guard.series["loss"]
+    if not cfg.soft_skip_loss_ratio or len(losses.values) < cfg.spike_guard_min_steps:
+        return None
+    return losses.expected()
 
 
 @torch.no_grad()
