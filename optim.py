@@ -156,6 +156,26 @@ def set_lr(optimizer, lr: float) -> None:
         group["lr"] = lr
 
 
+def resume_adam_params(optimizer, cfg) -> str | None:
+    """After a resume has loaded the optimizer state, whose param groups bring the checkpoint's betas and eps (torch's
+    load_state_dict): a config asking for others is refused, unless override_adam_params, which writes this config's
+    into the groups (the moments stay: Adam's beta2 changed mid-run, a what-if fork). Returns the line to print."""
+    wanted = {"adam_beta1": cfg.adam_beta1, "adam_beta2": cfg.adam_beta2, "adam_eps": cfg.adam_eps}
+    group = optimizer.param_groups[0]
+    saved = {"adam_beta1": group["betas"][0], "adam_beta2": group["betas"][1], "adam_eps": group["eps"]}
+    changed = {k: (saved[k], v) for k, v in wanted.items() if saved[k] != v}
+    if not changed:
+        return None
+    what = ", ".join(f"{k} {old} -> {new}" for k, (old, new) in changed.items())
+    if not cfg.override_adam_params:
+        raise ValueError(f"the checkpoint's optimizer has other Adam settings than this config ({what}): a resumed "
+                         "optimizer keeps its checkpoint's; set override_adam_params to use this config's from now on "
+                         "(the moments are kept), or resume with the checkpoint's values")
+    for group in optimizer.param_groups:
+        group["betas"], group["eps"] = (cfg.adam_beta1, cfg.adam_beta2), cfg.adam_eps
+    return f"override_adam_params: {what} from now on (the optimizer's moments kept)"
+
+
 # -----------------------------------------------------------------------------
 # gradient utilities (local to this rank; the trainer all-reduces)
 
