@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 import checkpoint
+import optim
 import parallel
 import reshard
 import rng
@@ -165,6 +166,10 @@ def load(parts):
     reset_now = warmup and payload[1]["state"].get("optimizer_reset") is None
     fresh = cfg.no_load_optim or reset_now
     restore(payload, parts, optimizer=not fresh, rng_state=not cfg.no_load_rng)
+    if not fresh:  # the checkpoint's betas and eps came with its optimizer state
+        line = optim.resume_adam_params(parts.optimizer, cfg)
+        if line:
+            print0(line)
     if state.spike_guard:  # its decisions (skip ranges, LR factor) hold even with the guard off now
         parts.guard.load_state_dict(state.spike_guard)
     if reset_now:
