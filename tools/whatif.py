@@ -14,9 +14,12 @@ The changes leave the model function alone (PaLM's and the chronicles' remedies,
     lr x F           the LR (and min_lr) x --lr_factor (0.5), override_lr_scheduler
     skip 200         the next 200 iterations' batches skipped (PaLM; --skip), then training goes on
     z-loss           z_loss=1e-4 (PaLM, lesson 20)
-    optimizer reset  a fresh Adam with the lr=0 warm-up of lesson 8 (both moments: Adam's betas come with the
-                     optimizer state of a checkpoint, so beta2 cannot be changed by a resume)
+    optimizer reset  a fresh Adam with the lr=0 warm-up of lesson 8 (both moments)
+    beta2 0.95       Adam's beta2 0.95 from now on, the moments kept (override_adam_params: a resume otherwise
+                     refuses another beta2, as the optimizer state brings the checkpoint's)
     clip 0.3         tighter gradient clipping
+    soft skip        metaseq's soft skip: a step whose loss is above --soft_skip_ratio (1.1) x its trend has its
+                     gradients scaled by trend / loss before clipping (soft_skip_loss_ratio)
     guard            the spike guard's own ladder, with its diagnosis
 """
 import argparse
@@ -32,10 +35,10 @@ import arguments  # noqa: E402
 import checkpoint  # noqa: E402
 import spike_guard  # noqa: E402
 
-FORKS = ("as is", "lr x F", "skip 200", "z-loss", "optimizer reset", "clip 0.3", "guard")
+FORKS = ("as is", "lr x F", "skip 200", "z-loss", "optimizer reset", "beta2 0.95", "clip 0.3", "soft skip", "guard")
 
 
-def change(fork, cfg, iteration, lr_factor, skip=200):
+def change(fork, cfg, iteration, lr_factor, skip=200, soft_skip_ratio=1.1):
     """The command-line overrides of one fork, from the run's config at the checkpoint's iteration."""
     return {
         "as is": [],
@@ -43,7 +46,9 @@ def change(fork, cfg, iteration, lr_factor, skip=200):
         "skip 200": [f"--skip_train_iteration_range={iteration + 1}-{iteration + skip}"],
         "z-loss": ["--z_loss=1e-4"],
         "optimizer reset": ["--reset_optimizer_warmup_iters=auto"],
+        "beta2 0.95": ["--adam_beta2=0.95", "--override_adam_params"],
         "clip 0.3": ["--clip_grad=0.3"],
+        "soft skip": [f"--soft_skip_loss_ratio={soft_skip_ratio!r}"],
         "guard": ["--spike_guard"],
     }[fork]
 
@@ -126,6 +131,8 @@ def main(argv=None):
     parser.add_argument("--forks", default=",".join(FORKS), help=f"comma-separated, of: {', '.join(FORKS)}")
     parser.add_argument("--lr_factor", type=float, default=0.5, help="the LR multiplier of the 'lr x F' fork")
     parser.add_argument("--skip", type=int, default=200, help="iterations (batches) the 'skip 200' fork skips")
+    parser.add_argument("--soft_skip_ratio", type=float, default=1.1,
+                        help="the 'soft skip' fork scales the gradients of a loss above this x its trend")
     args = parser.parse_args(argv)
     forks = [f.strip() for f in args.forks.split(",")]
     unknown = [f for f in forks if f not in FORKS]
@@ -142,7 +149,7 @@ def main(argv=None):
     for name in forks:
         label = {"lr x F": f"lr x {args.lr_factor:g}", "skip 200": f"skip {args.skip}"}.get(name, name)
         directory = run_fork(name, run_args, args.load, args.out, args.iters,
-                             change(name, cfg, start, args.lr_factor, args.skip))
+                             change(name, cfg, start, args.lr_factor, args.skip, args.soft_skip_ratio))
         series = records(directory, start)
         reached = saved_iteration(directory) == start + args.iters
         results.append((label, series, spike_guard.spikes_in(series, cfg, stats), reached))
