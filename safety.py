@@ -31,7 +31,7 @@ LOCK = "lock"
 
 # Model keys that do not change the weights' shapes or the function they compute: they may differ on resume.
 # Every other GPTConfig field (shapes, activation, LayerNorms, attention scaling, ...) must match the checkpoint.
-RESUMABLE_MODEL_KEYS = {"hidden_dropout", "attention_dropout", "embed_dropout", "checkpoint_activations",
+RESUMABLE_MODEL_KEYS = {"hidden_dropout", "attention_dropout", "embed_dropout", "checkpoint_activations", "z_loss",
                         "init_method_std", "embed_init", "embed_init_std", "position_embedding_init",
                         "tensor_model_parallel_size", "pipeline_model_parallel_size"}  # the layout: checkpoint.load
 
