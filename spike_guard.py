@@ -470,7 +470,11 @@ def name_samples(model, batches, first_sample, cfg, dataset, seqlen, iteration, 
         path = os.path.join(cfg.save, SKIP_LIST)
         if parallel.grid.rank == 0:
             skip_list.append(path, records)
-        docs = ", ".join(f"{r['dataset']} {r['documents']}" for r in records)
+        by_dataset = {}
+        for r in records:
+            ids = by_dataset.setdefault(r["dataset"], [])
+            ids += [d for d in r["documents"] if d not in ids]
+        docs = "; ".join(f"{prefix}: {', '.join(map(str, ids))}" for prefix, ids in by_dataset.items())
         print0(f"spike guard: iteration {iteration}: the documents of these samples ({docs}) appended to the skip "
                f"list {path}; to train without them, set skip_documents={path} (a new run, or a resume from a "
                "checkpoint before the spike)")
