@@ -470,7 +470,7 @@ def train_step(model, optimizer, scaler, batches, lr, cfg, device, count_zeros=T
                f"x {shrink:.3g}")
     # fp32 master weights with fp32, unscaled gradients (x shrink: unscaled by scale / shrink, the same pass)
     params = optimizer.prepare_grads(scaler.scale / shrink)
-    optim.clip_grads(params, cfg.clip_grad, grad_norm * shrink)
+    optim.clip_grads(params, cfg.clip_grad, grad_norm if shrink == 1.0 else grad_norm * shrink)
     optim.set_lr(optimizer, lr)
     optimizer.step()
     if probe is not None:
@@ -484,7 +484,8 @@ def soft_skip_trend(cfg, guard):
     losses = guard.series["loss"]
     if not cfg.soft_skip_loss_ratio or len(losses.values) < cfg.spike_guard_min_steps:
         return None
-    return losses.expected()
+    trend = losses.expected()
+    return trend if trend > 0 else None  # a line through a fast fall can cross zero: no ratio to speak of
 
 
 @torch.no_grad()

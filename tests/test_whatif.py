@@ -105,3 +105,18 @@ def test_whatif_runs_the_beta2_and_soft_skip_forks_and_the_soft_skip_meets_the_b
     text = open(os.path.join(out, "whatif.txt")).read()
     assert all(re.search(rf"^{name} +\d+ ", text, re.M) for name in by_name), text
     assert os.path.getsize(os.path.join(out, "whatif.png")) > 10_000
+
+
+def test_the_soft_skip_trend_is_the_guards_line_once_it_has_its_steps_and_never_below_zero():
+    import spike_guard
+    cfg = arguments.load_config(["--soft_skip_loss_ratio=1.1", "--spike_guard_min_steps=4"])
+    guard = spike_guard.SpikeGuard(cfg)  # the guard off: its statistics are kept all the same
+    for loss in (6.0, 5.8, 5.6):
+        guard.update(1, "ok", loss, 1.0, None)
+    assert train.soft_skip_trend(cfg, guard) is None  # 3 of 4 steps
+    guard.update(4, "ok", 5.4, 1.0, None)
+    assert train.soft_skip_trend(cfg, guard) == pytest.approx(5.2)
+    assert train.soft_skip_trend(arguments.load_config(["--spike_guard_min_steps=4"]), guard) is None  # off
+    for loss in (4.0, 2.0, 0.5, 0.1):
+        guard.update(5, "ok", loss, 1.0, None)
+    assert train.soft_skip_trend(cfg, guard) is None  # the line falls below zero
