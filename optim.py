@@ -156,14 +156,14 @@ def set_lr(optimizer, lr: float) -> None:
         group["lr"] = lr
 
 
-def resume_adam_params(optimizer, cfg) -> str | None:
+def resume_adam_params(optimizer, cfg, saved_config) -> str | None:
     """After a resume has loaded the optimizer state, whose param groups bring the checkpoint's betas and eps (torch's
-    load_state_dict): a config asking for others is refused, unless override_adam_params, which writes this config's
-    into the groups (the moments stay: Adam's beta2 changed mid-run, a what-if fork). Returns the line to print."""
-    wanted = {"adam_beta1": cfg.adam_beta1, "adam_beta2": cfg.adam_beta2, "adam_eps": cfg.adam_eps}
-    group = optimizer.param_groups[0]
-    saved = {"adam_beta1": group["betas"][0], "adam_beta2": group["betas"][1], "adam_eps": group["eps"]}
-    changed = {k: (saved[k], v) for k, v in wanted.items() if saved[k] != v}
+    load_state_dict; a resharded state is built on this run's groups): a config asking for other values than the
+    checkpoint's run (saved_config) is refused, unless override_adam_params, which writes this config's into the
+    groups, the moments kept (Adam's beta2 changed mid-run: a what-if fork). Returns the line to print."""
+    keys = ("adam_beta1", "adam_beta2", "adam_eps")
+    changed = {k: (saved_config[k], getattr(cfg, k)) for k in keys
+               if k in saved_config and saved_config[k] != getattr(cfg, k)}
     if not changed:
         return None
     what = ", ".join(f"{k} {old} -> {new}" for k, (old, new) in changed.items())
