@@ -167,7 +167,7 @@ def load(parts):
     fresh = cfg.no_load_optim or reset_now
     restore(payload, parts, optimizer=not fresh, rng_state=not cfg.no_load_rng)
     if not fresh:  # the checkpoint's betas and eps came with its optimizer state
-        line = optim.resume_adam_params(parts.optimizer, cfg)
+        line = optim.resume_adam_params(parts.optimizer, cfg, payload[1].get("config", {}))
         if line:
             print0(line)
     if state.spike_guard:  # its decisions (skip ranges, LR factor) hold even with the guard off now
