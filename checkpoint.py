@@ -233,27 +233,44 @@ class AsyncWriter:
         self.wait()  # the previous write is done before its buffers are reused
         if self.group is None and dist.is_initialized():  # every rank saves at the same iteration: in step
             self.group = dist.new_group(backend="gloo")  # (at the first save: DeepSpeed may start the group late)
-        payload = to_host((model_state, run_state, rank_state), self.buffers)
-        if any(t.is_cuda for t in tensors((model_state, rank_state))):
-            torch.cuda.current_stream().synchronize()  # the non-blocking copies have landed
-        self.thread = threading.Thread(target=self._write, args=(save_dir, iteration, *payload, write_model_state),
-                                       name=f"checkpoint-{iteration}")
-        self.thread.start()
-        return os.path.join(save_dir, f"global_step{iteration}")
+        payload = self._copy((model_state, run_state, rank_state))
+        path = os.path.join(save_dir, f"global_step{iteration}")
+        self._start(lambda: save(save_dir, iteration, *payload, write_model_state, group=self.group),
+                    f"checkpoint {iteration}", f"saved checkpoint {path}")
+        return path
 
-    def _write(self, *args):
+    def write(self, path, obj):
+        """One rank's file, written atomically (no manifest, no barrier: a spike-guard snapshot on local disk);
+        in the background when enabled. Returns when obj is safe from the training."""
+        if not self.enabled:
+            _atomic_write(obj, path)
+            return
+        self.wait()
+        payload = self._copy(obj)
+        self._start(lambda: _atomic_write(payload, path), f"file {path}", None)
+
+    def _copy(self, obj):
+        payload, landed = host_copy(obj, self.buffers)
+        if landed is not None:
+            landed.synchronize()  # the non-blocking copies have landed
+        return payload
+
+    def _start(self, work, what, done):
+        self.thread = threading.Thread(target=self._write, args=(work, what, done), name=what.replace(" ", "-"))
+        self.thread.start()
+
+    def _write(self, work, what, done):
         start = time.perf_counter()
         try:
-            path = save(*args, group=self.group)
+            work()
         except BaseException as e:  # re-raised by wait(), in the main thread
             self.error = e
             if parallel.grid.rank == 0:
-                print(f"the background write of checkpoint {args[1]} failed; the run stops at its next save (or its "
-                      "end) and says why", flush=True)
+                print(f"the background write of {what} failed; the run stops at its next save (or its end) and says "
+                      "why", flush=True)
             return
-        if parallel.grid.rank == 0:
-            print(f"saved checkpoint {path} (written in the background in {time.perf_counter() - start:.2f} s)",
-                  flush=True)
+        if done and parallel.grid.rank == 0:
+            print(f"{done} (written in the background in {time.perf_counter() - start:.2f} s)", flush=True)
 
     def wait(self):
         """Until the save in flight (if any) is on disk and published; its error, if it failed."""
@@ -302,6 +319,18 @@ def to_host(obj, buffers, key=()):
     if isinstance(obj, (list, tuple)):
         return type(obj)(to_host(v, buffers, (*key, i)) for i, v in enumerate(obj))
     return copy.deepcopy(obj)
+
+
+def host_copy(obj, buffers):
+    """(to_host's copy, event): the event, recorded on the compute stream after the non-blocking copies, says
+    when they have landed; None without CUDA tensors, where the copy is complete on return. Wait on it before
+    reading the copy (a snapshot: only when a rollback reads it back)."""
+    out = to_host(obj, buffers)
+    event = None
+    if any(t.is_cuda for t in tensors(obj)):
+        event = torch.cuda.Event()
+        event.record()
+    return out, event
 
 
 def latest_dir(load_dir):
