@@ -97,7 +97,7 @@ def run(cfg, grid, exit_signal, writer=None):
         return state
 
     report = Report(cfg, schedule, parts.model)
-    snapshots = Snapshots(cfg)
+    snapshots = Snapshots(cfg, parts.model)  # refuses snapshots that would not fit in the node's memory
     recorder = telemetry.Telemetry(parts.model, cfg, parts.optimizer) if cfg.telemetry_interval else None
     first_iteration, job_start = state.iteration, time.time()
     parts.model.train()
@@ -150,6 +150,7 @@ def run(cfg, grid, exit_signal, writer=None):
                 if cfg.save:
                     run_state.save(parts, writer)
                 report.close()
+                snapshots.close()
                 raise spike_guard.SpikeGuardStop(
                     decision["line"] + "; saved and stopped: look at the samples named above, then "
                     "resume with the caps raised or other settings")
@@ -174,6 +175,7 @@ def run(cfg, grid, exit_signal, writer=None):
 
     prefetcher.close()
     report.close()
+    snapshots.close()
     print_sample(cfg, parts.model, device)
     if cfg.deepspeed:
         parts.optimizer.close()  # DeepSpeed's state released before the process groups go (shut_down)
