@@ -110,9 +110,13 @@ def dry_run(cfg, world_size=None, file=None):
         f"{'  <- configured' if cfg.checkpoint_activations else ''}")
     total = model_states(cfg.zero_stage) + (with_ckpt if cfg.checkpoint_activations else without)
     say(f"estimated total per GPU: {total / GiB:.2f} GiB (plus temporaries: logits, communication buffers)")
+    # the GPU whose snapshot is largest: with native ZeRO-1 the rank holding the most optimizer state
+    native_zero = cfg.zero_stage >= 1 and not cfg.deepspeed
+    gpu, shard = max(((gpu, shard if native_zero else None) for (gpu, _), shard in zip(stages, largest_shard)),
+                     key=lambda s: snapshots.snapshot_bytes(cfg, s[0], dp, s[1]))
     # GPUs per node: LOCAL_WORLD_SIZE as torchrun sets it, else a node of 8 (the node's memory: this machine's)
-    line, problem = snapshots.describe_host_memory(cfg, gpu_params, dp,
-                                                   int(os.environ.get("LOCAL_WORLD_SIZE", min(world, 8))))
+    line, problem = snapshots.describe_host_memory(cfg, gpu, dp, int(os.environ.get("LOCAL_WORLD_SIZE", min(world, 8))),
+                                                   optimizer_params=shard)
     if line:
         say(line)
     if problem:

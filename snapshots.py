@@ -137,12 +137,14 @@ def keep(cfg):
     return math.ceil(2 * cfg.spike_guard_rewind / interval) + 1 if interval else 0
 
 
-def snapshot_bytes(cfg, gpu_params, dp):
+def snapshot_bytes(cfg, gpu_params, dp, optimizer_params=None):
     """Bytes of one snapshot per GPU: weights in the compute dtype and the optimizer state (fp32 masters and
-    Adam's moments for half precision, the moments for fp32; divided over DP with ZeRO-1)."""
+    Adam's moments for half precision, the moments for fp32) of optimizer_params parameters: by default all of
+    them, divided over DP with ZeRO-1 (native ZeRO-1 deals out whole parameters: the dry run gives its largest)."""
     half = cfg.fp16 or cfg.bf16
-    optimizer = (12 if half else 8) / (dp if cfg.zero_stage >= 1 else 1)
-    return gpu_params * ((2 if half else 4) + optimizer)
+    if optimizer_params is None:
+        optimizer_params = gpu_params / (dp if cfg.zero_stage >= 1 else 1)
+    return gpu_params * (2 if half else 4) + optimizer_params * (12 if half else 8)
 
 
 def host_copies(cfg):
@@ -185,13 +187,14 @@ def parents(path):
     return ["/" + "/".join(parts[:n]) if n else "" for n in range(len(parts), -1, -1)]
 
 
-def describe_host_memory(cfg, gpu_params, dp, gpus_per_node, node_bytes=None):
+def describe_host_memory(cfg, gpu_params, dp, gpus_per_node, node_bytes=None, optimizer_params=None):
     """(line, problem): the snapshots' host memory per GPU and per node, and None or, when they take more than
     HOST_SHARE of the node's memory, one message naming how many fit and the keys that make them fit.
     (None, None) when the guard keeps no snapshot."""
     if not keep(cfg):
         return None, None
-    one, copies, node = snapshot_bytes(cfg, gpu_params, dp), host_copies(cfg), node_bytes or node_memory()
+    one = snapshot_bytes(cfg, gpu_params, dp, optimizer_params)
+    copies, node = host_copies(cfg), node_bytes or node_memory()
     GiB, rewind, interval = 2**30, cfg.spike_guard_rewind, cfg.spike_guard_snapshot_interval
     where = f" (and {keep(cfg)} on disk in {cfg.spike_guard_snapshot_dir})" if cfg.spike_guard_snapshot_dir else ""
     line = (f"spike guard snapshots: {copies} x {one / GiB:.2f} GiB = {copies * one / GiB:.2f} GiB of host memory per "
@@ -202,16 +205,16 @@ def describe_host_memory(cfg, gpu_params, dp, gpus_per_node, node_bytes=None):
         return line, None
     fixes = []
     if fit >= 2:
-        fixes.append(f"keep fewer: spike_guard_snapshot_interval {math.ceil(2 * rewind / (fit - 1))} or more, or "
-                     f"spike_guard_rewind {(fit - 1) * interval // 2} or less (ceil(2 x rewind / interval) + 1 are "
+        fixes.append(f"keep fewer (spike_guard_snapshot_interval {math.ceil(2 * rewind / (fit - 1))} or more, or "
+                     f"spike_guard_rewind {(fit - 1) * interval // 2} or less: ceil(2 x rewind / interval) + 1 are "
                      "kept)")
     if not cfg.spike_guard_snapshot_dir and fit >= 1:
-        fixes.append("keep them on a node-local disk: spike_guard_snapshot_dir=$SLURM_TMPDIR or /tmp (one in host "
+        fixes.append("keep them on a node-local disk (spike_guard_snapshot_dir=$SLURM_TMPDIR or /tmp: one in host "
                      f"memory, {keep(cfg)} x {one / GiB:.2f} GiB per GPU on the disk)")
-    fixes.append("roll back to the checkpoints in save only: spike_guard_snapshot_interval=0")
+    fixes.append("roll back to the checkpoints in save only (spike_guard_snapshot_interval=0)")
     problem = (f"spike guard snapshots need {copies * one * gpus_per_node / GiB:.1f} GiB of host memory per node "
                f"({copies} x {one / GiB:.2f} GiB per GPU x {gpus_per_node} GPUs), more than {HOST_SHARE:.0%} of the "
-               f"node's {node / GiB:.0f} GiB: {fit} per GPU fit. Set " + "; or ".join(fixes))
+               f"node's {node / GiB:.0f} GiB: {fit} per GPU fit. To fit: " + "; or ".join(fixes))
     return line, problem
 
 

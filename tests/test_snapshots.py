@@ -79,6 +79,7 @@ def test_the_dry_run_reports_the_snapshots_host_memory(capsys, monkeypatch):
     assert snapshots.keep(cfg) == 5  # rewind 100, a snapshot every 50
     # bf16: 2 bytes of weights and 12 of fp32 masters and Adam's moments per parameter, sharded over DP (ZeRO-1)
     assert snapshots.snapshot_bytes(cfg, 10**9, 8) == 10**9 * (2 + 12 / 8)
+    assert snapshots.snapshot_bytes(cfg, 10**9, 8, optimizer_params=3 * 10**8) == 10**9 * 2 + 3 * 10**8 * 12
     cfg = arguments.load_config(["--num_layers=2", "--hidden_size=64", "--num_attention_heads=4", "--spike_guard",
                                  "--spike_guard_rewind=10", "--spike_guard_snapshot_interval=5"])
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
