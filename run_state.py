@@ -171,7 +171,7 @@ def load(parts):
         # A resharded checkpoint: a rank's RNG streams do not map onto another layout's ranks. Fresh
         # streams, seeded as at the start of a run (per TP rank and stage) but from another seed.
         seed = cfg.seed + state.iteration
-        rng.seed(seed)
+        rng.seed(seed, next(parallel.unwrap(parts.model).parameters()).device)
         np.random.seed(seed)
         random.seed(seed)
         print0(f"RNG states not restored (the layout changed): fresh streams seeded with seed + "
