@@ -63,15 +63,20 @@ def main(argv=None):
     if cfg.dry_run:  # sizes the TP x PP x DP layout on the meta device, starting no process
         estimate.dry_run(cfg)
         return
-    use_expandable_segments(cfg)  # before CUDA's allocator starts
-    grid = parallel.init(cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size,
-                         backend="nccl" if use_cuda(cfg) else "gloo", timeout_minutes=cfg.distributed_timeout_minutes)
+    grid = start(cfg)
     arguments.prepare(cfg, grid.world_size)
     check_tokenizer(cfg)
     # Before anything is built or written: which checkpoint to resume, is it this model, is save ours (lock).
     # The checkpoint writer inside: a save in flight is on disk before the lock is released.
     with safety.RunGuard(cfg) as guard, checkpoint.AsyncWriter(cfg.async_save) as writer:
         return run(cfg, grid, guard.exit_signal, writer)
+
+
+def start(cfg):
+    """The process group, CUDA's allocator configured before it starts (bench.py starts the same way)."""
+    use_expandable_segments(cfg)
+    return parallel.init(cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size,
+                         backend="nccl" if use_cuda(cfg) else "gloo", timeout_minutes=cfg.distributed_timeout_minutes)
 
 
 def run(cfg, grid, exit_signal, writer=None):
@@ -189,9 +194,9 @@ def run(cfg, grid, exit_signal, writer=None):
 def setup(cfg):
     """Determinism, the device and its matmul precision, and the seeds of this TP rank and pipeline stage."""
     set_deterministic(cfg)
-    rng.seed(cfg.seed)  # the dropout streams of this TP rank and pipeline stage (lesson 22)
-    np.random.seed(cfg.seed)
     device = get_device(cfg)
+    rng.seed(cfg.seed, device)  # the dropout streams of this TP rank and pipeline stage (lesson 22)
+    np.random.seed(cfg.seed)
     if device.type == "cuda":
         # tf32: fp32 matmuls on the tensor cores with a 10-bit mantissa (8x the throughput on A100/H100), as
         # Megatron's users run them; only fp32 runs are affected (bf16/fp16 weights multiply in their dtype).
@@ -414,6 +419,7 @@ class Step(NamedTuple):
     grad_norm: float
     num_zeros: int
     outcome: str  # ok | skipped (fp16 overflow, skip_grad_norm_above) | nan | spike (the guard) | replicas differ
+    z_loss: float | None = None  # on logged iterations with z_loss: the log interval's mean z-loss (report.py)
 
 
 def train_step(model, optimizer, scaler, batches, lr, cfg, device, count_zeros=True, judge=None, probe=None,
@@ -438,8 +444,12 @@ def train_step(model, optimizer, scaler, batches, lr, cfg, device, count_zeros=T
         fault(model)
     grad_norm = parallel.grad_norm(model) / scaler.scale  # of the unscaled gradient, fp32, over the whole model
     zeros = parallel.count_zeros(model) if count_zeros else torch.zeros((), device=device)
+    # logged iterations: the interval's z-loss, averaged over DP (the same on every replica), rides in the sync
+    logged = [parallel.average_loss(parallel.unwrap(model).pop_z_loss())] if count_zeros and cfg.z_loss else []
     # DP rank 0's numbers on every replica (one all-gather, the one host sync): skip decisions cannot split them
-    loss_value, grad_norm_value, num_zeros, replicas_differ = spike_guard.agreed(loss, grad_norm, zeros)
+    loss_value, grad_norm_value, num_zeros, *logged, replicas_differ = spike_guard.agreed(loss, grad_norm, zeros,
+                                                                                          *logged)
+    z_loss = logged[0] if logged else None
     num_zeros = int(num_zeros)
     finite = math.isfinite(grad_norm_value)
     if probe is not None:
@@ -449,22 +459,22 @@ def train_step(model, optimizer, scaler, batches, lr, cfg, device, count_zeros=T
         if message:
             print0(message)
     if replicas_differ:  # a faulty GPU: no update anywhere, the spike guard retries the step
-        return Step(loss_value, grad_norm_value, num_zeros, "replicas differ")
+        return Step(loss_value, grad_norm_value, num_zeros, "replicas differ", z_loss)
     if not math.isfinite(loss_value):
-        return Step(loss_value, grad_norm_value, num_zeros, "nan")  # a NaN loss never updates the weights
+        return Step(loss_value, grad_norm_value, num_zeros, "nan", z_loss)  # a NaN loss never updates the weights
     if not finite:
-        return Step(loss_value, grad_norm_value, num_zeros, "skipped")
+        return Step(loss_value, grad_norm_value, num_zeros, "skipped", z_loss)
     if cfg.skip_grad_norm_above is not None and grad_norm_value > cfg.skip_grad_norm_above:  # OPT's batch skipping
-        return Step(loss_value, grad_norm_value, num_zeros, "skipped")
+        return Step(loss_value, grad_norm_value, num_zeros, "skipped", z_loss)
     if judge is not None and judge(loss_value, grad_norm_value):  # the spike guard skips: nothing at all changes
-        return Step(loss_value, grad_norm_value, num_zeros, "spike")
+        return Step(loss_value, grad_norm_value, num_zeros, "spike", z_loss)
     params = optimizer.prepare_grads(scaler.scale)  # fp32 master weights with fp32, unscaled gradients
     optim.clip_grads(params, cfg.clip_grad, grad_norm)
     optim.set_lr(optimizer, lr)
     optimizer.step()
     if probe is not None:
         probe.updated()
-    return Step(loss_value, grad_norm_value, num_zeros, "ok")
+    return Step(loss_value, grad_norm_value, num_zeros, "ok", z_loss)
 
 
 @torch.no_grad()
