@@ -9,10 +9,9 @@ import torch
 
 import arguments
 import checkpoint
-import data
 import snapshots
 import spike_guard
-from helpers import corpus, log_fields, run_main  # noqa: F401 (corpus is a fixture)
+from helpers import corpus, corpus512, log_fields, run_main  # noqa: F401 (corpus, corpus512: fixtures)
 
 SCALER = types.SimpleNamespace(dynamic=False, scale=1.0, min_scale=1.0)
 
@@ -132,14 +131,6 @@ def test_node_memory_is_the_physical_memory_or_a_cgroups_limit():
     assert snapshots.parents("/system.slice/job_1/step_0") == ["/system.slice/job_1/step_0", "/system.slice/job_1",
                                                                 "/system.slice", ""]
     assert snapshots.parents("/") == [""]
-
-
-@pytest.fixture(scope="module")
-def corpus512(corpus, tmp_path_factory):
-    src = data.IndexedDataset(corpus)
-    prefix = str(tmp_path_factory.mktemp("corpus512") / "shakespeare512")
-    data.write_indexed_dataset(prefix, (src.get(i) % 512 for i in range(len(src))))
-    return prefix
 
 
 def test_a_rollback_to_a_snapshot_on_disk_is_the_rollback_to_one_in_memory(corpus512, tmp_path):
