@@ -72,6 +72,18 @@ def test_host_copy_of_cuda_tensors_is_pinned_non_blocking_and_reuses_the_spare()
     assert second["w"].data_ptr() == buffer and torch.equal(second["w"], live["w"].cpu())
 
 
+@pytest.mark.cuda
+def test_a_snapshot_of_cuda_tensors_on_disk_is_written_from_pinned_buffers_and_read_back(tmp_path):
+    live = {"w": torch.randn(1024, 1024, device="cuda"), "rng": torch.cuda.get_rng_state()}
+    writer = checkpoint.AsyncWriter()
+    writer.write(str(tmp_path / "snap.pt"), live)
+    live["w"].mul_(2)  # the training goes on: the file has the state of the call
+    writer.wait()
+    assert writer.buffers[("w",)].is_pinned()  # the CUDA tensor's buffer (the RNG state is a CPU tensor)
+    back = torch.load(tmp_path / "snap.pt", map_location="cpu", weights_only=False)
+    assert torch.equal(back["w"] * 2, live["w"].cpu())
+
+
 def test_the_dry_run_reports_the_snapshots_host_memory(capsys, monkeypatch):
     import estimate
     cfg = arguments.load_config(["config/tr11_176b.py", "--spike_guard"])
