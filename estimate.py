@@ -112,11 +112,10 @@ def dry_run(cfg, world_size=None, file=None):
     say(f"estimated total per GPU: {total / GiB:.2f} GiB (plus temporaries: logits, communication buffers)")
     # the GPU whose snapshot is largest: with native ZeRO-1 the rank holding the most optimizer state
     native_zero = cfg.zero_stage >= 1 and not cfg.deepspeed
-    gpu, shard = max(((gpu, shard if native_zero else None) for (gpu, _), shard in zip(stages, largest_shard)),
-                     key=lambda s: snapshots.snapshot_bytes(cfg, s[0], dp, s[1]))
+    one = max(snapshots.snapshot_bytes(cfg, gpu, dp, shard if native_zero else None)
+              for (gpu, _), shard in zip(stages, largest_shard))
     # GPUs per node: LOCAL_WORLD_SIZE as torchrun sets it, else a node of 8 (the node's memory: this machine's)
-    line, problem = snapshots.describe_host_memory(cfg, gpu, dp, int(os.environ.get("LOCAL_WORLD_SIZE", min(world, 8))),
-                                                   optimizer_params=shard)
+    line, problem = snapshots.describe_host_memory(cfg, one, int(os.environ.get("LOCAL_WORLD_SIZE", min(world, 8))))
     if line:
         say(line)
     if problem:

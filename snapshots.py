@@ -11,6 +11,7 @@ import os
 import re
 
 import torch
+import torch.distributed as dist
 
 import checkpoint
 import parallel
@@ -39,8 +40,12 @@ class Snapshots:
         self.items = []  # (iteration, snapshot or its file, event or None, buffers), oldest first
         self.dir = cfg.spike_guard_snapshot_dir if self.keep else None
         if model is not None and self.keep:
-            gpu_params = sum(p.numel() for p in parallel.unwrap(model).parameters())
-            check_host_memory(cfg, gpu_params, parallel.grid.dp_size, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+            one, node = rank_snapshot_bytes(cfg, model), node_memory()
+            if dist.is_initialized():  # the largest rank's and the smallest node's: one verdict on every rank
+                both = torch.tensor([one, -node], dtype=torch.int64, device=parallel.comm_device())
+                dist.all_reduce(both, op=dist.ReduceOp.MAX)
+                one, node = both[0].item(), -both[1].item()
+            check_host_memory(cfg, one, int(os.environ.get("LOCAL_WORLD_SIZE", "1")), node)
         if self.dir:
             os.makedirs(self.dir, exist_ok=True)
             for leftover in glob.glob(self.path("*") + "*"):  # this rank's, from a run that crashed
@@ -147,6 +152,17 @@ def snapshot_bytes(cfg, gpu_params, dp, optimizer_params=None):
     return gpu_params * (2 if half else 4) + optimizer_params * (12 if half else 8)
 
 
+def rank_snapshot_bytes(cfg, model):
+    """Bytes of this rank's snapshot: its parameters, and the optimizer state of those it owns under native
+    ZeRO-1 (parallel.deal_out; DeepSpeed's even share: snapshot_bytes' default)."""
+    params = [p for p in parallel.unwrap(model).parameters()]
+    owned = None
+    if cfg.zero_stage >= 1 and not cfg.deepspeed:
+        sizes, g = [p.numel() for p in params if p.requires_grad], parallel.grid
+        owned = sum(n for n, r in zip(sizes, parallel.deal_out(sizes, g.dp_size)) if r == g.dp_rank)
+    return int(snapshot_bytes(cfg, sum(p.numel() for p in params), parallel.grid.dp_size, owned))
+
+
 def host_copies(cfg):
     """Snapshots held in host memory per GPU: keep(cfg), or with spike_guard_snapshot_dir one (the buffers of
     the background write)."""
@@ -187,13 +203,12 @@ def parents(path):
     return ["/" + "/".join(parts[:n]) if n else "" for n in range(len(parts), -1, -1)]
 
 
-def describe_host_memory(cfg, gpu_params, dp, gpus_per_node, node_bytes=None, optimizer_params=None):
-    """(line, problem): the snapshots' host memory per GPU and per node, and None or, when they take more than
-    HOST_SHARE of the node's memory, one message naming how many fit and the keys that make them fit.
-    (None, None) when the guard keeps no snapshot."""
+def describe_host_memory(cfg, one, gpus_per_node, node_bytes=None):
+    """(line, problem): the host memory of the snapshots (`one`: the bytes of one, snapshot_bytes) per GPU and
+    per node, and None or, when they take more than HOST_SHARE of the node's memory, one message naming how many
+    fit and the keys that make them fit. (None, None) when the guard keeps no snapshot."""
     if not keep(cfg):
         return None, None
-    one = snapshot_bytes(cfg, gpu_params, dp, optimizer_params)
     copies, node = host_copies(cfg), node_bytes or node_memory()
     GiB, rewind, interval = 2**30, cfg.spike_guard_rewind, cfg.spike_guard_snapshot_interval
     where = f" (and {keep(cfg)} on disk in {cfg.spike_guard_snapshot_dir})" if cfg.spike_guard_snapshot_dir else ""
@@ -218,9 +233,9 @@ def describe_host_memory(cfg, gpu_params, dp, gpus_per_node, node_bytes=None, op
     return line, problem
 
 
-def check_host_memory(cfg, gpu_params, dp, gpus_per_node, node_bytes=None):
+def check_host_memory(cfg, one, gpus_per_node, node_bytes=None):
     """At the run's start: one ValueError with the fix when the snapshots would not fit in the node's memory."""
-    line, problem = describe_host_memory(cfg, gpu_params, dp, gpus_per_node, node_bytes)
+    line, problem = describe_host_memory(cfg, one, gpus_per_node, node_bytes)
     if problem:
         raise ValueError(problem)
     if line:

@@ -9,9 +9,10 @@ import torch
 
 import arguments
 import checkpoint
+import parallel
 import snapshots
 import spike_guard
-from helpers import corpus, corpus512, log_fields, run_main  # noqa: F401 (corpus, corpus512: fixtures)
+from helpers import corpus, corpus512, log_fields, run_main, spawn  # noqa: F401 (corpus, corpus512: fixtures)
 
 SCALER = types.SimpleNamespace(dynamic=False, scale=1.0, min_scale=1.0)
 
@@ -103,14 +104,14 @@ def test_the_dry_run_reports_the_snapshots_host_memory(capsys, monkeypatch):
     assert "does not fit: spike guard snapshots need" in capsys.readouterr().out
 
 
-TR11_GPU_PARAMS = 3_982_551_552  # tr11-176B's largest stage on TP4 x PP12: 12.98 GiB a snapshot (bf16, ZeRO-1 DP8)
+TR11_SNAPSHOT = 3_982_551_552 * (2 + 12 / 8)  # tr11-176B's largest stage on TP4 x PP12, bf16, an even ZeRO-1 DP8
 
 
 def test_snapshots_that_do_not_fit_the_node_are_refused_with_the_keys_that_make_them_fit():
     """tr11 on nodes of 8 GPUs and 512 GiB: 5 snapshots of 12.98 GiB per GPU are 519 GiB; 3 fit in 3/4 of it."""
     cfg = arguments.load_config(["config/tr11_176b.py", "--spike_guard"])
     node = 512 * 2**30
-    line, problem = snapshots.describe_host_memory(cfg, TR11_GPU_PARAMS, 8, 8, node)
+    line, problem = snapshots.describe_host_memory(cfg, TR11_SNAPSHOT, 8, node)
     assert "5 x 12.98 GiB = 64.91 GiB of host memory per GPU, x 8 GPUs per node = 519.3 GiB" in line
     assert problem.startswith("spike guard snapshots need 519.3 GiB of host memory per node (5 x 12.98 GiB per GPU x "
                               "8 GPUs), more than 75% of the node's 512 GiB: 3 per GPU fit")
@@ -118,13 +119,13 @@ def test_snapshots_that_do_not_fit_the_node_are_refused_with_the_keys_that_make_
     assert "spike_guard_snapshot_interval 100 or more, or spike_guard_rewind 50 or less" in problem
     assert "spike_guard_snapshot_dir=$SLURM_TMPDIR" in problem and "spike_guard_snapshot_interval=0" in problem
     with pytest.raises(ValueError, match="519.3 GiB of host memory per node"):
-        snapshots.check_host_memory(cfg, TR11_GPU_PARAMS, 8, 8, node)
+        snapshots.check_host_memory(cfg, TR11_SNAPSHOT, 8, node)
     cfg.spike_guard_snapshot_interval = 100  # what the message says: 3 snapshots now
-    assert snapshots.keep(cfg) == 3 and snapshots.describe_host_memory(cfg, TR11_GPU_PARAMS, 8, 8, node)[1] is None
+    assert snapshots.keep(cfg) == 3 and snapshots.describe_host_memory(cfg, TR11_SNAPSHOT, 8, node)[1] is None
     cfg.spike_guard_snapshot_interval, cfg.spike_guard_snapshot_dir = 50, "/tmp"  # on disk: one copy in memory
-    line, problem = snapshots.describe_host_memory(cfg, TR11_GPU_PARAMS, 8, 8, node)
+    line, problem = snapshots.describe_host_memory(cfg, TR11_SNAPSHOT, 8, node)
     assert problem is None and "1 x 12.98 GiB = 12.98 GiB of host memory per GPU (and 5 on disk in /tmp)" in line
-    _, problem = snapshots.describe_host_memory(cfg, TR11_GPU_PARAMS, 8, 8, 64 * 2**30)  # not even one
+    _, problem = snapshots.describe_host_memory(cfg, TR11_SNAPSHOT, 8, 64 * 2**30)  # not even one
     assert ": 0 per GPU fit" in problem and "spike_guard_snapshot_interval=0" in problem
 
 
@@ -135,6 +136,27 @@ def test_the_run_refuses_at_its_start_snapshots_the_node_cannot_hold(monkeypatch
     with pytest.raises(ValueError, match="spike guard snapshots need .* GiB of host memory per node"):
         snapshots.Snapshots(cfg, torch.nn.Linear(256, 256))
     snapshots.Snapshots(cfg, torch.nn.Linear(4, 4))  # 1 MiB holds 5 x 20 parameters
+
+
+def test_a_ranks_snapshot_holds_the_optimizer_state_of_the_parameters_zero1_deals_it(monkeypatch):
+    cfg = arguments.load_config(["--spike_guard", "--zero_stage=1"])
+    model = torch.nn.Linear(256, 256)  # 65,536 + 256 parameters: the weight to DP rank 0, the bias to rank 1
+    for rank, owned in ((0, 65536), (1, 256)):
+        monkeypatch.setattr(parallel, "grid", parallel.Grid(world_size=2, rank=rank))
+        assert snapshots.rank_snapshot_bytes(cfg, model) == 4 * 65792 + 8 * owned  # fp32 weights, Adam's moments
+
+
+def _refused_on_every_rank():
+    snapshots.node_memory = lambda: 2**20
+    cfg = arguments.load_config(["--spike_guard"])
+    with pytest.raises(ValueError, match="spike guard snapshots need"):  # rank 1's snapshots do not fit: on both
+        snapshots.Snapshots(cfg, torch.nn.Linear(4, 4) if parallel.grid.rank == 0 else torch.nn.Linear(256, 256))
+
+
+def test_every_rank_refuses_when_one_ranks_snapshots_do_not_fit():
+    """Stages and ZeRO-1 shards differ in size: the verdict is the largest rank's on every rank (one refusing
+    alone would leave the others waiting at their next collective)."""
+    spawn(_refused_on_every_rank, 2)
 
 
 def test_node_memory_is_the_physical_memory_or_a_cgroups_limit():
