@@ -306,7 +306,7 @@ class AsyncWriter:
         except BaseException as e:  # re-raised by wait(), in the main thread
             self.error = e
             if parallel.grid.rank == 0:
-                print(f"the background write of {what} failed; the run stops at its next save (or its end) and says "
+                print(f"the background write of {what} failed; the run stops at its next write (or its end) and says "
                       "why", flush=True)
             return
         if done and parallel.grid.rank == 0:

@@ -64,6 +64,7 @@ class Snapshots:
             oldest, *_, spare = self.items[0]
             self.drop(lambda it: it == oldest)
         if self.dir:
+            self.wait()  # the previous write's failure, said as ours
             self.writer.write(self.path(iteration), run_state.capture(parts))
             self.items.append((iteration, self.path(iteration), None, None))
         else:
