@@ -48,6 +48,21 @@ def test_snapshots_reach_back_two_rewinds_and_an_interval(monkeypatch, tmp_path,
     assert os.listdir(tmp_path) == []
 
 
+def test_a_snapshot_that_cannot_be_written_stops_the_run_naming_the_directory(monkeypatch, tmp_path):
+    import errno
+    cfg = arguments.load_config(["--spike_guard", "--spike_guard_snapshot_interval=5",
+                                 f"--spike_guard_snapshot_dir={tmp_path}"])
+    monkeypatch.setattr(snapshots.run_state, "capture", lambda parts: {"iteration": parts})
+
+    def full_disk(obj, f, *args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(checkpoint.torch, "save", full_disk)
+    store = snapshots.Snapshots(cfg)
+    store.maybe_take(5, 5)  # written in the background: its failure is said at the next snapshot
+    with pytest.raises(ValueError, match=f"written to spike_guard_snapshot_dir {tmp_path} .*No space left on device"):
+        store.maybe_take(10, 10)
+
+
 def test_host_copy_is_a_copy_into_the_buffers_given():
     live = {"w": torch.ones(3), "opt": [torch.zeros(2, 2), 5], "rng": (1, 2)}
     buffers = {}
