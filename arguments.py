@@ -130,6 +130,7 @@ class Config(GPTConfig):
     spike_guard_rewind: int = 100  # roll back to before (first spike - this) and skip the data from there ...
     spike_guard_skip_after: int = 200  # ... to this many iterations after the last spike (PaLM: 200-500 in all)
     spike_guard_snapshot_interval: int = 50  # a CPU copy of the run every N iterations to roll back to (0: disk only)
+    spike_guard_snapshot_dir: str | None = None  # node-local disk ($SLURM_TMPDIR): snapshots there, not in host memory
     spike_guard_lr_factor: float = 0.5  # on a relapse (a second rollback), multiply the LR by this from then on
     spike_guard_reset_optimizer: bool = False  # on a relapse, also reset the optimizer with the lr=0 warm-up (lesson 8)
     spike_guard_max_rollbacks: int = 3  # more would be needed: save the last good state and exit (code 3)
@@ -414,6 +415,8 @@ def validate(cfg, world_size=1, reads_data=True):
     need(cfg.spike_guard_snapshot_interval >= 0, "spike_guard_snapshot_interval must be >= 0 (0: disk checkpoints)")
     need(not cfg.spike_guard or cfg.spike_guard_snapshot_interval or cfg.save,
          "spike_guard with spike_guard_snapshot_interval=0 rolls back to disk checkpoints: set save and save_interval")
+    need(not cfg.spike_guard_snapshot_dir or cfg.spike_guard_snapshot_interval,
+         "spike_guard_snapshot_dir holds the snapshots of spike_guard_snapshot_interval: set an interval (e.g. 50)")
     need(0 < cfg.spike_guard_lr_factor <= 1, "spike_guard_lr_factor must be in (0, 1]")
     need(cfg.soft_skip_loss_ratio == 0 or cfg.soft_skip_loss_ratio >= 1,
          f"soft_skip_loss_ratio={cfg.soft_skip_loss_ratio} must be 0 (off) or >= 1 (a multiple of the loss's trend)")

@@ -109,16 +109,15 @@ def measure(argv):
     """Build, warm up and time one configuration; print its report on rank 0 and return its numbers there."""
     bench, rest = parse(argv)
     cfg = arguments.load_config(rest)
-    grid = parallel.init(cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size,
-                         backend="nccl" if train.use_cuda(cfg) else "gloo")
+    arguments.check_device(cfg)
+    grid = train.start(cfg)  # as train.py: the allocator's expandable segments, the process group
     if cfg.rampup_batch_size is not None:
         print0("bench: rampup_batch_size ignored, every iteration uses global_batch_size")
         cfg.rampup_batch_size = None
     cfg.train_iters, cfg.train_samples, cfg.train_tokens = bench.bench_warmup + bench.bench_steps, None, None
     cfg.curriculum_learning, cfg.eval_iters = False, 0  # full-length batches; no validation set to build
     arguments.prepare(cfg, grid.world_size)
-    device = train.get_device(cfg)
-    torch.manual_seed(cfg.seed)
+    device = train.setup(cfg)  # as train.py: determinism, seeds, TF32 for fp32 matmuls on CUDA
 
     model = train.build_model(cfg, device)
     gpt, local_params = model.cfg, sum(p.numel() for p in model.parameters())
@@ -136,7 +135,7 @@ def measure(argv):
 
     # With telemetry_interval, every interval-th timed step records telemetry, as in training: timed apart, so
     # that its cost can be stated per step (interleaved steps share the machine's noise); CPU time too.
-    recorder = telemetry.Telemetry(model, cfg) if cfg.telemetry_interval else None
+    recorder = telemetry.Telemetry(model, cfg, optimizer) if cfg.telemetry_interval else None  # as train.py
     times, waits, key, probed, cpu = [], [], (1, 0, B, T), [], {False: [], True: []}
     with train.batch_prefetcher(train_data, plan, cfg, device) as prefetcher:
         for it in range(bench.bench_warmup + bench.bench_steps):

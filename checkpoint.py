@@ -123,10 +123,15 @@ def topology(g=None):
             "data_parallel_size": g.dp_size}
 
 
+MESSAGE_BYTES = 1024  # of a failed rank's OSError message, shared with every rank
+
+
 def _phase(work, group=None):
     """work() on this rank, then a barrier (on `group`) that shares failures and results: (failure, [every rank's
     result]), failure being (errno, message) of the first rank whose work raised an OSError (disk full,
-    permissions), the same on every rank, or None when all succeeded."""
+    permissions), the same on every rank, or None when all succeeded. A result is None or a list of RESULT_WIDTH
+    integers. Shared by all-gathers of int64 and uint8 tensors on the group's device, no object collective: a
+    save at save_interval is inside the training loop, on NCCL when it is synchronous."""
     failure = result = None
     try:
         result = work()
@@ -134,9 +139,42 @@ def _phase(work, group=None):
         failure = (e.errno, f"{e.strerror or e} ({e.filename})" if e.filename else str(e))
     if not dist.is_initialized():
         return failure, [result]
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (failure, result), group=group)
-    return next((f for f, _ in gathered if f is not None), None), [r for _, r in gathered]
+    code, text = failure or (0, "")
+    numbers = _all_gather([failure is not None, code or 0, result is not None, *(result or [0] * RESULT_WIDTH)],
+                          torch.int64, group)
+    failed = next((r for r, row in enumerate(numbers) if row[0]), None)
+    if failed is not None:  # the first failed rank's message: the same words on every rank
+        message = list(text.encode()[:MESSAGE_BYTES].ljust(MESSAGE_BYTES, b"\0"))
+        text = bytes(_all_gather(message, torch.uint8, group)[failed]).rstrip(b"\0").decode(errors="replace")
+        failure = (numbers[failed][1] or None, text)
+    return failure, [row[3:] if row[2] else None for row in numbers]
+
+
+def _all_gather(values, dtype, group):
+    """Every rank's list of values (as many on each), as lists: one all-gather of a tensor on the device of the
+    group's backend (the current GPU under NCCL) and one copy to the host."""
+    mine = torch.tensor(values, dtype=dtype, device=parallel.comm_device(dist.get_backend(group)))
+    out = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(out, mine, group=group)
+    return torch.stack(out).cpu().tolist()
+
+
+# A rank's manifest entries as RESULT_WIDTH integers: bytes and CRC-32 of its model file (-1: none), of its rank file
+RESULT_WIDTH = 4
+
+
+def _entry_numbers(entries, g):
+    model = entries.get(os.path.basename(model_file("", g)), {"bytes": -1, "crc32": "0"})
+    rank = entries[os.path.basename(rank_file("", g))]
+    return [model["bytes"], int(model["crc32"], 16), rank["bytes"], int(rank["crc32"], 16)]
+
+
+def _entries(numbers, g):
+    model_bytes, model_crc, rank_bytes, rank_crc = numbers
+    entries = {os.path.basename(rank_file("", g)): {"bytes": rank_bytes, "crc32": f"{rank_crc:08x}"}}
+    if model_bytes >= 0:
+        entries[os.path.basename(model_file("", g))] = {"bytes": model_bytes, "crc32": f"{model_crc:08x}"}
+    return entries
 
 
 def write_files(tag_dir, model_state, run_state, rank_state, write_model_state, g=None):
@@ -170,7 +208,8 @@ def save(save_dir, iteration, model_state, run_state, rank_state, write_model_st
     AsyncWriter's own, off the training's)."""
     tag = f"global_step{iteration}"
     final, partial = os.path.join(save_dir, tag), os.path.join(save_dir, tag + ".partial")
-    rank0 = parallel.grid.rank == 0
+    g = parallel.grid
+    rank0 = g.rank == 0
     written = []
 
     def prepare():
@@ -180,7 +219,7 @@ def save(save_dir, iteration, model_state, run_state, rank_state, write_model_st
             os.makedirs(partial)
 
     def write():
-        return write_files(partial, model_state, run_state, rank_state, write_model_state)
+        return _entry_numbers(write_files(partial, model_state, run_state, rank_state, write_model_state), g)
 
     def publish():
         if rank0:
@@ -195,8 +234,9 @@ def save(save_dir, iteration, model_state, run_state, rank_state, write_model_st
 
     for work in (prepare, write, publish):
         failure, results = _phase(work, group)
-        if work is write:
-            written = results
+        if work is write and failure is None:  # every rank's entries, for the manifest
+            written = [_entries(numbers, parallel.Grid(g.tp_size, g.pp_size, world_size=len(results), rank=r))
+                       for r, numbers in enumerate(results)]
         if failure is not None:
             if rank0:
                 shutil.rmtree(partial, ignore_errors=True)
@@ -233,27 +273,44 @@ class AsyncWriter:
         self.wait()  # the previous write is done before its buffers are reused
         if self.group is None and dist.is_initialized():  # every rank saves at the same iteration: in step
             self.group = dist.new_group(backend="gloo")  # (at the first save: DeepSpeed may start the group late)
-        payload = to_host((model_state, run_state, rank_state), self.buffers)
-        if any(t.is_cuda for t in tensors((model_state, rank_state))):
-            torch.cuda.current_stream().synchronize()  # the non-blocking copies have landed
-        self.thread = threading.Thread(target=self._write, args=(save_dir, iteration, *payload, write_model_state),
-                                       name=f"checkpoint-{iteration}")
-        self.thread.start()
-        return os.path.join(save_dir, f"global_step{iteration}")
+        payload = self._copy((model_state, run_state, rank_state))
+        path = os.path.join(save_dir, f"global_step{iteration}")
+        self._start(lambda: save(save_dir, iteration, *payload, write_model_state, group=self.group),
+                    f"checkpoint {iteration}", f"saved checkpoint {path}")
+        return path
 
-    def _write(self, *args):
+    def write(self, path, obj):
+        """One rank's file, written atomically (no manifest, no barrier: a spike-guard snapshot on local disk);
+        in the background when enabled. Returns when obj is safe from the training."""
+        if not self.enabled:
+            _atomic_write(obj, path)
+            return
+        self.wait()
+        payload = self._copy(obj)
+        self._start(lambda: _atomic_write(payload, path), f"file {path}", None)
+
+    def _copy(self, obj):
+        payload, landed = host_copy(obj, self.buffers)
+        if landed is not None:
+            landed.synchronize()  # the non-blocking copies have landed
+        return payload
+
+    def _start(self, work, what, done):
+        self.thread = threading.Thread(target=self._write, args=(work, what, done), name=what.replace(" ", "-"))
+        self.thread.start()
+
+    def _write(self, work, what, done):
         start = time.perf_counter()
         try:
-            path = save(*args, group=self.group)
+            work()
         except BaseException as e:  # re-raised by wait(), in the main thread
             self.error = e
             if parallel.grid.rank == 0:
-                print(f"the background write of checkpoint {args[1]} failed; the run stops at its next save (or its "
-                      "end) and says why", flush=True)
+                print(f"the background write of {what} failed; the run stops at its next write (or its end) and says "
+                      "why", flush=True)
             return
-        if parallel.grid.rank == 0:
-            print(f"saved checkpoint {path} (written in the background in {time.perf_counter() - start:.2f} s)",
-                  flush=True)
+        if done and parallel.grid.rank == 0:
+            print(f"{done} (written in the background in {time.perf_counter() - start:.2f} s)", flush=True)
 
     def wait(self):
         """Until the save in flight (if any) is on disk and published; its error, if it failed."""
@@ -302,6 +359,18 @@ def to_host(obj, buffers, key=()):
     if isinstance(obj, (list, tuple)):
         return type(obj)(to_host(v, buffers, (*key, i)) for i, v in enumerate(obj))
     return copy.deepcopy(obj)
+
+
+def host_copy(obj, buffers):
+    """(to_host's copy, event): the event, recorded on the compute stream after the non-blocking copies, says
+    when they have landed; None without CUDA tensors, where the copy is complete on return. Wait on it before
+    reading the copy (a snapshot: only when a rollback reads it back)."""
+    out = to_host(obj, buffers)
+    event = None
+    if any(t.is_cuda for t in tensors(obj)):
+        event = torch.cuda.Event()
+        event.record()
+    return out, event
 
 
 def latest_dir(load_dir):

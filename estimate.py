@@ -110,8 +110,16 @@ def dry_run(cfg, world_size=None, file=None):
         f"{'  <- configured' if cfg.checkpoint_activations else ''}")
     total = model_states(cfg.zero_stage) + (with_ckpt if cfg.checkpoint_activations else without)
     say(f"estimated total per GPU: {total / GiB:.2f} GiB (plus temporaries: logits, communication buffers)")
-    if snapshots.describe_snapshots(cfg, gpu_params, dp):
-        say(snapshots.describe_snapshots(cfg, gpu_params, dp))
+    # the GPU whose snapshot is largest: with native ZeRO-1 the rank holding the most optimizer state
+    native_zero = cfg.zero_stage >= 1 and not cfg.deepspeed
+    one = max(snapshots.snapshot_bytes(cfg, gpu, dp, shard if native_zero else None)
+              for (gpu, _), shard in zip(stages, largest_shard))
+    # GPUs per node: LOCAL_WORLD_SIZE as torchrun sets it, else a node of 8 (the node's memory: this machine's)
+    line, problem = snapshots.describe_host_memory(cfg, one, int(os.environ.get("LOCAL_WORLD_SIZE", min(world, 8))))
+    if line:
+        say(line)
+    if problem:
+        say(f"does not fit: {problem}")
     return {"params": params, "padded_params": padded_total, "stages": stages, "gpu_params": gpu_params,
             "dp": dp, "model_states": model_states(cfg.zero_stage), "activations": without,
             "activations_checkpointed": with_ckpt}

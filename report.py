@@ -107,7 +107,9 @@ class Report:
         fields.append(("lm loss", f"{mean_loss:.6E}"))
         scalars = {"lm-loss": mean_loss}
         if cfg.z_loss:  # the interval's mean, apart from the lm loss (lesson 20)
-            z_loss = parallel.average_loss(self.gpt.pop_z_loss()).item()
+            z_loss = step.z_loss  # read in the step's one host sync (train.train_step)
+            if z_loss is None:  # DeepSpeed's step, or a logged iteration skipped
+                z_loss = parallel.average_loss(self.gpt.pop_z_loss()).item()
             fields.append(("z loss", f"{z_loss:.6E}"))
             scalars["z-loss"] = z_loss
         fields += [("loss scale", f"{loss_scale:.1f}"),

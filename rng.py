@@ -42,30 +42,33 @@ def _set_generator_state(device_type, state):
 
 
 def cuda_state():
-    """The current CUDA device's default generator state, None without CUDA: this rank's own GPU only. Every
-    visible device's (get_rng_state_all) would tie a checkpoint to how many GPUs the process sees: a resume
-    with another CUDA_VISIBLE_DEVICES fails on the count or puts a state on a device that never used it."""
-    return torch.cuda.get_rng_state() if torch.cuda.is_available() else None
+    """The current CUDA device's default generator state; None in a process that has not used CUDA (a CPU run,
+    even on a machine with GPUs: asking would start a CUDA context on GPU 0). This rank's own GPU only: every
+    visible device's (get_rng_state_all) would tie a checkpoint to how many GPUs the process sees, and a resume
+    with another CUDA_VISIBLE_DEVICES would fail on the count or put a state on a device that never used it."""
+    return torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None
 
 
 def set_cuda_state(state):
-    """Put cuda_state()'s state back into the current device. A list, every visible device's state (checkpoints
-    written before), gives the current device's entry: the one this rank drew from under torchrun."""
-    if state is None or not torch.cuda.is_available():
+    """Put cuda_state()'s state back into the current device (not in a process that has not used CUDA). A list,
+    every visible device's state (checkpoints written before), gives the current device's entry: the one this
+    rank drew from under torchrun."""
+    if state is None or not torch.cuda.is_initialized():
         return
     if isinstance(state, (list, tuple)):
         state = state[min(torch.cuda.current_device(), len(state) - 1)]
     torch.cuda.set_rng_state(state)
 
 
-def seed(seed):
-    """Seed this rank's two streams (after parallel.init, which fixes the TP and pipeline ranks)."""
+def seed(seed, device="cpu"):
+    """Seed this rank's two streams (after parallel.init, which fixes the TP and pipeline ranks) on the run's
+    device: the CPU's, and a CUDA device's only when the run is on one (torch.manual_seed seeds CUDA lazily)."""
     global _states
     g = parallel.grid
     stage_seed = seed + PIPELINE_SEED_STRIDE * g.pp_rank
     torch.manual_seed(stage_seed + MODEL_PARALLEL_SEED_OFFSET + g.tp_rank)  # CPU and every CUDA device
     _states = {"cpu": torch.get_rng_state()}
-    if torch.cuda.is_available():
+    if torch.device(device).type == "cuda":
         _states["cuda"] = torch.cuda.get_rng_state()
     torch.manual_seed(stage_seed)
 

@@ -72,9 +72,9 @@ class Parts:
     state: RunState = field(default_factory=RunState)
 
 
-def capture(parts, to_cpu=False):
+def capture(parts):
     """The payload (model_state, run, rank_state), as checkpoint.save writes it and checkpoint.load
-    returns it. to_cpu: every tensor copied to the CPU, not aliasing the live run (a snapshot)."""
+    returns it; its tensors are the live run's (checkpoint.host_copy copies them: snapshots, async saves)."""
     p = parts
     p.state.spike_guard = p.guard.state_dict()
     model_state = parallel.unwrap(p.model).state_dict()
@@ -84,8 +84,7 @@ def capture(parts, to_cpu=False):
     names = None if p.cfg.deepspeed else reshard.param_names(p.model, p.optimizer)
     rank_state = {"optimizer": p.optimizer.state_dict(), "rng": checkpoint.rng_state(),
                   "param_names": names}
-    payload = (model_state, run, rank_state)
-    return cpu_copy(payload) if to_cpu else payload
+    return model_state, run, rank_state
 
 
 def restore(payload, parts, optimizer=True, rng_state=True, keep_payload=False):
@@ -116,17 +115,6 @@ def reset_optimizer(parts, warmup_iters):
         state.clear()
     parts.state.optimizer_reset = {"iteration": parts.state.iteration,
                                    "warmup_iters": warmup_iters}
-
-
-def cpu_copy(obj):
-    """A deep copy with every tensor copied to the CPU."""
-    if torch.is_tensor(obj):
-        return obj.detach().to("cpu", copy=True)
-    if isinstance(obj, dict):
-        return {k: cpu_copy(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(cpu_copy(v) for v in obj)
-    return copy.deepcopy(obj)
 
 
 # -----------------------------------------------------------------------------
@@ -188,7 +176,7 @@ def load(parts):
         # A resharded checkpoint: a rank's RNG streams do not map onto another layout's ranks. Fresh
         # streams, seeded as at the start of a run (per TP rank and stage) but from another seed.
         seed = cfg.seed + state.iteration
-        rng.seed(seed)
+        rng.seed(seed, next(parallel.unwrap(parts.model).parameters()).device)
         np.random.seed(seed)
         random.seed(seed)
         print0(f"RNG states not restored (the layout changed): fresh streams seeded with seed + "

@@ -1,48 +1,103 @@
-"""The spike guard's snapshots: host copies of the whole run (run_state.capture: model, optimizer, schedules,
-counters, RNG) that a rollback returns to, and what they cost in host memory (docs/spike_guard.md).
+"""The spike guard's snapshots: copies of the whole run (run_state.capture: model, optimizer, schedules, counters,
+RNG) that a rollback returns to, and what they cost in host memory (docs/spike_guard.md).
 
 A snapshot is taken every spike_guard_snapshot_interval iterations, and as many are kept as a rollback can
-reach back (keep()); without one in memory, a rollback goes to the newest disk checkpoint in `save` or `load`."""
-import collections
-import copy as copy_module
+reach back (keep()): in host memory, or with spike_guard_snapshot_dir in one file per rank on a node-local disk.
+Without one old enough, a rollback goes to the newest disk checkpoint in `save` or `load`. The run refuses to
+start when the snapshots would not fit in the node's memory (check_host_memory), and the dry run says so."""
+import glob
 import math
 import os
 import re
 
 import torch
+import torch.distributed as dist
 
 import checkpoint
+import parallel
 import run_state
 import schedule
 from report import print0
 
+HOST_SHARE = 0.75  # of the node's memory the snapshots may take; the rest: the processes, data workers, page cache
+
 
 class Snapshots:
-    """A host copy of the run every spike_guard_snapshot_interval iterations, enough of them to reach as far
-    back as a rollback can (keep()); older ones are dropped. Without one, the disk checkpoints in `save`.
+    """A copy of the run every spike_guard_snapshot_interval iterations, enough of them to reach as far back as
+    a rollback can (keep()); older ones are dropped. Without one, the disk checkpoints in `save`.
 
-    On CUDA the copies go into pinned host memory, non-blocking, on the compute stream: the copy is ordered
-    before the next step's kernels that overwrite the weights, and the host waits for it (an event) only when
-    it reads the snapshot back. The pinned buffers of the snapshot dropped are reused: pinning is slow."""
+    In host memory: on CUDA the copies go into pinned buffers, non-blocking, on the compute stream: the copy is
+    ordered before the next step's kernels that overwrite the weights, and the host waits for it (an event) only
+    when it reads the snapshot back. The buffers of the snapshot dropped are reused: pinning is slow.
+    With spike_guard_snapshot_dir: each rank's snapshot is one file there, written in the background by a
+    checkpoint.AsyncWriter (one snapshot of host memory, its buffers), read back on a rollback, deleted when
+    dropped and at the run's end. model: this rank's, to check at the start that the snapshots fit."""
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, model=None):
         self.cfg = cfg
         self.interval = cfg.spike_guard_snapshot_interval if cfg.spike_guard else 0
         self.keep = keep(cfg)
-        self.items = []  # (iteration, snapshot, event or None), oldest first
+        self.items = []  # (iteration, snapshot or its file, event or None, buffers), oldest first
+        self.dir = cfg.spike_guard_snapshot_dir if self.keep else None
+        if model is not None and self.keep:
+            one, node = rank_snapshot_bytes(cfg, model), node_memory()
+            if dist.is_initialized():  # the largest rank's and the smallest node's: one verdict on every rank
+                both = torch.tensor([one, -node], dtype=torch.int64, device=parallel.comm_device())
+                dist.all_reduce(both, op=dist.ReduceOp.MAX)
+                one, node = both[0].item(), -both[1].item()
+            check_host_memory(cfg, one, int(os.environ.get("LOCAL_WORLD_SIZE", "1")), node)
+        if self.dir:
+            os.makedirs(self.dir, exist_ok=True)
+            for leftover in glob.glob(self.path("*") + "*"):  # this rank's, from a run that crashed
+                os.remove(leftover)
+            self.writer = checkpoint.AsyncWriter()
+
+    def path(self, iteration):
+        return os.path.join(self.dir, f"snapshot-rank{parallel.grid.rank:05d}-iteration{iteration}.pt")
 
     def maybe_take(self, iteration, parts):
         if not (self.interval and iteration % self.interval == 0):
             return
-        self.items = [item for item in self.items if item[0] < iteration]
-        spare = self.items.pop(0)[1] if len(self.items) >= self.keep else None
-        copy, event = host_copy(run_state.capture(parts), spare)
-        self.items.append((iteration, copy, event))
+        self.drop(lambda it: it >= iteration)
+        spare = {}
+        if len(self.items) >= self.keep:
+            oldest, *_, spare = self.items[0]
+            self.drop(lambda it: it == oldest)
+        if self.dir:
+            self.wait()  # the previous write's failure, said as ours
+            self.writer.write(self.path(iteration), run_state.capture(parts))
+            self.items.append((iteration, self.path(iteration), None, None))
+        else:
+            copy, event = checkpoint.host_copy(run_state.capture(parts), spare)
+            self.items.append((iteration, copy, event, spare))
+
+    def drop(self, which):
+        """Forget the snapshots of the iterations which(iteration) is true of; their files are deleted."""
+        for it, snap, *_ in self.items:
+            if which(it) and isinstance(snap, str):
+                self.wait()
+                os.remove(snap)
+        self.items = [item for item in self.items if not which(item[0])]
+
+    def wait(self):
+        """Until the snapshot being written is on disk; a failed write stops the run with what to change."""
+        try:
+            self.writer.wait()
+        except OSError as e:
+            raise ValueError(f"a spike guard snapshot could not be written to spike_guard_snapshot_dir {self.dir} "
+                             f"({e}); free space there, or point spike_guard_snapshot_dir at another local disk") from e
+
+    def close(self):
+        """At the run's end: the snapshot files deleted."""
+        self.drop(lambda it: True)
 
     def newest_before(self, start):
         """(iteration, snapshot) of the newest state at an iteration < start, from memory or else disk."""
-        for it, snap, event in reversed(self.items):
+        for it, snap, event, _ in reversed(self.items):
             if it < start:
+                if isinstance(snap, str):
+                    self.wait()
+                    return it, torch.load(snap, map_location="cpu", weights_only=False, mmap=True)
                 if event is not None:
                     event.synchronize()
                 return it, snap
@@ -69,7 +124,7 @@ class Snapshots:
             return None
         target, snap = found
         run_state.restore(snap, parts, keep_payload=True)  # a snapshot can be rolled back to again
-        self.items = [item for item in self.items if item[0] <= target]
+        self.drop(lambda it: it > target)
         if decision.get("reset_optimizer"):
             run_state.reset_optimizer(parts, schedule.reset_warmup_iters(self.cfg, unset="auto"))
         parts.guard.applied(decision, target)
@@ -88,50 +143,101 @@ def keep(cfg):
     return math.ceil(2 * cfg.spike_guard_rewind / interval) + 1 if interval else 0
 
 
-def host_copy(payload, spare=None):
-    """(copy, event): every tensor of the payload copied to the host; with CUDA into pinned memory (the spare
-    snapshot's buffers where shapes and dtypes match) by non-blocking copies, and a CUDA event that says when
-    they have landed (None without CUDA, where the copies are done on return)."""
-    spares = collections.defaultdict(list)
-    for t in checkpoint.tensors(spare):
-        spares[(t.shape, t.dtype)].append(t)
-    cuda = [False]
-
-    def copy(obj):
-        if torch.is_tensor(obj):
-            if obj.device.type != "cuda":
-                return obj.detach().to("cpu", copy=True)
-            cuda[0] = True
-            pool = spares[(obj.shape, obj.dtype)]
-            out = pool.pop() if pool else torch.empty(obj.shape, dtype=obj.dtype, pin_memory=True)
-            return out.copy_(obj.detach(), non_blocking=True)
-        if isinstance(obj, dict):
-            return {k: copy(v) for k, v in obj.items()}
-        if isinstance(obj, (list, tuple)):
-            return type(obj)(copy(v) for v in obj)
-        return copy_module.deepcopy(obj)
-    out = copy(payload)
-    event = None
-    if cuda[0]:
-        event = torch.cuda.Event()
-        event.record()
-    return out, event
-
-
-
-def snapshot_bytes(cfg, gpu_params, dp):
-    """Host memory of the guard's snapshots per GPU: weights in the compute dtype and the optimizer state (fp32
-    masters and Adam's moments for half precision, the moments for fp32; divided over DP with ZeRO-1)."""
+def snapshot_bytes(cfg, gpu_params, dp, optimizer_params=None):
+    """Bytes of one snapshot per GPU: weights in the compute dtype and the optimizer state (fp32 masters and
+    Adam's moments for half precision, the moments for fp32) of optimizer_params parameters: by default all of
+    them, divided over DP with ZeRO-1 (native ZeRO-1 deals out whole parameters: the dry run gives its largest)."""
     half = cfg.fp16 or cfg.bf16
-    optimizer = (12 if half else 8) / (dp if cfg.zero_stage >= 1 else 1)
-    return keep(cfg) * gpu_params * ((2 if half else 4) + optimizer)
+    if optimizer_params is None:
+        optimizer_params = gpu_params / (dp if cfg.zero_stage >= 1 else 1)
+    return gpu_params * (2 if half else 4) + optimizer_params * (12 if half else 8)
 
 
-def describe_snapshots(cfg, gpu_params, dp):
-    """The dry run's line on the snapshots' host memory per GPU (None when the guard keeps none)."""
+def rank_snapshot_bytes(cfg, model):
+    """Bytes of this rank's snapshot: its parameters, and the optimizer state of those it owns under native
+    ZeRO-1 (parallel.deal_out; DeepSpeed's even share: snapshot_bytes' default)."""
+    params = [p for p in parallel.unwrap(model).parameters()]
+    owned = None
+    if cfg.zero_stage >= 1 and not cfg.deepspeed:
+        sizes, g = [p.numel() for p in params if p.requires_grad], parallel.grid
+        owned = sum(n for n, r in zip(sizes, parallel.deal_out(sizes, g.dp_size)) if r == g.dp_rank)
+    return int(snapshot_bytes(cfg, sum(p.numel() for p in params), parallel.grid.dp_size, owned))
+
+
+def host_copies(cfg):
+    """Snapshots held in host memory per GPU: keep(cfg), or with spike_guard_snapshot_dir one (the buffers of
+    the background write)."""
+    return min(keep(cfg), 1) if cfg.spike_guard_snapshot_dir else keep(cfg)
+
+
+def node_memory():
+    """Bytes of memory this node gives the job: the physical memory, or less under a cgroup's limit (SLURM's
+    --mem), the tightest of this process's cgroup and its parents."""
+    limit = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:
+        with open("/proc/self/cgroup") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return limit
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":  # cgroup v2
+            files = [f"/sys/fs/cgroup{p}/memory.max" for p in parents(path)]
+        elif "memory" in controllers.split(","):  # v1
+            files = [f"/sys/fs/cgroup/memory{p}/memory.limit_in_bytes" for p in parents(path)]
+        else:
+            continue
+        for name in files:
+            try:
+                with open(name) as f:
+                    value = f.read().strip()
+            except OSError:
+                continue
+            if value.isdigit():
+                limit = min(limit, int(value))
+    return limit
+
+
+def parents(path):
+    """A cgroup's path and its parents' up to the root: /a/b, /a, (the root)."""
+    parts = [p for p in path.split("/") if p]
+    return ["/" + "/".join(parts[:n]) if n else "" for n in range(len(parts), -1, -1)]
+
+
+def describe_host_memory(cfg, one, gpus_per_node, node_bytes=None):
+    """(line, problem): the host memory of the snapshots (`one`: the bytes of one, snapshot_bytes) per GPU and
+    per node, and None or, when they take more than HOST_SHARE of the node's memory, one message naming how many
+    fit and the keys that make them fit. (None, None) when the guard keeps no snapshot."""
     if not keep(cfg):
-        return None
-    total = snapshot_bytes(cfg, gpu_params, dp)
-    return (f"spike guard snapshots: {keep(cfg)} x {total / keep(cfg) / 2**30:.2f} GiB = {total / 2**30:.2f} GiB of "
-            f"host memory per GPU (spike_guard_rewind {cfg.spike_guard_rewind}, spike_guard_snapshot_interval "
-            f"{cfg.spike_guard_snapshot_interval}; x GPUs per node must fit the node's memory)")
+        return None, None
+    copies, node = host_copies(cfg), node_bytes or node_memory()
+    GiB, rewind, interval = 2**30, cfg.spike_guard_rewind, cfg.spike_guard_snapshot_interval
+    where = f" (and {keep(cfg)} on disk in {cfg.spike_guard_snapshot_dir})" if cfg.spike_guard_snapshot_dir else ""
+    line = (f"spike guard snapshots: {copies} x {one / GiB:.2f} GiB = {copies * one / GiB:.2f} GiB of host memory per "
+            f"GPU{where}, x {gpus_per_node} GPUs per node = {copies * one * gpus_per_node / GiB:.1f} GiB of the node's "
+            f"{node / GiB:.0f} GiB (spike_guard_rewind {rewind}, spike_guard_snapshot_interval {interval})")
+    fit = int(HOST_SHARE * node // (one * gpus_per_node))
+    if copies <= fit:
+        return line, None
+    fixes = []
+    if fit >= 2:
+        fixes.append(f"keep fewer (spike_guard_snapshot_interval {math.ceil(2 * rewind / (fit - 1))} or more, or "
+                     f"spike_guard_rewind {(fit - 1) * interval // 2} or less: ceil(2 x rewind / interval) + 1 are "
+                     "kept)")
+    if not cfg.spike_guard_snapshot_dir and fit >= 1:
+        fixes.append("keep them on a node-local disk (spike_guard_snapshot_dir=$SLURM_TMPDIR or /tmp: one in host "
+                     f"memory, {keep(cfg)} x {one / GiB:.2f} GiB per GPU on the disk)")
+    fixes.append("roll back to the checkpoints in save only (spike_guard_snapshot_interval=0)")
+    problem = (f"spike guard snapshots need {copies * one * gpus_per_node / GiB:.1f} GiB of host memory per node "
+               f"({copies} x {one / GiB:.2f} GiB per GPU x {gpus_per_node} GPUs), more than {HOST_SHARE:.0%} of the "
+               f"node's {node / GiB:.0f} GiB: {fit} per GPU fit. To fit: " + "; or ".join(fixes))
+    return line, problem
+
+
+def check_host_memory(cfg, one, gpus_per_node, node_bytes=None):
+    """At the run's start: one ValueError with the fix when the snapshots would not fit in the node's memory."""
+    line, problem = describe_host_memory(cfg, one, gpus_per_node, node_bytes)
+    if problem:
+        raise ValueError(problem)
+    if line:
+        print0(line)

@@ -64,15 +64,20 @@ def main(argv=None):
     if cfg.dry_run:  # sizes the TP x PP x DP layout on the meta device, starting no process
         estimate.dry_run(cfg)
         return
-    use_expandable_segments(cfg)  # before CUDA's allocator starts
-    grid = parallel.init(cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size,
-                         backend="nccl" if use_cuda(cfg) else "gloo", timeout_minutes=cfg.distributed_timeout_minutes)
+    grid = start(cfg)
     arguments.prepare(cfg, grid.world_size)
     check_tokenizer(cfg)
     # Before anything is built or written: which checkpoint to resume, is it this model, is save ours (lock).
     # The checkpoint writer inside: a save in flight is on disk before the lock is released.
     with safety.RunGuard(cfg) as guard, checkpoint.AsyncWriter(cfg.async_save) as writer:
         return run(cfg, grid, guard.exit_signal, writer)
+
+
+def start(cfg):
+    """The process group, CUDA's allocator configured before it starts (bench.py starts the same way)."""
+    use_expandable_segments(cfg)
+    return parallel.init(cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size,
+                         backend="nccl" if use_cuda(cfg) else "gloo", timeout_minutes=cfg.distributed_timeout_minutes)
 
 
 def run(cfg, grid, exit_signal, writer=None):
@@ -98,7 +103,7 @@ def run(cfg, grid, exit_signal, writer=None):
         return state
 
     report = Report(cfg, schedule, parts.model)
-    snapshots = Snapshots(cfg)
+    snapshots = Snapshots(cfg, parts.model)  # refuses snapshots that would not fit in the node's memory
     recorder = telemetry.Telemetry(parts.model, cfg, parts.optimizer) if cfg.telemetry_interval else None
     first_iteration, job_start = state.iteration, time.time()
     parts.model.train()
@@ -151,6 +156,7 @@ def run(cfg, grid, exit_signal, writer=None):
                 if cfg.save:
                     run_state.save(parts, writer)
                 report.close()
+                snapshots.close()
                 raise spike_guard.SpikeGuardStop(
                     decision["line"] + "; saved and stopped: look at the samples named above, then "
                     "resume with the caps raised or other settings")
@@ -175,6 +181,7 @@ def run(cfg, grid, exit_signal, writer=None):
 
     prefetcher.close()
     report.close()
+    snapshots.close()
     print_sample(cfg, parts.model, device)
     if cfg.deepspeed:
         parts.optimizer.close()  # DeepSpeed's state released before the process groups go (shut_down)
@@ -188,9 +195,9 @@ def run(cfg, grid, exit_signal, writer=None):
 def setup(cfg):
     """Determinism, the device and its matmul precision, and the seeds of this TP rank and pipeline stage."""
     set_deterministic(cfg)
-    rng.seed(cfg.seed)  # the dropout streams of this TP rank and pipeline stage (lesson 22)
-    np.random.seed(cfg.seed)
     device = get_device(cfg)
+    rng.seed(cfg.seed, device)  # the dropout streams of this TP rank and pipeline stage (lesson 22)
+    np.random.seed(cfg.seed)
     if device.type == "cuda":
         # tf32: fp32 matmuls on the tensor cores with a 10-bit mantissa (8x the throughput on A100/H100), as
         # Megatron's users run them; only fp32 runs are affected (bf16/fp16 weights multiply in their dtype).
@@ -417,6 +424,7 @@ class Step(NamedTuple):
     grad_norm: float
     num_zeros: int
     outcome: str  # ok | skipped (fp16 overflow, skip_grad_norm_above) | nan | spike (the guard) | replicas differ
+    z_loss: float | None = None  # on logged iterations with z_loss: the log interval's mean z-loss (report.py)
 
 
 def train_step(model, optimizer, scaler, batches, lr, cfg, device, count_zeros=True, judge=None, probe=None,
@@ -443,8 +451,12 @@ def train_step(model, optimizer, scaler, batches, lr, cfg, device, count_zeros=T
         fault(model)
     grad_norm = parallel.grad_norm(model) / scaler.scale  # of the unscaled gradient, fp32, over the whole model
     zeros = parallel.count_zeros(model) if count_zeros else torch.zeros((), device=device)
+    # logged iterations: the interval's z-loss, averaged over DP (the same on every replica), rides in the sync
+    logged = [parallel.average_loss(parallel.unwrap(model).pop_z_loss())] if count_zeros and cfg.z_loss else []
     # DP rank 0's numbers on every replica (one all-gather, the one host sync): skip decisions cannot split them
-    loss_value, grad_norm_value, num_zeros, replicas_differ = spike_guard.agreed(loss, grad_norm, zeros)
+    loss_value, grad_norm_value, num_zeros, *logged, replicas_differ = spike_guard.agreed(loss, grad_norm, zeros,
+                                                                                          *logged)
+    z_loss = logged[0] if logged else None
     num_zeros = int(num_zeros)
     finite = math.isfinite(grad_norm_value)
     if probe is not None:
@@ -454,15 +466,15 @@ def train_step(model, optimizer, scaler, batches, lr, cfg, device, count_zeros=T
         if message:
             print0(message)
     if replicas_differ:  # a faulty GPU: no update anywhere, the spike guard retries the step
-        return Step(loss_value, grad_norm_value, num_zeros, "replicas differ")
+        return Step(loss_value, grad_norm_value, num_zeros, "replicas differ", z_loss)
     if not math.isfinite(loss_value):
-        return Step(loss_value, grad_norm_value, num_zeros, "nan")  # a NaN loss never updates the weights
+        return Step(loss_value, grad_norm_value, num_zeros, "nan", z_loss)  # a NaN loss never updates the weights
     if not finite:
-        return Step(loss_value, grad_norm_value, num_zeros, "skipped")
+        return Step(loss_value, grad_norm_value, num_zeros, "skipped", z_loss)
     if cfg.skip_grad_norm_above is not None and grad_norm_value > cfg.skip_grad_norm_above:  # OPT's batch skipping
-        return Step(loss_value, grad_norm_value, num_zeros, "skipped")
+        return Step(loss_value, grad_norm_value, num_zeros, "skipped", z_loss)
     if judge is not None and judge(loss_value, grad_norm_value):  # the spike guard skips: nothing at all changes
-        return Step(loss_value, grad_norm_value, num_zeros, "spike")
+        return Step(loss_value, grad_norm_value, num_zeros, "spike", z_loss)
     shrink = 1.0
     if trend is not None and loss_value > cfg.soft_skip_loss_ratio * trend:  # host floats: no sync of its own
         shrink = trend / loss_value
@@ -475,7 +487,7 @@ def train_step(model, optimizer, scaler, batches, lr, cfg, device, count_zeros=T
     optimizer.step()
     if probe is not None:
         probe.updated()
-    return Step(loss_value, grad_norm_value, num_zeros, "ok")
+    return Step(loss_value, grad_norm_value, num_zeros, "ok", z_loss)
 
 
 def soft_skip_trend(cfg, guard):

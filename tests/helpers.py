@@ -1,7 +1,8 @@
 """What several test files share (no test imports another test module: tests/test_structure.py):
 
 - one process: a small model on the bundled corpus through the real command line (run_cli, run_main), the log
-  lines' fields (log_fields, losses), the bundled corpus (the `corpus` fixture); two checkpoints bit for bit
+  lines' fields (log_fields, losses), the bundled corpus (the `corpus` fixture, `corpus512` with a 512-token
+  vocabulary); two checkpoints bit for bit
   (assert_same_checkpoint, assert_same);
 - several processes: spawn(fn, world, tp, pp) runs fn on gloo processes, gather, TINY / stage / random_batches
   for GPT stages against one process;
@@ -87,6 +88,17 @@ def losses(stdout):
 def corpus():
     import data
     return data.default_corpus(os.path.join(ROOT, "data"))
+
+
+@pytest.fixture(scope="session")
+def corpus512(corpus, tmp_path_factory):
+    """The bundled corpus with its ids mod 512: a 512-token vocabulary for runs whose subject is not the vocabulary
+    (the spike guard watches losses and grad norms): a run is then a few seconds."""
+    import data
+    src = data.IndexedDataset(corpus)
+    prefix = str(tmp_path_factory.mktemp("corpus512") / "shakespeare512")
+    data.write_indexed_dataset(prefix, (src.get(i) % 512 for i in range(len(src))))
+    return prefix
 
 
 def assert_same(a, b, path="state"):

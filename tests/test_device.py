@@ -283,6 +283,7 @@ def _meta_step(monkeypatch, extra, tp=1, pp=1, dp=1, rank=0, micro_batches=2):
     import schedule
     import snapshots
     import telemetry
+    from report import Report
     world = tp * pp * dp
     cfg = arguments.load_config(META_ARGV + [f"--tensor_model_parallel_size={tp}",
                                              f"--pipeline_model_parallel_size={pp}",
@@ -303,6 +304,7 @@ def _meta_step(monkeypatch, extra, tp=1, pp=1, dp=1, rank=0, micro_batches=2):
         assert all(p.is_meta for p in parts.model.parameters())
         recorder = telemetry.Telemetry(parts.model, cfg, parts.optimizer)
         store = snapshots.Snapshots(cfg)
+        report = Report(cfg, plan, parts.model)
         exit_signal = safety.ExitSignal(True)
         ids = torch.zeros(cfg.micro_batch_size, cfg.seq_length, dtype=torch.int64, device=meta)
         batches = [(ids, ids)] * micro_batches
@@ -315,7 +317,10 @@ def _meta_step(monkeypatch, extra, tp=1, pp=1, dp=1, rank=0, micro_batches=2):
                                         count_zeros=True, probe=recorder)
                 recorder.finish()
                 parts.guard.update(1, step.outcome, step.loss, step.grad_norm, parts.scaler)
+                report.step(step, 1e-4)
                 parts.state.advance(cfg.global_batch_size, cfg.seq_length, applied=step.outcome == "ok")
+                report.timed(0.1)
+                report.log(1, parts.state, cfg.global_batch_size, cfg.seq_length, parts.scaler.scale)
                 exit_signal()
                 in_step = list(syncs.syncs)
                 store.maybe_take(1, parts)  # every spike_guard_snapshot_interval iterations, not each one
@@ -326,7 +331,8 @@ def _meta_step(monkeypatch, extra, tp=1, pp=1, dp=1, rank=0, micro_batches=2):
 
 
 LAYOUTS = {"one process": {}, "TP2": dict(tp=2, rank=1), "PP2 first": dict(pp=2, rank=0),
-           "PP2 last": dict(pp=2, rank=1), "DP2 ZeRO-1": dict(dp=2, rank=1, extra=["--zero_stage=1"])}
+           "PP2 last": dict(pp=2, rank=1), "DP2 ZeRO-1": dict(dp=2, rank=1, extra=["--zero_stage=1"]),
+           "DP2 z-loss": dict(dp=2, rank=1, extra=["--z_loss=1e-4"])}
 
 
 @pytest.mark.parametrize("layout,precision", [(layout, "--fp16") for layout in LAYOUTS] + [("one process", "--bf16")])
@@ -340,13 +346,14 @@ def test_train_step_on_meta(monkeypatch, layout, precision):
     extra = kw.pop("extra", []) + [precision]
     step, syncs_2, comms = _meta_step(monkeypatch, extra, **kw, micro_batches=2)
     assert step.outcome == "ok"  # the update ran
+    assert (step.z_loss is not None) == ("--z_loss=1e-4" in extra)  # the log line's z-loss, read in the step's sync
     assert comms.problems("meta") == []
     if kw:  # a layout of several ranks communicates inside the step
         assert any(phase == "loop" for phase, _, _ in comms.calls)
     _, syncs_8, _ = _meta_step(monkeypatch, extra, **kw, micro_batches=8)
     assert syncs_8 == syncs_2
-    # one copy of the step's numbers (loss, grad norm, zero count), telemetry's two lists (on its iterations only),
-    # one read of the exit flag: nothing per micro-batch, nothing per parameter
+    # one copy of the step's numbers (loss, grad norm, zero count, z-loss), telemetry's two lists (on its iterations
+    # only), one read of the exit flag: nothing per micro-batch, nothing per parameter, nothing in the log line
     assert syncs_2 == ["cpu", "tolist", "tolist", "item"]
 
 
@@ -423,6 +430,7 @@ def test_cuda_settings(monkeypatch):
     cfg = arguments.prepare(arguments.load_config(["--device=cuda"]))
     assert cfg.tf32
     monkeypatch.setattr(train, "get_device", lambda cfg: torch.device("cuda", 0))
+    monkeypatch.setattr(train.rng, "seed", lambda seed, device: None)  # the CUDA generator: not in this torch
     previous = torch.get_float32_matmul_precision()
     try:
         train.setup(cfg)
@@ -453,6 +461,7 @@ def test_rng_state_is_the_current_gpus_only(monkeypatch):
     import checkpoint
     restored = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)  # a CUDA run's process
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
     monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device="cuda": torch.tensor([7], dtype=torch.uint8))
     monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device="cuda": restored.append(state))
@@ -467,6 +476,81 @@ def test_rng_state_is_the_current_gpus_only(monkeypatch):
     older = dict(state, cuda=[torch.tensor([i], dtype=torch.uint8) for i in range(8)])
     checkpoint.set_rng_state(older)
     assert [int(s) for s in restored] == [7, 1]
+
+
+def test_a_cpu_run_on_a_machine_with_gpus_never_touches_cuda(monkeypatch):
+    """device=cpu where GPUs are visible: seeding, the RNG state of a checkpoint and its restore leave CUDA alone
+    (asking for a CUDA generator's state starts a context on GPU 0: every rank's, on one GPU)."""
+    import arguments
+    import checkpoint
+    import rng
+
+    def touched(*args, **kwargs):
+        raise AssertionError("CUDA touched by a CPU run")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    monkeypatch.setattr(torch.cuda, "_queued_calls", [])  # torch.manual_seed's lazy CUDA seeding, dropped after
+    for name in ("get_rng_state", "set_rng_state", "current_device", "init"):
+        monkeypatch.setattr(torch.cuda, name, touched)
+    device = train.setup(arguments.prepare(arguments.load_config(["--device=cpu"])))
+    assert device == torch.device("cpu") and set(rng.get_states()) == {"cpu"}
+    state = checkpoint.rng_state()
+    assert state["cuda"] is None
+    checkpoint.set_rng_state(dict(state, cuda=torch.zeros(16, dtype=torch.uint8)))  # a GPU run's checkpoint
+
+
+def _save_on_two_ranks(directory):
+    """A checkpoint written from inside the loop by DP2, audited; then rank 1's write fails and both ranks say why."""
+    import errno
+    import checkpoint
+    g = parallel.grid
+    model_state, run = {"w": torch.full((4,), 1.0 + g.rank)}, {"state": {"iteration": 5}}
+    with Collectives(run=True) as comms:
+        comms.phase = "loop"  # a save at save_interval
+        path = checkpoint.save(directory, 5, model_state, run, {"rank": g.rank}, write_model_state=g.dp_rank == 0)
+    assert any(name == "all_gather" for _, name, _ in comms.calls) and comms.problems("cpu") == []
+    files = checkpoint.read_manifest(path)["files"]
+    assert sorted(files) == sorted(os.path.basename(f) for f in checkpoint.layout_files(path, checkpoint.topology()))
+    for name in files:
+        assert checkpoint.check_file(os.path.join(path, name), {"files": files}) is None
+    assert checkpoint.load(path)[2] == {"rank": g.rank}
+    write_files = checkpoint.write_files
+
+    def fails_on_rank_1(*args, **kwargs):
+        if g.rank == 1:
+            raise OSError(errno.EACCES, "Permission denied", f"{directory}/rank1")
+        return write_files(*args, **kwargs)
+    checkpoint.write_files = fails_on_rank_1
+    try:
+        checkpoint.save(directory, 6, model_state, run, {"rank": g.rank}, write_model_state=g.dp_rank == 0)
+    except ValueError as e:  # on both ranks, rank 1's words
+        assert f"failed: Permission denied ({directory}/rank1)" in str(e), e
+    else:
+        raise AssertionError("the failed save did not raise")
+    finally:
+        checkpoint.write_files = write_files
+    assert checkpoint.latest_dir(directory) == path
+
+
+def test_a_save_inside_the_loop_shares_its_results_by_tensor_collectives(tmp_path):
+    """A save at save_interval is inside the training loop: its barriers (failures, every rank's file sizes and
+    CRCs for the manifest) are all-gathers of tensors on the backend's device, never object collectives."""
+    spawn(_save_on_two_ranks, 2, 1, 1, str(tmp_path))
+
+
+def test_bench_starts_as_train_does(monkeypatch, corpus):
+    """bench.py goes through train.py's start (the allocator's expandable segments, the process group) and setup
+    (seeds, TF32), and its telemetry has the optimizer (the update ratio on the fp32 masters)."""
+    import bench
+    import telemetry
+    calls, Telemetry = [], telemetry.Telemetry
+    for name in ("start", "setup"):
+        monkeypatch.setattr(train, name, lambda cfg, name=name, f=getattr(train, name): calls.append(name) or f(cfg))
+    monkeypatch.setattr(telemetry, "Telemetry", lambda *a: calls.append(len(a)) or Telemetry(*a))
+    bench.measure(["config/tiny.py", "--num_layers=1", "--hidden_size=32", "--num_attention_heads=2",
+                   "--seq_length=16", "--micro_batch_size=2", "--global_batch_size=2", "--telemetry_interval=2",
+                   "--bench_steps=2", "--bench_warmup=0", f"--data_path={corpus}"])
+    assert calls == ["start", "setup", 3]
 
 
 # -----------------------------------------------------------------------------

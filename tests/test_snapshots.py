@@ -1,4 +1,6 @@
-"""The spike guard's snapshots: how far back they reach, the host copies, and their host memory in the dry run."""
+"""The spike guard's snapshots: how far back they reach, the host copies, on a local disk, and their host memory
+(the dry run's line, the start's refusal)."""
+import os
 import re
 import types
 
@@ -6,17 +8,23 @@ import pytest
 import torch
 
 import arguments
+import checkpoint
+import parallel
 import snapshots
 import spike_guard
+from helpers import corpus, corpus512, log_fields, run_main, spawn  # noqa: F401 (corpus, corpus512: fixtures)
 
 SCALER = types.SimpleNamespace(dynamic=False, scale=1.0, min_scale=1.0)
 
 
-def test_snapshots_reach_back_two_rewinds_and_an_interval(monkeypatch):
-    """Strikes at 1049, 1100 and 1149 (rewind 100, a snapshot every 50, no save) roll back to before 949."""
+@pytest.mark.parametrize("where", ["memory", "disk"])
+def test_snapshots_reach_back_two_rewinds_and_an_interval(monkeypatch, tmp_path, where):
+    """Strikes at 1049, 1100 and 1149 (rewind 100, a snapshot every 50, no save) roll back to before 949. On disk:
+    one file per snapshot kept, the dropped ones deleted, none left at the end."""
     cfg = arguments.load_config(["--spike_guard", "--spike_guard_window=16", "--spike_guard_min_steps=8",
                                  "--spike_guard_rewind=100", "--spike_guard_snapshot_interval=50",
-                                 "--spike_guard_skip_after=20", "--spike_guard_max_skips=3"])
+                                 "--spike_guard_skip_after=20", "--spike_guard_max_skips=3"]
+                                + ([f"--spike_guard_snapshot_dir={tmp_path}"] if where == "disk" else []))
     guard = spike_guard.SpikeGuard(cfg)
     assert snapshots.keep(cfg) == 5
     monkeypatch.setattr(snapshots.run_state, "capture", lambda parts: {"iteration": parts})
@@ -30,37 +38,163 @@ def test_snapshots_reach_back_two_rewinds_and_an_interval(monkeypatch):
     assert [it for it, *_ in store.items] == [900, 950, 1000, 1050, 1100]
     found, payload = store.newest_before(decision["start"])
     assert found == 900 and payload == {"iteration": 900}
+    files = sorted(os.listdir(tmp_path))
+    if where == "disk":
+        assert files == sorted(f"snapshot-rank00000-iteration{it}.pt" for it in (900, 950, 1000, 1050, 1100))
+    store.drop(lambda it: it > found)  # what the rollback to it does: the later ones are of another timeline
+    assert [it for it, *_ in store.items] == [900]
+    assert len(os.listdir(tmp_path)) == (1 if where == "disk" else 0)
+    store.close()
+    assert os.listdir(tmp_path) == []
 
 
-def test_host_copy_is_a_copy_and_reuses_a_spare_only_on_cuda():
+def test_a_snapshot_that_cannot_be_written_stops_the_run_naming_the_directory(monkeypatch, tmp_path):
+    import errno
+    cfg = arguments.load_config(["--spike_guard", "--spike_guard_snapshot_interval=5",
+                                 f"--spike_guard_snapshot_dir={tmp_path}"])
+    monkeypatch.setattr(snapshots.run_state, "capture", lambda parts: {"iteration": parts})
+
+    def full_disk(obj, f, *args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(checkpoint.torch, "save", full_disk)
+    store = snapshots.Snapshots(cfg)
+    store.maybe_take(5, 5)  # written in the background: its failure is said at the next snapshot
+    with pytest.raises(ValueError, match=f"written to spike_guard_snapshot_dir {tmp_path} .*No space left on device"):
+        store.maybe_take(10, 10)
+
+
+def test_host_copy_is_a_copy_into_the_buffers_given():
     live = {"w": torch.ones(3), "opt": [torch.zeros(2, 2), 5], "rng": (1, 2)}
-    copy, event = snapshots.host_copy(live)
+    buffers = {}
+    copy, event = checkpoint.host_copy(live, buffers)
     assert event is None and torch.equal(copy["w"], live["w"]) and copy["opt"][1] == 5 and copy["rng"] == (1, 2)
     live["w"].add_(1)
     assert copy["w"].tolist() == [1.0, 1.0, 1.0]  # not aliased
+    again, _ = checkpoint.host_copy(live, buffers)  # the next snapshot into the dropped one's buffers
+    assert again["w"].data_ptr() == copy["w"].data_ptr() and again["w"].tolist() == [2.0, 2.0, 2.0]
 
 
 @pytest.mark.cuda
 def test_host_copy_of_cuda_tensors_is_pinned_non_blocking_and_reuses_the_spare():
     live = {"w": torch.randn(1024, 1024, device="cuda"), "step": torch.tensor(3.0)}
-    first, event = snapshots.host_copy(live)
+    buffers = {}
+    first, event = checkpoint.host_copy(live, buffers)
     event.synchronize()
     assert first["w"].is_pinned() and torch.equal(first["w"], live["w"].cpu())
     buffer = first["w"].data_ptr()
     live["w"].mul_(2)
-    second, event = snapshots.host_copy(live, spare=first)
+    second, event = checkpoint.host_copy(live, buffers)
     event.synchronize()
     assert second["w"].data_ptr() == buffer and torch.equal(second["w"], live["w"].cpu())
 
 
-def test_the_dry_run_reports_the_snapshots_host_memory(capsys):
+@pytest.mark.cuda
+def test_a_snapshot_of_cuda_tensors_on_disk_is_written_from_pinned_buffers_and_read_back(tmp_path):
+    live = {"w": torch.randn(1024, 1024, device="cuda"), "rng": torch.cuda.get_rng_state()}
+    writer = checkpoint.AsyncWriter()
+    writer.write(str(tmp_path / "snap.pt"), live)
+    live["w"].mul_(2)  # the training goes on: the file has the state of the call
+    writer.wait()
+    assert writer.buffers[("w",)].is_pinned()  # the CUDA tensor's buffer (the RNG state is a CPU tensor)
+    back = torch.load(tmp_path / "snap.pt", map_location="cpu", weights_only=False)
+    assert torch.equal(back["w"] * 2, live["w"].cpu())
+
+
+def test_the_dry_run_reports_the_snapshots_host_memory(capsys, monkeypatch):
     import estimate
     cfg = arguments.load_config(["config/tr11_176b.py", "--spike_guard"])
     assert snapshots.keep(cfg) == 5  # rewind 100, a snapshot every 50
     # bf16: 2 bytes of weights and 12 of fp32 masters and Adam's moments per parameter, sharded over DP (ZeRO-1)
-    assert snapshots.snapshot_bytes(cfg, 10**9, 8) == 5 * 10**9 * (2 + 12 / 8)
+    assert snapshots.snapshot_bytes(cfg, 10**9, 8) == 10**9 * (2 + 12 / 8)
+    assert snapshots.snapshot_bytes(cfg, 10**9, 8, optimizer_params=3 * 10**8) == 10**9 * 2 + 3 * 10**8 * 12
     cfg = arguments.load_config(["--num_layers=2", "--hidden_size=64", "--num_attention_heads=4", "--spike_guard",
                                  "--spike_guard_rewind=10", "--spike_guard_snapshot_interval=5"])
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     estimate.dry_run(cfg)
-    assert re.search(r"spike guard snapshots: 5 x \d\.\d\d GiB = \d\.\d\d GiB of host memory per GPU",
-                     capsys.readouterr().out)
+    out = capsys.readouterr().out
+    assert re.search(r"spike guard snapshots: 5 x \d\.\d\d GiB = \d\.\d\d GiB of host memory per GPU, x 1 GPUs per "
+                     r"node = \d+\.\d GiB of the node's \d+ GiB", out) and "does not fit" not in out
+    monkeypatch.setattr(snapshots, "node_memory", lambda: 2**20)
+    estimate.dry_run(cfg)
+    assert "does not fit: spike guard snapshots need" in capsys.readouterr().out
+
+
+TR11_SNAPSHOT = 3_982_551_552 * (2 + 12 / 8)  # tr11-176B's largest stage on TP4 x PP12, bf16, an even ZeRO-1 DP8
+
+
+def test_snapshots_that_do_not_fit_the_node_are_refused_with_the_keys_that_make_them_fit():
+    """tr11 on nodes of 8 GPUs and 512 GiB: 5 snapshots of 12.98 GiB per GPU are 519 GiB; 3 fit in 3/4 of it."""
+    cfg = arguments.load_config(["config/tr11_176b.py", "--spike_guard"])
+    node = 512 * 2**30
+    line, problem = snapshots.describe_host_memory(cfg, TR11_SNAPSHOT, 8, node)
+    assert "5 x 12.98 GiB = 64.91 GiB of host memory per GPU, x 8 GPUs per node = 519.3 GiB" in line
+    assert problem.startswith("spike guard snapshots need 519.3 GiB of host memory per node (5 x 12.98 GiB per GPU x "
+                              "8 GPUs), more than 75% of the node's 512 GiB: 3 per GPU fit")
+    # 3 fit: ceil(2 x 100 / interval) + 1 <= 3 with an interval of 100, or a rewind of 50 at 50
+    assert "spike_guard_snapshot_interval 100 or more, or spike_guard_rewind 50 or less" in problem
+    assert "spike_guard_snapshot_dir=$SLURM_TMPDIR" in problem and "spike_guard_snapshot_interval=0" in problem
+    with pytest.raises(ValueError, match="519.3 GiB of host memory per node"):
+        snapshots.check_host_memory(cfg, TR11_SNAPSHOT, 8, node)
+    cfg.spike_guard_snapshot_interval = 100  # what the message says: 3 snapshots now
+    assert snapshots.keep(cfg) == 3 and snapshots.describe_host_memory(cfg, TR11_SNAPSHOT, 8, node)[1] is None
+    cfg.spike_guard_snapshot_interval, cfg.spike_guard_snapshot_dir = 50, "/tmp"  # on disk: one copy in memory
+    line, problem = snapshots.describe_host_memory(cfg, TR11_SNAPSHOT, 8, node)
+    assert problem is None and "1 x 12.98 GiB = 12.98 GiB of host memory per GPU (and 5 on disk in /tmp)" in line
+    _, problem = snapshots.describe_host_memory(cfg, TR11_SNAPSHOT, 8, 64 * 2**30)  # not even one
+    assert ": 0 per GPU fit" in problem and "spike_guard_snapshot_interval=0" in problem
+
+
+def test_the_run_refuses_at_its_start_snapshots_the_node_cannot_hold(monkeypatch):
+    cfg = arguments.load_config(["--spike_guard"])
+    monkeypatch.setattr(snapshots, "node_memory", lambda: 2**20)  # 1 MiB
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    with pytest.raises(ValueError, match="spike guard snapshots need .* GiB of host memory per node"):
+        snapshots.Snapshots(cfg, torch.nn.Linear(256, 256))
+    snapshots.Snapshots(cfg, torch.nn.Linear(4, 4))  # 1 MiB holds 5 x 20 parameters
+
+
+def test_a_ranks_snapshot_holds_the_optimizer_state_of_the_parameters_zero1_deals_it(monkeypatch):
+    cfg = arguments.load_config(["--spike_guard", "--zero_stage=1"])
+    model = torch.nn.Linear(256, 256)  # 65,536 + 256 parameters: the weight to DP rank 0, the bias to rank 1
+    for rank, owned in ((0, 65536), (1, 256)):
+        monkeypatch.setattr(parallel, "grid", parallel.Grid(world_size=2, rank=rank))
+        assert snapshots.rank_snapshot_bytes(cfg, model) == 4 * 65792 + 8 * owned  # fp32 weights, Adam's moments
+
+
+def _refused_on_every_rank():
+    snapshots.node_memory = lambda: 2**20
+    cfg = arguments.load_config(["--spike_guard"])
+    with pytest.raises(ValueError, match="spike guard snapshots need"):  # rank 1's snapshots do not fit: on both
+        snapshots.Snapshots(cfg, torch.nn.Linear(4, 4) if parallel.grid.rank == 0 else torch.nn.Linear(256, 256))
+
+
+def test_every_rank_refuses_when_one_ranks_snapshots_do_not_fit():
+    """Stages and ZeRO-1 shards differ in size: the verdict is the largest rank's on every rank (one refusing
+    alone would leave the others waiting at their next collective)."""
+    spawn(_refused_on_every_rank, 2)
+
+
+def test_node_memory_is_the_physical_memory_or_a_cgroups_limit():
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    assert 0 < snapshots.node_memory() <= physical
+    assert snapshots.parents("/system.slice/job_1/step_0") == ["/system.slice/job_1/step_0", "/system.slice/job_1",
+                                                                "/system.slice", ""]
+    assert snapshots.parents("/") == [""]
+
+
+def test_a_rollback_to_a_snapshot_on_disk_is_the_rollback_to_one_in_memory(corpus512, tmp_path):
+    """An LR spike at 20-23 rolls back to the snapshot of iteration 15, dropout on: every later loss, bit for
+    bit, the same whether the snapshots were in host memory or in files; none are left on the disk."""
+    args = ["--num_layers=2", "--hidden_size=64", "--num_attention_heads=4", "--seq_length=32", "--vocab_size=512",
+            "--micro_batch_size=4", "--global_batch_size=8", "--train_iters=28", "--lr=2e-3",
+            "--lr_warmup_samples=40", "--lr_decay_samples=800", "--hidden_dropout=0.1", "--attention_dropout=0.1",
+            "--log_interval=1", "--eval_interval=1000", "--eval_iters=0", "--sample_tokens=0", "--save=none",
+            "--save_interval=none", f"--data_path={corpus512}", "--inject_lr_iters=20-23", "--inject_lr_factor=1000",
+            "--spike_guard", "--spike_guard_window=10", "--spike_guard_min_steps=8", "--spike_guard_rewind=3",
+            "--spike_guard_skip_after=2", "--spike_guard_snapshot_interval=5"]
+    memory = run_main(*args)
+    disk = run_main(*args, f"--spike_guard_snapshot_dir={tmp_path / 'local'}")
+    assert "spike guard: rolled back to iteration 15" in disk
+    assert {i: f["lm loss"] for i, f in log_fields(disk).items() if "lm loss" in f} == \
+        {i: f["lm loss"] for i, f in log_fields(memory).items() if "lm loss" in f}
+    assert os.listdir(tmp_path / "local") == []

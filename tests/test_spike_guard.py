@@ -14,27 +14,18 @@ import pytest
 import torch
 
 import arguments
-import data
 import schedule
 import spike_guard
 import telemetry
 import train
 from run_state import RunState
-from helpers import corpus, log_fields, run_main  # noqa: F401 (corpus is a fixture)
+from helpers import corpus, corpus512, log_fields, run_main  # noqa: F401 (corpus, corpus512: fixtures)
 
 GUARD = ["--spike_guard", "--spike_guard_window=20", "--spike_guard_min_steps=10", "--spike_guard_rewind=3",
          "--spike_guard_skip_after=2", "--spike_guard_snapshot_interval=5"]
 BAD = ["--inject_bad_batch_iters=40-45"]
 LR_SPIKE = ["--inject_lr_iters=40-45", "--inject_lr_factor=1000"]
 FLIP = ["--inject_bitflip_iters=30-30"]
-
-
-@pytest.fixture(scope="module")
-def corpus512(corpus, tmp_path_factory):
-    src = data.IndexedDataset(corpus)
-    prefix = str(tmp_path_factory.mktemp("corpus512") / "shakespeare512")
-    data.write_indexed_dataset(prefix, (src.get(i) % 512 for i in range(len(src))))
-    return prefix
 
 
 @pytest.fixture(scope="module")
