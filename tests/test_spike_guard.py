@@ -2,6 +2,7 @@
 
 End-to-end runs use a 512-token vocabulary (the bundled corpus's ids mod 512): the guard watches losses and
 grad norms, which do not depend on the vocabulary, and a run is then a few seconds."""
+import copy
 import dataclasses
 import json
 import math
@@ -15,6 +16,8 @@ import torch
 
 import arguments
 import data
+import optim
+import precision
 import schedule
 import spike_guard
 import telemetry
@@ -27,6 +30,7 @@ GUARD = ["--spike_guard", "--spike_guard_window=20", "--spike_guard_min_steps=10
 BAD = ["--inject_bad_batch_iters=40-45"]
 LR_SPIKE = ["--inject_lr_iters=40-45", "--inject_lr_factor=1000"]
 FLIP = ["--inject_bitflip_iters=30-30"]
+FLIP_WEIGHT = ["--inject_bitflip_iters=30-30", "--inject_bitflip_target=weight"]
 
 
 @pytest.fixture(scope="module")
@@ -124,6 +128,119 @@ def test_a_bit_flip_is_retried_as_a_transient_fault_and_the_run_is_the_clean_one
     assert validation(guarded) == validation(clean)
     unguarded = run("flip", *FLIP)
     assert validation(unguarded) != validation(clean)  # the flip does harm when nobody retries the step
+
+
+def test_a_weight_bit_flip_is_hardware_and_rolled_back_without_skipping_data_and_the_run_is_the_clean_one(run):
+    """A flipped weight is in the state: the next step spikes and its replay, from the same weights, reproduces it.
+    The weights moved farther than Adam can move them since the snapshot: hardware, rolled back, no data skipped."""
+    clean, guarded = run("clean"), run("flip_weight_guarded", *FLIP_WEIGHT, *GUARD)
+    lines = guard_lines(guarded)
+    assert re.match(r"spike guard: iteration 30: injected a bit flip into weight element \d+ on rank 0: \S+e\+3",
+                    lines[0]), lines
+    assert re.match(r"spike guard: iteration 31: on rank 0, weight \S+\[\d+\] is \S+e\+3\d, was \S+ at iteration "
+                    r"25$", lines[1]), lines
+    assert re.match(r"spike guard: iteration 31: DP rank 0 is global rank 0 on host ", lines[2]), lines
+    assert re.match(r"spike guard: iteration 31: hardware/transient fault on DP rank 0: replayed: loss \S+, grad norm "
+                    r"\S+, reproduced; a weight of DP rank 0 moved \S+e\+\d+x farther since iteration 25 than Adam "
+                    r"can move it .*: roll back to before iteration 30; no data skipped, LR unchanged \(fault 1 of 3 "
+                    r"on DP rank 0 before a stop\)$", lines[3]), lines
+    assert lines[4:] == ["spike guard: rolled back to iteration 25"]
+    # the flip is an event in time: the iterations run again are the clean run's, bit for bit (no LR cut either)
+    assert {i: (f["lm loss"], f["learning rate"]) for i, f in log_fields(guarded).items()} == \
+        {i: (f["lm loss"], f["learning rate"]) for i, f in log_fields(clean).items()}
+    assert validation(guarded) == validation(clean)
+    assert not math.isfinite(loss(run("flip_weight", *FLIP_WEIGHT), 31))  # unguarded, the corrupted weight stays
+
+
+BF16 = ["--bf16", "--train_iters=20"]
+
+
+def test_bf16_numerical_spike_gets_the_fp32_step_and_a_bad_batch_still_is_data(run):
+    """In bf16: at 14 a cancellation that bf16 loses and fp32 keeps (inject_numerical_iters), at 17 a random-token
+    batch. The fp32 replay is ordinary at 14 (numerical: its step applied) and spikes too at 17 (data)."""
+    out = run("bf16_numerical", *BF16, *GUARD, "--inject_numerical_iters=14-14", "--inject_bad_batch_iters=17-17")
+    lines = [x for x in guard_lines(out) if ": sample " not in x]
+    assert re.match(r"spike guard: iteration 14: .* spreads above it; numerical: replayed: loss \S+, grad norm \S+, "
+                    r"reproduced; in fp32: loss \S+, grad norm \S+, ordinary: the fp32 step applied; no data skipped, "
+                    r"LR unchanged$", lines[0]), lines
+    assert re.match(r"spike guard: iteration 17: .*; data-driven: replayed: .*; in fp32: .*, a spike too; the batch "
+                    r"on the model of iteration 15: .*the batch is the outlier: update skipped \(spike 1 of 3",
+                    lines[1]), lines[1]
+    assert len(lines) == 2
+    fields = log_fields(out)
+    assert "skipped" not in fields[14] and float(fields[14]["lm loss"]) < 1.02 * float(fields[13]["lm loss"])
+
+
+def _bf16_parts(argv=()):
+    cfg = arguments.prepare(arguments.load_config(["--num_layers=1", "--hidden_size=32", "--num_attention_heads=2",
+                                                    "--seq_length=16", "--vocab_size=512", "--micro_batch_size=2",
+                                                    "--hidden_dropout=0", "--attention_dropout=0", *argv]))
+    model = train.build_model(cfg, torch.device("cpu"))
+    return cfg, model, train.build_optimizer(cfg, model), train.build_scaler(cfg)
+
+
+def test_fp32_step_is_an_fp32_runs_step_and_without_keep_leaves_the_bf16_run_bit_identical():
+    cpu = torch.device("cpu")
+    cfg, model, optimizer, scaler = _bf16_parts(["--bf16"])
+    gen = torch.Generator().manual_seed(0)
+    batches = [(torch.randint(0, 512, (2, 16), generator=gen), torch.randint(0, 512, (2, 16), generator=gen))]
+    train.train_step(model, optimizer, scaler, batches, 1e-2, cfg, cpu)  # Adam's state; masters != weights now
+    fp32_cfg, reference, ref_optimizer, _ = _bf16_parts()
+    ref_optimizer.load_state_dict(copy.deepcopy(optimizer.state_dict()))  # its own moments
+    with torch.no_grad():
+        for p, q in zip(reference.parameters(), model.parameters()):
+            p.copy_(optimizer.main_param(q))
+
+    def everything():
+        return ([p.detach().clone() for p in model.parameters()] + [m.detach().clone() for m in optimizer.main_params]
+                + [t.clone() for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t)])
+    before = everything()
+    with precision.Fp32Step(model, optimizer) as fp32:
+        assert all(p.dtype == torch.float32 for p in model.parameters())
+        step = train.train_step(model, optimizer, scaler, batches, 1e-2, cfg, cpu, judge=lambda *_: "a spike")
+        fp32.keep = step.outcome == "ok"
+    assert step.outcome == "spike" and all(p.dtype == torch.bfloat16 for p in model.parameters())
+    assert all(torch.equal(a, b) for a, b in zip(before, everything()))  # bit for bit, nothing kept
+    with precision.Fp32Step(model, optimizer) as fp32:
+        step = train.train_step(model, optimizer, scaler, batches, 1e-2, cfg, cpu)
+        fp32.keep = step.outcome == "ok"
+    expected = train.train_step(reference, ref_optimizer, scaler, batches, 1e-2, fp32_cfg, cpu)
+    assert (step.loss, step.grad_norm) == (expected.loss, expected.grad_norm)  # the fp32 run's forward and backward
+    for p, ref in zip(model.parameters(), reference.parameters()):
+        assert torch.equal(optimizer.main_param(p), ref) and torch.equal(p, ref.to(torch.bfloat16))  # its update
+
+
+def test_a_numerical_diagnosis_lowers_fp16s_loss_scale_and_a_hardware_rollback_is_no_relapse():
+    cfg, guard = _guard(spike_guard_max_hardware_faults=2)
+    fp16 = types.SimpleNamespace(dynamic=True, scale=1024.0, min_scale=1.0, clean_steps=7)
+    d = guard.update(50, "ok", 3.0, 1.0, fp16, {"cause": "numerical", "evidence": "in fp32: ordinary"}, lr=0.1)
+    assert d["action"] == "retry" and d["cause"] == "numerical" and fp16.scale == 512.0 and fp16.clean_steps == 0
+    assert "the fp32 step applied; no data skipped, LR unchanged, loss scale lowered to 512" in d["line"]
+    assert guard.lr_sum == 0.1 and guard.series["loss"].values[-1] == 3.0  # the fp32 step is an applied step
+    weight = {"cause": "hardware", "evidence": "a weight moved", "rank": 0, "rollback": True}
+    d = guard.update(60, "nan", math.nan, math.nan, SCALER, weight)
+    assert d["action"] == "rollback" and (d["start"], d["end"], d["lr_scale"]) == (59, None, 1.0)
+    guard.applied(d, 55)
+    assert guard.rollbacks == 0 and guard.skip_ranges == []  # not a relapse: a later rollback cuts no LR
+    d = guard.update(61, "nan", math.nan, 1.0, SCALER, {"cause": "optimizer", "evidence": "ordinary then"})
+    assert d["action"] == "rollback" and d["lr_scale"] == 1.0
+    d = guard.update(70, "nan", math.nan, math.nan, SCALER, weight)  # the 2nd on DP rank 0: its own cap
+    assert d["action"] == "stop" and "spike_guard_max_hardware_faults=2" in d["line"] and d["start"] == 69
+
+
+def test_adam_bound_is_the_most_one_adam_step_moves_a_weight():
+    """The gradients that make Cauchy-Schwarz an equality (g_i ~ (beta2 / beta1)^i) come within 2% of it."""
+    beta1, beta2 = 0.9, 0.95
+    p = torch.nn.Parameter(torch.zeros(1))
+    adam = optim.AdamW([p], lr=1.0, betas=(beta1, beta2), eps=0.0)
+    moves = []
+    for i in range(200):
+        before = p.detach().clone()
+        p.grad = torch.tensor([(beta2 / beta1) ** i])
+        adam.step()
+        moves.append(float((p.detach() - before).abs()))
+    bound = spike_guard.adam_bound(beta1, beta2)
+    assert 0.98 * bound < max(moves) <= bound and spike_guard.adam_bound(0.9, 0.8) == math.inf
 
 
 def _numbers(out, after):
