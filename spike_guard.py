@@ -468,8 +468,10 @@ def corrupted_weights(guard, model, optimizer, iteration, then, payload):
     weight decay x |weight|), plus the rounding of its dtype; one that moved farther (or is not finite) was written
     by something else: a bit flipped in memory. One all-reduce over all ranks of one number per DP rank, so every
     rank names the same DP rank (the corrupted weight may be on any TP or PP rank of it)."""
-    cfg, g = guard.cfg, parallel.grid
-    lr_sum = max(guard.lr_sum - snapshot_stats(payload).get("lr sum", 0.0), 0.0)
+    cfg, g, stats = guard.cfg, parallel.grid, snapshot_stats(payload)
+    if "lr sum" not in stats:  # a checkpoint written before the guard summed its LRs: no bound to test against
+        return None
+    lr_sum = max(guard.lr_sum - stats["lr sum"], 0.0)
     steps = max(iteration - 1 - then, 1)
     decay = max([group.get("weight_decay", 0.0) for group in optimizer.param_groups] or [0.0])
     move = 2 * lr_sum * adam_bound(cfg.adam_beta1, cfg.adam_beta2)

@@ -171,10 +171,10 @@ def test_bf16_numerical_spike_gets_the_fp32_step_and_a_bad_batch_still_is_data(r
     assert "skipped" not in fields[14] and float(fields[14]["lm loss"]) < 1.02 * float(fields[13]["lm loss"])
 
 
-def _bf16_parts(argv=()):
+def _bf16_parts(argv=(), world_size=1):
     cfg = arguments.prepare(arguments.load_config(["--num_layers=1", "--hidden_size=32", "--num_attention_heads=2",
                                                     "--seq_length=16", "--vocab_size=512", "--micro_batch_size=2",
-                                                    "--hidden_dropout=0", "--attention_dropout=0", *argv]))
+                                                    "--hidden_dropout=0", "--attention_dropout=0", *argv]), world_size)
     model = train.build_model(cfg, torch.device("cpu"))
     return cfg, model, train.build_optimizer(cfg, model), train.build_scaler(cfg)
 
@@ -438,9 +438,51 @@ def _agreed_on_replicas():
     assert spike_guard.replica_values == [(3.5, 0.25), (3.5, 1.25)]
 
 
-def test_skip_decisions_come_from_dp_rank_0s_numbers_and_replicas_that_differ_are_seen():
+def _forensics_on_replicas():
+    """DP2, bf16, ZeRO-1: the fp32 step computes with all the fp32 masters (each broadcast by the rank that holds
+    it) and leaves identical replicas; a weight flipped on DP rank 1 is named by both ranks."""
+    import parallel
+    from helpers import gather, random_batches
+    g, cpu = parallel.grid, torch.device("cpu")
+    cfg, model, optimizer, scaler = _bf16_parts(["--bf16", "--zero_stage=1", "--global_batch_size=4",
+                                                 "--inject_bitflip_iters=6-6", "--inject_bitflip_rank=1",
+                                                 "--inject_bitflip_target=weight"], world_size=2)
+    batches = random_batches(g.dp_rank, 1, 2, 16, 512)
+    train.train_step(model, optimizer, scaler, batches, 1e-2, cfg, cpu)  # masters are no longer the bf16 weights
+    assert any(optimizer.main_param(p) is None for p in model.parameters())  # sharded: some are the other rank's
+    with precision.Fp32Step(model, optimizer) as fp32:
+        for p in model.parameters():
+            held = optimizer.main_param(p)  # None: the other rank's shard
+            assert held is None or torch.equal(p, held)
+            assert torch.equal(*gather(p.detach(), g.dp_group))
+        fp32.keep = train.train_step(model, optimizer, scaler, batches, 1e-2, cfg, cpu).outcome == "ok"
+    assert fp32.keep
+    for p in model.parameters():
+        held = optimizer.main_param(p)
+        assert p.dtype == torch.bfloat16 and (held is None or torch.equal(p, held.to(torch.bfloat16)))
+        assert torch.equal(*gather(p.detach(), g.dp_group))
+    guard = spike_guard.SpikeGuard(cfg)
+    payload = ({k: v.clone() for k, v in model.state_dict().items()}, {"state": {"spike_guard": {"stats":
+                                                                                                guard.stats()}}})
+    step = train.train_step(model, optimizer, scaler, batches, 1e-2, cfg, cpu)
+    guard.record(step.loss, step.grad_norm, 1e-2)
+    assert spike_guard.corrupted_weights(guard, model, optimizer, 7, 5, payload) is None  # Adam's own update
+    flip = spike_guard.bitflip(cfg, 6, guard, "weight")
+    assert (flip is not None) == (g.rank == 1)
+    if flip is not None:
+        flip(model)
+    rank, evidence = spike_guard.corrupted_weights(guard, model, optimizer, 7, 5, payload)
+    assert rank == 1 and evidence.startswith("a weight of DP rank 1 moved ")
+
+
+def _on_two_replicas():
+    _agreed_on_replicas()
+    _forensics_on_replicas()
+
+
+def test_dp2_decides_from_rank_0s_numbers_sees_replicas_differ_names_a_corrupted_rank_and_shares_fp32_masters():
     from helpers import spawn
-    spawn(_agreed_on_replicas, 2)
+    spawn(_on_two_replicas, 2)
 
 
 # -- a skipped update changes nothing ---------------------------------------------------------------------------
