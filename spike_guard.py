@@ -12,11 +12,17 @@ But the causes call for different remedies, so the guard asks why before it acts
              `spike_guard_min_steps` applied steps on: the trend makes the warm-up's falling loss ordinary.
   diagnose   (investigate(), before any update) replay the step, same weights, batch and RNG:
                not reproduced (or the replicas disagreed)  -> hardware: the replayed step is applied (a retry),
-                                                             no data skipped, no LR cut; the Nth on one DP rank
-                                                             (N = spike_guard_max_skips) stops the run, naming it
-               reproduced: the batch on the model of the newest snapshot two updates back
-                 still an outlier against that model's trend -> data: the ladder below
-                 ordinary there                              -> optimizer: roll back at once, skip no data
+                                                             no data skipped, no LR cut
+               reproduced:
+                 a weight moved farther since the newest snapshot two updates back than Adam can move it
+                                                           -> hardware: roll back to it, no data skipped, no LR cut
+                 fp16/bf16: the step replayed in fp32 is ordinary
+                                                           -> numerical: the fp32 step is applied (fp16: the
+                                                              loss scale halved), no data skipped, no LR cut
+                 the batch on the model of that snapshot
+                   still an outlier against that model's trend -> data: the ladder below
+                   ordinary there                              -> optimizer: roll back at once, skip no data
+             The spike_guard_max_hardware_faults-th hardware fault on one DP rank stops the run, naming it.
   act (data) (a) skip the update: no weight, Adam moment, step counter or LR-schedule change;
              (b) at the `spike_guard_max_skips`-th spike within `spike_guard_rewind` iterations: roll back to the
                  newest snapshot (host copy, or disk checkpoint) before the spike window and add the window -- from
@@ -38,8 +44,10 @@ history and never are. Every replica decides from DP rank 0's numbers (agreed())
 Fault injection, to make a spike on purpose (Megatron-LM's --error-injection-*): `inject_bad_batch_iters`
 replaces the batches of those iterations by random token ids (data: it comes back when the iterations are run
 again), `inject_lr_iters` multiplies their LR by `inject_lr_factor` (schedule.lr_at), `inject_bitflip_iters`
-flips a bit of a reduced gradient on `inject_bitflip_rank` (bitflip()). The last two are events in time: a
-replay or a rollback does not meet them again (SpikeGuard.meets_fault).
+flips a bit of a reduced gradient, or of a weight after the update (`inject_bitflip_target`), on
+`inject_bitflip_rank` (bitflip()); these two are events in time: a replay or a rollback does not meet them again
+(SpikeGuard.meets_fault). `inject_numerical_iters` adds a cancellation that half precision loses and fp32 keeps
+(inject_numerical()).
 """
 import collections
 import math
