@@ -387,10 +387,11 @@ def agreed(loss, grad_norm, *more):
     return (*rows[0], len({repr(r) for r in rows}) > 1)
 
 
-def investigate(guard, step, iteration, rng_before, snapshots, model, optimizer, rerun, forward):
+def investigate(parts, step, iteration, before, snapshots, rerun, forward):
     """Before the guard acts on a suspect step: (step, diagnosis). The weights and optimizer are still those
-    before the step (a suspect step is never applied).
-    1. replay: the step again, same weights, batch and RNG (rerun(judge, scaler) runs train_step). Not reproduced
+    before the step (a suspect step is never applied); before = (RNG state, loss scaler state) before it.
+    1. replay: the step again, same weights, batch, RNG and loss scaler (rerun(judge, scaler) runs train_step on
+       the run's parts, with its scaler unless another is given). Not reproduced
        -- the replay is no spike, or the DP replicas disagreed -- is a transient fault ("hardware"): the replay
        applied its update (the step retried) and its step is returned.
     2. reproduced: are the weights ones the optimizer can have written? Compared with the newest snapshot two
@@ -404,10 +405,13 @@ def investigate(guard, step, iteration, rng_before, snapshots, model, optimizer,
        update went wrong ("optimizer").
     Costs one extra step (two in half precision: one of them in fp32) and one forward per spike; a clean run
     never calls it."""
+    guard, model, optimizer = parts.guard, parts.model, parts.optimizer
     first = f"loss {step.loss:.6g}, grad norm {step.grad_norm:.6g}"
     rows = list(replica_values)
     differ = [r for r, row in enumerate(rows) if repr(row) != repr(rows[0])]
+    rng_before, scaler_before = before
     checkpoint.set_rng_state(rng_before)
+    parts.scaler.load_state_dict(scaler_before)  # the step's fp16 overflow counted once, not twice
     replay = rerun(guard.judge if guard.armed() else None)
     again = f"loss {replay.loss:.6g}, grad norm {replay.grad_norm:.6g}"
     if differ or replay.outcome not in SUSPECT:

@@ -120,7 +120,7 @@ def run(cfg, grid, exit_signal, writer=None):
             probe = recorder if recorder and iteration % cfg.telemetry_interval == 0 else None
             if probe:
                 probe.begin()
-            rng_before = checkpoint.rng_state() if guard.enabled else None
+            before = (checkpoint.rng_state(), parts.scaler.state_dict()) if guard.enabled else None
             # fault injection (None outside its iterations): a half-precision cancellation, a weight's bit flip
             numerical = spike_guard.inject_numerical(cfg, iteration, train_model)
             flip_weight = spike_guard.bitflip(cfg, iteration, guard, "weight")
@@ -133,7 +133,7 @@ def run(cfg, grid, exit_signal, writer=None):
             diagnosis = None
             if guard.enabled and step.outcome in spike_guard.SUSPECT:  # replay it, test its batch (forensics)
                 step, diagnosis = spike_guard.investigate(
-                    guard, step, iteration, rng_before, snapshots, train_model, parts.optimizer,
+                    parts, step, iteration, before, snapshots,
                     rerun=lambda judge, scaler=parts.scaler: train_step(train_model, parts.optimizer, scaler,
                                                                         batches, lr, cfg, device, count_zeros=False,
                                                                         judge=judge),

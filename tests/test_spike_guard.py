@@ -179,9 +179,10 @@ def _bf16_parts(argv=(), world_size=1):
     return cfg, model, train.build_optimizer(cfg, model), train.build_scaler(cfg)
 
 
-def test_fp32_step_is_an_fp32_runs_step_and_without_keep_leaves_the_bf16_run_bit_identical():
-    cpu = torch.device("cpu")
-    cfg, model, optimizer, scaler = _bf16_parts(["--bf16"])
+@pytest.mark.parametrize("half", ["bf16", "fp16"])
+def test_fp32_step_is_an_fp32_runs_step_and_without_keep_leaves_the_half_precision_run_bit_identical(half):
+    cpu, dtype, one = torch.device("cpu"), precision.DTYPES[half], optim.LossScaler(dynamic=False, static_scale=1.0)
+    cfg, model, optimizer, scaler = _bf16_parts([f"--{half}", "--loss_scale=1024"])
     gen = torch.Generator().manual_seed(0)
     batches = [(torch.randint(0, 512, (2, 16), generator=gen), torch.randint(0, 512, (2, 16), generator=gen))]
     train.train_step(model, optimizer, scaler, batches, 1e-2, cfg, cpu)  # Adam's state; masters != weights now
@@ -197,17 +198,18 @@ def test_fp32_step_is_an_fp32_runs_step_and_without_keep_leaves_the_bf16_run_bit
     before = everything()
     with precision.Fp32Step(model, optimizer) as fp32:
         assert all(p.dtype == torch.float32 for p in model.parameters())
-        step = train.train_step(model, optimizer, scaler, batches, 1e-2, cfg, cpu, judge=lambda *_: "a spike")
+        step = train.train_step(model, optimizer, one, batches, 1e-2, cfg, cpu, judge=lambda *_: "a spike")
         fp32.keep = step.outcome == "ok"
-    assert step.outcome == "spike" and all(p.dtype == torch.bfloat16 for p in model.parameters())
+    assert step.outcome == "spike" and all(p.dtype == dtype for p in model.parameters())
     assert all(torch.equal(a, b) for a, b in zip(before, everything()))  # bit for bit, nothing kept
     with precision.Fp32Step(model, optimizer) as fp32:
-        step = train.train_step(model, optimizer, scaler, batches, 1e-2, cfg, cpu)
+        step = train.train_step(model, optimizer, one, batches, 1e-2, cfg, cpu)
         fp32.keep = step.outcome == "ok"
-    expected = train.train_step(reference, ref_optimizer, scaler, batches, 1e-2, fp32_cfg, cpu)
+    expected = train.train_step(reference, ref_optimizer, one, batches, 1e-2, fp32_cfg, cpu)
     assert (step.loss, step.grad_norm) == (expected.loss, expected.grad_norm)  # the fp32 run's forward and backward
     for p, ref in zip(model.parameters(), reference.parameters()):
-        assert torch.equal(optimizer.main_param(p), ref) and torch.equal(p, ref.to(torch.bfloat16))  # its update
+        assert torch.equal(optimizer.main_param(p), ref) and torch.equal(p, ref.to(dtype))  # its update, rounded
+        assert p.main_grad.dtype == precision.grad_dtype(cfg)  # the run's own gradient buffer is back
 
 
 def test_a_numerical_diagnosis_lowers_fp16s_loss_scale_and_a_hardware_rollback_is_no_relapse():
