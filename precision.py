@@ -18,7 +18,6 @@ There is no autocast: weights are stored in the compute dtype, so what runs is w
 half-precision rounding of the residual stream (a source of the 104B's spikes) is reproduced, not hidden.
 """
 import torch
-import torch.distributed as dist
 
 import parallel
 
@@ -179,23 +178,14 @@ class Fp32Step:
 
 @torch.no_grad()
 def master_weights(params, optimizer):
-    """Copies of the fp32 master weights of these model parameters, on this rank; under ZeRO-1 (an optimizer with
-    an `owner` per parameter) each broadcast over DP by the rank that holds it, as ZeroShardedOptimizer.step
-    broadcasts the weights it updated."""
+    """Copies of the fp32 master weights of these model parameters, on this rank; under ZeRO-1 each broadcast over
+    DP by the rank that holds it, as ZeroShardedOptimizer.step broadcasts the weights it updated."""
     copies = []
     for p in params:
         main = optimizer.main_param(p)
         if main is None:  # another DP rank's (ZeRO-1): broadcast below
             main = torch.empty(p.shape, dtype=torch.float32, device=p.device)
         copies.append(main.detach().clone())
-    owner, g = getattr(optimizer, "owner", None), parallel.grid
-    if owner is not None and g.dp_size > 1:
-        for rank in range(g.dp_size):
-            mine = [t for p, t in zip(params, copies) if owner[p] == rank]
-            if not mine:
-                continue
-            flat = torch._utils._flatten_dense_tensors(mine)
-            dist.broadcast(flat, src=g.rank_of(g.tp_rank, rank, g.pp_rank), group=g.dp_group)
-            for t, new in zip(mine, torch._utils._unflatten_dense_tensors(flat, mine)):
-                t.copy_(new)
+    if isinstance(optimizer, parallel.ZeroShardedOptimizer):
+        optimizer.broadcast(dict(zip(params, copies)))
     return copies
