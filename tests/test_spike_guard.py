@@ -171,22 +171,24 @@ def test_bf16_numerical_spike_gets_the_fp32_step_and_a_bad_batch_still_is_data(r
     assert "skipped" not in fields[14] and float(fields[14]["lm loss"]) < 1.02 * float(fields[13]["lm loss"])
 
 
-def _bf16_parts(argv=(), world_size=1):
+def _bf16_parts(argv=(), world_size=1, device=torch.device("cpu")):
     cfg = arguments.prepare(arguments.load_config(["--num_layers=1", "--hidden_size=32", "--num_attention_heads=2",
                                                     "--seq_length=16", "--vocab_size=512", "--micro_batch_size=2",
                                                     "--hidden_dropout=0", "--attention_dropout=0", *argv]), world_size)
-    model = train.build_model(cfg, torch.device("cpu"))
+    model = train.build_model(cfg, device)
     return cfg, model, train.build_optimizer(cfg, model), train.build_scaler(cfg)
 
 
-@pytest.mark.parametrize("half", ["bf16", "fp16"])
-def test_fp32_step_is_an_fp32_runs_step_and_without_keep_leaves_the_half_precision_run_bit_identical(half):
-    cpu, dtype, one = torch.device("cpu"), precision.DTYPES[half], optim.LossScaler(dynamic=False, static_scale=1.0)
-    cfg, model, optimizer, scaler = _bf16_parts([f"--{half}", "--loss_scale=1024"])
+@pytest.mark.parametrize("half,device", [("bf16", "cpu"), ("fp16", "cpu"), pytest.param("bf16", "cuda",
+                                                                                            marks=pytest.mark.cuda)])
+def test_fp32_step_is_an_fp32_runs_step_and_without_keep_leaves_the_half_precision_run_bit_identical(half, device):
+    dev, dtype, one = torch.device(device), precision.DTYPES[half], optim.LossScaler(dynamic=False, static_scale=1.0)
+    cfg, model, optimizer, scaler = _bf16_parts([f"--{half}", "--loss_scale=1024", f"--device={device}"], device=dev)
     gen = torch.Generator().manual_seed(0)
-    batches = [(torch.randint(0, 512, (2, 16), generator=gen), torch.randint(0, 512, (2, 16), generator=gen))]
-    train.train_step(model, optimizer, scaler, batches, 1e-2, cfg, cpu)  # Adam's state; masters != weights now
-    fp32_cfg, reference, ref_optimizer, _ = _bf16_parts()
+    tokens = torch.randint(0, 512, (2, 17), generator=gen).to(dev)
+    batches = [(tokens[:, :-1], tokens[:, 1:])]
+    train.train_step(model, optimizer, scaler, batches, 1e-2, cfg, dev)  # Adam's state; masters != weights now
+    fp32_cfg, reference, ref_optimizer, _ = _bf16_parts([f"--device={device}"], device=dev)
     ref_optimizer.load_state_dict(copy.deepcopy(optimizer.state_dict()))  # its own moments
     with torch.no_grad():
         for p, q in zip(reference.parameters(), model.parameters()):
@@ -198,14 +200,14 @@ def test_fp32_step_is_an_fp32_runs_step_and_without_keep_leaves_the_half_precisi
     before = everything()
     with precision.Fp32Step(model, optimizer) as fp32:
         assert all(p.dtype == torch.float32 for p in model.parameters())
-        step = train.train_step(model, optimizer, one, batches, 1e-2, cfg, cpu, judge=lambda *_: "a spike")
+        step = train.train_step(model, optimizer, one, batches, 1e-2, cfg, dev, judge=lambda *_: "a spike")
         fp32.keep = step.outcome == "ok"
     assert step.outcome == "spike" and all(p.dtype == dtype for p in model.parameters())
     assert all(torch.equal(a, b) for a, b in zip(before, everything()))  # bit for bit, nothing kept
     with precision.Fp32Step(model, optimizer) as fp32:
-        step = train.train_step(model, optimizer, one, batches, 1e-2, cfg, cpu)
+        step = train.train_step(model, optimizer, one, batches, 1e-2, cfg, dev)
         fp32.keep = step.outcome == "ok"
-    expected = train.train_step(reference, ref_optimizer, one, batches, 1e-2, fp32_cfg, cpu)
+    expected = train.train_step(reference, ref_optimizer, one, batches, 1e-2, fp32_cfg, dev)
     assert (step.loss, step.grad_norm) == (expected.loss, expected.grad_norm)  # the fp32 run's forward and backward
     for p, ref in zip(model.parameters(), reference.parameters()):
         assert torch.equal(optimizer.main_param(p), ref) and torch.equal(p, ref.to(dtype))  # its update, rounded
