@@ -877,8 +877,7 @@ class ZeroShardedOptimizer:
 
     @torch.no_grad()
     def broadcast(self, tensors):
-        """Give every rank the owner's values of tensors[p] (a dict: parameter -> a tensor of it, the same keys
-        on every rank): one broadcast per owner, of all its tensors (the weights it updated, its masters)."""
+        """Every rank gets the owner's tensors[p] (p: a parameter; the same keys on every rank), one call per owner."""
         for rank in range(grid.dp_size):
             mine = [tensors[p] for p in self.params if self.owner[p] == rank and p in tensors]
             if not mine:
