@@ -487,18 +487,19 @@ def corrupted_weights(guard, model, optimizer, iteration, then, payload):
     steps = max(iteration - 1 - then, 1)
     decay = max([group.get("weight_decay", 0.0) for group in optimizer.param_groups] or [0.0])
     move = 2 * lr_sum * adam_bound(cfg.adam_beta1, cfg.adam_beta2)
-    worst, where = 0.0, None
+    worst, where, chunk = 0.0, None, 2**24  # elements compared at a time: a few fp32 temporaries of 64 MiB
     for name, p in parallel.unwrap(model).named_parameters():
         if name not in payload[0] or not math.isfinite(move):
             continue
-        before = payload[0][name].to(p.device, torch.float32)
-        now = p.detach().float()
-        allowed = (move + 2 * max(lr_sum, steps) * decay * before.abs() + 4 * torch.finfo(p.dtype).eps
-                   * (before.abs() + move) + torch.finfo(torch.float32).tiny)
-        ratio = torch.where(torch.isfinite(now), (now - before).abs() / allowed, math.inf)
-        i = int(ratio.argmax())
-        if ratio.view(-1)[i] > worst:
-            worst, where = float(ratio.view(-1)[i]), (name, i, float(before.view(-1)[i]), float(now.view(-1)[i]))
+        for k in range(0, p.numel(), chunk):
+            before = payload[0][name].view(-1)[k:k + chunk].to(p.device, torch.float32)
+            now = p.detach().view(-1)[k:k + chunk].float()
+            allowed = (move + 2 * max(lr_sum, steps) * decay * before.abs() + 4 * torch.finfo(p.dtype).eps
+                       * (before.abs() + move) + torch.finfo(torch.float32).tiny)
+            ratio = torch.where(torch.isfinite(now), (now - before).abs() / allowed, math.inf)
+            i = int(ratio.argmax())
+            if ratio[i] > worst:
+                worst, where = float(ratio[i]), (name, k + i, float(before[i]), float(now[i]))
     ratios = torch.zeros(g.dp_size, dtype=torch.float64, device=next(model.parameters()).device)
     ratios[g.dp_rank] = worst
     if dist.is_initialized() and dist.get_world_size() > 1:
