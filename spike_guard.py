@@ -615,11 +615,12 @@ def inject_bad_batches(cfg, iteration, batches):
 
 def inject_numerical(cfg, iteration, model):
     """The fault of inject_numerical_iters: a hook on the final LayerNorm (its handle, to remove after the
-    iteration; None outside those iterations and off the last pipeline stage) that adds 256 x max|x| to its
-    input. LayerNorm subtracts the mean, so the function is the same -- but the sum keeps 24 - 8 bits of x in
-    fp32 and none in bf16 (8 bits) or fp16 (11): catastrophic cancellation. It stands for any computation that
-    half precision loses and fp32 keeps (an overflow, an absorbed small update); not for a particular one. A
-    replay in the same precision reproduces it; the guard's fp32 replay computes it right."""
+    iteration; None outside those iterations and off the last pipeline stage) that adds 4096 x max|x| to its
+    input. LayerNorm subtracts the mean, so the function is the same -- but the sum keeps 24 - 12 bits of x in
+    fp32 and none in bf16 (8 bits) or fp16 (11 bits; past 65504, when max|x| > 16, it overflows): catastrophic
+    cancellation. It stands for any computation that half precision loses and fp32 keeps (an overflow, an
+    absorbed small update); not for a particular one. A replay in the same precision reproduces it; the guard's
+    fp32 replay computes it right."""
     ranges = schedule.parse_iteration_ranges(cfg.inject_numerical_iters, "inject_numerical_iters")
     ln_f = getattr(parallel.unwrap(model), "ln_f", None)
     if ln_f is None or not schedule.in_ranges(iteration, ranges):
@@ -627,5 +628,5 @@ def inject_numerical(cfg, iteration, model):
 
     def cancel(module, args):
         x = args[0]
-        return (x + 256 * x.detach().abs().amax(), *args[1:])
+        return (x + 4096 * x.detach().abs().amax(), *args[1:])
     return ln_f.register_forward_pre_hook(cancel)

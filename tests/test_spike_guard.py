@@ -152,17 +152,17 @@ def test_a_weight_bit_flip_is_hardware_and_rolled_back_without_skipping_data_and
     assert not math.isfinite(loss(run("flip_weight", *FLIP_WEIGHT), 31))  # unguarded, the corrupted weight stays
 
 
-BF16 = ["--bf16", "--train_iters=20"]
-
-
-def test_bf16_numerical_spike_gets_the_fp32_step_and_a_bad_batch_still_is_data(run):
-    """In bf16: at 14 a cancellation that bf16 loses and fp32 keeps (inject_numerical_iters), at 17 a random-token
-    batch. The fp32 replay is ordinary at 14 (numerical: its step applied) and spikes too at 17 (data)."""
-    out = run("bf16_numerical", *BF16, *GUARD, "--inject_numerical_iters=14-14", "--inject_bad_batch_iters=17-17")
+@pytest.mark.parametrize("half", ["bf16", "fp16"])
+def test_numerical_spike_gets_the_fp32_step_and_a_bad_batch_still_is_data(run, half):
+    """In half precision: at 14 a cancellation that it loses and fp32 keeps (inject_numerical_iters), at 17 a
+    random-token batch. The fp32 replay is ordinary at 14 (numerical: its step applied) and spikes too at 17."""
+    out = run(f"{half}_numerical", f"--{half}", "--initial_loss_scale=1024", "--train_iters=20", *GUARD,
+              "--inject_numerical_iters=14-14", "--inject_bad_batch_iters=17-17")
     lines = [x for x in guard_lines(out) if ": sample " not in x]
+    scale = ", loss scale lowered to 512" if half == "fp16" else ""  # fp16's dynamic loss scale, halved
     assert re.match(r"spike guard: iteration 14: .* spreads above it; numerical: replayed: loss \S+, grad norm \S+, "
                     r"reproduced; in fp32: loss \S+, grad norm \S+, ordinary: the fp32 step applied; no data skipped, "
-                    r"LR unchanged$", lines[0]), lines
+                    rf"LR unchanged{scale}$", lines[0]), lines
     assert re.match(r"spike guard: iteration 17: .*; data-driven: replayed: .*; in fp32: .*, a spike too; the batch "
                     r"on the model of iteration 15: .*the batch is the outlier: update skipped \(spike 1 of 3",
                     lines[1]), lines[1]
