@@ -208,9 +208,12 @@ def test_fp32_step_is_an_fp32_runs_step_and_without_keep_leaves_the_half_precisi
         step = train.train_step(model, optimizer, one, batches, 1e-2, cfg, dev)
         fp32.keep = step.outcome == "ok"
     expected = train.train_step(reference, ref_optimizer, one, batches, 1e-2, fp32_cfg, dev)
-    assert (step.loss, step.grad_norm) == (expected.loss, expected.grad_norm)  # the fp32 run's forward and backward
+    # bit for bit on the CPU; CUDA's attention backward may sum in another order from one call to the next
+    tol = dict(rel_tol=0.0 if device == "cpu" else 1e-5)
+    assert math.isclose(step.loss, expected.loss, **tol) and math.isclose(step.grad_norm, expected.grad_norm, **tol)
+    same = torch.equal if device == "cpu" else lambda a, b: torch.allclose(a.float(), b.float(), rtol=1e-2, atol=1e-5)
     for p, ref in zip(model.parameters(), reference.parameters()):
-        assert torch.equal(optimizer.main_param(p), ref) and torch.equal(p, ref.to(dtype))  # its update, rounded
+        assert same(optimizer.main_param(p), ref) and same(p, ref.to(dtype))  # the fp32 run's update, rounded
         assert p.main_grad.dtype == precision.grad_dtype(cfg)  # the run's own gradient buffer is back
 
 
