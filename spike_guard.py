@@ -466,8 +466,10 @@ def snapshot_stats(payload):
 
 def adam_bound(beta1, beta2):
     """The most one Adam step can move a weight, in units of its learning rate (before weight decay): by
-    Cauchy-Schwarz, |m_hat| / sqrt(v_hat) <= (1 - beta1) / sqrt((1 - beta2) (1 - beta1^2 / beta2)), 7.3 at
-    (0.9, 0.999), 1.2 at (0.9, 0.95); no bound when beta1^2 >= beta2."""
+    Cauchy-Schwarz, |m_hat| / sqrt(v_hat) <= (1 - beta1) / sqrt((1 - beta2) (1 - beta1^2 / beta2)) whatever the
+    gradients (clipped or not) and the step (with a = beta1^t, b = beta2^t, the bias corrections only lower it:
+    (1 - b)(1 - a^2 / b) <= (1 - a)^2 as b + a^2 / b >= 2a); 7.3 at (0.9, 0.999), 1.2 at (0.9, 0.95); no bound
+    when beta1^2 >= beta2."""
     if beta1 * beta1 >= beta2:
         return math.inf
     return (1 - beta1) / math.sqrt((1 - beta2) * (1 - beta1 * beta1 / beta2))
