@@ -305,20 +305,26 @@ THREE_FAULTS = ["--inject_bitflip_iters=20-20", "--inject_bitflip_rank=1", "--in
                 "--inject_lr_iters=45-45", "--inject_lr_factor=1000"]
 
 
-@pytest.mark.slow
-def test_three_faults_three_diagnoses_three_remedies_with_dp2(run, corpus512, tmp_path):
-    """torchrun, 2 processes (DP2, gloo): a bit flip on rank 1's reduced gradient, bad batches, an LR spike."""
+def _dp2(run, *extra):
+    """stdout of the test run under torchrun with 2 processes (DP2, gloo, micro batches of 4)."""
     import subprocess
     import sys
     from helpers import ROOT, free_port
     args = [a for a in run.base if not a.startswith("--micro_batch_size")] + ["--micro_batch_size=4"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-           "train.py", *args, *GUARD, *THREE_FAULTS]
+           "train.py", *args, *GUARD, *extra]
     # both ranks write to one pipe: unbuffered, each line goes out whole when printed (block-buffered, rank 1's
     # output landed in the middle of rank 0's lines at exit)
     env = dict(os.environ, WANDB_MODE="disabled", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+@pytest.mark.slow
+def test_three_faults_three_diagnoses_three_remedies_with_dp2(run, corpus512):
+    """torchrun, 2 processes (DP2, gloo): a bit flip on rank 1's reduced gradient, bad batches, an LR spike."""
+    proc = _dp2(run, *THREE_FAULTS)
     lines = guard_lines(proc.stdout)
     assert any(re.match(r"spike guard: iteration 20: hardware/transient fault on DP rank 1: DP rank 1 computed loss "
                         r"\S+, grad norm \S+e\+\d\d, DP rank 0 .*: step retried and applied; no data skipped", x)
@@ -329,6 +335,23 @@ def test_three_faults_three_diagnoses_three_remedies_with_dp2(run, corpus512, tm
     assert "spike guard: rolled back to iteration 40" in lines
     assert re.search(r"spike guard: iteration 20: DP rank 1 is global rank 1 on host ", proc.stdout)
     assert abs(validation(proc.stdout) / validation(run("clean")) - 1) < 0.02
+
+
+@pytest.mark.slow
+def test_a_weight_flip_and_a_numerical_spike_with_dp2_in_bf16_and_zero1(run, corpus512):
+    """torchrun, DP2, bf16, ZeRO-1: a weight flipped on rank 1 after iteration 20, a cancellation at 25."""
+    proc = _dp2(run, "--bf16", "--zero_stage=1", "--train_iters=30", "--inject_bitflip_iters=20-20",
+                "--inject_bitflip_rank=1", "--inject_bitflip_target=weight", "--inject_numerical_iters=25-25")
+    expected = [r"spike guard: iteration 20: injected a bit flip into weight element \d+ on rank 1: ",
+                r"spike guard: iteration 21: on rank 1, weight \S+ is \S+, was \S+ at iteration 15$",  # rank 1's
+                r"spike guard: iteration 21: DP rank 1 is global rank 1 on host ",
+                r"spike guard: iteration 21: hardware/transient fault on DP rank 1: replayed: .*, reproduced; a weight "
+                r"of DP rank 1 moved .*: roll back to before iteration 20; no data skipped, LR unchanged",
+                r"spike guard: rolled back to iteration 15$",
+                r"spike guard: iteration 25: .*; numerical: replayed: .*; in fp32: .*, ordinary: the fp32 step "
+                r"applied; no data skipped, LR unchanged$"]
+    lines = guard_lines(proc.stdout)  # two processes print: in any order
+    assert len(lines) == len(expected) and all(any(re.match(e, x) for x in lines) for e in expected), lines
 
 
 def test_at_the_cap_the_run_saves_its_last_good_state_and_stops(run):
