@@ -135,11 +135,15 @@ class Config(GPTConfig):
     spike_guard_reset_optimizer: bool = False  # on a relapse, also reset the optimizer with the lr=0 warm-up (lesson 8)
     spike_guard_max_rollbacks: int = 3  # more would be needed: save the last good state and exit (code 3)
     spike_guard_max_skipped_iters: int = 2000  # iterations skipped by the guard in all, then save and exit (code 3)
+    spike_guard_max_hardware_faults: int = 3  # transient faults on one DP rank before the run stops, naming it
+    spike_guard_fp32_replay: bool = True  # fp16/bf16: replay a reproduced spike in fp32 (an fp32 copy of the weights)
     inject_bad_batch_iters: list[str] | None = None  # fault injection: iterations ("40-45") given random-token batches
     inject_lr_iters: list[str] | None = None  # fault injection: iteration ranges whose LR is x inject_lr_factor
     inject_lr_factor: float = 100.0  # the LR multiplier of inject_lr_iters
     inject_bitflip_iters: list[str] | None = None  # fault injection: flip a bit of one gradient element at these iters
     inject_bitflip_rank: int = 0  # ... on this rank, after the DP all-reduce (a faulty GPU: silent data corruption)
+    inject_bitflip_target: str = "grad"  # ... of a gradient ("grad"), or of a weight after the step ("weight")
+    inject_numerical_iters: list[str] | None = None  # fault injection: a cancellation only half precision loses
 
 
 FIELDS = {f.name: f for f in fields(Config)}
@@ -395,8 +399,10 @@ def validate(cfg, world_size=1, reads_data=True):
     need(not reads_data or cfg.tokenizer_file is None or cfg.data_path is not None,
          "tokenizer_file is set but data_path is not: the bundled corpus is GPT-2 tokens; prepare your data with "
          "`python data.py --input ... --output-prefix PREFIX --tokenizer-file FILE` and set data_path=PREFIX")
-    for key in ("skip_train_iteration_range", "inject_bad_batch_iters", "inject_lr_iters", "inject_bitflip_iters"):
+    for key in ("skip_train_iteration_range", "inject_bad_batch_iters", "inject_lr_iters", "inject_bitflip_iters",
+                "inject_numerical_iters"):
         schedule.parse_iteration_ranges(getattr(cfg, key), key)
+    need(cfg.inject_bitflip_target in ("grad", "weight"), "inject_bitflip_target must be 'grad' or 'weight'")
     need(cfg.reset_optimizer_warmup_iters in (None, "auto") or isinstance(cfg.reset_optimizer_warmup_iters, int),
          "reset_optimizer_warmup_iters must be a number of iterations or 'auto'")
     need(cfg.reset_optimizer_warmup_iters is None or cfg.load is not None,
@@ -422,6 +428,7 @@ def validate(cfg, world_size=1, reads_data=True):
          f"soft_skip_loss_ratio={cfg.soft_skip_loss_ratio} must be 0 (off) or >= 1 (a multiple of the loss's trend)")
     need(not (cfg.deepspeed and cfg.soft_skip_loss_ratio), "soft_skip_loss_ratio scales the gradients before the "
          "update, which DeepSpeed keeps inside its step(); set soft_skip_loss_ratio=0 or deepspeed=False")
+    need(cfg.spike_guard_max_hardware_faults >= 1, "spike_guard_max_hardware_faults must be >= 1")
     need(not cfg.curriculum_learning or (cfg.total_curriculum_step is not None and cfg.total_curriculum_step > 0),
          "curriculum_learning needs total_curriculum_step (about train_tokens / global_batch / seq_length / 2)")
 

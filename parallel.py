@@ -873,14 +873,19 @@ class ZeroShardedOptimizer:
     @torch.no_grad()
     def step(self):
         self.optimizer.step()
-        for rank in range(grid.dp_size):  # one broadcast per owner of all the parameters it updated
-            mine = [p for p in self.params if self.owner[p] == rank]
+        self.broadcast({p: p for p in self.params})
+
+    @torch.no_grad()
+    def broadcast(self, tensors):
+        """Every rank gets the owner's tensors[p] (p: a parameter; the same keys on every rank), one call per owner."""
+        for rank in range(grid.dp_size):
+            mine = [tensors[p] for p in self.params if self.owner[p] == rank and p in tensors]
             if not mine:
                 continue
             flat = torch._utils._flatten_dense_tensors(mine)
             dist.broadcast(flat, src=grid.rank_of(grid.tp_rank, rank, grid.pp_rank), group=grid.dp_group)
-            for p, new in zip(mine, torch._utils._unflatten_dense_tensors(flat, mine)):
-                p.copy_(new)
+            for t, new in zip(mine, torch._utils._unflatten_dense_tensors(flat, mine)):
+                t.copy_(new)
 
     def state_dict(self):
         return {"zero_stage": 1, "dp_rank": grid.dp_rank, "dp_size": grid.dp_size,

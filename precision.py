@@ -19,6 +19,8 @@ half-precision rounding of the residual stream (a source of the 104B's spikes) i
 """
 import torch
 
+import parallel
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -125,3 +127,65 @@ class MixedPrecisionOptimizer:
         """Masters from the model's weights (a fresh optimizer after a load without its state)."""
         for p, main in self.copies:
             main.copy_(p)
+
+
+class Fp32Step:
+    """One step of a half-precision model run in fp32, for the spike guard's numerical diagnosis (a spike that an
+    fp32 replay of the same step does not have, docs/spike_guard.md):
+
+        with precision.Fp32Step(model, optimizer) as fp32:
+            step = train_step(model, optimizer, no_loss_scale, ...)
+            fp32.keep = step.outcome == "ok"
+
+    Inside, the model's weights are fp32 copies of its master weights and its gradients are accumulated in fp32
+    (fp16: fp32 buckets in place of the GradBuffer's half ones; bf16's are fp32 already), so the forward,
+    backward and optimizer step are those of an fp32 run from the same state. On leaving, with `keep`, the weights
+    are the masters rounded into the half-precision tensors, as MixedPrecisionOptimizer.step rounds them;
+    without, the half-precision tensors are back untouched, bit for bit. Costs, for that one step, an fp32 copy
+    of the weights (fp16: and of the gradients), 4 (8) bytes per parameter, and activations at fp32's size."""
+
+    def __init__(self, model, optimizer):
+        self.gpt, self.optimizer, self.keep = parallel.unwrap(model), optimizer, False
+
+    def __enter__(self):
+        params = [p for p in self.gpt.parameters() if p.dtype != torch.float32]
+        self.half = {p: p.data for p in params}
+        for p, master in zip(params, master_weights(params, self.optimizer)):
+            p.data = master
+        buffer, self.buckets = parallel.grad_buffer(self.gpt), None
+        if buffer is not None and buffer.buckets and buffer.buckets[0].dtype != torch.float32:
+            self.buckets = (buffer, buffer.buckets, {p: p.main_grad for p in buffer.params})
+            buffer.buckets = [torch.zeros_like(flat, dtype=torch.float32) for flat in buffer.buckets]
+            for flat, members in zip(buffer.buckets, buffer.members):  # GradBuffer's layout, in fp32
+                offset = 0
+                for i in members:
+                    p = buffer.params[i]
+                    p.main_grad = flat[offset:offset + p.numel()].view_as(p)
+                    offset += p.numel()
+        return self
+
+    @torch.no_grad()
+    def __exit__(self, *exc):
+        for p, half in self.half.items():
+            if self.keep and exc[0] is None:
+                half.copy_(p.data)
+            p.data = half
+        if self.buckets is not None:
+            buffer, buffer.buckets, main_grads = self.buckets
+            for p, grad in main_grads.items():
+                p.main_grad = grad
+
+
+@torch.no_grad()
+def master_weights(params, optimizer):
+    """Copies of the fp32 master weights of these model parameters, on this rank; under ZeRO-1 each broadcast over
+    DP by the rank that holds it, as ZeroShardedOptimizer.step broadcasts the weights it updated."""
+    copies = []
+    for p in params:
+        main = optimizer.main_param(p)
+        if main is None:  # another DP rank's (ZeRO-1): broadcast below
+            main = torch.empty(p.shape, dtype=torch.float32, device=p.device)
+        copies.append(main.detach().clone())
+    if isinstance(optimizer, parallel.ZeroShardedOptimizer):
+        optimizer.broadcast(dict(zip(params, copies)))
+    return copies

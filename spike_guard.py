@@ -12,11 +12,17 @@ But the causes call for different remedies, so the guard asks why before it acts
              `spike_guard_min_steps` applied steps on: the trend makes the warm-up's falling loss ordinary.
   diagnose   (investigate(), before any update) replay the step, same weights, batch and RNG:
                not reproduced (or the replicas disagreed)  -> hardware: the replayed step is applied (a retry),
-                                                             no data skipped, no LR cut; the Nth on one DP rank
-                                                             (N = spike_guard_max_skips) stops the run, naming it
-               reproduced: the batch on the model of the newest snapshot two updates back
-                 still an outlier against that model's trend -> data: the ladder below
-                 ordinary there                              -> optimizer: roll back at once, skip no data
+                                                             no data skipped, no LR cut
+               reproduced:
+                 a weight moved farther since the newest snapshot two updates back than Adam can move it
+                                                           -> hardware: roll back to it, no data skipped, no LR cut
+                 fp16/bf16: the step replayed in fp32 is ordinary
+                                                           -> numerical: the fp32 step is applied (fp16: the
+                                                              loss scale halved), no data skipped, no LR cut
+                 the batch on the model of that snapshot
+                   still an outlier against that model's trend -> data: the ladder below
+                   ordinary there                              -> optimizer: roll back at once, skip no data
+             The spike_guard_max_hardware_faults-th hardware fault on one DP rank stops the run, naming it.
   act (data) (a) skip the update: no weight, Adam moment, step counter or LR-schedule change;
              (b) at the `spike_guard_max_skips`-th spike within `spike_guard_rewind` iterations: roll back to the
                  newest snapshot (host copy, or disk checkpoint) before the spike window and add the window -- from
@@ -38,8 +44,10 @@ history and never are. Every replica decides from DP rank 0's numbers (agreed())
 Fault injection, to make a spike on purpose (Megatron-LM's --error-injection-*): `inject_bad_batch_iters`
 replaces the batches of those iterations by random token ids (data: it comes back when the iterations are run
 again), `inject_lr_iters` multiplies their LR by `inject_lr_factor` (schedule.lr_at), `inject_bitflip_iters`
-flips a bit of a reduced gradient on `inject_bitflip_rank` (bitflip()). The last two are events in time: a
-replay or a rollback does not meet them again (SpikeGuard.meets_fault).
+flips a bit of a reduced gradient, or of a weight after the update (`inject_bitflip_target`), on
+`inject_bitflip_rank` (bitflip()); these two are events in time: a replay or a rollback does not meet them again
+(SpikeGuard.meets_fault). `inject_numerical_iters` adds a cancellation that half precision loses and fp32 keeps
+(inject_numerical()).
 """
 import collections
 import math
@@ -49,7 +57,9 @@ import torch
 import torch.distributed as dist
 
 import checkpoint
+import optim
 import parallel
+import precision
 import schedule
 from report import print0
 
@@ -121,6 +131,7 @@ class SpikeGuard:
         self.enabled = cfg.spike_guard
         # statistics of applied steps: rolled back with the weights
         self.series = {"loss": Series(cfg.spike_guard_window), "grad norm": Series(cfg.spike_guard_window, log=True)}
+        self.lr_sum = 0.0  # the learning rates of the applied steps, summed: how far Adam can have moved a weight
         # decisions: never rolled back
         self.strikes = []  # iterations of the spikes of the current episode
         self.skip_ranges = []  # [start, end] inclusive, added by rollbacks
@@ -137,12 +148,19 @@ class SpikeGuard:
     # -- state -----------------------------------------------------------------------------------------------
 
     def stats(self):
-        return {name: series.state() for name, series in self.series.items()}
+        return {**{name: series.state() for name, series in self.series.items()}, "lr sum": self.lr_sum}
 
     def load_stats(self, stats=None):
         """The statistics of a snapshot or checkpoint (None: one written without the guard, start afresh)."""
         for name, series in self.series.items():
             series.load((stats or {}).get(name))
+        self.lr_sum = (stats or {}).get("lr sum", 0.0)
+
+    def record(self, loss, grad_norm, lr):
+        """An applied step."""
+        self.series["loss"].record(loss)
+        self.series["grad norm"].record(grad_norm)
+        self.lr_sum += lr
 
     def state_dict(self):
         return {"stats": self.stats(), "strikes": list(self.strikes), "skip_ranges": [list(r) for r in
@@ -191,16 +209,17 @@ class SpikeGuard:
                 return iteration > self.last_run and not rolled_back
         return False
 
-    def update(self, iteration, outcome, loss, grad_norm, scaler, diagnosis=None):
-        """After train_step (and investigate()): record an applied step, or decide what a spike calls for, from
-        its diagnosis. Returns the decision (a dict: action skip | retry | rollback | stop, with its reason,
-        cause, evidence and line) or None."""
+    def update(self, iteration, outcome, loss, grad_norm, scaler, diagnosis=None, lr=0.0):
+        """After train_step (and investigate()): record an applied step (at learning rate lr), or decide what a
+        spike calls for, from its diagnosis. Returns the decision (a dict: action skip | retry | rollback | stop,
+        with its reason, cause, evidence and line) or None."""
         self.last_run = max(self.last_run, iteration)
         if diagnosis is not None and diagnosis["cause"] == "hardware":
-            return self._hardware(iteration, outcome, loss, grad_norm, diagnosis)
+            return self._hardware(iteration, outcome, loss, grad_norm, lr, diagnosis)
+        if diagnosis is not None and diagnosis["cause"] == "numerical":
+            return self._numerical(iteration, loss, grad_norm, lr, scaler, diagnosis)
         if outcome == "ok":
-            self.series["loss"].record(loss)
-            self.series["grad norm"].record(grad_norm)
+            self.record(loss, grad_norm, lr)
             return None
         if not self.enabled:
             if outcome == "replicas differ":  # no update anywhere: the replicas stay identical
@@ -266,27 +285,47 @@ class SpikeGuard:
         return self._decide(iteration, "rollback", reason, plan, start=start, end=end, lr_scale=lr_scale,
                             reset_optimizer=reset, **cause)
 
-    def _hardware(self, iteration, outcome, loss, grad_norm, diagnosis):
-        """A step that its replay (or the other DP replicas) did not reproduce: a transient fault. The retried
-        step stands; no data is skipped and the LR is not cut. Repeated on one rank: stop, naming it."""
-        cfg, rank = self.cfg, diagnosis["rank"]
-        if outcome == "ok":
-            self.series["loss"].record(loss)
-            self.series["grad norm"].record(grad_norm)
+    def _hardware(self, iteration, outcome, loss, grad_norm, lr, diagnosis):
+        """A transient fault: a step that its replay (or the other DP replicas) did not reproduce -- the retried
+        step stands -- or weights that the optimizer cannot have written (diagnosis["rollback"]) -- roll back to
+        the snapshot before them. No data is skipped and the LR is not cut. Repeated on one rank: stop, naming it."""
+        cfg, rank, cap = self.cfg, diagnosis["rank"], self.cfg.spike_guard_max_hardware_faults
+        rollback = diagnosis.get("rollback", False)
+        if outcome == "ok" and not rollback:
+            self.record(loss, grad_norm, lr)
         self.faults[rank] = self.faults.get(rank, 0) + 1
         where = "an unknown DP rank (the replicas agreed)" if rank is None else f"DP rank {rank}"
         reason = f"hardware/transient fault on {where}: {diagnosis['evidence']}"
         cause = {"cause": "hardware", "evidence": diagnosis["evidence"], "rank": rank}
+        if rollback:  # the corrupted weight is in the state: a stop saves the state before it
+            cause["start"] = iteration - 1
         if rank is not None and parallel.grid.dp_rank == rank and parallel.grid.tp_rank == 0:
             print(f"spike guard: iteration {iteration}: DP rank {rank} is global rank {parallel.grid.rank} on host "
                   f"{socket.gethostname()}", flush=True)
-        if self.faults[rank] >= cfg.spike_guard_max_skips:
+        if self.faults[rank] >= cap:
             return self._decide(iteration, "stop", reason, f"{self.faults[rank]} faults on {where}, the "
-                                f"spike_guard_max_skips={cfg.spike_guard_max_skips}th: take its node out", **cause)
+                                f"spike_guard_max_hardware_faults={cap}th: take its node out", **cause)
+        count = f"no data skipped, LR unchanged (fault {self.faults[rank]} of {cap} on {where} before a stop)"
+        if rollback:  # booked by applied(), not counted against spike_guard_max_rollbacks nor as a relapse
+            return self._decide(iteration, "rollback", reason, f"roll back to before iteration {iteration - 1}; "
+                                f"{count}", end=None, lr_scale=self.lr_scale, reset_optimizer=False, **cause)
         what = "step retried and applied" if outcome == "ok" else "no update (the retry differed too)"
-        decision = self._decide(iteration, "retry", reason, f"{what}; no data skipped, LR unchanged (fault "
-                                f"{self.faults[rank]} of {cfg.spike_guard_max_skips} on {where} before a stop)",
-                                **cause)
+        decision = self._decide(iteration, "retry", reason, f"{what}; {count}", **cause)
+        self.decisions.append(decision)
+        return decision
+
+    def _numerical(self, iteration, loss, grad_norm, lr, scaler, diagnosis):
+        """A half-precision step whose fp32 replay was ordinary: the fp32 step was applied (investigate()); no
+        data skipped, no LR cut, nothing rolled back; with fp16's dynamic loss scale, the scale halved."""
+        self.record(loss, grad_norm, lr)
+        plan = "the fp32 step applied; no data skipped, LR unchanged"
+        if scaler is not None and scaler.dynamic:
+            scaler.scale, scaler.clean_steps = max(scaler.scale / 2, scaler.min_scale), 0
+            plan += f", loss scale lowered to {scaler.scale:g}"
+        reason = f"{self.pending}; numerical: " if self.pending else "numerical: "
+        self.pending = None
+        decision = self._decide(iteration, "retry", reason + diagnosis["evidence"], plan, cause="numerical",
+                                evidence=diagnosis["evidence"])
         self.decisions.append(decision)
         return decision
 
@@ -298,7 +337,7 @@ class SpikeGuard:
 
     def applied(self, decision, target):
         """Book a rollback (or the stop) once train.py has restored the run to iteration `target`."""
-        if decision["action"] == "rollback":
+        if decision["action"] == "rollback" and decision.get("cause") != "hardware":
             self.rollbacks += 1
             if decision["end"] is not None:
                 self.skip_ranges.append((decision["start"], decision["end"]))
@@ -348,20 +387,31 @@ def agreed(loss, grad_norm, *more):
     return (*rows[0], len({repr(r) for r in rows}) > 1)
 
 
-def investigate(guard, step, iteration, rng_before, snapshots, model, rerun, forward):
+def investigate(parts, step, iteration, before, snapshots, rerun, forward):
     """Before the guard acts on a suspect step: (step, diagnosis). The weights and optimizer are still those
-    before the step (a suspect step is never applied).
-    1. replay: the step again, same weights, batch and RNG (rerun(judge) runs train_step). Not reproduced --
-       the replay is no spike, or the DP replicas disagreed -- is a transient fault ("hardware"): the replay
+    before the step (a suspect step is never applied); before = (RNG state, loss scaler state) before it.
+    1. replay: the step again, same weights, batch, RNG and loss scaler (rerun(judge, scaler) runs train_step on
+       the run's parts, with its scaler unless another is given). Not reproduced
+       -- the replay is no spike, or the DP replicas disagreed -- is a transient fault ("hardware"): the replay
        applied its update (the step retried) and its step is returned.
-    2. reproduced: the batch on the model of a snapshot taken at least two updates earlier (forward() is the
-       loss of the batch on the live model). Still an outlier against that model's own trend: "data". The
-       batch is ordinary there, the loss is not now: the update went wrong ("optimizer").
-    Costs one extra step and one forward per spike; a clean run never calls it."""
+    2. reproduced: are the weights ones the optimizer can have written? Compared with the newest snapshot two
+       updates or more back, a weight that moved farther than Adam can move it at the LRs applied since was
+       written by something else: a silent corruption ("hardware", rolled back: the replay reproduces it
+       because it is in the state).
+    3. fp16/bf16: the step replayed in fp32 (same batch, RNG and master weights). Ordinary there: "numerical",
+       and the fp32 step was applied and is returned.
+    4. the batch on the model of that snapshot (forward() is the loss of the batch on the live model). Still an
+       outlier against that model's own trend: "data". The batch is ordinary there, the loss is not now: the
+       update went wrong ("optimizer").
+    Costs one extra step (two in half precision: one of them in fp32) and one forward per spike; a clean run
+    never calls it."""
+    guard, model, optimizer = parts.guard, parts.model, parts.optimizer
     first = f"loss {step.loss:.6g}, grad norm {step.grad_norm:.6g}"
     rows = list(replica_values)
     differ = [r for r, row in enumerate(rows) if repr(row) != repr(rows[0])]
+    rng_before, scaler_before = before
     checkpoint.set_rng_state(rng_before)
+    parts.scaler.load_state_dict(scaler_before)  # the step's fp16 overflow counted once, not twice
     replay = rerun(guard.judge if guard.armed() else None)
     again = f"loss {replay.loss:.6g}, grad norm {replay.grad_norm:.6g}"
     if differ or replay.outcome not in SUSPECT:
@@ -372,9 +422,22 @@ def investigate(guard, step, iteration, rng_before, snapshots, model, rerun, for
         else:
             evidence = f"first {first}; replayed: {again}, not reproduced"
         return replay, {"cause": "hardware", "evidence": evidence, "rank": rank}
+    replayed = f"replayed: {again}, reproduced"
     found = snapshots.newest_before(iteration - 1)
+    if found is not None:
+        corrupted = corrupted_weights(guard, model, optimizer, iteration, *found)
+        if corrupted is not None:
+            rank, evidence = corrupted
+            return replay, {"cause": "hardware", "evidence": f"{replayed}; {evidence}",
+                            "rank": rank, "rollback": True}
+    if guard.cfg.spike_guard_fp32_replay and precision.name(guard.cfg) != "fp32":
+        exact = replay_in_fp32(guard, rng_before, model, optimizer, rerun)
+        if exact.outcome == "ok":
+            return exact, {"cause": "numerical", "evidence": f"{replayed}; in fp32: loss {exact.loss:.6g}, grad "
+                           f"norm {exact.grad_norm:.6g}, ordinary"}
+        replayed += f"; in fp32: loss {exact.loss:.6g}, grad norm {exact.grad_norm:.6g}, a spike too"
     if found is None:
-        return replay, {"cause": "data", "evidence": f"replayed: {again}, reproduced; no earlier snapshot to "
+        return replay, {"cause": "data", "evidence": f"{replayed}; no earlier snapshot to "
                         "test the batch on"}
     then, payload = found
     rng_after = checkpoint.rng_state()
@@ -385,34 +448,112 @@ def investigate(guard, step, iteration, rng_before, snapshots, model, rerun, for
     gpt.load_state_dict(live)
     checkpoint.set_rng_state(rng_after)
     trend = Series(guard.cfg.spike_guard_window)
-    trend.load((((payload[1]["state"].get("spike_guard") or {}).get("stats")) or {}).get("loss"))
+    trend.load(snapshot_stats(payload).get("loss"))
     expected_then, expected_now = trend.expected(), guard.series["loss"].expected()
     excess_now = replay.loss - expected_now if math.isfinite(replay.loss) else math.inf
     excess_then = old - expected_then if expected_then is not None and math.isfinite(old) else math.inf
     data = excess_then >= 0.5 * excess_now if math.isfinite(excess_now) else not math.isfinite(old)
-    evidence = (f"replayed: {again}, reproduced; the batch on the model of iteration {then}: loss {old:.4g}, "
+    evidence = (f"{replayed}; the batch on the model of iteration {then}: loss {old:.4g}, "
                 f"{excess_then:+.3g} against its trend, now {excess_now:+.3g}: the "
                 + ("batch is the outlier" if data else "batch is ordinary, the weights are not"))
     return replay, {"cause": "data" if data else "optimizer", "evidence": evidence}
 
 
-def bitflip(cfg, iteration, guard):
-    """The fault of inject_bitflip_iters for train_step (or None): on rank inject_bitflip_rank, after the DP
-    all-reduce, the top exponent bit of the largest gradient element of the first matrix flips (x 2^128 for
-    a gradient under 2 in fp32). Once in time: not in a replay, nor when the iteration is run again."""
+def snapshot_stats(payload):
+    """The guard's statistics in a snapshot's (or checkpoint's) run state ({} if it was taken without the guard)."""
+    return ((payload[1]["state"].get("spike_guard") or {}).get("stats")) or {}
+
+
+def adam_bound(beta1, beta2):
+    """The most one Adam step can move a weight, in units of its learning rate (before weight decay): by
+    Cauchy-Schwarz, |m_hat| / sqrt(v_hat) <= (1 - beta1) / sqrt((1 - beta2) (1 - beta1^2 / beta2)) whatever the
+    gradients (clipped or not) and the step (with a = beta1^t, b = beta2^t, the bias corrections only lower it:
+    (1 - b)(1 - a^2 / b) <= (1 - a)^2 as b + a^2 / b >= 2a); 7.3 at (0.9, 0.999), 1.2 at (0.9, 0.95); no bound
+    when beta1^2 >= beta2."""
+    if beta1 * beta1 >= beta2:
+        return math.inf
+    return (1 - beta1) / math.sqrt((1 - beta2) * (1 - beta1 * beta1 / beta2))
+
+
+@torch.no_grad()
+def corrupted_weights(guard, model, optimizer, iteration, then, payload):
+    """(DP rank, evidence) when some rank holds a weight the optimizer cannot have written since the snapshot of
+    iteration `then`, else None. A weight may move by at most 2 x (sum of the LRs applied since) x (adam_bound +
+    weight decay x |weight|), plus the rounding of its dtype; one that moved farther (or is not finite) was written
+    by something else: a bit flipped in memory. One all-reduce over all ranks of one number per DP rank, so every
+    rank names the same DP rank (the corrupted weight may be on any TP or PP rank of it)."""
+    cfg, g, stats = guard.cfg, parallel.grid, snapshot_stats(payload)
+    if "lr sum" not in stats:  # a checkpoint written before the guard summed its LRs: no bound to test against
+        return None
+    lr_sum = max(guard.lr_sum - stats["lr sum"], 0.0)
+    steps = max(iteration - 1 - then, 1)
+    decay = max([group.get("weight_decay", 0.0) for group in optimizer.param_groups] or [0.0])
+    move = 2 * lr_sum * adam_bound(cfg.adam_beta1, cfg.adam_beta2)
+    worst, where, chunk = 0.0, None, 2**24  # elements compared at a time: a few fp32 temporaries of 64 MiB
+    for name, p in parallel.unwrap(model).named_parameters():
+        if name not in payload[0] or not math.isfinite(move):
+            continue
+        for k in range(0, p.numel(), chunk):
+            before = payload[0][name].view(-1)[k:k + chunk].to(p.device, torch.float32)
+            now = p.detach().view(-1)[k:k + chunk].float()
+            allowed = (move + 2 * max(lr_sum, steps) * decay * before.abs() + 4 * torch.finfo(p.dtype).eps
+                       * (before.abs() + move) + torch.finfo(torch.float32).tiny)
+            ratio = torch.where(torch.isfinite(now), (now - before).abs() / allowed, math.inf)
+            i = int(ratio.argmax())
+            if ratio[i] > worst:
+                worst, where = float(ratio[i]), (name, k + i, float(before[i]), float(now[i]))
+    ratios = torch.zeros(g.dp_size, dtype=torch.float64, device=next(model.parameters()).device)
+    ratios[g.dp_rank] = worst
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(ratios, op=dist.ReduceOp.MAX)
+    ratios = ratios.tolist()
+    if max(ratios) <= 1:
+        return None
+    rank = max(range(g.dp_size), key=ratios.__getitem__)
+    if where is not None and worst > 1:  # the rank that holds it says which weight
+        name, i, before, now = where
+        print(f"spike guard: iteration {iteration}: on rank {g.rank}, weight {name}[{i}] is {now:.4g}, was "
+              f"{before:.4g} at iteration {then}", flush=True)
+    return rank, (f"a weight of DP rank {rank} moved {ratios[rank]:.3g}x farther since iteration {then} than Adam "
+                  f"can move it at the LRs applied since (summed: {lr_sum:.3g}): written by something else")
+
+
+def replay_in_fp32(guard, rng_before, model, optimizer, rerun):
+    """The step replayed in fp32 (precision.Fp32Step: the master weights, fp32 gradients, no loss scale), judged
+    against the trend. Applied if it is ordinary; else the half-precision run is left exactly as it was (its
+    weights, masters, optimizer, loss scaler and RNG streams, and the reason the guard gives)."""
+    rng_after, pending = checkpoint.rng_state(), guard.pending
+    checkpoint.set_rng_state(rng_before)
+    with precision.Fp32Step(model, optimizer) as fp32:
+        exact = rerun(guard.judge if guard.armed() else None, optim.LossScaler(dynamic=False, static_scale=1.0))
+        fp32.keep = exact.outcome == "ok"
+    guard.pending = pending  # the spike's reason is the half-precision step's
+    if not fp32.keep:
+        checkpoint.set_rng_state(rng_after)
+    return exact
+
+
+def bitflip(cfg, iteration, guard, target="grad"):
+    """The fault of inject_bitflip_iters (or None), when inject_bitflip_target is `target`: on rank
+    inject_bitflip_rank the top exponent bit of the largest element of the first matrix flips (x 2^128 for a
+    value under 2 in fp32) -- in its reduced gradient ("grad": train_step calls it after the DP all-reduce), or
+    in the weight itself after the update ("weight": the loop calls it; the next step computes with it). Once
+    in time: not in a replay, nor when the iteration is run again."""
     ranges = schedule.parse_iteration_ranges(cfg.inject_bitflip_iters, "inject_bitflip_iters")
-    if not (guard.meets_fault(iteration, ranges) and parallel.grid.rank == cfg.inject_bitflip_rank):
+    if cfg.inject_bitflip_target != target or not (guard.meets_fault(iteration, ranges)
+                                                     and parallel.grid.rank == cfg.inject_bitflip_rank):
         return None
 
+    @torch.no_grad()
     def flip(model):
-        grad = next(g for g in map(parallel.main_grad, parallel.unwrap(model).parameters())
-                    if g is not None and g.dim() == 2)
-        flat = grad.view(-1)
+        params = [p for p in parallel.unwrap(model).parameters() if p.dim() == 2]
+        flat = (parallel.main_grad(params[0]) if target == "grad" else params[0].data).view(-1)
         i = int(flat.abs().argmax())
         bits = {torch.float32: (torch.int32, 30), torch.bfloat16: (torch.int16, 14), torch.float16: (torch.int16, 14)}
         itype, bit = bits[flat.dtype]
         flat.view(itype)[i] ^= 1 << bit
-        print(f"spike guard: iteration {iteration}: injected a bit flip into gradient element {i} on rank "
+        what = "gradient" if target == "grad" else "weight"
+        print(f"spike guard: iteration {iteration}: injected a bit flip into {what} element {i} on rank "
               f"{parallel.grid.rank}: {float(flat[i]):.4g}", flush=True)
     return flip
 
@@ -497,3 +638,22 @@ def inject_bad_batches(cfg, iteration, batches):
         tokens = torch.randint(0, cfg.vocab_size, (x.shape[0], x.shape[1] + 1), generator=gen)
         out.append((tokens[:, :-1].to(x.device), tokens[:, 1:].to(y.device)))
     return out
+
+
+def inject_numerical(cfg, iteration, model):
+    """The fault of inject_numerical_iters: a hook on the final LayerNorm (its handle, to remove after the
+    iteration; None outside those iterations and off the last pipeline stage) that adds 4096 x max|x| to its
+    input. LayerNorm subtracts the mean, so the function is the same -- but the sum keeps 24 - 12 bits of x in
+    fp32 and none in bf16 (8 bits) or fp16 (11 bits; past 65504, when max|x| > 16, it overflows): catastrophic
+    cancellation. It stands for any computation that half precision loses and fp32 keeps (an overflow, an
+    absorbed small update); not for a particular one. A replay in the same precision reproduces it; the guard's
+    fp32 replay computes it right."""
+    ranges = schedule.parse_iteration_ranges(cfg.inject_numerical_iters, "inject_numerical_iters")
+    ln_f = getattr(parallel.unwrap(model), "ln_f", None)
+    if ln_f is None or not schedule.in_ranges(iteration, ranges):
+        return None
+
+    def cancel(module, args):
+        x = args[0]
+        return (x + 4096 * x.detach().abs().amax(), *args[1:])
+    return ln_f.register_forward_pre_hook(cancel)

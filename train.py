@@ -126,22 +126,32 @@ def run(cfg, grid, exit_signal, writer=None):
             probe = recorder if recorder and iteration % cfg.telemetry_interval == 0 else None
             if probe:
                 probe.begin()
-            rng_before = checkpoint.rng_state() if guard.enabled else None
+            before = (checkpoint.rng_state(), parts.scaler.state_dict()) if guard.enabled else None
+            # fault injection (None outside its iterations): a half-precision cancellation, a weight's bit flip
+            numerical = spike_guard.inject_numerical(cfg, iteration, train_model)
+            flip_weight = spike_guard.bitflip(cfg, iteration, guard, "weight")
             step = train_step(train_model, parts.optimizer, parts.scaler, batches, lr, cfg, device,
                               count_zeros=iteration % cfg.log_interval == 0,
                               judge=guard.judge if guard.armed(state) else None, probe=probe,
-                              fault=spike_guard.bitflip(cfg, iteration, guard), trend=soft_skip_trend(cfg, guard))
+                              fault=spike_guard.bitflip(cfg, iteration, guard, "grad"),
+                              trend=soft_skip_trend(cfg, guard))
             if probe:
                 report.telemetry(iteration, state, probe.finish())
             diagnosis = None
             if guard.enabled and step.outcome in spike_guard.SUSPECT:  # replay it, test its batch (forensics)
                 step, diagnosis = spike_guard.investigate(
-                    guard, step, iteration, rng_before, snapshots, train_model,
-                    rerun=lambda judge: train_step(train_model, parts.optimizer, parts.scaler, batches, lr, cfg,
-                                                   device, count_zeros=False, judge=judge),
+                    parts, step, iteration, before, snapshots,
+                    rerun=lambda judge, scaler=parts.scaler: train_step(train_model, parts.optimizer, scaler,
+                                                                        batches, lr, cfg, device, count_zeros=False,
+                                                                        judge=judge),
                     forward=lambda: evaluate_batches(train_model, batches, cfg, device))
-            decision = guard.update(iteration, step.outcome, step.loss, step.grad_norm, parts.scaler, diagnosis)
-            if decision is not None and decision.get("cause") != "hardware":
+            if numerical is not None:
+                numerical.remove()
+            if flip_weight is not None and step.outcome == "ok":
+                flip_weight(train_model)
+            decision = guard.update(iteration, step.outcome, step.loss, step.grad_norm, parts.scaler, diagnosis,
+                                    lr=lr)
+            if decision is not None and decision.get("cause") in (None, "data", "optimizer"):  # name the batch
                 decision["samples"] = spike_guard.name_samples(train_model, batches, samples, cfg,
                                                                train_data, seqlen, iteration, decision)
             report.step(step, lr)
