@@ -65,11 +65,12 @@ def test_lead_times_thresholds_and_false_positives_on_runs_whose_answer_is_known
     assert (rows["attention_logit_max"]["fp_runs"], rows["attention_logit_max"]["fp_records"]) == (1, 1)
     assert rows["attention_entropy_min"]["threshold"] == pytest.approx((1.0 + 1.0 / 80) / 2)
     assert rows["attention_entropy_min"]["leads"] == {"x/lr1-seed1": None}  # never crossed
+    assert rows["log_z"]["threshold"] == pytest.approx(6.0 + math.log(2))  # a logarithm: Z doubled
     assert rows["log_z"]["leads"] == {"x/lr1-seed1": -5}  # after the spike: no warning
     table = precursors.markdown(result)
-    assert "| attention_logit_max | > 80 | +15 | 15.0 | 15 | 1 (1) |" in table
+    assert "| attention_logit_max | > 80 | +15 (@35) | 15.0 | 15 | 1 (1) |" in table
     assert "| attention_entropy_min | < 0.506 | never | 0.0 | 0 | 0 (0) |" in table
-    assert "| log_z | > 12 | -5 | 0.0 | 0 | 0 (0) |" in table
+    assert "| log_z | > 6.69 | -5 (@55) | 0.0 | 0 | 0 (0) |" in table
 
 
 def cfg_with(**overrides):
@@ -119,7 +120,8 @@ def guard_lines(out):
 
 def test_the_rung_fires_before_an_induced_divergence_and_not_on_a_clean_run(synthetic_corpus, tmp_path):
     """The 512-token synthetic corpus, 2 layers of 64, 12 iterations, telemetry every 2: at LR 3e-1 the attention
-    logits pass 100 by iteration 6 (they stay under 3 at 2e-3, the clean run); the LR is halved from then on."""
+    logits pass 100 by iteration 6, and the LR is halved from then on; at 2e-3 (clean) they stay under 3, and the
+    run is the run without the rung."""
     base = ["--num_layers=2", "--hidden_size=64", "--num_attention_heads=4", "--seq_length=64", "--vocab_size=512",
             "--micro_batch_size=8", "--global_batch_size=8", "--train_iters=12", "--lr_warmup_samples=40",
             "--lr_decay_samples=1600", "--hidden_dropout=0", "--attention_dropout=0", "--log_interval=1",
@@ -128,6 +130,8 @@ def test_the_rung_fires_before_an_induced_divergence_and_not_on_a_clean_run(synt
     rung = ["--spike_guard_precursor=attention_logit_max", "--spike_guard_precursor_threshold=100"]
     clean = run_main(*base, "--lr=2e-3", f"--save={tmp_path / 'clean'}", *rung)
     assert guard_lines(clean) == []
+    without = run_main(*base, "--lr=2e-3", "--save=none")
+    assert [f["lm loss"] for f in log_fields(clean).values()] == [f["lm loss"] for f in log_fields(without).values()]
     high = run_main(*base, "--lr=0.3", f"--save={tmp_path / 'high'}", *rung)
     unguarded = run_main(*base, "--lr=0.3", "--save=none")
     (line,) = guard_lines(high)

@@ -12,9 +12,9 @@ guard's early rung can watch.
   the run's losses and grad norms with the guard's default settings, as train.py would feed it with the guard
   on), or the first NaN/inf loss if that comes first. The guard would have acted there: a warning is worth
   something only before it.
-- **Threshold** of a precursor, from the calibration runs (clean runs): `margin` x the largest value any of
-  their telemetry records shows (for a precursor whose warning side is low: the smallest / `margin`). A run's
-  value on the warning side of it is a warning.
+- **Threshold** of a precursor, from the calibration runs (clean runs): `margin` (2) x the largest value any
+  of their telemetry records shows (for a precursor whose warning side is low: the smallest / `margin`; for log Z,
+  a logarithm, the largest + ln `margin`: Z doubled). A run's value on the warning side of it is a warning.
 - **Lead time**: the onset minus the first telemetry iteration on the warning side (positive: that many
   iterations of warning; 0 or negative: none, it came with or after the spike; "never": no crossing in the run).
   Its resolution is the run's telemetry_interval.
@@ -34,6 +34,7 @@ import arguments  # noqa: E402
 import spike_guard  # noqa: E402
 
 MARGIN = 2.0
+LOGARITHMS = {"log_z"}  # precursors that are logarithms: their margin is added, as ln(margin)
 
 
 def read_run(directory):
@@ -68,8 +69,11 @@ def series(telemetry, name, eps):
 
 
 def threshold(name, runs, eps, margin=MARGIN):
-    """margin x the largest value of the runs' telemetry (or the smallest / margin, for a low warning side)."""
+    """margin x the largest value of the runs' telemetry (or the smallest / margin, for a low warning side); log Z
+    is a logarithm, so its margin is Z's: + ln(margin)."""
     values = [v for telemetry in runs for _, v in series(telemetry, name, eps) if math.isfinite(v)]
+    if name in LOGARITHMS:
+        return max(values) + math.log(margin)
     high = spike_guard.PRECURSORS[name][1] == "high"
     return max(values) * margin if high else min(values) / margin
 
@@ -79,29 +83,27 @@ def crossings(telemetry, name, limit, eps):
     return [i for i, v in series(telemetry, name, eps) if spike_guard.past(name, v, limit)]
 
 
-def lead_time(steps, telemetry, name, limit, eps, cfg=None):
-    """(onset, lead): the onset and the iterations of warning before it (None: no crossing in the run; a run
-    with no onset has no lead time either: (None, None))."""
-    start = onset(steps, cfg)
-    if start is None:
-        return None, None
-    crossed = crossings(telemetry, name, limit, eps)
-    return start, (start - crossed[0] if crossed else None)
+def lead(start, crossed):
+    """The iterations of warning: onset - first crossing (None: no onset, or no crossing)."""
+    return None if start is None or crossed is None else start - crossed
 
 
 def measure(diverged, calibrate, clean, eps=1e-8, margin=MARGIN):
     """Everything the table shows. diverged, calibrate, clean: {label: run directory}. Returns
-    {"onsets": {label: iteration}, "rows": [{precursor, threshold, leads {label: lead}, fp_runs, fp_records}]}."""
+    {"onsets": {label: iteration}, "rows": [{precursor, side, threshold, first {label: first crossing},
+    leads {label: lead}, fp_runs, fp_records}]}."""
     diverged, calibrate, clean = ({label: read_run(d) for label, d in runs.items()}
                                   for runs in (diverged, calibrate, clean))
     onsets = {label: onset(steps) for label, (steps, _) in diverged.items()}
     rows = []
     for name in spike_guard.PRECURSORS:
         limit = threshold(name, [telemetry for _, telemetry in calibrate.values()], eps, margin)
-        leads = {label: lead_time(*run, name, limit, eps)[1] for label, run in diverged.items()}
+        first = {label: next(iter(crossings(telemetry, name, limit, eps)), None)
+                 for label, (_, telemetry) in diverged.items()}
+        leads = {label: lead(onsets[label], first[label]) for label in diverged}
         false = [len(crossings(telemetry, name, limit, eps)) for _, telemetry in clean.values()]
         rows.append({"precursor": name, "side": spike_guard.PRECURSORS[name][1], "threshold": limit,
-                     "leads": leads, "fp_runs": sum(n > 0 for n in false), "fp_records": sum(false)})
+                     "first": first, "leads": leads, "fp_runs": sum(n > 0 for n in false), "fp_records": sum(false)})
     return {"onsets": onsets, "rows": rows, "clean": len(clean), "calibrate": len(calibrate)}
 
 
@@ -111,31 +113,35 @@ def group(label):
     return (head, f"seed{tail}") if head else (label, "")
 
 
-def _lead(value):
-    return "never" if value is None else f"{value:+d}"
+def cell(start, crossed):
+    """'+12 (@27)': 12 iterations of warning, crossed at 27; '-5 (@55)': after the onset; 'never': no crossing;
+    '@27, no spike': crossed in a run whose loss never spiked; '-': neither."""
+    if start is None:
+        return "-" if crossed is None else f"@{crossed}, no spike"
+    return "never" if crossed is None else f"{start - crossed:+d} (@{crossed})"
 
 
 def markdown(result):
-    setups = {}
-    for label in result["onsets"]:
+    onsets, setups = result["onsets"], {}
+    for label in onsets:
         setups.setdefault(group(label)[0], []).append(label)
-    lines = ["Onset (the first iteration the guard's detector calls a spike), per run: " + "; ".join(
-        f"{setup} " + ", ".join(f"{group(x)[1]} {result['onsets'][x]}" for x in labels)
+    spiked = [label for label in onsets if onsets[label] is not None]
+    lines = ["Onset (the first iteration the guard's detector calls a spike; -: none), per run: " + "; ".join(
+        f"{setup} " + ", ".join(f"{group(x)[1]} {onsets[x] if onsets[x] is not None else '-'}" for x in labels)
         for setup, labels in setups.items()), "",
-        "Lead time in iterations (+n: the precursor crossed its threshold n iterations before the onset; 0 or -n: "
-        f"with or after it; never: no crossing), per seed; mean and min over all {len(result['onsets'])} "
-        f"diverged runs (never counts as 0); false positives: of {result['clean']} held-out clean runs, those "
-        "with a crossing (telemetry records crossing in all).", "",
+        "Lead time in iterations, per seed: +n (@i): the precursor crossed its threshold at iteration i, n "
+        "iterations before the onset; 0 or -n: with or after it (no warning); never: no crossing. Mean and min over "
+        f"the {len(spiked)} runs with an onset, a late or missing warning counting as 0. False positives: of "
+        f"{result['clean']} held-out clean runs, those with a crossing (telemetry records crossing in all).", "",
         "| precursor | threshold | " + " | ".join(setups) + " | mean | min | false positives |",
         "| --- | --- | " + " | ".join("---" for _ in setups) + " | --- | --- | --- |"]
     for row in result["rows"]:
-        leads = row["leads"]
-        counted = [max(v, 0) if v is not None else 0 for v in leads.values()]
+        counted = [max(row["leads"][x] or 0, 0) for x in spiked]
         side = ">" if row["side"] == "high" else "<"
-        cells = [" / ".join(_lead(leads[x]) for x in labels) for labels in setups.values()]
+        cells = [" / ".join(cell(onsets[x], row["first"][x]) for x in labels) for labels in setups.values()]
+        mean, least = (f"{sum(counted) / len(counted):.1f}", str(min(counted))) if counted else ("-", "-")
         lines.append(f"| {row['precursor']} | {side} {row['threshold']:.3g} | " + " | ".join(cells) +
-                     f" | {sum(counted) / len(counted):.1f} | {min(counted)} | {row['fp_runs']} "
-                     f"({row['fp_records']}) |")
+                     f" | {mean} | {least} | {row['fp_runs']} ({row['fp_records']}) |")
     return "\n".join(lines) + "\n"
 
 
