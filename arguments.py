@@ -131,9 +131,9 @@ class Config(GPTConfig):
     spike_guard_reset_optimizer: bool = False  # on a relapse, also reset the optimizer with the lr=0 warm-up (lesson 8)
     spike_guard_max_rollbacks: int = 3  # more would be needed: save the last good state and exit (code 3)
     spike_guard_max_skipped_iters: int = 2000  # iterations skipped by the guard in all, then save and exit (code 3)
-    spike_guard_precursor: str | None = None  # early rung: cut the LR when this spike_guard.PRECURSORS entry ...
-    spike_guard_precursor_threshold: float | None = None  # ... passes this (docs/spike_guard.md measures them)
-    spike_guard_precursor_lr_factor: float = 0.5  # ... by this factor, once per crossing (off by default)
+    spike_guard_precursor: str | None = None  # early rung (None: off): cut the LR when this precursor passes ...
+    spike_guard_precursor_threshold: float | None = None  # ... this threshold (docs/spike_guard.md, section 7)
+    spike_guard_precursor_lr_factor: float = 0.5  # ... by this factor, once per crossing (spike_guard.PRECURSORS)
     inject_bad_batch_iters: list[str] | None = None  # fault injection: iterations ("40-45") given random-token batches
     inject_lr_iters: list[str] | None = None  # fault injection: iteration ranges whose LR is x inject_lr_factor
     inject_lr_factor: float = 100.0  # the LR multiplier of inject_lr_iters

@@ -505,9 +505,9 @@ def precursor_rung(guard, cfg, iteration, telemetry):
     precursor passes `spike_guard_precursor_threshold`, multiply the LR by `spike_guard_precursor_lr_factor` from
     the next iteration on, through guard.lr_scale (the factor a relapse uses; checkpoints keep it). Once per
     crossing: the rung is armed again when the precursor is back on the safe side. It sees only the iterations
-    telemetry records (every telemetry_interval). Its state is its entries in guard.decisions (kept by
-    checkpoints, never rolled back), so a resumed run neither repeats nor forgets a cut. Returns the decision
-    (also one `spike guard:` line) or None."""
+    telemetry records (every telemetry_interval), whose numbers are reduced over all ranks: every rank decides
+    alike. Its state is its entries in guard.decisions (kept by checkpoints, never rolled back), so a resumed run
+    neither repeats nor forgets a cut. Returns the decision (also one `spike guard:` line) or None."""
     name, threshold = cfg.spike_guard_precursor, cfg.spike_guard_precursor_threshold
     if name is None:
         return None
