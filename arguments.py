@@ -137,6 +137,9 @@ class Config(GPTConfig):
     spike_guard_max_skipped_iters: int = 2000  # iterations skipped by the guard in all, then save and exit (code 3)
     spike_guard_max_hardware_faults: int = 3  # transient faults on one DP rank before the run stops, naming it
     spike_guard_fp32_replay: bool = True  # fp16/bf16: replay a reproduced spike in fp32 (an fp32 copy of the weights)
+    spike_guard_precursor: str | None = None  # early rung (None: off): cut the LR when this precursor passes ...
+    spike_guard_precursor_threshold: float | None = None  # ... this threshold (docs/spike_guard.md, section 7)
+    spike_guard_precursor_lr_factor: float = 0.5  # ... by this factor, once per crossing (spike_guard.PRECURSORS)
     inject_bad_batch_iters: list[str] | None = None  # fault injection: iterations ("40-45") given random-token batches
     inject_lr_iters: list[str] | None = None  # fault injection: iteration ranges whose LR is x inject_lr_factor
     inject_lr_factor: float = 100.0  # the LR multiplier of inject_lr_iters
@@ -429,6 +432,16 @@ def validate(cfg, world_size=1, reads_data=True):
     need(not (cfg.deepspeed and cfg.soft_skip_loss_ratio), "soft_skip_loss_ratio scales the gradients before the "
          "update, which DeepSpeed keeps inside its step(); set soft_skip_loss_ratio=0 or deepspeed=False")
     need(cfg.spike_guard_max_hardware_faults >= 1, "spike_guard_max_hardware_faults must be >= 1")
+    if cfg.spike_guard_precursor is not None:
+        import spike_guard
+        names = ", ".join(spike_guard.PRECURSORS)
+        need(cfg.spike_guard_precursor in spike_guard.PRECURSORS,
+             f"spike_guard_precursor={cfg.spike_guard_precursor!r} is not one of {names}")
+        need(cfg.spike_guard_precursor_threshold is not None and math.isfinite(cfg.spike_guard_precursor_threshold),
+             "spike_guard_precursor needs spike_guard_precursor_threshold (a number: docs/spike_guard.md has the "
+             "thresholds measured on the stability lab's clean runs; tools/precursors.py measures yours)")
+        need(cfg.telemetry_interval > 0, "spike_guard_precursor reads the telemetry: set telemetry_interval (e.g. 10)")
+    need(0 < cfg.spike_guard_precursor_lr_factor <= 1, "spike_guard_precursor_lr_factor must be in (0, 1]")
     need(not cfg.curriculum_learning or (cfg.total_curriculum_step is not None and cfg.total_curriculum_step > 0),
          "curriculum_learning needs total_curriculum_step (about train_tokens / global_batch / seq_length / 2)")
 

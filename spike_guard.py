@@ -657,3 +657,59 @@ def inject_numerical(cfg, iteration, model):
         x = args[0]
         return (x + 4096 * x.detach().abs().amax(), *args[1:])
     return ln_f.register_forward_pre_hook(cancel)
+
+
+# -----------------------------------------------------------------------------
+# Warning before the spike: the precursor rung (docs/spike_guard.md, section 7)
+
+# What the telemetry shows before a divergence (Wortsman et al. 2023; lessons 1, 20): each precursor is one
+# number from a telemetry record (telemetry.Telemetry.finish()) and Adam's eps, and the side that warns.
+PRECURSORS = {
+    "attention_logit_max": (lambda t, eps: max(t["attention logit max"]), "high"),  # attention-logit growth
+    "attention_entropy_min": (lambda t, eps: min(t["attention entropy min"]), "low"),  # entropy collapse
+    "log_z": (lambda t, eps: t["log z"], "high"),  # the output logits' drift (what z-loss holds)
+    "update_param_ratio": (lambda t, eps: max(t["update/param rms"]), "high"),
+    "grad_rms_over_eps": (lambda t, eps: min(t["grad rms"]) / eps, "low"),  # updates shrink as it nears 1
+    "final_ln_input_rms": (lambda t, eps: t["final layernorm input rms"], "high"),
+}
+
+
+def precursor_value(name, telemetry, eps):
+    return float(PRECURSORS[name][0](telemetry, eps))
+
+
+def past(name, value, threshold):
+    """Is the precursor's value on the warning side of the threshold? A NaN is past any threshold."""
+    if not math.isfinite(value):
+        return True
+    return value > threshold if PRECURSORS[name][1] == "high" else value < threshold
+
+
+def precursor_rung(guard, cfg, iteration, telemetry):
+    """The early rung (`spike_guard_precursor`, off by default), called with each telemetry record: when the
+    precursor passes `spike_guard_precursor_threshold`, multiply the LR by `spike_guard_precursor_lr_factor` from
+    the next iteration on, through guard.lr_scale (the factor a relapse uses; checkpoints keep it). Once per
+    crossing: the rung is armed again when the precursor is back on the safe side. It sees only the iterations
+    telemetry records (every telemetry_interval), whose numbers are reduced over all ranks: every rank decides
+    alike. Its state is its entries in guard.decisions (kept by checkpoints, never rolled back), so a resumed run
+    neither repeats nor forgets a cut. Returns the decision (also one `spike guard:` line) or None."""
+    name, threshold = cfg.spike_guard_precursor, cfg.spike_guard_precursor_threshold
+    if name is None:
+        return None
+    value = precursor_value(name, telemetry, cfg.adam_eps)
+    mine = [d for d in guard.decisions if d["action"] in ("precursor", "precursor rearmed")]
+    armed = not mine or mine[-1]["action"] == "precursor rearmed"
+    crossed = past(name, value, threshold)
+    high = PRECURSORS[name][1] == "high"
+    if not armed and not crossed:
+        reason = f"{name} {value:.4g} is back {'under' if high else 'over'} its threshold {threshold:g}"
+        decision = guard._decide(iteration, "precursor rearmed", reason, "the precursor rung is armed again")
+    elif armed and crossed:
+        guard.lr_scale *= cfg.spike_guard_precursor_lr_factor
+        reason = f"{name} {value:.4g} is {'over' if high else 'under'} its threshold {threshold:g}"
+        decision = guard._decide(iteration, "precursor", reason, f"warning before a spike: LR x{guard.lr_scale:g} "
+                                 "from the next iteration on", lr_scale=guard.lr_scale, value=value)
+    else:  # armed and on the safe side, or already acted on this crossing
+        return None
+    guard.decisions.append(decision)
+    return decision

@@ -136,7 +136,12 @@ def run(cfg, grid, exit_signal, writer=None):
                               fault=spike_guard.bitflip(cfg, iteration, guard, "grad"),
                               trend=soft_skip_trend(cfg, guard))
             if probe:
-                report.telemetry(iteration, state, probe.finish())
+                stats = probe.finish()
+                report.telemetry(iteration, state, stats)
+                # the precursor rung (off by default): sees telemetry iterations only; cuts the LR from the next
+                warning = spike_guard.precursor_rung(guard, cfg, iteration, stats)
+                if warning is not None:
+                    report.decision(iteration, warning)
             diagnosis = None
             if guard.enabled and step.outcome in spike_guard.SUSPECT:  # replay it, test its batch (forensics)
                 step, diagnosis = spike_guard.investigate(
