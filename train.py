@@ -608,6 +608,9 @@ def shut_down(finished):
 
 
 if __name__ == "__main__":
+    # torchrun and SLURM put every rank's stdout on one pipe or file: a line goes out whole, in one write, so that
+    # no rank's line lands inside another's (block buffering splits lines at the buffer's end, -u splits the newline)
+    sys.stdout.reconfigure(line_buffering=True)
     finished = False
     try:
         main()

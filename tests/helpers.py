@@ -256,10 +256,8 @@ def launch(tmp_path, nproc, *extra, expect_ok=True):
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
         str(free_port())]
     cmd = launcher + ["train.py", *E2E_ARGS, f"--tensorboard_dir={tb_dir}", *extra]
-    # unbuffered: the processes share one pipe, and block-buffered output of one rank can land in the middle of
-    # another's lines when it is flushed at exit
-    env = dict(os.environ, WANDB_MODE="disabled", DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1",
-               PYTHONHASHSEED="0", PYTHONUNBUFFERED="1")
+    # the processes share one pipe: train.py writes each line whole (line buffering)
+    env = dict(os.environ, WANDB_MODE="disabled", DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONHASHSEED="0")
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     if expect_ok and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")

@@ -148,10 +148,12 @@ def test_a_weight_bit_flip_is_hardware_and_rolled_back_without_skipping_data_and
 def test_numerical_spike_gets_the_fp32_step_and_a_bad_batch_still_is_data(run, half):
     """In half precision: at 14 a cancellation that it loses and fp32 keeps (inject_numerical_iters), at 17 a
     random-token batch. The fp32 replay is ordinary at 14 (numerical: its step applied) and spikes too at 17."""
-    out = run(f"{half}_numerical", f"--{half}", "--initial_loss_scale=1024", "--train_iters=20", *GUARD,
+    # fp16's loss scale is low enough that the step's scaled gradients (grad norm ~650) stay finite: at 1024 they
+    # overflow or not by the summation order of the CPU's threads, and an overflow is the scaler's to skip
+    out = run(f"{half}_numerical", f"--{half}", "--initial_loss_scale=32", "--train_iters=20", *GUARD,
               "--inject_numerical_iters=14-14", "--inject_bad_batch_iters=17-17")
     lines = [x for x in guard_lines(out) if ": sample " not in x]
-    scale = ", loss scale lowered to 512" if half == "fp16" else ""  # fp16's dynamic loss scale, halved
+    scale = ", loss scale lowered to 16" if half == "fp16" else ""  # fp16's dynamic loss scale, halved
     assert re.match(r"spike guard: iteration 14: .* spreads above it; numerical: replayed: loss \S+, grad norm \S+, "
                     r"reproduced; in fp32: loss \S+, grad norm \S+, ordinary: the fp32 step applied; no data skipped, "
                     rf"LR unchanged{scale}$", lines[0]), lines
@@ -305,9 +307,8 @@ def _dp2(run, *extra):
     args = [a for a in run.base if not a.startswith("--micro_batch_size")] + ["--micro_batch_size=4"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
            "train.py", *args, *GUARD, *extra]
-    # both ranks write to one pipe: unbuffered, each line goes out whole when printed (block-buffered, rank 1's
-    # output landed in the middle of rank 0's lines at exit)
-    env = dict(os.environ, WANDB_MODE="disabled", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    # both ranks write to one pipe: train.py writes each line whole (line buffering)
+    env = dict(os.environ, WANDB_MODE="disabled", OMP_NUM_THREADS="1")
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
