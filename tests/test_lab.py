@@ -129,7 +129,7 @@ def test_telemetry_precursors_match_direct_computation():
     before = {k: v.detach().clone() for k, v in model.named_parameters()}
     recorder = telemetry.Telemetry(model, cfg)
     recorder.begin()
-    *_, outcome = train.train_step(model, optimizer, scaler, batches, 1e-3, cfg, cpu, probe=recorder)
+    outcome = train.train_step(model, optimizer, scaler, batches, 1e-3, cfg, cpu, probe=recorder).outcome
     stats = recorder.finish()
     assert outcome == "ok"
     params = dict(model.named_parameters())

@@ -114,9 +114,8 @@ def test_nan_loss_never_updates_the_weights():
         model.ln_f.bias[0] = float("nan")
     before = {k: v.clone() for k, v in model.state_dict().items()}
     x = torch.randint(0, 50257, (4, 64))
-    loss, _, _, outcome = train.train_step(model, optimizer, train.build_scaler(cfg), [(x, x), (x, x)], 1e-3, cfg,
-                                           torch.device("cpu"))
-    assert outcome == "nan" and math.isnan(loss)
+    step = train.train_step(model, optimizer, train.build_scaler(cfg), [(x, x), (x, x)], 1e-3, cfg, torch.device("cpu"))
+    assert step.outcome == "nan" and math.isnan(step.loss)
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items() if k != "ln_f.bias")
     assert optimizer.state_dict()["state"] == {}
 

@@ -523,8 +523,8 @@ def test_a_skipped_update_changes_no_weight_moment_or_step_counter():
     weights = {k: v.clone() for k, v in model.state_dict().items()}
     moments = {id(p): {k: v.clone() if torch.is_tensor(v) else v for k, v in s.items()}
                for p, s in optimizer.state.items()}
-    *_, outcome = train.train_step(model, optimizer, scaler, batches, 1e-3, cfg, torch.device("cpu"),
-                                   judge=lambda loss, norm: "a spike")
+    outcome = train.train_step(model, optimizer, scaler, batches, 1e-3, cfg, torch.device("cpu"),
+                               judge=lambda loss, norm: "a spike").outcome
     assert outcome == "spike"
     assert all(torch.equal(weights[k], v) for k, v in model.state_dict().items())
     for p, s in optimizer.state.items():
@@ -564,7 +564,8 @@ def test_telemetry_matches_direct_computation():
     before = {k: v.clone() for k, v in model.named_parameters()}
     recorder = telemetry.Telemetry(model, cfg)
     recorder.begin()
-    loss, grad_norm, _, outcome = train.train_step(model, optimizer, scaler, batches, 1e-3, cfg, cpu, probe=recorder)
+    loss, grad_norm, _, outcome, _ = train.train_step(model, optimizer, scaler, batches, 1e-3, cfg, cpu,
+                                                      probe=recorder)
     stats = recorder.finish()
     assert outcome == "ok"
     # every parameter once: the per-layer grad norms add up to the global grad norm
