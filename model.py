@@ -34,6 +34,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import cross_entropy
 import parallel
 import rng
 from parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
@@ -107,7 +108,7 @@ class GPTConfig:
         """The model's own FLOPs, what MFU divides (PaLM's 6N + 12 n h s per token): forward and backward of every
         matmul weight once, the output layer's full vocabulary included (vocab_size: the loss computes no padding
         columns), plus q k^T and its product with v over the whole s x s (as the kernels compute it). No
-        recomputation: neither activation checkpointing's nor the loss's second pass over the output layer."""
+        recomputation (activation checkpointing's)."""
         n, h = self.num_layers, self.hidden_size
         weights = census(self)["block matmul weights"] + self.vocab_size * h
         return batch * seqlen * (6 * weights + 12 * n * h * seqlen)
@@ -496,7 +497,7 @@ class GPT(nn.Module):
 
         Returns hidden states on a non-last stage; on the last, the mean lm loss if targets are given, otherwise
         this TP rank's slice of the logits. In training with z_loss > 0 the lm loss's gradient includes the
-        z-loss (parallel.linear_cross_entropy), whose value is kept for pop_z_loss(); evaluation
+        z-loss (cross_entropy.linear_cross_entropy), whose value is kept for pop_z_loss(); evaluation
         reports the lm loss alone."""
         if self.pre_process:
             x = self.embed(x)
@@ -512,17 +513,18 @@ class GPT(nn.Module):
         if targets is None:
             return F.linear(x, weight)
         z_loss = self.cfg.z_loss if self.training else 0.0
-        # the output layer and the loss in one, never holding the (tokens x vocabulary) logits
+        # the output layer and the loss in one, never holding the (tokens x vocabulary) logits, its gradient
+        # computed in the forward (the mean: backward only scales it)
         # the padding columns are left out of the softmax (every padding, so every TP size, is the same model),
         # unless padded_vocab_in_softmax asks for Megatron's softmax over all of them (docs/lessons.md, lesson 16)
         vocab = None if self.cfg.padded_vocab_in_softmax else self.cfg.vocab_size
-        loss, log_z = parallel.linear_cross_entropy(x, weight, targets, vocab, z_loss)
+        loss, log_z = cross_entropy.linear_cross_entropy(x, weight, targets, vocab, z_loss, reduction="mean")
         if self.logits_probe is not None:
             self.logits_probe(log_z, x, weight)
         if z_loss:
             self.z_loss_sum = self.z_loss_sum + z_loss * log_z.square().mean()  # stays on the device: no sync
             self.z_loss_count += 1
-        return loss.mean()
+        return loss
 
     def positions(self, x):
         """(ALiBi's bias, rotary's (cos, sin)) for every layer's attention, None where the type has none (learned

@@ -1,4 +1,4 @@
-"""parallel.linear_cross_entropy: the output layer and the vocab-parallel cross-entropy without the logits.
+"""cross_entropy.linear_cross_entropy: the output layer and the vocab-parallel cross-entropy without the logits.
 Against the plain ops (F.linear, F.cross_entropy, autograd of the z-loss) in float64 with the real GPT-2
 vocabulary (50257, padded), under TP 1 and TP 2; against today's logits path in the model; and never holding a
 (tokens x vocabulary) tensor."""
@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import cross_entropy
 import parallel
 from helpers import spawn
 from model import GPT, GPTConfig
@@ -36,7 +37,7 @@ def _reference(hidden, weight, target, z_loss, weights):
 
 def _ours(hidden, weight, target, z_loss, weights):
     hidden, weight = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-    loss, log_z = parallel.linear_cross_entropy(hidden, weight, target, V_REAL, z_loss)
+    loss, log_z = cross_entropy.linear_cross_entropy(hidden, weight, target, V_REAL, z_loss)
     (weights * loss).sum().backward()
     return loss.detach(), log_z, hidden.grad, weight.grad
 
@@ -44,7 +45,7 @@ def _ours(hidden, weight, target, z_loss, weights):
 @pytest.mark.parametrize("z_loss", [0.0, 1e-2])
 @pytest.mark.parametrize("chunk", [2**22, 12 * 1000 + 7])  # one chunk, or ragged chunks of 1000 columns
 def test_equals_plain_ops_in_float64(z_loss, chunk, monkeypatch):
-    monkeypatch.setitem(parallel.CROSS_ENTROPY_CHUNK, "cpu", chunk)
+    monkeypatch.setitem(cross_entropy.CROSS_ENTROPY_CHUNK, "cpu", chunk)
     hidden, weight, target = _inputs()
     weights = torch.arange(1.0, target.numel() + 1, dtype=torch.float64).view(target.shape)
     ours, expected = _ours(hidden, weight, target, z_loss, weights), _reference(hidden, weight, target, z_loss, weights)
@@ -56,7 +57,7 @@ def test_equals_plain_ops_in_float64(z_loss, chunk, monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_equals_the_logits_path_to_rounding(dtype, monkeypatch):
     # today's path: F.linear then vocab_parallel_cross_entropy on the logits
-    monkeypatch.setitem(parallel.CROSS_ENTROPY_CHUNK, "cpu", 12 * 4096)
+    monkeypatch.setitem(cross_entropy.CROSS_ENTROPY_CHUNK, "cpu", 12 * 4096)
     hidden, weight, target = _inputs(dtype)
     weights = torch.rand(target.shape, generator=torch.Generator().manual_seed(1))
     ours = _ours(hidden, weight, target, 1e-3, weights)
@@ -83,7 +84,7 @@ class LargestTensor(TorchDispatchMode):
 
 
 def test_the_model_never_holds_the_logits(monkeypatch):
-    monkeypatch.setitem(parallel.CROSS_ENTROPY_CHUNK, "cpu", 2**18)  # 2048 columns per chunk
+    monkeypatch.setitem(cross_entropy.CROSS_ENTROPY_CHUNK, "cpu", 2**18)  # 2048 columns per chunk
     cfg = GPTConfig(num_layers=1, hidden_size=H, num_attention_heads=2, seq_length=64, vocab_size=V_REAL,
                     hidden_dropout=0.0, attention_dropout=0.0, z_loss=1e-4)
     gpt = GPT(cfg)
@@ -108,7 +109,7 @@ def _tp2_equals_plain_ops(z_loss):
     expected = _reference(hidden, weight, target, z_loss, weights)
     mine = parallel.shard(weight, 0).clone().requires_grad_()
     h = hidden.clone().requires_grad_()
-    loss, log_z = parallel.linear_cross_entropy(parallel.copy_to_tp(h), mine, target, V_REAL, z_loss)
+    loss, log_z = cross_entropy.linear_cross_entropy(parallel.copy_to_tp(h), mine, target, V_REAL, z_loss)
     (weights * loss).sum().backward()
     torch.testing.assert_close(loss, expected[0], atol=1e-10, rtol=1e-10)
     torch.testing.assert_close(log_z, expected[1], atol=1e-10, rtol=1e-10)
@@ -159,7 +160,7 @@ def test_gpt2_output_layer_peak_memory_on_cuda():
         if path == "logits":
             loss, _ = parallel.vocab_parallel_cross_entropy(F.linear(hidden, weight), target, 50257)
         else:
-            loss, _ = parallel.linear_cross_entropy(hidden, weight, target, 50257)
+            loss, _ = cross_entropy.linear_cross_entropy(hidden, weight, target, 50257)
         loss.mean().backward()
         torch.cuda.synchronize()
         peaks.append((torch.cuda.max_memory_allocated() - base) / 2**30)
