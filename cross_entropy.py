@@ -17,11 +17,13 @@ import torch.nn.functional as F
 
 import parallel
 
-# Elements of the (tokens x vocabulary) fp32 logits held at once, a chunk of tokens' rows: on CUDA 64 MiB
-# (gpt2_125m's micro-batch: 50 chunks of 333 tokens, each matmul long enough to hide a dozen kernel launches), on
-# the CPU chunks under glibc's largest mmap threshold (32 MiB), so that the allocator reuses their pages instead
-# of faulting fresh ones in for every chunk.
-CROSS_ENTROPY_CHUNK = {"cuda": 2**24, "cpu": 2**22}
+# Elements of the (tokens x vocabulary) fp32 logits held at once, a chunk of tokens' rows. Each chunk adds its
+# share to the weight's fp32 gradient: a pass over a weight-sized buffer (12 bytes an element with bf16's product)
+# against a matmul of 2 x tokens FLOPs an element, so on a GPU (~250 FLOPs a byte) a chunk needs a few thousand
+# tokens for that pass to cost less than the logits' recomputation it replaces: 512 MiB (gpt2_125m's micro-batch:
+# 7 chunks of 2668 tokens, about 1 GiB in all against 4.6 GiB for the logits). On the CPU chunks under glibc's
+# largest mmap threshold (32 MiB), so that the allocator reuses their pages instead of faulting fresh ones in.
+CROSS_ENTROPY_CHUNK = {"cuda": 2**27, "cpu": 2**22}
 
 
 def linear_cross_entropy(hidden, weight, target, vocab_size=None, z_loss=0.0, reduction="none"):
