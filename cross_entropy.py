@@ -18,12 +18,12 @@ import torch.nn.functional as F
 import parallel
 
 # Elements of the (tokens x vocabulary) fp32 logits held at once, a chunk of tokens' rows. Each chunk adds its
-# share to the weight's fp32 gradient: a pass over a weight-sized buffer (12 bytes an element with bf16's product)
-# against a matmul of 2 x tokens FLOPs an element, so on a GPU (~250 FLOPs a byte) a chunk needs a few thousand
-# tokens for that pass to cost less than the logits' recomputation it replaces: 512 MiB (gpt2_125m's micro-batch:
-# 7 chunks of 2668 tokens, about 1 GiB in all against 4.6 GiB for the logits). On the CPU chunks under glibc's
-# largest mmap threshold (32 MiB), so that the allocator reuses their pages instead of faulting fresh ones in.
-CROSS_ENTROPY_CHUNK = {"cuda": 2**27, "cpu": 2**22}
+# share to the weight's fp32 gradient, a pass over a weight-sized buffer (8-12 bytes an element) against the
+# chunk's three matmuls (6 x tokens FLOPs an element), so a chunk needs enough tokens for that pass to cost little:
+# on a GPU (~250 FLOPs a byte) a few thousand, 512 MiB (gpt2_125m's micro-batch: 7 chunks of 2668 tokens, about
+# 1 GiB in all against 4.6 GiB for the logits); on the CPU 64 MiB (333 tokens: gpt2_125m's shapes in fp32 take
+# 10% more time with 83, no less with 1334).
+CROSS_ENTROPY_CHUNK = {"cuda": 2**27, "cpu": 2**24}
 
 
 def linear_cross_entropy(hidden, weight, target, vocab_size=None, z_loss=0.0, reduction="none"):
