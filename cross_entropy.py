@@ -35,6 +35,8 @@ def linear_cross_entropy(hidden, weight, target, vocab_size=None, z_loss=0.0, re
     weight's, fp32 for fp16 whose range could not hold it before the loss scale). No gradient wanted (no_grad,
     evaluation): the loss alone. reduction "none": the per-token loss, whose upstream gradient may differ per
     token, so backward computes each chunk's logits again (a fourth matmul, as before the fused path)."""
+    if reduction not in ("none", "mean"):
+        raise ValueError(f"reduction must be 'none' or 'mean', not {reduction!r}")
     vocab_local = weight.shape[0]
     if vocab_size is None:
         vocab_size = vocab_local * parallel.grid.tp_size
