@@ -40,7 +40,10 @@ def linear_cross_entropy(hidden, weight, target, vocab_size=None, z_loss=0.0, re
     vocab_local = weight.shape[0]
     if vocab_size is None:
         vocab_size = vocab_local * parallel.grid.tp_size
-    tokens = max(1, CROSS_ENTROPY_CHUNK["cuda" if hidden.is_cuda else "cpu"] // vocab_local)
+    # at least hidden_size tokens: a chunk's logits no smaller than the fp32 sum of the weight's gradient over
+    # chunks, which would otherwise cost more memory than the chunking saves (tr11_176b's micro-batch of 4096
+    # tokens at 14336 wide: one chunk, and no fp32 sum; 3.6 GB at TP4)
+    tokens = max(CROSS_ENTROPY_CHUNK["cuda" if hidden.is_cuda else "cpu"] // vocab_local, hidden.shape[-1])
     grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     return LinearCrossEntropy.apply(hidden, weight, target, vocab_size, z_loss, tokens, reduction, grad)
 
@@ -61,9 +64,10 @@ class LinearCrossEntropy(torch.autograd.Function):
         local = local.masked_fill(outside, 0)
         log_z, loss = h.new_empty(local.shape, dtype=dtype), h.new_empty(local.shape, dtype=dtype)
         fused = grad and reduction == "mean"
-        if fused:
+        if fused:  # the weight's gradient summed over chunks in fp32; in one chunk, one product (fp16: fp32)
             grad_hidden = torch.empty_like(h)
-            grad_weight = weight.new_zeros(weight.shape, dtype=torch.promote_types(weight.dtype, dtype))
+            one = h.shape[0] <= tokens and weight.dtype != torch.float16
+            grad_weight = weight.new_zeros(weight.shape, dtype=weight.dtype if one else dtype)
         for i in range(0, h.shape[0], tokens):
             c = slice(i, i + tokens)
             softmax, sum_exp, log_z[c], loss[c] = chunk_softmax(h[c], w, local[c], outside[c], dtype)
@@ -125,7 +129,7 @@ def chunk_softmax(hidden, weight, local, outside, dtype):
 
 def chunk_grads(softmax, scale, onehot, local, outside, hidden, weight, grad_weight):
     """d(loss)/d(logits) = softmax * scale - onehot(target) * onehot, written over the chunk's softmax and taken
-    to the compute dtype; adds its product with the hidden states to grad_weight (fp32 at least: the sum over
+    to the compute dtype; adds its product with the hidden states to grad_weight (fp32 where it sums several
     chunks) and returns its product with the weight, the chunk's rows of the hidden states' gradient (with TP,
     this rank's share: parallel.copy_to_tp's backward sums them)."""
     softmax.mul_(scale.unsqueeze(-1))

@@ -192,10 +192,10 @@ def _ours_mean(hidden, weight, target, z_loss, vocab, upstream=3.0):
 
 @pytest.mark.parametrize("z_loss", [0.0, 1e-2])
 @pytest.mark.parametrize("vocab", [V_REAL, None])  # the padding masked; Megatron's softmax over it
-@pytest.mark.parametrize("chunk", [2**22, 12 * 1000 + 7])  # one chunk, or chunks of 1 token (the 50304 columns)
+@pytest.mark.parametrize("chunk", [2**22, 1])  # 48 tokens in one chunk, or in chunks of H = 16 (the least)
 def test_mean_equals_f_cross_entropy_on_the_logits(z_loss, vocab, chunk, monkeypatch):
     monkeypatch.setitem(cross_entropy.CROSS_ENTROPY_CHUNK, "cpu", chunk)
-    hidden, weight, target = _inputs()
+    hidden, weight, target = _inputs(T=24)
     weight[V_REAL:] = 0.1  # padding rows that a softmax over them would notice
     ours = _ours_mean(hidden, weight, target, z_loss, vocab)
     expected = _reference_mean(hidden, weight, target, z_loss, vocab or V_PADDED)
@@ -227,10 +227,11 @@ def test_the_gradient_is_computed_once_and_only_when_wanted():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_mean_is_as_close_to_float64_as_the_logits_path(dtype, monkeypatch):
+@pytest.mark.parametrize("chunk", [20 * V_PADDED, 2**22])  # chunks of 20, 20 and 8 tokens (an fp32 sum), or one
+def test_mean_is_as_close_to_float64_as_the_logits_path(dtype, chunk, monkeypatch):
     # fp16 with a loss scale's upstream gradient (2^16): the weight's gradient is held in fp32 until it is applied
-    monkeypatch.setitem(cross_entropy.CROSS_ENTROPY_CHUNK, "cpu", 5 * V_PADDED)  # chunks of 5, 5 and 2 tokens
-    hidden, weight, target = _inputs(dtype)
+    monkeypatch.setitem(cross_entropy.CROSS_ENTROPY_CHUNK, "cpu", chunk)
+    hidden, weight, target = _inputs(dtype, T=24)
     upstream = 2.0**16 if dtype == torch.float16 else 1.0
     exact = _reference_mean(hidden.double(), weight.double(), target, 1e-3, V_REAL, upstream)
     ours = _ours_mean(hidden, weight, target, 1e-3, V_REAL, upstream)
@@ -248,12 +249,24 @@ def test_mean_is_as_close_to_float64_as_the_logits_path(dtype, monkeypatch):
         assert error(a, e) <= max(1.5 * error(b, e), 1e-4), name
 
 
+@pytest.mark.parametrize("z_loss", [0.0, 1e-2])
+def test_per_token_loss_in_several_chunks_equals_plain_ops(z_loss, monkeypatch):
+    # reduction "none" (its backward computes the logits again) with 48 tokens in chunks of H = 16
+    monkeypatch.setitem(cross_entropy.CROSS_ENTROPY_CHUNK, "cpu", 1)
+    hidden, weight, target = _inputs(T=24)
+    weights = torch.arange(1.0, target.numel() + 1, dtype=torch.float64).view(target.shape)
+    ours, expected = _ours(hidden, weight, target, z_loss, weights), _reference(hidden, weight, target, z_loss, weights)
+    for name, a, b in zip(("loss", "log Z", "grad hidden", "grad weight"), ours, expected):
+        torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10, msg=name)
+
+
 @pytest.mark.parametrize("reentrant", [False, True])
-def test_checkpointing_and_accumulation_count_the_weight_once(reentrant):
+def test_checkpointing_and_accumulation_count_the_weight_once(reentrant, monkeypatch):
     # a forward run again in backward (activation checkpointing around the loss) and two micro-batches'
     # backwards into the same .grad: the gradients of the sum of the two means, nothing twice
-    hidden, weight, target = _inputs()
-    hidden2, _, target2 = _inputs(seed=1)
+    monkeypatch.setitem(cross_entropy.CROSS_ENTROPY_CHUNK, "cpu", 1)  # chunks of H = 16 tokens
+    hidden, weight, target = _inputs(T=24)
+    hidden2, _, target2 = _inputs(T=24, seed=1)
     expected = [sum(pair) for pair in zip(_reference_mean(hidden, weight, target, 1e-2, V_REAL, 1.0)[2:],
                                           _reference_mean(hidden2, weight, target2, 1e-2, V_REAL, 1.0)[2:])]
     w = weight.clone().requires_grad_()
@@ -268,8 +281,9 @@ def test_checkpointing_and_accumulation_count_the_weight_once(reentrant):
 
 
 def _tp2_mean_equals_f_cross_entropy(z_loss):
-    hidden, weight, target = _inputs()
+    hidden, weight, target = _inputs(T=24)
     weight[V_REAL:] = 0.1
+    cross_entropy.CROSS_ENTROPY_CHUNK["cpu"] = 1  # 48 tokens in chunks of H = 16, each all-reduced
     for vocab in (V_REAL, None):  # the padding masked; Megatron's softmax over it
         expected = _reference_mean(hidden, weight, target, z_loss, vocab or V_PADDED)
         mine = parallel.shard(weight, 0).clone().requires_grad_()
