@@ -21,8 +21,8 @@ import parallel
 # share to the weight's fp32 gradient, a pass over a weight-sized buffer (8-12 bytes an element) against the
 # chunk's three matmuls (6 x tokens FLOPs an element), so a chunk needs enough tokens for that pass to cost little:
 # on a GPU (~250 FLOPs a byte) a few thousand, 512 MiB (gpt2_125m's micro-batch: 7 chunks of 2668 tokens, about
-# 1 GiB in all against 4.6 GiB for the logits); on the CPU 64 MiB (333 tokens: gpt2_125m's shapes in fp32 take
-# 10% more time with 83, no less with 1334).
+# 1 GiB in all against 4.6 GiB for the logits); on the CPU 64 MiB (333 tokens of the default's model; with 83,
+# gpt2_125m's shapes took 10% more time in fp32).
 CROSS_ENTROPY_CHUNK = {"cuda": 2**27, "cpu": 2**24}
 
 
