@@ -21,9 +21,10 @@ import parallel
 # share to the weight's fp32 gradient, a pass over a weight-sized buffer (8-12 bytes an element) against the
 # chunk's three matmuls (6 x tokens FLOPs an element), so a chunk needs enough tokens for that pass to cost little:
 # on a GPU (~250 FLOPs a byte) a few thousand, 512 MiB (gpt2_125m's micro-batch: 7 chunks of 2668 tokens, about
-# 1 GiB in all against 4.6 GiB for the logits); on the CPU 64 MiB (333 tokens of the default's model; with 83,
-# gpt2_125m's shapes took 10% more time in fp32).
-CROSS_ENTROPY_CHUNK = {"cuda": 2**27, "cpu": 2**24}
+# 1 GiB in all against 4.6 GiB for the logits). On the CPU chunks under glibc's largest mmap threshold (32 MiB),
+# whose pages the allocator reuses instead of faulting fresh ones in for every chunk (the default's 128-wide
+# model: chunks of 128 tokens, 26 MB; 333 tokens took 0.19 s of system time per micro-batch).
+CROSS_ENTROPY_CHUNK = {"cuda": 2**27, "cpu": 2**22}
 
 
 def linear_cross_entropy(hidden, weight, target, vocab_size=None, z_loss=0.0, reduction="none"):
