@@ -34,6 +34,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import cross_entropy
 import parallel
 import rng
 from parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
@@ -107,7 +108,7 @@ class GPTConfig:
         """The model's own FLOPs, what MFU divides (PaLM's 6N + 12 n h s per token): forward and backward of every
         matmul weight once, the output layer's full vocabulary included (vocab_size: the loss computes no padding
         columns), plus q k^T and its product with v over the whole s x s (as the kernels compute it). No
-        recomputation: neither activation checkpointing's nor the loss's second pass over the output layer."""
+        recomputation (activation checkpointing's)."""
         n, h = self.num_layers, self.hidden_size
         weights = census(self)["block matmul weights"] + self.vocab_size * h
         return batch * seqlen * (6 * weights + 12 * n * h * seqlen)
@@ -288,6 +289,10 @@ class Attention(nn.Module):
 
     def forward(self, x, bias=None, rotary=None):
         """bias: ALiBi's (heads, seq, seq) scores bias; rotary: the (cos, sin) that turn q and k (GPT.positions)."""
+        return self.project(self.attend(*self.heads(x, rotary), bias))
+
+    def heads(self, x, rotary=None):
+        """q, k, v of this rank's heads, (batch, heads, seq, head_dim) each."""
         B, T, _ = x.shape
         q, k, v = self.qkv(x).view(B, T, self.local_heads, 3, self.head_dim).transpose(1, 2).unbind(dim=3)
         if self.q_norm is not None:  # statistics in fp32, as every LayerNorm (lesson 6)
@@ -296,12 +301,23 @@ class Attention(nn.Module):
             q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
         if self.probe is not None:  # the softmax's q and k (after qk-layernorm and rotary; not ALiBi's bias)
             self.probe(q, k)
+        return q, k, v
+
+    def forks(self):
+        """Whether attend() swaps in the model-parallel stream in training: TP > 1 with attention dropout. With
+        TP the heads' dropout masks come from that stream (lesson 22), so that the heads of different ranks do
+        not share masks; with one TP rank there is nothing to tell apart: the default stream, and no swap."""
+        return bool(self.dropout) and self.tp_size > 1
+
+    def attend(self, q, k, v, bias=None):
+        """Attention of this rank's heads, their dropout from the model-parallel stream where forks()."""
         dropout = self.dropout if self.training else 0.0
-        # this rank's heads only: with TP their dropout masks come from the model-parallel stream (lesson 22), so
-        # that the heads of different ranks do not share masks. With one TP rank there is nothing to tell apart:
-        # the default stream, and no generator swap that torch.compile cannot trace (one graph per block).
-        with rng.fork(x.device) if dropout and self.tp_size > 1 else contextlib.nullcontext():
-            y = core_attention(q, k, v, dropout, self.stable, self.layer_scaling, bias, self.unfused)
+        with rng.fork(q.device) if dropout and self.forks() else contextlib.nullcontext():
+            return core_attention(q, k, v, dropout, self.stable, self.layer_scaling, bias, self.unfused)
+
+    def project(self, y):
+        """The heads' outputs, (batch, heads, seq, head_dim), through the output projection."""
+        B, _, T, _ = y.shape
         if self.head_scale is not None:
             y = y * self.head_scale.view(1, -1, 1, 1)
         return self.proj(y.transpose(1, 2).reshape(B, T, self.local_heads * self.head_dim))
@@ -359,7 +375,15 @@ class Block(nn.Module):
         self.dropout = nn.Dropout(cfg.hidden_dropout)
 
     def forward(self, x, attn_bias=None, rotary=None):
-        a = self.attn(self.ln_1(x), attn_bias, rotary)
+        return self.after_attention(x, self.attn.attend(*self.before_attention(x, rotary), attn_bias))
+
+    # The two sides of the attention core, compiled on their own where it swaps generators (GPT.compile_blocks)
+
+    def before_attention(self, x, rotary=None):
+        return self.attn.heads(self.ln_1(x), rotary)
+
+    def after_attention(self, x, y):
+        a = self.attn.project(y)
         if self.ln_attn is not None:
             a = self.ln_attn(a)
         x = x + self.dropout(a)
@@ -496,7 +520,7 @@ class GPT(nn.Module):
 
         Returns hidden states on a non-last stage; on the last, the mean lm loss if targets are given, otherwise
         this TP rank's slice of the logits. In training with z_loss > 0 the lm loss's gradient includes the
-        z-loss (parallel.linear_cross_entropy), whose value is kept for pop_z_loss(); evaluation
+        z-loss (cross_entropy.linear_cross_entropy), whose value is kept for pop_z_loss(); evaluation
         reports the lm loss alone."""
         if self.pre_process:
             x = self.embed(x)
@@ -512,17 +536,18 @@ class GPT(nn.Module):
         if targets is None:
             return F.linear(x, weight)
         z_loss = self.cfg.z_loss if self.training else 0.0
-        # the output layer and the loss in one, never holding the (tokens x vocabulary) logits
+        # the output layer and the loss in one, never holding the (tokens x vocabulary) logits, its gradient
+        # computed in the forward (the mean: backward only scales it)
         # the padding columns are left out of the softmax (every padding, so every TP size, is the same model),
         # unless padded_vocab_in_softmax asks for Megatron's softmax over all of them (docs/lessons.md, lesson 16)
         vocab = None if self.cfg.padded_vocab_in_softmax else self.cfg.vocab_size
-        loss, log_z = parallel.linear_cross_entropy(x, weight, targets, vocab, z_loss)
+        loss, log_z = cross_entropy.linear_cross_entropy(x, weight, targets, vocab, z_loss, reduction="mean")
         if self.logits_probe is not None:
             self.logits_probe(log_z, x, weight)
         if z_loss:
             self.z_loss_sum = self.z_loss_sum + z_loss * log_z.square().mean()  # stays on the device: no sync
             self.z_loss_count += 1
-        return loss.mean()
+        return loss
 
     def positions(self, x):
         """(ALiBi's bias, rotary's (cos, sin)) for every layer's attention, None where the type has none (learned
@@ -549,9 +574,14 @@ class GPT(nn.Module):
     def compile_blocks(self, **kwargs):
         """torch.compile each block in place (config compile): one graph per layer, reused by every layer of the
         same shapes, with activation checkpointing and the pipeline schedule outside the compiled region (so its
-        recomputation replays the dropout masks as in eager mode). kwargs go to torch.compile (a backend)."""
+        recomputation replays the dropout masks as in eager mode); with TP and attention dropout, two graphs, the
+        sides of the attention core, which swaps generators (rng.fork). kwargs go to torch.compile (a backend)."""
         for block in self.blocks.values():
-            block.compile(**kwargs)
+            if block.attn.forks():  # rng.fork's generator swap cannot be traced: the core stays outside
+                block.before_attention = torch.compile(block.before_attention, **kwargs)
+                block.after_attention = torch.compile(block.after_attention, **kwargs)
+            else:
+                block.compile(**kwargs)
         return self
 
     def pop_z_loss(self):

@@ -1,0 +1,144 @@
+"""The output layer and the vocab-parallel cross-entropy in one, without the (tokens x vocabulary) logits.
+
+The logits are a GPT's largest activation (gpt2_125m's micro-batch: 16k tokens x 50k columns, 3.3 GB in fp32)
+and the output layer a third of its FLOPs. linear_cross_entropy takes a chunk of tokens at a time: their logits
+(in the compute dtype, as F.linear), taken to fp32, give the log-sum-exp and the target's logit over the whole
+vocabulary (with TP: each rank's max, then sums, all-reduced), and -- when a gradient is wanted -- at once
+d(loss)/d(logits) = softmax - onehot, turned into the chunk's share of both gradients (Liger-Kernel's fused
+linear cross-entropy). Three matmuls per chunk, as the plain output layer; the chunk is freed before the next.
+
+Same numbers as parallel.vocab_parallel_cross_entropy(F.linear(hidden, weight), ...) to fp32 rounding: padding
+columns (ids >= vocab_size) are left out of the softmax, z_loss adds z_loss * log(Z)^2 to the gradient (not to
+the value), and log Z comes back alongside, without a gradient, for the log.
+"""
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import parallel
+
+# Elements of the (tokens x vocabulary) fp32 logits held at once, a chunk of tokens' rows. Each chunk adds its
+# share to the weight's fp32 gradient, a pass over a weight-sized buffer (8-12 bytes an element) against the
+# chunk's three matmuls (6 x tokens FLOPs an element), so a chunk needs enough tokens for that pass to cost little:
+# on a GPU (~250 FLOPs a byte) a few thousand, 512 MiB (gpt2_125m's micro-batch: 7 chunks of 2668 tokens, about
+# 1 GiB in all against 4.6 GiB for the logits). On the CPU chunks under glibc's largest mmap threshold (32 MiB),
+# whose pages the allocator reuses instead of faulting fresh ones in for every chunk (the default's 128-wide
+# model: chunks of 128 tokens, 26 MB; 333 tokens took 0.19 s of system time per micro-batch).
+CROSS_ENTROPY_CHUNK = {"cuda": 2**27, "cpu": 2**22}
+
+
+def linear_cross_entropy(hidden, weight, target, vocab_size=None, z_loss=0.0, reduction="none"):
+    """(loss, per-token log Z) of the logits hidden @ weight^T, weight this rank's vocabulary slice of the output
+    layer, at most CROSS_ENTROPY_CHUNK fp32 logits at a time. vocab_size=None: every column is a token.
+
+    reduction "mean" (the model's): the mean loss, whose gradient the forward computes for an upstream gradient
+    of 1; backward only scales what it holds (the hidden states' gradient in their dtype, the weight's in the
+    weight's, fp32 for fp16 whose range could not hold it before the loss scale). No gradient wanted (no_grad,
+    evaluation): the loss alone. reduction "none": the per-token loss, whose upstream gradient may differ per
+    token, so backward computes each chunk's logits again (a fourth matmul, as before the fused path)."""
+    if reduction not in ("none", "mean"):
+        raise ValueError(f"reduction must be 'none' or 'mean', not {reduction!r}")
+    vocab_local = weight.shape[0]
+    if vocab_size is None:
+        vocab_size = vocab_local * parallel.grid.tp_size
+    # at least hidden_size tokens: a chunk's logits no smaller than the fp32 sum of the weight's gradient over
+    # chunks, which would otherwise cost more memory than the chunking saves (tr11_176b's micro-batch of 4096
+    # tokens at 14336 wide: one chunk, and no fp32 sum; 3.6 GB at TP4)
+    tokens = max(CROSS_ENTROPY_CHUNK["cuda" if hidden.is_cuda else "cpu"] // vocab_local, hidden.shape[-1])
+    grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    return LinearCrossEntropy.apply(hidden, weight, target, vocab_size, z_loss, tokens, reduction, grad)
+
+
+class LinearCrossEntropy(torch.autograd.Function):
+    """linear_cross_entropy's autograd: the gradients of the mean computed in forward, handed to autograd by
+    backward alone, so a forward run again (activation checkpointing, a replay) accumulates nothing twice."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, target, vocab_size, z_loss, tokens, reduction, grad):
+        grid = parallel.grid
+        dtype = torch.promote_types(hidden.dtype, torch.float32)  # fp32 at least (fp64 stays fp64)
+        vocab_local = weight.shape[0]
+        real = min(max(vocab_size - grid.tp_rank * vocab_local, 0), vocab_local)  # my columns that are tokens
+        h, w = hidden.reshape(-1, hidden.shape[-1]), weight[:real]  # padding columns: never computed
+        local = target.reshape(-1) - grid.tp_rank * vocab_local
+        outside = (local < 0) | (local >= real)
+        local = local.masked_fill(outside, 0)
+        log_z, loss = h.new_empty(local.shape, dtype=dtype), h.new_empty(local.shape, dtype=dtype)
+        fused = grad and reduction == "mean"
+        if fused:  # the weight's gradient summed over chunks in fp32; in one chunk, one product (fp16: fp32)
+            grad_hidden = torch.empty_like(h)
+            one = h.shape[0] <= tokens and weight.dtype != torch.float16
+            grad_weight = weight.new_zeros(weight.shape, dtype=weight.dtype if one else dtype)
+        for i in range(0, h.shape[0], tokens):
+            c = slice(i, i + tokens)
+            softmax, sum_exp, log_z[c], loss[c] = chunk_softmax(h[c], w, local[c], outside[c], dtype)
+            if fused:  # softmax * (1 + 2 z_loss log Z) - onehot: the z-loss's gradient rides along (lesson 20)
+                scale = (1.0 + 2.0 * z_loss * log_z[c]) / sum_exp if z_loss else sum_exp.reciprocal()
+                grad_hidden[c] = chunk_grads(softmax, scale, 1.0, local[c], outside[c], h[c], w, grad_weight[:real])
+            del softmax
+        log_z = log_z.view(target.shape)
+        ctx.mark_non_differentiable(log_z)
+        ctx.shape, ctx.dtype, ctx.reduction, ctx.real, ctx.z_loss, ctx.tokens = \
+            hidden.shape, weight.dtype, reduction, real, z_loss, tokens
+        if fused:
+            ctx.save_for_backward(grad_hidden, grad_weight.to(torch.float32 if weight.dtype == torch.float16
+                                                              else weight.dtype))
+        elif grad:
+            ctx.save_for_backward(hidden, weight, local, outside, log_z)
+        return (loss.mean() if reduction == "mean" else loss.view(target.shape)), log_z
+
+    @staticmethod
+    def backward(ctx, grad, _grad_log_z):
+        if ctx.reduction == "mean":  # the forward's gradients, of the mean over this many tokens
+            grad_hidden, grad_weight = ctx.saved_tensors
+            grad = grad / grad_hidden.shape[0]
+            return (grad_hidden.mul_(grad).view(ctx.shape), grad_weight.mul_(grad).to(ctx.dtype),
+                    None, None, None, None, None, None)
+        hidden, weight, local, outside, log_z = ctx.saved_tensors
+        h, w, log_z = hidden.reshape(-1, hidden.shape[-1]), weight[:ctx.real], log_z.reshape(-1)
+        grad = grad.reshape(-1).to(log_z.dtype)
+        grad_hidden = torch.empty_like(h)
+        grad_weight = weight.new_zeros(weight.shape, dtype=log_z.dtype)  # padding rows: none
+        for i in range(0, h.shape[0], ctx.tokens):
+            c = slice(i, i + ctx.tokens)
+            softmax = F.linear(h[c], w).to(log_z.dtype).sub_(log_z[c].unsqueeze(-1)).exp_()
+            scale = grad[c] * (1.0 + 2.0 * ctx.z_loss * log_z[c]) if ctx.z_loss else grad[c]
+            grad_hidden[c] = chunk_grads(softmax, scale, grad[c], local[c], outside[c], h[c], w,
+                                         grad_weight[:ctx.real])
+        return grad_hidden.view(ctx.shape), grad_weight.to(ctx.dtype), None, None, None, None, None, None
+
+
+def chunk_softmax(hidden, weight, local, outside, dtype):
+    """A chunk of tokens' logits over this rank's (real) columns, in `dtype`, shifted by their max and
+    exponentiated in place; the max, then the sums of exp and of the target's logit, all-reduced over TP.
+    Returns (exp(logits - max), its sum over the vocabulary, log Z, loss = log Z - target logit)."""
+    grid = parallel.grid
+    x = F.linear(hidden, weight).to(dtype)  # a fresh tensor, ours to overwrite (.to may return it as is)
+    if x.shape[-1]:
+        top = x.amax(dim=-1)  # exact: the max of fp16/bf16 numbers is one of them
+        target_logit = x.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
+    else:  # a slice of padding only (possible with a large TP): the other ranks have the max and the target
+        top, target_logit = x.new_full(x.shape[:-1], float("-inf")), x.new_zeros(x.shape[:-1])
+    if grid.tp_size > 1:
+        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=grid.tp_group)
+    sums = torch.stack((x.sub_(top.unsqueeze(-1)).exp_().sum(dim=-1), target_logit))
+    if grid.tp_size > 1:
+        dist.all_reduce(sums, group=grid.tp_group)  # one all-reduce for both
+    log_z = top + sums[0].log()
+    return x, sums[0], log_z, log_z - sums[1]
+
+
+def chunk_grads(softmax, scale, onehot, local, outside, hidden, weight, grad_weight):
+    """d(loss)/d(logits) = softmax * scale - onehot(target) * onehot, written over the chunk's softmax and taken
+    to the compute dtype; adds its product with the hidden states to grad_weight (fp32 where it sums several
+    chunks) and returns its product with the weight, the chunk's rows of the hidden states' gradient (with TP,
+    this rank's share: parallel.copy_to_tp's backward sums them)."""
+    softmax.mul_(scale.unsqueeze(-1))
+    if softmax.shape[-1]:
+        softmax.scatter_add_(-1, local.unsqueeze(-1), (~outside * -onehot).to(softmax.dtype).unsqueeze(-1))
+    g = softmax.to(hidden.dtype)
+    if grad_weight.dtype == g.dtype:
+        torch.addmm(grad_weight, g.t(), hidden, out=grad_weight)  # as addmm_, which FlopCounterMode misses
+    else:  # bf16/fp16: each chunk's product rounds once, their sum is fp32
+        grad_weight += g.t() @ hidden
+    return g @ weight
