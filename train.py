@@ -609,8 +609,10 @@ def shut_down(finished):
 
 if __name__ == "__main__":
     # torchrun and SLURM put every rank's stdout on one pipe or file: a line goes out whole, in one write, so that
-    # no rank's line lands inside another's (block buffering splits lines at the buffer's end, -u splits the newline)
-    sys.stdout.reconfigure(line_buffering=True)
+    # no rank's line lands inside another's. Block buffering splits lines at the buffer's end; unbuffered (torchrun
+    # starts its workers with -u) print writes the text and its newline apart, and another rank's line can come
+    # between them.
+    sys.stdout.reconfigure(line_buffering=True, write_through=False)
     finished = False
     try:
         main()

@@ -344,7 +344,8 @@ def test_a_weight_flip_and_a_numerical_spike_with_dp2_in_bf16_and_zero1(run, cor
                 r"spike guard: iteration 25: .*; numerical: replayed: .*; in fp32: .*, ordinary: the fp32 step "
                 r"applied; no data skipped, LR unchanged$"]
     lines = guard_lines(proc.stdout)  # two processes print: in any order
-    assert len(lines) == len(expected) and all(any(re.match(e, x) for x in lines) for e in expected), lines
+    assert len(lines) == len(expected) and all(any(re.match(e, x) for x in lines) for e in expected), \
+        "\n".join(["guard lines:", *lines, "the run's output:", proc.stdout[-6000:]])
 
 
 def test_at_the_cap_the_run_saves_its_last_good_state_and_stops(run):
