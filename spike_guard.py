@@ -35,7 +35,10 @@ But the causes call for different remedies, so the guard asks why before it acts
              with code 3 and a message.
   explain    every decision is one `spike guard: ...` line with its cause and evidence, a record in metrics.jsonl
              and an entry in the run state of the checkpoint; a resumed run honours the skip ranges and the LR
-             factor and never decides again. The highest-loss samples of a spiking batch are named and decoded.
+             factor and never decides again. The highest-loss samples of a spiking batch are named and decoded,
+             and a data spike's documents appended to the skip list (skip_list.py).
+  warn       (precursor_rung(), off by default) a telemetry precursor past its threshold cuts the LR once, before
+             any spike (docs/spike_guard.md, section 7).
 
 The guard's state has two parts. Its statistics (the recent losses and grad norms) belong to the weights and are
 rolled back with them; its decisions (skip ranges, LR factor, counters, faults per rank, the decision log) are
