@@ -45,9 +45,7 @@ def dry_run(cfg, world_size=None, file=None):
                    for p in gpt.parameters() if p is not gpt.output_weight)
         stages.append((gpu, full))
         # native ZeRO-1 deals out whole parameters: the DP rank with the most elements of optimizer state
-        sizes = [p.numel() for p in gpt.parameters() if p.requires_grad]
-        owners = parallel.deal_out(sizes, dp)
-        largest_shard.append(max(sum(n for n, r in zip(sizes, owners) if r == rank) for rank in range(dp)))
+        largest_shard.append(max(parallel.shard_numels([p.numel() for p in gpt.parameters() if p.requires_grad], dp)))
     padded_vocab = model_cfg.padded_vocab_size
     padded_total, params = sum(full for _, full in stages), model_cfg.num_parameters()
 

@@ -747,13 +747,21 @@ def count_zeros(model):
 
 def deal_out(sizes, ranks):
     """The rank of each of `sizes` (parameters' element counts, in model order) under native ZeRO-1: each to the
-    rank that holds the fewest elements so far (estimate.py sizes the largest rank with it)."""
+    rank that holds the fewest elements so far (estimate.py and snapshots.py size the largest rank with it)."""
     owners, load = [], [0] * ranks
     for size in sizes:
         rank = load.index(min(load))
         owners.append(rank)
         load[rank] += size
     return owners
+
+
+def shard_numels(sizes, ranks):
+    """Elements each rank holds under deal_out: the optimizer state of its shard is this many parameters'."""
+    load = [0] * ranks
+    for size, rank in zip(sizes, deal_out(sizes, ranks)):
+        load[rank] += size
+    return load
 
 
 class ZeroShardedOptimizer:

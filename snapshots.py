@@ -155,12 +155,12 @@ def snapshot_bytes(cfg, gpu_params, dp, optimizer_params=None):
 
 def rank_snapshot_bytes(cfg, model):
     """Bytes of this rank's snapshot: its parameters, and the optimizer state of those it owns under native
-    ZeRO-1 (parallel.deal_out; DeepSpeed's even share: snapshot_bytes' default)."""
+    ZeRO-1 (parallel.shard_numels; DeepSpeed's even share: snapshot_bytes' default)."""
     params = [p for p in parallel.unwrap(model).parameters()]
     owned = None
     if cfg.zero_stage >= 1 and not cfg.deepspeed:
-        sizes, g = [p.numel() for p in params if p.requires_grad], parallel.grid
-        owned = sum(n for n, r in zip(sizes, parallel.deal_out(sizes, g.dp_size)) if r == g.dp_rank)
+        g = parallel.grid
+        owned = parallel.shard_numels([p.numel() for p in params if p.requires_grad], g.dp_size)[g.dp_rank]
     return int(snapshot_bytes(cfg, sum(p.numel() for p in params), parallel.grid.dp_size, owned))
 
 
