@@ -562,14 +562,19 @@ class GradBuffer:
 
     def _add_bucket(self, members, numel, dtype):
         flat = torch.zeros(numel, dtype=dtype, device=self.params[members[0]].device)
+        self.point(flat, members)
+        for i in members:
+            self.bucket_of[i] = len(self.buckets)
+        self.buckets.append(flat)
+        self.members.append(members)
+
+    def point(self, flat, members):
+        """Each member's main_grad a view of its place in the flat bucket (also precision.Fp32Step's fp32 ones)."""
         offset = 0
         for i in members:
             p = self.params[i]
             p.main_grad = flat[offset:offset + p.numel()].view_as(p)
             offset += p.numel()
-            self.bucket_of[i] = len(self.buckets)
-        self.buckets.append(flat)
-        self.members.append(members)
 
     def start(self, micro_batches):
         """Zero the gradients before the first micro-batch of a step that runs `micro_batches` backwards."""

@@ -157,11 +157,7 @@ class Fp32Step:
             self.buckets = (buffer, buffer.buckets, {p: p.main_grad for p in buffer.params})
             buffer.buckets = [torch.zeros_like(flat, dtype=torch.float32) for flat in buffer.buckets]
             for flat, members in zip(buffer.buckets, buffer.members):  # GradBuffer's layout, in fp32
-                offset = 0
-                for i in members:
-                    p = buffer.params[i]
-                    p.main_grad = flat[offset:offset + p.numel()].view_as(p)
-                    offset += p.numel()
+                buffer.point(flat, members)
         return self
 
     @torch.no_grad()
