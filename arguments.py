@@ -433,7 +433,7 @@ def validate(cfg, world_size=1, reads_data=True):
          "update, which DeepSpeed keeps inside its step(); set soft_skip_loss_ratio=0 or deepspeed=False")
     need(cfg.spike_guard_max_hardware_faults >= 1, "spike_guard_max_hardware_faults must be >= 1")
     if cfg.spike_guard_precursor is not None:
-        import spike_guard
+        from stability import spike_guard
         names = ", ".join(spike_guard.PRECURSORS)
         need(cfg.spike_guard_precursor in spike_guard.PRECURSORS,
              f"spike_guard_precursor={cfg.spike_guard_precursor!r} is not one of {names}")

@@ -7,9 +7,9 @@
     python bench.py --table config/gpt2_125m.py config/tr3_1b3.py --use_bundled_corpus \
         --pipeline_model_parallel_size=1 --global_batch_size=16    # one GPU: one table of both
 
-What is timed is what training runs: the model, optimizer and loss scaler come from train.py's own functions,
-each iteration is train.train_step, and its batches come from the training data (data_path, or the bundled
-corpus) through train.batch_prefetcher, which gathers the next iterations' batches on a background thread.
+What is timed is what training runs: the model, optimizer and loss scaler come from the builders train.py uses
+(model.py, optim.py), each iteration is train.train_step, and its batches come from the training data (data_path,
+or the bundled corpus) through loader.batch_prefetcher, which gathers the next iterations' batches on a background thread.
 Reported: tokens/s, ms per iteration, achieved TFLOPs by Megatron's formula (the number training logs, with
 activation recomputation counted as work), MFU: the model's own FLOPs (6N + attention, no recomputation;
 GPTConfig.model_flops_per_iteration) against the device's peak, peak memory (rank 0's), and the data wait: the
@@ -41,12 +41,15 @@ import torch.distributed as dist
 
 import arguments
 import deepspeed_engine
+import launch
 import loader
+import optim
 import parallel
 import schedule
-import telemetry
 import train
+from model import build_model
 from report import print0
+from stability import telemetry
 
 # Dense bf16 tensor-core peaks (no sparsity) of the SXM parts, TFLOP/s. PCIe cards are slower (H100 PCIe: 756),
 # so on one of those the MFU printed here is an underestimate.
@@ -110,34 +113,34 @@ def measure(argv):
     bench, rest = parse(argv)
     cfg = arguments.load_config(rest)
     arguments.check_device(cfg)
-    grid = train.start(cfg)  # as train.py: the allocator's expandable segments, the process group
+    grid = launch.start(cfg)  # as train.py: the allocator's expandable segments, the process group
     if cfg.rampup_batch_size is not None:
         print0("bench: rampup_batch_size ignored, every iteration uses global_batch_size")
         cfg.rampup_batch_size = None
     cfg.train_iters, cfg.train_samples, cfg.train_tokens = bench.bench_warmup + bench.bench_steps, None, None
     cfg.curriculum_learning, cfg.eval_iters = False, 0  # full-length batches; no validation set to build
     arguments.prepare(cfg, grid.world_size)
-    device = train.setup(cfg)  # as train.py: determinism, seeds, TF32 for fp32 matmuls on CUDA
+    device = launch.setup(cfg)  # as train.py: determinism, seeds, TF32 for fp32 matmuls on CUDA
 
-    model = train.build_model(cfg, device)
+    model = build_model(cfg, device)
     gpt, local_params = model.cfg, sum(p.numel() for p in model.parameters())
-    optimizer = train.build_optimizer(cfg, model)
+    optimizer = optim.optimizer_for(cfg, model)
     if cfg.deepspeed:
         model, optimizer = deepspeed_engine.initialize(cfg, model, optimizer)
-    scaler = train.build_scaler(cfg)
+    scaler = optim.scaler_for(cfg)
     if cfg.compile:
         parallel.unwrap(model).compile_blocks()
     train_model = model
     model.train()
     plan = schedule.Schedule(cfg, grid.dp_size)
-    train_data, _ = train.build_data(cfg, plan)
+    train_data, _ = loader.build_data(cfg, plan)
     B, T = cfg.global_batch_size, cfg.seq_length
 
     # With telemetry_interval, every interval-th timed step records telemetry, as in training: timed apart, so
     # that its cost can be stated per step (interleaved steps share the machine's noise); CPU time too.
     recorder = telemetry.Telemetry(model, cfg, optimizer) if cfg.telemetry_interval else None  # as train.py
     times, waits, key, probed, cpu = [], [], (1, 0, B, T), [], {False: [], True: []}
-    with train.batch_prefetcher(train_data, plan, cfg, device) as prefetcher:
+    with loader.batch_prefetcher(train_data, plan, cfg, device) as prefetcher:
         for it in range(bench.bench_warmup + bench.bench_steps):
             if it == bench.bench_warmup:
                 parallel.pipeline_seconds.update(schedule=0.0, communicate=0.0)
@@ -153,7 +156,8 @@ def measure(argv):
             t_data = time.perf_counter() - t0
             if probe:
                 probe.begin()
-            train.train_step(train_model, optimizer, scaler, batches, cfg.lr, cfg, device, probe=probe)
+            train.train_step(train_model, optimizer, scaler, batches, cfg.lr, cfg, device,
+                             hooks=telemetry.Probe(probe) if probe else train.NO_HOOKS)
             if probe:
                 probe.finish()
             sync(device)
@@ -163,7 +167,7 @@ def measure(argv):
                 waits.append(t_data)
             key = plan.next_key(key)
     t0 = time.perf_counter()  # what a batch costs when it was not prepared ahead
-    train.micro_batches(train_data, 0, B // (cfg.micro_batch_size * grid.dp_size), cfg, T, device)
+    loader.micro_batches(train_data, 0, B // (cfg.micro_batch_size * grid.dp_size), cfg, T, device)
     sync(device)
     load = time.perf_counter() - t0
 

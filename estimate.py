@@ -11,7 +11,7 @@ import torch
 
 import arguments
 import parallel
-import snapshots
+from stability import snapshots
 from model import GPT, GPTConfig
 
 

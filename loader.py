@@ -9,6 +9,9 @@ do not depend on the prefetching at all.
 
 The gather itself (GPTDataset.gather) is compiled and releases the GIL, so the thread runs beside the training
 step. On CUDA the host buffer is pinned and the copy to the device is non-blocking.
+
+The run's data is built here too (build_data: the train and validation sets of data_path, rank 0 first), and
+checked against the model's vocabulary before anything trains.
 """
 import collections
 import queue
@@ -18,6 +21,11 @@ from concurrent.futures import Future
 
 import numpy as np
 import torch
+import torch.distributed as dist
+
+import data
+import parallel
+from report import print0
 
 
 def sample_indices(first_sample: int, num_micro_batches: int, micro_batch_size: int, dp_rank: int, dp_size: int):
@@ -101,3 +109,81 @@ def _serve(requests, load):
             future.set_result(load(key))
         except BaseException as e:  # handed to whoever asks for this key (nobody, for a guess past the end)
             future.set_exception(e)
+
+
+# -----------------------------------------------------------------------------
+# The run's data
+
+
+def build_data(cfg, schedule, documents_to_skip=lambda prefixes: None):
+    """(train, validation) datasets of data_path (the bundled corpus without one); documents_to_skip(prefixes):
+    the documents each prefix's samples leave out (a skip list), or None."""
+    data_path = cfg.data_path
+    if data_path is None:
+        data_path = [data.default_corpus()] if parallel.grid.rank == 0 else None
+        if dist.is_initialized():
+            box = [data_path]
+            dist.broadcast_object_list(box, src=0)
+            data_path = box[0]
+    evals = schedule.total_iters // cfg.eval_interval + 1
+    num_samples = (0 if cfg.eval_only else schedule.total_samples,
+                   cfg.eval_iters * cfg.global_batch_size * (1 if evals else 0), 0)
+    check_data(cfg, data_path, num_samples[0])
+    skips = documents_to_skip(data.parse_data_path(data_path)[0])
+    # Rank 0 builds and caches the index arrays first; the others then read the cache.
+    for builders in (True, False):
+        if (parallel.grid.rank == 0) == builders:
+            datasets = data.build_datasets(data_path, cfg.split, cfg.seq_length, cfg.seed, num_samples,
+                                           cfg.data_cache_dir, skips)
+        if builders and dist.is_initialized():
+            dist.barrier()
+    return datasets[0], datasets[1]
+
+
+def check_data(cfg, data_path, train_samples):
+    """Token ids within the vocabulary (else an IndexError mid-run); a warning when the data repeats."""
+    prefixes, weights = data.parse_data_path(data_path)
+    for prefix, weight in zip(prefixes, weights):
+        data.check_token_ids(prefix, cfg.vocab_size)
+        epochs = data.train_epochs(prefix, cfg.split, cfg.seq_length, train_samples * weight)
+        if epochs > 4:  # Muennighoff et al. 2023: up to ~4 epochs of repeated data cost little, more do
+            print0(f"warning: this run goes over the train split of {prefix} {epochs:.1f} times; beyond about 4 "
+                   "epochs repeated data stops helping (more data, or a shorter run)")
+
+
+def check_tokenizer(cfg):
+    """A tokenizer_file must have the model's vocabulary: a larger one produces ids the embedding does not have, a
+    smaller one wastes rows -- except in a model imported with init_from_hf, whose rows are given (BLOOM's
+    tokenizer has 250680 tokens, its embedding 250880 rows). (The GPT-2 default is not checked: tests use small
+    vocabularies.)"""
+    if cfg.tokenizer_file is None:
+        return
+    n_vocab = data.get_tokenizer(cfg.tokenizer_file).n_vocab
+    if n_vocab > cfg.vocab_size:
+        raise ValueError(f"tokenizer_file {cfg.tokenizer_file} has {n_vocab} tokens but the model's vocab_size is "
+                         f"{cfg.vocab_size}: its ids would not all have an embedding row; "
+                         + ("use the tokenizer of the model in init_from_hf" if cfg.init_from_hf else
+                            f"set vocab_size={n_vocab} (padding to a multiple is automatic)"))
+    if n_vocab < cfg.vocab_size and not cfg.init_from_hf:
+        raise ValueError(f"tokenizer_file {cfg.tokenizer_file} has {n_vocab} tokens but vocab_size is "
+                         f"{cfg.vocab_size}; set vocab_size={n_vocab} (padding to a multiple is automatic)")
+
+
+def micro_batches(dataset, first_sample, num_micro_batches, cfg, seqlen, device):
+    """This DP rank's micro-batches [(inputs, labels)] of the global batch of num_micro_batches * mbs * dp samples
+    from first_sample, in Megatron's order (sample_indices), truncated to seqlen (curriculum)."""
+    g = parallel.grid
+    tokens = load_tokens(dataset, first_sample, num_micro_batches, seqlen, cfg.micro_batch_size, g.dp_rank,
+                         g.dp_size, pin_memory=device.type == "cuda")
+    return to_device(tokens, device)
+
+
+def batch_prefetcher(dataset, schedule, cfg, device):
+    """Loads the micro-batches of the iterations schedule.next_key expects on a background thread."""
+    g = parallel.grid
+
+    def load(key):
+        _, first_sample, _, seqlen = key
+        return load_tokens(dataset, first_sample, schedule.rampup.num_micro_batches(first_sample), seqlen,
+                           cfg.micro_batch_size, g.dp_rank, g.dp_size, pin_memory=device.type == "cuda")
+    return Prefetcher(load, schedule.next_key)

@@ -653,3 +653,54 @@ def sinusoidal_positions(num_positions, dim):
     table[:, 0::2] = torch.sin(pos * freq)
     table[:, 1::2] = torch.cos(pos * freq)[:, : dim // 2]
     return table.float()
+
+
+# -----------------------------------------------------------------------------
+# This rank's model, built from a run's config
+
+
+def build_model(cfg, device):
+    """This rank's stage, its weights in the compute dtype (precision.py); on the native path with the GradBuffer
+    its gradients accumulate and are all-reduced in (DeepSpeed brings its own)."""
+    import precision  # the model's dtype is precision.py's rule; precision builds on this file
+
+    g = parallel.grid
+    layers = parallel.partition_layers(cfg.num_layers, g.pp_size, cfg.pp_partition_method)[g.pp_rank]
+    # Allocated on the device directly; the weights are drawn once, on the CPU (GPT.init_weights), for this rank's
+    # slice only, and copied in. The ambient device is only where the parameters are allocated.
+    with torch.device(device):
+        model = GPT(GPTConfig.from_config(cfg), layers, pre_process=g.is_first_stage, post_process=g.is_last_stage,
+                    seed=cfg.seed)
+    if cfg.init_from_hf:
+        init_from_hf(cfg, model)
+    model.to(precision.compute_dtype(cfg))
+    if not cfg.deepspeed:
+        parallel.attach_grad_buffer(model, precision.grad_dtype(cfg))
+    return model
+
+
+def init_from_hf(cfg, model):
+    """The weights of the Hugging Face model cfg.init_from_hf (hf.load_into), unless the run resumes: then the
+    checkpoint's weights win and the model directory is not read."""
+    import checkpoint
+    import hf  # hf.py builds on this file: imported when used
+    from report import print0
+
+    if cfg.load and checkpoint.latest_dir(cfg.load):
+        print0(f"init_from_hf {cfg.init_from_hf} not loaded: resuming from the checkpoint in {cfg.load}, whose "
+               "weights win")
+        return
+    hf.load_into(model, cfg.init_from_hf)
+    print0(f"initialised from the Hugging Face model in {cfg.init_from_hf}")
+
+
+def describe_partition(cfg):
+    """'pipeline stages (type:transformer|embedding): 0: embedding + layers 0-4 | 1: layers 5-10 | ...'"""
+    parts = []
+    pp = cfg.pipeline_model_parallel_size
+    for stage, layers in enumerate(parallel.partition_layers(cfg.num_layers, pp, cfg.pp_partition_method)):
+        what = [f"layers {layers.start}-{layers.stop - 1}" if len(layers) > 1 else f"layer {layers.start}"]
+        what = what if layers else []
+        what = (["embedding"] if stage == 0 else []) + what + (["head"] if stage == pp - 1 else [])
+        parts.append(f"{stage}: {' + '.join(what)}")
+    return f"pipeline stages ({cfg.pp_partition_method}): " + " | ".join(parts)

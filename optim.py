@@ -2,11 +2,13 @@
 The learning rate of each step is schedule.py's.
 
 Everything here is local to one process. What ranks must agree on (the global grad norm, the zero count) is in
-parallel.py, which degenerates to the plain computation with one process.
+parallel.py, which degenerates to the plain computation with one process. optimizer_for and scaler_for build a
+run's from its config: its AdamW inside precision.py's fp32 master weights, sharded over DP by parallel.py (ZeRO-1).
 """
-
-
 import torch
+
+import parallel
+import precision
 
 # -----------------------------------------------------------------------------
 # AdamW
@@ -263,3 +265,36 @@ class LossScaler:
         self.scale = float(sd["scale"])
         self.clean_steps = int(sd["clean_steps"])
         self.hysteresis_left = int(sd["hysteresis_left"])
+
+
+# -----------------------------------------------------------------------------
+# Built from a run's config
+
+
+def optimizer_for(cfg, model):
+    """AdamW (or bitsandbytes') over fp32 master weights (precision.MixedPrecisionOptimizer), sharded over DP with
+    zero_stage=1. Under DeepSpeed, the bare optimizer: DeepSpeed keeps the masters and shards them itself."""
+    embedding = model.word_embedding_weight()
+
+    def build(params):
+        optimizer = build_optimizer(model, cfg.lr, cfg.weight_decay, cfg.adam_beta1, cfg.adam_beta2, cfg.adam_eps,
+                                    use_bnb_optimizer=cfg.use_bnb_optimizer, embedding=embedding, params=params,
+                                    independent_decay=cfg.weight_decay_independent)
+        return optimizer if cfg.deepspeed else precision.MixedPrecisionOptimizer(optimizer)
+
+    if cfg.deepspeed or cfg.zero_stage == 0 or parallel.grid.dp_size == 1:
+        return build(list(model.parameters()))  # not sharded here (under DeepSpeed, deepspeed_engine shards it)
+    if cfg.zero_stage != 1:
+        raise ValueError(f"zero_stage={cfg.zero_stage} needs deepspeed=True (the native path shards the optimizer "
+                         "state only: zero_stage=1)")
+    return parallel.ZeroShardedOptimizer(model.parameters(), build)
+
+
+def scaler_for(cfg):
+    """The loss scaler: fp16's dynamic one (or a static loss_scale); a scale of 1 that never changes otherwise."""
+    if not cfg.fp16:
+        return LossScaler(dynamic=False, static_scale=1.0)
+    if cfg.loss_scale is not None:
+        return LossScaler(dynamic=False, static_scale=cfg.loss_scale)
+    return LossScaler(dynamic=True, initial_scale=cfg.initial_loss_scale, min_scale=cfg.min_loss_scale,
+                            window=cfg.loss_scale_window, hysteresis=cfg.hysteresis)

@@ -10,7 +10,8 @@ under its log name. Scalars go to TensorBoard against iterations, consumed sampl
 tokens, and to wandb. Between two log lines the interval sums the lm loss, the skipped and NaN
 iterations and the time.
 
-Nothing here decides anything: the numbers come from train.py, spike_guard.py and telemetry.py.
+Nothing here decides anything: the numbers come from train.py and from the stability layer (its spike guard's
+decisions, its telemetry), which records them through `scalars` and `record`.
 """
 import json
 import math
@@ -18,7 +19,6 @@ import os
 from dataclasses import asdict
 
 import parallel
-import telemetry
 
 
 def print0(*args, **kwargs):
@@ -133,14 +133,6 @@ class Report:
         ppl = print_validation(loss, iteration)
         self.scalars({"valid-lm-loss": loss, "valid-ppl": ppl}, iteration, state)
         self.record(iteration, {"validation lm loss": loss, "validation ppl": ppl})
-
-    def telemetry(self, iteration, state, stats):
-        self.scalars(telemetry.scalars(stats), iteration, state)
-        self.record(iteration, {"telemetry": stats})
-
-    def decision(self, iteration, decision):
-        """A spike-guard decision; written out later, with what a rollback adds to the dict."""
-        self.record(iteration, {"spike guard": [decision]})
 
     def scalars(self, values, step, state):
         """Each scalar against iterations, and in TensorBoard also against consumed samples and

@@ -1,6 +1,6 @@
 """Where a run is, captured and restored in one place: for checkpoints and spike-guard snapshots.
 
-    parts = Parts(cfg, model, optimizer, schedule, scaler, guard)  # the live objects, parts.state
+    parts = Parts(cfg, model, optimizer, schedule, scaler, hooks)  # the live objects, parts.state
     payload = capture(parts)    # (model_state, run, rank_state): the layout of a checkpoint's files
     restore(payload, parts)     # weights, optimizer, LR schedule, loss scale, counters, RNG streams
     save(parts), load(parts)    # on disk: checkpoint.py writes the files, reshard.py re-cuts them
@@ -8,7 +8,8 @@
 A checkpoint and a snapshot are the same payload, so rolling back to either is the same run, and a
 resumed run goes on bit-exactly: every number that decides what happens next is in it. The optimizer
 reset of lesson 8 lives here too (reset_optimizer): a resume with reset_optimizer_warmup_iters and a
-spike guard's relapse both go through it.
+spike guard's relapse both go through it. The stability layer's own state rides along as the hooks'
+state_dict (train.Hooks), which this file carries without reading it.
 
 Not here: how the files are written (checkpoint.py), what the counters mean for the next iteration
 (schedule.py).
@@ -29,6 +30,8 @@ import rng
 import schedule
 from report import print0
 
+HISTORY = 1024  # applied steps whose loss and grad norm the run state keeps: the trend a step is judged against
+
 
 @dataclass
 class RunState:
@@ -42,21 +45,31 @@ class RunState:
     scheduler_samples: int = 0
     scheduler_tokens: int = 0
     optimizer_reset: dict | None = None  # {"iteration", "warmup_iters"} of the reset (lesson 8)
-    spike_guard: dict | None = None  # the guard's state_dict at the last capture (its decisions)
+    spike_guard: dict | None = None  # the stability layer's state_dict at the last capture (its decisions)
+    # the loss and grad norm of the last HISTORY applied steps, oldest first: the trend that the soft skip and the
+    # spike guard judge a step against, kept (and rolled back) with the weights whether or not they are on
+    history: dict = field(default_factory=lambda: {"loss": [], "grad norm": []})
 
-    def advance(self, batch_size, seqlen, applied):
-        """One iteration done: its batch drawn; counted by the LR schedule if its update applied."""
+    def advance(self, batch_size, seqlen, applied, step=None):
+        """One iteration done: its batch drawn; counted by the LR schedule if its update applied, and its numbers
+        (a train.Step's loss and grad norm) into the history."""
         if applied:
             self.scheduler_samples += batch_size
             self.scheduler_tokens += batch_size * seqlen
+        if applied and step is not None:
+            for key, value in (("loss", step.loss), ("grad norm", step.grad_norm)):
+                values = self.history[key]
+                values.append(value)
+                del values[:-HISTORY]
         self.iteration += 1
         self.consumed_samples += batch_size
         self.consumed_tokens += batch_size * seqlen
 
     def load(self, saved):
         """Every field of a saved dict, copied (a snapshot is used again); missing: the default."""
+        fresh = RunState()
         for f in fields(self):
-            setattr(self, f.name, copy.deepcopy(saved[f.name] if f.name in saved else f.default))
+            setattr(self, f.name, copy.deepcopy(saved[f.name]) if f.name in saved else getattr(fresh, f.name))
 
 
 @dataclass
@@ -68,7 +81,7 @@ class Parts:
     optimizer: object
     schedule: object  # schedule.Schedule: its AnnealingLR remembers where a sample warm-up ended
     scaler: object  # optim.LossScaler
-    guard: object  # spike_guard.SpikeGuard
+    hooks: object  # train.Hooks: the stability layer's (or the do-nothing base)
     state: RunState = field(default_factory=RunState)
 
 
@@ -76,7 +89,7 @@ def capture(parts):
     """The payload (model_state, run, rank_state), as checkpoint.save writes it and checkpoint.load
     returns it; its tensors are the live run's (checkpoint.host_copy copies them: snapshots, async saves)."""
     p = parts
-    p.state.spike_guard = p.guard.state_dict()
+    p.state.spike_guard = p.hooks.state_dict()
     model_state = parallel.unwrap(p.model).state_dict()
     run = {"state": asdict(p.state), "scheduler": p.schedule.lr_schedule.state_dict(),
            "scaler": p.scaler.state_dict(), "config": asdict(p.cfg)}
@@ -97,8 +110,8 @@ def restore(payload, parts, optimizer=True, rng_state=True, keep_payload=False):
     parallel.unwrap(p.model).load_state_dict(model_state)  # strict: every parameter (lesson 11)
     p.scaler.load_state_dict(run["scaler"])
     p.state.load(run["state"])
-    # the guard's statistics go with the weights; its decisions are history and stay
-    p.guard.load_stats((p.state.spike_guard or {}).get("stats"))
+    # the stability layer's statistics go with the weights; its decisions are history and stay
+    p.hooks.load_state_dict(p.state, resume=False)
     if optimizer:
         # load_state_dict keeps tensors of the right device and dtype: a kept payload gives a copy
         state = rank_state["optimizer"]
@@ -158,8 +171,8 @@ def load(parts):
         line = optim.resume_adam_params(parts.optimizer, cfg, payload[1].get("config", {}))
         if line:
             print0(line)
-    if state.spike_guard:  # its decisions (skip ranges, LR factor) hold even with the guard off now
-        parts.guard.load_state_dict(state.spike_guard)
+    if state.spike_guard:  # its decisions (skip ranges, LR factor): stability.build_hooks saw them, they hold
+        parts.hooks.load_state_dict(state, resume=True)
     if reset_now:
         reset_optimizer(parts, warmup)
         print0(f"optimizer reset at iteration {state.iteration}: fresh optimizer, lr=0 for "

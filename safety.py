@@ -64,12 +64,11 @@ def _on_rank0(fn):
 # Which checkpoint to resume, and whether it is this run's model
 
 
-def checkpoint_config(tag_dir):
-    """The config stored in a checkpoint (in TP rank 0, stage 0's file, which every layout has), its file checked
-    against the manifest and memory-mapped: no tensor is read."""
+def checkpoint_run(tag_dir):
+    """The run dict stored in a checkpoint (its config, its run state; in TP rank 0, stage 0's file, which every
+    layout has), its file checked against the manifest and memory-mapped: no tensor is read."""
     first = checkpoint.model_file(tag_dir, parallel.Grid(world_size=1))
-    return checkpoint.read(first, "model shard", mmap=True)["run"]["config"]
-
+    return checkpoint.read(first, "model shard", mmap=True)["run"]
 
 def _show(value):
     return repr(value) if isinstance(value, str) else str(value)
@@ -104,7 +103,8 @@ def _same_dir(a, b):
 
 
 def resolve_resume(cfg):
-    """Set cfg.load to the directory to resume from (or None); return (tag_dir, lines to print). Rank 0 only."""
+    """Set cfg.load to the directory to resume from (or None); return (tag_dir, lines to print, the checkpoint's
+    run state or None). Rank 0 only."""
     lines = []
     save_tag = _latest(cfg.save)
     if cfg.load is None and save_tag is not None:
@@ -122,11 +122,14 @@ def resolve_resume(cfg):
     if cfg.eval_only and load_tag is None:
         raise ValueError(f"eval_only needs a checkpoint, but {cfg.load or cfg.save or 'no load directory'} holds "
                          "none; set load to a directory with a 'latest' file")
+    saved_state = None
     if load_tag is not None:
-        changed = compare_configs(checkpoint_config(load_tag), cfg, load_tag)
+        run = checkpoint_run(load_tag)
+        changed = compare_configs(run["config"], cfg, load_tag)
         if changed:
             lines.append("keys changed since the checkpoint:\n    " + "\n    ".join(changed))
-    return load_tag, lines
+        saved_state = run["state"]
+    return load_tag, lines, saved_state
 
 
 # -----------------------------------------------------------------------------
@@ -190,22 +193,23 @@ def release_lock(path):
 
 class RunGuard:
     """`with RunGuard(cfg) as guard:` around a run: resume decision, checkpoint config check, save directory
-    lock, and guard.exit_signal (SIGTERM), all undone on the way out whatever happens."""
+    lock, and guard.exit_signal (SIGTERM), all undone on the way out whatever happens. guard.saved_state: the run
+    state of the checkpoint to resume (a dict, on every rank), or None."""
 
     def __init__(self, cfg):
-        self.cfg, self.lock, self.exit_signal = cfg, None, None
+        self.cfg, self.lock, self.exit_signal, self.saved_state = cfg, None, None, None
 
     def __enter__(self):
         cfg = self.cfg
 
         def prepare():
-            tag_dir, lines = resolve_resume(cfg)
+            tag_dir, lines, saved_state = resolve_resume(cfg)
             lock = acquire_lock(cfg.save) if cfg.save and not cfg.eval_only else None
             for line in lines:
                 print(line, flush=True)
-            return cfg.load, lock
+            return cfg.load, lock, saved_state
 
-        cfg.load, lock = _on_rank0(prepare)  # rank 0 decided for everyone (it may resume from save)
+        cfg.load, lock, self.saved_state = _on_rank0(prepare)  # rank 0 decided for everyone (it may resume from save)
         self.lock = lock if parallel.grid.rank == 0 else None
         self.exit_signal = ExitSignal(cfg.exit_signal_handler)
         return self

@@ -64,13 +64,16 @@ import optim
 import parallel
 import precision
 import schedule
+import train
 from report import print0
+from stability import skip_list
 
 EXIT_CODE = 3
 
 
-class SpikeGuardStop(RuntimeError):
+class SpikeGuardStop(train.StopRun):
     """A cap was reached: the run saved its last good state and stops (train.py exits with EXIT_CODE)."""
+    exit_code = EXIT_CODE
 
 
 # -----------------------------------------------------------------------------
@@ -225,9 +228,6 @@ class SpikeGuard:
             self.record(loss, grad_norm, lr)
             return None
         if not self.enabled:
-            if outcome == "replicas differ":  # no update anywhere: the replicas stay identical
-                print0(f"warning: iteration {iteration}: the DP replicas computed different loss / grad norm "
-                       f"{replica_values}: update skipped (a faulty GPU? spike_guard retries such steps)")
             return None
         collapse = False
         if outcome == "spike":
@@ -370,27 +370,9 @@ def spikes_in(series, cfg, stats=None):
 # Forensics: why did this step spike? (lesson 21; PaLM, Megatron-LM's rerun state machine)
 
 SUSPECT = ("spike", "nan", "replicas differ")  # the train_step outcomes investigate() looks into
-replica_values = []  # [(loss, grad norm)] of every DP replica at the last step (agreed(); "replicas differ")
 
 
-def agreed(loss, grad_norm, *more):
-    """(loss, grad norm, *more, replicas differ): the step's numbers as DP rank 0 computed them, on every rank. One
-    tensor all-gather over DP on the backend's device, and the step's one host sync: every skip decision
-    (skip_grad_norm_above, the guard's) is then taken from the same floats on every replica, which can never
-    split. The DP replicas reduce the same gradients: if their numbers differ, one of them is faulty."""
-    global replica_values
-    values = torch.stack([loss.double(), grad_norm.double(), *(m.double() for m in more)])
-    g = parallel.grid
-    if g.dp_size > 1 and g.dp_group is not None:
-        gathered = [torch.empty_like(values) for _ in range(g.dp_size)]
-        dist.all_gather(gathered, values, group=g.dp_group)
-        values = torch.stack(gathered)
-    rows = [tuple(r) for r in values.reshape(-1, 2 + len(more)).cpu().tolist()]
-    replica_values = rows
-    return (*rows[0], len({repr(r) for r in rows}) > 1)
-
-
-def investigate(parts, step, iteration, before, snapshots, rerun, forward):
+def investigate(guard, parts, step, iteration, before, snapshots, rerun, forward):
     """Before the guard acts on a suspect step: (step, diagnosis). The weights and optimizer are still those
     before the step (a suspect step is never applied); before = (RNG state, loss scaler state) before it.
     1. replay: the step again, same weights, batch, RNG and loss scaler (rerun(judge, scaler) runs train_step on
@@ -408,9 +390,9 @@ def investigate(parts, step, iteration, before, snapshots, rerun, forward):
        update went wrong ("optimizer").
     Costs one extra step (two in half precision: one of them in fp32) and one forward per spike; a clean run
     never calls it."""
-    guard, model, optimizer = parts.guard, parts.model, parts.optimizer
+    model, optimizer = parts.model, parts.optimizer
     first = f"loss {step.loss:.6g}, grad norm {step.grad_norm:.6g}"
-    rows = list(replica_values)
+    rows = list(train.replica_values)
     differ = [r for r, row in enumerate(rows) if repr(row) != repr(rows[0])]
     rng_before, scaler_before = before
     checkpoint.set_rng_state(rng_before)
@@ -463,8 +445,20 @@ def investigate(parts, step, iteration, before, snapshots, rerun, forward):
 
 
 def snapshot_stats(payload):
-    """The guard's statistics in a snapshot's (or checkpoint's) run state ({} if it was taken without the guard)."""
-    return ((payload[1]["state"].get("spike_guard") or {}).get("stats")) or {}
+    """The guard's statistics in a snapshot's (or checkpoint's) run state (run_stats)."""
+    return run_stats(payload[1]["state"])
+
+
+def run_stats(state):
+    """The guard's statistics in a run state (a dict): its own when it was on, else the run's history of applied
+    steps (run_state.RunState.history, kept with the guard off too) in their form; {} for neither."""
+    stats = (state.get("spike_guard") or {}).get("stats")
+    if stats:
+        return stats
+    history = state.get("history") or {}
+    series = {"loss": Series(1), "grad norm": Series(1, log=True)}
+    return {name: {"values": [s.transform(v) for v in history.get(name, [])]} for name, s in series.items()
+            if history.get(name)}
 
 
 def adam_bound(beta1, beta2):
@@ -522,12 +516,12 @@ def corrupted_weights(guard, model, optimizer, iteration, then, payload):
 
 
 def replay_in_fp32(guard, rng_before, model, optimizer, rerun):
-    """The step replayed in fp32 (precision.Fp32Step: the master weights, fp32 gradients, no loss scale), judged
+    """The step replayed in fp32 (Fp32Step: the master weights, fp32 gradients, no loss scale), judged
     against the trend. Applied if it is ordinary; else the half-precision run is left exactly as it was (its
     weights, masters, optimizer, loss scaler and RNG streams, and the reason the guard gives)."""
     rng_after, pending = checkpoint.rng_state(), guard.pending
     checkpoint.set_rng_state(rng_before)
-    with precision.Fp32Step(model, optimizer) as fp32:
+    with Fp32Step(model, optimizer) as fp32:
         exact = rerun(guard.judge if guard.armed() else None, optim.LossScaler(dynamic=False, static_scale=1.0))
         fp32.keep = exact.outcome == "ok"
     guard.pending = pending  # the spike's reason is the half-precision step's
@@ -536,29 +530,71 @@ def replay_in_fp32(guard, rng_before, model, optimizer, rerun):
     return exact
 
 
-def bitflip(cfg, iteration, guard, target="grad"):
-    """The fault of inject_bitflip_iters (or None), when inject_bitflip_target is `target`: on rank
-    inject_bitflip_rank the top exponent bit of the largest element of the first matrix flips (x 2^128 for a
-    value under 2 in fp32) -- in its reduced gradient ("grad": train_step calls it after the DP all-reduce), or
-    in the weight itself after the update ("weight": the loop calls it; the next step computes with it). Once
-    in time: not in a replay, nor when the iteration is run again."""
-    ranges = schedule.parse_iteration_ranges(cfg.inject_bitflip_iters, "inject_bitflip_iters")
-    if cfg.inject_bitflip_target != target or not (guard.meets_fault(iteration, ranges)
-                                                     and parallel.grid.rank == cfg.inject_bitflip_rank):
-        return None
+class Fp32Step:
+    """One step of a half-precision model run in fp32, for the spike guard's numerical diagnosis (a spike that an
+    fp32 replay of the same step does not have, docs/spike_guard.md):
+
+        with Fp32Step(model, optimizer) as fp32:
+            step = train_step(model, optimizer, no_loss_scale, ...)
+            fp32.keep = step.outcome == "ok"
+
+    Inside, the model's weights are fp32 copies of its master weights and its gradients are accumulated in fp32
+    (fp16: fp32 buckets in place of the GradBuffer's half ones; bf16's are fp32 already), so the forward,
+    backward and optimizer step are those of an fp32 run from the same state. On leaving, with `keep`, the weights
+    are the masters rounded into the half-precision tensors, as MixedPrecisionOptimizer.step rounds them;
+    without, the half-precision tensors are back untouched, bit for bit. Costs, for that one step, an fp32 copy
+    of the weights (fp16: and of the gradients), 4 (8) bytes per parameter, and activations at fp32's size."""
+
+    def __init__(self, model, optimizer):
+        self.gpt, self.optimizer, self.keep = parallel.unwrap(model), optimizer, False
+
+    def __enter__(self):
+        params = [p for p in self.gpt.parameters() if p.dtype != torch.float32]
+        self.half = {p: p.data for p in params}
+        for p, master in zip(params, master_weights(params, self.optimizer)):
+            p.data = master
+        buffer, self.buckets = parallel.grad_buffer(self.gpt), None
+        if buffer is not None and buffer.buckets and buffer.buckets[0].dtype != torch.float32:
+            self.buckets = (buffer, buffer.buckets, {p: p.main_grad for p in buffer.params})
+            buffer.buckets = [torch.zeros_like(flat, dtype=torch.float32) for flat in buffer.buckets]
+            for flat, members in zip(buffer.buckets, buffer.members):  # GradBuffer's layout, in fp32
+                buffer.point(flat, members)
+        return self
 
     @torch.no_grad()
-    def flip(model):
-        params = [p for p in parallel.unwrap(model).parameters() if p.dim() == 2]
-        flat = (parallel.main_grad(params[0]) if target == "grad" else params[0].data).view(-1)
-        i = int(flat.abs().argmax())
-        bits = {torch.float32: (torch.int32, 30), torch.bfloat16: (torch.int16, 14), torch.float16: (torch.int16, 14)}
-        itype, bit = bits[flat.dtype]
-        flat.view(itype)[i] ^= 1 << bit
-        what = "gradient" if target == "grad" else "weight"
-        print(f"spike guard: iteration {iteration}: injected a bit flip into {what} element {i} on rank "
-              f"{parallel.grid.rank}: {float(flat[i]):.4g}", flush=True)
-    return flip
+    def __exit__(self, *exc):
+        for p, half in self.half.items():
+            if self.keep and exc[0] is None:
+                half.copy_(p.data)
+            p.data = half
+        if self.buckets is not None:
+            buffer, buffer.buckets, main_grads = self.buckets
+            for p, grad in main_grads.items():
+                p.main_grad = grad
+
+
+@torch.no_grad()
+def master_weights(params, optimizer):
+    """Copies of the fp32 master weights of these model parameters, on this rank; under ZeRO-1 each broadcast over
+    DP by the rank that holds it, as ZeroShardedOptimizer.step broadcasts the weights it updated."""
+    copies = []
+    for p in params:
+        main = optimizer.main_param(p)
+        if main is None:  # another DP rank's (ZeRO-1): broadcast below
+            main = torch.empty(p.shape, dtype=torch.float32, device=p.device)
+        copies.append(main.detach().clone())
+    if isinstance(optimizer, parallel.ZeroShardedOptimizer):
+        optimizer.broadcast(dict(zip(params, copies)))
+    return copies
+
+
+@torch.no_grad()
+def evaluate_batches(model, batches, cfg, device):
+    """The mean loss of these micro-batches, without dropout (the guard tests a batch with it)."""
+    model.eval()
+    loss = parallel.average_loss(train.forward_backward(model, batches, cfg, device, forward_only=True)).item()
+    model.train()
+    return loss
 
 
 # -----------------------------------------------------------------------------
@@ -596,7 +632,6 @@ def name_samples(model, batches, first_sample, cfg, dataset, seqlen, iteration, 
     import os
 
     import data
-    import skip_list
     if parallel.grid.pp_size > 1:
         print0(f"spike guard: iteration {iteration}: samples {first_sample}-{first_sample + cfg.global_batch_size - 1}"
             " (not ranked by loss with pipeline parallelism; tools/show_samples.py decodes them)")
@@ -623,43 +658,6 @@ def name_samples(model, batches, first_sample, cfg, dataset, seqlen, iteration, 
                f"list {path}; to train without them, set skip_documents={path} (a new run, or a resume from a "
                "checkpoint before the spike)")
     return named
-
-
-# -----------------------------------------------------------------------------
-# Fault injection
-
-
-def inject_bad_batches(cfg, iteration, batches):
-    """Random token ids in place of the batches of inject_bad_batch_iters, drawn from a generator seeded by
-    (seed, iteration): the same on every rank and every resume, and no draw from the training RNG streams."""
-    if not schedule.in_ranges(iteration, schedule.parse_iteration_ranges(cfg.inject_bad_batch_iters,
-                                                                          "inject_bad_batch_iters")):
-        return batches
-    gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + iteration)
-    out = []
-    for x, y in batches:
-        tokens = torch.randint(0, cfg.vocab_size, (x.shape[0], x.shape[1] + 1), generator=gen)
-        out.append((tokens[:, :-1].to(x.device), tokens[:, 1:].to(y.device)))
-    return out
-
-
-def inject_numerical(cfg, iteration, model):
-    """The fault of inject_numerical_iters: a hook on the final LayerNorm (its handle, to remove after the
-    iteration; None outside those iterations and off the last pipeline stage) that adds 4096 x max|x| to its
-    input. LayerNorm subtracts the mean, so the function is the same -- but the sum keeps 24 - 12 bits of x in
-    fp32 and none in bf16 (8 bits) or fp16 (11 bits; past 65504, when max|x| > 16, it overflows): catastrophic
-    cancellation. It stands for any computation that half precision loses and fp32 keeps (an overflow, an
-    absorbed small update); not for a particular one. A replay in the same precision reproduces it; the guard's
-    fp32 replay computes it right."""
-    ranges = schedule.parse_iteration_ranges(cfg.inject_numerical_iters, "inject_numerical_iters")
-    ln_f = getattr(parallel.unwrap(model), "ln_f", None)
-    if ln_f is None or not schedule.in_ranges(iteration, ranges):
-        return None
-
-    def cancel(module, args):
-        x = args[0]
-        return (x + 4096 * x.detach().abs().amax(), *args[1:])
-    return ln_f.register_forward_pre_hook(cancel)
 
 
 # -----------------------------------------------------------------------------

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 import parallel
+import train
 
 
 class Telemetry:
@@ -222,3 +223,17 @@ def layer_labels(count, num_layers):
     """Row labels of a per-layer statistic: 'embedding', 'layer-01' .. 'layer-L', 'final' (or the blocks only)."""
     blocks = [f"layer-{i:02d}" for i in range(1, num_layers + 1)]
     return ["embedding", *blocks, "final"] if count == num_layers + 2 else blocks
+
+
+class Probe(train.Hooks):
+    """The hooks of one step a Telemetry records (bench.py's timed steps; the stability layer's hooks do the same
+    on the telemetry iterations of a run): the gradients read before the update, the update after it."""
+
+    def __init__(self, recorder):
+        self.recorder = recorder
+
+    def on_grads(self, model, loss_scale):
+        self.recorder.grads(loss_scale)
+
+    def after_update(self):
+        self.recorder.updated()

@@ -31,7 +31,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import arguments  # noqa: E402
-import spike_guard  # noqa: E402
+from stability import spike_guard  # noqa: E402
 
 MARGIN = 2.0
 LOGARITHMS = {"log_z"}  # precursors that are logarithms: their margin is added, as ln(margin)

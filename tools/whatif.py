@@ -33,7 +33,7 @@ sys.path.insert(0, ROOT)
 
 import arguments  # noqa: E402
 import checkpoint  # noqa: E402
-import spike_guard  # noqa: E402
+from stability import spike_guard  # noqa: E402
 
 FORKS = ("as is", "lr x F", "skip 200", "z-loss", "optimizer reset", "beta2 0.95", "clip 0.3", "soft skip", "guard")
 
@@ -143,7 +143,7 @@ def main(argv=None):
         raise SystemExit(f"error: no checkpoint in {args.load} (no `latest`): point --load at a run's save directory")
     _, run, _ = checkpoint.load(checkpoint.latest_dir(args.load))
     cfg = arguments.load_config(run_args) if run_args else arguments.load_config([])
-    stats = (run["state"].get("spike_guard") or {}).get("stats")
+    stats = spike_guard.run_stats(run["state"])
     os.makedirs(args.out, exist_ok=True)
     results = []
     for name in forks:

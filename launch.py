@@ -1,0 +1,101 @@
+"""Where a process starts: its process group, its device, the determinism and seeds of its streams, and how it
+ends (a one-line error, the process groups torn down last). train.py and bench.py start the same way.
+
+Not here: the config (arguments.py), what is built on the device (model.py, optim.py, loader.py).
+"""
+import json
+import os
+import sys
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+import parallel
+import rng
+
+
+def world_size():
+    """The number of processes the launcher started (torchrun's WORLD_SIZE; 1 without a launcher): known before
+    the process group exists, so that the config is checked first."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def start(cfg):
+    """The process group, CUDA's allocator configured before it starts."""
+    use_expandable_segments(cfg)
+    return parallel.init(cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size,
+                         backend="nccl" if use_cuda(cfg) else "gloo", timeout_minutes=cfg.distributed_timeout_minutes)
+
+
+def setup(cfg):
+    """Determinism, the device and its matmul precision, and the seeds of this TP rank and pipeline stage."""
+    set_deterministic(cfg)
+    device = get_device(cfg)
+    rng.seed(cfg.seed, device)  # the dropout streams of this TP rank and pipeline stage (lesson 22)
+    np.random.seed(cfg.seed)
+    if device.type == "cuda":
+        # tf32: fp32 matmuls on the tensor cores with a 10-bit mantissa (8x the throughput on A100/H100), as
+        # Megatron's users run them; only fp32 runs are affected (bf16/fp16 weights multiply in their dtype).
+        torch.set_float32_matmul_precision("high" if cfg.tf32 else "highest")
+    return device
+
+
+def use_cuda(cfg):
+    return cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+
+
+def use_expandable_segments(cfg):
+    """PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True unless the user set an allocator config: the curriculum
+    and ALiBi change the activations' shapes from step to step, which fragments the caching allocator's fixed
+    segments (out of memory with memory free). Read by CUDA's allocator when it starts: call before any CUDA
+    work."""
+    if use_cuda(cfg) and not {"PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"} & set(os.environ):
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+
+
+def set_deterministic(cfg):
+    """deterministic=True: the same bits from the same run, whatever the load of the machine. On CPU the matrix
+    products are MKL's, whose default code path depends on the number of threads MKL decides to use (1 and 2
+    threads give different gradient bits); MKL_CBWR=AUTO,STRICT makes them independent of it. MKL reads it at its
+    first call, which train.py makes after this point. torch's own reductions still split by the thread count
+    torch starts with: same machine shape, same bits. On CUDA: deterministic cuBLAS workspaces and kernels."""
+    if not cfg.deterministic:
+        return
+    os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.benchmark = False
+
+
+def get_device(cfg):
+    """The model's device, which is also the backend's communication device (NCCL for CUDA, gloo for CPU)."""
+    return torch.device("cuda", torch.cuda.current_device()) if use_cuda(cfg) else torch.device("cpu")
+
+
+def exit_with(error, code):
+    """Stop on a configuration or input error: one clear line, no traceback. Every rank has it (the config is
+    everyone's) or some do (a file): rank 0 prints it, and each rank that has it leaves it in torchrun's error file,
+    so that the launcher's summary names it as the root cause instead of 'To enable traceback see ...'."""
+    line = f"error: {error}"
+    if int(os.environ.get("RANK", "0")) == 0:  # torchrun's rank (the process group may not exist yet)
+        print(line, file=sys.stderr, flush=True)
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:
+        with open(error_file, "w") as f:  # torch.distributed.elastic's format
+            json.dump({"message": {"message": f"{type(error).__name__}: {error}",
+                                   "extraInfo": {"py_callstack": line, "timestamp": str(int(time.time()))}}}, f)
+    sys.exit(code)
+
+
+def shut_down(finished):
+    """The process groups last (the prefetch thread, the checkpoint writer and DeepSpeed are done by then), after a
+    barrier when the run finished: no rank tears its connections down while another still talks to it (a
+    DeepSpeed bf16 PP=2 run that had saved aborted at exit on one rank, 'terminate called without an active
+    exception', in 1 of 5 runs, and torchrun called the job failed). After an error there is no barrier: the
+    other ranks may be gone."""
+    if dist.is_initialized():
+        if finished:
+            dist.barrier()
+        dist.destroy_process_group()

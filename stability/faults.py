@@ -1,0 +1,87 @@
+"""Fault injection: spikes made on purpose, to test the spike guard (Megatron-LM's --error-injection-*).
+
+    inject_bad_batch_iters   random token ids in place of those iterations' batches (data: they come back when
+                             the iterations are run again)
+    inject_lr_iters          their LR x inject_lr_factor
+    inject_bitflip_iters     a bit of a reduced gradient, or of a weight after the update (inject_bitflip_target),
+                             flips on rank inject_bitflip_rank
+    inject_numerical_iters   a cancellation that half precision loses and fp32 keeps
+
+An LR spike and a bit flip are events in time: a replay or a rollback does not meet them again
+(SpikeGuard.meets_fault). The ranges are parsed once, when the run starts.
+"""
+import torch
+
+import parallel
+import schedule
+
+
+class Faults:
+    """The configured faults, asked at each iteration whether they strike it."""
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+        parse = schedule.parse_iteration_ranges
+        self.bad_batch_ranges = parse(cfg.inject_bad_batch_iters, "inject_bad_batch_iters")
+        self.lr_ranges = parse(cfg.inject_lr_iters, "inject_lr_iters")
+        self.bitflip_ranges = parse(cfg.inject_bitflip_iters, "inject_bitflip_iters")
+        self.numerical_ranges = parse(cfg.inject_numerical_iters, "inject_numerical_iters")
+
+    def bad_batches(self, iteration, batches):
+        """Random token ids in place of the batches of inject_bad_batch_iters, drawn from a generator seeded by
+        (seed, iteration): the same on every rank and every resume, and no draw from the training RNG streams."""
+        cfg = self.cfg
+        if not schedule.in_ranges(iteration, self.bad_batch_ranges):
+            return batches
+        gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + iteration)
+        out = []
+        for x, y in batches:
+            tokens = torch.randint(0, cfg.vocab_size, (x.shape[0], x.shape[1] + 1), generator=gen)
+            out.append((tokens[:, :-1].to(x.device), tokens[:, 1:].to(y.device)))
+        return out
+
+    def lr_factor(self, iteration, guard):
+        """inject_lr_factor in the first pass through inject_lr_iters, else 1."""
+        return self.cfg.inject_lr_factor if guard.meets_fault(iteration, self.lr_ranges) else 1.0
+
+    def bitflip(self, iteration, guard, target="grad"):
+        """The fault of inject_bitflip_iters (or None), when inject_bitflip_target is `target`: on rank
+        inject_bitflip_rank the top exponent bit of the largest element of the first matrix flips (x 2^128 for a
+        value under 2 in fp32) -- in its reduced gradient ("grad": called after the DP all-reduce), or in the
+        weight itself after the update ("weight": the next step computes with it). Once in time: not in a replay,
+        nor when the iteration is run again."""
+        cfg = self.cfg
+        if cfg.inject_bitflip_target != target or not (guard.meets_fault(iteration, self.bitflip_ranges)
+                                                         and parallel.grid.rank == cfg.inject_bitflip_rank):
+            return None
+
+        @torch.no_grad()
+        def flip(model):
+            params = [p for p in parallel.unwrap(model).parameters() if p.dim() == 2]
+            flat = (parallel.main_grad(params[0]) if target == "grad" else params[0].data).view(-1)
+            i = int(flat.abs().argmax())
+            bits = {torch.float32: (torch.int32, 30), torch.bfloat16: (torch.int16, 14),
+                    torch.float16: (torch.int16, 14)}
+            itype, bit = bits[flat.dtype]
+            flat.view(itype)[i] ^= 1 << bit
+            what = "gradient" if target == "grad" else "weight"
+            print(f"spike guard: iteration {iteration}: injected a bit flip into {what} element {i} on rank "
+                  f"{parallel.grid.rank}: {float(flat[i]):.4g}", flush=True)
+        return flip
+
+    def numerical(self, iteration, model):
+        """The fault of inject_numerical_iters: a hook on the final LayerNorm (its handle, to remove after the
+        iteration; None outside those iterations and off the last pipeline stage) that adds 4096 x max|x| to its
+        input. LayerNorm subtracts the mean, so the function is the same -- but the sum keeps 24 - 12 bits of x in
+        fp32 and none in bf16 (8 bits) or fp16 (11 bits; past 65504, when max|x| > 16, it overflows): catastrophic
+        cancellation. It stands for any computation that half precision loses and fp32 keeps (an overflow, an
+        absorbed small update); not for a particular one. A replay in the same precision reproduces it; the
+        guard's fp32 replay computes it right."""
+        ln_f = getattr(parallel.unwrap(model), "ln_f", None)
+        if ln_f is None or not schedule.in_ranges(iteration, self.numerical_ranges):
+            return None
+
+        def cancel(module, args):
+            x = args[0]
+            return (x + 4096 * x.detach().abs().amax(), *args[1:])
+        return ln_f.register_forward_pre_hook(cancel)
