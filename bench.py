@@ -9,7 +9,8 @@
 
 What is timed is what training runs: the model, optimizer and loss scaler come from the builders train.py uses
 (model.py, optim.py), each iteration is train.train_step, and its batches come from the training data (data_path,
-or the bundled corpus) through loader.batch_prefetcher, which gathers the next iterations' batches on a background thread.
+or the bundled corpus) through loader.batch_prefetcher, which gathers the next iterations' batches on a background
+thread.
 Reported: tokens/s, ms per iteration, achieved TFLOPs by Megatron's formula (the number training logs, with
 activation recomputation counted as work), MFU: the model's own FLOPs (6N + attention, no recomputation;
 GPTConfig.model_flops_per_iteration) against the device's peak, peak memory (rank 0's), and the data wait: the

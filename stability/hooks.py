@@ -148,7 +148,7 @@ class StabilityHooks(train.Hooks):
             return False
         if self.writer is not None:
             self.writer.wait()  # a rollback may read the checkpoint being written
-        if self.snapshots.roll_back(decision, parts) is None or decision["action"] == "stop":
+        if self.snapshots.roll_back(decision, parts, guard) is None or decision["action"] == "stop":
             if cfg.save:
                 run_state.save(parts, self.writer)
             self.report.close()

@@ -110,7 +110,7 @@ class Snapshots:
                 return max(steps), checkpoint.load(os.path.join(directory, f"global_step{max(steps)}"))
         return None
 
-    def roll_back(self, decision, parts):
+    def roll_back(self, decision, parts, guard):
         """Carry out a rollback (or, for a stop, return to the last good state if there is one). Returns the
         iteration restored to, or None when there is nothing to roll back to."""
         found = self.newest_before(decision["start"]) if "start" in decision else None
@@ -120,14 +120,14 @@ class Snapshots:
                 decision["line"] = (f"spike guard: iteration {decision['iteration']}: no snapshot or checkpoint "
                                     f"before iteration {decision['start']} to roll back to")
                 print0(decision["line"])
-            parts.guard.applied(decision, None)
+            guard.applied(decision, None)
             return None
         target, snap = found
         run_state.restore(snap, parts, keep_payload=True)  # a snapshot can be rolled back to again
         self.drop(lambda it: it > target)
         if decision.get("reset_optimizer"):
             run_state.reset_optimizer(parts, schedule.reset_warmup_iters(self.cfg, unset="auto"))
-        parts.guard.applied(decision, target)
+        guard.applied(decision, target)
         skipping = decision["action"] == "rollback" and decision["end"] is not None
         print0(f"spike guard: rolled back to iteration {target}" + (
             f"; iterations {decision['start']}-{decision['end']} will be skipped" if skipping else ""))

@@ -26,6 +26,9 @@ import train
 from helpers import (E2E_ARGS, SMALL, assert_same_training, corpus, launch, losses, run_cli, spawn,  # noqa: F401
                      synthetic_corpus)  # (corpus, synthetic_corpus: fixtures)
 from model import GPT, GPTConfig, draw_slice
+import optim
+import launch as launcher
+from model import build_model
 
 CFG = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=1000,
            make_vocab_size_divisible_by=64, embed_layernorm=True)
@@ -63,9 +66,9 @@ def test_build_model_ignores_the_ambient_device():
     cfg = arguments.prepare(arguments.load_config(["--num_layers=2", "--hidden_size=32", "--num_attention_heads=4",
                                                    "--seq_length=16", "--vocab_size=1000", "--seed=5",
                                                    "--embed_layernorm"]))
-    reference = _weights(train.build_model(cfg, torch.device("cpu")))
+    reference = _weights(build_model(cfg, torch.device("cpu")))
     with torch.device("meta"):
-        built = train.build_model(cfg, torch.device("cpu"))
+        built = build_model(cfg, torch.device("cpu"))
     assert all(p.device.type == "cpu" for p in built.parameters())
     _assert_same(_weights(built), reference)
 
@@ -78,7 +81,7 @@ def test_weights_drawn_once_per_parameter(monkeypatch):
     drawn = []
     original = model_module.draw_slice
     monkeypatch.setattr(model_module, "draw_slice", lambda out, *a, **k: drawn.append(out) or original(out, *a, **k))
-    built = train.build_model(cfg, torch.device("cpu"))
+    built = build_model(cfg, torch.device("cpu"))
     random = [p for n, p in built.named_parameters() if p.ndim == 2]
     assert len(drawn) == len(random) and {id(p) for p in drawn} == {id(p) for p in random}
 
@@ -281,8 +284,7 @@ def _meta_step(monkeypatch, extra, tp=1, pp=1, dp=1, rank=0, micro_batches=2):
     import arguments
     import safety
     import schedule
-    import snapshots
-    import telemetry
+    from stability import snapshots, spike_guard, telemetry
     from report import Report
     world = tp * pp * dp
     cfg = arguments.load_config(META_ARGV + [f"--tensor_model_parallel_size={tp}",
@@ -304,6 +306,7 @@ def _meta_step(monkeypatch, extra, tp=1, pp=1, dp=1, rank=0, micro_batches=2):
         assert all(p.is_meta for p in parts.model.parameters())
         recorder = telemetry.Telemetry(parts.model, cfg, parts.optimizer)
         store = snapshots.Snapshots(cfg)
+        guard = spike_guard.SpikeGuard(cfg)
         report = Report(cfg, plan, parts.model)
         exit_signal = safety.ExitSignal(True)
         ids = torch.zeros(cfg.micro_batch_size, cfg.seq_length, dtype=torch.int64, device=meta)
@@ -314,9 +317,9 @@ def _meta_step(monkeypatch, extra, tp=1, pp=1, dp=1, rank=0, micro_batches=2):
             with syncs:
                 recorder.begin()
                 step = train.train_step(parts.model, parts.optimizer, parts.scaler, batches, 1e-4, cfg, meta,
-                                        count_zeros=True, probe=recorder)
+                                        count_zeros=True, hooks=telemetry.Probe(recorder))
                 recorder.finish()
-                parts.guard.update(1, step.outcome, step.loss, step.grad_norm, parts.scaler)
+                guard.update(1, step.outcome, step.loss, step.grad_norm, parts.scaler)
                 report.step(step, 1e-4)
                 parts.state.advance(cfg.global_batch_size, cfg.seq_length, applied=step.outcome == "ok")
                 report.timed(0.1)
@@ -429,29 +432,29 @@ def test_cuda_settings(monkeypatch):
     import arguments
     cfg = arguments.prepare(arguments.load_config(["--device=cuda"]))
     assert cfg.tf32
-    monkeypatch.setattr(train, "get_device", lambda cfg: torch.device("cuda", 0))
-    monkeypatch.setattr(train.rng, "seed", lambda seed, device: None)  # the CUDA generator: not in this torch
+    monkeypatch.setattr(launcher, "get_device", lambda cfg: torch.device("cuda", 0))
+    monkeypatch.setattr(launcher.rng, "seed", lambda seed, device: None)  # the CUDA generator: not in this torch
     previous = torch.get_float32_matmul_precision()
     try:
-        train.setup(cfg)
+        launcher.setup(cfg)
         assert torch.get_float32_matmul_precision() == "high"
         cfg.tf32 = False
-        train.setup(cfg)
+        launcher.setup(cfg)
         assert torch.get_float32_matmul_precision() == "highest"
-        monkeypatch.setattr(train, "get_device", lambda cfg: torch.device("cpu"))
+        monkeypatch.setattr(launcher, "get_device", lambda cfg: torch.device("cpu"))
         cfg.tf32 = True
-        train.setup(cfg)
+        launcher.setup(cfg)
         assert torch.get_float32_matmul_precision() == "highest"  # CPU matmuls untouched
     finally:
         torch.set_float32_matmul_precision(previous)
     for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
         monkeypatch.delenv(name, raising=False)
-    train.use_expandable_segments(arguments.load_config(["--device=cpu"]))
+    launcher.use_expandable_segments(arguments.load_config(["--device=cpu"]))
     assert "PYTORCH_CUDA_ALLOC_CONF" not in os.environ
-    train.use_expandable_segments(cfg)
+    launcher.use_expandable_segments(cfg)
     assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512")
-    train.use_expandable_segments(cfg)
+    launcher.use_expandable_segments(cfg)
     assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:512"
 
 
@@ -492,7 +495,7 @@ def test_a_cpu_run_on_a_machine_with_gpus_never_touches_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "_queued_calls", [])  # torch.manual_seed's lazy CUDA seeding, dropped after
     for name in ("get_rng_state", "set_rng_state", "current_device", "init"):
         monkeypatch.setattr(torch.cuda, name, touched)
-    device = train.setup(arguments.prepare(arguments.load_config(["--device=cpu"])))
+    device = launcher.setup(arguments.prepare(arguments.load_config(["--device=cpu"])))
     assert device == torch.device("cpu") and set(rng.get_states()) == {"cpu"}
     state = checkpoint.rng_state()
     assert state["cuda"] is None
@@ -542,10 +545,11 @@ def test_bench_starts_as_train_does(monkeypatch, corpus):
     """bench.py goes through train.py's start (the allocator's expandable segments, the process group) and setup
     (seeds, TF32), and its telemetry has the optimizer (the update ratio on the fp32 masters)."""
     import bench
-    import telemetry
+    from stability import telemetry
     calls, Telemetry = [], telemetry.Telemetry
     for name in ("start", "setup"):
-        monkeypatch.setattr(train, name, lambda cfg, name=name, f=getattr(train, name): calls.append(name) or f(cfg))
+        monkeypatch.setattr(launcher, name,
+                            lambda cfg, name=name, f=getattr(launcher, name): calls.append(name) or f(cfg))
     monkeypatch.setattr(telemetry, "Telemetry", lambda *a: calls.append(len(a)) or Telemetry(*a))
     bench.measure(["config/tiny.py", "--num_layers=1", "--hidden_size=32", "--num_attention_heads=2",
                    "--seq_length=16", "--micro_batch_size=2", "--global_batch_size=2", "--telemetry_interval=2",
@@ -561,22 +565,22 @@ def test_telemetry_update_ratio_on_fp32_masters():
     """bf16 weights with a small learning rate: most updates are below half a bf16 ulp, so the weights barely
     move while the fp32 masters do. The update/param ratio is the masters' (|m_after - m_before| / |p|)."""
     import arguments
-    import telemetry
+    from stability import telemetry
     cfg = arguments.prepare(arguments.load_config(["--num_layers=2", "--hidden_size=32", "--num_attention_heads=4",
                                                    "--seq_length=16", "--vocab_size=512", "--bf16",
                                                    "--micro_batch_size=2", "--global_batch_size=2",
                                                    "--telemetry_interval=1", "--hidden_dropout=0",
                                                    "--attention_dropout=0"]))
-    model = train.build_model(cfg, torch.device("cpu"))
-    optimizer = train.build_optimizer(cfg, model)
+    model = build_model(cfg, torch.device("cpu"))
+    optimizer = optim.optimizer_for(cfg, model)
     recorder = telemetry.Telemetry(model, cfg, optimizer)
     ids = torch.randint(0, 512, (2, 17), generator=torch.Generator().manual_seed(0))
     masters = [optimizer.main_param(p) for p in model.parameters()]
     before = [m.detach().clone() for m in masters]
     weights_before = [p.detach().clone() for p in model.parameters()]
     recorder.begin()
-    step = train.train_step(model, optimizer, train.build_scaler(cfg), [(ids[:, :-1], ids[:, 1:])], 1e-6, cfg,
-                            torch.device("cpu"), probe=recorder)
+    step = train.train_step(model, optimizer, optim.scaler_for(cfg), [(ids[:, :-1], ids[:, 1:])], 1e-6, cfg,
+                            torch.device("cpu"), hooks=telemetry.Probe(recorder))
     stats = recorder.finish()
     assert step.outcome == "ok"
     update = sum(float((m.detach() - b).double().square().sum()) for m, b in zip(masters, before))
@@ -591,20 +595,20 @@ def test_telemetry_update_ratio_on_fp32_masters():
 
 def _telemetry_with_and_without_zero():
     import arguments
-    import telemetry
+    from stability import telemetry
     stats = {}
     for zero in (0, 1):
         cfg = arguments.prepare(arguments.load_config(
             ["--num_layers=2", "--hidden_size=32", "--num_attention_heads=4", "--seq_length=16", "--vocab_size=512",
              "--bf16", "--micro_batch_size=2", "--global_batch_size=4", "--hidden_dropout=0",
              "--attention_dropout=0", f"--zero_stage={zero}"]), 2)
-        model = train.build_model(cfg, torch.device("cpu"))
-        optimizer = train.build_optimizer(cfg, model)
+        model = build_model(cfg, torch.device("cpu"))
+        optimizer = optim.optimizer_for(cfg, model)
         recorder = telemetry.Telemetry(model, cfg, optimizer)
         tokens = torch.randint(0, 512, (2, 17), generator=torch.Generator().manual_seed(parallel.grid.dp_rank))
         recorder.begin()
-        train.train_step(model, optimizer, train.build_scaler(cfg), [(tokens[:, :-1], tokens[:, 1:])], 1e-3, cfg,
-                         torch.device("cpu"), probe=recorder)
+        train.train_step(model, optimizer, optim.scaler_for(cfg), [(tokens[:, :-1], tokens[:, 1:])], 1e-3, cfg,
+                         torch.device("cpu"), hooks=telemetry.Probe(recorder))
         stats[zero] = recorder.finish()["update/param rms"]
     assert all(r > 0 for r in stats[0])
     for a, b in zip(stats[0], stats[1]):
@@ -631,8 +635,8 @@ def test_gpu_build_has_the_cpu_weights():
     cfg = arguments.prepare(arguments.load_config(["--num_layers=2", "--hidden_size=64", "--num_attention_heads=4",
                                                    "--seq_length=32", "--embed_layernorm", "--tensor_model_parallel_"
                                                    "size=1"]))
-    on_cpu = _weights(train.build_model(cfg, torch.device("cpu")))
-    on_gpu = train.build_model(cfg, torch.device("cuda", torch.cuda.current_device()))
+    on_cpu = _weights(build_model(cfg, torch.device("cpu")))
+    on_gpu = build_model(cfg, torch.device("cuda", torch.cuda.current_device()))
     assert all(p.is_cuda for p in on_gpu.parameters())
     _assert_same({n: t.cpu() for n, t in _weights(on_gpu).items()}, on_cpu)
 

@@ -25,6 +25,7 @@ from model import GPT, GPTConfig
 transformers = pytest.importorskip("transformers")
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 import export_hf  # noqa: E402
+import loader
 
 SHAPE = dict(n_layer=2, n_head=4)
 
@@ -223,7 +224,7 @@ RUN = ["config/finetune.py", "--bf16=false", "--micro_batch_size=2", "--global_b
 def first_batch_loss(reference, argv):
     """transformers' mean loss over the micro-batches of the run's first iteration (train.py's own data path)."""
     cfg = arguments.prepare(arguments.load_config(argv))
-    batches = train.micro_batches(train.build_data(cfg, Schedule(cfg, 1))[0], 0, 2, cfg, cfg.seq_length,
+    batches = loader.micro_batches(loader.build_data(cfg, Schedule(cfg, 1))[0], 0, 2, cfg, cfg.seq_length,
                                   torch.device("cpu"))
     with torch.no_grad():
         return sum(torch.nn.functional.cross_entropy(reference(x).logits.flatten(0, 1), y.flatten()).item()

@@ -14,12 +14,13 @@ import torch
 
 import arguments
 import optim
-import telemetry
+from stability import telemetry
 import train
 from helpers import ROOT
 
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 import lab_corpus  # noqa: E402
+from model import build_model
 
 # -----------------------------------------------------------------------------
 # independent weight decay
@@ -101,8 +102,8 @@ def test_weight_decay_independent_reaches_the_optimizer_from_the_config():
     cfg = arguments.prepare(arguments.load_config(["--num_layers=1", "--hidden_size=16", "--num_attention_heads=2",
                                                     "--seq_length=8", "--vocab_size=512", "--lr=0.02",
                                                     "--weight_decay=1e-4", "--weight_decay_independent"]))
-    model = train.build_model(cfg, torch.device("cpu"))
-    groups = train.build_optimizer(cfg, model).param_groups
+    model = build_model(cfg, torch.device("cpu"))
+    groups = optim.optimizer_for(cfg, model).param_groups
     assert {g["name"]: g["weight_decay"] for g in groups} == {"decay": pytest.approx(1e-4 / 0.02), "no_decay": 0.0}
 
 
@@ -118,18 +119,19 @@ def test_telemetry_precursors_match_direct_computation():
                                                     "--init_method_std=0.1",
                                                     "--clip_grad=1e9"]))  # p.grad unclipped
     cpu = torch.device("cpu")
-    model = train.build_model(cfg, cpu)
+    model = build_model(cfg, cpu)
     with torch.no_grad():  # head 0's queries 4x larger: its attention is sharper than head 1's
         for block in model.blocks.values():
             block.attn.qkv.weight[:D] *= 4  # rows laid out [heads, (q, k, v), head_dim]
-    optimizer, scaler = train.build_optimizer(cfg, model), train.build_scaler(cfg)
+    optimizer, scaler = optim.optimizer_for(cfg, model), optim.scaler_for(cfg)
     gen = torch.Generator().manual_seed(0)
     batches = [(torch.randint(0, 50257, (2, T), generator=gen), torch.randint(0, 50257, (2, T), generator=gen))
                for _ in range(2)]
     before = {k: v.detach().clone() for k, v in model.named_parameters()}
     recorder = telemetry.Telemetry(model, cfg)
     recorder.begin()
-    outcome = train.train_step(model, optimizer, scaler, batches, 1e-3, cfg, cpu, probe=recorder).outcome
+    outcome = train.train_step(model, optimizer, scaler, batches, 1e-3, cfg, cpu,
+                               hooks=telemetry.Probe(recorder)).outcome
     stats = recorder.finish()
     assert outcome == "ok"
     params = dict(model.named_parameters())
@@ -171,7 +173,7 @@ def test_attention_entropy_of_uniform_and_one_hot_attention():
     mean(ln 1 .. ln T); a huge logit on the diagonal makes it 0."""
     cfg = arguments.prepare(arguments.load_config(["--num_layers=1", "--hidden_size=32", "--num_attention_heads=2",
                                                     "--seq_length=8", "--vocab_size=512"]))
-    model = train.build_model(cfg, torch.device("cpu"))
+    model = build_model(cfg, torch.device("cpu"))
     recorder = telemetry.Telemetry(model, cfg)
     recorder.begin()
     zeros = torch.zeros(3, 2, 8, 16)

@@ -10,6 +10,9 @@ import arguments
 import data
 import schedule
 import train
+import optim
+import loader
+from model import build_model
 from helpers import (SMALL, assert_same_checkpoint, corpus, log_fields, losses, run_cli,  # noqa: F401 (corpus)
                      run_main)
 
@@ -83,7 +86,7 @@ def test_bf16_trains_past_the_warmup_like_fp32(corpus, tmp_path):
     assert bf16[12] < min(bf16[i] for i in range(1, 7)) - 0.5, bf16  # it learns once past the warm-up
     weights, opt, _ = checkpoint_state(tmp_path, 12)
     cfg = arguments.prepare(arguments.load_config([*args, "--bf16"]))
-    initial = train.build_model(cfg, torch.device("cpu")).state_dict()
+    initial = build_model(cfg, torch.device("cpu")).state_dict()
     assert set(weights) == set(initial) and {w.dtype for w in weights.values()} == {torch.bfloat16}
     moved = [k for k in weights if not torch.equal(weights[k], initial[k])]
     assert moved == list(weights), set(weights) - set(moved)
@@ -102,19 +105,19 @@ def test_skip_grad_norm_above_skips_without_updating(corpus, tmp_path):
     assert all(f["number of skipped iterations"] == "1" for f in fields.values())
     model_state, opt, _ = checkpoint_state(tmp_path, 3)
     assert opt["state"] == {}  # never stepped
-    fresh = train.build_model(arguments.prepare(arguments.load_config(list(SMALL))), torch.device("cpu"))
+    fresh = build_model(arguments.prepare(arguments.load_config(list(SMALL))), torch.device("cpu"))
     assert all(torch.equal(v, model_state[k]) for k, v in fresh.state_dict().items())
 
 
 def test_nan_loss_never_updates_the_weights():
     cfg = arguments.prepare(arguments.load_config([*SMALL, *NO_DROPOUT, "--train_iters=1"]))
-    model = train.build_model(cfg, torch.device("cpu"))
-    optimizer = train.build_optimizer(cfg, model)
+    model = build_model(cfg, torch.device("cpu"))
+    optimizer = optim.optimizer_for(cfg, model)
     with torch.no_grad():
         model.ln_f.bias[0] = float("nan")
     before = {k: v.clone() for k, v in model.state_dict().items()}
     x = torch.randint(0, 50257, (4, 64))
-    step = train.train_step(model, optimizer, train.build_scaler(cfg), [(x, x), (x, x)], 1e-3, cfg, torch.device("cpu"))
+    step = train.train_step(model, optimizer, optim.scaler_for(cfg), [(x, x), (x, x)], 1e-3, cfg, torch.device("cpu"))
     assert step.outcome == "nan" and math.isnan(step.loss)
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items() if k != "ln_f.bias")
     assert optimizer.state_dict()["state"] == {}
@@ -245,7 +248,7 @@ def test_show_samples_tool_prints_what_an_iteration_consumed(corpus):
     assert proc.returncode == 0, proc.stderr
     assert "=== iteration 2: samples 8-15, seqlen 64" in proc.stdout
     cfg = arguments.prepare(arguments.load_config([*SMALL, "--train_iters=4"]))
-    train_data, _ = train.build_data(cfg, schedule.Schedule(cfg, 1))
+    train_data, _ = loader.build_data(cfg, schedule.Schedule(cfg, 1))
     text = data.get_tokenizer().decode(train_data[8].tolist())
     assert text in proc.stdout
 

@@ -21,6 +21,8 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 import parallel
+import optim
+from model import build_model
 from helpers import (ROOT, TINY, assert_replicas_identical, assert_same_training, dumps, gather, launch,  # noqa: F401
                      log_fields, random_batches, spawn, stage, synthetic_corpus)  # (synthetic_corpus is a fixture)
 
@@ -333,10 +335,10 @@ def _measure_model_states(results):
             ["--num_layers=2", "--hidden_size=64", "--num_attention_heads=4", "--seq_length=16", "--vocab_size=512",
              "--micro_batch_size=2", "--train_iters=1", "--zero_stage=1", "--loss_scale=1"]
             + ([f"--{precision}"] if precision != "fp32" else [])), g.world_size)
-        model = train.build_model(cfg, torch.device("cpu"))
-        optimizer = train.build_optimizer(cfg, model)
+        model = build_model(cfg, torch.device("cpu"))
+        optimizer = optim.optimizer_for(cfg, model)
         x = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(g.dp_rank))
-        outcome = train.train_step(model, optimizer, train.build_scaler(cfg), [(x, x)], 1e-3, cfg, torch.device("cpu"))
+        outcome = train.train_step(model, optimizer, optim.scaler_for(cfg), [(x, x)], 1e-3, cfg, torch.device("cpu"))
         assert outcome.outcome == "ok"
         results[(precision, g.dp_size, g.dp_rank)] = (_model_state_bytes(model, optimizer),
                                                       sum(p.numel() for p in model.parameters()))

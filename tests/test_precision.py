@@ -16,6 +16,8 @@ import precision
 import train
 from helpers import SMALL, corpus, losses, run_main  # noqa: F401 (corpus is a fixture)
 from model import GPT, GPTConfig
+import optim
+from model import build_model
 
 PRECISIONS = {"fp32": [], "bf16": ["--bf16"], "fp16": ["--fp16"]}
 HALF = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -39,7 +41,7 @@ def _cfg(*extra):
 @pytest.mark.parametrize("name", PRECISIONS)
 def test_weights_and_block_output_are_in_the_compute_dtype(name):
     cfg = _cfg(*PRECISIONS[name])
-    model = train.build_model(cfg, torch.device("cpu"))
+    model = build_model(cfg, torch.device("cpu"))
     assert {p.dtype for p in model.parameters()} == {HALF[name]}
     assert {p.main_grad.dtype for p in model.parameters()} == {precision.grad_dtype(cfg)}
     assert precision.grad_dtype(cfg) == (torch.float16 if name == "fp16" else torch.float32)
@@ -131,13 +133,13 @@ def test_query_key_layer_scaling_defaults_to_megatrons():
 
 def test_master_weights_are_fp32_and_round_into_the_model():
     cfg = _cfg("--bf16", "--lr=1e-2", "--vocab_size=512", "--seq_length=16")
-    model = train.build_model(cfg, torch.device("cpu"))
-    optimizer = train.build_optimizer(cfg, model)
+    model = build_model(cfg, torch.device("cpu"))
+    optimizer = optim.optimizer_for(cfg, model)
     masters = [p for group in optimizer.param_groups for p in group["params"]]
     assert {p.dtype for p in masters} == {torch.float32} and len(masters) == len(list(model.parameters()))
     x = torch.randint(0, cfg.vocab_size, (4, cfg.seq_length))
     for _ in range(3):
-        train.train_step(model, optimizer, train.build_scaler(cfg), [(x, x)], 1e-3, cfg, torch.device("cpu"))
+        train.train_step(model, optimizer, optim.scaler_for(cfg), [(x, x)], 1e-3, cfg, torch.device("cpu"))
     state = optimizer.state_dict()
     assert all(s["exp_avg"].dtype == torch.float32 for s in state["state"].values())
     for p, master in optimizer.copies:  # the model holds the masters rounded to bf16, in storage of its own
@@ -147,7 +149,7 @@ def test_master_weights_are_fp32_and_round_into_the_model():
     # the saved masters are what a fresh optimizer resumes from, not the weights' bf16 values widened
     buffer = io.BytesIO()
     torch.save(state, buffer)
-    fresh = train.build_optimizer(cfg, train.build_model(cfg, torch.device("cpu")))
+    fresh = optim.optimizer_for(cfg, build_model(cfg, torch.device("cpu")))
     fresh.load_state_dict(torch.load(io.BytesIO(buffer.getvalue()), weights_only=False))
     assert all(torch.equal(m, saved) for (_, m), saved in zip(fresh.copies, masters))
     assert all(torch.equal(p, m.to(torch.bfloat16)) for p, m in fresh.copies)
@@ -156,10 +158,10 @@ def test_master_weights_are_fp32_and_round_into_the_model():
 def test_bnb_8bit_state_lives_on_the_fp32_masters_with_the_embedding_32bit():
     pytest.importorskip("bitsandbytes")
     cfg = _cfg("--bf16", "--use_bnb_optimizer", "--vocab_size=512", "--seq_length=16")
-    model = train.build_model(cfg, torch.device("cpu"))
-    optimizer = train.build_optimizer(cfg, model)
+    model = build_model(cfg, torch.device("cpu"))
+    optimizer = optim.optimizer_for(cfg, model)
     x = torch.randint(0, cfg.vocab_size, (4, cfg.seq_length))
-    train.train_step(model, optimizer, train.build_scaler(cfg), [(x, x)], 1e-3, cfg, torch.device("cpu"))
+    train.train_step(model, optimizer, optim.scaler_for(cfg), [(x, x)], 1e-3, cfg, torch.device("cpu"))
     master = dict((id(p), m) for p, m in optimizer.copies)
     embedding, fc1 = master[id(model.word_embedding_weight())], master[id(model.blocks["0"].mlp.fc1.weight)]
     assert embedding.dtype == fc1.dtype == torch.float32

@@ -9,7 +9,7 @@ import types
 import pytest
 
 import arguments
-import spike_guard
+from stability import spike_guard
 from helpers import ROOT, log_fields, run_main, synthetic_corpus  # noqa: F401 (synthetic_corpus is a fixture)
 
 sys.path.insert(0, os.path.join(ROOT, "tools"))

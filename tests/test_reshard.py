@@ -19,10 +19,12 @@ import parallel
 import reshard
 import run_state
 import schedule
-import spike_guard
+from stability import spike_guard
 import train as trainer
 from model import GPT
 from helpers import launch, synthetic_corpus  # noqa: F401 (synthetic_corpus is a fixture)
+import optim
+from model import build_model
 
 
 def test_slice_drops_and_repads_the_vocabulary():
@@ -67,8 +69,8 @@ def _save_layout(directory, tp, pp, dp, zero_stage, cfg_args=(), mutate=None):
     try:
         for rank in range(tp * pp * dp):
             parallel.grid = parallel.Grid(tp, pp, world_size=tp * pp * dp, rank=rank)
-            model = trainer.build_model(cfg, "cpu")
-            optimizer = trainer.build_optimizer(cfg, model)
+            model = build_model(cfg, "cpu")
+            optimizer = optim.optimizer_for(cfg, model)
             inner = getattr(optimizer, "optimizer", optimizer)
             for group in inner.param_groups:
                 for p in group["params"]:
@@ -78,7 +80,7 @@ def _save_layout(directory, tp, pp, dp, zero_stage, cfg_args=(), mutate=None):
             state = run_state.RunState(iteration=10, consumed_samples=80, consumed_tokens=1280,
                                        scheduler_samples=80, scheduler_tokens=1280)
             run_state.save(run_state.Parts(cfg, model, optimizer, schedule.Schedule(cfg, parallel.grid.dp_size),
-                                           trainer.build_scaler(cfg), spike_guard.SpikeGuard(cfg), state))
+                                           optim.scaler_for(cfg), None, state))
     finally:
         parallel.grid, checkpoint.save = saved, save
 
@@ -96,13 +98,13 @@ def _load_one_process(directory, *extra, tp=1, rank=0):
 
 
 def _load(cfg):
-    model = trainer.build_model(cfg, "cpu")
+    model = build_model(cfg, "cpu")
     reference = {n: p.detach().clone() for n, p in model.named_parameters()}
     with torch.no_grad():
         for p in model.parameters():
             p.zero_()
-    optimizer = trainer.build_optimizer(cfg, model)
-    parts = run_state.Parts(cfg, model, optimizer, schedule.Schedule(cfg, 1), trainer.build_scaler(cfg),
+    optimizer = optim.optimizer_for(cfg, model)
+    parts = run_state.Parts(cfg, model, optimizer, schedule.Schedule(cfg, 1), optim.scaler_for(cfg),
                             spike_guard.SpikeGuard(cfg))
     run_state.load(parts)
     return model, optimizer, parts.state, reference

@@ -21,6 +21,7 @@ import train
 import usage
 
 from helpers import ROOT, SMALL, corpus, log_fields, run_cli, run_main, spawn  # noqa: F401 (corpus is a fixture)
+import loader
 
 ENV = dict(os.environ, WANDB_MODE="disabled")
 
@@ -154,9 +155,9 @@ def test_only_the_tiny_default_trains_on_the_bundled_corpus(tmp_path):
 
 def test_warns_when_the_data_repeats_many_epochs(corpus, capsys):
     cfg = arguments.prepare(arguments.load_config([*SMALL, "--train_iters=1"]))
-    train.check_data(cfg, [corpus], train_samples=100)
+    loader.check_data(cfg, [corpus], train_samples=100)
     assert "warning" not in capsys.readouterr().out
-    train.check_data(cfg, [corpus], train_samples=200_000)
+    loader.check_data(cfg, [corpus], train_samples=200_000)
     assert re.search(r"warning: this run goes over the train split of .* \d+\.\d times", capsys.readouterr().out)
 
 

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 import data
-import skip_list
-import spike_guard
+from stability import skip_list
+from stability import spike_guard
 from helpers import log_fields, run_main, synthetic_corpus  # noqa: F401 (synthetic_corpus is a fixture)
 
 

@@ -19,11 +19,14 @@ import data
 import optim
 import precision
 import schedule
-import spike_guard
-import telemetry
+from stability import spike_guard
+from stability import telemetry
 import train
 from run_state import RunState
 from helpers import corpus, corpus512, log_fields, run_main  # noqa: F401 (corpus, corpus512: fixtures)
+from model import build_model
+from stability.faults import Faults
+from stability.hooks import Veto
 
 GUARD = ["--spike_guard", "--spike_guard_window=20", "--spike_guard_min_steps=10", "--spike_guard_rewind=3",
          "--spike_guard_skip_after=2", "--spike_guard_snapshot_interval=5"]
@@ -169,8 +172,8 @@ def _bf16_parts(argv=(), world_size=1, device=torch.device("cpu")):
     cfg = arguments.prepare(arguments.load_config(["--num_layers=1", "--hidden_size=32", "--num_attention_heads=2",
                                                     "--seq_length=16", "--vocab_size=512", "--micro_batch_size=2",
                                                     "--hidden_dropout=0", "--attention_dropout=0", *argv]), world_size)
-    model = train.build_model(cfg, device)
-    return cfg, model, train.build_optimizer(cfg, model), train.build_scaler(cfg)
+    model = build_model(cfg, device)
+    return cfg, model, optim.optimizer_for(cfg, model), optim.scaler_for(cfg)
 
 
 @pytest.mark.parametrize("half,device", [("bf16", "cpu"), ("fp16", "cpu"), pytest.param("bf16", "cuda",
@@ -192,13 +195,14 @@ def test_fp32_step_is_an_fp32_runs_step_and_without_keep_leaves_the_half_precisi
         return ([p.detach().clone() for p in model.parameters()] + [m.detach().clone() for m in optimizer.main_params]
                 + [t.clone() for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t)])
     before = everything()
-    with precision.Fp32Step(model, optimizer) as fp32:
+    with spike_guard.Fp32Step(model, optimizer) as fp32:
         assert all(p.dtype == torch.float32 for p in model.parameters())
-        step = train.train_step(model, optimizer, one, batches, 1e-2, cfg, dev, judge=lambda *_: "a spike")
+        step = train.train_step(model, optimizer, one, batches, 1e-2, cfg, dev,
+                                hooks=Veto(cfg, judge=lambda *_: "a spike"))
         fp32.keep = step.outcome == "ok"
     assert step.outcome == "spike" and all(p.dtype == dtype for p in model.parameters())
     assert all(torch.equal(a, b) for a, b in zip(before, everything()))  # bit for bit, nothing kept
-    with precision.Fp32Step(model, optimizer) as fp32:
+    with spike_guard.Fp32Step(model, optimizer) as fp32:
         step = train.train_step(model, optimizer, one, batches, 1e-2, cfg, dev)
         fp32.keep = step.outcome == "ok"
     expected = train.train_step(reference, ref_optimizer, one, batches, 1e-2, fp32_cfg, dev)
@@ -456,10 +460,10 @@ def test_the_detector_catches_the_lr_x30_spikes_of_the_default_run_early_and_arm
 def _agreed_on_replicas():
     import parallel
     rank = parallel.grid.dp_rank
-    same = spike_guard.agreed(torch.tensor(3.5), torch.tensor(0.25, dtype=torch.float64))
-    differ = spike_guard.agreed(torch.tensor(3.5), torch.tensor(0.25 + rank, dtype=torch.float64))
+    same = train.agree(torch.tensor(3.5), torch.tensor(0.25, dtype=torch.float64))
+    differ = train.agree(torch.tensor(3.5), torch.tensor(0.25 + rank, dtype=torch.float64))
     assert same == (3.5, 0.25, False) and differ == (3.5, 0.25, True)  # DP rank 0's numbers on every rank
-    assert spike_guard.replica_values == [(3.5, 0.25), (3.5, 1.25)]
+    assert train.replica_values == [(3.5, 0.25), (3.5, 1.25)]
 
 
 def _forensics_on_replicas():
@@ -474,7 +478,7 @@ def _forensics_on_replicas():
     batches = random_batches(g.dp_rank, 1, 2, 16, 512)
     train.train_step(model, optimizer, scaler, batches, 1e-2, cfg, cpu)  # masters are no longer the bf16 weights
     assert any(optimizer.main_param(p) is None for p in model.parameters())  # sharded: some are the other rank's
-    with precision.Fp32Step(model, optimizer) as fp32:
+    with spike_guard.Fp32Step(model, optimizer) as fp32:
         for p in model.parameters():
             held = optimizer.main_param(p)  # None: the other rank's shard
             assert held is None or torch.equal(p, held)
@@ -491,7 +495,7 @@ def _forensics_on_replicas():
     step = train.train_step(model, optimizer, scaler, batches, 1e-2, cfg, cpu)
     guard.record(step.loss, step.grad_norm, 1e-2)
     assert spike_guard.corrupted_weights(guard, model, optimizer, 7, 5, payload) is None  # Adam's own update
-    flip = spike_guard.bitflip(cfg, 6, guard, "weight")
+    flip = Faults(cfg).bitflip(6, guard, "weight")
     assert (flip is not None) == (g.rank == 1)
     if flip is not None:
         flip(model)
@@ -516,16 +520,16 @@ def test_a_skipped_update_changes_no_weight_moment_or_step_counter():
     cfg = arguments.prepare(arguments.load_config(["--num_layers=1", "--hidden_size=32", "--num_attention_heads=2",
                                                     "--seq_length=16", "--vocab_size=512", "--micro_batch_size=2",
                                                     "--hidden_dropout=0", "--attention_dropout=0"]))
-    model = train.build_model(cfg, torch.device("cpu"))
-    optimizer = train.build_optimizer(cfg, model)
-    scaler = train.build_scaler(cfg)
+    model = build_model(cfg, torch.device("cpu"))
+    optimizer = optim.optimizer_for(cfg, model)
+    scaler = optim.scaler_for(cfg)
     batches = [(torch.randint(0, 512, (2, 16)), torch.randint(0, 512, (2, 16)))]
     train.train_step(model, optimizer, scaler, batches, 1e-3, cfg, torch.device("cpu"))  # create Adam's state
     weights = {k: v.clone() for k, v in model.state_dict().items()}
     moments = {id(p): {k: v.clone() if torch.is_tensor(v) else v for k, v in s.items()}
                for p, s in optimizer.state.items()}
     outcome = train.train_step(model, optimizer, scaler, batches, 1e-3, cfg, torch.device("cpu"),
-                               judge=lambda loss, norm: "a spike").outcome
+                               hooks=Veto(cfg, judge=lambda loss, norm: "a spike")).outcome
     assert outcome == "spike"
     assert all(torch.equal(weights[k], v) for k, v in model.state_dict().items())
     for p, s in optimizer.state.items():
@@ -541,8 +545,8 @@ def test_fault_injection_only_in_its_ranges_and_reproducible():
     cfg = arguments.load_config(["--inject_bad_batch_iters", "3-4", "9-9", "--inject_lr_iters=5-6",
                                  "--inject_lr_factor=7", "--vocab_size=512"])
     batches = [(torch.zeros(2, 8, dtype=torch.long), torch.zeros(2, 8, dtype=torch.long))]
-    assert spike_guard.inject_bad_batches(cfg, 2, batches) is batches
-    a, b = spike_guard.inject_bad_batches(cfg, 4, batches), spike_guard.inject_bad_batches(cfg, 4, batches)
+    assert Faults(cfg).bad_batches(2, batches) is batches
+    a, b = Faults(cfg).bad_batches(4, batches), Faults(cfg).bad_batches(4, batches)
     assert torch.equal(a[0][0], b[0][0]) and a[0][0].max() > 0 and a[0][0].max() < 512
     assert torch.equal(a[0][0][:, 1:], a[0][1][:, :-1])  # still a sample: labels are the next tokens
     plan = schedule.Schedule(arguments.prepare(cfg), 1)
@@ -557,8 +561,8 @@ def test_telemetry_matches_direct_computation():
                                                     "--hidden_dropout=0", "--attention_dropout=0",
                                                     "--embed_layernorm", "--clip_grad=1e9"]))  # p.grad unclipped
     cpu = torch.device("cpu")
-    model = train.build_model(cfg, cpu)
-    optimizer, scaler = train.build_optimizer(cfg, model), train.build_scaler(cfg)
+    model = build_model(cfg, cpu)
+    optimizer, scaler = optim.optimizer_for(cfg, model), optim.scaler_for(cfg)
     gen = torch.Generator().manual_seed(0)
     batches = [(torch.randint(0, 50257, (2, 16), generator=gen), torch.randint(0, 50257, (2, 16), generator=gen))
                for _ in range(2)]
@@ -566,7 +570,7 @@ def test_telemetry_matches_direct_computation():
     recorder = telemetry.Telemetry(model, cfg)
     recorder.begin()
     loss, grad_norm, _, outcome, _ = train.train_step(model, optimizer, scaler, batches, 1e-3, cfg, cpu,
-                                                      probe=recorder)
+                                                      hooks=telemetry.Probe(recorder))
     stats = recorder.finish()
     assert outcome == "ok"
     # every parameter once: the per-layer grad norms add up to the global grad norm
@@ -664,11 +668,11 @@ def test_plot_overlays_a_metrics_file_and_a_log_and_draws_the_layer_heat_maps(ru
 
 
 def _telemetry_of_one_step(cfg, batches):
-    model = train.build_model(cfg, torch.device("cpu"))
-    optimizer, scaler = train.build_optimizer(cfg, model), train.build_scaler(cfg)
+    model = build_model(cfg, torch.device("cpu"))
+    optimizer, scaler = optim.optimizer_for(cfg, model), optim.scaler_for(cfg)
     recorder = telemetry.Telemetry(model, cfg)
     recorder.begin()
-    train.train_step(model, optimizer, scaler, batches, 1e-3, cfg, torch.device("cpu"), probe=recorder)
+    train.train_step(model, optimizer, scaler, batches, 1e-3, cfg, torch.device("cpu"), hooks=telemetry.Probe(recorder))
     return recorder.finish()
 
 

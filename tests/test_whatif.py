@@ -14,6 +14,10 @@ from helpers import ROOT, log_fields, run_main, synthetic_corpus  # noqa: F401 (
 
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 import whatif  # noqa: E402
+import optim
+from model import build_model
+from run_state import RunState
+from stability.hooks import Veto, soft_skip_trend
 
 TINY = ["--num_layers=1", "--hidden_size=32", "--num_attention_heads=2", "--seq_length=16", "--vocab_size=512",
         "--micro_batch_size=2", "--hidden_dropout=0", "--attention_dropout=0", "--clip_grad=0"]
@@ -22,15 +26,16 @@ TINY = ["--num_layers=1", "--hidden_size=32", "--num_attention_heads=2", "--seq_
 def setup(*extra):
     """A tiny model, our Adam and a batch: the same weights on every call (the seed)."""
     cfg = arguments.prepare(arguments.load_config([*TINY, *extra]))
-    model = train.build_model(cfg, torch.device("cpu"))
+    model = build_model(cfg, torch.device("cpu"))
     gen = torch.Generator().manual_seed(0)
     batches = [(torch.randint(0, 512, (2, 16), generator=gen), torch.randint(0, 512, (2, 16), generator=gen))]
-    return cfg, model, train.build_optimizer(cfg, model), train.build_scaler(cfg), batches
+    return cfg, model, optim.optimizer_for(cfg, model), optim.scaler_for(cfg), batches
 
 
 def step(parts, trend=None, lr=1e-2):
     cfg, model, optimizer, scaler, batches = parts
-    return train.train_step(model, optimizer, scaler, batches, lr, cfg, torch.device("cpu"), trend=trend)
+    return train.train_step(model, optimizer, scaler, batches, lr, cfg, torch.device("cpu"),
+                            hooks=Veto(cfg, trend=trend))
 
 
 def test_the_soft_skip_scales_the_gradients_of_a_step_above_its_trend_and_leaves_others_alone(capsys):
@@ -108,15 +113,14 @@ def test_whatif_runs_the_beta2_and_soft_skip_forks_and_the_soft_skip_meets_the_b
 
 
 def test_the_soft_skip_trend_is_the_guards_line_once_it_has_its_steps_and_never_below_zero():
-    import spike_guard
     cfg = arguments.load_config(["--soft_skip_loss_ratio=1.1", "--spike_guard_min_steps=4"])
-    guard = spike_guard.SpikeGuard(cfg)  # the guard off: its statistics are kept all the same
+    state = RunState()  # the run state keeps the applied steps' numbers, with the guard on or off
     for loss in (6.0, 5.8, 5.6):
-        guard.update(1, "ok", loss, 1.0, None)
-    assert train.soft_skip_trend(cfg, guard) is None  # 3 of 4 steps
-    guard.update(4, "ok", 5.4, 1.0, None)
-    assert train.soft_skip_trend(cfg, guard) == pytest.approx(5.2)
-    assert train.soft_skip_trend(arguments.load_config(["--spike_guard_min_steps=4"]), guard) is None  # off
+        state.advance(8, 16, applied=True, step=train.Step(loss, 1.0, 0, "ok"))
+    assert soft_skip_trend(cfg, state.history) is None  # 3 of 4 steps
+    state.advance(8, 16, applied=True, step=train.Step(5.4, 1.0, 0, "ok"))
+    assert soft_skip_trend(cfg, state.history) == pytest.approx(5.2)
+    assert soft_skip_trend(arguments.load_config(["--spike_guard_min_steps=4"]), state.history) is None  # off
     for loss in (4.0, 2.0, 0.5, 0.1):
-        guard.update(5, "ok", loss, 1.0, None)
-    assert train.soft_skip_trend(cfg, guard) is None  # the line falls below zero
+        state.advance(8, 16, applied=True, step=train.Step(loss, 1.0, 0, "ok"))
+    assert soft_skip_trend(cfg, state.history) is None  # the line falls below zero

@@ -17,6 +17,7 @@ import arguments  # noqa: E402
 import data  # noqa: E402
 import schedule  # noqa: E402
 import train  # noqa: E402
+import loader
 
 
 def iteration_starts(plan, last):
@@ -41,7 +42,7 @@ def main(argv=None):
     plan = schedule.Schedule(cfg, dp_size=1)
     if last > plan.total_iters:
         raise ValueError(f"iteration {last} is past the end of this run ({plan.total_iters} iterations)")
-    train_data, _ = train.build_data(cfg, plan)
+    train_data, _ = loader.build_data(cfg, plan)
     for it, (start, batch, seqlen) in iteration_starts(plan, last).items():
         if it < first:
             continue
