@@ -862,7 +862,9 @@ def build_datasets(data_path: list[str] | str, split: str, seq_length: int, seed
 
 def sample_text(dataset, index: int, seqlen: int, max_chars: int = 2000, tokenizer_file=None) -> str:
     """The text of sample `index` as training read it (seqlen + 1 tokens), truncated to max_chars."""
-    text = get_tokenizer(tokenizer_file).decode(dataset[index][:seqlen + 1].tolist())
+    tokens = np.empty((1, seqlen + 1), np.int64)
+    dataset.gather([index], tokens)  # the TokenSource's own read: any source's samples decode
+    text = get_tokenizer(tokenizer_file).decode(tokens[0].tolist())
     return text[:max_chars] + (" [...]" if len(text) > max_chars else "")
 
 
