@@ -4,8 +4,8 @@ Everything between raw text and the token batches the model sees:
   1. the tokenizer (tokenizer.py: GPT-2 BPE, or a Hugging Face tokenizer.json with `tokenizer_file`),
   2. Megatron's memory-mapped .bin/.idx token files (writer, reader, `python data.py` preprocessing),
   3. the bundled Shakespeare corpus,
-  4. GPTDataset (samples of seq_length+1 tokens across document boundaries, shuffled, cached indices),
-     BlendedDataset (weighted mixture of datasets) and the train/valid/test split.
+  4. TokenSource (what the loader and skip lists ask of a data source), GPTDataset (samples of seq_length+1 tokens
+     across document boundaries, shuffled, cached indices), BlendedDataset (weighted mixture) and the split.
 Which samples an iteration takes (batch-size ramp-up, sequence-length curriculum) is schedule.py's.
 
 The files are byte-compatible with Megatron-DeepSpeed's tools/preprocess_data.py output, so a corpus tokenized
@@ -27,7 +27,7 @@ import struct
 import sys
 import time
 from fractions import Fraction
-from typing import Iterable, Iterator
+from typing import Iterable, Iterator, NamedTuple, Protocol, runtime_checkable
 
 import numba
 import numpy as np
@@ -496,18 +496,31 @@ def _sample_starts(sample_idx, doc_idx, sizes, seq_length):
 
 
 @numba.njit(cache=True, nogil=True)
+def _walk(sizes, doc_idx, sample_idx, j, length, pieces):
+    """pieces[p] = (document, offset, tokens) of the p-th non-empty document piece of the first `length` tokens of
+    unshuffled sample j; returns how many (at most `length`). The one walk that gather and provenance share."""
+    k, offset, n, p = sample_idx[j, 0], sample_idx[j, 1], 0, 0
+    while n < length:  # the sample's pieces of consecutive documents in doc_idx; empty ones give nothing
+        d = doc_idx[k]
+        take = min(sizes[d] - offset, length - n)
+        if take > 0:
+            pieces[p, 0], pieces[p, 1], pieces[p, 2] = d, offset, take
+            p += 1
+        n, k, offset = n + take, k + 1, 0
+    return p
+
+
+@numba.njit(cache=True, nogil=True)
 def _gather(tokens, pointers, sizes, itemsize, doc_idx, sample_idx, shuffle_idx, indices, out):
     """Row r of out = the first out.shape[1] tokens of shuffled sample indices[r] (see GPTDataset.sample)."""
-    length = out.shape[1]
+    pieces = np.empty((out.shape[1], 3), np.int64)
     for r in range(len(indices)):
-        j = shuffle_idx[indices[r]]
-        k, offset, n = sample_idx[j, 0], sample_idx[j, 1], 0
-        while n < length:  # the sample's pieces of consecutive documents in doc_idx; empty ones give nothing
-            d = doc_idx[k]
-            take = min(sizes[d] - offset, length - n)
+        n = 0
+        for p in range(_walk(sizes, doc_idx, sample_idx, shuffle_idx[indices[r]], out.shape[1], pieces)):
+            d, offset, take = pieces[p, 0], pieces[p, 1], pieces[p, 2]
             start = pointers[d] // itemsize + offset
             out[r, n:n + take] = tokens[start:start + take]
-            n, k, offset = n + take, k + 1, 0
+            n += take
 
 
 @numba.njit(cache=True)
@@ -568,8 +581,31 @@ def build_indices(indexed: IndexedDataset, documents: np.ndarray, num_samples: i
     return paths
 
 
+class Provenance(NamedTuple):
+    """Where a sample's tokens come from: `source` (a data_path prefix, or the name of a source without one),
+    `component` (its place in a blend, 0 outside one) and `pieces`, the (document id, offset in it, tokens taken) of
+    each document it reads, in order: the sample is their concatenation."""
+    source: str
+    component: int
+    pieces: list
+
+
+@runtime_checkable
+class TokenSource(Protocol):
+    """All that the loader, the skip list and the guard's naming of samples ask of a data source (torchtitan's
+    data-source protocol), so that a new source is one file; tests/test_token_source.py holds each one to it."""
+
+    def __len__(self) -> int: ...
+
+    # out[k] = the first out.shape[1] (at most seq_length + 1) tokens of sample indices[k]
+    def gather(self, indices: np.ndarray, out: np.ndarray) -> None: ...
+
+    # the documents of sample `index`'s first `length` tokens (default seq_length + 1: a curriculum trains on fewer)
+    def provenance(self, index: int, length: int | None = None) -> Provenance: ...
+
+
 class GPTDataset:
-    """Samples of seq_length+1 tokens (int64) from `documents` of `indexed`, shuffled with `seed`."""
+    """Samples of seq_length+1 tokens (int64) from `documents` of `indexed`, shuffled with `seed` (a TokenSource)."""
 
     def __init__(self, indexed: IndexedDataset, documents: np.ndarray, num_samples: int, seq_length: int, seed: int,
                  name: str, cache_dir: str | None = None, skip: np.ndarray | None = None):
@@ -585,16 +621,14 @@ class GPTDataset:
     def __len__(self) -> int:
         return len(self.shuffle_idx)
 
+    def _pieces(self, j: int, length: int) -> np.ndarray:
+        pieces = np.empty((length, 3), np.int64)
+        return pieces[:_walk(self.indexed.sizes, self.doc_idx, self.sample_idx, j, length, pieces)]
+
     def sample(self, j: int) -> np.ndarray:
         """Unshuffled sample j: stream tokens [j*seq_length, j*seq_length + seq_length]."""
-        (k0, off0), (k1, off1) = self.sample_idx[j], self.sample_idx[j + 1]
-        get = self.indexed.get
-        if k0 == k1:
-            return get(self.doc_idx[k0], off0, off1 - off0 + 1).astype(np.int64)
-        parts = [get(self.doc_idx[k0], off0)]
-        parts += [get(self.doc_idx[k]) for k in range(k0 + 1, k1)]
-        parts.append(get(self.doc_idx[k1], 0, off1 + 1))
-        return np.concatenate(parts).astype(np.int64)
+        pieces = self._pieces(j, self.seq_length + 1)
+        return np.concatenate([self.indexed.get(d, offset, n) for d, offset, n in pieces]).astype(np.int64)
 
     def __getitem__(self, i: int) -> np.ndarray:
         return self.sample(int(self.shuffle_idx[i]))
@@ -610,6 +644,10 @@ class GPTDataset:
             raise ValueError(f"gather into {out.shape}: need {len(indices)} rows of at most {self.seq_length + 1}")
         _gather(self.indexed.tokens, self.indexed.pointers, self.indexed.sizes, self.indexed.dtype.itemsize,
                 self.doc_idx, self.sample_idx, self.shuffle_idx, indices, out)
+
+    def provenance(self, index: int, length: int | None = None) -> Provenance:
+        pieces = self._pieces(int(self.shuffle_idx[index]), self.seq_length + 1 if length is None else length)
+        return Provenance(self.indexed.prefix, 0, [tuple(p) for p in pieces.tolist()])
 
     def __getstate__(self):  # see IndexedDataset.__getstate__: pickle paths, not memory maps
         return {k: v for k, v in self.__dict__.items() if k not in ("doc_idx", "sample_idx", "shuffle_idx")}
@@ -694,7 +732,7 @@ def blending_indices(weights, n: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 class BlendedDataset:
-    """Weighted mixture of datasets (Megatron's --data-path 0.7 a 0.3 b)."""
+    """Weighted mixture of datasets (Megatron's --data-path 0.7 a 0.3 b); a TokenSource of TokenSources."""
 
     def __init__(self, datasets: list, weights: list[float], num_samples: int):
         if len(datasets) != len(weights) or not datasets:
@@ -729,6 +767,11 @@ class BlendedDataset:
                 part = np.empty((len(rows), out.shape[1]), out.dtype)
                 dataset.gather(within[rows], part)
                 out[rows] = part
+
+    def provenance(self, index: int, length: int | None = None) -> Provenance:
+        component = int(self.dataset_index[index])
+        within = self.datasets[component].provenance(int(self.dataset_sample_index[index]), length)
+        return within._replace(component=component)
 
 
 # -----------------------------------------------------------------------------
@@ -819,7 +862,9 @@ def build_datasets(data_path: list[str] | str, split: str, seq_length: int, seed
 
 def sample_text(dataset, index: int, seqlen: int, max_chars: int = 2000, tokenizer_file=None) -> str:
     """The text of sample `index` as training read it (seqlen + 1 tokens), truncated to max_chars."""
-    text = get_tokenizer(tokenizer_file).decode(dataset[index][:seqlen + 1].tolist())
+    tokens = np.empty((1, seqlen + 1), np.int64)
+    dataset.gather([index], tokens)  # the TokenSource's own read: any source's samples decode
+    text = get_tokenizer(tokenizer_file).decode(tokens[0].tolist())
     return text[:max_chars] + (" [...]" if len(text) > max_chars else "")
 
 

@@ -24,21 +24,10 @@ import data
 
 
 def sample_documents(dataset, index, length=None):
-    """(prefix, blend component, [(document id, tokens)]) of sample `index` of a data.GPTDataset or BlendedDataset:
-    the documents its first `length` tokens (seq_length + 1 by default) come from, in order."""
-    component = 0
-    if isinstance(dataset, data.BlendedDataset):
-        component = int(dataset.dataset_index[index])
-        dataset, index = dataset.datasets[component], int(dataset.dataset_sample_index[index])
-    k, offset = (int(v) for v in dataset.sample_idx[int(dataset.shuffle_idx[index])])
-    need, pieces = dataset.seq_length + 1 if length is None else length, []
-    while need > 0:  # the walk of data._gather
-        d = int(dataset.doc_idx[k])
-        take = min(int(dataset.indexed.sizes[d]) - offset, need)
-        if take > 0:
-            pieces.append((d, take))
-        need, k, offset = need - take, k + 1, 0
-    return dataset.indexed.prefix, component, pieces
+    """(prefix, blend component, [(document id, tokens)]) of sample `index` of a data.TokenSource: the documents its
+    first `length` tokens (seq_length + 1 by default) come from, in order -- its provenance without the offsets."""
+    prefix, component, pieces = dataset.provenance(index, length)
+    return prefix, component, [(d, n) for d, _, n in pieces]
 
 
 def append(path, records):
@@ -47,9 +36,10 @@ def append(path, records):
         f.write("".join(json.dumps(r) + "\n" for r in records))
 
 
-def read(path, prefixes):
+def read(path, prefixes, num_documents=None):
     """(the ids the list names for each of `prefixes`, sorted and unique, as int64 arrays; the datasets it names that
-    are none of them). Prefixes are matched by absolute path."""
+    are none of them). Prefixes are matched by absolute path. num_documents: how many documents each prefix has, for
+    a source that is not PREFIX.bin/.idx files (by default PREFIX.idx's count), to refuse a list written for others."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"skip_documents file {path} not found; point skip_documents at a skip list (the "
                                 "spike guard writes SAVE/skip_documents.jsonl) or unset it")
@@ -75,8 +65,8 @@ def read(path, prefixes):
             else:
                 others.add(prefix)
     skips = [np.asarray(sorted(ids), dtype=np.int64) for ids in found]
-    for prefix, ids in zip(prefixes, skips):
-        n = len(data.IndexedDataset(prefix)) if len(ids) else 0
+    counts = num_documents or [len(data.IndexedDataset(p)) if len(ids) else 0 for p, ids in zip(prefixes, skips)]
+    for prefix, ids, n in zip(prefixes, skips, counts):
         if len(ids) and ids[-1] >= n:
             raise ValueError(f"skip_documents file {path} names document {ids[-1]} of {prefix}, which has {n} "
                              "documents: the list was written for other data")

@@ -11,6 +11,7 @@
 - a tokenizer.json trained on one play (build_tokenizer_file, play_corpus).
 - a checkpoint of any layout written from one process (write_checkpoint); the files `latest` names
   (final_state), compared bit for bit (assert_same).
+- MemorySource, a data.TokenSource held in memory (the contract test's third source).
 """
 import contextlib
 import importlib.metadata
@@ -23,11 +24,13 @@ import subprocess
 import sys
 import traceback
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+import data
 import parallel
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -377,3 +380,37 @@ def final_state(directory):
     model = torch.load(os.path.join(directory, tag, "mp_rank_00_000_model_states.pt"), weights_only=False)
     rank = torch.load(os.path.join(directory, tag, "rank_00000_optim_states.pt"), weights_only=False)
     return tag, model, rank
+
+
+class MemorySource:
+    """A data.TokenSource held in memory: `documents` (lists of token ids) back to back, less those `skip` names,
+    cut into samples of seq_length + 1 tokens, one every seq_length tokens (a sample's last token is the next one's
+    first), in order. It lives here, not in data.py: a source for tests only, and the proof that a new source is one
+    file -- the loader and the skip lists know nothing of what is inside it."""
+
+    def __init__(self, documents, seq_length, name="memory", skip=()):
+        self.name, self.seq_length = name, seq_length
+        self.documents = {d: np.asarray(doc, np.int64) for d, doc in enumerate(documents) if d not in set(skip)}
+        self.tokens = sum(len(doc) for doc in self.documents.values())
+
+    def __len__(self):
+        return max(0, (self.tokens - 1) // self.seq_length)
+
+    def provenance(self, index, length=None):
+        # The pieces are where the window [start, end) of the stream overlaps each document: no index arrays
+        # to walk, a different road to the same tokens than GPTDataset's, so the contract test compares two.
+        if not 0 <= index < len(self):
+            raise IndexError(f"sample {index} of a source of {len(self)}")
+        start = index * self.seq_length
+        end, position, pieces = start + (self.seq_length + 1 if length is None else length), 0, []
+        for d, doc in self.documents.items():
+            lo, hi = max(start - position, 0), min(end - position, len(doc))
+            if lo < hi:
+                pieces.append((d, lo, hi - lo))
+            position += len(doc)
+        return data.Provenance(self.name, 0, pieces)
+
+    def gather(self, indices, out):
+        for row, index in zip(out, np.asarray(indices).tolist()):
+            pieces = self.provenance(index, out.shape[1]).pieces
+            row[:] = np.concatenate([self.documents[d][lo:lo + n] for d, lo, n in pieces])
