@@ -38,7 +38,6 @@ import arguments
 import checkpoint
 import data
 import deepspeed_engine
-import estimate
 import launch
 import loader
 import optim
@@ -54,6 +53,7 @@ def main(argv=None):
     cfg = arguments.load_config(argv)
     arguments.check_device(cfg)
     if cfg.dry_run:  # sizes the TP x PP x DP layout on the meta device, starting no process
+        import estimate  # it sizes the stability layer's snapshots too: imported for a dry run only
         estimate.dry_run(cfg)
         return
     arguments.prepare(cfg, launch.world_size())  # a config that cannot work stops before any process group

@@ -2,6 +2,10 @@
 import ast
 import os
 import re
+import subprocess
+import sys
+
+from helpers import corpus  # noqa: F401 (a fixture)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CORE = ("model.py", "train.py", "parallel.py", "optim.py", "data.py")
@@ -186,3 +190,55 @@ def test_each_run_rule_has_one_home():
     assert homes == {"iteration ranges": {"schedule.py"}, "reset warm-up": {"schedule.py"}}, homes
     assert _rule_sites("if a <= iteration <= b:\n    n = math.ceil(5 / (1 - cfg.adam_beta2))\n") == [
         "iteration ranges", "reset warm-up"]
+
+
+# -----------------------------------------------------------------------------
+# The stability layer behind hooks: the dependency runs from it to the core, never back
+
+# The modules that may name the stability layer, and why: arguments.py composes every owner's keys (its own among
+# them), usage.py prints them, estimate.py's dry run sizes its snapshots, bench.py times its telemetry. train.py
+# wires it in, from main() alone.
+EDGES = {"arguments.py", "usage.py", "estimate.py", "bench.py"}
+
+
+def _stability_imports(source):
+    """[(enclosing function or None, module)] of every import of the stability package in source."""
+    found = []
+
+    def visit(node, function):
+        for child in ast.iter_child_nodes(node):
+            inner = child.name if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)) else function
+            names = []
+            if isinstance(child, ast.Import):
+                names = [alias.name for alias in child.names]
+            elif isinstance(child, ast.ImportFrom) and not child.level:
+                names = [child.module]
+            found.extend((function, n) for n in names if n.split(".")[0] == "stability")
+            visit(child, inner)
+    visit(ast.parse(source), None)
+    return found
+
+
+def test_no_core_module_imports_the_stability_layer():
+    top = sorted(n for n in os.listdir(ROOT) if n.endswith(".py"))
+    assert {"train.py", "model.py", "parallel.py", "schedule.py", "loader.py"} <= set(top)
+    bad = {name: found for name in top if name not in EDGES | {"train.py"}
+           for found in [_stability_imports(_read(os.path.join(ROOT, name)))] if found}
+    assert not bad, f"core modules import the stability layer {bad}: it hooks into the loop (train.Hooks) instead"
+    wiring = _stability_imports(_read(os.path.join(ROOT, "train.py")))
+    assert wiring and all(function == "main" for function, _ in wiring), wiring
+    assert _stability_imports("import stability\ndef f():\n    from stability.hooks import X\n") == [
+        (None, "stability"), ("f", "stability.hooks")]
+
+
+def test_with_no_stability_switch_nothing_of_the_layer_is_built_or_imported(corpus):
+    """A run with no stability switch: train.run gets no hooks, and no module of the layer beyond its package's
+    entry point (the switches, build_hooks) is ever imported."""
+    code = ("import sys, train\n"
+            f"train.main(['--num_layers=1', '--hidden_size=32', '--num_attention_heads=2', '--seq_length=16', "
+            f"'--micro_batch_size=2', '--global_batch_size=2', '--train_iters=3', '--eval_iters=0', "
+            f"'--sample_tokens=0', '--save=none', '--save_interval=none', '--data_path={corpus}'])\n"
+            "print(sorted(m for m in sys.modules if m.startswith('stability.') and m != 'stability.config'))\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout[-2000:]

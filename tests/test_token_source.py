@@ -7,7 +7,7 @@ import arguments
 import data
 import loader
 import schedule
-import skip_list
+from stability import skip_list
 from helpers import MemorySource
 from run_state import RunState
 
