@@ -26,6 +26,7 @@ import shutil
 import threading
 import time
 import zlib
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -37,6 +38,34 @@ import rng
 LATEST = "latest"
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = 1
+
+
+# -----------------------------------------------------------------------------
+# Checkpointing's keys and their checks (arguments.Config is made of each owner's keys)
+
+
+@dataclass
+class CheckpointConfig:
+    # -- checkpoint --
+    init_from_hf: str | None = None  # a local transformers GPT-2/BLOOM directory: its config and weights start the run
+    save: str | None = None  # checkpoint directory; a run resumes from it when it holds a checkpoint
+    load: str | None = None  # resume from this directory's `latest`; None: from save when it holds one
+    save_interval: int | None = None  # save every this many iterations (and always at the end)
+    async_save: bool = False  # copy the state to host memory and write it on a background thread while training goes on
+    no_load_optim: bool = False  # resume without the optimizer state (fresh Adam)
+    no_load_rng: bool = False  # resume without the RNG states
+    exit_interval: int | None = None  # save and exit after this many iterations of this job
+    exit_duration_in_mins: float | None = None  # save and exit when this job has run this long
+    exit_signal_handler: bool = False  # on SIGTERM (SLURM's time limit): finish the iteration, save, exit 0
+    dump_weights: bool = False  # write every rank's weights around save and load, to diff them (lesson 11)
+
+
+def check(cfg):
+    """Raise ValueError with the fix for checkpoint keys that cannot work."""
+    if cfg.save_interval is not None and cfg.save_interval <= 0:
+        raise ValueError("save_interval must be positive")
+    if cfg.save_interval is not None and cfg.save is None:
+        raise ValueError("save_interval is set but save (a directory) is not")
 
 
 def _fsync_dir(path):

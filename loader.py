@@ -14,6 +14,7 @@ The run's data is built here too (build_data: the train and validation sets of d
 checked against the model's vocabulary before anything trains.
 """
 import collections
+import dataclasses
 import queue
 import threading
 import weakref
@@ -187,3 +188,34 @@ def batch_prefetcher(dataset, schedule, cfg, device):
         return load_tokens(dataset, first_sample, schedule.rampup.num_micro_batches(first_sample), seqlen,
                            cfg.micro_batch_size, g.dp_rank, g.dp_size, pin_memory=device.type == "cuda")
     return Prefetcher(load, schedule.next_key)
+
+
+# -----------------------------------------------------------------------------
+# The data's keys and their checks (arguments.Config is made of each owner's keys)
+
+
+@dataclasses.dataclass
+class DataConfig:
+    # -- data --
+    data_path: list[str] | None = None  # prefix of data.py's .bin/.idx, or "w1 prefix1 w2 prefix2 ..."
+    tokenizer_file: str | None = None  # a Hugging Face tokenizer.json the data was prepared with; None: GPT-2 BPE
+    use_bundled_corpus: bool = False  # without data_path, train on the bundled Shakespeare (the tiny default's choice)
+    split: str = "949,50,1"  # train, validation, test shares of the documents
+    data_cache_dir: str | None = None  # where the sample index is cached; None: next to the data
+    seed: int = 1234  # initialization, data order and dropout
+
+
+def check(cfg, reads_data=True):
+    """Raise ValueError with the fix for data keys that cannot work. reads_data=False: the caller feeds the model
+    something else than cfg's data (bench.py's random tokens), which then need not be configured."""
+    if not reads_data:
+        return
+    if cfg.data_path is None and not cfg.use_bundled_corpus:
+        raise ValueError(
+            f"{getattr(cfg, 'config_file', 'this config')} sets no data_path: tokenize a corpus with `python data.py "
+            "--input FILES --output-prefix data/NAME` and pass --data_path data/NAME (only config/tiny.py trains on "
+            "the bundled Shakespeare: use_bundled_corpus)")
+    if cfg.tokenizer_file is not None and cfg.data_path is None:
+        raise ValueError(
+            "tokenizer_file is set but data_path is not: the bundled corpus is GPT-2 tokens; prepare your data with "
+            "`python data.py --input ... --output-prefix PREFIX --tokenizer-file FILE` and set data_path=PREFIX")

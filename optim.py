@@ -5,10 +5,47 @@ Everything here is local to one process. What ranks must agree on (the global gr
 parallel.py, which degenerates to the plain computation with one process. optimizer_for and scaler_for build a
 run's from its config: its AdamW inside precision.py's fp32 master weights, sharded over DP by parallel.py (ZeRO-1).
 """
+from dataclasses import dataclass
+
 import torch
 
 import parallel
 import precision
+
+# -----------------------------------------------------------------------------
+# The optimizer's keys and the precision's, and their checks (arguments.Config is made of each owner's keys)
+
+
+@dataclass
+class OptimizerConfig:
+    # -- optimizer --
+    weight_decay: float = 0.01  # AdamW's decoupled weight decay (not on biases and LayerNorms)
+    weight_decay_independent: bool = False  # decay weight_decay x lr_t/lr per step, not x lr_t: same at any LR
+    adam_beta1: float = 0.9  # Adam's first-moment decay
+    adam_beta2: float = 0.999  # Adam's second-moment decay
+    adam_eps: float = 1e-8  # Adam's epsilon
+    override_adam_params: bool = False  # on resume, this config's adam_beta1/2 and adam_eps, not the checkpoint's
+    clip_grad: float = 1.0  # clip the global gradient norm to this
+    use_bnb_optimizer: bool = False  # bitsandbytes 8-bit AdamW; the embedding's state stays 32-bit
+    skip_grad_norm_above: float | None = None  # skip the update when the grad norm exceeds this (OPT)
+    # -- precision: half-precision weights, fp32 masters, fp16's loss scaling (precision.py, optim.LossScaler) --
+    fp16: bool = False  # fp16 weights and activations, fp32 master weights, dynamic loss scaling (precision.py)
+    bf16: bool = False  # bf16 weights and activations, fp32 master weights and gradient accumulation
+    loss_scale: float | None = None  # static fp16 loss scale; None: dynamic
+    initial_loss_scale: float = 2.0**32  # first dynamic loss scale
+    min_loss_scale: float = 1.0  # the dynamic loss scale never goes below this
+    loss_scale_window: int = 1000  # double the loss scale after this many steps without overflow
+    hysteresis: int = 2  # overflows tolerated before the loss scale is halved
+
+
+def check(cfg):
+    """Raise ValueError with the fix for optimizer or precision keys that cannot work."""
+    for key in ("weight_decay", "clip_grad"):
+        if getattr(cfg, key) < 0:
+            raise ValueError(f"{key}={getattr(cfg, key)} must not be negative")
+    if cfg.fp16 and cfg.bf16:
+        raise ValueError("fp16 and bf16 are exclusive; choose one")
+
 
 # -----------------------------------------------------------------------------
 # AdamW

@@ -10,11 +10,66 @@ row-parallel one needs one all-reduce forward (the paper's g) and one backward (
 import datetime
 import os
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+
+
+# -----------------------------------------------------------------------------
+# The layout's keys and their checks (arguments.Config is made of each owner's keys)
+
+
+@dataclass
+class LayoutConfig:
+    # -- parallel: the TP x PP x DP layout, the devices, and what runs on them --
+    # tensor_model_parallel_size is a model.GPTConfig field: it pads the vocabulary
+    pipeline_model_parallel_size: int = 1  # PP: split the layers into this many stages
+    pp_partition_method: str = "type:transformer|embedding"  # or "type:transformer": the embedding not counted
+    tp_replica_check_interval: int = 0  # every N iterations check that TP-replicated weights agree (0: never)
+    tp_replica_resync: bool = False  # when they differ, copy TP rank 0's weights (and their Adam state) over
+    deepspeed: bool = False  # data parallelism by DeepSpeed (ZeRO 1/2, bf16 weights); TP and PP stay ours
+    zero_stage: int = 0  # 1: shard the optimizer state over data parallel (2, with deepspeed: gradients too)
+    device: str = "auto"  # auto | cpu | cuda
+    compile: bool = False  # torch.compile the model
+    deterministic: bool = False  # bit-reproducible kernels (torch.use_deterministic_algorithms), whatever they cost
+    tf32: bool = True  # fp32 matmuls on CUDA in TF32 (tensor cores, 10-bit mantissa); False: full fp32 matmuls
+    distributed_timeout_minutes: int = 60  # how long a collective waits for the slowest rank (checkpoint writes)
+    dry_run: bool = False  # size the TP x PP x DP layout and memory per GPU on the meta device, then exit
+
+
+def check(cfg, world_size=1):
+    """Raise ValueError with the fix for a layout that cannot run on world_size processes (before the process
+    group exists: Grid asks check_world_size again, for the world it finds)."""
+    def need(ok, message):
+        if not ok:
+            raise ValueError(message)
+
+    tp, pp = cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size
+    check_world_size(world_size, tp, pp)
+    partition_layers(cfg.num_layers, pp, cfg.pp_partition_method)  # raises if it cannot be done
+    need(not cfg.eval_only or not cfg.dry_run, "eval_only and dry_run are exclusive; choose one")
+    need(not (cfg.qk_layernorm and cfg.deepspeed and tp > 1),
+         "qk_layernorm with deepspeed=True and tensor_model_parallel_size > 1 is not supported (the qk-layernorm "
+         "gradients must be summed over TP before DeepSpeed's step); use the native path (deepspeed=False) or TP=1")
+    need(cfg.zero_stage in (0, 1, 2, 3), f"zero_stage={cfg.zero_stage} is not 0, 1, 2 or 3")
+    need(cfg.tp_replica_check_interval >= 0, "tp_replica_check_interval must be 0 (off) or a number of iterations")
+    need(not cfg.tp_replica_resync or cfg.tp_replica_check_interval > 0,
+         "tp_replica_resync acts on what the check finds: set tp_replica_check_interval too")
+    need(not (cfg.tp_replica_resync and cfg.deepspeed),
+         "tp_replica_resync cannot reach DeepSpeed's fp32 master weights; use deepspeed=False or only the check")
+    need(cfg.device in ("auto", "cpu", "cuda"), f"device={cfg.device!r} is not auto, cpu or cuda")
+    need(cfg.distributed_timeout_minutes >= 1, f"distributed_timeout_minutes={cfg.distributed_timeout_minutes} must "
+         "be at least 1 (minutes a collective waits for the slowest rank)")
+
+
+def check_world_size(world_size, tp, pp):
+    if tp < 1 or pp < 1 or world_size % (tp * pp):
+        raise ValueError(
+            f"world size {world_size} is not divisible by tensor_model_parallel_size ({tp}) x "
+            f"pipeline_model_parallel_size ({pp}); launch a multiple of {tp * pp} processes or change the sizes")
 
 
 # -----------------------------------------------------------------------------
@@ -33,10 +88,7 @@ class Grid:
             world_size = dist.get_world_size() if dist.is_initialized() else 1
             rank = dist.get_rank() if dist.is_initialized() else 0
         self.world_size, self.rank = world_size, rank
-        if tp < 1 or pp < 1 or self.world_size % (tp * pp):
-            raise ValueError(
-                f"world size {self.world_size} is not divisible by tensor_model_parallel_size ({tp}) x "
-                f"pipeline_model_parallel_size ({pp}); launch a multiple of {tp * pp} processes or change the sizes")
+        check_world_size(world_size, tp, pp)
         dp = self.world_size // (tp * pp)
         self.tp_size, self.pp_size, self.dp_size = tp, pp, dp
         self.tp_rank = self.rank % tp

@@ -16,9 +16,32 @@ decisions, its telemetry), which records them through `scalars` and `record`.
 import json
 import math
 import os
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 
 import parallel
+
+
+@dataclass
+class LoggingConfig:
+    # -- logging: evaluation, TensorBoard, wandb, samples --
+    log_interval: int = 100  # print the log line every this many iterations
+    eval_interval: int = 1000  # validation loss every this many iterations (and at the end)
+    eval_iters: int = 100  # global batches per validation
+    eval_only: bool = False  # load the checkpoint, print the validation loss and perplexity, exit
+    tensorboard_dir: str | None = None  # TensorBoard events; None: <save>/tensorboard when saving
+    wandb_project: str | None = None  # log to this wandb project too (files under <save>/wandb)
+    wandb_mode: str = "offline"  # offline | online | disabled (WANDB_MODE overrides it)
+    sample_tokens: int = 0  # at the end, print a sample of this many tokens generated from sample_prompt
+    sample_prompt: str = "ROMEO:\n"  # the prompt of that sample
+
+
+def check(cfg):
+    """Raise ValueError with the fix for logging keys that cannot work (arguments.Config holds the keys)."""
+    for key in ("eval_iters", "sample_tokens"):
+        if getattr(cfg, key) < 0:
+            raise ValueError(f"{key}={getattr(cfg, key)} must not be negative")
+    if not (cfg.log_interval > 0 and cfg.eval_interval > 0):
+        raise ValueError("log_interval and eval_interval must be positive")
 
 
 def print0(*args, **kwargs):

@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 import checkpoint
 import parallel
+import schedule
 from model import GPTConfig
 
 LOCK = "lock"
@@ -81,14 +82,12 @@ def compare_configs(saved, cfg, tag_dir):
         diff = ", ".join(f"{k} {_show(saved[k])} (checkpoint) vs {_show(getattr(cfg, k))} (now)" for k in arch)
         raise ValueError(f"checkpoint {tag_dir} holds another model: {diff}. Resume with the checkpoint's values, or "
                          "train this model from scratch with another save directory")
-    lr_keys = {"lr", "min_lr", "lr_decay_style", "lr_warmup_samples", "lr_warmup_tokens", "lr_decay_samples",
-               "lr_decay_tokens"}
     changed = []
     for key, value in saved.items():
         if key in ("load", "save") or not hasattr(cfg, key) or getattr(cfg, key) == value:
             continue
         note = ""
-        if key in lr_keys:
+        if key in schedule.LR_KEYS:
             note = " (override_lr_scheduler)" if cfg.override_lr_scheduler else " (needs override_lr_scheduler)"
         changed.append(f"{key}: {_show(value)} -> {_show(getattr(cfg, key))}{note}")
     return changed

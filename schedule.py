@@ -4,19 +4,98 @@
     schedule.batch_size(consumed_samples)     the global batch: Megatron's ramp-up (lesson 12)
     schedule.seqlen(iteration)                its length: DeepSpeed's curriculum (lesson 13)
     schedule.skipped(iteration)               in skip_train_iteration_range: skipped (lesson 9)
-    schedule.lr_at(iteration, state, factor)  the learning rate, every rule of it in one function
+    schedule.lr_at(iteration, state)          the schedule's learning rate
     schedule.done(state)                      train_iters, train_samples or train_tokens reached
 
 The learning rate of an iteration is Megatron-DeepSpeed's AnnealingLR of the samples (or tokens) of
-the updates applied so far; zero during the warm-up of an optimizer reset (lesson 8); times the
-spike guard's factor (lowered on a relapse, lesson 21) and inject_lr_factor in inject_lr_iters
-(fault injection). A new LR rule is one more factor in lr_at.
+the updates applied so far, zero during the warm-up of an optimizer reset (lesson 8). The shape of its
+decay is a pure function of the progress through the decay window, one entry of LR_SHAPES: a new shape
+is one function and one entry there. What the stability layer does to the LR (the spike guard's
+factor, fault injection) it applies itself, on top of lr_at's.
 
 Everything here follows from the config and the run state (run_state.RunState), except AnnealingLR's
 token count at the end of a sample warm-up, which the checkpoint keeps. Not here: the counters
 (run_state.py), and what the run decides by itself: the spike guard's skips and LR factor.
+
+The schedule's keys and their checks are ScheduleConfig and check() below (arguments.Config is made of
+each owner's keys).
 """
 import math
+from dataclasses import dataclass
+
+
+@dataclass
+class ScheduleConfig:
+    # -- schedule: batch size, length of training, learning rate, curriculum --
+    micro_batch_size: int = 8  # samples per forward/backward on each data-parallel rank
+    global_batch_size: int | None = None  # samples per iteration; None: micro_batch_size * data-parallel size
+    rampup_batch_size: list[int] | None = None  # "start increment samples": Megatron's batch-size ramp-up
+    train_iters: int | None = None  # stop after this many iterations (whichever of iters/samples/tokens comes first)
+    train_samples: int | None = None  # stop after this many samples
+    train_tokens: int | None = None  # stop after this many tokens
+    lr: float = 6e-4  # peak learning rate, reached at the end of the warm-up
+    min_lr: float = 0.0  # learning rate at the end of the decay
+    lr_decay_style: str = "cosine"  # the decay's shape, one of schedule.LR_SHAPES: linear | cosine | constant | wsd
+    lr_warmup_samples: int = 0  # linear warm-up from 0 over this many samples
+    lr_warmup_tokens: int | None = None  # warm-up over tokens instead of samples (with a curriculum)
+    lr_decay_samples: int | None = None  # decay to min_lr over this many samples; None: the whole run
+    lr_decay_tokens: int | None = None  # decay over tokens instead of samples (with a curriculum)
+    lr_wsd_decay_samples: int | None = None  # wsd: lr until the last this many samples of the decay, then anneal
+    lr_wsd_decay_style: str = "exponential"  # wsd's anneal to min_lr: exponential | linear | cosine | minus_sqrt
+    override_lr_scheduler: bool = False  # on resume, follow this config's LR schedule, not the checkpoint's
+    curriculum_learning: bool = False  # sequence-length curriculum (DeepSpeed's fixed_linear)
+    min_difficulty: int = 64  # first sequence length of the curriculum
+    max_difficulty: int | None = None  # last sequence length of the curriculum; None: seq_length
+    total_curriculum_step: int | None = None  # iterations until the curriculum reaches max_difficulty
+    difficulty_step: int = 8  # curriculum sequence lengths are multiples of this
+    reset_optimizer_warmup_iters: int | str | None = None  # resume: fresh Adam, lr 0 for N iters ("auto": 5/(1-beta2))
+    skip_train_iteration_range: list[str] | None = None  # discard the batches of iterations "13251-14000 ..."
+
+
+# The config keys of the LR schedule: what a resume may change only with override_lr_scheduler (safety.py)
+LR_KEYS = ("lr", "min_lr", "lr_decay_style", "lr_warmup_samples", "lr_warmup_tokens", "lr_decay_samples",
+           "lr_decay_tokens", "lr_wsd_decay_samples", "lr_wsd_decay_style")
+
+
+def check(cfg, world_size=1):
+    """Raise ValueError with the fix for a schedule that cannot run. world_size: the processes of the run (the
+    data-parallel size divides the global batch)."""
+    def need(ok, message):
+        if not ok:
+            raise ValueError(message)
+
+    for key in ("micro_batch_size", "global_batch_size", "train_iters", "train_samples", "train_tokens"):
+        value = getattr(cfg, key)
+        need(value is None or value > 0, f"{key}={value} must be positive")
+    for key in ("lr", "min_lr", "lr_warmup_samples"):
+        need(getattr(cfg, key) >= 0, f"{key}={getattr(cfg, key)} must not be negative")
+    dp = world_size // (cfg.tensor_model_parallel_size * cfg.pipeline_model_parallel_size)
+    need(cfg.global_batch_size is None or cfg.global_batch_size % (cfg.micro_batch_size * dp) == 0,
+         f"global_batch_size ({cfg.global_batch_size}) must be divisible by micro_batch_size ({cfg.micro_batch_size})"
+         f" x data-parallel size ({dp}); change one of them")
+    need(any(x is not None for x in (cfg.train_iters, cfg.train_samples, cfg.train_tokens)),
+         "set the length of training: train_iters, train_samples or train_tokens")
+    need(cfg.rampup_batch_size is None or cfg.train_iters is None,
+         "rampup_batch_size counts samples: set train_samples (or train_tokens) instead of train_iters")
+    need(cfg.rampup_batch_size is None or len(cfg.rampup_batch_size) == 3,
+         f"rampup_batch_size must be 'start increment samples', got {cfg.rampup_batch_size}")
+    need(cfg.lr_decay_style in LR_SHAPES,
+         f"lr_decay_style={cfg.lr_decay_style!r} is not {' or '.join(', '.join(LR_SHAPES).rsplit(', ', 1))}")
+    need(cfg.min_lr <= cfg.lr, f"min_lr ({cfg.min_lr}) is larger than lr ({cfg.lr})")
+    need(cfg.lr_decay_style != "wsd" or (cfg.lr_wsd_decay_samples or 0) > 0,
+         "lr_decay_style='wsd' needs lr_wsd_decay_samples (the samples of its final anneal, e.g. a tenth of the run)")
+    need(cfg.lr_decay_style != "wsd" or cfg.lr_decay_tokens is None,
+         "lr_decay_style='wsd' counts its anneal in samples (lr_wsd_decay_samples): use lr_decay_samples, not "
+         "lr_decay_tokens")
+    need(cfg.lr_wsd_decay_style in WSD_ANNEALS,
+         f"lr_wsd_decay_style={cfg.lr_wsd_decay_style!r} is not one of {', '.join(WSD_ANNEALS)}")
+    parse_iteration_ranges(cfg.skip_train_iteration_range, "skip_train_iteration_range")
+    need(cfg.reset_optimizer_warmup_iters in (None, "auto") or isinstance(cfg.reset_optimizer_warmup_iters, int),
+         "reset_optimizer_warmup_iters must be a number of iterations or 'auto'")
+    need(cfg.reset_optimizer_warmup_iters is None or cfg.load is not None,
+         "reset_optimizer_warmup_iters resets the optimizer of a loaded checkpoint: set load too")
+    need(not cfg.curriculum_learning or (cfg.total_curriculum_step is not None and cfg.total_curriculum_step > 0),
+         "curriculum_learning needs total_curriculum_step (about train_tokens / global_batch / seq_length / 2)")
 
 
 class Schedule:
@@ -30,12 +109,12 @@ class Schedule:
             check_curriculum(cfg.min_difficulty, cfg.max_difficulty, cfg.seq_length,
                              cfg.difficulty_step)
         self.skip_ranges = parse_iteration_ranges(cfg.skip_train_iteration_range)
-        self.inject_lr_ranges = parse_iteration_ranges(cfg.inject_lr_iters, "inject_lr_iters")
         self.total_iters, self.total_samples, self.total_tokens = self._simulate()
         self.lr_schedule = AnnealingLR(
             cfg.lr, cfg.min_lr, cfg.lr_decay_style, warmup_samples=cfg.lr_warmup_samples,
             decay_samples=cfg.lr_decay_samples or self.total_samples,
-            warmup_tokens=cfg.lr_warmup_tokens, decay_tokens=cfg.lr_decay_tokens)
+            warmup_tokens=cfg.lr_warmup_tokens, decay_tokens=cfg.lr_decay_tokens,
+            wsd_decay_samples=cfg.lr_wsd_decay_samples, wsd_decay_style=cfg.lr_wsd_decay_style)
 
     def batch_size(self, consumed_samples):
         return self.rampup(consumed_samples)
@@ -50,19 +129,14 @@ class Schedule:
     def skipped(self, iteration):
         return in_ranges(iteration, self.skip_ranges)
 
-    def lr_at(self, iteration, state, guard_factor=1.0, inject=True):
+    def lr_at(self, iteration, state):
         """The learning rate of `iteration`, from the run state before it. Its scheduler_samples and
         scheduler_tokens count the applied updates: Megatron's schedule stands still on skipped
-        steps (lesson 5). inject=False: without inject_lr_iters (an iteration run again after a rollback:
-        an injected fault happens once in time)."""
+        steps (lesson 5)."""
         reset = state.optimizer_reset
         if reset is not None and iteration <= reset["iteration"] + reset["warmup_iters"]:
             return 0.0  # lesson 8: the fresh moments warm up while the weights stay put
-        lr = self.lr_schedule.get_lr(state.scheduler_samples, state.scheduler_tokens)
-        return lr * (guard_factor * (self.injected_lr_factor(iteration) if inject else 1.0))
-
-    def injected_lr_factor(self, iteration):
-        return self.cfg.inject_lr_factor if in_ranges(iteration, self.inject_lr_ranges) else 1.0
+        return self.lr_schedule.get_lr(state.scheduler_samples, state.scheduler_tokens)
 
     def done(self, state):
         return self._done(state.iteration, state.consumed_samples, state.consumed_tokens)
@@ -227,6 +301,56 @@ def curriculum_seqlen(step: int, min_difficulty: int, max_difficulty: int, total
 
 
 # -----------------------------------------------------------------------------
+# The shapes of the learning-rate decay (lingua's lr_linear / lr_cosine / lr_wsd): pure functions of the progress
+# through the decay window, 0 at its start and 1 at its end, to the coefficient of (lr - min_lr) above min_lr.
+# AnnealingLR does Megatron's sample and token bookkeeping and asks LR_SHAPES[lr_decay_style] for the coefficient.
+
+
+def lr_linear(progress):
+    return 1.0 - progress
+
+
+def lr_cosine(progress):
+    return 0.5 * (math.cos(math.pi * progress) + 1.0)
+
+
+def lr_constant(progress):
+    return 1.0
+
+
+def lr_exponential(progress):
+    return 2.0 * math.pow(0.5, progress) - 1.0
+
+
+def lr_minus_sqrt(progress):
+    return 1.0 - math.sqrt(progress)
+
+
+# Megatron's --lr-wsd-decay-style: the shape of WSD's final anneal, over the anneal's own progress
+WSD_ANNEALS = {"exponential": lr_exponential, "linear": lr_linear, "cosine": lr_cosine, "minus_sqrt": lr_minus_sqrt}
+
+
+def lr_wsd(progress, decay_fraction, anneal="exponential"):
+    """Warm-up-stable-decay (MiniCPM; Megatron's WSD): the full LR until the last decay_fraction of the decay
+    window, then an anneal to min_lr shaped by WSD_ANNEALS[anneal]. A run can branch off an anneal from any
+    checkpoint of the stable phase."""
+    stable = 1.0 - decay_fraction
+    if progress <= stable:
+        return 1.0
+    return WSD_ANNEALS[anneal](min(1.0, (progress - stable) / decay_fraction))
+
+
+LR_SHAPES = {"linear": lr_linear, "cosine": lr_cosine, "constant": lr_constant, "wsd": lr_wsd}
+
+
+def build_lr_fn(style, **options):
+    """The coefficient of a decay style as a function of progress alone; options: the shape's own parameters
+    (wsd: decay_fraction and anneal)."""
+    shape = LR_SHAPES[style]
+    return lambda progress: shape(progress, **options)
+
+
+# -----------------------------------------------------------------------------
 # The learning-rate schedule
 
 
@@ -239,8 +363,10 @@ class AnnealingLR:
     - decay by samples, or by tokens when decay_tokens is set (used with curriculum learning, where a
       sample's length varies). Token decay runs from the token count at the end of warm-up, which is
       only known once it happens, so it is remembered and saved in state_dict();
-    - "constant": max_lr after warm-up; "linear"/"cosine": min_lr + coeff * (max_lr - min_lr);
-      past the decay end: min_lr.
+    - "constant": max_lr after warm-up; the other shapes: min_lr + coeff * (max_lr - min_lr), coeff =
+      LR_SHAPES[decay_style](progress through the decay); past the decay end: min_lr;
+    - "wsd": max_lr until the last wsd_decay_samples before decay_samples, then an anneal to min_lr
+      (Megatron's --lr-wsd-decay-samples and --lr-wsd-decay-style).
 
     Megatron records the warm-up-end token count only at a call with samples == warmup exactly, and
     keeps 0 when the batch sizes never land on it (the lr then drops at the end of warm-up). We record
@@ -252,10 +378,8 @@ class AnnealingLR:
     731-738 sample lag).
     """
 
-    STYLES = ("linear", "cosine", "constant")
-
     def __init__(self, max_lr, min_lr, decay_style, warmup_samples=0, decay_samples=None,
-                 warmup_tokens=None, decay_tokens=None):
+                 warmup_tokens=None, decay_tokens=None, wsd_decay_samples=None, wsd_decay_style="exponential"):
         self.max_lr = float(max_lr)
         self.min_lr = float(min_lr)
         self.decay_style = decay_style
@@ -263,7 +387,14 @@ class AnnealingLR:
         self.decay_samples = None if decay_samples is None else int(decay_samples)
         self.warmup_tokens = None if warmup_tokens is None else int(warmup_tokens)
         self.decay_tokens = None if decay_tokens is None else int(decay_tokens)
+        self.wsd_decay_samples = None if wsd_decay_samples is None else int(wsd_decay_samples)
+        self.wsd_decay_style = wsd_decay_style
         self._validate()
+        options = {}
+        if decay_style == "wsd":
+            options = {"decay_fraction": self.wsd_decay_samples / (self.decay_samples - self.warmup_samples),
+                       "anneal": wsd_decay_style}
+        self.coefficient = build_lr_fn(decay_style, **options)
 
         # token count at the end of warm-up: fixed by the config for a token warm-up or no warm-up,
         # remembered when it happens for a sample warm-up (None until then)
@@ -276,8 +407,8 @@ class AnnealingLR:
 
     def _validate(self):
         fix = "check lr, min_lr, lr_decay_style, lr_warmup_samples/tokens and lr_decay_samples/tokens"
-        if self.decay_style not in self.STYLES:
-            raise ValueError(f"unknown lr_decay_style {self.decay_style!r}; use one of {', '.join(self.STYLES)}")
+        if self.decay_style not in LR_SHAPES:
+            raise ValueError(f"unknown lr_decay_style {self.decay_style!r}; use one of {', '.join(LR_SHAPES)}")
         if self.min_lr < 0.0 or self.max_lr < 0.0:
             raise ValueError(f"learning rates must be >= 0 (lr {self.max_lr}, min_lr {self.min_lr}); {fix}")
         if self.min_lr > self.max_lr:
@@ -302,6 +433,14 @@ class AnnealingLR:
         if self.decay_samples is not None and self.decay_samples <= self.warmup_samples:
             raise ValueError(f"lr_decay_samples ({self.decay_samples}) must be larger than lr_warmup_samples "
                              f"({self.warmup_samples}); {fix}")
+        if self.decay_style == "wsd":
+            window = None if self.decay_samples is None else self.decay_samples - self.warmup_samples
+            if self.decay_tokens is not None or not self.wsd_decay_samples or not 0 < self.wsd_decay_samples <= window:
+                raise ValueError(f"lr_decay_style 'wsd' needs 0 < lr_wsd_decay_samples ({self.wsd_decay_samples}) <= "
+                                 f"lr_decay_samples - lr_warmup_samples ({window}), counted in samples; {fix}")
+            if self.wsd_decay_style not in WSD_ANNEALS:
+                raise ValueError(f"unknown lr_wsd_decay_style {self.wsd_decay_style!r}; use one of "
+                                 f"{', '.join(WSD_ANNEALS)}")
 
     def get_lr(self, consumed_samples: int, consumed_tokens: int) -> float:
         if self.warmup_tokens is None and self.warmup_samples > 0:
@@ -336,11 +475,7 @@ class AnnealingLR:
                              f"{consumed_tokens} tokens (warm-up ended at {self.warmup_end_tokens} tokens); "
                              f"the consumed counters went backwards, check the checkpoint")
 
-        if self.decay_style == "linear":
-            coeff = 1.0 - ratio
-        else:  # cosine
-            coeff = 0.5 * (math.cos(math.pi * ratio) + 1.0)
-        return self.min_lr + coeff * (self.max_lr - self.min_lr)
+        return self.min_lr + self.coefficient(ratio) * (self.max_lr - self.min_lr)
 
     def describe(self) -> str:
         if self.warmup_tokens is not None:
@@ -349,6 +484,9 @@ class AnnealingLR:
             warmup = f"warm-up {self.warmup_samples} samples"
         if self.decay_style == "constant":
             decay = "then constant"
+        elif self.decay_style == "wsd":
+            decay = (f"constant, then a {self.wsd_decay_style} anneal over the last {self.wsd_decay_samples} of "
+                     f"{self.decay_samples} samples")
         elif self.decay_tokens is not None:
             decay = f"{self.decay_style} decay to {self.decay_tokens} tokens"
         else:
@@ -366,8 +504,18 @@ class AnnealingLR:
         ("decay_style", "decay style"),
     )
 
+    # wsd's own: checked only where either side is wsd, so that the checkpoints of the other shapes stay as they were
+    _CHECKED_WSD = (
+        ("wsd_decay_samples", "wsd decay samples"),
+        ("wsd_decay_style", "wsd decay style"),
+    )
+
+    def _checked(self, sd=None):
+        wsd = self.decay_style == "wsd" or (sd is not None and sd.get("decay_style") == "wsd")
+        return self._CHECKED + (self._CHECKED_WSD if wsd else ())
+
     def state_dict(self) -> dict:
-        sd = {key: getattr(self, key) for key, _ in self._CHECKED}
+        sd = {key: getattr(self, key) for key, _ in self._checked()}
         sd["warmup_end_tokens"] = self.warmup_end_tokens
         return sd
 
@@ -383,7 +531,7 @@ class AnnealingLR:
         token warm-up or none, the config fixes it (warmup_tokens, or 0)."""
         mismatches = [
             f"class input value {getattr(self, key)} and checkpoint value {sd.get(key)} for {name} do not match"
-            for key, name in self._CHECKED
+            for key, name in self._checked(sd)
             if getattr(self, key) != sd.get(key)
         ]
         if mismatches and not override:

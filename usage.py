@@ -1,9 +1,11 @@
-"""`python train.py --help`: every config key with its type, default and meaning, grouped.
+"""`python train.py --help`: every config key with its type, default and meaning, grouped by owner.
 
-The keys are defined in one place, the fields of arguments.Config (which extends model.GPTConfig). This module
-reads them from that source instead of importing it: the comment after a field is its meaning and a comment
-`# -- group: ... --` starts a group. Reading the files needs neither torch nor the project's modules, so help
-prints at once; tests/test_safety.py checks that it lists exactly the fields of the real dataclass.
+Each key is declared once, in its owner's dataclass (model.GPTConfig, schedule.ScheduleConfig, ...), and
+arguments.Config is made of those dataclasses. This module reads them from the source instead of importing them:
+Config's bases and the `from MODULE import NAME` lines that bring them, then each owner's class, where the comment
+after a field is its meaning and a comment `# -- group: ... --` starts a group. Reading the files needs neither
+torch nor the project's modules, so help prints at once; tests/test_safety.py checks that it lists exactly the
+fields of the real dataclass.
 """
 import ast
 import io
@@ -13,10 +15,10 @@ import textwrap
 import tokenize
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
-# Base class first: dataclass fields come in that order.
-SOURCES = (("model.py", "GPTConfig"), ("arguments.py", "Config"))
+CONFIG = ("arguments.py", "Config")  # the composition of the owners' dataclasses
 SECTION = re.compile(r"#\s*--\s*(\w+):?\s*(.*?)\s*-*$")  # "# -- group: what it holds --"
-ORDER = ("model", "data", "optimizer", "schedule", "parallel", "checkpoint", "logging", "stability")
+# The groups an owner may declare; a group comment naming another is a typo, refused when help is built
+ORDER = ("model", "data", "optimizer", "precision", "schedule", "parallel", "checkpoint", "logging", "stability")
 
 USAGE = """\
 usage: python train.py [CONFIG.py] [--key=value | --key value | --flag] ...
@@ -30,15 +32,34 @@ boolean key; list keys take several values (--data_path 0.7 data/a 0.3 data/b). 
 
 def config_fields():
     """[(group, group description, name, type, default, meaning)] in definition order."""
+    return [field[1:] for field in _owned_fields()]
+
+
+def owners():
+    """[(file, class name)] of Config's parts, in the order of its fields: a dataclass collects its bases' fields
+    last base first."""
+    filename, class_name = CONFIG
+    tree = ast.parse(_read(os.path.join(ROOT, filename)))
+    modules = {alias.asname or alias.name: node.module for node in tree.body if isinstance(node, ast.ImportFrom)
+               for alias in node.names}
+    config = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == class_name)
+    return [(modules[base.id].replace(".", "/") + ".py", base.id) for base in reversed(config.bases)]
+
+
+def _owned_fields():
     out = []
-    for filename, class_name in SOURCES:
-        out += _class_fields(os.path.join(ROOT, filename), class_name)
+    for filename, class_name in owners():
+        out += [(filename, *field) for field in _class_fields(os.path.join(ROOT, filename), class_name)]
     return out
 
 
+def _read(path):
+    with open(path, encoding="utf-8") as f:
+        return f.read()
+
+
 def _class_fields(path, class_name):
-    with open(path) as f:
-        source = f.read()
+    source = _read(path)
     comments = {tok.start[0]: (tok.start[1], tok.string)
                 for tok in tokenize.generate_tokens(io.StringIO(source).readline) if tok.type == tokenize.COMMENT}
     node = next(n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.ClassDef) and n.name == class_name)
@@ -53,21 +74,21 @@ def _class_fields(path, class_name):
             out.append((group, about, stmt.target.id, ast.unparse(stmt.annotation), default, meaning))
         elif line in comments and (m := SECTION.match(comments[line][1])):
             group, about = m.group(1), m.group(2) or ""
+            if group not in ORDER:
+                raise ValueError(f"{path}: group {group!r} of {class_name} is not one of usage.ORDER {ORDER}")
     return out
 
 
 def format_help(width=120):
-    groups = {}  # a group may be continued later in the source (model.py's and arguments.py's "stability")
-    for group, about, name, kind, default, meaning in config_fields():
-        entry = groups.setdefault(group, {"about": [], "keys": []})
+    sections = {}  # (owner, group): an owner's group may be continued further down its class
+    for owner, group, about, name, kind, default, meaning in _owned_fields():
+        entry = sections.setdefault((owner, group), {"about": [], "keys": []})
         if about and about not in entry["about"]:
             entry["about"].append(about)
         entry["keys"].append((name, kind, default, meaning))
     lines = [USAGE]
-    for group in sorted(groups, key=lambda g: ORDER.index(g) if g in ORDER else len(ORDER)):
-        entry = groups[group]
-        title = group + (": " + "; ".join(entry["about"]) if entry["about"] else "")
-        lines.append(title)
+    for (owner, group), entry in sections.items():
+        lines.append(f"{group} ({owner})" + (": " + "; ".join(entry["about"]) if entry["about"] else ""))
         for name, kind, default, meaning in entry["keys"]:
             head = f"  --{name:<30} {kind} = {default}"
             indent = max(len(head) + 2, 58)

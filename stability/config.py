@@ -1,0 +1,88 @@
+"""The stability layer's keys and their checks: the spike guard (lesson 21), the soft skip, telemetry, the skip list
+and fault injection. arguments.Config is made of each owner's keys; this file is the stability layer's part.
+
+The dependency runs from this layer to the core, never back: the checks below use the core's rules
+(schedule.parse_iteration_ranges), and spike_guard is imported inside check() only.
+"""
+import math
+from dataclasses import dataclass
+
+import schedule
+
+
+@dataclass
+class StabilityConfig:
+    # -- stability: the soft skip, telemetry, the skip list, the spike guard (lesson 21), fault injection --
+    soft_skip_loss_ratio: float = 0.0  # loss > this x its trend: gradients x trend/loss before clipping (0: off)
+    telemetry_interval: int = 0  # per-layer grad/param/update norms, activations, logits every N iterations (0: off)
+    skip_documents: str | None = None  # a skip list (<save>/skip_documents.jsonl): no sample takes its documents
+    spike_guard: bool = False  # skip a spiking step; if it persists roll back and skip data; on a relapse lower the LR
+    spike_guard_window: int = 128  # applied steps in the trailing loss / grad-norm statistics (OLMo-core: 128)
+    spike_guard_min_steps: int = 16  # applied steps recorded before it judges (its own warm-up; the LR's need not end)
+    spike_guard_zscore: float = 6.0  # a spike: loss or grad norm this many spreads above its trend's prediction ...
+    spike_guard_ema_ratio: float = 1.1  # ... and above this multiple of the predicted value
+    spike_guard_grad_norm_ratio: float = 10.0  # the grad norm's multiple: clean runs have lone 5-7x grad-norm jumps
+    spike_guard_max_skips: int = 3  # spikes (or NaN/inf steps) within spike_guard_rewind iterations before a rollback
+    spike_guard_rewind: int = 100  # roll back to before (first spike - this) and skip the data from there ...
+    spike_guard_skip_after: int = 200  # ... to this many iterations after the last spike (PaLM: 200-500 in all)
+    spike_guard_snapshot_interval: int = 50  # a CPU copy of the run every N iterations to roll back to (0: disk only)
+    spike_guard_snapshot_dir: str | None = None  # node-local disk ($SLURM_TMPDIR): snapshots there, not in host memory
+    spike_guard_lr_factor: float = 0.5  # on a relapse (a second rollback), multiply the LR by this from then on
+    spike_guard_reset_optimizer: bool = False  # on a relapse, also reset the optimizer with the lr=0 warm-up (lesson 8)
+    spike_guard_max_rollbacks: int = 3  # more would be needed: save the last good state and exit (code 3)
+    spike_guard_max_skipped_iters: int = 2000  # iterations skipped by the guard in all, then save and exit (code 3)
+    spike_guard_max_hardware_faults: int = 3  # transient faults on one DP rank before the run stops, naming it
+    spike_guard_fp32_replay: bool = True  # fp16/bf16: replay a reproduced spike in fp32 (an fp32 copy of the weights)
+    spike_guard_precursor: str | None = None  # early rung (None: off): cut the LR when this precursor passes ...
+    spike_guard_precursor_threshold: float | None = None  # ... this threshold (docs/spike_guard.md, section 7)
+    spike_guard_precursor_lr_factor: float = 0.5  # ... by this factor, once per crossing (spike_guard.PRECURSORS)
+    inject_bad_batch_iters: list[str] | None = None  # fault injection: iterations ("40-45") given random-token batches
+    inject_lr_iters: list[str] | None = None  # fault injection: iteration ranges whose LR is x inject_lr_factor
+    inject_lr_factor: float = 100.0  # the LR multiplier of inject_lr_iters
+    inject_bitflip_iters: list[str] | None = None  # fault injection: flip a bit of one gradient element at these iters
+    inject_bitflip_rank: int = 0  # ... on this rank, after the DP all-reduce (a faulty GPU: silent data corruption)
+    inject_bitflip_target: str = "grad"  # ... of a gradient ("grad"), or of a weight after the step ("weight")
+    inject_numerical_iters: list[str] | None = None  # fault injection: a cancellation only half precision loses
+
+
+def check(cfg):
+    """Raise ValueError with the fix for stability keys that cannot work."""
+    def need(ok, message):
+        if not ok:
+            raise ValueError(message)
+
+    for key in ("inject_bad_batch_iters", "inject_lr_iters", "inject_bitflip_iters", "inject_numerical_iters"):
+        schedule.parse_iteration_ranges(getattr(cfg, key), key)
+    need(cfg.inject_bitflip_target in ("grad", "weight"), "inject_bitflip_target must be 'grad' or 'weight'")
+    need(cfg.telemetry_interval >= 0, "telemetry_interval must be >= 0 (0 turns telemetry off)")
+    need(not (cfg.deepspeed and cfg.telemetry_interval), "telemetry_interval needs the gradients before the "
+         "update, which DeepSpeed keeps inside its step(); set telemetry_interval=0 or deepspeed=False")
+    need(not (cfg.deepspeed and cfg.spike_guard), "spike_guard judges the loss and grad norm before the update, "
+         "which DeepSpeed computes inside its step(); set spike_guard=False or deepspeed=False")
+    need(cfg.spike_guard_window >= 2 and 2 <= cfg.spike_guard_min_steps <= cfg.spike_guard_window,
+         "spike_guard_min_steps must be in [2, spike_guard_window]")
+    need(cfg.spike_guard_zscore > 0 and cfg.spike_guard_ema_ratio >= 1 and cfg.spike_guard_grad_norm_ratio >= 1,
+         "spike_guard_zscore must be > 0, spike_guard_ema_ratio and spike_guard_grad_norm_ratio >= 1")
+    need(cfg.spike_guard_max_skips >= 1 and cfg.spike_guard_rewind >= 0 and cfg.spike_guard_skip_after >= 0,
+         "spike_guard_max_skips must be >= 1, spike_guard_rewind and spike_guard_skip_after >= 0")
+    need(cfg.spike_guard_snapshot_interval >= 0, "spike_guard_snapshot_interval must be >= 0 (0: disk checkpoints)")
+    need(not cfg.spike_guard or cfg.spike_guard_snapshot_interval or cfg.save,
+         "spike_guard with spike_guard_snapshot_interval=0 rolls back to disk checkpoints: set save and save_interval")
+    need(not cfg.spike_guard_snapshot_dir or cfg.spike_guard_snapshot_interval,
+         "spike_guard_snapshot_dir holds the snapshots of spike_guard_snapshot_interval: set an interval (e.g. 50)")
+    need(0 < cfg.spike_guard_lr_factor <= 1, "spike_guard_lr_factor must be in (0, 1]")
+    need(cfg.soft_skip_loss_ratio == 0 or cfg.soft_skip_loss_ratio >= 1,
+         f"soft_skip_loss_ratio={cfg.soft_skip_loss_ratio} must be 0 (off) or >= 1 (a multiple of the loss's trend)")
+    need(not (cfg.deepspeed and cfg.soft_skip_loss_ratio), "soft_skip_loss_ratio scales the gradients before the "
+         "update, which DeepSpeed keeps inside its step(); set soft_skip_loss_ratio=0 or deepspeed=False")
+    need(cfg.spike_guard_max_hardware_faults >= 1, "spike_guard_max_hardware_faults must be >= 1")
+    if cfg.spike_guard_precursor is not None:
+        from stability import spike_guard  # only with the precursor rung: arguments (the core) imports this file, not the guard
+        names = ", ".join(spike_guard.PRECURSORS)
+        need(cfg.spike_guard_precursor in spike_guard.PRECURSORS,
+             f"spike_guard_precursor={cfg.spike_guard_precursor!r} is not one of {names}")
+        need(cfg.spike_guard_precursor_threshold is not None and math.isfinite(cfg.spike_guard_precursor_threshold),
+             "spike_guard_precursor needs spike_guard_precursor_threshold (a number: docs/spike_guard.md has the "
+             "thresholds measured on the stability lab's clean runs; tools/precursors.py measures yours)")
+        need(cfg.telemetry_interval > 0, "spike_guard_precursor reads the telemetry: set telemetry_interval (e.g. 10)")
+    need(0 < cfg.spike_guard_precursor_lr_factor <= 1, "spike_guard_precursor_lr_factor must be in (0, 1]")
