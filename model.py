@@ -4,7 +4,7 @@ Block: x + Attn(LN(x)), then x + MLP(LN(x)); learned position embeddings; output
 embedding. The linears and the embedding come from parallel.py, so the same code runs as one process or split
 over tensor- and pipeline-parallel ranks (a pipeline stage builds only its own layers).
 
-Switches, each from a lesson of docs/lessons.md (README has the table):
+Switches, each from a lesson of docs/lessons.md (docs/levers.md has the table):
 - embed_layernorm, embed_init, embed_init_std: bitsandbytes' StableEmbedding (LayerNorm on the word embeddings,
   xavier-uniform init): it helped the tr8b-104B a lot, and that run still diverged (lessons 1, 2).
 - init_method_std="small_init": sqrt(2/(5h)) from "Transformers without Tears" (lesson 3); the output layers of

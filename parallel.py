@@ -621,7 +621,7 @@ class GradBuffer:
         self.members.append(members)
 
     def point(self, flat, members):
-        """Each member's main_grad a view of its place in the flat bucket (also precision.Fp32Step's fp32 ones)."""
+        """Each member's main_grad a view of its place in the flat bucket (also the guard's Fp32Step's)."""
         offset = 0
         for i in members:
             p = self.params[i]

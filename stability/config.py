@@ -77,7 +77,7 @@ def check(cfg):
          "update, which DeepSpeed keeps inside its step(); set soft_skip_loss_ratio=0 or deepspeed=False")
     need(cfg.spike_guard_max_hardware_faults >= 1, "spike_guard_max_hardware_faults must be >= 1")
     if cfg.spike_guard_precursor is not None:
-        from stability import spike_guard  # only with the precursor rung: arguments (the core) imports this file, not the guard
+        from stability import spike_guard  # only with the precursor rung: arguments imports this file, not the guard
         names = ", ".join(spike_guard.PRECURSORS)
         need(cfg.spike_guard_precursor in spike_guard.PRECURSORS,
              f"spike_guard_precursor={cfg.spike_guard_precursor!r} is not one of {names}")

@@ -32,7 +32,7 @@ import train
 
 class Telemetry:
     def __init__(self, model, cfg, optimizer=None):
-        """optimizer: the one that steps the model (train.build_optimizer's), whose fp32 master weights the
+        """optimizer: the one that steps the model (optim.optimizer_for's), whose fp32 master weights the
         update/param ratio is measured on; None: the model's weights themselves."""
         self.gpt = parallel.unwrap(model)
         self.main_param = getattr(optimizer, "main_param", lambda p: p)

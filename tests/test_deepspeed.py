@@ -40,8 +40,10 @@ class Recorder:
         # BF16_Optimizer reports memory at construction with six forced gc.collect() (1 s each in a test
         # process's heap) and prints it: nothing the comparisons need
         deepspeed.runtime.bf16_optimizer.see_memory_usage = lambda *args, **kwargs: None
+        import optim
         self.train, self.deepspeed_engine = train, deepspeed_engine
-        self.originals = {name: getattr(train, name) for name in ("train_step", "build_model", "build_optimizer")}
+        self.owners = {"train_step": train, "build_model": train, "optimizer_for": optim}  # where train.py finds them
+        self.originals = {name: getattr(owner, name) for name, owner in self.owners.items()}
         self.wrapper_class = deepspeed_engine.DeepSpeedOptimizer
         self.steps, self.model, self.optimizer, self.wrapper = [], None, None, None
 
@@ -58,8 +60,8 @@ class Recorder:
             rec.model = rec.originals["build_model"](*a, **k)
             return rec.model
 
-        def build_optimizer(*a, **k):
-            rec.optimizer = rec.originals["build_optimizer"](*a, **k)
+        def optimizer_for(*a, **k):
+            rec.optimizer = rec.originals["optimizer_for"](*a, **k)
             return rec.optimizer
 
         class Wrapper(self.wrapper_class):
@@ -70,14 +72,15 @@ class Recorder:
             def close(self):  # the engine stays alive after the run: the checks below still use it
                 pass
 
-        train.train_step, train.build_model, train.build_optimizer = train_step, build_model, build_optimizer
+        for name, fn in (("train_step", train_step), ("build_model", build_model), ("optimizer_for", optimizer_for)):
+            setattr(self.owners[name], name, fn)
         self.deepspeed_engine.DeepSpeedOptimizer = Wrapper
         try:
             with contextlib.redirect_stdout(io.StringIO()):
                 train.main([*E2E, *args])
         finally:
             for name, fn in self.originals.items():
-                setattr(train, name, fn)
+                setattr(self.owners[name], name, fn)
             self.deepspeed_engine.DeepSpeedOptimizer = self.wrapper_class
         return self.steps
 

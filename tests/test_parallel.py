@@ -128,7 +128,7 @@ def _reference(cfg, global_batches, loss_scale=1.0):
 
 
 def _layout_matches_one_process(micro_per_rank, mbs):
-    """One GPT stage per rank; the same global batch as the reference, split over DP as train.micro_batches
+    """One GPT stage per rank; the same global batch as the reference, split over DP as loader.micro_batches
     does; two steps with different sequence lengths (curriculum) plus a forward-only pass."""
     from model import GPTConfig
     g = parallel.grid
@@ -139,7 +139,7 @@ def _layout_matches_one_process(micro_per_rank, mbs):
     buffer = parallel.attach_grad_buffer(model, torch.float64, bucket_numel=500)  # several buckets per stage
     for step, seqlen in enumerate((16, 8)):
         everything = random_batches(step, micro_per_rank * g.dp_size, mbs, seqlen, cfg.vocab_size)
-        # micro-batch k of DP rank d is global micro-batch k * dp + d (Megatron's order, train.micro_batches)
+        # micro-batch k of DP rank d is global micro-batch k * dp + d (Megatron's order, loader.micro_batches)
         mine = [everything[k * g.dp_size + g.dp_rank] for k in range(micro_per_rank)]
         ref_loss, ref_grads, ref_norm = _reference(cfg, everything, loss_scale=4.0)
         buffer.start(len(mine))
