@@ -549,8 +549,8 @@ def test_fault_injection_only_in_its_ranges_and_reproducible():
     a, b = Faults(cfg).bad_batches(4, batches), Faults(cfg).bad_batches(4, batches)
     assert torch.equal(a[0][0], b[0][0]) and a[0][0].max() > 0 and a[0][0].max() < 512
     assert torch.equal(a[0][0][:, 1:], a[0][1][:, :-1])  # still a sample: labels are the next tokens
-    plan = schedule.Schedule(arguments.prepare(cfg), 1)
-    assert [plan.injected_lr_factor(i) for i in (4, 5, 6, 7)] == [1.0, 7.0, 7.0, 1.0]
+    faults = Faults(arguments.prepare(cfg))
+    assert [faults.lr_factor(i, spike_guard.SpikeGuard(cfg)) for i in (4, 5, 6, 7)] == [1.0, 7.0, 7.0, 1.0]
     with pytest.raises(ValueError, match="inject_lr_iters entry '6-5'"):
         arguments.validate(arguments.load_config(["--inject_lr_iters=6-5"]))
 
