@@ -1,4 +1,6 @@
-"""Configuration: every knob is a field of Config, named after Megatron's flag with underscores.
+"""Configuration: every knob is a field of Config, named after Megatron's flag with underscores. Each key is
+declared and checked by the module that uses it (schedule.ScheduleConfig and schedule.check, ...); Config is
+their composition and validate() the list of their checks.
 
 A run is configured by a Python file whose module globals set fields (config/*.py), then by command-line
 overrides in any of the forms BigScience's SLURM scripts use:
@@ -249,7 +251,7 @@ def validate(cfg, world_size=1, reads_data=True):
         if isinstance(value, float) and not math.isfinite(value):
             raise ValueError(f"{key}={value} is not a finite number; give a finite value")
     for key in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size"):
-        if getattr(cfg, key) <= 0:  # GPTConfig.check divides by some of them
+        if getattr(cfg, key) <= 0:  # the model's sizes, before GPTConfig.check divides by them
             raise ValueError(f"{key}={getattr(cfg, key)} must be positive")
     loader.check(cfg, reads_data)
     GPTConfig.check(cfg)
