@@ -19,7 +19,6 @@ import parallel
 import reshard
 import run_state
 import schedule
-from stability import spike_guard
 import train as trainer
 from model import GPT
 from helpers import launch, synthetic_corpus  # noqa: F401 (synthetic_corpus is a fixture)
@@ -80,7 +79,7 @@ def _save_layout(directory, tp, pp, dp, zero_stage, cfg_args=(), mutate=None):
             state = run_state.RunState(iteration=10, consumed_samples=80, consumed_tokens=1280,
                                        scheduler_samples=80, scheduler_tokens=1280)
             run_state.save(run_state.Parts(cfg, model, optimizer, schedule.Schedule(cfg, parallel.grid.dp_size),
-                                           optim.scaler_for(cfg), None, state))
+                                           optim.scaler_for(cfg), trainer.Hooks(), state))
     finally:
         parallel.grid, checkpoint.save = saved, save
 
@@ -104,8 +103,7 @@ def _load(cfg):
         for p in model.parameters():
             p.zero_()
     optimizer = optim.optimizer_for(cfg, model)
-    parts = run_state.Parts(cfg, model, optimizer, schedule.Schedule(cfg, 1), optim.scaler_for(cfg),
-                            spike_guard.SpikeGuard(cfg))
+    parts = run_state.Parts(cfg, model, optimizer, schedule.Schedule(cfg, 1), optim.scaler_for(cfg), trainer.Hooks())
     run_state.load(parts)
     return model, optimizer, parts.state, reference
 
