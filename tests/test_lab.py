@@ -2,8 +2,8 @@
 decay applied by hand, the precursors the study reads from the telemetry (lowest attention entropy of a head, grad
 RMS, mean output logit, RMS entering the final LayerNorm) against direct computation, the lab's corpus (its
 512-token BPE and the entropies under it), and the report's statistics against each seed's own runs (no run
-stands in for another, no interval or band over fewer than 3 seeds). The telemetry's TP/PP/DP layouts are compared key by key, these keys
-included, in tests/test_spike_guard.py.
+stands in for another, no interval or band over fewer than 3 seeds). The telemetry's TP/PP/DP layouts are compared
+key by key, these keys included, in tests/test_spike_guard.py.
 """
 import math
 import os
