@@ -93,9 +93,9 @@ def init(c):
 
 Z_LOSS, QK = ["--z_loss=1e-4"], ["--qk_layernorm"]
 HALF_DECADES = [1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 3e-1, 1.0]
-# The LR sensitivity is reported over two ranges: the arm's whole grid, and Wortsman et al.'s range, 7 half-decades
-# up to 3e-1 in their figs. 1-4, whose counterpart here is 1e-3..3e-1 (the grid less LR 1, where every lever set
-# breaks): the two can rank the levers differently, since one point that both fail at weighs 1/7 of the mean.
+# The LR sensitivity is reported over two ranges: the arm's whole grid, and 1e-3..3e-1, taken as Wortsman et al.'s
+# range at this scale (issue 31: the grid less LR 1, where every lever set breaks). They differ: a point where
+# both lever sets fail adds to both, and weighs 1/7 of the mean.
 WORTSMAN_RANGE = (1e-3, 3e-1)
 SENSITIVITY_RANGES = {"grid": (0.0, math.inf), "1e-3..3e-1": WORTSMAN_RANGE}
 # Each arm: its lever sets (arguments on top of BASE and the arm's own), its LR grid, its seeds (and more seeds at
@@ -453,6 +453,7 @@ def markdown(rows_by_arm, lrs_by_arm, corpus, warnings):
         lrs = lrs_by_arm[arm]
         header = ["| lever set | " + " | ".join(f"{lr:.0e}" for lr in lrs) + " |", "| --- |" + " --- |" * len(lrs)]
         ranges = {label: [lr for lr in lrs if low <= lr <= high] for label, (low, high) in SENSITIVITY_RANGES.items()}
+        ranges = {label: x for label, x in ranges.items() if label == "grid" or x != ranges["grid"]}  # once if equal
         titles = [f"LR sensitivity over {x[0]:.0e}..{x[-1]:.0e}" + (" (the grid)" if label == "grid" else
                                                                       " (Wortsman et al.'s range)")
                   for label, x in ranges.items() if x]
@@ -549,6 +550,8 @@ def plot(rows_by_arm, results, corpus, path):
                 right.plot(s["iteration"], s["output_logit_mean"], style, color=colors[r["lr"]], linewidth=1,
                            label=f"{r['lever_set']}, LR {r['lr']:.0e}")
                 right.plot(s["iteration"], s["log_z"], style, color=colors[r["lr"]], linewidth=2.5, alpha=0.4)
+            if not runs:
+                right.text(0.5, 0.5, "no run of seed 1 with its series", ha="center", transform=right.transAxes)
             right.axhline(0, color="grey", linewidth=0.8)
             right.set_yscale("symlog", linthresh=10)  # the drift of a few nats, and a diverged run's hundreds
             right.set_title("arm B: mean output logit (thin) and mean log Z (thick), seed 1", fontsize=10)
@@ -558,7 +561,7 @@ def plot(rows_by_arm, results, corpus, path):
             axis.set_xlabel("learning rate")
         for axis in (ax, right):
             axis.grid(alpha=0.3)
-        if right.lines:
+        if any(not line.get_label().startswith("_") for line in right.lines):
             right.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path)
