@@ -467,11 +467,11 @@ def markdown(rows_by_arm, lrs_by_arm, corpus, warnings):
             best = row["points"][row["best_lr"]]
             lines.append(f"| {row['lever_set']} | " + " | ".join(cells) +
                          f" | {row['best_loss']:.3f} (n={best['n']}) | {row['best_lr']:.0e} |")
-        logit = "" if ARMS[arm].get("logit_blows_up", True) else " (this arm tests the attention logits: `up` " \
-            "does not use them)"
+        logit = ", or an attention logit past 1e4" if ARMS[arm].get("logit_blows_up", True) else \
+            "; not the attention logits, which this arm tests"
         lines += ["", "Final validation loss: each seed's for n < 3, mean [min-max] for n >= 3, n the seeds run; "
                   "`up k`: k of the n blew up (a NaN, or the loss back above H2 after having been clearly below it"
-                  + ("" if logit else ", or an attention logit past 1e4") + f"){logit}; `logit k`: k passed an "
+                  f"{logit}); `logit k`: k passed an "
                   "attention logit of 1e4; `flat k`: k never got below the bigram entropy; `div k`: k ended above L0 "
                   "(counted as L0):", "", *header]
         for row in rows:
@@ -551,7 +551,7 @@ def plot(rows_by_arm, results, corpus, path):
                            label=f"{r['lever_set']}, LR {r['lr']:.0e}")
                 right.plot(s["iteration"], s["log_z"], style, color=colors[r["lr"]], linewidth=2.5, alpha=0.4)
             if not runs:
-                right.text(0.5, 0.5, "no run of seed 1 with its series", ha="center", transform=right.transAxes)
+                right.text(0.5, 0.5, "no series: no run of seed 1 with its metrics.jsonl", ha="center", transform=right.transAxes)
             right.axhline(0, color="grey", linewidth=0.8)
             right.set_yscale("symlog", linthresh=10)  # the drift of a few nats, and a diverged run's hundreds
             right.set_title("arm B: mean output logit (thin) and mean log Z (thick), seed 1", fontsize=10)
