@@ -551,7 +551,8 @@ def plot(rows_by_arm, results, corpus, path):
                            label=f"{r['lever_set']}, LR {r['lr']:.0e}")
                 right.plot(s["iteration"], s["log_z"], style, color=colors[r["lr"]], linewidth=2.5, alpha=0.4)
             if not runs:
-                right.text(0.5, 0.5, "no series: no run of seed 1 with its metrics.jsonl", ha="center", transform=right.transAxes)
+                right.text(0.5, 0.5, "no series: no run of seed 1 with its metrics.jsonl", ha="center",
+                           transform=right.transAxes)
             right.axhline(0, color="grey", linewidth=0.8)
             right.set_yscale("symlog", linthresh=10)  # the drift of a few nats, and a diverged run's hundreds
             right.set_title("arm B: mean output logit (thin) and mean log Z (thick), seed 1", fontsize=10)
