@@ -708,7 +708,7 @@ def main(argv=None):
     table = markdown(rows_by_arm, {arm: spec["lrs"] for arm, spec in arms.items()}, corpus, warnings)
     if args.report and todo:
         table = (f"{len(grid)} of the selection's {len(grid) + len(todo)} runs finished; the tables and the figure are "
-                 "theirs (a missing cell or a missing seed was not run).\n\n" + table)
+                 "theirs (a cell `not run` was not run, and each cell's n counts the seeds that ran).\n\n" + table)
     timed = [r for r in results if "cpu_seconds" in r]
     if timed:
         cpu = [r["cpu_seconds"] for r in timed]
