@@ -1,8 +1,9 @@
 """The stability lab's instruments against references: independent weight decay against torch.optim.AdamW with the
 decay applied by hand, the precursors the study reads from the telemetry (lowest attention entropy of a head, grad
-RMS, mean output logit, RMS entering the final LayerNorm) against direct computation, and the lab's corpus (its
-512-token BPE and the entropies under it). The telemetry's TP/PP/DP layouts are compared key by key, these keys
-included, in tests/test_spike_guard.py.
+RMS, mean output logit, RMS entering the final LayerNorm) against direct computation, the lab's corpus (its
+512-token BPE and the entropies under it), and the report's statistics against each seed's own runs (no run
+stands in for another, no interval or band over fewer than 3 seeds). The telemetry's TP/PP/DP layouts are compared
+key by key, these keys included, in tests/test_spike_guard.py.
 """
 import math
 import os
@@ -20,6 +21,7 @@ from helpers import ROOT
 
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 import lab_corpus  # noqa: E402
+import lr_sweep  # noqa: E402
 from model import build_model
 
 # -----------------------------------------------------------------------------
@@ -245,3 +247,111 @@ def test_bundled_plays_as_markdown_and_as_plain_text():
     assert "**" in markdown[0] and "**" not in plain[0] and not any(" \n" in m for m in markdown)
     with pytest.raises(ValueError, match="no bundled corpus version 3"):
         data.bundled_plays(3)
+
+
+# -----------------------------------------------------------------------------
+# the report's statistics (issue 31): what was run, and nothing else
+
+H2 = 3.509
+CORPUS = {"tokens": 2_666_329, "unigram_entropy": 5.219, "bigram_entropy": H2}
+LEARNED = [6.0, 4.0] + [3.2] * 98  # 10-iteration loss means: clearly below H2 from iteration 20 on
+FLAT = [6.0] + [4.2] * 99  # never below H2
+
+
+def _record(lever_set, lr, seed, loss, loss10=LEARNED, logit=50.0, arm="A"):
+    return {"arm": arm, "lever_set": lever_set, "lr": lr, "seed": seed, "val_loss": loss, "loss10": loss10,
+            "attention_logit_max": logit, "spike_score": 0.001 * seed}
+
+
+def _partial_study():
+    """Arm A as the old study ran it: seed 1 at every LR of the grid, seed 2 at 3e-2 only, seeds 2 and 3 of the
+    default at 1e-2; every loss distinct, so that a substituted one would show."""
+    records = []
+    for i, lr in enumerate(lr_sweep.HALF_DECADES):
+        records.append(_record("default", lr, 1, 3.2 + 0.4 * i + 0.001))
+        records.append(_record("qk_layernorm", lr, 1, 3.3 + 0.1 * i + 0.002))
+    records += [_record("default", 3e-2, 2, 3.9), _record("qk_layernorm", 3e-2, 2, 3.1),
+                _record("default", 1e-2, 2, 3.5), _record("default", 1e-2, 3, 3.45)]
+    return records
+
+
+def _own_sensitivity(records, lever_set, seed, lrs):
+    return lr_sweep.sensitivity({r["lr"]: r["val_loss"] for r in records
+                                 if r["lever_set"] == lever_set and r["seed"] == seed and r["lr"] in lrs})
+
+
+def test_the_report_never_substitutes_a_run_and_shows_n_per_cell():
+    records = _partial_study()
+    grid = lr_sweep.HALF_DECADES
+    rows = lr_sweep.summarize(records, "A", ["default", "qk_layernorm"], grid, H2)
+    table = lr_sweep.markdown({"A": rows}, {"A": grid}, CORPUS, [])
+    wortsman = [lr for lr in grid if lr <= 0.3]
+    for lever_set in ("default", "qk_layernorm"):
+        own = _own_sensitivity(records, lever_set, 1, grid)
+        # what the old report printed as seeds 2 and 3's curves: their runs, seed 1's standing in elsewhere
+        for seed in {r["seed"] for r in records if r["lever_set"] == lever_set} - {1}:
+            stand_in = {r["lr"]: r["val_loss"] for r in records if r["lever_set"] == lever_set and r["seed"] == 1}
+            stand_in.update({r["lr"]: r["val_loss"] for r in records
+                             if r["lever_set"] == lever_set and r["seed"] == seed})
+            substituted = lr_sweep.sensitivity(stand_in)
+            assert f"{substituted:.3f}" not in table, f"{lever_set}: seed 1's runs standing in for seed {seed}'s"
+        assert f"{own:.3f} (seed 1)" in table
+        assert f"{_own_sensitivity(records, lever_set, 1, wortsman):.3f} (seed 1)" in table
+    for row in rows:  # every sensitivity is a seed's own curve's, over a range the seed ran whole
+        for label, entry in row["ranges"].items():
+            for seed, value in entry["seeds"].items():
+                assert value == _own_sensitivity(records, row["lever_set"], seed, entry["lrs"]), (label, seed)
+            assert set(entry["seeds"]) == {1}
+    # each cell its n; the seeds' values for n < 3, an interval only at n = 3
+    default = next(line for line in table.splitlines() if line.startswith("| default | 3.201 (n=1) |"))
+    assert "| 3.650 [3.450-4.001] (n=3) |" in default and "| 4.401, 3.900 (n=2) |" in default
+    assert "Wortsman et al.'s range" in table and "1e-03..3e-01" in table
+
+
+def test_the_figure_draws_each_run_and_no_band_over_fewer_than_three_seeds(tmp_path, monkeypatch):
+    import matplotlib
+    matplotlib.use("Agg")
+    from matplotlib.collections import PolyCollection
+    from matplotlib.figure import Figure
+    records = _partial_study()
+    grid = lr_sweep.HALF_DECADES
+    rows = lr_sweep.summarize(records, "A", ["default", "qk_layernorm"], grid, H2)
+    figures = []
+    save = Figure.savefig
+    monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **k: (figures.append(fig), save(fig, *a, **k)))
+    lr_sweep.plot({"A": rows}, records, CORPUS, str(tmp_path / "lab.png"))
+    (fig,) = figures
+    loss_axes = fig.axes[0]
+    n = {(r["lever_set"], r["lr"]): sum(q["lever_set"] == r["lever_set"] and q["lr"] == r["lr"] for q in records)
+         for r in records}
+    for band in loss_axes.collections:  # fill_between's polygons: none over an LR with fewer than 2 seeds
+        if isinstance(band, PolyCollection):
+            for path in band.get_paths():
+                xs = set(path.vertices[:, 0].round(12))
+                assert all(min(k for (_, lr), k in n.items() if round(lr, 12) == x) >= 2 for x in xs), xs
+    bars = [c for c in loss_axes.containers]
+    assert len(bars) == 1  # the default's 3 seeds at 1e-2: the only cell with an interval
+    (segments,) = bars[0].lines[2]
+    assert [tuple(s[:, 0]) for s in segments.get_segments()] == [(1e-2, 1e-2)]
+    assert [tuple(s[:, 1]) for s in segments.get_segments()] == [pytest.approx((3.45, 4.001))]
+    # the dots are the runs, each once, at its own loss
+    dots = sorted((round(x, 12), round(y, 12)) for line in loss_axes.lines if line.get_marker() == "o"
+                  for x, y in zip(line.get_xdata(), line.get_ydata()))
+    assert dots == sorted((round(r["lr"], 12), round(r["val_loss"], 12)) for r in records)
+    logits = [line for line in fig.axes[1].lines if line.get_marker() == "o"]
+    assert sum(len(line.get_xdata()) for line in logits) == len(records)
+
+
+def test_blow_up_of_the_arm_that_tests_the_attention_logits_does_not_use_them():
+    """Arm A tests the attention logits: a run that stalls with a logit past 1e4 is `flat` and `logit`, not `up`;
+    arm B, which tests log Z, still counts such a logit as a blow-up."""
+    stalled = _record("default", 3e-2, 1, 4.2, loss10=FLAT, logit=2e4)
+    lost = _record("default", 3e-2, 2, 4.3, loss10=LEARNED[:60] + [4.0] * 40, logit=20.0)  # up after iteration 600
+    (row,) = lr_sweep.summarize([stalled, lost], "A", ["default"], [3e-2], H2)
+    p = row["points"][3e-2]
+    assert (p["n"], p["blew_up"], p["never_below"]) == (2, 1, 1)  # `lost` alone
+    assert p["logit_past_1e4"] == 1
+    b = [{**r, "arm": "B", "lever_set": "z_loss"} for r in (stalled, lost)]
+    (row,) = lr_sweep.summarize(b, "B", ["z_loss"], [3e-2], H2)
+    assert (row["points"][3e-2]["blew_up"], row["points"][3e-2]["logit_past_1e4"]) == (2, 1)
+    assert not lr_sweep.ARMS["A"]["logit_blows_up"] and lr_sweep.ARMS["B"].get("logit_blows_up", True)

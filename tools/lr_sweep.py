@@ -1,7 +1,7 @@
 """The stability lab: LR sensitivity of the stability levers, measured as Wortsman et al. 2023 do ("Small-scale
 proxies for large-scale Transformer training instabilities"); docs/stability.md has the study and its numbers.
 
-    python tools/lr_sweep.py --out out/lab --jobs 2  # the whole study: pilot, arms A, B, C (72 runs, 5 CPU-hours)
+    python tools/lr_sweep.py --out out/lab --jobs 2  # the whole study: pilot, arms A, B, C (96 runs, 7 CPU-hours)
     python tools/lr_sweep.py --quick                 # the pilot alone: 2 runs, ~5 min
     python tools/lr_sweep.py --arms A --lever_sets default --lrs 1e-2,1e-1 --seeds 1,2 --out out/mine
     python tools/lr_sweep.py --out out/lab --report  # the tables and the figure of the runs finished so far
@@ -13,12 +13,12 @@ AdamW (0.9, 0.95, eps 1e-8), clipping at 1, independent weight decay 1e-4 (the d
 with the LR: optim.decay_coefficient), fp32, no dropout. Three arms, each pairing levers as the paper does:
 
   A  qk-layernorm (their figs. 1-2): default vs qk-layernorm, both with z-loss 1e-4, LRs 1e-3 .. 1 in half decades,
-     3 seeds at 1e-2 .. 3e-1, where the default breaks and then qk-layernorm;
+     3 seeds at every LR;
   B  z-loss (figs. 3-4): qk-layernorm on, no weight decay, z-loss 0 vs 1e-4 (and 1e-2) at LRs 1e-2, 1e-1, 1: log Z's
      drift;
   C  the chronicles' levers on arm A's default where it breaks (LRs 1e-2 .. 1e-1): the init std 0.63/sqrt(h)
      (the 104B's "small init", sqrt(2/5h)) against 2.15/sqrt(h) (0.02 at the 104B's h = 11,600), each with and
-     without the embedding LayerNorm; gradient-norm spikes counted (OLMo 2's spike score).
+     without the embedding LayerNorm, 3 seeds; gradient-norm spikes counted (OLMo 2's spike score).
 
 Before any run a preflight refuses a study that cannot show anything (an embedding-dominated model, a warm-up under
 100 steps, weight decay coupled to the LR across an LR grid, qk-layernorm or z-loss tested without its partner);
@@ -35,12 +35,15 @@ half way resumes from its last checkpoint (train.py resumes bit for bit; metrics
 an iteration). From all finished runs of the selection it writes OUT/results.jsonl, OUT/results.md (the tables)
 and OUT/lr_sweep.png (the figure).
 
-LR sensitivity is theirs: the mean over the LR grid of min(L(lr), L0) - L*, with L* the lever set's best final
+LR sensitivity is theirs: the mean over the LR grid of min(L(lr), L0) - L*, with L* the curve's best final
 loss over the grid and L0 = ln 512, the loss of the uniform prediction (every init but the 2.15/sqrt(h) one starts
-there). A run *blew up* if its training loss (mean of 10 iterations) rose above the corpus's bigram entropy after
-iteration BLOWUP_FROM (the pilot's default at LR 1e-2 is below it from there on) having been clearly below it, or
-its largest attention logit passed 1e4 (Wortsman et al. 3.1), or it produced a NaN: the loss at init, which the old
-study used, is above where a small LM learns anything.
+there); reported over the arm's grid and over Wortsman et al.'s range (1e-3..3e-1 here), per seed and only for a
+seed run at every LR of the range: no run stands in for a missing one. A cell of the tables shows its n; an
+interval (the seeds' min-max) only where n >= 3, and the figure draws each run, with no band. A run *blew up* if
+its training loss (mean of 10 iterations) rose above the corpus's bigram entropy after iteration BLOWUP_FROM (the
+pilot's default at LR 1e-2 is below it from there on) having been clearly below it, or it produced a NaN: the loss
+at init, which the old study used, is above where a small LM learns anything. A largest attention logit past 1e4
+(Wortsman et al. 3.1) is counted apart (`logit`), and counts as a blow-up only in arm B, which does not test it.
 """
 import argparse
 import concurrent.futures
@@ -90,12 +93,17 @@ def init(c):
 
 Z_LOSS, QK = ["--z_loss=1e-4"], ["--qk_layernorm"]
 HALF_DECADES = [1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 3e-1, 1.0]
+# The LR sensitivity is reported over two ranges: the arm's whole grid, and 1e-3..3e-1, taken as Wortsman et al.'s
+# range at this scale (issue 31: the grid less LR 1, where every lever set breaks). They differ: a point where
+# both lever sets fail adds to both, and weighs 1/7 of the mean.
+WORTSMAN_RANGE = (1e-3, 3e-1)
+SENSITIVITY_RANGES = {"grid": (0.0, math.inf), "1e-3..3e-1": WORTSMAN_RANGE}
 # Each arm: its lever sets (arguments on top of BASE and the arm's own), its LR grid, its seeds (and more seeds at
 # some LRs: {lr: seeds}).
 ARMS = {
     "A": {"title": "qk-layernorm, z-loss 1e-4 on both (Wortsman et al. figs. 1-2)", "args": [],
           "levers": {"default": Z_LOSS, "qk_layernorm": [*Z_LOSS, *QK]},
-          "lrs": HALF_DECADES, "seeds": [1], "more_seeds": {lr: [2, 3] for lr in (1e-2, 3e-2, 1e-1, 3e-1)}},
+          "lrs": HALF_DECADES, "seeds": [1, 2, 3], "logit_blows_up": False},
     "B": {"title": "z-loss, qk-layernorm on both, no weight decay (figs. 3-4)", "args": ["--weight_decay=0", *QK],
           "levers": {"no_z_loss": [], "z_loss": Z_LOSS, "z_loss_1e-2": ["--z_loss=1e-2"]},  # PaLM's, and 100x
           "lrs": [1e-2, 1e-1, 1.0], "seeds": [1, 2]},
@@ -103,7 +111,7 @@ ARMS = {
           "levers": {"init_2.15": [init(2.15)], "init_0.63": [init(0.63)],
                      "init_2.15+embed_layernorm": [init(2.15), "--embed_layernorm"],
                      "init_0.63+embed_layernorm": [init(0.63), "--embed_layernorm"]},
-          "lrs": [1e-2, 3e-2, 1e-1], "seeds": [1, 2]},
+          "lrs": [1e-2, 3e-2, 1e-1], "seeds": [1, 2, 3], "logit_blows_up": False},
 }
 PILOT = [("A", "default", 1e-2, 1), ("A", "default", 3e-1, 1)]
 QUICK = {"arms": ["A"], "lever_sets": ["default"], "lrs": [1e-2, 3e-1], "seeds": [1]}  # the pilot
@@ -319,11 +327,15 @@ def sensitivity(losses, l0=L0):
     return sum(v - best for v in values) / len(values)
 
 
-def blew_up(result, bigram, start=BLOWUP_FROM, margin=PILOT_MARGIN):
-    """A NaN, an attention logit above 1e4, or a training loss (10-iteration mean) above the bigram entropy after
-    iteration `start`, having been clearly below it (by `margin`) before: the run lost what it had learned. (A
-    slow run near the bigram entropy crosses it back and forth with the batches' noise: not a blow-up.)"""
-    if result.get("nan_iterations") or (result.get("attention_logit_max") or 0) > ATTENTION_LOGIT_BLOWUP:
+def blew_up(result, bigram, start=BLOWUP_FROM, margin=PILOT_MARGIN, attention_logit=True):
+    """A NaN, a training loss (10-iteration mean) above the bigram entropy after iteration `start`, having been
+    clearly below it (by `margin`) before -- the run lost what it had learned (a slow run near the bigram entropy
+    crosses it back and forth with the batches' noise: not a blow-up) -- or, with `attention_logit`, an attention
+    logit above 1e4. An arm that tests the attention logits (ARMS' "logit_blows_up": False) counts them apart
+    (`logit_past_1e4`): a criterion made of the variable under test would make its verdict circular."""
+    if result.get("nan_iterations"):
+        return True
+    if attention_logit and (result.get("attention_logit_max") or 0) > ATTENTION_LOGIT_BLOWUP:
         return True
     loss10 = [v if v is not None and math.isfinite(v) else math.inf for v in result.get("loss10", [])]
     for i, value in enumerate(loss10):
@@ -332,11 +344,36 @@ def blew_up(result, bigram, start=BLOWUP_FROM, margin=PILOT_MARGIN):
     return False
 
 
+def logit_past_1e4(result):
+    return (result.get("attention_logit_max") or 0) > ATTENTION_LOGIT_BLOWUP
+
+
+def complete_curves(by_key, lever_set, lrs):
+    """{seed: {lr: final loss (clipped)}} of the seeds run at every LR of lrs: no run stands in for another, so a
+    seed missing at one LR has no curve."""
+    seeds = sorted({seed for (s, _, seed) in by_key if s == lever_set})
+    return {seed: {lr: clipped(by_key[(lever_set, lr, seed)]["val_loss"]) for lr in lrs} for seed in seeds
+            if all((lever_set, lr, seed) in by_key for lr in lrs)}
+
+
+def sensitivities(by_key, lever_set, lrs):
+    """The LR sensitivity over lrs: per seed with a complete curve ({seed: value}), and of the mean of those
+    seeds' curves (None without one)."""
+    curves = complete_curves(by_key, lever_set, lrs)
+    if not curves:
+        return {}, None
+    mean_curve = {lr: sum(c[lr] for c in curves.values()) / len(curves) for lr in lrs}
+    return {seed: sensitivity(c) for seed, c in curves.items()}, sensitivity(mean_curve)
+
+
 def summarize(results, arm, lever_sets, lrs, bigram):
-    """Per lever set of an arm: per LR the seeds' final losses (mean, min, max), how many blew up, never got
-    below the bigram entropy, diverged; the precursors (mean over seeds); the LR sensitivity of the seed-mean
-    curve and the range of each seed's own (None where some LR of the grid was not run: it would not compare)."""
+    """Per lever set of an arm: per LR the seeds run and their final losses (mean, min, max, n), how many blew up,
+    passed an attention logit of 1e4, never got below the bigram entropy, diverged; the precursors (mean over
+    seeds); the LR sensitivity over the arm's grid and over Wortsman et al.'s range (`ranges`: per seed whose
+    curve is complete there, and of those seeds' mean curve). `sensitivity` and `sensitivity_seeds` are the
+    grid's (None where no seed ran every LR of it)."""
     by_key = {(r["lever_set"], r["lr"], r["seed"]): r for r in results if r["arm"] == arm and "error" not in r}
+    logit_blows_up = ARMS.get(arm, {}).get("logit_blows_up", True)
     rows = []
     for lever_set in lever_sets:
         points = {}
@@ -346,25 +383,26 @@ def summarize(results, arm, lever_sets, lrs, bigram):
                 continue
             values = [clipped(r["val_loss"]) for r in runs]
             points[lr] = {"mean": sum(values) / len(values), "min": min(values), "max": max(values),
-                          "n": len(values), "diverged": sum(v == L0 for v in values),
-                          "blew_up": sum(blew_up(r, bigram) for r in runs),
+                          "n": len(values), "seeds": [r["seed"] for r in runs], "values": values,
+                          "diverged": sum(v == L0 for v in values),
+                          "blew_up": sum(blew_up(r, bigram, attention_logit=logit_blows_up) for r in runs),
+                          "logit_past_1e4": sum(logit_past_1e4(r) for r in runs),
                           "never_below": sum(min(r["loss10"], default=math.inf) >= bigram for r in runs),
+                          "runs": {key: [r.get(key) for r in runs] for key in PRECURSORS},
                           **{key: _mean([r.get(key) for r in runs]) for key in PRECURSORS}}
         if not points:
             continue
-        # each seed's own curve; where a seed was not run (more seeds only where the curves part), the first
-        # seed's run stands in
-        seeds = sorted({seed for (s, _, seed) in by_key if s == lever_set})
-        curves = [{lr: clipped(by_key.get((lever_set, lr, seed), by_key.get((lever_set, lr, seeds[0])))["val_loss"])
-                   for lr in points} for seed in seeds
-                  if all((lever_set, lr, seeds[0]) in by_key for lr in points)]
+        ranges = {}
+        for label, (low, high) in SENSITIVITY_RANGES.items():
+            within = [lr for lr in lrs if low <= lr <= high]
+            per_seed, of_mean = sensitivities(by_key, lever_set, within)
+            ranges[label] = {"lrs": within, "seeds": per_seed, "mean_curve": of_mean}
+        grid = ranges["grid"]["seeds"]
         mean_curve = {lr: p["mean"] for lr, p in points.items()}
-        per_seed = [sensitivity(curve) for curve in curves]
         best_lr = min(mean_curve, key=mean_curve.get)
-        whole = len(points) == len(lrs)
-        rows.append({"lever_set": lever_set, "points": points,
-                     "sensitivity": sensitivity(mean_curve) if whole else None,
-                     "sensitivity_seeds": (min(per_seed), max(per_seed)) if whole and len(per_seed) > 1 else None,
+        rows.append({"lever_set": lever_set, "points": points, "ranges": ranges,
+                     "sensitivity": ranges["grid"]["mean_curve"],
+                     "sensitivity_seeds": (min(grid.values()), max(grid.values())) if len(grid) > 1 else None,
                      "best_loss": mean_curve[best_lr], "best_lr": best_lr})
     return rows
 
@@ -382,6 +420,27 @@ def _mean(values):
     return sum(finite) / len(finite) if finite else float("nan")
 
 
+def spread(values, digits=3):
+    """Values of n seeds as a table shows them: each value for n < 3 (two points are no interval), the mean and
+    the min-max over n >= 3; always with n."""
+    values = list(values)
+    if len(values) < 3:
+        return ", ".join(f"{v:.{digits}f}" for v in values) + f" (n={len(values)})"
+    mean = sum(values) / len(values)
+    return f"{mean:.{digits}f} [{min(values):.{digits}f}-{max(values):.{digits}f}] (n={len(values)})"
+
+
+def sensitivity_cell(entry):
+    """One range's LR sensitivity over the seeds whose curve is complete there: the seeds named for n < 3."""
+    per_seed = entry["seeds"]
+    if not per_seed:
+        return "no seed ran every LR"
+    if len(per_seed) < 3:
+        return ", ".join(f"{v:.3f}" for v in per_seed.values()) + \
+            f" (seed{'s' if len(per_seed) > 1 else ''} {', '.join(map(str, per_seed))})"
+    return spread(per_seed.values())
+
+
 def markdown(rows_by_arm, lrs_by_arm, corpus, warnings):
     lines = []
     if warnings:
@@ -393,31 +452,43 @@ def markdown(rows_by_arm, lrs_by_arm, corpus, warnings):
     for arm, rows in rows_by_arm.items():
         lrs = lrs_by_arm[arm]
         header = ["| lever set | " + " | ".join(f"{lr:.0e}" for lr in lrs) + " |", "| --- |" + " --- |" * len(lrs)]
+        ranges = {label: [lr for lr in lrs if low <= lr <= high] for label, (low, high) in SENSITIVITY_RANGES.items()}
+        ranges = {label: x for label, x in ranges.items() if label == "grid" or x != ranges["grid"]}  # once if equal
+        titles = [f"LR sensitivity over {x[0]:.0e}..{x[-1]:.0e}" + (" (the grid)" if label == "grid" else
+                                                                      " (Wortsman et al.'s range)")
+                  for label, x in ranges.items() if x]
         lines += [f"### Arm {arm}: {ARMS[arm]['title']}", "",
-                  "| lever set | LR sensitivity (seeds' range) | best final loss | at LR |",
-                  "| --- | --- | --- | --- |"]
+                  "LR sensitivity per seed, of the seeds run at every LR of the range (no run stands in for a "
+                  "missing one); mean [min-max] where n >= 3:", "",
+                  "| lever set | " + " | ".join(titles) + " | best final loss (seed mean) | at LR |",
+                  "| --- |" + " --- |" * (len(titles) + 2)]
         for row in rows:
-            spread = row["sensitivity_seeds"]
-            spread = f" ({spread[0]:.3f}-{spread[1]:.3f})" if spread else ""
-            value = "not every LR run" if row["sensitivity"] is None else f"{row['sensitivity']:.3f}{spread}"
-            lines.append(f"| {row['lever_set']} | {value} | {row['best_loss']:.3f} | "
-                         f"{row['best_lr']:.0e} |")
-        lines += ["", "Final validation loss, mean over seeds [min-max] (n seeds); `up k`: k seeds blew up, `flat k`: "
-                  "k never got below the bigram entropy, `div k`: k ended above L0 (counted as L0):", "", *header]
+            cells = [sensitivity_cell(row["ranges"][label]) for label, x in ranges.items() if x]
+            best = row["points"][row["best_lr"]]
+            lines.append(f"| {row['lever_set']} | " + " | ".join(cells) +
+                         f" | {row['best_loss']:.3f} (n={best['n']}) | {row['best_lr']:.0e} |")
+        logit = ", or an attention logit past 1e4" if ARMS[arm].get("logit_blows_up", True) else \
+            "; not the attention logits, which this arm tests"
+        lines += ["", "Final validation loss: each seed's for n < 3, mean [min-max] for n >= 3, n the seeds run; "
+                  "`up k`: k of the n blew up (a NaN, or the loss back above H2 after having been clearly below it"
+                  f"{logit}); `logit k`: k passed an "
+                  "attention logit of 1e4; `flat k`: k never got below the bigram entropy; `div k`: k ended above L0 "
+                  "(counted as L0):", "", *header]
         for row in rows:
             cells = []
             for lr in lrs:
                 p = row["points"].get(lr)
                 if p is None:
-                    cells.append("")
+                    cells.append("not run")
                     continue
-                cell = f"{p['mean']:.3f} [{p['min']:.3f}-{p['max']:.3f}] ({p['n']})" if p["n"] > 1 else \
-                    f"{p['mean']:.3f}"
-                for key, label in (("blew_up", "up"), ("never_below", "flat"), ("diverged", "div")):
+                cell = spread(p["values"])
+                for key, label in (("blew_up", "up"), ("logit_past_1e4", "logit"), ("never_below", "flat"),
+                                   ("diverged", "div")):
                     cell += f" {label} {p[key]}" if p[key] else ""
                 cells.append(cell)
             lines.append(f"| {row['lever_set']} | " + " | ".join(cells) + " |")
-        lines += ["", "Precursors, mean over seeds: " + "; ".join(PRECURSORS.values()) + ":", "", *header]
+        lines += ["", "Precursors, mean over the n seeds of the cell above: " + "; ".join(PRECURSORS.values()) + ":",
+                  "", *header]
         for row in rows:
             cells = [" / ".join(f"{row['points'][lr][key]:.3g}" for key in PRECURSORS) if lr in row["points"] else ""
                      for lr in lrs]
@@ -427,9 +498,10 @@ def markdown(rows_by_arm, lrs_by_arm, corpus, warnings):
 
 
 def plot(rows_by_arm, results, corpus, path):
-    """Wortsman et al.'s figures: per arm, final loss against LR (one curve per lever set, the seeds' min-max
-    shaded) and beside it what the arm is about: the largest attention logit against LR (A), the mean output
-    logit and log Z over the iterations (B), the spike score against LR (C)."""
+    """Wortsman et al.'s figures, drawing what was run: per arm, final loss against LR, a marker per run, a line
+    through the seeds' mean, the seeds' min-max as an error bar only where n >= 3 (no band: a band between LRs
+    would shade LRs with fewer seeds); beside it what the arm is about: each run's largest attention logit (A),
+    seed 1's mean output logit and log Z over the iterations (B), each run's spike score (C)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -439,31 +511,38 @@ def plot(rows_by_arm, results, corpus, path):
         for row in rows_by_arm[arm]:
             xs = sorted(row["points"])
             p = [row["points"][lr] for lr in xs]
-            line, = ax.plot(xs, [q["mean"] for q in p], marker="o", markersize=4,
-                            label=row["lever_set"] + ("" if row["sensitivity"] is None else
-                                                      f" (LR sens. {row['sensitivity']:.2f})"))
-            ax.fill_between(xs, [q["min"] for q in p], [q["max"] for q in p], color=line.get_color(), alpha=0.2,
-                            linewidth=0)
-            if arm == "A":
-                right.plot(xs, [q["attention_logit_max"] for q in p], marker="o", markersize=4,
-                           color=line.get_color(), label=row["lever_set"])
-            if arm == "C":
-                right.plot(xs, [100 * q["spike_score"] for q in p], marker="o", markersize=4,
-                           color=line.get_color(), label=row["lever_set"])
+            counts = sorted({q["n"] for q in p})
+            seeds = f"n={counts[0]}" if len(counts) == 1 else f"n={counts[0]}-{counts[-1]}"
+            line, = ax.plot(xs, [q["mean"] for q in p], linewidth=1, label=f"{row['lever_set']} ({seeds})")
+            color = line.get_color()
+            ax.plot([lr for lr, q in zip(xs, p) for _ in q["values"]], [v for q in p for v in q["values"]], "o",
+                    markersize=3.5, color=color, alpha=0.8)
+            wide = [(lr, q) for lr, q in zip(xs, p) if q["n"] >= 3]
+            if wide:
+                ax.errorbar([lr for lr, _ in wide], [q["mean"] for _, q in wide],
+                            yerr=[[q["mean"] - q["min"] for _, q in wide], [q["max"] - q["mean"] for _, q in wide]],
+                            fmt="none", ecolor=color, capsize=3, linewidth=1)
+            for key, axis in (("attention_logit_max", "A"), ("spike_score", "C")):
+                if arm == axis:
+                    scale = 100 if key == "spike_score" else 1
+                    runs = [(lr, v * scale) for lr, q in zip(xs, p) for v in q["runs"][key]
+                            if v is not None and math.isfinite(v)]
+                    right.plot([lr for lr, _ in runs], [v for _, v in runs], "o", markersize=3.5, color=color,
+                               label=row["lever_set"])
         ax.axhline(corpus["bigram_entropy"], color="grey", linestyle="--", linewidth=1, label="bigram entropy")
         ax.axhline(corpus["unigram_entropy"], color="grey", linestyle=":", linewidth=1, label="unigram entropy")
         ax.set_ylim(top=L0 + 0.3)
-        ax.set_title(f"arm {arm}: final validation loss (seeds' min-max shaded)", fontsize=10)
+        ax.set_title(f"arm {arm}: final validation loss (a dot a run; bars: min-max where n >= 3)", fontsize=10)
         ax.set_ylabel("final loss (nats)")
         ax.legend(fontsize=7)
         if arm == "A":
             right.axhline(ATTENTION_LOGIT_BLOWUP, color="grey", linestyle="--", linewidth=1, label="1e4")
             right.set_yscale("log")
-            right.set_title("arm A: largest attention logit in training", fontsize=10)
+            right.set_title("arm A: largest attention logit in training, a dot a run", fontsize=10)
         elif arm == "C":
-            right.set_title("arm C: spike score of the grad norm (%, 7 sigma)", fontsize=10)
+            right.set_title("arm C: spike score of the grad norm (%, 7 sigma), a dot a run", fontsize=10)
         elif arm == "B":
-            runs = [r for r in results if r["arm"] == "B" and "error" not in r and r["seed"] == 1]
+            runs = [r for r in results if r["arm"] == "B" and "error" not in r and r["seed"] == 1 and r.get("series")]
             colors = {lr: f"C{i}" for i, lr in enumerate(sorted({r["lr"] for r in runs}))}
             for r in sorted(runs, key=lambda r: (r["lr"], r["lever_set"])):
                 s = r["series"]
@@ -471,6 +550,9 @@ def plot(rows_by_arm, results, corpus, path):
                 right.plot(s["iteration"], s["output_logit_mean"], style, color=colors[r["lr"]], linewidth=1,
                            label=f"{r['lever_set']}, LR {r['lr']:.0e}")
                 right.plot(s["iteration"], s["log_z"], style, color=colors[r["lr"]], linewidth=2.5, alpha=0.4)
+            if not runs:
+                right.text(0.5, 0.5, "no series: no run of seed 1 with its metrics.jsonl", ha="center",
+                           transform=right.transAxes)
             right.axhline(0, color="grey", linewidth=0.8)
             right.set_yscale("symlog", linthresh=10)  # the drift of a few nats, and a diverged run's hundreds
             right.set_title("arm B: mean output logit (thin) and mean log Z (thick), seed 1", fontsize=10)
@@ -480,7 +562,7 @@ def plot(rows_by_arm, results, corpus, path):
             axis.set_xlabel("learning rate")
         for axis in (ax, right):
             axis.grid(alpha=0.3)
-        if right.lines:
+        if any(not line.get_label().startswith("_") for line in right.lines):
             right.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path)
@@ -580,7 +662,7 @@ def main(argv=None):
     data.IndexedDataset(corpus["prefix"])
     grid = [(arm, lever, lr, seed) for arm, spec in arms.items() for lever in spec["levers"]
             for lr in spec["lrs"] for seed in seeds_at(spec, lr)]
-    # the pilot first, then every arm's first seed, then arm A's more seeds, then the others': an interrupted
+    # the pilot first, then every arm's first seed, then arm A's other seeds, then the others': an interrupted
     # study has whole curves, and arm A its seeds' spread first
     def order(g):
         again = seeds_at(arms[g[0]], g[2]).index(g[3])
@@ -626,7 +708,7 @@ def main(argv=None):
     table = markdown(rows_by_arm, {arm: spec["lrs"] for arm, spec in arms.items()}, corpus, warnings)
     if args.report and todo:
         table = (f"{len(grid)} of the selection's {len(grid) + len(todo)} runs finished; the tables and the figure are "
-                 "theirs (a missing cell or a missing seed was not run).\n\n" + table)
+                 "theirs (a cell `not run` was not run, and each cell's n counts the seeds that ran).\n\n" + table)
     timed = [r for r in results if "cpu_seconds" in r]
     if timed:
         cpu = [r["cpu_seconds"] for r in timed]
