@@ -1,0 +1,289 @@
+"""The Llama / OLMo 2 block (normalization=rmsnorm, swiglu, num_query_groups, untie_embeddings_and_output_weights,
+add_bias_linear=False, rotary_base), each against a reference: TP and PP layouts against one process (float64,
+loss and every gradient), LlamaForCausalLM of `transformers` (a random model made here, at Llama 2's real
+vocabulary of 32000) imported into TP x PP layouts and exported back by tools/export_hf.py, RMSNorm's and rotary's
+numerics in bf16 against fp32 values rounded once, and the order of qk-layernorm and rotary against a
+hand-written attention.
+"""
+import math
+import os
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import hf
+import parallel
+from helpers import ROOT, gather, random_batches, spawn, stage
+from layers import RMSNorm
+from model import GPT, GPTConfig, rotary_cos_sin
+
+sys.path.insert(0, os.path.join(ROOT, "tools"))
+
+LLAMA_TINY = dict(num_layers=4, hidden_size=32, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=48,
+                  seq_length=16, vocab_size=50, make_vocab_size_divisible_by=32, hidden_dropout=0.0,
+                  attention_dropout=0.0, position_embedding_type="rotary", normalization="rmsnorm", swiglu=True,
+                  untie_embeddings_and_output_weights=True, add_bias_linear=False, rotary_base=500000.0)
+
+
+# -----------------------------------------------------------------------------
+# Every layout computes the one-process model
+
+
+def _one_process(cfg, batches):
+    real, parallel.grid = parallel.grid, parallel.Grid(1, 1, world_size=1, rank=0)
+    try:
+        model = GPT(cfg)
+        model.init_weights(1234)
+        loss = sum(model(x, y) for x, y in batches) / len(batches)
+        loss.backward()
+        return loss.item(), {n: p.grad for n, p in model.named_parameters()}
+    finally:
+        parallel.grid = real
+
+
+def _llama_layout(tp, pp):
+    parallel.grid = g = parallel.Grid(tp, pp)
+    torch.set_default_dtype(torch.float64)
+    cfg = GPTConfig(**LLAMA_TINY, tensor_model_parallel_size=tp)
+    batches = random_batches(0, 3, 2, 16, cfg.vocab_size)
+    ref_loss, ref_grads = _one_process(cfg, batches)
+    model = stage(cfg)
+    parallel.attach_grad_buffer(model, torch.float64)
+    parallel.grad_buffer(model).start(len(batches))
+    if pp > 1:
+        loss = parallel.pipeline_forward_backward(model, batches)
+    else:
+        loss = 0.0
+        for x, y in batches:
+            micro = model(x, y)
+            (micro / len(batches)).backward()
+            loss = loss + micro.detach() / len(batches)
+    loss = parallel.average_loss(loss)
+    parallel.reduce_gradients(model)
+    assert math.isclose(loss.item(), ref_loss, rel_tol=1e-12), (g, loss.item(), ref_loss)
+    names = [n for n, _ in model.named_parameters()]
+    assert any(n.endswith("mlp.gate.weight") for n in names) and not any(n.endswith("bias") for n in names)
+    assert ("output_layer" in names) == g.is_last_stage and "output_weight" not in names  # untied: no copy
+    for name, p in model.named_parameters():
+        expected = parallel.shard(ref_grads[name], getattr(p, "tp_dim", None))
+        torch.testing.assert_close(p.main_grad, expected, rtol=1e-9, atol=1e-12, msg=lambda m: f"{g} {name}: {m}")
+    if tp > 1:  # replicated RMSNorm gains: the same gradient on every TP rank, bit for bit
+        for name, p in model.named_parameters():
+            if getattr(p, "tp_dim", None) is None:
+                assert all(torch.equal(o, p.main_grad) for o in gather(p.main_grad, g.tp_group)), name
+
+
+def _llama_layouts():
+    for tp, pp in ((2, 1), (1, 2)):
+        _llama_layout(tp, pp)
+
+
+def test_llama_block_tp2_and_pp2_match_one_process():
+    """GQA with TP splitting the groups, SwiGLU's two column-parallel layers, the vocab-parallel untied output
+    layer (no tied-embedding all-reduce on PP), RMSNorm: loss and every gradient as one process computes them."""
+    spawn(_llama_layouts, 2, 1, 1)
+
+
+def test_a_layout_that_cannot_split_the_groups_is_refused_by_name():
+    with pytest.raises(ValueError, match=r"num_query_groups \(1\) must be divisible by tensor_model_parallel_size"):
+        GPTConfig(**{**LLAMA_TINY, "num_query_groups": 1}).check(tp_size=2)
+    with pytest.raises(ValueError, match=r"num_query_groups \(3\) must divide num_attention_heads \(4\)"):
+        GPTConfig(**{**LLAMA_TINY, "num_query_groups": 3}).check()
+
+
+def test_swiglu_width_and_parameter_count():
+    """Megatron's default width with swiglu (2/3 of 4h, a multiple of 64), and the count as built: an untied
+    output layer adds its real rows, not its padding."""
+    assert GPTConfig(hidden_size=2048, swiglu=True).ffn_size == 5440
+    tied = GPTConfig(**{**LLAMA_TINY, "untie_embeddings_and_output_weights": False})
+    untied = GPTConfig(**LLAMA_TINY)
+    assert untied.num_parameters() - tied.num_parameters() == 50 * 32
+    h, f, kv = 32, 48, 2 * 8  # two key/value heads of 8
+    block = 2 * h + h * (h + 2 * kv) + h * h + 3 * h * f
+    assert untied.num_parameters() == 4 * block + h + 2 * 50 * 32
+
+
+# -----------------------------------------------------------------------------
+# Numerics: RMSNorm and rotary in bf16, the order of qk-layernorm and rotary
+
+
+def test_rmsnorm_statistics_in_fp32_in_bf16():
+    """A bf16 input whose square overflows bf16's precision: the result is the fp64 normalisation rounded once to
+    bf16, then the gain (transformers' order)."""
+    gen = torch.Generator().manual_seed(0)
+    x = (torch.randn(4, 256, generator=gen, dtype=torch.float64) * 300 + 1000).to(torch.bfloat16)
+    norm = RMSNorm(256, eps=1e-6).to(torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(256, generator=gen) + 0.5)
+    x64 = x.double()
+    expected = norm.weight * (x64 / (x64.square().mean(-1, keepdim=True) + 1e-6).sqrt()).to(torch.bfloat16)
+    got = norm(x)
+    assert got.dtype == torch.bfloat16
+    assert (got.float() - expected.float()).abs().max() <= 2 ** -7 * expected.float().abs().max()
+    assert torch.equal(norm(x.float()), norm.float()(x.float()))
+
+
+def test_rotary_angles_are_fp32_rounded_once_in_a_bf16_model():
+    """The cos and sin a bf16 model uses at long positions are the fp32 values rounded once to bf16, never angles
+    computed in bf16 (off by up to 1.7 at position 4000)."""
+    cfg = GPTConfig(**{**LLAMA_TINY, "seq_length": 4096, "rotary_base": 10000.0})
+    gpt = GPT(cfg).to(torch.bfloat16)
+    _, (cos, sin) = gpt.positions(torch.zeros(1, 4096, 32, dtype=torch.bfloat16))
+    ref_cos, ref_sin = rotary_cos_sin(4096, 8, torch.float32)
+    assert torch.equal(cos, ref_cos.to(torch.bfloat16)) and torch.equal(sin, ref_sin.to(torch.bfloat16))
+    exact_cos, _ = rotary_cos_sin(4096, 8, torch.float64)
+    assert (cos.double() - exact_cos).abs().max() < 2 ** -8 + 1e-3  # bf16's rounding, not bf16's angles
+    # rotary_base reaches the angles
+    base = GPTConfig(**LLAMA_TINY)
+    _, (cos5, _) = GPT(base).positions(torch.zeros(1, 16, 32))
+    assert torch.equal(cos5, rotary_cos_sin(16, 8, torch.float32, base=500000.0)[0])
+
+
+def test_qk_layernorm_comes_before_rotary_against_a_hand_written_attention():
+    """Attention.heads against q and k written out here: the fused projection split by group, each head's q and k
+    normalised, then turned by angles computed here in float64 (the order OLMo 2 uses)."""
+    torch.manual_seed(0)
+    cfg = GPTConfig(**{**LLAMA_TINY, "qk_layernorm": True, "num_query_groups": 4, "num_layers": 1})
+    gpt = GPT(cfg).double()
+    attn = gpt.blocks["0"].attn
+    with torch.no_grad():
+        for p in (attn.q_norm.weight, attn.k_norm.weight):
+            p.copy_(torch.rand(8, dtype=torch.float64) + 0.5)
+    x = torch.randn(2, 16, 32, dtype=torch.float64)
+    _, rotary = gpt.positions(x)
+    q, k, _ = attn.heads(x, rotary)
+    qkv = F.linear(x, attn.qkv.weight).view(2, 16, 4, 3, 8)
+    pos = torch.arange(16, dtype=torch.float64).view(-1, 1)
+    theta = pos * 500000.0 ** (-torch.arange(0, 8, 2, dtype=torch.float64) / 8)
+    cos, sin = theta.cos()[:, None], theta.sin()[:, None]  # (seq, 1 head, d/2)
+
+    def turn(t):  # feature i and i + 4 turn together by the angle of their frequency
+        a, b = t[..., :4], t[..., 4:]
+        return torch.cat((a * cos - b * sin, b * cos + a * sin), dim=-1)
+
+    def rms(t, w):
+        return w * t / (t.square().mean(-1, keepdim=True) + cfg.layernorm_epsilon).sqrt()
+
+    expected_q = turn(rms(qkv[:, :, :, 0], attn.q_norm.weight)).transpose(1, 2)
+    expected_k = turn(rms(qkv[:, :, :, 1], attn.k_norm.weight)).transpose(1, 2)
+    torch.testing.assert_close(q, expected_q, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(k, expected_k, rtol=1e-12, atol=1e-12)
+
+
+# -----------------------------------------------------------------------------
+# transformers' LlamaForCausalLM both ways
+
+
+def _llama_dir(path, tie, vocab=32000, seed=0):
+    """A random LlamaForCausalLM (GQA 8 heads / 2 groups, rope_theta 500000) saved in path, its weights drawn
+    wide enough that every part of the model moves the logits."""
+    import transformers
+    torch.manual_seed(seed)
+    c = transformers.LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                 num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=64,
+                                 rope_theta=500000.0, tie_word_embeddings=tie, rms_norm_eps=1e-6)
+    model = transformers.LlamaForCausalLM(c).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(torch.rand_like(p) + 0.5 if p.ndim == 1 else torch.randn_like(p) * 0.15)
+    model.save_pretrained(path)
+    return model
+
+
+def _batch(vocab, seed=1):
+    ids = torch.randint(0, vocab, (2, 33), generator=torch.Generator().manual_seed(seed))
+    return ids[:, :-1], ids[:, 1:]
+
+
+def _hf_loss(model, x, y):
+    with torch.no_grad():
+        logits = model(x).logits
+    return F.cross_entropy(logits.flatten(0, 1), y.flatten()).item(), logits
+
+
+def _imported(directory, tp=1):
+    cfg = GPTConfig(**hf.config_from_hf(directory), hidden_dropout=0.0, attention_dropout=0.0,
+                    tensor_model_parallel_size=tp)
+    return cfg
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_llama_import_first_loss_equals_transformers(tie, tmp_path):
+    theirs = _llama_dir(tmp_path, tie)
+    x, y = _batch(32000)
+    expected, logits = _hf_loss(theirs, x, y)
+    cfg = _imported(tmp_path)
+    assert (cfg.untie_embeddings_and_output_weights, cfg.num_query_groups, cfg.rotary_base) == (not tie, 2, 5e5)
+    ours = GPT(cfg)
+    hf.load_into(ours, str(tmp_path))
+    ours.eval()
+    with torch.no_grad():
+        loss = ours(x, y).item()
+        our_logits = ours(x)[..., :32000]
+    assert logits.std() > 1.0  # the weights are wide enough for the logits to tell models apart
+    assert abs(loss - expected) <= 1e-5 * expected, (loss, expected)
+    torch.testing.assert_close(our_logits, logits, rtol=1e-4, atol=1e-4)
+
+
+def _import_layouts(directory, expected):
+    x, y = _batch(32000)
+    for tp, pp in ((2, 1), (1, 2)):
+        parallel.grid = g = parallel.Grid(tp, pp)
+        cfg = _imported(directory, tp)
+        model = stage(cfg)
+        hf.load_into(model, directory)
+        with torch.no_grad():
+            loss = parallel.pipeline_forward_backward(model, [(x, y)], forward_only=True) if pp > 1 else model(x, y)
+        loss = parallel.average_loss(loss).item()
+        assert abs(loss - expected) <= 1e-5 * expected, (g, loss, expected)
+
+
+def test_llama_import_into_tp2_and_pp2_layouts(tmp_path):
+    """The untied lm_head vocab-parallel on TP, on the last stage of PP: the first loss is transformers'."""
+    theirs = _llama_dir(tmp_path, tie=False)
+    expected, _ = _hf_loss(theirs, *_batch(32000))
+    spawn(_import_layouts, 2, 1, 1, str(tmp_path), expected)
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_llama_export_generates_the_same_logits(tie, tmp_path):
+    """tools/export_hf.py's model and state of our Llama-block model: LlamaForCausalLM computes our logits, and the
+    import of the export is the model we started from, bit for bit."""
+    import export_hf
+    cfg = GPTConfig(**{**LLAMA_TINY, "vocab_size": 32000, "untie_embeddings_and_output_weights": not tie,
+                       "hidden_size": 64, "num_attention_heads": 8, "ffn_hidden_size": None})
+    ours = GPT(cfg).eval()
+    with torch.no_grad():
+        for p in ours.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+        ours.embed.word.weight[32000:] = 0.0
+        if not tie:
+            ours.output_layer[32000:] = 0.0
+    model, state = export_hf.hf_model(ours, eod=0)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"} and (not missing) == (not tie)
+    model.tie_weights()
+    model.eval().save_pretrained(tmp_path)
+    x, _ = _batch(32000, seed=2)
+    with torch.no_grad():
+        theirs, mine = model(x[:, :16]).logits, ours(x[:, :16])[..., :32000]
+    assert theirs.std() > 0.5
+    torch.testing.assert_close(theirs, mine, rtol=1e-5, atol=1e-5)
+    back = GPT(_imported(str(tmp_path)))
+    hf.load_into(back, str(tmp_path))
+    for (name, a), b in zip(ours.state_dict().items(), back.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
+def test_llama_rope_scaling_is_refused_by_name(tmp_path):
+    import transformers
+    c = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                 num_attention_heads=4, num_key_value_heads=2,
+                                 rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0,
+                                                  "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                  "original_max_position_embeddings": 8192})
+    c.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="rope scaling of type 'llama3'"):
+        hf.config_from_hf(str(tmp_path))
