@@ -110,19 +110,18 @@ def test_swiglu_width_and_parameter_count():
 
 
 def test_rmsnorm_statistics_in_fp32_in_bf16():
-    """A bf16 input whose square overflows bf16's precision: the result is the fp64 normalisation rounded once to
-    bf16, then the gain (transformers' order)."""
+    """bf16 inputs: the result is the fp64 normalisation rounded once to bf16, then the gain (transformers'
+    order), element for element; statistics taken in bf16 miss a fifth of the elements by an ulp or more."""
     gen = torch.Generator().manual_seed(0)
-    x = (torch.randn(4, 256, generator=gen, dtype=torch.float64) * 300 + 1000).to(torch.bfloat16)
+    x = (torch.randn(64, 256, generator=gen, dtype=torch.float64) * 300 + 1000).to(torch.bfloat16)
     norm = RMSNorm(256, eps=1e-6).to(torch.bfloat16)
     with torch.no_grad():
         norm.weight.copy_(torch.rand(256, generator=gen) + 0.5)
+        got = norm(x)
     x64 = x.double()
     expected = norm.weight * (x64 / (x64.square().mean(-1, keepdim=True) + 1e-6).sqrt()).to(torch.bfloat16)
-    got = norm(x)
     assert got.dtype == torch.bfloat16
-    assert (got.float() - expected.float()).abs().max() <= 2 ** -7 * expected.float().abs().max()
-    assert torch.equal(norm(x.float()), norm.float()(x.float()))
+    assert torch.equal(got, expected)
 
 
 def test_rotary_angles_are_fp32_rounded_once_in_a_bf16_model():
