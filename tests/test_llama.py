@@ -286,3 +286,32 @@ def test_llama_rope_scaling_is_refused_by_name(tmp_path):
     c.save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="rope scaling of type 'llama3'"):
         hf.config_from_hf(str(tmp_path))
+
+
+# -----------------------------------------------------------------------------
+# config/llama_1b.py
+
+
+def test_llama_1b_config_counts_llama_3_2_1b_and_dry_runs():
+    """1,235,814,400 parameters: Llama-3.2-1B's (its safetensors hold 1.236B with the tied lm_head once)."""
+    import io
+
+    import arguments
+    import estimate
+    cfg = arguments.load_config([os.path.join(ROOT, "config", "llama_1b.py")])
+    model_cfg = GPTConfig.from_config(cfg)
+    assert model_cfg.num_parameters() == 1_235_814_400 and model_cfg.ffn_size == 8192
+    out = io.StringIO()
+    report = estimate.dry_run(cfg, world_size=8, file=out)
+    assert report["dp"] == 8 and "1.24B parameters" in out.getvalue()
+
+
+@pytest.mark.slow
+def test_llama_1b_config_trains_one_cpu_iteration_at_reduced_size():
+    from helpers import losses, run_main
+    out = run_main("config/llama_1b.py", "--data_path=data/shakespeare-v2", "--num_layers=2", "--hidden_size=64",
+                   "--num_attention_heads=4", "--num_query_groups=2", "--ffn_hidden_size=128", "--seq_length=64",
+                   "--vocab_size=50257", "--micro_batch_size=2", "--global_batch_size=2", "--train_iters=1",
+                   "--lr_warmup_samples=0", "--log_interval=1", "--eval_interval=1000", "--eval_iters=1",
+                   "--sample_tokens=0", "--save=none", "--save_interval=none")
+    assert list(losses(out)) == [1] and math.isfinite(float(losses(out)[1]))
