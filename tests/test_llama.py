@@ -315,3 +315,16 @@ def test_llama_1b_config_trains_one_cpu_iteration_at_reduced_size():
                    "--lr_warmup_samples=0", "--log_interval=1", "--eval_interval=1000", "--eval_iters=1",
                    "--sample_tokens=0", "--save=none", "--save_interval=none")
     assert list(losses(out)) == [1] and math.isfinite(float(losses(out)[1]))
+
+
+def test_init_from_hf_without_a_config_file_takes_the_model_s_keys(tmp_path):
+    """`python train.py --init_from_hf=DIR`: the implicit default config's model keys (config/tiny.py's 4 x 128 and
+    its embedding LayerNorm) yield to the model; a key given on the command line that contradicts it does not."""
+    import arguments
+    _llama_dir(tmp_path, tie=False, vocab=512)
+    cfg = arguments.load_config([f"--init_from_hf={tmp_path}"])
+    assert (cfg.num_layers, cfg.hidden_size, cfg.embed_layernorm, cfg.normalization, cfg.num_query_groups) == (
+        2, 64, False, "rmsnorm", 2)
+    hf.check_config(GPTConfig.from_config(cfg), str(tmp_path))
+    with pytest.raises(ValueError, match=r"num_layers 3 \(config\) vs 2 \(model\)"):
+        arguments.load_config([f"--init_from_hf={tmp_path}", "--num_layers=3"])
