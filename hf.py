@@ -51,14 +51,10 @@ CONFIG = {
               "vocab_size": "vocab_size", "layernorm_epsilon": "rms_norm_eps", "add_bias_linear": "attention_bias"},
 }
 # ... and the keys each class fixes (BLOOM: ALiBi and the embedding LayerNorm, lesson 19; its GeLU is tanh's)
-# The GPT-2 block's keys are the defaults of the new ones, so that a config's Llama keys yield to a GPT-2 model.
-GPT2_BLOCK = {"normalization": "layernorm", "swiglu": False, "ffn_hidden_size": None, "num_query_groups": None,
-              "untie_embeddings_and_output_weights": False, "add_bias_linear": True, "rotary_base": 10000.0}
-FIXED = {"gpt2": {"position_embedding_type": "learned", "embed_layernorm": False, **GPT2_BLOCK},
-         "bloom": {"position_embedding_type": "alibi", "embed_layernorm": True, "activation": "gelu_tanh",
-                   **GPT2_BLOCK},
+FIXED = {"gpt2": {"position_embedding_type": "learned", "embed_layernorm": False},
+         "bloom": {"position_embedding_type": "alibi", "embed_layernorm": True, "activation": "gelu_tanh"},
          "llama": {"position_embedding_type": "rotary", "embed_layernorm": False, "normalization": "rmsnorm",
-                   "swiglu": True, "qk_layernorm": False, "normformer": False, "scale_embeddings": False}}
+                   "swiglu": True}}
 GPT2_ACTIVATIONS = {"gelu": "gelu", "gelu_tanh": "gelu_new", "relu": "relu"}  # ours -> transformers' ACT2FN
 GPT2_ACTIVATIONS_IN = {**{v: k for k, v in GPT2_ACTIVATIONS.items()}, "gelu_pytorch_tanh": "gelu_tanh"}
 
@@ -67,8 +63,10 @@ NOT_MAPPED = {"hidden_dropout", "attention_dropout", "embed_dropout", "init_meth
               "embed_init_std", "position_embedding_init", "checkpoint_activations", "make_vocab_size_divisible_by",
               "apply_query_key_layer_scaling", "stable_attention", "unfused_attention", "tensor_model_parallel_size",
               "z_loss"}  # a term of the training loss only
-MAPPED = {"activation", *FIXED["gpt2"], *FIXED["llama"], *CONFIG["gpt2"], *CONFIG["bloom"], *CONFIG["llama"],
-          "untie_embeddings_and_output_weights", "rotary_base"}
+# ... and the GPT-2 block, which both have: the Llama block's keys at their defaults (family() checks them)
+GPT2_BLOCK = {"normalization": "layernorm", "swiglu": False, "ffn_hidden_size": None, "num_query_groups": None,
+              "untie_embeddings_and_output_weights": False, "add_bias_linear": True, "rotary_base": 10000.0}
+MAPPED = {"activation", *GPT2_BLOCK, *FIXED["gpt2"], *CONFIG["gpt2"], *CONFIG["bloom"], *CONFIG["llama"]}
 
 # Parameter names: ours -> (theirs, layout steps theirs -> ours), their names without transformers' "transformer."
 # (checkpoints on the Hub come with it, from the *LMHeadModel classes, and without it, from the bare models).
@@ -183,7 +181,7 @@ def family(cfg):
     unknown = [f"{f.name}={getattr(cfg, f.name)!r}" for f in fields(GPTConfig)
                if f.name not in NOT_MAPPED | MAPPED and getattr(cfg, f.name) != getattr(defaults, f.name)]
     if unknown:
-        raise ValueError(f"{', '.join(unknown)}: none of {', '.join(KINDS.values())} has it")
+        raise ValueError(f"{', '.join(unknown)}: neither {' nor '.join(KINDS.values())} has it")
     if cfg.position_embedding_type == "rotary":
         differ = [f"{key}={getattr(cfg, key)!r}" for key, value in FIXED["llama"].items()
                   if getattr(cfg, key) != value]

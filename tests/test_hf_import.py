@@ -189,9 +189,10 @@ def test_models_stablegpt_cannot_compute_are_refused(tmp_path):
         tmp_path / "untied")
     with pytest.raises(ValueError, match="tie_word_embeddings=false"):
         hf.config_from_hf(str(tmp_path / "untied"))
-    transformers.LlamaConfig().save_pretrained(tmp_path / "llama")
-    with pytest.raises(ValueError, match="model of type 'llama'; stablegpt imports GPT2LMHeadModel and Bloom"):
-        hf.config_from_hf(str(tmp_path / "llama"))
+    # (LlamaForCausalLM is imported since issue 30: tests/test_llama.py; GPT-NeoX is not)
+    transformers.GPTNeoXConfig().save_pretrained(tmp_path / "neox")
+    with pytest.raises(ValueError, match="model of type 'gpt_neox'; stablegpt imports GPT2LMHeadModel, Bloom"):
+        hf.config_from_hf(str(tmp_path / "neox"))
 
 
 def test_missing_or_corrupt_directory(models, tmp_path):
