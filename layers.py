@@ -50,3 +50,30 @@ def swiglu_ffn_hidden_size(hidden_size):
     """Megatron's default width with --swiglu: 2/3 of 4h (two input matrices instead of one keep the parameter
     count of the 4h MLP), rounded down to a multiple of 64."""
     return int(4 * hidden_size * 2 / 3 / 64) * 64
+
+
+# -----------------------------------------------------------------------------
+# Packed documents that do not see each other (Megatron's reset_attention_mask and reset_position_ids)
+
+
+def document_ids(tokens, eod):
+    """(batch, seq) index of each token's document within its sample: a document ends with its end-of-document
+    token (which belongs to it, as in Megatron's get_ltor_masks_and_position_ids), the next starts after it."""
+    ends = (tokens == eod).long()
+    return ends.cumsum(dim=1) - ends
+
+
+def document_positions(documents):
+    """Positions restarting at 0 at the first token of each document (reset_position_ids), (batch, seq)."""
+    B, T = documents.shape
+    index = torch.arange(T, device=documents.device).expand(B, T)
+    first = torch.ones(B, 1, dtype=torch.bool, device=documents.device)
+    starts = torch.cat((first, documents[:, 1:] != documents[:, :-1]), dim=1)
+    return index - torch.where(starts, index, 0).cummax(dim=1).values
+
+
+def document_mask(documents):
+    """(batch, 1, seq, seq) bool: query i sees key j <= i of its own document (reset_attention_mask)."""
+    T = documents.shape[1]
+    causal = torch.ones(T, T, dtype=torch.bool, device=documents.device).tril()
+    return ((documents[:, :, None] == documents[:, None, :]) & causal).unsqueeze(1)

@@ -458,14 +458,15 @@ class Embedding(nn.Module):
         p = cfg.hidden_dropout if cfg.embed_dropout is None else cfg.embed_dropout
         self.dropout = nn.Dropout(p)
 
-    def forward(self, ids):
+    def forward(self, ids, positions=None):
+        """positions: (batch, seq) position ids (documents' own, reset_position_ids), default 0..seq-1."""
         x = self.word(ids)
         if self.norm is not None:
             x = self.norm(x)
         if self.scale != 1.0:
             x = x * self.scale
         if self.position is not None:
-            x = x + self.position(torch.arange(ids.shape[1], device=ids.device))
+            x = x + self.position(torch.arange(ids.shape[1], device=ids.device) if positions is None else positions)
         return self.dropout(x)
 
 
@@ -572,16 +573,22 @@ class GPT(nn.Module):
 
     # -- forward ----------------------------------------------------------------------------------------------
 
-    def forward(self, x, targets=None):
-        """x: token ids (B, T) on the first stage, hidden states (B, T, H) on the others.
+    def forward(self, x, targets=None, documents=None):
+        """x: token ids (B, T) on the first stage, hidden states (B, T, H) on the others. documents: (B, T) index of
+        each token's document (layers.document_ids) for packed documents that do not see each other: attention
+        within a document only, positions restarting at each document (Megatron's reset_attention_mask and
+        reset_position_ids together); every stage needs it.
 
         Returns hidden states on a non-last stage; on the last, the mean lm loss if targets are given, otherwise
         this TP rank's slice of the logits. In training with z_loss > 0 the lm loss's gradient includes the
         z-loss (cross_entropy.linear_cross_entropy), whose value is kept for pop_z_loss(); evaluation
         reports the lm loss alone."""
+        positions = None if documents is None else layers.document_positions(documents)
         if self.pre_process:
-            x = self.embed(x)
+            x = self.embed(x, positions)
         bias, rotary = self.positions(x)
+        if documents is not None:
+            bias, rotary = self.separate_documents(documents, positions, bias, rotary, x.dtype)
         for block in self.blocks.values():
             if self.cfg.checkpoint_activations and self.training:
                 x = rng.checkpoint(block, x, bias, rotary)  # recomputed with both dropout streams replayed (lesson 22)
@@ -616,6 +623,21 @@ class GPT(nn.Module):
         if self.positions_cache[0] != key:
             self.positions_cache = (key, self.build_positions(*key))
         return self.positions_cache[1]
+
+    def separate_documents(self, documents, positions, bias, rotary, dtype):
+        """(bias, rotary) of packed documents: the causal mask cut block-diagonal, (B, 1 or heads, T, T), added to
+        the scores (ALiBi's relative bias needs no reset: i - j is the same within a document); rotary's angles
+        taken at each token's position in its document, (B, 1, T, head_dim). The mask is materialised: the CPU's
+        SDPA takes it as attn_mask."""
+        mask = layers.document_mask(documents)
+        if bias is None:
+            bias = torch.zeros(mask.shape, dtype=torch.promote_types(dtype, torch.float32), device=mask.device)
+        bias = bias.masked_fill(~mask, float("-inf"))
+        if not self.cfg.unfused_attention:
+            bias = bias.to(dtype)
+        if rotary is not None:
+            rotary = tuple(t[positions].unsqueeze(1) for t in rotary)
+        return bias, rotary
 
     def build_positions(self, T, compute_dtype, device):
         dtype = torch.promote_types(compute_dtype, torch.float32)

@@ -328,3 +328,39 @@ def test_init_from_hf_without_a_config_file_takes_the_model_s_keys(tmp_path):
     hf.check_config(GPTConfig.from_config(cfg), str(tmp_path))
     with pytest.raises(ValueError, match=r"num_layers 3 \(config\) vs 2 \(model\)"):
         arguments.load_config([f"--init_from_hf={tmp_path}", "--num_layers=3"])
+
+
+# -----------------------------------------------------------------------------
+# Packed documents that do not see each other
+
+
+@pytest.mark.parametrize("block", [
+    dict(position_embedding_type="learned"),
+    dict(position_embedding_type="alibi", embed_layernorm=True),
+    LLAMA_TINY,
+    {**LLAMA_TINY, "unfused_attention": True},
+])
+def test_packed_documents_compute_each_document_alone(block):
+    """The logits of a packed sample (documents separated by the end-of-document token, layers.document_ids) equal
+    those of each document run on its own, in float64: attention within the document, positions from 0."""
+    from layers import document_ids
+    eod = 0
+    cfg = GPTConfig(**{**dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=24, vocab_size=50,
+                              make_vocab_size_divisible_by=32, hidden_dropout=0.0, attention_dropout=0.0),
+                       **block, "seq_length": 24})
+    gpt = GPT(cfg).double().eval()
+    tokens = torch.randint(1, 50, (2, 24), generator=torch.Generator().manual_seed(0))
+    cuts = ([6, 15], [0, 11, 12])  # the second sample starts with an empty document and has two eods in a row
+    for row, ends in enumerate(cuts):
+        tokens[row, ends] = eod
+    documents = document_ids(tokens, eod)
+    with torch.no_grad():
+        packed = gpt(tokens, documents=documents)
+        unmasked = gpt(tokens)
+        for row, ends in enumerate(cuts):
+            bounds = [0] + [e + 1 for e in ends] + [24]
+            for a, b in zip(bounds, bounds[1:]):
+                alone = gpt(tokens[row:row + 1, a:b])[0]
+                torch.testing.assert_close(packed[row, a:b], alone, rtol=1e-10, atol=1e-10)
+    assert not torch.allclose(packed, unmasked, atol=1e-3)  # the documents did see each other without it
+    assert documents[1].tolist()[:14] == [0] + [1] * 11 + [2, 3]  # an eod belongs to the document it ends
