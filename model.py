@@ -1,8 +1,8 @@
 """GPT in the GPT-2 / Megatron layout, with the stability switches of the BigScience 104B/176B and OPT-175B runs.
 
 Block: x + Attn(LN(x)), then x + MLP(LN(x)); learned position embeddings; output layer tied to the token
-embedding. The linears and the embedding come from parallel.py, so the same code runs as one process or split
-over tensor- and pipeline-parallel ranks (a pipeline stage builds only its own layers).
+embedding (the defaults). The linears and the embedding come from parallel.py, so the same code runs as one
+process or split over tensor- and pipeline-parallel ranks (a pipeline stage builds only its own layers).
 
 Switches, each from a lesson of docs/lessons.md (docs/levers.md has the table):
 - embed_layernorm, embed_init, embed_init_std: bitsandbytes' StableEmbedding (LayerNorm on the word embeddings,
@@ -19,6 +19,12 @@ Switches, each from a lesson of docs/lessons.md (docs/levers.md has the table):
   (GPT-NeoX's rotary embeddings of q and k, as Megatron-DeepSpeed has them; BigScience compared all three).
 - Beyond the chronicles (lesson 20): qk_layernorm (LayerNorm on each head's queries and keys, Dehghani et al.
   2023) against attention-logit growth, and z_loss (PaLM) against output-logit divergence.
+
+- The Llama / OLMo 2 block, by Megatron's flag names: normalization="rmsnorm", swiglu (with ffn_hidden_size),
+  num_query_groups (GQA and MQA; TP splits the groups), untie_embeddings_and_output_weights (an output layer of
+  its own, vocab-parallel, drawn and decayed as the embedding), add_bias_linear=False, rotary_base; RMSNorm and
+  SwiGLU live in layers.py. Packed documents: forward(documents=) attends within each document only, positions
+  restarting at each (Megatron's reset_attention_mask and reset_position_ids).
 
 A fork changes one place each: every normalization is norm(), the block's feed-forward is chosen in mlp(), a
 position embedding is a POSITION_EMBEDDINGS entry plus what GPT.positions hands each layer's attention. The

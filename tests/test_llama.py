@@ -16,7 +16,7 @@ import torch.nn.functional as F
 import hf
 import parallel
 from helpers import ROOT, gather, random_batches, spawn, stage
-from layers import RMSNorm
+from layers import RMSNorm, document_ids
 from model import GPT, GPTConfig, rotary_cos_sin
 
 sys.path.insert(0, os.path.join(ROOT, "tools"))
@@ -31,12 +31,12 @@ LLAMA_TINY = dict(num_layers=4, hidden_size=32, num_attention_heads=4, num_query
 # Every layout computes the one-process model
 
 
-def _one_process(cfg, batches):
+def _one_process(cfg, batches, documents=None):
     real, parallel.grid = parallel.grid, parallel.Grid(1, 1, world_size=1, rank=0)
     try:
         model = GPT(cfg)
         model.init_weights(1234)
-        loss = sum(model(x, y) for x, y in batches) / len(batches)
+        loss = sum(model(x, y, documents=documents) for x, y in batches) / len(batches)
         loss.backward()
         return loss.item(), {n: p.grad for n, p in model.named_parameters()}
     finally:
@@ -73,6 +73,14 @@ def _llama_layout(tp, pp):
         for name, p in model.named_parameters():
             if getattr(p, "tp_dim", None) is None:
                 assert all(torch.equal(o, p.main_grad) for o in gather(p.main_grad, g.tp_group)), name
+        # packed documents under TP: each rank's heads masked alike
+        x, y = batches[0]
+        x = x.clone()
+        x[:, [4, 9]] = 0
+        documents = document_ids(x, 0)
+        expected, _ = _one_process(cfg, [(x, y)], documents)
+        with torch.no_grad():
+            assert math.isclose(model(x, y, documents=documents).item(), expected, rel_tol=1e-12)
 
 
 def _llama_layouts():
@@ -343,7 +351,6 @@ def test_init_from_hf_without_a_config_file_takes_the_model_s_keys(tmp_path):
 def test_packed_documents_compute_each_document_alone(block):
     """The logits of a packed sample (documents separated by the end-of-document token, layers.document_ids) equal
     those of each document run on its own, in float64: attention within the document, positions from 0."""
-    from layers import document_ids
     eod = 0
     cfg = GPTConfig(**{**dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=24, vocab_size=50,
                               make_vocab_size_divisible_by=32, hidden_dropout=0.0, attention_dropout=0.0),
