@@ -186,8 +186,10 @@ def family(cfg):
         differ = [f"{key}={getattr(cfg, key)!r}" for key, value in FIXED["llama"].items()
                   if getattr(cfg, key) != value]
         if differ:
-            raise ValueError(f"rotary embeddings with {', '.join(differ)}: LlamaForCausalLM has rotary embeddings "
-                             f"with {', '.join(f'{k}={v!r}' for k, v in FIXED['llama'].items())}")
+            raise ValueError(f"position_embedding_type='rotary' with {', '.join(differ)}: GPT2LMHeadModel and "
+                             "BloomForCausalLM: neither has rotary embeddings; LlamaForCausalLM has them with "
+                             + ", ".join(f"{k}={v!r}" for k, v in FIXED["llama"].items()
+                                         if k != "position_embedding_type"))
         return "llama"
     differ = [f"{key}={getattr(cfg, key)!r}" for key, value in GPT2_BLOCK.items() if getattr(cfg, key) != value]
     if differ:
