@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 import hf
 import parallel
-from helpers import ROOT, gather, random_batches, spawn, stage
+from helpers import ROOT, gather, random_batches, spawn, stage, synthetic_corpus  # noqa: F401 (a fixture)
 from layers import RMSNorm, document_ids
 from model import GPT, GPTConfig, rotary_cos_sin
 
@@ -371,3 +371,20 @@ def test_packed_documents_compute_each_document_alone(block):
                 torch.testing.assert_close(packed[row, a:b], alone, rtol=1e-10, atol=1e-10)
     assert not torch.allclose(packed, unmasked, atol=1e-3)  # the documents did see each other without it
     assert documents[1].tolist()[:14] == [0] + [1] * 11 + [2, 3]  # an eod belongs to the document it ends
+
+
+@pytest.mark.slow
+def test_untied_gqa_checkpoint_of_tp2_exports_as_llama(synthetic_corpus, tmp_path):
+    """train.py at TP=2 with the Llama block saves; tools/export_hf.py gathers it into one process (reshard.py:
+    the untied output layer's vocab-parallel slices re-padded) and LlamaForCausalLM computes its logits."""
+    import export_hf
+    from helpers import launch
+    llama = ["--position_embedding_type=rotary", "--normalization=rmsnorm", "--swiglu", "--num_query_groups=2",
+             "--untie_embeddings_and_output_weights", "--add_bias_linear=False", "--rotary_base=500000",
+             "--embed_layernorm=False"]
+    launch(tmp_path / "logs", 2, "--tensor_model_parallel_size=2", *llama, "--train_iters=2",
+           f"--data_path={synthetic_corpus}",
+           f"--save={tmp_path / 'ckpt'}", "--save_interval=2")
+    diff, model, _ = export_hf.export(str(tmp_path / "ckpt"), str(tmp_path / "hf"))
+    assert type(model).__name__ == "LlamaForCausalLM" and not model.config.tie_word_embeddings
+    assert diff <= 1e-5
