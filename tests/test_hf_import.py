@@ -260,8 +260,9 @@ def test_run_from_the_model_starts_at_its_loss_trains_and_resumes_exactly(models
 
 
 def test_run_config_that_contradicts_the_model_stops_with_one_message(models):
-    """The default config (config/tiny.py) has a model of its own: refused before anything is built, exit 2."""
-    proc = run_cli(f"--init_from_hf={models['gpt2'][0]}", "--save=none", expect_ok=False)
+    """config/tiny.py named on the command line has a model of its own: refused before anything is built, exit 2.
+    (Left implicit, its model keys yield to the model: tests/test_llama.py, issue 30.)"""
+    proc = run_cli("config/tiny.py", f"--init_from_hf={models['gpt2'][0]}", "--save=none", expect_ok=False)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.count("error:") == 1
     assert "num_layers 4 (config) vs 2 (model)" in proc.stderr and "start from config/finetune.py" in proc.stderr
