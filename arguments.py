@@ -169,7 +169,7 @@ def load_config(argv=None):
     """Config from the config file (default config/tiny.py) and command-line overrides; prepare() checks it."""
     argv = sys.argv[1:] if argv is None else argv
     config_file, overrides = parse_cli(argv)
-    config_file = config_file or DEFAULT_CONFIG
+    implicit, config_file = config_file is None, config_file or DEFAULT_CONFIG
     try:
         values = runpy.run_path(config_file)
     except FileNotFoundError:
@@ -191,7 +191,7 @@ def load_config(argv=None):
     cfg = Config(**{k: _convert(k, v, FIELDS[k].type) for k, v in settings.items()})
     cfg.config_file = config_file
     if cfg.init_from_hf is not None:
-        from_hf(cfg, given=set(settings))
+        from_hf(cfg, given=set(overrides if implicit else settings))  # the implicit default's model keys yield
     return cfg
 
 

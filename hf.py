@@ -1,5 +1,5 @@
-"""Hugging Face `transformers` models (GPT2LMHeadModel, BloomForCausalLM) <-> stablegpt, with one mapping used
-both ways: importing a model directory here, exporting a checkpoint in tools/export_hf.py.
+"""Hugging Face `transformers` models (GPT2LMHeadModel, BloomForCausalLM, LlamaForCausalLM) <-> stablegpt, with one
+mapping used both ways: importing a model directory here, exporting a checkpoint in tools/export_hf.py.
 
     keys = hf.config_from_hf(DIR)    # our config keys of the model in DIR: num_layers=12, ..., activation=gelu_tanh
     hf.check_config(cfg, DIR)        # a config key that contradicts the model: one ValueError naming both values
@@ -19,9 +19,13 @@ the two tensors (STEPS), each with its inverse:
 - "vocab": their vocab_size rows, ours padded with zero rows to a multiple of make_vocab_size_divisible_by x TP
   (lesson 16), as the model initialises them (padded rows are never looked up and are masked out of the softmax);
 - "positions": GPT-2's n_positions rows; a shorter seq_length keeps the first ones (the same function on the
-  sequences it sees).
-The output layer is the word embedding in both (tied); on a last pipeline stage without the embedding its copy
-(reshard.TIED_COPY) gets the same rows.
+  sequences it sees);
+- "gqa": Llama's q_proj, k_proj and v_proj (three tensors: ours is a tuple of their names) are one fused qkv here,
+  group by group, [groups, q heads of the group + k + v, head_dim] (Megatron's GQA layout, so that a TP slice is a
+  set of whole groups). Llama's rotate_half turns features (i, i + d/2), as our rotary does: no permutation.
+The output layer is the word embedding in GPT-2 and BLOOM (tied); on a last pipeline stage without the embedding
+its copy (reshard.TIED_COPY) gets the same rows. Llama's lm_head is its own (untie_embeddings_and_output_weights)
+or tied, as its tie_word_embeddings says.
 """
 import json
 import os
@@ -33,7 +37,7 @@ import parallel
 import reshard
 from model import GPTConfig
 
-KINDS = {"gpt2": "GPT2LMHeadModel", "bloom": "BloomForCausalLM"}
+KINDS = {"gpt2": "GPT2LMHeadModel", "bloom": "BloomForCausalLM", "llama": "LlamaForCausalLM"}
 
 # our config key -> the transformers config attribute
 CONFIG = {
@@ -41,10 +45,16 @@ CONFIG = {
              "seq_length": "n_positions", "vocab_size": "vocab_size", "layernorm_epsilon": "layer_norm_epsilon"},
     "bloom": {"num_layers": "n_layer", "hidden_size": "hidden_size", "num_attention_heads": "n_head",
               "vocab_size": "vocab_size", "layernorm_epsilon": "layer_norm_epsilon"},
+    "llama": {"num_layers": "num_hidden_layers", "hidden_size": "hidden_size",
+              "num_attention_heads": "num_attention_heads", "num_query_groups": "num_key_value_heads",
+              "ffn_hidden_size": "intermediate_size", "seq_length": "max_position_embeddings",
+              "vocab_size": "vocab_size", "layernorm_epsilon": "rms_norm_eps", "add_bias_linear": "attention_bias"},
 }
 # ... and the keys each class fixes (BLOOM: ALiBi and the embedding LayerNorm, lesson 19; its GeLU is tanh's)
 FIXED = {"gpt2": {"position_embedding_type": "learned", "embed_layernorm": False},
-         "bloom": {"position_embedding_type": "alibi", "embed_layernorm": True, "activation": "gelu_tanh"}}
+         "bloom": {"position_embedding_type": "alibi", "embed_layernorm": True, "activation": "gelu_tanh"},
+         "llama": {"position_embedding_type": "rotary", "embed_layernorm": False, "normalization": "rmsnorm",
+                   "swiglu": True}}
 GPT2_ACTIVATIONS = {"gelu": "gelu", "gelu_tanh": "gelu_new", "relu": "relu"}  # ours -> transformers' ACT2FN
 GPT2_ACTIVATIONS_IN = {**{v: k for k, v in GPT2_ACTIVATIONS.items()}, "gelu_pytorch_tanh": "gelu_tanh"}
 
@@ -53,7 +63,10 @@ NOT_MAPPED = {"hidden_dropout", "attention_dropout", "embed_dropout", "init_meth
               "embed_init_std", "position_embedding_init", "checkpoint_activations", "make_vocab_size_divisible_by",
               "apply_query_key_layer_scaling", "stable_attention", "unfused_attention", "tensor_model_parallel_size",
               "z_loss"}  # a term of the training loss only
-MAPPED = {"activation", *FIXED["gpt2"], *CONFIG["gpt2"], *CONFIG["bloom"]}
+# ... and the GPT-2 block, which both have: the Llama block's keys at their defaults (family() checks them)
+GPT2_BLOCK = {"normalization": "layernorm", "swiglu": False, "ffn_hidden_size": None, "num_query_groups": None,
+              "untie_embeddings_and_output_weights": False, "add_bias_linear": True, "rotary_base": 10000.0}
+MAPPED = {"activation", *GPT2_BLOCK, *FIXED["gpt2"], *CONFIG["gpt2"], *CONFIG["bloom"], *CONFIG["llama"]}
 
 # Parameter names: ours -> (theirs, layout steps theirs -> ours), their names without transformers' "transformer."
 # (checkpoints on the Hub come with it, from the *LMHeadModel classes, and without it, from the bare models).
@@ -75,14 +88,35 @@ BLOCK = {
               "attn.qkv": ("self_attention.query_key_value", (), ()),  # head by head, as ours
               "attn.proj": ("self_attention.dense", (), ()),
               "mlp.fc1": ("mlp.dense_h_to_4h", (), ()), "mlp.fc2": ("mlp.dense_4h_to_h", (), ())},
+    "llama": {"ln_1": ("input_layernorm", (), ()), "ln_2": ("post_attention_layernorm", (), ()),
+              "attn.qkv": (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("gqa",), ("gqa",)),
+              "attn.proj": ("self_attn.o_proj", (), ()),
+              "mlp.gate": ("mlp.gate_proj", (), ()), "mlp.fc1": ("mlp.up_proj", (), ()),
+              "mlp.fc2": ("mlp.down_proj", (), ())},
 }
+WEIGHTS["llama"] = {"embed.word.weight": ("model.embed_tokens.weight", ("vocab",)),
+                    "ln_f.weight": ("model.norm.weight", ()), "output_layer": ("lm_head.weight", ("vocab",))}
+BLOCKS = {"gpt2": "h", "bloom": "h", "llama": "model.layers"}  # their prefix of block i's names
 # Their tensors with no counterpart, and why: the causal-mask buffers older GPT-2 files carry, the tied output layer
-IGNORED = (".attn.bias", ".attn.masked_bias", "lm_head.weight")
+IGNORED = (".attn.bias", ".attn.masked_bias", "lm_head.weight", "rotary_emb.inv_freq")
 
 
 def _regroup(t, a, b):
     """Along dim 0, [a, b, head_dim] -> [b, a, head_dim]: GPT-2's [3, heads] <-> our [heads, 3]."""
     return t.reshape(a, b, -1, *t.shape[1:]).transpose(0, 1).reshape(t.shape)
+
+
+def _gqa_in(ts, c):
+    """Llama's [q_proj, k_proj, v_proj] (weights or biases) -> our fused qkv, [groups, q per group + 2, head_dim]."""
+    g, rest = c.query_groups, ts[0].shape[1:]
+    return torch.cat([t.reshape(g, -1, *rest) for t in ts], dim=1).reshape(-1, *rest)
+
+
+def _gqa_out(t, c):
+    """Our fused qkv -> Llama's [q_proj, k_proj, v_proj]."""
+    g, d, rest = c.query_groups, c.hidden_size // c.num_attention_heads, t.shape[1:]
+    q, k, v = t.reshape(g, -1, *rest).split((c.num_attention_heads // g * d, d, d), dim=1)
+    return [x.reshape(-1, *rest) for x in (q, k, v)]
 
 
 def _pad_rows(t, rows):
@@ -95,17 +129,33 @@ STEPS = {
     "qkv": (lambda t, c: _regroup(t, 3, c.num_attention_heads), lambda t, c: _regroup(t, c.num_attention_heads, 3)),
     "vocab": (lambda t, c: _pad_rows(t, c.padded_vocab_size), lambda t, c: t[:c.vocab_size]),
     "positions": (lambda t, c: t[:c.seq_length], lambda t, c: t),
+    "gqa": (_gqa_in, _gqa_out),
 }
 
 
-def weight_map(kind, num_layers):
-    """{our parameter name: (their name without "transformer.", steps theirs -> ours)} of a whole model."""
+def weight_map(kind, num_layers, cfg=None):
+    """{our parameter name: (their name without "transformer.", or a tuple of names, steps theirs -> ours)} of a
+    whole model. cfg (a Llama's GPTConfig): which biases and which output layer the model has."""
     table = dict(WEIGHTS[kind])
+    norm_bias = linear_bias = True
+    if kind == "llama":
+        norm_bias, linear_bias = cfg.normalization == "layernorm", cfg.add_bias_linear
+        if not cfg.untie_embeddings_and_output_weights:
+            del table["output_layer"]
     for i in range(num_layers):
         for ours, (theirs, weight_steps, bias_steps) in BLOCK[kind].items():
-            table[f"blocks.{i}.{ours}.weight"] = (f"h.{i}.{theirs}.weight", weight_steps)
-            table[f"blocks.{i}.{ours}.bias"] = (f"h.{i}.{theirs}.bias", bias_steps)
+            name = (lambda n, what: f"{BLOCKS[kind]}.{i}.{n}.{what}")
+            names = (lambda what: tuple(name(n, what) for n in theirs) if isinstance(theirs, tuple)
+                     else name(theirs, what))
+            table[f"blocks.{i}.{ours}.weight"] = (names("weight"), weight_steps)
+            if norm_bias if ours.startswith("ln_") else linear_bias:
+                table[f"blocks.{i}.{ours}.bias"] = (names("bias"), bias_steps)
     return table
+
+
+def their_names(theirs):
+    """The tuple of their names of one of ours (Llama's q, k and v are three)."""
+    return theirs if isinstance(theirs, tuple) else (theirs,)
 
 
 def to_ours(t, steps, cfg):
@@ -125,17 +175,26 @@ def to_theirs(t, steps, cfg):
 
 
 def family(cfg):
-    """'gpt2' or 'bloom' for a GPTConfig (or anything with its fields), or a ValueError naming what neither class
-    can compute."""
+    """'gpt2', 'bloom' or 'llama' for a GPTConfig (or anything with its fields), or a ValueError naming what no
+    class can compute."""
     defaults = GPTConfig()
     unknown = [f"{f.name}={getattr(cfg, f.name)!r}" for f in fields(GPTConfig)
                if f.name not in NOT_MAPPED | MAPPED and getattr(cfg, f.name) != getattr(defaults, f.name)]
     if unknown:
-        raise ValueError(f"{', '.join(unknown)}: neither GPT2LMHeadModel nor BloomForCausalLM has it")
-    if cfg.position_embedding_type not in ("learned", "alibi"):
-        raise ValueError(f"position_embedding_type={cfg.position_embedding_type!r}: GPT2LMHeadModel has learned "
-                         "positions and BloomForCausalLM ALiBi; neither has rotary embeddings (transformers' "
-                         "GPTNeoXForCausalLM would be the class to map them to)")
+        raise ValueError(f"{', '.join(unknown)}: neither {' nor '.join(KINDS.values())} has it")
+    if cfg.position_embedding_type == "rotary":
+        differ = [f"{key}={getattr(cfg, key)!r}" for key, value in FIXED["llama"].items()
+                  if getattr(cfg, key) != value]
+        if differ:
+            raise ValueError(f"position_embedding_type='rotary' with {', '.join(differ)}: GPT2LMHeadModel and "
+                             "BloomForCausalLM: neither has rotary embeddings; LlamaForCausalLM has them with "
+                             + ", ".join(f"{k}={v!r}" for k, v in FIXED["llama"].items()
+                                         if k != "position_embedding_type"))
+        return "llama"
+    differ = [f"{key}={getattr(cfg, key)!r}" for key, value in GPT2_BLOCK.items() if getattr(cfg, key) != value]
+    if differ:
+        raise ValueError(f"{', '.join(differ)} with {cfg.position_embedding_type} positions: GPT2LMHeadModel and "
+                         "BloomForCausalLM have the GPT-2 block (LlamaForCausalLM, with rotary embeddings, has these)")
     if cfg.position_embedding_type == "learned":
         if cfg.embed_layernorm:
             raise ValueError("learned position embeddings with embed_layernorm: GPT2LMHeadModel has no embedding "
@@ -152,11 +211,17 @@ def family(cfg):
 
 
 def hf_config(cfg, **extra):
-    """The transformers config of a GPTConfig (GPT2Config or BloomConfig); extra: their other keys (token ids,
-    dropout)."""
+    """The transformers config of a GPTConfig (GPT2Config, BloomConfig or LlamaConfig); extra: their other keys
+    (token ids, dropout)."""
     import transformers
     kind = family(cfg)
     keys = {theirs: getattr(cfg, ours) for ours, theirs in CONFIG[kind].items()}
+    if kind == "llama":
+        keys.update(num_key_value_heads=cfg.query_groups, intermediate_size=cfg.ffn_size, mlp_bias=cfg.add_bias_linear,
+                    head_dim=cfg.hidden_size // cfg.num_attention_heads, hidden_act="silu",
+                    rope_parameters={"rope_theta": cfg.rotary_base, "rope_type": "default"},
+                    tie_word_embeddings=not cfg.untie_embeddings_and_output_weights)
+        return transformers.LlamaConfig(**keys, **extra)
     if kind == "gpt2":
         return transformers.GPT2Config(**keys, activation_function=GPT2_ACTIVATIONS[cfg.activation],
                                        tie_word_embeddings=True, **extra)
@@ -164,10 +229,15 @@ def hf_config(cfg, **extra):
 
 
 def export_state(state, cfg):
-    """The state dict of the transformers model (GPT2LMHeadModel's or BloomForCausalLM's names) of our whole-model
-    (TP=1, PP=1) state dict; the output layer is left to transformers' tying."""
-    return {f"transformer.{theirs}": to_theirs(state[ours], steps, cfg)
-            for ours, (theirs, steps) in weight_map(family(cfg), cfg.num_layers).items()}
+    """The state dict of the transformers model (GPT2LMHeadModel's, BloomForCausalLM's or LlamaForCausalLM's
+    names) of our whole-model (TP=1, PP=1) state dict; a tied output layer is left to transformers' tying."""
+    kind = family(cfg)
+    out = {}
+    for ours, (theirs, steps) in weight_map(kind, cfg.num_layers, cfg).items():
+        tensors = to_theirs(state[ours], steps, cfg)
+        for name, t in zip(their_names(theirs), tensors if isinstance(theirs, tuple) else [tensors]):
+            out[name if kind == "llama" else f"transformer.{name}"] = t
+    return out
 
 
 # -----------------------------------------------------------------------------
@@ -191,12 +261,23 @@ def _hf_config(directory):
         raise ValueError(f"{path} cannot be read ({type(e).__name__}: {e}); download the model again") from None
     if model_type not in KINDS:
         raise ValueError(f"{directory} holds a model of type {model_type!r}; stablegpt imports "
-                         f"{' and '.join(KINDS.values())} (model_type 'gpt2' or 'bloom')")
+                         f"{', '.join(KINDS.values())} (model_type {', '.join(map(repr, KINDS))})")
     import transformers
     theirs = transformers.AutoConfig.from_pretrained(directory, local_files_only=True)
-    refusals = [(not theirs.tie_word_embeddings, "tie_word_embeddings=false: an output layer of its own (stablegpt "
-                                             "ties it to the word embedding)")]
-    if model_type == "gpt2":
+    refusals = [(model_type != "llama" and not theirs.tie_word_embeddings, "tie_word_embeddings=false: an output "
+                 "layer of its own (stablegpt ties it to the word embedding in this class)")]
+    if model_type == "llama":
+        rope_type = rope(theirs).get("rope_type", rope(theirs).get("type", "default"))
+        head_dim = getattr(theirs, "head_dim", None) or theirs.hidden_size // theirs.num_attention_heads
+        refusals += [
+            (rope_type != "default", f"rope scaling of type {rope_type!r}: stablegpt's rotary embeddings are "
+                                     "unscaled (rope_type 'default')"),
+            (theirs.hidden_act != "silu", f"hidden_act={theirs.hidden_act!r}: stablegpt's swiglu gates with SiLU"),
+            (head_dim * theirs.num_attention_heads != theirs.hidden_size, f"head_dim={head_dim}: stablegpt's "
+             "head size is hidden_size / num_attention_heads"),
+            (theirs.attention_bias != theirs.mlp_bias, f"attention_bias={theirs.attention_bias} with mlp_bias="
+             f"{theirs.mlp_bias}: stablegpt's add_bias_linear is one switch for both")]
+    elif model_type == "gpt2":
         refusals += [
             (theirs.activation_function not in GPT2_ACTIVATIONS_IN,
              f"activation_function={theirs.activation_function!r}: not one of {sorted(GPT2_ACTIVATIONS_IN)}"),
@@ -215,6 +296,14 @@ def _hf_config(directory):
     return model_type, theirs
 
 
+def rope(theirs):
+    """A Llama config's rotary parameters, {"rope_theta", "rope_type"}, from transformers 5's rope_parameters or
+    the older rope_theta and rope_scaling."""
+    found = dict(getattr(theirs, "rope_parameters", None) or getattr(theirs, "rope_scaling", None) or {})
+    found.setdefault("rope_theta", getattr(theirs, "rope_theta", 10000.0))
+    return found
+
+
 def config_from_hf(directory):
     """Our config keys of the transformers model in directory (the model's shapes and function; training keys
     such as dropout are the run's own)."""
@@ -223,6 +312,9 @@ def config_from_hf(directory):
     keys.update(FIXED[kind])
     if kind == "gpt2":
         keys["activation"] = GPT2_ACTIVATIONS_IN[theirs.activation_function]
+    if kind == "llama":
+        keys["untie_embeddings_and_output_weights"] = not theirs.tie_word_embeddings
+        keys["rotary_base"] = float(rope(theirs)["rope_theta"])
     return keys
 
 
@@ -314,8 +406,8 @@ def load_into(model, directory):
     kind, _ = _hf_config(directory)
     check_config(cfg, directory)
     weights = Weights(directory)
-    table = weight_map(kind, cfg.num_layers)
-    theirs = {name for name, _ in table.values()}
+    table = weight_map(kind, cfg.num_layers, cfg)
+    theirs = {name for names, _ in table.values() for name in their_names(names)}
     extra = sorted(n for n in weights.file_of if n not in theirs and not n.endswith(IGNORED))
     missing = sorted(theirs - set(weights.file_of))
     if extra or missing:
@@ -325,12 +417,14 @@ def load_into(model, directory):
                          + (f"unexpected {', '.join(extra[:5])}" if extra else "") + "; download the model again")
     for name, p in model.named_parameters():
         source, steps = table[reshard.TIED_COPY.get(name, name)]
-        full = to_ours(weights.get(source), steps, cfg)
+        tensors = [weights.get(n) for n in their_names(source)]
+        full = to_ours(tensors if isinstance(source, tuple) else tensors[0], steps, cfg)
         expected = list(p.shape)
         tp_dim = getattr(p, "tp_dim", None)
         if tp_dim is not None:
             expected[tp_dim] *= model.grid.tp_size
         if list(full.shape) != expected:
-            raise ValueError(f"{source} in {directory} has shape {tuple(full.shape)} where {name} needs "
-                             f"{tuple(expected)}: its config.json does not describe its weights; download it again")
+            raise ValueError(f"{'/'.join(their_names(source))} in {directory} has shape {tuple(full.shape)} where "
+                             f"{name} needs {tuple(expected)}: its config.json does not describe its weights; "
+                             "download it again")
         p.copy_(parallel.shard(full, tp_dim, model.grid))

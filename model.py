@@ -1,8 +1,8 @@
 """GPT in the GPT-2 / Megatron layout, with the stability switches of the BigScience 104B/176B and OPT-175B runs.
 
 Block: x + Attn(LN(x)), then x + MLP(LN(x)); learned position embeddings; output layer tied to the token
-embedding. The linears and the embedding come from parallel.py, so the same code runs as one process or split
-over tensor- and pipeline-parallel ranks (a pipeline stage builds only its own layers).
+embedding (the defaults). The linears and the embedding come from parallel.py, so the same code runs as one
+process or split over tensor- and pipeline-parallel ranks (a pipeline stage builds only its own layers).
 
 Switches, each from a lesson of docs/lessons.md (docs/levers.md has the table):
 - embed_layernorm, embed_init, embed_init_std: bitsandbytes' StableEmbedding (LayerNorm on the word embeddings,
@@ -20,6 +20,12 @@ Switches, each from a lesson of docs/lessons.md (docs/levers.md has the table):
 - Beyond the chronicles (lesson 20): qk_layernorm (LayerNorm on each head's queries and keys, Dehghani et al.
   2023) against attention-logit growth, and z_loss (PaLM) against output-logit divergence.
 
+- The Llama / OLMo 2 block, by Megatron's flag names: normalization="rmsnorm", swiglu (with ffn_hidden_size),
+  num_query_groups (GQA and MQA; TP splits the groups), untie_embeddings_and_output_weights (an output layer of
+  its own, vocab-parallel, drawn and decayed as the embedding), add_bias_linear=False, rotary_base; RMSNorm and
+  SwiGLU live in layers.py. Packed documents: forward(documents=) attends within each document only, positions
+  restarting at each (Megatron's reset_attention_mask and reset_position_ids).
+
 A fork changes one place each: every normalization is norm(), the block's feed-forward is chosen in mlp(), a
 position embedding is a POSITION_EMBEDDINGS entry plus what GPT.positions hands each layer's attention. The
 parameter count and the FLOPs come from the model as built (census), and GPTConfig.check holds every rule a
@@ -35,6 +41,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import cross_entropy
+import layers
 import parallel
 import rng
 from parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
@@ -55,6 +62,14 @@ class GPTConfig:
     embed_dropout: float | None = None  # dropout on the embeddings; None: same as hidden_dropout
     layernorm_epsilon: float = 1e-5  # LayerNorm's epsilon
     checkpoint_activations: bool = False  # recompute each block's activations in backward (memory for compute)
+    # -- the Llama / OLMo 2 block (Megatron's flag names) --
+    normalization: str = "layernorm"  # layernorm | rmsnorm (Llama, OLMo 2): every norm of the model
+    swiglu: bool = False  # gated MLP fc2(SiLU(gate(x)) * fc1(x)) (Llama, OLMo 2); activation is then unused
+    ffn_hidden_size: int | None = None  # MLP width; None: 4 x hidden_size (swiglu: 2/3 of it, a multiple of 64)
+    num_query_groups: int | None = None  # GQA: key/value heads, each shared by a group of query heads; None: MHA
+    untie_embeddings_and_output_weights: bool = False  # an output layer of its own, not the word embedding
+    add_bias_linear: bool = True  # biases in the linear layers (Llama and OLMo 2 have none)
+    rotary_base: float = 10000.0  # rotary's theta (Llama 3: 500000)
     # -- stability: the switches of the 104B, 176B and OPT-175B runs --
     activation: str = "gelu"  # gelu (exact, erf) | gelu_tanh (GPT-2, Megatron's fused bias-GeLU) | relu (OPT)
     init_method_std: float | str = 0.02  # std of the init, or "small_init" = sqrt(2/(5*hidden_size))
@@ -85,13 +100,25 @@ class GPTConfig:
         return -(-self.vocab_size // multiple) * multiple
 
     @property
+    def ffn_size(self):
+        """The MLP's width: ffn_hidden_size, or Megatron's default for the block (4h; 2/3 of it with swiglu)."""
+        if self.ffn_hidden_size is not None:
+            return self.ffn_hidden_size
+        return layers.swiglu_ffn_hidden_size(self.hidden_size) if self.swiglu else 4 * self.hidden_size
+
+    @property
+    def query_groups(self):
+        """Key/value heads: num_query_groups, or one per query head (multi-head attention)."""
+        return self.num_attention_heads if self.num_query_groups is None else self.num_query_groups
+
+    @property
     def std(self):
         if self.init_method_std == "small_init":
             return math.sqrt(2 / (5 * self.hidden_size))
         return float(self.init_method_std)
 
     def num_parameters(self, padded=False):
-        """Exact parameter count of the whole model (all stages, all TP ranks, the tied head counted once), as
+        """Exact parameter count of the whole model (all stages, all TP ranks, a tied head counted once), as
         built (census). Without switches it is lesson 16's n*(12h^2 + 13h) + v*h + s*h + 2h."""
         return census(self)["padded parameters" if padded else "parameters"]
 
@@ -117,10 +144,22 @@ class GPTConfig:
         """Every rule a model config must follow, with its fix: here once, asked by GPT and by arguments.validate
         (before anything is built). tp_size: the TP ranks the model is split over (default: the config's)."""
         tp = self.tensor_model_parallel_size if tp_size is None else tp_size
-        h, heads = self.hidden_size, self.num_attention_heads
+        h, heads, groups = self.hidden_size, self.num_attention_heads, self.query_groups
         problems = [
             (h % heads == 0, f"hidden_size ({h}) must be divisible by num_attention_heads ({heads})"),
             (heads % tp == 0, f"num_attention_heads ({heads}) must be divisible by tensor_model_parallel_size ({tp})"),
+            (0 < groups <= heads and heads % groups == 0, f"num_query_groups ({groups}) must divide "
+             f"num_attention_heads ({heads}): each key/value head serves a group of as many query heads"),
+            (groups % tp == 0, f"num_query_groups ({groups}) must be divisible by tensor_model_parallel_size ({tp}): "
+             "each TP rank computes whole groups (their key/value heads are not replicated); use a TP size that "
+             "divides it"),
+            (self.ffn_size > 0 and self.ffn_size % tp == 0, f"ffn_hidden_size ({self.ffn_size}) must be positive "
+             f"and divisible by tensor_model_parallel_size ({tp})"),
+            (self.normalization in NORMALIZATIONS,
+             f"normalization={self.normalization!r} is not one of {', '.join(NORMALIZATIONS)}"),
+            (not (self.swiglu and self.normformer), "normformer with swiglu: NormFormer's FFN LayerNorm belongs to "
+             "the plain MLP; turn one of them off"),
+            (self.rotary_base > 0, f"rotary_base={self.rotary_base} must be positive (10000; Llama 3: 500000)"),
             (self.position_embedding_type in POSITION_EMBEDDINGS, f"position_embedding_type="
              f"{self.position_embedding_type!r} is not one of {', '.join(POSITION_EMBEDDINGS)}"),
             (self.position_embedding_init in ("normal", "sinusoidal"),
@@ -144,6 +183,7 @@ class GPTConfig:
 
 
 POSITION_EMBEDDINGS = ("learned", "alibi", "rotary")
+NORMALIZATIONS = ("layernorm", "rmsnorm")
 _CENSUS = {}
 
 
@@ -156,7 +196,9 @@ def census(cfg):
         with torch.device("meta"):
             gpt = GPT(whole, grid=parallel.Grid(1, 1, world_size=1, rank=0))
         padded = sum(p.numel() for p in gpt.parameters())
-        _CENSUS[key] = {"parameters": padded - (whole.padded_vocab_size - whole.vocab_size) * whole.hidden_size,
+        vocab_tables = 2 if whole.untie_embeddings_and_output_weights else 1  # each with its padding rows
+        padding = (whole.padded_vocab_size - whole.vocab_size) * whole.hidden_size * vocab_tables
+        _CENSUS[key] = {"parameters": padded - padding,
                         "padded parameters": padded,
                         "block matmul weights": sum(p.numel() for name, p in gpt.named_parameters()
                                                     if name.startswith("blocks.") and p.ndim >= 2)}
@@ -223,18 +265,20 @@ def core_attention(q, k, v, dropout_p=0.0, stable=False, layer_scaling=None, bia
     """
     if unfused:
         return unfused_attention(q, k, v, dropout_p, stable, layer_scaling, bias)
-    scale = None
+    scale, gqa = None, k.shape[1] != q.shape[1]
     if stable:
         s = q.shape[-1] ** -0.25
         q, k, scale = q * s, k * s, 1.0
     return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout_p, is_causal=bias is None,
-                                          scale=scale)
+                                          scale=scale, enable_gqa=gqa)
 
 
 def unfused_attention(q, k, v, dropout_p=0.0, stable=False, layer_scaling=None, bias=None):
     """Megatron's explicit path: baddbmm in the input dtype, softmax in fp32 over the whole B*H*T^2 scores; the
     reference for SDPA, and what config unfused_attention runs. bias is added in fp32 (any dtype is taken)."""
     B, H, T, D = q.shape
+    if k.shape[1] != H:  # GQA: each key/value head serves H / groups consecutive query heads
+        k, v = (t.repeat_interleave(H // k.shape[1], dim=1) for t in (k, v))
     coeff = layer_scaling or 1.0
     norm_factor = math.sqrt(D) * coeff
     q, k = q.reshape(B * H, T, D), k.reshape(B * H, T, D)
@@ -262,11 +306,15 @@ class Attention(nn.Module):
         h, heads = cfg.hidden_size, cfg.num_attention_heads
         self.head_dim = h // heads
         self.local_heads = parallel.divide(heads, grid.tp_size, "num_attention_heads")
+        self.local_groups = parallel.divide(cfg.query_groups, grid.tp_size, "num_query_groups")
+        self.q_per_group = heads // cfg.query_groups
         self.tp_size = grid.tp_size
-        # One fused projection laid out head by head ([heads, 3, head_dim] as in Megatron), so that a contiguous
-        # TP slice of the output features is a set of whole heads.
-        self.qkv = ColumnParallelLinear(h, 3 * h, grid=grid)
-        self.proj = RowParallelLinear(h, h, grid=grid)
+        # One fused projection laid out group by group, [groups, q_per_group + 2, head_dim]: a group's query heads,
+        # then its key and its value head (Megatron's GQA layout; [heads, 3, head_dim] without GQA), so that a
+        # contiguous TP slice of the output features is a set of whole groups.
+        width = (heads + 2 * cfg.query_groups) * self.head_dim
+        self.qkv = ColumnParallelLinear(h, width, bias=cfg.add_bias_linear, grid=grid)
+        self.proj = RowParallelLinear(h, h, bias=cfg.add_bias_linear, grid=grid)
         self.proj.weight.is_output_layer = True
         self.head_scale = None
         if cfg.normformer:  # NormFormer's learned per-head scaling of the attention output
@@ -292,15 +340,18 @@ class Attention(nn.Module):
         return self.project(self.attend(*self.heads(x, rotary), bias))
 
     def heads(self, x, rotary=None):
-        """q, k, v of this rank's heads, (batch, heads, seq, head_dim) each."""
+        """q (batch, heads, seq, head_dim), k and v (batch, groups, seq, head_dim) of this rank's heads."""
         B, T, _ = x.shape
-        q, k, v = self.qkv(x).view(B, T, self.local_heads, 3, self.head_dim).transpose(1, 2).unbind(dim=3)
+        qkv = self.qkv(x).view(B, T, self.local_groups, self.q_per_group + 2, self.head_dim)
+        q, k, v = qkv.split((self.q_per_group, 1, 1), dim=3)
+        q, k, v = q.reshape(B, T, self.local_heads, self.head_dim), k.squeeze(3), v.squeeze(3)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if self.q_norm is not None:  # statistics in fp32, as every LayerNorm (lesson 6)
             q, k = self.q_norm(q), self.k_norm(k)
         if rotary is not None:  # after qk-layernorm, as OLMo 2: the norm sees the features, not their rotation
             q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
         if self.probe is not None:  # the softmax's q and k (after qk-layernorm and rotary; not ALiBi's bias)
-            self.probe(q, k)
+            self.probe(q, k.repeat_interleave(self.q_per_group, dim=1))
         return q, k, v
 
     def forks(self):
@@ -329,14 +380,17 @@ class Attention(nn.Module):
 
 def norm(cfg: GPTConfig, size: int):
     """Every normalization of the model (blocks, embedding, final, qk-layernorm, NormFormer's): LayerNorm, whose
-    statistics PyTorch computes in fp32 for half inputs (lesson 6). A fork's RMSNorm replaces this line."""
+    statistics PyTorch computes in fp32 for half inputs (lesson 6), or RMSNorm (layers.py, fp32 too). A fork's
+    norm is a class in layers.py and a line here."""
+    if cfg.normalization == "rmsnorm":
+        return layers.RMSNorm(size, eps=cfg.layernorm_epsilon)
     return nn.LayerNorm(size, eps=cfg.layernorm_epsilon)
 
 
 def mlp(cfg: GPTConfig, grid: parallel.Grid):
-    """The block's feed-forward. A fork's MLP (a gated SwiGLU: a class beside MLP) is chosen here; the parameter
-    count and FLOPs follow from the model as built."""
-    return MLP(cfg, grid)
+    """The block's feed-forward: MLP, or the gated SwiGLU (layers.py). A fork's MLP is a class in layers.py and a
+    line here; the parameter count and FLOPs follow from the model as built."""
+    return layers.SwiGLU(cfg, grid) if cfg.swiglu else MLP(cfg, grid)
 
 
 ACTIVATIONS = {
@@ -349,12 +403,13 @@ ACTIVATIONS = {
 class MLP(nn.Module):
     def __init__(self, cfg: GPTConfig, grid: parallel.Grid):
         super().__init__()
-        self.fc1 = ColumnParallelLinear(cfg.hidden_size, 4 * cfg.hidden_size, grid=grid)
-        self.fc2 = RowParallelLinear(4 * cfg.hidden_size, cfg.hidden_size, grid=grid)
+        h, ffn, bias = cfg.hidden_size, cfg.ffn_size, cfg.add_bias_linear
+        self.fc1 = ColumnParallelLinear(h, ffn, bias=bias, grid=grid)
+        self.fc2 = RowParallelLinear(ffn, h, bias=bias, grid=grid)
         self.fc2.weight.is_output_layer = True
         self.act = ACTIVATIONS[cfg.activation]
         # NormFormer's LayerNorm after the activation. Its statistics would span TP ranks: model.py refuses TP>1.
-        self.ln = norm(cfg, 4 * cfg.hidden_size) if cfg.normformer else None
+        self.ln = norm(cfg, ffn) if cfg.normformer else None
 
     def forward(self, x):
         x = self.act(self.fc1(x))
@@ -409,14 +464,15 @@ class Embedding(nn.Module):
         p = cfg.hidden_dropout if cfg.embed_dropout is None else cfg.embed_dropout
         self.dropout = nn.Dropout(p)
 
-    def forward(self, ids):
+    def forward(self, ids, positions=None):
+        """positions: (batch, seq) position ids (documents' own, reset_position_ids), default 0..seq-1."""
         x = self.word(ids)
         if self.norm is not None:
             x = self.norm(x)
         if self.scale != 1.0:
             x = x * self.scale
         if self.position is not None:
-            x = x + self.position(torch.arange(ids.shape[1], device=ids.device))
+            x = x + self.position(torch.arange(ids.shape[1], device=ids.device) if positions is None else positions)
         return self.dropout(x)
 
 
@@ -450,9 +506,12 @@ class GPT(nn.Module):
         self.ln_f = norm(cfg, cfg.hidden_size) if post_process else None
         # A last stage without the embedding keeps its own copy of the word embedding for the tied output layer;
         # parallel.py all-reduces the two copies' gradients every step (lesson 11).
-        self.output_weight = None
+        self.output_weight = self.output_layer = None
         self.z_loss_sum = self.z_loss_count = 0  # the z-loss of the training micro-batches since pop_z_loss()
-        if post_process and not pre_process:
+        if post_process and cfg.untie_embeddings_and_output_weights:  # vocab-parallel: this TP rank's rows
+            self.output_layer = nn.Parameter(torch.empty(cfg.padded_vocab_size // grid.tp_size, cfg.hidden_size))
+            self.output_layer.tp_dim = 0
+        elif post_process and not pre_process:
             self.output_weight = nn.Parameter(torch.empty(cfg.padded_vocab_size // grid.tp_size,
                                                           cfg.hidden_size))
             self.output_weight.tp_dim = 0
@@ -468,6 +527,11 @@ class GPT(nn.Module):
         if self.embed is not None:
             return self.embed.word.weight
         return self.output_weight
+
+    def output_layer_weight(self):
+        """The output layer's weight on the last stage (this TP rank's rows): the untied output layer, or the
+        word embedding's."""
+        return self.word_embedding_weight() if self.output_layer is None else self.output_layer
 
     # -- initialisation ---------------------------------------------------------------------------------------
 
@@ -493,7 +557,7 @@ class GPT(nn.Module):
                 p.zero_()
             elif p.ndim == 1:  # LayerNorm gains, NormFormer head scales
                 p.fill_(1.0)
-            elif name == "embed.word.weight":
+            elif name in ("embed.word.weight", "output_layer"):  # an untied output layer is drawn as the embedding
                 # Only the real rows are drawn (xavier's bound counts them, not the padding), and the padded rows
                 # are zeros: every padding, hence every TP size, starts from the same model. Padded rows are
                 # never looked up and are masked out of the softmax, so they get no gradient and stay zero.
@@ -515,16 +579,22 @@ class GPT(nn.Module):
 
     # -- forward ----------------------------------------------------------------------------------------------
 
-    def forward(self, x, targets=None):
-        """x: token ids (B, T) on the first stage, hidden states (B, T, H) on the others.
+    def forward(self, x, targets=None, documents=None):
+        """x: token ids (B, T) on the first stage, hidden states (B, T, H) on the others. documents: (B, T) index of
+        each token's document (layers.document_ids) for packed documents that do not see each other: attention
+        within a document only, positions restarting at each document (Megatron's reset_attention_mask and
+        reset_position_ids together); every stage needs it.
 
         Returns hidden states on a non-last stage; on the last, the mean lm loss if targets are given, otherwise
         this TP rank's slice of the logits. In training with z_loss > 0 the lm loss's gradient includes the
         z-loss (cross_entropy.linear_cross_entropy), whose value is kept for pop_z_loss(); evaluation
         reports the lm loss alone."""
+        positions = None if documents is None else layers.document_positions(documents)
         if self.pre_process:
-            x = self.embed(x)
+            x = self.embed(x, positions)
         bias, rotary = self.positions(x)
+        if documents is not None:
+            bias, rotary = self.separate_documents(documents, positions, bias, rotary, x.dtype)
         for block in self.blocks.values():
             if self.cfg.checkpoint_activations and self.training:
                 x = rng.checkpoint(block, x, bias, rotary)  # recomputed with both dropout streams replayed (lesson 22)
@@ -532,7 +602,7 @@ class GPT(nn.Module):
                 x = block(x, bias, rotary)
         if not self.post_process:
             return x
-        x, weight = parallel.copy_to_tp(self.ln_f(x)), self.word_embedding_weight()
+        x, weight = parallel.copy_to_tp(self.ln_f(x)), self.output_layer_weight()
         if targets is None:
             return F.linear(x, weight)
         z_loss = self.cfg.z_loss if self.training else 0.0
@@ -560,6 +630,21 @@ class GPT(nn.Module):
             self.positions_cache = (key, self.build_positions(*key))
         return self.positions_cache[1]
 
+    def separate_documents(self, documents, positions, bias, rotary, dtype):
+        """(bias, rotary) of packed documents: the causal mask cut block-diagonal, (B, 1 or heads, T, T), added to
+        the scores (ALiBi's relative bias needs no reset: i - j is the same within a document); rotary's angles
+        taken at each token's position in its document, (B, 1, T, head_dim). The mask is materialised: the CPU's
+        SDPA takes it as attn_mask."""
+        mask = layers.document_mask(documents)
+        if bias is None:
+            bias = torch.zeros(mask.shape, dtype=torch.promote_types(dtype, torch.float32), device=mask.device)
+        bias = bias.masked_fill(~mask, float("-inf"))
+        if not self.cfg.unfused_attention:
+            bias = bias.to(dtype)
+        if rotary is not None:
+            rotary = tuple(t[positions].unsqueeze(1) for t in rotary)
+        return bias, rotary
+
     def build_positions(self, T, compute_dtype, device):
         dtype = torch.promote_types(compute_dtype, torch.float32)
         if self.alibi_heads is not None:
@@ -567,7 +652,8 @@ class GPT(nn.Module):
             bias = alibi_bias(slopes, T, dtype, device)
             return (bias if self.cfg.unfused_attention else bias.to(compute_dtype)), None
         if self.cfg.position_embedding_type == "rotary":
-            cos, sin = rotary_cos_sin(T, self.cfg.hidden_size // self.cfg.num_attention_heads, dtype, device)
+            head_dim = self.cfg.hidden_size // self.cfg.num_attention_heads
+            cos, sin = rotary_cos_sin(T, head_dim, dtype, device, base=self.cfg.rotary_base)
             return None, (cos.to(compute_dtype), sin.to(compute_dtype))
         return None, None
 

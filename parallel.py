@@ -711,7 +711,8 @@ def reduce_gradients(model, data_parallel=True):
     partial = [main_grad(p) for p in gpt.parameters() if p.requires_grad and getattr(p, "tp_partial", False)]
     if partial and grid.tp_size > 1:
         all_reduce_mean(partial, grid.tp_group, 1)  # a sum: "mean" over a size of 1
-    if grid.pp_size > 1 and (grid.is_first_stage or grid.is_last_stage):  # PP=1: one copy, nothing to sum
+    tied = not gpt.cfg.untie_embeddings_and_output_weights  # an output layer of its own has no copy to sum
+    if tied and grid.pp_size > 1 and (grid.is_first_stage or grid.is_last_stage):  # PP=1: one copy, nothing to sum
         dist.all_reduce(main_grad(gpt.word_embedding_weight()), group=grid.embedding_group)
 
 

@@ -33,7 +33,7 @@ import checkpoint
 import parallel
 from model import GPT, GPTConfig
 
-VOCAB_PARAMS = ("embed.word.weight", "output_weight")  # rows are the padded vocabulary
+VOCAB_PARAMS = ("embed.word.weight", "output_weight", "output_layer")  # rows are the padded vocabulary
 TIED_COPY = {"output_weight": "embed.word.weight"}  # the last stage's copy of the tied word embedding
 
 
@@ -151,7 +151,8 @@ class Resharder:
 
     def model_state(self):
         old = self.old
-        if old.pp > 1 and (self.gpt.pre_process or self.gpt.post_process):
+        tied = not self.gpt.cfg.untie_embeddings_and_output_weights
+        if tied and old.pp > 1 and (self.gpt.pre_process or self.gpt.post_process):
             for t in range(old.tp):  # the tied embedding's two copies must agree (lesson 11)
                 first, last = old.model(t, 0)["model"]["embed.word.weight"], old.model(t, old.pp - 1)["model"]
                 if not torch.equal(first, last["output_weight"]):

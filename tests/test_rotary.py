@@ -85,7 +85,8 @@ def test_model_equals_transformers_gpt_neox():
         assert expected.std() > 1.0
         torch.testing.assert_close(logits, expected, atol=atol, rtol=0)
     # the rotation matters: without it the logits are different
-    no_turn = lambda T, d, dtype, device: (torch.ones(T, d, dtype=dtype), torch.zeros(T, d, dtype=dtype))  # noqa: E731
+    def no_turn(T, d, dtype, device, base):
+        return torch.ones(T, d, dtype=dtype), torch.zeros(T, d, dtype=dtype)
     with torch.no_grad(), pytest.MonkeyPatch.context() as mp:
         mp.setattr(model, "rotary_cos_sin", no_turn)
         ours.positions_cache = (None, None)  # GPT.positions keeps what it built for this length

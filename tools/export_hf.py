@@ -3,9 +3,10 @@
     python tools/export_hf.py --load checkpoints/tr11-176B-ml --output bloom-hf [--dtype bfloat16]
 
 The target class follows from the model's config: learned positions without the embedding LayerNorm are
-GPT2LMHeadModel, ALiBi with the embedding LayerNorm is BloomForCausalLM (lesson 19); anything the class cannot
-compute exactly (learned positions with the embedding LayerNorm, NormFormer, ReLU in BLOOM, rotary embeddings,
-a config key a fork added, ...) is refused with its name. The output directory gets model.safetensors,
+GPT2LMHeadModel, ALiBi with the embedding LayerNorm is BloomForCausalLM (lesson 19), rotary embeddings with
+RMSNorm and SwiGLU are LlamaForCausalLM (GQA, rotary_base and an untied output layer included); anything the
+class cannot compute exactly (learned positions with the embedding LayerNorm, NormFormer, ReLU in BLOOM, rotary
+with LayerNorm, a config key a fork added, ...) is refused with its name. The output directory gets model.safetensors,
 config.json and the tokenizer the data was prepared with (the tokenizer_file's tokenizer.json, or GPT-2's
 vocab.json/merges.txt). Afterwards the export is loaded back
 with transformers and its logits are compared with the checkpoint's own model on a few sequences; the largest
@@ -31,7 +32,7 @@ import reshard  # noqa: E402
 
 
 def target_class(cfg):
-    """'gpt2' or 'bloom' for a GPTConfig, or a ValueError naming what neither class can express."""
+    """'gpt2', 'bloom' or 'llama' for a GPTConfig, or a ValueError naming what no class can express."""
     try:
         return hf.family(cfg)
     except ValueError as e:
@@ -45,8 +46,10 @@ def hf_model(gpt, eod):
     if kind == "gpt2":
         dropout = dict(resid_pdrop=c.hidden_dropout, attn_pdrop=c.attention_dropout,
                        embd_pdrop=c.hidden_dropout if c.embed_dropout is None else c.embed_dropout)
-    else:
+    elif kind == "bloom":
         dropout = dict(hidden_dropout=c.hidden_dropout, attention_dropout=c.attention_dropout)
+    else:  # Llama has attention dropout only
+        dropout = dict(attention_dropout=c.attention_dropout)
     hf_cfg = hf.hf_config(c, bos_token_id=eod, eos_token_id=eod, **dropout)
     return getattr(transformers, hf.KINDS[kind])(hf_cfg), hf.export_state(gpt.state_dict(), c)
 
@@ -99,7 +102,7 @@ def export(load_dir, output, dtype="float32", tokenizer_file=None, tolerance=1e-
     eod = data.get_tokenizer(tokenizer_file).eot_token
     model, state = hf_model(gpt, eod)
     missing, unexpected = model.load_state_dict(state, strict=False)
-    if unexpected or set(missing) - {"lm_head.weight"}:  # lm_head is tied to the word embedding
+    if unexpected or set(missing) - {"lm_head.weight"}:  # a tied lm_head is the word embedding
         raise RuntimeError(f"state dict mapping is incomplete: missing {missing}, unexpected {unexpected}")
     model.tie_weights()
     torch_dtype = getattr(torch, dtype)

@@ -1,0 +1,79 @@
+"""The blocks model.py chooses between by config, beside its own GPT-2 ones: RMSNorm and the gated SwiGLU MLP of
+Llama and OLMo 2 (`normalization=rmsnorm`, `swiglu`), and the block-diagonal mask of packed documents
+(`reset_attention_mask`). A fork's norm or feed-forward is a class here plus its line in model.norm() or
+model.mlp(); nothing else changes (the parameter count and FLOPs follow from the model as built).
+
+Not here: the attention (model.py), the parallel linears these are made of (parallel.py).
+"""
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from parallel import ColumnParallelLinear, RowParallelLinear
+
+
+class RMSNorm(nn.Module):
+    """x / sqrt(mean(x^2) + eps) * weight (Zhang & Sennrich 2019), as Llama and OLMo 2 have it: the statistics and
+    the normalisation in fp32 for half inputs (as every norm here, lesson 6), cast back to the input's dtype, then
+    the gain (transformers' LlamaRMSNorm, so that an imported model computes what transformers does)."""
+
+    def __init__(self, size, eps=1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(size))
+
+    def forward(self, x):
+        x32 = x.to(torch.promote_types(x.dtype, torch.float32))
+        y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * y.to(x.dtype)
+
+
+class SwiGLU(nn.Module):
+    """Shazeer's gated feed-forward, fc2(SiLU(gate(x)) * fc1(x)) (Megatron's --swiglu, Llama's gate/up/down).
+    gate and fc1 (up) are two column-parallel layers, each split by output features over TP, so that a rank's
+    slice of one multiplies the same features' slice of the other: no communication until fc2, as in the plain
+    MLP, and any TP size computes the one-process function."""
+
+    def __init__(self, cfg, grid):
+        super().__init__()
+        h, ffn, bias = cfg.hidden_size, cfg.ffn_size, cfg.add_bias_linear
+        self.gate = ColumnParallelLinear(h, ffn, bias=bias, grid=grid)
+        self.fc1 = ColumnParallelLinear(h, ffn, bias=bias, grid=grid)
+        self.fc2 = RowParallelLinear(ffn, h, bias=bias, grid=grid)
+        self.fc2.weight.is_output_layer = True
+
+    def forward(self, x):
+        return self.fc2(F.silu(self.gate(x)) * self.fc1(x))
+
+
+def swiglu_ffn_hidden_size(hidden_size):
+    """Megatron's default width with --swiglu: 2/3 of 4h (two input matrices instead of one keep the parameter
+    count of the 4h MLP), rounded down to a multiple of 64."""
+    return int(4 * hidden_size * 2 / 3 / 64) * 64
+
+
+# -----------------------------------------------------------------------------
+# Packed documents that do not see each other (Megatron's reset_attention_mask and reset_position_ids)
+
+
+def document_ids(tokens, eod):
+    """(batch, seq) index of each token's document within its sample: a document ends with its end-of-document
+    token (which belongs to it, as in Megatron's get_ltor_masks_and_position_ids), the next starts after it."""
+    ends = (tokens == eod).long()
+    return ends.cumsum(dim=1) - ends
+
+
+def document_positions(documents):
+    """Positions restarting at 0 at the first token of each document (reset_position_ids), (batch, seq)."""
+    B, T = documents.shape
+    index = torch.arange(T, device=documents.device).expand(B, T)
+    first = torch.ones(B, 1, dtype=torch.bool, device=documents.device)
+    starts = torch.cat((first, documents[:, 1:] != documents[:, :-1]), dim=1)
+    return index - torch.where(starts, index, 0).cummax(dim=1).values
+
+
+def document_mask(documents):
+    """(batch, 1, seq, seq) bool: query i sees key j <= i of its own document (reset_attention_mask)."""
+    T = documents.shape[1]
+    causal = torch.ones(T, T, dtype=torch.bool, device=documents.device).tril()
+    return ((documents[:, :, None] == documents[:, None, :]) & causal).unsqueeze(1)
