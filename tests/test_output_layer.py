@@ -98,3 +98,104 @@ def test_per_token_loss_on_the_padded_weight_equals_plain_ops(monkeypatch):
     torch.testing.assert_close(loss.mean(), expected[0], atol=1e-10, rtol=1e-10)
     torch.testing.assert_close(h.grad, expected[1], atol=1e-10, rtol=1e-10)
     torch.testing.assert_close(w.grad, expected[2], atol=1e-10, rtol=1e-10)
+
+
+# -- the elementwise chain compiled (cross_entropy.compile_chain, on where the run compiles) ---------------------
+
+
+def _chain_args(dtype, tokens=24, seed=0):
+    hidden, weight, target = _inputs(1, tokens, dtype, seed)
+    logits = F.linear(hidden, weight)
+    wide = torch.promote_types(dtype, torch.float32)
+    outside = target >= V_REAL
+    return logits, target, outside, wide
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_chain_compiles_without_a_graph_break(dtype):
+    logits, target, outside, wide = _chain_args(dtype)
+    top = logits[:, :V_REAL].amax(-1).to(wide)
+    calls = {"max": (logits, target, outside, V_REAL), "sum_exp": (logits, top, V_REAL),
+             "logit_grad": (logits.clone(), top, torch.rand(len(top), dtype=wide), 1.0, target, outside, V_REAL)}
+    for name, fn in (("max", cross_entropy.logits_max), ("sum_exp", cross_entropy.logits_sum_exp),
+                     ("logit_grad", cross_entropy.logits_grad)):
+        torch._dynamo.reset()
+        explained = torch._dynamo.explain(fn)(*calls[name])
+        assert explained.graph_break_count == 0, (name, [str(b.reason)[:200] for b in explained.break_reasons])
+        assert explained.graph_count == 1, name
+
+
+def _mean_and_grads(hidden, weight, target, z_loss=1e-2):
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    loss, log_z = cross_entropy.linear_cross_entropy(h, w, target, V_REAL, z_loss, "mean")
+    loss.backward()
+    return loss.detach(), log_z, h.grad, w.grad
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
+def test_the_compiled_chain_gives_the_eager_numbers(backend, monkeypatch):
+    # aot_eager: the traced graph itself, bit for bit; inductor: its fused CPU kernels, to fp32 rounding
+    monkeypatch.setitem(cross_entropy.CROSS_ENTROPY_CHUNK, "cpu", 1)  # 40 tokens in chunks of 16, 16 and 8
+    hidden, weight, target = _inputs(1, 40, torch.float32)
+    eager = _mean_and_grads(hidden, weight, target)
+    torch._dynamo.reset()
+    cross_entropy.compile_chain(backend=backend)
+    try:
+        compiled = _mean_and_grads(hidden, weight, target)
+    finally:
+        cross_entropy.compile_chain(on=False)
+    assert cross_entropy.chain.max is cross_entropy.logits_max  # put back
+    for name, a, b in zip(("loss", "log Z", "grad hidden", "grad weight"), compiled, eager):
+        if backend == "aot_eager":
+            assert torch.equal(a, b), name
+        else:
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5, msg=name)
+
+
+# -- precision and no-gradient cases -----------------------------------------------------------------------------
+
+
+@pytest.mark.slow  # ~50 s: bf16 matmuls over GPT-2's vocabulary on the CPU
+def test_bf16_weight_gradient_over_64_chunks_is_as_close_as_the_logits_path(monkeypatch):
+    # the weight's gradient summed over 64 chunks in fp32 (in bf16, its error would be ~4x the logits path's)
+    monkeypatch.setitem(cross_entropy.CROSS_ENTROPY_CHUNK, "cpu", 1)  # chunks of H = 16 tokens
+    hidden, weight, target = _inputs(1, 64 * H, torch.bfloat16)
+    target[: 64 * H // 2] = 7  # one row of the gradient summed over many tokens (half of them), in every chunk
+    exact = _reference(hidden, weight, target, 0.0)
+    ours = _mean_and_grads(hidden, weight, target, 0.0)
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    ce, _ = parallel.vocab_parallel_cross_entropy(F.linear(h, w), target, V_REAL)
+    ce.mean().backward()
+
+    def error(a, b):
+        return ((a.double() - b).abs().max() / b.abs().max()).item()
+    assert error(ours[3], exact[2]) <= 1.5 * error(w.grad, exact[2]), (error(ours[3], exact[2]), error(w.grad, exact[2]))
+    assert error(ours[2], exact[1]) <= 1.5 * error(h.grad, exact[1])
+
+
+@pytest.mark.slow  # ~40 s: fp16 matmuls over GPT-2's vocabulary on the CPU
+def test_fp16_weight_gradient_summed_past_65504_keeps_its_mean(monkeypatch):
+    # every token's target is row 7 and its hidden states ~100: that row's gradient sums to ~-100 per token,
+    # -102400 over 1024 tokens before the mean divides it back to ~-100 (fp16's largest number is 65504)
+    monkeypatch.setitem(cross_entropy.CROSS_ENTROPY_CHUNK, "cpu", 1)
+    hidden, weight, target = _inputs(1, 64 * H, torch.float64)
+    hidden = (100.0 + hidden).half()
+    weight = (0.001 * weight).half()
+    target[:] = 7
+    exact = _reference(hidden, weight, target, 0.0)
+    ours = _mean_and_grads(hidden, weight, target, 0.0)
+    assert exact[2].abs().max() > 50 and exact[2].abs().max() * len(target) > 65504  # the premise
+    assert ours[3].dtype == torch.float16 and ours[3].isfinite().all()
+    torch.testing.assert_close(ours[3].double(), exact[2], atol=0.1, rtol=2e-3)
+    torch.testing.assert_close(ours[0].double(), exact[0], atol=1e-2, rtol=1e-3)
+
+
+def test_evaluation_under_no_grad_does_no_gradient_matmul():
+    # weights that require grad (the model's), evaluated under no_grad: the logits' matmul alone
+    hidden, weight, target = _inputs(1, 24, torch.float32)
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        loss, _ = cross_entropy.linear_cross_entropy(h, w, target, V_REAL, 1e-2, "mean")
+    assert counter.get_total_flops() == 2 * len(target) * H * weight.shape[0]
+    assert loss.grad_fn is None
+    torch.testing.assert_close(loss, _mean_and_grads(hidden, weight, target)[0])
