@@ -42,6 +42,12 @@ def setup(cfg):
     return device
 
 
+def compiles(cfg):
+    """Whether the run torch.compiles (config compile; None: on CUDA, where fused kernels pay for themselves in
+    the first steps, off on the CPU, where compiling costs minutes at start). The one place that decides it."""
+    return use_cuda(cfg) if cfg.compile is None else cfg.compile
+
+
 def use_cuda(cfg):
     return cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
 
