@@ -352,3 +352,22 @@ def _workers_agree_when_to_exit():
 
 def test_sigterm_and_exit_duration_are_agreed_across_workers():
     spawn(_workers_agree_when_to_exit, 2)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGUSR1, signal.SIGTERM])
+def test_the_documented_slurm_signal_asks_to_save_and_exit(signum):
+    """docs/parallelism.md's recipe sends SIGUSR1 ten minutes ahead (#SBATCH --signal=USR1@600) to every task;
+    the time limit's SIGTERM still counts. The previous handlers come back at the end."""
+    import safety
+    before = {s: signal.getsignal(s) for s in safety.ExitSignal.SIGNALS}
+    exit_signal = safety.ExitSignal(True)
+    try:
+        assert exit_signal() is False
+        os.kill(os.getpid(), signum)
+        assert exit_signal() is True
+    finally:
+        exit_signal.restore()
+    assert {s: signal.getsignal(s) for s in safety.ExitSignal.SIGNALS} == before
+    with open(os.path.join(ROOT, "docs", "parallelism.md")) as f:
+        doc = f.read()
+    assert "#SBATCH --signal=USR1@600" in doc and "--exit_signal_handler" in doc and "--kill-on-bad-exit=1" in doc
