@@ -709,3 +709,17 @@ def test_compile_is_on_for_cuda_unless_switched_off():
     assert compiles("--device=cuda") and not compiles("--device=cpu")
     assert not compiles("--device=cuda", "--compile=false") and not compiles("--device=cuda", "--compile", "false")
     assert compiles("--device=cpu", "--compile") and compiles("--device=cpu", "--compile=true")
+
+
+def test_the_nccl_flight_recorder_is_on_for_cuda_unless_the_user_set_it(monkeypatch, tmp_path):
+    import arguments
+    names = ("TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_NCCL_DUMP_ON_TIMEOUT", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
+    for name in names:
+        monkeypatch.delenv(name, raising=False)
+    launcher.use_nccl_flight_recorder(arguments.load_config(["--device=cpu", f"--save={tmp_path}"]))
+    assert not set(names) & set(os.environ)  # gloo: nothing to record
+    monkeypatch.setenv("TORCH_NCCL_TRACE_BUFFER_SIZE", "50")  # the user's
+    launcher.use_nccl_flight_recorder(arguments.load_config(["--device=cuda", f"--save={tmp_path}"]))
+    assert os.environ["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "50" and os.environ["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
+    assert os.environ["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == str(tmp_path / "nccl_trace" / "rank_")
+    assert (tmp_path / "nccl_trace").is_dir()  # next to the checkpoints, ready for the dump
