@@ -54,3 +54,12 @@ def test_the_one_gpu_config_is_the_runs_config_with_one_gpus_layout():
     assert (one.pipeline_model_parallel_size, one.micro_batch_size, one.checkpoint_activations) == (1, 2, False)
     with pytest.raises(ValueError, match="world size 1 is not divisible"):
         arguments.prepare(run, 1, reads_data=False)  # the run's own layout needs its GPUs
+
+
+def test_gpu_check_script_parses_and_says_no_gpu_in_one_line():
+    import subprocess
+    script = os.path.join(ROOT, "tools", "gpu_check.sh")
+    assert subprocess.run(["bash", "-n", script]).returncode == 0
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")  # no GPU, even on a machine with one
+    proc = subprocess.run(["bash", script], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 1 and proc.stdout.strip().splitlines()[-1].startswith("verdict: FAIL -- torch sees no")
