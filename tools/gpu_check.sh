@@ -6,9 +6,9 @@
 set -u
 cd "$(dirname "$0")/.."
 LOG=${1:-out/gpu_check}
-mkdir -p "$LOG"
 GPUS=$(python -c "import torch; print(torch.cuda.device_count())")
 [ "$GPUS" -ge 1 ] || { echo "verdict: FAIL -- torch sees no GPU (a CPU build of torch? see docs/gpu.md)"; exit 1; }
+mkdir -p "$LOG"
 problems=()
 
 echo "== 1. the cuda-marked tests ($GPUS GPU(s): $(python -c "import torch; print(torch.cuda.get_device_name())"))"
