@@ -169,7 +169,8 @@ def test_bf16_weight_gradient_over_64_chunks_is_as_close_as_the_logits_path(monk
 
     def error(a, b):
         return ((a.double() - b).abs().max() / b.abs().max()).item()
-    assert error(ours[3], exact[2]) <= 1.5 * error(w.grad, exact[2]), (error(ours[3], exact[2]), error(w.grad, exact[2]))
+    ours_error, logits_error = error(ours[3], exact[2]), error(w.grad, exact[2])
+    assert ours_error <= 1.5 * logits_error, (ours_error, logits_error)  # summed in bf16: 4-5x
     assert error(ours[2], exact[1]) <= 1.5 * error(h.grad, exact[1])
 
 
