@@ -224,7 +224,7 @@ def check_device(cfg, local_world_size=None):
                          "when there is one)")
     local = local_world_size or int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     gpus = torch.cuda.device_count()
-    if gpus < local:
+    if gpus < local and not (gpus == 1 and "CUDA_VISIBLE_DEVICES" in os.environ):  # one GPU per task: GPU 0
         raise ValueError(f"device=cuda with {local} processes on this node but {gpus} GPU(s) visible: one process per "
                          f"GPU; launch torchrun --nproc_per_node {gpus}, or check CUDA_VISIBLE_DEVICES")
 

@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 import arguments
+import cross_entropy
 import deepspeed_engine
 import launch
 import loader
@@ -129,8 +130,9 @@ def measure(argv):
     if cfg.deepspeed:
         model, optimizer = deepspeed_engine.initialize(cfg, model, optimizer)
     scaler = optim.scaler_for(cfg)
-    if cfg.compile:
+    if launch.compiles(cfg):  # as train.run: on CUDA unless --compile=false
         parallel.unwrap(model).compile_blocks()
+        cross_entropy.compile_chain()
     train_model = model
     model.train()
     plan = schedule.Schedule(cfg, grid.dp_size)

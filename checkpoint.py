@@ -56,7 +56,7 @@ class CheckpointConfig:
     no_load_rng: bool = False  # resume without the RNG states
     exit_interval: int | None = None  # save and exit after this many iterations of this job
     exit_duration_in_mins: float | None = None  # save and exit when this job has run this long
-    exit_signal_handler: bool = False  # on SIGTERM (SLURM's time limit): finish the iteration, save, exit 0
+    exit_signal_handler: bool = False  # on SIGTERM or SIGUSR1 (SLURM's --signal): finish the iteration, save, exit 0
     dump_weights: bool = False  # write every rank's weights around save and load, to diff them (lesson 11)
 
 

@@ -11,6 +11,8 @@ Same numbers as parallel.vocab_parallel_cross_entropy(F.linear(hidden, weight), 
 columns (ids >= vocab_size) are left out of the softmax, z_loss adds z_loss * log(Z)^2 to the gradient (not to
 the value), and log Z comes back alongside, without a gradient, for the log.
 """
+import types
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -59,7 +61,7 @@ class LinearCrossEntropy(torch.autograd.Function):
         dtype = torch.promote_types(hidden.dtype, torch.float32)  # fp32 at least (fp64 stays fp64)
         vocab_local = weight.shape[0]
         real = min(max(vocab_size - grid.tp_rank * vocab_local, 0), vocab_local)  # my columns that are tokens
-        h, w = hidden.reshape(-1, hidden.shape[-1]), weight[:real]  # padding columns: never computed
+        h = hidden.reshape(-1, hidden.shape[-1])
         local = target.reshape(-1) - grid.tp_rank * vocab_local
         outside = (local < 0) | (local >= real)
         local = local.masked_fill(outside, 0)
@@ -71,11 +73,12 @@ class LinearCrossEntropy(torch.autograd.Function):
             grad_weight = weight.new_zeros(weight.shape, dtype=weight.dtype if one else dtype)
         for i in range(0, h.shape[0], tokens):
             c = slice(i, i + tokens)
-            softmax, sum_exp, log_z[c], loss[c] = chunk_softmax(h[c], w, local[c], outside[c], dtype)
+            logits, top, sum_exp, log_z[c], loss[c] = chunk_softmax(h[c], weight, local[c], outside[c], real)
             if fused:  # softmax * (1 + 2 z_loss log Z) - onehot: the z-loss's gradient rides along (lesson 20)
                 scale = (1.0 + 2.0 * z_loss * log_z[c]) / sum_exp if z_loss else sum_exp.reciprocal()
-                grad_hidden[c] = chunk_grads(softmax, scale, 1.0, local[c], outside[c], h[c], w, grad_weight[:real])
-            del softmax
+                g = chain.logit_grad(logits, top, scale, 1.0, local[c], outside[c], real)
+                grad_hidden[c] = chunk_grads(g, h[c], weight, grad_weight)
+            del logits
         log_z = log_z.view(target.shape)
         ctx.mark_non_differentiable(log_z)
         ctx.shape, ctx.dtype, ctx.reduction, ctx.real, ctx.z_loss, ctx.tokens = \
@@ -95,50 +98,86 @@ class LinearCrossEntropy(torch.autograd.Function):
             return (grad_hidden.mul_(grad).view(ctx.shape), grad_weight.mul_(grad).to(ctx.dtype),
                     None, None, None, None, None, None)
         hidden, weight, local, outside, log_z = ctx.saved_tensors
-        h, w, log_z = hidden.reshape(-1, hidden.shape[-1]), weight[:ctx.real], log_z.reshape(-1)
+        h, log_z = hidden.reshape(-1, hidden.shape[-1]), log_z.reshape(-1)
         grad = grad.reshape(-1).to(log_z.dtype)
         grad_hidden = torch.empty_like(h)
-        grad_weight = weight.new_zeros(weight.shape, dtype=log_z.dtype)  # padding rows: none
+        grad_weight = weight.new_zeros(weight.shape, dtype=log_z.dtype)
         for i in range(0, h.shape[0], ctx.tokens):
             c = slice(i, i + ctx.tokens)
-            softmax = F.linear(h[c], w).to(log_z.dtype).sub_(log_z[c].unsqueeze(-1)).exp_()
             scale = grad[c] * (1.0 + 2.0 * ctx.z_loss * log_z[c]) if ctx.z_loss else grad[c]
-            grad_hidden[c] = chunk_grads(softmax, scale, grad[c], local[c], outside[c], h[c], w,
-                                         grad_weight[:ctx.real])
+            g = chain.logit_grad(F.linear(h[c], weight), log_z[c], scale, grad[c], local[c], outside[c], ctx.real)
+            grad_hidden[c] = chunk_grads(g, h[c], weight, grad_weight)
         return grad_hidden.view(ctx.shape), grad_weight.to(ctx.dtype), None, None, None, None, None, None
 
 
-def chunk_softmax(hidden, weight, local, outside, dtype):
-    """A chunk of tokens' logits over this rank's (real) columns, in `dtype`, shifted by their max and
-    exponentiated in place; the max, then the sums of exp and of the target's logit, all-reduced over TP.
-    Returns (exp(logits - max), its sum over the vocabulary, log Z, loss = log Z - target logit)."""
+def chunk_softmax(hidden, weight, local, outside, real):
+    """A chunk of tokens' logits over all of this rank's rows of the output layer (a multiple of 128 when the
+    vocabulary is padded, so that cuBLAS keeps its aligned kernels on every TP rank), in the compute dtype; the
+    first `real` columns are tokens, the rest never enter the softmax. Their max, then the sums of exp and of
+    the target's logit, all-reduced over TP. Returns (logits, max, sum of exp, log Z, loss = log Z - target)."""
     grid = parallel.grid
-    x = F.linear(hidden, weight).to(dtype)  # a fresh tensor, ours to overwrite (.to may return it as is)
-    if x.shape[-1]:
-        top = x.amax(dim=-1)  # exact: the max of fp16/bf16 numbers is one of them
-        target_logit = x.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
-    else:  # a slice of padding only (possible with a large TP): the other ranks have the max and the target
-        top, target_logit = x.new_full(x.shape[:-1], float("-inf")), x.new_zeros(x.shape[:-1])
+    logits = F.linear(hidden, weight)
+    top, target_logit = chain.max(logits, local, outside, real)
     if grid.tp_size > 1:
         dist.all_reduce(top, op=dist.ReduceOp.MAX, group=grid.tp_group)
-    sums = torch.stack((x.sub_(top.unsqueeze(-1)).exp_().sum(dim=-1), target_logit))
+    sums = torch.stack((chain.sum_exp(logits, top, real), target_logit))
     if grid.tp_size > 1:
         dist.all_reduce(sums, group=grid.tp_group)  # one all-reduce for both
     log_z = top + sums[0].log()
-    return x, sums[0], log_z, log_z - sums[1]
+    return logits, top, sums[0], log_z, log_z - sums[1]
 
 
-def chunk_grads(softmax, scale, onehot, local, outside, hidden, weight, grad_weight):
-    """d(loss)/d(logits) = softmax * scale - onehot(target) * onehot, written over the chunk's softmax and taken
-    to the compute dtype; adds its product with the hidden states to grad_weight (fp32 where it sums several
-    chunks) and returns its product with the weight, the chunk's rows of the hidden states' gradient (with TP,
-    this rank's share: parallel.copy_to_tp's backward sums them)."""
-    softmax.mul_(scale.unsqueeze(-1))
-    if softmax.shape[-1]:
-        softmax.scatter_add_(-1, local.unsqueeze(-1), (~outside * -onehot).to(softmax.dtype).unsqueeze(-1))
-    g = softmax.to(hidden.dtype)
+def chunk_grads(g, hidden, weight, grad_weight):
+    """g = d(loss)/d(logits) in the compute dtype: adds its product with the hidden states to grad_weight (fp32
+    where it sums several chunks) and returns its product with the weight, the chunk's rows of the hidden states'
+    gradient (with TP, this rank's share: parallel.copy_to_tp's backward sums them)."""
     if grad_weight.dtype == g.dtype:
         torch.addmm(grad_weight, g.t(), hidden, out=grad_weight)  # as addmm_, which FlopCounterMode misses
     else:  # bf16/fp16: each chunk's product rounds once, their sum is fp32
         grad_weight += g.t() @ hidden
     return g @ weight
+
+
+# -- the elementwise chain: between the matmuls and the all-reduces, compiled into a few fused kernels where the
+# run compiles (compile_chain). Eager, they hold one fp32 copy of a chunk's logits at a time, as before.
+
+def logits_max(logits, local, outside, real):
+    """(max over the real columns, the target's logit or 0 where it is another rank's) in fp32 at least."""
+    dtype = torch.promote_types(logits.dtype, torch.float32)
+    if not real:  # a slice of padding only (possible with a large TP): the other ranks have the max and the target
+        return logits.new_full(logits.shape[:-1], float("-inf"), dtype=dtype), logits.new_zeros(logits.shape[:-1],
+                                                                                                 dtype=dtype)
+    top = logits[:, :real].amax(dim=-1).to(dtype)  # exact: the max of fp16/bf16 numbers is one of them
+    return top, logits.gather(-1, local.unsqueeze(-1)).squeeze(-1).to(dtype).masked_fill(outside, 0.0)
+
+
+def logits_sum_exp(logits, top, real):
+    """The sum of exp(logits - top) over the real columns, in fp32 at least (logits themselves untouched)."""
+    dtype = torch.promote_types(logits.dtype, torch.float32)
+    x = logits[:, :real]
+    x = x - top.unsqueeze(-1) if x.dtype == dtype else x.to(dtype).sub_(top.unsqueeze(-1))
+    return x.exp_().sum(dim=-1)
+
+
+def logits_grad(logits, shift, scale, onehot, local, outside, real):
+    """d(loss)/d(logits) = exp(logits - shift) * scale - onehot(target) * onehot, zero in the padding columns,
+    written over the logits (the compute dtype) and returned: no second chunk-sized buffer."""
+    dtype = torch.promote_types(logits.dtype, torch.float32)
+    x = logits[:, :real].to(dtype).sub_(shift.unsqueeze(-1)).exp_().mul_(scale.unsqueeze(-1))
+    if real:
+        x.scatter_add_(-1, local.unsqueeze(-1), (~outside * -onehot).to(dtype).unsqueeze(-1))
+    if x.dtype != logits.dtype:
+        logits[:, :real] = x
+    logits[:, real:] = 0.0
+    return logits
+
+
+chain = types.SimpleNamespace(max=logits_max, sum_exp=logits_sum_exp, logit_grad=logits_grad)
+
+
+def compile_chain(on=True, **kwargs):
+    """torch.compile the elementwise chain (on where the run compiles, train.run): each function a fused kernel
+    or two reading the compute-dtype logits, about 5x their bytes in all against 23x eager (docs/speed.md).
+    kwargs go to torch.compile (a backend). on=False puts the eager functions back."""
+    for name, fn in (("max", logits_max), ("sum_exp", logits_sum_exp), ("logit_grad", logits_grad)):
+        setattr(chain, name, torch.compile(fn, **kwargs) if on else fn)

@@ -182,13 +182,17 @@ def max_token_id(indexed: IndexedDataset) -> int:
     return result
 
 
-def check_token_ids(prefix: str, vocab_size: int) -> None:
-    """Refuse data with token ids outside the vocabulary (tokenized with another tokenizer): the embedding would
-    otherwise fail mid-run with 'index out of range'."""
+def largest_token_id(prefix: str, vocab_size: int) -> int:
+    """max_token_id of PREFIX, or -1 where its dtype cannot hold an id as large as vocab_size (nothing to scan)."""
     indexed = IndexedDataset(prefix)
-    if np.iinfo(indexed.dtype).max < vocab_size:
-        return  # the dtype cannot hold an id that large
-    top = max_token_id(indexed)
+    return max_token_id(indexed) if np.iinfo(indexed.dtype).max >= vocab_size else -1
+
+
+def check_token_ids(prefix: str, vocab_size: int, top: int | None = None) -> None:
+    """Refuse data with token ids outside the vocabulary (tokenized with another tokenizer): the embedding would
+    otherwise fail mid-run with 'index out of range'. top: largest_token_id, found by one rank for all (None:
+    here)."""
+    top = largest_token_id(prefix, vocab_size) if top is None else top
     if top >= vocab_size:
         raise ValueError(f"data file {prefix}.bin holds token id {top}, at or above vocab_size {vocab_size}: it was "
                          f"tokenized with a larger vocabulary; set vocab_size to at least {top + 1} or re-tokenize "

@@ -25,6 +25,7 @@ def world_size():
 def start(cfg):
     """The process group, CUDA's allocator configured before it starts."""
     use_expandable_segments(cfg)
+    use_nccl_flight_recorder(cfg)
     return parallel.init(cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size,
                          backend="nccl" if use_cuda(cfg) else "gloo", timeout_minutes=cfg.distributed_timeout_minutes)
 
@@ -42,6 +43,12 @@ def setup(cfg):
     return device
 
 
+def compiles(cfg):
+    """Whether the run torch.compiles (config compile; None: on CUDA, where fused kernels pay for themselves in
+    the first steps, off on the CPU, where compiling costs minutes at start). The one place that decides it."""
+    return use_cuda(cfg) if cfg.compile is None else cfg.compile
+
+
 def use_cuda(cfg):
     return cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
 
@@ -53,6 +60,22 @@ def use_expandable_segments(cfg):
     work."""
     if use_cuda(cfg) and not {"PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"} & set(os.environ):
         os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+
+
+def use_nccl_flight_recorder(cfg):
+    """On CUDA, unless the user set them: NCCL's flight recorder keeps each rank's last 2000 collectives and, when
+    one times out (a hang), dumps them to <save>/nccl_trace/rank_N (torch's TORCH_NCCL_* names), which
+    `python -m torch.distributed.flight_recorder.fr_trace` reads to name the rank that did not join. Read when
+    the process group starts: call before it."""
+    if not use_cuda(cfg):
+        return
+    directory = os.path.abspath(os.path.join(cfg.save or ".", "nccl_trace"))
+    defaults = {"TORCH_NCCL_TRACE_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+                "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": os.path.join(directory, "rank_")}
+    if "TORCH_NCCL_DEBUG_INFO_TEMP_FILE" not in os.environ:
+        os.makedirs(directory, exist_ok=True)
+    for name, value in defaults.items():
+        os.environ.setdefault(name, value)
 
 
 def set_deterministic(cfg):

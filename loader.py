@@ -142,10 +142,14 @@ def build_data(cfg, schedule, documents_to_skip=lambda prefixes: None):
 
 
 def check_data(cfg, data_path, train_samples):
-    """Token ids within the vocabulary (else an IndexError mid-run); a warning when the data repeats."""
+    """Token ids within the vocabulary (else an IndexError mid-run); a warning when the data repeats. Rank 0 finds
+    each corpus's largest id (on a first run, a pass over the whole .bin; then data.max_token_id's cache) and the
+    other ranks get it in one broadcast, instead of every rank reading the corpus at once."""
     prefixes, weights = data.parse_data_path(data_path)
-    for prefix, weight in zip(prefixes, weights):
-        data.check_token_ids(prefix, cfg.vocab_size)
+    tops = [data.largest_token_id(p, cfg.vocab_size) if parallel.grid.rank == 0 else -1 for p in prefixes]
+    tops = parallel.broadcast_scalars(tops)  # float64: exact for any token id
+    for prefix, weight, top in zip(prefixes, weights, tops):
+        data.check_token_ids(prefix, cfg.vocab_size, int(top))
         epochs = data.train_epochs(prefix, cfg.split, cfg.seq_length, train_samples * weight)
         if epochs > 4:  # Muennighoff et al. 2023: up to ~4 epochs of repeated data cost little, more do
             print0(f"warning: this run goes over the train split of {prefix} {epochs:.1f} times; beyond about 4 "

@@ -33,7 +33,7 @@ class LayoutConfig:
     deepspeed: bool = False  # data parallelism by DeepSpeed (ZeRO 1/2, bf16 weights); TP and PP stay ours
     zero_stage: int = 0  # 1: shard the optimizer state over data parallel (2, with deepspeed: gradients too)
     device: str = "auto"  # auto | cpu | cuda
-    compile: bool = False  # torch.compile the model
+    compile: bool | None = None  # torch.compile the blocks and the loss's elementwise chain (None: on CUDA only)
     deterministic: bool = False  # bit-reproducible kernels (torch.use_deterministic_algorithms), whatever they cost
     tf32: bool = True  # fp32 matmuls on CUDA in TF32 (tensor cores, 10-bit mantissa); False: full fp32 matmuls
     distributed_timeout_minutes: int = 60  # how long a collective waits for the slowest rank (checkpoint writes)
@@ -171,8 +171,9 @@ def init(tensor_parallel_size=1, pipeline_parallel_size=1, backend=None, timeout
     if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1 and not dist.is_initialized():
         backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         device = None
-        if backend == "nccl":
-            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        if backend == "nccl":  # modulo: one GPU per task (SLURM's, torchrun --virtual-local-rank) is GPU 0
+            local, gpus = int(os.environ.get("LOCAL_RANK", 0)), torch.cuda.device_count()
+            device = torch.device("cuda", local % gpus if gpus else local)
             torch.cuda.set_device(device)
         dist.init_process_group(backend, timeout=datetime.timedelta(minutes=timeout_minutes), device_id=device)
     grid = Grid(tensor_parallel_size, pipeline_parallel_size)

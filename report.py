@@ -16,6 +16,7 @@ decisions, its telemetry), which records them through `scalars` and `record`.
 import json
 import math
 import os
+import sys
 from dataclasses import asdict, dataclass
 
 import parallel
@@ -33,6 +34,7 @@ class LoggingConfig:
     wandb_mode: str = "offline"  # offline | online | disabled (WANDB_MODE overrides it)
     sample_tokens: int = 0  # at the end, print a sample of this many tokens generated from sample_prompt
     sample_prompt: str = "ROMEO:\n"  # the prompt of that sample
+    profile_steps: str | None = None  # "A-B": a torch.profiler trace of iterations A to B in <save>/profile
 
 
 def check(cfg):
@@ -42,6 +44,17 @@ def check(cfg):
             raise ValueError(f"{key}={getattr(cfg, key)} must not be negative")
     if not (cfg.log_interval > 0 and cfg.eval_interval > 0):
         raise ValueError("log_interval and eval_interval must be positive")
+    if cfg.profile_steps is not None:
+        profile_range(cfg.profile_steps)  # raises
+
+
+def profile_range(text):
+    """profile_steps "A-B" as (A, B), 1 <= A <= B; a ValueError with the fix otherwise."""
+    first, _, last = str(text).partition("-")
+    if not (first.strip().isdigit() and last.strip().isdigit() and 1 <= int(first) <= int(last)):
+        raise ValueError(f"profile_steps={text!r} is not a range of iterations A-B with 1 <= A <= B; "
+                         "give e.g. --profile_steps=5-7")
+    return int(first), int(last)
 
 
 def print0(*args, **kwargs):
@@ -63,6 +76,8 @@ class Report:
         self.gpt = parallel.unwrap(model)  # its z-loss accumulator and its FLOPs
         self.last = None  # (step, lr) of the last trained iteration
         self.restart_interval()
+        self.profiler = StepProfiler(cfg) if cfg.profile_steps else None
+        self.graphs, self.graphs_by_seqlen = 0, {}  # torch.compile's graphs so far, and per sequence length
         self.tb = self.wandb = self.metrics = None
         if parallel.grid.rank != parallel.grid.world_size - 1:  # the last stage's loss is there
             return
@@ -111,6 +126,9 @@ class Report:
         """Megatron's log line, every log_interval iterations. Called on every rank (the z-loss is
         averaged over DP); the last one prints."""
         interval, cfg = self.interval, self.cfg
+        if self.profiler:
+            self.profiler.after(iteration)
+        self.count_graphs(seqlen)
         if iteration % cfg.log_interval or not interval["steps"]:
             return
         step, lr = self.last
@@ -174,7 +192,23 @@ class Report:
         if self.metrics:
             self.metrics.add(step, values)
 
+    def count_graphs(self, seqlen):
+        """torch.compile's graphs compiled since the last call, charged to this sequence length: a line when there
+        are new ones (each curriculum length compiles its own, a recompile; many more mean a shape that varies)."""
+        dynamo = sys.modules.get("torch._dynamo.utils")  # not imported: nothing compiled, nothing to read
+        total = dynamo.counters["stats"]["unique_graphs"] if dynamo else 0
+        if total > self.graphs:
+            self.graphs_by_seqlen[seqlen] = self.graphs_by_seqlen.get(seqlen, 0) + total - self.graphs
+            print0(f"torch.compile: {total - self.graphs} graph(s) compiled at sequence length {seqlen} "
+                   f"({self.graphs_by_seqlen[seqlen]} at this length, {total} in all)")
+            self.graphs = total
+
     def close(self):
+        if self.profiler:
+            self.profiler.stop()
+        if self.graphs_by_seqlen:
+            print0("torch.compile graphs per sequence length: " +
+                   ", ".join(f"{s}: {n}" for s, n in sorted(self.graphs_by_seqlen.items())))
         if self.metrics:
             self.metrics.close()
         if self.tb:
@@ -242,3 +276,50 @@ class MetricsFile:
     def close(self):
         self.flush()
         self.file.close()
+
+
+# -----------------------------------------------------------------------------
+# profile_steps
+
+
+class StepProfiler:
+    """A torch.profiler trace of iterations A to B (profile_steps "A-B"), CPU and CUDA activity, in Chrome's
+    format (chrome://tracing, Perfetto, TensorBoard's profiler plugin), one file per rank; on CUDA also the
+    allocator's history (torch.cuda.memory._record_memory_history), a snapshot for pytorch.org/memory_viz. Both
+    in <save or tensorboard_dir or .>/profile. Started when iteration A-1 has been logged, stopped after B."""
+
+    def __init__(self, cfg):
+        self.first, self.last = profile_range(cfg.profile_steps)
+        self.directory = os.path.join(cfg.save or cfg.tensorboard_dir or ".", "profile")
+        self.profile = None
+        if self.first == 1:
+            self.start()
+
+    def start(self):
+        import torch
+        from torch.profiler import ProfilerActivity, profile
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_initialized() else [])
+        if torch.cuda.is_initialized():
+            torch.cuda.memory._record_memory_history(max_entries=100_000)
+        self.profile = profile(activities=activities, record_shapes=True, with_stack=False)
+        self.profile.__enter__()
+
+    def after(self, iteration):
+        if iteration == self.first - 1 and self.profile is None:
+            self.start()
+        elif iteration >= self.last and self.profile is not None:
+            self.stop()
+
+    def stop(self):
+        if self.profile is None:
+            return
+        import torch
+        self.profile.__exit__(None, None, None)
+        os.makedirs(self.directory, exist_ok=True)
+        name = f"rank{parallel.grid.rank}"
+        self.profile.export_chrome_trace(os.path.join(self.directory, f"{name}.trace.json"))
+        if torch.cuda.is_initialized():
+            torch.cuda.memory._dump_snapshot(os.path.join(self.directory, f"{name}.memory.pickle"))
+            torch.cuda.memory._record_memory_history(enabled=None)
+        print0(f"profile of iterations {self.first}-{self.last}: {self.directory}")
+        self.profile, self.first = None, 0  # once

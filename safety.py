@@ -10,8 +10,8 @@ Before the model is built (RunGuard.__enter__), on rank 0, with the verdict shar
   - the save directory: created and writable now, not at the first save; and locked (DIR/lock holds the
     holder's host and pid) so that two runs cannot write one directory. A lock left by a dead process on this
     host is taken over.
-During the run, ExitSignal turns SIGTERM (what SLURM sends before its time limit) into "finish this
-iteration, save, exit 0" (Megatron's exit_signal_handler).
+During the run, ExitSignal turns SIGTERM (what SLURM sends at its time limit) or SIGUSR1 (what the SLURM recipe
+asks for ahead of it) into "finish this iteration, save, exit 0" (Megatron's exit_signal_handler).
 """
 import json
 import os
@@ -226,12 +226,17 @@ class RunGuard:
 
 
 class ExitSignal:
-    """Remembers a SIGTERM; `exit_signal()` is True on every rank at the same iteration once any rank got one."""
+    """Remembers a SIGTERM or SIGUSR1; `exit_signal()` is True on every rank at the same iteration once any rank got
+    one. SIGUSR1 is the SLURM recipe's (docs/parallelism.md: `#SBATCH --signal=USR1@600`, srun starting the
+    workers): torchrun turns a SIGTERM into a SIGTERM to its workers and kills them 30 s later, before a large
+    model's save ends; a SIGUSR1 that SLURM sends each task, minutes ahead, leaves them the time."""
 
-    def __init__(self, enabled, signum=signal.SIGTERM):
-        self.received, self.signum, self.previous = False, signum, None
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+    def __init__(self, enabled, signums=SIGNALS):
+        self.received, self.previous = False, {}
         if enabled:
-            self.previous = signal.signal(signum, self._handler)
+            self.previous = {signum: signal.signal(signum, self._handler) for signum in signums}
 
     def _handler(self, signum, frame):
         self.received = True  # only a flag: the loop saves at the end of the iteration
@@ -239,7 +244,7 @@ class ExitSignal:
     def __call__(self):
         """Called every iteration: with the handler on, one all-reduce of a flag on the backend's device (no object
         collective: those pickle on the host and sync) and one host read of it."""
-        if self.previous is None:
+        if not self.previous:
             return False
         if dist.is_initialized():
             flag = torch.tensor([int(self.received)], dtype=torch.int32, device=parallel.comm_device())
@@ -248,6 +253,6 @@ class ExitSignal:
         return self.received
 
     def restore(self):
-        if self.previous is not None:
-            signal.signal(self.signum, self.previous)
-            self.previous = None
+        for signum, previous in self.previous.items():
+            signal.signal(signum, previous)
+        self.previous = {}

@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 import arguments
 import checkpoint
+import cross_entropy
 import data
 import deepspeed_engine
 import launch
@@ -129,8 +130,9 @@ def run(cfg, grid, exit_signal=lambda: False, writer=None, hooks=None):
     train_data, valid_data = loader.build_data(cfg, schedule, hooks.documents_to_skip)
     if cfg.load:
         run_state.load(parts)
-    if cfg.compile:  # each block one graph, activation checkpointing outside it (model.GPT.compile_blocks)
+    if launch.compiles(cfg):  # each block one graph, checkpointing outside it; the loss's elementwise chain fused
         parallel.unwrap(parts.model).compile_blocks()
+        cross_entropy.compile_chain()
     model, state = parts.model, parts.state
     if cfg.eval_only:
         return evaluate_only(model, valid_data, state, cfg, device)

@@ -317,3 +317,67 @@ def test_sample_reads_a_tp2_pp2_checkpoint(tp2pp2, capsys):
     assert len(set(out[0, 3:].tolist())) >= 4, "a degenerate model would not tell layouts apart"
     gathered, _, _ = reshard.load_full_model(str(tp2pp2))
     assert all(torch.equal(p, dict(one.named_parameters())[n][:p.shape[0]]) for n, p in gathered.named_parameters())
+
+
+# -- async save under a forced interleaving: the writer held until the next step and the next save have run --
+
+
+def _state(value):
+    """A rank's checkpoint state at one step: weights, Adam moments, the run state, the RNG."""
+    g = torch.Generator().manual_seed(int(value))
+    model_state = {"w": torch.randn(64, 32, generator=g), "b": torch.full((32,), float(value))}
+    return model_state, {"state": {"iteration": int(value)}}, {"adam": torch.randn(64, 32, generator=g)}
+
+
+def _files(directory):
+    return {os.path.relpath(os.path.join(d, f), directory): open(os.path.join(d, f), "rb").read()
+            for d, _, names in os.walk(directory) for f in names}
+
+
+def test_async_save_held_until_the_next_step_and_save_writes_what_a_synchronous_save_writes(tmp_path, monkeypatch):
+    """The background write of checkpoint 1 is held until the training has changed the live tensors (the next
+    optimizer step) and started the next save (its host copy made, or it waiting for the first): checkpoint 1's
+    files must still be byte for byte a synchronous save's of step 1's state. Fails if a save does not wait for
+    the one in flight (the next copy overwrites the held payload's buffers) or if the payload is written from
+    the live tensors instead of its host copy. Not timing: an event orders the threads."""
+    import threading
+    release, held = threading.Event(), threading.Event()
+    real_save, real_copy, real_wait = checkpoint.save, checkpoint.host_copy, checkpoint.AsyncWriter.wait
+
+    def held_save(*args, **kwargs):
+        if threading.current_thread() is not threading.main_thread() and not held.is_set():
+            held.set()
+            release.wait()  # the first background write waits for the main thread to move on
+        return real_save(*args, **kwargs)
+
+    def copy_then_release(*args, **kwargs):
+        out = real_copy(*args, **kwargs)
+        if held.is_set():
+            release.set()  # the next save's copy is made: now let the held write go
+        return out
+
+    def wait_releases(self):
+        release.set()  # a save that waits for the one in flight must let it finish first
+        return real_wait(self)
+    monkeypatch.setattr(checkpoint, "save", held_save)
+    monkeypatch.setattr(checkpoint, "host_copy", copy_then_release)
+    monkeypatch.setattr(checkpoint.AsyncWriter, "wait", wait_releases)
+
+    model_state, run, rank = _state(1)
+    expected = {}
+    real_save(str(tmp_path / "sync"), 1, *_state(1), write_model_state=True)
+    expected[1] = _files(tmp_path / "sync" / "global_step1")
+    with checkpoint.AsyncWriter() as writer:
+        writer.save(str(tmp_path / "async"), 1, model_state, run, rank, write_model_state=True)
+        for live, new in zip((model_state, rank), _state(2)[::2]):  # the next optimizer step, in place
+            for key in live:
+                live[key].copy_(new[key])
+        run["state"]["iteration"] = 2
+        writer.save(str(tmp_path / "async"), 2, model_state, run, rank, write_model_state=True)
+    real_save(str(tmp_path / "sync"), 2, *_state(2), write_model_state=True)
+    expected[2] = _files(tmp_path / "sync" / "global_step2")
+    for iteration in (1, 2):
+        written = _files(tmp_path / "async" / f"global_step{iteration}")
+        assert written.keys() == expected[iteration].keys()
+        for name in written:
+            assert written[name] == expected[iteration][name], (iteration, name)

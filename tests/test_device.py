@@ -672,3 +672,54 @@ def test_two_gpus_nccl_tp2_trains_as_one(synthetic_corpus, tmp_path):
     gpu = [f"--data_path={synthetic_corpus}", "--device=cuda", "--tf32=false"]
     ref = launch(tmp_path / "one", 1, *gpu)
     assert_same_training(launch(tmp_path / "tp2", 2, *gpu, "--tensor_model_parallel_size=2"), ref, rel=1e-4)
+
+
+@pytest.mark.parametrize("local_rank,gpus,expected", [(3, 8, 3), (11, 8, 3), (3, 1, 0), (0, 1, 0)])
+def test_the_gpu_of_a_process_is_local_rank_modulo_the_visible_gpus(monkeypatch, local_rank, gpus, expected):
+    """LOCAL_RANK % torch.cuda.device_count(): 8 GPUs, all visible (torchrun); one per task (SLURM's per-task
+    CUDA_VISIBLE_DEVICES, where LOCAL_RANK 3 was 'invalid device ordinal'); torchrun --virtual-local-rank
+    (LOCAL_RANK 0 and one visible GPU). The config check lets one visible GPU per task through."""
+    import arguments
+    calls = []
+    monkeypatch.setenv("WORLD_SIZE", "16")
+    monkeypatch.setenv("LOCAL_RANK", str(local_rank))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: calls.append(device))
+    monkeypatch.setattr(dist, "init_process_group", lambda *a, **k: calls.append(k["device_id"]))
+    parallel.init(1, 1, backend="nccl")
+    assert calls == [torch.device("cuda", expected)] * 2
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3" if gpus == 1 else "0,1,2,3,4,5,6,7")
+    arguments.check_device(arguments.load_config(["--device=cuda"]))  # no error
+    if gpus == 1:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES")  # one GPU on the node for 8 processes: refused
+        with pytest.raises(ValueError, match="8 processes on this node but 1 GPU"):
+            arguments.check_device(arguments.load_config(["--device=cuda"]))
+
+
+def test_compile_is_on_for_cuda_unless_switched_off():
+    """compile=None (the default) resolves in launch.compiles: on with --device=cuda, off on the CPU; given, it
+    is what it says (--compile=false turns it off on a GPU, --compile on the CPU)."""
+    import arguments
+
+    def compiles(*argv):
+        return launcher.compiles(arguments.load_config(list(argv)))
+    assert arguments.Config().compile is None
+    assert compiles("--device=cuda") and not compiles("--device=cpu")
+    assert not compiles("--device=cuda", "--compile=false") and not compiles("--device=cuda", "--compile", "false")
+    assert compiles("--device=cpu", "--compile") and compiles("--device=cpu", "--compile=true")
+
+
+def test_the_nccl_flight_recorder_is_on_for_cuda_unless_the_user_set_it(monkeypatch, tmp_path):
+    import arguments
+    names = ("TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_NCCL_DUMP_ON_TIMEOUT", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
+    for name in names:
+        monkeypatch.delenv(name, raising=False)
+    launcher.use_nccl_flight_recorder(arguments.load_config(["--device=cpu", f"--save={tmp_path}"]))
+    assert not set(names) & set(os.environ)  # gloo: nothing to record
+    monkeypatch.setenv("TORCH_NCCL_TRACE_BUFFER_SIZE", "50")  # the user's
+    launcher.use_nccl_flight_recorder(arguments.load_config(["--device=cuda", f"--save={tmp_path}"]))
+    assert os.environ["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "50" and os.environ["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
+    assert os.environ["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == str(tmp_path / "nccl_trace" / "rank_")
+    assert (tmp_path / "nccl_trace").is_dir()  # next to the checkpoints, ready for the dump

@@ -352,3 +352,46 @@ def _workers_agree_when_to_exit():
 
 def test_sigterm_and_exit_duration_are_agreed_across_workers():
     spawn(_workers_agree_when_to_exit, 2)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGUSR1, signal.SIGTERM])
+def test_the_documented_slurm_signal_asks_to_save_and_exit(signum):
+    """docs/parallelism.md's recipe sends SIGUSR1 ten minutes ahead (#SBATCH --signal=USR1@600) to every task;
+    the time limit's SIGTERM still counts. The previous handlers come back at the end."""
+    import safety
+    before = {s: signal.getsignal(s) for s in safety.ExitSignal.SIGNALS}
+    exit_signal = safety.ExitSignal(True)
+    try:
+        assert exit_signal() is False
+        os.kill(os.getpid(), signum)
+        assert exit_signal() is True
+    finally:
+        exit_signal.restore()
+    assert {s: signal.getsignal(s) for s in safety.ExitSignal.SIGNALS} == before
+    with open(os.path.join(ROOT, "docs", "parallelism.md")) as f:
+        doc = f.read()
+    assert "#SBATCH --signal=USR1@600" in doc and "--exit_signal_handler" in doc and "--kill-on-bad-exit=1" in doc
+
+
+def _one_rank_scans_for_the_largest_id(prefix):
+    import types
+
+    import data
+    import parallel
+    scans = []
+    scan = data.max_token_id
+    data.max_token_id = lambda indexed: scans.append(indexed.prefix) or scan(indexed)
+    try:
+        cfg = types.SimpleNamespace(vocab_size=50257, split="969,30,1", seq_length=64)
+        loader.check_data(cfg, [prefix], train_samples=10)  # in the vocabulary: passes
+        cfg.vocab_size = 1000
+        with pytest.raises(ValueError, match="holds token id 50256, at or above vocab_size 1000"):
+            loader.check_data(cfg, [prefix], train_samples=10)  # every rank refuses it, with rank 0's number
+    finally:
+        data.max_token_id = scan
+    assert scans == ([prefix] * 2 if parallel.grid.rank == 0 else []), (parallel.grid.rank, scans)
+
+
+def test_one_rank_scans_the_corpus_for_its_largest_token_id(corpus):
+    # DP 2 over gloo: on a first run over a new corpus every rank used to read the whole .bin at once
+    spawn(_one_rank_scans_for_the_largest_id, 2, 1, 1, corpus)

@@ -1,0 +1,19 @@
+# tr3m-1B3 on one 80 GB GPU: the run's model, optimizer, precision and schedule (config/tr3_1b3.py, read
+# below), the layout and memory knobs of one GPU instead of its 64 V100s' (PP=2, DP=32):
+#   python train.py config/tr3_1b3_1gpu.py --data_path ...
+# The same global batch (512, ramped up from 32) by gradient accumulation: the same iterations and learning rates
+# as the run, 32x slower. Memory by estimate.py (WORLD_SIZE=1 python train.py config/tr3_1b3_1gpu.py --dry_run):
+# model states 24.5 GiB (fp16 weights and gradients, fp32 masters, Adam: 20 B a parameter); activations 21.4 GiB
+# per micro-batch of 2 x 2048 tokens without checkpointing (Korthikanti et al.'s count, attention scores included,
+# which the flash kernel does not keep), 1.3 GiB with. Micro-batch 2 without checkpointing (45.9 GiB in all, room
+# for the loss's chunks and the allocator) skips the recomputation, a quarter of the step's FLOPs; micro-batch 4
+# would need 67.3 GiB on paper, too close to 80 for the temporaries.
+import os as _os
+
+exec(open(_os.path.join(_os.path.dirname(__file__), "tr3_1b3.py")).read())
+
+pipeline_model_parallel_size = 1
+zero_stage = 0  # one data-parallel rank: nothing to shard
+micro_batch_size = 2
+checkpoint_activations = False
+save = load = "out/tr3_1b3_1gpu"
