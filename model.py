@@ -62,7 +62,7 @@ class GPTConfig:
     embed_dropout: float | None = None  # dropout on the embeddings; None: same as hidden_dropout
     layernorm_epsilon: float = 1e-5  # LayerNorm's epsilon
     checkpoint_activations: bool = False  # recompute each block's activations in backward (memory for compute)
-    # -- the Llama / OLMo 2 block (Megatron's flag names) --
+    # the Llama / OLMo 2 block's switches (Megatron's flag names)
     normalization: str = "layernorm"  # layernorm | rmsnorm (Llama, OLMo 2): every norm of the model
     swiglu: bool = False  # gated MLP fc2(SiLU(gate(x)) * fc1(x)) (Llama, OLMo 2); activation is then unused
     ffn_hidden_size: int | None = None  # MLP width; None: 4 x hidden_size (swiglu: 2/3 of it, a multiple of 64)
