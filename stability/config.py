@@ -34,7 +34,7 @@ class StabilityConfig:
     spike_guard_max_hardware_faults: int = 3  # transient faults on one DP rank before the run stops, naming it
     spike_guard_max_numerical: int = 4  # numerical diagnoses in spike_guard_rewind iterations: persistent, stop
     spike_guard_fp32_replay: bool = True  # fp16/bf16: replay a reproduced spike in fp32 (an fp32 copy of the weights)
-    spike_guard_precursor: str | None = None  # early rung (None: off): cut the LR when this precursor passes ...
+    spike_guard_precursor: str | None = None  # EXPERIMENTAL early rung (None: off): cut the LR when this passes ...
     spike_guard_precursor_threshold: float | None = None  # ... this threshold (docs/spike_guard.md, section 7)
     spike_guard_precursor_lr_factor: float = 0.5  # ... by this factor, once per crossing (spike_guard.PRECURSORS)
     inject_bad_batch_iters: list[str] | None = None  # fault injection: iterations ("40-45") given random-token batches

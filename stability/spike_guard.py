@@ -208,6 +208,11 @@ class SpikeGuard:
             if z > cfg.spike_guard_zscore and ratio > bar:
                 reasons.append(f"{name} {value:.4g} is {ratio:.2f}x its trend's {series.expected():.4g}, {z:.1f} "
                                f"spreads above it")
+        norms = self.series["grad norm"].values
+        if len(norms) < 2 and cfg.clip_grad and grad_norm > cfg.spike_guard_grad_norm_ratio * cfg.clip_grad:
+            # fp16 while the loss scale searches: the losses are recorded, the grad norms are not (inf); until they
+            # have a trend, clip_grad stands in for it
+            reasons.append(f"grad norm {grad_norm:.4g} is {grad_norm / cfg.clip_grad:.2f}x clip_grad (no trend yet)")
         # the other sign: a loss far below its trend with an outlying grad norm (a degenerate batch the model finds
         # easy, tr8-104B's backslash-only samples); a grad-norm jump alone under its bar is a clean run's
         z, ratio = self.series["loss"].judge(loss)
