@@ -144,7 +144,7 @@ def campaign(a):
         finally:
             slots.release()
     threads = []
-    for k in range(a.trials):
+    for k in range(a.first, a.first + a.trials):
         if time.time() - began > 60 * a.minutes:
             print(f"campaign: {a.minutes} minutes spent; stopped before trial {k}", flush=True)
             break
@@ -259,6 +259,7 @@ def main(argv=None):
     p.add_argument("--iters", type=int, default=100, help="iterations per run")
     p.add_argument("--seed", type=int, default=28)
     p.add_argument("--minutes", type=float, default=45.0, help="wall-time budget: no trial starts after it")
+    p.add_argument("--first", type=int, default=0, help="the first trial's number (a second campaign beside one)")
     p.add_argument("--jobs", type=int, default=1, help="runs at a time (each one process)")
     p.add_argument("--report", action="store_true", help="only write the report of what has run")
     a = p.parse_args(argv)
