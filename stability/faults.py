@@ -31,13 +31,18 @@ class Faults:
         self.numerical_ranges = parse(cfg.inject_numerical_iters, "inject_numerical_iters")
         self.degenerate_ranges = parse(cfg.inject_degenerate_iters, "inject_degenerate_iters")
 
+    def generator(self, iteration, ranges, salt):
+        """A CPU generator seeded by (seed, iteration) when the iteration is in the ranges, else None."""
+        if not schedule.in_ranges(iteration, ranges):
+            return None
+        return torch.Generator().manual_seed(self.cfg.seed * salt + iteration)
+
     def bad_batches(self, iteration, batches):
         """Random token ids in place of the batches of inject_bad_batch_iters, drawn from a generator seeded by
         (seed, iteration): the same on every rank and every resume, and no draw from the training RNG streams."""
-        cfg = self.cfg
-        if not schedule.in_ranges(iteration, self.bad_batch_ranges):
+        cfg, gen = self.cfg, self.generator(iteration, self.bad_batch_ranges, 1_000_003)
+        if gen is None:
             return batches
-        gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + iteration)
         out = []
         for x, y in batches:
             tokens = torch.randint(0, cfg.vocab_size, (x.shape[0], x.shape[1] + 1), generator=gen)
@@ -49,10 +54,9 @@ class Faults:
         by (seed, iteration) as bad_batches: "repeat" -- every sample its commonest token repeated (tr8-104B's
         backslash-only samples: a loss far below the trend, a grad norm far above it); "ngram" -- an 8-gram repeated;
         "minority" -- random tokens in the first inject_degenerate_fraction of each micro-batch's samples."""
-        cfg = self.cfg
-        if not schedule.in_ranges(iteration, self.degenerate_ranges):
+        cfg, gen = self.cfg, self.generator(iteration, self.degenerate_ranges, 1_000_033)
+        if gen is None:
             return batches
-        gen = torch.Generator().manual_seed(cfg.seed * 1_000_033 + iteration)
         out = []
         for x, y in batches:
             rows, length = x.shape[0], x.shape[1] + 1

@@ -99,6 +99,17 @@ def test_fp16_arms_while_the_loss_scale_searches(run):
 # -- the pieces, on synthetic numbers -----------------------------------------------------------------------------
 
 
+TINY = ["--num_layers=1", "--hidden_size=32", "--num_attention_heads=2", "--seq_length=16", "--vocab_size=512",
+        "--micro_batch_size=2"]
+
+
+def _tiny(*argv):
+    """(cfg, model, optimizer) of a one-layer model on CPU."""
+    cfg = arguments.prepare(arguments.load_config([*TINY, *argv]))
+    model = build_model(cfg, torch.device("cpu"))
+    return cfg, model, optim.optimizer_for(cfg, model)
+
+
 def _guard(**overrides):
     cfg = arguments.load_config(["--spike_guard", "--spike_guard_window=16", "--spike_guard_min_steps=8",
                                  *[f"--{k}={v}" for k, v in overrides.items()]])
@@ -138,11 +149,7 @@ def test_reproduced_tolerates_the_measured_nondeterminism_and_no_less_than_one_i
 
 
 def test_the_fp32_replay_turns_tf32_off_and_restores_it():
-    cfg = arguments.prepare(arguments.load_config(["--num_layers=1", "--hidden_size=32", "--num_attention_heads=2",
-                                                   "--seq_length=16", "--vocab_size=512", "--micro_batch_size=2",
-                                                   "--bf16"]))
-    model = build_model(cfg, torch.device("cpu"))
-    optimizer = optim.optimizer_for(cfg, model)
+    cfg, model, optimizer = _tiny("--bf16")
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     try:
         with spike_guard.Fp32Step(model, optimizer):
@@ -156,11 +163,7 @@ def test_the_fp32_replay_turns_tf32_off_and_restores_it():
 def test_the_weight_corruption_bound_is_tight(beyond):
     """A known LR sum since the snapshot; one weight moved 1% inside the bound (Adam can have written it: no fault)
     and 1% past it (a fault). Doubling the bound, or halving it, fails one of the two."""
-    cfg = arguments.prepare(arguments.load_config(["--num_layers=1", "--hidden_size=32", "--num_attention_heads=2",
-                                                   "--seq_length=16", "--vocab_size=512", "--micro_batch_size=2",
-                                                   "--weight_decay=0", "--spike_guard"]))
-    model = build_model(cfg, torch.device("cpu"))
-    optimizer = optim.optimizer_for(cfg, model)
+    cfg, model, optimizer = _tiny("--weight_decay=0", "--spike_guard")
     guard = spike_guard.SpikeGuard(cfg)
     then_sum, lr_sum = 0.25, 3e-3
     guard.lr_sum = then_sum + lr_sum
