@@ -14,6 +14,7 @@ Every rank runs the same hooks on the same numbers (the step's are DP rank 0's o
 the ranks cannot decide apart.
 """
 import checkpoint
+import loader
 import parallel
 import run_state
 import train
@@ -49,7 +50,6 @@ class StabilityHooks(train.Hooks):
         self.guard = spike_guard.SpikeGuard(cfg)
         self.faults = Faults(cfg)
         self.parts = self.report = self.snapshots = self.recorder = self.train_data = self.device = None
-        self.last_applied = None  # (iteration, batches) of the last applied step: the counterfactual's other batch
 
     # -- the run -------------------------------------------------------------------------------------------------
 
@@ -119,11 +119,13 @@ class StabilityHooks(train.Hooks):
         return abs(first - again) / max(abs(first), 1e-30)
 
     def counterfactual(self, it):
-        """The last applied batch on the weights of now, computed and not applied (the same RNG and loss scaler
-        after as before): (Step, its iteration), or None before any applied step."""
-        if self.last_applied is None:
+        """The last applied batch (drawn again from the data by its place: a resumed run asks the same one) on the
+        weights of now, computed and not applied (the same RNG and loss scaler after as before): (Step, its
+        iteration), or None before any applied step."""
+        if self.guard.last_applied is None:
             return None
-        parts, (iteration, batches) = self.parts, self.last_applied
+        parts, (iteration, first_sample, count, seqlen) = self.parts, self.guard.last_applied
+        batches = loader.micro_batches(self.train_data, first_sample, count, self.cfg, seqlen, self.device)
         rng, scaler = checkpoint.rng_state(), parts.scaler.state_dict()
         step = train.train_step(parts.model, parts.optimizer, parts.scaler, batches, it.lr, self.cfg, self.device,
                                 count_zeros=False, hooks=Veto(self.cfg, lambda *numbers: "never applied"))
@@ -176,8 +178,8 @@ class StabilityHooks(train.Hooks):
     def after_step(self, it, step):
         cfg, guard, parts, n = self.cfg, self.guard, self.parts, it.number
         decision = guard.update(n, step.outcome, step.loss, step.grad_norm, parts.scaler, self.diagnosis, lr=it.lr)
-        if step.outcome == "ok":
-            self.last_applied = (n, it.batches)
+        if step.outcome == "ok" and guard.enabled:
+            guard.last_applied = [n, it.first_sample, len(it.batches), it.seqlen]
         if decision is None:
             return False
         if decision.get("cause") in (None, "data", "optimizer"):  # name the batch

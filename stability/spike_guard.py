@@ -141,6 +141,7 @@ class SpikeGuard:
         # statistics of applied steps: rolled back with the weights
         self.series = {"loss": Series(cfg.spike_guard_window), "grad norm": Series(cfg.spike_guard_window, log=True)}
         self.lr_sum = 0.0  # the learning rates of the applied steps, summed: how far Adam can have moved a weight
+        self.last_applied = None  # [iteration, first sample, micro-batches, seqlen] of the last applied step
         # decisions: never rolled back
         self.strikes = []  # iterations of the spikes of the current episode
         self.skip_ranges = []  # [start, end] inclusive, added by rollbacks
@@ -160,13 +161,15 @@ class SpikeGuard:
     # -- state -----------------------------------------------------------------------------------------------
 
     def stats(self):
-        return {**{name: series.state() for name, series in self.series.items()}, "lr sum": self.lr_sum}
+        return {**{name: series.state() for name, series in self.series.items()}, "lr sum": self.lr_sum,
+                "last applied": self.last_applied}
 
     def load_stats(self, stats=None):
         """The statistics of a snapshot or checkpoint (None: one written without the guard, start afresh)."""
         for name, series in self.series.items():
             series.load((stats or {}).get(name))
         self.lr_sum = (stats or {}).get("lr sum", 0.0)
+        self.last_applied = (stats or {}).get("last applied")
 
     def record(self, loss, grad_norm, lr):
         """An applied step."""
@@ -178,7 +181,7 @@ class SpikeGuard:
         return {"stats": self.stats(), "strikes": list(self.strikes), "skip_ranges": [list(r) for r in
                 self.skip_ranges], "lr_scale": self.lr_scale, "rollbacks": self.rollbacks,
                 "skipped_iters": self.skipped_iters, "decisions": list(self.decisions), "faults": dict(self.faults),
-                "last_run": self.last_run}
+                "last_run": self.last_run, "noise": self.noise}
 
     def load_state_dict(self, sd):
         self.load_stats(sd["stats"])
@@ -187,6 +190,7 @@ class SpikeGuard:
         self.lr_scale, self.rollbacks, self.skipped_iters = sd["lr_scale"], sd["rollbacks"], sd["skipped_iters"]
         self.decisions = list(sd["decisions"])
         self.faults, self.last_run = dict(sd.get("faults", {})), sd.get("last_run", 0)
+        self.noise = sd.get("noise")
 
     # -- what the training loop asks -------------------------------------------------------------------------
 
