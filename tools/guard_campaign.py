@@ -162,12 +162,16 @@ def campaign(a):
         t.join()
 
 
-def trials_of(out):
+def runs_of(out):
     runs = {}
     for line in open(os.path.join(out, "runs.jsonl")):
         r = json.loads(line)
         runs[r["name"]] = r
-    trials = []
+    return runs
+
+
+def trials_of(out):
+    runs, trials = runs_of(out), []
     for k in sorted({r["trial"] for r in runs.values()}):
         parts = [runs.get(f"{k}-{x}") for x in ("clean", "unguarded", "guarded")]
         if all(parts):
@@ -178,14 +182,13 @@ def trials_of(out):
 def report(out):
     """OUT/report.md (the tables) and OUT/campaign.png (the figure); returns the markdown."""
     trials = trials_of(out)
-    lines = [f"{len(trials)} trials (3 runs each) of {trials[0]['clean']['iters'] if trials else 0} iterations", ""]
+    lines = [f"{len(trials)} complete trials (3 runs each; false positives: every finished clean run)", ""]
     harmful, detected, right, diagnosed, within, rollbacks = 0, 0, 0, 0, 0, []
     matrix = {t: {c: 0 for c in CAUSES} for t in sorted(set(FAMILIES.values()))}
-    clean_iters, false_positives, rows = 0, 0, []
+    cleans = [r for name, r in runs_of(out).items() if name.endswith("-clean")]  # finished, their trial or not
+    clean_iters, false_positives, rows = sum(r["iters"] for r in cleans), sum(len(r["decisions"]) for r in cleans), []
     for t in trials:
         clean, bad, guarded = t["clean"], t["unguarded"], t["guarded"]
-        clean_iters += clean["iters"]
-        false_positives += len(clean["decisions"])
         ratio = bad["valid"] / clean["valid"] if math.isfinite(bad["valid"]) else math.inf
         is_harmful = bad["exit"] != 0 or not ratio <= 1.01
         acts = [d for d in guarded["decisions"] if int(re.match(r"spike guard: iteration (\d+)", d)[1]) >=
