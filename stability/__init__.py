@@ -14,7 +14,8 @@ core module imports them; train.main wires them in (build_hooks) when the run as
 
 # The keys that ask for the layer: with none set (and no decision of it in the checkpoint), it is not built.
 SWITCHES = ("spike_guard", "soft_skip_loss_ratio", "telemetry_interval", "skip_documents", "spike_guard_precursor",
-            "inject_bad_batch_iters", "inject_lr_iters", "inject_bitflip_iters", "inject_numerical_iters")
+            "inject_bad_batch_iters", "inject_lr_iters", "inject_bitflip_iters", "inject_numerical_iters",
+            "inject_degenerate_iters")
 
 
 def wanted(cfg, saved_state=None):

@@ -32,16 +32,23 @@ class StabilityConfig:
     spike_guard_max_rollbacks: int = 3  # more would be needed: save the last good state and exit (code 3)
     spike_guard_max_skipped_iters: int = 2000  # iterations skipped by the guard in all, then save and exit (code 3)
     spike_guard_max_hardware_faults: int = 3  # transient faults on one DP rank before the run stops, naming it
+    spike_guard_max_numerical: int = 4  # numerical diagnoses in spike_guard_rewind iterations: persistent, stop
     spike_guard_fp32_replay: bool = True  # fp16/bf16: replay a reproduced spike in fp32 (an fp32 copy of the weights)
-    spike_guard_precursor: str | None = None  # early rung (None: off): cut the LR when this precursor passes ...
+    spike_guard_precursor: str | None = None  # EXPERIMENTAL early rung (None: off): cut the LR when this passes ...
     spike_guard_precursor_threshold: float | None = None  # ... this threshold (docs/spike_guard.md, section 7)
     spike_guard_precursor_lr_factor: float = 0.5  # ... by this factor, once per crossing (spike_guard.PRECURSORS)
     inject_bad_batch_iters: list[str] | None = None  # fault injection: iterations ("40-45") given random-token batches
     inject_lr_iters: list[str] | None = None  # fault injection: iteration ranges whose LR is x inject_lr_factor
     inject_lr_factor: float = 100.0  # the LR multiplier of inject_lr_iters
+    inject_lr_persistent: bool = False  # inject_lr_iters on every pass (a resume with a higher LR), not once in time
+    inject_degenerate_iters: list[str] | None = None  # fault injection: iterations given degenerate batches ...
+    inject_degenerate_kind: str = "repeat"  # ... one token repeated ("repeat"), an 8-gram ("ngram"), or "minority":
+    inject_degenerate_fraction: float = 0.25  # ... random tokens in this fraction of the samples
     inject_bitflip_iters: list[str] | None = None  # fault injection: flip a bit of one gradient element at these iters
     inject_bitflip_rank: int = 0  # ... on this rank, after the DP all-reduce (a faulty GPU: silent data corruption)
     inject_bitflip_target: str = "grad"  # ... of a gradient ("grad"), or of a weight after the step ("weight")
+    inject_bitflip_bit: int = -1  # ... this bit of the element (-1: the top exponent bit)
+    inject_bitflip_element: int = -1  # ... this element of the first matrix (-1: its largest in magnitude)
     inject_numerical_iters: list[str] | None = None  # fault injection: a cancellation only half precision loses
 
 
@@ -51,9 +58,13 @@ def check(cfg):
         if not ok:
             raise ValueError(message)
 
-    for key in ("inject_bad_batch_iters", "inject_lr_iters", "inject_bitflip_iters", "inject_numerical_iters"):
+    for key in ("inject_bad_batch_iters", "inject_lr_iters", "inject_bitflip_iters", "inject_numerical_iters",
+                "inject_degenerate_iters"):
         schedule.parse_iteration_ranges(getattr(cfg, key), key)
     need(cfg.inject_bitflip_target in ("grad", "weight"), "inject_bitflip_target must be 'grad' or 'weight'")
+    need(cfg.inject_degenerate_kind in ("repeat", "ngram", "minority"),
+         f"inject_degenerate_kind={cfg.inject_degenerate_kind!r} must be 'repeat', 'ngram' or 'minority'")
+    need(0 < cfg.inject_degenerate_fraction < 1, "inject_degenerate_fraction must be in (0, 1): a minority's share")
     need(cfg.telemetry_interval >= 0, "telemetry_interval must be >= 0 (0 turns telemetry off)")
     need(not (cfg.deepspeed and cfg.telemetry_interval), "telemetry_interval needs the gradients before the "
          "update, which DeepSpeed keeps inside its step(); set telemetry_interval=0 or deepspeed=False")
@@ -76,6 +87,8 @@ def check(cfg):
     need(not (cfg.deepspeed and cfg.soft_skip_loss_ratio), "soft_skip_loss_ratio scales the gradients before the "
          "update, which DeepSpeed keeps inside its step(); set soft_skip_loss_ratio=0 or deepspeed=False")
     need(cfg.spike_guard_max_hardware_faults >= 1, "spike_guard_max_hardware_faults must be >= 1")
+    need(cfg.spike_guard_max_numerical >= 1,
+         "spike_guard_max_numerical must be >= 1 (the numerical diagnoses before a stop)")
     if cfg.spike_guard_precursor is not None:
         from stability import spike_guard  # only with the precursor rung: arguments imports this file, not the guard
         names = ", ".join(spike_guard.PRECURSORS)

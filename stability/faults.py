@@ -2,7 +2,10 @@
 
     inject_bad_batch_iters   random token ids in place of those iterations' batches (data: they come back when
                              the iterations are run again)
-    inject_lr_iters          their LR x inject_lr_factor
+    inject_degenerate_iters  degenerate batches (inject_degenerate_kind): one repeated token, a repeated 8-gram,
+                             or random tokens in a minority (inject_degenerate_fraction) of the samples
+    inject_lr_iters          their LR x inject_lr_factor (with inject_lr_persistent: on every pass, as a resume
+                             with a higher LR would be; else once in time)
     inject_bitflip_iters     a bit of a reduced gradient, or of a weight after the update (inject_bitflip_target),
                              flips on rank inject_bitflip_rank
     inject_numerical_iters   a cancellation that half precision loses and fp32 keeps
@@ -26,27 +29,62 @@ class Faults:
         self.lr_ranges = parse(cfg.inject_lr_iters, "inject_lr_iters")
         self.bitflip_ranges = parse(cfg.inject_bitflip_iters, "inject_bitflip_iters")
         self.numerical_ranges = parse(cfg.inject_numerical_iters, "inject_numerical_iters")
+        self.degenerate_ranges = parse(cfg.inject_degenerate_iters, "inject_degenerate_iters")
+
+    def generator(self, iteration, ranges, salt):
+        """A CPU generator seeded by (seed, iteration) when the iteration is in the ranges, else None."""
+        if not schedule.in_ranges(iteration, ranges):
+            return None
+        return torch.Generator().manual_seed(self.cfg.seed * salt + iteration)
 
     def bad_batches(self, iteration, batches):
         """Random token ids in place of the batches of inject_bad_batch_iters, drawn from a generator seeded by
         (seed, iteration): the same on every rank and every resume, and no draw from the training RNG streams."""
-        cfg = self.cfg
-        if not schedule.in_ranges(iteration, self.bad_batch_ranges):
+        cfg, gen = self.cfg, self.generator(iteration, self.bad_batch_ranges, 1_000_003)
+        if gen is None:
             return batches
-        gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + iteration)
         out = []
         for x, y in batches:
             tokens = torch.randint(0, cfg.vocab_size, (x.shape[0], x.shape[1] + 1), generator=gen)
             out.append((tokens[:, :-1].to(x.device), tokens[:, 1:].to(y.device)))
         return out
 
+    def degenerate_batches(self, iteration, batches):
+        """The batches of inject_degenerate_iters made degenerate (inject_degenerate_kind), from a generator seeded
+        by (seed, iteration) as bad_batches: "repeat" -- every sample its commonest token repeated (tr8-104B's
+        backslash-only samples: a loss far below the trend, a grad norm far above it); "ngram" -- an 8-gram repeated;
+        "minority" -- random tokens in the first inject_degenerate_fraction of each micro-batch's samples."""
+        cfg, gen = self.cfg, self.generator(iteration, self.degenerate_ranges, 1_000_033)
+        if gen is None:
+            return batches
+        out = []
+        for x, y in batches:
+            rows, length = x.shape[0], x.shape[1] + 1
+            if cfg.inject_degenerate_kind == "repeat":
+                # each sample's commonest token (a space, a newline: what a model predicts best) over and over
+                tokens = torch.mode(x.cpu(), dim=1).values[:, None].expand(rows, length)
+            elif cfg.inject_degenerate_kind == "ngram":
+                gram = torch.randint(0, cfg.vocab_size, (rows, 8), generator=gen)
+                tokens = gram.repeat(1, length // 8 + 1)[:, :length]
+            else:
+                tokens = torch.cat([x[:, :1].cpu(), y.cpu()], dim=1)
+                bad = max(1, round(cfg.inject_degenerate_fraction * rows))
+                tokens[:bad] = torch.randint(0, cfg.vocab_size, (bad, length), generator=gen)
+            tokens = tokens.contiguous()
+            out.append((tokens[:, :-1].to(x.device, x.dtype), tokens[:, 1:].to(y.device, y.dtype)))
+        return out
+
     def lr_factor(self, iteration, guard):
-        """inject_lr_factor in the first pass through inject_lr_iters, else 1."""
+        """inject_lr_factor in the first pass through inject_lr_iters (on every pass with inject_lr_persistent:
+        then it is the schedule's, and a replay meets it too), else 1."""
+        if self.cfg.inject_lr_persistent:
+            return self.cfg.inject_lr_factor if schedule.in_ranges(iteration, self.lr_ranges) else 1.0
         return self.cfg.inject_lr_factor if guard.meets_fault(iteration, self.lr_ranges) else 1.0
 
     def bitflip(self, iteration, guard, target="grad"):
         """The fault of inject_bitflip_iters (or None), when inject_bitflip_target is `target`: on rank
-        inject_bitflip_rank the top exponent bit of the largest element of the first matrix flips (x 2^128 for a
+        inject_bitflip_rank a bit of an element of the first matrix flips (inject_bitflip_bit, _element; by default
+        the top exponent bit of the largest element) (x 2^128 for a
         value under 2 in fp32) -- in its reduced gradient ("grad": called after the DP all-reduce), or in the
         weight itself after the update ("weight": the next step computes with it). Once in time: not in a replay,
         nor when the iteration is run again."""
@@ -59,10 +97,13 @@ class Faults:
         def flip(model):
             params = [p for p in parallel.unwrap(model).parameters() if p.dim() == 2]
             flat = (parallel.main_grad(params[0]) if target == "grad" else params[0].data).view(-1)
-            i = int(flat.abs().argmax())
+            chosen = cfg.inject_bitflip_element
+            i = int(flat.abs().argmax()) if chosen < 0 else chosen % flat.numel()
             bits = {torch.float32: (torch.int32, 30), torch.bfloat16: (torch.int16, 14),
                     torch.float16: (torch.int16, 14)}
             itype, bit = bits[flat.dtype]
+            if cfg.inject_bitflip_bit >= 0:  # any bit (sign, exponent, mantissa) of the element's width
+                bit = cfg.inject_bitflip_bit % (8 * flat.element_size())
             flat.view(itype)[i] ^= 1 << bit
             what = "gradient" if target == "grad" else "weight"
             print(f"spike guard: iteration {iteration}: injected a bit flip into {what} element {i} on rank "

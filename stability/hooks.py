@@ -14,6 +14,7 @@ Every rank runs the same hooks on the same numbers (the step's are DP rank 0's o
 the ranks cannot decide apart.
 """
 import checkpoint
+import loader
 import parallel
 import run_state
 import train
@@ -88,7 +89,16 @@ class StabilityHooks(train.Hooks):
     def before_step(self, it):
         cfg, guard, parts, n = self.cfg, self.guard, self.parts, it.number
         it.batches = self.faults.bad_batches(n, it.batches)
-        it.lr = it.lr * (guard.lr_scale * self.faults.lr_factor(n, guard))
+        it.batches = self.faults.degenerate_batches(n, it.batches)
+        if cfg.inject_lr_persistent:  # a higher LR on every pass, as a resume with it: part of the schedule
+            it.lr = it.lr * self.faults.lr_factor(n, guard)
+        expected = it.lr * guard.lr_scale  # the LR a replay of this iteration would get
+        it.lr = expected * (1.0 if cfg.inject_lr_persistent else self.faults.lr_factor(n, guard))
+        if guard.enabled:
+            guard.lrs = {k: v for k, v in guard.lrs.items() if n - k <= 2 * max(cfg.spike_guard_snapshot_interval, 1)}
+            guard.lrs[n] = (expected, it.lr)
+            if guard.noise is None and guard.armed():
+                guard.noise = self.measure_noise(it)
         self.probe = self.recorder if self.recorder and n % cfg.telemetry_interval == 0 else None
         if self.probe:
             self.probe.begin()
@@ -97,6 +107,31 @@ class StabilityHooks(train.Hooks):
         self.flip_weight = self.faults.bitflip(n, guard, "weight")
         self.flip_grad = self.faults.bitflip(n, guard, "grad")
         self.veto = Veto(cfg, guard.judge if guard.armed() else None, soft_skip_trend(cfg, parts.state.history))
+
+    def measure_noise(self, it):
+        """The run's own nondeterminism, once, when the guard arms: the relative difference of the batch's loss
+        and the loss of the same forward again, same RNG (0 on CPU; GPU kernels that use atomics differ)."""
+        parts, rng = self.parts, checkpoint.rng_state()
+        first = spike_guard.evaluate_batches(parts.model, it.batches, self.cfg, self.device)
+        checkpoint.set_rng_state(rng)
+        again = spike_guard.evaluate_batches(parts.model, it.batches, self.cfg, self.device)
+        checkpoint.set_rng_state(rng)
+        return abs(first - again) / max(abs(first), 1e-30)
+
+    def counterfactual(self, it):
+        """The last applied batch (drawn again from the data by its place: a resumed run asks the same one) on the
+        weights of now, computed and not applied (the same RNG and loss scaler after as before): (Step, its
+        iteration), or None before any applied step."""
+        if self.guard.last_applied is None:
+            return None
+        parts, (iteration, first_sample, count, seqlen) = self.parts, self.guard.last_applied
+        batches = loader.micro_batches(self.train_data, first_sample, count, self.cfg, seqlen, self.device)
+        rng, scaler = checkpoint.rng_state(), parts.scaler.state_dict()
+        step = train.train_step(parts.model, parts.optimizer, parts.scaler, batches, it.lr, self.cfg, self.device,
+                                count_zeros=False, hooks=Veto(self.cfg, lambda *numbers: "never applied"))
+        checkpoint.set_rng_state(rng)
+        parts.scaler.load_state_dict(scaler)
+        return step, iteration
 
     def on_grads(self, model, loss_scale):
         if self.flip_grad is not None:
@@ -126,9 +161,14 @@ class StabilityHooks(train.Hooks):
             def rerun(judge, scaler=parts.scaler):
                 return train.train_step(parts.model, parts.optimizer, scaler, it.batches, it.lr, cfg, self.device,
                                         count_zeros=False, hooks=Veto(cfg, judge))
+            per_sample = None
+            if parallel.grid.pp_size == 1:
+                def per_sample():
+                    return spike_guard.sample_losses(parts.model, it.batches, cfg).tolist()
             step, self.diagnosis = spike_guard.investigate(
                 guard, parts, step, n, self.before, self.snapshots, rerun=rerun,
-                forward=lambda: spike_guard.evaluate_batches(parts.model, it.batches, cfg, self.device))
+                forward=lambda: spike_guard.evaluate_batches(parts.model, it.batches, cfg, self.device),
+                other=lambda: self.counterfactual(it), per_sample=per_sample)
         if self.numerical is not None:
             self.numerical.remove()
         if self.flip_weight is not None and step.outcome == "ok":
@@ -138,6 +178,8 @@ class StabilityHooks(train.Hooks):
     def after_step(self, it, step):
         cfg, guard, parts, n = self.cfg, self.guard, self.parts, it.number
         decision = guard.update(n, step.outcome, step.loss, step.grad_norm, parts.scaler, self.diagnosis, lr=it.lr)
+        if step.outcome == "ok" and guard.enabled:
+            guard.last_applied = [n, it.first_sample, len(it.batches), it.seqlen]
         if decision is None:
             return False
         if decision.get("cause") in (None, "data", "optimizer"):  # name the batch

@@ -113,7 +113,10 @@ class Series:
         self.values.append(self.transform(value))
 
     def judge(self, value):
-        """(z, ratio): how many scatters above the line's next point, and its multiple of that value."""
+        """(z, ratio): how many scatters above the line's next point, and its multiple of that value ((0, 1) before
+        two values: an fp16 run's grad norms wait for the loss scale's search, its losses do not)."""
+        if len(self.values) < 2:
+            return 0.0, 1.0
         x, (p, s) = self.transform(value), self.fit()
         z = (x - p) / s if s > 0 else (math.inf if x > p else 0.0)
         ratio = math.exp(x - p) if self.log else (value / p if p > 0 else math.inf)
@@ -138,6 +141,7 @@ class SpikeGuard:
         # statistics of applied steps: rolled back with the weights
         self.series = {"loss": Series(cfg.spike_guard_window), "grad norm": Series(cfg.spike_guard_window, log=True)}
         self.lr_sum = 0.0  # the learning rates of the applied steps, summed: how far Adam can have moved a weight
+        self.last_applied = None  # [iteration, first sample, micro-batches, seqlen] of the last applied step
         # decisions: never rolled back
         self.strikes = []  # iterations of the spikes of the current episode
         self.skip_ranges = []  # [start, end] inclusive, added by rollbacks
@@ -148,19 +152,24 @@ class SpikeGuard:
         self.faults = {}  # DP rank (None: unknown) -> transient faults seen on it
         self.last_run = 0  # the highest iteration run (fault injection happens once in time)
         self.pending = None  # why the current step is a spike (judge -> update)
+        self.numericals = []  # iterations of the numerical diagnoses of the current window (persistence)
+        self.lrs = {}  # iteration -> (the LR its replay would get, the LR applied): does a rollback change anything?
+        self.noise = None  # the run's own nondeterminism: relative difference of a forward and its repeat
         if saved:
             self.load_state_dict(saved)
 
     # -- state -----------------------------------------------------------------------------------------------
 
     def stats(self):
-        return {**{name: series.state() for name, series in self.series.items()}, "lr sum": self.lr_sum}
+        return {**{name: series.state() for name, series in self.series.items()}, "lr sum": self.lr_sum,
+                "last applied": self.last_applied}
 
     def load_stats(self, stats=None):
         """The statistics of a snapshot or checkpoint (None: one written without the guard, start afresh)."""
         for name, series in self.series.items():
             series.load((stats or {}).get(name))
         self.lr_sum = (stats or {}).get("lr sum", 0.0)
+        self.last_applied = (stats or {}).get("last applied")
 
     def record(self, loss, grad_norm, lr):
         """An applied step."""
@@ -172,7 +181,7 @@ class SpikeGuard:
         return {"stats": self.stats(), "strikes": list(self.strikes), "skip_ranges": [list(r) for r in
                 self.skip_ranges], "lr_scale": self.lr_scale, "rollbacks": self.rollbacks,
                 "skipped_iters": self.skipped_iters, "decisions": list(self.decisions), "faults": dict(self.faults),
-                "last_run": self.last_run}
+                "last_run": self.last_run, "noise": self.noise}
 
     def load_state_dict(self, sd):
         self.load_stats(sd["stats"])
@@ -181,6 +190,7 @@ class SpikeGuard:
         self.lr_scale, self.rollbacks, self.skipped_iters = sd["lr_scale"], sd["rollbacks"], sd["skipped_iters"]
         self.decisions = list(sd["decisions"])
         self.faults, self.last_run = dict(sd.get("faults", {})), sd.get("last_run", 0)
+        self.noise = sd.get("noise")
 
     # -- what the training loop asks -------------------------------------------------------------------------
 
@@ -202,6 +212,19 @@ class SpikeGuard:
             if z > cfg.spike_guard_zscore and ratio > bar:
                 reasons.append(f"{name} {value:.4g} is {ratio:.2f}x its trend's {series.expected():.4g}, {z:.1f} "
                                f"spreads above it")
+        norms = self.series["grad norm"].values
+        if len(norms) < 2 and cfg.clip_grad and grad_norm > cfg.spike_guard_grad_norm_ratio * cfg.clip_grad:
+            # fp16 while the loss scale searches: the losses are recorded, the grad norms are not (inf); until they
+            # have a trend, clip_grad stands in for it
+            reasons.append(f"grad norm {grad_norm:.4g} is {grad_norm / cfg.clip_grad:.2f}x clip_grad (no trend yet)")
+        # the other sign: a loss far below its trend with an outlying grad norm (a degenerate batch the model finds
+        # easy, tr8-104B's backslash-only samples); a grad-norm jump alone under its bar is a clean run's
+        z, ratio = self.series["loss"].judge(loss)
+        gz, gratio = self.series["grad norm"].judge(grad_norm)
+        if not reasons and z < -cfg.spike_guard_zscore and ratio < 1 / cfg.spike_guard_ema_ratio \
+                and gz > cfg.spike_guard_zscore and gratio > cfg.spike_guard_ema_ratio:
+            reasons.append(f"loss {loss:.4g} is {ratio:.2f}x its trend's {self.series['loss'].expected():.4g}, "
+                           f"{-z:.1f} spreads below it, with grad norm {grad_norm:.4g} {gratio:.2f}x its trend's")
         self.pending = "; ".join(reasons) or None
         return self.pending
 
@@ -224,10 +247,21 @@ class SpikeGuard:
             return self._hardware(iteration, outcome, loss, grad_norm, lr, diagnosis)
         if diagnosis is not None and diagnosis["cause"] == "numerical":
             return self._numerical(iteration, loss, grad_norm, lr, scaler, diagnosis)
+        if diagnosis is not None and diagnosis["cause"] == "persistent":  # a retry on that rank cannot help
+            return self._decide(iteration, "stop", f"persistent fault on DP rank {diagnosis['rank']}: "
+                                f"{diagnosis['evidence']}", "the same rank disagrees on replay: take its node out",
+                                cause="persistent", evidence=diagnosis["evidence"], rank=diagnosis["rank"],
+                                start=iteration - 1)
         if outcome == "ok":
             self.record(loss, grad_norm, lr)
             return None
         if not self.enabled:
+            return None
+        if outcome == "skipped" and scaler is not None and scaler.dynamic and math.isfinite(loss) \
+                and not math.isfinite(grad_norm) and scaler.scale > scaler.min_scale:
+            # the loss scale's search: the loss is the weights' (no update was made), so the guard arms on it
+            # even while the scale searches; a fault early in fp16 is judged, not learnt as the trend
+            self.series["loss"].record(loss)
             return None
         collapse = False
         if outcome == "spike":
@@ -246,11 +280,13 @@ class SpikeGuard:
         self.pending = None
         cfg = self.cfg
         cause = {"cause": diagnosis["cause"], "evidence": diagnosis["evidence"]} if diagnosis else {}
+        if diagnosis and diagnosis.get("suspects"):
+            cause["suspects"] = diagnosis["suspects"]
         if diagnosis:
             reason += f"; {diagnosis['cause']}-driven: {diagnosis['evidence']}"
         if cause.get("cause") == "optimizer":  # the weights are already damaged: skipping updates cannot help
             self.strikes = [iteration]
-            return self._rollback(iteration, reason, iteration - 1, None, cause)
+            return self._rollback(iteration, reason, iteration - 1, None, cause, diagnosis.get("since"))
         self.strikes = [s for s in self.strikes if iteration - s <= cfg.spike_guard_rewind] + [iteration]
         if not collapse and len(self.strikes) < cfg.spike_guard_max_skips:
             if outcome == "spike":
@@ -266,8 +302,17 @@ class SpikeGuard:
         start = max(1, self.strikes[0] - cfg.spike_guard_rewind)
         return self._rollback(iteration, reason, start, iteration + cfg.spike_guard_skip_after, cause)
 
-    def _rollback(self, iteration, reason, start, end, cause):
-        """Roll back to before `start` and skip iterations start-end (end None: skip no data)."""
+    def replays_same_lrs(self, since, iteration):
+        """Would a rollback to the snapshot of iteration `since` apply the same LRs as the run did since? Only
+        fault injection makes a pass's LR differ from its replay's (an event in time); else, with the data and
+        the RNG streams restored, the run would replay the spike bit for bit."""
+        return all(expected == applied for n, (expected, applied) in self.lrs.items() if since < n <= iteration)
+
+    def _rollback(self, iteration, reason, start, end, cause, since=None):
+        """Roll back to before `start` and skip iterations start-end (end None: skip no data). A rollback that
+        would replay the same trajectory is never taken: without a data skip, and unless the LRs since the
+        snapshot `since` (None: not known) were not the schedule's, the LR is cut from the first rollback on (OPT's
+        remedy)."""
         cfg = self.cfg
         skipping = 0 if end is None else end - start + 1
         if self.rollbacks >= cfg.spike_guard_max_rollbacks:
@@ -278,13 +323,16 @@ class SpikeGuard:
                                 f"spike_guard_max_skipped_iters={cfg.spike_guard_max_skipped_iters}", start=start,
                                 **cause)
         relapse = self.rollbacks > 0
-        lr_scale = self.lr_scale * (cfg.spike_guard_lr_factor if relapse else 1.0)
+        same = end is None and since is not None and self.replays_same_lrs(since, iteration)
+        lr_scale = self.lr_scale * (cfg.spike_guard_lr_factor if relapse or same else 1.0)
         reset = relapse and cfg.spike_guard_reset_optimizer
         plan = f"roll back to before iteration {start} and " + (
             "skip no data" if end is None else f"skip iterations {start}-{end}")
         if relapse:
             plan += f"; relapse {self.rollbacks}: LR x{lr_scale:g} from now on"
             plan += ", optimizer reset with an lr=0 warm-up" if reset else ""
+        elif same:
+            plan += f"; the same data at the same LRs would replay the spike: LR x{lr_scale:g} from now on"
         return self._decide(iteration, "rollback", reason, plan, start=start, end=end, lr_scale=lr_scale,
                             reset_optimizer=reset, **cause)
 
@@ -319,16 +367,28 @@ class SpikeGuard:
 
     def _numerical(self, iteration, loss, grad_norm, lr, scaler, diagnosis):
         """A half-precision step whose fp32 replay was ordinary: the fp32 step was applied (investigate()); no
-        data skipped, no LR cut, nothing rolled back; with fp16's dynamic loss scale, the scale halved."""
+        data skipped, no LR cut, nothing rolled back; with fp16's dynamic loss scale, the scale halved once per
+        episode and never to its floor (a scale of 1 helps no overflow and underflows every small gradient). A
+        fault that persists -- spike_guard_max_numerical diagnoses within spike_guard_rewind iterations -- is no
+        longer retried step by step: the run saves and stops, naming it (fp32 for each affected step is no plan)."""
+        cfg = self.cfg
         self.record(loss, grad_norm, lr)
-        plan = "the fp32 step applied; no data skipped, LR unchanged"
-        if scaler is not None and scaler.dynamic:
-            scaler.scale, scaler.clean_steps = max(scaler.scale / 2, scaler.min_scale), 0
-            plan += f", loss scale lowered to {scaler.scale:g}"
+        fresh = not self.numericals or iteration - self.numericals[-1] > cfg.spike_guard_rewind
+        self.numericals = [n for n in self.numericals if iteration - n <= cfg.spike_guard_rewind] + [iteration]
         reason = f"{self.pending}; numerical: " if self.pending else "numerical: "
         self.pending = None
+        if len(self.numericals) >= cfg.spike_guard_max_numerical:
+            return self._decide(iteration, "stop", reason + diagnosis["evidence"], f"a persistent numerical fault: "
+                                f"{len(self.numericals)} half-precision steps since iteration {self.numericals[0]} "
+                                "spiked and their fp32 replays did not; find the operation (tools/whatif.py, "
+                                "telemetry_interval=1) or train these iterations in fp32", cause="numerical",
+                                evidence=diagnosis["evidence"], persistent=True, start=iteration - 1)
+        plan = "the fp32 step applied; no data skipped, LR unchanged"
+        if scaler is not None and scaler.dynamic and fresh and scaler.scale / 2 > scaler.min_scale:
+            scaler.scale, scaler.clean_steps = scaler.scale / 2, 0
+            plan += f", loss scale lowered to {scaler.scale:g}"
         decision = self._decide(iteration, "retry", reason + diagnosis["evidence"], plan, cause="numerical",
-                                evidence=diagnosis["evidence"])
+                                evidence=diagnosis["evidence"], count=len(self.numericals))
         self.decisions.append(decision)
         return decision
 
@@ -372,7 +432,7 @@ def spikes_in(series, cfg, stats=None):
 SUSPECT = ("spike", "nan", "replicas differ")  # the train_step outcomes investigate() looks into
 
 
-def investigate(guard, parts, step, iteration, before, snapshots, rerun, forward):
+def investigate(guard, parts, step, iteration, before, snapshots, rerun, forward, other=None, per_sample=None):
     """Before the guard acts on a suspect step: (step, diagnosis). The weights and optimizer are still those
     before the step (a suspect step is never applied); before = (RNG state, loss scaler state) before it.
     1. replay: the step again, same weights, batch, RNG and loss scaler (rerun(judge, scaler) runs train_step on
@@ -388,8 +448,17 @@ def investigate(guard, parts, step, iteration, before, snapshots, rerun, forward
     4. the batch on the model of that snapshot (forward() is the loss of the batch on the live model). Still an
        outlier against that model's own trend: "data". The batch is ordinary there, the loss is not now: the
        update went wrong ("optimizer").
-    Costs one extra step (two in half precision: one of them in fp32) and one forward per spike; a clean run
-    never calls it."""
+    The verdict between 4's two is a counterfactual, asked on both signs of the loss: other() is another batch (the
+    last applied one) on the same weights, computed and never applied. Ordinary there: the weights are fine and
+    this batch is the cause ("data", however low its loss: a batch of one repeated token has a loss far below its
+    trend and a grad norm far above it). A spike there too: the updates since the snapshot did it ("optimizer";
+    the rollback changes the trajectory, SpikeGuard._rollback). per_sample() gives the batch's per-sample losses:
+    a minority far from the others' median is named (diagnosis "suspects"), with the batch's loss without them.
+    "Reproduced" means a spike again whose loss is within the run's own nondeterminism of the first (guard.noise,
+    measured when the guard arms, as Megatron's rerun state machine measures what it tolerates); a replay on which
+    the same DP rank disagrees again is a persistent fault of that rank, not a transient one.
+    Costs one extra step (two in half precision: one of them in fp32), one more step (not applied) for the
+    counterfactual and two forwards per spike; a clean run never calls it."""
     model, optimizer = parts.model, parts.optimizer
     first = f"loss {step.loss:.6g}, grad norm {step.grad_norm:.6g}"
     rows = list(train.replica_values)
@@ -399,6 +468,20 @@ def investigate(guard, parts, step, iteration, before, snapshots, rerun, forward
     parts.scaler.load_state_dict(scaler_before)  # the step's fp16 overflow counted once, not twice
     replay = rerun(guard.judge if guard.armed() else None)
     again = f"loss {replay.loss:.6g}, grad norm {replay.grad_norm:.6g}"
+    rows_again = list(train.replica_values)
+    differ_again = [r for r, row in enumerate(rows_again) if repr(row) != repr(rows_again[0])]
+    if differ and differ_again[:1] == differ[:1]:
+        rank = differ[0]
+        return replay, {"cause": "persistent", "rank": rank, "evidence": f"DP rank {rank} computed loss "
+                        f"{rows[rank][0]:.6g}, DP rank 0 {first}; replayed, DP rank {rank} again: loss "
+                        f"{rows_again[rank][0]:.6g}, DP rank 0 {again}"}
+    tolerance = reproduced_tolerance(guard.noise)
+    close = (not math.isfinite(step.loss) and not math.isfinite(replay.loss)) or \
+        abs(replay.loss - step.loss) <= tolerance * abs(step.loss)
+    if replay.outcome in SUSPECT and not close and not differ:
+        rank = 0 if parallel.grid.dp_size == 1 else None
+        return replay, {"cause": "hardware", "rank": rank, "evidence": f"first {first}; replayed: {again}, a spike "
+                        f"that differs by more than the run's nondeterminism allows ({tolerance:.2g} relative)"}
     if differ or replay.outcome not in SUSPECT:
         rank = differ[0] if differ else (0 if parallel.grid.dp_size == 1 else None)
         if differ:
@@ -426,6 +509,8 @@ def investigate(guard, parts, step, iteration, before, snapshots, rerun, forward
                         "test the batch on"}
     then, payload = found
     rng_after = checkpoint.rng_state()
+    counterfactual = other() if other is not None else None
+    checkpoint.set_rng_state(rng_after)
     gpt = parallel.unwrap(model)
     live = {k: v.detach().to("cpu", copy=True) for k, v in gpt.state_dict().items()}
     gpt.load_state_dict(payload[0])
@@ -437,11 +522,54 @@ def investigate(guard, parts, step, iteration, before, snapshots, rerun, forward
     expected_then, expected_now = trend.expected(), guard.series["loss"].expected()
     excess_now = replay.loss - expected_now if math.isfinite(replay.loss) else math.inf
     excess_then = old - expected_then if expected_then is not None and math.isfinite(old) else math.inf
-    data = excess_then >= 0.5 * excess_now if math.isfinite(excess_now) else not math.isfinite(old)
     evidence = (f"{replayed}; the batch on the model of iteration {then}: loss {old:.4g}, "
-                f"{excess_then:+.3g} against its trend, now {excess_now:+.3g}: the "
-                + ("batch is the outlier" if data else "batch is ordinary, the weights are not"))
-    return replay, {"cause": "data" if data else "optimizer", "evidence": evidence}
+                f"{excess_then:+.3g} against its trend, now {excess_now:+.3g}")
+    if counterfactual is not None:  # the counterfactual decides, on either sign of the loss
+        (other_step, other_iteration), pending = counterfactual, guard.pending
+        spike_there = (not math.isfinite(other_step.loss) or not math.isfinite(other_step.grad_norm)
+                       or bool(guard.judge(other_step.loss, other_step.grad_norm)))
+        guard.pending = pending
+        data = not spike_there
+        evidence += (f"; without it (iteration {other_iteration}'s batch on these weights): loss "
+                     f"{other_step.loss:.4g}, grad norm {other_step.grad_norm:.4g}, "
+                     + ("a spike too" if spike_there else "ordinary"))
+    else:  # no other batch to ask (the first armed step): the older model's answer, on the loss's sign alone
+        data = excess_then >= 0.5 * excess_now if math.isfinite(excess_now) else not math.isfinite(old)
+    diagnosis = {"cause": "data" if data else "optimizer", "since": then}
+    if data and per_sample is not None:
+        suspects, rest = minority(per_sample())
+        if suspects:
+            expected = expected_now if expected_now is not None else math.nan
+            evidence += (f"; {len(suspects)} samples far from the others (positions {', '.join(map(str, suspects))}), "
+                         f"the batch without them: loss {rest:.4g}, trend {expected:.4g}")
+            diagnosis["suspects"] = suspects
+    diagnosis["evidence"] = evidence + ": the " + (
+        "batch is the outlier" if data else "batch is ordinary, the weights are not")
+    return replay, diagnosis
+
+
+def reproduced_tolerance(noise):
+    """The relative difference between a spike and its replay still called the same: 16x the run's own measured
+    nondeterminism (None: not measured yet), and never under 1e-6 (CPU and deterministic kernels: bit for bit)."""
+    return max(16 * (noise or 0.0), 1e-6)
+
+
+def minority(losses, spread=4.0):
+    """([positions], mean loss of the others): the samples of a batch whose losses lie more than `spread` robust
+    scatters (1.4826 x the median absolute deviation) from the batch's median, on either side, if they are a
+    minority; ([], mean) when none or most are (then the whole batch is the suspect)."""
+    values = sorted(losses)
+    n = len(values)
+    if n < 3:
+        return [], sum(values) / max(n, 1)
+    median = values[n // 2]
+    mad = sorted(abs(v - median) for v in values)[n // 2]
+    bar = max(spread * 1.4826 * mad, 0.05 * abs(median))
+    far = [i for i, v in enumerate(losses) if abs(v - median) > bar]
+    if not far or 2 * len(far) >= n:
+        return [], sum(values) / n
+    kept = [v for i, v in enumerate(losses) if i not in far]
+    return far, sum(kept) / len(kept)
 
 
 def snapshot_stats(payload):
@@ -549,6 +677,9 @@ class Fp32Step:
         self.gpt, self.optimizer, self.keep = parallel.unwrap(model), optimizer, False
 
     def __enter__(self):
+        # fp32 means fp32: TF32 matmuls (Ampere on) keep a 10-bit mantissa, as little as fp16's
+        self.tf32 = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
         params = [p for p in self.gpt.parameters() if p.dtype != torch.float32]
         self.half = {p: p.data for p in params}
         for p, master in zip(params, master_weights(params, self.optimizer)):
@@ -563,6 +694,7 @@ class Fp32Step:
 
     @torch.no_grad()
     def __exit__(self, *exc):
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = self.tf32
         for p, half in self.half.items():
             if self.keep and exc[0] is None:
                 half.copy_(p.data)
@@ -590,11 +722,9 @@ def master_weights(params, optimizer):
 
 @torch.no_grad()
 def evaluate_batches(model, batches, cfg, device):
-    """The mean loss of these micro-batches, without dropout (the guard tests a batch with it)."""
-    model.eval()
-    loss = parallel.average_loss(train.forward_backward(model, batches, cfg, device, forward_only=True)).item()
-    model.train()
-    return loss
+    """The mean loss of these micro-batches in train mode (dropout on, as in the trend it is compared with: eval
+    mode would bias it low); the caller restores the RNG streams the dropout draws from."""
+    return parallel.average_loss(train.forward_backward(model, batches, cfg, device, forward_only=True)).item()
 
 
 # -----------------------------------------------------------------------------
@@ -602,9 +732,9 @@ def evaluate_batches(model, batches, cfg, device):
 
 
 @torch.no_grad()
-def highest_loss_samples(model, batches, first_sample, cfg, count=3):
-    """[(loss, sample index)] of the `count` samples with the highest loss in this global batch, one forward
-    without dropout; all ranks take part (PP=1 only: a pipeline returns no per-sample losses)."""
+def sample_losses(model, batches, cfg):
+    """The loss of each sample of this global batch (in global batch order), one forward without dropout; all
+    ranks take part (PP=1 only: a pipeline returns no per-sample losses)."""
     g, mbs = parallel.grid, cfg.micro_batch_size
     device = batches[0][0].device
     losses = torch.zeros(len(batches) * mbs * g.dp_size, device=device)
@@ -618,6 +748,15 @@ def highest_loss_samples(model, batches, first_sample, cfg, count=3):
     model.train(was_training)
     if g.dp_group is not None and g.dp_size > 1:
         dist.all_reduce(losses, group=g.dp_group)  # each sample's slot is filled by one DP rank
+    return losses
+
+
+def highest_loss_samples(model, batches, first_sample, cfg, count=3, positions=None):
+    """[(loss, sample index)] of the `count` samples with the highest loss in this global batch (or of those at
+    `positions` in it: a minority the diagnosis found, low losses included)."""
+    losses = sample_losses(model, batches, cfg)
+    if positions:
+        return [(float(losses[i]), first_sample + i) for i in positions]
     top = torch.topk(losses, min(count, losses.numel()))
     return [(loss, first_sample + i) for loss, i in zip(top.values.tolist(), top.indices.tolist())]
 
@@ -636,7 +775,7 @@ def name_samples(model, batches, first_sample, cfg, dataset, seqlen, iteration, 
         print0(f"spike guard: iteration {iteration}: samples {first_sample}-{first_sample + cfg.global_batch_size - 1}"
             " (not ranked by loss with pipeline parallelism; tools/show_samples.py decodes them)")
         return []
-    named = highest_loss_samples(model, batches, first_sample, cfg)
+    named = highest_loss_samples(model, batches, first_sample, cfg, positions=(decision or {}).get("suspects"))
     records = []
     for loss, index in named:
         print0(f"spike guard: iteration {iteration}: sample {index} (loss {loss:.3f}): "
