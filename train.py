@@ -111,6 +111,9 @@ class Hooks:
         pass
 
 
+NO_HOOKS = Hooks()  # a run with no stability switch: the loop calls these, which do nothing
+
+
 @dataclass
 class Iteration:
     """The iteration the loop is running, as the hooks see it."""
@@ -125,7 +128,7 @@ class Iteration:
 def run(cfg, grid, exit_signal=lambda: False, writer=None, hooks=None):
     """Train (or, with eval_only, evaluate) the configured model; returns the run state. exit_signal() says when
     a SIGTERM asks to save and stop; writer: the checkpoint.AsyncWriter saves go through (None: synchronous)."""
-    device, schedule, hooks = launch.setup(cfg), Schedule(cfg, grid.dp_size), hooks or Hooks()
+    device, schedule, hooks = launch.setup(cfg), Schedule(cfg, grid.dp_size), hooks or NO_HOOKS
     parts = build(cfg, grid, schedule, device, hooks)
     train_data, valid_data = loader.build_data(cfg, schedule, hooks.documents_to_skip)
     if cfg.load:
@@ -198,7 +201,7 @@ def build(cfg, grid, schedule, device, hooks=None):
     if cfg.deepspeed:
         model, optimizer = deepspeed_engine.initialize(cfg, model, optimizer)
     print0(schedule.describe())
-    return run_state.Parts(cfg, model, optimizer, schedule, optim.scaler_for(cfg), hooks or Hooks())
+    return run_state.Parts(cfg, model, optimizer, schedule, optim.scaler_for(cfg), hooks or NO_HOOKS)
 
 
 # -----------------------------------------------------------------------------
@@ -246,8 +249,6 @@ def agree(loss, grad_norm, *more):
     replica_values = rows
     return (*rows[0], len({repr(r) for r in rows}) > 1)
 
-
-NO_HOOKS = Hooks()
 
 
 def train_step(model, optimizer, scaler, batches, lr, cfg, device, count_zeros=True, hooks=NO_HOOKS):
