@@ -340,7 +340,7 @@ def _workers_agree_when_to_exit():
         assert exit_signal() is False
         if rank == 1:  # torchrun forwards SIGTERM to every worker, but they need not get it in the same iteration
             os.kill(os.getpid(), signal.SIGTERM)
-        assert exit_signal() is True, rank
+        assert exit_signal() == "SIGTERM", rank
     finally:
         exit_signal.restore()
     # exit_duration_in_mins runs on rank 0's clock: a worker whose clock says otherwise follows rank 0
@@ -355,19 +355,24 @@ def test_sigterm_and_exit_duration_are_agreed_across_workers():
 
 
 @pytest.mark.parametrize("signum", [signal.SIGUSR1, signal.SIGTERM])
-def test_the_documented_slurm_signal_asks_to_save_and_exit(signum):
+def test_the_documented_slurm_signal_asks_to_save_and_exit(signum, capsys):
     """docs/parallelism.md's recipe sends SIGUSR1 ten minutes ahead (#SBATCH --signal=USR1@600) to every task;
-    the time limit's SIGTERM still counts. The previous handlers come back at the end."""
+    the time limit's SIGTERM still counts, and the log names the one that came (not "SIGTERM" for a SIGUSR1).
+    The previous handlers come back at the end."""
     import safety
     before = {s: signal.getsignal(s) for s in safety.ExitSignal.SIGNALS}
     exit_signal = safety.ExitSignal(True)
     try:
         assert exit_signal() is False
         os.kill(os.getpid(), signum)
-        assert exit_signal() is True
+        assert exit_signal() == signal.Signals(signum).name
+        assert exit_signal() == signal.Signals(signum).name  # asked again (every iteration): said once
     finally:
         exit_signal.restore()
     assert {s: signal.getsignal(s) for s in safety.ExitSignal.SIGNALS} == before
+    said = [line for line in capsys.readouterr().out.splitlines() if line.startswith("exit_signal_handler:")]
+    assert said == [f"exit_signal_handler: {signal.Signals(signum).name} received; saving and exiting at the end of "
+                    "this iteration"]
     with open(os.path.join(ROOT, "docs", "parallelism.md")) as f:
         doc = f.read()
     assert "#SBATCH --signal=USR1@600" in doc and "--exit_signal_handler" in doc and "--kill-on-bad-exit=1" in doc
