@@ -227,7 +227,8 @@ class RunGuard:
 
 class ExitSignal:
     """Remembers a SIGTERM or SIGUSR1; `exit_signal()` is its name ("SIGUSR1", true) on every rank at the same
-    iteration once any rank got one, and logs it: a run stopped ahead of its time limit says which signal stopped it. SIGUSR1 is the SLURM recipe's (docs/parallelism.md: `#SBATCH --signal=USR1@600`, srun starting the
+    iteration once any rank got one, and logs it: a run stopped ahead of its time limit says which signal stopped
+    it. SIGUSR1 is the SLURM recipe's (docs/parallelism.md: `#SBATCH --signal=USR1@600`, srun starting the
     workers): torchrun turns a SIGTERM into a SIGTERM to its workers and kills them 30 s later, before a large
     model's save ends; a SIGUSR1 that SLURM sends each task, minutes ahead, leaves them the time."""
 
