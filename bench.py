@@ -335,7 +335,9 @@ def step_costs(fetch, run, optimizer, device):
             run(batches)
         sync(device)
         wall = (time.perf_counter() - t0) * 1e6  # microseconds, the profiler's unit
-    events = prof.events()
+    # the host's events: ops and ranges (a kernel's time is its launching op's self_device_time_total; the
+    # kernels' own events and the ranges' GPU-side copies would count it again)
+    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU]
     main = next(e for e in events if e.name == "bench: step")
     spent = dict.fromkeys(COSTS, 0.0)
     for e in events:
