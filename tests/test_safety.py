@@ -343,6 +343,13 @@ def _workers_agree_when_to_exit():
         assert exit_signal() == "SIGTERM", rank
     finally:
         exit_signal.restore()
+    exit_signal = safety.ExitSignal(True)  # SLURM's early SIGUSR1 to one task: every rank names it, not SIGTERM
+    try:
+        if rank == 1:
+            os.kill(os.getpid(), signal.SIGUSR1)
+        assert exit_signal() == "SIGUSR1", rank
+    finally:
+        exit_signal.restore()
     # exit_duration_in_mins runs on rank 0's clock: a worker whose clock says otherwise follows rank 0
     cfg = types.SimpleNamespace(exit_interval=None, exit_duration_in_mins=1.0)
     now = time.time()
