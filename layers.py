@@ -77,3 +77,22 @@ def document_mask(documents):
     T = documents.shape[1]
     causal = torch.ones(T, T, dtype=torch.bool, device=documents.device).tril()
     return ((documents[:, :, None] == documents[:, None, :]) & causal).unsqueeze(1)
+
+
+def packed_inputs(tokens, eod, reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False):
+    """The model's keyword inputs for a micro-batch of input tokens (B, T) under Megatron's data flags, as
+    get_ltor_masks_and_position_ids makes them, computed on the tokens' device in a few vectorised ops (no loop
+    over samples or documents, no host sync): documents (the block-diagonal mask, reset_attention_mask), positions
+    (restarting after each end-of-document token, reset_position_ids) and loss_mask (0 where the *input* token is
+    the end-of-document: no loss on predicting the first token of the next document, eod_mask_loss). Any
+    combination, as in Megatron: reset positions alone still attend across documents."""
+    inputs = {}
+    if reset_position_ids or reset_attention_mask:
+        documents = document_ids(tokens, eod)
+        if reset_attention_mask:
+            inputs["documents"] = documents
+        if reset_position_ids:
+            inputs["positions"] = document_positions(documents)
+    if eod_mask_loss:
+        inputs["loss_mask"] = (tokens != eod).float()
+    return inputs

@@ -23,8 +23,8 @@ Switches, each from a lesson of docs/lessons.md (docs/levers.md has the table):
 - The Llama / OLMo 2 block, by Megatron's flag names: normalization="rmsnorm", swiglu (with ffn_hidden_size),
   num_query_groups (GQA and MQA; TP splits the groups), untie_embeddings_and_output_weights (an output layer of
   its own, vocab-parallel, drawn and decayed as the embedding), add_bias_linear=False, rotary_base; RMSNorm and
-  SwiGLU live in layers.py. Packed documents: forward(documents=) attends within each document only, positions
-  restarting at each (Megatron's reset_attention_mask and reset_position_ids).
+  SwiGLU live in layers.py. Packed documents (Megatron's reset_attention_mask, reset_position_ids, eod_mask_loss):
+  forward(documents=, positions=, loss_mask=), made from the tokens by layers.packed_inputs.
 
 A fork changes one place each: every normalization is norm(), the block's feed-forward is chosen in mlp(), a
 position embedding is a POSITION_EMBEDDINGS entry plus what GPT.positions hands each layer's attention. The
@@ -579,22 +579,24 @@ class GPT(nn.Module):
 
     # -- forward ----------------------------------------------------------------------------------------------
 
-    def forward(self, x, targets=None, documents=None):
-        """x: token ids (B, T) on the first stage, hidden states (B, T, H) on the others. documents: (B, T) index of
-        each token's document (layers.document_ids) for packed documents that do not see each other: attention
-        within a document only, positions restarting at each document (Megatron's reset_attention_mask and
-        reset_position_ids together); every stage needs it.
+    def forward(self, x, targets=None, documents=None, positions=None, loss_mask=None):
+        """x: token ids (B, T) on the first stage, hidden states (B, T, H) on the others. Packed documents (Megatron's
+        data flags; layers.packed_inputs makes these from the input tokens, and every stage needs them):
+        documents, (B, T) index of each token's document, attends within a document only (reset_attention_mask);
+        positions, (B, T) position ids, replace 0..T-1 for learned positions and rotary (reset_position_ids);
+        loss_mask, (B, T) weights of the tokens' losses, gives sum(loss * mask) / sum(mask) (eod_mask_loss).
 
         Returns hidden states on a non-last stage; on the last, the mean lm loss if targets are given, otherwise
         this TP rank's slice of the logits. In training with z_loss > 0 the lm loss's gradient includes the
         z-loss (cross_entropy.linear_cross_entropy), whose value is kept for pop_z_loss(); evaluation
         reports the lm loss alone."""
-        positions = None if documents is None else layers.document_positions(documents)
         if self.pre_process:
             x = self.embed(x, positions)
         bias, rotary = self.positions(x)
         if documents is not None:
-            bias, rotary = self.separate_documents(documents, positions, bias, rotary, x.dtype)
+            bias = self.separate_documents(documents, bias, x.dtype)
+        if positions is not None and rotary is not None:  # each token's angles at its position in its document
+            rotary = tuple(t[positions].unsqueeze(1) for t in rotary)
         for block in self.blocks.values():
             if self.cfg.checkpoint_activations and self.training:
                 x = rng.checkpoint(block, x, bias, rotary)  # recomputed with both dropout streams replayed (lesson 22)
@@ -611,7 +613,11 @@ class GPT(nn.Module):
         # the padding columns are left out of the softmax (every padding, so every TP size, is the same model),
         # unless padded_vocab_in_softmax asks for Megatron's softmax over all of them (docs/lessons.md, lesson 16)
         vocab = None if self.cfg.padded_vocab_in_softmax else self.cfg.vocab_size
-        loss, log_z = cross_entropy.linear_cross_entropy(x, weight, targets, vocab, z_loss, reduction="mean")
+        if loss_mask is None:
+            loss, log_z = cross_entropy.linear_cross_entropy(x, weight, targets, vocab, z_loss, reduction="mean")
+        else:  # Megatron's count: the masked tokens' mean (per-token losses: backward computes the logits again)
+            loss, log_z = cross_entropy.linear_cross_entropy(x, weight, targets, vocab, z_loss)
+            loss = (loss * loss_mask).sum() / loss_mask.sum().clamp(min=1)  # a batch of eods only: 0, not NaN
         if self.logits_probe is not None:
             self.logits_probe(log_z, x, weight)
         if z_loss:
@@ -630,20 +636,15 @@ class GPT(nn.Module):
             self.positions_cache = (key, self.build_positions(*key))
         return self.positions_cache[1]
 
-    def separate_documents(self, documents, positions, bias, rotary, dtype):
-        """(bias, rotary) of packed documents: the causal mask cut block-diagonal, (B, 1 or heads, T, T), added to
-        the scores (ALiBi's relative bias needs no reset: i - j is the same within a document); rotary's angles
-        taken at each token's position in its document, (B, 1, T, head_dim). The mask is materialised: the CPU's
-        SDPA takes it as attn_mask."""
+    def separate_documents(self, documents, bias, dtype):
+        """The attention bias of packed documents: the causal mask cut block-diagonal, (B, 1 or heads, T, T), added to
+        the scores (ALiBi's relative bias needs no reset: i - j is the same within a document). The mask is
+        materialised: the CPU's SDPA takes it as attn_mask."""
         mask = layers.document_mask(documents)
         if bias is None:
             bias = torch.zeros(mask.shape, dtype=torch.promote_types(dtype, torch.float32), device=mask.device)
         bias = bias.masked_fill(~mask, float("-inf"))
-        if not self.cfg.unfused_attention:
-            bias = bias.to(dtype)
-        if rotary is not None:
-            rotary = tuple(t[positions].unsqueeze(1) for t in rotary)
-        return bias, rotary
+        return bias if self.cfg.unfused_attention else bias.to(dtype)
 
     def build_positions(self, T, compute_dtype, device):
         dtype = torch.promote_types(compute_dtype, torch.float32)

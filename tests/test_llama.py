@@ -16,7 +16,7 @@ import torch.nn.functional as F
 import hf
 import parallel
 from helpers import ROOT, gather, random_batches, spawn, stage, synthetic_corpus  # noqa: F401 (a fixture)
-from layers import RMSNorm, document_ids
+from layers import RMSNorm, document_ids, packed_inputs
 from model import GPT, GPTConfig, rotary_cos_sin
 
 sys.path.insert(0, os.path.join(ROOT, "tools"))
@@ -31,12 +31,12 @@ LLAMA_TINY = dict(num_layers=4, hidden_size=32, num_attention_heads=4, num_query
 # Every layout computes the one-process model
 
 
-def _one_process(cfg, batches, documents=None):
+def _one_process(cfg, batches, packed=None):
     real, parallel.grid = parallel.grid, parallel.Grid(1, 1, world_size=1, rank=0)
     try:
         model = GPT(cfg)
         model.init_weights(1234)
-        loss = sum(model(x, y, documents=documents) for x, y in batches) / len(batches)
+        loss = sum(model(x, y, **(packed or {})) for x, y in batches) / len(batches)
         loss.backward()
         return loss.item(), {n: p.grad for n, p in model.named_parameters()}
     finally:
@@ -77,10 +77,10 @@ def _llama_layout(tp, pp):
         x, y = batches[0]
         x = x.clone()
         x[:, [4, 9]] = 0
-        documents = document_ids(x, 0)
-        expected, _ = _one_process(cfg, [(x, y)], documents)
+        packed = packed_inputs(x, 0, reset_position_ids=True, reset_attention_mask=True)
+        expected, _ = _one_process(cfg, [(x, y)], packed)
         with torch.no_grad():
-            assert math.isclose(model(x, y, documents=documents).item(), expected, rel_tol=1e-12)
+            assert math.isclose(model(x, y, **packed).item(), expected, rel_tol=1e-12)
 
 
 def _llama_layouts():
@@ -362,7 +362,7 @@ def test_packed_documents_compute_each_document_alone(block):
         tokens[row, ends] = eod
     documents = document_ids(tokens, eod)
     with torch.no_grad():
-        packed = gpt(tokens, documents=documents)
+        packed = gpt(tokens, **packed_inputs(tokens, eod, reset_position_ids=True, reset_attention_mask=True))
         unmasked = gpt(tokens)
         for row, ends in enumerate(cuts):
             bounds = [0] + [e + 1 for e in ends] + [24]
