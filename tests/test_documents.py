@@ -7,6 +7,7 @@ tested in test_llama.py.
 """
 import itertools
 import math
+import re
 import types
 
 import pytest
@@ -207,3 +208,32 @@ def test_flags_that_cannot_work_are_refused_by_name():
                                             "--reset_position_ids"]))
     with pytest.raises(ValueError, match="end-of-document id 50256, which is not below vocab_size=512"):
         loader.check(arguments.load_config(["config/tiny.py", "--vocab_size=512", "--eod_mask_loss"]))
+
+
+# -----------------------------------------------------------------------------
+# End to end: train.py's step and evaluation
+
+
+@pytest.mark.slow
+def test_train_py_packs_documents_in_training_and_evaluation(tmp_path):
+    """python train.py with the three flags on a corpus of short documents (GPT-2's end-of-document id): the
+    training losses and the validation loss change -- the flags reach train_step and evaluate."""
+    import numpy as np
+
+    import data
+    from helpers import log_fields, run_main
+    rng = np.random.default_rng(0)
+    prefix = str(tmp_path / "short")
+    data.write_indexed_dataset(prefix, [list(rng.integers(0, 100, rng.integers(3, 12))) + [data.EOD]
+                                        for _ in range(400)])
+    base = ["--num_layers=2", "--hidden_size=32", "--num_attention_heads=4", "--seq_length=32",
+            "--micro_batch_size=4", "--global_batch_size=8", "--train_iters=2", "--log_interval=1",
+            "--eval_interval=2", "--eval_iters=1", "--split=80,20,0", f"--data_path={prefix}", "--device=cpu",
+            "--save=none", "--save_interval=none", "--sample_tokens=0", "--lr_warmup_samples=0"]
+    valid = re.compile(r"validation loss at iteration 2 \| lm loss value: (\S+)")
+    runs = {}
+    for flags in ((), ("--reset_position_ids", "--reset_attention_mask", "--eod_mask_loss")):
+        out = run_main(*base, *flags)
+        runs[flags] = (log_fields(out)[1]["lm loss"], log_fields(out)[2]["lm loss"], valid.search(out).group(1))
+    plain, packed = runs.values()
+    assert all(a != b for a, b in zip(plain, packed)), runs
