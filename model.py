@@ -70,6 +70,8 @@ class GPTConfig:
     untie_embeddings_and_output_weights: bool = False  # an output layer of its own, not the word embedding
     add_bias_linear: bool = True  # biases in the linear layers (Llama and OLMo 2 have none)
     rotary_base: float = 10000.0  # rotary's theta (Llama 3: 500000)
+    use_rope_scaling: bool = False  # Llama 3.1's long-context rotary frequencies (transformers' rope_type llama3)
+    rope_scaling_factor: float = 8.0  # with use_rope_scaling: the low frequencies divided by this (Llama 3.2: 32)
     # -- stability: the switches of the 104B, 176B and OPT-175B runs --
     activation: str = "gelu"  # gelu (exact, erf) | gelu_tanh (GPT-2, Megatron's fused bias-GeLU) | relu (OPT)
     init_method_std: float | str = 0.02  # std of the init, or "small_init" = sqrt(2/(5*hidden_size))
@@ -160,6 +162,10 @@ class GPTConfig:
             (not (self.swiglu and self.normformer), "normformer with swiglu: NormFormer's FFN LayerNorm belongs to "
              "the plain MLP; turn one of them off"),
             (self.rotary_base > 0, f"rotary_base={self.rotary_base} must be positive (10000; Llama 3: 500000)"),
+            (not self.use_rope_scaling or self.position_embedding_type == "rotary", "use_rope_scaling scales "
+             "rotary's frequencies: set position_embedding_type='rotary' or drop it"),
+            (self.rope_scaling_factor >= 1, f"rope_scaling_factor={self.rope_scaling_factor} must be at least 1 "
+             "(Llama 3.1: 8, Llama 3.2: 32)"),
             (self.position_embedding_type in POSITION_EMBEDDINGS, f"position_embedding_type="
              f"{self.position_embedding_type!r} is not one of {', '.join(POSITION_EMBEDDINGS)}"),
             (self.position_embedding_init in ("normal", "sinusoidal"),
@@ -232,14 +238,32 @@ def alibi_bias(slopes, seq_len, dtype=torch.float32, device=None):
     return bias.masked_fill(distance > 0, float("-inf"))
 
 
-def rotary_cos_sin(seq_len, head_dim, dtype=torch.float32, device=None, base=10000.0):
+def rotary_cos_sin(seq_len, head_dim, dtype=torch.float32, device=None, base=10000.0, scaling_factor=None):
     """cos and sin, (seq, head_dim), of rotary embeddings (Su et al. 2021) as GPT-NeoX and Megatron-DeepSpeed
     lay them out: position t times the frequencies base^(-2i/d), i < d/2, the list written twice (feature i and
-    i + d/2 turn together). Computed in `dtype` (fp32 at least) on `device`, for every layer at once."""
+    i + d/2 turn together). Computed in `dtype` (fp32 at least) on `device`, for every layer at once.
+    scaling_factor: Llama 3.1's frequencies (llama3_frequencies)."""
     inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, device=device, dtype=dtype) / head_dim)
+    if scaling_factor is not None:
+        inv_freq = llama3_frequencies(inv_freq, scaling_factor)
     angles = torch.outer(torch.arange(seq_len, device=device, dtype=dtype), inv_freq)
     angles = torch.cat((angles, angles), dim=-1)
     return angles.cos(), angles.sin()
+
+
+LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+def llama3_frequencies(inv_freq, factor, low_freq_factor=1.0, high_freq_factor=4.0, original=8192):
+    """Llama 3.1's rotary frequencies for long contexts (Megatron's --use-rope-scaling, transformers' rope_type
+    "llama3", with Llama 3's LLAMA3_ROPE constants): wavelengths shorter than original / high_freq_factor kept,
+    those longer than original / low_freq_factor stretched `factor` times, the ones between interpolated."""
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > original / low_freq_factor, inv_freq / factor, inv_freq)
+    smooth = (original / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= original / high_freq_factor) & (wavelen <= original / low_freq_factor)
+    return torch.where(medium, smoothed, scaled)
 
 
 def apply_rotary(x, cos, sin):
@@ -654,7 +678,8 @@ class GPT(nn.Module):
             return (bias if self.cfg.unfused_attention else bias.to(compute_dtype)), None
         if self.cfg.position_embedding_type == "rotary":
             head_dim = self.cfg.hidden_size // self.cfg.num_attention_heads
-            cos, sin = rotary_cos_sin(T, head_dim, dtype, device, base=self.cfg.rotary_base)
+            factor = self.cfg.rope_scaling_factor if self.cfg.use_rope_scaling else None
+            cos, sin = rotary_cos_sin(T, head_dim, dtype, device, base=self.cfg.rotary_base, scaling_factor=factor)
             return None, (cos.to(compute_dtype), sin.to(compute_dtype))
         return None, None
 

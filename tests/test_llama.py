@@ -17,7 +17,7 @@ import hf
 import parallel
 from helpers import ROOT, gather, random_batches, spawn, stage, synthetic_corpus  # noqa: F401 (a fixture)
 from layers import RMSNorm, document_ids, packed_inputs
-from model import GPT, GPTConfig, rotary_cos_sin
+from model import GPT, GPTConfig, llama3_frequencies, rotary_cos_sin
 
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 
@@ -183,14 +183,15 @@ def test_qk_layernorm_comes_before_rotary_against_a_hand_written_attention():
 # transformers' LlamaForCausalLM both ways
 
 
-def _llama_dir(path, tie, vocab=32000, seed=0):
+def _llama_dir(path, tie, vocab=32000, seed=0, rope=None):
     """A random LlamaForCausalLM (GQA 8 heads / 2 groups, rope_theta 500000) saved in path, its weights drawn
     wide enough that every part of the model moves the logits."""
     import transformers
     torch.manual_seed(seed)
     c = transformers.LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                                  num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=64,
-                                 rope_theta=500000.0, tie_word_embeddings=tie, rms_norm_eps=1e-6)
+                                 rope_parameters=rope or {"rope_type": "default", "rope_theta": 500000.0},
+                                 tie_word_embeddings=tie, rms_norm_eps=1e-6)
     model = transformers.LlamaForCausalLM(c).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -199,8 +200,8 @@ def _llama_dir(path, tie, vocab=32000, seed=0):
     return model
 
 
-def _batch(vocab, seed=1):
-    ids = torch.randint(0, vocab, (2, 33), generator=torch.Generator().manual_seed(seed))
+def _batch(vocab, seed=1, seq=32):
+    ids = torch.randint(0, vocab, (2, seq + 1), generator=torch.Generator().manual_seed(seed))
     return ids[:, :-1], ids[:, 1:]
 
 
@@ -284,16 +285,50 @@ def test_llama_export_generates_the_same_logits(tie, tmp_path):
         assert torch.equal(a, b), name
 
 
-def test_llama_rope_scaling_is_refused_by_name(tmp_path):
+LLAMA3 = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
+          "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}  # Llama-3.2-1B's
+
+
+def test_llama3_rope_frequencies_are_transformers():
+    """use_rope_scaling's frequencies are LlamaRotaryEmbedding's for rope_type llama3, bit for bit (head size 64,
+    Llama 3.2's factor 32: high, medium and low frequencies all present)."""
     import transformers
-    c = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                 num_attention_heads=4, num_key_value_heads=2,
-                                 rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0,
-                                                  "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                                  "original_max_position_embeddings": 8192})
-    c.save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match="rope scaling of type 'llama3'"):
-        hf.config_from_hf(str(tmp_path))
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+    c = transformers.LlamaConfig(hidden_size=512, num_attention_heads=8, rope_parameters=dict(LLAMA3))
+    theirs = LlamaRotaryEmbedding(c).inv_freq
+    plain = 1.0 / 500000.0 ** (torch.arange(0, 64, 2, dtype=torch.float32) / 64)
+    ours = llama3_frequencies(plain, 32.0)
+    assert torch.equal(ours, theirs)
+    wavelen = 2 * math.pi / plain
+    assert (wavelen < 2048).any() and (wavelen > 8192).any() and ((wavelen > 2048) & (wavelen < 8192)).any()
+    cos, _ = rotary_cos_sin(9000, 64, base=500000.0, scaling_factor=32.0)
+    assert torch.equal(cos[8999, :32], torch.cos(8999 * ours))
+
+
+def test_llama3_rope_scaling_imports_and_exports(tmp_path):
+    """A LlamaForCausalLM with rope_type llama3 imports as use_rope_scaling (first loss and logits transformers'
+    at 64 positions) and its config exports back; other llama3 constants than Llama 3's are refused by name."""
+    theirs = _llama_dir(tmp_path, tie=False, rope=dict(LLAMA3, factor=8.0))
+    x, y = _batch(32000, seq=64)
+    expected, logits = _hf_loss(theirs, x, y)
+    cfg = _imported(tmp_path)
+    assert (cfg.use_rope_scaling, cfg.rope_scaling_factor) == (True, 8.0)
+    ours = GPT(cfg)
+    hf.load_into(ours, str(tmp_path))
+    ours.eval()
+    with torch.no_grad():
+        loss, our_logits = ours(x, y).item(), ours(x)[..., :32000]
+        unscaled = GPT(GPTConfig(**{**cfg.__dict__, "use_rope_scaling": False}))
+        unscaled.load_state_dict(ours.state_dict())
+        unscaled_logits = unscaled.eval()(x)[..., :32000]
+    assert abs(loss - expected) <= 1e-5 * expected, (loss, expected)
+    torch.testing.assert_close(our_logits, logits, rtol=1e-4, atol=1e-4)
+    assert (unscaled_logits - logits).abs().max() > 1e-2  # the scaling shows at these positions
+    hf.hf_config(cfg).save_pretrained(tmp_path / "export")
+    assert hf.config_from_hf(str(tmp_path / "export")) == hf.config_from_hf(str(tmp_path))
+    _llama_dir(tmp_path / "other", tie=False, vocab=64, rope=dict(LLAMA3, original_max_position_embeddings=4096))
+    with pytest.raises(ValueError, match=r"rope_type 'llama3' with \{'original_max_position_embeddings': 4096\}"):
+        hf.config_from_hf(str(tmp_path / "other"))
 
 
 # -----------------------------------------------------------------------------
