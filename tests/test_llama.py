@@ -15,7 +15,8 @@ import torch.nn.functional as F
 
 import hf
 import parallel
-from helpers import ROOT, gather, random_batches, spawn, stage, synthetic_corpus  # noqa: F401 (a fixture)
+from helpers import (ROOT, assert_same_checkpoint, corpus, gather, losses, random_batches, run_main,  # noqa: F401
+                     spawn, stage, synthetic_corpus)  # corpus, synthetic_corpus: fixtures
 from layers import RMSNorm, document_ids, packed_inputs
 from model import GPT, GPTConfig, llama3_frequencies, rotary_cos_sin
 
@@ -329,6 +330,23 @@ def test_llama3_rope_scaling_imports_and_exports(tmp_path):
     _llama_dir(tmp_path / "other", tie=False, vocab=64, rope=dict(LLAMA3, original_max_position_embeddings=4096))
     with pytest.raises(ValueError, match=r"rope_type 'llama3' with \{'original_max_position_embeddings': 4096\}"):
         hf.config_from_hf(str(tmp_path / "other"))
+
+
+@pytest.mark.slow
+def test_imported_llama_resumes_bit_exactly(corpus, tmp_path):
+    """train.py --init_from_hf of a random LlamaForCausalLM (GQA, untied, llama3 rope scaling) at GPT-2's
+    vocabulary on the bundled corpus: 4 iterations straight, or 2, a save, and 2 more resumed -- the same losses
+    and the same checkpoint bit for bit (weights, Adam's moments, the RNG streams)."""
+    _llama_dir(tmp_path / "llama", tie=False, vocab=50257, rope=dict(LLAMA3, factor=8.0))
+    argv = ["config/finetune.py", f"--init_from_hf={tmp_path / 'llama'}", f"--data_path={corpus}", "--bf16=false",
+            "--micro_batch_size=2", "--global_batch_size=4", "--log_interval=1", "--eval_iters=0",
+            "--lr_warmup_samples=0", "--lr=1e-3", "--lr_decay_samples=40", "--save_interval=none"]
+    straight = run_main(*argv, "--train_iters=4", f"--save={tmp_path / 'a'}")
+    run_main(*argv, "--train_iters=2", f"--save={tmp_path / 'b'}")
+    resumed = run_main(*argv, "--train_iters=4", f"--save={tmp_path / 'b'}")
+    assert "not loaded: resuming from the checkpoint" in resumed
+    assert losses(resumed) == {i: losses(straight)[i] for i in (3, 4)}
+    assert_same_checkpoint(tmp_path / "a", tmp_path / "b", 4)
 
 
 # -----------------------------------------------------------------------------
