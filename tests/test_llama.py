@@ -218,10 +218,10 @@ def _imported(directory, tp=1):
     return cfg
 
 
-@pytest.mark.parametrize("tie", [False, True])
-def test_llama_import_first_loss_equals_transformers(tie, tmp_path):
-    theirs = _llama_dir(tmp_path, tie)
-    x, y = _batch(32000)
+@pytest.mark.parametrize("tie, vocab", [(False, 32000), (True, 32000), (False, 128256)])  # Llama 2's, Llama 3's
+def test_llama_import_first_loss_equals_transformers(tie, vocab, tmp_path):
+    theirs = _llama_dir(tmp_path, tie, vocab)
+    x, y = _batch(vocab)
     expected, logits = _hf_loss(theirs, x, y)
     cfg = _imported(tmp_path)
     assert (cfg.untie_embeddings_and_output_weights, cfg.num_query_groups, cfg.rotary_base) == (not tie, 2, 5e5)
@@ -230,7 +230,7 @@ def test_llama_import_first_loss_equals_transformers(tie, tmp_path):
     ours.eval()
     with torch.no_grad():
         loss = ours(x, y).item()
-        our_logits = ours(x)[..., :32000]
+        our_logits = ours(x)[..., :vocab]
     assert logits.std() > 1.0  # the weights are wide enough for the logits to tell models apart
     assert abs(loss - expected) <= 1e-5 * expected, (loss, expected)
     torch.testing.assert_close(our_logits, logits, rtol=1e-4, atol=1e-4)
