@@ -678,8 +678,8 @@ class GPT(nn.Module):
             return (bias if self.cfg.unfused_attention else bias.to(compute_dtype)), None
         if self.cfg.position_embedding_type == "rotary":
             head_dim = self.cfg.hidden_size // self.cfg.num_attention_heads
-            factor = self.cfg.rope_scaling_factor if self.cfg.use_rope_scaling else None
-            cos, sin = rotary_cos_sin(T, head_dim, dtype, device, base=self.cfg.rotary_base, scaling_factor=factor)
+            scaling = {"scaling_factor": self.cfg.rope_scaling_factor} if self.cfg.use_rope_scaling else {}
+            cos, sin = rotary_cos_sin(T, head_dim, dtype, device, base=self.cfg.rotary_base, **scaling)
             return None, (cos.to(compute_dtype), sin.to(compute_dtype))
         return None, None
 
