@@ -191,11 +191,11 @@ def _layout_with_flags():
                                        msg=lambda m: f"{g} {flags} {name}: {m}")
 
 
-def test_tp2_and_pp2_with_the_flags_match_one_process():
+@pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2)])
+def test_tp2_and_pp2_with_the_flags_match_one_process(tp, pp):
     """Every pipeline stage makes the documents and positions from its own copy of the micro-batch's tokens (the
     last the loss mask too): PP2's 1F1B schedule and TP2 compute one process's loss and gradients."""
-    spawn(_layout_with_flags, 2, 2, 1)
-    spawn(_layout_with_flags, 2, 1, 2)
+    spawn(_layout_with_flags, 2, tp, pp)
 
 
 # -----------------------------------------------------------------------------
