@@ -210,12 +210,14 @@ def build(cfg, grid, schedule, device, hooks=None):
 
 def forward_backward(model, batches, cfg, device, loss_scale=1.0, forward_only=False):
     """Mean lm loss over this rank's micro-batches; accumulates (scaled) gradients unless forward_only.
-    No host sync: the loss stays a tensor."""
+    No host sync: the loss stays a tensor. Megatron's data flags (reset_position_ids, reset_attention_mask,
+    eod_mask_loss): the model's documents, positions and loss mask made from each micro-batch's tokens."""
+    packing = loader.packing(cfg)
     if parallel.grid.pp_size > 1:
-        return parallel.pipeline_forward_backward(model, batches, loss_scale, forward_only)
+        return parallel.pipeline_forward_backward(model, batches, loss_scale, forward_only, packing)
     total = torch.zeros((), device=device)
     for x, y in batches:
-        loss = model(x, y)
+        loss = model(x, y, **packing(x)) if packing else model(x, y)
         if not forward_only:
             parallel.backward(loss * (loss_scale / len(batches)))
         total += loss.detach()
