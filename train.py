@@ -127,7 +127,7 @@ class Iteration:
 
 def run(cfg, grid, exit_signal=lambda: False, writer=None, hooks=None):
     """Train (or, with eval_only, evaluate) the configured model; returns the run state. exit_signal() says when
-    a SIGTERM asks to save and stop; writer: the checkpoint.AsyncWriter saves go through (None: synchronous)."""
+    a SIGTERM or SIGUSR1 asks to save and stop; writer: the checkpoint.AsyncWriter saves go through (None: synchronous)."""
     device, schedule, hooks = launch.setup(cfg), Schedule(cfg, grid.dp_size), hooks or NO_HOOKS
     parts = build(cfg, grid, schedule, device, hooks)
     train_data, valid_data = loader.build_data(cfg, schedule, hooks.documents_to_skip)
@@ -341,12 +341,13 @@ def check_tp_replicas(model, optimizer, iteration, resync):
 
 
 def exit_reason(cfg, iterations, job_start, exit_signal):
-    """Why this job stops after its `iterations`-th iteration (exit_interval, exit_duration_in_mins, SIGTERM), or
-    None. exit_signal() takes part in a collective on every iteration: it is always called."""
+    """Why this job stops after its `iterations`-th iteration (exit_interval, exit_duration_in_mins, a SIGTERM or
+    SIGUSR1), or None. exit_signal() takes part in a collective on every iteration: it is always called."""
     clock = (cfg.exit_interval is not None and iterations >= cfg.exit_interval) or (
         cfg.exit_duration_in_mins is not None and minutes_since(job_start) >= cfg.exit_duration_in_mins)
-    if exit_signal():
-        return "SIGTERM (exit_signal_handler)"
+    signal_name = exit_signal()
+    if signal_name:
+        return f"{signal_name} (exit_signal_handler)"
     return "exit_interval / exit_duration_in_mins" if clock else None
 
 

@@ -407,3 +407,11 @@ def _one_rank_scans_for_the_largest_id(prefix):
 def test_one_rank_scans_the_corpus_for_its_largest_token_id(corpus):
     # DP 2 over gloo: on a first run over a new corpus every rank used to read the whole .bin at once
     spawn(_one_rank_scans_for_the_largest_id, 2, 1, 1, corpus)
+
+
+def test_the_exit_reason_names_the_signal_that_came():
+    """A SLURM recipe's SIGUSR1 is logged as SIGUSR1, not as the SIGTERM it once was said to be."""
+    cfg = arguments.load_config([])
+    for name in ("SIGUSR1", "SIGTERM"):
+        assert train.exit_reason(cfg, 1, time.time(), lambda: name) == f"{name} (exit_signal_handler)"
+    assert train.exit_reason(cfg, 1, time.time(), lambda: False) is None
