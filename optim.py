@@ -164,8 +164,9 @@ def decay_coefficient(weight_decay, lr, independent=False):
 
 def build_optimizer(model, lr, weight_decay, adam_beta1, adam_beta2, adam_eps, use_bnb_optimizer=False, embedding=None,
                     params=None, independent_decay=False):
-    """Our AdamW, or bitsandbytes' 8-bit AdamW with `embedding` (the token embedding weight) kept in
-    32-bit optimizer state, as bitsandbytes' StableEmbedding requires (lesson 14). params: only these of the
+    """Our AdamW, or bitsandbytes' 8-bit AdamW with `embedding` (the token embedding weight, or a list of it and an
+    untied output layer, the other vocabulary-sized table) kept in 32-bit optimizer state, as bitsandbytes'
+    StableEmbedding requires (lesson 14). params: only these of the
     model's parameters (a ZeRO-1 shard), default all. independent_decay: see decay_coefficient."""
     weight_decay = decay_coefficient(weight_decay, lr, independent_decay)
     groups = param_groups(model, weight_decay, params)
@@ -184,8 +185,8 @@ def build_optimizer(model, lr, weight_decay, adam_beta1, adam_beta2, adam_eps, u
     # one of ours, so first drop whatever it holds for our parameters, then set the one override.
     for p in model.parameters():
         manager.pid2config.pop(id(p), None)
-    if embedding is not None:
-        manager.override_config(embedding, "optim_bits", 32)
+    for weight in [embedding] if torch.is_tensor(embedding) else embedding or []:
+        manager.override_config(weight, "optim_bits", 32)
     return bnb.optim.AdamW8bit(groups, lr=lr, betas=betas, eps=adam_eps, weight_decay=weight_decay)
 
 
@@ -311,7 +312,8 @@ class LossScaler:
 def optimizer_for(cfg, model):
     """AdamW (or bitsandbytes') over fp32 master weights (precision.MixedPrecisionOptimizer), sharded over DP with
     zero_stage=1. Under DeepSpeed, the bare optimizer: DeepSpeed keeps the masters and shards them itself."""
-    embedding = model.word_embedding_weight()
+    # this stage's vocabulary tables: the tied embedding's copy, and an untied output layer (the last stage's)
+    embedding = [w for w in (model.word_embedding_weight(), model.output_layer) if w is not None]
 
     def build(params):
         optimizer = build_optimizer(model, cfg.lr, cfg.weight_decay, cfg.adam_beta1, cfg.adam_beta2, cfg.adam_eps,
