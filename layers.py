@@ -79,6 +79,40 @@ def document_mask(documents):
     return ((documents[:, :, None] == documents[:, None, :]) & causal).unsqueeze(1)
 
 
+class DocumentBlockMask:
+    """Packed documents' attention without their scores: FlexAttention's block-sparse mask of the block-diagonal
+    causal pattern (blocks wholly outside every document skipped, none of the (B, 1 or heads, T, T) mask or bias
+    materialised) and ALiBi's bias as a score modification. What the model hands core_attention on CUDA with
+    compiled blocks (the default there: flex_attention is a fused kernel under compile); SDPA with
+    document_mask's dense mask elsewhere, and with attention dropout, which flex_attention has not."""
+
+    def __init__(self, documents, slopes=None):
+        from torch.nn.attention.flex_attention import create_block_mask
+        B, T = documents.shape
+
+        def causal_within_document(b, h, q, kv):
+            return (kv <= q) & (documents[b, q] == documents[b, kv])
+        self.block_mask = create_block_mask(causal_within_document, B, None, T, T, device=documents.device)
+        self.slopes = slopes  # ALiBi's, this rank's heads (fp32), or None
+
+    def attend(self, q, k, v, scale=None, enable_gqa=False):
+        from torch.nn.attention.flex_attention import flex_attention
+        score_mod = None
+        if self.slopes is not None:
+            slopes = self.slopes
+
+            def score_mod(score, b, h, q_idx, kv_idx):  # alibi_bias's -slope * (i - j), in the scores' fp32
+                return score + slopes[h] * (kv_idx - q_idx)
+        return flex_attention(q, k, v, score_mod=score_mod, block_mask=self.block_mask, scale=scale,
+                              enable_gqa=enable_gqa)
+
+
+def flex_documents(device, compiled):
+    """Does attention over packed documents run through DocumentBlockMask? On CUDA under compile (the default
+    there), where flex_attention is one fused kernel; eager, it materialises the scores. Tests force it on CPU."""
+    return device.type == "cuda" and compiled
+
+
 def packed_inputs(tokens, eod, reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False):
     """The model's keyword inputs for a micro-batch of input tokens (B, T) under Megatron's data flags, as
     get_ltor_masks_and_position_ids makes them, computed on the tokens' device in a few vectorised ops (no loop

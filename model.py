@@ -293,6 +293,8 @@ def core_attention(q, k, v, dropout_p=0.0, stable=False, layer_scaling=None, bia
     if stable:
         s = q.shape[-1] ** -0.25
         q, k, scale = q * s, k * s, 1.0
+    if isinstance(bias, layers.DocumentBlockMask):  # packed documents on CUDA: no dense mask (no dropout there)
+        return bias.attend(q, k, v, scale, gqa)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout_p, is_causal=bias is None,
                                           scale=scale, enable_gqa=gqa)
 
@@ -520,6 +522,7 @@ class GPT(nn.Module):
         self.cfg, self.grid = cfg, grid
         # ALiBi: this TP rank's heads are a contiguous slice of all heads, and so are their slopes.
         self.alibi_heads = None
+        self.compiled = False  # compile_blocks: where FlexAttention runs fused (packed documents on CUDA)
         if cfg.position_embedding_type == "alibi":
             local = cfg.num_attention_heads // grid.tp_size
             self.alibi_heads = range(grid.tp_rank * local, (grid.tp_rank + 1) * local)
@@ -662,8 +665,15 @@ class GPT(nn.Module):
 
     def separate_documents(self, documents, bias, dtype):
         """The attention bias of packed documents: the causal mask cut block-diagonal, (B, 1 or heads, T, T), added to
-        the scores (ALiBi's relative bias needs no reset: i - j is the same within a document). The mask is
-        materialised: the CPU's SDPA takes it as attn_mask."""
+        the scores (ALiBi's relative bias needs no reset: i - j is the same within a document). On CUDA with compiled
+        blocks, without attention dropout or the explicit path, a FlexAttention block mask instead
+        (layers.DocumentBlockMask): no T x T tensor at all; elsewhere the mask is materialised, and SDPA takes it as
+        attn_mask (eager flex_attention would materialise the scores)."""
+        if layers.flex_documents(documents.device, self.compiled) and not self.cfg.unfused_attention and not \
+                self.cfg.attention_dropout:
+            slopes = None if self.alibi_heads is None else alibi_slopes(
+                self.cfg.num_attention_heads, self.alibi_heads, documents.device).float()
+            return layers.DocumentBlockMask(documents, slopes)
         mask = layers.document_mask(documents)
         if bias is None:
             bias = torch.zeros(mask.shape, dtype=torch.promote_types(dtype, torch.float32), device=mask.device)
@@ -694,6 +704,7 @@ class GPT(nn.Module):
                 block.after_attention = torch.compile(block.after_attention, **kwargs)
             else:
                 block.compile(**kwargs)
+        self.compiled = True
         return self
 
     def pop_z_loss(self):

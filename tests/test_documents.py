@@ -237,3 +237,54 @@ def test_train_py_packs_documents_in_training_and_evaluation(tmp_path):
         runs[flags] = (log_fields(out)[1]["lm loss"], log_fields(out)[2]["lm loss"], valid.search(out).group(1))
     plain, packed = runs.values()
     assert all(a != b for a, b in zip(plain, packed)), runs
+
+
+@pytest.mark.parametrize("variant", [dict(), dict(position_embedding_type="rotary"),
+                                     dict(position_embedding_type="alibi"),
+                                     dict(position_embedding_type="rotary", num_query_groups=2)],
+                         ids=["learned", "rotary", "alibi", "rotary-gqa"])
+def test_the_flex_attention_block_mask_is_the_dense_masks_model(monkeypatch, variant):
+    """On CUDA packed documents attend through FlexAttention's block mask (layers.DocumentBlockMask), with no T x T
+    tensor; forced here on CPU, where flex_attention runs eagerly (forward only: its backward is CUDA's): the
+    logits and the loss of a packed batch equal the dense-mask path's (fp32), for learned positions, rotary, ALiBi
+    (its bias as a score modification) and GQA."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**{**BLOCK, **variant})).eval()
+    x = packed_tokens()
+    y = torch.randint(1, 50, x.shape, generator=torch.Generator().manual_seed(1))
+    inputs = layers.packed_inputs(x, EOD, reset_position_ids=True, reset_attention_mask=True)
+    results, seen, real = [], [], layers.DocumentBlockMask.attend
+    monkeypatch.setattr(layers.DocumentBlockMask, "attend", lambda self, *a: seen.append(1) or real(self, *a))
+    for flex in (False, True):
+        monkeypatch.setattr(layers, "flex_documents", lambda device, compiled: flex)
+        seen.clear()
+        with torch.no_grad():
+            results.append((model(x, **inputs), model(x, y, **inputs)))
+        assert bool(seen) == flex  # the path asked for is the path taken
+    (dense_logits, dense_loss), (flex_logits, flex_loss) = results
+    torch.testing.assert_close(flex_logits, dense_logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(flex_loss, dense_loss, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.cuda
+def test_packed_documents_train_through_compiled_flex_attention_on_cuda(monkeypatch):
+    """On a GPU with compiled blocks the block mask is the path taken, and the loss and every gradient equal the
+    dense mask's (fp32; flex_attention's backward is CUDA's)."""
+    device = torch.device("cuda")
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**{**BLOCK, "position_embedding_type": "rotary", "num_query_groups": 2})).to(device)
+    model.compile_blocks()
+    x = packed_tokens().to(device)
+    y = torch.randint(1, 50, x.shape, generator=torch.Generator().manual_seed(1)).to(device)
+    inputs = layers.packed_inputs(x, EOD, reset_position_ids=True, reset_attention_mask=True)
+    results = []
+    for flex in (False, True):
+        monkeypatch.setattr(layers, "flex_documents", lambda device, compiled: flex and compiled)
+        model.zero_grad(set_to_none=True)
+        loss = model(x, y, **inputs)
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    (dense, dense_grads), (flex, flex_grads) = results
+    torch.testing.assert_close(flex, dense, rtol=1e-5, atol=1e-5)
+    for name, grad in dense_grads.items():
+        torch.testing.assert_close(flex_grads[name], grad, rtol=1e-3, atol=1e-5, msg=name)
