@@ -17,6 +17,14 @@ GPTConfig.model_flops_per_iteration) against the device's peak, peak memory (ran
 time each iteration waited for its batch, as a share of the iteration (next to what loading a batch costs when
 nobody prepared it ahead). --table measures several configs in turn and prints one table of them.
 
+Costs (--step_costs, on by default): one more iteration after the timed ones runs under torch.profiler (CPU ops,
+and CUDA kernels on a GPU) and its time is split into shares (COSTS): the output layer with its loss, attention,
+the other matmuls, elementwise and other ops, the optimizer (grad norm, clipping, step), gradient accumulation
+and reduction, the data wait, and "other": what no op accounts for (Python, launches, host syncs, idle GPU).
+Each op's own time (kernel time on a GPU) goes to one share, by the ranges that the step's parts are wrapped
+in for that iteration (costs_named) or by the op's name (cost_of). The profiler slows the small ops a little,
+so compare shares, not milliseconds, with the timed iterations.
+
 --nproc N starts N gloo processes on this machine (torch.multiprocessing; TP and PP sizes from the config, DP
 the rest) and, before them, one process on the same global and micro-batch size, and prints both step times
 and the speed-up. The N processes get cores/N threads each, the single one all of them. With PP > 1 it also
@@ -30,6 +38,7 @@ On a shared machine other processes move these numbers a lot: compare runs taken
 and look at the best iteration as well as the mean.
 """
 import argparse
+import contextlib
 import os
 import resource
 import socket
@@ -39,6 +48,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from torch.profiler import ProfilerActivity, profile, record_function
 
 import arguments
 import cross_entropy
@@ -105,6 +115,8 @@ def parse(argv):
                         help="untimed iterations first (allocator, thread pools, torch.compile, optimizer state)")
     parser.add_argument("--nproc", type=int, default=1,
                         help="gloo processes to start here (CPU), compared with one process on the same batch")
+    parser.add_argument("--step_costs", "--step-costs", action=argparse.BooleanOptionalAction, default=True,
+                        help="profile one more iteration and split its time into shares (output layer, attention, ...)")
     parser.add_argument("--table", action="store_true",
                         help="measure each CONFIG.py given in turn (the overrides apply to all), then print one table")
     return parser.parse_known_args(argv)  # the rest is CONFIG.py --key=value ..., exactly as train.py takes it
@@ -119,7 +131,8 @@ def measure(argv):
     if cfg.rampup_batch_size is not None:
         print0("bench: rampup_batch_size ignored, every iteration uses global_batch_size")
         cfg.rampup_batch_size = None
-    cfg.train_iters, cfg.train_samples, cfg.train_tokens = bench.bench_warmup + bench.bench_steps, None, None
+    profiled = 1 if bench.step_costs else 0  # one more iteration, under the profiler
+    cfg.train_iters, cfg.train_samples, cfg.train_tokens = bench.bench_warmup + bench.bench_steps + profiled, None, None
     cfg.curriculum_learning, cfg.eval_iters = False, 0  # full-length batches; no validation set to build
     arguments.prepare(cfg, grid.world_size)
     device = launch.setup(cfg)  # as train.py: determinism, seeds, TF32 for fp32 matmuls on CUDA
@@ -169,6 +182,14 @@ def measure(argv):
                 cpu[probe is not None].append(time.process_time() - c0)
                 waits.append(t_data)
             key = plan.next_key(key)
+        costs = None
+        if profiled:  # kept out of the pipeline's times, which are of the timed iterations
+            seconds, events, parallel.pipeline_events = dict(parallel.pipeline_seconds), parallel.pipeline_events, None
+            costs = step_costs(lambda: loader.to_device(prefetcher.get(key), device),
+                               lambda batches: train.train_step(train_model, optimizer, scaler, batches, cfg.lr, cfg,
+                                                                device), optimizer, device)
+            parallel.pipeline_seconds.update(seconds)
+            parallel.pipeline_events = events
     t0 = time.perf_counter()  # what a batch costs when it was not prepared ahead
     loader.micro_batches(train_data, 0, B // (cfg.micro_batch_size * grid.dp_size), cfg, T, device)
     sync(device)
@@ -209,6 +230,8 @@ def measure(argv):
           f"peak memory:  {memory / 2**20:,.0f} MiB ({memory_source})\n"
           f"data wait:    {100 * wait_share:.3f}% of the iteration ({1000 * statistics.mean(waits):.2f} ms; loading "
           f"a batch not prepared ahead takes {1000 * load:.2f} ms)", flush=True)
+    if costs:
+        print(f"costs:        {costs_line(costs)} of one profiled iteration", flush=True)
     if probed:  # CPU time too: on a shared machine it is the steadier measure of the work added
         for what, plain, recording in (("wall", times, probed), ("CPU", cpu[False], cpu[True])):
             plain, recording = statistics.median(plain), statistics.median(recording)
@@ -217,7 +240,7 @@ def measure(argv):
                   f"recording step, +{10 * (recording / plain - 1):.2f}% at telemetry_interval=10", flush=True)
     result = {"mean": mean, "best": best, "wait_share": wait_share, "layout": repr(grid), "stages": stages,
               "tokens/s": B * T / mean, "TFLOPs": tflops, "MFU": model_tflops * 1e12 / peak, "memory": memory,
-              "micro_batches": B // (cfg.micro_batch_size * grid.dp_size), "pp": grid.pp_size}
+              "micro_batches": B // (cfg.micro_batch_size * grid.dp_size), "pp": grid.pp_size, "costs": costs}
     if grid.pp_size > 1:
         result["bubble"] = [comm / pipe for comm, pipe in stages]
         ideal = (grid.pp_size - 1) / (result["micro_batches"] + grid.pp_size - 1)
@@ -225,6 +248,117 @@ def measure(argv):
               + f" of its forward-backward; ideal (p-1)/(m+p-1) = {100 * ideal:.1f}% (p={grid.pp_size}, "
               f"m={result['micro_batches']})", flush=True)
     return result
+
+
+# -----------------------------------------------------------------------------
+# Where one iteration's time goes: one profiled iteration, its ops' time in shares
+
+COSTS = ("output layer + loss", "attention", "other matmuls", "elementwise and other ops", "optimizer",
+         "gradient accumulation / reduction", "data wait", "other")
+MATMULS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::matmul", "aten::linear",
+           "aten::_addmm_activation"}
+# Ranges around the parts of train.train_step that an op's name cannot place (an add_ is an add_), set for the
+# profiled iteration by costs_named. Gradient accumulation's own: autograd's AccumulateGrad, where
+# parallel.GradBuffer's hook adds each .grad into its bucket and starts the DP all-reduce.
+RANGES = {"bench: data wait": "data wait", "bench: optimizer": "optimizer", "Optimizer.step#": "optimizer",
+          "bench: gradient reduction": "gradient accumulation / reduction",
+          "torch::autograd::AccumulateGrad": "gradient accumulation / reduction"}
+
+
+def cost_of(chain):
+    """The share (one of COSTS) an op's own time goes to, from the names of its enclosing ranges and ops, outermost
+    first: the ranges above, then the loss's autograd Function (cross_entropy.LinearCrossEntropy: the output
+    layer's matmuls and the loss's elementwise chain, forward and backward), attention (scaled_dot_product_*:
+    flash, memory-efficient or the CPU kernel, and their backward), the matmuls, and any other op."""
+    for name in chain:
+        for prefix, cost in RANGES.items():
+            if name.startswith(prefix):
+                return cost
+    if any("CrossEntropy" in name for name in chain):
+        return "output layer + loss"
+    if any("scaled_dot_product" in name.lower() or "ScaledDotProduct" in name for name in chain):
+        return "attention"
+    if any(name in MATMULS or "MmBackward" in name for name in chain):
+        return "other matmuls"
+    if any(name.startswith(("aten::", "triton_", "autograd::engine")) for name in chain):
+        return "elementwise and other ops"
+    return "other"
+
+
+@contextlib.contextmanager
+def costs_named(optimizer):
+    """For the profiled iteration: the optimizer's part of train.train_step (zero_grad, the grad norm and the count
+    of zeros, unscaling, clipping, the step; DeepSpeed's finish_step) and the wait for the DP all-reduce
+    (parallel.reduce_gradients) run inside named ranges; undone on the way out."""
+    undo = []
+
+    def name(owner, attribute, label):
+        original = getattr(owner, attribute, None)
+        if original is None:
+            return
+
+        def named(*args, **kwargs):
+            with record_function(label):
+                return original(*args, **kwargs)
+        undo.append((owner, attribute, vars(owner).get(attribute, None), attribute in vars(owner)))
+        setattr(owner, attribute, named)
+    for attribute in ("zero_grad", "prepare_grads", "step", "finish_step"):
+        name(optimizer, attribute, "bench: optimizer")
+    for owner, attribute in ((parallel, "grad_norm"), (parallel, "count_zeros"), (optim, "clip_grads")):
+        name(owner, attribute, "bench: optimizer")
+    name(parallel, "reduce_gradients", "bench: gradient reduction")
+    try:
+        yield
+    finally:
+        for owner, attribute, original, had in reversed(undo):
+            if had:
+                setattr(owner, attribute, original)
+            else:
+                delattr(owner, attribute)
+
+
+def step_costs(fetch, run, optimizer, device):
+    """{cost: share of the iteration} (COSTS, summing to 1) of one iteration: batches = fetch(), run(batches),
+    under torch.profiler. Each op's own time goes to cost_of its chain of ranges; on a GPU its kernels' time
+    (what the GPU spent on it), on the CPU its host time on this thread (the prefetch thread's is not the
+    step's). The data wait is the host's wait for the batch. "other": the iteration's wall time that no op
+    accounts for; when the ops add up to more (kernels on overlapping streams: NCCL's beside the compute's),
+    the shares are of their sum and "other" is 0."""
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with costs_named(optimizer), profile(activities=activities) as prof:
+        sync(device)
+        t0 = time.perf_counter()
+        with record_function("bench: step"):
+            with record_function("bench: data wait"):
+                batches = fetch()
+            run(batches)
+        sync(device)
+        wall = (time.perf_counter() - t0) * 1e6  # microseconds, the profiler's unit
+    # the host's events: ops and ranges (a kernel's time is its launching op's self_device_time_total; the
+    # kernels' own events and the ranges' GPU-side copies would count it again)
+    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU]
+    main = next(e for e in events if e.name == "bench: step")
+    spent = dict.fromkeys(COSTS, 0.0)
+    for e in events:
+        if e.name in ("bench: step", "bench: data wait") or not (cuda or e.thread == main.thread):
+            continue
+        chain, parent = [e.name], e.cpu_parent
+        while parent is not None:
+            chain.append(parent.name)
+            parent = parent.cpu_parent
+        cost = cost_of(chain[::-1])
+        if cost != "data wait":
+            spent[cost] += e.self_device_time_total if cuda else e.self_cpu_time_total
+    spent["data wait"] = next(e for e in events if e.name == "bench: data wait").cpu_time_total
+    spent["other"] = 0.0
+    total = max(wall, sum(spent.values()))
+    spent["other"] = total - sum(spent.values())
+    return {cost: t / total for cost, t in spent.items()}
+
+
+def costs_line(costs):
+    return ", ".join(f"{cost} {100 * share:.1f}%" for cost, share in costs.items())
 
 
 def _worker(rank, nproc, port, argv, results):
@@ -250,6 +384,11 @@ def table(argv):
     for name, r in rows:
         print(f"| {os.path.basename(name)[:-3]} | {r['tokens/s']:,.0f} | {r['TFLOPs']:.1f} | {100 * r['MFU']:.1f}% | "
               f"{r['memory'] / 2**30:.1f} GiB |")
+    costed = [(name, r["costs"]) for name, r in rows if r["costs"]]
+    if costed:  # where each config's iteration goes: what to make faster first
+        print("\n| config | " + " | ".join(COSTS) + " |\n| --- |" + " ---: |" * len(COSTS))
+        for name, costs in costed:
+            print(f"| {os.path.basename(name)[:-3]} | " + " | ".join(f"{100 * costs[c]:.1f}%" for c in COSTS) + " |")
     return rows
 
 

@@ -157,6 +157,7 @@ class DeepSpeedOptimizer:
             model=model, optimizer=optimizer, config=ds_config(cfg, g), mpu=DeepSpeedMPU(g),
             dist_init_required=False)
         self.model, self.dp_size = model, g.dp_size
+        self.tied = not cfg.untie_embeddings_and_output_weights
         if any(s.get("step", 0) for s in optimizer.state.values()):  # no optimizer step may happen before ours
             raise RuntimeError(f"{type(self.optimizer).__name__} stepped the optimizer at construction")
         if cfg.bf16 and cfg.zero_stage < 2 and g.rank == 0:
@@ -186,8 +187,9 @@ class DeepSpeedOptimizer:
         """The end of train_step: DeepSpeed's step() reduces over DP, computes the grad norm, clips and updates
         in one call, so the norm is known only afterwards and "num zeros" is not available (logged as 0)."""
         g = parallel.grid
-        if g.pp_size > 1 and (g.is_first_stage or g.is_last_stage):
-            # the tied embedding's two copies' gradients summed: identical copies, identical updates (lesson 11)
+        if self.tied and g.pp_size > 1 and (g.is_first_stage or g.is_last_stage):
+            # the tied embedding's two copies' gradients summed: identical copies, identical updates (lesson 11);
+            # an untied output layer is a parameter of the last stage alone, with nothing to sum
             tied = self.model.word_embedding_weight()
             grad = self.gradient(tied)
             if grad is None:

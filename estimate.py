@@ -22,9 +22,9 @@ def dry_run(cfg, world_size=None, file=None):
     The number of GPUs is not in the config: it is WORLD_SIZE (as torchrun or SLURM would set it, e.g.
     `WORLD_SIZE=256 python train.py config/tr8b_104b.py --dry_run`), default TP x PP (DP=1).
     Memory per parameter: bytes_per_parameter, what the code allocates (tests/test_parallel.py measures it).
-    Activations per layer and micro-batch, 16-bit, without sequence parallelism
-    (Korthikanti et al. 2022): s*b*h*(10 + 24/t + 5*a*s/(h*t)) bytes (34 + 5as/h for t=1); with checkpointing
-    only each layer's input, 2*s*b*h, is kept, plus one layer's full activations while it is recomputed.
+    Activations per layer and micro-batch: layer_activations (Korthikanti et al. 2022's count, GQA's smaller keys
+    and values, SwiGLU's gate); with checkpointing only each layer's input, 2*s*b*h, is kept, plus one layer's
+    full activations while it is recomputed.
     Under 1F1B the first stage holds min(pp, micro-batches) micro-batches in flight."""
     tp, pp = cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size
     world = world_size or int(os.environ.get("WORLD_SIZE", tp * pp))
@@ -92,7 +92,7 @@ def dry_run(cfg, world_size=None, file=None):
         say(f"  ZeRO-{zero} over DP={dp}: {model_states(zero) / GiB:8.2f} GiB{uneven} = "
             + " + ".join(f"{v:.3g} ({k})" for k, v in parts.items()) + f" B/param{mark}")
 
-    s, b, h, a = cfg.seq_length, cfg.micro_batch_size, cfg.hidden_size, cfg.num_attention_heads
+    s, b, h = cfg.seq_length, cfg.micro_batch_size, cfg.hidden_size
     gbs = cfg.global_batch_size or b * dp
     micro = max(1, gbs // (b * dp))
     # Under 1F1B stage k holds min(pp - k, micro) micro-batches in flight; with uneven stages the stage holding
@@ -100,7 +100,7 @@ def dry_run(cfg, world_size=None, file=None):
     held = [len(partition[k]) * min(pp - k, micro) for k in range(pp)]
     busiest = max(range(pp), key=held.__getitem__)
     in_flight = min(pp - busiest, micro)
-    full_layer = s * b * h * (10 + 24 / tp + 5 * a * s / (h * tp))
+    full_layer = layer_activations(model_cfg, s, b, tp)
     without = held[busiest] * full_layer
     with_ckpt = held[busiest] * 2 * s * b * h + full_layer
     say(f"activations on stage {busiest} (seq {s}, micro batch {b}, {micro} micro-batches, {in_flight} in flight):")
@@ -121,6 +121,24 @@ def dry_run(cfg, world_size=None, file=None):
     return {"params": params, "padded_params": padded_total, "stages": stages, "gpu_params": gpu_params,
             "dp": dp, "model_states": model_states(cfg.zero_stage), "activations": without,
             "activations_checkpointed": with_ckpt}
+
+
+def layer_activations(cfg, s, b, tp=1):
+    """Bytes one transformer layer keeps for backward per micro-batch of b samples of s tokens, 16-bit, without
+    sequence parallelism: Korthikanti et al. 2022's count, s*b*h*(10 + 24/t + 5*a*s/(h*t)) for the GPT-2 block
+    (34 + 5as/h at t=1), written per tensor so that the Llama block's follow from its shapes:
+      not split by TP, 10sbh: the inputs of the two norms (4), of the QKV projection and of the MLP (4), the two
+        dropout masks (2, a byte each)
+      attention, split: Q 2sbh, K and V 2sbh each times groups/heads (GQA, num_query_groups: the flash kernel
+        takes them unexpanded), the output projection's input 2sbh, the scores, softmax, its dropout mask and the
+        dropped-out probabilities 5as^2b
+      MLP of width f, split: GeLU's input and output 4sbf (16sbh at f = 4h); SwiGLU's gate and up outputs, the
+        SiLU's output and the product fc2 takes, 8sbf"""
+    h, a, f = cfg.hidden_size, cfg.num_attention_heads, cfg.ffn_size
+    kv = 2 * (2 * s * b * h * cfg.query_groups / a)
+    attention = 2 * s * b * h + kv + 2 * s * b * h + 5 * a * s * s * b
+    mlp = (8 if cfg.swiglu else 4) * s * b * f
+    return 10 * s * b * h + (attention + mlp) / tp
 
 
 def bytes_per_parameter(precision, zero_stage, dp, deepspeed=False):

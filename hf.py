@@ -35,7 +35,7 @@ import torch
 
 import parallel
 import reshard
-from model import GPTConfig
+from model import LLAMA3_ROPE, GPTConfig
 
 KINDS = {"gpt2": "GPT2LMHeadModel", "bloom": "BloomForCausalLM", "llama": "LlamaForCausalLM"}
 
@@ -65,7 +65,8 @@ NOT_MAPPED = {"hidden_dropout", "attention_dropout", "embed_dropout", "init_meth
               "z_loss"}  # a term of the training loss only
 # ... and the GPT-2 block, which both have: the Llama block's keys at their defaults (family() checks them)
 GPT2_BLOCK = {"normalization": "layernorm", "swiglu": False, "ffn_hidden_size": None, "num_query_groups": None,
-              "untie_embeddings_and_output_weights": False, "add_bias_linear": True, "rotary_base": 10000.0}
+              "untie_embeddings_and_output_weights": False, "add_bias_linear": True, "rotary_base": 10000.0,
+              "use_rope_scaling": False, "rope_scaling_factor": 8.0}
 MAPPED = {"activation", *GPT2_BLOCK, *FIXED["gpt2"], *CONFIG["gpt2"], *CONFIG["bloom"], *CONFIG["llama"]}
 
 # Parameter names: ours -> (theirs, layout steps theirs -> ours), their names without transformers' "transformer."
@@ -219,7 +220,7 @@ def hf_config(cfg, **extra):
     if kind == "llama":
         keys.update(num_key_value_heads=cfg.query_groups, intermediate_size=cfg.ffn_size, mlp_bias=cfg.add_bias_linear,
                     head_dim=cfg.hidden_size // cfg.num_attention_heads, hidden_act="silu",
-                    rope_parameters={"rope_theta": cfg.rotary_base, "rope_type": "default"},
+                    rope_parameters=rope_parameters(cfg),
                     tie_word_embeddings=not cfg.untie_embeddings_and_output_weights)
         return transformers.LlamaConfig(**keys, **extra)
     if kind == "gpt2":
@@ -267,11 +268,14 @@ def _hf_config(directory):
     refusals = [(model_type != "llama" and not theirs.tie_word_embeddings, "tie_word_embeddings=false: an output "
                  "layer of its own (stablegpt ties it to the word embedding in this class)")]
     if model_type == "llama":
-        rope_type = rope(theirs).get("rope_type", rope(theirs).get("type", "default"))
+        rope_type, found = rope_type_of(theirs), rope(theirs)
         head_dim = getattr(theirs, "head_dim", None) or theirs.hidden_size // theirs.num_attention_heads
+        other = {k: found.get(k) for k, v in LLAMA3_ROPE.items() if found.get(k) != v}
         refusals += [
-            (rope_type != "default", f"rope scaling of type {rope_type!r}: stablegpt's rotary embeddings are "
-                                     "unscaled (rope_type 'default')"),
+            (rope_type not in ("default", "llama3"), f"rope scaling of type {rope_type!r}: stablegpt's rotary "
+             "embeddings are unscaled (rope_type 'default') or Llama 3.1's (rope_type 'llama3')"),
+            (rope_type == "llama3" and bool(other), f"rope_type 'llama3' with {other}: stablegpt's (Megatron's) "
+             f"llama3 scaling has Llama 3's {LLAMA3_ROPE}"),
             (theirs.hidden_act != "silu", f"hidden_act={theirs.hidden_act!r}: stablegpt's swiglu gates with SiLU"),
             (head_dim * theirs.num_attention_heads != theirs.hidden_size, f"head_dim={head_dim}: stablegpt's "
              "head size is hidden_size / num_attention_heads"),
@@ -304,6 +308,17 @@ def rope(theirs):
     return found
 
 
+def rope_type_of(theirs):
+    return rope(theirs).get("rope_type", rope(theirs).get("type", "default"))
+
+
+def rope_parameters(cfg):
+    """LlamaConfig's rope_parameters of our rotary keys."""
+    if not cfg.use_rope_scaling:
+        return {"rope_theta": cfg.rotary_base, "rope_type": "default"}
+    return {"rope_theta": cfg.rotary_base, "rope_type": "llama3", "factor": cfg.rope_scaling_factor, **LLAMA3_ROPE}
+
+
 def config_from_hf(directory):
     """Our config keys of the transformers model in directory (the model's shapes and function; training keys
     such as dropout are the run's own)."""
@@ -315,6 +330,8 @@ def config_from_hf(directory):
     if kind == "llama":
         keys["untie_embeddings_and_output_weights"] = not theirs.tie_word_embeddings
         keys["rotary_base"] = float(rope(theirs)["rope_theta"])
+        keys["use_rope_scaling"] = rope_type_of(theirs) == "llama3"
+        keys["rope_scaling_factor"] = float(rope(theirs)["factor"]) if keys["use_rope_scaling"] else 8.0
     return keys
 
 

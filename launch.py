@@ -65,8 +65,9 @@ def use_expandable_segments(cfg):
 def use_nccl_flight_recorder(cfg):
     """On CUDA, unless the user set them: NCCL's flight recorder keeps each rank's last 2000 collectives and, when
     one times out (a hang), dumps them to <save>/nccl_trace/rank_N (torch's TORCH_NCCL_* names), which
-    `python -m torch.distributed.flight_recorder.fr_trace` reads to name the rank that did not join. Read when
-    the process group starts: call before it."""
+    `python -m torch.distributed.flight_recorder.fr_trace` reads to name the rank that did not join; rank 0 says
+    where at the start (the watchdog aborts the process on a timeout before Python could say it). Read when the
+    process group starts: call before it."""
     if not use_cuda(cfg):
         return
     directory = os.path.abspath(os.path.join(cfg.save or ".", "nccl_trace"))
@@ -76,6 +77,13 @@ def use_nccl_flight_recorder(cfg):
         os.makedirs(directory, exist_ok=True)
     for name, value in defaults.items():
         os.environ.setdefault(name, value)
+    entries, prefix = os.environ["TORCH_NCCL_TRACE_BUFFER_SIZE"], os.environ["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"]
+    on = entries.strip() not in ("", "0") and os.environ["TORCH_NCCL_DUMP_ON_TIMEOUT"].strip().lower() not in (
+        "", "0", "false", "no", "n", "off")
+    if on and int(os.environ.get("RANK", "0")) == 0:  # the one place a hang's evidence is named before it happens
+        print(f"NCCL flight recorder: on a collective timeout each rank dumps its last {entries} collectives to "
+              f"{prefix}<rank>; `python -m torch.distributed.flight_recorder.fr_trace {os.path.dirname(prefix)}` "
+              "names the rank that did not join", flush=True)
 
 
 def set_deterministic(cfg):

@@ -1,6 +1,6 @@
 """The blocks model.py chooses between by config, beside its own GPT-2 ones: RMSNorm and the gated SwiGLU MLP of
-Llama and OLMo 2 (`normalization=rmsnorm`, `swiglu`), and the block-diagonal mask of packed documents
-(`reset_attention_mask`). A fork's norm or feed-forward is a class here plus its line in model.norm() or
+Llama and OLMo 2 (`normalization=rmsnorm`, `swiglu`), and the inputs of packed documents made from the tokens
+(packed_inputs: Megatron's reset_attention_mask, reset_position_ids, eod_mask_loss). A fork's norm or feed-forward is a class here plus its line in model.norm() or
 model.mlp(); nothing else changes (the parameter count and FLOPs follow from the model as built).
 
 Not here: the attention (model.py), the parallel linears these are made of (parallel.py).
@@ -77,3 +77,22 @@ def document_mask(documents):
     T = documents.shape[1]
     causal = torch.ones(T, T, dtype=torch.bool, device=documents.device).tril()
     return ((documents[:, :, None] == documents[:, None, :]) & causal).unsqueeze(1)
+
+
+def packed_inputs(tokens, eod, reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False):
+    """The model's keyword inputs for a micro-batch of input tokens (B, T) under Megatron's data flags, as
+    get_ltor_masks_and_position_ids makes them, computed on the tokens' device in a few vectorised ops (no loop
+    over samples or documents, no host sync): documents (the block-diagonal mask, reset_attention_mask), positions
+    (restarting after each end-of-document token, reset_position_ids) and loss_mask (0 where the *input* token is
+    the end-of-document: no loss on predicting the first token of the next document, eod_mask_loss). Any
+    combination, as in Megatron: reset positions alone still attend across documents."""
+    inputs = {}
+    if reset_position_ids or reset_attention_mask:
+        documents = document_ids(tokens, eod)
+        if reset_attention_mask:
+            inputs["documents"] = documents
+        if reset_position_ids:
+            inputs["positions"] = document_positions(documents)
+    if eod_mask_loss:
+        inputs["loss_mask"] = (tokens != eod).float()
+    return inputs

@@ -15,6 +15,7 @@ checked against the model's vocabulary before anything trains.
 """
 import collections
 import dataclasses
+import functools
 import queue
 import threading
 import weakref
@@ -25,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 import data
+import layers
 import parallel
 from report import print0
 
@@ -183,6 +185,26 @@ def micro_batches(dataset, first_sample, num_micro_batches, cfg, seqlen, device)
     return to_device(tokens, device)
 
 
+def packs_documents(cfg):
+    return cfg.reset_position_ids or cfg.reset_attention_mask or cfg.eod_mask_loss
+
+
+def eod_token(cfg):
+    """The end-of-document id that separates packed documents: the tokenizer's (GPT-2's 50256, or tokenizer_file's
+    </s>, <|endoftext|>, ...), as Megatron takes tokenizer.eod."""
+    return data.get_tokenizer(cfg.tokenizer_file).eot_token
+
+
+def packing(cfg):
+    """tokens -> the model's keyword inputs for Megatron's data flags (layers.packed_inputs), or None when no flag
+    is set. Computed from each micro-batch's input tokens on the device, where the model runs: every pipeline stage
+    reads the same micro-batches, so each computes what it needs from the tokens instead of receiving it."""
+    if not packs_documents(cfg):
+        return None
+    return functools.partial(layers.packed_inputs, eod=eod_token(cfg), reset_position_ids=cfg.reset_position_ids,
+                             reset_attention_mask=cfg.reset_attention_mask, eod_mask_loss=cfg.eod_mask_loss)
+
+
 def batch_prefetcher(dataset, schedule, cfg, device):
     """Loads the micro-batches of the iterations schedule.next_key expects on a background thread."""
     g = parallel.grid
@@ -207,6 +229,9 @@ class DataConfig:
     split: str = "949,50,1"  # train, validation, test shares of the documents
     data_cache_dir: str | None = None  # where the sample index is cached; None: next to the data
     seed: int = 1234  # initialization, data order and dropout
+    reset_position_ids: bool = False  # positions restart after each end-of-document token (Megatron's flag)
+    reset_attention_mask: bool = False  # a token attends only within its document (packed documents apart)
+    eod_mask_loss: bool = False  # no loss where the input token is the end-of-document (Megatron's count)
 
 
 def check(cfg, reads_data=True):
@@ -223,3 +248,11 @@ def check(cfg, reads_data=True):
         raise ValueError(
             "tokenizer_file is set but data_path is not: the bundled corpus is GPT-2 tokens; prepare your data with "
             "`python data.py --input ... --output-prefix PREFIX --tokenizer-file FILE` and set data_path=PREFIX")
+    if cfg.reset_position_ids and cfg.position_embedding_type == "alibi" and not cfg.reset_attention_mask:
+        raise ValueError("reset_position_ids does nothing with position_embedding_type=alibi (ALiBi has no position "
+                         "ids; its bias depends on i - j alone): add reset_attention_mask to keep documents apart, "
+                         "or drop reset_position_ids")
+    if packs_documents(cfg) and (eod := eod_token(cfg)) >= cfg.vocab_size:
+        raise ValueError(f"reset_position_ids, reset_attention_mask and eod_mask_loss find documents by the "
+                         f"tokenizer's end-of-document id {eod}, which is not below vocab_size={cfg.vocab_size}: "
+                         "set the tokenizer_file the data was prepared with")

@@ -23,8 +23,8 @@ Switches, each from a lesson of docs/lessons.md (docs/levers.md has the table):
 - The Llama / OLMo 2 block, by Megatron's flag names: normalization="rmsnorm", swiglu (with ffn_hidden_size),
   num_query_groups (GQA and MQA; TP splits the groups), untie_embeddings_and_output_weights (an output layer of
   its own, vocab-parallel, drawn and decayed as the embedding), add_bias_linear=False, rotary_base; RMSNorm and
-  SwiGLU live in layers.py. Packed documents: forward(documents=) attends within each document only, positions
-  restarting at each (Megatron's reset_attention_mask and reset_position_ids).
+  SwiGLU live in layers.py. Packed documents (Megatron's reset_attention_mask, reset_position_ids, eod_mask_loss):
+  forward(documents=, positions=, loss_mask=), made from the tokens by layers.packed_inputs.
 
 A fork changes one place each: every normalization is norm(), the block's feed-forward is chosen in mlp(), a
 position embedding is a POSITION_EMBEDDINGS entry plus what GPT.positions hands each layer's attention. The
@@ -70,6 +70,8 @@ class GPTConfig:
     untie_embeddings_and_output_weights: bool = False  # an output layer of its own, not the word embedding
     add_bias_linear: bool = True  # biases in the linear layers (Llama and OLMo 2 have none)
     rotary_base: float = 10000.0  # rotary's theta (Llama 3: 500000)
+    use_rope_scaling: bool = False  # Llama 3.1's long-context rotary frequencies (transformers' rope_type llama3)
+    rope_scaling_factor: float = 8.0  # with use_rope_scaling: the low frequencies divided by this (Llama 3.2: 32)
     # -- stability: the switches of the 104B, 176B and OPT-175B runs --
     activation: str = "gelu"  # gelu (exact, erf) | gelu_tanh (GPT-2, Megatron's fused bias-GeLU) | relu (OPT)
     init_method_std: float | str = 0.02  # std of the init, or "small_init" = sqrt(2/(5*hidden_size))
@@ -160,6 +162,10 @@ class GPTConfig:
             (not (self.swiglu and self.normformer), "normformer with swiglu: NormFormer's FFN LayerNorm belongs to "
              "the plain MLP; turn one of them off"),
             (self.rotary_base > 0, f"rotary_base={self.rotary_base} must be positive (10000; Llama 3: 500000)"),
+            (not self.use_rope_scaling or self.position_embedding_type == "rotary", "use_rope_scaling scales "
+             "rotary's frequencies: set position_embedding_type='rotary' or drop it"),
+            (self.rope_scaling_factor >= 1, f"rope_scaling_factor={self.rope_scaling_factor} must be at least 1 "
+             "(Llama 3.1: 8, Llama 3.2: 32)"),
             (self.position_embedding_type in POSITION_EMBEDDINGS, f"position_embedding_type="
              f"{self.position_embedding_type!r} is not one of {', '.join(POSITION_EMBEDDINGS)}"),
             (self.position_embedding_init in ("normal", "sinusoidal"),
@@ -232,14 +238,32 @@ def alibi_bias(slopes, seq_len, dtype=torch.float32, device=None):
     return bias.masked_fill(distance > 0, float("-inf"))
 
 
-def rotary_cos_sin(seq_len, head_dim, dtype=torch.float32, device=None, base=10000.0):
+def rotary_cos_sin(seq_len, head_dim, dtype=torch.float32, device=None, base=10000.0, scaling_factor=None):
     """cos and sin, (seq, head_dim), of rotary embeddings (Su et al. 2021) as GPT-NeoX and Megatron-DeepSpeed
     lay them out: position t times the frequencies base^(-2i/d), i < d/2, the list written twice (feature i and
-    i + d/2 turn together). Computed in `dtype` (fp32 at least) on `device`, for every layer at once."""
+    i + d/2 turn together). Computed in `dtype` (fp32 at least) on `device`, for every layer at once.
+    scaling_factor: Llama 3.1's frequencies (llama3_frequencies)."""
     inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, device=device, dtype=dtype) / head_dim)
+    if scaling_factor is not None:
+        inv_freq = llama3_frequencies(inv_freq, scaling_factor)
     angles = torch.outer(torch.arange(seq_len, device=device, dtype=dtype), inv_freq)
     angles = torch.cat((angles, angles), dim=-1)
     return angles.cos(), angles.sin()
+
+
+LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+def llama3_frequencies(inv_freq, factor, low_freq_factor=1.0, high_freq_factor=4.0, original=8192):
+    """Llama 3.1's rotary frequencies for long contexts (Megatron's --use-rope-scaling, transformers' rope_type
+    "llama3", with Llama 3's LLAMA3_ROPE constants): wavelengths shorter than original / high_freq_factor kept,
+    those longer than original / low_freq_factor stretched `factor` times, the ones between interpolated."""
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > original / low_freq_factor, inv_freq / factor, inv_freq)
+    smooth = (original / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= original / high_freq_factor) & (wavelen <= original / low_freq_factor)
+    return torch.where(medium, smoothed, scaled)
 
 
 def apply_rotary(x, cos, sin):
@@ -579,22 +603,24 @@ class GPT(nn.Module):
 
     # -- forward ----------------------------------------------------------------------------------------------
 
-    def forward(self, x, targets=None, documents=None):
-        """x: token ids (B, T) on the first stage, hidden states (B, T, H) on the others. documents: (B, T) index of
-        each token's document (layers.document_ids) for packed documents that do not see each other: attention
-        within a document only, positions restarting at each document (Megatron's reset_attention_mask and
-        reset_position_ids together); every stage needs it.
+    def forward(self, x, targets=None, documents=None, positions=None, loss_mask=None):
+        """x: token ids (B, T) on the first stage, hidden states (B, T, H) on the others. Packed documents (Megatron's
+        data flags; layers.packed_inputs makes these from the input tokens, and every stage needs them):
+        documents, (B, T) index of each token's document, attends within a document only (reset_attention_mask);
+        positions, (B, T) position ids, replace 0..T-1 for learned positions and rotary (reset_position_ids);
+        loss_mask, (B, T) weights of the tokens' losses, gives sum(loss * mask) / sum(mask) (eod_mask_loss).
 
         Returns hidden states on a non-last stage; on the last, the mean lm loss if targets are given, otherwise
         this TP rank's slice of the logits. In training with z_loss > 0 the lm loss's gradient includes the
         z-loss (cross_entropy.linear_cross_entropy), whose value is kept for pop_z_loss(); evaluation
         reports the lm loss alone."""
-        positions = None if documents is None else layers.document_positions(documents)
         if self.pre_process:
             x = self.embed(x, positions)
         bias, rotary = self.positions(x)
         if documents is not None:
-            bias, rotary = self.separate_documents(documents, positions, bias, rotary, x.dtype)
+            bias = self.separate_documents(documents, bias, x.dtype)
+        if positions is not None and rotary is not None:  # each token's angles at its position in its document
+            rotary = tuple(t[positions].unsqueeze(1) for t in rotary)
         for block in self.blocks.values():
             if self.cfg.checkpoint_activations and self.training:
                 x = rng.checkpoint(block, x, bias, rotary)  # recomputed with both dropout streams replayed (lesson 22)
@@ -611,7 +637,11 @@ class GPT(nn.Module):
         # the padding columns are left out of the softmax (every padding, so every TP size, is the same model),
         # unless padded_vocab_in_softmax asks for Megatron's softmax over all of them (docs/lessons.md, lesson 16)
         vocab = None if self.cfg.padded_vocab_in_softmax else self.cfg.vocab_size
-        loss, log_z = cross_entropy.linear_cross_entropy(x, weight, targets, vocab, z_loss, reduction="mean")
+        if loss_mask is None:
+            loss, log_z = cross_entropy.linear_cross_entropy(x, weight, targets, vocab, z_loss, reduction="mean")
+        else:  # Megatron's count: the masked tokens' mean (per-token losses: backward computes the logits again)
+            loss, log_z = cross_entropy.linear_cross_entropy(x, weight, targets, vocab, z_loss)
+            loss = (loss * loss_mask).sum() / loss_mask.sum().clamp(min=1)  # a batch of eods only: 0, not NaN
         if self.logits_probe is not None:
             self.logits_probe(log_z, x, weight)
         if z_loss:
@@ -630,20 +660,15 @@ class GPT(nn.Module):
             self.positions_cache = (key, self.build_positions(*key))
         return self.positions_cache[1]
 
-    def separate_documents(self, documents, positions, bias, rotary, dtype):
-        """(bias, rotary) of packed documents: the causal mask cut block-diagonal, (B, 1 or heads, T, T), added to
-        the scores (ALiBi's relative bias needs no reset: i - j is the same within a document); rotary's angles
-        taken at each token's position in its document, (B, 1, T, head_dim). The mask is materialised: the CPU's
-        SDPA takes it as attn_mask."""
+    def separate_documents(self, documents, bias, dtype):
+        """The attention bias of packed documents: the causal mask cut block-diagonal, (B, 1 or heads, T, T), added to
+        the scores (ALiBi's relative bias needs no reset: i - j is the same within a document). The mask is
+        materialised: the CPU's SDPA takes it as attn_mask."""
         mask = layers.document_mask(documents)
         if bias is None:
             bias = torch.zeros(mask.shape, dtype=torch.promote_types(dtype, torch.float32), device=mask.device)
         bias = bias.masked_fill(~mask, float("-inf"))
-        if not self.cfg.unfused_attention:
-            bias = bias.to(dtype)
-        if rotary is not None:
-            rotary = tuple(t[positions].unsqueeze(1) for t in rotary)
-        return bias, rotary
+        return bias if self.cfg.unfused_attention else bias.to(dtype)
 
     def build_positions(self, T, compute_dtype, device):
         dtype = torch.promote_types(compute_dtype, torch.float32)
@@ -653,7 +678,8 @@ class GPT(nn.Module):
             return (bias if self.cfg.unfused_attention else bias.to(compute_dtype)), None
         if self.cfg.position_embedding_type == "rotary":
             head_dim = self.cfg.hidden_size // self.cfg.num_attention_heads
-            cos, sin = rotary_cos_sin(T, head_dim, dtype, device, base=self.cfg.rotary_base)
+            scaling = {"scaling_factor": self.cfg.rope_scaling_factor} if self.cfg.use_rope_scaling else {}
+            cos, sin = rotary_cos_sin(T, head_dim, dtype, device, base=self.cfg.rotary_base, **scaling)
             return None, (cos.to(compute_dtype), sin.to(compute_dtype))
         return None, None
 

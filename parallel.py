@@ -436,14 +436,15 @@ def communicate(send_next=None, send_prev=None, recv_prev=None, recv_next=None):
     return recv_prev, recv_next
 
 
-def pipeline_forward_backward(model, batches, loss_scale=1.0, forward_only=False):
+def pipeline_forward_backward(model, batches, loss_scale=1.0, forward_only=False, packing=None):
     """Run this stage's part of forward (and backward) over all micro-batches with the 1F1B schedule.
 
     Warm-up: stage s runs pp - s - 1 forwards so that the last stage can start; steady state: one forward then
     one backward, so at most pp - s micro-batches hold activations here; cool-down: the remaining backwards
     (PipeDream-Flush, arXiv 2104.04473). Each micro-batch's loss is divided by the number of micro-batches
     and multiplied by loss_scale before backward, exactly as train.forward_backward does with one stage.
-    Returns the mean loss on the last stage and 0 elsewhere (average_loss broadcasts the real one)."""
+    Returns the mean loss on the last stage and 0 elsewhere (average_loss broadcasts the real one). packing(tokens):
+    the model's keyword inputs of packed documents (loader.packing), made by every stage from its own copy."""
     g, m = grid, len(batches)
     gpt = unwrap(model)
     device = batches[0][0].device
@@ -467,7 +468,8 @@ def pipeline_forward_backward(model, batches, loss_scale=1.0, forward_only=False
         x, y = batches[i]
         if received is not None and not forward_only:
             received.requires_grad_()
-        out = model(x if g.is_first_stage else received, y if g.is_last_stage else None)
+        packed = packing(x) if packing else {}
+        out = model(x if g.is_first_stage else received, y if g.is_last_stage else None, **packed)
         if g.is_last_stage:
             total += out.detach()
             return out * (loss_scale / m)  # backward starts from here

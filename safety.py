@@ -226,31 +226,41 @@ class RunGuard:
 
 
 class ExitSignal:
-    """Remembers a SIGTERM or SIGUSR1; `exit_signal()` is True on every rank at the same iteration once any rank got
-    one. SIGUSR1 is the SLURM recipe's (docs/parallelism.md: `#SBATCH --signal=USR1@600`, srun starting the
+    """Remembers a SIGTERM or SIGUSR1; `exit_signal()` is its name ("SIGUSR1", true) on every rank at the same
+    iteration once any rank got one, and logs it: a run stopped ahead of its time limit says which signal stopped
+    it. SIGUSR1 is the SLURM recipe's (docs/parallelism.md: `#SBATCH --signal=USR1@600`, srun starting the
     workers): torchrun turns a SIGTERM into a SIGTERM to its workers and kills them 30 s later, before a large
     model's save ends; a SIGUSR1 that SLURM sends each task, minutes ahead, leaves them the time."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
     def __init__(self, enabled, signums=SIGNALS):
-        self.received, self.previous = False, {}
+        self.received, self.said, self.previous = 0, False, {}  # received: the signal's number, 0 for none
         if enabled:
             self.previous = {signum: signal.signal(signum, self._handler) for signum in signums}
 
     def _handler(self, signum, frame):
-        self.received = True  # only a flag: the loop saves at the end of the iteration
+        self.received = max(self.received, signum)  # only a number: the loop saves at the end of the iteration
 
     def __call__(self):
-        """Called every iteration: with the handler on, one all-reduce of a flag on the backend's device (no object
-        collective: those pickle on the host and sync) and one host read of it."""
+        """Called every iteration: False, or the name of the signal ("SIGUSR1", "SIGTERM") once any rank got one.
+        With the handler on, one all-reduce of the signal's number on the backend's device (no object collective:
+        those pickle on the host and sync) and one host read of it; MAX, so every rank names the same signal
+        (SIGTERM when ranks got different ones: the time limit's)."""
         if not self.previous:
             return False
+        received = self.received
         if dist.is_initialized():
-            flag = torch.tensor([int(self.received)], dtype=torch.int32, device=parallel.comm_device())
+            flag = torch.tensor([received], dtype=torch.int32, device=parallel.comm_device())
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-            return bool(flag.item())
-        return self.received
+            received = int(flag.item())
+        if not received:
+            return False
+        name = signal.Signals(received).name
+        if not self.said:  # the log says which signal asked, whatever the caller prints
+            self.said = True
+            _print0(f"exit_signal_handler: {name} received; saving and exiting at the end of this iteration")
+        return name
 
     def restore(self):
         for signum, previous in self.previous.items():

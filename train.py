@@ -127,7 +127,7 @@ class Iteration:
 
 def run(cfg, grid, exit_signal=lambda: False, writer=None, hooks=None):
     """Train (or, with eval_only, evaluate) the configured model; returns the run state. exit_signal() says when
-    a SIGTERM asks to save and stop; writer: the checkpoint.AsyncWriter saves go through (None: synchronous)."""
+    a SIGTERM or SIGUSR1 asks to save and stop; writer: the checkpoint.AsyncWriter saves go through (None: synchronous)."""
     device, schedule, hooks = launch.setup(cfg), Schedule(cfg, grid.dp_size), hooks or NO_HOOKS
     parts = build(cfg, grid, schedule, device, hooks)
     train_data, valid_data = loader.build_data(cfg, schedule, hooks.documents_to_skip)
@@ -210,12 +210,14 @@ def build(cfg, grid, schedule, device, hooks=None):
 
 def forward_backward(model, batches, cfg, device, loss_scale=1.0, forward_only=False):
     """Mean lm loss over this rank's micro-batches; accumulates (scaled) gradients unless forward_only.
-    No host sync: the loss stays a tensor."""
+    No host sync: the loss stays a tensor. Megatron's data flags (reset_position_ids, reset_attention_mask,
+    eod_mask_loss): the model's documents, positions and loss mask made from each micro-batch's tokens."""
+    packing = loader.packing(cfg)
     if parallel.grid.pp_size > 1:
-        return parallel.pipeline_forward_backward(model, batches, loss_scale, forward_only)
+        return parallel.pipeline_forward_backward(model, batches, loss_scale, forward_only, packing)
     total = torch.zeros((), device=device)
     for x, y in batches:
-        loss = model(x, y)
+        loss = model(x, y, **packing(x)) if packing else model(x, y)
         if not forward_only:
             parallel.backward(loss * (loss_scale / len(batches)))
         total += loss.detach()
@@ -339,12 +341,13 @@ def check_tp_replicas(model, optimizer, iteration, resync):
 
 
 def exit_reason(cfg, iterations, job_start, exit_signal):
-    """Why this job stops after its `iterations`-th iteration (exit_interval, exit_duration_in_mins, SIGTERM), or
-    None. exit_signal() takes part in a collective on every iteration: it is always called."""
+    """Why this job stops after its `iterations`-th iteration (exit_interval, exit_duration_in_mins, a SIGTERM or
+    SIGUSR1), or None. exit_signal() takes part in a collective on every iteration: it is always called."""
     clock = (cfg.exit_interval is not None and iterations >= cfg.exit_interval) or (
         cfg.exit_duration_in_mins is not None and minutes_since(job_start) >= cfg.exit_duration_in_mins)
-    if exit_signal():
-        return "SIGTERM (exit_signal_handler)"
+    signal_name = exit_signal()
+    if signal_name:
+        return f"{signal_name} (exit_signal_handler)"
     return "exit_interval / exit_duration_in_mins" if clock else None
 
 

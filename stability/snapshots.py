@@ -153,21 +153,34 @@ def snapshot_bytes(cfg, gpu_params, dp, optimizer_params=None):
     return gpu_params * (2 if half else 4) + optimizer_params * (12 if half else 8)
 
 
-def rank_snapshot_bytes(cfg, model):
+def rank_snapshot_bytes(cfg, model, pinned=None):
     """Bytes of this rank's snapshot: its parameters, and the optimizer state of those it owns under native
-    ZeRO-1 (parallel.shard_numels; DeepSpeed's even share: snapshot_bytes' default)."""
+    ZeRO-1 (parallel.deal_out; DeepSpeed's even share: snapshot_bytes' default). pinned (default: when the
+    parameters are on a GPU, whose copies go to pinned buffers): each host buffer as the caching host allocator
+    rounds it (checkpoint.pinned_bytes), one per tensor: a parameter's weight, and its fp32 master and Adam's two
+    moments (the moments alone for fp32); DeepSpeed's flat partitions, one per state."""
     params = [p for p in parallel.unwrap(model).parameters()]
+    trainable = [p for p in params if p.requires_grad]
+    g = parallel.grid
     owned = None
     if cfg.zero_stage >= 1 and not cfg.deepspeed:
-        g = parallel.grid
-        owned = parallel.shard_numels([p.numel() for p in params if p.requires_grad], g.dp_size)[g.dp_rank]
-    return int(snapshot_bytes(cfg, sum(p.numel() for p in params), parallel.grid.dp_size, owned))
+        owners = parallel.deal_out([p.numel() for p in trainable], g.dp_size)
+        owned = [p for p, rank in zip(trainable, owners) if rank == g.dp_rank]
+    if not (any(p.is_cuda for p in params) if pinned is None else pinned):
+        return int(snapshot_bytes(cfg, sum(p.numel() for p in params), g.dp_size,
+                                  None if owned is None else sum(p.numel() for p in owned)))
+    rounded, states = checkpoint.pinned_bytes, 3 if cfg.fp16 or cfg.bf16 else 2
+    weights = sum(rounded(p.numel() * p.element_size()) for p in params)
+    if cfg.deepspeed and cfg.zero_stage >= 1:
+        return weights + states * rounded(4 * math.ceil(sum(p.numel() for p in trainable) / g.dp_size))
+    return weights + sum(states * rounded(4 * p.numel()) for p in (trainable if owned is None else owned))
 
 
 def host_copies(cfg):
-    """Snapshots held in host memory per GPU: keep(cfg), or with spike_guard_snapshot_dir one (the buffers of
-    the background write)."""
-    return min(keep(cfg), 1) if cfg.spike_guard_snapshot_dir else keep(cfg)
+    """Copies of the run in host memory per GPU: the snapshots (keep(cfg), or with spike_guard_snapshot_dir one:
+    the buffers of the background write), and with async_save one more, the buffers checkpoint.AsyncWriter keeps
+    from one save to the next (a checkpoint holds what a snapshot holds: run_state.capture)."""
+    return (min(keep(cfg), 1) if cfg.spike_guard_snapshot_dir else keep(cfg)) + int(cfg.async_save)
 
 
 def node_memory():
@@ -205,30 +218,35 @@ def parents(path):
 
 
 def describe_host_memory(cfg, one, gpus_per_node, node_bytes=None):
-    """(line, problem): the host memory of the snapshots (`one`: the bytes of one, snapshot_bytes) per GPU and
-    per node, and None or, when they take more than HOST_SHARE of the node's memory, one message naming how many
-    fit and the keys that make them fit. (None, None) when the guard keeps no snapshot."""
+    """(line, problem): the host memory of the snapshots (`one`: the bytes of one, snapshot_bytes or
+    rank_snapshot_bytes), with async_save's copy of the same size, per GPU and per node, and None or, when they
+    take more than HOST_SHARE of the node's memory, one message naming how many fit and the keys that make them
+    fit. (None, None) when the guard keeps no snapshot."""
     if not keep(cfg):
         return None, None
     copies, node = host_copies(cfg), node_bytes or node_memory()
     GiB, rewind, interval = 2**30, cfg.spike_guard_rewind, cfg.spike_guard_snapshot_interval
+    what = "spike guard snapshots" + (" and async_save's copy" if cfg.async_save else "")
     where = f" (and {keep(cfg)} on disk in {cfg.spike_guard_snapshot_dir})" if cfg.spike_guard_snapshot_dir else ""
-    line = (f"spike guard snapshots: {copies} x {one / GiB:.2f} GiB = {copies * one / GiB:.2f} GiB of host memory per "
+    line = (f"{what}: {copies} x {one / GiB:.2f} GiB = {copies * one / GiB:.2f} GiB of host memory per "
             f"GPU{where}, x {gpus_per_node} GPUs per node = {copies * one * gpus_per_node / GiB:.1f} GiB of the node's "
             f"{node / GiB:.0f} GiB (spike_guard_rewind {rewind}, spike_guard_snapshot_interval {interval})")
     fit = int(HOST_SHARE * node // (one * gpus_per_node))
     if copies <= fit:
         return line, None
+    room = fit - int(cfg.async_save)  # snapshots that fit beside the async save's copy
     fixes = []
-    if fit >= 2:
-        fixes.append(f"keep fewer (spike_guard_snapshot_interval {math.ceil(2 * rewind / (fit - 1))} or more, or "
-                     f"spike_guard_rewind {(fit - 1) * interval // 2} or less: ceil(2 x rewind / interval) + 1 are "
+    if room >= 2:
+        fixes.append(f"keep fewer (spike_guard_snapshot_interval {math.ceil(2 * rewind / (room - 1))} or more, or "
+                     f"spike_guard_rewind {(room - 1) * interval // 2} or less: ceil(2 x rewind / interval) + 1 are "
                      "kept)")
-    if not cfg.spike_guard_snapshot_dir and fit >= 1:
+    if not cfg.spike_guard_snapshot_dir and room >= 1:
         fixes.append("keep them on a node-local disk (spike_guard_snapshot_dir=$SLURM_TMPDIR or /tmp: one in host "
                      f"memory, {keep(cfg)} x {one / GiB:.2f} GiB per GPU on the disk)")
+    if cfg.async_save:
+        fixes.append("save synchronously (async_save=false: one copy fewer)")
     fixes.append("roll back to the checkpoints in save only (spike_guard_snapshot_interval=0)")
-    problem = (f"spike guard snapshots need {copies * one * gpus_per_node / GiB:.1f} GiB of host memory per node "
+    problem = (f"{what} need {copies * one * gpus_per_node / GiB:.1f} GiB of host memory per node "
                f"({copies} x {one / GiB:.2f} GiB per GPU x {gpus_per_node} GPUs), more than {HOST_SHARE:.0%} of the "
                f"node's {node / GiB:.0f} GiB: {fit} per GPU fit. To fit: " + "; or ".join(fixes))
     return line, problem

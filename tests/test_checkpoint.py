@@ -20,7 +20,7 @@ import checkpoint
 import data
 import parallel
 import reshard
-from helpers import (ROOT, SMALL, assert_same, corpus, final_state, launch, losses, run_cli,  # noqa: F401
+from helpers import (ROOT, SMALL, assert_same, corpus, final_state, launch, losses, run_cli, spawn,  # noqa: F401
                      run_main, synthetic_corpus, write_checkpoint)
 from model import GPT, GPTConfig
 
@@ -381,3 +381,42 @@ def test_async_save_held_until_the_next_step_and_save_writes_what_a_synchronous_
         assert written.keys() == expected[iteration].keys()
         for name in written:
             assert written[name] == expected[iteration][name], (iteration, name)
+
+
+def _async_writer_talks_on_its_own_gloo_group(directory):
+    """On each of 2 ranks: every collective of the background write is on the writer's group, made with
+    backend="gloo" (under NCCL the default group's backend: a barrier of the writer's thread there would queue
+    beside the training's collectives on the GPU), never on the default group; the main thread issues none."""
+    import threading
+
+    import torch.distributed as dist
+    calls, made, real_new_group = [], [], dist.new_group
+    wrapped = {name: getattr(dist, name) for name in ("all_gather", "all_reduce", "barrier", "broadcast")}
+
+    def recording(name):
+        def call(*args, **kwargs):
+            calls.append((threading.current_thread() is threading.main_thread(), name, kwargs.get("group")))
+            return wrapped[name](*args, **kwargs)
+        return call
+
+    def new_group(*args, **kwargs):
+        made.append(kwargs.get("backend"))
+        return real_new_group(*args, **kwargs)
+    try:
+        dist.new_group = new_group
+        for name in wrapped:
+            setattr(dist, name, recording(name))
+        with checkpoint.AsyncWriter() as writer:
+            for iteration in (1, 2):
+                writer.save(directory, iteration, *_state(iteration), write_model_state=parallel.grid.rank == 0)
+    finally:
+        dist.new_group = real_new_group
+        for name, original in wrapped.items():
+            setattr(dist, name, original)
+    assert made == ["gloo"] and dist.get_backend(writer.group) == "gloo", made
+    assert calls and all(not main and group is writer.group for main, _, group in calls), calls
+    assert writer.group is not dist.group.WORLD
+
+
+def test_async_writer_talks_on_its_own_gloo_group(tmp_path):
+    spawn(_async_writer_talks_on_its_own_gloo_group, 2, 1, 1, str(tmp_path))

@@ -88,7 +88,8 @@ class Recorder:
 def _check_replicas(model, what):
     """Bitwise: the tied embedding's two copies, TP-replicated parameters across TP, everything across DP."""
     g = parallel.grid
-    if g.pp_size > 1 and (g.is_first_stage or g.is_last_stage):
+    tied = not model.cfg.untie_embeddings_and_output_weights
+    if tied and g.pp_size > 1 and (g.is_first_stage or g.is_last_stage):
         first, last = gather(model.word_embedding_weight().detach(), g.embedding_group)
         assert torch.equal(first, last), f"{what}: the tied embedding's two copies differ"
     for name, p in model.named_parameters():
@@ -98,12 +99,13 @@ def _check_replicas(model, what):
             assert all(torch.equal(q, p) for q in gather(p.detach(), g.dp_group)), f"{what}: {name} across DP"
 
 
-def _matrix(rec, synthetic_corpus, layouts):
+def _matrix(rec, synthetic_corpus, layouts, extra=()):
     """layouts: (TP, PP, {precision: zero stages}). Per layout and precision: the native run, then DeepSpeed
-    at each stage against it. Prints the worst relative differences (pytest -s shows them)."""
+    at each stage against it; extra: more flags for every run. Prints the worst relative differences (pytest -s
+    shows them)."""
     for tp, pp, runs in layouts:
         layout = [f"--data_path={synthetic_corpus}", f"--tensor_model_parallel_size={tp}",
-                  f"--pipeline_model_parallel_size={pp}"]
+                  f"--pipeline_model_parallel_size={pp}", *extra]
         for precision, stages in runs.items():
             flags = ["--bf16"] if precision == "bf16" else []
             rel = BF16_REL if precision == "bf16" else (1e-5, 1e-5)
@@ -205,6 +207,18 @@ def test_deepspeed_matches_native_dp2_tp2_pp2_and_resumes_exactly(synthetic_corp
 @pytest.mark.slow
 def test_deepspeed_bf16_matches_native_tp2xpp2_pp2xdp2(synthetic_corpus):
     spawn(_world4, 4, 1, 1, synthetic_corpus)
+
+
+def _untied_pp2(synthetic_corpus):
+    os.environ["DS_ACCELERATOR"] = "cpu"
+    _matrix(Recorder(), synthetic_corpus, [(1, 2, {"bf16": (0, 1)})], ["--untie_embeddings_and_output_weights"])
+
+
+@pytest.mark.slow
+def test_deepspeed_pp2_with_an_untied_output_layer_matches_native(synthetic_corpus):
+    """An untied output layer lives on the last stage alone: no tied-embedding sum across the stages (which had
+    no second copy to sum with), and DeepSpeed trains as the native path."""
+    spawn(_untied_pp2, 2, 1, 1, synthetic_corpus)
 
 
 def _one_process(synthetic_corpus):

@@ -711,15 +711,28 @@ def test_compile_is_on_for_cuda_unless_switched_off():
     assert compiles("--device=cpu", "--compile") and compiles("--device=cpu", "--compile=true")
 
 
-def test_the_nccl_flight_recorder_is_on_for_cuda_unless_the_user_set_it(monkeypatch, tmp_path):
+def test_the_nccl_flight_recorder_is_on_for_cuda_unless_the_user_set_it(monkeypatch, tmp_path, capsys):
+    """On, and its dump's place named at the start (a timeout aborts the process before Python can say it)."""
     import arguments
     names = ("TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_NCCL_DUMP_ON_TIMEOUT", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
     for name in names:
         monkeypatch.delenv(name, raising=False)
+    monkeypatch.delenv("RANK", raising=False)
     launcher.use_nccl_flight_recorder(arguments.load_config(["--device=cpu", f"--save={tmp_path}"]))
     assert not set(names) & set(os.environ)  # gloo: nothing to record
+    assert "flight recorder" not in capsys.readouterr().out
     monkeypatch.setenv("TORCH_NCCL_TRACE_BUFFER_SIZE", "50")  # the user's
     launcher.use_nccl_flight_recorder(arguments.load_config(["--device=cuda", f"--save={tmp_path}"]))
     assert os.environ["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "50" and os.environ["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
     assert os.environ["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == str(tmp_path / "nccl_trace" / "rank_")
     assert (tmp_path / "nccl_trace").is_dir()  # next to the checkpoints, ready for the dump
+    assert capsys.readouterr().out == (
+        f"NCCL flight recorder: on a collective timeout each rank dumps its last 50 collectives to "
+        f"{tmp_path / 'nccl_trace' / 'rank_'}<rank>; `python -m torch.distributed.flight_recorder.fr_trace "
+        f"{tmp_path / 'nccl_trace'}` names the rank that did not join\n")
+    monkeypatch.setenv("TORCH_NCCL_DUMP_ON_TIMEOUT", "0")  # the user turned the dump off: nothing to point at
+    launcher.use_nccl_flight_recorder(arguments.load_config(["--device=cuda", f"--save={tmp_path}"]))
+    monkeypatch.setenv("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
+    monkeypatch.setenv("RANK", "1")  # said once, by rank 0
+    launcher.use_nccl_flight_recorder(arguments.load_config(["--device=cuda", f"--save={tmp_path}"]))
+    assert capsys.readouterr().out == ""

@@ -2,6 +2,8 @@
 import io
 import os
 
+import torch
+
 import arguments
 import estimate
 import parallel
@@ -21,3 +23,64 @@ def test_tr11_dry_run_reports_the_rank_with_the_embedding_shard():
     result = estimate.dry_run(cfg, world_size=384, file=out)
     assert round(result["model_states"] / 2**30, 1) == 32.3
     assert "32.30 GiB on the largest rank (an even share would be 27.82 GiB)" in out.getvalue()
+
+
+# -----------------------------------------------------------------------------
+# Activations per layer: the GPT-2 block, GQA's keys and values, SwiGLU's gate
+
+
+def test_layer_activations_of_the_gpt2_block_are_korthikantis():
+    from model import GPTConfig
+    s, b, h, a = 2048, 4, 1024, 16
+    cfg = GPTConfig(hidden_size=h, num_attention_heads=a)
+    for t in (1, 2, 4):
+        assert estimate.layer_activations(cfg, s, b, t) == s * b * h * (10 + 24 / t + 5 * a * s / (h * t))
+
+
+def test_layer_activations_of_the_llama_block_by_hand():
+    """Llama-3.2-1B's layer (h 2048, 32 query heads, 8 key/value heads of 64, SwiGLU of 8192) at s 2048, b 1,
+    counted tensor by tensor in bytes: GQA keeps a quarter of MHA's keys and values, SwiGLU four tensors of f."""
+    from model import GPTConfig
+    cfg = GPTConfig(hidden_size=2048, num_attention_heads=32, num_query_groups=8, ffn_hidden_size=8192,
+                    swiglu=True, normalization="rmsnorm", position_embedding_type="rotary")
+    s, h, f = 2048, 2048, 8192
+    replicated = 2 * s * h * 4 + s * h * 2  # norm, QKV and MLP inputs (bf16), two dropout masks (a byte each)
+    q, k, v, proj_in = 2 * s * h, 2 * s * 8 * 64, 2 * s * 8 * 64, 2 * s * h
+    scores = 32 * s * s * (2 + 2 + 1)  # scores, softmax, dropout mask of the (32, s, s) probabilities
+    swiglu = 4 * (2 * s * f)  # gate out, up out, SiLU out, product
+    for t in (1, 2, 4):
+        expected = replicated + (q + k + v + proj_in + scores + swiglu) / t
+        assert estimate.layer_activations(cfg, s, 1, t) == expected
+    mha = GPTConfig(hidden_size=2048, num_attention_heads=32, ffn_hidden_size=8192, swiglu=True)
+    assert estimate.layer_activations(mha, s, 1) - estimate.layer_activations(cfg, s, 1) == 2 * 2 * s * h * 3 / 4
+
+
+def _saved_bytes(module, x):
+    """Bytes of the tensors autograd keeps for backward in module(x), each storage once, leaving out the
+    parameters and x itself: what the module adds to a layer's activations."""
+    skip = {p.untyped_storage().data_ptr() for p in module.parameters()} | {x.untyped_storage().data_ptr()}
+    kept = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in skip:
+            kept[storage.data_ptr()] = storage.nbytes()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        module(x)
+    return sum(kept.values())
+
+
+def test_mlp_activations_are_what_torch_keeps():
+    """Measured: the bytes autograd keeps in bf16 for the GeLU MLP (4sbf) and SwiGLU (8sbf), tiny CPU modules."""
+    from layers import SwiGLU
+    from model import MLP, GPTConfig
+    s, b, h, f = 16, 2, 32, 48
+    x = torch.randn(s, b, h, dtype=torch.bfloat16, requires_grad=True)
+    for swiglu, per_f in ((False, 4), (True, 8)):
+        cfg = GPTConfig(hidden_size=h, num_attention_heads=4, ffn_hidden_size=f, swiglu=swiglu)
+        module = (SwiGLU if swiglu else MLP)(cfg, parallel.Grid()).to(torch.bfloat16)
+        assert _saved_bytes(module, x) == per_f * s * b * f
+        attention_and_rest = estimate.layer_activations(GPTConfig(hidden_size=h, num_attention_heads=4,
+                                                                  ffn_hidden_size=1, swiglu=swiglu), s, b)
+        assert estimate.layer_activations(cfg, s, b) - attention_and_rest == per_f * s * b * (f - 1)

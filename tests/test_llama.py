@@ -15,9 +15,10 @@ import torch.nn.functional as F
 
 import hf
 import parallel
-from helpers import ROOT, gather, random_batches, spawn, stage, synthetic_corpus  # noqa: F401 (a fixture)
-from layers import RMSNorm, document_ids
-from model import GPT, GPTConfig, rotary_cos_sin
+from helpers import (ROOT, assert_same_checkpoint, corpus, gather, losses, random_batches, run_main,  # noqa: F401
+                     spawn, stage, synthetic_corpus)  # corpus, synthetic_corpus: fixtures
+from layers import RMSNorm, document_ids, packed_inputs
+from model import GPT, GPTConfig, llama3_frequencies, rotary_cos_sin
 
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 
@@ -31,12 +32,12 @@ LLAMA_TINY = dict(num_layers=4, hidden_size=32, num_attention_heads=4, num_query
 # Every layout computes the one-process model
 
 
-def _one_process(cfg, batches, documents=None):
+def _one_process(cfg, batches, packed=None):
     real, parallel.grid = parallel.grid, parallel.Grid(1, 1, world_size=1, rank=0)
     try:
         model = GPT(cfg)
         model.init_weights(1234)
-        loss = sum(model(x, y, documents=documents) for x, y in batches) / len(batches)
+        loss = sum(model(x, y, **(packed or {})) for x, y in batches) / len(batches)
         loss.backward()
         return loss.item(), {n: p.grad for n, p in model.named_parameters()}
     finally:
@@ -77,10 +78,10 @@ def _llama_layout(tp, pp):
         x, y = batches[0]
         x = x.clone()
         x[:, [4, 9]] = 0
-        documents = document_ids(x, 0)
-        expected, _ = _one_process(cfg, [(x, y)], documents)
+        packed = packed_inputs(x, 0, reset_position_ids=True, reset_attention_mask=True)
+        expected, _ = _one_process(cfg, [(x, y)], packed)
         with torch.no_grad():
-            assert math.isclose(model(x, y, documents=documents).item(), expected, rel_tol=1e-12)
+            assert math.isclose(model(x, y, **packed).item(), expected, rel_tol=1e-12)
 
 
 def _llama_layouts():
@@ -183,14 +184,15 @@ def test_qk_layernorm_comes_before_rotary_against_a_hand_written_attention():
 # transformers' LlamaForCausalLM both ways
 
 
-def _llama_dir(path, tie, vocab=32000, seed=0):
+def _llama_dir(path, tie, vocab=32000, seed=0, rope=None):
     """A random LlamaForCausalLM (GQA 8 heads / 2 groups, rope_theta 500000) saved in path, its weights drawn
     wide enough that every part of the model moves the logits."""
     import transformers
     torch.manual_seed(seed)
     c = transformers.LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                                  num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=64,
-                                 rope_theta=500000.0, tie_word_embeddings=tie, rms_norm_eps=1e-6)
+                                 rope_parameters=rope or {"rope_type": "default", "rope_theta": 500000.0},
+                                 tie_word_embeddings=tie, rms_norm_eps=1e-6)
     model = transformers.LlamaForCausalLM(c).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -199,8 +201,8 @@ def _llama_dir(path, tie, vocab=32000, seed=0):
     return model
 
 
-def _batch(vocab, seed=1):
-    ids = torch.randint(0, vocab, (2, 33), generator=torch.Generator().manual_seed(seed))
+def _batch(vocab, seed=1, seq=32):
+    ids = torch.randint(0, vocab, (2, seq + 1), generator=torch.Generator().manual_seed(seed))
     return ids[:, :-1], ids[:, 1:]
 
 
@@ -216,10 +218,10 @@ def _imported(directory, tp=1):
     return cfg
 
 
-@pytest.mark.parametrize("tie", [False, True])
-def test_llama_import_first_loss_equals_transformers(tie, tmp_path):
-    theirs = _llama_dir(tmp_path, tie)
-    x, y = _batch(32000)
+@pytest.mark.parametrize("tie, vocab", [(False, 32000), (True, 32000), (False, 128256)])  # Llama 2's, Llama 3's
+def test_llama_import_first_loss_equals_transformers(tie, vocab, tmp_path):
+    theirs = _llama_dir(tmp_path, tie, vocab)
+    x, y = _batch(vocab)
     expected, logits = _hf_loss(theirs, x, y)
     cfg = _imported(tmp_path)
     assert (cfg.untie_embeddings_and_output_weights, cfg.num_query_groups, cfg.rotary_base) == (not tie, 2, 5e5)
@@ -228,7 +230,7 @@ def test_llama_import_first_loss_equals_transformers(tie, tmp_path):
     ours.eval()
     with torch.no_grad():
         loss = ours(x, y).item()
-        our_logits = ours(x)[..., :32000]
+        our_logits = ours(x)[..., :vocab]
     assert logits.std() > 1.0  # the weights are wide enough for the logits to tell models apart
     assert abs(loss - expected) <= 1e-5 * expected, (loss, expected)
     torch.testing.assert_close(our_logits, logits, rtol=1e-4, atol=1e-4)
@@ -284,16 +286,67 @@ def test_llama_export_generates_the_same_logits(tie, tmp_path):
         assert torch.equal(a, b), name
 
 
-def test_llama_rope_scaling_is_refused_by_name(tmp_path):
+LLAMA3 = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
+          "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}  # Llama-3.2-1B's
+
+
+def test_llama3_rope_frequencies_are_transformers():
+    """use_rope_scaling's frequencies are LlamaRotaryEmbedding's for rope_type llama3, bit for bit (head size 64,
+    Llama 3.2's factor 32: high, medium and low frequencies all present)."""
     import transformers
-    c = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                 num_attention_heads=4, num_key_value_heads=2,
-                                 rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0,
-                                                  "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                                  "original_max_position_embeddings": 8192})
-    c.save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match="rope scaling of type 'llama3'"):
-        hf.config_from_hf(str(tmp_path))
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+    c = transformers.LlamaConfig(hidden_size=512, num_attention_heads=8, rope_parameters=dict(LLAMA3))
+    theirs = LlamaRotaryEmbedding(c).inv_freq
+    plain = 1.0 / 500000.0 ** (torch.arange(0, 64, 2, dtype=torch.float32) / 64)
+    ours = llama3_frequencies(plain, 32.0)
+    assert torch.equal(ours, theirs)
+    wavelen = 2 * math.pi / plain
+    assert (wavelen < 2048).any() and (wavelen > 8192).any() and ((wavelen > 2048) & (wavelen < 8192)).any()
+    cos, _ = rotary_cos_sin(9000, 64, base=500000.0, scaling_factor=32.0)
+    assert torch.equal(cos[8999, :32], torch.cos(8999 * ours))
+
+
+def test_llama3_rope_scaling_imports_and_exports(tmp_path):
+    """A LlamaForCausalLM with rope_type llama3 imports as use_rope_scaling (first loss and logits transformers'
+    at 64 positions) and its config exports back; other llama3 constants than Llama 3's are refused by name."""
+    theirs = _llama_dir(tmp_path, tie=False, rope=dict(LLAMA3, factor=8.0))
+    x, y = _batch(32000, seq=64)
+    expected, logits = _hf_loss(theirs, x, y)
+    cfg = _imported(tmp_path)
+    assert (cfg.use_rope_scaling, cfg.rope_scaling_factor) == (True, 8.0)
+    ours = GPT(cfg)
+    hf.load_into(ours, str(tmp_path))
+    ours.eval()
+    with torch.no_grad():
+        loss, our_logits = ours(x, y).item(), ours(x)[..., :32000]
+        unscaled = GPT(GPTConfig(**{**cfg.__dict__, "use_rope_scaling": False}))
+        unscaled.load_state_dict(ours.state_dict())
+        unscaled_logits = unscaled.eval()(x)[..., :32000]
+    assert abs(loss - expected) <= 1e-5 * expected, (loss, expected)
+    torch.testing.assert_close(our_logits, logits, rtol=1e-4, atol=1e-4)
+    assert (unscaled_logits - logits).abs().max() > 1e-2  # the scaling shows at these positions
+    hf.hf_config(cfg).save_pretrained(tmp_path / "export")
+    assert hf.config_from_hf(str(tmp_path / "export")) == hf.config_from_hf(str(tmp_path))
+    _llama_dir(tmp_path / "other", tie=False, vocab=64, rope=dict(LLAMA3, original_max_position_embeddings=4096))
+    with pytest.raises(ValueError, match=r"rope_type 'llama3' with \{'original_max_position_embeddings': 4096\}"):
+        hf.config_from_hf(str(tmp_path / "other"))
+
+
+@pytest.mark.slow
+def test_imported_llama_resumes_bit_exactly(corpus, tmp_path):
+    """train.py --init_from_hf of a random LlamaForCausalLM (GQA, untied, llama3 rope scaling) at GPT-2's
+    vocabulary on the bundled corpus: 4 iterations straight, or 2, a save, and 2 more resumed -- the same losses
+    and the same checkpoint bit for bit (weights, Adam's moments, the RNG streams)."""
+    _llama_dir(tmp_path / "llama", tie=False, vocab=50257, rope=dict(LLAMA3, factor=8.0))
+    argv = ["config/finetune.py", f"--init_from_hf={tmp_path / 'llama'}", f"--data_path={corpus}", "--bf16=false",
+            "--micro_batch_size=2", "--global_batch_size=4", "--log_interval=1", "--eval_iters=0",
+            "--lr_warmup_samples=0", "--lr=1e-3", "--lr_decay_samples=40", "--save_interval=none"]
+    straight = run_main(*argv, "--train_iters=4", f"--save={tmp_path / 'a'}")
+    run_main(*argv, "--train_iters=2", f"--save={tmp_path / 'b'}")
+    resumed = run_main(*argv, "--train_iters=4", f"--save={tmp_path / 'b'}")
+    assert "not loaded: resuming from the checkpoint" in resumed
+    assert losses(resumed) == {i: losses(straight)[i] for i in (3, 4)}
+    assert_same_checkpoint(tmp_path / "a", tmp_path / "b", 4)
 
 
 # -----------------------------------------------------------------------------
@@ -362,7 +415,7 @@ def test_packed_documents_compute_each_document_alone(block):
         tokens[row, ends] = eod
     documents = document_ids(tokens, eod)
     with torch.no_grad():
-        packed = gpt(tokens, documents=documents)
+        packed = gpt(tokens, **packed_inputs(tokens, eod, reset_position_ids=True, reset_attention_mask=True))
         unmasked = gpt(tokens)
         for row, ends in enumerate(cuts):
             bounds = [0] + [e + 1 for e in ends] + [24]

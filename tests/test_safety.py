@@ -340,7 +340,14 @@ def _workers_agree_when_to_exit():
         assert exit_signal() is False
         if rank == 1:  # torchrun forwards SIGTERM to every worker, but they need not get it in the same iteration
             os.kill(os.getpid(), signal.SIGTERM)
-        assert exit_signal() is True, rank
+        assert exit_signal() == "SIGTERM", rank
+    finally:
+        exit_signal.restore()
+    exit_signal = safety.ExitSignal(True)  # SLURM's early SIGUSR1 to one task: every rank names it, not SIGTERM
+    try:
+        if rank == 1:
+            os.kill(os.getpid(), signal.SIGUSR1)
+        assert exit_signal() == "SIGUSR1", rank
     finally:
         exit_signal.restore()
     # exit_duration_in_mins runs on rank 0's clock: a worker whose clock says otherwise follows rank 0
@@ -355,19 +362,24 @@ def test_sigterm_and_exit_duration_are_agreed_across_workers():
 
 
 @pytest.mark.parametrize("signum", [signal.SIGUSR1, signal.SIGTERM])
-def test_the_documented_slurm_signal_asks_to_save_and_exit(signum):
+def test_the_documented_slurm_signal_asks_to_save_and_exit(signum, capsys):
     """docs/parallelism.md's recipe sends SIGUSR1 ten minutes ahead (#SBATCH --signal=USR1@600) to every task;
-    the time limit's SIGTERM still counts. The previous handlers come back at the end."""
+    the time limit's SIGTERM still counts, and the log names the one that came (not "SIGTERM" for a SIGUSR1).
+    The previous handlers come back at the end."""
     import safety
     before = {s: signal.getsignal(s) for s in safety.ExitSignal.SIGNALS}
     exit_signal = safety.ExitSignal(True)
     try:
         assert exit_signal() is False
         os.kill(os.getpid(), signum)
-        assert exit_signal() is True
+        assert exit_signal() == signal.Signals(signum).name
+        assert exit_signal() == signal.Signals(signum).name  # asked again (every iteration): said once
     finally:
         exit_signal.restore()
     assert {s: signal.getsignal(s) for s in safety.ExitSignal.SIGNALS} == before
+    said = [line for line in capsys.readouterr().out.splitlines() if line.startswith("exit_signal_handler:")]
+    assert said == [f"exit_signal_handler: {signal.Signals(signum).name} received; saving and exiting at the end of "
+                    "this iteration"]
     with open(os.path.join(ROOT, "docs", "parallelism.md")) as f:
         doc = f.read()
     assert "#SBATCH --signal=USR1@600" in doc and "--exit_signal_handler" in doc and "--kill-on-bad-exit=1" in doc
@@ -395,3 +407,11 @@ def _one_rank_scans_for_the_largest_id(prefix):
 def test_one_rank_scans_the_corpus_for_its_largest_token_id(corpus):
     # DP 2 over gloo: on a first run over a new corpus every rank used to read the whole .bin at once
     spawn(_one_rank_scans_for_the_largest_id, 2, 1, 1, corpus)
+
+
+def test_the_exit_reason_names_the_signal_that_came():
+    """A SLURM recipe's SIGUSR1 is logged as SIGUSR1, not as the SIGTERM it once was said to be."""
+    cfg = arguments.load_config([])
+    for name in ("SIGUSR1", "SIGTERM"):
+        assert train.exit_reason(cfg, 1, time.time(), lambda: name) == f"{name} (exit_signal_handler)"
+    assert train.exit_reason(cfg, 1, time.time(), lambda: False) is None

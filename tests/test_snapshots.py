@@ -198,3 +198,52 @@ def test_a_rollback_to_a_snapshot_on_disk_is_the_rollback_to_one_in_memory(corpu
     assert {i: f["lm loss"] for i, f in log_fields(disk).items() if "lm loss" in f} == \
         {i: f["lm loss"] for i, f in log_fields(memory).items() if "lm loss" in f}
     assert os.listdir(tmp_path / "local") == []
+
+
+# -- pinned host buffers: as CUDA's caching host allocator reserves them; async_save's copy counted --------------
+
+
+def test_pinned_buffers_are_counted_as_the_caching_host_allocator_rounds_them(monkeypatch):
+    """The snapshots' (and async_save's) host copies of CUDA tensors go to pinned buffers, which the caching host
+    allocator rounds up to powers of two, each tensor on its own: a rank's snapshot is counted so; without a GPU
+    (no pinning) at its bytes."""
+    assert [checkpoint.pinned_bytes(n) for n in (0, 1, 3, 4096, 4097, 11 * 2**30 // 10)] == \
+        [0, 1, 4, 4096, 8192, 2 * 2**30]
+    cfg = arguments.load_config(["--spike_guard", "--bf16"])
+    model = torch.nn.Linear(256, 300).to(torch.bfloat16)  # a 153,600-byte weight, a 600-byte bias
+    assert snapshots.rank_snapshot_bytes(cfg, model) == snapshots.rank_snapshot_bytes(cfg, model, pinned=False) \
+        == snapshots.snapshot_bytes(cfg, 77100, 1) == 77100 * (2 + 12)  # CPU tensors: not pinned
+    # bf16 weights, then the fp32 master and Adam's two moments of each parameter: one buffer each
+    assert snapshots.rank_snapshot_bytes(cfg, model, pinned=True) == 2**18 + 2**10 + 3 * (2**19 + 2**11)
+    cfg = arguments.load_config(["--spike_guard", "--bf16", "--zero_stage=1"])
+    monkeypatch.setattr(parallel, "grid", parallel.Grid(world_size=2, rank=1))  # ZeRO-1: the bias's state here
+    assert snapshots.rank_snapshot_bytes(cfg, model, pinned=True) == 2**18 + 2**10 + 3 * 2**11
+
+
+def test_async_saves_host_copy_is_counted_beside_the_snapshots():
+    """async_save keeps one more copy of the run in host memory (checkpoint.AsyncWriter's buffers): tr11 with 3
+    snapshots fitted in 3/4 of 512 GiB; with async_save the 4 copies do not, and the message says what to change."""
+    cfg = arguments.load_config(["config/tr11_176b.py", "--spike_guard", "--spike_guard_snapshot_interval=100"])
+    node = 512 * 2**30
+    assert snapshots.host_copies(cfg) == 3 and snapshots.describe_host_memory(cfg, TR11_SNAPSHOT, 8, node)[1] is None
+    cfg.async_save = True
+    assert snapshots.host_copies(cfg) == 4
+    line, problem = snapshots.describe_host_memory(cfg, TR11_SNAPSHOT, 8, node)
+    assert line.startswith("spike guard snapshots and async_save's copy: 4 x 12.98 GiB = 51.93 GiB")
+    assert problem.startswith("spike guard snapshots and async_save's copy need 415.4 GiB of host memory per node "
+                              "(4 x 12.98 GiB per GPU x 8 GPUs)") and ": 3 per GPU fit" in problem
+    # 2 snapshots beside the async copy: ceil(2 x 100 / interval) + 1 <= 2 with an interval of 200
+    assert "spike_guard_snapshot_interval 200 or more" in problem and "async_save=false" in problem
+    cfg.spike_guard_snapshot_dir = "/tmp"  # one snapshot in memory, one async copy
+    line, problem = snapshots.describe_host_memory(cfg, TR11_SNAPSHOT, 8, node)
+    assert problem is None and "2 x 12.98 GiB = 25.96 GiB of host memory per GPU" in line
+
+
+@pytest.mark.cuda
+def test_a_pinned_buffer_takes_what_pinned_bytes_says():
+    """On a GPU: the pinned bytes the caching host allocator holds (torch.cuda.host_memory_stats, "using the
+    rounded block size requested from CUDA") grow by checkpoint.pinned_bytes of a fresh request."""
+    before = torch.cuda.host_memory_stats().get("allocated_bytes.current", 0)
+    buffer = torch.empty(3 * 2**20 + 1, dtype=torch.uint8, pin_memory=True)  # a size no earlier block had
+    grown = torch.cuda.host_memory_stats()["allocated_bytes.current"] - before
+    assert grown == checkpoint.pinned_bytes(buffer.nbytes) == 4 * 2**20, grown

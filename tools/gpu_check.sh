@@ -15,7 +15,8 @@ echo "== 1. the cuda-marked tests ($GPUS GPU(s): $(python -c "import torch; prin
 timeout 300 python -m pytest -m cuda -q -p no:cacheprovider tests/ 2>&1 | tee "$LOG/tests.txt" | tail -5
 [ "${PIPESTATUS[0]}" -eq 0 ] || problems+=("cuda tests failed ($LOG/tests.txt)")
 
-echo "== 2. bench.py on one GPU (bundled corpus, 10 timed iterations after 3 untimed; compile on by default)"
+echo "== 2. bench.py on one GPU (bundled corpus, 10 timed iterations after 3 untimed, then 1 profiled for the cost"
+echo "   shares: output layer + loss, attention, matmuls, elementwise, optimizer, gradients, data; compile on)"
 COMMON=(--use_bundled_corpus --bench_steps=10 --bench_warmup=3 --global_batch_size=32 --rampup_batch_size=none)
 for precision in "--bf16 --fp16=false" "--fp16 --bf16=false"; do
     # shellcheck disable=SC2086

@@ -1,0 +1,239 @@
+"""Megatron's data flags for packed documents -- reset_position_ids, reset_attention_mask, eod_mask_loss -- from the
+tokens to the loss: layers.packed_inputs against a transcription of Megatron's per-sample loop
+(get_ltor_masks_and_position_ids), train.forward_backward against each document run alone (float64, loss and
+every gradient), the loss mask counted by hand, and TP2 / PP2 (train.forward_backward's pipeline schedule) against
+one process with the flags on. The model's side (the block-diagonal mask for every attention variant) is
+tested in test_llama.py.
+"""
+import itertools
+import math
+import re
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import arguments
+import layers
+import loader
+import parallel
+import train
+from helpers import random_batches, spawn, stage
+from model import GPT, GPTConfig
+
+EOD = 0
+BLOCK = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=50,
+             make_vocab_size_divisible_by=32, hidden_dropout=0.0, attention_dropout=0.0)
+FLAGS = ("reset_position_ids", "reset_attention_mask", "eod_mask_loss")
+
+
+def megatron_masks(data, eod, reset_position_ids, reset_attention_mask, eod_mask_loss):
+    """Megatron-LM's get_ltor_masks_and_position_ids, its loops kept: (attention mask, True = may attend,
+    loss mask, position ids)."""
+    b, t = data.shape
+    attention = torch.tril(torch.ones(b if reset_attention_mask else 1, t, t))
+    loss_mask = torch.ones(b, t)
+    if eod_mask_loss:
+        loss_mask[data == eod] = 0.0
+    positions = torch.arange(t).unsqueeze(0).expand(b, t).clone()
+    for row in range(b):
+        previous = 0
+        for i in [int(i) for i in torch.nonzero(data[row] == eod)]:
+            if reset_attention_mask:
+                attention[row, i + 1:, :i + 1] = 0
+            if reset_position_ids:
+                positions[row, i + 1:] -= i + 1 - previous
+                previous = i + 1
+    return attention.expand(b, t, t) > 0.5, loss_mask, positions
+
+
+def packed_tokens(seed=0, shape=(3, 16)):
+    tokens = torch.randint(1, 50, shape, generator=torch.Generator().manual_seed(seed))
+    tokens[0, [3, 9]] = EOD
+    tokens[1, [0, 6, 7, 15]] = EOD  # a leading eod, two in a row, one at the end
+    return tokens  # row 2: one document
+
+
+@pytest.mark.parametrize("flags", list(itertools.product((False, True), repeat=3)))
+def test_packed_inputs_are_megatrons(flags):
+    """Every combination of the three flags: mask, positions and loss mask as Megatron's loop makes them."""
+    tokens = packed_tokens()
+    attention, loss_mask, positions = megatron_masks(tokens, EOD, *flags)
+    inputs = layers.packed_inputs(tokens, EOD, **dict(zip(FLAGS, flags)))
+    reset_positions, reset_mask, mask_loss = flags
+    assert set(inputs) == {name for name, on in zip(("positions", "documents", "loss_mask"), flags) if on}
+    if reset_mask:
+        assert torch.equal(layers.document_mask(inputs["documents"])[:, 0], attention)
+    if reset_positions:
+        assert torch.equal(inputs["positions"], positions)
+    if mask_loss:
+        assert torch.equal(inputs["loss_mask"], loss_mask)
+
+
+@pytest.fixture
+def float64():
+    """float64 by default: train.forward_backward's loss accumulator too."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(old)
+
+
+def flagged(**flags):
+    """The data keys train.forward_backward reads, with the end-of-document id EOD (monkeypatched eod_token)."""
+    return types.SimpleNamespace(**{name: flags.get(name, False) for name in FLAGS}, tokenizer_file=None)
+
+
+def test_a_packed_batch_trains_as_each_document_alone(monkeypatch, float64):
+    """train.forward_backward with all three flags: the loss and every gradient of a packed batch equal those of
+    each document run alone from position 0 (learned positions: a position not reset would show), the losses of
+    the tokens after an eod left out and the rest averaged per micro-batch (float64)."""
+    monkeypatch.setattr(loader, "eod_token", lambda cfg: EOD)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**BLOCK))
+    x = packed_tokens()
+    y = torch.randint(1, 50, x.shape, generator=torch.Generator().manual_seed(1))
+    batches = [(x[:2], y[:2]), (x[2:], y[2:])]
+    cfg = flagged(reset_position_ids=True, reset_attention_mask=True, eod_mask_loss=True)
+    loss = train.forward_backward(model, batches, cfg, torch.device("cpu"))
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    model.zero_grad()
+    reference = 0.0
+    for xs, ys in batches:
+        total, count = 0.0, 0
+        for row in range(xs.shape[0]):
+            ends = [i + 1 for i in torch.nonzero(xs[row] == EOD).flatten().tolist()]
+            for a, b in zip([0] + ends, ends + [xs.shape[1]]):
+                if a == b:
+                    continue
+                logits = model(xs[row:row + 1, a:b])[0, :, :50]  # the document alone, from position 0
+                keep = xs[row, a:b] != EOD
+                total = total + F.cross_entropy(logits[keep], ys[row, a:b][keep], reduction="sum")
+                count += int(keep.sum())
+        reference = reference + total / count / len(batches)
+    reference.backward()
+    assert math.isclose(loss.item(), reference.item(), rel_tol=1e-12)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, rtol=1e-9, atol=1e-12, msg=lambda m: f"{name}: {m}")
+
+
+def test_the_loss_mask_is_counted_as_megatron_counts_it(monkeypatch, float64):
+    """eod_mask_loss: sum(loss * mask) / sum(mask) over the micro-batch's tokens (not a mean of per-sample means),
+    0 where the *input* is the eod; the masks written out by hand."""
+    monkeypatch.setattr(loader, "eod_token", lambda cfg: EOD)
+    model = GPT(GPTConfig(**BLOCK)).eval()
+    x = torch.tensor([[5, 0, 7, 0, 0, 3], [9, 9, 9, 9, 9, 0]])
+    y = torch.tensor([[0, 7, 0, 0, 3, 4], [9, 9, 9, 9, 0, 2]])
+    mask = torch.tensor([[1, 0, 1, 0, 0, 1], [1, 1, 1, 1, 1, 0]])  # 8 tokens count
+    with torch.no_grad():
+        per_token = F.cross_entropy(model(x)[..., :50].transpose(1, 2), y, reduction="none")  # real columns
+        loss = train.forward_backward(model, [(x, y)], flagged(eod_mask_loss=True), "cpu", forward_only=True)
+    assert math.isclose(loss.item(), (per_token * mask).sum().item() / 8, rel_tol=1e-12)
+    assert not math.isclose(loss.item(), per_token.mean().item(), rel_tol=1e-6)
+
+
+def test_reset_positions_alone_still_attend_across_documents(monkeypatch, float64):
+    """reset_position_ids without reset_attention_mask (Megatron allows it): positions restart, attention crosses
+    the documents -- rotary turned by each token's position in its document, in every layer."""
+    monkeypatch.setattr(loader, "eod_token", lambda cfg: EOD)
+    model = GPT(GPTConfig(**BLOCK, position_embedding_type="rotary", init_method_std=0.5)).eval()
+    model.init_weights(1234)  # weights large enough for attention to tell positions apart
+    x = packed_tokens()
+    _, _, positions = megatron_masks(x, EOD, True, False, False)
+    with torch.no_grad():
+        loss = train.forward_backward(model, [(x, x)], flagged(reset_position_ids=True), "cpu", forward_only=True)
+        assert math.isclose(loss.item(), model(x, x, positions=positions).item(), rel_tol=1e-12)
+        assert not math.isclose(loss.item(), model(x, x).item(), rel_tol=1e-6)
+        masked = model(x, x, positions=positions, documents=layers.document_ids(x, EOD)).item()
+        assert not math.isclose(loss.item(), masked, rel_tol=1e-6)
+
+
+# -----------------------------------------------------------------------------
+# TP2 and PP2 equal one process, the flags on
+
+
+LAYOUT_FLAGS = [  # rotary, so that positions matter in every layer of every stage
+    dict(reset_position_ids=True, eod_mask_loss=True),
+    dict(reset_attention_mask=True),
+]
+
+
+def _layout_with_flags():
+    loader.eod_token = lambda cfg: EOD  # a spawned process: no monkeypatch
+    g = parallel.grid
+    torch.set_default_dtype(torch.float64)
+    cfg = GPTConfig(**{**BLOCK, "num_layers": 4}, position_embedding_type="rotary", num_query_groups=2,
+                    tensor_model_parallel_size=g.tp_size)
+    batches = random_batches(0, 3, 2, 16, cfg.vocab_size)
+    for x, _ in batches:
+        x[:, [2, 7, 8]] = EOD
+    for flags in LAYOUT_FLAGS:
+        real, parallel.grid = parallel.grid, parallel.Grid(1, 1, world_size=1, rank=0)
+        try:
+            one = GPT(cfg)
+            one.init_weights(1234)
+            ref_loss = train.forward_backward(one, batches, flagged(**flags), "cpu").item()
+        finally:
+            parallel.grid = real
+        model = stage(cfg)
+        parallel.attach_grad_buffer(model, torch.float64)
+        parallel.grad_buffer(model).start(len(batches))
+        loss = parallel.average_loss(train.forward_backward(model, batches, flagged(**flags), "cpu"))
+        parallel.reduce_gradients(model)
+        assert math.isclose(loss.item(), ref_loss, rel_tol=1e-12), (g, flags, loss.item(), ref_loss)
+        ref_grads = dict(one.named_parameters())
+        for name, p in model.named_parameters():
+            twin = "embed.word.weight" if name == "output_weight" else name  # the last stage's tied copy
+            expected = parallel.shard(ref_grads[twin].grad, getattr(p, "tp_dim", None))
+            torch.testing.assert_close(p.main_grad, expected, rtol=1e-9, atol=1e-12,
+                                       msg=lambda m: f"{g} {flags} {name}: {m}")
+
+
+@pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2)])
+def test_tp2_and_pp2_with_the_flags_match_one_process(tp, pp):
+    """Every pipeline stage makes the documents and positions from its own copy of the micro-batch's tokens (the
+    last the loss mask too): PP2's 1F1B schedule and TP2 compute one process's loss and gradients."""
+    spawn(_layout_with_flags, 2, tp, pp)
+
+
+# -----------------------------------------------------------------------------
+# The keys
+
+
+def test_flags_that_cannot_work_are_refused_by_name():
+    with pytest.raises(ValueError, match="reset_position_ids does nothing with position_embedding_type=alibi"):
+        loader.check(arguments.load_config(["config/tiny.py", "--position_embedding_type=alibi",
+                                            "--reset_position_ids"]))
+    with pytest.raises(ValueError, match="end-of-document id 50256, which is not below vocab_size=512"):
+        loader.check(arguments.load_config(["config/tiny.py", "--vocab_size=512", "--eod_mask_loss"]))
+
+
+# -----------------------------------------------------------------------------
+# End to end: train.py's step and evaluation
+
+
+@pytest.mark.slow
+def test_train_py_packs_documents_in_training_and_evaluation(tmp_path):
+    """python train.py with the three flags on a corpus of short documents (GPT-2's end-of-document id): the
+    training losses and the validation loss change -- the flags reach train_step and evaluate."""
+    import numpy as np
+
+    import data
+    from helpers import log_fields, run_main
+    rng = np.random.default_rng(0)
+    prefix = str(tmp_path / "short")
+    data.write_indexed_dataset(prefix, [list(rng.integers(0, 100, rng.integers(3, 12))) + [data.EOD]
+                                        for _ in range(400)])
+    base = ["--num_layers=2", "--hidden_size=32", "--num_attention_heads=4", "--seq_length=32",
+            "--micro_batch_size=4", "--global_batch_size=8", "--train_iters=2", "--log_interval=1",
+            "--eval_interval=2", "--eval_iters=1", "--split=80,20,0", f"--data_path={prefix}", "--device=cpu",
+            "--save=none", "--save_interval=none", "--sample_tokens=0", "--lr_warmup_samples=0"]
+    valid = re.compile(r"validation loss at iteration 2 \| lm loss value: (\S+)")
+    runs = {}
+    for flags in ((), ("--reset_position_ids", "--reset_attention_mask", "--eod_mask_loss")):
+        out = run_main(*base, *flags)
+        runs[flags] = (log_fields(out)[1]["lm loss"], log_fields(out)[2]["lm loss"], valid.search(out).group(1))
+    plain, packed = runs.values()
+    assert all(a != b for a, b in zip(plain, packed)), runs
