@@ -68,6 +68,7 @@ import torch
 import torch.distributed as dist
 
 import checkpoint
+import loader
 import optim
 import parallel
 import precision
@@ -767,16 +768,19 @@ def evaluate_batches(model, batches, cfg, device):
 
 @torch.no_grad()
 def sample_losses(model, batches, cfg):
-    """The loss of each sample of this global batch (in global batch order), one forward without dropout; all
-    ranks take part (PP=1 only: a pipeline returns no per-sample losses)."""
-    g, mbs = parallel.grid, cfg.micro_batch_size
+    """The loss of each sample of this global batch (in global batch order), one forward without dropout, with the
+    run's packed-document inputs and loss mask (loader.packing) as its training sees them; all ranks take part
+    (PP=1 only: a pipeline returns no per-sample losses)."""
+    g, mbs, packing = parallel.grid, cfg.micro_batch_size, loader.packing(cfg)
     device = batches[0][0].device
     losses = torch.zeros(len(batches) * mbs * g.dp_size, device=device)
     was_training = model.training
     model.eval()
     for k, (x, y) in enumerate(batches):
-        logits = model(x)
-        per_sample = parallel.vocab_parallel_cross_entropy(logits, y, cfg.vocab_size)[0].float().mean(dim=1)
+        inputs = packing(x) if packing else {}
+        mask = inputs.pop("loss_mask", None)
+        per_token = parallel.vocab_parallel_cross_entropy(model(x, **inputs), y, cfg.vocab_size)[0].float()
+        per_sample = per_token.mean(dim=1) if mask is None else (per_token * mask).sum(1) / mask.sum(1).clamp(min=1)
         start = k * mbs * g.dp_size + g.dp_rank * mbs
         losses[start:start + mbs] = per_sample
     model.train(was_training)

@@ -217,3 +217,22 @@ def test_a_clean_guarded_run_of_3000_iterations_decides_nothing(corpus512):
                    "--sample_tokens=0", "--save=none", "--save_interval=none", f"--data_path={corpus512}", *GUARD)
     assert re.search(rf"iteration\s+{n}/", out), out[-2000:]
     assert decisions(out) == []
+
+
+def test_the_named_samples_losses_are_those_training_sees_with_packed_documents(monkeypatch):
+    """With Megatron's data flags, a sample's loss is over its own documents and its unmasked tokens: the guard's
+    per-sample losses (which name the samples behind a spike) are each sample's training loss, not a forward
+    across document boundaries."""
+    import loader
+    monkeypatch.setattr(loader, "eod_token", lambda cfg: 7)
+    cfg, model, _ = _tiny("--reset_position_ids", "--reset_attention_mask", "--eod_mask_loss", "--micro_batch_size=4",
+                          "--global_batch_size=4", "--hidden_dropout=0", "--attention_dropout=0")
+    torch.manual_seed(0)
+    x = torch.randint(0, 512, (4, 16))
+    x[:, [3, 9]] = 7
+    y = torch.randint(0, 512, (4, 16))
+    packing = loader.packing(cfg)
+    model.eval()
+    want = torch.stack([model(x[i:i + 1], y[i:i + 1], **packing(x[i:i + 1])).float() for i in range(4)])
+    got = spike_guard.sample_losses(model, [(x, y)], cfg)
+    torch.testing.assert_close(got, want.flatten(), rtol=1e-5, atol=1e-6)
