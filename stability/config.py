@@ -21,7 +21,7 @@ class StabilityConfig:
     spike_guard_min_steps: int = 16  # applied steps recorded before it judges (its own warm-up; the LR's need not end)
     spike_guard_zscore: float = 6.0  # a spike: loss or grad norm this many spreads above its trend's prediction ...
     spike_guard_ema_ratio: float = 1.1  # ... and above this multiple of the predicted value
-    spike_guard_grad_norm_ratio: float = 10.0  # the grad norm's multiple: clean runs have lone 5-7x grad-norm jumps
+    spike_guard_grad_norm_ratio: float = 100.0  # ... or the grad norm this multiple (a clean tiny run: lone 12x jumps)
     spike_guard_max_skips: int = 3  # spikes (or NaN/inf steps) within spike_guard_rewind iterations before a rollback
     spike_guard_rewind: int = 100  # roll back to before (first spike - this) and skip the data from there ...
     spike_guard_skip_after: int = 200  # ... to this many iterations after the last spike (PaLM: 200-500 in all)

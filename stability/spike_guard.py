@@ -5,23 +5,31 @@ skip_train_iteration_range, lowered the LR or reset the optimizer, and relaunche
 the recipe down (restart ~100 steps before the spike, skip 200-500 batches); OLMo-core automated its first rung.
 But the causes call for different remedies, so the guard asks why before it acts (docs/spike_guard.md):
 
-  detect     a step's loss is more than `spike_guard_zscore` scatters above the line fitted to the last 16 applied
-             losses and above `spike_guard_ema_ratio` x that line's value; or its grad norm (its logarithm) the
-             same and above `spike_guard_grad_norm_ratio` x; or the loss is NaN/inf; or the DP replicas computed
-             different numbers; or (fp16) the loss scale collapsed to min_loss_scale. From
-             `spike_guard_min_steps` applied steps on: the trend makes the warm-up's falling loss ordinary.
+  detect     a step's loss is more than `spike_guard_zscore` scatters above the line fitted to the last 16
+             applied losses and above `spike_guard_ema_ratio` x that line's value (the scatter: the line's past
+             prediction errors, Series); or its grad norm (its logarithm) the same and above
+             `spike_guard_grad_norm_ratio` x; or the loss as far *below* its line with an outlying grad norm (a
+             degenerate batch the model finds easy); or the loss is NaN/inf; or the DP replicas computed different
+             numbers; or (fp16) the loss scale collapsed to min_loss_scale. From `spike_guard_min_steps` applied
+             steps on (in fp16 the losses of the loss scale's search count): the trend makes the warm-up ordinary.
   diagnose   (investigate(), before any update) replay the step, same weights, batch and RNG:
-               not reproduced (or the replicas disagreed)  -> hardware: the replayed step is applied (a retry),
-                                                             no data skipped, no LR cut
+               the same DP rank disagrees again                -> persistent: stop, naming the rank
+               not reproduced (beyond the run's measured nondeterminism), or the replicas disagreed
+                                                               -> hardware: the replayed step is applied (a retry)
                reproduced:
                  a weight moved farther since the newest snapshot two updates back than Adam can move it
                                                            -> hardware: roll back to it, no data skipped, no LR cut
-                 fp16/bf16: the step replayed in fp32 is ordinary
-                                                           -> numerical: the fp32 step is applied (fp16: the
-                                                              loss scale halved), no data skipped, no LR cut
-                 the batch on the model of that snapshot
-                   still an outlier against that model's trend -> data: the ladder below
-                   ordinary there                              -> optimizer: roll back at once, skip no data
+                 fp16/bf16: the step replayed in fp32 (TF32 off) is ordinary
+                                                           -> numerical: the fp32 step applied (fp16: the loss scale
+                                                              halved once per episode, never to its floor);
+                                                              spike_guard_max_numerical in a window: stop, naming it
+                 counterfactual: the last applied batch on these same weights (computed, never applied)
+                   ordinary                                    -> data: this batch is the cause (either sign); a
+                                                                  minority of its samples, if far off, is named
+                   a spike too                                 -> optimizer: roll back at once, skip no data, and
+                                                                  cut the LR unless the LRs since the snapshot
+                                                                  were not the schedule's: no rollback replays
+             Every decision line says which test removed the spike, with its numbers.
              The spike_guard_max_hardware_faults-th hardware fault on one DP rank stops the run, naming it.
   act (data) (a) skip the update: no weight, Adam moment, step counter or LR-schedule change;
              (b) at the `spike_guard_max_skips`-th spike within `spike_guard_rewind` iterations: roll back to the
@@ -60,6 +68,7 @@ import torch
 import torch.distributed as dist
 
 import checkpoint
+import loader
 import optim
 import parallel
 import precision
@@ -84,22 +93,26 @@ class Series:
     """One watched number (the loss, or the logarithm of the grad norm), judged against its own trend.
 
     A z-score over a long window fails on a loss that is still falling fast: the window's spread is the fall
-    itself, so a 50% jump can be under 6 std. Here a line is fitted to the last FIT applied values; a step is
-    judged by how far it lands above the line's next point, in units of the scatter around the line (1.4826 x
-    the median absolute residual: robust to a spike that got through, and to the fall of the early steps, which
-    a window of past prediction errors would remember)."""
+    itself, so a 50% jump can be under 6 std. Here a line is fitted to the last FIT applied values, and a step is
+    judged by how far it lands above the line's next point, in units of the scatter: 1.4826 x the median of the
+    line's past prediction errors (each value against the line fitted to the FIT values before it), robust to a
+    spike that got through. The residuals around the line itself measure the scatter too, but over 16 points they
+    are often small by chance: a clean 3,000-iteration run had a batch 3.4 noise widths above its trend called
+    12 "spreads" (docs/spike_guard.md, the campaign). Until FIT // 2 prediction errors exist (the first steps,
+    whose fall a line of fewer points would misjudge) the residuals stand in; after, the larger of the two."""
 
     FIT = 16
 
     def __init__(self, window, log=False):
         self.log = log
         self.values = collections.deque(maxlen=window)  # applied steps (logarithms for the grad norm)
+        self.errors = collections.deque(maxlen=window)  # |value - the line's prediction of it|, from FIT values on
 
     def transform(self, value):
         return math.log(max(value, 1e-30)) if self.log else float(value)
 
-    def fit(self):
-        """(the line's next point, the robust scatter around the line), or None before two values."""
+    def line(self):
+        """(the next point of the line fitted to the last FIT values, the residuals' robust scatter), or None."""
         ys = list(self.values)[-self.FIT:]
         n = len(ys)
         if n < 2:
@@ -109,8 +122,22 @@ class Series:
         residuals = sorted(abs(y - ym - slope * (i - xm)) for i, y in enumerate(ys))
         return ym + slope * (n - xm), 1.4826 * residuals[n // 2]
 
+    def fit(self):
+        """(the line's next point, the scatter to judge it by), or None before two values."""
+        found = self.line()
+        if found is None or len(self.errors) < self.FIT // 2:
+            return found
+        errors = sorted(self.errors)
+        return found[0], max(found[1], 1.4826 * errors[len(errors) // 2])
+
+    def append(self, x):
+        """A transformed value: its prediction error first (the line before it), then the value."""
+        if len(self.values) >= self.FIT:
+            self.errors.append(abs(x - self.line()[0]))
+        self.values.append(x)
+
     def record(self, value):
-        self.values.append(self.transform(value))
+        self.append(self.transform(value))
 
     def judge(self, value):
         """(z, ratio): how many scatters above the line's next point, and its multiple of that value ((0, 1) before
@@ -127,11 +154,19 @@ class Series:
         return None if found is None else math.exp(found[0]) if self.log else found[0]
 
     def state(self):
-        return {"values": list(self.values)}
+        return {"values": list(self.values), "errors": list(self.errors)}
 
     def load(self, state):
+        """A snapshot's or checkpoint's state; without its errors (the run's history, RunState.history), they are
+        computed again from the values."""
         self.values.clear()
-        self.values.extend((state or {}).get("values", []))
+        self.errors.clear()
+        if state and "errors" in state:
+            self.values.extend(state["values"])
+            self.errors.extend(state["errors"])
+            return
+        for x in (state or {}).get("values", []):
+            self.append(x)
 
 
 class SpikeGuard:
@@ -733,16 +768,19 @@ def evaluate_batches(model, batches, cfg, device):
 
 @torch.no_grad()
 def sample_losses(model, batches, cfg):
-    """The loss of each sample of this global batch (in global batch order), one forward without dropout; all
-    ranks take part (PP=1 only: a pipeline returns no per-sample losses)."""
-    g, mbs = parallel.grid, cfg.micro_batch_size
+    """The loss of each sample of this global batch (in global batch order), one forward without dropout, with the
+    run's packed-document inputs and loss mask (loader.packing) as its training sees them; all ranks take part
+    (PP=1 only: a pipeline returns no per-sample losses)."""
+    g, mbs, packing = parallel.grid, cfg.micro_batch_size, loader.packing(cfg)
     device = batches[0][0].device
     losses = torch.zeros(len(batches) * mbs * g.dp_size, device=device)
     was_training = model.training
     model.eval()
     for k, (x, y) in enumerate(batches):
-        logits = model(x)
-        per_sample = parallel.vocab_parallel_cross_entropy(logits, y, cfg.vocab_size)[0].float().mean(dim=1)
+        inputs = packing(x) if packing else {}
+        mask = inputs.pop("loss_mask", None)
+        per_token = parallel.vocab_parallel_cross_entropy(model(x, **inputs), y, cfg.vocab_size)[0].float()
+        per_sample = per_token.mean(dim=1) if mask is None else (per_token * mask).sum(1) / mask.sum(1).clamp(min=1)
         start = k * mbs * g.dp_size + g.dp_rank * mbs
         losses[start:start + mbs] = per_sample
     model.train(was_training)

@@ -134,7 +134,7 @@ def campaign(a):
     def one(name, args, meta):
         try:
             t0 = time.time()
-            record = {**run_one(a.out, name, args, a.data_path), **meta, "iters": a.iters,
+            record = {"iters": a.iters, **run_one(a.out, name, args, a.data_path), **meta,
                       "seconds": round(time.time() - t0, 1)}
             with lock:
                 with open(path, "a") as f:
@@ -144,6 +144,14 @@ def campaign(a):
         finally:
             slots.release()
     threads = []
+    for j in range(a.long_clean):  # long clean runs: false positives late in training too, fewer start-ups
+        name, n = f"long{j}-clean", a.long_iters
+        if name not in done:
+            slots.acquire()
+            args = [*MODEL, f"--train_iters={n}", f"--lr_decay_samples={8 * n}", f"--seed={9000 + j}", *GUARD]
+            threads.append(threading.Thread(target=one, args=(name, args, {"what": f"clean, {n} iterations",
+                                                                            "iters": n})))
+            threads[-1].start()
     for k in range(a.first, a.first + a.trials):
         if time.time() - began > 60 * a.minutes:
             print(f"campaign: {a.minutes} minutes spent; stopped before trial {k}", flush=True)
@@ -172,7 +180,7 @@ def runs_of(out):
 
 def trials_of(out):
     runs, trials = runs_of(out), []
-    for k in sorted({r["trial"] for r in runs.values()}):
+    for k in sorted({r["trial"] for r in runs.values() if "trial" in r}):
         parts = [runs.get(f"{k}-{x}") for x in ("clean", "unguarded", "guarded")]
         if all(parts):
             trials.append(dict(zip(("clean", "unguarded", "guarded"), parts)))
@@ -182,7 +190,9 @@ def trials_of(out):
 def report(out):
     """OUT/report.md (the tables) and OUT/campaign.png (the figure); returns the markdown."""
     trials = trials_of(out)
-    lines = [f"{len(trials)} complete trials (3 runs each; false positives: every finished clean run)", ""]
+    spent = sum(r.get("seconds", 0) for r in runs_of(out).values()) / 3600
+    lines = [f"{len(trials)} complete trials (3 runs each; false positives: every finished clean run); "
+             f"{spent:.1f} hours of run time (wall, one process each)", ""]
     harmful, detected, right, diagnosed, within, rollbacks = 0, 0, 0, 0, 0, []
     matrix = {t: {c: 0 for c in CAUSES} for t in sorted(set(FAMILIES.values()))}
     cleans = [r for name, r in runs_of(out).items() if name.endswith("-clean")]  # finished, their trial or not
@@ -264,6 +274,8 @@ def main(argv=None):
     p.add_argument("--minutes", type=float, default=45.0, help="wall-time budget: no trial starts after it")
     p.add_argument("--first", type=int, default=0, help="the first trial's number (a second campaign beside one)")
     p.add_argument("--jobs", type=int, default=1, help="runs at a time (each one process)")
+    p.add_argument("--long_clean", type=int, default=0, help="clean guarded runs of --long_iters iterations, first")
+    p.add_argument("--long_iters", type=int, default=3000)
     p.add_argument("--report", action="store_true", help="only write the report of what has run")
     a = p.parse_args(argv)
     if not a.report:
