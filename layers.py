@@ -1,6 +1,7 @@
 """The blocks model.py chooses between by config, beside its own GPT-2 ones: RMSNorm and the gated SwiGLU MLP of
 Llama and OLMo 2 (`normalization=rmsnorm`, `swiglu`), and the inputs of packed documents made from the tokens
-(packed_inputs: Megatron's reset_attention_mask, reset_position_ids, eod_mask_loss). A fork's norm or feed-forward is a class here plus its line in model.norm() or
+(packed_inputs: Megatron's reset_attention_mask, reset_position_ids, eod_mask_loss). A fork's norm or
+feed-forward is a class here plus its line in model.norm() or
 model.mlp(); nothing else changes (the parameter count and FLOPs follow from the model as built).
 
 Not here: the attention (model.py), the parallel linears these are made of (parallel.py).

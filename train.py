@@ -127,7 +127,8 @@ class Iteration:
 
 def run(cfg, grid, exit_signal=lambda: False, writer=None, hooks=None):
     """Train (or, with eval_only, evaluate) the configured model; returns the run state. exit_signal() says when
-    a SIGTERM or SIGUSR1 asks to save and stop; writer: the checkpoint.AsyncWriter saves go through (None: synchronous)."""
+    a SIGTERM or SIGUSR1 asks to save and stop; writer: the checkpoint.AsyncWriter saves go through (None:
+    synchronous)."""
     device, schedule, hooks = launch.setup(cfg), Schedule(cfg, grid.dp_size), hooks or NO_HOOKS
     parts = build(cfg, grid, schedule, device, hooks)
     train_data, valid_data = loader.build_data(cfg, schedule, hooks.documents_to_skip)
