@@ -62,6 +62,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import lab_corpus  # noqa: E402
 
 WIDTH = 128
+HEAD_DIM = 32  # the study's 4 heads of 32; the ladder keeps the head size (width_args)
 DATA = ["--data_path=data/lab/" + lab_corpus.NAME, "--tokenizer_file=data/lab/tokenizer.json",
         f"--vocab_size={lab_corpus.VOCAB_SIZE}"]
 # Every run: the model, Wortsman et al.'s optimizer and schedule scaled down, the telemetry. 16 x 128 tokens an
@@ -125,14 +126,75 @@ def seeds_at(spec, lr):
     return [*spec["seeds"], *spec.get("more_seeds", {}).get(lr, [])]
 
 
-def run_dir(out, arm, lever_set, lr, seed):
-    return os.path.join(out, "runs", arm, lever_set, f"lr{lr:.0e}-seed{seed}")
+def run_dir(out, arm, lever_set, lr, seed, width=WIDTH):
+    ladder = [] if width == WIDTH else [f"w{width}"]  # the study's own width keeps the paths it ran under
+    return os.path.join(out, "runs", *ladder, arm, lever_set, f"lr{lr:.0e}-seed{seed}")
 
 
-def train_args(arm, lever_set, lr, seed, directory, extra=()):
+def width_args(width):
+    """The size ladder's model at `width`: depth fixed, heads of HEAD_DIM (qk-layernorm normalizes over a head, so
+    a head keeps its size as the width grows, as in Wortsman et al.'s ladder)."""
+    if width == WIDTH:
+        return []
+    if width % HEAD_DIM:
+        raise SystemExit(f"lr_sweep: --width {width} is not a multiple of the head size {HEAD_DIM}; use 64, 256, ...")
+    return [f"--hidden_size={width}", f"--num_attention_heads={width // HEAD_DIM}"]
+
+
+def train_args(arm, lever_set, lr, seed, directory, extra=(), width=WIDTH):
     spec = ARMS[arm]
-    return [*BASE, *spec["args"], *spec["levers"][lever_set], f"--lr={lr}", f"--seed={seed}",
+    if width != WIDTH and arm == "C":  # its init levers are c / sqrt(WIDTH), written for the study's width
+        raise SystemExit(f"lr_sweep: arm C's init levers are defined at width {WIDTH}; the ladder is arm A's")
+    return [*BASE, *width_args(width), *spec["args"], *spec["levers"][lever_set], f"--lr={lr}", f"--seed={seed}",
             f"--save={directory}", *extra]
+
+
+def width_of(args):
+    """The hidden size a run's arguments give (the last --hidden_size wins, as in train.py)."""
+    sizes = [int(a.split("=", 1)[1]) for a in args if a.startswith("--hidden_size=")]
+    return sizes[-1] if sizes else WIDTH
+
+
+# Which code a run trained with: the last commit that changed anything but the docs, the tests and this file (whose
+# run-shaping part, BASE and ARMS, each run records as its arguments), "+dirty" when the work tree differs from it
+# there. A commit to the report alone leaves it as it is, so that a study going on across such commits stays one
+# code version; runs of two versions are never mixed in one table (report_records).
+CODE_PATHS = [".", ":(exclude)docs", ":(exclude)tests", ":(exclude)tools/lr_sweep.py", ":(exclude)*.md"]
+
+
+def code_version(root=ROOT):
+    def git(*args):
+        return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, check=True).stdout.strip()
+    try:
+        commit = git("log", "-1", "--format=%h", "--", *CODE_PATHS)
+        dirty = git("status", "--porcelain", "--", *CODE_PATHS)
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return commit + ("+dirty" if dirty else "")
+
+
+def record_code(directory, code):
+    """Write the run's code version into its directory (code.json) when it starts; a run resumed on other code
+    is refused: its two halves would be of two versions."""
+    path = os.path.join(directory, "code.json")
+    if os.path.exists(path):
+        with open(path) as f:
+            before = json.load(f)["code"]
+        if before != code:
+            raise SystemExit(f"lr_sweep: {directory} was started on code {before} and would resume on {code}; "
+                             "delete the directory to run it again on this code, or check out " + before)
+        return
+    os.makedirs(directory, exist_ok=True)
+    with open(path, "w") as f:
+        json.dump({"code": code}, f)
+
+
+def read_code(directory):
+    path = os.path.join(directory, "code.json")
+    if not os.path.exists(path):
+        return "unrecorded"
+    with open(path) as f:
+        return json.load(f)["code"]
 
 
 def config_of(args):
@@ -266,12 +328,13 @@ def run(command, log, env):
     return os.waitstatus_to_exitcode(status), usage.ru_utime + usage.ru_stime
 
 
-def execute(out, arm, lever_set, lr, seed, extra=()):
-    """Train one run (unless finished; resumed if interrupted), write result.json last. Returns the result."""
-    directory = run_dir(out, arm, lever_set, lr, seed)
+def execute(out, arm, lever_set, lr, seed, extra=(), width=WIDTH):
+    """Train one run (unless finished; resumed if interrupted), write result.json last. Returns the result, with
+    the code version the run recorded when it started (code.json)."""
+    directory = run_dir(out, arm, lever_set, lr, seed, width)
     result_file = os.path.join(directory, "result.json")
-    args = train_args(arm, lever_set, lr, seed, directory, extra)
-    key = {"arm": arm, "lever_set": lever_set, "lr": lr, "seed": seed}
+    args = train_args(arm, lever_set, lr, seed, directory, extra, width)
+    key = {"arm": arm, "lever_set": lever_set, "lr": lr, "seed": seed, "width": width}
     if os.path.exists(result_file):
         with open(result_file) as f:
             result = json.load(f)
@@ -279,8 +342,8 @@ def execute(out, arm, lever_set, lr, seed, extra=()):
             raise SystemExit(f"{directory} holds a run with other arguments than this study's; use another --out "
                              "or delete it")
         # the numbers are read again from metrics.jsonl: a changed summary applies to finished runs too
-        return {**result, **summarize_run(read_metrics(os.path.join(directory, "metrics.jsonl")),
-                                          config_of(args).adam_eps)}
+        return {**result, "width": width, "code": read_code(directory),
+                **summarize_run(read_metrics(os.path.join(directory, "metrics.jsonl")), config_of(args).adam_eps)}
     os.makedirs(directory, exist_ok=True)
     # glibc would hand large freed blocks back to the kernel and page-fault them in afresh: keep them.
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", WANDB_MODE="disabled",
@@ -298,8 +361,8 @@ def execute(out, arm, lever_set, lr, seed, extra=()):
         return {**key, "error": f"{directory}: stopped at iteration {metrics['iterations']} of {cfg.train_iters}"
                 + ("" if metrics["val_loss"] is not None else " without its final validation loss (if it is at the "
                    "last iteration, it was killed after its last save: delete the directory)")}
-    result = {**key, "args": args, "seconds": round(seconds, 1), "cpu_seconds": round(cpu, 1),
-              **summarize_run(metrics, cfg.adam_eps)}
+    result = {**key, "args": args, "code": read_code(directory), "seconds": round(seconds, 1),
+              "cpu_seconds": round(cpu, 1), **summarize_run(metrics, cfg.adam_eps)}
     for name in os.listdir(directory):  # the checkpoints have served their purpose (resuming)
         if name.startswith("global_step") or name in ("latest", "lock"):
             path = os.path.join(directory, name)
@@ -624,6 +687,9 @@ def train(argv):
     """One run: train.py's main with denormal floats flushed to zero. A run that blows up drives most of its
     softmax's probabilities below fp32's normal range, where x86 arithmetic on denormals is 2-4x slower; flushed,
     they read as the zeros they round to a moment later."""
+    saves = [a.split("=", 1)[1] for a in argv if a.startswith("--save=")]
+    if saves:
+        record_code(saves[-1], code_version())
     import torch
     torch.set_flush_denormal(True)
     import train as train_module
