@@ -970,9 +970,9 @@ def main(argv=None):
     print(f"{len(grid)} runs (the pilot's {len(pilot)} first), {len(grid) - len(todo)} finished already, "
           f"{len(todo)} to run, {args.jobs} at a time", flush=True)
     if args.report:  # the finished runs alone; results.md says how many of the study's they are
-        if any(g in todo for g in pilot) and len(todo) == len(grid):
-            raise SystemExit(f"lr_sweep --report: the pilot has not run in {args.out}, nor any run of the selection; "
-                             "run the study first")
+        if len(todo) == len(grid):
+            raise SystemExit(f"lr_sweep --report: no run of the selection has finished in {args.out}"
+                             + (" (the pilot has not run either)" if pilot else "") + "; run the study first")
         unpiloted = any(g in todo for g in pilot)
         pilot = [g for g in pilot if g not in todo]
         grid = [g for g in grid if g not in todo]
