@@ -5,6 +5,10 @@ proxies for large-scale Transformer training instabilities"); docs/stability.md 
     python tools/lr_sweep.py --quick                 # the pilot alone: 2 runs, ~5 min
     python tools/lr_sweep.py --arms A --lever_sets default --lrs 1e-2,1e-1 --seeds 1,2 --out out/mine
     python tools/lr_sweep.py --out out/lab --report  # the tables and the figure of the runs finished so far
+    python tools/lr_sweep.py --out out/lab --report --arms A --record docs/lab/results.jsonl  # track the runs
+    python tools/lr_sweep.py --report --results docs/lab/results.jsonl --arms A --code dbe2d5a \
+        --docs docs/stability.md                     # docs/stability.md's tables and figure, from the tracked file
+    python tools/lr_sweep.py --arms A --width 64 --seeds 3 --out out/lab  # the size ladder's width 64
 
 One GPT (4 layers of 128, 4 heads of 32) on the bundled corpus under the lab's own 512-token BPE
 (tools/lab_corpus.py: with GPT-2's 50k vocabulary a small model is 89-97% embedding), trained as Wortsman et al.
@@ -29,11 +33,15 @@ problems written at the top of results.md.
 Each run is train.py in a process of its own (`lr_sweep.py --train ARGS`: train.main with denormals flushed, one
 thread each, --jobs at a time) in OUT/runs/<arm>/<lever set>/lr<lr>-seed<seed>/: stdout.log, the metrics.jsonl
 train.py writes (every iteration's loss and grad norm, the telemetry every 10), checkpoints every 100 iterations,
-and result.json, written last. A run whose directory holds result.json is finished and skipped (its numbers are
+code.json (the code version it trains with: code_version), and result.json, written last. A run whose
+directory holds result.json is finished and skipped (its numbers are
 read again from its metrics.jsonl, so that a change to the summaries applies to it); a run killed
 half way resumes from its last checkpoint (train.py resumes bit for bit; metrics.jsonl keeps the last record of
 an iteration). From all finished runs of the selection it writes OUT/results.jsonl, OUT/results.md (the tables)
-and OUT/lr_sweep.png (the figure).
+and OUT/lr_sweep.png (the figure). out/ is not tracked: --record adds one short line a run to a tracked file
+(docs/lab/results.jsonl), from which --report --results rebuilds the tables and the figure alone. A table holds the
+runs of one code version: runs of two are refused together (--code picks one), so that a run of older code never
+passes for a seed of today's.
 
 LR sensitivity is theirs: the mean over the LR grid of min(L(lr), L0) - L*, with L* the curve's best final
 loss over the grid and L0 = ln 512, the loss of the uniform prediction (every init but the 2.15/sqrt(h) one starts
