@@ -683,7 +683,7 @@ def markdown(rows_by_arm, lrs_by_arm, corpus, warnings, code=None, width=WIDTH):
     if code:
         runs = sum(p["n"] for rows in rows_by_arm.values() for row in rows for p in row["points"].values())
         lines += [f"Every run below ran on code {code} (the last commit of the code it trained with: "
-                  f"lr_sweep.code_version), at width {width}: {runs} runs.", ""]
+                  f"lr_sweep.code_version), at width {width}: {runs} run{'s' if runs != 1 else ''}.", ""]
     for arm, rows in rows_by_arm.items():
         lrs = lrs_by_arm[arm]
         header = ["| lever set | " + " | ".join(f"{lr:.0e}" for lr in lrs) + " |", "| --- |" + " --- |" * len(lrs)]
@@ -905,6 +905,9 @@ def report_from_records(args, arms):
                    for arm, spec in arms.items()}
     rows_by_arm = {arm: rows for arm, rows in rows_by_arm.items() if rows}
     table = markdown(rows_by_arm, {arm: spec["lrs"] for arm, spec in arms.items()}, corpus, [], code, args.width)
+    defined = sum(len(seeds_at(spec, lr)) * len(spec["levers"]) for spec in arms.values() for lr in spec["lrs"])
+    table = (f"{len(selected)} of the selection's {defined} runs are in {os.path.basename(args.results)} on this code "
+             "(a cell `not run` was not run on it, and each cell's n counts the seeds that ran).\n\n" + table)
     ladder_runs = [r for r in records if r["arm"] == "A" and r["code"] == code]
     if "A" in arms and len({r["width"] for r in ladder_runs}) > 1:
         table += "\n" + ladder_markdown(ladder(ladder_runs, corpus["bigram_entropy"], LADDER))
@@ -995,7 +998,8 @@ def main(argv=None):
     with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
         for result in pool.map(lambda g: execute(args.out, *g, extra, width), pilot):
             report(result)
-        verdict = check_pilot(results, corpus["bigram_entropy"]) if pilot else []
+        # a report without the whole pilot has no verdict on the setup (its header says so)
+        verdict = check_pilot(results, corpus["bigram_entropy"]) if pilot and not unpiloted else []
         if verdict and not args.allow_weak_study:
             raise SystemExit("lr_sweep: the pilot says this study cannot show what it tests:\n  - " +
                              "\n  - ".join(verdict) + "\nfix the setup, or pass --allow_weak_study to run it anyway")
