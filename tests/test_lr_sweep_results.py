@@ -175,3 +175,14 @@ def test_a_width_of_the_ladder_runs_with_heads_of_32_in_its_own_directory():
         lr_sweep.train_args("C", "init_0.63", 1e-2, 1, "/x", width=64)
     with pytest.raises(SystemExit, match="not a multiple of the head size 32"):
         lr_sweep.train_args("A", "default", 1e-2, 1, "/x", width=100)
+
+
+def test_a_line_that_record_did_not_write_is_refused_by_its_number(tmp_path):
+    path = tmp_path / "results.jsonl"
+    good = json.dumps(lr_sweep.record(_study()[0], CORPUS))
+    path.write_text(good + "\n\n{not json\n")
+    with pytest.raises(SystemExit, match=r"results.jsonl:3 is not JSON"):
+        lr_sweep.load_records(str(path))
+    path.write_text(good + "\n" + json.dumps({"arm": "A", "lr": 0.1}) + "\n")
+    with pytest.raises(SystemExit, match=r"results.jsonl:2 lacks lever_set, seed, width, code, val_loss, corpus"):
+        lr_sweep.load_records(str(path))

@@ -540,20 +540,20 @@ def merge_records(path, records):
 
 
 def load_records(path):
-    records = []
+    """The runs of a file --record wrote; a line it did not write is refused, by its number."""
     with open(path) as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                r = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise SystemExit(f"lr_sweep: {path}:{number} is not JSON ({e}); fix or remove the line")
-            missing = [k for k in (*RECORD_ID, "val_loss", "corpus") if k not in r]
-            if missing:
-                raise SystemExit(f"lr_sweep: {path}:{number} lacks {', '.join(missing)}: not a line lr_sweep --record "
-                                 "wrote; remove it, or record the run again from its directory")
-            records.append(r)
+        numbered = [(number, line) for number, line in enumerate(f, 1) if line.strip()]
+    records = []
+    for number, line in numbered:
+        try:
+            r = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise SystemExit(f"lr_sweep: {path}:{number} is not JSON ({e}); fix or remove the line")
+        missing = [k for k in (*RECORD_ID, "val_loss", "corpus") if k not in r]
+        if missing:
+            raise SystemExit(f"lr_sweep: {path}:{number} lacks {', '.join(missing)}: not a line lr_sweep --record "
+                             "wrote; remove it, or record the run again from its directory")
+        records.append(r)
     return records
 
 
