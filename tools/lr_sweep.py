@@ -5,6 +5,10 @@ proxies for large-scale Transformer training instabilities"); docs/stability.md 
     python tools/lr_sweep.py --quick                 # the pilot alone: 2 runs, ~5 min
     python tools/lr_sweep.py --arms A --lever_sets default --lrs 1e-2,1e-1 --seeds 1,2 --out out/mine
     python tools/lr_sweep.py --out out/lab --report  # the tables and the figure of the runs finished so far
+    python tools/lr_sweep.py --out out/lab --report --arms A --record docs/lab/results.jsonl  # track the runs
+    python tools/lr_sweep.py --report --results docs/lab/results.jsonl --arms A --code dbe2d5a \
+        --docs docs/stability.md                     # docs/stability.md's tables and figure, from the tracked file
+    python tools/lr_sweep.py --arms A --width 64 --seeds 3 --out out/lab  # the size ladder's width 64
 
 One GPT (4 layers of 128, 4 heads of 32) on the bundled corpus under the lab's own 512-token BPE
 (tools/lab_corpus.py: with GPT-2's 50k vocabulary a small model is 89-97% embedding), trained as Wortsman et al.
@@ -29,11 +33,15 @@ problems written at the top of results.md.
 Each run is train.py in a process of its own (`lr_sweep.py --train ARGS`: train.main with denormals flushed, one
 thread each, --jobs at a time) in OUT/runs/<arm>/<lever set>/lr<lr>-seed<seed>/: stdout.log, the metrics.jsonl
 train.py writes (every iteration's loss and grad norm, the telemetry every 10), checkpoints every 100 iterations,
-and result.json, written last. A run whose directory holds result.json is finished and skipped (its numbers are
+code.json (the code version it trains with: code_version), and result.json, written last. A run whose
+directory holds result.json is finished and skipped (its numbers are
 read again from its metrics.jsonl, so that a change to the summaries applies to it); a run killed
 half way resumes from its last checkpoint (train.py resumes bit for bit; metrics.jsonl keeps the last record of
 an iteration). From all finished runs of the selection it writes OUT/results.jsonl, OUT/results.md (the tables)
-and OUT/lr_sweep.png (the figure).
+and OUT/lr_sweep.png (the figure). out/ is not tracked: --record adds one short line a run to a tracked file
+(docs/lab/results.jsonl), from which --report --results rebuilds the tables and the figure alone. A table holds the
+runs of one code version: runs of two are refused together (--code picks one), so that a run of older code never
+passes for a seed of today's.
 
 LR sensitivity is theirs: the mean over the LR grid of min(L(lr), L0) - L*, with L* the curve's best final
 loss over the grid and L0 = ln 512, the loss of the uniform prediction (every init but the 2.15/sqrt(h) one starts
@@ -62,6 +70,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import lab_corpus  # noqa: E402
 
 WIDTH = 128
+HEAD_DIM = 32  # the study's 4 heads of 32; the ladder keeps the head size (width_args)
 DATA = ["--data_path=data/lab/" + lab_corpus.NAME, "--tokenizer_file=data/lab/tokenizer.json",
         f"--vocab_size={lab_corpus.VOCAB_SIZE}"]
 # Every run: the model, Wortsman et al.'s optimizer and schedule scaled down, the telemetry. 16 x 128 tokens an
@@ -114,6 +123,7 @@ ARMS = {
           "lrs": [1e-2, 3e-2, 1e-1], "seeds": [1, 2, 3], "logit_blows_up": False},
 }
 PILOT = [("A", "default", 1e-2, 1), ("A", "default", 3e-1, 1)]
+LADDER = (64, 128, 256)  # the size ladder's widths (issue 31): the third predicted from the two smallest
 QUICK = {"arms": ["A"], "lever_sets": ["default"], "lrs": [1e-2, 3e-1], "seeds": [1]}  # the pilot
 
 
@@ -125,14 +135,75 @@ def seeds_at(spec, lr):
     return [*spec["seeds"], *spec.get("more_seeds", {}).get(lr, [])]
 
 
-def run_dir(out, arm, lever_set, lr, seed):
-    return os.path.join(out, "runs", arm, lever_set, f"lr{lr:.0e}-seed{seed}")
+def run_dir(out, arm, lever_set, lr, seed, width=WIDTH):
+    ladder = [] if width == WIDTH else [f"w{width}"]  # the study's own width keeps the paths it ran under
+    return os.path.join(out, "runs", *ladder, arm, lever_set, f"lr{lr:.0e}-seed{seed}")
 
 
-def train_args(arm, lever_set, lr, seed, directory, extra=()):
+def width_args(width):
+    """The size ladder's model at `width`: depth fixed, heads of HEAD_DIM (qk-layernorm normalizes over a head, so
+    a head keeps its size as the width grows, as in Wortsman et al.'s ladder)."""
+    if width == WIDTH:
+        return []
+    if width % HEAD_DIM:
+        raise SystemExit(f"lr_sweep: --width {width} is not a multiple of the head size {HEAD_DIM}; use 64, 256, ...")
+    return [f"--hidden_size={width}", f"--num_attention_heads={width // HEAD_DIM}"]
+
+
+def train_args(arm, lever_set, lr, seed, directory, extra=(), width=WIDTH):
     spec = ARMS[arm]
-    return [*BASE, *spec["args"], *spec["levers"][lever_set], f"--lr={lr}", f"--seed={seed}",
+    if width != WIDTH and arm == "C":  # its init levers are c / sqrt(WIDTH), written for the study's width
+        raise SystemExit(f"lr_sweep: arm C's init levers are defined at width {WIDTH}; the ladder is arm A's")
+    return [*BASE, *width_args(width), *spec["args"], *spec["levers"][lever_set], f"--lr={lr}", f"--seed={seed}",
             f"--save={directory}", *extra]
+
+
+def width_of(args):
+    """The hidden size a run's arguments give (the last --hidden_size wins, as in train.py)."""
+    sizes = [int(a.split("=", 1)[1]) for a in args if a.startswith("--hidden_size=")]
+    return sizes[-1] if sizes else WIDTH
+
+
+# Which code a run trained with: the last commit that changed anything but the docs, the tests and this file (whose
+# run-shaping part, BASE and ARMS, each run records as its arguments), "+dirty" when the work tree differs from it
+# there. A commit to the report alone leaves it as it is, so that a study going on across such commits stays one
+# code version; runs of two versions are never mixed in one table (report_records).
+CODE_PATHS = [".", ":(exclude)docs", ":(exclude)tests", ":(exclude)tools/lr_sweep.py", ":(exclude)*.md"]
+
+
+def code_version(root=ROOT):
+    def git(*args):
+        return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, check=True).stdout.strip()
+    try:
+        commit = git("log", "-1", "--format=%h", "--", *CODE_PATHS)
+        dirty = git("status", "--porcelain", "--", *CODE_PATHS)
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return commit + ("+dirty" if dirty else "")
+
+
+def record_code(directory, code):
+    """Write the run's code version into its directory (code.json) when it starts; a run resumed on other code
+    is refused: its two halves would be of two versions."""
+    path = os.path.join(directory, "code.json")
+    if os.path.exists(path):
+        with open(path) as f:
+            before = json.load(f)["code"]
+        if before != code:
+            raise SystemExit(f"lr_sweep: {directory} was started on code {before} and would resume on {code}; "
+                             "delete the directory to run it again on this code, or check out " + before)
+        return
+    os.makedirs(directory, exist_ok=True)
+    with open(path, "w") as f:
+        json.dump({"code": code}, f)
+
+
+def read_code(directory):
+    path = os.path.join(directory, "code.json")
+    if not os.path.exists(path):
+        return "unrecorded"
+    with open(path) as f:
+        return json.load(f)["code"]
 
 
 def config_of(args):
@@ -266,21 +337,24 @@ def run(command, log, env):
     return os.waitstatus_to_exitcode(status), usage.ru_utime + usage.ru_stime
 
 
-def execute(out, arm, lever_set, lr, seed, extra=()):
-    """Train one run (unless finished; resumed if interrupted), write result.json last. Returns the result."""
-    directory = run_dir(out, arm, lever_set, lr, seed)
+def execute(out, arm, lever_set, lr, seed, extra=(), width=WIDTH):
+    """Train one run (unless finished; resumed if interrupted), write result.json last. Returns the result, with
+    the code version the run recorded when it started (code.json)."""
+    directory = run_dir(out, arm, lever_set, lr, seed, width)
     result_file = os.path.join(directory, "result.json")
-    args = train_args(arm, lever_set, lr, seed, directory, extra)
-    key = {"arm": arm, "lever_set": lever_set, "lr": lr, "seed": seed}
+    args = train_args(arm, lever_set, lr, seed, directory, extra, width)
+    key = {"arm": arm, "lever_set": lever_set, "lr": lr, "seed": seed, "width": width}
     if os.path.exists(result_file):
         with open(result_file) as f:
             result = json.load(f)
-        if result.get("args") != args:  # the study was redefined: its old results are not this run's
+        def unplaced(a):  # a run directory moved elsewhere holds the same run
+            return [x for x in a or [] if not x.startswith("--save=")]
+        if unplaced(result.get("args")) != unplaced(args):  # the study was redefined: its results are not this run's
             raise SystemExit(f"{directory} holds a run with other arguments than this study's; use another --out "
                              "or delete it")
         # the numbers are read again from metrics.jsonl: a changed summary applies to finished runs too
-        return {**result, **summarize_run(read_metrics(os.path.join(directory, "metrics.jsonl")),
-                                          config_of(args).adam_eps)}
+        return {**result, "width": width, "code": read_code(directory),
+                **summarize_run(read_metrics(os.path.join(directory, "metrics.jsonl")), config_of(args).adam_eps)}
     os.makedirs(directory, exist_ok=True)
     # glibc would hand large freed blocks back to the kernel and page-fault them in afresh: keep them.
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", WANDB_MODE="disabled",
@@ -298,8 +372,8 @@ def execute(out, arm, lever_set, lr, seed, extra=()):
         return {**key, "error": f"{directory}: stopped at iteration {metrics['iterations']} of {cfg.train_iters}"
                 + ("" if metrics["val_loss"] is not None else " without its final validation loss (if it is at the "
                    "last iteration, it was killed after its last save: delete the directory)")}
-    result = {**key, "args": args, "seconds": round(seconds, 1), "cpu_seconds": round(cpu, 1),
-              **summarize_run(metrics, cfg.adam_eps)}
+    result = {**key, "args": args, "code": read_code(directory), "seconds": round(seconds, 1),
+              "cpu_seconds": round(cpu, 1), **summarize_run(metrics, cfg.adam_eps)}
     for name in os.listdir(directory):  # the checkpoints have served their purpose (resuming)
         if name.startswith("global_step") or name in ("latest", "lock"):
             path = os.path.join(directory, name)
@@ -337,11 +411,21 @@ def blew_up(result, bigram, start=BLOWUP_FROM, margin=PILOT_MARGIN, attention_lo
         return True
     if attention_logit and (result.get("attention_logit_max") or 0) > ATTENTION_LOGIT_BLOWUP:
         return True
+    if "loss10" not in result:  # a tracked record (record()): the loss criterion as it was computed from the series
+        return bool(result.get("lost_what_it_learned"))
     loss10 = [v if v is not None and math.isfinite(v) else math.inf for v in result.get("loss10", [])]
     for i, value in enumerate(loss10):
         if (i + 1) * 10 > start and value > bigram and min(loss10[:i], default=math.inf) < bigram - margin:
             return True
     return False
+
+
+def lowest_loss10(result):
+    """A run's lowest 10-iteration training-loss mean: from its series, or as a tracked record keeps it."""
+    if "loss10" in result:
+        return min((v for v in result["loss10"] if v is not None), default=math.inf)
+    low = result.get("loss10_min")
+    return math.inf if low is None else low
 
 
 def logit_past_1e4(result):
@@ -387,7 +471,7 @@ def summarize(results, arm, lever_sets, lrs, bigram):
                           "diverged": sum(v == L0 for v in values),
                           "blew_up": sum(blew_up(r, bigram, attention_logit=logit_blows_up) for r in runs),
                           "logit_past_1e4": sum(logit_past_1e4(r) for r in runs),
-                          "never_below": sum(min(r["loss10"], default=math.inf) >= bigram for r in runs),
+                          "never_below": sum(lowest_loss10(r) >= bigram for r in runs),
                           "runs": {key: [r.get(key) for r in runs] for key in PRECURSORS},
                           **{key: _mean([r.get(key) for r in runs]) for key in PRECURSORS}}
         if not points:
@@ -412,6 +496,153 @@ PRECURSORS = {"attention_logit_max": "largest attention logit", "attention_entro
               "log_z": "mean log Z at the end", "output_logit_mean": "mean output logit at the end",
               "grad_rms_over_eps": "lowest layer grad RMS / eps", "final_ln_input_rms_max": "largest RMS into ln_f",
               "spike_score": "spike score (grad norm)"}
+
+
+# -----------------------------------------------------------------------------
+# The tracked results (docs/lab/results.jsonl): one line a run, from which --report --results rebuilds the tables
+# and the figure without the runs' directories (out/ is not tracked)
+
+RECORD_KEYS = ["val_loss", "train_loss", "train_loss_max", "nan_iterations", "cpu_seconds", *PRECURSORS,
+               "log_z_max", "embedding_norm_max"]
+RECORD_ID = ("arm", "lever_set", "lr", "seed", "width", "code")
+
+
+def _rounded(value):
+    return float(f"{value:.7g}") if isinstance(value, float) and math.isfinite(value) else value
+
+
+def record(result, corpus):
+    """One finished run as a line of the tracked results: what the report reads of it -- final losses, the inputs
+    of the blow-up, flat and divergence counts (the loss criterion as a flag, the lowest loss), the precursors, the
+    arm, lever set, LR, seed, width, the code version it ran on and the corpus it was measured against -- and none
+    of its per-iteration series."""
+    out = {key: result[key] for key in ("arm", "lever_set", "lr", "seed")}
+    out["width"] = result.get("width") or width_of(result.get("args", []))
+    out["code"] = result.get("code", "unrecorded")
+    out.update({key: _rounded(result.get(key)) for key in RECORD_KEYS})
+    out["loss10_min"] = _rounded(lowest_loss10(result))
+    out["lost_what_it_learned"] = blew_up({"loss10": result.get("loss10", [])}, corpus["bigram_entropy"],
+                                          attention_logit=False)
+    out["corpus"] = {key: corpus[key] for key in ("tokens", "unigram_entropy", "bigram_entropy")}
+    return out
+
+
+def merge_records(path, records):
+    """Add records to the file at path, one JSON line a run; a record replaces the line of the same run on the
+    same code version (the same run's numbers read again), never one of another version."""
+    kept = {tuple(r[k] for k in RECORD_ID): r for r in (load_records(path) if os.path.exists(path) else [])}
+    kept.update({tuple(r[k] for k in RECORD_ID): r for r in records})
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        for key in sorted(kept, key=lambda k: (k[5], k[4], k[0], k[1], k[2], k[3])):
+            f.write(json.dumps(kept[key]) + "\n")
+    os.replace(path + ".tmp", path)
+
+
+def load_records(path):
+    """The runs of a file --record wrote; a line it did not write is refused, by its number."""
+    with open(path) as f:
+        numbered = [(number, line) for number, line in enumerate(f, 1) if line.strip()]
+    records = []
+    for number, line in numbered:
+        try:
+            r = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise SystemExit(f"lr_sweep: {path}:{number} is not JSON ({e}); fix or remove the line")
+        missing = [k for k in (*RECORD_ID, "val_loss", "corpus") if k not in r]
+        if missing:
+            raise SystemExit(f"lr_sweep: {path}:{number} lacks {', '.join(missing)}: not a line lr_sweep --record "
+                             "wrote; remove it, or record the run again from its directory")
+        records.append(r)
+    return records
+
+
+def one_code(results, chosen=None):
+    """(results, code): the results of one code version -- `chosen`'s, or all when they are of one version. Runs of
+    two versions are not put in one table: refused, naming the versions and their runs."""
+    if chosen:
+        results = [r for r in results if r.get("code") == chosen]
+        if not results:
+            raise SystemExit(f"lr_sweep: no run of the selection ran on code {chosen}")
+    codes = {}
+    for r in results:
+        codes[r.get("code", "unrecorded")] = codes.get(r.get("code", "unrecorded"), 0) + 1
+    if len(codes) > 1:
+        raise SystemExit("lr_sweep: the selection mixes runs of " + ", ".join(f"code {c} ({n} runs)" for c, n in
+                         sorted(codes.items())) + "; a table compares like with like: pass --code=<one of them>")
+    return results, next(iter(codes), None)
+
+
+def ladder(results, bigram, targets=(), lever_sets=("default", "qk_layernorm")):
+    """The size ladder of arm A (issue 31): per width, the LR at which the default's largest attention logit
+    passes 1e4 and each lever set's LR sensitivity over Wortsman et al.'s range; and for every width past the two
+    smallest run, both predicted from those two (a line in log width through them: log LR for the crossing, the
+    sensitivity itself), `targets` included before they run. Returns {width: {"crossing": lr or None,
+    "sensitivity": {lever set: value or None}, "n": runs, "predicted": {...} or absent}}."""
+    widths = sorted({r["width"] for r in results if r["arm"] == "A"})
+    out = {}
+    for width in sorted({*widths, *targets}):
+        runs = [r for r in results if r["arm"] == "A" and r["width"] == width]
+        rows = {row["lever_set"]: row for row in summarize(runs, "A", list(lever_sets), HALF_DECADES, bigram)}
+        default = rows.get("default")
+        out[width] = {"n": len(runs), "crossing": logit_crossing(default["points"]) if default else None,
+                      "sensitivity": {lever: rows[lever]["ranges"]["1e-3..3e-1"]["mean_curve"] if lever in rows
+                                      else None for lever in lever_sets}}
+    if len(widths) >= 2:
+        (w1, w2), log = widths[:2], math.log
+
+        def through(y1, y2, w, transform=lambda v: v, back=lambda v: v):
+            if y1 is None or y2 is None:
+                return None
+            slope = (transform(y2) - transform(y1)) / (log(w2) - log(w1))
+            return back(transform(y1) + slope * (log(w) - log(w1)))
+        for width in [w for w in out if w > w2]:
+            out[width]["predicted"] = {
+                "crossing": through(out[w1]["crossing"], out[w2]["crossing"], width, math.log, math.exp),
+                "sensitivity": {lever: through(out[w1]["sensitivity"][lever], out[w2]["sensitivity"][lever], width)
+                                for lever in lever_sets},
+                "from": (w1, w2)}
+    return out
+
+
+def logit_crossing(points):
+    """The LR at which the largest attention logit (the geometric mean over the seeds run at an LR) passes 1e4,
+    interpolated in log-log between the last grid LR below it and the first above; None if the grid's lowest LR
+    is already past it or no LR reaches it (a crossing outside the grid is not extrapolated)."""
+    logs = {}
+    for lr, p in sorted(points.items()):
+        values = [v for v in p["runs"]["attention_logit_max"] if v is not None and math.isfinite(v) and v > 0]
+        if values:
+            logs[lr] = sum(math.log(v) for v in values) / len(values)
+    target, lrs = math.log(ATTENTION_LOGIT_BLOWUP), sorted(logs)
+    for below, above in zip(lrs, lrs[1:]):
+        if logs[below] < target <= logs[above]:
+            t = (target - logs[below]) / (logs[above] - logs[below])
+            return math.exp(math.log(below) + t * (math.log(above) - math.log(below)))
+    return None
+
+
+def ladder_markdown(steps):
+    def lr(v):
+        return "not crossed in the grid" if v is None else f"{v:.2g}"
+
+    def sens(v):
+        return "no complete curve" if v is None else f"{v:.3f}"
+    lines = ["### The size ladder: arm A against width", "",
+             "Per width (depth 4, heads of 32): the LR at which the default's largest attention logit (geometric "
+             "mean over the seeds run) passes 1e4, interpolated between grid LRs, and the LR sensitivity over "
+             "1e-3..3e-1 (default / qk-layernorm, of the seeds' mean curve); from the third width on, each predicted "
+             "from the two smallest widths (a line in log width) beside what was measured:", "",
+             "| width | runs | logit 1e4 at LR: measured | predicted | sensitivity: measured | predicted |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for width, step in steps.items():
+        guess = step.get("predicted")
+        measured = " / ".join(sens(v) for v in step["sensitivity"].values()) if step["n"] else "not run"
+        lines.append(f"| {width} | {step['n']} | {lr(step['crossing']) if step['n'] else 'not run'} | "
+                     + (f"{lr(guess['crossing'])} (from {guess['from'][0]}, {guess['from'][1]})" if guess else "")
+                     + f" | {measured} | "
+                     + (" / ".join(sens(v) for v in guess["sensitivity"].values()) if guess else "") + " |")
+    return "\n".join(lines) + "\n"
 
 
 def _mean(values):
@@ -441,7 +672,7 @@ def sensitivity_cell(entry):
     return spread(per_seed.values())
 
 
-def markdown(rows_by_arm, lrs_by_arm, corpus, warnings):
+def markdown(rows_by_arm, lrs_by_arm, corpus, warnings, code=None, width=WIDTH):
     lines = []
     if warnings:
         lines += ["**WARNING: this study cannot show what it tests** (run with --allow_weak_study):", "",
@@ -449,6 +680,10 @@ def markdown(rows_by_arm, lrs_by_arm, corpus, warnings):
     lines += [f"Corpus: {corpus['tokens']:,} tokens of a {VOCAB_SIZE}-token BPE; entropy per token: uniform "
               f"L0 = {L0:.3f}, unigram {corpus['unigram_entropy']:.3f}, bigram (given the previous token) "
               f"H2 = {corpus['bigram_entropy']:.3f} nats.", ""]
+    if code:
+        runs = sum(p["n"] for rows in rows_by_arm.values() for row in rows for p in row["points"].values())
+        lines += [f"Every run below ran on code {code} (the last commit of the code it trained with: "
+                  f"lr_sweep.code_version), at width {width}: {runs} run{'s' if runs != 1 else ''}.", ""]
     for arm, rows in rows_by_arm.items():
         lrs = lrs_by_arm[arm]
         header = ["| lever set | " + " | ".join(f"{lr:.0e}" for lr in lrs) + " |", "| --- |" + " --- |" * len(lrs)]
@@ -588,7 +823,18 @@ def parse_args(argv):
                    "runs finished so far (the pilot's included); starts no run")
     p.add_argument("--allow_weak_study", action="store_true",
                    help="run a study that the preflight or the pilot refuses; results.md says why it is weak")
+    p.add_argument("--width", type=int, default=WIDTH, help="the model's width (the size ladder: depth 4, heads of "
+                   f"{HEAD_DIM}; arm A only); runs of another width than {WIDTH} go to OUT/runs/w<width>/")
+    p.add_argument("--record", metavar="FILE", help="add the finished runs' summaries to FILE, one line a run "
+                   "(docs/lab/results.jsonl is the study's tracked record)")
+    p.add_argument("--results", metavar="FILE", help="with --report: the tables and the figure from FILE's lines "
+                   "(written by --record) instead of OUT's run directories")
+    p.add_argument("--docs", metavar="MD", help="with --report: also write the tables into MD between its two "
+                   "`lr_sweep --report` markers and the figure to MD's name with .png (docs/stability.md)")
+    p.add_argument("--code", help="only the runs of this code version (a report refuses to mix versions)")
     args = p.parse_args(argv)
+    if (args.results or args.docs) and not args.report:
+        p.error("--results and --docs go with --report")
     args.out = os.path.abspath(args.out)  # the runs' --save, whatever directory they are started from
     if args.quick:
         for key, value in QUICK.items():
@@ -624,10 +870,63 @@ def train(argv):
     """One run: train.py's main with denormal floats flushed to zero. A run that blows up drives most of its
     softmax's probabilities below fp32's normal range, where x86 arithmetic on denormals is 2-4x slower; flushed,
     they read as the zeros they round to a moment later."""
+    saves = [a.split("=", 1)[1] for a in argv if a.startswith("--save=")]
+    if saves:
+        record_code(saves[-1], code_version())
     import torch
     torch.set_flush_denormal(True)
     import train as train_module
     train_module.main(argv)
+
+
+def in_selection(r, arms, width=None):
+    spec = arms.get(r["arm"])
+    return (spec is not None and r["lever_set"] in spec["levers"] and r["lr"] in spec["lrs"]
+            and r["seed"] in seeds_at(spec, r["lr"]) and (width is None or r.get("width", WIDTH) == width))
+
+
+DOCS_BEGIN = "<!-- lr_sweep --report --docs writes what follows, up to its end marker; edit tools/lr_sweep.py -->"
+DOCS_END = "<!-- end of what lr_sweep --report --docs writes -->"
+
+
+def report_from_records(args, arms):
+    """--report --results FILE: the tables, the ladder and the figure from the tracked records alone."""
+    records = load_records(args.results)
+    selected, code = one_code([r for r in records if in_selection(r, arms, args.width)], args.code)
+    if not selected:
+        raise SystemExit(f"lr_sweep: {args.results} has no run of the selection (width {args.width}); "
+                         "widen it (--arms, --lever_sets, --lrs, --seeds, --width, --code)")
+    corpora = {json.dumps(r["corpus"], sort_keys=True) for r in selected}
+    if len(corpora) > 1:
+        raise SystemExit(f"lr_sweep: {args.results}'s runs of the selection were measured on {len(corpora)} corpora; "
+                         "a table compares like with like")
+    corpus = selected[0]["corpus"]
+    rows_by_arm = {arm: summarize(selected, arm, list(spec["levers"]), spec["lrs"], corpus["bigram_entropy"])
+                   for arm, spec in arms.items()}
+    rows_by_arm = {arm: rows for arm, rows in rows_by_arm.items() if rows}
+    table = markdown(rows_by_arm, {arm: spec["lrs"] for arm, spec in arms.items()}, corpus, [], code, args.width)
+    defined = sum(len(seeds_at(spec, lr)) * len(spec["levers"]) for spec in arms.values() for lr in spec["lrs"])
+    table = (f"{len(selected)} of the selection's {defined} runs are in {os.path.basename(args.results)} on this code "
+             "(a cell `not run` was not run on it, and each cell's n counts the seeds that ran).\n\n" + table)
+    ladder_runs = [r for r in records if r["arm"] == "A" and r["code"] == code]
+    if "A" in arms and len({r["width"] for r in ladder_runs}) > 1:
+        table += "\n" + ladder_markdown(ladder(ladder_runs, corpus["bigram_entropy"], LADDER))
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "results.md"), "w") as f:
+        f.write(table)
+    plot(rows_by_arm, selected, corpus, os.path.join(args.out, "lr_sweep.png"))
+    if args.docs:
+        with open(args.docs) as f:
+            text = f.read()
+        if text.count(DOCS_BEGIN) != 1 or text.count(DOCS_END) != 1 or text.index(DOCS_BEGIN) > text.index(DOCS_END):
+            raise SystemExit(f"lr_sweep: {args.docs} needs the two markers, once each and in this order, around the "
+                             f"place of the tables:\n{DOCS_BEGIN}\n{DOCS_END}")
+        head, rest = text.split(DOCS_BEGIN)
+        with open(args.docs, "w") as f:
+            f.write(head + DOCS_BEGIN + "\n\n" + table.rstrip("\n") + "\n\n" + DOCS_END + rest.split(DOCS_END, 1)[1])
+        plot(rows_by_arm, selected, corpus, os.path.splitext(args.docs)[0] + ".png")
+    print(table)
+    print(f"wrote {args.out}/results.md, lr_sweep.png" + (f"; {args.docs} and its figure" if args.docs else ""))
 
 
 def check_pilot(results, bigram):
@@ -653,6 +952,8 @@ def main(argv=None):
         return train(argv[1:])
     args = parse_args(argv)
     arms, extra = selection(args), args.extra.split()
+    if args.results:
+        return report_from_records(args, arms)
     warnings = preflight(arms, extra)
     if warnings and not args.allow_weak_study:
         raise SystemExit("lr_sweep: this study cannot show what it tests:\n  - " + "\n  - ".join(warnings) +
@@ -662,18 +963,29 @@ def main(argv=None):
     data.IndexedDataset(corpus["prefix"])
     grid = [(arm, lever, lr, seed) for arm, spec in arms.items() for lever in spec["levers"]
             for lr in spec["lrs"] for seed in seeds_at(spec, lr)]
+    width = args.width
+    unpiloted = False
+    pilot = PILOT  # the pilot is the study's width's; another width's runs are the ladder's, without it
+    if width != WIDTH:
+        if set(arms) != {"A"}:
+            raise SystemExit("lr_sweep: --width is the size ladder of arm A; pass --arms A")
+        pilot = []
+
     # the pilot first, then every arm's first seed, then arm A's other seeds, then the others': an interrupted
     # study has whole curves, and arm A its seeds' spread first
     def order(g):
         again = seeds_at(arms[g[0]], g[2]).index(g[3])
         return (again > 0, again > 0 and g[0] != "A", again)
-    grid = PILOT + sorted((g for g in grid if g not in PILOT), key=order)
-    todo = [g for g in grid if not os.path.exists(os.path.join(run_dir(args.out, *g), "result.json"))]
-    print(f"{len(grid)} runs (the pilot's 2 first), {len(grid) - len(todo)} finished already, {len(todo)} to run, "
-          f"{args.jobs} at a time", flush=True)
+    grid = pilot + sorted((g for g in grid if g not in pilot), key=order)
+    todo = [g for g in grid if not os.path.exists(os.path.join(run_dir(args.out, *g, width), "result.json"))]
+    print(f"{len(grid)} runs (the pilot's {len(pilot)} first), {len(grid) - len(todo)} finished already, "
+          f"{len(todo)} to run, {args.jobs} at a time", flush=True)
     if args.report:  # the finished runs alone; results.md says how many of the study's they are
-        if any(g in todo for g in PILOT):
-            raise SystemExit(f"lr_sweep --report: the pilot has not run in {args.out}; run the study first")
+        if len(todo) == len(grid):
+            raise SystemExit(f"lr_sweep --report: no run of the selection has finished in {args.out}"
+                             + (" (the pilot has not run either)" if pilot else "") + "; run the study first")
+        unpiloted = any(g in todo for g in pilot)
+        pilot = [g for g in pilot if g not in todo]
         grid = [g for g in grid if g not in todo]
     results, start = [], time.time()
 
@@ -684,20 +996,23 @@ def main(argv=None):
               f"{result['seed']}: {status}", flush=True)
 
     with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
-        for result in pool.map(lambda g: execute(args.out, *g, extra), PILOT):
+        for result in pool.map(lambda g: execute(args.out, *g, extra, width), pilot):
             report(result)
-        pilot = check_pilot(results, corpus["bigram_entropy"])
-        if pilot and not args.allow_weak_study:
+        # a report without the whole pilot has no verdict on the setup (its header says so)
+        verdict = check_pilot(results, corpus["bigram_entropy"]) if pilot and not unpiloted else []
+        if verdict and not args.allow_weak_study:
             raise SystemExit("lr_sweep: the pilot says this study cannot show what it tests:\n  - " +
-                             "\n  - ".join(pilot) + "\nfix the setup, or pass --allow_weak_study to run it anyway")
-        warnings += pilot
-        for result in pool.map(lambda g: execute(args.out, *g, extra), grid[len(PILOT):]):
+                             "\n  - ".join(verdict) + "\nfix the setup, or pass --allow_weak_study to run it anyway")
+        warnings += verdict
+        for result in pool.map(lambda g: execute(args.out, *g, extra, width), grid[len(pilot):]):
             report(result)
     failed = [r for r in results if "error" in r]
     for r in failed:
         print(f"failed: {r['arm']} {r['lever_set']} lr {r['lr']} seed {r['seed']}:\n{r['error']}", file=sys.stderr)
-    selected = [r for r in results if r["arm"] in arms and r["lever_set"] in arms[r["arm"]]["levers"]
-                and r["lr"] in arms[r["arm"]]["lrs"] and r["seed"] in seeds_at(arms[r["arm"]], r["lr"])]
+    selected = [r for r in results if "error" not in r and in_selection(r, arms)]
+    if args.record:
+        merge_records(args.record, [record(r, corpus) for r in selected])
+    selected, code = one_code(selected, args.code)
     rows_by_arm = {arm: summarize(selected, arm, list(spec["levers"]), spec["lrs"], corpus["bigram_entropy"])
                    for arm, spec in arms.items()}
     rows_by_arm = {arm: rows for arm, rows in rows_by_arm.items() if rows}
@@ -705,7 +1020,9 @@ def main(argv=None):
     with open(os.path.join(args.out, "results.jsonl"), "w") as f:
         for r in results:
             f.write(json.dumps(r) + "\n")
-    table = markdown(rows_by_arm, {arm: spec["lrs"] for arm, spec in arms.items()}, corpus, warnings)
+    table = markdown(rows_by_arm, {arm: spec["lrs"] for arm, spec in arms.items()}, corpus, warnings, code, width)
+    if args.report and unpiloted:
+        table = f"The pilot has not run in {args.out}: its verdict on the setup is not here.\n\n" + table
     if args.report and todo:
         table = (f"{len(grid)} of the selection's {len(grid) + len(todo)} runs finished; the tables and the figure are "
                  "theirs (a cell `not run` was not run, and each cell's n counts the seeds that ran).\n\n" + table)
