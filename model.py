@@ -254,15 +254,17 @@ def rotary_cos_sin(seq_len, head_dim, dtype=torch.float32, device=None, base=100
 LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
 
-def llama3_frequencies(inv_freq, factor, low_freq_factor=1.0, high_freq_factor=4.0, original=8192):
+def llama3_frequencies(inv_freq, factor):
     """Llama 3.1's rotary frequencies for long contexts (Megatron's --use-rope-scaling, transformers' rope_type
     "llama3", with Llama 3's LLAMA3_ROPE constants): wavelengths shorter than original / high_freq_factor kept,
     those longer than original / low_freq_factor stretched `factor` times, the ones between interpolated."""
+    low, high = LLAMA3_ROPE["low_freq_factor"], LLAMA3_ROPE["high_freq_factor"]
+    original = LLAMA3_ROPE["original_max_position_embeddings"]
     wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > original / low_freq_factor, inv_freq / factor, inv_freq)
-    smooth = (original / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    scaled = torch.where(wavelen > original / low, inv_freq / factor, inv_freq)
+    smooth = (original / wavelen - low) / (high - low)
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    medium = (wavelen >= original / high_freq_factor) & (wavelen <= original / low_freq_factor)
+    medium = (wavelen >= original / high) & (wavelen <= original / low)
     return torch.where(medium, smoothed, scaled)
 
 

@@ -253,7 +253,6 @@ def agree(loss, grad_norm, *more):
     return (*rows[0], len({repr(r) for r in rows}) > 1)
 
 
-
 def train_step(model, optimizer, scaler, batches, lr, cfg, device, count_zeros=True, hooks=NO_HOOKS):
     """One global batch: forward and backward over this rank's micro-batches, gradients reduced, clipped and
     applied at learning rate lr -- unless the step is skipped. Returns a Step.
