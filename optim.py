@@ -166,8 +166,8 @@ def build_optimizer(model, lr, weight_decay, adam_beta1, adam_beta2, adam_eps, u
                     params=None, independent_decay=False):
     """Our AdamW, or bitsandbytes' 8-bit AdamW with `embedding` (the token embedding weight, or a list of it and an
     untied output layer, the other vocabulary-sized table) kept in 32-bit optimizer state, as bitsandbytes'
-    StableEmbedding requires (lesson 14). params: only these of the
-    model's parameters (a ZeRO-1 shard), default all. independent_decay: see decay_coefficient."""
+    StableEmbedding requires (lesson 14). params: only these of the model's parameters (a ZeRO-1 shard), default
+    all. independent_decay: see decay_coefficient."""
     weight_decay = decay_coefficient(weight_decay, lr, independent_decay)
     groups = param_groups(model, weight_decay, params)
     betas = (adam_beta1, adam_beta2)
