@@ -82,8 +82,9 @@ def document_mask(documents):
 
 class DocumentBlockMask:
     """Packed documents' attention without their scores: FlexAttention's block-sparse mask of the block-diagonal
-    causal pattern (blocks wholly outside every document skipped, none of the (B, 1 or heads, T, T) mask or bias
-    materialised) and ALiBi's bias as a score modification. What the model hands core_attention on CUDA with
+    causal pattern (blocks wholly outside every document skipped; attention holds no (B, 1 or heads, T, T) mask or
+    bias, though create_block_mask, run eagerly once per forward, evaluates one (B, T, T) boolean to build it) and
+    ALiBi's bias as a score modification. What the model hands core_attention on CUDA with
     compiled blocks (the default there: flex_attention is a fused kernel under compile); SDPA with
     document_mask's dense mask elsewhere, and with attention dropout, which flex_attention has not."""
 
