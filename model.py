@@ -669,8 +669,8 @@ class GPT(nn.Module):
         """The attention bias of packed documents: the causal mask cut block-diagonal, (B, 1 or heads, T, T), added to
         the scores (ALiBi's relative bias needs no reset: i - j is the same within a document). On CUDA with compiled
         blocks, without attention dropout or the explicit path, a FlexAttention block mask instead
-        (layers.DocumentBlockMask): no T x T tensor at all; elsewhere the mask is materialised, and SDPA takes it as
-        attn_mask (eager flex_attention would materialise the scores)."""
+        (layers.DocumentBlockMask): no T x T tensor in attention; elsewhere the mask is materialised, and SDPA takes
+        it as attn_mask (eager flex_attention would materialise the scores)."""
         if layers.flex_documents(documents.device, self.compiled) and not self.cfg.unfused_attention and not \
                 self.cfg.attention_dropout:
             slopes = None if self.alibi_heads is None else alibi_slopes(
