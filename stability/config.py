@@ -22,6 +22,7 @@ class StabilityConfig:
     spike_guard_zscore: float = 6.0  # a spike: loss or grad norm this many spreads above its trend's prediction ...
     spike_guard_ema_ratio: float = 1.1  # ... and above this multiple of the predicted value
     spike_guard_grad_norm_ratio: float = 100.0  # ... or the grad norm this multiple (a clean tiny run: lone 12x jumps)
+    spike_guard_rise_steps: int = 3  # ... or the loss this many steps in a row over half that zscore (0: off)
     spike_guard_max_skips: int = 3  # spikes (or NaN/inf steps) within spike_guard_rewind iterations before a rollback
     spike_guard_rewind: int = 100  # roll back to before (first spike - this) and skip the data from there ...
     spike_guard_skip_after: int = 200  # ... to this many iterations after the last spike (PaLM: 200-500 in all)
@@ -74,6 +75,8 @@ def check(cfg):
          "spike_guard_min_steps must be in [2, spike_guard_window]")
     need(cfg.spike_guard_zscore > 0 and cfg.spike_guard_ema_ratio >= 1 and cfg.spike_guard_grad_norm_ratio >= 1,
          "spike_guard_zscore must be > 0, spike_guard_ema_ratio and spike_guard_grad_norm_ratio >= 1")
+    need(cfg.spike_guard_rise_steps == 0 or cfg.spike_guard_rise_steps >= 2,
+         "spike_guard_rise_steps must be 0 (off) or >= 2: one step over half the zscore is a clean run's noise")
     need(cfg.spike_guard_max_skips >= 1 and cfg.spike_guard_rewind >= 0 and cfg.spike_guard_skip_after >= 0,
          "spike_guard_max_skips must be >= 1, spike_guard_rewind and spike_guard_skip_after >= 0")
     need(cfg.spike_guard_snapshot_interval >= 0, "spike_guard_snapshot_interval must be >= 0 (0: disk checkpoints)")

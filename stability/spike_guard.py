@@ -9,7 +9,8 @@ But the causes call for different remedies, so the guard asks why before it acts
              applied losses and above `spike_guard_ema_ratio` x that line's value (the scatter: the line's past
              prediction errors, Series); or its grad norm (its logarithm) the same and above
              `spike_guard_grad_norm_ratio` x; or the loss as far *below* its line with an outlying grad norm (a
-             degenerate batch the model finds easy); or the loss is NaN/inf; or the DP replicas computed different
+             degenerate batch the model finds easy); or `spike_guard_rise_steps` losses in a row each half as far
+             above (a slow rise the line follows); or the loss is NaN/inf; or the DP replicas computed different
              numbers; or (fp16) the loss scale collapsed to min_loss_scale. From `spike_guard_min_steps` applied
              steps on (in fp16 the losses of the loss scale's search count): the trend makes the warm-up ordinary.
   diagnose   (investigate(), before any update) replay the step, same weights, batch and RNG:
@@ -107,6 +108,7 @@ class Series:
         self.log = log
         self.values = collections.deque(maxlen=window)  # applied steps (logarithms for the grad norm)
         self.errors = collections.deque(maxlen=window)  # |value - the line's prediction of it|, from FIT values on
+        self.zs = collections.deque(maxlen=self.FIT)  # each applied value's z when it was judged (rising())
 
     def transform(self, value):
         return math.log(max(value, 1e-30)) if self.log else float(value)
@@ -131,7 +133,8 @@ class Series:
         return found[0], max(found[1], 1.4826 * errors[len(errors) // 2])
 
     def append(self, x):
-        """A transformed value: its prediction error first (the line before it), then the value."""
+        """A transformed value: its z and prediction error first (the line before it), then the value."""
+        self.zs.append(self.z(x))
         if len(self.values) >= self.FIT:
             self.errors.append(abs(x - self.line()[0]))
         self.values.append(x)
@@ -144,26 +147,39 @@ class Series:
         two values: an fp16 run's grad norms wait for the loss scale's search, its losses do not)."""
         if len(self.values) < 2:
             return 0.0, 1.0
-        x, (p, s) = self.transform(value), self.fit()
-        z = (x - p) / s if s > 0 else (math.inf if x > p else 0.0)
-        ratio = math.exp(x - p) if self.log else (value / p if p > 0 else math.inf)
-        return z, ratio
+        x, p = self.transform(value), self.fit()[0]
+        return self.z(x), math.exp(x - p) if self.log else (value / p if p > 0 else math.inf)
+
+    def z(self, x):
+        """How many scatters a transformed value lands above the line's next point (0 before two values)."""
+        if len(self.values) < 2:
+            return 0.0
+        p, s = self.fit()
+        return (x - p) / s if s > 0 else (math.inf if x > p else 0.0)
+
+    def rising(self, value, steps, bar):
+        """Whether this value and the last steps - 1 applied ones each landed more than `bar` scatters above their
+        line's prediction: a rise the line follows (an LR too high), none of whose steps is a spike alone."""
+        if len(self.errors) < max(steps - 1, self.FIT // 2):
+            return False
+        return all(z > bar for z in [*list(self.zs)[len(self.zs) - steps + 1:], self.z(self.transform(value))])
 
     def expected(self):
         found = self.fit()
         return None if found is None else math.exp(found[0]) if self.log else found[0]
 
     def state(self):
-        return {"values": list(self.values), "errors": list(self.errors)}
+        return {"values": list(self.values), "errors": list(self.errors), "zs": list(self.zs)}
 
     def load(self, state):
-        """A snapshot's or checkpoint's state; without its errors (the run's history, RunState.history), they are
-        computed again from the values."""
-        self.values.clear()
-        self.errors.clear()
-        if state and "errors" in state:
+        """A snapshot's or checkpoint's state; without its errors and zs (the run's history, RunState.history, or
+        a state written before the zs were kept), they are computed again from the values."""
+        for kept in (self.values, self.errors, self.zs):
+            kept.clear()
+        if state and "zs" in state:
             self.values.extend(state["values"])
             self.errors.extend(state["errors"])
+            self.zs.extend(state["zs"])
             return
         for x in (state or {}).get("values", []):
             self.append(x)
@@ -252,14 +268,24 @@ class SpikeGuard:
             # fp16 while the loss scale searches: the losses are recorded, the grad norms are not (inf); until they
             # have a trend, clip_grad stands in for it
             reasons.append(f"grad norm {grad_norm:.4g} is {grad_norm / cfg.clip_grad:.2f}x clip_grad (no trend yet)")
-        # the other sign: a loss far below its trend with an outlying grad norm (a degenerate batch the model finds
-        # easy, tr8-104B's backslash-only samples); a grad-norm jump alone under its bar is a clean run's
+        # a loss off its trend by half the bar, on either side, with an outlying grad norm: a step that moved both.
+        # Above: the default run's LR x30 at 60 (3.9 scatters of a fast fall's errors, grad norm 7.8); below: a
+        # degenerate batch the model finds easy (tr8-104B's backslash-only samples). A grad-norm jump alone under
+        # its bar is a clean run's.
         z, ratio = self.series["loss"].judge(loss)
         gz, gratio = self.series["grad norm"].judge(grad_norm)
-        if not reasons and z < -cfg.spike_guard_zscore and ratio < 1 / cfg.spike_guard_ema_ratio \
-                and gz > cfg.spike_guard_zscore and gratio > cfg.spike_guard_ema_ratio:
+        half, bar = cfg.spike_guard_zscore / 2, cfg.spike_guard_ema_ratio
+        if not reasons and (z > half and ratio > bar or z < -half and ratio < 1 / bar) \
+                and gz > cfg.spike_guard_zscore and gratio > bar:
             reasons.append(f"loss {loss:.4g} is {ratio:.2f}x its trend's {self.series['loss'].expected():.4g}, "
-                           f"{-z:.1f} spreads below it, with grad norm {grad_norm:.4g} {gratio:.2f}x its trend's")
+                           f"{abs(z):.1f} spreads {'above' if z > 0 else 'below'} it, with grad norm {grad_norm:.4g} "
+                           f"{gratio:.2f}x its trend's")
+        # a slow rise: the line tilts with it, so no step is a spike alone (the campaign's LR x37 from 158 on)
+        steps, losses = cfg.spike_guard_rise_steps, self.series["loss"]
+        if not reasons and steps and losses.rising(loss, steps, half):
+            rise = ", ".join(f"{v:.4g}" for v in [*list(losses.values)[-(steps - 1):], loss])
+            reasons.append(f"loss rose {steps} steps in a row, each more than {half:g} spreads above its trend: {rise} "
+                           f"(trend now {losses.expected():.4g})")
         self.pending = "; ".join(reasons) or None
         return self.pending
 

@@ -205,6 +205,39 @@ def test_a_lone_grad_norm_jump_of_a_clean_run_is_not_a_spike_a_bit_flip_is():
     assert re.match(r"grad norm \S+ is 6\d{4}\.\d\dx its trend.s", guard.judge(5.3, 0.47 * 2 ** 16) or "")
 
 
+def test_a_slow_rise_is_caught_on_its_third_step_and_the_clean_twin_never():
+    """The campaign's trial 12, recorded (tests/data/campaign_trial12.json): from iteration 158 the LR is 37x, and the
+    loss rises over three steps, 5.09 -> 5.39 -> 5.57 -> 5.94, each under the 6-scatter bar of a line the rise itself
+    tilts (4.3, 4.8, 5.5 scatters): the guard before this change let it through (final loss +3.8%). Three steps in a
+    row over half the bar are a spike; its clean twin never has three (at most 2.5 scatters for three in a row, over
+    the campaign's 21,800 clean iterations, docs/spike_guard.md)."""
+    import json
+    import os
+    with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "campaign_trial12.json")) as f:
+        runs = json.load(f)
+    flags = ["--spike_guard", "--spike_guard_window=20", "--spike_guard_min_steps=10"]
+    cfg, off = arguments.load_config(flags), arguments.load_config([*flags, "--spike_guard_rise_steps=0"])
+    assert spike_guard.spikes_in(runs["lr_x37_from_158"], cfg)[0] == 161
+    assert [i for i in spike_guard.spikes_in(runs["lr_x37_from_158"], off) if i < 200] == []  # the rule catches it
+    assert spike_guard.spikes_in(runs["clean"], cfg) == []
+
+
+def test_a_rise_of_two_steps_is_not_a_spike_of_three_is_and_the_message_names_them():
+    cfg, guard = _guard()
+    rng = np.random.default_rng(1)
+    for i in range(24):
+        guard.update(i + 1, "ok", 5.0 + 0.05 * rng.standard_normal(), 0.5, None, lr=1e-3)
+    losses = guard.series["loss"]
+    for k in range(2):
+        step = losses.expected() + 4.5 * losses.fit()[1]  # 4.5 scatters up: under the bar of 6, over half of it
+        assert guard.judge(step, 0.5) is None, k
+        guard.update(25 + k, "ok", step, 0.5, None, lr=1e-3)
+    step = losses.expected() + 4.5 * losses.fit()[1]
+    assert re.match(r"loss rose 3 steps in a row, each more than 3 spreads above its trend: \S+, \S+, \S+ \(trend",
+                    guard.judge(step, 0.5) or ""), guard.judge(step, 0.5)
+    assert guard.judge(losses.expected() + 2.5 * losses.fit()[1], 0.5) is None  # the third under half the bar
+
+
 @pytest.mark.slow
 def test_a_clean_guarded_run_of_3000_iterations_decides_nothing(corpus512):
     """The review's clean 3,000-iteration run acted twice (a warm-up grad-norm jump, a late 1.13x batch); the run
