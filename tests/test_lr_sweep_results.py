@@ -155,6 +155,13 @@ def test_the_ladder_predicts_the_third_width_from_the_two_smallest():
     assert measured[256]["crossing"] == pytest.approx(0.015) and measured[256]["predicted"]["crossing"] == \
         pytest.approx(0.02)
     assert "| 256 | 28 | 0.015 | 0.02 (from 64, 128) |" in lr_sweep.ladder_markdown(measured)
+    # a seed not run at every width is left out of every width: like with like
+    extra = [r for r in width_runs(128, 0.01) if r["seed"] == 1]
+    for r in extra:
+        r["seed"] = 3
+    mixed = lr_sweep.ladder(width_runs(64, 0.08) + width_runs(128, 0.04) + extra, H2)
+    assert mixed[128]["crossing"] == pytest.approx(0.04) and mixed[128]["n"] == 28 and mixed[64]["seeds"] == [1, 2]
+    assert "over the seeds run at every width (1, 2)" in lr_sweep.ladder_markdown(mixed)
     # no LR of the grid below the crossing: not extrapolated
     assert lr_sweep.logit_crossing({1e-3: {"runs": {"attention_logit_max": [2e4]}},
                                     1e-2: {"runs": {"attention_logit_max": [3e4]}}}) is None

@@ -577,15 +577,22 @@ def ladder(results, bigram, targets=(), lever_sets=("default", "qk_layernorm")):
     """The size ladder of arm A (issue 31): per width, the LR at which the default's largest attention logit
     passes 1e4 and each lever set's LR sensitivity over Wortsman et al.'s range; and for every width past the two
     smallest run, both predicted from those two (a line in log width through them: log LR for the crossing, the
-    sensitivity itself), `targets` included before they run. Returns {width: {"crossing": lr or None,
-    "sensitivity": {lever set: value or None}, "n": runs, "predicted": {...} or absent}}."""
-    widths = sorted({r["width"] for r in results if r["arm"] == "A"})
+    sensitivity itself), `targets` included before they run. Widths are compared over the seeds run at every width
+    (a mean over seeds 1-3 against seed 3 alone would be a seed effect read as a width effect). Returns {width:
+    {"crossing": lr or None, "sensitivity": {lever set: value or None}, "n": runs, "seeds": [...], "predicted":
+    {...} or absent}}."""
+    results = [r for r in results if r["arm"] == "A"]
+    widths = sorted({r["width"] for r in results})
+    seeds = sorted(set.intersection(*({r["seed"] for r in results if r["width"] == w} for w in widths))) if widths \
+        else []
+    results = [r for r in results if r["seed"] in seeds]
     out = {}
     for width in sorted({*widths, *targets}):
-        runs = [r for r in results if r["arm"] == "A" and r["width"] == width]
+        runs = [r for r in results if r["width"] == width]
         rows = {row["lever_set"]: row for row in summarize(runs, "A", list(lever_sets), HALF_DECADES, bigram)}
         default = rows.get("default")
-        out[width] = {"n": len(runs), "crossing": logit_crossing(default["points"]) if default else None,
+        out[width] = {"n": len(runs), "seeds": seeds,
+                      "crossing": logit_crossing(default["points"]) if default else None,
                       "sensitivity": {lever: rows[lever]["ranges"]["1e-3..3e-1"]["mean_curve"] if lever in rows
                                       else None for lever in lever_sets}}
     if len(widths) >= 2:
@@ -629,8 +636,10 @@ def ladder_markdown(steps):
     def sens(v):
         return "no complete curve" if v is None else f"{v:.3f}"
     lines = ["### The size ladder: arm A against width", "",
-             "Per width (depth 4, heads of 32): the LR at which the default's largest attention logit (geometric "
-             "mean over the seeds run) passes 1e4, interpolated between grid LRs, and the LR sensitivity over "
+             "Per width (depth 4, heads of 32), over the seeds run at every width (" + (", ".join(
+                 str(s) for s in next(iter(steps.values()))["seeds"]) if steps else "none") + "): the LR at which "
+             "the default's largest attention logit (geometric mean over those seeds) passes 1e4, interpolated "
+             "between grid LRs, and the LR sensitivity over "
              "1e-3..3e-1 (default / qk-layernorm, of the seeds' mean curve); from the third width on, each predicted "
              "from the two smallest widths (a line in log width) beside what was measured:", "",
              "| width | runs | logit 1e4 at LR: measured | predicted | sensitivity: measured | predicted |",
