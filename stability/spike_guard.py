@@ -11,9 +11,9 @@ But the causes call for different remedies, so the guard asks why before it acts
              `spike_guard_grad_norm_ratio` x; or the loss half as far off its line, above or below (a
              degenerate batch the model finds easy), with an outlying grad norm; or
              `spike_guard_rise_steps` losses in a row each half as far above (a slow rise the line follows);
-             or the loss is NaN/inf; or the DP replicas computed different
-             numbers; or (fp16) the loss scale collapsed to min_loss_scale. From `spike_guard_min_steps` applied
-             steps on (in fp16 the losses of the loss scale's search count): the trend makes the warm-up ordinary.
+             or the loss is NaN/inf; or the DP replicas computed different numbers; or (fp16) the loss scale
+             collapsed to min_loss_scale. From `spike_guard_min_steps` applied steps on (in fp16 the losses of
+             the loss scale's search count): the trend makes the warm-up ordinary.
   diagnose   (investigate(), before any update) replay the step, same weights, batch and RNG:
                the same DP rank disagrees again                -> persistent: stop, naming the rank
                not reproduced (beyond the run's measured nondeterminism), or the replicas disagreed
