@@ -8,11 +8,12 @@ But the causes call for different remedies, so the guard asks why before it acts
   detect     a step's loss is more than `spike_guard_zscore` scatters above the line fitted to the last 16
              applied losses and above `spike_guard_ema_ratio` x that line's value (the scatter: the line's past
              prediction errors, Series); or its grad norm (its logarithm) the same and above
-             `spike_guard_grad_norm_ratio` x; or the loss as far *below* its line with an outlying grad norm (a
-             degenerate batch the model finds easy); or `spike_guard_rise_steps` losses in a row each half as far
-             above (a slow rise the line follows); or the loss is NaN/inf; or the DP replicas computed different
-             numbers; or (fp16) the loss scale collapsed to min_loss_scale. From `spike_guard_min_steps` applied
-             steps on (in fp16 the losses of the loss scale's search count): the trend makes the warm-up ordinary.
+             `spike_guard_grad_norm_ratio` x; or the loss half as far off its line, above or below (a
+             degenerate batch the model finds easy), with an outlying grad norm; or
+             `spike_guard_rise_steps` losses in a row each half as far above (a slow rise the line follows);
+             or the loss is NaN/inf; or the DP replicas computed different numbers; or (fp16) the loss scale
+             collapsed to min_loss_scale. From `spike_guard_min_steps` applied steps on (in fp16 the losses of
+             the loss scale's search count): the trend makes the warm-up ordinary.
   diagnose   (investigate(), before any update) replay the step, same weights, batch and RNG:
                the same DP rank disagrees again                -> persistent: stop, naming the rank
                not reproduced (beyond the run's measured nondeterminism), or the replicas disagreed
