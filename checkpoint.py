@@ -380,6 +380,7 @@ def pinned_bytes(nbytes):
     PYTORCH_CUDA_ALLOC_CONF sets pinned_max_round_threshold), so a 1.1 GiB tensor's copy holds 2 GiB."""
     return 1 << (nbytes - 1).bit_length() if nbytes > 0 else 0
 
+
 def to_host(obj, buffers, key=()):
     """A copy of obj whose tensors are in host memory, in buffers[key path] (reused when shape and dtype match;
     pinned, and filled without blocking, for CUDA tensors); other values deep-copied."""

@@ -75,8 +75,9 @@ def check(cfg):
          "spike_guard_min_steps must be in [2, spike_guard_window]")
     need(cfg.spike_guard_zscore > 0 and cfg.spike_guard_ema_ratio >= 1 and cfg.spike_guard_grad_norm_ratio >= 1,
          "spike_guard_zscore must be > 0, spike_guard_ema_ratio and spike_guard_grad_norm_ratio >= 1")
-    need(cfg.spike_guard_rise_steps == 0 or cfg.spike_guard_rise_steps >= 2,
-         "spike_guard_rise_steps must be 0 (off) or >= 2: one step over half the zscore is a clean run's noise")
+    need(cfg.spike_guard_rise_steps == 0 or 2 <= cfg.spike_guard_rise_steps <= cfg.spike_guard_window,
+         "spike_guard_rise_steps must be 0 (off) or in [2, spike_guard_window]: one step over half the zscore is a "
+         "clean run's noise, and the series keeps spike_guard_window steps")
     need(cfg.spike_guard_max_skips >= 1 and cfg.spike_guard_rewind >= 0 and cfg.spike_guard_skip_after >= 0,
          "spike_guard_max_skips must be >= 1, spike_guard_rewind and spike_guard_skip_after >= 0")
     need(cfg.spike_guard_snapshot_interval >= 0, "spike_guard_snapshot_interval must be >= 0 (0: disk checkpoints)")

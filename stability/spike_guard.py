@@ -109,7 +109,7 @@ class Series:
         self.log = log
         self.values = collections.deque(maxlen=window)  # applied steps (logarithms for the grad norm)
         self.errors = collections.deque(maxlen=window)  # |value - the line's prediction of it|, from FIT values on
-        self.zs = collections.deque(maxlen=self.FIT)  # each applied value's z when it was judged (rising())
+        self.zs = collections.deque(maxlen=window)  # each applied value's z when it was judged (rising())
 
     def transform(self, value):
         return math.log(max(value, 1e-30)) if self.log else float(value)
@@ -135,9 +135,10 @@ class Series:
 
     def append(self, x):
         """A transformed value: its z and prediction error first (the line before it), then the value."""
-        self.zs.append(self.z(x))
+        found = self.fit()
+        self.zs.append(0.0 if found is None else scatters(x, *found))
         if len(self.values) >= self.FIT:
-            self.errors.append(abs(x - self.line()[0]))
+            self.errors.append(abs(x - found[0]))
         self.values.append(x)
 
     def record(self, value):
@@ -148,22 +149,16 @@ class Series:
         two values: an fp16 run's grad norms wait for the loss scale's search, its losses do not)."""
         if len(self.values) < 2:
             return 0.0, 1.0
-        x, p = self.transform(value), self.fit()[0]
-        return self.z(x), math.exp(x - p) if self.log else (value / p if p > 0 else math.inf)
+        x, (p, s) = self.transform(value), self.fit()
+        return scatters(x, p, s), math.exp(x - p) if self.log else (value / p if p > 0 else math.inf)
 
-    def z(self, x):
-        """How many scatters a transformed value lands above the line's next point (0 before two values)."""
-        if len(self.values) < 2:
-            return 0.0
-        p, s = self.fit()
-        return (x - p) / s if s > 0 else (math.inf if x > p else 0.0)
-
-    def rising(self, value, steps, bar):
-        """Whether this value and the last steps - 1 applied ones each landed more than `bar` scatters above their
-        line's prediction: a rise the line follows (an LR too high), none of whose steps is a spike alone."""
-        if len(self.errors) < max(steps - 1, self.FIT // 2):
+    def rising(self, z, steps, bar):
+        """Whether a value judged z (judge()) and the last steps - 1 applied ones each landed more than `bar`
+        scatters above their line's prediction: a rise the line follows (an LR too high), none of whose steps is a
+        spike alone."""
+        if len(self.errors) < self.FIT // 2 or len(self.zs) < steps - 1:
             return False
-        return all(z > bar for z in [*list(self.zs)[len(self.zs) - steps + 1:], self.z(self.transform(value))])
+        return z > bar and all(past > bar for past in list(self.zs)[len(self.zs) - steps + 1:])
 
     def expected(self):
         found = self.fit()
@@ -184,6 +179,11 @@ class Series:
             return
         for x in (state or {}).get("values", []):
             self.append(x)
+
+
+def scatters(x, predicted, scatter):
+    """How many scatters x lands above the line's prediction."""
+    return (x - predicted) / scatter if scatter > 0 else (math.inf if x > predicted else 0.0)
 
 
 class SpikeGuard:
@@ -257,9 +257,9 @@ class SpikeGuard:
     def judge(self, loss, grad_norm):
         """Before the update (called by train.train_step): why this step is a spike, or None."""
         cfg, reasons = self.cfg, []
+        judged = {"loss": self.series["loss"].judge(loss), "grad norm": self.series["grad norm"].judge(grad_norm)}
         for name, value in (("loss", loss), ("grad norm", grad_norm)):
-            series = self.series[name]
-            z, ratio = series.judge(value)
+            series, (z, ratio) = self.series[name], judged[name]
             bar = cfg.spike_guard_grad_norm_ratio if name == "grad norm" else cfg.spike_guard_ema_ratio
             if z > cfg.spike_guard_zscore and ratio > bar:
                 reasons.append(f"{name} {value:.4g} is {ratio:.2f}x its trend's {series.expected():.4g}, {z:.1f} "
@@ -273,8 +273,7 @@ class SpikeGuard:
         # Above: the default run's LR x30 at 60 (3.9 scatters of a fast fall's errors, grad norm 7.8); below: a
         # degenerate batch the model finds easy (tr8-104B's backslash-only samples). A grad-norm jump alone under
         # its bar is a clean run's.
-        z, ratio = self.series["loss"].judge(loss)
-        gz, gratio = self.series["grad norm"].judge(grad_norm)
+        (z, ratio), (gz, gratio) = judged["loss"], judged["grad norm"]
         half, bar = cfg.spike_guard_zscore / 2, cfg.spike_guard_ema_ratio
         if not reasons and (z > half and ratio > bar or z < -half and ratio < 1 / bar) \
                 and gz > cfg.spike_guard_zscore and gratio > bar:
@@ -283,7 +282,7 @@ class SpikeGuard:
                            f"{gratio:.2f}x its trend's")
         # a slow rise: the line tilts with it, so no step is a spike alone (the campaign's LR x37 from 158 on)
         steps, losses = cfg.spike_guard_rise_steps, self.series["loss"]
-        if not reasons and steps and losses.rising(loss, steps, half):
+        if not reasons and steps and losses.rising(z, steps, half):
             rise = ", ".join(f"{v:.4g}" for v in [*list(losses.values)[-(steps - 1):], loss])
             reasons.append(f"loss rose {steps} steps in a row, each more than {half:g} spreads above its trend: {rise} "
                            f"(trend now {losses.expected():.4g})")

@@ -209,8 +209,8 @@ def test_a_slow_rise_is_caught_on_its_third_step_and_the_clean_twin_never():
     """The campaign's trial 12, recorded (tests/data/campaign_trial12.json): from iteration 158 the LR is 37x, and the
     loss rises over three steps, 5.09 -> 5.39 -> 5.57 -> 5.94, each under the 6-scatter bar of a line the rise itself
     tilts (4.3, 4.8, 5.5 scatters): the guard before this change let it through (final loss +3.8%). Three steps in a
-    row over half the bar are a spike; its clean twin never has three (at most 2.5 scatters for three in a row, over
-    the campaign's 21,800 clean iterations, docs/spike_guard.md)."""
+    row over half the bar are a spike; its clean twin never has three (three in a row reach at most 2.05 scatters
+    each over the 21,920 judged iterations of the recorded clean runs, docs/spike_guard.md, section 1)."""
     import json
     import os
     with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "campaign_trial12.json")) as f:
