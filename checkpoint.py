@@ -393,8 +393,13 @@ def to_host(obj, buffers, key=()):
     if isinstance(obj, dict):
         return {k: to_host(v, buffers, (*key, k)) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
+        if all(type(v) in _ATOMS for v in obj):  # the run's history (2 x 1,024 numbers): no walk per number
+            return type(obj)(obj)
         return type(obj)(to_host(v, buffers, (*key, i)) for i, v in enumerate(obj))
     return copy.deepcopy(obj)
+
+
+_ATOMS = {int, float, bool, str, type(None)}
 
 
 def host_copy(obj, buffers):

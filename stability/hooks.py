@@ -207,9 +207,11 @@ class StabilityHooks(train.Hooks):
 def soft_skip_trend(cfg, history):
     """The loss's trend for the soft skip (soft_skip_loss_ratio): the guard's line through the last applied losses
     (the run state's history: kept with the guard on or off), once spike_guard_min_steps are recorded; else None."""
-    losses = spike_guard.Series(cfg.spike_guard_window)
-    losses.load({"values": history["loss"]})
-    if not cfg.soft_skip_loss_ratio or len(losses.values) < cfg.spike_guard_min_steps:
+    if not cfg.soft_skip_loss_ratio or len(history["loss"]) < cfg.spike_guard_min_steps:
         return None
+    # the line's next point needs the last values alone: loading them (Series.load) would judge each of the
+    # history's 1,024 values again, every step
+    losses = spike_guard.Series(cfg.spike_guard_window)
+    losses.values.extend(history["loss"][-spike_guard.Series.FIT:])
     trend = losses.expected()
     return trend if trend > 0 else None  # a line through a fast fall can cross zero: no ratio to speak of

@@ -252,6 +252,18 @@ def test_a_clean_guarded_run_of_3000_iterations_decides_nothing(corpus512):
     assert decisions(out) == []
 
 
+def test_the_guard_and_the_soft_skip_judge_each_applied_step_once_however_long_the_run(run, monkeypatch):
+    """Per step, the guard records a loss and a grad norm into its series and the soft skip reads the line's next
+    point: work that does not grow with the history (1,024 steps kept). Rebuilding the trend from the history each
+    step judged every kept value again, and made a 3,000-iteration run three times slower."""
+    appended = []
+    real = spike_guard.Series.append
+    monkeypatch.setattr(spike_guard.Series, "append", lambda self, x: appended.append(x) or real(self, x))
+    out = run(*GUARD, "--soft_skip_loss_ratio=1.5")
+    assert re.search(r"iteration\s+60/", out) and decisions(out) == []
+    assert len(appended) == 2 * 60  # a loss and a grad norm per applied step, nothing judged again
+
+
 def test_the_named_samples_losses_are_those_training_sees_with_packed_documents(monkeypatch):
     """With Megatron's data flags, a sample's loss is over its own documents and its unmasked tokens: the guard's
     per-sample losses (which name the samples behind a spike) are each sample's training loss, not a forward

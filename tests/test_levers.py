@@ -13,10 +13,18 @@ import train
 import optim
 import loader
 from model import build_model
-from helpers import (SMALL, assert_same_checkpoint, corpus, log_fields, losses, run_cli,  # noqa: F401 (corpus)
-                     run_main)
+from helpers import (SMALL, assert_same_checkpoint, corpus, corpus512, log_fields, losses,  # noqa: F401 (fixtures)
+                     run_cli, run_main)
 
 NO_DROPOUT = ["--hidden_dropout=0", "--attention_dropout=0"]
+
+
+@pytest.fixture
+def half(corpus512):
+    """SMALL on a 512-token vocabulary, for the loss scaler's and the master weights' runs: on CPU, fp16 and bf16
+    matmuls are emulated and the GPT-2 vocabulary's output layer is 8x the run's time. The half-precision runs
+    whose subject is the vocabulary (its padding, split across TP) keep it: test_parallel, test_precision."""
+    return [*SMALL, f"--data_path={corpus512}", "--vocab_size=512"]
 
 
 def checkpoint_state(directory, iteration):
@@ -34,8 +42,8 @@ def steps_of(optimizer_state):
 
 
 @pytest.mark.slow
-def test_fp16_dynamic_loss_scale_overflows_skip_and_halve(corpus, tmp_path):
-    out = run_main(*SMALL, "--fp16", "--train_iters=8", "--initial_loss_scale=1048576", "--hysteresis=2",
+def test_fp16_dynamic_loss_scale_overflows_skip_and_halve(half, tmp_path):
+    out = run_main(*half, "--fp16", "--train_iters=8", "--initial_loss_scale=1048576", "--hysteresis=2",
                    f"--save={tmp_path}")
     overflows = re.findall(r"OVERFLOW! Skipping step. Attempted loss scale: (\S+), reducing to (\S+)", out)
     assert overflows, out
@@ -54,10 +62,10 @@ def test_fp16_dynamic_loss_scale_overflows_skip_and_halve(corpus, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("half", [["--fp16", "--initial_loss_scale=65536", "--loss_scale_window=2"], ["--bf16"]],
-                         ids=["fp16", "bf16"])
-def test_half_precision_resume_is_bit_exact_including_the_loss_scaler(corpus, tmp_path, half):
-    args = [*SMALL, *half]
+@pytest.mark.parametrize("precision", [["--fp16", "--initial_loss_scale=65536", "--loss_scale_window=2"],
+                                       ["--bf16"]], ids=["fp16", "bf16"])
+def test_half_precision_resume_is_bit_exact_including_the_loss_scaler(half, tmp_path, precision):
+    args = [*half, *precision]
     full = losses(run_main(*args, "--train_iters=8", f"--save={tmp_path / 'a'}"))
     run_main(*args, "--train_iters=4", f"--save={tmp_path / 'b'}")
     resumed = losses(run_main(*args, "--train_iters=8", f"--save={tmp_path / 'b'}", f"--load={tmp_path / 'b'}"))
@@ -66,24 +74,25 @@ def test_half_precision_resume_is_bit_exact_including_the_loss_scaler(corpus, tm
     assert_same_checkpoint(tmp_path / "a", tmp_path / "b", 8)
     # the checkpoint holds the half-precision model and the fp32 master weights it was rounded from
     model, opt, _ = checkpoint_state(tmp_path / "b", 4)
-    half_dtype = torch.float16 if "--fp16" in half else torch.bfloat16
+    half_dtype = torch.float16 if "--fp16" in precision else torch.bfloat16
     assert {v.dtype for v in model.values()} == {half_dtype}
     masters = opt["fp32_master_weights"]
     assert {m.dtype for m in masters} == {torch.float32} and len(masters) == len(model)
 
 
 @pytest.mark.slow
-def test_bf16_trains_past_the_warmup_like_fp32(corpus, tmp_path):
-    """12 iterations, 7 of them past the 5-iteration warm-up: the bf16 loss falls as fp32's does (within 2%, the
-    gap of a bf16 residual stream over a few steps), and every bf16 weight moved and is its fp32 master rounded."""
-    args = [*SMALL, *NO_DROPOUT, "--train_iters=12", "--lr=3e-3"]
+def test_bf16_trains_past_the_warmup_like_fp32(half, tmp_path):
+    """12 iterations, 7 of them past the 5-iteration warm-up: the bf16 loss falls as fp32's does (within 0.1%; the
+    gap measured at most 7e-5 of the loss here, 512 tokens), and every bf16 weight moved and is its fp32 master
+    rounded."""
+    args = [*half, *NO_DROPOUT, "--train_iters=12", "--lr=5e-3"]
     fp32 = {i: float(v) for i, v in losses(run_main(*args)).items()}
     bf16 = {i: float(v) for i, v in losses(run_main(*args, "--bf16", f"--save={tmp_path}")).items()}
     assert fp32 != bf16  # bf16 really computes in bf16
     assert sorted(bf16) == list(range(1, 13))
     for i in bf16:
-        assert math.isclose(fp32[i], bf16[i], rel_tol=2e-2), (i, fp32[i], bf16[i])
-    assert bf16[12] < min(bf16[i] for i in range(1, 7)) - 0.5, bf16  # it learns once past the warm-up
+        assert math.isclose(fp32[i], bf16[i], rel_tol=1e-3), (i, fp32[i], bf16[i])
+    assert bf16[12] < min(bf16[i] for i in range(1, 7)) - 0.4, bf16  # it learns once past the warm-up
     weights, opt, _ = checkpoint_state(tmp_path, 12)
     cfg = arguments.prepare(arguments.load_config([*args, "--bf16"]))
     initial = build_model(cfg, torch.device("cpu")).state_dict()
@@ -94,8 +103,8 @@ def test_bf16_trains_past_the_warmup_like_fp32(corpus, tmp_path):
     assert all(any(torch.equal(w, r) for r in rounded if r.shape == w.shape) for w in weights.values())
 
 
-def test_static_loss_scale_is_used_and_kept(corpus):
-    out = run_main(*SMALL, "--fp16", "--loss_scale=128", "--train_iters=2")
+def test_static_loss_scale_is_used_and_kept(half):
+    out = run_main(*half, "--fp16", "--loss_scale=128", "--train_iters=2")
     assert all(f["loss scale"] == "128.0" for f in log_fields(out).values())
 
 

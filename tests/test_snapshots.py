@@ -64,12 +64,13 @@ def test_a_snapshot_that_cannot_be_written_stops_the_run_naming_the_directory(mo
 
 
 def test_host_copy_is_a_copy_into_the_buffers_given():
-    live = {"w": torch.ones(3), "opt": [torch.zeros(2, 2), 5], "rng": (1, 2)}
+    live = {"w": torch.ones(3), "opt": [torch.zeros(2, 2), 5], "rng": (1, 2), "history": [[2.5, 2.4], [0.5]]}
     buffers = {}
     copy, event = checkpoint.host_copy(live, buffers)
     assert event is None and torch.equal(copy["w"], live["w"]) and copy["opt"][1] == 5 and copy["rng"] == (1, 2)
     live["w"].add_(1)
-    assert copy["w"].tolist() == [1.0, 1.0, 1.0]  # not aliased
+    live["history"][0].append(2.3)
+    assert copy["w"].tolist() == [1.0, 1.0, 1.0] and copy["history"] == [[2.5, 2.4], [0.5]]  # not aliased
     again, _ = checkpoint.host_copy(live, buffers)  # the next snapshot into the dropped one's buffers
     assert again["w"].data_ptr() == copy["w"].data_ptr() and again["w"].tolist() == [2.0, 2.0, 2.0]
 
