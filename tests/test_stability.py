@@ -187,12 +187,13 @@ OLD_LRS = [3e-3, 1e-2, 3e-2, 1e-1, 3e-1, 1.0]
 
 def test_preflight_refuses_the_old_study_and_passes_the_lab():
     problems = lr_sweep.preflight({"old": {"args": [], "levers": OLD_LEVERS, "lrs": OLD_LRS}}, base=OLD_BASE)
-    assert len(problems) == 5, problems
-    embedding, warmup, decay, qk, z = problems
+    assert len(problems) == 6, problems
+    embedding, warmup, decay, qk, z, tied = problems
     assert "97% of the parameters are the embedding (50257 x 64)" in embedding
     assert "a warm-up of 10 iterations" in warmup
     assert "weight decay 0.01 coupled to the LR" in decay and "varies 333x" in decay
     assert "qk-layernorm compared without z-loss" in qk and "z-loss compared without qk-layernorm" in z
+    assert "z-loss compared on a tied output layer or one with weight decay" in tied
     assert lr_sweep.preflight(lr_sweep.ARMS) == []  # the lab's own study passes
     # each check alone: the lab's arm A with one thing of the old study's
     arm_a = lr_sweep.ARMS["A"]
@@ -204,8 +205,12 @@ def test_preflight_refuses_the_old_study_and_passes_the_lab():
         assert len(found) == 1 and expected in found[0], (extra, found)
     alone = {**arm_a, "levers": {"default": [], "qk_layernorm": ["--qk_layernorm"]}}
     assert ["qk-layernorm compared without z-loss" in p for p in lr_sweep.preflight({"A": alone})] == [True]
-    z_alone = {**lr_sweep.ARMS["B"], "args": ["--train_iters=1000"]}  # without arm B's qk-layernorm
+    arm_b = lr_sweep.ARMS["B"]
+    z_alone = {**arm_b, "args": [a for a in arm_b["args"] if a != "--qk_layernorm"]}
     assert ["z-loss compared without qk-layernorm" in p for p in lr_sweep.preflight({"B": z_alone})] == [True]
+    for dropped in ("--untie_embeddings_and_output_weights", "--weight_decay=0"):  # tied, or decayed (the default)
+        held = {**arm_b, "args": [a for a in arm_b["args"] if a != dropped]}
+        assert ["z-loss compared on a tied output layer" in p for p in lr_sweep.preflight({"B": held})] == [True]
 
 
 def test_the_command_line_refuses_a_weak_study_before_any_run(tmp_path):

@@ -113,7 +113,10 @@ ARMS = {
     "A": {"title": "qk-layernorm, z-loss 1e-4 on both (Wortsman et al. figs. 1-2)", "args": [],
           "levers": {"default": Z_LOSS, "qk_layernorm": [*Z_LOSS, *QK]},
           "lrs": HALF_DECADES, "seeds": [1, 2, 3], "logit_blows_up": False},
-    "B": {"title": "z-loss, qk-layernorm on both, no weight decay (figs. 3-4)", "args": ["--weight_decay=0", *QK],
+    # as the paper ran it: an output layer of its own (a tied one would be the embedding, held by the inputs' use),
+    # with no weight decay, which would hold its logits where the z-loss is under test
+    "B": {"title": "z-loss, qk-layernorm on both, an untied output layer, no weight decay (figs. 3-4)",
+          "args": ["--weight_decay=0", "--untie_embeddings_and_output_weights", *QK],
           "levers": {"no_z_loss": [], "z_loss": Z_LOSS, "z_loss_1e-2": ["--z_loss=1e-2"]},  # PaLM's, and 100x
           "lrs": [1e-2, 1e-1, 1.0], "seeds": [1, 2]},
     "C": {"title": "the chronicles' levers on arm A's default (z-loss 1e-4) where it breaks", "args": Z_LOSS,
@@ -217,9 +220,10 @@ def preflight(arms, extra=(), base=BASE):
     ARMS; extra: arguments added to every run; base: the arguments every run starts from. Checked: parameters
     mostly in the embedding (the model learns the unigram statistics, and attention has nothing to lose), a
     warm-up under 100 iterations (the runs blow up in the warm-up, not by the slow growths under study), weight
-    decay coupled to the LR across an LR grid (the decay per step would vary as much as the LR), and a lever
+    decay coupled to the LR across an LR grid (the decay per step would vary as much as the LR), a lever
     without its partner (Wortsman et al. test qk-layernorm with z-loss on, z-loss with qk-layernorm on: alone,
-    either can fail for the other's reason)."""
+    either can fail for the other's reason), and z-loss tested on an output layer that is tied or decayed (what
+    holds the logits then need not be the z-loss)."""
     problems = []
     for name, spec in arms.items():
         configs = {lever: config_of([*base, *spec["args"], *args, "--lr=0.01", *extra])
@@ -252,6 +256,11 @@ def preflight(arms, extra=(), base=BASE):
         if len(z) > 1 and qk != {True}:
             problems.append(f"arm {name}: z-loss compared without qk-layernorm on every lever set; Wortsman et al. "
                             "keep qk-layernorm on, so that the attention logits cannot be what breaks")
+        if len(z) > 1 and not all(cfg.untie_embeddings_and_output_weights and cfg.weight_decay == 0
+                                  for cfg in configs.values()):
+            problems.append(f"arm {name}: z-loss compared on a tied output layer or one with weight decay; Wortsman "
+                            "et al.'s output-logit drift is of an untied output layer without weight decay "
+                            "(--untie_embeddings_and_output_weights --weight_decay=0)")
     return problems
 
 
