@@ -381,6 +381,9 @@ def pinned_bytes(nbytes):
     return 1 << (nbytes - 1).bit_length() if nbytes > 0 else 0
 
 
+_ATOMS = {int, float, bool, str, type(None)}  # values a list holds that need no copy of their own
+
+
 def to_host(obj, buffers, key=()):
     """A copy of obj whose tensors are in host memory, in buffers[key path] (reused when shape and dtype match;
     pinned, and filled without blocking, for CUDA tensors); other values deep-copied."""
@@ -397,9 +400,6 @@ def to_host(obj, buffers, key=()):
             return type(obj)(obj)
         return type(obj)(to_host(v, buffers, (*key, i)) for i, v in enumerate(obj))
     return copy.deepcopy(obj)
-
-
-_ATOMS = {int, float, bool, str, type(None)}
 
 
 def host_copy(obj, buffers):
