@@ -41,7 +41,6 @@ def steps_of(optimizer_state):
 # -- precision and skipped steps -------------------------------------------------------------------------------
 
 
-@pytest.mark.slow
 def test_fp16_dynamic_loss_scale_overflows_skip_and_halve(half, tmp_path):
     out = run_main(*half, "--fp16", "--train_iters=8", "--initial_loss_scale=1048576", "--hysteresis=2",
                    f"--save={tmp_path}")
@@ -61,7 +60,6 @@ def test_fp16_dynamic_loss_scale_overflows_skip_and_halve(half, tmp_path):
     assert run["scaler"]["scale"] == float(fields[8]["loss scale"]) < 2**20  # the scaler state is checkpointed
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("precision", [["--fp16", "--initial_loss_scale=65536", "--loss_scale_window=2"],
                                        ["--bf16"]], ids=["fp16", "bf16"])
 def test_half_precision_resume_is_bit_exact_including_the_loss_scaler(half, tmp_path, precision):
@@ -80,7 +78,6 @@ def test_half_precision_resume_is_bit_exact_including_the_loss_scaler(half, tmp_
     assert {m.dtype for m in masters} == {torch.float32} and len(masters) == len(model)
 
 
-@pytest.mark.slow
 def test_bf16_trains_past_the_warmup_like_fp32(half, tmp_path):
     """12 iterations, 7 of them past the 5-iteration warm-up: the bf16 loss falls as fp32's does (within 0.1%; the
     gap measured at most 7e-5 of the loss here, 512 tokens), and every bf16 weight moved and is its fp32 master
