@@ -193,3 +193,36 @@ def test_a_line_that_record_did_not_write_is_refused_by_its_number(tmp_path):
     path.write_text(good + "\n" + json.dumps({"arm": "A", "lr": 0.1}) + "\n")
     with pytest.raises(SystemExit, match=r"results.jsonl:2 lacks lever_set, seed, width, code, val_loss, corpus"):
         lr_sweep.load_records(str(path))
+
+
+def test_arm_w_s_short_warm_up_is_arm_a_s_default_run_and_recorded_once(tmp_path):
+    # the same arguments, so the same runs: arm W reads arm A's default, never trains or records it again
+    for lr in lr_sweep.HALF_DECADES:
+        assert lr_sweep.train_args("W", "warmup_100", lr, 2, "/x") == lr_sweep.train_args("A", "default", lr, 2, "/x")
+    short, long = (lr_sweep.config_of(lr_sweep.train_args("W", lever, 1e-2, 1, "/x"))
+                   for lever in ("warmup_100", "warmup_300"))
+    assert (short.lr_warmup_samples // short.global_batch_size, long.lr_warmup_samples // long.global_batch_size) \
+        == (100, 300)
+    assert long.train_iters == 1000 and long.lr_decay_samples == short.lr_decay_samples and long.z_loss == 1e-4
+    assert lr_sweep.preflight(lr_sweep.ARMS) == []
+    # execute() goes to arm A's directory: a run there with other arguments is refused by its path
+    taken = lr_sweep.run_dir(str(tmp_path), "A", "default", 1e-2, 1)
+    os.makedirs(taken)
+    with open(os.path.join(taken, "result.json"), "w") as f:
+        json.dump({"args": ["--other"]}, f)
+    with pytest.raises(SystemExit, match=os.path.join("runs", "A", "default", "lr1e-02-seed1") + " holds a run"):
+        lr_sweep.execute(str(tmp_path), "W", "warmup_100", 1e-2, 1)
+    # from the tracked records: arm W's short warm-up row is arm A's default row, its runs counted once
+    longer = [{**r, "arm": "W", "lever_set": "warmup_300", "val_loss": r["val_loss"] - 0.01}
+              for r in _study() if r["lever_set"] == "default"]
+    path = str(tmp_path / "results.jsonl")
+    lr_sweep.merge_records(path, [lr_sweep.record(r, CORPUS) for r in [*_study(), *longer]])
+    lr_sweep.main(["--report", "--results", path, "--arms", "A,W", "--out", str(tmp_path / "report")])
+    table = (tmp_path / "report" / "results.md").read_text()
+    assert table.startswith("45 of the selection's 63 runs") and "at width 128: 45 runs." in table
+    a, w = table.split("### Arm W")
+    rows = [line.split(" | ", 1)[1] for line in a.splitlines() if line.startswith("| default |")]
+    assert len(rows) == 3 and all(any(line == f"| warmup_100 | {row}" for line in w.splitlines()) for row in rows)
+    assert len(lr_sweep.load_records(path)) == 45  # a report writes no record
+    lr_sweep.main(["--report", "--results", path, "--arms", "W", "--out", str(tmp_path / "w")])
+    assert (tmp_path / "w" / "results.md").read_text().startswith("30 of the selection's 42 runs")

@@ -1,7 +1,7 @@
 """The stability lab: LR sensitivity of the stability levers, measured as Wortsman et al. 2023 do ("Small-scale
 proxies for large-scale Transformer training instabilities"); docs/stability.md has the study and its numbers.
 
-    python tools/lr_sweep.py --out out/lab --jobs 2  # the whole study: pilot, arms A, B, C (96 runs, 7 CPU-hours)
+    python tools/lr_sweep.py --out out/lab --jobs 2  # the whole study: pilot, arms A, B, C, W (117 runs, 9 CPU-h)
     python tools/lr_sweep.py --quick                 # the pilot alone: 2 runs, ~5 min
     python tools/lr_sweep.py --arms A --lever_sets default --lrs 1e-2,1e-1 --seeds 1,2 --out out/mine
     python tools/lr_sweep.py --out out/lab --report  # the tables and the figure of the runs finished so far
@@ -14,7 +14,7 @@ One GPT (4 layers of 128, 4 heads of 32) on the bundled corpus under the lab's o
 (tools/lab_corpus.py: with GPT-2's 50k vocabulary a small model is 89-97% embedding), trained as Wortsman et al.
 train theirs, scaled down: 1,000 steps of 16 x 128 tokens, 100 of linear warm-up then cosine decay to 1e-5,
 AdamW (0.9, 0.95, eps 1e-8), clipping at 1, independent weight decay 1e-4 (the decay per step does not change
-with the LR: optim.decay_coefficient), fp32, no dropout. Three arms, each pairing levers as the paper does:
+with the LR: optim.decay_coefficient), fp32, no dropout. Four arms, each pairing levers as the paper does:
 
   A  qk-layernorm (their figs. 1-2): default vs qk-layernorm, both with z-loss 1e-4, LRs 1e-3 .. 1 in half decades,
      3 seeds at every LR;
@@ -22,7 +22,9 @@ with the LR: optim.decay_coefficient), fp32, no dropout. Three arms, each pairin
      drift;
   C  the chronicles' levers on arm A's default where it breaks (LRs 1e-2 .. 1e-1): the init std 0.63/sqrt(h)
      (the 104B's "small init", sqrt(2/5h)) against 2.15/sqrt(h) (0.02 at the 104B's h = 11,600), each with and
-     without the embedding LayerNorm, 3 seeds; gradient-norm spikes counted (OLMo 2's spike score).
+     without the embedding LayerNorm, 3 seeds; gradient-norm spikes counted (OLMo 2's spike score);
+  W  warm-up length (the 104B's remedy; Wortsman et al.'s warm-up figure): arm A's default with 100 (its own runs,
+     not run again) against 300 iterations of warm-up, arm A's grid and seeds.
 
 Before any run a preflight refuses a study that cannot show anything (an embedding-dominated model, a warm-up under
 100 steps, weight decay coupled to the LR across an LR grid, qk-layernorm or z-loss tested without its partner);
@@ -124,6 +126,13 @@ ARMS = {
                      "init_2.15+embed_layernorm": [init(2.15), "--embed_layernorm"],
                      "init_0.63+embed_layernorm": [init(0.63), "--embed_layernorm"]},
           "lrs": [1e-2, 3e-2, 1e-1], "seeds": [1, 2, 3], "logit_blows_up": False},
+    # The 104B's longer warm-up (lesson 4: it did not cure the spikes) and Wortsman et al.'s warm-up figure (a longer
+    # one lowers the LR sensitivity): arm A's default, no qk-layernorm as on the 104B. Its 100-iteration lever set
+    # is arm A's default itself ("same_as": the same arguments, so the same runs, run and recorded once).
+    "W": {"title": "warm-up length on arm A's default (z-loss 1e-4): 100 against 300 of the 1,000 iterations",
+          "args": Z_LOSS, "levers": {"warmup_100": [], "warmup_300": [f"--lr_warmup_samples={300 * 16}"]},
+          "same_as": {"warmup_100": ("A", "default")},
+          "lrs": HALF_DECADES, "seeds": [1, 2, 3], "logit_blows_up": False},
 }
 PILOT = [("A", "default", 1e-2, 1), ("A", "default", 3e-1, 1)]
 LADDER = (64, 128, 256)  # the size ladder's widths (issue 31): the third predicted from the two smallest
@@ -346,9 +355,28 @@ def run(command, log, env):
     return os.waitstatus_to_exitcode(status), usage.ru_utime + usage.ru_stime
 
 
+def same_as(arm, lever_set):
+    """The (arm, lever set) whose runs these are (ARMS' "same_as"), or None."""
+    return ARMS[arm].get("same_as", {}).get(lever_set)
+
+
+def with_same_runs(results):
+    """results, and each run that is also another arm's lever set (ARMS' "same_as") once more under that label."""
+    return results + [{**r, "arm": arm, "lever_set": lever} for arm, spec in ARMS.items()
+                      for lever, (other, other_lever) in spec.get("same_as", {}).items()
+                      for r in results if r["arm"] == other and r["lever_set"] == other_lever]
+
+
+def counted_elsewhere(arm, lever_set, arms):
+    """Whether this lever set's runs are another arm's that `arms` holds too (so counted once, there)."""
+    return bool(same_as(arm, lever_set)) and same_as(arm, lever_set)[0] in arms
+
+
 def execute(out, arm, lever_set, lr, seed, extra=(), width=WIDTH):
     """Train one run (unless finished; resumed if interrupted), write result.json last. Returns the result, with
     the code version the run recorded when it started (code.json)."""
+    if same_as(arm, lever_set):  # another arm's runs: trained (or read) in that arm's directory, labelled as ours
+        return {**execute(out, *same_as(arm, lever_set), lr, seed, extra, width), "arm": arm, "lever_set": lever_set}
     directory = run_dir(out, arm, lever_set, lr, seed, width)
     result_file = os.path.join(directory, "result.json")
     args = train_args(arm, lever_set, lr, seed, directory, extra, width)
@@ -699,7 +727,8 @@ def markdown(rows_by_arm, lrs_by_arm, corpus, warnings, code=None, width=WIDTH):
               f"L0 = {L0:.3f}, unigram {corpus['unigram_entropy']:.3f}, bigram (given the previous token) "
               f"H2 = {corpus['bigram_entropy']:.3f} nats.", ""]
     if code:
-        runs = sum(p["n"] for rows in rows_by_arm.values() for row in rows for p in row["points"].values())
+        runs = sum(p["n"] for arm, rows in rows_by_arm.items() for row in rows for p in row["points"].values()
+                   if not counted_elsewhere(arm, row["lever_set"], rows_by_arm))
         lines += [f"Every run below ran on code {code} (the last commit of the code it trained with: "
                   f"lr_sweep.code_version), at width {width}: {runs} run{'s' if runs != 1 else ''}.", ""]
     for arm, rows in rows_by_arm.items():
@@ -721,7 +750,7 @@ def markdown(rows_by_arm, lrs_by_arm, corpus, warnings, code=None, width=WIDTH):
             lines.append(f"| {row['lever_set']} | " + " | ".join(cells) +
                          f" | {row['best_loss']:.3f} (n={best['n']}) | {row['best_lr']:.0e} |")
         logit = ", or an attention logit past 1e4" if ARMS[arm].get("logit_blows_up", True) else \
-            "; not the attention logits, which this arm tests"
+            "; not the attention logits, which arm A tests and the others compare with it"
         lines += ["", "Final validation loss: each seed's for n < 3, mean [min-max] for n >= 3, n the seeds run; "
                   "`up k`: k of the n blew up (a NaN, or the loss back above H2 after having been clearly below it"
                   f"{logit}); `logit k`: k passed an "
@@ -775,8 +804,8 @@ def plot(rows_by_arm, results, corpus, path):
                 ax.errorbar([lr for lr, _ in wide], [q["mean"] for _, q in wide],
                             yerr=[[q["mean"] - q["min"] for _, q in wide], [q["max"] - q["mean"] for _, q in wide]],
                             fmt="none", ecolor=color, capsize=3, linewidth=1)
-            for key, axis in (("attention_logit_max", "A"), ("spike_score", "C")):
-                if arm == axis:
+            for key, axes_of in (("attention_logit_max", "AW"), ("spike_score", "C")):
+                if arm in axes_of:
                     scale = 100 if key == "spike_score" else 1
                     runs = [(lr, v * scale) for lr, q in zip(xs, p) for v in q["runs"][key]
                             if v is not None and math.isfinite(v)]
@@ -788,10 +817,10 @@ def plot(rows_by_arm, results, corpus, path):
         ax.set_title(f"arm {arm}: final validation loss (a dot a run; bars: min-max where n >= 3)", fontsize=10)
         ax.set_ylabel("final loss (nats)")
         ax.legend(fontsize=7)
-        if arm == "A":
+        if arm in "AW":
             right.axhline(ATTENTION_LOGIT_BLOWUP, color="grey", linestyle="--", linewidth=1, label="1e4")
             right.set_yscale("log")
-            right.set_title("arm A: largest attention logit in training, a dot a run", fontsize=10)
+            right.set_title(f"arm {arm}: largest attention logit in training, a dot a run", fontsize=10)
         elif arm == "C":
             right.set_title("arm C: spike score of the grad norm (%, 7 sigma), a dot a run", fontsize=10)
         elif arm == "B":
@@ -909,7 +938,7 @@ DOCS_END = "<!-- end of what lr_sweep --report --docs writes -->"
 
 def report_from_records(args, arms):
     """--report --results FILE: the tables, the ladder and the figure from the tracked records alone."""
-    records = load_records(args.results)
+    records = with_same_runs(load_records(args.results))
     selected, code = one_code([r for r in records if in_selection(r, arms, args.width)], args.code)
     if not selected:
         raise SystemExit(f"lr_sweep: {args.results} has no run of the selection (width {args.width}); "
@@ -923,9 +952,12 @@ def report_from_records(args, arms):
                    for arm, spec in arms.items()}
     rows_by_arm = {arm: rows for arm, rows in rows_by_arm.items() if rows}
     table = markdown(rows_by_arm, {arm: spec["lrs"] for arm, spec in arms.items()}, corpus, [], code, args.width)
-    defined = sum(len(seeds_at(spec, lr)) * len(spec["levers"]) for spec in arms.values() for lr in spec["lrs"])
-    table = (f"{len(selected)} of the selection's {defined} runs are in {os.path.basename(args.results)} on this code "
-             "(a cell `not run` was not run on it, and each cell's n counts the seeds that ran).\n\n" + table)
+    defined = sum(len(seeds_at(spec, lr)) for arm, spec in arms.items() for lever in spec["levers"]
+                  for lr in spec["lrs"] if not counted_elsewhere(arm, lever, arms))
+    present = sum(not counted_elsewhere(r["arm"], r["lever_set"], arms) for r in selected)
+    table = (f"{present} of the selection's {defined} runs are in {os.path.basename(args.results)} on this code "
+             "(a cell `not run` was not run on it, and each cell's n counts the seeds that ran; a lever set that is "
+             "another arm's runs counts there).\n\n" + table)
     ladder_runs = [r for r in records if r["arm"] == "A" and r["code"] == code]
     if "A" in arms and len({r["width"] for r in ladder_runs}) > 1:
         table += "\n" + ladder_markdown(ladder(ladder_runs, corpus["bigram_entropy"], LADDER))
@@ -995,7 +1027,10 @@ def main(argv=None):
         again = seeds_at(arms[g[0]], g[2]).index(g[3])
         return (again > 0, again > 0 and g[0] != "A", again)
     grid = pilot + sorted((g for g in grid if g not in pilot), key=order)
-    todo = [g for g in grid if not os.path.exists(os.path.join(run_dir(args.out, *g, width), "result.json"))]
+    def finished(arm, lever, lr, seed):
+        return os.path.exists(os.path.join(run_dir(args.out, *(same_as(arm, lever) or (arm, lever)), lr, seed, width),
+                                           "result.json"))
+    todo = [g for g in grid if not finished(*g)]
     print(f"{len(grid)} runs (the pilot's {len(pilot)} first), {len(grid) - len(todo)} finished already, "
           f"{len(todo)} to run, {args.jobs} at a time", flush=True)
     if args.report:  # the finished runs alone; results.md says how many of the study's they are
@@ -1029,7 +1064,7 @@ def main(argv=None):
         print(f"failed: {r['arm']} {r['lever_set']} lr {r['lr']} seed {r['seed']}:\n{r['error']}", file=sys.stderr)
     selected = [r for r in results if "error" not in r and in_selection(r, arms)]
     if args.record:
-        merge_records(args.record, [record(r, corpus) for r in selected])
+        merge_records(args.record, [record(r, corpus) for r in selected if not same_as(r["arm"], r["lever_set"])])
     selected, code = one_code(selected, args.code)
     rows_by_arm = {arm: summarize(selected, arm, list(spec["levers"]), spec["lrs"], corpus["bigram_entropy"])
                    for arm, spec in arms.items()}
