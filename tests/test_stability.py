@@ -245,6 +245,9 @@ def test_lr_sensitivity_blow_ups_and_spike_score_on_hand_made_numbers():
     assert lr_sweep.spike_score(spiky) == 2 / 100
     spiky[150] = 1.005 + 0.005 * 6.5
     assert lr_sweep.spike_score(spiky) == 1 / 100
+    # a diverged run: 100 NaNs, then finite values with no finite window before them (arm W's LR 1 ended so)
+    lost = [1.0] * 100 + [float("nan")] * 100 + [5.0] * 50
+    assert lr_sweep.spike_score(lost) == 100 / 149  # the 100 NaNs; the first 5.0 is not scored, the next are calm
     # summarize: two seeds of one lever set over two LRs
     runs = [(1e-2, 1, 3.2, learned), (1e-2, 2, 3.4, learned), (1.0, 1, 5.0, [6.0] * 50),
             (1.0, 2, 11.0, learned[:49] + [9])]  # up at iteration 500, after BLOWUP_FROM

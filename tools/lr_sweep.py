@@ -6,7 +6,7 @@ proxies for large-scale Transformer training instabilities"); docs/stability.md 
     python tools/lr_sweep.py --arms A --lever_sets default --lrs 1e-2,1e-1 --seeds 1,2 --out out/mine
     python tools/lr_sweep.py --out out/lab --report  # the tables and the figure of the runs finished so far
     python tools/lr_sweep.py --out out/lab --report --arms A --record docs/lab/results.jsonl  # track the runs
-    python tools/lr_sweep.py --report --results docs/lab/results.jsonl --arms A --code dbe2d5a \
+    python tools/lr_sweep.py --report --results docs/lab/results.jsonl --arms A,W --code dbe2d5a \
         --docs docs/stability.md                     # docs/stability.md's tables and figure, from the tracked file
     python tools/lr_sweep.py --arms A --width 64 --seeds 3 --out out/lab  # the size ladder's width 64
 
@@ -333,15 +333,19 @@ def summarize_run(metrics, eps):
 def spike_score(values, window=100, sigmas=7.0):
     """OLMo 2's spike score: the share of the values at least `sigmas` standard deviations above the mean of the
     `window` values before them (OLMo 2 looks 1,000 back over runs of 10^5 steps; these are 500 long). A NaN or
-    inf counts as a spike; None (a skipped iteration) is left out."""
+    inf counts as a spike; None (a skipped iteration) is left out, and so is a finite value after a window of NaNs,
+    which has nothing to be a spike against (a diverged run whose grad norm comes back finite)."""
     values = [v for v in values if v is not None]
     spikes = scored = 0
     for i in range(window, len(values)):
-        past = [v for v in values[i - window:i] if math.isfinite(v)]
-        scored += 1
         if not math.isfinite(values[i]):
             spikes += 1
+            scored += 1
             continue
+        past = [v for v in values[i - window:i] if math.isfinite(v)]
+        if not past:
+            continue
+        scored += 1
         mean = sum(past) / len(past)
         std = math.sqrt(sum((v - mean) ** 2 for v in past) / len(past))
         spikes += values[i] > mean + sigmas * std
