@@ -268,6 +268,9 @@ def test_lr_sensitivity_blow_ups_and_spike_score_on_hand_made_numbers():
     # an LR of the grid not run: no sensitivity (it would not compare with a whole curve's)
     (row,) = lr_sweep.summarize(results, "A", ["a"], [1e-2, 1e-1, 1.0], bigram)
     assert row["sensitivity"] is None and row["sensitivity_seeds"] is None and sorted(row["points"]) == [1e-2, 1.0]
+    # a selection of LR 1 alone (`--lrs 1`) is outside Wortsman et al.'s range: no sensitivity there, no error
+    (row,) = lr_sweep.summarize(results, "A", ["a"], [1.0], bigram)
+    assert row["ranges"]["1e-3..3e-1"] == {"lrs": [], "seeds": {}, "mean_curve": None} and row["sensitivity"] == 0
 
 
 @pytest.mark.slow

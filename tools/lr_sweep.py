@@ -484,7 +484,7 @@ def complete_curves(by_key, lever_set, lrs):
 def sensitivities(by_key, lever_set, lrs):
     """The LR sensitivity over lrs: per seed with a complete curve ({seed: value}), and of the mean of those
     seeds' curves (None without one)."""
-    curves = complete_curves(by_key, lever_set, lrs)
+    curves = complete_curves(by_key, lever_set, lrs) if lrs else {}  # a range none of the selection's LRs is in
     if not curves:
         return {}, None
     mean_curve = {lr: sum(c[lr] for c in curves.values()) / len(curves) for lr in lrs}
