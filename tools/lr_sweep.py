@@ -1,7 +1,7 @@
 """The stability lab: LR sensitivity of the stability levers, measured as Wortsman et al. 2023 do ("Small-scale
 proxies for large-scale Transformer training instabilities"); docs/stability.md has the study and its numbers.
 
-    python tools/lr_sweep.py --out out/lab --jobs 2  # the whole study: pilot, arms A, B, C, W (117 runs, 9 CPU-h)
+    python tools/lr_sweep.py --out out/lab --jobs 2  # the whole study: pilot, arms A, B, C, W (117 runs, ~10 CPU-h)
     python tools/lr_sweep.py --quick                 # the pilot alone: 2 runs, ~5 min
     python tools/lr_sweep.py --arms A --lever_sets default --lrs 1e-2,1e-1 --seeds 1,2 --out out/mine
     python tools/lr_sweep.py --out out/lab --report  # the tables and the figure of the runs finished so far
