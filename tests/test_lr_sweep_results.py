@@ -207,6 +207,7 @@ def test_arm_w_s_short_warm_up_is_arm_a_s_default_run_and_recorded_once(tmp_path
     assert lr_sweep.preflight(lr_sweep.ARMS) == []
     # execute() goes to arm A's directory: a run there with other arguments is refused by its path
     taken = lr_sweep.run_dir(str(tmp_path), "A", "default", 1e-2, 1)
+    assert lr_sweep.run_dir(str(tmp_path), "W", "warmup_100", 1e-2, 1) == taken  # so a study skips it once finished
     os.makedirs(taken)
     with open(os.path.join(taken, "result.json"), "w") as f:
         json.dump({"args": ["--other"]}, f)

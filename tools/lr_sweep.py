@@ -143,11 +143,18 @@ QUICK = {"arms": ["A"], "lever_sets": ["default"], "lrs": [1e-2, 3e-1], "seeds":
 # The study's runs
 
 
+def same_as(arm, lever_set):
+    """The (arm, lever set) whose runs these are (ARMS' "same_as"), or None."""
+    return ARMS[arm].get("same_as", {}).get(lever_set)
+
+
 def seeds_at(spec, lr):
     return [*spec["seeds"], *spec.get("more_seeds", {}).get(lr, [])]
 
 
 def run_dir(out, arm, lever_set, lr, seed, width=WIDTH):
+    """Where the run lives: a lever set that is another arm's runs (ARMS' "same_as") lives in that arm's place."""
+    arm, lever_set = same_as(arm, lever_set) or (arm, lever_set)
     ladder = [] if width == WIDTH else [f"w{width}"]  # the study's own width keeps the paths it ran under
     return os.path.join(out, "runs", *ladder, arm, lever_set, f"lr{lr:.0e}-seed{seed}")
 
@@ -359,11 +366,6 @@ def run(command, log, env):
     return os.waitstatus_to_exitcode(status), usage.ru_utime + usage.ru_stime
 
 
-def same_as(arm, lever_set):
-    """The (arm, lever set) whose runs these are (ARMS' "same_as"), or None."""
-    return ARMS[arm].get("same_as", {}).get(lever_set)
-
-
 def with_same_runs(results):
     """results, and each run that is also another arm's lever set (ARMS' "same_as") once more under that label."""
     return results + [{**r, "arm": arm, "lever_set": lever} for arm, spec in ARMS.items()
@@ -373,14 +375,16 @@ def with_same_runs(results):
 
 def counted_elsewhere(arm, lever_set, arms):
     """Whether this lever set's runs are another arm's that `arms` holds too (so counted once, there)."""
-    return bool(same_as(arm, lever_set)) and same_as(arm, lever_set)[0] in arms
+    target = same_as(arm, lever_set)
+    return target is not None and target[0] in arms
 
 
 def execute(out, arm, lever_set, lr, seed, extra=(), width=WIDTH):
     """Train one run (unless finished; resumed if interrupted), write result.json last. Returns the result, with
     the code version the run recorded when it started (code.json)."""
-    if same_as(arm, lever_set):  # another arm's runs: trained (or read) in that arm's directory, labelled as ours
-        return {**execute(out, *same_as(arm, lever_set), lr, seed, extra, width), "arm": arm, "lever_set": lever_set}
+    target = same_as(arm, lever_set)
+    if target:  # another arm's runs: trained (or read) as that arm's, in its directory (run_dir), labelled as ours
+        return {**execute(out, *target, lr, seed, extra, width), "arm": arm, "lever_set": lever_set}
     directory = run_dir(out, arm, lever_set, lr, seed, width)
     result_file = os.path.join(directory, "result.json")
     args = train_args(arm, lever_set, lr, seed, directory, extra, width)
@@ -808,7 +812,7 @@ def plot(rows_by_arm, results, corpus, path):
                 ax.errorbar([lr for lr, _ in wide], [q["mean"] for _, q in wide],
                             yerr=[[q["mean"] - q["min"] for _, q in wide], [q["max"] - q["mean"] for _, q in wide]],
                             fmt="none", ecolor=color, capsize=3, linewidth=1)
-            for key, axes_of in (("attention_logit_max", "AW"), ("spike_score", "C")):
+            for key, axes_of in (("attention_logit_max", ("A", "W")), ("spike_score", ("C",))):
                 if arm in axes_of:
                     scale = 100 if key == "spike_score" else 1
                     runs = [(lr, v * scale) for lr, q in zip(xs, p) for v in q["runs"][key]
@@ -821,7 +825,7 @@ def plot(rows_by_arm, results, corpus, path):
         ax.set_title(f"arm {arm}: final validation loss (a dot a run; bars: min-max where n >= 3)", fontsize=10)
         ax.set_ylabel("final loss (nats)")
         ax.legend(fontsize=7)
-        if arm in "AW":
+        if arm in ("A", "W"):
             right.axhline(ATTENTION_LOGIT_BLOWUP, color="grey", linestyle="--", linewidth=1, label="1e4")
             right.set_yscale("log")
             right.set_title(f"arm {arm}: largest attention logit in training, a dot a run", fontsize=10)
@@ -1031,10 +1035,7 @@ def main(argv=None):
         again = seeds_at(arms[g[0]], g[2]).index(g[3])
         return (again > 0, again > 0 and g[0] != "A", again)
     grid = pilot + sorted((g for g in grid if g not in pilot), key=order)
-    def finished(arm, lever, lr, seed):
-        return os.path.exists(os.path.join(run_dir(args.out, *(same_as(arm, lever) or (arm, lever)), lr, seed, width),
-                                           "result.json"))
-    todo = [g for g in grid if not finished(*g)]
+    todo = [g for g in grid if not os.path.exists(os.path.join(run_dir(args.out, *g, width), "result.json"))]
     print(f"{len(grid)} runs (the pilot's {len(pilot)} first), {len(grid) - len(todo)} finished already, "
           f"{len(todo)} to run, {args.jobs} at a time", flush=True)
     if args.report:  # the finished runs alone; results.md says how many of the study's they are
