@@ -198,7 +198,7 @@ def load_config(argv=None):
 def from_hf(cfg, given):
     """init_from_hf: the model keys the config does not give (`given`: set by the file or the command line) come
     from the Hugging Face model; a given one that contradicts it is refused (hf.check_config), before anything is
-    built. The weights are loaded by model.build_model."""
+    built. The weights are loaded by builders.build_model."""
     for key, value in hf.config_from_hf(cfg.init_from_hf).items():
         if key not in given:
             setattr(cfg, key, value)

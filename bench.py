@@ -8,7 +8,7 @@
         --pipeline_model_parallel_size=1 --global_batch_size=16    # one GPU: one table of both
 
 What is timed is what training runs: the model, optimizer and loss scaler come from the builders train.py uses
-(model.py, optim.py), each iteration is train.train_step, and its batches come from the training data (data_path,
+(builders.py), each iteration is training.train_step, and its batches come from the training data (data_path,
 or the bundled corpus) through loader.batch_prefetcher, which gathers the next iterations' batches on a background
 thread.
 Reported: tokens/s, ms per iteration, achieved TFLOPs by Megatron's formula (the number training logs, with
@@ -58,8 +58,8 @@ import loader
 import optim
 import parallel
 import schedule
-import train
-from model import build_model
+import training
+from builders import build_model
 from report import print0
 from stability import telemetry
 
@@ -172,8 +172,8 @@ def measure(argv):
             t_data = time.perf_counter() - t0
             if probe:
                 probe.begin()
-            train.train_step(train_model, optimizer, scaler, batches, cfg.lr, cfg, device,
-                             hooks=telemetry.Probe(probe) if probe else train.NO_HOOKS)
+            training.train_step(train_model, optimizer, scaler, batches, cfg.lr, cfg, device,
+                             callbacks=telemetry.Probe(probe) if probe else training.NO_CALLBACKS)
             if probe:
                 probe.finish()
             sync(device)
@@ -186,7 +186,7 @@ def measure(argv):
         if profiled:  # kept out of the pipeline's times, which are of the timed iterations
             seconds, events, parallel.pipeline_events = dict(parallel.pipeline_seconds), parallel.pipeline_events, None
             costs = step_costs(lambda: loader.to_device(prefetcher.get(key), device),
-                               lambda batches: train.train_step(train_model, optimizer, scaler, batches, cfg.lr, cfg,
+                               lambda batches: training.train_step(train_model, optimizer, scaler, batches, cfg.lr, cfg,
                                                                 device), optimizer, device)
             parallel.pipeline_seconds.update(seconds)
             parallel.pipeline_events = events
@@ -257,7 +257,7 @@ COSTS = ("output layer + loss", "attention", "other matmuls", "elementwise and o
          "gradient accumulation / reduction", "data wait", "other")
 MATMULS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::matmul", "aten::linear",
            "aten::_addmm_activation"}
-# Ranges around the parts of train.train_step that an op's name cannot place (an add_ is an add_), set for the
+# Ranges around the parts of training.train_step that an op's name cannot place (an add_ is an add_), set for the
 # profiled iteration by costs_named. Gradient accumulation's own: autograd's AccumulateGrad, where
 # parallel.GradBuffer's hook adds each .grad into its bucket and starts the DP all-reduce.
 RANGES = {"bench: data wait": "data wait", "bench: optimizer": "optimizer", "Optimizer.step#": "optimizer",
@@ -287,7 +287,7 @@ def cost_of(chain):
 
 @contextlib.contextmanager
 def costs_named(optimizer):
-    """For the profiled iteration: the optimizer's part of train.train_step (zero_grad, the grad norm and the count
+    """For the profiled iteration: the optimizer's part of training.train_step (zero_grad, the grad norm and the count
     of zeros, unscaling, clipping, the step; DeepSpeed's finish_step) and the wait for the DP all-reduce
     (parallel.reduce_gradients) run inside named ranges; undone on the way out."""
     undo = []

@@ -781,42 +781,7 @@ def sinusoidal_positions(num_positions, dim):
 
 
 # -----------------------------------------------------------------------------
-# This rank's model, built from a run's config
-
-
-def build_model(cfg, device):
-    """This rank's stage, its weights in the compute dtype (precision.py); on the native path with the GradBuffer
-    its gradients accumulate and are all-reduced in (DeepSpeed brings its own)."""
-    import precision  # the model's dtype is precision.py's rule; precision builds on this file
-
-    g = parallel.grid
-    layers = parallel.partition_layers(cfg.num_layers, g.pp_size, cfg.pp_partition_method)[g.pp_rank]
-    # Allocated on the device directly; the weights are drawn once, on the CPU (GPT.init_weights), for this rank's
-    # slice only, and copied in. The ambient device is only where the parameters are allocated.
-    with torch.device(device):
-        model = GPT(GPTConfig.from_config(cfg), layers, pre_process=g.is_first_stage, post_process=g.is_last_stage,
-                    seed=cfg.seed)
-    if cfg.init_from_hf:
-        init_from_hf(cfg, model)
-    model.to(precision.compute_dtype(cfg))
-    if not cfg.deepspeed:
-        parallel.attach_grad_buffer(model, precision.grad_dtype(cfg))
-    return model
-
-
-def init_from_hf(cfg, model):
-    """The weights of the Hugging Face model cfg.init_from_hf (hf.load_into), unless the run resumes: then the
-    checkpoint's weights win and the model directory is not read."""
-    import checkpoint
-    import hf  # hf.py builds on this file: imported when used
-    from report import print0
-
-    if cfg.load and checkpoint.latest_dir(cfg.load):
-        print0(f"init_from_hf {cfg.init_from_hf} not loaded: resuming from the checkpoint in {cfg.load}, whose "
-               "weights win")
-        return
-    hf.load_into(model, cfg.init_from_hf)
-    print0(f"initialised from the Hugging Face model in {cfg.init_from_hf}")
+# The pipeline stages' layers, as a run's log names them
 
 
 def describe_partition(cfg):

@@ -1,7 +1,7 @@
 """What fp16 and bf16 mean: Megatron's mixed-precision regime, as the 104B (fp16) and 176B (bf16) ran it (lesson 6).
 
     what                                                 fp32     bf16     fp16     where
-    model weights, activations, residual stream          fp32     bf16     fp16     model.build_model
+    model weights, activations, residual stream          fp32     bf16     fp16     builders.build_model
     pipeline messages (activations and their gradients)  fp32     bf16     fp16     parallel.pipeline_forward_backward
     LayerNorm statistics, softmax, cross-entropy         fp32     fp32     fp32     model.LayerNorm, core_attention,
                                                                                     vocab_parallel_cross_entropy

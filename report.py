@@ -101,11 +101,11 @@ class Report:
         self.interval = {"time": 0.0, "iters": 0, "loss": 0.0, "steps": 0, "skipped": 0, "nan": 0}
 
     def step(self, step, lr):
-        """A trained iteration (a train.Step): its loss into the mean unless NaN, skips counted."""
+        """A trained iteration (a training.Step): its loss into the mean unless NaN, skips counted."""
         self.last = (step, lr)
         self.interval["steps"] += 1
         self.interval["loss"] += step.loss if step.outcome != "nan" else 0.0
-        self.interval["skipped"] += step.outcome in ("skipped", "spike")
+        self.interval["skipped"] += step.outcome in ("skipped", "vetoed")
         self.interval["nan"] += step.outcome == "nan"
 
     def skipped(self, iteration, state, batch_size, why):
@@ -148,7 +148,7 @@ class Report:
         fields.append(("lm loss", f"{mean_loss:.6E}"))
         scalars = {"lm-loss": mean_loss}
         if cfg.z_loss:  # the interval's mean, apart from the lm loss (lesson 20)
-            z_loss = step.z_loss  # read in the step's one host sync (train.train_step)
+            z_loss = step.z_loss  # read in the step's one host sync (training.train_step)
             if z_loss is None:  # DeepSpeed's step, or a logged iteration skipped
                 z_loss = parallel.average_loss(self.gpt.pop_z_loss()).item()
             fields.append(("z loss", f"{z_loss:.6E}"))

@@ -1,6 +1,6 @@
 """Where a run is, captured and restored in one place: for checkpoints and spike-guard snapshots.
 
-    parts = Parts(cfg, model, optimizer, schedule, scaler, hooks)  # the live objects, parts.state
+    parts = Parts(cfg, model, optimizer, schedule, scaler, callbacks)  # the live objects, parts.state
     payload = capture(parts)    # (model_state, run, rank_state): the layout of a checkpoint's files
     restore(payload, parts)     # weights, optimizer, LR schedule, loss scale, counters, RNG streams
     save(parts), load(parts)    # on disk: checkpoint.py writes the files, reshard.py re-cuts them
@@ -8,8 +8,8 @@
 A checkpoint and a snapshot are the same payload, so rolling back to either is the same run, and a
 resumed run goes on bit-exactly: every number that decides what happens next is in it. The optimizer
 reset of lesson 8 lives here too (reset_optimizer): a resume with reset_optimizer_warmup_iters and a
-spike guard's relapse both go through it. The stability layer's own state rides along as the hooks'
-state_dict (train.Hooks), which this file carries without reading it.
+spike guard's relapse both go through it. The callbacks' own states (the stability layer's) ride along as
+a name -> state map (training.Callbacks.state_dict), which this file carries without reading it.
 
 Not here: how the files are written (checkpoint.py), what the counters mean for the next iteration
 (schedule.py).
@@ -45,14 +45,14 @@ class RunState:
     scheduler_samples: int = 0
     scheduler_tokens: int = 0
     optimizer_reset: dict | None = None  # {"iteration", "warmup_iters"} of the reset (lesson 8)
-    spike_guard: dict | None = None  # the stability layer's state_dict at the last capture (its decisions)
+    callbacks: dict = field(default_factory=dict)  # each callback's state at the last capture, by its name
     # the loss and grad norm of the last HISTORY applied steps, oldest first: the trend that the soft skip and the
     # spike guard judge a step against, kept (and rolled back) with the weights whether or not they are on
     history: dict = field(default_factory=lambda: {"loss": [], "grad norm": []})
 
     def advance(self, batch_size, seqlen, applied, step=None):
         """One iteration done: its batch drawn; counted by the LR schedule if its update applied, and its numbers
-        (a train.Step's loss and grad norm) into the history."""
+        (a training.Step's loss and grad norm) into the history."""
         if applied:
             self.scheduler_samples += batch_size
             self.scheduler_tokens += batch_size * seqlen
@@ -67,9 +67,17 @@ class RunState:
 
     def load(self, saved):
         """Every field of a saved dict, copied (a snapshot is used again); missing: the default."""
-        fresh = RunState()
+        fresh, saved = RunState(), {**saved, "callbacks": callback_states(saved)}
         for f in fields(self):
             setattr(self, f.name, copy.deepcopy(saved[f.name]) if f.name in saved else getattr(fresh, f.name))
+
+
+def callback_states(saved):
+    """The callbacks' states of a saved run state (a dict), by name. A checkpoint written before the callbacks had
+    a map holds the stability layer's state alone, under "spike_guard"."""
+    if "callbacks" in saved:
+        return saved["callbacks"]
+    return {"spike_guard": saved["spike_guard"]} if saved.get("spike_guard") else {}
 
 
 @dataclass
@@ -81,7 +89,7 @@ class Parts:
     optimizer: object
     schedule: object  # schedule.Schedule: its AnnealingLR remembers where a sample warm-up ended
     scaler: object  # optim.LossScaler
-    hooks: object  # train.Hooks: the stability layer's (or the do-nothing base)
+    callbacks: object  # training.Callbacks: the stability layer's (or none)
     state: RunState = field(default_factory=RunState)
 
 
@@ -89,7 +97,7 @@ def capture(parts):
     """The payload (model_state, run, rank_state), as checkpoint.save writes it and checkpoint.load
     returns it; its tensors are the live run's (checkpoint.host_copy copies them: snapshots, async saves)."""
     p = parts
-    p.state.spike_guard = p.hooks.state_dict()
+    p.state.callbacks = p.callbacks.state_dict()
     model_state = parallel.unwrap(p.model).state_dict()
     run = {"state": asdict(p.state), "scheduler": p.schedule.lr_schedule.state_dict(),
            "scaler": p.scaler.state_dict(), "config": asdict(p.cfg)}
@@ -110,8 +118,8 @@ def restore(payload, parts, optimizer=True, rng_state=True, keep_payload=False):
     parallel.unwrap(p.model).load_state_dict(model_state)  # strict: every parameter (lesson 11)
     p.scaler.load_state_dict(run["scaler"])
     p.state.load(run["state"])
-    # the stability layer's statistics go with the weights; its decisions are history and stay
-    p.hooks.load_state_dict(p.state, resume=False)
+    # the callbacks' statistics go with the weights; their decisions are history and stay
+    p.callbacks.load_state_dict(p.state.callbacks, p.state, resume=False)
     if optimizer:
         # load_state_dict keeps tensors of the right device and dtype: a kept payload gives a copy
         state = rank_state["optimizer"]
@@ -171,8 +179,8 @@ def load(parts):
         line = optim.resume_adam_params(parts.optimizer, cfg, payload[1].get("config", {}))
         if line:
             print0(line)
-    if state.spike_guard:  # its decisions (skip ranges, LR factor): stability.build_hooks saw them, they hold
-        parts.hooks.load_state_dict(state, resume=True)
+    if state.callbacks:  # their decisions (skip ranges, LR factor): builders.build_callbacks saw them, they hold
+        parts.callbacks.load_state_dict(state.callbacks, state, resume=True)
     if reset_now:
         reset_optimizer(parts, warmup)
         print0(f"optimizer reset at iteration {state.iteration}: fresh optimizer, lr=0 for "

@@ -1,4 +1,4 @@
-"""The stability layer: what the run does about instabilities by itself, behind the loop's hooks (train.Hooks).
+"""The stability layer: what the run does about instabilities by itself, as callbacks the loop calls (training.Callback).
 
     hooks.py        StabilityHooks: what the loop's named points do, and in which order
     spike_guard.py  the spike guard: detection, diagnosis (forensics), decisions, the precursor rung
@@ -8,8 +8,8 @@
     telemetry.py    per-layer probes: norms, activations, attention logits and entropy, log Z
     config.py       the layer's keys and their checks
 
-The dependency runs one way: these files use the core (train, model, parallel, optim, schedule, ...), and no
-core module imports them; train.main wires them in (build_hooks) when the run asks for any of them.
+The dependency runs one way: these files use the core (step, model, parallel, optim, schedule, ...), and no
+core module imports them; builders.build_callbacks wires them in when the run asks for any of them.
 """
 
 # The keys that ask for the layer: with none set (and no decision of it in the checkpoint), it is not built.
@@ -21,13 +21,15 @@ SWITCHES = ("spike_guard", "soft_skip_loss_ratio", "telemetry_interval", "skip_d
 def wanted(cfg, saved_state=None):
     """Does this run need the layer: a switch set, or a checkpoint whose guard decided something that holds (skip
     ranges, an LR factor, its counters: a resumed run honours them with the guard off too)?"""
-    guard = (saved_state or {}).get("spike_guard") or {}
+    import run_state
+    guard = run_state.callback_states(saved_state or {}).get("spike_guard") or {}
     return any(getattr(cfg, key) for key in SWITCHES) or bool(guard.get("decisions") or guard.get("skip_ranges"))
 
 
-def build_hooks(cfg, writer=None, saved_state=None):
-    """The run's stability.hooks.StabilityHooks, or None (train.Hooks' do-nothing base) when it needs none."""
+def build_callbacks(cfg, writer=None, saved_state=None):
+    """The run's callbacks (a training.Callbacks), or None when it needs none."""
     if not wanted(cfg, saved_state):
         return None
+    from training import Callbacks
     from stability.hooks import StabilityHooks
-    return StabilityHooks(cfg, writer)
+    return Callbacks([StabilityHooks(cfg, writer)])

@@ -1,4 +1,4 @@
-"""What the stability layer does at the training loop's named points (train.Hooks), in one place.
+"""What the stability layer does at the training loop's named points (training.Callback), in one place.
 
     before_step    fault injection (a bad batch, an LR spike, a numerical fault, a bit flip armed), the guard's LR
                    factor, a telemetry probe started, the RNG and loss-scaler state a replay starts from
@@ -10,21 +10,21 @@
     after_step     the guard's decision: recorded, and carried out (a rollback, or saving and stopping)
     after_iteration  a snapshot every spike_guard_snapshot_interval iterations
 
-Every rank runs the same hooks on the same numbers (the step's are DP rank 0's on every replica: train.agree), so
+Every rank runs the same hooks on the same numbers (the step's are DP rank 0's on every replica: training.agree), so
 the ranks cannot decide apart.
 """
 import checkpoint
 import loader
 import parallel
 import run_state
-import train
+import training
 from report import print0
 from stability import skip_list, spike_guard, telemetry
 from stability.faults import Faults
 from stability.snapshots import Snapshots
 
 
-class Veto(train.Hooks):
+class Veto(training.Callback):
     """A step's update_factor: the guard's judge(loss, grad norm), a reason to skip the update (0), and the soft
     skip: a loss above soft_skip_loss_ratio x its trend scales the gradients by trend / loss before clipping
     (metaseq's: the step is taken, with less weight). A replay's hooks are this alone (no fault, no probe)."""
@@ -43,7 +43,9 @@ class Veto(train.Hooks):
         return 1.0
 
 
-class StabilityHooks(train.Hooks):
+class StabilityHooks(training.Callback):
+    name = "spike_guard"
+
     def __init__(self, cfg, writer=None):
         self.cfg, self.writer = cfg, writer
         # Its decisions (skip ranges, LR factor) hold whether or not the guard is on now (spike_guard=False).
@@ -73,13 +75,13 @@ class StabilityHooks(train.Hooks):
     def state_dict(self):
         return self.guard.state_dict()
 
-    def load_state_dict(self, state, resume):
-        """From a run state (run_state.RunState): at a resume, the guard's whole state; at a rollback, its
-        statistics only (they go with the weights; its decisions are history). Without statistics of its own (a
-        checkpoint of a run without the guard), the run state's history of applied steps stands in for them."""
-        if resume and state.spike_guard:
-            self.guard.load_state_dict(state.spike_guard)
-        self.guard.load_stats(spike_guard.run_stats({"spike_guard": state.spike_guard, "history": state.history}))
+    def load_state_dict(self, state, run, resume):
+        """At a resume, the guard's whole state; at a rollback, its statistics only (they go with the weights; its
+        decisions are history). Without statistics of its own (a checkpoint of a run without the guard), the run
+        state's (run_state.RunState) history of applied steps stands in for them."""
+        if resume and state:
+            self.guard.load_state_dict(state)
+        self.guard.load_stats(spike_guard.run_stats({"spike_guard": state, "history": run.history}))
 
     # -- an iteration --------------------------------------------------------------------------------------------
 
@@ -127,8 +129,8 @@ class StabilityHooks(train.Hooks):
         parts, (iteration, first_sample, count, seqlen) = self.parts, self.guard.last_applied
         batches = loader.micro_batches(self.train_data, first_sample, count, self.cfg, seqlen, self.device)
         rng, scaler = checkpoint.rng_state(), parts.scaler.state_dict()
-        step = train.train_step(parts.model, parts.optimizer, parts.scaler, batches, it.lr, self.cfg, self.device,
-                                count_zeros=False, hooks=Veto(self.cfg, lambda *numbers: "never applied"))
+        step = training.train_step(parts.model, parts.optimizer, parts.scaler, batches, it.lr, self.cfg, self.device,
+                                count_zeros=False, callbacks=Veto(self.cfg, lambda *numbers: "never applied"))
         checkpoint.set_rng_state(rng)
         parts.scaler.load_state_dict(scaler)
         return step, iteration
@@ -159,8 +161,8 @@ class StabilityHooks(train.Hooks):
         self.diagnosis = None
         if guard.enabled and step.outcome in spike_guard.SUSPECT:  # replay it, test its batch (forensics)
             def rerun(judge, scaler=parts.scaler):
-                return train.train_step(parts.model, parts.optimizer, scaler, it.batches, it.lr, cfg, self.device,
-                                        count_zeros=False, hooks=Veto(cfg, judge))
+                return training.train_step(parts.model, parts.optimizer, scaler, it.batches, it.lr, cfg, self.device,
+                                        count_zeros=False, callbacks=Veto(cfg, judge))
             per_sample = None
             if parallel.grid.pp_size == 1:
                 def per_sample():

@@ -75,14 +75,14 @@ import optim
 import parallel
 import precision
 import schedule
-import train
+import training
 from report import print0
 from stability import skip_list
 
 EXIT_CODE = 3
 
 
-class SpikeGuardStop(train.StopRun):
+class SpikeGuardStop(training.StopRun):
     """A cap was reached: the run saved its last good state and stops (train.py exits with EXIT_CODE)."""
     exit_code = EXIT_CODE
 
@@ -255,7 +255,7 @@ class SpikeGuard:
         return self.enabled and len(self.series["loss"].values) >= self.cfg.spike_guard_min_steps
 
     def judge(self, loss, grad_norm):
-        """Before the update (called by train.train_step): why this step is a spike, or None."""
+        """Before the update (the step's update_factor): why this step is a spike, or None."""
         cfg, reasons = self.cfg, []
         judged = {"loss": self.series["loss"].judge(loss), "grad norm": self.series["grad norm"].judge(grad_norm)}
         for name, value in (("loss", loss), ("grad norm", grad_norm)):
@@ -325,7 +325,7 @@ class SpikeGuard:
             self.series["loss"].record(loss)
             return None
         collapse = False
-        if outcome == "spike":
+        if outcome == "vetoed":
             reason = self.pending
         elif outcome == "nan":
             reason = f"the loss is {loss}"
@@ -350,12 +350,12 @@ class SpikeGuard:
             return self._rollback(iteration, reason, iteration - 1, None, cause, diagnosis.get("since"))
         self.strikes = [s for s in self.strikes if iteration - s <= cfg.spike_guard_rewind] + [iteration]
         if not collapse and len(self.strikes) < cfg.spike_guard_max_skips:
-            if outcome == "spike":
+            if outcome == "vetoed":
                 self.skipped_iters += 1
             if self.skipped_iters > cfg.spike_guard_max_skipped_iters:
                 return self._decide(iteration, "stop", reason, f"{self.skipped_iters} iterations skipped, more than "
                                     f"spike_guard_max_skipped_iters={cfg.spike_guard_max_skipped_iters}", **cause)
-            what = "update skipped" if outcome == "spike" else "no update"
+            what = "update skipped" if outcome == "vetoed" else "no update"
             decision = self._decide(iteration, "skip", reason, f"{what} (spike {len(self.strikes)} of "
                                     f"{cfg.spike_guard_max_skips} before a rollback)", **cause)
             self.decisions.append(decision)
@@ -490,7 +490,7 @@ def spikes_in(series, cfg, stats=None):
 # -----------------------------------------------------------------------------
 # Forensics: why did this step spike? (lesson 21; PaLM, Megatron-LM's rerun state machine)
 
-SUSPECT = ("spike", "nan", "replicas differ")  # the train_step outcomes investigate() looks into
+SUSPECT = ("vetoed", "nan", "replicas differ")  # the train_step outcomes investigate() looks into
 
 
 def investigate(guard, parts, step, iteration, before, snapshots, rerun, forward, other=None, per_sample=None):
@@ -522,14 +522,14 @@ def investigate(guard, parts, step, iteration, before, snapshots, rerun, forward
     counterfactual and two forwards per spike; a clean run never calls it."""
     model, optimizer = parts.model, parts.optimizer
     first = f"loss {step.loss:.6g}, grad norm {step.grad_norm:.6g}"
-    rows = list(train.replica_values)
+    rows = list(training.replica_values)
     differ = [r for r, row in enumerate(rows) if repr(row) != repr(rows[0])]
     rng_before, scaler_before = before
     checkpoint.set_rng_state(rng_before)
     parts.scaler.load_state_dict(scaler_before)  # the step's fp16 overflow counted once, not twice
     replay = rerun(guard.judge if guard.armed() else None)
     again = f"loss {replay.loss:.6g}, grad norm {replay.grad_norm:.6g}"
-    rows_again = list(train.replica_values)
+    rows_again = list(training.replica_values)
     differ_again = [r for r, row in enumerate(rows_again) if repr(row) != repr(rows_again[0])]
     if differ and differ_again[:1] == differ[:1]:
         rank = differ[0]
@@ -785,7 +785,7 @@ def master_weights(params, optimizer):
 def evaluate_batches(model, batches, cfg, device):
     """The mean loss of these micro-batches in train mode (dropout on, as in the trend it is compared with: eval
     mode would bias it low); the caller restores the RNG streams the dropout draws from."""
-    return parallel.average_loss(train.forward_backward(model, batches, cfg, device, forward_only=True)).item()
+    return parallel.average_loss(training.forward_backward(model, batches, cfg, device, forward_only=True)).item()
 
 
 # -----------------------------------------------------------------------------

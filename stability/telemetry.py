@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 import parallel
-import train
+import training
 
 
 class Telemetry:
@@ -225,7 +225,7 @@ def layer_labels(count, num_layers):
     return ["embedding", *blocks, "final"] if count == num_layers + 2 else blocks
 
 
-class Probe(train.Hooks):
+class Probe(training.Callback):
     """The hooks of one step a Telemetry records (bench.py's timed steps; the stability layer's hooks do the same
     on the telemetry iterations of a run): the gradients read before the update, the update after it."""
 

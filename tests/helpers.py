@@ -19,6 +19,7 @@ import io
 import math
 import os
 import re
+import runpy
 import socket
 import subprocess
 import sys
@@ -57,17 +58,24 @@ def run_cli(*args, expect_ok=True):
 
 
 def run_main(*args):
-    """train.main(ARGS) in this process (the same code path, without interpreter start-up); returns stdout."""
-    import train
+    """train.py's main(ARGS) in this process (the same code path, without interpreter start-up); returns stdout."""
+    main = train_script()["main"]
     out = io.StringIO()
     cwd = os.getcwd()
     os.chdir(ROOT)
     try:
         with contextlib.redirect_stdout(out):
-            train.main(list(args))
+            main(list(args))
     finally:
         os.chdir(cwd)
     return out.getvalue()
+
+
+def train_script():
+    """train.py's namespace (main, run, exit_reason, ...): the script run in this process, as `python train.py`
+    runs it but without an interpreter's start-up. Nothing imports train.py. A test may replace a name the script
+    looks up (script["train_step"] = spy) before it calls script["main"]."""
+    return runpy.run_path(os.path.join(ROOT, "train.py"), run_name="train_script")
 
 
 def log_fields(stdout):

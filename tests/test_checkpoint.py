@@ -175,8 +175,7 @@ def test_async_save_on_two_ranks_writes_what_a_save_writes(synthetic_corpus, tmp
 # A run whose background write of global_step2 stops half-way through its first file (until killed), while its
 # training goes on; torch.save is the one checkpoint.py calls, so nothing else changes.
 KILLED_MID_WRITE = """
-import io, os, sys, time, torch
-import train
+import io, os, runpy, sys, time, torch
 marker, real_save = sys.argv[1], torch.save
 def save(obj, f, *args, **kwargs):
     if "global_step2" in getattr(getattr(f, "f", None), "name", ""):
@@ -188,7 +187,7 @@ def save(obj, f, *args, **kwargs):
         time.sleep(600)
     return real_save(obj, f, *args, **kwargs)
 torch.save = save
-train.main(sys.argv[2:])
+runpy.run_path("train.py", run_name="train_script")["main"](sys.argv[2:])
 """
 
 

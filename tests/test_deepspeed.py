@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 import parallel
-from helpers import E2E_ARGS, ROOT, gather, spawn, synthetic_corpus  # noqa: F401 (synthetic_corpus: a fixture)
+from helpers import E2E_ARGS, ROOT, gather, spawn, synthetic_corpus, train_script  # noqa: F401 (a fixture)
 
 E2E = list(E2E_ARGS)  # --save=none: a run that saves passes --save=DIR after it (the later value wins)
 BF16_REL = (6e-5, 7e-4)  # DeepSpeed bf16 against native bf16, lm loss and grad norm: the README's figures
@@ -35,20 +35,21 @@ class Recorder:
 
     def __init__(self):
         import deepspeed.runtime.bf16_optimizer
+        import builders
         import deepspeed_engine
-        import train
         # BF16_Optimizer reports memory at construction with six forced gc.collect() (1 s each in a test
         # process's heap) and prints it: nothing the comparisons need
         deepspeed.runtime.bf16_optimizer.see_memory_usage = lambda *args, **kwargs: None
         import optim
-        self.train, self.deepspeed_engine = train, deepspeed_engine
-        self.owners = {"train_step": train, "build_model": train, "optimizer_for": optim}  # where train.py finds them
-        self.originals = {name: getattr(owner, name) for name, owner in self.owners.items()}
+        self.script, self.deepspeed_engine = train_script(), deepspeed_engine
+        # where train.py finds them: its own namespace, the builders' and the optimizer's modules
+        self.owners = {"train_step": self.script, "build_model": vars(builders), "optimizer_for": vars(optim)}
+        self.originals = {name: owner[name] for name, owner in self.owners.items()}
         self.wrapper_class = deepspeed_engine.DeepSpeedOptimizer
         self.steps, self.model, self.optimizer, self.wrapper = [], None, None, None
 
     def run(self, *args):
-        rec, train = self, self.train
+        rec = self
         rec.steps, rec.wrapper = [], None
 
         def train_step(*a, **k):
@@ -73,14 +74,14 @@ class Recorder:
                 pass
 
         for name, fn in (("train_step", train_step), ("build_model", build_model), ("optimizer_for", optimizer_for)):
-            setattr(self.owners[name], name, fn)
+            self.owners[name][name] = fn
         self.deepspeed_engine.DeepSpeedOptimizer = Wrapper
         try:
             with contextlib.redirect_stdout(io.StringIO()):
-                train.main([*E2E, *args])
+                self.script["main"]([*E2E, *args])
         finally:
             for name, fn in self.originals.items():
-                setattr(self.owners[name], name, fn)
+                self.owners[name][name] = fn
             self.deepspeed_engine.DeepSpeedOptimizer = self.wrapper_class
         return self.steps
 
@@ -154,7 +155,7 @@ def _accumulates_in_fp32(rec):
     """BF16_Optimizer adds each micro-batch's bf16 gradient into an fp32 buffer: after 64 micro-batches the
     buffer holds their sum to fp32 rounding, where a bf16 running sum is off by more than 1e-3."""
     import arguments
-    import train
+    from training import forward_backward
     wrapper, model = rec.wrapper, rec.model
     assert type(wrapper.optimizer).__name__ == "BF16_Optimizer"
     assert wrapper.engine.communication_data_type == torch.float32  # the DP all-reduce of the fp32 buffers
@@ -166,13 +167,13 @@ def _accumulates_in_fp32(rec):
     running = [torch.zeros(p.shape, dtype=torch.bfloat16) for p in params]
     for batch in batches:  # one micro-batch at a time: its own bf16 gradient, exactly, in the fp32 buffer
         wrapper.zero_grad()
-        train.forward_backward(model, [batch], cfg, torch.device("cpu"))
+        forward_backward(model, [batch], cfg, torch.device("cpu"))
         for e, r, p in zip(exact, running, params):
             g = wrapper.gradient(p) / len(batches)  # a power of two: exact
             e += g.double()
             r += g.bfloat16()
     wrapper.zero_grad()
-    train.forward_backward(model, batches, cfg, torch.device("cpu"))
+    forward_backward(model, batches, cfg, torch.device("cpu"))
     for (name, p), e in zip(model.named_parameters(), exact):
         got = wrapper.gradient(p)
         assert got.dtype == torch.float32, name

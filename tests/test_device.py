@@ -22,13 +22,14 @@ from torch.overrides import TorchFunctionMode
 
 import model as model_module
 import parallel
-import train
+import builders
+from training import train_step
 from helpers import (E2E_ARGS, SMALL, assert_same_training, corpus, launch, losses, run_cli, spawn,  # noqa: F401
-                     synthetic_corpus)  # (corpus, synthetic_corpus: fixtures)
+                     synthetic_corpus, train_script)  # (corpus, synthetic_corpus: fixtures)
 from model import GPT, GPTConfig, draw_slice
 import optim
 import launch as launcher
-from model import build_model
+from builders import build_model
 
 CFG = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=1000,
            make_vocab_size_divisible_by=64, embed_layernorm=True)
@@ -302,7 +303,7 @@ def _meta_step(monkeypatch, extra, tp=1, pp=1, dp=1, rank=0, micro_batches=2):
     monkeypatch.setattr(dist, "get_rank", lambda group=None: rank)
     plan = schedule.Schedule(cfg, dp)
     with Collectives(run=False) as comms:
-        parts = train.build(cfg, grid, plan, meta)
+        parts = builders.build(cfg, grid, plan, meta)
         assert all(p.is_meta for p in parts.model.parameters())
         recorder = telemetry.Telemetry(parts.model, cfg, parts.optimizer)
         store = snapshots.Snapshots(cfg)
@@ -316,8 +317,8 @@ def _meta_step(monkeypatch, extra, tp=1, pp=1, dp=1, rank=0, micro_batches=2):
         try:
             with syncs:
                 recorder.begin()
-                step = train.train_step(parts.model, parts.optimizer, parts.scaler, batches, 1e-4, cfg, meta,
-                                        count_zeros=True, hooks=telemetry.Probe(recorder))
+                step = train_step(parts.model, parts.optimizer, parts.scaler, batches, 1e-4, cfg, meta,
+                                        count_zeros=True, callbacks=telemetry.Probe(recorder))
                 recorder.finish()
                 guard.update(1, step.outcome, step.loss, step.grad_norm, parts.scaler)
                 report.step(step, 1e-4)
@@ -365,23 +366,21 @@ def test_train_step_on_meta(monkeypatch, layout, precision):
 
 
 def _audited_runs(corpus, layouts):
-    """train.main for each layout in turn on this rank, every collective recorded; raises what NCCL would refuse
+    """train.py's main for each layout in turn on this rank, every collective recorded; raises what NCCL would refuse
     or what syncs the host inside the loop (the loop: from the first train_step on)."""
     import contextlib
     import io
-    original = train.train_step
     for layout in layouts:
         with Collectives(run=True) as comms:
-            def train_step(*a, **k):
+            script = train_script()
+
+            def in_loop(*a, **k):
                 comms.phase = "loop"
-                return original(*a, **k)
-            train.train_step = train_step
-            try:
-                with contextlib.redirect_stdout(io.StringIO()):
-                    train.main([*E2E_ARGS, f"--data_path={corpus}", "--train_iters=3", "--exit_signal_handler",
+                return train_step(*a, **k)
+            script["train_step"] = in_loop
+            with contextlib.redirect_stdout(io.StringIO()):
+                script["main"]([*E2E_ARGS, f"--data_path={corpus}", "--train_iters=3", "--exit_signal_handler",
                                 *layout])
-            finally:
-                train.train_step = original
         assert any(phase == "loop" for phase, _, _ in comms.calls), layout
         problems = comms.problems("cpu")  # gloo's device and the model's (the meta test checks the device apart)
         assert not problems, f"{layout}: {sorted(set(problems))}"
@@ -579,8 +578,8 @@ def test_telemetry_update_ratio_on_fp32_masters():
     before = [m.detach().clone() for m in masters]
     weights_before = [p.detach().clone() for p in model.parameters()]
     recorder.begin()
-    step = train.train_step(model, optimizer, optim.scaler_for(cfg), [(ids[:, :-1], ids[:, 1:])], 1e-6, cfg,
-                            torch.device("cpu"), hooks=telemetry.Probe(recorder))
+    step = train_step(model, optimizer, optim.scaler_for(cfg), [(ids[:, :-1], ids[:, 1:])], 1e-6, cfg,
+                            torch.device("cpu"), callbacks=telemetry.Probe(recorder))
     stats = recorder.finish()
     assert step.outcome == "ok"
     update = sum(float((m.detach() - b).double().square().sum()) for m, b in zip(masters, before))
@@ -607,8 +606,8 @@ def _telemetry_with_and_without_zero():
         recorder = telemetry.Telemetry(model, cfg, optimizer)
         tokens = torch.randint(0, 512, (2, 17), generator=torch.Generator().manual_seed(parallel.grid.dp_rank))
         recorder.begin()
-        train.train_step(model, optimizer, optim.scaler_for(cfg), [(tokens[:, :-1], tokens[:, 1:])], 1e-3, cfg,
-                         torch.device("cpu"), hooks=telemetry.Probe(recorder))
+        train_step(model, optimizer, optim.scaler_for(cfg), [(tokens[:, :-1], tokens[:, 1:])], 1e-3, cfg,
+                         torch.device("cpu"), callbacks=telemetry.Probe(recorder))
         stats[zero] = recorder.finish()["update/param rms"]
     assert all(r > 0 for r in stats[0])
     for a, b in zip(stats[0], stats[1]):

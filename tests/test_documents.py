@@ -1,7 +1,7 @@
 """Megatron's data flags for packed documents -- reset_position_ids, reset_attention_mask, eod_mask_loss -- from the
 tokens to the loss: layers.packed_inputs against a transcription of Megatron's per-sample loop
-(get_ltor_masks_and_position_ids), train.forward_backward against each document run alone (float64, loss and
-every gradient), the loss mask counted by hand, and TP2 / PP2 (train.forward_backward's pipeline schedule) against
+(get_ltor_masks_and_position_ids), forward_backward against each document run alone (float64, loss and
+every gradient), the loss mask counted by hand, and TP2 / PP2 (forward_backward's pipeline schedule) against
 one process with the flags on. The model's side (the block-diagonal mask for every attention variant) is
 tested in test_llama.py.
 """
@@ -18,7 +18,7 @@ import arguments
 import layers
 import loader
 import parallel
-import train
+from training import forward_backward
 from helpers import random_batches, spawn, stage
 from model import GPT, GPTConfig
 
@@ -73,7 +73,7 @@ def test_packed_inputs_are_megatrons(flags):
 
 @pytest.fixture
 def float64():
-    """float64 by default: train.forward_backward's loss accumulator too."""
+    """float64 by default: forward_backward's loss accumulator too."""
     old = torch.get_default_dtype()
     torch.set_default_dtype(torch.float64)
     yield
@@ -81,12 +81,12 @@ def float64():
 
 
 def flagged(**flags):
-    """The data keys train.forward_backward reads, with the end-of-document id EOD (monkeypatched eod_token)."""
+    """The data keys forward_backward reads, with the end-of-document id EOD (monkeypatched eod_token)."""
     return types.SimpleNamespace(**{name: flags.get(name, False) for name in FLAGS}, tokenizer_file=None)
 
 
 def test_a_packed_batch_trains_as_each_document_alone(monkeypatch, float64):
-    """train.forward_backward with all three flags: the loss and every gradient of a packed batch equal those of
+    """forward_backward with all three flags: the loss and every gradient of a packed batch equal those of
     each document run alone from position 0 (learned positions: a position not reset would show), the losses of
     the tokens after an eod left out and the rest averaged per micro-batch (float64)."""
     monkeypatch.setattr(loader, "eod_token", lambda cfg: EOD)
@@ -96,7 +96,7 @@ def test_a_packed_batch_trains_as_each_document_alone(monkeypatch, float64):
     y = torch.randint(1, 50, x.shape, generator=torch.Generator().manual_seed(1))
     batches = [(x[:2], y[:2]), (x[2:], y[2:])]
     cfg = flagged(reset_position_ids=True, reset_attention_mask=True, eod_mask_loss=True)
-    loss = train.forward_backward(model, batches, cfg, torch.device("cpu"))
+    loss = forward_backward(model, batches, cfg, torch.device("cpu"))
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
 
     model.zero_grad()
@@ -129,7 +129,7 @@ def test_the_loss_mask_is_counted_as_megatron_counts_it(monkeypatch, float64):
     mask = torch.tensor([[1, 0, 1, 0, 0, 1], [1, 1, 1, 1, 1, 0]])  # 8 tokens count
     with torch.no_grad():
         per_token = F.cross_entropy(model(x)[..., :50].transpose(1, 2), y, reduction="none")  # real columns
-        loss = train.forward_backward(model, [(x, y)], flagged(eod_mask_loss=True), "cpu", forward_only=True)
+        loss = forward_backward(model, [(x, y)], flagged(eod_mask_loss=True), "cpu", forward_only=True)
     assert math.isclose(loss.item(), (per_token * mask).sum().item() / 8, rel_tol=1e-12)
     assert not math.isclose(loss.item(), per_token.mean().item(), rel_tol=1e-6)
 
@@ -143,7 +143,7 @@ def test_reset_positions_alone_still_attend_across_documents(monkeypatch, float6
     x = packed_tokens()
     _, _, positions = megatron_masks(x, EOD, True, False, False)
     with torch.no_grad():
-        loss = train.forward_backward(model, [(x, x)], flagged(reset_position_ids=True), "cpu", forward_only=True)
+        loss = forward_backward(model, [(x, x)], flagged(reset_position_ids=True), "cpu", forward_only=True)
         assert math.isclose(loss.item(), model(x, x, positions=positions).item(), rel_tol=1e-12)
         assert not math.isclose(loss.item(), model(x, x).item(), rel_tol=1e-6)
         masked = model(x, x, positions=positions, documents=layers.document_ids(x, EOD)).item()
@@ -174,13 +174,13 @@ def _layout_with_flags():
         try:
             one = GPT(cfg)
             one.init_weights(1234)
-            ref_loss = train.forward_backward(one, batches, flagged(**flags), "cpu").item()
+            ref_loss = forward_backward(one, batches, flagged(**flags), "cpu").item()
         finally:
             parallel.grid = real
         model = stage(cfg)
         parallel.attach_grad_buffer(model, torch.float64)
         parallel.grad_buffer(model).start(len(batches))
-        loss = parallel.average_loss(train.forward_backward(model, batches, flagged(**flags), "cpu"))
+        loss = parallel.average_loss(forward_backward(model, batches, flagged(**flags), "cpu"))
         parallel.reduce_gradients(model)
         assert math.isclose(loss.item(), ref_loss, rel_tol=1e-12), (g, flags, loss.item(), ref_loss)
         ref_grads = dict(one.named_parameters())

@@ -13,7 +13,7 @@ import torch
 
 import arguments
 from helpers import corpus, corpus512, run_main  # noqa: F401 (corpus, corpus512: fixtures)
-from model import build_model
+from builders import build_model
 import optim
 from stability import spike_guard
 

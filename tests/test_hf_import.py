@@ -16,7 +16,6 @@ import torch
 import arguments
 import hf
 import parallel
-import train
 from helpers import (ROOT, assert_same, build_tokenizer_file, corpus, final_state, losses,  # noqa: F401
                      play_corpus, run_cli, run_main, spawn, write_checkpoint)
 from schedule import Schedule

@@ -16,13 +16,13 @@ import torch
 import arguments
 import optim
 from stability import telemetry
-import train
+from training import train_step
 from helpers import ROOT
 
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 import lab_corpus  # noqa: E402
 import lr_sweep  # noqa: E402
-from model import build_model
+from builders import build_model
 
 # -----------------------------------------------------------------------------
 # independent weight decay
@@ -132,8 +132,8 @@ def test_telemetry_precursors_match_direct_computation():
     before = {k: v.detach().clone() for k, v in model.named_parameters()}
     recorder = telemetry.Telemetry(model, cfg)
     recorder.begin()
-    outcome = train.train_step(model, optimizer, scaler, batches, 1e-3, cfg, cpu,
-                               hooks=telemetry.Probe(recorder)).outcome
+    outcome = train_step(model, optimizer, scaler, batches, 1e-3, cfg, cpu,
+                               callbacks=telemetry.Probe(recorder)).outcome
     stats = recorder.finish()
     assert outcome == "ok"
     params = dict(model.named_parameters())

@@ -9,10 +9,11 @@ import torch
 import arguments
 import data
 import schedule
-import train
+import training
+from training import train_step
 import optim
 import loader
-from model import build_model
+from builders import build_model
 from helpers import (SMALL, assert_same_checkpoint, corpus, corpus512, log_fields, losses,  # noqa: F401 (fixtures)
                      run_cli, run_main)
 
@@ -123,7 +124,7 @@ def test_nan_loss_never_updates_the_weights():
         model.ln_f.bias[0] = float("nan")
     before = {k: v.clone() for k, v in model.state_dict().items()}
     x = torch.randint(0, 50257, (4, 64))
-    step = train.train_step(model, optimizer, optim.scaler_for(cfg), [(x, x), (x, x)], 1e-3, cfg, torch.device("cpu"))
+    step = train_step(model, optimizer, optim.scaler_for(cfg), [(x, x), (x, x)], 1e-3, cfg, torch.device("cpu"))
     assert step.outcome == "nan" and math.isnan(step.loss)
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items() if k != "ln_f.bias")
     assert optimizer.state_dict()["state"] == {}
@@ -168,13 +169,13 @@ def test_curriculum_truncates_counts_tokens_and_evaluates_at_full_length(corpus,
     args = [*SMALL, "--curriculum_learning", "--min_difficulty=16", "--total_curriculum_step=8",
             "--train_iters=10", "--eval_interval=5"]
     seqlens = {True: set(), False: set()}  # the sequence lengths of the evaluation's batches, of training's
-    forward_backward = train.forward_backward
+    forward_backward = training.forward_backward
 
     def recording(model, batches, *args, **kw):
         seqlens[kw.get("forward_only", False)].update(x.shape[1] for x, _ in batches)
         return forward_backward(model, batches, *args, **kw)
 
-    monkeypatch.setattr(train, "forward_backward", recording)
+    monkeypatch.setattr(training, "forward_backward", recording)
     out = run_main(*args, f"--save={tmp_path / 'straight'}")
     monkeypatch.undo()
     fields = log_fields(out)

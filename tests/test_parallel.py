@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 import parallel
 import optim
-from model import build_model
+from builders import build_model
 from helpers import (ROOT, TINY, assert_replicas_identical, assert_same_training, dumps, gather, launch,  # noqa: F401
                      log_fields, random_batches, spawn, stage, synthetic_corpus)  # (synthetic_corpus is a fixture)
 
@@ -328,7 +328,7 @@ def _model_state_bytes(model, optimizer):
 def _measure_model_states(results):
     """Model-state bytes of this rank after one native ZeRO-1 step, for each precision."""
     import arguments
-    import train
+    from training import train_step
     g = parallel.grid
     for precision in ("fp32", "bf16", "fp16"):
         cfg = arguments.prepare(arguments.load_config(
@@ -338,7 +338,7 @@ def _measure_model_states(results):
         model = build_model(cfg, torch.device("cpu"))
         optimizer = optim.optimizer_for(cfg, model)
         x = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(g.dp_rank))
-        outcome = train.train_step(model, optimizer, optim.scaler_for(cfg), [(x, x)], 1e-3, cfg, torch.device("cpu"))
+        outcome = train_step(model, optimizer, optim.scaler_for(cfg), [(x, x)], 1e-3, cfg, torch.device("cpu"))
         assert outcome.outcome == "ok"
         results[(precision, g.dp_size, g.dp_rank)] = (_model_state_bytes(model, optimizer),
                                                       sum(p.numel() for p in model.parameters()))

@@ -17,10 +17,9 @@ import torch
 import arguments
 import checkpoint
 import data
-import train
 import usage
 
-from helpers import ROOT, SMALL, corpus, log_fields, run_cli, run_main, spawn  # noqa: F401 (corpus is a fixture)
+from helpers import ROOT, SMALL, corpus, log_fields, run_cli, run_main, spawn, train_script  # noqa: F401 (a fixture)
 import loader
 
 ENV = dict(os.environ, WANDB_MODE="disabled")
@@ -352,9 +351,9 @@ def _workers_agree_when_to_exit():
         exit_signal.restore()
     # exit_duration_in_mins runs on rank 0's clock: a worker whose clock says otherwise follows rank 0
     cfg = types.SimpleNamespace(exit_interval=None, exit_duration_in_mins=1.0)
-    now = time.time()
-    assert train.exit_reason(cfg, 1, now - (120 if rank == 1 else 0), lambda: False) is None, rank
-    assert train.exit_reason(cfg, 1, now - (120 if rank == 0 else 0), lambda: False) is not None, rank
+    now, exit_reason = time.time(), train_script()["exit_reason"]
+    assert exit_reason(cfg, 1, now - (120 if rank == 1 else 0), lambda: False) is None, rank
+    assert exit_reason(cfg, 1, now - (120 if rank == 0 else 0), lambda: False) is not None, rank
 
 
 def test_sigterm_and_exit_duration_are_agreed_across_workers():
@@ -411,7 +410,7 @@ def test_one_rank_scans_the_corpus_for_its_largest_token_id(corpus):
 
 def test_the_exit_reason_names_the_signal_that_came():
     """A SLURM recipe's SIGUSR1 is logged as SIGUSR1, not as the SIGTERM it once was said to be."""
-    cfg = arguments.load_config([])
+    cfg, exit_reason = arguments.load_config([]), train_script()["exit_reason"]
     for name in ("SIGUSR1", "SIGTERM"):
-        assert train.exit_reason(cfg, 1, time.time(), lambda: name) == f"{name} (exit_signal_handler)"
-    assert train.exit_reason(cfg, 1, time.time(), lambda: False) is None
+        assert exit_reason(cfg, 1, time.time(), lambda: name) == f"{name} (exit_signal_handler)"
+    assert exit_reason(cfg, 1, time.time(), lambda: False) is None

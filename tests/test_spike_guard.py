@@ -21,10 +21,11 @@ import precision
 import schedule
 from stability import spike_guard
 from stability import telemetry
-import train
+import training
+from training import agree, train_step
 from run_state import RunState
 from helpers import corpus, corpus512, log_fields, run_main  # noqa: F401 (corpus, corpus512: fixtures)
-from model import build_model
+from builders import build_model
 from stability.faults import Faults
 from stability.hooks import Veto
 
@@ -184,7 +185,7 @@ def test_fp32_step_is_an_fp32_runs_step_and_without_keep_leaves_the_half_precisi
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, 512, (2, 17), generator=gen).to(dev)
     batches = [(tokens[:, :-1], tokens[:, 1:])]
-    train.train_step(model, optimizer, scaler, batches, 1e-2, cfg, dev)  # Adam's state; masters != weights now
+    train_step(model, optimizer, scaler, batches, 1e-2, cfg, dev)  # Adam's state; masters != weights now
     fp32_cfg, reference, ref_optimizer, _ = _bf16_parts([f"--device={device}"], device=dev)
     ref_optimizer.load_state_dict(copy.deepcopy(optimizer.state_dict()))  # its own moments
     with torch.no_grad():
@@ -197,15 +198,15 @@ def test_fp32_step_is_an_fp32_runs_step_and_without_keep_leaves_the_half_precisi
     before = everything()
     with spike_guard.Fp32Step(model, optimizer) as fp32:
         assert all(p.dtype == torch.float32 for p in model.parameters())
-        step = train.train_step(model, optimizer, one, batches, 1e-2, cfg, dev,
-                                hooks=Veto(cfg, judge=lambda *_: "a spike"))
+        step = train_step(model, optimizer, one, batches, 1e-2, cfg, dev,
+                                callbacks=Veto(cfg, judge=lambda *_: "a spike"))
         fp32.keep = step.outcome == "ok"
     assert step.outcome == "spike" and all(p.dtype == dtype for p in model.parameters())
     assert all(torch.equal(a, b) for a, b in zip(before, everything()))  # bit for bit, nothing kept
     with spike_guard.Fp32Step(model, optimizer) as fp32:
-        step = train.train_step(model, optimizer, one, batches, 1e-2, cfg, dev)
+        step = train_step(model, optimizer, one, batches, 1e-2, cfg, dev)
         fp32.keep = step.outcome == "ok"
-    expected = train.train_step(reference, ref_optimizer, one, batches, 1e-2, fp32_cfg, dev)
+    expected = train_step(reference, ref_optimizer, one, batches, 1e-2, fp32_cfg, dev)
     # bit for bit on the CPU; CUDA's attention backward may sum in another order from one call to the next
     tol = dict(rel_tol=0.0 if device == "cpu" else 1e-5)
     assert math.isclose(step.loss, expected.loss, **tol) and math.isclose(step.grad_norm, expected.grad_norm, **tol)
@@ -467,10 +468,10 @@ def test_the_detector_catches_the_early_lr_x30_spike_of_the_default_run():
 def _agreed_on_replicas():
     import parallel
     rank = parallel.grid.dp_rank
-    same = train.agree(torch.tensor(3.5), torch.tensor(0.25, dtype=torch.float64))
-    differ = train.agree(torch.tensor(3.5), torch.tensor(0.25 + rank, dtype=torch.float64))
+    same = agree(torch.tensor(3.5), torch.tensor(0.25, dtype=torch.float64))
+    differ = agree(torch.tensor(3.5), torch.tensor(0.25 + rank, dtype=torch.float64))
     assert same == (3.5, 0.25, False) and differ == (3.5, 0.25, True)  # DP rank 0's numbers on every rank
-    assert train.replica_values == [(3.5, 0.25), (3.5, 1.25)]
+    assert training.replica_values == [(3.5, 0.25), (3.5, 1.25)]
 
 
 def _forensics_on_replicas():
@@ -483,14 +484,14 @@ def _forensics_on_replicas():
                                                  "--inject_bitflip_iters=6-6", "--inject_bitflip_rank=1",
                                                  "--inject_bitflip_target=weight"], world_size=2)
     batches = random_batches(g.dp_rank, 1, 2, 16, 512)
-    train.train_step(model, optimizer, scaler, batches, 1e-2, cfg, cpu)  # masters are no longer the bf16 weights
+    train_step(model, optimizer, scaler, batches, 1e-2, cfg, cpu)  # masters are no longer the bf16 weights
     assert any(optimizer.main_param(p) is None for p in model.parameters())  # sharded: some are the other rank's
     with spike_guard.Fp32Step(model, optimizer) as fp32:
         for p in model.parameters():
             held = optimizer.main_param(p)  # None: the other rank's shard
             assert held is None or torch.equal(p, held)
             assert torch.equal(*gather(p.detach(), g.dp_group))
-        fp32.keep = train.train_step(model, optimizer, scaler, batches, 1e-2, cfg, cpu).outcome == "ok"
+        fp32.keep = train_step(model, optimizer, scaler, batches, 1e-2, cfg, cpu).outcome == "ok"
     assert fp32.keep
     for p in model.parameters():
         held = optimizer.main_param(p)
@@ -499,7 +500,7 @@ def _forensics_on_replicas():
     guard = spike_guard.SpikeGuard(cfg)
     payload = ({k: v.clone() for k, v in model.state_dict().items()}, {"state": {"spike_guard": {"stats":
                                                                                                 guard.stats()}}})
-    step = train.train_step(model, optimizer, scaler, batches, 1e-2, cfg, cpu)
+    step = train_step(model, optimizer, scaler, batches, 1e-2, cfg, cpu)
     guard.record(step.loss, step.grad_norm, 1e-2)
     assert spike_guard.corrupted_weights(guard, model, optimizer, 7, 5, payload) is None  # Adam's own update
     flip = Faults(cfg).bitflip(6, guard, "weight")
@@ -531,12 +532,12 @@ def test_a_skipped_update_changes_no_weight_moment_or_step_counter():
     optimizer = optim.optimizer_for(cfg, model)
     scaler = optim.scaler_for(cfg)
     batches = [(torch.randint(0, 512, (2, 16)), torch.randint(0, 512, (2, 16)))]
-    train.train_step(model, optimizer, scaler, batches, 1e-3, cfg, torch.device("cpu"))  # create Adam's state
+    train_step(model, optimizer, scaler, batches, 1e-3, cfg, torch.device("cpu"))  # create Adam's state
     weights = {k: v.clone() for k, v in model.state_dict().items()}
     moments = {id(p): {k: v.clone() if torch.is_tensor(v) else v for k, v in s.items()}
                for p, s in optimizer.state.items()}
-    outcome = train.train_step(model, optimizer, scaler, batches, 1e-3, cfg, torch.device("cpu"),
-                               hooks=Veto(cfg, judge=lambda loss, norm: "a spike")).outcome
+    outcome = train_step(model, optimizer, scaler, batches, 1e-3, cfg, torch.device("cpu"),
+                               callbacks=Veto(cfg, judge=lambda loss, norm: "a spike")).outcome
     assert outcome == "spike"
     assert all(torch.equal(weights[k], v) for k, v in model.state_dict().items())
     for p, s in optimizer.state.items():
@@ -576,8 +577,8 @@ def test_telemetry_matches_direct_computation():
     before = {k: v.clone() for k, v in model.named_parameters()}
     recorder = telemetry.Telemetry(model, cfg)
     recorder.begin()
-    loss, grad_norm, _, outcome, _ = train.train_step(model, optimizer, scaler, batches, 1e-3, cfg, cpu,
-                                                      hooks=telemetry.Probe(recorder))
+    loss, grad_norm, _, outcome, _ = train_step(model, optimizer, scaler, batches, 1e-3, cfg, cpu,
+                                                      callbacks=telemetry.Probe(recorder))
     stats = recorder.finish()
     assert outcome == "ok"
     # every parameter once: the per-layer grad norms add up to the global grad norm
@@ -679,7 +680,7 @@ def _telemetry_of_one_step(cfg, batches):
     optimizer, scaler = optim.optimizer_for(cfg, model), optim.scaler_for(cfg)
     recorder = telemetry.Telemetry(model, cfg)
     recorder.begin()
-    train.train_step(model, optimizer, scaler, batches, 1e-3, cfg, torch.device("cpu"), hooks=telemetry.Probe(recorder))
+    train_step(model, optimizer, scaler, batches, 1e-3, cfg, torch.device("cpu"), callbacks=telemetry.Probe(recorder))
     return recorder.finish()
 
 

@@ -18,7 +18,7 @@ import torch.distributed as dist
 import parallel
 import rng
 from helpers import (ROOT, TINY, assert_replicas_identical, assert_same_training, dumps, free_port,  # noqa: F401
-                     gather, launch, spawn, stage, synthetic_corpus)  # (synthetic_corpus: a fixture)
+                     gather, launch, spawn, stage, synthetic_corpus, train_script)  # (synthetic_corpus: a fixture)
 
 
 # -----------------------------------------------------------------------------
@@ -36,9 +36,9 @@ def test_comm_device_follows_the_backend(monkeypatch):
 
 
 def test_scalar_collectives_use_the_comm_device(monkeypatch):
-    """The scalars every rank must agree on (train.minutes_since: exit_duration_in_mins) travel on the
+    """The scalars every rank must agree on (train.py's minutes_since: exit_duration_in_mins) travel on the
     communication device; a CPU tensor there raises under NCCL. 'meta' stands in for the GPU."""
-    import train
+    minutes_since = train_script()["minutes_since"]
     seen = []
 
     class Sent(Exception):
@@ -52,7 +52,7 @@ def test_scalar_collectives_use_the_comm_device(monkeypatch):
     monkeypatch.setattr(parallel, "comm_device", lambda backend=None: torch.device("meta"))
     monkeypatch.setattr(dist, "broadcast", collective)
     monkeypatch.setattr(dist, "all_reduce", collective)
-    for call in (lambda: train.minutes_since(0.0), lambda: parallel.broadcast_scalars([1.0])):
+    for call in (lambda: minutes_since(0.0), lambda: parallel.broadcast_scalars([1.0])):
         with pytest.raises(Sent):
             call()
     assert seen == [torch.device("meta")] * 2

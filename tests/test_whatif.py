@@ -1,5 +1,5 @@
 """tools/whatif.py's forks that need the run's help: Adam's beta2 changed on resume (override_adam_params) and
-metaseq's soft skip (soft_skip_loss_ratio, in train.train_step)."""
+metaseq's soft skip (soft_skip_loss_ratio, in train_step)."""
 import os
 import re
 import sys
@@ -9,13 +9,13 @@ import torch
 
 import arguments
 import checkpoint
-import train
+from training import Step, train_step
 from helpers import ROOT, log_fields, run_main, synthetic_corpus  # noqa: F401 (synthetic_corpus is a fixture)
 
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 import whatif  # noqa: E402
 import optim
-from model import build_model
+from builders import build_model
 from run_state import RunState
 from stability.hooks import Veto, soft_skip_trend
 
@@ -34,8 +34,8 @@ def setup(*extra):
 
 def step(parts, trend=None, lr=1e-2):
     cfg, model, optimizer, scaler, batches = parts
-    return train.train_step(model, optimizer, scaler, batches, lr, cfg, torch.device("cpu"),
-                            hooks=Veto(cfg, trend=trend))
+    return train_step(model, optimizer, scaler, batches, lr, cfg, torch.device("cpu"),
+                            callbacks=Veto(cfg, trend=trend))
 
 
 def test_the_soft_skip_scales_the_gradients_of_a_step_above_its_trend_and_leaves_others_alone(capsys):
@@ -116,11 +116,11 @@ def test_the_soft_skip_trend_is_the_guards_line_once_it_has_its_steps_and_never_
     cfg = arguments.load_config(["--soft_skip_loss_ratio=1.1", "--spike_guard_min_steps=4"])
     state = RunState()  # the run state keeps the applied steps' numbers, with the guard on or off
     for loss in (6.0, 5.8, 5.6):
-        state.advance(8, 16, applied=True, step=train.Step(loss, 1.0, 0, "ok"))
+        state.advance(8, 16, applied=True, step=Step(loss, 1.0, 0, "ok"))
     assert soft_skip_trend(cfg, state.history) is None  # 3 of 4 steps
-    state.advance(8, 16, applied=True, step=train.Step(5.4, 1.0, 0, "ok"))
+    state.advance(8, 16, applied=True, step=Step(5.4, 1.0, 0, "ok"))
     assert soft_skip_trend(cfg, state.history) == pytest.approx(5.2)
     assert soft_skip_trend(arguments.load_config(["--spike_guard_min_steps=4"]), state.history) is None  # off
     for loss in (4.0, 2.0, 0.5, 0.1):
-        state.advance(8, 16, applied=True, step=train.Step(loss, 1.0, 0, "ok"))
+        state.advance(8, 16, applied=True, step=Step(loss, 1.0, 0, "ok"))
     assert soft_skip_trend(cfg, state.history) is None  # the line falls below zero

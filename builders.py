@@ -1,0 +1,75 @@
+"""What a run is made of, built from its config: the model (initialised from a Hugging Face model if asked), the
+optimizer and loss scaler, DeepSpeed's engine, the callbacks. train.py, bench.py and the tools build through here.
+
+    model = build_model(cfg, device)                 # this rank's stage, in the compute dtype
+    parts = build(cfg, grid, schedule, device, cb)   # run_state.Parts: model, optimizer, scaler, a fresh RunState
+    callbacks = build_callbacks(cfg, writer, saved)  # the stability layer's list, or training.NO_CALLBACKS
+
+This is the one file that knows every part: the parts themselves (model.py, optim.py, hf.py, stability/) never
+import each other to build themselves.
+"""
+import torch
+
+import checkpoint
+import deepspeed_engine
+import hf
+import optim
+import parallel
+import precision
+import run_state
+import stability  # its package holds the switches alone: a module of the layer is imported when one asks
+import training
+from model import GPT, GPTConfig, describe_partition
+from report import print0
+
+
+def build_model(cfg, device):
+    """This rank's stage, its weights in the compute dtype (precision.py); on the native path with the GradBuffer
+    its gradients accumulate and are all-reduced in (DeepSpeed brings its own)."""
+    g = parallel.grid
+    layers = parallel.partition_layers(cfg.num_layers, g.pp_size, cfg.pp_partition_method)[g.pp_rank]
+    # Allocated on the device directly; the weights are drawn once, on the CPU (GPT.init_weights), for this rank's
+    # slice only, and copied in. The ambient device is only where the parameters are allocated.
+    with torch.device(device):
+        model = GPT(GPTConfig.from_config(cfg), layers, pre_process=g.is_first_stage, post_process=g.is_last_stage,
+                    seed=cfg.seed)
+    if cfg.init_from_hf:
+        init_from_hf(cfg, model)
+    model.to(precision.compute_dtype(cfg))
+    if not cfg.deepspeed:
+        parallel.attach_grad_buffer(model, precision.grad_dtype(cfg))
+    return model
+
+
+def init_from_hf(cfg, model):
+    """The weights of the Hugging Face model cfg.init_from_hf (hf.load_into), unless the run resumes: then the
+    checkpoint's weights win and the model directory is not read."""
+    if cfg.load and checkpoint.latest_dir(cfg.load):
+        print0(f"init_from_hf {cfg.init_from_hf} not loaded: resuming from the checkpoint in {cfg.load}, whose "
+               "weights win")
+        return
+    hf.load_into(model, cfg.init_from_hf)
+    print0(f"initialised from the Hugging Face model in {cfg.init_from_hf}")
+
+
+def build(cfg, grid, schedule, device, callbacks=training.NO_CALLBACKS):
+    """This rank's model, optimizer and loss scaler, a fresh run state: the run_state.Parts."""
+    model = build_model(cfg, device)
+    gpt = model.cfg
+    n, padded = gpt.num_parameters(), gpt.num_parameters(padded=True)
+    print0(f"Model size: {n / 1e9:.3f}B ({n:,} parameters; {padded:,} with the vocabulary padded to "
+           f"{gpt.padded_vocab_size})")
+    print0(f"{grid}; training for {schedule.total_iters} iterations, {schedule.total_samples:,} samples")
+    if grid.pp_size > 1:
+        print0(describe_partition(cfg))
+    optimizer = optim.optimizer_for(cfg, model)
+    if cfg.deepspeed:
+        model, optimizer = deepspeed_engine.initialize(cfg, model, optimizer)
+    print0(schedule.describe())
+    return run_state.Parts(cfg, model, optimizer, schedule, optim.scaler_for(cfg), callbacks)
+
+
+def build_callbacks(cfg, writer=None, saved_state=None):
+    """The run's callbacks: the stability layer's, in the order it states (stability.build_callbacks), or none. With
+    no stability switch set (and no decision of it in the checkpoint) none of the layer's modules is imported."""
+    return stability.build_callbacks(cfg, writer, saved_state) or training.NO_CALLBACKS
