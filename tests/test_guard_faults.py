@@ -130,12 +130,12 @@ def test_an_optimizer_rollback_cuts_the_lr_unless_the_lrs_since_the_snapshot_wer
     """Same data, same LRs, same RNG: a rollback would replay the spike; it is taken only with the LR cut."""
     cfg, guard = _guard()
     guard.lrs, guard.pending = {n: (1e-3, 1e-3) for n in range(30, 42)}, "loss 9 is 2x its trend's"
-    d = guard.update(41, "spike", 9.0, 9.0, None, {"cause": "optimizer", "evidence": "e", "since": 35})
+    d = guard.update(41, "vetoed", 9.0, 9.0, None, {"cause": "optimizer", "evidence": "e", "since": 35})
     assert d["action"] == "rollback" and d["lr_scale"] == 0.5 and "would replay the spike: LR x0.5" in d["line"]
     cfg, guard = _guard()
     guard.lrs = {n: (1e-3, 1e-3 * (1000 if n == 40 else 1)) for n in range(30, 42)}  # an LR fault in time
     guard.pending = "loss 9 is 2x its trend's"
-    d = guard.update(41, "spike", 9.0, 9.0, None, {"cause": "optimizer", "evidence": "e", "since": 35})
+    d = guard.update(41, "vetoed", 9.0, 9.0, None, {"cause": "optimizer", "evidence": "e", "since": 35})
     assert d["action"] == "rollback" and d["lr_scale"] == 1.0 and d["line"].endswith("skip no data")
 
 

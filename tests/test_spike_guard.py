@@ -201,7 +201,7 @@ def test_fp32_step_is_an_fp32_runs_step_and_without_keep_leaves_the_half_precisi
         step = train_step(model, optimizer, one, batches, 1e-2, cfg, dev,
                                 callbacks=Veto(cfg, judge=lambda *_: "a spike"))
         fp32.keep = step.outcome == "ok"
-    assert step.outcome == "spike" and all(p.dtype == dtype for p in model.parameters())
+    assert step.outcome == "vetoed" and all(p.dtype == dtype for p in model.parameters())
     assert all(torch.equal(a, b) for a, b in zip(before, everything()))  # bit for bit, nothing kept
     with spike_guard.Fp32Step(model, optimizer) as fp32:
         step = train_step(model, optimizer, one, batches, 1e-2, cfg, dev)
@@ -380,7 +380,7 @@ def _feed(guard, cfg, start, values):
     """Steps start, start+1, ... with (loss, grad norm) values; returns the decisions."""
     out = []
     for i, (loss_, norm) in enumerate(values, start):
-        outcome = "spike" if guard.armed(STATE) and guard.judge(loss_, norm) else "ok"
+        outcome = "vetoed" if guard.armed(STATE) and guard.judge(loss_, norm) else "ok"
         out.append(guard.update(i, outcome, loss_, norm, SCALER))
     return out
 
@@ -538,7 +538,7 @@ def test_a_skipped_update_changes_no_weight_moment_or_step_counter():
                for p, s in optimizer.state.items()}
     outcome = train_step(model, optimizer, scaler, batches, 1e-3, cfg, torch.device("cpu"),
                                callbacks=Veto(cfg, judge=lambda loss, norm: "a spike")).outcome
-    assert outcome == "spike"
+    assert outcome == "vetoed"
     assert all(torch.equal(weights[k], v) for k, v in model.state_dict().items())
     for p, s in optimizer.state.items():
         assert s["step"] == moments[id(p)]["step"] == 1
