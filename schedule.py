@@ -216,7 +216,7 @@ def in_ranges(iteration, ranges):
 
 
 # -----------------------------------------------------------------------------
-# The learning rate's own rules: the optimizer reset's lr=0 warm-up, the end of the warm-up
+# The learning rate's own rules: the optimizer reset's lr=0 warm-up
 
 
 def reset_warmup_iters(cfg, unset=None):
@@ -229,12 +229,6 @@ def reset_warmup_iters(cfg, unset=None):
     if setting == "auto":
         return math.ceil(5 / (1 - cfg.adam_beta2))
     return int(setting)
-
-
-def warmed_up(cfg, state):
-    """Is the LR warm-up over, counted in the samples (or tokens) of the applied updates?"""
-    return state.scheduler_samples >= cfg.lr_warmup_samples and (
-        cfg.lr_warmup_tokens is None or state.scheduler_tokens >= cfg.lr_warmup_tokens)
 
 
 # -----------------------------------------------------------------------------
