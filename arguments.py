@@ -52,6 +52,9 @@ class Config(StabilityConfig, LoggingConfig, CheckpointConfig, LayoutConfig, Sch
 
 FIELDS = {f.name: f for f in fields(Config)}
 
+# The pairs of keys a config gives one of, each declared by its owner beside the check that reads it
+EXCLUSIVE = schedule.EXCLUSIVE + schedule.EXCLUSIVE_LENGTHS + optim.EXCLUSIVE + parallel.EXCLUSIVE
+
 
 # -----------------------------------------------------------------------------
 # Parsing
@@ -187,12 +190,33 @@ def load_config(argv=None):
         if key not in FIELDS:
             raise ValueError(f"{config_file}: " + str(_unknown(key)))
         settings[key] = value
+    _drop_replaced(settings, overrides)
     settings.update(overrides)
     cfg = Config(**{k: _convert(k, v, FIELDS[k].type) for k, v in settings.items()})
     cfg.config_file = config_file
     if cfg.init_from_hf is not None:
         from_hf(cfg, given=set(overrides if implicit else settings))  # the implicit default's model keys yield
     return cfg
+
+
+def _drop_replaced(settings, overrides):
+    """Remove from the config file's `settings` each key that a key given on the command line excludes (EXCLUSIVE),
+    with one printed line: the command line says what this run means, where the file's key would be refused beside
+    it (train_iters beside rampup_batch_size) or would end the run in another unit first. A key set to its default
+    neither replaces nor is replaced; two exclusive keys both given on the command line are left to the checks."""
+    def given(key, value):
+        return _convert(key, value, FIELDS[key].type) != FIELDS[key].default
+
+    for key, value in overrides.items():
+        if not given(key, value):
+            continue
+        for pair in (p for p in EXCLUSIVE if key in p):
+            other = pair[1 - pair.index(key)]
+            if other in settings and other not in overrides and given(other, settings[other]):
+                if os.environ.get("RANK", "0") == "0":  # each process parses the config: one line per run
+                    print(f"{key} from the command line replaces the config file's {other} = {settings[other]!r}",
+                          flush=True)
+                del settings[other]
 
 
 def from_hf(cfg, given):

@@ -37,7 +37,7 @@ def linear_cross_entropy(hidden, weight, target, vocab_size=None, z_loss=0.0, re
     of 1; backward only scales what it holds (the hidden states' gradient in their dtype, the weight's in the
     weight's, fp32 for fp16 whose range could not hold it before the loss scale). No gradient wanted (no_grad,
     evaluation): the loss alone. reduction "none": the per-token loss, whose upstream gradient may differ per
-    token, so backward computes each chunk's logits again (a fourth matmul, as before the fused path)."""
+    token, so backward computes each chunk's logits again (a fourth matmul, which "mean" saves)."""
     if reduction not in ("none", "mean"):
         raise ValueError(f"reduction must be 'none' or 'mean', not {reduction!r}")
     vocab_local = weight.shape[0]
@@ -139,7 +139,7 @@ def chunk_grads(g, hidden, weight, grad_weight):
 
 
 # -- the elementwise chain: between the matmuls and the all-reduces, compiled into a few fused kernels where the
-# run compiles (compile_chain). Eager, they hold one fp32 copy of a chunk's logits at a time, as before.
+# run compiles (compile_chain). Eager, they hold one fp32 copy of a chunk's logits at a time.
 
 def logits_max(logits, local, outside, real):
     """(max over the real columns, the target's logit or 0 where it is another rank's) in fp32 at least."""

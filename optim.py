@@ -38,13 +38,19 @@ class OptimizerConfig:
     hysteresis: int = 2  # overflows tolerated before the loss scale is halved
 
 
+# Keys of which a config turns on one, refused together by check(): one given on the command line replaces the
+# config file's other one (arguments.load_config)
+EXCLUSIVE = (("fp16", "bf16"),)
+
+
 def check(cfg):
     """Raise ValueError with the fix for optimizer or precision keys that cannot work."""
     for key in ("weight_decay", "clip_grad"):
         if getattr(cfg, key) < 0:
             raise ValueError(f"{key}={getattr(cfg, key)} must not be negative")
-    if cfg.fp16 and cfg.bf16:
-        raise ValueError("fp16 and bf16 are exclusive; choose one")
+    for a, b in EXCLUSIVE:
+        if getattr(cfg, a) and getattr(cfg, b):
+            raise ValueError(f"{a} and {b} are exclusive; choose one")
 
 
 # -----------------------------------------------------------------------------

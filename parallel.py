@@ -40,6 +40,11 @@ class LayoutConfig:
     dry_run: bool = False  # size the TP x PP x DP layout and memory per GPU on the meta device, then exit
 
 
+# Modes of which a run is one, refused together by check(): one given on the command line replaces the config file's
+# other one (arguments.load_config)
+EXCLUSIVE = (("eval_only", "dry_run"),)
+
+
 def check(cfg, world_size=1):
     """Raise ValueError with the fix for a layout that cannot run on world_size processes (before the process
     group exists: Grid asks check_world_size again, for the world it finds)."""
@@ -50,7 +55,8 @@ def check(cfg, world_size=1):
     tp, pp = cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size
     check_world_size(world_size, tp, pp)
     partition_layers(cfg.num_layers, pp, cfg.pp_partition_method)  # raises if it cannot be done
-    need(not cfg.eval_only or not cfg.dry_run, "eval_only and dry_run are exclusive; choose one")
+    for a, b in EXCLUSIVE:
+        need(not (getattr(cfg, a) and getattr(cfg, b)), f"{a} and {b} are exclusive; choose one")
     need(not (cfg.qk_layernorm and cfg.deepspeed and tp > 1),
          "qk_layernorm with deepspeed=True and tensor_model_parallel_size > 1 is not supported (the qk-layernorm "
          "gradients must be summed over TP before DeepSpeed's step); use the native path (deepspeed=False) or TP=1")

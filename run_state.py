@@ -129,7 +129,7 @@ def restore(payload, parts, optimizer=True, rng_state=True, keep_payload=False):
 
 
 def reset_optimizer(parts, warmup_iters):
-    """Lesson 8's reset, now: Adam from step 0 with zero moments, then warmup_iters iterations at
+    """Lesson 8's reset, at this iteration: Adam from step 0 with zero moments, then warmup_iters iterations at
     lr=0 (schedule.lr_at). In the run state: a resumed run keeps the window and resets once only."""
     state = getattr(parts.optimizer, "state", None)  # DeepSpeed's: reset only at a resume, fresh
     if state:

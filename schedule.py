@@ -52,6 +52,21 @@ class ScheduleConfig:
     skip_train_iteration_range: list[str] | None = None  # discard the batches of iterations "13251-14000 ..."
 
 
+# Pairs of keys that give one setting in two units, of which a config means one (Megatron's exclusive arguments): a
+# key given on the command line replaces the config file's other one (arguments.load_config).
+# The warm-up counts samples or tokens, never both: check() refuses the two together.
+EXCLUSIVE = (("lr_warmup_samples", "lr_warmup_tokens"),)
+# The length of training in iterations or in samples and tokens (these two go together: a curriculum's token budget,
+# lesson 13). check() refuses train_iters only with rampup_batch_size, which counts samples; without it, whichever
+# length is reached first ends training.
+EXCLUSIVE_LENGTHS = (("train_iters", "train_samples"), ("train_iters", "train_tokens"))
+
+
+def _given(cfg, key):
+    """Is `key` set, to something else than its default (lr_warmup_samples=0 and train_iters=None are not)?"""
+    return getattr(cfg, key) != ScheduleConfig.__dataclass_fields__[key].default
+
+
 # The config keys of the LR schedule: what a resume may change only with override_lr_scheduler (safety.py)
 LR_KEYS = ("lr", "min_lr", "lr_decay_style", "lr_warmup_samples", "lr_warmup_tokens", "lr_decay_samples",
            "lr_decay_tokens", "lr_wsd_decay_samples", "lr_wsd_decay_style")
@@ -77,6 +92,8 @@ def check(cfg, world_size=1):
          "set the length of training: train_iters, train_samples or train_tokens")
     need(cfg.rampup_batch_size is None or cfg.train_iters is None,
          "rampup_batch_size counts samples: set train_samples (or train_tokens) instead of train_iters")
+    for a, b in EXCLUSIVE:
+        need(not (_given(cfg, a) and _given(cfg, b)), f"both {a} and {b} are set; set only one of them")
     need(cfg.rampup_batch_size is None or len(cfg.rampup_batch_size) == 3,
          f"rampup_batch_size must be 'start increment samples', got {cfg.rampup_batch_size}")
     need(cfg.lr_decay_style in LR_SHAPES,
@@ -199,7 +216,7 @@ def in_ranges(iteration, ranges):
 
 
 # -----------------------------------------------------------------------------
-# The learning rate's own rules: the optimizer reset's lr=0 warm-up, the end of the warm-up
+# The learning rate's own rules: the optimizer reset's lr=0 warm-up
 
 
 def reset_warmup_iters(cfg, unset=None):
@@ -212,12 +229,6 @@ def reset_warmup_iters(cfg, unset=None):
     if setting == "auto":
         return math.ceil(5 / (1 - cfg.adam_beta2))
     return int(setting)
-
-
-def warmed_up(cfg, state):
-    """Is the LR warm-up over, counted in the samples (or tokens) of the applied updates?"""
-    return state.scheduler_samples >= cfg.lr_warmup_samples and (
-        cfg.lr_warmup_tokens is None or state.scheduler_tokens >= cfg.lr_warmup_tokens)
 
 
 # -----------------------------------------------------------------------------

@@ -60,6 +60,42 @@ def test_impossible_configs_are_refused(overrides, message):
         arguments.validate(arguments.load_config(overrides), world_size=1)
 
 
+def test_a_length_on_the_command_line_replaces_the_config_files_other_unit(capsys):
+    """config/tiny.py sets train_iters, which rampup_batch_size refuses: a train_samples given on the command line
+    replaces it, saying so. Both given on the command line are the user's contradiction: refused."""
+    rampup = ["--rampup-batch-size", "4", "4", "64"]
+    cfg = arguments.prepare(arguments.load_config(["--train-samples", "96", *rampup]))
+    assert (cfg.train_iters, cfg.train_samples) == (None, 96)
+    assert capsys.readouterr().out == ("train_samples from the command line replaces the config file's "
+                                       "train_iters = 300\n")
+    both = arguments.load_config(["--train-iters", "300", "--train-samples", "96", *rampup])
+    assert capsys.readouterr().out == ""
+    with pytest.raises(ValueError, match="set train_samples \\(or train_tokens\\) instead of train_iters"):
+        arguments.validate(both)
+
+
+def test_a_command_line_key_replaces_only_the_exclusive_keys_the_file_set(tmp_path, capsys):
+    """Samples and tokens go together (a curriculum's budget): a train_tokens on the command line replaces the
+    file's train_iters and keeps its train_samples. A key at its default is not set: it neither replaces nor is
+    replaced."""
+    cfg_file = tmp_path / "c.py"
+    cfg_file.write_text("train_iters = 300\ntrain_samples = 1000\nfp16 = True\nlr_warmup_samples = 0\n")
+    cfg = arguments.load_config([str(cfg_file), "--train-tokens", "5000", "--lr-warmup-tokens", "64", "--bf16", "no"])
+    assert (cfg.train_iters, cfg.train_samples, cfg.train_tokens) == (None, 1000, 5000)
+    assert (cfg.fp16, cfg.bf16, cfg.lr_warmup_samples, cfg.lr_warmup_tokens) == (True, False, 0, 64)
+    assert capsys.readouterr().out == ("train_tokens from the command line replaces the config file's "
+                                       "train_iters = 300\n")
+    cfg = arguments.load_config([str(cfg_file), "--bf16"])
+    assert (cfg.fp16, cfg.bf16, cfg.train_iters) == (False, True, 300)
+    assert capsys.readouterr().out == "bf16 from the command line replaces the config file's fp16 = True\n"
+
+
+def test_exclusive_warmups_both_on_the_command_line_are_refused():
+    """Refused by the config's check, before the schedule is built."""
+    with pytest.raises(ValueError, match="both lr_warmup_samples and lr_warmup_tokens are set; set only one of them"):
+        arguments.validate(arguments.load_config(["--lr-warmup-samples", "480", "--lr-warmup-tokens", "1000"]))
+
+
 def test_unknown_key_in_config_file(tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text("num_layer = 2\n")
