@@ -115,7 +115,7 @@ def npy_config(path, *more):
 
 
 def split_stream(documents, split, skip=()):
-    """The tokens of a split's documents back to back, less the skipped ones: what its samples are cut from."""
+    """The train split's documents back to back, less the skipped ones: what its samples are cut from."""
     start, end = data.split_documents(split, len(documents))[0]
     return np.concatenate([documents[d] for d in range(start, end) if d not in skip])
 
