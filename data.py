@@ -596,8 +596,8 @@ class Provenance(NamedTuple):
 
 @runtime_checkable
 class TokenSource(Protocol):
-    """All that the loader, the skip list and the guard's naming of samples ask of a data source (torchtitan's
-    data-source protocol), so that a new source is one file; tests/test_token_source.py holds each one to it."""
+    """All that the loader, the skip list and the guard's naming of samples ask of the datasets a data source builds
+    (loader.DataSource), so that a new source is one file; tests/test_token_source.py holds each one to it."""
 
     def __len__(self) -> int: ...
 

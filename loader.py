@@ -10,8 +10,9 @@ do not depend on the prefetching at all.
 The gather itself (GPTDataset.gather) is compiled and releases the GIL, so the thread runs beside the training
 step. On CUDA the host buffer is pinned and the copy to the device is non-blocking.
 
-The run's data is built here too (build_data: the train and validation sets of data_path, rank 0 first), and
-checked against the model's vocabulary before anything trains.
+The run's data is built here too: build_data opens the source the data_source key names in a registry of
+sources (DataSource: its own keys, its checks, its train and validation sets, the names of its documents for
+skip lists). The first is Megatron's .bin/.idx files of data_path; a new one is one file and one registry line.
 """
 import collections
 import dataclasses
@@ -20,6 +21,7 @@ import queue
 import threading
 import weakref
 from concurrent.futures import Future
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -115,38 +117,160 @@ def _serve(requests, load):
 
 
 # -----------------------------------------------------------------------------
-# The run's data
+# The run's data: a data source, picked by the data_source key from a registry of sources
 
 
-def build_data(cfg, schedule, documents_to_skip=lambda prefixes: None):
-    """(train, validation) datasets of data_path (the bundled corpus without one); documents_to_skip(prefixes):
-    the documents each prefix's samples leave out (a skip list), or None."""
-    data_path = cfg.data_path
-    if data_path is None:
-        data_path = [data.default_corpus()] if parallel.grid.rank == 0 else None
-        if dist.is_initialized():
-            box = [data_path]
-            dist.broadcast_object_list(box, src=0)
-            data_path = box[0]
+class DataSource(Protocol):
+    """What the loader asks of a kind of data (torchtitan's data-source protocol): a new kind is one class, in one
+    file, that register_source names; the loader, the training loop and the skip lists stay as they are. The
+    Megatron source below is the first; docs/data.md ("A new data source") shows a second."""
+
+    # A dataclass of the run-config keys the source reads, named as there: its own section of the config
+    # (source_keys), so that it sees nothing else of the run.
+    Config: type
+
+    # Refuse keys that cannot work, with a ValueError naming the fix, reading no data: arguments.validate runs it.
+    @staticmethod
+    def check(keys) -> None: ...
+
+    # Opens the data for (train, validation) samples and refuses data that cannot train (token ids beyond the
+    # vocabulary). Every rank constructs one.
+    def __init__(self, keys, num_samples: tuple[int, int]): ...
+
+    # [(name, number of documents)] of each collection of documents its samples come from, in order (a blend's
+    # components), named as their data.Provenance names them: what a skip list names (its "dataset"), by ids.
+    def documents(self) -> list[tuple[str, int]]: ...
+
+    # (train, validation) data.TokenSources, validation None without samples. skips: per entry of documents(),
+    # the ids of the documents no sample takes (a skip list), or None. Every rank builds; what is built once for
+    # all (Megatron's cached sample index), rank 0 builds first.
+    def build(self, skips: list | None) -> tuple: ...
+
+
+SOURCES = {}  # data_source -> its DataSource class
+
+
+def register_source(name: str, source: type) -> type:
+    """Make `source` (a DataSource class) the data_source `name`: the one line a new source's file ends with."""
+    missing = [m for m in ("Config", "check", "documents", "build") if not hasattr(source, m)]
+    if missing or not dataclasses.is_dataclass(source.Config):
+        raise ValueError(f"data source {source.__name__} lacks {', '.join(missing) or 'a dataclass Config'} of "
+                         "loader.DataSource; add it")
+    if SOURCES.get(name, source) is not source:
+        raise ValueError(f"data_source {name!r} is {SOURCES[name].__name__} already; register {source.__name__} "
+                         "under another name")
+    SOURCES[name] = source
+    return source
+
+
+def source_class(name: str) -> type:
+    if name not in SOURCES:
+        raise ValueError(f"data_source {name!r} is not a registered data source ({', '.join(sorted(SOURCES))}): "
+                         "set one of those, or import the file of yours that calls loader.register_source in your "
+                         "config file (a config is Python; docs/data.md, 'A new data source')")
+    return SOURCES[name]
+
+
+def source_keys(source: type, cfg):
+    """source.Config filled from the run config by key name: the section of it the source reads. A key the run
+    config lacks takes the section's default; without one, the source cannot be configured."""
+    keys = [f for f in dataclasses.fields(source.Config) if f.init]
+    missing = [f.name for f in keys if not hasattr(cfg, f.name) and f.default is dataclasses.MISSING
+               and f.default_factory is dataclasses.MISSING]
+    if missing:
+        raise ValueError(f"data source {source.__name__} reads the key(s) {', '.join(missing)}, which the run config "
+                         f"lacks: declare them in loader.DataConfig (arguments.Config is made of it), or give them a "
+                         f"default in {source.__name__}.Config")
+    return source.Config(**{f.name: getattr(cfg, f.name) for f in keys if hasattr(cfg, f.name)})
+
+
+def build_data(cfg, schedule, documents_to_skip=lambda names: None):
+    """(train, validation) datasets of the run's data_source, opened with its own keys (source_keys);
+    documents_to_skip(names): per collection of documents the source names (DataSource.documents), the ids of
+    those its samples leave out (a skip list), or None."""
+    source = source_class(cfg.data_source)
     evals = schedule.total_iters // cfg.eval_interval + 1
     num_samples = (0 if cfg.eval_only else schedule.total_samples,
-                   cfg.eval_iters * cfg.global_batch_size * (1 if evals else 0), 0)
-    check_data(cfg, data_path, num_samples[0])
-    skips = documents_to_skip(data.parse_data_path(data_path)[0])
-    # Rank 0 builds and caches the index arrays first; the others then read the cache.
-    for builders in (True, False):
-        if (parallel.grid.rank == 0) == builders:
-            datasets = data.build_datasets(data_path, cfg.split, cfg.seq_length, cfg.seed, num_samples,
-                                           cfg.data_cache_dir, skips)
-        if builders and dist.is_initialized():
-            dist.barrier()
-    return datasets[0], datasets[1]
+                   cfg.eval_iters * cfg.global_batch_size * (1 if evals else 0))
+    opened = source(source_keys(source, cfg), num_samples)
+    return opened.build(documents_to_skip([name for name, _ in opened.documents()]))
+
+
+# -----------------------------------------------------------------------------
+# The first source: Megatron's indexed datasets (data.py)
+
+
+@dataclasses.dataclass
+class MegatronKeys:
+    """The keys the Megatron source reads (their meaning: DataConfig, model.GPTConfig)."""
+    data_path: list[str] | None
+    use_bundled_corpus: bool
+    tokenizer_file: str | None
+    split: str
+    data_cache_dir: str | None
+    seed: int
+    seq_length: int
+    vocab_size: int
+    config_file: str = "this config"  # named in messages (arguments.load_config sets it)
+
+
+class MegatronSource:
+    """PREFIX.bin/.idx files (Megatron's format, data.py), blended by the weights of data_path, split into train,
+    validation and test documents by `split`, sampled through the cached sample index; without a data_path, the
+    bundled corpus."""
+    Config = MegatronKeys
+
+    @staticmethod
+    def check(keys):
+        if keys.data_path is None and not keys.use_bundled_corpus:
+            raise ValueError(
+                f"{keys.config_file} sets no data_path: tokenize a corpus with `python data.py --input FILES "
+                "--output-prefix data/NAME` and pass --data_path data/NAME (only config/tiny.py trains on the "
+                "bundled Shakespeare: use_bundled_corpus)")
+        if keys.tokenizer_file is not None and keys.data_path is None:
+            raise ValueError(
+                "tokenizer_file is set but data_path is not: the bundled corpus is GPT-2 tokens; prepare your data "
+                "with `python data.py --input ... --output-prefix PREFIX --tokenizer-file FILE` and set "
+                "data_path=PREFIX")
+
+    def __init__(self, keys, num_samples):
+        self.keys, self.num_samples = keys, num_samples
+        self.data_path = bundled_corpus() if keys.data_path is None else keys.data_path
+        check_data(keys, self.data_path, num_samples[0])
+
+    def documents(self):
+        return [(prefix, len(data.IndexedDataset(prefix))) for prefix in data.parse_data_path(self.data_path)[0]]
+
+    def build(self, skips):
+        keys, num_samples = self.keys, (*self.num_samples, 0)  # no test split: nothing reads one
+        # Rank 0 builds and caches the index arrays first; the others then read the cache.
+        for builders in (True, False):
+            if (parallel.grid.rank == 0) == builders:
+                datasets = data.build_datasets(self.data_path, keys.split, keys.seq_length, keys.seed, num_samples,
+                                               keys.data_cache_dir, skips)
+            if builders and dist.is_initialized():
+                dist.barrier()
+        return datasets[0], datasets[1]
+
+
+register_source("megatron", MegatronSource)
+
+
+def bundled_corpus():
+    """[the bundled corpus's prefix], tokenized on rank 0 on first use and broadcast to the other ranks."""
+    data_path = [data.default_corpus()] if parallel.grid.rank == 0 else None
+    if dist.is_initialized():
+        box = [data_path]
+        dist.broadcast_object_list(box, src=0)
+        data_path = box[0]
+    return data_path
 
 
 def check_data(cfg, data_path, train_samples):
-    """Token ids within the vocabulary (else an IndexError mid-run); a warning when the data repeats. Rank 0 finds
-    each corpus's largest id (on a first run, a pass over the whole .bin; then data.max_token_id's cache) and the
-    other ranks get it in one broadcast, instead of every rank reading the corpus at once."""
+    """Token ids within the vocabulary (else an IndexError mid-run); a warning when the data repeats. cfg: what has
+    vocab_size, split and seq_length (MegatronKeys). Rank 0 finds each corpus's largest id (on a first run, a pass
+    over the whole .bin; then data.max_token_id's cache) and the other ranks get it in one broadcast, instead of
+    every rank reading the corpus at once."""
     prefixes, weights = data.parse_data_path(data_path)
     tops = [data.largest_token_id(p, cfg.vocab_size) if parallel.grid.rank == 0 else -1 for p in prefixes]
     tops = parallel.broadcast_scalars(tops)  # float64: exact for any token id
@@ -156,6 +280,10 @@ def check_data(cfg, data_path, train_samples):
         if epochs > 4:  # Muennighoff et al. 2023: up to ~4 epochs of repeated data cost little, more do
             print0(f"warning: this run goes over the train split of {prefix} {epochs:.1f} times; beyond about 4 "
                    "epochs repeated data stops helping (more data, or a shorter run)")
+
+
+# -----------------------------------------------------------------------------
+# The tokenizer, the micro-batches, and the inputs of packed documents
 
 
 def check_tokenizer(cfg):
@@ -223,7 +351,8 @@ def batch_prefetcher(dataset, schedule, cfg, device):
 @dataclasses.dataclass
 class DataConfig:
     # -- data --
-    data_path: list[str] | None = None  # prefix of data.py's .bin/.idx, or "w1 prefix1 w2 prefix2 ..."
+    data_source: str = "megatron"  # which registered source (loader.SOURCES) reads the data; megatron: .bin/.idx
+    data_path: list[str] | None = None  # megatron: prefix of data.py's .bin/.idx, or "w1 prefix1 w2 prefix2 ..."
     tokenizer_file: str | None = None  # a Hugging Face tokenizer.json the data was prepared with; None: GPT-2 BPE
     use_bundled_corpus: bool = False  # without data_path, train on the bundled Shakespeare (the tiny default's choice)
     split: str = "949,50,1"  # train, validation, test shares of the documents
@@ -239,15 +368,8 @@ def check(cfg, reads_data=True):
     something else than cfg's data (bench.py's random tokens), which then need not be configured."""
     if not reads_data:
         return
-    if cfg.data_path is None and not cfg.use_bundled_corpus:
-        raise ValueError(
-            f"{getattr(cfg, 'config_file', 'this config')} sets no data_path: tokenize a corpus with `python data.py "
-            "--input FILES --output-prefix data/NAME` and pass --data_path data/NAME (only config/tiny.py trains on "
-            "the bundled Shakespeare: use_bundled_corpus)")
-    if cfg.tokenizer_file is not None and cfg.data_path is None:
-        raise ValueError(
-            "tokenizer_file is set but data_path is not: the bundled corpus is GPT-2 tokens; prepare your data with "
-            "`python data.py --input ... --output-prefix PREFIX --tokenizer-file FILE` and set data_path=PREFIX")
+    source = source_class(cfg.data_source)
+    source.check(source_keys(source, cfg))
     if cfg.reset_position_ids and cfg.position_embedding_type == "alibi" and not cfg.reset_attention_mask:
         raise ValueError("reset_position_ids does nothing with position_embedding_type=alibi (ALiBi has no position "
                          "ids; its bias depends on i - j alone): add reset_attention_mask to keep documents apart, "
