@@ -60,6 +60,7 @@ import concurrent.futures
 import json
 import math
 import os
+import runpy
 import shutil
 import subprocess
 import sys
@@ -931,8 +932,8 @@ def train(argv):
         record_code(saves[-1], code_version())
     import torch
     torch.set_flush_denormal(True)
-    import train as train_module
-    train_module.main(argv)
+    # train.py is a script, not a module to import: run its file and call the main it defines
+    runpy.run_path(os.path.join(ROOT, "train.py"), run_name="stablegpt_train")["main"](argv)
 
 
 def in_selection(r, arms, width=None):
