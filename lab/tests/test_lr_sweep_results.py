@@ -1,19 +1,15 @@
-"""The stability lab's tracked results (tools/lr_sweep.py, issue 31): the tables that --report --results rebuilds
-from docs/lab/results.jsonl's one line a run against the tables made from the runs' full results, the refusal to
+"""The stability lab's tracked results (lab/lr_sweep.py, issue 31): the tables that --report --results rebuilds
+from lab/results.jsonl's one line a run against the tables made from the runs' full results, the refusal to
 mix code versions, the code version a run records, and the size ladder's prediction against a hand computation.
 """
 import json
 import math
 import os
 import subprocess
-import sys
 
 import pytest
 
-from helpers import ROOT
-
-sys.path.insert(0, os.path.join(ROOT, "tools"))
-import lr_sweep  # noqa: E402
+import lr_sweep
 
 H2 = 3.509
 CORPUS = {"tokens": 2_666_329, "unigram_entropy": 5.219, "bigram_entropy": H2}
@@ -105,19 +101,21 @@ def test_a_report_refuses_to_mix_code_versions_and_names_the_one_it_shows(tmp_pa
 def test_a_run_records_its_code_version_and_is_not_resumed_on_other_code(tmp_path):
     repo = tmp_path / "repo"
     (repo / "docs").mkdir(parents=True)
-    (repo / "tools").mkdir()
+    (repo / "lab").mkdir()
     (repo / "model.py").write_text("x = 1\n")
     (repo / "docs" / "a.md").write_text("doc\n")
-    (repo / "tools" / "lr_sweep.py").write_text("# the report\n")
+    (repo / "lab" / "lr_sweep.py").write_text("# the report\n")
+    (repo / "lab" / "results.jsonl").write_text("{}\n")
     git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t"]
     subprocess.run([*git, "init", "-q"], check=True)
     subprocess.run([*git, "add", "."], check=True)
     subprocess.run([*git, "commit", "-qm", "code"], check=True)
     first = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     assert lr_sweep.code_version(str(repo)) == first
-    (repo / "docs" / "a.md").write_text("more doc\n")  # neither the docs nor the report are the runs' code
-    (repo / "tools" / "lr_sweep.py").write_text("# the report, changed\n")
-    subprocess.run([*git, "commit", "-qam", "docs and report"], check=True)
+    (repo / "docs" / "a.md").write_text("more doc\n")  # neither the docs, the report nor its records are code
+    (repo / "lab" / "lr_sweep.py").write_text("# the report, changed\n")
+    (repo / "lab" / "results.jsonl").write_text("{}\n{}\n")
+    subprocess.run([*git, "commit", "-qam", "docs, report and records"], check=True)
     assert lr_sweep.code_version(str(repo)) == first
     (repo / "model.py").write_text("x = 2\n")
     assert lr_sweep.code_version(str(repo)) == first + "+dirty"

@@ -1,8 +1,8 @@
 """A randomized campaign against the spike guard: faults nobody chose, drawn at random, and the numbers of what the
 guard did with them (docs/spike_guard.md, "The campaign"; issue 28).
 
-    python tools/guard_campaign.py --out runs/campaign --data_path DATA --minutes 45
-    python tools/guard_campaign.py --out runs/campaign --report      # the table and figure from what has run
+    python lab/guard_campaign.py --out runs/campaign --data_path DATA --minutes 45
+    python lab/guard_campaign.py --out runs/campaign --report      # the table and figure from what has run
 
 Each trial draws a fault family (FAMILIES), its start, length and magnitude, and a seed, and runs three processes
 of the tests' 2x64 model with the project's guard flags (GUARD, as tests/test_spike_guard.py): the fault with the

@@ -7,22 +7,18 @@ key by key, these keys included, in tests/test_spike_guard.py.
 """
 import math
 import os
-import sys
 
 import numpy as np
 import pytest
 import torch
 
 import arguments
+import bpe_corpus
+import lr_sweep
 import optim
+from builders import build_model
 from stability import telemetry
 from training import train_step
-from helpers import ROOT
-
-sys.path.insert(0, os.path.join(ROOT, "tools"))
-import lab_corpus  # noqa: E402
-import lr_sweep  # noqa: E402
-from builders import build_model
 
 # -----------------------------------------------------------------------------
 # independent weight decay
@@ -196,47 +192,47 @@ def test_attention_entropy_of_uniform_and_one_hot_attention():
 def test_entropies_on_hand_made_documents():
     # unigram: counts a 4, b 2, c 2 of 8: H1 = -(1/2 ln 1/2 + 2 * 1/4 ln 1/4)
     docs = [[0, 1, 0, 2], [0, 0, 1, 2]]
-    h1, h2 = lab_corpus.entropies(docs, vocab_size=3)
+    h1, h2 = bpe_corpus.entropies(docs, vocab_size=3)
     assert math.isclose(h1, 1.5 * math.log(2), rel_tol=1e-12)
     # pairs within documents: (0,1) (1,0) (0,2) | (0,0) (0,1) (1,2): after 0 -> 1, 2, 0, 1 (H = 1.5 ln 2),
     # after 1 -> 0, 2 (H = ln 2); weighted 4/6 and 2/6
     assert math.isclose(h2, 4 / 6 * 1.5 * math.log(2) + 2 / 6 * math.log(2), rel_tol=1e-12)
-    assert lab_corpus.entropies([[5, 5, 5]], vocab_size=8) == (0.0, 0.0)
+    assert bpe_corpus.entropies([[5, 5, 5]], vocab_size=8) == (0.0, 0.0)
 
 
-def test_lab_corpus_builds_a_512_token_bpe_once(tmp_path):
+def test_bpe_corpus_builds_a_512_token_bpe_once(tmp_path):
     import data
-    summary = lab_corpus.build(str(tmp_path))
+    summary = bpe_corpus.build(str(tmp_path))
     tok = data.get_tokenizer(summary["tokenizer_file"])
     assert tok.n_vocab == 512 and tok.decode(tok.encode_ordinary("ROMEO: But soft!")) == "ROMEO: But soft!"
     indexed = data.IndexedDataset(summary["prefix"])
     assert len(indexed) == 38 and summary["tokens"] == sum(len(indexed.get(i)) for i in range(38))
     assert all(indexed.get(i)[-1] == tok.eot_token for i in range(38))
     first = indexed.get(0)
-    text = data.bundled_plays(lab_corpus.CORPUS_VERSION)[0]
+    text = data.bundled_plays(bpe_corpus.CORPUS_VERSION)[0]
     assert (first < 512).all() and len(tok.encode_ordinary(text)) + 1 == len(first)
-    # the corpus the study's finished runs were trained on (docs/stability.md): another would need a new study
+    # the corpus the study's finished runs were trained on (lab/stability.md): another would need a new study
     assert summary["tokens"] == 2_666_329 and round(summary["bigram_entropy"], 3) == 3.509
     # the entropies are those of the tokens written; unigram < uniform, and the previous token tells a lot
     docs = [np.asarray(indexed.get(i)) for i in range(38)]
-    assert (summary["unigram_entropy"], summary["bigram_entropy"]) == lab_corpus.entropies(docs, 512)
+    assert (summary["unigram_entropy"], summary["bigram_entropy"]) == bpe_corpus.entropies(docs, 512)
     assert summary["bigram_entropy"] < summary["unigram_entropy"] - 1 < math.log(512) - 1
     stamp = os.path.getmtime(summary["tokenizer_file"])
-    assert lab_corpus.build(str(tmp_path)) == summary and os.path.getmtime(summary["tokenizer_file"]) == stamp
+    assert bpe_corpus.build(str(tmp_path)) == summary and os.path.getmtime(summary["tokenizer_file"]) == stamp
 
 
-def test_lab_corpus_is_rebuilt_for_another_corpus_version(tmp_path, monkeypatch):
+def test_bpe_corpus_is_rebuilt_for_another_corpus_version(tmp_path, monkeypatch):
     """A data/lab/ of another version (or of none: built before versions) is not reused."""
     import data
     rng = np.random.default_rng(0)  # text enough for 255 merges
     words = ["".join(rng.choice(list("abcdefghij"), size=rng.integers(2, 7))) for _ in range(20000)]
     plays = [[" ".join(words)], [" ".join(words[:10000])]]
     monkeypatch.setattr(data, "bundled_plays", lambda version: plays[version - 1])
-    monkeypatch.setattr(lab_corpus, "CORPUS_VERSION", 1)
-    first = lab_corpus.build(str(tmp_path))
-    assert first["corpus_version"] == 1 and lab_corpus.build(str(tmp_path)) == first
-    monkeypatch.setattr(lab_corpus, "CORPUS_VERSION", 2)
-    second = lab_corpus.build(str(tmp_path))
+    monkeypatch.setattr(bpe_corpus, "CORPUS_VERSION", 1)
+    first = bpe_corpus.build(str(tmp_path))
+    assert first["corpus_version"] == 1 and bpe_corpus.build(str(tmp_path)) == first
+    monkeypatch.setattr(bpe_corpus, "CORPUS_VERSION", 2)
+    second = bpe_corpus.build(str(tmp_path))
     assert second["corpus_version"] == 2 and second["tokens"] != first["tokens"]
 
 

@@ -1,17 +1,17 @@
 """The stability lab: LR sensitivity of the stability levers, measured as Wortsman et al. 2023 do ("Small-scale
-proxies for large-scale Transformer training instabilities"); docs/stability.md has the study and its numbers.
+proxies for large-scale Transformer training instabilities"); lab/stability.md has the study and its numbers.
 
-    python tools/lr_sweep.py --out out/lab --jobs 2  # the whole study: pilot, arms A, B, C, W (117 runs, ~10 CPU-h)
-    python tools/lr_sweep.py --quick                 # the pilot alone: 2 runs, ~5 min
-    python tools/lr_sweep.py --arms A --lever_sets default --lrs 1e-2,1e-1 --seeds 1,2 --out out/mine
-    python tools/lr_sweep.py --out out/lab --report  # the tables and the figure of the runs finished so far
-    python tools/lr_sweep.py --out out/lab --report --arms A --record docs/lab/results.jsonl  # track the runs
-    python tools/lr_sweep.py --report --results docs/lab/results.jsonl --arms A,W --code dbe2d5a \
-        --docs docs/stability.md                     # docs/stability.md's tables and figure, from the tracked file
-    python tools/lr_sweep.py --arms A --width 64 --seeds 3 --out out/lab  # the size ladder's width 64
+    python lab/lr_sweep.py --out out/lab --jobs 2  # the whole study: pilot, arms A, B, C, W (117 runs, ~10 CPU-h)
+    python lab/lr_sweep.py --quick                 # the pilot alone: 2 runs, ~5 min
+    python lab/lr_sweep.py --arms A --lever_sets default --lrs 1e-2,1e-1 --seeds 1,2 --out out/mine
+    python lab/lr_sweep.py --out out/lab --report  # the tables and the figure of the runs finished so far
+    python lab/lr_sweep.py --out out/lab --report --arms A --record lab/results.jsonl  # track the runs
+    python lab/lr_sweep.py --report --results lab/results.jsonl --arms A,W --code dbe2d5a \
+        --docs lab/stability.md                      # lab/stability.md's tables and figure, from the tracked file
+    python lab/lr_sweep.py --arms A --width 64 --seeds 3 --out out/lab  # the size ladder's width 64
 
 One GPT (4 layers of 128, 4 heads of 32) on the bundled corpus under the lab's own 512-token BPE
-(tools/lab_corpus.py: with GPT-2's 50k vocabulary a small model is 89-97% embedding), trained as Wortsman et al.
+(lab/bpe_corpus.py: with GPT-2's 50k vocabulary a small model is 89-97% embedding), trained as Wortsman et al.
 train theirs, scaled down: 1,000 steps of 16 x 128 tokens, 100 of linear warm-up then cosine decay to 1e-5,
 AdamW (0.9, 0.95, eps 1e-8), clipping at 1, independent weight decay 1e-4 (the decay per step does not change
 with the LR: optim.decay_coefficient), fp32, no dropout. Four arms, each pairing levers as the paper does:
@@ -41,7 +41,7 @@ read again from its metrics.jsonl, so that a change to the summaries applies to 
 half way resumes from its last checkpoint (train.py resumes bit for bit; metrics.jsonl keeps the last record of
 an iteration). From all finished runs of the selection it writes OUT/results.jsonl, OUT/results.md (the tables)
 and OUT/lr_sweep.png (the figure). out/ is not tracked: --record adds one short line a run to a tracked file
-(docs/lab/results.jsonl), from which --report --results rebuilds the tables and the figure alone. A table holds the
+(lab/results.jsonl), from which --report --results rebuilds the tables and the figure alone. A table holds the
 runs of one code version: runs of two are refused together (--code picks one), so that a run of older code never
 passes for a seed of today's.
 
@@ -60,6 +60,7 @@ import concurrent.futures
 import json
 import math
 import os
+import runpy
 import shutil
 import subprocess
 import sys
@@ -69,17 +70,17 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import lab_corpus  # noqa: E402
+import bpe_corpus  # noqa: E402
 
 WIDTH = 128
 HEAD_DIM = 32  # the study's 4 heads of 32; the ladder keeps the head size (width_args)
-DATA = ["--data_path=data/lab/" + lab_corpus.NAME, "--tokenizer_file=data/lab/tokenizer.json",
-        f"--vocab_size={lab_corpus.VOCAB_SIZE}"]
+DATA = ["--data_path=data/lab/" + bpe_corpus.NAME, "--tokenizer_file=data/lab/tokenizer.json",
+        f"--vocab_size={bpe_corpus.VOCAB_SIZE}"]
 # Every run: the model, Wortsman et al.'s optimizer and schedule scaled down, the telemetry. 16 x 128 tokens an
 # iteration (one micro-batch: its logits are 4 MB), 1,000 iterations = 2M tokens, 80% of an epoch; about 0.28 s
 # of one core an iteration. 100 iterations of warm-up, then cosine decay to 1e-5 as theirs: with a constant LR,
 # or with 500 iterations, the pilot's default at LR 1e-2 ended within 0.2 nats of the bigram entropy
-# (docs/stability.md). The levers of the defaults below are set explicitly (config/tiny.py turns some on).
+# (lab/stability.md). The levers of the defaults below are set explicitly (config/tiny.py turns some on).
 BASE = ["--num_layers=4", f"--hidden_size={WIDTH}", "--num_attention_heads=4", "--seq_length=128",
         "--micro_batch_size=16", "--global_batch_size=16", "--train_iters=1000", "--lr_warmup_samples=1600",
         "--lr_decay_style=cosine", "--lr_decay_samples=16000", "--min_lr=1e-5", "--hidden_dropout=0",
@@ -88,10 +89,10 @@ BASE = ["--num_layers=4", f"--hidden_size={WIDTH}", "--num_attention_heads=4", "
         "--adam_eps=1e-8", "--weight_decay=1e-4", "--weight_decay_independent", "--clip_grad=1.0",
         "--log_interval=1", "--eval_interval=1000000", "--eval_iters=16", "--sample_tokens=0", "--save_interval=100",
         "--telemetry_interval=10", *DATA]
-VOCAB_SIZE = lab_corpus.VOCAB_SIZE
+VOCAB_SIZE = bpe_corpus.VOCAB_SIZE
 L0 = math.log(VOCAB_SIZE)
 ATTENTION_LOGIT_BLOWUP = 1e4  # Wortsman et al. 3.1: past it, attention collapses and the loss diverges
-# From the pilot (docs/stability.md): arm A's default at LR 1e-2 trains below the bigram entropy from here on
+# From the pilot (lab/stability.md): arm A's default at LR 1e-2 trains below the bigram entropy from here on
 BLOWUP_FROM = 440
 PILOT_MARGIN = 0.2  # "clearly below" the bigram entropy, in nats: a perplexity 18% lower than the bigram model's
 
@@ -183,11 +184,12 @@ def width_of(args):
     return sizes[-1] if sizes else WIDTH
 
 
-# Which code a run trained with: the last commit that changed anything but the docs, the tests and this file (whose
-# run-shaping part, BASE and ARMS, each run records as its arguments), "+dirty" when the work tree differs from it
-# there. A commit to the report alone leaves it as it is, so that a study going on across such commits stays one
-# code version; runs of two versions are never mixed in one table (report_records).
-CODE_PATHS = [".", ":(exclude)docs", ":(exclude)tests", ":(exclude)tools/lr_sweep.py", ":(exclude)*.md"]
+# Which code a run trained with: the last commit that changed anything but the docs, the tests, the lab's records
+# and figures, and this file (whose run-shaping part, BASE and ARMS, each run records as its arguments), "+dirty"
+# when the work tree differs from it there. A commit to the report alone leaves it as it is, so that a study going
+# on across such commits stays one code version; runs of two versions are never mixed in one table (report_records).
+CODE_PATHS = [".", ":(exclude)docs", ":(exclude)tests", ":(exclude)*.md", ":(exclude)lab/lr_sweep.py",
+              ":(exclude)lab/tests", ":(exclude)lab/results.jsonl", ":(exclude)lab/campaign", ":(exclude)lab/*.png"]
 
 
 def code_version(root=ROOT):
@@ -253,7 +255,7 @@ def preflight(arms, extra=(), base=BASE):
             share = cfg.vocab_size * cfg.hidden_size / cfg.num_parameters()
             check(lever, share <= 0.5, f"{share:.0%} of the parameters are the embedding ({cfg.vocab_size} x "
                   f"{cfg.hidden_size}): a model that learns the unigram statistics; use a small vocabulary "
-                  "(tools/lab_corpus.py) or a wider, deeper model")
+                  "(lab/bpe_corpus.py) or a wider, deeper model")
             tokens = cfg.global_batch_size * cfg.seq_length
             warmup = cfg.lr_warmup_tokens / tokens if cfg.lr_warmup_tokens else \
                 cfg.lr_warmup_samples / cfg.global_batch_size
@@ -544,7 +546,7 @@ PRECURSORS = {"attention_logit_max": "largest attention logit", "attention_entro
 
 
 # -----------------------------------------------------------------------------
-# The tracked results (docs/lab/results.jsonl): one line a run, from which --report --results rebuilds the tables
+# The tracked results (lab/results.jsonl): one line a run, from which --report --results rebuilds the tables
 # and the figure without the runs' directories (out/ is not tracked)
 
 RECORD_KEYS = ["val_loss", "train_loss", "train_loss_max", "nan_iterations", "cpu_seconds", *PRECURSORS,
@@ -881,11 +883,11 @@ def parse_args(argv):
     p.add_argument("--width", type=int, default=WIDTH, help="the model's width (the size ladder: depth 4, heads of "
                    f"{HEAD_DIM}; arm A only); runs of another width than {WIDTH} go to OUT/runs/w<width>/")
     p.add_argument("--record", metavar="FILE", help="add the finished runs' summaries to FILE, one line a run "
-                   "(docs/lab/results.jsonl is the study's tracked record)")
+                   "(lab/results.jsonl is the study's tracked record)")
     p.add_argument("--results", metavar="FILE", help="with --report: the tables and the figure from FILE's lines "
                    "(written by --record) instead of OUT's run directories")
     p.add_argument("--docs", metavar="MD", help="with --report: also write the tables into MD between its two "
-                   "`lr_sweep --report` markers and the figure to MD's name with .png (docs/stability.md)")
+                   "`lr_sweep --report` markers and the figure to MD's name with .png (lab/stability.md)")
     p.add_argument("--code", help="only the runs of this code version (a report refuses to mix versions)")
     args = p.parse_args(argv)
     if (args.results or args.docs) and not args.report:
@@ -930,8 +932,8 @@ def train(argv):
         record_code(saves[-1], code_version())
     import torch
     torch.set_flush_denormal(True)
-    import train as train_module
-    train_module.main(argv)
+    # train.py is a script, not a module to import: run its file and call the main it defines
+    runpy.run_path(os.path.join(ROOT, "train.py"), run_name="stablegpt_train")["main"](argv)
 
 
 def in_selection(r, arms, width=None):
@@ -940,7 +942,7 @@ def in_selection(r, arms, width=None):
             and r["seed"] in seeds_at(spec, r["lr"]) and (width is None or r.get("width", WIDTH) == width))
 
 
-DOCS_BEGIN = "<!-- lr_sweep --report --docs writes what follows, up to its end marker; edit tools/lr_sweep.py -->"
+DOCS_BEGIN = "<!-- lr_sweep --report --docs writes what follows, up to its end marker; edit lab/lr_sweep.py -->"
 DOCS_END = "<!-- end of what lr_sweep --report --docs writes -->"
 
 
@@ -1016,7 +1018,7 @@ def main(argv=None):
     if warnings and not args.allow_weak_study:
         raise SystemExit("lr_sweep: this study cannot show what it tests:\n  - " + "\n  - ".join(warnings) +
                          "\nfix the setup, or pass --allow_weak_study to run it anyway")
-    corpus = lab_corpus.build()  # the corpus and its tokenizer once, before the runs race to build them
+    corpus = bpe_corpus.build()  # the corpus and its tokenizer once, before the runs race to build them
     import data
     data.IndexedDataset(corpus["prefix"])
     grid = [(arm, lever, lr, seed) for arm, spec in arms.items() for lever in spec["levers"]

@@ -1,9 +1,9 @@
 """The stability lab's corpus: the bundled Shakespeare under a 512-token byte-level BPE, and its entropies.
 
-    python tools/lab_corpus.py        # builds data/lab/ once (a few seconds), prints the entropies
+    python lab/bpe_corpus.py        # builds data/lab/ once (a few seconds), prints the entropies
 
 With GPT-2's 50,257 tokens a small model is almost all embedding and learns little beyond unigram statistics
-(docs/stability.md), so the lab trains on its own vocabulary: a byte-level BPE of 512 tokens (256 bytes, 255
+(lab/stability.md), so the lab trains on its own vocabulary: a byte-level BPE of 512 tokens (256 bytes, 255
 merges, <|endoftext|>) trained with `tokenizers` on the corpus itself. DATA_DIR/lab/ then holds
 
     tokenizer.json          what train.py reads as tokenizer_file (data.py --tokenizer-file takes it too)
@@ -34,7 +34,7 @@ EOD_TOKEN = "<|endoftext|>"
 NAME = "shakespeare_bpe512"
 # The bundled corpus as the lab's study was trained on it (data.bundled_plays): version 1, the plays' markdown. The
 # plain text of version 2 makes another BPE and other tokens (2.62M instead of 2.67M; bigram entropy 3.528 instead
-# of 3.509 nats), so the finished runs of docs/stability.md would no longer be this code's: a new version, a new
+# of 3.509 nats), so the finished runs of lab/stability.md would no longer be this code's: a new version, a new
 # study.
 CORPUS_VERSION = 1
 
