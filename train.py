@@ -66,15 +66,8 @@ def run(cfg, grid, exit_signal=lambda: False, writer=None, callbacks=NO_CALLBACK
     """Train (or, with eval_only, evaluate) the configured model; returns the run state. exit_signal() says when
     a SIGTERM or SIGUSR1 asks to save and stop; writer: the checkpoint.AsyncWriter saves go through (None:
     synchronous)."""
-    device, schedule = launch.setup(cfg), Schedule(cfg, grid.dp_size)
-    parts = builders.build(cfg, grid, schedule, device, callbacks)
-    train_data, valid_data = loader.build_data(cfg, schedule, callbacks.documents_to_skip)
-    if cfg.load:
-        run_state.load(parts)
-    if launch.compiles(cfg):  # each block one graph, checkpointing outside it; the loss's elementwise chain fused
-        parallel.unwrap(parts.model).compile_blocks()
-        cross_entropy.compile_chain()
-    model, state = parts.model, parts.state
+    parts, device, train_data, valid_data = prepare(cfg, grid, callbacks)
+    model, state, schedule = parts.model, parts.state, parts.schedule
     if cfg.eval_only:
         return evaluate_only(model, valid_data, state, cfg, device)
     report = Report(cfg, schedule, model)
@@ -123,6 +116,20 @@ def run(cfg, grid, exit_signal=lambda: False, writer=None, callbacks=NO_CALLBACK
     if cfg.deepspeed:
         parts.optimizer.close()  # DeepSpeed's state released before the process groups go (launch.shut_down)
     return state
+
+
+def prepare(cfg, grid, callbacks):
+    """This rank's parts of the run (run_state.Parts), resumed from a checkpoint if there is one, on its device,
+    and the data: (parts, device, train data, validation data)."""
+    device, schedule = launch.setup(cfg), Schedule(cfg, grid.dp_size)
+    parts = builders.build(cfg, grid, schedule, device, callbacks)
+    train_data, valid_data = loader.build_data(cfg, schedule, callbacks.documents_to_skip)
+    if cfg.load:
+        run_state.load(parts)
+    if launch.compiles(cfg):  # each block one graph, checkpointing outside it; the loss's elementwise chain fused
+        parallel.unwrap(parts.model).compile_blocks()
+        cross_entropy.compile_chain()
+    return parts, device, train_data, valid_data
 
 
 def evaluate_only(model, valid_data, state, cfg, device):

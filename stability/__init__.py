@@ -1,4 +1,5 @@
-"""The stability layer: what the run does about instabilities by itself, as callbacks the loop calls (training.Callback).
+"""The stability layer: what the run does about instabilities by itself, as callbacks the loop calls
+(training.Callback).
 
     hooks.py        StabilityHooks: what the loop's named points do, and in which order
     spike_guard.py  the spike guard: detection, diagnosis (forensics), decisions, the precursor rung

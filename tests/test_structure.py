@@ -8,7 +8,6 @@ import sys
 from helpers import corpus  # noqa: F401 (a fixture)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CORE = ("model.py", "train.py", "parallel.py", "optim.py", "data.py")
 
 
 def _python_files():
@@ -94,10 +93,19 @@ def test_every_cited_lesson_exists_and_no_file_cites_the_seeds():
     assert not stale, f"cite docs/lessons.md ('lesson N'), not the seeds or SPEC, in: {stale}"
 
 
-def test_core_modules_stay_small():
-    lines = {name: len(_read(os.path.join(ROOT, name)).splitlines()) for name in CORE}
-    assert all(n < 900 for n in lines.values()), lines
-    assert sum(lines.values()) < 3500, lines
+def _long_functions(source, limit):
+    """[(name, lines)] of every function in source longer than limit lines (its def to its last line)."""
+    return [(node.name, node.end_lineno - node.lineno + 1) for node in ast.walk(ast.parse(source))
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= limit]
+
+
+def test_no_function_of_the_core_or_the_stability_layer_is_over_60_lines():
+    """A function reads on one screen: a longer one is named steps waiting to be split."""
+    long = {os.path.relpath(path, ROOT): found for path in _product_files()
+            for found in [_long_functions(_read(path), 60)] if found}
+    assert not long, f"functions over 60 lines: {long}"
+    assert _long_functions("def f():\n" + "    x = 1\n" * 60, 60) == [("f", 61)]
+    assert _long_functions("def f():\n" + "    x = 1\n" * 59, 60) == []
 
 
 # -----------------------------------------------------------------------------
@@ -194,49 +202,133 @@ def test_each_run_rule_has_one_home():
 
 
 # -----------------------------------------------------------------------------
-# The stability layer behind hooks: the dependency runs from it to the core, never back
+# A one-way house: each floor builds on the floors below it, nothing imports the script
 
-# The modules that may name the stability layer, and why: arguments.py composes every owner's keys (its own among
-# them), usage.py prints them, estimate.py's dry run sizes its snapshots, bench.py times its telemetry. train.py
-# wires it in, from main() alone.
-EDGES = {"arguments.py", "usage.py", "estimate.py", "bench.py"}
+# The product's modules, floor by floor: a module imports its own floor's and the floors' below, never one above,
+# and no import circle closes anywhere. The stability layer (the package and its modules) sits above the step it
+# acts on and below what composes a run; train.py and bench.py are scripts at the top, imported by nothing.
+FLOORS = (
+    {"parallel", "schedule", "tokenizer", "usage"},  # the ground: imports nothing of ours
+    {"rng", "layers", "cross_entropy", "precision", "report", "data"},
+    {"model", "checkpoint", "optim", "launch", "loader"},
+    {"reshard", "deepspeed_engine", "safety", "training"},  # training: the step and the callback interface
+    {"hf", "run_state"},
+    {"stability"},  # the stability layer: callbacks on the step
+    {"arguments", "builders"},  # every owner's keys; every part built
+    {"estimate"},
+    {"train", "bench"},  # the scripts
+)
+SCRIPTS = {"train"}  # run, never imported: by the product, the tools, the lab or the tests
 
 
-def _stability_imports(source):
-    """[(enclosing function or None, module)] of every import of the stability package in source."""
+def _product_files():
+    """The top-level modules and the stability layer's: what FLOORS orders."""
+    names = sorted(n for n in os.listdir(ROOT) if n.endswith(".py") and n != "conftest.py")
+    stability = os.path.join(ROOT, "stability")
+    return [os.path.join(ROOT, n) for n in names] + sorted(
+        os.path.join(stability, n) for n in os.listdir(stability) if n.endswith(".py"))
+
+
+def _module_name(path):
+    rel = os.path.relpath(path, ROOT)[:-3].replace(os.sep, ".")
+    return rel[:-len(".__init__")] if rel.endswith(".__init__") else rel
+
+
+def _import_graph():
+    """{module: {project modules it imports}} of the product, at module granularity (stability.spike_guard, ...):
+    imports at any depth, inside functions too."""
+    modules = {_module_name(p): p for p in _product_files()}
+    graph = {}
+    for name, path in modules.items():
+        found = set()
+        for imported in _imported_modules(_read(path)):
+            parts = imported.split(".")
+            candidates = [".".join(parts[:i]) for i in range(len(parts), 0, -1)]
+            target = next((c for c in candidates if c in modules), None)
+            if target is not None and target != name:
+                found.add(target)
+        graph[name] = found
+    return graph
+
+
+def _imported_modules(source):
+    """_imports, with `from a import b` as "a.b": the module a.b where there is one (a sibling in a package, not the
+    package's __init__), else a itself (the longest existing prefix wins, in _import_graph)."""
     found = []
-
-    def visit(node, function):
-        for child in ast.iter_child_nodes(node):
-            inner = child.name if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)) else function
-            names = []
-            if isinstance(child, ast.Import):
-                names = [alias.name for alias in child.names]
-            elif isinstance(child, ast.ImportFrom) and not child.level:
-                names = [child.module]
-            found.extend((function, n) for n in names if n.split(".")[0] == "stability")
-            visit(child, inner)
-    visit(ast.parse(source), None)
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and not node.level:
+            found += [f"{node.module}.{alias.name}" for alias in node.names]
+        elif not isinstance(node, ast.ImportFrom):
+            found += _imports(ast.unparse(node)) if isinstance(node, (ast.Import, ast.Call)) else []
     return found
 
 
-def test_no_core_module_imports_the_stability_layer():
-    top = sorted(n for n in os.listdir(ROOT) if n.endswith(".py"))
-    assert {"train.py", "model.py", "parallel.py", "schedule.py", "loader.py"} <= set(top)
-    bad = {name: found for name in top if name not in EDGES | {"train.py"}
-           for found in [_stability_imports(_read(os.path.join(ROOT, name)))] if found}
-    assert not bad, f"core modules import the stability layer {bad}: it hooks into the loop (train.Hooks) instead"
-    wiring = _stability_imports(_read(os.path.join(ROOT, "train.py")))
-    assert wiring and all(function == "main" for function, _ in wiring), wiring
-    assert _stability_imports("import stability\ndef f():\n    from stability.hooks import X\n") == [
-        (None, "stability"), ("f", "stability.hooks")]
+def _floor(module):
+    top = module.split(".")[0]
+    return next(i for i, floor in enumerate(FLOORS) if top in floor)
+
+
+def _circles(graph):
+    """Every import circle of graph, each as a list of modules (Tarjan's strongly connected components)."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_the_import_graph_has_no_circle_and_no_upward_import():
+    graph = _import_graph()
+    assert {"train", "training", "builders", "model", "hf", "stability", "stability.config"} <= set(graph)
+    unplaced = sorted({m.split(".")[0] for m in graph} - set().union(*FLOORS))
+    assert not unplaced, f"modules on no floor of FLOORS: {unplaced} (place each where its imports put it)"
+    assert not _circles(graph), f"import circles: {_circles(graph)}"
+    upward = sorted(f"{m} -> {t}" for m, targets in graph.items() for t in targets if _floor(t) > _floor(m))
+    assert not upward, f"imports of a floor above: {upward}"
+
+
+def test_the_graph_checks_catch_a_circle_and_an_upward_import():
+    assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _circles({"a": {"b"}, "b": set()}) == []
+    assert _floor("parallel") < _floor("model") < _floor("training") < _floor("stability.hooks") < _floor("train")
+
+
+def test_nothing_imports_the_script():
+    """train.py is the script: the product, its tools, the lab and the tests run it (tests/helpers.py's
+    train_script runs the file), none imports it."""
+    importers = {os.path.relpath(path, ROOT): hits for path in _python_files()
+                 for hits in [[m for m in _imports(_read(path)) if m.split(".")[0] in SCRIPTS]] if hits}
+    assert not importers, f"train.py is imported by {importers}"
+    assert "sys.modules" not in _read(os.path.join(ROOT, "train.py"))
 
 
 def test_with_no_stability_switch_nothing_of_the_layer_is_built_or_imported(corpus):
-    """A run with no stability switch: train.run gets no hooks, and no module of the layer beyond its package's
-    entry point (the switches, build_hooks) is ever imported."""
-    code = ("import sys, train\n"
-            f"train.main(['--num_layers=1', '--hidden_size=32', '--num_attention_heads=2', '--seq_length=16', "
+    """A run with no stability switch: the loop gets no callbacks, and no module of the layer beyond its package's
+    entry point (the switches, build_callbacks) and its keys (stability.config) is ever imported."""
+    code = ("import runpy, sys\n"
+            "runpy.run_path('train.py', run_name='train_script')['main']("
+            f"['--num_layers=1', '--hidden_size=32', '--num_attention_heads=2', '--seq_length=16', "
             f"'--micro_batch_size=2', '--global_batch_size=2', '--train_iters=3', '--eval_iters=0', "
             f"'--sample_tokens=0', '--save=none', '--save_interval=none', '--data_path={corpus}'])\n"
             "print(sorted(m for m in sys.modules if m.startswith('stability.') and m != 'stability.config'))\n")
