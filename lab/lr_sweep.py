@@ -106,7 +106,7 @@ def init(c):
 Z_LOSS, QK = ["--z_loss=1e-4"], ["--qk_layernorm"]
 HALF_DECADES = [1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 3e-1, 1.0]
 # The LR sensitivity is reported over two ranges: the arm's whole grid, and 1e-3..3e-1, taken as Wortsman et al.'s
-# range at this scale (issue 31: the grid less LR 1, where every lever set breaks). They differ: a point where
+# range at this scale (the grid less LR 1, where every lever set breaks). They differ: a point where
 # both lever sets fail adds to both, and weighs 1/7 of the mean.
 WORTSMAN_RANGE = (1e-3, 3e-1)
 SENSITIVITY_RANGES = {"grid": (0.0, math.inf), "1e-3..3e-1": WORTSMAN_RANGE}
@@ -136,7 +136,7 @@ ARMS = {
           "lrs": HALF_DECADES, "seeds": [1, 2, 3], "logit_blows_up": False},
 }
 PILOT = [("A", "default", 1e-2, 1), ("A", "default", 3e-1, 1)]
-LADDER = (64, 128, 256)  # the size ladder's widths (issue 31): the third predicted from the two smallest
+LADDER = (64, 128, 256)  # the size ladder's widths: the third predicted from the two smallest
 QUICK = {"arms": ["A"], "lever_sets": ["default"], "lrs": [1e-2, 3e-1], "seeds": [1]}  # the pilot
 
 
@@ -621,7 +621,7 @@ def one_code(results, chosen=None):
 
 
 def ladder(results, bigram, targets=(), lever_sets=("default", "qk_layernorm")):
-    """The size ladder of arm A (issue 31): per width, the LR at which the default's largest attention logit
+    """The size ladder of arm A: per width, the LR at which the default's largest attention logit
     passes 1e4 and each lever set's LR sensitivity over Wortsman et al.'s range; and for every width past the two
     smallest run, both predicted from those two (a line in log width through them: log LR for the crossing, the
     sensitivity itself), `targets` included before they run. Widths are compared over the seeds run at every width

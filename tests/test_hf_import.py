@@ -188,7 +188,7 @@ def test_models_stablegpt_cannot_compute_are_refused(tmp_path):
         tmp_path / "untied")
     with pytest.raises(ValueError, match="tie_word_embeddings=false"):
         hf.config_from_hf(str(tmp_path / "untied"))
-    # (LlamaForCausalLM is imported since issue 30: tests/test_llama.py; GPT-NeoX is not)
+    # (LlamaForCausalLM is imported: tests/test_llama.py; GPT-NeoX is not)
     transformers.GPTNeoXConfig().save_pretrained(tmp_path / "neox")
     with pytest.raises(ValueError, match="model of type 'gpt_neox'; stablegpt imports GPT2LMHeadModel, Bloom"):
         hf.config_from_hf(str(tmp_path / "neox"))
@@ -260,7 +260,7 @@ def test_run_from_the_model_starts_at_its_loss_trains_and_resumes_exactly(models
 
 def test_run_config_that_contradicts_the_model_stops_with_one_message(models):
     """config/tiny.py named on the command line has a model of its own: refused before anything is built, exit 2.
-    (Left implicit, its model keys yield to the model: tests/test_llama.py, issue 30.)"""
+    (Left implicit, its model keys yield to the model: tests/test_llama.py.)"""
     proc = run_cli("config/tiny.py", f"--init_from_hf={models['gpt2'][0]}", "--save=none", expect_ok=False)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.count("error:") == 1

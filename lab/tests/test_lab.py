@@ -246,7 +246,7 @@ def test_bundled_plays_as_markdown_and_as_plain_text():
 
 
 # -----------------------------------------------------------------------------
-# the report's statistics (issue 31): what was run, and nothing else
+# the report's statistics: what was run, and nothing else
 
 H2 = 3.509
 CORPUS = {"tokens": 2_666_329, "unigram_entropy": 5.219, "bigram_entropy": H2}

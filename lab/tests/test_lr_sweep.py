@@ -103,7 +103,7 @@ def test_lr_sensitivity_blow_ups_and_spike_score_on_hand_made_numbers():
     assert row["points"][1e-2]["attention_logit_max"] == 15.0 and row["best_lr"] == 1e-2
     assert row["sensitivity"] == pytest.approx(((5.0 + lr_sweep.L0) / 2 - 3.3) / 2)
     assert row["sensitivity_seeds"] == pytest.approx(((5.0 - 3.2) / 2, (lr_sweep.L0 - 3.4) / 2))
-    # a third seed run at LR 1 only: no run stands in for it at 1e-2, so it has no curve (issue 31)
+    # a third seed run at LR 1 only: no run stands in for it at 1e-2, so it has no curve
     results.append({**results[2], "seed": 3, "val_loss": 4.0})
     (row,) = lr_sweep.summarize(results, "A", ["a"], [1e-2, 1.0], bigram)
     assert row["points"][1.0]["n"] == 3 and row["points"][1e-2]["n"] == 2

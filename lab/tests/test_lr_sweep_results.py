@@ -1,4 +1,4 @@
-"""The stability lab's tracked results (lab/lr_sweep.py, issue 31): the tables that --report --results rebuilds
+"""The stability lab's tracked results (lab/lr_sweep.py): the tables that --report --results rebuilds
 from lab/results.jsonl's one line a run against the tables made from the runs' full results, the refusal to
 mix code versions, the code version a run records, and the size ladder's prediction against a hand computation.
 """
