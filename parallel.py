@@ -799,10 +799,10 @@ def count_zeros(model):
     """Megatron's "num zeros" over the whole model (each parameter once), the same on every rank: a 0-dim int64
     tensor on the model's device, read by the caller with its other numbers (one host sync per iteration)."""
     grads = [g for g in map(main_grad, counted_once(model)) if g is not None]
-    device = next(unwrap(model).parameters()).device
-    zeros = torch.tensor(sum(g.numel() for g in grads), dtype=torch.int64, device=device)
-    if grads:
-        zeros -= torch.stack([torch.count_nonzero(g) for g in grads]).sum()
+    if grads:  # the element count rides in as the kernel's scalar: a tensor built from it would be a host copy
+        zeros = sum(g.numel() for g in grads) - torch.stack([torch.count_nonzero(g) for g in grads]).sum()
+    else:
+        zeros = torch.zeros((), dtype=torch.int64, device=next(unwrap(model).parameters()).device)
     if grid.mp_group is not None and grid.tp_size * grid.pp_size > 1:
         dist.all_reduce(zeros, group=grid.mp_group)
     return zeros

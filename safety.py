@@ -251,7 +251,8 @@ class ExitSignal:
             return False
         received = self.received
         if dist.is_initialized():
-            flag = torch.tensor([received], dtype=torch.int32, device=parallel.comm_device())
+            # filled on the device (the number is the kernel's scalar): no host-built tensor copied over
+            flag = torch.full((1,), received, dtype=torch.int32, device=parallel.comm_device())
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
             received = int(flag.item())
         if not received:

@@ -160,7 +160,8 @@ P2P_OP = dist.P2POp  # torch's (Collectives(run=False) puts a stand-in in its pl
 
 
 class HostSyncs(TorchFunctionMode):
-    """Counts the host syncs on tensors of `device` (the model's). On the meta device, where nothing has a value,
+    """Counts the host syncs on tensors of `device` (the model's), and the tensors built on it from host data
+    (torch.tensor(x, device=...): a copy the host waits for). On the meta device, where nothing has a value,
     a read gets a stand-in (ones: a finite loss and grad norm, so the step goes on to the update) and a copy to
     the host leaves the destination as it is; the count is what a GPU would wait for."""
 
@@ -172,6 +173,9 @@ class HostSyncs(TorchFunctionMode):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
         t = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if name in ("tensor", "as_tensor") and not isinstance(args[0], torch.Tensor) and self.device.type != "cpu" \
+                and torch.device(kwargs.get("device") or "cpu").type == self.device.type:  # host data copied over
+            self.syncs.append(name)
         if name == "copy_" and len(args) > 1 and isinstance(args[1], torch.Tensor):  # host.copy_(device tensor)
             if args[0].device.type == "cpu" and args[1].device.type == self.device.type != "cpu":
                 if not kwargs.get("non_blocking", args[2] if len(args) > 2 else False):
