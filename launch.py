@@ -67,8 +67,8 @@ def use_nccl_flight_recorder(cfg):
     one times out (a hang), dumps them to <save>/nccl_trace/rank_N (torch's TORCH_NCCL_* names), which
     `python -m torch.distributed.flight_recorder.fr_trace` reads to name the rank that did not join; rank 0 says
     where at the start (the watchdog aborts the process on a timeout before Python could say it). Read when the
-    process group starts: call before it."""
-    if not use_cuda(cfg):
+    process group starts: call before it. One process has no collective to hang in: nothing is set or made."""
+    if not use_cuda(cfg) or world_size() == 1:
         return
     directory = os.path.abspath(os.path.join(cfg.save or ".", "nccl_trace"))
     defaults = {"TORCH_NCCL_TRACE_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",

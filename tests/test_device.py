@@ -715,7 +715,8 @@ def test_compile_is_on_for_cuda_unless_switched_off():
 
 
 def test_the_nccl_flight_recorder_is_on_for_cuda_unless_the_user_set_it(monkeypatch, tmp_path, capsys):
-    """On, and its dump's place named at the start (a timeout aborts the process before Python can say it)."""
+    """On with several processes, and its dump's place named at the start (a timeout aborts the process before
+    Python can say it); a single-GPU run has no collective to record and gets no nccl_trace/ directory."""
     import arguments
     names = ("TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_NCCL_DUMP_ON_TIMEOUT", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
     for name in names:
@@ -723,7 +724,11 @@ def test_the_nccl_flight_recorder_is_on_for_cuda_unless_the_user_set_it(monkeypa
     monkeypatch.delenv("RANK", raising=False)
     launcher.use_nccl_flight_recorder(arguments.load_config(["--device=cpu", f"--save={tmp_path}"]))
     assert not set(names) & set(os.environ)  # gloo: nothing to record
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    launcher.use_nccl_flight_recorder(arguments.load_config(["--device=cuda", f"--save={tmp_path}"]))
+    assert not set(names) & set(os.environ) and not (tmp_path / "nccl_trace").exists()  # one GPU: no collective
     assert "flight recorder" not in capsys.readouterr().out
+    monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("TORCH_NCCL_TRACE_BUFFER_SIZE", "50")  # the user's
     launcher.use_nccl_flight_recorder(arguments.load_config(["--device=cuda", f"--save={tmp_path}"]))
     assert os.environ["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "50" and os.environ["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
