@@ -16,8 +16,13 @@ decisions, its telemetry), which records them through `scalars` and `record`.
 import json
 import math
 import os
+import socket
+import statistics
 import sys
+import time
 from dataclasses import asdict, dataclass
+
+import torch
 
 import parallel
 
@@ -77,6 +82,8 @@ class Report:
         self.last = None  # (step, lr) of the last trained iteration
         self.restart_interval()
         self.profiler = StepProfiler(cfg) if cfg.profile_steps else None
+        # with DP replicas to compare, each one's compute time rides in the step's sync (training.agree)
+        self.timer = ComputeTimer() if parallel.grid.dp_size > 1 else None
         self.graphs, self.graphs_by_seqlen = 0, {}  # torch.compile's graphs so far, and per sequence length
         self.tb = self.wandb = self.metrics = None
         if parallel.grid.rank != parallel.grid.world_size - 1:  # the last stage's loss is there
@@ -161,6 +168,9 @@ class Report:
                    ("samples per second", f"{batch_size / elapsed:.3f}"),
                    ("TFLOPs", f"{tflops:.2f}")]
         print_last_rank(log_line(fields))
+        straggler = self.timer.straggler(iteration) if self.timer is not None else None
+        if straggler:
+            print(straggler, flush=True)
         self.record(iteration, line_values(fields))
         scalars.update({"learning-rate": lr, "grad-norm": step.grad_norm, "loss-scale": loss_scale,
                         "batch-size": batch_size, "seqlen": seqlen,
@@ -215,6 +225,56 @@ class Report:
             self.tb.close()
         if self.wandb:
             self.wandb.finish()
+
+
+class ComputeTimer:
+    """Each DP replica's compute time per step (forward and backward, not the wait for the gradients' reduction),
+    to name a straggler: a slow GPU or host holds every other rank at each collective. CUDA events on a GPU, read
+    once the step's one host sync has passed them (no sync of their own); the host clock elsewhere. A step's time
+    is gathered with the next step's numbers (agree), so it costs no collective and no sync of its own."""
+
+    def __init__(self):
+        self.pending, self.seconds, self.sums, self.steps = None, 0.0, None, 0
+
+    def start(self, device):
+        self.cuda = device.type == "cuda"
+        self.pending = [torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)] if self.cuda \
+            else [time.perf_counter(), None]
+        if self.cuda:
+            self.pending[0].record()
+
+    def stop(self):
+        if self.cuda:
+            self.pending[1].record()
+        else:
+            self.pending[1] = time.perf_counter()
+
+    def last_seconds(self, device):
+        """The last step's compute time on the device, filled there (no host-built tensor copied over)."""
+        return torch.full((), self.seconds, dtype=torch.float64, device=device)
+
+    def gathered(self, seconds):
+        """Every replica's last reading (from agree), and this step's own, now that the sync has passed it."""
+        if self.steps:  # the first gather carries no step yet
+            self.sums = [a + b for a, b in zip(self.sums, seconds)] if self.sums else list(seconds)
+        self.steps += 1
+        if self.pending is not None:
+            start, end = self.pending
+            self.seconds = start.elapsed_time(end) / 1000 if self.cuda else end - start
+            self.pending = None
+
+    def straggler(self, iteration, slack=1.2):
+        """The line naming the slowest replica when its mean compute time since the last call is over slack x the
+        median of the replicas', printed by that replica (it alone knows its host); clears the sums."""
+        sums, self.sums = self.sums, None
+        if not sums or len(sums) < 2:
+            return None
+        median, slowest = statistics.median(sums), max(range(len(sums)), key=sums.__getitem__)
+        if sums[slowest] <= slack * median or slowest != parallel.grid.dp_rank:
+            return None
+        return (f" straggler at iteration {iteration}: DP rank {slowest} (rank {parallel.grid.rank}, host "
+                f"{socket.gethostname()}) computed {sums[slowest] / median:.2f}x the median of the DP replicas since "
+                f"the last log line |")
 
 
 def log_line(fields):

@@ -86,7 +86,7 @@ def run(cfg, grid, exit_signal=lambda: False, writer=None, callbacks=NO_CALLBACK
             it.lr = schedule.lr_at(n, state)
             callbacks.before_step(it)
             step = train_step(model, parts.optimizer, parts.scaler, it.batches, it.lr, cfg, device,
-                              count_zeros=n % cfg.log_interval == 0, callbacks=callbacks)
+                              count_zeros=n % cfg.log_interval == 0, callbacks=callbacks, timer=report.timer)
             step = callbacks.check_step(it, step)
             report.step(step, it.lr)
         state.advance(it.batch_size, it.seqlen, applied=step is not None and step.outcome == "ok", step=step)

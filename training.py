@@ -179,33 +179,43 @@ def forward_backward(model, batches, cfg, device, loss_scale=1.0, forward_only=F
 replica_values = []  # [(loss, grad norm, ...)] of every DP replica at the last step (agree())
 
 
-def agree(loss, grad_norm, *more):
+def agree(loss, grad_norm, *more, timer=None):
     """(loss, grad norm, *more, replicas differ): the step's numbers as DP rank 0 computed them, on every rank. One
     tensor all-gather over DP on the backend's device, and the step's one host sync: every skip decision is then
     taken from the same floats on every replica, which can never split. The DP replicas reduce the same gradients:
-    if their numbers differ, one of them is faulty (every replica's numbers stay in replica_values)."""
+    if their numbers differ, one of them is faulty (every replica's numbers stay in replica_values).
+    timer: a report.ComputeTimer whose last reading rides along, each replica's own, never compared."""
     global replica_values
-    values = torch.stack([loss.double(), grad_norm.double(), *(m.double() for m in more)])
+    own = [timer.last_seconds(loss.device)] if timer is not None else []
+    values = torch.stack([loss.double(), grad_norm.double(), *(m.double() for m in more), *own])
     g = parallel.grid
     if g.dp_size > 1 and g.dp_group is not None:
         gathered = [torch.empty_like(values) for _ in range(g.dp_size)]
         dist.all_gather(gathered, values, group=g.dp_group)
         values = torch.stack(gathered)
-    rows = [tuple(r) for r in values.reshape(-1, 2 + len(more)).cpu().tolist()]
+    rows = [tuple(r) for r in values.reshape(-1, 2 + len(more) + len(own)).cpu().tolist()]
+    if timer is not None:
+        timer.gathered([r[-1] for r in rows])
+        rows = [r[:-1] for r in rows]
     replica_values = rows
     return (*rows[0], len({repr(r) for r in rows}) > 1)
 
 
-def train_step(model, optimizer, scaler, batches, lr, cfg, device, count_zeros=True, callbacks=NO_CALLBACKS):
+def train_step(model, optimizer, scaler, batches, lr, cfg, device, count_zeros=True, callbacks=NO_CALLBACKS,
+               timer=None):
     """One global batch: forward and backward over this rank's micro-batches, gradients reduced, clipped and
     applied at learning rate lr -- unless the step is skipped or vetoed. Returns a Step.
     count_zeros: count the zero gradients (a pass over all of them: only done for the iterations logged).
-    callbacks: their on_grads, update_factor and after_update (Callback)."""
+    callbacks: their on_grads, update_factor and after_update (Callback). timer: a report.ComputeTimer."""
     optimizer.zero_grad(set_to_none=True)
     buffer = parallel.grad_buffer(model)  # None under DeepSpeed
     if buffer is not None:
         buffer.start(len(batches))
+    if timer is not None:
+        timer.start(device)
     loss = forward_backward(model, batches, cfg, device, loss_scale=scaler.scale)
+    if timer is not None:
+        timer.stop()
     loss = parallel.average_loss(loss)  # over DP, from the last stage; one process: the loss itself
     if cfg.deepspeed:
         return Step(*optimizer.finish_step(loss.item(), lr))  # DeepSpeed reduces, clips and steps in one call
@@ -217,7 +227,8 @@ def train_step(model, optimizer, scaler, batches, lr, cfg, device, count_zeros=T
     # logged iterations: the interval's z-loss, averaged over DP (the same on every replica), rides in the sync
     logged = [parallel.average_loss(parallel.unwrap(model).pop_z_loss())] if count_zeros and cfg.z_loss else []
     # DP rank 0's numbers on every replica (one all-gather, the one host sync): skip decisions cannot split them
-    loss_value, grad_norm_value, num_zeros, *logged, replicas_differ = agree(loss, grad_norm, zeros, *logged)
+    loss_value, grad_norm_value, num_zeros, *logged, replicas_differ = agree(loss, grad_norm, zeros, *logged,
+                                                                             timer=timer)
     numbers = (loss_value, grad_norm_value, int(num_zeros))
     z_loss = logged[0] if logged else None
     if cfg.fp16:
