@@ -292,19 +292,20 @@ class AsyncWriter:
     enabled=False: save() is checkpoint.save, synchronous."""
 
     def __init__(self, enabled=True):
-        self.enabled, self.thread, self.error, self.buffers, self.group = enabled, None, None, {}, None
+        self.enabled, self.thread, self.error, self.buffers = enabled, None, None, {}
 
     def save(self, save_dir, iteration, model_state, run_state, rank_state, write_model_state):
         """Returns when the state is safe from the training (copied, for async); the path the checkpoint will
         have."""
+        # every rank saves at the same iteration, in step: the host group is made at the first (DeepSpeed may start
+        # the process group late), and a slow write waits there with its own timeout, not the training's
+        group = parallel.host_group() if dist.is_initialized() else None
         if not self.enabled:
-            return save(save_dir, iteration, model_state, run_state, rank_state, write_model_state)
+            return save(save_dir, iteration, model_state, run_state, rank_state, write_model_state, group=group)
         self.wait()  # the previous write is done before its buffers are reused
-        if self.group is None and dist.is_initialized():  # every rank saves at the same iteration: in step
-            self.group = dist.new_group(backend="gloo")  # (at the first save: DeepSpeed may start the group late)
         payload = self._copy((model_state, run_state, rank_state))
         path = os.path.join(save_dir, f"global_step{iteration}")
-        self._start(lambda: save(save_dir, iteration, *payload, write_model_state, group=self.group),
+        self._start(lambda: save(save_dir, iteration, *payload, write_model_state, group=group),
                     f"checkpoint {iteration}", f"saved checkpoint {path}")
         return path
 

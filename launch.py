@@ -27,7 +27,8 @@ def start(cfg):
     use_expandable_segments(cfg)
     use_nccl_flight_recorder(cfg)
     return parallel.init(cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size,
-                         backend="nccl" if use_cuda(cfg) else "gloo", timeout_minutes=cfg.distributed_timeout_minutes)
+                         backend="nccl" if use_cuda(cfg) else "gloo", timeout_minutes=cfg.distributed_timeout_minutes,
+                         host_timeout_minutes=cfg.host_work_timeout_minutes)
 
 
 def setup(cfg):

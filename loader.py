@@ -249,7 +249,7 @@ class MegatronSource:
                 datasets = data.build_datasets(self.data_path, keys.split, keys.seq_length, keys.seed, num_samples,
                                                keys.data_cache_dir, skips)
             if builders and dist.is_initialized():
-                dist.barrier()
+                dist.barrier(group=parallel.host_group())  # an index build can outlast the training's timeout
         return datasets[0], datasets[1]
 
 

@@ -36,7 +36,8 @@ class LayoutConfig:
     compile: bool | None = None  # torch.compile the blocks and the loss's elementwise chain (None: on CUDA only)
     deterministic: bool = False  # bit-reproducible kernels (torch.use_deterministic_algorithms), whatever they cost
     tf32: bool = True  # fp32 matmuls on CUDA in TF32 (tensor cores, 10-bit mantissa); False: full fp32 matmuls
-    distributed_timeout_minutes: int = 60  # how long a collective waits for the slowest rank (checkpoint writes)
+    distributed_timeout_minutes: int = 10  # how long a training collective waits for the slowest rank: a hang's cost
+    host_work_timeout_minutes: int = 60  # how long ranks wait for one's host work (checkpoint files, data index)
     dry_run: bool = False  # size the TP x PP x DP layout and memory per GPU on the meta device, then exit
 
 
@@ -67,8 +68,8 @@ def check(cfg, world_size=1):
     need(not (cfg.tp_replica_resync and cfg.deepspeed),
          "tp_replica_resync cannot reach DeepSpeed's fp32 master weights; use deepspeed=False or only the check")
     need(cfg.device in ("auto", "cpu", "cuda"), f"device={cfg.device!r} is not auto, cpu or cuda")
-    need(cfg.distributed_timeout_minutes >= 1, f"distributed_timeout_minutes={cfg.distributed_timeout_minutes} must "
-         "be at least 1 (minutes a collective waits for the slowest rank)")
+    for key in ("distributed_timeout_minutes", "host_work_timeout_minutes"):
+        need(getattr(cfg, key) >= 1, f"{key}={getattr(cfg, key)} must be at least 1 (minutes a wait may last)")
 
 
 def check_world_size(world_size, tp, pp):
@@ -165,15 +166,16 @@ def partition_layers(num_layers, pp_size, method="type:transformer|embedding"):
     return [range(max(0, a - ends), min(num_layers, b - ends)) for a, b in zip(bounds, bounds[1:])]
 
 
-def init(tensor_parallel_size=1, pipeline_parallel_size=1, backend=None, timeout_minutes=60):
+def init(tensor_parallel_size=1, pipeline_parallel_size=1, backend=None, timeout_minutes=10, host_timeout_minutes=60):
     """Start torch.distributed if launched by torchrun and build the grid. Returns the grid.
 
     Under NCCL this process's GPU is LOCAL_RANK's, made current and bound to the process group (device_id: the
     communicators are created for it at once, not lazily on whatever device is current at the first
-    collective). timeout_minutes: how long a collective may wait for the slowest rank before the job fails;
-    the other ranks wait at a barrier while one writes its share of a multi-GB checkpoint, so it is an hour
-    (torch's default is 10 minutes)."""
-    global grid
+    collective). timeout_minutes: how long a training collective may wait for the slowest rank before the job
+    fails -- what a hung rank costs the job. The waits for one rank's host work (its share of a multi-GB
+    checkpoint, the data's index) take longer and run on host_group(), with host_timeout_minutes."""
+    global grid, host_timeout
+    host_timeout = host_timeout_minutes
     if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1 and not dist.is_initialized():
         backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         device = None
@@ -182,8 +184,21 @@ def init(tensor_parallel_size=1, pipeline_parallel_size=1, backend=None, timeout
             device = torch.device("cuda", local % gpus if gpus else local)
             torch.cuda.set_device(device)
         dist.init_process_group(backend, timeout=datetime.timedelta(minutes=timeout_minutes), device_id=device)
+        host_groups.clear()  # a group of an earlier process group is gone with it
     grid = Grid(tensor_parallel_size, pipeline_parallel_size)
     return grid
+
+
+host_timeout, host_groups = 60, []  # init()'s host_timeout_minutes; the group host_group() made
+
+
+def host_group():
+    """A gloo group of every rank for the waits on one rank's host work (a checkpoint's files, the data's index),
+    with init()'s host timeout: a slow disk does not trip the training collectives' shorter one, which stays what a
+    hang costs. Made at the first call, which every rank makes at the same point (new_group is collective)."""
+    if not host_groups:
+        host_groups.append(dist.new_group(backend="gloo", timeout=datetime.timedelta(minutes=host_timeout)))
+    return host_groups[0]
 
 
 # -----------------------------------------------------------------------------

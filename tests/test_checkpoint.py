@@ -382,10 +382,13 @@ def test_async_save_held_until_the_next_step_and_save_writes_what_a_synchronous_
             assert written[name] == expected[iteration][name], (iteration, name)
 
 
-def _async_writer_talks_on_its_own_gloo_group(directory):
-    """On each of 2 ranks: every collective of the background write is on the writer's group, made with
-    backend="gloo" (under NCCL the default group's backend: a barrier of the writer's thread there would queue
-    beside the training's collectives on the GPU), never on the default group; the main thread issues none."""
+def _checkpoint_writes_talk_on_the_host_group(directory):
+    """On each of 2 ranks: every collective of a checkpoint write is on parallel.host_group(), made once with
+    backend="gloo" and the host work's timeout (under NCCL the default group's backend: a barrier of the writer's
+    thread there would queue beside the training's collectives on the GPU, and a slow disk would trip the
+    training's shorter timeout), never on the default group. A background write issues none from the main thread;
+    a synchronous one (async_save off) waits on the same group."""
+    import datetime
     import threading
 
     import torch.distributed as dist
@@ -399,23 +402,29 @@ def _async_writer_talks_on_its_own_gloo_group(directory):
         return call
 
     def new_group(*args, **kwargs):
-        made.append(kwargs.get("backend"))
+        made.append((kwargs.get("backend"), kwargs.get("timeout")))
         return real_new_group(*args, **kwargs)
     try:
         dist.new_group = new_group
         for name in wrapped:
             setattr(dist, name, recording(name))
-        with checkpoint.AsyncWriter() as writer:
-            for iteration in (1, 2):
-                writer.save(directory, iteration, *_state(iteration), write_model_state=parallel.grid.rank == 0)
+        for enabled in (True, False):
+            with checkpoint.AsyncWriter(enabled) as writer:
+                for iteration in (1, 2):
+                    writer.save(f"{directory}/{enabled}", iteration, *_state(iteration),
+                                write_model_state=parallel.grid.rank == 0)
+            if enabled:
+                background, calls[:] = list(calls), []
     finally:
         dist.new_group = real_new_group
         for name, original in wrapped.items():
             setattr(dist, name, original)
-    assert made == ["gloo"] and dist.get_backend(writer.group) == "gloo", made
-    assert calls and all(not main and group is writer.group for main, _, group in calls), calls
-    assert writer.group is not dist.group.WORLD
+    group = parallel.host_group()
+    assert made == [("gloo", datetime.timedelta(minutes=parallel.host_timeout))], made
+    assert dist.get_backend(group) == "gloo" and group is not dist.group.WORLD
+    assert background and all(not main and g is group for main, _, g in background), background
+    assert calls and all(main and g is group for main, _, g in calls), calls
 
 
-def test_async_writer_talks_on_its_own_gloo_group(tmp_path):
-    spawn(_async_writer_talks_on_its_own_gloo_group, 2, 1, 1, str(tmp_path))
+def test_checkpoint_writes_talk_on_the_host_group(tmp_path):
+    spawn(_checkpoint_writes_talk_on_the_host_group, 2, 1, 1, str(tmp_path))
