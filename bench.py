@@ -143,7 +143,7 @@ def measure(argv):
     if cfg.deepspeed:
         model, optimizer = deepspeed_engine.initialize(cfg, model, optimizer)
     scaler = optim.scaler_for(cfg)
-    if launch.compiles(cfg):  # as train.run: on CUDA unless --compile=false
+    if launch.compiles(cfg):  # as train.py: on CUDA unless --compile=false
         parallel.unwrap(model).compile_blocks()
         cross_entropy.compile_chain()
     train_model = model

@@ -13,7 +13,7 @@ os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
 
 @pytest.fixture(autouse=True)
 def _unseeded_dropout_streams():
-    """train.main seeds rng.py's model-parallel dropout stream, a module global: no test inherits another's."""
+    """train.py's main seeds rng.py's model-parallel dropout stream, a module global: no test inherits another's."""
     yield
     import rng
     rng.set_states(None)

@@ -176,7 +176,7 @@ chain = types.SimpleNamespace(max=logits_max, sum_exp=logits_sum_exp, logit_grad
 
 
 def compile_chain(on=True, **kwargs):
-    """torch.compile the elementwise chain (on where the run compiles, train.run): each function a fused kernel
+    """torch.compile the elementwise chain (on where the run compiles, train.py): each function a fused kernel
     or two reading the compute-dtype logits, about 5x their bytes in all against 23x eager (docs/speed.md).
     kwargs go to torch.compile (a backend). on=False puts the eager functions back."""
     for name, fn in (("max", logits_max), ("sum_exp", logits_sum_exp), ("logit_grad", logits_grad)):

@@ -1,7 +1,7 @@
 """DeepSpeed behind the optimizer interface of the trainer: ZeRO and bf16 master weights, nothing else.
 
-    model, optimizer = deepspeed_engine.initialize(cfg, model, optimizer)   # train.main, deepspeed=True
-    loss, grad_norm, num_zeros, outcome = optimizer.finish_step(loss, lr)  # train.train_step, after backward
+    model, optimizer = deepspeed_engine.initialize(cfg, model, optimizer)   # builders.build, deepspeed=True
+    loss, grad_norm, num_zeros, outcome = optimizer.finish_step(loss, lr)  # training.train_step, after backward
 
 Tensor and pipeline parallelism, the micro-batch loop, the loss average, the LR schedule, checkpoints and the
 tied-embedding reduction stay ours; the model stays our GPT, and backward is plain autograd. DeepSpeed brings

@@ -463,7 +463,7 @@ def pipeline_forward_backward(model, batches, loss_scale=1.0, forward_only=False
     Warm-up: stage s runs pp - s - 1 forwards so that the last stage can start; steady state: one forward then
     one backward, so at most pp - s micro-batches hold activations here; cool-down: the remaining backwards
     (PipeDream-Flush, arXiv 2104.04473). Each micro-batch's loss is divided by the number of micro-batches
-    and multiplied by loss_scale before backward, exactly as train.forward_backward does with one stage.
+    and multiplied by loss_scale before backward, exactly as training.forward_backward does with one stage.
     Returns the mean loss on the last stage and 0 elsewhere (average_loss broadcasts the real one). packing(tokens):
     the model's keyword inputs of packed documents (loader.packing), made by every stage from its own copy."""
     g, m = grid, len(batches)

@@ -32,7 +32,7 @@ then the pilot (arm A's default at LRs 1e-2 and 3e-1) must end below the corpus'
 an attention logit of 1e3 at 3e-1, or the rest is refused. --allow_weak_study runs it anyway, with the
 problems written at the top of results.md.
 
-Each run is train.py in a process of its own (`lr_sweep.py --train ARGS`: train.main with denormals flushed, one
+Each run is train.py in a process of its own (`lr_sweep.py --train ARGS`: train.py's main with denormals flushed, one
 thread each, --jobs at a time) in OUT/runs/<arm>/<lever set>/lr<lr>-seed<seed>/: stdout.log, the metrics.jsonl
 train.py writes (every iteration's loss and grad norm, the telemetry every 10), checkpoints every 100 iterations,
 code.json (the code version it trains with: code_version), and result.json, written last. A run whose

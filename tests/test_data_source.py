@@ -158,7 +158,7 @@ def test_skip_lists_leave_the_new_sources_documents_out(npy, tmp_path):
     skip_list.append(skip_path, [{"dataset": path, "documents": culprits}])
     asked = []
 
-    def documents_to_skip(names):  # the callable train.Hooks gives build_data, reading the list with the counts
+    def documents_to_skip(names):  # the callable the callbacks give build_data, reading the list with the counts
         asked.append(names)
         return skip_list.read(skip_path, names, num_documents=[len(documents)])[0]
 

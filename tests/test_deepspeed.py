@@ -1,6 +1,6 @@
 """DeepSpeed (deepspeed_engine.py) trains as the native path does.
 
-One process group per world size (2 and 4 gloo processes) runs train.main over several layouts in turn, which pays
+One process group per world size (2 and 4 gloo processes) runs train.py's main over several layouts in turn, which pays
 DeepSpeed's import and the process start-up once: for each layout the native run, then DeepSpeed at each ZeRO stage
 allowed, 10 iterations each, compared inside the workers -- lm loss and grad norm at every iteration (relative: the
 README's 6e-5 and 7e-4 under bf16, 1e-5 under fp32), Adam's step counter at 10, the two copies of the tied
@@ -30,7 +30,7 @@ BF16_REL = (6e-5, 7e-4)  # DeepSpeed bf16 against native bf16, lm loss and grad 
 
 
 class Recorder:
-    """train.main, with spies on the model and optimizer it builds and on each train_step's
+    """train.py's main, with spies on the model and optimizer it builds and on each train_step's
     (loss, grad norm, outcome)."""
 
     def __init__(self):

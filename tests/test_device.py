@@ -62,7 +62,7 @@ def test_init_ignores_the_ambient_device(switches):
 
 
 def test_build_model_ignores_the_ambient_device():
-    """model.build_model for the CPU called inside another ambient device builds the same model, on the CPU."""
+    """builders.build_model for the CPU called inside another ambient device builds the same model, on the CPU."""
     import arguments
     cfg = arguments.prepare(arguments.load_config(["--num_layers=2", "--hidden_size=32", "--num_attention_heads=4",
                                                    "--seq_length=16", "--vocab_size=1000", "--seed=5",
