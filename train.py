@@ -74,42 +74,42 @@ def run(cfg, grid, exit_signal=lambda: False, writer=None, callbacks=NO_CALLBACK
     callbacks.start(parts, report, train_data)
     first_iteration, job_start = state.iteration, time.time()
     model.train()
-    prefetcher = loader.batch_prefetcher(train_data, schedule, cfg, device)
-    while not schedule.done(state):
-        t0, n = time.time(), state.iteration + 1
-        it = Iteration(n, state.consumed_samples, schedule.batch_size(state.consumed_samples), schedule.seqlen(n))
-        step, skip = None, "skip_train_iteration_range" if schedule.skipped(n) else callbacks.skip(n)
-        if skip:  # drawn and thrown away: later iterations see the batches an unskipped run sees (lesson 9)
-            report.skipped(n, state, it.batch_size, skip)
-        else:  # the batch, its learning rate, the step
-            it.batches = loader.to_device(prefetcher.get((n, it.first_sample, it.batch_size, it.seqlen)), device)
-            it.lr = schedule.lr_at(n, state)
-            callbacks.before_step(it)
-            step = train_step(model, parts.optimizer, parts.scaler, it.batches, it.lr, cfg, device,
-                              count_zeros=n % cfg.log_interval == 0, callbacks=callbacks, timer=report.timer)
-            step = callbacks.check_step(it, step)
-            report.step(step, it.lr)
-        state.advance(it.batch_size, it.seqlen, applied=step is not None and step.outcome == "ok", step=step)
-        report.timed(time.time() - t0)
-        if step is not None and callbacks.after_step(it, step):  # the stability layer rolled the run back
-            report.restart_interval()  # an abandoned timeline
-            continue
-        # log, check the TP replicas (lesson 18), evaluate
-        report.log(n, state, it.batch_size, it.seqlen, parts.scaler.scale)
-        if grid.tp_size > 1 and cfg.tp_replica_check_interval and n % cfg.tp_replica_check_interval == 0:
-            check_tp_replicas(model, parts.optimizer, n, cfg.tp_replica_resync)
-        last = schedule.done(state)
-        if valid_data is not None and cfg.eval_iters > 0 and (last or n % cfg.eval_interval == 0):
-            report.validation(n, state, evaluate(model, valid_data, cfg, device))
-        # save, and stop when the job's time is up
-        why_exit = exit_reason(cfg, n - first_iteration, job_start, exit_signal)
-        if cfg.save and (last or why_exit or (cfg.save_interval and n % cfg.save_interval == 0)):
-            run_state.save(parts, writer)
-        callbacks.after_iteration(n)
-        if why_exit:
-            print0(f"exiting at iteration {n} ({why_exit})")
-            break
-    prefetcher.close()
+    # closed however the loop ends (a callback's StopRun too): no thread is left loading when the process exits
+    with loader.batch_prefetcher(train_data, schedule, cfg, device) as prefetcher:
+        while not schedule.done(state):
+            t0, n = time.time(), state.iteration + 1
+            it = Iteration(n, state.consumed_samples, schedule.batch_size(state.consumed_samples), schedule.seqlen(n))
+            step, skip = None, "skip_train_iteration_range" if schedule.skipped(n) else callbacks.skip(n)
+            if skip:  # drawn and thrown away: later iterations see the batches an unskipped run sees (lesson 9)
+                report.skipped(n, state, it.batch_size, skip)
+            else:  # the batch, its learning rate, the step
+                it.batches = loader.to_device(prefetcher.get((n, it.first_sample, it.batch_size, it.seqlen)), device)
+                it.lr = schedule.lr_at(n, state)
+                callbacks.before_step(it)
+                step = train_step(model, parts.optimizer, parts.scaler, it.batches, it.lr, cfg, device,
+                                  count_zeros=n % cfg.log_interval == 0, callbacks=callbacks, timer=report.timer)
+                step = callbacks.check_step(it, step)
+                report.step(step, it.lr)
+            state.advance(it.batch_size, it.seqlen, applied=step is not None and step.outcome == "ok", step=step)
+            report.timed(time.time() - t0)
+            if step is not None and callbacks.after_step(it, step):  # the stability layer rolled the run back
+                report.restart_interval()  # an abandoned timeline
+                continue
+            # log, check the TP replicas (lesson 18), evaluate
+            report.log(n, state, it.batch_size, it.seqlen, parts.scaler.scale)
+            if grid.tp_size > 1 and cfg.tp_replica_check_interval and n % cfg.tp_replica_check_interval == 0:
+                check_tp_replicas(model, parts.optimizer, n, cfg.tp_replica_resync)
+            last = schedule.done(state)
+            if valid_data is not None and cfg.eval_iters > 0 and (last or n % cfg.eval_interval == 0):
+                report.validation(n, state, evaluate(model, valid_data, cfg, device))
+            # save, and stop when the job's time is up
+            why_exit = exit_reason(cfg, n - first_iteration, job_start, exit_signal)
+            if cfg.save and (last or why_exit or (cfg.save_interval and n % cfg.save_interval == 0)):
+                run_state.save(parts, writer)
+            callbacks.after_iteration(n)
+            if why_exit:
+                print0(f"exiting at iteration {n} ({why_exit})")
+                break
     report.close()
     callbacks.close()
     print_sample(cfg, model, device)

@@ -1,4 +1,4 @@
-"""A rank that fails ends the job: under torchrun the others do not wait in a collective for
+"""A rank that fails ends the job, and a run stopped on purpose ends clean. Under torchrun the others do not wait in a collective for
 distributed_timeout_minutes (a hung 104B job idles every GPU meanwhile). Under srun, `--kill-on-bad-exit=1` in
 docs/parallelism.md's recipe does what torchrun's agent does here (tests/test_safety.py checks the recipe has it)."""
 import os
@@ -7,7 +7,9 @@ import sys
 
 import pytest
 
-from helpers import E2E_ARGS, ROOT, free_port, synthetic_corpus  # noqa: F401 (synthetic_corpus: a fixture)
+import builders
+import training
+from helpers import E2E_ARGS, ROOT, SMALL, corpus, free_port, run_main, synthetic_corpus  # noqa: F401 (fixtures)
 
 # train.py on each rank, its second step failing on rank 1 as a lost GPU would (an exception out of the step)
 FAILING_RANK = """
@@ -42,3 +44,22 @@ def test_one_failing_rank_ends_a_torchrun_job(synthetic_corpus, tmp_path):
     assert proc.returncode != 0, out[-3000:]
     assert "an illegal memory access was encountered (injected)" in out, out[-3000:]
     assert " iteration        1/" in out and " iteration        2/" not in out, out[-3000:]  # stopped at the failure
+
+
+class StopsAtTwo(training.Callback):
+    """Stops the run on purpose at its second iteration, as the spike guard at a cap does (having saved)."""
+
+    def after_step(self, it, step):
+        if it.number == 2:
+            raise training.StopRun("stopped on purpose")
+        return False
+
+
+def test_a_callback_that_stops_the_run_leaves_no_thread_loading(corpus, monkeypatch):
+    """The batch prefetcher's thread is joined however the loop ends: a thread still loading when the process exits
+    can abort it ("terminate called without an active exception", exit 134 instead of the stop's 3)."""
+    import threading
+    monkeypatch.setattr(builders, "build_callbacks", lambda *args: training.Callbacks([StopsAtTwo()]))
+    with pytest.raises(training.StopRun, match="stopped on purpose"):
+        run_main(*SMALL, f"--data_path={corpus}", "--train_iters=5")
+    assert [t.name for t in threading.enumerate() if t.name == "batch-prefetch" and t.is_alive()] == []
