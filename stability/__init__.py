@@ -1,36 +1,95 @@
 """The stability layer: what the run does about instabilities by itself, as callbacks the loop calls
-(training.Callback).
+(training.Callback), one per concern, each with its own config section and its own state in the checkpoint.
 
-    hooks.py        StabilityHooks: what the loop's named points do, and in which order
-    spike_guard.py  the spike guard: detection, diagnosis (forensics), decisions, the precursor rung
-    snapshots.py    the copies of the run a rollback returns to, and their cost in host memory
-    skip_list.py    the documents behind data-driven spikes, which the data then leaves out
-    faults.py       fault injection: spikes made on purpose
-    telemetry.py    per-layer probes: norms, activations, attention logits and entropy, log Z
-    config.py       the layer's keys and their checks
+    faults.py      Faults: spikes made on purpose (fault injection)
+    guard.py       Guard: the spike guard's decisions carried out; Precursor: its early rung; Forensics: a suspect
+                   step replayed and tested
+    spike_guard.py the guard's decisions (skip, rollback, LR cut, stop) and the run's timeline
+    detector.py    is a step a spike: the trend lines and the rules
+    diagnosis.py   why it spiked: replay, fp32 replay, weights, counterfactual; the samples behind it named
+    telemetry.py   Recording: per-layer probes (norms, activations, attention logits and entropy, log Z)
+    soft_skip.py   SoftSkip: a step far above its trend taken with less weight
+    snapshots.py   Snapshotting: the copies of the run a rollback returns to, and their cost in host memory
+    skip_list.py   SkipList: the documents behind data-driven spikes, which the data then leaves out
+    config.py      the layer's keys, their checks, and each callback's section of them
 
-The dependency runs one way: these files use the core (step, model, parallel, optim, schedule, ...), and no
-core module imports them; builders.build_callbacks wires them in when the run asks for any of them.
+The dependency runs one way: these files use the core (training, model, parallel, optim, schedule, ...), and no core
+module imports them; builders.build_callbacks wires them in when the run asks for any of them. This file imports
+none of them until a switch asks.
 """
+from dataclasses import dataclass, field
+
+DECIDED = "a checkpoint's guard decisions"  # not a key: the guard's entry is built for them too (wanted())
+
+# The callbacks in the order they act (training.Callbacks calls each event in list order): (the switches that
+# build it, "module.Class" in stability/). Adding a check is a class and a line here (docs/forking.md).
+REGISTRY = [
+    # first: the fault is in the batch, the LR and the weights every callback after it sees (the guard judges
+    # it, the forensics replay it); its gradient flip comes before telemetry reads the gradients
+    (("inject_bad_batch_iters", "inject_degenerate_iters", "inject_lr_iters", "inject_bitflip_iters",
+      "inject_numerical_iters"), "faults.Faults"),
+    # before telemetry: the forwards that measure the run's nondeterminism as the guard arms are not probed;
+    # before the soft skip: a vetoed update is not scaled too. Also with the faults in time: it keeps the timeline
+    (("spike_guard", "spike_guard_precursor", "inject_lr_iters", "inject_bitflip_iters", DECIDED), "guard.Guard"),
+    # its record finished before the forensics replay the step: the probes see the step, not its replays
+    (("telemetry_interval",), "telemetry.Recording"),
+    # after telemetry: reads this iteration's record
+    (("spike_guard_precursor",), "guard.Precursor"),
+    # after telemetry's record and before the guard's decision (after_step), which reads its diagnosis
+    (("spike_guard",), "guard.Forensics"),
+    # after the guard's veto: scales only an update that is applied
+    (("soft_skip_loss_ratio",), "soft_skip.SoftSkip"),
+    # last: a snapshot holds the iteration as every other callback left it
+    (("spike_guard",), "snapshots.Snapshotting"),
+    # anywhere: it acts when the data is built, before the loop
+    (("skip_documents",), "skip_list.SkipList"),
+]
 
 # The keys that ask for the layer: with none set (and no decision of it in the checkpoint), it is not built.
-SWITCHES = ("spike_guard", "soft_skip_loss_ratio", "telemetry_interval", "skip_documents", "spike_guard_precursor",
-            "inject_bad_batch_iters", "inject_lr_iters", "inject_bitflip_iters", "inject_numerical_iters",
-            "inject_degenerate_iters")
+SWITCHES = tuple(dict.fromkeys(key for keys, _ in REGISTRY for key in keys if key != DECIDED))
+
+
+@dataclass
+class Shared:
+    """What the callbacks share, handed to each at construction: the checkpoint writer (a rollback waits for it,
+    a stop saves through it); the spike guard (spike_guard.SpikeGuard: the detector's statistics, the decisions,
+    the run's timeline, the diagnosis of the current step); the snapshots a rollback returns to; the callbacks
+    built before this one, by name."""
+    writer: object
+    guard: object
+    snapshots: object
+    built: dict = field(default_factory=dict)
+
+
+def switched_on(cfg, saved_state=None):
+    """The switches set, and DECIDED for a checkpoint whose guard decided something that holds (skip ranges, an
+    LR factor: a resumed run honours them with the guard off too)."""
+    import run_state
+    on = {key for key in SWITCHES if getattr(cfg, key)}
+    guard = run_state.callback_states(saved_state or {}).get("spike_guard") or {}
+    return on | ({DECIDED} if guard.get("decisions") or guard.get("skip_ranges") else set())
 
 
 def wanted(cfg, saved_state=None):
-    """Does this run need the layer: a switch set, or a checkpoint whose guard decided something that holds (skip
-    ranges, an LR factor, its counters: a resumed run honours them with the guard off too)?"""
-    import run_state
-    guard = run_state.callback_states(saved_state or {}).get("spike_guard") or {}
-    return any(getattr(cfg, key) for key in SWITCHES) or bool(guard.get("decisions") or guard.get("skip_ranges"))
+    """Does this run need the layer?"""
+    return bool(switched_on(cfg, saved_state))
 
 
 def build_callbacks(cfg, writer=None, saved_state=None):
-    """The run's callbacks (a training.Callbacks), or None when it needs none."""
-    if not wanted(cfg, saved_state):
+    """The run's callbacks (a training.Callbacks) in REGISTRY's order, each built when one of its switches is on;
+    None when the run needs none."""
+    on = switched_on(cfg, saved_state)
+    if not on:
         return None
+    import importlib
+
+    from stability.snapshots import Snapshots
+    from stability.spike_guard import SpikeGuard
     from training import Callbacks
-    from stability.hooks import StabilityHooks
-    return Callbacks([StabilityHooks(cfg, writer)])
+    shared = Shared(writer, SpikeGuard(cfg), Snapshots(cfg))
+    for switches, where in REGISTRY:
+        if on & set(switches):
+            module, name = where.rsplit(".", 1)
+            callback = getattr(importlib.import_module(f"stability.{module}"), name)(cfg, shared)
+            shared.built[callback.name] = callback
+    return Callbacks(shared.built.values())

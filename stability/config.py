@@ -1,11 +1,14 @@
 """The stability layer's keys and their checks: the spike guard (lesson 21), the soft skip, telemetry, the skip list
 and fault injection. arguments.Config is made of each owner's keys; this file is the stability layer's part.
 
+Each callback of the layer reads its own section of the config once, when it is built: a small dataclass below
+whose fields are the keys it reads, by their names (section()).
+
 The dependency runs from this layer to the core, never back: the checks below use the core's rules
 (schedule.parse_iteration_ranges), and spike_guard is imported inside check() only.
 """
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import schedule
 
@@ -103,3 +106,72 @@ def check(cfg):
              "thresholds measured on the stability lab's clean runs; tools/precursors.py measures yours)")
         need(cfg.telemetry_interval > 0, "spike_guard_precursor reads the telemetry: set telemetry_interval (e.g. 10)")
     need(0 < cfg.spike_guard_precursor_lr_factor <= 1, "spike_guard_precursor_lr_factor must be in (0, 1]")
+
+
+# -----------------------------------------------------------------------------
+# Each callback's section: the keys it reads, by their names
+
+
+def section(cls, cfg):
+    """The dataclass cls filled from cfg: each field the key of its name, read once."""
+    return cls(**{f.name: getattr(cfg, f.name) for f in fields(cls)})
+
+
+@dataclass(frozen=True)
+class DetectorConfig:  # detector.Detector: what a spike is
+    spike_guard_window: int
+    spike_guard_min_steps: int
+    spike_guard_zscore: float
+    spike_guard_ema_ratio: float
+    spike_guard_grad_norm_ratio: float
+    spike_guard_rise_steps: int
+    clip_grad: float  # the grad norm's stand-in bar before it has a trend
+
+
+@dataclass(frozen=True)
+class LadderConfig:  # spike_guard.SpikeGuard: what a spike calls for
+    spike_guard: bool
+    spike_guard_max_skips: int
+    spike_guard_rewind: int
+    spike_guard_skip_after: int
+    spike_guard_snapshot_interval: int  # how far back the LRs a rollback would replay are kept
+    spike_guard_lr_factor: float
+    spike_guard_reset_optimizer: bool
+    spike_guard_max_rollbacks: int
+    spike_guard_max_skipped_iters: int
+    spike_guard_max_hardware_faults: int
+    spike_guard_max_numerical: int
+
+
+@dataclass(frozen=True)
+class PrecursorConfig:  # spike_guard.precursor_rung
+    spike_guard_precursor: str | None
+    spike_guard_precursor_threshold: float | None
+    spike_guard_precursor_lr_factor: float
+    adam_eps: float  # grad_rms_over_eps is measured against it
+
+
+@dataclass(frozen=True)
+class SoftSkipConfig:  # soft_skip.SoftSkip
+    soft_skip_loss_ratio: float
+    spike_guard_min_steps: int  # the trend is the guard's line, over as many steps as the guard needs
+    spike_guard_window: int
+
+
+@dataclass(frozen=True)
+class FaultsConfig:  # faults.Faults
+    inject_bad_batch_iters: list | None
+    inject_lr_iters: list | None
+    inject_lr_factor: float
+    inject_lr_persistent: bool
+    inject_degenerate_iters: list | None
+    inject_degenerate_kind: str
+    inject_degenerate_fraction: float
+    inject_bitflip_iters: list | None
+    inject_bitflip_rank: int
+    inject_bitflip_target: str
+    inject_bitflip_bit: int
+    inject_bitflip_element: int
+    inject_numerical_iters: list | None
+    seed: int  # the faults' generators are seeded by (seed, iteration)
+    vocab_size: int  # random tokens are drawn from it

@@ -10,26 +10,64 @@
                              flips on rank inject_bitflip_rank
     inject_numerical_iters   a cancellation that half precision loses and fp32 keeps
 
-An LR spike and a bit flip are events in time: a replay or a rollback does not meet them again
-(SpikeGuard.meets_fault). The ranges are parsed once, when the run starts.
+An LR spike and a bit flip are events in time: a replay or a rollback does not meet them again. The spike guard
+keeps the run's timeline (spike_guard.SpikeGuard.meets_fault), and is told of the LRs a replay would not get
+(note_lr). The ranges are parsed once, when the run starts.
 """
 import torch
 
 import parallel
 import schedule
+import training
+from stability.config import FaultsConfig, section
 
 
-class Faults:
-    """The configured faults, asked at each iteration whether they strike it."""
+class Faults(training.Callback):
+    """The configured faults, asked at each iteration whether they strike it. As a callback: the batch and LR
+    replaced before the step, a gradient bit flipped after the all-reduce, the numerical fault's hook on during
+    the step (and its replays), a weight bit flipped after an applied step."""
+    name = "faults"
 
-    def __init__(self, cfg):
-        self.cfg = cfg
+    def __init__(self, cfg, shared=None):
+        self.cfg = section(FaultsConfig, cfg)
+        # the run's timeline (the guard's): which passes meet an event in time
+        self.timeline = shared.guard if shared is not None else None
+        self.numerical_hook = self.flip_grad = self.flip_weight = None
         parse = schedule.parse_iteration_ranges
         self.bad_batch_ranges = parse(cfg.inject_bad_batch_iters, "inject_bad_batch_iters")
         self.lr_ranges = parse(cfg.inject_lr_iters, "inject_lr_iters")
         self.bitflip_ranges = parse(cfg.inject_bitflip_iters, "inject_bitflip_iters")
         self.numerical_ranges = parse(cfg.inject_numerical_iters, "inject_numerical_iters")
         self.degenerate_ranges = parse(cfg.inject_degenerate_iters, "inject_degenerate_iters")
+
+    def before_step(self, it):
+        n = it.number
+        it.batches = self.degenerate_batches(n, self.bad_batches(n, it.batches))
+        factor = self.lr_factor(n, self.timeline)
+        if factor != 1.0:
+            if not self.cfg.inject_lr_persistent:  # once in time: a replay of this iteration would not meet it
+                self.timeline.note_lr(n, it.lr, it.lr * factor)
+            it.lr = it.lr * factor
+        self.numerical_hook = self.numerical(n, self.model)
+        self.flip_weight = self.bitflip(n, self.timeline, "weight")
+        self.flip_grad = self.bitflip(n, self.timeline, "grad")
+
+    def start(self, parts, report, train_data):
+        self.model = parts.model
+
+    def on_grads(self, model, loss_scale):
+        if self.flip_grad is not None:
+            self.flip_grad(model)
+
+    def after_step(self, it, step):
+        # the numerical fault stayed on for the step's replays (diagnosis.investigate); the weight flips after
+        # the step that stands, before the guard's decision and the snapshot see it
+        if self.numerical_hook is not None:
+            self.numerical_hook.remove()
+        if self.flip_weight is not None and step.outcome == "ok":
+            self.flip_weight(self.model)
+        self.numerical_hook = self.flip_weight = self.flip_grad = None
+        return False
 
     def generator(self, iteration, ranges, salt):
         """A CPU generator seeded by (seed, iteration) when the iteration is in the ranges, else None."""

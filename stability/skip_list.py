@@ -1,6 +1,6 @@
 """Skip lists: documents that no sample takes -- the culprits of a data-driven spike (docs/spike_guard.md).
 
-The spike guard appends the samples behind a data-driven spike to SAVE/skip_documents.jsonl (spike_guard.name_samples),
+The spike guard appends the samples behind a data-driven spike to SAVE/skip_documents.jsonl (diagnosis.name_samples),
 one JSON line a sample:
 
     {"iteration": 30, "sample": 239, "loss": 6.645, "dataset": "data/shakespeare-v2", "dataset_index": 0,
@@ -11,9 +11,10 @@ documents: the ids (in PREFIX.idx) of the documents whose tokens the sample hold
 "dataset" and "documents" are read, so a list written by hand needs no more; delete a line to keep its documents.
 
 `skip_documents=FILE` hands the list to data.py, which leaves those documents out when it builds the sample index
-(data.index_arrays): each epoch's document order is drawn as before and the listed documents are taken out, so the
-others keep their order. The samples, cut from the shorter stream, change: a run resumed with another list goes on
-in another sample order, as with another seed; the index cache is named after the list, never reused across lists.
+(data.index_arrays): each epoch's document order is drawn as without a list and the listed documents are taken
+out, so the others keep their order. The samples, cut from the shorter stream, change: a run resumed with another
+list goes on in another sample order, as with another seed; the index cache is named after the list, never reused
+across lists.
 """
 import json
 import os
@@ -21,6 +22,26 @@ import os
 import numpy as np
 
 import data
+import training
+from report import print0
+
+
+class SkipList(training.Callback):
+    """skip_documents=FILE: the data leaves out the documents the list names (training.Callback.documents_to_skip).
+    loader.build_data hands the names of the data source's collections (loader.DataSource.documents) and reads
+    their sizes from PREFIX.idx; given (name, number of documents) pairs, those counts are checked instead, which
+    is what a data source that is not Megatron's files needs."""
+    name = "skip_list"
+
+    def __init__(self, cfg, shared=None):
+        self.path = cfg.skip_documents
+
+    def documents_to_skip(self, collections):
+        pairs = [c for c in collections if not isinstance(c, str)]
+        names = [c[0] for c in pairs] if pairs else list(collections)
+        counts = [c[1] for c in pairs] if pairs else None
+        print0(summary(self.path, names, counts))
+        return read(self.path, names, counts)[0]
 
 
 def sample_documents(dataset, index, length=None):
@@ -73,10 +94,12 @@ def read(path, prefixes, num_documents=None):
     return skips, sorted(others)
 
 
-def summary(path, prefixes):
-    """What a skip list takes out of this run's data, in one line (read's checks included)."""
-    skips, others = read(path, prefixes)
-    parts = [f"{len(ids)} of {prefix} ({int(data.IndexedDataset(prefix).sizes[ids].sum(dtype=np.int64)):,} tokens)"
+def summary(path, prefixes, num_documents=None):
+    """What a skip list takes out of this run's data, in one line (read's checks included); the tokens counted for
+    PREFIX.bin/.idx files (num_documents None)."""
+    skips, others = read(path, prefixes, num_documents)
+    parts = [f"{len(ids)} of {prefix}" + ("" if num_documents else
+             f" ({int(data.IndexedDataset(prefix).sizes[ids].sum(dtype=np.int64)):,} tokens)")
              for prefix, ids in zip(prefixes, skips) if len(ids)]
     return (f"skip_documents {path}: documents never sampled: {', '.join(parts) or 'none'}"
             + (f"; entries for datasets not in data_path ignored: {', '.join(others)}" if others else "")

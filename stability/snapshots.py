@@ -17,6 +17,7 @@ import checkpoint
 import parallel
 import run_state
 import schedule
+import training
 from report import print0
 
 HOST_SHARE = 0.75  # of the node's memory the snapshots may take; the rest: the processes, data workers, page cache
@@ -39,18 +40,24 @@ class Snapshots:
         self.keep = keep(cfg)
         self.items = []  # (iteration, snapshot or its file, event or None, buffers), oldest first
         self.dir = cfg.spike_guard_snapshot_dir if self.keep else None
-        if model is not None and self.keep:
-            one, node = rank_snapshot_bytes(cfg, model), node_memory()
-            if dist.is_initialized():  # the largest rank's and the smallest node's: one verdict on every rank
-                both = torch.tensor([one, -node], dtype=torch.int64, device=parallel.comm_device())
-                dist.all_reduce(both, op=dist.ReduceOp.MAX)
-                one, node = both[0].item(), -both[1].item()
-            check_host_memory(cfg, one, int(os.environ.get("LOCAL_WORLD_SIZE", "1")), node)
+        if model is not None:
+            self.check_fits(model)
         if self.dir:
             os.makedirs(self.dir, exist_ok=True)
             for leftover in glob.glob(self.path("*") + "*"):  # this rank's, from a run that crashed
                 os.remove(leftover)
             self.writer = checkpoint.AsyncWriter()
+
+    def check_fits(self, model):
+        """Refuse (ValueError) snapshots that would not fit in the node's memory; model: this rank's."""
+        if not self.keep:
+            return
+        one, node = rank_snapshot_bytes(self.cfg, model), node_memory()
+        if dist.is_initialized():  # the largest rank's and the smallest node's: one verdict on every rank
+            both = torch.tensor([one, -node], dtype=torch.int64, device=parallel.comm_device())
+            dist.all_reduce(both, op=dist.ReduceOp.MAX)
+            one, node = both[0].item(), -both[1].item()
+        check_host_memory(self.cfg, one, int(os.environ.get("LOCAL_WORLD_SIZE", "1")), node)
 
     def path(self, iteration):
         return os.path.join(self.dir, f"snapshot-rank{parallel.grid.rank:05d}-iteration{iteration}.pt")
@@ -132,6 +139,25 @@ class Snapshots:
         print0(f"spike guard: rolled back to iteration {target}" + (
             f"; iterations {decision['start']}-{decision['end']} will be skipped" if skipping else ""))
         return target
+
+
+class Snapshotting(training.Callback):
+    """The snapshots (the store the guard and its forensics share, stability.Shared) checked to fit at the start,
+    taken after each spike_guard_snapshot_interval-th iteration, deleted at the end."""
+    name = "snapshots"
+
+    def __init__(self, cfg, shared):
+        self.snapshots = shared.snapshots
+
+    def start(self, parts, report, train_data):
+        self.parts = parts
+        self.snapshots.check_fits(parts.model)
+
+    def after_iteration(self, iteration):
+        self.snapshots.maybe_take(iteration, self.parts)
+
+    def close(self):
+        self.snapshots.close()
 
 
 def keep(cfg):

@@ -50,34 +50,27 @@ But the causes call for different remedies, so the guard asks why before it acts
   warn       (precursor_rung(), off by default) a telemetry precursor past its threshold cuts the LR once, before
              any spike (docs/spike_guard.md, section 7).
 
+The detection is detector.py's (this class builds on its Detector), the diagnosis diagnosis.py's; this file holds
+the decisions and the caps. The points of the loop where each part acts are the callbacks of guard.py.
+
 The guard's state has two parts. Its statistics (the recent losses and grad norms) belong to the weights and are
 rolled back with them; its decisions (skip ranges, LR factor, counters, faults per rank, the decision log) are
-history and never are. Every replica decides from DP rank 0's numbers (agreed()), so replicas cannot split.
+history and never are. Every replica decides from DP rank 0's numbers (training.agree), so replicas cannot split.
 
-Fault injection, to make a spike on purpose (Megatron-LM's --error-injection-*): `inject_bad_batch_iters`
-replaces the batches of those iterations by random token ids (data: it comes back when the iterations are run
-again), `inject_lr_iters` multiplies their LR by `inject_lr_factor` (schedule.lr_at), `inject_bitflip_iters`
-flips a bit of a reduced gradient, or of a weight after the update (`inject_bitflip_target`), on
-`inject_bitflip_rank` (bitflip()); these two are events in time: a replay or a rollback does not meet them again
-(SpikeGuard.meets_fault). `inject_numerical_iters` adds a cancellation that half precision loses and fp32 keeps
-(inject_numerical()).
+Fault injection (faults.py) makes spikes on purpose; an injected LR spike or bit flip is an event in time, and
+the guard keeps the run's timeline that says whether a pass meets it (meets_fault) and whether a rollback would
+replay the same LRs (note_lr, replays_same_lrs).
 """
-import collections
+
 import math
 import socket
 
-import torch
-import torch.distributed as dist
-
-import checkpoint
-import loader
-import optim
 import parallel
-import precision
 import schedule
 import training
 from report import print0
-from stability import skip_list
+from stability.config import DetectorConfig, LadderConfig, section
+from stability.detector import Detector
 
 EXIT_CODE = 3
 
@@ -87,113 +80,13 @@ class SpikeGuardStop(training.StopRun):
     exit_code = EXIT_CODE
 
 
-# -----------------------------------------------------------------------------
-# Detection and decisions
+class SpikeGuard(Detector):
+    """The detector's statistics and rules (detector.Detector), and the decisions taken from them."""
 
-
-class Series:
-    """One watched number (the loss, or the logarithm of the grad norm), judged against its own trend.
-
-    A z-score over a long window fails on a loss that is still falling fast: the window's spread is the fall
-    itself, so a 50% jump can be under 6 std. Here a line is fitted to the last FIT applied values, and a step is
-    judged by how far it lands above the line's next point, in units of the scatter: 1.4826 x the median of the
-    line's past prediction errors (each value against the line fitted to the FIT values before it), robust to a
-    spike that got through. The residuals around the line itself measure the scatter too, but over 16 points they
-    are often small by chance: a clean 3,000-iteration run had a batch 3.4 noise widths above its trend called
-    12 "spreads" (docs/spike_guard.md, the campaign). Until FIT // 2 prediction errors exist (the first steps,
-    whose fall a line of fewer points would misjudge) the residuals stand in; after, the larger of the two."""
-
-    FIT = 16
-
-    def __init__(self, window, log=False):
-        self.log = log
-        self.values = collections.deque(maxlen=window)  # applied steps (logarithms for the grad norm)
-        self.errors = collections.deque(maxlen=window)  # |value - the line's prediction of it|, from FIT values on
-        self.zs = collections.deque(maxlen=window)  # each applied value's z when it was judged (rising())
-
-    def transform(self, value):
-        return math.log(max(value, 1e-30)) if self.log else float(value)
-
-    def line(self):
-        """(the next point of the line fitted to the last FIT values, the residuals' robust scatter), or None."""
-        ys = list(self.values)[-self.FIT:]
-        n = len(ys)
-        if n < 2:
-            return None
-        xm, ym = (n - 1) / 2, sum(ys) / n
-        slope = sum((i - xm) * (y - ym) for i, y in enumerate(ys)) / sum((i - xm) ** 2 for i in range(n))
-        residuals = sorted(abs(y - ym - slope * (i - xm)) for i, y in enumerate(ys))
-        return ym + slope * (n - xm), 1.4826 * residuals[n // 2]
-
-    def fit(self):
-        """(the line's next point, the scatter to judge it by), or None before two values."""
-        found = self.line()
-        if found is None or len(self.errors) < self.FIT // 2:
-            return found
-        errors = sorted(self.errors)
-        return found[0], max(found[1], 1.4826 * errors[len(errors) // 2])
-
-    def append(self, x):
-        """A transformed value: its z and prediction error first (the line before it), then the value."""
-        found = self.fit()
-        self.zs.append(0.0 if found is None else scatters(x, *found))
-        if len(self.values) >= self.FIT:
-            self.errors.append(abs(x - found[0]))
-        self.values.append(x)
-
-    def record(self, value):
-        self.append(self.transform(value))
-
-    def judge(self, value):
-        """(z, ratio): how many scatters above the line's next point, and its multiple of that value ((0, 1) before
-        two values: an fp16 run's grad norms wait for the loss scale's search, its losses do not)."""
-        if len(self.values) < 2:
-            return 0.0, 1.0
-        x, (p, s) = self.transform(value), self.fit()
-        return scatters(x, p, s), math.exp(x - p) if self.log else (value / p if p > 0 else math.inf)
-
-    def rising(self, z, steps, bar):
-        """Whether a value judged z (judge()) and the last steps - 1 applied ones each landed more than `bar`
-        scatters above their line's prediction: a rise the line follows (an LR too high), none of whose steps is a
-        spike alone."""
-        if len(self.errors) < self.FIT // 2 or len(self.zs) < steps - 1:
-            return False
-        return z > bar and all(past > bar for past in list(self.zs)[len(self.zs) - steps + 1:])
-
-    def expected(self):
-        found = self.fit()
-        return None if found is None else math.exp(found[0]) if self.log else found[0]
-
-    def state(self):
-        return {"values": list(self.values), "errors": list(self.errors), "zs": list(self.zs)}
-
-    def load(self, state):
-        """A snapshot's or checkpoint's state; without its errors and zs (the run's history, RunState.history, or
-        a state written before the zs were kept), they are computed again from the values."""
-        for kept in (self.values, self.errors, self.zs):
-            kept.clear()
-        if state and "zs" in state:
-            self.values.extend(state["values"])
-            self.errors.extend(state["errors"])
-            self.zs.extend(state["zs"])
-            return
-        for x in (state or {}).get("values", []):
-            self.append(x)
-
-
-def scatters(x, predicted, scatter):
-    """How many scatters x lands above the line's prediction."""
-    return (x - predicted) / scatter if scatter > 0 else (math.inf if x > predicted else 0.0)
-
-
-class SpikeGuard:
     def __init__(self, cfg, saved=None):
-        self.cfg = cfg
-        self.enabled = cfg.spike_guard
-        # statistics of applied steps: rolled back with the weights
-        self.series = {"loss": Series(cfg.spike_guard_window), "grad norm": Series(cfg.spike_guard_window, log=True)}
-        self.lr_sum = 0.0  # the learning rates of the applied steps, summed: how far Adam can have moved a weight
-        self.last_applied = None  # [iteration, first sample, micro-batches, seqlen] of the last applied step
+        super().__init__(section(DetectorConfig, cfg))
+        self.ladder = section(LadderConfig, cfg)
+        self.enabled = self.ladder.spike_guard
         # decisions: never rolled back
         self.strikes = []  # iterations of the spikes of the current episode
         self.skip_ranges = []  # [start, end] inclusive, added by rollbacks
@@ -203,31 +96,15 @@ class SpikeGuard:
         self.decisions = []
         self.faults = {}  # DP rank (None: unknown) -> transient faults seen on it
         self.last_run = 0  # the highest iteration run (fault injection happens once in time)
-        self.pending = None  # why the current step is a spike (judge -> update)
-        self.numericals = []  # iterations of the numerical diagnoses of the current window (persistence)
-        self.lrs = {}  # iteration -> (the LR its replay would get, the LR applied): does a rollback change anything?
         self.noise = None  # the run's own nondeterminism: relative difference of a forward and its repeat
+        # the current step: why it is a spike (judge -> update), what the forensics found (-> update)
+        self.pending = self.diagnosis = None
+        self.numericals = []  # iterations of the numerical diagnoses of the current window (persistence)
+        self.lrs = {}  # iteration -> (the LR its replay would get, the LR applied), where they differ
         if saved:
             self.load_state_dict(saved)
 
     # -- state -----------------------------------------------------------------------------------------------
-
-    def stats(self):
-        return {**{name: series.state() for name, series in self.series.items()}, "lr sum": self.lr_sum,
-                "last applied": self.last_applied}
-
-    def load_stats(self, stats=None):
-        """The statistics of a snapshot or checkpoint (None: one written without the guard, start afresh)."""
-        for name, series in self.series.items():
-            series.load((stats or {}).get(name))
-        self.lr_sum = (stats or {}).get("lr sum", 0.0)
-        self.last_applied = (stats or {}).get("last applied")
-
-    def record(self, loss, grad_norm, lr):
-        """An applied step."""
-        self.series["loss"].record(loss)
-        self.series["grad norm"].record(grad_norm)
-        self.lr_sum += lr
 
     def state_dict(self):
         return {"stats": self.stats(), "strikes": list(self.strikes), "skip_ranges": [list(r) for r in
@@ -249,45 +126,16 @@ class SpikeGuard:
     def skips(self, iteration):
         return schedule.in_ranges(iteration, self.skip_ranges)
 
-    def armed(self, state=None):
-        """Judging starts once spike_guard_min_steps applied steps are recorded (its own warm-up: the trend
-        makes the LR warm-up's falling loss and rising grad norm ordinary)."""
-        return self.enabled and len(self.series["loss"].values) >= self.cfg.spike_guard_min_steps
+    def armed(self):
+        """The guard judges when it is on and its detector has its steps (Detector.ready)."""
+        return self.enabled and self.ready()
 
     def judge(self, loss, grad_norm):
         """Before the update (the step's update_factor): why this step is a spike, or None."""
-        cfg, reasons = self.cfg, []
-        judged = {"loss": self.series["loss"].judge(loss), "grad norm": self.series["grad norm"].judge(grad_norm)}
-        for name, value in (("loss", loss), ("grad norm", grad_norm)):
-            series, (z, ratio) = self.series[name], judged[name]
-            bar = cfg.spike_guard_grad_norm_ratio if name == "grad norm" else cfg.spike_guard_ema_ratio
-            if z > cfg.spike_guard_zscore and ratio > bar:
-                reasons.append(f"{name} {value:.4g} is {ratio:.2f}x its trend's {series.expected():.4g}, {z:.1f} "
-                               f"spreads above it")
-        norms = self.series["grad norm"].values
-        if len(norms) < 2 and cfg.clip_grad and grad_norm > cfg.spike_guard_grad_norm_ratio * cfg.clip_grad:
-            # fp16 while the loss scale searches: the losses are recorded, the grad norms are not (inf); until they
-            # have a trend, clip_grad stands in for it
-            reasons.append(f"grad norm {grad_norm:.4g} is {grad_norm / cfg.clip_grad:.2f}x clip_grad (no trend yet)")
-        # a loss off its trend by half the bar, on either side, with an outlying grad norm: a step that moved both.
-        # Above: the default run's LR x30 at 60 (3.9 scatters of a fast fall's errors, grad norm 7.8); below: a
-        # degenerate batch the model finds easy (tr8-104B's backslash-only samples). A grad-norm jump alone under
-        # its bar is a clean run's.
-        (z, ratio), (gz, gratio) = judged["loss"], judged["grad norm"]
-        half, bar = cfg.spike_guard_zscore / 2, cfg.spike_guard_ema_ratio
-        if not reasons and (z > half and ratio > bar or z < -half and ratio < 1 / bar) \
-                and gz > cfg.spike_guard_zscore and gratio > bar:
-            reasons.append(f"loss {loss:.4g} is {ratio:.2f}x its trend's {self.series['loss'].expected():.4g}, "
-                           f"{abs(z):.1f} spreads {'above' if z > 0 else 'below'} it, with grad norm {grad_norm:.4g} "
-                           f"{gratio:.2f}x its trend's")
-        # a slow rise: the line tilts with it, so no step is a spike alone (the campaign's LR x37 from 158 on)
-        steps, losses = cfg.spike_guard_rise_steps, self.series["loss"]
-        if not reasons and steps and losses.rising(z, steps, half):
-            rise = ", ".join(f"{v:.4g}" for v in [*list(losses.values)[-(steps - 1):], loss])
-            reasons.append(f"loss rose {steps} steps in a row, each more than {half:g} spreads above its trend: {rise} "
-                           f"(trend now {losses.expected():.4g})")
-        self.pending = "; ".join(reasons) or None
+        self.pending = super().judge(loss, grad_norm)
         return self.pending
+
+    # -- the run's timeline: what fault injection strikes ----------------------------------------------------
 
     def meets_fault(self, iteration, ranges):
         """Does fault injection strike this iteration? An injected LR spike or bit flip is an event in time:
@@ -299,16 +147,32 @@ class SpikeGuard:
                 return iteration > self.last_run and not rolled_back
         return False
 
+    def note_lr(self, iteration, replayed, applied):
+        """An iteration's LR (applied) that a replay would not get (replayed): fault injection's event in time.
+        Kept as far back as a rollback can reach."""
+        reach = 2 * max(self.ladder.spike_guard_snapshot_interval, 1)
+        self.lrs = {n: lrs for n, lrs in self.lrs.items() if iteration - n <= reach}
+        self.lrs[iteration] = (replayed, applied)
+
+    def replays_same_lrs(self, since, iteration):
+        """Would a rollback to the snapshot of iteration `since` apply the same LRs as the run did since? Only
+        fault injection makes a pass's LR differ from its replay's (an event in time); else, with the data and
+        the RNG streams restored, the run would replay the spike bit for bit."""
+        return all(expected == applied for n, (expected, applied) in self.lrs.items() if since < n <= iteration)
+
+    # -- the decision ----------------------------------------------------------------------------------------
+
     def update(self, iteration, outcome, loss, grad_norm, scaler, diagnosis=None, lr=0.0):
         """After train_step (and investigate()): record an applied step (at learning rate lr), or decide what a
         spike calls for, from its diagnosis. Returns the decision (a dict: action skip | retry | rollback | stop,
         with its reason, cause, evidence and line) or None."""
         self.last_run = max(self.last_run, iteration)
-        if diagnosis is not None and diagnosis["cause"] == "hardware":
+        cause = (diagnosis or {}).get("cause")
+        if cause == "hardware":
             return self._hardware(iteration, outcome, loss, grad_norm, lr, diagnosis)
-        if diagnosis is not None and diagnosis["cause"] == "numerical":
+        if cause == "numerical":
             return self._numerical(iteration, loss, grad_norm, lr, scaler, diagnosis)
-        if diagnosis is not None and diagnosis["cause"] == "persistent":  # a retry on that rank cannot help
+        if cause == "persistent":  # a retry on that rank cannot help
             return self._decide(iteration, "stop", f"persistent fault on DP rank {diagnosis['rank']}: "
                                 f"{diagnosis['evidence']}", "the same rank disagrees on replay: take its node out",
                                 cause="persistent", evidence=diagnosis["evidence"], rank=diagnosis["rank"],
@@ -316,30 +180,41 @@ class SpikeGuard:
         if outcome == "ok":
             self.record(loss, grad_norm, lr)
             return None
-        if not self.enabled:
+        if not self.enabled or self._loss_scale_search(outcome, loss, grad_norm, scaler):
             return None
+        found = self._spike(outcome, loss, grad_norm, scaler)
+        if found is None:
+            return None
+        self.pending = None
+        return self._strike(iteration, outcome, *found, diagnosis)
+
+    def _loss_scale_search(self, outcome, loss, grad_norm, scaler):
+        """An fp16 overflow while the loss scale searches: the loss is the weights' (no update was made), so the
+        guard arms on it even while the scale searches; a fault early in fp16 is judged, not learnt as the trend."""
         if outcome == "skipped" and scaler is not None and scaler.dynamic and math.isfinite(loss) \
                 and not math.isfinite(grad_norm) and scaler.scale > scaler.min_scale:
-            # the loss scale's search: the loss is the weights' (no update was made), so the guard arms on it
-            # even while the scale searches; a fault early in fp16 is judged, not learnt as the trend
             self.series["loss"].record(loss)
-            return None
-        collapse = False
-        if outcome == "vetoed":
-            reason = self.pending
-        elif outcome == "nan":
-            reason = f"the loss is {loss}"
-        elif outcome == "skipped" and not math.isfinite(grad_norm):
-            if scaler.dynamic:  # an fp16 overflow is the loss scaler's business, until the scale has collapsed
-                if scaler.scale > scaler.min_scale:
-                    return None
-                collapse, reason = True, f"the fp16 loss scale collapsed to {scaler.scale}"
-            else:
-                reason = f"the grad norm is {grad_norm}"
-        else:
-            return None  # skip_grad_norm_above: OPT's rule, not a spike
-        self.pending = None
-        cfg = self.cfg
+            return True
+        return False
+
+    def _spike(self, outcome, loss, grad_norm, scaler):
+        """(why this step that applied no update is a spike, whether fp16's loss scale collapsed), or None."""
+        if outcome == "vetoed":  # by the guard's judge (pending), or by another callback: not a spike of its own
+            return (self.pending, False) if self.pending else None
+        if outcome == "nan":
+            return f"the loss is {loss}", False
+        if outcome == "skipped" and not math.isfinite(grad_norm):
+            if not scaler.dynamic:
+                return f"the grad norm is {grad_norm}", False
+            # an fp16 overflow is the loss scaler's business, until the scale has collapsed
+            return (f"the fp16 loss scale collapsed to {scaler.scale}", True) if scaler.scale <= scaler.min_scale \
+                else None
+        return None  # skip_grad_norm_above: OPT's rule, not a spike
+
+    def _strike(self, iteration, outcome, reason, collapse, diagnosis):
+        """A spike, with its diagnosis: skip its update, or at the spike_guard_max_skips-th of an episode (or an
+        optimizer cause, or a collapsed loss scale) roll back."""
+        ladder = self.ladder
         cause = {"cause": diagnosis["cause"], "evidence": diagnosis["evidence"]} if diagnosis else {}
         if diagnosis and diagnosis.get("suspects"):
             cause["suspects"] = diagnosis["suspects"]
@@ -348,45 +223,39 @@ class SpikeGuard:
         if cause.get("cause") == "optimizer":  # the weights are already damaged: skipping updates cannot help
             self.strikes = [iteration]
             return self._rollback(iteration, reason, iteration - 1, None, cause, diagnosis.get("since"))
-        self.strikes = [s for s in self.strikes if iteration - s <= cfg.spike_guard_rewind] + [iteration]
-        if not collapse and len(self.strikes) < cfg.spike_guard_max_skips:
-            if outcome == "vetoed":
-                self.skipped_iters += 1
-            if self.skipped_iters > cfg.spike_guard_max_skipped_iters:
-                return self._decide(iteration, "stop", reason, f"{self.skipped_iters} iterations skipped, more than "
-                                    f"spike_guard_max_skipped_iters={cfg.spike_guard_max_skipped_iters}", **cause)
-            what = "update skipped" if outcome == "vetoed" else "no update"
-            decision = self._decide(iteration, "skip", reason, f"{what} (spike {len(self.strikes)} of "
-                                    f"{cfg.spike_guard_max_skips} before a rollback)", **cause)
-            self.decisions.append(decision)
-            return decision
-        start = max(1, self.strikes[0] - cfg.spike_guard_rewind)
-        return self._rollback(iteration, reason, start, iteration + cfg.spike_guard_skip_after, cause)
-
-    def replays_same_lrs(self, since, iteration):
-        """Would a rollback to the snapshot of iteration `since` apply the same LRs as the run did since? Only
-        fault injection makes a pass's LR differ from its replay's (an event in time); else, with the data and
-        the RNG streams restored, the run would replay the spike bit for bit."""
-        return all(expected == applied for n, (expected, applied) in self.lrs.items() if since < n <= iteration)
+        self.strikes = [s for s in self.strikes if iteration - s <= ladder.spike_guard_rewind] + [iteration]
+        if collapse or len(self.strikes) >= ladder.spike_guard_max_skips:
+            start = max(1, self.strikes[0] - ladder.spike_guard_rewind)
+            return self._rollback(iteration, reason, start, iteration + ladder.spike_guard_skip_after, cause)
+        if outcome == "vetoed":
+            self.skipped_iters += 1
+        if self.skipped_iters > ladder.spike_guard_max_skipped_iters:
+            return self._decide(iteration, "stop", reason, f"{self.skipped_iters} iterations skipped, more than "
+                                f"spike_guard_max_skipped_iters={ladder.spike_guard_max_skipped_iters}", **cause)
+        what = "update skipped" if outcome == "vetoed" else "no update"
+        decision = self._decide(iteration, "skip", reason, f"{what} (spike {len(self.strikes)} of "
+                                f"{ladder.spike_guard_max_skips} before a rollback)", **cause)
+        self.decisions.append(decision)
+        return decision
 
     def _rollback(self, iteration, reason, start, end, cause, since=None):
         """Roll back to before `start` and skip iterations start-end (end None: skip no data). A rollback that
         would replay the same trajectory is never taken: without a data skip, and unless the LRs since the
         snapshot `since` (None: not known) were not the schedule's, the LR is cut from the first rollback on (OPT's
         remedy)."""
-        cfg = self.cfg
+        ladder = self.ladder
         skipping = 0 if end is None else end - start + 1
-        if self.rollbacks >= cfg.spike_guard_max_rollbacks:
+        if self.rollbacks >= ladder.spike_guard_max_rollbacks:
             return self._decide(iteration, "stop", reason, f"another rollback would exceed spike_guard_max_rollbacks"
-                                f"={cfg.spike_guard_max_rollbacks}", start=start, **cause)
-        if self.skipped_iters + skipping > cfg.spike_guard_max_skipped_iters:
+                                f"={ladder.spike_guard_max_rollbacks}", start=start, **cause)
+        if self.skipped_iters + skipping > ladder.spike_guard_max_skipped_iters:
             return self._decide(iteration, "stop", reason, f"skipping iterations {start}-{end} would exceed "
-                                f"spike_guard_max_skipped_iters={cfg.spike_guard_max_skipped_iters}", start=start,
+                                f"spike_guard_max_skipped_iters={ladder.spike_guard_max_skipped_iters}", start=start,
                                 **cause)
         relapse = self.rollbacks > 0
         same = end is None and since is not None and self.replays_same_lrs(since, iteration)
-        lr_scale = self.lr_scale * (cfg.spike_guard_lr_factor if relapse or same else 1.0)
-        reset = relapse and cfg.spike_guard_reset_optimizer
+        lr_scale = self.lr_scale * (ladder.spike_guard_lr_factor if relapse or same else 1.0)
+        reset = relapse and ladder.spike_guard_reset_optimizer
         plan = f"roll back to before iteration {start} and " + (
             "skip no data" if end is None else f"skip iterations {start}-{end}")
         if relapse:
@@ -401,7 +270,7 @@ class SpikeGuard:
         """A transient fault: a step that its replay (or the other DP replicas) did not reproduce -- the retried
         step stands -- or weights that the optimizer cannot have written (diagnosis["rollback"]) -- roll back to
         the snapshot before them. No data is skipped and the LR is not cut. Repeated on one rank: stop, naming it."""
-        cfg, rank, cap = self.cfg, diagnosis["rank"], self.cfg.spike_guard_max_hardware_faults
+        rank, cap = diagnosis["rank"], self.ladder.spike_guard_max_hardware_faults
         rollback = diagnosis.get("rollback", False)
         if outcome == "ok" and not rollback:
             self.record(loss, grad_norm, lr)
@@ -432,13 +301,13 @@ class SpikeGuard:
         episode and never to its floor (a scale of 1 helps no overflow and underflows every small gradient). A
         fault that persists -- spike_guard_max_numerical diagnoses within spike_guard_rewind iterations -- is no
         longer retried step by step: the run saves and stops, naming it (fp32 for each affected step is no plan)."""
-        cfg = self.cfg
+        ladder = self.ladder
         self.record(loss, grad_norm, lr)
-        fresh = not self.numericals or iteration - self.numericals[-1] > cfg.spike_guard_rewind
-        self.numericals = [n for n in self.numericals if iteration - n <= cfg.spike_guard_rewind] + [iteration]
+        fresh = not self.numericals or iteration - self.numericals[-1] > ladder.spike_guard_rewind
+        self.numericals = [n for n in self.numericals if iteration - n <= ladder.spike_guard_rewind] + [iteration]
         reason = f"{self.pending}; numerical: " if self.pending else "numerical: "
         self.pending = None
-        if len(self.numericals) >= cfg.spike_guard_max_numerical:
+        if len(self.numericals) >= ladder.spike_guard_max_numerical:
             return self._decide(iteration, "stop", reason + diagnosis["evidence"], f"a persistent numerical fault: "
                                 f"{len(self.numericals)} half-precision steps since iteration {self.numericals[0]} "
                                 "spiked and their fp32 replays did not; find the operation (tools/whatif.py, "
@@ -470,397 +339,6 @@ class SpikeGuard:
         self.strikes = []
         decision["restored_iteration"] = target
         self.decisions.append({k: v for k, v in decision.items()})
-
-
-def spikes_in(series, cfg, stats=None):
-    """The iterations of a recorded run [(iteration, loss, grad norm)] that the detector calls spikes, fed as
-    train.py feeds it (a spike is not recorded: its update is skipped), from `stats` (a snapshot's) or afresh."""
-    guard = SpikeGuard(cfg)
-    guard.enabled = True
-    guard.load_stats(stats)
-    found = []
-    for iteration, loss, grad_norm in series:
-        if guard.armed() and guard.judge(loss, grad_norm):
-            found.append(iteration)
-        else:
-            guard.update(iteration, "ok", loss, grad_norm, None)
-    return found
-
-
-# -----------------------------------------------------------------------------
-# Forensics: why did this step spike? (lesson 21; PaLM, Megatron-LM's rerun state machine)
-
-SUSPECT = ("vetoed", "nan", "replicas differ")  # the train_step outcomes investigate() looks into
-
-
-def investigate(guard, parts, step, iteration, before, snapshots, rerun, forward, other=None, per_sample=None):
-    """Before the guard acts on a suspect step: (step, diagnosis). The weights and optimizer are still those
-    before the step (a suspect step is never applied); before = (RNG state, loss scaler state) before it.
-    1. replay: the step again, same weights, batch, RNG and loss scaler (rerun(judge, scaler) runs train_step on
-       the run's parts, with its scaler unless another is given). Not reproduced
-       -- the replay is no spike, or the DP replicas disagreed -- is a transient fault ("hardware"): the replay
-       applied its update (the step retried) and its step is returned.
-    2. reproduced: are the weights ones the optimizer can have written? Compared with the newest snapshot two
-       updates or more back, a weight that moved farther than Adam can move it at the LRs applied since was
-       written by something else: a silent corruption ("hardware", rolled back: the replay reproduces it
-       because it is in the state).
-    3. fp16/bf16: the step replayed in fp32 (same batch, RNG and master weights). Ordinary there: "numerical",
-       and the fp32 step was applied and is returned.
-    4. the batch on the model of that snapshot (forward() is the loss of the batch on the live model). Still an
-       outlier against that model's own trend: "data". The batch is ordinary there, the loss is not now: the
-       update went wrong ("optimizer").
-    The verdict between 4's two is a counterfactual, asked on both signs of the loss: other() is another batch (the
-    last applied one) on the same weights, computed and never applied. Ordinary there: the weights are fine and
-    this batch is the cause ("data", however low its loss: a batch of one repeated token has a loss far below its
-    trend and a grad norm far above it). A spike there too: the updates since the snapshot did it ("optimizer";
-    the rollback changes the trajectory, SpikeGuard._rollback). per_sample() gives the batch's per-sample losses:
-    a minority far from the others' median is named (diagnosis "suspects"), with the batch's loss without them.
-    "Reproduced" means a spike again whose loss is within the run's own nondeterminism of the first (guard.noise,
-    measured when the guard arms, as Megatron's rerun state machine measures what it tolerates); a replay on which
-    the same DP rank disagrees again is a persistent fault of that rank, not a transient one.
-    Costs one extra step (two in half precision: one of them in fp32), one more step (not applied) for the
-    counterfactual and two forwards per spike; a clean run never calls it."""
-    model, optimizer = parts.model, parts.optimizer
-    first = f"loss {step.loss:.6g}, grad norm {step.grad_norm:.6g}"
-    rows = list(training.replica_values)
-    differ = [r for r, row in enumerate(rows) if repr(row) != repr(rows[0])]
-    rng_before, scaler_before = before
-    checkpoint.set_rng_state(rng_before)
-    parts.scaler.load_state_dict(scaler_before)  # the step's fp16 overflow counted once, not twice
-    replay = rerun(guard.judge if guard.armed() else None)
-    again = f"loss {replay.loss:.6g}, grad norm {replay.grad_norm:.6g}"
-    rows_again = list(training.replica_values)
-    differ_again = [r for r, row in enumerate(rows_again) if repr(row) != repr(rows_again[0])]
-    if differ and differ_again[:1] == differ[:1]:
-        rank = differ[0]
-        return replay, {"cause": "persistent", "rank": rank, "evidence": f"DP rank {rank} computed loss "
-                        f"{rows[rank][0]:.6g}, DP rank 0 {first}; replayed, DP rank {rank} again: loss "
-                        f"{rows_again[rank][0]:.6g}, DP rank 0 {again}"}
-    tolerance = reproduced_tolerance(guard.noise)
-    close = (not math.isfinite(step.loss) and not math.isfinite(replay.loss)) or \
-        abs(replay.loss - step.loss) <= tolerance * abs(step.loss)
-    if replay.outcome in SUSPECT and not close and not differ:
-        rank = 0 if parallel.grid.dp_size == 1 else None
-        return replay, {"cause": "hardware", "rank": rank, "evidence": f"first {first}; replayed: {again}, a spike "
-                        f"that differs by more than the run's nondeterminism allows ({tolerance:.2g} relative)"}
-    if differ or replay.outcome not in SUSPECT:
-        rank = differ[0] if differ else (0 if parallel.grid.dp_size == 1 else None)
-        if differ:
-            evidence = (f"DP rank {rank} computed loss {rows[rank][0]:.6g}, grad norm {rows[rank][1]:.6g}, DP rank 0 "
-                        f"{first}; replayed: {again}")
-        else:
-            evidence = f"first {first}; replayed: {again}, not reproduced"
-        return replay, {"cause": "hardware", "evidence": evidence, "rank": rank}
-    replayed = f"replayed: {again}, reproduced"
-    found = snapshots.newest_before(iteration - 1)
-    if found is not None:
-        corrupted = corrupted_weights(guard, model, optimizer, iteration, *found)
-        if corrupted is not None:
-            rank, evidence = corrupted
-            return replay, {"cause": "hardware", "evidence": f"{replayed}; {evidence}",
-                            "rank": rank, "rollback": True}
-    if guard.cfg.spike_guard_fp32_replay and precision.name(guard.cfg) != "fp32":
-        exact = replay_in_fp32(guard, rng_before, model, optimizer, rerun)
-        if exact.outcome == "ok":
-            return exact, {"cause": "numerical", "evidence": f"{replayed}; in fp32: loss {exact.loss:.6g}, grad "
-                           f"norm {exact.grad_norm:.6g}, ordinary"}
-        replayed += f"; in fp32: loss {exact.loss:.6g}, grad norm {exact.grad_norm:.6g}, a spike too"
-    if found is None:
-        return replay, {"cause": "data", "evidence": f"{replayed}; no earlier snapshot to "
-                        "test the batch on"}
-    then, payload = found
-    rng_after = checkpoint.rng_state()
-    counterfactual = other() if other is not None else None
-    checkpoint.set_rng_state(rng_after)
-    gpt = parallel.unwrap(model)
-    live = {k: v.detach().to("cpu", copy=True) for k, v in gpt.state_dict().items()}
-    gpt.load_state_dict(payload[0])
-    old = forward()
-    gpt.load_state_dict(live)
-    checkpoint.set_rng_state(rng_after)
-    trend = Series(guard.cfg.spike_guard_window)
-    trend.load(snapshot_stats(payload).get("loss"))
-    expected_then, expected_now = trend.expected(), guard.series["loss"].expected()
-    excess_now = replay.loss - expected_now if math.isfinite(replay.loss) else math.inf
-    excess_then = old - expected_then if expected_then is not None and math.isfinite(old) else math.inf
-    evidence = (f"{replayed}; the batch on the model of iteration {then}: loss {old:.4g}, "
-                f"{excess_then:+.3g} against its trend, now {excess_now:+.3g}")
-    if counterfactual is not None:  # the counterfactual decides, on either sign of the loss
-        (other_step, other_iteration), pending = counterfactual, guard.pending
-        spike_there = (not math.isfinite(other_step.loss) or not math.isfinite(other_step.grad_norm)
-                       or bool(guard.judge(other_step.loss, other_step.grad_norm)))
-        guard.pending = pending
-        data = not spike_there
-        evidence += (f"; without it (iteration {other_iteration}'s batch on these weights): loss "
-                     f"{other_step.loss:.4g}, grad norm {other_step.grad_norm:.4g}, "
-                     + ("a spike too" if spike_there else "ordinary"))
-    else:  # no other batch to ask (the first armed step): the older model's answer, on the loss's sign alone
-        data = excess_then >= 0.5 * excess_now if math.isfinite(excess_now) else not math.isfinite(old)
-    diagnosis = {"cause": "data" if data else "optimizer", "since": then}
-    if data and per_sample is not None:
-        suspects, rest = minority(per_sample())
-        if suspects:
-            expected = expected_now if expected_now is not None else math.nan
-            evidence += (f"; {len(suspects)} samples far from the others (positions {', '.join(map(str, suspects))}), "
-                         f"the batch without them: loss {rest:.4g}, trend {expected:.4g}")
-            diagnosis["suspects"] = suspects
-    diagnosis["evidence"] = evidence + ": the " + (
-        "batch is the outlier" if data else "batch is ordinary, the weights are not")
-    return replay, diagnosis
-
-
-def reproduced_tolerance(noise):
-    """The relative difference between a spike and its replay still called the same: 16x the run's own measured
-    nondeterminism (None: not measured yet), and never under 1e-6 (CPU and deterministic kernels: bit for bit)."""
-    return max(16 * (noise or 0.0), 1e-6)
-
-
-def minority(losses, spread=4.0):
-    """([positions], mean loss of the others): the samples of a batch whose losses lie more than `spread` robust
-    scatters (1.4826 x the median absolute deviation) from the batch's median, on either side, if they are a
-    minority; ([], mean) when none or most are (then the whole batch is the suspect)."""
-    values = sorted(losses)
-    n = len(values)
-    if n < 3:
-        return [], sum(values) / max(n, 1)
-    median = values[n // 2]
-    mad = sorted(abs(v - median) for v in values)[n // 2]
-    bar = max(spread * 1.4826 * mad, 0.05 * abs(median))
-    far = [i for i, v in enumerate(losses) if abs(v - median) > bar]
-    if not far or 2 * len(far) >= n:
-        return [], sum(values) / n
-    kept = [v for i, v in enumerate(losses) if i not in far]
-    return far, sum(kept) / len(kept)
-
-
-def snapshot_stats(payload):
-    """The guard's statistics in a snapshot's (or checkpoint's) run state (run_stats)."""
-    return run_stats(payload[1]["state"])
-
-
-def run_stats(state):
-    """The guard's statistics in a run state (a dict): its own when it was on, else the run's history of applied
-    steps (run_state.RunState.history, kept with the guard off too) in their form; {} for neither."""
-    stats = (state.get("spike_guard") or {}).get("stats")
-    if stats:
-        return stats
-    history = state.get("history") or {}
-    series = {"loss": Series(1), "grad norm": Series(1, log=True)}
-    return {name: {"values": [s.transform(v) for v in history.get(name, [])]} for name, s in series.items()
-            if history.get(name)}
-
-
-def adam_bound(beta1, beta2):
-    """The most one Adam step can move a weight, in units of its learning rate (before weight decay): by
-    Cauchy-Schwarz, |m_hat| / sqrt(v_hat) <= (1 - beta1) / sqrt((1 - beta2) (1 - beta1^2 / beta2)) whatever the
-    gradients (clipped or not) and the step (with a = beta1^t, b = beta2^t, the bias corrections only lower it:
-    (1 - b)(1 - a^2 / b) <= (1 - a)^2 as b + a^2 / b >= 2a); 7.3 at (0.9, 0.999), 1.2 at (0.9, 0.95); no bound
-    when beta1^2 >= beta2."""
-    if beta1 * beta1 >= beta2:
-        return math.inf
-    return (1 - beta1) / math.sqrt((1 - beta2) * (1 - beta1 * beta1 / beta2))
-
-
-@torch.no_grad()
-def corrupted_weights(guard, model, optimizer, iteration, then, payload):
-    """(DP rank, evidence) when some rank holds a weight the optimizer cannot have written since the snapshot of
-    iteration `then`, else None. A weight may move by at most 2 x (sum of the LRs applied since) x (adam_bound +
-    weight decay x |weight|), plus the rounding of its dtype; one that moved farther (or is not finite) was written
-    by something else: a bit flipped in memory. One all-reduce over all ranks of one number per DP rank, so every
-    rank names the same DP rank (the corrupted weight may be on any TP or PP rank of it)."""
-    cfg, g, stats = guard.cfg, parallel.grid, snapshot_stats(payload)
-    if "lr sum" not in stats:  # a checkpoint written before the guard summed its LRs: no bound to test against
-        return None
-    lr_sum = max(guard.lr_sum - stats["lr sum"], 0.0)
-    steps = max(iteration - 1 - then, 1)
-    decay = max([group.get("weight_decay", 0.0) for group in optimizer.param_groups] or [0.0])
-    move = 2 * lr_sum * adam_bound(cfg.adam_beta1, cfg.adam_beta2)
-    worst, where, chunk = 0.0, None, 2**24  # elements compared at a time: a few fp32 temporaries of 64 MiB
-    for name, p in parallel.unwrap(model).named_parameters():
-        if name not in payload[0] or not math.isfinite(move):
-            continue
-        for k in range(0, p.numel(), chunk):
-            before = payload[0][name].view(-1)[k:k + chunk].to(p.device, torch.float32)
-            now = p.detach().view(-1)[k:k + chunk].float()
-            allowed = (move + 2 * max(lr_sum, steps) * decay * before.abs() + 4 * torch.finfo(p.dtype).eps
-                       * (before.abs() + move) + torch.finfo(torch.float32).tiny)
-            ratio = torch.where(torch.isfinite(now), (now - before).abs() / allowed, math.inf)
-            i = int(ratio.argmax())
-            if ratio[i] > worst:
-                worst, where = float(ratio[i]), (name, k + i, float(before[i]), float(now[i]))
-    ratios = torch.zeros(g.dp_size, dtype=torch.float64, device=next(model.parameters()).device)
-    ratios[g.dp_rank] = worst
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(ratios, op=dist.ReduceOp.MAX)
-    ratios = ratios.tolist()
-    if max(ratios) <= 1:
-        return None
-    rank = max(range(g.dp_size), key=ratios.__getitem__)
-    if where is not None and worst > 1:  # the rank that holds it says which weight
-        name, i, before, now = where
-        print(f"spike guard: iteration {iteration}: on rank {g.rank}, weight {name}[{i}] is {now:.4g}, was "
-              f"{before:.4g} at iteration {then}", flush=True)
-    return rank, (f"a weight of DP rank {rank} moved {ratios[rank]:.3g}x farther since iteration {then} than Adam "
-                  f"can move it at the LRs applied since (summed: {lr_sum:.3g}): written by something else")
-
-
-def replay_in_fp32(guard, rng_before, model, optimizer, rerun):
-    """The step replayed in fp32 (Fp32Step: the master weights, fp32 gradients, no loss scale), judged
-    against the trend. Applied if it is ordinary; else the half-precision run is left exactly as it was (its
-    weights, masters, optimizer, loss scaler and RNG streams, and the reason the guard gives)."""
-    rng_after, pending = checkpoint.rng_state(), guard.pending
-    checkpoint.set_rng_state(rng_before)
-    with Fp32Step(model, optimizer) as fp32:
-        exact = rerun(guard.judge if guard.armed() else None, optim.LossScaler(dynamic=False, static_scale=1.0))
-        fp32.keep = exact.outcome == "ok"
-    guard.pending = pending  # the spike's reason is the half-precision step's
-    if not fp32.keep:
-        checkpoint.set_rng_state(rng_after)
-    return exact
-
-
-class Fp32Step:
-    """One step of a half-precision model run in fp32, for the spike guard's numerical diagnosis (a spike that an
-    fp32 replay of the same step does not have, docs/spike_guard.md):
-
-        with Fp32Step(model, optimizer) as fp32:
-            step = train_step(model, optimizer, no_loss_scale, ...)
-            fp32.keep = step.outcome == "ok"
-
-    Inside, the model's weights are fp32 copies of its master weights and its gradients are accumulated in fp32
-    (fp16: fp32 buckets in place of the GradBuffer's half ones; bf16's are fp32 already), so the forward,
-    backward and optimizer step are those of an fp32 run from the same state. On leaving, with `keep`, the weights
-    are the masters rounded into the half-precision tensors, as MixedPrecisionOptimizer.step rounds them;
-    without, the half-precision tensors are back untouched, bit for bit. Costs, for that one step, an fp32 copy
-    of the weights (fp16: and of the gradients), 4 (8) bytes per parameter, and activations at fp32's size."""
-
-    def __init__(self, model, optimizer):
-        self.gpt, self.optimizer, self.keep = parallel.unwrap(model), optimizer, False
-
-    def __enter__(self):
-        # fp32 means fp32: TF32 matmuls (Ampere on) keep a 10-bit mantissa, as little as fp16's
-        self.tf32 = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
-        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-        params = [p for p in self.gpt.parameters() if p.dtype != torch.float32]
-        self.half = {p: p.data for p in params}
-        for p, master in zip(params, master_weights(params, self.optimizer)):
-            p.data = master
-        buffer, self.buckets = parallel.grad_buffer(self.gpt), None
-        if buffer is not None and buffer.buckets and buffer.buckets[0].dtype != torch.float32:
-            self.buckets = (buffer, buffer.buckets, {p: p.main_grad for p in buffer.params})
-            buffer.buckets = [torch.zeros_like(flat, dtype=torch.float32) for flat in buffer.buckets]
-            for flat, members in zip(buffer.buckets, buffer.members):  # GradBuffer's layout, in fp32
-                buffer.point(flat, members)
-        return self
-
-    @torch.no_grad()
-    def __exit__(self, *exc):
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = self.tf32
-        for p, half in self.half.items():
-            if self.keep and exc[0] is None:
-                half.copy_(p.data)
-            p.data = half
-        if self.buckets is not None:
-            buffer, buffer.buckets, main_grads = self.buckets
-            for p, grad in main_grads.items():
-                p.main_grad = grad
-
-
-@torch.no_grad()
-def master_weights(params, optimizer):
-    """Copies of the fp32 master weights of these model parameters, on this rank; under ZeRO-1 each broadcast over
-    DP by the rank that holds it, as ZeroShardedOptimizer.step broadcasts the weights it updated."""
-    copies = []
-    for p in params:
-        main = optimizer.main_param(p)
-        if main is None:  # another DP rank's (ZeRO-1): broadcast below
-            main = torch.empty(p.shape, dtype=torch.float32, device=p.device)
-        copies.append(main.detach().clone())
-    if isinstance(optimizer, parallel.ZeroShardedOptimizer):
-        optimizer.broadcast(dict(zip(params, copies)))
-    return copies
-
-
-@torch.no_grad()
-def evaluate_batches(model, batches, cfg, device):
-    """The mean loss of these micro-batches in train mode (dropout on, as in the trend it is compared with: eval
-    mode would bias it low); the caller restores the RNG streams the dropout draws from."""
-    return parallel.average_loss(training.forward_backward(model, batches, cfg, device, forward_only=True)).item()
-
-
-# -----------------------------------------------------------------------------
-# Naming the input behind a spike
-
-
-@torch.no_grad()
-def sample_losses(model, batches, cfg):
-    """The loss of each sample of this global batch (in global batch order), one forward without dropout, with the
-    run's packed-document inputs and loss mask (loader.packing) as its training sees them; all ranks take part
-    (PP=1 only: a pipeline returns no per-sample losses)."""
-    g, mbs, packing = parallel.grid, cfg.micro_batch_size, loader.packing(cfg)
-    device = batches[0][0].device
-    losses = torch.zeros(len(batches) * mbs * g.dp_size, device=device)
-    was_training = model.training
-    model.eval()
-    for k, (x, y) in enumerate(batches):
-        inputs = packing(x) if packing else {}
-        mask = inputs.pop("loss_mask", None)
-        per_token = parallel.vocab_parallel_cross_entropy(model(x, **inputs), y, cfg.vocab_size)[0].float()
-        per_sample = per_token.mean(dim=1) if mask is None else (per_token * mask).sum(1) / mask.sum(1).clamp(min=1)
-        start = k * mbs * g.dp_size + g.dp_rank * mbs
-        losses[start:start + mbs] = per_sample
-    model.train(was_training)
-    if g.dp_group is not None and g.dp_size > 1:
-        dist.all_reduce(losses, group=g.dp_group)  # each sample's slot is filled by one DP rank
-    return losses
-
-
-def highest_loss_samples(model, batches, first_sample, cfg, count=3, positions=None):
-    """[(loss, sample index)] of the `count` samples with the highest loss in this global batch (or of those at
-    `positions` in it: a minority the diagnosis found, low losses included)."""
-    losses = sample_losses(model, batches, cfg)
-    if positions:
-        return [(float(losses[i]), first_sample + i) for i in positions]
-    top = torch.topk(losses, min(count, losses.numel()))
-    return [(loss, first_sample + i) for loss, i in zip(top.values.tolist(), top.indices.tolist())]
-
-
-SKIP_LIST = "skip_documents.jsonl"  # in save: the documents of the samples behind data-driven spikes
-
-
-def name_samples(model, batches, first_sample, cfg, dataset, seqlen, iteration, decision=None):
-    """Print (and return) the highest-loss samples of a spiking batch, decoded. When the diagnosis says the data
-    did it (decision's cause "data"), their documents go to the skip list SAVE/skip_documents.jsonl too
-    (skip_list.py's format), which skip_documents=FILE makes the data leave out."""
-    import os
-
-    import data
-    if parallel.grid.pp_size > 1:
-        print0(f"spike guard: iteration {iteration}: samples {first_sample}-{first_sample + cfg.global_batch_size - 1}"
-            " (not ranked by loss with pipeline parallelism; tools/show_samples.py decodes them)")
-        return []
-    named = highest_loss_samples(model, batches, first_sample, cfg, positions=(decision or {}).get("suspects"))
-    records = []
-    for loss, index in named:
-        print0(f"spike guard: iteration {iteration}: sample {index} (loss {loss:.3f}): "
-            f"{data.sample_text(dataset, index, seqlen, 160, cfg.tokenizer_file)!r}")
-        prefix, component, pieces = skip_list.sample_documents(dataset, index, seqlen + 1)
-        records.append({"iteration": iteration, "sample": index, "loss": round(loss, 4), "dataset": prefix,
-                        "dataset_index": component, "documents": [d for d, _ in pieces],
-                        "tokens": [n for _, n in pieces]})
-    if (decision or {}).get("cause") == "data" and cfg.save and records:
-        path = os.path.join(cfg.save, SKIP_LIST)
-        if parallel.grid.rank == 0:
-            skip_list.append(path, records)
-        by_dataset = {}
-        for r in records:
-            ids = by_dataset.setdefault(r["dataset"], [])
-            ids += [d for d in r["documents"] if d not in ids]
-        docs = "; ".join(f"{prefix}: {', '.join(map(str, ids))}" for prefix, ids in by_dataset.items())
-        print0(f"spike guard: iteration {iteration}: the documents of these samples ({docs}) appended to the skip "
-               f"list {path}; to train without them, set skip_documents={path} (a new run, or a resume from a "
-               "checkpoint before the spike)")
-    return named
 
 
 # -----------------------------------------------------------------------------
@@ -917,3 +395,4 @@ def precursor_rung(guard, cfg, iteration, telemetry):
         return None
     guard.decisions.append(decision)
     return decision
+

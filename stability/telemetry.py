@@ -226,8 +226,8 @@ def layer_labels(count, num_layers):
 
 
 class Probe(training.Callback):
-    """The hooks of one step a Telemetry records (bench.py's timed steps; the stability layer's hooks do the same
-    on the telemetry iterations of a run): the gradients read before the update, the update after it."""
+    """The hooks of one step a Telemetry records (bench.py's timed steps; Recording does the same on the telemetry
+    iterations of a run): the gradients read before the update, the update after it."""
 
     def __init__(self, recorder):
         self.recorder = recorder
@@ -237,3 +237,38 @@ class Probe(training.Callback):
 
     def after_update(self):
         self.recorder.updated()
+
+
+class Recording(training.Callback):
+    """A run's telemetry: a record every telemetry_interval iterations, to TensorBoard, wandb and metrics.jsonl
+    (report.py); `record` holds this iteration's (None on the others), for the precursor rung."""
+    name = "telemetry"
+
+    def __init__(self, cfg, shared=None):
+        self.cfg, self.interval = cfg, cfg.telemetry_interval  # cfg: the model's shape, for Telemetry
+        self.probe = self.record = None
+
+    def start(self, parts, report, train_data):
+        self.recorder = Telemetry(parts.model, self.cfg, parts.optimizer)
+        self.report, self.state = report, parts.state
+
+    def before_step(self, it):
+        self.record = None
+        self.probe = self.recorder if it.number % self.interval == 0 else None
+        if self.probe:
+            self.probe.begin()
+
+    def on_grads(self, model, loss_scale):
+        if self.probe:
+            self.probe.grads(loss_scale)
+
+    def after_update(self):
+        if self.probe:
+            self.probe.updated()
+
+    def check_step(self, it, step):
+        if self.probe:  # finished before any replay of the step (Forensics comes after): the probes see the step
+            self.record, self.probe = self.probe.finish(), None
+            self.report.scalars(scalars(self.record), it.number, self.state)
+            self.report.record(it.number, {"telemetry": self.record})
+        return step

@@ -1,9 +1,9 @@
-"""The spike guard on the fault classes an independent review found it wrong on (issue 28): a cause that persists,
+"""The spike guard on the fault classes that need more than one look: a cause that persists,
 a degenerate batch whose loss is low, a numerical fault that persists (bf16, fp16, and fp16 while the loss scale
 searches), and the tightness of the weight-corruption bound; plus the counterfactual's pieces on synthetic numbers.
 
 End-to-end runs are the tests' 2x64 model on a 512-token vocabulary (test_spike_guard.py's, with its guard flags).
-Each end-to-end test here fails on the guard before issue 28 (see the test's docstring for how)."""
+Each end-to-end test's docstring says what a guard without the rule it tests would do."""
 import math
 import re
 
@@ -15,7 +15,7 @@ import arguments
 from helpers import corpus, corpus512, run_main  # noqa: F401 (corpus, corpus512: fixtures)
 from builders import build_model
 import optim
-from stability import spike_guard
+from stability import detector, diagnosis, spike_guard
 
 GUARD = ["--spike_guard", "--spike_guard_window=20", "--spike_guard_min_steps=10", "--spike_guard_rewind=3",
          "--spike_guard_skip_after=2", "--spike_guard_snapshot_interval=5"]
@@ -37,9 +37,9 @@ def decisions(out):
 
 
 def test_a_persistent_lr_cause_is_never_replayed_unchanged(run):
-    """From iteration 30 the LR is 30x on every pass (as a resume with a much higher LR would be). Before issue 28
-    the first rollback skipped no data and kept the LR: the deterministic run replayed the same spike, bit for
-    bit. Now every rollback changes the trajectory (a lower LR), and no spike is met twice with the same numbers."""
+    """From iteration 30 the LR is 30x on every pass (as a resume with a much higher LR would be). A rollback that
+    skipped no data and kept the LR would replay the same spike, bit for bit (the run is deterministic): every
+    rollback changes the trajectory (a lower LR), and no spike is met twice with the same numbers."""
     out = run("--inject_lr_iters=30-60", "--inject_lr_factor=30", "--inject_lr_persistent", *GUARD,
               "--spike_guard_max_rollbacks=6")
     lines = decisions(out)
@@ -52,8 +52,8 @@ def test_a_persistent_lr_cause_is_never_replayed_unchanged(run):
 
 def test_a_repeated_token_batch_far_below_its_trend_is_data_and_only_skipped(run):
     """Each sample its commonest token, over and over, at iteration 40: a loss of ~2.2 against a trend of ~5.3 and a
-    grad norm ~9x its trend. Before issue 28 it went unjudged (a loss below the trend was never a spike, the grad
-    norm is under its 10x bar) and was applied; now it is judged on the low side, the counterfactual (the last
+    grad norm ~9x its trend. Neither is a spike alone (a loss below its trend; a grad norm under its bar): the joint
+    rule judges the loss on the low side with the outlying grad norm, the counterfactual (the last
     applied batch on the same weights) is ordinary, so the batch is the cause: its update is skipped, no rollback,
     no LR cut."""
     out = run("--inject_degenerate_iters=40-40", "--inject_degenerate_kind=repeat", *GUARD)
@@ -65,8 +65,8 @@ def test_a_repeated_token_batch_far_below_its_trend_is_data_and_only_skipped(run
 
 
 def test_a_persistent_numerical_fault_in_bf16_stops_naming_it(run):
-    """A cancellation that bf16 loses from iteration 14 to 40. Before issue 28 each step was diagnosed numerical and
-    retried in fp32, with no end; now the spike_guard_max_numerical-th diagnosis within spike_guard_rewind
+    """A cancellation that bf16 loses from iteration 14 to 40. Each step is diagnosed numerical and retried in fp32;
+    without a cap that would have no end: the spike_guard_max_numerical-th diagnosis within spike_guard_rewind
     iterations stops the run, naming a persistent numerical fault."""
     with pytest.raises(spike_guard.SpikeGuardStop, match="a persistent numerical fault: 3 half-precision steps"):
         run("--bf16", "--train_iters=30", *GUARD, "--inject_numerical_iters=14-30", "--spike_guard_max_numerical=3")
@@ -74,7 +74,7 @@ def test_a_persistent_numerical_fault_in_bf16_stops_naming_it(run):
 
 def test_a_numerical_fault_in_fp16_never_drives_the_loss_scale_down_more_than_once(run):
     """fp16, a cancellation from 14 to 30: the loss scale is halved once for the episode (32 -> 16), not at each
-    diagnosis (before issue 28: 32, 16, 8, ... down to min_loss_scale)."""
+    diagnosis (which would be 32, 16, 8, ... down to min_loss_scale)."""
     out = run("--fp16", "--initial_loss_scale=32", "--train_iters=30", *GUARD, "--inject_numerical_iters=14-30",
               "--spike_guard_max_numerical=30")
     lines = decisions(out)
@@ -86,9 +86,9 @@ def test_a_numerical_fault_in_fp16_never_drives_the_loss_scale_down_more_than_on
 
 def test_fp16_arms_while_the_loss_scale_searches(run):
     """fp16 from the default loss scale 2^32: the scale's search skips the first ~25 steps (overflow), and a
-    numerical fault from iteration 3 on is in the steps applied after it. Before issue 28 those search steps
-    recorded nothing, the guard armed on the fault's own steps and never fired; now the losses of the search steps
-    arm it, clip_grad stands in for the grad norm's missing trend, and it acts within the fault."""
+    numerical fault from iteration 3 on is in the steps applied after it. Had the search steps recorded nothing,
+    the guard would arm on the fault's own steps and never fire: the losses of the search steps arm it, clip_grad
+    stands in for the grad norm's missing trend, and it acts within the fault."""
     try:
         out = run("--fp16", "--train_iters=45", *GUARD, "--inject_numerical_iters=3-45")
         lines = decisions(out)
@@ -140,20 +140,20 @@ def test_an_optimizer_rollback_cuts_the_lr_unless_the_lrs_since_the_snapshot_wer
 
 
 def test_a_minority_of_samples_far_from_the_others_is_named_on_either_side():
-    assert spike_guard.minority([5.0, 5.1, 4.9, 6.3, 5.05, 4.95, 6.2, 5.0]) == ([3, 6], pytest.approx(5.0, abs=0.01))
-    assert spike_guard.minority([5.0, 5.1, 0.3, 4.9, 5.05, 4.95, 5.0, 5.02])[0] == [2]  # low losses too
-    assert spike_guard.minority([6.2, 6.3, 6.25, 6.2, 6.1, 6.3, 6.2, 6.2])[0] == []  # a whole bad batch: no minority
+    assert diagnosis.minority([5.0, 5.1, 4.9, 6.3, 5.05, 4.95, 6.2, 5.0]) == ([3, 6], pytest.approx(5.0, abs=0.01))
+    assert diagnosis.minority([5.0, 5.1, 0.3, 4.9, 5.05, 4.95, 5.0, 5.02])[0] == [2]  # low losses too
+    assert diagnosis.minority([6.2, 6.3, 6.25, 6.2, 6.1, 6.3, 6.2, 6.2])[0] == []  # a whole bad batch: no minority
 
 
 def test_reproduced_tolerates_the_measured_nondeterminism_and_no_less_than_one_in_a_million():
-    assert spike_guard.reproduced_tolerance(None) == 1e-6 and spike_guard.reproduced_tolerance(1e-4) == 16e-4
+    assert diagnosis.reproduced_tolerance(None) == 1e-6 and diagnosis.reproduced_tolerance(1e-4) == 16e-4
 
 
 def test_the_fp32_replay_turns_tf32_off_and_restores_it():
     cfg, model, optimizer = _tiny("--bf16")
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     try:
-        with spike_guard.Fp32Step(model, optimizer):
+        with diagnosis.Fp32Step(model, optimizer):
             assert not torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32
         assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
     finally:
@@ -172,11 +172,11 @@ def test_the_weight_corruption_bound_is_tight(beyond):
     payload = (before, {"state": {"spike_guard": {"stats": {"lr sum": then_sum}}}})
     name, p = next((n, p) for n, p in model.named_parameters() if p.dim() == 2)
     old = float(before[name].view(-1)[7])
-    move = 2 * lr_sum * spike_guard.adam_bound(cfg.adam_beta1, cfg.adam_beta2)
+    move = 2 * lr_sum * diagnosis.adam_bound(cfg.adam_beta1, cfg.adam_beta2)
     allowed = move + 4 * torch.finfo(torch.float32).eps * (abs(old) + move)
     with torch.no_grad():
         p.view(-1)[7] = old + allowed * (1.01 if beyond else 0.99)
-    found = spike_guard.corrupted_weights(guard, model, optimizer, 40, 35, payload)
+    found = diagnosis.corrupted_weights(guard, model, optimizer, 40, 35, payload)
     assert (found is not None) == beyond, found
     if beyond:
         assert found[0] == 0 and "moved 1.01x farther since iteration 35" in found[1]
@@ -217,9 +217,9 @@ def test_a_slow_rise_is_caught_on_its_third_step_and_the_clean_twin_never():
         runs = json.load(f)
     flags = ["--spike_guard", "--spike_guard_window=20", "--spike_guard_min_steps=10"]
     cfg, off = arguments.load_config(flags), arguments.load_config([*flags, "--spike_guard_rise_steps=0"])
-    assert spike_guard.spikes_in(runs["lr_x37_from_158"], cfg)[0] == 161
-    assert [i for i in spike_guard.spikes_in(runs["lr_x37_from_158"], off) if i < 200] == []  # the rule catches it
-    assert spike_guard.spikes_in(runs["clean"], cfg) == []
+    assert detector.spikes_in(runs["lr_x37_from_158"], cfg)[0] == 161
+    assert [i for i in detector.spikes_in(runs["lr_x37_from_158"], off) if i < 200] == []  # the rule catches it
+    assert detector.spikes_in(runs["clean"], cfg) == []
 
 
 def test_a_rise_of_two_steps_is_not_a_spike_of_three_is_and_the_message_names_them():
@@ -257,8 +257,8 @@ def test_the_guard_and_the_soft_skip_judge_each_applied_step_once_however_long_t
     point: work that does not grow with the history (1,024 steps kept). Rebuilding the trend from the history each
     step judged every kept value again, and made a 3,000-iteration run three times slower."""
     appended = []
-    real = spike_guard.Series.append
-    monkeypatch.setattr(spike_guard.Series, "append", lambda self, x: appended.append(x) or real(self, x))
+    real = detector.Series.append
+    monkeypatch.setattr(detector.Series, "append", lambda self, x: appended.append(x) or real(self, x))
     out = run(*GUARD, "--soft_skip_loss_ratio=1.5")
     assert re.search(r"iteration\s+60/", out) and decisions(out) == []
     assert len(appended) == 2 * 60  # a loss and a grad norm per applied step, nothing judged again
@@ -279,5 +279,5 @@ def test_the_named_samples_losses_are_those_training_sees_with_packed_documents(
     packing = loader.packing(cfg)
     model.eval()
     want = torch.stack([model(x[i:i + 1], y[i:i + 1], **packing(x[i:i + 1])).float() for i in range(4)])
-    got = spike_guard.sample_losses(model, [(x, y)], cfg)
+    got = diagnosis.sample_losses(model, [(x, y)], cfg)
     torch.testing.assert_close(got, want.flatten(), rtol=1e-5, atol=1e-6)

@@ -8,7 +8,7 @@ import pytest
 
 import data
 from stability import skip_list
-from stability import spike_guard
+from stability import diagnosis
 from helpers import log_fields, run_main, synthetic_corpus  # noqa: F401 (synthetic_corpus is a fixture)
 
 
@@ -100,7 +100,7 @@ def test_the_guard_writes_the_documents_of_a_bad_batch_to_the_skip_list_and_a_ru
             "--save_interval=none", f"--data_path={synthetic_corpus}", "--split=100,0,0"]
     save = str(tmp_path / "run")
     out = run_main(*base, *GUARD, "--train_iters=31", "--inject_bad_batch_iters=30-30", f"--save={save}")
-    path = os.path.join(save, spike_guard.SKIP_LIST)
+    path = os.path.join(save, diagnosis.SKIP_LIST)
     assert re.search(r"spike guard: iteration 30: .*data-driven", out), out[-3000:]
     assert f"appended to the skip list {path}; to train without them, set skip_documents={path}" in out
     records = [json.loads(line) for line in open(path)]

@@ -17,7 +17,7 @@ import whatif  # noqa: E402
 import optim
 from builders import build_model
 from run_state import RunState
-from stability.hooks import Veto, soft_skip_trend
+from stability.soft_skip import SoftSkip, soft_skip_trend
 
 TINY = ["--num_layers=1", "--hidden_size=32", "--num_attention_heads=2", "--seq_length=16", "--vocab_size=512",
         "--micro_batch_size=2", "--hidden_dropout=0", "--attention_dropout=0", "--clip_grad=0"]
@@ -35,7 +35,7 @@ def setup(*extra):
 def step(parts, trend=None, lr=1e-2):
     cfg, model, optimizer, scaler, batches = parts
     return train_step(model, optimizer, scaler, batches, lr, cfg, torch.device("cpu"),
-                            callbacks=Veto(cfg, trend=trend))
+                            callbacks=SoftSkip(cfg, trend=trend))
 
 
 def test_the_soft_skip_scales_the_gradients_of_a_step_above_its_trend_and_leaves_others_alone(capsys):

@@ -1,5 +1,5 @@
 """Warning before the spike: how many iterations of warning each precursor in the telemetry gives before a
-divergence, with thresholds set on clean runs (docs/spike_guard.md, section 7; issue 20 part 4).
+divergence, with thresholds set on clean runs (docs/spike_guard.md, section 7).
 
     python tools/precursors.py --diverged out/prec/runs/A/default/lr1e+00-seed* \\
         --calibrate out/lab/runs/A/*/lr1e-02-seed1 --clean out/prec/runs/A/*/lr1e-02-seed2 --out precursors.md
@@ -8,7 +8,7 @@ Every argument is a run directory holding the metrics.jsonl train.py writes (the
 iteration, the telemetry every telemetry_interval). The precursors are spike_guard.PRECURSORS, the ones the
 guard's early rung can watch.
 
-- **Onset** of a divergence: the first iteration the guard's detector calls a spike (spike_guard.spikes_in, fed
+- **Onset** of a divergence: the first iteration the guard's detector calls a spike (detector.spikes_in, fed
   the run's losses and grad norms with the guard's default settings, as train.py would feed it with the guard
   on), or the first NaN/inf loss if that comes first. The guard would have acted there: a warning is worth
   something only before it.
@@ -31,7 +31,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import arguments  # noqa: E402
-from stability import spike_guard  # noqa: E402
+from stability import detector, spike_guard  # noqa: E402
 
 MARGIN = 2.0
 LOGARITHMS = {"log_z"}  # precursors that are logarithms: their margin is added, as ln(margin)
@@ -58,7 +58,7 @@ def onset(steps, cfg=None):
         if not (math.isfinite(step[1]) and math.isfinite(step[2])):
             break
         finite.append(step)
-    found = spike_guard.spikes_in(finite, cfg)
+    found = detector.spikes_in(finite, cfg)
     if found:
         return found[0]
     return steps[len(finite)][0] if len(finite) < len(steps) else None

@@ -33,7 +33,7 @@ sys.path.insert(0, ROOT)
 
 import arguments  # noqa: E402
 import checkpoint  # noqa: E402
-from stability import spike_guard  # noqa: E402
+from stability import detector, spike_guard  # noqa: E402
 
 FORKS = ("as is", "lr x F", "skip 200", "z-loss", "optimizer reset", "beta2 0.95", "clip 0.3", "soft skip", "guard")
 
@@ -143,7 +143,7 @@ def main(argv=None):
         raise SystemExit(f"error: no checkpoint in {args.load} (no `latest`): point --load at a run's save directory")
     _, run, _ = checkpoint.load(checkpoint.latest_dir(args.load))
     cfg = arguments.load_config(run_args) if run_args else arguments.load_config([])
-    stats = spike_guard.run_stats(run["state"])
+    stats = detector.run_stats(run["state"])
     os.makedirs(args.out, exist_ok=True)
     results = []
     for name in forks:
@@ -152,7 +152,7 @@ def main(argv=None):
                              change(name, cfg, start, args.lr_factor, args.skip, args.soft_skip_ratio))
         series = records(directory, start)
         reached = saved_iteration(directory) == start + args.iters
-        results.append((label, series, spike_guard.spikes_in(series, cfg, stats), reached))
+        results.append((label, series, detector.spikes_in(series, cfg, stats), reached))
     text = table(results, start, args.iters)
     print(text)
     with open(os.path.join(args.out, "whatif.txt"), "w") as f:

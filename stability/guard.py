@@ -1,0 +1,176 @@
+"""The spike guard at the loop's named points: three callbacks, each its own part of docs/spike_guard.md.
+
+    Guard       its decisions carried out: skipped iterations, the LR scale, a vetoed update, a decision after the
+                step (recorded; a rollback, or saving and stopping); it measures the run's nondeterminism when it arms
+    Precursor   the early rung: a telemetry precursor past its threshold cuts the LR (section 7)
+    Forensics   a suspect step replayed and its weights and batch tested before the guard decides (section 2)
+
+They share the spike guard (spike_guard.SpikeGuard: the detector's statistics, the decisions, the timeline) and
+the snapshots, handed to each at construction (stability.Shared). Every rank runs them on the same numbers (the
+step's are DP rank 0's on every replica: training.agree), so the ranks cannot decide apart.
+"""
+import checkpoint
+import loader
+import parallel
+import precision
+import run_state
+import training
+from stability import detector, diagnosis, spike_guard
+from stability.config import PrecursorConfig, section
+
+
+class Guard(training.Callback):
+    """The spike guard's decisions where the loop meets them. Its state is the guard's (checkpoints keep its
+    decisions; a rollback restores its statistics only), and it holds whether or not the guard is on now: a
+    resumed run honours the skip ranges and LR factor it finds (stability.wanted)."""
+    name = "spike_guard"
+
+    def __init__(self, cfg, shared):
+        self.cfg = cfg  # handed to the core's functions only (a forward, the samples named, run_state.save)
+        self.guard, self.snapshots, self.writer = shared.guard, shared.snapshots, shared.writer
+
+    def start(self, parts, report, train_data):
+        self.parts, self.report, self.train_data = parts, report, train_data
+        self.device = next(parallel.unwrap(parts.model).parameters()).device
+
+    def skip(self, iteration):
+        return "spike guard" if self.guard.skips(iteration) else None
+
+    def before_step(self, it):
+        guard = self.guard
+        it.lr = it.lr * guard.lr_scale
+        if guard.noise is None and guard.armed():  # the tolerance of a replay (diagnosis.reproduced_tolerance)
+            guard.noise = diagnosis.measure_noise(self.parts.model, it.batches, self.cfg, self.device)
+
+    def update_factor(self, loss, grad_norm):
+        return 0.0 if self.guard.armed() and self.guard.judge(loss, grad_norm) else 1.0
+
+    def after_step(self, it, step):
+        guard, n = self.guard, it.number
+        found, guard.diagnosis = guard.diagnosis, None  # what Forensics found about this step, if it was suspect
+        decision = guard.update(n, step.outcome, step.loss, step.grad_norm, self.parts.scaler, found, lr=it.lr)
+        if decision is None:
+            return False
+        if decision.get("cause") in (None, "data", "optimizer"):  # name the batch
+            decision["samples"] = diagnosis.name_samples(self.parts.model, it.batches, it.first_sample, self.cfg,
+                                                         self.train_data, it.seqlen, n, decision)
+        self.report.record(n, {"spike guard": [decision]})
+        if decision["action"] not in ("rollback", "stop"):
+            return False
+        return self.carry_out(decision)
+
+    def carry_out(self, decision):
+        """A rollback (True), or, at a cap or with nothing to roll back to, the last good state saved and the run
+        stopped (SpikeGuardStop)."""
+        if self.writer is not None:
+            self.writer.wait()  # a rollback may read the checkpoint being written
+        if self.snapshots.roll_back(decision, self.parts, self.guard) is None or decision["action"] == "stop":
+            if self.cfg.save:
+                run_state.save(self.parts, self.writer)
+            self.report.close()
+            self.snapshots.close()
+            raise spike_guard.SpikeGuardStop(
+                decision["line"] + "; saved and stopped: look at the samples named above, then resume with the "
+                "caps raised or other settings")
+        return True
+
+    def state_dict(self):
+        return self.guard.state_dict()
+
+    def load_state_dict(self, state, run, resume):
+        """At a resume, the guard's whole state; at a rollback, its statistics only (they go with the weights; its
+        decisions are history). Without statistics of its own (a checkpoint of a run without the guard), the run
+        state's (run_state.RunState) history of applied steps stands in for them."""
+        if resume and state:
+            self.guard.load_state_dict(state)
+        self.guard.load_stats(detector.run_stats({"callbacks": {self.name: state}, "history": run.history}))
+
+
+class Precursor(training.Callback):
+    """The early rung (spike_guard_precursor): this iteration's telemetry record, when there is one, against its
+    threshold (spike_guard.precursor_rung); the cut goes into the guard's LR scale, the decision into its log."""
+    name = "precursor"
+
+    def __init__(self, cfg, shared):
+        self.settings = section(PrecursorConfig, cfg)
+        self.guard, self.telemetry = shared.guard, shared.built["telemetry"]  # config.check: telemetry is on
+
+    def start(self, parts, report, train_data):
+        self.report = report
+
+    def check_step(self, it, step):
+        if self.telemetry.record is not None:
+            warning = spike_guard.precursor_rung(self.guard, self.settings, it.number, self.telemetry.record)
+            if warning is not None:
+                self.report.record(it.number, {"spike guard": [warning]})
+        return step
+
+
+class Forensics(training.Callback):
+    """A suspect step investigated before the guard decides (diagnosis.investigate): replayed, its weights and
+    batch tested; the step that stands is returned and the diagnosis left on the guard (SpikeGuard.diagnosis) for
+    its decision after the step. Its state: the
+    place of the last applied batch, which the counterfactual draws again (it goes with the weights)."""
+    name = "forensics"
+
+    def __init__(self, cfg, shared):
+        self.cfg = cfg  # handed to the core's functions only (train_step, loader.micro_batches)
+        self.guard, self.snapshots = shared.guard, shared.snapshots
+        self.fp32_replay = cfg.spike_guard_fp32_replay and precision.name(cfg) != "fp32"
+        self.last_applied = None  # [iteration, first sample, micro-batches, seqlen] of the last applied step
+
+    def start(self, parts, report, train_data):
+        self.parts, self.train_data = parts, train_data
+        self.device = next(parallel.unwrap(parts.model).parameters()).device
+
+    def before_step(self, it):
+        self.before = (checkpoint.rng_state(), self.parts.scaler.state_dict())  # where a replay starts from
+
+    def check_step(self, it, step):
+        if not self.guard.enabled or step.outcome not in diagnosis.SUSPECT:
+            return step
+        if step.outcome == "vetoed" and not self.guard.pending:  # another callback's veto: not the guard's spike
+            return step
+        parts, cfg = self.parts, self.cfg
+
+        def rerun(judge, scaler=parts.scaler):
+            return training.train_step(parts.model, parts.optimizer, scaler, it.batches, it.lr, cfg, self.device,
+                                       count_zeros=False, callbacks=diagnosis.Veto(judge))
+
+        def per_sample():
+            return diagnosis.sample_losses(parts.model, it.batches, cfg).tolist()
+        step, self.guard.diagnosis = diagnosis.investigate(
+            self.guard, parts, step, it.number, self.before, self.snapshots, rerun=rerun,
+            forward=lambda: diagnosis.evaluate_batches(parts.model, it.batches, cfg, self.device),
+            other=lambda: self.counterfactual(it), per_sample=per_sample if parallel.grid.pp_size == 1 else None,
+            fp32_replay=self.fp32_replay)
+        return step
+
+    def counterfactual(self, it):
+        """The last applied batch (drawn again from the data by its place: a resumed run asks the same one) on the
+        weights of now, computed and not applied (the same RNG and loss scaler after as before): (Step, its
+        iteration), or None before any applied step."""
+        if self.last_applied is None:
+            return None
+        parts, (iteration, first_sample, count, seqlen) = self.parts, self.last_applied
+        batches = loader.micro_batches(self.train_data, first_sample, count, self.cfg, seqlen, self.device)
+        rng, scaler = checkpoint.rng_state(), parts.scaler.state_dict()
+        step = training.train_step(parts.model, parts.optimizer, parts.scaler, batches, it.lr, self.cfg, self.device,
+                                   count_zeros=False, callbacks=diagnosis.Veto(lambda *numbers: "never applied"))
+        checkpoint.set_rng_state(rng)
+        parts.scaler.load_state_dict(scaler)
+        return step, iteration
+
+    def after_step(self, it, step):
+        if step.outcome == "ok":
+            self.last_applied = [it.number, it.first_sample, len(it.batches), it.seqlen]
+        return False
+
+    def state_dict(self):
+        return {"last applied": self.last_applied}
+
+    def load_state_dict(self, state, run, resume):
+        # a checkpoint written when the guard's state held it: its statistics' "last applied"
+        if state is None:
+            state = {"last applied": ((run.callbacks.get("spike_guard") or {}).get("stats") or {}).get("last applied")}
+        self.last_applied = state.get("last applied")
