@@ -184,16 +184,16 @@ def source_keys(source: type, cfg):
     return source.Config(**{f.name: getattr(cfg, f.name) for f in keys if hasattr(cfg, f.name)})
 
 
-def build_data(cfg, schedule, documents_to_skip=lambda names: None):
+def build_data(cfg, schedule, documents_to_skip=lambda collections: None):
     """(train, validation) datasets of the run's data_source, opened with its own keys (source_keys);
-    documents_to_skip(names): per collection of documents the source names (DataSource.documents), the ids of
-    those its samples leave out (a skip list), or None."""
+    documents_to_skip(collections): given the source's [(name, number of documents)] (DataSource.documents), the
+    ids each collection's samples leave out (a skip list), or None."""
     source = source_class(cfg.data_source)
     evals = schedule.total_iters // cfg.eval_interval + 1
     num_samples = (0 if cfg.eval_only else schedule.total_samples,
                    cfg.eval_iters * cfg.global_batch_size * (1 if evals else 0))
     opened = source(source_keys(source, cfg), num_samples)
-    return opened.build(documents_to_skip([name for name, _ in opened.documents()]))
+    return opened.build(documents_to_skip(opened.documents()))
 
 
 # -----------------------------------------------------------------------------

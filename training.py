@@ -30,7 +30,7 @@ class Callback:
     state in the run state (RunState.callbacks): a checkpoint and a rollback carry it, the core never reads it."""
     name = None
 
-    def documents_to_skip(self, prefixes):  # the data leaves these documents out (a skip list), or None
+    def documents_to_skip(self, collections):  # [(name, documents)] of the data: the ids to leave out, or None
         return None
 
     def start(self, parts, report, train_data):  # the run is built (and resumed); the loop begins
@@ -78,8 +78,8 @@ class Callbacks(Callback):
     def __init__(self, callbacks=()):
         self.callbacks = list(callbacks)
 
-    def documents_to_skip(self, prefixes):
-        return next((skips for c in self.callbacks if (skips := c.documents_to_skip(prefixes)) is not None), None)
+    def documents_to_skip(self, collections):
+        return next((s for c in self.callbacks if (s := c.documents_to_skip(collections)) is not None), None)
 
     def start(self, parts, report, train_data):
         for c in self.callbacks:

@@ -28,18 +28,15 @@ from report import print0
 
 class SkipList(training.Callback):
     """skip_documents=FILE: the data leaves out the documents the list names (training.Callback.documents_to_skip).
-    loader.build_data hands the names of the data source's collections (loader.DataSource.documents) and reads
-    their sizes from PREFIX.idx; given (name, number of documents) pairs, those counts are checked instead, which
-    is what a data source that is not Megatron's files needs."""
+    loader.build_data hands the data source's collections as (name, number of documents) pairs
+    (loader.DataSource.documents): a list written for collections of other sizes is refused, whatever the source."""
     name = "skip_list"
 
     def __init__(self, cfg, shared=None):
         self.path = cfg.skip_documents
 
     def documents_to_skip(self, collections):
-        pairs = [c for c in collections if not isinstance(c, str)]
-        names = [c[0] for c in pairs] if pairs else list(collections)
-        counts = [c[1] for c in pairs] if pairs else None
+        names, counts = [name for name, _ in collections], [count for _, count in collections]
         print0(summary(self.path, names, counts))
         return read(self.path, names, counts)[0]
 

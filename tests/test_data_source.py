@@ -158,12 +158,12 @@ def test_skip_lists_leave_the_new_sources_documents_out(npy, tmp_path):
     skip_list.append(skip_path, [{"dataset": path, "documents": culprits}])
     asked = []
 
-    def documents_to_skip(names):  # the callable the callbacks give build_data, reading the list with the counts
-        asked.append(names)
-        return skip_list.read(skip_path, names, num_documents=[len(documents)])[0]
+    def documents_to_skip(collections):  # as the skip-list callback reads the list: with the source's counts
+        asked.append(collections)
+        return skip_list.read(skip_path, [n for n, _ in collections], [c for _, c in collections])[0]
 
     train, _ = loader.build_data(cfg, plan, documents_to_skip)
-    assert asked == [[path]]
+    assert asked == [[(path, len(documents))]]
     out = np.empty((len(train), SEQ + 1), np.int64)
     train.gather(np.arange(len(train)), out)
     seen = set(np.unique(out[out != data.EOD] // 100).tolist())

@@ -135,7 +135,7 @@ def test_skip_lists_and_the_naming_of_samples_run_on_the_memory_source(tmp_path)
         short = skip_list.sample_documents(source, index, 5)[2]  # a curriculum's shorter sample
         assert [d for d, _ in short] == list(dict.fromkeys(out[index][:5] // 100))
         records.append({"dataset": prefix, "documents": [d for d, _ in pieces]})
-        # the other half of the guard's naming of a sample (spike_guard.name_samples): its text
+        # the other half of the guard's naming of a sample (diagnosis.name_samples): its text
         assert data.sample_text(source, index, 4) == data.get_tokenizer().decode(out[index][:5].tolist())
     path = str(tmp_path / "skip.jsonl")
     skip_list.append(path, records)
