@@ -97,19 +97,21 @@ def of_peak(value, peak):
 # ceilings
 
 
-def timed(fn, device, repeats):
-    """(best, median) seconds of fn() over `repeats` runs after one untimed (cuBLAS handles, kernel choice); CUDA
-    events around each run on a GPU (the stream's own time), the host clock on the CPU."""
+def timed(fn, device, repeats, inner=10):
+    """(best, median) seconds of one fn() over `repeats` timings after one untimed call (cuBLAS handles, kernel
+    choice). On a GPU each timing is CUDA events around `inner` calls (the stream's own time; a 0.1 ms GEMM would
+    otherwise count its launch), on the CPU the host clock around one."""
     fn()
     seconds = []
     for _ in range(repeats):
         if device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            fn()
+            for _ in range(inner):
+                fn()
             end.record()
             end.synchronize()
-            seconds.append(start.elapsed_time(end) / 1000)
+            seconds.append(start.elapsed_time(end) / 1000 / inner)
         else:
             t0 = time.perf_counter()
             fn()
