@@ -1,0 +1,79 @@
+"""tools/gpu_check.sh: on the CPU (--cpu) every step runs at tiny shapes and prints its lines, to the verdict; on a
+GPU machine (python stood in for by a script of canned outputs) a failing or slow step is recorded, not masked,
+the next steps still run, and the verdict holds the MFU targets."""
+import os
+import re
+import stat
+import subprocess
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STEPS = ("== a. device ceilings", "== b. bench.py gpt2_125m", "== c. bench.py tr3_1b3_1gpu",
+         "== d. the compiled bf16 loss", "== e. host syncs", "== f. the cuda-marked tests")
+
+
+def run_check(*args, env=None):
+    return subprocess.run(["bash", os.path.join("tools", "gpu_check.sh"), *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=900, env=env)
+
+
+@pytest.mark.slow
+def test_every_step_prints_its_lines_to_the_verdict_on_the_cpu(tmp_path):
+    """About 45 s of CPU time: three processes of bench and probe at 1 layer x 64 wide, and the tests' collection."""
+    out = run_check("--cpu", str(tmp_path))
+    lines = out.stdout.splitlines()
+    assert out.returncode == 0, out.stdout + out.stderr
+    found = [next((i for i, line in enumerate(lines) if line.startswith(step)), None) for step in STEPS]
+    assert None not in found and found == sorted(found), out.stdout  # each step's header, in the order stated
+    for result in ("ceiling: copy", "ceiling: matmul gpt2_125m qkv", "ceiling: matmul tr3_1b3_1gpu output",
+                   "ceiling: sdpa default gpt2_125m", "ceiling: sdpa default tr3_1b3_1gpu",
+                   "| gpt2_125m compile=true | skipped on the CPU", "| gpt2_125m compile=false | ",
+                   "| tr3_1b3_1gpu | ", "loss: init   eager", "loss: peaked eager", "syncs: one train_step",
+                   "tests collected"):
+        assert any(result in line for line in lines), (result, out.stdout)
+    assert not any("?" in line for line in lines if line.startswith("| ")), out.stdout  # each row has its numbers
+    assert "n/a on CPU" in out.stdout and "FAIL" not in out.stdout
+    verdict = re.fullmatch(r"verdict: OK -- gpt2_125m ([\d.]+) tokens/s ([\d.]+)% MFU, tr3_1b3_1gpu ([\d.]+) "
+                           r"tokens/s ([\d.]+)% MFU \(CPU smoke: targets not applicable; \d+ s, logs in .*\); "
+                           r"no failures", lines[-1])
+    assert verdict and all(float(v) > 0 for v in verdict.groups()), lines[-1]
+    for step in ("ceilings", "bench_gpt2_125m_eager", "bench_tr3_1b3_1gpu", "loss", "syncs", "tests"):
+        assert (tmp_path / f"{step}.txt").stat().st_size > 0
+
+
+# python on a GPU machine, canned: one GPU, gpt2_125m at 41% MFU compiled, tr3_1b3_1gpu out of memory, two host
+# syncs in a step, a test failing
+FAKE_PYTHON = r"""#!/usr/bin/env bash
+case "$*" in
+  *device_count*) echo 1 ;;
+  *get_device_name*) echo "NVIDIA H100 80GB HBM3 torch 2.11.0" ;;
+  *bench.py*gpt2_125m*compile=true*) printf 'tokens/s:     401,234.5 (best)\nMFU:          41.3%% of 989\n' ;;
+  *bench.py*gpt2_125m*compile=false*) printf 'tokens/s:     300,000.0 (best)\nMFU:          30.0%% of 989\n' ;;
+  *bench.py*tr3_1b3_1gpu*) echo "torch.OutOfMemoryError: CUDA out of memory"; exit 1 ;;
+  *gpu_probe.py\ syncs*) echo "syncs: one train_step ...: 2 host sync(s), designed 1: FAIL"; exit 1 ;;
+  *gpu_probe.py\ ceilings*) echo "ceiling: fine" ;;
+  *gpu_probe.py\ loss*) echo "loss: fine" ;;
+  *pytest*) printf 'tests/test_a.py::a PASSED\ntests/test_b.py::b FAILED\n'; exit 1 ;;
+  *) exit 3 ;;
+esac
+"""
+
+
+def test_a_failing_step_is_recorded_and_the_next_ones_run(tmp_path):
+    fake = tmp_path / "bin" / "python"
+    fake.parent.mkdir()
+    fake.write_text(FAKE_PYTHON)
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    env = dict(os.environ, PATH=f"{fake.parent}{os.pathsep}{os.environ['PATH']}")
+    out = run_check(str(tmp_path / "logs"), env=env)
+    assert out.returncode == 1, out.stdout + out.stderr
+    lines = out.stdout.splitlines()
+    assert "| gpt2_125m compile=true | 401234 | 41.3% |" in out.stdout
+    assert "| tr3_1b3_1gpu | ? | ?% |" in out.stdout and "   | torch.OutOfMemoryError: CUDA out of memory" in lines
+    assert "   1 passed, 1 failed, 0 skipped" in lines  # the tests ran after the failures before them
+    assert "   ceiling: fine" in lines and "   loss: fine" in lines
+    assert re.fullmatch(re.escape("verdict: FAIL -- gpt2_125m 401234 tokens/s 41.3% MFU, tr3_1b3_1gpu ? tokens/s ?% "
+                                  "MFU (targets 40% and 50%; ") + r"\d+" + re.escape(
+        f" s, logs in {tmp_path / 'logs'}); bench_tr3_1b3_1gpu failed (exit 1); syncs failed (exit 1); tests "
+        "failed (exit 1); tr3_1b3_1gpu bf16 ?% MFU < 50%"), lines[-1]), lines[-1]
