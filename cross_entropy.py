@@ -56,7 +56,7 @@ def linear_cross_entropy(hidden, weight, target, vocab_size=None, z_loss=0.0, re
 
 
 def main_grad_adder(weight):
-    """(gradient, scale) -> None adding gradient * scale into the weight's fp32 main_grad (a GradBuffer's, which
+    """(gradient, scale or None) -> None adding gradient * scale into the weight's fp32 main_grad (a GradBuffer's, which
     the weight's post-accumulate hook would otherwise fill from a .grad in the weight's dtype: a weight-sized
     tensor made, rounded to bf16, read and freed each micro-batch); None where there is none (DeepSpeed, no
     buffer, a frozen weight)."""
@@ -126,13 +126,11 @@ class LinearCrossEntropy(torch.autograd.Function):
 
 def weight_grad(ctx, grad_weight, scale=None):
     """The weight's gradient grad_weight * scale for autograd, in the weight's dtype; or None, added into the
-    weight's main_grad (in its dtype, fp32 for bf16: no rounding to bf16 on the way)."""
-    if scale is not None:
-        grad_weight = grad_weight.mul_(scale)
-    if ctx.add is None:
-        return grad_weight.to(ctx.dtype)
-    ctx.add(grad_weight)
-    return None
+    weight's main_grad in one pass (its dtype, fp32 for bf16: no rounding to bf16 on the way)."""
+    if ctx.add is not None:
+        ctx.add(grad_weight, scale)
+        return None
+    return (grad_weight if scale is None else grad_weight.mul_(scale)).to(ctx.dtype)
 
 
 def chunk_softmax(hidden, weight, local, outside, real):
@@ -244,7 +242,7 @@ chain = types.SimpleNamespace(max=logits_max, sum_exp=logits_sum_exp, logit_grad
 
 def compile_chain(on=True, **kwargs):
     """torch.compile the elementwise chain (on where the run compiles, train.run): each function a fused kernel
-    or two reading the compute-dtype logits, about 5x their bytes in all against 23x eager (docs/speed.md).
+    reading the compute-dtype logits, about 4x their bytes in all in bf16 (docs/speed.md).
     kwargs go to torch.compile (a backend). on=False puts the eager functions back."""
     for name, fn in (("max", logits_max), ("sum_exp", logits_sum_exp), ("logit_grad", logits_grad)):
         setattr(chain, name, torch.compile(fn, **kwargs) if on else fn)

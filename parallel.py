@@ -670,11 +670,12 @@ class GradBuffer:
         p.grad = None
         self._arrived(p)
 
-    def add(self, p, grad):
-        """main_grad += grad, p's gradient of this backward computed outside autograd, called during backward.
+    def add(self, p, grad, scale=None):
+        """main_grad += grad * scale (a 0-dim tensor, or None: 1), p's gradient of this backward computed outside
+        autograd, in one pass over main_grad, called during backward.
         It is p's last one unless autograd still brings p a .grad in this backward (the output layer's weight is
         the word embedding's on one stage): then that .grad's hook counts p's gradient as complete."""
-        p.main_grad.add_(grad)
+        p.main_grad.add_(grad) if scale is None else p.main_grad.addcmul_(grad, scale)
         if not torch._C._will_engine_execute_node(torch.autograd.graph.get_gradient_edge(p).node):
             self._arrived(p)
 
