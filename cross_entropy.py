@@ -11,6 +11,7 @@ Same numbers as parallel.vocab_parallel_cross_entropy(F.linear(hidden, weight), 
 columns (ids >= vocab_size) are left out of the softmax, z_loss adds z_loss * log(Z)^2 to the gradient (not to
 the value), and log Z comes back alongside, without a gradient, for the log.
 """
+import functools
 import types
 
 import torch
@@ -48,7 +49,21 @@ def linear_cross_entropy(hidden, weight, target, vocab_size=None, z_loss=0.0, re
     # tokens at 14336 wide: one chunk, and no fp32 sum; 3.6 GB at TP4)
     tokens = max(CROSS_ENTROPY_CHUNK["cuda" if hidden.is_cuda else "cpu"] // vocab_local, hidden.shape[-1])
     grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
-    return LinearCrossEntropy.apply(hidden, weight, target, vocab_size, z_loss, tokens, reduction, grad)
+    add = main_grad_adder(weight) if grad and hidden.requires_grad else None
+    if add is not None:  # autograd carries no gradient of the weight: backward adds it into main_grad itself
+        weight = weight.detach()
+    return LinearCrossEntropy.apply(hidden, weight, target, vocab_size, z_loss, tokens, reduction, grad, add)
+
+
+def main_grad_adder(weight):
+    """(gradient, scale or None) -> None adding gradient * scale into the weight's fp32 main_grad (a GradBuffer's, which
+    the weight's post-accumulate hook would otherwise fill from a .grad in the weight's dtype: a weight-sized
+    tensor made, rounded to bf16, read and freed each micro-batch); None where there is none (DeepSpeed, no
+    buffer, a frozen weight)."""
+    buffer = getattr(weight, "main_grad_buffer", None)
+    if buffer is None or not weight.requires_grad or not weight.is_leaf:
+        return None
+    return functools.partial(buffer.add, weight)
 
 
 class LinearCrossEntropy(torch.autograd.Function):
@@ -56,7 +71,7 @@ class LinearCrossEntropy(torch.autograd.Function):
     backward alone, so a forward run again (activation checkpointing, a replay) accumulates nothing twice."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, target, vocab_size, z_loss, tokens, reduction, grad):
+    def forward(ctx, hidden, weight, target, vocab_size, z_loss, tokens, reduction, grad, add):
         grid = parallel.grid
         dtype = torch.promote_types(hidden.dtype, torch.float32)  # fp32 at least (fp64 stays fp64)
         vocab_local = weight.shape[0]
@@ -81,11 +96,11 @@ class LinearCrossEntropy(torch.autograd.Function):
             del logits
         log_z = log_z.view(target.shape)
         ctx.mark_non_differentiable(log_z)
-        ctx.shape, ctx.dtype, ctx.reduction, ctx.real, ctx.z_loss, ctx.tokens = \
-            hidden.shape, weight.dtype, reduction, real, z_loss, tokens
-        if fused:
-            ctx.save_for_backward(grad_hidden, grad_weight.to(torch.float32 if weight.dtype == torch.float16
-                                                              else weight.dtype))
+        ctx.shape, ctx.dtype, ctx.reduction, ctx.real, ctx.z_loss, ctx.tokens, ctx.add = \
+            hidden.shape, weight.dtype, reduction, real, z_loss, tokens, add
+        if fused:  # held until backward in the weight's dtype (fp16: fp32), or as summed when added to main_grad
+            kept = grad_weight.dtype if add else torch.float32 if weight.dtype == torch.float16 else weight.dtype
+            ctx.save_for_backward(grad_hidden, grad_weight.to(kept))
         elif grad:
             ctx.save_for_backward(hidden, weight, local, outside, log_z)
         return (loss.mean() if reduction == "mean" else loss.view(target.shape)), log_z
@@ -95,8 +110,7 @@ class LinearCrossEntropy(torch.autograd.Function):
         if ctx.reduction == "mean":  # the forward's gradients, of the mean over this many tokens
             grad_hidden, grad_weight = ctx.saved_tensors
             grad = grad / grad_hidden.shape[0]
-            return (grad_hidden.mul_(grad).view(ctx.shape), grad_weight.mul_(grad).to(ctx.dtype),
-                    None, None, None, None, None, None)
+            return grad_hidden.mul_(grad).view(ctx.shape), weight_grad(ctx, grad_weight, grad), *[None] * 7
         hidden, weight, local, outside, log_z = ctx.saved_tensors
         h, log_z = hidden.reshape(-1, hidden.shape[-1]), log_z.reshape(-1)
         grad = grad.reshape(-1).to(log_z.dtype)
@@ -107,7 +121,16 @@ class LinearCrossEntropy(torch.autograd.Function):
             scale = grad[c] * (1.0 + 2.0 * ctx.z_loss * log_z[c]) if ctx.z_loss else grad[c]
             g = chain.logit_grad(F.linear(h[c], weight), log_z[c], scale, grad[c], local[c], outside[c], ctx.real)
             grad_hidden[c] = chunk_grads(g, h[c], weight, grad_weight)
-        return grad_hidden.view(ctx.shape), grad_weight.to(ctx.dtype), None, None, None, None, None, None
+        return grad_hidden.view(ctx.shape), weight_grad(ctx, grad_weight), *[None] * 7
+
+
+def weight_grad(ctx, grad_weight, scale=None):
+    """The weight's gradient grad_weight * scale for autograd, in the weight's dtype; or None, added into the
+    weight's main_grad in one pass (its dtype, fp32 for bf16: no rounding to bf16 on the way)."""
+    if ctx.add is not None:
+        ctx.add(grad_weight, scale)
+        return None
+    return (grad_weight if scale is None else grad_weight.mul_(scale)).to(ctx.dtype)
 
 
 def chunk_softmax(hidden, weight, local, outside, real):
@@ -133,9 +156,31 @@ def chunk_grads(g, hidden, weight, grad_weight):
     gradient (with TP, this rank's share: parallel.copy_to_tp's backward sums them)."""
     if grad_weight.dtype == g.dtype:
         torch.addmm(grad_weight, g.t(), hidden, out=grad_weight)  # as addmm_, which FlopCounterMode misses
-    else:  # bf16/fp16: each chunk's product rounds once, their sum is fp32
+    elif fp32_accumulating_addmm(g.device):  # bf16/fp16 products summed in fp32 by the matmul, into the sum
+        torch.addmm(grad_weight, g.t(), hidden, out_dtype=grad_weight.dtype, out=grad_weight)
+    elif g.is_cuda:  # a torch without it: the half product (rounded once per chunk), then its sum in fp32
         grad_weight += g.t() @ hidden
+    else:  # no such CPU kernel: fp32 copies of the operands (exact), an fp32 matmul
+        torch.addmm(grad_weight, g.t().to(grad_weight.dtype), hidden.to(grad_weight.dtype), out=grad_weight)
     return g @ weight
+
+
+FP32_ACCUMULATING_ADDMM = {}  # device type -> whether addmm takes out_dtype=float32 for half operands, in place
+
+
+def fp32_accumulating_addmm(device):
+    """Whether torch.addmm(c, a, b, out_dtype=torch.float32, out=c) adds half-precision a @ b into fp32 c (CUDA,
+    a recent torch): tried once per process on a 2 x 2 problem; never on the CPU, which has no such kernel."""
+    if device.type != "cuda":
+        return False
+    if device.type not in FP32_ACCUMULATING_ADDMM:
+        c, a = torch.ones(2, 2, device=device), torch.ones(2, 2, device=device, dtype=torch.bfloat16)
+        try:
+            torch.addmm(c, a, a, out_dtype=torch.float32, out=c)
+            FP32_ACCUMULATING_ADDMM[device.type] = bool((c == 3.0).all())  # one sync, the first chunk's
+        except (RuntimeError, TypeError, NotImplementedError):
+            FP32_ACCUMULATING_ADDMM[device.type] = False
+    return FP32_ACCUMULATING_ADDMM[device.type]
 
 
 # -- the elementwise chain: between the matmuls and the all-reduces, compiled into a few fused kernels where the
@@ -161,7 +206,15 @@ def logits_sum_exp(logits, top, real):
 
 def logits_grad(logits, shift, scale, onehot, local, outside, real):
     """d(loss)/d(logits) = exp(logits - shift) * scale - onehot(target) * onehot, zero in the padding columns,
-    written over the logits (the compute dtype) and returned: no second chunk-sized buffer."""
+    written over the logits (the compute dtype) and returned: no second chunk-sized buffer.
+
+    Compiled (compile_chain), one pointwise expression, which inductor makes one kernel reading the logits and
+    writing the gradient over them once (4 bytes an element in bf16): the one-hot a comparison of each column's
+    index with the target, not a scatter, which would need the chunk in fp32 in memory to scatter into. Eager,
+    that expression would make a chunk-sized temporary of each step (13x the time in fp32, 5x in bf16, hundreds of
+    MB on 1024 tokens; docs/speed.md): in place instead, in one fp32 copy (none in fp32), the one-hot scattered."""
+    if torch.compiler.is_compiling():
+        return logits.copy_(pointwise_grad(logits, shift, scale, onehot, local, outside, real))
     dtype = torch.promote_types(logits.dtype, torch.float32)
     x = logits[:, :real].to(dtype).sub_(shift.unsqueeze(-1)).exp_().mul_(scale.unsqueeze(-1))
     if real:
@@ -172,12 +225,24 @@ def logits_grad(logits, shift, scale, onehot, local, outside, real):
     return logits
 
 
+def pointwise_grad(logits, shift, scale, onehot, local, outside, real):
+    """logits_grad's value as one pointwise expression of the logits and per-row vectors, in the logits' dtype
+    (the same numbers as the eager path: each element the same operations in the same order)."""
+    column = torch.arange(logits.shape[-1], device=logits.device)
+    target = local.masked_fill(outside, -1).unsqueeze(-1)  # -1: no column (the target is another rank's)
+    onehot = onehot.unsqueeze(-1) if torch.is_tensor(onehot) else onehot
+    x = (logits.to(torch.promote_types(logits.dtype, torch.float32)) - shift.unsqueeze(-1)).exp() \
+        * scale.unsqueeze(-1)
+    x = torch.where(column == target, x - onehot, x)
+    return torch.where(column < real, x, 0.0).to(logits.dtype)
+
+
 chain = types.SimpleNamespace(max=logits_max, sum_exp=logits_sum_exp, logit_grad=logits_grad)
 
 
 def compile_chain(on=True, **kwargs):
     """torch.compile the elementwise chain (on where the run compiles, train.py): each function a fused kernel
-    or two reading the compute-dtype logits, about 5x their bytes in all against 23x eager (docs/speed.md).
+    reading the compute-dtype logits, about 4x their bytes in all in bf16 (docs/speed.md).
     kwargs go to torch.compile (a backend). on=False puts the eager functions back."""
     for name, fn in (("max", logits_max), ("sum_exp", logits_sum_exp), ("logit_grad", logits_grad)):
         setattr(chain, name, torch.compile(fn, **kwargs) if on else fn)

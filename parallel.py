@@ -608,7 +608,9 @@ class GradBuffer:
     training (Megatron's accumulate_allreduce_grads_in_fp32: a bf16 sum of 64 micro-batches keeps 8 bits of
     mantissa, lesson 6), the half dtype for fp16 (Megatron's default, which the fp16 104B ran). A hook that runs
     after autograd has accumulated a parameter's .grad adds it into main_grad and frees it, so micro-batches
-    accumulate in `dtype` whatever the parameter's dtype, and no .grad outlives its micro-batch.
+    accumulate in `dtype` whatever the parameter's dtype, and no .grad outlives its micro-batch. A gradient made
+    outside autograd (the output layer's, which cross_entropy computes in the loss's forward) goes into main_grad
+    through add(), without a .grad at all (each parameter's `main_grad_buffer` is this buffer).
 
     Data parallel (a group of size > 1): during the last micro-batch's backward, a bucket is all-reduced
     asynchronously as soon as all its parameters have their final gradient, while backward goes on through the
@@ -633,6 +635,7 @@ class GradBuffer:
                 chunk, numel = [], 0
         for p in self.params:
             p.register_post_accumulate_grad_hook(self._accumulate)
+            p.main_grad_buffer = self
         self.countdown = None  # per parameter: gradients still to come this step (armed by start())
         self.handles = []
 
@@ -665,6 +668,19 @@ class GradBuffer:
     def _accumulate(self, p):
         p.main_grad.add_(p.grad)
         p.grad = None
+        self._arrived(p)
+
+    def add(self, p, grad, scale=None):
+        """main_grad += grad * scale (a 0-dim tensor, or None: 1), p's gradient of this backward computed outside
+        autograd, in one pass over main_grad, called during backward.
+        It is p's last one unless autograd still brings p a .grad in this backward (the output layer's weight is
+        the word embedding's on one stage): then that .grad's hook counts p's gradient as complete."""
+        p.main_grad.add_(grad) if scale is None else p.main_grad.addcmul_(grad, scale)
+        if not torch._C._will_engine_execute_node(torch.autograd.graph.get_gradient_edge(p).node):
+            self._arrived(p)
+
+    def _arrived(self, p):
+        """p's gradient of this backward is all in main_grad: launch the buckets this completes (last micro-batch)."""
         if self.group is None or self.countdown is None:
             return
         i = self.index[p]

@@ -2,6 +2,7 @@
 
 Each test fails under the old autocast regime (fp32 weights, fp32 residual stream and pipeline messages, gradients
 accumulated in the parameters' dtype)."""
+import copy
 import io
 import math
 import os
@@ -102,13 +103,20 @@ def test_bf16_gradients_accumulate_in_fp32_over_64_micro_batches():
     model = GPT(cfg).to(torch.bfloat16)
     batches = [(torch.randint(0, 512, (2, 16)), torch.randint(0, 512, (2, 16))) for _ in range(64)]
     exact, in_bf16 = {}, {}
-    for x, y in batches:  # every micro-batch's own bf16 gradient, summed in fp64 and in bf16
+    for x, y in batches:  # every micro-batch's own bf16 gradient, summed in bf16
         model.zero_grad(set_to_none=True)
         (model(x, y) / 64).backward()
         for n, p in model.named_parameters():
-            exact[n] = exact.get(n, 0) + p.grad.double()
             in_bf16[n] = in_bf16.get(n, 0) + p.grad
     model.zero_grad(set_to_none=True)
+    # each micro-batch's gradient as a buffer receives it (the output layer's unrounded), summed in fp64
+    reference = copy.deepcopy(model)
+    buffer = parallel.attach_grad_buffer(reference, torch.float64)
+    for x, y in batches:
+        buffer.start(1)
+        (reference(x, y) / 64).backward()
+        for n, p in reference.named_parameters():
+            exact[n] = exact.get(n, 0) + p.main_grad.clone()
     buffer = parallel.attach_grad_buffer(model, torch.float32)
     buffer.start(64)
     for x, y in batches:

@@ -1,0 +1,195 @@
+"""What the loss chain moves on a GPU, checked on the CPU, each against a reference: the compiled gradient of the
+logits is one pointwise write over them (no scatter, no fp32 copy written back); the weight's gradient is summed
+over chunks in fp32 with no half-precision (vocabulary x hidden) product; and with a GradBuffer the output layer's
+weight gradient goes into main_grad with no .grad, counted once per backward, tied to the embedding or not."""
+import contextlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch._dynamo.backends.common import aot_autograd
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import cross_entropy
+import parallel
+
+V_REAL, V, H = 1000, 1024, 16  # a padded vocabulary: 24 padding columns out of the softmax
+aten = torch.ops.aten
+
+
+def _chunk(dtype, tokens=12, seed=0):
+    """A chunk's logits, its shift (the max) and per-token scale, targets with some on another rank (outside)."""
+    g = torch.Generator().manual_seed(seed)
+    logits = (3.0 * torch.randn(tokens, V, generator=g, dtype=torch.float64)).to(dtype)
+    local = torch.randint(0, V_REAL, (tokens,), generator=g)
+    local[0], local[1] = 0, V_REAL - 1
+    outside = torch.zeros(tokens, dtype=torch.bool)
+    outside[2::5] = True
+    wide = torch.promote_types(dtype, torch.float32)
+    shift = logits[:, :V_REAL].amax(-1).to(wide)
+    scale = torch.rand(tokens, generator=g, dtype=torch.float64).to(wide)
+    return logits, shift, scale, local.masked_fill(outside, 0), outside
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_compiled_logits_grad_is_one_pointwise_write_over_the_logits(dtype):
+    """The aten graph that torch.compile hands its backend (inductor's input) for logits_grad: (1) no scatter,
+    index_put, slice/select_scatter (a functionalized setitem) or index_add; (2) every op whose result has the
+    chunk's (tokens x vocabulary) shape is pointwise (torch.Tag.pointwise) or a dtype conversion (_to_copy), so
+    inductor fuses them into one kernel and materializes no fp32 chunk, except (3) one aten.copy, the logits'
+    mutation (input 0) to a value in their dtype, and that value the graph's one chunk-sized output: one write
+    over them. The graph gives the
+    eager numbers bit for bit, for a scalar one-hot (the forward's) and a per-token one (backward's)."""
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm
+    logits, shift, scale, local, outside = _chunk(dtype)
+    for onehot in (1.0, torch.rand(len(shift), dtype=shift.dtype)):
+        torch._dynamo.reset()
+        graphs.clear()
+        compiled = torch.compile(cross_entropy.logits_grad, backend=aot_autograd(fw_compiler=capture), fullgraph=True)
+        ours = compiled(logits.clone(), shift, scale, onehot, local, outside, V_REAL)
+        assert torch.equal(ours, cross_entropy.logits_grad(logits.clone(), shift, scale, onehot, local, outside,
+                                                           V_REAL))
+        (graph,) = graphs
+        writes = []
+        logits_input = next(n for n in graph.graph.nodes if n.op == "placeholder")
+        for node in graph.graph.nodes:
+            if node.op != "call_function":
+                continue
+            name = str(node.target)
+            assert not any(bad in name for bad in ("scatter", "index_put", "index_add", "setitem")), name
+            val = node.meta.get("val")
+            if isinstance(val, torch.Tensor) and val.shape == logits.shape:
+                if node.target == aten.copy.default:  # the mutation of the logits, functionalized
+                    assert node.args[0] is logits_input and node.args[1].meta["val"].dtype == dtype, node.args
+                    writes.append(node)
+                else:
+                    assert torch.Tag.pointwise in node.target.tags or node.target == aten._to_copy.default, name
+        assert len(writes) == 1, writes
+        outputs = [a for a in next(iter(reversed(graph.graph.nodes))).args[0]
+                   if a.meta["val"].shape == logits.shape]
+        assert len({id(a) for a in outputs}) == 1 and outputs[0].meta["val"].dtype == dtype, outputs
+
+
+class MatmulOutputs(TorchDispatchMode):
+    """Records (op, shape, dtype) of every matmul's result run under it."""
+
+    def __init__(self):
+        super().__init__()
+        self.outputs = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.overloadpacket in (aten.mm, aten.addmm, aten.matmul, aten.bmm, aten.baddbmm):
+            self.outputs.append((str(func), tuple(out.shape), out.dtype))
+        return out
+
+
+def _inputs(dtype, tokens=48, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(tokens, H, generator=g, dtype=torch.float64)
+    weight = 0.5 * torch.randn(V, H, generator=g, dtype=torch.float64)
+    target = torch.randint(0, V_REAL, (tokens,), generator=g)
+    target[: tokens // 2] = 7  # one row of the weight's gradient summed over many tokens, in every chunk
+    return hidden.to(dtype), weight.to(dtype), target
+
+
+def _reference(hidden, weight, target, z_loss=1e-2):
+    """F.cross_entropy on the real columns in fp64: the gradients of the mean plus the z-loss."""
+    h = hidden.detach().double().requires_grad_()
+    w = weight.detach().double().requires_grad_()
+    logits = F.linear(h, w)[:, :V_REAL]
+    (F.cross_entropy(logits, target) + z_loss * logits.logsumexp(-1).square().mean()).backward()
+    return h.grad, w.grad
+
+
+def _error(a, b):
+    return ((a.double() - b).abs().max() / b.abs().max()).item()
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_bf16_weight_gradient_sums_chunks_with_no_bf16_vocab_by_hidden_product(reduction, monkeypatch):
+    # 48 tokens in chunks of H = 16: three chunks' products with the hidden states summed in fp32
+    monkeypatch.setitem(cross_entropy.CROSS_ENTROPY_CHUNK, "cpu", 1)
+    hidden, weight, target = _inputs(torch.bfloat16)
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    with MatmulOutputs() as recorded:
+        loss, _ = cross_entropy.linear_cross_entropy(h, w, target, V_REAL, 1e-2, reduction)
+        loss.mean().backward()
+    weight_sized = [o for o in recorded.outputs if o[1] == (V, H)]
+    assert len(weight_sized) == 3 and all(o[2] == torch.float32 for o in weight_sized), recorded.outputs
+    exact = _reference(hidden, weight, target)
+    assert w.grad.dtype == torch.bfloat16
+    assert _error(w.grad, exact[1]) < 1e-2 and _error(h.grad, exact[0]) < 1e-2
+
+
+def _grad_buffer(weight, dtype):
+    w = torch.nn.Parameter(weight.clone())
+    return w, parallel.GradBuffer([w], dtype)
+
+
+@pytest.mark.parametrize("dtype,buffer_dtype", [(torch.bfloat16, torch.float32), (torch.float16, torch.float16),
+                                                (torch.float32, torch.float32)])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_output_weight_gradient_goes_into_main_grad_with_no_grad(dtype, buffer_dtype, reduction, monkeypatch):
+    """Two micro-batches' backwards with a GradBuffer: autograd never accumulates a .grad of the weight (its
+    post-accumulate hook never runs, and no tensor of the weight's shape in its half dtype is made), main_grad
+    holds the sum of the two gradients (fp32 weights: the .grad path's to fp32 rounding; half: as close to fp64
+    as the .grad path at least)."""
+    monkeypatch.setitem(cross_entropy.CROSS_ENTROPY_CHUNK, "cpu", 1)
+    batches = [_inputs(dtype, seed=s) for s in (0, 1)]
+    weight = batches[0][1]
+    upstream = 2.0**10 if dtype == torch.float16 else 1.0  # a loss scale
+    w, buffer = _grad_buffer(weight, buffer_dtype)
+    fired = []
+    w.register_post_accumulate_grad_hook(lambda p: fired.append(p))
+    made = []
+
+    class WeightSized(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if not (func.is_view or func._schema.is_mutable) and isinstance(out, torch.Tensor) \
+                    and out.shape == w.shape and out.dtype == dtype != torch.float32:  # a new tensor
+                made.append(str(func))
+            return out
+    plain = weight.clone().requires_grad_()  # the .grad path: no GradBuffer
+    for hidden, _, target in batches:
+        for p in (w, plain):
+            with WeightSized() if p is w else contextlib.nullcontext():
+                loss, _ = cross_entropy.linear_cross_entropy(hidden.clone().requires_grad_(), p, target, V_REAL,
+                                                             1e-2, reduction)
+                (upstream * loss.mean()).backward()
+    assert not fired and w.grad is None and not made, (len(fired), made)
+    exact = [sum(pair) for pair in zip(*(_reference(h, weight, t) for h, _, t in batches))]
+    if dtype == torch.float32:
+        torch.testing.assert_close(w.main_grad, plain.grad)  # fp32 rounding: main_grad + g * scale in one op
+    else:
+        assert _error(w.main_grad / upstream, exact[1]) <= _error(plain.grad.double() / upstream, exact[1])
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_main_grad_bucket_launches_once_the_weight_gradient_is_complete(tied, monkeypatch):
+    """A data-parallel GradBuffer (its collective recorded instead of run) over two micro-batches: the weight's
+    bucket is launched once, in the last backward, holding the whole gradient: the loss's part alone when the
+    weight is the output layer's own, and only after the embedding's part when the weight is also the word
+    embedding (the loss's add comes first in backward, the embedding's .grad last)."""
+    monkeypatch.setitem(cross_entropy.CROSS_ENTROPY_CHUNK, "cpu", 1)
+    batches = [_inputs(torch.float32, seed=s) for s in (0, 1)]
+    w, buffer = _grad_buffer(batches[0][1], torch.float32)
+    buffer.group, buffer.size = "dp", 1
+    launched = []
+    monkeypatch.setattr(parallel.dist, "all_reduce", lambda flat, **kw: launched.append(flat.clone()) or kw)
+    plain = batches[0][1].clone().requires_grad_()
+    buffer.start(2)
+    for i, (hidden, _, target) in enumerate(batches):
+        ids = target % V_REAL
+        for p in (w, plain):
+            x = hidden + F.embedding(ids, p) if tied else hidden.clone().requires_grad_()
+            loss, _ = cross_entropy.linear_cross_entropy(x, p, target, V_REAL, 1e-2, "mean")
+            loss.backward()
+        assert len(launched) == i  # nothing before the last micro-batch's gradient is whole
+    torch.testing.assert_close(launched[0].view_as(w), plain.grad, atol=1e-6, rtol=1e-6)
+    assert torch.equal(launched[0].view_as(w), w.main_grad)
