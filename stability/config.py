@@ -5,7 +5,7 @@ Each callback of the layer reads its own section of the config once, when it is 
 whose fields are the keys it reads, by their names (section()).
 
 The dependency runs from this layer to the core, never back: the checks below use the core's rules
-(schedule.parse_iteration_ranges), and spike_guard is imported inside check() only.
+(schedule.parse_iteration_ranges), and stability.precursors is imported inside check() only.
 """
 import math
 from dataclasses import dataclass, fields
@@ -40,7 +40,7 @@ class StabilityConfig:
     spike_guard_fp32_replay: bool = True  # fp16/bf16: replay a reproduced spike in fp32 (an fp32 copy of the weights)
     spike_guard_precursor: str | None = None  # EXPERIMENTAL early rung (None: off): cut the LR when this passes ...
     spike_guard_precursor_threshold: float | None = None  # ... this threshold (docs/spike_guard.md, section 7)
-    spike_guard_precursor_lr_factor: float = 0.5  # ... by this factor, once per crossing (spike_guard.PRECURSORS)
+    spike_guard_precursor_lr_factor: float = 0.5  # ... by this factor, once per crossing (precursors.PRECURSORS)
     inject_bad_batch_iters: list[str] | None = None  # fault injection: iterations ("40-45") given random-token batches
     inject_lr_iters: list[str] | None = None  # fault injection: iteration ranges whose LR is x inject_lr_factor
     inject_lr_factor: float = 100.0  # the LR multiplier of inject_lr_iters
@@ -97,10 +97,9 @@ def check(cfg):
     need(cfg.spike_guard_max_numerical >= 1,
          "spike_guard_max_numerical must be >= 1 (the numerical diagnoses before a stop)")
     if cfg.spike_guard_precursor is not None:
-        from stability import spike_guard  # only with the precursor rung: arguments imports this file, not the guard
-        names = ", ".join(spike_guard.PRECURSORS)
-        need(cfg.spike_guard_precursor in spike_guard.PRECURSORS,
-             f"spike_guard_precursor={cfg.spike_guard_precursor!r} is not one of {names}")
+        from stability.precursors import PRECURSORS
+        need(cfg.spike_guard_precursor in PRECURSORS,
+             f"spike_guard_precursor={cfg.spike_guard_precursor!r} is not one of {', '.join(PRECURSORS)}")
         need(cfg.spike_guard_precursor_threshold is not None and math.isfinite(cfg.spike_guard_precursor_threshold),
              "spike_guard_precursor needs spike_guard_precursor_threshold (a number: docs/spike_guard.md has the "
              "thresholds measured on the stability lab's clean runs; tools/precursors.py measures yours)")

@@ -69,6 +69,7 @@ import parallel
 import schedule
 import training
 from report import print0
+from stability import precursors
 from stability.config import DetectorConfig, LadderConfig, section
 from stability.detector import Detector
 
@@ -344,29 +345,6 @@ class SpikeGuard(Detector):
 # -----------------------------------------------------------------------------
 # Warning before the spike: the precursor rung (docs/spike_guard.md, section 7)
 
-# What the telemetry shows before a divergence (Wortsman et al. 2023; lessons 1, 20): each precursor is one
-# number from a telemetry record (telemetry.Telemetry.finish()) and Adam's eps, and the side that warns.
-PRECURSORS = {
-    "attention_logit_max": (lambda t, eps: max(t["attention logit max"]), "high"),  # attention-logit growth
-    "attention_entropy_min": (lambda t, eps: min(t["attention entropy min"]), "low"),  # entropy collapse
-    "log_z": (lambda t, eps: t["log z"], "high"),  # the output logits' drift (what z-loss holds)
-    "update_param_ratio": (lambda t, eps: max(t["update/param rms"]), "high"),
-    "grad_rms_over_eps": (lambda t, eps: min(t["grad rms"]) / eps, "low"),  # updates shrink as it nears 1
-    "final_ln_input_rms": (lambda t, eps: t["final layernorm input rms"], "high"),
-}
-
-
-def precursor_value(name, telemetry, eps):
-    return float(PRECURSORS[name][0](telemetry, eps))
-
-
-def past(name, value, threshold):
-    """Is the precursor's value on the warning side of the threshold? A NaN is past any threshold."""
-    if not math.isfinite(value):
-        return True
-    return value > threshold if PRECURSORS[name][1] == "high" else value < threshold
-
-
 def precursor_rung(guard, cfg, iteration, telemetry):
     """The early rung (`spike_guard_precursor`, off by default), called with each telemetry record: when the
     precursor passes `spike_guard_precursor_threshold`, multiply the LR by `spike_guard_precursor_lr_factor` from
@@ -378,11 +356,11 @@ def precursor_rung(guard, cfg, iteration, telemetry):
     name, threshold = cfg.spike_guard_precursor, cfg.spike_guard_precursor_threshold
     if name is None:
         return None
-    value = precursor_value(name, telemetry, cfg.adam_eps)
+    value = precursors.value(name, telemetry, cfg.adam_eps)
     mine = [d for d in guard.decisions if d["action"] in ("precursor", "precursor rearmed")]
     armed = not mine or mine[-1]["action"] == "precursor rearmed"
-    crossed = past(name, value, threshold)
-    high = PRECURSORS[name][1] == "high"
+    crossed = precursors.past(name, value, threshold)
+    high = precursors.PRECURSORS[name][1] == "high"
     if not armed and not crossed:
         reason = f"{name} {value:.4g} is back {'under' if high else 'over'} its threshold {threshold:g}"
         decision = guard._decide(iteration, "precursor rearmed", reason, "the precursor rung is armed again")

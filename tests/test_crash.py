@@ -1,6 +1,7 @@
-"""A rank that fails ends the job, and a run stopped on purpose ends clean. Under torchrun the others do not wait in a collective for
-distributed_timeout_minutes (a hung 104B job idles every GPU meanwhile). Under srun, `--kill-on-bad-exit=1` in
-docs/parallelism.md's recipe does what torchrun's agent does here (tests/test_safety.py checks the recipe has it)."""
+"""A rank that fails ends the job, and a run stopped on purpose ends clean. Under torchrun the others do not wait
+in a collective for distributed_timeout_minutes (a hung 104B job idles every GPU meanwhile). Under srun,
+`--kill-on-bad-exit=1` in docs/parallelism.md's recipe does what torchrun's agent does here (tests/test_safety.py
+checks the recipe has it)."""
 import os
 import subprocess
 import sys

@@ -5,7 +5,7 @@ divergence, with thresholds set on clean runs (docs/spike_guard.md, section 7).
         --calibrate out/lab/runs/A/*/lr1e-02-seed1 --clean out/prec/runs/A/*/lr1e-02-seed2 --out precursors.md
 
 Every argument is a run directory holding the metrics.jsonl train.py writes (the loss and grad norm of every
-iteration, the telemetry every telemetry_interval). The precursors are spike_guard.PRECURSORS, the ones the
+iteration, the telemetry every telemetry_interval). The precursors are precursors.PRECURSORS, the ones the
 guard's early rung can watch.
 
 - **Onset** of a divergence: the first iteration the guard's detector calls a spike (detector.spikes_in, fed
@@ -31,7 +31,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import arguments  # noqa: E402
-from stability import detector, spike_guard  # noqa: E402
+from stability import detector, precursors  # noqa: E402
 
 MARGIN = 2.0
 LOGARITHMS = {"log_z"}  # precursors that are logarithms: their margin is added, as ln(margin)
@@ -65,7 +65,7 @@ def onset(steps, cfg=None):
 
 
 def series(telemetry, name, eps):
-    return [(i, spike_guard.precursor_value(name, record, eps)) for i, record in telemetry]
+    return [(i, precursors.value(name, record, eps)) for i, record in telemetry]
 
 
 def threshold(name, runs, eps, margin=MARGIN):
@@ -74,13 +74,13 @@ def threshold(name, runs, eps, margin=MARGIN):
     values = [v for telemetry in runs for _, v in series(telemetry, name, eps) if math.isfinite(v)]
     if name in LOGARITHMS:
         return max(values) + math.log(margin)
-    high = spike_guard.PRECURSORS[name][1] == "high"
+    high = precursors.PRECURSORS[name][1] == "high"
     return max(values) * margin if high else min(values) / margin
 
 
 def crossings(telemetry, name, limit, eps):
     """The telemetry iterations on the warning side of the threshold `limit`."""
-    return [i for i, v in series(telemetry, name, eps) if spike_guard.past(name, v, limit)]
+    return [i for i, v in series(telemetry, name, eps) if precursors.past(name, v, limit)]
 
 
 def lead(start, crossed):
@@ -96,13 +96,13 @@ def measure(diverged, calibrate, clean, eps=1e-8, margin=MARGIN):
                                   for runs in (diverged, calibrate, clean))
     onsets = {label: onset(steps) for label, (steps, _) in diverged.items()}
     rows = []
-    for name in spike_guard.PRECURSORS:
+    for name in precursors.PRECURSORS:
         limit = threshold(name, [telemetry for _, telemetry in calibrate.values()], eps, margin)
         first = {label: next(iter(crossings(telemetry, name, limit, eps)), None)
                  for label, (_, telemetry) in diverged.items()}
         leads = {label: lead(onsets[label], first[label]) for label in diverged}
         false = [len(crossings(telemetry, name, limit, eps)) for _, telemetry in clean.values()]
-        rows.append({"precursor": name, "side": spike_guard.PRECURSORS[name][1], "threshold": limit,
+        rows.append({"precursor": name, "side": precursors.PRECURSORS[name][1], "threshold": limit,
                      "first": first, "leads": leads, "fp_runs": sum(n > 0 for n in false), "fp_records": sum(false)})
     return {"onsets": onsets, "rows": rows, "clean": len(clean), "calibrate": len(calibrate)}
 
