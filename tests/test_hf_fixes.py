@@ -10,7 +10,6 @@ import pytest
 import torch
 
 import arguments
-import data
 import hf
 import loader
 import run_state
@@ -114,7 +113,7 @@ def test_run_state_records_the_import_and_old_checkpoints_load():
 # Messages and --help
 
 
-def test_llama_data_of_another_tokenizer_names_the_models_tokenizer(corpus, tmp_path):
+def test_llama_data_of_another_tokenizer_names_the_models_tokenizer(corpus, tmp_path):  # noqa: F811
     """Catches: a Llama of 32000 tokens on the GPT-2-tokenized bundled corpus told to 'set vocab_size to at least
     50257' (which init_from_hf refuses) instead of tokenizing the data with the model's tokenizer.json."""
     _llama(tmp_path / "llama", vocab=32000)
