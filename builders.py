@@ -66,7 +66,10 @@ def build(cfg, grid, schedule, device, callbacks=training.NO_CALLBACKS):
     if cfg.deepspeed:
         model, optimizer = deepspeed_engine.initialize(cfg, model, optimizer)
     print0(schedule.describe())
-    return run_state.Parts(cfg, model, optimizer, schedule, optim.scaler_for(cfg), callbacks)
+    parts = run_state.Parts(cfg, model, optimizer, schedule, optim.scaler_for(cfg), callbacks)
+    if cfg.init_from_hf:  # a resumed run's comes from its checkpoint (run_state.load)
+        parts.state.hf_origin = hf.origin(cfg.init_from_hf)
+    return parts
 
 
 def build_callbacks(cfg, writer=None, saved_state=None):

@@ -47,7 +47,7 @@ MANIFEST_FORMAT = 1
 @dataclass
 class CheckpointConfig:
     # -- checkpoint --
-    init_from_hf: str | None = None  # a local transformers GPT-2/BLOOM directory: its config and weights start the run
+    init_from_hf: str | None = None  # a transformers GPT-2/BLOOM/Llama directory: its config and weights start the run
     save: str | None = None  # checkpoint directory; a run resumes from it when it holds a checkpoint
     load: str | None = None  # resume from this directory's `latest`; None: from save when it holds one
     save_interval: int | None = None  # save every this many iterations (and always at the end)

@@ -188,11 +188,18 @@ def largest_token_id(prefix: str, vocab_size: int) -> int:
     return max_token_id(indexed) if np.iinfo(indexed.dtype).max >= vocab_size else -1
 
 
-def check_token_ids(prefix: str, vocab_size: int, top: int | None = None) -> None:
+def check_token_ids(prefix: str, vocab_size: int, top: int | None = None, init_from_hf: str | None = None) -> None:
     """Refuse data with token ids outside the vocabulary (tokenized with another tokenizer): the embedding would
     otherwise fail mid-run with 'index out of range'. top: largest_token_id, found by one rank for all (None:
-    here)."""
+    here). init_from_hf: the imported model's directory, whose vocabulary is given: the fix is its tokenizer."""
     top = largest_token_id(prefix, vocab_size) if top is None else top
+    if top >= vocab_size and init_from_hf:
+        tokenizer = os.path.join(init_from_hf, "tokenizer.json")
+        raise ValueError(f"data file {prefix}.bin holds token id {top}, at or above vocab_size {vocab_size} of the "
+                         f"model in init_from_hf {init_from_hf}: it was tokenized with another tokenizer than the "
+                         f"model's; tokenize it with the model's: `python data.py --input FILES --output-prefix "
+                         f"data/NAME --tokenizer-file {tokenizer}`, then set data_path=data/NAME and "
+                         f"tokenizer_file={tokenizer}")
     if top >= vocab_size:
         raise ValueError(f"data file {prefix}.bin holds token id {top}, at or above vocab_size {vocab_size}: it was "
                          f"tokenized with a larger vocabulary; set vocab_size to at least {top + 1} or re-tokenize "

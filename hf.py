@@ -66,7 +66,8 @@ NOT_MAPPED = {"hidden_dropout", "attention_dropout", "embed_dropout", "init_meth
 # ... and the GPT-2 block, which both have: the Llama block's keys at their defaults (family() checks them)
 GPT2_BLOCK = {"normalization": "layernorm", "swiglu": False, "ffn_hidden_size": None, "num_query_groups": None,
               "untie_embeddings_and_output_weights": False, "add_bias_linear": True, "rotary_base": 10000.0,
-              "use_rope_scaling": False, "rope_scaling_factor": 8.0}
+              "use_rope_scaling": False, "rope_scaling_factor": 8.0,
+              "original_max_position_embeddings": LLAMA3_ROPE["original_max_position_embeddings"]}
 MAPPED = {"activation", *GPT2_BLOCK, *FIXED["gpt2"], *CONFIG["gpt2"], *CONFIG["bloom"], *CONFIG["llama"]}
 
 # Parameter names: ours -> (theirs, layout steps theirs -> ours), their names without transformers' "transformer."
@@ -213,7 +214,7 @@ def family(cfg):
 
 def hf_config(cfg, **extra):
     """The transformers config of a GPTConfig (GPT2Config, BloomConfig or LlamaConfig); extra: their other keys
-    (token ids, dropout)."""
+    (token ids, dropout; a Llama's max_position_embeddings, which is seq_length otherwise: rotary has no table)."""
     import transformers
     kind = family(cfg)
     keys = {theirs: getattr(cfg, ours) for ours, theirs in CONFIG[kind].items()}
@@ -222,7 +223,7 @@ def hf_config(cfg, **extra):
                     head_dim=cfg.hidden_size // cfg.num_attention_heads, hidden_act="silu",
                     rope_parameters=rope_parameters(cfg),
                     tie_word_embeddings=not cfg.untie_embeddings_and_output_weights)
-        return transformers.LlamaConfig(**keys, **extra)
+        return transformers.LlamaConfig(**{**keys, **extra})
     if kind == "gpt2":
         return transformers.GPT2Config(**keys, activation_function=GPT2_ACTIVATIONS[cfg.activation],
                                        tie_word_embeddings=True, **extra)
@@ -270,12 +271,14 @@ def _hf_config(directory):
     if model_type == "llama":
         rope_type, found = rope_type_of(theirs), rope(theirs)
         head_dim = getattr(theirs, "head_dim", None) or theirs.hidden_size // theirs.num_attention_heads
-        other = {k: found.get(k) for k, v in LLAMA3_ROPE.items() if found.get(k) != v}
+        other = {k: found.get(k) for k, v in LLAMA3_ROPE.items()
+                 if found.get(k) != v and k != "original_max_position_embeddings"}  # that one is a key of ours
         refusals += [
             (rope_type not in ("default", "llama3"), f"rope scaling of type {rope_type!r}: stablegpt's rotary "
              "embeddings are unscaled (rope_type 'default') or Llama 3.1's (rope_type 'llama3')"),
             (rope_type == "llama3" and bool(other), f"rope_type 'llama3' with {other}: stablegpt's (Megatron's) "
-             f"llama3 scaling has Llama 3's {LLAMA3_ROPE}"),
+             f"llama3 scaling has Llama 3's low_freq_factor {LLAMA3_ROPE['low_freq_factor']} and high_freq_factor "
+             f"{LLAMA3_ROPE['high_freq_factor']}"),
             (theirs.hidden_act != "silu", f"hidden_act={theirs.hidden_act!r}: stablegpt's swiglu gates with SiLU"),
             (head_dim * theirs.num_attention_heads != theirs.hidden_size, f"head_dim={head_dim}: stablegpt's "
              "head size is hidden_size / num_attention_heads"),
@@ -316,7 +319,8 @@ def rope_parameters(cfg):
     """LlamaConfig's rope_parameters of our rotary keys."""
     if not cfg.use_rope_scaling:
         return {"rope_theta": cfg.rotary_base, "rope_type": "default"}
-    return {"rope_theta": cfg.rotary_base, "rope_type": "llama3", "factor": cfg.rope_scaling_factor, **LLAMA3_ROPE}
+    return {"rope_theta": cfg.rotary_base, "rope_type": "llama3", "factor": cfg.rope_scaling_factor, **LLAMA3_ROPE,
+            "original_max_position_embeddings": cfg.original_max_position_embeddings}
 
 
 def config_from_hf(directory):
@@ -331,8 +335,24 @@ def config_from_hf(directory):
         keys["untie_embeddings_and_output_weights"] = not theirs.tie_word_embeddings
         keys["rotary_base"] = float(rope(theirs)["rope_theta"])
         keys["use_rope_scaling"] = rope_type_of(theirs) == "llama3"
-        keys["rope_scaling_factor"] = float(rope(theirs)["factor"]) if keys["use_rope_scaling"] else 8.0
+        if keys["use_rope_scaling"]:  # unscaled: the keys' defaults (GPT2_BLOCK), which nothing reads
+            keys["rope_scaling_factor"] = float(rope(theirs)["factor"])
+            keys["original_max_position_embeddings"] = int(rope(theirs).get(
+                "original_max_position_embeddings", LLAMA3_ROPE["original_max_position_embeddings"]))
+        else:
+            keys.update({k: GPT2_BLOCK[k] for k in ("rope_scaling_factor", "original_max_position_embeddings")})
     return keys
+
+
+def origin(directory):
+    """What an export of a run started from the model in directory keeps of it besides the model's function: its
+    special token ids and the context it is made for (a rotary model's max_position_embeddings; learned positions
+    keep the table they have). The run state records it (builders.build), so that resumed runs keep it too."""
+    kind, theirs = _hf_config(directory)
+    found = {key: getattr(theirs, key, None) for key in ("bos_token_id", "eos_token_id", "pad_token_id")}
+    if kind == "llama":
+        found["max_position_embeddings"] = theirs.max_position_embeddings
+    return {"model_type": kind, **found}
 
 
 def check_config(cfg, directory):

@@ -212,6 +212,7 @@ class MegatronKeys:
     seq_length: int
     vocab_size: int
     config_file: str = "this config"  # named in messages (arguments.load_config sets it)
+    init_from_hf: str | None = None  # an imported model's vocabulary is given: data of another tokenizer is refused
 
 
 class MegatronSource:
@@ -275,7 +276,7 @@ def check_data(cfg, data_path, train_samples):
     tops = [data.largest_token_id(p, cfg.vocab_size) if parallel.grid.rank == 0 else -1 for p in prefixes]
     tops = parallel.broadcast_scalars(tops)  # float64: exact for any token id
     for prefix, weight, top in zip(prefixes, weights, tops):
-        data.check_token_ids(prefix, cfg.vocab_size, int(top))
+        data.check_token_ids(prefix, cfg.vocab_size, int(top), getattr(cfg, "init_from_hf", None))
         epochs = data.train_epochs(prefix, cfg.split, cfg.seq_length, train_samples * weight)
         if epochs > 4:  # Muennighoff et al. 2023: up to ~4 epochs of repeated data cost little, more do
             print0(f"warning: this run goes over the train split of {prefix} {epochs:.1f} times; beyond about 4 "

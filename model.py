@@ -72,6 +72,7 @@ class GPTConfig:
     rotary_base: float = 10000.0  # rotary's theta (Llama 3: 500000)
     use_rope_scaling: bool = False  # Llama 3.1's long-context rotary frequencies (transformers' rope_type llama3)
     rope_scaling_factor: float = 8.0  # with use_rope_scaling: the low frequencies divided by this (Llama 3.2: 32)
+    original_max_position_embeddings: int = 8192  # with use_rope_scaling: the context it scales (Llama 3's: 8192)
     # -- stability: the switches of the 104B, 176B and OPT-175B runs --
     activation: str = "gelu"  # gelu (exact, erf) | gelu_tanh (GPT-2, Megatron's fused bias-GeLU) | relu (OPT)
     init_method_std: float | str = 0.02  # std of the init, or "small_init" = sqrt(2/(5*hidden_size))
@@ -166,6 +167,8 @@ class GPTConfig:
              "rotary's frequencies: set position_embedding_type='rotary' or drop it"),
             (self.rope_scaling_factor >= 1, f"rope_scaling_factor={self.rope_scaling_factor} must be at least 1 "
              "(Llama 3.1: 8, Llama 3.2: 32)"),
+            (self.original_max_position_embeddings > 0, "original_max_position_embeddings="
+             f"{self.original_max_position_embeddings} must be positive (Llama 3's: 8192)"),
             (self.position_embedding_type in POSITION_EMBEDDINGS, f"position_embedding_type="
              f"{self.position_embedding_type!r} is not one of {', '.join(POSITION_EMBEDDINGS)}"),
             (self.position_embedding_init in ("normal", "sinusoidal"),
@@ -238,14 +241,15 @@ def alibi_bias(slopes, seq_len, dtype=torch.float32, device=None):
     return bias.masked_fill(distance > 0, float("-inf"))
 
 
-def rotary_cos_sin(seq_len, head_dim, dtype=torch.float32, device=None, base=10000.0, scaling_factor=None):
+def rotary_cos_sin(seq_len, head_dim, dtype=torch.float32, device=None, base=10000.0, scaling_factor=None,
+                   original_context=None):
     """cos and sin, (seq, head_dim), of rotary embeddings (Su et al. 2021) as GPT-NeoX and Megatron-DeepSpeed
     lay them out: position t times the frequencies base^(-2i/d), i < d/2, the list written twice (feature i and
     i + d/2 turn together). Computed in `dtype` (fp32 at least) on `device`, for every layer at once.
-    scaling_factor: Llama 3.1's frequencies (llama3_frequencies)."""
+    scaling_factor (and original_context, default Llama 3's): Llama 3.1's frequencies (llama3_frequencies)."""
     inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, device=device, dtype=dtype) / head_dim)
     if scaling_factor is not None:
-        inv_freq = llama3_frequencies(inv_freq, scaling_factor)
+        inv_freq = llama3_frequencies(inv_freq, scaling_factor, original_context)
     angles = torch.outer(torch.arange(seq_len, device=device, dtype=dtype), inv_freq)
     angles = torch.cat((angles, angles), dim=-1)
     return angles.cos(), angles.sin()
@@ -254,12 +258,13 @@ def rotary_cos_sin(seq_len, head_dim, dtype=torch.float32, device=None, base=100
 LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
 
-def llama3_frequencies(inv_freq, factor):
+def llama3_frequencies(inv_freq, factor, original=None):
     """Llama 3.1's rotary frequencies for long contexts (Megatron's --use-rope-scaling, transformers' rope_type
-    "llama3", with Llama 3's LLAMA3_ROPE constants): wavelengths shorter than original / high_freq_factor kept,
-    those longer than original / low_freq_factor stretched `factor` times, the ones between interpolated."""
+    "llama3", with Llama 3's LLAMA3_ROPE frequency factors): wavelengths shorter than original / high_freq_factor
+    kept, those longer than original / low_freq_factor stretched `factor` times, the ones between interpolated.
+    original: the original context (original_max_position_embeddings; None: Llama 3's 8192)."""
     low, high = LLAMA3_ROPE["low_freq_factor"], LLAMA3_ROPE["high_freq_factor"]
-    original = LLAMA3_ROPE["original_max_position_embeddings"]
+    original = original or LLAMA3_ROPE["original_max_position_embeddings"]
     wavelen = 2 * math.pi / inv_freq
     scaled = torch.where(wavelen > original / low, inv_freq / factor, inv_freq)
     smooth = (original / wavelen - low) / (high - low)
@@ -690,7 +695,9 @@ class GPT(nn.Module):
             return (bias if self.cfg.unfused_attention else bias.to(compute_dtype)), None
         if self.cfg.position_embedding_type == "rotary":
             head_dim = self.cfg.hidden_size // self.cfg.num_attention_heads
-            scaling = {"scaling_factor": self.cfg.rope_scaling_factor} if self.cfg.use_rope_scaling else {}
+            scaling = {"scaling_factor": self.cfg.rope_scaling_factor,
+                       "original_context": self.cfg.original_max_position_embeddings,
+                       } if self.cfg.use_rope_scaling else {}
             cos, sin = rotary_cos_sin(T, head_dim, dtype, device, base=self.cfg.rotary_base, **scaling)
             return None, (cos.to(compute_dtype), sin.to(compute_dtype))
         return None, None

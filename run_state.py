@@ -49,6 +49,9 @@ class RunState:
     # the loss and grad norm of the last HISTORY applied steps, oldest first: the trend that the soft skip and the
     # spike guard judge a step against, kept (and rolled back) with the weights whether or not they are on
     history: dict = field(default_factory=lambda: {"loss": [], "grad norm": []})
+    # the Hugging Face model init_from_hf started the run from (hf.origin): its token ids and context, which an
+    # export keeps; here, not in the config, so that every resumed run carries it on without reading the model
+    hf_origin: dict | None = None
 
     def advance(self, batch_size, seqlen, applied, step=None):
         """One iteration done: its batch drawn; counted by the LR schedule if its update applied, and its numbers

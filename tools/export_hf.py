@@ -29,6 +29,7 @@ import torch  # noqa: E402
 import data  # noqa: E402
 import hf  # noqa: E402
 import reshard  # noqa: E402
+import safety  # noqa: E402
 
 
 def target_class(cfg):
@@ -39,8 +40,9 @@ def target_class(cfg):
         raise ValueError(f"cannot export {e}") from None
 
 
-def hf_model(gpt, eod):
-    """(the transformers model, untrained, of our whole model's config; the state dict to load into it)."""
+def hf_model(gpt, eod=None, keys=None):
+    """(the transformers model, untrained, of our whole model's config; the state dict to load into it). keys: the
+    config's keys besides the model's function (export_keys); without them, eod is both special token ids."""
     import transformers
     c, kind = gpt.cfg, hf.family(gpt.cfg)
     if kind == "gpt2":
@@ -50,8 +52,36 @@ def hf_model(gpt, eod):
         dropout = dict(hidden_dropout=c.hidden_dropout, attention_dropout=c.attention_dropout)
     else:  # Llama has attention dropout only
         dropout = dict(attention_dropout=c.attention_dropout)
-    hf_cfg = hf.hf_config(c, bos_token_id=eod, eos_token_id=eod, **dropout)
+    keys = {"bos_token_id": eod, "eos_token_id": eod} if keys is None else keys
+    hf_cfg = hf.hf_config(c, **keys, **dropout)
     return getattr(transformers, hf.KINDS[kind])(hf_cfg), hf.export_state(gpt.state_dict(), c)
+
+
+def imported_from(saved, tag_dir):
+    """hf.origin of the model the checkpoint's run started from (its run state keeps it), or None. A checkpoint
+    written before the run state kept it: its init_from_hf directory's, where that is still there."""
+    found = safety.checkpoint_run(tag_dir)["state"].get("hf_origin")
+    if found is None and saved.get("init_from_hf") and os.path.isdir(saved["init_from_hf"]):
+        found = hf.origin(saved["init_from_hf"])
+    return found
+
+
+def export_keys(cfg, origin, tokenizer_file):
+    """The export config's keys besides the model's function: the special token ids and a rotary model's context.
+    An imported model's (origin: hf.origin) are kept -- a Llama fine-tuned at 4k tokens is still its 131k-token
+    model. Otherwise the token ids are the end of document of the run's tokenizer where its ids are the model's,
+    and none where they are not (GPT-2's 50256 is no token of a 32000-token model); the context is seq_length."""
+    if origin is not None:
+        keys = {key: origin.get(key) for key in ("bos_token_id", "eos_token_id", "pad_token_id")}
+        if hf.family(cfg) == "llama" and origin.get("max_position_embeddings"):
+            keys["max_position_embeddings"] = max(origin["max_position_embeddings"], cfg.seq_length)
+        return keys
+    tok = data.get_tokenizer(tokenizer_file)
+    if tok.n_vocab > cfg.vocab_size:
+        print(f"no bos_token_id or eos_token_id written: the {tokenizer_file or 'GPT-2'} tokenizer's {tok.n_vocab} "
+              f"tokens are not the model's {cfg.vocab_size} (pass --tokenizer_file)")
+        return {"bos_token_id": None, "eos_token_id": None}
+    return {"bos_token_id": tok.eot_token, "eos_token_id": tok.eot_token}
 
 
 def save_tokenizer(tokenizer_file, vocab_size, output):
@@ -99,8 +129,7 @@ def export(load_dir, output, dtype="float32", tokenizer_file=None, tolerance=1e-
     gpt, saved, tag_dir = reshard.load_full_model(load_dir)
     target_class(gpt.cfg)
     tokenizer_file = tokenizer_file or saved.get("tokenizer_file")
-    eod = data.get_tokenizer(tokenizer_file).eot_token
-    model, state = hf_model(gpt, eod)
+    model, state = hf_model(gpt, keys=export_keys(gpt.cfg, imported_from(saved, tag_dir), tokenizer_file))
     missing, unexpected = model.load_state_dict(state, strict=False)
     if unexpected or set(missing) - {"lm_head.weight"}:  # a tied lm_head is the word embedding
         raise RuntimeError(f"state dict mapping is incomplete: missing {missing}, unexpected {unexpected}")
