@@ -20,7 +20,6 @@ import time
 from dataclasses import asdict, dataclass, field, fields
 
 import numpy as np
-import torch
 
 import checkpoint
 import optim

@@ -1,4 +1,4 @@
-# Continue pre-training a Hugging Face GPT-2 or BLOOM model, downloaded beforehand (nothing is downloaded here):
+# Continue pre-training a Hugging Face GPT-2, BLOOM or Llama model, downloaded beforehand (nothing is downloaded here):
 #   python train.py config/finetune.py --init_from_hf=gpt2 --data_path=data/NAME
 # The model's keys (layers, width, heads, vocabulary, activation, positions) come from its config.json; this file
 # sets the training only, and a model key given here or on the command line must agree with the model. GPT-2's

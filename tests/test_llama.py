@@ -327,8 +327,9 @@ def test_llama3_rope_scaling_imports_and_exports(tmp_path):
     assert (unscaled_logits - logits).abs().max() > 1e-2  # the scaling shows at these positions
     hf.hf_config(cfg).save_pretrained(tmp_path / "export")
     assert hf.config_from_hf(str(tmp_path / "export")) == hf.config_from_hf(str(tmp_path))
-    _llama_dir(tmp_path / "other", tie=False, vocab=64, rope=dict(LLAMA3, original_max_position_embeddings=4096))
-    with pytest.raises(ValueError, match=r"rope_type 'llama3' with \{'original_max_position_embeddings': 4096\}"):
+    # another original context is one parameter (tests/test_hf_fixes.py); other frequency factors are refused
+    _llama_dir(tmp_path / "other", tie=False, vocab=64, rope=dict(LLAMA3, low_freq_factor=2.0))
+    with pytest.raises(ValueError, match=r"rope_type 'llama3' with \{'low_freq_factor': 2.0\}"):
         hf.config_from_hf(str(tmp_path / "other"))
 
 
