@@ -1,5 +1,5 @@
 """A randomized campaign against the spike guard: faults nobody chose, drawn at random, and the numbers of what the
-guard did with them (docs/spike_guard.md, "The campaign"; issue 28).
+guard did with them (docs/spike_guard.md, "The campaign").
 
     python lab/guard_campaign.py --out runs/campaign --data_path DATA --minutes 45
     python lab/guard_campaign.py --out runs/campaign --report      # the table and figure from what has run
