@@ -451,22 +451,19 @@ def pipeline_forward_backward(model, batches, loss_scale=1.0, forward_only=False
     and multiplied by loss_scale before backward, exactly as train.forward_backward does with one stage.
     Returns the mean loss on the last stage and 0 elsewhere (average_loss broadcasts the real one). packing(tokens):
     the model's keyword inputs of packed documents (loader.packing), made by every stage from its own copy."""
-    device = batches[0][0].device
-    start, start_event = time.perf_counter(), pipeline_event(device)
     stage = PipelineStage(model, batches, loss_scale, forward_only, packing)
+    start, start_event = time.perf_counter(), pipeline_event(stage.device)
     (all_forward if forward_only else one_forward_one_backward)(stage)
-    pipeline_time("schedule", start, start_event, device)
+    pipeline_time("schedule", start, start_event, stage.device)
     return stage.total / len(batches)
 
 
 class PipelineStage:
-    """This stage's steps on one global batch's micro-batches, which the schedules below order: receive buffers,
-    a micro-batch's forward and backward, what is sent on."""
+    """This stage's steps on one global batch's micro-batches (buffers, forward, backward), ordered by a schedule."""
 
     def __init__(self, model, batches, loss_scale, forward_only, packing):
         self.model, self.batches, self.loss_scale, self.packing = model, batches, loss_scale, packing
-        self.forward_only, self.m = forward_only, len(batches)
-        self.gpt = unwrap(model)
+        self.forward_only, self.m, self.gpt = forward_only, len(batches), unwrap(model)
         self.device = batches[0][0].device
         # Activations and their gradients cross stage boundaries in the compute dtype, that of the weights:
         # fp16/bf16 under mixed precision (half the traffic of fp32, as in Megatron), fp32 otherwise.
@@ -510,16 +507,14 @@ def all_forward(stage):
 
 def one_forward_one_backward(stage):
     """1F1B: warm-up forwards, then a forward and a backward in turn, then the remaining backwards."""
-    m = stage.m
     # warm-up: forwards only, until the micro-batches in flight fill the stages after this one
-    warmup = min(grid.pp_size - grid.pp_rank - 1, m)
+    m, warmup = stage.m, min(grid.pp_size - grid.pp_rank - 1, stage.m)
     in_flight = []  # (received input, output) of micro-batches waiting for their backward, oldest first
     for i in range(warmup):
         received, _ = communicate(recv_prev=stage.activation(i))
         out = stage.forward(i, received)
         communicate(send_next=stage.sendable(out))
         in_flight.append((received, out))
-
     # steady state: forward micro-batch i, then backward the oldest one in flight (1F1B)
     received = communicate(recv_prev=stage.activation(warmup))[0] if warmup < m else None
     for i in range(warmup, m):
@@ -527,11 +522,7 @@ def one_forward_one_backward(stage):
         in_flight.append((received, out))
         _, grad_out = communicate(send_next=stage.sendable(out), recv_next=stage.gradient(i - warmup))
         grad_in = stage.backward(*in_flight.pop(0), grad_out)
-        if i == m - 1:
-            communicate(send_prev=grad_in)
-        else:
-            received, _ = communicate(send_prev=grad_in, recv_prev=stage.activation(i + 1))
-
+        received, _ = communicate(send_prev=grad_in, recv_prev=stage.activation(i + 1) if i + 1 < m else None)
     # cool-down: the backwards of the warm-up's micro-batches
     for j in range(m - warmup, m):
         _, grad_out = communicate(recv_next=stage.gradient(j))
