@@ -238,7 +238,7 @@ def set_up(bench, argv):
     scaler = optim.scaler_for(cfg)
     scale_note = None
     if scaler.dynamic and scaler.scale > TIMING_LOSS_SCALE:
-        scale_note = f"the config's initial_loss_scale {scaler.scale:g} capped at {TIMING_LOSS_SCALE:g}"
+        scale_note = f"the config's initial_loss_scale {scaler.scale:.0f} capped at {TIMING_LOSS_SCALE:.0f}"
         scaler.scale = max(TIMING_LOSS_SCALE, scaler.min_scale)
     if launch.compiles(cfg):  # as train.run: on CUDA unless --compile=false
         parallel.unwrap(model).compile_blocks()
@@ -284,13 +284,17 @@ class Timings:
 
 def warm_up(run, bench, prefetcher, key, timings):
     """The untimed iterations: bench_warmup of them, then under fp16's dynamic loss scale more while the last one
-    did not update (the scale backs off on each overflow), SETTLE_ITERATIONS at most. Returns the next key."""
+    did not update (the scale backs off on each overflow), SETTLE_ITERATIONS at most; after overflows the scale is
+    halved once more, since the first one at which a step updates is at the edge of overflowing and would skip some
+    of the timed steps. Returns the next key."""
     settle = SETTLE_ITERATIONS if run.cfg.fp16 and run.scaler.dynamic else 0
     updated = not settle
     while timings.warmup < bench.bench_warmup or (not updated and timings.warmup < bench.bench_warmup + settle):
         updated = iterate(run, prefetcher, key)[3].outcome == "ok"
         timings.warmup, timings.warmup_skipped = timings.warmup + 1, timings.warmup_skipped + (not updated)
         key = run.plan.next_key(key)
+    if settle and timings.warmup_skipped:
+        run.scaler.scale = max(run.scaler.scale / 2, run.scaler.min_scale)
     timings.loss_scale = run.scaler.scale
     return key
 
@@ -382,7 +386,8 @@ def numbers(run, timings, stages, costs):
               "tokens/s": B * T / mean, "TFLOPs": tflops, "model TFLOPs": model_tflops,
               "MFU": model_tflops * 1e12 / peak, "peak": peak, "peak_source": peak_source, "memory": memory,
               "memory_source": memory_source, "micro_batches": B // (cfg.micro_batch_size * grid.dp_size),
-              "pp": grid.pp_size, "costs": costs, "skipped": timings.skipped, "loss_scale": timings.loss_scale}
+              "pp": grid.pp_size, "costs": costs, "skipped": timings.skipped, "loss_scale": timings.loss_scale,
+              "warmup_skipped": timings.warmup_skipped}
     if grid.pp_size > 1:
         result["bubble"] = [comm / pipe for comm, pipe in stages]
     return result
@@ -431,10 +436,11 @@ def loss_scale_line(run, timings):
     if not run.cfg.fp16:
         return skipped
     if not run.scaler.dynamic:
-        return f"{timings.loss_scale:g}, static (loss_scale); {skipped}"
+        return f"{timings.loss_scale:.10g}, static (loss_scale); {skipped}"
     start = run.scale_note or "the config's initial_loss_scale"
-    return (f"{timings.loss_scale:g} at the first timed iteration (dynamic, from {start}; {timings.warmup_skipped} of "
-            f"{timings.warmup} warm-up iterations did not update); {skipped}")
+    return (f"{timings.loss_scale:.10g} at the first timed iteration (dynamic, from {start}; "
+            f"{timings.warmup_skipped} of {timings.warmup} warm-up iterations did not update"
+            f"{', then halved once more' if timings.warmup_skipped else ''}); {skipped}")
 
 
 def print_telemetry(timings):

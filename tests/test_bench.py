@@ -144,6 +144,7 @@ def unmeasured_peak(monkeypatch):
     monkeypatch.setattr(bench, "device_peak", lambda device, dtype: (1e12, "not measured"))  # seconds of matmuls
 
 
+@pytest.mark.slow  # 9-29 s on a shared 2-core CPU (about 10 s of CPU time): ten configs built and run
 def test_bench_runs_on_every_config(corpus, unmeasured_peak, capsys, monkeypatch):  # noqa: F811
     """Each config's schedule (warm-ups longer than the run, ramp-ups, train_samples) and data keys (no data_path,
     BLOOM's corpus and tokenizer) are set aside, with the line that says so; each gives its report and row. The
@@ -182,17 +183,24 @@ def test_the_schedule_is_set_aside_in_bench_only():
     assert given.data_path == ["data/elsewhere"]
 
 
-def test_fp16_times_steps_that_update(corpus512, unmeasured_peak, capsys):
+def test_fp16_times_steps_that_update(corpus512, unmeasured_peak, capsys, monkeypatch):
     """From the default initial_loss_scale of 2^32 every step overflows and is skipped; bench starts at most at
     2^16 and warms up until a step updates, so that no timed step is skipped (counted, not timed)."""
-    result = bench.measure([os.path.join(ROOT, "config", "tiny.py"), *TINY, "--fp16", "--vocab_size=512",
-                            f"--data_path={corpus512}", "--bench_steps=3", "--no-step_costs"])
+    argv = [os.path.join(ROOT, "config", "tiny.py"), *TINY, "--fp16", "--vocab_size=512", f"--data_path={corpus512}",
+            "--bench_steps=3", "--no-step_costs"]
+    result = bench.measure(argv)
     out = capsys.readouterr().out
     assert result["skipped"] == 0 and result["loss_scale"] <= 2.0**16, out
     assert "loss scale:   " in out and "capped at 65536" in out and "0 of 3 timed iterations applied no update" in out
+    # uncapped, from 2^32: the warm-up goes on through the overflows until a step updates
+    monkeypatch.setattr(bench, "TIMING_LOSS_SCALE", 2.0**32)
+    result = bench.measure(argv)
+    out = capsys.readouterr().out
+    assert result["warmup_skipped"] > 1 and result["skipped"] == 0 and result["loss_scale"] < 2.0**32, out
+    assert "OVERFLOW" in out and "then halved once more" in out, out
 
 
-@pytest.mark.slow  # ~22 s on a shared 2-core CPU: two processes, each importing torch, one measuring the peak
+@pytest.mark.slow  # 16-28 s on a shared 2-core CPU: two processes, each importing torch, one measuring the peak
 def test_the_table_runs_each_config_apart_and_a_failure_loses_one_row(corpus, capfd):  # noqa: F811
     """One process per row: the tiny model's row and costs, and the broken config's error in a row of its own."""
     rows = bench.table(["config/tiny.py", "config/no_such.py", *TINY, f"--data_path={corpus}"])
