@@ -5,7 +5,7 @@
     python bench.py --nproc 2 config/tiny.py --pipeline_model_parallel_size=2    # PP2 against one process, CPU
     torchrun --nproc_per_node 8 bench.py config/tr3_1b3.py        # TFLOPs and MFU are per GPU
     python bench.py --table config/gpt2_125m.py config/tr3_1b3.py --use_bundled_corpus \
-        --pipeline_model_parallel_size=1 --global_batch_size=16    # one GPU: one table of both
+        --pipeline_model_parallel_size=1 --global_batch_size=16    # one GPU: one table, a process per config
 
 What is timed is what training runs: the model, optimizer and loss scaler come from the builders train.py uses
 (builders.py), each iteration is training.train_step, and its batches come from the training data (data_path,
@@ -15,7 +15,13 @@ Reported: tokens/s, ms per iteration, achieved TFLOPs by Megatron's formula (the
 activation recomputation counted as work), MFU: the model's own FLOPs (6N + attention, no recomputation;
 GPTConfig.model_flops_per_iteration) against the device's peak, peak memory (rank 0's), and the data wait: the
 time each iteration waited for its batch, as a share of the iteration (next to what loading a batch costs when
-nobody prepared it ahead). --table measures several configs in turn and prints one table of them.
+nobody prepared it ahead). --table measures several configs in turn, each in a process of its own, and prints one
+table of them.
+
+Any config is timed with its schedule set aside (for_timing): the full batch and length at the constant LR cfg.lr,
+no warm-up, decay, ramp-up, curriculum or skips; a config whose data is not here is timed on the bundled corpus;
+fp16 from a loss scale at which steps update (TIMING_LOSS_SCALE, then the warm-up until one does). Each says so in
+one line.
 
 Costs (--step_costs, on by default): one more iteration after the timed ones runs under torch.profiler (CPU ops,
 and CUDA kernels on a GPU) and its time is split into shares (COSTS): the output layer with its loss, attention,
@@ -39,11 +45,15 @@ and look at the best iteration as well as the mean.
 """
 import argparse
 import contextlib
+import dataclasses
+import json
 import os
 import resource
 import socket
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 
 import torch
@@ -52,6 +62,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 import arguments
 import cross_entropy
+import data
 import deepspeed_engine
 import launch
 import loader
@@ -118,136 +129,328 @@ def parse(argv):
     parser.add_argument("--step_costs", "--step-costs", action=argparse.BooleanOptionalAction, default=True,
                         help="profile one more iteration and split its time into shares (output layer, attention, ...)")
     parser.add_argument("--table", action="store_true",
-                        help="measure each CONFIG.py given in turn (the overrides apply to all), then print one table")
-    return parser.parse_known_args(argv)  # the rest is CONFIG.py --key=value ..., exactly as train.py takes it
+                        help="measure each CONFIG.py given, each in a process of its own, then print one table")
+    parser.add_argument("--result_json", "--result-json", metavar="PATH",
+                        help="also write rank 0's numbers to PATH as JSON (what --table reads from each process)")
+    bench, rest = parser.parse_known_args(argv)  # the rest is CONFIG.py --key=value ..., exactly as train.py takes it
+    if bench.bench_steps < 1 or bench.bench_warmup < 0:
+        raise ValueError(f"--bench_steps={bench.bench_steps} --bench_warmup={bench.bench_warmup}: time at least one "
+                         "iteration, after zero or more warm-up ones")
+    return bench, rest
 
 
-def measure(argv):
-    """Build, warm up and time one configuration; print its report on rank 0 and return its numbers there."""
-    bench, rest = parse(argv)
-    cfg = arguments.load_config(rest)
+# A config's schedule changes a step's shape or LR from one iteration to the next (ramp-up, curriculum, skipped
+# iterations, warm-up and decay), and some of it refuses a run of a few iterations (a warm-up longer than the run,
+# a ramp-up counted in samples beside train_iters, an optimizer reset without a checkpoint). None of it is part of
+# what a step costs: bench times every iteration at the full batch and length, at the constant LR cfg.lr.
+SCHEDULE_KEYS = ("lr_warmup_samples", "lr_warmup_tokens", "lr_decay_samples", "lr_decay_tokens", "lr_decay_style",
+                 "lr_wsd_decay_samples", "lr_wsd_decay_style", "rampup_batch_size", "curriculum_learning",
+                 "skip_train_iteration_range", "reset_optimizer_warmup_iters")
+# fp16 with a dynamic loss scale: timing starts from at most this scale (torch.amp.GradScaler's first one), not from
+# Megatron's default initial_loss_scale of 2^32, at which every step overflows and is skipped, its optimizer never
+# run. The warm-up then goes on while a step overflows, the scale backing off as in training (at most
+# SETTLE_ITERATIONS more), so that the timed steps are steps that update.
+TIMING_LOSS_SCALE = 2.0**16
+SETTLE_ITERATIONS = 32
+
+
+def for_timing(cfg, given, iterations):
+    """Make cfg a run of `iterations` iterations of one shape at a constant LR (SCHEDULE_KEYS), on data that is
+    there, with the model's weights drawn (not imported). given: the keys set on the command line. The config's
+    own values are only set aside here, never written back. Returns the lines that say what was set aside."""
+    steady = {key: arguments.FIELDS[key].default for key in SCHEDULE_KEYS} | {"lr_decay_style": "constant"}
+    aside = {key: getattr(cfg, key) for key, value in steady.items() if getattr(cfg, key) != value}
+    for key, value in steady.items():
+        setattr(cfg, key, value)
+    cfg.train_iters, cfg.train_samples, cfg.train_tokens = iterations, None, None
+    cfg.eval_iters = 0  # no validation set to build
+    notes = [f"bench: timing at a constant LR = {cfg.lr:g}, every iteration at the full batch and length: the "
+             "config's warm-up/decay/ramp-up/curriculum/skips are not part of a step's cost"
+             + (f" (set aside: {', '.join(f'{k}={v!r}' for k, v in aside.items())})" if aside else "")]
+    data_note = bundled_instead(cfg, given)
+    if data_note:
+        notes.append(data_note)
+    if cfg.init_from_hf is not None:  # the model's keys came from its config.json already (arguments.from_hf)
+        notes.append(f"bench: the model's shape from {cfg.init_from_hf}, its weights drawn, not imported: their values "
+                     "are not part of a step's cost")
+        cfg.init_from_hf = None
+    return notes
+
+
+def bundled_instead(cfg, given):
+    """Time on the bundled corpus where the config names no data that is here (most config files set no
+    data_path, tr11_176b's names BLOOM's corpus): the tokens' values are not part of a step's cost. A data_path
+    given on the command line is used as given, and --use_bundled_corpus there replaces the config file's data.
+    Returns the line that says so, or None."""
+    if cfg.data_source != "megatron" or "data_path" in given:
+        return None
+    if "use_bundled_corpus" in given and cfg.use_bundled_corpus:
+        cfg.data_path, cfg.tokenizer_file = None, None  # the bundled corpus is GPT-2's tokens
+        return None
+    if cfg.data_path is None:
+        if cfg.use_bundled_corpus:
+            return None
+        why = f"{cfg.config_file} sets no data_path"
+    else:
+        prefixes = data.parse_data_path(cfg.data_path)[0]
+        if all(os.path.exists(p + ".bin") and os.path.exists(p + ".idx") for p in prefixes):
+            return None
+        why = f"{cfg.config_file}'s data_path {' '.join(cfg.data_path)} is not here"
+    cfg.data_path, cfg.use_bundled_corpus, cfg.tokenizer_file = None, True, None
+    return (f"bench: {why}: timing on the bundled corpus (the tokens' values are not part of a step's cost; "
+            "--data_path=PREFIX times loading yours)")
+
+
+@dataclasses.dataclass
+class Run:
+    """What bench times, built as train.py builds it."""
+    cfg: arguments.Config
+    grid: parallel.Grid
+    device: torch.device
+    model: torch.nn.Module
+    optimizer: object
+    scaler: optim.LossScaler
+    plan: schedule.Schedule
+    train_data: object
+    recorder: object  # telemetry.Telemetry with telemetry_interval, else None
+    local_params: int  # parameters on this rank
+    scale_note: str | None  # where fp16's loss scale starts from, when bench changed it
+
+
+def set_up(bench, argv):
+    """Load the config, make it a steady run of the iterations bench needs (for_timing) and build it."""
+    cfg = arguments.load_config(argv)
     arguments.check_device(cfg)
     grid = launch.start(cfg)  # as train.py: the allocator's expandable segments, the process group
-    if cfg.rampup_batch_size is not None:
-        print0("bench: rampup_batch_size ignored, every iteration uses global_batch_size")
-        cfg.rampup_batch_size = None
-    profiled = 1 if bench.step_costs else 0  # one more iteration, under the profiler
-    cfg.train_iters, cfg.train_samples, cfg.train_tokens = bench.bench_warmup + bench.bench_steps + profiled, None, None
-    cfg.curriculum_learning, cfg.eval_iters = False, 0  # full-length batches; no validation set to build
+    settle = SETTLE_ITERATIONS if cfg.fp16 and cfg.loss_scale is None else 0
+    iterations = bench.bench_warmup + settle + bench.bench_steps + (1 if bench.step_costs else 0)
+    notes = for_timing(cfg, arguments.parse_cli(argv)[1], iterations)
     arguments.prepare(cfg, grid.world_size)
     device = launch.setup(cfg)  # as train.py: determinism, seeds, TF32 for fp32 matmuls on CUDA
+    for note in notes:
+        print0(note)
 
     model = build_model(cfg, device)
-    gpt, local_params = model.cfg, sum(p.numel() for p in model.parameters())
+    local_params = sum(p.numel() for p in model.parameters())
     optimizer = optim.optimizer_for(cfg, model)
     if cfg.deepspeed:
         model, optimizer = deepspeed_engine.initialize(cfg, model, optimizer)
     scaler = optim.scaler_for(cfg)
+    scale_note = None
+    if scaler.dynamic and scaler.scale > TIMING_LOSS_SCALE:
+        scale_note = f"the config's initial_loss_scale {scaler.scale:.0f} capped at {TIMING_LOSS_SCALE:.0f}"
+        scaler.scale = max(TIMING_LOSS_SCALE, scaler.min_scale)
     if launch.compiles(cfg):  # as train.py: on CUDA unless --compile=false
         parallel.unwrap(model).compile_blocks()
         cross_entropy.compile_chain()
-    train_model = model
     model.train()
     plan = schedule.Schedule(cfg, grid.dp_size)
     train_data, _ = loader.build_data(cfg, plan)
-    B, T = cfg.global_batch_size, cfg.seq_length
-
-    # With telemetry_interval, every interval-th timed step records telemetry, as in training: timed apart, so
-    # that its cost can be stated per step (interleaved steps share the machine's noise); CPU time too.
     recorder = telemetry.Telemetry(model, cfg, optimizer) if cfg.telemetry_interval else None  # as train.py
-    times, waits, key, probed, cpu = [], [], (1, 0, B, T), [], {False: [], True: []}
-    with loader.batch_prefetcher(train_data, plan, cfg, device) as prefetcher:
-        for it in range(bench.bench_warmup + bench.bench_steps):
-            if it == bench.bench_warmup:
-                parallel.pipeline_seconds.update(schedule=0.0, communicate=0.0)
-                if device.type == "cuda":
-                    torch.cuda.reset_peak_memory_stats(device)
-                    parallel.pipeline_events = {"schedule": [], "communicate": []}  # the host does not wait there
-            timed = it >= bench.bench_warmup
-            probe = recorder if recorder and timed and (it + 1 - bench.bench_warmup) % cfg.telemetry_interval == 0 \
-                else None
-            sync(device)
-            t0, c0 = time.perf_counter(), time.process_time()
-            batches = loader.to_device(prefetcher.get(key), device)
-            t_data = time.perf_counter() - t0
-            if probe:
-                probe.begin()
-            training.train_step(train_model, optimizer, scaler, batches, cfg.lr, cfg, device,
-                             callbacks=telemetry.Probe(probe) if probe else training.NO_CALLBACKS)
-            if probe:
-                probe.finish()
-            sync(device)
-            if timed:
-                (probed if probe else times).append(time.perf_counter() - t0)
-                cpu[probe is not None].append(time.process_time() - c0)
-                waits.append(t_data)
-            key = plan.next_key(key)
-        costs = None
-        if profiled:  # kept out of the pipeline's times, which are of the timed iterations
-            seconds, events, parallel.pipeline_events = dict(parallel.pipeline_seconds), parallel.pipeline_events, None
-            costs = step_costs(lambda: loader.to_device(prefetcher.get(key), device),
-                               lambda batches: training.train_step(train_model, optimizer, scaler, batches, cfg.lr, cfg,
-                                                                device), optimizer, device)
-            parallel.pipeline_seconds.update(seconds)
-            parallel.pipeline_events = events
-    t0 = time.perf_counter()  # what a batch costs when it was not prepared ahead
-    loader.micro_batches(train_data, 0, B // (cfg.micro_batch_size * grid.dp_size), cfg, T, device)
-    sync(device)
-    load = time.perf_counter() - t0
+    return Run(cfg, grid, device, model, optimizer, scaler, plan, train_data, recorder, local_params, scale_note)
 
+
+def iterate(run, prefetcher, key, probe=None):
+    """One training iteration as train.py runs it: (wall seconds, CPU seconds, seconds waiting for the batch, the
+    training.Step). probe: a telemetry.Telemetry that records this iteration."""
+    sync(run.device)
+    t0, c0 = time.perf_counter(), time.process_time()
+    batches = loader.to_device(prefetcher.get(key), run.device)
+    t_data = time.perf_counter() - t0
+    if probe:
+        probe.begin()
+    step = training.train_step(run.model, run.optimizer, run.scaler, batches, run.cfg.lr, run.cfg, run.device,
+                               callbacks=telemetry.Probe(probe) if probe else training.NO_CALLBACKS)
+    if probe:
+        probe.finish()
+    sync(run.device)
+    return time.perf_counter() - t0, time.process_time() - c0, t_data, step
+
+
+@dataclasses.dataclass
+class Timings:
+    """The timed iterations. With telemetry_interval, every interval-th one records telemetry, as in training:
+    timed apart, so that its cost can be stated per step (interleaved steps share the machine's noise); CPU time
+    too, the steadier measure on a shared machine."""
+    times: list = dataclasses.field(default_factory=list)  # wall seconds of the iterations without telemetry
+    probed: list = dataclasses.field(default_factory=list)  # of those recording telemetry
+    cpu: dict = dataclasses.field(default_factory=lambda: {False: [], True: []})  # CPU seconds: {recording: [...]}
+    waits: list = dataclasses.field(default_factory=list)  # seconds each waited for its batch
+    skipped: int = 0  # steps that applied no update (an fp16 overflow, a NaN): their optimizer was not timed
+    warmup: int = 0  # untimed iterations before them
+    warmup_skipped: int = 0
+    loss_scale: float = 1.0  # at the first timed iteration
+
+
+def warm_up(run, bench, prefetcher, key, timings):
+    """The untimed iterations: bench_warmup of them, then under fp16's dynamic loss scale more while the last one
+    did not update (the scale backs off on each overflow), SETTLE_ITERATIONS at most; after overflows the scale is
+    halved once more, since the first one at which a step updates is at the edge of overflowing and would skip some
+    of the timed steps. Returns the next key."""
+    settle = SETTLE_ITERATIONS if run.cfg.fp16 and run.scaler.dynamic else 0
+    updated = not settle
+    while timings.warmup < bench.bench_warmup or (not updated and timings.warmup < bench.bench_warmup + settle):
+        updated = iterate(run, prefetcher, key)[3].outcome == "ok"
+        timings.warmup, timings.warmup_skipped = timings.warmup + 1, timings.warmup_skipped + (not updated)
+        key = run.plan.next_key(key)
+    if settle and timings.warmup_skipped:
+        run.scaler.scale = max(run.scaler.scale / 2, run.scaler.min_scale)
+    timings.loss_scale = run.scaler.scale
+    return key
+
+
+def time_steps(run, bench, prefetcher, key, timings):
+    """The timed iterations, after the pipeline's counters and the peak memory are reset. Returns the next key."""
+    parallel.pipeline_seconds.update(schedule=0.0, communicate=0.0)
+    if run.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(run.device)
+        parallel.pipeline_events = {"schedule": [], "communicate": []}  # the host does not wait there
+    interval = run.cfg.telemetry_interval
+    for n in range(bench.bench_steps):
+        probe = run.recorder if run.recorder and (n + 1) % interval == 0 else None
+        wall, cpu, wait, step = iterate(run, prefetcher, key, probe)
+        (timings.probed if probe else timings.times).append(wall)
+        timings.cpu[probe is not None].append(cpu)
+        timings.waits.append(wait)
+        timings.skipped += step.outcome != "ok"
+        key = run.plan.next_key(key)
+    return key
+
+
+def profile_step(run, prefetcher, key):
+    """step_costs of one more iteration, kept out of the pipeline's times, which are of the timed iterations."""
+    seconds, events, parallel.pipeline_events = dict(parallel.pipeline_seconds), parallel.pipeline_events, None
+    costs = step_costs(lambda: loader.to_device(prefetcher.get(key), run.device),
+                       lambda batches: training.train_step(run.model, run.optimizer, run.scaler, batches, run.cfg.lr,
+                                                           run.cfg, run.device), run.optimizer, run.device)
+    parallel.pipeline_seconds.update(seconds)
+    parallel.pipeline_events = events
+    return costs
+
+
+def unprepared_load_seconds(run):
+    """What loading a global batch costs when nobody prepared it ahead."""
+    cfg, grid = run.cfg, run.grid
+    t0 = time.perf_counter()
+    loader.micro_batches(run.train_data, 0, cfg.global_batch_size // (cfg.micro_batch_size * grid.dp_size), cfg,
+                         cfg.seq_length, run.device)
+    sync(run.device)
+    return time.perf_counter() - t0
+
+
+def pipeline_stages(grid):
+    """[(seconds in communicate, seconds in the 1F1B schedule)] of each stage over the timed iterations, every
+    rank's gathered for rank 0's report."""
     seconds = dict(parallel.pipeline_seconds)
-    if parallel.pipeline_events is not None:  # CUDA: the stream's time between the events, after the sync above
+    if parallel.pipeline_events is not None:  # CUDA: the stream's time between the events, after a sync
         seconds = {kind: sum(a.elapsed_time(b) for a, b in pairs) / 1000
                    for kind, pairs in parallel.pipeline_events.items()}
         parallel.pipeline_events = None
     mine = (grid.pp_rank, seconds["communicate"], seconds["schedule"])
     stages = [mine]
-    if dist.is_initialized():  # each stage's time in the pipeline and in its messages, for rank 0's report
+    if dist.is_initialized():
         stages = [None] * grid.world_size
         dist.all_gather_object(stages, mine)
-    stages = [next((c, p) for r, c, p in stages if r == stage) for stage in range(grid.pp_size)]
-    if grid.rank != 0:
+    return [next((c, p) for r, c, p in stages if r == stage) for stage in range(grid.pp_size)]
+
+
+def measure(argv):
+    """Build, warm up and time one configuration; print its report on rank 0 and return its numbers there."""
+    bench, rest = parse(argv)
+    run = set_up(bench, rest)
+    timings, key = Timings(), (1, 0, run.cfg.global_batch_size, run.cfg.seq_length)
+    with loader.batch_prefetcher(run.train_data, run.plan, run.cfg, run.device) as prefetcher:
+        key = warm_up(run, bench, prefetcher, key, timings)
+        key = time_steps(run, bench, prefetcher, key, timings)
+        costs = profile_step(run, prefetcher, key) if bench.step_costs else None
+    load = unprepared_load_seconds(run)
+    stages = pipeline_stages(run.grid)
+    if run.grid.rank != 0:
         return None
-    mean, best = statistics.mean(times), min(times)
-    flops = gpt.flops_per_iteration(B, T)
-    tflops = flops / (mean * grid.world_size * 1e12)  # per GPU, as training's log line (lesson 23)
+    result = numbers(run, timings, stages, costs)
+    report(run, bench, timings, result, load)
+    return result
+
+
+def numbers(run, timings, stages, costs):
+    """Rank 0's numbers of the timed iterations: what report prints and --table tabulates."""
+    cfg, grid, gpt = run.cfg, run.grid, parallel.unwrap(run.model).cfg
+    B, T = cfg.global_batch_size, cfg.seq_length
+    mean, best = statistics.mean(timings.times), min(timings.times)
+    tflops = gpt.flops_per_iteration(B, T) / (mean * grid.world_size * 1e12)  # per GPU, as training logs (lesson 23)
     model_tflops = gpt.model_flops_per_iteration(B, T) / (mean * grid.world_size * 1e12)  # without recomputation
-    memory, memory_source = peak_memory(device)
-    dtype = torch.float16 if cfg.fp16 else torch.bfloat16 if cfg.bf16 else torch.float32  # of the matmuls
-    peak, peak_source = device_peak(device, dtype)
-    wait_share = sum(waits) / (sum(times) + sum(probed))
-    print(f"model:        {gpt.num_parameters():,} parameters ({gpt.num_parameters(padded=True):,} with the vocabulary "
-          f"padded to {gpt.padded_vocab_size}; {local_params:,} on this rank); {grid}\n"
-          f"run:          {str(dtype).removeprefix('torch.')}, global batch {B} x {T} tokens (micro-batch "
-          f"{cfg.micro_batch_size}), {bench.bench_steps} timed iterations after {bench.bench_warmup} warm-up, "
-          f"{device}, {torch.get_num_threads()} threads\n"
-          f"tokens/s:     {B * T / mean:,.1f} (best iteration {B * T / best:,.1f})\n"
-          f"ms/iteration: {mean * 1000:.1f} (best {best * 1000:.1f}, stdev {statistics.pstdev(times) * 1000:.1f})\n"
-          f"TFLOPs:       {tflops:.4g} per {'GPU' if device.type == 'cuda' else 'process'} (Megatron's formula, "
-          f"recomputation included)\n"
-          f"MFU:          {100 * model_tflops * 1e12 / peak:.1f}% of {peak / 1e12:.4g} TFLOP/s ({peak_source}): the "
-          f"model's FLOPs alone, {model_tflops:.4g} TFLOPs (6N + attention, no recomputation)\n"
-          f"peak memory:  {memory / 2**20:,.0f} MiB ({memory_source})\n"
-          f"data wait:    {100 * wait_share:.3f}% of the iteration ({1000 * statistics.mean(waits):.2f} ms; loading "
-          f"a batch not prepared ahead takes {1000 * load:.2f} ms)", flush=True)
-    if costs:
-        print(f"costs:        {costs_line(costs)} of one profiled iteration", flush=True)
-    if probed:  # CPU time too: on a shared machine it is the steadier measure of the work added
-        for what, plain, recording in (("wall", times, probed), ("CPU", cpu[False], cpu[True])):
-            plain, recording = statistics.median(plain), statistics.median(recording)
-            print(f"telemetry:    {what} {recording * 1000:.1f} ms per recording step vs {plain * 1000:.1f} ms "
-                  f"(medians of {len(probed)} and {len(times)}): +{100 * (recording / plain - 1):.1f}% per "
-                  f"recording step, +{10 * (recording / plain - 1):.2f}% at telemetry_interval=10", flush=True)
+    memory, memory_source = peak_memory(run.device)
+    peak, peak_source = device_peak(run.device, matmul_dtype(cfg))
+    wait_share = sum(timings.waits) / (sum(timings.times) + sum(timings.probed))
     result = {"mean": mean, "best": best, "wait_share": wait_share, "layout": repr(grid), "stages": stages,
-              "tokens/s": B * T / mean, "TFLOPs": tflops, "MFU": model_tflops * 1e12 / peak, "memory": memory,
-              "micro_batches": B // (cfg.micro_batch_size * grid.dp_size), "pp": grid.pp_size, "costs": costs}
+              "tokens/s": B * T / mean, "TFLOPs": tflops, "model TFLOPs": model_tflops,
+              "MFU": model_tflops * 1e12 / peak, "peak": peak, "peak_source": peak_source, "memory": memory,
+              "memory_source": memory_source, "micro_batches": B // (cfg.micro_batch_size * grid.dp_size),
+              "pp": grid.pp_size, "costs": costs, "skipped": timings.skipped, "loss_scale": timings.loss_scale,
+              "warmup_skipped": timings.warmup_skipped}
     if grid.pp_size > 1:
         result["bubble"] = [comm / pipe for comm, pipe in stages]
-        ideal = (grid.pp_size - 1) / (result["micro_batches"] + grid.pp_size - 1)
-        print("bubble:       " + ", ".join(f"stage {p} waits {100 * b:.1f}%" for p, b in enumerate(result["bubble"]))
-              + f" of its forward-backward; ideal (p-1)/(m+p-1) = {100 * ideal:.1f}% (p={grid.pp_size}, "
-              f"m={result['micro_batches']})", flush=True)
     return result
+
+
+def matmul_dtype(cfg):
+    return torch.float16 if cfg.fp16 else torch.bfloat16 if cfg.bf16 else torch.float32
+
+
+def report(run, bench, timings, r, load):
+    """Print rank 0's report of one configuration."""
+    cfg, grid, device, gpt = run.cfg, run.grid, run.device, parallel.unwrap(run.model).cfg
+    B, T, times = cfg.global_batch_size, cfg.seq_length, timings.times
+    print(f"model:        {gpt.num_parameters():,} parameters ({gpt.num_parameters(padded=True):,} with the vocabulary "
+          f"padded to {gpt.padded_vocab_size}; {run.local_params:,} on this rank); {grid}\n"
+          f"run:          {str(matmul_dtype(cfg)).removeprefix('torch.')}, global batch {B} x {T} tokens (micro-batch "
+          f"{cfg.micro_batch_size}), {bench.bench_steps} timed iterations after {timings.warmup} warm-up, "
+          f"{device}, {torch.get_num_threads()} threads\n"
+          f"tokens/s:     {r['tokens/s']:,.1f} (best iteration {B * T / r['best']:,.1f})\n"
+          f"ms/iteration: {r['mean'] * 1000:.1f} (best {r['best'] * 1000:.1f}, stdev "
+          f"{statistics.pstdev(times) * 1000:.1f})\n"
+          f"TFLOPs:       {r['TFLOPs']:.4g} per {'GPU' if device.type == 'cuda' else 'process'} (Megatron's formula, "
+          f"recomputation included)\n"
+          f"MFU:          {100 * r['MFU']:.1f}% of {r['peak'] / 1e12:.4g} TFLOP/s ({r['peak_source']}): the "
+          f"model's FLOPs alone, {r['model TFLOPs']:.4g} TFLOPs (6N + attention, no recomputation)\n"
+          f"peak memory:  {r['memory'] / 2**20:,.0f} MiB ({r['memory_source']})\n"
+          f"data wait:    {100 * r['wait_share']:.3f}% of the iteration ({1000 * statistics.mean(timings.waits):.2f} "
+          f"ms; loading a batch not prepared ahead takes {1000 * load:.2f} ms)", flush=True)
+    if cfg.fp16 or timings.skipped:
+        print(f"loss scale:   {loss_scale_line(run, timings)}", flush=True)
+    if r["costs"]:
+        print(f"costs:        {costs_line(r['costs'])} of one profiled iteration", flush=True)
+    if timings.probed:
+        print_telemetry(timings)
+    if grid.pp_size > 1:
+        ideal = (grid.pp_size - 1) / (r["micro_batches"] + grid.pp_size - 1)
+        print("bubble:       " + ", ".join(f"stage {p} waits {100 * b:.1f}%" for p, b in enumerate(r["bubble"]))
+              + f" of its forward-backward; ideal (p-1)/(m+p-1) = {100 * ideal:.1f}% (p={grid.pp_size}, "
+              f"m={r['micro_batches']})", flush=True)
+
+
+def loss_scale_line(run, timings):
+    """fp16: where the timed iterations' loss scale came from; any precision: the timed steps that did not update."""
+    skipped = (f"{timings.skipped} of {len(timings.times) + len(timings.probed)} timed iterations applied no update "
+               "(their optimizer step not run)")
+    if not run.cfg.fp16:
+        return skipped
+    if not run.scaler.dynamic:
+        return f"{timings.loss_scale:.10g}, static (loss_scale); {skipped}"
+    start = run.scale_note or "the config's initial_loss_scale"
+    return (f"{timings.loss_scale:.10g} at the first timed iteration (dynamic, from {start}; "
+            f"{timings.warmup_skipped} of {timings.warmup} warm-up iterations did not update"
+            f"{', then halved once more' if timings.warmup_skipped else ''}); {skipped}")
+
+
+def print_telemetry(timings):
+    """What recording telemetry adds to a step, in wall and CPU time."""
+    for what, plain, recording in (("wall", timings.times, timings.probed),
+                                   ("CPU", timings.cpu[False], timings.cpu[True])):
+        plain, recording = statistics.median(plain), statistics.median(recording)
+        print(f"telemetry:    {what} {recording * 1000:.1f} ms per recording step vs {plain * 1000:.1f} ms "
+              f"(medians of {len(timings.probed)} and {len(timings.times)}): +{100 * (recording / plain - 1):.1f}% "
+              f"per recording step, +{10 * (recording / plain - 1):.2f}% at telemetry_interval=10", flush=True)
 
 
 # -----------------------------------------------------------------------------
@@ -317,27 +520,35 @@ def costs_named(optimizer):
                 delattr(owner, attribute)
 
 
-def step_costs(fetch, run, optimizer, device):
+def step_costs(fetch, run, optimizer, device, clock=time.perf_counter):
     """{cost: share of the iteration} (COSTS, summing to 1) of one iteration: batches = fetch(), run(batches),
     under torch.profiler. Each op's own time goes to cost_of its chain of ranges; on a GPU its kernels' time
     (what the GPU spent on it), on the CPU its host time on this thread (the prefetch thread's is not the
-    step's). The data wait is the host's wait for the batch. "other": the iteration's wall time that no op
-    accounts for; when the ops add up to more (kernels on overlapping streams: NCCL's beside the compute's),
-    the shares are of their sum and "other" is 0."""
+    step's). The data wait is the host's wait for the batch, by `clock` as the iteration's wall time is. "other":
+    the iteration's wall time that no op accounts for; when the ops add up to more (kernels on overlapping
+    streams: NCCL's beside the compute's), the shares are of their sum and "other" is 0."""
     cuda = device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with costs_named(optimizer), profile(activities=activities) as prof:
         sync(device)
-        t0 = time.perf_counter()
+        t0 = clock()
         with record_function("bench: step"):
             with record_function("bench: data wait"):
                 batches = fetch()
+            fetched = clock()
             run(batches)
         sync(device)
-        wall = (time.perf_counter() - t0) * 1e6  # microseconds, the profiler's unit
-    # the host's events: ops and ranges (a kernel's time is its launching op's self_device_time_total; the
-    # kernels' own events and the ranges' GPU-side copies would count it again)
-    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU]
+        end = clock()
+    spent = op_times(prof.events(), cuda)
+    spent["data wait"] = (fetched - t0) * 1e6  # microseconds, the profiler's unit
+    return shares(spent, (end - t0) * 1e6)
+
+
+def op_times(events, cuda):
+    """{cost: microseconds} of the ops of one profiled iteration (the data wait's own ops left out: the wait is
+    measured whole). The host's events only: ops and ranges (a kernel's time is its launching op's
+    self_device_time_total; the kernels' own events and the ranges' GPU-side copies would count it again)."""
+    events = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU]
     main = next(e for e in events if e.name == "bench: step")
     spent = dict.fromkeys(COSTS, 0.0)
     for e in events:
@@ -350,8 +561,12 @@ def step_costs(fetch, run, optimizer, device):
         cost = cost_of(chain[::-1])
         if cost != "data wait":
             spent[cost] += e.self_device_time_total if cuda else e.self_cpu_time_total
-    spent["data wait"] = next(e for e in events if e.name == "bench: data wait").cpu_time_total
-    spent["other"] = 0.0
+    return spent
+
+
+def shares(spent, wall):
+    """{cost: share}: `spent` (microseconds by cost, "other" left out) over the wall time, "other" the rest."""
+    spent = dict(spent, other=0.0)
     total = max(wall, sum(spent.values()))
     spent["other"] = total - sum(spent.values())
     return {cost: t / total for cost, t in spent.items()}
@@ -375,21 +590,53 @@ def _worker(rank, nproc, port, argv, results):
 
 
 def table(argv):
-    """One process per configuration, one after the other, then a row each: what a GPU's note quotes."""
+    """Each configuration measured in a process of its own, one after the other, then a row each: what a GPU's note
+    quotes. Apart, nothing one row compiled or allocated is there for the next (torch.compile would recompile the
+    second's blocks for dynamic shapes), and a row that fails prints its error while the others still print.
+    Returns [(config, numbers or the error)]."""
     configs = [a for a in argv if a.endswith(".py")]
-    others = [a for a in argv if not a.endswith(".py") and a != "--table"]
-    rows = [(name, measure([name, *others])) for name in configs]
+    others = [a for a in argv if not a.endswith(".py") and a != "--table" and not a.startswith("--result_json")
+              and not a.startswith("--result-json")]
+    rows = [(name, measure_apart(name, others)) for name in configs]
     print("\n| config | tokens/s | TFLOPs (Megatron) | MFU (model FLOPs) | peak memory |\n"
           "| --- | ---: | ---: | ---: | ---: |")
     for name, r in rows:
-        print(f"| {os.path.basename(name)[:-3]} | {r['tokens/s']:,.0f} | {r['TFLOPs']:.1f} | {100 * r['MFU']:.1f}% | "
-              f"{r['memory'] / 2**30:.1f} GiB |")
-    costed = [(name, r["costs"]) for name, r in rows if r["costs"]]
+        print(row(name, r))
+    costed = [(name, r["costs"]) for name, r in rows if isinstance(r, dict) and r["costs"]]
     if costed:  # where each config's iteration goes: what to make faster first
         print("\n| config | " + " | ".join(COSTS) + " |\n| --- |" + " ---: |" * len(COSTS))
         for name, costs in costed:
-            print(f"| {os.path.basename(name)[:-3]} | " + " | ".join(f"{100 * costs[c]:.1f}%" for c in COSTS) + " |")
+            print(f"| {config_name(name)} | " + " | ".join(f"{100 * costs[c]:.1f}%" for c in COSTS) + " |")
+    sys.stdout.flush()
     return rows
+
+
+def config_name(path):
+    return os.path.basename(path).removesuffix(".py")
+
+
+def row(name, r):
+    """The table's row of one configuration: its numbers, or its error (a str)."""
+    if isinstance(r, str):
+        return f"| {config_name(name)} | failed: {r} | | | |"
+    return (f"| {config_name(name)} | {r['tokens/s']:,.0f} | {r['TFLOPs']:.1f} | {100 * r['MFU']:.1f}% | "
+            f"{r['memory'] / 2**30:.1f} GiB |")
+
+
+def measure_apart(config, others):
+    """bench.py on one configuration in a process of its own (its report printed as it goes, its error output
+    passed on): rank 0's numbers, or its error, the last line it wrote there, when it failed."""
+    sys.stdout.flush()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "result.json")
+        done = subprocess.run([sys.executable, os.path.abspath(__file__), config, *others, f"--result_json={path}"],
+                              stderr=subprocess.PIPE, text=True)
+        sys.stderr.write(done.stderr)
+        if done.returncode == 0 and os.path.exists(path):
+            with open(path) as f:
+                return json.load(f)
+    last = [line for line in done.stderr.splitlines() if line.strip()][-1:] or ["no error message"]
+    return f"exit code {done.returncode}: {last[0].strip()}"
 
 
 def main(argv=None):
@@ -397,8 +644,15 @@ def main(argv=None):
     bench, rest = parse(argv)
     if bench.table:
         return table(argv)
-    if bench.nproc <= 1:
-        return measure(argv)
+    result = measure(argv) if bench.nproc <= 1 else compare(bench, rest, argv)
+    if bench.result_json and result is not None:
+        with open(bench.result_json, "w") as f:
+            json.dump(result, f)
+    return result
+
+
+def compare(bench, rest, argv):
+    """--nproc N: one process, then N gloo processes on the same global batch; returns the N processes' numbers."""
     print("-- 1 process, the same global batch", flush=True)
     single = measure(rest + ["--tensor_model_parallel_size=1", "--pipeline_model_parallel_size=1",
                              f"--bench_steps={bench.bench_steps}", f"--bench_warmup={bench.bench_warmup}"])
@@ -420,7 +674,9 @@ def main(argv=None):
 
 if __name__ == "__main__":
     try:
-        main()
+        rows = main()
+        if isinstance(rows, list) and any(isinstance(r, str) for _, r in rows):
+            sys.exit(1)  # --table: a row failed (its error is in the table)
     except ValueError as e:  # configuration errors: one clear line, as train.py
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

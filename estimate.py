@@ -6,6 +6,7 @@ are those of the real model code, not of a second formula that could drift from 
 back-of-the-envelope of lesson 16 (docs/lessons.md), written out.
 """
 import os
+from typing import NamedTuple
 
 import torch
 
@@ -31,8 +32,40 @@ def dry_run(cfg, world_size=None, file=None):
     if world % (tp * pp):
         raise ValueError(f"WORLD_SIZE {world} is not divisible by tensor_model_parallel_size ({tp}) x "
                          f"pipeline_model_parallel_size ({pp}); set WORLD_SIZE to a multiple of {tp * pp}")
-    dp = world // (tp * pp)
     arguments.prepare(cfg, world, reads_data=False)  # a layout that cannot train is refused here too
+    paper = build_stages(cfg, world)
+
+    def say(text=""):
+        print(text, file=file, flush=True)
+
+    say(f"dry run: TP={tp} x PP={pp} x DP={paper.dp} = {world} GPUs (WORLD_SIZE; default TP x PP), nothing allocated")
+    say_parameters(paper, say)
+    say_model_states(cfg, paper, say)
+    activations = say_activations(cfg, paper, say)
+    say_snapshots(cfg, paper, world, say)
+    return {"params": paper.params, "padded_params": paper.padded_total, "stages": paper.stages,
+            "gpu_params": paper.gpu_params, "dp": paper.dp, "model_states": model_states(cfg, paper, cfg.zero_stage),
+            **activations}
+
+
+class Stages(NamedTuple):
+    """The pipeline stages of TP rank 0, built on the meta device: what the memory of a layout follows from."""
+    dp: int
+    partition: list  # the layers of each stage
+    model_cfg: GPTConfig
+    stages: list  # (parameters on one GPU, parameters of the stage over its TP ranks) per stage
+    largest_shard: list  # per stage: the most optimizer-state elements of one DP rank under native ZeRO-1
+    params: int  # of the model, unpadded
+    padded_total: int  # of the stages, the vocabulary padded
+
+    @property
+    def gpu_params(self):
+        return max(gpu for gpu, _ in self.stages)
+
+
+def build_stages(cfg, world):
+    tp, pp = cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size
+    dp = world // (tp * pp)
     partition = parallel.partition_layers(cfg.num_layers, pp, cfg.pp_partition_method)
     model_cfg, stages, largest_shard = GPTConfig.from_config(cfg), [], []
     for stage in range(pp):
@@ -46,81 +79,93 @@ def dry_run(cfg, world_size=None, file=None):
         stages.append((gpu, full))
         # native ZeRO-1 deals out whole parameters: the DP rank with the most elements of optimizer state
         largest_shard.append(max(parallel.shard_numels([p.numel() for p in gpt.parameters() if p.requires_grad], dp)))
-    padded_vocab = model_cfg.padded_vocab_size
-    padded_total, params = sum(full for _, full in stages), model_cfg.num_parameters()
+    return Stages(dp, partition, model_cfg, stages, largest_shard, model_cfg.num_parameters(),
+                  sum(full for _, full in stages))
 
-    def say(text=""):
-        print(text, file=file, flush=True)
 
-    GiB = 2**30
-    mixed = cfg.fp16 or cfg.bf16
-    say(f"dry run: TP={tp} x PP={pp} x DP={dp} = {world} GPUs (WORLD_SIZE; default TP x PP), nothing allocated")
-    say(f"model: {params / 1e9:.2f}B parameters, {padded_total / 1e9:.2f}B with the "
-        f"vocabulary padded to {padded_vocab}; the last stage's copy of the tied embedding is not counted")
+def say_parameters(paper, say):
+    """The model's size, then one row per run of consecutive stages of the same size."""
+    stages, partition = paper.stages, paper.partition
+    say(f"model: {paper.params / 1e9:.2f}B parameters, {paper.padded_total / 1e9:.2f}B with the "
+        f"vocabulary padded to {paper.model_cfg.padded_vocab_size}; the last stage's copy of the tied embedding is "
+        "not counted")
     say(f"{'stages':>10} {'layers/stage':>13} {'params/stage':>15} {'params/GPU':>15}")
     start = 0
-    for s in range(pp + 1):  # consecutive stages of the same size on one row
-        if s == pp or stages[s] != stages[start]:
+    for s in range(len(stages) + 1):
+        if s == len(stages) or stages[s] != stages[start]:
             label = f"{start}" if s - 1 == start else f"{start}-{s - 1}"
             say(f"{label:>10} {len(partition[start]):>13} {stages[start][1]:>15,} {stages[start][0]:>15,}")
             start = s
 
-    gpu_params = max(gpu for gpu, _ in stages)
-    precision = "fp16" if cfg.fp16 else "bf16" if cfg.bf16 else "fp32"
-    path = "DeepSpeed" if cfg.deepspeed else "native"
 
-    def model_states(zero):
-        """Of the GPU that needs the most: with native ZeRO-1 the rank holding the most optimizer state (whole
-        parameters are dealt out: tr11's embedding shard makes its rank the largest), else the largest stage."""
-        if zero == 0 or cfg.deepspeed:  # DeepSpeed partitions a flat buffer evenly
-            return gpu_params * sum(bytes_per_parameter(precision, zero, dp, cfg.deepspeed).values())
-        whole = bytes_per_parameter(precision, 0, dp)
-        return max(gpu * (whole["weights"] + whole["gradients"]) + shard * whole["optimizer"]
-                   for (gpu, _), shard in zip(stages, largest_shard))
+def precision_of(cfg):
+    return "fp16" if cfg.fp16 else "bf16" if cfg.bf16 else "fp32"
 
-    per_param = (2 + 4 if mixed else 4) + 8 + 4  # lesson 16's textbook count: weights (+ master), Adam, gradients
+
+def model_states(cfg, paper, zero):
+    """Of the GPU that needs the most: with native ZeRO-1 the rank holding the most optimizer state (whole
+    parameters are dealt out: tr11's embedding shard makes its rank the largest), else the largest stage."""
+    precision, dp = precision_of(cfg), paper.dp
+    if zero == 0 or cfg.deepspeed:  # DeepSpeed partitions a flat buffer evenly
+        return paper.gpu_params * sum(bytes_per_parameter(precision, zero, dp, cfg.deepspeed).values())
+    whole = bytes_per_parameter(precision, 0, dp)
+    return max(gpu * (whole["weights"] + whole["gradients"]) + shard * whole["optimizer"]
+               for (gpu, _), shard in zip(paper.stages, paper.largest_shard))
+
+
+def say_model_states(cfg, paper, say):
+    """Lesson 16's textbook count, then what each ZeRO stage leaves on the GPU that needs the most."""
+    GiB, params, dp, precision = 2**30, paper.params, paper.dp, precision_of(cfg)
+    per_param = (2 + 4 if cfg.fp16 or cfg.bf16 else 4) + 8 + 4  # weights (+ master), Adam, gradients
     say(f"model states of the whole model without ZeRO: {per_param} B x {params / 1e9:.2f}B = "
         f"{per_param * params / 1e9:,.0f} GB (lesson 16: 18 x 104 = 1872 GB for tr8b-104B)")
-    say(f"model states per GPU as the {path} path allocates them (largest stage, {gpu_params:,} parameters, "
-        f"{precision}, Adam):")
+    say(f"model states per GPU as the {'DeepSpeed' if cfg.deepspeed else 'native'} path allocates them (largest "
+        f"stage, {paper.gpu_params:,} parameters, {precision}, Adam):")
     for zero in (0, 1, 2) if cfg.deepspeed else (0, 1):
         parts = bytes_per_parameter(precision, zero, dp, cfg.deepspeed)
         mark = "  <- configured" if zero == cfg.zero_stage else ""
-        even = gpu_params * sum(parts.values())
-        uneven = "" if abs(model_states(zero) - even) < 0.005 * GiB else \
+        even = paper.gpu_params * sum(parts.values())
+        uneven = "" if abs(model_states(cfg, paper, zero) - even) < 0.005 * GiB else \
             f" on the largest rank (an even share would be {even / GiB:.2f} GiB)"
-        say(f"  ZeRO-{zero} over DP={dp}: {model_states(zero) / GiB:8.2f} GiB{uneven} = "
+        say(f"  ZeRO-{zero} over DP={dp}: {model_states(cfg, paper, zero) / GiB:8.2f} GiB{uneven} = "
             + " + ".join(f"{v:.3g} ({k})" for k, v in parts.items()) + f" B/param{mark}")
 
+
+def say_activations(cfg, paper, say):
+    """The activations of the stage holding the most under 1F1B, with and without checkpointing, and the total per
+    GPU; returns {"activations", "activations_checkpointed"} in bytes."""
+    GiB, pp, partition = 2**30, cfg.pipeline_model_parallel_size, paper.partition
     s, b, h = cfg.seq_length, cfg.micro_batch_size, cfg.hidden_size
-    gbs = cfg.global_batch_size or b * dp
-    micro = max(1, gbs // (b * dp))
+    gbs = cfg.global_batch_size or b * paper.dp
+    micro = max(1, gbs // (b * paper.dp))
     # Under 1F1B stage k holds min(pp - k, micro) micro-batches in flight; with uneven stages the stage holding
     # the most layer activations need not be the first (BLOOM on PP=12: stage 1, 6 layers x 11 in flight).
     held = [len(partition[k]) * min(pp - k, micro) for k in range(pp)]
     busiest = max(range(pp), key=held.__getitem__)
     in_flight = min(pp - busiest, micro)
-    full_layer = layer_activations(model_cfg, s, b, tp)
+    full_layer = layer_activations(paper.model_cfg, s, b, cfg.tensor_model_parallel_size)
     without = held[busiest] * full_layer
     with_ckpt = held[busiest] * 2 * s * b * h + full_layer
     say(f"activations on stage {busiest} (seq {s}, micro batch {b}, {micro} micro-batches, {in_flight} in flight):")
     say(f"  without checkpointing: {without / GiB:8.2f} GiB, with checkpointing: {with_ckpt / GiB:8.2f} GiB"
         f"{'  <- configured' if cfg.checkpoint_activations else ''}")
-    total = model_states(cfg.zero_stage) + (with_ckpt if cfg.checkpoint_activations else without)
+    total = model_states(cfg, paper, cfg.zero_stage) + (with_ckpt if cfg.checkpoint_activations else without)
     say(f"estimated total per GPU: {total / GiB:.2f} GiB (plus temporaries: logits, communication buffers)")
+    return {"activations": without, "activations_checkpointed": with_ckpt}
+
+
+def say_snapshots(cfg, paper, world, say):
+    """The spike guard's snapshots in host memory, per node: a line when they are on, and whether they fit."""
     # the GPU whose snapshot is largest: with native ZeRO-1 the rank holding the most optimizer state
     native_zero = cfg.zero_stage >= 1 and not cfg.deepspeed
-    one = max(snapshots.snapshot_bytes(cfg, gpu, dp, shard if native_zero else None)
-              for (gpu, _), shard in zip(stages, largest_shard))
+    one = max(snapshots.snapshot_bytes(cfg, gpu, paper.dp, shard if native_zero else None)
+              for (gpu, _), shard in zip(paper.stages, paper.largest_shard))
     # GPUs per node: LOCAL_WORLD_SIZE as torchrun sets it, else a node of 8 (the node's memory: this machine's)
     line, problem = snapshots.describe_host_memory(cfg, one, int(os.environ.get("LOCAL_WORLD_SIZE", min(world, 8))))
     if line:
         say(line)
     if problem:
         say(f"does not fit: {problem}")
-    return {"params": params, "padded_params": padded_total, "stages": stages, "gpu_params": gpu_params,
-            "dp": dp, "model_states": model_states(cfg.zero_stage), "activations": without,
-            "activations_checkpointed": with_ckpt}
 
 
 def layer_activations(cfg, s, b, tp=1):

@@ -466,77 +466,82 @@ def pipeline_forward_backward(model, batches, loss_scale=1.0, forward_only=False
     and multiplied by loss_scale before backward, exactly as training.forward_backward does with one stage.
     Returns the mean loss on the last stage and 0 elsewhere (average_loss broadcasts the real one). packing(tokens):
     the model's keyword inputs of packed documents (loader.packing), made by every stage from its own copy."""
-    g, m = grid, len(batches)
-    gpt = unwrap(model)
-    device = batches[0][0].device
-    start, start_event = time.perf_counter(), pipeline_event(device)
-    # Activations and their gradients cross stage boundaries in the compute dtype, that of the weights: fp16/bf16
-    # under mixed precision (half the traffic of fp32, as in Megatron), fp32 otherwise.
-    dtype = next(gpt.parameters()).dtype
-    total = torch.zeros((), device=device)
+    stage = PipelineStage(model, batches, loss_scale, forward_only, packing)
+    start, start_event = time.perf_counter(), pipeline_event(stage.device)
+    (all_forward if forward_only else one_forward_one_backward)(stage)
+    pipeline_time("schedule", start, start_event, stage.device)
+    return stage.total / len(batches)
 
-    def buffer(i):  # receive buffer for micro-batch i's activation or its gradient: (batch, seq, hidden)
-        return torch.empty(*batches[i][0].shape, gpt.cfg.hidden_size, dtype=dtype, device=device)
 
-    def activation(i):  # what comes from the previous stage (nothing on the first)
-        return None if g.is_first_stage else buffer(i)
+class PipelineStage:
+    """This stage's steps on one global batch's micro-batches (buffers, forward, backward), ordered by a schedule."""
 
-    def gradient(i):  # what comes back from the next stage (nothing on the last)
-        return None if g.is_last_stage else buffer(i)
+    def __init__(self, model, batches, loss_scale, forward_only, packing):
+        self.model, self.batches, self.loss_scale, self.packing = model, batches, loss_scale, packing
+        self.forward_only, self.m, self.gpt = forward_only, len(batches), unwrap(model)
+        self.device = batches[0][0].device
+        # Activations and their gradients cross stage boundaries in the compute dtype, that of the weights:
+        # fp16/bf16 under mixed precision (half the traffic of fp32, as in Megatron), fp32 otherwise.
+        self.dtype = next(self.gpt.parameters()).dtype
+        self.total = torch.zeros((), device=self.device)
 
-    def forward_step(i, received):
-        nonlocal total
-        x, y = batches[i]
-        if received is not None and not forward_only:
+    def buffer(self, i):  # receive buffer for micro-batch i's activation or its gradient: (batch, seq, hidden)
+        return torch.empty(*self.batches[i][0].shape, self.gpt.cfg.hidden_size, dtype=self.dtype, device=self.device)
+
+    def activation(self, i):  # what comes from the previous stage (nothing on the first)
+        return None if grid.is_first_stage else self.buffer(i)
+
+    def gradient(self, i):  # what comes back from the next stage (nothing on the last)
+        return None if grid.is_last_stage else self.buffer(i)
+
+    def forward(self, i, received):
+        x, y = self.batches[i]
+        if received is not None and not self.forward_only:
             received.requires_grad_()
-        packed = packing(x) if packing else {}
-        out = model(x if g.is_first_stage else received, y if g.is_last_stage else None, **packed)
-        if g.is_last_stage:
-            total += out.detach()
-            return out * (loss_scale / m)  # backward starts from here
+        packed = self.packing(x) if self.packing else {}
+        out = self.model(x if grid.is_first_stage else received, y if grid.is_last_stage else None, **packed)
+        if grid.is_last_stage:
+            self.total += out.detach()
+            return out * (self.loss_scale / self.m)  # backward starts from here
         return out
 
-    def backward_step(received, out, grad_out):
-        backward(out, None if g.is_last_stage else grad_out.to(out.dtype))
-        return None if received is None else received.grad.to(dtype).contiguous()
+    def backward(self, received, out, grad_out):
+        backward(out, None if grid.is_last_stage else grad_out.to(out.dtype))
+        return None if received is None else received.grad.to(self.dtype).contiguous()
 
-    def sendable(out):
-        return None if g.is_last_stage else out.detach().to(dtype).contiguous()
+    def sendable(self, out):
+        return None if grid.is_last_stage else out.detach().to(self.dtype).contiguous()
 
-    if forward_only:
-        for i in range(m):
-            received, _ = communicate(recv_prev=activation(i))
-            communicate(send_next=sendable(forward_step(i, received)))
-        pipeline_time("schedule", start, start_event, device)
-        return total / m
 
+def all_forward(stage):
+    """Evaluation: each micro-batch's forward, received from the previous stage and sent to the next."""
+    for i in range(stage.m):
+        received, _ = communicate(recv_prev=stage.activation(i))
+        communicate(send_next=stage.sendable(stage.forward(i, received)))
+
+
+def one_forward_one_backward(stage):
+    """1F1B: warm-up forwards, then a forward and a backward in turn, then the remaining backwards."""
     # warm-up: forwards only, until the micro-batches in flight fill the stages after this one
-    warmup = min(g.pp_size - g.pp_rank - 1, m)
+    m, warmup = stage.m, min(grid.pp_size - grid.pp_rank - 1, stage.m)
     in_flight = []  # (received input, output) of micro-batches waiting for their backward, oldest first
     for i in range(warmup):
-        received, _ = communicate(recv_prev=activation(i))
-        out = forward_step(i, received)
-        communicate(send_next=sendable(out))
+        received, _ = communicate(recv_prev=stage.activation(i))
+        out = stage.forward(i, received)
+        communicate(send_next=stage.sendable(out))
         in_flight.append((received, out))
-
     # steady state: forward micro-batch i, then backward the oldest one in flight (1F1B)
-    received = communicate(recv_prev=activation(warmup))[0] if warmup < m else None
+    received = communicate(recv_prev=stage.activation(warmup))[0] if warmup < m else None
     for i in range(warmup, m):
-        out = forward_step(i, received)
+        out = stage.forward(i, received)
         in_flight.append((received, out))
-        _, grad_out = communicate(send_next=sendable(out), recv_next=gradient(i - warmup))
-        grad_in = backward_step(*in_flight.pop(0), grad_out)
-        if i == m - 1:
-            communicate(send_prev=grad_in)
-        else:
-            received, _ = communicate(send_prev=grad_in, recv_prev=activation(i + 1))
-
+        _, grad_out = communicate(send_next=stage.sendable(out), recv_next=stage.gradient(i - warmup))
+        grad_in = stage.backward(*in_flight.pop(0), grad_out)
+        received, _ = communicate(send_prev=grad_in, recv_prev=stage.activation(i + 1) if i + 1 < m else None)
     # cool-down: the backwards of the warm-up's micro-batches
     for j in range(m - warmup, m):
-        _, grad_out = communicate(recv_next=gradient(j))
-        communicate(send_prev=backward_step(*in_flight.pop(0), grad_out))
-    pipeline_time("schedule", start, start_event, device)
-    return total / m
+        _, grad_out = communicate(recv_next=stage.gradient(j))
+        communicate(send_prev=stage.backward(*in_flight.pop(0), grad_out))
 
 
 # -----------------------------------------------------------------------------
