@@ -74,9 +74,16 @@ from builders import build_model
 from report import print0
 from stability import telemetry
 
-# Dense bf16 tensor-core peaks (no sparsity) of the SXM parts, TFLOP/s. PCIe cards are slower (H100 PCIe: 756),
-# so on one of those the MFU printed here is an underestimate.
-PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0}
+# Nominal dense bf16 tensor-core TFLOP/s (no sparsity) and HBM GB/s by SKU, from NVIDIA's datasheets. The first
+# name contained in torch.cuda.get_device_name wins: the PCIe and NVL parts come before the SXM one of their name
+# (an H100 PCIe's MFU against the SXM's 989 would read 24% low).
+GPU_PEAKS = (("H100 PCIe", 756, 2000), ("H100 NVL", 835, 3900), ("H200", 989, 4800), ("H100", 989, 3350),
+             ("A100", 312, 2039))
+
+
+def gpu_peaks(name):
+    """(bf16 TFLOP/s, GB/s) of the GPU whose torch.cuda.get_device_name is `name`, or None for one not listed."""
+    return next(((tflops, gbs) for key, tflops, gbs in GPU_PEAKS if key in name), None)
 
 
 def sync(device):
@@ -102,10 +109,9 @@ def measured_peak(device, dtype, n, repeats=10):
 def device_peak(device, dtype):
     """(peak FLOP/s, where the number comes from); dtype is what the matmuls of training run in (CPU only)."""
     if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        for key, tflops in PEAK_TFLOPS.items():
-            if key in name:
-                return tflops * 1e12, f"{name}, bf16 dense peak from the datasheet"
+        name, peaks = torch.cuda.get_device_name(device), gpu_peaks(torch.cuda.get_device_name(device))
+        if peaks is not None:
+            return peaks[0] * 1e12, f"{name}, bf16 dense peak from the datasheet"
         return measured_peak(device, torch.bfloat16, 8192), f"{name}, measured bf16 8192^3 matmul"
     name = str(dtype).removeprefix("torch.")
     return measured_peak(device, dtype, 2048), f"CPU, {torch.get_num_threads()} threads, measured {name} 2048^3 matmul"

@@ -209,3 +209,14 @@ def test_the_table_runs_each_config_apart_and_a_failure_loses_one_row(corpus, ca
     out = capfd.readouterr().out
     assert "| config | " + " | ".join(bench.COSTS) + " |" in out and "\n| tiny | " in out
     assert "\n| no_such | failed: exit code 2: error: config file" in out
+
+
+def test_each_gpu_sku_gets_its_own_peak():
+    """MFU is against the card's own datasheet peak: an H100 PCIe (756 TFLOP/s) or NVL is not taken for the SXM
+    part (989), whose name is contained in theirs; a GPU not listed is measured instead."""
+    assert bench.gpu_peaks("NVIDIA H100 80GB HBM3") == (989, 3350)  # the SXM part's name
+    assert bench.gpu_peaks("NVIDIA H100 PCIe") == (756, 2000)
+    assert bench.gpu_peaks("NVIDIA H100 NVL") == (835, 3900)
+    assert bench.gpu_peaks("NVIDIA H200") == (989, 4800)
+    assert bench.gpu_peaks("NVIDIA A100-SXM4-80GB") == (312, 2039)
+    assert bench.gpu_peaks("NVIDIA GeForce RTX 4090") is None

@@ -24,10 +24,8 @@ problems=()
 declare -A TOKENS MFU
 
 # bench.py's fixed part: the bundled corpus (nothing to download), 10 timed iterations after 3 untimed (compiles
-# happen there), then one profiled for the cost shares. --lr_warmup_samples=0: bench.py still checks the config's
-# LR schedule against its few samples, which gpt2_125m's warm-up of 366,210 samples fails; the timed iterations
-# run at the constant lr either way, so this is harmless once bench.py times at a constant LR without the check.
-BENCH=(--use_bundled_corpus --bench_steps=10 --bench_warmup=3 --rampup_batch_size=none --lr_warmup_samples=0)
+# happen there), then one profiled for the cost shares; bench sets each config's LR schedule and ramp-up aside.
+BENCH=(--use_bundled_corpus --bench_steps=10 --bench_warmup=3)
 SMALL=(config/gpt2_125m.py --global_batch_size=32)  # 2 micro-batches of 16 x 1024: accumulation included
 LARGE=(config/tr3_1b3_1gpu.py --bf16 --fp16=false --global_batch_size=8)  # 4 micro-batches of 2 x 2048
 TINY=()
@@ -36,7 +34,7 @@ if [ "$CPU" = 1 ]; then
     # matmuls are slow on the CPU (the loss check is bf16 on its own); compile off, as train.py has it on the CPU
     TINY=(--num_layers=1 --hidden_size=64 --num_attention_heads=2 --seq_length=64 --micro_batch_size=2
           --global_batch_size=4 --device=cpu)
-    BENCH=(--use_bundled_corpus --bench_steps=1 --bench_warmup=1 --rampup_batch_size=none --lr_warmup_samples=0)
+    BENCH=(--use_bundled_corpus --bench_steps=1 --bench_warmup=1)
     SMALL=(config/gpt2_125m.py --bf16=false)
     LARGE=(config/tr3_1b3_1gpu.py --bf16=false --fp16=false)
 fi

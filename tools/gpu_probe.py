@@ -36,6 +36,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch.overrides import TorchFunctionMode  # noqa: E402
 
 import arguments  # noqa: E402
+import bench  # noqa: E402  (its table of the GPUs' nominal peaks)
 import cross_entropy  # noqa: E402
 import launch  # noqa: E402
 import optim  # noqa: E402
@@ -45,10 +46,6 @@ import training  # noqa: E402
 from builders import build_model  # noqa: E402
 from model import GPTConfig  # noqa: E402
 
-# Nominal dense bf16 TFLOP/s and HBM GB/s by SKU, from NVIDIA's datasheets; the first name contained in
-# torch.cuda.get_device_name wins, so the PCIe and NVL parts come before the SXM ones of the same name.
-SKUS = (("H100 PCIe", 756, 2000), ("H100 NVL", 835, 3900), ("H200", 989, 4800), ("H100", 989, 3350),
-        ("A100", 312, 2039))
 
 
 def main(argv=None):
@@ -86,7 +83,7 @@ def sku(device):
     if device.type != "cuda":
         return f"CPU ({torch.get_num_threads()} threads)", None, None
     name = torch.cuda.get_device_name(device)
-    return next(((name, tflops, gbs) for key, tflops, gbs in SKUS if key in name), (name, None, None))
+    return (name, *(bench.gpu_peaks(name) or (None, None)))
 
 
 def of_peak(value, peak):
