@@ -175,13 +175,16 @@ def layer_activations(cfg, s, b, tp=1):
       not split by TP, 10sbh: the inputs of the two norms (4), of the QKV projection and of the MLP (4), the two
         dropout masks (2, a byte each)
       attention, split: Q 2sbh, K and V 2sbh each times groups/heads (GQA, num_query_groups: the flash kernel
-        takes them unexpanded), the output projection's input 2sbh, the scores, softmax, its dropout mask and the
-        dropped-out probabilities 5as^2b
+        takes them unexpanded), the output projection's input 2sbh (the kernel's output), and the softmax's
+        log-sum-exp per query, 4asb in fp32: the fused kernels (flash, memory-efficient) recompute the scores in
+        backward and draw the dropout mask again from a seed. Only unfused_attention keeps the scores, softmax,
+        its dropout mask and the dropped-out probabilities, Korthikanti et al.'s 5as^2b
       MLP of width f, split: GeLU's input and output 4sbf (16sbh at f = 4h); SwiGLU's gate and up outputs, the
         SiLU's output and the product fc2 takes, 8sbf"""
     h, a, f = cfg.hidden_size, cfg.num_attention_heads, cfg.ffn_size
     kv = 2 * (2 * s * b * h * cfg.query_groups / a)
-    attention = 2 * s * b * h + kv + 2 * s * b * h + 5 * a * s * s * b
+    scores = 5 * a * s * s * b if cfg.unfused_attention else 4 * a * s * b
+    attention = 2 * s * b * h + kv + 2 * s * b * h + scores
     mlp = (8 if cfg.swiglu else 4) * s * b * f
     return 10 * s * b * h + (attention + mlp) / tp
 

@@ -30,11 +30,34 @@ def test_tr11_dry_run_reports_the_rank_with_the_embedding_shard():
 
 
 def test_layer_activations_of_the_gpt2_block_are_korthikantis():
+    """With Megatron's unfused attention, which keeps the B*H*T^2 scores; the fused kernels keep a log-sum-exp of
+    each query's softmax instead (4asb in fp32)."""
     from model import GPTConfig
     s, b, h, a = 2048, 4, 1024, 16
-    cfg = GPTConfig(hidden_size=h, num_attention_heads=a)
+    cfg = GPTConfig(hidden_size=h, num_attention_heads=a, unfused_attention=True)
+    fused = GPTConfig(hidden_size=h, num_attention_heads=a)
     for t in (1, 2, 4):
         assert estimate.layer_activations(cfg, s, b, t) == s * b * h * (10 + 24 / t + 5 * a * s / (h * t))
+        assert estimate.layer_activations(fused, s, b, t) == s * b * h * (10 + 24 / t) + 4 * a * s * b / t
+
+
+def test_fused_attention_keeps_its_output_and_a_log_sum_exp_per_query():
+    """Measured: what autograd keeps of scaled_dot_product_attention (the CPU's flash kernel) besides q, k and v
+    is its output (the output projection's input, 2sbh in bf16) and the softmax's log-sum-exp in fp32 (4asb),
+    not the scores that layer_activations counts only for unfused_attention."""
+    from model import core_attention
+    b, a, s, d = 2, 4, 64, 16
+    q, k, v = (torch.randn(b, a, s, d, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    skip = {t.untyped_storage().data_ptr() for t in (q, k, v)}
+    kept = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in skip:
+            kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        core_attention(q, k, v)
+    assert sum(kept.values()) == 2 * s * b * a * d + 4 * a * s * b
 
 
 def test_layer_activations_of_the_llama_block_by_hand():
@@ -46,7 +69,7 @@ def test_layer_activations_of_the_llama_block_by_hand():
     s, h, f = 2048, 2048, 8192
     replicated = 2 * s * h * 4 + s * h * 2  # norm, QKV and MLP inputs (bf16), two dropout masks (a byte each)
     q, k, v, proj_in = 2 * s * h, 2 * s * 8 * 64, 2 * s * 8 * 64, 2 * s * h
-    scores = 32 * s * s * (2 + 2 + 1)  # scores, softmax, dropout mask of the (32, s, s) probabilities
+    scores = 4 * 32 * s  # the fused kernel's fp32 log-sum-exp of each query's softmax
     swiglu = 4 * (2 * s * f)  # gate out, up out, SiLU out, product
     for t in (1, 2, 4):
         expected = replicated + (q + k + v + proj_in + scores + swiglu) / t
