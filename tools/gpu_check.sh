@@ -27,7 +27,7 @@ declare -A TOKENS MFU
 # happen there), then one profiled for the cost shares; bench sets each config's LR schedule and ramp-up aside.
 BENCH=(--use_bundled_corpus --bench_steps=10 --bench_warmup=3)
 SMALL=(config/gpt2_125m.py --global_batch_size=32)  # 2 micro-batches of 16 x 1024: accumulation included
-LARGE=(config/tr3_1b3_1gpu.py --bf16 --fp16=false --global_batch_size=8)  # 4 micro-batches of 2 x 2048
+LARGE=(config/tr3_1b3_1gpu.py --bf16 --fp16=false --global_batch_size=16)  # 2 micro-batches of 8 x 2048
 TINY=()
 if [ "$CPU" = 1 ]; then
     # the same configs, cut to a 1-layer 64-wide model (the 50304-wide output layer stays), fp32 where bf16
