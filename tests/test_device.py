@@ -411,19 +411,22 @@ def test_collectives_of_a_two_process_deepspeed_run(synthetic_corpus):
 # The process group, the CUDA settings, the RNG state: what a GPU run starts with
 
 
-def test_process_group_binds_the_gpu_and_waits_for_checkpoint_writes(monkeypatch):
-    """Under NCCL: LOCAL_RANK's GPU made current and given as device_id (eager communicators on it); the timeout
-    is the configured one (an hour by default: ranks wait at a barrier while others write a checkpoint)."""
+def test_process_group_binds_the_gpu_and_a_hang_costs_its_timeout(monkeypatch):
+    """Under NCCL: LOCAL_RANK's GPU made current and given as device_id (eager communicators on it); the training
+    collectives' timeout is the configured one (10 minutes by default: what a hung rank costs), the host work's
+    (checkpoint writes, tests/test_checkpoint.py) an hour on a group of its own."""
     import arguments
     calls = []
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("LOCAL_RANK", "1")
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: calls.append(("set_device", device)))
     monkeypatch.setattr(dist, "init_process_group", lambda *a, **k: calls.append(("init", a, k)))
-    parallel.init(1, 1, backend="nccl", timeout_minutes=arguments.Config().distributed_timeout_minutes)
+    defaults = arguments.Config()
+    parallel.init(1, 1, backend="nccl", timeout_minutes=defaults.distributed_timeout_minutes,
+                  host_timeout_minutes=defaults.host_work_timeout_minutes)
     (_, device), (_, args, kwargs) = calls
     assert device == torch.device("cuda", 1) and args == ("nccl",) and kwargs["device_id"] == device
-    assert kwargs["timeout"].total_seconds() == 3600
+    assert kwargs["timeout"].total_seconds() == 600 and parallel.host_timeout == 60
     calls.clear()
     parallel.init(1, 1, backend="gloo", timeout_minutes=5)
     assert calls == [("init", ("gloo",), {"timeout": datetime.timedelta(minutes=5), "device_id": None})]
