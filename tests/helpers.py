@@ -20,11 +20,11 @@ import io
 import math
 import os
 import re
-import runpy
 import socket
 import subprocess
 import sys
 import traceback
+import types
 
 import numpy as np
 import pytest
@@ -75,8 +75,22 @@ def run_main(*args):
 def train_script():
     """train.py's namespace (main, run, exit_reason, ...): the script run in this process, as `python train.py`
     runs it but without an interpreter's start-up. Nothing imports train.py. A test may replace a name the script
-    looks up (script["train_step"] = spy) before it calls script["main"]."""
-    return runpy.run_path(os.path.join(ROOT, "train.py"), run_name="train_script")
+    looks up (script["train_step"] = spy) before it calls script["main"]: the namespace returned is the one its
+    functions read (runpy.run_path returns a copy, where a replaced name would change nothing)."""
+    path = os.path.join(ROOT, "train.py")
+    module = types.ModuleType("train_script")
+    module.__file__ = path
+    previous = sys.modules.get(module.__name__)
+    sys.modules[module.__name__] = module  # as runpy does while the script runs (dataclasses look it up)
+    try:
+        with open(path) as f:
+            exec(compile(f.read(), path, "exec"), module.__dict__)
+    finally:
+        if previous is None:
+            sys.modules.pop(module.__name__, None)
+        else:
+            sys.modules[module.__name__] = previous
+    return module.__dict__
 
 
 def log_fields(stdout):
