@@ -103,7 +103,8 @@ def _load(cfg):
         for p in model.parameters():
             p.zero_()
     optimizer = optim.optimizer_for(cfg, model)
-    parts = run_state.Parts(cfg, model, optimizer, schedule.Schedule(cfg, 1), optim.scaler_for(cfg), training.NO_CALLBACKS)
+    parts = run_state.Parts(cfg, model, optimizer, schedule.Schedule(cfg, 1), optim.scaler_for(cfg),
+                            training.NO_CALLBACKS)
     run_state.load(parts)
     return model, optimizer, parts.state, reference
 
