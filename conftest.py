@@ -9,6 +9,13 @@ os.environ.setdefault("WANDB_MODE", "disabled")
 # The tests compare runs bit for bit: MKL's results independent of the threads it picks (what deterministic=True
 # sets in train.py), set here before any test's first matrix product.
 os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
+# One intra-op thread in the test process and in what it starts (run_cli's train.py; launch and spawn set it too):
+# the tests' shapes are tiny, so a second thread buys little even on a quiet machine, while on a busy one (or two
+# xdist workers on 2 cores) two spinning OpenMP threads per process make each small op up to 40x slower. Bit-exact
+# comparisons are between runs made under this same setting. OMP_NUM_THREADS=N python -m pytest overrides it.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+import torch  # noqa: E402 (after the environment it reads)
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 @pytest.fixture(autouse=True)

@@ -7,7 +7,8 @@
 - several processes: spawn(fn, world, tp, pp) runs fn on gloo processes, gather, TINY / stage / random_batches
   for GPT stages against one process;
 - end to end: launch() runs train.py under torchrun on the `synthetic_corpus` fixture with E2E_ARGS, a Run holds
-  its log lines and TensorBoard scalars, assert_same_training / assert_replicas_identical / dumps compare runs;
+  its log lines and TensorBoard scalars (launch_once: one run shared by the tests that compare with it),
+  assert_same_training / assert_replicas_identical / dumps compare runs;
 - a tokenizer.json trained on one play (build_tokenizer_file, play_corpus).
 - a checkpoint of any layout written from one process (write_checkpoint); the files `latest` names
   (final_state), compared bit for bit (assert_same).
@@ -19,11 +20,11 @@ import io
 import math
 import os
 import re
-import runpy
 import socket
 import subprocess
 import sys
 import traceback
+import types
 
 import numpy as np
 import pytest
@@ -74,8 +75,22 @@ def run_main(*args):
 def train_script():
     """train.py's namespace (main, run, exit_reason, ...): the script run in this process, as `python train.py`
     runs it but without an interpreter's start-up. Nothing imports train.py. A test may replace a name the script
-    looks up (script["train_step"] = spy) before it calls script["main"]."""
-    return runpy.run_path(os.path.join(ROOT, "train.py"), run_name="train_script")
+    looks up (script["train_step"] = spy) before it calls script["main"]: the namespace returned is the one its
+    functions read (runpy.run_path returns a copy, where a replaced name would change nothing)."""
+    path = os.path.join(ROOT, "train.py")
+    module = types.ModuleType("train_script")
+    module.__file__ = path
+    previous = sys.modules.get(module.__name__)
+    sys.modules[module.__name__] = module  # as runpy does while the script runs (dataclasses look it up)
+    try:
+        with open(path) as f:
+            exec(compile(f.read(), path, "exec"), module.__dict__)
+    finally:
+        if previous is None:
+            sys.modules.pop(module.__name__, None)
+        else:
+            sys.modules[module.__name__] = previous
+    return module.__dict__
 
 
 def log_fields(stdout):
@@ -228,17 +243,26 @@ LINE = re.compile(r" iteration\s+(\d+)/\s*\d+ \|.* lm loss: (\S+) \|.* grad norm
 VALID = re.compile(r"validation loss at iteration (\d+) \| lm loss value: (\S+) \|")
 
 
+# What several test modules share, made once per pytest process (each xdist worker has its own): the synthetic
+# corpus and the launched runs of launch_once. A fixture imported into several modules is several fixtures, each
+# made again by its module: these caches are what makes them one.
+SESSION = {}
+
+
 @pytest.fixture(scope="module")
 def synthetic_corpus(tmp_path_factory):
-    """A small synthetic corpus (arithmetic progressions mod 512: something to learn) in Megatron's format."""
-    import numpy as np
-    import data
-    rng = np.random.default_rng(0)
-    docs = [((rng.integers(0, 512) + rng.integers(1, 8) * np.arange(rng.integers(20, 120))) % 512).astype(np.uint16)
-            for _ in range(300)]
-    prefix = str(tmp_path_factory.mktemp("corpus") / "synthetic")
-    data.write_indexed_dataset(prefix, docs)
-    return prefix
+    """A small synthetic corpus (arithmetic progressions mod 512: something to learn) in Megatron's format; written
+    once per session (the same prefix in every module: the runs of launch_once are shared across modules)."""
+    if "synthetic_corpus" not in SESSION:
+        import numpy as np
+        import data
+        rng = np.random.default_rng(0)
+        docs = [((rng.integers(0, 512) + rng.integers(1, 8) * np.arange(rng.integers(20, 120))) % 512)
+                .astype(np.uint16) for _ in range(300)]
+        prefix = str(tmp_path_factory.mktemp("corpus") / "synthetic")
+        data.write_indexed_dataset(prefix, docs)
+        SESSION["synthetic_corpus"] = prefix
+    return SESSION["synthetic_corpus"]
 
 
 class Run:
@@ -273,6 +297,16 @@ def launch(tmp_path, nproc, *extra, expect_ok=True):
     if expect_ok and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
     return Run(proc, tb_dir)
+
+
+def launch_once(tmp_path_factory, nproc, *extra):
+    """launch(nproc, E2E_ARGS EXTRA) run once per session and shared by every test that asks for the same run
+    (the one-process references: several modules compare their layouts with the same run). Only for runs that
+    save nothing a test then changes: the Run is shared, read-only."""
+    key = ("launch", nproc, *extra)
+    if key not in SESSION:
+        SESSION[key] = launch(tmp_path_factory.mktemp("shared_run"), nproc, *extra)
+    return SESSION[key]
 
 
 def assert_same_training(run, ref, rel):

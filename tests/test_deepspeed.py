@@ -6,9 +6,10 @@ allowed, 10 iterations each, compared inside the workers -- lm loss and grad nor
 README's 6e-5 and 7e-4 under bf16, 1e-5 under fp32), Adam's step counter at 10, the two copies of the tied
 embedding and every replica (TP-replicated parameters, DP ranks) bitwise equal. The native bf16 reference is itself
 held to one process by tests/test_parallel.py (half-precision layouts). Then, in the same processes: DeepSpeed's
-bf16 gradients accumulate in fp32 over 64 micro-batches, and a DeepSpeed bf16 run saved at iteration 5 resumes
-bit-exactly with its step counter. One process (python train.py --deepspeed) gets a one-process group and trains as the
-native path. The refusals (fp16, bitsandbytes, ...) are checked without starting DeepSpeed.
+bf16 gradients accumulate in fp32 over 64 micro-batches, a DeepSpeed bf16 run saved at iteration 5 resumes
+bit-exactly with its step counter, and PP=2 with an untied output layer trains as the native path. One process
+(python train.py --deepspeed) gets a one-process group and trains as the native path. The refusals (fp16,
+bitsandbytes, ...) are checked without starting DeepSpeed.
 """
 import contextlib
 import io
@@ -143,6 +144,7 @@ def _world2(synthetic_corpus, tmp):
     full = rec.steps
     _accumulates_in_fp32(rec)
     _resumes_exactly(rec, synthetic_corpus, tmp, full)
+    _untied_pp2(rec, synthetic_corpus)
 
 
 def _world4(synthetic_corpus):
@@ -202,6 +204,7 @@ def _resumes_exactly(rec, synthetic_corpus, tmp, full):
 
 @pytest.mark.slow
 def test_deepspeed_matches_native_dp2_tp2_pp2_and_resumes_exactly(synthetic_corpus, tmp_path):
+    """... and PP=2 with an untied output layer (_untied_pp2)."""
     spawn(_world2, 2, 1, 1, synthetic_corpus, str(tmp_path))
 
 
@@ -210,16 +213,11 @@ def test_deepspeed_bf16_matches_native_tp2xpp2_pp2xdp2(synthetic_corpus):
     spawn(_world4, 4, 1, 1, synthetic_corpus)
 
 
-def _untied_pp2(synthetic_corpus):
-    os.environ["DS_ACCELERATOR"] = "cpu"
-    _matrix(Recorder(), synthetic_corpus, [(1, 2, {"bf16": (0, 1)})], ["--untie_embeddings_and_output_weights"])
-
-
-@pytest.mark.slow
-def test_deepspeed_pp2_with_an_untied_output_layer_matches_native(synthetic_corpus):
+def _untied_pp2(rec, synthetic_corpus):
     """An untied output layer lives on the last stage alone: no tied-embedding sum across the stages (which had
-    no second copy to sum with), and DeepSpeed trains as the native path."""
-    spawn(_untied_pp2, 2, 1, 1, synthetic_corpus)
+    no second copy to sum with), and DeepSpeed trains as the native path (in _world2's processes: a spawn of its
+    own cost as much as its three runs again)."""
+    _matrix(rec, synthetic_corpus, [(1, 2, {"bf16": (0, 1)})], ["--untie_embeddings_and_output_weights"])
 
 
 def _one_process(synthetic_corpus):

@@ -21,11 +21,19 @@ NO_DROPOUT = ["--hidden_dropout=0", "--attention_dropout=0"]
 
 
 @pytest.fixture
-def half(corpus512):
-    """SMALL on a 512-token vocabulary, for the loss scaler's and the master weights' runs: on CPU, fp16 and bf16
-    matmuls are emulated and the GPT-2 vocabulary's output layer is 8x the run's time. The half-precision runs
-    whose subject is the vocabulary (its padding, split across TP) keep it: test_parallel, test_precision."""
+def small512(corpus512):
+    """SMALL on a 512-token vocabulary, for the runs whose subject is not the vocabulary (the schedules, exits,
+    skips, resumes and optimizer levers below): the GPT-2 vocabulary's output layer was most of their time, and
+    each still fails if its switch does something else. On CPU, fp16 and bf16 matmuls are emulated: there it is
+    8x the run's time. The runs whose subject is the vocabulary (its padding, split across TP) keep it:
+    test_parallel, test_precision, test_topology."""
     return [*SMALL, f"--data_path={corpus512}", "--vocab_size=512"]
+
+
+@pytest.fixture
+def half(small512):
+    """The loss scaler's and the master weights' runs (small512)."""
+    return small512
 
 
 def checkpoint_state(directory, iteration):
@@ -106,13 +114,13 @@ def test_static_loss_scale_is_used_and_kept(half):
     assert all(f["loss scale"] == "128.0" for f in log_fields(out).values())
 
 
-def test_skip_grad_norm_above_skips_without_updating(corpus, tmp_path):
-    out = run_main(*SMALL, "--train_iters=3", "--skip_grad_norm_above=1e-6", f"--save={tmp_path}")
+def test_skip_grad_norm_above_skips_without_updating(small512, tmp_path):
+    out = run_main(*small512, "--train_iters=3", "--skip_grad_norm_above=1e-6", f"--save={tmp_path}")
     fields = log_fields(out)
     assert all(f["number of skipped iterations"] == "1" for f in fields.values())
     model_state, opt, _ = checkpoint_state(tmp_path, 3)
     assert opt["state"] == {}  # never stepped
-    fresh = build_model(arguments.prepare(arguments.load_config(list(SMALL))), torch.device("cpu"))
+    fresh = build_model(arguments.prepare(arguments.load_config(list(small512))), torch.device("cpu"))
     assert all(torch.equal(v, model_state[k]) for k, v in fresh.state_dict().items())
 
 
@@ -130,8 +138,8 @@ def test_nan_loss_never_updates_the_weights():
     assert optimizer.state_dict()["state"] == {}
 
 
-def test_bnb_8bit_adam_runs_and_resumes_exactly(corpus, tmp_path):
-    args = [*SMALL, "--use_bnb_optimizer"]
+def test_bnb_8bit_adam_runs_and_resumes_exactly(small512, tmp_path):
+    args = [*small512, "--use_bnb_optimizer"]
     full = losses(run_main(*args, "--train_iters=6", f"--save={tmp_path / 'a'}"))
     assert float(full[6]) < float(full[1])
     run_main(*args, "--train_iters=3", f"--save={tmp_path / 'b'}")
@@ -143,8 +151,8 @@ def test_bnb_8bit_adam_runs_and_resumes_exactly(corpus, tmp_path):
 # -- schedules -----------------------------------------------------------------------------------------------------
 
 
-def test_batch_size_rampup_follows_megatron(corpus):
-    out = run_main(*SMALL, "--micro_batch_size=4", "--global_batch_size=12", "--rampup_batch_size", "4", "4", "40",
+def test_batch_size_rampup_follows_megatron(small512):
+    out = run_main(*small512, "--micro_batch_size=4", "--global_batch_size=12", "--rampup_batch_size", "4", "4", "40",
                    "--train_samples=120", "--train_iters=none")
     fields = log_fields(out)
     ramp = schedule.RampupBatchSize([4, 4, 40], 12, 4, 1)
@@ -160,13 +168,13 @@ def test_batch_size_rampup_follows_megatron(corpus):
     assert len(fields) == 14 and consumed == 116
 
 
-def test_train_tokens_ends_training(corpus):
-    out = run_main(*SMALL, "--train_iters=none", "--train_tokens=1500")  # 512 tokens per iteration
+def test_train_tokens_ends_training(small512):
+    out = run_main(*small512, "--train_iters=none", "--train_tokens=1500")  # 512 tokens per iteration
     assert sorted(log_fields(out)) == [1, 2, 3]
 
 
-def test_curriculum_truncates_counts_tokens_and_evaluates_at_full_length(corpus, tmp_path, monkeypatch):
-    args = [*SMALL, "--curriculum_learning", "--min_difficulty=16", "--total_curriculum_step=8",
+def test_curriculum_truncates_counts_tokens_and_evaluates_at_full_length(small512, tmp_path, monkeypatch):
+    args = [*small512, "--curriculum_learning", "--min_difficulty=16", "--total_curriculum_step=8",
             "--train_iters=10", "--eval_interval=5"]
     seqlens = {True: set(), False: set()}  # the sequence lengths of the evaluation's batches, of training's
     forward_backward = training.forward_backward
@@ -197,8 +205,8 @@ def test_curriculum_truncates_counts_tokens_and_evaluates_at_full_length(corpus,
     assert_same_checkpoint(tmp_path / "straight", tmp_path, 10)
 
 
-def test_lr_warmup_and_decay_tokens(corpus):
-    out = run_main(*SMALL, "--train_iters=6", "--lr_warmup_samples=0", "--lr_warmup_tokens=1024",
+def test_lr_warmup_and_decay_tokens(small512):
+    out = run_main(*small512, "--train_iters=6", "--lr_warmup_samples=0", "--lr_warmup_tokens=1024",
                    "--lr_decay_tokens=4096", "--lr_decay_style=linear", "--lr=1e-3", "--min_lr=1e-4")
     lrs = [float(f["learning rate"]) for _, f in sorted(log_fields(out).items())]
     # tokens before each iteration: 0, 512, 1024, ...; warm-up over 1024 tokens, then linear to 4096
@@ -207,12 +215,12 @@ def test_lr_warmup_and_decay_tokens(corpus):
     assert lrs == pytest.approx(expected, rel=1e-3, abs=1e-9)
 
 
-def test_exit_interval_saves_and_resume_continues(corpus, tmp_path):
-    full = losses(run_main(*SMALL, "--train_iters=6", f"--save={tmp_path / 'straight'}"))
-    out = run_main(*SMALL, "--train_iters=6", "--exit_interval=2", f"--save={tmp_path}")
+def test_exit_interval_saves_and_resume_continues(small512, tmp_path):
+    full = losses(run_main(*small512, "--train_iters=6", f"--save={tmp_path / 'straight'}"))
+    out = run_main(*small512, "--train_iters=6", "--exit_interval=2", f"--save={tmp_path}")
     assert sorted(losses(out)) == [1, 2] and "exiting at iteration 2" in out
     assert open(tmp_path / "latest").read().strip() == "global_step2"
-    resumed = run_main(*SMALL, "--train_iters=6", f"--save={tmp_path}", f"--load={tmp_path}")
+    resumed = run_main(*small512, "--train_iters=6", f"--save={tmp_path}", f"--load={tmp_path}")
     assert losses(resumed) == {i: full[i] for i in range(3, 7)}
     assert_same_checkpoint(tmp_path / "straight", tmp_path, 6)
 
@@ -225,9 +233,9 @@ def test_exit_duration_in_mins_saves_and_exits(corpus, tmp_path):
 # -- data skipping -----------------------------------------------------------------------------------------------
 
 
-def test_skipped_iterations_consume_their_batches_without_training(corpus, tmp_path):
+def test_skipped_iterations_consume_their_batches_without_training(small512, tmp_path):
     # lr = 0: the weights never move, so a loss depends on the batch only and shows which data an iteration saw
-    frozen = [*SMALL, *NO_DROPOUT, "--lr=0", "--min_lr=0", "--train_iters=8"]
+    frozen = [*small512, *NO_DROPOUT, "--lr=0", "--min_lr=0", "--train_iters=8"]
     plain = run_main(*frozen)
     skipping = run_main(*frozen, "--skip-train-iteration-range", "3-4", "7-7")
     plain_f, skip_f = log_fields(plain), log_fields(skipping)
@@ -239,10 +247,10 @@ def test_skipped_iterations_consume_their_batches_without_training(corpus, tmp_p
         assert skip_f[i]["consumed samples"] == plain_f[i]["consumed samples"]
 
 
-def test_every_skip_range_is_honoured_after_a_resume(corpus, tmp_path):
+def test_every_skip_range_is_honoured_after_a_resume(small512, tmp_path):
     ranges = ["--skip_train_iteration_range", "2-2", "5-6"]
-    run_main(*SMALL, *ranges, "--train_iters=3", f"--save={tmp_path}")
-    resumed = run_main(*SMALL, *ranges, "--train_iters=8", f"--save={tmp_path}", f"--load={tmp_path}")
+    run_main(*small512, *ranges, "--train_iters=3", f"--save={tmp_path}")
+    resumed = run_main(*small512, *ranges, "--train_iters=8", f"--save={tmp_path}", f"--load={tmp_path}")
     assert sorted(losses(resumed)) == [4, 7, 8]  # Megatron-DeepSpeed #230 kept only the last range
 
 
@@ -263,8 +271,8 @@ def test_show_samples_tool_prints_what_an_iteration_consumed(corpus):
 # -- optimizer reset ----------------------------------------------------------------------------------------------
 
 
-def test_reset_optimizer_with_lr0_warmup(corpus, tmp_path):
-    base = [*SMALL, "--adam_beta2=0.95", "--save_interval=3", f"--save={tmp_path}"]
+def test_reset_optimizer_with_lr0_warmup(small512, tmp_path):
+    base = [*small512, "--adam_beta2=0.95", "--save_interval=3", f"--save={tmp_path}"]
     run_main(*base, "--train_iters=3")
     out = run_main(*base, "--train_iters=9", f"--load={tmp_path}", "--reset_optimizer_warmup_iters=3")
     assert "optimizer reset at iteration 3" in out
@@ -276,7 +284,7 @@ def test_reset_optimizer_with_lr0_warmup(corpus, tmp_path):
     assert steps_of(opt) == {3}  # fresh optimizer: its step counter restarted at 0
     assert any(s["exp_avg_sq"].abs().sum() > 0 for s in opt["state"].values())  # moments warmed up
     # then the normal schedule, no jump: iteration 7 has the lr a plain resume has at the same consumed samples
-    plain = run_main(*SMALL, "--adam_beta2=0.95", "--train_iters=9")
+    plain = run_main(*small512, "--adam_beta2=0.95", "--train_iters=9")
     assert fields[7]["learning rate"] == log_fields(plain)[7]["learning rate"] != "0.000E+00"
     # resuming the reset run again (from its iteration-6 checkpoint) does not reset again
     (tmp_path / "latest").write_text("global_step6\n")
@@ -286,11 +294,11 @@ def test_reset_optimizer_with_lr0_warmup(corpus, tmp_path):
                                                                "--reset_optimizer_warmup_iters"])) == 100
 
 
-def test_no_load_optim_and_no_load_rng(corpus, tmp_path):
-    run_main(*SMALL, "--train_iters=3", f"--save={tmp_path}")
-    full = losses(run_main(*SMALL, "--train_iters=5"))
-    fresh_rng = losses(run_main(*SMALL, "--train_iters=5", f"--load={tmp_path}", "--no_load_rng"))
+def test_no_load_optim_and_no_load_rng(small512, tmp_path):
+    run_main(*small512, "--train_iters=3", f"--save={tmp_path}")
+    full = losses(run_main(*small512, "--train_iters=5"))
+    fresh_rng = losses(run_main(*small512, "--train_iters=5", f"--load={tmp_path}", "--no_load_rng"))
     assert fresh_rng[4] != full[4]  # dropout masks come from a different RNG state
-    run_main(*SMALL, "--train_iters=4", f"--load={tmp_path}", f"--save={tmp_path / 'x'}", "--no_load_optim")
+    run_main(*small512, "--train_iters=4", f"--load={tmp_path}", f"--save={tmp_path / 'x'}", "--no_load_optim")
     _, opt, _ = checkpoint_state(tmp_path / "x", 4)
     assert steps_of(opt) == {1}  # not 4: the optimizer started fresh

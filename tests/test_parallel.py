@@ -24,7 +24,8 @@ import parallel
 import optim
 from builders import build_model
 from helpers import (ROOT, TINY, assert_replicas_identical, assert_same_training, dumps, gather, launch,  # noqa: F401
-                     log_fields, random_batches, spawn, stage, synthetic_corpus)  # (synthetic_corpus is a fixture)
+                     launch_once, log_fields, random_batches, spawn, stage,
+                     synthetic_corpus)  # (synthetic_corpus is a fixture)
 
 
 # -----------------------------------------------------------------------------
@@ -378,7 +379,7 @@ def test_memory_estimate_matches_what_the_code_allocates():
 
 @pytest.fixture(scope="module")
 def reference(synthetic_corpus, tmp_path_factory):
-    return launch(tmp_path_factory.mktemp("reference"), 1, f"--data_path={synthetic_corpus}")
+    return launch_once(tmp_path_factory, 1, f"--data_path={synthetic_corpus}")
 
 
 @pytest.fixture(scope="module")
@@ -456,13 +457,13 @@ HALF_LAYOUTS = {"tp2": (2, ["--tensor_model_parallel_size=2"]), "pp2": (2, ["--p
 
 @pytest.fixture(scope="module")
 def one_process(synthetic_corpus, tmp_path_factory):
-    """one_process(name, *args): the one-process run with GPT-2's vocabulary and args, launched once per module."""
+    """one_process(name, *args): the one-process run with GPT-2's vocabulary and args, launched once per session
+    (test_topology.py compares TP=2 in fp32 with the same run)."""
     runs = {}
 
     def get(name, *extra):
         if name not in runs:
-            runs[name] = launch(tmp_path_factory.mktemp(name), 1, f"--data_path={synthetic_corpus}", *GPT2_VOCAB,
-                                *extra)
+            runs[name] = launch_once(tmp_path_factory, 1, f"--data_path={synthetic_corpus}", *GPT2_VOCAB, *extra)
         return runs[name]
     return get
 

@@ -18,7 +18,8 @@ import torch.distributed as dist
 import parallel
 import rng
 from helpers import (ROOT, TINY, assert_replicas_identical, assert_same_training, dumps, free_port,  # noqa: F401
-                     gather, launch, spawn, stage, synthetic_corpus, train_script)  # (synthetic_corpus: a fixture)
+                     gather, launch, launch_once, spawn, stage, synthetic_corpus,  # (synthetic_corpus: a fixture)
+                     train_script)
 
 
 # -----------------------------------------------------------------------------
@@ -188,10 +189,11 @@ def test_dropout_streams_checkpointing_and_replica_check_tp2():
 
 
 @pytest.mark.slow
-def test_tp2_with_gpt2_vocabulary_matches_one_process(synthetic_corpus, tmp_path):
-    # 50257 is padded to 50304 by one process and to 50432 by TP=2: the same model all the same
+def test_tp2_with_gpt2_vocabulary_matches_one_process(synthetic_corpus, tmp_path, tmp_path_factory):
+    # 50257 is padded to 50304 by one process and to 50432 by TP=2: the same model all the same (the one-process
+    # run is test_parallel.py's fp32 reference for the half-precision layouts: launched once per session)
     gpt2 = [f"--data_path={synthetic_corpus}", "--vocab_size=50257"]
-    one = launch(tmp_path / "one", 1, *gpt2)
+    one = launch_once(tmp_path_factory, 1, *gpt2)
     assert "padded to 50304" in one.out
     tp2 = launch(tmp_path / "tp2", 2, *gpt2, "--tensor_model_parallel_size=2")
     assert "padded to 50432" in tp2.out
