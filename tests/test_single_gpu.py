@@ -51,7 +51,7 @@ def test_the_one_gpu_config_is_the_runs_config_with_one_gpus_layout():
                "load"}
     differ = {k for k in arguments.to_dict(run) if getattr(run, k) != getattr(one, k)}
     assert differ == machine, differ ^ machine
-    assert (one.pipeline_model_parallel_size, one.micro_batch_size, one.checkpoint_activations) == (1, 2, False)
+    assert (one.pipeline_model_parallel_size, one.micro_batch_size, one.checkpoint_activations) == (1, 8, False)
     with pytest.raises(ValueError, match="world size 1 is not divisible"):
         arguments.prepare(run, 1, reads_data=False)  # the run's own layout needs its GPUs
 
