@@ -159,9 +159,9 @@ def chunk_grads(g, hidden, weight, grad_weight):
         torch.addmm(grad_weight, g.t(), hidden, out=grad_weight)  # as addmm_, which FlopCounterMode misses
     elif fp32_accumulating_addmm(g.device):  # bf16/fp16 products summed in fp32 by the matmul, into the sum
         torch.addmm(grad_weight, g.t(), hidden, out_dtype=grad_weight.dtype, out=grad_weight)
-    elif g.is_cuda:  # a torch without it: the half product (rounded once per chunk), then its sum in fp32
-        grad_weight += g.t() @ hidden
-    else:  # no such CPU kernel: fp32 copies of the operands (exact), an fp32 matmul
+    elif g.is_cuda or g.dtype == torch.float16:  # the half product (rounded once per chunk), its sum in fp32:
+        grad_weight += g.t() @ hidden  # a torch without it; fp16, whose 11 bits the layouts' tests are held to
+    else:  # bf16 on the CPU, which has no such kernel: fp32 copies of the operands (exact), an fp32 matmul
         torch.addmm(grad_weight, g.t().to(grad_weight.dtype), hidden.to(grad_weight.dtype), out=grad_weight)
     return g @ weight
 
