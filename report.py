@@ -234,7 +234,7 @@ class ComputeTimer:
     is gathered with the next step's numbers (agree), so it costs no collective and no sync of its own."""
 
     def __init__(self):
-        self.pending, self.seconds, self.sums, self.steps = None, 0.0, None, 0
+        self.pending, self.seconds, self.sums = None, 0.0, None
 
     def start(self, device):
         self.cuda = device.type == "cuda"
@@ -255,9 +255,8 @@ class ComputeTimer:
 
     def gathered(self, seconds):
         """Every replica's last reading (from agree), and this step's own, now that the sync has passed it."""
-        if self.steps:  # the first gather carries no step yet
-            self.sums = [a + b for a, b in zip(self.sums, seconds)] if self.sums else list(seconds)
-        self.steps += 1
+        # (the first gather carries the zeros of no step yet: they add nothing)
+        self.sums = [a + b for a, b in zip(self.sums, seconds)] if self.sums else list(seconds)
         if self.pending is not None:
             start, end = self.pending
             self.seconds = start.elapsed_time(end) / 1000 if self.cuda else end - start

@@ -19,7 +19,7 @@ none of them until a switch asks.
 """
 from dataclasses import dataclass, field
 
-DECIDED = "a checkpoint's guard decisions"  # not a key: the guard's entry is built for them too (wanted())
+DECIDED = "a checkpoint's guard decisions"  # not a key: the guard's entry is built for them too (switched_on())
 
 # The callbacks in the order they act (training.Callbacks calls each event in list order): (the switches that
 # build it, "module.Class" in stability/). Adding a check is a class and a line here (docs/forking.md).
@@ -68,11 +68,6 @@ def switched_on(cfg, saved_state=None):
     on = {key for key in SWITCHES if getattr(cfg, key)}
     guard = run_state.callback_states(saved_state or {}).get("spike_guard") or {}
     return on | ({DECIDED} if guard.get("decisions") or guard.get("skip_ranges") else set())
-
-
-def wanted(cfg, saved_state=None):
-    """Does this run need the layer?"""
-    return bool(switched_on(cfg, saved_state))
 
 
 def build_callbacks(cfg, writer=None, saved_state=None):

@@ -22,7 +22,7 @@ from stability.config import PrecursorConfig, section
 class Guard(training.Callback):
     """The spike guard's decisions where the loop meets them. Its state is the guard's (checkpoints keep its
     decisions; a rollback restores its statistics only), and it holds whether or not the guard is on now: a
-    resumed run honours the skip ranges and LR factor it finds (stability.wanted)."""
+    resumed run honours the skip ranges and LR factor it finds (stability.switched_on)."""
     name = "spike_guard"
 
     def __init__(self, cfg, shared):
