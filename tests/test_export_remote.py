@@ -86,6 +86,9 @@ def test_what_no_class_computes_exports_with_our_modeling_file_at_equal_logits(n
     assert {"configuration_stablegpt.py", "modeling_stablegpt.py"} <= set(os.listdir(tmp_path / "hf"))
     theirs = _load(tmp_path / "hf")
     assert type(theirs).__name__ == "StableGPTForCausalLM"
+    tied = not cfg.untie_embeddings_and_output_weights  # and so in any transformers version, whichever way it ties
+    assert theirs.config.tie_word_embeddings == tied
+    assert (theirs.lm_head.weight.data_ptr() == theirs.model.embed.word.weight.data_ptr()) == tied
     x = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         expected = gpt(x)[..., :512]
