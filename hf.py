@@ -201,6 +201,9 @@ def family(cfg):
     if differ:
         raise ValueError(f"{', '.join(differ)} with {cfg.position_embedding_type} positions: GPT2LMHeadModel and "
                          "BloomForCausalLM have the GPT-2 block (LlamaForCausalLM, with rotary embeddings, has these)")
+    if cfg.position_embedding_type not in ("learned", "alibi"):  # a fork's own: no class has it
+        raise ValueError(f"position_embedding_type={cfg.position_embedding_type!r}: none of "
+                         f"{', '.join(KINDS.values())} has it")
     if cfg.position_embedding_type == "learned":
         if cfg.embed_layernorm:
             raise ValueError("learned position embeddings with embed_layernorm: GPT2LMHeadModel has no embedding "
@@ -251,7 +254,10 @@ def export_state(state, cfg):
 
 REMOTE = "StableGPTForCausalLM"
 REMOTE_FILES = ("configuration_stablegpt.py", "modeling_stablegpt.py")  # in hf_remote/, copied next to the weights
-# GPTConfig fields that hf_remote's config has under the same name (the others: NOT_MAPPED, or refused)
+# GPTConfig fields that hf_remote's config has under the same name (the others: NOT_MAPPED, or refused), and the
+# values it knows of those that name a function (a fork's new activation or positions are refused by name)
+REMOTE_VALUES = {"position_embedding_type": ("learned", "alibi", "rotary"), "normalization": ("layernorm", "rmsnorm"),
+                 "activation": ("gelu", "gelu_tanh", "relu")}
 REMOTE_KEYS = ("vocab_size", "hidden_size", "num_layers", "num_attention_heads", "seq_length", "layernorm_epsilon",
                "normalization", "swiglu", "activation", "add_bias_linear", "position_embedding_type", "rotary_base",
                "use_rope_scaling", "rope_scaling_factor", "original_max_position_embeddings", "embed_layernorm",
@@ -269,9 +275,11 @@ def export_class(cfg):
     defaults = GPTConfig()
     unknown = [f"{f.name}={getattr(cfg, f.name)!r}" for f in fields(GPTConfig)
                if f.name not in NOT_MAPPED | set(REMOTE_KEYS) and getattr(cfg, f.name) != getattr(defaults, f.name)]
+    unknown += [f"{key}={getattr(cfg, key)!r}" for key, known in REMOTE_VALUES.items()
+                if getattr(cfg, key) not in known]
     if unknown:  # padded_vocab_in_softmax: the padding columns' share of the softmax, by TP size (lesson 16)
         raise ValueError(f"{', '.join(unknown)}: no transformers class has it ({standard}), nor stablegpt's own "
-                         f"{REMOTE}")
+                         f"{REMOTE} (hf_remote/modeling_stablegpt.py: add it there)")
     return "stablegpt"
 
 

@@ -147,10 +147,17 @@ def test_the_modeling_files_import_torch_and_transformers_only():
         assert found <= allowed, (name, found - allowed)
 
 
-def test_padded_vocab_in_softmax_is_refused_by_name():
-    """Megatron's softmax over the padding columns depends on the TP size's padding: no export computes it."""
-    with pytest.raises(ValueError, match="padded_vocab_in_softmax=True"):
-        export_hf.target_class(GPTConfig(**TINY, padded_vocab_in_softmax=True))
+@pytest.mark.parametrize("switches, message", [
+    (dict(padded_vocab_in_softmax=True), "padded_vocab_in_softmax=True"),
+    # a fork's own value of a key the modeling file has (GPTConfig takes it; the model's check would refuse it)
+    (dict(position_embedding_type="xpos", embed_layernorm=True, activation="gelu_tanh"), "='xpos'"),
+    (dict(activation="swish"), "activation='swish'"),
+    (dict(position_embedding_type="rotary", normalization="scalenorm"), "normalization='scalenorm'")])
+def test_what_our_modeling_file_does_not_compute_is_refused_by_name(switches, message):
+    """Megatron's softmax over the padding columns (its count depends on the TP size) and a fork's new function:
+    no export computes them, and none is written ("xpos" with BLOOM's other keys is not a BloomForCausalLM)."""
+    with pytest.raises(ValueError, match=message):
+        export_hf.target_class(GPTConfig(**TINY, **switches))
 
 
 FLAGSHIPS = ["config/gpt2_125m.py", "config/tr3_1b3.py", "config/tr8b_104b.py"]
