@@ -26,6 +26,10 @@ the two tensors (STEPS), each with its inverse:
 The output layer is the word embedding in GPT-2 and BLOOM (tied); on a last pipeline stage without the embedding
 its copy (reshard.TIED_COPY) gets the same rows. Llama's lm_head is its own (untie_embeddings_and_output_weights)
 or tied, as its tie_word_embeddings says.
+
+A model no transformers class computes (GPT-2 with the embedding LayerNorm, NormFormer, qk-layernorm, ...) exports
+to stablegpt's own modeling file, hf_remote/ (REMOTE): config.json's auto_map points transformers at it, loaded with
+trust_remote_code=True; its parameters are ours under "model." (the output layer is lm_head), its config keys ours.
 """
 import json
 import os
@@ -197,6 +201,9 @@ def family(cfg):
     if differ:
         raise ValueError(f"{', '.join(differ)} with {cfg.position_embedding_type} positions: GPT2LMHeadModel and "
                          "BloomForCausalLM have the GPT-2 block (LlamaForCausalLM, with rotary embeddings, has these)")
+    if cfg.position_embedding_type not in ("learned", "alibi"):  # a fork's own: no class has it
+        raise ValueError(f"position_embedding_type={cfg.position_embedding_type!r}: none of "
+                         f"{', '.join(KINDS.values())} has it")
     if cfg.position_embedding_type == "learned":
         if cfg.embed_layernorm:
             raise ValueError("learned position embeddings with embed_layernorm: GPT2LMHeadModel has no embedding "
@@ -240,6 +247,61 @@ def export_state(state, cfg):
         for name, t in zip(their_names(theirs), tensors if isinstance(theirs, tuple) else [tensors]):
             out[name if kind == "llama" else f"transformer.{name}"] = t
     return out
+
+
+# -----------------------------------------------------------------------------
+# Every other model: stablegpt's own modeling file, loaded with trust_remote_code
+
+REMOTE = "StableGPTForCausalLM"
+REMOTE_FILES = ("configuration_stablegpt.py", "modeling_stablegpt.py")  # in hf_remote/, copied next to the weights
+# GPTConfig fields that hf_remote's config has under the same name (the others: NOT_MAPPED, or refused), and the
+# values it knows of those that name a function (a fork's new activation or positions are refused by name)
+REMOTE_VALUES = {"position_embedding_type": ("learned", "alibi", "rotary"), "normalization": ("layernorm", "rmsnorm"),
+                 "activation": ("gelu", "gelu_tanh", "relu")}
+REMOTE_KEYS = ("vocab_size", "hidden_size", "num_layers", "num_attention_heads", "seq_length", "layernorm_epsilon",
+               "normalization", "swiglu", "activation", "add_bias_linear", "position_embedding_type", "rotary_base",
+               "use_rope_scaling", "rope_scaling_factor", "original_max_position_embeddings", "embed_layernorm",
+               "scale_embeddings", "qk_layernorm", "normformer", "untie_embeddings_and_output_weights",
+               "num_query_groups", "ffn_hidden_size")
+
+
+def export_class(cfg):
+    """'gpt2', 'bloom' or 'llama' where that transformers class computes the model (family), else 'stablegpt'
+    (hf_remote/), or a ValueError naming what neither computes."""
+    try:
+        return family(cfg)
+    except ValueError as e:
+        standard = str(e)
+    defaults = GPTConfig()
+    unknown = [f"{f.name}={getattr(cfg, f.name)!r}" for f in fields(GPTConfig)
+               if f.name not in NOT_MAPPED | set(REMOTE_KEYS) and getattr(cfg, f.name) != getattr(defaults, f.name)]
+    unknown += [f"{key}={getattr(cfg, key)!r}" for key, known in REMOTE_VALUES.items()
+                if getattr(cfg, key) not in known]
+    if unknown:  # padded_vocab_in_softmax: the padding columns' share of the softmax, by TP size (lesson 16)
+        raise ValueError(f"{', '.join(unknown)}: no transformers class has it ({standard}), nor stablegpt's own "
+                         f"{REMOTE} (hf_remote/modeling_stablegpt.py: add it there)")
+    return "stablegpt"
+
+
+def remote_config(cfg, **extra):
+    """config.json of the REMOTE model of a GPTConfig; extra: other keys (token ids, dropout, dtype, a
+    max_position_embeddings other than seq_length)."""
+    keys = {key: getattr(cfg, key) for key in REMOTE_KEYS}
+    untie = keys.pop("untie_embeddings_and_output_weights")
+    keys.update(num_query_groups=cfg.query_groups, ffn_hidden_size=cfg.ffn_size, max_position_embeddings=cfg.seq_length,
+                low_freq_factor=LLAMA3_ROPE["low_freq_factor"], high_freq_factor=LLAMA3_ROPE["high_freq_factor"])
+    modules = {"AutoConfig": "configuration_stablegpt.StableGPTConfig",
+               "AutoModelForCausalLM": f"modeling_stablegpt.{REMOTE}"}
+    return {"model_type": "stablegpt", "architectures": [REMOTE], "auto_map": modules,
+            "tie_word_embeddings": not untie, **keys, **extra}
+
+
+def remote_state(state, cfg):
+    """The REMOTE model's state dict of our whole-model (TP=1, PP=1) state dict: ours under "model.", an untied
+    output layer as lm_head (a tied one is left to transformers' tying), the vocabulary's padding rows dropped."""
+    vocab = ("embed.word.weight", "output_layer")
+    return {"lm_head.weight" if name == "output_layer" else f"model.{name}": t[:cfg.vocab_size] if name in vocab else t
+            for name, t in state.items()}
 
 
 # -----------------------------------------------------------------------------

@@ -2,7 +2,7 @@
 of TP=2 dropped), logits checked by the tool itself and against a merge of the TP shards written here (so a wrong
 merge in reshard.py, which the tool uses, is not exported and "verified"), greedy generation in transformers
 against model.generate; a tiny ALiBi + embedding-LayerNorm model resumes bit-exactly; configurations neither class can
-express are refused by name."""
+express are refused by name by hf.family, and exported with our own modeling file (tests/test_export_remote.py)."""
 import dataclasses
 import json
 import os
@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import data
+import hf
 import reshard
 from helpers import (ROOT, assert_same_checkpoint, build_tokenizer_file, corpus, launch, losses,  # noqa: F401
                      play_corpus, run_main)
@@ -39,9 +40,10 @@ TINY = ["--num_layers=2", "--hidden_size=32", "--num_attention_heads=4", "--seq_
     (dict(position_embedding_type="rotary", embed_layernorm=True, activation="gelu_tanh"),
      "neither has rotary embeddings"),
 ])
-def test_what_neither_class_expresses_is_refused(switches, message):
+def test_what_no_class_expresses_is_refused_by_the_classes_and_exports_as_our_own(switches, message):
     with pytest.raises(ValueError, match=message):
-        export_hf.target_class(GPTConfig(**switches))
+        hf.family(GPTConfig(**switches))
+    assert export_hf.target_class(GPTConfig(**switches)) == "stablegpt"  # tests/test_export_remote.py
     assert export_hf.target_class(GPTConfig(stable_attention=True, apply_query_key_layer_scaling=True,
                                             z_loss=1e-4)) == "gpt2"
     assert export_hf.target_class(GPTConfig(position_embedding_type="alibi", embed_layernorm=True,

@@ -4,11 +4,12 @@
 
 The target class follows from the model's config: learned positions without the embedding LayerNorm are
 GPT2LMHeadModel, ALiBi with the embedding LayerNorm is BloomForCausalLM (lesson 19), rotary embeddings with
-RMSNorm and SwiGLU are LlamaForCausalLM (GQA, rotary_base and an untied output layer included); anything the
-class cannot compute exactly (learned positions with the embedding LayerNorm, NormFormer, ReLU in BLOOM, rotary
-with LayerNorm, a config key a fork added, ...) is refused with its name. The output directory gets model.safetensors,
-config.json and the tokenizer the data was prepared with (the tokenizer_file's tokenizer.json, or GPT-2's
-vocab.json/merges.txt). Afterwards the export is loaded back
+RMSNorm and SwiGLU are LlamaForCausalLM (GQA, rotary_base and an untied output layer included). Every other model
+(learned positions with the embedding LayerNorm -- gpt2_125m, tr3_1b3, tr8b_104b --, NormFormer, qk-layernorm, ReLU
+in BLOOM, rotary with LayerNorm, ...) is StableGPTForCausalLM, stablegpt's own modeling file: hf_remote/'s two files
+are copied next to the weights, and transformers loads it with trust_remote_code=True. A config key a fork added is
+refused by name. The output directory gets model.safetensors, config.json and the tokenizer the data was prepared
+with (the tokenizer_file's tokenizer.json, or GPT-2's vocab.json/merges.txt). Afterwards the export is loaded back
 with transformers and its logits are compared with the checkpoint's own model on a few sequences; the largest
 difference is printed, and more than 1e-5 (float32 export) fails the export.
 
@@ -18,6 +19,7 @@ attention switches apply_query_key_layer_scaling and stable_attention compute th
 attention, so they export as is.
 """
 import argparse
+import json
 import os
 import shutil
 import sys
@@ -32,29 +34,73 @@ import reshard  # noqa: E402
 import safety  # noqa: E402
 
 
+REMOTE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "hf_remote")
+
+
 def target_class(cfg):
-    """'gpt2', 'bloom' or 'llama' for a GPTConfig, or a ValueError naming what no class can express."""
+    """'gpt2', 'bloom', 'llama' or 'stablegpt' (hf_remote/) for a GPTConfig, or a ValueError naming what none can
+    express."""
     try:
-        return hf.family(cfg)
+        return hf.export_class(cfg)
     except ValueError as e:
         raise ValueError(f"cannot export {e}") from None
 
 
+def dropout_keys(c, kind):
+    """The transformers config's dropout keys of each class (the rates trained with, for a fine-tuning)."""
+    if kind == "gpt2":
+        return dict(resid_pdrop=c.hidden_dropout, attn_pdrop=c.attention_dropout,
+                    embd_pdrop=c.hidden_dropout if c.embed_dropout is None else c.embed_dropout)
+    if kind == "bloom":
+        return dict(hidden_dropout=c.hidden_dropout, attention_dropout=c.attention_dropout)
+    if kind == "llama":  # Llama has attention dropout only
+        return dict(attention_dropout=c.attention_dropout)
+    return dict(hidden_dropout=c.hidden_dropout, attention_dropout=c.attention_dropout, embed_dropout=c.embed_dropout)
+
+
 def hf_model(gpt, eod=None, keys=None):
-    """(the transformers model, untrained, of our whole model's config; the state dict to load into it). keys: the
-    config's keys besides the model's function (export_keys); without them, eod is both special token ids."""
+    """(the transformers model, untrained, of our whole model's config; the state dict to load into it) for the
+    classes of transformers. keys: the config's keys besides the model's function (export_keys); without them, eod
+    is both special token ids."""
     import transformers
     c, kind = gpt.cfg, hf.family(gpt.cfg)
-    if kind == "gpt2":
-        dropout = dict(resid_pdrop=c.hidden_dropout, attn_pdrop=c.attention_dropout,
-                       embd_pdrop=c.hidden_dropout if c.embed_dropout is None else c.embed_dropout)
-    elif kind == "bloom":
-        dropout = dict(hidden_dropout=c.hidden_dropout, attention_dropout=c.attention_dropout)
-    else:  # Llama has attention dropout only
-        dropout = dict(attention_dropout=c.attention_dropout)
     keys = {"bos_token_id": eod, "eos_token_id": eod} if keys is None else keys
-    hf_cfg = hf.hf_config(c, **keys, **dropout)
+    hf_cfg = hf.hf_config(c, **keys, **dropout_keys(c, kind))
     return getattr(transformers, hf.KINDS[kind])(hf_cfg), hf.export_state(gpt.state_dict(), c)
+
+
+def save_remote(gpt, output, dtype, keys):
+    """Write our whole model as StableGPTForCausalLM (hf.REMOTE): config.json with its auto_map, model.safetensors
+    of our parameters (hf.remote_state) and hf_remote/'s modeling files, which need torch and transformers only."""
+    from safetensors.torch import save_file
+    os.makedirs(output)
+    config = hf.remote_config(gpt.cfg, **keys, **dropout_keys(gpt.cfg, "stablegpt"),
+                              dtype=str(dtype).removeprefix("torch."))
+    with open(os.path.join(output, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    state = hf.remote_state(gpt.state_dict(), gpt.cfg)
+    save_file({name: t.to(dtype).contiguous() for name, t in state.items()},
+              os.path.join(output, "model.safetensors"), metadata={"format": "pt"})
+    for name in hf.REMOTE_FILES:
+        shutil.copy(os.path.join(REMOTE_DIR, name), output)
+
+
+def save(gpt, output, dtype=torch.float32, keys=None):
+    """Write our whole model (TP=1, PP=1) into output as the transformers model of its class (target_class),
+    replacing what was there; returns the class's name. keys: as hf_model's."""
+    kind = target_class(gpt.cfg)
+    if os.path.isdir(output):
+        shutil.rmtree(output)
+    if kind == "stablegpt":
+        save_remote(gpt, output, dtype, {} if keys is None else keys)
+        return hf.REMOTE
+    model, state = hf_model(gpt, keys=keys)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if unexpected or set(missing) - {"lm_head.weight"}:  # a tied lm_head is the word embedding
+        raise RuntimeError(f"state dict mapping is incomplete: missing {missing}, unexpected {unexpected}")
+    model.tie_weights()
+    model.to(dtype).save_pretrained(output, safe_serialization=True)
+    return type(model).__name__
 
 
 def imported_from(saved, tag_dir):
@@ -116,7 +162,8 @@ def save_tokenizer(tokenizer_file, vocab_size, output):
 def compare_logits(gpt, output, dtype, sequences=4, length=None, seed=0):
     """Largest |logit difference| between the export (loaded back by transformers) and our model."""
     import transformers
-    hf = transformers.AutoModelForCausalLM.from_pretrained(output, dtype=dtype).eval()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(output, dtype=dtype, trust_remote_code=True,
+                                                           local_files_only=True).eval()
     length = min(gpt.cfg.seq_length, length or 64)
     ids = torch.randint(0, gpt.cfg.vocab_size, (sequences, length), generator=torch.Generator().manual_seed(seed))
     ours = gpt.to(dtype)(ids)[..., :gpt.cfg.vocab_size].float()
@@ -129,17 +176,11 @@ def export(load_dir, output, dtype="float32", tokenizer_file=None, tolerance=1e-
     gpt, saved, tag_dir = reshard.load_full_model(load_dir)
     target_class(gpt.cfg)
     tokenizer_file = tokenizer_file or saved.get("tokenizer_file")
-    model, state = hf_model(gpt, keys=export_keys(gpt.cfg, imported_from(saved, tag_dir), tokenizer_file))
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    if unexpected or set(missing) - {"lm_head.weight"}:  # a tied lm_head is the word embedding
-        raise RuntimeError(f"state dict mapping is incomplete: missing {missing}, unexpected {unexpected}")
-    model.tie_weights()
     torch_dtype = getattr(torch, dtype)
-    if os.path.isdir(output):
-        shutil.rmtree(output)
-    model.to(torch_dtype).save_pretrained(output, safe_serialization=True)
+    name = save(gpt, output, torch_dtype, export_keys(gpt.cfg, imported_from(saved, tag_dir), tokenizer_file))
     hf_tok = save_tokenizer(tokenizer_file, gpt.cfg.vocab_size, output)
-    print(f"exported {tag_dir} ({gpt.cfg.num_parameters() / 1e6:.2f}M parameters) as {type(model).__name__}, "
+    remote = " (trust_remote_code=True)" if name == hf.REMOTE else ""
+    print(f"exported {tag_dir} ({gpt.cfg.num_parameters() / 1e6:.2f}M parameters) as {name}{remote}, "
           f"{dtype}, to {output}")
     diff, loaded = compare_logits(gpt, output, torch_dtype)
     print(f"largest logit difference between the export and the checkpoint's model: {diff:.3e}")
