@@ -173,7 +173,8 @@ def test_a_set_without_validation_documents_is_refused_when_opened(corpus512, he
              r"validation set 'a' has no validation documents: .* split '100,0,0' gives validation none of its 38 "
              r"documents; give validation a share of split"),
             (["--valid_weighted_split_names", "a", "b", "--valid_weighted_split_paths",
-              f"0.5 {corpus512} 0.5 {heldout}", corpus512], r"validation set 'a' blends corpora of data_path with others .* make them two sets")]:
+              f"0.5 {corpus512} 0.5 {heldout}", corpus512],
+             r"validation set 'a' blends corpora of data_path with others .* make them two sets")]:
         cfg = arguments.prepare(config(f"--data_path={corpus512}", *more))
         with pytest.raises(ValueError, match=message):
             loader.build_data(cfg, schedule.Schedule(cfg, 1))
