@@ -371,6 +371,9 @@ def named_valid_sets(keys, data_path):
         for prefix in prefixes:
             documents = len(data.IndexedDataset(prefix))
             start, end = data.split_documents(split, documents)[1]
+            if end == start and not all(inside):
+                raise ValueError(f"validation set {name!r} has no validation documents: {prefix} holds none; "
+                                 "tokenize its corpus again, or drop the set")
             if end == start:
                 raise ValueError(f"validation set {name!r} has no validation documents: {prefix} is in data_path, "
                                  f"and split {keys.split!r} gives validation none of its {documents} documents; give "

@@ -167,11 +167,14 @@ def test_bad_names_and_paths_are_refused_with_the_fix(corpus512, heldout, tmp_pa
             arguments.prepare(config(f"--data_path={corpus512}", *more))
 
 
-def test_a_set_without_validation_documents_is_refused_when_opened(corpus512, heldout):
+def test_a_set_without_validation_documents_is_refused_when_opened(corpus512, heldout, tmp_path):
+    data.write_indexed_dataset(str(tmp_path / "empty"), [])
     for more, message in [
             (["--split=100,0,0", "--valid_weighted_split_names=a", f"--valid_weighted_split_paths={corpus512}"],
              r"validation set 'a' has no validation documents: .* split '100,0,0' gives validation none of its 38 "
              r"documents; give validation a share of split"),
+            (["--valid_weighted_split_names=a", f"--valid_weighted_split_paths={tmp_path}/empty"],
+             r"validation set 'a' has no validation documents: .*empty holds none"),
             (["--valid_weighted_split_names", "a", "b", "--valid_weighted_split_paths",
               f"0.5 {corpus512} 0.5 {heldout}", corpus512],
              r"validation set 'a' blends corpora of data_path with others .* make them two sets")]:
