@@ -13,11 +13,14 @@ step. On CUDA the host buffer is pinned and the copy to the device is non-blocki
 The run's data is built here too: build_data opens the source the data_source key names in a registry of
 sources (DataSource: its own keys, its checks, its train and validation sets, the names of its documents for
 skip lists). The first is Megatron's .bin/.idx files of data_path; a new one is one file and one registry line.
+Its validation is one blended set, or named sets (valid_weighted_split_names and _paths), each evaluated apart.
 """
 import collections
 import dataclasses
 import functools
+import os
 import queue
+import re
 import threading
 import weakref
 from concurrent.futures import Future
@@ -196,6 +199,14 @@ def build_data(cfg, schedule, documents_to_skip=lambda collections: None):
     return opened.build(documents_to_skip(opened.documents()))
 
 
+def validation_sets(validation) -> list:
+    """[(name, TokenSource)] of build_data's validation: [(None, it)] for the one blended set, a pair per named set
+    (valid_weighted_split_names), [] without validation."""
+    if validation is None:
+        return []
+    return list(validation.items()) if isinstance(validation, dict) else [(None, validation)]
+
+
 # -----------------------------------------------------------------------------
 # The first source: Megatron's indexed datasets (data.py)
 
@@ -213,12 +224,15 @@ class MegatronKeys:
     vocab_size: int
     config_file: str = "this config"  # named in messages (arguments.load_config sets it)
     init_from_hf: str | None = None  # an imported model's vocabulary is given: data of another tokenizer is refused
+    valid_weighted_split_names: list[str] | None = None  # named validation sets (DataConfig)
+    valid_weighted_split_paths: list[str] | None = None
 
 
 class MegatronSource:
     """PREFIX.bin/.idx files (Megatron's format, data.py), blended by the weights of data_path, split into train,
     validation and test documents by `split`, sampled through the cached sample index; without a data_path, the
-    bundled corpus."""
+    bundled corpus. With valid_weighted_split_names, named validation sets instead of the blended one
+    (named_valid_sets)."""
     Config = MegatronKeys
 
     @staticmethod
@@ -233,25 +247,44 @@ class MegatronSource:
                 "tokenizer_file is set but data_path is not: the bundled corpus is GPT-2 tokens; prepare your data "
                 "with `python data.py --input ... --output-prefix PREFIX --tokenizer-file FILE` and set "
                 "data_path=PREFIX")
+        check_valid_sets(keys.valid_weighted_split_names, keys.valid_weighted_split_paths)
 
     def __init__(self, keys, num_samples):
         self.keys, self.num_samples = keys, num_samples
         self.data_path = bundled_corpus() if keys.data_path is None else keys.data_path
         check_data(keys, self.data_path, num_samples[0])
+        self.valid_sets = None  # the blended validation split of data_path
+        if keys.valid_weighted_split_names:
+            self.valid_sets = named_valid_sets(keys, self.data_path)
+            check_vocabulary(keys, [p for _, path, _ in self.valid_sets for p in data.parse_data_path(path)[0]])
 
     def documents(self):
         return [(prefix, len(data.IndexedDataset(prefix))) for prefix in data.parse_data_path(self.data_path)[0]]
 
     def build(self, skips):
-        keys, num_samples = self.keys, (*self.num_samples, 0)  # no test split: nothing reads one
+        keys, (train, valid) = self.keys, self.num_samples
+        named = self.valid_sets is not None
         # Rank 0 builds and caches the index arrays first; the others then read the cache.
         for builders in (True, False):
             if (parallel.grid.rank == 0) == builders:
-                datasets = data.build_datasets(self.data_path, keys.split, keys.seq_length, keys.seed, num_samples,
-                                               keys.data_cache_dir, skips)
+                datasets = data.build_datasets(self.data_path, keys.split, keys.seq_length, keys.seed,
+                                               (train, 0 if named else valid, 0), keys.data_cache_dir, skips)
+                validation = datasets[1] if not named else self.build_valid_sets(valid, skips) if valid else None
             if builders and dist.is_initialized():
                 dist.barrier(group=parallel.host_group())  # an index build can outlast the training's timeout
-        return datasets[0], datasets[1]
+        return datasets[0], validation
+
+    def build_valid_sets(self, num_samples, skips):
+        """{name: TokenSource} of the named validation sets, num_samples each; a skip list of a data_path corpus
+        holds for it in a set too (as it does in the blended validation)."""
+        keys, prefixes = self.keys, data.parse_data_path(self.data_path)[0]
+        skip_of = {os.path.realpath(p): s for p, s in zip(prefixes, skips or [None] * len(prefixes))}
+        out = {}
+        for name, path, split in self.valid_sets:
+            set_skips = [skip_of.get(os.path.realpath(p)) for p in data.parse_data_path(path)[0]]
+            out[name] = data.build_datasets(path, split, keys.seq_length, keys.seed, (0, num_samples, 0),
+                                            keys.data_cache_dir, set_skips)[1]
+        return out
 
 
 register_source("megatron", MegatronSource)
@@ -269,18 +302,86 @@ def bundled_corpus():
 
 def check_data(cfg, data_path, train_samples):
     """Token ids within the vocabulary (else an IndexError mid-run); a warning when the data repeats. cfg: what has
-    vocab_size, split and seq_length (MegatronKeys). Rank 0 finds each corpus's largest id (on a first run, a pass
-    over the whole .bin; then data.max_token_id's cache) and the other ranks get it in one broadcast, instead of
-    every rank reading the corpus at once."""
+    vocab_size, split and seq_length (MegatronKeys)."""
     prefixes, weights = data.parse_data_path(data_path)
-    tops = [data.largest_token_id(p, cfg.vocab_size) if parallel.grid.rank == 0 else -1 for p in prefixes]
-    tops = parallel.broadcast_scalars(tops)  # float64: exact for any token id
-    for prefix, weight, top in zip(prefixes, weights, tops):
-        data.check_token_ids(prefix, cfg.vocab_size, int(top), getattr(cfg, "init_from_hf", None))
+    check_vocabulary(cfg, prefixes)
+    for prefix, weight in zip(prefixes, weights):
         epochs = data.train_epochs(prefix, cfg.split, cfg.seq_length, train_samples * weight)
         if epochs > 4:  # Muennighoff et al. 2023: up to ~4 epochs of repeated data cost little, more do
             print0(f"warning: this run goes over the train split of {prefix} {epochs:.1f} times; beyond about 4 "
                    "epochs repeated data stops helping (more data, or a shorter run)")
+
+
+def check_vocabulary(cfg, prefixes):
+    """Refuse corpora with token ids at or above cfg.vocab_size. Rank 0 finds each corpus's largest id (on a first
+    run, a pass over the whole .bin; then data.max_token_id's cache) and the other ranks get it in one broadcast,
+    instead of every rank reading the corpus at once."""
+    tops = [data.largest_token_id(p, cfg.vocab_size) if parallel.grid.rank == 0 else -1 for p in prefixes]
+    tops = parallel.broadcast_scalars(tops)  # float64: exact for any token id
+    for prefix, top in zip(prefixes, tops):
+        data.check_token_ids(prefix, cfg.vocab_size, int(top), getattr(cfg, "init_from_hf", None))
+
+
+# -----------------------------------------------------------------------------
+# Named validation sets: Megatron-DeepSpeed's valid_weighted_split_names / _paths (BigScience's PR #97), so that a
+# regression in one component of a blend (one language) shows instead of averaging away in the blended loss.
+
+SET_NAME = re.compile(r"[\w.\-]+")  # in the log line between '|'s, in TensorBoard tags and metrics.jsonl keys
+
+
+def check_valid_sets(names, paths):
+    """Names and paths of the named validation sets that cannot work, refused with the fix, reading no data."""
+    if not names and not paths:
+        return
+    if not names or not paths or len(names) != len(paths):
+        raise ValueError(
+            f"valid_weighted_split_names names {len(names or [])} validation set(s) but valid_weighted_split_paths "
+            f"gives {len(paths or [])} path(s): give one path per name, in the same order (a path is a prefix, or a "
+            "blend 'w1 prefix1 w2 prefix2' as one entry: one string of the list in a config file)")
+    for name in names:
+        if not SET_NAME.fullmatch(name) or names.count(name) > 1:
+            why = "given twice" if SET_NAME.fullmatch(name) else "not a name"
+            raise ValueError(f"valid_weighted_split_names: {name!r} is {why}; give each set its own name of letters, "
+                             "digits, '_', '-' and '.' (e.g. valid_en)")
+    for name, path in zip(names, paths):
+        try:
+            prefixes = data.parse_data_path(path)[0]
+        except ValueError as e:
+            raise ValueError(f"validation set {name!r}: {e}") from None
+        for prefix in prefixes:
+            if not (os.path.isfile(prefix + ".bin") and os.path.isfile(prefix + ".idx")):
+                raise ValueError(f"validation set {name!r}: {prefix}.bin/.idx not found; fix its entry in "
+                                 f"valid_weighted_split_paths, or tokenize the corpus with `python data.py --input "
+                                 f"FILES --output-prefix {prefix}`")
+
+
+def named_valid_sets(keys, data_path):
+    """[(name, path, split)] of the named validation sets: each reads the documents training does not. A corpus of
+    data_path gives its validation share of `split` (the blended validation's documents of it); any other corpus,
+    all of its documents (Megatron-LM's valid_data_path). A set with no such document is refused."""
+    trained = {os.path.realpath(p) for p in data.parse_data_path(data_path)[0]}
+    out = []
+    for name, path in zip(keys.valid_weighted_split_names, keys.valid_weighted_split_paths):
+        prefixes = data.parse_data_path(path)[0]
+        inside = [os.path.realpath(p) in trained for p in prefixes]
+        if any(inside) != all(inside):
+            raise ValueError(f"validation set {name!r} blends corpora of data_path with others ({path}): the first "
+                             "give their validation split, the others all their documents; make them two sets")
+        split = keys.split if all(inside) else "0,1,0"
+        for prefix in prefixes:
+            documents = len(data.IndexedDataset(prefix))
+            start, end = data.split_documents(split, documents)[1]
+            if end == start and not all(inside):
+                raise ValueError(f"validation set {name!r} has no validation documents: {prefix} holds none; "
+                                 "tokenize its corpus again, or drop the set")
+            if end == start:
+                raise ValueError(f"validation set {name!r} has no validation documents: {prefix} is in data_path, "
+                                 f"and split {keys.split!r} gives validation none of its {documents} documents; give "
+                                 "validation a share of split (e.g. 949,50,1), or drop the set")
+            print0(f"validation set {name}: documents {start}-{end - 1} of {prefix} "
+                   f"({'its validation split' if all(inside) else 'not in data_path: all of them'})")
+        out.append((name, path, split))
+    return out
 
 
 # -----------------------------------------------------------------------------
@@ -362,6 +463,8 @@ class DataConfig:
     reset_position_ids: bool = False  # positions restart after each end-of-document token (Megatron's flag)
     reset_attention_mask: bool = False  # a token attends only within its document (packed documents apart)
     eod_mask_loss: bool = False  # no loss where the input token is the end-of-document (Megatron's count)
+    valid_weighted_split_names: list[str] | None = None  # named validation sets, each logged apart, not the blend
+    valid_weighted_split_paths: list[str] | None = None  # per name a prefix or "w1 p1 w2 p2" blend (docs/data.md)
 
 
 def check(cfg, reads_data=True):
@@ -370,6 +473,11 @@ def check(cfg, reads_data=True):
     if not reads_data:
         return
     source = source_class(cfg.data_source)
+    fields = {f.name for f in dataclasses.fields(source.Config)}
+    for key in ("valid_weighted_split_names", "valid_weighted_split_paths"):
+        if getattr(cfg, key) and key not in fields:
+            raise ValueError(f"data_source {cfg.data_source!r} has no named validation sets ({key} is set): drop "
+                             f"{key}, or use a source that reads it (megatron)")
     source.check(source_keys(source, cfg))
     if cfg.reset_position_ids and cfg.position_embedding_type == "alibi" and not cfg.reset_attention_mask:
         raise ValueError("reset_position_ids does nothing with position_embedding_type=alibi (ALiBi has no position "

@@ -180,10 +180,14 @@ class Report:
 
     # -- everything else an iteration may produce -------------------------------------------
 
-    def validation(self, iteration, state, loss):
-        ppl = print_validation(loss, iteration)
-        self.scalars({"valid-lm-loss": loss, "valid-ppl": ppl}, iteration, state)
-        self.record(iteration, {"validation lm loss": loss, "validation ppl": ppl})
+    def validation(self, iteration, state, loss, name=None):
+        """One validation set's loss: the blended set's under Megatron's names, a named set's (loader's
+        valid_weighted_split_names) under the same names + "/NAME" (TensorBoard and wandb group them by the
+        prefix: one chart per set, side by side)."""
+        ppl = print_validation(loss, iteration, name)
+        tail = "" if name is None else f"/{name}"
+        self.scalars({f"valid-lm-loss{tail}": loss, f"valid-ppl{tail}": ppl}, iteration, state)
+        self.record(iteration, {f"validation lm loss{tail}": loss, f"validation ppl{tail}": ppl})
 
     def scalars(self, values, step, state):
         """Each scalar against iterations, and in TensorBoard also against consumed samples and
@@ -293,10 +297,11 @@ def line_values(fields):
     return out
 
 
-def print_validation(loss, iteration):
-    """Megatron's validation block; returns the perplexity."""
+def print_validation(loss, iteration, name=None):
+    """Megatron's validation block, or a named set's as Megatron-DeepSpeed prints it ("NAME loss at iteration");
+    returns the perplexity."""
     ppl = math.exp(min(20.0, loss))
-    line = (f" validation loss at iteration {iteration} | lm loss value: {loss:.6E} | "
+    line = (f" {'validation' if name is None else name} loss at iteration {iteration} | lm loss value: {loss:.6E} | "
             f"lm loss PPL: {ppl:.6E} |")
     print_last_rank("-" * len(line) + "\n" + line + "\n" + "-" * len(line))
     return ppl

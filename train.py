@@ -101,7 +101,8 @@ def run(cfg, grid, exit_signal=lambda: False, writer=None, callbacks=NO_CALLBACK
                 check_tp_replicas(model, parts.optimizer, n, cfg.tp_replica_resync)
             last = schedule.done(state)
             if valid_data is not None and cfg.eval_iters > 0 and (last or n % cfg.eval_interval == 0):
-                report.validation(n, state, evaluate(model, valid_data, cfg, device))
+                for name, dataset in loader.validation_sets(valid_data):  # the blend, or each named set
+                    report.validation(n, state, evaluate(model, dataset, cfg, device), name)
             # save, and stop when the job's time is up
             why_exit = exit_reason(cfg, n - first_iteration, job_start, exit_signal)
             if cfg.save and (last or why_exit or (cfg.save_interval and n % cfg.save_interval == 0)):
@@ -133,11 +134,12 @@ def prepare(cfg, grid, callbacks):
 
 
 def evaluate_only(model, valid_data, state, cfg, device):
-    """eval_only: the validation loss and perplexity of the loaded checkpoint."""
+    """eval_only: the validation loss and perplexity of the loaded checkpoint, on each validation set."""
     if valid_data is None:
         raise ValueError(f"eval_only: no validation data (split {cfg.split!r}, eval_iters {cfg.eval_iters}); give "
                          "the validation split a share (e.g. --split 0,100,0 for the whole data_path)")
-    print_validation(evaluate(model, valid_data, cfg, device), state.iteration)
+    for name, dataset in loader.validation_sets(valid_data):
+        print_validation(evaluate(model, dataset, cfg, device), state.iteration, name)
     return state
 
 
