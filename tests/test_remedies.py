@@ -1,8 +1,9 @@
 """The field's remedies (stability/remedies.py), each against its published rule re-implemented here from the
 source it cites, step by step on a scripted loss / grad-norm series (its decision at every step, and again across a
 checkpoint of its state); then in short train.py runs of the tests' 2x64 model: each acts on a planted fault (an LR
-3000x too high for two iterations) and none acts on a clean run, whose losses equal the faulted runs' before the
-fault. OPT/metaseq's skip (the core's skip_grad_norm_above) is checked in the same runs."""
+3000x too high for two iterations) and none acts on a clean run, whose losses equal a faulted run's before the
+fault; Megatron's re-run reproduces the loss with dropout on (from the step's RNG state). OPT/metaseq's skip (the
+core's skip_grad_norm_above) is checked in the same runs."""
 import math
 import random
 import re
@@ -176,8 +177,7 @@ def test_bad_remedy_keys_name_the_fix():
 # In train.py: each acts on a planted fault, none on a clean run
 
 FAULT = ["--inject_lr_iters=25-26", "--inject_lr_factor=3000"]  # the loss ~3,000 from iteration 26 on
-REMEDIES = ["--skip_step_sigma=6", "--skip_step_window=20", "--spiky_loss_factor=10", "--spiky_loss_samples=10",
-            "--zclip_z=2.5"]
+WATCH = ["--spiky_loss_factor=10", "--spiky_loss_samples=10", "--zclip_z=2.5"]  # neither vetoes nor skips
 
 
 @pytest.fixture(scope="module")
@@ -200,12 +200,15 @@ def skipped(out):
 
 @pytest.mark.slow
 def test_each_remedy_acts_on_a_planted_lr_fault_and_none_on_a_clean_run(run):
-    clean = run(*REMEDIES, "--skip_grad_norm_above=10")
+    clean = run(*WATCH, "--skip_step_sigma=6", "--skip_step_window=20", "--skip_grad_norm_above=10")
     assert not [x for x in clean.splitlines() if x.startswith("remedy ")] and not skipped(clean)
-    watched = run(*FAULT, "--spiky_loss_factor=10", "--spiky_loss_samples=10", "--zclip_z=2.5")  # neither vetoes
+    watched = run(*FAULT, *WATCH)
     assert {i: v for i, v in losses(watched).items() if i <= 25} == {i: v for i, v in losses(clean).items() if i <= 25}
-    assert acted(watched, "spiky_loss")[0] == 26 and "reproducible (Megatron" in watched  # a deterministic forward
+    assert acted(watched, "spiky_loss")[0] == 26 and "reproducible (Megatron" in watched
     assert acted(watched, "zclip")[0] == 26
+    # dropout on: the re-run reproduces the loss only from the step's own RNG state
+    dropout = run(*FAULT, "--spiky_loss_factor=10", "--spiky_loss_samples=10", "--hidden_dropout=0.1")
+    assert acted(dropout, "spiky_loss")[0] == 26 and "not reproducible" not in dropout
     skip_step = run(*FAULT, "--skip_step_sigma=6", "--skip_step_window=20")
     assert acted(skip_step, "skip_step")[0] == 26 and 26 in skipped(skip_step)
     metaseq = run(*FAULT, "--skip_grad_norm_above=10")  # OPT's rule: the bound on the grad norm
