@@ -283,8 +283,7 @@ def preregister(a):
         if os.path.exists(os.path.join(a.out, "runs.jsonl")):
             raise SystemExit(f"--preregister {a.preregister}: {a.out} has runs already; a registration comes before "
                              "any run: register in a new --out")
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "stability"], cwd=ROOT, capture_output=True,
-                               text=True).stdout.strip()
+        dirty = uncommitted()
         if dirty:
             raise SystemExit(f"--preregister: stability/ has uncommitted changes ({dirty.splitlines()[0]} ...): "
                              "commit the guard first, so that the registration names it")
@@ -299,6 +298,12 @@ def preregister(a):
         raise SystemExit(f"--preregister {a.preregister}: this campaign differs from its registration in "
                          f"{', '.join(differ)}: run the registered code and flags, or register anew in a new --out")
     return saved
+
+
+def uncommitted():
+    """git's short status of stability/ (empty: the guard is committed)."""
+    return subprocess.run(["git", "status", "--porcelain", "--", "stability"], cwd=ROOT, capture_output=True,
+                          text=True).stdout.strip()
 
 
 def one_registration(runs, registration=None):

@@ -95,11 +95,15 @@ def test_megatron_rerun_diagnosis_is_right_when_transient_means_hardware():
 def args(out, **more):
     return gc.main.__globals__["argparse"].Namespace(**{
         "out": str(out), "harm": gc.HARM, "seed": 5, "first": 0, "trials": 1, "iters": 40, "model": "2x64",
-        "clean_runs": 1, "grad_norm_bound": 1.0, "preregister": str(out / "registration.json"), **more})
+        "clean_runs": 1, "grad_norm_bound": 1.0, "preregister": os.path.join(out, "registration.json"), **more})
 
 
-def test_a_registration_comes_before_the_runs_and_is_never_mixed(tmp_path):
+def test_a_registration_comes_before_the_runs_and_is_never_mixed(tmp_path, monkeypatch):
     a = args(tmp_path)
+    monkeypatch.setattr(gc, "uncommitted", lambda: " M stability/guard.py")
+    with pytest.raises(SystemExit, match="commit the guard first"):
+        gc.preregister(a)
+    monkeypatch.setattr(gc, "uncommitted", lambda: "")
     registration = gc.preregister(a)
     saved = json.load(open(a.preregister))
     assert saved["stability_sha256"] == gc.stability_sha256() and saved["seed"] == 5 and saved["harm_threshold"] == 0.01
@@ -138,3 +142,21 @@ def test_one_tiny_trial_under_zclip_keeps_every_run_losses_and_registration(tmp_
                    if x.startswith("remedy zclip:")]
     assert runs["0-clean-zclip"]["decisions"] == zclip_lines
     assert os.path.exists(out / "report.md")
+
+
+def test_the_records_keep_every_logged_iteration_and_the_grad_norm_skips_are_finite_ones():
+    line = (" iteration {:8d}/      40 | consumed samples: 8 | lm loss: {} | loss scale: 1.0 | grad norm: {} | "
+            "num zeros: 0.0 | number of skipped iterations: {:3d} | number of nan iterations:   0 |")
+    text = "\n".join([line.format(1, "6.1E+00", "0.900", 0), line.format(2, "6.0E+00", "1.500", 1),
+                      line.format(3, "nan", "nan", 1), line.format(4, "5.9E+00", "0.800", 0)])
+    series = [[int(i), float(x), float(g), int(s)] for i, x, g, s in gc.LOG.findall(text)]
+    assert [row[0] for row in series] == [1, 2, 3, 4] and series[1] == [2, 6.0, 1.5, 1]
+    assert gc.actions_of(text, "grad_norm_skip", series) == ["grad_norm_skip: iteration 2: skipped, grad norm 1.5"]
+    assert gc.actions_of(text + "\nremedy zclip: iteration 4: clipped", "zclip", series) == [
+        "remedy zclip: iteration 4: clipped"]
+
+
+def test_mixed_runs_every_fourth_trial_on_the_wider_model():
+    a = args("unused", model="mixed")
+    assert [gc.model_of(a, k) for k in range(8)] == ["2x64"] * 3 + ["4x128"] + ["2x64"] * 3 + ["4x128"]
+    assert {gc.model_of(args("unused", model=m), 0) for m in ("2x64", "4x128")} == {"2x64", "4x128"}
