@@ -12,11 +12,24 @@ the unguarded run dies). The report gives the detection rate of harmful faults, 
 (true cause x decided cause), false positives per 1,000 clean iterations, rollbacks per fault and the final
 validation losses, each rate with its 95% Wilson interval.
 
+--method runs the same trials under another method (METHODS): "guard" (the three runs above), "none" (the clean twin
+and the unguarded run only), or one of the field's remedies (stability/remedies.py and the core's
+skip_grad_norm_above), which runs each harmful trial's fault under it and --clean_runs clean twins under it (their
+actions are its false positives); the report then adds one table of methods x (detection, false positives per run
+and per 1,000 iterations, right diagnosis where the method diagnoses, final-loss damage against the clean twin).
+--preregister FILE freezes, before any run, the guard (the commit and a hash of stability/*.py), the fault space,
+the harm threshold, the seed, the trial count and the model: a run under another registration, or a changed
+stability/, is refused, every record carries the registration's id, and the report refuses to mix registrations.
+Every record keeps its run's per-iteration losses and grad norms and its method's actions.
+
 Resumable: each finished run is a line of OUT/runs.jsonl, and a restarted campaign runs only what is missing
 (trial k's draw depends on --seed and k alone). One process per run, --jobs at a time; --minutes bounds the wall
 time (no trial starts after it). Not a test: it measures, and docs quote what it measured.
 """
 import argparse
+import glob
+import hashlib
+import inspect
 import json
 import math
 import os
@@ -32,6 +45,8 @@ MODEL = ["--num_layers=2", "--hidden_size=64", "--num_attention_heads=4", "--seq
          "--micro_batch_size=8", "--global_batch_size=8", "--lr=2e-3", "--lr_warmup_samples=40",
          "--hidden_dropout=0", "--attention_dropout=0", "--log_interval=1", "--eval_interval=100000",
          "--eval_iters=8", "--sample_tokens=0", "--save=none", "--save_interval=none"]
+# the default config's wider model (config/tiny.py: 4 layers x 128), at the campaign's sequence and batch
+WIDE = ["--num_layers=4", "--hidden_size=128"]
 GUARD = ["--spike_guard", "--spike_guard_window=20", "--spike_guard_min_steps=10", "--spike_guard_rewind=3",
          "--spike_guard_skip_after=2", "--spike_guard_snapshot_interval=5"]
 # family -> the cause a right diagnosis names
@@ -40,6 +55,16 @@ FAMILIES = {"lr transient": "optimizer", "lr persistent": "optimizer", "random t
             "grad bit flip": "hardware", "weight bit flip": "hardware", "numerical bf16": "numerical",
             "numerical fp16": "numerical"}
 CAUSES = ["data", "optimizer", "hardware", "numerical", "persistent", "none"]
+# method -> its flags, each remedy at its published default (stability/remedies.py cites each); grad_norm_skip is
+# metaseq's --skip-gradient-update-on-clip-norm: the bound is the clip norm (--grad_norm_bound, clip_grad's 1.0)
+REMEDIES = {"skip_step": ["--skip_step_sigma=6", "--skip_step_window=128"],
+            "spiky_loss": ["--spiky_loss_factor=10", "--spiky_loss_samples=100"],
+            "grad_norm_skip": [],
+            "zclip": ["--zclip_z=2.5", "--zclip_alpha=0.97", "--zclip_warmup=25"]}
+METHODS = ["guard", "none", *REMEDIES]
+HARM = 0.01  # a fault is harmful when it raises the clean twin's final validation loss by more than this
+LOG = re.compile(r"^ iteration +(\d+)/ *\d+ \|.*?lm loss: (\S+) \|.*?grad norm: (\S+) \|.*?"
+                 r"number of skipped iterations: +(\d+)", re.M)
 
 
 def draw(seed, k, iters):
@@ -82,8 +107,9 @@ def draw(seed, k, iters):
     return family, flags, precision, 1234 + k, f"{family} at {start}: {what}", start
 
 
-def run_one(out, name, args, data_path):
-    """One process: train.py ARGS; its record (final validation loss, guard lines, exit code)."""
+def run_one(out, name, args, data_path, method="guard"):
+    """One process: train.py ARGS; its record (exit code, final validation loss, the method's actions, rollbacks,
+    and every logged iteration as [iteration, loss, grad norm, skipped]: a rollback's replays appear again)."""
     log = os.path.join(out, "logs", f"{name}.log")
     env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled")
     with open(log, "w") as f:
@@ -92,8 +118,22 @@ def run_one(out, name, args, data_path):
     text = open(log).read()
     values = re.findall(r"lm loss value: (\S+)", text)
     lines = [x for x in text.splitlines() if x.startswith("spike guard:")]
-    return {"name": name, "exit": code, "valid": float(values[-1]) if values else math.nan,
-            "decisions": [x for x in lines if is_decision(x)], "rollbacks": sum("rolled back to" in x for x in lines)}
+    series = [[int(i), float(loss), float(norm), int(skips)] for i, loss, norm, skips in LOG.findall(text)]
+    return {"name": name, "exit": code, "valid": float(values[-1]) if values else math.nan, "method": method,
+            "decisions": actions_of(text, method, series), "rollbacks": sum("rolled back to" in x for x in lines),
+            "series": series}
+
+
+def actions_of(text, method, series):
+    """What the method did, one line per action, each naming its iteration: the guard's decisions, a remedy's
+    lines, or the grad-norm skips (a skipped step whose grad norm is finite: a NaN/inf one the core skips anyway)."""
+    lines = text.splitlines()
+    if method == "guard":
+        return [x for x in lines if x.startswith("spike guard:") and is_decision(x)]
+    if method == "grad_norm_skip":
+        return [f"grad_norm_skip: iteration {i}: skipped, grad norm {g:g}" for i, _, g, skips in series
+                if skips and math.isfinite(g)]
+    return [x for x in lines if x.startswith(f"remedy {method}:")]
 
 
 def is_decision(line):
@@ -120,54 +160,162 @@ def wilson(k, n, z=1.96):
     return (max(0.0, centre - half), min(1.0, centre + half))
 
 
-def campaign(a):
+def model_of(a, k):
+    """Trial k's model: --model, or with "mixed" the wider one for every fourth trial (k % 4 == 3)."""
+    return "4x128" if a.model == "4x128" or (a.model == "mixed" and k % 4 == 3) else "2x64"
+
+
+def method_flags(method, a):
+    if method == "guard":
+        return GUARD
+    if method == "grad_norm_skip":
+        return [f"--skip_grad_norm_above={a.grad_norm_bound}"]
+    return REMEDIES.get(method, [])
+
+
+def names(k, method):
+    """(the faulted run's name, the clean run's name) of trial k under method: the guard's clean twin is the trial's
+    reference for every method; a remedy's clean run is its own."""
+    faulted = {"guard": f"{k}-guarded", "none": f"{k}-unguarded"}.get(method, f"{k}-{method}")
+    return faulted, f"{k}-clean" if method in ("guard", "none") else f"{k}-clean-{method}"
+
+
+def is_harmful(clean, unguarded, harm=HARM):
+    ratio = unguarded["valid"] / clean["valid"] if math.isfinite(unguarded["valid"]) else math.inf
+    return unguarded["exit"] != 0 or not ratio <= 1 + harm
+
+
+def campaign(a, registration=None):
+    """Runs what --method needs of trials --first.. (and the long clean runs), each once: the clean twin and the
+    unguarded run of every trial; then the guard's faulted run, or a remedy's faulted run of each harmful trial
+    and its clean runs of the first --clean_runs trials."""
     os.makedirs(os.path.join(a.out, "logs"), exist_ok=True)
     path = os.path.join(a.out, "runs.jsonl")
-    done = {}
-    if os.path.exists(path):
-        for line in open(path):
-            r = json.loads(line)
-            done[r["name"]] = r
-    base = [*MODEL, f"--train_iters={a.iters}", f"--lr_decay_samples={8 * a.iters}"]
-    began, lock, slots = time.time(), threading.Lock(), threading.Semaphore(a.jobs)
+    done = runs_of(a.out) if os.path.exists(path) else {}
+    reg_id = registration_id(registration)
+    began, lock, slots, threads = time.time(), threading.Lock(), threading.Semaphore(a.jobs), []
 
-    def one(name, args, meta):
+    def one(name, args, meta, method):
         try:
             t0 = time.time()
-            record = {"iters": a.iters, **run_one(a.out, name, args, a.data_path), **meta,
-                      "seconds": round(time.time() - t0, 1)}
+            record = {"iters": a.iters, **run_one(a.out, name, args, a.data_path, method), **meta,
+                      "registration": reg_id, "seconds": round(time.time() - t0, 1)}
             with lock:
                 with open(path, "a") as f:
                     f.write(json.dumps(record) + "\n")
             print(f"campaign: {name} ({meta['what']}): exit {record['exit']}, valid {record['valid']:.4f}, "
-                  f"{len(record['decisions'])} decisions, {record['seconds']} s", flush=True)
+                  f"{len(record['decisions'])} actions, {record['seconds']} s", flush=True)
         finally:
             slots.release()
-    threads = []
-    for j in range(a.long_clean):  # long clean runs: false positives late in training too, fewer start-ups
-        name, n = f"long{j}-clean", a.long_iters
+
+    def submit(name, args, meta, method):
         if name not in done:
-            slots.acquire()
-            args = [*MODEL, f"--train_iters={n}", f"--lr_decay_samples={8 * n}", f"--seed={9000 + j}", *GUARD]
-            threads.append(threading.Thread(target=one, args=(name, args, {"what": f"clean, {n} iterations",
-                                                                            "iters": n})))
+            slots.acquire()  # --jobs runs at a time, each one process
+            threads.append(threading.Thread(target=one, args=(name, args, meta, method)))
             threads[-1].start()
+    for j in range(a.long_clean if a.method == "guard" else 0):  # false positives late in training, fewer start-ups
+        n = a.long_iters
+        submit(f"long{j}-clean", [*MODEL, f"--train_iters={n}", f"--lr_decay_samples={8 * n}", f"--seed={9000 + j}",
+                                  *GUARD], {"what": f"clean, {n} iterations", "iters": n, "model": "2x64"}, "guard")
+    trials = {}
     for k in range(a.first, a.first + a.trials):
         if time.time() - began > 60 * a.minutes:
             print(f"campaign: {a.minutes} minutes spent; stopped before trial {k}", flush=True)
             break
         family, flags, precision, seed, what, start = draw(a.seed, k, a.iters)
-        runs = {f"{k}-clean": [*base, *precision, f"--seed={seed}", *GUARD],
-                f"{k}-unguarded": [*base, *precision, f"--seed={seed}", *flags],
-                f"{k}-guarded": [*base, *precision, f"--seed={seed}", *flags, *GUARD]}
-        meta = {"trial": k, "family": family, "what": what, "start": start}
-        for name, args in runs.items():
-            if name not in done:
-                slots.acquire()  # --jobs runs at a time, each one process
-                threads.append(threading.Thread(target=one, args=(name, args, meta)))
-                threads[-1].start()
+        model = model_of(a, k)
+        base = [*MODEL, *(WIDE if model == "4x128" else []), f"--train_iters={a.iters}",
+                f"--lr_decay_samples={8 * a.iters}", *precision, f"--seed={seed}"]
+        trials[k] = base, flags, {"trial": k, "family": family, "what": what, "start": start, "model": model}
+        submit(f"{k}-clean", [*base, *GUARD], trials[k][2], "guard")
+        submit(f"{k}-unguarded", [*base, *flags], trials[k][2], "none")
+        if a.method == "guard":
+            submit(f"{k}-guarded", [*base, *flags, *GUARD], trials[k][2], "guard")
     for t in threads:
         t.join()
+    if a.method in REMEDIES:  # the references are in: a remedy runs the harmful faults and its clean runs
+        done, threads[:] = runs_of(a.out), []
+        for k, (base, flags, meta) in trials.items():
+            faulted, clean = names(k, a.method)
+            if is_harmful(done[f"{k}-clean"], done[f"{k}-unguarded"], a.harm):
+                submit(faulted, [*base, *flags, *method_flags(a.method, a)], meta, a.method)
+            if k < a.first + a.clean_runs:
+                submit(clean, [*base, *method_flags(a.method, a)], meta, a.method)
+        for t in threads:
+            t.join()
+
+
+# -----------------------------------------------------------------------------
+# The registration: what is frozen before any run
+
+
+def stability_sha256():
+    digest = hashlib.sha256()
+    for path in sorted(glob.glob(os.path.join(ROOT, "stability", "*.py"))):
+        digest.update(os.path.basename(path).encode() + b"\0" + open(path, "rb").read())
+    return digest.hexdigest()
+
+
+def registration_of(a):
+    """What a registration freezes: the guard (commit; stability/*.py's hash), the fault space (FAMILIES and the
+    draw's code), the harm threshold, the seed, the trials, the iterations, the model and every method's flags."""
+    git = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    return {"commit": git.stdout.strip(), "stability_sha256": stability_sha256(), "families": FAMILIES,
+            "draw_sha256": hashlib.sha256(inspect.getsource(draw).encode()).hexdigest(), "harm_threshold": a.harm,
+            "seed": a.seed, "first": a.first, "trials": a.trials, "iters": a.iters, "model": a.model,
+            "clean_runs": a.clean_runs, "methods": {m: method_flags(m, a) for m in METHODS}}
+
+
+def registration_id(registration):
+    if registration is None:
+        return None
+    return hashlib.sha256(json.dumps(registration, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def preregister(a):
+    """The registration the runs go under (--preregister FILE), or None: a new FILE is written now, and only before
+    any run in --out and with stability/ committed; an existing one must match this campaign and this code (its
+    commit aside: committing the registration moves HEAD)."""
+    if not a.preregister:
+        return None
+    now = registration_of(a)
+    if not os.path.exists(a.preregister):
+        if os.path.exists(os.path.join(a.out, "runs.jsonl")):
+            raise SystemExit(f"--preregister {a.preregister}: {a.out} has runs already; a registration comes before "
+                             "any run: register in a new --out")
+        dirty = uncommitted()
+        if dirty:
+            raise SystemExit(f"--preregister: stability/ has uncommitted changes ({dirty.splitlines()[0]} ...): "
+                             "commit the guard first, so that the registration names it")
+        now["written"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        with open(a.preregister, "w") as f:
+            json.dump(now, f, indent=1, sort_keys=True)
+        print(f"campaign: registered {registration_id(now)} in {a.preregister}", flush=True)
+        return now
+    saved = json.load(open(a.preregister))
+    differ = [key for key in now if key != "commit" and saved.get(key) != now[key]]
+    if differ:
+        raise SystemExit(f"--preregister {a.preregister}: this campaign differs from its registration in "
+                         f"{', '.join(differ)}: run the registered code and flags, or register anew in a new --out")
+    return saved
+
+
+def uncommitted():
+    """git's short status of stability/ (empty: the guard is committed)."""
+    return subprocess.run(["git", "status", "--porcelain", "--", "stability"], cwd=ROOT, capture_output=True,
+                          text=True).stdout.strip()
+
+
+def one_registration(runs, registration=None):
+    """Refuses runs of several registrations (or of one and of none) in one report, and runs of another than
+    `registration` (the --preregister file) when given."""
+    ids = {r.get("registration") for r in runs.values()}
+    if len(ids) > 1:
+        raise SystemExit(f"the runs come from {len(ids)} registrations ({', '.join(map(str, sorted(ids, key=str)))}):"
+                         " report each campaign from its own --out")
+    if registration is not None and ids and ids != {registration_id(registration)}:
+        raise SystemExit(f"the runs are of registration {ids.pop()}, not of --preregister's "
+                         f"{registration_id(registration)}")
 
 
 def runs_of(out):
@@ -187,8 +335,10 @@ def trials_of(out):
     return trials
 
 
-def report(out):
-    """OUT/report.md (the tables) and OUT/campaign.png (the figure); returns the markdown."""
+def report(out, harm=HARM, registration=None):
+    """OUT/report.md (the tables) and OUT/campaign.png (the figure); returns the markdown. Refuses runs of more than
+    one registration (one_registration)."""
+    one_registration(runs_of(out), registration)
     trials = trials_of(out)
     spent = sum(r.get("seconds", 0) for r in runs_of(out).values()) / 3600
     lines = [f"{len(trials)} complete trials (3 runs each; false positives: every finished clean run); "
@@ -200,7 +350,7 @@ def report(out):
     for t in trials:
         clean, bad, guarded = t["clean"], t["unguarded"], t["guarded"]
         ratio = bad["valid"] / clean["valid"] if math.isfinite(bad["valid"]) else math.inf
-        is_harmful = bad["exit"] != 0 or not ratio <= 1.01
+        harmful_here = is_harmful(clean, bad, harm)
         acts = [d for d in guarded["decisions"] if int(re.match(r"spike guard: iteration (\d+)", d)[1]) >=
                 guarded["start"]]
         true = FAMILIES[guarded["family"]]
@@ -210,17 +360,18 @@ def report(out):
             diagnosed += 1
             right += decided == true
         g_ratio = guarded["valid"] / clean["valid"] if math.isfinite(guarded["valid"]) else math.inf
-        if is_harmful:
+        if harmful_here:
             harmful += 1
             detected += bool(acts)
-            within += g_ratio <= 1.01
+            within += g_ratio <= 1 + harm
             rollbacks.append(guarded["rollbacks"])
-        rows.append((guarded["family"], guarded["what"], is_harmful, decided, ratio, g_ratio, guarded["exit"],
+        rows.append((guarded["family"], guarded["what"], harmful_here, decided, ratio, g_ratio, guarded["exit"],
                      guarded["rollbacks"]))
 
     def rate(k, n):
         lo, hi = wilson(k, n)
         return f"{k}/{n} = {k / n:.0%} (95% CI {lo:.0%}-{hi:.0%})" if n else "0/0"
+    fp_runs = sum(bool(r["decisions"]) for r in cleans)
     fp_lo, fp_hi = wilson(false_positives, clean_iters)
     fp = 1000 * false_positives / max(clean_iters, 1)
     lines += ["| measure | goal | measured |", "|---|---|---|",
@@ -228,6 +379,7 @@ def report(out):
               f"| diagnoses right (of the faults the guard acted on) | >= 85% | {rate(right, diagnosed)} |",
               f"| false positives per 1,000 clean iterations | <= 0.1 | {fp:.2f} ({false_positives} in {clean_iters}; "
               f"95% CI {1000 * fp_lo:.2f}-{1000 * fp_hi:.2f}) |",
+              f"| clean runs with a decision (the run as the unit) | <= 1 in 100 | {rate(fp_runs, len(cleans))} |",
               f"| guarded final loss within 1% of the clean twin's (harmful faults) | >= 90% | "
               f"{rate(within, harmful)} |",
               f"| rollbacks per harmful fault | <= 1 | mean {sum(rollbacks) / max(len(rollbacks), 1):.2f}, max "
@@ -240,11 +392,94 @@ def report(out):
               "|---|---|---|---|---|---|---|"]
     lines += [f"| {w} | {'yes' if h else 'no'} | {d} | {r:.3f} | {g:.3f} | {e} | {rb} |"
               for f, w, h, d, r, g, e, rb in rows]
+    if any(r.get("method") not in (None, "guard", "none") for r in runs_of(out).values()):
+        lines += ["", "Methods on the same faults (each remedy runs the harmful trials and its own clean runs; the "
+                  "guard's clean runs are the clean twins):", "", method_table(runs_of(out), harm)]
     text = "\n".join(lines) + "\n"
     with open(os.path.join(out, "report.md"), "w") as f:
         f.write(text)
     figure(rows, os.path.join(out, "campaign.png"))
     return text
+
+
+def acts_from(record, start):
+    """The actions of a run at or after the fault's start (each action's line names its iteration)."""
+    return [d for d in record["decisions"] if int(re.search(r"iteration (\d+)", d)[1]) >= start]
+
+
+def right_diagnosis(method, act, family):
+    """Whether the method's first action names the fault's cause, where the method says one: the guard's cause;
+    Megatron's re-run tells a transient (hardware) fault from a reproducible one (not hardware). None elsewhere."""
+    true = FAMILIES[family]
+    if method == "guard":
+        return cause_of(act) == true
+    if method == "spiky_loss":
+        return ("not reproducible" in act) == (true == "hardware")
+    return None
+
+
+def rate(k, n):
+    lo, hi = wilson(k, n)
+    return f"{k}/{n} = {k / n:.0%} ({lo:.0%}-{hi:.0%})" if n else "-"
+
+
+def method_results(runs, harm=HARM):
+    """{method: its numbers} over the trials whose clean twin and unguarded run are in: on the harmful ones, its
+    faulted runs (detected, right diagnosis, final validation loss / the clean twin's); its clean runs (runs with
+    an action, actions per iteration); per fault class, detected of harmful."""
+    ks = sorted({r["trial"] for r in runs.values() if "trial" in r and f"{r['trial']}-clean" in runs
+                 and f"{r['trial']}-unguarded" in runs})
+    harmful = [k for k in ks if is_harmful(runs[f"{k}-clean"], runs[f"{k}-unguarded"], harm)]
+    results = {}
+    for method in METHODS:
+        out = {"n": 0, "detected": 0, "diagnosed": 0, "right": 0, "within": 0, "ratios": [], "classes": {}}
+        for k in harmful:
+            run, clean = runs.get(names(k, method)[0]), runs[f"{k}-clean"]
+            if run is None:
+                continue
+            acts = acts_from(run, run["start"])
+            ratio = run["valid"] / clean["valid"] if math.isfinite(run["valid"]) and run["exit"] == 0 else math.inf
+            right = right_diagnosis(method, acts[0], run["family"]) if acts else None
+            cls = out["classes"].setdefault(run["family"], [0, 0])
+            cls[0], cls[1] = cls[0] + bool(acts), cls[1] + 1
+            out["n"], out["detected"] = out["n"] + 1, out["detected"] + bool(acts)
+            out["ratios"].append(ratio)
+            out["diagnosed"], out["right"] = out["diagnosed"] + (right is not None), out["right"] + bool(right)
+            out["within"] += ratio <= 1 + harm
+        cleans = [runs[names(k, method)[1]] for k in ks if names(k, method)[1] in runs and method != "none"]
+        cleans += [r for name, r in runs.items() if name.startswith("long") and method == "guard"]
+        out["clean_runs"], out["fp_runs"] = len(cleans), sum(bool(r["decisions"]) for r in cleans)
+        out["clean_iters"] = sum(r["iters"] for r in cleans)
+        out["fp_actions"] = sum(len(r["decisions"]) for r in cleans)
+        results[method] = out
+    return results
+
+
+def method_table(runs, harm=HARM):
+    """The markdown of methods x (detection, false positives, right diagnosis, damage), then detection per fault
+    class, each rate with its 95% Wilson interval."""
+    results = method_results(runs, harm)
+    lines = [f"| method | harmful faults detected | clean runs with an action (false positives) | false positives per "
+             f"1,000 clean iterations | right diagnosis | final loss within {harm:.0%} of the clean twin | median "
+             "final / clean |", "|---|---|---|---|---|---|---|"]
+    for method, r in results.items():
+        if not r["n"] and not r["clean_runs"]:
+            continue
+        lo, hi = wilson(r["fp_actions"], r["clean_iters"])
+        fp = (f"{1000 * r['fp_actions'] / r['clean_iters']:.2f} ({1000 * lo:.2f}-{1000 * hi:.2f})"
+              if r["clean_iters"] else "-")
+        ratios = sorted(r["ratios"])
+        median = f"{ratios[len(ratios) // 2]:.3f}" if ratios else "-"
+        lines.append(f"| {method} | {rate(r['detected'], r['n']) if method != 'none' else '-'} | "
+                     f"{rate(r['fp_runs'], r['clean_runs'])} | {fp} | {rate(r['right'], r['diagnosed'])} | "
+                     f"{rate(r['within'], r['n'])} | {median} |")
+    shown = [m for m in METHODS if m != "none" and results[m]["n"]]
+    classes = sorted({c for m in shown for c in results[m]["classes"]})
+    lines += ["", "Harmful faults detected, per fault class:", "", "| fault class | " + " | ".join(shown) + " |",
+              "|---|" + "---|" * len(shown)]
+    lines += [f"| {c} | " + " | ".join(rate(*results[m]["classes"].get(c, (0, 0))) for m in shown) + " |"
+              for c in classes]
+    return "\n".join(lines) + "\n"
 
 
 def figure(rows, path):
@@ -276,13 +511,24 @@ def main(argv=None):
     p.add_argument("--jobs", type=int, default=1, help="runs at a time (each one process)")
     p.add_argument("--long_clean", type=int, default=0, help="clean guarded runs of --long_iters iterations, first")
     p.add_argument("--long_iters", type=int, default=3000)
+    p.add_argument("--method", choices=METHODS, default="guard", help="the method the trials run under")
+    p.add_argument("--model", choices=["2x64", "4x128", "mixed"], default="2x64",
+                   help="the trials' model (mixed: every fourth trial the wider 4x128)")
+    p.add_argument("--clean_runs", type=int, default=20, help="a remedy's clean runs: the first N trials' twins")
+    p.add_argument("--grad_norm_bound", type=float, default=1.0,
+                   help="grad_norm_skip's bound (metaseq: the clip norm, clip_grad 1.0 here)")
+    p.add_argument("--harm", type=float, default=HARM, help="harmful: the final loss this much over the clean twin's")
+    p.add_argument("--preregister", help="a registration file: written before any run, checked on every later one")
     p.add_argument("--report", action="store_true", help="only write the report of what has run")
     a = p.parse_args(argv)
+    registration = preregister(a) if a.preregister and not a.report else None
+    if a.report and a.preregister:
+        registration = json.load(open(a.preregister))
     if not a.report:
         if not a.data_path:
             raise ValueError("--data_path is needed to run trials (a corpus with ids < 512; --report needs none)")
-        campaign(a)
-    print(report(a.out))
+        campaign(a, registration)
+    print(report(a.out, a.harm, registration))
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@
     diagnosis.py   why it spiked: replay, fp32 replay, weights, counterfactual; the samples behind it named
     telemetry.py   Recording: per-layer probes (norms, activations, attention logits and entropy, log Z)
     soft_skip.py   SoftSkip: a step far above its trend taken with less weight
+    remedies.py    SkipStep, SpikyLoss, ZClip: the field's remedies (OLMo-core, Megatron-LM, ZClip), baselines
     snapshots.py   Snapshotting: the copies of the run a rollback returns to, and their cost in host memory
     skip_list.py   SkipList: the documents behind data-driven spikes, which the data then leaves out
     config.py      the layer's keys, their checks, and each callback's section of them
@@ -37,6 +38,11 @@ REGISTRY = [
     (("spike_guard_precursor",), "guard.Precursor"),
     # after telemetry's record and before the guard's decision (after_step), which reads its diagnosis
     (("spike_guard",), "guard.Forensics"),
+    # the field's remedies (baselines): after the guard, whose veto ends update_factor before them (a step it
+    # vetoes never enters their statistics); each sees the step's own loss and grad norm, whatever the others scale
+    (("skip_step_sigma",), "remedies.SkipStep"),
+    (("spiky_loss_factor",), "remedies.SpikyLoss"),
+    (("zclip_z",), "remedies.ZClip"),
     # after the guard's veto: scales only an update that is applied
     (("soft_skip_loss_ratio",), "soft_skip.SoftSkip"),
     # last: a snapshot holds the iteration as every other callback left it

@@ -41,6 +41,14 @@ class StabilityConfig:
     spike_guard_precursor: str | None = None  # EXPERIMENTAL early rung (None: off): cut the LR when this passes ...
     spike_guard_precursor_threshold: float | None = None  # ... this threshold (docs/spike_guard.md, section 7)
     spike_guard_precursor_lr_factor: float = 0.5  # ... by this factor, once per crossing (precursors.PRECURSORS)
+    # -- stability: the field's remedies, baselines for the guard (stability/remedies.py; docs/spike_guard.md) --
+    skip_step_sigma: float = 0.0  # OLMo-core's SkipStep: skip a step > this many stds above the window (6; 0: off)
+    skip_step_window: int = 128  # ... the previous steps' losses and grad norms it is judged against (OLMo-core: 128)
+    spiky_loss_factor: float = 0.0  # Megatron's spiky loss: a loss >= this x the largest seen is re-run (10; 0: off)
+    spiky_loss_samples: int = 100  # ... the first steps whose largest loss is the bar (Megatron: 100)
+    zclip_z: float = 0.0  # ZClip: clip a grad norm whose z-score over its EMA is above this (2.5; 0: off)
+    zclip_alpha: float = 0.97  # ... the EMA's smoothing factor (ZClip: 0.97)
+    zclip_warmup: int = 25  # ... grad norms collected before the EMA starts (ZClip: 25)
     inject_bad_batch_iters: list[str] | None = None  # fault injection: iterations ("40-45") given random-token batches
     inject_lr_iters: list[str] | None = None  # fault injection: iteration ranges whose LR is x inject_lr_factor
     inject_lr_factor: float = 100.0  # the LR multiplier of inject_lr_iters
@@ -96,6 +104,16 @@ def check(cfg):
     need(cfg.spike_guard_max_hardware_faults >= 1, "spike_guard_max_hardware_faults must be >= 1")
     need(cfg.spike_guard_max_numerical >= 1,
          "spike_guard_max_numerical must be >= 1 (the numerical diagnoses before a stop)")
+    remedies = [k for k in ("skip_step_sigma", "spiky_loss_factor", "zclip_z") if getattr(cfg, k)]
+    need(not (cfg.deepspeed and remedies), f"{', '.join(remedies)} judge the loss and grad norm before the update, "
+         "which DeepSpeed computes inside its step(); set them to 0 or deepspeed=False")
+    need(cfg.skip_step_sigma >= 0 and cfg.skip_step_window >= 4,
+         "skip_step_sigma must be >= 0 (0: off) and skip_step_window >= 4 (its warm-up is half of it, >= 2 steps)")
+    need(cfg.spiky_loss_factor == 0 or cfg.spiky_loss_factor > 1,
+         f"spiky_loss_factor={cfg.spiky_loss_factor} must be 0 (off) or > 1 (a multiple of the largest loss seen)")
+    need(cfg.spiky_loss_samples >= 1, "spiky_loss_samples must be >= 1 (the steps whose largest loss is the bar)")
+    need(cfg.zclip_z >= 0 and 0 < cfg.zclip_alpha < 1 and cfg.zclip_warmup >= 2,
+         "zclip_z must be >= 0 (0: off), zclip_alpha in (0, 1) and zclip_warmup >= 2 (a variance needs 2 values)")
     if cfg.spike_guard_precursor is not None:
         from stability.precursors import PRECURSORS
         need(cfg.spike_guard_precursor in PRECURSORS,
@@ -155,6 +173,25 @@ class SoftSkipConfig:  # soft_skip.SoftSkip
     soft_skip_loss_ratio: float
     spike_guard_min_steps: int  # the trend is the guard's line, over as many steps as the guard needs
     spike_guard_window: int
+
+
+@dataclass(frozen=True)
+class SkipStepConfig:  # remedies.SkipStep
+    skip_step_sigma: float
+    skip_step_window: int
+
+
+@dataclass(frozen=True)
+class SpikyLossConfig:  # remedies.SpikyLoss
+    spiky_loss_factor: float
+    spiky_loss_samples: int
+
+
+@dataclass(frozen=True)
+class ZClipConfig:  # remedies.ZClip
+    zclip_z: float
+    zclip_alpha: float
+    zclip_warmup: int
 
 
 @dataclass(frozen=True)

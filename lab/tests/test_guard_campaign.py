@@ -1,0 +1,162 @@
+"""The guard campaign's report math on synthetic records, against counts and intervals worked out by hand here: the
+Wilson interval (textbook values), false positives with the run as the unit beside per 1,000 iterations, detection
+per fault class, right diagnoses where a method diagnoses, damage against the clean twin, the methods table; the
+registration (written before any run, checked after, never mixed in a report); and one tiny trial run end to end
+under --method zclip."""
+import json
+import math
+import os
+
+import pytest
+
+import guard_campaign as gc
+from helpers import corpus, corpus512  # noqa: F401 (fixtures)
+
+
+def test_wilson_matches_the_textbook_interval():
+    z = 1.96
+    lo, hi = gc.wilson(0, 35)  # k = 0: the upper bound is z^2 / (n + z^2)
+    assert lo == 0 and hi == pytest.approx(z * z / (35 + z * z), rel=1e-12)
+    lo, hi = gc.wilson(5, 6)  # Wilson (1927) for 5 of 6 at 95%: 0.4365-0.9699
+    assert (round(lo, 4), round(hi, 4)) == (0.4365, 0.9699)
+    assert all(math.isnan(x) for x in gc.wilson(0, 0))  # no interval over no trial
+
+
+def record(name, valid, decisions=(), family="lr transient", start=20, trial=None, method=None, exit=0, iters=100):
+    trial = int(name.split("-")[0]) if trial is None else trial
+    return name, {"name": name, "valid": valid, "decisions": list(decisions), "family": family, "start": start,
+                  "trial": trial, "method": method, "exit": exit, "iters": iters, "rollbacks": 0, "what": family}
+
+
+def synthetic():
+    """Four trials: 0-2 harmful (the unguarded run 4% over its clean twin, or dead), 3 harmless. The guard acts on
+    0 and 1 (a right and a wrong cause), misses 2; ZClip acts on 0 and 2 (only after the fault on 2: an action
+    before it is not a detection), ends 0 within 1% (+0.8%); its clean runs: one of two acts, 3 times."""
+    act = "spike guard: iteration {}: loss 9 is 2x its trend; {}"
+    zact = "remedy zclip: iteration {}: clipped: grad norm 9 to 1"
+    return dict([
+        record("0-clean", 5.0), record("0-unguarded", 5.2), record("1-clean", 5.0, family="random tokens"),
+        record("1-unguarded", 6.0, family="random tokens"), record("2-clean", 5.0, family="lr persistent"),
+        record("2-unguarded", math.inf, family="lr persistent", exit=1), record("3-clean", 5.0),
+        record("3-unguarded", 5.01),
+        record("0-guarded", 5.02, [act.format(21, "optimizer-driven: ...")]),
+        record("1-guarded", 5.3, [act.format(20, "optimizer-driven: ...")], family="random tokens"),
+        record("2-guarded", 5.5, [], family="lr persistent"),
+        record("3-guarded", 5.0),
+        record("0-zclip", 5.04, [zact.format(22)], method="zclip"),
+        record("2-zclip", 5.9, [zact.format(10), zact.format(30)], family="lr persistent", method="zclip"),
+        record("0-clean-zclip", 5.0, [zact.format(5), zact.format(50), zact.format(70)], method="zclip"),
+        record("1-clean-zclip", 5.0, [], family="random tokens", method="zclip"),
+    ])
+
+
+def test_method_results_count_by_hand():
+    results = gc.method_results(synthetic())
+    guard, zclip, none = results["guard"], results["zclip"], results["none"]
+    assert (guard["n"], guard["detected"], guard["diagnosed"], guard["right"]) == (3, 2, 2, 1)
+    assert guard["within"] == 1 and guard["ratios"] == pytest.approx([5.02 / 5, 5.3 / 5, 5.5 / 5])
+    # false positives: the guard's clean runs are the 4 clean twins, none acted
+    assert (guard["clean_runs"], guard["fp_runs"], guard["clean_iters"]) == (4, 0, 400)
+    # ZClip ran 2 of the 3 harmful faults; it says no cause (no diagnosis counted)
+    assert (zclip["n"], zclip["detected"], zclip["diagnosed"], zclip["within"]) == (2, 2, 0, 1)  # 5.04: +0.8%
+    assert zclip["classes"] == {"lr transient": [1, 1], "lr persistent": [1, 1]}
+    # the run is the unit: 1 of 2 clean runs acted, with 3 actions in 200 iterations
+    assert (zclip["clean_runs"], zclip["fp_runs"], zclip["fp_actions"], zclip["clean_iters"]) == (2, 1, 3, 200)
+    assert none["n"] == 3 and none["detected"] == 0 and none["clean_runs"] == 0
+    assert none["ratios"] == [5.2 / 5, 6.0 / 5, math.inf]
+
+
+def test_the_methods_table_shows_each_rate_with_its_wilson_interval():
+    table = gc.method_table(synthetic())
+    rows = {line.split(" | ")[0].strip("| "): line for line in table.splitlines() if line.startswith("| ")}
+    lo, hi = gc.wilson(2, 3)
+    assert f"| 2/3 = 67% ({lo:.0%}-{hi:.0%}) |" in rows["guard"]  # detected
+    lo, hi = gc.wilson(1, 2)
+    assert f"| 1/2 = 50% ({lo:.0%}-{hi:.0%}) |" in rows["zclip"]  # clean runs with an action
+    lo, hi = gc.wilson(3, 200)
+    assert f"| 15.00 ({1000 * lo:.2f}-{1000 * hi:.2f}) |" in rows["zclip"]  # per 1,000 clean iterations
+    lo, hi = gc.wilson(1, 2)
+    assert rows["zclip"].endswith(f"| - | 1/2 = 50% ({lo:.0%}-{hi:.0%}) | 1.180 |")  # no diagnosis; damage; the
+    # upper median of 1.008 and 1.18
+    lo, hi = gc.wilson(1, 1)
+    assert rows["lr persistent"] == f"| lr persistent | 0/1 = 0% (0%-79%) | 1/1 = 100% ({lo:.0%}-{hi:.0%}) |"
+    assert rows["random tokens"].endswith("| 1/1 = 100% (21%-100%) | - |")  # zclip never ran it
+
+
+def test_megatron_rerun_diagnosis_is_right_when_transient_means_hardware():
+    reproducible = "remedy spiky_loss: iteration 5: loss 99 >= 10 x ...: reproducible (Megatron: ...)"
+    transient = "remedy spiky_loss: iteration 5: loss 99 >= 10 x ...: not reproducible (3.2): possible transient"
+    assert gc.right_diagnosis("spiky_loss", reproducible, "random tokens")
+    assert not gc.right_diagnosis("spiky_loss", transient, "random tokens")
+    assert gc.right_diagnosis("spiky_loss", transient, "grad bit flip")
+    assert gc.right_diagnosis("zclip", "remedy zclip: iteration 5: clipped", "random tokens") is None
+
+
+def args(out, **more):
+    return gc.main.__globals__["argparse"].Namespace(**{
+        "out": str(out), "harm": gc.HARM, "seed": 5, "first": 0, "trials": 1, "iters": 40, "model": "2x64",
+        "clean_runs": 1, "grad_norm_bound": 1.0, "preregister": os.path.join(out, "registration.json"), **more})
+
+
+def test_a_registration_comes_before_the_runs_and_is_never_mixed(tmp_path, monkeypatch):
+    a = args(tmp_path)
+    monkeypatch.setattr(gc, "uncommitted", lambda: " M stability/guard.py")
+    with pytest.raises(SystemExit, match="commit the guard first"):
+        gc.preregister(a)
+    monkeypatch.setattr(gc, "uncommitted", lambda: "")
+    registration = gc.preregister(a)
+    saved = json.load(open(a.preregister))
+    assert saved["stability_sha256"] == gc.stability_sha256() and saved["seed"] == 5 and saved["harm_threshold"] == 0.01
+    assert gc.preregister(a) == saved  # the same campaign: accepted
+    with pytest.raises(SystemExit, match="differs from its registration in seed"):
+        gc.preregister(args(tmp_path, seed=6))
+    open(tmp_path / "runs.jsonl", "w").close()
+    with pytest.raises(SystemExit, match="has runs already"):
+        gc.preregister(args(tmp_path, preregister=str(tmp_path / "later.json")))
+    runs = dict([record("0-clean", 5.0), record("0-unguarded", 5.2)])
+    runs["0-clean"]["registration"] = gc.registration_id(registration)
+    runs["0-unguarded"]["registration"] = None  # a run of no registration beside one of it
+    with pytest.raises(SystemExit, match="from 2 registrations"):
+        gc.one_registration(runs)
+    runs["0-unguarded"]["registration"] = "0123456789abcdef"
+    with pytest.raises(SystemExit, match="from 2 registrations"):
+        gc.one_registration(runs)
+    runs["0-unguarded"]["registration"] = gc.registration_id(registration)
+    gc.one_registration(runs, registration)
+
+
+@pytest.mark.slow
+def test_one_tiny_trial_under_zclip_keeps_every_run_losses_and_registration(tmp_path, corpus512):
+    out = tmp_path / "campaign"
+    reg = tmp_path / "registration.json"
+    gc.main(["--out", str(out), "--data_path", corpus512, "--trials", "1", "--iters", "40", "--seed", "5",
+             "--method", "zclip", "--clean_runs", "1", "--preregister", str(reg)])
+    runs = gc.runs_of(str(out))
+    assert {"0-clean", "0-unguarded", "0-clean-zclip"} <= set(runs)
+    ident = gc.registration_id(json.load(open(reg)))
+    for r in runs.values():
+        assert r["registration"] == ident and r["exit"] == 0
+        assert [row[0] for row in r["series"]] == list(range(1, 41))  # every iteration's loss and grad norm
+    assert runs["0-clean-zclip"]["method"] == "zclip"
+    zclip_lines = [x for x in open(out / "logs" / "0-clean-zclip.log").read().splitlines()
+                   if x.startswith("remedy zclip:")]
+    assert runs["0-clean-zclip"]["decisions"] == zclip_lines
+    assert os.path.exists(out / "report.md")
+
+
+def test_the_records_keep_every_logged_iteration_and_the_grad_norm_skips_are_finite_ones():
+    line = (" iteration {:8d}/      40 | consumed samples: 8 | lm loss: {} | loss scale: 1.0 | grad norm: {} | "
+            "num zeros: 0.0 | number of skipped iterations: {:3d} | number of nan iterations:   0 |")
+    text = "\n".join([line.format(1, "6.1E+00", "0.900", 0), line.format(2, "6.0E+00", "1.500", 1),
+                      line.format(3, "nan", "nan", 1), line.format(4, "5.9E+00", "0.800", 0)])
+    series = [[int(i), float(x), float(g), int(s)] for i, x, g, s in gc.LOG.findall(text)]
+    assert [row[0] for row in series] == [1, 2, 3, 4] and series[1] == [2, 6.0, 1.5, 1]
+    assert gc.actions_of(text, "grad_norm_skip", series) == ["grad_norm_skip: iteration 2: skipped, grad norm 1.5"]
+    assert gc.actions_of(text + "\nremedy zclip: iteration 4: clipped", "zclip", series) == [
+        "remedy zclip: iteration 4: clipped"]
+
+
+def test_mixed_runs_every_fourth_trial_on_the_wider_model():
+    a = args("unused", model="mixed")
+    assert [gc.model_of(a, k) for k in range(8)] == ["2x64"] * 3 + ["4x128"] + ["2x64"] * 3 + ["4x128"]
+    assert {gc.model_of(args("unused", model=m), 0) for m in ("2x64", "4x128")} == {"2x64", "4x128"}

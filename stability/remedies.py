@@ -1,0 +1,200 @@
+"""The field's own remedies for a loss spike, each written from its published definition, as baselines the spike
+guard is compared with on the same faults (lab/guard_campaign.py --method; docs/spike_guard.md, "Baselines"). Each
+is a callback switched by its own key, off by default, and judges the step's numbers before the update
+(update_factor: DP rank 0's loss and grad norm on every rank, so every replica decides alike).
+
+    SkipStep    OLMo-core's SkipStepOptimizer: skip a step whose loss or grad norm is > sigma stds above the mean of
+                the previous 128 steps (skip_step_sigma)
+    SpikyLoss   Megatron-LM's spiky-loss check (rerun state machine): a loss >= 10x the largest of the first 100
+                seen is re-run to tell a transient fault from a reproducible one; the step then goes on
+                (spiky_loss_factor)
+    ZClip       ZClip's adaptive clipping: the grad norm's z-score against an EMA of its mean and variance; an
+                outlier's gradients are clipped to a norm near that mean (zclip_z)
+
+OPT/metaseq's rule (--skip-gradient-update-on-clip-norm: no update for a batch whose grad norm is above the clip
+norm) is the core's skip_grad_norm_above (training.skip_reason): one implementation of each rule, so not here.
+
+What these do not do, by their definitions: roll back, skip data, cut the LR or say why (SpikyLoss alone tells a
+transient fault from a reproducible one). This file is not the guard and reads nothing of it.
+"""
+import math
+
+import checkpoint
+import parallel
+import training
+from report import print0
+from stability.config import SkipStepConfig, SpikyLossConfig, ZClipConfig, section
+
+
+def mean_std(values):
+    """The mean and the sample standard deviation (Bessel's n - 1, as torch.std_mean) of a list of floats."""
+    mean = sum(values) / len(values)
+    return mean, math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1))
+
+
+def skip_step_outliers(losses, grad_norms, sigma):
+    """OLMo-core's rule (src/olmo_core/optim/skip_step_optimizer.py, SkipStepOptimizer.get_step_factor): the
+    lists end with this step's value, after at least 2 before it (its warm-up: window // 2 values in all, and
+    skip_step_window >= 4). A step is skipped when its loss, or its grad norm, minus the mean of the values
+    before it is more than sigma of their standard deviations. Returns the outlying numbers, named (empty:
+    apply)."""
+    outliers = []
+    for name, values in (("loss", losses), ("grad norm", grad_norms)):
+        mean, std = mean_std(values[:-1])
+        if values[-1] - mean > sigma * std:
+            outliers.append(f"{name} {values[-1]:.4g} > mean {mean:.4g} + {sigma:g} x std {std:.3g}")
+    return outliers
+
+
+class SkipStep(training.Callback):
+    """OLMo-core's SkipStep: the last skip_step_window + 1 losses and grad norms; from skip_step_window // 2 of
+    them on, a step whose loss or grad norm is more than skip_step_sigma standard deviations above the mean of the
+    ones before it is skipped (vetoed). As in OLMo-core, a skipped step's numbers stay in the window (the optimizer
+    records them before it decides); a NaN/inf step never reaches it here (the core skips it first), where in
+    OLMo-core it would enter the statistics."""
+    name = "skip_step"
+
+    def __init__(self, cfg, shared=None):
+        self.settings = section(SkipStepConfig, cfg)
+        self.losses, self.grad_norms, self.iteration = [], [], None
+
+    def before_step(self, it):
+        self.iteration = it.number
+
+    def update_factor(self, loss, grad_norm):
+        keep = self.settings.skip_step_window + 1
+        self.losses, self.grad_norms = (self.losses + [loss])[-keep:], (self.grad_norms + [grad_norm])[-keep:]
+        if len(self.losses) < max(2, self.settings.skip_step_window // 2):  # its warm-up
+            return 1.0
+        outliers = skip_step_outliers(self.losses, self.grad_norms, self.settings.skip_step_sigma)
+        if outliers:
+            print0(f"remedy skip_step: iteration {self.iteration}: skipped: {'; '.join(outliers)}")
+            return 0.0
+        return 1.0
+
+    def state_dict(self):
+        return {"losses": self.losses, "grad norms": self.grad_norms}
+
+    def load_state_dict(self, state, run, resume):
+        state = state or {}
+        self.losses, self.grad_norms = list(state.get("losses", [])), list(state.get("grad norms", []))
+
+
+def spiky_loss_check(state, loss, factor, samples):
+    """Megatron-LM's RerunStateMachine.is_unexpectedly_large (megatron/core/rerun_state_machine.py), on a dict
+    state {"count", "max"}: the first `samples` finite values set the largest |value| and are never flagged;
+    from then on the largest is frozen and a value >= factor x it is flagged. NaN/inf are never flagged (checked
+    separately). Returns True for a spike."""
+    value = abs(loss)
+    if not math.isfinite(value):
+        return False
+    if state["count"] < samples:
+        state["count"] += 1
+        state["max"] = max(state["max"], value)
+        return False
+    return value >= state["max"] * factor
+
+
+class SpikyLoss(training.Callback):
+    """Megatron-LM's spiky-loss check (--check-for-spiky-loss; pretrain_gpt.py: SPIKY_LOSS_FACTOR = 10,
+    validate_result(..., tolerance=0.0, fatal=False)). Not checked on the process's first iteration (Megatron
+    validates nothing before a first optimizer step). A flagged step is re-run in place (the same weights, batch
+    and RNG streams) and its loss compared exactly: different, "not reproducible: possible transient error";
+    equal, "reproducible" (Megatron would re-run it on another GPU from a checkpoint when fatal; not fatal, as for
+    the spiky loss, it logs and continues). Either way the step is applied. Differences from Megatron: the step's
+    DP-averaged loss is checked (Megatron: each rank's micro-batch loss sum; equal ratios at a fixed batch), and
+    the re-run is a forward only whose gradients are not used (Megatron's re-run recomputes them)."""
+    name = "spiky_loss"
+
+    def __init__(self, cfg, shared=None):
+        self.settings = section(SpikyLossConfig, cfg)
+        self.cfg = cfg  # handed to the core's forward_backward only
+        self.state, self.first = {"count": 0, "max": 0.0}, True
+
+    def start(self, parts, report, train_data):
+        self.model = parts.model
+        self.device = next(parallel.unwrap(parts.model).parameters()).device
+
+    def before_step(self, it):
+        self.it, self.rng = it, checkpoint.rng_state()  # the re-run starts where the step started
+
+    def update_factor(self, loss, grad_norm):
+        if self.first:
+            self.first = False
+            return 1.0
+        if spiky_loss_check(self.state, loss, self.settings.spiky_loss_factor, self.settings.spiky_loss_samples):
+            again = self.rerun()
+            verdict = ("reproducible (Megatron: correct result or application error; continuing)" if again == loss
+                       else f"not reproducible ({again:.6g}): possible transient error")
+            s = self.settings
+            print0(f"remedy spiky_loss: iteration {self.it.number}: loss {loss:.4g} >= {s.spiky_loss_factor:g} x the "
+                   f"largest of the first {s.spiky_loss_samples} ({self.state['max']:.4g}): {verdict}")
+        return 1.0
+
+    def rerun(self):
+        """The step's loss again: the same batch on the same weights from the step's RNG state, nothing applied."""
+        now = checkpoint.rng_state()
+        checkpoint.set_rng_state(self.rng)
+        loss = parallel.average_loss(training.forward_backward(self.model, self.it.batches, self.cfg, self.device,
+                                                               forward_only=True)).item()
+        checkpoint.set_rng_state(now)
+        return loss
+
+    def state_dict(self):  # Megatron checkpoints large_value_counts and max_values with the run
+        return dict(self.state)
+
+    def load_state_dict(self, state, run, resume):
+        self.state = {"count": 0, "max": 0.0, **(state or {})}
+
+
+def zclip_threshold(state, grad_norm, z_thresh, alpha, warmup, eps=1e-6):
+    """ZClip (Kumar et al. 2025, arXiv 2504.02507; github.com/bluorion-com/ZClip, zclip/zclip.py, its defaults:
+    mode "zscore", clip_option "adaptive_scaling", clip_factor 1) on a dict state {"buffer", "mean", "var"}: the
+    first `warmup` grad norms set the mean and (population) variance; then z = (g - mean) / (std + eps), and for
+    z > z_thresh the norm is clipped to mean + z_thresh * std / (z / z_thresh). The EMA (mean first, then the
+    variance around the new mean) takes the clipped norm, or g. Returns the clip norm, or None."""
+    if state["mean"] is None:
+        state["buffer"].append(grad_norm)
+        if len(state["buffer"]) >= warmup:
+            buffer = state["buffer"]
+            state["mean"] = sum(buffer) / len(buffer)
+            state["var"] = sum((x - state["mean"]) ** 2 for x in buffer) / len(buffer)
+            state["buffer"] = []
+        return None
+    std = math.sqrt(state["var"])
+    z = (grad_norm - state["mean"]) / (std + eps)
+    clip = state["mean"] + z_thresh * std / (z / z_thresh) if z > z_thresh else None
+    seen = clip if clip is not None else grad_norm
+    state["mean"] = alpha * state["mean"] + (1 - alpha) * seen
+    state["var"] = alpha * state["var"] + (1 - alpha) * (seen - state["mean"]) ** 2
+    return clip
+
+
+class ZClip(training.Callback):
+    """ZClip's adaptive gradient clipping (zclip_threshold): an outlying grad norm's gradients are scaled to the
+    clip norm (x clip / (g + 1e-6), as ZClip's in-place clipping); the core's clip_grad still bounds every step,
+    as ZClip's optional max_grad_norm (the smaller of the two wins in both)."""
+    name = "zclip"
+
+    def __init__(self, cfg, shared=None):
+        self.settings = section(ZClipConfig, cfg)
+        self.state, self.iteration = {"buffer": [], "mean": None, "var": None}, None
+
+    def before_step(self, it):
+        self.iteration = it.number
+
+    def update_factor(self, loss, grad_norm):
+        s = self.settings
+        clip = zclip_threshold(self.state, grad_norm, s.zclip_z, s.zclip_alpha, s.zclip_warmup)
+        if clip is None:
+            return 1.0
+        print0(f"remedy zclip: iteration {self.iteration}: clipped: grad norm {grad_norm:.4g} to {clip:.4g} "
+               f"(EMA mean {self.state['mean']:.4g})")
+        return clip / (grad_norm + 1e-6)
+
+    def state_dict(self):
+        return dict(self.state)
+
+    def load_state_dict(self, state, run, resume):
+        self.state = {"buffer": [], "mean": None, "var": None, **(state or {})}
+        self.state["buffer"] = list(self.state["buffer"])
