@@ -1,0 +1,307 @@
+"""Megatron-DeepSpeed checkpoints in (megatron_ds.py, tools/import_megatron_deepspeed.py).
+
+The reference is a run of ours: 3 iterations straight at TP1 (bf16, dropout off, the GPT-2 vocabulary), saving at
+iteration 2. Its iteration-2 state is written out as Megatron-DeepSpeed would have saved it at TP2 x PP2 x DP2
+(write_megatron_checkpoint: GPTModelPipe's layer files, the vocabulary padded for TP2, the fused QKV rebuilt head by
+head from q, k and v, the engine's mp_rank states with param_shapes and Megatron's args, iteration, tokens,
+checkpoint_info and lr_scheduler, BF16-optimizer ZeRO partitions with the flat fp32 groups, Adam's moments and
+FusedAdam's step in the param group, the tied embedding's copy on the last stage), imported, and resumed:
+- at TP1 the resumed iteration 3 equals the straight run's bit for bit (its loss, and the weights, fp32 masters,
+  moments and step of its checkpoint);
+- at TP2 x PP2 (the written layout, loaded as each of its four ranks) every weight, master and moment is the
+  reference's slice, and the counters and LR schedule are carried over.
+"""
+import argparse
+import enum
+import math
+import os
+import runpy
+from collections import OrderedDict
+
+import pytest
+import torch
+
+import arguments
+import optim
+import parallel
+import run_state
+import schedule
+import training
+from builders import build_model
+from helpers import ROOT, assert_same, final_state, losses, run_main
+
+TP, PP, DP = 2, 2, 2
+ARGS = ["--num_layers=2", "--hidden_size=64", "--num_attention_heads=4", "--seq_length=32", "--micro_batch_size=2",
+        "--global_batch_size=4", "--bf16", "--activation=gelu_tanh", "--lr_warmup_samples=4",
+        "--lr_decay_samples=40", "--train_iters=3", "--log_interval=1", "--eval_interval=1000",
+        "--eval_iters=1", "--sample_tokens=0", "--device=cpu"]
+BLOCK = {"ln_1": "input_layernorm", "attn.qkv": "self_attention.query_key_value",
+         "attn.proj": "self_attention.dense", "ln_2": "post_attention_layernorm", "mlp.fc1": "mlp.dense_h_to_4h",
+         "mlp.fc2": "mlp.dense_4h_to_h"}
+COLUMNS = ("self_attention.dense.weight", "mlp.dense_4h_to_h.weight")  # row-parallel: split along the inputs
+ROWS = ("word_embeddings.weight", "self_attention.query_key_value", "mlp.dense_h_to_4h")  # split along the outputs
+
+
+class PositionEmbeddingType(enum.Enum):  # megatron.enums's, pickled into args as Megatron does
+    rotary = 1
+    absolute = 2
+    alibi = 3
+
+
+# -----------------------------------------------------------------------------
+# Megatron-DeepSpeed's side, written from a state of ours
+
+
+def _megatron_qkv(t, heads):
+    """Our fused qkv (rows) -> Megatron's, rebuilt from q, k and v: each TP partition's output is [np, 3, hn]
+    (ParallelAttention's view of mixed_x_layer), i.e. head by head, q then k then v."""
+    q, k, v = t.view(heads, 3, -1, *t.shape[1:]).unbind(1)
+    per_head = [torch.cat([q[h], k[h], v[h]]) for h in range(heads)]
+    return torch.cat(per_head)
+
+
+def _full_tensors(cfg, model, rank):
+    """{Megatron name in GPTModelPipe (layer index, key): {"weight" (bf16), "fp32", "exp_avg", "exp_avg_sq"}} of
+    the whole model, the vocabulary padded for TP2, from our one-process checkpoint."""
+    opt = rank["optimizer"]
+    names = rank["param_names"]
+    padded = math.ceil(cfg.vocab_size / (cfg.make_vocab_size_divisible_by * TP)) * cfg.make_vocab_size_divisible_by * TP
+    out = {}
+    for index, name in enumerate(names):
+        state = opt["state"][index]
+        tensors = {"weight": model[name], "fp32": opt["fp32_master_weights"][index],
+                   "exp_avg": state["exp_avg"], "exp_avg_sq": state["exp_avg_sq"]}
+        if name == "embed.word.weight":
+            tensors = {k: torch.cat([t, t.new_zeros(padded - t.shape[0], t.shape[1])]) for k, t in tensors.items()}
+        if name.endswith("attn.qkv.weight") or name.endswith("attn.qkv.bias"):
+            tensors = {k: _megatron_qkv(t, cfg.num_attention_heads) for k, t in tensors.items()}
+        out[_megatron_name(cfg, name)] = tensors
+    return out, opt["state"][0]["step"]
+
+
+def _megatron_name(cfg, name):
+    embedding = {"embed.word.weight": "word_embeddings.weight", "embed.position.weight": "position_embeddings.weight",
+                 "embed.norm.weight": "word_embeddings.norm.weight", "embed.norm.bias": "word_embeddings.norm.bias"}
+    if name in embedding:
+        return 1, embedding[name]
+    if name.startswith("ln_f."):
+        return cfg.num_layers + 4, name[len("ln_f."):]
+    _, layer, rest = name.split(".", 2)
+    module, what = rest.rsplit(".", 1)
+    return 3 + int(layer), f"{BLOCK[module]}.{what}"
+
+
+def _tp_slice(key, t, tp):
+    if key in COLUMNS:
+        return t.chunk(TP, dim=1)[tp].clone()
+    if key.startswith(ROWS):
+        return t.chunk(TP, dim=0)[tp].clone()
+    return t.clone()
+
+
+def _stage_layers(cfg, pp):
+    """GPTModelPipe's layers with parameters on stage pp (partition 'type:transformer': the blocks split evenly)."""
+    per = cfg.num_layers // PP
+    blocks = list(range(3 + pp * per, 3 + (pp + 1) * per))
+    return ([1] if pp == 0 else []) + blocks + ([cfg.num_layers + 4] if pp == PP - 1 else [])
+
+
+def _param_groups(cfg, full, pp, tp):
+    """The stage's ZeRO groups as Megatron builds them (its modules in order; LayerNorms and biases without weight
+    decay): [[(optimizer name, {tensors})]] x 2. On the last stage the tied embedding module comes first, as
+    `tied_modules` is registered before the layers, with its word embedding (a copy of the first stage's) and its
+    unused position embedding."""
+    decay, no_decay = [], []
+    entries = [(layer, key) for (layer, key) in full if layer in _stage_layers(cfg, pp)]
+    if pp == PP - 1:
+        unused = {k: torch.full_like(t, 0.5) for k, t in full[1, "position_embeddings.weight"].items()}
+        entries = [(1, "word_embeddings.weight"), (1, "position_embeddings.weight")] + entries
+    for layer, key in entries:
+        tensors = unused if pp > 0 and (layer, key) == (1, "position_embeddings.weight") else full[layer, key]
+        name = f"tied_modules.embed.{key}" if layer == 1 else f"{layer}.{key}"
+        norm = "layernorm" in key or ".norm." in key or layer == cfg.num_layers + 4
+        group = no_decay if norm or key.endswith("bias") else decay
+        group.append((name, {k: _tp_slice(key, t, tp) for k, t in tensors.items()}))
+    return [decay, no_decay]
+
+
+def _zero_partitions(groups, step, cfg):
+    """Each DP rank's optimizer_state_dict (DeepSpeed's BF16_Optimizer with FusedAdam) of one (stage, TP rank)."""
+    from deepspeed.utils.tensor_fragment import fragment_address
+    flats, paddings = [], []
+    for group in groups:
+        flat = {k: torch.cat([t[k].float().flatten() for _, t in group]) for k in ("fp32", "exp_avg", "exp_avg_sq")}
+        padding = -flat["fp32"].numel() % (2 * DP)  # nccl_start_alignment_factor x DP
+        flats.append({k: torch.cat([t, t.new_zeros(padding)]) for k, t in flat.items()})
+        paddings.append(padding)
+    out = []
+    for dp in range(DP):
+        parts = [{k: t.chunk(DP)[dp].clone() for k, t in flat.items()} for flat in flats]
+        mappings = []
+        for group, flat in zip(groups, parts):
+            size, offset, mapping = flat["fp32"].numel(), 0, OrderedDict()
+            for name, t in group:
+                lo, hi = max(offset, dp * size), min(offset + t["fp32"].numel(), (dp + 1) * size)
+                if lo < hi:
+                    mapping[name] = fragment_address(numel=hi - lo, start=lo - dp * size)
+                offset += t["fp32"].numel()
+            mappings.append(mapping)
+        base = {"state": {g: {"exp_avg": p["exp_avg"], "exp_avg_sq": p["exp_avg_sq"]} for g, p in enumerate(parts)},
+                "param_groups": [{"lr": 1e-3, "betas": (cfg.adam_beta1, cfg.adam_beta2), "eps": cfg.adam_eps,
+                                  "weight_decay": wd, "step": step, "bias_correction": True, "params": [g]}
+                                 for g, wd in enumerate((cfg.weight_decay, 0.0))]}
+        out.append({"clip_grad": cfg.clip_grad, "base_optimizer_state": base,
+                    "single_partition_of_fp32_groups": [p["fp32"] for p in parts],
+                    "group_paddings": [pad if dp == DP - 1 else 0 for pad in paddings],
+                    "partition_count": [DP, DP], "ds_version": "0.6.0", "param_slice_mappings": mappings})
+    return out
+
+
+def _megatron_args(cfg, run):
+    state = run["state"]
+    return argparse.Namespace(
+        num_layers=cfg.num_layers, hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_attention_heads,
+        ffn_hidden_size=4 * cfg.hidden_size, seq_length=cfg.seq_length, max_position_embeddings=cfg.seq_length,
+        padded_vocab_size=50432, make_vocab_size_divisible_by=cfg.make_vocab_size_divisible_by,
+        tokenizer_type="GPT2BPETokenizer", layernorm_epsilon=cfg.layernorm_epsilon,
+        init_method_std=cfg.init_method_std, hidden_dropout=0.0, attention_dropout=0.0,
+        apply_query_key_layer_scaling=False, embed_layernorm=True,
+        position_embedding_type=PositionEmbeddingType.absolute, bias_gelu_fusion=True, openai_gelu=False,
+        glu_activation=None, apply_residual_connection_post_layernorm=False, micro_batch_size=cfg.micro_batch_size,
+        global_batch_size=cfg.global_batch_size, rampup_batch_size=None, train_iters=cfg.train_iters,
+        train_samples=None, seed=cfg.seed, weight_decay=cfg.weight_decay, clip_grad=cfg.clip_grad,
+        adam_beta1=cfg.adam_beta1, adam_beta2=cfg.adam_beta2, adam_eps=cfg.adam_eps, fp16=False, bf16=True,
+        loss_scale=None, initial_loss_scale=2**32, min_loss_scale=1.0, loss_scale_window=1000, hysteresis=2,
+        tensor_model_parallel_size=TP, pipeline_model_parallel_size=PP, pp_partition_method=None,
+        lr_decay_tokens=None, consumed_train_samples=state["consumed_samples"],
+        consumed_train_tokens=state["consumed_tokens"], deepspeed=True)
+
+
+def write_megatron_checkpoint(directory, cfg, model, rank, run):
+    """global_stepN of a Megatron-DeepSpeed run at TP2 x PP2 x DP2 holding our one-process state."""
+    full, step = _full_tensors(cfg, model, rank)
+    iteration = run["state"]["iteration"]
+    tag_dir = os.path.join(directory, f"global_step{iteration}")
+    os.makedirs(tag_dir)
+    for (layer, key), tensors in full.items():  # DeepSpeed's save_state_dict: one file per layer and TP rank
+        for tp in range(TP):
+            path = os.path.join(tag_dir, f"layer_{layer:02d}-model_{tp:02d}-model_states.pt")
+            sd = torch.load(path, weights_only=False) if os.path.exists(path) else OrderedDict()
+            sd[key] = _tp_slice(key, tensors["weight"], tp)
+            torch.save(sd, path)
+    lr = run["scheduler"]
+    megatron_lr = {"max_lr": lr["max_lr"], "warmup_steps": lr["warmup_samples"],
+                   "num_steps": run["state"]["scheduler_samples"], "warmup_tokens": 0,
+                   "num_tokens": run["state"]["scheduler_tokens"], "decay_style": lr["decay_style"],
+                   "decay_steps": lr["decay_samples"], "min_lr": lr["min_lr"]}
+    for pp in range(PP):
+        for tp in range(TP):
+            groups = _param_groups(cfg, full, pp, tp)
+            mp = pp * TP + tp
+            for dp, shard in enumerate(_zero_partitions(groups, step, cfg)):
+                torch.save({"optimizer_state_dict": shard, "ds_config": {}, "ds_version": "0.6.0"},
+                           os.path.join(tag_dir, f"bf16_zero_pp_rank_{dp}_mp_rank_{mp:02d}_optim_states.pt"))
+            shapes = [OrderedDict((name, t["fp32"].shape) for name, t in group) for group in groups]
+            torch.save({"module": None, "buffer_names": [], "optimizer": None, "param_shapes": shapes,
+                        "lr_scheduler": megatron_lr, "sparse_tensor_module_names": set(), "skipped_steps": 0,
+                        "global_steps": iteration, "global_samples": run["state"]["consumed_samples"],
+                        "dp_world_size": DP, "mp_world_size": TP * PP, "ds_config": {}, "ds_version": "0.6.0",
+                        "args": _megatron_args(cfg, run), "checkpoint_version": 3.0, "iteration": iteration,
+                        "tokens": run["state"]["consumed_tokens"],
+                        "checkpoint_info": {"padded_vocab_size": 50432, "original_vocab_size": cfg.vocab_size}},
+                       os.path.join(tag_dir, f"mp_rank_{mp:02d}_model_states.pt"))
+    with open(os.path.join(directory, "latest"), "w") as f:
+        f.write(f"global_step{iteration}")
+    return tag_dir
+
+
+# -----------------------------------------------------------------------------
+# The reference run, its state as Megatron-DeepSpeed's checkpoint, imported
+
+
+def _import(mds, ours):
+    main = runpy.run_path(os.path.join(ROOT, "tools", "import_megatron_deepspeed.py"))["main"]
+    return main(["--load", str(mds), "--save", str(ours)])
+
+
+@pytest.fixture(scope="module")
+def imported(tmp_path_factory):
+    """(reference dir, its stdout, the Megatron-DeepSpeed dir, our imported dir, config, iteration-2 files)."""
+    root = tmp_path_factory.mktemp("megatron_ds")
+    ref, mds, ours = root / "ref", root / "mds", root / "ours"
+    out = run_main(*ARGS, f"--save={ref}", "--save_interval=2")
+    cfg = arguments.prepare(arguments.load_config(ARGS))
+    step2 = ref / "global_step2"
+    blob = torch.load(step2 / "mp_rank_00_000_model_states.pt", weights_only=False)
+    rank = torch.load(step2 / "rank_00000_optim_states.pt", weights_only=False)
+    write_megatron_checkpoint(mds, cfg, blob["model"], rank, blob["run"])
+    _import(mds, ours)
+    return ref, out, mds, ours, cfg, (blob, rank)
+
+
+@pytest.mark.slow
+def test_resumed_at_tp1_equals_the_straight_run_bit_for_bit(imported, tmp_path):
+    ref, ref_out, _, ours, _, _ = imported
+    out = run_main(*ARGS, f"--load={ours}", f"--save={tmp_path}")
+    assert "saved with TP=2 x PP=2 x DP=1, now TP=1 x PP=1 x DP=1" in out
+    assert "loaded checkpoint" in out and "at iteration 2" in out
+    assert sorted(losses(out)) == [3] and losses(out)[3] == losses(ref_out)[3]  # the loss of the imported weights
+    (_, model, rank), (_, want_model, want_rank) = final_state(tmp_path), final_state(ref)
+    assert_same(model["model"], want_model["model"], "weights")  # one step from the imported state: bit-exact
+    assert_same(rank["optimizer"], want_rank["optimizer"], "optimizer")  # fp32 masters, moments, step
+    for key in ("iteration", "consumed_samples", "consumed_tokens", "scheduler_samples", "scheduler_tokens"):
+        assert model["run"]["state"][key] == want_model["run"]["state"][key], key
+
+
+def _load_rank(directory, rank):
+    """Rank `rank` of TP2 x PP2 (on paper: loading needs no collectives): its model, optimizer and run state."""
+    cfg = arguments.load_config([*ARGS, f"--load={directory}", f"--tensor_model_parallel_size={TP}",
+                                 f"--pipeline_model_parallel_size={PP}"])
+    arguments.prepare(cfg, TP * PP)
+    saved = parallel.grid
+    parallel.grid = parallel.Grid(TP, PP, world_size=TP * PP, rank=rank)
+    try:
+        model = build_model(cfg, "cpu")
+        optimizer = optim.optimizer_for(cfg, model)
+        parts = run_state.Parts(cfg, model, optimizer, schedule.Schedule(cfg, 1), optim.scaler_for(cfg),
+                                training.NO_CALLBACKS)
+        run_state.load(parts)
+        return model, optimizer, parts, parallel.grid
+    finally:
+        parallel.grid = saved
+
+
+def test_the_written_tp2_pp2_layout_holds_the_reference_state(imported, capsys):
+    """Loaded as each rank of TP2 x PP2 (the checkpoint's own layout: no resharding), every weight, fp32 master,
+    moment and step is the reference's (its TP slice; the vocabulary's padding rows zero), and the iteration,
+    consumed samples and tokens and the LR schedule are the reference's at iteration 2."""
+    _, _, _, ours, cfg, (blob, ref_rank) = imported
+    names = ref_rank["param_names"]
+    ref_state = {n: ref_rank["optimizer"]["state"][i] for i, n in enumerate(names)}
+    masters = dict(zip(names, ref_rank["optimizer"]["fp32_master_weights"]))
+    for rank in range(TP * PP):
+        model, optimizer, parts, g = _load_rank(ours, rank)
+        assert "resharding" not in capsys.readouterr().out
+        assert parts.state.iteration == 2 and parts.state.consumed_samples == 8
+        assert parts.state.consumed_tokens == 8 * cfg.seq_length and parts.state.scheduler_samples == 8
+        # Megatron records no token count at the end of a sample warm-up (0) unless it decays by tokens; the LR
+        # does not read it then: the schedule's keys and its next LR are the reference's
+        lr, want = parts.schedule.lr_schedule, schedule.AnnealingLR(cfg.lr, cfg.min_lr, cfg.lr_decay_style, 4, 40)
+        want.load_state_dict(blob["run"]["scheduler"], override=False)
+        assert {k: v for k, v in lr.state_dict().items() if k != "warmup_end_tokens"} == \
+            {k: v for k, v in blob["run"]["scheduler"].items() if k != "warmup_end_tokens"}
+        assert lr.get_lr(12, 12 * cfg.seq_length) == want.get_lr(12, 12 * cfg.seq_length)
+        for name, p in model.named_parameters():
+            source = "embed.word.weight" if name == "output_weight" else name
+            tensors = {"weight": blob["model"][source], "fp32": masters[source],
+                       "exp_avg": ref_state[source]["exp_avg"], "exp_avg_sq": ref_state[source]["exp_avg_sq"]}
+            main = optimizer.main_param(p)
+            live = {"weight": p, "fp32": main, "exp_avg": optimizer.state[main]["exp_avg"],
+                    "exp_avg_sq": optimizer.state[main]["exp_avg_sq"]}
+            for key, t in tensors.items():
+                tp_dim = getattr(p, "tp_dim", None)
+                if source == "embed.word.weight":  # 50304 rows at TP1, 50432 at TP2: zero padding
+                    t = torch.cat([t[:cfg.vocab_size], t.new_zeros(50432 - cfg.vocab_size, t.shape[1])])
+                want = parallel.shard(t, tp_dim, g) if tp_dim is not None else t
+                assert torch.equal(live[key], want), (rank, name, key)
+            assert optimizer.state[main]["step"] == ref_state[source]["step"] == 2
