@@ -327,12 +327,11 @@ def loss_scale_state(scaler, ours):
     """Our LossScaler's state_dict (ours: a fresh one's) from DeepSpeed's fp16 DynamicLossScaler. DeepSpeed
     doubles at an update whose stable interval (cur_iter - last_overflow_iter - 1) is a positive multiple of
     scale_window; ours after scale_window clean updates in a row: clean_steps is set so that the next doubling
-    comes at the same update. Right after an overflow DeepSpeed waits one update longer, which ours cannot say
-    (clean_steps 0): the doubling then comes one update early."""
+    comes at the same update. Right after an overflow DeepSpeed waits scale_window + 1 updates: clean_steps -1."""
     if scaler is None or not getattr(scaler, "dynamic", False):
         return ours
     stable = scaler.cur_iter - scaler.last_overflow_iter - 1
-    clean = (stable - 1) % scaler.scale_window if stable > 0 else 0
+    clean = (stable - 1) % scaler.scale_window if stable > 0 else -1
     return {"scale": float(scaler.cur_scale), "clean_steps": clean, "hysteresis_left": int(scaler.cur_hysteresis)}
 
 

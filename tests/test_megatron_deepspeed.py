@@ -22,6 +22,7 @@ import pytest
 import torch
 
 import arguments
+import checkpoint
 import optim
 import parallel
 import run_state
@@ -305,3 +306,80 @@ def test_the_written_tp2_pp2_layout_holds_the_reference_state(imported, capsys):
                 want = parallel.shard(t, tp_dim, g) if tp_dim is not None else t
                 assert torch.equal(live[key], want), (rank, name, key)
             assert optimizer.state[main]["step"] == ref_state[source]["step"] == 2
+
+
+# -----------------------------------------------------------------------------
+# Bad input: one message naming the problem and the fix, nothing half-written
+
+
+def _copy(mds, tmp_path):
+    import shutil
+    copy = tmp_path / "mds"
+    shutil.copytree(mds, copy)
+    return copy, copy / "global_step2"
+
+
+def test_a_directory_that_is_not_such_a_checkpoint_is_refused(imported, tmp_path):
+    ref = imported[0]
+    with pytest.raises(ValueError, match="is not a Megatron-DeepSpeed checkpoint: no layer_XX-model_YY"):
+        _import(tmp_path, tmp_path / "out")
+    with pytest.raises(ValueError, match="is not a Megatron-DeepSpeed pipeline checkpoint: it needs layer_XX"):
+        _import(ref, tmp_path / "out")  # one of ours
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_shape_mismatch_is_refused(imported, tmp_path):
+    mds, tag = _copy(imported[2], tmp_path)
+    path = tag / "layer_03-model_01-model_states.pt"
+    sd = torch.load(path, weights_only=False)
+    sd["self_attention.query_key_value.weight"] = sd["self_attention.query_key_value.weight"][:-16].clone()
+    torch.save(sd, path)
+    with pytest.raises(ValueError, match=r"blocks.0.attn.qkv.weight of TP rank 1 needs shape \(96, 64\), the "
+                                         r"Megatron-DeepSpeed checkpoint has shape \(80, 64\)"):
+        _import(mds, tmp_path / "out")
+
+
+def test_a_missing_zero_partition_is_refused(imported, tmp_path):
+    mds, tag = _copy(imported[2], tmp_path)
+    os.remove(tag / "bf16_zero_pp_rank_1_mp_rank_03_optim_states.pt")
+    with pytest.raises(ValueError, match="partitions are missing or of another checkpoint"):
+        _import(mds, tmp_path / "out")
+
+
+def test_without_optimizer_files_the_weights_alone_are_imported(imported, tmp_path, capsys):
+    mds, tag = _copy(imported[2], tmp_path)
+    for name in os.listdir(tag):
+        if "zero_pp_rank" in name:
+            os.remove(tag / name)
+    _import(mds, tmp_path / "out")
+    assert "importing the weights alone; the run continues with a fresh Adam" in capsys.readouterr().out
+    tag_dir = str(tmp_path / "out" / "global_step2")
+    for r in range(TP * PP):
+        g = parallel.Grid(TP, PP, world_size=TP * PP, rank=r)
+        weights = torch.load(checkpoint.model_file(tag_dir, g), weights_only=False)["model"]
+        rank = torch.load(checkpoint.rank_file(tag_dir, g), weights_only=False)
+        assert rank["optimizer"]["state"] == {}  # Adam from step 0
+        for name, master in zip(rank["param_names"], rank["optimizer"]["fp32_master_weights"]):
+            assert torch.equal(master, weights[name].float()), name  # the masters are the weights
+
+
+# -----------------------------------------------------------------------------
+# fp16: DeepSpeed's dynamic loss scaler -> ours
+
+
+@pytest.mark.parametrize("since_overflow", [1, 2, 3, 4, 5, 9])
+def test_the_loss_scale_doubles_at_the_update_deepspeed_would(since_overflow):
+    """DeepSpeed's DynamicLossScaler, some clean updates after an overflow, converted; then both take clean
+    updates: our scale doubles at the same updates as DeepSpeed's."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
+    import megatron_ds
+    theirs = DynamicLossScaler(init_scale=2.0**16, scale_window=4, min_scale=1.0, delayed_shift=2,
+                               consecutive_hysteresis=False)
+    theirs.cur_iter, theirs.last_overflow_iter, theirs.cur_hysteresis = 10, 10 - since_overflow, 1
+    ours = optim.LossScaler(initial_scale=1.0, window=4, hysteresis=2)
+    ours.load_state_dict(megatron_ds.loss_scale_state(theirs, ours.state_dict()))
+    assert ours.scale == 2.0**16 and ours.hysteresis_left == 1
+    for _ in range(12):
+        theirs.update_scale(False)
+        ours.update(False)
+        assert ours.scale == theirs.cur_scale and ours.hysteresis_left == theirs.cur_hysteresis
