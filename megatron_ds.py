@@ -16,8 +16,8 @@ What Megatron-DeepSpeed's pipeline engine (GPTModelPipe under DeepSpeed) writes 
   flattened the same way, the step in the state or, for FusedAdam, in the param group. The last stage's
   partitions hold the tied embedding's copy too (and its unused position embedding).
 
-The result is our checkpoint of the same TP size (its padded vocabulary rows are kept as they are: a run with
-padded_vocab_in_softmax continues exactly), any number of stages (default: the source's), DP=1; reshard.py
+The result is our checkpoint of the same TP size (its padded vocabulary rows are kept as they are: with
+padded_vocab_in_softmax, the default here, the run continues Megatron's softmax exactly), any number of stages (default: the source's), DP=1; reshard.py
 re-cuts it for any other TP x PP x DP layout when it is loaded. Our model on each stage is built on the meta
 device to name and shape every tensor, so a converted checkpoint holds exactly what a run of ours would save.
 
@@ -295,14 +295,18 @@ def _model_keys(args):
     return keys
 
 
-def config_from_args(ckpt, vocab_size=None, pipeline_model_parallel_size=None, pp_partition_method=None):
+def config_from_args(ckpt, vocab_size=None, pipeline_model_parallel_size=None, pp_partition_method=None,
+                     padded_vocab_in_softmax=True):
     """Our training config of the checkpoint's run (arguments.Config), laid out as TP=its TP, PP=the given
     number of stages (default its own), DP=1. The LR schedule comes from the scheduler's own state (samples
-    throughout, whichever unit its args used)."""
+    throughout, whichever unit its args used). padded_vocab_in_softmax: Megatron's softmax runs over the padded
+    vocabulary too (lesson 16), so the run it continues is that model; False leaves the padding out from now on
+    (a model of any TP size, no longer exactly Megatron's)."""
     args, lr = ckpt.args, ckpt.state.get("lr_scheduler") or {}
     keys = {k: getattr(args, k) for k in SAME_ARGS if getattr(args, k, None) is not None}
     keys.update(_model_keys(args), vocab_size=_vocab_size(args, vocab_size), tensor_model_parallel_size=ckpt.tp,
-                pipeline_model_parallel_size=pipeline_model_parallel_size or ckpt.pp)
+                pipeline_model_parallel_size=pipeline_model_parallel_size or ckpt.pp,
+                padded_vocab_in_softmax=padded_vocab_in_softmax)
     if getattr(args, "rampup_batch_size", None):  # Megatron keeps the three numbers as strings
         keys["rampup_batch_size"] = [int(x) for x in args.rampup_batch_size]
     method = pp_partition_method or getattr(args, "pp_partition_method", None) or "type:transformer"

@@ -28,10 +28,13 @@ def main(argv=None):
     parser.add_argument("--pipeline_model_parallel_size", type=int, default=None,
                         help="stages of the written checkpoint (default: the source's; any layout loads it)")
     parser.add_argument("--pp_partition_method", default=None, help="default: the source's")
+    parser.add_argument("--padded_vocab_in_softmax", default="true", choices=["true", "false"],
+                        help="true (default): Megatron's softmax over the padded vocabulary too, the model it "
+                             "trained (its TP size then stays); false: the padding left out from now on")
     args = parser.parse_args(argv)
     ckpt = megatron_ds.Checkpoint(args.load)
     cfg = megatron_ds.config_from_args(ckpt, args.vocab_size, args.pipeline_model_parallel_size,
-                                       args.pp_partition_method)
+                                       args.pp_partition_method, args.padded_vocab_in_softmax == "true")
     return megatron_ds.convert(ckpt, args.save, cfg)
 
 
