@@ -35,7 +35,9 @@ time (weights, fp32 masters and both moments: 14 bytes a parameter under bf16).
 """
 import math
 import os
+import pickle
 import re
+import types
 from dataclasses import asdict
 
 import torch
@@ -68,9 +70,39 @@ SAME_ARGS = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "
 POSITIONS = {"absolute": "learned", "alibi": "alibi"}  # PositionEmbeddingType's names -> ours
 
 
+# Megatron's enums in its pickled args, by value: read without Megatron installed (_StandIn)
+MEGATRON_ENUMS = {("megatron.enums", "PositionEmbeddingType"): {1: "rotary", 2: "absolute", 3: "alibi"}}
+
+
+class _StandIn:
+    """An object of a class whose module is not installed here (Megatron's, in the pickled args): the
+    arguments and state it was pickled with, and the member name of a known Megatron enum."""
+    names = {}
+
+    def __init__(self, *args):
+        self.args = args
+        self.name = self.names.get(args[0]) if args else None
+
+    def __setstate__(self, state):
+        self.__dict__.update(state if isinstance(state, dict) else {"state": state})
+
+
+class _Unpickler(pickle.Unpickler):
+    def find_class(self, module, name):
+        try:
+            return super().find_class(module, name)
+        except (ImportError, AttributeError):
+            return type(name, (_StandIn,), {"names": MEGATRON_ENUMS.get((module, name), {}), "__module__": module})
+
+
+# torch.load's pickle_module: the standard pickle with the Unpickler above
+PICKLE = types.ModuleType("megatron_ds_pickle")
+PICKLE.Unpickler, PICKLE.load, PICKLE.__name__ = _Unpickler, pickle.load, "pickle"
+
+
 def _load(path, what):
     try:
-        return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+        return torch.load(path, map_location="cpu", weights_only=False, mmap=True, pickle_module=PICKLE)
     except Exception as e:  # truncated or not a torch file: say which
         raise ValueError(f"{path} ({what}) cannot be read ({type(e).__name__}: {e}); the Megatron-DeepSpeed "
                          "checkpoint is incomplete or corrupt: copy the file again") from None
@@ -274,7 +306,7 @@ def _model_keys(args):
     """Our keys of the model Megatron's args describe, or one ValueError naming what stablegpt does not compute."""
     keys = {}
     position = getattr(args, "position_embedding_type", "absolute")
-    position = getattr(position, "name", str(position)).split(".")[-1]
+    position = (getattr(position, "name", None) or str(position)).split(".")[-1]  # the enum, or its name
     refusals = [(position not in POSITIONS, f"position_embedding_type {position} (stablegpt imports absolute and "
                  "alibi positions)"),
                 (bool(getattr(args, "glu_activation", None)), f"glu_activation {getattr(args, 'glu_activation', 0)}"),

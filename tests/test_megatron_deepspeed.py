@@ -12,10 +12,13 @@ FusedAdam's step in the param group, the tied embedding's copy on the last stage
   reference's slice, and the counters and LR schedule are carried over.
 """
 import argparse
+import contextlib
 import enum
 import math
 import os
 import runpy
+import sys
+import types
 from collections import OrderedDict
 
 import pytest
@@ -47,6 +50,22 @@ class PositionEmbeddingType(enum.Enum):  # megatron.enums's, pickled into args a
     rotary = 1
     absolute = 2
     alibi = 3
+
+
+PositionEmbeddingType.__module__ = "megatron.enums"
+
+
+@contextlib.contextmanager
+def _megatron_importable():
+    """While the args are pickled: `megatron.enums` importable, as in a Megatron-DeepSpeed run. Not afterwards:
+    the import reads them without Megatron installed."""
+    enums = types.ModuleType("megatron.enums")
+    enums.PositionEmbeddingType = PositionEmbeddingType
+    sys.modules.update({"megatron": types.ModuleType("megatron"), "megatron.enums": enums})
+    try:
+        yield
+    finally:
+        del sys.modules["megatron"], sys.modules["megatron.enums"]
 
 
 # -----------------------------------------------------------------------------
@@ -203,14 +222,15 @@ def write_megatron_checkpoint(directory, cfg, model, rank, run):
                 torch.save({"optimizer_state_dict": shard, "ds_config": {}, "ds_version": "0.6.0"},
                            os.path.join(tag_dir, f"bf16_zero_pp_rank_{dp}_mp_rank_{mp:02d}_optim_states.pt"))
             shapes = [OrderedDict((name, t["fp32"].shape) for name, t in group) for group in groups]
-            torch.save({"module": None, "buffer_names": [], "optimizer": None, "param_shapes": shapes,
-                        "lr_scheduler": megatron_lr, "sparse_tensor_module_names": set(), "skipped_steps": 0,
-                        "global_steps": iteration, "global_samples": run["state"]["consumed_samples"],
-                        "dp_world_size": DP, "mp_world_size": TP * PP, "ds_config": {}, "ds_version": "0.6.0",
-                        "args": _megatron_args(cfg, run), "checkpoint_version": 3.0, "iteration": iteration,
-                        "tokens": run["state"]["consumed_tokens"],
-                        "checkpoint_info": {"padded_vocab_size": 50432, "original_vocab_size": cfg.vocab_size}},
-                       os.path.join(tag_dir, f"mp_rank_{mp:02d}_model_states.pt"))
+            engine = {"module": None, "buffer_names": [], "optimizer": None, "param_shapes": shapes,
+                      "lr_scheduler": megatron_lr, "sparse_tensor_module_names": set(), "skipped_steps": 0,
+                      "global_steps": iteration, "global_samples": run["state"]["consumed_samples"],
+                      "dp_world_size": DP, "mp_world_size": TP * PP, "ds_config": {}, "ds_version": "0.6.0",
+                      "args": _megatron_args(cfg, run), "checkpoint_version": 3.0, "iteration": iteration,
+                      "tokens": run["state"]["consumed_tokens"],
+                      "checkpoint_info": {"padded_vocab_size": 50432, "original_vocab_size": cfg.vocab_size}}
+            with _megatron_importable():
+                torch.save(engine, os.path.join(tag_dir, f"mp_rank_{mp:02d}_model_states.pt"))
     with open(os.path.join(directory, "latest"), "w") as f:
         f.write(f"global_step{iteration}")
     return tag_dir
