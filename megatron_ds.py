@@ -17,8 +17,8 @@ What Megatron-DeepSpeed's pipeline engine (GPTModelPipe under DeepSpeed) writes 
   partitions hold the tied embedding's copy too (and its unused position embedding).
 
 The result is our checkpoint of the same TP size (its padded vocabulary rows are kept as they are: with
-padded_vocab_in_softmax, the default here, the run continues Megatron's softmax exactly), any number of stages (default: the source's), DP=1; reshard.py
-re-cuts it for any other TP x PP x DP layout when it is loaded. Our model on each stage is built on the meta
+padded_vocab_in_softmax, the default here, the run continues Megatron's softmax exactly), any number of stages
+(default: the source's), DP=1; reshard.py re-cuts it for any other TP x PP x DP layout when it is loaded. Our model on each stage is built on the meta
 device to name and shape every tensor, so a converted checkpoint holds exactly what a run of ours would save.
 
 DeepSpeed's own readers (deepspeed.checkpoint) find the files: the layout from the file names
@@ -31,7 +31,8 @@ universal_checkpoint_info that 2021-22 checkpoints lack), so that is done here f
 Not read: DeepSpeed's universal checkpoint (zero/<name>/fp32.pt, ...), the pre-0.4 ZeRO stage-1 format
 (sub-partitions), Megatron checkpoints without the pipeline engine (--no-pipeline-parallel) and the RNG states
 (a converted run draws fresh streams from seed + iteration and says so). Memory: one TP rank's whole state at a
-time (weights, fp32 masters and both moments: 14 bytes a parameter under bf16).
+time (weights, fp32 masters and both moments: 14 bytes a parameter under bf16; ~620 GB for one of tr11-176B's four
+TP ranks).
 """
 import math
 import os
