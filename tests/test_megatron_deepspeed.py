@@ -145,36 +145,62 @@ def _param_groups(cfg, full, pp, tp):
     return [decay, no_decay]
 
 
-def _zero_partitions(groups, step, cfg):
-    """Each DP rank's optimizer_state_dict (DeepSpeed's BF16_Optimizer with FusedAdam) of one (stage, TP rank)."""
+def _zero_partitions(groups, step, cfg, style):
+    """Each DP rank's optimizer_state_dict of one (stage, TP rank). Each group is flattened, padded at its end to
+    a multiple of nccl_start_alignment_factor (2) x DP and cut into DP parts. style "bf16": DeepSpeed's
+    BF16_Optimizer with FusedAdam (tr11-176B): the partitions as they are, the step in the param group; "zero":
+    DeepSpeedZeroOptimizer (fp16 ZeRO-1, tr8b-104B): torch Adam's state_dict with the padding and the step in the
+    state, the fp32 groups without the padding; "elastic": its elastic_checkpoint, per-group states without the
+    padding, the step beside them."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
     from deepspeed.utils.tensor_fragment import fragment_address
     flats, paddings = [], []
     for group in groups:
         flat = {k: torch.cat([t[k].float().flatten() for _, t in group]) for k in ("fp32", "exp_avg", "exp_avg_sq")}
-        padding = -flat["fp32"].numel() % (2 * DP)  # nccl_start_alignment_factor x DP
+        padding = -flat["fp32"].numel() % (2 * DP)
         flats.append({k: torch.cat([t, t.new_zeros(padding)]) for k, t in flat.items()})
         paddings.append(padding)
     out = []
     for dp in range(DP):
         parts = [{k: t.chunk(DP)[dp].clone() for k, t in flat.items()} for flat in flats]
-        mappings = []
-        for group, flat in zip(groups, parts):
-            size, offset, mapping = flat["fp32"].numel(), 0, OrderedDict()
-            for name, t in group:
-                lo, hi = max(offset, dp * size), min(offset + t["fp32"].numel(), (dp + 1) * size)
-                if lo < hi:
-                    mapping[name] = fragment_address(numel=hi - lo, start=lo - dp * size)
-                offset += t["fp32"].numel()
-            mappings.append(mapping)
-        base = {"state": {g: {"exp_avg": p["exp_avg"], "exp_avg_sq": p["exp_avg_sq"]} for g, p in enumerate(parts)},
-                "param_groups": [{"lr": 1e-3, "betas": (cfg.adam_beta1, cfg.adam_beta2), "eps": cfg.adam_eps,
-                                  "weight_decay": wd, "step": step, "bias_correction": True, "params": [g]}
-                                 for g, wd in enumerate((cfg.weight_decay, 0.0))]}
-        out.append({"clip_grad": cfg.clip_grad, "base_optimizer_state": base,
-                    "single_partition_of_fp32_groups": [p["fp32"] for p in parts],
-                    "group_paddings": [pad if dp == DP - 1 else 0 for pad in paddings],
-                    "partition_count": [DP, DP], "ds_version": "0.6.0", "param_slice_mappings": mappings})
+        pads = [pad if dp == DP - 1 else 0 for pad in paddings]
+        lean = [{k: t[:t.numel() - pad] for k, t in p.items()} for p, pad in zip(parts, pads)]
+        param_groups = [{"lr": 1e-3, "betas": (cfg.adam_beta1, cfg.adam_beta2), "eps": cfg.adam_eps,
+                         "weight_decay": wd, "bias_correction": True, "params": [g]}
+                        for g, wd in enumerate((cfg.weight_decay, 0.0))]
+        moments = [{"exp_avg": p["exp_avg"], "exp_avg_sq": p["exp_avg_sq"]} for p in parts]
+        fp32 = [p["fp32"] for p in (parts if style == "bf16" else lean)]
+        if style == "bf16":
+            base = {"state": dict(enumerate(moments)), "param_groups": [dict(g, step=step) for g in param_groups]}
+        elif style == "zero":
+            base = {"state": {g: dict(m, step=torch.tensor(float(step))) for g, m in enumerate(moments)},
+                    "param_groups": param_groups}
+        else:
+            base = [{"exp_avg": p["exp_avg"], "exp_avg_sq": p["exp_avg_sq"]} for p in lean]
+        shard = {"clip_grad": cfg.clip_grad, "base_optimizer_state": base, "single_partition_of_fp32_groups": fp32,
+                 "group_paddings": pads, "partition_count": [DP, DP], "ds_version": "0.6.0",
+                 "param_slice_mappings": _slice_mappings(groups, parts, dp, fragment_address)}
+        if style != "bf16":
+            shard.update(loss_scaler=DynamicLossScaler(2.0**16, 1000, 1.0, 2, False), dynamic_loss_scale=True,
+                         overflow=False, zero_stage=1)
+        if style == "elastic":
+            shard["base_optimizer_state_step"] = step
+        out.append(shard)
     return out
+
+
+def _slice_mappings(groups, parts, dp, fragment_address):
+    """DeepSpeed's param_slice_mappings of DP rank dp: each parameter's (numel, start) in its partition."""
+    mappings = []
+    for group, flat in zip(groups, parts):
+        size, offset, mapping = flat["fp32"].numel(), 0, OrderedDict()
+        for name, t in group:
+            lo, hi = max(offset, dp * size), min(offset + t["fp32"].numel(), (dp + 1) * size)
+            if lo < hi:
+                mapping[name] = fragment_address(numel=hi - lo, start=lo - dp * size)
+            offset += t["fp32"].numel()
+        mappings.append(mapping)
+    return mappings
 
 
 def _megatron_args(cfg, run):
@@ -197,8 +223,9 @@ def _megatron_args(cfg, run):
         consumed_train_tokens=state["consumed_tokens"], deepspeed=True)
 
 
-def write_megatron_checkpoint(directory, cfg, model, rank, run):
-    """global_stepN of a Megatron-DeepSpeed run at TP2 x PP2 x DP2 holding our one-process state."""
+def write_megatron_checkpoint(directory, cfg, model, rank, run, style="bf16"):
+    """global_stepN of a Megatron-DeepSpeed run at TP2 x PP2 x DP2 holding our one-process state; style: the
+    ZeRO optimizer's format (_zero_partitions)."""
     full, step = _full_tensors(cfg, model, rank)
     iteration = run["state"]["iteration"]
     tag_dir = os.path.join(directory, f"global_step{iteration}")
@@ -218,9 +245,10 @@ def write_megatron_checkpoint(directory, cfg, model, rank, run):
         for tp in range(TP):
             groups = _param_groups(cfg, full, pp, tp)
             mp = pp * TP + tp
-            for dp, shard in enumerate(_zero_partitions(groups, step, cfg)):
+            prefix = "bf16_zero_pp_rank_" if style == "bf16" else "zero_pp_rank_"
+            for dp, shard in enumerate(_zero_partitions(groups, step, cfg, style)):
                 torch.save({"optimizer_state_dict": shard, "ds_config": {}, "ds_version": "0.6.0"},
-                           os.path.join(tag_dir, f"bf16_zero_pp_rank_{dp}_mp_rank_{mp:02d}_optim_states.pt"))
+                           os.path.join(tag_dir, f"{prefix}{dp}_mp_rank_{mp:02d}_optim_states.pt"))
             shapes = [OrderedDict((name, t["fp32"].shape) for name, t in group) for group in groups]
             engine = {"module": None, "buffer_names": [], "optimizer": None, "param_shapes": shapes,
                       "lr_scheduler": megatron_lr, "sparse_tensor_module_names": set(), "skipped_steps": 0,
@@ -299,6 +327,21 @@ def test_the_written_tp2_pp2_layout_holds_the_reference_state(imported, capsys):
     moment and step is the reference's (its TP slice; the vocabulary's padding rows zero), and the iteration,
     consumed samples and tokens and the LR schedule are the reference's at iteration 2."""
     _, _, _, ours, cfg, (blob, ref_rank) = imported
+    _assert_holds_reference(ours, cfg, blob, ref_rank, capsys)
+
+
+@pytest.mark.parametrize("style", ["zero", "elastic"])
+def test_deepspeeds_other_zero_formats_give_the_same_state(imported, tmp_path, capsys, style):
+    """DeepSpeed's fp16 ZeRO-1 optimizer (tr8b-104B's: the step in torch Adam's state, the fp32 groups without
+    their padding) and its elastic_checkpoint format (per-group states, the step beside them): the same state
+    comes out as from the BF16 optimizer's."""
+    _, _, _, _, cfg, (blob, ref_rank) = imported
+    write_megatron_checkpoint(tmp_path / "mds", cfg, blob["model"], ref_rank, blob["run"], style)
+    _import(tmp_path / "mds", tmp_path / "ours", "--padded_vocab_in_softmax=false")
+    _assert_holds_reference(tmp_path / "ours", cfg, blob, ref_rank, capsys)
+
+
+def _assert_holds_reference(ours, cfg, blob, ref_rank, capsys):
     names = ref_rank["param_names"]
     ref_state = {n: ref_rank["optimizer"]["state"][i] for i, n in enumerate(names)}
     masters = dict(zip(names, ref_rank["optimizer"]["fp32_master_weights"]))
