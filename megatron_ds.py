@@ -38,6 +38,7 @@ import math
 import os
 import pickle
 import re
+import shutil
 import types
 from dataclasses import asdict
 
@@ -436,6 +437,20 @@ def stage_files(tag_dir, cfg, g, tensors, adam, run):
     return checkpoint.write_files(tag_dir, model_state, run, rank_state, write_model_state=True, g=g)
 
 
+def _write(ckpt, cfg, run, tag_dir):
+    """Every rank's files and the manifest into tag_dir; returns the last rank's grid."""
+    tp, pp = cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size
+    entries, g = [], None
+    for t in range(tp):  # one TP rank's state in memory at a time
+        tensors = weights(ckpt, t)
+        adam = None if ckpt.zero is None else optimizer_states(ckpt, t)
+        for stage in range(pp):
+            g = parallel.Grid(tp, pp, world_size=tp * pp, rank=stage * tp + t)
+            entries.append(stage_files(tag_dir, cfg, g, tensors, adam, run))
+    checkpoint.write_manifest(tag_dir, entries, g)
+    return g
+
+
 def convert(ckpt, save_dir, cfg, log=print):
     """Write our checkpoint of ckpt (a Checkpoint) into save_dir/global_stepN with cfg's layout (TP the
     checkpoint's, DP=1), its manifest, then `latest`. Returns the tag directory."""
@@ -447,16 +462,15 @@ def convert(ckpt, save_dir, cfg, log=print):
             "Adam (step 0, zero moments) and fp32 masters from the weights")
     run = run_dict(ckpt, cfg)
     tag_dir = os.path.join(save_dir, f"global_step{run['state']['iteration']}")
-    os.makedirs(tag_dir)
-    tp, pp = cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size
-    entries, g = [], None
-    for t in range(tp):  # one TP rank's state in memory at a time
-        tensors = weights(ckpt, t)
-        adam = None if ckpt.zero is None else optimizer_states(ckpt, t)
-        for stage in range(pp):
-            g = parallel.Grid(tp, pp, world_size=tp * pp, rank=stage * tp + t)
-            entries.append(stage_files(tag_dir, cfg, g, tensors, adam, run))
-    checkpoint.write_manifest(tag_dir, entries, g)
+    # written into .partial, renamed when complete: a refusal half-way (a damaged partition) leaves nothing
+    partial, created = tag_dir + ".partial", not os.path.exists(save_dir)
+    os.makedirs(partial)
+    try:
+        g = _write(ckpt, cfg, run, partial)
+    except BaseException:
+        shutil.rmtree(save_dir if created else partial)
+        raise
+    os.replace(partial, tag_dir)
     with open(os.path.join(save_dir, checkpoint.LATEST), "w") as f:
         f.write(os.path.basename(tag_dir) + "\n")
     state = run["state"]

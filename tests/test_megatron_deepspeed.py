@@ -404,6 +404,18 @@ def test_a_shape_mismatch_is_refused(imported, tmp_path):
         _import(mds, tmp_path / "out")
 
 
+def test_a_full_save_directory_and_an_older_zero_format_are_refused(imported, tmp_path):
+    mds, tag = _copy(imported[2], tmp_path)
+    with pytest.raises(ValueError, match="is not empty: the import writes a new checkpoint directory"):
+        _import(mds, imported[0])
+    path = tag / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt"  # DeepSpeed < 0.4's ZeRO stage 1
+    torch.save({"optimizer_state_dict": {"local_sub_partitions_of_fp32_groups": [], "base_optimizer_state": []}}, path)
+    with pytest.raises(ValueError, match="hold base_optimizer_state, local_sub_partitions_of_fp32_groups: not the "
+                                         "ZeRO-1/2 or BF16 optimizer format"):
+        _import(mds, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_missing_zero_partition_is_refused(imported, tmp_path):
     mds, tag = _copy(imported[2], tmp_path)
     os.remove(tag / "bf16_zero_pp_rank_1_mp_rank_03_optim_states.pt")
