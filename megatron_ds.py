@@ -18,8 +18,9 @@ What Megatron-DeepSpeed's pipeline engine (GPTModelPipe under DeepSpeed) writes 
 
 The result is our checkpoint of the same TP size (its padded vocabulary rows are kept as they are: with
 padded_vocab_in_softmax, the default here, the run continues Megatron's softmax exactly), any number of stages
-(default: the source's), DP=1; reshard.py re-cuts it for any other TP x PP x DP layout when it is loaded. Our model on each stage is built on the meta
-device to name and shape every tensor, so a converted checkpoint holds exactly what a run of ours would save.
+(default: the source's), DP=1; reshard.py re-cuts it for any other TP x PP x DP layout when it is loaded. Our
+model on each stage is built on the meta device to name and shape every tensor, so a converted checkpoint holds
+exactly what a run of ours would save.
 
 DeepSpeed's own readers (deepspeed.checkpoint) find the files: the layout from the file names
 (get_model_3d_descriptor_from_metadata), each rank's ZeRO files (ZeROCheckpoint). DeepSpeedCheckpoint itself is
