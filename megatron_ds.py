@@ -117,12 +117,13 @@ def tag_dir_of(load_dir):
         raise ValueError(f"Megatron-DeepSpeed checkpoint directory {load_dir} does not exist")
     if any(LAYER_FILE.fullmatch(n) for n in os.listdir(load_dir)):
         return load_dir
-    latest = os.path.join(load_dir, "latest")
-    if os.path.isfile(latest):
+    latest, tracker = os.path.join(load_dir, "latest"), os.path.join(load_dir, "latest_checkpointed_iteration.txt")
+    if os.path.isfile(latest):  # DeepSpeed's tag file
         with open(latest) as f:
             tag = f.read().strip()
-    elif os.path.isfile(os.path.join(load_dir, "latest_checkpointed_iteration.txt")):
-        with open(os.path.join(load_dir, "latest_checkpointed_iteration.txt")) as f:
+    elif os.path.isfile(tracker):  # Megatron's, an iteration number
+        latest = tracker
+        with open(tracker) as f:
             tag = f"global_step{f.read().strip()}"
     else:
         raise ValueError(f"{load_dir} is not a Megatron-DeepSpeed checkpoint: no layer_XX-model_YY-model_states.pt "
@@ -156,7 +157,6 @@ class Checkpoint:
         if len(model_files) != self.tp * self.pp:
             raise ValueError(f"{self.dir} has {len(model_files)} mp_rank_*_model_states.pt files for TP={self.tp}: "
                              "some are missing; copy the whole checkpoint directory")
-        self.model_files = model_files
         self.zero = None
         if zero_files:
             from deepspeed.checkpoint.zero_checkpoint import ZeROCheckpoint
@@ -164,11 +164,16 @@ class Checkpoint:
         self.layers = sorted({int(LAYER_FILE.fullmatch(os.path.basename(f)).group(1)) for f in self.layer_files})
         self.state = self.model_state(0, 0)  # Megatron's own: args, iteration, tokens, lr_scheduler
         if getattr(self.state.get("args"), "num_layers", None) is None:
-            raise ValueError(f"{self.model_files[0]} holds no Megatron 'args': not a Megatron-DeepSpeed checkpoint")
+            raise ValueError(f"{self.dir}'s mp_rank_00_model_states.pt holds no Megatron 'args': not a "
+                             "Megatron-DeepSpeed checkpoint")
         self.args = self.state["args"]
 
     def model_state(self, pp, tp):
-        return _load(self.model_files[pp * self.tp + tp], f"engine state of stage {pp}, TP rank {tp}")
+        # by name, not by place in the sorted list: mp_rank_100 sorts before mp_rank_11 (tr8b-104B had 128)
+        path = os.path.join(self.dir, f"mp_rank_{pp * self.tp + tp:02d}_model_states.pt")
+        if not os.path.isfile(path):
+            raise ValueError(f"{path} is missing: the checkpoint is incomplete; copy the whole directory")
+        return _load(path, f"engine state of stage {pp}, TP rank {tp}")
 
     def layer(self, index, tp):
         path = os.path.join(self.dir, f"layer_{index:02d}-model_{tp:02d}-model_states.pt")
