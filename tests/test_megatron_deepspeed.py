@@ -416,6 +416,19 @@ def test_a_full_save_directory_and_an_older_zero_format_are_refused(imported, tm
     assert not (tmp_path / "out").exists()
 
 
+def test_a_tied_embedding_copy_that_differs_is_refused(imported, tmp_path):
+    """Lesson 11: the last stage's copy of the tied embedding (the first entry of its ZeRO group 0 here) must be the
+    first stage's."""
+    mds, tag = _copy(imported[2], tmp_path)
+    path = tag / f"bf16_zero_pp_rank_0_mp_rank_{(PP - 1) * TP:02d}_optim_states.pt"
+    shard = torch.load(path, weights_only=False)
+    shard["optimizer_state_dict"]["single_partition_of_fp32_groups"][0][0] += 1e-3
+    torch.save(shard, path)
+    with pytest.raises(ValueError, match=r"the last stage's fp32 copy of the tied word embedding differs from the "
+                                         r"first stage's on TP rank 0 \(lesson 11\)"):
+        _import(mds, tmp_path / "out")
+
+
 def test_a_missing_zero_partition_is_refused(imported, tmp_path):
     mds, tag = _copy(imported[2], tmp_path)
     os.remove(tag / "bf16_zero_pp_rank_1_mp_rank_03_optim_states.pt")
