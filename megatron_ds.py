@@ -255,6 +255,10 @@ def adam_states(ckpt, pp, tp):
         raise ValueError(f"{ckpt.dir}: the ZeRO partitions hold {found}: not the ZeRO-1/2 or BF16 optimizer format "
                          "of DeepSpeed >= 0.4 (flat fp32 groups and param_shapes); convert it with a DeepSpeed of "
                          "its time, or import the weights alone by moving the *zero_pp_rank_* files away")
+    if any(any(p) for s in shards for p in s.get("param_alignment_paddings") or []):
+        raise ValueError(f"{ckpt.dir}: the ZeRO partitions pad each parameter (DeepSpeed's parameter_alignment, "
+                         "newer than Megatron-DeepSpeed), which this import does not read; import the weights alone "
+                         "by moving the *zero_pp_rank_* files away")
     out = {}
     for group, names in enumerate(shapes):
         flat = {"fp32": torch.cat([s["single_partition_of_fp32_groups"][group] for s in shards])}

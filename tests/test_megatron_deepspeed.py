@@ -416,6 +416,16 @@ def test_a_full_save_directory_and_an_older_zero_format_are_refused(imported, tm
     assert not (tmp_path / "out").exists()
 
 
+def test_zero_partitions_padded_per_parameter_are_refused(imported, tmp_path):
+    mds, tag = _copy(imported[2], tmp_path)
+    path = tag / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"  # DeepSpeed's newer parameter_alignment
+    shard = torch.load(path, weights_only=False)
+    shard["optimizer_state_dict"]["param_alignment_paddings"] = [[0, 3, 0], [0]]
+    torch.save(shard, path)
+    with pytest.raises(ValueError, match="pad each parameter .*parameter_alignment"):
+        _import(mds, tmp_path / "out")
+
+
 def test_a_tied_embedding_copy_that_differs_is_refused(imported, tmp_path):
     """Lesson 11: the last stage's copy of the tied embedding (the first entry of its ZeRO group 0 here) must be the
     first stage's."""
