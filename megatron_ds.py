@@ -29,7 +29,11 @@ equal stages, which BLOOM's partition (5 layers on its first and last stage, 6 b
 turns a flat ZeRO partition back into parameters (ds_to_universal does it through files on disk, and needs the
 universal_checkpoint_info that 2021-22 checkpoints lack), so that is done here from `param_shapes`.
 
-Not read: DeepSpeed's universal checkpoint (zero/<name>/fp32.pt, ...), the pre-0.4 ZeRO stage-1 format
+DeepSpeed's universal checkpoint (ds_to_universal's output: zero/<name>/fp32.pt, exp_avg.pt, ... whole tensors
+with the dimension they were cut along, the vocabulary's padding dropped, and the mp_rank files, no layer files) is
+read too: its masters are the weights, each tensor is cut for the TP size its args name. Its fp16 loss scale is not.
+
+Not read: the pre-0.4 ZeRO stage-1 format
 (sub-partitions), Megatron checkpoints without the pipeline engine (--no-pipeline-parallel) and the RNG states
 (a converted run draws fresh streams from seed + iteration and says so). Memory: one TP rank's whole state at a
 time (weights, fp32 masters and both moments: 14 bytes a parameter under bf16; ~620 GB for one of tr11-176B's four
@@ -115,9 +119,12 @@ def tag_dir_of(load_dir):
     """The global_stepN directory that load_dir's `latest` names (or load_dir itself when it is one)."""
     if not os.path.isdir(load_dir):
         raise ValueError(f"Megatron-DeepSpeed checkpoint directory {load_dir} does not exist")
-    if any(LAYER_FILE.fullmatch(n) for n in os.listdir(load_dir)):
+    if any(LAYER_FILE.fullmatch(n) for n in os.listdir(load_dir)) or os.path.isdir(os.path.join(load_dir, "zero")):
         return load_dir
     latest, tracker = os.path.join(load_dir, "latest"), os.path.join(load_dir, "latest_checkpointed_iteration.txt")
+    if not os.path.isfile(latest):  # ds_to_universal's tag file, beside its output
+        latest = os.path.join(load_dir, "latest_universal") if os.path.isfile(os.path.join(
+            load_dir, "latest_universal")) else latest
     if os.path.isfile(latest):  # DeepSpeed's tag file
         with open(latest) as f:
             tag = f.read().strip()
@@ -140,19 +147,31 @@ class Checkpoint:
 
     def __init__(self, load_dir):
         from deepspeed.checkpoint import constants as ds
-        from deepspeed.checkpoint.reshape_3d_utils import get_model_3d_descriptor_from_metadata
+        from deepspeed.checkpoint.reshape_3d_utils import get_model_3d_descriptor_from_metadata, model_3d_desc
         from deepspeed.checkpoint.reshape_utils import get_files, get_files_with_prefix, get_zero_files
         self.dir = tag_dir_of(load_dir)
         files = get_files(self.dir)
         self.layer_files = sorted(f for f in files if LAYER_FILE.fullmatch(os.path.basename(f)))
         model_files = get_files_with_prefix(files, ds.MODEL_FILE_PREFIX)
-        if not self.layer_files or not model_files:
+        # DeepSpeed's universal checkpoint (ds_to_universal): zero/<parameter>/fp32.pt, ... and the mp_rank files
+        self.universal = os.path.isdir(os.path.join(self.dir, "zero"))
+        if not (self.layer_files or self.universal) or not model_files:
             raise ValueError(f"{self.dir} is not a Megatron-DeepSpeed pipeline checkpoint: it needs "
-                             "layer_XX-model_YY-model_states.pt and mp_rank_XX_model_states.pt files (a checkpoint "
-                             "saved with --no-pipeline-parallel, or of another program, cannot be imported)")
-        zero_files = get_zero_files(self.dir)
-        # the layout from the file names alone: TP = the embedding layer's files, PP = model files / TP
-        layout = get_model_3d_descriptor_from_metadata(files, zero_files, [(f, {}) for f in model_files])
+                             "layer_XX-model_YY-model_states.pt (or a universal checkpoint's zero/) and "
+                             "mp_rank_XX_model_states.pt files (a checkpoint saved with --no-pipeline-parallel, or "
+                             "of another program, cannot be imported)")
+        self.tp = self.pp = 1
+        self.state = self.model_state(0, 0)  # Megatron's own: args, iteration, tokens, lr_scheduler
+        self.args = self.state.get("args")
+        if getattr(self.args, "num_layers", None) is None:
+            raise ValueError(f"{self.dir}'s mp_rank_00_model_states.pt holds no Megatron 'args': not a "
+                             "Megatron-DeepSpeed checkpoint")
+        zero_files = [] if self.universal else get_zero_files(self.dir)
+        # the layout from the file names alone (TP = the embedding layer's files, PP = model files / TP); a
+        # universal checkpoint has no layer files: its args say
+        layout = model_3d_desc(self.args.pipeline_model_parallel_size, self.args.tensor_model_parallel_size) \
+            if self.universal else get_model_3d_descriptor_from_metadata(files, zero_files,
+                                                                          [(f, {}) for f in model_files])
         self.tp, self.pp, self.dp = layout.tp_degree, layout.pp_degree, layout.dp_degree
         if len(model_files) != self.tp * self.pp:
             raise ValueError(f"{self.dir} has {len(model_files)} mp_rank_*_model_states.pt files for TP={self.tp}: "
@@ -161,12 +180,11 @@ class Checkpoint:
         if zero_files:
             from deepspeed.checkpoint.zero_checkpoint import ZeROCheckpoint
             self.zero = ZeROCheckpoint(self.dir, source_3d=layout)
+        self.has_optimizer = self.universal or self.zero is not None
         self.layers = sorted({int(LAYER_FILE.fullmatch(os.path.basename(f)).group(1)) for f in self.layer_files})
-        self.state = self.model_state(0, 0)  # Megatron's own: args, iteration, tokens, lr_scheduler
-        if getattr(self.state.get("args"), "num_layers", None) is None:
-            raise ValueError(f"{self.dir}'s mp_rank_00_model_states.pt holds no Megatron 'args': not a "
-                             "Megatron-DeepSpeed checkpoint")
-        self.args = self.state["args"]
+        if self.universal:  # the embedding (1), then the layers its parameters name: the blocks, the final norm
+            self.layers = [1] + sorted({int(n.split(".")[0]) for n in os.listdir(os.path.join(self.dir, "zero"))
+                                        if n.split(".")[0].isdigit()})
 
     def model_state(self, pp, tp):
         # by name, not by place in the sorted list: mp_rank_100 sorts before mp_rank_11 (tr8b-104B had 128)
@@ -222,11 +240,53 @@ def optimizer_name(ckpt, name):
 
 
 def weights(ckpt, tp):
-    """{our name: tensor} of TP rank tp, from the layer files."""
+    """{our name: tensor} of TP rank tp, from the layer files (a universal checkpoint's: its fp32 masters)."""
     out = {}
+    if ckpt.universal:
+        for pp in range(ckpt.pp):
+            for names in ckpt.model_state(pp, tp)["param_shapes"]:
+                for name in names:
+                    if pp == 0 or not name.startswith(TIED):
+                        out[our_name(ckpt, *optimizer_name(ckpt, name))] = universal_slice(ckpt, name, "fp32", tp)
+        return out
     for layer in ckpt.layers:
         for key, tensor in ckpt.layer(layer, tp).items():
             out[our_name(ckpt, layer, key)] = tensor
+    return out
+
+
+def universal_slice(ckpt, name, key, tp):
+    """TP rank tp's slice of a universal checkpoint's zero/<name>/<key>.pt (a whole tensor, cut along its cat_dim;
+    replicated without one), the vocabulary's padding rows, which it drops, back as zeros."""
+    blob = _load(os.path.join(ckpt.dir, "zero", name, f"{key}.pt"), f"universal {key} of {name}")
+    if "sub_param_shape" in blob or "param_n_sub_params" in blob:
+        raise ValueError(f"{ckpt.dir}: {name} is stored as sub-parameters (a GLU's fused weights), which this import "
+                         "does not read")
+    t = blob["param"]
+    if blob.get("vocab_tensor"):
+        t = torch.cat([t, t.new_zeros(ckpt.args.padded_vocab_size - t.shape[0], *t.shape[1:])])
+    dim = blob.get("cat_dim")
+    return t if dim is None else t.chunk(ckpt.tp, dim)[tp].clone()
+
+
+def universal_states(ckpt, shapes, tp):
+    """adam_states of a universal checkpoint: each parameter's fp32 master and moments, the step in its own
+    step.pt or (FusedAdam's) in the param group of zero/optimizer_state.pt."""
+    common = None
+    out = {}
+    for group, names in enumerate(shapes):
+        for name, shape in names.items():
+            state = {key: universal_slice(ckpt, name, key, tp) for key in ("fp32", "exp_avg", "exp_avg_sq")}
+            if any(tuple(t.shape) != tuple(shape) for t in state.values()):
+                raise ValueError(f"{ckpt.dir}: zero/{name} cut for TP rank {tp} of {ckpt.tp} is not of shape "
+                                 f"{tuple(shape)} (param_shapes): the universal checkpoint is of another layout")
+            step = os.path.join(ckpt.dir, "zero", name, "step.pt")
+            if os.path.isfile(step):
+                state["step"] = int(_load(step, f"universal step of {name}"))
+            else:
+                common = common or _load(os.path.join(ckpt.dir, "zero", "optimizer_state.pt"), "optimizer state")
+                state["step"] = int(common["param_groups"][group]["step"])
+            out[name] = state
     return out
 
 
@@ -249,6 +309,8 @@ def adam_states(ckpt, pp, tp):
     group's DP partitions put back together (the padding DeepSpeed adds for alignment is at the end of the
     group's flat tensor) and cut into parameters in the order of the engine's param_shapes."""
     shapes = ckpt.model_state(pp, tp).get("param_shapes")
+    if ckpt.universal:
+        return universal_states(ckpt, shapes, tp)
     shards = ckpt.zero_shards(pp, tp)
     if "single_partition_of_fp32_groups" not in shards[0] or not shapes:
         found = ", ".join(sorted(shards[0])[:6])
@@ -453,7 +515,7 @@ def _write(ckpt, cfg, run, tag_dir):
     entries, g = [], None
     for t in range(tp):  # one TP rank's state in memory at a time
         tensors = weights(ckpt, t)
-        adam = None if ckpt.zero is None else optimizer_states(ckpt, t)
+        adam = optimizer_states(ckpt, t) if ckpt.has_optimizer else None
         for stage in range(pp):
             g = parallel.Grid(tp, pp, world_size=tp * pp, rank=stage * tp + t)
             entries.append(stage_files(tag_dir, cfg, g, tensors, adam, run))
@@ -467,7 +529,7 @@ def convert(ckpt, save_dir, cfg, log=print):
     if os.path.isdir(save_dir) and os.listdir(save_dir):
         raise ValueError(f"{save_dir} is not empty: the import writes a new checkpoint directory; give an empty or "
                          "new --save")
-    if ckpt.zero is None:
+    if not ckpt.has_optimizer:
         log(f"no ZeRO optimizer files in {ckpt.dir}: importing the weights alone; the run continues with a fresh "
             "Adam (step 0, zero moments) and fp32 masters from the weights")
     run = run_dict(ckpt, cfg)

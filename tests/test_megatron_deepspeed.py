@@ -223,6 +223,20 @@ def _megatron_args(cfg, run):
         consumed_train_tokens=state["consumed_tokens"], deepspeed=True)
 
 
+# What later Megatron-DeepSpeed (microsoft's) stores for DeepSpeed's ds_to_universal: how each parameter is cut
+UNIVERSAL_INFO = {
+    "universal_checkpoint_version": 0.2, "original_vocab_size": 50257, "padded_vocab_size": 50432,
+    "vocabulary_parameter_patterns": [r"tied_modules.embed.word_embeddings.weight"],
+    "pipeline_replicated_parameter_patterns": [r"tied_modules.embed.word_embeddings.weight",
+                                               r"tied_modules.embed.position_embeddings.weight"],
+    "tp_replicated_parameter_patterns": [
+        r"tied_modules.embed.word_embeddings.norm.weight", r"tied_modules.embed.word_embeddings.norm.bias",
+        r"tied_modules.embed.position_embeddings.weight", r"\d+.input_layernorm.weight", r"\d+.input_layernorm.bias",
+        r"\d+.post_attention_layernorm.weight", r"\d+.post_attention_layernorm.bias", r"\d+.self_attention.dense.bias",
+        r"\d+.mlp.dense_4h_to_h.bias", r"\d+.weight", r"\d+.bias"],
+    "parameter_with_row_parallelism_patterns": [r"\d+.mlp.dense_4h_to_h.weight", r"\d+.self_attention.dense.weight"]}
+
+
 def write_megatron_checkpoint(directory, cfg, model, rank, run, style="bf16"):
     """global_stepN of a Megatron-DeepSpeed run at TP2 x PP2 x DP2 holding our one-process state; style: the
     ZeRO optimizer's format (_zero_partitions)."""
@@ -256,7 +270,8 @@ def write_megatron_checkpoint(directory, cfg, model, rank, run, style="bf16"):
                       "dp_world_size": DP, "mp_world_size": TP * PP, "ds_config": {}, "ds_version": "0.6.0",
                       "args": _megatron_args(cfg, run), "checkpoint_version": 3.0, "iteration": iteration,
                       "tokens": run["state"]["consumed_tokens"],
-                      "checkpoint_info": {"padded_vocab_size": 50432, "original_vocab_size": cfg.vocab_size}}
+                      "checkpoint_info": {"padded_vocab_size": 50432, "original_vocab_size": cfg.vocab_size},
+                      "universal_checkpoint_info": UNIVERSAL_INFO}
             with _megatron_importable():
                 torch.save(engine, os.path.join(tag_dir, f"mp_rank_{mp:02d}_model_states.pt"))
     with open(os.path.join(directory, "latest"), "w") as f:
@@ -338,6 +353,21 @@ def test_deepspeeds_other_zero_formats_give_the_same_state(imported, tmp_path, c
     _, _, _, _, cfg, (blob, ref_rank) = imported
     write_megatron_checkpoint(tmp_path / "mds", cfg, blob["model"], ref_rank, blob["run"], style)
     _import(tmp_path / "mds", tmp_path / "ours", "--padded_vocab_in_softmax=false")
+    _assert_holds_reference(tmp_path / "ours", cfg, blob, ref_rank, capsys)
+
+
+def test_deepspeeds_universal_checkpoint_gives_the_same_state(imported, tmp_path, capsys):
+    """The checkpoint turned into DeepSpeed's universal checkpoint by DeepSpeed's own ds_to_universal (whole
+    tensors in zero/<parameter>/, the vocabulary's padding dropped, no layer files): the same state comes out."""
+    from deepspeed.checkpoint import ds_to_universal
+    universal = tmp_path / "universal" / "global_step2_universal"
+    with _megatron_importable():  # DeepSpeed's reader unpickles Megatron's args
+        ds_to_universal.main(argparse.Namespace(
+            input_folder=str(imported[2] / "global_step2"), output_folder=str(universal), num_extract_workers=1,
+            num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=False))
+    assert not any(n.startswith("layer_") for n in os.listdir(universal))
+    _import(tmp_path / "universal", tmp_path / "ours", "--padded_vocab_in_softmax=false")  # by latest_universal
+    _, _, _, _, cfg, (blob, ref_rank) = imported
     _assert_holds_reference(tmp_path / "ours", cfg, blob, ref_rank, capsys)
 
 

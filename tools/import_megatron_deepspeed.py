@@ -7,8 +7,9 @@ partitions) as a checkpoint of ours, so that train.py continues the run where Me
 It writes the checkpoint `latest` names (or the global_stepN directory given) with the weights, the fp32 master
 weights, Adam's moments and step, the iteration, consumed samples and tokens and the LR schedule, in the source's
 TP size and --pipeline_model_parallel_size stages (default the source's), DP=1; train.py loads it with any TP x
-PP x DP layout (reshard.py). Without ZeRO files the weights alone are imported, and the output says so. The
-format and its limits: megatron_ds.py.
+PP x DP layout (reshard.py). Without ZeRO files the weights alone are imported, and the output says so.
+DeepSpeed's universal checkpoint (ds_to_universal's output, or the directory with its latest_universal) is read
+too. The format and its limits: megatron_ds.py.
 """
 import argparse
 import os
