@@ -215,7 +215,7 @@ FLOORS = (
     {"hf", "run_state"},
     {"stability"},  # the stability layer: callbacks on the step
     {"arguments", "builders"},  # every owner's keys; every part built
-    {"estimate"},
+    {"estimate", "megatron_ds"},  # megatron_ds: builds each stage and its optimizer to write a checkpoint
     {"train", "bench"},  # the scripts
 )
 SCRIPTS = {"train"}  # run, never imported: by the product, the tools, the lab or the tests

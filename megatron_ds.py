@@ -1,0 +1,552 @@
+"""Megatron-DeepSpeed checkpoints (the format of tr8b-104B and tr11-176B) read into this project's checkpoints, so
+that `train.py --load` continues a BigScience-style run where Megatron-DeepSpeed stopped.
+
+    ckpt = megatron_ds.Checkpoint(MDS_DIR)           # its `latest` tag: files, layout, args, iteration
+    megatron_ds.convert(ckpt, OUR_DIR)               # our global_stepN/ with weights, Adam state, counters
+
+What Megatron-DeepSpeed's pipeline engine (GPTModelPipe under DeepSpeed) writes into global_stepN/:
+- layer_XX-model_TT-model_states.pt: one pipeline layer's weights on TP rank TT, XX its index in GPTModelPipe's
+  list of layers (1: the embedding, then the transformer layers, then the final LayerNorm). The tied output
+  layer on the last stage is a function of the embedding module, not a layer of its own: no file holds it;
+- mp_rank_MM_model_states.pt (MM = stage x TP + TP rank): DeepSpeed's engine state (`param_shapes`: the names and
+  shapes of the parameters its ZeRO optimizer flattened, group by group; `lr_scheduler`) and Megatron's (`args`,
+  `iteration`, `tokens`, `checkpoint_info`);
+- [bf16_]zero_pp_rank_D_mp_rank_MM_optim_states.pt: data-parallel rank D's ZeRO-1 partition of that stage's
+  optimizer: each parameter group is one flat fp32 tensor (the masters) cut into DP equal parts, Adam's moments
+  flattened the same way, the step in the state or, for FusedAdam, in the param group. The last stage's
+  partitions hold the tied embedding's copy too (and its unused position embedding).
+
+The result is our checkpoint of the same TP size (its padded vocabulary rows are kept as they are: with
+padded_vocab_in_softmax, the default here, the run continues Megatron's softmax exactly), any number of stages
+(default: the source's), DP=1; reshard.py re-cuts it for any other TP x PP x DP layout when it is loaded. Our
+model on each stage is built on the meta device to name and shape every tensor, so a converted checkpoint holds
+exactly what a run of ours would save.
+
+DeepSpeed's own readers (deepspeed.checkpoint) find the files: the layout from the file names
+(get_model_3d_descriptor_from_metadata), each rank's ZeRO files (ZeROCheckpoint). DeepSpeedCheckpoint itself is
+not used: it refuses a directory without ZeRO files (a weights-only import) and its layer-to-stage map assumes
+equal stages, which BLOOM's partition (5 layers on its first and last stage, 6 between) is not; no reader there
+turns a flat ZeRO partition back into parameters (ds_to_universal does it through files on disk, and needs the
+universal_checkpoint_info that 2021-22 checkpoints lack), so that is done here from `param_shapes`.
+
+DeepSpeed's universal checkpoint (ds_to_universal's output: zero/<name>/fp32.pt, exp_avg.pt, ... whole tensors
+with the dimension they were cut along, the vocabulary's padding dropped, and the mp_rank files, no layer files) is
+read too: its masters are the weights, each tensor is cut for the TP size its args name. Its fp16 loss scale is not.
+
+Not read: the pre-0.4 ZeRO stage-1 format
+(sub-partitions), Megatron checkpoints without the pipeline engine (--no-pipeline-parallel) and the RNG states
+(a converted run draws fresh streams from seed + iteration and says so). Memory: one TP rank's whole state at a
+time (weights, fp32 masters and both moments: 14 bytes a parameter under bf16; ~620 GB for one of tr11-176B's four
+TP ranks).
+"""
+import math
+import os
+import pickle
+import re
+import shutil
+import types
+from dataclasses import asdict
+
+import torch
+
+import arguments
+import checkpoint
+import optim
+import parallel
+import precision
+import reshard
+import run_state
+import schedule
+from model import GPT, GPTConfig
+
+# Their names -> ours: the embedding layer's, a transformer layer's (weight and bias each), the final LayerNorm's
+EMBEDDING = {"word_embeddings.weight": "embed.word.weight", "position_embeddings.weight": "embed.position.weight",
+             "word_embeddings.norm.weight": "embed.norm.weight", "word_embeddings.norm.bias": "embed.norm.bias"}
+BLOCK = {"input_layernorm": "ln_1", "self_attention.query_key_value": "attn.qkv", "self_attention.dense": "attn.proj",
+         "post_attention_layernorm": "ln_2", "mlp.dense_h_to_4h": "mlp.fc1", "mlp.dense_4h_to_h": "mlp.fc2"}
+FINAL_NORM = {"weight": "ln_f.weight", "bias": "ln_f.bias"}
+TIED = "tied_modules.embed."  # the prefix of the embedding module's parameters in the optimizer's names
+LAYER_FILE = re.compile(r"layer_(\d+)-model_(\d+)-model_states\.pt")
+
+# Megatron's args -> our keys of the same meaning and name; the others are translated in config_from_args
+SAME_ARGS = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "layernorm_epsilon", "init_method_std",
+             "hidden_dropout", "attention_dropout", "make_vocab_size_divisible_by", "apply_query_key_layer_scaling",
+             "embed_layernorm", "micro_batch_size", "global_batch_size", "seed", "weight_decay", "clip_grad",
+             "adam_beta1", "adam_beta2", "adam_eps", "fp16", "bf16", "loss_scale", "initial_loss_scale",
+             "min_loss_scale", "loss_scale_window", "hysteresis", "tensor_model_parallel_size")
+POSITIONS = {"absolute": "learned", "alibi": "alibi"}  # PositionEmbeddingType's names -> ours
+
+
+# Megatron's enums in its pickled args, by value: read without Megatron installed (_StandIn)
+MEGATRON_ENUMS = {("megatron.enums", "PositionEmbeddingType"): {1: "rotary", 2: "absolute", 3: "alibi"}}
+
+
+class _StandIn:
+    """An object of a class whose module is not installed here (Megatron's, in the pickled args): the
+    arguments and state it was pickled with, and the member name of a known Megatron enum."""
+    names = {}
+
+    def __init__(self, *args):
+        self.args = args
+        self.name = self.names.get(args[0]) if args else None
+
+    def __setstate__(self, state):
+        self.__dict__.update(state if isinstance(state, dict) else {"state": state})
+
+
+class _Unpickler(pickle.Unpickler):
+    def find_class(self, module, name):
+        try:
+            return super().find_class(module, name)
+        except (ImportError, AttributeError):
+            return type(name, (_StandIn,), {"names": MEGATRON_ENUMS.get((module, name), {}), "__module__": module})
+
+
+# torch.load's pickle_module: the standard pickle with the Unpickler above
+PICKLE = types.ModuleType("megatron_ds_pickle")
+PICKLE.Unpickler, PICKLE.load, PICKLE.__name__ = _Unpickler, pickle.load, "pickle"
+
+
+def _load(path, what):
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False, mmap=True, pickle_module=PICKLE)
+    except Exception as e:  # truncated or not a torch file: say which
+        raise ValueError(f"{path} ({what}) cannot be read ({type(e).__name__}: {e}); the Megatron-DeepSpeed "
+                         "checkpoint is incomplete or corrupt: copy the file again") from None
+
+
+def tag_dir_of(load_dir):
+    """The global_stepN directory that load_dir's `latest` names (or load_dir itself when it is one)."""
+    if not os.path.isdir(load_dir):
+        raise ValueError(f"Megatron-DeepSpeed checkpoint directory {load_dir} does not exist")
+    if any(LAYER_FILE.fullmatch(n) for n in os.listdir(load_dir)) or os.path.isdir(os.path.join(load_dir, "zero")):
+        return load_dir
+    latest, tracker = os.path.join(load_dir, "latest"), os.path.join(load_dir, "latest_checkpointed_iteration.txt")
+    if not os.path.isfile(latest):  # ds_to_universal's tag file, beside its output
+        latest = os.path.join(load_dir, "latest_universal") if os.path.isfile(os.path.join(
+            load_dir, "latest_universal")) else latest
+    if os.path.isfile(latest):  # DeepSpeed's tag file
+        with open(latest) as f:
+            tag = f.read().strip()
+    elif os.path.isfile(tracker):  # Megatron's, an iteration number
+        latest = tracker
+        with open(tracker) as f:
+            tag = f"global_step{f.read().strip()}"
+    else:
+        raise ValueError(f"{load_dir} is not a Megatron-DeepSpeed checkpoint: no layer_XX-model_YY-model_states.pt "
+                         "files and no 'latest' file; pass the directory given to --save (or one of its "
+                         "global_stepN)")
+    if not os.path.isdir(os.path.join(load_dir, tag)):
+        raise ValueError(f"{latest} names {tag!r}, which is not a directory of {load_dir}; write an existing "
+                         "global_stepN into it")
+    return os.path.join(load_dir, tag)
+
+
+class Checkpoint:
+    """The files of one Megatron-DeepSpeed checkpoint (a global_stepN directory), found by DeepSpeed's readers."""
+
+    def __init__(self, load_dir):
+        from deepspeed.checkpoint import constants as ds
+        from deepspeed.checkpoint.reshape_3d_utils import get_model_3d_descriptor_from_metadata, model_3d_desc
+        from deepspeed.checkpoint.reshape_utils import get_files, get_files_with_prefix, get_zero_files
+        self.dir = tag_dir_of(load_dir)
+        files = get_files(self.dir)
+        self.layer_files = sorted(f for f in files if LAYER_FILE.fullmatch(os.path.basename(f)))
+        model_files = get_files_with_prefix(files, ds.MODEL_FILE_PREFIX)
+        # DeepSpeed's universal checkpoint (ds_to_universal): zero/<parameter>/fp32.pt, ... and the mp_rank files
+        self.universal = os.path.isdir(os.path.join(self.dir, "zero"))
+        if not (self.layer_files or self.universal) or not model_files:
+            raise ValueError(f"{self.dir} is not a Megatron-DeepSpeed pipeline checkpoint: it needs "
+                             "layer_XX-model_YY-model_states.pt (or a universal checkpoint's zero/) and "
+                             "mp_rank_XX_model_states.pt files (a checkpoint saved with --no-pipeline-parallel, or "
+                             "of another program, cannot be imported)")
+        self.tp = self.pp = 1
+        self.state = self.model_state(0, 0)  # Megatron's own: args, iteration, tokens, lr_scheduler
+        self.args = self.state.get("args")
+        if getattr(self.args, "num_layers", None) is None:
+            raise ValueError(f"{self.dir}'s mp_rank_00_model_states.pt holds no Megatron 'args': not a "
+                             "Megatron-DeepSpeed checkpoint")
+        zero_files = [] if self.universal else get_zero_files(self.dir)
+        # the layout from the file names alone (TP = the embedding layer's files, PP = model files / TP); a
+        # universal checkpoint has no layer files: its args say
+        layout = model_3d_desc(self.args.pipeline_model_parallel_size, self.args.tensor_model_parallel_size) \
+            if self.universal else get_model_3d_descriptor_from_metadata(files, zero_files,
+                                                                          [(f, {}) for f in model_files])
+        self.tp, self.pp, self.dp = layout.tp_degree, layout.pp_degree, layout.dp_degree
+        if len(model_files) != self.tp * self.pp:
+            raise ValueError(f"{self.dir} has {len(model_files)} mp_rank_*_model_states.pt files for TP={self.tp}: "
+                             "some are missing; copy the whole checkpoint directory")
+        self.zero = None
+        if zero_files:
+            from deepspeed.checkpoint.zero_checkpoint import ZeROCheckpoint
+            self.zero = ZeROCheckpoint(self.dir, source_3d=layout)
+        self.has_optimizer = self.universal or self.zero is not None
+        self.layers = sorted({int(LAYER_FILE.fullmatch(os.path.basename(f)).group(1)) for f in self.layer_files})
+        if self.universal:  # the embedding (1), then the layers its parameters name: the blocks, the final norm
+            self.layers = [1] + sorted({int(n.split(".")[0]) for n in os.listdir(os.path.join(self.dir, "zero"))
+                                        if n.split(".")[0].isdigit()})
+
+    def model_state(self, pp, tp):
+        # by name, not by place in the sorted list: mp_rank_100 sorts before mp_rank_11 (tr8b-104B had 128)
+        path = os.path.join(self.dir, f"mp_rank_{pp * self.tp + tp:02d}_model_states.pt")
+        if not os.path.isfile(path):
+            raise ValueError(f"{path} is missing: the checkpoint is incomplete; copy the whole directory")
+        return _load(path, f"engine state of stage {pp}, TP rank {tp}")
+
+    def layer(self, index, tp):
+        path = os.path.join(self.dir, f"layer_{index:02d}-model_{tp:02d}-model_states.pt")
+        if not os.path.isfile(path):
+            raise ValueError(f"{path} is missing: the checkpoint is incomplete; copy the whole directory")
+        return _load(path, f"layer {index} of TP rank {tp}")
+
+    def zero_shards(self, pp, tp):
+        """The optimizer_state_dict of every DP rank's ZeRO partition of (stage pp, TP rank tp), in DP order."""
+        out = []
+        for dp in range(self.dp):
+            (path,) = self.zero.get_files_for_rank(pp_index=pp, tp_index=tp, dp_index=dp)
+            out.append(_load(path, f"ZeRO partition of DP rank {dp}, stage {pp}, TP rank {tp}")["optimizer_state_dict"])
+        return out
+
+
+# -----------------------------------------------------------------------------
+# Their names and ours
+
+
+def our_name(ckpt, layer, key):
+    """Our parameter name of `key` in layer file `layer` (the embedding, a transformer layer, the final norm)."""
+    embedding, final = ckpt.layers[0], ckpt.layers[-1]
+    table = EMBEDDING if layer == embedding else FINAL_NORM if layer == final else None
+    if table is None:
+        module, _, what = key.rpartition(".")
+        ours = BLOCK.get(module)
+        name = None if ours is None else f"blocks.{layer - ckpt.layers[1]}.{ours}.{what}"
+    else:
+        name = table.get(key)
+    if name is None:
+        raise ValueError(f"{ckpt.dir}: layer {layer} holds {key!r}, which this model has no place for (a "
+                         "Megatron-DeepSpeed feature stablegpt does not compute); it cannot be imported")
+    return name
+
+
+def optimizer_name(ckpt, name):
+    """(layer index, key in its layer file) of a name in the engine's param_shapes ('3.mlp.dense_4h_to_h.weight',
+    'tied_modules.embed.word_embeddings.weight')."""
+    if name.startswith(TIED):
+        return ckpt.layers[0], name[len(TIED):]
+    index, _, key = name.partition(".")
+    if not index.isdigit():
+        raise ValueError(f"{ckpt.dir}: the optimizer holds {name!r}, not a parameter of GPTModelPipe's layers")
+    return int(index), key
+
+
+def weights(ckpt, tp):
+    """{our name: tensor} of TP rank tp, from the layer files (a universal checkpoint's: its fp32 masters)."""
+    out = {}
+    if ckpt.universal:
+        for pp in range(ckpt.pp):
+            for names in ckpt.model_state(pp, tp)["param_shapes"]:
+                for name in names:
+                    if pp == 0 or not name.startswith(TIED):
+                        out[our_name(ckpt, *optimizer_name(ckpt, name))] = universal_slice(ckpt, name, "fp32", tp)
+        return out
+    for layer in ckpt.layers:
+        for key, tensor in ckpt.layer(layer, tp).items():
+            out[our_name(ckpt, layer, key)] = tensor
+    return out
+
+
+def universal_slice(ckpt, name, key, tp):
+    """TP rank tp's slice of a universal checkpoint's zero/<name>/<key>.pt (a whole tensor, cut along its cat_dim;
+    replicated without one), the vocabulary's padding rows, which it drops, back as zeros."""
+    blob = _load(os.path.join(ckpt.dir, "zero", name, f"{key}.pt"), f"universal {key} of {name}")
+    if "sub_param_shape" in blob or "param_n_sub_params" in blob:
+        raise ValueError(f"{ckpt.dir}: {name} is stored as sub-parameters (a GLU's fused weights), which this import "
+                         "does not read")
+    t = blob["param"]
+    if blob.get("vocab_tensor"):
+        t = torch.cat([t, t.new_zeros(ckpt.args.padded_vocab_size - t.shape[0], *t.shape[1:])])
+    dim = blob.get("cat_dim")
+    return t if dim is None else t.chunk(ckpt.tp, dim)[tp].clone()
+
+
+def universal_states(ckpt, shapes, tp):
+    """adam_states of a universal checkpoint: each parameter's fp32 master and moments, the step in its own
+    step.pt or (FusedAdam's) in the param group of zero/optimizer_state.pt."""
+    common = None
+    out = {}
+    for group, names in enumerate(shapes):
+        for name, shape in names.items():
+            state = {key: universal_slice(ckpt, name, key, tp) for key in ("fp32", "exp_avg", "exp_avg_sq")}
+            if any(tuple(t.shape) != tuple(shape) for t in state.values()):
+                raise ValueError(f"{ckpt.dir}: zero/{name} cut for TP rank {tp} of {ckpt.tp} is not of shape "
+                                 f"{tuple(shape)} (param_shapes): the universal checkpoint is of another layout")
+            step = os.path.join(ckpt.dir, "zero", name, "step.pt")
+            if os.path.isfile(step):
+                state["step"] = int(_load(step, f"universal step of {name}"))
+            else:
+                common = common or _load(os.path.join(ckpt.dir, "zero", "optimizer_state.pt"), "optimizer state")
+                state["step"] = int(common["param_groups"][group]["step"])
+            out[name] = state
+    return out
+
+
+def _group_states(shard, group):
+    """(exp_avg and exp_avg_sq of one param group, flat; its step) in one DP rank's ZeRO partition. The base
+    optimizer's state is torch's state_dict (one flat parameter per group) or, with DeepSpeed's elastic_checkpoint,
+    a list of per-group states; FusedAdam (apex's, DeepSpeed's) counts the step in the param group."""
+    base = shard["base_optimizer_state"]
+    state = base[group] if isinstance(base, list) else base["state"].get(group, {})
+    step = state.get("step")
+    if step is None and isinstance(base, dict):
+        step = base["param_groups"][group].get("step")
+    if step is None:
+        step = shard.get("base_optimizer_state_step")
+    return state, step
+
+
+def adam_states(ckpt, pp, tp):
+    """{their optimizer name: {"fp32", "exp_avg", "exp_avg_sq", "step"}} of (stage pp, TP rank tp): each param
+    group's DP partitions put back together (the padding DeepSpeed adds for alignment is at the end of the
+    group's flat tensor) and cut into parameters in the order of the engine's param_shapes."""
+    shapes = ckpt.model_state(pp, tp).get("param_shapes")
+    if ckpt.universal:
+        return universal_states(ckpt, shapes, tp)
+    shards = ckpt.zero_shards(pp, tp)
+    if "single_partition_of_fp32_groups" not in shards[0] or not shapes:
+        found = ", ".join(sorted(shards[0])[:6])
+        raise ValueError(f"{ckpt.dir}: the ZeRO partitions hold {found}: not the ZeRO-1/2 or BF16 optimizer format "
+                         "of DeepSpeed >= 0.4 (flat fp32 groups and param_shapes); convert it with a DeepSpeed of "
+                         "its time, or import the weights alone by moving the *zero_pp_rank_* files away")
+    if any(any(p) for s in shards for p in s.get("param_alignment_paddings") or []):
+        raise ValueError(f"{ckpt.dir}: the ZeRO partitions pad each parameter (DeepSpeed's parameter_alignment, "
+                         "newer than Megatron-DeepSpeed), which this import does not read; import the weights alone "
+                         "by moving the *zero_pp_rank_* files away")
+    out = {}
+    for group, names in enumerate(shapes):
+        flat = {"fp32": torch.cat([s["single_partition_of_fp32_groups"][group] for s in shards])}
+        states = [_group_states(s, group) for s in shards]
+        for key in ("exp_avg", "exp_avg_sq"):
+            flat[key] = torch.cat([state[key] for state, _ in states])
+        steps = {None if step is None else int(step) for _, step in states}
+        total = sum(math.prod(shape) for shape in names.values())
+        if len(steps) != 1 or None in steps or any(t.numel() < total for t in flat.values()):
+            raise ValueError(f"{ckpt.dir}: the ZeRO partitions of stage {pp}, TP rank {tp}, group {group} hold "
+                             f"{flat['fp32'].numel()} values and Adam steps {sorted(steps, key=str)} for {total} "
+                             "parameters: partitions are missing or of another checkpoint; copy the whole directory")
+        (step,) = steps
+        offset = 0
+        for name, shape in names.items():
+            n = math.prod(shape)
+            # clones: a view would make torch.save write the whole flat group again for every parameter
+            out[name] = {k: t[offset:offset + n].view(tuple(shape)).clone() for k, t in flat.items()}
+            out[name]["step"] = step
+            offset += n
+    return out
+
+
+def optimizer_states(ckpt, tp):
+    """{our name: {"fp32", "exp_avg", "exp_avg_sq", "step"}} of TP rank tp over every stage. The last stage's copy
+    of the tied embedding was stepped with the same all-reduced gradient as the first stage's: its masters must be
+    the same (lesson 11), and ours is rebuilt from the first stage's; its unused position embedding is dropped."""
+    out = {}
+    for pp in range(ckpt.pp):
+        for name, state in adam_states(ckpt, pp, tp).items():
+            ours = our_name(ckpt, *optimizer_name(ckpt, name))
+            if pp == 0 or not name.startswith(TIED):
+                out[ours] = state
+            elif ours == "embed.word.weight" and not torch.equal(state["fp32"], out[ours]["fp32"]):
+                raise ValueError(f"{ckpt.dir}: the last stage's fp32 copy of the tied word embedding differs from "
+                                 f"the first stage's on TP rank {tp} (lesson 11); the checkpoint cannot be "
+                                 "continued as it is: compare the two in Megatron-DeepSpeed, or repair one copy")
+    return out
+
+
+# -----------------------------------------------------------------------------
+# Megatron's args and counters -> our config and run state
+
+
+def _vocab_size(args, vocab_size):
+    """The tokenizer's vocabulary (Megatron keeps only the padded size): given, or GPT-2's for its tokenizer."""
+    if vocab_size is not None:
+        return vocab_size
+    if getattr(args, "tokenizer_type", None) == "GPT2BPETokenizer":
+        return 50257
+    raise ValueError(f"the checkpoint's tokenizer is {getattr(args, 'tokenizer_type', None)!r}, whose vocabulary "
+                     f"size Megatron does not store (only the padded {args.padded_vocab_size}): give it with "
+                     "--vocab_size (tokenizer.json's size, e.g. 250680 for BLOOM's)")
+
+
+def _model_keys(args):
+    """Our keys of the model Megatron's args describe, or one ValueError naming what stablegpt does not compute."""
+    keys = {}
+    position = getattr(args, "position_embedding_type", "absolute")
+    position = (getattr(position, "name", None) or str(position)).split(".")[-1]  # the enum, or its name
+    refusals = [(position not in POSITIONS, f"position_embedding_type {position} (stablegpt imports absolute and "
+                 "alibi positions)"),
+                (bool(getattr(args, "glu_activation", None)), f"glu_activation {getattr(args, 'glu_activation', 0)}"),
+                (getattr(args, "apply_residual_connection_post_layernorm", False),
+                 "apply_residual_connection_post_layernorm (the residual taken after the LayerNorm)"),
+                (position == "absolute" and getattr(args, "max_position_embeddings", args.seq_length)
+                 != args.seq_length, f"max_position_embeddings {getattr(args, 'max_position_embeddings', None)} "
+                 f"other than seq_length {args.seq_length} (stablegpt's table has seq_length rows)")]
+    for refused, what in refusals:
+        if refused:
+            raise ValueError(f"the Megatron-DeepSpeed checkpoint has {what}: stablegpt cannot continue it")
+    keys["position_embedding_type"] = POSITIONS[position]
+    # Megatron's fused bias-GeLU (bias_gelu_fusion, its default) and openai_gelu are the tanh approximation
+    tanh = getattr(args, "bias_gelu_fusion", False) or getattr(args, "openai_gelu", False)
+    keys["activation"] = "gelu_tanh" if tanh else "gelu"
+    ffn = getattr(args, "ffn_hidden_size", None)
+    keys["ffn_hidden_size"] = None if ffn in (None, 4 * args.hidden_size) else ffn
+    return keys
+
+
+def config_from_args(ckpt, vocab_size=None, pipeline_model_parallel_size=None, pp_partition_method=None,
+                     padded_vocab_in_softmax=True):
+    """Our training config of the checkpoint's run (arguments.Config), laid out as TP=its TP, PP=the given
+    number of stages (default its own), DP=1. The LR schedule comes from the scheduler's own state (samples
+    throughout, whichever unit its args used). padded_vocab_in_softmax: Megatron's softmax runs over the padded
+    vocabulary too (lesson 16), so the run it continues is that model; False leaves the padding out from now on
+    (a model of any TP size, no longer exactly Megatron's)."""
+    args, lr = ckpt.args, ckpt.state.get("lr_scheduler") or {}
+    keys = {k: getattr(args, k) for k in SAME_ARGS if getattr(args, k, None) is not None}
+    keys.update(_model_keys(args), vocab_size=_vocab_size(args, vocab_size), tensor_model_parallel_size=ckpt.tp,
+                pipeline_model_parallel_size=pipeline_model_parallel_size or ckpt.pp,
+                padded_vocab_in_softmax=padded_vocab_in_softmax)
+    if getattr(args, "rampup_batch_size", None):  # Megatron keeps the three numbers as strings
+        keys["rampup_batch_size"] = [int(x) for x in args.rampup_batch_size]
+    method = pp_partition_method or getattr(args, "pp_partition_method", None) or "type:transformer"
+    if method in parallel.PARTITION_METHODS:
+        keys["pp_partition_method"] = method
+    if lr:
+        keys.update(lr=lr["max_lr"], min_lr=lr["min_lr"], lr_decay_style=lr["decay_style"],
+                    lr_warmup_samples=lr["warmup_steps"], lr_decay_samples=lr["decay_steps"],
+                    lr_decay_tokens=getattr(args, "lr_decay_tokens", None))
+    length = {"train_samples": args.train_samples} if getattr(args, "train_samples", None) else \
+        {"train_iters": getattr(args, "train_iters", None)}
+    cfg = arguments.Config(**keys, **length)
+    padded = GPTConfig.from_config(cfg).padded_vocab_size
+    if padded != args.padded_vocab_size:
+        raise ValueError(f"vocab_size {cfg.vocab_size} pads to {padded} rows at TP={ckpt.tp} with "
+                         f"make_vocab_size_divisible_by={cfg.make_vocab_size_divisible_by}, the checkpoint has "
+                         f"{args.padded_vocab_size}: give the tokenizer's vocabulary size with --vocab_size")
+    return arguments.prepare(cfg, ckpt.tp * cfg.pipeline_model_parallel_size, reads_data=False)
+
+
+def loss_scale_state(scaler, ours):
+    """Our LossScaler's state_dict (ours: a fresh one's) from DeepSpeed's fp16 DynamicLossScaler. DeepSpeed
+    doubles at an update whose stable interval (cur_iter - last_overflow_iter - 1) is a positive multiple of
+    scale_window; ours after scale_window clean updates in a row: clean_steps is set so that the next doubling
+    comes at the same update. Right after an overflow DeepSpeed waits scale_window + 1 updates: clean_steps -1."""
+    if scaler is None or not getattr(scaler, "dynamic", False):
+        return ours
+    stable = scaler.cur_iter - scaler.last_overflow_iter - 1
+    clean = (stable - 1) % scaler.scale_window if stable > 0 else -1
+    return {"scale": float(scaler.cur_scale), "clean_steps": clean, "hysteresis_left": int(scaler.cur_hysteresis)}
+
+
+def run_dict(ckpt, cfg):
+    """The run dict of our checkpoint files ({"state", "scheduler", "scaler", "config"}) from Megatron's counters:
+    iteration, consumed samples (args.consumed_train_samples) and tokens (`tokens`), the LR scheduler's samples
+    (num_steps: applied iterations only) and tokens (num_tokens: Megatron counts every iteration's)."""
+    args, sd = ckpt.args, ckpt.state
+    lr = sd.get("lr_scheduler") or {}
+    tokens = int(sd.get("tokens") or getattr(args, "consumed_train_tokens", 0) or 0)
+    samples = int(getattr(args, "consumed_train_samples", 0) or 0)
+    state = run_state.RunState(iteration=int(sd["iteration"]), consumed_samples=samples, consumed_tokens=tokens,
+                               scheduler_samples=int(lr.get("num_steps", samples)),
+                               scheduler_tokens=int(lr.get("num_tokens", tokens)))
+    annealing = schedule.Schedule(cfg, 1).lr_schedule
+    scheduler = annealing.state_dict()
+    # Megatron records the token count at the end of its sample warm-up in `warmup_tokens` (0 unless it decays
+    # by tokens); ours in warmup_end_tokens, None while the warm-up lasts
+    if annealing.warmup_samples and state.scheduler_samples >= annealing.warmup_samples:
+        scheduler["warmup_end_tokens"] = int(lr.get("warmup_tokens", 0))
+    scaler = None
+    if ckpt.zero is not None and cfg.fp16:
+        scaler = ckpt.zero_shards(0, 0)[0].get("loss_scaler")
+    return {"state": asdict(state), "scheduler": scheduler,
+            "scaler": loss_scale_state(scaler, optim.scaler_for(cfg).state_dict()), "config": asdict(cfg)}
+
+
+# -----------------------------------------------------------------------------
+# Our checkpoint
+
+
+def stage_files(tag_dir, cfg, g, tensors, adam, run):
+    """Write the files of rank g (TP rank, stage; DP=1): its stage built on the meta device names and shapes every
+    tensor, and its optimizer (optim.optimizer_for) gives the state_dict layout our load reads. adam None: the
+    weights alone, Adam fresh (no steps), the fp32 masters the weights. Returns the manifest entries."""
+    layers = parallel.partition_layers(cfg.num_layers, g.pp_size, cfg.pp_partition_method)[g.pp_rank]
+    with torch.device("meta"):
+        gpt = GPT(GPTConfig.from_config(cfg), layers, g.is_first_stage, g.is_last_stage, grid=g)
+    gpt.to(precision.compute_dtype(cfg))
+    model_state = {}
+    for name, live in gpt.state_dict().items():
+        source = tensors.get(reshard.TIED_COPY.get(name, name))
+        if source is None or source.shape != live.shape:
+            found = "nothing" if source is None else f"shape {tuple(source.shape)}"
+            raise ValueError(f"{name} of TP rank {g.tp_rank} needs shape {tuple(live.shape)}, the Megatron-DeepSpeed "
+                             f"checkpoint has {found}: its args do not describe its weights (or --vocab_size is "
+                             "wrong); check the checkpoint's files")
+        model_state[name] = source.to(live.dtype).clone()
+    optimizer = optim.optimizer_for(cfg, gpt)
+    template = optimizer.state_dict()
+    masters = template.get("fp32_master_weights")
+    names = reshard.param_names(gpt, optimizer)
+    for index, name in enumerate(names):
+        state = None if adam is None else adam.get(reshard.TIED_COPY.get(name, name))
+        if adam is not None and (state is None or state["fp32"].shape != model_state[name].shape):
+            raise ValueError(f"the ZeRO partitions of TP rank {g.tp_rank} hold no state of shape "
+                             f"{tuple(model_state[name].shape)} for {name}: the optimizer's param_shapes do not match "
+                             "the layer files; the checkpoint is of two runs, or damaged")
+        if masters is not None:  # the run's truth under fp16/bf16 (lesson 6)
+            masters[index] = model_state[name].float() if state is None else state["fp32"]
+        if state is not None:
+            template["state"][index] = {"step": state["step"], "exp_avg": state["exp_avg"],
+                                        "exp_avg_sq": state["exp_avg_sq"]}
+    rank_state = {"optimizer": template, "rng": None, "param_names": names}
+    return checkpoint.write_files(tag_dir, model_state, run, rank_state, write_model_state=True, g=g)
+
+
+def _write(ckpt, cfg, run, tag_dir):
+    """Every rank's files and the manifest into tag_dir; returns the last rank's grid."""
+    tp, pp = cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size
+    entries, g = [], None
+    for t in range(tp):  # one TP rank's state in memory at a time
+        tensors = weights(ckpt, t)
+        adam = optimizer_states(ckpt, t) if ckpt.has_optimizer else None
+        for stage in range(pp):
+            g = parallel.Grid(tp, pp, world_size=tp * pp, rank=stage * tp + t)
+            entries.append(stage_files(tag_dir, cfg, g, tensors, adam, run))
+    checkpoint.write_manifest(tag_dir, entries, g)
+    return g
+
+
+def convert(ckpt, save_dir, cfg, log=print):
+    """Write our checkpoint of ckpt (a Checkpoint) into save_dir/global_stepN with cfg's layout (TP the
+    checkpoint's, DP=1), its manifest, then `latest`. Returns the tag directory."""
+    if os.path.isdir(save_dir) and os.listdir(save_dir):
+        raise ValueError(f"{save_dir} is not empty: the import writes a new checkpoint directory; give an empty or "
+                         "new --save")
+    if not ckpt.has_optimizer:
+        log(f"no ZeRO optimizer files in {ckpt.dir}: importing the weights alone; the run continues with a fresh "
+            "Adam (step 0, zero moments) and fp32 masters from the weights")
+    run = run_dict(ckpt, cfg)
+    tag_dir = os.path.join(save_dir, f"global_step{run['state']['iteration']}")
+    # written into .partial, renamed when complete: a refusal half-way (a damaged partition) leaves nothing
+    partial, created = tag_dir + ".partial", not os.path.exists(save_dir)
+    os.makedirs(partial)
+    try:
+        g = _write(ckpt, cfg, run, partial)
+    except BaseException:
+        shutil.rmtree(save_dir if created else partial)
+        raise
+    os.replace(partial, tag_dir)
+    with open(os.path.join(save_dir, checkpoint.LATEST), "w") as f:
+        f.write(os.path.basename(tag_dir) + "\n")
+    state = run["state"]
+    log(f"imported {ckpt.dir} (TP={ckpt.tp} x PP={ckpt.pp} x DP={ckpt.dp}) into {tag_dir} as "
+        f"{reshard.describe(checkpoint.topology(g))}: iteration {state['iteration']}, consumed samples "
+        f"{state['consumed_samples']:,}, tokens {state['consumed_tokens']:,}; load it with any layout")
+    return tag_dir

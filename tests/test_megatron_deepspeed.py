@@ -1,0 +1,517 @@
+"""Megatron-DeepSpeed checkpoints in (megatron_ds.py, tools/import_megatron_deepspeed.py).
+
+The reference is a run of ours: 3 iterations straight at TP1 (bf16, dropout off, the GPT-2 vocabulary), saving at
+iteration 2. Its iteration-2 state is written out as Megatron-DeepSpeed would have saved it at TP2 x PP2 x DP2
+(write_megatron_checkpoint: GPTModelPipe's layer files, the vocabulary padded for TP2, the fused QKV rebuilt head by
+head from q, k and v, the engine's mp_rank states with param_shapes and Megatron's args, iteration, tokens,
+checkpoint_info and lr_scheduler, BF16-optimizer ZeRO partitions with the flat fp32 groups, Adam's moments and
+FusedAdam's step in the param group, the tied embedding's copy on the last stage), imported, and resumed:
+- at TP1 the resumed iteration 3 equals the straight run's bit for bit (its loss, and the weights, fp32 masters,
+  moments and step of its checkpoint);
+- at TP2 x PP2 (the written layout, loaded as each of its four ranks) every weight, master and moment is the
+  reference's slice, and the counters and LR schedule are carried over.
+"""
+import argparse
+import contextlib
+import enum
+import math
+import os
+import runpy
+import sys
+import types
+from collections import OrderedDict
+
+import pytest
+import torch
+
+import arguments
+import checkpoint
+import optim
+import parallel
+import run_state
+import schedule
+import training
+from builders import build_model
+from helpers import ROOT, assert_same, final_state, losses, run_main
+
+TP, PP, DP = 2, 2, 2
+ARGS = ["--num_layers=2", "--hidden_size=64", "--num_attention_heads=4", "--seq_length=32", "--micro_batch_size=2",
+        "--global_batch_size=4", "--bf16", "--activation=gelu_tanh", "--lr_warmup_samples=4",
+        "--lr_decay_samples=40", "--train_iters=3", "--log_interval=1", "--eval_interval=1000",
+        "--eval_iters=1", "--sample_tokens=0", "--device=cpu"]
+BLOCK = {"ln_1": "input_layernorm", "attn.qkv": "self_attention.query_key_value",
+         "attn.proj": "self_attention.dense", "ln_2": "post_attention_layernorm", "mlp.fc1": "mlp.dense_h_to_4h",
+         "mlp.fc2": "mlp.dense_4h_to_h"}
+COLUMNS = ("self_attention.dense.weight", "mlp.dense_4h_to_h.weight")  # row-parallel: split along the inputs
+ROWS = ("word_embeddings.weight", "self_attention.query_key_value", "mlp.dense_h_to_4h")  # split along the outputs
+
+
+class PositionEmbeddingType(enum.Enum):  # megatron.enums's, pickled into args as Megatron does
+    rotary = 1
+    absolute = 2
+    alibi = 3
+
+
+PositionEmbeddingType.__module__ = "megatron.enums"
+
+
+@contextlib.contextmanager
+def _megatron_importable():
+    """While the args are pickled: `megatron.enums` importable, as in a Megatron-DeepSpeed run. Not afterwards:
+    the import reads them without Megatron installed."""
+    enums = types.ModuleType("megatron.enums")
+    enums.PositionEmbeddingType = PositionEmbeddingType
+    sys.modules.update({"megatron": types.ModuleType("megatron"), "megatron.enums": enums})
+    try:
+        yield
+    finally:
+        del sys.modules["megatron"], sys.modules["megatron.enums"]
+
+
+# -----------------------------------------------------------------------------
+# Megatron-DeepSpeed's side, written from a state of ours
+
+
+def _megatron_qkv(t, heads):
+    """Our fused qkv (rows) -> Megatron's, rebuilt from q, k and v: each TP partition's output is [np, 3, hn]
+    (ParallelAttention's view of mixed_x_layer), i.e. head by head, q then k then v."""
+    q, k, v = t.view(heads, 3, -1, *t.shape[1:]).unbind(1)
+    per_head = [torch.cat([q[h], k[h], v[h]]) for h in range(heads)]
+    return torch.cat(per_head)
+
+
+def _full_tensors(cfg, model, rank):
+    """{Megatron name in GPTModelPipe (layer index, key): {"weight" (bf16), "fp32", "exp_avg", "exp_avg_sq"}} of
+    the whole model, the vocabulary padded for TP2, from our one-process checkpoint."""
+    opt = rank["optimizer"]
+    names = rank["param_names"]
+    padded = math.ceil(cfg.vocab_size / (cfg.make_vocab_size_divisible_by * TP)) * cfg.make_vocab_size_divisible_by * TP
+    out = {}
+    for index, name in enumerate(names):
+        state = opt["state"][index]
+        tensors = {"weight": model[name], "fp32": opt["fp32_master_weights"][index],
+                   "exp_avg": state["exp_avg"], "exp_avg_sq": state["exp_avg_sq"]}
+        if name == "embed.word.weight":
+            tensors = {k: torch.cat([t, t.new_zeros(padded - t.shape[0], t.shape[1])]) for k, t in tensors.items()}
+        if name.endswith("attn.qkv.weight") or name.endswith("attn.qkv.bias"):
+            tensors = {k: _megatron_qkv(t, cfg.num_attention_heads) for k, t in tensors.items()}
+        out[_megatron_name(cfg, name)] = tensors
+    return out, opt["state"][0]["step"]
+
+
+def _megatron_name(cfg, name):
+    embedding = {"embed.word.weight": "word_embeddings.weight", "embed.position.weight": "position_embeddings.weight",
+                 "embed.norm.weight": "word_embeddings.norm.weight", "embed.norm.bias": "word_embeddings.norm.bias"}
+    if name in embedding:
+        return 1, embedding[name]
+    if name.startswith("ln_f."):
+        return cfg.num_layers + 4, name[len("ln_f."):]
+    _, layer, rest = name.split(".", 2)
+    module, what = rest.rsplit(".", 1)
+    return 3 + int(layer), f"{BLOCK[module]}.{what}"
+
+
+def _tp_slice(key, t, tp):
+    if key in COLUMNS:
+        return t.chunk(TP, dim=1)[tp].clone()
+    if key.startswith(ROWS):
+        return t.chunk(TP, dim=0)[tp].clone()
+    return t.clone()
+
+
+def _stage_layers(cfg, pp):
+    """GPTModelPipe's layers with parameters on stage pp (partition 'type:transformer': the blocks split evenly)."""
+    per = cfg.num_layers // PP
+    blocks = list(range(3 + pp * per, 3 + (pp + 1) * per))
+    return ([1] if pp == 0 else []) + blocks + ([cfg.num_layers + 4] if pp == PP - 1 else [])
+
+
+def _param_groups(cfg, full, pp, tp):
+    """The stage's ZeRO groups as Megatron builds them (its modules in order; LayerNorms and biases without weight
+    decay): [[(optimizer name, {tensors})]] x 2. On the last stage the tied embedding module comes first, as
+    `tied_modules` is registered before the layers, with its word embedding (a copy of the first stage's) and its
+    unused position embedding."""
+    decay, no_decay = [], []
+    entries = [(layer, key) for (layer, key) in full if layer in _stage_layers(cfg, pp)]
+    if pp == PP - 1:
+        unused = {k: torch.full_like(t, 0.5) for k, t in full[1, "position_embeddings.weight"].items()}
+        entries = [(1, "word_embeddings.weight"), (1, "position_embeddings.weight")] + entries
+    for layer, key in entries:
+        tensors = unused if pp > 0 and (layer, key) == (1, "position_embeddings.weight") else full[layer, key]
+        name = f"tied_modules.embed.{key}" if layer == 1 else f"{layer}.{key}"
+        norm = "layernorm" in key or ".norm." in key or layer == cfg.num_layers + 4
+        group = no_decay if norm or key.endswith("bias") else decay
+        group.append((name, {k: _tp_slice(key, t, tp) for k, t in tensors.items()}))
+    return [decay, no_decay]
+
+
+def _zero_partitions(groups, step, cfg, style):
+    """Each DP rank's optimizer_state_dict of one (stage, TP rank). Each group is flattened, padded at its end to
+    a multiple of nccl_start_alignment_factor (2) x DP and cut into DP parts. style "bf16": DeepSpeed's
+    BF16_Optimizer with FusedAdam (tr11-176B): the partitions as they are, the step in the param group; "zero":
+    DeepSpeedZeroOptimizer (fp16 ZeRO-1, tr8b-104B): torch Adam's state_dict with the padding and the step in the
+    state, the fp32 groups without the padding; "elastic": its elastic_checkpoint, per-group states without the
+    padding, the step beside them."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
+    from deepspeed.utils.tensor_fragment import fragment_address
+    flats, paddings = [], []
+    for group in groups:
+        flat = {k: torch.cat([t[k].float().flatten() for _, t in group]) for k in ("fp32", "exp_avg", "exp_avg_sq")}
+        padding = -flat["fp32"].numel() % (2 * DP)
+        flats.append({k: torch.cat([t, t.new_zeros(padding)]) for k, t in flat.items()})
+        paddings.append(padding)
+    out = []
+    for dp in range(DP):
+        parts = [{k: t.chunk(DP)[dp].clone() for k, t in flat.items()} for flat in flats]
+        pads = [pad if dp == DP - 1 else 0 for pad in paddings]
+        lean = [{k: t[:t.numel() - pad] for k, t in p.items()} for p, pad in zip(parts, pads)]
+        param_groups = [{"lr": 1e-3, "betas": (cfg.adam_beta1, cfg.adam_beta2), "eps": cfg.adam_eps,
+                         "weight_decay": wd, "bias_correction": True, "params": [g]}
+                        for g, wd in enumerate((cfg.weight_decay, 0.0))]
+        moments = [{"exp_avg": p["exp_avg"], "exp_avg_sq": p["exp_avg_sq"]} for p in parts]
+        fp32 = [p["fp32"] for p in (parts if style == "bf16" else lean)]
+        if style == "bf16":
+            base = {"state": dict(enumerate(moments)), "param_groups": [dict(g, step=step) for g in param_groups]}
+        elif style == "zero":
+            base = {"state": {g: dict(m, step=torch.tensor(float(step))) for g, m in enumerate(moments)},
+                    "param_groups": param_groups}
+        else:
+            base = [{"exp_avg": p["exp_avg"], "exp_avg_sq": p["exp_avg_sq"]} for p in lean]
+        shard = {"clip_grad": cfg.clip_grad, "base_optimizer_state": base, "single_partition_of_fp32_groups": fp32,
+                 "group_paddings": pads, "partition_count": [DP, DP], "ds_version": "0.6.0",
+                 "param_slice_mappings": _slice_mappings(groups, parts, dp, fragment_address)}
+        if style != "bf16":
+            shard.update(loss_scaler=DynamicLossScaler(2.0**16, 1000, 1.0, 2, False), dynamic_loss_scale=True,
+                         overflow=False, zero_stage=1)
+        if style == "elastic":
+            shard["base_optimizer_state_step"] = step
+        out.append(shard)
+    return out
+
+
+def _slice_mappings(groups, parts, dp, fragment_address):
+    """DeepSpeed's param_slice_mappings of DP rank dp: each parameter's (numel, start) in its partition."""
+    mappings = []
+    for group, flat in zip(groups, parts):
+        size, offset, mapping = flat["fp32"].numel(), 0, OrderedDict()
+        for name, t in group:
+            lo, hi = max(offset, dp * size), min(offset + t["fp32"].numel(), (dp + 1) * size)
+            if lo < hi:
+                mapping[name] = fragment_address(numel=hi - lo, start=lo - dp * size)
+            offset += t["fp32"].numel()
+        mappings.append(mapping)
+    return mappings
+
+
+def _megatron_args(cfg, run):
+    state = run["state"]
+    return argparse.Namespace(
+        num_layers=cfg.num_layers, hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_attention_heads,
+        ffn_hidden_size=4 * cfg.hidden_size, seq_length=cfg.seq_length, max_position_embeddings=cfg.seq_length,
+        padded_vocab_size=50432, make_vocab_size_divisible_by=cfg.make_vocab_size_divisible_by,
+        tokenizer_type="GPT2BPETokenizer", layernorm_epsilon=cfg.layernorm_epsilon,
+        init_method_std=cfg.init_method_std, hidden_dropout=0.0, attention_dropout=0.0,
+        apply_query_key_layer_scaling=False, embed_layernorm=True,
+        position_embedding_type=PositionEmbeddingType.absolute, bias_gelu_fusion=True, openai_gelu=False,
+        glu_activation=None, apply_residual_connection_post_layernorm=False, micro_batch_size=cfg.micro_batch_size,
+        global_batch_size=cfg.global_batch_size, rampup_batch_size=None, train_iters=cfg.train_iters,
+        train_samples=None, seed=cfg.seed, weight_decay=cfg.weight_decay, clip_grad=cfg.clip_grad,
+        adam_beta1=cfg.adam_beta1, adam_beta2=cfg.adam_beta2, adam_eps=cfg.adam_eps, fp16=False, bf16=True,
+        loss_scale=None, initial_loss_scale=2**32, min_loss_scale=1.0, loss_scale_window=1000, hysteresis=2,
+        tensor_model_parallel_size=TP, pipeline_model_parallel_size=PP, pp_partition_method=None,
+        lr_decay_tokens=None, consumed_train_samples=state["consumed_samples"],
+        consumed_train_tokens=state["consumed_tokens"], deepspeed=True)
+
+
+# What later Megatron-DeepSpeed (microsoft's) stores for DeepSpeed's ds_to_universal: how each parameter is cut
+UNIVERSAL_INFO = {
+    "universal_checkpoint_version": 0.2, "original_vocab_size": 50257, "padded_vocab_size": 50432,
+    "vocabulary_parameter_patterns": [r"tied_modules.embed.word_embeddings.weight"],
+    "pipeline_replicated_parameter_patterns": [r"tied_modules.embed.word_embeddings.weight",
+                                               r"tied_modules.embed.position_embeddings.weight"],
+    "tp_replicated_parameter_patterns": [
+        r"tied_modules.embed.word_embeddings.norm.weight", r"tied_modules.embed.word_embeddings.norm.bias",
+        r"tied_modules.embed.position_embeddings.weight", r"\d+.input_layernorm.weight", r"\d+.input_layernorm.bias",
+        r"\d+.post_attention_layernorm.weight", r"\d+.post_attention_layernorm.bias", r"\d+.self_attention.dense.bias",
+        r"\d+.mlp.dense_4h_to_h.bias", r"\d+.weight", r"\d+.bias"],
+    "parameter_with_row_parallelism_patterns": [r"\d+.mlp.dense_4h_to_h.weight", r"\d+.self_attention.dense.weight"]}
+
+
+def write_megatron_checkpoint(directory, cfg, model, rank, run, style="bf16"):
+    """global_stepN of a Megatron-DeepSpeed run at TP2 x PP2 x DP2 holding our one-process state; style: the
+    ZeRO optimizer's format (_zero_partitions)."""
+    full, step = _full_tensors(cfg, model, rank)
+    iteration = run["state"]["iteration"]
+    tag_dir = os.path.join(directory, f"global_step{iteration}")
+    os.makedirs(tag_dir)
+    for (layer, key), tensors in full.items():  # DeepSpeed's save_state_dict: one file per layer and TP rank
+        for tp in range(TP):
+            path = os.path.join(tag_dir, f"layer_{layer:02d}-model_{tp:02d}-model_states.pt")
+            sd = torch.load(path, weights_only=False) if os.path.exists(path) else OrderedDict()
+            sd[key] = _tp_slice(key, tensors["weight"], tp)
+            torch.save(sd, path)
+    lr = run["scheduler"]
+    megatron_lr = {"max_lr": lr["max_lr"], "warmup_steps": lr["warmup_samples"],
+                   "num_steps": run["state"]["scheduler_samples"], "warmup_tokens": 0,
+                   "num_tokens": run["state"]["scheduler_tokens"], "decay_style": lr["decay_style"],
+                   "decay_steps": lr["decay_samples"], "min_lr": lr["min_lr"]}
+    for pp in range(PP):
+        for tp in range(TP):
+            groups = _param_groups(cfg, full, pp, tp)
+            mp = pp * TP + tp
+            prefix = "bf16_zero_pp_rank_" if style == "bf16" else "zero_pp_rank_"
+            for dp, shard in enumerate(_zero_partitions(groups, step, cfg, style)):
+                torch.save({"optimizer_state_dict": shard, "ds_config": {}, "ds_version": "0.6.0"},
+                           os.path.join(tag_dir, f"{prefix}{dp}_mp_rank_{mp:02d}_optim_states.pt"))
+            shapes = [OrderedDict((name, t["fp32"].shape) for name, t in group) for group in groups]
+            engine = {"module": None, "buffer_names": [], "optimizer": None, "param_shapes": shapes,
+                      "lr_scheduler": megatron_lr, "sparse_tensor_module_names": set(), "skipped_steps": 0,
+                      "global_steps": iteration, "global_samples": run["state"]["consumed_samples"],
+                      "dp_world_size": DP, "mp_world_size": TP * PP, "ds_config": {}, "ds_version": "0.6.0",
+                      "args": _megatron_args(cfg, run), "checkpoint_version": 3.0, "iteration": iteration,
+                      "tokens": run["state"]["consumed_tokens"],
+                      "checkpoint_info": {"padded_vocab_size": 50432, "original_vocab_size": cfg.vocab_size},
+                      "universal_checkpoint_info": UNIVERSAL_INFO}
+            with _megatron_importable():
+                torch.save(engine, os.path.join(tag_dir, f"mp_rank_{mp:02d}_model_states.pt"))
+    with open(os.path.join(directory, "latest"), "w") as f:
+        f.write(f"global_step{iteration}")
+    return tag_dir
+
+
+# -----------------------------------------------------------------------------
+# The reference run, its state as Megatron-DeepSpeed's checkpoint, imported
+
+
+def _import(mds, ours, *extra):
+    main = runpy.run_path(os.path.join(ROOT, "tools", "import_megatron_deepspeed.py"))["main"]
+    return main(["--load", str(mds), "--save", str(ours), *extra])
+
+
+@pytest.fixture(scope="module")
+def imported(tmp_path_factory):
+    """(reference dir, its stdout, the Megatron-DeepSpeed dir, our imported dir, config, iteration-2 files)."""
+    root = tmp_path_factory.mktemp("megatron_ds")
+    ref, mds, ours = root / "ref", root / "mds", root / "ours"
+    out = run_main(*ARGS, f"--save={ref}", "--save_interval=2")
+    cfg = arguments.prepare(arguments.load_config(ARGS))
+    step2 = ref / "global_step2"
+    blob = torch.load(step2 / "mp_rank_00_000_model_states.pt", weights_only=False)
+    rank = torch.load(step2 / "rank_00000_optim_states.pt", weights_only=False)
+    write_megatron_checkpoint(mds, cfg, blob["model"], rank, blob["run"])
+    # the reference leaves the vocabulary's padding out of the softmax (our default), so that its TP1 run and the
+    # TP2 checkpoint are one model; Megatron's softmax over the padding is the import's default
+    _import(mds, ours, "--padded_vocab_in_softmax=false")
+    return ref, out, mds, ours, cfg, (blob, rank)
+
+
+@pytest.mark.slow
+def test_resumed_at_tp1_equals_the_straight_run_bit_for_bit(imported, tmp_path):
+    ref, ref_out, _, ours, _, _ = imported
+    out = run_main(*ARGS, f"--load={ours}", f"--save={tmp_path}")
+    assert "saved with TP=2 x PP=2 x DP=1, now TP=1 x PP=1 x DP=1" in out
+    assert "loaded checkpoint" in out and "at iteration 2" in out
+    assert sorted(losses(out)) == [3] and losses(out)[3] == losses(ref_out)[3]  # the loss of the imported weights
+    (_, model, rank), (_, want_model, want_rank) = final_state(tmp_path), final_state(ref)
+    assert_same(model["model"], want_model["model"], "weights")  # one step from the imported state: bit-exact
+    assert_same(rank["optimizer"], want_rank["optimizer"], "optimizer")  # fp32 masters, moments, step
+    for key in ("iteration", "consumed_samples", "consumed_tokens", "scheduler_samples", "scheduler_tokens"):
+        assert model["run"]["state"][key] == want_model["run"]["state"][key], key
+
+
+def _load_rank(directory, rank):
+    """Rank `rank` of TP2 x PP2 (on paper: loading needs no collectives): its model, optimizer and run state."""
+    cfg = arguments.load_config([*ARGS, f"--load={directory}", f"--tensor_model_parallel_size={TP}",
+                                 f"--pipeline_model_parallel_size={PP}"])
+    arguments.prepare(cfg, TP * PP)
+    saved = parallel.grid
+    parallel.grid = parallel.Grid(TP, PP, world_size=TP * PP, rank=rank)
+    try:
+        model = build_model(cfg, "cpu")
+        optimizer = optim.optimizer_for(cfg, model)
+        parts = run_state.Parts(cfg, model, optimizer, schedule.Schedule(cfg, 1), optim.scaler_for(cfg),
+                                training.NO_CALLBACKS)
+        run_state.load(parts)
+        return model, optimizer, parts, parallel.grid
+    finally:
+        parallel.grid = saved
+
+
+def test_the_written_tp2_pp2_layout_holds_the_reference_state(imported, capsys):
+    """Loaded as each rank of TP2 x PP2 (the checkpoint's own layout: no resharding), every weight, fp32 master,
+    moment and step is the reference's (its TP slice; the vocabulary's padding rows zero), and the iteration,
+    consumed samples and tokens and the LR schedule are the reference's at iteration 2."""
+    _, _, _, ours, cfg, (blob, ref_rank) = imported
+    _assert_holds_reference(ours, cfg, blob, ref_rank, capsys)
+
+
+@pytest.mark.parametrize("style", ["zero", "elastic"])
+def test_deepspeeds_other_zero_formats_give_the_same_state(imported, tmp_path, capsys, style):
+    """DeepSpeed's fp16 ZeRO-1 optimizer (tr8b-104B's: the step in torch Adam's state, the fp32 groups without
+    their padding) and its elastic_checkpoint format (per-group states, the step beside them): the same state
+    comes out as from the BF16 optimizer's."""
+    _, _, _, _, cfg, (blob, ref_rank) = imported
+    write_megatron_checkpoint(tmp_path / "mds", cfg, blob["model"], ref_rank, blob["run"], style)
+    _import(tmp_path / "mds", tmp_path / "ours", "--padded_vocab_in_softmax=false")
+    _assert_holds_reference(tmp_path / "ours", cfg, blob, ref_rank, capsys)
+
+
+def test_deepspeeds_universal_checkpoint_gives_the_same_state(imported, tmp_path, capsys):
+    """The checkpoint turned into DeepSpeed's universal checkpoint by DeepSpeed's own ds_to_universal (whole
+    tensors in zero/<parameter>/, the vocabulary's padding dropped, no layer files): the same state comes out."""
+    from deepspeed.checkpoint import ds_to_universal
+    universal = tmp_path / "universal" / "global_step2_universal"
+    with _megatron_importable():  # DeepSpeed's reader unpickles Megatron's args
+        ds_to_universal.main(argparse.Namespace(
+            input_folder=str(imported[2] / "global_step2"), output_folder=str(universal), num_extract_workers=1,
+            num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=False))
+    assert not any(n.startswith("layer_") for n in os.listdir(universal))
+    _import(tmp_path / "universal", tmp_path / "ours", "--padded_vocab_in_softmax=false")  # by latest_universal
+    _, _, _, _, cfg, (blob, ref_rank) = imported
+    _assert_holds_reference(tmp_path / "ours", cfg, blob, ref_rank, capsys)
+
+
+def _assert_holds_reference(ours, cfg, blob, ref_rank, capsys):
+    names = ref_rank["param_names"]
+    ref_state = {n: ref_rank["optimizer"]["state"][i] for i, n in enumerate(names)}
+    masters = dict(zip(names, ref_rank["optimizer"]["fp32_master_weights"]))
+    for rank in range(TP * PP):
+        model, optimizer, parts, g = _load_rank(ours, rank)
+        assert "resharding" not in capsys.readouterr().out
+        assert parts.state.iteration == 2 and parts.state.consumed_samples == 8
+        assert parts.state.consumed_tokens == 8 * cfg.seq_length and parts.state.scheduler_samples == 8
+        # Megatron records no token count at the end of a sample warm-up (0) unless it decays by tokens; the LR
+        # does not read it then: the schedule's keys and its next LR are the reference's
+        lr, want = parts.schedule.lr_schedule, schedule.AnnealingLR(cfg.lr, cfg.min_lr, cfg.lr_decay_style, 4, 40)
+        want.load_state_dict(blob["run"]["scheduler"], override=False)
+        assert {k: v for k, v in lr.state_dict().items() if k != "warmup_end_tokens"} == \
+            {k: v for k, v in blob["run"]["scheduler"].items() if k != "warmup_end_tokens"}
+        assert lr.get_lr(12, 12 * cfg.seq_length) == want.get_lr(12, 12 * cfg.seq_length)
+        for name, p in model.named_parameters():
+            source = "embed.word.weight" if name == "output_weight" else name
+            tensors = {"weight": blob["model"][source], "fp32": masters[source],
+                       "exp_avg": ref_state[source]["exp_avg"], "exp_avg_sq": ref_state[source]["exp_avg_sq"]}
+            main = optimizer.main_param(p)
+            live = {"weight": p, "fp32": main, "exp_avg": optimizer.state[main]["exp_avg"],
+                    "exp_avg_sq": optimizer.state[main]["exp_avg_sq"]}
+            for key, t in tensors.items():
+                tp_dim = getattr(p, "tp_dim", None)
+                if source == "embed.word.weight":  # 50304 rows at TP1, 50432 at TP2: zero padding
+                    t = torch.cat([t[:cfg.vocab_size], t.new_zeros(50432 - cfg.vocab_size, t.shape[1])])
+                want = parallel.shard(t, tp_dim, g) if tp_dim is not None else t
+                assert torch.equal(live[key], want), (rank, name, key)
+            assert optimizer.state[main]["step"] == ref_state[source]["step"] == 2
+
+
+# -----------------------------------------------------------------------------
+# Bad input: one message naming the problem and the fix, nothing half-written
+
+
+def _copy(mds, tmp_path):
+    import shutil
+    copy = tmp_path / "mds"
+    shutil.copytree(mds, copy)
+    return copy, copy / "global_step2"
+
+
+def test_a_directory_that_is_not_such_a_checkpoint_is_refused(imported, tmp_path):
+    ref = imported[0]
+    with pytest.raises(ValueError, match="is not a Megatron-DeepSpeed checkpoint: no layer_XX-model_YY"):
+        _import(tmp_path, tmp_path / "out")
+    with pytest.raises(ValueError, match="is not a Megatron-DeepSpeed pipeline checkpoint: it needs layer_XX"):
+        _import(ref, tmp_path / "out")  # one of ours
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_shape_mismatch_is_refused(imported, tmp_path):
+    mds, tag = _copy(imported[2], tmp_path)
+    path = tag / "layer_03-model_01-model_states.pt"
+    sd = torch.load(path, weights_only=False)
+    sd["self_attention.query_key_value.weight"] = sd["self_attention.query_key_value.weight"][:-16].clone()
+    torch.save(sd, path)
+    with pytest.raises(ValueError, match=r"blocks.0.attn.qkv.weight of TP rank 1 needs shape \(96, 64\), the "
+                                         r"Megatron-DeepSpeed checkpoint has shape \(80, 64\)"):
+        _import(mds, tmp_path / "out")
+
+
+def test_a_full_save_directory_and_an_older_zero_format_are_refused(imported, tmp_path):
+    mds, tag = _copy(imported[2], tmp_path)
+    with pytest.raises(ValueError, match="is not empty: the import writes a new checkpoint directory"):
+        _import(mds, imported[0])
+    path = tag / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt"  # DeepSpeed < 0.4's ZeRO stage 1
+    torch.save({"optimizer_state_dict": {"local_sub_partitions_of_fp32_groups": [], "base_optimizer_state": []}}, path)
+    with pytest.raises(ValueError, match="hold base_optimizer_state, local_sub_partitions_of_fp32_groups: not the "
+                                         "ZeRO-1/2 or BF16 optimizer format"):
+        _import(mds, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_zero_partitions_padded_per_parameter_are_refused(imported, tmp_path):
+    mds, tag = _copy(imported[2], tmp_path)
+    path = tag / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"  # DeepSpeed's newer parameter_alignment
+    shard = torch.load(path, weights_only=False)
+    shard["optimizer_state_dict"]["param_alignment_paddings"] = [[0, 3, 0], [0]]
+    torch.save(shard, path)
+    with pytest.raises(ValueError, match="pad each parameter .*parameter_alignment"):
+        _import(mds, tmp_path / "out")
+
+
+def test_a_tied_embedding_copy_that_differs_is_refused(imported, tmp_path):
+    """Lesson 11: the last stage's copy of the tied embedding (the first entry of its ZeRO group 0 here) must be the
+    first stage's."""
+    mds, tag = _copy(imported[2], tmp_path)
+    path = tag / f"bf16_zero_pp_rank_0_mp_rank_{(PP - 1) * TP:02d}_optim_states.pt"
+    shard = torch.load(path, weights_only=False)
+    shard["optimizer_state_dict"]["single_partition_of_fp32_groups"][0][0] += 1e-3
+    torch.save(shard, path)
+    with pytest.raises(ValueError, match=r"the last stage's fp32 copy of the tied word embedding differs from the "
+                                         r"first stage's on TP rank 0 \(lesson 11\)"):
+        _import(mds, tmp_path / "out")
+
+
+def test_a_missing_zero_partition_is_refused(imported, tmp_path):
+    mds, tag = _copy(imported[2], tmp_path)
+    os.remove(tag / "bf16_zero_pp_rank_1_mp_rank_03_optim_states.pt")
+    with pytest.raises(ValueError, match="partitions are missing or of another checkpoint"):
+        _import(mds, tmp_path / "out")
+
+
+def test_without_optimizer_files_the_weights_alone_are_imported(imported, tmp_path, capsys):
+    mds, tag = _copy(imported[2], tmp_path)
+    for name in os.listdir(tag):
+        if "zero_pp_rank" in name:
+            os.remove(tag / name)
+    _import(mds, tmp_path / "out")
+    assert "importing the weights alone; the run continues with a fresh Adam" in capsys.readouterr().out
+    config = final_state(tmp_path / "out")[1]["run"]["config"]
+    assert config["padded_vocab_in_softmax"] and config["vocab_size"] == 50257  # Megatron's model, by default
+    tag_dir = str(tmp_path / "out" / "global_step2")
+    for r in range(TP * PP):
+        g = parallel.Grid(TP, PP, world_size=TP * PP, rank=r)
+        weights = torch.load(checkpoint.model_file(tag_dir, g), weights_only=False)["model"]
+        rank = torch.load(checkpoint.rank_file(tag_dir, g), weights_only=False)
+        assert rank["optimizer"]["state"] == {}  # Adam from step 0
+        for name, master in zip(rank["param_names"], rank["optimizer"]["fp32_master_weights"]):
+            assert torch.equal(master, weights[name].float()), name  # the masters are the weights
+
+
+# -----------------------------------------------------------------------------
+# fp16: DeepSpeed's dynamic loss scaler -> ours
+
+
+@pytest.mark.parametrize("since_overflow", [1, 2, 3, 4, 5, 9])
+def test_the_loss_scale_doubles_at_the_update_deepspeed_would(since_overflow):
+    """DeepSpeed's DynamicLossScaler, some clean updates after an overflow, converted; then both take clean
+    updates: our scale doubles at the same updates as DeepSpeed's."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
+    import megatron_ds
+    theirs = DynamicLossScaler(init_scale=2.0**16, scale_window=4, min_scale=1.0, delayed_shift=2,
+                               consecutive_hysteresis=False)
+    theirs.cur_iter, theirs.last_overflow_iter, theirs.cur_hysteresis = 10, 10 - since_overflow, 1
+    ours = optim.LossScaler(initial_scale=1.0, window=4, hysteresis=2)
+    ours.load_state_dict(megatron_ds.loss_scale_state(theirs, ours.state_dict()))
+    assert ours.scale == 2.0**16 and ours.hysteresis_left == 1
+    for _ in range(12):
+        theirs.update_scale(False)
+        ours.update(False)
+        assert ours.scale == theirs.cur_scale and ours.hysteresis_left == theirs.cur_hysteresis
