@@ -38,7 +38,7 @@ class StableGPT(TemplateLM):
         self.batch_size, self.max_gen_toks = batch_size, max_gen_toks
         self.max_length = model.cfg.seq_length  # the longest window the model was trained on
         self.vocab_size = model.cfg.vocab_size  # the logits of the padding ids are never scored or generated
-        self.compute_device = next(model.parameters()).device
+        self._device = next(model.parameters()).device  # lm-eval's LM.device reads it
         self.info = info or {}
 
     @classmethod
@@ -86,12 +86,12 @@ class StableGPT(TemplateLM):
         sequences = [s[-(self.max_length + 1):] for s in sequences]
         ids, lengths = self.right_padded([s[:-1] for s in sequences])
         targets, _ = self.right_padded([s[1:] for s in sequences])
-        ids, lengths, targets = (t.to(self.compute_device) for t in (ids, lengths, targets))
+        ids, lengths, targets = (t.to(self.device) for t in (ids, lengths, targets))
         logits = self.logits(ids)  # (B, T, vocab) in fp32
         picked = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logits.logsumexp(-1)  # log p of each target
         # the continuation: the last n positions before each sequence's padding
-        position = torch.arange(ids.shape[1], device=self.compute_device)
-        n = torch.tensor(continuation_lengths, device=self.compute_device)
+        position = torch.arange(ids.shape[1], device=self.device)
+        n = torch.tensor(continuation_lengths, device=self.device)
         scored = (position < lengths[:, None]) & (position >= (lengths - n)[:, None])
         total = torch.where(scored, picked, 0.0).sum(-1)
         greedy = ((logits.argmax(-1) == targets) | ~scored).all(-1)
@@ -99,7 +99,7 @@ class StableGPT(TemplateLM):
 
     def loglikelihood_rolling(self, requests, disable_tqdm=False):
         """Each document's log-likelihood, scored in disjoint windows of seq_length tokens (the first after the
-        end-of-document id), as HFLM does; every window of every document is one request of one batched pass."""
+        end-of-document id), as HFLM does; the windows of all documents are batched together."""
         windows, owner = [], []
         for i, (text,) in enumerate(r.args for r in requests):
             for context, target in map(make_disjoint_window, get_rolling_token_windows(
@@ -147,8 +147,8 @@ class StableGPT(TemplateLM):
         model.generate)."""
         ids, lengths = self.right_padded(prompts, room=max_new)
         longest = int(lengths.max())
-        ids, lengths = ids.to(self.compute_device), lengths.to(self.compute_device)
-        rows = torch.arange(len(prompts), device=self.compute_device)
+        ids, lengths = ids.to(self.device), lengths.to(self.device)
+        rows = torch.arange(len(prompts), device=self.device)
         new, done = [[] for _ in prompts], [False] * len(prompts)
         for step in range(max_new):
             token = self.logits(ids[:, :longest + step])[rows, lengths - 1].argmax(-1)

@@ -61,22 +61,21 @@ def checkpoint(tmp_path_factory, offline):
 
 
 @pytest.fixture(scope="module")
-def models(checkpoint):
-    """(our adapter on the checkpoint, HFLM on its export), 3 requests per batch."""
-    pytest.importorskip("accelerate", reason="lm-eval's transformers backend (HFLM) needs accelerate: "
-                        "pip install 'lm-eval[hf]'")
+def ours(checkpoint):
+    """(our adapter on the checkpoint, 3 requests per batch; lm-eval's results of it with each document's answers)."""
     import eval_harness
-    from lm_eval.models.huggingface import HFLM
-    ckpt, hf_dir = checkpoint
-    return (eval_harness.StableGPT.from_checkpoint(ckpt, batch_size=3),
-            HFLM(pretrained=hf_dir, device="cpu", dtype="float32", batch_size=3))
+    lm = eval_harness.StableGPT.from_checkpoint(checkpoint[0], batch_size=3)
+    return lm, evaluate_tool.evaluate(lm, NAMES, evaluate_tool.task_manager(TASKS, True), log_samples=True)
 
 
 @pytest.fixture(scope="module")
-def both(models):
-    """lm-eval's results (with each document's answers) of our adapter and of HFLM on the export."""
-    manager = evaluate_tool.task_manager(TASKS, only_include_path=True)
-    return [evaluate_tool.evaluate(lm, NAMES, manager, log_samples=True) for lm in models]
+def theirs(checkpoint):
+    """The same of lm-eval's transformers backend, HFLM, on the export."""
+    pytest.importorskip("accelerate", reason="lm-eval's transformers backend (HFLM) needs accelerate: "
+                        "pip install 'lm-eval[hf]'")
+    from lm_eval.models.huggingface import HFLM
+    lm = HFLM(pretrained=checkpoint[1], device="cpu", dtype="float32", batch_size=3)
+    return lm, evaluate_tool.evaluate(lm, NAMES, evaluate_tool.task_manager(TASKS, True), log_samples=True)
 
 
 def per_document(results, task):
@@ -84,8 +83,8 @@ def per_document(results, task):
 
 
 @SLOW
-def test_loglikelihoods_equal_lm_evals_transformers_backend_per_document(both):
-    ours, theirs = both
+def test_loglikelihoods_equal_lm_evals_transformers_backend_per_document(ours, theirs):
+    ours, theirs = ours[1], theirs[1]
     for task in ("stablegpt_choice", "stablegpt_text"):
         a, b = per_document(ours, task), per_document(theirs, task)
         assert sorted(a) == sorted(b) and len(a) >= 3
@@ -111,8 +110,8 @@ def test_the_longest_text_spans_several_windows():
 
 
 @SLOW
-def test_greedy_generations_equal_lm_evals_transformers_backend(both):
-    ours, theirs = both
+def test_greedy_generations_equal_lm_evals_transformers_backend(ours, theirs):
+    ours, theirs = ours[1], theirs[1]
     a, b = per_document(ours, "stablegpt_answer"), per_document(theirs, "stablegpt_answer")
     assert a == b
     assert any(r[0][0] for r in a.values()), "every generation empty: the stop strings decided nothing"
@@ -120,12 +119,12 @@ def test_greedy_generations_equal_lm_evals_transformers_backend(both):
 
 
 @SLOW
-def test_generation_stops_where_lm_evals_transformers_backend_stops(models):
+def test_generation_stops_where_lm_evals_transformers_backend_stops(ours, theirs):
     """Stop strings taken from the middle of the model's own greedy text, so that they are met: each generation
     is cut where HFLM cuts it, in a batch of prompts of different lengths (right padding) with one prompt
     truncated on the left (longer than seq_length - max_gen_toks)."""
     from lm_eval.api.instance import Instance
-    ours, theirs = models
+    ours, theirs = ours[0], theirs[0]
     prompts = ["Q: What is the capital of France?\nA:", "Once", "ROMEO: But soft, what light " * 6]
 
     def generate(lm, kwargs):
@@ -140,12 +139,12 @@ def test_generation_stops_where_lm_evals_transformers_backend_stops(models):
 
 
 @SLOW
-def test_the_command_writes_lm_evals_results(checkpoint, both, tmp_path, capsys):
+def test_the_command_writes_lm_evals_results(checkpoint, ours, tmp_path, capsys):
     out = tmp_path / "results.json"
     evaluate_tool.main(["--load", checkpoint[0], "--tasks", "stablegpt_choice", "--include_path", TASKS,
                         "--only_include_path", "--batch_size", "2", "--output_path", str(out)])
     written = json.load(open(out))["results"]["stablegpt_choice"]
-    assert written["acc,none"] == both[0]["results"]["stablegpt_choice"]["acc,none"]
+    assert written["acc,none"] == ours[1]["results"]["stablegpt_choice"]["acc,none"]
     assert "stablegpt_choice" in capsys.readouterr().out  # lm-eval's table
 
 

@@ -61,15 +61,17 @@ def known_tasks(names, manager):
     """names, each one lm-eval knows (a task, group or tag; a glob matches at least one), or a ValueError."""
     unknown = [n for n in names if not manager.match_tasks([n])]
     if unknown:
-        raise ValueError(f"unknown task(s) {', '.join(unknown)}: `lm-eval ls tasks` lists lm-eval's; a task of "
+        raise ValueError(f"unknown task(s) {', '.join(unknown)}: `lm-eval list tasks` lists lm-eval's; a task of "
                          "your own is a YAML file in the folder given to --include_path")
     return names
 
 
 def evaluate(lm, tasks, manager, num_fewshot=None, limit=None, log_samples=False, seed=1234):
-    """lm_eval.simple_evaluate's results of the LM lm on tasks (names manager knows)."""
+    """lm_eval.simple_evaluate's results of the LM lm on tasks (names manager knows); its batch size and device
+    recorded in the results' config."""
     import lm_eval
     return lm_eval.simple_evaluate(model=lm, tasks=tasks, num_fewshot=num_fewshot, limit=limit,
+                                   batch_size=lm.batch_size, device=str(lm.device),
                                    task_manager=manager, log_samples=log_samples, random_seed=seed,
                                    numpy_random_seed=seed, torch_random_seed=seed, fewshot_random_seed=seed)
 
