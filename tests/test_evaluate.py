@@ -141,10 +141,11 @@ def test_generation_stops_where_lm_evals_transformers_backend_stops(ours, theirs
 @SLOW
 def test_the_command_writes_lm_evals_results(checkpoint, ours, tmp_path, capsys):
     out = tmp_path / "results.json"
-    evaluate_tool.main(["--load", checkpoint[0], "--tasks", "stablegpt_choice", "--include_path", TASKS,
+    evaluate_tool.main(["--load", checkpoint[0], "--tasks", "stablegpt_cho*", "--include_path", TASKS,
                         "--only_include_path", "--batch_size", "2", "--output_path", str(out)])
-    written = json.load(open(out))["results"]["stablegpt_choice"]
-    assert written["acc,none"] == ours[1]["results"]["stablegpt_choice"]["acc,none"]
+    written = json.load(open(out))
+    assert written["results"]["stablegpt_choice"]["acc,none"] == ours[1]["results"]["stablegpt_choice"]["acc,none"]
+    assert list(written["results"]) == ["stablegpt_choice"] and written["config"]["batch_size"] == 2  # the glob's
     assert "stablegpt_choice" in capsys.readouterr().out  # lm-eval's table
 
 

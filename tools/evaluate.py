@@ -58,12 +58,14 @@ def task_manager(include_path=None, only_include_path=False):
 
 
 def known_tasks(names, manager):
-    """names, each one lm-eval knows (a task, group or tag; a glob matches at least one), or a ValueError."""
-    unknown = [n for n in names if not manager.match_tasks([n])]
+    """The tasks, groups or tags names stand for (a glob: every one it matches, in order), each one lm-eval
+    knows, or a ValueError naming those it does not."""
+    matches = {n: manager.match_tasks([n]) for n in names}
+    unknown = [n for n, found in matches.items() if not found]
     if unknown:
         raise ValueError(f"unknown task(s) {', '.join(unknown)}: `lm-eval list tasks` lists lm-eval's; a task of "
                          "your own is a YAML file in the folder given to --include_path")
-    return names
+    return list(dict.fromkeys(t for found in matches.values() for t in found))
 
 
 def evaluate(lm, tasks, manager, num_fewshot=None, limit=None, log_samples=False, seed=1234):
