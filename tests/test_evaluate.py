@@ -20,9 +20,9 @@ sys.path.insert(0, os.path.join(ROOT, "tools"))
 import export_hf  # noqa: E402
 
 # tools/evaluate.py under another name: as `evaluate` it would stand in for Hugging Face's evaluate package
-SPEC = importlib.util.spec_from_file_location("evaluate_tool", os.path.join(ROOT, "tools", "evaluate.py"))
-evaluate_tool = importlib.util.module_from_spec(SPEC)
-SPEC.loader.exec_module(evaluate_tool)
+TOOL_SPEC = importlib.util.spec_from_file_location("evaluate_tool", os.path.join(ROOT, "tools", "evaluate.py"))
+evaluate_tool = importlib.util.module_from_spec(TOOL_SPEC)
+TOOL_SPEC.loader.exec_module(evaluate_tool)
 
 TASKS = os.path.join(ROOT, "tests", "data", "eval_tasks")
 NAMES = ["stablegpt_choice", "stablegpt_text", "stablegpt_answer"]
