@@ -3,9 +3,11 @@
 transformers backend (HFLM) scores on the checkpoint's Hugging Face export, document by document; the command
 line writes the same numbers; a missing checkpoint or an unknown task stops with one message. Nothing downloads:
 the tasks read local JSONL files, the datasets cache lives under the test's tmp_path."""
+import glob
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -160,3 +162,12 @@ def test_an_unknown_task_or_a_missing_checkpoint_is_one_message(checkpoint, tmp_
     with pytest.raises(ValueError, match="holds no checkpoint"):
         evaluate_tool.main(["--load", str(tmp_path), "--tasks", "stablegpt_choice", "--include_path", TASKS,
                             "--only_include_path"])
+
+
+def test_only_the_tools_import_the_adapter():
+    """eval_harness pulls lm-eval and its dependencies in: no module of the product or the stability layer
+    imports it (its floor in tests/test_structure.py alone would let the floors above, train.py's included)."""
+    product = glob.glob(os.path.join(ROOT, "*.py")) + glob.glob(os.path.join(ROOT, "stability", "*.py"))
+    pattern = re.compile(r"^\s*(import|from)\s+eval_harness\b", re.M)
+    assert not [p for p in product if pattern.search(open(p).read())]
+    assert pattern.search(open(os.path.join(ROOT, "tools", "evaluate.py")).read())
