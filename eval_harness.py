@@ -126,6 +126,7 @@ class StableGPT(TemplateLM):
         return order.get_original(results)
 
     def generate_batch(self, contexts, gen_kwargs):
+        """The texts generate_until answers for contexts that share gen_kwargs (one batch)."""
         kwargs = normalize_gen_kwargs(gen_kwargs, self.max_gen_toks)
         if kwargs.get("do_sample"):
             raise ValueError(f"only greedy generation is implemented; the task asks to sample ({gen_kwargs}): "
@@ -135,7 +136,8 @@ class StableGPT(TemplateLM):
         if max_new >= self.max_length:
             raise ValueError(f"max_gen_toks {max_new} leaves no room for a context in seq_length {self.max_length}")
         # as HFLM: the context keeps its last seq_length - max_gen_toks tokens
-        prompts = [self.tok_encode(c)[-(self.max_length - max_new):] for c in contexts]
+        # an empty context starts after the end-of-document id, as a document does (and as tools/sample.py)
+        prompts = [self.tok_encode(c)[-(self.max_length - max_new):] or [self.eot_token_id] for c in contexts]
         return [postprocess_generated_text(self.tok.decode(new), until, None)
                 for new in self.greedy(prompts, max_new, until)]
 

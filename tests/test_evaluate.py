@@ -12,6 +12,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 pytest.importorskip("lm_eval")
 pytest.importorskip("transformers")
@@ -138,6 +139,16 @@ def test_generation_stops_where_lm_evals_transformers_backend_stops(ours, theirs
     cut = generate(ours, {"until": stops, "max_gen_toks": 12, "do_sample": False})
     assert cut == generate(theirs, {"until": stops, "max_gen_toks": 12, "do_sample": False})
     assert all(len(c) < len(f) for c, f in zip(cut, free))
+
+
+@SLOW
+def test_an_empty_context_continues_from_the_end_of_document(ours):
+    """As model.generate (top-1: greedy) from the end-of-document id alone, as tools/sample.py starts."""
+    from lm_eval.api.instance import Instance
+    lm, eot = ours[0], ours[0].eot_token_id
+    text = lm.generate_until([Instance("generate_until", {}, ("", {"until": [], "max_gen_toks": 6}), 0)])[0]
+    ids = lm.model.generate(torch.tensor([[eot]]), 6, top_k=1)[0, 1:].tolist()
+    assert text == lm.tok.decode(ids[:ids.index(eot)] if eot in ids else ids) and text
 
 
 @SLOW
