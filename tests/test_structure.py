@@ -212,7 +212,7 @@ FLOORS = (
     {"rng", "layers", "cross_entropy", "precision", "report", "data"},
     {"model", "checkpoint", "optim", "launch", "loader"},
     {"reshard", "deepspeed_engine", "safety", "training"},  # training: the step and the callback interface
-    {"hf", "run_state"},
+    {"hf", "run_state", "eval_harness"},  # eval_harness: lm-eval over a gathered checkpoint (tools/ import it)
     {"stability"},  # the stability layer: callbacks on the step
     {"arguments", "builders"},  # every owner's keys; every part built
     {"estimate", "megatron_ds"},  # megatron_ds: builds each stage and its optimizer to write a checkpoint

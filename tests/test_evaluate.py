@@ -1,0 +1,184 @@
+"""eval_harness.StableGPT and tools/evaluate.py: a TP=2 x PP=2 checkpoint evaluated on three local tasks
+(tests/data/eval_tasks: multiple choice, rolling perplexity, greedy generation) scores what lm-eval's own
+transformers backend (HFLM) scores on the checkpoint's Hugging Face export, document by document; the command
+line writes the same numbers; a missing checkpoint or an unknown task stops with one message. Nothing downloads:
+the tasks read local JSONL files, the datasets cache lives under the test's tmp_path."""
+import glob
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("lm_eval")
+pytest.importorskip("transformers")
+
+from helpers import ROOT, write_checkpoint  # noqa: E402
+
+sys.path.insert(0, os.path.join(ROOT, "tools"))
+import export_hf  # noqa: E402
+
+# tools/evaluate.py under another name: as `evaluate` it would stand in for Hugging Face's evaluate package
+TOOL_SPEC = importlib.util.spec_from_file_location("evaluate_tool", os.path.join(ROOT, "tools", "evaluate.py"))
+evaluate_tool = importlib.util.module_from_spec(TOOL_SPEC)
+TOOL_SPEC.loader.exec_module(evaluate_tool)
+
+TASKS = os.path.join(ROOT, "tests", "data", "eval_tasks")
+NAMES = ["stablegpt_choice", "stablegpt_text", "stablegpt_answer"]
+SLOW = pytest.mark.slow  # the export, both models and lm-eval's runs, made once: ~25 s on 2 busy cores
+# GPT-2 without the embedding LayerNorm (a GPT2LMHeadModel export), GPT-2's vocabulary (the run's tokenizer), a
+# context of 32 tokens (the longest text spans several rolling windows); weights drawn with std 0.3 so that the
+# choices' log-likelihoods are far apart and the generations not all empty.
+ARGS = ["--num_layers=2", "--hidden_size=64", "--num_attention_heads=4", "--seq_length=32", "--vocab_size=50257",
+        "--activation=gelu_tanh", "--embed_layernorm=false", "--init_method_std=0.3",
+        "--tensor_model_parallel_size=2", "--pipeline_model_parallel_size=2"]
+
+
+@pytest.fixture(scope="module")
+def offline(tmp_path_factory):
+    """No hub access, the datasets cache in a temporary folder, lm-eval's relative data_files read from ROOT."""
+    import datasets.config
+    patch = pytest.MonkeyPatch()
+    for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        patch.setenv(name, "1")
+    patch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    patch.setattr(datasets.config, "HF_DATASETS_OFFLINE", True, raising=False)
+    patch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path_factory.mktemp("datasets")))
+    patch.chdir(ROOT)
+    yield
+    patch.undo()
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory, offline):
+    """(a TP=2 x PP=2 checkpoint written as its 4 ranks would, its transformers export)."""
+    tmp = tmp_path_factory.mktemp("evaluate")
+    write_checkpoint(str(tmp / "ckpt"), ARGS, fill=lambda stage: None)  # the model's own init, any layout
+    diff, hf, _ = export_hf.export(str(tmp / "ckpt"), str(tmp / "hf"))
+    assert diff <= 1e-5 and type(hf).__name__ == "GPT2LMHeadModel"
+    return str(tmp / "ckpt"), str(tmp / "hf")
+
+
+@pytest.fixture(scope="module")
+def ours(checkpoint):
+    """(our adapter on the checkpoint, 3 requests per batch; lm-eval's results of it with each document's answers)."""
+    import eval_harness
+    lm = eval_harness.StableGPT.from_checkpoint(checkpoint[0], batch_size=3)
+    return lm, evaluate_tool.evaluate(lm, NAMES, evaluate_tool.task_manager(TASKS, True), log_samples=True)
+
+
+@pytest.fixture(scope="module")
+def theirs(checkpoint):
+    """The same of lm-eval's transformers backend, HFLM, on the export."""
+    pytest.importorskip("accelerate", reason="lm-eval's transformers backend (HFLM) needs accelerate: "
+                        "pip install 'lm-eval[hf]'")
+    from lm_eval.models.huggingface import HFLM
+    lm = HFLM(pretrained=checkpoint[1], device="cpu", dtype="float32", batch_size=3)
+    return lm, evaluate_tool.evaluate(lm, NAMES, evaluate_tool.task_manager(TASKS, True), log_samples=True)
+
+
+def per_document(results, task):
+    return {s["doc_id"]: s["resps"] for s in results["samples"][task]}
+
+
+@SLOW
+def test_loglikelihoods_equal_lm_evals_transformers_backend_per_document(ours, theirs):
+    ours, theirs = ours[1], theirs[1]
+    for task in ("stablegpt_choice", "stablegpt_text"):
+        a, b = per_document(ours, task), per_document(theirs, task)
+        assert sorted(a) == sorted(b) and len(a) >= 3
+        for doc in a:
+            mine = [r[0][0] if task == "stablegpt_choice" else r[0] for r in a[doc]]
+            hfs = [r[0][0] if task == "stablegpt_choice" else r[0] for r in b[doc]]
+            assert mine == pytest.approx(hfs, rel=1e-6, abs=1e-5), (task, doc)  # measured: <= 7.6e-6
+            if task == "stablegpt_choice":
+                assert [r[0][1] for r in a[doc]] == [r[0][1] for r in b[doc]]  # is-greedy flags
+                gaps = [abs(x - y) for i, x in enumerate(mine) for y in mine[i + 1:]]
+                assert min(gaps) > 1e-2, "choices too close for acc to be decided by the model, not rounding"
+    for metric in ("acc,none", "acc_norm,none"):
+        assert ours["results"]["stablegpt_choice"][metric] == theirs["results"]["stablegpt_choice"][metric]
+    for metric in ("word_perplexity,none", "byte_perplexity,none", "bits_per_byte,none"):
+        assert ours["results"]["stablegpt_text"][metric] == pytest.approx(
+            theirs["results"]["stablegpt_text"][metric], rel=1e-5)
+
+
+def test_the_longest_text_spans_several_windows():
+    import tokenizer
+    text = json.loads(open(os.path.join(TASKS, "text.jsonl")).readlines()[1])["text"]
+    assert len(tokenizer.get_tokenizer().encode_ordinary(text)) > 3 * 32  # at least 4 windows of seq_length 32
+
+
+@SLOW
+def test_greedy_generations_equal_lm_evals_transformers_backend(ours, theirs):
+    ours, theirs = ours[1], theirs[1]
+    a, b = per_document(ours, "stablegpt_answer"), per_document(theirs, "stablegpt_answer")
+    assert a == b
+    assert any(r[0][0] for r in a.values()), "every generation empty: the stop strings decided nothing"
+    assert ours["results"]["stablegpt_answer"] == theirs["results"]["stablegpt_answer"]
+
+
+@SLOW
+def test_generation_stops_where_lm_evals_transformers_backend_stops(ours, theirs):
+    """Stop strings taken from the middle of the model's own greedy text, so that they are met: each generation
+    is cut where HFLM cuts it, in a batch of prompts of different lengths (right padding) with one prompt
+    truncated on the left (longer than seq_length - max_gen_toks)."""
+    from lm_eval.api.instance import Instance
+    ours, theirs = ours[0], theirs[0]
+    prompts = ["Q: What is the capital of France?\nA:", "Once", "ROMEO: But soft, what light " * 6]
+
+    def generate(lm, kwargs):
+        return lm.generate_until([Instance("generate_until", {}, (p, kwargs), i) for i, p in enumerate(prompts)])
+    free = generate(ours, {"until": [], "max_gen_toks": 12, "do_sample": False})
+    assert free == generate(theirs, {"until": [], "max_gen_toks": 12, "do_sample": False})
+    stops = [text[len(text) // 2:len(text) // 2 + 3] for text in free]
+    assert all(len(s) == 3 for s in stops)
+    cut = generate(ours, {"until": stops, "max_gen_toks": 12, "do_sample": False})
+    assert cut == generate(theirs, {"until": stops, "max_gen_toks": 12, "do_sample": False})
+    assert all(len(c) < len(f) for c, f in zip(cut, free))
+
+
+@SLOW
+def test_an_empty_context_continues_from_the_end_of_document(ours):
+    """As model.generate (top-1: greedy) from the end-of-document id alone, as tools/sample.py starts."""
+    from lm_eval.api.instance import Instance
+    lm, eot = ours[0], ours[0].eot_token_id
+    text = lm.generate_until([Instance("generate_until", {}, ("", {"until": [], "max_gen_toks": 6}), 0)])[0]
+    ids = lm.model.generate(torch.tensor([[eot]]), 6, top_k=1)[0, 1:].tolist()
+    assert text == lm.tok.decode(ids[:ids.index(eot)] if eot in ids else ids) and text
+
+
+@SLOW
+def test_the_command_writes_lm_evals_results(checkpoint, ours, tmp_path, capsys):
+    out = tmp_path / "results.json"
+    evaluate_tool.main(["--load", checkpoint[0], "--tasks", "stablegpt_cho*", "--include_path", TASKS,
+                        "--only_include_path", "--batch_size", "2", "--output_path", str(out)])
+    written = json.load(open(out))
+    assert written["results"]["stablegpt_choice"]["acc,none"] == ours[1]["results"]["stablegpt_choice"]["acc,none"]
+    assert list(written["results"]) == ["stablegpt_choice"] and written["config"]["batch_size"] == 2  # the glob's
+    assert "stablegpt_choice" in capsys.readouterr().out  # lm-eval's table
+
+
+def test_an_unknown_task_or_a_missing_checkpoint_is_one_message(checkpoint, tmp_path):
+    with pytest.raises(ValueError, match="unknown task.*stablegpt_nothing.*--include_path"):
+        evaluate_tool.main(["--load", checkpoint[0], "--tasks", "stablegpt_choice,stablegpt_nothing",
+                            "--include_path", TASKS, "--only_include_path"])
+    proc = subprocess.run([sys.executable, "tools/evaluate.py", "--load", str(tmp_path / "nowhere"), "--tasks",
+                           "hellaswag"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and proc.stderr.strip() == f"error: checkpoint directory {tmp_path / 'nowhere'} " \
+                                                            "does not exist"
+    with pytest.raises(ValueError, match="holds no checkpoint"):
+        evaluate_tool.main(["--load", str(tmp_path), "--tasks", "stablegpt_choice", "--include_path", TASKS,
+                            "--only_include_path"])
+
+
+def test_only_the_tools_import_the_adapter():
+    """eval_harness pulls lm-eval and its dependencies in: no module of the product or the stability layer
+    imports it (its floor in tests/test_structure.py alone would let the floors above, train.py's included)."""
+    product = glob.glob(os.path.join(ROOT, "*.py")) + glob.glob(os.path.join(ROOT, "stability", "*.py"))
+    pattern = re.compile(r"^\s*(import|from)\s+eval_harness\b", re.M)
+    assert not [p for p in product if pattern.search(open(p).read())]
+    assert pattern.search(open(os.path.join(ROOT, "tools", "evaluate.py")).read())
