@@ -104,7 +104,7 @@ class ReplicaCheck(training.Callback):
         reason = "; ".join(lines)
         self.report.record(n, {"replica check": [{"iteration": n, "reason": reason}]})
         cap = self.settings.spike_guard_max_hardware_faults
-        if self.guard.enabled and worst is not None and self.guard.faults[worst] >= cap:
+        if self.guard.enabled and self.guard.faults[worst] >= cap:
             self.stop(n, reason, worst, cap)
         if rollback:
             return self.roll_back(n, reason)
@@ -114,7 +114,7 @@ class ReplicaCheck(training.Callback):
 
     def count(self, suspects):
         """Count a fault for each suspect DP rank (None: not known), in the guard's count too when it is on;
-        returns the one with the most of the guard's."""
+        returns the one with the most of the guard's (None: the guard is off, or the rank is not known)."""
         for d in suspects:
             self.faults[d] = self.faults.get(d, 0) + 1
             if self.guard.enabled:

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
+from training import StopRun
 from helpers import ROOT, spawn, synthetic_corpus, train_script  # noqa: F401 (synthetic_corpus: a fixture)
 
 ARGS = ["--num_layers=2", "--hidden_size=64", "--num_attention_heads=4", "--seq_length=32", "--vocab_size=512",
@@ -26,6 +27,9 @@ ARGS = ["--num_layers=2", "--hidden_size=64", "--num_attention_heads=4", "--seq_
         "--save_interval=none", "--dump_weights"]
 FLIP = ["--inject_bitflip_iters=4-4", "--inject_bitflip_rank=1"]  # after iteration 4's update, on DP rank 1
 CHECK = ["--dp_replica_check_interval=4"]
+GUARDED = ["--dp_replica_check_interval=2", "--spike_guard", "--spike_guard_snapshot_interval=2",
+           "--spike_guard_rewind=4", "--inject_bitflip_iters=3-3", "--inject_bitflip_rank=1",
+           "--inject_bitflip_target=weight", "--inject_bitflip_bit=23"]
 RUNS = {
     "off": ["--dp_replica_check_interval=0"],  # the reference: no flip, no check
     "clean": CHECK,
@@ -36,9 +40,9 @@ RUNS = {
     "unchecked flip": ["--dp_replica_check_interval=0", *FLIP, "--inject_bitflip_target=weight",
                        "--inject_bitflip_bit=23"],
     # flipped after iteration 3, found at 4; the snapshot of 2 followed the check of 2, which agreed
-    "guarded": ["--dp_replica_check_interval=2", "--spike_guard", "--spike_guard_snapshot_interval=2", "--spike_guard_rewind=4",
-                "--inject_bitflip_iters=3-3", "--inject_bitflip_rank=1", "--inject_bitflip_target=weight",
-                "--inject_bitflip_bit=23"],
+    "guarded": GUARDED,
+    # the same, with a hardware fault the guard's cap: its last good state saved, and stopped
+    "capped": [*GUARDED, "--spike_guard_max_hardware_faults=1"],
 }
 # the cost: a check every 4 iterations against one built but never due
 COUNTED = {"every 4": ["--dp_replica_check_interval=4"], "never due": ["--dp_replica_check_interval=1000"]}
@@ -86,7 +90,10 @@ def _main(argv, out_path, counted=None):
         script["train_step"] = counting_step
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        script["main"](argv)
+        try:
+            script["main"](argv)
+        except StopRun as e:  # the guard's stop: its message is the run's last line, as train.py prints it
+            print(f"stopped: {e}")
     with open(out_path, "w") as f:
         f.write(out.getvalue())
 
@@ -208,3 +215,20 @@ def test_the_check_costs_one_all_gather_and_one_host_read_on_its_iterations_and_
             expected["all_gather"] = expected.get("all_gather", 0) + 1
             expected["tolist"] = expected.get("tolist", 0) + 1
         assert checked[iteration] == expected, f"iteration {iteration}"
+
+
+@pytest.mark.slow
+def test_at_the_guards_hardware_cap_the_run_saves_the_state_of_equal_replicas_and_stops(runs):
+    """spike_guard_max_hardware_faults=1: the finding of iteration 4 is the cap. The run stops, naming the fault, and
+    what it saves is its last good state -- the snapshot of iteration 2, replicas equal -- not the differing ones."""
+    directory = runs.directory / "capped"
+    out = "".join((runs.directory / f"capped-rank{r}.txt").read_text() for r in range(2))
+    assert ("spike guard: iteration 4: 1 faults on an unknown DP rank (two replicas differ), the "
+            "spike_guard_max_hardware_faults=1th: take its node out") in _lines(out)
+    assert re.search(r"^stopped: .*take its node out; saved and stopped", out, re.M)
+    assert (directory / "latest").read_text().strip() == "global_step2"
+    dumped = [torch.load(next((directory / "weight_dumps").glob(f"debug-2-*-dp{r}-*-before-save.pt")))
+              for r in range(2)]
+    assert _same(dumped[0], dumped[1])
+    off = runs.directory / "off"
+    assert not list((off / "weight_dumps").glob("debug-2-*"))  # the reference saved at the end only
