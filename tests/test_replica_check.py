@@ -232,3 +232,41 @@ def test_at_the_guards_hardware_cap_the_run_saves_the_state_of_equal_replicas_an
     assert _same(dumped[0], dumped[1])
     off = runs.directory / "off"
     assert not list((off / "weight_dumps").glob("debug-2-*"))  # the reference saved at the end only
+
+
+# -- the pieces, on numbers ----------------------------------------------------------------------------------------
+
+
+def test_the_checksum_sees_any_single_flipped_bit_where_a_float_sum_misses_the_low_ones():
+    from stability.replica_check import checksums
+    t = torch.randn(4096, generator=torch.Generator().manual_seed(0))
+    before = checksums([[t]], t.device)
+    missed = []
+    for bit in range(32):
+        flipped = t.clone()
+        flipped.view(torch.int32)[7] ^= 1 << bit
+        assert not torch.equal(checksums([[flipped]], t.device), before), f"bit {bit}"
+        if flipped.sum() == t.sum():
+            missed.append(bit)
+    assert missed  # the float sum rounds the lowest mantissa bits away: why the bits are summed as integers
+    half = t.bfloat16()
+    flipped = half.clone()
+    flipped.view(torch.int16)[7] ^= 1 << 7  # bf16's lowest exponent bit
+    assert not torch.equal(checksums([[flipped]], t.device), checksums([[half]], t.device))
+
+
+def test_the_majority_is_copied_from_and_without_one_dp_rank_0_and_each_dp_group_is_judged_apart(monkeypatch):
+    import parallel
+    from stability.replica_check import describe, differing
+    same, odd = [1, 2, 3], [1, 2, 4]
+    monkeypatch.setattr(parallel, "grid", parallel.Grid(1, 1, world_size=4, rank=0))
+    assert differing([same, same, same, same]) == {}
+    assert differing([same, same, odd, same]) == {(0, 0): (0, [2])}
+    assert differing([odd, same, same, same]) == {(0, 0): (1, [0])}  # DP rank 0 itself in the minority
+    assert differing([same, same, odd, odd]) == {(0, 0): (None, [2, 3])}  # two against two: no majority
+    assert describe(5, 0, 0, 1, [0], [odd, same, same, same], False) == (
+        "DP replica check: iteration 5: DP rank 0 (global rank 0) in its optimizer state differs from the 3 of 4 "
+        "replicas that agree: re-synced from DP rank 1")
+    # TP2 x DP2: TP is fastest, so the DP group of TP rank 1 is global ranks 1 and 3
+    monkeypatch.setattr(parallel, "grid", parallel.Grid(2, 1, world_size=4, rank=0))
+    assert differing([same, same, same, odd]) == {(1, 0): (None, [1])}
