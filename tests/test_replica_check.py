@@ -37,6 +37,8 @@ RUNS = {
     "weight bit 30": [*CHECK, *FLIP, "--inject_bitflip_target=weight", "--inject_bitflip_bit=30"],
     "exp_avg_sq bit 24": [*CHECK, *FLIP, "--inject_bitflip_target=exp_avg_sq", "--inject_bitflip_bit=24"],
     "exp_avg bit 30": [*CHECK, *FLIP, "--inject_bitflip_target=exp_avg", "--inject_bitflip_bit=30"],
+    "bf16 off": ["--bf16", "--dp_replica_check_interval=0"],
+    "master bit 23": ["--bf16", *CHECK, *FLIP, "--inject_bitflip_target=master", "--inject_bitflip_bit=23"],
     "unchecked flip": ["--dp_replica_check_interval=0", *FLIP, "--inject_bitflip_target=weight",
                        "--inject_bitflip_bit=23"],
     # flipped after iteration 3, found at 4; the snapshot of 2 followed the check of 2, which agreed
@@ -127,7 +129,7 @@ def runs(synthetic_corpus, tmp_path_factory):
                    for r in range(2)]
         states = [torch.load(base / "global_step8" / f"rank_{r:05d}_optim_states.pt", weights_only=False)
                   for r in range(2)]
-        return out, weights, [s["optimizer"]["state"] for s in states]
+        return out, weights, [s["optimizer"] for s in states]  # Adam's state, its groups, bf16's fp32 masters
     read.directory = directory
     return read
 
@@ -135,6 +137,8 @@ def runs(synthetic_corpus, tmp_path_factory):
 def _same(a, b):
     if isinstance(a, dict):
         return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
     return torch.equal(a, b) if torch.is_tensor(a) else a == b
 
 
@@ -144,15 +148,17 @@ def _lines(out):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["weight bit 23", "weight bit 30", "exp_avg_sq bit 24", "exp_avg bit 30"])
+@pytest.mark.parametrize("name", ["weight bit 23", "weight bit 30", "exp_avg_sq bit 24", "exp_avg bit 30",
+                                  "master bit 23"])
 def test_a_flipped_bit_on_one_replica_is_named_resynced_and_the_run_is_the_clean_one(runs, name):
     """The flip after iteration 4's update is found by the check of iteration 4, before any step computes with it:
     rank 1 is named with its host, DP rank 0's copy taken (two replicas: no majority), and the run goes on as if
-    nothing had flipped -- both ranks' final weights and Adam moments are the unflipped run's, bit for bit."""
+    nothing had flipped -- both ranks' final weights and Adam moments (and bf16's fp32 masters) are the unflipped
+    run's, bit for bit."""
     out, weights, states = runs(name)
-    _, reference, reference_states = runs("off")
+    _, reference, reference_states = runs("bf16 off" if name.startswith("master") else "off")
     assert "injected a bit flip" in out
-    kind = "weights" if name.startswith("weight") else "optimizer state"
+    kind = {"weight": "weights", "master": "fp32 masters"}.get(name.split()[0], "optimizer state")
     assert _lines(out)[0] == (f"DP replica check: iteration 4: DP rank 1 (global rank 1) in its {kind} differs from "
                               "DP rank 0: no majority tells which is right: DP rank 0's copy taken (no snapshot of "
                               "equal replicas to roll back to)"), _lines(out)
@@ -266,7 +272,7 @@ def test_with_three_replicas_the_odd_one_is_copied_from_the_majority_even_dp_ran
         base = tmp_path / name.replace(" ", "_")
         weights = torch.load(next((base / "weight_dumps").glob(f"debug-5-*-dp{rank}-*-before-save.pt")))
         state = torch.load(base / "global_step5" / f"rank_{rank:05d}_optim_states.pt", weights_only=False)
-        return weights, state["optimizer"]["state"]
+        return weights, state["optimizer"]
     reference = final("off", 0)
     for rank in range(3):
         weights, state = final("rank 0 flipped", rank)
