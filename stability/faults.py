@@ -139,17 +139,7 @@ class Faults(training.Callback):
         def flip(model):
             params = [p for p in parallel.unwrap(model).parameters() if p.dim() == 2]
             flat = (parallel.main_grad(params[0]) if target == "grad" else params[0].data).view(-1)
-            chosen = cfg.inject_bitflip_element
-            i = int(flat.abs().argmax()) if chosen < 0 else chosen % flat.numel()
-            bits = {torch.float32: (torch.int32, 30), torch.bfloat16: (torch.int16, 14),
-                    torch.float16: (torch.int16, 14)}
-            itype, bit = bits[flat.dtype]
-            if cfg.inject_bitflip_bit >= 0:  # any bit (sign, exponent, mantissa) of the element's width
-                bit = cfg.inject_bitflip_bit % (8 * flat.element_size())
-            flat.view(itype)[i] ^= 1 << bit
-            what = "gradient" if target == "grad" else "weight"
-            print(f"spike guard: iteration {iteration}: injected a bit flip into {what} element {i} on rank "
-                  f"{parallel.grid.rank}: {float(flat[i]):.4g}", flush=True)
+            self.flip_bit(flat, iteration, "gradient" if target == "grad" else "weight")
         return flip
 
     def numerical(self, iteration, model):
@@ -202,12 +192,11 @@ class Faults(training.Callback):
         i = int(flat.abs().argmax()) if cfg.inject_bitflip_element < 0 else cfg.inject_bitflip_element % flat.numel()
         itype, bit = {torch.float32: (torch.int32, 30), torch.bfloat16: (torch.int16, 14),
                       torch.float16: (torch.int16, 14)}[flat.dtype]
-        if cfg.inject_bitflip_bit >= 0:
+        if cfg.inject_bitflip_bit >= 0:  # any bit (sign, exponent, mantissa) of the element's width
             bit = cfg.inject_bitflip_bit % (8 * flat.element_size())
-        before = float(flat[i])
         flat.view(itype)[i] ^= 1 << bit
-        print(f"spike guard: iteration {iteration}: injected a bit flip (bit {bit}) into {what} element {i} on rank "
-              f"{parallel.grid.rank}: {before:.4g} -> {float(flat[i]):.4g}", flush=True)
+        print(f"spike guard: iteration {iteration}: injected a bit flip into {what} element {i} on rank "
+              f"{parallel.grid.rank}: {float(flat[i]):.4g}", flush=True)
 
 
 STATE_TARGETS = ("exp_avg", "exp_avg_sq", "master")  # inject_bitflip_target's names of the optimizer's state
