@@ -39,6 +39,12 @@ RUNS = {
     "exp_avg bit 30": [*CHECK, *FLIP, "--inject_bitflip_target=exp_avg", "--inject_bitflip_bit=30"],
     "bf16 off": ["--bf16", "--dp_replica_check_interval=0"],
     "master bit 23": ["--bf16", *CHECK, *FLIP, "--inject_bitflip_target=master", "--inject_bitflip_bit=23"],
+    # ZeRO-1: the weights are compared, the optimizer's shards are not (each DP rank holds its own); the first
+    # matrix's state is DP rank 0's (parallel.deal_out)
+    "zero1 weight bit 23": ["--zero_stage=1", *CHECK, *FLIP, "--inject_bitflip_target=weight",
+                            "--inject_bitflip_bit=23"],
+    "zero1 exp_avg_sq bit 24": ["--zero_stage=1", *CHECK, "--inject_bitflip_iters=4-4", "--inject_bitflip_rank=0",
+                                "--inject_bitflip_target=exp_avg_sq", "--inject_bitflip_bit=24"],
     "unchecked flip": ["--dp_replica_check_interval=0", *FLIP, "--inject_bitflip_target=weight",
                        "--inject_bitflip_bit=23"],
     # flipped after iteration 3, found at 4; the snapshot of 2 followed the check of 2, which agreed
@@ -176,6 +182,21 @@ def test_without_the_check_the_replicas_drift_apart_silently(runs):
     assert not _lines(out)
     assert not _same(weights[0], weights[1])
 
+
+@pytest.mark.slow
+def test_under_zero1_a_weight_is_compared_and_a_moment_of_the_owners_shard_cannot_be(runs):
+    """ZeRO-1: a weight flipped on DP rank 1 is found and re-synced, and the run is the unflipped one (ZeRO-1's
+    weights are bitwise those of the unsharded run). A flipped moment of DP rank 0's shard is not seen: no replica
+    holds another copy of it, and the owner's updates reach every replica alike -- they end equal to each other
+    and apart from the unflipped run (what only the spike guard can catch)."""
+    out, weights, _ = runs("zero1 weight bit 23")
+    _, reference, _ = runs("off")
+    assert _lines(out)[0].startswith("DP replica check: iteration 4: DP rank 1 (global rank 1) in its weights "
+                                     "differs from DP rank 0"), _lines(out)
+    assert _same(weights[0], reference[0]) and _same(weights[1], reference[0])
+    out, weights, _ = runs("zero1 exp_avg_sq bit 24")
+    assert "injected a bit flip into exp_avg_sq element" in out and not _lines(out)
+    assert _same(weights[0], weights[1]) and not _same(weights[0], reference[0])
 
 @pytest.mark.slow
 def test_a_clean_run_is_unchanged_by_the_check_and_says_nothing(runs):
