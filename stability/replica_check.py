@@ -21,7 +21,10 @@ x4) is no spike either. Such a replica drifts from the others silently, for the 
              differ have no majority: the guard, with a snapshot taken at or before the last check that agreed,
              rolls back to it; without one DP rank 0's copy is taken, and the line says so.
   cost       nothing on other iterations; on a check, one pass over this rank's weights and optimizer state, one
-             all-gather of 3 int64 per rank and one host read of the result (the TP check's cost, lesson 18).
+             all-gather of 3 int64 per rank over all ranks (every rank reads every group's verdict: a rollback is
+             everyone's) and one host read of the result. That read is not deferred to the next step's sync
+             (agree()): the verdict comes before any step computes with a corrupted copy, so a re-sync leaves no
+             trace in the healthy replicas' gradients.
 
 The check runs after the step and the guard's decision (a rollback of the guard's own comes first) and before the
 snapshot of the iteration: with the default interval, every snapshot is of replicas just found equal.
