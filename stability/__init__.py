@@ -12,6 +12,7 @@
     remedies.py    SkipStep, SpikyLoss, ZClip: the field's remedies (OLMo-core, Megatron-LM, ZClip), baselines
     snapshots.py   Snapshotting: the copies of the run a rollback returns to, and their cost in host memory
     skip_list.py   SkipList: the documents behind data-driven spikes, which the data then leaves out
+    replica_check.py ReplicaCheck: the DP replicas' weights and optimizer state compared by checksum, re-synced
     config.py      the layer's keys, their checks, and each callback's section of them
 
 The dependency runs one way: these files use the core (training, model, parallel, optim, schedule, ...), and no core
@@ -43,6 +44,8 @@ REGISTRY = [
     (("skip_step_sigma",), "remedies.SkipStep"),
     (("spiky_loss_factor",), "remedies.SpikyLoss"),
     (("zclip_z",), "remedies.ZClip"),
+    # after the guard's decision and the faults' flips, before the snapshot: a snapshot holds replicas found equal
+    (("dp_replica_check_interval", "spike_guard"), "replica_check.ReplicaCheck"),
     # after the guard's veto: scales only an update that is applied
     (("soft_skip_loss_ratio",), "soft_skip.SoftSkip"),
     # last: a snapshot holds the iteration as every other callback left it

@@ -18,6 +18,7 @@ class StabilityConfig:
     # -- stability: the soft skip, telemetry, the skip list, the spike guard (lesson 21), fault injection --
     soft_skip_loss_ratio: float = 0.0  # loss > this x its trend: gradients x trend/loss before clipping (0: off)
     telemetry_interval: int = 0  # per-layer grad/param/update norms, activations, logits every N iterations (0: off)
+    dp_replica_check_interval: int | None = None  # checksum the DP replicas' state every N iters (None: guard's)
     skip_documents: str | None = None  # a skip list (<save>/skip_documents.jsonl): no sample takes its documents
     spike_guard: bool = False  # skip a spiking step; if it persists roll back and skip data; on a relapse lower the LR
     spike_guard_window: int = 128  # applied steps in the trailing loss / grad-norm statistics (OLMo-core: 128)
@@ -58,7 +59,7 @@ class StabilityConfig:
     inject_degenerate_fraction: float = 0.25  # ... random tokens in this fraction of the samples
     inject_bitflip_iters: list[str] | None = None  # fault injection: flip a bit of one gradient element at these iters
     inject_bitflip_rank: int = 0  # ... on this rank, after the DP all-reduce (a faulty GPU: silent data corruption)
-    inject_bitflip_target: str = "grad"  # ... of a gradient ("grad"), or of a weight after the step ("weight")
+    inject_bitflip_target: str = "grad"  # ... of a gradient ("grad"), a weight, "exp_avg", "exp_avg_sq" or "master"
     inject_bitflip_bit: int = -1  # ... this bit of the element (-1: the top exponent bit)
     inject_bitflip_element: int = -1  # ... this element of the first matrix (-1: its largest in magnitude)
     inject_numerical_iters: list[str] | None = None  # fault injection: a cancellation only half precision loses
@@ -73,7 +74,11 @@ def check(cfg):
     for key in ("inject_bad_batch_iters", "inject_lr_iters", "inject_bitflip_iters", "inject_numerical_iters",
                 "inject_degenerate_iters"):
         schedule.parse_iteration_ranges(getattr(cfg, key), key)
-    need(cfg.inject_bitflip_target in ("grad", "weight"), "inject_bitflip_target must be 'grad' or 'weight'")
+    need(cfg.inject_bitflip_target in ("grad", "weight", "exp_avg", "exp_avg_sq", "master"),
+         "inject_bitflip_target must be 'grad', 'weight', or the optimizer's 'exp_avg', 'exp_avg_sq' or 'master'")
+    need(cfg.dp_replica_check_interval is None or cfg.dp_replica_check_interval >= 0,
+         "dp_replica_check_interval must be 0 (off), a number of iterations, or None (with spike_guard: its "
+         "spike_guard_snapshot_interval)")
     need(cfg.inject_degenerate_kind in ("repeat", "ngram", "minority"),
          f"inject_degenerate_kind={cfg.inject_degenerate_kind!r} must be 'repeat', 'ngram' or 'minority'")
     need(0 < cfg.inject_degenerate_fraction < 1, "inject_degenerate_fraction must be in (0, 1): a minority's share")
@@ -211,3 +216,13 @@ class FaultsConfig:  # faults.Faults
     inject_numerical_iters: list | None
     seed: int  # the faults' generators are seeded by (seed, iteration)
     vocab_size: int  # random tokens are drawn from it
+
+
+@dataclass(frozen=True)
+class ReplicaCheckConfig:  # replica_check.ReplicaCheck
+    dp_replica_check_interval: int | None
+    spike_guard: bool  # on: the default interval, a rollback where no majority tells the healthy replica, the cap
+    spike_guard_snapshot_interval: int  # the default interval: each snapshot taken right after a check
+    spike_guard_max_hardware_faults: int  # a DP rank found differing this many times: the run stops, naming it
+    zero_stage: int  # 1 or more: each DP rank holds its own shard of the optimizer state, nothing to compare
+    deepspeed: bool  # the same for DeepSpeed's partitions

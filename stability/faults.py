@@ -6,8 +6,9 @@
                              or random tokens in a minority (inject_degenerate_fraction) of the samples
     inject_lr_iters          their LR x inject_lr_factor (with inject_lr_persistent: on every pass, as a resume
                              with a higher LR would be; else once in time)
-    inject_bitflip_iters     a bit of a reduced gradient, or of a weight after the update (inject_bitflip_target),
-                             flips on rank inject_bitflip_rank
+    inject_bitflip_iters     a bit of a reduced gradient, of a weight after the update, or of the optimizer's state
+                             after the update (an Adam moment, an fp32 master: inject_bitflip_target), flips on rank
+                             inject_bitflip_rank
     inject_numerical_iters   a cancellation that half precision loses and fp32 keeps
 
 An LR spike and a bit flip are events in time: a replay or a rollback does not meet them again. The spike guard
@@ -32,7 +33,7 @@ class Faults(training.Callback):
         self.cfg = section(FaultsConfig, cfg)
         # the run's timeline (the guard's): which passes meet an event in time
         self.timeline = shared.guard if shared is not None else None
-        self.numerical_hook = self.flip_grad = self.flip_weight = None
+        self.numerical_hook = self.flip_grad = self.flip_weight = self.flip_state = None
         parse = schedule.parse_iteration_ranges
         self.bad_batch_ranges = parse(cfg.inject_bad_batch_iters, "inject_bad_batch_iters")
         self.lr_ranges = parse(cfg.inject_lr_iters, "inject_lr_iters")
@@ -51,9 +52,10 @@ class Faults(training.Callback):
         self.numerical_hook = self.numerical(n, self.model)
         self.flip_weight = self.bitflip(n, self.timeline, "weight")
         self.flip_grad = self.bitflip(n, self.timeline, "grad")
+        self.flip_state = self.state_bitflip(n, self.timeline)
 
     def start(self, parts, report, train_data):
-        self.model = parts.model
+        self.model, self.optimizer = parts.model, parts.optimizer
 
     def on_grads(self, model, loss_scale):
         if self.flip_grad is not None:
@@ -66,7 +68,9 @@ class Faults(training.Callback):
             self.numerical_hook.remove()
         if self.flip_weight is not None and step.outcome == "ok":
             self.flip_weight(self.model)
-        self.numerical_hook = self.flip_weight = self.flip_grad = None
+        if self.flip_state is not None and step.outcome == "ok":
+            self.flip_state()
+        self.numerical_hook = self.flip_weight = self.flip_grad = self.flip_state = None
         return False
 
     def generator(self, iteration, ranges, salt):
@@ -135,17 +139,7 @@ class Faults(training.Callback):
         def flip(model):
             params = [p for p in parallel.unwrap(model).parameters() if p.dim() == 2]
             flat = (parallel.main_grad(params[0]) if target == "grad" else params[0].data).view(-1)
-            chosen = cfg.inject_bitflip_element
-            i = int(flat.abs().argmax()) if chosen < 0 else chosen % flat.numel()
-            bits = {torch.float32: (torch.int32, 30), torch.bfloat16: (torch.int16, 14),
-                    torch.float16: (torch.int16, 14)}
-            itype, bit = bits[flat.dtype]
-            if cfg.inject_bitflip_bit >= 0:  # any bit (sign, exponent, mantissa) of the element's width
-                bit = cfg.inject_bitflip_bit % (8 * flat.element_size())
-            flat.view(itype)[i] ^= 1 << bit
-            what = "gradient" if target == "grad" else "weight"
-            print(f"spike guard: iteration {iteration}: injected a bit flip into {what} element {i} on rank "
-                  f"{parallel.grid.rank}: {float(flat[i]):.4g}", flush=True)
+            self.flip_bit(flat, iteration, "gradient" if target == "grad" else "weight")
         return flip
 
     def numerical(self, iteration, model):
@@ -164,3 +158,45 @@ class Faults(training.Callback):
             x = args[0]
             return (x + 4096 * x.detach().abs().amax(), *args[1:])
         return ln_f.register_forward_pre_hook(cancel)
+
+    # -- bit flips in the optimizer's state (what the DP replica check, replica_check.py, must see) ----------------
+
+    def state_bitflip(self, iteration, guard):
+        """The fault of inject_bitflip_iters (or None) when inject_bitflip_target names the optimizer's state of the
+        first matrix: "exp_avg" or "exp_avg_sq" (Adam's moments), "master" (the fp32 master of a half-precision
+        weight; the weight itself in fp32). On rank inject_bitflip_rank, after an applied step: the next updates
+        compute with it. With ZeRO-1 only the rank that owns the matrix's state holds it (elsewhere: a line, no
+        flip). Once in time, as bitflip()."""
+        target = self.cfg.inject_bitflip_target
+        if target not in STATE_TARGETS or not (guard.meets_fault(iteration, self.bitflip_ranges)
+                                               and parallel.grid.rank == self.cfg.inject_bitflip_rank):
+            return None
+
+        @torch.no_grad()
+        def flip():
+            first = next(p for p in parallel.unwrap(self.model).parameters() if p.dim() == 2)
+            main = getattr(self.optimizer, "main_param", lambda p: p)(first)
+            held = main if target == "master" else self.optimizer.state.get(main, {}).get(target)
+            if held is None:
+                print(f"spike guard: iteration {iteration}: rank {parallel.grid.rank} holds no {target} of the first "
+                      "matrix (ZeRO-1: another DP rank owns it): no bit flipped", flush=True)
+                return
+            self.flip_bit(held.view(-1), iteration, target)
+        return flip
+
+    def flip_bit(self, flat, iteration, what):
+        """Flip inject_bitflip_bit (-1: the top exponent bit) of inject_bitflip_element (-1: the largest in
+        magnitude) of the float tensor flat, in place. Bits count from the least significant: in fp32, 0-22 the
+        mantissa, 23-30 the exponent (23, 24 its lowest: x2 or /2, x4 or /4), 31 the sign."""
+        cfg = self.cfg
+        i = int(flat.abs().argmax()) if cfg.inject_bitflip_element < 0 else cfg.inject_bitflip_element % flat.numel()
+        itype, bit = {torch.float32: (torch.int32, 30), torch.bfloat16: (torch.int16, 14),
+                      torch.float16: (torch.int16, 14)}[flat.dtype]
+        if cfg.inject_bitflip_bit >= 0:  # any bit (sign, exponent, mantissa) of the element's width
+            bit = cfg.inject_bitflip_bit % (8 * flat.element_size())
+        flat.view(itype)[i] ^= 1 << bit
+        print(f"spike guard: iteration {iteration}: injected a bit flip into {what} element {i} on rank "
+              f"{parallel.grid.rank}: {float(flat[i]):.4g}", flush=True)
+
+
+STATE_TARGETS = ("exp_avg", "exp_avg_sq", "master")  # inject_bitflip_target's names of the optimizer's state

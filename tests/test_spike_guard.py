@@ -336,8 +336,10 @@ def test_three_faults_three_diagnoses_three_remedies_with_dp2(run, corpus512):
 
 @pytest.mark.slow
 def test_a_weight_flip_and_a_numerical_spike_with_dp2_in_bf16_and_zero1(run, corpus512):
-    """torchrun, DP2, bf16, ZeRO-1: a weight flipped on rank 1 after iteration 20, a cancellation at 25."""
-    proc = _dp2(run, "--bf16", "--zero_stage=1", "--train_iters=30", "--inject_bitflip_iters=20-20",
+    """torchrun, DP2, bf16, ZeRO-1: a weight flipped on rank 1 after iteration 20, a cancellation at 25. The DP
+    replica check is off: on, it finds the flip at once (test_replica_check.py), and the forensics are tested here."""
+    proc = _dp2(run, "--bf16", "--zero_stage=1", "--train_iters=30", "--dp_replica_check_interval=0",
+                "--inject_bitflip_iters=20-20",
                 "--inject_bitflip_rank=1", "--inject_bitflip_target=weight", "--inject_numerical_iters=25-25")
     expected = [r"spike guard: iteration 20: injected a bit flip into weight element \d+ on rank 1: ",
                 r"spike guard: iteration 21: on rank 1, weight \S+ is \S+, was \S+ at iteration 15$",  # rank 1's
