@@ -65,12 +65,13 @@ class StabilityConfig:
     inject_numerical_iters: list[str] | None = None  # fault injection: a cancellation only half precision loses
 
 
+def need(ok, message):
+    if not ok:
+        raise ValueError(message)
+
+
 def check(cfg):
     """Raise ValueError with the fix for stability keys that cannot work."""
-    def need(ok, message):
-        if not ok:
-            raise ValueError(message)
-
     for key in ("inject_bad_batch_iters", "inject_lr_iters", "inject_bitflip_iters", "inject_numerical_iters",
                 "inject_degenerate_iters"):
         schedule.parse_iteration_ranges(getattr(cfg, key), key)
@@ -109,6 +110,20 @@ def check(cfg):
     need(cfg.spike_guard_max_hardware_faults >= 1, "spike_guard_max_hardware_faults must be >= 1")
     need(cfg.spike_guard_max_numerical >= 1,
          "spike_guard_max_numerical must be >= 1 (the numerical diagnoses before a stop)")
+    if cfg.spike_guard_precursor is not None:
+        from stability.precursors import PRECURSORS
+        need(cfg.spike_guard_precursor in PRECURSORS,
+             f"spike_guard_precursor={cfg.spike_guard_precursor!r} is not one of {', '.join(PRECURSORS)}")
+        need(cfg.spike_guard_precursor_threshold is not None and math.isfinite(cfg.spike_guard_precursor_threshold),
+             "spike_guard_precursor needs spike_guard_precursor_threshold (a number: docs/spike_guard.md has the "
+             "thresholds measured on the stability lab's clean runs; tools/precursors.py measures yours)")
+        need(cfg.telemetry_interval > 0, "spike_guard_precursor reads the telemetry: set telemetry_interval (e.g. 10)")
+    need(0 < cfg.spike_guard_precursor_lr_factor <= 1, "spike_guard_precursor_lr_factor must be in (0, 1]")
+    check_remedies(cfg)
+
+
+def check_remedies(cfg):
+    """The field's remedies (stability/remedies.py): their keys' ranges."""
     remedies = [k for k in ("skip_step_sigma", "spiky_loss_factor", "zclip_z") if getattr(cfg, k)]
     need(not (cfg.deepspeed and remedies), f"{', '.join(remedies)} judge the loss and grad norm before the update, "
          "which DeepSpeed computes inside its step(); set them to 0 or deepspeed=False")
@@ -119,15 +134,6 @@ def check(cfg):
     need(cfg.spiky_loss_samples >= 1, "spiky_loss_samples must be >= 1 (the steps whose largest loss is the bar)")
     need(cfg.zclip_z >= 0 and 0 < cfg.zclip_alpha < 1 and cfg.zclip_warmup >= 2,
          "zclip_z must be >= 0 (0: off), zclip_alpha in (0, 1) and zclip_warmup >= 2 (a variance needs 2 values)")
-    if cfg.spike_guard_precursor is not None:
-        from stability.precursors import PRECURSORS
-        need(cfg.spike_guard_precursor in PRECURSORS,
-             f"spike_guard_precursor={cfg.spike_guard_precursor!r} is not one of {', '.join(PRECURSORS)}")
-        need(cfg.spike_guard_precursor_threshold is not None and math.isfinite(cfg.spike_guard_precursor_threshold),
-             "spike_guard_precursor needs spike_guard_precursor_threshold (a number: docs/spike_guard.md has the "
-             "thresholds measured on the stability lab's clean runs; tools/precursors.py measures yours)")
-        need(cfg.telemetry_interval > 0, "spike_guard_precursor reads the telemetry: set telemetry_interval (e.g. 10)")
-    need(0 < cfg.spike_guard_precursor_lr_factor <= 1, "spike_guard_precursor_lr_factor must be in (0, 1]")
 
 
 # -----------------------------------------------------------------------------
