@@ -404,6 +404,53 @@ def _assert_holds_reference(ours, cfg, blob, ref_rank, capsys):
 
 
 # -----------------------------------------------------------------------------
+# Memory at scale: one output (stage, TP rank) at a time
+
+
+def test_each_output_stage_reads_only_the_source_files_it_needs(imported, tmp_path, monkeypatch):
+    """Held whole, one of tr11-176B's TP ranks is ~620 GB of state. Spied on the loader: each output (stage, TP
+    rank) of a PP2 import opens the layer files of its own layers (the last stage also the embedding's, whose word
+    embedding its tied output layer copies) and the ZeRO partitions of the source stages holding its parameters,
+    and is handed the state of its own parameters alone. Before that, the lesson-11 check reads the tied word
+    embedding's two copies. The mp_rank files (names and shapes) are left out of the count."""
+    import megatron_ds
+    opened, seen = [], []
+    load, write, check = megatron_ds._load, megatron_ds.stage_files, megatron_ds.check_tied_copies
+
+    def spy_load(path, what):
+        if "mp_rank_" not in os.path.basename(path) or "zero_pp" in os.path.basename(path):
+            opened.append(os.path.basename(path))
+        return load(path, what)
+
+    def spy_write(tag_dir, cfg, g, tensors, adam, run):
+        seen.append(((g.pp_rank, g.tp_rank), sorted(opened), len(tensors), len(adam)))
+        opened.clear()
+        return write(tag_dir, cfg, g, tensors, adam, run)
+
+    def spy_check(ckpt, tp):
+        check(ckpt, tp)
+        assert sorted(opened) == sorted(f"bf16_zero_pp_rank_{dp}_mp_rank_{pp * TP + tp:02d}_optim_states.pt"
+                                        for pp in range(PP) for dp in range(DP))
+        opened.clear()
+
+    monkeypatch.setattr(megatron_ds, "_load", spy_load)
+    monkeypatch.setattr(megatron_ds, "stage_files", spy_write)
+    monkeypatch.setattr(megatron_ds, "check_tied_copies", spy_check)
+    _import(imported[2], tmp_path / "ours", "--padded_vocab_in_softmax=false")
+
+    def zero(pp, tp):
+        return [f"bf16_zero_pp_rank_{dp}_mp_rank_{pp * TP + tp:02d}_optim_states.pt" for dp in range(DP)]
+
+    def layers(tp, *indices):
+        return [f"layer_{i:02d}-model_{tp:02d}-model_states.pt" for i in indices]
+
+    # stage 0: word, position, embedding norm (2), block 0 (12); stage 1: block 1 (12), ln_f (2), output layer
+    want = [((0, tp), sorted(layers(tp, 1, 3) + zero(0, tp)), 16, 16) for tp in range(TP)] + \
+        [((1, tp), sorted(layers(tp, 1, 4, 6) + zero(0, tp) + zero(1, tp)), 15, 15) for tp in range(TP)]
+    assert sorted(seen) == sorted(want)
+
+
+# -----------------------------------------------------------------------------
 # Bad input: one message naming the problem and the fix, nothing half-written
 
 
