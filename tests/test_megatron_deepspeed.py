@@ -450,6 +450,30 @@ def test_each_output_stage_reads_only_the_source_files_it_needs(imported, tmp_pa
     assert sorted(seen) == sorted(want)
 
 
+def test_files_are_found_by_their_rank_numbers_not_as_text(tmp_path):
+    """DeepSpeedCheckpoint sorts the mp_rank files as text; DP ranks are not zero-padded in the ZeRO files' names,
+    so that with 12 of them zero_pp_rank_10 sorts before zero_pp_rank_2 as text. Every file of a TP4 x PP3 x DP12
+    name list (12 mp_rank files, 144 ZeRO files, each holding its own ranks) is found as the rank it names."""
+    import megatron_ds
+    tp, pp, dp = 4, 3, 12
+    tag = tmp_path / "global_step5"
+    tag.mkdir()
+    args = argparse.Namespace(num_layers=3, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    for t in range(tp):
+        (tag / f"layer_01-model_{t:02d}-model_states.pt").touch()  # not read here: TP is their number
+    for mp in range(tp * pp):
+        torch.save({"args": args, "mp": mp}, tag / f"mp_rank_{mp:02d}_model_states.pt")
+        for d in range(dp):
+            torch.save({"optimizer_state_dict": {"dp": d, "mp": mp}},
+                       tag / f"bf16_zero_pp_rank_{d}_mp_rank_{mp:02d}_optim_states.pt")
+    ckpt = megatron_ds.Checkpoint(tag)
+    assert (ckpt.tp, ckpt.pp, ckpt.dp) == (tp, pp, dp)
+    for s in range(pp):
+        for t in range(tp):
+            assert ckpt.model_state(s, t)["mp"] == s * tp + t
+            assert ckpt.zero_shards(s, t) == [{"dp": d, "mp": s * tp + t} for d in range(dp)]
+
+
 # -----------------------------------------------------------------------------
 # Bad input: one message naming the problem and the fix, nothing half-written
 
