@@ -35,9 +35,14 @@ read too: its masters are the weights, each tensor is cut for the TP size its ar
 
 Not read: the pre-0.4 ZeRO stage-1 format
 (sub-partitions), Megatron checkpoints without the pipeline engine (--no-pipeline-parallel) and the RNG states
-(a converted run draws fresh streams from seed + iteration and says so). Memory: one TP rank's whole state at a
-time (weights, fp32 masters and both moments: 14 bytes a parameter under bf16; ~620 GB for one of tr11-176B's four
-TP ranks).
+(a converted run draws fresh streams from seed + iteration and says so).
+
+Memory: one output (stage, TP rank) at a time. Its parameters' layer files and the ZeRO partitions of the source
+stages holding them are opened memory-mapped (torch.load(mmap=True): torch.save's zip files, torch >= 1.6; older
+legacy-format files are read whole), and only its parameters' elements are read and copied: 14 bytes a parameter of
+the stage under bf16 (weights, fp32 masters, both moments). Computed for tr11-176B (TP4 x PP12, written as PP12):
+~56 GB for its first or last stage (5 layers and the word embedding) instead of ~617 GB for a whole TP rank; more
+output stages cut it further. The lesson-11 check reads the tied word embedding's two fp32 copies (~7 GB there).
 """
 import math
 import os
