@@ -450,6 +450,32 @@ def test_each_output_stage_reads_only_the_source_files_it_needs(imported, tmp_pa
     assert sorted(seen) == sorted(want)
 
 
+def _rank_files(tag_dir, pp_size, rank):
+    """(weights, {name: (fp32 master, Adam state)}) of one rank of our TP2 x pp_size checkpoint."""
+    g = parallel.Grid(TP, pp_size, world_size=TP * pp_size, rank=rank)
+    model = torch.load(checkpoint.model_file(str(tag_dir), g), weights_only=False)["model"]
+    opt = torch.load(checkpoint.rank_file(str(tag_dir), g), weights_only=False)
+    state = {name: (opt["optimizer"]["fp32_master_weights"][i], opt["optimizer"]["state"][i])
+             for i, name in enumerate(opt["param_names"])}
+    return model, state
+
+
+def test_written_as_one_stage_it_holds_what_the_two_stage_import_holds(imported, tmp_path):
+    """The PP2 source written as PP1, its one output stage reading both source stages: every weight, fp32 master,
+    moment and step equals those of the PP2 import (which the tests above hold to the reference), the last
+    stage's tied output layer aside."""
+    _import(imported[2], tmp_path / "ours", "--padded_vocab_in_softmax=false", "--pipeline_model_parallel_size=1")
+    for tp in range(TP):
+        model, state = _rank_files(tmp_path / "ours" / "global_step2", 1, tp)
+        want_model, want_state = {}, {}
+        for pp in range(PP):
+            m, st = _rank_files(imported[3] / "global_step2", PP, pp * TP + tp)
+            want_model.update((k, v) for k, v in m.items() if k != "output_weight")
+            want_state.update((k, v) for k, v in st.items() if k != "output_weight")
+        assert_same(model, want_model, "weights")
+        assert_same(state, want_state, "optimizer")
+
+
 def test_files_are_found_by_their_rank_numbers_not_as_text(tmp_path):
     """DeepSpeedCheckpoint sorts the mp_rank files as text; DP ranks are not zero-padded in the ZeRO files' names,
     so that with 12 of them zero_pp_rank_10 sorts before zero_pp_rank_2 as text. Every file of a TP4 x PP3 x DP12
