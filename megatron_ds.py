@@ -114,7 +114,7 @@ PICKLE = types.ModuleType("megatron_ds_pickle")
 PICKLE.Unpickler, PICKLE.load, PICKLE.__name__ = _Unpickler, pickle.load, "pickle"
 
 
-def _load(path, what):
+def read_file(path, what):
     """A source file, memory-mapped: a tensor's bytes are read from disk when it is used, so that a stage reads of
     a layer file or a ZeRO partition only the parameters it needs. torch.save's files since torch 1.6 (zip
     archives) allow it; older ones (torch.save's legacy format) are read whole."""
@@ -203,13 +203,13 @@ class Checkpoint:
         path = os.path.join(self.dir, f"mp_rank_{pp * self.tp + tp:02d}_model_states.pt")
         if not os.path.isfile(path):
             raise ValueError(f"{path} is missing: the checkpoint is incomplete; copy the whole directory")
-        return _load(path, f"engine state of stage {pp}, TP rank {tp}")
+        return read_file(path, f"engine state of stage {pp}, TP rank {tp}")
 
     def layer(self, index, tp):
         path = os.path.join(self.dir, f"layer_{index:02d}-model_{tp:02d}-model_states.pt")
         if not os.path.isfile(path):
             raise ValueError(f"{path} is missing: the checkpoint is incomplete; copy the whole directory")
-        return _load(path, f"layer {index} of TP rank {tp}")
+        return read_file(path, f"layer {index} of TP rank {tp}")
 
     def param_shapes(self, pp, tp):
         """The engine's param_shapes of (stage pp, TP rank tp): names and shapes only, kept (the mp_rank files
@@ -227,7 +227,7 @@ class Checkpoint:
     def zero_shards(self, pp, tp, ranks=None):
         """The optimizer_state_dict of DP ranks `ranks` (default all) of (stage pp, TP rank tp), in DP order,
         memory-mapped."""
-        return [_load(self.zero_file(pp, tp, dp), f"ZeRO partition of DP rank {dp}, stage {pp}, TP rank {tp}")
+        return [read_file(self.zero_file(pp, tp, dp), f"ZeRO partition of DP rank {dp}, stage {pp}, TP rank {tp}")
                 ["optimizer_state_dict"] for dp in (range(self.dp) if ranks is None else ranks)]
 
 
@@ -302,7 +302,7 @@ def stage_weights(ckpt, tp, names):
 def universal_slice(ckpt, name, key, tp):
     """TP rank tp's slice of a universal checkpoint's zero/<name>/<key>.pt (a whole tensor, cut along its cat_dim;
     replicated without one), the vocabulary's padding rows, which it drops, back as zeros."""
-    blob = _load(os.path.join(ckpt.dir, "zero", name, f"{key}.pt"), f"universal {key} of {name}")
+    blob = read_file(os.path.join(ckpt.dir, "zero", name, f"{key}.pt"), f"universal {key} of {name}")
     if "sub_param_shape" in blob or "param_n_sub_params" in blob:
         raise ValueError(f"{ckpt.dir}: {name} is stored as sub-parameters (a GLU's fused weights), which this import "
                          "does not read")
@@ -328,9 +328,9 @@ def universal_states(ckpt, shapes, tp, wanted=None):
                                  f"{tuple(shape)} (param_shapes): the universal checkpoint is of another layout")
             step = os.path.join(ckpt.dir, "zero", name, "step.pt")
             if os.path.isfile(step):
-                state["step"] = int(_load(step, f"universal step of {name}"))
+                state["step"] = int(read_file(step, f"universal step of {name}"))
             else:
-                common = common or _load(os.path.join(ckpt.dir, "zero", "optimizer_state.pt"), "optimizer state")
+                common = common or read_file(os.path.join(ckpt.dir, "zero", "optimizer_state.pt"), "optimizer state")
                 state["step"] = int(common["param_groups"][group]["step"])
             out[name] = state
     return out

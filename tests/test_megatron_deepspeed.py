@@ -415,7 +415,7 @@ def test_each_output_stage_reads_only_the_source_files_it_needs(imported, tmp_pa
     embedding's two copies. The mp_rank files (names and shapes) are left out of the count."""
     import megatron_ds
     opened, seen = [], []
-    load, write, check = megatron_ds._load, megatron_ds.stage_files, megatron_ds.check_tied_copies
+    load, write, check = megatron_ds.read_file, megatron_ds.stage_files, megatron_ds.check_tied_copies
 
     def spy_load(path, what):
         if "mp_rank_" not in os.path.basename(path) or "zero_pp" in os.path.basename(path):
@@ -433,7 +433,7 @@ def test_each_output_stage_reads_only_the_source_files_it_needs(imported, tmp_pa
                                         for pp in range(PP) for dp in range(DP))
         opened.clear()
 
-    monkeypatch.setattr(megatron_ds, "_load", spy_load)
+    monkeypatch.setattr(megatron_ds, "read_file", spy_load)
     monkeypatch.setattr(megatron_ds, "stage_files", spy_write)
     monkeypatch.setattr(megatron_ds, "check_tied_copies", spy_check)
     _import(imported[2], tmp_path / "ours", "--padded_vocab_in_softmax=false")
