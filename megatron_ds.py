@@ -23,8 +23,10 @@ model on each stage is built on the meta device to name and shape every tensor, 
 exactly what a run of ours would save.
 
 DeepSpeed's own readers (deepspeed.checkpoint) find the files: the layout from the file names
-(get_model_3d_descriptor_from_metadata), each rank's ZeRO files (ZeROCheckpoint). DeepSpeedCheckpoint itself is
-not used: it refuses a directory without ZeRO files (a weights-only import) and its layer-to-stage map assumes
+(get_model_3d_descriptor_from_metadata), each rank's ZeRO files (ZeROCheckpoint, which orders them by their rank
+numbers: the DP rank in their names is not zero-padded). The mp_rank and layer files are opened by the names their
+ranks give. DeepSpeedCheckpoint itself is not used: it sorts the mp_rank files as text (mp_rank_100 before
+mp_rank_11), refuses a directory without ZeRO files (a weights-only import), and its layer-to-stage map assumes
 equal stages, which BLOOM's partition (5 layers on its first and last stage, 6 between) is not; no reader there
 turns a flat ZeRO partition back into parameters (ds_to_universal does it through files on disk, and needs the
 universal_checkpoint_info that 2021-22 checkpoints lack), so that is done here from `param_shapes`.
@@ -39,10 +41,11 @@ Not read: the pre-0.4 ZeRO stage-1 format
 
 Memory: one output (stage, TP rank) at a time. Its parameters' layer files and the ZeRO partitions of the source
 stages holding them are opened memory-mapped (torch.load(mmap=True): torch.save's zip files, torch >= 1.6; older
-legacy-format files are read whole), and only its parameters' elements are read and copied: 14 bytes a parameter of
-the stage under bf16 (weights, fp32 masters, both moments). Computed for tr11-176B (TP4 x PP12, written as PP12):
-~56 GB for its first or last stage (5 layers and the word embedding) instead of ~617 GB for a whole TP rank; more
-output stages cut it further. The lesson-11 check reads the tied word embedding's two fp32 copies (~7 GB there).
+legacy-format files are read whole; a universal checkpoint's files hold one parameter each and are read one at a
+time), and only its parameters' elements are read and copied: 14 bytes a parameter of the stage under bf16
+(weights, fp32 masters, both moments). Computed for tr11-176B (TP4 x PP12, written as PP12): ~56 GB for its first
+or last stage (5 layers and the word embedding) instead of ~617 GB for a whole TP rank; more output stages cut it
+further. The lesson-11 check reads the tied word embedding's two fp32 copies (~7 GB there).
 """
 import math
 import os
