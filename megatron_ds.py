@@ -271,7 +271,12 @@ def source_index(ckpt, tp):
     (check_tied_copies reads them), nor its unused position embedding."""
     out = {}
     for pp in range(ckpt.pp):
-        for names in ckpt.param_shapes(pp, tp) or []:
+        shapes = ckpt.param_shapes(pp, tp)
+        if not shapes:
+            raise ValueError(f"{ckpt.dir}: mp_rank_{pp * ckpt.tp + tp:02d}_model_states.pt holds no param_shapes (the "
+                             "names of the optimizer's parameters): not the ZeRO-1/2 or BF16 optimizer format of "
+                             "DeepSpeed >= 0.4; import the weights alone by moving the *zero_pp_rank_* files away")
+        for names in shapes:
             for name in names:
                 if pp == 0 or not name.startswith(TIED):
                     out[our_name(ckpt, *optimizer_name(ckpt, name))] = pp, name
@@ -433,7 +438,7 @@ def check_tied_copies(ckpt, tp):
     stage's: its fp32 masters must be the same (lesson 11). Read from the two stages' partitions alone, before
     anything is written."""
     name = TIED + "word_embeddings.weight"
-    if ckpt.pp == 1 or ckpt.universal or not any(name in g for g in ckpt.param_shapes(ckpt.pp - 1, tp)):
+    if ckpt.pp == 1 or ckpt.universal or not any(name in g for g in ckpt.param_shapes(ckpt.pp - 1, tp) or []):
         return  # one copy; a universal checkpoint keeps one file per parameter
     first, last = (adam_states(ckpt, pp, tp, {name}, keys=("fp32",))[name]["fp32"] for pp in (0, ckpt.pp - 1))
     if not torch.equal(first, last):

@@ -566,6 +566,21 @@ def test_a_tied_embedding_copy_that_differs_is_refused(imported, tmp_path):
         _import(mds, tmp_path / "out")
 
 
+def test_zero_files_without_param_shapes_are_refused(imported, tmp_path):
+    """The engine's param_shapes name what the flat ZeRO groups hold: without them the partitions cannot be cut."""
+    mds, tag = _copy(imported[2], tmp_path)
+    for mp in range(TP * PP):
+        path = tag / f"mp_rank_{mp:02d}_model_states.pt"
+        with _megatron_importable():
+            engine = torch.load(path, weights_only=False)
+            engine["param_shapes"] = None
+            torch.save(engine, path)
+    with pytest.raises(ValueError, match="mp_rank_00_model_states.pt holds no param_shapes .*import the weights "
+                                         "alone by moving the"):
+        _import(mds, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_missing_zero_partition_is_refused(imported, tmp_path):
     mds, tag = _copy(imported[2], tmp_path)
     os.remove(tag / "bf16_zero_pp_rank_1_mp_rank_03_optim_states.pt")
