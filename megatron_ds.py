@@ -420,7 +420,7 @@ def adam_states(ckpt, pp, tp, wanted=None, keys=STATE_KEYS):
 def stage_adam(ckpt, tp, names):
     """{our name: {"fp32", "exp_avg", "exp_avg_sq", "step"}} of `names` on TP rank tp: only the ZeRO partitions
     of the source stages holding them are opened. The tied output layer's state is the first stage's word
-    embedding's (its last-stage copy is the same: check_tied_copies)."""
+    embedding's, as before this import worked stage by stage (check_tied_copies holds the last stage's copy to it)."""
     index, wanted = source_index(ckpt, tp), {}
     for ours in names:
         if ours in index:
