@@ -4,7 +4,6 @@ searches), and the tightness of the weight-corruption bound; plus the counterfac
 
 End-to-end runs are the tests' 2x64 model on a 512-token vocabulary (test_spike_guard.py's, with its guard flags).
 Each end-to-end test's docstring says what a guard without the rule it tests would do."""
-import math
 import re
 
 import numpy as np
