@@ -207,8 +207,9 @@ def unseen_verdict(guard, model, weights, then, excess_now, rng_after, step, lab
     re-base the trend to or None), from an unseen batch (label) computed on these weights (step: never applied) and,
     when it spikes there too, its loss on the pre-spike weights (forward() on the snapshot's weights):
       the unseen batch ordinary here         -> data: this batch is the cause
-      a loss below its trend                 -> data: weights a fault damaged do not predict text better than
-                                                their trend (repeated text, one token over and over)
+      this batch's loss far below the unseen one's (less than half as far above the trend)
+                                             -> data: weights a fault damaged do not predict text better than
+                                                text they never saw (repeated text, one token over and over)
       off its trend too (a spike, or its loss half the bar above), and as far off on the pre-spike weights (more
       than half of its excess was there already) -> data, a regime change: the trend is stale, not the weights
       off its trend too, and worse than on the pre-spike weights -> optimizer: the updates since did it
@@ -221,15 +222,17 @@ def unseen_verdict(guard, model, weights, then, excess_now, rng_after, step, lab
              + ("off its trend too" if spike_there else "ordinary"))
     if not spike_there:
         return True, f"{label} on these weights", words, None
-    if excess_now < 0:
-        return True, "the loss's side (below its trend)", words, None
+    if not math.isfinite(step.loss):
+        return False, f"{label} on these weights", words + ": the weights are broken", None
+    off = step.loss - guard.series["loss"].expected()
+    if excess_now < 0.5 * off:
+        return True, f"{label} on these weights (this batch lies far below it)", words, None
     before = loss_on(model, weights, forward)
     checkpoint.set_rng_state(rng_after)
-    excess = step.loss - guard.series["loss"].expected() if math.isfinite(step.loss) else math.inf
-    worse = step.loss - before if math.isfinite(step.loss) and math.isfinite(before) else math.inf
+    worse = step.loss - before if math.isfinite(before) else -math.inf
     words += f"; on the model of iteration {then}: loss {before:.4g} ({worse:+.3g} since)"
     decided = f"{label} on the model of iteration {then}"
-    if worse <= 0.5 * excess:
+    if worse <= 0.5 * off:
         return True, decided, words + ", as far off: the trend is stale", (step.loss, step.grad_norm)
     return False, decided, words + ": the weights got worse", None
 
@@ -328,12 +331,13 @@ def replay_in_fp32(guard, rng_before, model, optimizer, rerun):
     """The step replayed in fp32 (Fp32Step: the master weights, fp32 gradients, no loss scale), judged
     against the trend. Applied if it is ordinary; else the half-precision run is left exactly as it was (its
     weights, masters, optimizer, loss scaler and RNG streams, and the reason the guard gives)."""
-    rng_after, pending = checkpoint.rng_state(), guard.pending
+    rng_after, pending, unseen = checkpoint.rng_state(), guard.pending, guard.unseen
     checkpoint.set_rng_state(rng_before)
+    guard.unseen = None  # measured in half precision, with the fault if it persists: no bar for an fp32 loss
     with Fp32Step(model, optimizer) as fp32:
         exact = rerun(guard.judge if guard.armed() else None, optim.LossScaler(dynamic=False, static_scale=1.0))
         fp32.keep = exact.outcome == "ok"
-    guard.pending = pending  # the spike's reason is the half-precision step's
+    guard.pending, guard.unseen = pending, unseen  # the spike's reason is the half-precision step's
     if not fp32.keep:
         checkpoint.set_rng_state(rng_after)
     return exact

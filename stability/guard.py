@@ -9,6 +9,8 @@ They share the spike guard (spike_guard.SpikeGuard: the detector's statistics, t
 the snapshots, handed to each at construction (stability.Shared). Every rank runs them on the same numbers (the
 step's are DP rank 0's on every replica: training.agree), so the ranks cannot decide apart.
 """
+import math
+
 import checkpoint
 import loader
 import parallel
@@ -51,6 +53,23 @@ class Guard(training.Callback):
         it.lr = it.lr * guard.lr_scale
         if guard.noise is None and guard.armed():  # the tolerance of a replay (diagnosis.reproduced_tolerance)
             guard.noise = diagnosis.measure_noise(self.parts.model, it.batches, self.cfg, self.device)
+        interval = guard.rules.spike_guard_unseen_interval
+        if guard.armed() and interval and it.number % interval == 0:
+            guard.unseen = self.unseen_loss(it)
+
+    def unseen_loss(self, it):
+        """The loss of the next iteration's batch (drawn anyway, never trained on) on the weights of now: where the
+        model really is, which a loss learnt by heart falls far below (Detector.below_unseen). One forward every
+        spike_guard_unseen_interval iterations, the RNG streams put back (the run is the one without the guard);
+        the last one kept past the end of the data."""
+        first = it.first_sample + it.batch_size
+        if first + it.batch_size > len(self.train_data):
+            return self.guard.unseen
+        batches = loader.micro_batches(self.train_data, first, len(it.batches), self.cfg, it.seqlen, self.device)
+        rng = checkpoint.rng_state()
+        loss = diagnosis.evaluate_batches(self.parts.model, batches, self.cfg, self.device)
+        checkpoint.set_rng_state(rng)
+        return loss if math.isfinite(loss) else None  # a forward that overflowed tells nothing of the data
 
     def update_factor(self, loss, grad_norm):
         return 0.0 if self.guard.armed() and self.guard.judge(loss, grad_norm) else 1.0

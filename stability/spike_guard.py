@@ -11,6 +11,7 @@ But the causes call for different remedies, so the guard asks why before it acts
              `spike_guard_grad_norm_ratio` x; or the loss half as far off its line, above or below (a
              degenerate batch the model finds easy), with an outlying grad norm; or
              `spike_guard_rise_steps` losses in a row each half as far above (a slow rise the line follows);
+             or the loss far below an unseen batch's on the same weights (text learnt by heart);
              or the loss is NaN/inf; or the DP replicas computed different numbers; or (fp16) the loss scale
              collapsed to min_loss_scale. From `spike_guard_min_steps` applied steps on (in fp16 the losses of
              the loss scale's search count): the trend makes the warm-up ordinary.
@@ -25,12 +26,16 @@ But the causes call for different remedies, so the guard asks why before it acts
                                                            -> numerical: the fp32 step applied (fp16: the loss scale
                                                               halved once per episode, never to its floor);
                                                               spike_guard_max_numerical in a window: stop, naming it
-                 counterfactual: the last applied batch on these same weights (computed, never applied)
-                   ordinary                                    -> data: this batch is the cause (either sign); a
+                 counterfactual: a batch never trained on (the next one) on these weights (computed, never applied)
+                   ordinary, or this batch far below it        -> data: this batch is the cause (either sign); a
                                                                   minority of its samples, if far off, is named
-                   a spike too                                 -> optimizer: roll back at once, skip no data, and
+                   off its trend too, as far on the oldest snapshot's weights
+                                                               -> data, a regime change: the trend re-based
+                   off its trend too, worse than on the oldest snapshot's weights
+                                                               -> optimizer: roll back at once, skip no data, and
                                                                   cut the LR unless the LRs since the snapshot
-                                                                  were not the schedule's: no rollback replays
+                                                                  were not the schedule's: no rollback replays;
+                                                                  again after a rollback: named persistent
              Every decision line says which test removed the spike, with its numbers.
              The spike_guard_max_hardware_faults-th hardware fault on one DP rank stops the run, naming it.
   act (data) (a) skip the update: no weight, Adam moment, step counter or LR-schedule change;
@@ -38,11 +43,12 @@ But the causes call for different remedies, so the guard asks why before it acts
                  newest snapshot (host copy, or disk checkpoint) before the spike window and add the window -- from
                  `spike_guard_rewind` before the first spike to `spike_guard_skip_after` after the last -- to the
                  run's skip ranges;
-             (c) on a relapse (any later rollback, of either cause): also multiply the LR by
+             (c) on a relapse (any later rollback, not of the data): also multiply the LR by
                  `spike_guard_lr_factor` and, with `spike_guard_reset_optimizer`, reset the optimizer with the
                  lr=0 warm-up of lesson 8.
-             Rollbacks and skipped iterations are capped; at a cap the run saves its last good state and exits
-             with code 3 and a message.
+             A rollback whose target lies before every state kept goes to the oldest state there is
+             (snapshots.py); with none, the run stops saying why. Rollbacks and skipped iterations are capped; at a
+             cap the run saves its last good state and exits with code 3 and a message naming the cause.
   explain    every decision is one `spike guard: ...` line with its cause and evidence, a record in metrics.jsonl
              and an entry in the run state of the checkpoint; a resumed run honours the skip ranges and the LR
              factor and never decides again. The highest-loss samples of a spiking batch are named and decoded,
