@@ -85,7 +85,7 @@ def test_with_no_state_at_all_the_stop_says_why_in_one_line(run, tmp_path):
             "--inject_bad_batch_iters=31-33")
     message = str(stop.value)
     assert "\n" not in message and "data-driven" in message, message
-    assert re.search(r"stopped, the last resort: no snapshot or checkpoint before iteration 32 to roll back to", message)
+    assert "stopped, the last resort: no snapshot or checkpoint before iteration 32 to roll back to" in message
 
 
 # -- the guard's bookkeeping, on synthetic numbers ------------------------------------------------------------------
@@ -187,7 +187,8 @@ def test_the_counterfactual_batch_is_one_the_weights_were_never_trained_on(run, 
     monkeypatch.setattr(loader, "micro_batches", lambda data, first, *args: drawn.append(first) or real(data, first,
                                                                                                          *args))
     # (the unseen batch's periodic check off: it draws the next batch too, for the detector)
-    lines = decisions(run(*GUARD, "--inject_bad_batch_iters=40-40", "--train_iters=42", "--spike_guard_unseen_interval=0"))
+    lines = decisions(run(*GUARD, "--inject_bad_batch_iters=40-40", "--train_iters=42",
+                          "--spike_guard_unseen_interval=0"))
     assert len(lines) == 1 and "decided by iteration 41's batch (unseen) on these weights" in lines[0], lines
     assert drawn[0] == 40 * 8 and 39 * 8 not in drawn and 38 * 8 not in drawn, drawn  # the rest: validation's
 
