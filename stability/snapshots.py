@@ -156,7 +156,7 @@ class Snapshots:
             run_state.reset_optimizer(parts, schedule.reset_warmup_iters(self.cfg, unset="auto"))
         guard.applied(decision, target)
         skipping = decision["action"] == "rollback" and decision["end"] is not None
-        print0(f"spike guard: rolled back to iteration {target}" + (
+        print0(f"spike guard: rolled back to iteration {target}{decision.get('fallback', '')}" + (
             f"; iterations {decision['start']}-{decision['end']} will be skipped" if skipping else ""))
         return target
 
@@ -170,11 +170,9 @@ class Snapshots:
             return None
         target, start = found[0], decision["start"]
         where = "the oldest snapshot" if self.items and self.items[0][0] == target else "the oldest checkpoint"
-        decision["fallback"] = target
-        decision["line"] += (f"; no state before iteration {start} exists: rolled back to iteration {target}, the "
-                             f"oldest state there is ({where})")
-        print0(f"spike guard: iteration {decision['iteration']}: the rollback's target, before iteration {start}, "
-               f"is before every state kept: rolling back to iteration {target}, the oldest there is ({where})")
+        decision["fallback"] = (f" (the oldest state there is, {where}: the target, before iteration {start}, is "
+                                "before every state kept)")
+        decision["line"] += f"; no state before iteration {start} exists: rolled back to iteration {target}"
         return found
 
 
