@@ -106,7 +106,7 @@ def investigate(guard, parts, step, iteration, before, snapshots, rerun, forward
     if snapshot is None:
         return replay, {"cause": "data", "evidence": f"{replayed}; no earlier snapshot to test the batch on"}
     return replay, data_or_optimizer(guard, parts.model, replay, replayed, snapshot, forward, other, per_sample,
-                                     snapshots.oldest())
+                                     snapshots.oldest(disk=False))
 
 
 def said(step):
@@ -150,8 +150,8 @@ def data_or_optimizer(guard, model, replay, replayed, snapshot, forward, other, 
     """A reproduced spike of sound weights: is the batch the outlier ("data") or the weights ("optimizer")? The
     fair question is asked of a batch these weights were never trained on (other(): the next iteration's, drawn
     anyway; the last applied batch looks ordinary on weights just trained on it, whatever the cause) and of the
-    pre-spike weights (the oldest snapshot's, `oldest`, else `snapshot`'s: the state furthest from a cause that
-    began a few updates ago): unseen_verdict. Without an unseen batch (the end of the data), the suspect
+    pre-spike weights (the oldest snapshot kept, `oldest`, else `snapshot`'s: within a rollback's reach, the state
+    furthest from a cause that began a few updates ago): unseen_verdict. Without an unseen batch (the end of the data), the suspect
     batch on the snapshot's model decides, on the loss's sign alone. The diagnosis says which comparison decided
     ("decided_by"), and asks, when the unseen batch is as far off on the pre-spike weights, for the trend to be
     re-based ("rebase": a regime change, not a fault of the weights)."""

@@ -117,11 +117,11 @@ class Snapshots:
                 return max(steps), checkpoint.load(os.path.join(directory, f"global_step{max(steps)}"))
         return None
 
-    def oldest(self):
-        """(iteration, snapshot) of the oldest state there is: the oldest snapshot kept, or else the oldest disk
-        checkpoint in `save` or `load`; None for neither."""
+    def oldest(self, disk=True):
+        """(iteration, snapshot) of the oldest state there is: the oldest snapshot kept or (disk) the oldest disk
+        checkpoint in `save` or `load`, whichever is older; None for neither."""
         kept = [self.items[0][0]] if self.items else []
-        kept += self.checkpoints()[:1]
+        kept += self.checkpoints()[:1] if disk else []
         return self.newest_before(min(kept) + 1) if kept else None
 
     def checkpoints(self):
