@@ -227,8 +227,10 @@ class SpikeGuard(Detector):
         if diagnosis and diagnosis.get("suspects"):
             cause["suspects"] = diagnosis["suspects"]
         if cause.get("cause") == "optimizer":  # the weights are already damaged: skipping updates cannot help
-            cause["persistent"] = any(d.get("cause") == "optimizer" and d["action"] == "rollback"
-                                      for d in self.decisions)  # it came back after a rollback changed the LR
+            # it came back within spike_guard_rewind of an optimizer rollback, which had changed the LR
+            cause["persistent"] = any(d.get("cause") == "optimizer" and d["action"] == "rollback" and
+                                      abs(iteration - d["iteration"]) <= ladder.spike_guard_rewind
+                                      for d in self.decisions)
             self.strikes = [iteration]
             reason += f"; {self._cause_words(cause)}: {diagnosis['evidence']}"
             return self._rollback(iteration, reason, iteration - 1, None, cause, diagnosis.get("since"))

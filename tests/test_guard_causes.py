@@ -164,6 +164,14 @@ def test_a_data_rollback_never_cuts_the_lr_an_optimizer_one_does():
     assert optimizer["action"] == "rollback" and optimizer["lr_scale"] == 0.5
 
 
+def test_an_optimizer_cause_is_persistent_when_it_comes_back_within_the_rewind():
+    guard = _guard(spike_guard_max_rollbacks=5)
+    for n, target, persistent in ((30, 25, False), (31, 25, True), (80, 75, False)):
+        d = _spike(guard, n, "optimizer")
+        assert d["persistent"] == persistent and ("optimizer-driven (persistent)" in d["line"]) == persistent, d
+        guard.applied(d, target)
+
+
 def test_a_regime_change_rebases_the_trend_and_the_next_batches_are_ordinary():
     """A data spike whose unseen batch is as far off its trend on the pre-spike weights (diagnosis "rebase"): one
     skip, the trend moved to the new level, and the batches of the new regime are judged ordinary against it, no
