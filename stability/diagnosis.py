@@ -152,9 +152,9 @@ def data_or_optimizer(guard, model, replay, replayed, snapshot, forward, other, 
     anyway; the last applied batch looks ordinary on weights just trained on it, whatever the cause) and of the
     pre-spike weights (the oldest snapshot kept, `oldest`, else `snapshot`'s: within a rollback's reach, the state
     furthest from a cause that began a few updates ago): unseen_verdict. Without an unseen batch (the end of the
-    data), the suspect batch on the snapshot's model decides, on the loss's sign alone. The diagnosis says which comparison decided
-    ("decided_by"), and asks, when the unseen batch is as far off on the pre-spike weights, for the trend to be
-    re-based ("rebase": a regime change, not a fault of the weights)."""
+    data), the suspect batch on the snapshot's model decides, on the loss's sign alone. The diagnosis says which
+    comparison decided ("decided_by"), and asks, when the unseen batch is as far off on the pre-spike weights, for
+    the trend to be re-based ("rebase": a regime change, not a fault of the weights)."""
     then, payload = snapshot
     rng_after = checkpoint.rng_state()
     unseen = other() if other is not None else None
