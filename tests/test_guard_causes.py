@@ -2,8 +2,10 @@
 high from some iteration on, also from a resume on), a rollback whose target lies before every state kept, a block
 of repeated documents met in corpus order (a loss falling far below its trend), and normal data after it.
 
-End-to-end runs are test_guard_faults.py's 2x64 model on a 512-token vocabulary with its guard flags; each test's
-docstring says what the guard before this change did (each was run against it and failed)."""
+End-to-end runs are test_guard_faults.py's 2x64 model on a 512-token vocabulary with its guard flags; each
+end-to-end test's docstring says what the guard before this change did (each was run against it and failed). The
+bookkeeping tests on synthetic numbers each fail on one planted bug (the noise tolerance unused, the noise left out
+of the checkpoint, diagnoses and strikes counted over the whole run or not cleared by a rollback)."""
 import json
 import re
 
