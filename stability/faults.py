@@ -10,6 +10,8 @@
                              after the update (an Adam moment, an fp32 master: inject_bitflip_target), flips on rank
                              inject_bitflip_rank
     inject_numerical_iters   a cancellation that half precision loses and fp32 keeps
+    inject_repeat_iters      a block of repeated documents met in corpus order: the block's iterations given the
+                             samples of its first inject_repeat_period iterations again, in turn
 
 An LR spike and a bit flip are events in time: a replay or a rollback does not meet them again. The spike guard
 keeps the run's timeline (spike_guard.SpikeGuard.meets_fault), and is told of the LRs a replay would not get
@@ -17,6 +19,7 @@ keeps the run's timeline (spike_guard.SpikeGuard.meets_fault), and is told of th
 """
 import torch
 
+import loader
 import parallel
 import schedule
 import training
@@ -40,10 +43,13 @@ class Faults(training.Callback):
         self.bitflip_ranges = parse(cfg.inject_bitflip_iters, "inject_bitflip_iters")
         self.numerical_ranges = parse(cfg.inject_numerical_iters, "inject_numerical_iters")
         self.degenerate_ranges = parse(cfg.inject_degenerate_iters, "inject_degenerate_iters")
+        self.repeat_ranges = parse(cfg.inject_repeat_iters, "inject_repeat_iters")
+        self.run_cfg = cfg  # the data's keys, for the repeated block's samples
 
     def before_step(self, it):
         n = it.number
         it.batches = self.degenerate_batches(n, self.bad_batches(n, it.batches))
+        it.batches = self.repeated_batches(it, it.batches)
         factor = self.lr_factor(n, self.timeline)
         if factor != 1.0:
             if not self.cfg.inject_lr_persistent:  # once in time: a replay of this iteration would not meet it
@@ -55,7 +61,7 @@ class Faults(training.Callback):
         self.flip_state = self.state_bitflip(n, self.timeline)
 
     def start(self, parts, report, train_data):
-        self.model, self.optimizer = parts.model, parts.optimizer
+        self.model, self.optimizer, self.train_data = parts.model, parts.optimizer, train_data
 
     def on_grads(self, model, loss_scale):
         if self.flip_grad is not None:
@@ -200,3 +206,19 @@ class Faults(training.Callback):
 
 
 STATE_TARGETS = ("exp_avg", "exp_avg_sq", "master")  # inject_bitflip_target's names of the optimizer's state
+
+    # -- a block of repeated documents (added last: other faults' functions go above) ----------------------------
+
+    def repeated_batches(self, it, batches):
+        """inject_repeat_iters: a block of repeated documents met in corpus order, the shape of BigScience's and
+        OPT's data incidents (a shard of near-duplicates): an iteration of the block is given the samples of the
+        block's iteration start + (n - start) % inject_repeat_period again, read from the data by their place (the
+        same on every rank, replay and resume; the batch size constant over the block). The documents are those of
+        the block's own places: a skip list that names them names the block."""
+        for start, end in self.repeat_ranges:
+            if start <= it.number <= end:
+                source = start + (it.number - start) % self.cfg.inject_repeat_period
+                first = it.first_sample - (it.number - source) * it.batch_size
+                return loader.micro_batches(self.train_data, first, len(batches), self.run_cfg, it.seqlen,
+                                            batches[0][0].device)
+        return batches
