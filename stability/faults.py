@@ -205,8 +205,6 @@ class Faults(training.Callback):
               f"{parallel.grid.rank}: {float(flat[i]):.4g}", flush=True)
 
 
-STATE_TARGETS = ("exp_avg", "exp_avg_sq", "master")  # inject_bitflip_target's names of the optimizer's state
-
     # -- a block of repeated documents (added last: other faults' functions go above) ----------------------------
 
     def repeated_batches(self, it, batches):
@@ -222,3 +220,6 @@ STATE_TARGETS = ("exp_avg", "exp_avg_sq", "master")  # inject_bitflip_target's n
                 return loader.micro_batches(self.train_data, first, len(batches), self.run_cfg, it.seqlen,
                                             batches[0][0].device)
         return batches
+
+
+STATE_TARGETS = ("exp_avg", "exp_avg_sq", "master")  # inject_bitflip_target's names of the optimizer's state
