@@ -58,11 +58,10 @@ def linear_cross_entropy(hidden, weight, target, vocab_size=None, z_loss=0.0, re
 def main_grad_adder(weight):
     """(gradient, scale or None) -> None adding gradient * scale into the weight's fp32 main_grad (a GradBuffer's, which
     the weight's post-accumulate hook would otherwise fill from a .grad in the weight's dtype: a weight-sized
-    tensor made, rounded to bf16, read and freed each micro-batch); None where there is none (DeepSpeed, no
-    buffer, a frozen weight) or it is fp16's own half-precision sum, whose roundings the autograd path orders as
-    the layouts' tests bound them (fp16 TP2 against one process: 6e-4 that way, 1.05e-3 added straight in)."""
+    tensor made, rounded to the half dtype, read and freed each micro-batch); None where there is none
+    (DeepSpeed, no buffer, a frozen weight)."""
     buffer = getattr(weight, "main_grad_buffer", None)
-    if buffer is None or not weight.requires_grad or not weight.is_leaf or weight.main_grad.dtype == torch.float16:
+    if buffer is None or not weight.requires_grad or not weight.is_leaf:
         return None
     return functools.partial(buffer.add, weight)
 
@@ -159,9 +158,9 @@ def chunk_grads(g, hidden, weight, grad_weight):
         torch.addmm(grad_weight, g.t(), hidden, out=grad_weight)  # as addmm_, which FlopCounterMode misses
     elif fp32_accumulating_addmm(g.device):  # bf16/fp16 products summed in fp32 by the matmul, into the sum
         torch.addmm(grad_weight, g.t(), hidden, out_dtype=grad_weight.dtype, out=grad_weight)
-    elif g.is_cuda or g.dtype == torch.float16:  # the half product (rounded once per chunk), its sum in fp32:
-        grad_weight += g.t() @ hidden  # a torch without it; fp16, whose 11 bits the layouts' tests are held to
-    else:  # bf16 on the CPU, which has no such kernel: fp32 copies of the operands (exact), an fp32 matmul
+    elif g.is_cuda:  # a torch without it: the half product (rounded once per chunk), its sum in fp32
+        grad_weight += g.t() @ hidden
+    else:  # the CPU, which has no such kernel: fp32 copies of the operands (exact), an fp32 matmul
         torch.addmm(grad_weight, g.t().to(grad_weight.dtype), hidden.to(grad_weight.dtype), out=grad_weight)
     return g @ weight
 
