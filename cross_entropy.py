@@ -88,12 +88,12 @@ class LinearCrossEntropy(torch.autograd.Function):
             grad_weight = weight.new_zeros(weight.shape, dtype=weight.dtype if one else dtype)
         for i in range(0, h.shape[0], tokens):
             c = slice(i, i + tokens)
-            logits, top, sum_exp, log_z[c], loss[c] = chunk_softmax(h[c], weight, local[c], outside[c], real)
+            logits, top, sum_exp, exps, log_z[c], loss[c] = chunk_softmax(h[c], weight, local[c], outside[c], real)
             if fused:  # softmax * (1 + 2 z_loss log Z) - onehot: the z-loss's gradient rides along (lesson 20)
                 scale = (1.0 + 2.0 * z_loss * log_z[c]) / sum_exp if z_loss else sum_exp.reciprocal()
-                g = chain.logit_grad(logits, top, scale, 1.0, local[c], outside[c], real)
+                g = chain.logit_grad(logits, top, scale, 1.0, local[c], outside[c], real, exps)
                 grad_hidden[c] = chunk_grads(g, h[c], weight, grad_weight)
-            del logits
+            del logits, exps
         log_z = log_z.view(target.shape)
         ctx.mark_non_differentiable(log_z)
         ctx.shape, ctx.dtype, ctx.reduction, ctx.real, ctx.z_loss, ctx.tokens, ctx.add = \
@@ -137,17 +137,19 @@ def chunk_softmax(hidden, weight, local, outside, real):
     """A chunk of tokens' logits over all of this rank's rows of the output layer (a multiple of 128 when the
     vocabulary is padded, so that cuBLAS keeps its aligned kernels on every TP rank), in the compute dtype; the
     first `real` columns are tokens, the rest never enter the softmax. Their max, then the sums of exp and of
-    the target's logit, all-reduced over TP. Returns (logits, max, sum of exp, log Z, loss = log Z - target)."""
+    the target's logit, all-reduced over TP. Returns (logits, max, sum of exp, the exponentials or None (eager:
+    logits_sum_exp), log Z, loss = log Z - target)."""
     grid = parallel.grid
     logits = F.linear(hidden, weight)
     top, target_logit = chain.max(logits, local, outside, real)
     if grid.tp_size > 1:
         dist.all_reduce(top, op=dist.ReduceOp.MAX, group=grid.tp_group)
-    sums = torch.stack((chain.sum_exp(logits, top, real), target_logit))
+    sum_exp, exps = chain.sum_exp(logits, top, real)
+    sums = torch.stack((sum_exp, target_logit))
     if grid.tp_size > 1:
         dist.all_reduce(sums, group=grid.tp_group)  # one all-reduce for both
     log_z = top + sums[0].log()
-    return logits, top, sums[0], log_z, log_z - sums[1]
+    return logits, top, sums[0], exps, log_z, log_z - sums[1]
 
 
 def chunk_grads(g, hidden, weight, grad_weight):
@@ -197,16 +199,26 @@ def logits_max(logits, local, outside, real):
 
 
 def logits_sum_exp(logits, top, real):
-    """The sum of exp(logits - top) over the real columns, in fp32 at least (logits themselves untouched)."""
+    """(the sum of exp(logits - top) over the real columns in fp32 at least, those exponentials or None).
+
+    Eager, the exponentials are kept for logits_grad, which would otherwise compute them again: written over fp32
+    logits (their real columns: exp(logits - top) in place of the logits, the gradient's first step), an fp32
+    copy of half ones (the one the sum needs anyway). A second pass of subtract and exp over each chunk, with a
+    chunk-sized temporary in fp32, cost a 6 x 384 model 7% of its CPU step (issue 39's regression). Compiled,
+    None and the logits untouched: the sum is one fused reduction that writes no chunk, and logits_grad's one
+    pointwise kernel computes them again from the logits, cheaper on a GPU than an fp32 chunk written and read."""
     dtype = torch.promote_types(logits.dtype, torch.float32)
     x = logits[:, :real]
-    x = x - top.unsqueeze(-1) if x.dtype == dtype else x.to(dtype).sub_(top.unsqueeze(-1))
-    return x.exp_().sum(dim=-1)
+    if torch.compiler.is_compiling():
+        return (x - top.unsqueeze(-1) if x.dtype == dtype else x.to(dtype) - top.unsqueeze(-1)).exp().sum(-1), None
+    x = x.sub_(top.unsqueeze(-1)) if x.dtype == dtype else x.to(dtype).sub_(top.unsqueeze(-1))
+    return x.exp_().sum(dim=-1), x
 
 
-def logits_grad(logits, shift, scale, onehot, local, outside, real):
+def logits_grad(logits, shift, scale, onehot, local, outside, real, exps=None):
     """d(loss)/d(logits) = exp(logits - shift) * scale - onehot(target) * onehot, zero in the padding columns,
-    written over the logits (the compute dtype) and returned: no second chunk-sized buffer.
+    written over the logits (the compute dtype) and returned: no second chunk-sized buffer. exps: exp(logits -
+    shift) of the real columns where logits_sum_exp kept them (eager), overwritten here.
 
     Compiled (compile_chain), one pointwise expression, which inductor makes one kernel reading the logits and
     writing the gradient over them once (4 bytes an element in bf16): the one-hot a comparison of each column's
@@ -216,7 +228,8 @@ def logits_grad(logits, shift, scale, onehot, local, outside, real):
     if torch.compiler.is_compiling():
         return logits.copy_(pointwise_grad(logits, shift, scale, onehot, local, outside, real))
     dtype = torch.promote_types(logits.dtype, torch.float32)
-    x = logits[:, :real].to(dtype).sub_(shift.unsqueeze(-1)).exp_().mul_(scale.unsqueeze(-1))
+    x = logits[:, :real].to(dtype).sub_(shift.unsqueeze(-1)).exp_() if exps is None else exps
+    x.mul_(scale.unsqueeze(-1))
     if real:
         x.scatter_add_(-1, local.unsqueeze(-1), (~outside * -onehot).to(dtype).unsqueeze(-1))
     if x.dtype != logits.dtype:

@@ -486,14 +486,15 @@ def relative_gaps(run, ref):
 @pytest.mark.parametrize("layout", HALF_LAYOUTS)
 @pytest.mark.parametrize("precision", HALF_PRECISION)
 def test_half_precision_layouts_match_one_process(precision, layout, one_process, synthetic_corpus, tmp_path):
-    """A layout only reorders the roundings of the same computation (TP's partial sums, fp16's DP all-reduce in
-    fp16, PP's tied-embedding gradients summed across stages), roundings as large as the precision's own: it may
+    """A layout only reorders the roundings of the same computation (TP's partial sums, the DP all-reduce, PP's
+    tied-embedding gradients summed across stages), roundings as large as the precision's own: it may
     move a run away from the one-process run in the same precision by no more than twice as far as that precision
     moves it from fp32, or than its unit roundoff, whichever is larger. The tolerance: twice the larger of the
     largest relative gap, over 10 iterations of lm loss and grad norm, between the one-process runs in half and in
     fp32 (4e-3 in bf16, 2.7e-4 in fp16, where the fused loss computes in fp32) and the unit roundoff (2^-8, 2^-11).
-    TP2, PP2, DP2 measured at most 1.8e-3 and 6e-4. A layout that trains another model -- masters not stepped, a
-    gradient summed twice or not reduced, a wrong loss scale on one rank -- misses by far more."""
+    TP2, PP2, DP2 measured at most 1.8e-3 in bf16, 3.5e-4 in fp16 (its gradients summed in fp32). A layout that
+    trains another model -- masters not stepped, a gradient summed twice or not reduced, a wrong loss scale on one
+    rank -- misses by far more."""
     half = HALF_PRECISION[precision]
     fp32, one = one_process("fp32"), one_process(precision, *half)
     roundoff = {"bf16": 2.0**-8, "fp16": 2.0**-11}[precision]
