@@ -86,9 +86,13 @@ class LinearCrossEntropy(torch.autograd.Function):
             grad_hidden = torch.empty_like(h)
             one = h.shape[0] <= tokens and weight.dtype != torch.float16
             grad_weight = weight.new_zeros(weight.shape, dtype=weight.dtype if one else dtype)
+        # one chunk's logits, written by every chunk in turn: made afresh, on the CPU a buffer past glibc's mmap
+        # threshold has its pages faulted in each time (6 x 384: 19k faults a chunk)
+        buffer = h.new_empty(min(tokens, h.shape[0]), vocab_local)
         for i in range(0, h.shape[0], tokens):
             c = slice(i, i + tokens)
-            logits, top, sum_exp, exps, log_z[c], loss[c] = chunk_softmax(h[c], weight, local[c], outside[c], real)
+            logits, top, sum_exp, exps, log_z[c], loss[c] = chunk_softmax(h[c], weight, local[c], outside[c], real,
+                                                                          buffer)
             if fused:  # softmax * (1 + 2 z_loss log Z) - onehot: the z-loss's gradient rides along (lesson 20)
                 scale = (1.0 + 2.0 * z_loss * log_z[c]) / sum_exp if z_loss else sum_exp.reciprocal()
                 g = chain.logit_grad(logits, top, scale, 1.0, local[c], outside[c], real, exps)
@@ -133,14 +137,14 @@ def weight_grad(ctx, grad_weight, scale=None):
     return (grad_weight if scale is None else grad_weight.mul_(scale)).to(ctx.dtype)
 
 
-def chunk_softmax(hidden, weight, local, outside, real):
+def chunk_softmax(hidden, weight, local, outside, real, buffer):
     """A chunk of tokens' logits over all of this rank's rows of the output layer (a multiple of 128 when the
     vocabulary is padded, so that cuBLAS keeps its aligned kernels on every TP rank), in the compute dtype; the
-    first `real` columns are tokens, the rest never enter the softmax. Their max, then the sums of exp and of
-    the target's logit, all-reduced over TP. Returns (logits, max, sum of exp, the exponentials or None (eager:
-    logits_sum_exp), log Z, loss = log Z - target)."""
+    first `real` columns are tokens, the rest never enter the softmax, written into buffer's first rows. Their max,
+    then the sums of exp and of the target's logit, all-reduced over TP. Returns (logits, max, sum of exp, the
+    exponentials or None (eager: logits_sum_exp), log Z, loss = log Z - target)."""
     grid = parallel.grid
-    logits = F.linear(hidden, weight)
+    logits = torch.mm(hidden, weight.t(), out=buffer[:len(hidden)])
     top, target_logit = chain.max(logits, local, outside, real)
     if grid.tp_size > 1:
         dist.all_reduce(top, op=dist.ReduceOp.MAX, group=grid.tp_group)
