@@ -136,6 +136,23 @@ def test_half_gradients_accumulate_in_fp32_over_64_micro_batches(name):
     assert half_error > (1e-3 if name == "bf16" else 1e-4), half_error
 
 
+def test_an_fp16_overflow_in_one_micro_batch_survives_the_fp32_sum():
+    """fp16's loss scaler reads the grad norm of the fp32 sum: one micro-batch whose fp16 gradients overflow (a
+    loss scale of 2^40 for it alone) among finite ones leaves the sum and its norm not finite, so that the step is
+    skipped; the same micro-batches at a scale of 1 give a finite norm."""
+    cfg = _cfg("--fp16")
+    model = build_model(cfg, torch.device("cpu"))
+    buffer = parallel.grad_buffer(model)
+    x = torch.randint(0, cfg.vocab_size, (2, 8))
+    for scale, finite in ((1.0, True), (2.0**40, False)):
+        buffer.start(3)
+        for i in range(3):
+            (model(x, x) * (scale if i == 1 else 1.0)).backward()
+        parallel.reduce_gradients(model)
+        assert bool(parallel.grad_norm(model).isfinite()) == finite, scale
+    assert {p.main_grad.dtype for p in model.parameters()} == {torch.float32}
+
+
 def test_query_key_layer_scaling_defaults_to_megatrons():
     assert _cfg("--fp16").apply_query_key_layer_scaling is True
     assert _cfg("--bf16").apply_query_key_layer_scaling is False
