@@ -533,9 +533,10 @@ def test_fp16_overflow_skips_agree_across_stages_and_with_one_process(one_proces
 
 @pytest.mark.slow
 def test_fp16_overflow_skips_agree_across_dp_ranks(synthetic_corpus, tmp_path):
-    """The same scaling under DP=2: an overflow may show on one rank's micro-batches only (each rank computes its own
-    micro-batches' fp16 gradients: near the threshold the overflows need not fall where one process's do), and every rank must
-    then skip: the replicas stay bitwise equal, and the run skips some steps and trains on the others."""
+    """The same scaling under DP=2: an overflow may show on one rank's micro-batches only (each rank computes its
+    own micro-batches' fp16 gradients: near the threshold the overflows need not fall where one process's do), and
+    every rank must then skip: the replicas stay bitwise equal, and the run skips some steps and trains on the
+    others."""
     run = launch(tmp_path, 2, f"--data_path={synthetic_corpus}", *GPT2_VOCAB, *FP16_DYNAMIC,
                  f"--save={tmp_path / 'ckpt'}", "--dump_weights")
     scaling = loss_scaling(run)
