@@ -26,8 +26,6 @@ half-precision rounding of the residual stream (a source of the 104B's spikes) i
 """
 import torch
 
-import parallel
-
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 

@@ -351,12 +351,12 @@ class Fp32Step:
             step = train_step(model, optimizer, no_loss_scale, ...)
             fp32.keep = step.outcome == "ok"
 
-    Inside, the model's weights are fp32 copies of its master weights and its gradients are accumulated in fp32
-    (fp16: fp32 buckets in place of the GradBuffer's half ones; bf16's are fp32 already), so the forward,
-    backward and optimizer step are those of an fp32 run from the same state. On leaving, with `keep`, the weights
+    Inside, the model's weights are fp32 copies of its master weights (its gradients are accumulated in fp32 in
+    every precision: precision.grad_dtype), so the forward, backward and optimizer step are those of an fp32 run
+    from the same state. On leaving, with `keep`, the weights
     are the masters rounded into the half-precision tensors, as MixedPrecisionOptimizer.step rounds them;
     without, the half-precision tensors are back untouched, bit for bit. Costs, for that one step, an fp32 copy
-    of the weights (fp16: and of the gradients), 4 (8) bytes per parameter, and activations at fp32's size."""
+    of the weights, 4 bytes per parameter, and activations at fp32's size."""
 
     def __init__(self, model, optimizer):
         self.gpt, self.optimizer, self.keep = parallel.unwrap(model), optimizer, False
@@ -369,12 +369,6 @@ class Fp32Step:
         self.half = {p: p.data for p in params}
         for p, master in zip(params, master_weights(params, self.optimizer)):
             p.data = master
-        buffer, self.buckets = parallel.grad_buffer(self.gpt), None
-        if buffer is not None and buffer.buckets and buffer.buckets[0].dtype != torch.float32:
-            self.buckets = (buffer, buffer.buckets, {p: p.main_grad for p in buffer.params})
-            buffer.buckets = [torch.zeros_like(flat, dtype=torch.float32) for flat in buffer.buckets]
-            for flat, members in zip(buffer.buckets, buffer.members):  # GradBuffer's layout, in fp32
-                buffer.point(flat, members)
         return self
 
     @torch.no_grad()
@@ -384,10 +378,6 @@ class Fp32Step:
             if self.keep and exc[0] is None:
                 half.copy_(p.data)
             p.data = half
-        if self.buckets is not None:
-            buffer, buffer.buckets, main_grads = self.buckets
-            for p, grad in main_grads.items():
-                p.main_grad = grad
 
 
 @torch.no_grad()
