@@ -10,6 +10,8 @@
                              after the update (an Adam moment, an fp32 master: inject_bitflip_target), flips on rank
                              inject_bitflip_rank
     inject_numerical_iters   a cancellation that half precision loses and fp32 keeps
+    inject_lost_optimizer_state_iter  Adam's moments zeroed before that iteration's step, the step count kept (a
+                             resume whose checkpoint lost them: the first updates divide by a near-zero second moment)
 
 An LR spike and a bit flip are events in time: a replay or a rollback does not meet them again. The spike guard
 keeps the run's timeline (spike_guard.SpikeGuard.meets_fault), and is told of the LRs a replay would not get
@@ -53,6 +55,7 @@ class Faults(training.Callback):
         self.flip_weight = self.bitflip(n, self.timeline, "weight")
         self.flip_grad = self.bitflip(n, self.timeline, "grad")
         self.flip_state = self.state_bitflip(n, self.timeline)
+        self.lose_optimizer_state(n, self.timeline)
 
     def start(self, parts, report, train_data):
         self.model, self.optimizer = parts.model, parts.optimizer
@@ -197,6 +200,23 @@ class Faults(training.Callback):
         flat.view(itype)[i] ^= 1 << bit
         print(f"spike guard: iteration {iteration}: injected a bit flip into {what} element {i} on rank "
               f"{parallel.grid.rank}: {float(flat[i]):.4g}", flush=True)
+
+    def lose_optimizer_state(self, iteration, guard):
+        """The fault of inject_lost_optimizer_state_iter: before its step, every exp_avg and exp_avg_sq the optimizer
+        holds (on every rank: a resume loses them everywhere) is zeroed, its step count kept, so bias correction does
+        not make up for it and the first updates are ~(1-beta1)/sqrt(1-beta2) x LR per element. Once in time, as an
+        LR spike: a rollback restores the moments and the iteration run again does not meet it."""
+        at = self.cfg.inject_lost_optimizer_state_iter
+        if at is None or not guard.meets_fault(iteration, [(at, at)]):
+            return
+        zeroed = 0
+        for state in self.optimizer.state.values():
+            for key in ("exp_avg", "exp_avg_sq"):
+                if key in state:
+                    state[key].zero_()
+                    zeroed += state[key].numel()
+        print(f"spike guard: iteration {iteration}: injected a lost optimizer state on rank {parallel.grid.rank}: "
+              f"{zeroed} moment elements zeroed", flush=True)
 
 
 STATE_TARGETS = ("exp_avg", "exp_avg_sq", "master")  # inject_bitflip_target's names of the optimizer's state
