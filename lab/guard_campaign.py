@@ -4,11 +4,13 @@ guard did with them (docs/spike_guard.md, "The campaign").
     python lab/guard_campaign.py --out runs/campaign --data_path DATA --minutes 45
     python lab/guard_campaign.py --out runs/campaign --report      # the table and figure from what has run
 
-Each trial draws a fault family (FAMILIES), its start, length and magnitude, and a seed, and runs three processes
-of the tests' 2x64 model with the project's guard flags (GUARD, as tests/test_spike_guard.py): the fault with the
-guard, the fault without it, and the clean twin (same seed and precision, guarded: any decision it takes is a false
-positive). A fault is harmful when it raises the clean twin's final validation loss by more than 1% unguarded (or
-the unguarded run dies). The report gives the detection rate of harmful faults, the diagnosis confusion matrix
+Each trial draws a fault family (FAMILIES), its start, length and magnitude, and a seed, and runs three runs of
+the tests' 2x64 model with the project's guard flags (GUARD, as tests/test_spike_guard.py): the fault with the
+guard, the fault without it, and the clean twin (same seed, precision and launch, guarded: any decision it takes is
+a false positive). A fault on one DP replica runs each of the three on 2 gloo processes (torchrun); a fault after a
+resume runs each as two processes in turn, the first saving at the resume point and stopping, the second resuming
+with the fault (the clean twin resumes too). A fault is harmful when it raises the clean twin's final validation
+loss by more than 1% unguarded, the unguarded run dies, or its DP replicas end with different weights. The report gives the detection rate of harmful faults, the diagnosis confusion matrix
 (true cause x decided cause), false positives per 1,000 clean iterations, rollbacks per fault and the final
 validation losses, each rate with its 95% Wilson interval.
 
@@ -23,8 +25,8 @@ stability/, is refused, every record carries the registration's id, and the repo
 Every record keeps its run's per-iteration losses and grad norms and its method's actions.
 
 Resumable: each finished run is a line of OUT/runs.jsonl, and a restarted campaign runs only what is missing
-(trial k's draw depends on --seed and k alone). One process per run, --jobs at a time; --minutes bounds the wall
-time (no trial starts after it). Not a test: it measures, and docs quote what it measured.
+(trial k's draw depends on --seed and k alone). --jobs processes at a time (a 2-process run holds two); --minutes
+bounds the wall time (no trial starts after it). Not a test: it measures, and docs quote what it measured.
 """
 import argparse
 import glob
@@ -40,6 +42,8 @@ import subprocess
 import sys
 import threading
 import time
+
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = ["--num_layers=2", "--hidden_size=64", "--num_attention_heads=4", "--seq_length=64", "--vocab_size=512",
@@ -139,11 +143,13 @@ def processes(base, fault, method, trial, checkpoint):
     """The argument lists of one run's processes: one; or, for a resumed trial, the first to iteration K (it saves
     in `checkpoint` and stops) and the resume, which alone has the fault's flags. Every run of a resumed trial
     resumes, the clean twin too: the fault is the only difference."""
+    # on 2 processes the last one saves at the end with every rank's weights (dump_weights): replica_gap() reads them
+    dumps = [f"--save={checkpoint}", "--dump_weights"] if trial["nproc"] > 1 else []
     if trial["resume"] is None:
-        return [[*base, *fault, *method]]
+        return [[*base, *fault, *method, *dumps]]
     k = trial["resume"]
     return [[*base, *method, f"--save={checkpoint}", f"--save_interval={k}", f"--exit_interval={k}"],
-            [*base, *method, *fault, f"--save={checkpoint}", "--save_interval=none"]]
+            [*base, *method, *fault, f"--save={checkpoint}", "--save_interval=none", *dumps]]
 
 
 def run_one(out, name, parts, data_path, method="guard", nproc=1):
@@ -163,6 +169,7 @@ def run_one(out, name, parts, data_path, method="guard", nproc=1):
                                    stdout=f, stderr=subprocess.STDOUT)
             if code != 0:
                 break
+    gap = replica_gap(checkpoint) if nproc > 1 and code == 0 else None
     shutil.rmtree(checkpoint, ignore_errors=True)
     text = open(log).read()
     values = re.findall(r"lm loss value: (\S+)", text)
@@ -170,7 +177,17 @@ def run_one(out, name, parts, data_path, method="guard", nproc=1):
     series = [[int(i), float(loss), float(norm), int(skips)] for i, loss, norm, skips in LOG.findall(text)]
     return {"name": name, "exit": code, "valid": float(values[-1]) if values else math.nan, "method": method,
             "decisions": actions_of(text, method, series), "rollbacks": sum("rolled back to" in x for x in lines),
-            "series": series, "nproc": nproc, "processes": len(parts)}
+            "series": series, "nproc": nproc, "processes": len(parts), "replica_gap": gap}
+
+
+def replica_gap(checkpoint):
+    """The largest |difference| between DP rank 0's and DP rank 1's final weights (the dumps of the run's last save):
+    a replica that silently drifted (a low bit flipped on one rank, issue 41) ends the run above 0."""
+    paths = sorted(glob.glob(os.path.join(checkpoint, "weight_dumps", "debug-*-before-save.pt")),
+                   key=lambda p: int(re.search(r"debug-(\d+)-", p)[1]))
+    last = re.search(r"debug-(\d+)-", paths[-1])[1]
+    dp0, dp1 = (torch.load(next(p for p in paths if f"debug-{last}-" in p and f"-dp{d}-" in p)) for d in (0, 1))
+    return max(float((dp0[n].float() - dp1[n].float()).abs().max()) for n in dp0)
 
 
 def actions_of(text, method, series):
@@ -232,8 +249,11 @@ def names(k, method):
 
 
 def is_harmful(clean, unguarded, harm=HARM):
+    """The harm threshold: the run died, its final validation loss is more than `harm` over the clean twin's, or
+    (2 processes) its DP replicas ended with different weights -- rank 0's validation loss does not see a drifted
+    rank 1 (a weight's bit 29 on rank 1: the same validation loss as the clean twin, the replicas apart)."""
     ratio = unguarded["valid"] / clean["valid"] if math.isfinite(unguarded["valid"]) else math.inf
-    return unguarded["exit"] != 0 or not ratio <= 1 + harm
+    return unguarded["exit"] != 0 or not ratio <= 1 + harm or bool(unguarded.get("replica_gap"))
 
 
 def campaign(a, registration=None):
@@ -317,7 +337,7 @@ def registration_of(a):
     draw's code), the harm threshold, the seed, the trials, the iterations, the model and every method's flags."""
     git = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True)
     return {"commit": git.stdout.strip(), "stability_sha256": stability_sha256(), "families": FAMILIES,
-            "draw_sha256": hashlib.sha256("".join(inspect.getsource(f) for f in (draw, base_args, processes)).encode()
+            "draw_sha256": hashlib.sha256("".join(inspect.getsource(f) for f in (draw, base_args, processes, is_harmful)).encode()
                                           ).hexdigest(), "harm_threshold": a.harm,
             "seed": a.seed, "first": a.first, "trials": a.trials, "iters": a.iters, "model": a.model,
             "clean_runs": a.clean_runs, "methods": {m: method_flags(m, a) for m in METHODS}}
@@ -345,6 +365,7 @@ def preregister(a):
             raise SystemExit(f"--preregister: stability/ has uncommitted changes ({dirty.splitlines()[0]} ...): "
                              "commit the guard first, so that the registration names it")
         now["written"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        os.makedirs(os.path.dirname(os.path.abspath(a.preregister)), exist_ok=True)
         with open(a.preregister, "w") as f:
             json.dump(now, f, indent=1, sort_keys=True)
         print(f"campaign: registered {registration_id(now)} in {a.preregister}", flush=True)
@@ -420,7 +441,7 @@ def report(out, harm=HARM, registration=None):
         if harmful_here:
             harmful += 1
             detected += bool(acts)
-            within += g_ratio <= 1 + harm
+            within += g_ratio <= 1 + harm and not guarded.get("replica_gap")
             rollbacks.append(guarded["rollbacks"])
         rows.append((guarded["family"], guarded["what"], harmful_here, decided, ratio, g_ratio, guarded["exit"],
                      guarded["rollbacks"]))
@@ -502,7 +523,7 @@ def method_results(runs, harm=HARM):
             out["n"], out["detected"] = out["n"] + 1, out["detected"] + bool(acts)
             out["ratios"].append(ratio)
             out["diagnosed"], out["right"] = out["diagnosed"] + (right is not None), out["right"] + bool(right)
-            out["within"] += ratio <= 1 + harm
+            out["within"] += ratio <= 1 + harm and not run.get("replica_gap")
         cleans = [runs[names(k, method)[1]] for k in ks if names(k, method)[1] in runs and method != "none"]
         cleans += [r for name, r in runs.items() if name.startswith("long") and method == "guard"]
         out["clean_runs"], out["fp_runs"] = len(cleans), sum(bool(r["decisions"]) for r in cleans)
@@ -576,9 +597,15 @@ def main(argv=None):
                    help="grad_norm_skip's bound (metaseq: the clip norm, clip_grad 1.0 here)")
     p.add_argument("--harm", type=float, default=HARM, help="harmful: the final loss this much over the clean twin's")
     p.add_argument("--preregister", help="a registration file: written before any run, checked on every later one")
+    p.add_argument("--register_only", action="store_true",
+                   help="write --preregister's file and stop, so that it is committed before the first run")
     p.add_argument("--report", action="store_true", help="only write the report of what has run")
     a = p.parse_args(argv)
     registration = preregister(a) if a.preregister and not a.report else None
+    if a.register_only:
+        if registration is None:
+            raise SystemExit("--register_only needs --preregister FILE (the registration to write)")
+        return
     if a.report and a.preregister:
         registration = json.load(open(a.preregister))
     if not a.report:

@@ -113,6 +113,9 @@ def test_a_registration_comes_before_the_runs_and_is_never_mixed(tmp_path, monke
     open(tmp_path / "runs.jsonl", "w").close()
     with pytest.raises(SystemExit, match="has runs already"):
         gc.preregister(args(tmp_path, preregister=str(tmp_path / "later.json")))
+    only = tmp_path / "only"
+    gc.main(["--out", str(only), "--preregister", str(only / "reg.json"), "--register_only", "--seed", "41"])
+    assert json.load(open(only / "reg.json"))["seed"] == 41 and not os.path.exists(only / "runs.jsonl")
     runs = dict([record("0-clean", 5.0), record("0-unguarded", 5.2)])
     runs["0-clean"]["registration"] = gc.registration_id(registration)
     runs["0-unguarded"]["registration"] = None  # a run of no registration beside one of it
@@ -228,7 +231,8 @@ def same_until(a, b, last):
 def test_one_trial_on_two_processes_and_one_resumed_keep_both_twins_identical_until_the_fault(tmp_path, corpus512):
     """One 2-process trial (a bit flip on DP rank 1) and one resumed trial (LR x10-100 from the resume), each as its
     clean twin and unguarded run: before the fault the two are the same run (their losses equal), after it they are
-    not; the resumed runs' records join both processes' iterations, and no checkpoint is left behind."""
+    not; on 2 processes the clean twin's replicas end identical and the flipped run's apart; the resumed runs'
+    records join both processes' iterations, and no checkpoint is left behind."""
     for family in ("dp state bit flip", "lr after resume"):
         k, out = trial_of(family), tmp_path / family.replace(" ", "-")
         gc.main(["--out", str(out), "--data_path", corpus512, "--trials", "1", "--first", str(k), "--iters", "40",
@@ -243,5 +247,22 @@ def test_one_trial_on_two_processes_and_one_resumed_keep_both_twins_identical_un
         assert same_until(clean, bad, trial["start"]) and not same_until(clean, bad, 40)
         log = open(out / "logs" / f"{k}-unguarded.log").read()
         assert ("on rank 1" in log) == (trial["nproc"] == 2)  # the flip on DP rank 1
+        if trial["nproc"] == 2:  # the clean twin's replicas are identical; the flipped run's are not
+            assert clean["replica_gap"] == 0.0 and bad["replica_gap"] > 0 and gc.is_harmful(clean, bad)
+        else:
+            assert clean["replica_gap"] is None and bad["replica_gap"] is None
         assert ("loaded checkpoint" in log) == (trial["resume"] is not None)
         assert not os.path.exists(out / "checkpoints") or not os.listdir(out / "checkpoints")
+
+
+def test_replicas_apart_at_the_end_are_harm_that_rank_0s_validation_loss_does_not_show():
+    _, clean = record("0-clean", 5.0)
+    _, drifted = record("0-unguarded", 5.0)
+    clean["replica_gap"], drifted["replica_gap"] = 0.0, 0.07
+    assert gc.is_harmful(clean, drifted)
+    drifted["replica_gap"] = 0.0
+    assert not gc.is_harmful(clean, drifted)
+    runs = dict([("0-clean", clean), ("0-unguarded", {**drifted, "replica_gap": 0.07}),
+                 ("0-zclip", {**drifted, "name": "0-zclip", "method": "zclip", "replica_gap": 0.07})])
+    zclip = gc.method_results(runs)["zclip"]
+    assert (zclip["n"], zclip["within"]) == (1, 0)  # the same loss, but its replicas apart: not within
