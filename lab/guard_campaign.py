@@ -10,9 +10,10 @@ guard, the fault without it, and the clean twin (same seed, precision and launch
 a false positive). A fault on one DP replica runs each of the three on 2 gloo processes (torchrun); a fault after a
 resume runs each as two processes in turn, the first saving at the resume point and stopping, the second resuming
 with the fault (the clean twin resumes too). A fault is harmful when it raises the clean twin's final validation
-loss by more than 1% unguarded, the unguarded run dies, or its DP replicas end with different weights. The report gives the detection rate of harmful faults, the diagnosis confusion matrix
-(true cause x decided cause), false positives per 1,000 clean iterations, rollbacks per fault and the final
-validation losses, each rate with its 95% Wilson interval.
+loss by more than 1% unguarded, the unguarded run dies, or its DP replicas end with different weights. The report
+gives the detection rate of harmful faults, the diagnosis confusion matrix (true cause x decided cause), false
+positives per 1,000 clean iterations, rollbacks per fault and the final validation losses, each rate with its 95%
+Wilson interval.
 
 --method runs the same trials under another method (METHODS): "guard" (the three runs above), "none" (the clean twin
 and the unguarded run only), or one of the field's remedies (stability/remedies.py and the core's
@@ -337,10 +338,14 @@ def registration_of(a):
     draw's code), the harm threshold, the seed, the trials, the iterations, the model and every method's flags."""
     git = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True)
     return {"commit": git.stdout.strip(), "stability_sha256": stability_sha256(), "families": FAMILIES,
-            "draw_sha256": hashlib.sha256("".join(inspect.getsource(f) for f in (draw, base_args, processes, is_harmful)).encode()
-                                          ).hexdigest(), "harm_threshold": a.harm,
+            "draw_sha256": hashlib.sha256("".join(inspect.getsource(f) for f in DRAWN).encode()).hexdigest(),
+            "harm_threshold": a.harm,
             "seed": a.seed, "first": a.first, "trials": a.trials, "iters": a.iters, "model": a.model,
             "clean_runs": a.clean_runs, "methods": {m: method_flags(m, a) for m in METHODS}}
+
+
+# the code a registration hashes beside FAMILIES: the draw, the runs' flags and launch, and what harm is
+DRAWN = (draw, base_args, processes, is_harmful)
 
 
 def registration_id(registration):
