@@ -270,7 +270,7 @@ def campaign(a, registration=None):
     def one(name, parts, meta, method, held):
         try:
             t0 = time.time()
-            record = {"iters": a.iters, **run_one(a.out, name, parts, a.data_path, method, meta["nproc"]), **meta,
+            record = {**run_one(a.out, name, parts, a.data_path, method, meta["nproc"]), **meta,
                       "registration": reg_id, "seconds": round(time.time() - t0, 1)}
             with lock:
                 with open(path, "a") as f:
@@ -288,21 +288,21 @@ def campaign(a, registration=None):
                 slots.acquire()
             parts = processes(base, fault, method_flags(method, a), trial,
                               os.path.join(a.out, "checkpoints", name))
-            meta = {key: trial[key] for key in ("trial", "family", "what", "start", "model", "nproc", "resume")
+            meta = {key: trial[key] for key in ("trial", "family", "what", "start", "model", "nproc", "resume", "iters")
                     if trial[key] is not None}  # a long clean run is no trial
             threads.append(threading.Thread(target=one, args=(name, parts, meta, method, held)))
             threads[-1].start()
     for j in range(a.long_clean if a.method == "guard" else 0):  # false positives late in training, fewer start-ups
         n = a.long_iters
         long = {"trial": None, "family": None, "what": f"clean, {n} iterations", "start": None, "model": "2x64",
-                "nproc": 1, "resume": None, "precision": [], "seed": 9000 + j}
+                "iters": n, "nproc": 1, "resume": None, "precision": [], "seed": 9000 + j}
         submit(f"long{j}-clean", long, base_args(long, "2x64", n), [], "guard")
     trials = {}
     for k in range(a.first, a.first + a.trials):
         if time.time() - began > 60 * a.minutes:
             print(f"campaign: {a.minutes} minutes spent; stopped before trial {k}", flush=True)
             break
-        trial = {"trial": k, **draw(a.seed, k, a.iters), "model": model_of(a, k)}
+        trial = {"trial": k, **draw(a.seed, k, a.iters), "model": model_of(a, k), "iters": a.iters}
         trials[k] = trial, base_args(trial, trial["model"], a.iters)
         submit(f"{k}-clean", trial, trials[k][1], [], "guard")
         submit(f"{k}-unguarded", trial, trials[k][1], trial["flags"], "none")
@@ -423,9 +423,9 @@ def report(out, harm=HARM, registration=None):
     one registration (one_registration)."""
     one_registration(runs_of(out), registration)
     trials = trials_of(out)
-    spent = sum(r.get("seconds", 0) for r in runs_of(out).values()) / 3600
+    spent = sum(r.get("seconds", 0) * r.get("nproc", 1) for r in runs_of(out).values()) / 3600
     lines = [f"{len(trials)} complete trials (3 runs each; false positives: every finished clean run); "
-             f"{spent:.1f} hours of run time (wall, one process each)", ""]
+             f"{spent:.1f} CPU-hours of run time (each run's wall time x its processes)", ""]
     harmful, detected, right, diagnosed, within, rollbacks = 0, 0, 0, 0, 0, []
     matrix = {t: {c: 0 for c in CAUSES} for t in sorted(set(FAMILIES.values()))}
     cleans = [r for name, r in runs_of(out).items() if name.endswith("-clean")]  # finished, their trial or not
