@@ -58,11 +58,10 @@ def linear_cross_entropy(hidden, weight, target, vocab_size=None, z_loss=0.0, re
 def main_grad_adder(weight):
     """(gradient, scale or None) -> None adding gradient * scale into the weight's fp32 main_grad (a GradBuffer's, which
     the weight's post-accumulate hook would otherwise fill from a .grad in the weight's dtype: a weight-sized
-    tensor made, rounded to bf16, read and freed each micro-batch); None where there is none (DeepSpeed, no
-    buffer, a frozen weight) or it is fp16's own half-precision sum, whose roundings the autograd path orders as
-    the layouts' tests bound them (fp16 TP2 against one process: 6e-4 that way, 1.05e-3 added straight in)."""
+    tensor made, rounded to the half dtype, read and freed each micro-batch); None where there is none
+    (DeepSpeed, no buffer, a frozen weight)."""
     buffer = getattr(weight, "main_grad_buffer", None)
-    if buffer is None or not weight.requires_grad or not weight.is_leaf or weight.main_grad.dtype == torch.float16:
+    if buffer is None or not weight.requires_grad or not weight.is_leaf:
         return None
     return functools.partial(buffer.add, weight)
 
@@ -87,14 +86,18 @@ class LinearCrossEntropy(torch.autograd.Function):
             grad_hidden = torch.empty_like(h)
             one = h.shape[0] <= tokens and weight.dtype != torch.float16
             grad_weight = weight.new_zeros(weight.shape, dtype=weight.dtype if one else dtype)
+        # one chunk's logits, written by every chunk in turn: made afresh, on the CPU a buffer past glibc's mmap
+        # threshold has its pages faulted in each time (6 x 384: 19k faults a chunk)
+        buffer = h.new_empty(min(tokens, h.shape[0]), vocab_local)
         for i in range(0, h.shape[0], tokens):
             c = slice(i, i + tokens)
-            logits, top, sum_exp, log_z[c], loss[c] = chunk_softmax(h[c], weight, local[c], outside[c], real)
+            logits, top, sum_exp, exps, log_z[c], loss[c] = chunk_softmax(h[c], weight, local[c], outside[c], real,
+                                                                          buffer)
             if fused:  # softmax * (1 + 2 z_loss log Z) - onehot: the z-loss's gradient rides along (lesson 20)
                 scale = (1.0 + 2.0 * z_loss * log_z[c]) / sum_exp if z_loss else sum_exp.reciprocal()
-                g = chain.logit_grad(logits, top, scale, 1.0, local[c], outside[c], real)
+                g = chain.logit_grad(logits, top, scale, 1.0, local[c], outside[c], real, exps)
                 grad_hidden[c] = chunk_grads(g, h[c], weight, grad_weight)
-            del logits
+            del logits, exps
         log_z = log_z.view(target.shape)
         ctx.mark_non_differentiable(log_z)
         ctx.shape, ctx.dtype, ctx.reduction, ctx.real, ctx.z_loss, ctx.tokens, ctx.add = \
@@ -134,21 +137,23 @@ def weight_grad(ctx, grad_weight, scale=None):
     return (grad_weight if scale is None else grad_weight.mul_(scale)).to(ctx.dtype)
 
 
-def chunk_softmax(hidden, weight, local, outside, real):
+def chunk_softmax(hidden, weight, local, outside, real, buffer):
     """A chunk of tokens' logits over all of this rank's rows of the output layer (a multiple of 128 when the
     vocabulary is padded, so that cuBLAS keeps its aligned kernels on every TP rank), in the compute dtype; the
-    first `real` columns are tokens, the rest never enter the softmax. Their max, then the sums of exp and of
-    the target's logit, all-reduced over TP. Returns (logits, max, sum of exp, log Z, loss = log Z - target)."""
+    first `real` columns are tokens, the rest never enter the softmax, written into buffer's first rows. Their max,
+    then the sums of exp and of the target's logit, all-reduced over TP. Returns (logits, max, sum of exp, the
+    exponentials or None (eager: logits_sum_exp), log Z, loss = log Z - target)."""
     grid = parallel.grid
-    logits = F.linear(hidden, weight)
+    logits = torch.mm(hidden, weight.t(), out=buffer[:len(hidden)])
     top, target_logit = chain.max(logits, local, outside, real)
     if grid.tp_size > 1:
         dist.all_reduce(top, op=dist.ReduceOp.MAX, group=grid.tp_group)
-    sums = torch.stack((chain.sum_exp(logits, top, real), target_logit))
+    sum_exp, exps = chain.sum_exp(logits, top, real)
+    sums = torch.stack((sum_exp, target_logit))
     if grid.tp_size > 1:
         dist.all_reduce(sums, group=grid.tp_group)  # one all-reduce for both
     log_z = top + sums[0].log()
-    return logits, top, sums[0], log_z, log_z - sums[1]
+    return logits, top, sums[0], exps, log_z, log_z - sums[1]
 
 
 def chunk_grads(g, hidden, weight, grad_weight):
@@ -159,9 +164,9 @@ def chunk_grads(g, hidden, weight, grad_weight):
         torch.addmm(grad_weight, g.t(), hidden, out=grad_weight)  # as addmm_, which FlopCounterMode misses
     elif fp32_accumulating_addmm(g.device):  # bf16/fp16 products summed in fp32 by the matmul, into the sum
         torch.addmm(grad_weight, g.t(), hidden, out_dtype=grad_weight.dtype, out=grad_weight)
-    elif g.is_cuda or g.dtype == torch.float16:  # the half product (rounded once per chunk), its sum in fp32:
-        grad_weight += g.t() @ hidden  # a torch without it; fp16, whose 11 bits the layouts' tests are held to
-    else:  # bf16 on the CPU, which has no such kernel: fp32 copies of the operands (exact), an fp32 matmul
+    elif g.is_cuda:  # a torch without it: the half product (rounded once per chunk), its sum in fp32
+        grad_weight += g.t() @ hidden
+    else:  # the CPU, which has no such kernel: fp32 copies of the operands (exact), an fp32 matmul
         torch.addmm(grad_weight, g.t().to(grad_weight.dtype), hidden.to(grad_weight.dtype), out=grad_weight)
     return g @ weight
 
@@ -198,16 +203,26 @@ def logits_max(logits, local, outside, real):
 
 
 def logits_sum_exp(logits, top, real):
-    """The sum of exp(logits - top) over the real columns, in fp32 at least (logits themselves untouched)."""
+    """(the sum of exp(logits - top) over the real columns in fp32 at least, those exponentials or None).
+
+    Eager, the exponentials are kept for logits_grad, which would otherwise compute them again: written over fp32
+    logits (their real columns: exp(logits - top) in place of the logits, the gradient's first step), an fp32
+    copy of half ones (the one the sum needs anyway). A second pass of subtract and exp over each chunk, with a
+    chunk-sized temporary in fp32, cost a 6 x 384 model 7% of its CPU step (issue 39's regression). Compiled,
+    None and the logits untouched: the sum is one fused reduction that writes no chunk, and logits_grad's one
+    pointwise kernel computes them again from the logits, cheaper on a GPU than an fp32 chunk written and read."""
     dtype = torch.promote_types(logits.dtype, torch.float32)
     x = logits[:, :real]
-    x = x - top.unsqueeze(-1) if x.dtype == dtype else x.to(dtype).sub_(top.unsqueeze(-1))
-    return x.exp_().sum(dim=-1)
+    if torch.compiler.is_compiling():
+        return (x - top.unsqueeze(-1) if x.dtype == dtype else x.to(dtype) - top.unsqueeze(-1)).exp().sum(-1), None
+    x = x.sub_(top.unsqueeze(-1)) if x.dtype == dtype else x.to(dtype).sub_(top.unsqueeze(-1))
+    return x.exp_().sum(dim=-1), x
 
 
-def logits_grad(logits, shift, scale, onehot, local, outside, real):
+def logits_grad(logits, shift, scale, onehot, local, outside, real, exps=None):
     """d(loss)/d(logits) = exp(logits - shift) * scale - onehot(target) * onehot, zero in the padding columns,
-    written over the logits (the compute dtype) and returned: no second chunk-sized buffer.
+    written over the logits (the compute dtype) and returned: no second chunk-sized buffer. exps: exp(logits -
+    shift) of the real columns where logits_sum_exp kept them (eager), overwritten here.
 
     Compiled (compile_chain), one pointwise expression, which inductor makes one kernel reading the logits and
     writing the gradient over them once (4 bytes an element in bf16): the one-hot a comparison of each column's
@@ -217,7 +232,8 @@ def logits_grad(logits, shift, scale, onehot, local, outside, real):
     if torch.compiler.is_compiling():
         return logits.copy_(pointwise_grad(logits, shift, scale, onehot, local, outside, real))
     dtype = torch.promote_types(logits.dtype, torch.float32)
-    x = logits[:, :real].to(dtype).sub_(shift.unsqueeze(-1)).exp_().mul_(scale.unsqueeze(-1))
+    x = logits[:, :real].to(dtype).sub_(shift.unsqueeze(-1)).exp_() if exps is None else exps
+    x.mul_(scale.unsqueeze(-1))
     if real:
         x.scatter_add_(-1, local.unsqueeze(-1), (~outside * -onehot).to(dtype).unsqueeze(-1))
     if x.dtype != logits.dtype:

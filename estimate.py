@@ -194,9 +194,8 @@ def bytes_per_parameter(precision, zero_stage, dp, deepspeed=False):
 
     Native path (precision.py; parallel.GradBuffer; ZeRO-1 = parallel.ZeroShardedOptimizer divides "optimizer"):
         fp32: 4 weights + 4 gradient buffer + 8 Adam moments                               = 4 + 4 + 8/DP
-        bf16: 2 weights + 4 fp32 gradient buffer + 4 fp32 masters + 8 moments              = 2 + 4 + 12/DP
-        fp16: 2 weights + 2 fp16 gradient buffer + 4 masters + 8 moments + 4 for the fp32
-              copy of the gradients the masters step with (Megatron's fp16 regime)       = 2 + 2 + 16/DP
+        bf16, fp16: 2 weights + 4 fp32 gradient buffer (the masters step with views of it)
+                    + 4 fp32 masters + 8 moments                                          = 2 + 4 + 12/DP
     DeepSpeed (lesson 16's textbook count, DeepSpeed's own buffers not modelled): 2 or 4 weights + 4 gradients +
     12 (master + moments) or 8; ZeRO-1 divides the optimizer by DP, ZeRO-2 the gradients too.
     bitsandbytes' 8-bit Adam would hold about 2 bytes of moments instead of 8 (not modelled)."""
@@ -205,7 +204,6 @@ def bytes_per_parameter(precision, zero_stage, dp, deepspeed=False):
     if deepspeed:
         grads, optimizer = 4, (12 if half else 8)
     else:
-        grads = 2 if precision == "fp16" else 4
-        optimizer = 8 + (4 if half else 0) + (4 if precision == "fp16" else 0)
+        grads, optimizer = 4, 8 + (4 if half else 0)
     return {"weights": weights, "gradients": grads / dp if deepspeed and zero_stage >= 2 else grads,
             "optimizer": optimizer / dp if zero_stage >= 1 else optimizer}

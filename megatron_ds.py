@@ -23,8 +23,10 @@ model on each stage is built on the meta device to name and shape every tensor, 
 exactly what a run of ours would save.
 
 DeepSpeed's own readers (deepspeed.checkpoint) find the files: the layout from the file names
-(get_model_3d_descriptor_from_metadata), each rank's ZeRO files (ZeROCheckpoint). DeepSpeedCheckpoint itself is
-not used: it refuses a directory without ZeRO files (a weights-only import) and its layer-to-stage map assumes
+(get_model_3d_descriptor_from_metadata), each rank's ZeRO files (ZeROCheckpoint, which orders them by their rank
+numbers: the DP rank in their names is not zero-padded). The mp_rank and layer files are opened by the names their
+ranks give. DeepSpeedCheckpoint itself is not used: it sorts the mp_rank files as text (mp_rank_100 before
+mp_rank_11), refuses a directory without ZeRO files (a weights-only import), and its layer-to-stage map assumes
 equal stages, which BLOOM's partition (5 layers on its first and last stage, 6 between) is not; no reader there
 turns a flat ZeRO partition back into parameters (ds_to_universal does it through files on disk, and needs the
 universal_checkpoint_info that 2021-22 checkpoints lack), so that is done here from `param_shapes`.
@@ -35,9 +37,15 @@ read too: its masters are the weights, each tensor is cut for the TP size its ar
 
 Not read: the pre-0.4 ZeRO stage-1 format
 (sub-partitions), Megatron checkpoints without the pipeline engine (--no-pipeline-parallel) and the RNG states
-(a converted run draws fresh streams from seed + iteration and says so). Memory: one TP rank's whole state at a
-time (weights, fp32 masters and both moments: 14 bytes a parameter under bf16; ~620 GB for one of tr11-176B's four
-TP ranks).
+(a converted run draws fresh streams from seed + iteration and says so).
+
+Memory: one output (stage, TP rank) at a time. Its parameters' layer files and the ZeRO partitions of the source
+stages holding them are opened memory-mapped (torch.load(mmap=True): torch.save's zip files, torch >= 1.6; older
+legacy-format files are read whole; a universal checkpoint's files hold one parameter each and are read one at a
+time), and only its parameters' elements are read and copied: 14 bytes a parameter of the stage under bf16
+(weights, fp32 masters, both moments). Computed for tr11-176B (TP4 x PP12, written as PP12): ~56 GB for its first
+or last stage (5 layers and the word embedding) instead of ~617 GB for a whole TP rank; more output stages cut it
+further. The lesson-11 check reads the tied word embedding's two fp32 copies (~7 GB there).
 """
 import math
 import os
@@ -45,6 +53,7 @@ import pickle
 import re
 import shutil
 import types
+import zipfile
 from dataclasses import asdict
 
 import torch
@@ -67,6 +76,7 @@ BLOCK = {"input_layernorm": "ln_1", "self_attention.query_key_value": "attn.qkv"
 FINAL_NORM = {"weight": "ln_f.weight", "bias": "ln_f.bias"}
 TIED = "tied_modules.embed."  # the prefix of the embedding module's parameters in the optimizer's names
 LAYER_FILE = re.compile(r"layer_(\d+)-model_(\d+)-model_states\.pt")
+STATE_KEYS = ("fp32", "exp_avg", "exp_avg_sq")  # an optimizer state's tensors: the fp32 master and Adam's moments
 
 # Megatron's args -> our keys of the same meaning and name; the others are translated in config_from_args
 SAME_ARGS = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "layernorm_epsilon", "init_method_std",
@@ -107,9 +117,13 @@ PICKLE = types.ModuleType("megatron_ds_pickle")
 PICKLE.Unpickler, PICKLE.load, PICKLE.__name__ = _Unpickler, pickle.load, "pickle"
 
 
-def _load(path, what):
+def read_file(path, what):
+    """A source file, memory-mapped: a tensor's bytes are read from disk when it is used, so that a stage reads of
+    a layer file or a ZeRO partition only the parameters it needs. torch.save's files since torch 1.6 (zip
+    archives) allow it; older ones (torch.save's legacy format) are read whole."""
     try:
-        return torch.load(path, map_location="cpu", weights_only=False, mmap=True, pickle_module=PICKLE)
+        return torch.load(path, map_location="cpu", weights_only=False, mmap=zipfile.is_zipfile(path),
+                          pickle_module=PICKLE)
     except Exception as e:  # truncated or not a torch file: say which
         raise ValueError(f"{path} ({what}) cannot be read ({type(e).__name__}: {e}); the Megatron-DeepSpeed "
                          "checkpoint is incomplete or corrupt: copy the file again") from None
@@ -161,6 +175,7 @@ class Checkpoint:
                              "mp_rank_XX_model_states.pt files (a checkpoint saved with --no-pipeline-parallel, or "
                              "of another program, cannot be imported)")
         self.tp = self.pp = 1
+        self._shapes = {}
         self.state = self.model_state(0, 0)  # Megatron's own: args, iteration, tokens, lr_scheduler
         self.args = self.state.get("args")
         if getattr(self.args, "num_layers", None) is None:
@@ -191,21 +206,32 @@ class Checkpoint:
         path = os.path.join(self.dir, f"mp_rank_{pp * self.tp + tp:02d}_model_states.pt")
         if not os.path.isfile(path):
             raise ValueError(f"{path} is missing: the checkpoint is incomplete; copy the whole directory")
-        return _load(path, f"engine state of stage {pp}, TP rank {tp}")
+        return read_file(path, f"engine state of stage {pp}, TP rank {tp}")
 
     def layer(self, index, tp):
         path = os.path.join(self.dir, f"layer_{index:02d}-model_{tp:02d}-model_states.pt")
         if not os.path.isfile(path):
             raise ValueError(f"{path} is missing: the checkpoint is incomplete; copy the whole directory")
-        return _load(path, f"layer {index} of TP rank {tp}")
+        return read_file(path, f"layer {index} of TP rank {tp}")
 
-    def zero_shards(self, pp, tp):
-        """The optimizer_state_dict of every DP rank's ZeRO partition of (stage pp, TP rank tp), in DP order."""
-        out = []
-        for dp in range(self.dp):
-            (path,) = self.zero.get_files_for_rank(pp_index=pp, tp_index=tp, dp_index=dp)
-            out.append(_load(path, f"ZeRO partition of DP rank {dp}, stage {pp}, TP rank {tp}")["optimizer_state_dict"])
-        return out
+    def param_shapes(self, pp, tp):
+        """The engine's param_shapes of (stage pp, TP rank tp): names and shapes only, kept (the mp_rank files
+        are read once)."""
+        if (pp, tp) not in self._shapes:
+            self._shapes[pp, tp] = self.model_state(pp, tp).get("param_shapes")
+        return self._shapes[pp, tp]
+
+    def zero_file(self, pp, tp, dp):
+        """The ZeRO partition file of DP rank dp of (stage pp, TP rank tp). DeepSpeed's ZeROCheckpoint orders them
+        by their numbers (sort_zero_files), not as text, where zero_pp_rank_10 would come before zero_pp_rank_2."""
+        (path,) = self.zero.get_files_for_rank(pp_index=pp, tp_index=tp, dp_index=dp)
+        return path
+
+    def zero_shards(self, pp, tp, ranks=None):
+        """The optimizer_state_dict of DP ranks `ranks` (default all) of (stage pp, TP rank tp), in DP order,
+        memory-mapped."""
+        return [read_file(self.zero_file(pp, tp, dp), f"ZeRO partition of DP rank {dp}, stage {pp}, TP rank {tp}")
+                ["optimizer_state_dict"] for dp in (range(self.dp) if ranks is None else ranks)]
 
 
 # -----------------------------------------------------------------------------
@@ -239,26 +265,52 @@ def optimizer_name(ckpt, name):
     return int(index), key
 
 
-def weights(ckpt, tp):
-    """{our name: tensor} of TP rank tp, from the layer files (a universal checkpoint's: its fp32 masters)."""
+def source_index(ckpt, tp):
+    """{our name: (source stage, their optimizer name)} of TP rank tp, from every stage's param_shapes: where each
+    parameter's optimizer state is. The tied embedding's at the first stage; the last stage's copies are not in it
+    (check_tied_copies reads them), nor its unused position embedding."""
     out = {}
+    for pp in range(ckpt.pp):
+        shapes = ckpt.param_shapes(pp, tp)
+        if not shapes:
+            raise ValueError(f"{ckpt.dir}: mp_rank_{pp * ckpt.tp + tp:02d}_model_states.pt holds no param_shapes (the "
+                             "names of the optimizer's parameters): not the ZeRO-1/2 or BF16 optimizer format of "
+                             "DeepSpeed >= 0.4; import the weights alone by moving the *zero_pp_rank_* files away")
+        for names in shapes:
+            for name in names:
+                if pp == 0 or not name.startswith(TIED):
+                    out[our_name(ckpt, *optimizer_name(ckpt, name))] = pp, name
+    return out
+
+
+def _layer_of(ckpt, ours):
+    """The index of the layer file holding our parameter `ours` (our_name's inverse, as far as the file)."""
+    if ours.startswith("embed."):
+        return ckpt.layers[0]
+    if ours.startswith("ln_f."):
+        return ckpt.layers[-1]
+    return ckpt.layers[1] + int(ours.split(".")[1])  # blocks.<i>.
+
+
+def stage_weights(ckpt, tp, names):
+    """{our name: tensor} of `names` on TP rank tp, from the layer files of their layers alone, memory-mapped (a
+    universal checkpoint's: its fp32 masters, one parameter's file at a time)."""
     if ckpt.universal:
-        for pp in range(ckpt.pp):
-            for names in ckpt.model_state(pp, tp)["param_shapes"]:
-                for name in names:
-                    if pp == 0 or not name.startswith(TIED):
-                        out[our_name(ckpt, *optimizer_name(ckpt, name))] = universal_slice(ckpt, name, "fp32", tp)
-        return out
-    for layer in ckpt.layers:
+        index = source_index(ckpt, tp)
+        return {ours: universal_slice(ckpt, index[ours][1], "fp32", tp) for ours in sorted(names) if ours in index}
+    out = {}
+    for layer in sorted({_layer_of(ckpt, ours) for ours in names} & set(ckpt.layers)):
         for key, tensor in ckpt.layer(layer, tp).items():
-            out[our_name(ckpt, layer, key)] = tensor
+            ours = our_name(ckpt, layer, key)  # every key of an opened file is checked: unknown ones are refused
+            if ours in names:
+                out[ours] = tensor
     return out
 
 
 def universal_slice(ckpt, name, key, tp):
     """TP rank tp's slice of a universal checkpoint's zero/<name>/<key>.pt (a whole tensor, cut along its cat_dim;
     replicated without one), the vocabulary's padding rows, which it drops, back as zeros."""
-    blob = _load(os.path.join(ckpt.dir, "zero", name, f"{key}.pt"), f"universal {key} of {name}")
+    blob = read_file(os.path.join(ckpt.dir, "zero", name, f"{key}.pt"), f"universal {key} of {name}")
     if "sub_param_shape" in blob or "param_n_sub_params" in blob:
         raise ValueError(f"{ckpt.dir}: {name} is stored as sub-parameters (a GLU's fused weights), which this import "
                          "does not read")
@@ -269,22 +321,24 @@ def universal_slice(ckpt, name, key, tp):
     return t if dim is None else t.chunk(ckpt.tp, dim)[tp].clone()
 
 
-def universal_states(ckpt, shapes, tp):
+def universal_states(ckpt, shapes, tp, wanted=None):
     """adam_states of a universal checkpoint: each parameter's fp32 master and moments, the step in its own
     step.pt or (FusedAdam's) in the param group of zero/optimizer_state.pt."""
     common = None
     out = {}
     for group, names in enumerate(shapes):
         for name, shape in names.items():
-            state = {key: universal_slice(ckpt, name, key, tp) for key in ("fp32", "exp_avg", "exp_avg_sq")}
+            if wanted is not None and name not in wanted:
+                continue
+            state = {key: universal_slice(ckpt, name, key, tp) for key in STATE_KEYS}
             if any(tuple(t.shape) != tuple(shape) for t in state.values()):
                 raise ValueError(f"{ckpt.dir}: zero/{name} cut for TP rank {tp} of {ckpt.tp} is not of shape "
                                  f"{tuple(shape)} (param_shapes): the universal checkpoint is of another layout")
             step = os.path.join(ckpt.dir, "zero", name, "step.pt")
             if os.path.isfile(step):
-                state["step"] = int(_load(step, f"universal step of {name}"))
+                state["step"] = int(read_file(step, f"universal step of {name}"))
             else:
-                common = common or _load(os.path.join(ckpt.dir, "zero", "optimizer_state.pt"), "optimizer state")
+                common = common or read_file(os.path.join(ckpt.dir, "zero", "optimizer_state.pt"), "optimizer state")
                 state["step"] = int(common["param_groups"][group]["step"])
             out[name] = state
     return out
@@ -304,13 +358,22 @@ def _group_states(shard, group):
     return state, step
 
 
-def adam_states(ckpt, pp, tp):
-    """{their optimizer name: {"fp32", "exp_avg", "exp_avg_sq", "step"}} of (stage pp, TP rank tp): each param
-    group's DP partitions put back together (the padding DeepSpeed adds for alignment is at the end of the
-    group's flat tensor) and cut into parameters in the order of the engine's param_shapes."""
-    shapes = ckpt.model_state(pp, tp).get("param_shapes")
-    if ckpt.universal:
-        return universal_states(ckpt, shapes, tp)
+def _flat_slice(parts, start, stop):
+    """Elements [start, stop) of the DP partitions `parts` of one flat group, as if concatenated: a copy of those
+    elements alone (the partitions are memory-mapped: only their pages are read)."""
+    pieces, base = [], 0
+    for part in parts:
+        lo, hi = max(start - base, 0), min(stop - base, part.numel())
+        if lo < hi:
+            pieces.append(part[lo:hi])
+        base += part.numel()
+    return torch.cat(pieces)
+
+
+def _checked_zero_shards(ckpt, pp, tp):
+    """Every DP rank's ZeRO partition of (stage pp, TP rank tp) and the engine's param_shapes, or one ValueError
+    naming a format this import does not read."""
+    shapes = ckpt.param_shapes(pp, tp)
     shards = ckpt.zero_shards(pp, tp)
     if "single_partition_of_fp32_groups" not in shards[0] or not shapes:
         found = ", ".join(sorted(shards[0])[:6])
@@ -321,44 +384,67 @@ def adam_states(ckpt, pp, tp):
         raise ValueError(f"{ckpt.dir}: the ZeRO partitions pad each parameter (DeepSpeed's parameter_alignment, "
                          "newer than Megatron-DeepSpeed), which this import does not read; import the weights alone "
                          "by moving the *zero_pp_rank_* files away")
+    return shards, shapes
+
+
+def adam_states(ckpt, pp, tp, wanted=None, keys=STATE_KEYS):
+    """{their optimizer name: {"fp32", "exp_avg", "exp_avg_sq", "step"}} of the parameters `wanted` (default all)
+    of (stage pp, TP rank tp): each param group's DP partitions read as one flat tensor (the padding DeepSpeed
+    adds for alignment is at its end) and cut into parameters in the order of the engine's param_shapes; only
+    the wanted parameters' elements are read and copied. keys: which of the three tensors."""
+    if ckpt.universal:
+        return universal_states(ckpt, ckpt.param_shapes(pp, tp), tp, wanted)
+    shards, shapes = _checked_zero_shards(ckpt, pp, tp)
     out = {}
     for group, names in enumerate(shapes):
-        flat = {"fp32": torch.cat([s["single_partition_of_fp32_groups"][group] for s in shards])}
         states = [_group_states(s, group) for s in shards]
-        for key in ("exp_avg", "exp_avg_sq"):
-            flat[key] = torch.cat([state[key] for state, _ in states])
+        parts = {"fp32": [s["single_partition_of_fp32_groups"][group] for s in shards]}
+        parts.update({key: [state[key] for state, _ in states] for key in ("exp_avg", "exp_avg_sq")})
         steps = {None if step is None else int(step) for _, step in states}
-        total = sum(math.prod(shape) for shape in names.values())
-        if len(steps) != 1 or None in steps or any(t.numel() < total for t in flat.values()):
+        total, held = sum(math.prod(shape) for shape in names.values()), sum(t.numel() for t in parts["fp32"])
+        if len(steps) != 1 or None in steps or any(sum(t.numel() for t in p) < total for p in parts.values()):
             raise ValueError(f"{ckpt.dir}: the ZeRO partitions of stage {pp}, TP rank {tp}, group {group} hold "
-                             f"{flat['fp32'].numel()} values and Adam steps {sorted(steps, key=str)} for {total} "
+                             f"{held} values and Adam steps {sorted(steps, key=str)} for {total} "
                              "parameters: partitions are missing or of another checkpoint; copy the whole directory")
         (step,) = steps
         offset = 0
         for name, shape in names.items():
             n = math.prod(shape)
-            # clones: a view would make torch.save write the whole flat group again for every parameter
-            out[name] = {k: t[offset:offset + n].view(tuple(shape)).clone() for k, t in flat.items()}
-            out[name]["step"] = step
+            if wanted is None or name in wanted:  # copies: torch.save writes a view's whole storage
+                out[name] = {k: _flat_slice(parts[k], offset, offset + n).view(tuple(shape)) for k in keys}
+                out[name]["step"] = step
             offset += n
     return out
 
 
-def optimizer_states(ckpt, tp):
-    """{our name: {"fp32", "exp_avg", "exp_avg_sq", "step"}} of TP rank tp over every stage. The last stage's copy
-    of the tied embedding was stepped with the same all-reduced gradient as the first stage's: its masters must be
-    the same (lesson 11), and ours is rebuilt from the first stage's; its unused position embedding is dropped."""
+def stage_adam(ckpt, tp, names):
+    """{our name: {"fp32", "exp_avg", "exp_avg_sq", "step"}} of `names` on TP rank tp: only the ZeRO partitions
+    of the source stages holding them are opened. The tied output layer's state is the first stage's word
+    embedding's, as before this import worked stage by stage (check_tied_copies holds the last stage's copy to it)."""
+    index, wanted = source_index(ckpt, tp), {}
+    for ours in names:
+        if ours in index:
+            pp, theirs = index[ours]
+            wanted.setdefault(pp, {})[theirs] = ours
     out = {}
-    for pp in range(ckpt.pp):
-        for name, state in adam_states(ckpt, pp, tp).items():
-            ours = our_name(ckpt, *optimizer_name(ckpt, name))
-            if pp == 0 or not name.startswith(TIED):
-                out[ours] = state
-            elif ours == "embed.word.weight" and not torch.equal(state["fp32"], out[ours]["fp32"]):
-                raise ValueError(f"{ckpt.dir}: the last stage's fp32 copy of the tied word embedding differs from "
-                                 f"the first stage's on TP rank {tp} (lesson 11); the checkpoint cannot be "
-                                 "continued as it is: compare the two in Megatron-DeepSpeed, or repair one copy")
+    for pp, theirs in sorted(wanted.items()):
+        for name, state in adam_states(ckpt, pp, tp, theirs).items():
+            out[theirs[name]] = state
     return out
+
+
+def check_tied_copies(ckpt, tp):
+    """The last stage's copy of the tied word embedding was stepped with the same all-reduced gradient as the first
+    stage's: its fp32 masters must be the same (lesson 11). Read from the two stages' partitions alone, before
+    anything is written."""
+    name = TIED + "word_embeddings.weight"
+    if ckpt.pp == 1 or ckpt.universal or not any(name in g for g in ckpt.param_shapes(ckpt.pp - 1, tp) or []):
+        return  # one copy; a universal checkpoint keeps one file per parameter
+    first, last = (adam_states(ckpt, pp, tp, {name}, keys=("fp32",))[name]["fp32"] for pp in (0, ckpt.pp - 1))
+    if not torch.equal(first, last):
+        raise ValueError(f"{ckpt.dir}: the last stage's fp32 copy of the tied word embedding differs from "
+                         f"the first stage's on TP rank {tp} (lesson 11); the checkpoint cannot be "
+                         "continued as it is: compare the two in Megatron-DeepSpeed, or repair one copy")
 
 
 # -----------------------------------------------------------------------------
@@ -464,7 +550,7 @@ def run_dict(ckpt, cfg):
         scheduler["warmup_end_tokens"] = int(lr.get("warmup_tokens", 0))
     scaler = None
     if ckpt.zero is not None and cfg.fp16:
-        scaler = ckpt.zero_shards(0, 0)[0].get("loss_scaler")
+        scaler = ckpt.zero_shards(0, 0, ranks=[0])[0].get("loss_scaler")
     return {"state": asdict(state), "scheduler": scheduler,
             "scaler": loss_scale_state(scaler, optim.scaler_for(cfg).state_dict()), "config": asdict(cfg)}
 
@@ -473,14 +559,19 @@ def run_dict(ckpt, cfg):
 # Our checkpoint
 
 
+def _meta_stage(cfg, g):
+    """Our model's stage of rank g on the meta device: its tensors' names, shapes and dtypes, no memory."""
+    layers = parallel.partition_layers(cfg.num_layers, g.pp_size, cfg.pp_partition_method)[g.pp_rank]
+    with torch.device("meta"):
+        gpt = GPT(GPTConfig.from_config(cfg), layers, g.is_first_stage, g.is_last_stage, grid=g)
+    return gpt.to(precision.compute_dtype(cfg))
+
+
 def stage_files(tag_dir, cfg, g, tensors, adam, run):
     """Write the files of rank g (TP rank, stage; DP=1): its stage built on the meta device names and shapes every
     tensor, and its optimizer (optim.optimizer_for) gives the state_dict layout our load reads. adam None: the
     weights alone, Adam fresh (no steps), the fp32 masters the weights. Returns the manifest entries."""
-    layers = parallel.partition_layers(cfg.num_layers, g.pp_size, cfg.pp_partition_method)[g.pp_rank]
-    with torch.device("meta"):
-        gpt = GPT(GPTConfig.from_config(cfg), layers, g.is_first_stage, g.is_last_stage, grid=g)
-    gpt.to(precision.compute_dtype(cfg))
+    gpt = _meta_stage(cfg, g)
     model_state = {}
     for name, live in gpt.state_dict().items():
         source = tensors.get(reshard.TIED_COPY.get(name, name))
@@ -509,16 +600,27 @@ def stage_files(tag_dir, cfg, g, tensors, adam, run):
     return checkpoint.write_files(tag_dir, model_state, run, rank_state, write_model_state=True, g=g)
 
 
+def _write_stage(ckpt, cfg, g, run, tag_dir):
+    """Rank g's files: the state of its parameters alone is read (their layer files and the ZeRO partitions of
+    the source stages holding them) and is freed on return, before the next rank's is read."""
+    names = {reshard.TIED_COPY.get(name, name) for name in _meta_stage(cfg, g).state_dict()}
+    tensors = stage_weights(ckpt, g.tp_rank, names)
+    adam = stage_adam(ckpt, g.tp_rank, names) if ckpt.has_optimizer else None
+    return stage_files(tag_dir, cfg, g, tensors, adam, run)
+
+
 def _write(ckpt, cfg, run, tag_dir):
-    """Every rank's files and the manifest into tag_dir; returns the last rank's grid."""
+    """Every rank's files and the manifest into tag_dir, one (stage, TP rank) at a time; returns the last rank's
+    grid."""
     tp, pp = cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size
+    if ckpt.has_optimizer:
+        for t in range(tp):
+            check_tied_copies(ckpt, t)
     entries, g = [], None
-    for t in range(tp):  # one TP rank's state in memory at a time
-        tensors = weights(ckpt, t)
-        adam = optimizer_states(ckpt, t) if ckpt.has_optimizer else None
+    for t in range(tp):
         for stage in range(pp):
             g = parallel.Grid(tp, pp, world_size=tp * pp, rank=stage * tp + t)
-            entries.append(stage_files(tag_dir, cfg, g, tensors, adam, run))
+            entries.append(_write_stage(ckpt, cfg, g, run, tag_dir))
     checkpoint.write_manifest(tag_dir, entries, g)
     return g
 

@@ -3,11 +3,11 @@
 #   python train.py config/tr3_1b3_1gpu.py --data_path ...
 # The same global batch (512, ramped up from 32) by gradient accumulation: the same iterations and learning rates
 # as the run, 32x slower. Memory by estimate.py (WORLD_SIZE=1 python train.py config/tr3_1b3_1gpu.py --dry_run):
-# model states 24.5 GiB (fp16 weights and gradients, fp32 masters, Adam: 20 B a parameter); activations 25.5 GiB
+# model states 22.1 GiB (fp16 weights, fp32 gradients, masters, Adam: 18 B a parameter); activations 25.5 GiB
 # per micro-batch of 8 x 2048 tokens without checkpointing (the fused attention keeps a log-sum-exp per query, not
-# the scores Korthikanti et al. count), 2.6 GiB with. Micro-batch 8 without checkpointing (50.0 GiB in all, room
+# the scores Korthikanti et al. count), 2.6 GiB with. Micro-batch 8 without checkpointing (47.6 GiB in all, room
 # for the loss's chunks and the allocator) skips the recomputation, a quarter of the step's FLOPs, in 64
-# micro-batches a global batch of 512; micro-batch 16 would need 75.6 GiB on paper, too close to 80.
+# micro-batches a global batch of 512; micro-batch 16 would need 73.1 GiB on paper, too close to 80.
 import os as _os
 
 exec(open(_os.path.join(_os.path.dirname(__file__), "tr3_1b3.py")).read())

@@ -27,6 +27,7 @@ class StabilityConfig:
     spike_guard_ema_ratio: float = 1.1  # ... and above this multiple of the predicted value
     spike_guard_grad_norm_ratio: float = 100.0  # ... or the grad norm this multiple (a clean tiny run: lone 12x jumps)
     spike_guard_rise_steps: int = 3  # ... or the loss this many steps in a row over half that zscore (0: off)
+    spike_guard_unseen_interval: int = 10  # ... or far below an unseen batch's loss, measured every N iters (0: off)
     spike_guard_max_skips: int = 3  # spikes (or NaN/inf steps) within spike_guard_rewind iterations before a rollback
     spike_guard_rewind: int = 100  # roll back to before (first spike - this) and skip the data from there ...
     spike_guard_skip_after: int = 200  # ... to this many iterations after the last spike (PaLM: 200-500 in all)
@@ -64,6 +65,8 @@ class StabilityConfig:
     inject_bitflip_element: int = -1  # ... this element of the first matrix (-1: its largest in magnitude)
     inject_numerical_iters: list[str] | None = None  # fault injection: a cancellation only half precision loses
     inject_lost_optimizer_state_iter: int | None = None  # fault injection: Adam's moments zeroed before this step
+    inject_repeat_iters: list[str] | None = None  # fault injection: a block of repeated documents in corpus order ...
+    inject_repeat_period: int = 1  # ... its iterations given again the samples of its first this many iterations
 
 
 def need(ok, message):
@@ -74,7 +77,7 @@ def need(ok, message):
 def check(cfg):
     """Raise ValueError with the fix for stability keys that cannot work."""
     for key in ("inject_bad_batch_iters", "inject_lr_iters", "inject_bitflip_iters", "inject_numerical_iters",
-                "inject_degenerate_iters"):
+                "inject_degenerate_iters", "inject_repeat_iters"):
         schedule.parse_iteration_ranges(getattr(cfg, key), key)
     need(cfg.inject_bitflip_target in ("grad", "weight", "exp_avg", "exp_avg_sq", "master"),
          "inject_bitflip_target must be 'grad', 'weight', or the optimizer's 'exp_avg', 'exp_avg_sq' or 'master'")
@@ -86,6 +89,8 @@ def check(cfg):
     need(cfg.inject_degenerate_kind in ("repeat", "ngram", "minority"),
          f"inject_degenerate_kind={cfg.inject_degenerate_kind!r} must be 'repeat', 'ngram' or 'minority'")
     need(0 < cfg.inject_degenerate_fraction < 1, "inject_degenerate_fraction must be in (0, 1): a minority's share")
+    need(cfg.spike_guard_unseen_interval >= 0, "spike_guard_unseen_interval must be >= 0 (0 turns it off)")
+    need(cfg.inject_repeat_period >= 1, "inject_repeat_period must be >= 1 (the iterations whose samples repeat)")
     need(cfg.telemetry_interval >= 0, "telemetry_interval must be >= 0 (0 turns telemetry off)")
     need(not (cfg.deepspeed and cfg.telemetry_interval), "telemetry_interval needs the gradients before the "
          "update, which DeepSpeed keeps inside its step(); set telemetry_interval=0 or deepspeed=False")
@@ -156,6 +161,7 @@ class DetectorConfig:  # detector.Detector: what a spike is
     spike_guard_ema_ratio: float
     spike_guard_grad_norm_ratio: float
     spike_guard_rise_steps: int
+    spike_guard_unseen_interval: int
     clip_grad: float  # the grad norm's stand-in bar before it has a trend
 
 
@@ -224,6 +230,8 @@ class FaultsConfig:  # faults.Faults
     inject_bitflip_element: int
     inject_numerical_iters: list | None
     inject_lost_optimizer_state_iter: int | None
+    inject_repeat_iters: list | None
+    inject_repeat_period: int
     seed: int  # the faults' generators are seeded by (seed, iteration)
     vocab_size: int  # random tokens are drawn from it
 

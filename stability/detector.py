@@ -91,6 +91,18 @@ class Series:
             return False
         return z > bar and all(past > bar for past in list(self.zs)[len(self.zs) - steps + 1:])
 
+    def shift_to(self, value):
+        """The line moved so that its next point is this value: every kept value shifted alike (slope and scatter
+        kept), the past zs cleared (a rise measured against the old level is no rise against the new one)."""
+        found = self.fit()
+        if found is None:
+            return
+        shift = self.transform(value) - found[0]
+        shifted = [v + shift for v in self.values]
+        self.values.clear()
+        self.values.extend(shifted)
+        self.zs.extend([0.0] * len(self.zs))
+
     def expected(self):
         found = self.fit()
         return None if found is None else math.exp(found[0]) if self.log else found[0]
@@ -125,21 +137,29 @@ class Detector:
         self.series = {"loss": Series(rules.spike_guard_window),
                        "grad norm": Series(rules.spike_guard_window, log=True)}
         self.lr_sum = 0.0  # the learning rates of the applied steps, summed: how far Adam can have moved a weight
+        self.unseen = None  # the loss of a batch never trained on, on recent weights (guard.Guard measures it)
 
     def stats(self):
-        return {**{name: series.state() for name, series in self.series.items()}, "lr sum": self.lr_sum}
+        return {**{name: series.state() for name, series in self.series.items()}, "lr sum": self.lr_sum,
+                "unseen": self.unseen}
 
     def load_stats(self, stats=None):
         """The statistics of a snapshot or checkpoint (None: one written without the guard, start afresh)."""
         for name, series in self.series.items():
             series.load((stats or {}).get(name))
         self.lr_sum = (stats or {}).get("lr sum", 0.0)
+        self.unseen = (stats or {}).get("unseen")
 
     def record(self, loss, grad_norm, lr):
         """An applied step."""
         self.series["loss"].record(loss)
         self.series["grad norm"].record(grad_norm)
         self.lr_sum += lr
+
+    def rebase(self, loss, grad_norm):
+        """A regime change: both trend lines moved to these numbers (Series.shift_to)."""
+        self.series["loss"].shift_to(loss)
+        self.series["grad norm"].shift_to(grad_norm)
 
     def ready(self):
         """Judging starts once spike_guard_min_steps applied steps are recorded (its own warm-up: the trend
@@ -150,7 +170,8 @@ class Detector:
         """Why this step is a spike, or None: the first rule that calls it one, with its numbers."""
         judged = {"loss": self.series["loss"].judge(loss), "grad norm": self.series["grad norm"].judge(grad_norm)}
         reasons = self.outliers(loss, grad_norm, judged) + self.without_trend(grad_norm)
-        reasons = reasons or self.joint_outlier(loss, grad_norm, judged) or self.slow_rise(loss, judged)
+        reasons = reasons or self.joint_outlier(loss, grad_norm, judged) or self.slow_rise(loss, judged) or \
+            self.below_unseen(loss)
         return "; ".join(reasons) or None
 
     def outliers(self, loss, grad_norm, judged):
@@ -195,6 +216,22 @@ class Detector:
             rise = ", ".join(f"{v:.4g}" for v in [*list(losses.values)[-(steps - 1):], loss])
             return [f"loss rose {steps} steps in a row, each more than {half:g} spreads above its trend: {rise} "
                     f"(trend now {losses.expected():.4g})"]
+        return []
+
+    def below_unseen(self, loss):
+        """A loss far below that of a batch these weights were never trained on (self.unseen): text learnt by heart.
+        A block of repeated documents met in corpus order brings the loss down smoothly, and the line follows it: no
+        step lands off its trend (the campaign's block fell 4.99 -> 1.06 in 99 iterations and none did), while a
+        batch the run has not seen stays where the model really is. In a clean run the two are the same kind of
+        batch, never seen, a batch's noise apart; a later epoch has seen both alike. Judged by the bar of a spike:
+        zscore scatters of the loss's line below it, and under 1 / ema_ratio of it."""
+        found = self.series["loss"].fit()
+        if self.unseen is None or found is None or not math.isfinite(loss) or not math.isfinite(self.unseen):
+            return []
+        z = (self.unseen - loss) / found[1] if found[1] > 0 else math.inf
+        if z > self.rules.spike_guard_zscore and loss * self.rules.spike_guard_ema_ratio < self.unseen:
+            return [f"loss {loss:.4g} is {loss / self.unseen:.2f}x an unseen batch's {self.unseen:.4g} on these "
+                    f"weights, {z:.1f} spreads below it: text learnt by heart"]
         return []
 
 

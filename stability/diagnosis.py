@@ -68,17 +68,19 @@ def investigate(guard, parts, step, iteration, before, snapshots, rerun, forward
     4. the batch on the model of that snapshot (forward() is the loss of the batch on the live model). Still an
        outlier against that model's own trend: "data". The batch is ordinary there, the loss is not now: the
        update went wrong ("optimizer").
-    The verdict between 4's two is a counterfactual, asked on both signs of the loss: other() is another batch (the
-    last applied one) on the same weights, computed and never applied. Ordinary there: the weights are fine and
-    this batch is the cause ("data", however low its loss: a batch of one repeated token has a loss far below its
-    trend and a grad norm far above it). A spike there too: the updates since the snapshot did it ("optimizer";
-    the rollback changes the trajectory, SpikeGuard._rollback). per_sample() gives the batch's per-sample losses:
+    The verdict between 4's two is a counterfactual, asked on both signs of the loss (data_or_optimizer): other()
+    is a batch these weights were never trained on (the next iteration's), computed and never applied, and the
+    same batch on the snapshot's weights. Ordinary here: the weights are fine and this batch is the cause ("data",
+    however low its loss: a batch of one repeated token has a loss far below its trend and a grad norm far above
+    it). A spike here too, and worse than on the snapshot's weights: the updates since did it ("optimizer"; the
+    rollback changes the trajectory, SpikeGuard._rollback); as far off there: the trend is stale (data, re-based).
+    per_sample() gives the batch's per-sample losses:
     a minority far from the others' median is named (diagnosis "suspects"), with the batch's loss without them.
     "Reproduced" means a spike again whose loss is within the run's own nondeterminism of the first (guard.noise,
     measured when the guard arms, as Megatron's rerun state machine measures what it tolerates); a replay on which
     the same DP rank disagrees again is a persistent fault of that rank, not a transient one.
     Costs one extra step (two in half precision: one of them in fp32), one more step (not applied) for the
-    counterfactual and two forwards per spike; a clean run never calls it."""
+    counterfactual and three forwards per spike; a clean run never calls it."""
     rows = list(training.replica_values)
     rng_before, scaler_before = before
     checkpoint.set_rng_state(rng_before)
@@ -103,7 +105,8 @@ def investigate(guard, parts, step, iteration, before, snapshots, rerun, forward
         replayed += f"; in fp32: loss {exact.loss:.6g}, grad norm {exact.grad_norm:.6g}, a spike too"
     if snapshot is None:
         return replay, {"cause": "data", "evidence": f"{replayed}; no earlier snapshot to test the batch on"}
-    return replay, data_or_optimizer(guard, parts.model, replay, replayed, snapshot, forward, other, per_sample)
+    return replay, data_or_optimizer(guard, parts.model, replay, replayed, snapshot, forward, other, per_sample,
+                                     snapshots.oldest(disk=False))
 
 
 def said(step):
@@ -143,12 +146,18 @@ def replay_verdict(guard, step, replay, rows, rows_again):
     return None
 
 
-def data_or_optimizer(guard, model, replay, replayed, snapshot, forward, other, per_sample):
+def data_or_optimizer(guard, model, replay, replayed, snapshot, forward, other, per_sample, oldest=None):
     """A reproduced spike of sound weights: is the batch the outlier ("data") or the weights ("optimizer")? The
-    batch on the model of the snapshot, and the counterfactual -- another batch on these weights -- decide."""
+    fair question is asked of a batch these weights were never trained on (other(): the next iteration's, drawn
+    anyway; the last applied batch looks ordinary on weights just trained on it, whatever the cause) and of the
+    pre-spike weights (the oldest snapshot kept, `oldest`, else `snapshot`'s: within a rollback's reach, the state
+    furthest from a cause that began a few updates ago): unseen_verdict. Without an unseen batch (the end of the
+    data), the suspect batch on the snapshot's model decides, on the loss's sign alone. The diagnosis says which
+    comparison decided ("decided_by"), and asks, when the unseen batch is as far off on the pre-spike weights, for
+    the trend to be re-based ("rebase": a regime change, not a fault of the weights)."""
     then, payload = snapshot
     rng_after = checkpoint.rng_state()
-    counterfactual = other() if other is not None else None
+    unseen = other() if other is not None else None
     checkpoint.set_rng_state(rng_after)
     old = loss_on(model, payload[0], forward)
     checkpoint.set_rng_state(rng_after)
@@ -159,12 +168,18 @@ def data_or_optimizer(guard, model, replay, replayed, snapshot, forward, other, 
     excess_then = old - expected_then if expected_then is not None and math.isfinite(old) else math.inf
     evidence = (f"{replayed}; the batch on the model of iteration {then}: loss {old:.4g}, "
                 f"{excess_then:+.3g} against its trend, now {excess_now:+.3g}")
-    if counterfactual is not None:  # the counterfactual decides, on either sign of the loss
-        data, verdict = counterfactual_verdict(guard, *counterfactual)
-        evidence += verdict
-    else:  # no other batch to ask (the first armed step): the older model's answer, on the loss's sign alone
+    diagnosis = {"since": then}
+    if unseen is not None:
+        first, weights = oldest or snapshot
+        data, diagnosis["decided_by"], words, rebase = unseen_verdict(guard, model, weights[0], first, excess_now,
+                                                                      rng_after, *unseen)
+        evidence += words
+        if rebase is not None:
+            diagnosis["rebase"] = rebase
+    else:  # no unseen batch to ask: the older model's answer, on the loss's sign alone
         data = excess_then >= 0.5 * excess_now if math.isfinite(excess_now) else not math.isfinite(old)
-    diagnosis = {"cause": "data" if data else "optimizer", "since": then}
+        diagnosis["decided_by"] = f"the batch on the model of iteration {then}"
+    diagnosis["cause"] = "data" if data else "optimizer"
     if data and per_sample is not None:
         suspects, rest = minority(per_sample())
         if suspects:
@@ -172,7 +187,7 @@ def data_or_optimizer(guard, model, replay, replayed, snapshot, forward, other, 
             evidence += (f"; {len(suspects)} samples far from the others (positions {', '.join(map(str, suspects))}), "
                          f"the batch without them: loss {rest:.4g}, trend {expected:.4g}")
             diagnosis["suspects"] = suspects
-    diagnosis["evidence"] = evidence + ": the " + (
+    diagnosis["evidence"] = evidence + f"; decided by {diagnosis['decided_by']}: the " + (
         "batch is the outlier" if data else "batch is ordinary, the weights are not")
     return diagnosis
 
@@ -187,16 +202,39 @@ def loss_on(model, weights, forward):
     return loss
 
 
-def counterfactual_verdict(guard, other_step, other_iteration):
-    """(is this batch the cause, the evidence's words): the last applied batch on these weights, a spike too or
-    ordinary; judged without touching the guard's reason for the step under investigation."""
-    pending = guard.pending
-    spike_there = (not math.isfinite(other_step.loss) or not math.isfinite(other_step.grad_norm)
-                   or bool(guard.judge(other_step.loss, other_step.grad_norm)))
+def unseen_verdict(guard, model, weights, then, excess_now, rng_after, step, label, forward):
+    """(is the suspect batch the cause, the comparison that decided, the evidence's words, the (loss, grad norm) to
+    re-base the trend to or None), from an unseen batch (label) computed on these weights (step: never applied) and,
+    when it spikes there too, its loss on the pre-spike weights (forward() on the snapshot's weights):
+      the unseen batch ordinary here         -> data: this batch is the cause
+      this batch's loss far below the unseen one's (less than half as far above the trend)
+                                             -> data: weights a fault damaged do not predict text better than
+                                                text they never saw (repeated text, one token over and over)
+      off its trend too (a spike, or its loss half the bar above), and as far off on the pre-spike weights (more
+      than half of its excess was there already) -> data, a regime change: the trend is stale, not the weights
+      off its trend too, and worse than on the pre-spike weights -> optimizer: the updates since did it
+    Judged without touching the guard's reason for the step under investigation."""
+    pending, half = guard.pending, guard.rules.spike_guard_zscore / 2
+    spike_there = (not math.isfinite(step.loss) or not math.isfinite(step.grad_norm)
+                   or bool(guard.judge(step.loss, step.grad_norm)) or guard.series["loss"].judge(step.loss)[0] > half)
     guard.pending = pending
-    return not spike_there, (f"; without it (iteration {other_iteration}'s batch on these weights): loss "
-                             f"{other_step.loss:.4g}, grad norm {other_step.grad_norm:.4g}, "
-                             + ("a spike too" if spike_there else "ordinary"))
+    words = (f"; {label} on these weights: loss {step.loss:.4g}, grad norm {step.grad_norm:.4g}, "
+             + ("off its trend too" if spike_there else "ordinary"))
+    if not spike_there:
+        return True, f"{label} on these weights", words, None
+    if not math.isfinite(step.loss):
+        return False, f"{label} on these weights", words + ": the weights are broken", None
+    off = step.loss - guard.series["loss"].expected()
+    if excess_now < 0.5 * off:
+        return True, f"{label} on these weights (this batch lies far below it)", words, None
+    before = loss_on(model, weights, forward)
+    checkpoint.set_rng_state(rng_after)
+    worse = step.loss - before if math.isfinite(before) else -math.inf
+    words += f"; on the model of iteration {then}: loss {before:.4g} ({worse:+.3g} since)"
+    decided = f"{label} on the model of iteration {then}"
+    if worse <= 0.5 * off:
+        return True, decided, words + ", as far off: the trend is stale", (step.loss, step.grad_norm)
+    return False, decided, words + ": the weights got worse", None
 
 
 def reproduced_tolerance(noise):
@@ -293,12 +331,13 @@ def replay_in_fp32(guard, rng_before, model, optimizer, rerun):
     """The step replayed in fp32 (Fp32Step: the master weights, fp32 gradients, no loss scale), judged
     against the trend. Applied if it is ordinary; else the half-precision run is left exactly as it was (its
     weights, masters, optimizer, loss scaler and RNG streams, and the reason the guard gives)."""
-    rng_after, pending = checkpoint.rng_state(), guard.pending
+    rng_after, pending, unseen = checkpoint.rng_state(), guard.pending, guard.unseen
     checkpoint.set_rng_state(rng_before)
+    guard.unseen = None  # measured in half precision, with the fault if it persists: no bar for an fp32 loss
     with Fp32Step(model, optimizer) as fp32:
         exact = rerun(guard.judge if guard.armed() else None, optim.LossScaler(dynamic=False, static_scale=1.0))
         fp32.keep = exact.outcome == "ok"
-    guard.pending = pending  # the spike's reason is the half-precision step's
+    guard.pending, guard.unseen = pending, unseen  # the spike's reason is the half-precision step's
     if not fp32.keep:
         checkpoint.set_rng_state(rng_after)
     return exact
@@ -312,12 +351,12 @@ class Fp32Step:
             step = train_step(model, optimizer, no_loss_scale, ...)
             fp32.keep = step.outcome == "ok"
 
-    Inside, the model's weights are fp32 copies of its master weights and its gradients are accumulated in fp32
-    (fp16: fp32 buckets in place of the GradBuffer's half ones; bf16's are fp32 already), so the forward,
-    backward and optimizer step are those of an fp32 run from the same state. On leaving, with `keep`, the weights
+    Inside, the model's weights are fp32 copies of its master weights (its gradients are accumulated in fp32 in
+    every precision: precision.grad_dtype), so the forward, backward and optimizer step are those of an fp32 run
+    from the same state. On leaving, with `keep`, the weights
     are the masters rounded into the half-precision tensors, as MixedPrecisionOptimizer.step rounds them;
     without, the half-precision tensors are back untouched, bit for bit. Costs, for that one step, an fp32 copy
-    of the weights (fp16: and of the gradients), 4 (8) bytes per parameter, and activations at fp32's size."""
+    of the weights, 4 bytes per parameter, and activations at fp32's size."""
 
     def __init__(self, model, optimizer):
         self.gpt, self.optimizer, self.keep = parallel.unwrap(model), optimizer, False
@@ -330,12 +369,6 @@ class Fp32Step:
         self.half = {p: p.data for p in params}
         for p, master in zip(params, master_weights(params, self.optimizer)):
             p.data = master
-        buffer, self.buckets = parallel.grad_buffer(self.gpt), None
-        if buffer is not None and buffer.buckets and buffer.buckets[0].dtype != torch.float32:
-            self.buckets = (buffer, buffer.buckets, {p: p.main_grad for p in buffer.params})
-            buffer.buckets = [torch.zeros_like(flat, dtype=torch.float32) for flat in buffer.buckets]
-            for flat, members in zip(buffer.buckets, buffer.members):  # GradBuffer's layout, in fp32
-                buffer.point(flat, members)
         return self
 
     @torch.no_grad()
@@ -345,10 +378,6 @@ class Fp32Step:
             if self.keep and exc[0] is None:
                 half.copy_(p.data)
             p.data = half
-        if self.buckets is not None:
-            buffer, buffer.buckets, main_grads = self.buckets
-            for p, grad in main_grads.items():
-                p.main_grad = grad
 
 
 @torch.no_grad()

@@ -12,6 +12,8 @@
     inject_numerical_iters   a cancellation that half precision loses and fp32 keeps
     inject_lost_optimizer_state_iter  Adam's moments zeroed before that iteration's step, the step count kept (a
                              resume whose checkpoint lost them: the first updates divide by a near-zero second moment)
+    inject_repeat_iters      a block of repeated documents met in corpus order: the block's iterations given the
+                             samples of its first inject_repeat_period iterations again, in turn
 
 An LR spike and a bit flip are events in time: a replay or a rollback does not meet them again. The spike guard
 keeps the run's timeline (spike_guard.SpikeGuard.meets_fault), and is told of the LRs a replay would not get
@@ -19,6 +21,7 @@ keeps the run's timeline (spike_guard.SpikeGuard.meets_fault), and is told of th
 """
 import torch
 
+import loader
 import parallel
 import schedule
 import training
@@ -42,10 +45,13 @@ class Faults(training.Callback):
         self.bitflip_ranges = parse(cfg.inject_bitflip_iters, "inject_bitflip_iters")
         self.numerical_ranges = parse(cfg.inject_numerical_iters, "inject_numerical_iters")
         self.degenerate_ranges = parse(cfg.inject_degenerate_iters, "inject_degenerate_iters")
+        self.repeat_ranges = parse(cfg.inject_repeat_iters, "inject_repeat_iters")
+        self.run_cfg = cfg  # the data's keys, for the repeated block's samples
 
     def before_step(self, it):
         n = it.number
         it.batches = self.degenerate_batches(n, self.bad_batches(n, it.batches))
+        it.batches = self.repeated_batches(it, it.batches)
         factor = self.lr_factor(n, self.timeline)
         if factor != 1.0:
             if not self.cfg.inject_lr_persistent:  # once in time: a replay of this iteration would not meet it
@@ -58,7 +64,7 @@ class Faults(training.Callback):
         self.lose_optimizer_state(n, self.timeline)
 
     def start(self, parts, report, train_data):
-        self.model, self.optimizer = parts.model, parts.optimizer
+        self.model, self.optimizer, self.train_data = parts.model, parts.optimizer, train_data
 
     def on_grads(self, model, loss_scale):
         if self.flip_grad is not None:
@@ -217,6 +223,23 @@ class Faults(training.Callback):
                     zeroed += state[key].numel()
         print(f"spike guard: iteration {iteration}: injected a lost optimizer state on rank {parallel.grid.rank}: "
               f"{zeroed} moment elements zeroed", flush=True)
+
+
+    # -- a block of repeated documents (added last: other faults' functions go above) ----------------------------
+
+    def repeated_batches(self, it, batches):
+        """inject_repeat_iters: a block of repeated documents met in corpus order, the shape of BigScience's and
+        OPT's data incidents (a shard of near-duplicates): an iteration of the block is given the samples of the
+        block's iteration start + (n - start) % inject_repeat_period again, read from the data by their place (the
+        same on every rank, replay and resume; the batch size constant over the block). The documents are those of
+        the block's own places: a skip list that names them names the block."""
+        for start, end in self.repeat_ranges:
+            if start <= it.number <= end:
+                source = start + (it.number - start) % self.cfg.inject_repeat_period
+                first = it.first_sample - (it.number - source) * it.batch_size
+                return loader.micro_batches(self.train_data, first, len(batches), self.run_cfg, it.seqlen,
+                                            batches[0][0].device)
+        return batches
 
 
 STATE_TARGETS = ("exp_avg", "exp_avg_sq", "master")  # inject_bitflip_target's names of the optimizer's state

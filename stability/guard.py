@@ -9,6 +9,8 @@ They share the spike guard (spike_guard.SpikeGuard: the detector's statistics, t
 the snapshots, handed to each at construction (stability.Shared). Every rank runs them on the same numbers (the
 step's are DP rank 0's on every replica: training.agree), so the ranks cannot decide apart.
 """
+import math
+
 import checkpoint
 import loader
 import parallel
@@ -17,6 +19,16 @@ import run_state
 import training
 from stability import detector, diagnosis, spike_guard
 from stability.config import PrecursorConfig, section
+
+
+# What a stopped run's message asks of its operator, by the cause the guard found
+NEXT = {None: "look at the samples named above, then resume with the caps raised or other settings",
+        "data": "look at the samples named above (their documents: the skip list), then resume with the caps raised",
+        "optimizer": "the cause persists in the LR or the optimizer state, not in the data: resume with a lower lr "
+                     "(or spike_guard_reset_optimizer)",
+        "hardware": "take the named rank's node out, then resume",
+        "persistent": "take the named rank's node out, then resume",
+        "numerical": "train these iterations in fp32 or find the operation, then resume"}
 
 
 class Guard(training.Callback):
@@ -41,6 +53,23 @@ class Guard(training.Callback):
         it.lr = it.lr * guard.lr_scale
         if guard.noise is None and guard.armed():  # the tolerance of a replay (diagnosis.reproduced_tolerance)
             guard.noise = diagnosis.measure_noise(self.parts.model, it.batches, self.cfg, self.device)
+        interval = guard.rules.spike_guard_unseen_interval
+        if guard.armed() and interval and it.number % interval == 0:
+            guard.unseen = self.unseen_loss(it)
+
+    def unseen_loss(self, it):
+        """The loss of the next iteration's batch (drawn anyway, never trained on) on the weights of now: where the
+        model really is, which a loss learnt by heart falls far below (Detector.below_unseen). One forward every
+        spike_guard_unseen_interval iterations, the RNG streams put back (the run is the one without the guard);
+        the last one kept past the end of the data."""
+        first = it.first_sample + it.batch_size
+        if first + it.batch_size > len(self.train_data):
+            return self.guard.unseen
+        batches = loader.micro_batches(self.train_data, first, len(it.batches), self.cfg, it.seqlen, self.device)
+        rng = checkpoint.rng_state()
+        loss = diagnosis.evaluate_batches(self.parts.model, batches, self.cfg, self.device)
+        checkpoint.set_rng_state(rng)
+        return loss if math.isfinite(loss) else None  # a forward that overflowed tells nothing of the data
 
     def update_factor(self, loss, grad_norm):
         return 0.0 if self.guard.armed() and self.guard.judge(loss, grad_norm) else 1.0
@@ -69,9 +98,8 @@ class Guard(training.Callback):
                 run_state.save(self.parts, self.writer)
             self.report.close()
             self.snapshots.close()
-            raise spike_guard.SpikeGuardStop(
-                decision["line"] + "; saved and stopped: look at the samples named above, then resume with the "
-                "caps raised or other settings")
+            raise spike_guard.SpikeGuardStop(decision["line"] + "; saved and stopped: " + NEXT.get(
+                decision.get("cause"), NEXT[None]))
         return True
 
     def state_dict(self):
@@ -109,15 +137,14 @@ class Precursor(training.Callback):
 class Forensics(training.Callback):
     """A suspect step investigated before the guard decides (diagnosis.investigate): replayed, its weights and
     batch tested; the step that stands is returned and the diagnosis left on the guard (SpikeGuard.diagnosis) for
-    its decision after the step. Its state: the
-    place of the last applied batch, which the counterfactual draws again (it goes with the weights)."""
+    its decision after the step. Stateless: the counterfactual's batch is the next iteration's, found from the
+    iteration itself."""
     name = "forensics"
 
     def __init__(self, cfg, shared):
         self.cfg = cfg  # handed to the core's functions only (train_step, loader.micro_batches)
         self.guard, self.snapshots = shared.guard, shared.snapshots
         self.fp32_replay = cfg.spike_guard_fp32_replay and precision.name(cfg) != "fp32"
-        self.last_applied = None  # [iteration, first sample, micro-batches, seqlen] of the last applied step
 
     def start(self, parts, report, train_data):
         self.parts, self.train_data = parts, train_data
@@ -147,30 +174,17 @@ class Forensics(training.Callback):
         return step
 
     def counterfactual(self, it):
-        """The last applied batch (drawn again from the data by its place: a resumed run asks the same one) on the
-        weights of now, computed and not applied (the same RNG and loss scaler after as before): (Step, its
-        iteration), or None before any applied step."""
-        if self.last_applied is None:
+        """A batch these weights have never been trained on: the next iteration's (drawn anyway; a resumed run or a
+        replay asks the same one), on the weights of now, computed and not applied (the same RNG and loss scaler
+        after as before): (Step, its words, its forward for other weights), or None past the end of the data."""
+        parts, cfg, count, first = self.parts, self.cfg, len(it.batches), it.first_sample + it.batch_size
+        if first + it.batch_size > len(self.train_data):
             return None
-        parts, (iteration, first_sample, count, seqlen) = self.parts, self.last_applied
-        batches = loader.micro_batches(self.train_data, first_sample, count, self.cfg, seqlen, self.device)
+        batches = loader.micro_batches(self.train_data, first, count, cfg, it.seqlen, self.device)
         rng, scaler = checkpoint.rng_state(), parts.scaler.state_dict()
-        step = training.train_step(parts.model, parts.optimizer, parts.scaler, batches, it.lr, self.cfg, self.device,
+        step = training.train_step(parts.model, parts.optimizer, parts.scaler, batches, it.lr, cfg, self.device,
                                    count_zeros=False, callbacks=diagnosis.Veto(lambda *numbers: "never applied"))
         checkpoint.set_rng_state(rng)
         parts.scaler.load_state_dict(scaler)
-        return step, iteration
-
-    def after_step(self, it, step):
-        if step.outcome == "ok":
-            self.last_applied = [it.number, it.first_sample, len(it.batches), it.seqlen]
-        return False
-
-    def state_dict(self):
-        return {"last applied": self.last_applied}
-
-    def load_state_dict(self, state, run, resume):
-        # a checkpoint written when the guard's state held it: its statistics' "last applied"
-        if state is None:
-            state = {"last applied": ((run.callbacks.get("spike_guard") or {}).get("stats") or {}).get("last applied")}
-        self.last_applied = state.get("last applied")
+        return (step, f"iteration {it.number + 1}'s batch (unseen)",
+                lambda: diagnosis.evaluate_batches(parts.model, batches, cfg, self.device))

@@ -117,15 +117,35 @@ class Snapshots:
                 return max(steps), checkpoint.load(os.path.join(directory, f"global_step{max(steps)}"))
         return None
 
+    def oldest(self, disk=True):
+        """(iteration, snapshot) of the oldest state there is: the oldest snapshot kept or (disk) the oldest disk
+        checkpoint in `save` or `load`, whichever is older; None for neither."""
+        kept = [self.items[0][0]] if self.items else []
+        kept += self.checkpoints()[:1] if disk else []
+        return self.newest_before(min(kept) + 1) if kept else None
+
+    def checkpoints(self):
+        """The iterations of the disk checkpoints in `save` and `load`."""
+        found = set()
+        for directory in dict.fromkeys(d for d in (self.cfg.save, self.cfg.load) if d):
+            if os.path.isdir(directory):
+                found |= {int(m.group(1)) for m in map(re.compile(r"global_step(\d+)$").match, os.listdir(directory))
+                          if m}
+        return sorted(found)
+
     def roll_back(self, decision, parts, guard):
         """Carry out a rollback (or, for a stop, return to the last good state if there is one). Returns the
-        iteration restored to, or None when there is nothing to roll back to."""
+        iteration restored to, or None when there is nothing to roll back to (the decision is then a stop)."""
         found = self.newest_before(decision["start"]) if "start" in decision else None
+        if found is None and decision["action"] == "rollback":
+            found = self.oldest_instead(decision)
         if found is None:
             if decision["action"] == "rollback":
                 decision["action"] = "stop"
-                decision["line"] = (f"spike guard: iteration {decision['iteration']}: no snapshot or checkpoint "
-                                    f"before iteration {decision['start']} to roll back to")
+                decision["line"] = (f"spike guard: iteration {decision['iteration']}: {decision['reason']}: stopped, "
+                                    f"the last resort: no snapshot or checkpoint before iteration "
+                                    f"{decision['iteration'] - 1} to roll back to (save=DIR keeps checkpoints, "
+                                    "spike_guard_snapshot_interval snapshots)")
                 print0(decision["line"])
             guard.applied(decision, None)
             return None
@@ -136,9 +156,24 @@ class Snapshots:
             run_state.reset_optimizer(parts, schedule.reset_warmup_iters(self.cfg, unset="auto"))
         guard.applied(decision, target)
         skipping = decision["action"] == "rollback" and decision["end"] is not None
-        print0(f"spike guard: rolled back to iteration {target}" + (
+        print0(f"spike guard: rolled back to iteration {target}{decision.get('fallback', '')}" + (
             f"; iterations {decision['start']}-{decision['end']} will be skipped" if skipping else ""))
         return target
+
+    def oldest_instead(self, decision):
+        """A rollback whose target lies before every state kept (before the resume point, or the oldest snapshot):
+        the oldest state there is, when it is before the spike's own state -- the data is skipped and the cause
+        answered as decided, from there -- and the decision's line says so; else None. A hardware rollback gets
+        none: every state it could reach holds the corrupted weight."""
+        found = self.oldest()
+        if found is None or found[0] >= decision["iteration"] - 1 or decision.get("cause") == "hardware":
+            return None
+        target, start = found[0], decision["start"]
+        where = "the oldest snapshot" if self.items and self.items[0][0] == target else "the oldest checkpoint"
+        decision["fallback"] = (f" (the oldest state there is, {where}: the target, before iteration {start}, is "
+                                "before every state kept)")
+        decision["line"] += f"; no state before iteration {start} exists: rolled back to iteration {target}"
+        return found
 
 
 class Snapshotting(training.Callback):

@@ -11,6 +11,7 @@ But the causes call for different remedies, so the guard asks why before it acts
              `spike_guard_grad_norm_ratio` x; or the loss half as far off its line, above or below (a
              degenerate batch the model finds easy), with an outlying grad norm; or
              `spike_guard_rise_steps` losses in a row each half as far above (a slow rise the line follows);
+             or the loss far below an unseen batch's on the same weights (text learnt by heart);
              or the loss is NaN/inf; or the DP replicas computed different numbers; or (fp16) the loss scale
              collapsed to min_loss_scale. From `spike_guard_min_steps` applied steps on (in fp16 the losses of
              the loss scale's search count): the trend makes the warm-up ordinary.
@@ -25,12 +26,16 @@ But the causes call for different remedies, so the guard asks why before it acts
                                                            -> numerical: the fp32 step applied (fp16: the loss scale
                                                               halved once per episode, never to its floor);
                                                               spike_guard_max_numerical in a window: stop, naming it
-                 counterfactual: the last applied batch on these same weights (computed, never applied)
-                   ordinary                                    -> data: this batch is the cause (either sign); a
+                 counterfactual: a batch never trained on (the next one) on these weights (computed, never applied)
+                   ordinary, or this batch far below it        -> data: this batch is the cause (either sign); a
                                                                   minority of its samples, if far off, is named
-                   a spike too                                 -> optimizer: roll back at once, skip no data, and
+                   off its trend too, as far on the oldest snapshot's weights
+                                                               -> data, a regime change: the trend re-based
+                   off its trend too, worse than on the oldest snapshot's weights
+                                                               -> optimizer: roll back at once, skip no data, and
                                                                   cut the LR unless the LRs since the snapshot
-                                                                  were not the schedule's: no rollback replays
+                                                                  were not the schedule's: no rollback replays;
+                                                                  again after a rollback: named persistent
              Every decision line says which test removed the spike, with its numbers.
              The spike_guard_max_hardware_faults-th hardware fault on one DP rank stops the run, naming it.
   act (data) (a) skip the update: no weight, Adam moment, step counter or LR-schedule change;
@@ -38,11 +43,12 @@ But the causes call for different remedies, so the guard asks why before it acts
                  newest snapshot (host copy, or disk checkpoint) before the spike window and add the window -- from
                  `spike_guard_rewind` before the first spike to `spike_guard_skip_after` after the last -- to the
                  run's skip ranges;
-             (c) on a relapse (any later rollback, of either cause): also multiply the LR by
+             (c) on a relapse (any later rollback, not of the data): also multiply the LR by
                  `spike_guard_lr_factor` and, with `spike_guard_reset_optimizer`, reset the optimizer with the
                  lr=0 warm-up of lesson 8.
-             Rollbacks and skipped iterations are capped; at a cap the run saves its last good state and exits
-             with code 3 and a message.
+             A rollback whose target lies before every state kept goes to the oldest state there is
+             (snapshots.py); with none, the run stops saying why. Rollbacks and skipped iterations are capped; at a
+             cap the run saves its last good state and exits with code 3 and a message naming the cause.
   explain    every decision is one `spike guard: ...` line with its cause and evidence, a record in metrics.jsonl
              and an entry in the run state of the checkpoint; a resumed run honours the skip ranges and the LR
              factor and never decides again. The highest-loss samples of a spiking batch are named and decoded,
@@ -214,16 +220,24 @@ class SpikeGuard(Detector):
 
     def _strike(self, iteration, outcome, reason, collapse, diagnosis):
         """A spike, with its diagnosis: skip its update, or at the spike_guard_max_skips-th of an episode (or an
-        optimizer cause, or a collapsed loss scale) roll back."""
+        optimizer cause, or a collapsed loss scale) roll back. A data spike whose unseen batch was as far off on the
+        pre-spike weights is a regime change: the trend is re-based and the episode's strikes cleared."""
         ladder = self.ladder
         cause = {"cause": diagnosis["cause"], "evidence": diagnosis["evidence"]} if diagnosis else {}
         if diagnosis and diagnosis.get("suspects"):
             cause["suspects"] = diagnosis["suspects"]
+        if cause.get("cause") == "optimizer":  # the weights are already damaged: skipping updates cannot help
+            # it came back within spike_guard_rewind of an optimizer rollback, which had changed the LR
+            cause["persistent"] = any(d.get("cause") == "optimizer" and d["action"] == "rollback" and
+                                      abs(iteration - d["iteration"]) <= ladder.spike_guard_rewind
+                                      for d in self.decisions)
+            self.strikes = [iteration]
+            reason += f"; {self._cause_words(cause)}: {diagnosis['evidence']}"
+            return self._rollback(iteration, reason, iteration - 1, None, cause, diagnosis.get("since"))
         if diagnosis:
             reason += f"; {diagnosis['cause']}-driven: {diagnosis['evidence']}"
-        if cause.get("cause") == "optimizer":  # the weights are already damaged: skipping updates cannot help
-            self.strikes = [iteration]
-            return self._rollback(iteration, reason, iteration - 1, None, cause, diagnosis.get("since"))
+        if diagnosis and diagnosis.get("rebase"):
+            return self._rebase(iteration, outcome, reason, cause, *diagnosis["rebase"])
         self.strikes = [s for s in self.strikes if iteration - s <= ladder.spike_guard_rewind] + [iteration]
         if collapse or len(self.strikes) >= ladder.spike_guard_max_skips:
             start = max(1, self.strikes[0] - ladder.spike_guard_rewind)
@@ -236,6 +250,24 @@ class SpikeGuard(Detector):
         what = "update skipped" if outcome == "vetoed" else "no update"
         decision = self._decide(iteration, "skip", reason, f"{what} (spike {len(self.strikes)} of "
                                 f"{ladder.spike_guard_max_skips} before a rollback)", **cause)
+        self.decisions.append(decision)
+        return decision
+
+    @staticmethod
+    def _cause_words(cause):
+        return "optimizer-driven (persistent)" if cause.get("persistent") else f"{cause.get('cause', '')}-driven"
+
+    def _rebase(self, iteration, outcome, reason, cause, loss, grad_norm):
+        """A regime change (the data moved, the weights did not: diagnosis.unseen_verdict): this update skipped,
+        the trend lines moved to the unseen batch's numbers (Detector.rebase) and the episode's strikes cleared, so
+        that the batches of the new regime are judged against it rather than each called an outlier."""
+        self.rebase(loss, grad_norm)
+        self.strikes = []
+        if outcome == "vetoed":
+            self.skipped_iters += 1
+        what = "update skipped" if outcome == "vetoed" else "no update"
+        decision = self._decide(iteration, "skip", reason, f"{what}; a regime change, not a fault: the trend re-based "
+                                f"to loss {loss:.4g}, grad norm {grad_norm:.4g}", rebased=True, **cause)
         self.decisions.append(decision)
         return decision
 
@@ -254,12 +286,15 @@ class SpikeGuard(Detector):
                                 f"spike_guard_max_skipped_iters={ladder.spike_guard_max_skipped_iters}", start=start,
                                 **cause)
         relapse = self.rollbacks > 0
+        cuts = cause.get("cause") in (None, "optimizer")  # a data cause is skipped, never answered with the LR
         same = end is None and since is not None and self.replays_same_lrs(since, iteration)
-        lr_scale = self.lr_scale * (ladder.spike_guard_lr_factor if relapse or same else 1.0)
-        reset = relapse and ladder.spike_guard_reset_optimizer
+        lr_scale = self.lr_scale * (ladder.spike_guard_lr_factor if cuts and (relapse or same) else 1.0)
+        reset = relapse and cuts and ladder.spike_guard_reset_optimizer
         plan = f"roll back to before iteration {start} and " + (
             "skip no data" if end is None else f"skip iterations {start}-{end}")
-        if relapse:
+        if relapse and not cuts:
+            plan += f"; relapse {self.rollbacks}, of the data: LR unchanged"
+        elif relapse:
             plan += f"; relapse {self.rollbacks}: LR x{lr_scale:g} from now on"
             plan += ", optimizer reset with an lr=0 warm-up" if reset else ""
         elif same:

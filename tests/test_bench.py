@@ -14,6 +14,7 @@ import bench
 import cross_entropy
 import optim
 import parallel
+from builders import build_model
 from helpers import corpus, corpus512  # noqa: F401 (fixtures)
 
 CPU = torch.device("cpu")
@@ -220,3 +221,19 @@ def test_each_gpu_sku_gets_its_own_peak():
     assert bench.gpu_peaks("NVIDIA H200") == (989, 4800)
     assert bench.gpu_peaks("NVIDIA A100-SXM4-80GB") == (312, 2039)
     assert bench.gpu_peaks("NVIDIA GeForce RTX 4090") is None
+
+
+def test_cpu_vs_nanogpt_times_nanogpts_model_at_our_shape():
+    """tools/cpu_vs_nanogpt.py's restatement of nanoGPT has the parameters of the GPT that bench times at the same
+    shape (config/tiny.py's, less its embedding LayerNorm), one tied vocabulary table; and its step runs."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("cpu_vs_nanogpt", os.path.join(ROOT, "tools", "cpu_vs_nanogpt.py"))
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    shape = ["--num_layers=2", "--hidden_size=64", "--num_attention_heads=4", "--seq_length=32", "--micro_batch_size=2"]
+    args = tool.parse([*shape, "--steps=1", "--warmup=0", "--threads=1"])
+    cfg = arguments.prepare(arguments.load_config([os.path.join(ROOT, "config", "tiny.py"), *shape, "--train_iters=1"]))
+    ours = build_model(cfg, CPU)
+    shapes = sorted(tuple(p.shape) for n, p in ours.named_parameters() if not n.startswith("embed.norm."))
+    assert sorted(tuple(p.shape) for p in tool.nanogpt_model(args).parameters()) == shapes
+    assert tool.nanogpt_tokens_per_second(args) > 0

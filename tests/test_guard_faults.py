@@ -4,7 +4,6 @@ searches), and the tightness of the weight-corruption bound; plus the counterfac
 
 End-to-end runs are the tests' 2x64 model on a 512-token vocabulary (test_spike_guard.py's, with its guard flags).
 Each end-to-end test's docstring says what a guard without the rule it tests would do."""
-import math
 import re
 
 import numpy as np
@@ -53,15 +52,16 @@ def test_a_persistent_lr_cause_is_never_replayed_unchanged(run):
 def test_a_repeated_token_batch_far_below_its_trend_is_data_and_only_skipped(run):
     """Each sample its commonest token, over and over, at iteration 40: a loss of ~2.2 against a trend of ~5.3 and a
     grad norm ~9x its trend. Neither is a spike alone (a loss below its trend; a grad norm under its bar): the joint
-    rule judges the loss on the low side with the outlying grad norm, the counterfactual (the last
-    applied batch on the same weights) is ordinary, so the batch is the cause: its update is skipped, no rollback,
+    rule judges the loss on the low side with the outlying grad norm, the counterfactual (the next batch, never
+    trained on, on the same weights) is ordinary, so the batch is the cause: its update is skipped, no rollback,
     no LR cut."""
     out = run("--inject_degenerate_iters=40-40", "--inject_degenerate_kind=repeat", *GUARD)
     lines = decisions(out)
     assert len(lines) == 1, lines
     assert re.match(r"spike guard: iteration 40: loss \S+ is 0\.\d+x its trend's \S+, \S+ spreads below it, with "
-                    r"grad norm .*data-driven: .*without it \(iteration 39's batch on these weights\): loss \S+, grad "
-                    r"norm \S+, ordinary: the batch is the outlier: update skipped \(spike 1 of 3", lines[0]), lines
+                    r"grad norm .*data-driven: .*iteration 41's batch \(unseen\) on these weights: loss \S+, grad norm "
+                    r"\S+, ordinary; decided by iteration 41's batch \(unseen\) on these weights: the batch is the "
+                    r"outlier: update skipped \(spike 1 of 3", lines[0]), lines
 
 
 def test_a_persistent_numerical_fault_in_bf16_stops_naming_it(run):

@@ -404,6 +404,103 @@ def _assert_holds_reference(ours, cfg, blob, ref_rank, capsys):
 
 
 # -----------------------------------------------------------------------------
+# Memory at scale: one output (stage, TP rank) at a time
+
+
+def test_each_output_stage_reads_only_the_source_files_it_needs(imported, tmp_path, monkeypatch):
+    """Held whole, one of tr11-176B's TP ranks is ~620 GB of state. Spied on the loader: each output (stage, TP
+    rank) of a PP2 import opens the layer files of its own layers (the last stage also the embedding's, whose word
+    embedding its tied output layer copies) and the ZeRO partitions of the source stages holding its parameters,
+    and is handed the state of its own parameters alone. Before that, the lesson-11 check reads the tied word
+    embedding's two copies. The mp_rank files (names and shapes) are left out of the count."""
+    import megatron_ds
+    opened, seen = [], []
+    load, write, check = megatron_ds.read_file, megatron_ds.stage_files, megatron_ds.check_tied_copies
+
+    def spy_load(path, what):
+        if "mp_rank_" not in os.path.basename(path) or "zero_pp" in os.path.basename(path):
+            opened.append(os.path.basename(path))
+        return load(path, what)
+
+    def spy_write(tag_dir, cfg, g, tensors, adam, run):
+        seen.append(((g.pp_rank, g.tp_rank), sorted(opened), len(tensors), len(adam)))
+        opened.clear()
+        return write(tag_dir, cfg, g, tensors, adam, run)
+
+    def spy_check(ckpt, tp):
+        check(ckpt, tp)
+        assert sorted(opened) == sorted(f"bf16_zero_pp_rank_{dp}_mp_rank_{pp * TP + tp:02d}_optim_states.pt"
+                                        for pp in range(PP) for dp in range(DP))
+        opened.clear()
+
+    monkeypatch.setattr(megatron_ds, "read_file", spy_load)
+    monkeypatch.setattr(megatron_ds, "stage_files", spy_write)
+    monkeypatch.setattr(megatron_ds, "check_tied_copies", spy_check)
+    _import(imported[2], tmp_path / "ours", "--padded_vocab_in_softmax=false")
+
+    def zero(pp, tp):
+        return [f"bf16_zero_pp_rank_{dp}_mp_rank_{pp * TP + tp:02d}_optim_states.pt" for dp in range(DP)]
+
+    def layers(tp, *indices):
+        return [f"layer_{i:02d}-model_{tp:02d}-model_states.pt" for i in indices]
+
+    # stage 0: word, position, embedding norm (2), block 0 (12); stage 1: block 1 (12), ln_f (2), output layer
+    want = [((0, tp), sorted(layers(tp, 1, 3) + zero(0, tp)), 16, 16) for tp in range(TP)] + \
+        [((1, tp), sorted(layers(tp, 1, 4, 6) + zero(0, tp) + zero(1, tp)), 15, 15) for tp in range(TP)]
+    assert sorted(seen) == sorted(want)
+
+
+def _rank_files(tag_dir, pp_size, rank):
+    """(weights, {name: (fp32 master, Adam state)}) of one rank of our TP2 x pp_size checkpoint."""
+    g = parallel.Grid(TP, pp_size, world_size=TP * pp_size, rank=rank)
+    model = torch.load(checkpoint.model_file(str(tag_dir), g), weights_only=False)["model"]
+    opt = torch.load(checkpoint.rank_file(str(tag_dir), g), weights_only=False)
+    state = {name: (opt["optimizer"]["fp32_master_weights"][i], opt["optimizer"]["state"][i])
+             for i, name in enumerate(opt["param_names"])}
+    return model, state
+
+
+def test_written_as_one_stage_it_holds_what_the_two_stage_import_holds(imported, tmp_path):
+    """The PP2 source written as PP1, its one output stage reading both source stages: every weight, fp32 master,
+    moment and step equals those of the PP2 import (which the tests above hold to the reference), the last
+    stage's tied output layer aside."""
+    _import(imported[2], tmp_path / "ours", "--padded_vocab_in_softmax=false", "--pipeline_model_parallel_size=1")
+    for tp in range(TP):
+        model, state = _rank_files(tmp_path / "ours" / "global_step2", 1, tp)
+        want_model, want_state = {}, {}
+        for pp in range(PP):
+            m, st = _rank_files(imported[3] / "global_step2", PP, pp * TP + tp)
+            want_model.update((k, v) for k, v in m.items() if k != "output_weight")
+            want_state.update((k, v) for k, v in st.items() if k != "output_weight")
+        assert_same(model, want_model, "weights")
+        assert_same(state, want_state, "optimizer")
+
+
+def test_files_are_found_by_their_rank_numbers_not_as_text(tmp_path):
+    """DeepSpeedCheckpoint sorts the mp_rank files as text; DP ranks are not zero-padded in the ZeRO files' names,
+    so that with 12 of them zero_pp_rank_10 sorts before zero_pp_rank_2 as text. Every file of a TP4 x PP3 x DP12
+    name list (12 mp_rank files, 144 ZeRO files, each holding its own ranks) is found as the rank it names."""
+    import megatron_ds
+    tp, pp, dp = 4, 3, 12
+    tag = tmp_path / "global_step5"
+    tag.mkdir()
+    args = argparse.Namespace(num_layers=3, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    for t in range(tp):
+        (tag / f"layer_01-model_{t:02d}-model_states.pt").touch()  # not read here: TP is their number
+    for mp in range(tp * pp):
+        torch.save({"args": args, "mp": mp}, tag / f"mp_rank_{mp:02d}_model_states.pt")
+        for d in range(dp):
+            torch.save({"optimizer_state_dict": {"dp": d, "mp": mp}},
+                       tag / f"bf16_zero_pp_rank_{d}_mp_rank_{mp:02d}_optim_states.pt")
+    ckpt = megatron_ds.Checkpoint(tag)
+    assert (ckpt.tp, ckpt.pp, ckpt.dp) == (tp, pp, dp)
+    for s in range(pp):
+        for t in range(tp):
+            assert ckpt.model_state(s, t)["mp"] == s * tp + t
+            assert ckpt.zero_shards(s, t) == [{"dp": d, "mp": s * tp + t} for d in range(dp)]
+
+
+# -----------------------------------------------------------------------------
 # Bad input: one message naming the problem and the fix, nothing half-written
 
 
@@ -467,6 +564,21 @@ def test_a_tied_embedding_copy_that_differs_is_refused(imported, tmp_path):
     with pytest.raises(ValueError, match=r"the last stage's fp32 copy of the tied word embedding differs from the "
                                          r"first stage's on TP rank 0 \(lesson 11\)"):
         _import(mds, tmp_path / "out")
+
+
+def test_zero_files_without_param_shapes_are_refused(imported, tmp_path):
+    """The engine's param_shapes name what the flat ZeRO groups hold: without them the partitions cannot be cut."""
+    mds, tag = _copy(imported[2], tmp_path)
+    for mp in range(TP * PP):
+        path = tag / f"mp_rank_{mp:02d}_model_states.pt"
+        with _megatron_importable():
+            engine = torch.load(path, weights_only=False)
+            engine["param_shapes"] = None
+            torch.save(engine, path)
+    with pytest.raises(ValueError, match="mp_rank_00_model_states.pt holds no param_shapes .*import the weights "
+                                         "alone by moving the"):
+        _import(mds, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
 
 
 def test_a_missing_zero_partition_is_refused(imported, tmp_path):

@@ -15,7 +15,7 @@ from helpers import spawn
 from model import GPTConfig
 
 V_REAL, H = 50257, 16
-MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.addmm.out}
+MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.mm.out, torch.ops.aten.addmm.default, torch.ops.aten.addmm.out}
 
 
 class MatmulShapes(TorchDispatchMode):
@@ -27,7 +27,7 @@ class MatmulShapes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func in MATMULS:
-            a, b = (args[0], args[1]) if func == torch.ops.aten.mm.default else (args[1], args[2])
+            a, b = (args[0], args[1]) if func.overloadpacket == torch.ops.aten.mm else (args[1], args[2])
             self.shapes.append((a.shape[-2], a.shape[-1], b.shape[-1]))
         return func(*args, **(kwargs or {}))
 

@@ -45,7 +45,7 @@ def test_weights_and_block_output_are_in_the_compute_dtype(name):
     model = build_model(cfg, torch.device("cpu"))
     assert {p.dtype for p in model.parameters()} == {HALF[name]}
     assert {p.main_grad.dtype for p in model.parameters()} == {precision.grad_dtype(cfg)}
-    assert precision.grad_dtype(cfg) == (torch.float16 if name == "fp16" else torch.float32)
+    assert precision.grad_dtype(cfg) == torch.float32  # fp16 too: its micro-batches summed in fp32
     block = model.blocks["0"]
     x = torch.randn(2, 8, cfg.hidden_size).to(HALF[name])
     assert block(x).dtype == HALF[name]  # the residual stream stays in the compute dtype
@@ -95,40 +95,62 @@ def test_pipeline_messages_are_in_the_compute_dtype(name, monkeypatch):
     assert all(p.main_grad.abs().sum() > 0 for p in model.parameters())  # the gradients did arrive
 
 
-def test_bf16_gradients_accumulate_in_fp32_over_64_micro_batches():
-    """The GradBuffer's sum of 64 bf16 micro-batch gradients is their exact sum to fp32 rounding; summing them in
-    bf16 (autograd's accumulation into a bf16 .grad, the old behaviour) is off by orders of magnitude more."""
+@pytest.mark.parametrize("name", ["bf16", "fp16"])
+def test_half_gradients_accumulate_in_fp32_over_64_micro_batches(name):
+    """The GradBuffer a run builds (precision.grad_dtype) sums 64 half-precision micro-batch gradients to their
+    exact sum within fp32 rounding; summing them in the half dtype (autograd's accumulation into a half .grad;
+    for fp16 the old fp16 GradBuffer, Megatron's default) is off by orders of magnitude more."""
     torch.manual_seed(0)
-    cfg = GPTConfig(**TINY)
-    model = GPT(cfg).to(torch.bfloat16)
+    cfg, dtype = _cfg(*PRECISIONS[name]), HALF[name]
+    model = GPT(GPTConfig(**TINY)).to(dtype)
     batches = [(torch.randint(0, 512, (2, 16)), torch.randint(0, 512, (2, 16))) for _ in range(64)]
-    exact, in_bf16 = {}, {}
-    for x, y in batches:  # every micro-batch's own bf16 gradient, summed in bf16
+    # fp16: a loss scale, as a run has, so that no micro-batch's gradient falls into fp16's subnormals
+    scale = 1024.0 if name == "fp16" else 1.0
+    exact, in_half = {}, {}
+    for x, y in batches:  # every micro-batch's own half gradient, summed in the half dtype
         model.zero_grad(set_to_none=True)
-        (model(x, y) / 64).backward()
+        (model(x, y) * scale / 64).backward()
         for n, p in model.named_parameters():
-            in_bf16[n] = in_bf16.get(n, 0) + p.grad
+            in_half[n] = in_half.get(n, 0) + p.grad
     model.zero_grad(set_to_none=True)
     # each micro-batch's gradient as a buffer receives it (the output layer's unrounded), summed in fp64
     reference = copy.deepcopy(model)
     buffer = parallel.attach_grad_buffer(reference, torch.float64)
     for x, y in batches:
         buffer.start(1)
-        (reference(x, y) / 64).backward()
+        (reference(x, y) * scale / 64).backward()
         for n, p in reference.named_parameters():
             exact[n] = exact.get(n, 0) + p.main_grad.clone()
-    buffer = parallel.attach_grad_buffer(model, torch.float32)
+    buffer = parallel.attach_grad_buffer(model, precision.grad_dtype(cfg))
     buffer.start(64)
     for x, y in batches:
-        (model(x, y) / 64).backward()
+        (model(x, y) * scale / 64).backward()
     parallel.reduce_gradients(model)
 
     def error(grads):
         return max(((grads[n].double() - exact[n]).norm() / exact[n].norm()).item() for n in exact)
 
-    fp32_error, bf16_error = error({n: p.main_grad for n, p in model.named_parameters()}), error(in_bf16)
-    assert fp32_error < 1e-6, fp32_error  # fp32 rounding of 64 additions
-    assert bf16_error > 1e-3, bf16_error  # bf16 keeps 8 bits: the accumulation the buffer exists to avoid
+    buffer_error, half_error = error({n: p.main_grad for n, p in model.named_parameters()}), error(in_half)
+    assert buffer_error < 1e-6, buffer_error  # fp32 rounding of 64 additions
+    # bf16 keeps 8 bits, fp16 11: the accumulation the fp32 buffer exists to avoid
+    assert half_error > (1e-3 if name == "bf16" else 1e-4), half_error
+
+
+def test_an_fp16_overflow_in_one_micro_batch_survives_the_fp32_sum():
+    """fp16's loss scaler reads the grad norm of the fp32 sum: one micro-batch whose fp16 gradients overflow (a
+    loss scale of 2^40 for it alone) among finite ones leaves the sum and its norm not finite, so that the step is
+    skipped; the same micro-batches at a scale of 1 give a finite norm."""
+    cfg = _cfg("--fp16")
+    model = build_model(cfg, torch.device("cpu"))
+    buffer = parallel.grad_buffer(model)
+    x = torch.randint(0, cfg.vocab_size, (2, 8))
+    for scale, finite in ((1.0, True), (2.0**40, False)):
+        buffer.start(3)
+        for i in range(3):
+            (model(x, x) * (scale if i == 1 else 1.0)).backward()
+        parallel.reduce_gradients(model)
+        assert bool(parallel.grad_norm(model).isfinite()) == finite, scale
+    assert {p.main_grad.dtype for p in model.parameters()} == {torch.float32}
 
 
 def test_query_key_layer_scaling_defaults_to_megatrons():

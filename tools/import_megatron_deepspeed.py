@@ -9,7 +9,8 @@ weights, Adam's moments and step, the iteration, consumed samples and tokens and
 TP size and --pipeline_model_parallel_size stages (default the source's), DP=1; train.py loads it with any TP x
 PP x DP layout (reshard.py). Without ZeRO files the weights alone are imported, and the output says so.
 DeepSpeed's universal checkpoint (ds_to_universal's output, or the directory with its latest_universal) is read
-too. The format and its limits: megatron_ds.py.
+too. It holds one output (stage, TP rank)'s state at a time, reading the source files memory-mapped: more stages
+(--pipeline_model_parallel_size) need less memory. The format and its limits: megatron_ds.py.
 """
 import argparse
 import os
