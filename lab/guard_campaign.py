@@ -55,11 +55,12 @@ MODEL = ["--num_layers=2", "--hidden_size=64", "--num_attention_heads=4", "--seq
 WIDE = ["--num_layers=4", "--hidden_size=128"]
 GUARD = ["--spike_guard", "--spike_guard_window=20", "--spike_guard_min_steps=10", "--spike_guard_rewind=3",
          "--spike_guard_skip_after=2", "--spike_guard_snapshot_interval=5"]
-# family -> the cause a right diagnosis names. A family is a line here and a branch of draw(); the ordered
-# duplicate block joins the same way once its fault flag exists (docs/spike_guard.md, section 9)
+# family -> the cause a right diagnosis names. A family is a line here and a branch of draw() (a new one changes
+# every trial's draw: a new registration, docs/spike_guard.md, section 9)
 FAMILIES = {"lr transient": "optimizer", "lr persistent": "optimizer", "lr after resume": "optimizer",
             "lr slow persistent": "optimizer", "lost optimizer state": "optimizer", "random tokens": "data",
             "repeated token": "data", "repeated 8-gram": "data", "poisoned minority": "data",
+            "ordered duplicate block": "data",
             "dp weight bit flip": "hardware", "dp grad bit flip": "hardware", "dp state bit flip": "hardware",
             "numerical bf16": "numerical", "numerical fp16": "numerical"}
 BITS = [23, 24, 28, 29, 30]  # fp32 exponent bits, counted from the lowest: 23, 24 x2 or x4; 28-30 x2^32 and more
@@ -114,6 +115,12 @@ def draw(seed, k, iters):
         flags = [f"--inject_degenerate_iters={start}-{start + length - 1}", f"--inject_degenerate_kind={kind}",
                  f"--inject_degenerate_fraction={fraction}"]
         what = f"{length} batches" + (f", {fraction:g} of the samples" if kind == "minority" else "")
+    elif family == "ordered duplicate block":  # a shard of near-duplicates met in corpus order (BigScience, OPT)
+        length, period = rng.randint(20, 100) * iters // 400, rng.choice([1, 2, 4, 8])  # 20-100 of 400
+        length = max(length, period)
+        start = rng.randint(15, max(15, iters - length - 10))
+        flags = [f"--inject_repeat_iters={start}-{start + length - 1}", f"--inject_repeat_period={period}"]
+        what = f"{length} iterations repeating {period} batches"
     elif family.startswith("dp "):  # one DP replica of two: rank 1's gradient, weight or optimizer state
         target = {"dp weight bit flip": "weight", "dp grad bit flip": "grad"}.get(family) or rng.choice(
             ["exp_avg", "exp_avg_sq", "master"])
