@@ -4,13 +4,16 @@ guard did with them (docs/spike_guard.md, "The campaign").
     python lab/guard_campaign.py --out runs/campaign --data_path DATA --minutes 45
     python lab/guard_campaign.py --out runs/campaign --report      # the table and figure from what has run
 
-Each trial draws a fault family (FAMILIES), its start, length and magnitude, and a seed, and runs three processes
-of the tests' 2x64 model with the project's guard flags (GUARD, as tests/test_spike_guard.py): the fault with the
-guard, the fault without it, and the clean twin (same seed and precision, guarded: any decision it takes is a false
-positive). A fault is harmful when it raises the clean twin's final validation loss by more than 1% unguarded (or
-the unguarded run dies). The report gives the detection rate of harmful faults, the diagnosis confusion matrix
-(true cause x decided cause), false positives per 1,000 clean iterations, rollbacks per fault and the final
-validation losses, each rate with its 95% Wilson interval.
+Each trial draws a fault family (FAMILIES), its start, length and magnitude, and a seed, and runs three runs of
+the tests' 2x64 model with the project's guard flags (GUARD, as tests/test_spike_guard.py): the fault with the
+guard, the fault without it, and the clean twin (same seed, precision and launch, guarded: any decision it takes is
+a false positive). A fault on one DP replica runs each of the three on 2 gloo processes (torchrun); a fault after a
+resume runs each as two processes in turn, the first saving at the resume point and stopping, the second resuming
+with the fault (the clean twin resumes too). A fault is harmful when it raises the clean twin's final validation
+loss by more than 1% unguarded, the unguarded run dies, or its DP replicas end with different weights. The report
+gives the detection rate of harmful faults, the diagnosis confusion matrix (true cause x decided cause), false
+positives per 1,000 clean iterations, rollbacks per fault and the final validation losses, each rate with its 95%
+Wilson interval.
 
 --method runs the same trials under another method (METHODS): "guard" (the three runs above), "none" (the clean twin
 and the unguarded run only), or one of the field's remedies (stability/remedies.py and the core's
@@ -23,8 +26,8 @@ stability/, is refused, every record carries the registration's id, and the repo
 Every record keeps its run's per-iteration losses and grad norms and its method's actions.
 
 Resumable: each finished run is a line of OUT/runs.jsonl, and a restarted campaign runs only what is missing
-(trial k's draw depends on --seed and k alone). One process per run, --jobs at a time; --minutes bounds the wall
-time (no trial starts after it). Not a test: it measures, and docs quote what it measured.
+(trial k's draw depends on --seed and k alone). --jobs processes at a time (a 2-process run holds two); --minutes
+bounds the wall time (no trial starts after it). Not a test: it measures, and docs quote what it measured.
 """
 import argparse
 import glob
@@ -35,10 +38,13 @@ import math
 import os
 import random
 import re
+import shutil
 import subprocess
 import sys
 import threading
 import time
+
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = ["--num_layers=2", "--hidden_size=64", "--num_attention_heads=4", "--seq_length=64", "--vocab_size=512",
@@ -49,11 +55,15 @@ MODEL = ["--num_layers=2", "--hidden_size=64", "--num_attention_heads=4", "--seq
 WIDE = ["--num_layers=4", "--hidden_size=128"]
 GUARD = ["--spike_guard", "--spike_guard_window=20", "--spike_guard_min_steps=10", "--spike_guard_rewind=3",
          "--spike_guard_skip_after=2", "--spike_guard_snapshot_interval=5"]
-# family -> the cause a right diagnosis names
-FAMILIES = {"lr transient": "optimizer", "lr persistent": "optimizer", "random tokens": "data",
+# family -> the cause a right diagnosis names. A family is a line here and a branch of draw() (a new one changes
+# every trial's draw: a new registration, docs/spike_guard.md, section 9)
+FAMILIES = {"lr transient": "optimizer", "lr persistent": "optimizer", "lr after resume": "optimizer",
+            "lr slow persistent": "optimizer", "lost optimizer state": "optimizer", "random tokens": "data",
             "repeated token": "data", "repeated 8-gram": "data", "poisoned minority": "data",
-            "grad bit flip": "hardware", "weight bit flip": "hardware", "numerical bf16": "numerical",
-            "numerical fp16": "numerical"}
+            "ordered duplicate block": "data",
+            "dp weight bit flip": "hardware", "dp grad bit flip": "hardware", "dp state bit flip": "hardware",
+            "numerical bf16": "numerical", "numerical fp16": "numerical"}
+BITS = [23, 24, 28, 29, 30]  # fp32 exponent bits, counted from the lowest: 23, 24 x2 or x4; 28-30 x2^32 and more
 CAUSES = ["data", "optimizer", "hardware", "numerical", "persistent", "none"]
 # method -> its flags, each remedy at its published default (stability/remedies.py cites each); grad_norm_skip is
 # metaseq's --skip-gradient-update-on-clip-norm: the bound is the clip norm (--grad_norm_bound, clip_grad's 1.0)
@@ -68,19 +78,33 @@ LOG = re.compile(r"^ iteration +(\d+)/ *\d+ \|.*?lm loss: (\S+) \|.*?grad norm: 
 
 
 def draw(seed, k, iters):
-    """Trial k: (family, fault flags, precision flags, seed, description), from (seed, k) alone."""
+    """Trial k, from (seed, k) alone: {family, flags (the fault's), precision (flags), seed, what (a description),
+    start (the fault's first iteration), nproc (processes: 2 for a fault on one DP replica), resume (None, or the
+    iteration K the run saves at and stops, a second process resuming from it with the fault's flags)}."""
     rng = random.Random(seed * 100_003 + k)
     family = rng.choice(sorted(FAMILIES))
     start = rng.randint(15, iters - 20)
-    precision = []
+    precision, nproc, resume = [], 1, None
     if family == "lr transient":
         length, factor = rng.randint(1, 6), round(math.exp(rng.uniform(math.log(30), math.log(3000))))
         flags = [f"--inject_lr_iters={start}-{start + length - 1}", f"--inject_lr_factor={factor}"]
         what = f"LR x{factor} for {length}"
-    elif family == "lr persistent":  # a resume with a much higher LR: from `start` to the end, on every pass
+    elif family == "lr persistent":  # a higher LR from `start` to the end, on every pass, in one process
         factor = round(math.exp(rng.uniform(math.log(10), math.log(100))))
         flags = [f"--inject_lr_iters={start}-{iters}", f"--inject_lr_factor={factor}", "--inject_lr_persistent"]
         what = f"LR x{factor} from then on"
+    elif family == "lr after resume":  # the run stops at K; its resume has the LR x factor from then on
+        resume = rng.randint(20, iters - 20)
+        start, factor = resume + 1, round(math.exp(rng.uniform(math.log(10), math.log(100))))
+        flags = [f"--inject_lr_iters={start}-{iters}", f"--inject_lr_factor={factor}", "--inject_lr_persistent"]
+        what = f"resumed at {resume} with LR x{factor}"
+    elif family == "lr slow persistent":  # a slow harm: x20-40 from mid-run on (issue 41: x30 cost +3%)
+        start, factor = rng.randint(iters // 3, 2 * iters // 3), rng.randint(20, 40)
+        flags = [f"--inject_lr_iters={start}-{iters}", f"--inject_lr_factor={factor}", "--inject_lr_persistent"]
+        what = f"LR x{factor} from then on"
+    elif family == "lost optimizer state":  # the run stops at K; its resume finds Adam's moments zeroed
+        resume = rng.randint(20, iters - 20)
+        start, flags, what = resume + 1, [f"--inject_lost_optimizer_state_iter={resume + 1}"], f"resumed at {resume}"
     elif family == "random tokens":
         length = rng.randint(1, 4)
         flags, what = [f"--inject_bad_batch_iters={start}-{start + length - 1}"], f"{length} batches"
@@ -91,12 +115,19 @@ def draw(seed, k, iters):
         flags = [f"--inject_degenerate_iters={start}-{start + length - 1}", f"--inject_degenerate_kind={kind}",
                  f"--inject_degenerate_fraction={fraction}"]
         what = f"{length} batches" + (f", {fraction:g} of the samples" if kind == "minority" else "")
-    elif family in ("grad bit flip", "weight bit flip"):
-        bit, element = rng.randint(0, 31), rng.randint(0, 10**6)
-        flags = [f"--inject_bitflip_iters={start}-{start}", f"--inject_bitflip_bit={bit}",
-                 f"--inject_bitflip_element={element}",
-                 f"--inject_bitflip_target={'grad' if family.startswith('grad') else 'weight'}"]
-        what = f"bit {bit} of element {element}"
+    elif family == "ordered duplicate block":  # a shard of near-duplicates met in corpus order (BigScience, OPT)
+        length, period = rng.randint(20, 100) * iters // 400, rng.choice([1, 2, 4, 8])  # 20-100 of 400
+        length = max(length, period)
+        start = rng.randint(15, max(15, iters - length - 10))
+        flags = [f"--inject_repeat_iters={start}-{start + length - 1}", f"--inject_repeat_period={period}"]
+        what = f"{length} iterations repeating {period} batches"
+    elif family.startswith("dp "):  # one DP replica of two: rank 1's gradient, weight or optimizer state
+        target = {"dp weight bit flip": "weight", "dp grad bit flip": "grad"}.get(family) or rng.choice(
+            ["exp_avg", "exp_avg_sq", "master"])
+        bit, element, nproc = rng.choice(BITS), rng.randint(0, 10**6), 2
+        flags = [f"--inject_bitflip_iters={start}-{start}", f"--inject_bitflip_bit={bit}", "--inject_bitflip_rank=1",
+                 f"--inject_bitflip_element={element}", f"--inject_bitflip_target={target}"]
+        what = f"bit {bit} of {target} element {element} on DP rank 1"
     else:  # numerical, in bf16 or fp16; in fp16 half of them early, while the loss scale searches
         half = family.split()[1]
         if half == "fp16" and rng.random() < 0.5:
@@ -104,24 +135,67 @@ def draw(seed, k, iters):
         length = rng.choice([1, 2, 5, 10, 21])
         flags, precision = [f"--inject_numerical_iters={start}-{start + length - 1}"], [f"--{half}"]
         what = f"{length} iterations"
-    return family, flags, precision, 1234 + k, f"{family} at {start}: {what}", start
+    return {"family": family, "flags": flags, "precision": precision, "seed": 1234 + k, "what": f"{family} at "
+            f"{start}: {what}", "start": start, "nproc": nproc, "resume": resume}
 
 
-def run_one(out, name, args, data_path, method="guard"):
-    """One process: train.py ARGS; its record (exit code, final validation loss, the method's actions, rollbacks,
-    and every logged iteration as [iteration, loss, grad norm, skipped]: a rollback's replays appear again)."""
+def base_args(trial, model, iters):
+    """A trial's train.py flags but the fault's and the method's: the model, its batch (2 processes: the global
+    batch two micro-batches, one per DP replica), precision and seed."""
+    batch = 8 * trial["nproc"]
+    return [*MODEL, *(WIDE if model == "4x128" else []), f"--global_batch_size={batch}", f"--train_iters={iters}",
+            f"--lr_decay_samples={batch * iters}", *trial["precision"], f"--seed={trial['seed']}"]
+
+
+def processes(base, fault, method, trial, checkpoint):
+    """The argument lists of one run's processes: one; or, for a resumed trial, the first to iteration K (it saves
+    in `checkpoint` and stops) and the resume, which alone has the fault's flags. Every run of a resumed trial
+    resumes, the clean twin too: the fault is the only difference."""
+    # on 2 processes the last one saves at the end with every rank's weights (dump_weights): replica_gap() reads them
+    dumps = [f"--save={checkpoint}", "--dump_weights"] if trial["nproc"] > 1 else []
+    if trial["resume"] is None:
+        return [[*base, *fault, *method, *dumps]]
+    k = trial["resume"]
+    return [[*base, *method, f"--save={checkpoint}", f"--save_interval={k}", f"--exit_interval={k}"],
+            [*base, *method, *fault, f"--save={checkpoint}", "--save_interval=none", *dumps]]
+
+
+def run_one(out, name, parts, data_path, method="guard", nproc=1):
+    """One run: train.py with each of `parts` in turn (processes() : a resumed run is two), under torchrun with
+    nproc processes on gloo where nproc > 1; its record (exit code, final validation loss, the method's actions,
+    rollbacks, and every logged iteration of every part as [iteration, loss, grad norm, skipped]: a rollback's
+    replays appear again). A part that fails ends the run; the resumed run's checkpoint is removed after it."""
     log = os.path.join(out, "logs", f"{name}.log")
     env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled")
+    launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                                    f"--nproc_per_node={nproc}"]
+    checkpoint = os.path.join(out, "checkpoints", name)
+    shutil.rmtree(checkpoint, ignore_errors=True)  # a run interrupted before: its resume starts over
     with open(log, "w") as f:
-        code = subprocess.call([sys.executable, "train.py", *args, f"--data_path={data_path}"], cwd=ROOT, env=env,
-                               stdout=f, stderr=subprocess.STDOUT)
+        for args in parts:
+            code = subprocess.call([*launcher, "train.py", *args, f"--data_path={data_path}"], cwd=ROOT, env=env,
+                                   stdout=f, stderr=subprocess.STDOUT)
+            if code != 0:
+                break
+    gap = replica_gap(checkpoint) if nproc > 1 and code == 0 else None
+    shutil.rmtree(checkpoint, ignore_errors=True)
     text = open(log).read()
     values = re.findall(r"lm loss value: (\S+)", text)
     lines = [x for x in text.splitlines() if x.startswith("spike guard:")]
     series = [[int(i), float(loss), float(norm), int(skips)] for i, loss, norm, skips in LOG.findall(text)]
     return {"name": name, "exit": code, "valid": float(values[-1]) if values else math.nan, "method": method,
             "decisions": actions_of(text, method, series), "rollbacks": sum("rolled back to" in x for x in lines),
-            "series": series}
+            "series": series, "nproc": nproc, "processes": len(parts), "replica_gap": gap}
+
+
+def replica_gap(checkpoint):
+    """The largest |difference| between DP rank 0's and DP rank 1's final weights (the dumps of the run's last save):
+    a replica that silently drifted (a low bit flipped on one rank, issue 41) ends the run above 0."""
+    paths = sorted(glob.glob(os.path.join(checkpoint, "weight_dumps", "debug-*-before-save.pt")),
+                   key=lambda p: int(re.search(r"debug-(\d+)-", p)[1]))
+    last = re.search(r"debug-(\d+)-", paths[-1])[1]
+    dp0, dp1 = (torch.load(next(p for p in paths if f"debug-{last}-" in p and f"-dp{d}-" in p)) for d in (0, 1))
+    return max(float((dp0[n].float() - dp1[n].float()).abs().max()) for n in dp0)
 
 
 def actions_of(text, method, series):
@@ -138,12 +212,14 @@ def actions_of(text, method, series):
 
 def is_decision(line):
     """A `spike guard:` line that is a decision (not a sample named, a fault injected, a host, a restore)."""
-    noise = (": sample ", "injected a bit flip", " is global rank ", ": on rank ", "rolled back to", "the documents")
+    noise = (": sample ", "injected a ", " is global rank ", ": on rank ", "rolled back to", "the documents")
     return re.match(r"spike guard: iteration \d+: ", line) is not None and not any(n in line for n in noise)
 
 
 def cause_of(line):
+    # the DP replica check's decisions (replica_check.py) name no cause word: replicas that differ are hardware
     for key, cause in (("persistent fault", "persistent"), ("hardware/transient", "hardware"),
+                       ("the DP replicas differ", "hardware"), ("take its node out", "hardware"),
                        ("numerical: ", "numerical"), ("data-driven", "data"), ("optimizer-driven", "optimizer")):
         if key in line:
             return cause
@@ -181,8 +257,11 @@ def names(k, method):
 
 
 def is_harmful(clean, unguarded, harm=HARM):
+    """The harm threshold: the run died, its final validation loss is more than `harm` over the clean twin's, or
+    (2 processes) its DP replicas ended with different weights -- rank 0's validation loss does not see a drifted
+    rank 1 (a weight's bit 29 on rank 1: the same validation loss as the clean twin, the replicas apart)."""
     ratio = unguarded["valid"] / clean["valid"] if math.isfinite(unguarded["valid"]) else math.inf
-    return unguarded["exit"] != 0 or not ratio <= 1 + harm
+    return unguarded["exit"] != 0 or not ratio <= 1 + harm or bool(unguarded.get("replica_gap"))
 
 
 def campaign(a, registration=None):
@@ -195,10 +274,10 @@ def campaign(a, registration=None):
     reg_id = registration_id(registration)
     began, lock, slots, threads = time.time(), threading.Lock(), threading.Semaphore(a.jobs), []
 
-    def one(name, args, meta, method):
+    def one(name, parts, meta, method, held):
         try:
             t0 = time.time()
-            record = {"iters": a.iters, **run_one(a.out, name, args, a.data_path, method), **meta,
+            record = {**run_one(a.out, name, parts, a.data_path, method, meta["nproc"]), **meta,
                       "registration": reg_id, "seconds": round(time.time() - t0, 1)}
             with lock:
                 with open(path, "a") as f:
@@ -206,41 +285,46 @@ def campaign(a, registration=None):
             print(f"campaign: {name} ({meta['what']}): exit {record['exit']}, valid {record['valid']:.4f}, "
                   f"{len(record['decisions'])} actions, {record['seconds']} s", flush=True)
         finally:
-            slots.release()
+            for _ in range(held):
+                slots.release()
 
-    def submit(name, args, meta, method):
+    def submit(name, trial, base, fault, method):
         if name not in done:
-            slots.acquire()  # --jobs runs at a time, each one process
-            threads.append(threading.Thread(target=one, args=(name, args, meta, method)))
+            held = min(trial["nproc"], a.jobs)  # --jobs processes at a time: a 2-process run holds two slots
+            for _ in range(held):
+                slots.acquire()
+            parts = processes(base, fault, method_flags(method, a), trial,
+                              os.path.join(a.out, "checkpoints", name))
+            meta = {key: trial[key] for key in ("trial", "family", "what", "start", "model", "nproc", "resume", "iters")
+                    if trial[key] is not None}  # a long clean run is no trial
+            threads.append(threading.Thread(target=one, args=(name, parts, meta, method, held)))
             threads[-1].start()
     for j in range(a.long_clean if a.method == "guard" else 0):  # false positives late in training, fewer start-ups
         n = a.long_iters
-        submit(f"long{j}-clean", [*MODEL, f"--train_iters={n}", f"--lr_decay_samples={8 * n}", f"--seed={9000 + j}",
-                                  *GUARD], {"what": f"clean, {n} iterations", "iters": n, "model": "2x64"}, "guard")
+        long = {"trial": None, "family": None, "what": f"clean, {n} iterations", "start": None, "model": "2x64",
+                "iters": n, "nproc": 1, "resume": None, "precision": [], "seed": 9000 + j}
+        submit(f"long{j}-clean", long, base_args(long, "2x64", n), [], "guard")
     trials = {}
     for k in range(a.first, a.first + a.trials):
         if time.time() - began > 60 * a.minutes:
             print(f"campaign: {a.minutes} minutes spent; stopped before trial {k}", flush=True)
             break
-        family, flags, precision, seed, what, start = draw(a.seed, k, a.iters)
-        model = model_of(a, k)
-        base = [*MODEL, *(WIDE if model == "4x128" else []), f"--train_iters={a.iters}",
-                f"--lr_decay_samples={8 * a.iters}", *precision, f"--seed={seed}"]
-        trials[k] = base, flags, {"trial": k, "family": family, "what": what, "start": start, "model": model}
-        submit(f"{k}-clean", [*base, *GUARD], trials[k][2], "guard")
-        submit(f"{k}-unguarded", [*base, *flags], trials[k][2], "none")
+        trial = {"trial": k, **draw(a.seed, k, a.iters), "model": model_of(a, k), "iters": a.iters}
+        trials[k] = trial, base_args(trial, trial["model"], a.iters)
+        submit(f"{k}-clean", trial, trials[k][1], [], "guard")
+        submit(f"{k}-unguarded", trial, trials[k][1], trial["flags"], "none")
         if a.method == "guard":
-            submit(f"{k}-guarded", [*base, *flags, *GUARD], trials[k][2], "guard")
+            submit(f"{k}-guarded", trial, trials[k][1], trial["flags"], "guard")
     for t in threads:
         t.join()
     if a.method in REMEDIES:  # the references are in: a remedy runs the harmful faults and its clean runs
         done, threads[:] = runs_of(a.out), []
-        for k, (base, flags, meta) in trials.items():
+        for k, (trial, base) in trials.items():
             faulted, clean = names(k, a.method)
             if is_harmful(done[f"{k}-clean"], done[f"{k}-unguarded"], a.harm):
-                submit(faulted, [*base, *flags, *method_flags(a.method, a)], meta, a.method)
+                submit(faulted, trial, base, trial["flags"], a.method)
             if k < a.first + a.clean_runs:
-                submit(clean, [*base, *method_flags(a.method, a)], meta, a.method)
+                submit(clean, trial, base, [], a.method)
         for t in threads:
             t.join()
 
@@ -261,9 +345,14 @@ def registration_of(a):
     draw's code), the harm threshold, the seed, the trials, the iterations, the model and every method's flags."""
     git = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True)
     return {"commit": git.stdout.strip(), "stability_sha256": stability_sha256(), "families": FAMILIES,
-            "draw_sha256": hashlib.sha256(inspect.getsource(draw).encode()).hexdigest(), "harm_threshold": a.harm,
+            "draw_sha256": hashlib.sha256("".join(inspect.getsource(f) for f in DRAWN).encode()).hexdigest(),
+            "harm_threshold": a.harm,
             "seed": a.seed, "first": a.first, "trials": a.trials, "iters": a.iters, "model": a.model,
             "clean_runs": a.clean_runs, "methods": {m: method_flags(m, a) for m in METHODS}}
+
+
+# the code a registration hashes beside FAMILIES: the draw, the runs' flags and launch, and what harm is
+DRAWN = (draw, base_args, processes, is_harmful)
 
 
 def registration_id(registration):
@@ -288,6 +377,7 @@ def preregister(a):
             raise SystemExit(f"--preregister: stability/ has uncommitted changes ({dirty.splitlines()[0]} ...): "
                              "commit the guard first, so that the registration names it")
         now["written"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        os.makedirs(os.path.dirname(os.path.abspath(a.preregister)), exist_ok=True)
         with open(a.preregister, "w") as f:
             json.dump(now, f, indent=1, sort_keys=True)
         print(f"campaign: registered {registration_id(now)} in {a.preregister}", flush=True)
@@ -340,9 +430,9 @@ def report(out, harm=HARM, registration=None):
     one registration (one_registration)."""
     one_registration(runs_of(out), registration)
     trials = trials_of(out)
-    spent = sum(r.get("seconds", 0) for r in runs_of(out).values()) / 3600
+    spent = sum(r.get("seconds", 0) * r.get("nproc", 1) for r in runs_of(out).values()) / 3600
     lines = [f"{len(trials)} complete trials (3 runs each; false positives: every finished clean run); "
-             f"{spent:.1f} hours of run time (wall, one process each)", ""]
+             f"{spent:.1f} CPU-hours of run time (each run's wall time x its processes)", ""]
     harmful, detected, right, diagnosed, within, rollbacks = 0, 0, 0, 0, 0, []
     matrix = {t: {c: 0 for c in CAUSES} for t in sorted(set(FAMILIES.values()))}
     cleans = [r for name, r in runs_of(out).items() if name.endswith("-clean")]  # finished, their trial or not
@@ -363,7 +453,7 @@ def report(out, harm=HARM, registration=None):
         if harmful_here:
             harmful += 1
             detected += bool(acts)
-            within += g_ratio <= 1 + harm
+            within += g_ratio <= 1 + harm and not guarded.get("replica_gap")
             rollbacks.append(guarded["rollbacks"])
         rows.append((guarded["family"], guarded["what"], harmful_here, decided, ratio, g_ratio, guarded["exit"],
                      guarded["rollbacks"]))
@@ -445,7 +535,7 @@ def method_results(runs, harm=HARM):
             out["n"], out["detected"] = out["n"] + 1, out["detected"] + bool(acts)
             out["ratios"].append(ratio)
             out["diagnosed"], out["right"] = out["diagnosed"] + (right is not None), out["right"] + bool(right)
-            out["within"] += ratio <= 1 + harm
+            out["within"] += ratio <= 1 + harm and not run.get("replica_gap")
         cleans = [runs[names(k, method)[1]] for k in ks if names(k, method)[1] in runs and method != "none"]
         cleans += [r for name, r in runs.items() if name.startswith("long") and method == "guard"]
         out["clean_runs"], out["fp_runs"] = len(cleans), sum(bool(r["decisions"]) for r in cleans)
@@ -519,9 +609,15 @@ def main(argv=None):
                    help="grad_norm_skip's bound (metaseq: the clip norm, clip_grad 1.0 here)")
     p.add_argument("--harm", type=float, default=HARM, help="harmful: the final loss this much over the clean twin's")
     p.add_argument("--preregister", help="a registration file: written before any run, checked on every later one")
+    p.add_argument("--register_only", action="store_true",
+                   help="write --preregister's file and stop, so that it is committed before the first run")
     p.add_argument("--report", action="store_true", help="only write the report of what has run")
     a = p.parse_args(argv)
     registration = preregister(a) if a.preregister and not a.report else None
+    if a.register_only:
+        if registration is None:
+            raise SystemExit("--register_only needs --preregister FILE (the registration to write)")
+        return
     if a.report and a.preregister:
         registration = json.load(open(a.preregister))
     if not a.report:

@@ -64,6 +64,7 @@ class StabilityConfig:
     inject_bitflip_bit: int = -1  # ... this bit of the element (-1: the top exponent bit)
     inject_bitflip_element: int = -1  # ... this element of the first matrix (-1: its largest in magnitude)
     inject_numerical_iters: list[str] | None = None  # fault injection: a cancellation only half precision loses
+    inject_lost_optimizer_state_iter: int | None = None  # fault injection: Adam's moments zeroed before this step
     inject_repeat_iters: list[str] | None = None  # fault injection: a block of repeated documents in corpus order ...
     inject_repeat_period: int = 1  # ... its iterations given again the samples of its first this many iterations
 
@@ -83,6 +84,8 @@ def check(cfg):
     need(cfg.dp_replica_check_interval is None or cfg.dp_replica_check_interval >= 0,
          "dp_replica_check_interval must be 0 (off), a number of iterations, or None (with spike_guard: its "
          "spike_guard_snapshot_interval)")
+    need(cfg.inject_lost_optimizer_state_iter is None or cfg.inject_lost_optimizer_state_iter >= 1,
+         "inject_lost_optimizer_state_iter must be an iteration (>= 1), or None (off)")
     need(cfg.inject_degenerate_kind in ("repeat", "ngram", "minority"),
          f"inject_degenerate_kind={cfg.inject_degenerate_kind!r} must be 'repeat', 'ngram' or 'minority'")
     need(0 < cfg.inject_degenerate_fraction < 1, "inject_degenerate_fraction must be in (0, 1): a minority's share")
@@ -226,6 +229,7 @@ class FaultsConfig:  # faults.Faults
     inject_bitflip_bit: int
     inject_bitflip_element: int
     inject_numerical_iters: list | None
+    inject_lost_optimizer_state_iter: int | None
     inject_repeat_iters: list | None
     inject_repeat_period: int
     seed: int  # the faults' generators are seeded by (seed, iteration)

@@ -10,6 +10,8 @@
                              after the update (an Adam moment, an fp32 master: inject_bitflip_target), flips on rank
                              inject_bitflip_rank
     inject_numerical_iters   a cancellation that half precision loses and fp32 keeps
+    inject_lost_optimizer_state_iter  Adam's moments zeroed before that iteration's step, the step count kept (a
+                             resume whose checkpoint lost them: the first updates divide by a near-zero second moment)
     inject_repeat_iters      a block of repeated documents met in corpus order: the block's iterations given the
                              samples of its first inject_repeat_period iterations again, in turn
 
@@ -59,6 +61,7 @@ class Faults(training.Callback):
         self.flip_weight = self.bitflip(n, self.timeline, "weight")
         self.flip_grad = self.bitflip(n, self.timeline, "grad")
         self.flip_state = self.state_bitflip(n, self.timeline)
+        self.lose_optimizer_state(n, self.timeline)
 
     def start(self, parts, report, train_data):
         self.model, self.optimizer, self.train_data = parts.model, parts.optimizer, train_data
@@ -203,6 +206,23 @@ class Faults(training.Callback):
         flat.view(itype)[i] ^= 1 << bit
         print(f"spike guard: iteration {iteration}: injected a bit flip into {what} element {i} on rank "
               f"{parallel.grid.rank}: {float(flat[i]):.4g}", flush=True)
+
+    def lose_optimizer_state(self, iteration, guard):
+        """The fault of inject_lost_optimizer_state_iter: before its step, every exp_avg and exp_avg_sq the optimizer
+        holds (on every rank: a resume loses them everywhere) is zeroed, its step count kept, so bias correction does
+        not make up for it and the first updates are ~(1-beta1)/sqrt(1-beta2) x LR per element. Once in time, as an
+        LR spike: a rollback restores the moments and the iteration run again does not meet it."""
+        at = self.cfg.inject_lost_optimizer_state_iter
+        if at is None or not guard.meets_fault(iteration, [(at, at)]):
+            return
+        zeroed = 0
+        for state in self.optimizer.state.values():
+            for key in ("exp_avg", "exp_avg_sq"):
+                if key in state:
+                    state[key].zero_()
+                    zeroed += state[key].numel()
+        print(f"spike guard: iteration {iteration}: injected a lost optimizer state on rank {parallel.grid.rank}: "
+              f"{zeroed} moment elements zeroed", flush=True)
 
 
     # -- a block of repeated documents (added last: other faults' functions go above) ----------------------------

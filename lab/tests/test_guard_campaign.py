@@ -88,7 +88,7 @@ def test_megatron_rerun_diagnosis_is_right_when_transient_means_hardware():
     transient = "remedy spiky_loss: iteration 5: loss 99 >= 10 x ...: not reproducible (3.2): possible transient"
     assert gc.right_diagnosis("spiky_loss", reproducible, "random tokens")
     assert not gc.right_diagnosis("spiky_loss", transient, "random tokens")
-    assert gc.right_diagnosis("spiky_loss", transient, "grad bit flip")
+    assert gc.right_diagnosis("spiky_loss", transient, "dp grad bit flip")
     assert gc.right_diagnosis("zclip", "remedy zclip: iteration 5: clipped", "random tokens") is None
 
 
@@ -113,6 +113,9 @@ def test_a_registration_comes_before_the_runs_and_is_never_mixed(tmp_path, monke
     open(tmp_path / "runs.jsonl", "w").close()
     with pytest.raises(SystemExit, match="has runs already"):
         gc.preregister(args(tmp_path, preregister=str(tmp_path / "later.json")))
+    only = tmp_path / "only"
+    gc.main(["--out", str(only), "--preregister", str(only / "reg.json"), "--register_only", "--seed", "41"])
+    assert json.load(open(only / "reg.json"))["seed"] == 41 and not os.path.exists(only / "runs.jsonl")
     runs = dict([record("0-clean", 5.0), record("0-unguarded", 5.2)])
     runs["0-clean"]["registration"] = gc.registration_id(registration)
     runs["0-unguarded"]["registration"] = None  # a run of no registration beside one of it
@@ -160,3 +163,106 @@ def test_mixed_runs_every_fourth_trial_on_the_wider_model():
     a = args("unused", model="mixed")
     assert [gc.model_of(a, k) for k in range(8)] == ["2x64"] * 3 + ["4x128"] + ["2x64"] * 3 + ["4x128"]
     assert {gc.model_of(args("unused", model=m), 0) for m in ("2x64", "4x128")} == {"2x64", "4x128"}
+
+
+# -- the fault space: its draws, their flags, and one trial of each new launch (2 processes; a resume) -----------
+
+
+def first_of_each_family(seed, iters=100):
+    """{family: the first k whose trial draws it} under seed."""
+    found = {}
+    for k in range(500):
+        found.setdefault(gc.draw(seed, k, iters)["family"], k)
+    return found
+
+
+def test_every_family_is_drawn_and_a_draw_depends_on_seed_and_k_alone():
+    found = first_of_each_family(41)
+    assert set(found) == set(gc.FAMILIES) and max(found.values()) < 100  # all in a campaign of 100 trials
+    alone = gc.draw(41, 57, 100)
+    for k in range(60):  # other draws before it change nothing
+        gc.draw(41, k, 100)
+    assert gc.draw(41, 57, 100) == alone
+    assert [gc.draw(42, k, 100) for k in range(10)] != [gc.draw(41, k, 100) for k in range(10)]
+    assert {gc.FAMILIES[f] for f in gc.FAMILIES} <= set(gc.CAUSES)
+
+
+def test_each_drawn_flag_set_passes_the_runs_own_parser_and_checks():
+    import arguments
+    for family, k in first_of_each_family(41).items():
+        trial = gc.draw(41, k, 100)
+        for model in ("2x64", "4x128"):
+            base = gc.base_args(trial, model, 100)
+            for method in gc.METHODS:
+                parts = gc.processes(base, trial["flags"], gc.method_flags(method, args("unused")), trial, "/tmp/ck")
+                for argv in parts:
+                    cfg = arguments.load_config([*argv, "--data_path=unused"])
+                    arguments.validate(cfg, world_size=trial["nproc"], reads_data=False)
+                    assert cfg.global_batch_size == cfg.micro_batch_size * trial["nproc"]
+                assert all(flag in parts[-1] for flag in trial["flags"])  # the fault: in the last process only
+                assert not any(flag in p for flag in trial["flags"] for p in parts[:-1])
+        if trial["resume"] is not None:
+            first, resumed = parts
+            assert f"--exit_interval={trial['resume']}" in first and trial["start"] == trial["resume"] + 1
+            assert first[0] == resumed[0] and "--exit_interval" not in " ".join(resumed)
+        if family.startswith("dp "):
+            assert trial["nproc"] == 2 and "--inject_bitflip_rank=1" in trial["flags"]
+            assert int(trial["flags"][1].split("=")[1]) in gc.BITS
+
+
+def test_the_replica_checks_decisions_are_scored_as_hardware():
+    line = ("spike guard: iteration 20: the DP replicas differ and no majority tells the healthy one: roll back to "
+            "the newest snapshot at or before iteration 15 (the last check that agreed); no data skipped, LR unchanged")
+    assert gc.is_decision(line) and gc.cause_of(line) == "hardware"
+    assert not gc.is_decision("spike guard: iteration 21: injected a lost optimizer state on rank 0: 9 moment elements")
+
+
+def trial_of(family, seed=7, iters=40):
+    return next(k for k in range(500) if gc.draw(seed, k, iters)["family"] == family)
+
+
+def same_until(a, b, last):
+    """The two runs' losses at iterations 1..last (the first pass: a rollback's replays left out)."""
+    first = lambda r: {i: loss for i, loss, _, _ in reversed(r["series"])}  # noqa: E731 (the first pass wins)
+    return all(first(a)[i] == first(b)[i] for i in range(1, last + 1))
+
+
+@pytest.mark.slow
+def test_one_trial_on_two_processes_and_one_resumed_keep_both_twins_identical_until_the_fault(tmp_path, corpus512):
+    """One 2-process trial (a bit flip on DP rank 1) and one resumed trial (LR x10-100 from the resume), each as its
+    clean twin and unguarded run: before the fault the two are the same run (their losses equal), after it they are
+    not; on 2 processes the clean twin's replicas end identical and the flipped run's apart; the resumed runs'
+    records join both processes' iterations, and no checkpoint is left behind."""
+    for family in ("dp state bit flip", "lr after resume"):
+        k, out = trial_of(family), tmp_path / family.replace(" ", "-")
+        gc.main(["--out", str(out), "--data_path", corpus512, "--trials", "1", "--first", str(k), "--iters", "40",
+                 "--seed", "7", "--method", "none", "--jobs", "2"])
+        runs = gc.runs_of(str(out))
+        clean, bad = runs[f"{k}-clean"], runs[f"{k}-unguarded"]
+        trial = gc.draw(7, k, 40)
+        for r in (clean, bad):
+            assert r["exit"] == 0 and r["nproc"] == trial["nproc"] and [x[0] for x in r["series"]] == list(
+                range(1, 41))
+            assert r["processes"] == (1 if trial["resume"] is None else 2)
+        assert same_until(clean, bad, trial["start"]) and not same_until(clean, bad, 40)
+        log = open(out / "logs" / f"{k}-unguarded.log").read()
+        assert ("on rank 1" in log) == (trial["nproc"] == 2)  # the flip on DP rank 1
+        if trial["nproc"] == 2:  # the clean twin's replicas are identical; the flipped run's are not
+            assert clean["replica_gap"] == 0.0 and bad["replica_gap"] > 0 and gc.is_harmful(clean, bad)
+        else:
+            assert clean["replica_gap"] is None and bad["replica_gap"] is None
+        assert ("loaded checkpoint" in log) == (trial["resume"] is not None)
+        assert not os.path.exists(out / "checkpoints") or not os.listdir(out / "checkpoints")
+
+
+def test_replicas_apart_at_the_end_are_harm_that_rank_0s_validation_loss_does_not_show():
+    _, clean = record("0-clean", 5.0)
+    _, drifted = record("0-unguarded", 5.0)
+    clean["replica_gap"], drifted["replica_gap"] = 0.0, 0.07
+    assert gc.is_harmful(clean, drifted)
+    drifted["replica_gap"] = 0.0
+    assert not gc.is_harmful(clean, drifted)
+    runs = dict([("0-clean", clean), ("0-unguarded", {**drifted, "replica_gap": 0.07}),
+                 ("0-zclip", {**drifted, "name": "0-zclip", "method": "zclip", "replica_gap": 0.07})])
+    zclip = gc.method_results(runs)["zclip"]
+    assert (zclip["n"], zclip["within"]) == (1, 0)  # the same loss, but its replicas apart: not within
