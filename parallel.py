@@ -283,6 +283,78 @@ def divide(n, parts, what):
     return n // parts
 
 
+def linear(x, weight, bias=None):
+    """F.linear(x, weight, bias). In training, a half-precision weight with a GradBuffer (the native path, every
+    precision but fp32) gets its gradient added by the backward straight into its fp32 main_grad, as Megatron's
+    gradient_accumulation_fusion does: autograd makes no .grad of the weight (a weight-sized bf16 tensor written,
+    read by the post-accumulate hook, freed: 10 bytes a parameter a micro-batch; docs/speed.md) and the product
+    is not rounded to bf16 before it is summed. The bias stays on autograd. fp32 weights keep autograd's path (on
+    the CPU an addmm into a non-zero sum is not bit for bit main_grad.add_(product)); so does a compiled block,
+    whose traced backward cannot call the GradBuffer (the fusion is eager-only for now)."""
+    if torch.compiler.is_compiling() or not (torch.is_grad_enabled() and fuses_weight_gradient(weight) and (
+            x.requires_grad or bias is not None and bias.requires_grad)):
+        return F.linear(x, weight, bias)
+    # the weight goes in detached: no edge to its AccumulateGrad, so backward's None for it makes no .grad
+    return _LinearIntoMainGrad.apply(x, weight.detach(), bias, weight.main_grad_buffer.product_adder(weight))
+
+
+def fuses_weight_gradient(weight):
+    """Does linear() add this weight's gradient into its main_grad itself? Half-precision trained leaf weights
+    with a GradBuffer (not DeepSpeed's, which takes .grads)."""
+    return (weight.dtype in (torch.bfloat16, torch.float16) and weight.requires_grad and weight.is_leaf
+            and getattr(weight, "main_grad_buffer", None) is not None)
+
+
+class _LinearIntoMainGrad(torch.autograd.Function):
+    """linear()'s autograd: forward F.linear; backward the input's and the bias's gradients for autograd, the
+    weight's added into main_grad by `add` (a GradBuffer's, which also counts the weight's gradient as arrived)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, add):
+        ctx.save_for_backward(x, weight)
+        ctx.add = add
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        g = grad.reshape(-1, grad.shape[-1])
+        grad_x = grad.matmul(weight) if ctx.needs_input_grad[0] else None
+        grad_bias = g.sum(0) if ctx.needs_input_grad[2] else None
+        ctx.add(g.t(), x.reshape(-1, x.shape[-1]))
+        return grad_x, None, grad_bias, None
+
+
+def add_product(out, a, b):
+    """out += a @ b, out fp32 and a, b half precision, without a half-precision product: on CUDA the matmul sums
+    into out itself where this torch has out_dtype (fp32_accumulating_addmm); otherwise on CUDA the half product
+    (rounded once), added; on the CPU, which has no such kernel, fp32 copies of the operands (exact)."""
+    if fp32_accumulating_addmm(out.device):
+        torch.addmm(out, a, b, out_dtype=out.dtype, out=out)
+    elif out.is_cuda:
+        out += a @ b
+    else:
+        torch.addmm(out, a.to(out.dtype), b.to(out.dtype), out=out)
+
+
+FP32_ACCUMULATING_ADDMM = {}  # device type -> whether addmm takes out_dtype=float32 for half operands, in place
+
+
+def fp32_accumulating_addmm(device):
+    """Whether torch.addmm(c, a, b, out_dtype=torch.float32, out=c) adds half-precision a @ b into fp32 c (CUDA,
+    a recent torch): tried once per process on a 2 x 2 problem; never on the CPU, which has no such kernel."""
+    if device.type != "cuda":
+        return False
+    if device.type not in FP32_ACCUMULATING_ADDMM:
+        c, a = torch.ones(2, 2, device=device), torch.ones(2, 2, device=device, dtype=torch.bfloat16)
+        try:
+            torch.addmm(c, a, a, out_dtype=torch.float32, out=c)
+            FP32_ACCUMULATING_ADDMM[device.type] = bool((c == 3.0).all())  # one sync, the first call's
+        except (RuntimeError, TypeError, NotImplementedError):
+            FP32_ACCUMULATING_ADDMM[device.type] = False
+    return FP32_ACCUMULATING_ADDMM[device.type]
+
+
 class ColumnParallelLinear(nn.Linear):
     """Y = X A with A split by columns (output features): each rank computes its own slice of Y."""
 
@@ -293,7 +365,7 @@ class ColumnParallelLinear(nn.Linear):
             self.bias.tp_dim = 0
 
     def forward(self, x):
-        return F.linear(copy_to_tp(x), self.weight, self.bias)
+        return linear(copy_to_tp(x), self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Linear):
@@ -305,8 +377,8 @@ class RowParallelLinear(nn.Linear):
 
     def forward(self, x):
         if grid.tp_size == 1:  # nothing to reduce: one addmm instead of a matmul and an add
-            return F.linear(x, self.weight, self.bias)
-        y = reduce_from_tp(F.linear(x, self.weight))
+            return linear(x, self.weight, self.bias)
+        y = reduce_from_tp(linear(x, self.weight))
         # The bias is replicated: add it once, after the reduction.
         return y if self.bias is None else y + self.bias
 
@@ -683,6 +755,14 @@ class GradBuffer:
         p.main_grad.add_(grad) if scale is None else p.main_grad.addcmul_(grad, scale)
         if not torch._C._will_engine_execute_node(torch.autograd.graph.get_gradient_edge(p).node):
             self._arrived(p)
+
+    def product_adder(self, p):
+        """(a, b) -> None: main_grad += a @ b (add_product: no half-precision product), then p's gradient of this
+        backward counted as arrived. For linear()'s weights, which nothing else gives a gradient."""
+        def add(a, b):
+            add_product(p.main_grad, a, b)
+            self._arrived(p)
+        return add
 
     def _arrived(self, p):
         """p's gradient of this backward is all in main_grad: launch the buckets this completes (last micro-batch)."""
