@@ -287,32 +287,36 @@ def linear(x, weight, bias=None):
     """F.linear(x, weight, bias). In training, a half-precision weight with a GradBuffer (the native path, every
     precision but fp32) gets its gradient added by the backward straight into its fp32 main_grad, as Megatron's
     gradient_accumulation_fusion does: autograd makes no .grad of the weight (a weight-sized bf16 tensor written,
-    read by the post-accumulate hook, freed: 10 bytes a parameter a micro-batch; docs/speed.md) and the product
-    is not rounded to bf16 before it is summed. The bias stays on autograd. fp32 weights keep autograd's path (on
-    the CPU an addmm into a non-zero sum is not bit for bit main_grad.add_(product)); so does a compiled block,
-    whose traced backward cannot call the GradBuffer (the fusion is eager-only for now)."""
-    if torch.compiler.is_compiling() or not (torch.is_grad_enabled() and fuses_weight_gradient(weight) and (
+    then read by the post-accumulate hook's add into main_grad: 4 of 12 bytes a parameter a micro-batch;
+    docs/speed.md), and the products are not rounded to bf16 before they are summed. The bias stays on autograd.
+    fp32 weights keep autograd's path (on the CPU an addmm into a non-zero sum is not bit for bit
+    main_grad.add_(product)). Compiled blocks trace the same: the add is a custom op, and the weight's arrival
+    (for the GradBuffer's DP buckets) an autograd leaf of its own whose hook runs after the block's backward."""
+    if not (torch.is_grad_enabled() and fuses_weight_gradient(weight) and (
             x.requires_grad or bias is not None and bias.requires_grad)):
         return F.linear(x, weight, bias)
-    # the weight goes in detached: no edge to its AccumulateGrad, so backward's None for it makes no .grad
-    return _LinearIntoMainGrad.apply(x, weight.detach(), bias, weight.main_grad_buffer.product_adder(weight))
+    # the weight goes in detached: no edge to its AccumulateGrad, so no .grad of it is ever made
+    return _LinearIntoMainGrad.apply(x, weight.detach(), bias, weight.main_grad, weight.main_grad_arrival)
 
 
 def fuses_weight_gradient(weight):
     """Does linear() add this weight's gradient into its main_grad itself? Half-precision trained leaf weights
-    with a GradBuffer (not DeepSpeed's, which takes .grads)."""
+    with a GradBuffer (which gives them main_grad_arrival; DeepSpeed's path takes .grads)."""
     return (weight.dtype in (torch.bfloat16, torch.float16) and weight.requires_grad and weight.is_leaf
-            and getattr(weight, "main_grad_buffer", None) is not None)
+            and getattr(weight, "main_grad_arrival", None) is not None)
 
 
 class _LinearIntoMainGrad(torch.autograd.Function):
     """linear()'s autograd: forward F.linear; backward the input's and the bias's gradients for autograd, the
-    weight's added into main_grad by `add` (a GradBuffer's, which also counts the weight's gradient as arrived)."""
+    weight's added into main_grad, and a zero for `arrival`, a 0-dim leaf whose post-accumulate hook tells the
+    GradBuffer that the weight's gradient of this backward is in (GradBuffer.__init__)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, add):
+    def forward(ctx, x, weight, bias, main_grad, arrival):
         ctx.save_for_backward(x, weight)
-        ctx.add = add
+        # not saved for backward: other micro-batches' backwards add into it in between (1F1B), which autograd's
+        # version check would refuse
+        ctx.main_grad = main_grad
         return F.linear(x, weight, bias)
 
     @staticmethod
@@ -321,8 +325,19 @@ class _LinearIntoMainGrad(torch.autograd.Function):
         g = grad.reshape(-1, grad.shape[-1])
         grad_x = grad.matmul(weight) if ctx.needs_input_grad[0] else None
         grad_bias = g.sum(0) if ctx.needs_input_grad[2] else None
-        ctx.add(g.t(), x.reshape(-1, x.shape[-1]))
-        return grad_x, None, grad_bias, None
+        torch.ops.stablegpt.add_product_(ctx.main_grad, g.t(), x.reshape(-1, x.shape[-1]))
+        return grad_x, None, grad_bias, None, ctx.main_grad.new_zeros(())
+
+
+@torch.library.custom_op("stablegpt::add_product_", mutates_args=("out",))
+def _add_product_op(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """add_product as one op that torch.compile keeps whole (its probe and branches are not traced)."""
+    add_product(out, a, b)
+
+
+@_add_product_op.register_fake
+def _add_product_shape(out, a, b):
+    return None
 
 
 def add_product(out, a, b):
@@ -713,6 +728,8 @@ class GradBuffer:
         for p in self.params:
             p.register_post_accumulate_grad_hook(self._accumulate)
             p.main_grad_buffer = self
+            if p.dtype in (torch.bfloat16, torch.float16):  # linear() adds these weights' gradients itself
+                p.main_grad_arrival = self._arrival(p)
         self.countdown = None  # per parameter: gradients still to come this step (armed by start())
         self.handles = []
 
@@ -743,6 +760,8 @@ class GradBuffer:
         self.launched, self.handles = 0, []
 
     def _accumulate(self, p):
+        if p.grad is None:  # a compiled block's backward hands linear()'s weights an undefined gradient: the
+            return  # weight's gradient is in main_grad already, and its main_grad_arrival counts it
         p.main_grad.add_(p.grad)
         p.grad = None
         self._arrived(p)
@@ -756,13 +775,17 @@ class GradBuffer:
         if not torch._C._will_engine_execute_node(torch.autograd.graph.get_gradient_edge(p).node):
             self._arrived(p)
 
-    def product_adder(self, p):
-        """(a, b) -> None: main_grad += a @ b (add_product: no half-precision product), then p's gradient of this
-        backward counted as arrived. For linear()'s weights, which nothing else gives a gradient."""
-        def add(a, b):
-            add_product(p.main_grad, a, b)
+    def _arrival(self, p):
+        """A 0-dim leaf standing for p's gradient in autograd where linear() adds it into main_grad itself: its
+        post-accumulate hook counts p's gradient as arrived. Fine-grained as p's own .grad hook even in a compiled
+        block (whose one backward node hands every leaf its gradient at its end)."""
+        arrival = torch.zeros((), device=p.device, requires_grad=True)
+
+        def arrived(token):
+            token.grad = None
             self._arrived(p)
-        return add
+        arrival.register_post_accumulate_grad_hook(arrived)
+        return arrival
 
     def _arrived(self, p):
         """p's gradient of this backward is all in main_grad: launch the buckets this completes (last micro-batch)."""

@@ -7,6 +7,7 @@ import types
 import pytest
 import torch
 import torch.nn.functional as F
+from torch._dynamo.utils import counters
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import parallel
@@ -189,3 +190,49 @@ def test_no_grad_and_evaluation_take_the_plain_op():
     with torch.no_grad():
         y = layer(x)
     assert y.grad_fn is None and torch.equal(y, F.linear(x, layer.weight, layer.bias))
+
+
+def _bucket_launches_and_grads(compiled, interleaved, monkeypatch):
+    """A bf16 GPT with activation recomputation and a data-parallel GradBuffer (its all-reduce recorded instead of
+    run) through two micro-batches: sequential, or 1F1B's order (both forwards, then both backwards). Returns (the
+    buckets launched, in order, with the backward that launched them; the main_grads; graph breaks)."""
+    torch._dynamo.reset()
+    counters["graph_break"].clear()
+    model = GPT(GPTConfig(**CFG, checkpoint_activations=True))
+    model.init_weights(1234)
+    model = model.to(torch.bfloat16).train()
+    if compiled:
+        model.compile_blocks(backend="aot_eager")
+    buffer = parallel.GradBuffer(model.parameters(), torch.float32, bucket_numel=2**13)
+    buffer.group, buffer.size = "dp", 1
+    launched, phase = [], ["forward"]
+
+    def all_reduce(flat, **kwargs):
+        launched.append((phase[0], next(i for i, b in enumerate(buffer.buckets) if b is flat)))
+        return types.SimpleNamespace(wait=lambda: None)
+    monkeypatch.setattr(parallel.dist, "all_reduce", all_reduce)
+    buffer.start(MICRO_BATCHES)
+    batches = random_batches(0, MICRO_BATCHES, 2, CFG["seq_length"], CFG["vocab_size"])
+    losses = [model(x, y) for x, y in batches] if interleaved else []
+    for i, (x, y) in enumerate(batches):
+        loss = losses[i] if interleaved else model(x, y)
+        phase[0] = f"backward {i}"
+        loss.backward()
+    phase[0] = "finish"
+    buffer.finish()
+    return launched, {n: p.main_grad for n, p in model.named_parameters()}, sum(counters["graph_break"].values())
+
+
+def test_compiled_blocks_fuse_the_same_and_1f1b_order_works(monkeypatch):
+    """Compiled blocks (dynamo and AOT autograd, the aot_eager backend) trace linear()'s Function and its custom op
+    without a graph break and add into main_grad what eager does, bit for bit; their weights' arrivals launch the
+    same buckets in the same order during the last backward. 1F1B's order (a second forward before the first
+    backward, as a pipeline stage runs) gives the sequential main_grads bit for bit: main_grad is not a saved
+    tensor whose version autograd checks."""
+    eager_launched, eager, _ = _bucket_launches_and_grads(False, False, monkeypatch)
+    compiled_launched, compiled, breaks = _bucket_launches_and_grads(True, True, monkeypatch)
+    assert breaks == 0
+    assert all(torch.equal(compiled[n], eager[n]) for n in eager), [n for n in eager
+                                                                     if not torch.equal(compiled[n], eager[n])]
+    assert compiled_launched == eager_launched and {phase for phase, _ in eager_launched} == {"backward 1"}
+    assert len(eager_launched) > 4
