@@ -702,7 +702,8 @@ class GradBuffer:
     after autograd has accumulated a parameter's .grad adds it into main_grad and frees it, so micro-batches
     accumulate in `dtype` whatever the parameter's dtype, and no .grad outlives its micro-batch. A gradient made
     outside autograd (the output layer's, which cross_entropy computes in the loss's forward) goes into main_grad
-    through add(), without a .grad at all (each parameter's `main_grad_buffer` is this buffer).
+    through add(), without a .grad at all (each parameter's `main_grad_buffer` is this buffer); so does a
+    half-precision linear weight's, added by linear()'s backward, which its `main_grad_arrival` leaf counts in.
 
     Data parallel (a group of size > 1): during the last micro-batch's backward, a bucket is all-reduced
     asynchronously as soon as all its parameters have their final gradient, while backward goes on through the
