@@ -341,12 +341,14 @@ def _add_product_shape(out, a, b):
 
 
 def add_product(out, a, b):
-    """out += a @ b, out fp32 and a, b half precision, without a half-precision product: on CUDA the matmul sums
-    into out itself where this torch has out_dtype (fp32_accumulating_addmm); otherwise on CUDA the half product
-    (rounded once), added; on the CPU, which has no such kernel, fp32 copies of the operands (exact)."""
-    if fp32_accumulating_addmm(out.device):
+    """out += a @ b, out fp32 (fp64 in tests) and a, b half precision, without a half-precision product: on CUDA
+    the matmul sums into fp32 out itself where this torch has out_dtype (fp32_accumulating_addmm); otherwise on
+    CUDA the half product (rounded once), added; on the CPU, which has no such kernel, and for fp64, copies of
+    the operands in out's dtype (exact)."""
+    fp32 = out.dtype == torch.float32
+    if fp32 and fp32_accumulating_addmm(out.device):
         torch.addmm(out, a, b, out_dtype=out.dtype, out=out)
-    elif out.is_cuda:
+    elif fp32 and out.is_cuda:
         out += a @ b
     else:
         torch.addmm(out, a.to(out.dtype), b.to(out.dtype), out=out)
