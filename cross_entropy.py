@@ -162,31 +162,9 @@ def chunk_grads(g, hidden, weight, grad_weight):
     gradient (with TP, this rank's share: parallel.copy_to_tp's backward sums them)."""
     if grad_weight.dtype == g.dtype:
         torch.addmm(grad_weight, g.t(), hidden, out=grad_weight)  # as addmm_, which FlopCounterMode misses
-    elif fp32_accumulating_addmm(g.device):  # bf16/fp16 products summed in fp32 by the matmul, into the sum
-        torch.addmm(grad_weight, g.t(), hidden, out_dtype=grad_weight.dtype, out=grad_weight)
-    elif g.is_cuda:  # a torch without it: the half product (rounded once per chunk), its sum in fp32
-        grad_weight += g.t() @ hidden
-    else:  # the CPU, which has no such kernel: fp32 copies of the operands (exact), an fp32 matmul
-        torch.addmm(grad_weight, g.t().to(grad_weight.dtype), hidden.to(grad_weight.dtype), out=grad_weight)
+    else:  # bf16/fp16 products summed in fp32 (by the matmul on CUDA, from exact fp32 copies on the CPU)
+        parallel.add_product(grad_weight, g.t(), hidden)
     return g @ weight
-
-
-FP32_ACCUMULATING_ADDMM = {}  # device type -> whether addmm takes out_dtype=float32 for half operands, in place
-
-
-def fp32_accumulating_addmm(device):
-    """Whether torch.addmm(c, a, b, out_dtype=torch.float32, out=c) adds half-precision a @ b into fp32 c (CUDA,
-    a recent torch): tried once per process on a 2 x 2 problem; never on the CPU, which has no such kernel."""
-    if device.type != "cuda":
-        return False
-    if device.type not in FP32_ACCUMULATING_ADDMM:
-        c, a = torch.ones(2, 2, device=device), torch.ones(2, 2, device=device, dtype=torch.bfloat16)
-        try:
-            torch.addmm(c, a, a, out_dtype=torch.float32, out=c)
-            FP32_ACCUMULATING_ADDMM[device.type] = bool((c == 3.0).all())  # one sync, the first chunk's
-        except (RuntimeError, TypeError, NotImplementedError):
-            FP32_ACCUMULATING_ADDMM[device.type] = False
-    return FP32_ACCUMULATING_ADDMM[device.type]
 
 
 # -- the elementwise chain: between the matmuls and the all-reduces, compiled into a few fused kernels where the

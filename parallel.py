@@ -283,6 +283,95 @@ def divide(n, parts, what):
     return n // parts
 
 
+def linear(x, weight, bias=None):
+    """F.linear(x, weight, bias). In training, a half-precision weight with a GradBuffer (the native path, every
+    precision but fp32) gets its gradient added by the backward straight into its fp32 main_grad, as Megatron's
+    gradient_accumulation_fusion does: autograd makes no .grad of the weight (a weight-sized bf16 tensor written,
+    then read by the post-accumulate hook's add into main_grad: 4 of 12 bytes a parameter a micro-batch;
+    docs/speed.md), and the products are not rounded to bf16 before they are summed. The bias stays on autograd.
+    fp32 weights keep autograd's path (on the CPU an addmm into a non-zero sum is not bit for bit
+    main_grad.add_(product)). Compiled blocks trace the same: the add is a custom op, and the weight's arrival
+    (for the GradBuffer's DP buckets) an autograd leaf of its own whose hook runs after the block's backward."""
+    if not (torch.is_grad_enabled() and fuses_weight_gradient(weight) and (
+            x.requires_grad or bias is not None and bias.requires_grad)):
+        return F.linear(x, weight, bias)
+    # the weight goes in detached: no edge to its AccumulateGrad, so no .grad of it is ever made
+    return _LinearIntoMainGrad.apply(x, weight.detach(), bias, weight.main_grad, weight.main_grad_arrival)
+
+
+def fuses_weight_gradient(weight):
+    """Does linear() add this weight's gradient into its main_grad itself? Half-precision trained leaf weights
+    with a GradBuffer (which gives them main_grad_arrival; DeepSpeed's path takes .grads)."""
+    return (weight.dtype in (torch.bfloat16, torch.float16) and weight.requires_grad and weight.is_leaf
+            and getattr(weight, "main_grad_arrival", None) is not None)
+
+
+class _LinearIntoMainGrad(torch.autograd.Function):
+    """linear()'s autograd: forward F.linear; backward the input's and the bias's gradients for autograd, the
+    weight's added into main_grad, and a zero for `arrival`, a 0-dim leaf whose post-accumulate hook tells the
+    GradBuffer that the weight's gradient of this backward is in (GradBuffer.__init__)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, main_grad, arrival):
+        ctx.save_for_backward(x, weight)
+        # not saved for backward: other micro-batches' backwards add into it in between (1F1B), which autograd's
+        # version check would refuse
+        ctx.main_grad = main_grad
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        g = grad.reshape(-1, grad.shape[-1])
+        grad_x = grad.matmul(weight) if ctx.needs_input_grad[0] else None
+        grad_bias = g.sum(0) if ctx.needs_input_grad[2] else None
+        torch.ops.stablegpt.add_product_(ctx.main_grad, g.t(), x.reshape(-1, x.shape[-1]))
+        return grad_x, None, grad_bias, None, ctx.main_grad.new_zeros(())
+
+
+@torch.library.custom_op("stablegpt::add_product_", mutates_args=("out",))
+def _add_product_op(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """add_product as one op that torch.compile keeps whole (its probe and branches are not traced)."""
+    add_product(out, a, b)
+
+
+@_add_product_op.register_fake
+def _add_product_shape(out, a, b):
+    return None
+
+
+def add_product(out, a, b):
+    """out += a @ b, out fp32 (fp64 in tests) and a, b half precision, without a half-precision product: on CUDA
+    the matmul sums into fp32 out itself where this torch has out_dtype (fp32_accumulating_addmm); otherwise on
+    CUDA the half product (rounded once), added; on the CPU, which has no such kernel, and for fp64, copies of
+    the operands in out's dtype (exact)."""
+    fp32 = out.dtype == torch.float32
+    if fp32 and fp32_accumulating_addmm(out.device):
+        torch.addmm(out, a, b, out_dtype=out.dtype, out=out)
+    elif fp32 and out.is_cuda:
+        out += a @ b
+    else:
+        torch.addmm(out, a.to(out.dtype), b.to(out.dtype), out=out)
+
+
+FP32_ACCUMULATING_ADDMM = {}  # device type -> whether addmm takes out_dtype=float32 for half operands, in place
+
+
+def fp32_accumulating_addmm(device):
+    """Whether torch.addmm(c, a, b, out_dtype=torch.float32, out=c) adds half-precision a @ b into fp32 c (CUDA,
+    a recent torch): tried once per process on a 2 x 2 problem; never on the CPU, which has no such kernel."""
+    if device.type != "cuda":
+        return False
+    if device.type not in FP32_ACCUMULATING_ADDMM:
+        c, a = torch.ones(2, 2, device=device), torch.ones(2, 2, device=device, dtype=torch.bfloat16)
+        try:
+            torch.addmm(c, a, a, out_dtype=torch.float32, out=c)
+            FP32_ACCUMULATING_ADDMM[device.type] = bool((c == 3.0).all())  # one sync, the first call's
+        except (RuntimeError, TypeError, NotImplementedError):
+            FP32_ACCUMULATING_ADDMM[device.type] = False
+    return FP32_ACCUMULATING_ADDMM[device.type]
+
+
 class ColumnParallelLinear(nn.Linear):
     """Y = X A with A split by columns (output features): each rank computes its own slice of Y."""
 
@@ -293,7 +382,7 @@ class ColumnParallelLinear(nn.Linear):
             self.bias.tp_dim = 0
 
     def forward(self, x):
-        return F.linear(copy_to_tp(x), self.weight, self.bias)
+        return linear(copy_to_tp(x), self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Linear):
@@ -305,8 +394,8 @@ class RowParallelLinear(nn.Linear):
 
     def forward(self, x):
         if grid.tp_size == 1:  # nothing to reduce: one addmm instead of a matmul and an add
-            return F.linear(x, self.weight, self.bias)
-        y = reduce_from_tp(F.linear(x, self.weight))
+            return linear(x, self.weight, self.bias)
+        y = reduce_from_tp(linear(x, self.weight))
         # The bias is replicated: add it once, after the reduction.
         return y if self.bias is None else y + self.bias
 
@@ -615,7 +704,8 @@ class GradBuffer:
     after autograd has accumulated a parameter's .grad adds it into main_grad and frees it, so micro-batches
     accumulate in `dtype` whatever the parameter's dtype, and no .grad outlives its micro-batch. A gradient made
     outside autograd (the output layer's, which cross_entropy computes in the loss's forward) goes into main_grad
-    through add(), without a .grad at all (each parameter's `main_grad_buffer` is this buffer).
+    through add(), without a .grad at all (each parameter's `main_grad_buffer` is this buffer); so does a
+    half-precision linear weight's, added by linear()'s backward, which its `main_grad_arrival` leaf counts in.
 
     Data parallel (a group of size > 1): during the last micro-batch's backward, a bucket is all-reduced
     asynchronously as soon as all its parameters have their final gradient, while backward goes on through the
@@ -641,6 +731,8 @@ class GradBuffer:
         for p in self.params:
             p.register_post_accumulate_grad_hook(self._accumulate)
             p.main_grad_buffer = self
+            if p.dtype in (torch.bfloat16, torch.float16):  # linear() adds these weights' gradients itself
+                p.main_grad_arrival = self._arrival(p)
         self.countdown = None  # per parameter: gradients still to come this step (armed by start())
         self.handles = []
 
@@ -671,6 +763,8 @@ class GradBuffer:
         self.launched, self.handles = 0, []
 
     def _accumulate(self, p):
+        if p.grad is None:  # a compiled block's backward hands linear()'s weights an undefined gradient: the
+            return  # weight's gradient is in main_grad already, and its main_grad_arrival counts it
         p.main_grad.add_(p.grad)
         p.grad = None
         self._arrived(p)
@@ -683,6 +777,18 @@ class GradBuffer:
         p.main_grad.add_(grad) if scale is None else p.main_grad.addcmul_(grad, scale)
         if not torch._C._will_engine_execute_node(torch.autograd.graph.get_gradient_edge(p).node):
             self._arrived(p)
+
+    def _arrival(self, p):
+        """A 0-dim leaf standing for p's gradient in autograd where linear() adds it into main_grad itself: its
+        post-accumulate hook counts p's gradient as arrived. Fine-grained as p's own .grad hook even in a compiled
+        block (whose one backward node hands every leaf its gradient at its end)."""
+        arrival = torch.zeros((), device=p.device, requires_grad=True)
+
+        def arrived(token):
+            token.grad = None
+            self._arrived(p)
+        arrival.register_post_accumulate_grad_hook(arrived)
+        return arrival
 
     def _arrived(self, p):
         """p's gradient of this backward is all in main_grad: launch the buckets this completes (last micro-batch)."""
