@@ -456,3 +456,18 @@ class MemorySource:
         for row, index in zip(out, np.asarray(indices).tolist()):
             pieces = self.provenance(index, out.shape[1]).pieces
             row[:] = np.concatenate([self.documents[d][lo:lo + n] for d, lo, n in pieces])
+
+
+def guard_model_args(data_path):
+    """The guard tests' run: the 2x64 model, 512 tokens, 60 iterations, every iteration logged, nothing saved."""
+    return ["--num_layers=2", "--hidden_size=64", "--num_attention_heads=4", "--seq_length=64", "--vocab_size=512",
+            "--micro_batch_size=8", "--global_batch_size=8", "--train_iters=60", "--lr=2e-3",
+            "--lr_warmup_samples=40", "--lr_decay_samples=1600", "--hidden_dropout=0", "--attention_dropout=0",
+            "--log_interval=1", "--eval_interval=1000", "--eval_iters=4", "--sample_tokens=0", "--save=none",
+            "--save_interval=none", f"--data_path={data_path}"]
+
+
+def decisions(out):
+    """The guard's decision lines of a run's stdout (not its lines naming samples, flips, ranks or documents)."""
+    noise = (": sample ", "injected a bit flip", " is global rank ", ": on rank ", "the documents")
+    return [x for x in out.splitlines() if x.startswith("spike guard: iteration") and not any(n in x for n in noise)]

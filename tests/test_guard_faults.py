@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import arguments
-from helpers import corpus, corpus512, run_main  # noqa: F401 (corpus, corpus512: fixtures)
+from helpers import corpus, corpus512, decisions, guard_model_args, run_main  # noqa: F401 (corpus, corpus512: fixtures)
 from builders import build_model
 import optim
 from stability import detector, diagnosis, spike_guard
@@ -22,17 +22,7 @@ GUARD = ["--spike_guard", "--spike_guard_window=20", "--spike_guard_min_steps=10
 
 @pytest.fixture(scope="module")
 def run(corpus512):
-    base = ["--num_layers=2", "--hidden_size=64", "--num_attention_heads=4", "--seq_length=64", "--vocab_size=512",
-            "--micro_batch_size=8", "--global_batch_size=8", "--train_iters=60", "--lr=2e-3",
-            "--lr_warmup_samples=40", "--lr_decay_samples=1600", "--hidden_dropout=0", "--attention_dropout=0",
-            "--log_interval=1", "--eval_interval=1000", "--eval_iters=4", "--sample_tokens=0", "--save=none",
-            "--save_interval=none", f"--data_path={corpus512}"]
-    return lambda *extra: run_main(*base, *extra)
-
-
-def decisions(out):
-    noise = (": sample ", "injected a bit flip", " is global rank ", ": on rank ", "the documents")
-    return [x for x in out.splitlines() if x.startswith("spike guard: iteration") and not any(n in x for n in noise)]
+    return lambda *extra: run_main(*guard_model_args(corpus512), *extra)
 
 
 def test_a_persistent_lr_cause_is_never_replayed_unchanged(run):
