@@ -491,7 +491,8 @@ class Embedding(nn.Module):
         super().__init__()
         self.word = VocabParallelEmbedding(cfg.padded_vocab_size, cfg.hidden_size, grid=grid)
         learned = cfg.position_embedding_type == "learned"
-        self.position = nn.Embedding(cfg.seq_length, cfg.hidden_size) if learned else None
+        self.position = (nn.Embedding(cfg.seq_length, cfg.hidden_size,  # drawn by init_weights, as the word table
+                                      _weight=torch.empty(cfg.seq_length, cfg.hidden_size)) if learned else None)
         self.norm = norm(cfg, cfg.hidden_size) if cfg.embed_layernorm else None
         self.scale = math.sqrt(cfg.hidden_size) if cfg.scale_embeddings else 1.0
         p = cfg.hidden_dropout if cfg.embed_dropout is None else cfg.embed_dropout

@@ -405,7 +405,11 @@ class VocabParallelEmbedding(nn.Embedding):
 
     def __init__(self, num_embeddings, embedding_dim, grid=None):
         g = _this(grid)
-        super().__init__(divide(num_embeddings, g.tp_size, "padded vocabulary"), embedding_dim)
+        rows = divide(num_embeddings, g.tp_size, "padded vocabulary")
+        # Left uninitialized: the model's init_weights draws every weight, so nn.Embedding's own normal_ would be
+        # thrown away (a BLOOM-sized table: 3.6e9 draws), and on the meta device (model.census) it imports
+        # torch._dynamo, ~2 s of a process that builds no optimizer (estimate.py).
+        super().__init__(rows, embedding_dim, _weight=torch.empty(rows, embedding_dim))
         self.weight.tp_dim = 0
         self.vocab_start = g.tp_rank * self.num_embeddings
 

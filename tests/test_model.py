@@ -711,3 +711,19 @@ def test_tiny_model_overfits_a_batch():
         losses.append(loss.item())
     assert losses[0] == pytest.approx(math.log(100), rel=0.1)  # starts near uniform
     assert losses[-1] < 0.2 * losses[0], losses[::10]
+
+
+def test_census_builds_the_model_without_importing_dynamo():
+    """model.census builds the whole model on the meta device wherever parameters are counted (estimate.py's dry
+    run builds nothing else). nn.Embedding's default normal_ on meta runs through torch._refs, which imports
+    torch._dynamo: about 2 s of CPU per process, for a table init_weights draws again anyway. A fresh interpreter,
+    so that no earlier test's imports count."""
+    import subprocess
+    import sys
+    code = ("import sys, model; c = model.census(model.GPTConfig(num_layers=2, hidden_size=64, num_attention_heads=4,"
+            " vocab_size=512)); print(c['parameters'], 'torch._dynamo' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                         capture_output=True, text=True, check=True).stdout.split()
+    expected = sum(p.numel() for p in GPT(GPTConfig(num_layers=2, hidden_size=64, num_attention_heads=4,
+                                                     vocab_size=512)).parameters())
+    assert out == [str(expected), "False"]
