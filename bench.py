@@ -382,7 +382,8 @@ def numbers(run, timings, stages, costs):
     """Rank 0's numbers of the timed iterations: what report prints and --table tabulates."""
     cfg, grid, gpt = run.cfg, run.grid, parallel.unwrap(run.model).cfg
     B, T = cfg.global_batch_size, cfg.seq_length
-    mean, best = statistics.mean(timings.times), min(timings.times)
+    times = timings.times or timings.probed  # telemetry_interval=1: every iteration records, and is timed so
+    mean, best = statistics.mean(times), min(times)
     tflops = gpt.flops_per_iteration(B, T) / (mean * grid.world_size * 1e12)  # per GPU, as training logs (lesson 23)
     model_tflops = gpt.model_flops_per_iteration(B, T) / (mean * grid.world_size * 1e12)  # without recomputation
     memory, memory_source = peak_memory(run.device)
@@ -406,7 +407,7 @@ def matmul_dtype(cfg):
 def report(run, bench, timings, r, load):
     """Print rank 0's report of one configuration."""
     cfg, grid, device, gpt = run.cfg, run.grid, run.device, parallel.unwrap(run.model).cfg
-    B, T, times = cfg.global_batch_size, cfg.seq_length, timings.times
+    B, T, times = cfg.global_batch_size, cfg.seq_length, timings.times or timings.probed
     print(f"model:        {gpt.num_parameters():,} parameters ({gpt.num_parameters(padded=True):,} with the vocabulary "
           f"padded to {gpt.padded_vocab_size}; {run.local_params:,} on this rank); {grid}\n"
           f"run:          {str(matmul_dtype(cfg)).removeprefix('torch.')}, global batch {B} x {T} tokens (micro-batch "
@@ -451,6 +452,10 @@ def loss_scale_line(run, timings):
 
 def print_telemetry(timings):
     """What recording telemetry adds to a step, in wall and CPU time."""
+    if not timings.times:
+        print(f"telemetry:    recorded at every timed iteration (telemetry_interval=1): the times above include it; "
+              "a telemetry_interval of 2 or more times steps without it too", flush=True)
+        return
     for what, plain, recording in (("wall", timings.times, timings.probed),
                                    ("CPU", timings.cpu[False], timings.cpu[True])):
         plain, recording = statistics.median(plain), statistics.median(recording)

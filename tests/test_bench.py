@@ -201,6 +201,16 @@ def test_fp16_times_steps_that_update(corpus512, unmeasured_peak, capsys, monkey
     assert "OVERFLOW" in out and "then halved once more" in out, out
 
 
+def test_telemetry_at_every_iteration_is_timed_with_it(corpus512, unmeasured_peak, capsys):
+    """telemetry_interval=1 records at every timed iteration, so none is timed without it: bench divided by that
+    empty list ("mean requires at least one data point"); it now times the recording iterations and says so."""
+    argv = [os.path.join(ROOT, "config", "tiny.py"), *TINY, "--vocab_size=512", f"--data_path={corpus512}",
+            "--bench_steps=2", "--no-step_costs", "--telemetry_interval=1"]
+    result = bench.measure(argv)
+    out = capsys.readouterr().out
+    assert result["tokens/s"] > 0 and "recorded at every timed iteration (telemetry_interval=1)" in out, out
+
+
 @pytest.mark.slow  # 16-28 s on a shared 2-core CPU: two processes, each importing torch, one measuring the peak
 def test_the_table_runs_each_config_apart_and_a_failure_loses_one_row(corpus, capfd):  # noqa: F811
     """One process per row: the tiny model's row and costs, and the broken config's error in a row of its own."""
