@@ -77,7 +77,7 @@ import training
 from report import print0
 from stability import precursors
 from stability.config import DetectorConfig, LadderConfig, section
-from stability.detector import Detector
+from stability.detector import LEARNT, Detector
 
 EXIT_CODE = 3
 
@@ -239,7 +239,10 @@ class SpikeGuard(Detector):
         if diagnosis and diagnosis.get("rebase"):
             return self._rebase(iteration, outcome, reason, cause, *diagnosis["rebase"])
         self.strikes = [s for s in self.strikes if iteration - s <= ladder.spike_guard_rewind] + [iteration]
-        if collapse or len(self.strikes) >= ladder.spike_guard_max_skips:
+        stretch = self._learnt_stretch(iteration, reason, cause)  # rolled back once: its batches vetoed as they come
+        if stretch:
+            self.strikes = []
+        elif collapse or len(self.strikes) >= ladder.spike_guard_max_skips:
             start = max(1, self.strikes[0] - ladder.spike_guard_rewind)
             return self._rollback(iteration, reason, start, iteration + ladder.spike_guard_skip_after, cause)
         if outcome == "vetoed":
@@ -248,10 +251,30 @@ class SpikeGuard(Detector):
             return self._decide(iteration, "stop", reason, f"{self.skipped_iters} iterations skipped, more than "
                                 f"spike_guard_max_skipped_iters={ladder.spike_guard_max_skipped_iters}", **cause)
         what = "update skipped" if outcome == "vetoed" else "no update"
-        decision = self._decide(iteration, "skip", reason, f"{what} (spike {len(self.strikes)} of "
-                                f"{ladder.spike_guard_max_skips} before a rollback)", **cause)
+        decision = self._decide(iteration, "skip", reason, f"{what} (" + (
+            "more of a stretch of text learnt by heart already rolled back: skipped as it comes" if stretch else
+            f"spike {len(self.strikes)} of {ladder.spike_guard_max_skips} before a rollback") + ")", **cause)
         self.decisions.append(decision)
         return decision
+
+    def _learnt_stretch(self, iteration, reason, cause):
+        """Is this data strike, text learnt by heart, one more of a stretch already rolled back: a learnt-by-heart
+        rollback, and learnt-by-heart decisions each within spike_guard_window iterations of the next since? The
+        rollback undid what the stretch taught before it was noticed; the rest is vetoed while it happens, so a
+        block of one batch repeated 91 times costs one rollback, not one every spike_guard_max_skips strikes until
+        spike_guard_max_rollbacks stops the run (the fourth campaign's trials 9 and 60: docs/spike_guard.md)."""
+        if cause.get("cause") != "data" or LEARNT not in reason:
+            return False
+        last = iteration
+        for d in reversed(self.decisions):
+            if d.get("cause") != "data" or LEARNT not in d["reason"]:
+                continue
+            if last - d["iteration"] > self.rules.spike_guard_window:
+                return False
+            if d["action"] == "rollback":
+                return True
+            last = d["iteration"]
+        return False
 
     @staticmethod
     def _cause_words(cause):
@@ -271,11 +294,12 @@ class SpikeGuard(Detector):
         self.decisions.append(decision)
         return decision
 
-    def _rollback(self, iteration, reason, start, end, cause, since=None):
+    def _rollback(self, iteration, reason, start, end, cause, since=None, to_trend=None):
         """Roll back to before `start` and skip iterations start-end (end None: skip no data). A rollback that
         would replay the same trajectory is never taken: without a data skip, and unless the LRs since the
         snapshot `since` (None: not known) were not the schedule's, the LR is cut from the first rollback on (OPT's
-        remedy)."""
+        remedy). to_trend: the update size's factor (moved_too_far), which then replaces spike_guard_lr_factor
+        and applies exactly when a replay would meet the same LRs."""
         ladder = self.ladder
         skipping = 0 if end is None else end - start + 1
         if self.rollbacks >= ladder.spike_guard_max_rollbacks:
@@ -289,10 +313,15 @@ class SpikeGuard(Detector):
         cuts = cause.get("cause") in (None, "optimizer")  # a data cause is skipped, never answered with the LR
         same = end is None and since is not None and self.replays_same_lrs(since, iteration)
         lr_scale = self.lr_scale * (ladder.spike_guard_lr_factor if cuts and (relapse or same) else 1.0)
+        if to_trend is not None:
+            lr_scale = self.lr_scale * (to_trend if same else 1.0)
         reset = relapse and cuts and ladder.spike_guard_reset_optimizer
         plan = f"roll back to before iteration {start} and " + (
             "skip no data" if end is None else f"skip iterations {start}-{end}")
-        if relapse and not cuts:
+        if to_trend is not None:
+            plan += (f"; the LR x{to_trend:.3g}, to bring the move per update back to its trend: LR x{lr_scale:.3g} "
+                     "from now on" if same else "; the LRs since were not the schedule's: LR unchanged")
+        elif relapse and not cuts:
             plan += f"; relapse {self.rollbacks}, of the data: LR unchanged"
         elif relapse:
             plan += f"; relapse {self.rollbacks}: LR x{lr_scale:g} from now on"
@@ -301,6 +330,20 @@ class SpikeGuard(Detector):
             plan += f"; the same data at the same LRs would replay the spike: LR x{lr_scale:g} from now on"
         return self._decide(iteration, "rollback", reason, plan, start=start, end=end, lr_scale=lr_scale,
                             reset_optimizer=reset, **cause)
+
+    def moved_too_far(self, iteration, reason, move, then):
+        """The weights moved per update far more than their trend says (Detector.moved; update_size.py), with or
+        without a loss spike: the optimizer's doing (an LR too high, a corrupted optimizer state). Roll back to the
+        state the move was measured from (iteration `then`), skip no data, and scale the LR by trend / move so that
+        the move comes back to its trend -- a x0.5 cut would leave an LR x35 at x17 -- where a replay would meet
+        the same LRs (all but fault injection's events in time: replays_same_lrs). Said in one line."""
+        expected = self.series["update"].expected()
+        to_trend = min(expected / move, 1.0) if math.isfinite(move) else self.ladder.spike_guard_lr_factor
+        evidence = (f"the weights moved {move:.3g} of their norm per update since iteration {then}, against a trend "
+                    f"of {expected:.3g}; no weight moved farther than Adam can move it at the LRs applied")
+        self.strikes = [iteration]
+        return self._rollback(iteration, f"{reason}; optimizer-driven: {evidence}", then + 1, None,
+                              {"cause": "optimizer", "evidence": evidence, "update_size": move}, then, to_trend)
 
     def _hardware(self, iteration, outcome, loss, grad_norm, lr, diagnosis):
         """A transient fault: a step that its replay (or the other DP replicas) did not reproduce -- the retried
