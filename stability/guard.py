@@ -112,7 +112,8 @@ class Guard(training.Callback):
         if reason is None:
             guard.series["update"].record(move)
             return None
-        if diagnosis.corrupted_weights(guard, self.parts.model, self.parts.optimizer, n, then, payload) is not None:
+        if diagnosis.corrupted_weights(guard, self.parts.model, self.parts.optimizer, n, then, payload,
+                                       say=False) is not None:
             return None
         return guard.moved_too_far(n, f"at the snapshot: {reason}", move, then)
 
