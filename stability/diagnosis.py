@@ -277,10 +277,11 @@ def adam_bound(beta1, beta2):
 @torch.no_grad()
 def corrupted_weights(guard, model, optimizer, iteration, then, payload, say=True):
     """(DP rank, evidence) when some rank holds a weight the optimizer cannot have written since the snapshot of
-    iteration `then`, else None; say: the rank that holds it prints which weight. A weight may move by at most 2 x (sum of the LRs applied since) x (adam_bound +
-    weight decay x |weight|), plus the rounding of its dtype; one that moved farther (or is not finite) was written
-    by something else: a bit flipped in memory. One all-reduce over all ranks of one number per DP rank, so every
-    rank names the same DP rank (the corrupted weight may be on any TP or PP rank of it)."""
+    iteration `then`, else None; say: the rank that holds it prints which weight. A weight may move by at most 2 x
+    (sum of the LRs applied since) x (adam_bound + weight decay x |weight|), plus the rounding of its dtype; one that
+    moved farther (or is not finite) was written by something else: a bit flipped in memory. One all-reduce over all
+    ranks of one number per DP rank, so every rank names the same DP rank (the corrupted weight may be on any TP or
+    PP rank of it)."""
     g, stats = parallel.grid, snapshot_stats(payload)
     if "lr sum" not in stats:  # a checkpoint written before the guard summed its LRs: no bound to test against
         return None
