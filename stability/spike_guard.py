@@ -11,7 +11,8 @@ But the causes call for different remedies, so the guard asks why before it acts
              `spike_guard_grad_norm_ratio` x; or the loss half as far off its line, above or below (a
              degenerate batch the model finds easy), with an outlying grad norm; or
              `spike_guard_rise_steps` losses in a row each half as far above (a slow rise the line follows);
-             or the loss far below an unseen batch's on the same weights (text learnt by heart);
+             or the loss far below an unseen batch's on the same weights, a stretch of steps (text learnt by
+             heart); or, at a snapshot, the weights' move per update far above its trend (update_size.py);
              or the loss is NaN/inf; or the DP replicas computed different numbers; or (fp16) the loss scale
              collapsed to min_loss_scale. From `spike_guard_min_steps` applied steps on (in fp16 the losses of
              the loss scale's search count): the trend makes the warm-up ordinary.
@@ -37,12 +38,17 @@ But the causes call for different remedies, so the guard asks why before it acts
                                                                   were not the schedule's: no rollback replays;
                                                                   again after a rollback: named persistent
              Every decision line says which test removed the spike, with its numbers.
+             The weights' move per update far above its trend (a snapshot's reading, no replay)
+                                                           -> optimizer: roll back to the snapshot it was measured
+                                                              from, skip no data, the LR x trend / move (a replay
+                                                              would meet the same LRs) or unchanged (fault injection)
              The spike_guard_max_hardware_faults-th hardware fault on one DP rank stops the run, naming it.
   act (data) (a) skip the update: no weight, Adam moment, step counter or LR-schedule change;
              (b) at the `spike_guard_max_skips`-th spike within `spike_guard_rewind` iterations: roll back to the
                  newest snapshot (host copy, or disk checkpoint) before the spike window and add the window -- from
                  `spike_guard_rewind` before the first spike to `spike_guard_skip_after` after the last -- to the
                  run's skip ranges;
+             (b') a stretch of text learnt by heart, once rolled back: its later batches skipped as they come;
              (c) on a relapse (any later rollback, not of the data): also multiply the LR by
                  `spike_guard_lr_factor` and, with `spike_guard_reset_optimizer`, reset the optimizer with the
                  lr=0 warm-up of lesson 8.
