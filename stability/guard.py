@@ -77,6 +77,8 @@ class Guard(training.Callback):
     def after_step(self, it, step):
         guard, n = self.guard, it.number
         found, guard.diagnosis = guard.diagnosis, None  # what Forensics found about this step, if it was suspect
+        if (found or {}).get("cause") == "optimizer" and found.get("since") is not None:
+            found["update_size"] = self.move_since(found["since"])
         decision = guard.update(n, step.outcome, step.loss, step.grad_norm, self.parts.scaler, found, lr=it.lr)
         if decision is None:
             decision = self.update_size(n, step)
@@ -100,14 +102,10 @@ class Guard(training.Callback):
                 and step.outcome == "ok"):
             return None
         found = self.snapshots.newest_before(n)  # after a resume, the checkpoint resumed from
-        if found is None:
+        move = None if found is None else self.move_since(found[0], found)
+        if move is None:
             return None
         then, payload = found
-        stats = detector.snapshot_stats(payload)
-        updates = guard.updates - stats["updates"] if "updates" in stats else n - then
-        if updates <= 0:
-            return None
-        move = update_size.relative_move(self.parts.model, payload[0], updates)
         reason = guard.moved(move) if guard.armed() else None
         if reason is None:
             guard.series["update"].record(move)
@@ -116,6 +114,18 @@ class Guard(training.Callback):
                                        say=False) is not None:
             return None
         return guard.moved_too_far(n, f"at the snapshot: {reason}", move, then)
+
+    def move_since(self, then, found=None):
+        """The weights' move per update since the state of iteration `then` (found: it, already read), or None
+        without that state or any update since (update_size.relative_move)."""
+        found = found or self.snapshots.newest_before(then + 1)
+        if found is None or found[0] != then:
+            return None
+        stats = detector.snapshot_stats(found[1])
+        updates = self.guard.updates - stats["updates"] if "updates" in stats else None
+        if not updates or updates <= 0:
+            return None
+        return update_size.relative_move(self.parts.model, found[1][0], updates)
 
     def carry_out(self, decision):
         """A rollback (True), or, at a cap or with nothing to roll back to, the last good state saved and the run

@@ -239,7 +239,8 @@ class SpikeGuard(Detector):
                                       for d in self.decisions)
             self.strikes = [iteration]
             reason += f"; {self._cause_words(cause)}: {diagnosis['evidence']}"
-            return self._rollback(iteration, reason, iteration - 1, None, cause, diagnosis.get("since"))
+            return self._rollback(iteration, reason, iteration - 1, None, cause, diagnosis.get("since"),
+                                  self._to_trend(diagnosis.get("update_size")))
         if diagnosis:
             reason += f"; {diagnosis['cause']}-driven: {diagnosis['evidence']}"
         if diagnosis and diagnosis.get("rebase"):
@@ -282,6 +283,15 @@ class SpikeGuard(Detector):
             last = d["iteration"]
         return False
 
+    def _to_trend(self, move):
+        """An optimizer rollback's LR factor: spike_guard_lr_factor, or less where the weights' move per update since
+        the snapshot (Guard.update_size's reading, None: not measured) says the LR is further off its trend -- an LR
+        x82 cut x0.5 at each of three rollbacks is still x10 (the fourth campaign's trials 84 and 98)."""
+        expected, factor = self.series["update"].expected(), self.ladder.spike_guard_lr_factor
+        if move is None or expected is None or len(self.series["update"].values) < 3 or not math.isfinite(move):
+            return None
+        return min(expected / move, factor) if move > 0 else factor
+
     @staticmethod
     def _cause_words(cause):
         return "optimizer-driven (persistent)" if cause.get("persistent") else f"{cause.get('cause', '')}-driven"
@@ -300,12 +310,12 @@ class SpikeGuard(Detector):
         self.decisions.append(decision)
         return decision
 
-    def _rollback(self, iteration, reason, start, end, cause, since=None, to_trend=None):
+    def _rollback(self, iteration, reason, start, end, cause, since=None, factor=None):
         """Roll back to before `start` and skip iterations start-end (end None: skip no data). A rollback that
         would replay the same trajectory is never taken: without a data skip, and unless the LRs since the
         snapshot `since` (None: not known) were not the schedule's, the LR is cut from the first rollback on (OPT's
-        remedy). to_trend: the update size's factor (moved_too_far), which then replaces spike_guard_lr_factor
-        and applies exactly when a replay would meet the same LRs."""
+        remedy). factor: the cut, spike_guard_lr_factor unless the weights' move per update says by how much the LR
+        is off its trend (_to_trend, moved_too_far)."""
         ladder = self.ladder
         skipping = 0 if end is None else end - start + 1
         if self.rollbacks >= ladder.spike_guard_max_rollbacks:
@@ -318,22 +328,21 @@ class SpikeGuard(Detector):
         relapse = self.rollbacks > 0
         cuts = cause.get("cause") in (None, "optimizer")  # a data cause is skipped, never answered with the LR
         same = end is None and since is not None and self.replays_same_lrs(since, iteration)
-        lr_scale = self.lr_scale * (ladder.spike_guard_lr_factor if cuts and (relapse or same) else 1.0)
-        if to_trend is not None:
-            lr_scale = self.lr_scale * (to_trend if same else 1.0)
+        cut = ladder.spike_guard_lr_factor if factor is None else factor
+        lr_scale = self.lr_scale * (cut if cuts and (relapse or same) else 1.0)
         reset = relapse and cuts and ladder.spike_guard_reset_optimizer
         plan = f"roll back to before iteration {start} and " + (
             "skip no data" if end is None else f"skip iterations {start}-{end}")
-        if to_trend is not None:
-            plan += (f"; the LR x{to_trend:.3g}, to bring the move per update back to its trend: LR x{lr_scale:.3g} "
-                     "from now on" if same else "; the LRs since were not the schedule's: LR unchanged")
-        elif relapse and not cuts:
+        to_trend = "" if factor is None else f" (x{cut:.3g}: the move per update back to its trend)"
+        if relapse and not cuts:
             plan += f"; relapse {self.rollbacks}, of the data: LR unchanged"
-        elif relapse:
-            plan += f"; relapse {self.rollbacks}: LR x{lr_scale:g} from now on"
+        elif relapse and cut != 1.0:
+            plan += f"; relapse {self.rollbacks}: LR x{lr_scale:.3g} from now on{to_trend}"
             plan += ", optimizer reset with an lr=0 warm-up" if reset else ""
         elif same:
-            plan += f"; the same data at the same LRs would replay the spike: LR x{lr_scale:g} from now on"
+            plan += f"; the same data at the same LRs would replay the spike: LR x{lr_scale:.3g} from now on{to_trend}"
+        elif factor is not None:
+            plan += "; the LRs since were not the schedule's: LR unchanged"
         return self._decide(iteration, "rollback", reason, plan, start=start, end=end, lr_scale=lr_scale,
                             reset_optimizer=reset, **cause)
 
@@ -345,6 +354,8 @@ class SpikeGuard(Detector):
         the same LRs (all but fault injection's events in time: replays_same_lrs). Said in one line."""
         expected = self.series["update"].expected()
         to_trend = min(expected / move, 1.0) if math.isfinite(move) else self.ladder.spike_guard_lr_factor
+        if not self.replays_same_lrs(then, iteration):  # fault injection's event in time: the rollback ends it
+            to_trend = 1.0
         evidence = (f"the weights moved {move:.3g} of their norm per update since iteration {then}, against a trend "
                     f"of {expected:.3g}; no weight moved farther than Adam can move it at the LRs applied")
         self.strikes = [iteration]

@@ -74,12 +74,31 @@ def test_an_outlying_move_rolls_back_to_its_reference_and_brings_the_lr_back_to_
     d = guard.moved_too_far(40, guard.moved(15 * 1e-3 * 0.97 ** 12), 15 * 1e-3 * 0.97 ** 12, 35)
     assert d["action"] == "rollback" and d["start"] == 36 and d["end"] is None and d["cause"] == "optimizer"
     assert d["lr_scale"] == pytest.approx(expected / (15 * 1e-3 * 0.97 ** 12))
-    assert "optimizer-driven" in d["line"] and "to bring the move per update back to its trend" in d["line"]
+    assert "optimizer-driven" in d["line"] and "the move per update back to its trend)" in d["line"]
     guard = _guard()
     _moves(guard)
     guard.lrs = {n: (1e-3, 1e-3 * (30 if n == 38 else 1)) for n in range(34, 41)}
     d = guard.moved_too_far(40, "r", 15 * 1e-3 * 0.97 ** 12, 35)
     assert d["action"] == "rollback" and d["lr_scale"] == 1.0 and "LR unchanged" in d["line"]
+
+
+def test_a_loss_spikes_optimizer_rollback_cuts_the_lr_as_far_as_the_move_says_and_never_less_than_its_factor():
+    """The fourth campaign's trials 84 and 98 (LR x82, x83): three optimizer rollbacks of the loss rule cut the LR
+    x0.5 each, x10 left, and the update size's fourth rollback met the cap (exit 3). The move per update since the
+    snapshot (diagnosis "update_size", measured by the Guard) sets the cut: trend / move, at most the factor."""
+    guard = _guard()
+    _moves(guard)
+    expected = guard.series["update"].expected()
+    guard.pending = "loss 9 is 2x its trend's 5"
+    d = guard.update(40, "vetoed", 9.0, 0.6, None, {"cause": "optimizer", "evidence": "e", "since": 35,
+                                                    "update_size": 30 * expected})
+    assert d["action"] == "rollback" and d["lr_scale"] == pytest.approx(1 / 30), d["line"]
+    guard = _guard()
+    _moves(guard)
+    guard.pending = "loss 9 is 2x its trend's 5"
+    d = guard.update(40, "vetoed", 9.0, 0.6, None, {"cause": "optimizer", "evidence": "e", "since": 35,
+                                                    "update_size": 1.2 * expected})
+    assert d["lr_scale"] == 0.5  # a move near its trend: the ordinary cut
 
 
 # -- end to end: LR faults with no loss spike --------------------------------------------------------------------------
@@ -127,7 +146,8 @@ def test_an_lr_too_high_from_a_resume_on_is_brought_back_to_its_trend(run, clean
     lines = decisions(out)
     assert len(lines) == 1 and lines[0].startswith("spike guard: iteration 35: at the snapshot: "), lines
     assert "optimizer-driven" in lines[0] and "roll back to before iteration 31 and skip no data" in lines[0]
-    scale = float(re.search(r"LR x(\S+) from now on$", lines[0]).group(1))
+    scale = float(re.search(r"LR x(\S+) from now on \(x\S+: the move per update back to its trend\)$",
+                            lines[0]).group(1))
     assert 0.5 < 10 * scale < 2, lines
     lr = lambda stdout: float(log_fields(stdout)[50]["learning rate"])  # noqa: E731
     assert lr(out) / lr(clean) == pytest.approx(10 * scale, rel=2e-3)
