@@ -77,7 +77,8 @@ class Guard(training.Callback):
     def after_step(self, it, step):
         guard, n = self.guard, it.number
         found, guard.diagnosis = guard.diagnosis, None  # what Forensics found about this step, if it was suspect
-        if (found or {}).get("cause") == "optimizer" and found.get("since") is not None:
+        if (found or {}).get("cause") == "optimizer" and found.get("since") is not None \
+                and guard.rules.spike_guard_update_ratio:  # how far the LR is off: the move since the snapshot
             found["update_size"] = self.move_since(found["since"])
         decision = guard.update(n, step.outcome, step.loss, step.grad_norm, self.parts.scaler, found, lr=it.lr)
         if decision is None:
