@@ -28,6 +28,7 @@ class StabilityConfig:
     spike_guard_grad_norm_ratio: float = 100.0  # ... or the grad norm this multiple (a clean tiny run: lone 12x jumps)
     spike_guard_rise_steps: int = 3  # ... or the loss this many steps in a row over half that zscore (0: off)
     spike_guard_unseen_interval: int = 10  # ... or far below an unseen batch's loss, measured every N iters (0: off)
+    spike_guard_update_ratio: float = 4.0  # the weights' move per update this x its trend, at each snapshot (0: off)
     spike_guard_max_skips: int = 3  # spikes (or NaN/inf steps) within spike_guard_rewind iterations before a rollback
     spike_guard_rewind: int = 100  # roll back to before (first spike - this) and skip the data from there ...
     spike_guard_skip_after: int = 200  # ... to this many iterations after the last spike (PaLM: 200-500 in all)
@@ -89,6 +90,8 @@ def check(cfg):
     need(cfg.inject_degenerate_kind in ("repeat", "ngram", "minority"),
          f"inject_degenerate_kind={cfg.inject_degenerate_kind!r} must be 'repeat', 'ngram' or 'minority'")
     need(0 < cfg.inject_degenerate_fraction < 1, "inject_degenerate_fraction must be in (0, 1): a minority's share")
+    need(cfg.spike_guard_update_ratio == 0 or cfg.spike_guard_update_ratio > 1,
+         "spike_guard_update_ratio must be 0 (off) or above 1: a move per update that many times its trend's")
     need(cfg.spike_guard_unseen_interval >= 0, "spike_guard_unseen_interval must be >= 0 (0 turns it off)")
     need(cfg.inject_repeat_period >= 1, "inject_repeat_period must be >= 1 (the iterations whose samples repeat)")
     need(cfg.telemetry_interval >= 0, "telemetry_interval must be >= 0 (0 turns telemetry off)")
@@ -162,6 +165,7 @@ class DetectorConfig:  # detector.Detector: what a spike is
     spike_guard_grad_norm_ratio: float
     spike_guard_rise_steps: int
     spike_guard_unseen_interval: int
+    spike_guard_update_ratio: float
     clip_grad: float  # the grad norm's stand-in bar before it has a trend
 
 

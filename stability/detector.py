@@ -21,6 +21,8 @@ import math
 import run_state
 from stability.config import DetectorConfig, section
 
+LEARNT = "text learnt by heart"  # the words of a loss far below an unseen batch's (Detector.below_unseen)
+
 
 class Series:
     """One watched number (the loss, or the logarithm of the grad norm), judged against its own trend.
@@ -135,19 +137,22 @@ class Detector:
     def __init__(self, rules):
         self.rules = rules  # a DetectorConfig
         self.series = {"loss": Series(rules.spike_guard_window),
-                       "grad norm": Series(rules.spike_guard_window, log=True)}
+                       "grad norm": Series(rules.spike_guard_window, log=True),
+                       "update": Series(rules.spike_guard_window, log=True)}  # the weights' move per update
         self.lr_sum = 0.0  # the learning rates of the applied steps, summed: how far Adam can have moved a weight
+        self.updates = 0  # the applied steps: how many updates a move between two states took
         self.unseen = None  # the loss of a batch never trained on, on recent weights (guard.Guard measures it)
 
     def stats(self):
         return {**{name: series.state() for name, series in self.series.items()}, "lr sum": self.lr_sum,
-                "unseen": self.unseen}
+                "unseen": self.unseen, "updates": self.updates}
 
     def load_stats(self, stats=None):
         """The statistics of a snapshot or checkpoint (None: one written without the guard, start afresh)."""
         for name, series in self.series.items():
             series.load((stats or {}).get(name))
         self.lr_sum = (stats or {}).get("lr sum", 0.0)
+        self.updates = (stats or {}).get("updates", 0)
         self.unseen = (stats or {}).get("unseen")
 
     def record(self, loss, grad_norm, lr):
@@ -155,6 +160,7 @@ class Detector:
         self.series["loss"].record(loss)
         self.series["grad norm"].record(grad_norm)
         self.lr_sum += lr
+        self.updates += 1
 
     def rebase(self, loss, grad_norm):
         """A regime change: both trend lines moved to these numbers (Series.shift_to)."""
@@ -229,10 +235,38 @@ class Detector:
         if self.unseen is None or found is None or not math.isfinite(loss) or not math.isfinite(self.unseen):
             return []
         z = (self.unseen - loss) / found[1] if found[1] > 0 else math.inf
-        if z > self.rules.spike_guard_zscore and loss * self.rules.spike_guard_ema_ratio < self.unseen:
+        if z > self.rules.spike_guard_zscore and loss * self.rules.spike_guard_ema_ratio < self.unseen \
+                and self.below_before(found[1]):
             return [f"loss {loss:.4g} is {loss / self.unseen:.2f}x an unseen batch's {self.unseen:.4g} on these "
-                    f"weights, {z:.1f} spreads below it: text learnt by heart"]
+                    f"weights, {z:.1f} spreads below it: {LEARNT}"]
         return []
+
+    def below_before(self, scatter):
+        """Whether the spike_guard_rise_steps - 1 applied losses before this one lay below the unseen batch's too, each
+        under 1 / ema_ratio of it and half the zscore scatters below (the stretch's own losses widen the scatter, as
+        a slow rise's do: Detector.slow_rise): text learnt by heart is a stretch; one low batch is a clean run's (the
+        fourth campaign's trial 43 had one at 0.89x, 6.5 scatters below, and none before it: docs/spike_guard.md,
+        section 9). A block of repeated text keeps it: its first steps were applied, its later ones are not."""
+        count = max(self.rules.spike_guard_rise_steps - 1, 0)
+        before = list(self.series["loss"].values)[-count:] if count else []
+        r = self.rules
+        return all(self.unseen - v > r.spike_guard_zscore / 2 * scatter and v * r.spike_guard_ema_ratio < self.unseen
+                   for v in before)
+
+    def moved(self, move):
+        """Why the weights' move per update (relative to their norm, between two states: update_size.relative_move)
+        is an outlier, or None: more than zscore scatters above its own trend's line and spike_guard_update_ratio x
+        its value. The LR schedule moves it smoothly; an LR tens of times too high, or a corrupted optimizer state,
+        by an order of magnitude, with or without a loss spike (the fourth campaign's LRs x13-x77 that no loss rule
+        caught: docs/spike_guard.md, section 9). Judged from 3 readings on."""
+        series, bar = self.series["update"], self.rules.spike_guard_update_ratio
+        if not bar or len(series.values) < 3:
+            return None
+        z, ratio = series.judge(move)
+        if z > self.rules.spike_guard_zscore and ratio > bar:
+            return (f"the weights moved {move:.3g} of their norm per update, {ratio:.1f}x their trend's "
+                    f"{series.expected():.3g}, {z:.1f} spreads above it")
+        return None
 
 
 def spikes_in(series, cfg, stats=None):

@@ -275,12 +275,13 @@ def adam_bound(beta1, beta2):
 
 
 @torch.no_grad()
-def corrupted_weights(guard, model, optimizer, iteration, then, payload):
+def corrupted_weights(guard, model, optimizer, iteration, then, payload, say=True):
     """(DP rank, evidence) when some rank holds a weight the optimizer cannot have written since the snapshot of
-    iteration `then`, else None. A weight may move by at most 2 x (sum of the LRs applied since) x (adam_bound +
-    weight decay x |weight|), plus the rounding of its dtype; one that moved farther (or is not finite) was written
-    by something else: a bit flipped in memory. One all-reduce over all ranks of one number per DP rank, so every
-    rank names the same DP rank (the corrupted weight may be on any TP or PP rank of it)."""
+    iteration `then`, else None; say: the rank that holds it prints which weight. A weight may move by at most 2 x
+    (sum of the LRs applied since) x (adam_bound + weight decay x |weight|), plus the rounding of its dtype; one that
+    moved farther (or is not finite) was written by something else: a bit flipped in memory. One all-reduce over all
+    ranks of one number per DP rank, so every rank names the same DP rank (the corrupted weight may be on any TP or
+    PP rank of it)."""
     g, stats = parallel.grid, snapshot_stats(payload)
     if "lr sum" not in stats:  # a checkpoint written before the guard summed its LRs: no bound to test against
         return None
@@ -298,7 +299,7 @@ def corrupted_weights(guard, model, optimizer, iteration, then, payload):
     if max(ratios) <= 1:
         return None
     rank = max(range(g.dp_size), key=ratios.__getitem__)
-    if where is not None and worst > 1:  # the rank that holds it says which weight
+    if say and where is not None and worst > 1:  # the rank that holds it says which weight
         name, i, before, now = where
         print(f"spike guard: iteration {iteration}: on rank {g.rank}, weight {name}[{i}] is {now:.4g}, was "
               f"{before:.4g} at iteration {then}", flush=True)

@@ -17,7 +17,7 @@ import parallel
 import precision
 import run_state
 import training
-from stability import detector, diagnosis, spike_guard
+from stability import detector, diagnosis, spike_guard, update_size
 from stability.config import PrecursorConfig, section
 
 
@@ -77,16 +77,56 @@ class Guard(training.Callback):
     def after_step(self, it, step):
         guard, n = self.guard, it.number
         found, guard.diagnosis = guard.diagnosis, None  # what Forensics found about this step, if it was suspect
+        if (found or {}).get("cause") == "optimizer" and found.get("since") is not None \
+                and guard.rules.spike_guard_update_ratio:  # how far the LR is off: the move since the snapshot
+            found["update_size"] = self.move_since(found["since"])
         decision = guard.update(n, step.outcome, step.loss, step.grad_norm, self.parts.scaler, found, lr=it.lr)
         if decision is None:
-            return False
-        if decision.get("cause") in (None, "data", "optimizer"):  # name the batch
+            decision = self.update_size(n, step)
+        elif decision.get("cause") in (None, "data", "optimizer"):  # name the batch
             decision["samples"] = diagnosis.name_samples(self.parts.model, it.batches, it.first_sample, self.cfg,
                                                          self.train_data, it.seqlen, n, decision)
+        if decision is None:
+            return False
         self.report.record(n, {"spike guard": [decision]})
         if decision["action"] not in ("rollback", "stop"):
             return False
         return self.carry_out(decision)
+
+    def update_size(self, n, step):
+        """At each snapshot iteration, an applied step: the weights' move per update since the newest snapshot
+        (update_size.py), judged against its trend (Detector.moved) and recorded; an outlier is the optimizer's
+        doing (SpikeGuard.moved_too_far) -- unless a weight moved farther than Adam can move it, a corruption that
+        the hardware diagnosis and the replica check answer, not this rule. The decision, or None."""
+        guard, interval = self.guard, self.snapshots.interval
+        if not (guard.enabled and guard.rules.spike_guard_update_ratio and interval and n % interval == 0
+                and step.outcome == "ok"):
+            return None
+        found = self.snapshots.newest_before(n)  # after a resume, the checkpoint resumed from
+        move = None if found is None else self.move_since(found[0], found)
+        if move is None:
+            return None
+        then, payload = found
+        reason = guard.moved(move) if guard.armed() else None
+        if reason is None:
+            guard.series["update"].record(move)
+            return None
+        if diagnosis.corrupted_weights(guard, self.parts.model, self.parts.optimizer, n, then, payload,
+                                       say=False) is not None:
+            return None
+        return guard.moved_too_far(n, f"at the snapshot: {reason}", move, then)
+
+    def move_since(self, then, found=None):
+        """The weights' move per update since the state of iteration `then` (found: it, already read), or None
+        without that state or any update since (update_size.relative_move)."""
+        found = found or self.snapshots.newest_before(then + 1)
+        if found is None or found[0] != then:
+            return None
+        stats = detector.snapshot_stats(found[1])
+        updates = self.guard.updates - stats["updates"] if "updates" in stats else None
+        if not updates or updates <= 0:
+            return None
+        return update_size.relative_move(self.parts.model, found[1][0], updates)
 
     def carry_out(self, decision):
         """A rollback (True), or, at a cap or with nothing to roll back to, the last good state saved and the run

@@ -11,7 +11,8 @@ But the causes call for different remedies, so the guard asks why before it acts
              `spike_guard_grad_norm_ratio` x; or the loss half as far off its line, above or below (a
              degenerate batch the model finds easy), with an outlying grad norm; or
              `spike_guard_rise_steps` losses in a row each half as far above (a slow rise the line follows);
-             or the loss far below an unseen batch's on the same weights (text learnt by heart);
+             or the loss far below an unseen batch's on the same weights, a stretch of steps (text learnt by
+             heart); or, at a snapshot, the weights' move per update far above its trend (update_size.py);
              or the loss is NaN/inf; or the DP replicas computed different numbers; or (fp16) the loss scale
              collapsed to min_loss_scale. From `spike_guard_min_steps` applied steps on (in fp16 the losses of
              the loss scale's search count): the trend makes the warm-up ordinary.
@@ -37,12 +38,17 @@ But the causes call for different remedies, so the guard asks why before it acts
                                                                   were not the schedule's: no rollback replays;
                                                                   again after a rollback: named persistent
              Every decision line says which test removed the spike, with its numbers.
+             The weights' move per update far above its trend (a snapshot's reading, no replay)
+                                                           -> optimizer: roll back to the snapshot it was measured
+                                                              from, skip no data, the LR x trend / move (a replay
+                                                              would meet the same LRs) or unchanged (fault injection)
              The spike_guard_max_hardware_faults-th hardware fault on one DP rank stops the run, naming it.
   act (data) (a) skip the update: no weight, Adam moment, step counter or LR-schedule change;
              (b) at the `spike_guard_max_skips`-th spike within `spike_guard_rewind` iterations: roll back to the
                  newest snapshot (host copy, or disk checkpoint) before the spike window and add the window -- from
                  `spike_guard_rewind` before the first spike to `spike_guard_skip_after` after the last -- to the
                  run's skip ranges;
+             (b') a stretch of text learnt by heart, once rolled back: its later batches skipped as they come;
              (c) on a relapse (any later rollback, not of the data): also multiply the LR by
                  `spike_guard_lr_factor` and, with `spike_guard_reset_optimizer`, reset the optimizer with the
                  lr=0 warm-up of lesson 8.
@@ -77,7 +83,7 @@ import training
 from report import print0
 from stability import precursors
 from stability.config import DetectorConfig, LadderConfig, section
-from stability.detector import Detector
+from stability.detector import LEARNT, Detector
 
 EXIT_CODE = 3
 
@@ -233,13 +239,17 @@ class SpikeGuard(Detector):
                                       for d in self.decisions)
             self.strikes = [iteration]
             reason += f"; {self._cause_words(cause)}: {diagnosis['evidence']}"
-            return self._rollback(iteration, reason, iteration - 1, None, cause, diagnosis.get("since"))
+            return self._rollback(iteration, reason, iteration - 1, None, cause, diagnosis.get("since"),
+                                  self._to_trend(diagnosis.get("update_size")))
         if diagnosis:
             reason += f"; {diagnosis['cause']}-driven: {diagnosis['evidence']}"
         if diagnosis and diagnosis.get("rebase"):
             return self._rebase(iteration, outcome, reason, cause, *diagnosis["rebase"])
         self.strikes = [s for s in self.strikes if iteration - s <= ladder.spike_guard_rewind] + [iteration]
-        if collapse or len(self.strikes) >= ladder.spike_guard_max_skips:
+        stretch = self._learnt_stretch(iteration, reason, cause)  # rolled back once: its batches vetoed as they come
+        if stretch:
+            self.strikes = []
+        elif collapse or len(self.strikes) >= ladder.spike_guard_max_skips:
             start = max(1, self.strikes[0] - ladder.spike_guard_rewind)
             return self._rollback(iteration, reason, start, iteration + ladder.spike_guard_skip_after, cause)
         if outcome == "vetoed":
@@ -248,10 +258,39 @@ class SpikeGuard(Detector):
             return self._decide(iteration, "stop", reason, f"{self.skipped_iters} iterations skipped, more than "
                                 f"spike_guard_max_skipped_iters={ladder.spike_guard_max_skipped_iters}", **cause)
         what = "update skipped" if outcome == "vetoed" else "no update"
-        decision = self._decide(iteration, "skip", reason, f"{what} (spike {len(self.strikes)} of "
-                                f"{ladder.spike_guard_max_skips} before a rollback)", **cause)
+        decision = self._decide(iteration, "skip", reason, f"{what} (" + (
+            "more of a stretch of text learnt by heart already rolled back: skipped as it comes" if stretch else
+            f"spike {len(self.strikes)} of {ladder.spike_guard_max_skips} before a rollback") + ")", **cause)
         self.decisions.append(decision)
         return decision
+
+    def _learnt_stretch(self, iteration, reason, cause):
+        """Is this data strike, text learnt by heart, one more of a stretch already rolled back: a learnt-by-heart
+        rollback, and learnt-by-heart decisions each within spike_guard_window iterations of the next since? The
+        rollback undid what the stretch taught before it was noticed; the rest is vetoed while it happens, so a
+        block of one batch repeated 91 times costs one rollback, not one every spike_guard_max_skips strikes until
+        spike_guard_max_rollbacks stops the run (the fourth campaign's trials 9 and 60: docs/spike_guard.md)."""
+        if cause.get("cause") != "data" or LEARNT not in reason:
+            return False
+        last = iteration
+        for d in reversed(self.decisions):
+            if d.get("cause") != "data" or LEARNT not in d["reason"]:
+                continue
+            if last - d["iteration"] > self.rules.spike_guard_window:
+                return False
+            if d["action"] == "rollback":
+                return True
+            last = d["iteration"]
+        return False
+
+    def _to_trend(self, move):
+        """An optimizer rollback's LR factor: spike_guard_lr_factor, or less where the weights' move per update since
+        the snapshot (Guard.update_size's reading, None: not measured) says the LR is further off its trend -- an LR
+        x82 cut x0.5 at each of three rollbacks is still x10 (the fourth campaign's trials 84 and 98)."""
+        expected, factor = self.series["update"].expected(), self.ladder.spike_guard_lr_factor
+        if move is None or expected is None or len(self.series["update"].values) < 3 or not math.isfinite(move):
+            return None
+        return min(expected / move, factor) if move > 0 else factor
 
     @staticmethod
     def _cause_words(cause):
@@ -271,11 +310,12 @@ class SpikeGuard(Detector):
         self.decisions.append(decision)
         return decision
 
-    def _rollback(self, iteration, reason, start, end, cause, since=None):
+    def _rollback(self, iteration, reason, start, end, cause, since=None, factor=None):
         """Roll back to before `start` and skip iterations start-end (end None: skip no data). A rollback that
         would replay the same trajectory is never taken: without a data skip, and unless the LRs since the
         snapshot `since` (None: not known) were not the schedule's, the LR is cut from the first rollback on (OPT's
-        remedy)."""
+        remedy). factor: the cut, spike_guard_lr_factor unless the weights' move per update says by how much the LR
+        is off its trend (_to_trend, moved_too_far)."""
         ladder = self.ladder
         skipping = 0 if end is None else end - start + 1
         if self.rollbacks >= ladder.spike_guard_max_rollbacks:
@@ -288,19 +328,39 @@ class SpikeGuard(Detector):
         relapse = self.rollbacks > 0
         cuts = cause.get("cause") in (None, "optimizer")  # a data cause is skipped, never answered with the LR
         same = end is None and since is not None and self.replays_same_lrs(since, iteration)
-        lr_scale = self.lr_scale * (ladder.spike_guard_lr_factor if cuts and (relapse or same) else 1.0)
+        cut = ladder.spike_guard_lr_factor if factor is None else factor
+        lr_scale = self.lr_scale * (cut if cuts and (relapse or same) else 1.0)
         reset = relapse and cuts and ladder.spike_guard_reset_optimizer
         plan = f"roll back to before iteration {start} and " + (
             "skip no data" if end is None else f"skip iterations {start}-{end}")
+        to_trend = "" if factor is None else f" (x{cut:.3g}: the move per update back to its trend)"
         if relapse and not cuts:
             plan += f"; relapse {self.rollbacks}, of the data: LR unchanged"
-        elif relapse:
-            plan += f"; relapse {self.rollbacks}: LR x{lr_scale:g} from now on"
+        elif relapse and cut != 1.0:
+            plan += f"; relapse {self.rollbacks}: LR x{lr_scale:.3g} from now on{to_trend}"
             plan += ", optimizer reset with an lr=0 warm-up" if reset else ""
         elif same:
-            plan += f"; the same data at the same LRs would replay the spike: LR x{lr_scale:g} from now on"
+            plan += f"; the same data at the same LRs would replay the spike: LR x{lr_scale:.3g} from now on{to_trend}"
+        elif factor is not None:
+            plan += "; the LRs since were not the schedule's: LR unchanged"
         return self._decide(iteration, "rollback", reason, plan, start=start, end=end, lr_scale=lr_scale,
                             reset_optimizer=reset, **cause)
+
+    def moved_too_far(self, iteration, reason, move, then):
+        """The weights moved per update far more than their trend says (Detector.moved; update_size.py), with or
+        without a loss spike: the optimizer's doing (an LR too high, a corrupted optimizer state). Roll back to the
+        state the move was measured from (iteration `then`), skip no data, and scale the LR by trend / move so that
+        the move comes back to its trend -- a x0.5 cut would leave an LR x35 at x17 -- where a replay would meet
+        the same LRs (all but fault injection's events in time: replays_same_lrs). Said in one line."""
+        expected = self.series["update"].expected()
+        to_trend = min(expected / move, 1.0) if math.isfinite(move) else self.ladder.spike_guard_lr_factor
+        if not self.replays_same_lrs(then, iteration):  # fault injection's event in time: the rollback ends it
+            to_trend = 1.0
+        evidence = (f"the weights moved {move:.3g} of their norm per update since iteration {then}, against a trend "
+                    f"of {expected:.3g}; no weight moved farther than Adam can move it at the LRs applied")
+        self.strikes = [iteration]
+        return self._rollback(iteration, f"{reason}; optimizer-driven: {evidence}", then + 1, None,
+                              {"cause": "optimizer", "evidence": evidence, "update_size": move}, then, to_trend)
 
     def _hardware(self, iteration, outcome, loss, grad_norm, lr, diagnosis):
         """A transient fault: a step that its replay (or the other DP replicas) did not reproduce -- the retried

@@ -16,7 +16,9 @@ from stability import spike_guard
 
 GUARD = ["--spike_guard", "--spike_guard_window=20", "--spike_guard_min_steps=10", "--spike_guard_rewind=3",
          "--spike_guard_skip_after=2", "--spike_guard_snapshot_interval=5"]
-LR50 = ["--inject_lr_iters=30-60", "--inject_lr_factor=50", "--inject_lr_persistent"]
+# (the subject is the counterfactual: the weights' move per update, which meets these LRs first at a snapshot, off;
+# test_guard_update_size.py is its)
+LR50 = ["--inject_lr_iters=30-60", "--inject_lr_factor=50", "--inject_lr_persistent", "--spike_guard_update_ratio=0"]
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,47 @@
+"""The spike guard's reading of what the optimizer did: the weights' move per update, relative to their norm, between
+the newest snapshot and now (docs/spike_guard.md, "The update size").
+
+    move = relative_move(model, snapshot_weights, updates)   # ||w_now - w_then|| / ||w_now|| / updates
+
+An LR tens of times too high (a resume that lost its LR schedule, a config typo) or a corrupted optimizer state can
+harm a run for hundreds of iterations without one loss spike: the fourth campaign's LRs x13-x35 after a resume cost
+1.4-2.6% of final loss and no loss rule saw them. The weights' move is the optimizer's own doing, whatever the cause,
+and the LR schedule moves it smoothly; the guard judges it against its own trend (Detector.moved). It reads the
+weights only, never the LR: a rule that compared the LR with the schedule would test the schedule, not the run.
+
+Cost: at each snapshot (every spike_guard_snapshot_interval iterations), one pass over this rank's weights against
+the snapshot's host copy (as the snapshot itself is one pass), in chunks of 2^24 elements, and one all-reduce of two
+numbers over all ranks on the weights' device: TP and PP shards add up, DP replicas (ZeRO-1's too: they hold whole
+weights) each add the same, which the ratio cancels. No memory beyond the snapshots the guard keeps anyway.
+"""
+import math
+
+import torch
+import torch.distributed as dist
+
+import parallel
+
+CHUNK = 2**24  # elements compared at a time: a few fp32 temporaries of 64 MiB
+
+
+@torch.no_grad()
+def relative_move(model, weights, updates):
+    """||w_now - w_then|| / ||w_now|| / updates over the parameters of `weights` (a snapshot's model state), summed
+    over every rank; inf when a weight is not finite."""
+    gpt = parallel.unwrap(model)
+    device = next(gpt.parameters()).device
+    sums = torch.zeros(2, dtype=torch.float64, device=device)
+    for name, p in gpt.named_parameters():
+        if name not in weights:
+            continue
+        flat, then = p.detach().view(-1), weights[name].view(-1)
+        for k in range(0, flat.numel(), CHUNK):
+            now = flat[k:k + CHUNK].float()
+            sums[0] += (now - then[k:k + CHUNK].to(device, torch.float32)).square().sum(dtype=torch.float64)
+            sums[1] += now.square().sum(dtype=torch.float64)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(sums)
+    moved, norm = sums.sqrt().tolist()
+    if not math.isfinite(moved) or not math.isfinite(norm):
+        return math.inf
+    return moved / max(norm, 1e-30) / max(updates, 1)
