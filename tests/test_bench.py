@@ -239,7 +239,7 @@ def test_cpu_vs_nanogpt_times_nanogpts_model_at_our_shape():
     assert tool.nanogpt_tokens_per_second(args) > 0
 
 
-def test_bench_counts_zeros_on_the_iterations_train_py_logs(corpus512, unmeasured_peak, capsys, monkeypatch):  # noqa: F811
+def test_bench_counts_zeros_on_the_iterations_train_py_logs(corpus512, unmeasured_peak, monkeypatch):  # noqa: F811
     """train.py counts the zero gradients (a pass over all of them, for the log) only on the iterations it logs,
     every log_interval-th; bench's iterations as many, not every one (work a training step does not do: 1-3% of
     the 6 x 384 CPU step). Iteration 1 the warm-up, 2-6 timed, 7 profiled: counted at 2, 4 and 6."""
