@@ -258,7 +258,8 @@ def set_up(bench, argv):
 
 def iterate(run, prefetcher, key, probe=None):
     """One training iteration as train.py runs it: (wall seconds, CPU seconds, seconds waiting for the batch, the
-    training.Step). probe: a telemetry.Telemetry that records this iteration."""
+    training.Step). probe: a telemetry.Telemetry that records this iteration. The zero count (a pass over every
+    gradient, for the log) on the iterations train.py logs, every log_interval-th, as train.py."""
     sync(run.device)
     t0, c0 = time.perf_counter(), time.process_time()
     batches = loader.to_device(prefetcher.get(key), run.device)
@@ -266,11 +267,17 @@ def iterate(run, prefetcher, key, probe=None):
     if probe:
         probe.begin()
     step = training.train_step(run.model, run.optimizer, run.scaler, batches, run.cfg.lr, run.cfg, run.device,
+                               count_zeros=logged(run, key),
                                callbacks=telemetry.Probe(probe) if probe else training.NO_CALLBACKS)
     if probe:
         probe.finish()
     sync(run.device)
     return time.perf_counter() - t0, time.process_time() - c0, t_data, step
+
+
+def logged(run, key):
+    """Does train.py log iteration key[0] (and count its zero gradients for the log)?"""
+    return key[0] % run.cfg.log_interval == 0
 
 
 @dataclasses.dataclass
@@ -328,7 +335,8 @@ def profile_step(run, prefetcher, key):
     seconds, events, parallel.pipeline_events = dict(parallel.pipeline_seconds), parallel.pipeline_events, None
     costs = step_costs(lambda: loader.to_device(prefetcher.get(key), run.device),
                        lambda batches: training.train_step(run.model, run.optimizer, run.scaler, batches, run.cfg.lr,
-                                                           run.cfg, run.device), run.optimizer, run.device)
+                                                           run.cfg, run.device, count_zeros=logged(run, key)),
+                       run.optimizer, run.device)
     parallel.pipeline_seconds.update(seconds)
     parallel.pipeline_events = events
     return costs

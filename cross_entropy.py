@@ -85,10 +85,8 @@ class LinearCrossEntropy(torch.autograd.Function):
         if fused:  # the weight's gradient summed over chunks in fp32; in one chunk, one product (fp16: fp32)
             grad_hidden = torch.empty_like(h)
             one = h.shape[0] <= tokens and weight.dtype != torch.float16
-            grad_weight = weight.new_zeros(weight.shape, dtype=weight.dtype if one else dtype)
-        # one chunk's logits, written by every chunk in turn: made afresh, on the CPU a buffer past glibc's mmap
-        # threshold has its pages faulted in each time (6 x 384: 19k faults a chunk)
-        buffer = h.new_empty(min(tokens, h.shape[0]), vocab_local)
+            grad_weight = weight_grad_sum(weight, weight.dtype if one else dtype, h.dtype)
+        buffer = logits_buffer(h, min(tokens, h.shape[0]), vocab_local)  # written by every chunk in turn
         for i in range(0, h.shape[0], tokens):
             c = slice(i, i + tokens)
             logits, top, sum_exp, exps, log_z[c], loss[c] = chunk_softmax(h[c], weight, local[c], outside[c], real,
@@ -96,7 +94,7 @@ class LinearCrossEntropy(torch.autograd.Function):
             if fused:  # softmax * (1 + 2 z_loss log Z) - onehot: the z-loss's gradient rides along (lesson 20)
                 scale = (1.0 + 2.0 * z_loss * log_z[c]) / sum_exp if z_loss else sum_exp.reciprocal()
                 g = chain.logit_grad(logits, top, scale, 1.0, local[c], outside[c], real, exps)
-                grad_hidden[c] = chunk_grads(g, h[c], weight, grad_weight)
+                grad_hidden[c] = chunk_grads(g, h[c], weight, grad_weight, first=i == 0)
             del logits, exps
         log_z = log_z.view(target.shape)
         ctx.mark_non_differentiable(log_z)
@@ -119,12 +117,12 @@ class LinearCrossEntropy(torch.autograd.Function):
         h, log_z = hidden.reshape(-1, hidden.shape[-1]), log_z.reshape(-1)
         grad = grad.reshape(-1).to(log_z.dtype)
         grad_hidden = torch.empty_like(h)
-        grad_weight = weight.new_zeros(weight.shape, dtype=log_z.dtype)
+        grad_weight = weight_grad_sum(weight, log_z.dtype, h.dtype)
         for i in range(0, h.shape[0], ctx.tokens):
             c = slice(i, i + ctx.tokens)
             scale = grad[c] * (1.0 + 2.0 * ctx.z_loss * log_z[c]) if ctx.z_loss else grad[c]
             g = chain.logit_grad(F.linear(h[c], weight), log_z[c], scale, grad[c], local[c], outside[c], ctx.real)
-            grad_hidden[c] = chunk_grads(g, h[c], weight, grad_weight)
+            grad_hidden[c] = chunk_grads(g, h[c], weight, grad_weight, first=i == 0)
         return grad_hidden.view(ctx.shape), weight_grad(ctx, grad_weight), *[None] * 7
 
 
@@ -156,11 +154,39 @@ def chunk_softmax(hidden, weight, local, outside, real, buffer):
     return logits, top, sums[0], exps, log_z, log_z - sums[1]
 
 
-def chunk_grads(g, hidden, weight, grad_weight):
+CPU_LOGITS = []  # the CPU's logits buffer, kept from one forward to the next (logits_buffer)
+
+
+def logits_buffer(h, rows, columns):
+    """The buffer every chunk's logits are written into, in h's dtype: one per forward, not one per chunk. On the
+    CPU the last one is kept for the next forward with the same shape: made afresh, a buffer past glibc's largest
+    mmap threshold (32 MiB) gets fresh pages, which the kernel faults in and zeroes each time (6 x 384 at GPT-2's
+    vocabulary: 77 MB, 19k faults a forward). Nothing of it outlives the forward (the gradients and the losses are
+    tensors of their own). On a GPU the caching allocator keeps the memory itself."""
+    if h.device.type != "cpu":
+        return h.new_empty(rows, columns)
+    if not CPU_LOGITS or CPU_LOGITS[0].shape != (rows, columns) or CPU_LOGITS[0].dtype != h.dtype:
+        CPU_LOGITS[:] = [h.new_empty(rows, columns)]
+    return CPU_LOGITS[0]
+
+
+def weight_grad_sum(weight, dtype, compute_dtype):
+    """The buffer the chunks' weight gradients are summed in: uninitialised where the first chunk's product is
+    written into it (chunk_grads' first), zeros where it is added (a half-precision product summed in fp32). A
+    weight-sized pass of zeros fewer per micro-batch (the CPU's fp32 path: 77 MB at 384 x 50304)."""
+    if dtype == compute_dtype:
+        return weight.new_empty(weight.shape, dtype=dtype)
+    return weight.new_zeros(weight.shape, dtype=dtype)
+
+
+def chunk_grads(g, hidden, weight, grad_weight, first=False):
     """g = d(loss)/d(logits) in the compute dtype: adds its product with the hidden states to grad_weight (fp32
-    where it sums several chunks) and returns its product with the weight, the chunk's rows of the hidden states'
-    gradient (with TP, this rank's share: parallel.copy_to_tp's backward sums them)."""
-    if grad_weight.dtype == g.dtype:
+    where it sums several chunks; first: writes it, over weight_grad_sum's uninitialised buffer, the same bits as
+    adding it to zeros) and returns its product with the weight, the chunk's rows of the hidden states' gradient
+    (with TP, this rank's share: parallel.copy_to_tp's backward sums them)."""
+    if grad_weight.dtype == g.dtype and first:
+        torch.mm(g.t(), hidden, out=grad_weight)
+    elif grad_weight.dtype == g.dtype:
         torch.addmm(grad_weight, g.t(), hidden, out=grad_weight)  # as addmm_, which FlopCounterMode misses
     else:  # bf16/fp16 products summed in fp32 (by the matmul on CUDA, from exact fp32 copies on the CPU)
         parallel.add_product(grad_weight, g.t(), hidden)

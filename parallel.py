@@ -926,6 +926,12 @@ def counted_once(model):
             if p is not copy and (getattr(p, "tp_dim", None) is not None or grid.tp_rank == 0)]
 
 
+# Elements of a gradient the CPU's grad_norm takes at a time: the norm's fp64 copy of a whole gradient (the
+# vocabulary's: 155 MB at 384 x 50304) is past glibc's largest mmap threshold (32 MiB), which hands it fresh pages
+# that the kernel faults in and zeroes on every step (38k faults); an 8 MiB copy is served from memory freed before.
+NORM_PIECE = 2**20
+
+
 def grad_norm(model):
     """Global L2 norm of the gradient (after reduce_gradients), the same on every rank: the squares of this
     rank's share (counted_once) summed over TP and PP ranks. DP ranks hold identical reduced gradients."""
@@ -934,6 +940,8 @@ def grad_norm(model):
     # Accumulated in fp64: fp16 would overflow, and an fp32 sum over millions of elements (CPU kernels) is off
     # by 1e-5, which clipping turns into runs that drift apart with the layout (TP=2 against one process).
     square = torch.zeros((), dtype=torch.float64, device=device)
+    if grads and device.type == "cpu":  # the fp64 copies in pieces the allocator keeps (NORM_PIECE)
+        grads = [piece for g in grads for piece in g.reshape(-1).split(NORM_PIECE)]
     if grads:
         square = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float64)).square().sum()
     if grid.mp_group is not None and grid.tp_size * grid.pp_size > 1:

@@ -247,3 +247,15 @@ def test_cpu_vs_nanogpt_times_nanogpts_model_at_our_shape():
     shapes = sorted(tuple(p.shape) for n, p in ours.named_parameters() if not n.startswith("embed.norm."))
     assert sorted(tuple(p.shape) for p in tool.nanogpt_model(args).parameters()) == shapes
     assert tool.nanogpt_tokens_per_second(args) > 0
+
+
+def test_bench_counts_zeros_on_the_iterations_train_py_logs(corpus512, unmeasured_peak, monkeypatch):  # noqa: F811
+    """train.py counts the zero gradients (a pass over all of them, for the log) only on the iterations it logs,
+    every log_interval-th; bench's iterations as many, not every one (work a training step does not do: 1-3% of
+    the 6 x 384 CPU step). Iteration 1 the warm-up, 2-6 timed, 7 profiled: counted at 2, 4 and 6."""
+    counted = []
+    count_zeros = parallel.count_zeros
+    monkeypatch.setattr(parallel, "count_zeros", lambda model: counted.append(1) or count_zeros(model))
+    bench.measure([os.path.join(ROOT, "config", "tiny.py"), *TINY, "--vocab_size=512", f"--data_path={corpus512}",
+                   "--bench_warmup=1", "--bench_steps=5", "--log_interval=2"])
+    assert len(counted) == 3, counted

@@ -120,19 +120,60 @@ def test_eager_chain_exponentiates_each_chunk_once(dtype, monkeypatch):
     """The eager chain (the CPU's) of the mean's forward: one exp over each chunk's logits, shared by the sum of
     exp and the gradient (computing it again, with a chunk-sized `logits - max`, cost the CPU 7% of a 6 x 384
     step: issue 39), and no chunk-sized tensor made but one buffer that every chunk's logits are written into
-    (bf16: and each chunk's fp32 exponentials). Same numbers as the fp64 reference."""
+    (bf16: and each chunk's fp32 exponentials), which the next forward writes into again (made afresh, its
+    pages were faulted in again on every forward: 19k at 6 x 384). Same numbers as the fp64 reference."""
     monkeypatch.setitem(cross_entropy.CROSS_ENTROPY_CHUNK, "cpu", 1)  # chunks of H = 16 tokens: 3 of them
+    monkeypatch.setattr(cross_entropy, "CPU_LOGITS", [])  # none kept from an earlier test
     hidden, weight, target = _inputs(dtype)
     h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-    with ChunkSized((H, V), (H, V_REAL)) as recorded:
-        loss, _ = cross_entropy.linear_cross_entropy(h, w, target, V_REAL, 1e-2, "mean")
-    assert recorded.ops.count("aten.exp") + recorded.ops.count("aten.exp_") == 3, recorded.ops
     copies = ["aten._to_copy.default"] * 3 if dtype != torch.float32 else []  # bf16: each chunk's fp32 exps
-    assert recorded.made == ["aten.new_empty.default"] + copies, recorded.made  # one buffer for every chunk
+    for made in (["aten.new_empty.default"], []):  # one buffer for every chunk, and for the next forward
+        with ChunkSized((H, V), (H, V_REAL)) as recorded:
+            loss, _ = cross_entropy.linear_cross_entropy(h, w, target, V_REAL, 1e-2, "mean")
+        assert recorded.ops.count("aten.exp") + recorded.ops.count("aten.exp_") == 3, recorded.ops
+        assert recorded.made == made + copies, recorded.made
     loss.backward()
     exact = _reference(hidden, weight, target)
     tolerance = 1e-5 if dtype == torch.float32 else 1e-2
     assert _error(w.grad, exact[1]) < tolerance and _error(h.grad, exact[0]) < tolerance
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_fp32_weight_gradient_sum_starts_from_the_first_product_not_zeros(reduction, monkeypatch):
+    """fp32: the first chunk's product is written into the weight's gradient sum instead of added to zeros: no
+    weight-sized zero fill (a 77 MB pass a micro-batch at 384 x 50304 on the CPU), the same bits as before (the
+    reference: the sum started from zeros, every chunk added)."""
+    monkeypatch.setitem(cross_entropy.CROSS_ENTROPY_CHUNK, "cpu", 1)  # chunks of H = 16 tokens: 3 of them
+    hidden, weight, target = _inputs(torch.float32)
+
+    def grads():
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        with WeightSized() as recorded:
+            loss, _ = cross_entropy.linear_cross_entropy(h, w, target, V_REAL, 1e-2, reduction)
+            loss.mean().backward()
+        return recorded.ops, w.grad
+    ops, ours = grads()
+    assert not {"aten.zeros", "aten.new_zeros", "aten.zero_", "aten.fill_"} & set(ops), ops
+    assert ops.count("aten.mm") == 1 and ops.count("aten.addmm") == 2, ops
+    chunk_grads = cross_entropy.chunk_grads
+    monkeypatch.setattr(cross_entropy, "weight_grad_sum", lambda w, dtype, _: w.new_zeros(w.shape, dtype=dtype))
+    monkeypatch.setattr(cross_entropy, "chunk_grads", lambda *args, first: chunk_grads(*args))
+    ops, reference = grads()
+    assert "aten.new_zeros" in ops and torch.equal(ours, reference)
+
+
+class WeightSized(TorchDispatchMode):
+    """Records the op of every result of the weight's shape (V x H) run under it."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if isinstance(out, torch.Tensor) and tuple(out.shape) == (V, H):
+            self.ops.append(str(func.overloadpacket))
+        return out
 
 
 def _reference(hidden, weight, target, z_loss=1e-2):
