@@ -461,7 +461,7 @@ def loss_scale_line(run, timings):
 def print_telemetry(timings):
     """What recording telemetry adds to a step, in wall and CPU time."""
     if not timings.times:
-        print(f"telemetry:    recorded at every timed iteration (telemetry_interval=1): the times above include it; "
+        print("telemetry:    recorded at every timed iteration (telemetry_interval=1): the times above include it; "
               "a telemetry_interval of 2 or more times steps without it too", flush=True)
         return
     for what, plain, recording in (("wall", timings.times, timings.probed),
