@@ -530,12 +530,13 @@ def method_results(runs, harm=HARM):
             acts = acts_from(run, run["start"])
             ratio = run["valid"] / clean["valid"] if math.isfinite(run["valid"]) and run["exit"] == 0 else math.inf
             right = right_diagnosis(method, acts[0], run["family"]) if acts else None
-            cls = out["classes"].setdefault(run["family"], [0, 0])
-            cls[0], cls[1] = cls[0] + bool(acts), cls[1] + 1
+            within = ratio <= 1 + harm and not run.get("replica_gap")
+            cls = out["classes"].setdefault(run["family"], [0, 0, 0])  # detected, harmful, within
+            cls[0], cls[1], cls[2] = cls[0] + bool(acts), cls[1] + 1, cls[2] + within
             out["n"], out["detected"] = out["n"] + 1, out["detected"] + bool(acts)
             out["ratios"].append(ratio)
             out["diagnosed"], out["right"] = out["diagnosed"] + (right is not None), out["right"] + bool(right)
-            out["within"] += ratio <= 1 + harm and not run.get("replica_gap")
+            out["within"] += within
         cleans = [runs[names(k, method)[1]] for k in ks if names(k, method)[1] in runs and method != "none"]
         cleans += [r for name, r in runs.items() if name.startswith("long") and method == "guard"]
         out["clean_runs"], out["fp_runs"] = len(cleans), sum(bool(r["decisions"]) for r in cleans)
@@ -567,7 +568,13 @@ def method_table(runs, harm=HARM):
     classes = sorted({c for m in shown for c in results[m]["classes"]})
     lines += ["", "Harmful faults detected, per fault class:", "", "| fault class | " + " | ".join(shown) + " |",
               "|---|" + "---|" * len(shown)]
-    lines += [f"| {c} | " + " | ".join(rate(*results[m]["classes"].get(c, (0, 0))) for m in shown) + " |"
+    lines += [f"| {c} | " + " | ".join(rate(*results[m]["classes"].get(c, (0, 0))[:2]) for m in shown) + " |"
+              for c in classes]
+    # where a remedy beats the guard is a class's damage, not its detection: an action that does not undo the harm
+    lines += ["", f"Harmful faults ending within {harm:.0%} of the clean twin, per fault class:", "",
+              "| fault class | " + " | ".join(shown) + " |", "|---|" + "---|" * len(shown)]
+    lines += [f"| {c} | " + " | ".join(rate(results[m]["classes"].get(c, (0, 0, 0))[2],
+                                             results[m]["classes"].get(c, (0, 0, 0))[1]) for m in shown) + " |"
               for c in classes]
     return "\n".join(lines) + "\n"
 

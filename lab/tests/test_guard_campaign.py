@@ -59,7 +59,7 @@ def test_method_results_count_by_hand():
     assert (guard["clean_runs"], guard["fp_runs"], guard["clean_iters"]) == (4, 0, 400)
     # ZClip ran 2 of the 3 harmful faults; it says no cause (no diagnosis counted)
     assert (zclip["n"], zclip["detected"], zclip["diagnosed"], zclip["within"]) == (2, 2, 0, 1)  # 5.04: +0.8%
-    assert zclip["classes"] == {"lr transient": [1, 1], "lr persistent": [1, 1]}
+    assert zclip["classes"] == {"lr transient": [1, 1, 1], "lr persistent": [1, 1, 0]}  # detected, of, within
     # the run is the unit: 1 of 2 clean runs acted, with 3 actions in 200 iterations
     assert (zclip["clean_runs"], zclip["fp_runs"], zclip["fp_actions"], zclip["clean_iters"]) == (2, 1, 3, 200)
     assert none["n"] == 3 and none["detected"] == 0 and none["clean_runs"] == 0
@@ -68,7 +68,13 @@ def test_method_results_count_by_hand():
 
 def test_the_methods_table_shows_each_rate_with_its_wilson_interval():
     table = gc.method_table(synthetic())
-    rows = {line.split(" | ")[0].strip("| "): line for line in table.splitlines() if line.startswith("| ")}
+    damage = table[table.index("ending within 1% of the clean twin, per fault class"):]
+    lo, hi = gc.wilson(0, 1)  # the guard's lr persistent run ended 10% over; ZClip's 18%
+    assert f"| lr persistent | 0/1 = 0% ({lo:.0%}-{hi:.0%}) | 0/1 = 0% ({lo:.0%}-{hi:.0%}) |" in damage
+    lo, hi = gc.wilson(1, 1)  # both lr transient runs within 1% (+0.4%, +0.8%)
+    assert f"| lr transient | 1/1 = 100% ({lo:.0%}-{hi:.0%}) | 1/1 = 100% ({lo:.0%}-{hi:.0%}) |" in damage
+    rows = {line.split(" | ")[0].strip("| "): line for line in table[:table.index("ending within")].splitlines()
+            if line.startswith("| ")}  # the methods' rows and the detection per class
     lo, hi = gc.wilson(2, 3)
     assert f"| 2/3 = 67% ({lo:.0%}-{hi:.0%}) |" in rows["guard"]  # detected
     lo, hi = gc.wilson(1, 2)
