@@ -471,3 +471,14 @@ def decisions(out):
     """The guard's decision lines of a run's stdout (not its lines naming samples, flips, ranks or documents)."""
     noise = (": sample ", "injected a bit flip", " is global rank ", ": on rank ", "the documents")
     return [x for x in out.splitlines() if x.startswith("spike guard: iteration") and not any(n in x for n in noise)]
+
+
+def warm_guard(flags, loss, grad_norm, steps=16):
+    """A SpikeGuard of `--spike_guard` and these flags after `steps` ordinary applied steps, loss and grad norm
+    alternating +-0.01 around the given ones at LR 1e-3: a trend to judge the next step against, with no run."""
+    import arguments
+    from stability import spike_guard
+    guard = spike_guard.SpikeGuard(arguments.load_config(["--spike_guard", *flags]))
+    for i in range(steps):
+        guard.update(i + 1, "ok", loss + 0.01 * (-1) ** i, grad_norm + 0.01 * (-1) ** i, None, lr=1e-3)
+    return guard

@@ -11,7 +11,7 @@ import re
 
 import pytest
 
-from helpers import corpus, corpus512, decisions, guard_model_args, run_main  # noqa: F401 (corpus, corpus512: fixtures)
+from helpers import corpus, corpus512, decisions, guard_model_args, run_main, warm_guard  # noqa: F401 (fixtures)
 from stability import spike_guard
 
 GUARD = ["--spike_guard", "--spike_guard_window=20", "--spike_guard_min_steps=10", "--spike_guard_rewind=3",
@@ -85,14 +85,8 @@ def test_with_no_state_at_all_the_stop_says_why_in_one_line(run, tmp_path):
 
 
 def _guard(**overrides):
-    import arguments
-    cfg = arguments.load_config(["--spike_guard", "--spike_guard_window=16", "--spike_guard_min_steps=8",
-                                 "--spike_guard_rewind=10", "--spike_guard_skip_after=20",
-                                 *[f"--{k}={v}" for k, v in overrides.items()]])
-    guard = spike_guard.SpikeGuard(cfg)
-    for i in range(16):
-        guard.update(i + 1, "ok", 3.0 + 0.01 * (-1) ** i, 1.0 + 0.01 * (-1) ** i, None, lr=1e-3)
-    return guard
+    return warm_guard(["--spike_guard_window=16", "--spike_guard_min_steps=8", "--spike_guard_rewind=10",
+                       "--spike_guard_skip_after=20", *[f"--{k}={v}" for k, v in overrides.items()]], 3.0, 1.0)
 
 
 def _spike(guard, iteration, cause=None):

@@ -8,9 +8,8 @@ import re
 import pytest
 import torch
 
-import arguments
-from helpers import corpus, corpus512, decisions, guard_model_args, log_fields, run_main  # noqa: F401 (fixtures)
-from stability import spike_guard, update_size
+from helpers import corpus, corpus512, decisions, guard_model_args, log_fields, run_main, warm_guard  # noqa: F401
+from stability import update_size
 
 GUARD = ["--spike_guard", "--spike_guard_window=20", "--spike_guard_min_steps=10", "--spike_guard_rewind=3",
          "--spike_guard_skip_after=2", "--spike_guard_snapshot_interval=5"]
@@ -18,13 +17,8 @@ LEARNT = "loss 4.5 is 0.87x an unseen batch's 5.2 on these weights, 30 spreads b
 
 
 def _guard(**overrides):
-    cfg = arguments.load_config(["--spike_guard", "--spike_guard_window=20", "--spike_guard_min_steps=8",
-                                 "--spike_guard_rewind=3", "--spike_guard_skip_after=2",
-                                 *[f"--{k}={v}" for k, v in overrides.items()]])
-    guard = spike_guard.SpikeGuard(cfg)
-    for i in range(16):
-        guard.update(i + 1, "ok", 5.0 + 0.01 * (-1) ** i, 0.6 + 0.01 * (-1) ** i, None, lr=1e-3)
-    return guard
+    return warm_guard(["--spike_guard_window=20", "--spike_guard_min_steps=8", "--spike_guard_rewind=3",
+                       "--spike_guard_skip_after=2", *[f"--{k}={v}" for k, v in overrides.items()]], 5.0, 0.6)
 
 
 def _moves(guard, count=12):
