@@ -294,6 +294,11 @@ class Timings:
     warmup_skipped: int = 0
     loss_scale: float = 1.0  # at the first timed iteration
 
+    def steady(self):
+        """The wall seconds a step is measured by: the iterations without telemetry, or with telemetry_interval=1,
+        where every iteration records it, those."""
+        return self.times or self.probed
+
 
 def warm_up(run, bench, prefetcher, key, timings):
     """The untimed iterations: bench_warmup of them, then under fp16's dynamic loss scale more while the last one
@@ -390,7 +395,7 @@ def numbers(run, timings, stages, costs):
     """Rank 0's numbers of the timed iterations: what report prints and --table tabulates."""
     cfg, grid, gpt = run.cfg, run.grid, parallel.unwrap(run.model).cfg
     B, T = cfg.global_batch_size, cfg.seq_length
-    times = timings.times or timings.probed  # telemetry_interval=1: every iteration records, and is timed so
+    times = timings.steady()
     mean, best = statistics.mean(times), min(times)
     tflops = gpt.flops_per_iteration(B, T) / (mean * grid.world_size * 1e12)  # per GPU, as training logs (lesson 23)
     model_tflops = gpt.model_flops_per_iteration(B, T) / (mean * grid.world_size * 1e12)  # without recomputation
@@ -415,7 +420,7 @@ def matmul_dtype(cfg):
 def report(run, bench, timings, r, load):
     """Print rank 0's report of one configuration."""
     cfg, grid, device, gpt = run.cfg, run.grid, run.device, parallel.unwrap(run.model).cfg
-    B, T, times = cfg.global_batch_size, cfg.seq_length, timings.times or timings.probed
+    B, T, times = cfg.global_batch_size, cfg.seq_length, timings.steady()
     print(f"model:        {gpt.num_parameters():,} parameters ({gpt.num_parameters(padded=True):,} with the vocabulary "
           f"padded to {gpt.padded_vocab_size}; {run.local_params:,} on this rank); {grid}\n"
           f"run:          {str(matmul_dtype(cfg)).removeprefix('torch.')}, global batch {B} x {T} tokens (micro-batch "
