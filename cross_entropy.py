@@ -16,18 +16,18 @@ import types
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 import parallel
 
-# Elements of the (tokens x vocabulary) fp32 logits held at once, a chunk of tokens' rows. Each chunk adds its
-# share to the weight's fp32 gradient, a pass over a weight-sized buffer (8-12 bytes an element) against the
-# chunk's three matmuls (6 x tokens FLOPs an element), so a chunk needs enough tokens for that pass to cost little:
-# on a GPU (~250 FLOPs a byte) a few thousand, 512 MiB (gpt2_125m's micro-batch: 7 chunks of 2668 tokens, about
-# 1 GiB in all against 4.6 GiB for the logits). On the CPU chunks under glibc's largest mmap threshold (32 MiB),
-# whose pages the allocator reuses instead of faulting fresh ones in for every chunk (the default's 128-wide
-# model: chunks of 128 tokens, 26 MB; 333 tokens took 0.19 s of system time per micro-batch).
-CROSS_ENTROPY_CHUNK = {"cuda": 2**27, "cpu": 2**22}
+# Elements of the (tokens x vocabulary) fp32 logits held at once, a chunk of tokens' rows: 512 MiB. Each chunk
+# adds its share to the weight's fp32 gradient, a pass over a weight-sized buffer (8-12 bytes an element) against
+# the chunk's three matmuls (6 x tokens FLOPs an element), so a chunk needs enough tokens for that pass to cost
+# little: on a GPU (~250 FLOPs a byte) a few thousand (gpt2_125m's micro-batch: 7 chunks of 2668 tokens, about
+# 1 GiB in all against 4.6 GiB for the logits), on the CPU as many. The CPU once took 16 MiB chunks, under glibc's
+# largest mmap threshold, whose pages are reused rather than faulted in afresh; its logits buffer is now kept from
+# one forward to the next (logits_buffer), and the small chunks' sums cost a 6 x 384 model 5-10% of its tokens/s
+# (6 chunks of 384 tokens against one; docs/speed.md).
+CROSS_ENTROPY_CHUNK = 2**27
 
 
 def linear_cross_entropy(hidden, weight, target, vocab_size=None, z_loss=0.0, reduction="none"):
@@ -47,7 +47,7 @@ def linear_cross_entropy(hidden, weight, target, vocab_size=None, z_loss=0.0, re
     # at least hidden_size tokens: a chunk's logits no smaller than the fp32 sum of the weight's gradient over
     # chunks, which would otherwise cost more memory than the chunking saves (tr11_176b's micro-batch of 4096
     # tokens at 14336 wide: one chunk, and no fp32 sum; 3.6 GB at TP4)
-    tokens = max(CROSS_ENTROPY_CHUNK["cuda" if hidden.is_cuda else "cpu"] // vocab_local, hidden.shape[-1])
+    tokens = max(CROSS_ENTROPY_CHUNK // vocab_local, hidden.shape[-1])
     grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     add = main_grad_adder(weight) if grad and hidden.requires_grad else None
     if add is not None:  # autograd carries no gradient of the weight: backward adds it into main_grad itself
@@ -118,10 +118,12 @@ class LinearCrossEntropy(torch.autograd.Function):
         grad = grad.reshape(-1).to(log_z.dtype)
         grad_hidden = torch.empty_like(h)
         grad_weight = weight_grad_sum(weight, log_z.dtype, h.dtype)
+        buffer = logits_buffer(h, min(ctx.tokens, h.shape[0]), weight.shape[0])  # the forward's, on the CPU
         for i in range(0, h.shape[0], ctx.tokens):
             c = slice(i, i + ctx.tokens)
             scale = grad[c] * (1.0 + 2.0 * ctx.z_loss * log_z[c]) if ctx.z_loss else grad[c]
-            g = chain.logit_grad(F.linear(h[c], weight), log_z[c], scale, grad[c], local[c], outside[c], ctx.real)
+            logits = torch.mm(h[c], weight.t(), out=buffer[:len(h[c])])
+            g = chain.logit_grad(logits, log_z[c], scale, grad[c], local[c], outside[c], ctx.real)
             grad_hidden[c] = chunk_grads(g, h[c], weight, grad_weight, first=i == 0)
         return grad_hidden.view(ctx.shape), weight_grad(ctx, grad_weight), *[None] * 7
 
@@ -160,9 +162,10 @@ CPU_LOGITS = []  # the CPU's logits buffer, kept from one forward to the next (l
 def logits_buffer(h, rows, columns):
     """The buffer every chunk's logits are written into, in h's dtype: one per forward, not one per chunk. On the
     CPU the last one is kept for the next forward with the same shape: made afresh, a buffer past glibc's largest
-    mmap threshold (32 MiB) gets fresh pages, which the kernel faults in and zeroes each time (6 x 384 at GPT-2's
-    vocabulary: 77 MB, 19k faults a forward). Nothing of it outlives the forward (the gradients and the losses are
-    tensors of their own). On a GPU the caching allocator keeps the memory itself."""
+    mmap threshold (32 MiB) gets fresh pages, which the kernel faults in and zeroes each time (8 x 256 tokens at
+    GPT-2's vocabulary: 412 MB, 100k faults a forward). Nothing of it outlives the call that fills it (a forward,
+    or the backward of per-token losses, which computes the logits again): the gradients and the losses are
+    tensors of their own. On a GPU the caching allocator keeps the memory itself."""
     if h.device.type != "cpu":
         return h.new_empty(rows, columns)
     if not CPU_LOGITS or CPU_LOGITS[0].shape != (rows, columns) or CPU_LOGITS[0].dtype != h.dtype:

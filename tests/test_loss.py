@@ -46,7 +46,7 @@ def _ours(hidden, weight, target, z_loss, weights):
 @pytest.mark.parametrize("z_loss", [0.0, 1e-2])
 @pytest.mark.parametrize("chunk", [2**22, 12 * 1000 + 7])  # one chunk, or ragged chunks of 1000 columns
 def test_equals_plain_ops_in_float64(z_loss, chunk, monkeypatch):
-    monkeypatch.setitem(cross_entropy.CROSS_ENTROPY_CHUNK, "cpu", chunk)
+    monkeypatch.setattr(cross_entropy, "CROSS_ENTROPY_CHUNK", chunk)
     hidden, weight, target = _inputs()
     weights = torch.arange(1.0, target.numel() + 1, dtype=torch.float64).view(target.shape)
     ours, expected = _ours(hidden, weight, target, z_loss, weights), _reference(hidden, weight, target, z_loss, weights)
@@ -58,7 +58,7 @@ def test_equals_plain_ops_in_float64(z_loss, chunk, monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_equals_the_logits_path_to_rounding(dtype, monkeypatch):
     # today's path: F.linear then vocab_parallel_cross_entropy on the logits
-    monkeypatch.setitem(cross_entropy.CROSS_ENTROPY_CHUNK, "cpu", 12 * 4096)
+    monkeypatch.setattr(cross_entropy, "CROSS_ENTROPY_CHUNK", 12 * 4096)
     hidden, weight, target = _inputs(dtype)
     weights = torch.rand(target.shape, generator=torch.Generator().manual_seed(1))
     ours = _ours(hidden, weight, target, 1e-3, weights)
@@ -85,7 +85,7 @@ class LargestTensor(TorchDispatchMode):
 
 
 def test_the_model_never_holds_the_logits(monkeypatch):
-    monkeypatch.setitem(cross_entropy.CROSS_ENTROPY_CHUNK, "cpu", 2**18)  # 2048 columns per chunk
+    monkeypatch.setattr(cross_entropy, "CROSS_ENTROPY_CHUNK", 2**18)  # 2048 columns per chunk
     cfg = GPTConfig(num_layers=1, hidden_size=H, num_attention_heads=2, seq_length=64, vocab_size=V_REAL,
                     hidden_dropout=0.0, attention_dropout=0.0, z_loss=1e-4)
     gpt = GPT(cfg)
@@ -194,7 +194,7 @@ def _ours_mean(hidden, weight, target, z_loss, vocab, upstream=3.0):
 @pytest.mark.parametrize("vocab", [V_REAL, None])  # the padding masked; Megatron's softmax over it
 @pytest.mark.parametrize("chunk", [2**22, 1])  # 48 tokens in one chunk, or in chunks of H = 16 (the least)
 def test_mean_equals_f_cross_entropy_on_the_logits(z_loss, vocab, chunk, monkeypatch):
-    monkeypatch.setitem(cross_entropy.CROSS_ENTROPY_CHUNK, "cpu", chunk)
+    monkeypatch.setattr(cross_entropy, "CROSS_ENTROPY_CHUNK", chunk)
     hidden, weight, target = _inputs(T=24)
     weight[V_REAL:] = 0.1  # padding rows that a softmax over them would notice
     ours = _ours_mean(hidden, weight, target, z_loss, vocab)
@@ -230,7 +230,7 @@ def test_the_gradient_is_computed_once_and_only_when_wanted():
 @pytest.mark.parametrize("chunk", [20 * V_PADDED, 2**22])  # chunks of 20, 20 and 8 tokens (an fp32 sum), or one
 def test_mean_is_as_close_to_float64_as_the_logits_path(dtype, chunk, monkeypatch):
     # fp16 with a loss scale's upstream gradient (2^16): the weight's gradient is held in fp32 until it is applied
-    monkeypatch.setitem(cross_entropy.CROSS_ENTROPY_CHUNK, "cpu", chunk)
+    monkeypatch.setattr(cross_entropy, "CROSS_ENTROPY_CHUNK", chunk)
     hidden, weight, target = _inputs(dtype, T=24)
     upstream = 2.0**16 if dtype == torch.float16 else 1.0
     exact = _reference_mean(hidden.double(), weight.double(), target, 1e-3, V_REAL, upstream)
@@ -252,7 +252,7 @@ def test_mean_is_as_close_to_float64_as_the_logits_path(dtype, chunk, monkeypatc
 @pytest.mark.parametrize("z_loss", [0.0, 1e-2])
 def test_per_token_loss_in_several_chunks_equals_plain_ops(z_loss, monkeypatch):
     # reduction "none" (its backward computes the logits again) with 48 tokens in chunks of H = 16
-    monkeypatch.setitem(cross_entropy.CROSS_ENTROPY_CHUNK, "cpu", 1)
+    monkeypatch.setattr(cross_entropy, "CROSS_ENTROPY_CHUNK", 1)
     hidden, weight, target = _inputs(T=24)
     weights = torch.arange(1.0, target.numel() + 1, dtype=torch.float64).view(target.shape)
     ours, expected = _ours(hidden, weight, target, z_loss, weights), _reference(hidden, weight, target, z_loss, weights)
@@ -264,7 +264,7 @@ def test_per_token_loss_in_several_chunks_equals_plain_ops(z_loss, monkeypatch):
 def test_checkpointing_and_accumulation_count_the_weight_once(reentrant, monkeypatch):
     # a forward run again in backward (activation checkpointing around the loss) and two micro-batches'
     # backwards into the same .grad: the gradients of the sum of the two means, nothing twice
-    monkeypatch.setitem(cross_entropy.CROSS_ENTROPY_CHUNK, "cpu", 1)  # chunks of H = 16 tokens
+    monkeypatch.setattr(cross_entropy, "CROSS_ENTROPY_CHUNK", 1)  # chunks of H = 16 tokens
     hidden, weight, target = _inputs(T=24)
     hidden2, _, target2 = _inputs(T=24, seed=1)
     expected = [sum(pair) for pair in zip(_reference_mean(hidden, weight, target, 1e-2, V_REAL, 1.0)[2:],
@@ -283,7 +283,7 @@ def test_checkpointing_and_accumulation_count_the_weight_once(reentrant, monkeyp
 def _tp2_mean_equals_f_cross_entropy(z_loss):
     hidden, weight, target = _inputs(T=24)
     weight[V_REAL:] = 0.1
-    cross_entropy.CROSS_ENTROPY_CHUNK["cpu"] = 1  # 48 tokens in chunks of H = 16, each all-reduced
+    cross_entropy.CROSS_ENTROPY_CHUNK = 1  # 48 tokens in chunks of H = 16, each all-reduced
     for vocab in (V_REAL, None):  # the padding masked; Megatron's softmax over it
         expected = _reference_mean(hidden, weight, target, z_loss, vocab or V_PADDED)
         mine = parallel.shard(weight, 0).clone().requires_grad_()

@@ -122,7 +122,7 @@ def test_eager_chain_exponentiates_each_chunk_once(dtype, monkeypatch):
     step: issue 39), and no chunk-sized tensor made but one buffer that every chunk's logits are written into
     (bf16: and each chunk's fp32 exponentials), which the next forward writes into again (made afresh, its
     pages were faulted in again on every forward: 19k at 6 x 384). Same numbers as the fp64 reference."""
-    monkeypatch.setitem(cross_entropy.CROSS_ENTROPY_CHUNK, "cpu", 1)  # chunks of H = 16 tokens: 3 of them
+    monkeypatch.setattr(cross_entropy, "CROSS_ENTROPY_CHUNK", 1)  # chunks of H = 16 tokens: 3 of them
     monkeypatch.setattr(cross_entropy, "CPU_LOGITS", [])  # none kept from an earlier test
     hidden, weight, target = _inputs(dtype)
     h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
@@ -143,7 +143,7 @@ def test_fp32_weight_gradient_sum_starts_from_the_first_product_not_zeros(reduct
     """fp32: the first chunk's product is written into the weight's gradient sum instead of added to zeros: no
     weight-sized zero fill (a 77 MB pass a micro-batch at 384 x 50304 on the CPU), the same bits as before (the
     reference: the sum started from zeros, every chunk added)."""
-    monkeypatch.setitem(cross_entropy.CROSS_ENTROPY_CHUNK, "cpu", 1)  # chunks of H = 16 tokens: 3 of them
+    monkeypatch.setattr(cross_entropy, "CROSS_ENTROPY_CHUNK", 1)  # chunks of H = 16 tokens: 3 of them
     hidden, weight, target = _inputs(torch.float32)
 
     def grads():
@@ -162,16 +162,32 @@ def test_fp32_weight_gradient_sum_starts_from_the_first_product_not_zeros(reduct
     assert "aten.new_zeros" in ops and torch.equal(ours, reference)
 
 
-class WeightSized(TorchDispatchMode):
-    """Records the op of every result of the weight's shape (V x H) run under it."""
+def test_micro_batch_at_gpt2_vocabulary_is_one_chunk_on_the_cpu_too():
+    """2048 tokens (issue 39's CPU shape: 8 x 256) at GPT-2's padded vocabulary, 384 wide: one chunk on the CPU as
+    on a GPU, one (vocabulary x hidden) product and no fp32 sum over chunks. CPU chunks of 16 MiB (6 of 384
+    tokens) cost that model 5-10% of its tokens/s in the sum's passes over a weight-sized buffer (docs/speed.md).
+    Meta tensors: the shapes, not the arithmetic."""
+    vocab, width, tokens = 50304, 384, 2048
+    hidden = torch.empty(tokens, width, device="meta", requires_grad=True)
+    weight = torch.empty(vocab, width, device="meta", requires_grad=True)
+    target = torch.zeros(tokens, dtype=torch.long, device="meta")
+    with WeightSized((vocab, width)) as recorded:
+        loss, _ = cross_entropy.linear_cross_entropy(hidden, weight, target, 50257, 0.0, "mean")
+        loss.backward()
+    products = [op for op in recorded.ops if op in ("aten.mm", "aten.addmm")]
+    assert products == ["aten.mm"], products
 
-    def __init__(self):
+
+class WeightSized(TorchDispatchMode):
+    """Records the op of every result of the weight's shape (V x H unless told) run under it."""
+
+    def __init__(self, shape=(V, H)):
         super().__init__()
-        self.ops = []
+        self.ops, self.shape = [], shape
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if isinstance(out, torch.Tensor) and tuple(out.shape) == (V, H):
+        if isinstance(out, torch.Tensor) and tuple(out.shape) == self.shape:
             self.ops.append(str(func.overloadpacket))
         return out
 
@@ -192,7 +208,7 @@ def _error(a, b):
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 def test_bf16_weight_gradient_sums_chunks_with_no_bf16_vocab_by_hidden_product(reduction, monkeypatch):
     # 48 tokens in chunks of H = 16: three chunks' products with the hidden states summed in fp32
-    monkeypatch.setitem(cross_entropy.CROSS_ENTROPY_CHUNK, "cpu", 1)
+    monkeypatch.setattr(cross_entropy, "CROSS_ENTROPY_CHUNK", 1)
     hidden, weight, target = _inputs(torch.bfloat16)
     h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
     with MatmulOutputs() as recorded:
@@ -218,7 +234,7 @@ def test_output_weight_gradient_goes_into_main_grad_with_no_grad(dtype, buffer_d
     post-accumulate hook never runs, and no tensor of the weight's shape in its half dtype is made), main_grad
     holds the sum of the two gradients (fp32 weights: the .grad path's to fp32 rounding; half: as close to fp64
     as the .grad path at least)."""
-    monkeypatch.setitem(cross_entropy.CROSS_ENTROPY_CHUNK, "cpu", 1)
+    monkeypatch.setattr(cross_entropy, "CROSS_ENTROPY_CHUNK", 1)
     batches = [_inputs(dtype, seed=s) for s in (0, 1)]
     weight = batches[0][1]
     upstream = 2.0**10 if dtype == torch.float16 else 1.0  # a loss scale
@@ -255,7 +271,7 @@ def test_main_grad_bucket_launches_once_the_weight_gradient_is_complete(tied, mo
     bucket is launched once, in the last backward, holding the whole gradient: the loss's part alone when the
     weight is the output layer's own, and only after the embedding's part when the weight is also the word
     embedding (the loss's add comes first in backward, the embedding's .grad last)."""
-    monkeypatch.setitem(cross_entropy.CROSS_ENTROPY_CHUNK, "cpu", 1)
+    monkeypatch.setattr(cross_entropy, "CROSS_ENTROPY_CHUNK", 1)
     batches = [_inputs(torch.float32, seed=s) for s in (0, 1)]
     w, buffer = _grad_buffer(batches[0][1], torch.float32)
     buffer.group, buffer.size = "dp", 1

@@ -57,7 +57,7 @@ def _reference(hidden, weight, target, z_loss=1e-2):
 
 
 def _shapes_on_this_rank(tp):
-    cross_entropy.CROSS_ENTROPY_CHUNK["cpu"] = 1  # 24 tokens in chunks of H = 16: a ragged last chunk too
+    cross_entropy.CROSS_ENTROPY_CHUNK = 1  # 24 tokens in chunks of H = 16: a ragged last chunk too
     hidden, weight, target = _inputs(tp)
     expected = _reference(hidden, weight, target)
     mine = parallel.shard(weight, 0).clone().requires_grad_()
@@ -86,7 +86,7 @@ def test_output_layer_matmuls_are_multiples_of_128_on_every_tp_rank():
 
 def test_per_token_loss_on_the_padded_weight_equals_plain_ops(monkeypatch):
     # reduction "none": backward computes the logits again, over the padded weight as well, the padding masked
-    monkeypatch.setitem(cross_entropy.CROSS_ENTROPY_CHUNK, "cpu", 1)
+    monkeypatch.setattr(cross_entropy, "CROSS_ENTROPY_CHUNK", 1)
     hidden, weight, target = _inputs(1)
     h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
     with MatmulShapes() as recorded:
@@ -135,7 +135,7 @@ def _mean_and_grads(hidden, weight, target, z_loss=1e-2):
 @pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
 def test_the_compiled_chain_gives_the_eager_numbers(backend, monkeypatch):
     # aot_eager: the traced graph itself, bit for bit; inductor: its fused CPU kernels, to fp32 rounding
-    monkeypatch.setitem(cross_entropy.CROSS_ENTROPY_CHUNK, "cpu", 1)  # 40 tokens in chunks of 16, 16 and 8
+    monkeypatch.setattr(cross_entropy, "CROSS_ENTROPY_CHUNK", 1)  # 40 tokens in chunks of 16, 16 and 8
     hidden, weight, target = _inputs(1, 40, torch.float32)
     eager = _mean_and_grads(hidden, weight, target)
     torch._dynamo.reset()
@@ -158,7 +158,7 @@ def test_the_compiled_chain_gives_the_eager_numbers(backend, monkeypatch):
 @pytest.mark.slow  # ~50 s: bf16 matmuls over GPT-2's vocabulary on the CPU
 def test_bf16_weight_gradient_over_64_chunks_is_as_close_as_the_logits_path(monkeypatch):
     # the weight's gradient summed over 64 chunks in fp32 (in bf16, its error would be ~4x the logits path's)
-    monkeypatch.setitem(cross_entropy.CROSS_ENTROPY_CHUNK, "cpu", 1)  # chunks of H = 16 tokens
+    monkeypatch.setattr(cross_entropy, "CROSS_ENTROPY_CHUNK", 1)  # chunks of H = 16 tokens
     hidden, weight, target = _inputs(1, 64 * H, torch.bfloat16)
     target[: 64 * H // 2] = 7  # one row of the gradient summed over many tokens (half of them), in every chunk
     exact = _reference(hidden, weight, target, 0.0)
@@ -178,7 +178,7 @@ def test_bf16_weight_gradient_over_64_chunks_is_as_close_as_the_logits_path(monk
 def test_fp16_weight_gradient_summed_past_65504_keeps_its_mean(monkeypatch):
     # every token's target is row 7 and its hidden states ~100: that row's gradient sums to ~-100 per token,
     # -102400 over 1024 tokens before the mean divides it back to ~-100 (fp16's largest number is 65504)
-    monkeypatch.setitem(cross_entropy.CROSS_ENTROPY_CHUNK, "cpu", 1)
+    monkeypatch.setattr(cross_entropy, "CROSS_ENTROPY_CHUNK", 1)
     hidden, weight, target = _inputs(1, 64 * H, torch.float64)
     hidden = (100.0 + hidden).half()
     weight = (0.001 * weight).half()
