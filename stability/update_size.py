@@ -11,8 +11,11 @@ weights only, never the LR: a rule that compared the LR with the schedule would 
 
 Cost: at each snapshot (every spike_guard_snapshot_interval iterations), one pass over this rank's weights against
 the snapshot's host copy (as the snapshot itself is one pass), in chunks of 2^24 elements, and one all-reduce of two
-numbers over all ranks on the weights' device: TP and PP shards add up, DP replicas (ZeRO-1's too: they hold whole
-weights) each add the same, which the ratio cancels. No memory beyond the snapshots the guard keeps anyway.
+numbers over all ranks on the weights' device. Each rank sums only its parameters of parallel.counted_once, so TP and
+PP shards add up to the whole model once (a TP-replicated LayerNorm or the last stage's copy of the tied embedding
+counted twice would make a TP2 or PP2 run, or a resharded resume, read another move on the same weights); DP replicas
+(ZeRO-1's too: they hold whole weights) each add the same, which the ratio cancels. No memory beyond the snapshots
+the guard keeps anyway.
 """
 import math
 
@@ -26,13 +29,15 @@ CHUNK = 2**24  # elements compared at a time: a few fp32 temporaries of 64 MiB
 
 @torch.no_grad()
 def relative_move(model, weights, updates):
-    """||w_now - w_then|| / ||w_now|| / updates over the parameters of `weights` (a snapshot's model state), summed
-    over every rank; inf when a weight is not finite."""
+    """||w_now - w_then|| / ||w_now|| / updates over the parameters of `weights` (a snapshot's model state, keyed by
+    name), each counted once over the model-parallel group (parallel.counted_once) and summed over every rank; inf
+    when a weight is not finite."""
     gpt = parallel.unwrap(model)
     device = next(gpt.parameters()).device
     sums = torch.zeros(2, dtype=torch.float64, device=device)
+    once = {id(p) for p in parallel.counted_once(gpt)}
     for name, p in gpt.named_parameters():
-        if name not in weights:
+        if id(p) not in once or name not in weights:
             continue
         flat, then = p.detach().view(-1), weights[name].view(-1)
         for k in range(0, flat.numel(), CHUNK):

@@ -4,11 +4,15 @@ ordinary batch called "text learnt by heart", and a block of one repeated batch 
 stopped the run. The end-to-end runs are test_guard_causes.py's 2x64 model on a 512-token vocabulary."""
 import math
 import re
+import zlib
 
 import pytest
 import torch
 
-from helpers import corpus, corpus512, decisions, guard_model_args, log_fields, run_main, warm_guard  # noqa: F401
+import checkpoint
+import parallel
+from helpers import corpus, corpus512, decisions, guard_model_args, log_fields, run_main, spawn, stage  # noqa: F401
+from helpers import warm_guard
 from stability import update_size
 
 GUARD = ["--spike_guard", "--spike_guard_window=20", "--spike_guard_min_steps=10", "--spike_guard_rewind=3",
@@ -46,6 +50,41 @@ def test_the_relative_move_is_the_norm_of_the_weights_change_over_their_norm_per
     with torch.no_grad():
         model[0].weight[0, 0] = math.inf
     assert update_size.relative_move(model, then, 3) == math.inf
+
+
+# 2 x 64 on a 512-token vocabulary: no padding rows at TP 1 or 2, so every layout holds the same full tensors.
+MOVED = dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32, vocab_size=512,
+             make_vocab_size_divisible_by=128, hidden_dropout=0.0, attention_dropout=0.0)
+
+
+def _reading(model):
+    """Snapshot this rank's weights as the guard does (the model state of run_state.capture, checkpoint.host_copy'd),
+    add the same seeded full-size change to every weight, sliced to this rank's shard (the last stage's copy of the
+    tied embedding gets the embedding's), and read the move per update over 3 updates."""
+    weights, _ = checkpoint.host_copy(parallel.unwrap(model).state_dict(), {})
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            name, dim = getattr(p, "init_name", name), getattr(p, "tp_dim", None)
+            full = [n * (parallel.grid.tp_size if d == dim else 1) for d, n in enumerate(p.shape)]
+            gen = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+            p.add_(parallel.shard(0.01 * torch.randn(full, generator=gen), dim))
+    return update_size.relative_move(model, weights, 3)
+
+
+def _layouts_read(expected):
+    from model import GPTConfig
+    for tp, pp in [(2, 1), (1, 2), (1, 1)]:  # TP2, PP2 (the tied embedding on both stages), DP2
+        parallel.grid = parallel.Grid(tp, pp)
+        move = _reading(stage(GPTConfig(**MOVED, tensor_model_parallel_size=tp)))
+        assert math.isclose(move, expected, rel_tol=1e-12), (f"TP{tp} PP{pp}", move, expected)
+
+
+def test_every_layout_reads_the_one_process_move_of_the_same_weights():
+    """Replicated TP parameters (LayerNorms, row-parallel biases) and the last stage's copy of the tied embedding
+    count once, as in one process; DP replicas cancel in the ratio. Only the order of the fp64 sums differs."""
+    from model import GPT, GPTConfig
+    expected = _reading(GPT(GPTConfig(**MOVED)))
+    spawn(_layouts_read, 2, 1, 1, expected)
 
 
 def test_a_move_far_above_its_trend_is_an_outlier_and_the_schedules_is_not():
