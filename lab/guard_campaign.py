@@ -470,7 +470,7 @@ def report(out, harm=HARM, registration=None):
               f"| false positives per 1,000 clean iterations | <= 0.1 | {fp:.2f} ({false_positives} in {clean_iters}; "
               f"95% CI {1000 * fp_lo:.2f}-{1000 * fp_hi:.2f}) |",
               f"| clean runs with a decision (the run as the unit) | <= 1 in 100 | {rate(fp_runs, len(cleans))} |",
-              f"| guarded final loss within 1% of the clean twin's (harmful faults) | >= 90% | "
+              f"| guarded final loss within 1% of the clean twin's (harmful faults) | >= 80% | "
               f"{rate(within, harmful)} |",
               f"| rollbacks per harmful fault | <= 1 | mean {sum(rollbacks) / max(len(rollbacks), 1):.2f}, max "
               f"{max(rollbacks, default=0)} |", "",
