@@ -25,7 +25,7 @@ import parallel
 # little: on a GPU (~250 FLOPs a byte) a few thousand (gpt2_125m's micro-batch: 7 chunks of 2668 tokens, about
 # 1 GiB in all against 4.6 GiB for the logits), on the CPU as many. The CPU once took 16 MiB chunks, under glibc's
 # largest mmap threshold, whose pages are reused rather than faulted in afresh; its logits buffer is now kept from
-# one forward to the next (logits_buffer), and the small chunks' sums cost a 6 x 384 model 5-10% of its tokens/s
+# one forward to the next (logits_buffer), and the small chunks' sums cost a 6 x 384 model 2-6% of its tokens/s
 # (6 chunks of 384 tokens against one; docs/speed.md).
 CROSS_ENTROPY_CHUNK = 2**27
 

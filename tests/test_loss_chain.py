@@ -165,7 +165,7 @@ def test_fp32_weight_gradient_sum_starts_from_the_first_product_not_zeros(reduct
 def test_micro_batch_at_gpt2_vocabulary_is_one_chunk_on_the_cpu_too():
     """2048 tokens (issue 39's CPU shape: 8 x 256) at GPT-2's padded vocabulary, 384 wide: one chunk on the CPU as
     on a GPU, one (vocabulary x hidden) product and no fp32 sum over chunks. CPU chunks of 16 MiB (6 of 384
-    tokens) cost that model 5-10% of its tokens/s in the sum's passes over a weight-sized buffer (docs/speed.md).
+    tokens) cost that model 2-6% of its tokens/s in the sum's passes over a weight-sized buffer (docs/speed.md).
     Meta tensors: the shapes, not the arithmetic."""
     vocab, width, tokens = 50304, 384, 2048
     hidden = torch.empty(tokens, width, device="meta", requires_grad=True)
