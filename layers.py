@@ -109,10 +109,12 @@ class DocumentBlockMask:
                               enable_gqa=enable_gqa)
 
 
-def flex_documents(device, compiled):
+def flex_documents(device, compiled, head_dim):
     """Does attention over packed documents run through DocumentBlockMask? On CUDA under compile (the default
-    there), where flex_attention is one fused kernel; eager, it materialises the scores. Tests force it on CPU."""
-    return device.type == "cuda" and compiled
+    there), where flex_attention is one fused kernel; eager, it materialises the scores. Not for heads narrower
+    than 16: inductor's flex_attention kernel refuses them (NotImplementedError at the first compile; torch 2.11,
+    H200), so they take the dense mask. Tests force it on CPU."""
+    return device.type == "cuda" and compiled and head_dim >= 16
 
 
 def packed_inputs(tokens, eod, reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False):

@@ -677,8 +677,9 @@ class GPT(nn.Module):
         blocks, without attention dropout or the explicit path, a FlexAttention block mask instead
         (layers.DocumentBlockMask): no T x T tensor in attention; elsewhere the mask is materialised, and SDPA takes
         it as attn_mask (eager flex_attention would materialise the scores)."""
-        if layers.flex_documents(documents.device, self.compiled) and not self.cfg.unfused_attention and not \
-                self.cfg.attention_dropout:
+        head_dim = self.cfg.hidden_size // self.cfg.num_attention_heads
+        if layers.flex_documents(documents.device, self.compiled, head_dim) and not self.cfg.unfused_attention \
+                and not self.cfg.attention_dropout:
             slopes = None if self.alibi_heads is None else alibi_slopes(
                 self.cfg.num_attention_heads, self.alibi_heads, documents.device).float()
             return layers.DocumentBlockMask(documents, slopes)

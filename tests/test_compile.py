@@ -84,9 +84,12 @@ def test_compiled_block_on_cuda_matches_eager():
     ids = torch.randint(0, 300, (2, 256), device="cuda")
     eager = gpt(ids, targets=ids)
     torch._dynamo.reset()
-    gpt.compile_blocks()
+    # explained before compile_blocks: explain() of a module already compiled reports no graph at all (-1 breaks,
+    # torch 2.11 on an H200), which says nothing of the graph compile_blocks traces
     explained = torch._dynamo.explain(gpt.blocks["0"])(torch.randn(2, 256, 256, device="cuda", dtype=torch.bfloat16))
-    assert explained.graph_break_count == 0
+    assert explained.graph_count == 1 and explained.graph_break_count == 0, explained.break_reasons
+    torch._dynamo.reset()
+    gpt.compile_blocks()
     compiled = gpt(ids, targets=ids)
     compiled.backward()
     torch.testing.assert_close(compiled.float(), eager.float(), atol=2e-2, rtol=2e-2)

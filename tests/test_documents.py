@@ -256,7 +256,7 @@ def test_the_flex_attention_block_mask_is_the_dense_masks_model(monkeypatch, var
     results, seen, real = [], [], layers.DocumentBlockMask.attend
     monkeypatch.setattr(layers.DocumentBlockMask, "attend", lambda self, *a: seen.append(1) or real(self, *a))
     for flex in (False, True):
-        monkeypatch.setattr(layers, "flex_documents", lambda device, compiled: flex)
+        monkeypatch.setattr(layers, "flex_documents", lambda device, compiled, head_dim: flex)
         seen.clear()
         with torch.no_grad():
             results.append((model(x, **inputs), model(x, y, **inputs)))
@@ -272,14 +272,17 @@ def test_packed_documents_train_through_compiled_flex_attention_on_cuda(monkeypa
     dense mask's (fp32; flex_attention's backward is CUDA's)."""
     device = torch.device("cuda")
     torch.manual_seed(0)
-    model = GPT(GPTConfig(**{**BLOCK, "position_embedding_type": "rotary", "num_query_groups": 2})).to(device)
+    # heads of 16: the narrowest inductor's flex_attention kernel takes (BLOCK's 8 take the dense mask)
+    cfg = GPTConfig(**{**BLOCK, "hidden_size": 64, "position_embedding_type": "rotary", "num_query_groups": 2})
+    assert layers.flex_documents(device, True, cfg.hidden_size // cfg.num_attention_heads)
+    model = GPT(cfg).to(device)
     model.compile_blocks()
     x = packed_tokens().to(device)
     y = torch.randint(1, 50, x.shape, generator=torch.Generator().manual_seed(1)).to(device)
     inputs = layers.packed_inputs(x, EOD, reset_position_ids=True, reset_attention_mask=True)
     results = []
     for flex in (False, True):
-        monkeypatch.setattr(layers, "flex_documents", lambda device, compiled: flex and compiled)
+        monkeypatch.setattr(layers, "flex_documents", lambda device, compiled, head_dim: flex and compiled)
         model.zero_grad(set_to_none=True)
         loss = model(x, y, **inputs)
         loss.backward()
@@ -288,3 +291,12 @@ def test_packed_documents_train_through_compiled_flex_attention_on_cuda(monkeypa
     torch.testing.assert_close(flex, dense, rtol=1e-5, atol=1e-5)
     for name, grad in dense_grads.items():
         torch.testing.assert_close(flex_grads[name], grad, rtol=1e-3, atol=1e-5, msg=name)
+
+
+def test_heads_narrower_than_16_take_the_dense_mask_on_cuda():
+    """inductor's flex_attention kernel refuses heads narrower than 16 (NotImplementedError at the first compile,
+    seen on an H200): such a model keeps the dense mask on CUDA, compiled or not; the CPU never takes flex."""
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert layers.flex_documents(cuda, True, 16) and layers.flex_documents(cuda, True, 128)
+    assert not layers.flex_documents(cuda, True, 8) and not layers.flex_documents(cuda, False, 64)
+    assert not layers.flex_documents(cpu, True, 64)

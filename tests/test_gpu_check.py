@@ -77,3 +77,30 @@ def test_a_failing_step_is_recorded_and_the_next_ones_run(tmp_path):
                                   "MFU (targets 40% and 50%; ") + r"\d+" + re.escape(
         f" s, logs in {tmp_path / 'logs'}); bench_tr3_1b3_1gpu failed (exit 1); syncs failed (exit 1); tests "
         "failed (exit 1); tr3_1b3_1gpu bf16 ?% MFU < 50%"), lines[-1]), lines[-1]
+
+
+def test_a_sync_warned_inside_a_library_or_a_thread_is_named_by_our_line():
+    """gpu_probe.warned_places: set_sync_debug_mode's warnings come from torch's own lines, or from a thread, or
+    surface late; each is named by the library's line, our innermost line behind it and a thread's name, so that
+    a FAIL of the syncs step says which line of ours to change (the first GPU run saw only "torch/cuda/__init__.py")."""
+    import importlib.util
+    import threading
+    import warnings
+    spec = importlib.util.spec_from_file_location("gpu_probe", os.path.join(ROOT, "tools", "gpu_probe.py"))
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+
+    def ours():
+        warnings.warn("an operation synchronizing the host", stacklevel=2)  # named after its caller, threading.py
+    line = ours.__code__.co_firstlineno + 1
+
+    def fn():
+        threading.Thread(target=ours).run()  # in this thread, through the library
+        thread = threading.Thread(target=ours, name="copier")
+        thread.start()
+        thread.join()
+        warnings.warn("something else")  # not a sync: not counted
+    places = probe.warned_places(fn, "synchroniz")
+    here = f" from tests/test_gpu_check.py:{line}"
+    assert len(places) == 2 and all(re.fullmatch(r".*threading\.py:\d+" + re.escape(here) + r".*", p) for p in places)
+    assert not places[0].endswith(")") and places[1].endswith(" (thread copier)"), places

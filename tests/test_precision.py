@@ -248,8 +248,8 @@ def test_attention_softmax_is_fp32_on_every_path(path, dtype, device):
     bias = None
     if kw.pop("bias", False):
         bias = model.alibi_bias(model.alibi_slopes(2, device=device), 16, device=device)
-        kw["bias"] = bias
-        bias = bias.to(dtype) if coeff == 1.0 else bias  # the fused path's mask is in the input dtype
+        # as build_positions gives it: the fused path's mask in the input dtype (CUDA's SDPA takes no other)
+        kw["bias"] = bias = bias.to(dtype) if coeff == 1.0 else bias
     out = model.core_attention(q, k, v, **kw)
     if kw.get("stable"):
         s = (D ** 0.5 * coeff) ** -0.5 if coeff != 1.0 else D ** -0.25

@@ -1,7 +1,10 @@
 """The spike guard's snapshots: how far back they reach, the host copies, on a local disk, and their host memory
 (the dry run's line, the start's refusal)."""
+import json
 import os
 import re
+import subprocess
+import sys
 import types
 
 import pytest
@@ -242,9 +245,21 @@ def test_async_saves_host_copy_is_counted_beside_the_snapshots():
 
 @pytest.mark.cuda
 def test_a_pinned_buffer_takes_what_pinned_bytes_says():
-    """On a GPU: the pinned bytes the caching host allocator holds (torch.cuda.host_memory_stats, "using the
-    rounded block size requested from CUDA") grow by checkpoint.pinned_bytes of a fresh request."""
-    before = torch.cuda.host_memory_stats().get("allocated_bytes.current", 0)
-    buffer = torch.empty(3 * 2**20 + 1, dtype=torch.uint8, pin_memory=True)  # a size no earlier block had
-    grown = torch.cuda.host_memory_stats()["allocated_bytes.current"] - before
-    assert grown == checkpoint.pinned_bytes(buffer.nbytes) == 4 * 2**20, grown
+    """On a GPU: the pinned host memory the caching host allocator takes from CUDA for a request
+    (torch.cuda.host_memory_stats' allocated_bytes, "using the rounded block size requested from CUDA") is
+    checkpoint.pinned_bytes of it. In a fresh process: a block an earlier test freed would be handed out again
+    without taking any (0 on the first GPU run, torch 2.11), and active_bytes is no measure either (a freed
+    block stays counted until its stream's events are processed)."""
+    code = ("import json, torch\n"
+            "torch.cuda.init()\n"
+            "stat = lambda: torch.cuda.host_memory_stats().get('allocated_bytes.current', 0)\n"
+            "grown, kept = [], []\n"
+            "for n in (3 * 2**20 + 1, 5 * 2**20, 2**20):\n"
+            "    before = stat()\n"
+            "    kept.append(torch.empty(n, dtype=torch.uint8, pin_memory=True))\n"
+            "    grown.append([n, stat() - before])\n"
+            "print(json.dumps(grown))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    grown = json.loads(out.stdout.strip().splitlines()[-1])
+    assert [g for _, g in grown] == [checkpoint.pinned_bytes(n) for n, _ in grown] == [4 * 2**20, 8 * 2**20, 2**20]
