@@ -27,6 +27,9 @@ Costs (--step_costs, on by default): one more iteration after the timed ones run
 and CUDA kernels on a GPU) and its time is split into shares (COSTS): the output layer with its loss, attention,
 the other matmuls, elementwise and other ops, the optimizer (grad norm, clipping, step), gradient accumulation
 and reduction, the data wait, and "other": what no op accounts for (Python, launches, host syncs, idle GPU).
+On a GPU the line also gives the share of the iteration in which the GPU ran nothing (no kernel or copy on any
+stream), which tells a step that the host cannot keep fed from one whose time goes to kernels that no share names
+(inductor's fused ones land in "other").
 Each op's own time (kernel time on a GPU) goes to one share, by the ranges that the step's parts are wrapped
 in for that iteration (costs_named) or by the op's name (cost_of). The profiler slows the small ops a little,
 so compare shares, not milliseconds, with the timed iterations.
@@ -565,7 +568,27 @@ def step_costs(fetch, run, optimizer, device, clock=time.perf_counter):
         end = clock()
     spent = op_times(prof.events(), cuda)
     spent["data wait"] = (fetched - t0) * 1e6  # microseconds, the profiler's unit
-    return shares(spent, (end - t0) * 1e6)
+    wall = (end - t0) * 1e6
+    costs = shares(spent, wall)
+    if cuda:  # a step the host cannot keep fed shows as idle GPU time (the first GPU run's 16 x 1024 gpt2_125m)
+        costs["GPU idle"] = max(0.0, wall - gpu_busy(prof.events())) / max(wall, sum(spent.values()))
+    return costs
+
+
+def gpu_busy(events):
+    """Microseconds in which the GPU ran a kernel or a copy on some stream: the union of the device events'
+    intervals, overlapping streams counted once; the ranges' GPU-side copies (user annotations, named as the
+    host's ranges) left out, since they span idle time too."""
+    ranges = {e.name for e in events if e.device_type == torch.autograd.DeviceType.CPU and e.is_user_annotation}
+    spans = sorted((e.time_range.start, e.time_range.end) for e in events
+                   if e.device_type != torch.autograd.DeviceType.CPU and not e.is_user_annotation
+                   and e.name not in ranges)
+    busy, reach = 0.0, float("-inf")
+    for start, end in spans:
+        if end > reach:
+            busy += end - max(start, reach)
+            reach = end
+    return busy
 
 
 def op_times(events, cuda):
@@ -597,7 +620,10 @@ def shares(spent, wall):
 
 
 def costs_line(costs):
-    return ", ".join(f"{cost} {100 * share:.1f}%" for cost, share in costs.items())
+    line = ", ".join(f"{cost} {100 * costs[cost]:.1f}%" for cost in COSTS)
+    if "GPU idle" in costs:  # not a share beside the others: time in which the GPU waited, whatever the host did
+        line += f"; the GPU idle {100 * costs['GPU idle']:.1f}% (no kernel or copy on any stream)"
+    return line
 
 
 def _worker(rank, nproc, port, argv, results):

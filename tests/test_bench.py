@@ -259,3 +259,23 @@ def test_bench_counts_zeros_on_the_iterations_train_py_logs(corpus512, unmeasure
     bench.measure([os.path.join(ROOT, "config", "tiny.py"), *TINY, "--vocab_size=512", f"--data_path={corpus512}",
                    "--bench_warmup=1", "--bench_steps=5", "--log_interval=2"])
     assert len(counted) == 3, counted
+
+
+def test_gpu_busy_is_the_union_of_the_device_kernels_and_copies():
+    """bench.gpu_busy, which gives a GPU step's idle share: kernels on two streams that overlap count once, a gap
+    counts as idle, and neither a range's GPU-side copy (which spans the idle time too) nor a host op counts."""
+    from types import SimpleNamespace
+    CUDA, HOST = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+
+    def event(name, device, start, end, annotation=False):
+        return SimpleNamespace(name=name, device_type=device, is_user_annotation=annotation,
+                               time_range=SimpleNamespace(start=start, end=end))
+    events = [event("bench: step", HOST, 0, 100, annotation=True),
+              event("bench: step", CUDA, 0, 100, annotation=True),  # the range on the GPU's timeline
+              event("bench: optimizer", HOST, 60, 90, annotation=True),
+              event("bench: optimizer", CUDA, 60, 90),  # flagged or not, named as a host range: left out
+              event("aten::mm", HOST, 0, 3),
+              event("sm90_xmma_gemm", CUDA, 0, 10), event("triton_poi_fused_add", CUDA, 5, 20),  # two streams
+              event("Memcpy HtoD", CUDA, 20, 25), event("triton_red_fused_sum", CUDA, 30, 40)]
+    assert bench.gpu_busy(events) == 35.0  # [0, 25) and [30, 40)
+    assert bench.gpu_busy([e for e in events if e.device_type == HOST]) == 0.0
