@@ -17,7 +17,6 @@ known from the records, so the trial counts as a possible loss (and a sure one w
 decisions). These are design numbers: the records were studied to choose the rule; held-out ones need a new campaign.
 """
 import argparse
-import copy
 import math
 import os
 import re
@@ -77,20 +76,32 @@ def lr_cut(line):
 
 
 def walk(series):
-    """[(row, the trends before it)] in the record's order: each row judged against the loss and grad-norm Series of
-    the applied rows before it (a rollback restores those of the iteration before its first replayed row)."""
-    trends, saved, last, out = (Series(WINDOW), Series(WINDOW, log=True)), {}, 0, []
+    """[(row, the trends' states before it)] in the record's order: each row judged against the loss and grad-norm
+    Series of the applied rows before it (a rollback restores those of the iteration before its first replayed
+    row)."""
+    trends, saved, last, out = fresh(), {}, 0, []
     for row in series:
         it, loss, grad_norm, skips = row[:4]
         if it <= last:  # a rollback: the state of iteration it - 1
             before = [k for k in saved if k < it]
-            trends = copy.deepcopy(saved[max(before)]) if before else (Series(WINDOW), Series(WINDOW, log=True))
-        out.append((row, copy.deepcopy(trends)))
+            trends = fresh(saved[max(before)]) if before else fresh()
+        states = tuple(t.state() for t in trends)
+        out.append((row, states))
         if not skips and math.isfinite(loss) and math.isfinite(grad_norm):
             trends[0].record(loss)
             trends[1].record(grad_norm)
-        saved[it], last = copy.deepcopy(trends), it
+            states = tuple(t.state() for t in trends)
+        saved[it], last = states, it
     return out
+
+
+def fresh(states=(None, None)):
+    """The detector's loss and grad-norm Series, from their states (Series.state) or empty."""
+    trends = (Series(WINDOW), Series(WINDOW, log=True))
+    for series, state in zip(trends, states):
+        if state is not None:
+            series.load(state)
+    return trends
 
 
 def numbers_of(line):
@@ -100,7 +111,8 @@ def numbers_of(line):
     return (float(found[1]), float(found[2])) if found else None
 
 
-def judged(trends, loss, grad_norm):
+def judged(states, loss, grad_norm):
+    trends = fresh(states)
     if len(trends[0].values) < MIN_STEPS:
         return "-"
     (lz, lr), (gz, gr) = trends[0].judge(loss), trends[1].judge(grad_norm)
@@ -221,9 +233,9 @@ def main(argv=None):
     for campaign in CAMPAIGNS:
         cleans = [r for r in rows if r[0] == campaign and r[3] == "clean"]
         harmful = [r for r in rows if r[0] == campaign and r[3] == "harmful"]
+        detected = sum(any(d["iteration"] >= r[2]["start"] for d in r[4]) for r in harmful)
         print(f"{campaign}: {sum(bool(r[4]) for r in cleans)}/{len(cleans)} clean runs with a decision, "
-              f"{len(harmful)} harmful trials ({sum(any(d['iteration'] >= r[2]['start'] for d in r[4]) for r in harmful)}"
-              " detected)")
+              f"{len(harmful)} harmful trials ({detected} detected)")
     for cand, found in out.items():
         print(f"\ncandidate {cand}")
         print(f"  clean runs with a decision removed: {len(found['removed'])}: {'; '.join(found['removed']) or '-'}")
