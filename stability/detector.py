@@ -142,6 +142,7 @@ class Detector:
         self.lr_sum = 0.0  # the learning rates of the applied steps, summed: how far Adam can have moved a weight
         self.updates = 0  # the applied steps: how many updates a move between two states took
         self.unseen = None  # the loss of a batch never trained on, on recent weights (guard.Guard measures it)
+        self.grad_norm_alone = False  # the last judged step was a spike of its grad norm alone (judge)
 
     def stats(self):
         return {**{name: series.state() for name, series in self.series.items()}, "lr sum": self.lr_sum,
@@ -176,20 +177,27 @@ class Detector:
         """Why this step is a spike, or None: the first rule that calls it one, with its numbers."""
         judged = {"loss": self.series["loss"].judge(loss), "grad norm": self.series["grad norm"].judge(grad_norm)}
         reasons = self.outliers(loss, grad_norm, judged) + self.without_trend(grad_norm)
+        # the grad norm's rules alone, the loss ordinary: what SpikeGuard.tolerates asks of the spike
+        self.grad_norm_alone = bool(reasons) and not self.over("loss", judged)
         reasons = reasons or self.joint_outlier(loss, grad_norm, judged) or self.slow_rise(loss, judged) or \
             self.below_unseen(loss)
         return "; ".join(reasons) or None
 
     def outliers(self, loss, grad_norm, judged):
         """The loss or the grad norm far above its own trend, each by its own bar."""
-        r, reasons = self.rules, []
+        reasons = []
         for name, value in (("loss", loss), ("grad norm", grad_norm)):
             series, (z, ratio) = self.series[name], judged[name]
-            bar = r.spike_guard_grad_norm_ratio if name == "grad norm" else r.spike_guard_ema_ratio
-            if z > r.spike_guard_zscore and ratio > bar:
+            if self.over(name, judged):
                 reasons.append(f"{name} {value:.4g} is {ratio:.2f}x its trend's {series.expected():.4g}, {z:.1f} "
                                f"spreads above it")
         return reasons
+
+    def over(self, name, judged):
+        """Whether the loss or the grad norm (judged: Series.judge's) is past its own bars."""
+        r, (z, ratio) = self.rules, judged[name]
+        bar = r.spike_guard_grad_norm_ratio if name == "grad norm" else r.spike_guard_ema_ratio
+        return z > r.spike_guard_zscore and ratio > bar
 
     def without_trend(self, grad_norm):
         """fp16 while the loss scale searches: the losses are recorded, the grad norms are not (inf); until they

@@ -214,10 +214,10 @@ def unseen_verdict(guard, model, weights, then, excess_now, rng_after, step, lab
       than half of its excess was there already) -> data, a regime change: the trend is stale, not the weights
       off its trend too, and worse than on the pre-spike weights -> optimizer: the updates since did it
     Judged without touching the guard's reason for the step under investigation."""
-    pending, half = guard.pending, guard.rules.spike_guard_zscore / 2
+    pending, alone, half = guard.pending, guard.grad_norm_alone, guard.rules.spike_guard_zscore / 2
     spike_there = (not math.isfinite(step.loss) or not math.isfinite(step.grad_norm)
                    or bool(guard.judge(step.loss, step.grad_norm)) or guard.series["loss"].judge(step.loss)[0] > half)
-    guard.pending = pending
+    guard.pending, guard.grad_norm_alone = pending, alone
     words = (f"; {label} on these weights: loss {step.loss:.4g}, grad norm {step.grad_norm:.4g}, "
              + ("off its trend too" if spike_there else "ordinary"))
     if not spike_there:

@@ -206,11 +206,17 @@ class Forensics(training.Callback):
 
         def per_sample():
             return diagnosis.sample_losses(parts.model, it.batches, cfg).tolist()
+        vetoed = step.outcome == "vetoed"  # by the guard's judge (a NaN step or replicas that differ are not)
         step, self.guard.diagnosis = diagnosis.investigate(
             self.guard, parts, step, it.number, self.before, self.snapshots, rerun=rerun,
             forward=lambda: diagnosis.evaluate_batches(parts.model, it.batches, cfg, self.device),
             other=lambda: self.counterfactual(it), per_sample=per_sample if parallel.grid.pp_size == 1 else None,
             fp32_replay=self.fp32_replay)
+        if vetoed and self.guard.tolerates(self.guard.diagnosis):  # clip_grad bounds it: the step applied after all
+            checkpoint.set_rng_state(self.before[0])
+            parts.scaler.load_state_dict(self.before[1])
+            step = rerun(None)
+            self.guard.diagnosis["tolerated"] = True
         return step
 
     def counterfactual(self, it):
