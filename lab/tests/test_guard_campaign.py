@@ -190,6 +190,10 @@ def test_every_family_is_drawn_and_a_draw_depends_on_seed_and_k_alone():
         gc.draw(41, k, 100)
     assert gc.draw(41, 57, 100) == alone
     assert [gc.draw(42, k, 100) for k in range(10)] != [gc.draw(41, k, 100) for k in range(10)]
+    # the training seed too: trial k's clean twin must be another run under another campaign seed (with 1234 + k,
+    # the sixth's first 28 clean twins repeated 16 of the fifth's bit for bit)
+    seeds = {campaign: [gc.draw(campaign, k, 100)["seed"] for k in range(100)] for campaign in (51, 62)}
+    assert len(set(seeds[51]) | set(seeds[62])) == 200
     assert {gc.FAMILIES[f] for f in gc.FAMILIES} <= set(gc.CAUSES)
 
 
