@@ -566,12 +566,13 @@ def step_costs(fetch, run, optimizer, device, clock=time.perf_counter):
             run(batches)
         sync(device)
         end = clock()
-    spent = op_times(prof.events(), cuda)
+    events = prof.events()
+    spent = op_times(events, cuda)
     spent["data wait"] = (fetched - t0) * 1e6  # microseconds, the profiler's unit
     wall = (end - t0) * 1e6
     costs = shares(spent, wall)
     if cuda:  # a step the host cannot keep fed shows as idle GPU time (the first GPU run's 16 x 1024 gpt2_125m)
-        costs["GPU idle"] = max(0.0, wall - gpu_busy(prof.events())) / max(wall, sum(spent.values()))
+        costs["GPU idle"] = max(0.0, wall - gpu_busy(events)) / max(wall, sum(spent.values()))
     return costs
 
 
