@@ -89,13 +89,12 @@ class LinearCrossEntropy(torch.autograd.Function):
         buffer = logits_buffer(h, min(tokens, h.shape[0]), vocab_local)  # written by every chunk in turn
         for i in range(0, h.shape[0], tokens):
             c = slice(i, i + tokens)
-            logits, top, sum_exp, exps, log_z[c], loss[c] = chunk_softmax(h[c], weight, local[c], outside[c], real,
-                                                                          buffer)
+            logits, probs, log_z[c], loss[c] = chunk_softmax(h[c], weight, local[c], outside[c], real, buffer)
             if fused:  # softmax * (1 + 2 z_loss log Z) - onehot: the z-loss's gradient rides along (lesson 20)
-                scale = (1.0 + 2.0 * z_loss * log_z[c]) / sum_exp if z_loss else sum_exp.reciprocal()
-                g = chain.logit_grad(logits, top, scale, 1.0, local[c], outside[c], real, exps)
+                scale = 1.0 + 2.0 * z_loss * log_z[c] if z_loss else None
+                g = chain.logit_grad(logits, log_z[c], scale, 1.0, local[c], outside[c], real, probs)
                 grad_hidden[c] = chunk_grads(g, h[c], weight, grad_weight, first=i == 0)
-            del logits, exps
+            del logits, probs
         log_z = log_z.view(target.shape)
         ctx.mark_non_differentiable(log_z)
         ctx.shape, ctx.dtype, ctx.reduction, ctx.real, ctx.z_loss, ctx.tokens, ctx.add = \
@@ -140,20 +139,25 @@ def weight_grad(ctx, grad_weight, scale=None):
 def chunk_softmax(hidden, weight, local, outside, real, buffer):
     """A chunk of tokens' logits over all of this rank's rows of the output layer (a multiple of 128 when the
     vocabulary is padded, so that cuBLAS keeps its aligned kernels on every TP rank), in the compute dtype; the
-    first `real` columns are tokens, the rest never enter the softmax, written into buffer's first rows. Their max,
-    then the sums of exp and of the target's logit, all-reduced over TP. Returns (logits, max, sum of exp, the
-    exponentials or None (eager: logits_sum_exp), log Z, loss = log Z - target)."""
+    first `real` columns are tokens, the rest never enter the softmax, written into buffer's first rows. Their max
+    and sum of exp on this rank, then over TP the max (all-reduced) and the sums of exp (taken to that max) and of
+    the target's logit (one all-reduce for both). Returns (logits, the softmax in fp32 at least or None (eager:
+    logits_sum_exp; compiled: the gradient's kernel computes it), log Z, loss = log Z - target)."""
     grid = parallel.grid
     logits = torch.mm(hidden, weight.t(), out=buffer[:len(hidden)])
     top, target_logit = chain.max(logits, local, outside, real)
+    sum_exp, probs = chain.sum_exp(logits, top, real)  # to this rank's max; probs: over this rank's columns
     if grid.tp_size > 1:
+        mine = top.clone()
         dist.all_reduce(top, op=dist.ReduceOp.MAX, group=grid.tp_group)
-    sum_exp, exps = chain.sum_exp(logits, top, real)
+        sum_exp = sum_exp * (mine - top).exp()  # to the vocabulary's max (a rank of padding only: 0 x 0)
     sums = torch.stack((sum_exp, target_logit))
     if grid.tp_size > 1:
-        dist.all_reduce(sums, group=grid.tp_group)  # one all-reduce for both
+        dist.all_reduce(sums, group=grid.tp_group)
+        if probs is not None:  # this rank's softmax to the vocabulary's
+            probs.mul_((sum_exp / sums[0]).unsqueeze(-1))
     log_z = top + sums[0].log()
-    return logits, top, sums[0], exps, log_z, log_z - sums[1]
+    return logits, probs, log_z, log_z - sums[1]
 
 
 CPU_LOGITS = []  # the CPU's logits buffer, kept from one forward to the next (logits_buffer)
@@ -210,26 +214,36 @@ def logits_max(logits, local, outside, real):
 
 
 def logits_sum_exp(logits, top, real):
-    """(the sum of exp(logits - top) over the real columns in fp32 at least, those exponentials or None).
+    """(the sum of exp(logits - top) over the real columns in fp32 at least, top their max; the softmax over them
+    or None).
 
-    Eager, the exponentials are kept for logits_grad, which would otherwise compute them again: written over fp32
-    logits (their real columns: exp(logits - top) in place of the logits, the gradient's first step), an fp32
-    copy of half ones (the one the sum needs anyway). A second pass of subtract and exp over each chunk, with a
-    chunk-sized temporary in fp32, cost a 6 x 384 model 7% of its CPU step (issue 39's regression). Compiled,
-    None and the logits untouched: the sum is one fused reduction that writes no chunk, and logits_grad's one
-    pointwise kernel computes them again from the logits, cheaper on a GPU than an fp32 chunk written and read."""
+    Eager, the softmax is kept for logits_grad, which would otherwise exponentiate the logits again: torch's
+    softmax kernel, written over fp32 logits (an fp32 copy of half ones: the one the sum needs anyway), the
+    padding columns -inf first (their softmax 0, the gradient's value there). It takes a row at a time through
+    the cache: one read and one write of the chunk where a max, subtract, exp and sum each went through memory
+    (at 2048 x 50304 on 2 cores, best of 5, 57-59 ms against 100-102 for the chain; a second pass of subtract and
+    exp, with a chunk-sized temporary, was issue 39's CPU regression). The sum is 1 / the softmax's max: exp(0) /
+    sum, to rounding.
+    Compiled, None and the logits untouched: the sum is one fused reduction that writes no chunk, and
+    logits_grad's one pointwise kernel computes the softmax from the logits, cheaper on a GPU than an fp32 chunk
+    written and read."""
     dtype = torch.promote_types(logits.dtype, torch.float32)
-    x = logits[:, :real]
     if torch.compiler.is_compiling():
+        x = logits[:, :real]
         return (x - top.unsqueeze(-1) if x.dtype == dtype else x.to(dtype) - top.unsqueeze(-1)).exp().sum(-1), None
-    x = x.sub_(top.unsqueeze(-1)) if x.dtype == dtype else x.to(dtype).sub_(top.unsqueeze(-1))
-    return x.exp_().sum(dim=-1), x
+    if not real:  # padding only: nothing of the softmax on this rank
+        return logits.new_zeros(logits.shape[:-1], dtype=dtype), None
+    logits[:, real:] = float("-inf")
+    x = logits if logits.dtype == dtype else logits.to(dtype)
+    probs = torch.softmax(x, -1, out=x)
+    return probs[:, :real].amax(dim=-1).reciprocal(), probs
 
 
-def logits_grad(logits, shift, scale, onehot, local, outside, real, exps=None):
-    """d(loss)/d(logits) = exp(logits - shift) * scale - onehot(target) * onehot, zero in the padding columns,
-    written over the logits (the compute dtype) and returned: no second chunk-sized buffer. exps: exp(logits -
-    shift) of the real columns where logits_sum_exp kept them (eager), overwritten here.
+def logits_grad(logits, shift, scale, onehot, local, outside, real, probs=None):
+    """d(loss)/d(logits) = exp(logits - shift) * scale - onehot(target) * onehot (shift log Z: the softmax; scale
+    None: 1), zero in the padding columns, written over the logits (the compute dtype) and returned: no second
+    chunk-sized buffer. probs: exp(logits - shift), all of this rank's columns, where logits_sum_exp kept them
+    (eager), overwritten here.
 
     Compiled (compile_chain), one pointwise expression, which inductor makes one kernel reading the logits and
     writing the gradient over them once (4 bytes an element in bf16): the one-hot a comparison of each column's
@@ -239,8 +253,9 @@ def logits_grad(logits, shift, scale, onehot, local, outside, real, exps=None):
     if torch.compiler.is_compiling():
         return logits.copy_(pointwise_grad(logits, shift, scale, onehot, local, outside, real))
     dtype = torch.promote_types(logits.dtype, torch.float32)
-    x = logits[:, :real].to(dtype).sub_(shift.unsqueeze(-1)).exp_() if exps is None else exps
-    x.mul_(scale.unsqueeze(-1))
+    x = logits[:, :real].to(dtype).sub_(shift.unsqueeze(-1)).exp_() if probs is None else probs[:, :real]
+    if scale is not None:
+        x.mul_(scale.unsqueeze(-1))
     if real:
         x.scatter_add_(-1, local.unsqueeze(-1), (~outside * -onehot).to(dtype).unsqueeze(-1))
     if x.dtype != logits.dtype:
@@ -255,8 +270,8 @@ def pointwise_grad(logits, shift, scale, onehot, local, outside, real):
     column = torch.arange(logits.shape[-1], device=logits.device)
     target = local.masked_fill(outside, -1).unsqueeze(-1)  # -1: no column (the target is another rank's)
     onehot = onehot.unsqueeze(-1) if torch.is_tensor(onehot) else onehot
-    x = (logits.to(torch.promote_types(logits.dtype, torch.float32)) - shift.unsqueeze(-1)).exp() \
-        * scale.unsqueeze(-1)
+    x = (logits.to(torch.promote_types(logits.dtype, torch.float32)) - shift.unsqueeze(-1)).exp()
+    x = x if scale is None else x * scale.unsqueeze(-1)
     x = torch.where(column == target, x - onehot, x)
     return torch.where(column < real, x, 0.0).to(logits.dtype)
 

@@ -57,9 +57,9 @@ def test_the_fifth_campaigns_false_positive_is_gone_and_the_guarded_run_is_the_u
     guarded, unguarded = _trial_19_clean(corpus512, *gc.GUARD), _trial_19_clean(corpus512)
     assert decisions(guarded) == [], decisions(guarded)
     notes = [x for x in guarded.splitlines() if x.startswith("spike guard (no action)")]
-    assert len(notes) == 1 and re.match(r"spike guard \(no action\): iteration 20: grad norm 79\.72 is 130\.\d\dx its "
-                                        r"trend's .*data-driven: .*the update applied, clip_grad=1 bounds it$",
-                                        notes[0]), notes
+    assert len(notes) == 1 and re.match(r"spike guard \(no action\): iteration 20: grad norm 79\.\d\d is "
+                                        r"13\d\.\d\dx its trend's .*data-driven: .*the update applied, "
+                                        r"clip_grad=1 bounds it$", notes[0]), notes
     assert {i: f["lm loss"] for i, f in log_fields(guarded).items()} == \
         {i: f["lm loss"] for i, f in log_fields(unguarded).items()}
     assert re.findall(r"lm loss value: (\S+)", guarded) == re.findall(r"lm loss value: (\S+)", unguarded)

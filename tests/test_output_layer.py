@@ -134,7 +134,8 @@ def _mean_and_grads(hidden, weight, target, z_loss=1e-2):
 
 @pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
 def test_the_compiled_chain_gives_the_eager_numbers(backend, monkeypatch):
-    # aot_eager: the traced graph itself, bit for bit; inductor: its fused CPU kernels, to fp32 rounding
+    # aot_eager: the traced graph itself; inductor: its fused CPU kernels; both to fp32 rounding (eager takes the
+    # softmax from torch's kernel, compiled from exp(logits - log Z): the same values, not the same operations)
     monkeypatch.setattr(cross_entropy, "CROSS_ENTROPY_CHUNK", 1)  # 40 tokens in chunks of 16, 16 and 8
     hidden, weight, target = _inputs(1, 40, torch.float32)
     eager = _mean_and_grads(hidden, weight, target)
@@ -146,10 +147,7 @@ def test_the_compiled_chain_gives_the_eager_numbers(backend, monkeypatch):
         cross_entropy.compile_chain(on=False)
     assert cross_entropy.chain.max is cross_entropy.logits_max  # put back
     for name, a, b in zip(("loss", "log Z", "grad hidden", "grad weight"), compiled, eager):
-        if backend == "aot_eager":
-            assert torch.equal(a, b), name
-        else:
-            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5, msg=name)
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5, msg=name)
 
 
 # -- precision and no-gradient cases -----------------------------------------------------------------------------
