@@ -77,6 +77,12 @@ LOG = re.compile(r"^ iteration +(\d+)/ *\d+ \|.*?lm loss: (\S+) \|.*?grad norm: 
                  r"number of skipped iterations: +(\d+)", re.M)
 
 
+def long_clean_seed(seed, j):
+    """Long clean run j's training seed, drawn from the campaign seed as a trial's is (9000 + j made long run j
+    the same run in every campaign)."""
+    return random.Random(f"long clean {seed} {j}").randrange(10**4, 10**9)
+
+
 def draw(seed, k, iters):
     """Trial k, from (seed, k) alone: {family, flags (the fault's), precision (flags), seed, what (a description),
     start (the fault's first iteration), nproc (processes: 2 for a fault on one DP replica), resume (None, or the
@@ -306,7 +312,7 @@ def campaign(a, registration=None):
     for j in range(a.long_clean if a.method == "guard" else 0):  # false positives late in training, fewer start-ups
         n = a.long_iters
         long = {"trial": None, "family": None, "what": f"clean, {n} iterations", "start": None, "model": "2x64",
-                "iters": n, "nproc": 1, "resume": None, "precision": [], "seed": 9000 + j}
+                "iters": n, "nproc": 1, "resume": None, "precision": [], "seed": long_clean_seed(a.seed, j)}
         submit(f"long{j}-clean", long, base_args(long, "2x64", n), [], "guard")
     trials = {}
     for k in range(a.first, a.first + a.trials):

@@ -194,6 +194,8 @@ def test_every_family_is_drawn_and_a_draw_depends_on_seed_and_k_alone():
     # the sixth's first 28 clean twins repeated 16 of the fifth's bit for bit)
     seeds = {campaign: [gc.draw(campaign, k, 100)["seed"] for k in range(100)] for campaign in (51, 62)}
     assert len(set(seeds[51]) | set(seeds[62])) == 200
+    longs = {campaign: [gc.long_clean_seed(campaign, j) for j in range(10)] for campaign in (51, 62)}  # likewise
+    assert len(set(longs[51]) | set(longs[62]) | set(seeds[51]) | set(seeds[62])) == 220
     assert {gc.FAMILIES[f] for f in gc.FAMILIES} <= set(gc.CAUSES)
 
 
