@@ -13,9 +13,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def _python_files():
     """Every .py file of the project, committed or not, but for what git ignores (a fork's scratch files, the
     tokenized data/); outside a git checkout, every one but data/ and hidden or cache directories."""
-    listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", "*.py"], cwd=ROOT,
-                            capture_output=True, text=True)
-    if listed.returncode == 0:
+    try:
+        listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", "*.py"], cwd=ROOT,
+                                capture_output=True, text=True)
+    except FileNotFoundError:  # no git on the machine: walk the tree
+        listed = None
+    if listed is not None and listed.returncode == 0:
         paths = [os.path.join(ROOT, p) for p in listed.stdout.splitlines()]
         yield from (p for p in paths if os.path.exists(p))  # not a file deleted but not yet committed
         return
