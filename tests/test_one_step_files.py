@@ -10,9 +10,9 @@ from helpers import corpus  # noqa: F401 (a fixture)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# Runs train.py's main with a profiler on every thread (the prefetcher's too) that records the project files
-# whose functions run, or call, from the second train_step call to the third: one whole iteration of the loop
-# (the step, the log line, the checks after it, the next batch, its learning rate), set-up excluded.
+# Runs train.py's main with a profiler on every thread (the prefetcher's too) that records the project
+# files whose functions run, or call, from the second train_step call to the third: one whole iteration
+# of the loop# (the step, the log line, the checks after it, the next batch, its learning rate), set-up excluded.
 TRACE = """
 import json, os, runpy, sys, threading
 root = os.getcwd() + os.sep
@@ -23,7 +23,7 @@ def profile(frame, event, arg):
     path = frame.f_code.co_filename
     if path.endswith(os.sep + "training.py") and frame.f_code.co_name == "train_step":
         calls[0] += 1
-    while calls[0] == 2 and frame is not None:  # the function and its callers: the loop's own file too
+    while calls[0] == 2 and frame is not None:  # the function and its callers: the loop's file too
         file = os.path.abspath(frame.f_code.co_filename)  # run_path's train.py is relative
         if file.startswith(root) and os.path.isfile(file):  # not a dataclass's generated <string>
             seen.add(os.path.relpath(file, root))
