@@ -10,9 +10,9 @@ from helpers import corpus  # noqa: F401 (a fixture)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# Runs train.py's main with a profiler on every thread (the prefetcher's too) that records the project
-# files whose functions run, or call, from the second train_step call to the third: one whole iteration
-# of the loop# (the step, the log line, the checks after it, the next batch, its learning rate), set-up excluded.
+# Runs train.py's main with a profiler on every thread (the prefetcher's too) recording the
+# project files whose functions run, or call, from the 2nd train_step call to the 3rd: one whole
+# iteration (the step, the log line, the checks after it, the next batch, its LR), set-up excluded.
 TRACE = """
 import json, os, runpy, sys, threading
 root = os.getcwd() + os.sep
