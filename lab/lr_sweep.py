@@ -135,6 +135,28 @@ ARMS = {
           "same_as": {"warmup_100": ("A", "default")},
           "lrs": HALF_DECADES, "seeds": [1, 2, 3], "logit_blows_up": False},
 }
+# The natural instabilities (issue 50): the 104B's kind -- a too-high LR, no qk-layernorm, a short warm-up, fp16 --
+# met by the remedies, each at its published defaults (none scaled to the run), with qk-layernorm as the
+# prevention to compare against. The automated checkpoint restarts (OPT's: back to the last checkpoint and a lower
+# LR; PaLM's: back ~100 steps and skip 200-500 batches) join as lever sets when stability/ has them
+# (lab/natural.md, the registration).
+REMEDIES = {"none": [], "guard": ["--spike_guard"], "skip_step": ["--skip_step_sigma=6"],
+            "zclip": ["--zclip_z=2.5"], "qk_layernorm": QK}
+SHORT_WARMUP = [f"--lr_warmup_samples={10 * 16}"]  # 10 iterations: the edge comes in reach, as on the 104B
+ARMS.update({
+    "N": {"title": "natural instabilities, fp32: arm A's default (z-loss 1e-4), a 10-iteration warm-up; the "
+                   "remedies at their published defaults, qk-layernorm the prevention",
+          "args": [*Z_LOSS, *SHORT_WARMUP], "levers": REMEDIES, "lrs": [3e-3, 1e-2, 3e-2, 1e-1],
+          "seeds": [1, 2, 3], "logit_blows_up": False, "remedies": True,
+          "short_warmup": "the instabilities under test are the warm-up's and the LR's own"},
+    "F": {"title": "natural instabilities, fp16 with dynamic loss scaling: arm N's runs in Megatron's fp16",
+          "args": [*Z_LOSS, *SHORT_WARMUP, "--fp16"], "levers": REMEDIES, "lrs": [3e-3, 1e-2, 3e-2, 1e-1],
+          "seeds": [1, 2, 3], "logit_blows_up": False, "remedies": True,
+          "short_warmup": "the instabilities under test are the warm-up's and the LR's own"},
+})
+# A remedy's stable LR range: the grid LRs, next to each other, whose seed-mean final loss is within this of the
+# best run of the arm at that width, any lever set (the margin is the study's, stated before any run)
+STABLE_MARGIN = 0.1
 PILOT = [("A", "default", 1e-2, 1), ("A", "default", 3e-1, 1)]
 LADDER = (64, 128, 256)  # the size ladder's widths: the third predicted from the two smallest
 QUICK = {"arms": ["A"], "lever_sets": ["default"], "lrs": [1e-2, 3e-1], "seeds": [1]}  # the pilot
@@ -259,7 +281,8 @@ def preflight(arms, extra=(), base=BASE):
             tokens = cfg.global_batch_size * cfg.seq_length
             warmup = cfg.lr_warmup_tokens / tokens if cfg.lr_warmup_tokens else \
                 cfg.lr_warmup_samples / cfg.global_batch_size
-            check(lever, warmup >= 100, f"a warm-up of {warmup:g} iterations: runs at high LR blow up in the "
+            check(lever, warmup >= 100 or spec.get("short_warmup"), f"a warm-up of {warmup:g} iterations: "
+                  "runs at high LR blow up in the "
                   "warm-up, not by the slow growths under study; warm up over 100 iterations or more")
             check(lever, cfg.weight_decay == 0 or cfg.weight_decay_independent or len(spec["lrs"]) < 2,
                   f"weight decay {cfg.weight_decay} coupled to the LR across LRs {min(spec['lrs']):g}.."
@@ -495,6 +518,19 @@ def sensitivities(by_key, lever_set, lrs):
         return {}, None
     mean_curve = {lr: sum(c[lr] for c in curves.values()) / len(curves) for lr in lrs}
     return {seed: sensitivity(c) for seed, c in curves.items()}, sensitivity(mean_curve)
+
+
+def stable_range(row, best, margin=STABLE_MARGIN):
+    """The widest run of neighbouring grid LRs whose seed-mean final loss is within margin of best: (low LR,
+    high LR, how many grid points), or None where no LR is."""
+    lrs, runs, current = sorted(row["points"]), [], []
+    for lr in lrs:
+        if row["points"][lr]["mean"] <= best + margin:
+            current.append(lr)
+        else:
+            runs, current = runs + [current], []
+    widest = max([*runs, current], key=len)
+    return (widest[0], widest[-1], len(widest)) if widest else None
 
 
 def summarize(results, arm, lever_sets, lrs, bigram):
@@ -785,8 +821,25 @@ def markdown(rows_by_arm, lrs_by_arm, corpus, warnings, code=None, width=WIDTH):
             cells = [" / ".join(f"{row['points'][lr][key]:.3g}" for key in PRECURSORS) if lr in row["points"] else ""
                      for lr in lrs]
             lines.append(f"| {row['lever_set']} | " + " | ".join(cells) + " |")
+        if ARMS[arm].get("remedies"):
+            lines += remedy_table(rows)
         lines.append("")
     return "\n".join(lines)
+
+
+def remedy_table(rows, margin=STABLE_MARGIN):
+    """Each remedy's final loss against the best run of the arm (any lever set, any LR) and its stable LR range."""
+    best = min(row["best_loss"] for row in rows)
+    lines = ["", f"Each remedy against the best run of the arm ({best:.3f}, seed mean): its best final loss and "
+             f"the widest range of neighbouring grid LRs whose seed-mean final loss is within {margin} nats of it:",
+             "", "| lever set | best final loss - the arm's best | stable LR range | grid points |",
+             "| --- | --- | --- | --- |"]
+    for row in rows:
+        found = stable_range(row, best, margin)
+        span = f"{found[0]:.0e}..{found[1]:.0e}" if found else "none"
+        lines.append(f"| {row['lever_set']} | {row['best_loss'] - best:+.3f} | {span} | "
+                     f"{found[2] if found else 0} of {len(row['points'])} |")
+    return lines
 
 
 def plot(rows_by_arm, results, corpus, path):
@@ -881,7 +934,7 @@ def parse_args(argv):
     p.add_argument("--allow_weak_study", action="store_true",
                    help="run a study that the preflight or the pilot refuses; results.md says why it is weak")
     p.add_argument("--width", type=int, default=WIDTH, help="the model's width (the size ladder: depth 4, heads of "
-                   f"{HEAD_DIM}; arm A only); runs of another width than {WIDTH} go to OUT/runs/w<width>/")
+                   f"{HEAD_DIM}; arms A, N, F); runs of another width than {WIDTH} go to OUT/runs/w<width>/")
     p.add_argument("--record", metavar="FILE", help="add the finished runs' summaries to FILE, one line a run "
                    "(lab/results.jsonl is the study's tracked record)")
     p.add_argument("--results", metavar="FILE", help="with --report: the tables and the figure from FILE's lines "
@@ -1027,8 +1080,8 @@ def main(argv=None):
     unpiloted = False
     pilot = PILOT  # the pilot is the study's width's; another width's runs are the ladder's, without it
     if width != WIDTH:
-        if set(arms) != {"A"}:
-            raise SystemExit("lr_sweep: --width is the size ladder of arm A; pass --arms A")
+        if not set(arms) <= {"A", "N", "F"}:
+            raise SystemExit("lr_sweep: --width is the size ladder of arms A, N and F; pass --arms A, N or F")
         pilot = []
 
     # the pilot first, then every arm's first seed, then arm A's other seeds, then the others': an interrupted
