@@ -286,11 +286,12 @@ def set_lr(optimizer, lr: float) -> None:
 def resume_adam_params(optimizer, cfg, saved_config) -> str | None:
     """After a resume has loaded the optimizer state (run_state.load), before any step. A
     checkpoint of another optimizer is refused: its state holds other tensors (AdamW stepping
-    Lion's would die on a missing 'exp_avg_sq'). Then the keys this optimizer's entry reads: the
-    param groups hold the checkpoint's values (torch's load_state_dict; a resharded state is built
-    on this run's groups), so a config asking for others than the checkpoint's run (saved_config)
-    is refused, unless override_adam_params, which writes this config's into the groups, the state
-    kept (Adam's beta2 changed mid-run: a what-if fork). Returns the line to print."""
+    Lion's dies with a KeyError on its missing 'step'). Then the keys this optimizer's entry
+    reads: the param groups hold the checkpoint's values (torch's load_state_dict; a resharded
+    state is built on this run's groups), so a config asking for others than the checkpoint's
+    run (saved_config) is refused, unless override_adam_params, which writes this config's into
+    the groups, the state kept (Adam's beta2 changed mid-run: a what-if fork). Returns the line
+    to print."""
     saved, now = checkpoint_optimizer(saved_config), name(cfg)
     if saved != now:
         raise ValueError(f"the checkpoint's optimizer state is {saved}'s, but this run's "
