@@ -154,7 +154,7 @@ def adamw8bit(groups, tables=(), **hyper):
     try:
         import bitsandbytes as bnb
     except Exception as e:  # not installed, or its native library does not load on this machine
-        raise ValueError(f"optimizer='adamw8bit' (use_bnb_optimizer) needs bitsandbytes, whose "
+        raise ValueError(f"optimizer='adamw8bit' or use_bnb_optimizer needs bitsandbytes, whose "
                          f"import fails ({type(e).__name__}: {e}); `pip install bitsandbytes`, or "
                          "choose another optimizer") from None
     manager = bnb.optim.GlobalOptimManager.get_instance()
