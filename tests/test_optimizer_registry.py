@@ -62,13 +62,9 @@ def test_the_pages_lion_steps_as_the_papers_formula(monkeypatch):
     assert min((p - q).abs().max().item() for p, q in zip(model.parameters(), initial)) > 1e-2
 
 
-def _lion_args(corpus):
-    return [*SMALL, f"--data_path={corpus}", "--eval_iters=0", "--optimizer=lion", "--lr=3e-4"]
-
-
 def test_a_run_with_lion_resumes_bit_exact_and_is_refused_as_adamw(monkeypatch, corpus, tmp_path):
     _register_lion(monkeypatch)
-    args = _lion_args(corpus)
+    args = [*SMALL, f"--data_path={corpus}", "--eval_iters=0", "--optimizer=lion", "--lr=3e-4"]
     a, b, c = (f"--save={tmp_path / d}" for d in "abc")
     full = losses(run_main(*args, "--train_iters=4", a, "--save_interval=4"))
     run_main(*args, "--train_iters=2", b, "--save_interval=2")
