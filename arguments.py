@@ -296,4 +296,7 @@ def derive(cfg, world_size=1):
         cfg.apply_query_key_layer_scaling = cfg.fp16
     if cfg.curriculum_learning and cfg.max_difficulty is None:
         cfg.max_difficulty = cfg.seq_length
+    # the optimizer by its name in the checkpoint; use_bnb_optimizer, its shortcut, agreeing
+    cfg.optimizer = optim.name(cfg)
+    cfg.use_bnb_optimizer = cfg.optimizer == optim.BNB
     return cfg

@@ -53,11 +53,16 @@ def check(cfg, grid):
     if cfg.skip_grad_norm_above is not None:
         raise ValueError("skip_grad_norm_above needs the grad norm before the update, which DeepSpeed computes "
                          "inside its step(); unset it or use deepspeed=False")
-    if cfg.use_bnb_optimizer:
-        raise ValueError("use_bnb_optimizer with deepspeed=True is not supported: DeepSpeed hands the optimizer "
-                         "flat buffers that mix many parameters, so bitsandbytes could neither keep the "
-                         "embedding's state 32-bit nor quantize each parameter on its own (lesson 14); use "
-                         "deepspeed=False: the native path, zero_stage=1 included, hands it whole parameters")
+    # 8-bit AdamW is refused here: it quantizes each parameter on its own and keeps the embedding's
+    # state 32-bit (lesson 14), which DeepSpeed's flat buffers would mix up
+    name = optim.name(cfg)
+    if not optim.OPTIMIZERS[name].deepspeed:
+        given = "use_bnb_optimizer" if cfg.use_bnb_optimizer else f"optimizer={name!r}"
+        raise ValueError(f"{given} with deepspeed=True is not supported: DeepSpeed hands the "
+                         "optimizer flat buffers that mix many parameters, which "
+                         f"{name} does not take (optim.OPTIMIZERS[{name!r}].deepspeed is "
+                         "False: only an elementwise update can); use deepspeed=False: the "
+                         "native path, zero_stage=1 included, hands the optimizer whole parameters")
 
 
 def ds_config(cfg, grid):

@@ -1,10 +1,14 @@
-"""Optimizer side of stablegpt: AdamW (ours, or bitsandbytes 8-bit), fp16 loss scaling and gradient clipping.
-The learning rate of each step is schedule.py's.
+"""Optimizer side of stablegpt: the optimizers a run chooses from (OPTIMIZERS: our AdamW,
+bitsandbytes' 8-bit AdamW, a fork's own), fp16 loss scaling and gradient clipping. The learning
+rate of each step is schedule.py's.
 
 Everything here is local to one process. What ranks must agree on (the global grad norm, the zero count) is in
 parallel.py, which degenerates to the plain computation with one process. optimizer_for and scaler_for build a
-run's from its config: its AdamW inside precision.py's fp32 master weights, sharded over DP by parallel.py (ZeRO-1).
+run's from its config: the optimizer `optimizer` names, inside precision.py's fp32 master weights,
+sharded over DP by parallel.py (ZeRO-1). A new optimizer is a class and one entry of OPTIMIZERS
+(docs/forking.md).
 """
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -19,14 +23,15 @@ import precision
 @dataclass
 class OptimizerConfig:
     # -- optimizer --
-    weight_decay: float = 0.01  # AdamW's decoupled weight decay (not on biases and LayerNorms)
+    optimizer: str | None = None  # OPTIMIZERS' name: adamw | adamw8bit | a fork's; None: adamw
+    weight_decay: float = 0.01  # decoupled weight decay (not on biases and LayerNorms)
     weight_decay_independent: bool = False  # decay weight_decay x lr_t/lr per step, not x lr_t: same at any LR
     adam_beta1: float = 0.9  # Adam's first-moment decay
     adam_beta2: float = 0.999  # Adam's second-moment decay
     adam_eps: float = 1e-8  # Adam's epsilon
-    override_adam_params: bool = False  # on resume, this config's adam_beta1/2 and adam_eps, not the checkpoint's
+    override_adam_params: bool = False  # on resume, this config's values of the optimizer's keys
     clip_grad: float = 1.0  # clip the global gradient norm to this
-    use_bnb_optimizer: bool = False  # bitsandbytes 8-bit AdamW; the embedding's state stays 32-bit
+    use_bnb_optimizer: bool = False  # the shortcut for optimizer="adamw8bit" (bitsandbytes)
     skip_grad_norm_above: float | None = None  # skip the update when the grad norm exceeds this (OPT)
     # -- precision: half-precision weights, fp32 masters, fp16's loss scaling (precision.py, optim.LossScaler) --
     fp16: bool = False  # fp16 weights and activations, fp32 master weights, dynamic loss scaling (precision.py)
@@ -45,6 +50,7 @@ EXCLUSIVE = (("fp16", "bf16"),)
 
 def check(cfg):
     """Raise ValueError with the fix for optimizer or precision keys that cannot work."""
+    name(cfg)  # a known optimizer, and use_bnb_optimizer not contradicting it
     for key in ("weight_decay", "clip_grad"):
         if getattr(cfg, key) < 0:
             raise ValueError(f"{key}={getattr(cfg, key)} must not be negative")
@@ -137,6 +143,90 @@ class AdamW(torch.optim.Optimizer):
 
 
 # -----------------------------------------------------------------------------
+# The registry: the optimizers a run chooses from by name (`optimizer = "adamw"`, as Megatron's
+# --optimizer), each built by its entry from the config keys it declares
+
+
+def adamw8bit(groups, tables=(), **hyper):
+    """bitsandbytes' 8-bit AdamW, the vocabulary-sized `tables` (the token embedding, an untied
+    output layer) kept in 32-bit optimizer state, as bitsandbytes' StableEmbedding requires
+    (lesson 14)."""
+    try:
+        import bitsandbytes as bnb
+    except Exception as e:  # not installed, or its native library does not load on this machine
+        raise ValueError(f"optimizer='adamw8bit' or use_bnb_optimizer needs bitsandbytes, whose "
+                         f"import fails ({type(e).__name__}: {e}); `pip install bitsandbytes`, or "
+                         "choose another optimizer") from None
+    manager = bnb.optim.GlobalOptimManager.get_instance()
+    # The manager is a process-wide dict keyed by id(param). A freed parameter's id can be reused by
+    # one of ours, so first drop whatever it holds for our parameters, then set the one override.
+    for p in [p for group in groups for p in group["params"]] + list(tables):
+        manager.pid2config.pop(id(p), None)
+    for weight in tables:
+        manager.override_config(weight, "optim_bits", 32)
+    return bnb.optim.AdamW8bit(groups, **hyper)
+
+
+ADAM_KEYS = ("adam_beta1", "adam_beta2", "adam_eps")
+
+
+def adam_options(beta1, beta2, eps):
+    return {"betas": (beta1, beta2), "eps": eps}
+
+
+@dataclass(frozen=True)
+class OptimizerEntry:
+    """How a run builds one optimizer from its config. The keys keep Megatron's names (adam_beta1,
+    ...) on the command line, in config files and in checkpoints, where the schedule's and the
+    stability layer's rules read them too; an entry declares which of them it reads, and a resume
+    compares those."""
+
+    make: Callable  # make(groups, lr=, weight_decay=, **options(...)) -> a torch.optim.Optimizer
+    keys: tuple = ()  # the config keys it reads besides lr and weight_decay, in options' order
+    options: Callable = dict  # options(*values of keys) -> make's keywords, also its groups' keys
+    # True: its update is elementwise, so it may run on DeepSpeed's flat buffers (ZeRO's partitions,
+    # which mix many parameters); the others are refused with deepspeed=True
+    deepspeed: bool = False
+    tables: bool = False  # make also gets tables=: the vocabulary-sized weights, to treat apart
+
+
+OPTIMIZERS = {
+    "adamw": OptimizerEntry(AdamW, ADAM_KEYS, adam_options, deepspeed=True),
+    # quantized in blocks along each parameter, the embedding's state 32-bit: whole parameters only
+    "adamw8bit": OptimizerEntry(adamw8bit, ADAM_KEYS, adam_options, tables=True),
+}
+BNB = "adamw8bit"  # what use_bnb_optimizer is the shortcut for
+
+
+def optimizer_name(optimizer=None, use_bnb_optimizer=False):
+    """The entry of OPTIMIZERS that `optimizer` and its shortcut use_bnb_optimizer name: None is
+    adamw, or adamw8bit with use_bnb_optimizer; another name beside use_bnb_optimizer is refused."""
+    if use_bnb_optimizer and optimizer not in (None, BNB):
+        raise ValueError(f"use_bnb_optimizer asks for optimizer={BNB!r} but "
+                         f"optimizer={optimizer!r}; unset one of them (use_bnb_optimizer is the "
+                         f"shortcut for {BNB})")
+    chosen = optimizer or (BNB if use_bnb_optimizer else "adamw")
+    if chosen not in OPTIMIZERS:
+        raise ValueError(f"optimizer={chosen!r} is not one of {', '.join(OPTIMIZERS)}; pick one, "
+                         "or register a fork's own in optim.OPTIMIZERS (docs/forking.md)")
+    return chosen
+
+
+def name(cfg):
+    """The optimizer a run's config chooses."""
+    return optimizer_name(cfg.optimizer, cfg.use_bnb_optimizer)
+
+
+def checkpoint_optimizer(saved_config):
+    """The optimizer whose state a checkpoint holds, from its run's config (a dict). The migration:
+    a checkpoint written before the registry has no `optimizer` key, and the rule of name() reads
+    it, adamw or, with use_bnb_optimizer, adamw8bit. A fork's optimizer this code lacks is still
+    named."""
+    bnb = saved_config.get("use_bnb_optimizer")
+    return saved_config.get("optimizer") or (BNB if bnb else "adamw")
+
+
+# -----------------------------------------------------------------------------
 # parameter groups and optimizer construction
 
 
@@ -168,32 +258,23 @@ def decay_coefficient(weight_decay, lr, independent=False):
     return weight_decay / lr if lr > 0 else 0.0
 
 
-def build_optimizer(model, lr, weight_decay, adam_beta1, adam_beta2, adam_eps, use_bnb_optimizer=False, embedding=None,
-                    params=None, independent_decay=False):
-    """Our AdamW, or bitsandbytes' 8-bit AdamW with `embedding` (the token embedding weight, or a list of it and an
-    untied output layer, the other vocabulary-sized table) kept in 32-bit optimizer state, as bitsandbytes'
-    StableEmbedding requires (lesson 14). params: only these of the model's parameters (a ZeRO-1 shard), default
-    all. independent_decay: see decay_coefficient."""
+def build_optimizer(model, lr, weight_decay, *values, optimizer=None, use_bnb_optimizer=False,
+                    embedding=None, params=None, independent_decay=False):
+    """OPTIMIZERS[optimizer] (default adamw; use_bnb_optimizer: adamw8bit) over param_groups(model);
+    values: the config values of its entry's keys, in order (AdamW's: adam_beta1, adam_beta2,
+    adam_eps). embedding: the token embedding weight, or a list of it and an untied output layer
+    (the vocabulary-sized tables, which an entry with tables=True treats apart). params: only these
+    of the model's parameters (a ZeRO-1 shard), default all. independent_decay: see
+    decay_coefficient."""
+    entry = OPTIMIZERS[optimizer_name(optimizer, use_bnb_optimizer)]
+    if len(values) != len(entry.keys):
+        raise TypeError(f"build_optimizer: {len(values)} values for the keys {entry.keys}")
     weight_decay = decay_coefficient(weight_decay, lr, independent_decay)
     groups = param_groups(model, weight_decay, params)
-    betas = (adam_beta1, adam_beta2)
-    if not use_bnb_optimizer:
-        return AdamW(groups, lr=lr, betas=betas, eps=adam_eps, weight_decay=weight_decay)
-
-    try:
-        import bitsandbytes as bnb
-    except Exception as e:  # not installed, or its native library does not load on this machine
-        raise ValueError(f"use_bnb_optimizer needs bitsandbytes, whose import fails ({type(e).__name__}: {e}); "
-                         "`pip install bitsandbytes`, or unset use_bnb_optimizer") from None
-
-    manager = bnb.optim.GlobalOptimManager.get_instance()
-    # The manager is a process-wide dict keyed by id(param). A freed parameter's id can be reused by
-    # one of ours, so first drop whatever it holds for our parameters, then set the one override.
-    for p in model.parameters():
-        manager.pid2config.pop(id(p), None)
-    for weight in [embedding] if torch.is_tensor(embedding) else embedding or []:
-        manager.override_config(weight, "optim_bits", 32)
-    return bnb.optim.AdamW8bit(groups, lr=lr, betas=betas, eps=adam_eps, weight_decay=weight_decay)
+    extra = {}
+    if entry.tables:
+        extra["tables"] = [embedding] if torch.is_tensor(embedding) else list(embedding or [])
+    return entry.make(groups, lr=lr, weight_decay=weight_decay, **extra, **entry.options(*values))
 
 
 def set_lr(optimizer, lr: float) -> None:
@@ -203,12 +284,22 @@ def set_lr(optimizer, lr: float) -> None:
 
 
 def resume_adam_params(optimizer, cfg, saved_config) -> str | None:
-    """After a resume has loaded the optimizer state, whose param groups bring the checkpoint's betas and eps (torch's
-    load_state_dict; a resharded state is built on this run's groups): a config asking for other values than the
-    checkpoint's run (saved_config) is refused, unless override_adam_params, which writes this config's into the
-    groups, the moments kept (Adam's beta2 changed mid-run: a what-if fork). Returns the line to print."""
-    keys = ("adam_beta1", "adam_beta2", "adam_eps")
-    changed = {k: (saved_config[k], getattr(cfg, k)) for k in keys
+    """After a resume has loaded the optimizer state (run_state.load), before any step. A
+    checkpoint of another optimizer is refused: its state holds other tensors (AdamW stepping
+    Lion's dies with a KeyError on its missing 'step'). Then the keys this optimizer's entry
+    reads: the param groups hold the checkpoint's values (torch's load_state_dict; a resharded
+    state is built on this run's groups), so a config asking for others than the checkpoint's
+    run (saved_config) is refused, unless override_adam_params, which writes this config's into
+    the groups, the state kept (Adam's beta2 changed mid-run: a what-if fork). Returns the line
+    to print."""
+    saved, now = checkpoint_optimizer(saved_config), name(cfg)
+    if saved != now:
+        raise ValueError(f"the checkpoint's optimizer state is {saved}'s, but this run's "
+                         f"optimizer is {now}, which cannot continue from it; resume with "
+                         f"optimizer={saved!r}, or set no_load_optim to start {now} from a fresh "
+                         "state (the weights are loaded)")
+    entry = OPTIMIZERS[now]
+    changed = {k: (saved_config[k], getattr(cfg, k)) for k in entry.keys
                if k in saved_config and saved_config[k] != getattr(cfg, k)}
     if not changed:
         return None
@@ -217,8 +308,9 @@ def resume_adam_params(optimizer, cfg, saved_config) -> str | None:
         raise ValueError(f"the checkpoint's optimizer has other Adam settings than this config ({what}): a resumed "
                          "optimizer keeps its checkpoint's; set override_adam_params to use this config's from now on "
                          "(the moments are kept), or resume with the checkpoint's values")
+    options = entry.options(*(getattr(cfg, key) for key in entry.keys))
     for group in optimizer.param_groups:
-        group["betas"], group["eps"] = (cfg.adam_beta1, cfg.adam_beta2), cfg.adam_eps
+        group.update(options)
     return f"override_adam_params: {what} from now on (the optimizer's moments kept)"
 
 
@@ -316,14 +408,17 @@ class LossScaler:
 
 
 def optimizer_for(cfg, model):
-    """AdamW (or bitsandbytes') over fp32 master weights (precision.MixedPrecisionOptimizer), sharded over DP with
-    zero_stage=1. Under DeepSpeed, the bare optimizer: DeepSpeed keeps the masters and shards them itself."""
+    """The optimizer `optimizer` names, over fp32 master weights
+    (precision.MixedPrecisionOptimizer), sharded over DP with zero_stage=1. Under DeepSpeed, the
+    bare optimizer: DeepSpeed keeps the masters and shards them itself."""
     # this stage's vocabulary tables: the tied embedding's copy, and an untied output layer (the last stage's)
     embedding = [w for w in (model.word_embedding_weight(), model.output_layer) if w is not None]
+    chosen = name(cfg)
+    values = [getattr(cfg, key) for key in OPTIMIZERS[chosen].keys]
 
     def build(params):
-        optimizer = build_optimizer(model, cfg.lr, cfg.weight_decay, cfg.adam_beta1, cfg.adam_beta2, cfg.adam_eps,
-                                    use_bnb_optimizer=cfg.use_bnb_optimizer, embedding=embedding, params=params,
+        optimizer = build_optimizer(model, cfg.lr, cfg.weight_decay, *values, optimizer=chosen,
+                                    embedding=embedding, params=params,
                                     independent_decay=cfg.weight_decay_independent)
         return optimizer if cfg.deepspeed else precision.MixedPrecisionOptimizer(optimizer)
 
