@@ -54,6 +54,7 @@ import re
 import shutil
 import types
 import zipfile
+from collections import OrderedDict
 from dataclasses import asdict
 
 import torch
@@ -181,6 +182,9 @@ class Checkpoint:
         if getattr(self.args, "num_layers", None) is None:
             raise ValueError(f"{self.dir}'s mp_rank_00_model_states.pt holds no Megatron 'args': not a "
                              "Megatron-DeepSpeed checkpoint")
+        # before the layout is read from the file names, where a missing TP rank reads as a smaller TP size
+        check_files(self, model_files)
+        check_args_agree(self, model_files)
         zero_files = [] if self.universal else get_zero_files(self.dir)
         # the layout from the file names alone (TP = the embedding layer's files, PP = model files / TP); a
         # universal checkpoint has no layer files: its args say
@@ -216,9 +220,13 @@ class Checkpoint:
 
     def param_shapes(self, pp, tp):
         """The engine's param_shapes of (stage pp, TP rank tp): names and shapes only, kept (the mp_rank files
-        are read once)."""
+        are read once). DeepSpeed >= 0.10 saves none for a bf16 run without ZeRO (BF16_Optimizer, BLOOM's
+        setup): then they come from the ZeRO partitions' param_slice_mappings (shapes_from_slice_mappings)."""
         if (pp, tp) not in self._shapes:
-            self._shapes[pp, tp] = self.model_state(pp, tp).get("param_shapes")
+            shapes = self.model_state(pp, tp).get("param_shapes")
+            if not shapes and self.zero is not None:
+                shapes = shapes_from_slice_mappings(self, pp, tp)
+            self._shapes[pp, tp] = shapes
         return self._shapes[pp, tp]
 
     def zero_file(self, pp, tp, dp):
@@ -232,6 +240,99 @@ class Checkpoint:
         memory-mapped."""
         return [read_file(self.zero_file(pp, tp, dp), f"ZeRO partition of DP rank {dp}, stage {pp}, TP rank {tp}")
                 ["optimizer_state_dict"] for dp in (range(self.dp) if ranks is None else ranks)]
+
+
+# Megatron's args that every mp_rank file of one save holds alike (rank, local_rank and the like differ)
+AGREED_ARGS = SAME_ARGS + ("pipeline_model_parallel_size", "padded_vocab_size", "ffn_hidden_size",
+                           "max_position_embeddings", "position_embedding_type", "glu_activation", "tokenizer_type",
+                           "train_iters", "train_samples", "consumed_train_samples", "consumed_train_tokens")
+
+
+def check_files(ckpt, model_files):
+    """Every mp_rank and layer file of the TP x PP layout the args name is there, or one ValueError naming the
+    missing ones. Read from the file names alone, a missing TP rank would look like a smaller TP size (and be
+    refused later for a vocabulary or a layer count it does not have)."""
+    tp, pp = (getattr(ckpt.args, k, None) for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size"))
+    if not tp or not pp:
+        return
+    names = {os.path.basename(f) for f in model_files}
+    missing = [f"mp_rank_{m:02d}_model_states.pt" for m in range(tp * pp)
+               if f"mp_rank_{m:02d}_model_states.pt" not in names]
+    ranks = {}  # layer index -> the TP ranks with its file
+    for f in ckpt.layer_files:
+        index, rank = LAYER_FILE.fullmatch(os.path.basename(f)).groups()
+        ranks.setdefault(int(index), set()).add(int(rank))
+    missing += [f"layer_{i:02d}-model_{t:02d}-model_states.pt" for i in sorted(ranks) for t in range(tp)
+                if t not in ranks[i]]
+    if missing:
+        shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+        raise ValueError(f"{ckpt.dir} is incomplete: its args say TP={tp} x PP={pp}, and {len(missing)} of its "
+                         f"files are missing: {shown}; copy the whole checkpoint directory")
+
+
+def _comparable(value):
+    """An arg's value comparable across files: a Megatron enum read without Megatron is a _StandIn, equal to
+    another only as itself."""
+    return (type(value).__module__, type(value).__name__, value.args) if isinstance(value, _StandIn) else value
+
+
+def check_args_agree(ckpt, model_files):
+    """Every mp_rank file's args and iteration are mp_rank_00's (AGREED_ARGS), or one ValueError naming the file
+    and the args that differ: files of two runs or two saves in one directory."""
+    first = {k: _comparable(getattr(ckpt.args, k, None)) for k in AGREED_ARGS}
+    first["iteration"] = ckpt.state.get("iteration")
+    for path in sorted(model_files):
+        if os.path.basename(path) == "mp_rank_00_model_states.pt":
+            continue
+        state = read_file(path, "engine state")
+        args = state.get("args")
+        theirs = {k: _comparable(getattr(args, k, None)) for k in AGREED_ARGS}
+        theirs["iteration"] = state.get("iteration")
+        differ = [f"{k} {theirs[k]!r} (there) vs {first[k]!r}" for k in first if theirs[k] != first[k]]
+        if differ:
+            raise ValueError(f"{path}'s args disagree with mp_rank_00_model_states.pt's: {'; '.join(differ)}: the "
+                             "directory holds files of two runs or two saves; copy the whole checkpoint "
+                             "directory of one save")
+
+
+def shapes_from_slice_mappings(ckpt, pp, tp):
+    """param_shapes of (stage pp, TP rank tp) from its ZeRO partitions' param_slice_mappings (each DP rank's
+    {name: (numel, start)} in its part of each flat group) and the layer files' shapes, for a checkpoint whose
+    engine saved none. The parameters' places must tile each group from 0, in DP order, without a gap."""
+    shards = ckpt.zero_shards(pp, tp)
+    if any(not s.get("param_slice_mappings") for s in shards):
+        raise ValueError(f"{ckpt.dir}: mp_rank_{pp * ckpt.tp + tp:02d}_model_states.pt holds no param_shapes and "
+                         f"the ZeRO partitions of stage {pp}, TP rank {tp} no param_slice_mappings: nothing names "
+                         "the parameters in the optimizer's flat groups; import the weights alone (Adam then "
+                         "restarts from step 0) by moving the *zero_pp_rank_* files away")
+    shapes, files = [], {}  # files: layer index -> {key: shape} of its file on TP rank tp
+    for group in range(len(shards[0]["param_slice_mappings"])):
+        places, base = {}, 0  # name -> [start, stop) in the group's flat tensor
+        for shard in shards:
+            for name, address in shard["param_slice_mappings"][group].items():
+                start = base + address.start
+                lo, hi = places.get(name, (start, start))
+                if hi != start:
+                    raise ValueError(f"{ckpt.dir}: {name}'s fragments in the ZeRO partitions of stage {pp}, TP "
+                                     f"rank {tp} are not contiguous: the partitions are damaged or of two runs")
+                places[name] = (lo, start + address.numel)
+            base += shard["single_partition_of_fp32_groups"][group].numel()
+        names, end = OrderedDict(), 0
+        for name, (lo, hi) in sorted(places.items(), key=lambda item: item[1]):
+            layer, key = optimizer_name(ckpt, name)
+            if layer not in files:
+                files[layer] = {k: t.shape for k, t in ckpt.layer(layer, tp).items()}
+            shape = files[layer].get(key)
+            if shape is None:
+                raise ValueError(f"{ckpt.dir}: the ZeRO partitions of stage {pp}, TP rank {tp} hold {name}, which "
+                                 f"layer {layer}'s file does not: the partitions and layer files are of two runs")
+            if lo != end or hi - lo != math.prod(shape):
+                raise ValueError(f"{ckpt.dir}: {name} takes elements [{lo}, {hi}) of ZeRO group {group} of stage "
+                                 f"{pp}, TP rank {tp}, its layer file gives shape {tuple(shape)} and the group's "
+                                 f"previous parameter ends at {end}: the partitions and layer files are of two runs")
+            names[name], end = shape, hi
+        shapes.append(names)
+    return shapes
 
 
 # -----------------------------------------------------------------------------
@@ -272,10 +373,10 @@ def source_index(ckpt, tp):
     out = {}
     for pp in range(ckpt.pp):
         shapes = ckpt.param_shapes(pp, tp)
-        if not shapes:
+        if not shapes:  # a universal checkpoint's: its ZeRO partitions are gone
             raise ValueError(f"{ckpt.dir}: mp_rank_{pp * ckpt.tp + tp:02d}_model_states.pt holds no param_shapes (the "
-                             "names of the optimizer's parameters): not the ZeRO-1/2 or BF16 optimizer format of "
-                             "DeepSpeed >= 0.4; import the weights alone by moving the *zero_pp_rank_* files away")
+                             "names and shapes of the optimizer's parameters), which this universal checkpoint "
+                             "needs; import the checkpoint it was made from instead")
         for names in shapes:
             for name in names:
                 if pp == 0 or not name.startswith(TIED):
@@ -321,16 +422,16 @@ def universal_slice(ckpt, name, key, tp):
     return t if dim is None else t.chunk(ckpt.tp, dim)[tp].clone()
 
 
-def universal_states(ckpt, shapes, tp, wanted=None):
-    """adam_states of a universal checkpoint: each parameter's fp32 master and moments, the step in its own
-    step.pt or (FusedAdam's) in the param group of zero/optimizer_state.pt."""
+def universal_states(ckpt, shapes, tp, wanted=None, keys=STATE_KEYS):
+    """adam_states of a universal checkpoint: each parameter's fp32 master and moments (keys: which), the step in
+    its own step.pt or (FusedAdam's) in the param group of zero/optimizer_state.pt."""
     common = None
     out = {}
     for group, names in enumerate(shapes):
         for name, shape in names.items():
             if wanted is not None and name not in wanted:
                 continue
-            state = {key: universal_slice(ckpt, name, key, tp) for key in STATE_KEYS}
+            state = {key: universal_slice(ckpt, name, key, tp) for key in keys}
             if any(tuple(t.shape) != tuple(shape) for t in state.values()):
                 raise ValueError(f"{ckpt.dir}: zero/{name} cut for TP rank {tp} of {ckpt.tp} is not of shape "
                                  f"{tuple(shape)} (param_shapes): the universal checkpoint is of another layout")
@@ -393,7 +494,7 @@ def adam_states(ckpt, pp, tp, wanted=None, keys=STATE_KEYS):
     adds for alignment is at its end) and cut into parameters in the order of the engine's param_shapes; only
     the wanted parameters' elements are read and copied. keys: which of the three tensors."""
     if ckpt.universal:
-        return universal_states(ckpt, ckpt.param_shapes(pp, tp), tp, wanted)
+        return universal_states(ckpt, ckpt.param_shapes(pp, tp), tp, wanted, keys)
     shards, shapes = _checked_zero_shards(ckpt, pp, tp)
     out = {}
     for group, names in enumerate(shapes):
@@ -445,6 +546,49 @@ def check_tied_copies(ckpt, tp):
         raise ValueError(f"{ckpt.dir}: the last stage's fp32 copy of the tied word embedding differs from "
                          f"the first stage's on TP rank {tp} (lesson 11); the checkpoint cannot be "
                          "continued as it is: compare the two in Megatron-DeepSpeed, or repair one copy")
+
+
+def untrained(name, exp_avg_sq):
+    """Where Adam's second moment says a parameter never had a gradient ('' if nowhere it should have): the
+    whole tensor, or a row of the learned position table, which every step uses whole (its rows are seq_length,
+    config_from_args holds that)."""
+    if not exp_avg_sq.any():
+        return "everywhere"
+    if name.endswith("position_embeddings.weight"):
+        rows = (exp_avg_sq.reshape(exp_avg_sq.shape[0], -1) == 0).all(dim=1).nonzero().flatten().tolist()
+        if rows:
+            return f"in rows {rows[:8]}" + (f" and {len(rows) - 8} more" if len(rows) > 8 else "")
+    return ""
+
+
+def check_replicated_copies(ckpt, tp):
+    """A universal checkpoint keeps one copy of a parameter that several pipeline stages hold (the tied embedding
+    module: on the first stage, which trains all of it, and on the last, which uses its word embedding alone).
+    ds_to_universal takes the first stage's only when the checkpoint's universal_checkpoint_info names it
+    (pipeline_replicated_parameter_patterns); the bigscience fork stores no such info and --inject_missing_state
+    adds an empty one, so that the last stage's copy is the one kept: its position embedding untrained, Adam's
+    moments zero. Such a copy is refused, naming the parameter, before anything is written (read from the first
+    stage's own partitions, a checkpoint that is not universal never meets it)."""
+    if not ckpt.universal or ckpt.pp == 1:
+        return
+    stages = {}
+    for pp in range(ckpt.pp):
+        for names in ckpt.param_shapes(pp, tp):
+            for name in names:
+                stages.setdefault(name, set()).add(pp)
+    found = []
+    for name in sorted(n for n, held in stages.items() if len(held) > 1 and 0 in held):
+        state = adam_states(ckpt, 0, tp, {name}, keys=("exp_avg_sq",))[name]
+        where = untrained(name, state["exp_avg_sq"]) if state["step"] > 0 else ""
+        if where:
+            found.append(f"zero/{name} (Adam's exp_avg_sq zero {where} after {state['step']} steps)")
+    if found:
+        raise ValueError(
+            f"{ckpt.dir} holds untrained copies of parameters that the first pipeline stage trains: "
+            f"{', '.join(found)}. DeepSpeed's ds_to_universal kept the last stage's copies, because the checkpoint "
+            "it converted names no pipeline_replicated_parameter_patterns (a bigscience-fork checkpoint has no "
+            "universal_checkpoint_info; --inject_missing_state adds an empty one); import the original "
+            "global_stepN directory instead, from which each parameter is taken from the stage that trains it")
 
 
 # -----------------------------------------------------------------------------
@@ -616,6 +760,7 @@ def _write(ckpt, cfg, run, tag_dir):
     if ckpt.has_optimizer:
         for t in range(tp):
             check_tied_copies(ckpt, t)
+            check_replicated_copies(ckpt, t)
     entries, g = [], None
     for t in range(tp):
         for stage in range(pp):
@@ -625,12 +770,24 @@ def _write(ckpt, cfg, run, tag_dir):
     return g
 
 
+def check_save_dir(save_dir):
+    """save_dir is new or empty, or one ValueError: one naming a half-finished import left in it (a killed
+    import's global_stepN.partial: kill -9 runs no clean-up), which is never deleted here."""
+    held = sorted(os.listdir(save_dir)) if os.path.isdir(save_dir) else []
+    leftovers = [n for n in held if n.endswith(".partial")]
+    if leftovers:
+        raise ValueError(f"{save_dir} holds {', '.join(leftovers)}: a half-finished import, killed before it "
+                         f"completed; delete it (rm -r {os.path.join(save_dir, leftovers[0])}) and run the import "
+                         "again")
+    if held:
+        raise ValueError(f"{save_dir} is not empty: the import writes a new checkpoint directory; give an empty or "
+                         "new --save")
+
+
 def convert(ckpt, save_dir, cfg, log=print):
     """Write our checkpoint of ckpt (a Checkpoint) into save_dir/global_stepN with cfg's layout (TP the
     checkpoint's, DP=1), its manifest, then `latest`. Returns the tag directory."""
-    if os.path.isdir(save_dir) and os.listdir(save_dir):
-        raise ValueError(f"{save_dir} is not empty: the import writes a new checkpoint directory; give an empty or "
-                         "new --save")
+    check_save_dir(save_dir)
     if not ckpt.has_optimizer:
         log(f"no ZeRO optimizer files in {ckpt.dir}: importing the weights alone; the run continues with a fresh "
             "Adam (step 0, zero moments) and fp32 masters from the weights")

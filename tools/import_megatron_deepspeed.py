@@ -34,6 +34,7 @@ def main(argv=None):
                         help="true (default): Megatron's softmax over the padded vocabulary too, the model it "
                              "trained (its TP size then stays); false: the padding left out from now on")
     args = parser.parse_args(argv)
+    megatron_ds.check_save_dir(args.save)  # before the source is read
     ckpt = megatron_ds.Checkpoint(args.load)
     cfg = megatron_ds.config_from_args(ckpt, args.vocab_size, args.pipeline_model_parallel_size,
                                        args.pp_partition_method, args.padded_vocab_in_softmax == "true")
