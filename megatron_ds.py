@@ -29,11 +29,16 @@ ranks give. DeepSpeedCheckpoint itself is not used: it sorts the mp_rank files a
 mp_rank_11), refuses a directory without ZeRO files (a weights-only import), and its layer-to-stage map assumes
 equal stages, which BLOOM's partition (5 layers on its first and last stage, 6 between) is not; no reader there
 turns a flat ZeRO partition back into parameters (ds_to_universal does it through files on disk, and needs the
-universal_checkpoint_info that 2021-22 checkpoints lack), so that is done here from `param_shapes`.
+universal_checkpoint_info that 2021-22 checkpoints lack), so that is done here from `param_shapes`, or
+where the engine saved none (DeepSpeed 0.19 under bf16 without ZeRO) from the partitions'
+`param_slice_mappings`.
 
 DeepSpeed's universal checkpoint (ds_to_universal's output: zero/<name>/fp32.pt, exp_avg.pt, ... whole tensors
 with the dimension they were cut along, the vocabulary's padding dropped, and the mp_rank files, no layer files) is
 read too: its masters are the weights, each tensor is cut for the TP size its args name. Its fp16 loss scale is not.
+One made from a checkpoint without universal_checkpoint_info (the bigscience fork's) holds the last
+stage's untrained copies of the tied embedding module's position embedding and LayerNorm: refused
+(check_replicated_copies); the checkpoint it was made from imports.
 
 Not read: the pre-0.4 ZeRO stage-1 format
 (sub-partitions), Megatron checkpoints without the pipeline engine (--no-pipeline-parallel) and the RNG states
@@ -182,7 +187,7 @@ class Checkpoint:
         if getattr(self.args, "num_layers", None) is None:
             raise ValueError(f"{self.dir}'s mp_rank_00_model_states.pt holds no Megatron 'args': not a "
                              "Megatron-DeepSpeed checkpoint")
-        # before the layout is read from the file names, where a missing TP rank reads as a smaller TP size
+        # before the layout is read from the file names (a missing TP rank reads as a smaller TP)
         check_files(self, model_files)
         check_args_agree(self, model_files)
         zero_files = [] if self.universal else get_zero_files(self.dir)
@@ -220,8 +225,9 @@ class Checkpoint:
 
     def param_shapes(self, pp, tp):
         """The engine's param_shapes of (stage pp, TP rank tp): names and shapes only, kept (the mp_rank files
-        are read once). DeepSpeed >= 0.10 saves none for a bf16 run without ZeRO (BF16_Optimizer, BLOOM's
-        setup): then they come from the ZeRO partitions' param_slice_mappings (shapes_from_slice_mappings)."""
+        are read once). DeepSpeed 0.19 saves none for bf16 without ZeRO (BF16_Optimizer, BLOOM's
+        setup): then the ZeRO partitions' param_slice_mappings give them
+        (shapes_from_slice_mappings)."""
         if (pp, tp) not in self._shapes:
             shapes = self.model_state(pp, tp).get("param_shapes")
             if not shapes and self.zero is not None:
@@ -242,69 +248,76 @@ class Checkpoint:
                 ["optimizer_state_dict"] for dp in (range(self.dp) if ranks is None else ranks)]
 
 
-# Megatron's args that every mp_rank file of one save holds alike (rank, local_rank and the like differ)
-AGREED_ARGS = SAME_ARGS + ("pipeline_model_parallel_size", "padded_vocab_size", "ffn_hidden_size",
-                           "max_position_embeddings", "position_embedding_type", "glu_activation", "tokenizer_type",
-                           "train_iters", "train_samples", "consumed_train_samples", "consumed_train_tokens")
+# Megatron's args that every mp_rank file of one save holds alike (rank, local_rank and such differ)
+AGREED_ARGS = SAME_ARGS + (
+    "pipeline_model_parallel_size", "padded_vocab_size", "ffn_hidden_size",
+    "max_position_embeddings", "position_embedding_type", "glu_activation", "tokenizer_type",
+    "train_iters", "train_samples", "consumed_train_samples", "consumed_train_tokens")
 
 
 def check_files(ckpt, model_files):
-    """Every mp_rank and layer file of the TP x PP layout the args name is there, or one ValueError naming the
-    missing ones. Read from the file names alone, a missing TP rank would look like a smaller TP size (and be
-    refused later for a vocabulary or a layer count it does not have)."""
-    tp, pp = (getattr(ckpt.args, k, None) for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size"))
+    """Every mp_rank and layer file of the TP x PP layout the args name is there, or one ValueError
+    naming the missing ones. From the file names alone, a missing TP rank looks like a smaller TP
+    size (then refused for a vocabulary or a layer count it does not have)."""
+    tp = getattr(ckpt.args, "tensor_model_parallel_size", None)
+    pp = getattr(ckpt.args, "pipeline_model_parallel_size", None)
     if not tp or not pp:
         return
     names = {os.path.basename(f) for f in model_files}
-    missing = [f"mp_rank_{m:02d}_model_states.pt" for m in range(tp * pp)
-               if f"mp_rank_{m:02d}_model_states.pt" not in names]
+    missing = [f"mp_rank_{m:02d}_model_states.pt" for m in range(tp * pp)]
+    missing = [name for name in missing if name not in names]
     ranks = {}  # layer index -> the TP ranks with its file
     for f in ckpt.layer_files:
         index, rank = LAYER_FILE.fullmatch(os.path.basename(f)).groups()
         ranks.setdefault(int(index), set()).add(int(rank))
-    missing += [f"layer_{i:02d}-model_{t:02d}-model_states.pt" for i in sorted(ranks) for t in range(tp)
-                if t not in ranks[i]]
+    missing += [f"layer_{i:02d}-model_{t:02d}-model_states.pt" for i in sorted(ranks)
+                for t in range(tp) if t not in ranks[i]]
     if missing:
-        shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
-        raise ValueError(f"{ckpt.dir} is incomplete: its args say TP={tp} x PP={pp}, and {len(missing)} of its "
-                         f"files are missing: {shown}; copy the whole checkpoint directory")
+        more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""
+        raise ValueError(f"{ckpt.dir} is incomplete: its args say TP={tp} x PP={pp}, and "
+                         f"{len(missing)} of its files are missing: "
+                         f"{', '.join(missing[:8])}{more}; copy the whole checkpoint directory")
 
 
 def _comparable(value):
-    """An arg's value comparable across files: a Megatron enum read without Megatron is a _StandIn, equal to
-    another only as itself."""
-    return (type(value).__module__, type(value).__name__, value.args) if isinstance(value, _StandIn) else value
+    """An arg's value comparable across files: a Megatron enum read without Megatron (a _StandIn) is
+    equal to nothing but itself."""
+    if isinstance(value, _StandIn):
+        return type(value).__module__, type(value).__name__, value.args
+    return value
 
 
 def check_args_agree(ckpt, model_files):
-    """Every mp_rank file's args and iteration are mp_rank_00's (AGREED_ARGS), or one ValueError naming the file
-    and the args that differ: files of two runs or two saves in one directory."""
+    """Every mp_rank file's args (AGREED_ARGS) and iteration are mp_rank_00's, or one ValueError
+    naming the file and the args that differ: files of two runs, or two saves, in one directory."""
     first = {k: _comparable(getattr(ckpt.args, k, None)) for k in AGREED_ARGS}
     first["iteration"] = ckpt.state.get("iteration")
     for path in sorted(model_files):
         if os.path.basename(path) == "mp_rank_00_model_states.pt":
             continue
         state = read_file(path, "engine state")
-        args = state.get("args")
-        theirs = {k: _comparable(getattr(args, k, None)) for k in AGREED_ARGS}
+        theirs = {k: _comparable(getattr(state.get("args"), k, None)) for k in AGREED_ARGS}
         theirs["iteration"] = state.get("iteration")
-        differ = [f"{k} {theirs[k]!r} (there) vs {first[k]!r}" for k in first if theirs[k] != first[k]]
+        differ = [f"{k} {theirs[k]!r} (there) vs {first[k]!r}" for k in first
+                  if theirs[k] != first[k]]
         if differ:
-            raise ValueError(f"{path}'s args disagree with mp_rank_00_model_states.pt's: {'; '.join(differ)}: the "
-                             "directory holds files of two runs or two saves; copy the whole checkpoint "
-                             "directory of one save")
+            raise ValueError(f"{path}'s args disagree with mp_rank_00_model_states.pt's: "
+                             f"{'; '.join(differ)}: the directory holds files of two runs or two "
+                             "saves; copy the whole checkpoint directory of one save")
 
 
 def shapes_from_slice_mappings(ckpt, pp, tp):
-    """param_shapes of (stage pp, TP rank tp) from its ZeRO partitions' param_slice_mappings (each DP rank's
-    {name: (numel, start)} in its part of each flat group) and the layer files' shapes, for a checkpoint whose
-    engine saved none. The parameters' places must tile each group from 0, in DP order, without a gap."""
+    """param_shapes of (stage pp, TP rank tp) from its ZeRO partitions' param_slice_mappings (each
+    DP rank's {name: (numel, start)} in its part of each flat group) and the layer files' shapes,
+    for a checkpoint whose engine saved none. The places must tile each group from 0 in DP order."""
     shards = ckpt.zero_shards(pp, tp)
+    where = f"stage {pp}, TP rank {tp}"
     if any(not s.get("param_slice_mappings") for s in shards):
-        raise ValueError(f"{ckpt.dir}: mp_rank_{pp * ckpt.tp + tp:02d}_model_states.pt holds no param_shapes and "
-                         f"the ZeRO partitions of stage {pp}, TP rank {tp} no param_slice_mappings: nothing names "
-                         "the parameters in the optimizer's flat groups; import the weights alone (Adam then "
-                         "restarts from step 0) by moving the *zero_pp_rank_* files away")
+        raise ValueError(f"{ckpt.dir}: mp_rank_{pp * ckpt.tp + tp:02d}_model_states.pt holds no "
+                         f"param_shapes and the ZeRO partitions of {where} no "
+                         "param_slice_mappings: nothing names the parameters in the optimizer's "
+                         "flat groups; import the weights alone (Adam then restarts from step 0) "
+                         "by moving the *zero_pp_rank_* files away")
     shapes, files = [], {}  # files: layer index -> {key: shape} of its file on TP rank tp
     for group in range(len(shards[0]["param_slice_mappings"])):
         places, base = {}, 0  # name -> [start, stop) in the group's flat tensor
@@ -313,8 +326,9 @@ def shapes_from_slice_mappings(ckpt, pp, tp):
                 start = base + address.start
                 lo, hi = places.get(name, (start, start))
                 if hi != start:
-                    raise ValueError(f"{ckpt.dir}: {name}'s fragments in the ZeRO partitions of stage {pp}, TP "
-                                     f"rank {tp} are not contiguous: the partitions are damaged or of two runs")
+                    raise ValueError(f"{ckpt.dir}: {name}'s fragments in the ZeRO partitions "
+                                     f"of {where} are not contiguous: the partitions are damaged "
+                                     "or of two runs")
                 places[name] = (lo, start + address.numel)
             base += shard["single_partition_of_fp32_groups"][group].numel()
         names, end = OrderedDict(), 0
@@ -323,13 +337,12 @@ def shapes_from_slice_mappings(ckpt, pp, tp):
             if layer not in files:
                 files[layer] = {k: t.shape for k, t in ckpt.layer(layer, tp).items()}
             shape = files[layer].get(key)
-            if shape is None:
-                raise ValueError(f"{ckpt.dir}: the ZeRO partitions of stage {pp}, TP rank {tp} hold {name}, which "
-                                 f"layer {layer}'s file does not: the partitions and layer files are of two runs")
-            if lo != end or hi - lo != math.prod(shape):
-                raise ValueError(f"{ckpt.dir}: {name} takes elements [{lo}, {hi}) of ZeRO group {group} of stage "
-                                 f"{pp}, TP rank {tp}, its layer file gives shape {tuple(shape)} and the group's "
-                                 f"previous parameter ends at {end}: the partitions and layer files are of two runs")
+            if shape is None or lo != end or hi - lo != math.prod(shape):
+                found = "nothing" if shape is None else f"shape {tuple(shape)}"
+                raise ValueError(f"{ckpt.dir}: {name} takes elements [{lo}, {hi}) of ZeRO group "
+                                 f"{group} of {where}, where the previous parameter ends at {end}; "
+                                 f"layer {layer}'s file has {found} for it: the partitions and the "
+                                 "layer files are of two runs")
             names[name], end = shape, hi
         shapes.append(names)
     return shapes
@@ -374,9 +387,10 @@ def source_index(ckpt, tp):
     for pp in range(ckpt.pp):
         shapes = ckpt.param_shapes(pp, tp)
         if not shapes:  # a universal checkpoint's: its ZeRO partitions are gone
-            raise ValueError(f"{ckpt.dir}: mp_rank_{pp * ckpt.tp + tp:02d}_model_states.pt holds no param_shapes (the "
-                             "names and shapes of the optimizer's parameters), which this universal checkpoint "
-                             "needs; import the checkpoint it was made from instead")
+            raise ValueError(f"{ckpt.dir}: mp_rank_{pp * ckpt.tp + tp:02d}_model_states.pt "
+                             "holds no param_shapes (the names and shapes of the optimizer's "
+                             "parameters), which a universal checkpoint needs; import the one it "
+                             "was made from")
         for names in shapes:
             for name in names:
                 if pp == 0 or not name.startswith(TIED):
@@ -423,8 +437,9 @@ def universal_slice(ckpt, name, key, tp):
 
 
 def universal_states(ckpt, shapes, tp, wanted=None, keys=STATE_KEYS):
-    """adam_states of a universal checkpoint: each parameter's fp32 master and moments (keys: which), the step in
-    its own step.pt or (FusedAdam's) in the param group of zero/optimizer_state.pt."""
+    """adam_states of a universal checkpoint: each parameter's fp32 master and moments (keys:
+    which), the step in its own step.pt or (FusedAdam's) in the param group of
+    zero/optimizer_state.pt."""
     common = None
     out = {}
     for group, names in enumerate(shapes):
@@ -549,26 +564,28 @@ def check_tied_copies(ckpt, tp):
 
 
 def untrained(name, exp_avg_sq):
-    """Where Adam's second moment says a parameter never had a gradient ('' if nowhere it should have): the
-    whole tensor, or a row of the learned position table, which every step uses whole (its rows are seq_length,
-    config_from_args holds that)."""
+    """Where Adam's second moment says a parameter never had a gradient ('' if nowhere it should
+    have): the whole tensor, or a row of the learned position table, which every step uses whole
+    (its rows are seq_length: config_from_args holds that)."""
     if not exp_avg_sq.any():
         return "everywhere"
     if name.endswith("position_embeddings.weight"):
-        rows = (exp_avg_sq.reshape(exp_avg_sq.shape[0], -1) == 0).all(dim=1).nonzero().flatten().tolist()
-        if rows:
-            return f"in rows {rows[:8]}" + (f" and {len(rows) - 8} more" if len(rows) > 8 else "")
+        rows = (exp_avg_sq.reshape(exp_avg_sq.shape[0], -1) == 0).all(dim=1).nonzero().flatten()
+        if len(rows):
+            more = f" and {len(rows) - 8} more" if len(rows) > 8 else ""
+            return f"in rows {rows[:8].tolist()}{more}"
     return ""
 
 
 def check_replicated_copies(ckpt, tp):
-    """A universal checkpoint keeps one copy of a parameter that several pipeline stages hold (the tied embedding
-    module: on the first stage, which trains all of it, and on the last, which uses its word embedding alone).
-    ds_to_universal takes the first stage's only when the checkpoint's universal_checkpoint_info names it
-    (pipeline_replicated_parameter_patterns); the bigscience fork stores no such info and --inject_missing_state
-    adds an empty one, so that the last stage's copy is the one kept: its position embedding untrained, Adam's
-    moments zero. Such a copy is refused, naming the parameter, before anything is written (read from the first
-    stage's own partitions, a checkpoint that is not universal never meets it)."""
+    """A universal checkpoint keeps one copy of a parameter that several pipeline stages hold (the
+    tied embedding module: on the first stage, which trains all of it, and on the last, which uses
+    its word embedding alone). ds_to_universal keeps the first stage's only when the checkpoint's
+    universal_checkpoint_info names it (pipeline_replicated_parameter_patterns); the bigscience
+    fork stores no such info and --inject_missing_state adds an empty one, so the last stage's copy
+    is kept: its position embedding and embedding LayerNorm untrained, Adam's moments zero. Such
+    copies are refused, named, before anything is written. (The import of a checkpoint that is not
+    universal takes them from the first stage's own partitions: source_index.)"""
     if not ckpt.universal or ckpt.pp == 1:
         return
     stages = {}
@@ -581,14 +598,17 @@ def check_replicated_copies(ckpt, tp):
         state = adam_states(ckpt, 0, tp, {name}, keys=("exp_avg_sq",))[name]
         where = untrained(name, state["exp_avg_sq"]) if state["step"] > 0 else ""
         if where:
-            found.append(f"zero/{name} (Adam's exp_avg_sq zero {where} after {state['step']} steps)")
+            steps = state["step"]
+            found.append(f"zero/{name} (Adam's exp_avg_sq zero {where} after {steps} steps)")
     if found:
         raise ValueError(
-            f"{ckpt.dir} holds untrained copies of parameters that the first pipeline stage trains: "
-            f"{', '.join(found)}. DeepSpeed's ds_to_universal kept the last stage's copies, because the checkpoint "
-            "it converted names no pipeline_replicated_parameter_patterns (a bigscience-fork checkpoint has no "
-            "universal_checkpoint_info; --inject_missing_state adds an empty one); import the original "
-            "global_stepN directory instead, from which each parameter is taken from the stage that trains it")
+            f"{ckpt.dir} holds untrained copies of parameters that the first pipeline stage "
+            f"trains: {', '.join(found)}. DeepSpeed's ds_to_universal kept the last stage's "
+            "copies, as the checkpoint it converted names no "
+            "pipeline_replicated_parameter_patterns (a bigscience-fork checkpoint has no "
+            "universal_checkpoint_info; --inject_missing_state adds an empty one); import the "
+            "original global_stepN directory instead, from which each parameter is taken from the "
+            "stage that trains it")
 
 
 # -----------------------------------------------------------------------------
@@ -771,17 +791,17 @@ def _write(ckpt, cfg, run, tag_dir):
 
 
 def check_save_dir(save_dir):
-    """save_dir is new or empty, or one ValueError: one naming a half-finished import left in it (a killed
-    import's global_stepN.partial: kill -9 runs no clean-up), which is never deleted here."""
+    """save_dir is new or empty, or one ValueError; one that names a half-finished import left in it
+    (a killed import's global_stepN.partial: kill -9 runs no clean-up), never deleted here."""
     held = sorted(os.listdir(save_dir)) if os.path.isdir(save_dir) else []
     leftovers = [n for n in held if n.endswith(".partial")]
     if leftovers:
-        raise ValueError(f"{save_dir} holds {', '.join(leftovers)}: a half-finished import, killed before it "
-                         f"completed; delete it (rm -r {os.path.join(save_dir, leftovers[0])}) and run the import "
-                         "again")
+        raise ValueError(f"{save_dir} holds {', '.join(leftovers)}: a half-finished import, killed "
+                         f"before it completed; delete it (rm -r "
+                         f"{os.path.join(save_dir, leftovers[0])}) and run the import again")
     if held:
-        raise ValueError(f"{save_dir} is not empty: the import writes a new checkpoint directory; give an empty or "
-                         "new --save")
+        raise ValueError(f"{save_dir} is not empty: the import writes a new checkpoint directory; "
+                         "give an empty or new --save")
 
 
 def convert(ckpt, save_dir, cfg, log=print):

@@ -1,18 +1,21 @@
 """Megatron-DeepSpeed checkpoints written by DeepSpeed itself, imported (megatron_ds.py).
 
-tests/deepspeed_writer.py builds a GPTModelPipe-shaped model (the embedding with its LayerNorm and learned
-positions as a TiedLayerSpec, 2 layers, the tied output layer) as a DeepSpeed PipelineModule, trains it two steps
-with DeepSpeed 0.19's pipeline engine at PP2 x DP2 (4 gloo processes on CPU) and saves it with
-`engine.save_checkpoint` and Megatron's client state, in three settings:
+tests/deepspeed_writer.py builds a GPTModelPipe-shaped model (the embedding with its LayerNorm and
+learned positions as a TiedLayerSpec, 2 layers, the tied output layer) as a DeepSpeed
+PipelineModule, trains it two steps with DeepSpeed 0.19's pipeline engine at PP2 x DP2 (4 gloo
+processes on CPU) and saves it with `engine.save_checkpoint` and Megatron's client state, in three
+settings:
 - bf16 without ZeRO (BF16_Optimizer: BLOOM-176B's setup), whose engine saves param_shapes=None;
-- bf16 ZeRO-1, then turned into a universal checkpoint by DeepSpeed's own ds_to_universal as the bigscience fork's
-  checkpoints must be (no universal_checkpoint_info: --inject_missing_state);
+- bf16 ZeRO-1, then turned into a universal checkpoint by DeepSpeed's own ds_to_universal as the
+  bigscience fork's checkpoints must be (no universal_checkpoint_info: --inject_missing_state);
 - fp32 ZeRO-1 with microsoft's universal_checkpoint_info, and its universal checkpoint.
 Each import holds, bit for bit, what DeepSpeed's own getters (safe_get_full_fp32_param,
-safe_get_full_optimizer_state) and the module returned at save time: the weights, fp32 masters and Adam's moments
-of every parameter from the stage that trains it, and Adam's step. The universal checkpoint of the bigscience-fork
-one holds the last stage's untrained copy of the position embedding: refused, naming it.
+safe_get_full_optimizer_state) and the module returned at save time: the weights, fp32 masters and
+Adam's moments of every parameter from the stage that trains it, and Adam's step. The universal
+checkpoint of the bigscience-fork one holds the last stage's untrained copies of the position
+embedding and the embedding LayerNorm: refused, naming them.
 """
+
 import os
 import runpy
 import subprocess
@@ -22,28 +25,44 @@ import pytest
 import torch
 
 import checkpoint
+import megatron_ds
 import parallel
 from helpers import ROOT
 
 PP, LAYERS, VOCAB = 2, 2, 250  # deepspeed_writer's
 SETTINGS = ["bf16s0:bf16:0", "bf16z1:bf16:1:universal", "fp32z1:fp32:1:info:universal"]
 TIED = "tied_modules.embed."
-EMBED = {"word_embeddings.weight": "embed.word.weight", "position_embeddings.weight": "embed.position.weight",
-         "word_embeddings.norm.weight": "embed.norm.weight", "word_embeddings.norm.bias": "embed.norm.bias"}
-BLOCK = {"input_layernorm": "ln_1", "self_attention.query_key_value": "attn.qkv",
-         "self_attention.dense": "attn.proj", "post_attention_layernorm": "ln_2", "mlp.dense_h_to_4h": "mlp.fc1",
-         "mlp.dense_4h_to_h": "mlp.fc2"}
+EMBED = {
+    "word_embeddings.weight": "embed.word.weight",
+    "position_embeddings.weight": "embed.position.weight",
+    "word_embeddings.norm.weight": "embed.norm.weight",
+    "word_embeddings.norm.bias": "embed.norm.bias",
+}
+BLOCK = {
+    "input_layernorm": "ln_1",
+    "self_attention.query_key_value": "attn.qkv",
+    "self_attention.dense": "attn.proj",
+    "post_attention_layernorm": "ln_2",
+    "mlp.dense_h_to_4h": "mlp.fc1",
+    "mlp.dense_4h_to_h": "mlp.fc2",
+}
 KEYS = ("fp32", "exp_avg", "exp_avg_sq")
 
 
 @pytest.fixture(scope="module")
 def written(tmp_path_factory):
-    """DeepSpeed's save directories of SETTINGS, written in a process tree of their own (the test process never
-    initializes torch.distributed)."""
+    """DeepSpeed's save directories of SETTINGS, written in a process tree of their own (the test
+    process never initializes torch.distributed)."""
     root = tmp_path_factory.mktemp("deepspeed_writer")
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "deepspeed_writer.py"), str(root),
-                           *SETTINGS], cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "tests", "deepspeed_writer.py"), str(root), *SETTINGS],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     return root
 
@@ -54,10 +73,10 @@ def _import(source, ours):
 
 
 def _our_name(theirs):
-    """Ours of a name in DeepSpeed's PipelineModule (GPTModelPipe's indices: 3.. the blocks, LAYERS + 4 the final
-    LayerNorm)."""
+    """Ours of a name in DeepSpeed's PipelineModule (GPTModelPipe's indices: 3.. the blocks, LAYERS
+    + 4 the final LayerNorm)."""
     if theirs.startswith(TIED):
-        return EMBED[theirs[len(TIED):]]
+        return EMBED[theirs[len(TIED) :]]
     layer, key = theirs.split(".", 1)
     if int(layer) == LAYERS + 4:
         return f"ln_f.{key}"
@@ -66,34 +85,46 @@ def _our_name(theirs):
 
 
 def _references(save_dir):
-    """({our name: DeepSpeed's tensors at save time}, the same of the last stage's copies of the tied module):
-    each parameter from the stage that trains it, the tied embedding module from the first."""
-    stages = [torch.load(os.path.join(save_dir, f"reference_stage{s}.pt"), weights_only=False)["tensors"]
-              for s in range(PP)]
+    """({our name: DeepSpeed's tensors at save time}, the same of the last stage's copies of the
+    tied module): each parameter from the stage that trains it, the tied embedding module from the
+    first."""
+    stages = [
+        torch.load(os.path.join(save_dir, f"reference_stage{s}.pt"), weights_only=False)["tensors"]
+        for s in range(PP)
+    ]
     want = {_our_name(n): t for s in reversed(range(PP)) for n, t in stages[s].items()}
     last_copies = {_our_name(n): t for n, t in stages[-1].items() if n.startswith(TIED)}
     return want, last_copies
 
 
 def _our_rank(tag_dir, stage):
-    """{our name: {"weight", "fp32", "exp_avg", "exp_avg_sq", "step"}} of stage `stage` of our TP1 x PP2 files."""
+    """{our name: {"weight", "fp32", "exp_avg", "exp_avg_sq", "step"}} of stage `stage` of our TP1 x
+    PP2 files."""
     g = parallel.Grid(1, PP, world_size=PP, rank=stage)
     model = torch.load(checkpoint.model_file(str(tag_dir), g), weights_only=False)["model"]
     rank = torch.load(checkpoint.rank_file(str(tag_dir), g), weights_only=False)["optimizer"]
     masters = rank.get("fp32_master_weights")
     out = {}
-    for i, name in enumerate(torch.load(checkpoint.rank_file(str(tag_dir), g), weights_only=False)["param_names"]):
+    for i, name in enumerate(
+        torch.load(checkpoint.rank_file(str(tag_dir), g), weights_only=False)["param_names"]
+    ):
         state = rank["state"][i]
-        out[name] = {"weight": model[name], "fp32": model[name] if masters is None else masters[i],
-                     "exp_avg": state["exp_avg"], "exp_avg_sq": state["exp_avg_sq"], "step": int(state["step"])}
+        out[name] = {
+            "weight": model[name],
+            "fp32": model[name] if masters is None else masters[i],
+            "exp_avg": state["exp_avg"],
+            "exp_avg_sq": state["exp_avg_sq"],
+            "step": int(state["step"]),
+        }
     return out
 
 
 def _assert_holds(ours, save_dir, dtype, universal=False):
-    """Every stage of our import holds DeepSpeed's tensors bit for bit: each parameter's weight (the module's,
-    in the run's dtype; a universal checkpoint's are its fp32 masters), fp32 master and both moments, and the step;
-    the last stage's output layer is the tied word embedding. A universal checkpoint made with microsoft's
-    universal_checkpoint_info drops the vocabulary's padding rows: they come back as zeros."""
+    """Every stage of our import holds DeepSpeed's tensors bit for bit: each parameter's weight (the
+    module's, in the run's dtype; a universal checkpoint's are its fp32 masters), fp32 master and
+    both moments, and the step; the last stage's output layer is the tied word embedding. A
+    universal checkpoint made with microsoft's universal_checkpoint_info drops the vocabulary's
+    padding rows: they come back as zeros."""
     want, last_copies = _references(save_dir)
     seen = set()
     for stage in range(PP):
@@ -108,18 +139,24 @@ def _assert_holds(ours, save_dir, dtype, universal=False):
                 assert have[key].dtype == t.dtype and torch.equal(have[key], t), (stage, name, key)
             assert have["step"] == 2, (stage, name)
             seen.add(source)
-    assert seen == set(want) and have["weight"].dtype == {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
-    # lesson 11 holds in DeepSpeed's checkpoint: its last stage's word embedding is the first stage's
-    assert all(torch.equal(last_copies["embed.word.weight"][k], want["embed.word.weight"][k]) for k in KEYS)
+    assert (
+        seen == set(want)
+        and have["weight"].dtype == {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
+    )
+    # lesson 11 holds in DeepSpeed's checkpoint: the last stage's word embedding is the first's
+    assert all(
+        torch.equal(last_copies["embed.word.weight"][k], want["embed.word.weight"][k]) for k in KEYS
+    )
 
 
 @pytest.mark.slow
 def test_bf16_without_zero_reads_its_optimizer_from_the_slice_mappings(written, tmp_path):
-    """BLOOM-176B's setup (bf16, ZeRO stage 0: DeepSpeed's BF16_Optimizer, its partitions cut over DP2): DeepSpeed
-    0.19 saves param_shapes=None; the names and places come from the partitions' param_slice_mappings, the shapes
-    from the layer files."""
-    engine = torch.load(written / "bf16s0" / "global_step2" / "mp_rank_00_model_states.pt", weights_only=False,
-                        pickle_module=__import__("megatron_ds").PICKLE)
+    """BLOOM-176B's setup (bf16, ZeRO stage 0: DeepSpeed's BF16_Optimizer, its partitions cut over
+    DP2): DeepSpeed 0.19 saves param_shapes=None; the names and places come from the partitions'
+    param_slice_mappings, the shapes from the layer files."""
+    engine = megatron_ds.read_file(
+        str(written / "bf16s0" / "global_step2" / "mp_rank_00_model_states.pt"), ""
+    )
     assert engine["param_shapes"] is None  # what makes this case
     _import(written / "bf16s0", tmp_path / "ours")
     _assert_holds(tmp_path / "ours", written / "bf16s0", "bf16")
@@ -134,28 +171,38 @@ def test_zero1_checkpoints_of_deepspeed_import_bit_for_bit(written, tmp_path, na
 
 @pytest.mark.slow
 def test_a_universal_checkpoint_with_microsofts_info_imports_bit_for_bit(written, tmp_path):
-    """ds_to_universal given the pipeline-replicated parameters (microsoft's universal_checkpoint_info) keeps the
-    first stage's copies: the import is DeepSpeed's state, the padding rows it drops aside."""
+    """ds_to_universal given the pipeline-replicated parameters (microsoft's
+    universal_checkpoint_info) keeps the first stage's copies: the import is DeepSpeed's state, the
+    padding rows it drops aside."""
     _import(written / "fp32z1" / "universal", tmp_path / "ours")
     _assert_holds(tmp_path / "ours", written / "fp32z1", "fp32", universal=True)
 
 
 @pytest.mark.slow
 def test_a_universal_checkpoint_of_a_bigscience_fork_checkpoint_is_refused(written, tmp_path):
-    """Without universal_checkpoint_info, ds_to_universal keeps the last stage's copy of the tied embedding module:
-    its position embedding and embedding LayerNorm, never used there, untrained (the position embedding's fp32
-    value the last stage's, Adam's moments zero, where the first stage's trained copy has none zero). The import
-    names them and writes nothing; the checkpoint ds_to_universal was given imports."""
-    zero = written / "bf16z1" / "universal" / "global_step2_universal" / "zero" / f"{TIED}position_embeddings.weight"
+    """Without universal_checkpoint_info, ds_to_universal keeps the last stage's copy of the tied
+    embedding module: its position embedding and embedding LayerNorm, never used there, untrained
+    (the position embedding's fp32 value the last stage's, Adam's moments zero, where the first
+    stage's trained copy has none zero). The import names them and writes nothing; the checkpoint
+    ds_to_universal was given imports."""
+    universal = written / "bf16z1" / "universal" / "global_step2_universal"
+    zero = universal / "zero" / f"{TIED}position_embeddings.weight"
     kept = {k: torch.load(zero / f"{k}.pt", weights_only=False)["param"] for k in KEYS}
-    stages = [torch.load(written / "bf16z1" / f"reference_stage{s}.pt", weights_only=False)["tensors"]
-              [f"{TIED}position_embeddings.weight"] for s in range(PP)]
+    stages = [
+        torch.load(written / "bf16z1" / f"reference_stage{s}.pt", weights_only=False)["tensors"][
+            f"{TIED}position_embeddings.weight"
+        ]
+        for s in range(PP)
+    ]
     assert torch.equal(kept["fp32"], stages[-1]["fp32"]) and not kept["exp_avg_sq"].any()
     assert stages[0]["exp_avg_sq"].all() and not torch.equal(kept["fp32"], stages[0]["fp32"])
-    with pytest.raises(ValueError, match=r"holds untrained copies of parameters that the first pipeline stage "
-                                         r"trains: zero/tied_modules.embed.position_embeddings.weight \(Adam's "
-                                         r"exp_avg_sq zero everywhere after 2 steps\), zero/tied_modules.embed."
-                                         r"word_embeddings.norm.bias .*import the original global_stepN directory"):
+    with pytest.raises(
+        ValueError,
+        match=r"holds untrained copies of parameters that the first pipeline stage "
+        r"trains: zero/tied_modules.embed.position_embeddings.weight \(Adam's "
+        r"exp_avg_sq zero everywhere after 2 steps\), zero/tied_modules.embed."
+        r"word_embeddings.norm.bias .*import the original global_stepN directory",
+    ):
         _import(written / "bf16z1" / "universal", tmp_path / "ours")
     assert not (tmp_path / "ours").exists()
     _import(written / "bf16z1", tmp_path / "original")  # as the message says: the trained copy
