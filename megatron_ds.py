@@ -29,9 +29,9 @@ ranks give. DeepSpeedCheckpoint itself is not used: it sorts the mp_rank files a
 mp_rank_11), refuses a directory without ZeRO files (a weights-only import), and its layer-to-stage map assumes
 equal stages, which BLOOM's partition (5 layers on its first and last stage, 6 between) is not; no reader there
 turns a flat ZeRO partition back into parameters (ds_to_universal does it through files on disk, and needs the
-universal_checkpoint_info that 2021-22 checkpoints lack), so that is done here from `param_shapes`, or
-where the engine saved none (DeepSpeed 0.19 under bf16 without ZeRO) from the partitions'
-`param_slice_mappings`.
+universal_checkpoint_info that 2021-22 checkpoints lack), so that is done here from
+`param_shapes`, or where the engine saved none (DeepSpeed 0.19 under bf16 without ZeRO) from the
+partitions' `param_slice_mappings`.
 
 DeepSpeed's universal checkpoint (ds_to_universal's output: zero/<name>/fp32.pt, exp_avg.pt, ... whole tensors
 with the dimension they were cut along, the vocabulary's padding dropped, and the mp_rank files, no layer files) is
