@@ -588,6 +588,29 @@ def test_without_param_shapes_the_slice_mappings_give_the_same_state(imported, t
     _assert_holds_reference(tmp_path / "ours", cfg, blob, ref_rank, capsys)
 
 
+@pytest.mark.parametrize("group, entry, message", [
+    (0, 0, r"tied_modules.embed.word_embeddings.weight's fragments in the ZeRO partitions of stage 0, "
+           r"TP rank 0 are not contiguous"),
+    (1, 1, r"tied_modules.embed.word_embeddings.norm.bias takes elements \[65, 129\) of ZeRO group 1 "
+           r"of stage 0, TP rank 0, where the previous parameter ends at 64; layer 1's file has shape "
+           r"\(64,\) for it")])
+def test_slice_mappings_that_do_not_tile_their_group_are_refused(imported, tmp_path, group, entry,
+                                                                 message):
+    """Cut by mappings with a gap, the parameters after it would be read shifted: refused, naming
+    the parameter (one split across DP ranks, one within a rank)."""
+    mds, tag = _copy(imported[2], tmp_path)
+    _drop_param_shapes(tag)
+    path = tag / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    shard = torch.load(path, weights_only=False)
+    mapping = shard["optimizer_state_dict"]["param_slice_mappings"][group]
+    name = list(mapping)[entry]
+    mapping[name] = type(mapping[name])(numel=mapping[name].numel, start=mapping[name].start + 1)
+    torch.save(shard, path)
+    with pytest.raises(ValueError, match=message):
+        _import(mds, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
 def test_zero_files_without_param_shapes_or_slice_mappings_are_refused(imported, tmp_path):
     """With neither, nothing names the parameters in the flat groups: refused, saying so, before
     anything is written."""
