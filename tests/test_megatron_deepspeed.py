@@ -592,8 +592,8 @@ def test_without_param_shapes_the_slice_mappings_give_the_same_state(imported, t
     (0, 0, r"tied_modules.embed.word_embeddings.weight's fragments in the ZeRO partitions of "
            r"stage 0, TP rank 0 are not contiguous"),
     (1, 1, r"tied_modules.embed.word_embeddings.norm.bias takes elements \[65, 129\) of ZeRO "
-           r"group 1 of stage 0, TP rank 0, where the previous parameter ends at 64; layer 1's file "
-           r"has shape \(64,\) for it")])
+           r"group 1 of stage 0, TP rank 0, where the previous parameter ends at 64; layer 1's "
+           r"file has shape \(64,\) for it")])
 def test_slice_mappings_that_do_not_tile_their_group_are_refused(imported, tmp_path, group, entry,
                                                                  message):
     """Cut by mappings with a gap, the parameters after it would be read shifted: refused, naming
