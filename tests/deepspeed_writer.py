@@ -35,14 +35,8 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
 PP, DP = 2, 2
-LAYERS, HIDDEN, HEADS, SEQ, VOCAB, PADDED = (
-    2,
-    16,
-    2,
-    8,
-    250,
-    256,
-)  # VOCAB: the tokenizer's, PADDED: Megatron's
+# VOCAB: the tokenizer's vocabulary; PADDED: Megatron's, make_vocab_size_divisible_by=128
+LAYERS, HIDDEN, HEADS, SEQ, VOCAB, PADDED = 2, 16, 2, 8, 250, 256
 MICRO, GLOBAL, STEPS = 2, 4, 2  # GLOBAL = MICRO x DP: one micro-batch a step
 
 
@@ -102,8 +96,7 @@ def logits(embedding, hidden):
 
 
 class ParallelTransformerLayerPipe(nn.Module):
-    """A pre-LayerNorm GPT block with Megatron's names; the fused QKV's output is [heads, 3, head
-    size]."""
+    """A pre-LayerNorm GPT block, Megatron's names; the fused QKV's output: [heads, 3, head dim]."""
 
     def __init__(self):
         super().__init__()
@@ -133,9 +126,7 @@ class ParallelTransformerLayerPipe(nn.Module):
         )
 
 
-def _identity(
-    x,
-):  # the places of GPTModelPipe's functions (_to_float16, the transposes, float16_to_fp32)
+def _identity(x):  # in the places of GPTModelPipe's functions (_to_float16, the transposes, ...)
     return x
 
 
@@ -169,15 +160,11 @@ def build(topology):
 
 
 def param_groups(module):
-    """Megatron's _get_params_for_weight_decay_optimization: LayerNorms and biases without weight
-    decay."""
+    """Megatron's _get_params_for_weight_decay_optimization: LayerNorms, biases without decay."""
     decay, no_decay = [], []
     for name, p in module.named_parameters():
-        (
-            no_decay
-            if name.endswith("bias") or "norm" in name or name.startswith(f"{LAYERS + 4}.")
-            else decay
-        ).append(p)
+        norm = "norm" in name or name.startswith(f"{LAYERS + 4}.")  # 6.weight: the final norm
+        (no_decay if norm or name.endswith("bias") else decay).append(p)
     return [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
@@ -186,17 +173,11 @@ def param_groups(module):
 
 
 class AnnealingLR:
-    """Megatron's AnnealingLR (linear warm-up, cosine decay, counted in samples) as far as its
-    state_dict."""
+    """Megatron's AnnealingLR (linear warm-up, cosine decay, in samples), up to its state_dict."""
 
     def __init__(self, optimizer, max_lr=1e-3, min_lr=1e-4, warmup=4, decay=40):
-        self.optimizer, self.max_lr, self.min_lr, self.warmup, self.decay = (
-            optimizer,
-            max_lr,
-            min_lr,
-            warmup,
-            decay,
-        )
+        self.optimizer, self.max_lr, self.min_lr = optimizer, max_lr, min_lr
+        self.warmup, self.decay = warmup, decay
         self.num_steps = 0
         self.step(0)
 
@@ -283,8 +264,8 @@ def _batches(seed):
 
 
 def reference(engine):
-    """{name: {"weight", "fp32", "exp_avg", "exp_avg_sq"}} of this stage by DeepSpeed's own getters
-    (collectives over the data-parallel group: every rank calls them), and the Adam step."""
+    """{name: {"weight", "fp32", "exp_avg", "exp_avg_sq"}} of this stage: the module's parameter and
+    DeepSpeed's own getters (collectives over the data-parallel group: every rank calls them)."""
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
     # DeepSpeedZeroOptimizer links the getters to Adam's state after its first group's first step,
@@ -330,9 +311,8 @@ def write(out_dir, name, dtype, stage, info):
     from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
     torch.manual_seed(1234)
-    module = build(
-        PipeModelDataParallelTopology(num_pp=PP, num_mp=1, num_dp=DP)
-    )  # Megatron's: model_00 in names
+    # Megatron's topology, with a model (TP) axis: the layer files are named layer_XX-model_00-...
+    module = build(PipeModelDataParallelTopology(num_pp=PP, num_mp=1, num_dp=DP))
     optimizer = torch.optim.AdamW(
         param_groups(module), lr=0.0, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1
     )

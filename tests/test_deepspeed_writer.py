@@ -18,6 +18,7 @@ embedding and the embedding LayerNorm: refused, naming them.
 
 import os
 import runpy
+import signal
 import subprocess
 import sys
 
@@ -55,15 +56,17 @@ def written(tmp_path_factory):
     process never initializes torch.distributed)."""
     root = tmp_path_factory.mktemp("deepspeed_writer")
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
-    proc = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "tests", "deepspeed_writer.py"), str(root), *SETTINGS],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=1200,
-    )
-    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    command = [sys.executable, os.path.join(ROOT, "tests", "deepspeed_writer.py"), str(root)]
+    # a session of its own: a hung gloo rank is ended with the whole tree, not left behind
+    proc = subprocess.Popen([*command, *SETTINGS], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=1200)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 0, f"{out[-3000:]}\n{err[-5000:]}"
     return root
 
 
@@ -95,6 +98,11 @@ def _references(save_dir):
     want = {_our_name(n): t for s in reversed(range(PP)) for n, t in stages[s].items()}
     last_copies = {_our_name(n): t for n, t in stages[-1].items() if n.startswith(TIED)}
     return want, last_copies
+
+
+def _optimizer(save_dir):
+    """The class of DeepSpeed's optimizer that wrote save_dir."""
+    return torch.load(save_dir / "reference_stage0.pt", weights_only=False)["optimizer"]
 
 
 def _our_rank(tag_dir, stage):
@@ -158,6 +166,7 @@ def test_bf16_without_zero_reads_its_optimizer_from_the_slice_mappings(written, 
         str(written / "bf16s0" / "global_step2" / "mp_rank_00_model_states.pt"), ""
     )
     assert engine["param_shapes"] is None  # what makes this case
+    assert _optimizer(written / "bf16s0") == "BF16_Optimizer"
     _import(written / "bf16s0", tmp_path / "ours")
     _assert_holds(tmp_path / "ours", written / "bf16s0", "bf16")
 
@@ -165,6 +174,7 @@ def test_bf16_without_zero_reads_its_optimizer_from_the_slice_mappings(written, 
 @pytest.mark.slow
 @pytest.mark.parametrize("name, dtype", [("bf16z1", "bf16"), ("fp32z1", "fp32")])
 def test_zero1_checkpoints_of_deepspeed_import_bit_for_bit(written, tmp_path, name, dtype):
+    assert _optimizer(written / name) == "DeepSpeedZeroOptimizer"
     _import(written / name, tmp_path / "ours")
     _assert_holds(tmp_path / "ours", written / name, dtype)
 
