@@ -793,6 +793,8 @@ def _write(ckpt, cfg, run, tag_dir):
 def check_save_dir(save_dir):
     """save_dir is new or empty, or one ValueError; one that names a half-finished import left in it
     (a killed import's global_stepN.partial: kill -9 runs no clean-up), never deleted here."""
+    if os.path.exists(save_dir) and not os.path.isdir(save_dir):
+        raise ValueError(f"--save {save_dir} is a file: give a new or empty directory")
     held = sorted(os.listdir(save_dir)) if os.path.isdir(save_dir) else []
     leftovers = [n for n in held if n.endswith(".partial")]
     if leftovers:

@@ -673,6 +673,10 @@ def test_a_killed_imports_partial_directory_is_named_and_kept(imported, tmp_path
         _import(imported[2], tmp_path / "out")
     assert sorted(os.listdir(tmp_path / "out")) == ["global_step2.partial"]
     assert (leftover / "mp_rank_00_000_model_states.pt").read_bytes() == b"half"
+    (tmp_path / "file").write_text("mine")
+    with pytest.raises(ValueError, match="--save .*file is a file: give a new or empty directory"):
+        _import(imported[2], tmp_path / "file")
+    assert (tmp_path / "file").read_text() == "mine"
 
 
 def test_a_missing_zero_partition_is_refused(imported, tmp_path):
