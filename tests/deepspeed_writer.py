@@ -27,12 +27,9 @@ import socket
 import sys
 import types
 
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
-os.environ.setdefault("OMP_NUM_THREADS", "1")
-
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from torch import nn  # noqa: E402
+import torch
+import torch.nn.functional as F
+from torch import nn
 
 PP, DP = 2, 2
 # VOCAB: the tokenizer's vocabulary; PADDED: Megatron's, make_vocab_size_divisible_by=128
@@ -409,6 +406,9 @@ def main(argv):
     """OUT_DIR NAME:DTYPE:STAGE[:info][:universal] ...: each setting on PP x DP gloo processes."""
     import torch.multiprocessing as mp
 
+    # here, not at import: a test imports the model classes and keeps its own accelerator
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
     out_dir, settings = argv[0], argv[1:]
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

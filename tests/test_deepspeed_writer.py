@@ -11,9 +11,10 @@ settings:
 - fp32 ZeRO-1 with microsoft's universal_checkpoint_info, and its universal checkpoint.
 Each import holds, bit for bit, what DeepSpeed's own getters (safe_get_full_fp32_param,
 safe_get_full_optimizer_state) and the module returned at save time: the weights, fp32 masters and
-Adam's moments of every parameter from the stage that trains it, and Adam's step. The universal
-checkpoint of the bigscience-fork one holds the last stage's untrained copies of the position
-embedding and the embedding LayerNorm: refused, naming them.
+Adam's moments of every parameter from the stage that trains it, and Adam's step; the imported
+model computes the logits the writer's model does. The universal checkpoint of the bigscience-fork
+one holds the last stage's untrained copies of the position embedding and the embedding LayerNorm:
+refused, naming them.
 """
 
 import os
@@ -25,10 +26,13 @@ import sys
 import pytest
 import torch
 
+import arguments
 import checkpoint
+import deepspeed_writer
 import megatron_ds
 import parallel
 from helpers import ROOT
+from model import GPT, GPTConfig
 
 PP, LAYERS, VOCAB = 2, 2, 250  # deepspeed_writer's
 SETTINGS = ["bf16s0:bf16:0", "bf16z1:bf16:1:universal", "fp32z1:fp32:1:info:universal"]
@@ -169,6 +173,41 @@ def test_bf16_without_zero_reads_its_optimizer_from_the_slice_mappings(written, 
     assert _optimizer(written / "bf16s0") == "BF16_Optimizer"
     _import(written / "bf16s0", tmp_path / "ours")
     _assert_holds(tmp_path / "ours", written / "bf16s0", "bf16")
+
+
+def _layer(tag_dir, index):
+    return torch.load(tag_dir / f"layer_{index:02d}-model_00-model_states.pt", weights_only=False)
+
+
+@pytest.mark.slow
+def test_the_imported_model_computes_what_the_deepspeed_model_did(written, tmp_path):
+    """The writer's modules (GPTModelPipe's layers) holding the layer files' weights and our model
+    holding the import's, both in fp32 on one process: the same logits (max difference 0.0 when
+    measured: the same operations in the same order)."""
+    _import(written / "bf16s0", tmp_path / "ours")
+    source, tag = written / "bf16s0" / "global_step2", tmp_path / "ours" / "global_step2"
+    embed, norm = deepspeed_writer.EmbeddingPipe(), torch.nn.LayerNorm(deepspeed_writer.HIDDEN)
+    embed.load_state_dict(_layer(source, 1))
+    norm.load_state_dict(_layer(source, LAYERS + 4))
+    blocks = [deepspeed_writer.ParallelTransformerLayerPipe() for _ in range(LAYERS)]
+    for i, block in enumerate(blocks):
+        block.load_state_dict(_layer(source, 3 + i))
+    weights = {}
+    for stage in range(PP):
+        blob = torch.load(checkpoint.model_file(str(tag), parallel.Grid(1, PP, PP, stage)),
+                          weights_only=False)
+        weights.update((k, v.float()) for k, v in blob["model"].items() if k != "output_weight")
+    cfg = arguments.Config(**blob["run"]["config"])
+    ours = GPT(GPTConfig.from_config(cfg), grid=parallel.Grid(1, 1, world_size=1, rank=0))
+    ours.load_state_dict(weights)
+    seq = deepspeed_writer.SEQ
+    tokens = torch.randint(0, VOCAB, (2, seq), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        x = embed((tokens, torch.arange(seq).expand(2, seq)))
+        for block in blocks:
+            x = block(x)
+        want = deepspeed_writer.logits(embed, norm(x))
+        torch.testing.assert_close(ours.eval()(tokens), want, rtol=0, atol=1e-6)
 
 
 @pytest.mark.slow
