@@ -17,6 +17,7 @@ import enum
 import math
 import os
 import runpy
+import subprocess
 import sys
 import types
 from collections import OrderedDict
@@ -677,6 +678,28 @@ def test_a_killed_imports_partial_directory_is_named_and_kept(imported, tmp_path
     with pytest.raises(ValueError, match="--save .*file is a file: give a new or empty directory"):
         _import(imported[2], tmp_path / "file")
     assert (tmp_path / "file").read_text() == "mine"
+
+
+def test_a_sigterm_during_the_import_leaves_nothing_and_says_so(imported, tmp_path):
+    """SIGTERM half-way (here: the process signals itself as the second output rank is written, in
+    a process of its own): exit 143, a message, and no save directory; kill -9 is the case above."""
+    script = (f"import os, runpy, signal, sys; sys.path.insert(0, {ROOT!r}); import megatron_ds\n"
+              "write, calls = megatron_ds.stage_files, []\n"
+              "def stage_files(*args):\n"
+              "    calls.append(1)\n"
+              "    if len(calls) == 2:\n"
+              "        os.kill(os.getpid(), signal.SIGTERM)\n"
+              "    return write(*args)\n"
+              "megatron_ds.stage_files = stage_files\n"
+              f"sys.argv = ['import', '--load', {str(imported[2])!r}, '--save', "
+              f"{str(tmp_path / 'out')!r}]\n"
+              f"runpy.run_path({os.path.join(ROOT, 'tools', 'import_megatron_deepspeed.py')!r}, "
+              "run_name='__main__')\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          check=False, timeout=600)
+    assert proc.returncode == 143, proc.stderr[-3000:]
+    assert "error: the import was stopped by SIGTERM; what it had written is removed" in proc.stderr
+    assert not (tmp_path / "out").exists()
 
 
 def test_a_missing_zero_partition_is_refused(imported, tmp_path):
