@@ -29,11 +29,16 @@ ranks give. DeepSpeedCheckpoint itself is not used: it sorts the mp_rank files a
 mp_rank_11), refuses a directory without ZeRO files (a weights-only import), and its layer-to-stage map assumes
 equal stages, which BLOOM's partition (5 layers on its first and last stage, 6 between) is not; no reader there
 turns a flat ZeRO partition back into parameters (ds_to_universal does it through files on disk, and needs the
-universal_checkpoint_info that 2021-22 checkpoints lack), so that is done here from `param_shapes`.
+universal_checkpoint_info that 2021-22 checkpoints lack), so that is done here from
+`param_shapes`, or where the engine saved none (DeepSpeed 0.19 under bf16 without ZeRO) from the
+partitions' `param_slice_mappings`.
 
 DeepSpeed's universal checkpoint (ds_to_universal's output: zero/<name>/fp32.pt, exp_avg.pt, ... whole tensors
 with the dimension they were cut along, the vocabulary's padding dropped, and the mp_rank files, no layer files) is
 read too: its masters are the weights, each tensor is cut for the TP size its args name. Its fp16 loss scale is not.
+One made from a checkpoint without universal_checkpoint_info (the bigscience fork's) holds the last
+stage's untrained copies of the tied embedding module's position embedding and LayerNorm: refused
+(check_replicated_copies); the checkpoint it was made from imports.
 
 Not read: the pre-0.4 ZeRO stage-1 format
 (sub-partitions), Megatron checkpoints without the pipeline engine (--no-pipeline-parallel) and the RNG states
@@ -54,6 +59,7 @@ import re
 import shutil
 import types
 import zipfile
+from collections import OrderedDict
 from dataclasses import asdict
 
 import torch
@@ -181,6 +187,9 @@ class Checkpoint:
         if getattr(self.args, "num_layers", None) is None:
             raise ValueError(f"{self.dir}'s mp_rank_00_model_states.pt holds no Megatron 'args': not a "
                              "Megatron-DeepSpeed checkpoint")
+        # before the layout is read from the file names (a missing TP rank reads as a smaller TP)
+        check_files(self, model_files)
+        check_args_agree(self, model_files)
         zero_files = [] if self.universal else get_zero_files(self.dir)
         # the layout from the file names alone (TP = the embedding layer's files, PP = model files / TP); a
         # universal checkpoint has no layer files: its args say
@@ -216,9 +225,14 @@ class Checkpoint:
 
     def param_shapes(self, pp, tp):
         """The engine's param_shapes of (stage pp, TP rank tp): names and shapes only, kept (the mp_rank files
-        are read once)."""
+        are read once). DeepSpeed 0.19 saves none for bf16 without ZeRO (BF16_Optimizer, BLOOM's
+        setup): then the ZeRO partitions' param_slice_mappings give them
+        (shapes_from_slice_mappings)."""
         if (pp, tp) not in self._shapes:
-            self._shapes[pp, tp] = self.model_state(pp, tp).get("param_shapes")
+            shapes = self.model_state(pp, tp).get("param_shapes")
+            if not shapes and self.zero is not None:
+                shapes = shapes_from_slice_mappings(self, pp, tp)
+            self._shapes[pp, tp] = shapes
         return self._shapes[pp, tp]
 
     def zero_file(self, pp, tp, dp):
@@ -232,6 +246,106 @@ class Checkpoint:
         memory-mapped."""
         return [read_file(self.zero_file(pp, tp, dp), f"ZeRO partition of DP rank {dp}, stage {pp}, TP rank {tp}")
                 ["optimizer_state_dict"] for dp in (range(self.dp) if ranks is None else ranks)]
+
+
+# Megatron's args that every mp_rank file of one save holds alike (rank, local_rank and such differ)
+AGREED_ARGS = SAME_ARGS + (
+    "pipeline_model_parallel_size", "padded_vocab_size", "ffn_hidden_size",
+    "max_position_embeddings", "position_embedding_type", "glu_activation", "tokenizer_type",
+    "train_iters", "train_samples", "consumed_train_samples", "consumed_train_tokens")
+
+
+def check_files(ckpt, model_files):
+    """Every mp_rank and layer file of the TP x PP layout the args name is there, or one ValueError
+    naming the missing ones. From the file names alone, a missing TP rank looks like a smaller TP
+    size (then refused for a vocabulary or a layer count it does not have)."""
+    tp = getattr(ckpt.args, "tensor_model_parallel_size", None)
+    pp = getattr(ckpt.args, "pipeline_model_parallel_size", None)
+    if not tp or not pp:
+        return
+    names = {os.path.basename(f) for f in model_files}
+    missing = [f"mp_rank_{m:02d}_model_states.pt" for m in range(tp * pp)]
+    missing = [name for name in missing if name not in names]
+    ranks = {}  # layer index -> the TP ranks with its file
+    for f in ckpt.layer_files:
+        index, rank = LAYER_FILE.fullmatch(os.path.basename(f)).groups()
+        ranks.setdefault(int(index), set()).add(int(rank))
+    missing += [f"layer_{i:02d}-model_{t:02d}-model_states.pt" for i in sorted(ranks)
+                for t in range(tp) if t not in ranks[i]]
+    if missing:
+        more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""
+        raise ValueError(f"{ckpt.dir} is incomplete: its args say TP={tp} x PP={pp}, and "
+                         f"{len(missing)} of its files are missing: "
+                         f"{', '.join(missing[:8])}{more}; copy the whole checkpoint directory")
+
+
+def _comparable(value):
+    """An arg's value comparable across files: a Megatron enum read without Megatron (a _StandIn) is
+    equal to nothing but itself."""
+    if isinstance(value, _StandIn):
+        return type(value).__module__, type(value).__name__, value.args
+    return value
+
+
+def check_args_agree(ckpt, model_files):
+    """Every mp_rank file's args (AGREED_ARGS) and iteration are mp_rank_00's, or one ValueError
+    naming the file and the args that differ: files of two runs, or two saves, in one directory."""
+    first = {k: _comparable(getattr(ckpt.args, k, None)) for k in AGREED_ARGS}
+    first["iteration"] = ckpt.state.get("iteration")
+    for path in sorted(model_files):
+        if os.path.basename(path) == "mp_rank_00_model_states.pt":
+            continue
+        state = read_file(path, "engine state")
+        theirs = {k: _comparable(getattr(state.get("args"), k, None)) for k in AGREED_ARGS}
+        theirs["iteration"] = state.get("iteration")
+        differ = [f"{k} {theirs[k]!r} (there) vs {first[k]!r}" for k in first
+                  if theirs[k] != first[k]]
+        if differ:
+            raise ValueError(f"{path}'s args disagree with mp_rank_00_model_states.pt's: "
+                             f"{'; '.join(differ)}: the directory holds files of two runs or two "
+                             "saves; copy the whole checkpoint directory of one save")
+
+
+def shapes_from_slice_mappings(ckpt, pp, tp):
+    """param_shapes of (stage pp, TP rank tp) from its ZeRO partitions' param_slice_mappings (each
+    DP rank's {name: (numel, start)} in its part of each flat group) and the layer files' shapes,
+    for a checkpoint whose engine saved none. The places must tile each group from 0 in DP order."""
+    shards = ckpt.zero_shards(pp, tp)
+    where = f"stage {pp}, TP rank {tp}"
+    if any(not s.get("param_slice_mappings") for s in shards):
+        raise ValueError(f"{ckpt.dir}: mp_rank_{pp * ckpt.tp + tp:02d}_model_states.pt holds no "
+                         f"param_shapes and the ZeRO partitions of {where} no "
+                         "param_slice_mappings: nothing names the parameters in the optimizer's "
+                         "flat groups; import the weights alone (Adam then restarts from step 0) "
+                         "by moving the *zero_pp_rank_* files away")
+    shapes, files = [], {}  # files: layer index -> {key: shape} of its file on TP rank tp
+    for group in range(len(shards[0]["param_slice_mappings"])):
+        places, base = {}, 0  # name -> [start, stop) in the group's flat tensor
+        for shard in shards:
+            for name, address in shard["param_slice_mappings"][group].items():
+                start = base + address.start
+                lo, hi = places.get(name, (start, start))
+                if hi != start:
+                    raise ValueError(f"{ckpt.dir}: {name}'s fragments in the ZeRO partitions "
+                                     f"of {where} are not contiguous: the partitions are damaged "
+                                     "or of two runs")
+                places[name] = (lo, start + address.numel)
+            base += shard["single_partition_of_fp32_groups"][group].numel()
+        names, end = OrderedDict(), 0
+        for name, (lo, hi) in sorted(places.items(), key=lambda item: item[1]):
+            layer, key = optimizer_name(ckpt, name)
+            if layer not in files:
+                files[layer] = {k: t.shape for k, t in ckpt.layer(layer, tp).items()}
+            shape = files[layer].get(key)
+            if shape is None or lo != end or hi - lo != math.prod(shape):
+                found = "nothing" if shape is None else f"shape {tuple(shape)}"
+                raise ValueError(f"{ckpt.dir}: {name} takes elements [{lo}, {hi}) of ZeRO group "
+                                 f"{group} of {where}, where the previous parameter ends at {end}; "
+                                 f"layer {layer}'s file has {found} for it: the partitions and the "
+                                 "layer files are of two runs")
+            names[name], end = shape, hi
+        shapes.append(names)
+    return shapes
 
 
 # -----------------------------------------------------------------------------
@@ -272,10 +386,11 @@ def source_index(ckpt, tp):
     out = {}
     for pp in range(ckpt.pp):
         shapes = ckpt.param_shapes(pp, tp)
-        if not shapes:
-            raise ValueError(f"{ckpt.dir}: mp_rank_{pp * ckpt.tp + tp:02d}_model_states.pt holds no param_shapes (the "
-                             "names of the optimizer's parameters): not the ZeRO-1/2 or BF16 optimizer format of "
-                             "DeepSpeed >= 0.4; import the weights alone by moving the *zero_pp_rank_* files away")
+        if not shapes:  # a universal checkpoint's: its ZeRO partitions are gone
+            raise ValueError(f"{ckpt.dir}: mp_rank_{pp * ckpt.tp + tp:02d}_model_states.pt "
+                             "holds no param_shapes (the names and shapes of the optimizer's "
+                             "parameters), which a universal checkpoint needs; import the one it "
+                             "was made from")
         for names in shapes:
             for name in names:
                 if pp == 0 or not name.startswith(TIED):
@@ -321,16 +436,17 @@ def universal_slice(ckpt, name, key, tp):
     return t if dim is None else t.chunk(ckpt.tp, dim)[tp].clone()
 
 
-def universal_states(ckpt, shapes, tp, wanted=None):
-    """adam_states of a universal checkpoint: each parameter's fp32 master and moments, the step in its own
-    step.pt or (FusedAdam's) in the param group of zero/optimizer_state.pt."""
+def universal_states(ckpt, shapes, tp, wanted=None, keys=STATE_KEYS):
+    """adam_states of a universal checkpoint: each parameter's fp32 master and moments (keys:
+    which), the step in its own step.pt or (FusedAdam's) in the param group of
+    zero/optimizer_state.pt."""
     common = None
     out = {}
     for group, names in enumerate(shapes):
         for name, shape in names.items():
             if wanted is not None and name not in wanted:
                 continue
-            state = {key: universal_slice(ckpt, name, key, tp) for key in STATE_KEYS}
+            state = {key: universal_slice(ckpt, name, key, tp) for key in keys}
             if any(tuple(t.shape) != tuple(shape) for t in state.values()):
                 raise ValueError(f"{ckpt.dir}: zero/{name} cut for TP rank {tp} of {ckpt.tp} is not of shape "
                                  f"{tuple(shape)} (param_shapes): the universal checkpoint is of another layout")
@@ -393,7 +509,7 @@ def adam_states(ckpt, pp, tp, wanted=None, keys=STATE_KEYS):
     adds for alignment is at its end) and cut into parameters in the order of the engine's param_shapes; only
     the wanted parameters' elements are read and copied. keys: which of the three tensors."""
     if ckpt.universal:
-        return universal_states(ckpt, ckpt.param_shapes(pp, tp), tp, wanted)
+        return universal_states(ckpt, ckpt.param_shapes(pp, tp), tp, wanted, keys)
     shards, shapes = _checked_zero_shards(ckpt, pp, tp)
     out = {}
     for group, names in enumerate(shapes):
@@ -445,6 +561,54 @@ def check_tied_copies(ckpt, tp):
         raise ValueError(f"{ckpt.dir}: the last stage's fp32 copy of the tied word embedding differs from "
                          f"the first stage's on TP rank {tp} (lesson 11); the checkpoint cannot be "
                          "continued as it is: compare the two in Megatron-DeepSpeed, or repair one copy")
+
+
+def untrained(name, exp_avg_sq):
+    """Where Adam's second moment says a parameter never had a gradient ('' if nowhere it should
+    have): the whole tensor, or a row of the learned position table, which every step uses whole
+    (its rows are seq_length: config_from_args holds that)."""
+    if not exp_avg_sq.any():
+        return "everywhere"
+    if name.endswith("position_embeddings.weight"):
+        rows = (exp_avg_sq.reshape(exp_avg_sq.shape[0], -1) == 0).all(dim=1).nonzero().flatten()
+        if len(rows):
+            more = f" and {len(rows) - 8} more" if len(rows) > 8 else ""
+            return f"in rows {rows[:8].tolist()}{more}"
+    return ""
+
+
+def check_replicated_copies(ckpt, tp):
+    """A universal checkpoint keeps one copy of a parameter that several pipeline stages hold (the
+    tied embedding module: on the first stage, which trains all of it, and on the last, which uses
+    its word embedding alone). ds_to_universal keeps the first stage's only when the checkpoint's
+    universal_checkpoint_info names it (pipeline_replicated_parameter_patterns); the bigscience
+    fork stores no such info and --inject_missing_state adds an empty one, so the last stage's copy
+    is kept: its position embedding and embedding LayerNorm untrained, Adam's moments zero. Such
+    copies are refused, named, before anything is written. (The import of a checkpoint that is not
+    universal takes them from the first stage's own partitions: source_index.)"""
+    if not ckpt.universal or ckpt.pp == 1:
+        return
+    stages = {}
+    for pp in range(ckpt.pp):
+        for names in ckpt.param_shapes(pp, tp):
+            for name in names:
+                stages.setdefault(name, set()).add(pp)
+    found = []
+    for name in sorted(n for n, held in stages.items() if len(held) > 1 and 0 in held):
+        state = adam_states(ckpt, 0, tp, {name}, keys=("exp_avg_sq",))[name]
+        where = untrained(name, state["exp_avg_sq"]) if state["step"] > 0 else ""
+        if where:
+            steps = state["step"]
+            found.append(f"zero/{name} (Adam's exp_avg_sq zero {where} after {steps} steps)")
+    if found:
+        raise ValueError(
+            f"{ckpt.dir} holds untrained copies of parameters that the first pipeline stage "
+            f"trains: {', '.join(found)}. DeepSpeed's ds_to_universal kept the last stage's "
+            "copies, as the checkpoint it converted names no "
+            "pipeline_replicated_parameter_patterns (a bigscience-fork checkpoint has no "
+            "universal_checkpoint_info; --inject_missing_state adds an empty one); import the "
+            "original global_stepN directory instead, from which each parameter is taken from the "
+            "stage that trains it")
 
 
 # -----------------------------------------------------------------------------
@@ -616,6 +780,7 @@ def _write(ckpt, cfg, run, tag_dir):
     if ckpt.has_optimizer:
         for t in range(tp):
             check_tied_copies(ckpt, t)
+            check_replicated_copies(ckpt, t)
     entries, g = [], None
     for t in range(tp):
         for stage in range(pp):
@@ -625,12 +790,26 @@ def _write(ckpt, cfg, run, tag_dir):
     return g
 
 
+def check_save_dir(save_dir):
+    """save_dir is new or empty, or one ValueError; one that names a half-finished import left in it
+    (a killed import's global_stepN.partial: kill -9 runs no clean-up), never deleted here."""
+    if os.path.exists(save_dir) and not os.path.isdir(save_dir):
+        raise ValueError(f"--save {save_dir} is a file: give a new or empty directory")
+    held = sorted(os.listdir(save_dir)) if os.path.isdir(save_dir) else []
+    leftovers = [n for n in held if n.endswith(".partial")]
+    if leftovers:
+        raise ValueError(f"{save_dir} holds {', '.join(leftovers)}: a half-finished import, killed "
+                         f"before it completed; delete it (rm -r "
+                         f"{os.path.join(save_dir, leftovers[0])}) and run the import again")
+    if held:
+        raise ValueError(f"{save_dir} is not empty: the import writes a new checkpoint directory; "
+                         "give an empty or new --save")
+
+
 def convert(ckpt, save_dir, cfg, log=print):
     """Write our checkpoint of ckpt (a Checkpoint) into save_dir/global_stepN with cfg's layout (TP the
     checkpoint's, DP=1), its manifest, then `latest`. Returns the tag directory."""
-    if os.path.isdir(save_dir) and os.listdir(save_dir):
-        raise ValueError(f"{save_dir} is not empty: the import writes a new checkpoint directory; give an empty or "
-                         "new --save")
+    check_save_dir(save_dir)
     if not ckpt.has_optimizer:
         log(f"no ZeRO optimizer files in {ckpt.dir}: importing the weights alone; the run continues with a fresh "
             "Adam (step 0, zero moments) and fp32 masters from the weights")

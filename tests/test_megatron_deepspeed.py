@@ -17,6 +17,7 @@ import enum
 import math
 import os
 import runpy
+import subprocess
 import sys
 import types
 from collections import OrderedDict
@@ -566,18 +567,138 @@ def test_a_tied_embedding_copy_that_differs_is_refused(imported, tmp_path):
         _import(mds, tmp_path / "out")
 
 
-def test_zero_files_without_param_shapes_are_refused(imported, tmp_path):
-    """The engine's param_shapes name what the flat ZeRO groups hold: without them the partitions cannot be cut."""
-    mds, tag = _copy(imported[2], tmp_path)
+def _drop_param_shapes(tag):
+    """The mp_rank files as DeepSpeed 0.19 writes them for bf16 without ZeRO: param_shapes None."""
     for mp in range(TP * PP):
         path = tag / f"mp_rank_{mp:02d}_model_states.pt"
         with _megatron_importable():
             engine = torch.load(path, weights_only=False)
             engine["param_shapes"] = None
             torch.save(engine, path)
-    with pytest.raises(ValueError, match="mp_rank_00_model_states.pt holds no param_shapes .*import the weights "
-                                         "alone by moving the"):
+
+
+def test_without_param_shapes_the_slice_mappings_give_the_same_state(imported, tmp_path, capsys):
+    """The engine's param_shapes name what the flat ZeRO groups hold; where they are None (DeepSpeed
+    0.19's BF16_Optimizer), the partitions' param_slice_mappings and the layer files' shapes do: at
+    TP2 x PP2 x DP2 with the groups' alignment padding, the same state comes out (DeepSpeed's own
+    writer: tests/test_deepspeed_writer.py)."""
+    mds, tag = _copy(imported[2], tmp_path)
+    _drop_param_shapes(tag)
+    _import(mds, tmp_path / "ours", "--padded_vocab_in_softmax=false")
+    _, _, _, _, cfg, (blob, ref_rank) = imported
+    _assert_holds_reference(tmp_path / "ours", cfg, blob, ref_rank, capsys)
+
+
+@pytest.mark.parametrize("group, entry, message", [
+    (0, 0, r"tied_modules.embed.word_embeddings.weight's fragments in the ZeRO partitions of "
+           r"stage 0, TP rank 0 are not contiguous"),
+    (1, 1, r"tied_modules.embed.word_embeddings.norm.bias takes elements \[65, 129\) of ZeRO "
+           r"group 1 of stage 0, TP rank 0, where the previous parameter ends at 64; layer 1's "
+           r"file has shape \(64,\) for it")])
+def test_slice_mappings_that_do_not_tile_their_group_are_refused(imported, tmp_path, group, entry,
+                                                                 message):
+    """Cut by mappings with a gap, the parameters after it would be read shifted: refused, naming
+    the parameter (one split across DP ranks, one within a rank)."""
+    mds, tag = _copy(imported[2], tmp_path)
+    _drop_param_shapes(tag)
+    path = tag / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    shard = torch.load(path, weights_only=False)
+    mapping = shard["optimizer_state_dict"]["param_slice_mappings"][group]
+    name = list(mapping)[entry]
+    mapping[name] = type(mapping[name])(numel=mapping[name].numel, start=mapping[name].start + 1)
+    torch.save(shard, path)
+    with pytest.raises(ValueError, match=message):
         _import(mds, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_zero_files_without_param_shapes_or_slice_mappings_are_refused(imported, tmp_path):
+    """With neither, nothing names the parameters in the flat groups: refused, saying so, before
+    anything is written."""
+    mds, tag = _copy(imported[2], tmp_path)
+    _drop_param_shapes(tag)
+    for name in os.listdir(tag):
+        if "zero_pp_rank" in name:
+            shard = torch.load(tag / name, weights_only=False)
+            del shard["optimizer_state_dict"]["param_slice_mappings"]
+            torch.save(shard, tag / name)
+    message = (r"mp_rank_02_model_states.pt holds no param_shapes and the ZeRO partitions of "
+               r"stage 1, TP rank 0 no param_slice_mappings: nothing names the parameters .*import "
+               r"the weights alone")
+    with pytest.raises(ValueError, match=message):
+        _import(mds, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_missing_layer_files_of_a_tp_rank_are_named(imported, tmp_path):
+    """Without TP rank 1's layer files the file names alone look like TP1 (then refused for its
+    vocabulary, or its layer count): the args' TP x PP names the missing files."""
+    mds, tag = _copy(imported[2], tmp_path)
+    for name in os.listdir(tag):
+        if name.startswith("layer_") and "-model_01-" in name:
+            os.remove(tag / name)
+    files = ", ".join(f"layer_{i:02d}-model_01-model_states.pt" for i in (1, 3, 4, 6))
+    message = (r"is incomplete: its args say TP=2 x PP=2, and 4 of its files are missing: "
+               rf"{files}; copy the whole checkpoint directory")
+    with pytest.raises(ValueError, match=message):
+        _import(mds, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_mp_rank_file_whose_args_disagree_is_named(imported, tmp_path):
+    """One mp_rank file of another run (its args say TP=4 among TP=2 files): refused, naming the
+    file and the args that differ."""
+    mds, tag = _copy(imported[2], tmp_path)
+    path = tag / "mp_rank_03_model_states.pt"
+    with _megatron_importable():
+        engine = torch.load(path, weights_only=False)
+        engine["args"].tensor_model_parallel_size = 4
+        torch.save(engine, path)
+    message = (r"mp_rank_03_model_states.pt's args disagree with mp_rank_00_model_states.pt's: "
+               r"tensor_model_parallel_size 4 \(there\) vs 2: the directory holds files of two "
+               r"runs")
+    with pytest.raises(ValueError, match=message):
+        _import(mds, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_killed_imports_partial_directory_is_named_and_kept(imported, tmp_path):
+    """kill -9 runs no clean-up: a killed import leaves its global_stepN.partial. Re-running names
+    it as a half-finished import to delete (before the source is read), and deletes nothing."""
+    leftover = tmp_path / "out" / "global_step2.partial"
+    leftover.mkdir(parents=True)
+    (leftover / "mp_rank_00_000_model_states.pt").write_bytes(b"half")
+    message = (r"holds global_step2.partial: a half-finished import, killed before it completed; "
+               r"delete it \(rm -r .*global_step2.partial\) and run the import again")
+    with pytest.raises(ValueError, match=message):
+        _import(imported[2], tmp_path / "out")
+    assert sorted(os.listdir(tmp_path / "out")) == ["global_step2.partial"]
+    assert (leftover / "mp_rank_00_000_model_states.pt").read_bytes() == b"half"
+    (tmp_path / "file").write_text("mine")
+    with pytest.raises(ValueError, match="--save .*file is a file: give a new or empty directory"):
+        _import(imported[2], tmp_path / "file")
+    assert (tmp_path / "file").read_text() == "mine"
+
+
+def test_a_sigterm_during_the_import_leaves_nothing_and_says_so(imported, tmp_path):
+    """SIGTERM half-way (here: the process signals itself as the second output rank is written, in
+    a process of its own): exit 143, a message, and no save directory; kill -9 is the case above."""
+    script = (f"import os, runpy, signal, sys; sys.path.insert(0, {ROOT!r}); import megatron_ds\n"
+              "write, calls = megatron_ds.stage_files, []\n"
+              "def stage_files(*args):\n"
+              "    calls.append(1)\n"
+              "    if len(calls) == 2:\n"
+              "        os.kill(os.getpid(), signal.SIGTERM)\n"
+              "    return write(*args)\n"
+              "megatron_ds.stage_files = stage_files\n"
+              f"sys.argv = ['import', '--load', {str(imported[2])!r}, '--save', "
+              f"{str(tmp_path / 'out')!r}]\n"
+              f"runpy.run_path({os.path.join(ROOT, 'tools', 'import_megatron_deepspeed.py')!r}, "
+              "run_name='__main__')\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          check=False, timeout=600)
+    assert proc.returncode == 143, proc.stderr[-3000:]
+    assert "error: the import was stopped by SIGTERM; what it had written is removed" in proc.stderr
     assert not (tmp_path / "out").exists()
 
 

@@ -14,11 +14,20 @@ too. It holds one output (stage, TP rank)'s state at a time, reading the source 
 """
 import argparse
 import os
+import signal
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import megatron_ds  # noqa: E402
+
+
+class Terminated(BaseException):
+    """SIGTERM, raised where the import is: convert removes what it wrote, then it exits 143."""
+
+
+def _terminate(signum, frame):
+    raise Terminated(signal.Signals(signum).name)
 
 
 def main(argv=None):
@@ -34,10 +43,16 @@ def main(argv=None):
                         help="true (default): Megatron's softmax over the padded vocabulary too, the model it "
                              "trained (its TP size then stays); false: the padding left out from now on")
     args = parser.parse_args(argv)
+    megatron_ds.check_save_dir(args.save)  # before the source is read
     ckpt = megatron_ds.Checkpoint(args.load)
     cfg = megatron_ds.config_from_args(ckpt, args.vocab_size, args.pipeline_model_parallel_size,
                                        args.pp_partition_method, args.padded_vocab_in_softmax == "true")
-    return megatron_ds.convert(ckpt, args.save, cfg)
+    # SIGTERM's default ends the process where it is, leaving global_stepN.partial behind
+    previous = signal.signal(signal.SIGTERM, _terminate)
+    try:
+        return megatron_ds.convert(ckpt, args.save, cfg)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":
@@ -46,3 +61,7 @@ if __name__ == "__main__":
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    except Terminated as e:
+        print(f"error: the import was stopped by {e}; what it had written is removed: run it again",
+              file=sys.stderr)
+        sys.exit(143)
