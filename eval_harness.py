@@ -1,25 +1,28 @@
-"""lm-evaluation-harness over our GPT: an `lm_eval` model (LM) whose log-likelihoods and greedy generations come
-from a checkpoint of any TP x PP x DP layout, gathered into one process as tools/sample.py gathers it
-(reshard.load_full_model), tokenized with the run's own tokenizer (tokenizer.py); and the same tasks every
-eval_harness_interval iterations of a run (RunEvaluation), logged beside the validation loss.
+"""lm-evaluation-harness over our GPT: an `lm_eval` model (LM) whose log-likelihoods and greedy
+generations come from a checkpoint of any TP x PP x DP layout, gathered into one process as
+tools/sample.py gathers it (reshard.load_full_model), tokenized with the run's own tokenizer
+(tokenizer.py); and the same tasks every eval_harness_interval iterations of a run (RunEvaluation),
+logged beside the validation loss.
 
-The LM follows lm-eval's `transformers` backend (HFLM) request by request, so that a checkpoint scores what its
-Hugging Face export scores under HFLM (tests/test_evaluate.py compares them per document): the same
-context/continuation split (lm-eval's TemplateLM), the same left truncation to the model's seq_length, the same
-rolling windows for perplexity, greedy generation cut at the same stop strings. Requests are sorted longest
-first (lm-eval's Collator), right-padded and scored one forward pass per batch: with a causal model the padding
-after a sequence changes none of its logits, so no attention mask is needed.
+The LM follows lm-eval's `transformers` backend (HFLM) request by request, so that a checkpoint
+scores what its Hugging Face export scores under HFLM (tests/test_evaluate.py compares them per
+document): the same context/continuation split (lm-eval's TemplateLM), the same left truncation to
+the model's seq_length, the same rolling windows for perplexity, greedy generation cut at the same
+stop strings. Requests are sorted longest first (lm-eval's Collator), right-padded and scored one
+forward pass per batch: with a causal model the padding after a sequence changes none of its logits,
+so no attention mask is needed.
 
-Inside a run the model is gathered too: every (TP, PP) shard of DP rank 0 goes to the last rank, which merges
-them as a checkpoint of that layout is merged (reshard.Resharder), evaluates an fp32 copy -- what
-tools/evaluate.py evaluates on the checkpoint of that iteration, number for number -- and logs; the other ranks
-wait on the host group (parallel.host_group). That costs the last rank a whole fp32 copy of the weights: fine
-for small models, refused above GATHER_LIMIT parameters, where tools/evaluate.py on the saved checkpoints (a
-node of its own) is the way.
+Inside a run the model is gathered too: every (TP, PP) shard of DP rank 0 goes to the last rank,
+which merges them as a checkpoint of that layout is merged (reshard.Resharder), evaluates an fp32
+copy -- what tools/evaluate.py evaluates on the checkpoint of that iteration, number for number --
+and logs; the other ranks wait on the host group (parallel.host_group). That costs the last rank a
+whole fp32 copy of the weights: fine for small models, refused above GATHER_LIMIT parameters, where
+tools/evaluate.py on the saved checkpoints (a node of its own) is the way.
 
-Not here: the tasks (lm-eval's own, or a YAML of yours), sampling (greedy only), an evaluation spread over the
-run's layout. lm-eval itself is imported only when it is used (StableGPT, RunEvaluation): arguments.py imports
-this module for its keys, and a run without eval_harness_tasks loads nothing of lm-eval.
+Not here: the tasks (lm-eval's own, or a YAML of yours), sampling (greedy only), an evaluation
+spread over the run's layout. lm-eval itself is imported only when it is used (StableGPT,
+RunEvaluation): arguments.py imports this module for its keys, and a run without eval_harness_tasks
+loads nothing of lm-eval.
 """
 import contextlib
 import numbers
@@ -36,26 +39,26 @@ import reshard
 import tokenizer
 from model import GPT, GPTConfig
 
-# Parameters above which a run's in-loop evaluation is refused: the last rank would hold a whole fp32 copy (8 GB
-# at 2e9) beside its own training state, and its host every shard at once on the way.
+# Parameters above which a run's in-loop evaluation is refused: the last rank would hold a whole
+# fp32 copy (8 GB at 2e9) beside its own training state, its host every shard at once on the way.
 GATHER_LIMIT = 2_000_000_000
 
 
 @dataclass
 class EvalHarnessConfig:
     # -- logging: lm-evaluation-harness's tasks inside the run (docs/evaluation.md) --
-    eval_harness_tasks: str | None = None  # comma-separated lm-eval tasks (globs allowed) to run in the run; None: off
+    eval_harness_tasks: str | None = None  # comma-separated lm-eval tasks (globs too); None: off
     eval_harness_interval: int = 1000  # run them every this many iterations (and at the end)
     eval_harness_include_path: str | None = None  # a folder of task YAML files of your own
-    eval_harness_only_include_path: bool = False  # look tasks up there only (lm-eval's ~14,700 not indexed)
-    eval_harness_num_fewshot: int | None = None  # examples in each prompt (None: each task's default)
-    eval_harness_limit: float | None = None  # documents per task (a fraction if < 1); None: every one
+    eval_harness_only_include_path: bool = False  # look tasks up there only (lm-eval's not indexed)
+    eval_harness_num_fewshot: int | None = None  # examples in each prompt (None: the task's)
+    eval_harness_limit: float | None = None  # documents per task (a fraction if < 1); None: all
     eval_harness_batch_size: int = 1  # requests per forward pass
 
 
 def check(cfg):
-    """Raise ValueError with the fix for eval_harness keys that cannot work (arguments.Config holds the keys). The
-    task names are lm-eval's to resolve: RunEvaluation, before training starts."""
+    """Raise ValueError with the fix for eval_harness keys that cannot work (arguments.Config holds
+    the keys). The task names are lm-eval's to resolve: RunEvaluation, before training starts."""
     if cfg.eval_harness_tasks is None:
         given = [f.name for f in fields(EvalHarnessConfig) if getattr(cfg, f.name) != f.default]
         if given:
@@ -63,20 +66,23 @@ def check(cfg):
                              "(--eval_harness_tasks=hellaswag,...) or drop the key")
         return
     if not task_names(cfg.eval_harness_tasks):
-        raise ValueError(f"eval_harness_tasks={cfg.eval_harness_tasks!r} names no task; give comma-separated "
-                         "lm-eval task names, or None to evaluate none")
+        raise ValueError(f"eval_harness_tasks={cfg.eval_harness_tasks!r} names no task; give "
+                         "comma-separated lm-eval task names, or None to evaluate none")
     if cfg.eval_only:
-        raise ValueError("eval_harness_tasks runs during training, not with eval_only: evaluate the checkpoint with "
-                         "tools/evaluate.py --load DIR --tasks ...")
+        raise ValueError("eval_harness_tasks runs during training, not with eval_only: evaluate "
+                         "the checkpoint with tools/evaluate.py --load DIR --tasks ...")
     if cfg.eval_harness_interval < 1 or cfg.eval_harness_batch_size < 1:
         raise ValueError("eval_harness_interval and eval_harness_batch_size must be at least 1")
     if (cfg.eval_harness_num_fewshot or 0) < 0 or (cfg.eval_harness_limit is not None and
                                                    cfg.eval_harness_limit <= 0):
-        raise ValueError("eval_harness_num_fewshot must not be negative and eval_harness_limit must be positive")
+        raise ValueError("eval_harness_num_fewshot must not be negative and eval_harness_limit "
+                         "must be positive")
     if cfg.eval_harness_only_include_path and not cfg.eval_harness_include_path:
-        raise ValueError("eval_harness_only_include_path needs eval_harness_include_path (the folder of your tasks)")
+        raise ValueError("eval_harness_only_include_path needs eval_harness_include_path (the "
+                         "folder of your tasks)")
     if cfg.eval_harness_include_path and not os.path.isdir(cfg.eval_harness_include_path):
-        raise ValueError(f"eval_harness_include_path {cfg.eval_harness_include_path} is not a directory")
+        raise ValueError(f"eval_harness_include_path {cfg.eval_harness_include_path} is not a "
+                         "directory")
 
 
 def task_names(text):
@@ -93,20 +99,24 @@ def task_manager(include_path=None, only_include_path=False):
 
 
 def known_tasks(names, manager, include_path=None, flag="--include_path"):
-    """The tasks, groups or tags names stand for (a glob: every one it matches, in order), each one lm-eval
-    knows, or one ValueError naming those it does not, with the parse error of each YAML file under include_path
-    that does not parse (lm-eval's index skips such a file in silence: its task is then merely "unknown")."""
+    """The tasks, groups or tags names stand for (a glob: every one it matches, in order), each one
+    lm-eval knows, or one ValueError naming those it does not, with the parse error of each YAML
+    file under include_path that does not parse (lm-eval's index skips such a file in silence: its
+    task is then merely "unknown")."""
     matches = {n: manager.match_tasks([n]) for n in names}
     unknown = [n for n, found in matches.items() if not found]
     if unknown:
-        broken = "".join(f"; {path} does not parse: {error}" for path, error in unparsable(include_path))
-        raise ValueError(f"unknown task(s) {', '.join(unknown)}: `lm-eval list tasks` lists lm-eval's; a task of "
-                         f"your own is a YAML file in the folder given to {flag}{broken}")
+        broken = "".join(f"; {path} does not parse: {error}"
+                         for path, error in unparsable(include_path))
+        raise ValueError(f"unknown task(s) {', '.join(unknown)}: `lm-eval list tasks` lists "
+                         "lm-eval's; a task of your own is a YAML file in the folder given to "
+                         f"{flag}{broken}")
     return list(dict.fromkeys(t for found in matches.values() for t in found))
 
 
 def unparsable(folder):
-    """[(path, the error)] of each .yaml/.yml file under folder that lm-eval's YAML loader refuses."""
+    """[(path, the error)] of each .yaml/.yml file under folder that lm-eval's YAML loader
+    refuses."""
     if not folder:
         return []
     from lm_eval.tasks._yaml_loader import load_yaml  # what lm-eval's index reads each file with
@@ -122,18 +132,20 @@ def unparsable(folder):
 
 
 def evaluate(lm, tasks, manager, num_fewshot=None, limit=None, log_samples=False, seed=1234):
-    """lm_eval.simple_evaluate's results of the LM lm on tasks (names manager knows); its batch size and device
-    recorded in the results' config."""
+    """lm_eval.simple_evaluate's results of the LM lm on tasks (names manager knows); its batch size
+    and device recorded in the results' config."""
     import lm_eval
     return lm_eval.simple_evaluate(model=lm, tasks=tasks, num_fewshot=num_fewshot, limit=limit,
                                    batch_size=lm.batch_size, device=str(lm.device),
                                    task_manager=manager, log_samples=log_samples, random_seed=seed,
-                                   numpy_random_seed=seed, torch_random_seed=seed, fewshot_random_seed=seed)
+                                   numpy_random_seed=seed, torch_random_seed=seed,
+                                   fewshot_random_seed=seed)
 
 
 def task_scalars(results):
-    """{"TASK/METRIC": value} of lm-eval's results, each task's (or group's) metrics; a filter other than
-    lm-eval's "none" after it (TASK/METRIC/FILTER). Standard errors are left out (they may read "N/A")."""
+    """{"TASK/METRIC": value} of lm-eval's results, each task's (or group's) metrics; a filter other
+    than lm-eval's "none" after it (TASK/METRIC/FILTER). Standard errors are left out (they may read
+    "N/A")."""
     out = {}
     for task, metrics in results["results"].items():
         for key, value in metrics.items():
@@ -149,22 +161,26 @@ def task_scalars(results):
 
 
 class RunEvaluation:
-    """eval_harness_tasks every eval_harness_interval iterations (and at the last), on the last rank, logged
-    through the run's report.Report under each task's name. Made before training starts (train.main): the task
-    names, the model's size and the tokenizer are checked there, on every rank, with one message."""
+    """eval_harness_tasks every eval_harness_interval iterations (and at the last), on the last
+    rank, logged through the run's report.Report under each task's name. Made before training starts
+    (train.main): the task names, the model's size and the tokenizer are checked there, on every
+    rank, with one message."""
 
     def __init__(self, cfg):
         self.cfg = cfg
         n = GPTConfig.num_parameters(cfg)
         if n > GATHER_LIMIT:
-            raise ValueError(f"eval_harness_tasks: this model ({n / 1e9:.2f}e9 parameters) would be gathered "
-                             f"whole, in fp32, onto one rank (eval_harness.py); above {GATHER_LIMIT / 1e9:.0f}e9 "
-                             "that is refused: evaluate its checkpoints with tools/evaluate.py instead")
+            raise ValueError(f"eval_harness_tasks: this model ({n / 1e9:.2f}e9 parameters) would "
+                             "be gathered whole, in fp32, onto one rank (eval_harness.py); above "
+                             f"{GATHER_LIMIT / 1e9:.0f}e9 that is refused: evaluate its "
+                             "checkpoints with tools/evaluate.py instead")
         self.tok = tokenizer.get_tokenizer(cfg.tokenizer_file)
         if self.tok.n_vocab > cfg.vocab_size:
-            raise ValueError(f"eval_harness_tasks: the tokenizer has {self.tok.n_vocab} ids but vocab_size is "
-                             f"{cfg.vocab_size}: lm-eval's texts would hold ids the model has no row for")
-        self.manager = task_manager(cfg.eval_harness_include_path, cfg.eval_harness_only_include_path)
+            raise ValueError(f"eval_harness_tasks: the tokenizer has {self.tok.n_vocab} ids but "
+                             f"vocab_size is {cfg.vocab_size}: lm-eval's texts would hold ids the "
+                             "model has no row for")
+        self.manager = task_manager(cfg.eval_harness_include_path,
+                                    cfg.eval_harness_only_include_path)
         self.tasks = known_tasks(task_names(cfg.eval_harness_tasks), self.manager,
                                  cfg.eval_harness_include_path, flag="eval_harness_include_path")
 
@@ -172,7 +188,8 @@ class RunEvaluation:
         return last or iteration % self.cfg.eval_harness_interval == 0
 
     def __call__(self, model, iteration, state, report, device):
-        """Evaluate the run's weights at iteration (every rank calls it), log each task's numbers."""
+        """Evaluate the run's weights at iteration (every rank calls it), log each task's
+        numbers."""
         gpt = gathered(model, self.cfg, iteration)
         if gpt is not None:  # the last rank
             lm = lm_class()(gpt.to(device), self.tok, batch_size=self.cfg.eval_harness_batch_size)
@@ -189,13 +206,15 @@ class RunEvaluation:
 
 
 def gathered(model, cfg, iteration):
-    """The run's whole model at iteration, fp32, on the CPU, in eval mode, on the last rank (None on the others):
-    DP rank 0's shard of every (TP, PP) rank sent there over the host group and merged by reshard.Resharder as
-    the checkpoint of this iteration would be. Every rank calls it."""
+    """The run's whole model at iteration, fp32, on the CPU, in eval mode, on the last rank (None on
+    the others): DP rank 0's shard of every (TP, PP) rank sent there over the host group and merged
+    by reshard.Resharder as the checkpoint of this iteration would be. Every rank calls it."""
     grid = parallel.grid
     gpt = parallel.unwrap(model)
-    mine = (grid.tp_rank, grid.pp_rank, {k: v.detach().cpu() for k, v in gpt.state_dict().items()}) \
-        if grid.dp_rank == 0 else None
+    mine = None
+    if grid.dp_rank == 0:
+        state = {k: v.detach().cpu() for k, v in gpt.state_dict().items()}
+        mine = (grid.tp_rank, grid.pp_rank, state)
     last = grid.world_size - 1
     shards = [mine]
     if grid.world_size > 1:
@@ -213,14 +232,15 @@ def gathered(model, cfg, iteration):
 
 
 class GatheredLayout:
-    """The run's shards, read as reshard.Resharder reads the model files of a checkpoint (reshard.SavedLayout)."""
+    """The run's shards, read as reshard.Resharder reads the model files of a checkpoint
+    (reshard.SavedLayout)."""
 
     def __init__(self, shards, cfg, iteration):
-        self.tag_dir = f"(the run's weights at iteration {iteration})"  # what Resharder's messages name
+        self.tag_dir = f"(the run's weights at iteration {iteration})"  # for Resharder's messages
         self.tp, self.pp = cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size
         self.config = {"vocab_size": cfg.vocab_size}
         self.models = {(tp, pp): {"model": state} for tp, pp, state in shards}
-        self.stage_of = {}  # which stage holds each name; the first stage wins for the tied embedding
+        self.stage_of = {}  # each name's stage; the first stage's wins for the tied embedding
         for pp in reversed(range(self.pp)):
             for name in self.models[0, pp]["model"]:
                 self.stage_of[reshard.TIED_COPY.get(name, name) if pp else name] = pp
@@ -231,8 +251,8 @@ class GatheredLayout:
 
 @contextlib.contextmanager
 def untouched_random_streams(device):
-    """lm-eval seeds Python's, NumPy's and torch's generators: the training run's streams (dropout) are put back
-    after it, so that a run draws what it would have drawn without the evaluation."""
+    """lm-eval seeds Python's, NumPy's and torch's generators: the training run's streams (dropout)
+    are put back after it, so that a run draws what it would have drawn without the evaluation."""
     py, npy = random.getstate(), np.random.get_state()
     cuda = [device] if torch.device(device).type == "cuda" else []
     with torch.random.fork_rng(devices=cuda):
@@ -243,9 +263,10 @@ def untouched_random_streams(device):
 
 @contextlib.contextmanager
 def alone():
-    """This rank as one process while the gathered model runs: parallel.grid one process's, so that its forward
-    talks to no other rank (a TP>1 grid would all-reduce with ranks that wait at the barrier); LOCAL_RANK 0,
-    without which lm_eval.simple_evaluate returns no results (it takes a LOCAL_RANK > 0 for a TP worker)."""
+    """This rank as one process while the gathered model runs: parallel.grid one process's, so that
+    its forward talks to no other rank (a TP>1 grid would all-reduce with ranks that wait at the
+    barrier); LOCAL_RANK 0, without which lm_eval.simple_evaluate returns no results (it takes a
+    LOCAL_RANK > 0 for a TP worker)."""
     run_grid, parallel.grid = parallel.grid, parallel.Grid(1, 1, world_size=1, rank=0)
     local_rank = os.environ.get("LOCAL_RANK")
     os.environ["LOCAL_RANK"] = "0"
@@ -264,7 +285,8 @@ def alone():
 
 
 def lm_class():
-    """StableGPT: LMAdapter as an lm-eval TemplateLM, made at its first use (importing lm-eval takes seconds)."""
+    """StableGPT: LMAdapter as an lm-eval TemplateLM, made at its first use (importing lm-eval takes
+    seconds)."""
     if "StableGPT" not in globals():
         from lm_eval.api.model import TemplateLM
         globals()["StableGPT"] = type("StableGPT", (LMAdapter, TemplateLM),
@@ -272,16 +294,16 @@ def lm_class():
     return globals()["StableGPT"]
 
 
-def __getattr__(name):  # eval_harness.StableGPT (tools/evaluate.py, the tests): the class, made on first use
+def __getattr__(name):  # eval_harness.StableGPT (tools/evaluate.py, tests): made on first use
     if name == "StableGPT":
         return lm_class()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class LMAdapter:
-    """lm-eval's LM (as StableGPT, with TemplateLM) over a whole GPT (TP=1, PP=1) in eval mode. model: a GPT; tok: its run's tokenizer
-    (tokenizer.get_tokenizer); batch_size: requests per forward pass; max_gen_toks: generate_until's default
-    where a task sets none (HFLM's 256)."""
+    """lm-eval's LM (as StableGPT, with TemplateLM) over a whole GPT (TP=1, PP=1) in eval mode.
+    model: a GPT; tok: its run's tokenizer (tokenizer.get_tokenizer); batch_size: requests per
+    forward pass; max_gen_toks: generate_until's default where a task sets none (HFLM's 256)."""
 
     def __init__(self, model, tok, batch_size=1, max_gen_toks=256, info=None):
         super().__init__()
@@ -386,7 +408,11 @@ class LMAdapter:
 
     def generate_batch(self, contexts, gen_kwargs):
         """The texts generate_until answers for contexts that share gen_kwargs (one batch)."""
-        from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
+        from lm_eval.models.utils import (
+            handle_stop_sequences,
+            normalize_gen_kwargs,
+            postprocess_generated_text,
+        )
         kwargs = normalize_gen_kwargs(gen_kwargs, self.max_gen_toks)
         if kwargs.get("do_sample"):
             raise ValueError(f"only greedy generation is implemented; the task asks to sample ({gen_kwargs}): "
