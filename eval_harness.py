@@ -222,8 +222,8 @@ def gathered(model, cfg, iteration):
         dist.gather_object(mine, shards, dst=last, group=parallel.host_group())
     if grid.rank != last:
         return None
-    whole = GPTConfig(**{f.name: getattr(cfg, f.name) for f in fields(GPTConfig)})
-    whole.tensor_model_parallel_size = 1
+    whole = GPTConfig.from_config(cfg)
+    whole.tensor_model_parallel_size = 1  # the vocabulary padded for one process, as the tools load
     with torch.device("cpu"):
         full = GPT(whole, grid=parallel.Grid(1, 1, world_size=1, rank=0)).eval()
     layout = GatheredLayout([s for s in shards if s is not None], cfg, iteration)
