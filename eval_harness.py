@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 import parallel
 import reshard
+import rng
 import tokenizer
 from model import GPT, GPTConfig
 
@@ -190,12 +191,15 @@ class RunEvaluation:
     def __call__(self, model, iteration, state, report, device):
         """Evaluate the run's weights at iteration (every rank calls it), log each task's
         numbers."""
-        gpt = gathered(model, self.cfg, iteration)
-        if gpt is not None:  # the last rank
-            lm = lm_class()(gpt.to(device), self.tok, batch_size=self.cfg.eval_harness_batch_size)
-            with untouched_random_streams(device), alone():
-                results = evaluate(lm, self.tasks, self.manager, self.cfg.eval_harness_num_fewshot,
-                                   self.cfg.eval_harness_limit)
+        with untouched_random_streams(device):  # building the whole model draws too
+            gpt = gathered(model, self.cfg, iteration)
+            if gpt is not None:  # the last rank
+                cfg = self.cfg
+                lm = lm_class()(gpt.to(device), self.tok, batch_size=cfg.eval_harness_batch_size)
+                with alone():
+                    results = evaluate(lm, self.tasks, self.manager, cfg.eval_harness_num_fewshot,
+                                       cfg.eval_harness_limit)
+        if gpt is not None:
             values = task_scalars(results)
             print(f" lm-eval at iteration {iteration} | " +
                   " | ".join(f"{k}: {v:.6E}" for k, v in values.items()) + " |", flush=True)
@@ -251,14 +255,16 @@ class GatheredLayout:
 
 @contextlib.contextmanager
 def untouched_random_streams(device):
-    """lm-eval seeds Python's, NumPy's and torch's generators: the training run's streams (dropout)
-    are put back after it, so that a run draws what it would have drawn without the evaluation."""
-    py, npy = random.getstate(), np.random.get_state()
+    """lm-eval seeds Python's, NumPy's and torch's generators, and building a model draws from
+    torch's: the training run's streams (dropout; rng.py's model-parallel one too) are put back
+    after the block, so that a run draws what it would have drawn without the evaluation."""
+    py, npy, model_parallel = random.getstate(), np.random.get_state(), rng.get_states()
     cuda = [device] if torch.device(device).type == "cuda" else []
     with torch.random.fork_rng(devices=cuda):
         yield
     random.setstate(py)
     np.random.set_state(npy)
+    rng.set_states(model_parallel)  # Megatron's model-parallel stream (rng.py)
 
 
 @contextlib.contextmanager
