@@ -2,7 +2,11 @@
 (tests/data/eval_tasks: multiple choice, rolling perplexity, greedy generation) scores what lm-eval's own
 transformers backend (HFLM) scores on the checkpoint's Hugging Face export, document by document; the command
 line writes the same numbers; a missing checkpoint or an unknown task stops with one message. Nothing downloads:
-the tasks read local JSONL files, the datasets cache lives under the test's tmp_path."""
+the tasks read local JSONL files, the datasets cache lives under the test's tmp_path.
+
+Inside a run (eval_harness_tasks): a TP=2 x PP=2 job logs, per task, what the command scores on its
+checkpoint; the evaluation leaves the training's losses as they were; task names, task files that do
+not parse, keys without tasks and a model too large to gather are refused before training."""
 import ast
 import importlib.util
 import json
