@@ -260,11 +260,13 @@ def untouched_random_streams(device):
     after the block, so that a run draws what it would have drawn without the evaluation."""
     py, npy, model_parallel = random.getstate(), np.random.get_state(), rng.get_states()
     cuda = [device] if torch.device(device).type == "cuda" else []
-    with torch.random.fork_rng(devices=cuda):
-        yield
-    random.setstate(py)
-    np.random.set_state(npy)
-    rng.set_states(model_parallel)  # Megatron's model-parallel stream (rng.py)
+    try:
+        with torch.random.fork_rng(devices=cuda):
+            yield
+    finally:
+        random.setstate(py)
+        np.random.set_state(npy)
+        rng.set_states(model_parallel)  # Megatron's model-parallel stream (rng.py)
 
 
 @contextlib.contextmanager
