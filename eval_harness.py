@@ -120,7 +120,10 @@ def unparsable(folder):
     refuses."""
     if not folder:
         return []
-    from lm_eval.tasks._yaml_loader import load_yaml  # what lm-eval's index reads each file with
+    try:  # what lm-eval's index (0.4.13) reads each file with; private: another version may move it
+        from lm_eval.tasks._yaml_loader import load_yaml
+    except ImportError:
+        return []
     found = []
     for directory, _, files in sorted(os.walk(folder)):
         for name in sorted(f for f in files if f.endswith((".yaml", ".yml"))):
