@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass, fields
 import torch
 
 import checkpoint
+import eval_harness
 import hf
 import loader
 import optim
@@ -30,6 +31,7 @@ import report
 import schedule
 import usage
 from checkpoint import CheckpointConfig
+from eval_harness import EvalHarnessConfig
 from loader import DataConfig
 from model import GPTConfig
 from optim import OptimizerConfig
@@ -43,8 +45,8 @@ DEFAULT_CONFIG = "config/tiny.py"
 
 
 @dataclass
-class Config(StabilityConfig, LoggingConfig, CheckpointConfig, LayoutConfig, ScheduleConfig, OptimizerConfig,
-             DataConfig, GPTConfig):
+class Config(StabilityConfig, EvalHarnessConfig, LoggingConfig, CheckpointConfig, LayoutConfig, ScheduleConfig,
+             OptimizerConfig, DataConfig, GPTConfig):
     """Every key of a run, flat (cfg.lr), each declared and checked by its owner: a dataclass's fields come base
     class last first, so the keys read model, data, optimizer, schedule, parallel, checkpoint, logging, stability.
     usage.py reads this list of bases from the source for `--help`: an owner is one more base here."""
@@ -284,6 +286,7 @@ def validate(cfg, world_size=1, reads_data=True):
     optim.check(cfg)
     checkpoint.check(cfg)
     report.check(cfg)
+    eval_harness.check(cfg)
     stability_config.check(cfg)
 
 

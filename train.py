@@ -35,6 +35,7 @@ import builders
 import checkpoint
 import cross_entropy
 import data
+import eval_harness
 import launch
 import loader
 import parallel
@@ -53,19 +54,21 @@ def main(argv=None):
         estimate.dry_run(cfg)
         return
     arguments.prepare(cfg, launch.world_size())  # a config that cannot work stops before any process group
+    # lm-eval's tasks found (imported only then), before any process group too
+    harness = eval_harness.RunEvaluation(cfg) if cfg.eval_harness_tasks else None
     grid = launch.start(cfg)
     loader.check_tokenizer(cfg)
     # Before anything is built or written: which checkpoint to resume, is it this model, is save ours (lock).
     # The checkpoint writer inside: a save in flight is on disk before the lock is released.
     with safety.RunGuard(cfg) as guard, checkpoint.AsyncWriter(cfg.async_save) as writer:
         callbacks = builders.build_callbacks(cfg, writer, guard.saved_state)
-        return run(cfg, grid, guard.exit_signal, writer, callbacks)
+        return run(cfg, grid, guard.exit_signal, writer, callbacks, harness)
 
 
-def run(cfg, grid, exit_signal=lambda: False, writer=None, callbacks=NO_CALLBACKS):
+def run(cfg, grid, exit_signal=lambda: False, writer=None, callbacks=NO_CALLBACKS, harness=None):
     """Train (or, with eval_only, evaluate) the configured model; returns the run state. exit_signal() says when
     a SIGTERM or SIGUSR1 asks to save and stop; writer: the checkpoint.AsyncWriter saves go through (None:
-    synchronous)."""
+    synchronous); harness: an eval_harness.RunEvaluation of lm-eval's tasks, or None."""
     parts, device, train_data, valid_data = prepare(cfg, grid, callbacks)
     model, state, schedule = parts.model, parts.state, parts.schedule
     if cfg.eval_only:
@@ -103,6 +106,8 @@ def run(cfg, grid, exit_signal=lambda: False, writer=None, callbacks=NO_CALLBACK
             if valid_data is not None and cfg.eval_iters > 0 and (last or n % cfg.eval_interval == 0):
                 for name, dataset in loader.validation_sets(valid_data):  # the blend, or each named set
                     report.validation(n, state, evaluate(model, dataset, cfg, device), name)
+            if harness is not None and harness.due(n, last):  # lm-eval's tasks, logged beside it
+                harness(model, n, state, report, device)
             # save, and stop when the job's time is up
             why_exit = exit_reason(cfg, n - first_iteration, job_start, exit_signal)
             if cfg.save and (last or why_exit or (cfg.save_interval and n % cfg.save_interval == 0)):

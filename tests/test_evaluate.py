@@ -2,8 +2,12 @@
 (tests/data/eval_tasks: multiple choice, rolling perplexity, greedy generation) scores what lm-eval's own
 transformers backend (HFLM) scores on the checkpoint's Hugging Face export, document by document; the command
 line writes the same numbers; a missing checkpoint or an unknown task stops with one message. Nothing downloads:
-the tasks read local JSONL files, the datasets cache lives under the test's tmp_path."""
-import glob
+the tasks read local JSONL files, the datasets cache lives under the test's tmp_path.
+
+Inside a run (eval_harness_tasks): a TP=2 x PP=2 job logs, per task, what the command scores on its
+checkpoint; the evaluation leaves the training's losses as they were; task names, task files that do
+not parse, keys without tasks and a model too large to gather are refused before training."""
+import ast
 import importlib.util
 import json
 import os
@@ -17,7 +21,7 @@ import torch
 pytest.importorskip("lm_eval")
 pytest.importorskip("transformers")
 
-from helpers import ROOT, write_checkpoint  # noqa: E402
+from helpers import ROOT, corpus, free_port, write_checkpoint  # noqa: E402,F401 (corpus: a fixture)
 
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 import export_hf  # noqa: E402
@@ -68,7 +72,8 @@ def ours(checkpoint):
     """(our adapter on the checkpoint, 3 requests per batch; lm-eval's results of it with each document's answers)."""
     import eval_harness
     lm = eval_harness.StableGPT.from_checkpoint(checkpoint[0], batch_size=3)
-    return lm, evaluate_tool.evaluate(lm, NAMES, evaluate_tool.task_manager(TASKS, True), log_samples=True)
+    manager = eval_harness.task_manager(TASKS, True)
+    return lm, eval_harness.evaluate(lm, NAMES, manager, log_samples=True)
 
 
 @pytest.fixture(scope="module")
@@ -77,8 +82,11 @@ def theirs(checkpoint):
     pytest.importorskip("accelerate", reason="lm-eval's transformers backend (HFLM) needs accelerate: "
                         "pip install 'lm-eval[hf]'")
     from lm_eval.models.huggingface import HFLM
+
+    import eval_harness
     lm = HFLM(pretrained=checkpoint[1], device="cpu", dtype="float32", batch_size=3)
-    return lm, evaluate_tool.evaluate(lm, NAMES, evaluate_tool.task_manager(TASKS, True), log_samples=True)
+    manager = eval_harness.task_manager(TASKS, True)
+    return lm, eval_harness.evaluate(lm, NAMES, manager, log_samples=True)
 
 
 def per_document(results, task):
@@ -175,10 +183,134 @@ def test_an_unknown_task_or_a_missing_checkpoint_is_one_message(checkpoint, tmp_
                             "--only_include_path"])
 
 
-def test_only_the_tools_import_the_adapter():
-    """eval_harness pulls lm-eval and its dependencies in: no module of the product or the stability layer
-    imports it (its floor in tests/test_structure.py alone would let the floors above, train.py's included)."""
-    product = glob.glob(os.path.join(ROOT, "*.py")) + glob.glob(os.path.join(ROOT, "stability", "*.py"))
-    pattern = re.compile(r"^\s*(import|from)\s+eval_harness\b", re.M)
-    assert not [p for p in product if pattern.search(open(p).read())]
-    assert pattern.search(open(os.path.join(ROOT, "tools", "evaluate.py")).read())
+def test_the_adapter_imports_lm_eval_only_when_it_is_used():
+    """arguments.py imports eval_harness for its keys (and train.py for the run's evaluation): the
+    module itself imports nothing of lm-eval, which costs seconds; StableGPT and the tasks import it
+    when they are used. (A run without eval_harness_tasks loading none of it:
+    tests/test_structure.py.)"""
+    tree = ast.parse(open(os.path.join(ROOT, "eval_harness.py")).read())
+    top = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
+    names = [a.name for n in top if isinstance(n, ast.Import) for a in n.names]
+    names += [n.module for n in top if isinstance(n, ast.ImportFrom)]
+    assert "torch" in names and not [m for m in names if m.split(".")[0] == "lm_eval"], names
+
+
+# -----------------------------------------------------------------------------
+# Inside a run: eval_harness_tasks every eval_harness_interval iterations
+
+# A TP=2 x PP=2 run on the bundled corpus (GPT-2's vocabulary), 4 iterations, the three local tasks
+# evaluated at 2 and 4
+RUN = ["--num_layers=2", "--hidden_size=32", "--num_attention_heads=2", "--seq_length=32",
+       "--init_method_std=0.3", "--micro_batch_size=2", "--global_batch_size=2", "--train_iters=4",
+       "--log_interval=2", "--eval_interval=2", "--eval_iters=1", "--sample_tokens=0",
+       "--save_interval=4", "--device=cpu", "--tensor_model_parallel_size=2",
+       "--pipeline_model_parallel_size=2", "--eval_harness_interval=2",
+       f"--eval_harness_tasks={','.join(NAMES)}", f"--eval_harness_include_path={TASKS}",
+       "--eval_harness_only_include_path", "--eval_harness_batch_size=2"]
+
+
+def train(*args, nproc=1):
+    env = dict(os.environ, WANDB_MODE="disabled", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1",
+               HF_DATASETS_OFFLINE="1")
+    launcher = [sys.executable] if nproc == 1 else [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+        "--master_port", str(free_port())]
+    return subprocess.run([*launcher, "train.py", *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=600)
+
+
+@SLOW
+def test_the_runs_evaluation_logs_what_the_tool_scores_on_its_checkpoint(offline, tmp_path, corpus):
+    """Each task's numbers at iteration 4, in metrics.jsonl beside the validation loss and in
+    TensorBoard, are tools/evaluate.py's on the checkpoint of iteration 4, exactly: the shards of 4
+    ranks gathered in memory as a checkpoint's files are merged."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    import eval_harness
+    proc = train(*RUN, f"--data_path={corpus}", f"--save={tmp_path}", nproc=4)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    records = {r["iteration"]: r for r in map(json.loads, open(tmp_path / "metrics.jsonl"))}
+    tool = evaluate_tool.main(["--load", str(tmp_path), "--tasks", ",".join(NAMES),
+                               "--include_path", TASKS, "--only_include_path", "--batch_size", "2"])
+    expected = eval_harness.task_scalars(tool)
+    # 3 tasks, 6 metrics, not all zero
+    assert len(expected) == 6 and expected["stablegpt_choice/acc"] > 0
+    assert {k: records[4][k] for k in expected} == expected
+    assert "validation lm loss" in records[4] and set(expected) <= set(records[2])
+    bits = "stablegpt_text/bits_per_byte"
+    assert records[2][bits] != expected[bits]  # two iterations trained in between
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    for name, value in expected.items():
+        last = [(e.step, e.value) for e in events.Scalars(name)][-1]
+        assert last == (4, pytest.approx(value, rel=1e-6))
+    assert proc.stdout.count(" lm-eval at iteration ") == 2
+
+
+def test_the_runs_evaluation_changes_nothing_of_the_training(offline, corpus):
+    """lm-eval seeds Python's, NumPy's and torch's generators: with dropout on, the losses after an
+    evaluation are those of the same run without one, bit for bit."""
+    from helpers import losses, run_main
+    run = ["--num_layers=1", "--hidden_size=32", "--num_attention_heads=2", "--seq_length=32",
+           "--micro_batch_size=2", "--global_batch_size=2", "--train_iters=4", "--log_interval=1",
+           "--eval_iters=0", "--sample_tokens=0", "--save=none", "--save_interval=none",
+           "--hidden_dropout=0.1", "--attention_dropout=0.1", f"--data_path={corpus}"]
+    plain = losses(run_main(*run))
+    evaluated = run_main(*run, "--eval_harness_tasks=stablegpt_choice", "--eval_harness_interval=2",
+                         f"--eval_harness_include_path={TASKS}", "--eval_harness_only_include_path",
+                         "--eval_harness_limit=2")
+    assert evaluated.count(" lm-eval at iteration ") == 2  # at 2 and at the last, 4
+    assert losses(evaluated) == plain and len(plain) == 4
+
+
+def test_an_unknown_task_stops_the_run_before_training_with_one_message(corpus, monkeypatch):
+    """Refused before any process group is started, let alone a step (train.py exits 2 with the
+    message, as for every ValueError)."""
+    import launch
+
+    from helpers import train_script
+    monkeypatch.setattr(launch, "start", lambda cfg: pytest.fail("the run started"))
+    monkeypatch.chdir(ROOT)
+    with pytest.raises(ValueError, match=r"^unknown task\(s\) stablegpt_nothing: .*"
+                                         r"eval_harness_include_path$"):
+        train_script()["main"](["--num_layers=1", "--hidden_size=32", "--num_attention_heads=2",
+                                "--seq_length=16", "--train_iters=2", "--save=none",
+                                "--save_interval=none", f"--data_path={corpus}",
+                                "--eval_harness_tasks=stablegpt_choice,stablegpt_nothing",
+                                f"--eval_harness_include_path={TASKS}",
+                                "--eval_harness_only_include_path"])
+
+
+def test_a_task_file_that_does_not_parse_is_named_with_its_parse_error(tmp_path):
+    """lm-eval's index skips a YAML file it cannot read, in silence: its task is then merely unknown
+    (#48)."""
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    (tasks / "broken.yaml").write_text("task: broken_task\ndataset_path: json\n  bad: [unclosed\n")
+    with pytest.raises(ValueError, match=r"unknown task\(s\) broken_task: .*--include_path; "
+                                         r".*broken.yaml does not parse: \w+Error: .*line 3"):
+        evaluate_tool.main(["--load", str(tmp_path), "--tasks", "broken_task", "--include_path",
+                            str(tasks), "--only_include_path"])
+
+
+@pytest.mark.parametrize("keys, message", [
+    (["--eval_harness_interval=5"], "eval_harness_interval does nothing without eval_harness_t"),
+    (["--eval_harness_tasks=a", "--eval_only"], "not with eval_only: .*tools/evaluate.py"),
+    (["--eval_harness_tasks= , "], "names no task"),
+    (["--eval_harness_tasks=a", "--eval_harness_interval=0"], "interval .* at least 1"),
+    (["--eval_harness_tasks=a", "--eval_harness_only_include_path"], "needs eval_harness_include"),
+    (["--eval_harness_tasks=a", "--eval_harness_include_path=/nowhere"], "/nowhere is not a dir"),
+])
+def test_eval_harness_keys_that_cannot_work_are_refused(keys, message):
+    import arguments
+    with pytest.raises(ValueError, match=message):
+        arguments.validate(arguments.load_config(keys))
+
+
+def test_a_model_too_large_to_gather_is_refused_before_lm_eval_is_asked():
+    import arguments
+    import eval_harness
+    sizes = ["--num_layers=24", "--hidden_size=2560", "--num_attention_heads=20"]
+    cfg = arguments.load_config([*sizes, "--eval_harness_tasks=nothing"])
+    with pytest.raises(ValueError, match=r"2\.0\de9 parameters.*above 2e9.*tools/evaluate.py"):
+        eval_harness.RunEvaluation(cfg)

@@ -222,7 +222,7 @@ FLOORS = (
     {"rng", "layers", "cross_entropy", "precision", "report", "data"},
     {"model", "checkpoint", "optim", "launch", "loader"},
     {"reshard", "deepspeed_engine", "safety", "training"},  # training: the step and the callback interface
-    {"hf", "run_state", "eval_harness"},  # eval_harness: lm-eval over a gathered checkpoint (tools/ import it)
+    {"hf", "run_state", "eval_harness"},  # eval_harness: lm-eval over a gathered model (lm-eval on use)
     {"stability"},  # the stability layer: callbacks on the step
     {"arguments", "builders"},  # every owner's keys; every part built
     {"estimate", "megatron_ds"},  # megatron_ds: builds each stage and its optimizer to write a checkpoint
@@ -335,13 +335,15 @@ def test_nothing_imports_the_script():
 
 def test_with_no_stability_switch_nothing_of_the_layer_is_built_or_imported(corpus):
     """A run with no stability switch: the loop gets no callbacks, and no module of the layer beyond its package's
-    entry point (the switches, build_callbacks) and its keys (stability.config) is ever imported."""
+    entry point (the switches, build_callbacks) and its keys (stability.config) is ever imported; nor, with no
+    eval_harness_tasks, anything of lm-eval (seconds of imports)."""
     code = ("import runpy, sys\n"
             "runpy.run_path('train.py', run_name='train_script')['main']("
             f"['--num_layers=1', '--hidden_size=32', '--num_attention_heads=2', '--seq_length=16', "
             f"'--micro_batch_size=2', '--global_batch_size=2', '--train_iters=3', '--eval_iters=0', "
             f"'--sample_tokens=0', '--save=none', '--save_interval=none', '--data_path={corpus}'])\n"
-            "print(sorted(m for m in sys.modules if m.startswith('stability.') and m != 'stability.config'))\n")
+            "print(sorted(m for m in sys.modules if m.startswith('stability.') and m != 'stability.config'))\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'lm_eval'))\n")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout[-2000:]
+    assert out.stdout.strip().splitlines()[-2:] == ["[]", "[]"], out.stdout[-2000:]  # nor lm-eval

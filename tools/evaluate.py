@@ -24,6 +24,8 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 import torch  # noqa: E402
 
+import eval_harness  # noqa: E402 (it imports lm-eval when it is used)
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -52,44 +54,19 @@ def parse(argv=None):
     return args
 
 
-def task_manager(include_path=None, only_include_path=False):
-    from lm_eval.tasks import TaskManager
-    return TaskManager(include_path=include_path, include_defaults=not only_include_path)
-
-
-def known_tasks(names, manager):
-    """The tasks, groups or tags names stand for (a glob: every one it matches, in order), each one lm-eval
-    knows, or a ValueError naming those it does not."""
-    matches = {n: manager.match_tasks([n]) for n in names}
-    unknown = [n for n, found in matches.items() if not found]
-    if unknown:
-        raise ValueError(f"unknown task(s) {', '.join(unknown)}: `lm-eval list tasks` lists lm-eval's; a task of "
-                         "your own is a YAML file in the folder given to --include_path")
-    return list(dict.fromkeys(t for found in matches.values() for t in found))
-
-
-def evaluate(lm, tasks, manager, num_fewshot=None, limit=None, log_samples=False, seed=1234):
-    """lm_eval.simple_evaluate's results of the LM lm on tasks (names manager knows); its batch size and device
-    recorded in the results' config."""
-    import lm_eval
-    return lm_eval.simple_evaluate(model=lm, tasks=tasks, num_fewshot=num_fewshot, limit=limit,
-                                   batch_size=lm.batch_size, device=str(lm.device),
-                                   task_manager=manager, log_samples=log_samples, random_seed=seed,
-                                   numpy_random_seed=seed, torch_random_seed=seed, fewshot_random_seed=seed)
-
-
 def main(argv=None):
     args = parse(argv)
     if not os.path.isdir(args.load):  # before lm-eval's import and index: a typo costs no wait
         raise ValueError(f"checkpoint directory {args.load} does not exist")
-    manager = task_manager(args.include_path, args.only_include_path)
-    tasks = known_tasks([t for t in args.tasks.split(",") if t], manager)
+    manager = eval_harness.task_manager(args.include_path, args.only_include_path)
+    names = [t for t in args.tasks.split(",") if t]
+    tasks = eval_harness.known_tasks(names, manager, args.include_path)
     import lm_eval.utils
 
-    import eval_harness
     lm = eval_harness.StableGPT.from_checkpoint(args.load, device=args.device, dtype=DTYPES.get(args.dtype),
                                                 batch_size=args.batch_size)
-    results = evaluate(lm, tasks, manager, args.num_fewshot, args.limit, args.log_samples, args.seed)
+    results = eval_harness.evaluate(lm, tasks, manager, args.num_fewshot, args.limit,
+                                    args.log_samples, args.seed)
     print(lm_eval.utils.make_table(results))
     if "groups" in results:
         print(lm_eval.utils.make_table(results, "groups"))
