@@ -127,7 +127,9 @@ def resolve_resume(cfg):
         changed = compare_configs(run["config"], cfg, load_tag)
         if changed:
             lines.append("keys changed since the checkpoint:\n    " + "\n    ".join(changed))
-        saved_state = run["state"]
+        # before anything is built: a damaged run state refused, an older version's migrated, said
+        saved_state, notes = checkpoint.checked_run_state(run["state"], run["config"])
+        lines += notes
     return load_tag, lines, saved_state
 
 

@@ -103,9 +103,12 @@ def test_run_state_records_the_import_and_old_checkpoints_load():
     """Catches: the import's record (hf_origin) not carried by the run state, or a checkpoint written before it
     existed no longer loading into a RunState."""
     state = run_state.RunState()
-    state.load({"iteration": 3})
+    older = {"iteration": 3, "consumed_samples": 24, "consumed_tokens": 768, "scheduler_samples": 24,
+             "scheduler_tokens": 768, "optimizer_reset": None, "callbacks": {},
+             "history": {"loss": [], "grad norm": []}}
+    state.load(older)  # as written before hf_origin was kept (its migration: checkpoint.MIGRATIONS)
     assert state.hf_origin is None and state.iteration == 3
-    state.load({"iteration": 4, "hf_origin": {"eos_token_id": 2}})
+    state.load({**older, "iteration": 4, "consumed_samples": 32, "hf_origin": {"eos_token_id": 2}})
     assert state.hf_origin == {"eos_token_id": 2}
 
 
