@@ -103,8 +103,9 @@ def test_run_state_records_the_import_and_old_checkpoints_load():
     """Catches: the import's record (hf_origin) not carried by the run state, or a checkpoint written before it
     existed no longer loading into a RunState."""
     state = run_state.RunState()
-    older = {"iteration": 3, "consumed_samples": 24, "consumed_tokens": 768, "scheduler_samples": 24,
-             "scheduler_tokens": 768, "optimizer_reset": None, "callbacks": {},
+    older = {"iteration": 3, "consumed_samples": 24, "consumed_tokens": 768,
+             "scheduler_samples": 24, "scheduler_tokens": 768, "optimizer_reset": None,
+             "callbacks": {},
              "history": {"loss": [], "grad norm": []}}
     state.load(older)  # as written before hf_origin was kept (its migration: checkpoint.MIGRATIONS)
     assert state.hf_origin is None and state.iteration == 3

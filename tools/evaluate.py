@@ -55,23 +55,24 @@ def parse(argv=None):
 
 
 def check_output_path(path):
-    """Refuse, before the evaluation, an --output_path the results could not be written to (lost after
-    the whole evaluation otherwise), or a file that is not lm-eval results (nothing is written over
-    what this tool did not write)."""
+    """Refuse, before the evaluation, an --output_path the results could not be written to (lost
+    after the whole evaluation otherwise), or a file that is not lm-eval results (this tool writes
+    over nothing it did not write)."""
     if os.path.isdir(path):
-        raise ValueError(f"--output_path {path} is a directory; give a file name, e.g. {path}/results.json")
+        raise ValueError(f"--output_path {path} is a directory; give a file name, e.g. "
+                         f"{os.path.join(path, 'results.json')}")
     if os.path.exists(path) and not _results_file(path):
-        raise ValueError(f"--output_path {path} exists and is not lm-eval results: give another file "
-                         "(this tool writes over its own results only)")
+        raise ValueError(f"--output_path {path} exists and is not lm-eval results: give another "
+                         "file (this tool writes over its own results only)")
     parent = os.path.dirname(os.path.abspath(path))
-    while not os.path.exists(parent):  # the folders the write will create: the first that exists decides
+    while not os.path.exists(parent):  # the folders the write creates: the first one there decides
         parent = os.path.dirname(parent)
     if not os.path.isdir(parent):
-        raise ValueError(f"--output_path {path} cannot be written: {parent} is a file, not a directory; "
-                         "give another path")
+        raise ValueError(f"--output_path {path} cannot be written: {parent} is a file, not a "
+                         "directory; give another path")
     if not os.access(parent, os.W_OK | os.X_OK):
-        raise ValueError(f"--output_path {path} cannot be written: {parent} is not writable; give another "
-                         "path")
+        raise ValueError(f"--output_path {path} cannot be written: {parent} is not writable; give "
+                         "another path")
 
 
 def _results_file(path):
@@ -96,8 +97,8 @@ def write_results(results, path):
     except OSError as e:
         if os.path.exists(tmp):
             os.remove(tmp)
-        raise ValueError(f"--output_path {path}: the results cannot be written ({e.strerror or e}); "
-                         "the table above holds them") from None
+        raise ValueError(f"--output_path {path}: the results cannot be written "
+                         f"({e.strerror or e}); the table above holds them") from None
 
 
 def task_manager(include_path=None, only_include_path=False):

@@ -89,8 +89,9 @@ def save_remote(gpt, output, dtype, keys):
 
 
 def save(gpt, output, dtype=torch.float32, keys=None):
-    """Write our whole model (TP=1, PP=1) into output (new, or export's own partial directory) as the
-    transformers model of its class (target_class); returns the class's name. keys: as hf_model's."""
+    """Write our whole model (TP=1, PP=1) into output (new, or export's OUTPUT.partial) as the
+    transformers model of its class (target_class); returns the class's name. keys: as
+    hf_model's."""
     kind = target_class(gpt.cfg)
     if kind == "stablegpt":
         save_remote(gpt, output, dtype, {} if keys is None else keys)
@@ -182,7 +183,7 @@ RUN_FILES = ("latest", "lock", "metrics.jsonl", "manifest.json", "tensorboard")
 
 
 class Stopped(BaseException):
-    """A SIGTERM or SIGINT during the export (main installs the handler): the partial output goes."""
+    """A SIGTERM or SIGINT during the export (run installs the handler): the partial output goes."""
 
 
 def _inside(path, directory):
@@ -204,20 +205,22 @@ def _marker(directory):
             found = json.load(f)
     except (OSError, ValueError):
         return None
-    return found if isinstance(found, dict) and found.get("written_by") == "tools/export_hf.py" else None
+    ours = isinstance(found, dict) and found.get("written_by") == "tools/export_hf.py"
+    return found if ours else None
 
 
 def check_output(output, load_dir, overwrite=False):
     """Refuse, before any work, an --output this export must not write into; returns OUTPUT.partial.
-    A new or empty directory is written; an earlier export of ours (its MARKER) with overwrite; never
-    the checkpoint read, a directory holding it or the working directory, a checkpoint, a run's save
-    directory or a directory of anything else."""
+    A new or empty directory is written; an earlier export of ours (its MARKER) with overwrite;
+    never the checkpoint read, a directory holding it or the working directory, a checkpoint, a
+    run's save directory or a directory of anything else."""
     out = os.path.normpath(output)
-    for what, path in (("the checkpoint directory --load", load_dir), ("the working directory", ".")):
+    for what, path in (("the checkpoint directory --load", load_dir),
+                       ("the working directory", ".")):
         if _inside(path, out):
             where = "is" if _inside(out, path) else "holds"
-            raise ValueError(f"--output {output} {where} {what} ({os.path.abspath(path)}): an export "
-                             "never writes there; give a new directory, e.g. --output "
+            raise ValueError(f"--output {output} {where} {what} ({os.path.abspath(path)}): an "
+                             "export never writes there; give a new directory, e.g. --output "
                              f"{os.path.basename(os.path.abspath(load_dir))}-hf")
     if os.path.exists(out) and not os.path.isdir(out):
         raise ValueError(f"--output {output} is a file; give a new directory")
@@ -232,8 +235,8 @@ def _check_replace(output, out, overwrite):
     run, ours = _holds_a_run(out), _marker(out)
     if run:
         raise ValueError(f"--output {output} holds a checkpoint or a run's save directory "
-                         f"({', '.join(run[:4])}): an export never writes over it, --overwrite or not; "
-                         "give a new directory")
+                         f"({', '.join(run[:4])}): an export never writes over it, --overwrite or "
+                         "not; give a new directory")
     if ours is None:
         entries = sorted(os.listdir(out))
         raise ValueError(f"--output {output} is not empty ({', '.join(entries[:4])}"
@@ -242,11 +245,13 @@ def _check_replace(output, out, overwrite):
                          "and deletes nothing it did not write; give a new --output")
     if not overwrite:
         raise ValueError(f"--output {output} holds an earlier export (of {ours.get('checkpoint')}, "
-                         f"{ours.get('started')}); pass --overwrite to replace it, or give a new --output")
+                         f"{ours.get('started')}); pass --overwrite to replace it, or give a new "
+                         "--output")
     added = sorted(set(os.listdir(out)) - set(ours.get("files", ())))
     if added:
         raise ValueError(f"--output {output} holds an earlier export and files it did not write "
-                         f"({', '.join(added[:4])}): --overwrite would delete them; move them away first")
+                         f"({', '.join(added[:4])}): --overwrite would delete them; move them away "
+                         "first")
 
 
 def _check_partial(partial):
@@ -258,9 +263,9 @@ def _check_partial(partial):
     if os.path.isdir(partial) and not os.listdir(partial):
         return
     if ours is None:
-        raise ValueError(f"{partial} exists and is not a half-finished export of ours (no {MARKER}); "
-                         "it is where this export writes before renaming into --output: move it "
-                         "away or give another --output")
+        raise ValueError(f"{partial} exists and is not a half-finished export of ours (no "
+                         f"{MARKER}); it is where this export writes before renaming into "
+                         "--output: move it away or give another --output")
     if ours.get("host") == socket.gethostname() and _alive(ours.get("pid")):
         raise ValueError(f"{partial} is being written by another export (pid {ours['pid']}, since "
                          f"{ours.get('started')}); wait for it, or give another --output")
@@ -284,8 +289,8 @@ def write_marker(directory, marker):
 
 
 def start_partial(partial, load_dir, tag_dir, dtype):
-    """A fresh OUTPUT.partial holding the marker (returned). One a killed export left is removed, and
-    said so."""
+    """A fresh OUTPUT.partial holding the marker (returned). One a killed export left is removed,
+    and said so."""
     if os.path.isdir(partial):
         ours = _marker(partial)
         who = f"an export (pid {ours.get('pid')}) that was killed" if ours else "an export"
@@ -300,8 +305,8 @@ def start_partial(partial, load_dir, tag_dir, dtype):
 
 
 def publish(partial, output, overwrite):
-    """Rename the checked export into place. What is at output now is checked again (check_output saw
-    it before the export): an earlier export of ours, with overwrite, goes first."""
+    """Rename the checked export into place. What is at output now is checked again (check_output
+    saw it before the export): an earlier export of ours, with overwrite, goes first."""
     if os.path.isdir(output) and os.listdir(output):
         _check_replace(output, output, overwrite)
         shutil.rmtree(output)
@@ -330,16 +335,16 @@ def export(load_dir, output, dtype="float32", tokenizer_file=None, tolerance=1e-
         diff, loaded = compare_logits(gpt, partial, torch_dtype)
         print(f"largest logit difference between the export and the checkpoint's model: {diff:.3e}")
         if torch_dtype == torch.float32 and not diff <= tolerance:
-            raise RuntimeError(f"the export computes another function (logits differ by {diff:.3e} > "
-                               f"{tolerance}); nothing was written at {output}")
+            raise RuntimeError(f"the export computes another function (logits differ by "
+                               f"{diff:.3e} > {tolerance}); nothing was written at {output}")
         # the files this export wrote: --overwrite replaces them and nothing else
         write_marker(partial, {**marker, "files": sorted([*os.listdir(partial)])})
         publish(partial, os.path.normpath(output), overwrite)
     except BaseException as e:
         shutil.rmtree(partial, ignore_errors=True)
         if isinstance(e, Stopped):
-            e.args = (f"{e.args[0]}: the export was stopped, {partial} removed; nothing was written "
-                      f"at {output}",)
+            e.args = (f"{e.args[0]}: the export was stopped, {partial} removed; nothing was "
+                      f"written at {output}",)
         raise
     print(f"export complete: {output}")
     return diff, loaded, hf_tok
