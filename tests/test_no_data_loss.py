@@ -21,6 +21,7 @@ import checkpoint
 from helpers import ROOT, SMALL, run_main, write_checkpoint
 
 sys.path.insert(0, os.path.join(ROOT, "tools"))
+import check_checkpoint  # noqa: E402
 import evaluate as evaluate_tool  # noqa: E402
 import export_hf  # noqa: E402
 
@@ -191,12 +192,12 @@ def test_a_half_finished_checkpoint_is_named_and_never_exported_or_resumed(ckpt,
     with pytest.raises(ValueError) as e:
         run_main(*SMALL, "--train_iters=2", f"--load={directory}")
     assert str(e.value) == message
-    with pytest.raises(
-        ValueError, match="global_step1.partial is a checkpoint whose writing was killed"
-    ):
-        run_main(
-            *SMALL, "--train_iters=2", f"--save={directory}"
-        )  # resuming from save, the SLURM habit
+    killed = "global_step1.partial is a checkpoint whose writing was killed"
+    with pytest.raises(ValueError, match=killed):  # resuming from save, the SLURM habit
+        run_main(*SMALL, "--train_iters=2", f"--save={directory}")
+    for target in (directory, directory / "global_step1.partial"):  # the save directory, the tag
+        with pytest.raises(ValueError, match=killed):
+            check_checkpoint.tag_dir_of(str(target))
     os.rename(ckpt / "global_step1", directory / "global_step1")
     try:  # a complete one beside it, no `latest`: the tag to write, and the partial named
         with pytest.raises(
