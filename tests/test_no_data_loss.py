@@ -108,6 +108,9 @@ def test_an_output_the_export_did_not_write_is_refused_overwrite_or_not(ckpt, tm
     (mine / "notes.txt").write_text("keep me")
     a_file = tmp_path / "a_file"
     a_file.write_text("keep me")
+    line = refused(["--load", str(ckpt), "--output", str(a_file / "hf")], capsys)
+    assert line == f"error: --output {a_file / 'hf'} cannot be written: {a_file} is a file; give " \
+                   "another directory"
     before = contents(tmp_path)
     for output, message in (
         (other_run, "holds a checkpoint or a run's save directory (global_step1, latest)"),
@@ -136,6 +139,20 @@ def test_an_earlier_export_is_replaced_with_overwrite_only(ckpt, tmp_path, capsy
     os.remove(out / "README.md")
     assert export_hf.run(["--load", str(ckpt), "--output", str(out), "--overwrite"]) == 0
     assert "export complete" in capsys.readouterr().out and sorted(os.listdir(out)) == sorted(first)
+
+
+def test_a_failed_write_names_the_flag_and_leaves_nothing(ckpt, tmp_path, capsys, monkeypatch):
+    out = tmp_path / "hf"
+
+    def full_disk(gpt, output, *args):
+        (tmp_path / "hf.partial" / "config.json").write_text("{}")  # half of what it writes
+        raise OSError(28, "No space left on device", str(tmp_path / "hf.partial" / "model.safetensors"))
+
+    monkeypatch.setattr(export_hf, "save", full_disk)
+    line = refused(["--load", str(ckpt), "--output", str(out)], capsys)
+    assert line == (f"error: --output {out}: the export could not be written (No space left on device: "
+                    f"{out}.partial/model.safetensors); {out}.partial removed, nothing written at {out}")
+    assert os.listdir(tmp_path) == []
 
 
 def _dead_pid():
@@ -236,12 +253,16 @@ def _killed_export(ckpt, out, signum, tmp_path):
         stderr=subprocess.PIPE,
         text=True,
     )
-    while not flag.exists() and proc.poll() is None:
-        time.sleep(0.1)
-    assert proc.poll() is None, proc.communicate()
-    assert (
-        tmp_path / "hf.partial" / "model.safetensors"
-    ).exists()  # the moment an export looked finished
+    try:
+        while not flag.exists() and proc.poll() is None:
+            time.sleep(0.1)
+        assert proc.poll() is None, proc.communicate()
+        # the weights and config written: the moment a killed export looked finished
+        assert [d for d in (out, tmp_path / "hf.partial") if (d / "model.safetensors").exists()]
+    except BaseException:
+        proc.kill()  # not left asleep
+        proc.communicate()
+        raise
     os.kill(proc.pid, signum)
     _, err = proc.communicate(timeout=300)
     return proc, err

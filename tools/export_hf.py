@@ -224,6 +224,13 @@ def check_output(output, load_dir, overwrite=False):
                              f"{os.path.basename(os.path.abspath(load_dir))}-hf")
     if os.path.exists(out) and not os.path.isdir(out):
         raise ValueError(f"--output {output} is a file; give a new directory")
+    parent = os.path.dirname(os.path.abspath(out))
+    while not os.path.exists(parent):  # the folders the export creates: the first one there decides
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(f"--output {output} cannot be written: {parent} is "
+                         f"{'not writable' if os.path.isdir(parent) else 'a file'}; give another "
+                         "directory")
     if os.path.isdir(out) and os.listdir(out):
         _check_replace(output, out, overwrite)
     _check_partial(out + PARTIAL)
@@ -345,6 +352,10 @@ def export(load_dir, output, dtype="float32", tokenizer_file=None, tolerance=1e-
         if isinstance(e, Stopped):
             e.args = (f"{e.args[0]}: the export was stopped, {partial} removed; nothing was "
                       f"written at {output}",)
+        if isinstance(e, OSError):  # a full disk, a permission: named with the flag that chose the path
+            raise ValueError(f"--output {output}: the export could not be written ({e.strerror or e}"
+                             f"{f': {e.filename}' if e.filename else ''}); {partial} removed, nothing "
+                             f"written at {output}") from None
         raise
     print(f"export complete: {output}")
     return diff, loaded, hf_tok
