@@ -11,6 +11,10 @@ and then replaces `latest` (publish), each step fsynced. A crash at any point le
 checkpoint. A file is checked against the manifest before its tensors are read (read), so a truncated or
 bit-rotted file is named, with the earlier checkpoint to resume from, instead of failing somewhere in torch.load
 or, worse, loading; tools/check_checkpoint.py checks a whole checkpoint offline.
+The run state it holds is checked before a resume uses it (checked_run_state): every key of its
+type and in its range, an older version's missing key filled by a named migration, never a default
+in silence. A global_stepN.partial is never a checkpoint: a directory holding one and no `latest`
+is refused, naming it as a killed save or import.
 SLURM's 20-hour limit made every resume a real one (lesson 17), so everything a run depends on is saved: model,
 optimizer with its step counter, LR-schedule and loss-scale state, iteration, consumed samples and tokens, the
 RNG states of python, numpy, torch and cuda and the dropout streams of rng.py, and the config.

@@ -146,12 +146,14 @@ def test_a_failed_write_names_the_flag_and_leaves_nothing(ckpt, tmp_path, capsys
 
     def full_disk(gpt, output, *args):
         (tmp_path / "hf.partial" / "config.json").write_text("{}")  # half of what it writes
-        raise OSError(28, "No space left on device", str(tmp_path / "hf.partial" / "model.safetensors"))
+        raise OSError(28, "No space left on device", f"{tmp_path}/hf.partial/model.safetensors")
 
     monkeypatch.setattr(export_hf, "save", full_disk)
     line = refused(["--load", str(ckpt), "--output", str(out)], capsys)
-    assert line == (f"error: --output {out}: the export could not be written (No space left on device: "
-                    f"{out}.partial/model.safetensors); {out}.partial removed, nothing written at {out}")
+    assert line == (
+        f"error: --output {out}: the export could not be written (No space left on device: "
+        f"{out}.partial/model.safetensors); {out}.partial removed, nothing written at {out}"
+    )
     assert os.listdir(tmp_path) == []
 
 

@@ -2,6 +2,13 @@
 
     python tools/export_hf.py --load checkpoints/tr11-176B-ml --output bloom-hf [--dtype bfloat16]
 
+The export is written into OUTPUT.partial and renamed to OUTPUT once its logits are checked
+(below), so a failed, stopped (SIGTERM: the partial removed, and said) or killed export leaves
+nothing at OUTPUT. OUTPUT must be new or empty: the checkpoint, a directory holding it, the working
+directory, a run's save directory and anything else are refused before any work; --overwrite
+replaces an earlier export of this tool (its stablegpt_export.json lists the files it wrote) and
+nothing else (docs/hf.md).
+
 The target class follows from the model's config: learned positions without the embedding LayerNorm are
 GPT2LMHeadModel, ALiBi with the embedding LayerNorm is BloomForCausalLM (lesson 19), rotary embeddings with
 RMSNorm and SwiGLU are LlamaForCausalLM (GQA, rotary_base and an untied output layer included). Every other model
@@ -352,10 +359,11 @@ def export(load_dir, output, dtype="float32", tokenizer_file=None, tolerance=1e-
         if isinstance(e, Stopped):
             e.args = (f"{e.args[0]}: the export was stopped, {partial} removed; nothing was "
                       f"written at {output}",)
-        if isinstance(e, OSError):  # a full disk, a permission: named with the flag that chose the path
-            raise ValueError(f"--output {output}: the export could not be written ({e.strerror or e}"
-                             f"{f': {e.filename}' if e.filename else ''}); {partial} removed, nothing "
-                             f"written at {output}") from None
+        if isinstance(e, OSError):  # a full disk, a permission: named with the flag that chose it
+            where = f": {e.filename}" if e.filename else ""
+            raise ValueError(f"--output {output}: the export could not be written "
+                             f"({e.strerror or e}{where}); {partial} removed, nothing written at "
+                             f"{output}") from None
         raise
     print(f"export complete: {output}")
     return diff, loaded, hf_tok
