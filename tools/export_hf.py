@@ -395,8 +395,10 @@ def run(argv=None):
         print(f"error: {e}", file=sys.stderr)
         return 2
     except Stopped as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 128 + getattr(signal, e.args[0].split(":")[0], signal.SIGTERM)
+        name, _, said = e.args[0].partition(": ")
+        print(f"error: {name}: {said or 'the export was stopped before it wrote anything'}",
+              file=sys.stderr)
+        return 128 + getattr(signal, name, signal.SIGTERM)
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
