@@ -77,7 +77,8 @@ def test_export_keeps_the_imported_llamas_token_ids_and_context(play, tmp_path):
     for iteration in (1, 2):
         if iteration == 2:
             run_main(*argv, "--train_iters=2")
-        export_hf.export(str(tmp_path / "ckpt"), str(tmp_path / "hf"))
+        # the second replaces the first: an earlier export of ours (tools/export_hf.py's --overwrite)
+        export_hf.export(str(tmp_path / "ckpt"), str(tmp_path / "hf"), overwrite=iteration == 2)
         config = json.load(open(tmp_path / "hf" / "config.json"))
         assert (config["bos_token_id"], config["eos_token_id"]) == (7, 9), (iteration, config)
         assert config["max_position_embeddings"] == 4096, (iteration, config)
