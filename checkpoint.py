@@ -11,6 +11,10 @@ and then replaces `latest` (publish), each step fsynced. A crash at any point le
 checkpoint. A file is checked against the manifest before its tensors are read (read), so a truncated or
 bit-rotted file is named, with the earlier checkpoint to resume from, instead of failing somewhere in torch.load
 or, worse, loading; tools/check_checkpoint.py checks a whole checkpoint offline.
+The run state it holds is checked before a resume uses it (checked_run_state): every key of its
+type and in its range, an older version's missing key filled by a named migration, never a default
+in silence. A global_stepN.partial is never a checkpoint: a directory holding one and no `latest`
+is refused, naming it as a killed save or import.
 SLURM's 20-hour limit made every resume a real one (lesson 17), so everything a run depends on is saved: model,
 optimizer with its step counter, LR-schedule and loss-scale state, iteration, consumed samples and tokens, the
 RNG states of python, numpy, torch and cuda and the dropout streams of rng.py, and the config.
@@ -19,6 +23,7 @@ import contextlib
 import copy
 import errno
 import json
+import numbers
 import os
 import random
 import re
@@ -34,6 +39,7 @@ import torch.distributed as dist
 
 import parallel
 import rng
+import schedule
 
 LATEST = "latest"
 MANIFEST = "manifest.json"
@@ -415,17 +421,50 @@ def host_copy(obj, buffers):
     return out, event
 
 
+PARTIAL = ".partial"  # a checkpoint (or an export) still being written: never one to read
+
+
+def half_finished(directory):
+    """The global_stepN.partial directories in directory, sorted: checkpoints whose writing (a save,
+    an import) was killed before it completed."""
+    if not os.path.isdir(directory):
+        return []
+    return sorted(n for n in os.listdir(directory)
+                  if n.startswith("global_step") and n.endswith(PARTIAL))
+
+
+def describe_half_finished(directory, names):
+    """What a global_stepN.partial is and what to do with it, for a message."""
+    paths = " ".join(os.path.join(directory, n) for n in names)
+    what = "is a checkpoint" if len(names) == 1 else "are checkpoints"
+    return (f"{', '.join(names)} {what} whose writing was killed before it completed (a save or "
+            "an import that did not finish): nothing in it can be resumed or exported; delete it "
+            f"(rm -r {paths}) and save or import again")
+
+
 def latest_dir(load_dir):
-    """The directory `latest` names, or None when load_dir holds no checkpoint yet."""
+    """The directory `latest` names, or None when load_dir holds no checkpoint yet. A
+    global_stepN.partial is none: a directory holding one and no `latest` is refused, naming it."""
     path = os.path.join(load_dir, LATEST)
     if not os.path.exists(path):
-        if os.path.isdir(load_dir) and any(n.startswith("global_step") for n in os.listdir(load_dir)):
-            raise ValueError(f"{load_dir} has global_step* directories but no '{LATEST}' file; write the tag of "
-                             f"the checkpoint to resume from into {path} (e.g. echo global_step300 > {path})")
+        partials = half_finished(load_dir)
+        names = os.listdir(load_dir) if os.path.isdir(load_dir) else []
+        if any(n.startswith("global_step") and n not in partials for n in names):
+            also = f" ({describe_half_finished(load_dir, partials)})" if partials else ""
+            raise ValueError(f"{load_dir} has global_step* directories but no '{LATEST}' file; "
+                             "write the tag of the checkpoint to resume from into "
+                             f"{path} (e.g. echo global_step300 > {path}){also}")
+        if partials:
+            raise ValueError(f"{load_dir} holds no checkpoint: "
+                             f"{describe_half_finished(load_dir, partials)}")
         return None
     with open(path) as f:
         tag = f.read().strip()
     tag_dir = os.path.join(load_dir, tag)
+    if tag.endswith(PARTIAL):
+        raise ValueError(f"{path} names {tag!r}, which is no checkpoint: "
+                         f"{describe_half_finished(load_dir, [tag])}; point '{LATEST}' at a "
+                         "complete global_step* directory")
     if not os.path.isdir(tag_dir):
         raise ValueError(f"{path} names {tag!r} but {tag_dir} does not exist; point '{LATEST}' at an existing "
                          "global_step* directory")
@@ -545,6 +584,152 @@ def saved_topology(tag_dir):
     if manifest is not None:
         return manifest["topology"]
     return read(model_file(tag_dir, parallel.Grid(world_size=1)), "model shard", mmap=True)["topology"]
+
+
+# -----------------------------------------------------------------------------
+# A saved run state, checked before it is used (lesson 17: every resume is a real one)
+
+# The keys of run_state.RunState (tests/test_run_state_checks.py keeps the two the same): a key
+# added there needs its entry here, and a migration for the checkpoints written before it.
+RUN_STATE_KEYS = ("iteration", "consumed_samples", "consumed_tokens", "scheduler_samples",
+                  "scheduler_tokens", "optimizer_reset", "callbacks", "history", "hf_origin")
+# The keys an older version did not write, each filled by what that version did -- named, and said
+# at the resume: key -> (its value from the saved dict, the note). Any other key missing is refused:
+# a default resumes another run in silence (consumed_samples 0 restarts the data order while the
+# token count goes on).
+MIGRATIONS = {
+    "scheduler_samples": (lambda s: s["consumed_samples"],
+                          "consumed_samples, which the LR schedule followed before 0856c27"),
+    "scheduler_tokens": (lambda s: s["consumed_tokens"],
+                         "consumed_tokens, which the LR schedule followed before 0856c27"),
+    "history": (lambda s: {"loss": [], "grad norm": []},
+                "empty, as none was kept before c2d4e22: the trend the soft skip and the spike "
+                "guard judge a step against refills from here"),
+    "callbacks": (lambda s: {"spike_guard": s["spike_guard"]} if s.get("spike_guard") else {},
+                  "{'spike_guard': its state}, the stability layer's state kept alone before "
+                  "f54cd2f"),
+    "hf_origin": (lambda s: None, "None, as it was not kept before 2a414b5: an export reads the "
+                  "init_from_hf directory instead"),
+}
+REQUIRED = ("iteration", "consumed_samples", "consumed_tokens", "optimizer_reset")  # since d635d5c
+COUNTERS = ("iteration", "consumed_samples", "consumed_tokens", "scheduler_samples",
+            "scheduler_tokens")
+LEGACY_KEYS = {"spike_guard"}  # read by a migration (callbacks)
+
+
+def checked_run_state(saved, config=None):
+    """(a copy of the saved run state with every RunState key, the notes of the migrations it
+    took), or one ValueError naming the key that is missing, of another type or out of its range.
+    config: the saved config (a dict): its seq_length and batch schedule bound the counters."""
+    if not isinstance(saved, dict):
+        raise _damaged("the run state", f"is a {type(saved).__name__}, not a dict")
+    unknown = sorted(set(saved) - set(RUN_STATE_KEYS) - LEGACY_KEYS)
+    if unknown:
+        raise _damaged(unknown[0], "is no key of this version's run state (a newer version or a "
+                       "fork wrote it): resuming here would drop it")
+    for key in REQUIRED:
+        if key not in saved:  # every version wrote these: a damaged or hand-made state lacks it
+            raise _damaged(key, "is missing, and no version of stablegpt wrote a run state without "
+                           "it: nothing can say where the run is")
+    state, notes = dict(saved), []
+    for key in COUNTERS[:3]:
+        _need_count(state, key)
+    for key, (fill, note) in MIGRATIONS.items():
+        if key not in state:
+            state[key] = fill(state)
+            notes.append(f"run state: {key} missing (a checkpoint of an older version), filled by "
+                         f"its migration: {note}")
+    _check_ranges(state, config)
+    _check_history(state["history"])
+    for key, kind in (("callbacks", dict), ("hf_origin", (dict, type(None)))):
+        if not isinstance(state[key], kind):
+            what = "a dict" if kind is dict else "a dict or None"
+            raise _damaged(key, f"is {_short(state[key])}, not {what}")
+    return state, notes + _schedule_note(state, config)
+
+
+def _damaged(key, problem):
+    return ValueError(f"checkpoint run state: {key} {problem}. The checkpoint's run state is "
+                      "damaged (or was written by hand): resume from an earlier checkpoint by "
+                      "editing 'latest', or restore this one from a copy")
+
+
+def _need_count(state, key):
+    value = state[key]
+    if isinstance(value, np.integer):
+        state[key] = value = int(value)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise _damaged(key, f"is {_short(value)}, not a count (an integer >= 0)")
+
+
+def _check_ranges(state, config):
+    """The counters against each other: an iteration draws at least one sample of at least one
+    token, the LR schedule counts the applied iterations only, an optimizer reset happened at an
+    iteration done."""
+    for key in COUNTERS[3:]:
+        _need_count(state, key)
+    it, samples, tokens = state["iteration"], state["consumed_samples"], state["consumed_tokens"]
+    if samples < it or (it == 0) != (samples == 0):
+        raise _damaged("consumed_samples", f"is {samples} after {it} iterations, each of which "
+                       "draws a batch")
+    seq_length = (config or {}).get("seq_length")
+    most = samples * seq_length if isinstance(seq_length, int) else tokens
+    if not samples <= tokens <= most:
+        raise _damaged("consumed_tokens", f"is {tokens} for {samples} samples of at most "
+                       f"{seq_length} tokens")
+    for key, total in (("scheduler_samples", "consumed_samples"),
+                       ("scheduler_tokens", "consumed_tokens")):
+        if state[key] > state[total]:
+            raise _damaged(key, f"is {state[key]}, more than the {state[total]} {total}: the LR "
+                           "schedule counts the applied iterations among those")
+    reset = state["optimizer_reset"]
+    counts = isinstance(reset, dict) and set(reset) == {"iteration", "warmup_iters"} and all(
+        isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in reset.values())
+    if reset is not None and not (counts and reset["iteration"] <= it):
+        raise _damaged("optimizer_reset", f"is {_short(reset)}, not None or "
+                       f"{{'iteration': <= {it}, 'warmup_iters': >= 0}}")
+
+
+def _schedule_note(state, config):
+    """A note when consumed_samples is not what the saved config's batch schedule gives after
+    `iteration` iterations: not refused -- a run may change global_batch_size when it resumes --
+    but said."""
+    config = config or {}
+    try:
+        batch = schedule.RampupBatchSize(config.get("rampup_batch_size"),
+                                         config["global_batch_size"], config["micro_batch_size"], 1)
+    except (KeyError, TypeError, ValueError):  # a hand-made config: nothing to compare with
+        return []
+    samples, left = 0, state["iteration"]
+    while left and batch(samples) != batch.global_batch_size:  # the ramp-up, then the full batch
+        samples, left = samples + batch(samples), left - 1
+    samples += left * batch.global_batch_size
+    if samples == state["consumed_samples"]:
+        return []
+    return [f"run state: consumed_samples is {state['consumed_samples']}, where the checkpoint's "
+            f"batch schedule (global_batch_size {batch.global_batch_size}, rampup_batch_size "
+            f"{config.get('rampup_batch_size')}) gives {samples} after {state['iteration']} "
+            "iterations: the batch size changed during the run (or the run state is damaged); the "
+            f"data order goes on from sample {state['consumed_samples']}"]
+
+
+def _check_history(history):
+    """Two lists of numbers of one length: the losses and grad norms of the last applied steps."""
+    if not isinstance(history, dict) or set(history) != {"loss", "grad norm"}:
+        raise _damaged("history", f"is {_short(history)}, not "
+                       "{'loss': [numbers], 'grad norm': [numbers]}")
+    for key, values in history.items():
+        if not isinstance(values, list) or not all(
+                isinstance(v, numbers.Real) and not isinstance(v, bool) for v in values):
+            raise _damaged("history", f"[{key!r}] is {_short(values)}, not a list of numbers")
+    if len(history["loss"]) != len(history["grad norm"]):
+        raise _damaged("history", f"holds {len(history['loss'])} losses but "
+                       f"{len(history['grad norm'])} grad norms (one of each per applied step)")
+
+
+def _short(value):
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 # -----------------------------------------------------------------------------

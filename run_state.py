@@ -67,11 +67,13 @@ class RunState:
         self.consumed_samples += batch_size
         self.consumed_tokens += batch_size * seqlen
 
-    def load(self, saved):
-        """Every field of a saved dict, copied (a snapshot is used again); missing: the default."""
-        fresh, saved = RunState(), {**saved, "callbacks": callback_states(saved)}
+    def load(self, saved, config=None):
+        """Every field of a saved dict, copied (a snapshot is used again), after
+        checkpoint.checked_run_state: a key an older version did not write filled by its migration,
+        a damaged one refused. config: the saved config (a dict), which bounds the counters."""
+        saved, _ = checkpoint.checked_run_state(saved, config)
         for f in fields(self):
-            setattr(self, f.name, copy.deepcopy(saved[f.name]) if f.name in saved else getattr(fresh, f.name))
+            setattr(self, f.name, copy.deepcopy(saved[f.name]))
 
 
 def callback_states(saved):
@@ -119,7 +121,7 @@ def restore(payload, parts, optimizer=True, rng_state=True, keep_payload=False):
     p.schedule.lr_schedule.load_state_dict(run["scheduler"], override=p.cfg.override_lr_scheduler)
     parallel.unwrap(p.model).load_state_dict(model_state)  # strict: every parameter (lesson 11)
     p.scaler.load_state_dict(run["scaler"])
-    p.state.load(run["state"])
+    p.state.load(run["state"], run.get("config"))
     # the callbacks' statistics go with the weights; their decisions are history and stay
     p.callbacks.load_state_dict(p.state.callbacks, p.state, resume=False)
     if optimizer:

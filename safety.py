@@ -7,6 +7,8 @@ Before the model is built (RunGuard.__enter__), on rank 0, with the verdict shar
   - the checkpoint's config against this run's: a different model is refused, key by key, before any tensor
     is read; the keys allowed to change (train_iters, the LR schedule with override_lr_scheduler, ...) are
     listed;
+  - the checkpoint's run state (checkpoint.checked_run_state): a damaged key refused by name, an
+    older version's missing key filled by its named migration, and said;
   - the save directory: created and writable now, not at the first save; and locked (DIR/lock holds the
     holder's host and pid) so that two runs cannot write one directory. A lock left by a dead process on this
     host is taken over.
@@ -127,7 +129,9 @@ def resolve_resume(cfg):
         changed = compare_configs(run["config"], cfg, load_tag)
         if changed:
             lines.append("keys changed since the checkpoint:\n    " + "\n    ".join(changed))
-        saved_state = run["state"]
+        # before anything is built: a damaged run state refused, an older version's migrated, said
+        saved_state, notes = checkpoint.checked_run_state(run["state"], run["config"])
+        lines += notes
     return load_tag, lines, saved_state
 
 

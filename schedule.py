@@ -109,6 +109,11 @@ def check(cfg, world_size=1):
     parse_iteration_ranges(cfg.skip_train_iteration_range, "skip_train_iteration_range")
     need(cfg.reset_optimizer_warmup_iters in (None, "auto") or isinstance(cfg.reset_optimizer_warmup_iters, int),
          "reset_optimizer_warmup_iters must be a number of iterations or 'auto'")
+    # a count: -3 would read as "lr=0 for -3 iterations", and 0 resets nothing (reset_warmup_iters)
+    warmup = cfg.reset_optimizer_warmup_iters
+    need(not isinstance(warmup, int) or warmup > 0,
+         f"reset_optimizer_warmup_iters={warmup} must be a positive number of lr=0 iterations "
+         "after the optimizer reset (or 'auto': 5 / (1 - adam_beta2)); unset it for none")
     need(cfg.reset_optimizer_warmup_iters is None or cfg.load is not None,
          "reset_optimizer_warmup_iters resets the optimizer of a loaded checkpoint: set load too")
     need(not cfg.curriculum_learning or (cfg.total_curriculum_step is not None and cfg.total_curriculum_step > 0),

@@ -77,7 +77,8 @@ def test_export_keeps_the_imported_llamas_token_ids_and_context(play, tmp_path):
     for iteration in (1, 2):
         if iteration == 2:
             run_main(*argv, "--train_iters=2")
-        export_hf.export(str(tmp_path / "ckpt"), str(tmp_path / "hf"))
+        # the second replaces the first: an earlier export of ours (tools/export_hf.py's --overwrite)
+        export_hf.export(str(tmp_path / "ckpt"), str(tmp_path / "hf"), overwrite=iteration == 2)
         config = json.load(open(tmp_path / "hf" / "config.json"))
         assert (config["bos_token_id"], config["eos_token_id"]) == (7, 9), (iteration, config)
         assert config["max_position_embeddings"] == 4096, (iteration, config)
@@ -103,9 +104,13 @@ def test_run_state_records_the_import_and_old_checkpoints_load():
     """Catches: the import's record (hf_origin) not carried by the run state, or a checkpoint written before it
     existed no longer loading into a RunState."""
     state = run_state.RunState()
-    state.load({"iteration": 3})
+    older = {"iteration": 3, "consumed_samples": 24, "consumed_tokens": 768,
+             "scheduler_samples": 24, "scheduler_tokens": 768, "optimizer_reset": None,
+             "callbacks": {},
+             "history": {"loss": [], "grad norm": []}}
+    state.load(older)  # as written before hf_origin was kept (its migration: checkpoint.MIGRATIONS)
     assert state.hf_origin is None and state.iteration == 3
-    state.load({"iteration": 4, "hf_origin": {"eos_token_id": 2}})
+    state.load({**older, "iteration": 4, "consumed_samples": 32, "hf_origin": {"eos_token_id": 2}})
     assert state.hf_origin == {"eos_token_id": 2}
 
 

@@ -28,6 +28,11 @@ from model import GPT, GPTConfig  # noqa: E402
 
 def tag_dir_of(directory):
     """directory itself when it is a checkpoint (global_stepN), else the one its `latest` names."""
+    name = os.path.basename(os.path.normpath(directory))
+    if name.startswith("global_step") and name.endswith(checkpoint.PARTIAL):
+        parent = os.path.dirname(os.path.normpath(directory))
+        raise ValueError(f"{directory} is no checkpoint: "
+                         f"{checkpoint.describe_half_finished(parent, [name])}")
     if os.path.exists(os.path.join(directory, checkpoint.MANIFEST)) or os.path.exists(
             checkpoint.model_file(directory, parallel.Grid(world_size=1))):
         return directory

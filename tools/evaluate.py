@@ -51,7 +51,56 @@ def parse(argv=None):
         raise ValueError(f"--include_path {args.include_path} is not a directory")
     if args.batch_size < 1 or (args.num_fewshot or 0) < 0 or (args.limit is not None and args.limit <= 0):
         raise ValueError("--batch_size must be at least 1, --num_fewshot not negative and --limit positive")
+    if args.output_path:
+        check_output_path(args.output_path)
     return args
+
+
+def check_output_path(path):
+    """Refuse, before the evaluation, an --output_path the results could not be written to (lost
+    after the whole evaluation otherwise), or a file that is not lm-eval results (this tool writes
+    over nothing it did not write)."""
+    if os.path.isdir(path):
+        raise ValueError(f"--output_path {path} is a directory; give a file name, e.g. "
+                         f"{os.path.join(path, 'results.json')}")
+    if os.path.exists(path) and not _results_file(path):
+        raise ValueError(f"--output_path {path} exists and is not lm-eval results: give another "
+                         "file (this tool writes over its own results only)")
+    parent = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(parent):  # the folders the write creates: the first one there decides
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise ValueError(f"--output_path {path} cannot be written: {parent} is a file, not a "
+                         "directory; give another path")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(f"--output_path {path} cannot be written: {parent} is not writable; give "
+                         "another path")
+
+
+def _results_file(path):
+    try:
+        with open(path) as f:
+            found = json.load(f)
+    except (OSError, ValueError):
+        return False
+    return isinstance(found, dict) and "results" in found
+
+
+def write_results(results, path):
+    """The results as JSON at path, through a temporary file: a killed write leaves the old file or
+    none. An OS error names --output_path."""
+    import lm_eval.utils
+    tmp = f"{path}.tmp"
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(tmp, "w") as f:
+            json.dump(results, f, indent=2, default=lm_eval.utils.handle_non_serializable)
+        os.replace(tmp, path)
+    except OSError as e:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise ValueError(f"--output_path {path}: the results cannot be written "
+                         f"({e.strerror or e}); the table above holds them") from None
 
 
 def main(argv=None):
@@ -71,9 +120,7 @@ def main(argv=None):
     if "groups" in results:
         print(lm_eval.utils.make_table(results, "groups"))
     if args.output_path:
-        os.makedirs(os.path.dirname(os.path.abspath(args.output_path)), exist_ok=True)
-        with open(args.output_path, "w") as f:
-            json.dump(results, f, indent=2, default=lm_eval.utils.handle_non_serializable)
+        write_results(results, args.output_path)
         print(f"results written to {args.output_path}")
     return results
 

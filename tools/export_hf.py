@@ -2,6 +2,13 @@
 
     python tools/export_hf.py --load checkpoints/tr11-176B-ml --output bloom-hf [--dtype bfloat16]
 
+The export is written into OUTPUT.partial and renamed to OUTPUT once its logits are checked
+(below), so a failed, stopped (SIGTERM: the partial removed, and said) or killed export leaves
+nothing at OUTPUT. OUTPUT must be new or empty: the checkpoint, a directory holding it, the working
+directory, a run's save directory and anything else are refused before any work; --overwrite
+replaces an earlier export of this tool (its stablegpt_export.json lists the files it wrote) and
+nothing else (docs/hf.md).
+
 The target class follows from the model's config: learned positions without the embedding LayerNorm are
 GPT2LMHeadModel, ALiBi with the embedding LayerNorm is BloomForCausalLM (lesson 19), rotary embeddings with
 RMSNorm and SwiGLU are LlamaForCausalLM (GQA, rotary_base and an untied output layer included). Every other model
@@ -22,7 +29,10 @@ import argparse
 import json
 import os
 import shutil
+import signal
+import socket
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -73,7 +83,7 @@ def save_remote(gpt, output, dtype, keys):
     """Write our whole model as StableGPTForCausalLM (hf.REMOTE): config.json with its auto_map, model.safetensors
     of our parameters (hf.remote_state) and hf_remote/'s modeling files, which need torch and transformers only."""
     from safetensors.torch import save_file
-    os.makedirs(output)
+    os.makedirs(output, exist_ok=True)
     config = hf.remote_config(gpt.cfg, **keys, **dropout_keys(gpt.cfg, "stablegpt"),
                               dtype=str(dtype).removeprefix("torch."))
     with open(os.path.join(output, "config.json"), "w") as f:
@@ -86,11 +96,10 @@ def save_remote(gpt, output, dtype, keys):
 
 
 def save(gpt, output, dtype=torch.float32, keys=None):
-    """Write our whole model (TP=1, PP=1) into output as the transformers model of its class (target_class),
-    replacing what was there; returns the class's name. keys: as hf_model's."""
+    """Write our whole model (TP=1, PP=1) into output (new, or export's OUTPUT.partial) as the
+    transformers model of its class (target_class); returns the class's name. keys: as
+    hf_model's."""
     kind = target_class(gpt.cfg)
-    if os.path.isdir(output):
-        shutil.rmtree(output)
     if kind == "stablegpt":
         save_remote(gpt, output, dtype, {} if keys is None else keys)
         return hf.REMOTE
@@ -171,37 +180,230 @@ def compare_logits(gpt, output, dtype, sequences=4, length=None, seed=0):
     return (ours - theirs).abs().max().item(), hf
 
 
-def export(load_dir, output, dtype="float32", tokenizer_file=None, tolerance=1e-5):
-    """Write the export; returns (largest logit difference, the transformers model, its tokenizer or None)."""
+# -----------------------------------------------------------------------------
+# The output: written into OUTPUT.partial, renamed into place once checked; nothing else is deleted
+
+MARKER = "stablegpt_export.json"  # in every export of ours: what --overwrite may replace
+PARTIAL = ".partial"
+# What a checkpoint or a run's save directory holds: never an export's to replace
+RUN_FILES = ("latest", "lock", "metrics.jsonl", "manifest.json", "tensorboard")
+
+
+class Stopped(BaseException):
+    """A SIGTERM or SIGINT during the export (run installs the handler): the partial output goes."""
+
+
+def _inside(path, directory):
+    """Is path the directory itself or inside it (real paths: links resolved)?"""
+    path, directory = os.path.realpath(path), os.path.realpath(directory)
+    return path == directory or path.startswith(directory.rstrip(os.sep) + os.sep)
+
+
+def _holds_a_run(directory):
+    """The entries that make directory a checkpoint or a run's save directory (none: neither)."""
+    return sorted(n for n in os.listdir(directory) if n in RUN_FILES or n.startswith("global_step")
+                  or n.endswith("_model_states.pt"))
+
+
+def _marker(directory):
+    """The marker of an export of ours in directory (a dict), or None."""
+    try:
+        with open(os.path.join(directory, MARKER)) as f:
+            found = json.load(f)
+    except (OSError, ValueError):
+        return None
+    ours = isinstance(found, dict) and found.get("written_by") == "tools/export_hf.py"
+    return found if ours else None
+
+
+def check_output(output, load_dir, overwrite=False):
+    """Refuse, before any work, an --output this export must not write into; returns OUTPUT.partial.
+    A new or empty directory is written; an earlier export of ours (its MARKER) with overwrite;
+    never the checkpoint read, a directory holding it or the working directory, a checkpoint, a
+    run's save directory or a directory of anything else."""
+    out = os.path.normpath(output)
+    for what, path in (("the checkpoint directory --load", load_dir),
+                       ("the working directory", ".")):
+        if _inside(path, out):
+            where = "is" if _inside(out, path) else "holds"
+            raise ValueError(f"--output {output} {where} {what} ({os.path.abspath(path)}): an "
+                             "export never writes there; give a new directory, e.g. --output "
+                             f"{os.path.basename(os.path.abspath(load_dir))}-hf")
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise ValueError(f"--output {output} is a file; give a new directory")
+    parent = os.path.dirname(os.path.abspath(out))
+    while not os.path.exists(parent):  # the folders the export creates: the first one there decides
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(f"--output {output} cannot be written: {parent} is "
+                         f"{'not writable' if os.path.isdir(parent) else 'a file'}; give another "
+                         "directory")
+    if os.path.isdir(out) and os.listdir(out):
+        _check_replace(output, out, overwrite)
+    _check_partial(out + PARTIAL)
+    return out + PARTIAL
+
+
+def _check_replace(output, out, overwrite):
+    """A non-empty --output: an earlier export of ours with --overwrite, else refused."""
+    run, ours = _holds_a_run(out), _marker(out)
+    if run:
+        raise ValueError(f"--output {output} holds a checkpoint or a run's save directory "
+                         f"({', '.join(run[:4])}): an export never writes over it, --overwrite or "
+                         "not; give a new directory")
+    if ours is None:
+        entries = sorted(os.listdir(out))
+        raise ValueError(f"--output {output} is not empty ({', '.join(entries[:4])}"
+                         f"{', ...' if len(entries) > 4 else ''}) and is not an "
+                         f"export of ours (no {MARKER}): an export writes a new or empty directory "
+                         "and deletes nothing it did not write; give a new --output")
+    if not overwrite:
+        raise ValueError(f"--output {output} holds an earlier export (of {ours.get('checkpoint')}, "
+                         f"{ours.get('started')}); pass --overwrite to replace it, or give a new "
+                         "--output")
+    added = sorted(set(os.listdir(out)) - set(ours.get("files", ())))
+    if added:
+        raise ValueError(f"--output {output} holds an earlier export and files it did not write "
+                         f"({', '.join(added[:4])}): --overwrite would delete them; move them away "
+                         "first")
+
+
+def _check_partial(partial):
+    """OUTPUT.partial: absent, empty, or a killed export's (removed when the export starts); another
+    export's still being written, or anything not ours, is refused."""
+    if not os.path.lexists(partial):
+        return
+    ours = _marker(partial) if os.path.isdir(partial) else None
+    if os.path.isdir(partial) and not os.listdir(partial):
+        return
+    if ours is None:
+        raise ValueError(f"{partial} exists and is not a half-finished export of ours (no "
+                         f"{MARKER}); it is where this export writes before renaming into "
+                         "--output: move it away or give another --output")
+    if ours.get("host") == socket.gethostname() and _alive(ours.get("pid")):
+        raise ValueError(f"{partial} is being written by another export (pid {ours['pid']}, since "
+                         f"{ours.get('started')}); wait for it, or give another --output")
+
+
+def _alive(pid):
+    if not isinstance(pid, int) or pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def write_marker(directory, marker):
+    with open(os.path.join(directory, MARKER), "w") as f:
+        json.dump(marker, f, indent=2)
+
+
+def start_partial(partial, load_dir, tag_dir, dtype):
+    """A fresh OUTPUT.partial holding the marker (returned). One a killed export left is removed,
+    and said so."""
+    if os.path.isdir(partial):
+        ours = _marker(partial)
+        who = f"an export (pid {ours.get('pid')}) that was killed" if ours else "an export"
+        print(f"removing {partial}: a half-finished export, left by {who} before it completed")
+        shutil.rmtree(partial)
+    os.makedirs(partial)
+    marker = {"written_by": "tools/export_hf.py", "load": os.path.abspath(load_dir),
+              "checkpoint": os.path.abspath(tag_dir), "dtype": dtype, "host": socket.gethostname(),
+              "pid": os.getpid(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+    write_marker(partial, marker)
+    return marker
+
+
+def publish(partial, output, overwrite):
+    """Rename the checked export into place. What is at output now is checked again (check_output
+    saw it before the export): an earlier export of ours, with overwrite, goes first."""
+    if os.path.isdir(output) and os.listdir(output):
+        _check_replace(output, output, overwrite)
+        shutil.rmtree(output)
+    elif os.path.isdir(output):
+        os.rmdir(output)
+    os.replace(partial, output)
+
+
+def export(load_dir, output, dtype="float32", tokenizer_file=None, tolerance=1e-5, overwrite=False):
+    """Write the export; returns (largest logit difference, the transformers model, its tokenizer or
+    None). Written into OUTPUT.partial, checked, then renamed: a failed, stopped or killed export
+    leaves nothing at output (a kill -9 leaves OUTPUT.partial, which the next export removes)."""
+    partial = check_output(output, load_dir, overwrite)
     gpt, saved, tag_dir = reshard.load_full_model(load_dir)
     target_class(gpt.cfg)
     tokenizer_file = tokenizer_file or saved.get("tokenizer_file")
     torch_dtype = getattr(torch, dtype)
-    name = save(gpt, output, torch_dtype, export_keys(gpt.cfg, imported_from(saved, tag_dir), tokenizer_file))
-    hf_tok = save_tokenizer(tokenizer_file, gpt.cfg.vocab_size, output)
-    remote = " (trust_remote_code=True)" if name == hf.REMOTE else ""
-    print(f"exported {tag_dir} ({gpt.cfg.num_parameters() / 1e6:.2f}M parameters) as {name}{remote}, "
-          f"{dtype}, to {output}")
-    diff, loaded = compare_logits(gpt, output, torch_dtype)
-    print(f"largest logit difference between the export and the checkpoint's model: {diff:.3e}")
-    if torch_dtype == torch.float32 and not diff <= tolerance:
-        raise RuntimeError(f"the export computes another function (logits differ by {diff:.3e} > {tolerance})")
+    keys = export_keys(gpt.cfg, imported_from(saved, tag_dir), tokenizer_file)
+    try:
+        marker = start_partial(partial, load_dir, tag_dir, dtype)
+        name = save(gpt, partial, torch_dtype, keys)
+        hf_tok = save_tokenizer(tokenizer_file, gpt.cfg.vocab_size, partial)
+        remote = " (trust_remote_code=True)" if name == hf.REMOTE else ""
+        print(f"exported {tag_dir} ({gpt.cfg.num_parameters() / 1e6:.2f}M parameters) as "
+              f"{name}{remote}, {dtype}, into {partial}")
+        diff, loaded = compare_logits(gpt, partial, torch_dtype)
+        print(f"largest logit difference between the export and the checkpoint's model: {diff:.3e}")
+        if torch_dtype == torch.float32 and not diff <= tolerance:
+            raise RuntimeError(f"the export computes another function (logits differ by "
+                               f"{diff:.3e} > {tolerance}); nothing was written at {output}")
+        # the files this export wrote: --overwrite replaces them and nothing else
+        write_marker(partial, {**marker, "files": sorted([*os.listdir(partial)])})
+        publish(partial, os.path.normpath(output), overwrite)
+    except BaseException as e:
+        shutil.rmtree(partial, ignore_errors=True)
+        if isinstance(e, Stopped):
+            e.args = (f"{e.args[0]}: the export was stopped, {partial} removed; nothing was "
+                      f"written at {output}",)
+        if isinstance(e, OSError):  # a full disk, a permission: named with the flag that chose it
+            where = f": {e.filename}" if e.filename else ""
+            raise ValueError(f"--output {output}: the export could not be written "
+                             f"({e.strerror or e}{where}); {partial} removed, nothing written at "
+                             f"{output}") from None
+        raise
+    print(f"export complete: {output}")
     return diff, loaded, hf_tok
+
+
+def _stop(signum, frame):
+    raise Stopped(signal.Signals(signum).name)
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--load", required=True, help="checkpoint directory (its 'latest' is exported)")
-    parser.add_argument("--output", required=True, help="directory to write the transformers model into")
+    parser.add_argument("--output", required=True,
+                        help="a new (or empty) directory to write the transformers model into")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace an earlier export of ours at --output (never anything else)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--tokenizer_file", default=None, help="tokenizer.json if not the checkpoint's own")
     args = parser.parse_args(argv)
-    export(args.load, args.output, args.dtype, args.tokenizer_file)
+    export(args.load, args.output, args.dtype, args.tokenizer_file, overwrite=args.overwrite)
+
+
+def run(argv=None):
+    """main as the command runs it: the exit status (2: bad input; 128 + the signal: stopped)."""
+    previous = {signum: signal.signal(signum, _stop) for signum in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        main(argv)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except Stopped as e:
+        name, _, said = e.args[0].partition(": ")
+        print(f"error: {name}: {said or 'the export was stopped before it wrote anything'}",
+              file=sys.stderr)
+        return 128 + getattr(signal, name, signal.SIGTERM)
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    return 0
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except (ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    sys.exit(run())

@@ -1,0 +1,372 @@
+"""Nothing a user types deletes their work: tools/export_hf.py writes into OUTPUT.partial and
+renames it into place once its logits are checked, refuses an --output it did not write (the
+checkpoint itself, a directory holding it, `.`, a run's save directory, anything not empty),
+replaces an earlier export of its own only with --overwrite, and a SIGTERM or a kill -9 leaves
+nothing loadable at --output. A global_stepN.partial (a killed save or import) is named as such by
+the tools that meet it, never counted as a checkpoint. tools/evaluate.py refuses an --output_path it
+could not write before the evaluation."""
+
+import hashlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+import checkpoint
+from helpers import ROOT, SMALL, run_main, write_checkpoint
+
+sys.path.insert(0, os.path.join(ROOT, "tools"))
+import check_checkpoint  # noqa: E402
+import evaluate as evaluate_tool  # noqa: E402
+import export_hf  # noqa: E402
+
+pytest.importorskip("transformers")
+
+TINY = [
+    "--num_layers=1",
+    "--hidden_size=32",
+    "--num_attention_heads=4",
+    "--seq_length=16",
+    "--vocab_size=128",
+    "--activation=gelu_tanh",
+    "--embed_layernorm=false",
+    "--device=cpu",
+]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    """A run's save directory: global_step1 of a tiny GPT2LMHeadModel-shaped model, `latest`, a
+    metrics file."""
+    directory = tmp_path_factory.mktemp("run") / "ck"
+    write_checkpoint(str(directory), TINY, lambda stage: None)
+    (directory / "metrics.jsonl").write_text('{"iteration": 1}\n')
+    return directory
+
+
+def contents(directory):
+    """{relative path: sha256} of every file under directory: what a refused export must leave as it
+    was."""
+    found = {}
+    for d, _, files in os.walk(directory):
+        for name in files:
+            path = os.path.join(d, name)
+            found[os.path.relpath(path, directory)] = hashlib.sha256(
+                open(path, "rb").read()
+            ).hexdigest()
+    return found
+
+
+def refused(argv, capsys):
+    """export_hf's command on argv: its exit status must be 2, its stderr one line; returns it."""
+    assert export_hf.run(argv) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
+def test_an_export_into_its_own_checkpoint_is_refused_and_the_checkpoint_stays(
+    ckpt, capsys, monkeypatch
+):
+    """It was: exit 0 after deleting global_step*/, latest and metrics.jsonl, the export in their
+    place."""
+    before = contents(ckpt.parent)
+    for output, overwrite, message in (
+        (ckpt, [], f"--output {ckpt} is the checkpoint directory --load"),
+        (ckpt, ["--overwrite"], f"--output {ckpt} is the checkpoint directory --load"),
+        (
+            ckpt.parent,
+            ["--overwrite"],
+            f"--output {ckpt.parent} holds the checkpoint directory --load",
+        ),
+        (ckpt / "global_step1", ["--overwrite"], "holds a checkpoint or a run's save directory"),
+    ):
+        line = refused(["--load", str(ckpt), "--output", str(output), *overwrite], capsys)
+        assert line.startswith("error: ") and message in line, line
+    monkeypatch.chdir(ckpt / "global_step1")
+    line = refused(["--load", str(ckpt), "--output", ".", "--overwrite"], capsys)
+    assert "--output . is the working directory" in line and "holds the checkpoint" not in line
+    monkeypatch.chdir(ckpt.parent)
+    line = refused(["--load", "ck", "--output", ".", "--overwrite"], capsys)
+    assert line == (
+        f"error: --output . holds the checkpoint directory --load ({ckpt}): an export never writes "
+        "there; give a new directory, e.g. --output ck-hf"
+    )
+    assert contents(ckpt.parent) == before
+
+
+def test_an_output_the_export_did_not_write_is_refused_overwrite_or_not(ckpt, tmp_path, capsys):
+    other_run = tmp_path / "other"  # another run's save directory
+    write_checkpoint(str(other_run), TINY, lambda stage: None)
+    mine = tmp_path / "mine"  # a directory of anything else
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep me")
+    a_file = tmp_path / "a_file"
+    a_file.write_text("keep me")
+    line = refused(["--load", str(ckpt), "--output", str(a_file / "hf")], capsys)
+    assert line == f"error: --output {a_file / 'hf'} cannot be written: {a_file} is a file; give " \
+                   "another directory"
+    before = contents(tmp_path)
+    for output, message in (
+        (other_run, "holds a checkpoint or a run's save directory (global_step1, latest)"),
+        (mine, "is not empty (notes.txt) and is not an export of ours"),
+        (a_file, "is a file"),
+    ):
+        for overwrite in ([], ["--overwrite"]):
+            line = refused(["--load", str(ckpt), "--output", str(output), *overwrite], capsys)
+            assert f"--output {output} {message}" in line, line
+    assert contents(tmp_path) == before
+
+
+def test_an_earlier_export_is_replaced_with_overwrite_only(ckpt, tmp_path, capsys):
+    out = tmp_path / "hf"
+    assert export_hf.run(["--load", str(ckpt), "--output", str(out)]) == 0
+    marker = json.load(open(out / export_hf.MARKER))
+    assert marker["files"] == sorted(os.listdir(out)) and "model.safetensors" in marker["files"]
+    assert not os.path.exists(f"{out}.partial")
+    first = contents(out)
+    capsys.readouterr()
+    assert "holds an earlier export" in refused(["--load", str(ckpt), "--output", str(out)], capsys)
+    (out / "README.md").write_text("my model card")  # the user's own file in the export
+    line = refused(["--load", str(ckpt), "--output", str(out), "--overwrite"], capsys)
+    assert "holds an earlier export and files it did not write (README.md)" in line
+    assert contents(out) == {**first, "README.md": contents(out)["README.md"]}
+    os.remove(out / "README.md")
+    assert export_hf.run(["--load", str(ckpt), "--output", str(out), "--overwrite"]) == 0
+    assert "export complete" in capsys.readouterr().out and sorted(os.listdir(out)) == sorted(first)
+
+
+def test_a_failed_write_names_the_flag_and_leaves_nothing(ckpt, tmp_path, capsys, monkeypatch):
+    out = tmp_path / "hf"
+
+    def full_disk(gpt, output, *args):
+        (tmp_path / "hf.partial" / "config.json").write_text("{}")  # half of what it writes
+        raise OSError(28, "No space left on device", f"{tmp_path}/hf.partial/model.safetensors")
+
+    monkeypatch.setattr(export_hf, "save", full_disk)
+    line = refused(["--load", str(ckpt), "--output", str(out)], capsys)
+    assert line == (
+        f"error: --output {out}: the export could not be written (No space left on device: "
+        f"{out}.partial/model.safetensors); {out}.partial removed, nothing written at {out}"
+    )
+    assert os.listdir(tmp_path) == []
+
+
+def _dead_pid():
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_a_partial_export_is_removed_when_ours_and_named_when_not(ckpt, tmp_path, capsys):
+    out = tmp_path / "hf"
+    partial = tmp_path / "hf.partial"
+    partial.mkdir()
+    (partial / "config.json").write_text("{}")
+    line = refused(["--load", str(ckpt), "--output", str(out)], capsys)
+    assert line == (
+        f"error: {partial} exists and is not a half-finished export of ours (no "
+        f"{export_hf.MARKER}); it is where this export writes before renaming into --output: move "
+        "it away or give another --output"
+    )
+    assert os.listdir(partial) == ["config.json"]
+    export_hf.write_marker(
+        partial,
+        {
+            "written_by": "tools/export_hf.py",
+            "pid": _dead_pid(),
+            "host": __import__("socket").gethostname(),
+        },
+    )
+    assert export_hf.run(["--load", str(ckpt), "--output", str(out)]) == 0
+    said = capsys.readouterr().out
+    assert (
+        f"removing {partial}: a half-finished export, left by an export (pid" in said
+        and "killed" in said
+    )
+    assert not partial.exists() and (out / "model.safetensors").exists()
+
+
+def test_a_half_finished_checkpoint_is_named_and_never_exported_or_resumed(ckpt, tmp_path, capsys):
+    """A killed import left global_step1.partial: the export counted it as a checkpoint, train.py
+    said to write a tag into `latest`."""
+    directory = tmp_path / "killed"
+    (directory / "global_step1.partial").mkdir(parents=True)
+    message = (
+        f"{directory} holds no checkpoint: global_step1.partial is a checkpoint whose writing was "
+        "killed before it completed (a save or an import that did not finish): nothing in it can "
+        "be resumed or exported; delete it "
+        f"(rm -r {directory / 'global_step1.partial'}) and save or import again"
+    )
+    assert (
+        refused(["--load", str(directory), "--output", str(tmp_path / "hf")], capsys)
+        == f"error: {message}"
+    )
+    assert not (tmp_path / "hf").exists() and not (tmp_path / "hf.partial").exists()
+    with pytest.raises(ValueError) as e:
+        run_main(*SMALL, "--train_iters=2", f"--load={directory}")
+    assert str(e.value) == message
+    killed = "global_step1.partial is a checkpoint whose writing was killed"
+    with pytest.raises(ValueError, match=killed):  # resuming from save, the SLURM habit
+        run_main(*SMALL, "--train_iters=2", f"--save={directory}")
+    for target in (directory, directory / "global_step1.partial"):  # the save directory, the tag
+        with pytest.raises(ValueError, match=killed):
+            check_checkpoint.tag_dir_of(str(target))
+    os.rename(ckpt / "global_step1", directory / "global_step1")
+    try:  # a complete one beside it, no `latest`: the tag to write, and the partial named
+        with pytest.raises(
+            ValueError, match=r"no 'latest' file; write the tag .* \(global_step1.partial is a "
+        ):
+            checkpoint.latest_dir(str(directory))
+        (directory / "latest").write_text("global_step1.partial\n")
+        with pytest.raises(
+            ValueError, match=r"names 'global_step1.partial', which is no checkpoint: "
+        ):
+            checkpoint.latest_dir(str(directory))
+    finally:
+        os.rename(directory / "global_step1", ckpt / "global_step1")
+
+
+SLOW_CHECK = """
+import sys, time
+sys.path.insert(0, "tools")
+import export_hf
+def slow(*args, **kwargs):  # the weights and modeling files written, the logit check not yet run
+    open(sys.argv[1], "w").close()
+    time.sleep(600)
+export_hf.compare_logits = slow
+sys.exit(export_hf.run(sys.argv[2:]))
+"""
+
+
+def _killed_export(ckpt, out, signum, tmp_path):
+    """export_hf's command as a process, paused in its logit check (whatever it wrote is on disk)
+    and sent signum; returns the finished process and its stderr."""
+    flag = tmp_path / f"reached-{signum}"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SLOW_CHECK, str(flag), "--load", str(ckpt), "--output", str(out)],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        while not flag.exists() and proc.poll() is None:
+            time.sleep(0.1)
+        assert proc.poll() is None, proc.communicate()
+        # the weights and config written: the moment a killed export looked finished
+        assert [d for d in (out, tmp_path / "hf.partial") if (d / "model.safetensors").exists()]
+    except BaseException:
+        proc.kill()  # not left asleep
+        proc.communicate()
+        raise
+    os.kill(proc.pid, signum)
+    _, err = proc.communicate(timeout=300)
+    return proc, err
+
+
+def _loads(path):
+    import transformers
+
+    try:
+        transformers.AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True)
+    except (OSError, ValueError):
+        return False
+    return True
+
+
+@pytest.mark.slow
+def test_sigterm_or_kill_9_during_an_export_leaves_nothing_loadable(ckpt, tmp_path):
+    """It was: after kill -9 a complete model.safetensors and config.json that transformers loads
+    (no tokenizer, no logit check); after SIGTERM exit 143 with no message and a lone
+    config.json."""
+    out = tmp_path / "hf"
+    proc, err = _killed_export(ckpt, out, signal.SIGTERM, tmp_path)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert err.strip().splitlines()[-1] == (
+        f"error: SIGTERM: the export was stopped, {out}.partial removed; "
+        f"nothing was written at {out}"
+    )
+    assert not out.exists() and not (tmp_path / "hf.partial").exists()
+
+    proc, err = _killed_export(ckpt, out, signal.SIGKILL, tmp_path)
+    assert proc.returncode == -signal.SIGKILL
+    assert not out.exists() and not _loads(out) and not _loads(tmp_path)
+    assert (
+        tmp_path / "hf.partial" / "model.safetensors"
+    ).exists()  # the kill left it: only the name says so
+    # the next export names it, removes it (its marker says whose it was) and writes the export
+    run = subprocess.run(
+        [sys.executable, "tools/export_hf.py", "--load", str(ckpt), "--output", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert (
+        f"removing {out}.partial: a half-finished export, left by an export (pid {proc.pid}) that "
+        "was killed before it completed" in run.stdout
+    )
+    assert _loads(out) and not (tmp_path / "hf.partial").exists()
+
+
+# -----------------------------------------------------------------------------
+# tools/evaluate.py: an --output_path it cannot write is refused before the evaluation
+
+
+def test_an_unwritable_output_path_is_refused_before_the_evaluation(ckpt, tmp_path, monkeypatch):
+    """It was a raw errno after the whole evaluation, naming no flag."""
+
+    def no_evaluation(*args, **kwargs):
+        raise AssertionError("the evaluation started")
+
+    monkeypatch.setattr(evaluate_tool, "task_manager", no_evaluation)
+    a_file = tmp_path / "a_file"
+    a_file.write_text("keep me")
+    (tmp_path / "results").mkdir()
+    for output_path, message in (
+        (
+            a_file / "results.json",
+            f"--output_path {a_file}/results.json cannot be written: {a_file} is a file, "
+            "not a directory",
+        ),
+        (
+            a_file / "deeper" / "results.json",
+            f"deeper/results.json cannot be written: {a_file} is a file",
+        ),
+        (
+            tmp_path / "results",
+            f"--output_path {tmp_path / 'results'} is a directory; give a file name",
+        ),
+        (a_file, f"--output_path {a_file} exists and is not lm-eval results"),
+    ):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            evaluate_tool.main(
+                ["--load", str(ckpt), "--tasks", "x", "--output_path", str(output_path)]
+            )
+    assert a_file.read_text() == "keep me"
+
+
+def test_a_failed_results_write_names_the_flag_and_leaves_no_file(tmp_path, monkeypatch):
+    pytest.importorskip("lm_eval")
+    path = tmp_path / "results.json"
+    real_replace = os.replace
+
+    def full_disk(src, dst):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", full_disk)
+    with pytest.raises(
+        ValueError,
+        match="^"
+        + re.escape(f"--output_path {path}: the results cannot be written (No space left"),
+    ):
+        evaluate_tool.write_results({"results": {}}, str(path))
+    monkeypatch.setattr(os, "replace", real_replace)
+    assert os.listdir(tmp_path) == []
