@@ -18,6 +18,7 @@ import time
 import pytest
 
 import checkpoint
+import eval_harness
 from helpers import ROOT, SMALL, run_main, write_checkpoint
 
 sys.path.insert(0, os.path.join(ROOT, "tools"))
@@ -326,7 +327,7 @@ def test_an_unwritable_output_path_is_refused_before_the_evaluation(ckpt, tmp_pa
     def no_evaluation(*args, **kwargs):
         raise AssertionError("the evaluation started")
 
-    monkeypatch.setattr(evaluate_tool, "task_manager", no_evaluation)
+    monkeypatch.setattr(eval_harness, "task_manager", no_evaluation)
     a_file = tmp_path / "a_file"
     a_file.write_text("keep me")
     (tmp_path / "results").mkdir()
