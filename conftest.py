@@ -15,6 +15,7 @@ os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
 # comparisons are between runs made under this same setting. OMP_NUM_THREADS=N python -m pytest overrides it.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 import torch  # noqa: E402 (after the environment it reads)
+
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 

@@ -12,8 +12,8 @@ import torch
 
 import arguments
 import parallel
-from stability import snapshots
 from model import GPT, GPTConfig
+from stability import snapshots
 
 
 def dry_run(cfg, world_size=None, file=None):

@@ -70,7 +70,10 @@ def entropies(documents, vocab_size):
     return h1, h2
 
 
-def build(data_dir=os.path.join(ROOT, "data")):
+DATA_DIR = os.path.join(ROOT, "data")
+
+
+def build(data_dir=DATA_DIR):
     """Build DATA_DIR/lab/ unless complete; returns {"prefix", "tokenizer_file", "vocab_size", "tokens",
     "unigram_entropy", "bigram_entropy"} (entropy.json, written last, marks a complete build)."""
     import data

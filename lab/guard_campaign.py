@@ -594,7 +594,7 @@ def figure(rows, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(7, 4))
-    for k, (family, _, harmful, _, ratio, g_ratio, _, _) in enumerate(rows):
+    for k, (_, _, harmful, _, ratio, g_ratio, _, _) in enumerate(rows):
         clip = lambda v: min(v, 1.5) if math.isfinite(v) else 1.5  # noqa: E731 (a diverged run drawn at the top)
         ax.plot([k, k], [clip(ratio), clip(g_ratio)], color="0.8", zorder=1)
         ax.scatter([k], [clip(ratio)], marker="x", color="tab:red" if harmful else "0.5", zorder=2)

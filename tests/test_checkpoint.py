@@ -20,8 +20,20 @@ import checkpoint
 import data
 import parallel
 import reshard
-from helpers import (ROOT, SMALL, assert_same, corpus, final_state, launch, losses, run_cli, spawn,  # noqa: F401
-                     run_main, synthetic_corpus, write_checkpoint)
+from helpers import (  # noqa: F401
+    ROOT,
+    SMALL,
+    assert_same,
+    corpus,
+    final_state,
+    launch,
+    losses,
+    run_cli,
+    run_main,
+    spawn,
+    synthetic_corpus,
+    write_checkpoint,
+)
 from model import GPT, GPTConfig
 
 sys.path.insert(0, os.path.join(ROOT, "tools"))

@@ -14,7 +14,6 @@ import pytest
 import data
 import schedule
 
-
 # -----------------------------------------------------------------------------
 # tokenizer
 

@@ -18,9 +18,9 @@ import arguments
 import layers
 import loader
 import parallel
-from training import forward_backward
 from helpers import random_batches, spawn, stage
 from model import GPT, GPTConfig
+from training import forward_backward
 
 EOD = 0
 BLOCK = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=50,

@@ -14,8 +14,16 @@ import torch
 import data
 import hf
 import reshard
-from helpers import (ROOT, assert_same_checkpoint, build_tokenizer_file, corpus, launch, losses,  # noqa: F401
-                     play_corpus, run_main)
+from helpers import (  # noqa: F401
+    ROOT,
+    assert_same_checkpoint,
+    build_tokenizer_file,
+    corpus,
+    launch,
+    losses,
+    play_corpus,
+    run_main,
+)
 from model import GPT, GPTConfig
 
 sys.path.insert(0, os.path.join(ROOT, "tools"))

@@ -15,16 +15,27 @@ import torch
 
 import arguments
 import hf
+import loader
 import parallel
-from helpers import (ROOT, assert_same, build_tokenizer_file, corpus, final_state, losses,  # noqa: F401
-                     play_corpus, run_cli, run_main, spawn, write_checkpoint)
-from schedule import Schedule
+from helpers import (  # noqa: F401
+    ROOT,
+    assert_same,
+    build_tokenizer_file,
+    corpus,
+    final_state,
+    losses,
+    play_corpus,
+    run_cli,
+    run_main,
+    spawn,
+    write_checkpoint,
+)
 from model import GPT, GPTConfig
+from schedule import Schedule
 
 transformers = pytest.importorskip("transformers")
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 import export_hf  # noqa: E402
-import loader
 
 SHAPE = dict(n_layer=2, n_head=4)
 

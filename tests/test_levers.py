@@ -8,14 +8,22 @@ import torch
 
 import arguments
 import data
+import loader
+import optim
 import schedule
 import training
-from training import train_step
-import optim
-import loader
 from builders import build_model
-from helpers import (SMALL, assert_same_checkpoint, corpus, corpus512, log_fields, losses,  # noqa: F401 (fixtures)
-                     run_cli, run_main)
+from helpers import (  # noqa: F401 (fixtures)
+    SMALL,
+    assert_same_checkpoint,
+    corpus,
+    corpus512,
+    log_fields,
+    losses,
+    run_cli,
+    run_main,
+)
+from training import train_step
 
 NO_DROPOUT = ["--hidden_dropout=0", "--attention_dropout=0"]
 
@@ -259,6 +267,7 @@ def test_every_skip_range_is_honoured_after_a_resume(small512, tmp_path):
 def test_show_samples_tool_prints_what_an_iteration_consumed(corpus):
     import subprocess
     import sys
+
     from helpers import ROOT
     proc = subprocess.run([sys.executable, "tools/show_samples.py", "--iterations", "2-2", *SMALL,
                            "--train_iters=4", "--max_chars=100000"], cwd=ROOT, capture_output=True, text=True)

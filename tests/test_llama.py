@@ -15,8 +15,18 @@ import torch.nn.functional as F
 
 import hf
 import parallel
-from helpers import (ROOT, assert_same_checkpoint, corpus, gather, losses, random_batches, run_main,  # noqa: F401
-                     spawn, stage, synthetic_corpus)  # corpus, synthetic_corpus: fixtures
+from helpers import (  # noqa: F401
+    ROOT,
+    assert_same_checkpoint,
+    corpus,
+    gather,
+    losses,
+    random_batches,
+    run_main,
+    spawn,  # corpus, synthetic_corpus: fixtures
+    stage,
+    synthetic_corpus,
+)
 from layers import RMSNorm, document_ids, packed_inputs
 from model import GPT, GPTConfig, llama3_frequencies, rotary_cos_sin
 
@@ -195,7 +205,7 @@ def _llama_dir(path, tie, vocab=32000, seed=0, rope=None):
                                  tie_word_embeddings=tie, rms_norm_eps=1e-6)
     model = transformers.LlamaForCausalLM(c).eval()
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for p in model.parameters():
             p.copy_(torch.rand_like(p) + 0.5 if p.ndim == 1 else torch.randn_like(p) * 0.15)
     model.save_pretrained(path)
     return model

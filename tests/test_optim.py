@@ -561,8 +561,8 @@ def test_bnb_keeps_an_untied_output_layers_state_32bit_as_the_embeddings():
     32-bit override exists to avoid for the embedding (lesson 14). fp32 and bf16 (state on the fp32 masters)."""
     pytest.importorskip("bitsandbytes")
     import arguments
-    from training import train_step
     from builders import build_model
+    from training import train_step
     for precision in ([], ["--bf16"]):
         cfg = arguments.prepare(arguments.load_config([
             "--num_layers=1", "--hidden_size=64", "--num_attention_heads=2", "--seq_length=16", "--vocab_size=512",

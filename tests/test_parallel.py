@@ -20,13 +20,24 @@ import torch
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-import parallel
 import optim
+import parallel
 from builders import build_model
-from helpers import (ROOT, TINY, assert_replicas_identical, assert_same_training, dumps, gather, launch,  # noqa: F401
-                     launch_once, log_fields, random_batches, spawn, stage,
-                     synthetic_corpus)  # (synthetic_corpus is a fixture)
-
+from helpers import (  # noqa: F401
+    ROOT,
+    TINY,
+    assert_replicas_identical,
+    assert_same_training,
+    dumps,
+    gather,
+    launch,
+    launch_once,
+    log_fields,
+    random_batches,
+    spawn,
+    stage,
+    synthetic_corpus,  # (synthetic_corpus is a fixture)
+)
 
 # -----------------------------------------------------------------------------
 # Tensor-parallel layers against the plain ops (float64, so that the only differences are summation order)

@@ -5,20 +5,19 @@ accumulated in the parameters' dtype)."""
 import copy
 import io
 import math
-import os
 
 import pytest
 import torch
 
 import arguments
 import model
+import optim
 import parallel
 import precision
-from training import train_step
+from builders import build_model
 from helpers import SMALL, corpus, losses, run_main  # noqa: F401 (corpus is a fixture)
 from model import GPT, GPTConfig
-import optim
-from builders import build_model
+from training import train_step
 
 PRECISIONS = {"fp32": [], "bf16": ["--bf16"], "fp16": ["--fp16"]}
 HALF = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

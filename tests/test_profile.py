@@ -1,7 +1,6 @@
 """--profile_steps A-B: a torch.profiler trace (Chrome's format) of iterations A to B next to the run's logs, on
 the CPU as on a GPU; the training it watches unchanged; a malformed range refused with the fix."""
 import json
-import os
 
 import pytest
 

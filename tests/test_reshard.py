@@ -15,15 +15,15 @@ import torch
 
 import arguments
 import checkpoint
+import optim
 import parallel
 import reshard
 import run_state
 import schedule
 import training
-from model import GPT
-from helpers import launch, synthetic_corpus  # noqa: F401 (synthetic_corpus is a fixture)
-import optim
 from builders import build_model
+from helpers import launch, synthetic_corpus  # noqa: F401 (synthetic_corpus is a fixture)
+from model import GPT
 
 
 def test_slice_drops_and_repads_the_vocabulary():

@@ -14,8 +14,20 @@ import torch
 
 import model
 import parallel
-from helpers import (ROOT, SMALL, TINY, assert_same_checkpoint, corpus, gather, log_fields, losses,  # noqa: F401
-                     random_batches, run_main, spawn, stage)  # (corpus is a fixture)
+from helpers import (  # noqa: F401
+    ROOT,
+    SMALL,
+    TINY,
+    assert_same_checkpoint,
+    corpus,
+    gather,
+    log_fields,
+    losses,
+    random_batches,  # (corpus is a fixture)
+    run_main,
+    spawn,
+    stage,
+)
 from model import GPT, GPTConfig, apply_rotary, core_attention, rotary_cos_sin, unfused_attention
 
 

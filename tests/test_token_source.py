@@ -7,9 +7,9 @@ import arguments
 import data
 import loader
 import schedule
-from stability import skip_list
 from helpers import MemorySource
 from run_state import RunState
+from stability import skip_list
 
 SEQ = 16
 

@@ -9,12 +9,12 @@ import torch
 
 import arguments
 import checkpoint
-from training import Step, train_step
 from helpers import ROOT, log_fields, run_main, synthetic_corpus  # noqa: F401 (synthetic_corpus is a fixture)
+from training import Step, train_step
 
 sys.path.insert(0, os.path.join(ROOT, "tools"))
-import whatif  # noqa: E402
 import optim
+import whatif  # noqa: E402
 from builders import build_model
 from run_state import RunState
 from stability.soft_skip import SoftSkip, soft_skip_trend

@@ -138,7 +138,7 @@ def measure(contender, args):
         if "step_costs" in open(os.path.join(contender, "bench.py")).read():
             command.append("--no-step_costs")  # the profiled iteration is not timed, but it costs a minute
     out = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True)
-    line = next((l for l in out.stdout.splitlines() if l.startswith("tokens/s:")), None)
+    line = next((x for x in out.stdout.splitlines() if x.startswith("tokens/s:")), None)
     if out.returncode or line is None:
         raise SystemExit(f"{contender}: no tokens/s line (exit {out.returncode})\n{out.stdout[-2000:]}"
                          f"{out.stderr[-2000:]}")

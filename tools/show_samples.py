@@ -15,8 +15,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import arguments  # noqa: E402
 import data  # noqa: E402
-import schedule  # noqa: E402
 import loader
+import schedule  # noqa: E402
 
 
 def iteration_starts(plan, last):

@@ -13,7 +13,6 @@ import pytest
 import lr_sweep
 from helpers import ROOT
 
-
 # The old study's setup (lab/stability.md before the lab had its corpus): 2 layers of 64 on GPT-2's vocabulary,
 # 10 iterations of warm-up, weight decay 0.01 x LR, and the levers alone.
 OLD_BASE = ["--num_layers=2", "--hidden_size=64", "--num_attention_heads=4", "--seq_length=64", "--micro_batch_size=2",
