@@ -84,8 +84,9 @@ def check(cfg):
          "inject_bitflip_target must be 'grad', 'weight', or the optimizer's 'exp_avg', 'exp_avg_sq' or 'master'")
     width = bitflip_width(cfg)
     need(-1 <= cfg.inject_bitflip_bit < width,
-         f"inject_bitflip_bit={cfg.inject_bitflip_bit} is not a bit of the {width}-bit element it flips "
-         f"(inject_bitflip_target={cfg.inject_bitflip_target}): give 0-{width - 1}, or -1 for the top exponent bit")
+         f"inject_bitflip_bit={cfg.inject_bitflip_bit} is not a bit of the {width}-bit element "
+         f"it flips (inject_bitflip_target={cfg.inject_bitflip_target}): give 0-{width - 1}, "
+         "or -1 for the top exponent bit")
     need(cfg.dp_replica_check_interval is None or cfg.dp_replica_check_interval >= 0,
          "dp_replica_check_interval must be 0 (off), a number of iterations, or None (with spike_guard: its "
          "spike_guard_snapshot_interval)")
@@ -136,27 +137,29 @@ def check(cfg):
              "thresholds measured on the stability lab's clean runs; tools/precursors.py measures yours)")
         need(cfg.telemetry_interval > 0, "spike_guard_precursor reads the telemetry: set telemetry_interval (e.g. 10)")
     need(cfg.spike_guard_precursor is not None or cfg.spike_guard_precursor_threshold is None,
-         "spike_guard_precursor_threshold does nothing without spike_guard_precursor: set spike_guard_precursor "
-         "(docs/spike_guard.md, section 7) or leave spike_guard_precursor_threshold out")
+         "spike_guard_precursor_threshold does nothing without spike_guard_precursor: set "
+         "spike_guard_precursor (docs/spike_guard.md, section 7) or leave the threshold out")
     need(0 < cfg.spike_guard_precursor_lr_factor <= 1, "spike_guard_precursor_lr_factor must be in (0, 1]")
     check_remedies(cfg)
 
 
 def bitflip_width(cfg):
-    """The width in bits of the element inject_bitflip_target flips: a weight is the run's half precision (fp16,
-    bf16) or fp32; gradients (accumulated in fp32: precision.grad_dtype), Adam's moments and the masters are fp32."""
+    """The width in bits of the element inject_bitflip_target flips: a weight is in the run's
+    precision (fp16, bf16: 16 bits); gradients (accumulated in fp32: precision.grad_dtype), Adam's
+    moments and the masters are fp32."""
     return 16 if cfg.inject_bitflip_target == "weight" and (cfg.fp16 or cfg.bf16) else 32
 
 
 def check_directory(path, key):
-    """A directory the run will create (or use) at `path`: refused, naming the key, when it cannot be -- the path or
-    its nearest existing parent is not a directory, or that parent is not writable -- before any work is done
-    (else the run would fail with a bare errno when it first writes there)."""
+    """A directory the run will create (or use) at `path`: refused, naming the key, when it cannot
+    be -- the path or its nearest existing parent is not a directory, or that parent is not
+    writable -- before any work is done (else a bare errno when the run first writes there)."""
     import os
     path = os.path.abspath(path)
     if os.path.exists(path):
         need(os.path.isdir(path) and os.access(path, os.W_OK | os.X_OK),
-             f"{key}={path} is " + ("not a directory" if not os.path.isdir(path) else "not writable")
+             f"{key}={path} is "
+             + ("not a directory" if not os.path.isdir(path) else "not writable")
              + ": give a directory the run can write (a node-local disk, e.g. $SLURM_TMPDIR)")
         return
     parent = os.path.dirname(path)
