@@ -68,6 +68,7 @@ class StabilityConfig:
     inject_lost_optimizer_state_iter: int | None = None  # fault injection: Adam's moments zeroed before this step
     inject_repeat_iters: list[str] | None = None  # fault injection: a block of repeated documents in corpus order ...
     inject_repeat_period: int = 1  # ... its iterations given again the samples of its first this many iterations
+    inject_overflow_iters: list[str] | None = None  # fault injection (fp16): every step's gradients overflow
 
 
 def need(ok, message):
@@ -78,7 +79,7 @@ def need(ok, message):
 def check(cfg):
     """Raise ValueError with the fix for stability keys that cannot work."""
     for key in ("inject_bad_batch_iters", "inject_lr_iters", "inject_bitflip_iters", "inject_numerical_iters",
-                "inject_degenerate_iters", "inject_repeat_iters"):
+                "inject_degenerate_iters", "inject_repeat_iters", "inject_overflow_iters"):
         schedule.parse_iteration_ranges(getattr(cfg, key), key)
     need(cfg.inject_bitflip_target in ("grad", "weight", "exp_avg", "exp_avg_sq", "master"),
          "inject_bitflip_target must be 'grad', 'weight', or the optimizer's 'exp_avg', 'exp_avg_sq' or 'master'")
@@ -98,6 +99,9 @@ def check(cfg):
     need(cfg.spike_guard_update_ratio == 0 or cfg.spike_guard_update_ratio > 1,
          "spike_guard_update_ratio must be 0 (off) or above 1: a move per update that many times its trend's")
     need(cfg.spike_guard_unseen_interval >= 0, "spike_guard_unseen_interval must be >= 0 (0 turns it off)")
+    need(not cfg.inject_overflow_iters or cfg.fp16,
+         "inject_overflow_iters makes fp16's gradients overflow: set fp16 (bf16 and fp32 have "
+         "fp32's range)")
     need(cfg.inject_repeat_period >= 1, "inject_repeat_period must be >= 1 (the iterations whose samples repeat)")
     need(cfg.telemetry_interval >= 0, "telemetry_interval must be >= 0 (0 turns telemetry off)")
     need(not (cfg.deepspeed and cfg.telemetry_interval), "telemetry_interval needs the gradients before the "
@@ -274,6 +278,7 @@ class FaultsConfig:  # faults.Faults
     inject_lost_optimizer_state_iter: int | None
     inject_repeat_iters: list | None
     inject_repeat_period: int
+    inject_overflow_iters: list | None
     seed: int  # the faults' generators are seeded by (seed, iteration)
     vocab_size: int  # random tokens are drawn from it
 
