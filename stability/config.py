@@ -78,31 +78,13 @@ def need(ok, message):
 
 def check(cfg):
     """Raise ValueError with the fix for stability keys that cannot work."""
-    for key in ("inject_bad_batch_iters", "inject_lr_iters", "inject_bitflip_iters", "inject_numerical_iters",
-                "inject_degenerate_iters", "inject_repeat_iters", "inject_overflow_iters"):
-        schedule.parse_iteration_ranges(getattr(cfg, key), key)
-    need(cfg.inject_bitflip_target in ("grad", "weight", "exp_avg", "exp_avg_sq", "master"),
-         "inject_bitflip_target must be 'grad', 'weight', or the optimizer's 'exp_avg', 'exp_avg_sq' or 'master'")
-    width = bitflip_width(cfg)
-    need(-1 <= cfg.inject_bitflip_bit < width,
-         f"inject_bitflip_bit={cfg.inject_bitflip_bit} is not a bit of the {width}-bit element "
-         f"it flips (inject_bitflip_target={cfg.inject_bitflip_target}): give 0-{width - 1}, "
-         "or -1 for the top exponent bit")
+    check_faults(cfg)
     need(cfg.dp_replica_check_interval is None or cfg.dp_replica_check_interval >= 0,
          "dp_replica_check_interval must be 0 (off), a number of iterations, or None (with spike_guard: its "
          "spike_guard_snapshot_interval)")
-    need(cfg.inject_lost_optimizer_state_iter is None or cfg.inject_lost_optimizer_state_iter >= 1,
-         "inject_lost_optimizer_state_iter must be an iteration (>= 1), or None (off)")
-    need(cfg.inject_degenerate_kind in ("repeat", "ngram", "minority"),
-         f"inject_degenerate_kind={cfg.inject_degenerate_kind!r} must be 'repeat', 'ngram' or 'minority'")
-    need(0 < cfg.inject_degenerate_fraction < 1, "inject_degenerate_fraction must be in (0, 1): a minority's share")
     need(cfg.spike_guard_update_ratio == 0 or cfg.spike_guard_update_ratio > 1,
          "spike_guard_update_ratio must be 0 (off) or above 1: a move per update that many times its trend's")
     need(cfg.spike_guard_unseen_interval >= 0, "spike_guard_unseen_interval must be >= 0 (0 turns it off)")
-    need(not cfg.inject_overflow_iters or cfg.fp16,
-         "inject_overflow_iters makes fp16's gradients overflow: set fp16 (bf16 and fp32 have "
-         "fp32's range)")
-    need(cfg.inject_repeat_period >= 1, "inject_repeat_period must be >= 1 (the iterations whose samples repeat)")
     need(cfg.telemetry_interval >= 0, "telemetry_interval must be >= 0 (0 turns telemetry off)")
     need(not (cfg.deepspeed and cfg.telemetry_interval), "telemetry_interval needs the gradients before the "
          "update, which DeepSpeed keeps inside its step(); set telemetry_interval=0 or deepspeed=False")
@@ -145,6 +127,29 @@ def check(cfg):
          "spike_guard_precursor (docs/spike_guard.md, section 7) or leave the threshold out")
     need(0 < cfg.spike_guard_precursor_lr_factor <= 1, "spike_guard_precursor_lr_factor must be in (0, 1]")
     check_remedies(cfg)
+
+
+def check_faults(cfg):
+    """Fault injection's keys: ranges, targets, bits and the precision a fault needs."""
+    for key in ("inject_bad_batch_iters", "inject_lr_iters", "inject_bitflip_iters", "inject_numerical_iters",
+                "inject_degenerate_iters", "inject_repeat_iters", "inject_overflow_iters"):
+        schedule.parse_iteration_ranges(getattr(cfg, key), key)
+    need(cfg.inject_bitflip_target in ("grad", "weight", "exp_avg", "exp_avg_sq", "master"),
+         "inject_bitflip_target must be 'grad', 'weight', or the optimizer's 'exp_avg', 'exp_avg_sq' or 'master'")
+    width = bitflip_width(cfg)
+    need(-1 <= cfg.inject_bitflip_bit < width,
+         f"inject_bitflip_bit={cfg.inject_bitflip_bit} is not a bit of the {width}-bit element "
+         f"it flips (inject_bitflip_target={cfg.inject_bitflip_target}): give 0-{width - 1}, "
+         "or -1 for the top exponent bit")
+    need(cfg.inject_lost_optimizer_state_iter is None or cfg.inject_lost_optimizer_state_iter >= 1,
+         "inject_lost_optimizer_state_iter must be an iteration (>= 1), or None (off)")
+    need(cfg.inject_degenerate_kind in ("repeat", "ngram", "minority"),
+         f"inject_degenerate_kind={cfg.inject_degenerate_kind!r} must be 'repeat', 'ngram' or 'minority'")
+    need(0 < cfg.inject_degenerate_fraction < 1, "inject_degenerate_fraction must be in (0, 1): a minority's share")
+    need(not cfg.inject_overflow_iters or cfg.fp16,
+         "inject_overflow_iters makes fp16's gradients overflow: set fp16 (bf16 and fp32 have "
+         "fp32's range)")
+    need(cfg.inject_repeat_period >= 1, "inject_repeat_period must be >= 1 (the iterations whose samples repeat)")
 
 
 def bitflip_width(cfg):
