@@ -88,7 +88,8 @@ class Guard(training.Callback):
         decision = guard.update(n, step.outcome, step.loss, step.grad_norm, self.parts.scaler, found, lr=it.lr)
         if decision is None:
             decision = self.update_size(n, step)
-        elif decision.get("cause") == "data":  # name the batch: the others' samples are ordinary ones
+        elif decision.get("cause") == "data" and not decision.get("rebased"):  # the batch is the cause
+            # (named; not a regime change's, an optimizer's or an undiagnosed one's: ordinary samples)
             decision["samples"] = diagnosis.name_samples(self.parts.model, it.batches, it.first_sample, self.cfg,
                                                          self.train_data, it.seqlen, n, decision)
         if decision is None:
@@ -147,7 +148,7 @@ class Guard(training.Callback):
                 saved = f"nothing saved (save=none: the run's state at iteration {iteration} is lost)"
             self.report.close()
             self.snapshots.close()
-            raise spike_guard.SpikeGuardStop(f"{decision['line']}; stopped, {saved}: "
+            raise spike_guard.SpikeGuardStop(f"{decision['line']}; {saved}: "
                                              + NEXT.get(decision.get("cause"), NEXT[None]))
         return True
 
@@ -267,7 +268,7 @@ HELD_OUT = 8  # the comparison batches: the last global batches of the training 
 def comparison(train_data, it, faults, cfg, device):
     """(micro-batches, their words) of a batch the weights were never trained on, for the unseen loss and the
     counterfactual, or None past the end of the data: one of the last HELD_OUT global batches of the
-    training data's order, in turn -- trained on only at the run's end, far from where it is now. It was
+    training data's order, in turn -- reached at the run's end if at all, far from where it is now. It was
     the next iteration's batch, which comes from the stretch under suspicion: a block of duplicates met in
     corpus order gave its own next batch as the "unseen" one, so the block looked like the norm, the trend
     was re-based to it and ordinary text after it was named on the skip list (issue #50). Within HELD_OUT

@@ -360,8 +360,11 @@ def test_a_weight_flip_and_a_numerical_spike_with_dp2_in_bf16_and_zero1(run, cor
 
 def test_at_the_cap_the_run_saves_its_last_good_state_and_stops(run):
     save = str(run.dir / "capped")
-    with pytest.raises(spike_guard.SpikeGuardStop, match="another rollback would exceed spike_guard_max_rollbacks=0"):
+    capped = "another rollback would exceed spike_guard_max_rollbacks=0"
+    with pytest.raises(spike_guard.SpikeGuardStop, match=capped) as stop:
         run("capped", *LR_SPIKE, *GUARD, "--spike_guard_max_rollbacks=0", f"--save={save}")
+    # what was saved, and where (issue #50: a stop said "saved and stopped" with save=none too)
+    assert f"; the state of iteration 35 saved in {save}: " in str(stop.value), str(stop.value)
     with open(os.path.join(save, "latest")) as f:
         assert f.read().strip() == "global_step35"  # rolled back to the snapshot before saving
     assert spike_guard.EXIT_CODE == 3
