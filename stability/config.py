@@ -68,7 +68,7 @@ class StabilityConfig:
     inject_lost_optimizer_state_iter: int | None = None  # fault injection: Adam's moments zeroed before this step
     inject_repeat_iters: list[str] | None = None  # fault injection: a block of repeated documents in corpus order ...
     inject_repeat_period: int = 1  # ... its iterations given again the samples of its first this many iterations
-    inject_overflow_iters: list[str] | None = None  # fault injection (fp16): every step's gradients overflow
+    inject_overflow_iters: list[str] | None = None  # fault injection (fp16): gradients overflow
 
 
 def need(ok, message):
@@ -131,11 +131,13 @@ def check(cfg):
 
 def check_faults(cfg):
     """Fault injection's keys: ranges, targets, bits and the precision a fault needs."""
-    for key in ("inject_bad_batch_iters", "inject_lr_iters", "inject_bitflip_iters", "inject_numerical_iters",
-                "inject_degenerate_iters", "inject_repeat_iters", "inject_overflow_iters"):
+    for key in ("inject_bad_batch_iters", "inject_lr_iters", "inject_bitflip_iters",
+                "inject_numerical_iters", "inject_degenerate_iters", "inject_repeat_iters",
+                "inject_overflow_iters"):
         schedule.parse_iteration_ranges(getattr(cfg, key), key)
     need(cfg.inject_bitflip_target in ("grad", "weight", "exp_avg", "exp_avg_sq", "master"),
-         "inject_bitflip_target must be 'grad', 'weight', or the optimizer's 'exp_avg', 'exp_avg_sq' or 'master'")
+         "inject_bitflip_target must be 'grad', 'weight', or the optimizer's 'exp_avg', "
+         "'exp_avg_sq' or 'master'")
     width = bitflip_width(cfg)
     need(-1 <= cfg.inject_bitflip_bit < width,
          f"inject_bitflip_bit={cfg.inject_bitflip_bit} is not a bit of the {width}-bit element "
@@ -144,12 +146,15 @@ def check_faults(cfg):
     need(cfg.inject_lost_optimizer_state_iter is None or cfg.inject_lost_optimizer_state_iter >= 1,
          "inject_lost_optimizer_state_iter must be an iteration (>= 1), or None (off)")
     need(cfg.inject_degenerate_kind in ("repeat", "ngram", "minority"),
-         f"inject_degenerate_kind={cfg.inject_degenerate_kind!r} must be 'repeat', 'ngram' or 'minority'")
-    need(0 < cfg.inject_degenerate_fraction < 1, "inject_degenerate_fraction must be in (0, 1): a minority's share")
+         f"inject_degenerate_kind={cfg.inject_degenerate_kind!r} must be 'repeat', 'ngram' or "
+         "'minority'")
+    need(0 < cfg.inject_degenerate_fraction < 1,
+         "inject_degenerate_fraction must be in (0, 1): a minority's share")
     need(not cfg.inject_overflow_iters or cfg.fp16,
          "inject_overflow_iters makes fp16's gradients overflow: set fp16 (bf16 and fp32 have "
          "fp32's range)")
-    need(cfg.inject_repeat_period >= 1, "inject_repeat_period must be >= 1 (the iterations whose samples repeat)")
+    need(cfg.inject_repeat_period >= 1,
+         "inject_repeat_period must be >= 1 (the iterations whose samples repeat)")
 
 
 def bitflip_width(cfg):

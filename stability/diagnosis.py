@@ -3,7 +3,7 @@ Megatron-LM's rerun state machine)
 
     step, diagnosis = investigate(guard, parts, step, iteration, before, snapshots, rerun, forward, other, per_sample)
 
-Before the guard acts on a suspect step (suspect()), it is replayed -- same weights, batch, RNG and loss scaler --
+Before the guard acts on a suspect step (SUSPECT), it is replayed -- same weights, batch, RNG and loss scaler --
 and its weights and batch are tested, the cause named: hardware (not reproduced, or weights the optimizer cannot
 have written), persistent (the same DP rank disagrees again), numerical (ordinary in fp32), data (the batch is the
 outlier) or optimizer (the weights are). What the cause calls for is spike_guard.py's. The samples behind a spike
@@ -26,7 +26,7 @@ from report import print0
 from stability import skip_list
 from stability.detector import Series, snapshot_stats
 
-SUSPECT = ("vetoed", "nan", "replicas differ")  # the train_step outcomes investigate() looks into ...
+SUSPECT = ("vetoed", "nan", "replicas differ")  # train_step's outcomes investigate() looks into ...
 
 
 def overflowed(step):
@@ -35,10 +35,10 @@ def overflowed(step):
 
 
 def suspect(step, scaler):
-    """Is this step one investigate() looks into before the guard acts: a SUSPECT outcome, or a non-finite
-    grad norm that no loss scaler answers -- fp32 or bf16 (a NaN gradient is never ordinary there), or
-    fp16's dynamic loss scale at its floor (while it can still halve, an overflow is the scaler's
-    business, the search from initial_loss_scale included)."""
+    """Is this step one investigate() looks into before the guard acts: a SUSPECT outcome, or a
+    non-finite grad norm that no loss scaler answers -- fp32 or bf16 (a NaN gradient is never
+    ordinary there), or fp16's dynamic loss scale at its floor (while it can still halve, an
+    overflow is the scaler's business, the search from initial_loss_scale included)."""
     if step.outcome in SUSPECT:
         return True
     searching = scaler is not None and scaler.dynamic and scaler.scale > scaler.min_scale
@@ -85,8 +85,8 @@ def investigate(guard, parts, step, iteration, before, snapshots, rerun, forward
        outlier against that model's own trend: "data". The batch is ordinary there, the loss is not now: the
        update went wrong ("optimizer").
     The verdict between 4's two is a counterfactual, asked on both signs of the loss (data_or_optimizer): other()
-    is a batch these weights were never trained on (a held-out one: guard.comparison), computed and never applied,
-    and the
+    is a batch these weights were never trained on (held out: guard.comparison), computed and never
+    applied, and the
     same batch on the snapshot's weights. Ordinary here: the weights are fine and this batch is the cause ("data",
     however low its loss: a batch of one repeated token has a loss far below its trend and a grad norm far above
     it). A spike here too, and worse than on the snapshot's weights: the updates since did it ("optimizer"; the
@@ -116,7 +116,7 @@ def investigate(guard, parts, step, iteration, before, snapshots, rerun, forward
                             "rollback": True}
     if fp32_replay:
         exact = replay_in_fp32(guard, rng_before, parts.model, parts.optimizer, rerun)
-        if exact.outcome == "ok":  # overflow: the core would have skipped it (SpikeGuard._numerical)
+        if exact.outcome == "ok":  # overflow: the core skips such a step (SpikeGuard._numerical)
             return exact, {"cause": "numerical", "evidence": f"{replayed}; in fp32: loss {exact.loss:.6g}, grad "
                            f"norm {exact.grad_norm:.6g}, ordinary", "overflow": overflowed(step)}
         replayed += f"; in fp32: loss {exact.loss:.6g}, grad norm {exact.grad_norm:.6g}, a spike too"
@@ -166,8 +166,8 @@ def replay_verdict(guard, step, replay, rows, rows_again):
 
 def data_or_optimizer(guard, model, replay, replayed, snapshot, forward, other, per_sample, oldest=None):
     """A reproduced spike of sound weights: is the batch the outlier ("data") or the weights ("optimizer")? The
-    fair question is asked of a batch these weights were never trained on (other(): a held-out one; the last
-    applied batch looks ordinary on weights just trained on it, whatever the cause) and of the
+    fair question is asked of a batch these weights were never trained on (other(): held out; the
+    last applied batch looks ordinary on weights just trained on it, whatever the cause) and of the
     pre-spike weights (the oldest snapshot kept, `oldest`, else `snapshot`'s: within a rollback's reach, the state
     furthest from a cause that began a few updates ago): unseen_verdict. Without an unseen batch (the end of the
     data), the suspect batch on the snapshot's model decides, on the loss's sign alone. The diagnosis says which

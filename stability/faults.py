@@ -14,8 +14,9 @@
                              resume whose checkpoint lost them: the first updates divide by a near-zero second moment)
     inject_repeat_iters      a block of repeated documents met in corpus order: the block's iterations given the
                              samples of its first inject_repeat_period iterations again, in turn
-    inject_overflow_iters    fp16: the gradients overflow at every step of these iterations, whatever the
-                             loss scale (on every pass: it lives in the weights and data, as a real burst)
+    inject_overflow_iters    fp16: every step of these iterations overflows, whatever the loss
+                             scale (on every pass: it lives in the weights and data, as a real
+                             burst does)
 
 An LR spike and a bit flip are events in time: a replay or a rollback does not meet them again. The spike guard
 keeps the run's timeline (spike_guard.SpikeGuard.meets_fault), and is told of the LRs a replay would not get
@@ -85,13 +86,14 @@ class Faults(training.Callback):
             self.flip_state()
         if self.overflow_hook is not None:
             self.overflow_hook.remove()
-        self.numerical_hook = self.flip_weight = self.flip_grad = self.flip_state = self.overflow_hook = None
+        self.numerical_hook = self.flip_weight = self.flip_grad = self.flip_state = None
+        self.overflow_hook = None
         return False
 
     def data_batches(self, iteration, first_sample, batch_size, seqlen, batches):
-        """The batches of this iteration as the data gives them, its data faults in (bad, degenerate,
-        repeated): the training step's, and the spike guard's comparison batches of a later iteration
-        (guard.comparison_batches) -- a data fault is in the corpus, whoever reads it."""
+        """The batches of this iteration as the data gives them, its data faults in (bad,
+        degenerate, repeated): the training step's, and the spike guard's comparison batch of a
+        later iteration (guard.comparison) -- a data fault is in the corpus, whoever reads it."""
         batches = self.degenerate_batches(iteration, self.bad_batches(iteration, batches))
         return self.repeated_batches(iteration, first_sample, batch_size, seqlen, batches)
 
@@ -250,16 +252,16 @@ class Faults(training.Callback):
             if start <= number <= end:
                 source = start + (number - start) % self.cfg.inject_repeat_period
                 first = first_sample - (number - source) * batch_size
-                return loader.micro_batches(self.train_data, first, len(batches), self.run_cfg, seqlen,
-                                            batches[0][0].device)
+                return loader.micro_batches(self.train_data, first, len(batches), self.run_cfg,
+                                            seqlen, batches[0][0].device)
         return batches
 
     def overflow(self, iteration, model):
-        """The fault of inject_overflow_iters: a hook on the first matrix's gradient (its handle, removed
-        after the iteration, or None) that makes one element inf when the gradient is fp16, on every
-        rank -- so every step of these iterations overflows whatever the loss scale, its replays too,
-        and the fp32 replay (diagnosis.Fp32Step: fp32 weights, fp32 gradients) does not: an fp16 overflow
-        burst, the gradients fitting in fp32's range."""
+        """The fault of inject_overflow_iters: a hook on the first matrix's gradient (its handle,
+        removed after the iteration, or None) that makes one element inf when the gradient is
+        fp16, on every rank -- so every step of these iterations overflows whatever the loss
+        scale, its replays too, and the fp32 replay (diagnosis.Fp32Step: fp32 weights and
+        gradients) does not: an fp16 overflow burst, the gradients fitting in fp32's range."""
         if not schedule.in_ranges(iteration, self.overflow_ranges):
             return None
         first = next(p for p in parallel.unwrap(model).parameters() if p.dim() == 2)

@@ -22,8 +22,8 @@ from stability.config import PrecursorConfig, section
 
 
 # What a stopped run's message asks of its operator, by the cause the guard found
-NEXT = {None: "no cause was named (the decision lines above say what was tested): resume with the caps "
-              "raised or other settings",
+NEXT = {None: "no cause was named (the decision lines above say what was tested): resume with "
+              "the caps raised or other settings",
         "data": "look at the samples named above (their documents: the skip list), then resume with the caps raised",
         "optimizer": "the cause persists in the LR or the optimizer state, not in the data: resume with a lower lr "
                      "(or spike_guard_reset_optimizer)",
@@ -60,10 +60,11 @@ class Guard(training.Callback):
             guard.unseen = self.unseen_loss(it)
 
     def unseen_loss(self, it):
-        """The loss of a batch never trained on (comparison(): a held-out one) on the weights of now: where the
-        model really is, which a loss learnt by heart falls far below (Detector.below_unseen). One forward every
-        spike_guard_unseen_interval iterations, the RNG streams put back (the run is the one without the guard);
-        the last one kept past the end of the data."""
+        """The loss of a batch never trained on (comparison(): a held-out one) on the weights of
+        now: where the model really is, which a loss learnt by heart falls far below
+        (Detector.below_unseen). One forward every spike_guard_unseen_interval iterations, the RNG
+        streams put back (the run is the one without the guard); the last one kept past the end of
+        the data."""
         found = comparison(self.train_data, it, self.built.get("faults"), self.cfg, self.device)
         if found is None:
             return self.guard.unseen
@@ -88,8 +89,8 @@ class Guard(training.Callback):
         decision = guard.update(n, step.outcome, step.loss, step.grad_norm, self.parts.scaler, found, lr=it.lr)
         if decision is None:
             decision = self.update_size(n, step)
-        elif decision.get("cause") == "data" and not decision.get("rebased"):  # the batch is the cause
-            # (named; not a regime change's, an optimizer's or an undiagnosed one's: ordinary samples)
+        elif decision.get("cause") == "data" and not decision.get("rebased"):  # name the batch
+            # (not a regime change's, an optimizer's or an undiagnosed one's: ordinary samples)
             decision["samples"] = diagnosis.name_samples(self.parts.model, it.batches, it.first_sample, self.cfg,
                                                          self.train_data, it.seqlen, n, decision)
         if decision is None:
@@ -145,7 +146,7 @@ class Guard(training.Callback):
                 run_state.save(self.parts, self.writer)
                 saved = f"the state of iteration {iteration} saved in {self.cfg.save}"
             else:  # a stop says what there is to resume from: here, nothing
-                saved = f"nothing saved (save=none: the run's state at iteration {iteration} is lost)"
+                saved = f"nothing saved (save=none: the state of iteration {iteration} is lost)"
             self.report.close()
             self.snapshots.close()
             raise spike_guard.SpikeGuardStop(f"{decision['line']}; {saved}: "
@@ -205,7 +206,9 @@ class Forensics(training.Callback):
 
     def check_step(self, it, step):
         guard, scaler = self.guard, self.parts.scaler
-        if not guard.enabled or not diagnosis.suspect(step, scaler) or guard.stands_aside(it.number, step):
+        if not guard.enabled or not diagnosis.suspect(step, scaler):
+            return step
+        if guard.stands_aside(it.number, step):  # a persistent fp16 overflow: the scaler's
             return step
         if step.outcome == "vetoed" and not self.guard.pending:  # another callback's veto: not the guard's spike
             return step
@@ -233,10 +236,11 @@ class Forensics(training.Callback):
         return step
 
     def replicas_differ(self):
-        """DP > 1, with the DP replica check on: the replicas' checksums compared first (replica_check.py),
-        as the diagnosis's first question -- a replica that differs is a hardware fault, answered by a
-        re-sync or a rollback to replicas found equal, never by skipping data. Its finding is left on the
-        guard (diagnosis "replicas") for Guard.after_step to carry out. True when they differ."""
+        """DP > 1, with the DP replica check on: the replicas' checksums compared first
+        (replica_check.py), the diagnosis's first question -- a replica that differs is a hardware
+        fault, answered by a re-sync or a rollback to replicas found equal, never by skipping data.
+        Its finding is left on the guard (diagnosis "replicas") for Guard.after_step to carry out.
+        True when they differ."""
         check = self.built.get("replica_check")
         if parallel.grid.dp_size == 1 or check is None or not check.interval:
             return False
@@ -246,9 +250,10 @@ class Forensics(training.Callback):
         return bool(found)
 
     def counterfactual(self, it):
-        """A batch these weights have never been trained on (comparison(): a held-out one; a resumed run or a
-        replay asks the same one), on the weights of now, computed and not applied (the same RNG and loss scaler
-        after as before): (Step, its words, its forward for other weights), or None past the end of the data."""
+        """A batch these weights have never been trained on (comparison(): a held-out one; a
+        resumed run or a replay asks the same one), on the weights of now, computed and not applied
+        (the same RNG and loss scaler after as before): (Step, its words, its forward for other
+        weights), or None past the end of the data."""
         parts, cfg = self.parts, self.cfg
         found = comparison(self.train_data, it, self.built.get("faults"), cfg, self.device)
         if found is None:
@@ -259,20 +264,24 @@ class Forensics(training.Callback):
                                    count_zeros=False, callbacks=diagnosis.Veto(lambda *numbers: "never applied"))
         checkpoint.set_rng_state(rng)
         parts.scaler.load_state_dict(scaler)
-        return step, label, lambda: diagnosis.evaluate_batches(parts.model, batches, cfg, self.device)
+
+        def forward():
+            return diagnosis.evaluate_batches(parts.model, batches, cfg, self.device)
+        return step, label, forward
 
 
-HELD_OUT = 8  # the comparison batches: the last global batches of the training data's order, in turn
+HELD_OUT = 8  # the comparison batches: the training data's last global batches, in turn
 
 
 def comparison(train_data, it, faults, cfg, device):
-    """(micro-batches, their words) of a batch the weights were never trained on, for the unseen loss and the
-    counterfactual, or None past the end of the data: one of the last HELD_OUT global batches of the
-    training data's order, in turn -- reached at the run's end if at all, far from where it is now. It was
-    the next iteration's batch, which comes from the stretch under suspicion: a block of duplicates met in
-    corpus order gave its own next batch as the "unseen" one, so the block looked like the norm, the trend
-    was re-based to it and ordinary text after it was named on the skip list (issue #50). Within HELD_OUT
-    batches of the end: the next batch. The data's faults are in it, as in the corpus (Faults.data_batches)."""
+    """(micro-batches, their words) of a batch the weights were never trained on, for the unseen
+    loss and the counterfactual, or None past the end of the data: one of the last HELD_OUT global
+    batches of the training data's order, in turn -- reached at the run's end if at all, far from
+    where it is now. It was the next iteration's batch, which comes from the stretch under
+    suspicion: a block of duplicates met in corpus order gave its own next batch as the "unseen"
+    one, so the block looked like the norm, the trend was re-based to it and ordinary text after it
+    was named on the skip list (issue #50). Within HELD_OUT batches of the end: the next batch. The
+    data's faults are in it, as in the corpus (Faults.data_batches)."""
     size = it.batch_size
     first = (len(train_data) // size - HELD_OUT + it.number % HELD_OUT) * size
     first = max(first, it.first_sample + size)  # never a batch an applied step has seen

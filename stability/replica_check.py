@@ -76,8 +76,8 @@ class ReplicaCheck(training.Callback):
         return self.act(n, table, found)
 
     def compare(self):
-        """(the gathered checksums, the DP groups whose replicas differ: differing()), on every rank alike;
-        also asked by the guard's diagnosis of a suspect step (guard.Forensics), between the checks."""
+        """(the gathered checksums, the DP groups whose replicas differ: differing()), on every rank
+        alike; also asked by the guard's diagnosis of a suspect step (guard.Forensics)."""
         table = gather(checksums(self.covered(), self.device))
         return table, differing(table)
 

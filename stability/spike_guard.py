@@ -16,9 +16,10 @@ But the causes call for different remedies, so the guard asks why before it acts
              or the loss is NaN/inf; or the DP replicas computed different numbers; or (fp16) the loss scale
              collapsed to min_loss_scale. From `spike_guard_min_steps` applied steps on (in fp16 the losses of
              the loss scale's search count): the trend makes the warm-up ordinary.
-  diagnose   (investigate(), before any update or action: every spike, NaN loss, replica disagreement and
-             non-finite grad norm no loss scaler answers; on DP > 1 the replica check's checksums first, whose
-             finding is the replica check's to answer: re-sync or roll back, no data skipped)
+  diagnose   (investigate(), before any update or action: every spike, NaN loss, replica
+             disagreement and non-finite grad norm no loss scaler answers; on DP > 1 the replica
+             check's checksums first, whose finding is the replica check's to answer: re-sync or
+             roll back, no data skipped)
              replay the step, same weights, batch and RNG:
                the same DP rank disagrees again                -> persistent: stop, naming the rank
                not reproduced (beyond the run's measured nondeterminism), or the replicas disagreed
@@ -30,7 +31,7 @@ But the causes call for different remedies, so the guard asks why before it acts
                                                            -> numerical: the fp32 step applied (fp16: the loss scale
                                                               halved once per episode, never to its floor);
                                                               spike_guard_max_numerical in a window: stop, naming it
-                                                              -- an fp16 overflow's: left to the loss scaler
+                                                              -- an fp16 overflow's: the scaler's
                  counterfactual: a batch never trained on (the next one) on these weights (computed, never applied)
                    ordinary, or this batch far below it        -> data: this batch is the cause (either sign); a
                                                                   minority of its samples, if far off, is named
@@ -56,7 +57,7 @@ But the causes call for different remedies, so the guard asks why before it acts
                  run's skip ranges;
              (b') a stretch of text learnt by heart, once rolled back: its later batches skipped as they come;
              Undiagnosed (no run has such a step), a spike is an update not applied, nothing more.
-             (c) on a relapse diagnosed optimizer (never of the data, never undiagnosed): also multiply the LR by
+             (c) on an optimizer relapse (not the data's, not undiagnosed): also multiply the LR by
                  `spike_guard_lr_factor` and, with `spike_guard_reset_optimizer`, reset the optimizer with the
                  lr=0 warm-up of lesson 8.
              A rollback whose target lies before every state kept goes to the oldest state there is
@@ -120,7 +121,7 @@ class SpikeGuard(Detector):
         # the current step: why it is a spike (judge -> update), what the forensics found (-> update)
         self.pending = self.diagnosis = None
         self.numericals = []  # iterations of the numerical diagnoses of the current window (persistence)
-        self.aside = False  # a persistent fp16 overflow left to the loss scaler (_numerical, stands_aside)
+        self.aside = False  # a persistent fp16 overflow left to the loss scaler (stands_aside)
         self.lrs = {}  # iteration -> (the LR its replay would get, the LR applied), where they differ
         if saved:
             self.load_state_dict(saved)
@@ -215,12 +216,13 @@ class SpikeGuard(Detector):
         return self._strike(iteration, outcome, reason, diagnosis)
 
     def stands_aside(self, iteration, step_or_outcome, grad_norm=None):
-        """Is this step one more overflow of a persistent fp16 overflow left to the loss scaler (_numerical):
-        a non-finite grad norm within spike_guard_rewind of the last one? Then it is neither diagnosed nor
-        acted on: the core skips it, as without the guard."""
+        """Is this step one more of a persistent fp16 overflow left to the loss scaler (_numerical):
+        a non-finite grad norm within spike_guard_rewind of the last one? Then it is neither
+        diagnosed nor acted on: the core skips it, as without the guard."""
         outcome = getattr(step_or_outcome, "outcome", step_or_outcome)
         grad_norm = getattr(step_or_outcome, "grad_norm", grad_norm)
-        return (self.aside and outcome == "skipped" and not math.isfinite(grad_norm) and bool(self.numericals)
+        return (self.aside and outcome == "skipped" and not math.isfinite(grad_norm)
+                and bool(self.numericals)
                 and iteration - self.numericals[-1] <= self.ladder.spike_guard_rewind)
 
     def tolerates(self, diagnosis):
@@ -265,18 +267,19 @@ class SpikeGuard(Detector):
             if not scaler.dynamic:
                 return f"the grad norm is {grad_norm}"
             # an fp16 overflow is the loss scaler's business, until the scale has collapsed
-            return f"the fp16 loss scale collapsed to {scaler.scale}" if scaler.scale <= scaler.min_scale \
-                else None
+            if scaler.scale <= scaler.min_scale:
+                return f"the fp16 loss scale collapsed to {scaler.scale}"
+            return None
         return None  # skip_grad_norm_above: OPT's rule, not a spike
 
     def _strike(self, iteration, outcome, reason, diagnosis):
-        """A spike, with its diagnosis (guard.Forensics gives every suspect step one): skip its update, or at
-        the spike_guard_max_skips-th data spike of an episode (or an optimizer cause) roll back. Without a
-        diagnosis, nothing beyond the update not applied: a non-finite step, an overflow or a collapsed loss
-        scale acted on undiagnosed rolled back over hundreds of good batches and cut the LR (issue #50's fp16
-        overflow burst: 216 of 400 iterations skipped, 0.10 worse than doing nothing). A data spike whose
-        unseen batch was as far off on the pre-spike weights is a regime change: the trend is re-based and the
-        episode's strikes cleared."""
+        """A spike, with its diagnosis (guard.Forensics gives every suspect step one): skip its
+        update, or at the spike_guard_max_skips-th data spike of an episode (or an optimizer cause)
+        roll back. Without a diagnosis, nothing beyond the update not applied: a non-finite step, an
+        overflow or a collapsed loss scale acted on undiagnosed rolled back over hundreds of good
+        batches and cut the LR (issue #50's fp16 overflow burst: 216 of 400 iterations skipped, 0.10
+        worse than doing nothing). A data spike whose unseen batch was as far off on the pre-spike
+        weights is a regime change: the trend is re-based and the episode's strikes cleared."""
         ladder = self.ladder
         cause = {"cause": diagnosis["cause"], "evidence": diagnosis["evidence"]} if diagnosis else {}
         if diagnosis and diagnosis.get("suspects"):
@@ -294,10 +297,11 @@ class SpikeGuard(Detector):
             reason += f"; {diagnosis['cause']}-driven: {diagnosis['evidence']}"
         if diagnosis and diagnosis.get("rebase"):
             return self._rebase(iteration, outcome, reason, cause, *diagnosis["rebase"])
-        if not diagnosis:  # never acted on before a diagnosis: the update not applied, no strike counted
+        if not diagnosis:  # never acted on undiagnosed: the update not applied, no strike counted
             reason += "; not diagnosed"
         else:
-            self.strikes = [s for s in self.strikes if iteration - s <= ladder.spike_guard_rewind] + [iteration]
+            recent = [s for s in self.strikes if iteration - s <= ladder.spike_guard_rewind]
+            self.strikes = recent + [iteration]
         stretch = self._learnt_stretch(iteration, reason, cause)  # rolled back once: its batches vetoed as they come
         if stretch:
             self.strikes = []
@@ -379,7 +383,7 @@ class SpikeGuard(Detector):
                                 f"spike_guard_max_skipped_iters={ladder.spike_guard_max_skipped_iters}", start=start,
                                 **cause)
         relapse = self.rollbacks > 0
-        cuts = cause.get("cause") == "optimizer"  # the LR is the optimizer's remedy, on its diagnosis only
+        cuts = cause.get("cause") == "optimizer"  # the optimizer's remedy, on its diagnosis only
         same = end is None and since is not None and self.replays_same_lrs(since, iteration)
         cut = ladder.spike_guard_lr_factor if factor is None else factor
         lr_scale = self.lr_scale * (cut if cuts and (relapse or same) else 1.0)
@@ -460,12 +464,13 @@ class SpikeGuard(Detector):
         persistent = len(self.numericals) >= ladder.spike_guard_max_numerical
         if persistent and diagnosis.get("overflow"):  # without the guard: skipped steps, no stop
             self.aside = True
-            decision = self._decide(iteration, "retry", reason + diagnosis["evidence"], "the fp32 step applied; "
-                                f"a persistent fp16 overflow ({len(self.numericals)} steps since iteration "
-                                f"{self.numericals[0]}): its steps are left to the loss scaler from now on, "
-                                "skipped as without the guard, until none comes for spike_guard_rewind "
-                                "iterations; no data skipped, LR unchanged", cause="numerical",
-                                evidence=diagnosis["evidence"], persistent=True)
+            plan = (f"the fp32 step applied; a persistent fp16 overflow ({len(self.numericals)} "
+                    f"steps since iteration {self.numericals[0]}): its steps are left to the loss "
+                    "scaler from now on, skipped as without the guard, until none comes for "
+                    "spike_guard_rewind iterations; no data skipped, LR unchanged")
+            decision = self._decide(iteration, "retry", reason + diagnosis["evidence"], plan,
+                                    cause="numerical", evidence=diagnosis["evidence"],
+                                    persistent=True)
             self.decisions.append(decision)
             return decision
         if persistent:
