@@ -68,6 +68,7 @@ class StabilityConfig:
     inject_lost_optimizer_state_iter: int | None = None  # fault injection: Adam's moments zeroed before this step
     inject_repeat_iters: list[str] | None = None  # fault injection: a block of repeated documents in corpus order ...
     inject_repeat_period: int = 1  # ... its iterations given again the samples of its first this many iterations
+    inject_overflow_iters: list[str] | None = None  # fault injection (fp16): gradients overflow
 
 
 def need(ok, message):
@@ -77,23 +78,13 @@ def need(ok, message):
 
 def check(cfg):
     """Raise ValueError with the fix for stability keys that cannot work."""
-    for key in ("inject_bad_batch_iters", "inject_lr_iters", "inject_bitflip_iters", "inject_numerical_iters",
-                "inject_degenerate_iters", "inject_repeat_iters"):
-        schedule.parse_iteration_ranges(getattr(cfg, key), key)
-    need(cfg.inject_bitflip_target in ("grad", "weight", "exp_avg", "exp_avg_sq", "master"),
-         "inject_bitflip_target must be 'grad', 'weight', or the optimizer's 'exp_avg', 'exp_avg_sq' or 'master'")
+    check_faults(cfg)
     need(cfg.dp_replica_check_interval is None or cfg.dp_replica_check_interval >= 0,
          "dp_replica_check_interval must be 0 (off), a number of iterations, or None (with spike_guard: its "
          "spike_guard_snapshot_interval)")
-    need(cfg.inject_lost_optimizer_state_iter is None or cfg.inject_lost_optimizer_state_iter >= 1,
-         "inject_lost_optimizer_state_iter must be an iteration (>= 1), or None (off)")
-    need(cfg.inject_degenerate_kind in ("repeat", "ngram", "minority"),
-         f"inject_degenerate_kind={cfg.inject_degenerate_kind!r} must be 'repeat', 'ngram' or 'minority'")
-    need(0 < cfg.inject_degenerate_fraction < 1, "inject_degenerate_fraction must be in (0, 1): a minority's share")
     need(cfg.spike_guard_update_ratio == 0 or cfg.spike_guard_update_ratio > 1,
          "spike_guard_update_ratio must be 0 (off) or above 1: a move per update that many times its trend's")
     need(cfg.spike_guard_unseen_interval >= 0, "spike_guard_unseen_interval must be >= 0 (0 turns it off)")
-    need(cfg.inject_repeat_period >= 1, "inject_repeat_period must be >= 1 (the iterations whose samples repeat)")
     need(cfg.telemetry_interval >= 0, "telemetry_interval must be >= 0 (0 turns telemetry off)")
     need(not (cfg.deepspeed and cfg.telemetry_interval), "telemetry_interval needs the gradients before the "
          "update, which DeepSpeed keeps inside its step(); set telemetry_interval=0 or deepspeed=False")
@@ -113,6 +104,8 @@ def check(cfg):
          "spike_guard with spike_guard_snapshot_interval=0 rolls back to disk checkpoints: set save and save_interval")
     need(not cfg.spike_guard_snapshot_dir or cfg.spike_guard_snapshot_interval,
          "spike_guard_snapshot_dir holds the snapshots of spike_guard_snapshot_interval: set an interval (e.g. 50)")
+    if cfg.spike_guard_snapshot_dir:
+        check_directory(cfg.spike_guard_snapshot_dir, "spike_guard_snapshot_dir")
     need(0 < cfg.spike_guard_lr_factor <= 1, "spike_guard_lr_factor must be in (0, 1]")
     need(cfg.soft_skip_loss_ratio == 0 or cfg.soft_skip_loss_ratio >= 1,
          f"soft_skip_loss_ratio={cfg.soft_skip_loss_ratio} must be 0 (off) or >= 1 (a multiple of the loss's trend)")
@@ -129,8 +122,67 @@ def check(cfg):
              "spike_guard_precursor needs spike_guard_precursor_threshold (a number: docs/spike_guard.md has the "
              "thresholds measured on the stability lab's clean runs; tools/precursors.py measures yours)")
         need(cfg.telemetry_interval > 0, "spike_guard_precursor reads the telemetry: set telemetry_interval (e.g. 10)")
+    need(cfg.spike_guard_precursor is not None or cfg.spike_guard_precursor_threshold is None,
+         "spike_guard_precursor_threshold does nothing without spike_guard_precursor: set "
+         "spike_guard_precursor (docs/spike_guard.md, section 7) or leave the threshold out")
     need(0 < cfg.spike_guard_precursor_lr_factor <= 1, "spike_guard_precursor_lr_factor must be in (0, 1]")
     check_remedies(cfg)
+
+
+def check_faults(cfg):
+    """Fault injection's keys: ranges, targets, bits and the precision a fault needs."""
+    for key in ("inject_bad_batch_iters", "inject_lr_iters", "inject_bitflip_iters",
+                "inject_numerical_iters", "inject_degenerate_iters", "inject_repeat_iters",
+                "inject_overflow_iters"):
+        schedule.parse_iteration_ranges(getattr(cfg, key), key)
+    need(cfg.inject_bitflip_target in ("grad", "weight", "exp_avg", "exp_avg_sq", "master"),
+         "inject_bitflip_target must be 'grad', 'weight', or the optimizer's 'exp_avg', "
+         "'exp_avg_sq' or 'master'")
+    width = bitflip_width(cfg)
+    need(-1 <= cfg.inject_bitflip_bit < width,
+         f"inject_bitflip_bit={cfg.inject_bitflip_bit} is not a bit of the {width}-bit element "
+         f"it flips (inject_bitflip_target={cfg.inject_bitflip_target}): give 0-{width - 1}, "
+         "or -1 for the top exponent bit")
+    need(cfg.inject_lost_optimizer_state_iter is None or cfg.inject_lost_optimizer_state_iter >= 1,
+         "inject_lost_optimizer_state_iter must be an iteration (>= 1), or None (off)")
+    need(cfg.inject_degenerate_kind in ("repeat", "ngram", "minority"),
+         f"inject_degenerate_kind={cfg.inject_degenerate_kind!r} must be 'repeat', 'ngram' or "
+         "'minority'")
+    need(0 < cfg.inject_degenerate_fraction < 1,
+         "inject_degenerate_fraction must be in (0, 1): a minority's share")
+    need(not cfg.inject_overflow_iters or cfg.fp16,
+         "inject_overflow_iters makes fp16's gradients overflow: set fp16 (bf16 and fp32 have "
+         "fp32's range)")
+    need(cfg.inject_repeat_period >= 1,
+         "inject_repeat_period must be >= 1 (the iterations whose samples repeat)")
+
+
+def bitflip_width(cfg):
+    """The width in bits of the element inject_bitflip_target flips: a weight is in the run's
+    precision (fp16, bf16: 16 bits); gradients (accumulated in fp32: precision.grad_dtype), Adam's
+    moments and the masters are fp32."""
+    return 16 if cfg.inject_bitflip_target == "weight" and (cfg.fp16 or cfg.bf16) else 32
+
+
+def check_directory(path, key):
+    """A directory the run will create (or use) at `path`: refused, naming the key, when it cannot
+    be -- the path or its nearest existing parent is not a directory, or that parent is not
+    writable -- before any work is done (else a bare errno when the run first writes there)."""
+    import os
+    path = os.path.abspath(path)
+    if os.path.exists(path):
+        need(os.path.isdir(path) and os.access(path, os.W_OK | os.X_OK),
+             f"{key}={path} is "
+             + ("not a directory" if not os.path.isdir(path) else "not writable")
+             + ": give a directory the run can write (a node-local disk, e.g. $SLURM_TMPDIR)")
+        return
+    parent = os.path.dirname(path)
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    need(os.path.isdir(parent) and os.access(parent, os.W_OK | os.X_OK),
+         f"{key}={path} cannot be created: {parent} is "
+         + ("a file, not a directory" if not os.path.isdir(parent) else "not writable")
+         + "; give a directory the run can create or write (a node-local disk, e.g. $SLURM_TMPDIR)")
 
 
 def check_remedies(cfg):
@@ -236,6 +288,7 @@ class FaultsConfig:  # faults.Faults
     inject_lost_optimizer_state_iter: int | None
     inject_repeat_iters: list | None
     inject_repeat_period: int
+    inject_overflow_iters: list | None
     seed: int  # the faults' generators are seeded by (seed, iteration)
     vocab_size: int  # random tokens are drawn from it
 

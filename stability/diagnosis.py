@@ -26,7 +26,23 @@ from report import print0
 from stability import skip_list
 from stability.detector import Series, snapshot_stats
 
-SUSPECT = ("vetoed", "nan", "replicas differ")  # the train_step outcomes investigate() looks into
+SUSPECT = ("vetoed", "nan", "replicas differ")  # train_step's outcomes investigate() looks into ...
+
+
+def overflowed(step):
+    """... and a step skipped for a non-finite grad norm (an fp16 overflow, a NaN gradient)."""
+    return step.outcome == "skipped" and not math.isfinite(step.grad_norm)
+
+
+def suspect(step, scaler):
+    """Is this step one investigate() looks into before the guard acts: a SUSPECT outcome, or a
+    non-finite grad norm that no loss scaler answers -- fp32 or bf16 (a NaN gradient is never
+    ordinary there), or fp16's dynamic loss scale at its floor (while it can still halve, an
+    overflow is the scaler's business, the search from initial_loss_scale included)."""
+    if step.outcome in SUSPECT:
+        return True
+    searching = scaler is not None and scaler.dynamic and scaler.scale > scaler.min_scale
+    return overflowed(step) and not searching
 
 
 class Veto(training.Callback):
@@ -69,7 +85,8 @@ def investigate(guard, parts, step, iteration, before, snapshots, rerun, forward
        outlier against that model's own trend: "data". The batch is ordinary there, the loss is not now: the
        update went wrong ("optimizer").
     The verdict between 4's two is a counterfactual, asked on both signs of the loss (data_or_optimizer): other()
-    is a batch these weights were never trained on (the next iteration's), computed and never applied, and the
+    is a batch these weights were never trained on (held out: guard.comparison), computed and never
+    applied, and the
     same batch on the snapshot's weights. Ordinary here: the weights are fine and this batch is the cause ("data",
     however low its loss: a batch of one repeated token has a loss far below its trend and a grad norm far above
     it). A spike here too, and worse than on the snapshot's weights: the updates since did it ("optimizer"; the
@@ -99,9 +116,9 @@ def investigate(guard, parts, step, iteration, before, snapshots, rerun, forward
                             "rollback": True}
     if fp32_replay:
         exact = replay_in_fp32(guard, rng_before, parts.model, parts.optimizer, rerun)
-        if exact.outcome == "ok":
+        if exact.outcome == "ok":  # overflow: the core skips such a step (SpikeGuard._numerical)
             return exact, {"cause": "numerical", "evidence": f"{replayed}; in fp32: loss {exact.loss:.6g}, grad "
-                           f"norm {exact.grad_norm:.6g}, ordinary"}
+                           f"norm {exact.grad_norm:.6g}, ordinary", "overflow": overflowed(step)}
         replayed += f"; in fp32: loss {exact.loss:.6g}, grad norm {exact.grad_norm:.6g}, a spike too"
     if snapshot is None:
         return replay, {"cause": "data", "evidence": f"{replayed}; no earlier snapshot to test the batch on"}
@@ -131,11 +148,12 @@ def replay_verdict(guard, step, replay, rows, rows_again):
     tolerance = reproduced_tolerance(guard.noise)
     close = (not math.isfinite(step.loss) and not math.isfinite(replay.loss)) or \
         abs(replay.loss - step.loss) <= tolerance * abs(step.loss)
-    if replay.outcome in SUSPECT and not close and not differ:
+    spiked = replay.outcome in SUSPECT or overflowed(replay)  # an overflow replayed is reproduced
+    if spiked and not close and not differ:
         rank = 0 if parallel.grid.dp_size == 1 else None
         return {"cause": "hardware", "rank": rank, "evidence": f"first {first}; replayed: {again}, a spike that "
                 f"differs by more than the run's nondeterminism allows ({tolerance:.2g} relative)"}
-    if differ or replay.outcome not in SUSPECT:
+    if differ or not spiked:
         rank = differ[0] if differ else (0 if parallel.grid.dp_size == 1 else None)
         if differ:
             evidence = (f"DP rank {rank} computed loss {rows[rank][0]:.6g}, grad norm {rows[rank][1]:.6g}, DP rank 0 "
@@ -148,8 +166,8 @@ def replay_verdict(guard, step, replay, rows, rows_again):
 
 def data_or_optimizer(guard, model, replay, replayed, snapshot, forward, other, per_sample, oldest=None):
     """A reproduced spike of sound weights: is the batch the outlier ("data") or the weights ("optimizer")? The
-    fair question is asked of a batch these weights were never trained on (other(): the next iteration's, drawn
-    anyway; the last applied batch looks ordinary on weights just trained on it, whatever the cause) and of the
+    fair question is asked of a batch these weights were never trained on (other(): held out; the
+    last applied batch looks ordinary on weights just trained on it, whatever the cause) and of the
     pre-spike weights (the oldest snapshot kept, `oldest`, else `snapshot`'s: within a rollback's reach, the state
     furthest from a cause that began a few updates ago): unseen_verdict. Without an unseen batch (the end of the
     data), the suspect batch on the snapshot's model decides, on the loss's sign alone. The diagnosis says which
@@ -222,7 +240,7 @@ def unseen_verdict(guard, model, weights, then, excess_now, rng_after, step, lab
              + ("off its trend too" if spike_there else "ordinary"))
     if not spike_there:
         return True, f"{label} on these weights", words, None
-    if not math.isfinite(step.loss):
+    if not (math.isfinite(step.loss) and math.isfinite(step.grad_norm)):  # no batch's fault
         return False, f"{label} on these weights", words + ": the weights are broken", None
     off = step.loss - guard.series["loss"].expected()
     if excess_now < 0.5 * off:

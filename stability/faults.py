@@ -14,6 +14,9 @@
                              resume whose checkpoint lost them: the first updates divide by a near-zero second moment)
     inject_repeat_iters      a block of repeated documents met in corpus order: the block's iterations given the
                              samples of its first inject_repeat_period iterations again, in turn
+    inject_overflow_iters    fp16: every step of these iterations overflows, whatever the loss
+                             scale (on every pass: it lives in the weights and data, as a real
+                             burst does)
 
 An LR spike and a bit flip are events in time: a replay or a rollback does not meet them again. The spike guard
 keeps the run's timeline (spike_guard.SpikeGuard.meets_fault), and is told of the LRs a replay would not get
@@ -46,12 +49,13 @@ class Faults(training.Callback):
         self.numerical_ranges = parse(cfg.inject_numerical_iters, "inject_numerical_iters")
         self.degenerate_ranges = parse(cfg.inject_degenerate_iters, "inject_degenerate_iters")
         self.repeat_ranges = parse(cfg.inject_repeat_iters, "inject_repeat_iters")
+        self.overflow_ranges = parse(cfg.inject_overflow_iters, "inject_overflow_iters")
+        self.overflow_hook = None  # this iteration's steps overflow (inject_overflow_iters)
         self.run_cfg = cfg  # the data's keys, for the repeated block's samples
 
     def before_step(self, it):
         n = it.number
-        it.batches = self.degenerate_batches(n, self.bad_batches(n, it.batches))
-        it.batches = self.repeated_batches(it, it.batches)
+        it.batches = self.data_batches(n, it.first_sample, it.batch_size, it.seqlen, it.batches)
         factor = self.lr_factor(n, self.timeline)
         if factor != 1.0:
             if not self.cfg.inject_lr_persistent:  # once in time: a replay of this iteration would not meet it
@@ -62,6 +66,7 @@ class Faults(training.Callback):
         self.flip_grad = self.bitflip(n, self.timeline, "grad")
         self.flip_state = self.state_bitflip(n, self.timeline)
         self.lose_optimizer_state(n, self.timeline)
+        self.overflow_hook = self.overflow(n, self.model)
 
     def start(self, parts, report, train_data):
         self.model, self.optimizer, self.train_data = parts.model, parts.optimizer, train_data
@@ -79,8 +84,18 @@ class Faults(training.Callback):
             self.flip_weight(self.model)
         if self.flip_state is not None and step.outcome == "ok":
             self.flip_state()
+        if self.overflow_hook is not None:
+            self.overflow_hook.remove()
         self.numerical_hook = self.flip_weight = self.flip_grad = self.flip_state = None
+        self.overflow_hook = None
         return False
+
+    def data_batches(self, iteration, first_sample, batch_size, seqlen, batches):
+        """The batches of this iteration as the data gives them, its data faults in (bad,
+        degenerate, repeated): the training step's, and the spike guard's comparison batch of a
+        later iteration (guard.comparison) -- a data fault is in the corpus, whoever reads it."""
+        batches = self.degenerate_batches(iteration, self.bad_batches(iteration, batches))
+        return self.repeated_batches(iteration, first_sample, batch_size, seqlen, batches)
 
     def generator(self, iteration, ranges, salt):
         """A CPU generator seeded by (seed, iteration) when the iteration is in the ranges, else None."""
@@ -227,19 +242,37 @@ class Faults(training.Callback):
 
     # -- a block of repeated documents (added last: other faults' functions go above) ----------------------------
 
-    def repeated_batches(self, it, batches):
+    def repeated_batches(self, number, first_sample, batch_size, seqlen, batches):
         """inject_repeat_iters: a block of repeated documents met in corpus order, the shape of BigScience's and
         OPT's data incidents (a shard of near-duplicates): an iteration of the block is given the samples of the
         block's iteration start + (n - start) % inject_repeat_period again, read from the data by their place (the
         same on every rank, replay and resume; the batch size constant over the block). The documents are those of
         the block's own places: a skip list that names them names the block."""
         for start, end in self.repeat_ranges:
-            if start <= it.number <= end:
-                source = start + (it.number - start) % self.cfg.inject_repeat_period
-                first = it.first_sample - (it.number - source) * it.batch_size
-                return loader.micro_batches(self.train_data, first, len(batches), self.run_cfg, it.seqlen,
-                                            batches[0][0].device)
+            if start <= number <= end:
+                source = start + (number - start) % self.cfg.inject_repeat_period
+                first = first_sample - (number - source) * batch_size
+                return loader.micro_batches(self.train_data, first, len(batches), self.run_cfg,
+                                            seqlen, batches[0][0].device)
         return batches
+
+    def overflow(self, iteration, model):
+        """The fault of inject_overflow_iters: a hook on the first matrix's gradient (its handle,
+        removed after the iteration, or None) that makes one element inf when the gradient is
+        fp16, on every rank -- so every step of these iterations overflows whatever the loss
+        scale, its replays too, and the fp32 replay (diagnosis.Fp32Step: fp32 weights and
+        gradients) does not: an fp16 overflow burst, the gradients fitting in fp32's range."""
+        if not schedule.in_ranges(iteration, self.overflow_ranges):
+            return None
+        first = next(p for p in parallel.unwrap(model).parameters() if p.dim() == 2)
+
+        def overflow(grad):
+            if grad.dtype != torch.float16:
+                return grad
+            grad = grad.clone()
+            grad.view(-1)[0] = float("inf")
+            return grad
+        return first.register_hook(overflow)
 
 
 STATE_TARGETS = ("exp_avg", "exp_avg_sq", "master")  # inject_bitflip_target's names of the optimizer's state

@@ -69,12 +69,17 @@ class ReplicaCheck(training.Callback):
         n = it.number
         if not self.interval or n % self.interval or parallel.grid.dp_size == 1:
             return False
-        table = gather(checksums(self.covered(), self.device))
-        found = differing(table)
+        table, found = self.compare()
         if not found:
             self.last_agreed = n
             return False
         return self.act(n, table, found)
+
+    def compare(self):
+        """(the gathered checksums, the DP groups whose replicas differ: differing()), on every rank
+        alike; also asked by the guard's diagnosis of a suspect step (guard.Forensics)."""
+        table = gather(checksums(self.covered(), self.device))
+        return table, differing(table)
 
     def covered(self):
         """[weights, fp32 masters, optimizer state]: this rank's tensors of each kind, in the same order on every

@@ -43,7 +43,12 @@ class Snapshots:
         if model is not None:
             self.check_fits(model)
         if self.dir:
-            os.makedirs(self.dir, exist_ok=True)
+            try:  # config.check refused what it could see; what changed since is said alike
+                os.makedirs(self.dir, exist_ok=True)
+            except OSError as e:
+                raise ValueError(f"spike_guard_snapshot_dir={self.dir} cannot be created ({e}): "
+                                 "give a directory the run can create or write (a node-local "
+                                 "disk, e.g. $SLURM_TMPDIR)") from e
             for leftover in glob.glob(self.path("*") + "*"):  # this rank's, from a run that crashed
                 os.remove(leftover)
             self.writer = checkpoint.AsyncWriter()

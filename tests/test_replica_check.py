@@ -254,7 +254,8 @@ def test_at_the_guards_hardware_cap_the_run_saves_the_state_of_equal_replicas_an
     out = "".join((runs.directory / f"capped-rank{r}.txt").read_text() for r in range(2))
     assert ("spike guard: iteration 4: 1 faults on an unknown DP rank (two replicas differ), the "
             "spike_guard_max_hardware_faults=1th: take its node out") in _lines(out)
-    assert re.search(r"^stopped: .*take its node out; saved and stopped", out, re.M)
+    assert re.search(r"^stopped: .*take its node out; the state of iteration 2 saved in \S+: "
+                     r"take the named rank's node out", out, re.M)
     assert (directory / "latest").read_text().strip() == "global_step2"
     dumped = [torch.load(next((directory / "weight_dumps").glob(f"debug-2-*-dp{r}-*-before-save.pt")))
               for r in range(2)]

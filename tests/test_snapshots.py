@@ -34,8 +34,9 @@ def test_snapshots_reach_back_two_rewinds_and_an_interval(monkeypatch, tmp_path,
     store = snapshots.Snapshots(cfg)
     decision = None
     for it in range(1, 1150):
-        if it in (1049, 1100, 1149):
-            decision = guard.update(it, "nan", float("nan"), 1.0, SCALER)
+        if it in (1049, 1100, 1149):  # diagnosed data (undiagnosed, no strike rolls back: #50)
+            data = {"cause": "data", "evidence": "e"}
+            decision = guard.update(it, "nan", float("nan"), 1.0, SCALER, data)
         store.maybe_take(it, it)
     assert decision["action"] == "rollback" and decision["start"] == 949
     assert [it for it, *_ in store.items] == [900, 950, 1000, 1050, 1100]
