@@ -74,19 +74,12 @@ import parallel
 import schedule
 import training
 from builders import build_model
+import report as report_module
 from report import print0
 from stability import telemetry
 
-# Nominal dense bf16 tensor-core TFLOP/s (no sparsity) and HBM GB/s by SKU, from NVIDIA's datasheets. The first
-# name contained in torch.cuda.get_device_name wins: the PCIe and NVL parts come before the SXM one of their name
-# (an H100 PCIe's MFU against the SXM's 989 would read 24% low).
-GPU_PEAKS = (("H100 PCIe", 756, 2000), ("H100 NVL", 835, 3900), ("H200", 989, 4800), ("H100", 989, 3350),
-             ("A100", 312, 2039))
-
-
-def gpu_peaks(name):
-    """(bf16 TFLOP/s, GB/s) of the GPU whose torch.cuda.get_device_name is `name`, or None for one not listed."""
-    return next(((tflops, gbs) for key, tflops, gbs in GPU_PEAKS if key in name), None)
+# The GPUs' nominal peaks (report.GPU_PEAKS, what the training log's MFU divides by too)
+GPU_PEAKS, gpu_peaks = report_module.GPU_PEAKS, report_module.gpu_peaks
 
 
 def sync(device):
