@@ -64,6 +64,7 @@ import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile, record_function
 
 import arguments
+import builders
 import cross_entropy
 import data
 import deepspeed_engine
@@ -71,6 +72,7 @@ import launch
 import loader
 import optim
 import parallel
+import run_state
 import schedule
 import training
 from builders import build_model
@@ -132,6 +134,9 @@ def parse(argv):
                         help="profile one more iteration and split its time into shares (output layer, attention, ...)")
     parser.add_argument("--table", action="store_true",
                         help="measure each CONFIG.py given, each in a process of its own, then print one table")
+    parser.add_argument("--guard_price", "--guard-price", action="store_true",
+                        help="time CONFIG.py with --spike_guard at its defaults against without, each in a "
+                        "process of its own, and print the ratio of their tokens/s")
     parser.add_argument("--result_json", "--result-json", metavar="PATH",
                         help="also write rank 0's numbers to PATH as JSON (what --table reads from each process)")
     bench, rest = parser.parse_known_args(argv)  # the rest is CONFIG.py --key=value ..., exactly as train.py takes it
@@ -217,6 +222,7 @@ class Run:
     recorder: object  # telemetry.Telemetry with telemetry_interval, else None
     local_params: int  # parameters on this rank
     scale_note: str | None  # where fp16's loss scale starts from, when bench changed it
+    parts: object = None  # run_state.Parts, with the stability layer's callbacks (--spike_guard ...) started
 
 
 def set_up(bench, argv):
@@ -249,7 +255,22 @@ def set_up(bench, argv):
     plan = schedule.Schedule(cfg, grid.dp_size)
     train_data, _ = loader.build_data(cfg, plan)
     recorder = telemetry.Telemetry(model, cfg, optimizer) if cfg.telemetry_interval else None  # as train.py
-    return Run(cfg, grid, device, model, optimizer, scaler, plan, train_data, recorder, local_params, scale_note)
+    parts = with_callbacks(cfg, model, optimizer, plan, scaler, train_data)
+    return Run(cfg, grid, device, model, optimizer, scaler, plan, train_data, recorder, local_params, scale_note,
+               parts)
+
+
+def with_callbacks(cfg, model, optimizer, plan, scaler, train_data):
+    """The stability layer's callbacks where the config switches any on (--spike_guard: what --guard_price
+    times), built and started as train.py does, on a run state of their own; None when none is on. Their
+    report writes no file (no save, TensorBoard or wandb: bench's iterations are not a run's)."""
+    callbacks = builders.build_callbacks(cfg)
+    if callbacks is training.NO_CALLBACKS:
+        return None
+    quiet = dataclasses.replace(cfg, save=None, tensorboard_dir=None, wandb_project=None)
+    parts = run_state.Parts(cfg, model, optimizer, plan, scaler, callbacks)
+    callbacks.start(parts, report_module.Report(quiet, plan, model), train_data)
+    return parts
 
 
 def iterate(run, prefetcher, key, probe=None):
@@ -260,6 +281,10 @@ def iterate(run, prefetcher, key, probe=None):
     t0, c0 = time.perf_counter(), time.process_time()
     batches = loader.to_device(prefetcher.get(key), run.device)
     t_data = time.perf_counter() - t0
+    if run.parts is not None:  # the loop's callbacks around the step, as train.py calls them
+        step = guarded_step(run, key, batches)
+        sync(run.device)
+        return time.perf_counter() - t0, time.process_time() - c0, t_data, step
     if probe:
         probe.begin()
     step = training.train_step(run.model, run.optimizer, run.scaler, batches, run.cfg.lr, run.cfg, run.device,
@@ -269,6 +294,21 @@ def iterate(run, prefetcher, key, probe=None):
         probe.finish()
     sync(run.device)
     return time.perf_counter() - t0, time.process_time() - c0, t_data, step
+
+
+def guarded_step(run, key, batches):
+    """One step with the stability layer's callbacks at each of train.py's points (their skip and a rollback
+    are not acted on: bench times steps, and a timed step that is rolled back still cost its time)."""
+    callbacks, state = run.parts.callbacks, run.parts.state
+    it = training.Iteration(key[0], key[1], key[2], key[3], batches, run.cfg.lr)
+    callbacks.before_step(it)
+    step = training.train_step(run.model, run.optimizer, run.scaler, it.batches, it.lr, run.cfg, run.device,
+                               count_zeros=logged(run, key), callbacks=callbacks)
+    step = callbacks.check_step(it, step)
+    state.advance(it.batch_size, it.seqlen, applied=step.outcome == "ok", step=step)
+    callbacks.after_step(it, step)
+    callbacks.after_iteration(it.number)
+    return step
 
 
 def logged(run, key):
@@ -403,7 +443,8 @@ def numbers(run, timings, stages, costs):
               "MFU": model_tflops * 1e12 / peak, "peak": peak, "peak_source": peak_source, "memory": memory,
               "memory_source": memory_source, "micro_batches": B // (cfg.micro_batch_size * grid.dp_size),
               "pp": grid.pp_size, "costs": costs, "skipped": timings.skipped, "loss_scale": timings.loss_scale,
-              "warmup_skipped": timings.warmup_skipped}
+              "warmup_skipped": timings.warmup_skipped, "steps": len(times),
+              "iterations": timings.warmup + len(timings.times) + len(timings.probed)}
     if grid.pp_size > 1:
         result["bubble"] = [comm / pipe for comm, pipe in stages]
     return result
@@ -655,6 +696,34 @@ def table(argv):
     return rows
 
 
+def guard_price(argv):
+    """--guard_price: the config without the stability layer, then with --spike_guard at its defaults, each in
+    a process of its own (measure_apart); prints their tokens/s and the ratio. Returns the rows as table()."""
+    configs = [a for a in argv if a.endswith(".py")]
+    if len(configs) != 1 or any(a.startswith("--spike_guard") for a in argv):
+        raise ValueError("--guard_price times one CONFIG.py, with --spike_guard at its defaults against "
+                         "without: give one config file and no --spike_guard* key")
+    others = [a for a in argv if not a.endswith(".py") and a not in ("--guard_price", "--guard-price")
+              and not a.startswith(("--result_json", "--result-json"))]
+    rows = [(configs[0], measure_apart(configs[0], others)),
+            (configs[0] + " --spike_guard", measure_apart(configs[0], others + ["--spike_guard"]))]
+    (_, plain), (_, guarded) = rows
+    name = config_name(configs[0])
+    if isinstance(plain, str) or isinstance(guarded, str):
+        print(f"guard: {name}: no ratio, a run failed: {plain if isinstance(plain, str) else guarded}",
+              flush=True)
+        return rows
+    cfg = arguments.load_config([configs[0], *parse(others)[1]])
+    iterations = guarded["iterations"]
+    snapshots = (f"snapshots every {cfg.spike_guard_snapshot_interval} iterations: none in these "
+                 f"{iterations}, their cost not in the ratio" if iterations < cfg.spike_guard_snapshot_interval
+                 else f"snapshots every {cfg.spike_guard_snapshot_interval} iterations included")
+    print(f"guard: {name} {guarded['tokens/s']:,.1f} tokens/s with --spike_guard at its defaults, "
+          f"{plain['tokens/s']:,.1f} without: ratio {guarded['tokens/s'] / plain['tokens/s']:.3f} (means of "
+          f"{guarded['steps']} timed iterations each, a process each; {snapshots}; goal >= 0.99)", flush=True)
+    return rows
+
+
 def config_name(path):
     return os.path.basename(path).removesuffix(".py")
 
@@ -688,6 +757,8 @@ def main(argv=None):
     bench, rest = parse(argv)
     if bench.table:
         return table(argv)
+    if bench.guard_price:
+        return guard_price(argv)
     result = measure(argv) if bench.nproc <= 1 else compare(bench, rest, argv)
     if bench.result_json and result is not None:
         with open(bench.result_json, "w") as f:
@@ -720,7 +791,7 @@ if __name__ == "__main__":
     try:
         rows = main()
         if isinstance(rows, list) and any(isinstance(r, str) for _, r in rows):
-            sys.exit(1)  # --table: a row failed (its error is in the table)
+            sys.exit(1)  # --table, --guard_price: a row failed (its error is in the table)
     except ValueError as e:  # configuration errors: one clear line, as train.py
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -279,3 +279,48 @@ def test_gpu_busy_is_the_union_of_the_device_kernels_and_copies():
               event("Memcpy HtoD", CUDA, 20, 25), event("triton_red_fused_sum", CUDA, 30, 40)]
     assert bench.gpu_busy(events) == 35.0  # [0, 25) and [30, 40)
     assert bench.gpu_busy([e for e in events if e.device_type == HOST]) == 0.0
+
+
+# -----------------------------------------------------------------------------
+# the spike guard's price (--guard_price)
+
+
+def test_a_guarded_run_calls_the_stability_layer_at_train_py_s_points(corpus512, unmeasured_peak, capsys,
+                                                                       monkeypatch):
+    """With --spike_guard each iteration bench times passes the callbacks' points of train.py's loop, in its order,
+    after one start: what the guard costs is in the time. Without it none is built."""
+    import builders
+    points = ("start", "before_step", "check_step", "after_step", "after_iteration")
+    calls, real = [], builders.build_callbacks
+
+    def spied(cfg, *args, **kwargs):
+        callbacks = real(cfg, *args, **kwargs)
+        for point in points:
+            method = getattr(callbacks, point)
+            monkeypatch.setattr(callbacks, point, lambda *a, _m=method, _p=point, **k: calls.append(_p) or _m(*a, **k))
+        return callbacks
+    monkeypatch.setattr(builders, "build_callbacks", spied)
+    argv = [os.path.join(ROOT, "config", "tiny.py"), *TINY, "--vocab_size=512", f"--data_path={corpus512}",
+            "--bench_steps=2", "--bench_warmup=1", "--no-step_costs"]
+    bench.measure(argv)
+    assert calls == []  # no switch on: NO_CALLBACKS, no point called
+    result = bench.measure(argv + ["--spike_guard"])
+    assert result["iterations"] == 3 and calls == ["start"] + list(points[1:]) * 3, calls
+
+
+def test_guard_price_prints_the_ratio_of_the_guarded_run_to_the_plain_one(monkeypatch, capsys):
+    runs = []
+
+    def measured(config, others):
+        runs.append(others)
+        guarded = "--spike_guard" in others
+        return {"tokens/s": 990.0 if guarded else 1000.0, "steps": 10, "iterations": 13}
+    monkeypatch.setattr(bench, "measure_apart", measured)
+    bench.main(["config/gpt2_125m.py", "--guard_price", "--bench_steps=10", "--bench_warmup=3"])
+    assert runs == [["--bench_steps=10", "--bench_warmup=3"], ["--bench_steps=10", "--bench_warmup=3", "--spike_guard"]]
+    line = capsys.readouterr().out.strip()
+    assert line.startswith("guard: gpt2_125m 990.0 tokens/s with --spike_guard at its defaults, 1,000.0 without: "
+                           "ratio 0.990 (means of 10 timed iterations each"), line
+    assert "snapshots every 50 iterations: none in these 13, their cost not in the ratio" in line
+    with pytest.raises(ValueError, match="--guard_price times one CONFIG.py"):
+        bench.main(["config/gpt2_125m.py", "--guard_price", "--spike_guard"])

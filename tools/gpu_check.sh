@@ -158,7 +158,7 @@ run_step bench_tr3_1b3_1gpu 210 python bench.py "${LARGE[@]}" "${BENCH[@]}" "${T
 bench_row bench_tr3_1b3_1gpu "tr3_1b3_1gpu" tr3_1b3_1gpu
 
 echo "== c2. the spike guard's price: gpt2_125m with --spike_guard at its defaults against without"
-run_step guard 120 python bench.py "${SMALL[@]}" "${BENCH[@]}" "${TINY[@]}" --guard_price --step_costs=false
+run_step guard 120 python bench.py "${SMALL[@]}" "${BENCH[@]}" "${TINY[@]}" --guard_price --no-step_costs
 grep -E "^guard:" "$LOG/guard.txt" | sed 's/^/   /'
 GUARD=$(sed -n 's/^guard: .* ratio \([0-9.]*\).*/\1/p' "$LOG/guard.txt")
 
