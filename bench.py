@@ -72,11 +72,12 @@ import launch
 import loader
 import optim
 import parallel
+import report as report_module
 import run_state
 import schedule
 import training
 from builders import build_model
-import report as report_module
+from model import GPTConfig
 from report import print0
 from stability import telemetry
 
@@ -208,6 +209,25 @@ def bundled_instead(cfg, given):
             "--data_path=PREFIX times loading yours)")
 
 
+# bench's MFU on a CPU, for the up-front estimate: 4.4-6.1% measured on 2 shared cores (gpt2_125m's widths at 1
+# layer, 2 x 128 tokens, bf16; and at 64 wide, fp32), n = 4; the 50304-way output layer, the optimizer and the
+# elementwise ops keep it far below the matmul rate
+CPU_MFU = 0.05
+
+
+def cpu_cost_note(cfg, iterations, device, processes=1):
+    """The line that says what the iterations will cost on this CPU, before any is run: the model FLOPs of each
+    (this process's share) at CPU_MFU of a quick matmul's rate here."""
+    flops = GPTConfig.from_config(cfg).model_flops_per_iteration(cfg.global_batch_size, cfg.seq_length) / processes
+    dtype = matmul_dtype(cfg)
+    rate = measured_peak(device, dtype, 1024, repeats=3)
+    seconds = iterations * flops / (CPU_MFU * rate)
+    return (f"bench: on the CPU, {iterations} iteration(s) of {flops / 1e9:,.1f} GFLOP (the model's) at "
+            f"{rate / 1e9:,.1f} GFLOP/s ({str(dtype)[6:]} 1024^3 matmul here): about {seconds:,.0f} s at the "
+            f"~{100 * CPU_MFU:.0f}% MFU bench measures on a CPU, after start-up (imports, build, the data's index: "
+            "15-30 s on 2 cores); --hidden_size, --num_layers and --bf16=false cut it")
+
+
 @dataclasses.dataclass
 class Run:
     """What bench times, built as train.py builds it."""
@@ -235,6 +255,8 @@ def set_up(bench, argv):
     notes = for_timing(cfg, arguments.parse_cli(argv)[1], iterations)
     arguments.prepare(cfg, grid.world_size)
     device = launch.setup(cfg)  # as train.py: determinism, seeds, TF32 for fp32 matmuls on CUDA
+    if device.type == "cpu":  # a config's real widths take minutes here: said before they are spent
+        notes.append(cpu_cost_note(cfg, iterations, device, grid.world_size))
     for note in notes:
         print0(note)
 

@@ -324,3 +324,17 @@ def test_guard_price_prints_the_ratio_of_the_guarded_run_to_the_plain_one(monkey
     assert "snapshots every 50 iterations: none in these 13, their cost not in the ratio" in line
     with pytest.raises(ValueError, match="--guard_price times one CONFIG.py"):
         bench.main(["config/gpt2_125m.py", "--guard_price", "--spike_guard"])
+
+
+def test_on_the_cpu_bench_says_what_the_iterations_will_cost_before_running_them(monkeypatch):
+    """gpt2_125m at its real widths (1 layer, 2 x 128 tokens): the model FLOPs of the iterations at CPU_MFU of
+    the CPU's matmul rate, stated before any is built or run."""
+    monkeypatch.setattr(bench, "measured_peak", lambda device, dtype, n, repeats=10: 2e10)  # 20 GFLOP/s, "measured"
+    cfg = arguments.load_config([os.path.join(ROOT, "config", "gpt2_125m.py"), "--num_layers=1", "--seq_length=128",
+                                 "--micro_batch_size=1", "--global_batch_size=2", "--use_bundled_corpus"])
+    arguments.prepare(cfg, 1)
+    flops = 2 * 128 * (6 * (12 * 768**2 + 50257 * 768) + 12 * 768 * 128)  # PaLM's 6N + 12 n h s per token
+    line = bench.cpu_cost_note(cfg, 3, torch.device("cpu"))
+    assert line.startswith(f"bench: on the CPU, 3 iteration(s) of {flops / 1e9:,.1f} GFLOP (the model's) at 20.0 "
+                           f"GFLOP/s (bfloat16 1024^3 matmul here): about {3 * flops / (0.05 * 2e10):,.0f} s at "
+                           "the ~5% MFU"), line
