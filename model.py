@@ -59,6 +59,7 @@ class GPTConfig:
     padded_vocab_in_softmax: bool = False  # Megatron: padding columns in the softmax (exact repro; TP sizes differ)
     hidden_dropout: float = 0.1  # dropout after attention and MLP
     attention_dropout: float = 0.1  # dropout on the attention probabilities
+    attention_backend: str = "auto"  # SDPA's kernel: auto (torch's), flash, cudnn, efficient, math
     embed_dropout: float | None = None  # dropout on the embeddings; None: same as hidden_dropout
     layernorm_epsilon: float = 1e-5  # LayerNorm's epsilon
     checkpoint_activations: bool = False  # recompute each block's activations in backward (memory for compute)
@@ -84,9 +85,6 @@ class GPTConfig:
     scale_embeddings: bool = False  # multiply the word embeddings by sqrt(hidden_size)
     apply_query_key_layer_scaling: bool | None = None  # scale attention scores by 1/layer number; None: on with fp16
     unfused_attention: bool = False  # Megatron's explicit attention (B*H*T^2 scores): bit-level repro of 2021 runs
-    # SDPA's kernel (Megatron's attention_backend; ATTENTION_BACKENDS): auto is torch's choice; one
-    # named is taken, or the first step fails saying so (no silent fall-back); gpu_probe times each
-    attention_backend: str = "auto"
     stable_attention: bool = False  # scale q and k each by head_size^-1/4 before their product
     qk_layernorm: bool = False  # LayerNorm over head_dim on each head's q and k before q k^T (lesson 20)
     z_loss: float = 0.0  # PaLM's auxiliary loss: z_loss * mean of log(Z)^2 of the output softmax (1e-4; lesson 20)
@@ -286,8 +284,9 @@ def apply_rotary(x, cos, sin):
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
-# attention_backend's names for torch's SDPA kernels; None: torch's own choice among those that take
-# the call
+# attention_backend's names for torch's SDPA kernels (Megatron's key); None: torch's own choice
+# among those that take the call. One named is taken, or the first step fails saying so (no silent
+# fall-back); tools/gpu_probe.py backends times each.
 ATTENTION_BACKENDS = {"auto": None, "flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION",
                       "efficient": "EFFICIENT_ATTENTION", "math": "MATH"}
 
