@@ -233,9 +233,26 @@ def backends(configs, overrides, repeats):
         for backend in model.ATTENTION_BACKENDS:
             times = [backend_time(shape, dtype, device, backend, dropout, repeats)
                      for dropout in (0.0, p)]
+            if backend == "auto":  # which kernel torch's choice is, with and without dropout
+                times = [f"{t} ({torch_choice(shape, dtype, device, dropout)})"
+                         for t, dropout in zip(times, (0.0, p))]
             print(f"backend: | {where} | {backend} | {times[0]} | {times[1]} (p={p:g}) |",
                   flush=True)
     return 0
+
+
+def torch_choice(shape, dtype, device, dropout):
+    """The kernel torch's own choice (attention_backend=auto) takes for this causal call, by
+    attention_backend's name; "?" where this torch does not say (a private function)."""
+    names = {v: k for k, v in model.ATTENTION_BACKENDS.items() if v}
+    q = torch.empty(*shape, device=device, dtype=dtype)
+    try:
+        from torch.nn.attention import SDPBackend
+        chosen = torch._fused_sdp_choice(q, q, q, None, dropout, True)
+        name = next(b.name for b in SDPBackend.__members__.values() if int(b) == chosen)
+    except Exception:  # noqa: BLE001 (any failure: the row still prints, without the name)
+        return "?"
+    return names.get(name, name.lower())
 
 
 def addmm_path(device):
