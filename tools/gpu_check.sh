@@ -156,7 +156,7 @@ echo "| run | tokens/s | MFU | peak memory | cost shares |"
 if [ "$CPU" = 1 ]; then
     echo "| gpt2_125m compile=true | skipped on the CPU: torch.compile takes minutes here (train.py leaves it off) |"
 else
-    run_step bench_gpt2_125m_compiled 150 python bench.py "${SMALL[@]}" "${BENCH[@]}" --compile=true
+    run_step bench_gpt2_125m_compiled 210 python bench.py "${SMALL[@]}" "${BENCH[@]}" --compile=true
     bench_row bench_gpt2_125m_compiled "gpt2_125m compile=true" gpt2_125m
 fi
 run_step bench_gpt2_125m_eager 90 python bench.py "${SMALL[@]}" "${BENCH[@]}" "${TINY[@]}" --compile=false
@@ -168,7 +168,7 @@ run_step bench_tr3_1b3_1gpu 210 python bench.py "${LARGE[@]}" "${BENCH[@]}" "${T
 bench_row bench_tr3_1b3_1gpu "tr3_1b3_1gpu" tr3_1b3_1gpu
 
 echo "== c2. the spike guard's price: gpt2_125m with --spike_guard at its defaults against without"
-run_step guard 120 python bench.py "${SMALL[@]}" "${BENCH[@]}" "${TINY[@]}" --guard_price \
+run_step guard 150 python bench.py "${SMALL[@]}" "${BENCH[@]}" "${TINY[@]}" --guard_price \
     --no-step_costs
 grep -E "^guard:" "$LOG/guard.txt" | sed 's/^/   /'
 GUARD=$(sed -n 's/^guard: .* ratio \([0-9.]*\).*/\1/p' "$LOG/guard.txt")
