@@ -746,6 +746,9 @@ def guard_price(argv):
     snapshots = (f"snapshots every {interval} iterations: none in these {iterations}, their cost "
                  "not in the ratio" if iterations < interval
                  else f"snapshots every {interval} iterations included")
+    if iterations < cfg.spike_guard_min_steps:  # unarmed: no noise measure, no unseen forwards
+        snapshots += (f"; the guard arms after {cfg.spike_guard_min_steps} steps: unarmed in "
+                      "these, its checks' forwards not in the ratio")
     print(f"guard: {name} {guarded['tokens/s']:,.1f} tokens/s with --spike_guard at its defaults, "
           f"{plain['tokens/s']:,.1f} without: ratio {guarded['tokens/s'] / plain['tokens/s']:.3f} "
           f"(means of {guarded['steps']} timed iterations each, a process each; {snapshots}; "

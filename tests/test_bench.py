@@ -343,6 +343,8 @@ def test_guard_price_prints_the_ratio_of_the_guarded_run_to_the_plain_one(monkey
         "ratio 0.990 (means of 10 timed iterations each"
     ), line
     assert "snapshots every 50 iterations: none in these 13, their cost not in the ratio" in line
+    assert line.endswith("; the guard arms after 16 steps: unarmed in these, its checks' forwards "
+                         "not in the ratio; goal >= 0.99)"), line
     with pytest.raises(ValueError, match="--guard_price times one CONFIG.py"):
         bench.main(["config/gpt2_125m.py", "--guard_price", "--spike_guard"])
 
