@@ -64,6 +64,8 @@ BENCH=(--use_bundled_corpus --bench_steps=10 --bench_warmup=3)
 SMALL=(config/gpt2_125m.py --global_batch_size=64)  # 2 micro-batches of 32 x 1024: accumulation included
 LARGE=(config/tr3_1b3_1gpu.py --bf16 --fp16=false --global_batch_size=16)  # 2 micro-batches of 8 x 2048
 TINY=()
+# the guard's price over 50 timed iterations: armed after its 16 steps, one snapshot at the 50th
+GUARD_STEPS=(--bench_steps=50)
 SCALE=1
 if [ "$CPU" = 1 ]; then
     # the same configs, cut to a 1-layer 64-wide model (the 50304-wide output layer stays), fp32 where bf16
@@ -74,6 +76,7 @@ if [ "$CPU" = 1 ]; then
     SMALL=(config/gpt2_125m.py --bf16=false)
     LARGE=(config/tr3_1b3_1gpu.py --bf16=false --fp16=false)
     SCALE=5  # a smoke test on a CPU that may be shared: each step's own timeout 5x longer
+    GUARD_STEPS=()
 fi
 
 # run_step NAME SECONDS COMMAND...: COMMAND under its own timeout, output to $LOG/NAME.txt; a
@@ -168,8 +171,8 @@ run_step bench_tr3_1b3_1gpu 210 python bench.py "${LARGE[@]}" "${BENCH[@]}" "${T
 bench_row bench_tr3_1b3_1gpu "tr3_1b3_1gpu" tr3_1b3_1gpu
 
 echo "== c2. the spike guard's price: gpt2_125m with --spike_guard at its defaults against without"
-run_step guard 150 python bench.py "${SMALL[@]}" "${BENCH[@]}" "${TINY[@]}" --guard_price \
-    --no-step_costs
+run_step guard 150 python bench.py "${SMALL[@]}" "${BENCH[@]}" "${GUARD_STEPS[@]}" "${TINY[@]}" \
+    --guard_price --no-step_costs
 grep -E "^guard:" "$LOG/guard.txt" | sed 's/^/   /'
 GUARD=$(sed -n 's/^guard: .* ratio \([0-9.]*\).*/\1/p' "$LOG/guard.txt")
 
