@@ -278,20 +278,22 @@ def set_up(bench, argv):
     model.train()
     plan = schedule.Schedule(cfg, grid.dp_size)
     train_data, _ = loader.build_data(cfg, plan)
-    recorder = telemetry.Telemetry(model, cfg, optimizer) if cfg.telemetry_interval else None  # as train.py
+    # as train.py; with --spike_guard its callbacks record telemetry (with_callbacks)
+    recorder = (telemetry.Telemetry(model, cfg, optimizer) if cfg.telemetry_interval
+                and not cfg.spike_guard else None)
     parts = with_callbacks(cfg, model, optimizer, plan, scaler, train_data)
     return Run(cfg, grid, device, model, optimizer, scaler, plan, train_data, recorder,
                local_params, scale_note, parts)
 
 
 def with_callbacks(cfg, model, optimizer, plan, scaler, train_data):
-    """The stability layer's callbacks where the config switches any on (--spike_guard: what
-    --guard_price times), built and started as train.py does, on a run state of their own; None when
-    none is on. Their report writes no file (no save, TensorBoard or wandb: bench's iterations are
-    not a run's)."""
-    callbacks = builders.build_callbacks(cfg)
-    if callbacks is training.NO_CALLBACKS:
+    """With --spike_guard (what --guard_price times): the stability layer's callbacks as train.py
+    builds and starts them (telemetry's too, when telemetry_interval asks), on a run state of their
+    own; else None, and bench times its own telemetry probe as before. Their report writes no file
+    (no save, TensorBoard or wandb: bench's iterations are not a run's)."""
+    if not cfg.spike_guard:
         return None
+    callbacks = builders.build_callbacks(cfg)
     quiet = dataclasses.replace(cfg, save=None, tensorboard_dir=None, wandb_project=None)
     parts = run_state.Parts(cfg, model, optimizer, plan, scaler, callbacks)
     callbacks.start(parts, report_module.Report(quiet, plan, model), train_data)
