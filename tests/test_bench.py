@@ -286,7 +286,7 @@ def test_gpu_busy_is_the_union_of_the_device_kernels_and_copies():
 
 
 def test_a_guarded_run_calls_the_stability_layer_at_train_py_s_points(
-    corpus512, unmeasured_peak, capsys, monkeypatch
+    corpus512, unmeasured_peak, capsys, monkeypatch  # noqa: F811
 ):
     """With --spike_guard each iteration bench times passes the callbacks' points of train.py's
     loop, in its order, after one start: what the guard costs is in the time. Without it none is
