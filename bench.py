@@ -64,6 +64,7 @@ import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile, record_function
 
 import arguments
+import builders
 import cross_entropy
 import data
 import deepspeed_engine
@@ -71,22 +72,17 @@ import launch
 import loader
 import optim
 import parallel
+import report as report_module
+import run_state
 import schedule
 import training
 from builders import build_model
+from model import GPTConfig
 from report import print0
 from stability import telemetry
 
-# Nominal dense bf16 tensor-core TFLOP/s (no sparsity) and HBM GB/s by SKU, from NVIDIA's datasheets. The first
-# name contained in torch.cuda.get_device_name wins: the PCIe and NVL parts come before the SXM one of their name
-# (an H100 PCIe's MFU against the SXM's 989 would read 24% low).
-GPU_PEAKS = (("H100 PCIe", 756, 2000), ("H100 NVL", 835, 3900), ("H200", 989, 4800), ("H100", 989, 3350),
-             ("A100", 312, 2039))
-
-
-def gpu_peaks(name):
-    """(bf16 TFLOP/s, GB/s) of the GPU whose torch.cuda.get_device_name is `name`, or None for one not listed."""
-    return next(((tflops, gbs) for key, tflops, gbs in GPU_PEAKS if key in name), None)
+# The GPUs' nominal peaks (report.GPU_PEAKS, what the training log's MFU divides by too)
+GPU_PEAKS, gpu_peaks = report_module.GPU_PEAKS, report_module.gpu_peaks
 
 
 def sync(device):
@@ -139,6 +135,9 @@ def parse(argv):
                         help="profile one more iteration and split its time into shares (output layer, attention, ...)")
     parser.add_argument("--table", action="store_true",
                         help="measure each CONFIG.py given, each in a process of its own, then print one table")
+    parser.add_argument("--guard_price", "--guard-price", action="store_true",
+                        help="time CONFIG.py with --spike_guard at its defaults against without, "
+                        "each in a process of its own, and print the ratio of their tokens/s")
     parser.add_argument("--result_json", "--result-json", metavar="PATH",
                         help="also write rank 0's numbers to PATH as JSON (what --table reads from each process)")
     bench, rest = parser.parse_known_args(argv)  # the rest is CONFIG.py --key=value ..., exactly as train.py takes it
@@ -210,6 +209,27 @@ def bundled_instead(cfg, given):
             "--data_path=PREFIX times loading yours)")
 
 
+# bench's MFU on a CPU, for the up-front estimate: 4.4-6.1% measured on 2 shared cores (gpt2_125m's
+# widths at 1 layer, 2 x 128 tokens, bf16; and at 64 wide, fp32), n = 4; the 50304-way output layer,
+# the optimizer and the elementwise ops keep it far below the matmul rate
+CPU_MFU = 0.05
+
+
+def cpu_cost_note(cfg, iterations, device, processes=1):
+    """The line that says what the iterations will cost on this CPU, before any is run: the model
+    FLOPs of each (this process's share) at CPU_MFU of a quick matmul's rate here."""
+    gpt = GPTConfig.from_config(cfg)
+    flops = gpt.model_flops_per_iteration(cfg.global_batch_size, cfg.seq_length) / processes
+    dtype = matmul_dtype(cfg)
+    rate = measured_peak(device, dtype, 1024, repeats=3)
+    seconds = iterations * flops / (CPU_MFU * rate)
+    return (f"bench: on the CPU, {iterations} iteration(s) of {flops / 1e9:,.1f} GFLOP (the "
+            f"model's) at {rate / 1e9:,.1f} GFLOP/s ({str(dtype)[6:]} 1024^3 matmul here): about "
+            f"{seconds:,.0f} s at the ~{100 * CPU_MFU:.0f}% MFU bench measures on a CPU, after "
+            "start-up (imports, build, the data's index: 15-30 s on 2 cores); --hidden_size, "
+            "--num_layers and --bf16=false cut it")
+
+
 @dataclasses.dataclass
 class Run:
     """What bench times, built as train.py builds it."""
@@ -224,6 +244,7 @@ class Run:
     recorder: object  # telemetry.Telemetry with telemetry_interval, else None
     local_params: int  # parameters on this rank
     scale_note: str | None  # where fp16's loss scale starts from, when bench changed it
+    parts: object = None  # run_state.Parts with the stability layer's callbacks (--spike_guard ...)
 
 
 def set_up(bench, argv):
@@ -236,6 +257,8 @@ def set_up(bench, argv):
     notes = for_timing(cfg, arguments.parse_cli(argv)[1], iterations)
     arguments.prepare(cfg, grid.world_size)
     device = launch.setup(cfg)  # as train.py: determinism, seeds, TF32 for fp32 matmuls on CUDA
+    if device.type == "cpu":  # a config's real widths take minutes here: said before they are spent
+        notes.append(cpu_cost_note(cfg, iterations, device, grid.world_size))
     for note in notes:
         print0(note)
 
@@ -255,8 +278,26 @@ def set_up(bench, argv):
     model.train()
     plan = schedule.Schedule(cfg, grid.dp_size)
     train_data, _ = loader.build_data(cfg, plan)
-    recorder = telemetry.Telemetry(model, cfg, optimizer) if cfg.telemetry_interval else None  # as train.py
-    return Run(cfg, grid, device, model, optimizer, scaler, plan, train_data, recorder, local_params, scale_note)
+    # as train.py; with --spike_guard its callbacks record telemetry (with_callbacks)
+    recorder = (telemetry.Telemetry(model, cfg, optimizer) if cfg.telemetry_interval
+                and not cfg.spike_guard else None)
+    parts = with_callbacks(cfg, model, optimizer, plan, scaler, train_data)
+    return Run(cfg, grid, device, model, optimizer, scaler, plan, train_data, recorder,
+               local_params, scale_note, parts)
+
+
+def with_callbacks(cfg, model, optimizer, plan, scaler, train_data):
+    """With --spike_guard (what --guard_price times): the stability layer's callbacks as train.py
+    builds and starts them (telemetry's too, when telemetry_interval asks), on a run state of their
+    own; else None, and bench times its own telemetry probe as before. Their report writes no file
+    (no save, TensorBoard or wandb: bench's iterations are not a run's)."""
+    if not cfg.spike_guard:
+        return None
+    callbacks = builders.build_callbacks(cfg)
+    quiet = dataclasses.replace(cfg, save=None, tensorboard_dir=None, wandb_project=None)
+    parts = run_state.Parts(cfg, model, optimizer, plan, scaler, callbacks)
+    callbacks.start(parts, report_module.Report(quiet, plan, model), train_data)
+    return parts
 
 
 def iterate(run, prefetcher, key, probe=None):
@@ -267,6 +308,10 @@ def iterate(run, prefetcher, key, probe=None):
     t0, c0 = time.perf_counter(), time.process_time()
     batches = loader.to_device(prefetcher.get(key), run.device)
     t_data = time.perf_counter() - t0
+    if run.parts is not None:  # the loop's callbacks around the step, as train.py calls them
+        step = guarded_step(run, key, batches)
+        sync(run.device)
+        return time.perf_counter() - t0, time.process_time() - c0, t_data, step
     if probe:
         probe.begin()
     step = training.train_step(run.model, run.optimizer, run.scaler, batches, run.cfg.lr, run.cfg, run.device,
@@ -276,6 +321,22 @@ def iterate(run, prefetcher, key, probe=None):
         probe.finish()
     sync(run.device)
     return time.perf_counter() - t0, time.process_time() - c0, t_data, step
+
+
+def guarded_step(run, key, batches):
+    """One step with the stability layer's callbacks at each of train.py's points (their skip and a
+    rollback are not acted on: bench times steps, and a timed step that is rolled back still cost
+    its time)."""
+    callbacks, state = run.parts.callbacks, run.parts.state
+    it = training.Iteration(key[0], key[1], key[2], key[3], batches, run.cfg.lr)
+    callbacks.before_step(it)
+    step = training.train_step(run.model, run.optimizer, run.scaler, it.batches, it.lr, run.cfg,
+                               run.device, count_zeros=logged(run, key), callbacks=callbacks)
+    step = callbacks.check_step(it, step)
+    state.advance(it.batch_size, it.seqlen, applied=step.outcome == "ok", step=step)
+    callbacks.after_step(it, step)
+    callbacks.after_iteration(it.number)
+    return step
 
 
 def logged(run, key):
@@ -410,7 +471,8 @@ def numbers(run, timings, stages, costs):
               "MFU": model_tflops * 1e12 / peak, "peak": peak, "peak_source": peak_source, "memory": memory,
               "memory_source": memory_source, "micro_batches": B // (cfg.micro_batch_size * grid.dp_size),
               "pp": grid.pp_size, "costs": costs, "skipped": timings.skipped, "loss_scale": timings.loss_scale,
-              "warmup_skipped": timings.warmup_skipped}
+              "warmup_skipped": timings.warmup_skipped, "steps": len(times),
+              "iterations": timings.warmup + len(timings.times) + len(timings.probed)}
     if grid.pp_size > 1:
         result["bubble"] = [comm / pipe for comm, pipe in stages]
     return result
@@ -662,6 +724,40 @@ def table(argv):
     return rows
 
 
+def guard_price(argv):
+    """--guard_price: the config without the stability layer, then with --spike_guard at its
+    defaults, each in a process of its own (measure_apart); prints their tokens/s and the ratio.
+    Returns the rows as table()."""
+    configs = [a for a in argv if a.endswith(".py")]
+    if len(configs) != 1 or any(a.startswith("--spike_guard") for a in argv):
+        raise ValueError("--guard_price times one CONFIG.py, with --spike_guard at its defaults "
+                         "against without: give one config file and no --spike_guard* key")
+    others = [a for a in argv if not a.endswith(".py")
+              and a not in ("--guard_price", "--guard-price")
+              and not a.startswith(("--result_json", "--result-json"))]
+    rows = [(configs[0], measure_apart(configs[0], others)),
+            (configs[0] + " --spike_guard", measure_apart(configs[0], others + ["--spike_guard"]))]
+    (_, plain), (_, guarded) = rows
+    name = config_name(configs[0])
+    if isinstance(plain, str) or isinstance(guarded, str):
+        failed = plain if isinstance(plain, str) else guarded
+        print(f"guard: {name}: no ratio, a run failed: {failed}", flush=True)
+        return rows
+    cfg = arguments.load_config([configs[0], *parse(others)[1]])
+    iterations, interval = guarded["iterations"], cfg.spike_guard_snapshot_interval
+    snapshots = (f"snapshots every {interval} iterations: none in these {iterations}, their cost "
+                 "not in the ratio" if iterations < interval
+                 else f"snapshots every {interval} iterations included")
+    if iterations < cfg.spike_guard_min_steps:  # unarmed: no noise measure, no unseen forwards
+        snapshots += (f"; the guard arms after {cfg.spike_guard_min_steps} steps: unarmed in "
+                      "these, its checks' forwards not in the ratio")
+    print(f"guard: {name} {guarded['tokens/s']:,.1f} tokens/s with --spike_guard at its defaults, "
+          f"{plain['tokens/s']:,.1f} without: ratio {guarded['tokens/s'] / plain['tokens/s']:.3f} "
+          f"(means of {guarded['steps']} timed iterations each, a process each; {snapshots}; "
+          "goal >= 0.99)", flush=True)
+    return rows
+
+
 def config_name(path):
     return os.path.basename(path).removesuffix(".py")
 
@@ -695,6 +791,8 @@ def main(argv=None):
     bench, rest = parse(argv)
     if bench.table:
         return table(argv)
+    if bench.guard_price:
+        return guard_price(argv)
     result = measure(argv) if bench.nproc <= 1 else compare(bench, rest, argv)
     if bench.result_json and result is not None:
         with open(bench.result_json, "w") as f:
@@ -727,7 +825,7 @@ if __name__ == "__main__":
     try:
         rows = main()
         if isinstance(rows, list) and any(isinstance(r, str) for _, r in rows):
-            sys.exit(1)  # --table: a row failed (its error is in the table)
+            sys.exit(1)  # --table, --guard_price: a row failed (its error is in the table)
     except ValueError as e:  # configuration errors: one clear line, as train.py
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

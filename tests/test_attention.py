@@ -132,3 +132,50 @@ def test_fused_kernel_is_chosen_on_cuda(name):
     if settings["position_embedding_type"] != "alibi":  # no bias: the flash kernel itself
         with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
             gpt(ids, targets=ids).backward()
+
+
+# -- attention_backend: SDPA's kernel chosen where attention is computed ---------------------------
+
+
+def test_a_chosen_backend_computes_the_same_attention_and_one_that_cannot_says_so():
+    """attention_backend=math on the CPU gives the unfused reference's output and gradients (the
+    kernel is really switched: torch's own choice there is its flash kernel); a backend without a
+    kernel for the call fails with one message naming the key and the fix, not a silent fall-back;
+    an unknown name is refused by the config's check, before anything is built."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 16, 8, generator=g, requires_grad=True) for _ in range(3))
+    grad = torch.randn(2, 4, 16, 8, generator=g)
+    ref = model.unfused_attention(q, k, v)
+    ref_grads = torch.autograd.grad(ref, (q, k, v), grad)
+    calls = []
+    real = torch.nn.functional.scaled_dot_product_attention
+
+    def spied(*args, **kwargs):  # which backends were enabled when SDPA ran
+        calls.append(
+            (torch.backends.cuda.math_sdp_enabled(), torch.backends.cuda.flash_sdp_enabled())
+        )
+        return real(*args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch.nn.functional, "scaled_dot_product_attention", spied)
+        out = model.core_attention(q, k, v, backend="math")
+    assert calls == [(True, False)]  # math alone
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+    for got, want in zip(torch.autograd.grad(out, (q, k, v), grad), ref_grads):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert torch.backends.cuda.flash_sdp_enabled()  # put back after the call
+    with pytest.raises(
+        ValueError,
+        match=r"attention_backend=efficient: torch's efficient kernel does "
+        r"not take this attention \(cpu.*--attention_backend=auto",
+    ):
+        model.core_attention(q, k, v, backend="efficient")
+    gpt = GPT(tiny(attention_settings("tiny"), attention_backend="efficient"))  # the key reaches it
+    with pytest.raises(ValueError, match="attention_backend=efficient: "):
+        gpt(torch.zeros(1, 16, dtype=torch.long))
+    with pytest.raises(
+        ValueError, match="attention_backend='fa3' is not one of auto, flash, cudnn"
+    ):
+        GPTConfig(
+            num_layers=1, hidden_size=32, num_attention_heads=4, attention_backend="fa3"
+        ).check()

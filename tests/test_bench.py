@@ -279,3 +279,99 @@ def test_gpu_busy_is_the_union_of_the_device_kernels_and_copies():
               event("Memcpy HtoD", CUDA, 20, 25), event("triton_red_fused_sum", CUDA, 30, 40)]
     assert bench.gpu_busy(events) == 35.0  # [0, 25) and [30, 40)
     assert bench.gpu_busy([e for e in events if e.device_type == HOST]) == 0.0
+
+
+# -----------------------------------------------------------------------------
+# the spike guard's price (--guard_price)
+
+
+def test_a_guarded_run_calls_the_stability_layer_at_train_py_s_points(
+    corpus512, unmeasured_peak, capsys, monkeypatch  # noqa: F811
+):
+    """With --spike_guard each iteration bench times passes the callbacks' points of train.py's
+    loop, in its order, after one start: what the guard costs is in the time. Without it none is
+    built."""
+    import builders
+
+    points = ("start", "before_step", "check_step", "after_step", "after_iteration")
+    calls, real = [], builders.build_callbacks
+
+    def spied(cfg, *args, **kwargs):
+        callbacks = real(cfg, *args, **kwargs)
+        for point in points:
+            method = getattr(callbacks, point)
+            monkeypatch.setattr(
+                callbacks,
+                point,
+                lambda *a, _m=method, _p=point, **k: calls.append(_p) or _m(*a, **k),
+            )
+        return callbacks
+
+    monkeypatch.setattr(builders, "build_callbacks", spied)
+    argv = [
+        os.path.join(ROOT, "config", "tiny.py"),
+        *TINY,
+        "--vocab_size=512",
+        f"--data_path={corpus512}",
+        "--bench_steps=2",
+        "--bench_warmup=1",
+        "--no-step_costs",
+    ]
+    bench.measure(argv)
+    assert calls == []  # no switch on: NO_CALLBACKS, no point called
+    result = bench.measure(argv + ["--spike_guard"])
+    assert result["iterations"] == 3 and calls == ["start"] + list(points[1:]) * 3, calls
+
+
+def test_guard_price_prints_the_ratio_of_the_guarded_run_to_the_plain_one(monkeypatch, capsys):
+    runs = []
+
+    def measured(config, others):
+        runs.append(others)
+        guarded = "--spike_guard" in others
+        return {"tokens/s": 990.0 if guarded else 1000.0, "steps": 10, "iterations": 13}
+
+    monkeypatch.setattr(bench, "measure_apart", measured)
+    bench.main(["config/gpt2_125m.py", "--guard_price", "--bench_steps=10", "--bench_warmup=3"])
+    assert runs == [
+        ["--bench_steps=10", "--bench_warmup=3"],
+        ["--bench_steps=10", "--bench_warmup=3", "--spike_guard"],
+    ]
+    line = capsys.readouterr().out.strip()
+    assert line.startswith(
+        "guard: gpt2_125m 990.0 tokens/s with --spike_guard at its defaults, 1,000.0 without: "
+        "ratio 0.990 (means of 10 timed iterations each"
+    ), line
+    assert "snapshots every 50 iterations: none in these 13, their cost not in the ratio" in line
+    assert line.endswith("; the guard arms after 16 steps: unarmed in these, its checks' forwards "
+                         "not in the ratio; goal >= 0.99)"), line
+    with pytest.raises(ValueError, match="--guard_price times one CONFIG.py"):
+        bench.main(["config/gpt2_125m.py", "--guard_price", "--spike_guard"])
+
+
+def test_on_the_cpu_bench_says_what_the_iterations_will_cost_before_running_them(monkeypatch):
+    """gpt2_125m at its real widths (1 layer, 2 x 128 tokens): the model FLOPs of the iterations at
+    CPU_MFU of the CPU's matmul rate, stated before any is built or run."""
+    monkeypatch.setattr(
+        bench, "measured_peak", lambda device, dtype, n, repeats=10: 2e10
+    )  # 20 GFLOP/s, "measured"
+    cfg = arguments.load_config(
+        [
+            os.path.join(ROOT, "config", "gpt2_125m.py"),
+            "--num_layers=1",
+            "--seq_length=128",
+            "--micro_batch_size=1",
+            "--global_batch_size=2",
+            "--use_bundled_corpus",
+        ]
+    )
+    arguments.prepare(cfg, 1)
+    flops = (
+        2 * 128 * (6 * (12 * 768**2 + 50257 * 768) + 12 * 768 * 128)
+    )  # PaLM's 6N + 12 n h s per token
+    line = bench.cpu_cost_note(cfg, 3, torch.device("cpu"))
+    assert line.startswith(
+        f"bench: on the CPU, 3 iteration(s) of {flops / 1e9:,.1f} GFLOP (the model's) at 20.0 "
+        f"GFLOP/s (bfloat16 1024^3 matmul here): about {3 * flops / (0.05 * 2e10):,.0f} s at "
+        "the ~5% MFU"
+    ), line

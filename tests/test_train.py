@@ -175,10 +175,13 @@ def test_log_line_format_matches_the_seeds(corpus, tmp_path):
     out = run(*SMALL, "--train_iters=3", f"--save={tmp_path}").stdout
     lines = [l for l in out.splitlines() if l.startswith(" iteration")]
     assert len(lines) == 3
+    # the seeds' fields, then ours: tokens/s and MFU (n/a on the CPU: no datasheet peak)
     names = [f.split(":")[0].strip() for f in SEED_LINE.split("|")[1:-1]]
+    names += ["tokens per second", "MFU"]
     for line in lines:
         assert [f.split(":")[0].strip() for f in line.split("|")[1:-1]] == names
-        assert re.fullmatch(r" iteration +\d+/ +\d+ \|( [a-zA-Z ()]+: +[-+.\dE]+ \|)+", line), line
+        fields = r"( [a-zA-Z ()]+: +[-+.\dE]+ \|)+"
+        assert re.fullmatch(r" iteration +\d+/ +\d+ \|" + fields + r" MFU: n/a \|", line), line
     # field widths as Megatron prints them: iteration %8d, consumed %12d, batch %5d, skipped %3d
     assert re.match(r" iteration {8}1/ {7}3 \| consumed samples: {12}8 \| consumed tokens: {10}512 \|", lines[0])
     assert "Model size:" in out and "validation loss at iteration 3" in out

