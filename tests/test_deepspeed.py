@@ -31,8 +31,8 @@ BF16_REL = (6e-5, 7e-4)  # DeepSpeed bf16 against native bf16, lm loss and grad 
 
 
 class Recorder:
-    """train.py's main, with spies on the model and optimizer it builds and on each training.train_step's
-    (loss, grad norm, outcome)."""
+    """train.py's main, with spies on the model and optimizer it builds and on each
+    training.train_step's (loss, grad norm, outcome)."""
 
     def __init__(self):
         import deepspeed.runtime.bf16_optimizer
@@ -45,7 +45,8 @@ class Recorder:
         import training
         self.main, self.deepspeed_engine = train_script()["main"], deepspeed_engine
         # where train.py finds them: the modules of the step, the builders and the optimizer
-        self.owners = {"train_step": vars(training), "build_model": vars(builders), "optimizer_for": vars(optim)}
+        self.owners = {"train_step": vars(training), "build_model": vars(builders),
+                       "optimizer_for": vars(optim)}
         self.originals = {name: owner[name] for name, owner in self.owners.items()}
         self.wrapper_class = deepspeed_engine.DeepSpeedOptimizer
         self.steps, self.model, self.optimizer, self.wrapper = [], None, None, None

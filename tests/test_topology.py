@@ -19,7 +19,8 @@ import parallel
 import rng
 import safety
 from helpers import (ROOT, TINY, assert_replicas_identical, assert_same_training, dumps, free_port,  # noqa: F401
-                     gather, launch, launch_once, spawn, stage, synthetic_corpus)  # (synthetic_corpus: a fixture)
+                     gather, launch, launch_once, spawn, stage,
+                     synthetic_corpus)  # (synthetic_corpus: a fixture)
 
 
 # -----------------------------------------------------------------------------
@@ -37,8 +38,8 @@ def test_comm_device_follows_the_backend(monkeypatch):
 
 
 def test_scalar_collectives_use_the_comm_device(monkeypatch):
-    """The scalars every rank must agree on (safety.minutes_since: exit_duration_in_mins) travel on the
-    communication device; a CPU tensor there raises under NCCL. 'meta' stands in for the GPU."""
+    """The scalars every rank must agree on (safety.minutes_since: exit_duration_in_mins) travel on
+    the communication device; a CPU tensor there raises under NCCL. 'meta' stands in for the GPU."""
     seen = []
 
     class Sent(Exception):
