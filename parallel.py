@@ -917,6 +917,21 @@ def check_tp_replicas(model, resync=False, optimizer=None):
     return worst, differ
 
 
+def log_tp_replicas(model, optimizer, iteration, resync):
+    """check_tp_replicas at an iteration of the loop, logged (lesson 18): the largest difference by
+    rank 0, the parameters that differ by each rank that holds them; re-synced from TP rank 0 if
+    asked."""
+    worst, differ = check_tp_replicas(model, resync=resync, optimizer=optimizer)
+    if differ:
+        listed = ", ".join(f"{name} ({d:.3e})" for name, d in differ[:8])
+        print(f" rank {grid.rank} (TP rank {grid.tp_rank}): {len(differ)} replicated parameter(s) "
+              f"differ from TP rank 0: {listed}{' ...' if len(differ) > 8 else ''}", flush=True)
+    if grid.rank == 0:  # the ground floor has no report.print0
+        action = " | re-synced from TP rank 0" if resync and worst > 0 else ""
+        print(f" TP replica check at iteration {iteration} | max abs difference from TP rank 0: "
+              f"{worst:.3e}{action} |", flush=True)
+
+
 def counted_once(model):
     """The parameters that make up the model exactly once across the model-parallel group: TP-split ones on
     every TP rank, replicated ones on TP rank 0 only, and not the last stage's copy of the tied embedding."""

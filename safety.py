@@ -1,6 +1,6 @@
 """What a run checks before it touches anything, and how it stops when told to: nothing may lose a run.
 
-Before the model is built (RunGuard.__enter__), on rank 0, with the verdict shared by every rank:
+Before the model is built (RunLock.__enter__), on rank 0, with the verdict shared by every rank:
   - which checkpoint to resume: `load`, or else `save` when it holds one -- the SLURM habit of passing the same
     directory to both (lesson 17); a `save` holding another run's checkpoint is never silently written over,
     and a `load` that does not exist is an error, not a fresh start;
@@ -13,7 +13,8 @@ Before the model is built (RunGuard.__enter__), on rank 0, with the verdict shar
     holder's host and pid) so that two runs cannot write one directory. A lock left by a dead process on this
     host is taken over.
 During the run, ExitSignal turns SIGTERM (what SLURM sends at its time limit) or SIGUSR1 (what the SLURM recipe
-asks for ahead of it) into "finish this iteration, save, exit 0" (Megatron's exit_signal_handler).
+asks for ahead of it) into "finish this iteration, save, exit 0" (Megatron's exit_signal_handler);
+exit_reason says when the job stops: on that signal, or at exit_interval / exit_duration_in_mins.
 """
 import json
 import os
@@ -194,13 +195,15 @@ def release_lock(path):
         pass
 
 
-class RunGuard:
-    """`with RunGuard(cfg) as guard:` around a run: resume decision, checkpoint config check, save directory
-    lock, and guard.exit_signal (SIGTERM), all undone on the way out whatever happens. guard.saved_state: the run
-    state of the checkpoint to resume (a dict, on every rank), or None."""
+class RunLock:
+    """`with RunLock(cfg) as run_lock:` around a run: which checkpoint to resume (its config and
+    run state checked), the save directory locked, and run_lock.exit_signal (SIGTERM, SIGUSR1)
+    handled; the lock and the handlers are released on the way out whatever happens.
+    run_lock.saved_state: the run state of the checkpoint to resume (a dict, on every rank), or
+    None."""
 
     def __init__(self, cfg):
-        self.cfg, self.lock, self.exit_signal, self.saved_state = cfg, None, None, None
+        self.cfg, self.lock_file, self.exit_signal, self.saved_state = cfg, None, None, None
 
     def __enter__(self):
         cfg = self.cfg
@@ -213,15 +216,15 @@ class RunGuard:
             return cfg.load, lock, saved_state
 
         cfg.load, lock, self.saved_state = _on_rank0(prepare)  # rank 0 decided for everyone (it may resume from save)
-        self.lock = lock if parallel.grid.rank == 0 else None
+        self.lock_file = lock if parallel.grid.rank == 0 else None
         self.exit_signal = ExitSignal(cfg.exit_signal_handler)
         return self
 
     def __exit__(self, *exc):
         if self.exit_signal:
             self.exit_signal.restore()
-        if self.lock:
-            release_lock(self.lock)
+        if self.lock_file:
+            release_lock(self.lock_file)
         return False
 
 
@@ -271,3 +274,27 @@ class ExitSignal:
         for signum, previous in self.previous.items():
             signal.signal(signum, previous)
         self.previous = {}
+
+
+# -----------------------------------------------------------------------------
+# When the job stops: after a count, on a clock or on a signal, every rank at the same iteration
+# (lesson 17). Its keys are declared with checkpointing's (checkpoint.CheckpointConfig); the
+# decision sits here, beside ExitSignal, its third cause.
+
+
+def exit_reason(cfg, iterations, job_start, exit_signal):
+    """Why this job stops after its `iterations`-th iteration (exit_interval, exit_duration_in_mins,
+    a SIGTERM or SIGUSR1), or None. exit_signal() takes part in a collective on every iteration:
+    it is always called."""
+    duration = cfg.exit_duration_in_mins
+    clock = (cfg.exit_interval is not None and iterations >= cfg.exit_interval) or (
+        duration is not None and minutes_since(job_start) >= duration)
+    signal_name = exit_signal()
+    if signal_name:
+        return f"{signal_name} (exit_signal_handler)"
+    return "exit_interval / exit_duration_in_mins" if clock else None
+
+
+def minutes_since(start):
+    """Elapsed minutes, agreed across ranks (rank 0's clock): all exit at the same iteration."""
+    return parallel.broadcast_scalars([(time.time() - start) / 60.0], src=0)[0]

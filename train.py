@@ -28,22 +28,20 @@ if __name__ == "__main__" and {"-h", "--help"} & set(sys.argv[1:]):
 
 import time
 
-import torch
-
 import arguments
 import builders
 import checkpoint
 import cross_entropy
-import data
 import eval_harness
 import launch
 import loader
 import parallel
 import run_state
 import safety
-from report import Report, print0, print_validation
+import training  # train_step, evaluate called as training.X: where a test's spy replaces them
+from report import Report, print0
 from schedule import Schedule
-from training import NO_CALLBACKS, Iteration, StopRun, evaluate, train_step
+from training import NO_CALLBACKS, Iteration, StopRun
 
 
 def main(argv=None):
@@ -60,9 +58,9 @@ def main(argv=None):
     loader.check_tokenizer(cfg)
     # Before anything is built or written: which checkpoint to resume, is it this model, is save ours (lock).
     # The checkpoint writer inside: a save in flight is on disk before the lock is released.
-    with safety.RunGuard(cfg) as guard, checkpoint.AsyncWriter(cfg.async_save) as writer:
-        callbacks = builders.build_callbacks(cfg, writer, guard.saved_state)
-        return run(cfg, grid, guard.exit_signal, writer, callbacks, harness)
+    with safety.RunLock(cfg) as run_lock, checkpoint.AsyncWriter(cfg.async_save) as writer:
+        callbacks = builders.build_callbacks(cfg, writer, run_lock.saved_state)
+        return run(cfg, grid, run_lock.exit_signal, writer, callbacks, harness)
 
 
 def run(cfg, grid, exit_signal=lambda: False, writer=None, callbacks=NO_CALLBACKS, harness=None):
@@ -72,7 +70,7 @@ def run(cfg, grid, exit_signal=lambda: False, writer=None, callbacks=NO_CALLBACK
     parts, device, train_data, valid_data = prepare(cfg, grid, callbacks)
     model, state, schedule = parts.model, parts.state, parts.schedule
     if cfg.eval_only:
-        return evaluate_only(model, valid_data, state, cfg, device)
+        return training.evaluate_only(model, valid_data, state, cfg, device)
     report = Report(cfg, schedule, model)
     callbacks.start(parts, report, train_data)
     first_iteration, job_start = state.iteration, time.time()
@@ -89,8 +87,9 @@ def run(cfg, grid, exit_signal=lambda: False, writer=None, callbacks=NO_CALLBACK
                 it.batches = loader.to_device(prefetcher.get((n, it.first_sample, it.batch_size, it.seqlen)), device)
                 it.lr = schedule.lr_at(n, state)
                 callbacks.before_step(it)
-                step = train_step(model, parts.optimizer, parts.scaler, it.batches, it.lr, cfg, device,
-                                  count_zeros=n % cfg.log_interval == 0, callbacks=callbacks, timer=report.timer)
+                step = training.train_step(model, parts.optimizer, parts.scaler, it.batches, it.lr,
+                                           cfg, device, count_zeros=n % cfg.log_interval == 0,
+                                           callbacks=callbacks, timer=report.timer)
                 step = callbacks.check_step(it, step)
                 report.step(step, it.lr)
             state.advance(it.batch_size, it.seqlen, applied=step is not None and step.outcome == "ok", step=step)
@@ -101,15 +100,15 @@ def run(cfg, grid, exit_signal=lambda: False, writer=None, callbacks=NO_CALLBACK
             # log, check the TP replicas (lesson 18), evaluate
             report.log(n, state, it.batch_size, it.seqlen, parts.scaler.scale)
             if grid.tp_size > 1 and cfg.tp_replica_check_interval and n % cfg.tp_replica_check_interval == 0:
-                check_tp_replicas(model, parts.optimizer, n, cfg.tp_replica_resync)
+                parallel.log_tp_replicas(model, parts.optimizer, n, cfg.tp_replica_resync)
             last = schedule.done(state)
             if valid_data is not None and cfg.eval_iters > 0 and (last or n % cfg.eval_interval == 0):
-                for name, dataset in loader.validation_sets(valid_data):  # the blend, or each named set
-                    report.validation(n, state, evaluate(model, dataset, cfg, device), name)
+                for name, valid in loader.validation_sets(valid_data):  # the blend, or each set
+                    report.validation(n, state, training.evaluate(model, valid, cfg, device), name)
             if harness is not None and harness.due(n, last):  # lm-eval's tasks, logged beside it
                 harness(model, n, state, report, device)
             # save, and stop when the job's time is up
-            why_exit = exit_reason(cfg, n - first_iteration, job_start, exit_signal)
+            why_exit = safety.exit_reason(cfg, n - first_iteration, job_start, exit_signal)
             if cfg.save and (last or why_exit or (cfg.save_interval and n % cfg.save_interval == 0)):
                 run_state.save(parts, writer)
             callbacks.after_iteration(n)
@@ -118,7 +117,7 @@ def run(cfg, grid, exit_signal=lambda: False, writer=None, callbacks=NO_CALLBACK
                 break
     report.close()
     callbacks.close()
-    print_sample(cfg, model, device)
+    training.print_sample(cfg, model, device)
     if cfg.deepspeed:
         parts.optimizer.close()  # DeepSpeed's state released before the process groups go (launch.shut_down)
     return state
@@ -136,61 +135,6 @@ def prepare(cfg, grid, callbacks):
         parallel.unwrap(parts.model).compile_blocks()
         cross_entropy.compile_chain()
     return parts, device, train_data, valid_data
-
-
-def evaluate_only(model, valid_data, state, cfg, device):
-    """eval_only: the validation loss and perplexity of the loaded checkpoint, on each validation set."""
-    if valid_data is None:
-        raise ValueError(f"eval_only: no validation data (split {cfg.split!r}, eval_iters {cfg.eval_iters}); give "
-                         "the validation split a share (e.g. --split 0,100,0 for the whole data_path)")
-    for name, dataset in loader.validation_sets(valid_data):
-        print_validation(evaluate(model, dataset, cfg, device), state.iteration, name)
-    return state
-
-
-# -----------------------------------------------------------------------------
-# The rest of an iteration, and the end of the run
-
-
-def check_tp_replicas(model, optimizer, iteration, resync):
-    """Log whether TP-replicated weights still agree across TP ranks (lesson 18); re-sync them if asked."""
-    worst, differ = parallel.check_tp_replicas(model, resync=resync, optimizer=optimizer)
-    if differ:
-        listed = ", ".join(f"{name} ({d:.3e})" for name, d in differ[:8])
-        print(f" rank {parallel.grid.rank} (TP rank {parallel.grid.tp_rank}): {len(differ)} replicated "
-              f"parameter(s) differ from TP rank 0: {listed}{' ...' if len(differ) > 8 else ''}", flush=True)
-    action = " | re-synced from TP rank 0" if resync and worst > 0 else ""
-    print0(f" TP replica check at iteration {iteration} | max abs difference from TP rank 0: {worst:.3e}{action} |")
-
-
-def exit_reason(cfg, iterations, job_start, exit_signal):
-    """Why this job stops after its `iterations`-th iteration (exit_interval, exit_duration_in_mins, a SIGTERM or
-    SIGUSR1), or None. exit_signal() takes part in a collective on every iteration: it is always called."""
-    clock = (cfg.exit_interval is not None and iterations >= cfg.exit_interval) or (
-        cfg.exit_duration_in_mins is not None and minutes_since(job_start) >= cfg.exit_duration_in_mins)
-    signal_name = exit_signal()
-    if signal_name:
-        return f"{signal_name} (exit_signal_handler)"
-    return "exit_interval / exit_duration_in_mins" if clock else None
-
-
-def minutes_since(start):
-    """Elapsed minutes, agreed across ranks (rank 0's clock) so that every rank exits at the same iteration."""
-    return parallel.broadcast_scalars([(time.time() - start) / 60.0], src=0)[0]
-
-
-def print_sample(cfg, model, device):
-    """sample_tokens tokens generated from sample_prompt (top-k 200, temperature 0.8), when one rank holds all."""
-    if cfg.sample_tokens and parallel.grid.pp_size > 1:
-        print0(f"no sample printed: with pipeline_model_parallel_size {parallel.grid.pp_size} no rank holds the "
-               "whole model; sample from the checkpoint with tools/sample.py")
-    elif cfg.sample_tokens:
-        tok = data.get_tokenizer(cfg.tokenizer_file)
-        prompt = torch.tensor([tok.encode_ordinary(cfg.sample_prompt)], device=device)
-        gen = torch.Generator(device=device).manual_seed(cfg.seed)
-        model.eval()
-        out = parallel.unwrap(model).generate(prompt, cfg.sample_tokens, temperature=0.8, top_k=200, generator=gen)
-        print0("-" * 30 + " sample " + "-" * 30 + "\n" + tok.decode(out[0].tolist()))
 
 
 if __name__ == "__main__":

@@ -2,6 +2,8 @@
 
     step = train_step(model, optimizer, scaler, batches, lr, cfg, device, callbacks=callbacks)
     loss = evaluate(model, valid_data, cfg, device)
+    evaluate_only(model, valid_data, state, cfg, device)  # eval_only: each validation set's loss
+    print_sample(cfg, model, device)                      # the run's last word: a sample
 
 A step is forward and backward over this rank's micro-batches (pipelined across stages), the gradients reduced
 over data parallelism, clipped and applied -- unless the step is skipped (an fp16 overflow, a NaN loss,
@@ -19,10 +21,11 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
+import data
 import loader
 import optim
 import parallel
-from report import print0
+from report import print0, print_validation
 
 
 class Callback:
@@ -274,3 +277,30 @@ def evaluate(model, dataset, cfg, device):
         losses.append(parallel.average_loss(forward_backward(model, batches, cfg, device, forward_only=True)).item())
     model.train()
     return sum(losses) / len(losses)
+
+
+def evaluate_only(model, valid_data, state, cfg, device):
+    """eval_only: the loaded checkpoint's validation loss and perplexity, on each validation set."""
+    if valid_data is None:
+        raise ValueError(f"eval_only: no validation data (split {cfg.split!r}, eval_iters "
+                         f"{cfg.eval_iters}); give the validation split a share (e.g. --split "
+                         "0,100,0 for the whole data_path)")
+    for name, dataset in loader.validation_sets(valid_data):
+        print_validation(evaluate(model, dataset, cfg, device), state.iteration, name)
+    return state
+
+
+def print_sample(cfg, model, device):
+    """sample_tokens tokens generated from sample_prompt (top-k 200, temperature 0.8), when one rank
+    holds the whole model."""
+    if cfg.sample_tokens and parallel.grid.pp_size > 1:
+        print0(f"no sample printed: with pipeline_model_parallel_size {parallel.grid.pp_size} no "
+               "rank holds the whole model; sample from the checkpoint with tools/sample.py")
+    elif cfg.sample_tokens:
+        tok = data.get_tokenizer(cfg.tokenizer_file)
+        prompt = torch.tensor([tok.encode_ordinary(cfg.sample_prompt)], device=device)
+        gen = torch.Generator(device=device).manual_seed(cfg.seed)
+        model.eval()
+        out = parallel.unwrap(model).generate(prompt, cfg.sample_tokens, temperature=0.8, top_k=200,
+                                              generator=gen)
+        print0("-" * 30 + " sample " + "-" * 30 + "\n" + tok.decode(out[0].tolist()))

@@ -73,10 +73,10 @@ def run_main(*args):
 
 
 def train_script():
-    """train.py's namespace (main, run, exit_reason, ...): the script run in this process, as `python train.py`
-    runs it but without an interpreter's start-up. Nothing imports train.py. A test may replace a name the script
-    looks up (script["train_step"] = spy) before it calls script["main"]: the namespace returned is the one its
-    functions read (runpy.run_path returns a copy, where a replaced name would change nothing)."""
+    """train.py's namespace: the script run in this process, as `python train.py` runs it but
+    without an interpreter's start-up. Nothing imports train.py, and a test uses only
+    train_script()["main"] (tests/test_script_is_a_script.py): a spy goes on the module train.py
+    calls (training.train_step, training.evaluate), a library function is called on its module."""
     path = os.path.join(ROOT, "train.py")
     module = types.ModuleType("train_script")
     module.__file__ = path

@@ -31,8 +31,8 @@ BF16_REL = (6e-5, 7e-4)  # DeepSpeed bf16 against native bf16, lm loss and grad 
 
 
 class Recorder:
-    """train.py's main, with spies on the model and optimizer it builds and on each train_step's
-    (loss, grad norm, outcome)."""
+    """train.py's main, with spies on the model and optimizer it builds and on each
+    training.train_step's (loss, grad norm, outcome)."""
 
     def __init__(self):
         import deepspeed.runtime.bf16_optimizer
@@ -42,9 +42,11 @@ class Recorder:
         # process's heap) and prints it: nothing the comparisons need
         deepspeed.runtime.bf16_optimizer.see_memory_usage = lambda *args, **kwargs: None
         import optim
-        self.script, self.deepspeed_engine = train_script(), deepspeed_engine
-        # where train.py finds them: its own namespace, the builders' and the optimizer's modules
-        self.owners = {"train_step": self.script, "build_model": vars(builders), "optimizer_for": vars(optim)}
+        import training
+        self.main, self.deepspeed_engine = train_script()["main"], deepspeed_engine
+        # where train.py finds them: the modules of the step, the builders and the optimizer
+        self.owners = {"train_step": vars(training), "build_model": vars(builders),
+                       "optimizer_for": vars(optim)}
         self.originals = {name: owner[name] for name, owner in self.owners.items()}
         self.wrapper_class = deepspeed_engine.DeepSpeedOptimizer
         self.steps, self.model, self.optimizer, self.wrapper = [], None, None, None
@@ -79,7 +81,7 @@ class Recorder:
         self.deepspeed_engine.DeepSpeedOptimizer = Wrapper
         try:
             with contextlib.redirect_stdout(io.StringIO()):
-                self.script["main"]([*E2E, *args])
+                self.main([*E2E, *args])
         finally:
             for name, fn in self.originals.items():
                 self.owners[name][name] = fn

@@ -17,9 +17,11 @@ import torch
 import arguments
 import checkpoint
 import data
+import safety
 import usage
 
-from helpers import ROOT, SMALL, corpus, log_fields, run_cli, run_main, spawn, train_script  # noqa: F401 (a fixture)
+from helpers import (ROOT, SMALL, corpus, log_fields, run_cli, run_main,  # noqa: F401 (a fixture)
+                     spawn)
 import loader
 
 ENV = dict(os.environ, WANDB_MODE="disabled")
@@ -351,7 +353,7 @@ def _workers_agree_when_to_exit():
         exit_signal.restore()
     # exit_duration_in_mins runs on rank 0's clock: a worker whose clock says otherwise follows rank 0
     cfg = types.SimpleNamespace(exit_interval=None, exit_duration_in_mins=1.0)
-    now, exit_reason = time.time(), train_script()["exit_reason"]
+    now, exit_reason = time.time(), safety.exit_reason
     assert exit_reason(cfg, 1, now - (120 if rank == 1 else 0), lambda: False) is None, rank
     assert exit_reason(cfg, 1, now - (120 if rank == 0 else 0), lambda: False) is not None, rank
 
@@ -410,7 +412,7 @@ def test_one_rank_scans_the_corpus_for_its_largest_token_id(corpus):
 
 def test_the_exit_reason_names_the_signal_that_came():
     """A SLURM recipe's SIGUSR1 is logged as SIGUSR1, not as the SIGTERM it once was said to be."""
-    cfg, exit_reason = arguments.load_config([]), train_script()["exit_reason"]
+    cfg, exit_reason = arguments.load_config([]), safety.exit_reason
     for name in ("SIGUSR1", "SIGTERM"):
         assert exit_reason(cfg, 1, time.time(), lambda: name) == f"{name} (exit_signal_handler)"
     assert exit_reason(cfg, 1, time.time(), lambda: False) is None

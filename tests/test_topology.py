@@ -17,9 +17,10 @@ import torch.distributed as dist
 
 import parallel
 import rng
+import safety
 from helpers import (ROOT, TINY, assert_replicas_identical, assert_same_training, dumps, free_port,  # noqa: F401
-                     gather, launch, launch_once, spawn, stage, synthetic_corpus,  # (synthetic_corpus: a fixture)
-                     train_script)
+                     gather, launch, launch_once, spawn, stage,
+                     synthetic_corpus)  # (synthetic_corpus: a fixture)
 
 
 # -----------------------------------------------------------------------------
@@ -37,9 +38,8 @@ def test_comm_device_follows_the_backend(monkeypatch):
 
 
 def test_scalar_collectives_use_the_comm_device(monkeypatch):
-    """The scalars every rank must agree on (train.py's minutes_since: exit_duration_in_mins) travel on the
-    communication device; a CPU tensor there raises under NCCL. 'meta' stands in for the GPU."""
-    minutes_since = train_script()["minutes_since"]
+    """The scalars every rank must agree on (safety.minutes_since: exit_duration_in_mins) travel on
+    the communication device; a CPU tensor there raises under NCCL. 'meta' stands in for the GPU."""
     seen = []
 
     class Sent(Exception):
@@ -53,7 +53,7 @@ def test_scalar_collectives_use_the_comm_device(monkeypatch):
     monkeypatch.setattr(parallel, "comm_device", lambda backend=None: torch.device("meta"))
     monkeypatch.setattr(dist, "broadcast", collective)
     monkeypatch.setattr(dist, "all_reduce", collective)
-    for call in (lambda: minutes_since(0.0), lambda: parallel.broadcast_scalars([1.0])):
+    for call in (lambda: safety.minutes_since(0.0), lambda: parallel.broadcast_scalars([1.0])):
         with pytest.raises(Sent):
             call()
     assert seen == [torch.device("meta")] * 2

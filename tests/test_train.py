@@ -244,3 +244,43 @@ def test_corrupt_checkpoint_is_reported_and_left_alone(corpus, tmp_path):
     proc = run(*SMALL, "--train_iters=4", f"--load={tmp_path}", f"--save={tmp_path}", expect_ok=False)
     assert proc.returncode == 2 and "corrupt" in proc.stderr and "mp_rank_00_000_model_states.pt" in proc.stderr
     assert open(tmp_path / "latest").read().strip() == "global_step2"
+
+
+# -- the end of a run ------------------------------------------------------------------------------
+
+
+def test_the_end_of_run_sample_follows_the_prompt_seed_and_settings(capsys, monkeypatch):
+    """training.print_sample: sample_tokens tokens after sample_prompt, top-k 200 at temperature
+    0.8, drawn with a generator seeded by seed (the reference: GPT.generate called so by hand); with
+    PP > 1 no rank holds the model, and the log says where to sample instead."""
+    import builders
+    import parallel
+    import training
+    cfg = arguments.load_config(["--num_layers=1", "--hidden_size=32", "--num_attention_heads=2",
+                                 "--sample_tokens=32", "--sample_prompt=ROMEO:", "--seed=7",
+                                 "--init_method_std=0.5"])  # peaked logits: the temperature counts
+    cpu = torch.device("cpu")
+    model = builders.build_model(cfg, cpu)
+    tok = data.get_tokenizer(cfg.tokenizer_file)
+    model.train()
+    training.print_sample(cfg, model, cpu)
+    printed = capsys.readouterr().out
+    prompt = torch.tensor([tok.encode_ordinary("ROMEO:")])
+    gen = torch.Generator().manual_seed(7)
+    expected = model.generate(prompt, 32, temperature=0.8, top_k=200, generator=gen)[0].tolist()
+    assert printed == "-" * 30 + " sample " + "-" * 30 + "\n" + tok.decode(expected) + "\n"
+    assert not model.training  # dropout off while sampling
+    monkeypatch.setattr(parallel.grid, "pp_size", 2)
+    training.print_sample(cfg, model, cpu)
+    said = capsys.readouterr().out
+    assert said == ("no sample printed: with pipeline_model_parallel_size 2 no rank holds the "
+                    "whole model; sample from the checkpoint with tools/sample.py\n")
+
+
+def test_eval_only_without_validation_data_names_the_fix():
+    import training
+    cfg = arguments.load_config(["--eval_only", "--split=100,0,0", "--eval_iters=5"])
+    message = (r"^eval_only: no validation data \(split '100,0,0', eval_iters 5\); give the "
+               r"validation split a share \(e.g. --split 0,100,0 for the whole data_path\)$")
+    with pytest.raises(ValueError, match=message):
+        training.evaluate_only(None, None, None, cfg, torch.device("cpu"))

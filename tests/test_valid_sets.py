@@ -6,8 +6,6 @@ that set alone built straight from data.build_datasets; the set of the whole ble
 validation of a run without names (and that run's training losses against this one's); a resumed run and
 eval_only against the uninterrupted run's numbers; and bad names and paths against their messages.
 """
-import contextlib
-import io
 import json
 import os
 import re
@@ -20,8 +18,8 @@ import data
 import loader
 import schedule
 import training
-from helpers import (SMALL, corpus, corpus512, log_fields, run_cli, run_main, synthetic_corpus,  # noqa: F401
-                     train_script)
+from helpers import (SMALL, corpus, corpus512, log_fields, run_cli, run_main,  # noqa: F401
+                     synthetic_corpus)
 
 SPLIT, SEQ, SEED, SAMPLES = "949,50,1", 64, 1234, 2 * 8  # the split, seq_length, seed; eval_iters x global batch
 NAMES = ["all", "shakespeare", "synthetic", "heldout"]
@@ -64,30 +62,20 @@ def named_run(sets, corpus512, synthetic_corpus, heldout, tmp_path_factory):
     args, named = sets
     references = [by_hand(["0.5", corpus512, "0.5", synthetic_corpus], SPLIT), by_hand([corpus512], SPLIT),
                   by_hand([synthetic_corpus], SPLIT), by_hand([heldout], "0,1,0")]  # heldout: all its documents
-    seen = []
+    seen, evaluate = [], training.evaluate
 
     def evaluate_and_the_reference(model, dataset, cfg, device):
-        loss = training.evaluate(model, dataset, cfg, device)
-        seen.append((loss, training.evaluate(model, references[len(seen) % len(NAMES)], cfg, device)))
+        loss = evaluate(model, dataset, cfg, device)
+        seen.append((loss, evaluate(model, references[len(seen) % len(NAMES)], cfg, device)))
         return loss
 
-    script = train_script()
-    script["evaluate"] = evaluate_and_the_reference
     save = tmp_path_factory.mktemp("named")
-    out = run_with(script, [*args, *named, f"--save={save}"])
-    return out, save, seen
-
-
-def run_with(script, argv):
-    """script["main"](argv) as helpers.run_main runs it, in a namespace whose evaluate the caller replaced."""
-    out, cwd = io.StringIO(), os.getcwd()
-    os.chdir(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    training.evaluate = evaluate_and_the_reference  # where train.py looks it up
     try:
-        with contextlib.redirect_stdout(out):
-            script["main"](argv)
+        out = run_main(*args, *named, f"--save={save}")
     finally:
-        os.chdir(cwd)
-    return out.getvalue()
+        training.evaluate = evaluate
+    return out, save, seen
 
 
 def test_each_named_set_is_logged_and_equals_evaluate_on_that_set_alone(named_run):
