@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
+import training
 from training import StopRun
 from helpers import ROOT, spawn, synthetic_corpus, train_script  # noqa: F401 (synthetic_corpus: a fixture)
 
@@ -88,20 +89,22 @@ class Counted(TorchFunctionMode):
 
 
 def _main(argv, out_path, counted=None):
-    script = train_script()
-    if counted is not None:
-        step = script["train_step"]
+    step = training.train_step  # train.py calls it through the module: a spy there counts its steps
 
-        def counting_step(*a, **k):
-            counted.iteration += 1
-            return step(*a, **k)
-        script["train_step"] = counting_step
+    def counting_step(*a, **k):
+        counted.iteration += 1
+        return step(*a, **k)
+    if counted is not None:
+        training.train_step = counting_step
     out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        try:
-            script["main"](argv)
-        except StopRun as e:  # the guard's stop: its message is the run's last line, as train.py prints it
-            print(f"stopped: {e}")
+    try:
+        with contextlib.redirect_stdout(out):
+            try:
+                train_script()["main"](argv)
+            except StopRun as e:  # the guard's stop: its message is the run's last line, as train.py prints it
+                print(f"stopped: {e}")
+    finally:
+        training.train_step = step
     with open(out_path, "w") as f:
         f.write(out.getvalue())
 

@@ -11,11 +11,6 @@ import os
 
 from helpers import ROOT
 
-# Still indexes the script's namespace (script["train_step"] = counting_step) until it is converted
-# to a spy on training.train_step: the one exception, named here so that no other file joins it.
-NOT_YET_CONVERTED = {os.path.join("tests", "test_replica_check.py")}
-
-
 def _runs_the_script(node):
     """Does node call for train.py's namespace (train_script(), runpy.run_path('train.py'))?"""
     if not isinstance(node, ast.Call):
@@ -71,7 +66,7 @@ def test_no_test_reaches_into_the_script_but_for_its_main():
     for rel in _test_files():
         with open(os.path.join(ROOT, rel), encoding="utf-8") as f:
             uses = script_uses(f.read())
-        if uses and rel not in NOT_YET_CONVERTED:
+        if uses:
             found[rel] = uses
     assert not found, (f"tests using train.py's namespace for more than its main: {found}; spy "
                        "on the module train.py calls (training.train_step, training.evaluate) or "
