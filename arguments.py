@@ -178,7 +178,8 @@ def load_config(argv=None):
     try:
         values = runpy.run_path(config_file)
     except FileNotFoundError:
-        raise ValueError(f"config file {config_file!r} not found; pass a file from config/ (e.g. {DEFAULT_CONFIG})")
+        raise ValueError(f"config file {config_file!r} not found; pass a file from config/ (e.g. "
+                         f"{DEFAULT_CONFIG})") from None
     except SyntaxError as e:
         raise ValueError(f"config file {config_file}, line {e.lineno}: {e.msg}; fix the file (a config is Python: "
                          "key = value per line)") from None

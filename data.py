@@ -26,14 +26,14 @@ import re
 import struct
 import sys
 import time
+from collections.abc import Iterable, Iterator
 from fractions import Fraction
-from typing import Iterable, Iterator, NamedTuple, Protocol, runtime_checkable
+from typing import NamedTuple, Protocol, runtime_checkable
 
 import numba
 import numpy as np
 
 from tokenizer import EOD, data_dir, get_tokenizer  # noqa: F401 (data.EOD, data.get_tokenizer)
-
 
 # -----------------------------------------------------------------------------
 # Megatron's mmap indexed dataset: PREFIX.bin holds the token ids of all documents back to back,
@@ -289,9 +289,10 @@ def preprocess(inputs: list[str], output_prefix: str, workers: int = max(1, (os.
             docs = pool.imap(encode, _read_documents(inputs), chunksize=64)
             write_indexed_dataset(output_prefix, counted(tqdm(docs, unit="doc")), dtype)
     dt = max(time.time() - t0, 1e-9)
+    empty = f", skipped {stats['empty']} empty documents" if stats["empty"] else ""
     print(f"wrote {stats['docs']:,} documents, {stats['tokens']:,} tokens to {output_prefix}.bin/.idx in {dt:.1f}s "
           f"({stats['docs'] / dt:,.0f} docs/s, {stats['tokens'] / dt / 1e6:.2f}M tokens/s"
-          f"{', skipped %d empty documents' % stats['empty'] if stats['empty'] else ''})")
+          f"{empty})")
 
 
 # -----------------------------------------------------------------------------
@@ -584,7 +585,7 @@ def build_indices(indexed: IndexedDataset, documents: np.ndarray, num_samples: i
     t0 = time.time()
     arrays = index_arrays(indexed.sizes, documents, num_samples, seq_length, seed, skip)
     os.makedirs(os.path.dirname(paths["doc_idx"]), exist_ok=True)
-    for (kind, path), array in zip(paths.items(), arrays):
+    for path, array in zip(paths.values(), arrays):
         # tmp + rename: another rank polling for the file never reads a half-written one
         tmp = f"{path}.tmp{os.getpid()}"
         with open(tmp, "wb") as f:

@@ -167,8 +167,15 @@ class Checkpoint:
 
     def __init__(self, load_dir):
         from deepspeed.checkpoint import constants as ds
-        from deepspeed.checkpoint.reshape_3d_utils import get_model_3d_descriptor_from_metadata, model_3d_desc
-        from deepspeed.checkpoint.reshape_utils import get_files, get_files_with_prefix, get_zero_files
+        from deepspeed.checkpoint.reshape_3d_utils import (
+            get_model_3d_descriptor_from_metadata,
+            model_3d_desc,
+        )
+        from deepspeed.checkpoint.reshape_utils import (
+            get_files,
+            get_files_with_prefix,
+            get_zero_files,
+        )
         self.dir = tag_dir_of(load_dir)
         files = get_files(self.dir)
         self.layer_files = sorted(f for f in files if LAYER_FILE.fullmatch(os.path.basename(f)))

@@ -830,9 +830,10 @@ def describe_partition(cfg):
     """'pipeline stages (type:transformer|embedding): 0: embedding + layers 0-4 | 1: layers 5-10 | ...'"""
     parts = []
     pp = cfg.pipeline_model_parallel_size
-    for stage, layers in enumerate(parallel.partition_layers(cfg.num_layers, pp, cfg.pp_partition_method)):
-        what = [f"layers {layers.start}-{layers.stop - 1}" if len(layers) > 1 else f"layer {layers.start}"]
-        what = what if layers else []
+    stages = parallel.partition_layers(cfg.num_layers, pp, cfg.pp_partition_method)
+    for stage, held in enumerate(stages):  # not `layers`: the module of that name
+        what = [f"layers {held.start}-{held.stop - 1}" if len(held) > 1 else f"layer {held.start}"]
+        what = what if held else []
         what = (["embedding"] if stage == 0 else []) + what + (["head"] if stage == pp - 1 else [])
         parts.append(f"{stage}: {' + '.join(what)}")
     return f"pipeline stages ({cfg.pp_partition_method}): " + " | ".join(parts)

@@ -17,7 +17,6 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-
 # -----------------------------------------------------------------------------
 # The layout's keys and their checks (arguments.Config is made of each owner's keys)
 

@@ -26,7 +26,6 @@ import torch
 
 import parallel
 
-
 # Nominal dense bf16 tensor-core TFLOP/s (no sparsity) and HBM GB/s by SKU, from NVIDIA's
 # datasheets: the peak the log line's MFU (and bench.py's) divides by. The first name contained in
 # torch.cuda.get_device_name wins: the PCIe and NVL parts come before the SXM one of their name (an

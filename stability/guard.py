@@ -20,7 +20,6 @@ import training
 from stability import detector, diagnosis, spike_guard, update_size
 from stability.config import PrecursorConfig, section
 
-
 # What a stopped run's message asks of its operator, by the cause the guard found
 NEXT = {None: "no cause was named (the decision lines above say what was tested): resume with "
               "the caps raised or other settings",

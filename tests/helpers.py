@@ -255,6 +255,7 @@ def synthetic_corpus(tmp_path_factory):
     once per session (the same prefix in every module: the runs of launch_once are shared across modules)."""
     if "synthetic_corpus" not in SESSION:
         import numpy as np
+
         import data
         rng = np.random.default_rng(0)
         docs = [((rng.integers(0, 512) + rng.integers(1, 8) * np.arange(rng.integers(20, 120))) % 512)

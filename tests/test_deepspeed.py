@@ -36,6 +36,7 @@ class Recorder:
 
     def __init__(self):
         import deepspeed.runtime.bf16_optimizer
+
         import builders
         import deepspeed_engine
         # BF16_Optimizer reports memory at construction with six forced gc.collect() (1 s each in a test

@@ -20,16 +20,26 @@ import torch
 import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
-import model as model_module
-import parallel
 import builders
-from training import train_step
-from helpers import (E2E_ARGS, SMALL, assert_same_training, corpus, launch, losses, run_cli, spawn,  # noqa: F401
-                     synthetic_corpus, train_script)  # (corpus, synthetic_corpus: fixtures)
-from model import GPT, GPTConfig, draw_slice
-import optim
 import launch as launcher
+import model as model_module
+import optim
+import parallel
 from builders import build_model
+from helpers import (  # noqa: F401
+    E2E_ARGS,
+    SMALL,
+    assert_same_training,
+    corpus,
+    launch,
+    losses,
+    run_cli,
+    spawn,
+    synthetic_corpus,  # (corpus, synthetic_corpus: fixtures)
+    train_script,
+)
+from model import GPT, GPTConfig, draw_slice
+from training import train_step
 
 CFG = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=1000,
            make_vocab_size_divisible_by=64, embed_layernorm=True)
@@ -289,8 +299,8 @@ def _meta_step(monkeypatch, extra, tp=1, pp=1, dp=1, rank=0, micro_batches=2):
     import arguments
     import safety
     import schedule
-    from stability import snapshots, spike_guard, telemetry
     from report import Report
+    from stability import snapshots, spike_guard, telemetry
     world = tp * pp * dp
     cfg = arguments.load_config(META_ARGV + [f"--tensor_model_parallel_size={tp}",
                                              f"--pipeline_model_parallel_size={pp}",
@@ -374,6 +384,7 @@ def _audited_runs(corpus, layouts):
     or what syncs the host inside the loop (the loop: from the first train_step on)."""
     import contextlib
     import io
+
     import training
     for layout in layouts:
         with Collectives(run=True) as comms:
@@ -514,6 +525,7 @@ def test_a_cpu_run_on_a_machine_with_gpus_never_touches_cuda(monkeypatch):
 def _save_on_two_ranks(directory):
     """A checkpoint written from inside the loop by DP2, audited; then rank 1's write fails and both ranks say why."""
     import errno
+
     import checkpoint
     g = parallel.grid
     model_state, run = {"w": torch.full((4,), 1.0 + g.rank)}, {"state": {"iteration": 5}}

@@ -11,7 +11,6 @@ import ast
 import importlib.util
 import json
 import os
-import re
 import subprocess
 import sys
 
@@ -267,7 +266,6 @@ def test_an_unknown_task_stops_the_run_before_training_with_one_message(corpus, 
     """Refused before any process group is started, let alone a step (train.py exits 2 with the
     message, as for every ValueError)."""
     import launch
-
     from helpers import train_script
     monkeypatch.setattr(launch, "start", lambda cfg: pytest.fail("the run started"))
     monkeypatch.chdir(ROOT)

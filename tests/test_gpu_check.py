@@ -116,7 +116,7 @@ def test_a_sync_warned_inside_a_library_or_a_thread_is_named_by_our_line():
         thread.join()
         # torch's notice on setting the mode, counted as a sync by the first GPU run: not one
         warnings.warn("Synchronization debug mode is a prototype feature and does not yet detect all synchronizing "
-                      "operations")
+                      "operations", stacklevel=1)
     places = probe.warned_places(fn, probe.SYNC_WARNING)
     here = f" from tests/test_gpu_check.py:{line}"
     assert len(places) == 2 and all(re.fullmatch(r".*threading\.py:\d+" + re.escape(here) + r".*", p) for p in places)

@@ -60,7 +60,7 @@ def test_a_guard_stop_exits_3_every_time_with_no_thread_left(corpus512, tmp_path
         procs = [_start(args) for args in pair]
         results += [(args, p.returncode, out, err) for args, p, (out, err) in
                     ((args, p, p.communicate(timeout=600)) for args, p in zip(pair, procs))]
-    for args, code, out, err in results:
+    for args, code, _, err in results:
         assert code == 3 and "terminate called" not in err, (args, code, err[-1500:])
         assert "error: spike guard: iteration 8:" in err, (args, err[-1500:])
         # what was saved, truly (it said "saved and stopped" with save=none too: issue #50)

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 import arguments
-from helpers import corpus, corpus512, decisions, guard_model_args, run_main  # noqa: F401 (corpus, corpus512: fixtures)
-from builders import build_model
 import optim
+from builders import build_model
+from helpers import corpus, corpus512, decisions, guard_model_args, run_main  # noqa: F401 (corpus, corpus512: fixtures)
 from stability import detector, diagnosis, spike_guard
 
 GUARD = ["--spike_guard", "--spike_guard_window=20", "--spike_guard_min_steps=10", "--spike_guard_rewind=3",

@@ -23,10 +23,9 @@ import subprocess
 import sys
 
 import pytest
-from helpers import ROOT, decisions, free_port, guard_model_args, run_main
-from helpers import corpus, corpus512  # noqa: F401 (fixtures)
 
 import loader
+from helpers import ROOT, corpus, corpus512, decisions, free_port, guard_model_args, run_main  # noqa: F401 (fixtures)
 from stability import spike_guard
 
 GUARD = ["--spike_guard", "--spike_guard_window=20", "--spike_guard_min_steps=10",

@@ -11,8 +11,17 @@ import torch
 
 import checkpoint
 import parallel
-from helpers import corpus, corpus512, decisions, guard_model_args, log_fields, run_main, spawn, stage  # noqa: F401
-from helpers import warm_guard
+from helpers import (  # noqa: F401
+    corpus,
+    corpus512,
+    decisions,
+    guard_model_args,
+    log_fields,
+    run_main,
+    spawn,
+    stage,
+    warm_guard,
+)
 from stability import update_size
 
 GUARD = ["--spike_guard", "--spike_guard_window=20", "--spike_guard_min_steps=10", "--spike_guard_rewind=3",

@@ -737,6 +737,7 @@ def test_the_loss_scale_doubles_at_the_update_deepspeed_would(since_overflow):
     """DeepSpeed's DynamicLossScaler, some clean updates after an overflow, converted; then both take clean
     updates: our scale doubles at the same updates as DeepSpeed's."""
     from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
+
     import megatron_ds
     theirs = DynamicLossScaler(init_scale=2.0**16, scale_window=4, min_scale=1.0, delayed_shift=2,
                                consecutive_hysteresis=False)

@@ -12,8 +12,7 @@ import arguments
 import deepspeed_engine
 import optim
 import parallel
-from helpers import (ROOT, SMALL, assert_same_checkpoint, corpus, losses,  # noqa: F401 (a fixture)
-                     run_main)
+from helpers import ROOT, SMALL, assert_same_checkpoint, corpus, losses, run_main  # noqa: F401 (a fixture)
 
 
 def _register_lion(monkeypatch):

@@ -9,8 +9,8 @@ import types
 import pytest
 
 import arguments
-from stability import spike_guard
 from helpers import ROOT, log_fields, run_main, synthetic_corpus  # noqa: F401 (synthetic_corpus is a fixture)
+from stability import spike_guard
 
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 import precursors  # noqa: E402

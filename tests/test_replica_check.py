@@ -18,8 +18,8 @@ import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
 import training
-from training import StopRun
 from helpers import ROOT, spawn, synthetic_corpus, train_script  # noqa: F401 (synthetic_corpus: a fixture)
+from training import StopRun
 
 ARGS = ["--num_layers=2", "--hidden_size=64", "--num_attention_heads=4", "--seq_length=32", "--vocab_size=512",
         "--make_vocab_size_divisible_by=128", "--hidden_dropout=0", "--attention_dropout=0", "--micro_batch_size=2",

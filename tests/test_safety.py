@@ -1,5 +1,4 @@
 """Friendly and safe at the edges: --help, resuming without losing a run, SIGTERM, bad input, sampling, eval."""
-import ast
 import errno
 import json
 import math
@@ -17,12 +16,10 @@ import torch
 import arguments
 import checkpoint
 import data
+import loader
 import safety
 import usage
-
-from helpers import (ROOT, SMALL, corpus, log_fields, run_cli, run_main,  # noqa: F401 (a fixture)
-                     spawn)
-import loader
+from helpers import ROOT, SMALL, corpus, log_fields, run_cli, run_main, spawn  # noqa: F401 (a fixture)
 
 ENV = dict(os.environ, WANDB_MODE="disabled")
 
@@ -66,7 +63,7 @@ def test_help_lists_every_key_with_type_default_and_meaning_without_importing_to
     # read from the source, it matches the real dataclass: same keys, same defaults, a meaning for each
     parsed = usage.config_fields()
     assert [f[2] for f in parsed] == list(arguments.FIELDS)
-    for group, _, name, kind, default, meaning in parsed:
+    for group, _, name, _kind, default, meaning in parsed:
         assert meaning, f"{name} has no comment"
         assert group in usage.ORDER, (name, group)
         assert eval(default) == arguments.FIELDS[name].default, name

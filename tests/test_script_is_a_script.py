@@ -11,6 +11,7 @@ import os
 
 from helpers import ROOT
 
+
 def _runs_the_script(node):
     """Does node call for train.py's namespace (train_script(), runpy.run_path('train.py'))?"""
     if not isinstance(node, ast.Call):

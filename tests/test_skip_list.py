@@ -7,9 +7,8 @@ import numpy as np
 import pytest
 
 import data
-from stability import skip_list
-from stability import diagnosis
 from helpers import log_fields, run_main, synthetic_corpus  # noqa: F401 (synthetic_corpus is a fixture)
+from stability import diagnosis, skip_list
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +76,7 @@ def test_build_datasets_honours_a_skip_list_and_refuses_a_bad_one(labelled, tmp_
     assert re.search(rf"documents never sampled: 3 of {re.escape(labelled)} \(\d+ tokens\); entries for datasets not "
                      r"in data_path ignored: elsewhere/x\.", summary), summary
     with open(path, "a") as f:
-        f.write('{"dataset": "%s", "documents": [40]}\n' % labelled)
+        f.write(json.dumps({"dataset": labelled, "documents": [40]}) + "\n")
     with pytest.raises(ValueError, match="names document 40 of .* which has 40 documents"):
         skip_list.read(path, [labelled])
     bad = tmp_path / "bad.jsonl"

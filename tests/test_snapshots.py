@@ -13,9 +13,8 @@ import torch
 import arguments
 import checkpoint
 import parallel
-from stability import snapshots
-from stability import spike_guard
 from helpers import corpus, corpus512, log_fields, run_main, spawn  # noqa: F401 (corpus, corpus512: fixtures)
+from stability import snapshots, spike_guard
 
 SCALER = types.SimpleNamespace(dynamic=False, scale=1.0, min_scale=1.0)
 

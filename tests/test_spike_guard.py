@@ -14,18 +14,15 @@ import pytest
 import torch
 
 import arguments
-import data
 import optim
 import precision
-import schedule
-from stability import detector, diagnosis, spike_guard
-from stability import telemetry
 import training
-from training import agree, train_step
-from helpers import corpus, corpus512, log_fields, run_main  # noqa: F401 (corpus, corpus512: fixtures)
 from builders import build_model
-from stability.faults import Faults
+from helpers import corpus, corpus512, log_fields, run_main  # noqa: F401 (corpus, corpus512: fixtures)
+from stability import detector, diagnosis, spike_guard, telemetry
 from stability.diagnosis import Veto
+from stability.faults import Faults
+from training import agree, train_step
 
 GUARD = ["--spike_guard", "--spike_guard_window=20", "--spike_guard_min_steps=10", "--spike_guard_rewind=3",
          "--spike_guard_skip_after=2", "--spike_guard_snapshot_interval=5"]
@@ -309,6 +306,7 @@ def _dp2(run, *extra):
     """stdout of the test run under torchrun with 2 processes (DP2, gloo, micro batches of 4)."""
     import subprocess
     import sys
+
     from helpers import ROOT, free_port
     args = [a for a in run.base if not a.startswith("--micro_batch_size")] + ["--micro_batch_size=4"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",

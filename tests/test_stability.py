@@ -13,8 +13,17 @@ import torch.nn.functional as F
 
 import arguments
 import parallel
-from helpers import (SMALL, TINY, corpus, gather, log_fields, losses, random_batches,  # noqa: F401
-                     run_main, spawn)  # (corpus is a fixture)
+from helpers import (  # noqa: F401
+    SMALL,
+    TINY,
+    corpus,
+    gather,
+    log_fields,
+    losses,
+    random_batches,
+    run_main,  # (corpus is a fixture)
+    spawn,
+)
 from model import GPT, Attention, GPTConfig
 
 NO_DROPOUT = ["--hidden_dropout=0", "--attention_dropout=0"]

@@ -3,9 +3,9 @@ one message that names it and says what to give instead; train.py exits 2."""
 import os
 
 import pytest
-from helpers import corpus, corpus512, run_cli  # noqa: F401 (corpus, corpus512: fixtures)
 
 import arguments
+from helpers import corpus, corpus512, run_cli  # noqa: F401 (corpus, corpus512: fixtures)
 
 
 def error(*argv):

@@ -18,10 +18,20 @@ import torch.distributed as dist
 import parallel
 import rng
 import safety
-from helpers import (ROOT, TINY, assert_replicas_identical, assert_same_training, dumps, free_port,  # noqa: F401
-                     gather, launch, launch_once, spawn, stage,
-                     synthetic_corpus)  # (synthetic_corpus: a fixture)
-
+from helpers import (  # noqa: F401
+    ROOT,
+    TINY,
+    assert_replicas_identical,
+    assert_same_training,
+    dumps,
+    free_port,
+    gather,
+    launch,
+    launch_once,
+    spawn,
+    stage,
+    synthetic_corpus,  # (synthetic_corpus: a fixture)
+)
 
 # -----------------------------------------------------------------------------
 # Collectives take tensors on the backend's device
@@ -89,6 +99,7 @@ def test_partition_layers_is_deepspeeds_balanced_partition():
 def test_dry_run_of_bloom_layers_on_twelve_stages():
     import io
     import os
+
     import arguments
     import estimate
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

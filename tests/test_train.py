@@ -10,10 +10,19 @@ import torch
 import arguments
 import data
 import schedule
-
-from helpers import (ROOT, SMALL, assert_same, corpus, corpus512, final_state, free_port, launch,  # noqa: F401
-                     losses, run_cli as run, synthetic_corpus)
-
+from helpers import (  # noqa: F401
+    ROOT,
+    SMALL,
+    assert_same,
+    corpus,
+    corpus512,
+    final_state,
+    free_port,
+    launch,
+    losses,
+    synthetic_corpus,
+)
+from helpers import run_cli as run
 
 # -- configuration ----------------------------------------------------------------------------------------------
 
@@ -173,7 +182,7 @@ def _shape(line):
 
 def test_log_line_format_matches_the_seeds(corpus, tmp_path):
     out = run(*SMALL, "--train_iters=3", f"--save={tmp_path}").stdout
-    lines = [l for l in out.splitlines() if l.startswith(" iteration")]
+    lines = [x for x in out.splitlines() if x.startswith(" iteration")]
     assert len(lines) == 3
     # the seeds' fields, then ours: tokens/s and MFU (n/a on the CPU: no datasheet peak)
     names = [f.split(":")[0].strip() for f in SEED_LINE.split("|")[1:-1]]

@@ -18,8 +18,7 @@ import data
 import loader
 import schedule
 import training
-from helpers import (SMALL, corpus, corpus512, log_fields, run_cli, run_main,  # noqa: F401
-                     synthetic_corpus)
+from helpers import SMALL, corpus, corpus512, log_fields, run_cli, run_main, synthetic_corpus  # noqa: F401
 
 SPLIT, SEQ, SEED, SAMPLES = "949,50,1", 64, 1234, 2 * 8  # the split, seq_length, seed; eval_iters x global batch
 NAMES = ["all", "shakespeare", "synthetic", "heldout"]

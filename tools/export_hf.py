@@ -43,7 +43,6 @@ import hf  # noqa: E402
 import reshard  # noqa: E402
 import safety  # noqa: E402
 
-
 REMOTE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "hf_remote")
 
 

@@ -66,7 +66,6 @@ from builders import build_model  # noqa: E402
 from model import GPTConfig  # noqa: E402
 
 
-
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("what", choices=("ceilings", "loss", "syncs", "backends", "prepare"))
