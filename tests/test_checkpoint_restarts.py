@@ -102,6 +102,8 @@ def test_opt_restart_goes_back_to_the_last_checkpoint_and_cuts_the_lr_from_there
     assert line.startswith("remedy opt_restart: iteration 26: loss ")
     assert "restarted from the checkpoint of iteration 20; LR x0.25 from iteration 21 on" in line
     assert losses(out)[21] == losses(clean)[21]  # the weights of the checkpoint of iteration 20
+    # saved again at once: a run killed now resumes from the restart, not from the timeline it left
+    assert "saved checkpoint at iteration       20" in out.split(line)[1].split("\n iteration")[0]
     cut, lr = lrs(out), lrs(clean)
     assert all(cut[i] == pytest.approx(0.25 * lr[i], rel=2e-3) for i in range(21, 51))
     # stopped after the restart (its last checkpoint at 33) and resumed: the cut holds
