@@ -237,7 +237,8 @@ class CheckpointRestart(training.Callback):
     went back to, and where a 100B run's state lives (no host snapshots: those are the guard's).
     Snapshots.newest_before finds and reads them, as for the guard's disk rollbacks. A spike is
     loss_spike's (restart_sigma over restart_window losses), or a loss that is not finite (a
-    divergence). At most restart_max restarts; then the run goes on without them, said once. No
+    divergence). The checkpoint restarted from is saved again at once, with the restart's
+    decisions. At most restart_max restarts; then the run goes on without them, said once. No
     diagnosis: these are the baselines the guard is compared with. Its losses go with the
     weights; its decisions (the LR factor, the skip ranges, the decision log) are history, kept
     by checkpoints and never rolled back."""
@@ -277,7 +278,8 @@ class CheckpointRestart(training.Callback):
         if target is None:  # said once: a diverged run would say it at every step
             if restarts >= self.settings.restart_max:
                 self.decide_once(n, "cap", reason, f"no restart: restart_max="
-                                 f"{self.settings.restart_max} reached; the run goes on without")
+                                 f"{self.settings.restart_max} reached; the run goes on "
+                                 "without restarts")
             else:
                 self.decide_once(n, "none", reason, "no restart: no checkpoint before iteration "
                                  f"{n} in save")
@@ -289,6 +291,9 @@ class CheckpointRestart(training.Callback):
         # this callback's losses come back with the weights, its decisions stay (load_state_dict)
         run_state.restore(payload, self.parts)
         self.decide(n, "restart", reason, self.change(n, target), restored_iteration=target)
+        # saved again with its decisions: `latest` names the restart, and a run killed now resumes
+        # from it, not from a checkpoint of the abandoned timeline after it
+        run_state.save(self.parts, self.writer)
         return True
 
     def target(self, n):

@@ -133,3 +133,16 @@ def test_palm_restart_goes_back_and_skips_the_batches_as_skip_train_iteration_ra
     resumed = run(*PALM, *BAD_BATCH, save=tmp_path)
     assert "      39/      50 | skipped (palm_restart)" in resumed
     assert after(resumed, 38, "lm loss") == after(out, 38, "lm loss") != {}
+
+
+def test_a_loss_that_is_not_finite_restarts_and_the_cap_ends_the_restarts(run):
+    # the LR x1e9 on every pass through 25-26: the loss NaN at 26 each time, however far it is cut;
+    # the default window (128) never judges in 50 iterations, so the divergence rule alone acts
+    out = run("--opt_restart_lr_factor=0.25", "--restart_max=2", "--inject_lr_iters=25-26",
+              "--inject_lr_factor=1e9", "--inject_lr_persistent")
+    lines = actions(out, "opt_restart")
+    assert [line.split(": ", 2)[1] for line in lines] == ["iteration 26"] * 2 + ["iteration 27"]
+    assert all("loss nan (a divergence)" in line for line in lines)
+    assert "LR x0.25 from iteration 21" in lines[0] and "LR x0.0625 from iteration 21" in lines[1]
+    assert lines[2].endswith("no restart: restart_max=2 reached; the run goes on without restarts")
+    assert 50 in log_fields(out)  # it went on
