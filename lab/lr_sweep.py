@@ -137,11 +137,14 @@ ARMS = {
 }
 # The natural instabilities (issue 50): the 104B's kind -- a too-high LR, no qk-layernorm, a short warm-up, fp16 --
 # met by the remedies, each at its published defaults (none scaled to the run), with qk-layernorm as the
-# prevention to compare against. The automated checkpoint restarts (OPT's: back to the last checkpoint and a lower
-# LR; PaLM's: back ~100 steps and skip 200-500 batches) join as lever sets when stability/ has them
-# (lab/natural.md, the registration).
+# prevention to compare against. The automated checkpoint restarts go back to the runs' own
+# checkpoints (every 100 iterations, BASE's save_interval): OPT's with the LR x0.25 from there,
+# PaLM's skipping 200 batches from a checkpoint 100 or more before the spike
+# (stability/remedies.py; lab/natural.md, the registration).
 REMEDIES = {"none": [], "guard": ["--spike_guard"], "skip_step": ["--skip_step_sigma=6"],
-            "zclip": ["--zclip_z=2.5"], "qk_layernorm": QK}
+            "zclip": ["--zclip_z=2.5"], "qk_layernorm": QK,
+            "opt_restart": ["--opt_restart_lr_factor=0.25"],
+            "palm_restart": ["--palm_restart_skip=200"]}
 SHORT_WARMUP = [f"--lr_warmup_samples={10 * 16}"]  # 10 iterations: the edge comes in reach, as on the 104B
 ARMS.update({
     "N": {"title": "natural instabilities, fp32: arm A's default (z-loss 1e-4), a 10-iteration warm-up; the "

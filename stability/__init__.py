@@ -46,6 +46,10 @@ REGISTRY = [
     (("skip_step_sigma",), "remedies.SkipStep"),
     (("spiky_loss_factor",), "remedies.SpikyLoss"),
     (("zclip_z",), "remedies.ZClip"),
+    # the automated checkpoint restarts (baselines, never with the guard: config.check_restarts):
+    # after the faults' after_step; a restart ends the iteration for the callbacks below
+    (("opt_restart_lr_factor",), "remedies.OptRestart"),
+    (("palm_restart_skip",), "remedies.PalmRestart"),
     # after the guard's decision and the faults' flips, before the snapshot: a snapshot holds replicas found equal
     (("dp_replica_check_interval", "spike_guard"), "replica_check.ReplicaCheck"),
     # after the guard's veto: scales only an update that is applied

@@ -52,6 +52,13 @@ class StabilityConfig:
     zclip_z: float = 0.0  # ZClip: clip a grad norm whose z-score over its EMA is above this (2.5; 0: off)
     zclip_alpha: float = 0.97  # ... the EMA's smoothing factor (ZClip: 0.97)
     zclip_warmup: int = 25  # ... grad norms collected before the EMA starts (ZClip: 25)
+    # the automated checkpoint restarts (remedies.OptRestart, PalmRestart; 0: off): on a spike,
+    opt_restart_lr_factor: float = 0.0  # OPT's: back to the last checkpoint, the LR x this (0.25)
+    palm_restart_skip: int = 0  # PaLM's: back palm_restart_back iterations, skip this many (200)
+    palm_restart_back: int = 100  # ... to the newest checkpoint this far before the spike (PaLM)
+    restart_sigma: float = 6.0  # their spike: the loss this many stds above the window's mean ...
+    restart_window: int = 128  # ... of these previous steps (OLMo-core's SkipStep rule: 6, 128)
+    restart_max: int = 3  # restarts in a run, then none (spike_guard_max_rollbacks' default)
     inject_bad_batch_iters: list[str] | None = None  # fault injection: iterations ("40-45") given random-token batches
     inject_lr_iters: list[str] | None = None  # fault injection: iteration ranges whose LR is x inject_lr_factor
     inject_lr_factor: float = 100.0  # the LR multiplier of inject_lr_iters
@@ -197,6 +204,32 @@ def check_remedies(cfg):
     need(cfg.spiky_loss_samples >= 1, "spiky_loss_samples must be >= 1 (the steps whose largest loss is the bar)")
     need(cfg.zclip_z >= 0 and 0 < cfg.zclip_alpha < 1 and cfg.zclip_warmup >= 2,
          "zclip_z must be >= 0 (0: off), zclip_alpha in (0, 1) and zclip_warmup >= 2 (a variance needs 2 values)")
+    check_restarts(cfg)
+
+
+def check_restarts(cfg):
+    """The automated checkpoint restarts (remedies.OptRestart, PalmRestart): ranges, and the disk
+    checkpoints they go back to."""
+    need(0 <= cfg.opt_restart_lr_factor < 1,
+         f"opt_restart_lr_factor={cfg.opt_restart_lr_factor} must be 0 (off) or in (0, 1): a "
+         "restart at the same LR would replay the spike (OPT's seeds: x0.25)")
+    need(cfg.palm_restart_skip >= 0 and cfg.palm_restart_back >= 0,
+         "palm_restart_skip (0: off; PaLM: 200-500) and palm_restart_back (PaLM: ~100) must be "
+         ">= 0")
+    need(cfg.restart_sigma > 0 and cfg.restart_window >= 4 and cfg.restart_max >= 1,
+         "restart_sigma must be > 0, restart_window >= 4 (its warm-up is half of it) and "
+         "restart_max >= 1")
+    on = [k for k in ("opt_restart_lr_factor", "palm_restart_skip") if getattr(cfg, k)]
+    if not on:
+        return
+    need(len(on) == 1, "opt_restart_lr_factor and palm_restart_skip are two baselines: set one "
+         "of them to 0")
+    need(not cfg.spike_guard, f"{on[0]} is a baseline the spike guard is compared with, and both "
+         f"would roll the run back: set spike_guard=False or {on[0]}=0")
+    need(not cfg.deepspeed, f"{on[0]} judges the loss before the update, which DeepSpeed "
+         "computes inside its step(); set it to 0 or deepspeed=False")
+    need(cfg.save and cfg.save_interval, f"{on[0]} restarts from the run's disk checkpoints: set "
+         "save=DIR and save_interval (e.g. 100)")
 
 
 # -----------------------------------------------------------------------------
@@ -268,6 +301,16 @@ class ZClipConfig:  # remedies.ZClip
     zclip_z: float
     zclip_alpha: float
     zclip_warmup: int
+
+
+@dataclass(frozen=True)
+class RestartConfig:  # remedies.OptRestart, remedies.PalmRestart
+    opt_restart_lr_factor: float
+    palm_restart_skip: int
+    palm_restart_back: int
+    restart_sigma: float
+    restart_window: int
+    restart_max: int
 
 
 @dataclass(frozen=True)

@@ -16,14 +16,34 @@ norm) is the core's skip_grad_norm_above (training.skip_reason): one implementat
 
 What these do not do, by their definitions: roll back, skip data, cut the LR or say why (SpikyLoss alone tells a
 transient fault from a reproducible one). This file is not the guard and reads nothing of it.
+
+The checkpoint restarts the field ran by hand, automated (CheckpointRestart): on a loss spike,
+or a loss that is not finite, the run goes back to one of its own disk checkpoints and changes
+its course, with no diagnosis:
+
+    OptRestart  OPT-175B's: back to the last checkpoint before the spike, the LR x
+                opt_restart_lr_factor from then on (Zhang et al. 2022, sec. 2.5; the seeds'
+                OPT notes: "Lowered LR from 3e-4 -> 7.5e-5", x0.25)
+    PalmRestart PaLM's: back to a checkpoint ~palm_restart_back (100) iterations before the
+                spike, and skip palm_restart_skip (200-500) batches from there, "which cover the
+                batches that were seen before and during the spike" (Chowdhery et al. 2022,
+                sec. 5.1)
 """
 import math
 
 import checkpoint
 import parallel
+import run_state
+import schedule
 import training
 from report import print0
-from stability.config import SkipStepConfig, SpikyLossConfig, ZClipConfig, section
+from stability.config import (
+    RestartConfig,
+    SkipStepConfig,
+    SpikyLossConfig,
+    ZClipConfig,
+    section,
+)
 
 
 def mean_std(values):
@@ -198,3 +218,145 @@ class ZClip(training.Callback):
     def load_state_dict(self, state, run, resume):
         self.state = {"buffer": [], "mean": None, "var": None, **(state or {})}
         self.state["buffer"] = list(self.state["buffer"])
+
+
+# -----------------------------------------------------------------------------
+# The checkpoint restarts: OPT's and PaLM's, automated
+
+
+def loss_spike(losses, sigma):
+    """The restarts' spike: OLMo-core's SkipStep rule on the loss alone (skip_step_outliers: the
+    field's one published automatic spike rule, at its defaults 6 sigma over 128 steps, judged
+    from 64 on). The list ends with this step's loss. Returns the words, or None."""
+    found = skip_step_outliers(losses, losses, sigma)
+    return found[0] if found else None
+
+
+class CheckpointRestart(training.Callback):
+    """A restart from the run's own disk checkpoints (save, every save_interval): what OPT and PaLM
+    went back to, and where a 100B run's state lives (no host snapshots: those are the guard's).
+    Snapshots.newest_before finds and reads them, as for the guard's disk rollbacks. A spike is
+    loss_spike's (restart_sigma over restart_window losses), or a loss that is not finite (a
+    divergence). The checkpoint restarted from is saved again at once, with the restart's
+    decisions. At most restart_max restarts; then the run goes on without them, said once. No
+    diagnosis: these are the baselines the guard is compared with. Its losses go with the
+    weights; its decisions (the LR factor, the skip ranges, the decision log) are history, kept
+    by checkpoints and never rolled back."""
+    name = None
+
+    def __init__(self, cfg, shared):
+        self.settings = section(RestartConfig, cfg)
+        self.writer, self.snapshots = shared.writer, shared.snapshots
+        self.losses, self.spike = [], None
+        self.lr_scale, self.skip_ranges, self.decisions = 1.0, [], []
+
+    def start(self, parts, report, train_data):
+        self.parts, self.report = parts, report
+
+    def skip(self, iteration):
+        return self.name if schedule.in_ranges(iteration, self.skip_ranges) else None
+
+    def before_step(self, it):
+        it.lr = it.lr * self.lr_scale
+        self.spike = None
+
+    def update_factor(self, loss, grad_norm):
+        keep = self.settings.restart_window + 1
+        self.losses = (self.losses + [loss])[-keep:]
+        if len(self.losses) >= max(2, self.settings.restart_window // 2):  # OLMo-core's warm-up
+            self.spike = loss_spike(self.losses, self.settings.restart_sigma)
+        return 1.0  # a spiking step's update is undone by the restart
+
+    def after_step(self, it, step):
+        n = it.number
+        diverged = None if math.isfinite(step.loss) else f"loss {step.loss} (a divergence)"
+        reason = self.spike or diverged
+        if reason is None:
+            return False
+        restarts = sum(d["action"] == "restart" for d in self.decisions)
+        target = self.target(n) if restarts < self.settings.restart_max else None
+        if target is None:  # said once: a diverged run would say it at every step
+            if restarts >= self.settings.restart_max:
+                self.decide_once(n, "cap", reason, f"no restart: restart_max="
+                                 f"{self.settings.restart_max} reached; the run goes on "
+                                 "without restarts")
+            else:
+                self.decide_once(n, "none", reason, "no restart: no checkpoint before iteration "
+                                 f"{n} in save")
+            return False
+        if self.writer is not None:
+            self.writer.wait()  # the checkpoint to read may be the one being written
+        restored, payload = self.snapshots.newest_before(target + 1)
+        assert restored == target, (restored, target)
+        # this callback's losses come back with the weights, its decisions stay (load_state_dict)
+        run_state.restore(payload, self.parts)
+        self.decide(n, "restart", reason, self.change(n, target), restored_iteration=target)
+        # saved again with its decisions: `latest` names the restart, and a run killed now resumes
+        # from it, not from a checkpoint of the abandoned timeline after it
+        run_state.save(self.parts, self.writer)
+        return True
+
+    def target(self, n):
+        """The iteration of the checkpoint to restart from (before the spike at n), or None."""
+        before = [c for c in self.snapshots.checkpoints() if c < n]
+        return max(before) if before else None
+
+    def decide(self, n, action, reason, plan, **extra):
+        decision = {"iteration": n, "action": action, "reason": reason, **extra}
+        decision["line"] = f"remedy {self.name}: iteration {n}: {reason}: {plan}"
+        print0(decision["line"])
+        self.decisions.append(decision)
+        self.report.record(n, {f"remedy {self.name}": [decision]})
+
+    def decide_once(self, n, action, reason, plan):
+        if not any(d["action"] == action for d in self.decisions):
+            self.decide(n, action, reason, plan)
+
+    def state_dict(self):
+        return {"losses": list(self.losses), "lr_scale": self.lr_scale,
+                "skip_ranges": [list(r) for r in self.skip_ranges],
+                "decisions": list(self.decisions)}
+
+    def load_state_dict(self, state, run, resume):
+        state = state or {}
+        self.losses = list(state.get("losses", []))
+        if resume:  # a restart keeps the decisions: they are history
+            self.lr_scale = state.get("lr_scale", 1.0)
+            self.skip_ranges = [tuple(r) for r in state.get("skip_ranges", [])]
+            self.decisions = list(state.get("decisions", []))
+
+
+class OptRestart(CheckpointRestart):
+    """OPT-175B's remedy automated: "When the loss diverged, we found that lowering the learning
+    rate and restarting from an earlier checkpoint allowed for the job to recover" (Zhang et al.
+    2022, sec. 2.5). Back to the last checkpoint before the spike, and the LR x
+    opt_restart_lr_factor from there on, compounding at each restart; no data skipped. The
+    factor: the one cut the seeds' OPT notes give a number for, 3e-4 to 7.5e-5 (x0.25)."""
+    name = "opt_restart"
+
+    def change(self, n, target):
+        self.lr_scale *= self.settings.opt_restart_lr_factor
+        return (f"restarted from the checkpoint of iteration {target}; LR x{self.lr_scale:.3g} "
+                f"from iteration {target + 1} on; no data skipped")
+
+
+class PalmRestart(CheckpointRestart):
+    """PaLM's remedy automated: "We re-started training from a checkpoint roughly 100 steps
+    before the spike started, and skipped roughly 200-500 data batches, which cover the batches
+    that were seen before and during the spike" (Chowdhery et al. 2022, sec. 5.1). Back to the
+    newest checkpoint palm_restart_back or more iterations before the spike (none that far: the
+    oldest before it), and palm_restart_skip iterations from there skipped, through the spike's
+    own at least: drawn and thrown away, as skip_train_iteration_range does (lesson 9). The LR is
+    unchanged."""
+    name = "palm_restart"
+
+    def target(self, n):
+        before = [c for c in self.snapshots.checkpoints() if c < n]
+        far = [c for c in before if c <= n - 1 - self.settings.palm_restart_back]
+        return max(far) if far else min(before) if before else None
+
+    def change(self, n, target):
+        start, end = target + 1, max(target + self.settings.palm_restart_skip, n)
+        self.skip_ranges.append((start, end))
+        return (f"restarted from the checkpoint of iteration {target}; iterations {start}-{end} "
+                f"skipped ({end - start + 1} batches); LR unchanged")
