@@ -708,8 +708,11 @@ def run_dict(ckpt, cfg):
     (num_steps: applied iterations only) and tokens (num_tokens: Megatron counts every iteration's)."""
     args, sd = ckpt.args, ckpt.state
     lr = sd.get("lr_scheduler") or {}
-    tokens = int(sd.get("tokens") or getattr(args, "consumed_train_tokens", 0) or 0)
     samples = int(getattr(args, "consumed_train_samples", 0) or 0)
+    # A checkpoint that saved no token count ran every sample at full length (the curriculum that shortens
+    # them is the bigscience fork's, which saves `tokens`); zero would be refused on resume as damaged.
+    tokens = int(sd.get("tokens") or getattr(args, "consumed_train_tokens", 0)
+                 or samples * cfg.seq_length)
     state = run_state.RunState(iteration=int(sd["iteration"]), consumed_samples=samples, consumed_tokens=tokens,
                                scheduler_samples=int(lr.get("num_steps", samples)),
                                scheduler_tokens=int(lr.get("num_tokens", tokens)))

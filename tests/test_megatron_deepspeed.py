@@ -27,6 +27,7 @@ import torch
 
 import arguments
 import checkpoint
+import megatron_ds
 import optim
 import parallel
 import run_state
@@ -414,7 +415,6 @@ def test_each_output_stage_reads_only_the_source_files_it_needs(imported, tmp_pa
     embedding its tied output layer copies) and the ZeRO partitions of the source stages holding its parameters,
     and is handed the state of its own parameters alone. Before that, the lesson-11 check reads the tied word
     embedding's two copies. The mp_rank files (names and shapes) are left out of the count."""
-    import megatron_ds
     opened, seen = [], []
     load, write, check = megatron_ds.read_file, megatron_ds.stage_files, megatron_ds.check_tied_copies
 
@@ -749,3 +749,16 @@ def test_the_loss_scale_doubles_at_the_update_deepspeed_would(since_overflow):
         theirs.update_scale(False)
         ours.update(False)
         assert ours.scale == theirs.cur_scale and ours.hysteresis_left == theirs.cur_hysteresis
+
+
+def test_a_checkpoint_without_a_token_count_resumes_with_full_length_samples():
+    """Without `tokens` or consumed_train_tokens the import counted 0 tokens for its samples, a run state
+    the resume refuses as damaged (its tokens are fewer than its samples)."""
+    cfg = arguments.prepare(arguments.load_config(["--num_layers=2", "--hidden_size=64",
+                                                   "--num_attention_heads=4", "--seq_length=32"]))
+    args = types.SimpleNamespace(consumed_train_samples=96)
+    ckpt = types.SimpleNamespace(args=args, state={"iteration": 6, "lr_scheduler": {}}, zero=None)
+    run = megatron_ds.run_dict(ckpt, cfg)
+    assert run["state"]["consumed_tokens"] == 96 * 32
+    checked, _ = checkpoint.checked_run_state(run["state"], run["config"])
+    assert checked["consumed_tokens"] == 96 * 32
