@@ -95,3 +95,13 @@ def test_a_bad_device_corrupts_every_step_from_its_onset_a_rollbacks_replays_inc
     healthy = faults("--inject_bad_device_iter=5", "--inject_bitflip_rank=1")  # rank 1's device; this is rank 0
     healthy.before_step(training.Iteration(6, 20, 4, 16, batches(20), lr=1e-3))
     assert healthy.flip_grad is None
+
+
+@pytest.mark.parametrize("flag, named", [("--inject_bad_samples=9", "inject_bad_samples entry '9'"),
+                                         ("--inject_bad_samples=5-2", "0 <= START <= END"),
+                                         ("--inject_bad_samples_kind=zeros", "inject_bad_samples_kind='zeros'"),
+                                         ("--inject_duplicate_period=0", "inject_duplicate_period must be"),
+                                         ("--inject_bad_device_iter=0", "inject_bad_device_iter must be")])
+def test_a_wrong_corpus_or_device_fault_is_refused_naming_its_key(flag, named):
+    with pytest.raises(ValueError, match=named.replace("(", r"\(")):
+        arguments.prepare(arguments.load_config([*TINY, "--inject_bad_samples=0-3", flag]))
