@@ -101,13 +101,14 @@ def test_megatron_rerun_diagnosis_is_right_when_transient_means_hardware():
 def args(out, **more):
     return gc.main.__globals__["argparse"].Namespace(**{
         "out": str(out), "harm": gc.HARM, "seed": 5, "first": 0, "trials": 1, "iters": 40, "model": "2x64",
-        "clean_runs": 1, "grad_norm_bound": 1.0, "preregister": os.path.join(out, "registration.json"), **more})
+        "clean_runs": 1, "grad_norm_bound": 1.0, "preregister": os.path.join(out, "registration.json"),
+        "draw": "seventh", "windows": "published", "window_scale": None, "snapshots": "on", **more})
 
 
 def test_a_registration_comes_before_the_runs_and_is_never_mixed(tmp_path, monkeypatch):
     a = args(tmp_path)
-    monkeypatch.setattr(gc, "uncommitted", lambda: " M stability/guard.py")
-    with pytest.raises(SystemExit, match="commit the guard first"):
+    monkeypatch.setattr(gc, "uncommitted", lambda: " M train.py")  # anywhere in the tree, not only stability/
+    with pytest.raises(SystemExit, match="commit the tree first"):
         gc.preregister(a)
     monkeypatch.setattr(gc, "uncommitted", lambda: "")
     registration = gc.preregister(a)
