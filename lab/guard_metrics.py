@@ -67,7 +67,7 @@ def base_rate(cleans, starts, window=DETECT_WINDOW):
 def percentile(values, q):
     """The nearest-rank q-th percentile: the smallest value with at least q% of the values at or below it."""
     ordered = sorted(values)
-    return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
+    return ordered[max(0, math.ceil(round(q / 100 * len(ordered), 9)) - 1)]  # 99.9% of 1000: 999, not 1000
 
 
 def calibrated_bound(cleans, q=CALIBRATION[0], after=CALIBRATION[1]):
