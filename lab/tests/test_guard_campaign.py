@@ -231,7 +231,7 @@ def test_the_replica_checks_decisions_are_scored_as_hardware():
 
 
 def trial_of(family, seed=7, iters=40):
-    return next(k for k in range(500) if gc.draw(seed, k, iters)["family"] == family)
+    return next(k for k in range(500) if gc.draw_seventh(seed, k, iters)["family"] == family)
 
 
 def same_until(a, b, last):
@@ -242,17 +242,17 @@ def same_until(a, b, last):
 
 @pytest.mark.slow
 def test_one_trial_on_two_processes_and_one_resumed_keep_both_twins_identical_until_the_fault(tmp_path, corpus512):
-    """One 2-process trial (a bit flip on DP rank 1) and one resumed trial (LR x10-100 from the resume), each as its
+    """One 2-process trial (DP rank 1's device bad from the fault on) and one resumed trial (LR x10-100 from the resume), each as its
     clean twin and unguarded run: before the fault the two are the same run (their losses equal), after it they are
     not; on 2 processes the clean twin's replicas end identical and the flipped run's apart; the resumed runs'
     records join both processes' iterations, and no checkpoint is left behind."""
-    for family in ("dp state bit flip", "lr after resume"):
+    for family in ("dp bad device", "lr after resume"):
         k, out = trial_of(family), tmp_path / family.replace(" ", "-")
         gc.main(["--out", str(out), "--data_path", corpus512, "--trials", "1", "--first", str(k), "--iters", "40",
                  "--seed", "7", "--method", "none", "--jobs", "2"])
         runs = gc.runs_of(str(out))
         clean, bad = runs[f"{k}-clean"], runs[f"{k}-unguarded"]
-        trial = gc.draw(7, k, 40)
+        trial = gc.draw_seventh(7, k, 40)
         for r in (clean, bad):
             assert r["exit"] == 0 and r["nproc"] == trial["nproc"] and [x[0] for x in r["series"]] == list(
                 range(1, 41))

@@ -172,17 +172,19 @@ def test_the_primary_table_counts_by_hand():
                       "start": start, "trial": int(name.split("-")[0]), "method": method, "iters": 100,
                       "series": [[i, 5.0, 1.0, 0] for i in range(1, 101)], "seconds": 10.0, "replica_gap": gap,
                       "snapshots": 2}
-    act = "spike guard: iteration 25: loss 9 is 2x its trend; data-driven"
+    act, late = ("spike guard: iteration 25: loss 9 is 2x its trend; data-driven",
+                 "spike guard: iteration 60: loss 9 is 2x its trend; data-driven")  # 40 after the fault: too late
+    # trial 2: 0.5% over its clean twin (harmless by its loss) with its replicas apart: harmful, and not in the shares
     runs = dict([rec("0-clean", 4.0), rec("0-unguarded", 4.4), rec("0-guarded", 4.2, decisions=[act]),
-                 rec("1-clean", 4.0), rec("1-unguarded", 4.8), rec("1-guarded", 4.9, decisions=[act]),
-                 rec("2-clean", 4.0, gap=0.0), rec("2-unguarded", 4.0, gap=0.1), rec("2-guarded", 4.0, gap=0.0),
+                 rec("1-clean", 4.0), rec("1-unguarded", 4.8), rec("1-guarded", 4.9, decisions=[late]),
+                 rec("2-clean", 4.0, gap=0.0), rec("2-unguarded", 4.02, gap=0.1), rec("2-guarded", 4.0, gap=0.0),
                  rec("3-clean", 4.0), rec("3-unguarded", 4.01), rec("3-guarded", 4.0, decisions=[act], exit=3)])
     guard = gc.primary_results(runs)["guard"]
     assert guard["shares"] == pytest.approx([0.5, -0.125])  # trial 2 is harmful by its replicas alone: apart
-    assert (guard["apart"], guard["rejoined"], guard["harmful"], guard["detected"]) == (1, 1, 3, 2)
+    assert (guard["apart"], guard["rejoined"], guard["harmful"], guard["detected"]) == (1, 1, 3, 1)
     assert (guard["harmless"], guard["harmless_acted"], guard["harmless_stopped"]) == (1, 1, 1)
     table = gc.primary_table(runs)
-    assert "| guard | 0.19 (-0.13 to 0.50), n=2 | 1 | 1/1 | 2/3 - 0.00 = +0.67 | +0.0% | +0.0% | 2.0 | 1/1 / 1/1 |" \
+    assert "| guard | 0.19 (-0.13 to 0.50), n=2 | 1 | 1/1 | 1/3 - 0.00 = +0.33 | +0.0% | +0.0% | 2.0 | 1/1 / 1/1 |" \
         in table
     assert "| random tokens | 4 | 3 |" in table
 
@@ -211,7 +213,7 @@ def test_every_record_is_stamped_and_a_registration_refuses_another_tree(tmp_pat
     with pytest.raises(SystemExit, match="is not the registered one"):
         gc.preregister(a)
     monkeypatch.setattr(gc, "code_stamp", lambda: {**stamp, "dirty": True})  # the same commit, edited
-    with pytest.raises(SystemExit, match="dirty"):
+    with pytest.raises(SystemExit, match=r"\(hash tttttttttttt, dirty\) is not the registered one"):
         gc.preregister(a)
 
 
