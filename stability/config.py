@@ -69,10 +69,13 @@ class StabilityConfig:
     inject_repeat_iters: list[str] | None = None  # fault injection: a block of repeated documents in corpus order ...
     inject_repeat_period: int = 1  # ... its iterations given again the samples of its first this many iterations
     inject_overflow_iters: list[str] | None = None  # fault injection (fp16): gradients overflow
-    inject_bad_samples: list[str] | None = None  # fault injection: consumed-sample ranges ("0-7") bad IN THE CORPUS
-    inject_bad_samples_kind: str = "random"  # ... random tokens, "repeat" a token, an "ngram", or a "duplicate" ...
+    # fault injection: consumed-sample ranges ("0-7") bad IN THE CORPUS ...
+    inject_bad_samples: list[str] | None = None
+    # ... random tokens, "repeat" a token, an "ngram", or a "duplicate" ...
+    inject_bad_samples_kind: str = "random"
     inject_duplicate_period: int = 8  # ... of the range's first this many samples, in turn
-    inject_bad_device_iter: int | None = None  # fault injection: inject_bitflip_rank's device goes bad here, stays bad
+    # fault injection: inject_bitflip_rank's device goes bad here and stays bad
+    inject_bad_device_iter: int | None = None
 
 
 def need(ok, message):
@@ -173,8 +176,8 @@ SAMPLE_KINDS = ("random", "repeat", "ngram", "duplicate")  # inject_bad_samples_
 
 
 def sample_ranges(ranges, key):
-    """["0-7", "96-99"] -> [(0, 7), (96, 99)]: consumed-sample indices (0-based, inclusive: the first
-    sample of the run is 0, as loader.sample_indices counts them)."""
+    """["0-7", "96-99"] -> [(0, 7), (96, 99)]: consumed-sample indices (0-based, inclusive: the
+    first sample of the run is 0, as loader.sample_indices counts them)."""
     out = []
     for r in ranges or []:
         start, dash, end = str(r).partition("-")

@@ -20,27 +20,31 @@
 
 Faults that stay where they live (the seventh campaign's, lab/guard_campaign.py):
 
-    inject_bad_samples       consumed-sample index ranges that are bad IN THE CORPUS (inject_bad_samples_kind:
-                             random tokens, one token repeated, an 8-gram, or a duplicate of the range's first
-                             inject_duplicate_period samples): whichever iteration reads those samples -- the first
-                             pass, a rollback's replay, a resume, the guard's comparison batch -- meets them again;
-                             only a skip of those samples (an iteration range drawn and thrown away) removes them.
-                             A part of a batch's samples in the range: that part of the batch is bad.
-    inject_bad_device_iter   inject_bitflip_rank's device goes bad at the first pass through this iteration and
-                             stays bad: every step it runs from then on (bit inject_bitflip_bit of element
-                             inject_bitflip_element of the first matrix's reduced gradient) is corrupted, whatever
-                             the iteration's number -- a rollback to before the onset does not heal it (its replays
-                             are corrupted too), nor does a re-sync of the replicas (the next step corrupts again), a
-                             resume in the same place neither (a resumed run past the onset is on the bad device
-                             from its first step). Only taking the device out ends it: the guard's stop at its
-                             hardware cap, the operator's restart without the node.
+    inject_bad_samples      consumed-sample index ranges bad IN THE CORPUS
+                            (inject_bad_samples_kind: random tokens, one token repeated, an 8-gram,
+                            or a duplicate of the range's first inject_duplicate_period samples):
+                            whichever iteration reads those samples -- the first pass, a rollback's
+                            replay, a resume, the guard's comparison batch -- meets them again; only
+                            a skip of those samples (an iteration range drawn and thrown away)
+                            removes them. Part of a batch's samples in the range: that part is bad.
+    inject_bad_device_iter  inject_bitflip_rank's device goes bad at the first pass through this
+                            iteration and stays bad: every step it runs from then on (bit
+                            inject_bitflip_bit of element inject_bitflip_element of the first
+                            matrix's reduced gradient) is corrupted, whatever its iteration.
+                            A rollback to before the onset does not heal it (its replays are
+                            corrupted too), nor does a re-sync of the replicas (the next step
+                            corrupts again), nor a resume (a resumed run past the onset is on the
+                            bad device from its first step). Only taking the device out ends it: the
+                            guard's stop at its hardware cap, the operator's restart without the
+                            node.
 
-An LR spike (not inject_lr_persistent) and an inject_bitflip_iters flip are events in time: a replay or a rollback
-does not meet them again (a transient hardware fault: one step). The spike guard keeps the run's timeline
-(spike_guard.SpikeGuard.meets_fault), and is told of the LRs a replay would not get (note_lr). The data faults keyed
-by iteration (inject_bad_batch_iters, inject_degenerate_iters, inject_repeat_iters) stay for the first six
-campaigns' draws and their tests: their iteration is their samples only while no skip list moves the data. The
-ranges are parsed once, when the run starts.
+An LR spike (not inject_lr_persistent) and an inject_bitflip_iters flip are events in time: a replay
+or a rollback does not meet them again (a transient hardware fault: one step). The spike guard keeps
+the run's timeline (spike_guard.SpikeGuard.meets_fault), and is told of the LRs a replay would not
+get (note_lr). The data faults keyed by iteration (inject_bad_batch_iters, inject_degenerate_iters,
+inject_repeat_iters) stay for the first six campaigns' draws and their tests: their iteration is
+their samples only while no skip list moves the data. The ranges are parsed once, when the run
+starts.
 """
 import torch
 
@@ -298,16 +302,20 @@ class Faults(training.Callback):
             return grad
         return first.register_hook(overflow)
 
-    # -- faults that stay where they live: samples bad in the corpus, a device that stays bad ---------------------
+    # -- faults that stay where they live: samples bad in the corpus, a device that stays bad
+    # ---------------------
 
     def corpus_batches(self, first_sample, batches):
-        """The batches with inject_bad_samples' samples made bad: a row whose consumed-sample index is in the
-        ranges gets that sample's bad tokens (bad_sample), the same whichever iteration, pass or rank reads it."""
+        """The batches with inject_bad_samples' samples made bad: a row whose consumed-sample index
+        is in the ranges gets that sample's bad tokens (bad_sample), the same whichever iteration,
+        pass or rank reads it."""
         if not self.bad_sample_ranges or not batches:
             return batches
         g = parallel.grid
-        index = loader.sample_indices(first_sample, len(batches), batches[0][0].shape[0], g.dp_rank, g.dp_size)
-        bad = sum((index >= a) & (index <= b) for a, b in self.bad_sample_ranges)  # host numpy: no device sync
+        rows = batches[0][0].shape[0]
+        index = loader.sample_indices(first_sample, len(batches), rows, g.dp_rank, g.dp_size)
+        # host numpy: no device sync
+        bad = sum((index >= a) & (index <= b) for a, b in self.bad_sample_ranges)
         if not bad.any():
             return batches
         out = [(x.clone(), y.clone()) for x, y in batches]
@@ -318,10 +326,11 @@ class Faults(training.Callback):
         return out
 
     def bad_sample(self, sample, tokens):
-        """The bad tokens of consumed sample `sample` (its clean tokens: `tokens`, seqlen + 1 of them), from a
-        generator seeded by (seed, sample): "random" -- random ids; "repeat" -- its commonest token over and over
-        (tr8-104B's backslash-only samples); "ngram" -- an 8-gram repeated; "duplicate" -- the clean tokens of the
-        range's sample start + (sample - start) % inject_duplicate_period (a block of near-duplicates)."""
+        """The bad tokens of consumed sample `sample` (its clean tokens: `tokens`, seqlen + 1 of
+        them), from a generator seeded by (seed, sample): "random" -- random ids; "repeat" -- its
+        commonest token over and over (tr8-104B's backslash-only samples); "ngram" -- an 8-gram
+        repeated; "duplicate" -- the clean tokens of the range's sample start + (sample - start) %
+        inject_duplicate_period (a block of near-duplicates)."""
         cfg, length = self.cfg, tokens.numel()
         gen = torch.Generator().manual_seed(cfg.seed * 1_000_037 + sample)
         kind = cfg.inject_bad_samples_kind
@@ -330,14 +339,16 @@ class Faults(training.Callback):
         if kind == "repeat":
             return torch.mode(tokens).values.expand(length).clone()
         if kind == "ngram":
-            return torch.randint(0, cfg.vocab_size, (8,), generator=gen).repeat(length // 8 + 1)[:length]
+            gram = torch.randint(0, cfg.vocab_size, (8,), generator=gen)
+            return gram.repeat(length // 8 + 1)[:length]
         start = next(a for a, b in self.bad_sample_ranges if a <= sample <= b)
         source = start + (sample - start) % cfg.inject_duplicate_period
         return loader.load_tokens(self.train_data, source, 1, length - 1, 1, 0, 1)[0, 0]
 
     def bad_device(self, iteration):
-        """inject_bad_device_iter: from the first pass through it on, a flip of the reduced gradient on
-        inject_bitflip_rank at every step, whatever the iteration (a rollback's replays of earlier ones too)."""
+        """inject_bad_device_iter: from the first pass through it on, a flip of the reduced gradient
+        on inject_bitflip_rank at every step, whatever the iteration (a rollback's replays of
+        earlier ones too)."""
         at = self.cfg.inject_bad_device_iter
         self.device_bad = self.device_bad or (at is not None and iteration >= at)
         if not self.device_bad or parallel.grid.rank != self.cfg.inject_bitflip_rank:
@@ -346,13 +357,14 @@ class Faults(training.Callback):
         @torch.no_grad()
         def flip(model):
             params = [p for p in parallel.unwrap(model).parameters() if p.dim() == 2]
-            self.flip_bit(parallel.main_grad(params[0]).view(-1), iteration, "gradient (a bad device)")
+            grad = parallel.main_grad(params[0]).view(-1)
+            self.flip_bit(grad, iteration, "gradient (a bad device)")
         return flip
 
 
 class NoTimeline:
-    """The timeline of a run with no fault in time (no guard built: stability.REGISTRY builds it for each of
-    them): no pass meets one. The faults that stay where they live need none."""
+    """The timeline of a run with no fault in time (no guard built: stability.REGISTRY builds it for
+    each of them): no pass meets one. The faults that stay where they live need none."""
 
     def meets_fault(self, iteration, ranges):
         return False
