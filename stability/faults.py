@@ -302,8 +302,7 @@ class Faults(training.Callback):
             return grad
         return first.register_hook(overflow)
 
-    # -- faults that stay where they live: samples bad in the corpus, a device that stays bad
-    # ---------------------
+    # -- faults that stay where they live: samples bad in the corpus, a device that stays bad -----
 
     def corpus_batches(self, first_sample, batches):
         """The batches with inject_bad_samples' samples made bad: a row whose consumed-sample index
