@@ -20,10 +20,20 @@ and the unguarded run only), or one of the field's remedies (stability/remedies.
 skip_grad_norm_above), which runs each harmful trial's fault under it and --clean_runs clean twins under it (their
 actions are its false positives); the report then adds one table of methods x (detection, false positives per run
 and per 1,000 iterations, right diagnosis where the method diagnoses, final-loss damage against the clean twin).
---preregister FILE freezes, before any run, the guard (the commit and a hash of stability/*.py), the fault space,
-the harm threshold, the seed, the trial count and the model: a run under another registration, or a changed
-stability/, is refused, every record carries the registration's id, and the report refuses to mix registrations.
-Every record keeps its run's per-iteration losses and grad norms and its method's actions.
+--preregister FILE freezes, before any run, the whole tree (a hash of HEAD's tree, lab/campaign/
+aside, and a dirty flag), the draws, the metrics, the goals, the thresholds, the seed, the trials,
+the model and every method's flags: a run from another tree or a dirty one, or under another
+registration, is refused, every record carries the registration's id, and the report refuses to
+mix registrations. Every record keeps its run's per-iteration losses and grad norms and its
+method's actions, and is stamped with its UTC start and end, the commit, the tree and torch's
+version.
+
+The seventh campaign (docs/spike_guard.md, "The seventh campaign's design"): --draw seventh (the
+default; stratified, its faults staying where they live: stability/faults.py), sixth or
+withdrawn-61; --windows published or scaled (--window_scale), one rule for every method;
+--snapshots off (the guard rolls back to disk checkpoints); OPT's bound calibrated on the clean
+twins (--grad_norm_bound unset); --model 10M for the subset at scale. The report adds the primary
+metric, the share of the damage removed, and the costs (lab/guard_metrics.py).
 
 Resumable: each finished run is a line of OUT/runs.jsonl, and a restarted campaign runs only what is missing
 (trial k's draw depends on --seed and k alone). --jobs processes at a time (a 2-process run holds two); --minutes
