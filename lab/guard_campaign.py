@@ -20,10 +20,20 @@ and the unguarded run only), or one of the field's remedies (stability/remedies.
 skip_grad_norm_above), which runs each harmful trial's fault under it and --clean_runs clean twins under it (their
 actions are its false positives); the report then adds one table of methods x (detection, false positives per run
 and per 1,000 iterations, right diagnosis where the method diagnoses, final-loss damage against the clean twin).
---preregister FILE freezes, before any run, the guard (the commit and a hash of stability/*.py), the fault space,
-the harm threshold, the seed, the trial count and the model: a run under another registration, or a changed
-stability/, is refused, every record carries the registration's id, and the report refuses to mix registrations.
-Every record keeps its run's per-iteration losses and grad norms and its method's actions.
+--preregister FILE freezes, before any run, the whole tree (a hash of HEAD's tree, lab/campaign/
+aside, and a dirty flag), the draws, the metrics, the goals, the thresholds, the seed, the trials,
+the model and every method's flags: a run from another tree or a dirty one, or under another
+registration, is refused, every record carries the registration's id, and the report refuses to
+mix registrations. Every record keeps its run's per-iteration losses and grad norms and its
+method's actions, and is stamped with its UTC start and end, the commit, the tree and torch's
+version.
+
+The seventh campaign (docs/spike_guard.md, "The seventh campaign's design"): --draw seventh (the
+default; stratified, its faults staying where they live: stability/faults.py), sixth or
+withdrawn-61; --windows published or scaled (--window_scale), one rule for every method;
+--snapshots off (the guard rolls back to disk checkpoints); OPT's bound calibrated on the clean
+twins (--grad_norm_bound unset); --model 10M for the subset at scale. The report adds the primary
+metric, the share of the damage removed, and the costs (lab/guard_metrics.py).
 
 Resumable: each finished run is a line of OUT/runs.jsonl, and a restarted campaign runs only what is missing
 (trial k's draw depends on --seed and k alone). --jobs processes at a time (a 2-process run holds two); --minutes
@@ -44,6 +54,7 @@ import sys
 import threading
 import time
 
+import guard_metrics
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -53,6 +64,10 @@ MODEL = ["--num_layers=2", "--hidden_size=64", "--num_attention_heads=4", "--seq
          "--eval_iters=8", "--sample_tokens=0", "--save=none", "--save_interval=none"]
 # the default config's wider model (config/tiny.py: 4 layers x 128), at the campaign's sequence and batch
 WIDE = ["--num_layers=4", "--hidden_size=128"]
+# the subset's model of 10M+ parameters (6 x 384: 12 x 6 x 384^2 = 10.6M in its blocks), for --iters
+# 1000 and more
+BIG = ["--num_layers=6", "--hidden_size=384", "--num_attention_heads=6"]
+MODELS = {"2x64": [], "4x128": WIDE, "10M": BIG}
 GUARD = ["--spike_guard", "--spike_guard_window=20", "--spike_guard_min_steps=10", "--spike_guard_rewind=3",
          "--spike_guard_skip_after=2", "--spike_guard_snapshot_interval=5"]
 # family -> the cause a right diagnosis names. A family is a line here and a branch of draw() (a new one changes
@@ -72,6 +87,36 @@ REMEDIES = {"skip_step": ["--skip_step_sigma=6", "--skip_step_window=128"],
             "grad_norm_skip": [],
             "zclip": ["--zclip_z=2.5", "--zclip_alpha=0.97", "--zclip_warmup=25"]}
 METHODS = ["guard", "none", *REMEDIES]
+# The seventh campaign's rule for every method alike (--windows): each setting that counts
+# iterations at its published default ("published": the guard's are its config defaults,
+# stability/config.py), or every one of them x --window_scale ("scaled"); "sixth" keeps the sixth's
+# flags (GUARD, REMEDIES) to run its draws as they ran.
+WINDOWS = {
+    "guard": {
+        "spike_guard_window": 128,
+        "spike_guard_min_steps": 16,
+        "spike_guard_rewind": 100,
+        "spike_guard_skip_after": 200,
+        "spike_guard_snapshot_interval": 50,
+    },
+    "skip_step": {"skip_step_window": 128},
+    "spiky_loss": {"spiky_loss_samples": 100},
+    "zclip": {"zclip_warmup": 25},
+}
+# each remedy's settings that are no window, at their published defaults
+SETTINGS = {
+    "skip_step": ["--skip_step_sigma=6"],
+    "spiky_loss": ["--spiky_loss_factor=10"],
+    "grad_norm_skip": [],
+    "zclip": ["--zclip_z=2.5", "--zclip_alpha=0.97"],
+}
+# --snapshots off: the guard rolls back to disk checkpoints saved this often (tr8-104B saved "every
+# 300 iterations so that if we have to recover a training we don't have to roll back far"), scaled
+# with the windows
+SAVE_INTERVAL = 300
+# detects and never acts (Megatron-LM's spiky-loss check re-runs and reports; its restart is the
+# operator's): it is reported as a detector, out of the remedies' table
+DETECTORS = ("spiky_loss",)
 HARM = 0.01  # a fault is harmful when it raises the clean twin's final validation loss by more than this
 LOG = re.compile(r"^ iteration +(\d+)/ *\d+ \|.*?lm loss: (\S+) \|.*?grad norm: (\S+) \|.*?"
                  r"number of skipped iterations: +(\d+)", re.M)
@@ -84,12 +129,30 @@ def long_clean_seed(seed, j):
 
 
 def draw(seed, k, iters):
-    """Trial k, from (seed, k) alone: {family, flags (the fault's), precision (flags), seed, what (a description),
-    start (the fault's first iteration), nproc (processes: 2 for a fault on one DP replica), resume (None, or the
-    iteration K the run saves at and stops, a second process resuming from it with the fault's flags)}."""
+    """Trial k of the first six campaigns' draw (--draw sixth; its faults events in time), from
+    (seed, k) alone: {family, flags (the fault's), precision (flags), seed, what (a description),
+    start (the fault's first iteration), nproc (processes: 2 for a fault on one DP replica), resume
+    (None, or the iteration K the run saves at and stops, a second process resuming from it with the
+    fault's flags)}."""
     rng = random.Random(seed * 100_003 + k)
     family = rng.choice(sorted(FAMILIES))
-    start = rng.randint(15, iters - 20)
+    trial = fault_of(rng, family, rng.randint(15, iters - 20), iters)
+    # The trial's training seed (initial weights, data order) is drawn too, last. It was 1234 + k:
+    # trial k's clean twin was then the same run in every campaign whose draw gave it the same
+    # precision and launch (16 of the sixth's first 28 were the fifth's bit for bit), so a
+    # campaign's clean runs were not held out from the last's.
+    return {**trial, "seed": rng.randrange(10**4, 10**9)}
+
+
+def draw_withdrawn_61(seed, k, iters):
+    """Trial k of the withdrawn seed-61 registration (7ec26c3; --draw withdrawn-61): the sixth's
+    draw with the training seed it had then, 1234 + k, so that its trials can be run again and
+    reported beside the new ones."""
+    return {**draw(seed, k, iters), "seed": 1234 + k}
+
+
+def fault_of(rng, family, start, iters):
+    """The first six campaigns' fault of `family` from `start`, its magnitudes drawn from rng."""
     precision, nproc, resume = [], 1, None
     if family == "lr transient":
         length, factor = rng.randint(1, 6), round(math.exp(rng.uniform(math.log(30), math.log(3000))))
@@ -141,19 +204,88 @@ def draw(seed, k, iters):
         length = rng.choice([1, 2, 5, 10, 21])
         flags, precision = [f"--inject_numerical_iters={start}-{start + length - 1}"], [f"--{half}"]
         what = f"{length} iterations"
-    # The trial's training seed (initial weights, data order) is drawn too, last. It was 1234 + k: trial k's clean
-    # twin was then the same run in every campaign whose draw gave it the same precision and launch (16 of the
-    # sixth's first 28 were the fifth's bit for bit), so a campaign's clean runs were not held out from the last's.
-    seed_of_run = rng.randrange(10**4, 10**9)
-    return {"family": family, "flags": flags, "precision": precision, "seed": seed_of_run, "what": f"{family} at "
-            f"{start}: {what}", "start": start, "nproc": nproc, "resume": resume}
+    what = f"{family} at {start}: {what}"
+    return {"family": family, "flags": flags, "precision": precision, "what": what, "start": start,
+            "nproc": nproc, "resume": resume}
+
+
+# The seventh campaign's families: the sixth's, their data faults placed in the corpus
+# (inject_bad_samples: met again by a rollback unless skipped), and a device that stays bad beside
+# the transient bit flips
+SEVENTH = {**FAMILIES, "dp bad device": "hardware"}
+CORPUS_KINDS = {
+    "random tokens": "random",
+    "repeated token": "repeat",
+    "repeated 8-gram": "ngram",
+    "poisoned minority": "random",
+    "ordered duplicate block": "duplicate",
+}
+
+
+def stratum(seed, k):
+    """Trial k's family in the seventh's stratified draw: each run of len(SEVENTH) trials holds
+    every family once, in an order drawn from (seed, the run's number), so that N x len(SEVENTH)
+    trials hold N of each."""
+    order = sorted(SEVENTH)
+    random.Random(f"strata {seed} {k // len(order)}").shuffle(order)
+    return order[k % len(order)]
+
+
+def draw_seventh(seed, k, iters):
+    """Trial k of the seventh campaign (--draw seventh), from (seed, k) alone, as draw(): its family
+    stratified (stratum), its data faults in the corpus and its bad device staying bad
+    (stability/faults.py)."""
+    rng = random.Random(f"seventh {seed} {k}")
+    family = stratum(seed, k)
+    trial = fault_of(
+        rng,
+        family if family != "dp bad device" else "dp grad bit flip",
+        rng.randint(15, iters - 20),
+        iters,
+    )
+    trial["family"], trial["what"] = family, family + trial["what"][trial["what"].index(" at ") :]
+    if family in CORPUS_KINDS:
+        trial["flags"], trial["what"] = corpus_fault(rng, family, trial, iters)
+    elif (
+        family == "dp bad device"
+    ):  # the grad flip's bit, element and rank, from its start on and staying
+        trial["flags"][0] = f"--inject_bad_device_iter={trial['start']}"
+        trial["what"] = trial["what"].replace(
+            "on DP rank 1", "on DP rank 1's device, bad from then on"
+        )
+    return {**trial, "seed": rng.randrange(10**4, 10**9)}
+
+
+def corpus_fault(rng, family, trial, iters, batch=8):
+    """(flags, what) of a data family placed in the corpus: the consumed samples that the fault's
+    iterations of the first pass read (iteration n: samples (n - 1) x batch to n x batch - 1, one
+    process, no ramp-up) made bad in place; a poisoned minority the first 1-3 of each batch's 8; a
+    duplicate block repeating its first 1-8 batches' samples."""
+    start, text = trial["start"], trial["what"]
+    a, b = trial["flags"][0].split("=")[1].split("-")  # the sixth's iteration range of the fault
+    length = int(b) - int(a) + 1
+    first = (start - 1) * batch
+    ranges = [f"{first}-{first + length * batch - 1}"]
+    if family == "poisoned minority":
+        bad = rng.randint(1, 3)
+        ranges = [f"{first + i * batch}-{first + i * batch + bad - 1}" for i in range(length)]
+        text = text[: text.index(": ") + 2] + f"{length} batches, {bad} of their 8 samples"
+    flags = [
+        f"--inject_bad_samples={' '.join(ranges)}",
+        f"--inject_bad_samples_kind={CORPUS_KINDS[family]}",
+    ]
+    if family == "ordered duplicate block":
+        period = int(trial["flags"][1].split("=")[1])
+        flags.append(f"--inject_duplicate_period={period * batch}")
+    first, last = ranges[0].split("-")[0], ranges[-1].split("-")[1]
+    return flags, text + f" (samples {first}-{last}, in the corpus)"
 
 
 def base_args(trial, model, iters):
     """A trial's train.py flags but the fault's and the method's: the model, its batch (2 processes: the global
     batch two micro-batches, one per DP replica), precision and seed."""
     batch = 8 * trial["nproc"]
-    return [*MODEL, *(WIDE if model == "4x128" else []), f"--global_batch_size={batch}", f"--train_iters={iters}",
+    return [*MODEL, *MODELS[model], f"--global_batch_size={batch}", f"--train_iters={iters}",
             f"--lr_decay_samples={batch * iters}", *trial["precision"], f"--seed={trial['seed']}"]
 
 
@@ -163,11 +295,15 @@ def processes(base, fault, method, trial, checkpoint):
     resumes, the clean twin too: the fault is the only difference."""
     # on 2 processes the last one saves at the end with every rank's weights (dump_weights): replica_gap() reads them
     dumps = [f"--save={checkpoint}", "--dump_weights"] if trial["nproc"] > 1 else []
+    # a guard without snapshots (--snapshots off) rolls back to the disk checkpoints its flags save,
+    # in `checkpoint`
+    disk = [f"--save={checkpoint}"] if "--spike_guard_snapshot_interval=0" in method else []
     if trial["resume"] is None:
-        return [[*base, *fault, *method, *dumps]]
+        return [[*base, *fault, *method, *disk, *dumps]]
     k = trial["resume"]
+    saves = [f for f in method if f.startswith("--save_interval=")] or ["--save_interval=none"]
     return [[*base, *method, f"--save={checkpoint}", f"--save_interval={k}", f"--exit_interval={k}"],
-            [*base, *method, *fault, f"--save={checkpoint}", "--save_interval=none", *dumps]]
+            [*base, *method, *fault, f"--save={checkpoint}", *saves, *dumps]]
 
 
 def run_one(out, name, parts, data_path, method="guard", nproc=1):
@@ -193,9 +329,11 @@ def run_one(out, name, parts, data_path, method="guard", nproc=1):
     values = re.findall(r"lm loss value: (\S+)", text)
     lines = [x for x in text.splitlines() if x.startswith("spike guard:")]
     series = [[int(i), float(loss), float(norm), int(skips)] for i, loss, norm, skips in LOG.findall(text)]
+    held = re.search(r"spike guard snapshots(?: and async_save's copy)?: (\d+) x", text)
     return {"name": name, "exit": code, "valid": float(values[-1]) if values else math.nan, "method": method,
             "decisions": actions_of(text, method, series), "rollbacks": sum("rolled back to" in x for x in lines),
-            "series": series, "nproc": nproc, "processes": len(parts), "replica_gap": gap}
+            "series": series, "nproc": nproc, "processes": len(parts), "replica_gap": gap,
+            "snapshots": int(held[1]) if held else 0}
 
 
 def replica_gap(checkpoint):
@@ -248,15 +386,42 @@ def wilson(k, n, z=1.96):
 
 def model_of(a, k):
     """Trial k's model: --model, or with "mixed" the wider one for every fourth trial (k % 4 == 3)."""
-    return "4x128" if a.model == "4x128" or (a.model == "mixed" and k % 4 == 3) else "2x64"
+    if a.model == "mixed":
+        return "4x128" if k % 4 == 3 else "2x64"
+    return a.model
+
+
+def windows(method, a):
+    """{key: value} of the method's settings that count iterations under --windows (published or
+    scaled)."""
+    scale = a.window_scale if a.windows == "scaled" else 1.0
+    return {key: max(1, round(value * scale)) for key, value in WINDOWS.get(method, {}).items()}
 
 
 def method_flags(method, a):
-    if method == "guard":
-        return GUARD
+    """The method's flags under --windows and --snapshots; grad_norm_skip's bound is
+    --grad_norm_bound (None: calibrated on the clean runs, calibrated_bound(): CALIBRATED stands for
+    it until then)."""
+    bound = CALIBRATED if a.grad_norm_bound is None else a.grad_norm_bound
     if method == "grad_norm_skip":
-        return [f"--skip_grad_norm_above={a.grad_norm_bound}"]
-    return REMEDIES.get(method, [])
+        return [f"--skip_grad_norm_above={bound}"]
+    if a.windows == "sixth":
+        return GUARD if method == "guard" else REMEDIES.get(method, [])
+    flags = [f"--{key}={value}" for key, value in windows(method, a).items()]
+    if method != "guard":
+        return [*SETTINGS.get(method, []), *flags]
+    if a.snapshots == "off":
+        scale = a.window_scale if a.windows == "scaled" else 1.0
+        flags = [f for f in flags if not f.startswith("--spike_guard_snapshot_interval=")]
+        flags += [
+            "--spike_guard_snapshot_interval=0",
+            f"--save_interval={max(1, round(SAVE_INTERVAL * scale))}",
+        ]
+    return ["--spike_guard", *flags]
+
+
+# grad_norm_skip's bound until calibrated_bound() has the clean runs to set it
+CALIBRATED = "calibrated"
 
 
 def names(k, method):
@@ -281,14 +446,15 @@ def campaign(a, registration=None):
     os.makedirs(os.path.join(a.out, "logs"), exist_ok=True)
     path = os.path.join(a.out, "runs.jsonl")
     done = runs_of(a.out) if os.path.exists(path) else {}
-    reg_id = registration_id(registration)
+    reg_id, stamp = registration_id(registration), code_stamp()
     began, lock, slots, threads = time.time(), threading.Lock(), threading.Semaphore(a.jobs), []
 
     def one(name, parts, meta, method, held):
         try:
-            t0 = time.time()
+            t0, started = time.time(), utc()
             record = {**run_one(a.out, name, parts, a.data_path, method, meta["nproc"]), **meta,
-                      "registration": reg_id, "seconds": round(time.time() - t0, 1)}
+                      "registration": reg_id, "seconds": round(time.time() - t0, 1),
+                      "started": started, "ended": utc(), **stamp}
             with lock:
                 with open(path, "a") as f:
                     f.write(json.dumps(record) + "\n")
@@ -319,7 +485,8 @@ def campaign(a, registration=None):
         if time.time() - began > 60 * a.minutes:
             print(f"campaign: {a.minutes} minutes spent; stopped before trial {k}", flush=True)
             break
-        trial = {"trial": k, **draw(a.seed, k, a.iters), "model": model_of(a, k), "iters": a.iters}
+        trial = {"trial": k, **DRAWS[a.draw](a.seed, k, a.iters), "model": model_of(a, k),
+                 "iters": a.iters}
         trials[k] = trial, base_args(trial, trial["model"], a.iters)
         submit(f"{k}-clean", trial, trials[k][1], [], "guard")
         submit(f"{k}-unguarded", trial, trials[k][1], trial["flags"], "none")
@@ -329,6 +496,11 @@ def campaign(a, registration=None):
         t.join()
     if a.method in REMEDIES:  # the references are in: a remedy runs the harmful faults and its clean runs
         done, threads[:] = runs_of(a.out), []
+        if a.method == "grad_norm_skip" and a.grad_norm_bound is None:  # OPT's, on the clean twins
+            cleans = [r for n, r in done.items() if n.endswith("-clean")]
+            a.grad_norm_bound = guard_metrics.calibrated_bound(cleans)
+            print(f"campaign: grad_norm_skip's bound, calibrated on the clean twins: "
+                  f"{a.grad_norm_bound:.4g}")
         for k, (trial, base) in trials.items():
             faulted, clean = names(k, a.method)
             if is_harmful(done[f"{k}-clean"], done[f"{k}-unguarded"], a.harm):
@@ -351,18 +523,96 @@ def stability_sha256():
 
 
 def registration_of(a):
-    """What a registration freezes: the guard (commit; stability/*.py's hash), the fault space (FAMILIES and the
-    draw's code), the harm threshold, the seed, the trials, the iterations, the model and every method's flags."""
+    """What a registration freezes: the whole tree (tree_state: its hash and a dirty flag; the
+    commit; torch's version), the fault space (the families and the draw's code), the metrics (their
+    code), the goals, the thresholds, the seed, the trials, the iterations, the model, the methods'
+    rule and every method's flags."""
+    sources = lambda fs: hashlib.sha256(
+        "".join(inspect.getsource(f) for f in fs).encode()
+    ).hexdigest()
+    return {
+        **code_stamp(),
+        "stability_sha256": stability_sha256(),
+        "draw": a.draw,
+        "families": SEVENTH if a.draw == "seventh" else FAMILIES,
+        "draw_sha256": sources(DRAWN),
+        "metrics_sha256": sources(MEASURED),
+        "goals": GOALS,
+        "harm_threshold": a.harm,
+        "thresholds": {
+            "detect_window": guard_metrics.DETECT_WINDOW,
+            "loss_cap": guard_metrics.LOSS_CAP,
+            "bootstrap": guard_metrics.BOOTSTRAP,
+            "calibration": list(guard_metrics.CALIBRATION),
+        },
+        "seed": a.seed,
+        "first": a.first,
+        "trials": a.trials,
+        "iters": a.iters,
+        "model": a.model,
+        "clean_runs": a.clean_runs,
+        "windows": a.windows,
+        "window_scale": a.window_scale,
+        "snapshots": a.snapshots,
+        "methods": {m: method_flags(m, a) for m in METHODS},
+    }
+
+
+# the code a registration hashes beside the families: the draws, the runs' flags and launch, and
+# what harm is
+DRAWN = (
+    draw,
+    draw_withdrawn_61,
+    fault_of,
+    stratum,
+    draw_seventh,
+    corpus_fault,
+    base_args,
+    processes,
+    is_harmful,
+    windows,
+    method_flags,
+)
+DRAWS = {"seventh": draw_seventh, "sixth": draw, "withdrawn-61": draw_withdrawn_61}
+# the seventh campaign's goals, frozen with it (a goal is met when its interval, not its estimate,
+# is past it)
+GOALS = {
+    "damage removed (mean share; trials harmful by their loss)":
+        ">= 0.8, the 95% interval above every remedy's mean",
+    "trials ending worse than the unremedied twin by more than the harm threshold": "0",
+    "replicas equal at the end (trials harmful by their replicas)": ">= 90%",
+    "detected within the window, net of the clean-run base rate": ">= 90%",
+    "clean runs with an action": "<= 1 in 100",
+    "harmless faults stopped": "0",
+    "harmful trials per family":
+        ">= 10 (stratified draw; trials added, registered anew, where short)",
+}
+
+
+def code_stamp():
+    """What every record and the registration carry of the code: the commit, the whole tree's state
+    (tree_state) and torch's version."""
     git = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    return {"commit": git.stdout.strip(), "stability_sha256": stability_sha256(), "families": FAMILIES,
-            "draw_sha256": hashlib.sha256("".join(inspect.getsource(f) for f in DRAWN).encode()).hexdigest(),
-            "harm_threshold": a.harm,
-            "seed": a.seed, "first": a.first, "trials": a.trials, "iters": a.iters, "model": a.model,
-            "clean_runs": a.clean_runs, "methods": {m: method_flags(m, a) for m in METHODS}}
+    return {"commit": git.stdout.strip(), **tree_state(), "torch": torch.__version__}
 
 
-# the code a registration hashes beside FAMILIES: the draw, the runs' flags and launch, and what harm is
-DRAWN = (draw, base_args, processes, is_harmful)
+def tree_state():
+    """{tree: a hash of HEAD's whole tree, lab/campaign/ aside (the registrations and records:
+    committing one must not change it), dirty: uncommitted changes or untracked files outside
+    lab/campaign/ and .gitignore}."""
+    listing = subprocess.run(
+        ["git", "ls-tree", "-r", "--full-tree", "HEAD"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.splitlines()
+    kept = "\n".join(x for x in listing if not x.split("\t", 1)[1].startswith("lab/campaign/"))
+    return {"tree": hashlib.sha256(kept.encode()).hexdigest(), "dirty": bool(uncommitted())}
+
+
+def utc():
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
 def registration_id(registration):
@@ -382,17 +632,23 @@ def preregister(a):
         if os.path.exists(os.path.join(a.out, "runs.jsonl")):
             raise SystemExit(f"--preregister {a.preregister}: {a.out} has runs already; a registration comes before "
                              "any run: register in a new --out")
-        dirty = uncommitted()
-        if dirty:
-            raise SystemExit(f"--preregister: stability/ has uncommitted changes ({dirty.splitlines()[0]} ...): "
-                             "commit the guard first, so that the registration names it")
-        now["written"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        if now["dirty"]:
+            first = uncommitted().splitlines()[0]
+            raise SystemExit(f"--preregister: the tree has uncommitted changes ({first} ...): "
+                             "commit the tree first, so that the registration's hash names it")
+        now["written"] = utc()
         os.makedirs(os.path.dirname(os.path.abspath(a.preregister)), exist_ok=True)
         with open(a.preregister, "w") as f:
             json.dump(now, f, indent=1, sort_keys=True)
         print(f"campaign: registered {registration_id(now)} in {a.preregister}", flush=True)
         return now
     saved = json.load(open(a.preregister))
+    if (saved.get("tree"), saved.get("dirty")) != (now["tree"], now["dirty"]):
+        raise SystemExit(f"--preregister {a.preregister}: the tree (hash {now['tree'][:12]}, "
+                         f"{'dirty' if now['dirty'] else 'clean'}) is not the registered one "
+                         f"({str(saved.get('tree'))[:12]}, clean): run from the registered commit "
+                         f"{saved.get('commit')}, with nothing uncommitted, or register anew in a "
+                         "new --out")
     differ = [key for key in now if key != "commit" and saved.get(key) != now[key]]
     if differ:
         raise SystemExit(f"--preregister {a.preregister}: this campaign differs from its registration in "
@@ -401,9 +657,14 @@ def preregister(a):
 
 
 def uncommitted():
-    """git's short status of stability/ (empty: the guard is committed)."""
-    return subprocess.run(["git", "status", "--porcelain", "--", "stability"], cwd=ROOT, capture_output=True,
-                          text=True).stdout.strip()
+    """git's short status of the whole tree but lab/campaign/ (empty: everything the runs use is
+    committed)."""
+    return subprocess.run(
+        ["git", "status", "--porcelain", "--", ".", ":(exclude)lab/campaign"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
 
 
 def one_registration(runs, registration=None):
@@ -495,6 +756,8 @@ def report(out, harm=HARM, registration=None):
     if any(r.get("method") not in (None, "guard", "none") for r in runs_of(out).values()):
         lines += ["", "Methods on the same faults (each remedy runs the harmful trials and its own clean runs; the "
                   "guard's clean runs are the clean twins):", "", method_table(runs_of(out), harm)]
+    lines += ["", "The primary metric and the costs (lab/guard_metrics.py; a rollback's replays "
+              "count as iterations run):", "", primary_table(runs_of(out), harm)]
     text = "\n".join(lines) + "\n"
     with open(os.path.join(out, "report.md"), "w") as f:
         f.write(text)
@@ -589,6 +852,136 @@ def method_table(runs, harm=HARM):
     return "\n".join(lines) + "\n"
 
 
+def primary_results(runs, harm=HARM):
+    """{method: its seventh-campaign numbers} over the trials whose clean twin and unremedied run
+    are in: the share of the damage removed per trial harmful by its loss; replicas equal where the
+    unremedied run's ended apart; detections within the window and the base rate of its clean runs;
+    the costs; actions and stops on harmless faults (where the method ran them)."""
+    ks = sorted(
+        {
+            r["trial"]
+            for r in runs.values()
+            if "trial" in r and f"{r['trial']}-clean" in runs and f"{r['trial']}-unguarded" in runs
+        }
+    )
+    ref = {k: (runs[f"{k}-clean"], runs[f"{k}-unguarded"]) for k in ks}
+    harmful = [k for k in ks if is_harmful(*ref[k], harm)]
+    results = {}
+    for method in METHODS:
+        out = {
+            "shares": [],
+            "apart": 0,
+            "rejoined": 0,
+            "harmful": 0,
+            "detected": 0,
+            "costs": [],
+            "harmless": 0,
+            "harmless_acted": 0,
+            "harmless_stopped": 0,
+        }
+        for k in ks:
+            run = runs.get(names(k, method)[0])
+            if run is None or method == "none":
+                continue
+            clean, bad = ref[k]
+            out["costs"].append(guard_metrics.costs(run, bad))
+            if k not in harmful:
+                out["harmless"] += 1
+                out["harmless_acted"] += bool(acts_from(run, run["start"]))
+                out["harmless_stopped"] += run["exit"] != 0
+                continue
+            out["harmful"] += 1
+            out["detected"] += guard_metrics.acted_within(run, run["start"])
+            share = guard_metrics.damage_removed(clean, bad, run)
+            if share is not None and is_harmful(clean, {**bad, "replica_gap": None}, harm):
+                out["shares"].append(share)
+            if bad.get("replica_gap"):
+                out["apart"], out["rejoined"] = (
+                    out["apart"] + 1,
+                    out["rejoined"] + (run.get("replica_gap") == 0),
+                )
+        cleans = [
+            runs[names(k, method)[1]]
+            for k in ks
+            if names(k, method)[1] in runs and method != "none"
+        ]
+        cleans += [r for name, r in runs.items() if name.startswith("long") and method == "guard"]
+        out["base"] = guard_metrics.base_rate(
+            cleans, [runs[f"{k}-unguarded"]["start"] for k in harmful]
+        )
+        results[method] = out
+    return results
+
+
+def primary_table(runs, harm=HARM):
+    """The markdown of methods x (damage removed with its bootstrap interval, trials worse than
+    doing nothing, replicas, detection net of the base rate, costs, harmless faults acted on and
+    stopped); detectors apart."""
+    w = guard_metrics.DETECT_WINDOW
+    lines = [
+        "| method | damage removed: mean share (95% bootstrap) | worse than doing nothing | "
+        "replicas equal where the unremedied ended apart | detected within "
+        f"{w} iterations - clean base rate | iterations run | wall time | snapshots held | "
+        "harmless faults acted on / stopped |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for method, r in primary_results(runs, harm).items():
+        if not r["harmful"] and not r["harmless"]:
+            continue
+        mean, lo, hi = guard_metrics.bootstrap_mean(r["shares"])
+        shares = f"{mean:.2f} ({lo:.2f} to {hi:.2f}), n={len(r['shares'])}" if r["shares"] else "-"
+        worse = sum(x < 0 for x in r["shares"])
+        net = (
+            r["detected"] / r["harmful"] - r["base"]
+            if r["harmful"] and math.isfinite(r["base"])
+            else math.nan
+        )
+        steps, wall, held = (sum(c[i] for c in r["costs"]) / len(r["costs"]) for i in range(3))
+        name = method + (" (detects, never acts)" if method in DETECTORS else "")
+        lines.append(
+            f"| {name} | {shares} | {worse} | {r['rejoined']}/{r['apart']} | "
+            f"{r['detected']}/{r['harmful']} - {r['base']:.2f} = {net:+.2f} | {steps:+.1%} | "
+            f"{wall:+.1%} | "
+            f"{held:.1f} | {r['harmless_acted']}/{r['harmless']} / {r['harmless_stopped']}"
+            f"/{r['harmless']} |"
+        )
+    lines += [
+        "",
+        "Harmful trials per family (the goal: >= 10 each):",
+        "",
+        "| family | trials | harmful |",
+        "|---|---|---|",
+    ]
+    for family in sorted({r["family"] for r in runs.values() if r.get("family")}):
+        ks = {
+            r["trial"]
+            for r in runs.values()
+            if r.get("family") == family
+            and f"{r['trial']}-clean" in runs
+            and f"{r['trial']}-unguarded" in runs
+        }
+        bad = sum(is_harmful(runs[f"{k}-clean"], runs[f"{k}-unguarded"], harm) for k in ks)
+        lines.append(f"| {family} | {len(ks)} | {bad} |")
+    return "\n".join(lines) + "\n"
+
+
+# the code a registration hashes as its metrics
+MEASURED = (
+    is_harmful,
+    acts_from,
+    primary_results,
+    primary_table,
+    guard_metrics.final_loss,
+    guard_metrics.damage_removed,
+    guard_metrics.bootstrap_mean,
+    guard_metrics.acted_within,
+    guard_metrics.base_rate,
+    guard_metrics.percentile,
+    guard_metrics.calibrated_bound,
+    guard_metrics.costs,
+)
+
+
 def figure(rows, path):
     import matplotlib
     matplotlib.use("Agg")
@@ -619,17 +1012,32 @@ def main(argv=None):
     p.add_argument("--long_clean", type=int, default=0, help="clean guarded runs of --long_iters iterations, first")
     p.add_argument("--long_iters", type=int, default=3000)
     p.add_argument("--method", choices=METHODS, default="guard", help="the method the trials run under")
-    p.add_argument("--model", choices=["2x64", "4x128", "mixed"], default="2x64",
-                   help="the trials' model (mixed: every fourth trial the wider 4x128)")
+    p.add_argument("--model", choices=[*MODELS, "mixed"], default="2x64",
+                   help="the trials' model (mixed: every fourth trial the wider 4x128; 10M: the "
+                   "subset's, 10.8M parameters, for --iters 1000 or more)")
     p.add_argument("--clean_runs", type=int, default=20, help="a remedy's clean runs: the first N trials' twins")
-    p.add_argument("--grad_norm_bound", type=float, default=1.0,
-                   help="grad_norm_skip's bound (metaseq: the clip norm, clip_grad 1.0 here)")
+    p.add_argument("--grad_norm_bound", type=float, default=None,
+                   help="grad_norm_skip's bound (default: calibrated, the clean twins' 99.9th "
+                   "percentile after iteration 50, guard_metrics.CALIBRATION)")
+    p.add_argument("--draw", choices=list(DRAWS), default="seventh",
+                   help="the trials' draw: seventh (faults that stay where they live), sixth "
+                   "(events in time), or withdrawn-61 (the withdrawn seed-61 registration's "
+                   "trials, with --seed 61)")
+    p.add_argument("--windows", choices=["published", "scaled", "sixth"], default="published",
+                   help="every method's iteration-counting settings at their published "
+                   "defaults, or all x --window_scale, or the sixth campaign's flags")
+    p.add_argument("--window_scale", type=float, default=None,
+                   help="--windows scaled: the one factor")
+    p.add_argument("--snapshots", choices=["on", "off"], default="on",
+                   help="off: the guard rolls back to disk checkpoints saved every "
+                   "SAVE_INTERVAL iterations")
     p.add_argument("--harm", type=float, default=HARM, help="harmful: the final loss this much over the clean twin's")
     p.add_argument("--preregister", help="a registration file: written before any run, checked on every later one")
     p.add_argument("--register_only", action="store_true",
                    help="write --preregister's file and stop, so that it is committed before the first run")
     p.add_argument("--report", action="store_true", help="only write the report of what has run")
     a = p.parse_args(argv)
+    check_args(a)
     registration = preregister(a) if a.preregister and not a.report else None
     if a.register_only:
         if registration is None:
@@ -638,11 +1046,38 @@ def main(argv=None):
     if a.report and a.preregister:
         registration = json.load(open(a.preregister))
     if not a.report:
-        if not a.data_path:
-            raise ValueError("--data_path is needed to run trials (a corpus with ids < 512; --report needs none)")
         campaign(a, registration)
     print(report(a.out, a.harm, registration))
 
 
+def check_args(a):
+    """One ValueError naming the flag and the fix, before any work."""
+    if not a.report and not a.register_only and not a.data_path:
+        raise ValueError(
+            "--data_path is needed to run trials (a corpus with ids < 512; --report needs none)"
+        )
+    if (a.windows == "scaled") != (a.window_scale is not None):
+        raise ValueError(
+            "--window_scale goes with --windows scaled, and only with it: give both (every "
+            "method's windows x the one factor) or neither (the published defaults)"
+        )
+    if a.window_scale is not None and not a.window_scale > 0:
+        raise ValueError(
+            f"--window_scale {a.window_scale} must be > 0 (every window x this factor)"
+        )
+    if a.windows == "sixth" and a.snapshots == "off":
+        raise ValueError(
+            "--snapshots off needs the seventh's rule (--windows published or scaled): the sixth's "
+            "guard flags keep snapshots every 5 iterations"
+        )
+    if a.draw == "withdrawn-61" and a.seed != 61:
+        raise ValueError(f"--draw withdrawn-61 is the seed-61 registration's draw: give --seed 61, "
+                         f"not {a.seed}")
+
+
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except ValueError as e:  # bad input: the message, exit 2 (the house convention)
+        print(f"guard_campaign: {e}", file=sys.stderr)
+        sys.exit(2)

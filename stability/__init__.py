@@ -30,7 +30,7 @@ REGISTRY = [
     # it, the forensics replay it); its gradient flip comes before telemetry reads the gradients
     (("inject_bad_batch_iters", "inject_degenerate_iters", "inject_lr_iters", "inject_bitflip_iters",
       "inject_numerical_iters", "inject_lost_optimizer_state_iter", "inject_repeat_iters",
-      "inject_overflow_iters"), "faults.Faults"),
+      "inject_overflow_iters", "inject_bad_samples", "inject_bad_device_iter"), "faults.Faults"),
     # before telemetry: the forwards that measure the run's nondeterminism as the guard arms are not probed;
     # before the soft skip: a vetoed update is not scaled too. Also with the faults in time: it keeps the timeline
     (("spike_guard", "spike_guard_precursor", "inject_lr_iters", "inject_bitflip_iters",

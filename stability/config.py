@@ -76,6 +76,13 @@ class StabilityConfig:
     inject_repeat_iters: list[str] | None = None  # fault injection: a block of repeated documents in corpus order ...
     inject_repeat_period: int = 1  # ... its iterations given again the samples of its first this many iterations
     inject_overflow_iters: list[str] | None = None  # fault injection (fp16): gradients overflow
+    # fault injection: consumed-sample ranges ("0-7") bad IN THE CORPUS ...
+    inject_bad_samples: list[str] | None = None
+    # ... random tokens, "repeat" a token, an "ngram", or a "duplicate" ...
+    inject_bad_samples_kind: str = "random"
+    inject_duplicate_period: int = 8  # ... of the range's first this many samples, in turn
+    # fault injection: inject_bitflip_rank's device goes bad here and stays bad
+    inject_bad_device_iter: int | None = None
 
 
 def need(ok, message):
@@ -162,6 +169,34 @@ def check_faults(cfg):
          "fp32's range)")
     need(cfg.inject_repeat_period >= 1,
          "inject_repeat_period must be >= 1 (the iterations whose samples repeat)")
+    sample_ranges(cfg.inject_bad_samples, "inject_bad_samples")
+    need(cfg.inject_bad_samples_kind in SAMPLE_KINDS,
+         f"inject_bad_samples_kind={cfg.inject_bad_samples_kind!r} must be one of "
+         f"{', '.join(SAMPLE_KINDS)}")
+    need(cfg.inject_duplicate_period >= 1,
+         "inject_duplicate_period must be >= 1 (the samples a duplicate block repeats)")
+    need(cfg.inject_bad_device_iter is None or cfg.inject_bad_device_iter >= 1,
+         "inject_bad_device_iter must be an iteration (>= 1), or None (off)")
+
+
+SAMPLE_KINDS = ("random", "repeat", "ngram", "duplicate")  # inject_bad_samples_kind's names
+
+
+def sample_ranges(ranges, key):
+    """["0-7", "96-99"] -> [(0, 7), (96, 99)]: consumed-sample indices (0-based, inclusive: the
+    first sample of the run is 0, as loader.sample_indices counts them)."""
+    out = []
+    for r in ranges or []:
+        start, dash, end = str(r).partition("-")
+        try:
+            start, end = int(start.replace("_", "")), int(end.replace("_", "")) if dash else None
+        except ValueError:
+            end = None
+        if end is None or not 0 <= start <= end:
+            raise ValueError(f"{key} entry {r!r} is not 'START-END' with 0 <= START <= END "
+                             "(consumed-sample indices, 0-based and inclusive, e.g. 96-103)")
+        out.append((start, end))
+    return sorted(out)
 
 
 def bitflip_width(cfg):
@@ -329,6 +364,10 @@ class FaultsConfig:  # faults.Faults
     inject_bitflip_element: int
     inject_numerical_iters: list | None
     inject_lost_optimizer_state_iter: int | None
+    inject_bad_samples: list | None
+    inject_bad_samples_kind: str
+    inject_duplicate_period: int
+    inject_bad_device_iter: int | None
     inject_repeat_iters: list | None
     inject_repeat_period: int
     inject_overflow_iters: list | None

@@ -18,9 +18,33 @@
                              scale (on every pass: it lives in the weights and data, as a real
                              burst does)
 
-An LR spike and a bit flip are events in time: a replay or a rollback does not meet them again. The spike guard
-keeps the run's timeline (spike_guard.SpikeGuard.meets_fault), and is told of the LRs a replay would not get
-(note_lr). The ranges are parsed once, when the run starts.
+Faults that stay where they live (the seventh campaign's, lab/guard_campaign.py):
+
+    inject_bad_samples      consumed-sample index ranges bad IN THE CORPUS
+                            (inject_bad_samples_kind: random tokens, one token repeated, an 8-gram,
+                            or a duplicate of the range's first inject_duplicate_period samples):
+                            whichever iteration reads those samples -- the first pass, a rollback's
+                            replay, a resume, the guard's comparison batch -- meets them again; only
+                            a skip of those samples (an iteration range drawn and thrown away)
+                            removes them. Part of a batch's samples in the range: that part is bad.
+    inject_bad_device_iter  inject_bitflip_rank's device goes bad at the first pass through this
+                            iteration and stays bad: every step it runs from then on (bit
+                            inject_bitflip_bit of element inject_bitflip_element of the first
+                            matrix's reduced gradient) is corrupted, whatever its iteration.
+                            A rollback to before the onset does not heal it (its replays are
+                            corrupted too), nor does a re-sync of the replicas (the next step
+                            corrupts again), nor a resume (a resumed run past the onset is on the
+                            bad device from its first step). Only taking the device out ends it: the
+                            guard's stop at its hardware cap, the operator's restart without the
+                            node.
+
+An LR spike (not inject_lr_persistent) and an inject_bitflip_iters flip are events in time: a replay
+or a rollback does not meet them again (a transient hardware fault: one step). The spike guard keeps
+the run's timeline (spike_guard.SpikeGuard.meets_fault), and is told of the LRs a replay would not
+get (note_lr). The data faults keyed by iteration (inject_bad_batch_iters, inject_degenerate_iters,
+inject_repeat_iters) stay for the first six campaigns' draws and their tests: their iteration is
+their samples only while no skip list moves the data. The ranges are parsed once, when the run
+starts.
 """
 import torch
 
@@ -28,7 +52,7 @@ import loader
 import parallel
 import schedule
 import training
-from stability.config import FaultsConfig, section
+from stability.config import FaultsConfig, sample_ranges, section
 
 
 class Faults(training.Callback):
@@ -40,7 +64,7 @@ class Faults(training.Callback):
     def __init__(self, cfg, shared=None):
         self.cfg = section(FaultsConfig, cfg)
         # the run's timeline (the guard's): which passes meet an event in time
-        self.timeline = shared.guard if shared is not None else None
+        self.timeline = shared.guard if shared is not None else NoTimeline()
         self.numerical_hook = self.flip_grad = self.flip_weight = self.flip_state = None
         parse = schedule.parse_iteration_ranges
         self.bad_batch_ranges = parse(cfg.inject_bad_batch_iters, "inject_bad_batch_iters")
@@ -51,6 +75,8 @@ class Faults(training.Callback):
         self.repeat_ranges = parse(cfg.inject_repeat_iters, "inject_repeat_iters")
         self.overflow_ranges = parse(cfg.inject_overflow_iters, "inject_overflow_iters")
         self.overflow_hook = None  # this iteration's steps overflow (inject_overflow_iters)
+        self.bad_sample_ranges = sample_ranges(cfg.inject_bad_samples, "inject_bad_samples")
+        self.device_bad = False  # inject_bad_device_iter's onset has come: the device stays bad
         self.run_cfg = cfg  # the data's keys, for the repeated block's samples
 
     def before_step(self, it):
@@ -63,7 +89,8 @@ class Faults(training.Callback):
             it.lr = it.lr * factor
         self.numerical_hook = self.numerical(n, self.model)
         self.flip_weight = self.bitflip(n, self.timeline, "weight")
-        self.flip_grad = self.bitflip(n, self.timeline, "grad")
+        device = self.bad_device(n)  # its onset noted whatever else strikes this iteration
+        self.flip_grad = self.bitflip(n, self.timeline, "grad") or device
         self.flip_state = self.state_bitflip(n, self.timeline)
         self.lose_optimizer_state(n, self.timeline)
         self.overflow_hook = self.overflow(n, self.model)
@@ -95,7 +122,8 @@ class Faults(training.Callback):
         degenerate, repeated): the training step's, and the spike guard's comparison batch of a
         later iteration (guard.comparison) -- a data fault is in the corpus, whoever reads it."""
         batches = self.degenerate_batches(iteration, self.bad_batches(iteration, batches))
-        return self.repeated_batches(iteration, first_sample, batch_size, seqlen, batches)
+        batches = self.repeated_batches(iteration, first_sample, batch_size, seqlen, batches)
+        return self.corpus_batches(first_sample, batches)
 
     def generator(self, iteration, ranges, salt):
         """A CPU generator seeded by (seed, iteration) when the iteration is in the ranges, else None."""
@@ -274,5 +302,72 @@ class Faults(training.Callback):
             return grad
         return first.register_hook(overflow)
 
+    # -- faults that stay where they live: samples bad in the corpus, a device that stays bad -----
+
+    def corpus_batches(self, first_sample, batches):
+        """The batches with inject_bad_samples' samples made bad: a row whose consumed-sample index
+        is in the ranges gets that sample's bad tokens (bad_sample), the same whichever iteration,
+        pass or rank reads it."""
+        if not self.bad_sample_ranges or not batches:
+            return batches
+        g = parallel.grid
+        rows = batches[0][0].shape[0]
+        index = loader.sample_indices(first_sample, len(batches), rows, g.dp_rank, g.dp_size)
+        # host numpy: no device sync
+        bad = sum((index >= a) & (index <= b) for a, b in self.bad_sample_ranges)
+        if not bad.any():
+            return batches
+        out = [(x.clone(), y.clone()) for x, y in batches]
+        for k, j in zip(*bad.nonzero()):
+            x, y, sample = *out[k], int(index[k, j])
+            tokens = self.bad_sample(sample, torch.cat([x[j, :1], y[j]]).cpu())
+            x[j], y[j] = tokens[:-1].to(x.device, x.dtype), tokens[1:].to(y.device, y.dtype)
+        return out
+
+    def bad_sample(self, sample, tokens):
+        """The bad tokens of consumed sample `sample` (its clean tokens: `tokens`, seqlen + 1 of
+        them), from a generator seeded by (seed, sample): "random" -- random ids; "repeat" -- its
+        commonest token over and over (tr8-104B's backslash-only samples); "ngram" -- an 8-gram
+        repeated; "duplicate" -- the clean tokens of the range's sample start + (sample - start) %
+        inject_duplicate_period (a block of near-duplicates)."""
+        cfg, length = self.cfg, tokens.numel()
+        gen = torch.Generator().manual_seed(cfg.seed * 1_000_037 + sample)
+        kind = cfg.inject_bad_samples_kind
+        if kind == "random":
+            return torch.randint(0, cfg.vocab_size, (length,), generator=gen)
+        if kind == "repeat":
+            return torch.mode(tokens).values.expand(length).clone()
+        if kind == "ngram":
+            gram = torch.randint(0, cfg.vocab_size, (8,), generator=gen)
+            return gram.repeat(length // 8 + 1)[:length]
+        start = next(a for a, b in self.bad_sample_ranges if a <= sample <= b)
+        source = start + (sample - start) % cfg.inject_duplicate_period
+        return loader.load_tokens(self.train_data, source, 1, length - 1, 1, 0, 1)[0, 0]
+
+    def bad_device(self, iteration):
+        """inject_bad_device_iter: from the first pass through it on, a flip of the reduced gradient
+        on inject_bitflip_rank at every step, whatever the iteration (a rollback's replays of
+        earlier ones too)."""
+        at = self.cfg.inject_bad_device_iter
+        self.device_bad = self.device_bad or (at is not None and iteration >= at)
+        if not self.device_bad or parallel.grid.rank != self.cfg.inject_bitflip_rank:
+            return None
+
+        @torch.no_grad()
+        def flip(model):
+            params = [p for p in parallel.unwrap(model).parameters() if p.dim() == 2]
+            grad = parallel.main_grad(params[0]).view(-1)
+            self.flip_bit(grad, iteration, "gradient (a bad device)")
+        return flip
+
+
+class NoTimeline:
+    """The timeline of a run with no fault in time (no guard built: stability.REGISTRY builds it for
+    each of them): no pass meets one. The faults that stay where they live need none."""
+
+    def meets_fault(self, iteration, ranges):
+        return False
+
 
 STATE_TARGETS = ("exp_avg", "exp_avg_sq", "master")  # inject_bitflip_target's names of the optimizer's state
+

@@ -1,0 +1,407 @@
+"""The seventh campaign's machinery (lab/guard_campaign.py, lab/guard_metrics.py), against
+references worked out by hand here or kept in the repository: the old draws against the sixth's and
+the withdrawn seed-61 registration's own records; the primary metric, its bootstrap interval, the
+detection's base rate and OPT's calibrated bound on hand-made records; the stratified draw's counts;
+the methods' settings against the config's defaults; the records' stamps; the registration's refusal
+of another tree."""
+
+import json
+import math
+import os
+
+import guard_campaign as gc
+import guard_metrics as gm
+import pytest
+
+CAMPAIGN = os.path.join(os.path.dirname(gc.__file__), "campaign")
+
+
+def args(out, **more):
+    return gc.main.__globals__["argparse"].Namespace(
+        **{
+            "out": str(out),
+            "harm": gc.HARM,
+            "seed": 5,
+            "first": 0,
+            "trials": 1,
+            "iters": 40,
+            "model": "2x64",
+            "clean_runs": 1,
+            "grad_norm_bound": None,
+            "preregister": os.path.join(out, "registration.json"),
+            "draw": "seventh",
+            "windows": "published",
+            "window_scale": None,
+            "snapshots": "on",
+            "jobs": 1,
+            "minutes": 60.0,
+            "long_clean": 0,
+            "long_iters": 100,
+            "method": "none",
+            "data_path": "unused",
+            **more,
+        }
+    )
+
+
+# -- the draws ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "name, seed, how", [("sixth", 62, "sixth"), ("withdrawn-61", 61, "withdrawn-61")]
+)
+def test_the_old_draws_are_the_ones_their_records_ran(name, seed, how):
+    records = [json.loads(line) for line in open(os.path.join(CAMPAIGN, name, "runs.jsonl"))]
+    trials = {r["trial"]: r for r in records if "trial" in r}
+    assert len(trials) >= 28
+    for k, r in trials.items():
+        trial = gc.DRAWS[how](seed, k, r["iters"])
+        assert (trial["what"], trial["start"], trial["nproc"], trial["resume"]) == (
+            r["what"],
+            r["start"],
+            r["nproc"],
+            r.get("resume"),
+        )
+    assert gc.DRAWS["withdrawn-61"](61, 7, 400)["seed"] == 1234 + 7  # the training seed it had then
+    assert gc.DRAWS["sixth"](61, 7, 400)["seed"] != 1234 + 7
+
+
+def test_the_stratified_draw_holds_every_family_equally_and_places_its_faults():
+    n = len(gc.SEVENTH)
+    draws = [gc.draw_seventh(70, k, 400) for k in range(3 * n)]
+    counts = {f: sum(d["family"] == f for d in draws) for f in gc.SEVENTH}
+    assert counts == {
+        f: 3 for f in gc.SEVENTH
+    }  # 3 x 16 trials: 3 of each, the numerical ones included
+    assert [d["family"] for d in draws[:n]] != sorted(
+        gc.SEVENTH
+    )  # an order drawn, not the alphabet
+    assert gc.draw_seventh(70, 5, 400) == draws[5] and gc.draw_seventh(71, 5, 400) != draws[5]
+    for d in draws:
+        keys = {flag.split("=")[0] for flag in d["flags"]}
+        if gc.SEVENTH[d["family"]] == "data":  # in the corpus: samples, not iterations
+            assert "--inject_bad_samples" in keys and not keys & {
+                "--inject_bad_batch_iters",
+                "--inject_degenerate_iters",
+                "--inject_repeat_iters",
+            }
+            first = int(d["flags"][0].split("=")[1].split("-")[0])
+            assert first == (d["start"] - 1) * 8  # the first sample of the fault's first iteration
+        if d["family"] == "dp bad device":
+            assert f"--inject_bad_device_iter={d['start']}" in d["flags"] and d["nproc"] == 2
+            assert not keys & {"--inject_bitflip_iters"}
+
+
+def test_each_seventh_flag_set_passes_the_runs_own_parser_and_checks():
+    import arguments
+
+    settings = [
+        {},
+        {"windows": "scaled", "window_scale": 0.2},
+        {"snapshots": "off"},
+        {"grad_norm_bound": 0.7},
+    ]
+    for k in range(len(gc.SEVENTH)):
+        trial = gc.draw_seventh(70, k, 400)
+        for more in settings:
+            a = args("unused", **more)
+            for method in gc.METHODS:
+                flags = gc.method_flags(method, a)
+                if "calibrated" in " ".join(flags):
+                    continue  # its bound comes from the clean runs (test_opt_bound_is...)
+                for argv in gc.processes(
+                    gc.base_args(trial, "2x64", 400), trial["flags"], flags, trial, "/tmp/ck"
+                ):
+                    cfg = arguments.load_config([*argv, "--data_path=unused"])
+                    arguments.validate(cfg, world_size=trial["nproc"], reads_data=False)
+                    if (
+                        "--spike_guard_snapshot_interval=0" in flags
+                    ):  # it rolls back to what it saves
+                        assert cfg.save == "/tmp/ck" and cfg.spike_guard_snapshot_interval == 0
+
+
+# -- the methods' one rule ---------------------------------------------------------------------
+
+
+def test_published_windows_are_the_configs_defaults_and_scaled_ones_one_factor():
+    import arguments
+
+    defaults = arguments.load_config([])
+    for method, keys in gc.WINDOWS.items():
+        for key, value in keys.items():
+            assert getattr(defaults, key) == value, (
+                key
+            )  # the guard's: its own defaults; a remedy's: its paper's
+    published, scaled = args("u"), args("u", windows="scaled", window_scale=0.25)
+    assert gc.method_flags("guard", published) == [
+        "--spike_guard",
+        "--spike_guard_window=128",
+        "--spike_guard_min_steps=16",
+        "--spike_guard_rewind=100",
+        "--spike_guard_skip_after=200",
+        "--spike_guard_snapshot_interval=50",
+    ]
+    assert gc.method_flags("guard", scaled)[1:] == [
+        "--spike_guard_window=32",
+        "--spike_guard_min_steps=4",
+        "--spike_guard_rewind=25",
+        "--spike_guard_skip_after=50",
+        "--spike_guard_snapshot_interval=12",
+    ]  # 12.5 to even: 12
+    assert gc.method_flags("skip_step", scaled) == ["--skip_step_sigma=6", "--skip_step_window=32"]
+    assert gc.method_flags("zclip", scaled) == [
+        "--zclip_z=2.5",
+        "--zclip_alpha=0.97",
+        "--zclip_warmup=6",
+    ]
+    off = gc.method_flags("guard", args("u", windows="scaled", window_scale=0.25, snapshots="off"))
+    assert off[-2:] == ["--spike_guard_snapshot_interval=0", "--save_interval=75"]  # 300 x 0.25
+    assert gc.method_flags("guard", args("u", windows="sixth")) == gc.GUARD
+    assert "spiky_loss" in gc.DETECTORS
+
+
+@pytest.mark.parametrize(
+    "flags, named",
+    [
+        (["--windows", "scaled"], "--window_scale goes with --windows scaled"),
+        (["--window_scale", "0.5"], "--window_scale goes with"),
+        (["--windows", "scaled", "--window_scale", "0"], "must be > 0"),
+        (["--windows", "sixth", "--snapshots", "off"], "--snapshots off needs"),
+        (["--draw", "withdrawn-61"], "give --seed 61"),
+    ],
+)
+def test_a_wrong_setting_is_refused_before_any_work(tmp_path, monkeypatch, flags, named):
+    def started(*_):  # a check missed: fail here rather than run a campaign
+        raise AssertionError("the campaign started")
+    monkeypatch.setattr(gc, "campaign", started)
+    with pytest.raises(ValueError, match=named):
+        gc.main(["--out", str(tmp_path / "c"), "--data_path", "unused", *flags])
+    assert not os.path.exists(tmp_path / "c")
+
+
+# -- the metrics on hand-made records ----------------------------------------------------------
+
+
+def run(valid, exit=0, decisions=(), series=(), gap=None, seconds=10.0, snapshots=0):
+    return {
+        "valid": valid,
+        "exit": exit,
+        "decisions": list(decisions),
+        "series": list(series),
+        "replica_gap": gap,
+        "seconds": seconds,
+        "snapshots": snapshots,
+    }
+
+
+def test_the_share_of_damage_removed_is_what_a_skip_can_win_too():
+    clean, bad = run(4.0), run(4.4)
+    assert gm.damage_removed(clean, bad, run(4.2)) == pytest.approx(
+        0.5
+    )  # a skip that removes half the damage
+    assert gm.damage_removed(clean, bad, run(4.0)) == pytest.approx(1.0)
+    assert gm.damage_removed(clean, bad, run(4.4)) == pytest.approx(0.0)  # doing nothing
+    assert gm.damage_removed(clean, bad, run(4.6)) == pytest.approx(
+        -0.5
+    )  # worse than the unremedied twin
+    assert gm.damage_removed(clean, run(3.9), run(4.0)) is None  # no damage to remove
+    # a run that died or was stopped counts as an untrained model: ln 512
+    assert gm.damage_removed(clean, run(math.nan, exit=1), run(4.0)) == pytest.approx(1.0)
+    stopped = gm.damage_removed(clean, bad, run(4.1, exit=3))
+    assert stopped == pytest.approx((4.4 - math.log(512)) / 0.4)
+
+
+def test_the_bootstrap_interval_resamples_the_trials():
+    assert gm.bootstrap_mean([0.5] * 7) == (0.5, 0.5, 0.5)
+    mean, lo, hi = gm.bootstrap_mean([0.0, 1.0])  # resampled means: 0, 0.5, 1 with 1/4, 1/2, 1/4
+    assert (mean, lo, hi) == (0.5, 0.0, 1.0)
+    values = [0.0] * 10 + [1.0] * 10
+    mean, lo, hi = gm.bootstrap_mean(values)
+    sd = math.sqrt(0.25 / 20)  # the mean's standard error; a 95% interval is about +-1.96 of it
+    assert (
+        mean == 0.5
+        and lo == pytest.approx(0.5 - 1.96 * sd, abs=0.06)
+        and hi == pytest.approx(0.5 + 1.96 * sd, abs=0.06)
+    )
+    assert gm.bootstrap_mean(values) == (
+        mean,
+        lo,
+        hi,
+    )  # seeded: a report rebuilt gives the same interval
+    assert all(math.isnan(x) for x in gm.bootstrap_mean([]))
+
+
+def test_detection_is_within_the_window_and_net_of_the_clean_base_rate():
+    act = "spike guard: iteration {}: loss 9 is 2x its trend; data-driven"
+    assert gm.acted_within(run(4, decisions=[act.format(119)]), 100, 20)
+    assert not gm.acted_within(
+        run(4, decisions=[act.format(120)]), 100, 20
+    )  # the window is [100, 120)
+    assert not gm.acted_within(
+        run(4, decisions=[act.format(99)]), 100, 20
+    )  # before the fault: no detection
+    cleans = [run(4, decisions=[act.format(150)]), run(4)]
+    assert (
+        gm.base_rate(cleans, [100, 140], 20) == 0.25
+    )  # of 4 (clean run, start) pairs one acted: 150 in [140, 160)
+
+
+def test_opt_bound_is_calibrated_on_clean_runs():
+    warm = [[i, 6.0, 50.0, 0] for i in range(1, 51)]  # the warm-up's large norms: left out
+    a = run(4, series=warm + [[i, 5.0, float(i - 50), 0] for i in range(51, 551)])  # 1..500
+    b = run(
+        4,
+        series=warm
+        + [[i, 5.0, float(i - 50 + 500), 0] for i in range(51, 551)]
+        + [[60, 5.0, 1e9, 0]],
+    )
+    b["series"].append(
+        [70, 5.0, math.inf, 0]
+    )  # a replay (second pass of 60) and a non-finite norm: left out
+    assert gm.calibrated_bound([a, b]) == 999.0  # of 1..1000, the nearest-rank 99.9th
+    assert gm.percentile([3, 1, 2], 50) == 2 and gm.percentile([1, 2, 3, 4], 100) == 4
+    with pytest.raises(ValueError, match="run the clean twins first"):
+        gm.calibrated_bound([run(4, series=warm)])
+
+
+def test_the_primary_table_counts_by_hand():
+    def rec(
+        name, valid, family="random tokens", start=20, decisions=(), exit=0, gap=None, method=None
+    ):
+        return name, {
+            "name": name,
+            "valid": valid,
+            "exit": exit,
+            "decisions": list(decisions),
+            "family": family,
+            "start": start,
+            "trial": int(name.split("-")[0]),
+            "method": method,
+            "iters": 100,
+            "series": [[i, 5.0, 1.0, 0] for i in range(1, 101)],
+            "seconds": 10.0,
+            "replica_gap": gap,
+            "snapshots": 2,
+        }
+
+    act, late = (
+        "spike guard: iteration 25: loss 9 is 2x its trend; data-driven",
+        "spike guard: iteration 60: loss 9 is 2x its trend; data-driven",
+    )  # 40 after the fault: too late
+    # trial 2: 0.5% over its clean twin (harmless by its loss) with its replicas apart: harmful, and
+    # not in the shares
+    runs = dict(
+        [
+            rec("0-clean", 4.0),
+            rec("0-unguarded", 4.4),
+            rec("0-guarded", 4.2, decisions=[act]),
+            rec("1-clean", 4.0),
+            rec("1-unguarded", 4.8),
+            rec("1-guarded", 4.9, decisions=[late]),
+            rec("2-clean", 4.0, gap=0.0),
+            rec("2-unguarded", 4.02, gap=0.1),
+            rec("2-guarded", 4.0, gap=0.0),
+            rec("3-clean", 4.0),
+            rec("3-unguarded", 4.01),
+            rec("3-guarded", 4.0, decisions=[act], exit=3),
+        ]
+    )
+    guard = gc.primary_results(runs)["guard"]
+    assert guard["shares"] == pytest.approx(
+        [0.5, -0.125]
+    )  # trial 2 is harmful by its replicas alone: apart
+    assert (guard["apart"], guard["rejoined"], guard["harmful"], guard["detected"]) == (1, 1, 3, 1)
+    assert (guard["harmless"], guard["harmless_acted"], guard["harmless_stopped"]) == (1, 1, 1)
+    table = gc.primary_table(runs)
+    assert (
+        "| guard | 0.19 (-0.13 to 0.50), n=2 | 1 | 1/1 | 1/3 - 0.00 = +0.33 | +0.0% | +0.0% | 2.0 "
+        "| 1/1 / 1/1 |"
+        in table
+    )
+    assert "| random tokens | 4 | 3 |" in table
+
+
+# -- the registration and the stamps -----------------------------------------------------------
+
+
+def test_every_record_is_stamped_and_a_registration_refuses_another_tree(tmp_path, monkeypatch):
+    stamp = {"commit": "c" * 40, "tree": "t" * 64, "dirty": False, "torch": "2.x"}
+    monkeypatch.setattr(gc, "code_stamp", lambda: dict(stamp))
+    monkeypatch.setattr(gc, "uncommitted", lambda: "")
+    monkeypatch.setattr(
+        gc,
+        "run_one",
+        lambda out, name, parts, data, method, nproc: {
+            "name": name,
+            "exit": 0,
+            "valid": 4.0,
+            "method": method,
+            "decisions": [],
+            "series": [],
+            "nproc": nproc,
+        },
+    )
+    a = args(tmp_path)
+    registration = gc.preregister(a)
+    saved = json.load(open(a.preregister))
+    for key in (
+        "tree",
+        "dirty",
+        "torch",
+        "goals",
+        "metrics_sha256",
+        "draw_sha256",
+        "thresholds",
+        "windows",
+        "snapshots",
+        "draw",
+    ):
+        assert key in saved, key
+    assert saved["tree"] == "t" * 64 and saved["thresholds"]["detect_window"] == gm.DETECT_WINDOW
+    gc.campaign(a, registration)
+    for r in gc.runs_of(str(tmp_path)).values():
+        assert {k: r[k] for k in stamp} == stamp and r["registration"] == gc.registration_id(
+            registration
+        )
+        assert r["started"] <= r["ended"] and r["ended"].endswith("Z") and len(r["started"]) == 20
+    monkeypatch.setattr(
+        gc, "code_stamp", lambda: {**stamp, "tree": "u" * 64}
+    )  # a file changed and committed
+    with pytest.raises(SystemExit, match="is not the registered one"):
+        gc.preregister(a)
+    monkeypatch.setattr(
+        gc, "code_stamp", lambda: {**stamp, "dirty": True}
+    )  # the same commit, edited
+    with pytest.raises(SystemExit, match=r"\(hash tttttttttttt, dirty\) is not the registered one"):
+        gc.preregister(a)
+
+
+def test_the_tree_hash_is_the_whole_tree_but_the_campaigns_records(monkeypatch):
+    listing = "100644 blob aaa\ttrain.py\n100644 blob bbb\tlab/campaign/seventh/registration.json\n"
+    calls = []
+
+    def fake(cmd, **kw):
+        calls.append(cmd)
+        return type("R", (), {"stdout": listing if "ls-tree" in cmd else ""})()
+
+    monkeypatch.setattr(gc.subprocess, "run", fake)
+    one = gc.tree_state()
+    listing = listing.replace("bbb", "ccc")  # a registration committed: the same tree
+    assert gc.tree_state() == one and one["dirty"] is False
+    listing = listing.replace("aaa", "ddd")  # any other file: another tree
+    assert gc.tree_state()["tree"] != one["tree"]
+
+
+def test_the_subset_model_has_10m_parameters():
+    import torch
+
+    import arguments
+    from builders import build_model
+
+    cfg = arguments.prepare(
+        arguments.load_config(
+            [*gc.base_args(gc.draw_seventh(70, 1, 1000), "10M", 1000), "--data_path=unused"]
+        )
+    )
+    model = build_model(cfg, torch.device("meta"))
+    assert sum(p.numel() for p in model.parameters()) >= 10_000_000
