@@ -187,8 +187,8 @@ class Precursor(training.Callback):
 class Forensics(training.Callback):
     """A suspect step investigated before the guard decides (diagnosis.investigate): replayed, its weights and
     batch tested; the step that stands is returned and the diagnosis left on the guard (SpikeGuard.diagnosis) for
-    its decision after the step. Stateless: the counterfactual's batch is the next iteration's, found from the
-    iteration itself."""
+    its decision after the step. Stateless: the counterfactual's batch is a held-out one (comparison()), found
+    from the iteration itself."""
     name = "forensics"
 
     def __init__(self, cfg, shared):

@@ -62,8 +62,9 @@ class Data:
 def test_the_counterfactual_is_drawn_when_the_next_batch_is_the_datas_last(
     monkeypatch, number, drawn
 ):
-    """24 samples, batches of 8: iteration 2's next batch is samples 16-23, the last the data holds
-    -- drawn and computed; iteration 3's would start past the end: none."""
+    """24 samples, batches of 8, fewer than the held-out batches (guard.HELD_OUT), so the comparison
+    batch is the next one: iteration 2's is samples 16-23, the last the data holds -- drawn and
+    computed; iteration 3's would start past the end: none."""
     import loader
     from stability import guard
 
@@ -76,7 +77,8 @@ def test_the_counterfactual_is_drawn_when_the_next_batch_is_the_datas_last(
     )
     scaler = types.SimpleNamespace(state_dict=lambda: {}, load_state_dict=lambda state: None)
     forensics = guard.Forensics(
-        arguments.load_config(["--spike_guard"]), types.SimpleNamespace(guard=None, snapshots=None)
+        arguments.load_config(["--spike_guard"]),
+        types.SimpleNamespace(guard=None, snapshots=None, built={}),
     )
     forensics.start(
         types.SimpleNamespace(model=torch.nn.Linear(1, 1), optimizer=None, scaler=scaler),
