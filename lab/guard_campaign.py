@@ -54,8 +54,9 @@ import sys
 import threading
 import time
 
-import guard_metrics
 import torch
+
+import guard_metrics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = ["--num_layers=2", "--hidden_size=64", "--num_attention_heads=4", "--seq_length=64", "--vocab_size=512",

@@ -635,7 +635,7 @@ def load_records(path):
         try:
             r = json.loads(line)
         except json.JSONDecodeError as e:
-            raise SystemExit(f"lr_sweep: {path}:{number} is not JSON ({e}); fix or remove the line")
+            raise SystemExit(f"lr_sweep: {path}:{number} is not JSON ({e}); fix or remove the line") from None
         missing = [k for k in (*RECORD_ID, "val_loss", "corpus") if k not in r]
         if missing:
             raise SystemExit(f"lr_sweep: {path}:{number} lacks {', '.join(missing)}: not a line lr_sweep --record "

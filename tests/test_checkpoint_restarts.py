@@ -9,9 +9,9 @@ not); and it does nothing on a clean run."""
 import re
 
 import pytest
-from helpers import corpus, corpus512, log_fields, losses, run_main  # noqa: F401 (fixtures)
 
 import arguments
+from helpers import corpus, corpus512, log_fields, losses, run_main  # noqa: F401 (fixtures)
 from stability import Shared, remedies
 from stability import config as stability_config
 

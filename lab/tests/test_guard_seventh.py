@@ -9,9 +9,10 @@ import json
 import math
 import os
 
+import pytest
+
 import guard_campaign as gc
 import guard_metrics as gm
-import pytest
 
 CAMPAIGN = os.path.join(os.path.dirname(gc.__file__), "campaign")
 
@@ -127,7 +128,7 @@ def test_published_windows_are_the_configs_defaults_and_scaled_ones_one_factor()
     import arguments
 
     defaults = arguments.load_config([])
-    for method, keys in gc.WINDOWS.items():
+    for keys in gc.WINDOWS.values():
         for key, value in keys.items():
             assert getattr(defaults, key) == value, (
                 key
