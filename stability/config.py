@@ -76,13 +76,10 @@ class StabilityConfig:
     inject_repeat_iters: list[str] | None = None  # fault injection: a block of repeated documents in corpus order ...
     inject_repeat_period: int = 1  # ... its iterations given again the samples of its first this many iterations
     inject_overflow_iters: list[str] | None = None  # fault injection (fp16): gradients overflow
-    # fault injection: consumed-sample ranges ("0-7") bad IN THE CORPUS ...
-    inject_bad_samples: list[str] | None = None
-    # ... random tokens, "repeat" a token, an "ngram", or a "duplicate" ...
-    inject_bad_samples_kind: str = "random"
+    inject_bad_samples: list[str] | None = None  # fault injection: sample ranges ("0-7") bad in the corpus ...
+    inject_bad_samples_kind: str = "random"  # ... random tokens, "repeat", "ngram" or "duplicate" ...
     inject_duplicate_period: int = 8  # ... of the range's first this many samples, in turn
-    # fault injection: inject_bitflip_rank's device goes bad here and stays bad
-    inject_bad_device_iter: int | None = None
+    inject_bad_device_iter: int | None = None  # fault injection: inject_bitflip_rank's device bad from here on
 
 
 def need(ok, message):
