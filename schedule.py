@@ -199,9 +199,10 @@ class Schedule:
 # Iteration ranges: skip_train_iteration_range, the spike guard's skip ranges, fault injection
 
 
-def parse_iteration_ranges(ranges, key="skip_train_iteration_range"):
+def parse_iteration_ranges(ranges, key="skip_train_iteration_range", lowest=1,
+                           unit="iterations are 1-based and inclusive, e.g. 13251-14000"):
     """["13251-14000", "16652-18500"] -> [(13251, 14000), (16652, 18500)]: inclusive, 1-based
-    (Megatron-DeepSpeed's format)."""
+    (Megatron-DeepSpeed's format); lowest and unit: another count's (a fault's sample indices)."""
     out = []
     for r in ranges or []:
         start, dash, end = str(r).partition("-")
@@ -209,9 +210,9 @@ def parse_iteration_ranges(ranges, key="skip_train_iteration_range"):
             start, end = int(start.replace("_", "")), int(end.replace("_", "")) if dash else None
         except ValueError:
             end = None
-        if end is None or not 1 <= start <= end:
-            raise ValueError(f"{key} entry {r!r} is not 'START-END' with 1 <= START <= END "
-                             "(iterations are 1-based and inclusive, e.g. 13251-14000)")
+        if end is None or not lowest <= start <= end:
+            raise ValueError(f"{key} entry {r!r} is not 'START-END' with {lowest} <= START <= END "
+                             f"({unit})")
         out.append((start, end))
     return sorted(out)
 

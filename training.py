@@ -161,6 +161,7 @@ class Step(NamedTuple):
     num_zeros: int
     outcome: str  # ok | skipped (fp16 overflow, skip_grad_norm_above) | nan | vetoed (a callback) | replicas differ
     z_loss: float | None = None  # on logged iterations with z_loss: the log interval's mean z-loss (report.py)
+    replicas: tuple = ()  # every DP replica's (loss, grad norm, ...) as agree() gathered them, DP rank 0's first
 
 
 def forward_backward(model, batches, cfg, device, loss_scale=1.0, forward_only=False):
@@ -179,16 +180,12 @@ def forward_backward(model, batches, cfg, device, loss_scale=1.0, forward_only=F
     return total / len(batches)
 
 
-replica_values = []  # [(loss, grad norm, ...)] of every DP replica at the last step (agree())
-
-
 def agree(loss, grad_norm, *more, timer=None):
-    """(loss, grad norm, *more, replicas differ): the step's numbers as DP rank 0 computed them, on every rank. One
-    tensor all-gather over DP on the backend's device, and the step's one host sync: every skip decision is then
-    taken from the same floats on every replica, which can never split. The DP replicas reduce the same gradients:
-    if their numbers differ, one of them is faulty (every replica's numbers stay in replica_values).
+    """Every DP replica's (loss, grad norm, *more) as host floats, DP rank 0's first, the same list on every rank.
+    One tensor all-gather over DP on the backend's device, and the step's one host sync: every skip decision is
+    then taken from DP rank 0's floats on every replica, which can never split. The DP replicas reduce the same
+    gradients: if their numbers differ, one of them is faulty (differ()).
     timer: a report.ComputeTimer whose last reading rides along, each replica's own, never compared."""
-    global replica_values
     own = [timer.last_seconds(loss.device)] if timer is not None else []
     values = torch.stack([loss.double(), grad_norm.double(), *(m.double() for m in more), *own])
     g = parallel.grid
@@ -200,8 +197,12 @@ def agree(loss, grad_norm, *more, timer=None):
     if timer is not None:
         timer.gathered([r[-1] for r in rows])
         rows = [r[:-1] for r in rows]
-    replica_values = rows
-    return (*rows[0], len({repr(r) for r in rows}) > 1)
+    return tuple(rows)
+
+
+def differ(replicas):
+    """Do the DP replicas' numbers (agree()) differ anywhere, to the last bit?"""
+    return len({repr(r) for r in replicas}) > 1
 
 
 def train_step(model, optimizer, scaler, batches, lr, cfg, device, count_zeros=True, callbacks=NO_CALLBACKS,
@@ -230,33 +231,34 @@ def train_step(model, optimizer, scaler, batches, lr, cfg, device, count_zeros=T
     # logged iterations: the interval's z-loss, averaged over DP (the same on every replica), rides in the sync
     logged = [parallel.average_loss(parallel.unwrap(model).pop_z_loss())] if count_zeros and cfg.z_loss else []
     # DP rank 0's numbers on every replica (one all-gather, the one host sync): skip decisions cannot split them
-    loss_value, grad_norm_value, num_zeros, *logged, replicas_differ = agree(loss, grad_norm, zeros, *logged,
-                                                                             timer=timer)
+    replicas = agree(loss, grad_norm, zeros, *logged, timer=timer)
+    loss_value, grad_norm_value, num_zeros, *logged = replicas[0]
     numbers = (loss_value, grad_norm_value, int(num_zeros))
     z_loss = logged[0] if logged else None
     if cfg.fp16:
         message = scaler.update(overflow=not math.isfinite(grad_norm_value))
         if message:
             print0(message)
-    outcome = skip_reason(cfg, loss_value, grad_norm_value, replicas_differ)
+    outcome = skip_reason(cfg, loss_value, grad_norm_value, replicas)
     if outcome is None:
         factor = callbacks.update_factor(loss_value, grad_norm_value)  # host floats: no sync of its own
         if factor == 0:  # vetoed: nothing at all changes
-            return Step(*numbers, "vetoed", z_loss)
+            return Step(*numbers, "vetoed", z_loss, replicas)
         # fp32 master weights with fp32, unscaled gradients (x factor: unscaled by scale / factor, the same pass)
         params = optimizer.prepare_grads(scaler.scale / factor)
         optim.clip_grads(params, cfg.clip_grad, grad_norm if factor == 1.0 else grad_norm * factor)
         optim.set_lr(optimizer, lr)
         optimizer.step()
         callbacks.after_update()
-    return Step(*numbers, outcome or "ok", z_loss)
+    return Step(*numbers, outcome or "ok", z_loss, replicas)
 
 
-def skip_reason(cfg, loss, grad_norm, replicas_differ):
-    """Why the core applies no update (a Step's outcome), or None: on host floats, the same on every replica."""
-    if replicas_differ:  # a faulty GPU: no update anywhere (the spike guard, when on, retries the step)
-        print0(f"warning: the DP replicas computed different loss / grad norm {replica_values}: update skipped (a "
-               "faulty GPU? spike_guard retries such steps)")
+def skip_reason(cfg, loss, grad_norm, replicas):
+    """Why the core applies no update (a Step's outcome), or None: on host floats, the same on every replica.
+    replicas: every DP replica's numbers (agree())."""
+    if differ(replicas):  # a faulty GPU: no update anywhere (the spike guard, when on, retries the step)
+        print0(f"warning: the DP replicas computed different loss / grad norm {list(replicas)}: update skipped "
+               "(a faulty GPU? spike_guard retries such steps)")
         return "replicas differ"
     if not math.isfinite(loss):
         return "nan"  # a NaN loss never updates the weights

@@ -182,18 +182,8 @@ SAMPLE_KINDS = ("random", "repeat", "ngram", "duplicate")  # inject_bad_samples_
 def sample_ranges(ranges, key):
     """["0-7", "96-99"] -> [(0, 7), (96, 99)]: consumed-sample indices (0-based, inclusive: the
     first sample of the run is 0, as loader.sample_indices counts them)."""
-    out = []
-    for r in ranges or []:
-        start, dash, end = str(r).partition("-")
-        try:
-            start, end = int(start.replace("_", "")), int(end.replace("_", "")) if dash else None
-        except ValueError:
-            end = None
-        if end is None or not 0 <= start <= end:
-            raise ValueError(f"{key} entry {r!r} is not 'START-END' with 0 <= START <= END "
-                             "(consumed-sample indices, 0-based and inclusive, e.g. 96-103)")
-        out.append((start, end))
-    return sorted(out)
+    return schedule.parse_iteration_ranges(
+        ranges, key, lowest=0, unit="consumed-sample indices, 0-based and inclusive, e.g. 96-103")
 
 
 def bitflip_width(cfg):

@@ -98,12 +98,12 @@ def investigate(guard, parts, step, iteration, before, snapshots, rerun, forward
     the same DP rank disagrees again is a persistent fault of that rank, not a transient one.
     Costs one extra step (two in half precision: one of them in fp32), one more step (not applied) for the
     counterfactual and three forwards per spike; a clean run never calls it."""
-    rows = list(training.replica_values)
+    rows = list(step.replicas)
     rng_before, scaler_before = before
     checkpoint.set_rng_state(rng_before)
     parts.scaler.load_state_dict(scaler_before)  # the step's fp16 overflow counted once, not twice
     replay = rerun(guard.judge if guard.armed() else None)
-    found = replay_verdict(guard, step, replay, rows, list(training.replica_values))
+    found = replay_verdict(guard, step, replay, rows, list(replay.replicas))
     if found is not None:
         return replay, found
     replayed = f"replayed: {said(replay)}, reproduced"

@@ -491,9 +491,9 @@ def _agreed_on_replicas():
     import parallel
     rank = parallel.grid.dp_rank
     same = agree(torch.tensor(3.5), torch.tensor(0.25, dtype=torch.float64))
-    differ = agree(torch.tensor(3.5), torch.tensor(0.25 + rank, dtype=torch.float64))
-    assert same == (3.5, 0.25, False) and differ == (3.5, 0.25, True)  # DP rank 0's numbers on every rank
-    assert training.replica_values == [(3.5, 0.25), (3.5, 1.25)]
+    apart = agree(torch.tensor(3.5), torch.tensor(0.25 + rank, dtype=torch.float64))
+    assert same == ((3.5, 0.25), (3.5, 0.25)) and not training.differ(same)
+    assert apart == ((3.5, 0.25), (3.5, 1.25)) and training.differ(apart)  # the same list on every rank
 
 
 def _forensics_on_replicas():

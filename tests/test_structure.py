@@ -172,6 +172,35 @@ def test_the_private_name_check_catches_each_form():
                                    "parallel, '_communicate'"])
 
 
+def _module_state(source):
+    """The names a module binds at its top level to values that are neither functions, classes nor
+    ALL_CAPS constants: state that can change while a run goes on."""
+    names = set()
+    for node in ast.parse(source).body:
+        targets = node.targets if isinstance(node, ast.Assign) else \
+            [node.target] if isinstance(node, ast.AnnAssign) else []
+        names |= {t.id for t in targets if isinstance(t, ast.Name) and not t.id.isupper()}
+    return names
+
+
+def _reads_of(source, module, names):
+    return sorted({f"{module}.{n.attr}" for n in ast.walk(ast.parse(source)) if isinstance(n, ast.Attribute)
+                   and isinstance(n.value, ast.Name) and n.value.id == module and n.attr in names})
+
+
+def test_the_stability_layer_reads_no_state_of_the_step_module():
+    """What a step computed reaches the stability layer in what the step returns (training.Step: every
+    DP replica's numbers ride in it), never through a global the core leaves behind for it to read."""
+    state = _module_state(_read(os.path.join(ROOT, "training.py")))
+    layer = os.path.join(ROOT, "stability")
+    reads = {name: found for name in sorted(os.listdir(layer)) if name.endswith(".py")
+             for found in [_reads_of(_read(os.path.join(layer, name)), "training", state)] if found}
+    assert not reads, f"stability/ reads training's module state: {reads}"
+    planted = "replica_values = []\nNO_CALLBACKS = Callbacks()\ndef agree(): pass\n"
+    assert _module_state(planted) == {"replica_values"}
+    assert _reads_of("rows = list(training.replica_values)\n", "training", {"replica_values"})
+
+
 def test_no_test_imports_another_test_module():
     tests = os.path.join(ROOT, "tests")
     bad = {name: [m for m in _imports(_read(os.path.join(tests, name))) if m.split(".")[0].startswith("test_")]
