@@ -599,8 +599,8 @@ def test_telemetry_matches_direct_computation():
     before = {k: v.clone() for k, v in model.named_parameters()}
     recorder = telemetry.Telemetry(model, cfg)
     recorder.begin()
-    loss, grad_norm, _, outcome, _ = train_step(model, optimizer, scaler, batches, 1e-3, cfg, cpu,
-                                                      callbacks=telemetry.Probe(recorder))
+    step = train_step(model, optimizer, scaler, batches, 1e-3, cfg, cpu, callbacks=telemetry.Probe(recorder))
+    grad_norm, outcome = step.grad_norm, step.outcome
     stats = recorder.finish()
     assert outcome == "ok"
     # every parameter once: the per-layer grad norms add up to the global grad norm
