@@ -81,12 +81,20 @@ FAMILIES = {"lr transient": "optimizer", "lr persistent": "optimizer", "lr after
             "numerical bf16": "numerical", "numerical fp16": "numerical"}
 BITS = [23, 24, 28, 29, 30]  # fp32 exponent bits, counted from the lowest: 23, 24 x2 or x4; 28-30 x2^32 and more
 CAUSES = ["data", "optimizer", "hardware", "numerical", "persistent", "none"]
+# --snapshots off and the restarts go back to disk checkpoints saved this often (tr8-104B saved
+# "every 300 iterations so that if we have to recover a training we don't have to roll back far"),
+# scaled with the windows
+SAVE_INTERVAL = 300
 # method -> its flags, each remedy at its published default (stability/remedies.py cites each); grad_norm_skip is
 # metaseq's --skip-gradient-update-on-clip-norm: the bound is the clip norm (--grad_norm_bound, clip_grad's 1.0)
 REMEDIES = {"skip_step": ["--skip_step_sigma=6", "--skip_step_window=128"],
             "spiky_loss": ["--spiky_loss_factor=10", "--spiky_loss_samples=100"],
             "grad_norm_skip": [],
-            "zclip": ["--zclip_z=2.5", "--zclip_alpha=0.97", "--zclip_warmup=25"]}
+            "zclip": ["--zclip_z=2.5", "--zclip_alpha=0.97", "--zclip_warmup=25"],
+            # the automated checkpoint restarts (remedies.OptRestart, PalmRestart), not in the sixth: from the
+            # run's disk checkpoints, saved every SAVE_INTERVAL iterations as the guard's --snapshots off
+            "opt_restart": ["--opt_restart_lr_factor=0.25", f"--save_interval={SAVE_INTERVAL}"],
+            "palm_restart": ["--palm_restart_skip=200", f"--save_interval={SAVE_INTERVAL}"]}
 METHODS = ["guard", "none", *REMEDIES]
 # The seventh campaign's rule for every method alike (--windows): each setting that counts
 # iterations at its published default ("published": the guard's are its config defaults,
@@ -103,6 +111,15 @@ WINDOWS = {
     "skip_step": {"skip_step_window": 128},
     "spiky_loss": {"spiky_loss_samples": 100},
     "zclip": {"zclip_warmup": 25},
+    # a restart's spike: SkipStep's rule on the loss (restart_window); PaLM's back and skip count
+    # iterations too, and so does the disk cadence they go back to (the guard's --snapshots off's)
+    "opt_restart": {"restart_window": 128, "save_interval": SAVE_INTERVAL},
+    "palm_restart": {
+        "restart_window": 128,
+        "palm_restart_back": 100,
+        "palm_restart_skip": 200,
+        "save_interval": SAVE_INTERVAL,
+    },
 }
 # each remedy's settings that are no window, at their published defaults
 SETTINGS = {
@@ -110,11 +127,9 @@ SETTINGS = {
     "spiky_loss": ["--spiky_loss_factor=10"],
     "grad_norm_skip": [],
     "zclip": ["--zclip_z=2.5", "--zclip_alpha=0.97"],
+    "opt_restart": ["--opt_restart_lr_factor=0.25", "--restart_sigma=6"],
+    "palm_restart": ["--restart_sigma=6"],
 }
-# --snapshots off: the guard rolls back to disk checkpoints saved this often (tr8-104B saved "every
-# 300 iterations so that if we have to recover a training we don't have to roll back far"), scaled
-# with the windows
-SAVE_INTERVAL = 300
 # detects and never acts (Megatron-LM's spiky-loss check re-runs and reports; its restart is the
 # operator's): it is reported as a detector, out of the remedies' table
 DETECTORS = ("spiky_loss",)
@@ -296,15 +311,22 @@ def processes(base, fault, method, trial, checkpoint):
     resumes, the clean twin too: the fault is the only difference."""
     # on 2 processes the last one saves at the end with every rank's weights (dump_weights): replica_gap() reads them
     dumps = [f"--save={checkpoint}", "--dump_weights"] if trial["nproc"] > 1 else []
-    # a guard without snapshots (--snapshots off) rolls back to the disk checkpoints its flags save,
-    # in `checkpoint`
-    disk = [f"--save={checkpoint}"] if "--spike_guard_snapshot_interval=0" in method else []
+    # a guard without snapshots (--snapshots off) and the restarts go back to the disk checkpoints
+    # their flags save, in `checkpoint`
+    disk = [f"--save={checkpoint}"] if goes_to_disk(method) else []
     if trial["resume"] is None:
         return [[*base, *fault, *method, *disk, *dumps]]
     k = trial["resume"]
     saves = [f for f in method if f.startswith("--save_interval=")] or ["--save_interval=none"]
     return [[*base, *method, f"--save={checkpoint}", f"--save_interval={k}", f"--exit_interval={k}"],
             [*base, *method, *fault, f"--save={checkpoint}", *saves, *dumps]]
+
+
+def goes_to_disk(method):
+    """Does the method (its flags) go back to disk checkpoints it saves itself?"""
+    restarts = ("--opt_restart_lr_factor=", "--palm_restart_skip=")
+    return "--spike_guard_snapshot_interval=0" in method or any(
+        f.startswith(restarts) for f in method)
 
 
 def run_one(out, name, parts, data_path, method="guard", nproc=1):

@@ -115,10 +115,8 @@ def test_each_seventh_flag_set_passes_the_runs_own_parser_and_checks():
                 ):
                     cfg = arguments.load_config([*argv, "--data_path=unused"])
                     arguments.validate(cfg, world_size=trial["nproc"], reads_data=False)
-                    if (
-                        "--spike_guard_snapshot_interval=0" in flags
-                    ):  # it rolls back to what it saves
-                        assert cfg.save == "/tmp/ck" and cfg.spike_guard_snapshot_interval == 0
+                    if gc.goes_to_disk(flags):  # it goes back to what it saves
+                        assert cfg.save == "/tmp/ck" and cfg.save_interval
 
 
 # -- the methods' one rule ---------------------------------------------------------------------
@@ -128,8 +126,13 @@ def test_published_windows_are_the_configs_defaults_and_scaled_ones_one_factor()
     import arguments
 
     defaults = arguments.load_config([])
+    # not a config default: PaLM's skip (its switch: 0 is off) and the disk cadence (tr8-104B's)
+    published_elsewhere = {"palm_restart_skip": 200, "save_interval": gc.SAVE_INTERVAL}
     for keys in gc.WINDOWS.values():
         for key, value in keys.items():
+            if key in published_elsewhere:
+                assert value == published_elsewhere[key]
+                continue
             assert getattr(defaults, key) == value, (
                 key
             )  # the guard's: its own defaults; a remedy's: its paper's
@@ -158,6 +161,20 @@ def test_published_windows_are_the_configs_defaults_and_scaled_ones_one_factor()
     off = gc.method_flags("guard", args("u", windows="scaled", window_scale=0.25, snapshots="off"))
     assert off[-2:] == ["--spike_guard_snapshot_interval=0", "--save_interval=75"]  # 300 x 0.25
     assert gc.method_flags("guard", args("u", windows="sixth")) == gc.GUARD
+    # the restarts: their spike's window, PaLM's back and skip, and the disk cadence, scaled alike
+    assert gc.method_flags("palm_restart", scaled) == [
+        "--restart_sigma=6",
+        "--restart_window=32",
+        "--palm_restart_back=25",
+        "--palm_restart_skip=50",
+        "--save_interval=75",
+    ]
+    assert gc.method_flags("opt_restart", published) == [
+        "--opt_restart_lr_factor=0.25",
+        "--restart_sigma=6",
+        "--restart_window=128",
+        "--save_interval=300",
+    ]
     assert "spiky_loss" in gc.DETECTORS
 
 
