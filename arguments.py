@@ -283,7 +283,8 @@ def validate(cfg, world_size=1, reads_data=True):
     for key in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size"):
         if getattr(cfg, key) <= 0:  # the model's sizes, before GPTConfig.check divides by them
             raise ValueError(f"{key}={getattr(cfg, key)} must be positive")
-    loader.check(section(DataConfig, cfg), section(loader.DataContext, cfg), cfg.position_embedding_type, reads_data)
+    data_cfg, context = section(DataConfig, cfg), section(loader.DataContext, cfg)
+    loader.check(data_cfg, context, cfg.position_embedding_type, reads_data)
     GPTConfig.check(cfg)
     parallel.check(cfg, world_size)
     dp_size = world_size // (cfg.tensor_model_parallel_size * cfg.pipeline_model_parallel_size)

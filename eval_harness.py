@@ -62,14 +62,15 @@ def check(harness_cfg, eval_only=False):
     EvalHarnessConfig; eval_only: logging's). The task names are lm-eval's to resolve:
     RunEvaluation, before training starts."""
     if harness_cfg.eval_harness_tasks is None:
-        given = [f.name for f in fields(EvalHarnessConfig) if getattr(harness_cfg, f.name) != f.default]
+        given = [f.name for f in fields(EvalHarnessConfig)
+                 if getattr(harness_cfg, f.name) != f.default]
         if given:
             raise ValueError(f"{given[0]} does nothing without eval_harness_tasks: give the tasks "
                              "(--eval_harness_tasks=hellaswag,...) or drop the key")
         return
     if not task_names(harness_cfg.eval_harness_tasks):
-        raise ValueError(f"eval_harness_tasks={harness_cfg.eval_harness_tasks!r} names no task; give "
-                         "comma-separated lm-eval task names, or None to evaluate none")
+        raise ValueError(f"eval_harness_tasks={harness_cfg.eval_harness_tasks!r} names no task; "
+                         "give comma-separated lm-eval task names, or None to evaluate none")
     if eval_only:
         raise ValueError("eval_harness_tasks runs during training, not with eval_only: evaluate "
                          "the checkpoint with tools/evaluate.py --load DIR --tasks ...")
@@ -82,9 +83,9 @@ def check(harness_cfg, eval_only=False):
     if harness_cfg.eval_harness_only_include_path and not harness_cfg.eval_harness_include_path:
         raise ValueError("eval_harness_only_include_path needs eval_harness_include_path (the "
                          "folder of your tasks)")
-    if harness_cfg.eval_harness_include_path and not os.path.isdir(harness_cfg.eval_harness_include_path):
-        raise ValueError(f"eval_harness_include_path {harness_cfg.eval_harness_include_path} is not a "
-                         "directory")
+    include_path = harness_cfg.eval_harness_include_path
+    if include_path and not os.path.isdir(include_path):
+        raise ValueError(f"eval_harness_include_path {include_path} is not a directory")
 
 
 def task_names(text):
@@ -172,8 +173,8 @@ class RunEvaluation:
     rank, with one message."""
 
     def __init__(self, harness_cfg, model_cfg, tokenizer_file=None):
-        """harness_cfg: an EvalHarnessConfig; model_cfg: the run's model.GPTConfig; tokenizer_file: the
-        data's."""
+        """harness_cfg: an EvalHarnessConfig; model_cfg: the run's model.GPTConfig; tokenizer_file:
+        the data's."""
         self.harness_cfg, self.model_cfg = harness_cfg, model_cfg
         n = model_cfg.num_parameters()
         if n > GATHER_LIMIT:
@@ -184,12 +185,13 @@ class RunEvaluation:
         self.tok = tokenizer.get_tokenizer(tokenizer_file)
         if self.tok.n_vocab > model_cfg.vocab_size:
             raise ValueError(f"eval_harness_tasks: the tokenizer has {self.tok.n_vocab} ids but "
-                             f"vocab_size is {model_cfg.vocab_size}: lm-eval's texts would hold ids the "
-                             "model has no row for")
+                             f"vocab_size is {model_cfg.vocab_size}: lm-eval's texts would hold "
+                             "ids the model has no row for")
         self.manager = task_manager(harness_cfg.eval_harness_include_path,
                                     harness_cfg.eval_harness_only_include_path)
         self.tasks = known_tasks(task_names(harness_cfg.eval_harness_tasks), self.manager,
-                                 harness_cfg.eval_harness_include_path, flag="eval_harness_include_path")
+                                 harness_cfg.eval_harness_include_path,
+                                 flag="eval_harness_include_path")
 
     def due(self, iteration, last):
         return last or iteration % self.harness_cfg.eval_harness_interval == 0
@@ -236,7 +238,8 @@ def gathered(model, model_cfg, iteration):
     whole = replace(model_cfg, tensor_model_parallel_size=1)
     with torch.device("cpu"):
         full = GPT(whole, grid=parallel.Grid(1, 1, world_size=1, rank=0)).eval()
-    layout = GatheredLayout([s for s in shards if s is not None], model_cfg, grid.pp_size, iteration)
+    shards = [s for s in shards if s is not None]
+    layout = GatheredLayout(shards, model_cfg, grid.pp_size, iteration)
     full.load_state_dict(reshard.Resharder(layout, full).model_state())
     return full.float()
 

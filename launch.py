@@ -1,8 +1,9 @@
 """Where a process starts: its process group, its device, the determinism and seeds of its streams, and how it
 ends (a one-line error, the process groups torn down last). train.py and bench.py start the same way.
 
-Not here: the config (arguments.py), what is built on the device (model.py, optim.py, loader.py). Each function
-takes the layout's section of the config (layout_cfg: parallel.LayoutConfig) and the other owners' values it needs.
+Not here: the config (arguments.py), what is built on the device (model.py, optim.py, loader.py).
+Each function takes the layout's section of the config (layout_cfg: parallel.LayoutConfig) and the
+other owners' values it needs.
 """
 import json
 import os
@@ -24,8 +25,8 @@ def world_size():
 
 
 def start(layout_cfg, tensor_model_parallel_size, save=None):
-    """The process group, CUDA's allocator configured before it starts. tensor_model_parallel_size: the model's;
-    save: checkpointing's directory (where NCCL's flight recorder dumps)."""
+    """The process group, CUDA's allocator configured before it starts. tensor_model_parallel_size:
+    the model's; save: checkpointing's directory (where NCCL's flight recorder dumps)."""
     use_expandable_segments(layout_cfg)
     use_nccl_flight_recorder(layout_cfg, save)
     return parallel.init(tensor_model_parallel_size, layout_cfg.pipeline_model_parallel_size,
@@ -35,8 +36,8 @@ def start(layout_cfg, tensor_model_parallel_size, save=None):
 
 
 def setup(layout_cfg, seed):
-    """Determinism, the device and its matmul precision, and the seeds (the data's seed) of this TP rank and
-    pipeline stage."""
+    """Determinism, the device and its matmul precision, and the seeds (the data's seed) of this TP
+    rank and pipeline stage."""
     set_deterministic(layout_cfg)
     device = get_device(layout_cfg)
     rng.seed(seed, device)  # the dropout streams of this TP rank and pipeline stage (lesson 22)
@@ -55,7 +56,8 @@ def compiles(layout_cfg):
 
 
 def use_cuda(layout_cfg):
-    return layout_cfg.device == "cuda" or (layout_cfg.device == "auto" and torch.cuda.is_available())
+    device = layout_cfg.device
+    return device == "cuda" or (device == "auto" and torch.cuda.is_available())
 
 
 def use_expandable_segments(layout_cfg):
@@ -63,7 +65,8 @@ def use_expandable_segments(layout_cfg):
     and ALiBi change the activations' shapes from step to step, which fragments the caching allocator's fixed
     segments (out of memory with memory free). Read by CUDA's allocator when it starts: call before any CUDA
     work."""
-    if use_cuda(layout_cfg) and not {"PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"} & set(os.environ):
+    given = {"PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"} & set(os.environ)
+    if use_cuda(layout_cfg) and not given:
         os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
 
 
@@ -107,7 +110,9 @@ def set_deterministic(layout_cfg):
 
 def get_device(layout_cfg):
     """The model's device, which is also the backend's communication device (NCCL for CUDA, gloo for CPU)."""
-    return torch.device("cuda", torch.cuda.current_device()) if use_cuda(layout_cfg) else torch.device("cpu")
+    if use_cuda(layout_cfg):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def exit_with(error, code):

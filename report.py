@@ -66,7 +66,7 @@ class LoggingConfig:
 
 
 def check(log_cfg):
-    """Raise ValueError with the fix for logging keys that cannot work (log_cfg: a LoggingConfig)."""
+    """Raise ValueError with the fix for logging keys (a LoggingConfig) that cannot work."""
     for key in ("eval_iters", "sample_tokens"):
         if getattr(log_cfg, key) < 0:
             raise ValueError(f"{key}={getattr(log_cfg, key)} must not be negative")
@@ -100,9 +100,9 @@ class Report:
     configured); every number of an iteration in metrics.jsonl."""
 
     def __init__(self, log_cfg, schedule, model, save=None, run_config=None):
-        """log_cfg: a LoggingConfig; schedule: the run's schedule.Schedule; save: checkpointing's directory
-        (metrics.jsonl, TensorBoard and the profile go beside the checkpoints); run_config: the whole config as
-        a dict (arguments.to_dict), the run's config in wandb."""
+        """log_cfg: a LoggingConfig; schedule: the run's schedule.Schedule; save: checkpointing's
+        directory (metrics.jsonl, TensorBoard and the profile go beside the checkpoints);
+        run_config: the whole config as a dict (arguments.to_dict), the run's config in wandb."""
         self.log_cfg, self.schedule = log_cfg, schedule
         self.curriculum = schedule.schedule_cfg.curriculum_learning  # the log line has its seqlen
         self.gpt = parallel.unwrap(model)  # its z-loss accumulator and its FLOPs
@@ -110,7 +110,8 @@ class Report:
         self.last = None  # (step, lr) of the last trained iteration
         self.restart_interval()
         profile_dir = os.path.join(save or log_cfg.tensorboard_dir or ".", "profile")
-        self.profiler = StepProfiler(log_cfg.profile_steps, profile_dir) if log_cfg.profile_steps else None
+        steps = log_cfg.profile_steps
+        self.profiler = StepProfiler(steps, profile_dir) if steps else None
         # with DP replicas to compare, each one's compute time rides in the step's sync (training.agree)
         self.timer = ComputeTimer() if parallel.grid.dp_size > 1 else None
         self.graphs, self.graphs_by_seqlen = 0, {}  # torch.compile's graphs so far, and per sequence length
@@ -361,7 +362,7 @@ def print_validation(loss, iteration, name=None):
 class MetricsFile:
     """Appends one JSON object per iteration to PATH (resumed runs continue the file; after a
     rollback an iteration appears again, and readers keep the last record of each iteration). A list
-    value (a callback's decisions) extends the iteration's list under its key; any other value replaces."""
+    value (a callback's decisions) extends the iteration's list under its key; another replaces."""
 
     def __init__(self, path):
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)

@@ -81,11 +81,13 @@ def _show(value):
 
 
 def compare_configs(saved, current, tag_dir):
-    """Refuse another model; return the lines describing the keys allowed to differ. saved, current: the
-    checkpoint's config and this run's, as dicts (every key: the comparison is of the whole run)."""
+    """Refuse another model; return the lines describing the keys allowed to differ. saved, current:
+    the checkpoint's config and this run's, as dicts (every key: the comparison is of the whole
+    run)."""
     arch = [k for k in architecture_keys() if k in saved and saved[k] != current[k]]
     if arch:
-        diff = ", ".join(f"{k} {_show(saved[k])} (checkpoint) vs {_show(current[k])} (now)" for k in arch)
+        diff = ", ".join(f"{k} {_show(saved[k])} (checkpoint) vs {_show(current[k])} (now)"
+                         for k in arch)
         raise ValueError(f"checkpoint {tag_dir} holds another model: {diff}. Resume with the checkpoint's values, or "
                          "train this model from scratch with another save directory")
     changed = []
@@ -109,26 +111,28 @@ def _same_dir(a, b):
 
 
 def resolve_resume(ckpt_cfg, eval_only, current):
-    """Set ckpt_cfg.load (a CheckpointConfig) to the directory to resume from (or None); return (tag_dir, lines to
-    print, the checkpoint's run state or None). eval_only: logging's key; current: the run's config as a dict,
-    compared with the checkpoint's. Rank 0 only."""
+    """Set ckpt_cfg.load (a CheckpointConfig) to the directory to resume from (or None); return
+    (tag_dir, lines to print, the checkpoint's run state or None). eval_only: logging's key;
+    current: the run's config as a dict, compared with the checkpoint's. Rank 0 only."""
     keys, lines = ckpt_cfg, []
     save_tag = _latest(keys.save)
     if keys.load is None and save_tag is not None:
         keys.load = keys.save
         lines.append(f"resuming from {save_tag}: save holds a checkpoint and load is unset (same directory for "
                      "both, the SLURM habit)")
-    if keys.load is not None and not os.path.isdir(keys.load) and not _same_dir(keys.load, keys.save):
-        raise ValueError(f"load directory {keys.load} does not exist; fix the path, or unset load to train from "
-                         "scratch")
-    load_tag = _latest(keys.load) if keys.load else None
-    if save_tag is not None and not _same_dir(keys.save, keys.load) and not eval_only:
-        raise ValueError(f"save directory {keys.save} already holds checkpoint {os.path.basename(save_tag)}, which "
-                         f"this run (loading {keys.load}) would write over; resume it with --load {keys.save} "
-                         "(or unset load), or pick a new save directory")
+    load, save = keys.load, keys.save
+    if load is not None and not os.path.isdir(load) and not _same_dir(load, save):
+        raise ValueError(f"load directory {load} does not exist; fix the path, or unset load to "
+                         "train from scratch")
+    load_tag = _latest(load) if load else None
+    if save_tag is not None and not _same_dir(save, load) and not eval_only:
+        raise ValueError(f"save directory {save} already holds checkpoint "
+                         f"{os.path.basename(save_tag)}, which this run (loading {load}) would "
+                         f"write over; resume it with --load {save} (or unset load), or pick a new "
+                         "save directory")
     if eval_only and load_tag is None:
-        raise ValueError(f"eval_only needs a checkpoint, but {keys.load or keys.save or 'no load directory'} holds "
-                         "none; set load to a directory with a 'latest' file")
+        raise ValueError(f"eval_only needs a checkpoint, but {load or save or 'no load directory'} "
+                         "holds none; set load to a directory with a 'latest' file")
     saved_state = None
     if load_tag is not None:
         run = checkpoint_run(load_tag)
@@ -207,8 +211,9 @@ class RunLock:
     run_lock.saved_state: the run state of the checkpoint to resume (a dict, on every rank), or
     None.
 
-    It takes the whole config, one of the few parts that do: it compares every key with the checkpoint's, and the
-    load directory it resolves is written back into the config that every part is then built from."""
+    It takes the whole config, one of the few parts that do: it compares every key with the
+    checkpoint's, and the load directory it resolves is written back into the config that every
+    part is then built from."""
 
     def __init__(self, cfg):
         self.cfg, self.lock_file, self.exit_signal, self.saved_state = cfg, None, None, None
@@ -292,8 +297,8 @@ class ExitSignal:
 
 
 def exit_reason(ckpt_cfg, iterations, job_start, exit_signal):
-    """Why this job stops after its `iterations`-th iteration (exit_interval, exit_duration_in_mins of
-    ckpt_cfg, a SIGTERM or SIGUSR1), or None. exit_signal() takes part in a collective on every
+    """Why this job stops after its `iterations`-th iteration (exit_interval, exit_duration_in_mins
+    of ckpt_cfg, a SIGTERM or SIGUSR1), or None. exit_signal() takes part in a collective on every
     iteration: it is always called."""
     duration, interval = ckpt_cfg.exit_duration_in_mins, ckpt_cfg.exit_interval
     clock = (interval is not None and iterations >= interval) or (

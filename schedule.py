@@ -73,8 +73,9 @@ LR_KEYS = ("lr", "min_lr", "lr_decay_style", "lr_warmup_samples", "lr_warmup_tok
 
 
 def check(schedule_cfg, dp_size=1, load=None):
-    """Raise ValueError with the fix for a schedule that cannot run. dp_size: the data-parallel size of the run
-    (it divides the global batch); load: checkpointing's load directory (an optimizer reset needs one)."""
+    """Raise ValueError with the fix for a schedule that cannot run. dp_size: the data-parallel size
+    of the run (it divides the global batch); load: checkpointing's load directory (an optimizer
+    reset needs one)."""
     keys = schedule_cfg
     def need(ok, message):
         if not ok:
@@ -85,20 +86,22 @@ def check(schedule_cfg, dp_size=1, load=None):
         need(value is None or value > 0, f"{key}={value} must be positive")
     for key in ("lr", "min_lr", "lr_warmup_samples"):
         need(getattr(keys, key) >= 0, f"{key}={getattr(keys, key)} must not be negative")
-    dp = dp_size
-    need(keys.global_batch_size is None or keys.global_batch_size % (keys.micro_batch_size * dp) == 0,
-         f"global_batch_size ({keys.global_batch_size}) must be divisible by micro_batch_size ({keys.micro_batch_size})"
+    gbs, mbs, dp = keys.global_batch_size, keys.micro_batch_size, dp_size
+    need(gbs is None or gbs % (mbs * dp) == 0,
+         f"global_batch_size ({gbs}) must be divisible by micro_batch_size ({mbs})"
          f" x data-parallel size ({dp}); change one of them")
     need(any(x is not None for x in (keys.train_iters, keys.train_samples, keys.train_tokens)),
          "set the length of training: train_iters, train_samples or train_tokens")
     need(keys.rampup_batch_size is None or keys.train_iters is None,
          "rampup_batch_size counts samples: set train_samples (or train_tokens) instead of train_iters")
     for a, b in EXCLUSIVE:
-        need(not (_given(keys, a) and _given(keys, b)), f"both {a} and {b} are set; set only one of them")
+        need(not (_given(keys, a) and _given(keys, b)),
+             f"both {a} and {b} are set; set only one of them")
     need(keys.rampup_batch_size is None or len(keys.rampup_batch_size) == 3,
          f"rampup_batch_size must be 'start increment samples', got {keys.rampup_batch_size}")
     need(keys.lr_decay_style in LR_SHAPES,
-         f"lr_decay_style={keys.lr_decay_style!r} is not {' or '.join(', '.join(LR_SHAPES).rsplit(', ', 1))}")
+         f"lr_decay_style={keys.lr_decay_style!r} is not "
+         f"{' or '.join(', '.join(LR_SHAPES).rsplit(', ', 1))}")
     need(keys.min_lr <= keys.lr, f"min_lr ({keys.min_lr}) is larger than lr ({keys.lr})")
     need(keys.lr_decay_style != "wsd" or (keys.lr_wsd_decay_samples or 0) > 0,
          "lr_decay_style='wsd' needs lr_wsd_decay_samples (the samples of its final anneal, e.g. a tenth of the run)")
@@ -108,16 +111,17 @@ def check(schedule_cfg, dp_size=1, load=None):
     need(keys.lr_wsd_decay_style in WSD_ANNEALS,
          f"lr_wsd_decay_style={keys.lr_wsd_decay_style!r} is not one of {', '.join(WSD_ANNEALS)}")
     parse_iteration_ranges(keys.skip_train_iteration_range, "skip_train_iteration_range")
-    need(keys.reset_optimizer_warmup_iters in (None, "auto") or isinstance(keys.reset_optimizer_warmup_iters, int),
+    warmup = keys.reset_optimizer_warmup_iters
+    need(warmup in (None, "auto") or isinstance(warmup, int),
          "reset_optimizer_warmup_iters must be a number of iterations or 'auto'")
     # a count: -3 would read as "lr=0 for -3 iterations", and 0 resets nothing (reset_warmup_iters)
-    warmup = keys.reset_optimizer_warmup_iters
     need(not isinstance(warmup, int) or warmup > 0,
          f"reset_optimizer_warmup_iters={warmup} must be a positive number of lr=0 iterations "
          "after the optimizer reset (or 'auto': 5 / (1 - adam_beta2)); unset it for none")
-    need(keys.reset_optimizer_warmup_iters is None or load is not None,
+    need(warmup is None or load is not None,
          "reset_optimizer_warmup_iters resets the optimizer of a loaded checkpoint: set load too")
-    need(not keys.curriculum_learning or (keys.total_curriculum_step is not None and keys.total_curriculum_step > 0),
+    steps = keys.total_curriculum_step
+    need(not keys.curriculum_learning or (steps is not None and steps > 0),
          "curriculum_learning needs total_curriculum_step (about train_tokens / global_batch / seq_length / 2)")
 
 
@@ -125,12 +129,13 @@ class Schedule:
     """Batch size, sequence length, skipped iterations, learning rate and the end of training."""
 
     def __init__(self, schedule_cfg, dp_size, seq_length):
-        """schedule_cfg: a ScheduleConfig; seq_length: the model's, the length without a curriculum."""
+        """schedule_cfg: a ScheduleConfig; seq_length: the model's (the length, no curriculum)."""
         self.schedule_cfg, self.seq_length, keys = schedule_cfg, seq_length, schedule_cfg
         self.rampup = RampupBatchSize(keys.rampup_batch_size, keys.global_batch_size,
                                       keys.micro_batch_size, dp_size)
         if keys.curriculum_learning:
-            check_curriculum(keys.min_difficulty, keys.max_difficulty, seq_length, keys.difficulty_step)
+            check_curriculum(keys.min_difficulty, keys.max_difficulty, seq_length,
+                             keys.difficulty_step)
         self.skip_ranges = parse_iteration_ranges(keys.skip_train_iteration_range)
         self.total_iters, self.total_samples, self.total_tokens = self._simulate()
         self.lr_schedule = AnnealingLR(
@@ -227,9 +232,10 @@ def in_ranges(iteration, ranges):
 
 
 def reset_warmup_iters(setting, adam_beta2, unset=None):
-    """The lr=0 iterations after an optimizer reset (lesson 8): setting, reset_optimizer_warmup_iters, where
-    "auto" is 5 / (1 - adam_beta2), the time Adam's second moment needs; 0 without one. `unset`: the
-    setting when the config has none (the spike guard resets with "auto")."""
+    """The lr=0 iterations after an optimizer reset (lesson 8): setting,
+    reset_optimizer_warmup_iters, where "auto" is 5 / (1 - adam_beta2), the time Adam's second
+    moment needs; 0 without one. `unset`: the setting when the config has none (the spike guard
+    resets with "auto")."""
     setting = setting or unset
     if not setting:
         return 0

@@ -13,8 +13,8 @@
 - a checkpoint of any layout written from one process (write_checkpoint); the files `latest` names
   (final_state), compared bit for bit (assert_same).
 - MemorySource, a data.TokenSource held in memory (the contract test's third source).
-- plan_of(cfg) and data_of(cfg, plan): the schedule and the data of a whole config, made from its sections as
-  train.py makes them.
+- plan_of(cfg) and data_of(cfg, plan): the schedule and the data of a whole config, made from its
+  sections as train.py makes them.
 """
 import contextlib
 import importlib.metadata
@@ -496,6 +496,6 @@ def plan_of(cfg, dp_size=1):
 
 
 def data_of(cfg, plan, documents_to_skip=lambda collections: None):
-    """loader.build_data's (train, validation) of the whole config cfg, as train.py asks for them."""
-    return loader.build_data(section(loader.DataConfig, cfg), section(loader.DataContext, cfg), plan,
-                             documents_to_skip)
+    """loader.build_data's (train, validation) of the whole config cfg, as train.py asks."""
+    data_cfg, context = section(loader.DataConfig, cfg), section(loader.DataContext, cfg)
+    return loader.build_data(data_cfg, context, plan, documents_to_skip)

@@ -229,3 +229,17 @@ def test_the_doc_example_is_this_files_source():
         here = f.read()
     here = here[here.index("class NpyTokens:"):here.index("# -- end of the example")]
     assert example.strip() == here.strip()
+
+
+def test_the_data_declares_each_key_once():
+    """The sources read DataConfig, the data's keys, and a DataContext of other owners' values: no key of
+    the run config is declared a second time in loader.py (#49: MegatronKeys re-declared 11)."""
+    import inspect
+
+    data_keys = {f.name for f in dataclasses.fields(loader.DataConfig)}
+    given = {f.name for f in dataclasses.fields(loader.DataContext)} - {"config_file"}
+    assert given <= set(arguments.FIELDS) and not given & data_keys  # another owner's, passed in
+    for name, cls in inspect.getmembers(loader, dataclasses.is_dataclass):
+        if cls not in (loader.DataConfig, loader.DataContext):
+            again = {f.name for f in dataclasses.fields(cls)} & set(arguments.FIELDS)
+            assert not again, f"loader.{name} declares {sorted(again)} again"

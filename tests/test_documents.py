@@ -205,10 +205,12 @@ def test_tp2_and_pp2_with_the_flags_match_one_process(tp, pp):
 
 def test_flags_that_cannot_work_are_refused_by_name():
     def check(cfg):
-        loader.check(section(loader.DataConfig, cfg), section(loader.DataContext, cfg), cfg.position_embedding_type)
+        data_cfg, context = section(loader.DataConfig, cfg), section(loader.DataContext, cfg)
+        loader.check(data_cfg, context, cfg.position_embedding_type)
 
     with pytest.raises(ValueError, match="reset_position_ids does nothing with position_embedding_type=alibi"):
-        check(arguments.load_config(["config/tiny.py", "--position_embedding_type=alibi", "--reset_position_ids"]))
+        check(arguments.load_config(["config/tiny.py", "--position_embedding_type=alibi",
+                                     "--reset_position_ids"]))
     with pytest.raises(ValueError, match="end-of-document id 50256, which is not below vocab_size=512"):
         check(arguments.load_config(["config/tiny.py", "--vocab_size=512", "--eod_mask_loss"]))
 

@@ -236,7 +236,8 @@ RUN = ["config/finetune.py", "--bf16=false", "--micro_batch_size=2", "--global_b
 def first_batch_loss(reference, argv):
     """transformers' mean loss over the micro-batches of the run's first iteration (train.py's own data path)."""
     cfg = arguments.prepare(arguments.load_config(argv))
-    batches = loader.micro_batches(data_of(cfg, plan_of(cfg))[0], 0, 2, cfg.micro_batch_size, cfg.seq_length,
+    train = data_of(cfg, plan_of(cfg))[0]
+    batches = loader.micro_batches(train, 0, 2, cfg.micro_batch_size, cfg.seq_length,
                                    torch.device("cpu"))
     with torch.no_grad():
         return sum(torch.nn.functional.cross_entropy(reference(x).logits.flatten(0, 1), y.flatten()).item()

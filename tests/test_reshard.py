@@ -77,7 +77,8 @@ def _save_layout(directory, tp, pp, dp, zero_stage, cfg_args=(), mutate=None):
                 mutate(model, inner)
             state = run_state.RunState(iteration=10, consumed_samples=80, consumed_tokens=1280,
                                        scheduler_samples=80, scheduler_tokens=1280)
-            run_state.save(run_state.Parts(cfg, model, optimizer, plan_of(cfg, parallel.grid.dp_size),
+            plan = plan_of(cfg, parallel.grid.dp_size)
+            run_state.save(run_state.Parts(cfg, model, optimizer, plan,
                                            optim.scaler_for(cfg), training.NO_CALLBACKS, state))
     finally:
         parallel.grid, checkpoint.save = saved, save

@@ -396,10 +396,10 @@ def _one_rank_scans_for_the_largest_id(prefix):
     data.max_token_id = lambda indexed: scans.append(indexed.prefix) or scan(indexed)
     try:
         context = loader.DataContext(seq_length=64, vocab_size=50257)
-        loader.check_data("969,30,1", context, [prefix], train_samples=10)  # in the vocabulary: passes
+        loader.check_data("969,30,1", context, [prefix], 10)  # in the vocabulary: passes
         context = dataclasses.replace(context, vocab_size=1000)
         with pytest.raises(ValueError, match="holds token id 50256, at or above vocab_size 1000"):
-            loader.check_data("969,30,1", context, [prefix], train_samples=10)  # every rank: rank 0's number
+            loader.check_data("969,30,1", context, [prefix], 10)  # every rank: rank 0's number
     finally:
         data.max_token_id = scan
     assert scans == ([prefix] * 2 if parallel.grid.rank == 0 else []), (parallel.grid.rank, scans)
@@ -412,7 +412,8 @@ def test_one_rank_scans_the_corpus_for_its_largest_token_id(corpus):
 
 def test_the_exit_reason_names_the_signal_that_came():
     """A SLURM recipe's SIGUSR1 is logged as SIGUSR1, not as the SIGTERM it once was said to be."""
-    cfg, exit_reason = types.SimpleNamespace(exit_interval=None, exit_duration_in_mins=None), safety.exit_reason
+    cfg = types.SimpleNamespace(exit_interval=None, exit_duration_in_mins=None)
+    exit_reason = safety.exit_reason
     for name in ("SIGUSR1", "SIGTERM"):
         assert exit_reason(cfg, 1, time.time(), lambda: name) == f"{name} (exit_signal_handler)"
     assert exit_reason(cfg, 1, time.time(), lambda: False) is None

@@ -16,8 +16,8 @@ import pytest
 import arguments
 import data
 import training
-from helpers import (SMALL, corpus, corpus512, data_of, log_fields, plan_of, run_cli, run_main,  # noqa: F401
-                     synthetic_corpus)
+from helpers import (  # noqa: F401 (fixtures)
+    SMALL, corpus, corpus512, data_of, log_fields, plan_of, run_cli, run_main, synthetic_corpus)
 
 SPLIT, SEQ, SEED, SAMPLES = "949,50,1", 64, 1234, 2 * 8  # the split, seq_length, seed; eval_iters x global batch
 NAMES = ["all", "shakespeare", "synthetic", "heldout"]

@@ -42,7 +42,8 @@ def main(argv=None):
     plan = schedule.Schedule(section(schedule.ScheduleConfig, cfg), 1, cfg.seq_length)
     if last > plan.total_iters:
         raise ValueError(f"iteration {last} is past the end of this run ({plan.total_iters} iterations)")
-    train_data, _ = loader.build_data(section(loader.DataConfig, cfg), section(loader.DataContext, cfg), plan)
+    data_cfg, context = section(loader.DataConfig, cfg), section(loader.DataContext, cfg)
+    train_data, _ = loader.build_data(data_cfg, context, plan)
     for it, (start, batch, seqlen) in iteration_starts(plan, last).items():
         if it < first:
             continue
