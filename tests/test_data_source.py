@@ -12,31 +12,33 @@ import torch
 import arguments
 import data
 import loader
-from helpers import ROOT, corpus, data_of, log_fields, plan_of, run_main  # noqa: F401 (corpus is a fixture)
+from helpers import ROOT, corpus, data_of, log_fields, plan_of, run_main  # noqa: F401 (a fixture)
 from sections import section
 from stability import skip_list
 
 
 # -- the example of docs/data.md, "A new data source" ------------------------------------------------------------
 class NpyTokens:
-    """data_path: one .npy file of token ids, every document ending in data.EOD. Samples of seq_length + 1 tokens,
-    one every seq_length tokens of the split's documents in file order, again from the start when they run out.
-    data_cfg: the data's keys (loader.DataConfig); context: the model's seq_length and vocab_size (DataContext)."""
+    """data_path: one .npy file of token ids, every document ending in data.EOD. Samples of
+    seq_length + 1 tokens, one every seq_length tokens of the split's documents in file order, again
+    from the start when they run out. data_cfg: the data's keys (loader.DataConfig); context: the
+    model's seq_length and vocab_size (loader.DataContext)."""
 
     @staticmethod
     def check(data_cfg, context):
         path = data_cfg.data_path
         if not path or len(path) != 1 or not path[0].endswith(".npy"):
-            raise ValueError(f"data_source=npy reads one .npy file of token ids, not data_path={path}; "
-                             "set data_path=FILE.npy")
+            raise ValueError(f"data_source=npy reads one .npy file of token ids, not "
+                             f"data_path={path}; set data_path=FILE.npy")
 
     def __init__(self, data_cfg, context, num_samples):
         self.split, self.seq_length = data_cfg.split, context.seq_length
         self.num_samples, self.path = num_samples, data_cfg.data_path[0]
         self.tokens = np.load(self.path, mmap_mode="r")
-        if self.tokens.max() >= context.vocab_size:
-            raise ValueError(f"{self.path} holds token id {self.tokens.max()}, at or above vocab_size "
-                             f"{context.vocab_size}; set vocab_size to at least {self.tokens.max() + 1}")
+        top = self.tokens.max()
+        if top >= context.vocab_size:
+            raise ValueError(f"{self.path} holds token id {top}, at or above vocab_size "
+                             f"{context.vocab_size}; set vocab_size to at least {top + 1}")
         # document d is tokens[bounds[d]:bounds[d + 1]]
         self.bounds = np.concatenate([[0], np.flatnonzero(self.tokens == data.EOD) + 1])
 
@@ -46,8 +48,9 @@ class NpyTokens:
     def build(self, skips):
         splits = data.split_documents(self.split, len(self.bounds) - 1)
         skip = skips[0] if skips else []
-        sets = [Windows(self.path, self.tokens, self.bounds, np.setdiff1d(np.arange(*docs), skip), n,
-                        self.seq_length) if n else None for docs, n in zip(splits, self.num_samples)]
+        sets = [Windows(self.path, self.tokens, self.bounds, np.setdiff1d(np.arange(*docs), skip),
+                        n, self.seq_length) if n else None
+                for docs, n in zip(splits, self.num_samples)]
         return sets[0], sets[1]
 
 
@@ -206,9 +209,9 @@ def test_megatron_is_the_first_source_and_the_default(corpus):
                                                    "--global_batch_size=8", "--micro_batch_size=2", "--eval_iters=1"]))
     assert cfg.data_source == "megatron" and loader.SOURCES["megatron"] is loader.MegatronSource
     data_cfg, context = section(loader.DataConfig, cfg), section(loader.DataContext, cfg)
-    assert (data_cfg.data_path, context.seq_length, context.vocab_size) == ([corpus], SEQ, cfg.vocab_size)
-    blend = loader.MegatronSource(dataclasses.replace(data_cfg, data_path=["0.5", corpus, "0.5", corpus]), context,
-                                  (8, 0))
+    assert (data_cfg.data_path, context.seq_length) == ([corpus], SEQ)
+    blended = dataclasses.replace(data_cfg, data_path=["0.5", corpus, "0.5", corpus])
+    blend = loader.MegatronSource(blended, context, (8, 0))
     assert [name for name, _ in blend.documents()] == [corpus, corpus]  # a skip list's entry per blend component
     plan = plan_of(cfg)
     train, valid = data_of(cfg, plan)
@@ -232,8 +235,9 @@ def test_the_doc_example_is_this_files_source():
 
 
 def test_the_data_declares_each_key_once():
-    """The sources read DataConfig, the data's keys, and a DataContext of other owners' values: no key of
-    the run config is declared a second time in loader.py (#49: MegatronKeys re-declared 11)."""
+    """The sources read DataConfig, the data's keys, and a DataContext of other owners' values: no
+    key of the run config is declared a second time in loader.py (#49: MegatronKeys re-declared
+    11)."""
     import inspect
 
     data_keys = {f.name for f in dataclasses.fields(loader.DataConfig)}

@@ -1,5 +1,5 @@
-"""report.py knows no callback by name: a list a callback records (its decisions) accumulates over the
-iteration in metrics.jsonl, whatever its key; any other value is the iteration's last."""
+"""report.py knows no callback by name: a list a callback records (its decisions) accumulates
+over the iteration in metrics.jsonl, whatever its key; any other value is the iteration's last."""
 import json
 
 import report
