@@ -38,6 +38,7 @@ from optim import OptimizerConfig
 from parallel import LayoutConfig
 from report import LoggingConfig
 from schedule import ScheduleConfig
+from sections import section
 from stability import config as stability_config
 from stability.config import StabilityConfig
 
@@ -50,6 +51,8 @@ class Config(StabilityConfig, EvalHarnessConfig, LoggingConfig, CheckpointConfig
     """Every key of a run, flat (cfg.lr), each declared and checked by its owner: a dataclass's fields come base
     class last first, so the keys read model, data, optimizer, schedule, parallel, checkpoint, logging, stability.
     usage.py reads this list of bases from the source for `--help`: an owner is one more base here."""
+
+    config_file = "this config"  # not a key: the file's name in messages (load_config sets it)
 
 
 FIELDS = {f.name: f for f in fields(Config)}
@@ -280,14 +283,16 @@ def validate(cfg, world_size=1, reads_data=True):
     for key in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size"):
         if getattr(cfg, key) <= 0:  # the model's sizes, before GPTConfig.check divides by them
             raise ValueError(f"{key}={getattr(cfg, key)} must be positive")
-    loader.check(cfg, reads_data)
+    data_cfg, context = section(DataConfig, cfg), section(loader.DataContext, cfg)
+    loader.check(data_cfg, context, cfg.position_embedding_type, reads_data)
     GPTConfig.check(cfg)
     parallel.check(cfg, world_size)
-    schedule.check(cfg, world_size)
+    dp_size = world_size // (cfg.tensor_model_parallel_size * cfg.pipeline_model_parallel_size)
+    schedule.check(section(ScheduleConfig, cfg), dp_size, cfg.load)
     optim.check(cfg)
-    checkpoint.check(cfg)
-    report.check(cfg)
-    eval_harness.check(cfg)
+    checkpoint.check(section(CheckpointConfig, cfg))
+    report.check(section(LoggingConfig, cfg))
+    eval_harness.check(section(EvalHarnessConfig, cfg), cfg.eval_only)
     stability_config.check(cfg)
 
 

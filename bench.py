@@ -79,6 +79,7 @@ import training
 from builders import build_model
 from model import GPTConfig
 from report import print0
+from sections import section
 from stability import telemetry
 
 # The GPUs' nominal peaks (report.GPU_PEAKS, what the training log's MFU divides by too)
@@ -251,12 +252,15 @@ def set_up(bench, argv):
     """Load the config, make it a steady run of the iterations bench needs (for_timing) and build it."""
     cfg = arguments.load_config(argv)
     arguments.check_device(cfg)
-    grid = launch.start(cfg)  # as train.py: the allocator's expandable segments, the process group
+    # as train.py: the allocator's expandable segments, the process group
+    layout_cfg = section(parallel.LayoutConfig, cfg)
+    grid = launch.start(layout_cfg, cfg.tensor_model_parallel_size, cfg.save)
     settle = SETTLE_ITERATIONS if cfg.fp16 and cfg.loss_scale is None else 0
     iterations = bench.bench_warmup + settle + bench.bench_steps + (1 if bench.step_costs else 0)
     notes = for_timing(cfg, arguments.parse_cli(argv)[1], iterations)
     arguments.prepare(cfg, grid.world_size)
-    device = launch.setup(cfg)  # as train.py: determinism, seeds, TF32 for fp32 matmuls on CUDA
+    # as train.py: determinism, seeds, TF32 for fp32 matmuls on CUDA
+    device = launch.setup(layout_cfg, cfg.seed)
     if device.type == "cpu":  # a config's real widths take minutes here: said before they are spent
         notes.append(cpu_cost_note(cfg, iterations, device, grid.world_size))
     for note in notes:
@@ -272,12 +276,13 @@ def set_up(bench, argv):
     if scaler.dynamic and scaler.scale > TIMING_LOSS_SCALE:
         scale_note = f"the config's initial_loss_scale {scaler.scale:.0f} capped at {TIMING_LOSS_SCALE:.0f}"
         scaler.scale = max(TIMING_LOSS_SCALE, scaler.min_scale)
-    if launch.compiles(cfg):  # as train.py: on CUDA unless --compile=false
+    if launch.compiles(layout_cfg):  # as train.py: on CUDA unless --compile=false
         parallel.unwrap(model).compile_blocks()
         cross_entropy.compile_chain()
     model.train()
-    plan = schedule.Schedule(cfg, grid.dp_size)
-    train_data, _ = loader.build_data(cfg, plan)
+    plan = schedule.Schedule(section(schedule.ScheduleConfig, cfg), grid.dp_size, cfg.seq_length)
+    data_cfg, context = section(loader.DataConfig, cfg), section(loader.DataContext, cfg)
+    train_data, _ = loader.build_data(data_cfg, context, plan)
     # as train.py; with --spike_guard its callbacks record telemetry (with_callbacks)
     recorder = (telemetry.Telemetry(model, cfg, optimizer) if cfg.telemetry_interval
                 and not cfg.spike_guard else None)
@@ -296,7 +301,8 @@ def with_callbacks(cfg, model, optimizer, plan, scaler, train_data):
     callbacks = builders.build_callbacks(cfg)
     quiet = dataclasses.replace(cfg, save=None, tensorboard_dir=None, wandb_project=None)
     parts = run_state.Parts(cfg, model, optimizer, plan, scaler, callbacks)
-    callbacks.start(parts, report_module.Report(quiet, plan, model), train_data)
+    log_cfg = section(report_module.LoggingConfig, quiet)
+    callbacks.start(parts, report_module.Report(log_cfg, plan, model), train_data)
     return parts
 
 
@@ -415,8 +421,8 @@ def unprepared_load_seconds(run):
     """What loading a global batch costs when nobody prepared it ahead."""
     cfg, grid = run.cfg, run.grid
     t0 = time.perf_counter()
-    loader.micro_batches(run.train_data, 0, cfg.global_batch_size // (cfg.micro_batch_size * grid.dp_size), cfg,
-                         cfg.seq_length, run.device)
+    count = cfg.global_batch_size // (cfg.micro_batch_size * grid.dp_size)
+    loader.micro_batches(run.train_data, 0, count, cfg.micro_batch_size, cfg.seq_length, run.device)
     sync(run.device)
     return time.perf_counter() - t0
 
@@ -442,7 +448,7 @@ def measure(argv):
     bench, rest = parse(argv)
     run = set_up(bench, rest)
     timings, key = Timings(), (1, 0, run.cfg.global_batch_size, run.cfg.seq_length)
-    with loader.batch_prefetcher(run.train_data, run.plan, run.cfg, run.device) as prefetcher:
+    with loader.batch_prefetcher(run.train_data, run.plan, run.device) as prefetcher:
         key = warm_up(run, bench, prefetcher, key, timings)
         key = time_steps(run, bench, prefetcher, key, timings)
         costs = profile_step(run, prefetcher, key) if bench.step_costs else None

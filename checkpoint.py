@@ -66,11 +66,11 @@ class CheckpointConfig:
     dump_weights: bool = False  # write every rank's weights around save and load, to diff them (lesson 11)
 
 
-def check(cfg):
+def check(ckpt_cfg):
     """Raise ValueError with the fix for checkpoint keys that cannot work."""
-    if cfg.save_interval is not None and cfg.save_interval <= 0:
+    if ckpt_cfg.save_interval is not None and ckpt_cfg.save_interval <= 0:
         raise ValueError("save_interval must be positive")
-    if cfg.save_interval is not None and cfg.save is None:
+    if ckpt_cfg.save_interval is not None and ckpt_cfg.save is None:
         raise ValueError("save_interval is set but save (a directory) is not")
 
 

@@ -28,7 +28,7 @@ import contextlib
 import numbers
 import os
 import random
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import numpy as np
 import torch
@@ -38,7 +38,7 @@ import parallel
 import reshard
 import rng
 import tokenizer
-from model import GPT, GPTConfig
+from model import GPT
 
 # Parameters above which a run's in-loop evaluation is refused: the last rank would hold a whole
 # fp32 copy (8 GB at 2e9) beside its own training state, its host every shard at once on the way.
@@ -57,33 +57,35 @@ class EvalHarnessConfig:
     eval_harness_batch_size: int = 1  # requests per forward pass
 
 
-def check(cfg):
-    """Raise ValueError with the fix for eval_harness keys that cannot work (arguments.Config holds
-    the keys). The task names are lm-eval's to resolve: RunEvaluation, before training starts."""
-    if cfg.eval_harness_tasks is None:
-        given = [f.name for f in fields(EvalHarnessConfig) if getattr(cfg, f.name) != f.default]
+def check(harness_cfg, eval_only=False):
+    """Raise ValueError with the fix for eval_harness keys that cannot work (harness_cfg: an
+    EvalHarnessConfig; eval_only: logging's). The task names are lm-eval's to resolve:
+    RunEvaluation, before training starts."""
+    if harness_cfg.eval_harness_tasks is None:
+        given = [f.name for f in fields(EvalHarnessConfig)
+                 if getattr(harness_cfg, f.name) != f.default]
         if given:
             raise ValueError(f"{given[0]} does nothing without eval_harness_tasks: give the tasks "
                              "(--eval_harness_tasks=hellaswag,...) or drop the key")
         return
-    if not task_names(cfg.eval_harness_tasks):
-        raise ValueError(f"eval_harness_tasks={cfg.eval_harness_tasks!r} names no task; give "
-                         "comma-separated lm-eval task names, or None to evaluate none")
-    if cfg.eval_only:
+    if not task_names(harness_cfg.eval_harness_tasks):
+        raise ValueError(f"eval_harness_tasks={harness_cfg.eval_harness_tasks!r} names no task; "
+                         "give comma-separated lm-eval task names, or None to evaluate none")
+    if eval_only:
         raise ValueError("eval_harness_tasks runs during training, not with eval_only: evaluate "
                          "the checkpoint with tools/evaluate.py --load DIR --tasks ...")
-    if cfg.eval_harness_interval < 1 or cfg.eval_harness_batch_size < 1:
+    if harness_cfg.eval_harness_interval < 1 or harness_cfg.eval_harness_batch_size < 1:
         raise ValueError("eval_harness_interval and eval_harness_batch_size must be at least 1")
-    if (cfg.eval_harness_num_fewshot or 0) < 0 or (cfg.eval_harness_limit is not None and
-                                                   cfg.eval_harness_limit <= 0):
+    limit = harness_cfg.eval_harness_limit
+    if (harness_cfg.eval_harness_num_fewshot or 0) < 0 or (limit is not None and limit <= 0):
         raise ValueError("eval_harness_num_fewshot must not be negative and eval_harness_limit "
                          "must be positive")
-    if cfg.eval_harness_only_include_path and not cfg.eval_harness_include_path:
+    if harness_cfg.eval_harness_only_include_path and not harness_cfg.eval_harness_include_path:
         raise ValueError("eval_harness_only_include_path needs eval_harness_include_path (the "
                          "folder of your tasks)")
-    if cfg.eval_harness_include_path and not os.path.isdir(cfg.eval_harness_include_path):
-        raise ValueError(f"eval_harness_include_path {cfg.eval_harness_include_path} is not a "
-                         "directory")
+    include_path = harness_cfg.eval_harness_include_path
+    if include_path and not os.path.isdir(include_path):
+        raise ValueError(f"eval_harness_include_path {include_path} is not a directory")
 
 
 def task_names(text):
@@ -170,38 +172,41 @@ class RunEvaluation:
     (train.main): the task names, the model's size and the tokenizer are checked there, on every
     rank, with one message."""
 
-    def __init__(self, cfg):
-        self.cfg = cfg
-        n = GPTConfig.num_parameters(cfg)
+    def __init__(self, harness_cfg, model_cfg, tokenizer_file=None):
+        """harness_cfg: an EvalHarnessConfig; model_cfg: the run's model.GPTConfig; tokenizer_file:
+        the data's."""
+        self.harness_cfg, self.model_cfg = harness_cfg, model_cfg
+        n = model_cfg.num_parameters()
         if n > GATHER_LIMIT:
             raise ValueError(f"eval_harness_tasks: this model ({n / 1e9:.2f}e9 parameters) would "
                              "be gathered whole, in fp32, onto one rank (eval_harness.py); above "
                              f"{GATHER_LIMIT / 1e9:.0f}e9 that is refused: evaluate its "
                              "checkpoints with tools/evaluate.py instead")
-        self.tok = tokenizer.get_tokenizer(cfg.tokenizer_file)
-        if self.tok.n_vocab > cfg.vocab_size:
+        self.tok = tokenizer.get_tokenizer(tokenizer_file)
+        if self.tok.n_vocab > model_cfg.vocab_size:
             raise ValueError(f"eval_harness_tasks: the tokenizer has {self.tok.n_vocab} ids but "
-                             f"vocab_size is {cfg.vocab_size}: lm-eval's texts would hold ids the "
-                             "model has no row for")
-        self.manager = task_manager(cfg.eval_harness_include_path,
-                                    cfg.eval_harness_only_include_path)
-        self.tasks = known_tasks(task_names(cfg.eval_harness_tasks), self.manager,
-                                 cfg.eval_harness_include_path, flag="eval_harness_include_path")
+                             f"vocab_size is {model_cfg.vocab_size}: lm-eval's texts would hold "
+                             "ids the model has no row for")
+        self.manager = task_manager(harness_cfg.eval_harness_include_path,
+                                    harness_cfg.eval_harness_only_include_path)
+        self.tasks = known_tasks(task_names(harness_cfg.eval_harness_tasks), self.manager,
+                                 harness_cfg.eval_harness_include_path,
+                                 flag="eval_harness_include_path")
 
     def due(self, iteration, last):
-        return last or iteration % self.cfg.eval_harness_interval == 0
+        return last or iteration % self.harness_cfg.eval_harness_interval == 0
 
     def __call__(self, model, iteration, state, report, device):
         """Evaluate the run's weights at iteration (every rank calls it), log each task's
         numbers."""
         with untouched_random_streams(device):  # building the whole model draws too
-            gpt = gathered(model, self.cfg, iteration)
+            gpt = gathered(model, self.model_cfg, iteration)
             if gpt is not None:  # the last rank
-                cfg = self.cfg
-                lm = lm_class()(gpt.to(device), self.tok, batch_size=cfg.eval_harness_batch_size)
+                keys = self.harness_cfg
+                lm = lm_class()(gpt.to(device), self.tok, batch_size=keys.eval_harness_batch_size)
                 with alone():
-                    results = evaluate(lm, self.tasks, self.manager, cfg.eval_harness_num_fewshot,
-                                       cfg.eval_harness_limit)
+                    results = evaluate(lm, self.tasks, self.manager, keys.eval_harness_num_fewshot,
+                                       keys.eval_harness_limit)
         if gpt is not None:
             values = task_scalars(results)
             print(f" lm-eval at iteration {iteration} | " +
@@ -212,7 +217,7 @@ class RunEvaluation:
             dist.barrier(group=parallel.host_group())
 
 
-def gathered(model, cfg, iteration):
+def gathered(model, model_cfg, iteration):
     """The run's whole model at iteration, fp32, on the CPU, in eval mode, on the last rank (None on
     the others): DP rank 0's shard of every (TP, PP) rank sent there over the host group and merged
     by reshard.Resharder as the checkpoint of this iteration would be. Every rank calls it."""
@@ -229,11 +234,12 @@ def gathered(model, cfg, iteration):
         dist.gather_object(mine, shards, dst=last, group=parallel.host_group())
     if grid.rank != last:
         return None
-    whole = GPTConfig.from_config(cfg)
-    whole.tensor_model_parallel_size = 1  # the vocabulary padded for one process, as the tools load
+    # the vocabulary padded for one process, as the tools load
+    whole = replace(model_cfg, tensor_model_parallel_size=1)
     with torch.device("cpu"):
         full = GPT(whole, grid=parallel.Grid(1, 1, world_size=1, rank=0)).eval()
-    layout = GatheredLayout([s for s in shards if s is not None], cfg, iteration)
+    shards = [s for s in shards if s is not None]
+    layout = GatheredLayout(shards, model_cfg, grid.pp_size, iteration)
     full.load_state_dict(reshard.Resharder(layout, full).model_state())
     return full.float()
 
@@ -242,10 +248,10 @@ class GatheredLayout:
     """The run's shards, read as reshard.Resharder reads the model files of a checkpoint
     (reshard.SavedLayout)."""
 
-    def __init__(self, shards, cfg, iteration):
+    def __init__(self, shards, model_cfg, pp_size, iteration):
         self.tag_dir = f"(the run's weights at iteration {iteration})"  # for Resharder's messages
-        self.tp, self.pp = cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size
-        self.config = {"vocab_size": cfg.vocab_size}
+        self.tp, self.pp = model_cfg.tensor_model_parallel_size, pp_size
+        self.config = {"vocab_size": model_cfg.vocab_size}
         self.models = {(tp, pp): {"model": state} for tp, pp, state in shards}
         self.stage_of = {}  # each name's stage; the first stage's wins for the tied embedding
         for pp in reversed(range(self.pp)):

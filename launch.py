@@ -2,6 +2,8 @@
 ends (a one-line error, the process groups torn down last). train.py and bench.py start the same way.
 
 Not here: the config (arguments.py), what is built on the device (model.py, optim.py, loader.py).
+Each function takes the layout's section of the config (layout_cfg: parallel.LayoutConfig) and the
+other owners' values it needs.
 """
 import json
 import os
@@ -22,56 +24,61 @@ def world_size():
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def start(cfg):
-    """The process group, CUDA's allocator configured before it starts."""
-    use_expandable_segments(cfg)
-    use_nccl_flight_recorder(cfg)
-    return parallel.init(cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size,
-                         backend="nccl" if use_cuda(cfg) else "gloo", timeout_minutes=cfg.distributed_timeout_minutes,
-                         host_timeout_minutes=cfg.host_work_timeout_minutes)
+def start(layout_cfg, tensor_model_parallel_size, save=None):
+    """The process group, CUDA's allocator configured before it starts. tensor_model_parallel_size:
+    the model's; save: checkpointing's directory (where NCCL's flight recorder dumps)."""
+    use_expandable_segments(layout_cfg)
+    use_nccl_flight_recorder(layout_cfg, save)
+    return parallel.init(tensor_model_parallel_size, layout_cfg.pipeline_model_parallel_size,
+                         backend="nccl" if use_cuda(layout_cfg) else "gloo",
+                         timeout_minutes=layout_cfg.distributed_timeout_minutes,
+                         host_timeout_minutes=layout_cfg.host_work_timeout_minutes)
 
 
-def setup(cfg):
-    """Determinism, the device and its matmul precision, and the seeds of this TP rank and pipeline stage."""
-    set_deterministic(cfg)
-    device = get_device(cfg)
-    rng.seed(cfg.seed, device)  # the dropout streams of this TP rank and pipeline stage (lesson 22)
-    np.random.seed(cfg.seed)
+def setup(layout_cfg, seed):
+    """Determinism, the device and its matmul precision, and the seeds (the data's seed) of this TP
+    rank and pipeline stage."""
+    set_deterministic(layout_cfg)
+    device = get_device(layout_cfg)
+    rng.seed(seed, device)  # the dropout streams of this TP rank and pipeline stage (lesson 22)
+    np.random.seed(seed)
     if device.type == "cuda":
         # tf32: fp32 matmuls on the tensor cores with a 10-bit mantissa (8x the throughput on A100/H100), as
         # Megatron's users run them; only fp32 runs are affected (bf16/fp16 weights multiply in their dtype).
-        torch.set_float32_matmul_precision("high" if cfg.tf32 else "highest")
+        torch.set_float32_matmul_precision("high" if layout_cfg.tf32 else "highest")
     return device
 
 
-def compiles(cfg):
+def compiles(layout_cfg):
     """Whether the run torch.compiles (config compile; None: on CUDA, where fused kernels pay for themselves in
     the first steps, off on the CPU, where compiling costs minutes at start). The one place that decides it."""
-    return use_cuda(cfg) if cfg.compile is None else cfg.compile
+    return use_cuda(layout_cfg) if layout_cfg.compile is None else layout_cfg.compile
 
 
-def use_cuda(cfg):
-    return cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+def use_cuda(layout_cfg):
+    device = layout_cfg.device
+    return device == "cuda" or (device == "auto" and torch.cuda.is_available())
 
 
-def use_expandable_segments(cfg):
+def use_expandable_segments(layout_cfg):
     """PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True unless the user set an allocator config: the curriculum
     and ALiBi change the activations' shapes from step to step, which fragments the caching allocator's fixed
     segments (out of memory with memory free). Read by CUDA's allocator when it starts: call before any CUDA
     work."""
-    if use_cuda(cfg) and not {"PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"} & set(os.environ):
+    given = {"PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"} & set(os.environ)
+    if use_cuda(layout_cfg) and not given:
         os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
 
 
-def use_nccl_flight_recorder(cfg):
+def use_nccl_flight_recorder(layout_cfg, save=None):
     """On CUDA, unless the user set them: NCCL's flight recorder keeps each rank's last 2000 collectives and, when
     one times out (a hang), dumps them to <save>/nccl_trace/rank_N (torch's TORCH_NCCL_* names), which
     `python -m torch.distributed.flight_recorder.fr_trace` reads to name the rank that did not join; rank 0 says
     where at the start (the watchdog aborts the process on a timeout before Python could say it). Read when the
     process group starts: call before it. One process has no collective to hang in: nothing is set or made."""
-    if not use_cuda(cfg) or world_size() == 1:
+    if not use_cuda(layout_cfg) or world_size() == 1:
         return
-    directory = os.path.abspath(os.path.join(cfg.save or ".", "nccl_trace"))
+    directory = os.path.abspath(os.path.join(save or ".", "nccl_trace"))
     defaults = {"TORCH_NCCL_TRACE_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
                 "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": os.path.join(directory, "rank_")}
     if "TORCH_NCCL_DEBUG_INFO_TEMP_FILE" not in os.environ:
@@ -87,13 +94,13 @@ def use_nccl_flight_recorder(cfg):
               "names the rank that did not join", flush=True)
 
 
-def set_deterministic(cfg):
+def set_deterministic(layout_cfg):
     """deterministic=True: the same bits from the same run, whatever the load of the machine. On CPU the matrix
     products are MKL's, whose default code path depends on the number of threads MKL decides to use (1 and 2
     threads give different gradient bits); MKL_CBWR=AUTO,STRICT makes them independent of it. MKL reads it at its
     first call, which train.py makes after this point. torch's own reductions still split by the thread count
     torch starts with: same machine shape, same bits. On CUDA: deterministic cuBLAS workspaces and kernels."""
-    if not cfg.deterministic:
+    if not layout_cfg.deterministic:
         return
     os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -101,9 +108,11 @@ def set_deterministic(cfg):
     torch.backends.cudnn.benchmark = False
 
 
-def get_device(cfg):
+def get_device(layout_cfg):
     """The model's device, which is also the backend's communication device (NCCL for CUDA, gloo for CPU)."""
-    return torch.device("cuda", torch.cuda.current_device()) if use_cuda(cfg) else torch.device("cpu")
+    if use_cuda(layout_cfg):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def exit_with(error, code):

@@ -10,10 +10,12 @@ do not depend on the prefetching at all.
 The gather itself (GPTDataset.gather) is compiled and releases the GIL, so the thread runs beside the training
 step. On CUDA the host buffer is pinned and the copy to the device is non-blocking.
 
-The run's data is built here too: build_data opens the source the data_source key names in a registry of
-sources (DataSource: its own keys, its checks, its train and validation sets, the names of its documents for
-skip lists). The first is Megatron's .bin/.idx files of data_path; a new one is one file and one registry line.
-Its validation is one blended set, or named sets (valid_weighted_split_names and _paths), each evaluated apart.
+The run's data is built here too: build_data opens the source the data_source key names in a
+registry of sources (DataSource: its checks, its train and validation sets, the names of its
+documents for skip lists). A source reads the data's section of the config (DataConfig) and what
+other owners give it (DataContext). The first is Megatron's .bin/.idx files of data_path; a new one
+is one file and one registry line. Its validation is one blended set, or named sets
+(valid_weighted_split_names and _paths), each evaluated apart.
 """
 import collections
 import dataclasses
@@ -124,21 +126,23 @@ def _serve(requests, load):
 
 
 class DataSource(Protocol):
-    """What the loader asks of a kind of data (torchtitan's data-source protocol): a new kind is one class, in one
-    file, that register_source names; the loader, the training loop and the skip lists stay as they are. The
-    Megatron source below is the first; docs/data.md ("A new data source") shows a second."""
+    """What the loader asks of a kind of data (torchtitan's data-source protocol): a new kind is one
+    class, in one file, that register_source names; the loader, the training loop and the skip lists
+    stay as they are. The Megatron source below is the first; docs/data.md ("A new data source")
+    shows a second. A source reads the data's keys (data_cfg: DataConfig, where a key of its own is
+    declared) and the other owners' values it is given (context: DataContext), nothing else of the
+    run."""
 
-    # A dataclass of the run-config keys the source reads, named as there: its own section of the config
-    # (source_keys), so that it sees nothing else of the run.
-    Config: type
+    # Does it read valid_weighted_split_names/_paths (named validation sets)? Else they are refused.
+    reads_valid_sets: bool = False
 
-    # Refuse keys that cannot work, with a ValueError naming the fix, reading no data: arguments.validate runs it.
+    # Refuse keys that cannot work (a ValueError naming the fix), reading no data
     @staticmethod
-    def check(keys) -> None: ...
+    def check(data_cfg, context) -> None: ...
 
     # Opens the data for (train, validation) samples and refuses data that cannot train (token ids beyond the
     # vocabulary). Every rank constructs one.
-    def __init__(self, keys, num_samples: tuple[int, int]): ...
+    def __init__(self, data_cfg, context, num_samples: tuple[int, int]): ...
 
     # [(name, number of documents)] of each collection of documents its samples come from, in order (a blend's
     # components), named as their data.Provenance names them: what a skip list names (its "dataset"), by ids.
@@ -155,9 +159,9 @@ SOURCES = {}  # data_source -> its DataSource class
 
 def register_source(name: str, source: type) -> type:
     """Make `source` (a DataSource class) the data_source `name`: the one line a new source's file ends with."""
-    missing = [m for m in ("Config", "check", "documents", "build") if not hasattr(source, m)]
-    if missing or not dataclasses.is_dataclass(source.Config):
-        raise ValueError(f"data source {source.__name__} lacks {', '.join(missing) or 'a dataclass Config'} of "
+    missing = [m for m in ("check", "documents", "build") if not hasattr(source, m)]
+    if missing:
+        raise ValueError(f"data source {source.__name__} lacks {', '.join(missing)} of "
                          "loader.DataSource; add it")
     if SOURCES.get(name, source) is not source:
         raise ValueError(f"data_source {name!r} is {SOURCES[name].__name__} already; register {source.__name__} "
@@ -174,28 +178,30 @@ def source_class(name: str) -> type:
     return SOURCES[name]
 
 
-def source_keys(source: type, cfg):
-    """source.Config filled from the run config by key name: the section of it the source reads. A key the run
-    config lacks takes the section's default; without one, the source cannot be configured."""
-    keys = [f for f in dataclasses.fields(source.Config) if f.init]
-    missing = [f.name for f in keys if not hasattr(cfg, f.name) and f.default is dataclasses.MISSING
-               and f.default_factory is dataclasses.MISSING]
-    if missing:
-        raise ValueError(f"data source {source.__name__} reads the key(s) {', '.join(missing)}, which the run config "
-                         f"lacks: declare them in loader.DataConfig (arguments.Config is made of it), or give them a "
-                         f"default in {source.__name__}.Config")
-    return source.Config(**{f.name: getattr(cfg, f.name) for f in keys if hasattr(cfg, f.name)})
+@dataclasses.dataclass(frozen=True)
+class DataContext:
+    """The other owners' values the data reads, made where the whole config is (section(DataContext,
+    cfg)): the model's seq_length and vocab_size; the checkpoint's init_from_hf (an imported model's
+    vocabulary is given: data of another tokenizer is refused); logging's eval keys, which count the
+    validation samples; the config file's name, for messages (arguments.load_config sets it)."""
+    seq_length: int
+    vocab_size: int
+    init_from_hf: str | None = None
+    eval_only: bool = False
+    eval_iters: int = 0
+    eval_interval: int = 1
+    config_file: str = "this config"
 
 
-def build_data(cfg, schedule, documents_to_skip=lambda collections: None):
-    """(train, validation) datasets of the run's data_source, opened with its own keys (source_keys);
-    documents_to_skip(collections): given the source's [(name, number of documents)] (DataSource.documents), the
-    ids each collection's samples leave out (a skip list), or None."""
-    source = source_class(cfg.data_source)
-    evals = schedule.total_iters // cfg.eval_interval + 1
-    num_samples = (0 if cfg.eval_only else schedule.total_samples,
-                   cfg.eval_iters * cfg.global_batch_size * (1 if evals else 0))
-    opened = source(source_keys(source, cfg), num_samples)
+def build_data(data_cfg, context, schedule, documents_to_skip=lambda collections: None):
+    """(train, validation) datasets of the run's data_source, opened with the data's keys and the
+    context; documents_to_skip(collections): given the source's [(name, number of documents)]
+    (DataSource.documents), the ids each collection's samples leave out (a skip list), or None."""
+    source = source_class(data_cfg.data_source)
+    evals = schedule.total_iters // context.eval_interval + 1
+    num_samples = (0 if context.eval_only else schedule.total_samples,
+                   context.eval_iters * schedule.rampup.global_batch_size * (1 if evals else 0))
+    opened = source(data_cfg, context, num_samples)
     return opened.build(documents_to_skip(opened.documents()))
 
 
@@ -211,64 +217,50 @@ def validation_sets(validation) -> list:
 # The first source: Megatron's indexed datasets (data.py)
 
 
-@dataclasses.dataclass
-class MegatronKeys:
-    """The keys the Megatron source reads (their meaning: DataConfig, model.GPTConfig)."""
-    data_path: list[str] | None
-    use_bundled_corpus: bool
-    tokenizer_file: str | None
-    split: str
-    data_cache_dir: str | None
-    seed: int
-    seq_length: int
-    vocab_size: int
-    config_file: str = "this config"  # named in messages (arguments.load_config sets it)
-    init_from_hf: str | None = None  # an imported model's vocabulary is given: data of another tokenizer is refused
-    valid_weighted_split_names: list[str] | None = None  # named validation sets (DataConfig)
-    valid_weighted_split_paths: list[str] | None = None
-
-
 class MegatronSource:
     """PREFIX.bin/.idx files (Megatron's format, data.py), blended by the weights of data_path, split into train,
     validation and test documents by `split`, sampled through the cached sample index; without a data_path, the
     bundled corpus. With valid_weighted_split_names, named validation sets instead of the blended one
     (named_valid_sets)."""
-    Config = MegatronKeys
+    reads_valid_sets = True
 
     @staticmethod
-    def check(keys):
-        if keys.data_path is None and not keys.use_bundled_corpus:
+    def check(data_cfg, context):
+        if data_cfg.data_path is None and not data_cfg.use_bundled_corpus:
             raise ValueError(
-                f"{keys.config_file} sets no data_path: tokenize a corpus with `python data.py --input FILES "
-                "--output-prefix data/NAME` and pass --data_path data/NAME (only config/tiny.py trains on the "
-                "bundled Shakespeare: use_bundled_corpus)")
-        if keys.tokenizer_file is not None and keys.data_path is None:
+                f"{context.config_file} sets no data_path: tokenize a corpus with `python data.py "
+                "--input FILES --output-prefix data/NAME` and pass --data_path data/NAME (only "
+                "config/tiny.py trains on the bundled Shakespeare: use_bundled_corpus)")
+        if data_cfg.tokenizer_file is not None and data_cfg.data_path is None:
             raise ValueError(
                 "tokenizer_file is set but data_path is not: the bundled corpus is GPT-2 tokens; prepare your data "
                 "with `python data.py --input ... --output-prefix PREFIX --tokenizer-file FILE` and set "
                 "data_path=PREFIX")
-        check_valid_sets(keys.valid_weighted_split_names, keys.valid_weighted_split_paths)
+        check_valid_sets(data_cfg.valid_weighted_split_names, data_cfg.valid_weighted_split_paths)
 
-    def __init__(self, keys, num_samples):
-        self.keys, self.num_samples = keys, num_samples
-        self.data_path = bundled_corpus() if keys.data_path is None else keys.data_path
-        check_data(keys, self.data_path, num_samples[0])
+    def __init__(self, data_cfg, context, num_samples):
+        self.data_cfg, self.context, self.num_samples = data_cfg, context, num_samples
+        self.data_path = bundled_corpus() if data_cfg.data_path is None else data_cfg.data_path
+        check_data(data_cfg.split, context, self.data_path, num_samples[0])
         self.valid_sets = None  # the blended validation split of data_path
-        if keys.valid_weighted_split_names:
-            self.valid_sets = named_valid_sets(keys, self.data_path)
-            check_vocabulary(keys, [p for _, path, _ in self.valid_sets for p in data.parse_data_path(path)[0]])
+        if data_cfg.valid_weighted_split_names:
+            self.valid_sets = named_valid_sets(data_cfg, self.data_path)
+            paths = [path for _, path, _ in self.valid_sets]
+            check_vocabulary(context, [p for path in paths for p in data.parse_data_path(path)[0]])
 
     def documents(self):
         return [(prefix, len(data.IndexedDataset(prefix))) for prefix in data.parse_data_path(self.data_path)[0]]
 
     def build(self, skips):
-        keys, (train, valid) = self.keys, self.num_samples
+        data_cfg, (train, valid) = self.data_cfg, self.num_samples
+        seq_length = self.context.seq_length
+        split, seed, cache = data_cfg.split, data_cfg.seed, data_cfg.data_cache_dir
         named = self.valid_sets is not None
         # Rank 0 builds and caches the index arrays first; the others then read the cache.
         for builders in (True, False):
             if (parallel.grid.rank == 0) == builders:
-                datasets = data.build_datasets(self.data_path, keys.split, keys.seq_length, keys.seed,
-                                               (train, 0 if named else valid, 0), keys.data_cache_dir, skips)
+                datasets = data.build_datasets(self.data_path, split, seq_length, seed,
+                                               (train, 0 if named else valid, 0), cache, skips)
                 validation = datasets[1] if not named else self.build_valid_sets(valid, skips) if valid else None
             if builders and dist.is_initialized():
                 dist.barrier(group=parallel.host_group())  # an index build can outlast the training's timeout
@@ -277,13 +269,14 @@ class MegatronSource:
     def build_valid_sets(self, num_samples, skips):
         """{name: TokenSource} of the named validation sets, num_samples each; a skip list of a data_path corpus
         holds for it in a set too (as it does in the blended validation)."""
-        keys, prefixes = self.keys, data.parse_data_path(self.data_path)[0]
+        data_cfg, prefixes = self.data_cfg, data.parse_data_path(self.data_path)[0]
         skip_of = {os.path.realpath(p): s for p, s in zip(prefixes, skips or [None] * len(prefixes))}
         out = {}
         for name, path, split in self.valid_sets:
             set_skips = [skip_of.get(os.path.realpath(p)) for p in data.parse_data_path(path)[0]]
-            out[name] = data.build_datasets(path, split, keys.seq_length, keys.seed, (0, num_samples, 0),
-                                            keys.data_cache_dir, set_skips)[1]
+            out[name] = data.build_datasets(path, split, self.context.seq_length, data_cfg.seed,
+                                            (0, num_samples, 0), data_cfg.data_cache_dir,
+                                            set_skips)[1]
         return out
 
 
@@ -300,26 +293,30 @@ def bundled_corpus():
     return data_path
 
 
-def check_data(cfg, data_path, train_samples):
-    """Token ids within the vocabulary (else an IndexError mid-run); a warning when the data repeats. cfg: what has
-    vocab_size, split and seq_length (MegatronKeys)."""
+def check_data(split, context, data_path, train_samples):
+    """Token ids within the vocabulary (else an IndexError mid-run); a warning when the data
+    repeats. split: the data's key; context: a DataContext (vocab_size, seq_length, init_from_hf)
+    """
     prefixes, weights = data.parse_data_path(data_path)
-    check_vocabulary(cfg, prefixes)
+    check_vocabulary(context, prefixes)
     for prefix, weight in zip(prefixes, weights):
-        epochs = data.train_epochs(prefix, cfg.split, cfg.seq_length, train_samples * weight)
+        epochs = data.train_epochs(prefix, split, context.seq_length, train_samples * weight)
         if epochs > 4:  # Muennighoff et al. 2023: up to ~4 epochs of repeated data cost little, more do
             print0(f"warning: this run goes over the train split of {prefix} {epochs:.1f} times; beyond about 4 "
                    "epochs repeated data stops helping (more data, or a shorter run)")
 
 
-def check_vocabulary(cfg, prefixes):
-    """Refuse corpora with token ids at or above cfg.vocab_size. Rank 0 finds each corpus's largest id (on a first
-    run, a pass over the whole .bin; then data.max_token_id's cache) and the other ranks get it in one broadcast,
-    instead of every rank reading the corpus at once."""
-    tops = [data.largest_token_id(p, cfg.vocab_size) if parallel.grid.rank == 0 else -1 for p in prefixes]
+def check_vocabulary(context, prefixes):
+    """Refuse corpora with token ids at or above context.vocab_size (a DataContext). Rank 0 finds
+    each corpus's largest id (on a first run, a pass over the whole .bin; then data.max_token_id's
+    cache) and the other ranks get it in one broadcast, instead of every rank reading the corpus at
+    once."""
+    vocab_size = context.vocab_size
+    rank0 = parallel.grid.rank == 0
+    tops = [data.largest_token_id(p, vocab_size) if rank0 else -1 for p in prefixes]
     tops = parallel.broadcast_scalars(tops)  # float64: exact for any token id
     for prefix, top in zip(prefixes, tops):
-        data.check_token_ids(prefix, cfg.vocab_size, int(top), getattr(cfg, "init_from_hf", None))
+        data.check_token_ids(prefix, context.vocab_size, int(top), context.init_from_hf)
 
 
 # -----------------------------------------------------------------------------
@@ -355,19 +352,19 @@ def check_valid_sets(names, paths):
                                  f"FILES --output-prefix {prefix}`")
 
 
-def named_valid_sets(keys, data_path):
+def named_valid_sets(data_cfg, data_path):
     """[(name, path, split)] of the named validation sets: each reads the documents training does not. A corpus of
     data_path gives its validation share of `split` (the blended validation's documents of it); any other corpus,
     all of its documents (Megatron-LM's valid_data_path). A set with no such document is refused."""
     trained = {os.path.realpath(p) for p in data.parse_data_path(data_path)[0]}
     out = []
-    for name, path in zip(keys.valid_weighted_split_names, keys.valid_weighted_split_paths):
+    for name, path in zip(data_cfg.valid_weighted_split_names, data_cfg.valid_weighted_split_paths):
         prefixes = data.parse_data_path(path)[0]
         inside = [os.path.realpath(p) in trained for p in prefixes]
         if any(inside) != all(inside):
             raise ValueError(f"validation set {name!r} blends corpora of data_path with others ({path}): the first "
                              "give their validation split, the others all their documents; make them two sets")
-        split = keys.split if all(inside) else "0,1,0"
+        split = data_cfg.split if all(inside) else "0,1,0"
         for prefix in prefixes:
             documents = len(data.IndexedDataset(prefix))
             start, end = data.split_documents(split, documents)[1]
@@ -375,9 +372,10 @@ def named_valid_sets(keys, data_path):
                 raise ValueError(f"validation set {name!r} has no validation documents: {prefix} holds none; "
                                  "tokenize its corpus again, or drop the set")
             if end == start:
-                raise ValueError(f"validation set {name!r} has no validation documents: {prefix} is in data_path, "
-                                 f"and split {keys.split!r} gives validation none of its {documents} documents; give "
-                                 "validation a share of split (e.g. 949,50,1), or drop the set")
+                raise ValueError(f"validation set {name!r} has no validation documents: {prefix} "
+                                 f"is in data_path, and split {data_cfg.split!r} gives validation "
+                                 f"none of its {documents} documents; give validation a share of "
+                                 "split (e.g. 949,50,1), or drop the set")
             print0(f"validation set {name}: documents {start}-{end - 1} of {prefix} "
                    f"({'its validation split' if all(inside) else 'not in data_path: all of them'})")
         out.append((name, path, split))
@@ -388,61 +386,65 @@ def named_valid_sets(keys, data_path):
 # The tokenizer, the micro-batches, and the inputs of packed documents
 
 
-def check_tokenizer(cfg):
-    """A tokenizer_file must have the model's vocabulary: a larger one produces ids the embedding does not have, a
-    smaller one wastes rows -- except in a model imported with init_from_hf, whose rows are given (BLOOM's
-    tokenizer has 250680 tokens, its embedding 250880 rows). (The GPT-2 default is not checked: tests use small
-    vocabularies.)"""
-    if cfg.tokenizer_file is None:
+def check_tokenizer(tokenizer_file, context):
+    """A tokenizer_file must have the model's vocabulary (context.vocab_size, a DataContext): a
+    larger one produces ids the embedding does not have, a smaller one wastes rows -- except in a
+    model imported with init_from_hf, whose rows are given (BLOOM's tokenizer has 250680 tokens, its
+    embedding 250880 rows). (The GPT-2 default is not checked: tests use small vocabularies.)"""
+    if tokenizer_file is None:
         return
-    n_vocab = data.get_tokenizer(cfg.tokenizer_file).n_vocab
-    if n_vocab > cfg.vocab_size:
-        raise ValueError(f"tokenizer_file {cfg.tokenizer_file} has {n_vocab} tokens but the model's vocab_size is "
-                         f"{cfg.vocab_size}: its ids would not all have an embedding row; "
-                         + ("use the tokenizer of the model in init_from_hf" if cfg.init_from_hf else
-                            f"set vocab_size={n_vocab} (padding to a multiple is automatic)"))
-    if n_vocab < cfg.vocab_size and not cfg.init_from_hf:
-        raise ValueError(f"tokenizer_file {cfg.tokenizer_file} has {n_vocab} tokens but vocab_size is "
-                         f"{cfg.vocab_size}; set vocab_size={n_vocab} (padding to a multiple is automatic)")
+    n_vocab, vocab_size = data.get_tokenizer(tokenizer_file).n_vocab, context.vocab_size
+    if n_vocab > vocab_size:
+        fix = ("use the tokenizer of the model in init_from_hf" if context.init_from_hf else
+               f"set vocab_size={n_vocab} (padding to a multiple is automatic)")
+        raise ValueError(f"tokenizer_file {tokenizer_file} has {n_vocab} tokens but the model's "
+                         f"vocab_size is {vocab_size}: its ids would not all have an embedding "
+                         f"row; {fix}")
+    if n_vocab < vocab_size and not context.init_from_hf:
+        raise ValueError(f"tokenizer_file {tokenizer_file} has {n_vocab} tokens but vocab_size is "
+                         f"{vocab_size}; set vocab_size={n_vocab} (padding to a multiple is "
+                         "automatic)")
 
 
-def micro_batches(dataset, first_sample, num_micro_batches, cfg, seqlen, device):
+def micro_batches(dataset, first_sample, num_micro_batches, micro_batch_size, seqlen, device):
     """This DP rank's micro-batches [(inputs, labels)] of the global batch of num_micro_batches * mbs * dp samples
     from first_sample, in Megatron's order (sample_indices), truncated to seqlen (curriculum)."""
     g = parallel.grid
-    tokens = load_tokens(dataset, first_sample, num_micro_batches, seqlen, cfg.micro_batch_size, g.dp_rank,
-                         g.dp_size, pin_memory=device.type == "cuda")
+    tokens = load_tokens(dataset, first_sample, num_micro_batches, seqlen, micro_batch_size,
+                         g.dp_rank, g.dp_size, pin_memory=device.type == "cuda")
     return to_device(tokens, device)
 
 
-def packs_documents(cfg):
-    return cfg.reset_position_ids or cfg.reset_attention_mask or cfg.eod_mask_loss
+def packs_documents(data_cfg):
+    return data_cfg.reset_position_ids or data_cfg.reset_attention_mask or data_cfg.eod_mask_loss
 
 
-def eod_token(cfg):
+def eod_token(tokenizer_file):
     """The end-of-document id that separates packed documents: the tokenizer's (GPT-2's 50256, or tokenizer_file's
     </s>, <|endoftext|>, ...), as Megatron takes tokenizer.eod."""
-    return data.get_tokenizer(cfg.tokenizer_file).eot_token
+    return data.get_tokenizer(tokenizer_file).eot_token
 
 
-def packing(cfg):
+def packing(data_cfg):
     """tokens -> the model's keyword inputs for Megatron's data flags (layers.packed_inputs), or None when no flag
     is set. Computed from each micro-batch's input tokens on the device, where the model runs: every pipeline stage
     reads the same micro-batches, so each computes what it needs from the tokens instead of receiving it."""
-    if not packs_documents(cfg):
+    if not packs_documents(data_cfg):
         return None
-    return functools.partial(layers.packed_inputs, eod=eod_token(cfg), reset_position_ids=cfg.reset_position_ids,
-                             reset_attention_mask=cfg.reset_attention_mask, eod_mask_loss=cfg.eod_mask_loss)
+    return functools.partial(layers.packed_inputs, eod=eod_token(data_cfg.tokenizer_file),
+                             reset_position_ids=data_cfg.reset_position_ids,
+                             reset_attention_mask=data_cfg.reset_attention_mask,
+                             eod_mask_loss=data_cfg.eod_mask_loss)
 
 
-def batch_prefetcher(dataset, schedule, cfg, device):
+def batch_prefetcher(dataset, schedule, device):
     """Loads the micro-batches of the iterations schedule.next_key expects on a background thread."""
-    g = parallel.grid
+    g, micro_batch_size = parallel.grid, schedule.schedule_cfg.micro_batch_size
 
     def load(key):
         _, first_sample, _, seqlen = key
         return load_tokens(dataset, first_sample, schedule.rampup.num_micro_batches(first_sample), seqlen,
-                           cfg.micro_batch_size, g.dp_rank, g.dp_size, pin_memory=device.type == "cuda")
+                           micro_batch_size, g.dp_rank, g.dp_size, pin_memory=device.type == "cuda")
     return Prefetcher(load, schedule.next_key)
 
 
@@ -467,23 +469,29 @@ class DataConfig:
     valid_weighted_split_paths: list[str] | None = None  # per name a prefix or "w1 p1 w2 p2" blend (docs/data.md)
 
 
-def check(cfg, reads_data=True):
-    """Raise ValueError with the fix for data keys that cannot work. reads_data=False: the caller feeds the model
-    something else than cfg's data (bench.py's random tokens), which then need not be configured."""
+def check(data_cfg, context, position_embedding_type, reads_data=True):
+    """Raise ValueError with the fix for data keys that cannot work. context: a DataContext;
+    position_embedding_type: the model's (alibi has no position ids to reset). reads_data=False: the
+    caller feeds the model something else than the config's data (bench.py's random tokens), which
+    then need not be configured."""
     if not reads_data:
         return
-    source = source_class(cfg.data_source)
-    fields = {f.name for f in dataclasses.fields(source.Config)}
+    source = source_class(data_cfg.data_source)
     for key in ("valid_weighted_split_names", "valid_weighted_split_paths"):
-        if getattr(cfg, key) and key not in fields:
-            raise ValueError(f"data_source {cfg.data_source!r} has no named validation sets ({key} is set): drop "
-                             f"{key}, or use a source that reads it (megatron)")
-    source.check(source_keys(source, cfg))
-    if cfg.reset_position_ids and cfg.position_embedding_type == "alibi" and not cfg.reset_attention_mask:
+        if getattr(data_cfg, key) and not getattr(source, "reads_valid_sets", False):
+            raise ValueError(f"data_source {data_cfg.data_source!r} has no named validation sets "
+                             f"({key} is set): drop {key}, or use a source that reads it "
+                             "(megatron)")
+    source.check(data_cfg, context)
+    if (data_cfg.reset_position_ids and position_embedding_type == "alibi"
+            and not data_cfg.reset_attention_mask):
         raise ValueError("reset_position_ids does nothing with position_embedding_type=alibi (ALiBi has no position "
                          "ids; its bias depends on i - j alone): add reset_attention_mask to keep documents apart, "
                          "or drop reset_position_ids")
-    if packs_documents(cfg) and (eod := eod_token(cfg)) >= cfg.vocab_size:
-        raise ValueError(f"reset_position_ids, reset_attention_mask and eod_mask_loss find documents by the "
-                         f"tokenizer's end-of-document id {eod}, which is not below vocab_size={cfg.vocab_size}: "
-                         "set the tokenizer_file the data was prepared with")
+    vocab_size = context.vocab_size
+    eod = eod_token(data_cfg.tokenizer_file) if packs_documents(data_cfg) else None
+    if eod is not None and eod >= vocab_size:
+        raise ValueError(f"reset_position_ids, reset_attention_mask and eod_mask_loss find "
+                         f"documents by the tokenizer's end-of-document id {eod}, which is not "
+                         f"below vocab_size={vocab_size}: set the tokenizer_file the data was "
+                         "prepared with")

@@ -73,6 +73,7 @@ import reshard
 import run_state
 import schedule
 from model import GPT, GPTConfig
+from sections import section
 
 # Their names -> ours: the embedding layer's, a transformer layer's (weight and bias each), the final LayerNorm's
 EMBEDDING = {"word_embeddings.weight": "embed.word.weight", "position_embeddings.weight": "embed.position.weight",
@@ -716,7 +717,8 @@ def run_dict(ckpt, cfg):
     state = run_state.RunState(iteration=int(sd["iteration"]), consumed_samples=samples, consumed_tokens=tokens,
                                scheduler_samples=int(lr.get("num_steps", samples)),
                                scheduler_tokens=int(lr.get("num_tokens", tokens)))
-    annealing = schedule.Schedule(cfg, 1).lr_schedule
+    schedule_cfg = section(schedule.ScheduleConfig, cfg)
+    annealing = schedule.Schedule(schedule_cfg, 1, cfg.seq_length).lr_schedule
     scheduler = annealing.state_dict()
     # Megatron records the token count at the end of its sample warm-up in `warmup_tokens` (0 unless it decays
     # by tokens); ours in warmup_end_tokens, None while the warm-up lasts

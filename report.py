@@ -1,6 +1,6 @@
 """What a run tells: Megatron's log line, the validation block, metrics.jsonl, TensorBoard, wandb.
 
-    report = Report(cfg, schedule, model)   # writers on the last rank, which has the loss
+    report = Report(log_cfg, schedule, model, save)   # writers on the last rank, which has the loss
     report.step(step, lr)                   # a trained iteration's numbers, into the interval
     report.log(iteration, state, batch_size, seqlen, loss_scale)   # every log_interval iterations
 
@@ -20,7 +20,7 @@ import socket
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 
@@ -65,15 +65,15 @@ class LoggingConfig:
     profile_steps: str | None = None  # "A-B": a torch.profiler trace of iterations A to B in <save>/profile
 
 
-def check(cfg):
-    """Raise ValueError with the fix for logging keys that cannot work (arguments.Config holds the keys)."""
+def check(log_cfg):
+    """Raise ValueError with the fix for logging keys (a LoggingConfig) that cannot work."""
     for key in ("eval_iters", "sample_tokens"):
-        if getattr(cfg, key) < 0:
-            raise ValueError(f"{key}={getattr(cfg, key)} must not be negative")
-    if not (cfg.log_interval > 0 and cfg.eval_interval > 0):
+        if getattr(log_cfg, key) < 0:
+            raise ValueError(f"{key}={getattr(log_cfg, key)} must not be negative")
+    if not (log_cfg.log_interval > 0 and log_cfg.eval_interval > 0):
         raise ValueError("log_interval and eval_interval must be positive")
-    if cfg.profile_steps is not None:
-        profile_range(cfg.profile_steps)  # raises
+    if log_cfg.profile_steps is not None:
+        profile_range(log_cfg.profile_steps)  # raises
 
 
 def profile_range(text):
@@ -99,31 +99,37 @@ class Report:
     """Megatron-format lines on stdout; the same scalars to TensorBoard and wandb (offline unless
     configured); every number of an iteration in metrics.jsonl."""
 
-    def __init__(self, cfg, schedule, model):
-        self.cfg, self.schedule = cfg, schedule
+    def __init__(self, log_cfg, schedule, model, save=None, run_config=None):
+        """log_cfg: a LoggingConfig; schedule: the run's schedule.Schedule; save: checkpointing's
+        directory (metrics.jsonl, TensorBoard and the profile go beside the checkpoints);
+        run_config: the whole config as a dict (arguments.to_dict), the run's config in wandb."""
+        self.log_cfg, self.schedule = log_cfg, schedule
+        self.curriculum = schedule.schedule_cfg.curriculum_learning  # the log line has its seqlen
         self.gpt = parallel.unwrap(model)  # its z-loss accumulator and its FLOPs
         self.peak = peak_flops(next(self.gpt.parameters()).device)  # per GPU; None: MFU n/a
         self.last = None  # (step, lr) of the last trained iteration
         self.restart_interval()
-        self.profiler = StepProfiler(cfg) if cfg.profile_steps else None
+        profile_dir = os.path.join(save or log_cfg.tensorboard_dir or ".", "profile")
+        steps = log_cfg.profile_steps
+        self.profiler = StepProfiler(steps, profile_dir) if steps else None
         # with DP replicas to compare, each one's compute time rides in the step's sync (training.agree)
         self.timer = ComputeTimer() if parallel.grid.dp_size > 1 else None
         self.graphs, self.graphs_by_seqlen = 0, {}  # torch.compile's graphs so far, and per sequence length
         self.tb = self.wandb = self.metrics = None
         if parallel.grid.rank != parallel.grid.world_size - 1:  # the last stage's loss is there
             return
-        metrics_dir = cfg.save or cfg.tensorboard_dir  # beside the checkpoints, else TensorBoard's
+        metrics_dir = save or log_cfg.tensorboard_dir  # beside the checkpoints, else TensorBoard's
         if metrics_dir:
             self.metrics = MetricsFile(os.path.join(metrics_dir, "metrics.jsonl"))
-        tb_dir = cfg.tensorboard_dir or (cfg.save and os.path.join(cfg.save, "tensorboard"))
+        tb_dir = log_cfg.tensorboard_dir or (save and os.path.join(save, "tensorboard"))
         if tb_dir:
             from torch.utils.tensorboard import SummaryWriter
             self.tb = SummaryWriter(tb_dir)
-        mode = os.environ.get("WANDB_MODE", cfg.wandb_mode)
-        if cfg.wandb_project and mode != "disabled":
+        mode = os.environ.get("WANDB_MODE", log_cfg.wandb_mode)
+        if log_cfg.wandb_project and mode != "disabled":
             import wandb
-            self.wandb = wandb.init(project=cfg.wandb_project, mode=mode, config=asdict(cfg),
-                                    dir=cfg.save or ".")
+            self.wandb = wandb.init(project=log_cfg.wandb_project, mode=mode,
+                                    config=run_config, dir=save or ".")
 
     # -- the interval between two log lines -------------------------------------------------
 
@@ -156,11 +162,11 @@ class Report:
     def log(self, iteration, state, batch_size, seqlen, loss_scale):
         """Megatron's log line, every log_interval iterations. Called on every rank (the z-loss is
         averaged over DP); the last one prints."""
-        interval, cfg = self.interval, self.cfg
+        interval = self.interval
         if self.profiler:
             self.profiler.after(iteration)
         self.count_graphs(seqlen)
-        if iteration % cfg.log_interval or not interval["steps"]:
+        if iteration % self.log_cfg.log_interval or not interval["steps"]:
             return
         step, lr = self.last
         elapsed = interval["time"] / interval["iters"]
@@ -176,11 +182,11 @@ class Report:
                   ("elapsed time per iteration (ms)", f"{elapsed * 1000:.1f}"),
                   ("learning rate", f"{lr:.3E}"),
                   ("global batch size", f"{batch_size:5d}")]
-        if cfg.curriculum_learning:
+        if self.curriculum:
             fields.append(("curriculum seqlen", f"{seqlen:5d}"))
         fields.append(("lm loss", f"{mean_loss:.6E}"))
         scalars = {"lm-loss": mean_loss}
-        if cfg.z_loss:  # the interval's mean, apart from the lm loss (lesson 20)
+        if self.gpt.cfg.z_loss:  # the interval's mean, apart from the lm loss (lesson 20)
             z_loss = step.z_loss  # read in the step's one host sync (training.train_step)
             if z_loss is None:  # DeepSpeed's step, or a logged iteration skipped
                 z_loss = parallel.average_loss(self.gpt.pop_z_loss()).item()
@@ -355,7 +361,8 @@ def print_validation(loss, iteration, name=None):
 
 class MetricsFile:
     """Appends one JSON object per iteration to PATH (resumed runs continue the file; after a
-    rollback an iteration appears again, and readers keep the last record of each iteration)."""
+    rollback an iteration appears again, and readers keep the last record of each iteration). A list
+    value (a callback's decisions) extends the iteration's list under its key; another replaces."""
 
     def __init__(self, path):
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
@@ -368,7 +375,7 @@ class MetricsFile:
         if self.record is None:
             self.record = {"iteration": iteration}
         for key, value in values.items():
-            if isinstance(value, list) and key == "spike guard":
+            if isinstance(value, list):  # events (decisions, warnings): an iteration's accumulate
                 self.record.setdefault(key, []).extend(value)
             else:
                 self.record[key] = value
@@ -394,9 +401,9 @@ class StepProfiler:
     allocator's history (torch.cuda.memory._record_memory_history), a snapshot for pytorch.org/memory_viz. Both
     in <save or tensorboard_dir or .>/profile. Started when iteration A-1 has been logged, stopped after B."""
 
-    def __init__(self, cfg):
-        self.first, self.last = profile_range(cfg.profile_steps)
-        self.directory = os.path.join(cfg.save or cfg.tensorboard_dir or ".", "profile")
+    def __init__(self, profile_steps, directory):
+        self.first, self.last = profile_range(profile_steps)
+        self.directory = directory
         self.profile = None
         if self.first == 1:
             self.start()

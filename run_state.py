@@ -167,7 +167,7 @@ def load(parts):
     if tag_dir is None:
         print0(f"no checkpoint in {cfg.load}: training from scratch")
         return False
-    warmup = schedule.reset_warmup_iters(cfg)
+    warmup = schedule.reset_warmup_iters(cfg.reset_optimizer_warmup_iters, cfg.adam_beta2)
     saved = checkpoint.saved_topology(tag_dir)
     if saved == checkpoint.topology():
         payload = checkpoint.load(tag_dir)

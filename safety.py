@@ -21,7 +21,7 @@ import os
 import signal
 import socket
 import time
-from dataclasses import fields
+from dataclasses import asdict, fields
 
 import torch
 import torch.distributed as dist
@@ -29,7 +29,9 @@ import torch.distributed as dist
 import checkpoint
 import parallel
 import schedule
+from checkpoint import CheckpointConfig
 from model import GPTConfig
+from sections import section
 
 LOCK = "lock"
 
@@ -78,21 +80,25 @@ def _show(value):
     return repr(value) if isinstance(value, str) else str(value)
 
 
-def compare_configs(saved, cfg, tag_dir):
-    """Refuse another model; return the lines describing the keys allowed to differ."""
-    arch = [k for k in architecture_keys() if k in saved and saved[k] != getattr(cfg, k)]
+def compare_configs(saved, current, tag_dir):
+    """Refuse another model; return the lines describing the keys allowed to differ. saved, current:
+    the checkpoint's config and this run's, as dicts (every key: the comparison is of the whole
+    run)."""
+    arch = [k for k in architecture_keys() if k in saved and saved[k] != current[k]]
     if arch:
-        diff = ", ".join(f"{k} {_show(saved[k])} (checkpoint) vs {_show(getattr(cfg, k))} (now)" for k in arch)
+        diff = ", ".join(f"{k} {_show(saved[k])} (checkpoint) vs {_show(current[k])} (now)"
+                         for k in arch)
         raise ValueError(f"checkpoint {tag_dir} holds another model: {diff}. Resume with the checkpoint's values, or "
                          "train this model from scratch with another save directory")
     changed = []
     for key, value in saved.items():
-        if key in ("load", "save") or not hasattr(cfg, key) or getattr(cfg, key) == value:
+        if key in ("load", "save") or key not in current or current[key] == value:
             continue
         note = ""
         if key in schedule.LR_KEYS:
-            note = " (override_lr_scheduler)" if cfg.override_lr_scheduler else " (needs override_lr_scheduler)"
-        changed.append(f"{key}: {_show(value)} -> {_show(getattr(cfg, key))}{note}")
+            override = current["override_lr_scheduler"]
+            note = " (override_lr_scheduler)" if override else " (needs override_lr_scheduler)"
+        changed.append(f"{key}: {_show(value)} -> {_show(current[key])}{note}")
     return changed
 
 
@@ -104,30 +110,33 @@ def _same_dir(a, b):
     return a is not None and b is not None and os.path.realpath(a) == os.path.realpath(b)
 
 
-def resolve_resume(cfg):
-    """Set cfg.load to the directory to resume from (or None); return (tag_dir, lines to print, the checkpoint's
-    run state or None). Rank 0 only."""
-    lines = []
-    save_tag = _latest(cfg.save)
-    if cfg.load is None and save_tag is not None:
-        cfg.load = cfg.save
+def resolve_resume(ckpt_cfg, eval_only, current):
+    """Set ckpt_cfg.load (a CheckpointConfig) to the directory to resume from (or None); return
+    (tag_dir, lines to print, the checkpoint's run state or None). eval_only: logging's key;
+    current: the run's config as a dict, compared with the checkpoint's. Rank 0 only."""
+    keys, lines = ckpt_cfg, []
+    save_tag = _latest(keys.save)
+    if keys.load is None and save_tag is not None:
+        keys.load = keys.save
         lines.append(f"resuming from {save_tag}: save holds a checkpoint and load is unset (same directory for "
                      "both, the SLURM habit)")
-    if cfg.load is not None and not os.path.isdir(cfg.load) and not _same_dir(cfg.load, cfg.save):
-        raise ValueError(f"load directory {cfg.load} does not exist; fix the path, or unset load to train from "
-                         "scratch")
-    load_tag = _latest(cfg.load) if cfg.load else None
-    if save_tag is not None and not _same_dir(cfg.save, cfg.load) and not cfg.eval_only:
-        raise ValueError(f"save directory {cfg.save} already holds checkpoint {os.path.basename(save_tag)}, which "
-                         f"this run (loading {cfg.load}) would write over; resume it with --load {cfg.save} "
-                         "(or unset load), or pick a new save directory")
-    if cfg.eval_only and load_tag is None:
-        raise ValueError(f"eval_only needs a checkpoint, but {cfg.load or cfg.save or 'no load directory'} holds "
-                         "none; set load to a directory with a 'latest' file")
+    load, save = keys.load, keys.save
+    if load is not None and not os.path.isdir(load) and not _same_dir(load, save):
+        raise ValueError(f"load directory {load} does not exist; fix the path, or unset load to "
+                         "train from scratch")
+    load_tag = _latest(load) if load else None
+    if save_tag is not None and not _same_dir(save, load) and not eval_only:
+        raise ValueError(f"save directory {save} already holds checkpoint "
+                         f"{os.path.basename(save_tag)}, which this run (loading {load}) would "
+                         f"write over; resume it with --load {save} (or unset load), or pick a new "
+                         "save directory")
+    if eval_only and load_tag is None:
+        raise ValueError(f"eval_only needs a checkpoint, but {load or save or 'no load directory'} "
+                         "holds none; set load to a directory with a 'latest' file")
     saved_state = None
     if load_tag is not None:
         run = checkpoint_run(load_tag)
-        changed = compare_configs(run["config"], cfg, load_tag)
+        changed = compare_configs(run["config"], current, load_tag)
         if changed:
             lines.append("keys changed since the checkpoint:\n    " + "\n    ".join(changed))
         # before anything is built: a damaged run state refused, an older version's migrated, said
@@ -200,24 +209,29 @@ class RunLock:
     run state checked), the save directory locked, and run_lock.exit_signal (SIGTERM, SIGUSR1)
     handled; the lock and the handlers are released on the way out whatever happens.
     run_lock.saved_state: the run state of the checkpoint to resume (a dict, on every rank), or
-    None."""
+    None.
+
+    It takes the whole config, one of the few parts that do: it compares every key with the
+    checkpoint's, and the load directory it resolves is written back into the config that every
+    part is then built from."""
 
     def __init__(self, cfg):
         self.cfg, self.lock_file, self.exit_signal, self.saved_state = cfg, None, None, None
 
     def __enter__(self):
         cfg = self.cfg
+        ckpt_cfg = section(CheckpointConfig, cfg)
 
         def prepare():
-            tag_dir, lines, saved_state = resolve_resume(cfg)
-            lock = acquire_lock(cfg.save) if cfg.save and not cfg.eval_only else None
+            tag_dir, lines, saved_state = resolve_resume(ckpt_cfg, cfg.eval_only, asdict(cfg))
+            lock = acquire_lock(ckpt_cfg.save) if ckpt_cfg.save and not cfg.eval_only else None
             for line in lines:
                 print(line, flush=True)
-            return cfg.load, lock, saved_state
+            return ckpt_cfg.load, lock, saved_state
 
         cfg.load, lock, self.saved_state = _on_rank0(prepare)  # rank 0 decided for everyone (it may resume from save)
         self.lock_file = lock if parallel.grid.rank == 0 else None
-        self.exit_signal = ExitSignal(cfg.exit_signal_handler)
+        self.exit_signal = ExitSignal(ckpt_cfg.exit_signal_handler)
         return self
 
     def __exit__(self, *exc):
@@ -282,12 +296,12 @@ class ExitSignal:
 # decision sits here, beside ExitSignal, its third cause.
 
 
-def exit_reason(cfg, iterations, job_start, exit_signal):
-    """Why this job stops after its `iterations`-th iteration (exit_interval, exit_duration_in_mins,
-    a SIGTERM or SIGUSR1), or None. exit_signal() takes part in a collective on every iteration:
-    it is always called."""
-    duration = cfg.exit_duration_in_mins
-    clock = (cfg.exit_interval is not None and iterations >= cfg.exit_interval) or (
+def exit_reason(ckpt_cfg, iterations, job_start, exit_signal):
+    """Why this job stops after its `iterations`-th iteration (exit_interval, exit_duration_in_mins
+    of ckpt_cfg, a SIGTERM or SIGUSR1), or None. exit_signal() takes part in a collective on every
+    iteration: it is always called."""
+    duration, interval = ckpt_cfg.exit_duration_in_mins, ckpt_cfg.exit_interval
+    clock = (interval is not None and iterations >= interval) or (
         duration is not None and minutes_since(job_start) >= duration)
     signal_name = exit_signal()
     if signal_name:

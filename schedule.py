@@ -1,6 +1,6 @@
 """The run's plan: what each iteration does, as a function of the run's progress.
 
-    schedule = Schedule(cfg, dp_size)
+    schedule = Schedule(schedule_cfg, dp_size, seq_length)
     schedule.batch_size(consumed_samples)     the global batch: Megatron's ramp-up (lesson 12)
     schedule.seqlen(iteration)                its length: DeepSpeed's curriculum (lesson 13)
     schedule.skipped(iteration)               in skip_train_iteration_range: skipped (lesson 9)
@@ -62,9 +62,9 @@ EXCLUSIVE = (("lr_warmup_samples", "lr_warmup_tokens"),)
 EXCLUSIVE_LENGTHS = (("train_iters", "train_samples"), ("train_iters", "train_tokens"))
 
 
-def _given(cfg, key):
+def _given(schedule_cfg, key):
     """Is `key` set, to something else than its default (lr_warmup_samples=0 and train_iters=None are not)?"""
-    return getattr(cfg, key) != ScheduleConfig.__dataclass_fields__[key].default
+    return getattr(schedule_cfg, key) != ScheduleConfig.__dataclass_fields__[key].default
 
 
 # The config keys of the LR schedule: what a resume may change only with override_lr_scheduler (safety.py)
@@ -72,81 +72,87 @@ LR_KEYS = ("lr", "min_lr", "lr_decay_style", "lr_warmup_samples", "lr_warmup_tok
            "lr_decay_tokens", "lr_wsd_decay_samples", "lr_wsd_decay_style")
 
 
-def check(cfg, world_size=1):
-    """Raise ValueError with the fix for a schedule that cannot run. world_size: the processes of the run (the
-    data-parallel size divides the global batch)."""
+def check(schedule_cfg, dp_size=1, load=None):
+    """Raise ValueError with the fix for a schedule that cannot run. dp_size: the data-parallel size
+    of the run (it divides the global batch); load: checkpointing's load directory (an optimizer
+    reset needs one)."""
+    keys = schedule_cfg
     def need(ok, message):
         if not ok:
             raise ValueError(message)
 
     for key in ("micro_batch_size", "global_batch_size", "train_iters", "train_samples", "train_tokens"):
-        value = getattr(cfg, key)
+        value = getattr(keys, key)
         need(value is None or value > 0, f"{key}={value} must be positive")
     for key in ("lr", "min_lr", "lr_warmup_samples"):
-        need(getattr(cfg, key) >= 0, f"{key}={getattr(cfg, key)} must not be negative")
-    dp = world_size // (cfg.tensor_model_parallel_size * cfg.pipeline_model_parallel_size)
-    need(cfg.global_batch_size is None or cfg.global_batch_size % (cfg.micro_batch_size * dp) == 0,
-         f"global_batch_size ({cfg.global_batch_size}) must be divisible by micro_batch_size ({cfg.micro_batch_size})"
+        need(getattr(keys, key) >= 0, f"{key}={getattr(keys, key)} must not be negative")
+    gbs, mbs, dp = keys.global_batch_size, keys.micro_batch_size, dp_size
+    need(gbs is None or gbs % (mbs * dp) == 0,
+         f"global_batch_size ({gbs}) must be divisible by micro_batch_size ({mbs})"
          f" x data-parallel size ({dp}); change one of them")
-    need(any(x is not None for x in (cfg.train_iters, cfg.train_samples, cfg.train_tokens)),
+    need(any(x is not None for x in (keys.train_iters, keys.train_samples, keys.train_tokens)),
          "set the length of training: train_iters, train_samples or train_tokens")
-    need(cfg.rampup_batch_size is None or cfg.train_iters is None,
+    need(keys.rampup_batch_size is None or keys.train_iters is None,
          "rampup_batch_size counts samples: set train_samples (or train_tokens) instead of train_iters")
     for a, b in EXCLUSIVE:
-        need(not (_given(cfg, a) and _given(cfg, b)), f"both {a} and {b} are set; set only one of them")
-    need(cfg.rampup_batch_size is None or len(cfg.rampup_batch_size) == 3,
-         f"rampup_batch_size must be 'start increment samples', got {cfg.rampup_batch_size}")
-    need(cfg.lr_decay_style in LR_SHAPES,
-         f"lr_decay_style={cfg.lr_decay_style!r} is not {' or '.join(', '.join(LR_SHAPES).rsplit(', ', 1))}")
-    need(cfg.min_lr <= cfg.lr, f"min_lr ({cfg.min_lr}) is larger than lr ({cfg.lr})")
-    need(cfg.lr_decay_style != "wsd" or (cfg.lr_wsd_decay_samples or 0) > 0,
+        need(not (_given(keys, a) and _given(keys, b)),
+             f"both {a} and {b} are set; set only one of them")
+    need(keys.rampup_batch_size is None or len(keys.rampup_batch_size) == 3,
+         f"rampup_batch_size must be 'start increment samples', got {keys.rampup_batch_size}")
+    need(keys.lr_decay_style in LR_SHAPES,
+         f"lr_decay_style={keys.lr_decay_style!r} is not "
+         f"{' or '.join(', '.join(LR_SHAPES).rsplit(', ', 1))}")
+    need(keys.min_lr <= keys.lr, f"min_lr ({keys.min_lr}) is larger than lr ({keys.lr})")
+    need(keys.lr_decay_style != "wsd" or (keys.lr_wsd_decay_samples or 0) > 0,
          "lr_decay_style='wsd' needs lr_wsd_decay_samples (the samples of its final anneal, e.g. a tenth of the run)")
-    need(cfg.lr_decay_style != "wsd" or cfg.lr_decay_tokens is None,
+    need(keys.lr_decay_style != "wsd" or keys.lr_decay_tokens is None,
          "lr_decay_style='wsd' counts its anneal in samples (lr_wsd_decay_samples): use lr_decay_samples, not "
          "lr_decay_tokens")
-    need(cfg.lr_wsd_decay_style in WSD_ANNEALS,
-         f"lr_wsd_decay_style={cfg.lr_wsd_decay_style!r} is not one of {', '.join(WSD_ANNEALS)}")
-    parse_iteration_ranges(cfg.skip_train_iteration_range, "skip_train_iteration_range")
-    need(cfg.reset_optimizer_warmup_iters in (None, "auto") or isinstance(cfg.reset_optimizer_warmup_iters, int),
+    need(keys.lr_wsd_decay_style in WSD_ANNEALS,
+         f"lr_wsd_decay_style={keys.lr_wsd_decay_style!r} is not one of {', '.join(WSD_ANNEALS)}")
+    parse_iteration_ranges(keys.skip_train_iteration_range, "skip_train_iteration_range")
+    warmup = keys.reset_optimizer_warmup_iters
+    need(warmup in (None, "auto") or isinstance(warmup, int),
          "reset_optimizer_warmup_iters must be a number of iterations or 'auto'")
     # a count: -3 would read as "lr=0 for -3 iterations", and 0 resets nothing (reset_warmup_iters)
-    warmup = cfg.reset_optimizer_warmup_iters
     need(not isinstance(warmup, int) or warmup > 0,
          f"reset_optimizer_warmup_iters={warmup} must be a positive number of lr=0 iterations "
          "after the optimizer reset (or 'auto': 5 / (1 - adam_beta2)); unset it for none")
-    need(cfg.reset_optimizer_warmup_iters is None or cfg.load is not None,
+    need(warmup is None or load is not None,
          "reset_optimizer_warmup_iters resets the optimizer of a loaded checkpoint: set load too")
-    need(not cfg.curriculum_learning or (cfg.total_curriculum_step is not None and cfg.total_curriculum_step > 0),
+    steps = keys.total_curriculum_step
+    need(not keys.curriculum_learning or (steps is not None and steps > 0),
          "curriculum_learning needs total_curriculum_step (about train_tokens / global_batch / seq_length / 2)")
 
 
 class Schedule:
     """Batch size, sequence length, skipped iterations, learning rate and the end of training."""
 
-    def __init__(self, cfg, dp_size):
-        self.cfg = cfg
-        self.rampup = RampupBatchSize(cfg.rampup_batch_size, cfg.global_batch_size,
-                                      cfg.micro_batch_size, dp_size)
-        if cfg.curriculum_learning:
-            check_curriculum(cfg.min_difficulty, cfg.max_difficulty, cfg.seq_length,
-                             cfg.difficulty_step)
-        self.skip_ranges = parse_iteration_ranges(cfg.skip_train_iteration_range)
+    def __init__(self, schedule_cfg, dp_size, seq_length):
+        """schedule_cfg: a ScheduleConfig; seq_length: the model's (the length, no curriculum)."""
+        self.schedule_cfg, self.seq_length, keys = schedule_cfg, seq_length, schedule_cfg
+        self.rampup = RampupBatchSize(keys.rampup_batch_size, keys.global_batch_size,
+                                      keys.micro_batch_size, dp_size)
+        if keys.curriculum_learning:
+            check_curriculum(keys.min_difficulty, keys.max_difficulty, seq_length,
+                             keys.difficulty_step)
+        self.skip_ranges = parse_iteration_ranges(keys.skip_train_iteration_range)
         self.total_iters, self.total_samples, self.total_tokens = self._simulate()
         self.lr_schedule = AnnealingLR(
-            cfg.lr, cfg.min_lr, cfg.lr_decay_style, warmup_samples=cfg.lr_warmup_samples,
-            decay_samples=cfg.lr_decay_samples or self.total_samples,
-            warmup_tokens=cfg.lr_warmup_tokens, decay_tokens=cfg.lr_decay_tokens,
-            wsd_decay_samples=cfg.lr_wsd_decay_samples, wsd_decay_style=cfg.lr_wsd_decay_style)
+            keys.lr, keys.min_lr, keys.lr_decay_style, warmup_samples=keys.lr_warmup_samples,
+            decay_samples=keys.lr_decay_samples or self.total_samples,
+            warmup_tokens=keys.lr_warmup_tokens, decay_tokens=keys.lr_decay_tokens,
+            wsd_decay_samples=keys.lr_wsd_decay_samples, wsd_decay_style=keys.lr_wsd_decay_style)
 
     def batch_size(self, consumed_samples):
         return self.rampup(consumed_samples)
 
     def seqlen(self, iteration):
-        cfg = self.cfg
-        if not cfg.curriculum_learning:
-            return cfg.seq_length
-        return curriculum_seqlen(iteration, cfg.min_difficulty, cfg.max_difficulty,
-                                 cfg.total_curriculum_step, cfg.difficulty_step)
+        keys = self.schedule_cfg
+        if not keys.curriculum_learning:
+            return self.seq_length
+        return curriculum_seqlen(iteration, keys.min_difficulty, keys.max_difficulty,
+                                 keys.total_curriculum_step, keys.difficulty_step)
 
     def skipped(self, iteration):
         return in_ranges(iteration, self.skip_ranges)
@@ -180,11 +186,11 @@ class Schedule:
     def _done(self, iteration, samples, tokens):
         """Megatron's update_train_iters: a last batch that would go past train_samples is not run
         (tr8b-104B's 300M samples are "159576" iterations, not 159577)."""
-        cfg = self.cfg
-        return ((cfg.train_iters is not None and iteration >= cfg.train_iters)
-                or (cfg.train_samples is not None
-                    and samples + self.batch_size(samples) > cfg.train_samples)
-                or (cfg.train_tokens is not None and tokens >= cfg.train_tokens))
+        keys = self.schedule_cfg
+        return ((keys.train_iters is not None and iteration >= keys.train_iters)
+                or (keys.train_samples is not None
+                    and samples + self.batch_size(samples) > keys.train_samples)
+                or (keys.train_tokens is not None and tokens >= keys.train_tokens))
 
     def _simulate(self):
         it = samples = tokens = 0
@@ -225,15 +231,16 @@ def in_ranges(iteration, ranges):
 # The learning rate's own rules: the optimizer reset's lr=0 warm-up
 
 
-def reset_warmup_iters(cfg, unset=None):
-    """The lr=0 iterations after an optimizer reset (lesson 8): reset_optimizer_warmup_iters, where
-    "auto" is 5 / (1 - beta2), the time Adam's second moment needs; 0 without one. `unset`: the
-    setting when the config has none (the spike guard resets with "auto")."""
-    setting = cfg.reset_optimizer_warmup_iters or unset
+def reset_warmup_iters(setting, adam_beta2, unset=None):
+    """The lr=0 iterations after an optimizer reset (lesson 8): setting,
+    reset_optimizer_warmup_iters, where "auto" is 5 / (1 - adam_beta2), the time Adam's second
+    moment needs; 0 without one. `unset`: the setting when the config has none (the spike guard
+    resets with "auto")."""
+    setting = setting or unset
     if not setting:
         return 0
     if setting == "auto":
-        return math.ceil(5 / (1 - cfg.adam_beta2))
+        return math.ceil(5 / (1 - adam_beta2))
     return int(setting)
 
 

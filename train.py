@@ -39,8 +39,11 @@ import parallel
 import run_state
 import safety
 import training  # train_step, evaluate called as training.X: where a test's spy replaces them
-from report import Report, print0
-from schedule import Schedule
+from checkpoint import CheckpointConfig
+from model import GPTConfig
+from report import LoggingConfig, Report, print0
+from schedule import Schedule, ScheduleConfig
+from sections import section
 from training import NO_CALLBACKS, Iteration, StopRun
 
 
@@ -53,9 +56,13 @@ def main(argv=None):
         return
     arguments.prepare(cfg, launch.world_size())  # a config that cannot work stops before any process group
     # lm-eval's tasks found (imported only then), before any process group too
-    harness = eval_harness.RunEvaluation(cfg) if cfg.eval_harness_tasks else None
-    grid = launch.start(cfg)
-    loader.check_tokenizer(cfg)
+    harness = None
+    if cfg.eval_harness_tasks:
+        harness = eval_harness.RunEvaluation(section(eval_harness.EvalHarnessConfig, cfg),
+                                             section(GPTConfig, cfg), cfg.tokenizer_file)
+    grid = launch.start(section(parallel.LayoutConfig, cfg), cfg.tensor_model_parallel_size,
+                        cfg.save)
+    loader.check_tokenizer(cfg.tokenizer_file, section(loader.DataContext, cfg))
     # Before anything is built or written: which checkpoint to resume, is it this model, is save ours (lock).
     # The checkpoint writer inside: a save in flight is on disk before the lock is released.
     with safety.RunLock(cfg) as run_lock, checkpoint.AsyncWriter(cfg.async_save) as writer:
@@ -71,12 +78,12 @@ def run(cfg, grid, exit_signal=lambda: False, writer=None, callbacks=NO_CALLBACK
     model, state, schedule = parts.model, parts.state, parts.schedule
     if cfg.eval_only:
         return training.evaluate_only(model, valid_data, state, cfg, device)
-    report = Report(cfg, schedule, model)
+    report = Report(section(LoggingConfig, cfg), schedule, model, cfg.save, arguments.to_dict(cfg))
     callbacks.start(parts, report, train_data)
     first_iteration, job_start = state.iteration, time.time()
     model.train()
     # closed however the loop ends (a callback's StopRun too): no thread is left loading when the process exits
-    with loader.batch_prefetcher(train_data, schedule, cfg, device) as prefetcher:
+    with loader.batch_prefetcher(train_data, schedule, device) as prefetcher:
         while not schedule.done(state):
             t0, n = time.time(), state.iteration + 1
             it = Iteration(n, state.consumed_samples, schedule.batch_size(state.consumed_samples), schedule.seqlen(n))
@@ -108,7 +115,7 @@ def run(cfg, grid, exit_signal=lambda: False, writer=None, callbacks=NO_CALLBACK
             if harness is not None and harness.due(n, last):  # lm-eval's tasks, logged beside it
                 harness(model, n, state, report, device)
             # save, and stop when the job's time is up
-            why_exit = safety.exit_reason(cfg, n - first_iteration, job_start, exit_signal)
+            why_exit = safety.exit_reason(section(CheckpointConfig, cfg), n - first_iteration, job_start, exit_signal)
             if cfg.save and (last or why_exit or (cfg.save_interval and n % cfg.save_interval == 0)):
                 run_state.save(parts, writer)
             callbacks.after_iteration(n)
@@ -126,12 +133,16 @@ def run(cfg, grid, exit_signal=lambda: False, writer=None, callbacks=NO_CALLBACK
 def prepare(cfg, grid, callbacks):
     """This rank's parts of the run (run_state.Parts), resumed from a checkpoint if there is one, on its device,
     and the data: (parts, device, train data, validation data)."""
-    device, schedule = launch.setup(cfg), Schedule(cfg, grid.dp_size)
+    device = launch.setup(section(parallel.LayoutConfig, cfg), cfg.seed)
+    schedule = Schedule(section(ScheduleConfig, cfg), grid.dp_size, cfg.seq_length)
     parts = builders.build(cfg, grid, schedule, device, callbacks)
-    train_data, valid_data = loader.build_data(cfg, schedule, callbacks.documents_to_skip)
+    data_cfg, context = section(loader.DataConfig, cfg), section(loader.DataContext, cfg)
+    skips = callbacks.documents_to_skip
+    train_data, valid_data = loader.build_data(data_cfg, context, schedule, skips)
     if cfg.load:
         run_state.load(parts)
-    if launch.compiles(cfg):  # each block one graph, checkpointing outside it; the loss's elementwise chain fused
+    # each block one graph, checkpointing outside it; the loss's elementwise chain fused
+    if launch.compiles(section(parallel.LayoutConfig, cfg)):
         parallel.unwrap(parts.model).compile_blocks()
         cross_entropy.compile_chain()
     return parts, device, train_data, valid_data

@@ -275,7 +275,8 @@ def evaluate(model, dataset, cfg, device):
     model.eval()
     losses, count = [], cfg.global_batch_size // (cfg.micro_batch_size * parallel.grid.dp_size)
     for i in range(cfg.eval_iters):
-        batches = loader.micro_batches(dataset, i * cfg.global_batch_size, count, cfg, cfg.seq_length, device)
+        batches = loader.micro_batches(dataset, i * cfg.global_batch_size, count,
+                                       cfg.micro_batch_size, cfg.seq_length, device)
         losses.append(parallel.average_loss(forward_backward(model, batches, cfg, device, forward_only=True)).item())
     model.train()
     return sum(losses) / len(losses)

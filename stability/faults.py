@@ -280,7 +280,8 @@ class Faults(training.Callback):
             if start <= number <= end:
                 source = start + (number - start) % self.cfg.inject_repeat_period
                 first = first_sample - (number - source) * batch_size
-                return loader.micro_batches(self.train_data, first, len(batches), self.run_cfg,
+                mbs = self.run_cfg.micro_batch_size
+                return loader.micro_batches(self.train_data, first, len(batches), mbs,
                                             seqlen, batches[0][0].device)
         return batches
 

@@ -287,7 +287,8 @@ def comparison(train_data, it, faults, cfg, device):
     if first + size > len(train_data):
         return None
     number = it.number + (first - it.first_sample) // size  # the iteration that will draw it
-    batches = loader.micro_batches(train_data, first, len(it.batches), cfg, it.seqlen, device)
+    mbs = cfg.micro_batch_size
+    batches = loader.micro_batches(train_data, first, len(it.batches), mbs, it.seqlen, device)
     if faults is not None:
         batches = faults.data_batches(number, first, size, it.seqlen, batches)
     return batches, f"iteration {number}'s batch (unseen)"

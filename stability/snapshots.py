@@ -158,7 +158,9 @@ class Snapshots:
         run_state.restore(snap, parts, keep_payload=True)  # a snapshot can be rolled back to again
         self.drop(lambda it: it > target)
         if decision.get("reset_optimizer"):
-            run_state.reset_optimizer(parts, schedule.reset_warmup_iters(self.cfg, unset="auto"))
+            setting = self.cfg.reset_optimizer_warmup_iters
+            warmup = schedule.reset_warmup_iters(setting, self.cfg.adam_beta2, "auto")
+            run_state.reset_optimizer(parts, warmup)
         guard.applied(decision, target)
         skipping = decision["action"] == "rollback" and decision["end"] is not None
         print0(f"spike guard: rolled back to iteration {target}{decision.get('fallback', '')}" + (

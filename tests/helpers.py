@@ -13,6 +13,8 @@
 - a checkpoint of any layout written from one process (write_checkpoint); the files `latest` names
   (final_state), compared bit for bit (assert_same).
 - MemorySource, a data.TokenSource held in memory (the contract test's third source).
+- plan_of(cfg) and data_of(cfg, plan): the schedule and the data of a whole config, made from its
+  sections as train.py makes them.
 """
 import contextlib
 import importlib.metadata
@@ -33,7 +35,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import data
+import loader
 import parallel
+import schedule
+from sections import section
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -483,3 +488,14 @@ def warm_guard(flags, loss, grad_norm, steps=16):
     for i in range(steps):
         guard.update(i + 1, "ok", loss + 0.01 * (-1) ** i, grad_norm + 0.01 * (-1) ** i, None, lr=1e-3)
     return guard
+
+
+def plan_of(cfg, dp_size=1):
+    """The schedule.Schedule of the whole config cfg, as train.py makes it."""
+    return schedule.Schedule(section(schedule.ScheduleConfig, cfg), dp_size, cfg.seq_length)
+
+
+def data_of(cfg, plan, documents_to_skip=lambda collections: None):
+    """loader.build_data's (train, validation) of the whole config cfg, as train.py asks."""
+    data_cfg, context = section(loader.DataConfig, cfg), section(loader.DataContext, cfg)
+    return loader.build_data(data_cfg, context, plan, documents_to_skip)

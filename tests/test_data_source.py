@@ -12,38 +12,33 @@ import torch
 import arguments
 import data
 import loader
-import schedule
-from helpers import ROOT, corpus, log_fields, run_main  # noqa: F401 (corpus is a fixture)
+from helpers import ROOT, corpus, data_of, log_fields, plan_of, run_main  # noqa: F401 (a fixture)
+from sections import section
 from stability import skip_list
 
 
 # -- the example of docs/data.md, "A new data source" ------------------------------------------------------------
-@dataclasses.dataclass
-class NpyKeys:
-    """The run-config keys the source reads, by their names there."""
-    data_path: list[str] | None
-    split: str
-    seq_length: int
-    vocab_size: int
-
-
 class NpyTokens:
-    """data_path: one .npy file of token ids, every document ending in data.EOD. Samples of seq_length + 1 tokens,
-    one every seq_length tokens of the split's documents in file order, again from the start when they run out."""
-    Config = NpyKeys
+    """data_path: one .npy file of token ids, every document ending in data.EOD. Samples of
+    seq_length + 1 tokens, one every seq_length tokens of the split's documents in file order, again
+    from the start when they run out. data_cfg: the data's keys (loader.DataConfig); context: the
+    model's seq_length and vocab_size (loader.DataContext)."""
 
     @staticmethod
-    def check(keys):
-        if not keys.data_path or len(keys.data_path) != 1 or not keys.data_path[0].endswith(".npy"):
-            raise ValueError(f"data_source=npy reads one .npy file of token ids, not data_path={keys.data_path}; "
-                             "set data_path=FILE.npy")
+    def check(data_cfg, context):
+        path = data_cfg.data_path
+        if not path or len(path) != 1 or not path[0].endswith(".npy"):
+            raise ValueError(f"data_source=npy reads one .npy file of token ids, not "
+                             f"data_path={path}; set data_path=FILE.npy")
 
-    def __init__(self, keys, num_samples):
-        self.keys, self.num_samples, self.path = keys, num_samples, keys.data_path[0]
+    def __init__(self, data_cfg, context, num_samples):
+        self.split, self.seq_length = data_cfg.split, context.seq_length
+        self.num_samples, self.path = num_samples, data_cfg.data_path[0]
         self.tokens = np.load(self.path, mmap_mode="r")
-        if self.tokens.max() >= keys.vocab_size:
-            raise ValueError(f"{self.path} holds token id {self.tokens.max()}, at or above vocab_size "
-                             f"{keys.vocab_size}; set vocab_size to at least {self.tokens.max() + 1}")
+        top = self.tokens.max()
+        if top >= context.vocab_size:
+            raise ValueError(f"{self.path} holds token id {top}, at or above vocab_size "
+                             f"{context.vocab_size}; set vocab_size to at least {top + 1}")
         # document d is tokens[bounds[d]:bounds[d + 1]]
         self.bounds = np.concatenate([[0], np.flatnonzero(self.tokens == data.EOD) + 1])
 
@@ -51,10 +46,11 @@ class NpyTokens:
         return [(self.path, len(self.bounds) - 1)]
 
     def build(self, skips):
-        splits = data.split_documents(self.keys.split, len(self.bounds) - 1)
+        splits = data.split_documents(self.split, len(self.bounds) - 1)
         skip = skips[0] if skips else []
-        sets = [Windows(self.path, self.tokens, self.bounds, np.setdiff1d(np.arange(*docs), skip), n,
-                        self.keys.seq_length) if n else None for docs, n in zip(splits, self.num_samples)]
+        sets = [Windows(self.path, self.tokens, self.bounds, np.setdiff1d(np.arange(*docs), skip),
+                        n, self.seq_length) if n else None
+                for docs, n in zip(splits, self.num_samples)]
         return sets[0], sets[1]
 
 
@@ -123,16 +119,16 @@ def split_stream(documents, split, skip=()):
 def test_the_loop_loads_and_prefetches_the_new_sources_batches(npy):
     path, documents = npy
     cfg = npy_config(path)  # arguments.validate runs the source's check
-    plan = schedule.Schedule(cfg, 1)
-    train, valid = loader.build_data(cfg, plan)
+    plan = plan_of(cfg)
+    train, valid = data_of(cfg, plan)
     assert isinstance(train, data.TokenSource) and isinstance(valid, data.TokenSource)
     assert len(train) == plan.total_samples and len(valid) == cfg.eval_iters * cfg.global_batch_size
     stream, device = split_stream(documents, cfg.split), torch.device("cpu")
     windows = (len(stream) - 1) // SEQ
-    with loader.batch_prefetcher(train, plan, cfg, device) as prefetcher:
+    with loader.batch_prefetcher(train, plan, device) as prefetcher:
         for iteration in range(1, plan.total_iters + 1):
             first = (iteration - 1) * cfg.global_batch_size
-            batches = loader.micro_batches(train, first, 4, cfg, SEQ, device)
+            batches = loader.micro_batches(train, first, 4, cfg.micro_batch_size, SEQ, device)
             prefetched = loader.to_device(prefetcher.get((iteration, first, cfg.global_batch_size, SEQ)), device)
             for k, ((x, y), (px, py)) in enumerate(zip(batches, prefetched)):
                 assert torch.equal(x, px) and torch.equal(y, py)
@@ -151,8 +147,8 @@ def test_the_loop_loads_and_prefetches_the_new_sources_batches(npy):
 def test_skip_lists_leave_the_new_sources_documents_out(npy, tmp_path):
     path, documents = npy
     cfg = npy_config(path)
-    plan = schedule.Schedule(cfg, 1)
-    train, _ = loader.build_data(cfg, plan)
+    plan = plan_of(cfg)
+    train, _ = data_of(cfg, plan)
     culprits = [d for index in (3, 7) for d, _ in skip_list.sample_documents(train, index)[2]]
     skip_path = str(tmp_path / "skip_documents.jsonl")
     skip_list.append(skip_path, [{"dataset": path, "documents": culprits}])
@@ -162,7 +158,7 @@ def test_skip_lists_leave_the_new_sources_documents_out(npy, tmp_path):
         asked.append(collections)
         return skip_list.read(skip_path, [n for n, _ in collections], [c for _, c in collections])[0]
 
-    train, _ = loader.build_data(cfg, plan, documents_to_skip)
+    train, _ = data_of(cfg, plan, documents_to_skip)
     assert asked == [[(path, len(documents))]]
     out = np.empty((len(train), SEQ + 1), np.int64)
     train.gather(np.arange(len(train)), out)
@@ -190,25 +186,19 @@ def test_bad_sources_and_keys_are_refused_with_the_fix(npy, monkeypatch):
     with pytest.raises(ValueError, match="set data_path=FILE.npy"):
         npy_config(path.replace(".npy", ".bin"))
     with pytest.raises(ValueError, match="at or above vocab_size 512; set vocab_size to at least"):
-        loader.build_data(npy_config(path, "--vocab_size=512"), schedule.Schedule(npy_config(path), 1))
+        data_of(npy_config(path, "--vocab_size=512"), plan_of(npy_config(path)))
+    with pytest.raises(ValueError, match="data_source 'npy' has no named validation sets "
+                                         "\\(valid_weighted_split_names is set\\): drop"):
+        npy_config(path, "--valid_weighted_split_names=a", f"--valid_weighted_split_paths={path}")
 
-    @dataclasses.dataclass
-    class WantsAFile:
-        token_file: str
-        seq_length: int
+    class Other(NpyTokens):
+        pass
 
-    class Needy(NpyTokens):
-        Config = WantsAFile
-
-    loader.register_source("needy", Needy)
-    with pytest.raises(ValueError, match="Needy reads the key\\(s\\) token_file, which the run config lacks: "
-                                         "declare them in loader.DataConfig"):
-        arguments.prepare(arguments.load_config(["--data_source=needy"]))
     with pytest.raises(ValueError, match="data_source 'npy' is NpyTokens already"):
-        loader.register_source("npy", Needy)
+        loader.register_source("npy", Other)
 
     class Bare:
-        Config = NpyKeys
+        pass
 
     with pytest.raises(ValueError, match="Bare lacks check, documents, build of loader.DataSource"):
         loader.register_source("bare", Bare)
@@ -218,13 +208,13 @@ def test_megatron_is_the_first_source_and_the_default(corpus):
     cfg = arguments.prepare(arguments.load_config([f"--data_path={corpus}", f"--seq_length={SEQ}", "--train_iters=5",
                                                    "--global_batch_size=8", "--micro_batch_size=2", "--eval_iters=1"]))
     assert cfg.data_source == "megatron" and loader.SOURCES["megatron"] is loader.MegatronSource
-    keys = loader.source_keys(loader.MegatronSource, cfg)
-    assert keys == loader.MegatronKeys([corpus], True, None, cfg.split, None, cfg.seed, SEQ, cfg.vocab_size,
-                                       cfg.config_file)
-    blend = loader.MegatronSource(dataclasses.replace(keys, data_path=["0.5", corpus, "0.5", corpus]), (8, 0))
+    data_cfg, context = section(loader.DataConfig, cfg), section(loader.DataContext, cfg)
+    assert (data_cfg.data_path, context.seq_length) == ([corpus], SEQ)
+    blended = dataclasses.replace(data_cfg, data_path=["0.5", corpus, "0.5", corpus])
+    blend = loader.MegatronSource(blended, context, (8, 0))
     assert [name for name, _ in blend.documents()] == [corpus, corpus]  # a skip list's entry per blend component
-    plan = schedule.Schedule(cfg, 1)
-    train, valid = loader.build_data(cfg, plan)
+    plan = plan_of(cfg)
+    train, valid = data_of(cfg, plan)
     want = data.build_datasets([corpus], cfg.split, SEQ, cfg.seed, (plan.total_samples, 8, 0))
     for got, expected in zip((train, valid), want):
         a, b = (np.empty((len(expected), SEQ + 1), np.int64) for _ in range(2))
@@ -240,5 +230,20 @@ def test_the_doc_example_is_this_files_source():
     example = re.search(r"```python\n(.*?)```", section, re.S).group(1)
     with open(__file__, encoding="utf-8") as f:
         here = f.read()
-    here = here[here.index("@dataclasses.dataclass\nclass NpyKeys"):here.index("# -- end of the example")]
+    here = here[here.index("class NpyTokens:"):here.index("# -- end of the example")]
     assert example.strip() == here.strip()
+
+
+def test_the_data_declares_each_key_once():
+    """The sources read DataConfig, the data's keys, and a DataContext of other owners' values: no
+    key of the run config is declared a second time in loader.py (#49: MegatronKeys re-declared
+    11)."""
+    import inspect
+
+    data_keys = {f.name for f in dataclasses.fields(loader.DataConfig)}
+    given = {f.name for f in dataclasses.fields(loader.DataContext)} - {"config_file"}
+    assert given <= set(arguments.FIELDS) and not given & data_keys  # another owner's, passed in
+    for name, cls in inspect.getmembers(loader, dataclasses.is_dataclass):
+        if cls not in (loader.DataConfig, loader.DataContext):
+            again = {f.name for f in dataclasses.fields(cls)} & set(arguments.FIELDS)
+            assert not again, f"loader.{name} declares {sorted(again)} again"

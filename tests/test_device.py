@@ -27,6 +27,7 @@ import optim
 import parallel
 from builders import build_model
 from helpers import (  # noqa: F401
+    plan_of,
     E2E_ARGS,
     SMALL,
     assert_same_training,
@@ -298,8 +299,8 @@ def _meta_step(monkeypatch, extra, tp=1, pp=1, dp=1, rank=0, micro_batches=2):
     not run (their groups are sentinels). Returns (the Step, the host syncs, the collectives)."""
     import arguments
     import safety
-    import schedule
-    from report import Report
+    from report import LoggingConfig, Report
+    from sections import section
     from stability import snapshots, spike_guard, telemetry
     world = tp * pp * dp
     cfg = arguments.load_config(META_ARGV + [f"--tensor_model_parallel_size={tp}",
@@ -315,14 +316,14 @@ def _meta_step(monkeypatch, extra, tp=1, pp=1, dp=1, rank=0, micro_batches=2):
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: world)
     monkeypatch.setattr(dist, "get_rank", lambda group=None: rank)
-    plan = schedule.Schedule(cfg, dp)
+    plan = plan_of(cfg, dp)
     with Collectives(run=False) as comms:
         parts = builders.build(cfg, grid, plan, meta)
         assert all(p.is_meta for p in parts.model.parameters())
         recorder = telemetry.Telemetry(parts.model, cfg, parts.optimizer)
         store = snapshots.Snapshots(cfg)
         guard = spike_guard.SpikeGuard(cfg)
-        report = Report(cfg, plan, parts.model)
+        report = Report(section(LoggingConfig, cfg), plan, parts.model, cfg.save)
         exit_signal = safety.ExitSignal(True)
         ids = torch.zeros(cfg.micro_batch_size, cfg.seq_length, dtype=torch.int64, device=meta)
         batches = [(ids, ids)] * micro_batches

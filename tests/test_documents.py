@@ -19,6 +19,7 @@ import layers
 import loader
 import parallel
 from helpers import random_batches, spawn, stage
+from sections import section
 from model import GPT, GPTConfig
 from training import forward_backward
 
@@ -203,11 +204,15 @@ def test_tp2_and_pp2_with_the_flags_match_one_process(tp, pp):
 
 
 def test_flags_that_cannot_work_are_refused_by_name():
+    def check(cfg):
+        data_cfg, context = section(loader.DataConfig, cfg), section(loader.DataContext, cfg)
+        loader.check(data_cfg, context, cfg.position_embedding_type)
+
     with pytest.raises(ValueError, match="reset_position_ids does nothing with position_embedding_type=alibi"):
-        loader.check(arguments.load_config(["config/tiny.py", "--position_embedding_type=alibi",
-                                            "--reset_position_ids"]))
+        check(arguments.load_config(["config/tiny.py", "--position_embedding_type=alibi",
+                                     "--reset_position_ids"]))
     with pytest.raises(ValueError, match="end-of-document id 50256, which is not below vocab_size=512"):
-        loader.check(arguments.load_config(["config/tiny.py", "--vocab_size=512", "--eod_mask_loss"]))
+        check(arguments.load_config(["config/tiny.py", "--vocab_size=512", "--eod_mask_loss"]))
 
 
 # -----------------------------------------------------------------------------

@@ -308,7 +308,10 @@ def test_eval_harness_keys_that_cannot_work_are_refused(keys, message):
 def test_a_model_too_large_to_gather_is_refused_before_lm_eval_is_asked():
     import arguments
     import eval_harness
+    from model import GPTConfig
+    from sections import section
     sizes = ["--num_layers=24", "--hidden_size=2560", "--num_attention_heads=20"]
     cfg = arguments.load_config([*sizes, "--eval_harness_tasks=nothing"])
     with pytest.raises(ValueError, match=r"2\.0\de9 parameters.*above 2e9.*tools/evaluate.py"):
-        eval_harness.RunEvaluation(cfg)
+        harness_cfg = section(eval_harness.EvalHarnessConfig, cfg)
+        eval_harness.RunEvaluation(harness_cfg, section(GPTConfig, cfg))

@@ -4,7 +4,6 @@ import json
 import math
 import os
 import sys
-import types
 
 import pytest
 import torch
@@ -124,15 +123,15 @@ def test_llama_data_of_another_tokenizer_names_the_models_tokenizer(corpus, tmp_
     _llama(tmp_path / "llama", vocab=32000)
     cfg = arguments.load_config(["config/finetune.py", f"--init_from_hf={tmp_path / 'llama'}",
                                  f"--data_path={corpus}"])
-    keys = loader.source_keys(loader.MegatronSource, cfg)
+    context = loader.DataContext(cfg.seq_length, cfg.vocab_size, cfg.init_from_hf)
     with pytest.raises(ValueError) as e:
-        loader.check_data(keys, [corpus], train_samples=10)
+        loader.check_data(cfg.split, context, [corpus], train_samples=10)
     tokenizer = os.path.join(str(tmp_path / "llama"), "tokenizer.json")
     assert f"--tokenizer-file {tokenizer}" in str(e.value) and f"tokenizer_file={tokenizer}" in str(e.value)
     assert "at least" not in str(e.value)
-    plain = types.SimpleNamespace(vocab_size=32000, split="969,30,1", seq_length=64)  # no import: the old advice
+    plain = loader.DataContext(seq_length=64, vocab_size=32000)  # no import: the old advice
     with pytest.raises(ValueError, match="set vocab_size to at least 50257"):
-        loader.check_data(plain, [corpus], train_samples=10)
+        loader.check_data("969,30,1", plain, [corpus], train_samples=10)
 
 
 def test_help_names_llama_for_init_from_hf():

@@ -18,6 +18,8 @@ import hf
 import loader
 import parallel
 from helpers import (  # noqa: F401
+    data_of,
+    plan_of,
     ROOT,
     assert_same,
     build_tokenizer_file,
@@ -31,7 +33,6 @@ from helpers import (  # noqa: F401
     write_checkpoint,
 )
 from model import GPT, GPTConfig
-from schedule import Schedule
 
 transformers = pytest.importorskip("transformers")
 sys.path.insert(0, os.path.join(ROOT, "tools"))
@@ -235,8 +236,9 @@ RUN = ["config/finetune.py", "--bf16=false", "--micro_batch_size=2", "--global_b
 def first_batch_loss(reference, argv):
     """transformers' mean loss over the micro-batches of the run's first iteration (train.py's own data path)."""
     cfg = arguments.prepare(arguments.load_config(argv))
-    batches = loader.micro_batches(loader.build_data(cfg, Schedule(cfg, 1))[0], 0, 2, cfg, cfg.seq_length,
-                                  torch.device("cpu"))
+    train = data_of(cfg, plan_of(cfg))[0]
+    batches = loader.micro_batches(train, 0, 2, cfg.micro_batch_size, cfg.seq_length,
+                                   torch.device("cpu"))
     with torch.no_grad():
         return sum(torch.nn.functional.cross_entropy(reference(x).logits.flatten(0, 1), y.flatten()).item()
                    for x, y in batches) / len(batches)

@@ -8,12 +8,13 @@ import torch
 
 import arguments
 import data
-import loader
 import optim
 import schedule
 import training
 from builders import build_model
 from helpers import (  # noqa: F401 (fixtures)
+    data_of,
+    plan_of,
     SMALL,
     assert_same_checkpoint,
     corpus,
@@ -274,7 +275,7 @@ def test_show_samples_tool_prints_what_an_iteration_consumed(corpus):
     assert proc.returncode == 0, proc.stderr
     assert "=== iteration 2: samples 8-15, seqlen 64" in proc.stdout
     cfg = arguments.prepare(arguments.load_config([*SMALL, "--train_iters=4"]))
-    train_data, _ = loader.build_data(cfg, schedule.Schedule(cfg, 1))
+    train_data, _ = data_of(cfg, plan_of(cfg))
     text = data.get_tokenizer().decode(train_data[8].tolist())
     assert text in proc.stdout
 
@@ -301,8 +302,7 @@ def test_reset_optimizer_with_lr0_warmup(small512, tmp_path):
     (tmp_path / "latest").write_text("global_step6\n")
     again = run_main(*base, "--train_iters=9", f"--load={tmp_path}", "--reset_optimizer_warmup_iters=3")
     assert "ignored" in again and losses(again) == {i: losses(out)[i] for i in (7, 8, 9)}
-    assert schedule.reset_warmup_iters(arguments.load_config(["--adam_beta2=0.95", "--load=x",
-                                                               "--reset_optimizer_warmup_iters"])) == 100
+    assert schedule.reset_warmup_iters("auto", 0.95) == 100
 
 
 def test_no_load_optim_and_no_load_rng(small512, tmp_path):

@@ -8,7 +8,7 @@ import torch
 import arguments
 import data
 import loader
-import schedule
+from helpers import plan_of
 from run_state import RunState
 
 
@@ -39,7 +39,7 @@ def test_prefetched_batches_equal_direct_ones_across_rampup_curriculum_and_skips
                                  "--skip_train_iteration_range", "4-5", "9-9", "20-21"])
     arguments.prepare(cfg, world_size=2)
     dp_size, mbs = 2, cfg.micro_batch_size
-    plan = schedule.Schedule(cfg, dp_size)
+    plan = plan_of(cfg, dp_size)
     seen = {"batch sizes": set(), "seqlens": set(), "skipped": 0, "wrong guesses": 0}
     for dp_rank in range(dp_size):
         loads = []

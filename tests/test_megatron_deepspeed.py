@@ -34,7 +34,7 @@ import run_state
 import schedule
 import training
 from builders import build_model
-from helpers import ROOT, assert_same, final_state, losses, run_main
+from helpers import ROOT, assert_same, final_state, losses, plan_of, run_main
 
 TP, PP, DP = 2, 2, 2
 ARGS = ["--num_layers=2", "--hidden_size=64", "--num_attention_heads=4", "--seq_length=32", "--micro_batch_size=2",
@@ -331,7 +331,7 @@ def _load_rank(directory, rank):
     try:
         model = build_model(cfg, "cpu")
         optimizer = optim.optimizer_for(cfg, model)
-        parts = run_state.Parts(cfg, model, optimizer, schedule.Schedule(cfg, 1), optim.scaler_for(cfg),
+        parts = run_state.Parts(cfg, model, optimizer, plan_of(cfg), optim.scaler_for(cfg),
                                 training.NO_CALLBACKS)
         run_state.load(parts)
         return model, optimizer, parts, parallel.grid

@@ -7,8 +7,7 @@ change:
 - lm-eval: a continuation is greedy when its own tokens are the argmax, whatever the context's are;
 - export: an imported model's pad_token_id is kept; the remote code's ALiBi slopes for a head count
   that is not a power of two are BLOOM's (the ALiBi paper's reference code);
-- data: a named validation set leaves out the skip list's documents; a data source's key with a
-  default_factory is filled, not refused;
+- data: a named validation set leaves out the skip list's documents;
 - launch.start hands each of the two collective timeouts to its own place.
 """
 import argparse
@@ -221,42 +220,21 @@ def test_a_named_validation_set_leaves_out_the_skip_lists_documents(corpus512):
     import loader
 
     split, seq = "949,50,1", 64
-    keys = loader.MegatronKeys(
+    data_cfg = loader.DataConfig(
         data_path=[corpus512],
-        use_bundled_corpus=False,
-        tokenizer_file=None,
         split=split,
-        data_cache_dir=None,
         seed=1234,
-        seq_length=seq,
-        vocab_size=512,
         valid_weighted_split_names=["it"],
         valid_weighted_split_paths=[corpus512],
     )
+    context = loader.DataContext(seq_length=seq, vocab_size=512)
     skip = np.arange(0, len(data.IndexedDataset(corpus512)), 2, dtype=np.int64)
-    _, valid = loader.MegatronSource(keys, (16, 16)).build([skip])
+    _, valid = loader.MegatronSource(data_cfg, context, (16, 16)).build([skip])
     by_hand = data.build_datasets([corpus512], split, seq, 1234, (0, 16, 0), None, [skip])[1]
     unskipped = data.build_datasets([corpus512], split, seq, 1234, (0, 16, 0))[1]
     got = samples(valid["it"], 16, seq)
     assert np.array_equal(got, samples(by_hand, 16, seq))
     assert not np.array_equal(got, samples(unskipped, 16, seq))
-
-
-def test_a_data_source_key_with_a_default_factory_is_filled_not_refused():
-    import dataclasses
-
-    import loader
-
-    @dataclasses.dataclass
-    class Keys:
-        seq_length: int
-        weights: list = dataclasses.field(
-            default_factory=lambda: [1.0]
-        )  # no such key in the run config
-
-    source = types.SimpleNamespace(__name__="Listed", Config=Keys)
-    keys = loader.source_keys(source, types.SimpleNamespace(seq_length=64))
-    assert keys == Keys(64, [1.0])
 
 
 # -----------------------------------------------------------------------------
@@ -267,6 +245,7 @@ def test_each_collective_timeout_goes_to_its_own_place(monkeypatch):
     """distributed_timeout_minutes: the training collectives' (what a hung rank costs);
     host_work_timeout_minutes: the host group's waits (a checkpoint's files, an index build)."""
     import launch
+    from sections import section
 
     given = {}
 
@@ -278,5 +257,5 @@ def test_each_collective_timeout_goes_to_its_own_place(monkeypatch):
     cfg = arguments.load_config(
         ["--distributed_timeout_minutes=7", "--host_work_timeout_minutes=90", "--device=cpu"]
     )
-    launch.start(cfg)
+    launch.start(section(parallel.LayoutConfig, cfg), cfg.tensor_model_parallel_size)
     assert (given["timeout_minutes"], given["host_timeout_minutes"]) == (7, 90)

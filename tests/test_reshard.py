@@ -19,10 +19,9 @@ import optim
 import parallel
 import reshard
 import run_state
-import schedule
 import training
 from builders import build_model
-from helpers import launch, synthetic_corpus  # noqa: F401 (synthetic_corpus is a fixture)
+from helpers import launch, plan_of, synthetic_corpus  # noqa: F401 (synthetic_corpus is a fixture)
 from model import GPT
 
 
@@ -78,7 +77,8 @@ def _save_layout(directory, tp, pp, dp, zero_stage, cfg_args=(), mutate=None):
                 mutate(model, inner)
             state = run_state.RunState(iteration=10, consumed_samples=80, consumed_tokens=1280,
                                        scheduler_samples=80, scheduler_tokens=1280)
-            run_state.save(run_state.Parts(cfg, model, optimizer, schedule.Schedule(cfg, parallel.grid.dp_size),
+            plan = plan_of(cfg, parallel.grid.dp_size)
+            run_state.save(run_state.Parts(cfg, model, optimizer, plan,
                                            optim.scaler_for(cfg), training.NO_CALLBACKS, state))
     finally:
         parallel.grid, checkpoint.save = saved, save
@@ -103,7 +103,7 @@ def _load(cfg):
         for p in model.parameters():
             p.zero_()
     optimizer = optim.optimizer_for(cfg, model)
-    parts = run_state.Parts(cfg, model, optimizer, schedule.Schedule(cfg, 1), optim.scaler_for(cfg),
+    parts = run_state.Parts(cfg, model, optimizer, plan_of(cfg), optim.scaler_for(cfg),
                             training.NO_CALLBACKS)
     run_state.load(parts)
     return model, optimizer, parts.state, reference

@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+import types
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ import loader
 import safety
 import usage
 from helpers import ROOT, SMALL, corpus, log_fields, run_cli, run_main, spawn  # noqa: F401 (a fixture)
+from sections import section
 
 ENV = dict(os.environ, WANDB_MODE="disabled")
 
@@ -153,9 +155,10 @@ def test_only_the_tiny_default_trains_on_the_bundled_corpus(tmp_path):
 
 def test_warns_when_the_data_repeats_many_epochs(corpus, capsys):
     cfg = arguments.prepare(arguments.load_config([*SMALL, "--train_iters=1"]))
-    loader.check_data(cfg, [corpus], train_samples=100)
+    context = section(loader.DataContext, cfg)
+    loader.check_data(cfg.split, context, [corpus], train_samples=100)
     assert "warning" not in capsys.readouterr().out
-    loader.check_data(cfg, [corpus], train_samples=200_000)
+    loader.check_data(cfg.split, context, [corpus], train_samples=200_000)
     assert re.search(r"warning: this run goes over the train split of .* \d+\.\d times", capsys.readouterr().out)
 
 
@@ -384,7 +387,7 @@ def test_the_documented_slurm_signal_asks_to_save_and_exit(signum, capsys):
 
 
 def _one_rank_scans_for_the_largest_id(prefix):
-    import types
+    import dataclasses
 
     import data
     import parallel
@@ -392,11 +395,11 @@ def _one_rank_scans_for_the_largest_id(prefix):
     scan = data.max_token_id
     data.max_token_id = lambda indexed: scans.append(indexed.prefix) or scan(indexed)
     try:
-        cfg = types.SimpleNamespace(vocab_size=50257, split="969,30,1", seq_length=64)
-        loader.check_data(cfg, [prefix], train_samples=10)  # in the vocabulary: passes
-        cfg.vocab_size = 1000
+        context = loader.DataContext(seq_length=64, vocab_size=50257)
+        loader.check_data("969,30,1", context, [prefix], 10)  # in the vocabulary: passes
+        context = dataclasses.replace(context, vocab_size=1000)
         with pytest.raises(ValueError, match="holds token id 50256, at or above vocab_size 1000"):
-            loader.check_data(cfg, [prefix], train_samples=10)  # every rank refuses it, with rank 0's number
+            loader.check_data("969,30,1", context, [prefix], 10)  # every rank: rank 0's number
     finally:
         data.max_token_id = scan
     assert scans == ([prefix] * 2 if parallel.grid.rank == 0 else []), (parallel.grid.rank, scans)
@@ -409,7 +412,8 @@ def test_one_rank_scans_the_corpus_for_its_largest_token_id(corpus):
 
 def test_the_exit_reason_names_the_signal_that_came():
     """A SLURM recipe's SIGUSR1 is logged as SIGUSR1, not as the SIGTERM it once was said to be."""
-    cfg, exit_reason = arguments.load_config([]), safety.exit_reason
+    cfg = types.SimpleNamespace(exit_interval=None, exit_duration_in_mins=None)
+    exit_reason = safety.exit_reason
     for name in ("SIGUSR1", "SIGTERM"):
         assert exit_reason(cfg, 1, time.time(), lambda: name) == f"{name} (exit_signal_handler)"
     assert exit_reason(cfg, 1, time.time(), lambda: False) is None

@@ -7,11 +7,12 @@ import pytest
 import arguments
 import schedule
 import usage
+from helpers import plan_of
 from schedule import AnnealingLR
 
 
 def plan(*argv):
-    return schedule.Schedule(arguments.prepare(arguments.load_config(list(argv))), 1)
+    return plan_of(arguments.prepare(arguments.load_config(list(argv))))
 
 
 @pytest.mark.parametrize("samples, iterations", [(96, 12), (97, 12), (103, 12), (104, 13)])

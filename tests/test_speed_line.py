@@ -11,7 +11,8 @@ import torch
 
 import arguments
 import report
-import schedule
+from helpers import plan_of
+from sections import section
 from model import GPTConfig
 
 
@@ -42,7 +43,7 @@ def log_once(tmp_path, capsys, peak):
     TensorBoard's scalars, wandb's, model FLOPs of the iteration, tokens of it)."""
     cfg = arguments.load_config(["config/tiny.py", "--log_interval=1", "--train_iters=2"])
     arguments.prepare(cfg, 1)
-    reporter = report.Report(cfg, schedule.Schedule(cfg, 1), Model(cfg))
+    reporter = report.Report(section(report.LoggingConfig, cfg), plan_of(cfg), Model(cfg))
     reporter.peak = peak
     reporter.metrics = report.MetricsFile(str(tmp_path / "metrics.jsonl"))
     reporter.tb, reporter.wandb = Writer(), Writer()

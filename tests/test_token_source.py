@@ -6,8 +6,7 @@ import pytest
 import arguments
 import data
 import loader
-import schedule
-from helpers import MemorySource
+from helpers import MemorySource, plan_of
 from run_state import RunState
 from stability import skip_list
 
@@ -92,7 +91,7 @@ def test_loader_and_resume_run_on_the_memory_source():
                                  "--rampup_batch_size=4 2 40", "--train_iters=none", "--train_samples=160",
                                  "--curriculum_learning", "--min_difficulty=8", "--total_curriculum_step=6"])
     arguments.prepare(cfg, world_size=1)
-    plan, mbs = schedule.Schedule(cfg, 1), cfg.micro_batch_size
+    plan, mbs = plan_of(cfg), cfg.micro_batch_size
 
     def load(key):
         _, first, batch_size, seqlen = key

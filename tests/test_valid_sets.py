@@ -15,10 +15,9 @@ import pytest
 
 import arguments
 import data
-import loader
-import schedule
 import training
-from helpers import SMALL, corpus, corpus512, log_fields, run_cli, run_main, synthetic_corpus  # noqa: F401
+from helpers import (  # noqa: F401 (fixtures)
+    SMALL, corpus, corpus512, data_of, log_fields, plan_of, run_cli, run_main, synthetic_corpus)
 
 SPLIT, SEQ, SEED, SAMPLES = "949,50,1", 64, 1234, 2 * 8  # the split, seq_length, seed; eval_iters x global batch
 NAMES = ["all", "shakespeare", "synthetic", "heldout"]
@@ -167,7 +166,7 @@ def test_a_set_without_validation_documents_is_refused_when_opened(corpus512, he
              r"validation set 'a' blends corpora of data_path with others .* make them two sets")]:
         cfg = arguments.prepare(config(f"--data_path={corpus512}", *more))
         with pytest.raises(ValueError, match=message):
-            loader.build_data(cfg, schedule.Schedule(cfg, 1))
+            data_of(cfg, plan_of(cfg))
 
 
 def test_the_command_line_stops_with_one_line(corpus512):

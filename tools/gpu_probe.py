@@ -64,6 +64,7 @@ import tokenizer  # noqa: E402
 import training  # noqa: E402
 from builders import build_model  # noqa: E402
 from model import GPTConfig  # noqa: E402
+from sections import section  # noqa: E402
 
 
 def main(argv=None):
@@ -431,10 +432,11 @@ def syncs(config, overrides):
     """One train_step after two warm-up ones (compilation, the optimizer's state), its syncs counted."""
     cfg = arguments.load_config([config, *overrides])
     arguments.check_device(cfg)
-    grid = launch.start(cfg)
+    layout_cfg = section(parallel.LayoutConfig, cfg)
+    grid = launch.start(layout_cfg, cfg.tensor_model_parallel_size, cfg.save)
     cfg.rampup_batch_size = None
     arguments.prepare(cfg, grid.world_size, reads_data=False)  # random tokens, made on the device
-    device = launch.setup(cfg)
+    device = launch.setup(layout_cfg, cfg.seed)
     model = build_model(cfg, device)
     optimizer, scaler = optim.optimizer_for(cfg, model), optim.scaler_for(cfg)
     if launch.compiles(cfg):  # as train.py: each block one graph, the loss's chain fused

@@ -17,6 +17,7 @@ import arguments  # noqa: E402
 import data  # noqa: E402
 import loader
 import schedule  # noqa: E402
+from sections import section  # noqa: E402
 
 
 def iteration_starts(plan, last):
@@ -38,10 +39,11 @@ def main(argv=None):
     cfg = arguments.load_config(rest)
     # The order depends on the global batch only, not on the data-parallel size: validate as one replica.
     arguments.prepare(cfg, world_size=cfg.tensor_model_parallel_size * cfg.pipeline_model_parallel_size)
-    plan = schedule.Schedule(cfg, dp_size=1)
+    plan = schedule.Schedule(section(schedule.ScheduleConfig, cfg), 1, cfg.seq_length)
     if last > plan.total_iters:
         raise ValueError(f"iteration {last} is past the end of this run ({plan.total_iters} iterations)")
-    train_data, _ = loader.build_data(cfg, plan)
+    data_cfg, context = section(loader.DataConfig, cfg), section(loader.DataContext, cfg)
+    train_data, _ = loader.build_data(data_cfg, context, plan)
     for it, (start, batch, seqlen) in iteration_starts(plan, last).items():
         if it < first:
             continue
