@@ -38,6 +38,7 @@ from optim import OptimizerConfig
 from parallel import LayoutConfig
 from report import LoggingConfig
 from schedule import ScheduleConfig
+from sections import section
 from stability import config as stability_config
 from stability.config import StabilityConfig
 
@@ -282,7 +283,8 @@ def validate(cfg, world_size=1, reads_data=True):
             raise ValueError(f"{key}={getattr(cfg, key)} must be positive")
     loader.check(cfg, reads_data)
     GPTConfig.check(cfg)
-    parallel.check(cfg, world_size)
+    parallel.check(section(LayoutConfig, cfg), world_size, tp=cfg.tensor_model_parallel_size,
+                   num_layers=cfg.num_layers, qk_layernorm=cfg.qk_layernorm, eval_only=cfg.eval_only)
     schedule.check(cfg, world_size)
     optim.check(cfg)
     checkpoint.check(cfg)

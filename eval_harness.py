@@ -39,6 +39,7 @@ import reshard
 import rng
 import tokenizer
 from model import GPT, GPTConfig
+from sections import section
 
 # Parameters above which a run's in-loop evaluation is refused: the last rank would hold a whole
 # fp32 copy (8 GB at 2e9) beside its own training state, its host every shard at once on the way.
@@ -229,7 +230,7 @@ def gathered(model, cfg, iteration):
         dist.gather_object(mine, shards, dst=last, group=parallel.host_group())
     if grid.rank != last:
         return None
-    whole = GPTConfig.from_config(cfg)
+    whole = section(GPTConfig, cfg)
     whole.tensor_model_parallel_size = 1  # the vocabulary padded for one process, as the tools load
     with torch.device("cpu"):
         full = GPT(whole, grid=parallel.Grid(1, 1, world_size=1, rank=0)).eval()

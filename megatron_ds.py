@@ -73,6 +73,7 @@ import reshard
 import run_state
 import schedule
 from model import GPT, GPTConfig
+from sections import section
 
 # Their names -> ours: the embedding layer's, a transformer layer's (weight and bias each), the final LayerNorm's
 EMBEDDING = {"word_embeddings.weight": "embed.word.weight", "position_embeddings.weight": "embed.position.weight",
@@ -682,7 +683,7 @@ def config_from_args(ckpt, vocab_size=None, pipeline_model_parallel_size=None, p
     length = {"train_samples": args.train_samples} if getattr(args, "train_samples", None) else \
         {"train_iters": getattr(args, "train_iters", None)}
     cfg = arguments.Config(**keys, **length)
-    padded = GPTConfig.from_config(cfg).padded_vocab_size
+    padded = section(GPTConfig, cfg).padded_vocab_size
     if padded != args.padded_vocab_size:
         raise ValueError(f"vocab_size {cfg.vocab_size} pads to {padded} rows at TP={ckpt.tp} with "
                          f"make_vocab_size_divisible_by={cfg.make_vocab_size_divisible_by}, the checkpoint has "
@@ -737,7 +738,7 @@ def _meta_stage(cfg, g):
     """Our model's stage of rank g on the meta device: its tensors' names, shapes and dtypes, no memory."""
     layers = parallel.partition_layers(cfg.num_layers, g.pp_size, cfg.pp_partition_method)[g.pp_rank]
     with torch.device("meta"):
-        gpt = GPT(GPTConfig.from_config(cfg), layers, g.is_first_stage, g.is_last_stage, grid=g)
+        gpt = GPT(section(GPTConfig, cfg), layers, g.is_first_stage, g.is_last_stage, grid=g)
     return gpt.to(precision.compute_dtype(cfg))
 
 

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 import optim
 import parallel
-from builders import build_model
+from builders import build_model, build_optimizer
 from helpers import (  # noqa: F401
     ROOT,
     TINY,
@@ -348,7 +348,7 @@ def _measure_model_states(results):
              "--micro_batch_size=2", "--train_iters=1", "--zero_stage=1", "--loss_scale=1"]
             + ([f"--{precision}"] if precision != "fp32" else [])), g.world_size)
         model = build_model(cfg, torch.device("cpu"))
-        optimizer = optim.optimizer_for(cfg, model)
+        optimizer = build_optimizer(cfg, model)
         x = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(g.dp_rank))
         outcome = train_step(model, optimizer, optim.scaler_for(cfg), [(x, x)], 1e-3, cfg, torch.device("cpu"))
         assert outcome.outcome == "ok"

@@ -13,6 +13,7 @@ import arguments
 import report
 import schedule
 from model import GPTConfig
+from sections import section
 
 
 class Model(torch.nn.Module):
@@ -20,7 +21,7 @@ class Model(torch.nn.Module):
 
     def __init__(self, cfg):
         super().__init__()
-        self.cfg = GPTConfig.from_config(cfg)
+        self.cfg = section(GPTConfig, cfg)
         self.weight = torch.nn.Parameter(torch.zeros(1))
 
 
