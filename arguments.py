@@ -284,7 +284,8 @@ def validate(cfg, world_size=1, reads_data=True):
     loader.check(cfg, reads_data)
     GPTConfig.check(cfg)
     parallel.check(section(LayoutConfig, cfg), world_size, tp=cfg.tensor_model_parallel_size,
-                   num_layers=cfg.num_layers, qk_layernorm=cfg.qk_layernorm, eval_only=cfg.eval_only)
+                   num_layers=cfg.num_layers, qk_layernorm=cfg.qk_layernorm,
+                   eval_only=cfg.eval_only)
     schedule.check(cfg, world_size)
     optim.check(cfg)
     checkpoint.check(cfg)

@@ -2,13 +2,13 @@
 optimizer and loss scaler, DeepSpeed's engine, the callbacks. train.py, bench.py and the tools build through here.
 
     model = build_model(cfg, device)                 # this rank's stage, in the compute dtype
-    optimizer = build_optimizer(cfg, model)          # optim.optimizer_for, of the optimizer's section
+    optimizer = build_optimizer(cfg, model)          # optim.optimizer_for, of its section
     parts = build(cfg, grid, schedule, device, cb)   # run_state.Parts: model, optimizer, scaler, a fresh RunState
     callbacks = build_callbacks(cfg, writer, saved)  # the stability layer's list, or training.NO_CALLBACKS
 
 This is the one file that knows every part: the parts themselves (model.py, optim.py, hf.py, stability/) never
-import each other to build themselves. It hands each part its section of the config (sections.section), and
-the values it needs from other owners as arguments.
+import each other to build themselves. It hands each part its section of the config
+(sections.section), and the values it needs from other owners as arguments.
 """
 import torch
 
@@ -35,8 +35,8 @@ def build_model(cfg, device):
     # Allocated on the device directly; the weights are drawn once, on the CPU (GPT.init_weights), for this rank's
     # slice only, and copied in. The ambient device is only where the parameters are allocated.
     with torch.device(device):
-        model = GPT(section(GPTConfig, cfg), layers, pre_process=g.is_first_stage, post_process=g.is_last_stage,
-                    seed=cfg.seed)
+        model = GPT(section(GPTConfig, cfg), layers, pre_process=g.is_first_stage,
+                    post_process=g.is_last_stage, seed=cfg.seed)
     if cfg.init_from_hf:
         init_from_hf(cfg, model)
     optim_cfg = section(OptimizerConfig, cfg)  # fp16, bf16: the precision's keys
@@ -47,14 +47,16 @@ def build_model(cfg, device):
 
 
 def build_optimizer(cfg, model):
-    """The optimizer of model (optim.optimizer_for): the optimizer's keys, the schedule's peak lr, the layout's
-    deepspeed and zero_stage."""
-    return optim.optimizer_for(section(OptimizerConfig, cfg), model, cfg.lr, cfg.deepspeed, cfg.zero_stage)
+    """The optimizer of model (optim.optimizer_for): the optimizer's keys, the schedule's peak
+    lr, the layout's deepspeed and zero_stage."""
+    return optim.optimizer_for(section(OptimizerConfig, cfg), model, cfg.lr, cfg.deepspeed,
+                               cfg.zero_stage)
 
 
 def build_deepspeed(cfg, model, optimizer):
     """(the model to run, the optimizer to step) of deepspeed=True (deepspeed_engine.initialize)."""
-    return deepspeed_engine.initialize(section(OptimizerConfig, cfg), model, optimizer, cfg.zero_stage,
+    optim_cfg = section(OptimizerConfig, cfg)
+    return deepspeed_engine.initialize(optim_cfg, model, optimizer, cfg.zero_stage,
                                        cfg.micro_batch_size)
 
 

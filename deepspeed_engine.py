@@ -1,8 +1,9 @@
 """DeepSpeed behind the optimizer interface of the trainer: ZeRO and bf16 master weights, nothing else.
 
-    model, optimizer = deepspeed_engine.initialize(optim_cfg, model, optimizer, zero_stage, micro_batch)
-                                                                           # builders.build, deepspeed=True
-    loss, grad_norm, num_zeros, outcome = optimizer.finish_step(loss, lr)  # training.train_step, after backward
+    # builders.build_deepspeed, deepspeed=True
+    model, optimizer = deepspeed_engine.initialize(optim_cfg, model, optimizer, zero_stage, mbs)
+    # training.train_step, after backward
+    loss, grad_norm, num_zeros, outcome = optimizer.finish_step(loss, lr)
 
 Tensor and pipeline parallelism, the micro-batch loop, the loss average, the LR schedule, checkpoints and the
 tied-embedding reduction stay ours; the model stays our GPT, and backward is plain autograd. DeepSpeed brings
@@ -46,8 +47,8 @@ def check(optim_cfg, zero_stage, grid):
         raise ValueError("deepspeed=True with zero_stage=0 and fp32 adds nothing to the native path; set "
                          "zero_stage to 1 or 2, or bf16, or deepspeed=False")
     if zero_stage > 2:
-        raise ValueError(f"zero_stage={zero_stage} is not supported (ZeRO-3 would shard the weights our "
-                         "TP/PP layers hold); use zero_stage 1 or 2")
+        raise ValueError(f"zero_stage={zero_stage} is not supported (ZeRO-3 would shard the "
+                         "weights our TP/PP layers hold); use zero_stage 1 or 2")
     if zero_stage == 2 and grid.pp_size > 1:
         raise ValueError("zero_stage=2 with pipeline_model_parallel_size > 1 is not supported: ZeRO-2 reduces "
                          "gradients during backward, before the two stages' tied-embedding gradients are summed "

@@ -31,9 +31,9 @@ def dry_run(cfg, world_size=None, file=None):
     full activations while it is recomputed.
     Under 1F1B the first stage holds min(pp, micro-batches) micro-batches in flight.
 
-    A tool of the upper floor, as train.py's own: it reads the whole config (cfg) and prepares it, then
-    hands its helpers the model's section and the few values of other owners the memory follows from
-    (Plan)."""
+    A tool of the upper floor, as train.py's own: it reads the whole config (cfg) and prepares it,
+    then hands its helpers the model's section and the few values of other owners the memory
+    follows from (Plan)."""
     tp, pp = cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size
     world = world_size or int(os.environ.get("WORLD_SIZE", tp * pp))
     if world % (tp * pp):
@@ -82,7 +82,7 @@ class Stages(NamedTuple):
 
 
 def build_stages(model_cfg, pp, pp_partition_method, world):
-    """The Stages of model_cfg's model over pp stages (pp_partition_method: the layout's), world GPUs."""
+    """The Stages of model_cfg's model over pp stages (pp_partition_method: the layout's)."""
     tp = model_cfg.tensor_model_parallel_size
     dp = world // (tp * pp)
     partition = parallel.partition_layers(model_cfg.num_layers, pp, pp_partition_method)
@@ -131,7 +131,8 @@ def model_states(plan, paper, zero):
 
 def say_model_states(plan, paper, say):
     """Lesson 16's textbook count, then what each ZeRO stage leaves on the GPU that needs the most."""
-    GiB, params, dp, dtype, deepspeed = 2**30, paper.params, paper.dp, plan.precision, plan.deepspeed
+    GiB, params, dp = 2**30, paper.params, paper.dp
+    dtype, deepspeed = plan.precision, plan.deepspeed
     per_param = (2 + 4 if dtype != "fp32" else 4) + 8 + 4  # weights (+ master), Adam, gradients
     say(f"model states of the whole model without ZeRO: {per_param} B x {params / 1e9:.2f}B = "
         f"{per_param * params / 1e9:,.0f} GB (lesson 16: 18 x 104 = 1872 GB for tr8b-104B)")

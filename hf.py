@@ -219,8 +219,8 @@ def family(model_cfg):
     if not model_cfg.embed_layernorm:
         raise ValueError("ALiBi without embed_layernorm: BloomForCausalLM always normalises the word embeddings")
     if model_cfg.activation != "gelu_tanh":
-        raise ValueError(f"activation={model_cfg.activation!r} to BloomForCausalLM: its GeLU is the "
-                         "tanh approximation "
+        raise ValueError(f"activation={model_cfg.activation!r} to BloomForCausalLM: its GeLU is "
+                         "the tanh approximation "
                          "(activation='gelu_tanh')")
     return "bloom"
 
@@ -232,7 +232,8 @@ def hf_config(model_cfg, **extra):
     kind = family(model_cfg)
     keys = {theirs: getattr(model_cfg, ours) for ours, theirs in CONFIG[kind].items()}
     if kind == "llama":
-        keys.update(num_key_value_heads=model_cfg.query_groups, intermediate_size=model_cfg.ffn_size,
+        keys.update(num_key_value_heads=model_cfg.query_groups,
+                    intermediate_size=model_cfg.ffn_size,
                     mlp_bias=model_cfg.add_bias_linear, hidden_act="silu",
                     head_dim=model_cfg.hidden_size // model_cfg.num_attention_heads,
                     rope_parameters=rope_parameters(model_cfg),

@@ -555,8 +555,8 @@ class GPT(nn.Module):
 
     positions_cache = (None, None)  # ((T, dtype, device), what positions() returns for them); see positions()
 
-    def __init__(self, model_cfg: GPTConfig, layers=None, pre_process=True, post_process=True, grid=None,
-                 seed=1234):
+    def __init__(self, model_cfg: GPTConfig, layers=None, pre_process=True, post_process=True,
+                 grid=None, seed=1234):
         super().__init__()
         grid = parallel.grid if grid is None else grid
         model_cfg.check(grid.tp_size)
@@ -831,8 +831,8 @@ def sinusoidal_positions(num_positions, dim):
 
 
 def describe_partition(num_layers, pp, method):
-    """'pipeline stages (type:transformer|embedding): 0: embedding + layers 0-4 | 1: layers 5-10 | ...' of
-    num_layers over pp stages by pp_partition_method `method`."""
+    """'pipeline stages (type:transformer|embedding): 0: embedding + layers 0-4 | 1: layers 5-10 |
+    ...': num_layers over pp stages by pp_partition_method `method`."""
     parts = []
     stages = parallel.partition_layers(num_layers, pp, method)
     for stage, held in enumerate(stages):  # not `layers`: the module of that name

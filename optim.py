@@ -426,8 +426,8 @@ def optimizer_for(optim_cfg, model, lr, deepspeed=False, zero_stage=0):
     if deepspeed or zero_stage == 0 or parallel.grid.dp_size == 1:
         return build(list(model.parameters()))  # not sharded here (under DeepSpeed, deepspeed_engine shards it)
     if zero_stage != 1:
-        raise ValueError(f"zero_stage={zero_stage} needs deepspeed=True (the native path shards the "
-                         "optimizer state only: zero_stage=1)")
+        raise ValueError(f"zero_stage={zero_stage} needs deepspeed=True (the native path shards "
+                         "the optimizer state only: zero_stage=1)")
     return parallel.ZeroShardedOptimizer(model.parameters(), build)
 
 

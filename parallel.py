@@ -47,8 +47,9 @@ EXCLUSIVE = (("eval_only", "dry_run"),)
 
 def check(layout_cfg, world_size, *, tp, num_layers, qk_layernorm, eval_only):
     """Raise ValueError with the fix for a layout that cannot run on world_size processes (before the process
-    group exists: Grid asks check_world_size again, for the world it finds). layout_cfg: the layout's keys
-    (LayoutConfig); tp, num_layers, qk_layernorm: the model's (model.GPTConfig); eval_only: the run's mode."""
+    group exists: Grid asks check_world_size again, for the world it finds). layout_cfg: the
+    layout's keys (LayoutConfig); tp, num_layers, qk_layernorm: the model's (model.GPTConfig);
+    eval_only: the run's mode (report.LoggingConfig)."""
     def need(ok, message):
         if not ok:
             raise ValueError(message)

@@ -30,7 +30,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def name(optim_cfg):
-    """fp16, bf16 or fp32: of optim_cfg's fp16 and bf16 (the keys declared by optim.OptimizerConfig)."""
+    """fp16, bf16 or fp32, of optim_cfg's fp16 and bf16 (keys of optim.OptimizerConfig)."""
     return "fp16" if optim_cfg.fp16 else "bf16" if optim_cfg.bf16 else "fp32"
 
 

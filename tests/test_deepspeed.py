@@ -273,7 +273,8 @@ def test_deepspeed_bf16_zero0_is_bf16_optimizer_like_zero1():
     import deepspeed_engine
     grid = parallel.Grid(1, 1, world_size=2)
     cfg = arguments.load_config(["--deepspeed", "--bf16"])
-    config = {z: deepspeed_engine.ds_config(section(OptimizerConfig, cfg), z, grid, cfg.micro_batch_size)
+    optim_cfg = section(OptimizerConfig, cfg)
+    config = {z: deepspeed_engine.ds_config(optim_cfg, z, grid, cfg.micro_batch_size)
               for z in (0, 1, 2)}
     assert config[0] == config[1] and config[1]["zero_optimization"]["stage"] == 1
     assert config[1]["data_types"] == {"grad_accum_dtype": "fp32"} and config[1]["communication_data_type"] == "fp32"

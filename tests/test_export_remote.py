@@ -199,5 +199,6 @@ def test_gpt2_125m_exports_from_tp2_pp2_and_loads_without_this_repository(tmp_pa
     run = subprocess.run([sys.executable, "-I", "-c", code], cwd=str(tmp_path), env=env, capture_output=True,
                          text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
-    gpt = GPT(section(GPTConfig, arguments.load_config(argv[:-2]))).eval()  # the checkpoint's initial weights
+    # the checkpoint's initial weights
+    gpt = GPT(section(GPTConfig, arguments.load_config(argv[:-2]))).eval()
     assert json.loads(run.stdout.strip().splitlines()[-1]) == gpt.generate(prompt, 5, top_k=1).tolist()

@@ -123,4 +123,5 @@ def test_deepspeed_refuses_an_optimizer_not_declared_elementwise_by_name(monkeyp
     with pytest.raises(ValueError, match=r"'other' with deepspeed=True .*OPTIMIZERS\['other'\]"):
         deepspeed_engine.check(section(OptimizerConfig, cfg), cfg.zero_stage, grid)
     cfg.optimizer = "adamw"
-    deepspeed_engine.check(section(OptimizerConfig, cfg), cfg.zero_stage, grid)  # ours is elementwise
+    # ours is elementwise
+    deepspeed_engine.check(section(OptimizerConfig, cfg), cfg.zero_stage, grid)

@@ -236,7 +236,8 @@ def test_deepspeed_optimizer_state_is_refused_in_both_directions(tmp_path):
     with pytest.raises(ValueError, match="resharding into DeepSpeed's optimizer is not supported: resume with the "
                                          "saved layout, or set no_load_optim"):
         cfg = arguments.load_config([*CFG, "--deepspeed", "--bf16", "--zero_stage=1"])
-        reshard.load(str(tag_dir), checkpoint.saved_topology(str(tag_dir)), GPT(cfg), None, deepspeed=True)
+        reshard.load(str(tag_dir), checkpoint.saved_topology(str(tag_dir)), GPT(cfg), None,
+                     deepspeed=True)
     for path in tag_dir.glob("mp_rank_*_model_states.pt"):  # as if saved with deepspeed=True
         blob = torch.load(path, weights_only=False)
         blob["run"]["config"]["deepspeed"] = True
