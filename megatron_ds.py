@@ -727,8 +727,9 @@ def run_dict(ckpt, cfg):
     scaler = None
     if ckpt.zero is not None and cfg.fp16:
         scaler = ckpt.zero_shards(0, 0, ranks=[0])[0].get("loss_scaler")
+    fresh = optim.scaler_for(section(OptimizerConfig, cfg)).state_dict()
     return {"state": asdict(state), "scheduler": scheduler,
-            "scaler": loss_scale_state(scaler, optim.scaler_for(cfg).state_dict()), "config": asdict(cfg)}
+            "scaler": loss_scale_state(scaler, fresh), "config": asdict(cfg)}
 
 
 # -----------------------------------------------------------------------------
