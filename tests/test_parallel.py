@@ -574,7 +574,8 @@ TP2 = ["--tensor_model_parallel_size=2", "--num_attention_heads=4"]
     (["--host_work_timeout_minutes=0"], 1, r"^host_work_timeout_minutes=0 must be at least 1"),
     (TP2, 3, "world size 3 is not divisible"),
     (["--pipeline_model_parallel_size=3", "--num_layers=1",
-      "--pp_partition_method=type:transformer"], 3, r"num_layers \(1\) is too small for pipeline_model_parallel_size \(3\)"),
+      "--pp_partition_method=type:transformer"], 3,
+     r"num_layers \(1\) is too small for pipeline_model_parallel_size \(3\)"),
 ])
 def test_the_layout_check_reads_its_section_and_the_models_keys_given_to_it(flags, world, message):
     """parallel.check takes the layout's section, and the model's and the run's keys it reads as
