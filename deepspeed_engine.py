@@ -1,7 +1,8 @@
 """DeepSpeed behind the optimizer interface of the trainer: ZeRO and bf16 master weights, nothing else.
 
-    # builders.build_deepspeed, deepspeed=True
-    model, optimizer = deepspeed_engine.initialize(optim_cfg, model, optimizer, zero_stage, mbs)
+    # builders.build_deepspeed, deepspeed=True (zero_stage: the layout's; micro_batch_size: the schedule's)
+    model, optimizer = deepspeed_engine.initialize(optim_cfg, model, optimizer, zero_stage,
+                                                   micro_batch_size)
     # training.train_step, after backward
     loss, grad_norm, num_zeros, outcome = optimizer.finish_step(loss, lr)
 
