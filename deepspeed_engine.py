@@ -1,6 +1,7 @@
 """DeepSpeed behind the optimizer interface of the trainer: ZeRO and bf16 master weights, nothing else.
 
-    # builders.build_deepspeed, deepspeed=True (zero_stage: the layout's; micro_batch_size: schedule's)
+    # builders.build_deepspeed, deepspeed=True (zero_stage: the layout's, micro_batch_size: the
+    # schedule's)
     model, optimizer = deepspeed_engine.initialize(optim_cfg, model, optimizer, zero_stage,
                                                    micro_batch_size)
     # training.train_step, after backward
