@@ -286,7 +286,9 @@ def validate(cfg, world_size=1, reads_data=True):
     data_cfg, context = section(DataConfig, cfg), section(loader.DataContext, cfg)
     loader.check(data_cfg, context, cfg.position_embedding_type, reads_data)
     GPTConfig.check(cfg)
-    parallel.check(cfg, world_size)
+    parallel.check(section(LayoutConfig, cfg), world_size, tp=cfg.tensor_model_parallel_size,
+                   num_layers=cfg.num_layers, qk_layernorm=cfg.qk_layernorm,
+                   eval_only=cfg.eval_only)
     dp_size = world_size // (cfg.tensor_model_parallel_size * cfg.pipeline_model_parallel_size)
     schedule.check(section(ScheduleConfig, cfg), dp_size, cfg.load)
     optim.check(cfg)

@@ -67,7 +67,6 @@ import arguments
 import builders
 import cross_entropy
 import data
-import deepspeed_engine
 import launch
 import loader
 import optim
@@ -219,7 +218,7 @@ CPU_MFU = 0.05
 def cpu_cost_note(cfg, iterations, device, processes=1):
     """The line that says what the iterations will cost on this CPU, before any is run: the model
     FLOPs of each (this process's share) at CPU_MFU of a quick matmul's rate here."""
-    gpt = GPTConfig.from_config(cfg)
+    gpt = section(GPTConfig, cfg)
     flops = gpt.model_flops_per_iteration(cfg.global_batch_size, cfg.seq_length) / processes
     dtype = matmul_dtype(cfg)
     rate = measured_peak(device, dtype, 1024, repeats=3)
@@ -268,9 +267,9 @@ def set_up(bench, argv):
 
     model = build_model(cfg, device)
     local_params = sum(p.numel() for p in model.parameters())
-    optimizer = optim.optimizer_for(cfg, model)
+    optimizer = builders.build_optimizer(cfg, model)
     if cfg.deepspeed:
-        model, optimizer = deepspeed_engine.initialize(cfg, model, optimizer)
+        model, optimizer = builders.build_deepspeed(cfg, model, optimizer)
     scaler = optim.scaler_for(cfg)
     scale_note = None
     if scaler.dynamic and scaler.scale > TIMING_LOSS_SCALE:

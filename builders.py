@@ -2,11 +2,13 @@
 optimizer and loss scaler, DeepSpeed's engine, the callbacks. train.py, bench.py and the tools build through here.
 
     model = build_model(cfg, device)                 # this rank's stage, in the compute dtype
+    optimizer = build_optimizer(cfg, model)          # optim.optimizer_for, of its section
     parts = build(cfg, grid, schedule, device, cb)   # run_state.Parts: model, optimizer, scaler, a fresh RunState
     callbacks = build_callbacks(cfg, writer, saved)  # the stability layer's list, or training.NO_CALLBACKS
 
 This is the one file that knows every part: the parts themselves (model.py, optim.py, hf.py, stability/) never
-import each other to build themselves.
+import each other to build themselves. It hands each part its section of the config
+(sections.section), and the values it needs from other owners as arguments.
 """
 import torch
 
@@ -20,7 +22,9 @@ import run_state
 import stability  # its package holds the switches alone: a module of the layer is imported when one asks
 import training
 from model import GPT, GPTConfig, describe_partition
+from optim import OptimizerConfig
 from report import print0
+from sections import section
 
 
 def build_model(cfg, device):
@@ -31,14 +35,29 @@ def build_model(cfg, device):
     # Allocated on the device directly; the weights are drawn once, on the CPU (GPT.init_weights), for this rank's
     # slice only, and copied in. The ambient device is only where the parameters are allocated.
     with torch.device(device):
-        model = GPT(GPTConfig.from_config(cfg), layers, pre_process=g.is_first_stage, post_process=g.is_last_stage,
-                    seed=cfg.seed)
+        model = GPT(section(GPTConfig, cfg), layers, pre_process=g.is_first_stage,
+                    post_process=g.is_last_stage, seed=cfg.seed)
     if cfg.init_from_hf:
         init_from_hf(cfg, model)
-    model.to(precision.compute_dtype(cfg))
+    optim_cfg = section(OptimizerConfig, cfg)  # fp16, bf16: the precision's keys
+    model.to(precision.compute_dtype(optim_cfg))
     if not cfg.deepspeed:
-        parallel.attach_grad_buffer(model, precision.grad_dtype(cfg))
+        parallel.attach_grad_buffer(model, precision.grad_dtype(optim_cfg))
     return model
+
+
+def build_optimizer(cfg, model):
+    """The optimizer of model (optim.optimizer_for): the optimizer's keys, the schedule's peak
+    lr, the layout's deepspeed and zero_stage."""
+    return optim.optimizer_for(section(OptimizerConfig, cfg), model, cfg.lr, cfg.deepspeed,
+                               cfg.zero_stage)
+
+
+def build_deepspeed(cfg, model, optimizer):
+    """(the model to run, the optimizer to step) of deepspeed=True (deepspeed_engine.initialize)."""
+    optim_cfg = section(OptimizerConfig, cfg)
+    return deepspeed_engine.initialize(optim_cfg, model, optimizer, cfg.zero_stage,
+                                       cfg.micro_batch_size)
 
 
 def init_from_hf(cfg, model):
@@ -61,12 +80,13 @@ def build(cfg, grid, schedule, device, callbacks=training.NO_CALLBACKS):
            f"{gpt.padded_vocab_size})")
     print0(f"{grid}; training for {schedule.total_iters} iterations, {schedule.total_samples:,} samples")
     if grid.pp_size > 1:
-        print0(describe_partition(cfg))
-    optimizer = optim.optimizer_for(cfg, model)
+        print0(describe_partition(cfg.num_layers, grid.pp_size, cfg.pp_partition_method))
+    optimizer = build_optimizer(cfg, model)
     if cfg.deepspeed:
-        model, optimizer = deepspeed_engine.initialize(cfg, model, optimizer)
+        model, optimizer = build_deepspeed(cfg, model, optimizer)
     print0(schedule.describe())
-    parts = run_state.Parts(cfg, model, optimizer, schedule, optim.scaler_for(cfg), callbacks)
+    scaler = optim.scaler_for(section(OptimizerConfig, cfg))
+    parts = run_state.Parts(cfg, model, optimizer, schedule, scaler, callbacks)
     if cfg.init_from_hf:  # a resumed run's comes from its checkpoint (run_state.load)
         parts.state.hf_origin = hf.origin(cfg.init_from_hf)
     return parts

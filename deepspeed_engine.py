@@ -1,7 +1,11 @@
 """DeepSpeed behind the optimizer interface of the trainer: ZeRO and bf16 master weights, nothing else.
 
-    model, optimizer = deepspeed_engine.initialize(cfg, model, optimizer)   # builders.build, deepspeed=True
-    loss, grad_norm, num_zeros, outcome = optimizer.finish_step(loss, lr)  # training.train_step, after backward
+    # builders.build_deepspeed, deepspeed=True (zero_stage: the layout's, micro_batch_size: the
+    # schedule's)
+    model, optimizer = deepspeed_engine.initialize(optim_cfg, model, optimizer, zero_stage,
+                                                   micro_batch_size)
+    # training.train_step, after backward
+    loss, grad_norm, num_zeros, outcome = optimizer.finish_step(loss, lr)
 
 Tensor and pipeline parallelism, the micro-batch loop, the loss average, the LR schedule, checkpoints and the
 tied-embedding reduction stay ours; the model stays our GPT, and backward is plain autograd. DeepSpeed brings
@@ -34,30 +38,31 @@ import optim
 import parallel
 
 
-def check(cfg, grid):
+def check(optim_cfg, zero_stage, grid):
     """The configurations DeepSpeed does not run as the native path would: one message each, before the slow
-    `import deepspeed`."""
-    if cfg.fp16:
+    `import deepspeed`. optim_cfg: the optimizer's keys (optim.OptimizerConfig); zero_stage: the
+    layout's."""
+    if optim_cfg.fp16:
         raise ValueError("deepspeed=True with fp16 is not supported: DeepSpeed would take over loss scaling (and "
                          "its CPU build refuses fp16); use bf16, or fp16 with deepspeed=False (native ZeRO-1 too)")
-    if cfg.zero_stage == 0 and not cfg.bf16:
+    if zero_stage == 0 and not optim_cfg.bf16:
         raise ValueError("deepspeed=True with zero_stage=0 and fp32 adds nothing to the native path; set "
                          "zero_stage to 1 or 2, or bf16, or deepspeed=False")
-    if cfg.zero_stage > 2:
-        raise ValueError(f"zero_stage={cfg.zero_stage} is not supported (ZeRO-3 would shard the weights our TP/PP "
-                         "layers hold); use zero_stage 1 or 2")
-    if cfg.zero_stage == 2 and grid.pp_size > 1:
+    if zero_stage > 2:
+        raise ValueError(f"zero_stage={zero_stage} is not supported (ZeRO-3 would shard the "
+                         "weights our TP/PP layers hold); use zero_stage 1 or 2")
+    if zero_stage == 2 and grid.pp_size > 1:
         raise ValueError("zero_stage=2 with pipeline_model_parallel_size > 1 is not supported: ZeRO-2 reduces "
                          "gradients during backward, before the two stages' tied-embedding gradients are summed "
                          "(DeepSpeed refuses it with pipelines too); use zero_stage=1")
-    if cfg.skip_grad_norm_above is not None:
+    if optim_cfg.skip_grad_norm_above is not None:
         raise ValueError("skip_grad_norm_above needs the grad norm before the update, which DeepSpeed computes "
                          "inside its step(); unset it or use deepspeed=False")
     # 8-bit AdamW is refused here: it quantizes each parameter on its own and keeps the embedding's
     # state 32-bit (lesson 14), which DeepSpeed's flat buffers would mix up
-    name = optim.name(cfg)
+    name = optim.name(optim_cfg)
     if not optim.OPTIMIZERS[name].deepspeed:
-        given = "use_bnb_optimizer" if cfg.use_bnb_optimizer else f"optimizer={name!r}"
+        given = "use_bnb_optimizer" if optim_cfg.use_bnb_optimizer else f"optimizer={name!r}"
         raise ValueError(f"{given} with deepspeed=True is not supported: DeepSpeed hands the "
                          "optimizer flat buffers that mix many parameters, which "
                          f"{name} does not take (optim.OPTIMIZERS[{name!r}].deepspeed is "
@@ -65,23 +70,25 @@ def check(cfg, grid):
                          "native path, zero_stage=1 included, hands the optimizer whole parameters")
 
 
-def ds_config(cfg, grid):
+def ds_config(optim_cfg, zero_stage, grid, micro_batch_size):
     """The DeepSpeed config: one micro-batch per step() as far as DeepSpeed knows (we run the micro-batches and
     divide the loss ourselves), no loss scaling, fp32 gradient accumulation and reduction under bf16."""
-    bf16_zero1 = cfg.bf16 and cfg.zero_stage < 2
+    bf16 = optim_cfg.bf16
+    bf16_zero1 = bf16 and zero_stage < 2
     config = {
-        "train_micro_batch_size_per_gpu": cfg.micro_batch_size,
+        "train_micro_batch_size_per_gpu": micro_batch_size,
         "gradient_accumulation_steps": 1,
-        "train_batch_size": cfg.micro_batch_size * grid.dp_size,
+        "train_batch_size": micro_batch_size * grid.dp_size,
         # step() is the accumulation boundary: backward only accumulates, step() reduces and updates
         "managed_gradient_accumulation": False,
-        "gradient_clipping": cfg.clip_grad,
-        "zero_optimization": {"stage": 1 if bf16_zero1 else cfg.zero_stage, "elastic_checkpoint": False},
-        "bf16": {"enabled": cfg.bf16, "immediate_grad_update": bf16_zero1},
+        "gradient_clipping": optim_cfg.clip_grad,
+        "zero_optimization": {"stage": 1 if bf16_zero1 else zero_stage,
+                              "elastic_checkpoint": False},
+        "bf16": {"enabled": bf16, "immediate_grad_update": bf16_zero1},
         "zero_allow_untested_optimizer": True,  # our AdamW is not on DeepSpeed's list
         "steps_per_print": 2**62,
     }
-    if cfg.bf16:
+    if bf16:
         config["data_types"] = {"grad_accum_dtype": "fp32"}
         config["communication_data_type"] = "fp32"
     return config
@@ -131,19 +138,21 @@ class DeepSpeedMPU:
         return self.g.pp_size
 
 
-def initialize(cfg, model, optimizer):
-    """(the model to run, the optimizer to step) for deepspeed=True."""
-    wrapper = DeepSpeedOptimizer(cfg, model, optimizer)
-    return (wrapper.engine if cfg.zero_stage == 2 else model), wrapper
+def initialize(optim_cfg, model, optimizer, zero_stage, micro_batch_size):
+    """(the model to run, the optimizer to step) for deepspeed=True. optim_cfg: the optimizer's keys
+    (optim.OptimizerConfig); zero_stage (the layout's) and micro_batch_size (the schedule's): see
+    ds_config."""
+    wrapper = DeepSpeedOptimizer(optim_cfg, model, optimizer, zero_stage, micro_batch_size)
+    return (wrapper.engine if zero_stage == 2 else model), wrapper
 
 
 class DeepSpeedOptimizer:
     """Our optimizer handed to DeepSpeed, with the interface train.py uses: param_groups (the LR is written
     there every step), zero_grad, state_dict / load_state_dict, refresh_fp32_params, and finish_step."""
 
-    def __init__(self, cfg, model, optimizer):
+    def __init__(self, optim_cfg, model, optimizer, zero_stage, micro_batch_size):
         g = parallel.grid
-        check(cfg, g)
+        check(optim_cfg, zero_stage, g)
         # DeepSpeed's accelerator and the process group's backend follow the model's device (configured by
         # `device`), not torch.cuda.is_available(): device=cpu on a GPU machine stays on the CPU with gloo.
         on_cuda = next(model.parameters()).is_cuda
@@ -151,7 +160,7 @@ class DeepSpeedOptimizer:
         if not dist.is_initialized():  # one process (python train.py): DeepSpeed still wants a process group
             os.environ.setdefault("LOCAL_RANK", "0")
             dist.init_process_group("nccl" if on_cuda else "gloo", store=dist.HashStore(), rank=0, world_size=1)
-            g = parallel.init(cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size)
+            g = parallel.init(g.tp_size, g.pp_size)  # one process: TP = PP = 1
         import deepspeed
         for p in model.parameters():
             p.tensor_model_parallel = getattr(p, "tp_dim", None) is not None
@@ -159,14 +168,16 @@ class DeepSpeedOptimizer:
             model.output_weight.ds_pipe_replicated = True
         # model_parameters is left out: DeepSpeed then takes the optimizer's param groups (weight decay and all)
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
-            model=model, optimizer=optimizer, config=ds_config(cfg, g), mpu=DeepSpeedMPU(g),
+            model=model, optimizer=optimizer, mpu=DeepSpeedMPU(g),
+            config=ds_config(optim_cfg, zero_stage, g, micro_batch_size),
             dist_init_required=False)
         self.model, self.dp_size = model, g.dp_size
-        self.tied = not cfg.untie_embeddings_and_output_weights
+        self.tied = not model.cfg.untie_embeddings_and_output_weights
         if any(s.get("step", 0) for s in optimizer.state.values()):  # no optimizer step may happen before ours
             raise RuntimeError(f"{type(self.optimizer).__name__} stepped the optimizer at construction")
-        if cfg.bf16 and cfg.zero_stage < 2 and g.rank == 0:
-            print(f"DeepSpeed bf16, zero_stage={cfg.zero_stage}: {type(self.optimizer).__name__}, fp32 gradient "
+        if optim_cfg.bf16 and zero_stage < 2 and g.rank == 0:
+            print(f"DeepSpeed bf16, zero_stage={zero_stage}: {type(self.optimizer).__name__}, "
+                  "fp32 gradient "
                   f"accumulation and DP all-reduce, fp32 master weights and Adam moments sharded over DP="
                   f"{g.dp_size} (ZeRO-1)", flush=True)
 

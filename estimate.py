@@ -12,7 +12,10 @@ import torch
 
 import arguments
 import parallel
+import precision
 from model import GPT, GPTConfig
+from optim import OptimizerConfig
+from sections import section
 from stability import snapshots
 
 
@@ -26,26 +29,41 @@ def dry_run(cfg, world_size=None, file=None):
     Activations per layer and micro-batch: layer_activations (Korthikanti et al. 2022's count, GQA's smaller keys
     and values, SwiGLU's gate); with checkpointing only each layer's input, 2*s*b*h, is kept, plus one layer's
     full activations while it is recomputed.
-    Under 1F1B the first stage holds min(pp, micro-batches) micro-batches in flight."""
+    Under 1F1B the first stage holds min(pp, micro-batches) micro-batches in flight.
+
+    A tool of the upper floor, as train.py's own: it reads the whole config (cfg) and prepares it,
+    then hands its helpers the model's section and the few values of other owners the memory
+    follows from (Plan)."""
     tp, pp = cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size
     world = world_size or int(os.environ.get("WORLD_SIZE", tp * pp))
     if world % (tp * pp):
         raise ValueError(f"WORLD_SIZE {world} is not divisible by tensor_model_parallel_size ({tp}) x "
                          f"pipeline_model_parallel_size ({pp}); set WORLD_SIZE to a multiple of {tp * pp}")
     arguments.prepare(cfg, world, reads_data=False)  # a layout that cannot train is refused here too
-    paper = build_stages(cfg, world)
+    paper = build_stages(section(GPTConfig, cfg), pp, cfg.pp_partition_method, world)
+    plan = Plan(precision.name(section(OptimizerConfig, cfg)), cfg.deepspeed, cfg.zero_stage,
+                cfg.micro_batch_size, cfg.global_batch_size)
 
     def say(text=""):
         print(text, file=file, flush=True)
 
     say(f"dry run: TP={tp} x PP={pp} x DP={paper.dp} = {world} GPUs (WORLD_SIZE; default TP x PP), nothing allocated")
     say_parameters(paper, say)
-    say_model_states(cfg, paper, say)
-    activations = say_activations(cfg, paper, say)
+    say_model_states(plan, paper, say)
+    activations = say_activations(plan, paper, say)
     say_snapshots(cfg, paper, world, say)
     return {"params": paper.params, "padded_params": paper.padded_total, "stages": paper.stages,
-            "gpu_params": paper.gpu_params, "dp": paper.dp, "model_states": model_states(cfg, paper, cfg.zero_stage),
-            **activations}
+            "gpu_params": paper.gpu_params, "dp": paper.dp,
+            "model_states": model_states(plan, paper, cfg.zero_stage), **activations}
+
+
+class Plan(NamedTuple):
+    """What the memory follows from besides the model, of other owners' keys: dry_run makes it."""
+    precision: str  # fp32 | bf16 | fp16 (precision.name)
+    deepspeed: bool
+    zero_stage: int
+    micro_batch_size: int
+    global_batch_size: int | None
 
 
 class Stages(NamedTuple):
@@ -63,11 +81,12 @@ class Stages(NamedTuple):
         return max(gpu for gpu, _ in self.stages)
 
 
-def build_stages(cfg, world):
-    tp, pp = cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size
+def build_stages(model_cfg, pp, pp_partition_method, world):
+    """The Stages of model_cfg's model over pp stages (pp_partition_method: the layout's)."""
+    tp = model_cfg.tensor_model_parallel_size
     dp = world // (tp * pp)
-    partition = parallel.partition_layers(cfg.num_layers, pp, cfg.pp_partition_method)
-    model_cfg, stages, largest_shard = GPTConfig.from_config(cfg), [], []
+    partition = parallel.partition_layers(model_cfg.num_layers, pp, pp_partition_method)
+    stages, largest_shard = [], []
     for stage in range(pp):
         paper = parallel.Grid(tp, pp, world_size=world, rank=stage * dp * tp)  # TP rank 0 of this stage
         with torch.device("meta"):
@@ -98,58 +117,59 @@ def say_parameters(paper, say):
             start = s
 
 
-def precision_of(cfg):
-    return "fp16" if cfg.fp16 else "bf16" if cfg.bf16 else "fp32"
-
-
-def model_states(cfg, paper, zero):
+def model_states(plan, paper, zero):
     """Of the GPU that needs the most: with native ZeRO-1 the rank holding the most optimizer state (whole
     parameters are dealt out: tr11's embedding shard makes its rank the largest), else the largest stage."""
-    precision, dp = precision_of(cfg), paper.dp
-    if zero == 0 or cfg.deepspeed:  # DeepSpeed partitions a flat buffer evenly
-        return paper.gpu_params * sum(bytes_per_parameter(precision, zero, dp, cfg.deepspeed).values())
-    whole = bytes_per_parameter(precision, 0, dp)
+    dp = paper.dp
+    if zero == 0 or plan.deepspeed:  # DeepSpeed partitions a flat buffer evenly
+        per_param = bytes_per_parameter(plan.precision, zero, dp, plan.deepspeed)
+        return paper.gpu_params * sum(per_param.values())
+    whole = bytes_per_parameter(plan.precision, 0, dp)
     return max(gpu * (whole["weights"] + whole["gradients"]) + shard * whole["optimizer"]
                for (gpu, _), shard in zip(paper.stages, paper.largest_shard))
 
 
-def say_model_states(cfg, paper, say):
+def say_model_states(plan, paper, say):
     """Lesson 16's textbook count, then what each ZeRO stage leaves on the GPU that needs the most."""
-    GiB, params, dp, precision = 2**30, paper.params, paper.dp, precision_of(cfg)
-    per_param = (2 + 4 if cfg.fp16 or cfg.bf16 else 4) + 8 + 4  # weights (+ master), Adam, gradients
+    GiB, params, dp = 2**30, paper.params, paper.dp
+    dtype, deepspeed = plan.precision, plan.deepspeed
+    per_param = (2 + 4 if dtype != "fp32" else 4) + 8 + 4  # weights (+ master), Adam, gradients
     say(f"model states of the whole model without ZeRO: {per_param} B x {params / 1e9:.2f}B = "
         f"{per_param * params / 1e9:,.0f} GB (lesson 16: 18 x 104 = 1872 GB for tr8b-104B)")
-    say(f"model states per GPU as the {'DeepSpeed' if cfg.deepspeed else 'native'} path allocates them (largest "
-        f"stage, {paper.gpu_params:,} parameters, {precision}, Adam):")
-    for zero in (0, 1, 2) if cfg.deepspeed else (0, 1):
-        parts = bytes_per_parameter(precision, zero, dp, cfg.deepspeed)
-        mark = "  <- configured" if zero == cfg.zero_stage else ""
+    path = "DeepSpeed" if deepspeed else "native"
+    say(f"model states per GPU as the {path} path allocates them (largest "
+        f"stage, {paper.gpu_params:,} parameters, {dtype}, Adam):")
+    for zero in (0, 1, 2) if deepspeed else (0, 1):
+        parts = bytes_per_parameter(dtype, zero, dp, deepspeed)
+        mark = "  <- configured" if zero == plan.zero_stage else ""
         even = paper.gpu_params * sum(parts.values())
-        uneven = "" if abs(model_states(cfg, paper, zero) - even) < 0.005 * GiB else \
+        states = model_states(plan, paper, zero)
+        uneven = "" if abs(states - even) < 0.005 * GiB else \
             f" on the largest rank (an even share would be {even / GiB:.2f} GiB)"
-        say(f"  ZeRO-{zero} over DP={dp}: {model_states(cfg, paper, zero) / GiB:8.2f} GiB{uneven} = "
+        say(f"  ZeRO-{zero} over DP={dp}: {states / GiB:8.2f} GiB{uneven} = "
             + " + ".join(f"{v:.3g} ({k})" for k, v in parts.items()) + f" B/param{mark}")
 
 
-def say_activations(cfg, paper, say):
+def say_activations(plan, paper, say):
     """The activations of the stage holding the most under 1F1B, with and without checkpointing, and the total per
     GPU; returns {"activations", "activations_checkpointed"} in bytes."""
-    GiB, pp, partition = 2**30, cfg.pipeline_model_parallel_size, paper.partition
-    s, b, h = cfg.seq_length, cfg.micro_batch_size, cfg.hidden_size
-    gbs = cfg.global_batch_size or b * paper.dp
+    GiB, pp, partition, model_cfg = 2**30, len(paper.partition), paper.partition, paper.model_cfg
+    s, b, h = model_cfg.seq_length, plan.micro_batch_size, model_cfg.hidden_size
+    checkpointed = model_cfg.checkpoint_activations
+    gbs = plan.global_batch_size or b * paper.dp
     micro = max(1, gbs // (b * paper.dp))
     # Under 1F1B stage k holds min(pp - k, micro) micro-batches in flight; with uneven stages the stage holding
     # the most layer activations need not be the first (BLOOM on PP=12: stage 1, 6 layers x 11 in flight).
     held = [len(partition[k]) * min(pp - k, micro) for k in range(pp)]
     busiest = max(range(pp), key=held.__getitem__)
     in_flight = min(pp - busiest, micro)
-    full_layer = layer_activations(paper.model_cfg, s, b, cfg.tensor_model_parallel_size)
+    full_layer = layer_activations(model_cfg, s, b, model_cfg.tensor_model_parallel_size)
     without = held[busiest] * full_layer
     with_ckpt = held[busiest] * 2 * s * b * h + full_layer
     say(f"activations on stage {busiest} (seq {s}, micro batch {b}, {micro} micro-batches, {in_flight} in flight):")
     say(f"  without checkpointing: {without / GiB:8.2f} GiB, with checkpointing: {with_ckpt / GiB:8.2f} GiB"
-        f"{'  <- configured' if cfg.checkpoint_activations else ''}")
-    total = model_states(cfg, paper, cfg.zero_stage) + (with_ckpt if cfg.checkpoint_activations else without)
+        f"{'  <- configured' if checkpointed else ''}")
+    total = model_states(plan, paper, plan.zero_stage) + (with_ckpt if checkpointed else without)
     say(f"estimated total per GPU: {total / GiB:.2f} GiB (plus temporaries: logits, communication buffers)")
     return {"activations": without, "activations_checkpointed": with_ckpt}
 
@@ -168,7 +188,7 @@ def say_snapshots(cfg, paper, world, say):
         say(f"does not fit: {problem}")
 
 
-def layer_activations(cfg, s, b, tp=1):
+def layer_activations(model_cfg, s, b, tp=1):
     """Bytes one transformer layer keeps for backward per micro-batch of b samples of s tokens, 16-bit, without
     sequence parallelism: Korthikanti et al. 2022's count, s*b*h*(10 + 24/t + 5*a*s/(h*t)) for the GPT-2 block
     (34 + 5as/h at t=1), written per tensor so that the Llama block's follow from its shapes:
@@ -181,11 +201,11 @@ def layer_activations(cfg, s, b, tp=1):
         its dropout mask and the dropped-out probabilities, Korthikanti et al.'s 5as^2b
       MLP of width f, split: GeLU's input and output 4sbf (16sbh at f = 4h); SwiGLU's gate and up outputs, the
         SiLU's output and the product fc2 takes, 8sbf"""
-    h, a, f = cfg.hidden_size, cfg.num_attention_heads, cfg.ffn_size
-    kv = 2 * (2 * s * b * h * cfg.query_groups / a)
-    scores = 5 * a * s * s * b if cfg.unfused_attention else 4 * a * s * b
+    h, a, f = model_cfg.hidden_size, model_cfg.num_attention_heads, model_cfg.ffn_size
+    kv = 2 * (2 * s * b * h * model_cfg.query_groups / a)
+    scores = 5 * a * s * s * b if model_cfg.unfused_attention else 4 * a * s * b
     attention = 2 * s * b * h + kv + 2 * s * b * h + scores
-    mlp = (8 if cfg.swiglu else 4) * s * b * f
+    mlp = (8 if model_cfg.swiglu else 4) * s * b * f
     return 10 * s * b * h + (attention + mlp) / tp
 
 

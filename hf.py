@@ -139,14 +139,15 @@ STEPS = {
 }
 
 
-def weight_map(kind, num_layers, cfg=None):
+def weight_map(kind, num_layers, model_cfg=None):
     """{our parameter name: (their name without "transformer.", or a tuple of names, steps theirs -> ours)} of a
-    whole model. cfg (a Llama's GPTConfig): which biases and which output layer the model has."""
+    whole model. model_cfg (a Llama's GPTConfig): which biases and which output layer the model
+    has."""
     table = dict(WEIGHTS[kind])
     norm_bias = linear_bias = True
     if kind == "llama":
-        norm_bias, linear_bias = cfg.normalization == "layernorm", cfg.add_bias_linear
-        if not cfg.untie_embeddings_and_output_weights:
+        norm_bias, linear_bias = model_cfg.normalization == "layernorm", model_cfg.add_bias_linear
+        if not model_cfg.untie_embeddings_and_output_weights:
             del table["output_layer"]
     for i in range(num_layers):
         for ours, (theirs, weight_steps, bias_steps) in BLOCK[kind].items():
@@ -164,15 +165,15 @@ def their_names(theirs):
     return theirs if isinstance(theirs, tuple) else (theirs,)
 
 
-def to_ours(t, steps, cfg):
+def to_ours(t, steps, model_cfg):
     for step in steps:
-        t = STEPS[step][0](t, cfg)
+        t = STEPS[step][0](t, model_cfg)
     return t
 
 
-def to_theirs(t, steps, cfg):
+def to_theirs(t, steps, model_cfg):
     for step in reversed(steps):
-        t = STEPS[step][1](t, cfg)
+        t = STEPS[step][1](t, model_cfg)
     return t
 
 
@@ -180,70 +181,78 @@ def to_theirs(t, steps, cfg):
 # Which class a model is (both ways)
 
 
-def family(cfg):
+def family(model_cfg):
     """'gpt2', 'bloom' or 'llama' for a GPTConfig (or anything with its fields), or a ValueError naming what no
     class can compute."""
     defaults = GPTConfig()
-    unknown = [f"{f.name}={getattr(cfg, f.name)!r}" for f in fields(GPTConfig)
-               if f.name not in NOT_MAPPED | MAPPED and getattr(cfg, f.name) != getattr(defaults, f.name)]
+    unknown = [f"{f.name}={getattr(model_cfg, f.name)!r}" for f in fields(GPTConfig)
+               if f.name not in NOT_MAPPED | MAPPED
+               and getattr(model_cfg, f.name) != getattr(defaults, f.name)]
     if unknown:
         raise ValueError(f"{', '.join(unknown)}: neither {' nor '.join(KINDS.values())} has it")
-    if cfg.position_embedding_type == "rotary":
-        differ = [f"{key}={getattr(cfg, key)!r}" for key, value in FIXED["llama"].items()
-                  if getattr(cfg, key) != value]
+    if model_cfg.position_embedding_type == "rotary":
+        differ = [f"{key}={getattr(model_cfg, key)!r}" for key, value in FIXED["llama"].items()
+                  if getattr(model_cfg, key) != value]
         if differ:
             raise ValueError(f"position_embedding_type='rotary' with {', '.join(differ)}: GPT2LMHeadModel and "
                              "BloomForCausalLM: neither has rotary embeddings; LlamaForCausalLM has them with "
                              + ", ".join(f"{k}={v!r}" for k, v in FIXED["llama"].items()
                                          if k != "position_embedding_type"))
         return "llama"
-    differ = [f"{key}={getattr(cfg, key)!r}" for key, value in GPT2_BLOCK.items() if getattr(cfg, key) != value]
+    differ = [f"{key}={getattr(model_cfg, key)!r}" for key, value in GPT2_BLOCK.items()
+              if getattr(model_cfg, key) != value]
     if differ:
-        raise ValueError(f"{', '.join(differ)} with {cfg.position_embedding_type} positions: GPT2LMHeadModel and "
+        raise ValueError(f"{', '.join(differ)} with {model_cfg.position_embedding_type} positions: "
+                         "GPT2LMHeadModel and "
                          "BloomForCausalLM have the GPT-2 block (LlamaForCausalLM, with rotary embeddings, has these)")
-    if cfg.position_embedding_type not in ("learned", "alibi"):  # a fork's own: no class has it
-        raise ValueError(f"position_embedding_type={cfg.position_embedding_type!r}: none of "
+    # a fork's own: no class has it
+    if model_cfg.position_embedding_type not in ("learned", "alibi"):
+        raise ValueError(f"position_embedding_type={model_cfg.position_embedding_type!r}: none of "
                          f"{', '.join(KINDS.values())} has it")
-    if cfg.position_embedding_type == "learned":
-        if cfg.embed_layernorm:
+    if model_cfg.position_embedding_type == "learned":
+        if model_cfg.embed_layernorm:
             raise ValueError("learned position embeddings with embed_layernorm: GPT2LMHeadModel has no embedding "
                              "LayerNorm and BloomForCausalLM no position embeddings")
-        if cfg.activation not in GPT2_ACTIVATIONS:
-            raise ValueError(f"activation={cfg.activation!r} is not one of GPT2LMHeadModel's")
+        if model_cfg.activation not in GPT2_ACTIVATIONS:
+            raise ValueError(f"activation={model_cfg.activation!r} is not one of GPT2LMHeadModel's")
         return "gpt2"
-    if not cfg.embed_layernorm:
+    if not model_cfg.embed_layernorm:
         raise ValueError("ALiBi without embed_layernorm: BloomForCausalLM always normalises the word embeddings")
-    if cfg.activation != "gelu_tanh":
-        raise ValueError(f"activation={cfg.activation!r} to BloomForCausalLM: its GeLU is the tanh approximation "
+    if model_cfg.activation != "gelu_tanh":
+        raise ValueError(f"activation={model_cfg.activation!r} to BloomForCausalLM: its GeLU is "
+                         "the tanh approximation "
                          "(activation='gelu_tanh')")
     return "bloom"
 
 
-def hf_config(cfg, **extra):
+def hf_config(model_cfg, **extra):
     """The transformers config of a GPTConfig (GPT2Config, BloomConfig or LlamaConfig); extra: their other keys
     (token ids, dropout; a Llama's max_position_embeddings, which is seq_length otherwise: rotary has no table)."""
     import transformers
-    kind = family(cfg)
-    keys = {theirs: getattr(cfg, ours) for ours, theirs in CONFIG[kind].items()}
+    kind = family(model_cfg)
+    keys = {theirs: getattr(model_cfg, ours) for ours, theirs in CONFIG[kind].items()}
     if kind == "llama":
-        keys.update(num_key_value_heads=cfg.query_groups, intermediate_size=cfg.ffn_size, mlp_bias=cfg.add_bias_linear,
-                    head_dim=cfg.hidden_size // cfg.num_attention_heads, hidden_act="silu",
-                    rope_parameters=rope_parameters(cfg),
-                    tie_word_embeddings=not cfg.untie_embeddings_and_output_weights)
+        keys.update(num_key_value_heads=model_cfg.query_groups,
+                    intermediate_size=model_cfg.ffn_size,
+                    mlp_bias=model_cfg.add_bias_linear, hidden_act="silu",
+                    head_dim=model_cfg.hidden_size // model_cfg.num_attention_heads,
+                    rope_parameters=rope_parameters(model_cfg),
+                    tie_word_embeddings=not model_cfg.untie_embeddings_and_output_weights)
         return transformers.LlamaConfig(**{**keys, **extra})
     if kind == "gpt2":
-        return transformers.GPT2Config(**keys, activation_function=GPT2_ACTIVATIONS[cfg.activation],
+        activation = GPT2_ACTIVATIONS[model_cfg.activation]
+        return transformers.GPT2Config(**keys, activation_function=activation,
                                        tie_word_embeddings=True, **extra)
     return transformers.BloomConfig(**keys, tie_word_embeddings=True, **extra)
 
 
-def export_state(state, cfg):
+def export_state(state, model_cfg):
     """The state dict of the transformers model (GPT2LMHeadModel's, BloomForCausalLM's or LlamaForCausalLM's
     names) of our whole-model (TP=1, PP=1) state dict; a tied output layer is left to transformers' tying."""
-    kind = family(cfg)
+    kind = family(model_cfg)
     out = {}
-    for ours, (theirs, steps) in weight_map(kind, cfg.num_layers, cfg).items():
-        tensors = to_theirs(state[ours], steps, cfg)
+    for ours, (theirs, steps) in weight_map(kind, model_cfg.num_layers, model_cfg).items():
+        tensors = to_theirs(state[ours], steps, model_cfg)
         for name, t in zip(their_names(theirs), tensors if isinstance(theirs, tuple) else [tensors]):
             out[name if kind == "llama" else f"transformer.{name}"] = t
     return out
@@ -265,30 +274,32 @@ REMOTE_KEYS = ("vocab_size", "hidden_size", "num_layers", "num_attention_heads",
                "num_query_groups", "ffn_hidden_size")
 
 
-def export_class(cfg):
+def export_class(model_cfg):
     """'gpt2', 'bloom' or 'llama' where that transformers class computes the model (family), else 'stablegpt'
     (hf_remote/), or a ValueError naming what neither computes."""
     try:
-        return family(cfg)
+        return family(model_cfg)
     except ValueError as e:
         standard = str(e)
     defaults = GPTConfig()
-    unknown = [f"{f.name}={getattr(cfg, f.name)!r}" for f in fields(GPTConfig)
-               if f.name not in NOT_MAPPED | set(REMOTE_KEYS) and getattr(cfg, f.name) != getattr(defaults, f.name)]
-    unknown += [f"{key}={getattr(cfg, key)!r}" for key, known in REMOTE_VALUES.items()
-                if getattr(cfg, key) not in known]
+    unknown = [f"{f.name}={getattr(model_cfg, f.name)!r}" for f in fields(GPTConfig)
+               if f.name not in NOT_MAPPED | set(REMOTE_KEYS)
+               and getattr(model_cfg, f.name) != getattr(defaults, f.name)]
+    unknown += [f"{key}={getattr(model_cfg, key)!r}" for key, known in REMOTE_VALUES.items()
+                if getattr(model_cfg, key) not in known]
     if unknown:  # padded_vocab_in_softmax: the padding columns' share of the softmax, by TP size (lesson 16)
         raise ValueError(f"{', '.join(unknown)}: no transformers class has it ({standard}), nor stablegpt's own "
                          f"{REMOTE} (hf_remote/modeling_stablegpt.py: add it there)")
     return "stablegpt"
 
 
-def remote_config(cfg, **extra):
+def remote_config(model_cfg, **extra):
     """config.json of the REMOTE model of a GPTConfig; extra: other keys (token ids, dropout, dtype, a
     max_position_embeddings other than seq_length)."""
-    keys = {key: getattr(cfg, key) for key in REMOTE_KEYS}
+    keys = {key: getattr(model_cfg, key) for key in REMOTE_KEYS}
     untie = keys.pop("untie_embeddings_and_output_weights")
-    keys.update(num_query_groups=cfg.query_groups, ffn_hidden_size=cfg.ffn_size, max_position_embeddings=cfg.seq_length,
+    keys.update(num_query_groups=model_cfg.query_groups, ffn_hidden_size=model_cfg.ffn_size,
+                max_position_embeddings=model_cfg.seq_length,
                 low_freq_factor=LLAMA3_ROPE["low_freq_factor"], high_freq_factor=LLAMA3_ROPE["high_freq_factor"])
     modules = {"AutoConfig": "configuration_stablegpt.StableGPTConfig",
                "AutoModelForCausalLM": f"modeling_stablegpt.{REMOTE}"}
@@ -296,11 +307,12 @@ def remote_config(cfg, **extra):
             "tie_word_embeddings": not untie, **keys, **extra}
 
 
-def remote_state(state, cfg):
+def remote_state(state, model_cfg):
     """The REMOTE model's state dict of our whole-model (TP=1, PP=1) state dict: ours under "model.", an untied
     output layer as lm_head (a tied one is left to transformers' tying), the vocabulary's padding rows dropped."""
     vocab = ("embed.word.weight", "output_layer")
-    return {"lm_head.weight" if name == "output_layer" else f"model.{name}": t[:cfg.vocab_size] if name in vocab else t
+    return {"lm_head.weight" if name == "output_layer" else f"model.{name}":
+            t[:model_cfg.vocab_size] if name in vocab else t
             for name, t in state.items()}
 
 
@@ -377,12 +389,13 @@ def rope_type_of(theirs):
     return rope(theirs).get("rope_type", rope(theirs).get("type", "default"))
 
 
-def rope_parameters(cfg):
+def rope_parameters(model_cfg):
     """LlamaConfig's rope_parameters of our rotary keys."""
-    if not cfg.use_rope_scaling:
-        return {"rope_theta": cfg.rotary_base, "rope_type": "default"}
-    return {"rope_theta": cfg.rotary_base, "rope_type": "llama3", "factor": cfg.rope_scaling_factor, **LLAMA3_ROPE,
-            "original_max_position_embeddings": cfg.original_max_position_embeddings}
+    if not model_cfg.use_rope_scaling:
+        return {"rope_theta": model_cfg.rotary_base, "rope_type": "default"}
+    return {"rope_theta": model_cfg.rotary_base, "rope_type": "llama3",
+            "factor": model_cfg.rope_scaling_factor, **LLAMA3_ROPE,
+            "original_max_position_embeddings": model_cfg.original_max_position_embeddings}
 
 
 def config_from_hf(directory):
@@ -417,14 +430,14 @@ def origin(directory):
     return {"model_type": kind, **found}
 
 
-def check_config(cfg, directory):
+def check_config(model_cfg, directory):
     """Refuse a config (a training config or a GPTConfig) that contradicts the model in directory: one ValueError
     naming each key that differs, with both values. A shorter seq_length than GPT-2's n_positions is allowed (the
     first positions are kept)."""
     keys = config_from_hf(directory)
     differ = []
     for key, value in keys.items():
-        ours = getattr(cfg, key)
+        ours = getattr(model_cfg, key)
         if ours != value and not (key == "seq_length" and ours <= value):
             differ.append(f"{key} {ours!r} (config) vs {value!r} (model)")
     if differ:
@@ -432,7 +445,7 @@ def check_config(cfg, directory):
                          "leave these keys out of the config (they come from the model) or set them as the model has "
                          "them")
     try:
-        family(cfg)
+        family(model_cfg)
     except ValueError as e:
         raise ValueError(f"the config contradicts the Hugging Face model in {directory}: {e}; leave it out of "
                          "the config") from None

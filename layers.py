@@ -35,9 +35,9 @@ class SwiGLU(nn.Module):
     slice of one multiplies the same features' slice of the other: no communication until fc2, as in the plain
     MLP, and any TP size computes the one-process function."""
 
-    def __init__(self, cfg, grid):
+    def __init__(self, model_cfg, grid):
         super().__init__()
-        h, ffn, bias = cfg.hidden_size, cfg.ffn_size, cfg.add_bias_linear
+        h, ffn, bias = model_cfg.hidden_size, model_cfg.ffn_size, model_cfg.add_bias_linear
         self.gate = ColumnParallelLinear(h, ffn, bias=bias, grid=grid)
         self.fc1 = ColumnParallelLinear(h, ffn, bias=bias, grid=grid)
         self.fc2 = RowParallelLinear(ffn, h, bias=bias, grid=grid)

@@ -60,7 +60,7 @@ import shutil
 import types
 import zipfile
 from collections import OrderedDict
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 
 import torch
 
@@ -73,6 +73,7 @@ import reshard
 import run_state
 import schedule
 from model import GPT, GPTConfig
+from optim import OptimizerConfig
 from sections import section
 
 # Their names -> ours: the embedding layer's, a transformer layer's (weight and bias each), the final LayerNorm's
@@ -683,7 +684,7 @@ def config_from_args(ckpt, vocab_size=None, pipeline_model_parallel_size=None, p
     length = {"train_samples": args.train_samples} if getattr(args, "train_samples", None) else \
         {"train_iters": getattr(args, "train_iters", None)}
     cfg = arguments.Config(**keys, **length)
-    padded = GPTConfig.from_config(cfg).padded_vocab_size
+    padded = section(GPTConfig, cfg).padded_vocab_size
     if padded != args.padded_vocab_size:
         raise ValueError(f"vocab_size {cfg.vocab_size} pads to {padded} rows at TP={ckpt.tp} with "
                          f"make_vocab_size_divisible_by={cfg.make_vocab_size_divisible_by}, the checkpoint has "
@@ -727,27 +728,43 @@ def run_dict(ckpt, cfg):
     scaler = None
     if ckpt.zero is not None and cfg.fp16:
         scaler = ckpt.zero_shards(0, 0, ranks=[0])[0].get("loss_scaler")
+    fresh = optim.scaler_for(section(OptimizerConfig, cfg)).state_dict()
     return {"state": asdict(state), "scheduler": scheduler,
-            "scaler": loss_scale_state(scaler, optim.scaler_for(cfg).state_dict()), "config": asdict(cfg)}
+            "scaler": loss_scale_state(scaler, fresh), "config": asdict(cfg)}
 
 
 # -----------------------------------------------------------------------------
 # Our checkpoint
 
 
-def _meta_stage(cfg, g):
+@dataclass(frozen=True)
+class Target:
+    """What our checkpoint's files follow from, of the run's config (convert makes it): the model's
+    and the optimizer's sections, the layout's values that split the model and lay out the optimizer
+    state, and the schedule's peak lr (the optimizer's param groups hold it)."""
+    model_cfg: GPTConfig
+    optim_cfg: OptimizerConfig
+    pipeline_model_parallel_size: int
+    pp_partition_method: str
+    deepspeed: bool
+    zero_stage: int
+    lr: float
+
+
+def _meta_stage(target, g):
     """Our model's stage of rank g on the meta device: its tensors' names, shapes and dtypes, no memory."""
-    layers = parallel.partition_layers(cfg.num_layers, g.pp_size, cfg.pp_partition_method)[g.pp_rank]
+    num_layers = target.model_cfg.num_layers
+    layers = parallel.partition_layers(num_layers, g.pp_size, target.pp_partition_method)[g.pp_rank]
     with torch.device("meta"):
-        gpt = GPT(GPTConfig.from_config(cfg), layers, g.is_first_stage, g.is_last_stage, grid=g)
-    return gpt.to(precision.compute_dtype(cfg))
+        gpt = GPT(target.model_cfg, layers, g.is_first_stage, g.is_last_stage, grid=g)
+    return gpt.to(precision.compute_dtype(target.optim_cfg))
 
 
-def stage_files(tag_dir, cfg, g, tensors, adam, run):
+def stage_files(tag_dir, target, g, tensors, adam, run):
     """Write the files of rank g (TP rank, stage; DP=1): its stage built on the meta device names and shapes every
     tensor, and its optimizer (optim.optimizer_for) gives the state_dict layout our load reads. adam None: the
     weights alone, Adam fresh (no steps), the fp32 masters the weights. Returns the manifest entries."""
-    gpt = _meta_stage(cfg, g)
+    gpt = _meta_stage(target, g)
     model_state = {}
     for name, live in gpt.state_dict().items():
         source = tensors.get(reshard.TIED_COPY.get(name, name))
@@ -757,7 +774,8 @@ def stage_files(tag_dir, cfg, g, tensors, adam, run):
                              f"checkpoint has {found}: its args do not describe its weights (or --vocab_size is "
                              "wrong); check the checkpoint's files")
         model_state[name] = source.to(live.dtype).clone()
-    optimizer = optim.optimizer_for(cfg, gpt)
+    optimizer = optim.optimizer_for(target.optim_cfg, gpt, target.lr, target.deepspeed,
+                                    target.zero_stage)
     template = optimizer.state_dict()
     masters = template.get("fp32_master_weights")
     names = reshard.param_names(gpt, optimizer)
@@ -776,19 +794,19 @@ def stage_files(tag_dir, cfg, g, tensors, adam, run):
     return checkpoint.write_files(tag_dir, model_state, run, rank_state, write_model_state=True, g=g)
 
 
-def _write_stage(ckpt, cfg, g, run, tag_dir):
+def _write_stage(ckpt, target, g, run, tag_dir):
     """Rank g's files: the state of its parameters alone is read (their layer files and the ZeRO partitions of
     the source stages holding them) and is freed on return, before the next rank's is read."""
-    names = {reshard.TIED_COPY.get(name, name) for name in _meta_stage(cfg, g).state_dict()}
+    names = {reshard.TIED_COPY.get(name, name) for name in _meta_stage(target, g).state_dict()}
     tensors = stage_weights(ckpt, g.tp_rank, names)
     adam = stage_adam(ckpt, g.tp_rank, names) if ckpt.has_optimizer else None
-    return stage_files(tag_dir, cfg, g, tensors, adam, run)
+    return stage_files(tag_dir, target, g, tensors, adam, run)
 
 
-def _write(ckpt, cfg, run, tag_dir):
+def _write(ckpt, target, run, tag_dir):
     """Every rank's files and the manifest into tag_dir, one (stage, TP rank) at a time; returns the last rank's
     grid."""
-    tp, pp = cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size
+    tp, pp = target.model_cfg.tensor_model_parallel_size, target.pipeline_model_parallel_size
     if ckpt.has_optimizer:
         for t in range(tp):
             check_tied_copies(ckpt, t)
@@ -797,7 +815,7 @@ def _write(ckpt, cfg, run, tag_dir):
     for t in range(tp):
         for stage in range(pp):
             g = parallel.Grid(tp, pp, world_size=tp * pp, rank=stage * tp + t)
-            entries.append(_write_stage(ckpt, cfg, g, run, tag_dir))
+            entries.append(_write_stage(ckpt, target, g, run, tag_dir))
     checkpoint.write_manifest(tag_dir, entries, g)
     return g
 
@@ -820,7 +838,9 @@ def check_save_dir(save_dir):
 
 def convert(ckpt, save_dir, cfg, log=print):
     """Write our checkpoint of ckpt (a Checkpoint) into save_dir/global_stepN with cfg's layout (TP the
-    checkpoint's, DP=1), its manifest, then `latest`. Returns the tag directory."""
+    checkpoint's, DP=1), its manifest, then `latest`. Returns the tag directory. A tool of the
+    upper floor, as tools/import_megatron_deepspeed.py's own: it (and run_dict) read the whole
+    config, which the checkpoint records whole; the files' writers get the Target."""
     check_save_dir(save_dir)
     if not ckpt.has_optimizer:
         log(f"no ZeRO optimizer files in {ckpt.dir}: importing the weights alone; the run continues with a fresh "
@@ -831,7 +851,10 @@ def convert(ckpt, save_dir, cfg, log=print):
     partial, created = tag_dir + ".partial", not os.path.exists(save_dir)
     os.makedirs(partial)
     try:
-        g = _write(ckpt, cfg, run, partial)
+        target = Target(section(GPTConfig, cfg), section(OptimizerConfig, cfg),
+                        cfg.pipeline_model_parallel_size, cfg.pp_partition_method, cfg.deepspeed,
+                        cfg.zero_stage, cfg.lr)
+        g = _write(ckpt, target, run, partial)
     except BaseException:
         shutil.rmtree(save_dir if created else partial)
         raise

@@ -92,11 +92,6 @@ class GPTConfig:
     # -- parallel --
     tensor_model_parallel_size: int = 1  # TP: split each layer over this many ranks (pads the vocabulary too)
 
-    @classmethod
-    def from_config(cls, cfg):
-        """Pick the model's fields out of a training config (anything with matching attributes)."""
-        return cls(**{f.name: getattr(cfg, f.name) for f in fields(cls)})
-
     @property
     def padded_vocab_size(self):
         """Vocabulary padded to a multiple of make_vocab_size_divisible_by * TP (lesson 16), for even TP splits."""
@@ -199,12 +194,12 @@ NORMALIZATIONS = ("layernorm", "rmsnorm")
 _CENSUS = {}
 
 
-def census(cfg):
+def census(model_cfg):
     """{"parameters", "padded parameters", "block matmul weights"} of the whole model, counted on the model itself
     built on the meta device for one process (no memory, no formula to keep in step with the code)."""
-    key = tuple(getattr(cfg, f.name) for f in fields(GPTConfig))
+    key = tuple(getattr(model_cfg, f.name) for f in fields(GPTConfig))
     if key not in _CENSUS:
-        whole = GPTConfig(**{f.name: getattr(cfg, f.name) for f in fields(GPTConfig)})
+        whole = GPTConfig(**{f.name: getattr(model_cfg, f.name) for f in fields(GPTConfig)})
         with torch.device("meta"):
             gpt = GPT(whole, grid=parallel.Grid(1, 1, world_size=1, rank=0))
         padded = sum(p.numel() for p in gpt.parameters())
@@ -365,23 +360,24 @@ def unfused_attention(q, k, v, dropout_p=0.0, stable=False, layer_scaling=None, 
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: GPTConfig, layer_number: int, grid: parallel.Grid):
+    def __init__(self, model_cfg: GPTConfig, layer_number: int, grid: parallel.Grid):
         super().__init__()
-        h, heads = cfg.hidden_size, cfg.num_attention_heads
+        h, heads = model_cfg.hidden_size, model_cfg.num_attention_heads
         self.head_dim = h // heads
         self.local_heads = parallel.divide(heads, grid.tp_size, "num_attention_heads")
-        self.local_groups = parallel.divide(cfg.query_groups, grid.tp_size, "num_query_groups")
-        self.q_per_group = heads // cfg.query_groups
+        self.local_groups = parallel.divide(model_cfg.query_groups, grid.tp_size,
+                                            "num_query_groups")
+        self.q_per_group = heads // model_cfg.query_groups
         self.tp_size = grid.tp_size
         # One fused projection laid out group by group, [groups, q_per_group + 2, head_dim]: a group's query heads,
         # then its key and its value head (Megatron's GQA layout; [heads, 3, head_dim] without GQA), so that a
         # contiguous TP slice of the output features is a set of whole groups.
-        width = (heads + 2 * cfg.query_groups) * self.head_dim
-        self.qkv = ColumnParallelLinear(h, width, bias=cfg.add_bias_linear, grid=grid)
-        self.proj = RowParallelLinear(h, h, bias=cfg.add_bias_linear, grid=grid)
+        width = (heads + 2 * model_cfg.query_groups) * self.head_dim
+        self.qkv = ColumnParallelLinear(h, width, bias=model_cfg.add_bias_linear, grid=grid)
+        self.proj = RowParallelLinear(h, h, bias=model_cfg.add_bias_linear, grid=grid)
         self.proj.weight.is_output_layer = True
         self.head_scale = None
-        if cfg.normformer:  # NormFormer's learned per-head scaling of the attention output
+        if model_cfg.normformer:  # NormFormer's learned per-head scaling of the attention output
             self.head_scale = nn.Parameter(torch.ones(self.local_heads))
             self.head_scale.tp_dim = 0
         # qk-layernorm as in Dehghani et al. 2023 (ViT-22B) and Wortsman et al. 2023: over head_dim, one weight and
@@ -389,15 +385,17 @@ class Attention(nn.Module):
         # span TP ranks. Replicated over TP, but each rank applies them to its own heads only: their gradients
         # are partial sums, which parallel.reduce_gradients adds up over TP (`tp_partial`).
         self.q_norm = self.k_norm = None
-        if cfg.qk_layernorm:
-            self.q_norm, self.k_norm = norm(cfg, self.head_dim), norm(cfg, self.head_dim)
+        if model_cfg.qk_layernorm:
+            self.q_norm = norm(model_cfg, self.head_dim)
+            self.k_norm = norm(model_cfg, self.head_dim)
             for p in (*self.q_norm.parameters(), *self.k_norm.parameters()):
                 p.tp_partial = True
-        self.dropout = cfg.attention_dropout
-        self.stable = cfg.stable_attention
-        self.layer_scaling = float(layer_number) if cfg.apply_query_key_layer_scaling else None
-        self.unfused = cfg.unfused_attention
-        self.backend = cfg.attention_backend
+        self.dropout = model_cfg.attention_dropout
+        self.stable = model_cfg.stable_attention
+        scaling = model_cfg.apply_query_key_layer_scaling
+        self.layer_scaling = float(layer_number) if scaling else None
+        self.unfused = model_cfg.unfused_attention
+        self.backend = model_cfg.attention_backend
         self.probe = None  # telemetry.py sets it on the iterations it records: probe(q, k)
 
     def forward(self, x, bias=None, rotary=None):
@@ -444,19 +442,19 @@ class Attention(nn.Module):
 # MLP and block
 
 
-def norm(cfg: GPTConfig, size: int):
+def norm(model_cfg: GPTConfig, size: int):
     """Every normalization of the model (blocks, embedding, final, qk-layernorm, NormFormer's): LayerNorm, whose
     statistics PyTorch computes in fp32 for half inputs (lesson 6), or RMSNorm (layers.py, fp32 too). A fork's
     norm is a class in layers.py and a line here."""
-    if cfg.normalization == "rmsnorm":
-        return layers.RMSNorm(size, eps=cfg.layernorm_epsilon)
-    return nn.LayerNorm(size, eps=cfg.layernorm_epsilon)
+    if model_cfg.normalization == "rmsnorm":
+        return layers.RMSNorm(size, eps=model_cfg.layernorm_epsilon)
+    return nn.LayerNorm(size, eps=model_cfg.layernorm_epsilon)
 
 
-def mlp(cfg: GPTConfig, grid: parallel.Grid):
+def mlp(model_cfg: GPTConfig, grid: parallel.Grid):
     """The block's feed-forward: MLP, or the gated SwiGLU (layers.py). A fork's MLP is a class in layers.py and a
     line here; the parameter count and FLOPs follow from the model as built."""
-    return layers.SwiGLU(cfg, grid) if cfg.swiglu else MLP(cfg, grid)
+    return layers.SwiGLU(model_cfg, grid) if model_cfg.swiglu else MLP(model_cfg, grid)
 
 
 ACTIVATIONS = {
@@ -467,15 +465,15 @@ ACTIVATIONS = {
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: GPTConfig, grid: parallel.Grid):
+    def __init__(self, model_cfg: GPTConfig, grid: parallel.Grid):
         super().__init__()
-        h, ffn, bias = cfg.hidden_size, cfg.ffn_size, cfg.add_bias_linear
+        h, ffn, bias = model_cfg.hidden_size, model_cfg.ffn_size, model_cfg.add_bias_linear
         self.fc1 = ColumnParallelLinear(h, ffn, bias=bias, grid=grid)
         self.fc2 = RowParallelLinear(ffn, h, bias=bias, grid=grid)
         self.fc2.weight.is_output_layer = True
-        self.act = ACTIVATIONS[cfg.activation]
+        self.act = ACTIVATIONS[model_cfg.activation]
         # NormFormer's LayerNorm after the activation. Its statistics would span TP ranks: model.py refuses TP>1.
-        self.ln = norm(cfg, ffn) if cfg.normformer else None
+        self.ln = norm(model_cfg, ffn) if model_cfg.normformer else None
 
     def forward(self, x):
         x = self.act(self.fc1(x))
@@ -485,15 +483,15 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: GPTConfig, layer_number: int, grid: parallel.Grid):
+    def __init__(self, model_cfg: GPTConfig, layer_number: int, grid: parallel.Grid):
         super().__init__()
-        h = cfg.hidden_size
-        self.ln_1 = norm(cfg, h)
-        self.attn = Attention(cfg, layer_number, grid)
-        self.ln_attn = norm(cfg, h) if cfg.normformer else None
-        self.ln_2 = norm(cfg, h)
-        self.mlp = mlp(cfg, grid)
-        self.dropout = nn.Dropout(cfg.hidden_dropout)
+        h = model_cfg.hidden_size
+        self.ln_1 = norm(model_cfg, h)
+        self.attn = Attention(model_cfg, layer_number, grid)
+        self.ln_attn = norm(model_cfg, h) if model_cfg.normformer else None
+        self.ln_2 = norm(model_cfg, h)
+        self.mlp = mlp(model_cfg, grid)
+        self.dropout = nn.Dropout(model_cfg.hidden_dropout)
 
     def forward(self, x, attn_bias=None, rotary=None):
         return self.after_attention(x, self.attn.attend(*self.before_attention(x, rotary), attn_bias))
@@ -520,15 +518,16 @@ class Embedding(nn.Module):
     embeddings only, after the TP all-reduce, so its result does not depend on how the vocabulary is split
     (lesson 1)."""
 
-    def __init__(self, cfg: GPTConfig, grid: parallel.Grid):
+    def __init__(self, model_cfg: GPTConfig, grid: parallel.Grid):
         super().__init__()
-        self.word = VocabParallelEmbedding(cfg.padded_vocab_size, cfg.hidden_size, grid=grid)
-        learned = cfg.position_embedding_type == "learned"
-        self.position = (nn.Embedding(cfg.seq_length, cfg.hidden_size,  # drawn by init_weights, as the word table
-                                      _weight=torch.empty(cfg.seq_length, cfg.hidden_size)) if learned else None)
-        self.norm = norm(cfg, cfg.hidden_size) if cfg.embed_layernorm else None
-        self.scale = math.sqrt(cfg.hidden_size) if cfg.scale_embeddings else 1.0
-        p = cfg.hidden_dropout if cfg.embed_dropout is None else cfg.embed_dropout
+        s, h = model_cfg.seq_length, model_cfg.hidden_size
+        self.word = VocabParallelEmbedding(model_cfg.padded_vocab_size, h, grid=grid)
+        learned = model_cfg.position_embedding_type == "learned"
+        # drawn by init_weights, as the word table
+        self.position = nn.Embedding(s, h, _weight=torch.empty(s, h)) if learned else None
+        self.norm = norm(model_cfg, model_cfg.hidden_size) if model_cfg.embed_layernorm else None
+        self.scale = math.sqrt(model_cfg.hidden_size) if model_cfg.scale_embeddings else 1.0
+        p = model_cfg.hidden_dropout if model_cfg.embed_dropout is None else model_cfg.embed_dropout
         self.dropout = nn.Dropout(p)
 
     def forward(self, ids, positions=None):
@@ -556,32 +555,33 @@ class GPT(nn.Module):
 
     positions_cache = (None, None)  # ((T, dtype, device), what positions() returns for them); see positions()
 
-    def __init__(self, cfg: GPTConfig, layers=None, pre_process=True, post_process=True, grid=None, seed=1234):
+    def __init__(self, model_cfg: GPTConfig, layers=None, pre_process=True, post_process=True,
+                 grid=None, seed=1234):
         super().__init__()
         grid = parallel.grid if grid is None else grid
-        cfg.check(grid.tp_size)
-        self.cfg, self.grid = cfg, grid
+        model_cfg.check(grid.tp_size)
+        self.cfg, self.grid = model_cfg, grid
         # ALiBi: this TP rank's heads are a contiguous slice of all heads, and so are their slopes.
         self.alibi_heads = None
         self.compiled = False  # compile_blocks: where FlexAttention runs fused (packed documents on CUDA)
-        if cfg.position_embedding_type == "alibi":
-            local = cfg.num_attention_heads // grid.tp_size
+        if model_cfg.position_embedding_type == "alibi":
+            local = model_cfg.num_attention_heads // grid.tp_size
             self.alibi_heads = range(grid.tp_rank * local, (grid.tp_rank + 1) * local)
-        layers = range(cfg.num_layers) if layers is None else layers
+        layers = range(model_cfg.num_layers) if layers is None else layers
         self.pre_process, self.post_process = pre_process, post_process
-        self.embed = Embedding(cfg, grid) if pre_process else None
-        self.blocks = nn.ModuleDict({str(i): Block(cfg, i + 1, grid) for i in layers})
-        self.ln_f = norm(cfg, cfg.hidden_size) if post_process else None
+        self.embed = Embedding(model_cfg, grid) if pre_process else None
+        self.blocks = nn.ModuleDict({str(i): Block(model_cfg, i + 1, grid) for i in layers})
+        self.ln_f = norm(model_cfg, model_cfg.hidden_size) if post_process else None
         # A last stage without the embedding keeps its own copy of the word embedding for the tied output layer;
         # parallel.py all-reduces the two copies' gradients every step (lesson 11).
         self.output_weight = self.output_layer = None
         self.z_loss_sum = self.z_loss_count = 0  # the z-loss of the training micro-batches since pop_z_loss()
-        if post_process and cfg.untie_embeddings_and_output_weights:  # vocab-parallel: this TP rank's rows
-            self.output_layer = nn.Parameter(torch.empty(cfg.padded_vocab_size // grid.tp_size, cfg.hidden_size))
+        rows = model_cfg.padded_vocab_size // grid.tp_size  # vocab-parallel: this TP rank's rows
+        if post_process and model_cfg.untie_embeddings_and_output_weights:
+            self.output_layer = nn.Parameter(torch.empty(rows, model_cfg.hidden_size))
             self.output_layer.tp_dim = 0
         elif post_process and not pre_process:
-            self.output_weight = nn.Parameter(torch.empty(cfg.padded_vocab_size // grid.tp_size,
-                                                          cfg.hidden_size))
+            self.output_weight = nn.Parameter(torch.empty(rows, model_cfg.hidden_size))
             self.output_weight.tp_dim = 0
             self.output_weight.init_name = "embed.word.weight"
         self.logits_probe = None  # telemetry.py sets it on the iterations it records: probe(log Z, hidden, weight)
@@ -610,7 +610,7 @@ class GPT(nn.Module):
         single-process weights. Large tensors are drawn in chunks (draw_slice), so no rank ever holds a full one
         (BLOOM's embedding is 14 GiB); each chunk is copied to the parameter's device. Every scratch tensor is
         made on the CPU explicitly: the ambient device (torch.device(...) around this call) changes nothing."""
-        cfg = self.cfg
+        model_cfg = self.cfg
         for name, p in self.named_parameters():
             if p.is_meta:
                 continue
@@ -630,19 +630,23 @@ class GPT(nn.Module):
                 # are zeros: every padding, hence every TP size, starts from the same model. Padded rows are
                 # never looked up and are masked out of the softmax, so they get no gradient and stay zero.
                 # Megatron's softmax over the padding (padded_vocab_in_softmax) draws every row, as Megatron does.
-                rows = full_shape[0] if cfg.padded_vocab_in_softmax else cfg.vocab_size
+                rows = full_shape[0] if model_cfg.padded_vocab_in_softmax else model_cfg.vocab_size
                 bound = math.sqrt(6.0 / (rows + full_shape[1]))  # bitsandbytes StableEmbedding's xavier
-                std = cfg.std if cfg.embed_init_std is None else cfg.embed_init_std
+                std = model_cfg.embed_init_std
+                std = model_cfg.std if std is None else std
 
                 def draw(t):
-                    if cfg.embed_init == "xavier_uniform":
+                    if model_cfg.embed_init == "xavier_uniform":
                         return t.uniform_(-bound, bound, generator=gen)
                     return t.normal_(0.0, std, generator=gen)
                 draw_slice(p, full_shape, tp_dim, self.grid.tp_rank, draw, rows=rows)
-            elif name == "embed.position.weight" and cfg.position_embedding_init == "sinusoidal":
+            elif name == "embed.position.weight" and \
+                    model_cfg.position_embedding_init == "sinusoidal":
                 p.copy_(parallel.shard(sinusoidal_positions(*full_shape), tp_dim, self.grid))
             else:
-                std = cfg.std / math.sqrt(2.0 * cfg.num_layers) if getattr(p, "is_output_layer", False) else cfg.std
+                std = model_cfg.std
+                if getattr(p, "is_output_layer", False):
+                    std = std / math.sqrt(2.0 * model_cfg.num_layers)
                 draw_slice(p, full_shape, tp_dim, self.grid.tp_rank, lambda t: t.normal_(0.0, std, generator=gen))
 
     # -- forward ----------------------------------------------------------------------------------------------
@@ -826,14 +830,14 @@ def sinusoidal_positions(num_positions, dim):
 # The pipeline stages' layers, as a run's log names them
 
 
-def describe_partition(cfg):
-    """'pipeline stages (type:transformer|embedding): 0: embedding + layers 0-4 | 1: layers 5-10 | ...'"""
+def describe_partition(num_layers, pp, method):
+    """'pipeline stages (type:transformer|embedding): 0: embedding + layers 0-4 | 1: layers 5-10 |
+    ...': num_layers over pp stages by pp_partition_method `method`."""
     parts = []
-    pp = cfg.pipeline_model_parallel_size
-    stages = parallel.partition_layers(cfg.num_layers, pp, cfg.pp_partition_method)
+    stages = parallel.partition_layers(num_layers, pp, method)
     for stage, held in enumerate(stages):  # not `layers`: the module of that name
         what = [f"layers {held.start}-{held.stop - 1}" if len(held) > 1 else f"layer {held.start}"]
         what = what if held else []
         what = (["embedding"] if stage == 0 else []) + what + (["head"] if stage == pp - 1 else [])
         parts.append(f"{stage}: {' + '.join(what)}")
-    return f"pipeline stages ({cfg.pp_partition_method}): " + " | ".join(parts)
+    return f"pipeline stages ({method}): " + " | ".join(parts)

@@ -48,14 +48,14 @@ class OptimizerConfig:
 EXCLUSIVE = (("fp16", "bf16"),)
 
 
-def check(cfg):
+def check(optim_cfg):
     """Raise ValueError with the fix for optimizer or precision keys that cannot work."""
-    name(cfg)  # a known optimizer, and use_bnb_optimizer not contradicting it
+    name(optim_cfg)  # a known optimizer, and use_bnb_optimizer not contradicting it
     for key in ("weight_decay", "clip_grad"):
-        if getattr(cfg, key) < 0:
-            raise ValueError(f"{key}={getattr(cfg, key)} must not be negative")
+        if getattr(optim_cfg, key) < 0:
+            raise ValueError(f"{key}={getattr(optim_cfg, key)} must not be negative")
     for a, b in EXCLUSIVE:
-        if getattr(cfg, a) and getattr(cfg, b):
+        if getattr(optim_cfg, a) and getattr(optim_cfg, b):
             raise ValueError(f"{a} and {b} are exclusive; choose one")
 
 
@@ -212,9 +212,9 @@ def optimizer_name(optimizer=None, use_bnb_optimizer=False):
     return chosen
 
 
-def name(cfg):
+def name(optim_cfg):
     """The optimizer a run's config chooses."""
-    return optimizer_name(cfg.optimizer, cfg.use_bnb_optimizer)
+    return optimizer_name(optim_cfg.optimizer, optim_cfg.use_bnb_optimizer)
 
 
 def checkpoint_optimizer(saved_config):
@@ -283,7 +283,7 @@ def set_lr(optimizer, lr: float) -> None:
         group["lr"] = lr
 
 
-def resume_adam_params(optimizer, cfg, saved_config) -> str | None:
+def resume_adam_params(optimizer, optim_cfg, saved_config) -> str | None:
     """After a resume has loaded the optimizer state (run_state.load), before any step. A
     checkpoint of another optimizer is refused: its state holds other tensors (AdamW stepping
     Lion's dies with a KeyError on its missing 'step'). Then the keys this optimizer's entry
@@ -292,23 +292,23 @@ def resume_adam_params(optimizer, cfg, saved_config) -> str | None:
     run (saved_config) is refused, unless override_adam_params, which writes this config's into
     the groups, the state kept (Adam's beta2 changed mid-run: a what-if fork). Returns the line
     to print."""
-    saved, now = checkpoint_optimizer(saved_config), name(cfg)
+    saved, now = checkpoint_optimizer(saved_config), name(optim_cfg)
     if saved != now:
         raise ValueError(f"the checkpoint's optimizer state is {saved}'s, but this run's "
                          f"optimizer is {now}, which cannot continue from it; resume with "
                          f"optimizer={saved!r}, or set no_load_optim to start {now} from a fresh "
                          "state (the weights are loaded)")
     entry = OPTIMIZERS[now]
-    changed = {k: (saved_config[k], getattr(cfg, k)) for k in entry.keys
-               if k in saved_config and saved_config[k] != getattr(cfg, k)}
+    changed = {k: (saved_config[k], getattr(optim_cfg, k)) for k in entry.keys
+               if k in saved_config and saved_config[k] != getattr(optim_cfg, k)}
     if not changed:
         return None
     what = ", ".join(f"{k} {old} -> {new}" for k, (old, new) in changed.items())
-    if not cfg.override_adam_params:
+    if not optim_cfg.override_adam_params:
         raise ValueError(f"the checkpoint's optimizer has other Adam settings than this config ({what}): a resumed "
                          "optimizer keeps its checkpoint's; set override_adam_params to use this config's from now on "
                          "(the moments are kept), or resume with the checkpoint's values")
-    options = entry.options(*(getattr(cfg, key) for key in entry.keys))
+    options = entry.options(*(getattr(optim_cfg, key) for key in entry.keys))
     for group in optimizer.param_groups:
         group.update(options)
     return f"override_adam_params: {what} from now on (the optimizer's moments kept)"
@@ -407,34 +407,36 @@ class LossScaler:
 # Built from a run's config
 
 
-def optimizer_for(cfg, model):
+def optimizer_for(optim_cfg, model, lr, deepspeed=False, zero_stage=0):
     """The optimizer `optimizer` names, over fp32 master weights
     (precision.MixedPrecisionOptimizer), sharded over DP with zero_stage=1. Under DeepSpeed, the
-    bare optimizer: DeepSpeed keeps the masters and shards them itself."""
+    bare optimizer: DeepSpeed keeps the masters and shards them itself. lr: the schedule's peak
+    learning rate (independent weight decay divides by it); deepspeed, zero_stage: the layout's."""
     # this stage's vocabulary tables: the tied embedding's copy, and an untied output layer (the last stage's)
     embedding = [w for w in (model.word_embedding_weight(), model.output_layer) if w is not None]
-    chosen = name(cfg)
-    values = [getattr(cfg, key) for key in OPTIMIZERS[chosen].keys]
+    chosen = name(optim_cfg)
+    values = [getattr(optim_cfg, key) for key in OPTIMIZERS[chosen].keys]
 
     def build(params):
-        optimizer = build_optimizer(model, cfg.lr, cfg.weight_decay, *values, optimizer=chosen,
+        optimizer = build_optimizer(model, lr, optim_cfg.weight_decay, *values, optimizer=chosen,
                                     embedding=embedding, params=params,
-                                    independent_decay=cfg.weight_decay_independent)
-        return optimizer if cfg.deepspeed else precision.MixedPrecisionOptimizer(optimizer)
+                                    independent_decay=optim_cfg.weight_decay_independent)
+        return optimizer if deepspeed else precision.MixedPrecisionOptimizer(optimizer)
 
-    if cfg.deepspeed or cfg.zero_stage == 0 or parallel.grid.dp_size == 1:
+    if deepspeed or zero_stage == 0 or parallel.grid.dp_size == 1:
         return build(list(model.parameters()))  # not sharded here (under DeepSpeed, deepspeed_engine shards it)
-    if cfg.zero_stage != 1:
-        raise ValueError(f"zero_stage={cfg.zero_stage} needs deepspeed=True (the native path shards the optimizer "
-                         "state only: zero_stage=1)")
+    if zero_stage != 1:
+        raise ValueError(f"zero_stage={zero_stage} needs deepspeed=True (the native path shards "
+                         "the optimizer state only: zero_stage=1)")
     return parallel.ZeroShardedOptimizer(model.parameters(), build)
 
 
-def scaler_for(cfg):
+def scaler_for(optim_cfg):
     """The loss scaler: fp16's dynamic one (or a static loss_scale); a scale of 1 that never changes otherwise."""
-    if not cfg.fp16:
+    if not optim_cfg.fp16:
         return LossScaler(dynamic=False, static_scale=1.0)
-    if cfg.loss_scale is not None:
-        return LossScaler(dynamic=False, static_scale=cfg.loss_scale)
-    return LossScaler(dynamic=True, initial_scale=cfg.initial_loss_scale, min_scale=cfg.min_loss_scale,
-                            window=cfg.loss_scale_window, hysteresis=cfg.hysteresis)
+    if optim_cfg.loss_scale is not None:
+        return LossScaler(dynamic=False, static_scale=optim_cfg.loss_scale)
+    return LossScaler(dynamic=True, initial_scale=optim_cfg.initial_loss_scale,
+                      min_scale=optim_cfg.min_loss_scale, window=optim_cfg.loss_scale_window,
+                      hysteresis=optim_cfg.hysteresis)

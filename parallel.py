@@ -45,30 +45,35 @@ class LayoutConfig:
 EXCLUSIVE = (("eval_only", "dry_run"),)
 
 
-def check(cfg, world_size=1):
+def check(layout_cfg, world_size, *, tp, num_layers, qk_layernorm, eval_only):
     """Raise ValueError with the fix for a layout that cannot run on world_size processes (before the process
-    group exists: Grid asks check_world_size again, for the world it finds)."""
+    group exists: Grid asks check_world_size again, for the world it finds). layout_cfg: the
+    layout's keys (LayoutConfig); tp, num_layers, qk_layernorm: the model's (model.GPTConfig);
+    eval_only: the run's mode (report.LoggingConfig)."""
     def need(ok, message):
         if not ok:
             raise ValueError(message)
 
-    tp, pp = cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size
+    pp, deepspeed = layout_cfg.pipeline_model_parallel_size, layout_cfg.deepspeed
     check_world_size(world_size, tp, pp)
-    partition_layers(cfg.num_layers, pp, cfg.pp_partition_method)  # raises if it cannot be done
-    for a, b in EXCLUSIVE:
-        need(not (getattr(cfg, a) and getattr(cfg, b)), f"{a} and {b} are exclusive; choose one")
-    need(not (cfg.qk_layernorm and cfg.deepspeed and tp > 1),
+    partition_layers(num_layers, pp, layout_cfg.pp_partition_method)  # raises if it cannot be done
+    need(not (eval_only and layout_cfg.dry_run), "eval_only and dry_run are exclusive; choose one")
+    need(not (qk_layernorm and deepspeed and tp > 1),
          "qk_layernorm with deepspeed=True and tensor_model_parallel_size > 1 is not supported (the qk-layernorm "
          "gradients must be summed over TP before DeepSpeed's step); use the native path (deepspeed=False) or TP=1")
-    need(cfg.zero_stage in (0, 1, 2, 3), f"zero_stage={cfg.zero_stage} is not 0, 1, 2 or 3")
-    need(cfg.tp_replica_check_interval >= 0, "tp_replica_check_interval must be 0 (off) or a number of iterations")
-    need(not cfg.tp_replica_resync or cfg.tp_replica_check_interval > 0,
+    zero = layout_cfg.zero_stage
+    need(zero in (0, 1, 2, 3), f"zero_stage={zero} is not 0, 1, 2 or 3")
+    interval, resync = layout_cfg.tp_replica_check_interval, layout_cfg.tp_replica_resync
+    need(interval >= 0, "tp_replica_check_interval must be 0 (off) or a number of iterations")
+    need(not resync or interval > 0,
          "tp_replica_resync acts on what the check finds: set tp_replica_check_interval too")
-    need(not (cfg.tp_replica_resync and cfg.deepspeed),
+    need(not (resync and deepspeed),
          "tp_replica_resync cannot reach DeepSpeed's fp32 master weights; use deepspeed=False or only the check")
-    need(cfg.device in ("auto", "cpu", "cuda"), f"device={cfg.device!r} is not auto, cpu or cuda")
+    device = layout_cfg.device
+    need(device in ("auto", "cpu", "cuda"), f"device={device!r} is not auto, cpu or cuda")
     for key in ("distributed_timeout_minutes", "host_work_timeout_minutes"):
-        need(getattr(cfg, key) >= 1, f"{key}={getattr(cfg, key)} must be at least 1 (minutes a wait may last)")
+        minutes = getattr(layout_cfg, key)
+        need(minutes >= 1, f"{key}={minutes} must be at least 1 (minutes a wait may last)")
 
 
 def check_world_size(world_size, tp, pp):

@@ -29,16 +29,17 @@ import torch
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def name(cfg):
-    return "fp16" if cfg.fp16 else "bf16" if cfg.bf16 else "fp32"
+def name(optim_cfg):
+    """fp16, bf16 or fp32, of optim_cfg's fp16 and bf16 (keys of optim.OptimizerConfig)."""
+    return "fp16" if optim_cfg.fp16 else "bf16" if optim_cfg.bf16 else "fp32"
 
 
-def compute_dtype(cfg):
+def compute_dtype(optim_cfg):
     """The dtype of the weights and activations."""
-    return DTYPES[name(cfg)]
+    return DTYPES[name(optim_cfg)]
 
 
-def grad_dtype(cfg):
+def grad_dtype(optim_cfg):
     """The dtype gradients are accumulated and all-reduced in: fp32 in every precision (see above)."""
     return torch.float32
 

@@ -268,20 +268,22 @@ class Resharder:
         return merged
 
 
-def load(tag_dir, saved_topology, model, optimizer, cfg, need_optimizer=True):
+def load(tag_dir, saved_topology, model, optimizer, deepspeed=False, use_bnb_optimizer=False,
+         need_optimizer=True):
     """(model_state, run_state, rank_state) for this rank from a checkpoint of another layout, in the format
     checkpoint.load returns; rank_state's "rng" is None (see the module docstring). need_optimizer=False
-    (no_load_optim, an optimizer reset) skips the optimizer state, whatever its format."""
+    (no_load_optim, an optimizer reset) skips the optimizer state, whatever its format. deepspeed
+    (the layout's) and use_bnb_optimizer (the optimizer's): the run's keys of those names."""
     gpt = parallel.unwrap(model)
     layout = SavedLayout(tag_dir, saved_topology)
     resharder = Resharder(layout, gpt)
     model_state = resharder.model_state()
     optimizer_state = None
     if need_optimizer:
-        if cfg.deepspeed:
+        if deepspeed:
             raise ValueError("resharding into DeepSpeed's optimizer is not supported: resume with the saved layout, "
                              "or set no_load_optim (the weights are resharded, the optimizer starts fresh)")
-        optimizer_state = resharder.optimizer_state(optimizer, model, cfg.use_bnb_optimizer)
+        optimizer_state = resharder.optimizer_state(optimizer, model, use_bnb_optimizer)
     return model_state, layout.run, {"optimizer": optimizer_state, "rng": None}
 
 

@@ -174,7 +174,8 @@ def load(parts):
     else:  # another TP x PP x DP layout: rebuilt from its slices (reshard.py)
         print0(f"resharding checkpoint {tag_dir}: saved with {reshard.describe(saved)}, now "
                f"{reshard.describe(checkpoint.topology())}")
-        payload = reshard.load(tag_dir, saved, parts.model, parts.optimizer, cfg,
+        payload = reshard.load(tag_dir, saved, parts.model, parts.optimizer,
+                               deepspeed=cfg.deepspeed, use_bnb_optimizer=cfg.use_bnb_optimizer,
                                need_optimizer=not (cfg.no_load_optim or warmup))
     reset_now = warmup and payload[1]["state"].get("optimizer_reset") is None
     fresh = cfg.no_load_optim or reset_now

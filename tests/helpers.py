@@ -402,6 +402,7 @@ def write_checkpoint(directory, argv, fill, iteration=1):
     import checkpoint
     import parallel
     from model import GPT, GPTConfig
+    from sections import section
     cfg = arguments.load_config(argv)
     tp, pp = cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size
     run = {"state": {"iteration": iteration}, "config": arguments.to_dict(cfg)}
@@ -411,7 +412,7 @@ def write_checkpoint(directory, argv, fill, iteration=1):
     for rank in range(tp * pp):
         g = parallel.Grid(tp, pp, world_size=tp * pp, rank=rank)
         layers = parallel.partition_layers(cfg.num_layers, pp, cfg.pp_partition_method)[g.pp_rank]
-        stage = GPT(GPTConfig.from_config(cfg), layers, g.is_first_stage, g.is_last_stage, grid=g)
+        stage = GPT(section(GPTConfig, cfg), layers, g.is_first_stage, g.is_last_stage, grid=g)
         fill(stage)
         entries.append(checkpoint.write_files(tag_dir, stage.state_dict(), run, {"optimizer": {}, "rng": None},
                                               write_model_state=True, g=g))

@@ -9,6 +9,7 @@ import torch
 import model
 import parallel
 from model import GPT, GPTConfig, alibi_bias, alibi_slopes, core_attention, unfused_attention
+from sections import section
 
 
 def _cfg(**kw):
@@ -184,7 +185,7 @@ def test_tr11_176b_config_is_bloom():
     assert (cfg.init_method_std, cfg.weight_decay, cfg.clip_grad, cfg.global_batch_size) == (0.0048, 0.1, 1.0, 2048)
     assert cfg.rampup_batch_size == [192, 16, 9_765_625]
     assert (cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size) == (4, 12)
-    model_cfg = GPTConfig.from_config(cfg)
+    model_cfg = section(GPTConfig, cfg)
     assert model_cfg.padded_vocab_size == 250_880  # 490 x 128 x TP 4
     # n(12h^2 + 13h) + vh + 2h + the embedding LayerNorm's 2h: no s*h with ALiBi. Padded, it is BLOOM's published
     # 176,247,271,424 parameters (its vocabulary of 250,880 rows).

@@ -35,6 +35,7 @@ from helpers import (  # noqa: F401
     write_checkpoint,
 )
 from model import GPT, GPTConfig
+from sections import section
 
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 import check_checkpoint  # noqa: E402
@@ -320,7 +321,7 @@ def test_sample_reads_a_tp2_pp2_checkpoint(tp2pp2, capsys):
     sample.main(["--load", str(tp2pp2), "--prompt", "ROMEO:", "--max_tokens", "12", "--top_k", "1"])
     text = capsys.readouterr().out.rstrip("\n")
     cfg = arguments.load_config([*TP2PP2, "--tensor_model_parallel_size=1", "--pipeline_model_parallel_size=1"])
-    one = GPT(GPTConfig.from_config(cfg)).eval()
+    one = GPT(section(GPTConfig, cfg)).eval()
     weights(one)
     tok = data.get_tokenizer()
     out = one.generate(torch.tensor([tok.encode_ordinary("ROMEO:")]), 12, top_k=1)

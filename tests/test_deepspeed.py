@@ -25,6 +25,8 @@ import torch.distributed as dist
 
 import parallel
 from helpers import E2E_ARGS, ROOT, gather, spawn, synthetic_corpus, train_script  # noqa: F401 (a fixture)
+from optim import OptimizerConfig
+from sections import section
 
 E2E = list(E2E_ARGS)  # --save=none: a run that saves passes --save=DIR after it (the later value wins)
 BF16_REL = (6e-5, 7e-4)  # DeepSpeed bf16 against native bf16, lm loss and grad norm: the README's figures
@@ -261,7 +263,7 @@ def test_deepspeed_refuses_what_it_would_get_wrong(flags, message):
     cfg = arguments.load_config(["--deepspeed", "--zero_stage=1", *flags])
     grid = parallel.Grid(1, cfg.pipeline_model_parallel_size, world_size=cfg.pipeline_model_parallel_size * 2)
     with pytest.raises(ValueError, match=message):
-        deepspeed_engine.check(cfg, grid)
+        deepspeed_engine.check(section(OptimizerConfig, cfg), cfg.zero_stage, grid)
 
 
 def test_deepspeed_bf16_zero0_is_bf16_optimizer_like_zero1():
@@ -270,8 +272,10 @@ def test_deepspeed_bf16_zero0_is_bf16_optimizer_like_zero1():
     import arguments
     import deepspeed_engine
     grid = parallel.Grid(1, 1, world_size=2)
-    config = {z: deepspeed_engine.ds_config(arguments.load_config(["--deepspeed", "--bf16", f"--zero_stage={z}"]),
-                                            grid) for z in (0, 1, 2)}
+    cfg = arguments.load_config(["--deepspeed", "--bf16"])
+    optim_cfg = section(OptimizerConfig, cfg)
+    config = {z: deepspeed_engine.ds_config(optim_cfg, z, grid, cfg.micro_batch_size)
+              for z in (0, 1, 2)}
     assert config[0] == config[1] and config[1]["zero_optimization"]["stage"] == 1
     assert config[1]["data_types"] == {"grad_accum_dtype": "fp32"} and config[1]["communication_data_type"] == "fp32"
     assert config[1]["bf16"]["immediate_grad_update"] and not config[2]["bf16"]["immediate_grad_update"]

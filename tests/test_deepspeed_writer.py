@@ -33,6 +33,7 @@ import megatron_ds
 import parallel
 from helpers import ROOT
 from model import GPT, GPTConfig
+from sections import section
 
 PP, LAYERS, VOCAB = 2, 2, 250  # deepspeed_writer's
 SETTINGS = ["bf16s0:bf16:0", "bf16z1:bf16:1:universal", "fp32z1:fp32:1:info:universal"]
@@ -198,7 +199,7 @@ def test_the_imported_model_computes_what_the_deepspeed_model_did(written, tmp_p
                           weights_only=False)
         weights.update((k, v.float()) for k, v in blob["model"].items() if k != "output_weight")
     cfg = arguments.Config(**blob["run"]["config"])
-    ours = GPT(GPTConfig.from_config(cfg), grid=parallel.Grid(1, 1, world_size=1, rank=0))
+    ours = GPT(section(GPTConfig, cfg), grid=parallel.Grid(1, 1, world_size=1, rank=0))
     ours.load_state_dict(weights)
     seq = deepspeed_writer.SEQ
     tokens = torch.randint(0, VOCAB, (2, seq), generator=torch.Generator().manual_seed(0))

@@ -25,7 +25,7 @@ import launch as launcher
 import model as model_module
 import optim
 import parallel
-from builders import build_model
+from builders import build_model, build_optimizer
 from helpers import (  # noqa: F401
     plan_of,
     E2E_ARGS,
@@ -594,7 +594,7 @@ def test_telemetry_update_ratio_on_fp32_masters():
                                                    "--telemetry_interval=1", "--hidden_dropout=0",
                                                    "--attention_dropout=0"]))
     model = build_model(cfg, torch.device("cpu"))
-    optimizer = optim.optimizer_for(cfg, model)
+    optimizer = build_optimizer(cfg, model)
     recorder = telemetry.Telemetry(model, cfg, optimizer)
     ids = torch.randint(0, 512, (2, 17), generator=torch.Generator().manual_seed(0))
     masters = [optimizer.main_param(p) for p in model.parameters()]
@@ -625,7 +625,7 @@ def _telemetry_with_and_without_zero():
              "--bf16", "--micro_batch_size=2", "--global_batch_size=4", "--hidden_dropout=0",
              "--attention_dropout=0", f"--zero_stage={zero}"]), 2)
         model = build_model(cfg, torch.device("cpu"))
-        optimizer = optim.optimizer_for(cfg, model)
+        optimizer = build_optimizer(cfg, model)
         recorder = telemetry.Telemetry(model, cfg, optimizer)
         tokens = torch.randint(0, 512, (2, 17), generator=torch.Generator().manual_seed(parallel.grid.dp_rank))
         recorder.begin()

@@ -16,6 +16,7 @@ import arguments
 import hf
 from helpers import ROOT, write_checkpoint
 from model import GPT, GPTConfig
+from sections import section
 
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 import export_hf  # noqa: E402
@@ -168,7 +169,7 @@ SHRUNK = ["--num_layers=2", "--hidden_size=64", "--num_attention_heads=4", "--se
 @pytest.mark.parametrize("config_file", FLAGSHIPS)
 def test_flagship_configs_architecture_exports_at_equal_logits(config_file, tmp_path):
     """The flagship configs' model keys (the embedding LayerNorm, their activation and init) at tiny sizes."""
-    cfg = GPTConfig.from_config(arguments.load_config([config_file, *SHRUNK, "--vocab_size=512"]))
+    cfg = section(GPTConfig, arguments.load_config([config_file, *SHRUNK, "--vocab_size=512"]))
     assert cfg.embed_layernorm and cfg.position_embedding_type == "learned"
     gpt = _random(cfg)
     assert export_hf.save(gpt, str(tmp_path / "hf")) == "StableGPTForCausalLM"
@@ -198,5 +199,6 @@ def test_gpt2_125m_exports_from_tp2_pp2_and_loads_without_this_repository(tmp_pa
     run = subprocess.run([sys.executable, "-I", "-c", code], cwd=str(tmp_path), env=env, capture_output=True,
                          text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
-    gpt = GPT(GPTConfig.from_config(arguments.load_config(argv[:-2]))).eval()  # the checkpoint's initial weights
+    # the checkpoint's initial weights
+    gpt = GPT(section(GPTConfig, arguments.load_config(argv[:-2]))).eval()
     assert json.loads(run.stdout.strip().splitlines()[-1]) == gpt.generate(prompt, 5, top_k=1).tolist()

@@ -11,8 +11,7 @@ import pytest
 import torch
 
 import arguments
-import optim
-from builders import build_model
+from builders import build_model, build_optimizer
 from helpers import corpus, corpus512, decisions, guard_model_args, run_main  # noqa: F401 (corpus, corpus512: fixtures)
 from stability import detector, diagnosis, spike_guard
 
@@ -100,7 +99,7 @@ def _tiny(*argv):
     """(cfg, model, optimizer) of a one-layer model on CPU."""
     cfg = arguments.prepare(arguments.load_config([*TINY, *argv]))
     model = build_model(cfg, torch.device("cpu"))
-    return cfg, model, optim.optimizer_for(cfg, model)
+    return cfg, model, build_optimizer(cfg, model)
 
 
 def _guard(**overrides):

@@ -11,7 +11,7 @@ import data
 import optim
 import schedule
 import training
-from builders import build_model
+from builders import build_model, build_optimizer
 from helpers import (  # noqa: F401 (fixtures)
     data_of,
     plan_of,
@@ -138,7 +138,7 @@ def test_skip_grad_norm_above_skips_without_updating(small512, tmp_path):
 def test_nan_loss_never_updates_the_weights():
     cfg = arguments.prepare(arguments.load_config([*SMALL, *NO_DROPOUT, "--train_iters=1"]))
     model = build_model(cfg, torch.device("cpu"))
-    optimizer = optim.optimizer_for(cfg, model)
+    optimizer = build_optimizer(cfg, model)
     with torch.no_grad():
         model.ln_f.bias[0] = float("nan")
     before = {k: v.clone() for k, v in model.state_dict().items()}

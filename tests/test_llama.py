@@ -29,6 +29,7 @@ from helpers import (  # noqa: F401
 )
 from layers import RMSNorm, document_ids, packed_inputs
 from model import GPT, GPTConfig, llama3_frequencies, rotary_cos_sin
+from sections import section
 
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 
@@ -371,7 +372,7 @@ def test_llama_1b_config_counts_llama_3_2_1b_and_dry_runs():
     import arguments
     import estimate
     cfg = arguments.load_config([os.path.join(ROOT, "config", "llama_1b.py")])
-    model_cfg = GPTConfig.from_config(cfg)
+    model_cfg = section(GPTConfig, cfg)
     assert model_cfg.num_parameters() == 1_235_814_400 and model_cfg.ffn_size == 8192
     out = io.StringIO()
     report = estimate.dry_run(cfg, world_size=8, file=out)
@@ -397,7 +398,7 @@ def test_init_from_hf_without_a_config_file_takes_the_model_s_keys(tmp_path):
     cfg = arguments.load_config([f"--init_from_hf={tmp_path}"])
     assert (cfg.num_layers, cfg.hidden_size, cfg.embed_layernorm, cfg.normalization, cfg.num_query_groups) == (
         2, 64, False, "rmsnorm", 2)
-    hf.check_config(GPTConfig.from_config(cfg), str(tmp_path))
+    hf.check_config(section(GPTConfig, cfg), str(tmp_path))
     with pytest.raises(ValueError, match=r"num_layers 3 \(config\) vs 2 \(model\)"):
         arguments.load_config([f"--init_from_hf={tmp_path}", "--num_layers=3"])
 

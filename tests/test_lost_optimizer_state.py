@@ -4,8 +4,7 @@ own references: the moments the optimizer held before (zeroed, the step count ke
 import torch
 
 import arguments
-import optim
-from builders import build_model
+from builders import build_model, build_optimizer
 from helpers import corpus, corpus512, losses, run_main  # noqa: F401 (corpus, corpus512: fixtures)
 from stability import spike_guard
 from stability.faults import Faults
@@ -17,7 +16,7 @@ TINY = ["--num_layers=1", "--hidden_size=32", "--num_attention_heads=2", "--seq_
 def test_the_moments_are_zeroed_once_in_time_and_the_step_count_kept():
     cfg = arguments.prepare(arguments.load_config([*TINY, "--inject_lost_optimizer_state_iter=4"]))
     model = build_model(cfg, torch.device("cpu"))
-    optimizer = optim.optimizer_for(cfg, model)
+    optimizer = build_optimizer(cfg, model)
     for _ in range(3):
         sum(p.sum() for p in model.parameters()).backward()
         optimizer.step()

@@ -33,7 +33,7 @@ import parallel
 import run_state
 import schedule
 import training
-from builders import build_model
+from builders import build_model, build_optimizer
 from helpers import ROOT, assert_same, final_state, losses, plan_of, run_main
 
 TP, PP, DP = 2, 2, 2
@@ -330,7 +330,7 @@ def _load_rank(directory, rank):
     parallel.grid = parallel.Grid(TP, PP, world_size=TP * PP, rank=rank)
     try:
         model = build_model(cfg, "cpu")
-        optimizer = optim.optimizer_for(cfg, model)
+        optimizer = build_optimizer(cfg, model)
         parts = run_state.Parts(cfg, model, optimizer, plan_of(cfg), optim.scaler_for(cfg),
                                 training.NO_CALLBACKS)
         run_state.load(parts)

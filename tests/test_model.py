@@ -15,6 +15,7 @@ import arguments
 import model as model_module
 import parallel
 from model import GPT, GPTConfig, core_attention, sinusoidal_positions, unfused_attention
+from sections import section
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -192,7 +193,7 @@ CONFIG_SIZES = [
 
 @pytest.mark.parametrize("name,n,h,s,size_ok", CONFIG_SIZES, ids=[c[0] for c in CONFIG_SIZES])
 def test_config_files_have_the_seeds_sizes(name, n, h, s, size_ok):
-    cfg = GPTConfig.from_config(arguments.load_config([os.path.join(ROOT, "config", name)]))
+    cfg = section(GPTConfig, arguments.load_config([os.path.join(ROOT, "config", name)]))
     assert (cfg.num_layers, cfg.hidden_size, cfg.seq_length, cfg.vocab_size) == (n, h, s, 50257)
     extra = 2 * h if cfg.embed_layernorm else 0
     assert not cfg.normformer

@@ -561,7 +561,7 @@ def test_bnb_keeps_an_untied_output_layers_state_32bit_as_the_embeddings():
     32-bit override exists to avoid for the embedding (lesson 14). fp32 and bf16 (state on the fp32 masters)."""
     pytest.importorskip("bitsandbytes")
     import arguments
-    from builders import build_model
+    from builders import build_model, build_optimizer
     from training import train_step
     for precision in ([], ["--bf16"]):
         cfg = arguments.prepare(arguments.load_config([
@@ -569,7 +569,7 @@ def test_bnb_keeps_an_untied_output_layers_state_32bit_as_the_embeddings():
             "--micro_batch_size=2", "--global_batch_size=2", "--use_bnb_optimizer",
             "--untie_embeddings_and_output_weights", *precision]))
         model = build_model(cfg, torch.device("cpu"))
-        opt = optim.optimizer_for(cfg, model)
+        opt = build_optimizer(cfg, model)
         x = torch.randint(0, 512, (2, 16))
         assert train_step(model, opt, optim.scaler_for(cfg), [(x, x)], 1e-3, cfg, torch.device("cpu")).outcome \
             == "ok"

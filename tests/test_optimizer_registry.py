@@ -13,6 +13,8 @@ import deepspeed_engine
 import optim
 import parallel
 from helpers import ROOT, SMALL, assert_same_checkpoint, corpus, losses, run_main  # noqa: F401 (a fixture)
+from optim import OptimizerConfig
+from sections import section
 
 
 def _register_lion(monkeypatch):
@@ -114,11 +116,12 @@ def test_deepspeed_refuses_an_optimizer_not_declared_elementwise_by_name(monkeyp
     cfg = arguments.load_config(["--deepspeed", "--bf16", "--zero_stage=1",
                                  "--optimizer=adamw8bit"])
     with pytest.raises(ValueError, match=r"optimizer='adamw8bit' with deepspeed=True is not suppo"):
-        deepspeed_engine.check(cfg, grid)
+        deepspeed_engine.check(section(OptimizerConfig, cfg), cfg.zero_stage, grid)
     # a fork's entry that does not declare deepspeed=True
     monkeypatch.setitem(optim.OPTIMIZERS, "other", optim.OptimizerEntry(optim.AdamW))
     cfg.optimizer = "other"
     with pytest.raises(ValueError, match=r"'other' with deepspeed=True .*OPTIMIZERS\['other'\]"):
-        deepspeed_engine.check(cfg, grid)
+        deepspeed_engine.check(section(OptimizerConfig, cfg), cfg.zero_stage, grid)
     cfg.optimizer = "adamw"
-    deepspeed_engine.check(cfg, grid)  # ours is elementwise
+    # ours is elementwise
+    deepspeed_engine.check(section(OptimizerConfig, cfg), cfg.zero_stage, grid)

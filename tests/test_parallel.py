@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 import optim
 import parallel
-from builders import build_model
+from builders import build_model, build_optimizer
 from helpers import (  # noqa: F401
     ROOT,
     TINY,
@@ -348,7 +348,7 @@ def _measure_model_states(results):
              "--micro_batch_size=2", "--train_iters=1", "--zero_stage=1", "--loss_scale=1"]
             + ([f"--{precision}"] if precision != "fp32" else [])), g.world_size)
         model = build_model(cfg, torch.device("cpu"))
-        optimizer = optim.optimizer_for(cfg, model)
+        optimizer = build_optimizer(cfg, model)
         x = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(g.dp_rank))
         outcome = train_step(model, optimizer, optim.scaler_for(cfg), [(x, x)], 1e-3, cfg, torch.device("cpu"))
         assert outcome.outcome == "ok"
@@ -554,3 +554,49 @@ def test_fp16_overflow_skips_agree_across_dp_ranks(synthetic_corpus, tmp_path):
     assert {skipped for _, skipped in scaling.values()} == {"1", "0"}, scaling
     assert_replicas_identical(dumps(tmp_path / "ckpt", 10))
     assert run.scalars[10]["lm-loss"] < run.scalars[1]["lm-loss"]
+
+
+
+DS_BF16 = ["--deepspeed", "--bf16", "--zero_stage=1"]
+TP2 = ["--tensor_model_parallel_size=2", "--num_attention_heads=4"]
+
+
+@pytest.mark.parametrize("flags, world, message", [
+    (["--eval_only", "--dry_run"], 1, r"^eval_only and dry_run are exclusive; choose one$"),
+    (["--qk_layernorm", *DS_BF16, *TP2], 2,
+     "qk_layernorm with deepspeed=True and tensor_model_parallel_size > 1"),
+    (["--zero_stage=4"], 1, r"^zero_stage=4 is not 0, 1, 2 or 3$"),
+    (["--tp_replica_check_interval=-1"], 1, "tp_replica_check_interval must be 0"),
+    (["--tp_replica_resync"], 1, "tp_replica_resync acts on what the check finds"),
+    (["--tp_replica_resync", "--tp_replica_check_interval=5", *DS_BF16], 1,
+     "tp_replica_resync cannot reach DeepSpeed's fp32 master weights"),
+    (["--device=tpu"], 1, r"^device='tpu' is not auto, cpu or cuda$"),
+    (["--host_work_timeout_minutes=0"], 1, r"^host_work_timeout_minutes=0 must be at least 1"),
+    (TP2, 3, "world size 3 is not divisible"),
+    (["--pipeline_model_parallel_size=3", "--num_layers=1",
+      "--pp_partition_method=type:transformer"], 3,
+     r"num_layers \(1\) is too small for pipeline_model_parallel_size \(3\)"),
+])
+def test_the_layout_check_reads_its_section_and_the_models_keys_given_to_it(flags, world, message):
+    """parallel.check takes the layout's section, and the model's and the run's keys it reads as
+    arguments (arguments.validate hands them in): each refusal names its keys, before anything is
+    built."""
+    import arguments
+    cfg = arguments.load_config(["--train_iters=1", *flags])
+    with pytest.raises(ValueError, match=message):
+        arguments.validate(cfg, world_size=world, reads_data=False)
+
+
+def test_the_pipeline_stages_line_names_each_stages_layers():
+    """model.describe_partition, of the layer count, PP size and partition method alone: the lines
+    the whole config's version printed (BLOOM-176B's 70 layers on 12 stages: whether the embedding
+    counts as a layer moves the stages' bounds)."""
+    from model import describe_partition
+    assert describe_partition(3, 2, "type:transformer|embedding") == (
+        "pipeline stages (type:transformer|embedding): "
+        "0: embedding + layers 0-1 | 1: layer 2 + head")
+    assert describe_partition(70, 12, "type:transformer|embedding").startswith(
+        "pipeline stages (type:transformer|embedding): "
+        "0: embedding + layers 0-4 | 1: layers 5-10 |")
+    assert describe_partition(70, 12, "type:transformer").startswith(
+        "pipeline stages (type:transformer): 0: embedding + layers 0-5 | 1: layers 6-11 |")

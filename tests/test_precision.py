@@ -14,7 +14,7 @@ import model
 import optim
 import parallel
 import precision
-from builders import build_model
+from builders import build_model, build_optimizer
 from helpers import SMALL, corpus, losses, run_main  # noqa: F401 (corpus is a fixture)
 from model import GPT, GPTConfig
 from training import train_step
@@ -163,7 +163,7 @@ def test_query_key_layer_scaling_defaults_to_megatrons():
 def test_master_weights_are_fp32_and_round_into_the_model():
     cfg = _cfg("--bf16", "--lr=1e-2", "--vocab_size=512", "--seq_length=16")
     model = build_model(cfg, torch.device("cpu"))
-    optimizer = optim.optimizer_for(cfg, model)
+    optimizer = build_optimizer(cfg, model)
     masters = [p for group in optimizer.param_groups for p in group["params"]]
     assert {p.dtype for p in masters} == {torch.float32} and len(masters) == len(list(model.parameters()))
     x = torch.randint(0, cfg.vocab_size, (4, cfg.seq_length))
@@ -178,7 +178,7 @@ def test_master_weights_are_fp32_and_round_into_the_model():
     # the saved masters are what a fresh optimizer resumes from, not the weights' bf16 values widened
     buffer = io.BytesIO()
     torch.save(state, buffer)
-    fresh = optim.optimizer_for(cfg, build_model(cfg, torch.device("cpu")))
+    fresh = build_optimizer(cfg, build_model(cfg, torch.device("cpu")))
     fresh.load_state_dict(torch.load(io.BytesIO(buffer.getvalue()), weights_only=False))
     assert all(torch.equal(m, saved) for (_, m), saved in zip(fresh.copies, masters))
     assert all(torch.equal(p, m.to(torch.bfloat16)) for p, m in fresh.copies)
@@ -188,7 +188,7 @@ def test_bnb_8bit_state_lives_on_the_fp32_masters_with_the_embedding_32bit():
     pytest.importorskip("bitsandbytes")
     cfg = _cfg("--bf16", "--use_bnb_optimizer", "--vocab_size=512", "--seq_length=16")
     model = build_model(cfg, torch.device("cpu"))
-    optimizer = optim.optimizer_for(cfg, model)
+    optimizer = build_optimizer(cfg, model)
     x = torch.randint(0, cfg.vocab_size, (4, cfg.seq_length))
     train_step(model, optimizer, optim.scaler_for(cfg), [(x, x)], 1e-3, cfg, torch.device("cpu"))
     master = dict((id(p), m) for p, m in optimizer.copies)

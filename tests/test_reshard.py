@@ -20,7 +20,7 @@ import parallel
 import reshard
 import run_state
 import training
-from builders import build_model
+from builders import build_model, build_optimizer
 from helpers import launch, plan_of, synthetic_corpus  # noqa: F401 (synthetic_corpus is a fixture)
 from model import GPT
 
@@ -68,7 +68,7 @@ def _save_layout(directory, tp, pp, dp, zero_stage, cfg_args=(), mutate=None):
         for rank in range(tp * pp * dp):
             parallel.grid = parallel.Grid(tp, pp, world_size=tp * pp * dp, rank=rank)
             model = build_model(cfg, "cpu")
-            optimizer = optim.optimizer_for(cfg, model)
+            optimizer = build_optimizer(cfg, model)
             inner = getattr(optimizer, "optimizer", optimizer)
             for group in inner.param_groups:
                 for p in group["params"]:
@@ -102,7 +102,7 @@ def _load(cfg):
     with torch.no_grad():
         for p in model.parameters():
             p.zero_()
-    optimizer = optim.optimizer_for(cfg, model)
+    optimizer = build_optimizer(cfg, model)
     parts = run_state.Parts(cfg, model, optimizer, plan_of(cfg), optim.scaler_for(cfg),
                             training.NO_CALLBACKS)
     run_state.load(parts)
@@ -236,7 +236,8 @@ def test_deepspeed_optimizer_state_is_refused_in_both_directions(tmp_path):
     with pytest.raises(ValueError, match="resharding into DeepSpeed's optimizer is not supported: resume with the "
                                          "saved layout, or set no_load_optim"):
         cfg = arguments.load_config([*CFG, "--deepspeed", "--bf16", "--zero_stage=1"])
-        reshard.load(str(tag_dir), checkpoint.saved_topology(str(tag_dir)), GPT(cfg), None, cfg)
+        reshard.load(str(tag_dir), checkpoint.saved_topology(str(tag_dir)), GPT(cfg), None,
+                     deepspeed=True)
     for path in tag_dir.glob("mp_rank_*_model_states.pt"):  # as if saved with deepspeed=True
         blob = torch.load(path, weights_only=False)
         blob["run"]["config"]["deepspeed"] = True

@@ -14,6 +14,7 @@ import report
 from helpers import plan_of
 from sections import section
 from model import GPTConfig
+from sections import section
 
 
 class Model(torch.nn.Module):
@@ -21,7 +22,7 @@ class Model(torch.nn.Module):
 
     def __init__(self, cfg):
         super().__init__()
-        self.cfg = GPTConfig.from_config(cfg)
+        self.cfg = section(GPTConfig, cfg)
         self.weight = torch.nn.Parameter(torch.zeros(1))
 
 

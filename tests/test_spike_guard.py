@@ -17,7 +17,7 @@ import arguments
 import optim
 import precision
 import training
-from builders import build_model
+from builders import build_model, build_optimizer
 from helpers import corpus, corpus512, log_fields, run_main  # noqa: F401 (corpus, corpus512: fixtures)
 from stability import detector, diagnosis, spike_guard, telemetry
 from stability.diagnosis import Veto
@@ -171,7 +171,7 @@ def _bf16_parts(argv=(), world_size=1, device=torch.device("cpu")):
                                                     "--seq_length=16", "--vocab_size=512", "--micro_batch_size=2",
                                                     "--hidden_dropout=0", "--attention_dropout=0", *argv]), world_size)
     model = build_model(cfg, device)
-    return cfg, model, optim.optimizer_for(cfg, model), optim.scaler_for(cfg)
+    return cfg, model, build_optimizer(cfg, model), optim.scaler_for(cfg)
 
 
 @pytest.mark.parametrize("half,device", [("bf16", "cpu"), ("fp16", "cpu"), pytest.param("bf16", "cuda",
@@ -551,7 +551,7 @@ def test_a_skipped_update_changes_no_weight_moment_or_step_counter():
                                                     "--seq_length=16", "--vocab_size=512", "--micro_batch_size=2",
                                                     "--hidden_dropout=0", "--attention_dropout=0"]))
     model = build_model(cfg, torch.device("cpu"))
-    optimizer = optim.optimizer_for(cfg, model)
+    optimizer = build_optimizer(cfg, model)
     scaler = optim.scaler_for(cfg)
     batches = [(torch.randint(0, 512, (2, 16)), torch.randint(0, 512, (2, 16)))]
     train_step(model, optimizer, scaler, batches, 1e-3, cfg, torch.device("cpu"))  # create Adam's state
@@ -592,7 +592,7 @@ def test_telemetry_matches_direct_computation():
                                                     "--embed_layernorm", "--clip_grad=1e9"]))  # p.grad unclipped
     cpu = torch.device("cpu")
     model = build_model(cfg, cpu)
-    optimizer, scaler = optim.optimizer_for(cfg, model), optim.scaler_for(cfg)
+    optimizer, scaler = build_optimizer(cfg, model), optim.scaler_for(cfg)
     gen = torch.Generator().manual_seed(0)
     batches = [(torch.randint(0, 50257, (2, 16), generator=gen), torch.randint(0, 50257, (2, 16), generator=gen))
                for _ in range(2)]
@@ -699,7 +699,7 @@ def test_plot_overlays_a_metrics_file_and_a_log_and_draws_the_layer_heat_maps(ru
 
 def _telemetry_of_one_step(cfg, batches):
     model = build_model(cfg, torch.device("cpu"))
-    optimizer, scaler = optim.optimizer_for(cfg, model), optim.scaler_for(cfg)
+    optimizer, scaler = build_optimizer(cfg, model), optim.scaler_for(cfg)
     recorder = telemetry.Telemetry(model, cfg)
     recorder.begin()
     train_step(model, optimizer, scaler, batches, 1e-3, cfg, torch.device("cpu"), callbacks=telemetry.Probe(recorder))

@@ -15,7 +15,7 @@ from training import Step, train_step
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 import optim
 import whatif  # noqa: E402
-from builders import build_model
+from builders import build_model, build_optimizer
 from run_state import RunState
 from stability.soft_skip import SoftSkip, soft_skip_trend
 
@@ -29,7 +29,7 @@ def setup(*extra):
     model = build_model(cfg, torch.device("cpu"))
     gen = torch.Generator().manual_seed(0)
     batches = [(torch.randint(0, 512, (2, 16), generator=gen), torch.randint(0, 512, (2, 16), generator=gen))]
-    return cfg, model, optim.optimizer_for(cfg, model), optim.scaler_for(cfg), batches
+    return cfg, model, build_optimizer(cfg, model), optim.scaler_for(cfg), batches
 
 
 def step(parts, trend=None, lr=1e-2):

@@ -62,7 +62,7 @@ import parallel  # noqa: E402
 import precision  # noqa: E402
 import tokenizer  # noqa: E402
 import training  # noqa: E402
-from builders import build_model  # noqa: E402
+from builders import build_model, build_optimizer  # noqa: E402
 from model import GPTConfig  # noqa: E402
 from sections import section  # noqa: E402
 
@@ -94,7 +94,7 @@ def load(config, overrides):
     cfg = arguments.load_config([config, *overrides])
     arguments.check_device(cfg)
     device = torch.device("cuda", torch.cuda.current_device()) if launch.use_cuda(cfg) else torch.device("cpu")
-    return cfg, GPTConfig.from_config(cfg), device
+    return cfg, section(GPTConfig, cfg), device
 
 
 def name_of(config):
@@ -438,7 +438,7 @@ def syncs(config, overrides):
     arguments.prepare(cfg, grid.world_size, reads_data=False)  # random tokens, made on the device
     device = launch.setup(layout_cfg, cfg.seed)
     model = build_model(cfg, device)
-    optimizer, scaler = optim.optimizer_for(cfg, model), optim.scaler_for(cfg)
+    optimizer, scaler = build_optimizer(cfg, model), optim.scaler_for(cfg)
     if launch.compiles(cfg):  # as train.py: each block one graph, the loss's chain fused
         parallel.unwrap(model).compile_blocks()
         cross_entropy.compile_chain()

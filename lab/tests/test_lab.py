@@ -16,7 +16,7 @@ import arguments
 import bpe_corpus
 import lr_sweep
 import optim
-from builders import build_model
+from builders import build_model, build_optimizer
 from stability import telemetry
 from training import train_step
 
@@ -101,7 +101,7 @@ def test_weight_decay_independent_reaches_the_optimizer_from_the_config():
                                                     "--seq_length=8", "--vocab_size=512", "--lr=0.02",
                                                     "--weight_decay=1e-4", "--weight_decay_independent"]))
     model = build_model(cfg, torch.device("cpu"))
-    groups = optim.optimizer_for(cfg, model).param_groups
+    groups = build_optimizer(cfg, model).param_groups
     assert {g["name"]: g["weight_decay"] for g in groups} == {"decay": pytest.approx(1e-4 / 0.02), "no_decay": 0.0}
 
 
@@ -121,7 +121,7 @@ def test_telemetry_precursors_match_direct_computation():
     with torch.no_grad():  # head 0's queries 4x larger: its attention is sharper than head 1's
         for block in model.blocks.values():
             block.attn.qkv.weight[:D] *= 4  # rows laid out [heads, (q, k, v), head_dim]
-    optimizer, scaler = optim.optimizer_for(cfg, model), optim.scaler_for(cfg)
+    optimizer, scaler = build_optimizer(cfg, model), optim.scaler_for(cfg)
     gen = torch.Generator().manual_seed(0)
     batches = [(torch.randint(0, 50257, (2, T), generator=gen), torch.randint(0, 50257, (2, T), generator=gen))
                for _ in range(2)]
