@@ -27,13 +27,13 @@ import optim
 import parallel
 from builders import build_model, build_optimizer
 from helpers import (  # noqa: F401
-    plan_of,
     E2E_ARGS,
     SMALL,
     assert_same_training,
     corpus,
     launch,
     losses,
+    plan_of,
     run_cli,
     spawn,
     synthetic_corpus,  # (corpus, synthetic_corpus: fixtures)

@@ -19,8 +19,8 @@ import layers
 import loader
 import parallel
 from helpers import random_batches, spawn, stage
-from sections import section
 from model import GPT, GPTConfig
+from sections import section
 from training import forward_backward
 
 EOD = 0

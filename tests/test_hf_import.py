@@ -18,14 +18,14 @@ import hf
 import loader
 import parallel
 from helpers import (  # noqa: F401
-    data_of,
-    plan_of,
     ROOT,
     assert_same,
     build_tokenizer_file,
     corpus,
+    data_of,
     final_state,
     losses,
+    plan_of,
     play_corpus,
     run_cli,
     run_main,

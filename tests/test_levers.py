@@ -13,14 +13,14 @@ import schedule
 import training
 from builders import build_model, build_optimizer
 from helpers import (  # noqa: F401 (fixtures)
-    data_of,
-    plan_of,
     SMALL,
     assert_same_checkpoint,
     corpus,
     corpus512,
+    data_of,
     log_fields,
     losses,
+    plan_of,
     run_cli,
     run_main,
 )

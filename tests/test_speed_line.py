@@ -12,7 +12,6 @@ import torch
 import arguments
 import report
 from helpers import plan_of
-from sections import section
 from model import GPTConfig
 from sections import section
 

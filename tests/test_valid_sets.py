@@ -17,7 +17,16 @@ import arguments
 import data
 import training
 from helpers import (  # noqa: F401 (fixtures)
-    SMALL, corpus, corpus512, data_of, log_fields, plan_of, run_cli, run_main, synthetic_corpus)
+    SMALL,
+    corpus,
+    corpus512,
+    data_of,
+    log_fields,
+    plan_of,
+    run_cli,
+    run_main,
+    synthetic_corpus,
+)
 
 SPLIT, SEQ, SEED, SAMPLES = "949,50,1", 64, 1234, 2 * 8  # the split, seq_length, seed; eval_iters x global batch
 NAMES = ["all", "shakespeare", "synthetic", "heldout"]
