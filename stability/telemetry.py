@@ -32,8 +32,9 @@ import training
 
 class Telemetry:
     def __init__(self, model, model_cfg, optimizer=None):
-        """model_cfg: the model's shape (a model.GPTConfig); optimizer: the one that steps the model (optim.optimizer_for's), whose fp32 master weights the
-        update/param ratio is measured on; None: the model's weights themselves."""
+        """model_cfg: the model's shape (a model.GPTConfig). optimizer: the one that steps the model
+        (optim.optimizer_for's), whose fp32 master weights the update/param ratio is measured on; None: the
+        model's weights themselves."""
         self.gpt = parallel.unwrap(model)
         self.main_param = getattr(optimizer, "main_param", lambda p: p)
         # ZeRO-1: each master is on one DP rank only, so the sum over DP ranks counts it once (not dp_size times)

@@ -211,7 +211,8 @@ def test_a_slow_rise_is_caught_on_its_third_step_and_the_clean_twin_never():
     flags = ["--spike_guard", "--spike_guard_window=20", "--spike_guard_min_steps=10"]
     cfg, off = arguments.load_config(flags), arguments.load_config([*flags, "--spike_guard_rise_steps=0"])
     assert detector.spikes_in(runs["lr_x37_from_158"], cfg, cfg.clip_grad)[0] == 161
-    assert [i for i in detector.spikes_in(runs["lr_x37_from_158"], off, off.clip_grad) if i < 200] == []  # the rule catches it
+    found = detector.spikes_in(runs["lr_x37_from_158"], off, off.clip_grad)
+    assert [i for i in found if i < 200] == []  # the rule catches it
     assert detector.spikes_in(runs["clean"], cfg, cfg.clip_grad) == []
 
 

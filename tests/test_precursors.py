@@ -90,12 +90,14 @@ def test_the_rung_cuts_the_lr_once_per_crossing_and_a_resumed_guard_remembers():
     assert guard.lr_scale == 0.25
     # a checkpoint keeps the cuts and the rung's state (above the threshold: no second cut on resume)
     resumed = spike_guard_of(cfg, saved=guard.state_dict())
-    assert spike_guard.precursor_rung(resumed, cfg, cfg.adam_eps, 60, telemetry(500.0)) is None and resumed.lr_scale == 0.25
+    assert spike_guard.precursor_rung(resumed, cfg, cfg.adam_eps, 60, telemetry(500.0)) is None
+    assert resumed.lr_scale == 0.25
     # a low-side precursor warns under its threshold; a NaN warns whatever the side
     low = cfg_with(spike_guard_precursor="grad_rms_over_eps", spike_guard_precursor_threshold=100.0)
     guard = spike_guard_of(low)
     assert spike_guard.precursor_rung(guard, low, low.adam_eps, 10, telemetry(1.0, grad_rms=1e-5)) is None  # 1000 x eps
-    assert spike_guard.precursor_rung(guard, low, low.adam_eps, 20, telemetry(1.0, grad_rms=1e-7))["action"] == "precursor"
+    rung = spike_guard.precursor_rung(guard, low, low.adam_eps, 20, telemetry(1.0, grad_rms=1e-7))
+    assert rung["action"] == "precursor"
     guard = spike_guard_of(cfg)
     assert spike_guard.precursor_rung(guard, cfg, cfg.adam_eps, 10, telemetry(math.nan))["action"] == "precursor"
     # off (the default): nothing, whatever the telemetry

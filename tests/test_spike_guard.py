@@ -580,7 +580,7 @@ def test_fault_injection_only_in_its_ranges_and_reproducible():
                                  "--inject_lr_factor=7", "--vocab_size=512"])
     batches = [(torch.zeros(2, 8, dtype=torch.long), torch.zeros(2, 8, dtype=torch.long))]
     assert Faults(cfg, None, cfg.seed, cfg.vocab_size).bad_batches(2, batches) is batches
-    a, b = Faults(cfg, None, cfg.seed, cfg.vocab_size).bad_batches(4, batches), Faults(cfg, None, cfg.seed, cfg.vocab_size).bad_batches(4, batches)
+    a, b = (Faults(cfg, None, cfg.seed, cfg.vocab_size).bad_batches(4, batches) for _ in range(2))
     assert torch.equal(a[0][0], b[0][0]) and a[0][0].max() > 0 and a[0][0].max() < 512
     assert torch.equal(a[0][0][:, 1:], a[0][1][:, :-1])  # still a sample: labels are the next tokens
     faults = Faults(arguments.prepare(cfg), None, cfg.seed, cfg.vocab_size)

@@ -154,7 +154,8 @@ def main(argv=None):
                              change(name, cfg, start, args.lr_factor, args.skip, args.soft_skip_ratio))
         series = records(directory, start)
         reached = saved_iteration(directory) == start + args.iters
-        results.append((label, series, detector.spikes_in(series, section(DetectorConfig, cfg), cfg.clip_grad, stats), reached))
+        found = detector.spikes_in(series, section(DetectorConfig, cfg), cfg.clip_grad, stats)
+        results.append((label, series, found, reached))
     text = table(results, start, args.iters)
     print(text)
     with open(os.path.join(args.out, "whatif.txt"), "w") as f:
