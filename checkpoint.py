@@ -719,8 +719,8 @@ def _schedule_note(state, config):
 
 
 def _move_history(state):
-    """An older run state's history (checked) into the loss history's callback state, unless it is empty or the
-    callbacks' map holds one already; the state without its history key."""
+    """An older run state's history (checked) into the loss history's callback state, unless it is
+    empty or the callbacks' map holds one already; the state without its history key."""
     state = dict(state)
     history = state.pop("history")
     _check_history(history)

@@ -41,7 +41,7 @@ class RunState:
     scheduler_samples: int = 0
     scheduler_tokens: int = 0
     optimizer_reset: dict | None = None  # {"iteration", "warmup_iters"} of the reset (lesson 8)
-    # each callback's state at the last capture, by its name: the loss history (stability/history.py) among them
+    # each callback's state at the last capture, by name (the loss history: stability/history.py)
     callbacks: dict = field(default_factory=dict)
     # the Hugging Face model init_from_hf started the run from (hf.origin): its token ids and context, which an
     # export keeps; here, not in the config, so that every resumed run carries it on without reading the model

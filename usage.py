@@ -42,9 +42,10 @@ def owners():
 
 
 def _parts(filename, class_name):
-    """[(file, class name)] of the classes whose own fields make class_name's, in its fields' order. A class with no
-    field of its own is their composition (Config; stability.config.StabilityConfig of its sections): its bases,
-    each found where the file defines it or imports it (`from MODULE import NAME`)."""
+    """[(file, class name)] of the classes whose own fields make class_name's, in its fields' order.
+    A class with no field of its own is their composition (Config; stability.config.StabilityConfig
+    of its sections): its bases, each found where the file defines it or imports it (`from MODULE
+    import NAME`)."""
     tree = ast.parse(_read(os.path.join(ROOT, filename)))
     modules = {alias.asname or alias.name: node.module for node in tree.body if isinstance(node, ast.ImportFrom)
                for alias in node.names}

@@ -30,8 +30,8 @@ DECIDED = "a checkpoint's guard decisions"  # not a key: the guard's entry is bu
 # The callbacks in the order they act (training.Callbacks calls each event in list order): (the switches that
 # build it, "module.Class" in stability/). Adding a check is a class and a line here (docs/forking.md).
 REGISTRY = [
-    # first: the applied steps' numbers, recorded before any callback after it can roll the iteration back (the
-    # soft skip's trend; the guard's statistics when a checkpoint has none of its own)
+    # ahead of all: the applied steps' numbers, recorded before a callback after it can roll the
+    # iteration back (the soft skip's trend; the guard's statistics where a checkpoint has none)
     (("soft_skip_loss_ratio", "spike_guard"), "history.History"),
     # first: the fault is in the batch, the LR and the weights every callback after it sees (the guard judges
     # it, the forensics replay it); its gradient flip comes before telemetry reads the gradients
@@ -93,8 +93,8 @@ def switched_on(cfg, saved_state=None):
 
 
 def build_callbacks(cfg, writer=None, saved_state=None):
-    """The run's callbacks (a training.Callbacks) in REGISTRY's order, each built when one of its switches is on;
-    None when the run needs none."""
+    """The run's callbacks (a training.Callbacks) in REGISTRY's order, each built when one of its
+    switches is on; None when the run needs none."""
     on = switched_on(cfg, saved_state)
     if not on:
         return None
@@ -104,7 +104,8 @@ def build_callbacks(cfg, writer=None, saved_state=None):
     from stability.spike_guard import SpikeGuard
     from training import Callbacks
     made = construction(cfg)
-    shared = Shared(writer, SpikeGuard(*made["spike_guard.SpikeGuard"]), Snapshots(*made["snapshots.Snapshots"]))
+    shared = Shared(writer, SpikeGuard(*made["spike_guard.SpikeGuard"]),
+                    Snapshots(*made["snapshots.Snapshots"]))
     for switches, where in REGISTRY:
         if on & set(switches):
             module, name = where.rsplit(".", 1)
@@ -115,29 +116,33 @@ def build_callbacks(cfg, writer=None, saved_state=None):
     return Callbacks(shared.built.values())
 
 
-# What the core's functions read when the layer hands them a step to replay, a forward, a batch to draw or the
-# samples to name (training.train_step and forward_backward, loader.micro_batches, diagnosis.name_samples): the
-# core's keys, passed by name to the callbacks that replay (construction), not declared again.
-CORE_KEYS = ("micro_batch_size", "global_batch_size", "clip_grad", "skip_grad_norm_above", "z_loss", "fp16", "bf16",
-             "deepspeed", "reset_position_ids", "reset_attention_mask", "eod_mask_loss", "tokenizer_file",
-             "vocab_size", "save")
+# What the core's functions read when the layer hands them a step to replay, a forward, a batch to
+# draw or the samples to name (training.train_step and forward_backward, loader.micro_batches,
+# diagnosis.name_samples): the core's keys, handed by name to the callbacks that replay, not
+# declared again.
+CORE_KEYS = ("micro_batch_size", "global_batch_size", "clip_grad", "skip_grad_norm_above", "z_loss",
+             "fp16", "bf16", "deepspeed", "reset_position_ids", "reset_attention_mask",
+             "eod_mask_loss", "tokenizer_file", "vocab_size", "save")
 CoreKeys = namedtuple("CoreKeys", CORE_KEYS)
 
 
 def construction(cfg):
-    """What each part of the layer is built with, by its "module.Class": its section of the config first, then
-    (after `shared`, for a callback) the values it needs of other sections and of the core, by name. A callback
-    not named here is built with its section alone: its class's Config. With switched_on, snapshot_plan and
-    config.check, the layer's boundary with the whole config."""
+    """What each part of the layer is built with, by its "module.Class": its section of the config
+    first, then (after `shared`, for a callback) the values it needs of other sections and of the
+    core, by name. A callback not named here is built with its section alone: its class's Config.
+    With switched_on, snapshot_plan and config.check, the layer's boundary with the whole config."""
     import schedule
     from model import GPTConfig
     from stability import config as c
     guard_cfg, detector_cfg = section(c.GuardConfig, cfg), section(c.DetectorConfig, cfg)
     core = CoreKeys(*(getattr(cfg, key) for key in CORE_KEYS))
     interval = cfg.spike_guard_snapshot_interval
+    sharded = cfg.deepspeed or cfg.zero_stage >= 1  # each DP rank holds its own optimizer shard
     return {
         "spike_guard.SpikeGuard": (detector_cfg, guard_cfg, cfg.clip_grad, interval),
-        "snapshots.Snapshots": (snapshot_plan(cfg), (cfg.save, cfg.load), schedule.reset_warmup_iters(cfg, "auto")),
+        "snapshots.Snapshots": (snapshot_plan(cfg), (cfg.save, cfg.load),
+                                schedule.reset_warmup_iters(cfg, "auto")),
+        "history.History": (None,),  # no key of its own
         "faults.Faults": (section(c.FaultsConfig, cfg), cfg.seed, cfg.vocab_size, core),
         "guard.Guard": (guard_cfg, core),
         "telemetry.Recording": (section(c.TelemetryConfig, cfg), section(GPTConfig, cfg)),
@@ -147,17 +152,18 @@ def construction(cfg):
         "remedies.OptRestart": (section(c.RestartConfig, cfg),),
         "remedies.PalmRestart": (section(c.RestartConfig, cfg),),
         "replica_check.ReplicaCheck": (section(c.ReplicaCheckConfig, cfg), guard_cfg.spike_guard, interval,
-                                       guard_cfg.spike_guard_max_hardware_faults, cfg.deepspeed or cfg.zero_stage >= 1),
+                                       guard_cfg.spike_guard_max_hardware_faults, sharded),
         "soft_skip.SoftSkip": (section(c.SoftSkipConfig, cfg), detector_cfg.spike_guard_min_steps,
                                detector_cfg.spike_guard_window),
         "snapshots.Snapshotting": (section(c.SnapshotConfig, cfg),),
-        "history.History": (None,),  # no key of its own
     }
 
 
 def snapshot_plan(cfg):
-    """The snapshots' number, place and size (snapshots.Plan) of a run's config; estimate.py's dry run asks too."""
+    """The snapshots' number, place and size (snapshots.Plan) of a run's config; estimate.py's dry
+    run asks too."""
     from stability.snapshots import Plan
-    return Plan(interval=cfg.spike_guard_snapshot_interval if cfg.spike_guard else 0, rewind=cfg.spike_guard_rewind,
-                directory=cfg.spike_guard_snapshot_dir, half=cfg.fp16 or cfg.bf16, zero1=cfg.zero_stage >= 1,
-                engine=cfg.deepspeed, async_copy=cfg.async_save)
+    return Plan(interval=cfg.spike_guard_snapshot_interval if cfg.spike_guard else 0,
+                rewind=cfg.spike_guard_rewind, directory=cfg.spike_guard_snapshot_dir,
+                half=cfg.fp16 or cfg.bf16, zero1=cfg.zero_stage >= 1, engine=cfg.deepspeed,
+                async_copy=cfg.async_save)

@@ -1,11 +1,12 @@
 """The stability layer's keys and their checks: the spike guard (lesson 21), the soft skip, telemetry, the skip list
 and fault injection. arguments.Config is made of each owner's keys; this file is the stability layer's part.
 
-Each key is declared once, in the section of the part that reads it (a dataclass below, its fields the keys by
-their names); StabilityConfig is the sections composed, as arguments.Config composes the owners. Each callback is
-handed its section when it is built (sections.section, in stability.build_callbacks), and the core's keys it
-needs (clip_grad, seed, save, ...) as arguments, by name. check() is the one function here that reads the whole
-config: the checks of keys across sections and owners; each section's own checks take the section.
+Each key is declared once, in the section of the part that reads it (a dataclass below, its fields
+the keys by their names); StabilityConfig is the sections composed, as arguments.Config composes the
+owners. Each callback is handed its section when it is built (sections.section, in
+stability.build_callbacks), and the core's keys it needs (clip_grad, seed, save, ...) as arguments,
+by name. check() is the one function here that reads the whole config: the checks of keys across
+sections and owners; each section's own checks take the section.
 
 The dependency runs from this layer to the core, never back: the checks below use the core's rules
 (schedule.parse_iteration_ranges), and stability.precursors is imported inside check() only.
@@ -18,9 +19,9 @@ from sections import section
 
 
 # -----------------------------------------------------------------------------
-# The keys, each declared once, in the section of the part that reads it; StabilityConfig is their composition.
-# A part that needs a key of another section, or of the core (clip_grad, seed, save...), gets its value at
-# construction from build_callbacks (stability/__init__.py), by name.
+# The keys, each declared once, in the section of the part that reads it; StabilityConfig is their
+# composition. A part that needs a key of another section, or of the core (clip_grad, seed, save...),
+# gets its value at construction from stability.construction, by name.
 
 
 @dataclass
@@ -157,11 +158,12 @@ class FaultsConfig:  # faults.Faults
 
 
 @dataclass
-class StabilityConfig(FaultsConfig, RestartConfig, ZClipConfig, SpikyLossConfig, SkipStepConfig, PrecursorConfig,
-                      ForensicsConfig, SnapshotConfig, DetectorConfig, GuardConfig, SkipListConfig,
-                      ReplicaCheckConfig, TelemetryConfig, SoftSkipConfig):
-    """Every key of the stability layer, flat: the sections above composed (a dataclass's fields come base class
-    last first: the soft skip's first, the faults' last). usage.py reads these bases for `--help`."""
+class StabilityConfig(FaultsConfig, RestartConfig, ZClipConfig, SpikyLossConfig, SkipStepConfig,
+                      PrecursorConfig, ForensicsConfig, SnapshotConfig, DetectorConfig, GuardConfig,
+                      SkipListConfig, ReplicaCheckConfig, TelemetryConfig, SoftSkipConfig):
+    """Every key of the stability layer, flat: the sections above composed (a dataclass's fields
+    come base class last first: the soft skip's first, the faults' last). usage.py reads these bases
+    for `--help`."""
 
 
 def need(ok, message):
@@ -170,8 +172,9 @@ def need(ok, message):
 
 
 def check(cfg):
-    """Raise ValueError with the fix for stability keys that cannot work. The whole config: the keys that only
-    work together across sections and with the core's (deepspeed, save, fp16) are checked here."""
+    """Raise ValueError with the fix for stability keys that cannot work. The whole config: the keys
+    that work only together, across sections and with the core's (deepspeed, save, fp16), are
+    checked here; each section's own checks take the section."""
     check_faults(section(FaultsConfig, cfg), half=cfg.fp16 or cfg.bf16)
     need(not cfg.inject_overflow_iters or cfg.fp16,
          "inject_overflow_iters makes fp16's gradients overflow: set fp16 (bf16 and fp32 have "

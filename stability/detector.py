@@ -8,7 +8,7 @@ or `spike_guard_rise_steps` losses in a row each half as far above (a slow rise 
 `spike_guard_min_steps` applied steps on: the trend makes the LR warm-up's falling loss and rising grad norm
 ordinary.
 
-    detector = Detector(detector_cfg, clip_grad)  # a DetectorConfig (sections.section), the core's clip_grad
+    detector = Detector(detector_cfg, clip_grad)  # a DetectorConfig, the core's clip_grad
     reason = detector.judge(loss, grad_norm)    # why this step is a spike, or None
     detector.record(loss, grad_norm, lr)        # an applied step
 
@@ -112,7 +112,7 @@ class Series:
         return {"values": list(self.values), "errors": list(self.errors), "zs": list(self.zs)}
 
     def load(self, state):
-        """A snapshot's or checkpoint's state; without its errors and zs (the loss history, history.History's, or
+        """A snapshot's or checkpoint's state; without its errors and zs (the loss history's, or
         a state written before the zs were kept), they are computed again from the values."""
         for kept in (self.values, self.errors, self.zs):
             kept.clear()
@@ -292,8 +292,9 @@ def spikes_in(series, detector_cfg, clip_grad, stats=None):
 
 
 def run_stats(state):
-    """The detector's statistics in a run state (a dict): the guard's own when it was on, else the loss history
-    of applied steps (history.History's state, kept with the soft skip) in their form; {} for neither."""
+    """The detector's statistics in a run state (a dict): the guard's own when it was on, else the
+    loss history of applied steps (history.History's state, kept with the soft skip) in their form;
+    {} for neither."""
     stats = (run_state.callback_states(state).get("spike_guard") or {}).get("stats")
     if stats:
         return stats

@@ -58,8 +58,8 @@ class Veto(training.Callback):
 
 def measure_noise(model, batches, core, device):
     """The run's own nondeterminism, once, when the guard arms: the relative difference of the batch's loss
-    and the loss of the same forward again, same RNG (0 on CPU; GPU kernels that use atomics differ).
-    core: the core's keys its forward reads (stability.CoreKeys), here and below."""
+    and the loss of the same forward again, same RNG (0 on CPU; GPU kernels that use atomics
+    differ). core: the core's keys its forward reads (stability.CoreKeys), here and below."""
     rng = checkpoint.rng_state()
     first = evaluate_batches(model, batches, core, device)
     checkpoint.set_rng_state(rng)

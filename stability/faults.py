@@ -62,8 +62,9 @@ class Faults(training.Callback):
     name = "faults"
 
     def __init__(self, faults_cfg, shared, seed, vocab_size, core=None):
-        """seed: its generators are seeded by (seed, iteration); vocab_size: random tokens are drawn from it; core:
-        the core's keys (stability.CoreKeys) loader.micro_batches reads, for the repeated block's samples."""
+        """seed: its generators are seeded by (seed, iteration); vocab_size: random tokens are drawn
+        from it; core: the core's keys (stability.CoreKeys) loader.micro_batches reads, for the
+        repeated block's samples."""
         self.faults_cfg, self.seed, self.vocab_size, self.core = faults_cfg, seed, vocab_size, core
         # the run's timeline (the guard's): which passes meet an event in time
         self.timeline = shared.guard if shared is not None else NoTimeline()
@@ -85,7 +86,8 @@ class Faults(training.Callback):
         it.batches = self.data_batches(n, it.first_sample, it.batch_size, it.seqlen, it.batches)
         factor = self.lr_factor(n, self.timeline)
         if factor != 1.0:
-            if not self.faults_cfg.inject_lr_persistent:  # once in time: a replay of this iteration would not meet it
+            # once in time: a replay of this iteration would not meet it
+            if not self.faults_cfg.inject_lr_persistent:
                 self.timeline.note_lr(n, it.lr, it.lr * factor)
             it.lr = it.lr * factor
         self.numerical_hook = self.numerical(n, self.model)
@@ -246,7 +248,7 @@ class Faults(training.Callback):
         i = int(flat.abs().argmax()) if element < 0 else element % flat.numel()
         itype, bit = {torch.float32: (torch.int32, 30), torch.bfloat16: (torch.int16, 14),
                       torch.float16: (torch.int16, 14)}[flat.dtype]
-        if faults_cfg.inject_bitflip_bit >= 0:  # any bit (sign, exponent, mantissa) of the element's width
+        if faults_cfg.inject_bitflip_bit >= 0:  # any bit (sign, exponent, mantissa) of its width
             bit = faults_cfg.inject_bitflip_bit % (8 * flat.element_size())
         flat.view(itype)[i] ^= 1 << bit
         print(f"spike guard: iteration {iteration}: injected a bit flip into {what} element {i} on rank "

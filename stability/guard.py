@@ -36,8 +36,8 @@ class Guard(training.Callback):
     name = "spike_guard"
 
     def __init__(self, guard_cfg, shared, core):
-        """guard_cfg: its keys, which the spike guard (shared.guard) reads; core: the core's keys (stability.CoreKeys)
-        its forwards and the samples it names read, and save."""
+        """guard_cfg: its keys, which the spike guard (shared.guard) reads; core: the core's keys
+        (stability.CoreKeys) its forwards and the samples it names read, and save."""
         self.core = core
         self.guard, self.snapshots, self.writer = shared.guard, shared.snapshots, shared.writer
         self.built = shared.built  # the replica check, built after: it carries out its own findings
@@ -157,8 +157,8 @@ class Guard(training.Callback):
 
     def load_state_dict(self, state, run, resume):
         """At a resume, the guard's whole state; at a rollback, its statistics only (they go with the weights; its
-        decisions are history). Without statistics of its own (a checkpoint of a run without the guard), the loss
-        history's (history.History, with the soft skip) stand in for them."""
+        decisions are history). Without statistics of its own (a checkpoint of a run without the
+        guard), the loss history's (history.History, with the soft skip) stand in for them."""
         if resume and state:
             self.guard.load_state_dict(state)
         self.guard.load_stats(detector.run_stats({"callbacks": {**run.callbacks, self.name: state}}))
@@ -169,7 +169,7 @@ class Precursor(training.Callback):
     threshold (spike_guard.precursor_rung); the cut goes into the guard's LR scale, the decision into its log."""
     name = "precursor"
 
-    def __init__(self, precursor_cfg, shared, adam_eps):  # adam_eps: the optimizer's (precursor_rung)
+    def __init__(self, precursor_cfg, shared, adam_eps):  # adam_eps: the optimizer's epsilon
         self.settings, self.adam_eps = precursor_cfg, adam_eps
         self.guard, self.telemetry = shared.guard, shared.built["telemetry"]  # config.check: telemetry is on
 
@@ -193,7 +193,8 @@ class Forensics(training.Callback):
     name = "forensics"
 
     def __init__(self, forensics_cfg, shared, core):
-        """core: the core's keys (stability.CoreKeys) that its replays hand to train_step and loader.micro_batches."""
+        """core: the core's keys (stability.CoreKeys) that its replays hand to train_step and
+        loader.micro_batches."""
         self.core = core
         self.guard, self.snapshots, self.built = shared.guard, shared.snapshots, shared.built
         self.fp32_replay = forensics_cfg.spike_guard_fp32_replay and (core.fp16 or core.bf16)

@@ -1,18 +1,18 @@
-"""The loss history: the loss and grad norm of the last HISTORY applied steps, the trend the soft skip judges a step
-against (soft_skip.soft_skip_trend) and the spike guard's statistics stand in for when it starts on a checkpoint
-that has none of its own (guard.Guard.load_state_dict). Kept by the part that needs it, in its own state: a
-checkpoint and a snapshot carry it, and a rollback returns it to the weights' iteration."""
+"""The loss history: the loss and grad norm of the last HISTORY applied steps. The soft skip judges a
+step against its trend (soft_skip.soft_skip_trend); the spike guard's statistics start from it on a
+checkpoint that has none of its own (guard.Guard.load_state_dict). Kept by the part that needs it, in
+its own state: checkpoints and snapshots carry it, a rollback returns it to the weights' iteration."""
 import training
 
-HISTORY = 1024  # applied steps kept: more than the guard's window (spike_guard_window, 128) and its line's fit
+HISTORY = 1024  # applied steps kept: more than the guard's window (spike_guard_window) and its fit
 
 
 class History(training.Callback):
-    """The applied steps' numbers, oldest first: {"loss": [...], "grad norm": [...]} (`values`). An applied step
-    is one whose update the core made (Step outcome "ok"); a skipped, vetoed or NaN step is none."""
+    """The applied steps' numbers, oldest first: {"loss": [...], "grad norm": [...]} (`values`). An
+    applied step is one whose update the core made (Step outcome "ok"); skipped, vetoed, NaN: none."""
     name = "history"
 
-    def __init__(self, section_cfg=None, shared=None):  # no key of its own: built for the parts that read it
+    def __init__(self, section_cfg=None, shared=None):  # no key of its own: built for its readers
         self.values = {"loss": [], "grad norm": []}
 
     def after_step(self, it, step):
@@ -26,6 +26,6 @@ class History(training.Callback):
     def state_dict(self):
         return {key: list(kept) for key, kept in self.values.items()}
 
-    def load_state_dict(self, state, run, resume):  # at a rollback too: the numbers go with the weights
+    def load_state_dict(self, state, run, resume):  # a rollback's too: they go with the weights
         for key, kept in self.values.items():
             kept[:] = (state or {}).get(key, [])

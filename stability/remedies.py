@@ -123,7 +123,7 @@ class SpikyLoss(training.Callback):
 
     def __init__(self, spiky_loss_cfg, shared, core):
         self.settings = spiky_loss_cfg
-        self.core = core  # the core's keys (stability.CoreKeys), handed to the core's forward_backward only
+        self.core = core  # the core's keys (stability.CoreKeys), for the core's forward_backward
         self.state, self.first = {"count": 0, "max": 0.0}, True
 
     def start(self, parts, report, train_data):

@@ -51,10 +51,10 @@ class ReplicaCheck(training.Callback):
     name = "replica_check"
 
     def __init__(self, replica_check_cfg, shared, spike_guard, snapshot_interval, max_hardware_faults, sharded):
-        """spike_guard on: the default interval, a rollback where no majority tells the healthy replica, the cap;
-        snapshot_interval: the default interval, each snapshot taken right after a check; max_hardware_faults: a
-        DP rank found differing this many times stops the run, naming it; sharded: each DP rank holds its own
-        shard of the optimizer state (zero_stage >= 1, DeepSpeed's partitions), nothing to compare there."""
+        """spike_guard on: the default interval (snapshot_interval's: each snapshot taken right
+        after a check); max_hardware_faults: a DP rank found differing this many times stops the
+        run, naming it; sharded: each DP rank holds its own shard of the optimizer state
+        (zero_stage >= 1, DeepSpeed's partitions), nothing to compare there."""
         self.max_hardware_faults = max_hardware_faults
         self.interval = replica_check_cfg.dp_replica_check_interval
         if self.interval is None:  # on with the guard: each snapshot right after a check

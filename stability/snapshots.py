@@ -35,8 +35,9 @@ class Snapshots:
     dropped and at the run's end. model: this rank's, to check at the start that the snapshots fit."""
 
     def __init__(self, plan, checkpoint_dirs=(None, None), reset_warmup=0, model=None):
-        """plan: a Plan (stability.snapshot_plan); checkpoint_dirs: the run's save and load, whose disk
-        checkpoints a rollback returns to too; reset_warmup: the lr=0 iterations of a relapse's optimizer reset."""
+        """plan: a Plan (stability.snapshot_plan); checkpoint_dirs: the run's save and load, whose
+        disk checkpoints a rollback returns to too; reset_warmup: the lr=0 iterations of a relapse's
+        optimizer reset."""
         self.plan, self.dirs, self.reset_warmup = plan, [d for d in dict.fromkeys(checkpoint_dirs) if d], reset_warmup
         self.interval = plan.interval
         self.keep = keep(plan)
@@ -204,8 +205,8 @@ class Snapshotting(training.Callback):
 
 @dataclass(frozen=True)
 class Plan:
-    """What the snapshots' number, place and size depend on (stability.snapshot_plan makes it from the config)."""
-    interval: int  # a snapshot every this many iterations: spike_guard_snapshot_interval with the guard on, else 0
+    """What the snapshots' number, place and size depend on (made by stability.snapshot_plan)."""
+    interval: int  # a snapshot every N iterations: spike_guard_snapshot_interval (guard off: 0)
     rewind: int  # spike_guard_rewind: how far back a rollback can reach
     directory: str | None  # spike_guard_snapshot_dir
     half: bool  # fp16 or bf16 weights, with fp32 masters
@@ -257,9 +258,10 @@ def rank_snapshot_bytes(plan, model, pinned=None):
 
 
 def host_copies(plan):
-    """Copies of the run in host memory per GPU: the snapshots (keep(plan), or with spike_guard_snapshot_dir one:
-    the buffers of the background write), and with async_save one more, the buffers checkpoint.AsyncWriter keeps
-    from one save to the next (a checkpoint holds what a snapshot holds: run_state.capture)."""
+    """Copies of the run in host memory per GPU: the snapshots (keep(plan), or with
+    spike_guard_snapshot_dir one: the buffers of the background write), and with async_save one
+    more, the buffers checkpoint.AsyncWriter keeps from one save to the next (a checkpoint holds
+    what a snapshot holds: run_state.capture)."""
     return (min(keep(plan), 1) if plan.directory else keep(plan)) + int(plan.async_copy)
 
 

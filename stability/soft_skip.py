@@ -7,15 +7,16 @@ from stability.detector import Series
 
 class SoftSkip(training.Callback):
     """The step's update_factor: trend / loss for a loss above soft_skip_loss_ratio x its trend, else 1. The trend
-    is read from the loss history (history.History) before each step; `trend`: a fixed one (a step outside a
-    run)."""
+    is read from the loss history (history.History) before each step; `trend`: a fixed one (a step
+    outside a run)."""
     name = "soft_skip"
 
     def __init__(self, soft_skip_cfg, shared, min_steps, window, trend=None):
-        """min_steps, window: spike_guard_min_steps and spike_guard_window, the guard's line's (soft_skip_trend)."""
+        """min_steps, window: spike_guard_min_steps, spike_guard_window: the guard's line's."""
         self.settings, self.min_steps, self.window, self.trend = soft_skip_cfg, min_steps, window, trend
 
-        self.history = shared.built["history"].values if shared is not None else None  # history.History: before
+        # the loss history (history.History), built before this callback
+        self.history = shared.built["history"].values if shared is not None else None
 
     def start(self, parts, report, train_data):
         pass

@@ -105,7 +105,8 @@ class SpikeGuard(Detector):
 
     def __init__(self, detector_cfg, guard_cfg, clip_grad, snapshot_interval, saved=None):
         """detector_cfg, guard_cfg: its sections; clip_grad: the core's (Detector, tolerates());
-        snapshot_interval: spike_guard_snapshot_interval, how far back the LRs a rollback would replay are kept."""
+        snapshot_interval: spike_guard_snapshot_interval, how far back the LRs a rollback would
+        replay are kept."""
         super().__init__(detector_cfg, clip_grad)
         self.ladder, self.snapshot_interval = guard_cfg, snapshot_interval
         self.enabled = self.ladder.spike_guard

@@ -33,8 +33,8 @@ import training
 class Telemetry:
     def __init__(self, model, model_cfg, optimizer=None):
         """model_cfg: the model's shape (a model.GPTConfig). optimizer: the one that steps the model
-        (optim.optimizer_for's), whose fp32 master weights the update/param ratio is measured on; None: the
-        model's weights themselves."""
+        (optim.optimizer_for's), whose fp32 master weights the update/param ratio is measured on;
+        None: the model's weights themselves."""
         self.gpt = parallel.unwrap(model)
         self.main_param = getattr(optimizer, "main_param", lambda p: p)
         # ZeRO-1: each master is on one DP rank only, so the sum over DP ranks counts it once (not dp_size times)
@@ -246,7 +246,7 @@ class Recording(training.Callback):
     name = "telemetry"
 
     def __init__(self, telemetry_cfg, shared, model_cfg):
-        self.model_cfg, self.interval = model_cfg, telemetry_cfg.telemetry_interval  # model_cfg: for Telemetry
+        self.model_cfg, self.interval = model_cfg, telemetry_cfg.telemetry_interval  # for Telemetry
         self.probe = self.record = None
 
     def start(self, parts, report, train_data):

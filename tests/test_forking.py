@@ -1,6 +1,6 @@
-"""docs/forking.md's stability check, run as the page writes it: its file, its section (its key) and its registry
-line applied to a copy of the product, then `--help`, short runs of the small model with the key on the command
-line, and the state it keeps in the checkpoint."""
+"""docs/forking.md's stability check, run as the page writes it: its file, its section (its key)
+and its registry line applied to a copy of the product, then `--help`, short runs of the small model
+with the key on the command line, and the state it keeps in the checkpoint."""
 import os
 import re
 import shutil
@@ -14,31 +14,33 @@ from helpers import ROOT, SMALL, corpus, losses  # noqa: F401 (corpus: a fixture
 
 
 def _example():
-    """(the module's code, its section, the registry line) of the page's section "A stability check"."""
+    """(the module's code, its section, the registry line) of the page's "A stability check"."""
     with open(os.path.join(ROOT, "docs", "forking.md")) as f:
         section = f.read().split("## A stability check", 1)[1].split("\n## ", 1)[0]
     return re.findall(r"```python\n(.*?)```", section, re.S)[:3]
 
 
-def _edit(path, before, insert):
-    """insert the text before the first occurrence of `before` in the file at path (which must hold it)."""
+def _edit(path, old, new):
+    """The first occurrence of old in the file at path (which must hold it) replaced by new."""
     with open(path) as f:
         text = f.read()
-    assert before in text, f"{before!r} is not in {path}"
+    assert old in text, f"{old!r} is not in {path}"
     with open(path, "w") as f:
-        f.write(text.replace(before, insert + before, 1))
+        f.write(text.replace(old, new, 1))
 
 
 def _forked(tmp_path):
-    """A copy of the product (its modules and config files) with the page's check added as the page says."""
+    """A copy of the product (its modules and config files), the page's check added as it says."""
     fork = tmp_path / "fork"
     shutil.copytree(ROOT, fork, ignore=lambda d, names: [n for n in names if not (
         n.endswith(".py") or os.path.isdir(os.path.join(d, n)) and n in ("stability", "config"))])
     module, section, line = _example()
     (fork / "stability" / "loss_cap.py").write_text(module)
-    _edit(fork / "stability" / "config.py", "@dataclass\nclass StabilityConfig(", section + "\n\n")
-    _edit(fork / "stability" / "config.py", "FaultsConfig, RestartConfig,", "LossCapConfig, ")
-    _edit(fork / "stability" / "__init__.py", '    # its record finished before the forensics', line)
+    config = fork / "stability" / "config.py"
+    _edit(config, "@dataclass\nclass StabilityConfig(", section + "\n\n@dataclass\nclass StabilityConfig(")
+    _edit(config, "class StabilityConfig(", "class StabilityConfig(LossCapConfig, ")  # first: its key last
+    after_guard = '"guard.Guard"),\n'
+    _edit(fork / "stability" / "__init__.py", after_guard, after_guard + line)
     return fork
 
 
@@ -58,7 +60,8 @@ def test_the_pages_stability_check_with_its_key_is_built_keeps_its_state_and_vet
     state = torch.load(tmp_path / "kept" / "global_step4" / "mp_rank_00_000_model_states.pt", weights_only=False)
     first = state["run"]["state"]["callbacks"]["loss_cap"]["first"]  # its own entry in the checkpoint
     assert abs(first - float(losses(out)[1])) < 1e-3 * first
-    assert state["run"]["config"]["loss_cap"] == 3.0 and "loss cap:" not in out  # far from 3x its first loss
+    assert state["run"]["config"]["loss_cap"] == 3.0
+    assert "loss cap:" not in out  # a clean start is far from 3x its first loss
     out = _run(fork, *args, "--loss_cap=0.5", "--spike_guard")  # every loss is above half the first
     assert len(re.findall(r"^loss cap: loss \S+ is over 0.5x the first loss", out, re.M)) == 4, out[-3000:]
     assert "spike guard: iteration" not in out  # the guard leaves another callback's veto alone

@@ -1,6 +1,7 @@
-"""The loss history (stability/history.py): kept by the stability layer's callback that the soft skip and the
-spike guard read, not by the run state; checkpoints carry it, and a resume -- from a checkpoint of this version,
-or of one whose run state kept it (checkpoint.MOVED) -- goes on bit-exactly."""
+"""The loss history (stability/history.py): kept by the stability layer's callback that the soft
+skip and the spike guard read, not by the run state; checkpoints carry it, and a resume -- from a
+checkpoint of this version, or of one whose run state kept it (checkpoint.MOVED) -- goes on
+bit-exactly."""
 import re
 import shutil
 
@@ -11,13 +12,14 @@ import checkpoint
 import parallel
 from helpers import SMALL, corpus, corpus512, losses, run_main  # noqa: F401 (corpus, corpus512: fixtures)
 
-# the soft skip acting on the steps above its trend (the history's line), which it has from iteration 3 on
+# the soft skip acting on the steps above its trend (the history's line), from iteration 3 on
 # (a high LR: a loss that overshoots its line after the resume, at iterations 7 and 8)
 ARGS = [*SMALL, "--eval_iters=0", "--soft_skip_loss_ratio=1", "--spike_guard_min_steps=2", "--lr=0.05"]
 
 
 def _old_format(directory):
-    """The checkpoint `latest` names rewritten as a version before #49 wrote it: the history in the run state."""
+    """The checkpoint `latest` names rewritten as a version before #49 wrote it: the history in
+    the run state."""
     tag_dir = checkpoint.latest_dir(str(directory))
     g = parallel.Grid(world_size=1)
     blob = torch.load(checkpoint.model_file(tag_dir, g), weights_only=False)
@@ -33,7 +35,7 @@ def test_a_resume_goes_on_with_the_history_bit_exactly_from_a_new_or_an_old_chec
     args = [*ARGS, f"--data_path={corpus}"]
     out = run_main(*args, "--train_iters=8")
     straight, scaled = losses(out), re.findall(r"^soft skip: .*", out, re.M)
-    assert len(scaled) == 2, out[-3000:]  # after the resume point: the history decides those updates
+    assert len(scaled) == 2, out[-3000:]  # after the resume point: the history decides them
     run_main(*args, "--train_iters=4", f"--save={tmp_path / 'new'}", "--save_interval=4")
     state = torch.load(tmp_path / "new" / "global_step4" / "mp_rank_00_000_model_states.pt", weights_only=False)
     assert "history" not in state["run"]["state"]
