@@ -333,7 +333,7 @@ def guarded_step(run, key, batches):
     step = training.train_step(run.model, run.optimizer, run.scaler, it.batches, it.lr, run.cfg,
                                run.device, count_zeros=logged(run, key), callbacks=callbacks)
     step = callbacks.check_step(it, step)
-    state.advance(it.batch_size, it.seqlen, applied=step.outcome == "ok")
+    state.advance(it.batch_size, it.seqlen, applied=step.outcome == "ok", step=step)
     callbacks.after_step(it, step)
     callbacks.after_iteration(it.number)
     return step

@@ -592,7 +592,7 @@ def saved_topology(tag_dir):
 # The keys of run_state.RunState (tests/test_run_state_checks.py keeps the two the same): a key
 # added there needs its entry here, and a migration for the checkpoints written before it.
 RUN_STATE_KEYS = ("iteration", "consumed_samples", "consumed_tokens", "scheduler_samples",
-                  "scheduler_tokens", "optimizer_reset", "callbacks", "hf_origin")
+                  "scheduler_tokens", "optimizer_reset", "callbacks", "history", "hf_origin")
 # The keys an older version did not write, each filled by what that version did -- named, and said
 # at the resume: key -> (its value from the saved dict, the note). Any other key missing is refused:
 # a default resumes another run in silence (consumed_samples 0 restarts the data order while the
@@ -602,6 +602,9 @@ MIGRATIONS = {
                           "consumed_samples, which the LR schedule followed before 0856c27"),
     "scheduler_tokens": (lambda s: s["consumed_tokens"],
                          "consumed_tokens, which the LR schedule followed before 0856c27"),
+    "history": (lambda s: {"loss": [], "grad norm": []},
+                "empty, as none was kept before c2d4e22: the trend the soft skip and the spike "
+                "guard judge a step against refills from here"),
     "callbacks": (lambda s: {"spike_guard": s["spike_guard"]} if s.get("spike_guard") else {},
                   "{'spike_guard': its state}, the stability layer's state kept alone before "
                   "f54cd2f"),
@@ -611,12 +614,7 @@ MIGRATIONS = {
 REQUIRED = ("iteration", "consumed_samples", "consumed_tokens", "optimizer_reset")  # since d635d5c
 COUNTERS = ("iteration", "consumed_samples", "consumed_tokens", "scheduler_samples",
             "scheduler_tokens")
-LEGACY_KEYS = {"spike_guard", "history"}  # read by a migration (callbacks, MOVED)
-# The keys a newer version keeps elsewhere: key -> (the state with its value moved there, the note)
-MOVED = {
-    "history": (lambda s: _move_history(s), "moved to the stability layer's callbacks['history'] "
-                "(stability/history.py: kept for the soft skip and the spike guard only) in #49"),
-}
+LEGACY_KEYS = {"spike_guard"}  # read by a migration (callbacks)
 
 
 def checked_run_state(saved, config=None):
@@ -641,11 +639,8 @@ def checked_run_state(saved, config=None):
             state[key] = fill(state)
             notes.append(f"run state: {key} missing (a checkpoint of an older version), filled by "
                          f"its migration: {note}")
-    for key, (move, note) in MOVED.items():
-        if key in state:
-            state = move(state)
-            notes.append(f"run state: {key} {note}")
     _check_ranges(state, config)
+    _check_history(state["history"])
     for key, kind in (("callbacks", dict), ("hf_origin", (dict, type(None)))):
         if not isinstance(state[key], kind):
             what = "a dict" if kind is dict else "a dict or None"
@@ -716,19 +711,6 @@ def _schedule_note(state, config):
             f"{config.get('rampup_batch_size')}) gives {samples} after {state['iteration']} "
             "iterations: the batch size changed during the run (or the run state is damaged); the "
             f"data order goes on from sample {state['consumed_samples']}"]
-
-
-def _move_history(state):
-    """An older run state's history (checked) into the loss history's callback state, unless it is
-    empty or the callbacks' map holds one already; the state without its history key."""
-    state = dict(state)
-    history = state.pop("history")
-    _check_history(history)
-    if history["loss"] and not isinstance(state["callbacks"], dict):
-        raise _damaged("callbacks", f"is {_short(state['callbacks'])}, not a dict")
-    if history["loss"] and "history" not in state["callbacks"]:
-        state["callbacks"] = {**state["callbacks"], "history": history}
-    return state
 
 
 def _check_history(history):

@@ -29,6 +29,9 @@ import rng
 import schedule
 from report import print0
 
+HISTORY = 1024  # applied steps whose loss and grad norm the run state keeps: the trend a step is judged against
+
+
 @dataclass
 class RunState:
     """A run's numbers besides its weights and optimizer (a checkpoint's "state", as a dict)."""
@@ -41,17 +44,25 @@ class RunState:
     scheduler_samples: int = 0
     scheduler_tokens: int = 0
     optimizer_reset: dict | None = None  # {"iteration", "warmup_iters"} of the reset (lesson 8)
-    # each callback's state at the last capture, by name (the loss history: stability/history.py)
-    callbacks: dict = field(default_factory=dict)
+    callbacks: dict = field(default_factory=dict)  # each callback's state at the last capture, by its name
+    # the loss and grad norm of the last HISTORY applied steps, oldest first: the trend that the soft skip and the
+    # spike guard judge a step against, kept (and rolled back) with the weights whether or not they are on
+    history: dict = field(default_factory=lambda: {"loss": [], "grad norm": []})
     # the Hugging Face model init_from_hf started the run from (hf.origin): its token ids and context, which an
     # export keeps; here, not in the config, so that every resumed run carries it on without reading the model
     hf_origin: dict | None = None
 
-    def advance(self, batch_size, seqlen, applied):
-        """One iteration done: its batch drawn; counted by the LR schedule if its update applied."""
+    def advance(self, batch_size, seqlen, applied, step=None):
+        """One iteration done: its batch drawn; counted by the LR schedule if its update applied, and its numbers
+        (a training.Step's loss and grad norm) into the history."""
         if applied:
             self.scheduler_samples += batch_size
             self.scheduler_tokens += batch_size * seqlen
+        if applied and step is not None:
+            for key, value in (("loss", step.loss), ("grad norm", step.grad_norm)):
+                values = self.history[key]
+                values.append(value)
+                del values[:-HISTORY]
         self.iteration += 1
         self.consumed_samples += batch_size
         self.consumed_tokens += batch_size * seqlen

@@ -92,7 +92,7 @@ def run(cfg, grid, exit_signal=lambda: False, writer=None, callbacks=NO_CALLBACK
                                            callbacks=callbacks, timer=report.timer)
                 step = callbacks.check_step(it, step)
                 report.step(step, it.lr)
-            state.advance(it.batch_size, it.seqlen, applied=step is not None and step.outcome == "ok")
+            state.advance(it.batch_size, it.seqlen, applied=step is not None and step.outcome == "ok", step=step)
             report.timed(time.time() - t0)
             if step is not None and callbacks.after_step(it, step):  # the stability layer rolled the run back
                 report.restart_interval()  # an abandoned timeline

@@ -9,7 +9,6 @@
     diagnosis.py   why it spiked: replay, fp32 replay, weights, counterfactual; the samples behind it named
     telemetry.py   Recording: per-layer probes (norms, activations, attention logits and entropy, log Z)
     soft_skip.py   SoftSkip: a step far above its trend taken with less weight
-    history.py     History: the loss and grad norm of the last applied steps, the soft skip's trend
     remedies.py    SkipStep, SpikyLoss, ZClip: the field's remedies (OLMo-core, Megatron-LM, ZClip), baselines
     snapshots.py   Snapshotting: the copies of the run a rollback returns to, and their cost in host memory
     skip_list.py   SkipList: the documents behind data-driven spikes, which the data then leaves out
@@ -30,9 +29,6 @@ DECIDED = "a checkpoint's guard decisions"  # not a key: the guard's entry is bu
 # The callbacks in the order they act (training.Callbacks calls each event in list order): (the switches that
 # build it, "module.Class" in stability/). Adding a check is a class and a line here (docs/forking.md).
 REGISTRY = [
-    # ahead of all: the applied steps' numbers, recorded before a callback after it can roll the
-    # iteration back (the soft skip's trend; the guard's statistics where a checkpoint has none)
-    (("soft_skip_loss_ratio", "spike_guard"), "history.History"),
     # first: the fault is in the batch, the LR and the weights every callback after it sees (the guard judges
     # it, the forensics replay it); its gradient flip comes before telemetry reads the gradients
     (("inject_bad_batch_iters", "inject_degenerate_iters", "inject_lr_iters", "inject_bitflip_iters",
@@ -142,7 +138,6 @@ def construction(cfg):
         "spike_guard.SpikeGuard": (detector_cfg, guard_cfg, cfg.clip_grad, interval),
         "snapshots.Snapshots": (snapshot_plan(cfg), (cfg.save, cfg.load),
                                 schedule.reset_warmup_iters(cfg, "auto")),
-        "history.History": (None,),  # no key of its own
         "faults.Faults": (section(c.FaultsConfig, cfg), cfg.seed, cfg.vocab_size, core),
         "guard.Guard": (guard_cfg, core),
         "telemetry.Recording": (section(c.TelemetryConfig, cfg), section(GPTConfig, cfg)),

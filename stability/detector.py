@@ -112,7 +112,7 @@ class Series:
         return {"values": list(self.values), "errors": list(self.errors), "zs": list(self.zs)}
 
     def load(self, state):
-        """A snapshot's or checkpoint's state; without its errors and zs (the loss history's, or
+        """A snapshot's or checkpoint's state; without its errors and zs (the run's history, RunState.history, or
         a state written before the zs were kept), they are computed again from the values."""
         for kept in (self.values, self.errors, self.zs):
             kept.clear()
@@ -292,13 +292,12 @@ def spikes_in(series, detector_cfg, clip_grad, stats=None):
 
 
 def run_stats(state):
-    """The detector's statistics in a run state (a dict): the guard's own when it was on, else the
-    loss history of applied steps (history.History's state, kept with the soft skip) in their form;
-    {} for neither."""
+    """The detector's statistics in a run state (a dict): the guard's own when it was on, else the run's history
+    of applied steps (run_state.RunState.history, kept with the guard off too) in their form; {} for neither."""
     stats = (run_state.callback_states(state).get("spike_guard") or {}).get("stats")
     if stats:
         return stats
-    history = run_state.callback_states(state).get("history") or {}
+    history = state.get("history") or {}
     series = {"loss": Series(1), "grad norm": Series(1, log=True)}
     return {name: {"values": [s.transform(v) for v in history.get(name, [])]} for name, s in series.items()
             if history.get(name)}

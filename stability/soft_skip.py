@@ -7,19 +7,17 @@ from stability.detector import Series
 
 class SoftSkip(training.Callback):
     """The step's update_factor: trend / loss for a loss above soft_skip_loss_ratio x its trend, else 1. The trend
-    is read from the loss history (history.History) before each step; `trend`: a fixed one (a step
-    outside a run)."""
+    is read from the run state's history before each step; `trend`: a fixed one (a step outside a
+    run)."""
     name = "soft_skip"
 
     def __init__(self, soft_skip_cfg, shared, min_steps, window, trend=None):
         """min_steps, window: spike_guard_min_steps, spike_guard_window: the guard's line's."""
         self.settings, self.min_steps, self.window, self.trend = soft_skip_cfg, min_steps, window, trend
 
-        # the loss history (history.History), built before this callback
-        self.history = shared.built["history"].values if shared is not None else None
 
     def start(self, parts, report, train_data):
-        pass
+        self.history = parts.state.history
 
     def before_step(self, it):
         self.trend = soft_skip_trend(self.settings.soft_skip_loss_ratio, self.history, self.min_steps, self.window)
@@ -35,7 +33,7 @@ class SoftSkip(training.Callback):
 
 def soft_skip_trend(ratio, history, min_steps, window):
     """The loss's trend for the soft skip (soft_skip_loss_ratio): the guard's line through the last applied losses
-    (history.History's values), once min_steps (spike_guard_min_steps) are recorded;
+    (the run state's history: kept with the guard on or off), once min_steps (spike_guard_min_steps) are recorded;
     else None. ratio: soft_skip_loss_ratio (0: off); window: spike_guard_window."""
     if not ratio or len(history["loss"]) < min_steps:
         return None

@@ -24,6 +24,7 @@ STATE = {
     "scheduler_tokens": 1024,
     "optimizer_reset": None,
     "callbacks": {},
+    "history": {"loss": [10.9, 10.8], "grad norm": [1.5, 1.4]},
     "hf_origin": None,
 }
 CONFIG = {
@@ -130,7 +131,7 @@ def test_a_damaged_run_state_is_refused_by_its_key(change, key, problem):
 
 def test_an_older_versions_state_is_migrated_by_name():
     """A run state as the first versions wrote it: the LR schedule's counters were the consumed
-    ones; no callbacks map (the spike guard's state alone), no hf_origin."""
+    ones; no history, no callbacks map (the spike guard's state alone), no hf_origin."""
     old = {
         "iteration": 2,
         "consumed_samples": 16,
@@ -140,7 +141,7 @@ def test_an_older_versions_state_is_migrated_by_name():
     }
     state, notes = checkpoint.checked_run_state(old, CONFIG)
     assert state["scheduler_samples"] == 16 and state["scheduler_tokens"] == 1024
-    assert "history" not in state and state["hf_origin"] is None
+    assert state["history"] == {"loss": [], "grad norm": []} and state["hf_origin"] is None
     assert state["callbacks"] == {"spike_guard": {"decisions": []}}
     filled = [
         re.match(
@@ -150,22 +151,10 @@ def test_an_older_versions_state_is_migrated_by_name():
         ).group(1)
         for n in notes
     ]
-    assert filled == ["scheduler_samples", "scheduler_tokens", "callbacks", "hf_origin"]
+    assert filled == ["scheduler_samples", "scheduler_tokens", "history", "callbacks", "hf_origin"]
     loaded = run_state.RunState()
     loaded.load(old, CONFIG)
     assert loaded.scheduler_samples == 16 and loaded.callbacks == {"spike_guard": {"decisions": []}}
-
-
-def test_an_older_versions_history_moves_to_the_loss_historys_state():
-    """Before #49 the run state kept the loss history whether or not the layer was on: it moves to the
-    callbacks' map, where stability/history.py keeps it now, said at the resume; an empty one is dropped."""
-    kept = {"loss": [10.9, 10.8], "grad norm": [1.5, 1.4]}
-    state, notes = checkpoint.checked_run_state({**STATE, "history": kept}, CONFIG)
-    assert "history" not in state and state["callbacks"] == {"history": kept}
-    assert [n for n in notes if n.startswith("run state: history moved to the stability layer's")]
-    empty = {"loss": [], "grad norm": []}
-    state, _ = checkpoint.checked_run_state({**STATE, "history": empty}, CONFIG)
-    assert "history" not in state and state["callbacks"] == {}
 
 
 def test_samples_unlike_the_batch_schedule_are_said():
@@ -245,11 +234,11 @@ def test_a_resume_of_an_older_versions_state_says_its_migrations_and_goes_on(ckp
         directory,
         lambda s: [
             s.pop(k)
-            for k in ("scheduler_samples", "scheduler_tokens", "callbacks", "hf_origin")
+            for k in ("scheduler_samples", "scheduler_tokens", "history", "callbacks", "hf_origin")
         ],
     )
     out = run_main(*SMALL, "--train_iters=3", "--eval_iters=0", f"--save={directory}")
-    for key in ("scheduler_samples", "scheduler_tokens", "callbacks", "hf_origin"):
+    for key in ("scheduler_samples", "scheduler_tokens", "history", "callbacks", "hf_origin"):
         assert (
             f"run state: {key} missing (a checkpoint of an older version), filled by its migration"
             in out

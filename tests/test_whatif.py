@@ -16,7 +16,7 @@ sys.path.insert(0, os.path.join(ROOT, "tools"))
 import optim
 import whatif  # noqa: E402
 from builders import build_model
-from stability.history import History
+from run_state import RunState
 from stability.soft_skip import SoftSkip, soft_skip_trend
 
 
@@ -121,13 +121,13 @@ def test_whatif_runs_the_beta2_and_soft_skip_forks_and_the_soft_skip_meets_the_b
 
 def test_the_soft_skip_trend_is_the_guards_line_once_it_has_its_steps_and_never_below_zero():
     cfg = arguments.load_config(["--soft_skip_loss_ratio=1.1", "--spike_guard_min_steps=4"])
-    kept = History()  # the applied steps' numbers, kept for the soft skip
-    for loss in (6.0, 5.8, 5.6, 9.9):
-        kept.after_step(None, Step(loss, 1.0, 0, "ok" if loss < 9 else "vetoed"))  # a vetoed step: not kept
-    assert trend_of(cfg, kept.values) is None  # 3 of 4 steps
-    kept.after_step(None, Step(5.4, 1.0, 0, "ok"))
-    assert trend_of(cfg, kept.values) == pytest.approx(5.2)
-    assert trend_of(arguments.load_config(["--spike_guard_min_steps=4"]), kept.values) is None  # off
+    state = RunState()  # the run state keeps the applied steps' numbers, with the guard on or off
+    for loss in (6.0, 5.8, 5.6):
+        state.advance(8, 16, applied=True, step=Step(loss, 1.0, 0, "ok"))
+    assert trend_of(cfg, state.history) is None  # 3 of 4 steps
+    state.advance(8, 16, applied=True, step=Step(5.4, 1.0, 0, "ok"))
+    assert trend_of(cfg, state.history) == pytest.approx(5.2)
+    assert trend_of(arguments.load_config(["--spike_guard_min_steps=4"]), state.history) is None  # off
     for loss in (4.0, 2.0, 0.5, 0.1):
-        kept.after_step(None, Step(loss, 1.0, 0, "ok"))
-    assert trend_of(cfg, kept.values) is None  # the line falls below zero
+        state.advance(8, 16, applied=True, step=Step(loss, 1.0, 0, "ok"))
+    assert trend_of(cfg, state.history) is None  # the line falls below zero
