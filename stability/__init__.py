@@ -101,7 +101,7 @@ def build_callbacks(cfg, writer=None, saved_state=None):
     from training import Callbacks
     made = construction(cfg)
     shared = Shared(writer, SpikeGuard(*made["spike_guard.SpikeGuard"]),
-                    Snapshots(*made["snapshots.Snapshots"]))
+                    Snapshots(*made["snapshots.Snapshots"], saver=writer))
     for switches, where in REGISTRY:
         if on & set(switches):
             module, name = where.rsplit(".", 1)

@@ -34,11 +34,13 @@ class Snapshots:
     checkpoint.AsyncWriter (one snapshot of host memory, its buffers), read back on a rollback, deleted when
     dropped and at the run's end. model: this rank's, to check at the start that the snapshots fit."""
 
-    def __init__(self, plan, checkpoint_dirs=(None, None), reset_warmup=0, model=None):
+    def __init__(self, plan, checkpoint_dirs=(None, None), reset_warmup=0, model=None, saver=None):
         """plan: a Plan (stability.snapshot_plan); checkpoint_dirs: the run's save and load, whose
         disk checkpoints a rollback returns to too; reset_warmup: the lr=0 iterations of a relapse's
-        optimizer reset."""
-        self.plan, self.dirs, self.reset_warmup = plan, [d for d in dict.fromkeys(checkpoint_dirs) if d], reset_warmup
+        optimizer reset; saver: the run's checkpoint.AsyncWriter, which saves a state rolled back to
+        from the disk (roll_back)."""
+        self.plan, self.reset_warmup, self.save_dir, self.saver = plan, reset_warmup, checkpoint_dirs[0], saver
+        self.dirs = [d for d in dict.fromkeys(checkpoint_dirs) if d]
         self.interval = plan.interval
         self.keep = keep(plan)
         self.items = []  # (iteration, snapshot or its file, event or None, buffers), oldest first
@@ -158,6 +160,7 @@ class Snapshots:
             guard.applied(decision, None)
             return None
         target, snap = found
+        from_disk = not any(it == target for it, *_ in self.items)
         run_state.restore(snap, parts, keep_payload=True)  # a snapshot can be rolled back to again
         self.drop(lambda it: it > target)
         if decision.get("reset_optimizer"):
@@ -166,6 +169,10 @@ class Snapshots:
         skipping = decision["action"] == "rollback" and decision["end"] is not None
         print0(f"spike guard: rolled back to iteration {target}{decision.get('fallback', '')}" + (
             f"; iterations {decision['start']}-{decision['end']} will be skipped" if skipping else ""))
+        if from_disk and self.save_dir and decision["action"] == "rollback":  # (a stop saves anyway)
+            # saved again at once, with the decision: `latest` named a checkpoint of the timeline left
+            # behind (after target), which a run killed before its next save would resume from
+            run_state.save(parts, self.saver)
         return target
 
     def oldest_instead(self, decision):

@@ -13,6 +13,7 @@ import torch
 import arguments
 import checkpoint
 import parallel
+import training
 from helpers import corpus, corpus512, log_fields, run_main, spawn  # noqa: F401 (corpus, corpus512: fixtures)
 from helpers import snapshots_of, spike_guard_of
 from stability import snapshot_plan as plan, snapshots
@@ -267,3 +268,43 @@ def test_a_pinned_buffer_takes_what_pinned_bytes_says():
     assert out.returncode == 0, out.stderr
     grown = json.loads(out.stdout.strip().splitlines()[-1])
     assert [g for _, g in grown] == [checkpoint.pinned_bytes(n) for n, _ in grown] == [4 * 2**20, 8 * 2**20, 2**20]
+
+
+class _Latest(training.Callback):
+    """After each iteration: (the iteration, the one the checkpoint `latest` names in save_dir)."""
+    name = "latest_spy"
+
+    def __init__(self, save_dir):
+        self.save_dir, self.seen = save_dir, []
+
+    def after_iteration(self, iteration):
+        tag = checkpoint.latest_dir(self.save_dir)
+        self.seen.append((iteration, int(re.search(r"\d+$", tag).group()) if tag else 0))
+
+
+def test_a_rollback_to_a_disk_checkpoint_saves_it_so_latest_never_names_the_abandoned_timeline(
+        corpus512, tmp_path, monkeypatch):
+    """Without snapshots the guard rolls back to the disk checkpoints in save: the run goes on from
+    iteration 35 while `latest` named global_step40 of the timeline it left, so a run killed before
+    its next save resumed there, the spike's timeline, without the rollback's decisions. The state
+    rolled back to is saved again at once (as remedies' restarts do)."""
+    import builders
+    save = str(tmp_path / "disk")
+    spy, real = _Latest(save), builders.build_callbacks
+    monkeypatch.setattr(builders, "build_callbacks",
+                        lambda *args: training.Callbacks([*real(*args).callbacks, spy]))
+    out = run_main("--num_layers=2", "--hidden_size=64", "--num_attention_heads=4", "--seq_length=64",
+                   "--vocab_size=512", "--micro_batch_size=8", "--global_batch_size=8", "--train_iters=45",
+                   "--lr=2e-3", "--lr_warmup_samples=40", "--lr_decay_samples=1600", "--hidden_dropout=0",
+                   "--attention_dropout=0", "--eval_iters=0", "--sample_tokens=0", f"--data_path={corpus512}",
+                   "--inject_lr_iters=40-45", "--inject_lr_factor=1000", "--spike_guard_update_ratio=0",
+                   "--spike_guard", "--spike_guard_window=20", "--spike_guard_min_steps=10",
+                   "--spike_guard_rewind=3", "--spike_guard_skip_after=2", "--spike_guard_snapshot_interval=0",
+                   f"--save={save}", "--save_interval=5")
+    assert "spike guard: rolled back to iteration 35" in out
+    ahead = [(it, latest) for it, latest in spy.seen if latest > it]
+    assert not ahead, f"`latest` named a later iteration than the run's (iteration, latest): {ahead}"
+    assert [latest for it, latest in spy.seen if it == 36][-1] == 35  # after the rollback: its state
+    state = torch.load(os.path.join(save, "global_step35", "mp_rank_00_000_model_states.pt"), weights_only=False)
+    decisions = state["run"]["state"]["callbacks"]["spike_guard"]["decisions"]
+    assert decisions[-1]["action"] == "rollback" and decisions[-1]["restored_iteration"] == 35  # kept
