@@ -157,8 +157,8 @@ class Guard(training.Callback):
 
     def load_state_dict(self, state, run, resume):
         """At a resume, the guard's whole state; at a rollback, its statistics only (they go with the weights; its
-        decisions are history). Without statistics of its own (a checkpoint of a run without the
-        guard), the run state's (run_state.RunState) history of applied steps stands in for them."""
+        decisions are history). Without statistics of its own (a checkpoint of a run without the guard), the run
+        state's (run_state.RunState) history of applied steps stands in for them."""
         if resume and state:
             self.guard.load_state_dict(state)
         self.guard.load_stats(detector.run_stats({"callbacks": {self.name: state}, "history": run.history}))

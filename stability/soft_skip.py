@@ -7,14 +7,12 @@ from stability.detector import Series
 
 class SoftSkip(training.Callback):
     """The step's update_factor: trend / loss for a loss above soft_skip_loss_ratio x its trend, else 1. The trend
-    is read from the run state's history before each step; `trend`: a fixed one (a step outside a
-    run)."""
+    is read from the run state's history before each step; `trend`: a fixed one (a step outside a run)."""
     name = "soft_skip"
 
     def __init__(self, soft_skip_cfg, shared, min_steps, window, trend=None):
         """min_steps, window: spike_guard_min_steps, spike_guard_window: the guard's line's."""
         self.settings, self.min_steps, self.window, self.trend = soft_skip_cfg, min_steps, window, trend
-
 
     def start(self, parts, report, train_data):
         self.history = parts.state.history
@@ -33,8 +31,8 @@ class SoftSkip(training.Callback):
 
 def soft_skip_trend(ratio, history, min_steps, window):
     """The loss's trend for the soft skip (soft_skip_loss_ratio): the guard's line through the last applied losses
-    (the run state's history: kept with the guard on or off), once min_steps (spike_guard_min_steps) are recorded;
-    else None. ratio: soft_skip_loss_ratio (0: off); window: spike_guard_window."""
+    (the run state's history: kept with the guard on or off), once min_steps (spike_guard_min_steps)
+    are recorded; else None. ratio: soft_skip_loss_ratio (0: off); window: spike_guard_window."""
     if not ratio or len(history["loss"]) < min_steps:
         return None
     # the line's next point needs the last values alone: loading them (Series.load) would judge each of the
