@@ -13,6 +13,7 @@ import torch
 import arguments
 import parallel
 import precision
+import stability
 from model import GPT, GPTConfig
 from optim import OptimizerConfig
 from sections import section
@@ -178,10 +179,11 @@ def say_snapshots(cfg, paper, world, say):
     """The spike guard's snapshots in host memory, per node: a line when they are on, and whether they fit."""
     # the GPU whose snapshot is largest: with native ZeRO-1 the rank holding the most optimizer state
     native_zero = cfg.zero_stage >= 1 and not cfg.deepspeed
-    one = max(snapshots.snapshot_bytes(cfg, gpu, paper.dp, shard if native_zero else None)
+    one = max(snapshots.snapshot_bytes(stability.snapshot_plan(cfg), gpu, paper.dp, shard if native_zero else None)
               for (gpu, _), shard in zip(paper.stages, paper.largest_shard))
     # GPUs per node: LOCAL_WORLD_SIZE as torchrun sets it, else a node of 8 (the node's memory: this machine's)
-    line, problem = snapshots.describe_host_memory(cfg, one, int(os.environ.get("LOCAL_WORLD_SIZE", min(world, 8))))
+    line, problem = snapshots.describe_host_memory(stability.snapshot_plan(cfg), one,
+                                                   int(os.environ.get("LOCAL_WORLD_SIZE", min(world, 8))))
     if line:
         say(line)
     if problem:

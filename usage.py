@@ -38,12 +38,23 @@ def config_fields():
 def owners():
     """[(file, class name)] of Config's parts, in the order of its fields: a dataclass collects its bases' fields
     last base first."""
-    filename, class_name = CONFIG
+    return _parts(*CONFIG)
+
+
+def _parts(filename, class_name):
+    """[(file, class name)] of the classes whose own fields make class_name's, in its fields' order.
+    A class with no field of its own is their composition (Config; stability.config.StabilityConfig
+    of its sections): its bases, each found where the file defines it or imports it (`from MODULE
+    import NAME`)."""
     tree = ast.parse(_read(os.path.join(ROOT, filename)))
     modules = {alias.asname or alias.name: node.module for node in tree.body if isinstance(node, ast.ImportFrom)
                for alias in node.names}
-    config = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == class_name)
-    return [(modules[base.id].replace(".", "/") + ".py", base.id) for base in reversed(config.bases)]
+    node = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == class_name)
+    if any(isinstance(stmt, ast.AnnAssign) for stmt in node.body) or not node.bases:
+        return [(filename, class_name)]
+    return [part for base in reversed(node.bases)
+            for part in _parts(modules[base.id].replace(".", "/") + ".py" if base.id in modules else filename,
+                               base.id)]
 
 
 def _owned_fields():

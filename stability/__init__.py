@@ -19,7 +19,10 @@ The dependency runs one way: these files use the core (training, model, parallel
 module imports them; builders.build_callbacks wires them in when the run asks for any of them. This file imports
 none of them until a switch asks.
 """
+from collections import namedtuple
 from dataclasses import dataclass, field
+
+from sections import section
 
 DECIDED = "a checkpoint's guard decisions"  # not a key: the guard's entry is built for them too (switched_on())
 
@@ -86,8 +89,8 @@ def switched_on(cfg, saved_state=None):
 
 
 def build_callbacks(cfg, writer=None, saved_state=None):
-    """The run's callbacks (a training.Callbacks) in REGISTRY's order, each built when one of its switches is on;
-    None when the run needs none."""
+    """The run's callbacks (a training.Callbacks) in REGISTRY's order, each built when one of its
+    switches is on; None when the run needs none."""
     on = switched_on(cfg, saved_state)
     if not on:
         return None
@@ -96,10 +99,67 @@ def build_callbacks(cfg, writer=None, saved_state=None):
     from stability.snapshots import Snapshots
     from stability.spike_guard import SpikeGuard
     from training import Callbacks
-    shared = Shared(writer, SpikeGuard(cfg), Snapshots(cfg))
+    made = construction(cfg)
+    shared = Shared(writer, SpikeGuard(*made["spike_guard.SpikeGuard"]),
+                    Snapshots(*made["snapshots.Snapshots"], saver=writer))
     for switches, where in REGISTRY:
         if on & set(switches):
             module, name = where.rsplit(".", 1)
-            callback = getattr(importlib.import_module(f"stability.{module}"), name)(cfg, shared)
+            kind = getattr(importlib.import_module(f"stability.{module}"), name)
+            section_cfg, *more = made.get(where) or (section(kind.Config, cfg),)
+            callback = kind(section_cfg, shared, *more)
             shared.built[callback.name] = callback
     return Callbacks(shared.built.values())
+
+
+# What the core's functions read when the layer hands them a step to replay, a forward, a batch to
+# draw or the samples to name (training.train_step and forward_backward, loader.micro_batches,
+# diagnosis.name_samples): the core's keys, handed by name to the callbacks that replay, not
+# declared again.
+CORE_KEYS = ("micro_batch_size", "global_batch_size", "clip_grad", "skip_grad_norm_above", "z_loss",
+             "fp16", "bf16", "deepspeed", "reset_position_ids", "reset_attention_mask",
+             "eod_mask_loss", "tokenizer_file", "vocab_size", "save")
+CoreKeys = namedtuple("CoreKeys", CORE_KEYS)
+
+
+def construction(cfg):
+    """What each part of the layer is built with, by its "module.Class": its section of the config
+    first, then (after `shared`, for a callback) the values it needs of other sections and of the
+    core, by name. A callback not named here is built with its section alone: its class's Config.
+    With switched_on, snapshot_plan and config.check, the layer's boundary with the whole config."""
+    import schedule
+    from model import GPTConfig
+    from stability import config as c
+    guard_cfg, detector_cfg = section(c.GuardConfig, cfg), section(c.DetectorConfig, cfg)
+    core = CoreKeys(*(getattr(cfg, key) for key in CORE_KEYS))
+    interval = cfg.spike_guard_snapshot_interval
+    sharded = cfg.deepspeed or cfg.zero_stage >= 1  # each DP rank holds its own optimizer shard
+    return {
+        "spike_guard.SpikeGuard": (detector_cfg, guard_cfg, cfg.clip_grad, interval),
+        "snapshots.Snapshots": (snapshot_plan(cfg), (cfg.save, cfg.load),
+                                schedule.reset_warmup_iters(cfg.reset_optimizer_warmup_iters,
+                                                          cfg.adam_beta2, "auto")),
+        "faults.Faults": (section(c.FaultsConfig, cfg), cfg.seed, cfg.vocab_size, core),
+        "guard.Guard": (guard_cfg, core),
+        "telemetry.Recording": (section(c.TelemetryConfig, cfg), section(GPTConfig, cfg)),
+        "guard.Precursor": (section(c.PrecursorConfig, cfg), cfg.adam_eps),
+        "guard.Forensics": (section(c.ForensicsConfig, cfg), core),
+        "remedies.SpikyLoss": (section(c.SpikyLossConfig, cfg), core),
+        "remedies.OptRestart": (section(c.RestartConfig, cfg),),
+        "remedies.PalmRestart": (section(c.RestartConfig, cfg),),
+        "replica_check.ReplicaCheck": (section(c.ReplicaCheckConfig, cfg), guard_cfg.spike_guard, interval,
+                                       guard_cfg.spike_guard_max_hardware_faults, sharded),
+        "soft_skip.SoftSkip": (section(c.SoftSkipConfig, cfg), detector_cfg.spike_guard_min_steps,
+                               detector_cfg.spike_guard_window),
+        "snapshots.Snapshotting": (section(c.SnapshotConfig, cfg),),
+    }
+
+
+def snapshot_plan(cfg):
+    """The snapshots' number, place and size (snapshots.Plan) of a run's config; estimate.py's dry
+    run asks too."""
+    from stability.snapshots import Plan
+    return Plan(interval=cfg.spike_guard_snapshot_interval if cfg.spike_guard else 0,
+                rewind=cfg.spike_guard_rewind, directory=cfg.spike_guard_snapshot_dir,
+                half=cfg.fp16 or cfg.bf16, zero1=cfg.zero_stage >= 1, engine=cfg.deepspeed,
+                async_copy=cfg.async_save)

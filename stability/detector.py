@@ -8,7 +8,7 @@ or `spike_guard_rise_steps` losses in a row each half as far above (a slow rise 
 `spike_guard_min_steps` applied steps on: the trend makes the LR warm-up's falling loss and rising grad norm
 ordinary.
 
-    detector = Detector(section(DetectorConfig, cfg))
+    detector = Detector(detector_cfg, clip_grad)  # a DetectorConfig, the core's clip_grad
     reason = detector.judge(loss, grad_norm)    # why this step is a spike, or None
     detector.record(loss, grad_norm, lr)        # an applied step
 
@@ -19,7 +19,6 @@ import collections
 import math
 
 import run_state
-from stability.config import DetectorConfig, section
 
 LEARNT = "text learnt by heart"  # the words of a loss far below an unseen batch's (Detector.below_unseen)
 
@@ -134,11 +133,12 @@ def scatters(x, predicted, scatter):
 class Detector:
     """The trailing statistics of applied steps and the rules that call a step a spike (the module's docstring)."""
 
-    def __init__(self, rules):
-        self.rules = rules  # a DetectorConfig
-        self.series = {"loss": Series(rules.spike_guard_window),
-                       "grad norm": Series(rules.spike_guard_window, log=True),
-                       "update": Series(rules.spike_guard_window, log=True)}  # the weights' move per update
+    def __init__(self, detector_cfg, clip_grad):
+        self.rules = detector_cfg  # a DetectorConfig
+        self.clip_grad = clip_grad  # the grad norm's stand-in bar before it has a trend (0: none)
+        window = detector_cfg.spike_guard_window
+        self.series = {"loss": Series(window), "grad norm": Series(window, log=True),
+                       "update": Series(window, log=True)}  # the weights' move per update
         self.lr_sum = 0.0  # the learning rates of the applied steps, summed: how far Adam can have moved a weight
         self.updates = 0  # the applied steps: how many updates a move between two states took
         self.unseen = None  # the loss of a batch never trained on, on recent weights (guard.Guard measures it)
@@ -203,9 +203,9 @@ class Detector:
         """fp16 while the loss scale searches: the losses are recorded, the grad norms are not (inf); until they
         have a trend, clip_grad stands in for it."""
         r = self.rules
-        if len(self.series["grad norm"].values) < 2 and r.clip_grad \
-                and grad_norm > r.spike_guard_grad_norm_ratio * r.clip_grad:
-            return [f"grad norm {grad_norm:.4g} is {grad_norm / r.clip_grad:.2f}x clip_grad (no trend yet)"]
+        if len(self.series["grad norm"].values) < 2 and self.clip_grad \
+                and grad_norm > r.spike_guard_grad_norm_ratio * self.clip_grad:
+            return [f"grad norm {grad_norm:.4g} is {grad_norm / self.clip_grad:.2f}x clip_grad (no trend yet)"]
         return []
 
     def joint_outlier(self, loss, grad_norm, judged):
@@ -277,10 +277,10 @@ class Detector:
         return None
 
 
-def spikes_in(series, cfg, stats=None):
+def spikes_in(series, detector_cfg, clip_grad, stats=None):
     """The iterations of a recorded run [(iteration, loss, grad norm)] that the detector calls spikes, fed as a run
     feeds it (a spike is not recorded: its update is skipped), from `stats` (a snapshot's) or afresh."""
-    detector = Detector(section(DetectorConfig, cfg))
+    detector = Detector(detector_cfg, clip_grad)
     detector.load_stats(stats)
     found = []
     for iteration, loss, grad_norm in series:

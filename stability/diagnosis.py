@@ -56,13 +56,14 @@ class Veto(training.Callback):
         return 0.0 if self.judge is not None and self.judge(loss, grad_norm) else 1.0
 
 
-def measure_noise(model, batches, cfg, device):
+def measure_noise(model, batches, core, device):
     """The run's own nondeterminism, once, when the guard arms: the relative difference of the batch's loss
-    and the loss of the same forward again, same RNG (0 on CPU; GPU kernels that use atomics differ)."""
+    and the loss of the same forward again, same RNG (0 on CPU; GPU kernels that use atomics
+    differ). core: the core's keys its forward reads (stability.CoreKeys), here and below."""
     rng = checkpoint.rng_state()
-    first = evaluate_batches(model, batches, cfg, device)
+    first = evaluate_batches(model, batches, core, device)
     checkpoint.set_rng_state(rng)
-    again = evaluate_batches(model, batches, cfg, device)
+    again = evaluate_batches(model, batches, core, device)
     checkpoint.set_rng_state(rng)
     return abs(first - again) / max(abs(first), 1e-30)
 
@@ -415,10 +416,10 @@ def master_weights(params, optimizer):
 
 
 @torch.no_grad()
-def evaluate_batches(model, batches, cfg, device):
+def evaluate_batches(model, batches, core, device):
     """The mean loss of these micro-batches in train mode (dropout on, as in the trend it is compared with: eval
     mode would bias it low); the caller restores the RNG streams the dropout draws from."""
-    return parallel.average_loss(training.forward_backward(model, batches, cfg, device, forward_only=True)).item()
+    return parallel.average_loss(training.forward_backward(model, batches, core, device, forward_only=True)).item()
 
 
 # -----------------------------------------------------------------------------
@@ -426,11 +427,11 @@ def evaluate_batches(model, batches, cfg, device):
 
 
 @torch.no_grad()
-def sample_losses(model, batches, cfg):
+def sample_losses(model, batches, core):
     """The loss of each sample of this global batch (in global batch order), one forward without dropout, with the
     run's packed-document inputs and loss mask (loader.packing) as its training sees them; all ranks take part
     (PP=1 only: a pipeline returns no per-sample losses)."""
-    g, mbs, packing = parallel.grid, cfg.micro_batch_size, loader.packing(cfg)
+    g, mbs, packing = parallel.grid, core.micro_batch_size, loader.packing(core)
     device = batches[0][0].device
     losses = torch.zeros(len(batches) * mbs * g.dp_size, device=device)
     was_training = model.training
@@ -438,7 +439,7 @@ def sample_losses(model, batches, cfg):
     for k, (x, y) in enumerate(batches):
         inputs = packing(x) if packing else {}
         mask = inputs.pop("loss_mask", None)
-        per_token = parallel.vocab_parallel_cross_entropy(model(x, **inputs), y, cfg.vocab_size)[0].float()
+        per_token = parallel.vocab_parallel_cross_entropy(model(x, **inputs), y, core.vocab_size)[0].float()
         per_sample = per_token.mean(dim=1) if mask is None else (per_token * mask).sum(1) / mask.sum(1).clamp(min=1)
         start = k * mbs * g.dp_size + g.dp_rank * mbs
         losses[start:start + mbs] = per_sample
@@ -448,10 +449,10 @@ def sample_losses(model, batches, cfg):
     return losses
 
 
-def highest_loss_samples(model, batches, first_sample, cfg, count=3, positions=None):
+def highest_loss_samples(model, batches, first_sample, core, count=3, positions=None):
     """[(loss, sample index)] of the `count` samples with the highest loss in this global batch (or of those at
     `positions` in it: a minority the diagnosis found, low losses included)."""
-    losses = sample_losses(model, batches, cfg)
+    losses = sample_losses(model, batches, core)
     if positions:
         return [(float(losses[i]), first_sample + i) for i in positions]
     top = torch.topk(losses, min(count, losses.numel()))
@@ -461,26 +462,26 @@ def highest_loss_samples(model, batches, first_sample, cfg, count=3, positions=N
 SKIP_LIST = "skip_documents.jsonl"  # in save: the documents of the samples behind data-driven spikes
 
 
-def name_samples(model, batches, first_sample, cfg, dataset, seqlen, iteration, decision=None):
+def name_samples(model, batches, first_sample, core, dataset, seqlen, iteration, decision=None):
     """Print (and return) the highest-loss samples of a spiking batch, decoded. When the diagnosis says the data
     did it (decision's cause "data"), their documents go to the skip list SAVE/skip_documents.jsonl too
     (skip_list.py's format), which skip_documents=FILE makes the data leave out."""
     import data
     if parallel.grid.pp_size > 1:
-        print0(f"spike guard: iteration {iteration}: samples {first_sample}-{first_sample + cfg.global_batch_size - 1}"
+        print0(f"spike guard: iteration {iteration}: samples {first_sample}-{first_sample + core.global_batch_size - 1}"
                " (not ranked by loss with pipeline parallelism; tools/show_samples.py decodes them)")
         return []
-    named = highest_loss_samples(model, batches, first_sample, cfg, positions=(decision or {}).get("suspects"))
+    named = highest_loss_samples(model, batches, first_sample, core, positions=(decision or {}).get("suspects"))
     records = []
     for loss, index in named:
         print0(f"spike guard: iteration {iteration}: sample {index} (loss {loss:.3f}): "
-               f"{data.sample_text(dataset, index, seqlen, 160, cfg.tokenizer_file)!r}")
+               f"{data.sample_text(dataset, index, seqlen, 160, core.tokenizer_file)!r}")
         prefix, component, pieces = skip_list.sample_documents(dataset, index, seqlen + 1)
         records.append({"iteration": iteration, "sample": index, "loss": round(loss, 4), "dataset": prefix,
                         "dataset_index": component, "documents": [d for d, _ in pieces],
                         "tokens": [n for _, n in pieces]})
-    if (decision or {}).get("cause") == "data" and cfg.save and records:
-        to_skip_list(os.path.join(cfg.save, SKIP_LIST), records, iteration)
+    if (decision or {}).get("cause") == "data" and core.save and records:
+        to_skip_list(os.path.join(core.save, SKIP_LIST), records, iteration)
     return named
 
 

@@ -52,7 +52,7 @@ import loader
 import parallel
 import schedule
 import training
-from stability.config import FaultsConfig, sample_ranges, section
+from stability.config import sample_ranges
 
 
 class Faults(training.Callback):
@@ -61,30 +61,33 @@ class Faults(training.Callback):
     the step (and its replays), a weight bit flipped after an applied step."""
     name = "faults"
 
-    def __init__(self, cfg, shared=None):
-        self.cfg = section(FaultsConfig, cfg)
+    def __init__(self, faults_cfg, shared, seed, vocab_size, core=None):
+        """seed: its generators are seeded by (seed, iteration); vocab_size: random tokens are drawn
+        from it; core: the core's keys (stability.CoreKeys) loader.micro_batches reads, for the
+        repeated block's samples."""
+        self.faults_cfg, self.seed, self.vocab_size, self.core = faults_cfg, seed, vocab_size, core
         # the run's timeline (the guard's): which passes meet an event in time
         self.timeline = shared.guard if shared is not None else NoTimeline()
         self.numerical_hook = self.flip_grad = self.flip_weight = self.flip_state = None
         parse = schedule.parse_iteration_ranges
-        self.bad_batch_ranges = parse(cfg.inject_bad_batch_iters, "inject_bad_batch_iters")
-        self.lr_ranges = parse(cfg.inject_lr_iters, "inject_lr_iters")
-        self.bitflip_ranges = parse(cfg.inject_bitflip_iters, "inject_bitflip_iters")
-        self.numerical_ranges = parse(cfg.inject_numerical_iters, "inject_numerical_iters")
-        self.degenerate_ranges = parse(cfg.inject_degenerate_iters, "inject_degenerate_iters")
-        self.repeat_ranges = parse(cfg.inject_repeat_iters, "inject_repeat_iters")
-        self.overflow_ranges = parse(cfg.inject_overflow_iters, "inject_overflow_iters")
+        self.bad_batch_ranges = parse(faults_cfg.inject_bad_batch_iters, "inject_bad_batch_iters")
+        self.lr_ranges = parse(faults_cfg.inject_lr_iters, "inject_lr_iters")
+        self.bitflip_ranges = parse(faults_cfg.inject_bitflip_iters, "inject_bitflip_iters")
+        self.numerical_ranges = parse(faults_cfg.inject_numerical_iters, "inject_numerical_iters")
+        self.degenerate_ranges = parse(faults_cfg.inject_degenerate_iters, "inject_degenerate_iters")
+        self.repeat_ranges = parse(faults_cfg.inject_repeat_iters, "inject_repeat_iters")
+        self.overflow_ranges = parse(faults_cfg.inject_overflow_iters, "inject_overflow_iters")
         self.overflow_hook = None  # this iteration's steps overflow (inject_overflow_iters)
-        self.bad_sample_ranges = sample_ranges(cfg.inject_bad_samples, "inject_bad_samples")
+        self.bad_sample_ranges = sample_ranges(faults_cfg.inject_bad_samples, "inject_bad_samples")
         self.device_bad = False  # inject_bad_device_iter's onset has come: the device stays bad
-        self.run_cfg = cfg  # the data's keys, for the repeated block's samples
 
     def before_step(self, it):
         n = it.number
         it.batches = self.data_batches(n, it.first_sample, it.batch_size, it.seqlen, it.batches)
         factor = self.lr_factor(n, self.timeline)
         if factor != 1.0:
-            if not self.cfg.inject_lr_persistent:  # once in time: a replay of this iteration would not meet it
+            # once in time: a replay of this iteration would not meet it
+            if not self.faults_cfg.inject_lr_persistent:
                 self.timeline.note_lr(n, it.lr, it.lr * factor)
             it.lr = it.lr * factor
         self.numerical_hook = self.numerical(n, self.model)
@@ -129,17 +132,17 @@ class Faults(training.Callback):
         """A CPU generator seeded by (seed, iteration) when the iteration is in the ranges, else None."""
         if not schedule.in_ranges(iteration, ranges):
             return None
-        return torch.Generator().manual_seed(self.cfg.seed * salt + iteration)
+        return torch.Generator().manual_seed(self.seed * salt + iteration)
 
     def bad_batches(self, iteration, batches):
         """Random token ids in place of the batches of inject_bad_batch_iters, drawn from a generator seeded by
         (seed, iteration): the same on every rank and every resume, and no draw from the training RNG streams."""
-        cfg, gen = self.cfg, self.generator(iteration, self.bad_batch_ranges, 1_000_003)
+        gen = self.generator(iteration, self.bad_batch_ranges, 1_000_003)
         if gen is None:
             return batches
         out = []
         for x, y in batches:
-            tokens = torch.randint(0, cfg.vocab_size, (x.shape[0], x.shape[1] + 1), generator=gen)
+            tokens = torch.randint(0, self.vocab_size, (x.shape[0], x.shape[1] + 1), generator=gen)
             out.append((tokens[:, :-1].to(x.device), tokens[:, 1:].to(y.device)))
         return out
 
@@ -148,22 +151,22 @@ class Faults(training.Callback):
         by (seed, iteration) as bad_batches: "repeat" -- every sample its commonest token repeated (tr8-104B's
         backslash-only samples: a loss far below the trend, a grad norm far above it); "ngram" -- an 8-gram repeated;
         "minority" -- random tokens in the first inject_degenerate_fraction of each micro-batch's samples."""
-        cfg, gen = self.cfg, self.generator(iteration, self.degenerate_ranges, 1_000_033)
+        faults_cfg, gen = self.faults_cfg, self.generator(iteration, self.degenerate_ranges, 1_000_033)
         if gen is None:
             return batches
         out = []
         for x, y in batches:
             rows, length = x.shape[0], x.shape[1] + 1
-            if cfg.inject_degenerate_kind == "repeat":
+            if faults_cfg.inject_degenerate_kind == "repeat":
                 # each sample's commonest token (a space, a newline: what a model predicts best) over and over
                 tokens = torch.mode(x.cpu(), dim=1).values[:, None].expand(rows, length)
-            elif cfg.inject_degenerate_kind == "ngram":
-                gram = torch.randint(0, cfg.vocab_size, (rows, 8), generator=gen)
+            elif faults_cfg.inject_degenerate_kind == "ngram":
+                gram = torch.randint(0, self.vocab_size, (rows, 8), generator=gen)
                 tokens = gram.repeat(1, length // 8 + 1)[:, :length]
             else:
                 tokens = torch.cat([x[:, :1].cpu(), y.cpu()], dim=1)
-                bad = max(1, round(cfg.inject_degenerate_fraction * rows))
-                tokens[:bad] = torch.randint(0, cfg.vocab_size, (bad, length), generator=gen)
+                bad = max(1, round(faults_cfg.inject_degenerate_fraction * rows))
+                tokens[:bad] = torch.randint(0, self.vocab_size, (bad, length), generator=gen)
             tokens = tokens.contiguous()
             out.append((tokens[:, :-1].to(x.device, x.dtype), tokens[:, 1:].to(y.device, y.dtype)))
         return out
@@ -171,9 +174,9 @@ class Faults(training.Callback):
     def lr_factor(self, iteration, guard):
         """inject_lr_factor in the first pass through inject_lr_iters (on every pass with inject_lr_persistent:
         then it is the schedule's, and a replay meets it too), else 1."""
-        if self.cfg.inject_lr_persistent:
-            return self.cfg.inject_lr_factor if schedule.in_ranges(iteration, self.lr_ranges) else 1.0
-        return self.cfg.inject_lr_factor if guard.meets_fault(iteration, self.lr_ranges) else 1.0
+        if self.faults_cfg.inject_lr_persistent:
+            return self.faults_cfg.inject_lr_factor if schedule.in_ranges(iteration, self.lr_ranges) else 1.0
+        return self.faults_cfg.inject_lr_factor if guard.meets_fault(iteration, self.lr_ranges) else 1.0
 
     def bitflip(self, iteration, guard, target="grad"):
         """The fault of inject_bitflip_iters (or None), when inject_bitflip_target is `target`: on rank
@@ -182,9 +185,9 @@ class Faults(training.Callback):
         value under 2 in fp32) -- in its reduced gradient ("grad": called after the DP all-reduce), or in the
         weight itself after the update ("weight": the next step computes with it). Once in time: not in a replay,
         nor when the iteration is run again."""
-        cfg = self.cfg
-        if cfg.inject_bitflip_target != target or not (guard.meets_fault(iteration, self.bitflip_ranges)
-                                                         and parallel.grid.rank == cfg.inject_bitflip_rank):
+        faults_cfg = self.faults_cfg
+        if faults_cfg.inject_bitflip_target != target or not (guard.meets_fault(iteration, self.bitflip_ranges)
+                                                              and parallel.grid.rank == faults_cfg.inject_bitflip_rank):
             return None
 
         @torch.no_grad()
@@ -219,9 +222,9 @@ class Faults(training.Callback):
         weight; the weight itself in fp32). On rank inject_bitflip_rank, after an applied step: the next updates
         compute with it. With ZeRO-1 only the rank that owns the matrix's state holds it (elsewhere: a line, no
         flip). Once in time, as bitflip()."""
-        target = self.cfg.inject_bitflip_target
+        target = self.faults_cfg.inject_bitflip_target
         if target not in STATE_TARGETS or not (guard.meets_fault(iteration, self.bitflip_ranges)
-                                               and parallel.grid.rank == self.cfg.inject_bitflip_rank):
+                                               and parallel.grid.rank == self.faults_cfg.inject_bitflip_rank):
             return None
 
         @torch.no_grad()
@@ -240,12 +243,13 @@ class Faults(training.Callback):
         """Flip inject_bitflip_bit (-1: the top exponent bit) of inject_bitflip_element (-1: the largest in
         magnitude) of the float tensor flat, in place. Bits count from the least significant: in fp32, 0-22 the
         mantissa, 23-30 the exponent (23, 24 its lowest: x2 or /2, x4 or /4), 31 the sign."""
-        cfg = self.cfg
-        i = int(flat.abs().argmax()) if cfg.inject_bitflip_element < 0 else cfg.inject_bitflip_element % flat.numel()
+        faults_cfg = self.faults_cfg
+        element = faults_cfg.inject_bitflip_element
+        i = int(flat.abs().argmax()) if element < 0 else element % flat.numel()
         itype, bit = {torch.float32: (torch.int32, 30), torch.bfloat16: (torch.int16, 14),
                       torch.float16: (torch.int16, 14)}[flat.dtype]
-        if cfg.inject_bitflip_bit >= 0:  # any bit (sign, exponent, mantissa) of the element's width
-            bit = cfg.inject_bitflip_bit % (8 * flat.element_size())
+        if faults_cfg.inject_bitflip_bit >= 0:  # any bit (sign, exponent, mantissa) of its width
+            bit = faults_cfg.inject_bitflip_bit % (8 * flat.element_size())
         flat.view(itype)[i] ^= 1 << bit
         print(f"spike guard: iteration {iteration}: injected a bit flip into {what} element {i} on rank "
               f"{parallel.grid.rank}: {float(flat[i]):.4g}", flush=True)
@@ -255,7 +259,7 @@ class Faults(training.Callback):
         holds (on every rank: a resume loses them everywhere) is zeroed, its step count kept, so bias correction does
         not make up for it and the first updates are ~(1-beta1)/sqrt(1-beta2) x LR per element. Once in time, as an
         LR spike: a rollback restores the moments and the iteration run again does not meet it."""
-        at = self.cfg.inject_lost_optimizer_state_iter
+        at = self.faults_cfg.inject_lost_optimizer_state_iter
         if at is None or not guard.meets_fault(iteration, [(at, at)]):
             return
         zeroed = 0
@@ -278,10 +282,9 @@ class Faults(training.Callback):
         the block's own places: a skip list that names them names the block."""
         for start, end in self.repeat_ranges:
             if start <= number <= end:
-                source = start + (number - start) % self.cfg.inject_repeat_period
+                source = start + (number - start) % self.faults_cfg.inject_repeat_period
                 first = first_sample - (number - source) * batch_size
-                mbs = self.run_cfg.micro_batch_size
-                return loader.micro_batches(self.train_data, first, len(batches), mbs,
+                return loader.micro_batches(self.train_data, first, len(batches), self.core.micro_batch_size,
                                             seqlen, batches[0][0].device)
         return batches
 
@@ -331,27 +334,27 @@ class Faults(training.Callback):
         commonest token over and over (tr8-104B's backslash-only samples); "ngram" -- an 8-gram
         repeated; "duplicate" -- the clean tokens of the range's sample start + (sample - start) %
         inject_duplicate_period (a block of near-duplicates)."""
-        cfg, length = self.cfg, tokens.numel()
-        gen = torch.Generator().manual_seed(cfg.seed * 1_000_037 + sample)
-        kind = cfg.inject_bad_samples_kind
+        faults_cfg, length = self.faults_cfg, tokens.numel()
+        gen = torch.Generator().manual_seed(self.seed * 1_000_037 + sample)
+        kind = faults_cfg.inject_bad_samples_kind
         if kind == "random":
-            return torch.randint(0, cfg.vocab_size, (length,), generator=gen)
+            return torch.randint(0, self.vocab_size, (length,), generator=gen)
         if kind == "repeat":
             return torch.mode(tokens).values.expand(length).clone()
         if kind == "ngram":
-            gram = torch.randint(0, cfg.vocab_size, (8,), generator=gen)
+            gram = torch.randint(0, self.vocab_size, (8,), generator=gen)
             return gram.repeat(length // 8 + 1)[:length]
         start = next(a for a, b in self.bad_sample_ranges if a <= sample <= b)
-        source = start + (sample - start) % cfg.inject_duplicate_period
+        source = start + (sample - start) % faults_cfg.inject_duplicate_period
         return loader.load_tokens(self.train_data, source, 1, length - 1, 1, 0, 1)[0, 0]
 
     def bad_device(self, iteration):
         """inject_bad_device_iter: from the first pass through it on, a flip of the reduced gradient
         on inject_bitflip_rank at every step, whatever the iteration (a rollback's replays of
         earlier ones too)."""
-        at = self.cfg.inject_bad_device_iter
+        at = self.faults_cfg.inject_bad_device_iter
         self.device_bad = self.device_bad or (at is not None and iteration >= at)
-        if not self.device_bad or parallel.grid.rank != self.cfg.inject_bitflip_rank:
+        if not self.device_bad or parallel.grid.rank != self.faults_cfg.inject_bitflip_rank:
             return None
 
         @torch.no_grad()

@@ -14,11 +14,9 @@ import math
 import checkpoint
 import loader
 import parallel
-import precision
 import run_state
 import training
 from stability import detector, diagnosis, spike_guard, update_size
-from stability.config import PrecursorConfig, section
 
 # What a stopped run's message asks of its operator, by the cause the guard found
 NEXT = {None: "no cause was named (the decision lines above say what was tested): resume with "
@@ -37,8 +35,10 @@ class Guard(training.Callback):
     resumed run honours the skip ranges and LR factor it finds (stability.switched_on)."""
     name = "spike_guard"
 
-    def __init__(self, cfg, shared):
-        self.cfg = cfg  # handed to the core's functions only (a forward, the samples named, run_state.save)
+    def __init__(self, guard_cfg, shared, core):
+        """guard_cfg: its keys, which the spike guard (shared.guard) reads; core: the core's keys
+        (stability.CoreKeys) its forwards and the samples it names read, and save."""
+        self.core = core
         self.guard, self.snapshots, self.writer = shared.guard, shared.snapshots, shared.writer
         self.built = shared.built  # the replica check, built after: it carries out its own findings
 
@@ -53,7 +53,7 @@ class Guard(training.Callback):
         guard = self.guard
         it.lr = it.lr * guard.lr_scale
         if guard.noise is None and guard.armed():  # the tolerance of a replay (diagnosis.reproduced_tolerance)
-            guard.noise = diagnosis.measure_noise(self.parts.model, it.batches, self.cfg, self.device)
+            guard.noise = diagnosis.measure_noise(self.parts.model, it.batches, self.core, self.device)
         interval = guard.rules.spike_guard_unseen_interval
         if guard.armed() and interval and it.number % interval == 0:
             guard.unseen = self.unseen_loss(it)
@@ -64,12 +64,12 @@ class Guard(training.Callback):
         (Detector.below_unseen). One forward every spike_guard_unseen_interval iterations, the RNG
         streams put back (the run is the one without the guard); the last one kept past the end of
         the data."""
-        found = comparison(self.train_data, it, self.built.get("faults"), self.cfg, self.device)
+        found = comparison(self.train_data, it, self.built.get("faults"), self.core, self.device)
         if found is None:
             return self.guard.unseen
         batches, _ = found
         rng = checkpoint.rng_state()
-        loss = diagnosis.evaluate_batches(self.parts.model, batches, self.cfg, self.device)
+        loss = diagnosis.evaluate_batches(self.parts.model, batches, self.core, self.device)
         checkpoint.set_rng_state(rng)
         return loss if math.isfinite(loss) else None  # a forward that overflowed tells nothing of the data
 
@@ -90,7 +90,7 @@ class Guard(training.Callback):
             decision = self.update_size(n, step)
         elif decision.get("cause") == "data" and not decision.get("rebased"):  # name the batch
             # (not a regime change's, an optimizer's or an undiagnosed one's: ordinary samples)
-            decision["samples"] = diagnosis.name_samples(self.parts.model, it.batches, it.first_sample, self.cfg,
+            decision["samples"] = diagnosis.name_samples(self.parts.model, it.batches, it.first_sample, self.core,
                                                          self.train_data, it.seqlen, n, decision)
         if decision is None:
             return False
@@ -141,9 +141,9 @@ class Guard(training.Callback):
             self.writer.wait()  # a rollback may read the checkpoint being written
         if self.snapshots.roll_back(decision, self.parts, self.guard) is None or decision["action"] == "stop":
             iteration = self.parts.state.iteration
-            if self.cfg.save:
+            if self.core.save:
                 run_state.save(self.parts, self.writer)
-                saved = f"the state of iteration {iteration} saved in {self.cfg.save}"
+                saved = f"the state of iteration {iteration} saved in {self.core.save}"
             else:  # a stop says what there is to resume from: here, nothing
                 saved = f"nothing saved (save=none: the state of iteration {iteration} is lost)"
             self.report.close()
@@ -169,8 +169,8 @@ class Precursor(training.Callback):
     threshold (spike_guard.precursor_rung); the cut goes into the guard's LR scale, the decision into its log."""
     name = "precursor"
 
-    def __init__(self, cfg, shared):
-        self.settings = section(PrecursorConfig, cfg)
+    def __init__(self, precursor_cfg, shared, adam_eps):  # adam_eps: the optimizer's epsilon
+        self.settings, self.adam_eps = precursor_cfg, adam_eps
         self.guard, self.telemetry = shared.guard, shared.built["telemetry"]  # config.check: telemetry is on
 
     def start(self, parts, report, train_data):
@@ -178,7 +178,8 @@ class Precursor(training.Callback):
 
     def check_step(self, it, step):
         if self.telemetry.record is not None:
-            warning = spike_guard.precursor_rung(self.guard, self.settings, it.number, self.telemetry.record)
+            warning = spike_guard.precursor_rung(self.guard, self.settings, self.adam_eps, it.number,
+                                                 self.telemetry.record)
             if warning is not None:
                 self.report.record(it.number, {"spike guard": [warning]})
         return step
@@ -191,10 +192,12 @@ class Forensics(training.Callback):
     from the iteration itself."""
     name = "forensics"
 
-    def __init__(self, cfg, shared):
-        self.cfg = cfg  # handed to the core's functions only (train_step, loader.micro_batches)
+    def __init__(self, forensics_cfg, shared, core):
+        """core: the core's keys (stability.CoreKeys) that its replays hand to train_step and
+        loader.micro_batches."""
+        self.core = core
         self.guard, self.snapshots, self.built = shared.guard, shared.snapshots, shared.built
-        self.fp32_replay = cfg.spike_guard_fp32_replay and precision.name(cfg) != "fp32"
+        self.fp32_replay = forensics_cfg.spike_guard_fp32_replay and (core.fp16 or core.bf16)
 
     def start(self, parts, report, train_data):
         self.parts, self.train_data = parts, train_data
@@ -213,18 +216,18 @@ class Forensics(training.Callback):
             return step
         if self.replicas_differ():  # a replay on replicas that differ tells nothing of the step
             return step
-        parts, cfg = self.parts, self.cfg
+        parts, core = self.parts, self.core
 
         def rerun(judge, scaler=parts.scaler):
-            return training.train_step(parts.model, parts.optimizer, scaler, it.batches, it.lr, cfg, self.device,
+            return training.train_step(parts.model, parts.optimizer, scaler, it.batches, it.lr, core, self.device,
                                        count_zeros=False, callbacks=diagnosis.Veto(judge))
 
         def per_sample():
-            return diagnosis.sample_losses(parts.model, it.batches, cfg).tolist()
+            return diagnosis.sample_losses(parts.model, it.batches, core).tolist()
         vetoed = step.outcome == "vetoed"  # by the guard's judge (a NaN step or replicas that differ are not)
         step, self.guard.diagnosis = diagnosis.investigate(
             self.guard, parts, step, it.number, self.before, self.snapshots, rerun=rerun,
-            forward=lambda: diagnosis.evaluate_batches(parts.model, it.batches, cfg, self.device),
+            forward=lambda: diagnosis.evaluate_batches(parts.model, it.batches, core, self.device),
             other=lambda: self.counterfactual(it), per_sample=per_sample if parallel.grid.pp_size == 1 else None,
             fp32_replay=self.fp32_replay)
         if vetoed and self.guard.tolerates(self.guard.diagnosis):  # clip_grad bounds it: the step applied after all
@@ -253,26 +256,26 @@ class Forensics(training.Callback):
         resumed run or a replay asks the same one), on the weights of now, computed and not applied
         (the same RNG and loss scaler after as before): (Step, its words, its forward for other
         weights), or None past the end of the data."""
-        parts, cfg = self.parts, self.cfg
-        found = comparison(self.train_data, it, self.built.get("faults"), cfg, self.device)
+        parts, core = self.parts, self.core
+        found = comparison(self.train_data, it, self.built.get("faults"), core, self.device)
         if found is None:
             return None
         batches, label = found
         rng, scaler = checkpoint.rng_state(), parts.scaler.state_dict()
-        step = training.train_step(parts.model, parts.optimizer, parts.scaler, batches, it.lr, cfg, self.device,
+        step = training.train_step(parts.model, parts.optimizer, parts.scaler, batches, it.lr, core, self.device,
                                    count_zeros=False, callbacks=diagnosis.Veto(lambda *numbers: "never applied"))
         checkpoint.set_rng_state(rng)
         parts.scaler.load_state_dict(scaler)
 
         def forward():
-            return diagnosis.evaluate_batches(parts.model, batches, cfg, self.device)
+            return diagnosis.evaluate_batches(parts.model, batches, core, self.device)
         return step, label, forward
 
 
 HELD_OUT = 8  # the comparison batches: the training data's last global batches, in turn
 
 
-def comparison(train_data, it, faults, cfg, device):
+def comparison(train_data, it, faults, core, device):
     """(micro-batches, their words) of a batch the weights were never trained on, for the unseen
     loss and the counterfactual, or None past the end of the data: one of the last HELD_OUT global
     batches of the training data's order, in turn -- reached at the run's end if at all, far from
@@ -287,8 +290,7 @@ def comparison(train_data, it, faults, cfg, device):
     if first + size > len(train_data):
         return None
     number = it.number + (first - it.first_sample) // size  # the iteration that will draw it
-    mbs = cfg.micro_batch_size
-    batches = loader.micro_batches(train_data, first, len(it.batches), mbs, it.seqlen, device)
+    batches = loader.micro_batches(train_data, first, len(it.batches), core.micro_batch_size, it.seqlen, device)
     if faults is not None:
         batches = faults.data_batches(number, first, size, it.seqlen, batches)
     return batches, f"iteration {number}'s batch (unseen)"

@@ -37,13 +37,7 @@ import run_state
 import schedule
 import training
 from report import print0
-from stability.config import (
-    RestartConfig,
-    SkipStepConfig,
-    SpikyLossConfig,
-    ZClipConfig,
-    section,
-)
+from stability.config import SkipStepConfig, ZClipConfig
 
 
 def mean_std(values):
@@ -73,9 +67,10 @@ class SkipStep(training.Callback):
     records them before it decides); a NaN/inf step never reaches it here (the core skips it first), where in
     OLMo-core it would enter the statistics."""
     name = "skip_step"
+    Config = SkipStepConfig  # its section: stability.build_callbacks builds it with it
 
-    def __init__(self, cfg, shared=None):
-        self.settings = section(SkipStepConfig, cfg)
+    def __init__(self, skip_step_cfg, shared=None):
+        self.settings = skip_step_cfg
         self.losses, self.grad_norms, self.iteration = [], [], None
 
     def before_step(self, it):
@@ -126,9 +121,9 @@ class SpikyLoss(training.Callback):
     the re-run is a forward only whose gradients are not used (Megatron's re-run recomputes them)."""
     name = "spiky_loss"
 
-    def __init__(self, cfg, shared=None):
-        self.settings = section(SpikyLossConfig, cfg)
-        self.cfg = cfg  # handed to the core's forward_backward only
+    def __init__(self, spiky_loss_cfg, shared, core):
+        self.settings = spiky_loss_cfg
+        self.core = core  # the core's keys (stability.CoreKeys), for the core's forward_backward
         self.state, self.first = {"count": 0, "max": 0.0}, True
 
     def start(self, parts, report, train_data):
@@ -155,7 +150,7 @@ class SpikyLoss(training.Callback):
         """The step's loss again: the same batch on the same weights from the step's RNG state, nothing applied."""
         now = checkpoint.rng_state()
         checkpoint.set_rng_state(self.rng)
-        loss = parallel.average_loss(training.forward_backward(self.model, self.it.batches, self.cfg, self.device,
+        loss = parallel.average_loss(training.forward_backward(self.model, self.it.batches, self.core, self.device,
                                                                forward_only=True)).item()
         checkpoint.set_rng_state(now)
         return loss
@@ -196,8 +191,10 @@ class ZClip(training.Callback):
     as ZClip's optional max_grad_norm (the smaller of the two wins in both)."""
     name = "zclip"
 
-    def __init__(self, cfg, shared=None):
-        self.settings = section(ZClipConfig, cfg)
+    Config = ZClipConfig  # its section: stability.build_callbacks builds it with it
+
+    def __init__(self, zclip_cfg, shared=None):
+        self.settings = zclip_cfg
         self.state, self.iteration = {"buffer": [], "mean": None, "var": None}, None
 
     def before_step(self, it):
@@ -244,8 +241,8 @@ class CheckpointRestart(training.Callback):
     by checkpoints and never rolled back."""
     name = None
 
-    def __init__(self, cfg, shared):
-        self.settings = section(RestartConfig, cfg)
+    def __init__(self, restart_cfg, shared):
+        self.settings = restart_cfg
         self.writer, self.snapshots = shared.writer, shared.snapshots
         self.losses, self.spike = [], None
         self.lr_scale, self.skip_ranges, self.decisions = 1.0, [], []

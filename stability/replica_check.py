@@ -38,7 +38,6 @@ import torch.distributed as dist
 import parallel
 import training
 from report import print0
-from stability.config import ReplicaCheckConfig, section
 
 KINDS = ("weights", "fp32 masters", "optimizer state")
 BITS = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16,
@@ -51,12 +50,16 @@ class ReplicaCheck(training.Callback):
     iteration whose check agreed (it goes with the weights), and the faults it found per DP rank (history)."""
     name = "replica_check"
 
-    def __init__(self, cfg, shared):
-        self.settings = s = section(ReplicaCheckConfig, cfg)
-        self.interval = s.dp_replica_check_interval
+    def __init__(self, replica_check_cfg, shared, spike_guard, snapshot_interval, max_hardware_faults, sharded):
+        """spike_guard on: the default interval (snapshot_interval's: each snapshot taken right
+        after a check); max_hardware_faults: a DP rank found differing this many times stops the
+        run, naming it; sharded: each DP rank holds its own shard of the optimizer state
+        (zero_stage >= 1, DeepSpeed's partitions), nothing to compare there."""
+        self.max_hardware_faults = max_hardware_faults
+        self.interval = replica_check_cfg.dp_replica_check_interval
         if self.interval is None:  # on with the guard: each snapshot right after a check
-            self.interval = (s.spike_guard_snapshot_interval or 50) if s.spike_guard else 0
-        self.sharded = s.deepspeed or s.zero_stage >= 1
+            self.interval = (snapshot_interval or 50) if spike_guard else 0
+        self.sharded = sharded
         self.guard, self.snapshots, self.writer = shared.guard, shared.snapshots, shared.writer
         self.stopper = shared.built.get("spike_guard")  # guard.Guard: saves and stops the run at the cap
         self.last_agreed, self.faults = 0, {}
@@ -111,7 +114,7 @@ class ReplicaCheck(training.Callback):
         worst = self.count(suspects)
         reason = "; ".join(lines)
         self.report.record(n, {"replica check": [{"iteration": n, "reason": reason}]})
-        cap = self.settings.spike_guard_max_hardware_faults
+        cap = self.max_hardware_faults
         if self.guard.enabled and self.guard.faults[worst] >= cap:
             self.stop(n, reason, worst, cap)
         if rollback:

@@ -24,6 +24,7 @@ import numpy as np
 import data
 import training
 from report import print0
+from stability.config import SkipListConfig
 
 
 class SkipList(training.Callback):
@@ -32,8 +33,10 @@ class SkipList(training.Callback):
     (loader.DataSource.documents): a list written for collections of other sizes is refused, whatever the source."""
     name = "skip_list"
 
-    def __init__(self, cfg, shared=None):
-        self.path = cfg.skip_documents
+    Config = SkipListConfig  # its section: stability.build_callbacks builds it with it
+
+    def __init__(self, skip_list_cfg, shared=None):
+        self.path = skip_list_cfg.skip_documents
 
     def documents_to_skip(self, collections):
         names, counts = [name for name, _ in collections], [count for _, count in collections]

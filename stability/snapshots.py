@@ -9,6 +9,7 @@ import glob
 import math
 import os
 import re
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -16,7 +17,6 @@ import torch.distributed as dist
 import checkpoint
 import parallel
 import run_state
-import schedule
 import training
 from report import print0
 
@@ -34,12 +34,17 @@ class Snapshots:
     checkpoint.AsyncWriter (one snapshot of host memory, its buffers), read back on a rollback, deleted when
     dropped and at the run's end. model: this rank's, to check at the start that the snapshots fit."""
 
-    def __init__(self, cfg, model=None):
-        self.cfg = cfg
-        self.interval = cfg.spike_guard_snapshot_interval if cfg.spike_guard else 0
-        self.keep = keep(cfg)
+    def __init__(self, plan, checkpoint_dirs=(None, None), reset_warmup=0, model=None, saver=None):
+        """plan: a Plan (stability.snapshot_plan); checkpoint_dirs: the run's save and load, whose
+        disk checkpoints a rollback returns to too; reset_warmup: the lr=0 iterations of a relapse's
+        optimizer reset; saver: the run's checkpoint.AsyncWriter, which saves a state rolled back to
+        from the disk (roll_back)."""
+        self.plan, self.reset_warmup, self.save_dir, self.saver = plan, reset_warmup, checkpoint_dirs[0], saver
+        self.dirs = [d for d in dict.fromkeys(checkpoint_dirs) if d]
+        self.interval = plan.interval
+        self.keep = keep(plan)
         self.items = []  # (iteration, snapshot or its file, event or None, buffers), oldest first
-        self.dir = cfg.spike_guard_snapshot_dir if self.keep else None
+        self.dir = plan.directory if self.keep else None
         if model is not None:
             self.check_fits(model)
         if self.dir:
@@ -57,12 +62,12 @@ class Snapshots:
         """Refuse (ValueError) snapshots that would not fit in the node's memory; model: this rank's."""
         if not self.keep:
             return
-        one, node = rank_snapshot_bytes(self.cfg, model), node_memory()
+        one, node = rank_snapshot_bytes(self.plan, model), node_memory()
         if dist.is_initialized():  # the largest rank's and the smallest node's: one verdict on every rank
             both = torch.tensor([one, -node], dtype=torch.int64, device=parallel.comm_device())
             dist.all_reduce(both, op=dist.ReduceOp.MAX)
             one, node = both[0].item(), -both[1].item()
-        check_host_memory(self.cfg, one, int(os.environ.get("LOCAL_WORLD_SIZE", "1")), node)
+        check_host_memory(self.plan, one, int(os.environ.get("LOCAL_WORLD_SIZE", "1")), node)
 
     def path(self, iteration):
         return os.path.join(self.dir, f"snapshot-rank{parallel.grid.rank:05d}-iteration{iteration}.pt")
@@ -113,7 +118,7 @@ class Snapshots:
                 if event is not None:
                     event.synchronize()
                 return it, snap
-        for directory in dict.fromkeys(d for d in (self.cfg.save, self.cfg.load) if d):
+        for directory in self.dirs:
             if not os.path.isdir(directory):
                 continue
             steps = [int(m.group(1)) for m in map(re.compile(r"global_step(\d+)$").match, os.listdir(directory))
@@ -132,7 +137,7 @@ class Snapshots:
     def checkpoints(self):
         """The iterations of the disk checkpoints in `save` and `load`."""
         found = set()
-        for directory in dict.fromkeys(d for d in (self.cfg.save, self.cfg.load) if d):
+        for directory in self.dirs:
             if os.path.isdir(directory):
                 found |= {int(m.group(1)) for m in map(re.compile(r"global_step(\d+)$").match, os.listdir(directory))
                           if m}
@@ -155,16 +160,19 @@ class Snapshots:
             guard.applied(decision, None)
             return None
         target, snap = found
+        from_disk = not any(it == target for it, *_ in self.items)
         run_state.restore(snap, parts, keep_payload=True)  # a snapshot can be rolled back to again
         self.drop(lambda it: it > target)
         if decision.get("reset_optimizer"):
-            setting = self.cfg.reset_optimizer_warmup_iters
-            warmup = schedule.reset_warmup_iters(setting, self.cfg.adam_beta2, "auto")
-            run_state.reset_optimizer(parts, warmup)
+            run_state.reset_optimizer(parts, self.reset_warmup)
         guard.applied(decision, target)
         skipping = decision["action"] == "rollback" and decision["end"] is not None
         print0(f"spike guard: rolled back to iteration {target}{decision.get('fallback', '')}" + (
             f"; iterations {decision['start']}-{decision['end']} will be skipped" if skipping else ""))
+        if from_disk and self.save_dir and decision["action"] == "rollback":  # (a stop saves anyway)
+            # saved again at once, with the decision: `latest` named a checkpoint of the timeline left
+            # behind (after target), which a run killed before its next save would resume from
+            run_state.save(parts, self.saver)
         return target
 
     def oldest_instead(self, decision):
@@ -188,7 +196,7 @@ class Snapshotting(training.Callback):
     taken after each spike_guard_snapshot_interval-th iteration, deleted at the end."""
     name = "snapshots"
 
-    def __init__(self, cfg, shared):
+    def __init__(self, snapshot_cfg, shared):  # its keys are the store's (stability.snapshot_plan)
         self.snapshots = shared.snapshots
 
     def start(self, parts, report, train_data):
@@ -202,26 +210,38 @@ class Snapshotting(training.Callback):
         self.snapshots.close()
 
 
-def keep(cfg):
+@dataclass(frozen=True)
+class Plan:
+    """What the snapshots' number, place and size depend on (made by stability.snapshot_plan)."""
+    interval: int  # a snapshot every N iterations: spike_guard_snapshot_interval (guard off: 0)
+    rewind: int  # spike_guard_rewind: how far back a rollback can reach
+    directory: str | None  # spike_guard_snapshot_dir
+    half: bool  # fp16 or bf16 weights, with fp32 masters
+    zero1: bool  # the optimizer state divided over DP (zero_stage >= 1)
+    engine: bool  # DeepSpeed's engine holds the optimizer state (deepspeed)
+    async_copy: bool  # async_save keeps a copy of the run's size in host memory too
+
+
+def keep(plan):
     """Snapshots a rollback can need. Strikes within spike_guard_rewind of the last one form an episode, so the
     first strike can be up to R back and the rollback goes R before it: to before iteration - 2R, i.e. to the
     newest snapshot up to one interval I further back. From that one to the newest: ceil(2R / I) + 1 snapshots.
     (Strikes at 1049, 1100, 1149 with R=100, I=50 roll back to 900, with 950-1100 taken since: 5.)"""
-    interval = cfg.spike_guard_snapshot_interval if cfg.spike_guard else 0
-    return math.ceil(2 * cfg.spike_guard_rewind / interval) + 1 if interval else 0
+    interval = plan.interval
+    return math.ceil(2 * plan.rewind / interval) + 1 if interval else 0
 
 
-def snapshot_bytes(cfg, gpu_params, dp, optimizer_params=None):
+def snapshot_bytes(plan, gpu_params, dp, optimizer_params=None):
     """Bytes of one snapshot per GPU: weights in the compute dtype and the optimizer state (fp32 masters and
     Adam's moments for half precision, the moments for fp32) of optimizer_params parameters: by default all of
     them, divided over DP with ZeRO-1 (native ZeRO-1 deals out whole parameters: the dry run gives its largest)."""
-    half = cfg.fp16 or cfg.bf16
+    half = plan.half
     if optimizer_params is None:
-        optimizer_params = gpu_params / (dp if cfg.zero_stage >= 1 else 1)
+        optimizer_params = gpu_params / (dp if plan.zero1 else 1)
     return gpu_params * (2 if half else 4) + optimizer_params * (12 if half else 8)
 
 
-def rank_snapshot_bytes(cfg, model, pinned=None):
+def rank_snapshot_bytes(plan, model, pinned=None):
     """Bytes of this rank's snapshot: its parameters, and the optimizer state of those it owns under native
     ZeRO-1 (parallel.deal_out; DeepSpeed's even share: snapshot_bytes' default). pinned (default: when the
     parameters are on a GPU, whose copies go to pinned buffers): each host buffer as the caching host allocator
@@ -231,24 +251,25 @@ def rank_snapshot_bytes(cfg, model, pinned=None):
     trainable = [p for p in params if p.requires_grad]
     g = parallel.grid
     owned = None
-    if cfg.zero_stage >= 1 and not cfg.deepspeed:
+    if plan.zero1 and not plan.engine:
         owners = parallel.deal_out([p.numel() for p in trainable], g.dp_size)
         owned = [p for p, rank in zip(trainable, owners) if rank == g.dp_rank]
     if not (any(p.is_cuda for p in params) if pinned is None else pinned):
-        return int(snapshot_bytes(cfg, sum(p.numel() for p in params), g.dp_size,
+        return int(snapshot_bytes(plan, sum(p.numel() for p in params), g.dp_size,
                                   None if owned is None else sum(p.numel() for p in owned)))
-    rounded, states = checkpoint.pinned_bytes, 3 if cfg.fp16 or cfg.bf16 else 2
+    rounded, states = checkpoint.pinned_bytes, 3 if plan.half else 2
     weights = sum(rounded(p.numel() * p.element_size()) for p in params)
-    if cfg.deepspeed and cfg.zero_stage >= 1:
+    if plan.engine and plan.zero1:
         return weights + states * rounded(4 * math.ceil(sum(p.numel() for p in trainable) / g.dp_size))
     return weights + sum(states * rounded(4 * p.numel()) for p in (trainable if owned is None else owned))
 
 
-def host_copies(cfg):
-    """Copies of the run in host memory per GPU: the snapshots (keep(cfg), or with spike_guard_snapshot_dir one:
-    the buffers of the background write), and with async_save one more, the buffers checkpoint.AsyncWriter keeps
-    from one save to the next (a checkpoint holds what a snapshot holds: run_state.capture)."""
-    return (min(keep(cfg), 1) if cfg.spike_guard_snapshot_dir else keep(cfg)) + int(cfg.async_save)
+def host_copies(plan):
+    """Copies of the run in host memory per GPU: the snapshots (keep(plan), or with
+    spike_guard_snapshot_dir one: the buffers of the background write), and with async_save one
+    more, the buffers checkpoint.AsyncWriter keeps from one save to the next (a checkpoint holds
+    what a snapshot holds: run_state.capture)."""
+    return (min(keep(plan), 1) if plan.directory else keep(plan)) + int(plan.async_copy)
 
 
 def node_memory():
@@ -285,33 +306,33 @@ def parents(path):
     return ["/" + "/".join(parts[:n]) if n else "" for n in range(len(parts), -1, -1)]
 
 
-def describe_host_memory(cfg, one, gpus_per_node, node_bytes=None):
+def describe_host_memory(plan, one, gpus_per_node, node_bytes=None):
     """(line, problem): the host memory of the snapshots (`one`: the bytes of one, snapshot_bytes or
     rank_snapshot_bytes), with async_save's copy of the same size, per GPU and per node, and None or, when they
     take more than HOST_SHARE of the node's memory, one message naming how many fit and the keys that make them
     fit. (None, None) when the guard keeps no snapshot."""
-    if not keep(cfg):
+    if not keep(plan):
         return None, None
-    copies, node = host_copies(cfg), node_bytes or node_memory()
-    GiB, rewind, interval = 2**30, cfg.spike_guard_rewind, cfg.spike_guard_snapshot_interval
-    what = "spike guard snapshots" + (" and async_save's copy" if cfg.async_save else "")
-    where = f" (and {keep(cfg)} on disk in {cfg.spike_guard_snapshot_dir})" if cfg.spike_guard_snapshot_dir else ""
+    copies, node = host_copies(plan), node_bytes or node_memory()
+    GiB, rewind, interval = 2**30, plan.rewind, plan.interval
+    what = "spike guard snapshots" + (" and async_save's copy" if plan.async_copy else "")
+    where = f" (and {keep(plan)} on disk in {plan.directory})" if plan.directory else ""
     line = (f"{what}: {copies} x {one / GiB:.2f} GiB = {copies * one / GiB:.2f} GiB of host memory per "
             f"GPU{where}, x {gpus_per_node} GPUs per node = {copies * one * gpus_per_node / GiB:.1f} GiB of the node's "
             f"{node / GiB:.0f} GiB (spike_guard_rewind {rewind}, spike_guard_snapshot_interval {interval})")
     fit = int(HOST_SHARE * node // (one * gpus_per_node))
     if copies <= fit:
         return line, None
-    room = fit - int(cfg.async_save)  # snapshots that fit beside the async save's copy
+    room = fit - int(plan.async_copy)  # snapshots that fit beside the async save's copy
     fixes = []
     if room >= 2:
         fixes.append(f"keep fewer (spike_guard_snapshot_interval {math.ceil(2 * rewind / (room - 1))} or more, or "
                      f"spike_guard_rewind {(room - 1) * interval // 2} or less: ceil(2 x rewind / interval) + 1 are "
                      "kept)")
-    if not cfg.spike_guard_snapshot_dir and room >= 1:
+    if not plan.directory and room >= 1:
         fixes.append("keep them on a node-local disk (spike_guard_snapshot_dir=$SLURM_TMPDIR or /tmp: one in host "
-                     f"memory, {keep(cfg)} x {one / GiB:.2f} GiB per GPU on the disk)")
-    if cfg.async_save:
+                     f"memory, {keep(plan)} x {one / GiB:.2f} GiB per GPU on the disk)")
+    if plan.async_copy:
         fixes.append("save synchronously (async_save=false: one copy fewer)")
     fixes.append("roll back to the checkpoints in save only (spike_guard_snapshot_interval=0)")
     problem = (f"{what} need {copies * one * gpus_per_node / GiB:.1f} GiB of host memory per node "
@@ -320,9 +341,9 @@ def describe_host_memory(cfg, one, gpus_per_node, node_bytes=None):
     return line, problem
 
 
-def check_host_memory(cfg, one, gpus_per_node, node_bytes=None):
+def check_host_memory(plan, one, gpus_per_node, node_bytes=None):
     """At the run's start: one ValueError with the fix when the snapshots would not fit in the node's memory."""
-    line, problem = describe_host_memory(cfg, one, gpus_per_node, node_bytes)
+    line, problem = describe_host_memory(plan, one, gpus_per_node, node_bytes)
     if problem:
         raise ValueError(problem)
     if line:

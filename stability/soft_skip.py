@@ -2,7 +2,6 @@
 less weight -- its gradients scaled by trend / loss before clipping -- rather than skipped (docs/levers.md)."""
 import training
 from report import print0
-from stability.config import SoftSkipConfig, section
 from stability.detector import Series
 
 
@@ -11,14 +10,15 @@ class SoftSkip(training.Callback):
     is read from the run state's history before each step; `trend`: a fixed one (a step outside a run)."""
     name = "soft_skip"
 
-    def __init__(self, cfg, shared=None, trend=None):
-        self.settings, self.trend = section(SoftSkipConfig, cfg), trend
+    def __init__(self, soft_skip_cfg, shared, min_steps, window, trend=None):
+        """min_steps, window: spike_guard_min_steps, spike_guard_window: the guard's line's."""
+        self.settings, self.min_steps, self.window, self.trend = soft_skip_cfg, min_steps, window, trend
 
     def start(self, parts, report, train_data):
         self.history = parts.state.history
 
     def before_step(self, it):
-        self.trend = soft_skip_trend(self.settings, self.history)
+        self.trend = soft_skip_trend(self.settings.soft_skip_loss_ratio, self.history, self.min_steps, self.window)
 
     def update_factor(self, loss, grad_norm):
         if self.trend is not None and loss > self.settings.soft_skip_loss_ratio * self.trend:
@@ -29,15 +29,15 @@ class SoftSkip(training.Callback):
         return 1.0
 
 
-def soft_skip_trend(settings, history):
+def soft_skip_trend(ratio, history, min_steps, window):
     """The loss's trend for the soft skip (soft_skip_loss_ratio): the guard's line through the last applied losses
-    (the run state's history: kept with the guard on or off), once spike_guard_min_steps are recorded; else None.
-    settings: a SoftSkipConfig (or the run's config)."""
-    if not settings.soft_skip_loss_ratio or len(history["loss"]) < settings.spike_guard_min_steps:
+    (the run state's history: kept with the guard on or off), once min_steps (spike_guard_min_steps)
+    are recorded; else None. ratio: soft_skip_loss_ratio (0: off); window: spike_guard_window."""
+    if not ratio or len(history["loss"]) < min_steps:
         return None
     # the line's next point needs the last values alone: loading them (Series.load) would judge each of the
     # history's 1,024 values again, every step
-    losses = Series(settings.spike_guard_window)
+    losses = Series(window)
     losses.values.extend(history["loss"][-Series.FIT:])
     trend = losses.expected()
     return trend if trend > 0 else None  # a line through a fast fall can cross zero: no ratio to speak of

@@ -90,7 +90,6 @@ import schedule
 import training
 from report import print0
 from stability import precursors
-from stability.config import DetectorConfig, LadderConfig, section
 from stability.detector import LEARNT, Detector
 
 EXIT_CODE = 3
@@ -104,9 +103,12 @@ class SpikeGuardStop(training.StopRun):
 class SpikeGuard(Detector):
     """The detector's statistics and rules (detector.Detector), and the decisions taken from them."""
 
-    def __init__(self, cfg, saved=None):
-        super().__init__(section(DetectorConfig, cfg))
-        self.ladder = section(LadderConfig, cfg)
+    def __init__(self, detector_cfg, guard_cfg, clip_grad, snapshot_interval, saved=None):
+        """detector_cfg, guard_cfg: its sections; clip_grad: the core's (Detector, tolerates());
+        snapshot_interval: spike_guard_snapshot_interval, how far back the LRs a rollback would
+        replay are kept."""
+        super().__init__(detector_cfg, clip_grad)
+        self.ladder, self.snapshot_interval = guard_cfg, snapshot_interval
         self.enabled = self.ladder.spike_guard
         # decisions: never rolled back
         self.strikes = []  # iterations of the spikes of the current episode
@@ -172,7 +174,7 @@ class SpikeGuard(Detector):
     def note_lr(self, iteration, replayed, applied):
         """An iteration's LR (applied) that a replay would not get (replayed): fault injection's event in time.
         Kept as far back as a rollback can reach."""
-        reach = 2 * max(self.ladder.spike_guard_snapshot_interval, 1)
+        reach = 2 * max(self.snapshot_interval, 1)
         self.lrs = {n: lrs for n, lrs in self.lrs.items() if iteration - n <= reach}
         self.lrs[iteration] = (replayed, applied)
 
@@ -234,7 +236,7 @@ class SpikeGuard(Detector):
         131x and 821x its trend), while the faults whose grad norm alone spiked -- a gradient bit flip, a cancellation
         in half precision -- were diagnosed hardware or numerical, which this leaves as they were (docs/spike_guard.md,
         section 9: "Designed for the sixth campaign"; lab/design_sixth.py)."""
-        return bool(self.rules.clip_grad) and self.grad_norm_alone and (diagnosis or {}).get("cause") == "data" \
+        return bool(self.clip_grad) and self.grad_norm_alone and (diagnosis or {}).get("cause") == "data" \
             and not diagnosis.get("rebase")
 
     def _tolerated(self, iteration, loss, grad_norm, lr, diagnosis):
@@ -244,7 +246,7 @@ class SpikeGuard(Detector):
         expected = self.series["grad norm"].expected()
         self.record(loss, grad_norm if expected is None else expected, lr)
         print0(f"spike guard (no action): iteration {iteration}: {self.pending}; data-driven: {diagnosis['evidence']}: "
-               f"the update applied, clip_grad={self.rules.clip_grad:g} bounds it")
+               f"the update applied, clip_grad={self.clip_grad:g} bounds it")
         self.pending = None
         return None
 
@@ -510,7 +512,7 @@ class SpikeGuard(Detector):
 # -----------------------------------------------------------------------------
 # Warning before the spike: the precursor rung (docs/spike_guard.md, section 7)
 
-def precursor_rung(guard, cfg, iteration, telemetry):
+def precursor_rung(guard, precursor_cfg, adam_eps, iteration, telemetry):
     """The early rung (`spike_guard_precursor`, off by default), called with each telemetry record: when the
     precursor passes `spike_guard_precursor_threshold`, multiply the LR by `spike_guard_precursor_lr_factor` from
     the next iteration on, through guard.lr_scale (the factor a relapse uses; checkpoints keep it). Once per
@@ -518,10 +520,11 @@ def precursor_rung(guard, cfg, iteration, telemetry):
     telemetry records (every telemetry_interval), whose numbers are reduced over all ranks: every rank decides
     alike. Its state is its entries in guard.decisions (kept by checkpoints, never rolled back), so a resumed run
     neither repeats nor forgets a cut. Returns the decision (also one `spike guard:` line) or None."""
-    name, threshold = cfg.spike_guard_precursor, cfg.spike_guard_precursor_threshold
+    p = precursor_cfg  # adam_eps: the optimizer's, which grad_rms_over_eps is measured against
+    name, threshold = p.spike_guard_precursor, p.spike_guard_precursor_threshold
     if name is None:
         return None
-    value = precursors.value(name, telemetry, cfg.adam_eps)
+    value = precursors.value(name, telemetry, adam_eps)
     mine = [d for d in guard.decisions if d["action"] in ("precursor", "precursor rearmed")]
     armed = not mine or mine[-1]["action"] == "precursor rearmed"
     crossed = precursors.past(name, value, threshold)
@@ -530,7 +533,7 @@ def precursor_rung(guard, cfg, iteration, telemetry):
         reason = f"{name} {value:.4g} is back {'under' if high else 'over'} its threshold {threshold:g}"
         decision = guard._decide(iteration, "precursor rearmed", reason, "the precursor rung is armed again")
     elif armed and crossed:
-        guard.lr_scale *= cfg.spike_guard_precursor_lr_factor
+        guard.lr_scale *= p.spike_guard_precursor_lr_factor
         reason = f"{name} {value:.4g} is {'over' if high else 'under'} its threshold {threshold:g}"
         decision = guard._decide(iteration, "precursor", reason, f"warning before a spike: LR x{guard.lr_scale:g} "
                                  "from the next iteration on", lr_scale=guard.lr_scale, value=value)

@@ -31,16 +31,17 @@ import training
 
 
 class Telemetry:
-    def __init__(self, model, cfg, optimizer=None):
-        """optimizer: the one that steps the model (optim.optimizer_for's), whose fp32 master weights the
-        update/param ratio is measured on; None: the model's weights themselves."""
+    def __init__(self, model, model_cfg, optimizer=None):
+        """model_cfg: the model's shape (a model.GPTConfig). optimizer: the one that steps the model
+        (optim.optimizer_for's), whose fp32 master weights the update/param ratio is measured on;
+        None: the model's weights themselves."""
         self.gpt = parallel.unwrap(model)
         self.main_param = getattr(optimizer, "main_param", lambda p: p)
         # ZeRO-1: each master is on one DP rank only, so the sum over DP ranks counts it once (not dp_size times)
         self.masters_sharded = isinstance(optimizer, parallel.ZeroShardedOptimizer)
-        self.num_layers, self.vocab_size = cfg.num_layers, cfg.vocab_size
-        self.n = cfg.num_layers + 2  # slot 0: embedding, 1..L: blocks, L+1: final LayerNorm
-        self.heads = cfg.num_attention_heads
+        self.num_layers, self.vocab_size = model_cfg.num_layers, model_cfg.vocab_size
+        self.n = model_cfg.num_layers + 2  # slot 0: embedding, 1..L: blocks, L+1: final LayerNorm
+        self.heads = model_cfg.num_attention_heads
         counted = {id(p) for p in parallel.counted_once(model)}
         self.params, slots = [], []
         for name, p in self.gpt.named_parameters():
@@ -244,12 +245,12 @@ class Recording(training.Callback):
     (report.py); `record` holds this iteration's (None on the others), for the precursor rung."""
     name = "telemetry"
 
-    def __init__(self, cfg, shared=None):
-        self.cfg, self.interval = cfg, cfg.telemetry_interval  # cfg: the model's shape, for Telemetry
+    def __init__(self, telemetry_cfg, shared, model_cfg):
+        self.model_cfg, self.interval = model_cfg, telemetry_cfg.telemetry_interval  # for Telemetry
         self.probe = self.record = None
 
     def start(self, parts, report, train_data):
-        self.recorder = Telemetry(parts.model, self.cfg, parts.optimizer)
+        self.recorder = Telemetry(parts.model, self.model_cfg, parts.optimizer)
         self.report, self.state = report, parts.state
 
     def before_step(self, it):

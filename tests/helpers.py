@@ -480,12 +480,26 @@ def decisions(out):
     return [x for x in out.splitlines() if x.startswith("spike guard: iteration") and not any(n in x for n in noise)]
 
 
+def spike_guard_of(cfg, saved=None):
+    """The SpikeGuard a run of cfg builds (stability.construction: its sections, clip_grad, the snapshot
+    interval); saved: a state_dict to start from."""
+    import stability
+    from stability import spike_guard
+    return spike_guard.SpikeGuard(*stability.construction(cfg)["spike_guard.SpikeGuard"], saved=saved)
+
+
+def snapshots_of(cfg, model=None):
+    """The snapshot store a run of cfg builds (stability.construction); model: checked to fit."""
+    import stability
+    from stability import snapshots
+    return snapshots.Snapshots(*stability.construction(cfg)["snapshots.Snapshots"], model=model)
+
+
 def warm_guard(flags, loss, grad_norm, steps=16):
     """A SpikeGuard of `--spike_guard` and these flags after `steps` ordinary applied steps, loss and grad norm
     alternating +-0.01 around the given ones at LR 1e-3: a trend to judge the next step against, with no run."""
     import arguments
-    from stability import spike_guard
-    guard = spike_guard.SpikeGuard(arguments.load_config(["--spike_guard", *flags]))
+    guard = spike_guard_of(arguments.load_config(["--spike_guard", *flags]))
     for i in range(steps):
         guard.update(i + 1, "ok", loss + 0.01 * (-1) ** i, grad_norm + 0.01 * (-1) ** i, None, lr=1e-3)
     return guard

@@ -35,7 +35,9 @@ from helpers import (  # noqa: F401
     losses,
     plan_of,
     run_cli,
+    snapshots_of,
     spawn,
+    spike_guard_of,
     synthetic_corpus,  # (corpus, synthetic_corpus: fixtures)
     train_script,
 )
@@ -301,7 +303,7 @@ def _meta_step(monkeypatch, extra, tp=1, pp=1, dp=1, rank=0, micro_batches=2):
     import safety
     from report import LoggingConfig, Report
     from sections import section
-    from stability import snapshots, spike_guard, telemetry
+    from stability import telemetry
     world = tp * pp * dp
     cfg = arguments.load_config(META_ARGV + [f"--tensor_model_parallel_size={tp}",
                                              f"--pipeline_model_parallel_size={pp}",
@@ -321,8 +323,8 @@ def _meta_step(monkeypatch, extra, tp=1, pp=1, dp=1, rank=0, micro_batches=2):
         parts = builders.build(cfg, grid, plan, meta)
         assert all(p.is_meta for p in parts.model.parameters())
         recorder = telemetry.Telemetry(parts.model, cfg, parts.optimizer)
-        store = snapshots.Snapshots(cfg)
-        guard = spike_guard.SpikeGuard(cfg)
+        store = snapshots_of(cfg)
+        guard = spike_guard_of(cfg)
         report = Report(section(LoggingConfig, cfg), plan, parts.model, cfg.save)
         exit_signal = safety.ExitSignal(True)
         ids = torch.zeros(cfg.micro_batch_size, cfg.seq_length, dtype=torch.int64, device=meta)

@@ -35,7 +35,7 @@ class Indexed:
 
 def faults(*flags):
     cfg = arguments.prepare(arguments.load_config([*TINY, *flags]))
-    f = Faults(cfg)
+    f = Faults(cfg, None, cfg.seed, cfg.vocab_size)
     f.train_data, f.model = Indexed(), build_model(cfg, torch.device("cpu"))
     return f
 

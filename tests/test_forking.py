@@ -1,49 +1,67 @@
-"""docs/forking.md's stability check, run as the page writes it: its class and its registry line, read from the
-page, in a short run of the tiny model with the spike guard on."""
+"""docs/forking.md's stability check, run as the page writes it: its file, its section (its key)
+and its registry line applied to a copy of the product, then `--help`, short runs of the small model
+with the key on the command line, and the state it keeps in the checkpoint."""
 import os
 import re
+import shutil
+import subprocess
 import sys
-import textwrap
-import types
 
+import pytest
 import torch
 
-import stability
-from helpers import ROOT, SMALL, corpus, losses, run_main  # noqa: F401 (corpus: a fixture)
+from helpers import ROOT, SMALL, corpus, losses  # noqa: F401 (corpus: a fixture)
 
 
 def _example():
-    """(the module's code, the registry line) of the page's section "A stability check"."""
+    """(the module's code, its section, the registry line) of the page's "A stability check"."""
     with open(os.path.join(ROOT, "docs", "forking.md")) as f:
-        section = f.read().split("## A stability check", 1)[1]
-    module, line = re.findall(r"```python\n(.*?)```", section, re.S)[:2]
-    return module, line
+        section = f.read().split("## A stability check", 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"```python\n(.*?)```", section, re.S)[:3]
 
 
-def _install(monkeypatch, cap=None):
-    """The page's module as stability.loss_cap, its line after the guard's in REGISTRY; returns the class."""
-    code, line = _example()
-    module = types.ModuleType("stability.loss_cap")
-    exec(compile(code, "docs/forking.md", "exec"), module.__dict__)
-    monkeypatch.setitem(sys.modules, "stability.loss_cap", module)
-    entry, = eval(textwrap.dedent(line))
-    registry = list(stability.REGISTRY)
-    registry.insert(1 + next(i for i, (_, where) in enumerate(registry) if where == "guard.Guard"), entry)
-    monkeypatch.setattr(stability, "REGISTRY", registry)
-    if cap is not None:
-        monkeypatch.setattr(module.LossCap, "CAP", cap)
-    return module.LossCap
+def _edit(path, old, new):
+    """The first occurrence of old in the file at path (which must hold it) replaced by new."""
+    with open(path) as f:
+        text = f.read()
+    assert old in text, f"{old!r} is not in {path}"
+    with open(path, "w") as f:
+        f.write(text.replace(old, new, 1))
 
 
-def test_the_pages_stability_check_is_built_keeps_its_state_and_vetoes(monkeypatch, corpus, tmp_path):
-    _install(monkeypatch)
-    args = [*SMALL, f"--data_path={corpus}", "--train_iters=4", "--eval_iters=0", "--spike_guard"]
-    out = run_main(*args, f"--save={tmp_path / 'kept'}", "--save_interval=4")
+def _forked(tmp_path):
+    """A copy of the product (its modules and config files), the page's check added as it says."""
+    fork = tmp_path / "fork"
+    shutil.copytree(ROOT, fork, ignore=lambda d, names: [n for n in names if not (
+        n.endswith(".py") or os.path.isdir(os.path.join(d, n)) and n in ("stability", "config"))])
+    module, section, line = _example()
+    (fork / "stability" / "loss_cap.py").write_text(module)
+    config = fork / "stability" / "config.py"
+    _edit(config, "@dataclass\nclass StabilityConfig(", section + "\n\n@dataclass\nclass StabilityConfig(")
+    _edit(config, "class StabilityConfig(", "class StabilityConfig(LossCapConfig, ")  # first: its key last
+    after_guard = '"guard.Guard"),\n'
+    _edit(fork / "stability" / "__init__.py", after_guard, after_guard + line)
+    return fork
+
+
+def _run(fork, *args):
+    proc = subprocess.run([sys.executable, "train.py", *args], cwd=fork, capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
+@pytest.mark.slow  # three runs of a copy of train.py (and --help): about 25 s on 2 cores
+def test_the_pages_stability_check_with_its_key_is_built_keeps_its_state_and_vetoes(corpus, tmp_path):
+    fork = _forked(tmp_path)
+    assert re.search(r"^  --loss_cap +float = 0.0 +veto the update of a step", _run(fork, "--help"), re.M)
+    args = [*SMALL, f"--data_path={corpus}", "--train_iters=4", "--eval_iters=0"]
+    out = _run(fork, *args, "--loss_cap=3", f"--save={tmp_path / 'kept'}", "--save_interval=4")
     state = torch.load(tmp_path / "kept" / "global_step4" / "mp_rank_00_000_model_states.pt", weights_only=False)
     first = state["run"]["state"]["callbacks"]["loss_cap"]["first"]  # its own entry in the checkpoint
     assert abs(first - float(losses(out)[1])) < 1e-3 * first
-    assert "loss cap:" not in out  # a clean start is nowhere near 3x its first loss
-    _install(monkeypatch, cap=0.5)  # every loss is above half the first: every update vetoed
-    out = run_main(*args)
+    assert state["run"]["config"]["loss_cap"] == 3.0
+    assert "loss cap:" not in out  # a clean start is far from 3x its first loss
+    out = _run(fork, *args, "--loss_cap=0.5", "--spike_guard")  # every loss is above half the first
     assert len(re.findall(r"^loss cap: loss \S+ is over 0.5x the first loss", out, re.M)) == 4, out[-3000:]
     assert "spike guard: iteration" not in out  # the guard leaves another callback's veto alone

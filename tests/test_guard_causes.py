@@ -11,7 +11,15 @@ import re
 
 import pytest
 
-from helpers import corpus, corpus512, decisions, guard_model_args, run_main, warm_guard  # noqa: F401 (fixtures)
+from helpers import (  # noqa: F401 (fixtures)
+    corpus,
+    corpus512,
+    decisions,
+    guard_model_args,
+    run_main,
+    spike_guard_of,
+    warm_guard,
+)
 from stability import spike_guard
 
 GUARD = ["--spike_guard", "--spike_guard_window=20", "--spike_guard_min_steps=10", "--spike_guard_rewind=3",
@@ -113,7 +121,7 @@ def test_the_measured_noise_is_in_the_guards_checkpoint_state():
     guard = _guard()
     guard.noise = 3.5e-4
     import arguments
-    resumed = spike_guard.SpikeGuard(arguments.load_config(["--spike_guard"]), guard.state_dict())
+    resumed = spike_guard_of(arguments.load_config(["--spike_guard"]), guard.state_dict())
     assert resumed.noise == 3.5e-4
 
 

@@ -12,7 +12,7 @@ import torch
 
 import arguments
 from builders import build_model, build_optimizer
-from helpers import corpus, corpus512, decisions, guard_model_args, run_main  # noqa: F401 (corpus, corpus512: fixtures)
+from helpers import corpus, corpus512, decisions, guard_model_args, run_main, spike_guard_of  # noqa: F401 (corpus, corpus512: fixtures)
 from stability import detector, diagnosis, spike_guard
 
 GUARD = ["--spike_guard", "--spike_guard_window=20", "--spike_guard_min_steps=10", "--spike_guard_rewind=3",
@@ -105,7 +105,7 @@ def _tiny(*argv):
 def _guard(**overrides):
     cfg = arguments.load_config(["--spike_guard", "--spike_guard_window=16", "--spike_guard_min_steps=8",
                                  *[f"--{k}={v}" for k, v in overrides.items()]])
-    return cfg, spike_guard.SpikeGuard(cfg)
+    return cfg, spike_guard_of(cfg)
 
 
 def test_a_low_loss_with_an_outlying_grad_norm_is_a_spike_and_either_alone_is_not():
@@ -156,7 +156,7 @@ def test_the_weight_corruption_bound_is_tight(beyond):
     """A known LR sum since the snapshot; one weight moved 1% inside the bound (Adam can have written it: no fault)
     and 1% past it (a fault). Doubling the bound, or halving it, fails one of the two."""
     cfg, model, optimizer = _tiny("--weight_decay=0", "--spike_guard")
-    guard = spike_guard.SpikeGuard(cfg)
+    guard = spike_guard_of(cfg)
     then_sum, lr_sum = 0.25, 3e-3
     guard.lr_sum = then_sum + lr_sum
     before = {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -208,9 +208,10 @@ def test_a_slow_rise_is_caught_on_its_third_step_and_the_clean_twin_never():
         runs = json.load(f)
     flags = ["--spike_guard", "--spike_guard_window=20", "--spike_guard_min_steps=10"]
     cfg, off = arguments.load_config(flags), arguments.load_config([*flags, "--spike_guard_rise_steps=0"])
-    assert detector.spikes_in(runs["lr_x37_from_158"], cfg)[0] == 161
-    assert [i for i in detector.spikes_in(runs["lr_x37_from_158"], off) if i < 200] == []  # the rule catches it
-    assert detector.spikes_in(runs["clean"], cfg) == []
+    assert detector.spikes_in(runs["lr_x37_from_158"], cfg, cfg.clip_grad)[0] == 161
+    found = detector.spikes_in(runs["lr_x37_from_158"], off, off.clip_grad)
+    assert [i for i in found if i < 200] == []  # the rule catches it
+    assert detector.spikes_in(runs["clean"], cfg, cfg.clip_grad) == []
 
 
 def test_a_rise_of_two_steps_is_not_a_spike_of_three_is_and_the_message_names_them():

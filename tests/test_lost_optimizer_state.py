@@ -5,8 +5,7 @@ import torch
 
 import arguments
 from builders import build_model, build_optimizer
-from helpers import corpus, corpus512, losses, run_main  # noqa: F401 (corpus, corpus512: fixtures)
-from stability import spike_guard
+from helpers import corpus, corpus512, losses, run_main, spike_guard_of  # noqa: F401 (corpus, corpus512: fixtures)
 from stability.faults import Faults
 
 TINY = ["--num_layers=1", "--hidden_size=32", "--num_attention_heads=2", "--seq_length=16", "--vocab_size=512",
@@ -22,8 +21,8 @@ def test_the_moments_are_zeroed_once_in_time_and_the_step_count_kept():
         optimizer.step()
     steps = {id(p): s.get("step") for p, s in optimizer.state.items()}
     assert all(s["exp_avg_sq"].abs().sum() > 0 for s in optimizer.state.values())
-    guard = spike_guard.SpikeGuard(cfg)
-    faults = Faults(cfg)
+    guard = spike_guard_of(cfg)
+    faults = Faults(cfg, None, cfg.seed, cfg.vocab_size)
     faults.optimizer = optimizer
     faults.lose_optimizer_state(3, guard)  # not its iteration: untouched
     assert all(s["exp_avg"].abs().sum() > 0 for s in optimizer.state.values())

@@ -76,10 +76,8 @@ def test_the_counterfactual_is_drawn_when_the_next_batch_is_the_datas_last(
         training, "train_step", lambda *args, **kwargs: training.Step(3.0, 1.0, 0, "vetoed")
     )
     scaler = types.SimpleNamespace(state_dict=lambda: {}, load_state_dict=lambda state: None)
-    forensics = guard.Forensics(
-        arguments.load_config(["--spike_guard"]),
-        types.SimpleNamespace(guard=None, snapshots=None, built={}),
-    )
+    cfg = arguments.load_config(["--spike_guard"])
+    forensics = guard.Forensics(cfg, types.SimpleNamespace(guard=None, snapshots=None, built={}), cfg)
     forensics.start(
         types.SimpleNamespace(model=torch.nn.Linear(1, 1), optimizer=None, scaler=scaler),
         None,

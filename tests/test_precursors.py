@@ -9,7 +9,7 @@ import types
 import pytest
 
 import arguments
-from helpers import ROOT, log_fields, run_main, synthetic_corpus  # noqa: F401 (synthetic_corpus is a fixture)
+from helpers import ROOT, log_fields, run_main, spike_guard_of, synthetic_corpus  # noqa: F401 (synthetic_corpus is a fixture)
 from stability import spike_guard
 
 sys.path.insert(0, os.path.join(ROOT, "tools"))
@@ -80,26 +80,28 @@ def cfg_with(**overrides):
 
 def test_the_rung_cuts_the_lr_once_per_crossing_and_a_resumed_guard_remembers():
     cfg = cfg_with()
-    guard = spike_guard.SpikeGuard(cfg)
-    rung = [spike_guard.precursor_rung(guard, cfg, i, telemetry(logit)) for i, logit in
+    guard = spike_guard_of(cfg)
+    rung = [spike_guard.precursor_rung(guard, cfg, cfg.adam_eps, i, telemetry(logit)) for i, logit in
             ((10, 50.0), (20, 150.0), (30, 300.0), (40, 80.0), (50, 120.0))]
     assert [d and d["action"] for d in rung] == [None, "precursor", None, "precursor rearmed", "precursor"]
     assert rung[1]["line"] == ("spike guard: iteration 20: attention_logit_max 150 is over its threshold 100: "
                                "warning before a spike: LR x0.5 from the next iteration on")
     assert guard.lr_scale == 0.25
     # a checkpoint keeps the cuts and the rung's state (above the threshold: no second cut on resume)
-    resumed = spike_guard.SpikeGuard(cfg, saved=guard.state_dict())
-    assert spike_guard.precursor_rung(resumed, cfg, 60, telemetry(500.0)) is None and resumed.lr_scale == 0.25
+    resumed = spike_guard_of(cfg, saved=guard.state_dict())
+    assert spike_guard.precursor_rung(resumed, cfg, cfg.adam_eps, 60, telemetry(500.0)) is None
+    assert resumed.lr_scale == 0.25
     # a low-side precursor warns under its threshold; a NaN warns whatever the side
     low = cfg_with(spike_guard_precursor="grad_rms_over_eps", spike_guard_precursor_threshold=100.0)
-    guard = spike_guard.SpikeGuard(low)
-    assert spike_guard.precursor_rung(guard, low, 10, telemetry(1.0, grad_rms=1e-5)) is None  # 1000 x eps
-    assert spike_guard.precursor_rung(guard, low, 20, telemetry(1.0, grad_rms=1e-7))["action"] == "precursor"
-    guard = spike_guard.SpikeGuard(cfg)
-    assert spike_guard.precursor_rung(guard, cfg, 10, telemetry(math.nan))["action"] == "precursor"
+    guard = spike_guard_of(low)
+    assert spike_guard.precursor_rung(guard, low, low.adam_eps, 10, telemetry(1.0, grad_rms=1e-5)) is None  # 1000 x eps
+    rung = spike_guard.precursor_rung(guard, low, low.adam_eps, 20, telemetry(1.0, grad_rms=1e-7))
+    assert rung["action"] == "precursor"
+    guard = spike_guard_of(cfg)
+    assert spike_guard.precursor_rung(guard, cfg, cfg.adam_eps, 10, telemetry(math.nan))["action"] == "precursor"
     # off (the default): nothing, whatever the telemetry
     off = cfg_with(spike_guard_precursor=None)
-    assert spike_guard.precursor_rung(guard, off, 10, telemetry(1e9)) is None
+    assert spike_guard.precursor_rung(guard, off, off.adam_eps, 10, telemetry(1e9)) is None
 
 
 def test_rung_config_is_checked():

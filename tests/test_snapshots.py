@@ -13,8 +13,10 @@ import torch
 import arguments
 import checkpoint
 import parallel
-from helpers import corpus, corpus512, log_fields, run_main, spawn  # noqa: F401 (corpus, corpus512: fixtures)
-from stability import snapshots, spike_guard
+import training
+from helpers import corpus, corpus512, log_fields, run_main, snapshots_of, spawn, spike_guard_of  # noqa: F401 (corpus, corpus512: fixtures)
+from stability import snapshot_plan as plan
+from stability import snapshots
 
 SCALER = types.SimpleNamespace(dynamic=False, scale=1.0, min_scale=1.0)
 
@@ -27,10 +29,10 @@ def test_snapshots_reach_back_two_rewinds_and_an_interval(monkeypatch, tmp_path,
                                  "--spike_guard_rewind=100", "--spike_guard_snapshot_interval=50",
                                  "--spike_guard_skip_after=20", "--spike_guard_max_skips=3"]
                                 + ([f"--spike_guard_snapshot_dir={tmp_path}"] if where == "disk" else []))
-    guard = spike_guard.SpikeGuard(cfg)
-    assert snapshots.keep(cfg) == 5
+    guard = spike_guard_of(cfg)
+    assert snapshots.keep(plan(cfg)) == 5
     monkeypatch.setattr(snapshots.run_state, "capture", lambda parts: {"iteration": parts})
-    store = snapshots.Snapshots(cfg)
+    store = snapshots_of(cfg)
     decision = None
     for it in range(1, 1150):
         if it in (1049, 1100, 1149):  # diagnosed data (undiagnosed, no strike rolls back: #50)
@@ -60,7 +62,7 @@ def test_a_snapshot_that_cannot_be_written_stops_the_run_naming_the_directory(mo
     def full_disk(obj, f, *args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
     monkeypatch.setattr(checkpoint.torch, "save", full_disk)
-    store = snapshots.Snapshots(cfg)
+    store = snapshots_of(cfg)
     store.maybe_take(5, 5)  # written in the background: its failure is said at the next snapshot
     with pytest.raises(ValueError, match=f"written to spike_guard_snapshot_dir {tmp_path} .*No space left on device"):
         store.maybe_take(10, 10)
@@ -107,10 +109,10 @@ def test_a_snapshot_of_cuda_tensors_on_disk_is_written_from_pinned_buffers_and_r
 def test_the_dry_run_reports_the_snapshots_host_memory(capsys, monkeypatch):
     import estimate
     cfg = arguments.load_config(["config/tr11_176b.py", "--spike_guard"])
-    assert snapshots.keep(cfg) == 5  # rewind 100, a snapshot every 50
+    assert snapshots.keep(plan(cfg)) == 5  # rewind 100, a snapshot every 50
     # bf16: 2 bytes of weights and 12 of fp32 masters and Adam's moments per parameter, sharded over DP (ZeRO-1)
-    assert snapshots.snapshot_bytes(cfg, 10**9, 8) == 10**9 * (2 + 12 / 8)
-    assert snapshots.snapshot_bytes(cfg, 10**9, 8, optimizer_params=3 * 10**8) == 10**9 * 2 + 3 * 10**8 * 12
+    assert snapshots.snapshot_bytes(plan(cfg), 10**9, 8) == 10**9 * (2 + 12 / 8)
+    assert snapshots.snapshot_bytes(plan(cfg), 10**9, 8, optimizer_params=3 * 10**8) == 10**9 * 2 + 3 * 10**8 * 12
     cfg = arguments.load_config(["--num_layers=2", "--hidden_size=64", "--num_attention_heads=4", "--spike_guard",
                                  "--spike_guard_rewind=10", "--spike_guard_snapshot_interval=5"])
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
@@ -130,7 +132,7 @@ def test_snapshots_that_do_not_fit_the_node_are_refused_with_the_keys_that_make_
     """tr11 on nodes of 8 GPUs and 512 GiB: 5 snapshots of 12.98 GiB per GPU are 519 GiB; 3 fit in 3/4 of it."""
     cfg = arguments.load_config(["config/tr11_176b.py", "--spike_guard"])
     node = 512 * 2**30
-    line, problem = snapshots.describe_host_memory(cfg, TR11_SNAPSHOT, 8, node)
+    line, problem = snapshots.describe_host_memory(plan(cfg), TR11_SNAPSHOT, 8, node)
     assert "5 x 12.98 GiB = 64.91 GiB of host memory per GPU, x 8 GPUs per node = 519.3 GiB" in line
     assert problem.startswith("spike guard snapshots need 519.3 GiB of host memory per node (5 x 12.98 GiB per GPU x "
                               "8 GPUs), more than 75% of the node's 512 GiB: 3 per GPU fit")
@@ -138,13 +140,14 @@ def test_snapshots_that_do_not_fit_the_node_are_refused_with_the_keys_that_make_
     assert "spike_guard_snapshot_interval 100 or more, or spike_guard_rewind 50 or less" in problem
     assert "spike_guard_snapshot_dir=$SLURM_TMPDIR" in problem and "spike_guard_snapshot_interval=0" in problem
     with pytest.raises(ValueError, match="519.3 GiB of host memory per node"):
-        snapshots.check_host_memory(cfg, TR11_SNAPSHOT, 8, node)
+        snapshots.check_host_memory(plan(cfg), TR11_SNAPSHOT, 8, node)
     cfg.spike_guard_snapshot_interval = 100  # what the message says: 3 snapshots now
-    assert snapshots.keep(cfg) == 3 and snapshots.describe_host_memory(cfg, TR11_SNAPSHOT, 8, node)[1] is None
+    assert snapshots.keep(plan(cfg)) == 3
+    assert snapshots.describe_host_memory(plan(cfg), TR11_SNAPSHOT, 8, node)[1] is None
     cfg.spike_guard_snapshot_interval, cfg.spike_guard_snapshot_dir = 50, "/tmp"  # on disk: one copy in memory
-    line, problem = snapshots.describe_host_memory(cfg, TR11_SNAPSHOT, 8, node)
+    line, problem = snapshots.describe_host_memory(plan(cfg), TR11_SNAPSHOT, 8, node)
     assert problem is None and "1 x 12.98 GiB = 12.98 GiB of host memory per GPU (and 5 on disk in /tmp)" in line
-    _, problem = snapshots.describe_host_memory(cfg, TR11_SNAPSHOT, 8, 64 * 2**30)  # not even one
+    _, problem = snapshots.describe_host_memory(plan(cfg), TR11_SNAPSHOT, 8, 64 * 2**30)  # not even one
     assert ": 0 per GPU fit" in problem and "spike_guard_snapshot_interval=0" in problem
 
 
@@ -153,8 +156,8 @@ def test_the_run_refuses_at_its_start_snapshots_the_node_cannot_hold(monkeypatch
     monkeypatch.setattr(snapshots, "node_memory", lambda: 2**20)  # 1 MiB
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     with pytest.raises(ValueError, match="spike guard snapshots need .* GiB of host memory per node"):
-        snapshots.Snapshots(cfg, torch.nn.Linear(256, 256))
-    snapshots.Snapshots(cfg, torch.nn.Linear(4, 4))  # 1 MiB holds 5 x 20 parameters
+        snapshots_of(cfg, torch.nn.Linear(256, 256))
+    snapshots_of(cfg, torch.nn.Linear(4, 4))  # 1 MiB holds 5 x 20 parameters
 
 
 def test_a_ranks_snapshot_holds_the_optimizer_state_of_the_parameters_zero1_deals_it(monkeypatch):
@@ -162,14 +165,14 @@ def test_a_ranks_snapshot_holds_the_optimizer_state_of_the_parameters_zero1_deal
     model = torch.nn.Linear(256, 256)  # 65,536 + 256 parameters: the weight to DP rank 0, the bias to rank 1
     for rank, owned in ((0, 65536), (1, 256)):
         monkeypatch.setattr(parallel, "grid", parallel.Grid(world_size=2, rank=rank))
-        assert snapshots.rank_snapshot_bytes(cfg, model) == 4 * 65792 + 8 * owned  # fp32 weights, Adam's moments
+        assert snapshots.rank_snapshot_bytes(plan(cfg), model) == 4 * 65792 + 8 * owned  # fp32 weights, Adam's moments
 
 
 def _refused_on_every_rank():
     snapshots.node_memory = lambda: 2**20
     cfg = arguments.load_config(["--spike_guard"])
     with pytest.raises(ValueError, match="spike guard snapshots need"):  # rank 1's snapshots do not fit: on both
-        snapshots.Snapshots(cfg, torch.nn.Linear(4, 4) if parallel.grid.rank == 0 else torch.nn.Linear(256, 256))
+        snapshots_of(cfg, torch.nn.Linear(4, 4) if parallel.grid.rank == 0 else torch.nn.Linear(256, 256))
 
 
 def test_every_rank_refuses_when_one_ranks_snapshots_do_not_fit():
@@ -215,13 +218,14 @@ def test_pinned_buffers_are_counted_as_the_caching_host_allocator_rounds_them(mo
         [0, 1, 4, 4096, 8192, 2 * 2**30]
     cfg = arguments.load_config(["--spike_guard", "--bf16"])
     model = torch.nn.Linear(256, 300).to(torch.bfloat16)  # a 153,600-byte weight, a 600-byte bias
-    assert snapshots.rank_snapshot_bytes(cfg, model) == snapshots.rank_snapshot_bytes(cfg, model, pinned=False) \
-        == snapshots.snapshot_bytes(cfg, 77100, 1) == 77100 * (2 + 12)  # CPU tensors: not pinned
+    assert snapshots.rank_snapshot_bytes(plan(cfg), model) \
+        == snapshots.rank_snapshot_bytes(plan(cfg), model, pinned=False) \
+        == snapshots.snapshot_bytes(plan(cfg), 77100, 1) == 77100 * (2 + 12)  # CPU tensors: not pinned
     # bf16 weights, then the fp32 master and Adam's two moments of each parameter: one buffer each
-    assert snapshots.rank_snapshot_bytes(cfg, model, pinned=True) == 2**18 + 2**10 + 3 * (2**19 + 2**11)
+    assert snapshots.rank_snapshot_bytes(plan(cfg), model, pinned=True) == 2**18 + 2**10 + 3 * (2**19 + 2**11)
     cfg = arguments.load_config(["--spike_guard", "--bf16", "--zero_stage=1"])
     monkeypatch.setattr(parallel, "grid", parallel.Grid(world_size=2, rank=1))  # ZeRO-1: the bias's state here
-    assert snapshots.rank_snapshot_bytes(cfg, model, pinned=True) == 2**18 + 2**10 + 3 * 2**11
+    assert snapshots.rank_snapshot_bytes(plan(cfg), model, pinned=True) == 2**18 + 2**10 + 3 * 2**11
 
 
 def test_async_saves_host_copy_is_counted_beside_the_snapshots():
@@ -229,17 +233,18 @@ def test_async_saves_host_copy_is_counted_beside_the_snapshots():
     snapshots fitted in 3/4 of 512 GiB; with async_save the 4 copies do not, and the message says what to change."""
     cfg = arguments.load_config(["config/tr11_176b.py", "--spike_guard", "--spike_guard_snapshot_interval=100"])
     node = 512 * 2**30
-    assert snapshots.host_copies(cfg) == 3 and snapshots.describe_host_memory(cfg, TR11_SNAPSHOT, 8, node)[1] is None
+    assert snapshots.host_copies(plan(cfg)) == 3
+    assert snapshots.describe_host_memory(plan(cfg), TR11_SNAPSHOT, 8, node)[1] is None
     cfg.async_save = True
-    assert snapshots.host_copies(cfg) == 4
-    line, problem = snapshots.describe_host_memory(cfg, TR11_SNAPSHOT, 8, node)
+    assert snapshots.host_copies(plan(cfg)) == 4
+    line, problem = snapshots.describe_host_memory(plan(cfg), TR11_SNAPSHOT, 8, node)
     assert line.startswith("spike guard snapshots and async_save's copy: 4 x 12.98 GiB = 51.93 GiB")
     assert problem.startswith("spike guard snapshots and async_save's copy need 415.4 GiB of host memory per node "
                               "(4 x 12.98 GiB per GPU x 8 GPUs)") and ": 3 per GPU fit" in problem
     # 2 snapshots beside the async copy: ceil(2 x 100 / interval) + 1 <= 2 with an interval of 200
     assert "spike_guard_snapshot_interval 200 or more" in problem and "async_save=false" in problem
     cfg.spike_guard_snapshot_dir = "/tmp"  # one snapshot in memory, one async copy
-    line, problem = snapshots.describe_host_memory(cfg, TR11_SNAPSHOT, 8, node)
+    line, problem = snapshots.describe_host_memory(plan(cfg), TR11_SNAPSHOT, 8, node)
     assert problem is None and "2 x 12.98 GiB = 25.96 GiB of host memory per GPU" in line
 
 
@@ -263,3 +268,43 @@ def test_a_pinned_buffer_takes_what_pinned_bytes_says():
     assert out.returncode == 0, out.stderr
     grown = json.loads(out.stdout.strip().splitlines()[-1])
     assert [g for _, g in grown] == [checkpoint.pinned_bytes(n) for n, _ in grown] == [4 * 2**20, 8 * 2**20, 2**20]
+
+
+class _Latest(training.Callback):
+    """After each iteration: (the iteration, the one the checkpoint `latest` names in save_dir)."""
+    name = "latest_spy"
+
+    def __init__(self, save_dir):
+        self.save_dir, self.seen = save_dir, []
+
+    def after_iteration(self, iteration):
+        tag = checkpoint.latest_dir(self.save_dir)
+        self.seen.append((iteration, int(re.search(r"\d+$", tag).group()) if tag else 0))
+
+
+def test_a_rollback_to_a_disk_checkpoint_saves_it_so_latest_never_names_the_abandoned_timeline(
+        corpus512, tmp_path, monkeypatch):
+    """Without snapshots the guard rolls back to the disk checkpoints in save: the run goes on from
+    iteration 35 while `latest` named global_step40 of the timeline it left, so a run killed before
+    its next save resumed there, the spike's timeline, without the rollback's decisions. The state
+    rolled back to is saved again at once (as remedies' restarts do)."""
+    import builders
+    save = str(tmp_path / "disk")
+    spy, real = _Latest(save), builders.build_callbacks
+    monkeypatch.setattr(builders, "build_callbacks",
+                        lambda *args: training.Callbacks([*real(*args).callbacks, spy]))
+    out = run_main("--num_layers=2", "--hidden_size=64", "--num_attention_heads=4", "--seq_length=64",
+                   "--vocab_size=512", "--micro_batch_size=8", "--global_batch_size=8", "--train_iters=45",
+                   "--lr=2e-3", "--lr_warmup_samples=40", "--lr_decay_samples=1600", "--hidden_dropout=0",
+                   "--attention_dropout=0", "--eval_iters=0", "--sample_tokens=0", f"--data_path={corpus512}",
+                   "--inject_lr_iters=40-45", "--inject_lr_factor=1000", "--spike_guard_update_ratio=0",
+                   "--spike_guard", "--spike_guard_window=20", "--spike_guard_min_steps=10",
+                   "--spike_guard_rewind=3", "--spike_guard_skip_after=2", "--spike_guard_snapshot_interval=0",
+                   f"--save={save}", "--save_interval=5")
+    assert "spike guard: rolled back to iteration 35" in out
+    ahead = [(it, latest) for it, latest in spy.seen if latest > it]
+    assert not ahead, f"`latest` named a later iteration than the run's (iteration, latest): {ahead}"
+    assert [latest for it, latest in spy.seen if it == 36][-1] == 35  # after the rollback: its state
+    state = torch.load(os.path.join(save, "global_step35", "mp_rank_00_000_model_states.pt"), weights_only=False)
+    decisions = state["run"]["state"]["callbacks"]["spike_guard"]["decisions"]
+    assert decisions[-1]["action"] == "rollback" and decisions[-1]["restored_iteration"] == 35  # kept

@@ -18,8 +18,10 @@ import optim
 import precision
 import training
 from builders import build_model, build_optimizer
-from helpers import corpus, corpus512, log_fields, run_main  # noqa: F401 (corpus, corpus512: fixtures)
+from helpers import corpus, corpus512, log_fields, run_main, spike_guard_of  # noqa: F401 (corpus, corpus512: fixtures)
+from sections import section
 from stability import detector, diagnosis, spike_guard, telemetry
+from stability.config import DetectorConfig
 from stability.diagnosis import Veto
 from stability.faults import Faults
 from training import agree, train_step
@@ -375,7 +377,7 @@ def _guard(**overrides):
     cfg = arguments.load_config(["--spike_guard", "--spike_guard_window=16", "--spike_guard_min_steps=8",
                                  "--spike_guard_rewind=10", "--spike_guard_skip_after=20",
                                  *[f"--{k}={v}" for k, v in overrides.items()]])
-    return cfg, spike_guard.SpikeGuard(cfg)
+    return cfg, spike_guard_of(cfg)
 
 
 SCALER = types.SimpleNamespace(dynamic=False, scale=1.0, min_scale=1.0)
@@ -427,7 +429,7 @@ def test_ladder_skip_then_rollback_then_lower_lr_and_reset_and_at_last_stop():
     *_, stop = _feed(guard, cfg, 200, [(6.0, 1.0)] * 3, "data")
     assert stop["action"] == "stop" and "spike_guard_max_rollbacks=2" in stop["line"]
     # decisions survive a checkpoint; statistics are restored with the weights
-    copy = spike_guard.SpikeGuard(cfg, guard.state_dict())
+    copy = spike_guard_of(cfg, guard.state_dict())
     assert copy.state_dict() == guard.state_dict() and copy.lr_scale == 0.5 and copy.skips(100)
 
 
@@ -468,7 +470,8 @@ def _default_runs():
 
 def _triggers(series):
     """The iterations the detector, with its default settings, calls spikes in a recorded run."""
-    return detector.spikes_in(series, arguments.load_config([]))
+    cfg = arguments.load_config([])
+    return detector.spikes_in(series, section(DetectorConfig, cfg), cfg.clip_grad)
 
 
 def test_the_detector_catches_the_lr_x30_spikes_of_the_default_run_early_and_armed_and_no_clean_step():
@@ -519,13 +522,13 @@ def _forensics_on_replicas():
         held = optimizer.main_param(p)
         assert p.dtype == torch.bfloat16 and (held is None or torch.equal(p, held.to(torch.bfloat16)))
         assert torch.equal(*gather(p.detach(), g.dp_group))
-    guard = spike_guard.SpikeGuard(cfg)
+    guard = spike_guard_of(cfg)
     payload = ({k: v.clone() for k, v in model.state_dict().items()}, {"state": {"spike_guard": {"stats":
                                                                                                 guard.stats()}}})
     step = train_step(model, optimizer, scaler, batches, 1e-2, cfg, cpu)
     guard.record(step.loss, step.grad_norm, 1e-2)
     assert diagnosis.corrupted_weights(guard, model, optimizer, 7, 5, payload) is None  # Adam's own update
-    flip = Faults(cfg).bitflip(6, guard, "weight")
+    flip = Faults(cfg, None, cfg.seed, cfg.vocab_size).bitflip(6, guard, "weight")
     assert (flip is not None) == (g.rank == 1)
     if flip is not None:
         flip(model)
@@ -575,12 +578,12 @@ def test_fault_injection_only_in_its_ranges_and_reproducible():
     cfg = arguments.load_config(["--inject_bad_batch_iters", "3-4", "9-9", "--inject_lr_iters=5-6",
                                  "--inject_lr_factor=7", "--vocab_size=512"])
     batches = [(torch.zeros(2, 8, dtype=torch.long), torch.zeros(2, 8, dtype=torch.long))]
-    assert Faults(cfg).bad_batches(2, batches) is batches
-    a, b = Faults(cfg).bad_batches(4, batches), Faults(cfg).bad_batches(4, batches)
+    assert Faults(cfg, None, cfg.seed, cfg.vocab_size).bad_batches(2, batches) is batches
+    a, b = (Faults(cfg, None, cfg.seed, cfg.vocab_size).bad_batches(4, batches) for _ in range(2))
     assert torch.equal(a[0][0], b[0][0]) and a[0][0].max() > 0 and a[0][0].max() < 512
     assert torch.equal(a[0][0][:, 1:], a[0][1][:, :-1])  # still a sample: labels are the next tokens
-    faults = Faults(arguments.prepare(cfg))
-    assert [faults.lr_factor(i, spike_guard.SpikeGuard(cfg)) for i in (4, 5, 6, 7)] == [1.0, 7.0, 7.0, 1.0]
+    faults = Faults(arguments.prepare(cfg), None, cfg.seed, cfg.vocab_size)
+    assert [faults.lr_factor(i, spike_guard_of(cfg)) for i in (4, 5, 6, 7)] == [1.0, 7.0, 7.0, 1.0]
     with pytest.raises(ValueError, match="inject_lr_iters entry '6-5'"):
         arguments.validate(arguments.load_config(["--inject_lr_iters=6-5"]))
 

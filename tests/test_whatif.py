@@ -19,6 +19,12 @@ from builders import build_model, build_optimizer
 from run_state import RunState
 from stability.soft_skip import SoftSkip, soft_skip_trend
 
+
+def trend_of(cfg, history):
+    """soft_skip_trend with cfg's soft_skip_loss_ratio and the guard's line (spike_guard_min_steps, _window)."""
+    return soft_skip_trend(cfg.soft_skip_loss_ratio, history, cfg.spike_guard_min_steps, cfg.spike_guard_window)
+
+
 TINY = ["--num_layers=1", "--hidden_size=32", "--num_attention_heads=2", "--seq_length=16", "--vocab_size=512",
         "--micro_batch_size=2", "--hidden_dropout=0", "--attention_dropout=0", "--clip_grad=0"]
 
@@ -35,7 +41,8 @@ def setup(*extra):
 def step(parts, trend=None, lr=1e-2):
     cfg, model, optimizer, scaler, batches = parts
     return train_step(model, optimizer, scaler, batches, lr, cfg, torch.device("cpu"),
-                            callbacks=SoftSkip(cfg, trend=trend))
+                            callbacks=SoftSkip(cfg, None, cfg.spike_guard_min_steps,
+                                                cfg.spike_guard_window, trend=trend))
 
 
 def test_the_soft_skip_scales_the_gradients_of_a_step_above_its_trend_and_leaves_others_alone(capsys):
@@ -117,10 +124,10 @@ def test_the_soft_skip_trend_is_the_guards_line_once_it_has_its_steps_and_never_
     state = RunState()  # the run state keeps the applied steps' numbers, with the guard on or off
     for loss in (6.0, 5.8, 5.6):
         state.advance(8, 16, applied=True, step=Step(loss, 1.0, 0, "ok"))
-    assert soft_skip_trend(cfg, state.history) is None  # 3 of 4 steps
+    assert trend_of(cfg, state.history) is None  # 3 of 4 steps
     state.advance(8, 16, applied=True, step=Step(5.4, 1.0, 0, "ok"))
-    assert soft_skip_trend(cfg, state.history) == pytest.approx(5.2)
-    assert soft_skip_trend(arguments.load_config(["--spike_guard_min_steps=4"]), state.history) is None  # off
+    assert trend_of(cfg, state.history) == pytest.approx(5.2)
+    assert trend_of(arguments.load_config(["--spike_guard_min_steps=4"]), state.history) is None  # off
     for loss in (4.0, 2.0, 0.5, 0.1):
         state.advance(8, 16, applied=True, step=Step(loss, 1.0, 0, "ok"))
-    assert soft_skip_trend(cfg, state.history) is None  # the line falls below zero
+    assert trend_of(cfg, state.history) is None  # the line falls below zero

@@ -31,7 +31,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import arguments  # noqa: E402
+from sections import section  # noqa: E402
 from stability import detector, precursors  # noqa: E402
+from stability.config import DetectorConfig  # noqa: E402
 
 MARGIN = 2.0
 LOGARITHMS = {"log_z"}  # precursors that are logarithms: their margin is added, as ln(margin)
@@ -58,7 +60,7 @@ def onset(steps, cfg=None):
         if not (math.isfinite(step[1]) and math.isfinite(step[2])):
             break
         finite.append(step)
-    found = detector.spikes_in(finite, cfg)
+    found = detector.spikes_in(finite, section(DetectorConfig, cfg), cfg.clip_grad)
     if found:
         return found[0]
     return steps[len(finite)][0] if len(finite) < len(steps) else None

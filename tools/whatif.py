@@ -33,7 +33,9 @@ sys.path.insert(0, ROOT)
 
 import arguments  # noqa: E402
 import checkpoint  # noqa: E402
+from sections import section  # noqa: E402
 from stability import detector, spike_guard  # noqa: E402
+from stability.config import DetectorConfig  # noqa: E402
 
 FORKS = ("as is", "lr x F", "skip 200", "z-loss", "optimizer reset", "beta2 0.95", "clip 0.3", "soft skip", "guard")
 
@@ -152,7 +154,8 @@ def main(argv=None):
                              change(name, cfg, start, args.lr_factor, args.skip, args.soft_skip_ratio))
         series = records(directory, start)
         reached = saved_iteration(directory) == start + args.iters
-        results.append((label, series, detector.spikes_in(series, cfg, stats), reached))
+        found = detector.spikes_in(series, section(DetectorConfig, cfg), cfg.clip_grad, stats)
+        results.append((label, series, found, reached))
     text = table(results, start, args.iters)
     print(text)
     with open(os.path.join(args.out, "whatif.txt"), "w") as f:
