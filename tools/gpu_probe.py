@@ -62,7 +62,7 @@ import parallel  # noqa: E402
 import precision  # noqa: E402
 import tokenizer  # noqa: E402
 import training  # noqa: E402
-from builders import build_model  # noqa: E402
+from builders import build_model, step_rules  # noqa: E402
 from model import GPTConfig  # noqa: E402
 
 
@@ -445,8 +445,10 @@ def syncs(config, overrides):
     batches = [tuple(torch.randint(cfg.vocab_size, (cfg.micro_batch_size, cfg.seq_length), device=device)
                      for _ in range(2)) for _ in range(count)]
 
+    rules = step_rules(cfg)
+
     def step():
-        return training.train_step(model, optimizer, scaler, batches, cfg.lr, cfg, device)
+        return training.whole_step(model, optimizer, scaler, batches, cfg.lr, rules, device)
     for _ in range(2):
         step()
     what = f"syncs: one train_step of {name_of(config)} ({count} micro-batches, compile " \
