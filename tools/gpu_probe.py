@@ -14,8 +14,8 @@ heads, seq, head_dim), each next to the SKU's nominal peak: what MFU can at best
 loss: cross_entropy.linear_cross_entropy in bf16 -- its elementwise chain compiled where train.py compiles it
 (launch.compiles) -- against torch's fp32 cross-entropy on the same weights and hidden states: the loss and both
 gradients as relative errors, with a pass bound (LOSS_BOUNDS).
-syncs: one step (training.whole_step) after warm-up, with torch.cuda.set_sync_debug_mode("warn"): each warning is a host
-sync; the step is designed to have exactly one (training.agree's copy of its numbers; tests/test_device.py's meta
+syncs: one step (training.whole_step) after warm-up, with torch.cuda.set_sync_debug_mode("warn"):
+each warning is a host sync; the step is designed to have exactly one (training.agree's copy of its numbers; tests/test_device.py's meta
 step counts the same). CUDA only: on the CPU there is no stream to wait for, so it says so and counts the reads
 by name instead.
 
