@@ -16,8 +16,8 @@ loss: cross_entropy.linear_cross_entropy in bf16 -- its elementwise chain compil
 gradients as relative errors, with a pass bound (LOSS_BOUNDS).
 syncs: one step (training.whole_step) after warm-up, with torch.cuda.set_sync_debug_mode("warn"):
 each warning is a host sync; the step is designed to have exactly one (training.agree's copy of its
-numbers; tests/test_device.py's meta step counts the same). CUDA only: on the CPU there is no stream to wait for, so it says so and counts the reads
-by name instead.
+numbers; tests/test_device.py's meta step counts the same). CUDA only: on the CPU there is no
+stream to wait for, so it says so and counts the reads by name instead.
 
 backends: the paths this torch takes (addmm's out_dtype or its fallback, the config's
 attention_backend, compile on or off), then each SDPA backend's forward+backward time at each
