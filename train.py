@@ -74,6 +74,9 @@ def run(cfg, grid, exit_signal=lambda: False, writer=None, callbacks=NO_CALLBACK
     report = Report(cfg, schedule, model)
     callbacks.start(parts, report, train_data)
     first_iteration, job_start = state.iteration, time.time()
+
+    def exit_reason(n):  # a signal, the job's time up, exit_interval (safety.py)
+        return safety.exit_reason(cfg, n - first_iteration, job_start, exit_signal)
     model.train()
     # closed however the loop ends (a callback's StopRun too): no thread is left loading when the process exits
     with loader.batch_prefetcher(train_data, schedule, cfg, device) as prefetcher:
@@ -97,32 +100,47 @@ def run(cfg, grid, exit_signal=lambda: False, writer=None, callbacks=NO_CALLBACK
             if not skip and callbacks.after_step(it, step):  # the stability layer rolled back
                 report.restart_interval()  # an abandoned timeline
                 continue
-            # log, check the TP replicas (lesson 18), evaluate
-            report.log(n, state, it.batch_size, it.seqlen, parts.scaler.scale)
-            if grid.tp_size > 1 and cfg.tp_replica_check_interval and n % cfg.tp_replica_check_interval == 0:
-                parallel.log_tp_replicas(model, parts.optimizer, n, cfg.tp_replica_resync)
-            last = schedule.done(state)
-            if valid_data is not None and cfg.eval_iters > 0 and (last or n % cfg.eval_interval == 0):
-                for name, valid in loader.validation_sets(valid_data):  # the blend, or each set
-                    loss = training.evaluate(model, valid, parts.rules, device)
-                    report.validation(n, state, loss, name)
-            if harness is not None and harness.due(n, last):  # lm-eval's tasks, logged beside it
-                harness(model, n, state, report, device)
-            # save, and stop when the job's time is up
-            why_exit = safety.exit_reason(cfg, n - first_iteration, job_start, exit_signal)
-            if cfg.save and (last or why_exit or (cfg.save_interval and n % cfg.save_interval == 0)):
-                run_state.save(parts, writer)
-            callbacks.after_iteration(n)
+            # log, check, evaluate, save; stop when the job's time is up
+            why_exit = log_and_save(cfg, grid, parts, it, report, device, valid_data, harness,
+                                         writer, exit_reason)
             if why_exit:
                 print0(f"exiting at iteration {n} ({why_exit})")
                 break
+    finish(cfg, parts, report, device)
+    return state
+
+
+def finish(cfg, parts, report, device):
+    """The run's end: the report and the callbacks closed, a sample printed, DeepSpeed released."""
     report.close()
-    callbacks.close()
-    training.print_sample(model, device, cfg.sample_tokens, cfg.sample_prompt, cfg.tokenizer_file,
-                          cfg.seed)
+    parts.callbacks.close()
+    training.print_sample(parts.model, device, cfg.sample_tokens, cfg.sample_prompt,
+                          cfg.tokenizer_file, cfg.seed)
     if cfg.deepspeed:
         parts.optimizer.close()  # DeepSpeed's state released before the process groups go (launch.shut_down)
-    return state
+
+
+def log_and_save(cfg, grid, parts, it, report, device, valid_data, harness, writer, exit_reason):
+    """After a step that stands: the log line, the TP replicas checked (lesson 18), the validation
+    data and lm-eval's tasks (harness) evaluated, the run saved; returns why the run exits now
+    (exit_reason(iteration)), or None."""
+    n, state, model = it.number, parts.state, parts.model
+    report.log(n, state, it.batch_size, it.seqlen, parts.scaler.scale)
+    check = cfg.tp_replica_check_interval
+    if grid.tp_size > 1 and check and n % check == 0:
+        parallel.log_tp_replicas(model, parts.optimizer, n, cfg.tp_replica_resync)
+    last = parts.schedule.done(state)
+    if valid_data is not None and cfg.eval_iters > 0 and (last or n % cfg.eval_interval == 0):
+        for name, valid in loader.validation_sets(valid_data):  # the blend, or each set
+            report.validation(n, state, training.evaluate(model, valid, parts.rules, device), name)
+    if harness is not None and harness.due(n, last):  # lm-eval's tasks, logged beside it
+        harness(model, n, state, report, device)
+    # save, and stop when the job's time is up
+    why_exit = exit_reason(n)
+    if cfg.save and (last or why_exit or (cfg.save_interval and n % cfg.save_interval == 0)):
+        run_state.save(parts, writer)
+    parts.callbacks.after_iteration(n)
+    return why_exit
 
 
 def take_step(parts, it, callbacks, device, count_zeros, timer):
