@@ -281,8 +281,9 @@ def train_step(model, optimizer, scaler, loss, lr, rules, count_zeros=True, time
     nothing). Under DeepSpeed its step() reduces, measures and applies in one call: the Step is of
     an update applied (or skipped) there. count_zeros: count the zero gradients (a pass over all
     of them: only done for the iterations logged)."""
-    if rules.deepspeed:
-        return Step(*optimizer.finish_step(loss.item(), lr))  # DeepSpeed reduces, clips and steps
+    if rules.deepspeed:  # DeepSpeed reduces, clips and steps in one call
+        loss_value, grad_norm_value, num_zeros, core = optimizer.finish_step(loss.item(), lr)
+        return Step(loss_value, grad_norm_value, num_zeros, outcome(core=core))
     grad_norm = parallel.grad_norm(model) / scaler.scale  # the unscaled gradient's, fp32, all of it
     zeros = parallel.count_zeros(model) if count_zeros else torch.zeros((), device=loss.device)
     # logged iterations: the interval's z-loss, averaged over DP (the same on every replica), rides
