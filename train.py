@@ -102,7 +102,7 @@ def run(cfg, grid, exit_signal=lambda: False, writer=None, callbacks=NO_CALLBACK
                 continue
             # log, check, evaluate, save; stop when the job's time is up
             why_exit = log_and_save(cfg, grid, parts, it, report, device, valid_data, harness,
-                                         writer, exit_reason)
+                                    writer, exit_reason)
             if why_exit:
                 print0(f"exiting at iteration {n} ({why_exit})")
                 break
@@ -110,14 +110,24 @@ def run(cfg, grid, exit_signal=lambda: False, writer=None, callbacks=NO_CALLBACK
     return state
 
 
-def finish(cfg, parts, report, device):
-    """The run's end: the report and the callbacks closed, a sample printed, DeepSpeed released."""
-    report.close()
-    parts.callbacks.close()
-    training.print_sample(parts.model, device, cfg.sample_tokens, cfg.sample_prompt,
-                          cfg.tokenizer_file, cfg.seed)
-    if cfg.deepspeed:
-        parts.optimizer.close()  # DeepSpeed's state released before the process groups go (launch.shut_down)
+def take_step(parts, it, callbacks, device, count_zeros, timer):
+    """One step in its order: the core computes (training.backward, training.train_step), the
+    callbacks act on the gradients and decide, the core applies (training.apply_step). DeepSpeed's
+    step() reduces, measures and applies in one call, with no callback inside (the stability layer
+    refuses those that would need one)."""
+    model, optimizer, scaler, rules = parts.model, parts.optimizer, parts.scaler, parts.rules
+    loss = training.backward(model, optimizer, scaler, it.batches, rules, device, timer)
+    if rules.deepspeed:
+        return training.train_step(model, optimizer, scaler, loss, it.lr, rules, count_zeros, timer)
+    callbacks.on_grads(model, scaler.scale)  # before the norm: an injected fault is measured
+    step = training.train_step(model, optimizer, scaler, loss, it.lr, rules, count_zeros, timer)
+    if step.outcome != "ok":  # the core's own reason: nothing for the callbacks to decide
+        return step
+    factor = callbacks.update_factor(step.loss, step.grad_norm)  # host floats: no sync of its own
+    step = training.apply_step(optimizer, scaler, step, it.lr, rules, factor)
+    if step.outcome == "ok":
+        callbacks.after_update()
+    return step
 
 
 def log_and_save(cfg, grid, parts, it, report, device, valid_data, harness, writer, exit_reason):
@@ -143,24 +153,14 @@ def log_and_save(cfg, grid, parts, it, report, device, valid_data, harness, writ
     return why_exit
 
 
-def take_step(parts, it, callbacks, device, count_zeros, timer):
-    """One step in its order: the core computes (training.backward, training.train_step), the
-    callbacks act on the gradients and decide, the core applies (training.apply_step). DeepSpeed's
-    step() reduces, measures and applies in one call, with no callback inside (the stability layer
-    refuses those that would need one)."""
-    model, optimizer, scaler, rules = parts.model, parts.optimizer, parts.scaler, parts.rules
-    loss = training.backward(model, optimizer, scaler, it.batches, rules, device, timer)
-    if rules.deepspeed:
-        return training.train_step(model, optimizer, scaler, loss, it.lr, rules, count_zeros, timer)
-    callbacks.on_grads(model, scaler.scale)  # reduced, not yet measured: an injected fault is
-    step = training.train_step(model, optimizer, scaler, loss, it.lr, rules, count_zeros, timer)
-    if step.outcome != "ok":  # the core's own reason: nothing for the callbacks to decide
-        return step
-    factor = callbacks.update_factor(step.loss, step.grad_norm)  # host floats: no sync of its own
-    step = training.apply_step(optimizer, scaler, step, it.lr, rules, factor)
-    if step.outcome == "ok":
-        callbacks.after_update()
-    return step
+def finish(cfg, parts, report, device):
+    """The run's end: the report and the callbacks closed, a sample printed, DeepSpeed released."""
+    report.close()
+    parts.callbacks.close()
+    training.print_sample(parts.model, device, cfg.sample_tokens, cfg.sample_prompt,
+                          cfg.tokenizer_file, cfg.seed)
+    if cfg.deepspeed:
+        parts.optimizer.close()  # DeepSpeed's released before the process groups (launch.shut_down)
 
 
 def prepare(cfg, grid, callbacks):
