@@ -8,9 +8,9 @@
         --pipeline_model_parallel_size=1 --global_batch_size=16    # one GPU: one table, a process per config
 
 What is timed is what training runs: the model, optimizer and loss scaler come from the builders train.py uses
-(builders.py), each iteration is training.train_step, and its batches come from the training data (data_path,
-or the bundled corpus) through loader.batch_prefetcher, which gathers the next iterations' batches on a background
-thread.
+(builders.py), each iteration is the step train.py takes (training.whole_step), and its batches come
+from the training data (data_path, or the bundled corpus) through loader.batch_prefetcher, which
+gathers the next iterations' batches on a background thread.
 Reported: tokens/s, ms per iteration, achieved TFLOPs by Megatron's formula (the number training logs, with
 activation recomputation counted as work), MFU: the model's own FLOPs (6N + attention, no recomputation;
 GPTConfig.model_flops_per_iteration) against the device's peak, peak memory (rank 0's), and the data wait: the
@@ -244,6 +244,7 @@ class Run:
     recorder: object  # telemetry.Telemetry with telemetry_interval, else None
     local_params: int  # parameters on this rank
     scale_note: str | None  # where fp16's loss scale starts from, when bench changed it
+    rules: training.StepRules  # what a step reads of cfg (builders.step_rules)
     parts: object = None  # run_state.Parts with the stability layer's callbacks (--spike_guard ...)
 
 
@@ -285,12 +286,13 @@ def set_up(bench, argv):
     # as train.py; with --spike_guard its callbacks record telemetry (with_callbacks)
     recorder = (telemetry.Telemetry(model, cfg, optimizer) if cfg.telemetry_interval
                 and not cfg.spike_guard else None)
-    parts = with_callbacks(cfg, model, optimizer, plan, scaler, train_data)
+    rules = builders.step_rules(cfg)
+    parts = with_callbacks(cfg, model, optimizer, plan, scaler, train_data, rules)
     return Run(cfg, grid, device, model, optimizer, scaler, plan, train_data, recorder,
-               local_params, scale_note, parts)
+               local_params, scale_note, rules, parts)
 
 
-def with_callbacks(cfg, model, optimizer, plan, scaler, train_data):
+def with_callbacks(cfg, model, optimizer, plan, scaler, train_data, rules):
     """With --spike_guard (what --guard_price times): the stability layer's callbacks as train.py
     builds and starts them (telemetry's too, when telemetry_interval asks), on a run state of their
     own; else None, and bench times its own telemetry probe as before. Their report writes no file
@@ -299,7 +301,7 @@ def with_callbacks(cfg, model, optimizer, plan, scaler, train_data):
         return None
     callbacks = builders.build_callbacks(cfg)
     quiet = dataclasses.replace(cfg, save=None, tensorboard_dir=None, wandb_project=None)
-    parts = run_state.Parts(cfg, model, optimizer, plan, scaler, callbacks)
+    parts = run_state.Parts(cfg, model, optimizer, plan, scaler, callbacks, rules)
     log_cfg = section(report_module.LoggingConfig, quiet)
     callbacks.start(parts, report_module.Report(log_cfg, plan, model), train_data)
     return parts
@@ -319,9 +321,9 @@ def iterate(run, prefetcher, key, probe=None):
         return time.perf_counter() - t0, time.process_time() - c0, t_data, step
     if probe:
         probe.begin()
-    step = training.train_step(run.model, run.optimizer, run.scaler, batches, run.cfg.lr, run.cfg, run.device,
-                               count_zeros=logged(run, key),
-                               callbacks=telemetry.Probe(probe) if probe else training.NO_CALLBACKS)
+    callbacks = telemetry.Probe(probe) if probe else training.NO_CALLBACKS
+    step = training.whole_step(run.model, run.optimizer, run.scaler, batches, run.cfg.lr, run.rules,
+                               run.device, callbacks, logged(run, key))
     if probe:
         probe.finish()
     sync(run.device)
@@ -335,8 +337,8 @@ def guarded_step(run, key, batches):
     callbacks, state = run.parts.callbacks, run.parts.state
     it = training.Iteration(key[0], key[1], key[2], key[3], batches, run.cfg.lr)
     callbacks.before_step(it)
-    step = training.train_step(run.model, run.optimizer, run.scaler, it.batches, it.lr, run.cfg,
-                               run.device, count_zeros=logged(run, key), callbacks=callbacks)
+    step = training.whole_step(run.model, run.optimizer, run.scaler, it.batches, it.lr, run.rules,
+                               run.device, callbacks, logged(run, key))
     step = callbacks.check_step(it, step)
     state.advance(it.batch_size, it.seqlen, applied=step.outcome == "ok", step=step)
     callbacks.after_step(it, step)
@@ -408,8 +410,9 @@ def profile_step(run, prefetcher, key):
     """step_costs of one more iteration, kept out of the pipeline's times, which are of the timed iterations."""
     seconds, events, parallel.pipeline_events = dict(parallel.pipeline_seconds), parallel.pipeline_events, None
     costs = step_costs(lambda: loader.to_device(prefetcher.get(key), run.device),
-                       lambda batches: training.train_step(run.model, run.optimizer, run.scaler, batches, run.cfg.lr,
-                                                           run.cfg, run.device, count_zeros=logged(run, key)),
+                       lambda batches: training.whole_step(
+                           run.model, run.optimizer, run.scaler, batches, run.cfg.lr, run.rules,
+                           run.device, count_zeros=logged(run, key)),
                        run.optimizer, run.device)
     parallel.pipeline_seconds.update(seconds)
     parallel.pipeline_events = events
@@ -554,9 +557,10 @@ COSTS = ("output layer + loss", "attention", "other matmuls", "elementwise and o
          "gradient accumulation / reduction", "data wait", "other")
 MATMULS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::matmul", "aten::linear",
            "aten::_addmm_activation"}
-# Ranges around the parts of training.train_step that an op's name cannot place (an add_ is an add_), set for the
-# profiled iteration by costs_named. Gradient accumulation's own: autograd's AccumulateGrad, where
-# parallel.GradBuffer's hook adds each .grad into its bucket and starts the DP all-reduce.
+# Ranges around the parts of the step (training.py) that an op's name cannot place (an add_ is an
+# add_), set for the profiled iteration by costs_named. Gradient accumulation's own: autograd's
+# AccumulateGrad, where parallel.GradBuffer's hook adds each .grad into its bucket and starts the DP
+# all-reduce.
 RANGES = {"bench: data wait": "data wait", "bench: optimizer": "optimizer", "Optimizer.step#": "optimizer",
           "bench: gradient reduction": "gradient accumulation / reduction",
           "torch::autograd::AccumulateGrad": "gradient accumulation / reduction"}
@@ -584,9 +588,10 @@ def cost_of(chain):
 
 @contextlib.contextmanager
 def costs_named(optimizer):
-    """For the profiled iteration: the optimizer's part of training.train_step (zero_grad, the grad norm and the count
-    of zeros, unscaling, clipping, the step; DeepSpeed's finish_step) and the wait for the DP all-reduce
-    (parallel.reduce_gradients) run inside named ranges; undone on the way out."""
+    """For the profiled iteration: the optimizer's part of the step (training.py: zero_grad, the
+    grad norm and the count of zeros, unscaling, clipping, the step; DeepSpeed's finish_step) and
+    the wait for the DP all-reduce (parallel.reduce_gradients) run inside named ranges; undone on
+    the way out."""
     undo = []
 
     def name(owner, attribute, label):

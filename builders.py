@@ -4,6 +4,7 @@ optimizer and loss scaler, DeepSpeed's engine, the callbacks. train.py, bench.py
     model = build_model(cfg, device)                 # this rank's stage, in the compute dtype
     optimizer = build_optimizer(cfg, model)          # optim.optimizer_for, of its section
     parts = build(cfg, grid, schedule, device, cb)   # run_state.Parts: model, optimizer, scaler, a fresh RunState
+    rules = step_rules(cfg)                          # training.StepRules (parts.rules)
     callbacks = build_callbacks(cfg, writer, saved)  # the stability layer's list, or training.NO_CALLBACKS
 
 This is the one file that knows every part: the parts themselves (model.py, optim.py, hf.py, stability/) never
@@ -15,6 +16,7 @@ import torch
 import checkpoint
 import deepspeed_engine
 import hf
+import loader
 import optim
 import parallel
 import precision
@@ -86,10 +88,19 @@ def build(cfg, grid, schedule, device, callbacks=training.NO_CALLBACKS):
         model, optimizer = build_deepspeed(cfg, model, optimizer)
     print0(schedule.describe())
     scaler = optim.scaler_for(section(OptimizerConfig, cfg))
-    parts = run_state.Parts(cfg, model, optimizer, schedule, scaler, callbacks)
+    parts = run_state.Parts(cfg, model, optimizer, schedule, scaler, callbacks, step_rules(cfg))
     if cfg.init_from_hf:  # a resumed run's comes from its checkpoint (run_state.load)
         parts.state.hf_origin = hf.origin(cfg.init_from_hf)
     return parts
+
+
+def step_rules(cfg):
+    """What a step and an evaluation read of the config (training.StepRules), made once, here."""
+    return training.StepRules(
+        clip_grad=cfg.clip_grad, skip_grad_norm_above=cfg.skip_grad_norm_above, fp16=cfg.fp16,
+        deepspeed=cfg.deepspeed, z_loss=cfg.z_loss, packing=loader.packing(cfg),
+        eval_iters=cfg.eval_iters, global_batch_size=cfg.global_batch_size,
+        micro_batch_size=cfg.micro_batch_size, seq_length=cfg.seq_length)
 
 
 def build_callbacks(cfg, writer=None, saved_state=None):

@@ -94,6 +94,7 @@ class Parts:
     schedule: object  # schedule.Schedule: its AnnealingLR remembers where a sample warm-up ended
     scaler: object  # optim.LossScaler
     callbacks: object  # training.Callbacks: the stability layer's (or none)
+    rules: object = None  # training.StepRules: what a step reads of cfg (builders.step_rules)
     state: RunState = field(default_factory=RunState)
 
 

@@ -77,57 +77,98 @@ def run(cfg, grid, exit_signal=lambda: False, writer=None, callbacks=NO_CALLBACK
     parts, device, train_data, valid_data = prepare(cfg, grid, callbacks)
     model, state, schedule = parts.model, parts.state, parts.schedule
     if cfg.eval_only:
-        return training.evaluate_only(model, valid_data, state, cfg, device)
+        return training.evaluate_only(model, valid_data, state, parts.rules, device, cfg.split)
     report = Report(section(LoggingConfig, cfg), schedule, model, cfg.save, arguments.to_dict(cfg))
     callbacks.start(parts, report, train_data)
     first_iteration, job_start = state.iteration, time.time()
+    ckpt_cfg = section(CheckpointConfig, cfg)
+
+    def exit_reason(n):  # a signal, the job's time up, exit_interval (safety.py)
+        return safety.exit_reason(ckpt_cfg, n - first_iteration, job_start, exit_signal)
     model.train()
     # closed however the loop ends (a callback's StopRun too): no thread is left loading when the process exits
     with loader.batch_prefetcher(train_data, schedule, device) as prefetcher:
         while not schedule.done(state):
             t0, n = time.time(), state.iteration + 1
             it = Iteration(n, state.consumed_samples, schedule.batch_size(state.consumed_samples), schedule.seqlen(n))
-            step, skip = None, "skip_train_iteration_range" if schedule.skipped(n) else callbacks.skip(n)
+            skip = "skip_train_iteration_range" if schedule.skipped(n) else callbacks.skip(n)
             if skip:  # drawn and thrown away: later iterations see the batches an unskipped run sees (lesson 9)
-                report.skipped(n, state, it.batch_size, skip)
+                step = training.skipped_step(skip)
+                report.skipped(n, state, it.batch_size, step.outcome)
             else:  # the batch, its learning rate, the step
                 it.batches = loader.to_device(prefetcher.get((n, it.first_sample, it.batch_size, it.seqlen)), device)
                 it.lr = schedule.lr_at(n, state)
                 callbacks.before_step(it)
-                step = training.train_step(model, parts.optimizer, parts.scaler, it.batches, it.lr,
-                                           cfg, device, count_zeros=n % cfg.log_interval == 0,
-                                           callbacks=callbacks, timer=report.timer)
+                logged = n % cfg.log_interval == 0
+                step = take_step(parts, it, callbacks, device, logged, report.timer)
                 step = callbacks.check_step(it, step)
                 report.step(step, it.lr)
-            state.advance(it.batch_size, it.seqlen, applied=step is not None and step.outcome == "ok", step=step)
+            state.advance(it.batch_size, it.seqlen, applied=step.outcome == "ok", step=step)
             report.timed(time.time() - t0)
-            if step is not None and callbacks.after_step(it, step):  # the stability layer rolled the run back
+            if not skip and callbacks.after_step(it, step):  # the stability layer rolled back
                 report.restart_interval()  # an abandoned timeline
                 continue
-            # log, check the TP replicas (lesson 18), evaluate
-            report.log(n, state, it.batch_size, it.seqlen, parts.scaler.scale)
-            if grid.tp_size > 1 and cfg.tp_replica_check_interval and n % cfg.tp_replica_check_interval == 0:
-                parallel.log_tp_replicas(model, parts.optimizer, n, cfg.tp_replica_resync)
-            last = schedule.done(state)
-            if valid_data is not None and cfg.eval_iters > 0 and (last or n % cfg.eval_interval == 0):
-                for name, valid in loader.validation_sets(valid_data):  # the blend, or each set
-                    report.validation(n, state, training.evaluate(model, valid, cfg, device), name)
-            if harness is not None and harness.due(n, last):  # lm-eval's tasks, logged beside it
-                harness(model, n, state, report, device)
-            # save, and stop when the job's time is up
-            why_exit = safety.exit_reason(section(CheckpointConfig, cfg), n - first_iteration, job_start, exit_signal)
-            if cfg.save and (last or why_exit or (cfg.save_interval and n % cfg.save_interval == 0)):
-                run_state.save(parts, writer)
-            callbacks.after_iteration(n)
+            # log, check, evaluate, save; stop when the job's time is up
+            why_exit = log_and_save(cfg, grid, parts, it, report, device, valid_data, harness,
+                                    writer, exit_reason)
             if why_exit:
                 print0(f"exiting at iteration {n} ({why_exit})")
                 break
-    report.close()
-    callbacks.close()
-    training.print_sample(cfg, model, device)
-    if cfg.deepspeed:
-        parts.optimizer.close()  # DeepSpeed's state released before the process groups go (launch.shut_down)
+    finish(cfg, parts, report, device)
     return state
+
+
+def take_step(parts, it, callbacks, device, count_zeros, timer):
+    """One step in its order: the core computes (training.backward, training.train_step), the
+    callbacks act on the gradients and decide, the core applies (training.apply_step). DeepSpeed's
+    step() reduces, measures and applies in one call, with no callback inside (the stability layer
+    refuses those that would need one)."""
+    model, optimizer, scaler, rules = parts.model, parts.optimizer, parts.scaler, parts.rules
+    loss = training.backward(model, optimizer, scaler, it.batches, rules, device, timer)
+    if rules.deepspeed:
+        return training.train_step(model, optimizer, scaler, loss, it.lr, rules, count_zeros, timer)
+    callbacks.on_grads(model, scaler.scale)  # before the norm: an injected fault is measured
+    step = training.train_step(model, optimizer, scaler, loss, it.lr, rules, count_zeros, timer)
+    if step.outcome != "ok":  # the core's own reason: nothing for the callbacks to decide
+        return step
+    factor = callbacks.update_factor(step.loss, step.grad_norm)  # host floats: no sync of its own
+    step = training.apply_step(optimizer, scaler, step, it.lr, rules, factor)
+    if step.outcome == "ok":
+        callbacks.after_update()
+    return step
+
+
+def log_and_save(cfg, grid, parts, it, report, device, valid_data, harness, writer, exit_reason):
+    """After a step that stands: the log line, the TP replicas checked (lesson 18), the validation
+    data and lm-eval's tasks (harness) evaluated, the run saved; returns why the run exits now
+    (exit_reason(iteration)), or None."""
+    n, state, model = it.number, parts.state, parts.model
+    report.log(n, state, it.batch_size, it.seqlen, parts.scaler.scale)
+    check = cfg.tp_replica_check_interval
+    if grid.tp_size > 1 and check and n % check == 0:
+        parallel.log_tp_replicas(model, parts.optimizer, n, cfg.tp_replica_resync)
+    last = parts.schedule.done(state)
+    if valid_data is not None and cfg.eval_iters > 0 and (last or n % cfg.eval_interval == 0):
+        for name, valid in loader.validation_sets(valid_data):  # the blend, or each set
+            report.validation(n, state, training.evaluate(model, valid, parts.rules, device), name)
+    if harness is not None and harness.due(n, last):  # lm-eval's tasks, logged beside it
+        harness(model, n, state, report, device)
+    # save, and stop when the job's time is up
+    why_exit = exit_reason(n)
+    if cfg.save and (last or why_exit or (cfg.save_interval and n % cfg.save_interval == 0)):
+        run_state.save(parts, writer)
+    parts.callbacks.after_iteration(n)
+    return why_exit
+
+
+def finish(cfg, parts, report, device):
+    """The run's end: the report and the callbacks closed, a sample printed, DeepSpeed released."""
+    report.close()
+    parts.callbacks.close()
+    training.print_sample(parts.model, device, cfg.sample_tokens, cfg.sample_prompt,
+                          cfg.tokenizer_file, cfg.seed)
+    if cfg.deepspeed:
+        parts.optimizer.close()  # DeepSpeed's released before the process groups (launch.shut_down)
 
 
 def prepare(cfg, grid, callbacks):

@@ -1,18 +1,27 @@
 """One training step, evaluation, and the callbacks the loop calls around them.
 
-    step = train_step(model, optimizer, scaler, batches, lr, cfg, device, callbacks=callbacks)
-    loss = evaluate(model, valid_data, cfg, device)
-    evaluate_only(model, valid_data, state, cfg, device)  # eval_only: each validation set's loss
-    print_sample(cfg, model, device)                      # the run's last word: a sample
+    loss = backward(model, optimizer, scaler, batches, rules, device)   # the gradients, reduced
+    step = train_step(model, optimizer, scaler, loss, lr, rules)        # the numbers, not applied
+    step = apply_step(optimizer, scaler, step, lr, rules, factor)       # the update, x factor
+    loss = evaluate(model, valid_data, rules, device)
+    evaluate_only(model, valid_data, state, rules, device, split)      # eval_only
+    print_sample(model, device, tokens, prompt, tokenizer_file, seed)  # the run's last word
 
-A step is forward and backward over this rank's micro-batches (pipelined across stages), the gradients reduced
-over data parallelism, clipped and applied -- unless the step is skipped (an fp16 overflow, a NaN loss,
-skip_grad_norm_above) or vetoed by a callback. The step has one host sync, agree(): every skip decision is taken
-from the same floats on every replica.
+The step computes; the callbacks decide. backward() runs forward and backward over this rank's
+micro-batches (pipelined across stages) and reduces the gradients over data parallelism;
+train_step() measures them (the grad norm, the step's one host sync, agree()) and says whether the
+core would apply them (outcome(): an fp16 overflow, a NaN loss, skip_grad_norm_above, replicas that
+differ); apply_step() clips and applies them, scaled by the callbacks' factor, or not at all (a
+veto). The loop calls the callbacks between: on_grads after backward() (fault injection flips a
+gradient there, before its norm is measured), update_factor after train_step(), after_update after
+apply_step() (train.py's take_step; whole_step() is the same order for a step outside the loop).
+Every skip decision is taken from the same floats on every replica. `rules` is a StepRules: the
+config's keys a step reads, built once (builders.step_rules).
 
-The callbacks (Callback) are the named points where code outside the core acts on a run: the stability layer
-(stability/) is a list of them. The dependency runs one way: the loop calls these, and knows nothing else of what
-is behind them. This file sits below the loop (train.py) and the stability layer, which both build on it.
+The callbacks (Callback) are the named points where code outside the core acts on a run: the
+stability layer (stability/) is a list of them. The dependency runs one way: the loop calls these,
+and knows nothing else of what is behind them. This file sits below the loop (train.py) and the
+stability layer, which both build on it.
 """
 import math
 from dataclasses import dataclass
@@ -155,20 +164,60 @@ class Iteration:
     lr: float = 0.0
 
 
+@dataclass(frozen=True)
+class StepRules:
+    """What a step and an evaluation read of the run's config, built once where the config is
+    whole (builders.step_rules) and handed in: other owners' keys, by their flat names."""
+    clip_grad: float  # optim.OptimizerConfig's
+    skip_grad_norm_above: float | None
+    fp16: bool
+    deepspeed: bool
+    z_loss: float  # model.GPTConfig's: the model computes it; the step logs it
+    packing: object  # loader.packing(cfg): tokens -> the model's inputs for the data flags, or None
+    eval_iters: int  # report.LoggingConfig's: the global batches of a validation
+    global_batch_size: int  # schedule.ScheduleConfig's
+    micro_batch_size: int
+    seq_length: int  # model.GPTConfig's: validation runs at the full length
+
+
 class Step(NamedTuple):
+    """An iteration's numbers and its outcome: "ok", or why no update was applied (outcome())."""
     loss: float
     grad_norm: float
     num_zeros: int
-    outcome: str  # ok | skipped (fp16 overflow, skip_grad_norm_above) | nan | vetoed (a callback) | replicas differ
-    z_loss: float | None = None  # on logged iterations with z_loss: the log interval's mean z-loss (report.py)
-    replicas: tuple = ()  # every DP replica's (loss, grad norm, ...) as agree() gathered them, DP rank 0's first
+    outcome: str
+    z_loss: float | None = None  # on logged iterations with z_loss: the interval's mean (report.py)
+    replicas: tuple = ()  # every DP replica's (loss, grad norm, ...) (agree()), DP rank 0's first
+    norm: object = None  # the grad norm, a tensor on the device: apply_step clips with it (no sync)
 
 
-def forward_backward(model, batches, cfg, device, loss_scale=1.0, forward_only=False):
-    """Mean lm loss over this rank's micro-batches; accumulates (scaled) gradients unless forward_only.
-    No host sync: the loss stays a tensor. Megatron's data flags (reset_position_ids, reset_attention_mask,
-    eod_mask_loss): the model's documents, positions and loss mask made from each micro-batch's tokens."""
-    packing = loader.packing(cfg)
+def outcome(skip=None, core=None, factor=1.0):
+    """Why an iteration applies no update -- or "ok": the one place the answer is made. Every Step
+    carries it (Step.outcome); the run state, the report, the metrics and the callbacks read it.
+    In order:
+      skip    the whole iteration is skipped, its batch drawn and thrown away (lesson 9): the
+              schedule's "skip_train_iteration_range", or a callback's reason (Callback.skip)
+      core    the core's own reason (skip_reason): "replicas differ", "nan", "skipped" (an fp16
+              overflow, skip_grad_norm_above); None or "ok": none
+      factor  the callbacks' update factor (Callback.update_factor): 0 is "vetoed"
+    A step a callback replaces (check_step: the guard's replay) carries the replay's, made here."""
+    if skip:
+        return skip
+    if core not in (None, "ok"):
+        return core
+    return "vetoed" if factor == 0 else "ok"
+
+
+def skipped_step(reason):
+    """The Step of an iteration skipped whole (outcome(skip=reason)): no numbers, no update."""
+    return Step(math.nan, math.nan, 0, outcome(skip=reason))
+
+
+def forward_backward(model, batches, packing, device, loss_scale=1.0, forward_only=False):
+    """Mean lm loss over this rank's micro-batches; accumulates (scaled) gradients unless
+    forward_only. No host sync: the loss stays a tensor. packing (loader.packing): for Megatron's
+    data flags (reset_position_ids, reset_attention_mask, eod_mask_loss), the model's documents,
+    positions and loss mask made from each micro-batch's tokens; None: no flag set."""
     if parallel.grid.pp_size > 1:
         return parallel.pipeline_forward_backward(model, batches, loss_scale, forward_only, packing)
     total = torch.zeros((), device=device)
@@ -205,57 +254,95 @@ def differ(replicas):
     return len({repr(r) for r in replicas}) > 1
 
 
-def train_step(model, optimizer, scaler, batches, lr, cfg, device, count_zeros=True, callbacks=NO_CALLBACKS,
-               timer=None):
-    """One global batch: forward and backward over this rank's micro-batches, gradients reduced, clipped and
-    applied at learning rate lr -- unless the step is skipped or vetoed. Returns a Step.
-    count_zeros: count the zero gradients (a pass over all of them: only done for the iterations logged).
-    callbacks: their on_grads, update_factor and after_update (Callback). timer: a report.ComputeTimer."""
+def backward(model, optimizer, scaler, batches, rules, device, timer=None):
+    """A step's first half: forward and backward over this rank's micro-batches, the gradients
+    reduced over DP (where Callback.on_grads sees them, before train_step measures them). Returns
+    the loss averaged over DP, a tensor (no host sync). rules: a StepRules. timer: a
+    report.ComputeTimer."""
     optimizer.zero_grad(set_to_none=True)
     buffer = parallel.grad_buffer(model)  # None under DeepSpeed
     if buffer is not None:
         buffer.start(len(batches))
     if timer is not None:
         timer.start(device)
-    loss = forward_backward(model, batches, cfg, device, loss_scale=scaler.scale)
+    loss = forward_backward(model, batches, rules.packing, device, loss_scale=scaler.scale)
     if timer is not None:
         timer.stop()
     loss = parallel.average_loss(loss)  # over DP, from the last stage; one process: the loss itself
-    if cfg.deepspeed:
-        return Step(*optimizer.finish_step(loss.item(), lr))  # DeepSpeed reduces, clips and steps in one call
-    # Wait for the DP all-reduce that backward started, sum the tied embedding's two copies.
-    parallel.reduce_gradients(model)
-    callbacks.on_grads(model, scaler.scale)
-    grad_norm = parallel.grad_norm(model) / scaler.scale  # of the unscaled gradient, fp32, over the whole model
-    zeros = parallel.count_zeros(model) if count_zeros else torch.zeros((), device=device)
-    # logged iterations: the interval's z-loss, averaged over DP (the same on every replica), rides in the sync
-    logged = [parallel.average_loss(parallel.unwrap(model).pop_z_loss())] if count_zeros and cfg.z_loss else []
-    # DP rank 0's numbers on every replica (one all-gather, the one host sync): skip decisions cannot split them
+    if not rules.deepspeed:  # DeepSpeed reduces in its step() (train_step)
+        # Wait for the DP all-reduce that backward started, sum the tied embedding's two copies.
+        parallel.reduce_gradients(model)
+    return loss
+
+
+def train_step(model, optimizer, scaler, loss, lr, rules, count_zeros=True, timer=None):
+    """A step's second half, after backward(): its numbers, nothing applied (apply_step applies
+    them). Returns a Step whose outcome is the core's (outcome(): "ok", or why the core applies
+    nothing). Under DeepSpeed its step() reduces, measures and applies in one call: the Step is of
+    an update applied (or skipped) there. count_zeros: count the zero gradients (a pass over all
+    of them: only done for the iterations logged)."""
+    if rules.deepspeed:  # DeepSpeed reduces, clips and steps in one call
+        loss_value, grad_norm_value, num_zeros, core = optimizer.finish_step(loss.item(), lr)
+        return Step(loss_value, grad_norm_value, num_zeros, outcome(core=core))
+    grad_norm = parallel.grad_norm(model) / scaler.scale  # the unscaled gradient's, fp32, all of it
+    zeros = parallel.count_zeros(model) if count_zeros else torch.zeros((), device=loss.device)
+    # logged iterations: the interval's z-loss, averaged over DP (the same on every replica), rides
+    # in the sync
+    z_loss = count_zeros and rules.z_loss
+    logged = [parallel.average_loss(parallel.unwrap(model).pop_z_loss())] if z_loss else []
+    # DP rank 0's numbers on every replica (one all-gather, the one host sync): skip decisions
+    # cannot split them
     replicas = agree(loss, grad_norm, zeros, *logged, timer=timer)
     loss_value, grad_norm_value, num_zeros, *logged = replicas[0]
-    numbers = (loss_value, grad_norm_value, int(num_zeros))
-    z_loss = logged[0] if logged else None
-    if cfg.fp16:
+    if rules.fp16:
         message = scaler.update(overflow=not math.isfinite(grad_norm_value))
         if message:
             print0(message)
-    outcome = skip_reason(cfg, loss_value, grad_norm_value, replicas)
-    if outcome is None:
-        factor = callbacks.update_factor(loss_value, grad_norm_value)  # host floats: no sync of its own
-        if factor == 0:  # vetoed: nothing at all changes
-            return Step(*numbers, "vetoed", z_loss, replicas)
-        # fp32 master weights with fp32, unscaled gradients (x factor: unscaled by scale / factor, the same pass)
-        params = optimizer.prepare_grads(scaler.scale / factor)
-        optim.clip_grads(params, cfg.clip_grad, grad_norm if factor == 1.0 else grad_norm * factor)
-        optim.set_lr(optimizer, lr)
-        optimizer.step()
+    core = skip_reason(rules.skip_grad_norm_above, loss_value, grad_norm_value, replicas)
+    return Step(loss_value, grad_norm_value, int(num_zeros), outcome(core=core),
+                logged[0] if logged else None, replicas, grad_norm)
+
+
+def apply_step(optimizer, scaler, step, lr, rules, factor=1.0):
+    """Apply a step the core would apply (train_step's outcome "ok") at learning rate lr, its
+    gradients x factor (the callbacks' update_factor: 0 vetoes it, and nothing at all changes).
+    Returns the Step that stands, its outcome final (outcome()). Not under DeepSpeed, whose step()
+    applied it (train_step)."""
+    step = step._replace(outcome=outcome(core=step.outcome, factor=factor))
+    if step.outcome != "ok":
+        return step
+    # fp32 master weights with fp32, unscaled gradients (x factor: unscaled by scale / factor, in
+    # the same pass)
+    params = optimizer.prepare_grads(scaler.scale / factor)
+    optim.clip_grads(params, rules.clip_grad, step.norm if factor == 1.0 else step.norm * factor)
+    optim.set_lr(optimizer, lr)
+    optimizer.step()
+    return step
+
+
+def whole_step(model, optimizer, scaler, batches, lr, rules, device, callbacks=NO_CALLBACKS,
+               count_zeros=True):
+    """One step in the order train.py's loop takes it (its take_step spells the order out):
+    backward(), the callbacks' on_grads, train_step(), their update_factor (asked only of a step
+    the core would apply), apply_step(), their after_update. For a step outside the loop: a replay
+    (the guard's, with diagnosis.Veto alone), a tool's, a test's."""
+    loss = backward(model, optimizer, scaler, batches, rules, device)
+    if rules.deepspeed:  # its step() reduces, measures and applies in one call: no callback in it
+        return train_step(model, optimizer, scaler, loss, lr, rules, count_zeros)
+    callbacks.on_grads(model, scaler.scale)
+    step = train_step(model, optimizer, scaler, loss, lr, rules, count_zeros)
+    if step.outcome != "ok":
+        return step
+    factor = callbacks.update_factor(step.loss, step.grad_norm)
+    step = apply_step(optimizer, scaler, step, lr, rules, factor)
+    if step.outcome == "ok":
         callbacks.after_update()
-    return Step(*numbers, outcome or "ok", z_loss, replicas)
+    return step
 
 
-def skip_reason(cfg, loss, grad_norm, replicas):
-    """Why the core applies no update (a Step's outcome), or None: on host floats, the same on every replica.
-    replicas: every DP replica's numbers (agree())."""
+def skip_reason(skip_grad_norm_above, loss, grad_norm, replicas):
+    """Why the core applies no update (outcome()'s core), or None: on host floats, the same on
+    every replica. replicas: every DP replica's numbers (agree())."""
     if differ(replicas):  # a faulty GPU: no update anywhere (the spike guard, when on, retries the step)
         print0(f"warning: the DP replicas computed different loss / grad norm {list(replicas)}: update skipped "
                "(a faulty GPU? spike_guard retries such steps)")
@@ -264,46 +351,51 @@ def skip_reason(cfg, loss, grad_norm, replicas):
         return "nan"  # a NaN loss never updates the weights
     if not math.isfinite(grad_norm):
         return "skipped"
-    if cfg.skip_grad_norm_above is not None and grad_norm > cfg.skip_grad_norm_above:  # OPT's batch skipping
+    if skip_grad_norm_above is not None and grad_norm > skip_grad_norm_above:  # OPT's skipping
         return "skipped"
     return None
 
 
 @torch.no_grad()
-def evaluate(model, dataset, cfg, device):
-    """Mean loss over the first eval_iters global batches of the validation set, always at full seq_length."""
+def evaluate(model, dataset, rules, device):
+    """Mean loss over the first eval_iters global batches of the validation set, always at full
+    seq_length. rules: a StepRules (eval_iters, the batch sizes, seq_length, packing)."""
     model.eval()
-    losses, count = [], cfg.global_batch_size // (cfg.micro_batch_size * parallel.grid.dp_size)
-    for i in range(cfg.eval_iters):
-        batches = loader.micro_batches(dataset, i * cfg.global_batch_size, count,
-                                       cfg.micro_batch_size, cfg.seq_length, device)
-        losses.append(parallel.average_loss(forward_backward(model, batches, cfg, device, forward_only=True)).item())
+    losses, count = [], rules.global_batch_size // (rules.micro_batch_size * parallel.grid.dp_size)
+    for i in range(rules.eval_iters):
+        first = i * rules.global_batch_size
+        batches = loader.micro_batches(dataset, first, count, rules.micro_batch_size,
+                                       rules.seq_length, device)
+        loss = forward_backward(model, batches, rules.packing, device, forward_only=True)
+        losses.append(parallel.average_loss(loss).item())
     model.train()
     return sum(losses) / len(losses)
 
 
-def evaluate_only(model, valid_data, state, cfg, device):
-    """eval_only: the loaded checkpoint's validation loss and perplexity, on each validation set."""
+def evaluate_only(model, valid_data, state, rules, device, split):
+    """eval_only: the loaded checkpoint's validation loss and perplexity, on each validation set.
+    split: the data's (the message names it when the validation split is empty)."""
     if valid_data is None:
-        raise ValueError(f"eval_only: no validation data (split {cfg.split!r}, eval_iters "
-                         f"{cfg.eval_iters}); give the validation split a share (e.g. --split "
+        raise ValueError(f"eval_only: no validation data (split {split!r}, eval_iters "
+                         f"{rules.eval_iters}); give the validation split a share (e.g. --split "
                          "0,100,0 for the whole data_path)")
     for name, dataset in loader.validation_sets(valid_data):
-        print_validation(evaluate(model, dataset, cfg, device), state.iteration, name)
+        print_validation(evaluate(model, dataset, rules, device), state.iteration, name)
     return state
 
 
-def print_sample(cfg, model, device):
-    """sample_tokens tokens generated from sample_prompt (top-k 200, temperature 0.8), when one rank
-    holds the whole model."""
-    if cfg.sample_tokens and parallel.grid.pp_size > 1:
+def print_sample(model, device, tokens, prompt, tokenizer_file, seed):
+    """`tokens` tokens (sample_tokens) generated from prompt (sample_prompt), top-k 200,
+    temperature 0.8, drawn with a generator seeded by seed, when one rank holds the whole model.
+    tokenizer_file: the data's."""
+    if tokens and parallel.grid.pp_size > 1:
         print0(f"no sample printed: with pipeline_model_parallel_size {parallel.grid.pp_size} no "
                "rank holds the whole model; sample from the checkpoint with tools/sample.py")
-    elif cfg.sample_tokens:
-        tok = data.get_tokenizer(cfg.tokenizer_file)
-        prompt = torch.tensor([tok.encode_ordinary(cfg.sample_prompt)], device=device)
-        gen = torch.Generator(device=device).manual_seed(cfg.seed)
+    elif tokens:
+        tok = data.get_tokenizer(tokenizer_file)
+        ids = torch.tensor([tok.encode_ordinary(prompt)], device=device)
+        gen = torch.Generator(device=device).manual_seed(seed)
         model.eval()
-        out = parallel.unwrap(model).generate(prompt, cfg.sample_tokens, temperature=0.8, top_k=200,
+        out = parallel.unwrap(model).generate(ids, tokens, temperature=0.8, top_k=200,
                                               generator=gen)
         print0("-" * 30 + " sample " + "-" * 30 + "\n" + tok.decode(out[0].tolist()))

@@ -368,7 +368,7 @@ class Fp32Step:
     fp32 replay of the same step does not have, docs/spike_guard.md):
 
         with Fp32Step(model, optimizer) as fp32:
-            step = train_step(model, optimizer, no_loss_scale, ...)
+            step = whole_step(model, optimizer, no_loss_scale, ...)
             fp32.keep = step.outcome == "ok"
 
     Inside, the model's weights are fp32 copies of its master weights (its gradients are accumulated in fp32 in
@@ -419,7 +419,8 @@ def master_weights(params, optimizer):
 def evaluate_batches(model, batches, core, device):
     """The mean loss of these micro-batches in train mode (dropout on, as in the trend it is compared with: eval
     mode would bias it low); the caller restores the RNG streams the dropout draws from."""
-    return parallel.average_loss(training.forward_backward(model, batches, core, device, forward_only=True)).item()
+    loss = training.forward_backward(model, batches, loader.packing(core), device, forward_only=True)
+    return parallel.average_loss(loss).item()
 
 
 # -----------------------------------------------------------------------------

@@ -219,8 +219,9 @@ class Forensics(training.Callback):
         parts, core = self.parts, self.core
 
         def rerun(judge, scaler=parts.scaler):
-            return training.train_step(parts.model, parts.optimizer, scaler, it.batches, it.lr, core, self.device,
-                                       count_zeros=False, callbacks=diagnosis.Veto(judge))
+            return training.whole_step(parts.model, parts.optimizer, scaler, it.batches, it.lr,
+                                       parts.rules, self.device, count_zeros=False,
+                                       callbacks=diagnosis.Veto(judge))
 
         def per_sample():
             return diagnosis.sample_losses(parts.model, it.batches, core).tolist()
@@ -262,8 +263,9 @@ class Forensics(training.Callback):
             return None
         batches, label = found
         rng, scaler = checkpoint.rng_state(), parts.scaler.state_dict()
-        step = training.train_step(parts.model, parts.optimizer, parts.scaler, batches, it.lr, core, self.device,
-                                   count_zeros=False, callbacks=diagnosis.Veto(lambda *numbers: "never applied"))
+        step = training.whole_step(parts.model, parts.optimizer, parts.scaler, batches, it.lr,
+                                   parts.rules, self.device, count_zeros=False,
+                                   callbacks=diagnosis.Veto(lambda *numbers: "never applied"))
         checkpoint.set_rng_state(rng)
         parts.scaler.load_state_dict(scaler)
 

@@ -127,7 +127,7 @@ class SpikyLoss(training.Callback):
         self.state, self.first = {"count": 0, "max": 0.0}, True
 
     def start(self, parts, report, train_data):
-        self.model = parts.model
+        self.model, self.packing = parts.model, parts.rules.packing
         self.device = next(parallel.unwrap(parts.model).parameters()).device
 
     def before_step(self, it):
@@ -150,8 +150,9 @@ class SpikyLoss(training.Callback):
         """The step's loss again: the same batch on the same weights from the step's RNG state, nothing applied."""
         now = checkpoint.rng_state()
         checkpoint.set_rng_state(self.rng)
-        loss = parallel.average_loss(training.forward_backward(self.model, self.it.batches, self.core, self.device,
-                                                               forward_only=True)).item()
+        loss = training.forward_backward(self.model, self.it.batches, self.packing, self.device,
+                                         forward_only=True)
+        loss = parallel.average_loss(loss).item()
         checkpoint.set_rng_state(now)
         return loss
 

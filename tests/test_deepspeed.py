@@ -162,6 +162,7 @@ def _accumulates_in_fp32(rec):
     """BF16_Optimizer adds each micro-batch's bf16 gradient into an fp32 buffer: after 64 micro-batches the
     buffer holds their sum to fp32 rounding, where a bf16 running sum is off by more than 1e-3."""
     import arguments
+    import loader
     from training import forward_backward
     wrapper, model = rec.wrapper, rec.model
     assert type(wrapper.optimizer).__name__ == "BF16_Optimizer"
@@ -174,13 +175,13 @@ def _accumulates_in_fp32(rec):
     running = [torch.zeros(p.shape, dtype=torch.bfloat16) for p in params]
     for batch in batches:  # one micro-batch at a time: its own bf16 gradient, exactly, in the fp32 buffer
         wrapper.zero_grad()
-        forward_backward(model, [batch], cfg, torch.device("cpu"))
+        forward_backward(model, [batch], loader.packing(cfg), torch.device("cpu"))
         for e, r, p in zip(exact, running, params):
             g = wrapper.gradient(p) / len(batches)  # a power of two: exact
             e += g.double()
             r += g.bfloat16()
     wrapper.zero_grad()
-    forward_backward(model, batches, cfg, torch.device("cpu"))
+    forward_backward(model, batches, loader.packing(cfg), torch.device("cpu"))
     for (name, p), e in zip(model.named_parameters(), exact):
         got = wrapper.gradient(p)
         assert got.dtype == torch.float32, name

@@ -42,7 +42,7 @@ from helpers import (  # noqa: F401
     train_script,
 )
 from model import GPT, GPTConfig, draw_slice
-from training import train_step
+from training import backward, whole_step
 
 CFG = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=1000,
            make_vocab_size_divisible_by=64, embed_layernorm=True)
@@ -334,8 +334,9 @@ def _meta_step(monkeypatch, extra, tp=1, pp=1, dp=1, rank=0, micro_batches=2):
         try:
             with syncs:
                 recorder.begin()
-                step = train_step(parts.model, parts.optimizer, parts.scaler, batches, 1e-4, cfg, meta,
-                                        count_zeros=True, callbacks=telemetry.Probe(recorder))
+                step = whole_step(parts.model, parts.optimizer, parts.scaler, batches, 1e-4,
+                                  parts.rules, meta, callbacks=telemetry.Probe(recorder),
+                                  count_zeros=True)
                 recorder.finish()
                 guard.update(1, step.outcome, step.loss, step.grad_norm, parts.scaler)
                 report.step(step, 1e-4)
@@ -384,7 +385,7 @@ def test_train_step_on_meta(monkeypatch, layout, precision):
 
 def _audited_runs(corpus, layouts):
     """train.py's main for each layout in turn on this rank, every collective recorded; raises what NCCL would refuse
-    or what syncs the host inside the loop (the loop: from the first train_step on)."""
+    or what syncs the host inside the loop (the loop: from the first step's backward on)."""
     import contextlib
     import io
 
@@ -394,14 +395,14 @@ def _audited_runs(corpus, layouts):
 
             def in_loop(*a, **k):
                 comms.phase = "loop"
-                return train_step(*a, **k)
-            training.train_step = in_loop  # where train.py looks it up
+                return backward(*a, **k)
+            training.backward = in_loop  # where train.py looks it up: the step's first call
             try:
                 with contextlib.redirect_stdout(io.StringIO()):
                     train_script()["main"]([*E2E_ARGS, f"--data_path={corpus}", "--train_iters=3",
                                             "--exit_signal_handler", *layout])
             finally:
-                training.train_step = train_step
+                training.backward = backward
         assert any(phase == "loop" for phase, _, _ in comms.calls), layout
         problems = comms.problems("cpu")  # gloo's device and the model's (the meta test checks the device apart)
         assert not problems, f"{layout}: {sorted(set(problems))}"
@@ -603,8 +604,9 @@ def test_telemetry_update_ratio_on_fp32_masters():
     before = [m.detach().clone() for m in masters]
     weights_before = [p.detach().clone() for p in model.parameters()]
     recorder.begin()
-    step = train_step(model, optimizer, optim.scaler_for(cfg), [(ids[:, :-1], ids[:, 1:])], 1e-6, cfg,
-                            torch.device("cpu"), callbacks=telemetry.Probe(recorder))
+    step = whole_step(model, optimizer, optim.scaler_for(cfg), [(ids[:, :-1], ids[:, 1:])], 1e-6,
+                      builders.step_rules(cfg), torch.device("cpu"),
+                      callbacks=telemetry.Probe(recorder))
     stats = recorder.finish()
     assert step.outcome == "ok"
     update = sum(float((m.detach() - b).double().square().sum()) for m, b in zip(masters, before))
@@ -631,8 +633,9 @@ def _telemetry_with_and_without_zero():
         recorder = telemetry.Telemetry(model, cfg, optimizer)
         tokens = torch.randint(0, 512, (2, 17), generator=torch.Generator().manual_seed(parallel.grid.dp_rank))
         recorder.begin()
-        train_step(model, optimizer, optim.scaler_for(cfg), [(tokens[:, :-1], tokens[:, 1:])], 1e-3, cfg,
-                         torch.device("cpu"), callbacks=telemetry.Probe(recorder))
+        whole_step(model, optimizer, optim.scaler_for(cfg), [(tokens[:, :-1], tokens[:, 1:])], 1e-3,
+                   builders.step_rules(cfg), torch.device("cpu"),
+                   callbacks=telemetry.Probe(recorder))
         stats[zero] = recorder.finish()["update/param rms"]
     assert all(r > 0 for r in stats[0])
     for a, b in zip(stats[0], stats[1]):

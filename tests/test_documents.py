@@ -97,7 +97,7 @@ def test_a_packed_batch_trains_as_each_document_alone(monkeypatch, float64):
     y = torch.randint(1, 50, x.shape, generator=torch.Generator().manual_seed(1))
     batches = [(x[:2], y[:2]), (x[2:], y[2:])]
     cfg = flagged(reset_position_ids=True, reset_attention_mask=True, eod_mask_loss=True)
-    loss = forward_backward(model, batches, cfg, torch.device("cpu"))
+    loss = forward_backward(model, batches, loader.packing(cfg), torch.device("cpu"))
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
 
     model.zero_grad()
@@ -130,7 +130,8 @@ def test_the_loss_mask_is_counted_as_megatron_counts_it(monkeypatch, float64):
     mask = torch.tensor([[1, 0, 1, 0, 0, 1], [1, 1, 1, 1, 1, 0]])  # 8 tokens count
     with torch.no_grad():
         per_token = F.cross_entropy(model(x)[..., :50].transpose(1, 2), y, reduction="none")  # real columns
-        loss = forward_backward(model, [(x, y)], flagged(eod_mask_loss=True), "cpu", forward_only=True)
+        loss = forward_backward(model, [(x, y)], loader.packing(flagged(eod_mask_loss=True)), "cpu",
+                                forward_only=True)
     assert math.isclose(loss.item(), (per_token * mask).sum().item() / 8, rel_tol=1e-12)
     assert not math.isclose(loss.item(), per_token.mean().item(), rel_tol=1e-6)
 
@@ -144,7 +145,8 @@ def test_reset_positions_alone_still_attend_across_documents(monkeypatch, float6
     x = packed_tokens()
     _, _, positions = megatron_masks(x, EOD, True, False, False)
     with torch.no_grad():
-        loss = forward_backward(model, [(x, x)], flagged(reset_position_ids=True), "cpu", forward_only=True)
+        packing = loader.packing(flagged(reset_position_ids=True))
+        loss = forward_backward(model, [(x, x)], packing, "cpu", forward_only=True)
         assert math.isclose(loss.item(), model(x, x, positions=positions).item(), rel_tol=1e-12)
         assert not math.isclose(loss.item(), model(x, x).item(), rel_tol=1e-6)
         masked = model(x, x, positions=positions, documents=layers.document_ids(x, EOD)).item()
@@ -175,13 +177,15 @@ def _layout_with_flags():
         try:
             one = GPT(cfg)
             one.init_weights(1234)
-            ref_loss = forward_backward(one, batches, flagged(**flags), "cpu").item()
+            packing = loader.packing(flagged(**flags))
+            ref_loss = forward_backward(one, batches, packing, "cpu").item()
         finally:
             parallel.grid = real
         model = stage(cfg)
         parallel.attach_grad_buffer(model, torch.float64)
         parallel.grad_buffer(model).start(len(batches))
-        loss = parallel.average_loss(forward_backward(model, batches, flagged(**flags), "cpu"))
+        packing = loader.packing(flagged(**flags))
+        loss = parallel.average_loss(forward_backward(model, batches, packing, "cpu"))
         parallel.reduce_gradients(model)
         assert math.isclose(loss.item(), ref_loss, rel_tol=1e-12), (g, flags, loss.item(), ref_loss)
         ref_grads = dict(one.named_parameters())

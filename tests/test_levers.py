@@ -11,7 +11,7 @@ import data
 import optim
 import schedule
 import training
-from builders import build_model, build_optimizer
+from builders import build_model, build_optimizer, step_rules
 from helpers import (  # noqa: F401 (fixtures)
     SMALL,
     assert_same_checkpoint,
@@ -24,7 +24,7 @@ from helpers import (  # noqa: F401 (fixtures)
     run_cli,
     run_main,
 )
-from training import train_step
+from training import whole_step
 
 NO_DROPOUT = ["--hidden_dropout=0", "--attention_dropout=0"]
 
@@ -143,7 +143,8 @@ def test_nan_loss_never_updates_the_weights():
         model.ln_f.bias[0] = float("nan")
     before = {k: v.clone() for k, v in model.state_dict().items()}
     x = torch.randint(0, 50257, (4, 64))
-    step = train_step(model, optimizer, optim.scaler_for(cfg), [(x, x), (x, x)], 1e-3, cfg, torch.device("cpu"))
+    step = whole_step(model, optimizer, optim.scaler_for(cfg), [(x, x), (x, x)], 1e-3,
+                      step_rules(cfg), torch.device("cpu"))
     assert step.outcome == "nan" and math.isnan(step.loss)
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items() if k != "ln_f.bias")
     assert optimizer.state_dict()["state"] == {}

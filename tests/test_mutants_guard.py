@@ -73,13 +73,13 @@ def test_the_counterfactual_is_drawn_when_the_next_batch_is_the_datas_last(
         loader, "micro_batches", lambda data, first, *args: firsts.append(first) or ["batch"]
     )
     monkeypatch.setattr(
-        training, "train_step", lambda *args, **kwargs: training.Step(3.0, 1.0, 0, "vetoed")
+        training, "whole_step", lambda *args, **kwargs: training.Step(3.0, 1.0, 0, "vetoed")
     )
     scaler = types.SimpleNamespace(state_dict=lambda: {}, load_state_dict=lambda state: None)
     cfg = arguments.load_config(["--spike_guard"])
     forensics = guard.Forensics(cfg, types.SimpleNamespace(guard=None, snapshots=None, built={}), cfg)
     forensics.start(
-        types.SimpleNamespace(model=torch.nn.Linear(1, 1), optimizer=None, scaler=scaler),
+        types.SimpleNamespace(model=torch.nn.Linear(1, 1), optimizer=None, scaler=scaler, rules=None),
         None,
         Data(24),
     )

@@ -561,8 +561,8 @@ def test_bnb_keeps_an_untied_output_layers_state_32bit_as_the_embeddings():
     32-bit override exists to avoid for the embedding (lesson 14). fp32 and bf16 (state on the fp32 masters)."""
     pytest.importorskip("bitsandbytes")
     import arguments
-    from builders import build_model, build_optimizer
-    from training import train_step
+    from builders import build_model, build_optimizer, step_rules
+    from training import whole_step
     for precision in ([], ["--bf16"]):
         cfg = arguments.prepare(arguments.load_config([
             "--num_layers=1", "--hidden_size=64", "--num_attention_heads=2", "--seq_length=16", "--vocab_size=512",
@@ -571,8 +571,8 @@ def test_bnb_keeps_an_untied_output_layers_state_32bit_as_the_embeddings():
         model = build_model(cfg, torch.device("cpu"))
         opt = build_optimizer(cfg, model)
         x = torch.randint(0, 512, (2, 16))
-        assert train_step(model, opt, optim.scaler_for(cfg), [(x, x)], 1e-3, cfg, torch.device("cpu")).outcome \
-            == "ok"
+        assert whole_step(model, opt, optim.scaler_for(cfg), [(x, x)], 1e-3, step_rules(cfg),
+                          torch.device("cpu")).outcome == "ok"
         main = dict(zip(map(id, opt.model_params), opt.main_params))  # the tensor the optimizer keeps state for
         dtypes = {name: opt.optimizer.state[main[id(p)]]["state1"].dtype for name, p in model.named_parameters()}
         assert dtypes["output_layer"] == dtypes["embed.word.weight"] == torch.float32, dtypes

@@ -340,7 +340,8 @@ def _model_state_bytes(model, optimizer):
 def _measure_model_states(results):
     """Model-state bytes of this rank after one native ZeRO-1 step, for each precision."""
     import arguments
-    from training import train_step
+    from builders import step_rules
+    from training import whole_step
     g = parallel.grid
     for precision in ("fp32", "bf16", "fp16"):
         cfg = arguments.prepare(arguments.load_config(
@@ -350,7 +351,8 @@ def _measure_model_states(results):
         model = build_model(cfg, torch.device("cpu"))
         optimizer = build_optimizer(cfg, model)
         x = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(g.dp_rank))
-        outcome = train_step(model, optimizer, optim.scaler_for(cfg), [(x, x)], 1e-3, cfg, torch.device("cpu"))
+        outcome = whole_step(model, optimizer, optim.scaler_for(cfg), [(x, x)], 1e-3,
+                             step_rules(cfg), torch.device("cpu"))
         assert outcome.outcome == "ok"
         results[(precision, g.dp_size, g.dp_rank)] = (_model_state_bytes(model, optimizer),
                                                       sum(p.numel() for p in model.parameters()))

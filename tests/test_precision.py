@@ -14,10 +14,10 @@ import model
 import optim
 import parallel
 import precision
-from builders import build_model, build_optimizer
+from builders import build_model, build_optimizer, step_rules
 from helpers import SMALL, corpus, losses, run_main  # noqa: F401 (corpus is a fixture)
 from model import GPT, GPTConfig
-from training import train_step
+from training import whole_step
 
 PRECISIONS = {"fp32": [], "bf16": ["--bf16"], "fp16": ["--fp16"]}
 HALF = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -168,7 +168,8 @@ def test_master_weights_are_fp32_and_round_into_the_model():
     assert {p.dtype for p in masters} == {torch.float32} and len(masters) == len(list(model.parameters()))
     x = torch.randint(0, cfg.vocab_size, (4, cfg.seq_length))
     for _ in range(3):
-        train_step(model, optimizer, optim.scaler_for(cfg), [(x, x)], 1e-3, cfg, torch.device("cpu"))
+        whole_step(model, optimizer, optim.scaler_for(cfg), [(x, x)], 1e-3, step_rules(cfg),
+                   torch.device("cpu"))
     state = optimizer.state_dict()
     assert all(s["exp_avg"].dtype == torch.float32 for s in state["state"].values())
     for p, master in optimizer.copies:  # the model holds the masters rounded to bf16, in storage of its own
@@ -190,7 +191,8 @@ def test_bnb_8bit_state_lives_on_the_fp32_masters_with_the_embedding_32bit():
     model = build_model(cfg, torch.device("cpu"))
     optimizer = build_optimizer(cfg, model)
     x = torch.randint(0, cfg.vocab_size, (4, cfg.seq_length))
-    train_step(model, optimizer, optim.scaler_for(cfg), [(x, x)], 1e-3, cfg, torch.device("cpu"))
+    whole_step(model, optimizer, optim.scaler_for(cfg), [(x, x)], 1e-3, step_rules(cfg),
+               torch.device("cpu"))
     master = dict((id(p), m) for p, m in optimizer.copies)
     embedding, fc1 = master[id(model.word_embedding_weight())], master[id(model.blocks["0"].mlp.fc1.weight)]
     assert embedding.dtype == fc1.dtype == torch.float32

@@ -17,14 +17,14 @@ import arguments
 import optim
 import precision
 import training
-from builders import build_model, build_optimizer
+from builders import build_model, build_optimizer, step_rules
 from helpers import corpus, corpus512, log_fields, run_main, spike_guard_of  # noqa: F401 (corpus, corpus512: fixtures)
 from sections import section
 from stability import detector, diagnosis, spike_guard, telemetry
 from stability.config import DetectorConfig
 from stability.diagnosis import Veto
 from stability.faults import Faults
-from training import agree, train_step
+from training import agree, whole_step
 
 GUARD = ["--spike_guard", "--spike_guard_window=20", "--spike_guard_min_steps=10", "--spike_guard_rewind=3",
          "--spike_guard_skip_after=2", "--spike_guard_snapshot_interval=5"]
@@ -184,7 +184,8 @@ def test_fp32_step_is_an_fp32_runs_step_and_without_keep_leaves_the_half_precisi
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, 512, (2, 17), generator=gen).to(dev)
     batches = [(tokens[:, :-1], tokens[:, 1:])]
-    train_step(model, optimizer, scaler, batches, 1e-2, cfg, dev)  # Adam's state; masters != weights now
+    rules = step_rules(cfg)
+    whole_step(model, optimizer, scaler, batches, 1e-2, rules, dev)  # masters != weights now
     fp32_cfg, reference, ref_optimizer, _ = _bf16_parts([f"--device={device}"], device=dev)
     ref_optimizer.load_state_dict(copy.deepcopy(optimizer.state_dict()))  # its own moments
     with torch.no_grad():
@@ -197,15 +198,15 @@ def test_fp32_step_is_an_fp32_runs_step_and_without_keep_leaves_the_half_precisi
     before = everything()
     with diagnosis.Fp32Step(model, optimizer) as fp32:
         assert all(p.dtype == torch.float32 for p in model.parameters())
-        step = train_step(model, optimizer, one, batches, 1e-2, cfg, dev,
-                                callbacks=Veto(judge=lambda *_: "a spike"))
+        step = whole_step(model, optimizer, one, batches, 1e-2, rules, dev,
+                          callbacks=Veto(judge=lambda *_: "a spike"))
         fp32.keep = step.outcome == "ok"
     assert step.outcome == "vetoed" and all(p.dtype == dtype for p in model.parameters())
     assert all(torch.equal(a, b) for a, b in zip(before, everything()))  # bit for bit, nothing kept
     with diagnosis.Fp32Step(model, optimizer) as fp32:
-        step = train_step(model, optimizer, one, batches, 1e-2, cfg, dev)
+        step = whole_step(model, optimizer, one, batches, 1e-2, rules, dev)
         fp32.keep = step.outcome == "ok"
-    expected = train_step(reference, ref_optimizer, one, batches, 1e-2, fp32_cfg, dev)
+    expected = whole_step(reference, ref_optimizer, one, batches, 1e-2, step_rules(fp32_cfg), dev)
     # bit for bit on the CPU; CUDA's attention backward may sum in another order from one call to the next
     tol = dict(rel_tol=0.0 if device == "cpu" else 1e-5)
     assert math.isclose(step.loss, expected.loss, **tol) and math.isclose(step.grad_norm, expected.grad_norm, **tol)
@@ -509,14 +510,15 @@ def _forensics_on_replicas():
                                                  "--inject_bitflip_iters=6-6", "--inject_bitflip_rank=1",
                                                  "--inject_bitflip_target=weight"], world_size=2)
     batches = random_batches(g.dp_rank, 1, 2, 16, 512)
-    train_step(model, optimizer, scaler, batches, 1e-2, cfg, cpu)  # masters are no longer the bf16 weights
+    rules = step_rules(cfg)
+    whole_step(model, optimizer, scaler, batches, 1e-2, rules, cpu)  # masters != bf16 weights now
     assert any(optimizer.main_param(p) is None for p in model.parameters())  # sharded: some are the other rank's
     with diagnosis.Fp32Step(model, optimizer) as fp32:
         for p in model.parameters():
             held = optimizer.main_param(p)  # None: the other rank's shard
             assert held is None or torch.equal(p, held)
             assert torch.equal(*gather(p.detach(), g.dp_group))
-        fp32.keep = train_step(model, optimizer, scaler, batches, 1e-2, cfg, cpu).outcome == "ok"
+        fp32.keep = whole_step(model, optimizer, scaler, batches, 1e-2, rules, cpu).outcome == "ok"
     assert fp32.keep
     for p in model.parameters():
         held = optimizer.main_param(p)
@@ -525,7 +527,7 @@ def _forensics_on_replicas():
     guard = spike_guard_of(cfg)
     payload = ({k: v.clone() for k, v in model.state_dict().items()}, {"state": {"spike_guard": {"stats":
                                                                                                 guard.stats()}}})
-    step = train_step(model, optimizer, scaler, batches, 1e-2, cfg, cpu)
+    step = whole_step(model, optimizer, scaler, batches, 1e-2, rules, cpu)
     guard.record(step.loss, step.grad_norm, 1e-2)
     assert diagnosis.corrupted_weights(guard, model, optimizer, 7, 5, payload) is None  # Adam's own update
     flip = Faults(cfg, None, cfg.seed, cfg.vocab_size).bitflip(6, guard, "weight")
@@ -557,12 +559,13 @@ def test_a_skipped_update_changes_no_weight_moment_or_step_counter():
     optimizer = build_optimizer(cfg, model)
     scaler = optim.scaler_for(cfg)
     batches = [(torch.randint(0, 512, (2, 16)), torch.randint(0, 512, (2, 16)))]
-    train_step(model, optimizer, scaler, batches, 1e-3, cfg, torch.device("cpu"))  # create Adam's state
+    rules = step_rules(cfg)
+    whole_step(model, optimizer, scaler, batches, 1e-3, rules, torch.device("cpu"))  # Adam's state
     weights = {k: v.clone() for k, v in model.state_dict().items()}
     moments = {id(p): {k: v.clone() if torch.is_tensor(v) else v for k, v in s.items()}
                for p, s in optimizer.state.items()}
-    outcome = train_step(model, optimizer, scaler, batches, 1e-3, cfg, torch.device("cpu"),
-                               callbacks=Veto(judge=lambda loss, norm: "a spike")).outcome
+    outcome = whole_step(model, optimizer, scaler, batches, 1e-3, rules, torch.device("cpu"),
+                         callbacks=Veto(judge=lambda loss, norm: "a spike")).outcome
     assert outcome == "vetoed"
     assert all(torch.equal(weights[k], v) for k, v in model.state_dict().items())
     for p, s in optimizer.state.items():
@@ -602,7 +605,8 @@ def test_telemetry_matches_direct_computation():
     before = {k: v.clone() for k, v in model.named_parameters()}
     recorder = telemetry.Telemetry(model, cfg)
     recorder.begin()
-    step = train_step(model, optimizer, scaler, batches, 1e-3, cfg, cpu, callbacks=telemetry.Probe(recorder))
+    step = whole_step(model, optimizer, scaler, batches, 1e-3, step_rules(cfg), cpu,
+                      telemetry.Probe(recorder))
     grad_norm, outcome = step.grad_norm, step.outcome
     stats = recorder.finish()
     assert outcome == "ok"
@@ -705,7 +709,8 @@ def _telemetry_of_one_step(cfg, batches):
     optimizer, scaler = build_optimizer(cfg, model), optim.scaler_for(cfg)
     recorder = telemetry.Telemetry(model, cfg)
     recorder.begin()
-    train_step(model, optimizer, scaler, batches, 1e-3, cfg, torch.device("cpu"), callbacks=telemetry.Probe(recorder))
+    whole_step(model, optimizer, scaler, batches, 1e-3, step_rules(cfg), torch.device("cpu"),
+               telemetry.Probe(recorder))
     return recorder.finish()
 
 

@@ -376,3 +376,14 @@ def test_with_no_stability_switch_nothing_of_the_layer_is_built_or_imported(corp
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-2:] == ["[]", "[]"], out.stdout[-2000:]  # nor lm-eval
+
+
+def test_the_step_takes_no_callbacks():
+    """The step computes, the callbacks decide (#49): training.train_step, which returns the step's
+    numbers, has no parameter for callbacks; the loop asks them between the step's calls (train.py's
+    take_step) and applies with training.apply_step."""
+    tree = ast.parse(_read(os.path.join(ROOT, "training.py")))
+    step = next(f for f in tree.body if isinstance(f, ast.FunctionDef) and f.name == "train_step")
+    a = step.args
+    names = [p.arg for p in a.posonlyargs + a.args + a.kwonlyargs + [a.vararg, a.kwarg] if p]
+    assert not [n for n in names if "callback" in n], f"train_step takes callbacks: {names}"

@@ -272,7 +272,8 @@ def test_the_end_of_run_sample_follows_the_prompt_seed_and_settings(capsys, monk
     model = builders.build_model(cfg, cpu)
     tok = data.get_tokenizer(cfg.tokenizer_file)
     model.train()
-    training.print_sample(cfg, model, cpu)
+    sample = (cfg.sample_tokens, cfg.sample_prompt, cfg.tokenizer_file, cfg.seed)
+    training.print_sample(model, cpu, *sample)
     printed = capsys.readouterr().out
     prompt = torch.tensor([tok.encode_ordinary("ROMEO:")])
     gen = torch.Generator().manual_seed(7)
@@ -280,16 +281,18 @@ def test_the_end_of_run_sample_follows_the_prompt_seed_and_settings(capsys, monk
     assert printed == "-" * 30 + " sample " + "-" * 30 + "\n" + tok.decode(expected) + "\n"
     assert not model.training  # dropout off while sampling
     monkeypatch.setattr(parallel.grid, "pp_size", 2)
-    training.print_sample(cfg, model, cpu)
+    training.print_sample(model, cpu, *sample)
     said = capsys.readouterr().out
     assert said == ("no sample printed: with pipeline_model_parallel_size 2 no rank holds the "
                     "whole model; sample from the checkpoint with tools/sample.py\n")
 
 
 def test_eval_only_without_validation_data_names_the_fix():
+    import builders
     import training
     cfg = arguments.load_config(["--eval_only", "--split=100,0,0", "--eval_iters=5"])
     message = (r"^eval_only: no validation data \(split '100,0,0', eval_iters 5\); give the "
                r"validation split a share \(e.g. --split 0,100,0 for the whole data_path\)$")
     with pytest.raises(ValueError, match=message):
-        training.evaluate_only(None, None, None, cfg, torch.device("cpu"))
+        training.evaluate_only(None, None, None, builders.step_rules(cfg), torch.device("cpu"),
+                               cfg.split)

@@ -10,12 +10,12 @@ import torch
 import arguments
 import checkpoint
 from helpers import ROOT, log_fields, run_main, synthetic_corpus  # noqa: F401 (synthetic_corpus is a fixture)
-from training import Step, train_step
+from training import Step, whole_step
 
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 import optim
 import whatif  # noqa: E402
-from builders import build_model, build_optimizer
+from builders import build_model, build_optimizer, step_rules
 from run_state import RunState
 from stability.soft_skip import SoftSkip, soft_skip_trend
 
@@ -40,9 +40,9 @@ def setup(*extra):
 
 def step(parts, trend=None, lr=1e-2):
     cfg, model, optimizer, scaler, batches = parts
-    return train_step(model, optimizer, scaler, batches, lr, cfg, torch.device("cpu"),
-                            callbacks=SoftSkip(cfg, None, cfg.spike_guard_min_steps,
-                                                cfg.spike_guard_window, trend=trend))
+    return whole_step(model, optimizer, scaler, batches, lr, step_rules(cfg), torch.device("cpu"),
+                      callbacks=SoftSkip(cfg, None, cfg.spike_guard_min_steps,
+                                         cfg.spike_guard_window, trend=trend))
 
 
 def test_the_soft_skip_scales_the_gradients_of_a_step_above_its_trend_and_leaves_others_alone(capsys):

@@ -14,10 +14,10 @@ heads, seq, head_dim), each next to the SKU's nominal peak: what MFU can at best
 loss: cross_entropy.linear_cross_entropy in bf16 -- its elementwise chain compiled where train.py compiles it
 (launch.compiles) -- against torch's fp32 cross-entropy on the same weights and hidden states: the loss and both
 gradients as relative errors, with a pass bound (LOSS_BOUNDS).
-syncs: one training.train_step after warm-up, with torch.cuda.set_sync_debug_mode("warn"): each warning is a host
-sync; the step is designed to have exactly one (training.agree's copy of its numbers; tests/test_device.py's meta
-step counts the same). CUDA only: on the CPU there is no stream to wait for, so it says so and counts the reads
-by name instead.
+syncs: one step (training.whole_step) after warm-up, with torch.cuda.set_sync_debug_mode("warn"):
+each warning is a host sync; the step is designed to have exactly one (training.agree's copy of its
+numbers; tests/test_device.py's meta step counts the same). CUDA only: on the CPU there is no
+stream to wait for, so it says so and counts the reads by name instead.
 
 backends: the paths this torch takes (addmm's out_dtype or its fallback, the config's
 attention_backend, compile on or off), then each SDPA backend's forward+backward time at each
@@ -62,7 +62,7 @@ import parallel  # noqa: E402
 import precision  # noqa: E402
 import tokenizer  # noqa: E402
 import training  # noqa: E402
-from builders import build_model, build_optimizer  # noqa: E402
+from builders import build_model, build_optimizer, step_rules  # noqa: E402
 from model import GPTConfig  # noqa: E402
 from sections import section  # noqa: E402
 
@@ -447,8 +447,10 @@ def syncs(config, overrides):
     batches = [tuple(torch.randint(cfg.vocab_size, (cfg.micro_batch_size, cfg.seq_length), device=device)
                      for _ in range(2)) for _ in range(count)]
 
+    rules = step_rules(cfg)
+
     def step():
-        return training.train_step(model, optimizer, scaler, batches, cfg.lr, cfg, device)
+        return training.whole_step(model, optimizer, scaler, batches, cfg.lr, rules, device)
     for _ in range(2):
         step()
     what = f"syncs: one train_step of {name_of(config)} ({count} micro-batches, compile " \

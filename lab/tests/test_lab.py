@@ -16,9 +16,9 @@ import arguments
 import bpe_corpus
 import lr_sweep
 import optim
-from builders import build_model, build_optimizer
+from builders import build_model, build_optimizer, step_rules
 from stability import telemetry
-from training import train_step
+from training import whole_step
 
 # -----------------------------------------------------------------------------
 # independent weight decay
@@ -128,8 +128,8 @@ def test_telemetry_precursors_match_direct_computation():
     before = {k: v.detach().clone() for k, v in model.named_parameters()}
     recorder = telemetry.Telemetry(model, cfg)
     recorder.begin()
-    outcome = train_step(model, optimizer, scaler, batches, 1e-3, cfg, cpu,
-                               callbacks=telemetry.Probe(recorder)).outcome
+    outcome = whole_step(model, optimizer, scaler, batches, 1e-3, step_rules(cfg), cpu,
+                         callbacks=telemetry.Probe(recorder)).outcome
     stats = recorder.finish()
     assert outcome == "ok"
     params = dict(model.named_parameters())
