@@ -18,6 +18,7 @@ callbacks (guard_cfg, faults_cfg, ...). A bare `cfg` is the whole config and not
 from dataclasses import fields
 
 
-def section(cls, cfg):
-    """The dataclass cls filled from cfg (the whole config, or a larger section): each field the key of its name."""
-    return cls(**{f.name: getattr(cfg, f.name) for f in fields(cls) if f.init})
+def section(cls, config):
+    """The dataclass cls filled from config (the whole config, or a larger section): each field the key
+    of its name."""
+    return cls(**{f.name: getattr(config, f.name) for f in fields(cls) if f.init})

@@ -3,7 +3,7 @@
 Each key is declared once, in its owner's dataclass (model.GPTConfig, schedule.ScheduleConfig, ...), and
 arguments.Config is made of those dataclasses. This module reads them from the source instead of importing them:
 Config's bases and the `from MODULE import NAME` lines that bring them, then each owner's class, where the comment
-after a field is its meaning and a comment `# -- group: ... --` starts a group. Reading the files needs neither
+after a field (or the comment lines right above it) is its meaning and a comment `# -- group: ... --` starts a group. Reading the files needs neither
 torch nor the project's modules, so help prints at once; tests/test_safety.py checks that it lists exactly the
 fields of the real dataclass.
 """
@@ -80,7 +80,7 @@ def _class_fields(path, class_name):
     for line in range(node.lineno, node.end_lineno + 1):
         if line in fields:
             stmt = fields[line]
-            meaning = comments[stmt.end_lineno][1].lstrip("# ") if stmt.end_lineno in comments else ""
+            meaning = _meaning(comments, stmt)
             default = ast.unparse(stmt.value) if stmt.value is not None else "(required)"
             out.append((group, about, stmt.target.id, ast.unparse(stmt.annotation), default, meaning))
         elif line in comments and (m := SECTION.match(comments[line][1])):
@@ -88,6 +88,19 @@ def _class_fields(path, class_name):
             if group not in ORDER:
                 raise ValueError(f"{path}: group {group!r} of {class_name} is not one of usage.ORDER {ORDER}")
     return out
+
+
+def _meaning(comments, stmt):
+    """A field's meaning: the comment after it, or else the comment lines right above it (a group's
+    heading, `# -- group: ... --`, is not one)."""
+    after = [c for line, (col, c) in comments.items() if stmt.lineno <= line <= stmt.end_lineno]
+    if after:
+        return " ".join(c.lstrip("# ") for c in after)
+    above, line = [], stmt.lineno - 1
+    while line in comments and comments[line][0] == stmt.col_offset and not SECTION.match(comments[line][1]):
+        above.insert(0, comments[line][1].lstrip("# "))
+        line -= 1
+    return " ".join(above)
 
 
 def format_help(width=120):
