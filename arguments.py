@@ -201,7 +201,8 @@ def load_config(argv=None):
     cfg = Config(**{k: _convert(k, v, FIELDS[k].type) for k, v in settings.items()})
     cfg.config_file = config_file
     if cfg.init_from_hf is not None:
-        from_hf(cfg, given=set(overrides if implicit else settings))  # the implicit default's model keys yield
+        # the implicit default's model keys yield
+        from_hf(cfg, given=set(overrides if implicit else settings))
     return cfg
 
 

@@ -140,7 +140,8 @@ def parse(argv):
                         "each in a process of its own, and print the ratio of their tokens/s")
     parser.add_argument("--result_json", "--result-json", metavar="PATH",
                         help="also write rank 0's numbers to PATH as JSON (what --table reads from each process)")
-    bench, rest = parser.parse_known_args(argv)  # the rest is CONFIG.py --key=value ..., exactly as train.py takes it
+    # the rest is CONFIG.py --key=value ..., exactly as train.py takes it
+    bench, rest = parser.parse_known_args(argv)
     if bench.bench_steps < 1 or bench.bench_warmup < 0:
         raise ValueError(f"--bench_steps={bench.bench_steps} --bench_warmup={bench.bench_warmup}: time at least one "
                          "iteration, after zero or more warm-up ones")
@@ -356,11 +357,14 @@ class Timings:
     """The timed iterations. With telemetry_interval, every interval-th one records telemetry, as in training:
     timed apart, so that its cost can be stated per step (interleaved steps share the machine's noise); CPU time
     too, the steadier measure on a shared machine."""
-    times: list = dataclasses.field(default_factory=list)  # wall seconds of the iterations without telemetry
+    # wall seconds of the iterations without telemetry
+    times: list = dataclasses.field(default_factory=list)
     probed: list = dataclasses.field(default_factory=list)  # of those recording telemetry
-    cpu: dict = dataclasses.field(default_factory=lambda: {False: [], True: []})  # CPU seconds: {recording: [...]}
+    # CPU seconds: {recording: [...]}
+    cpu: dict = dataclasses.field(default_factory=lambda: {False: [], True: []})
     waits: list = dataclasses.field(default_factory=list)  # seconds each waited for its batch
-    skipped: int = 0  # steps that applied no update (an fp16 overflow, a NaN): their optimizer was not timed
+    # steps that applied no update (an fp16 overflow, a NaN): their optimizer was not timed
+    skipped: int = 0
     warmup: int = 0  # untimed iterations before them
     warmup_skipped: int = 0
     loss_scale: float = 1.0  # at the first timed iteration
@@ -393,7 +397,8 @@ def time_steps(run, bench, prefetcher, key, timings):
     parallel.pipeline_seconds.update(schedule=0.0, communicate=0.0)
     if run.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(run.device)
-        parallel.pipeline_events = {"schedule": [], "communicate": []}  # the host does not wait there
+        # the host does not wait there
+        parallel.pipeline_events = {"schedule": [], "communicate": []}
     interval = run.cfg.telemetry_interval
     for n in range(bench.bench_steps):
         probe = run.recorder if run.recorder and (n + 1) % interval == 0 else None
@@ -469,8 +474,10 @@ def numbers(run, timings, stages, costs):
     B, T = cfg.global_batch_size, cfg.seq_length
     times = timings.steady()
     mean, best = statistics.mean(times), min(times)
-    tflops = gpt.flops_per_iteration(B, T) / (mean * grid.world_size * 1e12)  # per GPU, as training logs (lesson 23)
-    model_tflops = gpt.model_flops_per_iteration(B, T) / (mean * grid.world_size * 1e12)  # without recomputation
+    # per GPU, as training logs (lesson 23)
+    tflops = gpt.flops_per_iteration(B, T) / (mean * grid.world_size * 1e12)
+    # without recomputation
+    model_tflops = gpt.model_flops_per_iteration(B, T) / (mean * grid.world_size * 1e12)
     memory, memory_source = peak_memory(run.device)
     peak, peak_source = device_peak(run.device, matmul_dtype(cfg))
     wait_share = sum(timings.waits) / (sum(timings.times) + sum(timings.probed))
@@ -702,7 +709,8 @@ def costs_line(costs):
 def _worker(rank, nproc, port, argv, results):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(nproc),
                       LOCAL_RANK=str(rank))
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // nproc))  # the cores shared out, not oversubscribed
+    # the cores shared out, not oversubscribed
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // nproc))
     try:
         result = measure(argv)
         if rank == 0:

@@ -21,7 +21,8 @@ import optim
 import parallel
 import precision
 import run_state
-import stability  # its package holds the switches alone: a module of the layer is imported when one asks
+# its package holds the switches alone: a module of the layer is imported when one asks
+import stability
 import training
 from model import GPT, GPTConfig, describe_partition
 from optim import OptimizerConfig

@@ -53,17 +53,23 @@ MANIFEST_FORMAT = 1
 @dataclass
 class CheckpointConfig:
     # -- checkpoint --
-    init_from_hf: str | None = None  # a transformers GPT-2/BLOOM/Llama directory: its config and weights start the run
-    save: str | None = None  # checkpoint directory; a run resumes from it when it holds a checkpoint
-    load: str | None = None  # resume from this directory's `latest`; None: from save when it holds one
+    # a transformers GPT-2/BLOOM/Llama directory: its config and weights start the run
+    init_from_hf: str | None = None
+    # checkpoint directory; a run resumes from it when it holds a checkpoint
+    save: str | None = None
+    # resume from this directory's `latest`; None: from save when it holds one
+    load: str | None = None
     save_interval: int | None = None  # save every this many iterations (and always at the end)
-    async_save: bool = False  # copy the state to host memory and write it on a background thread while training goes on
+    # copy the state to host memory and write it on a background thread while training goes on
+    async_save: bool = False
     no_load_optim: bool = False  # resume without the optimizer state (fresh Adam)
     no_load_rng: bool = False  # resume without the RNG states
     exit_interval: int | None = None  # save and exit after this many iterations of this job
     exit_duration_in_mins: float | None = None  # save and exit when this job has run this long
-    exit_signal_handler: bool = False  # on SIGTERM or SIGUSR1 (SLURM's --signal): finish the iteration, save, exit 0
-    dump_weights: bool = False  # write every rank's weights around save and load, to diff them (lesson 11)
+    # on SIGTERM or SIGUSR1 (SLURM's --signal): finish the iteration, save, exit 0
+    exit_signal_handler: bool = False
+    # write every rank's weights around save and load, to diff them (lesson 11)
+    dump_weights: bool = False
 
 
 def check(ckpt_cfg):

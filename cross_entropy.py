@@ -75,7 +75,8 @@ class LinearCrossEntropy(torch.autograd.Function):
         grid = parallel.grid
         dtype = torch.promote_types(hidden.dtype, torch.float32)  # fp32 at least (fp64 stays fp64)
         vocab_local = weight.shape[0]
-        real = min(max(vocab_size - grid.tp_rank * vocab_local, 0), vocab_local)  # my columns that are tokens
+        # my columns that are tokens
+        real = min(max(vocab_size - grid.tp_rank * vocab_local, 0), vocab_local)
         h = hidden.reshape(-1, hidden.shape[-1])
         local = target.reshape(-1) - grid.tp_rank * vocab_local
         outside = (local < 0) | (local >= real)
@@ -86,7 +87,8 @@ class LinearCrossEntropy(torch.autograd.Function):
             grad_hidden = torch.empty_like(h)
             one = h.shape[0] <= tokens and weight.dtype != torch.float16
             grad_weight = weight_grad_sum(weight, weight.dtype if one else dtype, h.dtype)
-        buffer = logits_buffer(h, min(tokens, h.shape[0]), vocab_local)  # written by every chunk in turn
+        # written by every chunk in turn
+        buffer = logits_buffer(h, min(tokens, h.shape[0]), vocab_local)
         for i in range(0, h.shape[0], tokens):
             c = slice(i, i + tokens)
             logits, probs, log_z[c], loss[c] = chunk_softmax(h[c], weight, local[c], outside[c], real, buffer)
@@ -117,7 +119,8 @@ class LinearCrossEntropy(torch.autograd.Function):
         grad = grad.reshape(-1).to(log_z.dtype)
         grad_hidden = torch.empty_like(h)
         grad_weight = weight_grad_sum(weight, log_z.dtype, h.dtype)
-        buffer = logits_buffer(h, min(ctx.tokens, h.shape[0]), weight.shape[0])  # the forward's, on the CPU
+        # the forward's, on the CPU
+        buffer = logits_buffer(h, min(ctx.tokens, h.shape[0]), weight.shape[0])
         for i in range(0, h.shape[0], ctx.tokens):
             c = slice(i, i + ctx.tokens)
             scale = grad[c] * (1.0 + 2.0 * ctx.z_loss * log_z[c]) if ctx.z_loss else grad[c]
@@ -146,11 +149,13 @@ def chunk_softmax(hidden, weight, local, outside, real, buffer):
     grid = parallel.grid
     logits = torch.mm(hidden, weight.t(), out=buffer[:len(hidden)])
     top, target_logit = chain.max(logits, local, outside, real)
-    sum_exp, probs = chain.sum_exp(logits, top, real)  # to this rank's max; probs: over this rank's columns
+    # to this rank's max; probs: over this rank's columns
+    sum_exp, probs = chain.sum_exp(logits, top, real)
     if grid.tp_size > 1:
         mine = top.clone()
         dist.all_reduce(top, op=dist.ReduceOp.MAX, group=grid.tp_group)
-        sum_exp = sum_exp * (mine - top).exp()  # to the vocabulary's max (a rank of padding only: 0 x 0)
+        # to the vocabulary's max (a rank of padding only: 0 x 0)
+        sum_exp = sum_exp * (mine - top).exp()
     sums = torch.stack((sum_exp, target_logit))
     if grid.tp_size > 1:
         dist.all_reduce(sums, group=grid.tp_group)
@@ -194,7 +199,8 @@ def chunk_grads(g, hidden, weight, grad_weight, first=False):
     if grad_weight.dtype == g.dtype and first:
         torch.mm(g.t(), hidden, out=grad_weight)
     elif grad_weight.dtype == g.dtype:
-        torch.addmm(grad_weight, g.t(), hidden, out=grad_weight)  # as addmm_, which FlopCounterMode misses
+        # as addmm_, which FlopCounterMode misses
+        torch.addmm(grad_weight, g.t(), hidden, out=grad_weight)
     else:  # bf16/fp16 products summed in fp32 (by the matmul on CUDA, from exact fp32 copies on the CPU)
         parallel.add_product(grad_weight, g.t(), hidden)
     return g @ weight
@@ -209,7 +215,8 @@ def logits_max(logits, local, outside, real):
     if not real:  # a slice of padding only (possible with a large TP): the other ranks have the max and the target
         return logits.new_full(logits.shape[:-1], float("-inf"), dtype=dtype), logits.new_zeros(logits.shape[:-1],
                                                                                                  dtype=dtype)
-    top = logits[:, :real].amax(dim=-1).to(dtype)  # exact: the max of fp16/bf16 numbers is one of them
+    # exact: the max of fp16/bf16 numbers is one of them
+    top = logits[:, :real].amax(dim=-1).to(dtype)
     return top, logits.gather(-1, local.unsqueeze(-1)).squeeze(-1).to(dtype).masked_fill(outside, 0.0)
 
 
@@ -268,7 +275,8 @@ def pointwise_grad(logits, shift, scale, onehot, local, outside, real):
     """logits_grad's value as one pointwise expression of the logits and per-row vectors, in the logits' dtype
     (the same numbers as the eager path: each element the same operations in the same order)."""
     column = torch.arange(logits.shape[-1], device=logits.device)
-    target = local.masked_fill(outside, -1).unsqueeze(-1)  # -1: no column (the target is another rank's)
+    # -1: no column (the target is another rank's)
+    target = local.masked_fill(outside, -1).unsqueeze(-1)
     onehot = onehot.unsqueeze(-1) if torch.is_tensor(onehot) else onehot
     x = (logits.to(torch.promote_types(logits.dtype, torch.float32)) - shift.unsqueeze(-1)).exp()
     x = x if scale is None else x * scale.unsqueeze(-1)

@@ -64,7 +64,8 @@ def write_indexed_dataset(prefix: str, docs: Iterable, dtype=np.uint16) -> None:
                          f"{sorted(str(np.dtype(t)) for t in CODE_TO_DTYPE.values())}")
     info = np.iinfo(dtype)
     os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
-    tmp = f".tmp{os.getpid()}"  # per-process names: two ranks building the same corpus do not collide
+    # per-process names: two ranks building the same corpus do not collide
+    tmp = f".tmp{os.getpid()}"
     sizes = []  # one int per document (not per token); fine up to hundreds of millions of documents
     try:
         with open(prefix + ".bin" + tmp, "wb") as f:
@@ -247,9 +248,11 @@ def _tokenize_document(item: tuple, json_key: str = "text", tokenizer_file: str 
             raise ValueError(f"{path}:{lineno}: expected a JSON object with a {json_key!r} string field "
                              f"({type(e).__name__}: {e}); pass --json-key to pick another field") from e
     if not text:
-        return None  # an empty document carries no information; Megatron's preprocessing drops them too
+        # an empty document carries no information; Megatron's preprocessing drops them too
+        return None
     tok = get_tokenizer(tokenizer_file)
-    tokens = tok.encode_ordinary(text)  # "ordinary": with GPT-2, a literal "<|endoftext|>" in text is just text
+    # "ordinary": with GPT-2, a literal "<|endoftext|>" in text is just text
+    tokens = tok.encode_ordinary(text)
     tokens.append(tok.eot_token)
     return np.asarray(tokens, dtype=token_dtype(tok.n_vocab))
 
@@ -402,7 +405,8 @@ def index_arrays(sizes: np.ndarray, documents: np.ndarray, num_samples: int, seq
         doc_idx = doc_idx[~skipped[doc_idx]]
 
     # sample j starts at stream token j*seq_length: (its position in doc_idx, its offset in that document)
-    num_all = (num_epochs * tokens_per_epoch - 1) // seq_length  # samples in all epochs (>= num_samples)
+    # samples in all epochs (>= num_samples)
+    num_all = (num_epochs * tokens_per_epoch - 1) // seq_length
     pos_dtype = np.int32 if len(doc_idx) < 2**31 else np.int64
     sample_idx = np.empty((num_all + 1, 2), dtype=pos_dtype)
     _sample_starts(sample_idx, doc_idx, sizes, seq_length)
@@ -425,7 +429,8 @@ def _readonly(array, dtype):
     return array
 
 
-_U32 = np.uint64(0xFFFFFFFF)  # MT19937's words are 32-bit; uint64 arithmetic keeps numba from going to float
+# MT19937's words are 32-bit; uint64 arithmetic keeps numba from going to float
+_U32 = np.uint64(0xFFFFFFFF)
 
 
 @numba.njit(cache=True)
@@ -500,7 +505,8 @@ def _permute_documents(doc_idx, documents, seed):
 def _sample_starts(sample_idx, doc_idx, sizes, seq_length):
     """Row j = (k, offset): stream position j*seq_length lies in doc_idx[k] (the first document ending after it,
     which skips empty ones) at that offset. One pass over documents and samples together."""
-    k, start, end = 0, 0, np.int64(sizes[doc_idx[0]])  # doc_idx[k] spans stream positions [start, end)
+    # doc_idx[k] spans stream positions [start, end)
+    k, start, end = 0, 0, np.int64(sizes[doc_idx[0]])
     for j in range(len(sample_idx)):
         p = j * np.int64(seq_length)
         while end <= p:
@@ -577,7 +583,8 @@ def build_indices(indexed: IndexedDataset, documents: np.ndarray, num_samples: i
     documents = np.asarray(documents)
     if skip is not None:
         skip = np.unique(skip)
-        skip = skip[np.isin(skip, documents)]  # this split's: another split's leave its index (and name) alone
+        # this split's: another split's leave its index (and name) alone
+        skip = skip[np.isin(skip, documents)]
     tokens = int(indexed.sizes[documents].sum(dtype=np.int64))
     paths = _cache_paths(indexed.prefix, documents, tokens, num_samples, seq_length, seed, name, cache_dir, skip)
     if all(os.path.isfile(p) for p in paths.values()):
@@ -703,7 +710,8 @@ def _blend_by_deadline(weights: list[float], n: int) -> np.ndarray:
     The - 1e-9 keeps a release time that is an integer in exact arithmetic from slipping a step by rounding."""
     D, s = len(weights), 1 - 1 / (2 * len(weights) - 2)
     count = [0] * D
-    waiting = [(math.ceil((1 - s) / w - 1e-9), d) for d, w in enumerate(weights)]  # (release time, dataset)
+    # (release time, dataset)
+    waiting = [(math.ceil((1 - s) / w - 1e-9), d) for d, w in enumerate(weights)]
     heapq.heapify(waiting)
     ready, order = [], []  # ready: (due time, dataset)
     for t in range(1, n + 1):
@@ -845,7 +853,8 @@ def _split_datasets(prefix: str, split: str, seq_length: int, seed: int, num_sam
         if end == start:
             raise ValueError(f"the {name} split of {prefix} is empty ({len(indexed)} documents, split {split!r}) "
                              f"but {n} {name} samples are requested; give {name} a larger share or use more data")
-        documents = np.arange(start, end, dtype=np.int32 if end < 2**31 else np.int64)  # 4 bytes a document
+        # 4 bytes a document
+        documents = np.arange(start, end, dtype=np.int32 if end < 2**31 else np.int64)
         tokens = int(indexed.sizes[start:end].sum(dtype=np.int64))
         if (tokens - 1) // seq_length < 1:
             raise ValueError(f"the {name} split of {prefix} (documents {start}..{end - 1}, {tokens} tokens) cannot "

@@ -156,7 +156,8 @@ class DeepSpeedOptimizer:
         # DeepSpeed's accelerator and the process group's backend follow the model's device (configured by
         # `device`), not torch.cuda.is_available(): device=cpu on a GPU machine stays on the CPU with gloo.
         on_cuda = next(model.parameters()).is_cuda
-        os.environ.setdefault("DS_ACCELERATOR", "cuda" if on_cuda else "cpu")  # read at DeepSpeed's first use
+        # read at DeepSpeed's first use
+        os.environ.setdefault("DS_ACCELERATOR", "cuda" if on_cuda else "cpu")
         if not dist.is_initialized():  # one process (python train.py): DeepSpeed still wants a process group
             os.environ.setdefault("LOCAL_RANK", "0")
             dist.init_process_group("nccl" if on_cuda else "gloo", store=dist.HashStore(), rank=0, world_size=1)

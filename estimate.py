@@ -40,7 +40,8 @@ def dry_run(cfg, world_size=None, file=None):
     if world % (tp * pp):
         raise ValueError(f"WORLD_SIZE {world} is not divisible by tensor_model_parallel_size ({tp}) x "
                          f"pipeline_model_parallel_size ({pp}); set WORLD_SIZE to a multiple of {tp * pp}")
-    arguments.prepare(cfg, world, reads_data=False)  # a layout that cannot train is refused here too
+    # a layout that cannot train is refused here too
+    arguments.prepare(cfg, world, reads_data=False)
     paper = build_stages(section(GPTConfig, cfg), pp, cfg.pp_partition_method, world)
     plan = Plan(precision.name(section(OptimizerConfig, cfg)), cfg.deepspeed, cfg.zero_stage,
                 cfg.micro_batch_size, cfg.global_batch_size)
@@ -73,7 +74,8 @@ class Stages(NamedTuple):
     partition: list  # the layers of each stage
     model_cfg: GPTConfig
     stages: list  # (parameters on one GPU, parameters of the stage over its TP ranks) per stage
-    largest_shard: list  # per stage: the most optimizer-state elements of one DP rank under native ZeRO-1
+    # per stage: the most optimizer-state elements of one DP rank under native ZeRO-1
+    largest_shard: list
     params: int  # of the model, unpadded
     padded_total: int  # of the stages, the vocabulary padded
 
@@ -89,7 +91,8 @@ def build_stages(model_cfg, pp, pp_partition_method, world):
     partition = parallel.partition_layers(model_cfg.num_layers, pp, pp_partition_method)
     stages, largest_shard = [], []
     for stage in range(pp):
-        paper = parallel.Grid(tp, pp, world_size=world, rank=stage * dp * tp)  # TP rank 0 of this stage
+        # TP rank 0 of this stage
+        paper = parallel.Grid(tp, pp, world_size=world, rank=stage * dp * tp)
         with torch.device("meta"):
             gpt = GPT(model_cfg, partition[stage], pre_process=stage == 0, post_process=stage == pp - 1,
                       grid=paper)

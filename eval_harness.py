@@ -332,7 +332,8 @@ class LMAdapter:
         self.model, self.tok = model.eval(), tok
         self.batch_size, self.max_gen_toks = batch_size, max_gen_toks
         self.max_length = model.cfg.seq_length  # the longest window the model was trained on
-        self.vocab_size = model.cfg.vocab_size  # the logits of the padding ids are never scored or generated
+        # the logits of the padding ids are never scored or generated
+        self.vocab_size = model.cfg.vocab_size
         self._device = next(model.parameters()).device  # lm-eval's LM.device reads it
         self.info = info or {}
 
@@ -351,7 +352,8 @@ class LMAdapter:
 
     @property
     def eot_token_id(self):
-        return self.tok.eot_token  # also the prefix of an empty context and of a document's first window
+        # also the prefix of an empty context and of a document's first window
+        return self.tok.eot_token
 
     def tok_encode(self, string, add_special_tokens=None, **kwargs):
         # A special token's literal text is that token, as in transformers' tokenizers (HFLM); tiktoken's
@@ -384,7 +386,8 @@ class LMAdapter:
         targets, _ = self.right_padded([s[1:] for s in sequences])
         ids, lengths, targets = (t.to(self.device) for t in (ids, lengths, targets))
         logits = self.logits(ids)  # (B, T, vocab) in fp32
-        picked = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logits.logsumexp(-1)  # log p of each target
+        # log p of each target
+        picked = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logits.logsumexp(-1)
         # the continuation: the last n positions before each sequence's padding
         position = torch.arange(ids.shape[1], device=self.device)
         n = torch.tensor(continuation_lengths, device=self.device)

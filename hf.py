@@ -59,7 +59,8 @@ FIXED = {"gpt2": {"position_embedding_type": "learned", "embed_layernorm": False
          "bloom": {"position_embedding_type": "alibi", "embed_layernorm": True, "activation": "gelu_tanh"},
          "llama": {"position_embedding_type": "rotary", "embed_layernorm": False, "normalization": "rmsnorm",
                    "swiglu": True}}
-GPT2_ACTIVATIONS = {"gelu": "gelu", "gelu_tanh": "gelu_new", "relu": "relu"}  # ours -> transformers' ACT2FN
+# ours -> transformers' ACT2FN
+GPT2_ACTIVATIONS = {"gelu": "gelu", "gelu_tanh": "gelu_new", "relu": "relu"}
 GPT2_ACTIVATIONS_IN = {**{v: k for k, v in GPT2_ACTIVATIONS.items()}, "gelu_pytorch_tanh": "gelu_tanh"}
 
 # GPTConfig fields neither class needs to express: training only, or the same function in exact arithmetic
@@ -262,7 +263,8 @@ def export_state(state, model_cfg):
 # Every other model: stablegpt's own modeling file, loaded with trust_remote_code
 
 REMOTE = "StableGPTForCausalLM"
-REMOTE_FILES = ("configuration_stablegpt.py", "modeling_stablegpt.py")  # in hf_remote/, copied next to the weights
+# in hf_remote/, copied next to the weights
+REMOTE_FILES = ("configuration_stablegpt.py", "modeling_stablegpt.py")
 # GPTConfig fields that hf_remote's config has under the same name (the others: NOT_MAPPED, or refused), and the
 # values it knows of those that name a function (a fork's new activation or positions are refused by name)
 REMOTE_VALUES = {"position_embedding_type": ("learned", "alibi", "rotary"), "normalization": ("layernorm", "rmsnorm"),
@@ -346,7 +348,8 @@ def _hf_config(directory):
         rope_type, found = rope_type_of(theirs), rope(theirs)
         head_dim = getattr(theirs, "head_dim", None) or theirs.hidden_size // theirs.num_attention_heads
         other = {k: found.get(k) for k, v in LLAMA3_ROPE.items()
-                 if found.get(k) != v and k != "original_max_position_embeddings"}  # that one is a key of ours
+                 # that one is a key of ours
+                 if found.get(k) != v and k != "original_max_position_embeddings"}
         refusals += [
             (rope_type not in ("default", "llama3"), f"rope scaling of type {rope_type!r}: stablegpt's rotary "
              "embeddings are unscaled (rope_type 'default') or Llama 3.1's (rope_type 'llama3')"),

@@ -263,7 +263,8 @@ class MegatronSource:
                                                (train, 0 if named else valid, 0), cache, skips)
                 validation = datasets[1] if not named else self.build_valid_sets(valid, skips) if valid else None
             if builders and dist.is_initialized():
-                dist.barrier(group=parallel.host_group())  # an index build can outlast the training's timeout
+                # an index build can outlast the training's timeout
+                dist.barrier(group=parallel.host_group())
         return datasets[0], validation
 
     def build_valid_sets(self, num_samples, skips):
@@ -323,7 +324,8 @@ def check_vocabulary(context, prefixes):
 # Named validation sets: Megatron-DeepSpeed's valid_weighted_split_names / _paths (BigScience's PR #97), so that a
 # regression in one component of a blend (one language) shows instead of averaging away in the blended loss.
 
-SET_NAME = re.compile(r"[\w.\-]+")  # in the log line between '|'s, in TensorBoard tags and metrics.jsonl keys
+# in the log line between '|'s, in TensorBoard tags and metrics.jsonl keys
+SET_NAME = re.compile(r"[\w.\-]+")
 
 
 def check_valid_sets(names, paths):
@@ -455,18 +457,27 @@ def batch_prefetcher(dataset, schedule, device):
 @dataclasses.dataclass
 class DataConfig:
     # -- data --
-    data_source: str = "megatron"  # which registered source (loader.SOURCES) reads the data; megatron: .bin/.idx
-    data_path: list[str] | None = None  # megatron: prefix of data.py's .bin/.idx, or "w1 prefix1 w2 prefix2 ..."
-    tokenizer_file: str | None = None  # a Hugging Face tokenizer.json the data was prepared with; None: GPT-2 BPE
-    use_bundled_corpus: bool = False  # without data_path, train on the bundled Shakespeare (the tiny default's choice)
+    # which registered source (loader.SOURCES) reads the data; megatron: .bin/.idx
+    data_source: str = "megatron"
+    # megatron: prefix of data.py's .bin/.idx, or "w1 prefix1 w2 prefix2 ..."
+    data_path: list[str] | None = None
+    # a Hugging Face tokenizer.json the data was prepared with; None: GPT-2 BPE
+    tokenizer_file: str | None = None
+    # without data_path, train on the bundled Shakespeare (the tiny default's choice)
+    use_bundled_corpus: bool = False
     split: str = "949,50,1"  # train, validation, test shares of the documents
     data_cache_dir: str | None = None  # where the sample index is cached; None: next to the data
     seed: int = 1234  # initialization, data order and dropout
-    reset_position_ids: bool = False  # positions restart after each end-of-document token (Megatron's flag)
-    reset_attention_mask: bool = False  # a token attends only within its document (packed documents apart)
-    eod_mask_loss: bool = False  # no loss where the input token is the end-of-document (Megatron's count)
-    valid_weighted_split_names: list[str] | None = None  # named validation sets, each logged apart, not the blend
-    valid_weighted_split_paths: list[str] | None = None  # per name a prefix or "w1 p1 w2 p2" blend (docs/data.md)
+    # positions restart after each end-of-document token (Megatron's flag)
+    reset_position_ids: bool = False
+    # a token attends only within its document (packed documents apart)
+    reset_attention_mask: bool = False
+    # no loss where the input token is the end-of-document (Megatron's count)
+    eod_mask_loss: bool = False
+    # named validation sets, each logged apart, not the blend
+    valid_weighted_split_names: list[str] | None = None
+    # per name a prefix or "w1 p1 w2 p2" blend (docs/data.md)
+    valid_weighted_split_paths: list[str] | None = None
 
 
 def check(data_cfg, context, position_embedding_type, reads_data=True):

@@ -82,9 +82,11 @@ EMBEDDING = {"word_embeddings.weight": "embed.word.weight", "position_embeddings
 BLOCK = {"input_layernorm": "ln_1", "self_attention.query_key_value": "attn.qkv", "self_attention.dense": "attn.proj",
          "post_attention_layernorm": "ln_2", "mlp.dense_h_to_4h": "mlp.fc1", "mlp.dense_4h_to_h": "mlp.fc2"}
 FINAL_NORM = {"weight": "ln_f.weight", "bias": "ln_f.bias"}
-TIED = "tied_modules.embed."  # the prefix of the embedding module's parameters in the optimizer's names
+# the prefix of the embedding module's parameters in the optimizer's names
+TIED = "tied_modules.embed."
 LAYER_FILE = re.compile(r"layer_(\d+)-model_(\d+)-model_states\.pt")
-STATE_KEYS = ("fp32", "exp_avg", "exp_avg_sq")  # an optimizer state's tensors: the fp32 master and Adam's moments
+# an optimizer state's tensors: the fp32 master and Adam's moments
+STATE_KEYS = ("fp32", "exp_avg", "exp_avg_sq")
 
 # Megatron's args -> our keys of the same meaning and name; the others are translated in config_from_args
 SAME_ARGS = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "layernorm_epsilon", "init_method_std",
@@ -425,7 +427,8 @@ def stage_weights(ckpt, tp, names):
     out = {}
     for layer in sorted({_layer_of(ckpt, ours) for ours in names} & set(ckpt.layers)):
         for key, tensor in ckpt.layer(layer, tp).items():
-            ours = our_name(ckpt, layer, key)  # every key of an opened file is checked: unknown ones are refused
+            # every key of an opened file is checked: unknown ones are refused
+            ours = our_name(ckpt, layer, key)
             if ours in names:
                 out[ours] = tensor
     return out
@@ -639,7 +642,8 @@ def _model_keys(args):
     """Our keys of the model Megatron's args describe, or one ValueError naming what stablegpt does not compute."""
     keys = {}
     position = getattr(args, "position_embedding_type", "absolute")
-    position = (getattr(position, "name", None) or str(position)).split(".")[-1]  # the enum, or its name
+    # the enum, or its name
+    position = (getattr(position, "name", None) or str(position)).split(".")[-1]
     refusals = [(position not in POSITIONS, f"position_embedding_type {position} (stablegpt imports absolute and "
                  "alibi positions)"),
                 (bool(getattr(args, "glu_activation", None)), f"glu_activation {getattr(args, 'glu_activation', 0)}"),

@@ -56,41 +56,59 @@ class GPTConfig:
     seq_length: int = 1024  # tokens per sample
     vocab_size: int = 50257  # GPT-2 BPE; token ids in the data must be below it
     make_vocab_size_divisible_by: int = 128  # pad the vocabulary to a multiple of this x TP size
-    padded_vocab_in_softmax: bool = False  # Megatron: padding columns in the softmax (exact repro; TP sizes differ)
+    # Megatron: padding columns in the softmax (exact repro; TP sizes differ)
+    padded_vocab_in_softmax: bool = False
     hidden_dropout: float = 0.1  # dropout after attention and MLP
     attention_dropout: float = 0.1  # dropout on the attention probabilities
     attention_backend: str = "auto"  # SDPA's kernel: auto (torch's), flash, cudnn, efficient, math
     embed_dropout: float | None = None  # dropout on the embeddings; None: same as hidden_dropout
     layernorm_epsilon: float = 1e-5  # LayerNorm's epsilon
-    checkpoint_activations: bool = False  # recompute each block's activations in backward (memory for compute)
+    # recompute each block's activations in backward (memory for compute)
+    checkpoint_activations: bool = False
     # the Llama / OLMo 2 block's switches (Megatron's flag names)
     normalization: str = "layernorm"  # layernorm | rmsnorm (Llama, OLMo 2): every norm of the model
-    swiglu: bool = False  # gated MLP fc2(SiLU(gate(x)) * fc1(x)) (Llama, OLMo 2); activation is then unused
-    ffn_hidden_size: int | None = None  # MLP width; None: 4 x hidden_size (swiglu: 2/3 of it, a multiple of 64)
-    num_query_groups: int | None = None  # GQA: key/value heads, each shared by a group of query heads; None: MHA
-    untie_embeddings_and_output_weights: bool = False  # an output layer of its own, not the word embedding
+    # gated MLP fc2(SiLU(gate(x)) * fc1(x)) (Llama, OLMo 2); activation is then unused
+    swiglu: bool = False
+    # MLP width; None: 4 x hidden_size (swiglu: 2/3 of it, a multiple of 64)
+    ffn_hidden_size: int | None = None
+    # GQA: key/value heads, each shared by a group of query heads; None: MHA
+    num_query_groups: int | None = None
+    # an output layer of its own, not the word embedding
+    untie_embeddings_and_output_weights: bool = False
     add_bias_linear: bool = True  # biases in the linear layers (Llama and OLMo 2 have none)
     rotary_base: float = 10000.0  # rotary's theta (Llama 3: 500000)
-    use_rope_scaling: bool = False  # Llama 3.1's long-context rotary frequencies (transformers' rope_type llama3)
-    rope_scaling_factor: float = 8.0  # with use_rope_scaling: the low frequencies divided by this (Llama 3.2: 32)
-    original_max_position_embeddings: int = 8192  # with use_rope_scaling: the context it scales (Llama 3's: 8192)
+    # Llama 3.1's long-context rotary frequencies (transformers' rope_type llama3)
+    use_rope_scaling: bool = False
+    # with use_rope_scaling: the low frequencies divided by this (Llama 3.2: 32)
+    rope_scaling_factor: float = 8.0
+    # with use_rope_scaling: the context it scales (Llama 3's: 8192)
+    original_max_position_embeddings: int = 8192
     # -- stability: the switches of the 104B, 176B and OPT-175B runs --
-    activation: str = "gelu"  # gelu (exact, erf) | gelu_tanh (GPT-2, Megatron's fused bias-GeLU) | relu (OPT)
-    init_method_std: float | str = 0.02  # std of the init, or "small_init" = sqrt(2/(5*hidden_size))
+    # gelu (exact, erf) | gelu_tanh (GPT-2, Megatron's fused bias-GeLU) | relu (OPT)
+    activation: str = "gelu"
+    # std of the init, or "small_init" = sqrt(2/(5*hidden_size))
+    init_method_std: float | str = 0.02
     embed_init: str = "normal"  # word embedding init: normal | xavier_uniform
     embed_init_std: float | None = None  # std of the normal embedding init; None: init_method_std
-    embed_layernorm: bool = False  # LayerNorm on the word embeddings (bitsandbytes' StableEmbedding)
-    position_embedding_type: str = "learned"  # learned (GPT-2) | alibi (BLOOM, lesson 19) | rotary (GPT-NeoX)
+    # LayerNorm on the word embeddings (bitsandbytes' StableEmbedding)
+    embed_layernorm: bool = False
+    # learned (GPT-2) | alibi (BLOOM, lesson 19) | rotary (GPT-NeoX)
+    position_embedding_type: str = "learned"
     position_embedding_init: str = "normal"  # normal | sinusoidal
     scale_embeddings: bool = False  # multiply the word embeddings by sqrt(hidden_size)
-    apply_query_key_layer_scaling: bool | None = None  # scale attention scores by 1/layer number; None: on with fp16
-    unfused_attention: bool = False  # Megatron's explicit attention (B*H*T^2 scores): bit-level repro of 2021 runs
+    # scale attention scores by 1/layer number; None: on with fp16
+    apply_query_key_layer_scaling: bool | None = None
+    # Megatron's explicit attention (B*H*T^2 scores): bit-level repro of 2021 runs
+    unfused_attention: bool = False
     stable_attention: bool = False  # scale q and k each by head_size^-1/4 before their product
-    qk_layernorm: bool = False  # LayerNorm over head_dim on each head's q and k before q k^T (lesson 20)
-    z_loss: float = 0.0  # PaLM's auxiliary loss: z_loss * mean of log(Z)^2 of the output softmax (1e-4; lesson 20)
+    # LayerNorm over head_dim on each head's q and k before q k^T (lesson 20)
+    qk_layernorm: bool = False
+    # PaLM's auxiliary loss: z_loss * mean of log(Z)^2 of the output softmax (1e-4; lesson 20)
+    z_loss: float = 0.0
     normformer: bool = False  # NormFormer's extra LayerNorms and head scales
     # -- parallel --
-    tensor_model_parallel_size: int = 1  # TP: split each layer over this many ranks (pads the vocabulary too)
+    # TP: split each layer over this many ranks (pads the vocabulary too)
+    tensor_model_parallel_size: int = 1
 
     @property
     def padded_vocab_size(self):
@@ -203,7 +221,8 @@ def census(model_cfg):
         with torch.device("meta"):
             gpt = GPT(whole, grid=parallel.Grid(1, 1, world_size=1, rank=0))
         padded = sum(p.numel() for p in gpt.parameters())
-        vocab_tables = 2 if whole.untie_embeddings_and_output_weights else 1  # each with its padding rows
+        # each with its padding rows
+        vocab_tables = 2 if whole.untie_embeddings_and_output_weights else 1
         padding = (whole.padded_vocab_size - whole.vocab_size) * whole.hidden_size * vocab_tables
         _CENSUS[key] = {"parameters": padded - padding,
                         "padded parameters": padded,
@@ -234,7 +253,8 @@ def alibi_bias(slopes, seq_len, dtype=torch.float32, device=None):
     diagonal) small, where BLOOM's slope * j grows with the position and rounds in bf16; the softmax cannot
     tell the two apart (they differ by a constant per row)."""
     pos = torch.arange(seq_len, device=device)
-    distance = (pos.view(1, -1) - pos.view(-1, 1)).to(dtype)  # j - i, <= 0 on and below the diagonal
+    # j - i, <= 0 on and below the diagonal
+    distance = (pos.view(1, -1) - pos.view(-1, 1)).to(dtype)
     bias = slopes.to(device=device, dtype=dtype).view(-1, 1, 1) * distance
     return bias.masked_fill(distance > 0, float("-inf"))
 
@@ -553,7 +573,8 @@ class GPT(nn.Module):
     tensor_model_parallel_size, which may differ from the grid's (a TP=4 model gathered into one process).
     seed: of the initial weights (init_weights), drawn on the CPU whatever the device the model is built on."""
 
-    positions_cache = (None, None)  # ((T, dtype, device), what positions() returns for them); see positions()
+    # ((T, dtype, device), what positions() returns for them); see positions()
+    positions_cache = (None, None)
 
     def __init__(self, model_cfg: GPTConfig, layers=None, pre_process=True, post_process=True,
                  grid=None, seed=1234):
@@ -563,7 +584,8 @@ class GPT(nn.Module):
         self.cfg, self.grid = model_cfg, grid
         # ALiBi: this TP rank's heads are a contiguous slice of all heads, and so are their slopes.
         self.alibi_heads = None
-        self.compiled = False  # compile_blocks: where FlexAttention runs fused (packed documents on CUDA)
+        # compile_blocks: where FlexAttention runs fused (packed documents on CUDA)
+        self.compiled = False
         if model_cfg.position_embedding_type == "alibi":
             local = model_cfg.num_attention_heads // grid.tp_size
             self.alibi_heads = range(grid.tp_rank * local, (grid.tp_rank + 1) * local)
@@ -575,7 +597,8 @@ class GPT(nn.Module):
         # A last stage without the embedding keeps its own copy of the word embedding for the tied output layer;
         # parallel.py all-reduces the two copies' gradients every step (lesson 11).
         self.output_weight = self.output_layer = None
-        self.z_loss_sum = self.z_loss_count = 0  # the z-loss of the training micro-batches since pop_z_loss()
+        # the z-loss of the training micro-batches since pop_z_loss()
+        self.z_loss_sum = self.z_loss_count = 0
         rows = model_cfg.padded_vocab_size // grid.tp_size  # vocab-parallel: this TP rank's rows
         if post_process and model_cfg.untie_embeddings_and_output_weights:
             self.output_layer = nn.Parameter(torch.empty(rows, model_cfg.hidden_size))
@@ -584,8 +607,10 @@ class GPT(nn.Module):
             self.output_weight = nn.Parameter(torch.empty(rows, model_cfg.hidden_size))
             self.output_weight.tp_dim = 0
             self.output_weight.init_name = "embed.word.weight"
-        self.logits_probe = None  # telemetry.py sets it on the iterations it records: probe(log Z, hidden, weight)
-        self.init_weights(seed)  # once, here (nothing is drawn for a model built on the meta device)
+        # telemetry.py sets it on the iterations it records: probe(log Z, hidden, weight)
+        self.logits_probe = None
+        # once, here (nothing is drawn for a model built on the meta device)
+        self.init_weights(seed)
 
     def word_embedding_weight(self):
         """This stage's copy of the tied word embedding (this TP rank's rows): the embedding table on the first
@@ -631,7 +656,8 @@ class GPT(nn.Module):
                 # never looked up and are masked out of the softmax, so they get no gradient and stay zero.
                 # Megatron's softmax over the padding (padded_vocab_in_softmax) draws every row, as Megatron does.
                 rows = full_shape[0] if model_cfg.padded_vocab_in_softmax else model_cfg.vocab_size
-                bound = math.sqrt(6.0 / (rows + full_shape[1]))  # bitsandbytes StableEmbedding's xavier
+                # bitsandbytes StableEmbedding's xavier
+                bound = math.sqrt(6.0 / (rows + full_shape[1]))
                 std = model_cfg.embed_init_std
                 std = model_cfg.std if std is None else std
 
@@ -671,7 +697,8 @@ class GPT(nn.Module):
             rotary = tuple(t[positions].unsqueeze(1) for t in rotary)
         for block in self.blocks.values():
             if self.cfg.checkpoint_activations and self.training:
-                x = rng.checkpoint(block, x, bias, rotary)  # recomputed with both dropout streams replayed (lesson 22)
+                # recomputed with both dropout streams replayed (lesson 22)
+                x = rng.checkpoint(block, x, bias, rotary)
             else:
                 x = block(x, bias, rotary)
         if not self.post_process:
@@ -689,11 +716,13 @@ class GPT(nn.Module):
             loss, log_z = cross_entropy.linear_cross_entropy(x, weight, targets, vocab, z_loss, reduction="mean")
         else:  # Megatron's count: the masked tokens' mean (per-token losses: backward computes the logits again)
             loss, log_z = cross_entropy.linear_cross_entropy(x, weight, targets, vocab, z_loss)
-            loss = (loss * loss_mask).sum() / loss_mask.sum().clamp(min=1)  # a batch of eods only: 0, not NaN
+            # a batch of eods only: 0, not NaN
+            loss = (loss * loss_mask).sum() / loss_mask.sum().clamp(min=1)
         if self.logits_probe is not None:
             self.logits_probe(log_z, x, weight)
         if z_loss:
-            self.z_loss_sum = self.z_loss_sum + z_loss * log_z.square().mean()  # stays on the device: no sync
+            # stays on the device: no sync
+            self.z_loss_sum = self.z_loss_sum + z_loss * log_z.square().mean()
             self.z_loss_count += 1
         return loss
 
@@ -769,7 +798,8 @@ class GPT(nn.Module):
             raise ValueError("generate() needs the whole model on one rank (pipeline_model_parallel_size=1)")
         for _ in range(max_new_tokens):
             logits = parallel.gather_from_tp(self(idx[:, -self.cfg.seq_length:]))
-            logits = logits[:, -1, :self.cfg.vocab_size].float() / temperature  # never sample padding ids
+            # never sample padding ids
+            logits = logits[:, -1, :self.cfg.vocab_size].float() / temperature
             if top_k is not None:
                 kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, [-1]]
                 logits[logits < kth] = float("-inf")
@@ -796,18 +826,22 @@ def draw_slice(out, full_shape, tp_dim, tp_rank, draw, rows=None, chunk_numel=No
     R, C = full_shape
     rows = R if rows is None else rows
     chunk_numel = chunk_numel or INIT_CHUNK_NUMEL
-    r0 = tp_rank * out.shape[0] if tp_dim == 0 else 0  # where this rank's slice starts in the full tensor
+    # where this rank's slice starts in the full tensor
+    r0 = tp_rank * out.shape[0] if tp_dim == 0 else 0
     c0 = tp_rank * out.shape[1] if tp_dim == 1 else 0
     r1 = r0 + out.shape[0]
     out[max(0, min(rows - r0, out.shape[0])):].zero_()
-    align = 16 // math.gcd(C, 16)  # rows whose values are a multiple of 16: chunks start at such boundaries
+    # rows whose values are a multiple of 16: chunks start at such boundaries
+    align = 16 // math.gcd(C, 16)
     step = max(align, chunk_numel // C // align * align)  # rows per chunk
     starts = list(range(0, rows, step))
     if len(starts) > 1 and (rows - starts[-1]) * C < 16:
-        starts.pop()  # a last chunk of fewer than 16 values would be drawn another way: join it to the one before
+        # a last chunk of fewer than 16 values would be drawn another way: join it to the one before
+        starts.pop()
     for a, b in zip(starts, starts[1:] + [rows]):
         if a >= r1:
-            break  # nothing of ours further on (this parameter's generator is used for nothing else)
+            # nothing of ours further on (this parameter's generator is used for nothing else)
+            break
         chunk = draw(torch.empty(b - a, C, dtype=torch.float32, device="cpu"))
         lo, hi = max(a, r0), min(b, r1)
         if lo < hi:

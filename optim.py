@@ -25,17 +25,21 @@ class OptimizerConfig:
     # -- optimizer --
     optimizer: str | None = None  # OPTIMIZERS' name: adamw | adamw8bit | a fork's; None: adamw
     weight_decay: float = 0.01  # decoupled weight decay (not on biases and LayerNorms)
-    weight_decay_independent: bool = False  # decay weight_decay x lr_t/lr per step, not x lr_t: same at any LR
+    # decay weight_decay x lr_t/lr per step, not x lr_t: same at any LR
+    weight_decay_independent: bool = False
     adam_beta1: float = 0.9  # Adam's first-moment decay
     adam_beta2: float = 0.999  # Adam's second-moment decay
     adam_eps: float = 1e-8  # Adam's epsilon
     override_adam_params: bool = False  # on resume, this config's values of the optimizer's keys
     clip_grad: float = 1.0  # clip the global gradient norm to this
     use_bnb_optimizer: bool = False  # the shortcut for optimizer="adamw8bit" (bitsandbytes)
-    skip_grad_norm_above: float | None = None  # skip the update when the grad norm exceeds this (OPT)
+    # skip the update when the grad norm exceeds this (OPT)
+    skip_grad_norm_above: float | None = None
     # -- precision: half-precision weights, fp32 masters, fp16's loss scaling (precision.py, optim.LossScaler) --
-    fp16: bool = False  # fp16 weights and activations, fp32 master weights, dynamic loss scaling (precision.py)
-    bf16: bool = False  # bf16 weights and activations, fp32 master weights and gradient accumulation
+    # fp16 weights and activations, fp32 master weights, dynamic loss scaling (precision.py)
+    fp16: bool = False
+    # bf16 weights and activations, fp32 master weights and gradient accumulation
+    bf16: bool = False
     loss_scale: float | None = None  # static fp16 loss scale; None: dynamic
     initial_loss_scale: float = 2.0**32  # first dynamic loss scale
     min_loss_scale: float = 1.0  # the dynamic loss scale never goes below this
@@ -424,7 +428,8 @@ def optimizer_for(optim_cfg, model, lr, deepspeed=False, zero_stage=0):
         return optimizer if deepspeed else precision.MixedPrecisionOptimizer(optimizer)
 
     if deepspeed or zero_stage == 0 or parallel.grid.dp_size == 1:
-        return build(list(model.parameters()))  # not sharded here (under DeepSpeed, deepspeed_engine shards it)
+        # not sharded here (under DeepSpeed, deepspeed_engine shards it)
+        return build(list(model.parameters()))
     if zero_stage != 1:
         raise ValueError(f"zero_stage={zero_stage} needs deepspeed=True (the native path shards "
                          "the optimizer state only: zero_stage=1)")

@@ -27,17 +27,27 @@ class LayoutConfig:
     # tensor_model_parallel_size is a model.GPTConfig field: it pads the vocabulary
     pipeline_model_parallel_size: int = 1  # PP: split the layers into this many stages
     pp_partition_method: str = "type:transformer|embedding"  # or "type:transformer": the embedding not counted
-    tp_replica_check_interval: int = 0  # every N iterations check that TP-replicated weights agree (0: never)
-    tp_replica_resync: bool = False  # when they differ, copy TP rank 0's weights (and their Adam state) over
-    deepspeed: bool = False  # data parallelism by DeepSpeed (ZeRO 1/2, bf16 weights); TP and PP stay ours
-    zero_stage: int = 0  # 1: shard the optimizer state over data parallel (2, with deepspeed: gradients too)
+    # every N iterations check that TP-replicated weights agree (0: never)
+    tp_replica_check_interval: int = 0
+    # when they differ, copy TP rank 0's weights (and their Adam state) over
+    tp_replica_resync: bool = False
+    # data parallelism by DeepSpeed (ZeRO 1/2, bf16 weights); TP and PP stay ours
+    deepspeed: bool = False
+    # 1: shard the optimizer state over data parallel (2, with deepspeed: gradients too)
+    zero_stage: int = 0
     device: str = "auto"  # auto | cpu | cuda
-    compile: bool | None = None  # torch.compile the blocks and the loss's elementwise chain (None: on CUDA only)
-    deterministic: bool = False  # bit-reproducible kernels (torch.use_deterministic_algorithms), whatever they cost
-    tf32: bool = True  # fp32 matmuls on CUDA in TF32 (tensor cores, 10-bit mantissa); False: full fp32 matmuls
-    distributed_timeout_minutes: int = 10  # how long a training collective waits for the slowest rank: a hang's cost
-    host_work_timeout_minutes: int = 60  # how long ranks wait for one's host work (checkpoint files, data index)
-    dry_run: bool = False  # size the TP x PP x DP layout and memory per GPU on the meta device, then exit
+    # torch.compile the blocks and the loss's elementwise chain (None: on CUDA only)
+    compile: bool | None = None
+    # bit-reproducible kernels (torch.use_deterministic_algorithms), whatever they cost
+    deterministic: bool = False
+    # fp32 matmuls on CUDA in TF32 (tensor cores, 10-bit mantissa); False: full fp32 matmuls
+    tf32: bool = True
+    # how long a training collective waits for the slowest rank: a hang's cost
+    distributed_timeout_minutes: int = 10
+    # how long ranks wait for one's host work (checkpoint files, data index)
+    host_work_timeout_minutes: int = 60
+    # size the TP x PP x DP layout and memory per GPU on the meta device, then exit
+    dry_run: bool = False
 
 
 # Modes of which a run is one, refused together by check(): one given on the command line replaces the config file's
@@ -157,7 +167,8 @@ def partition_layers(num_layers, pp_size, method="type:transformer|embedding"):
     BLOOM's 70 layers on 12 stages: 72 units, 6 each, so 5 layers on the first and last stage, 6 in between."""
     if method not in PARTITION_METHODS:
         raise ValueError(f"pp_partition_method={method!r} is not one of {', '.join(PARTITION_METHODS)}")
-    ends = 1 if method == "type:transformer|embedding" else 0  # units before the first layer (and after the last)
+    # units before the first layer (and after the last)
+    ends = 1 if method == "type:transformer|embedding" else 0
     units = num_layers + 2 * ends
     if num_layers < 1 or pp_size > units:
         raise ValueError(f"num_layers ({num_layers}) is too small for pipeline_model_parallel_size ({pp_size}) "
@@ -358,7 +369,8 @@ def add_product(out, a, b):
         torch.addmm(out, a.to(out.dtype), b.to(out.dtype), out=out)
 
 
-FP32_ACCUMULATING_ADDMM = {}  # device type -> whether addmm takes out_dtype=float32 for half operands, in place
+# device type -> whether addmm takes out_dtype=float32 for half operands, in place
+FP32_ACCUMULATING_ADDMM = {}
 
 
 def fp32_accumulating_addmm(device):
@@ -370,7 +382,8 @@ def fp32_accumulating_addmm(device):
         c, a = torch.ones(2, 2, device=device), torch.ones(2, 2, device=device, dtype=torch.bfloat16)
         try:
             torch.addmm(c, a, a, out_dtype=torch.float32, out=c)
-            FP32_ACCUMULATING_ADDMM[device.type] = bool((c == 3.0).all())  # one sync, the first call's
+            # one sync, the first call's
+            FP32_ACCUMULATING_ADDMM[device.type] = bool((c == 3.0).all())
         except (RuntimeError, TypeError, NotImplementedError):
             FP32_ACCUMULATING_ADDMM[device.type] = False
     return FP32_ACCUMULATING_ADDMM[device.type]
@@ -449,16 +462,19 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         group = grid.tp_group
         dtype = torch.promote_types(logits.dtype, torch.float32)  # fp32 at least (fp64 stays fp64)
         vocab_local = logits.shape[-1]
-        real = min(max(vocab_size - grid.tp_rank * vocab_local, 0), vocab_local)  # my columns that are tokens
+        # my columns that are tokens
+        real = min(max(vocab_size - grid.tp_rank * vocab_local, 0), vocab_local)
         if real:  # exact: the max of fp16/bf16 numbers is one of them
             lmax = logits[..., :real].amax(dim=-1).to(dtype)
         else:  # a slice of padding only (possible with a large TP): the other ranks have the max
             lmax = logits.new_full(logits.shape[:-1], float("-inf"), dtype=dtype)
         if grid.tp_size > 1:
             dist.all_reduce(lmax, op=dist.ReduceOp.MAX, group=group)
-        logits = logits - lmax.unsqueeze(-1)  # the one copy, in `dtype` by type promotion; the caller's is intact
+        # the one copy, in `dtype` by type promotion; the caller's is intact
+        logits = logits - lmax.unsqueeze(-1)
         if real < vocab_local:
-            logits[..., real:] = float("-inf")  # exp() = 0: no probability, and softmax - onehot = 0 there
+            # exp() = 0: no probability, and softmax - onehot = 0 there
+            logits[..., real:] = float("-inf")
         local = target - grid.tp_rank * vocab_local
         outside = (local < 0) | (local >= vocab_local)
         local = local.masked_fill(outside, 0)
@@ -621,7 +637,8 @@ def one_forward_one_backward(stage):
     """1F1B: warm-up forwards, then a forward and a backward in turn, then the remaining backwards."""
     # warm-up: forwards only, until the micro-batches in flight fill the stages after this one
     m, warmup = stage.m, min(grid.pp_size - grid.pp_rank - 1, stage.m)
-    in_flight = []  # (received input, output) of micro-batches waiting for their backward, oldest first
+    # (received input, output) of micro-batches waiting for their backward, oldest first
+    in_flight = []
     for i in range(warmup):
         received, _ = communicate(recv_prev=stage.activation(i))
         out = stage.forward(i, received)
@@ -767,7 +784,8 @@ class GradBuffer:
         for flat in self.buckets:
             flat.zero_()
         self.countdown = [micro_batches] * len(self.params)
-        self.missing = [len(m) for m in self.members]  # per bucket: parameters whose gradient is not final
+        # per bucket: parameters whose gradient is not final
+        self.missing = [len(m) for m in self.members]
         self.launched, self.handles = 0, []
 
     def _accumulate(self, p):
@@ -870,7 +888,8 @@ def reduce_gradients(model, data_parallel=True):
     partial = [main_grad(p) for p in gpt.parameters() if p.requires_grad and getattr(p, "tp_partial", False)]
     if partial and grid.tp_size > 1:
         all_reduce_mean(partial, grid.tp_group, 1)  # a sum: "mean" over a size of 1
-    tied = not gpt.cfg.untie_embeddings_and_output_weights  # an output layer of its own has no copy to sum
+    # an output layer of its own has no copy to sum
+    tied = not gpt.cfg.untie_embeddings_and_output_weights
     if tied and grid.pp_size > 1 and (grid.is_first_stage or grid.is_last_stage):  # PP=1: one copy, nothing to sum
         dist.all_reduce(main_grad(gpt.word_embedding_weight()), group=grid.embedding_group)
 
@@ -940,7 +959,8 @@ def counted_once(model):
     """The parameters that make up the model exactly once across the model-parallel group: TP-split ones on
     every TP rank, replicated ones on TP rank 0 only, and not the last stage's copy of the tied embedding."""
     gpt = unwrap(model)
-    copy = getattr(gpt, "output_weight", None)  # GPT's duplicate of the embedding (None unless PP > 1)
+    # GPT's duplicate of the embedding (None unless PP > 1)
+    copy = getattr(gpt, "output_weight", None)
     return [p for p in gpt.parameters()
             if p is not copy and (getattr(p, "tp_dim", None) is not None or grid.tp_rank == 0)]
 

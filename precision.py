@@ -96,7 +96,8 @@ class MixedPrecisionOptimizer:
         grads = []
         for p, main in zip(self.model_params, self.main_params):
             grad = getattr(p, "main_grad", p.grad)
-            main.grad = None if grad is None else grad.to(torch.float32)  # no copy when it is fp32 already
+            # no copy when it is fp32 already
+            main.grad = None if grad is None else grad.to(torch.float32)
             if main.grad is not None:
                 grads.append(main.grad)
         if loss_scale != 1.0 and grads:

@@ -60,9 +60,11 @@ class LoggingConfig:
     tensorboard_dir: str | None = None  # TensorBoard events; None: <save>/tensorboard when saving
     wandb_project: str | None = None  # log to this wandb project too (files under <save>/wandb)
     wandb_mode: str = "offline"  # offline | online | disabled (WANDB_MODE overrides it)
-    sample_tokens: int = 0  # at the end, print a sample of this many tokens generated from sample_prompt
+    # at the end, print a sample of this many tokens generated from sample_prompt
+    sample_tokens: int = 0
     sample_prompt: str = "ROMEO:\n"  # the prompt of that sample
-    profile_steps: str | None = None  # "A-B": a torch.profiler trace of iterations A to B in <save>/profile
+    # "A-B": a torch.profiler trace of iterations A to B in <save>/profile
+    profile_steps: str | None = None
 
 
 def check(log_cfg):
@@ -114,7 +116,8 @@ class Report:
         self.profiler = StepProfiler(steps, profile_dir) if steps else None
         # with DP replicas to compare, each one's compute time rides in the step's sync (training.agree)
         self.timer = ComputeTimer() if parallel.grid.dp_size > 1 else None
-        self.graphs, self.graphs_by_seqlen = 0, {}  # torch.compile's graphs so far, and per sequence length
+        # torch.compile's graphs so far, and per sequence length
+        self.graphs, self.graphs_by_seqlen = 0, {}
         self.tb = self.wandb = self.metrics = None
         if parallel.grid.rank != parallel.grid.world_size - 1:  # the last stage's loss is there
             return
@@ -245,7 +248,8 @@ class Report:
     def count_graphs(self, seqlen):
         """torch.compile's graphs compiled since the last call, charged to this sequence length: a line when there
         are new ones (each curriculum length compiles its own, a recompile; many more mean a shape that varies)."""
-        dynamo = sys.modules.get("torch._dynamo.utils")  # not imported: nothing compiled, nothing to read
+        # not imported: nothing compiled, nothing to read
+        dynamo = sys.modules.get("torch._dynamo.utils")
         total = dynamo.counters["stats"]["unique_graphs"] if dynamo else 0
         if total > self.graphs:
             self.graphs_by_seqlen[seqlen] = self.graphs_by_seqlen.get(seqlen, 0) + total - self.graphs

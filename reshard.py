@@ -33,8 +33,10 @@ import checkpoint
 import parallel
 from model import GPT, GPTConfig
 
-VOCAB_PARAMS = ("embed.word.weight", "output_weight", "output_layer")  # rows are the padded vocabulary
-TIED_COPY = {"output_weight": "embed.word.weight"}  # the last stage's copy of the tied word embedding
+# rows are the padded vocabulary
+VOCAB_PARAMS = ("embed.word.weight", "output_weight", "output_layer")
+# the last stage's copy of the tied word embedding
+TIED_COPY = {"output_weight": "embed.word.weight"}
 
 
 def param_names(model, optimizer):
@@ -190,7 +192,8 @@ class Resharder:
                     state = dict(state or {}, fp32_master=masters[index])
                 if state is not None:
                     states[name] = state
-            dp = dp + 1 if zero else self.old.dp  # without ZeRO every DP rank holds the same full state
+            # without ZeRO every DP rank holds the same full state
+            dp = dp + 1 if zero else self.old.dp
         return states
 
     def optimizer_state(self, optimizer, model, use_bnb_optimizer=False):
@@ -219,7 +222,8 @@ class Resharder:
             self.gpt.cfg.make_vocab_size_divisible_by
         template = optimizer.state_dict()
         inner = template["optimizer"] if "zero_stage" in template else template
-        masters = inner.get("fp32_master_weights")  # this run's masters (fp16/bf16), to be replaced one by one
+        # this run's masters (fp16/bf16), to be replaced one by one
+        masters = inner.get("fp32_master_weights")
         for index, name in enumerate(param_names(model, optimizer)):
             states = self._pieces(name, old_state)
             if any(s is None for s in states):

@@ -66,7 +66,8 @@ def seed(seed, device="cpu"):
     global _states
     g = parallel.grid
     stage_seed = seed + PIPELINE_SEED_STRIDE * g.pp_rank
-    torch.manual_seed(stage_seed + MODEL_PARALLEL_SEED_OFFSET + g.tp_rank)  # CPU and every CUDA device
+    # CPU and every CUDA device
+    torch.manual_seed(stage_seed + MODEL_PARALLEL_SEED_OFFSET + g.tp_rank)
     _states = {"cpu": torch.get_rng_state()}
     if torch.device(device).type == "cuda":
         _states["cuda"] = torch.cuda.get_rng_state()

@@ -29,7 +29,8 @@ import rng
 import schedule
 from report import print0
 
-HISTORY = 1024  # applied steps whose loss and grad norm the run state keeps: the trend a step is judged against
+# applied steps whose loss and grad norm the run state keeps: the trend a step is judged against
+HISTORY = 1024
 
 
 @dataclass
@@ -44,7 +45,8 @@ class RunState:
     scheduler_samples: int = 0
     scheduler_tokens: int = 0
     optimizer_reset: dict | None = None  # {"iteration", "warmup_iters"} of the reset (lesson 8)
-    callbacks: dict = field(default_factory=dict)  # each callback's state at the last capture, by its name
+    # each callback's state at the last capture, by its name
+    callbacks: dict = field(default_factory=dict)
     # the loss and grad norm of the last HISTORY applied steps, oldest first: the trend that the soft skip and the
     # spike guard judge a step against, kept (and rolled back) with the weights whether or not they are on
     history: dict = field(default_factory=lambda: {"loss": [], "grad norm": []})

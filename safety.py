@@ -39,7 +39,8 @@ LOCK = "lock"
 # Every other GPTConfig field (shapes, activation, LayerNorms, attention scaling, ...) must match the checkpoint.
 RESUMABLE_MODEL_KEYS = {"hidden_dropout", "attention_dropout", "embed_dropout", "checkpoint_activations", "z_loss",
                         "init_method_std", "embed_init", "embed_init_std", "position_embedding_init",
-                        "tensor_model_parallel_size", "pipeline_model_parallel_size"}  # the layout: checkpoint.load
+                        # the layout: checkpoint.load
+                        "tensor_model_parallel_size", "pipeline_model_parallel_size"}
 
 
 def architecture_keys():
@@ -229,7 +230,8 @@ class RunLock:
                 print(line, flush=True)
             return ckpt_cfg.load, lock, saved_state
 
-        cfg.load, lock, self.saved_state = _on_rank0(prepare)  # rank 0 decided for everyone (it may resume from save)
+        # rank 0 decided for everyone (it may resume from save)
+        cfg.load, lock, self.saved_state = _on_rank0(prepare)
         self.lock_file = lock if parallel.grid.rank == 0 else None
         self.exit_signal = ExitSignal(ckpt_cfg.exit_signal_handler)
         return self
@@ -256,12 +258,14 @@ class ExitSignal:
     SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
     def __init__(self, enabled, signums=SIGNALS):
-        self.received, self.said, self.previous = 0, False, {}  # received: the signal's number, 0 for none
+        # received: the signal's number, 0 for none
+        self.received, self.said, self.previous = 0, False, {}
         if enabled:
             self.previous = {signum: signal.signal(signum, self._handler) for signum in signums}
 
     def _handler(self, signum, frame):
-        self.received = max(self.received, signum)  # only a number: the loop saves at the end of the iteration
+        # only a number: the loop saves at the end of the iteration
+        self.received = max(self.received, signum)
 
     def __call__(self):
         """Called every iteration: False, or the name of the signal ("SIGUSR1", "SIGTERM") once any rank got one.

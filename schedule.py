@@ -28,28 +28,40 @@ from dataclasses import dataclass
 class ScheduleConfig:
     # -- schedule: batch size, length of training, learning rate, curriculum --
     micro_batch_size: int = 8  # samples per forward/backward on each data-parallel rank
-    global_batch_size: int | None = None  # samples per iteration; None: micro_batch_size * data-parallel size
-    rampup_batch_size: list[int] | None = None  # "start increment samples": Megatron's batch-size ramp-up
-    train_iters: int | None = None  # stop after this many iterations (whichever of iters/samples/tokens comes first)
+    # samples per iteration; None: micro_batch_size * data-parallel size
+    global_batch_size: int | None = None
+    # "start increment samples": Megatron's batch-size ramp-up
+    rampup_batch_size: list[int] | None = None
+    # stop after this many iterations (whichever of iters/samples/tokens comes first)
+    train_iters: int | None = None
     train_samples: int | None = None  # stop after this many samples
     train_tokens: int | None = None  # stop after this many tokens
     lr: float = 6e-4  # peak learning rate, reached at the end of the warm-up
     min_lr: float = 0.0  # learning rate at the end of the decay
-    lr_decay_style: str = "cosine"  # the decay's shape, one of schedule.LR_SHAPES: linear | cosine | constant | wsd
+    # the decay's shape, one of schedule.LR_SHAPES: linear | cosine | constant | wsd
+    lr_decay_style: str = "cosine"
     lr_warmup_samples: int = 0  # linear warm-up from 0 over this many samples
-    lr_warmup_tokens: int | None = None  # warm-up over tokens instead of samples (with a curriculum)
-    lr_decay_samples: int | None = None  # decay to min_lr over this many samples; None: the whole run
+    # warm-up over tokens instead of samples (with a curriculum)
+    lr_warmup_tokens: int | None = None
+    # decay to min_lr over this many samples; None: the whole run
+    lr_decay_samples: int | None = None
     lr_decay_tokens: int | None = None  # decay over tokens instead of samples (with a curriculum)
-    lr_wsd_decay_samples: int | None = None  # wsd: lr until the last this many samples of the decay, then anneal
-    lr_wsd_decay_style: str = "exponential"  # wsd's anneal to min_lr: exponential | linear | cosine | minus_sqrt
-    override_lr_scheduler: bool = False  # on resume, follow this config's LR schedule, not the checkpoint's
+    # wsd: lr until the last this many samples of the decay, then anneal
+    lr_wsd_decay_samples: int | None = None
+    # wsd's anneal to min_lr: exponential | linear | cosine | minus_sqrt
+    lr_wsd_decay_style: str = "exponential"
+    # on resume, follow this config's LR schedule, not the checkpoint's
+    override_lr_scheduler: bool = False
     curriculum_learning: bool = False  # sequence-length curriculum (DeepSpeed's fixed_linear)
     min_difficulty: int = 64  # first sequence length of the curriculum
     max_difficulty: int | None = None  # last sequence length of the curriculum; None: seq_length
-    total_curriculum_step: int | None = None  # iterations until the curriculum reaches max_difficulty
+    # iterations until the curriculum reaches max_difficulty
+    total_curriculum_step: int | None = None
     difficulty_step: int = 8  # curriculum sequence lengths are multiples of this
-    reset_optimizer_warmup_iters: int | str | None = None  # resume: fresh Adam, lr 0 for N iters ("auto": 5/(1-beta2))
-    skip_train_iteration_range: list[str] | None = None  # discard the batches of iterations "13251-14000 ..."
+    # resume: fresh Adam, lr 0 for N iters ("auto": 5/(1-beta2))
+    reset_optimizer_warmup_iters: int | str | None = None
+    # discard the batches of iterations "13251-14000 ..."
+    skip_train_iteration_range: list[str] | None = None
 
 
 # Pairs of keys that give one setting in two units, of which a config means one (Megatron's exclusive arguments): a

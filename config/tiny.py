@@ -23,7 +23,8 @@ adam_beta2 = 0.95
 clip_grad = 1.0
 embed_layernorm = True  # the tr8b-104B lesson, on by default here
 
-use_bundled_corpus = True  # only this default trains on the bundled Shakespeare; other configs set data_path
+# only this default trains on the bundled Shakespeare; other configs set data_path
+use_bundled_corpus = True
 
 log_interval = 25
 eval_interval = 100

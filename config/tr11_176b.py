@@ -24,19 +24,25 @@ num_attention_heads = 112
 seq_length = 2048
 position_embedding_type = "alibi"
 embed_layernorm = True
-activation = "gelu_tanh"  # Megatron's fused bias-GeLU (the default, --no-bias-gelu-fusion unset) is tanh-GeLU
-hidden_dropout = 0.1  # "The default Megatron-LM dropout settings are inherited" (README); the HF config says 0.0
+# Megatron's fused bias-GeLU (the default, --no-bias-gelu-fusion unset) is tanh-GeLU
+activation = "gelu_tanh"
+# "The default Megatron-LM dropout settings are inherited" (README); the HF config says 0.0
+hidden_dropout = 0.1
 attention_dropout = 0.1
-apply_query_key_layer_scaling = True  # Megatron's default, fp16 or bf16 (ours turns it on by itself only in fp16)
-vocab_size = 250_680  # BLOOM's multilingual BPE; padded to 250,880 = 490 x 128 x TP (the script's --pad-vocab-size-to)
+# Megatron's default, fp16 or bf16 (ours turns it on by itself only in fp16)
+apply_query_key_layer_scaling = True
+# BLOOM's multilingual BPE; padded to 250,880 = 490 x 128 x TP (the script's --pad-vocab-size-to)
+vocab_size = 250_680
 make_vocab_size_divisible_by = 128
 tokenizer_file = "data/bloom/tokenizer.json"  # BLOOM's public tokenizer.json (bigscience/bloom)
-data_path = ["data/bloom/roots"]  # python data.py --input ... --output-prefix data/bloom/roots --tokenizer-file ...
+# python data.py --input ... --output-prefix data/bloom/roots --tokenizer-file ...
+data_path = ["data/bloom/roots"]
 init_method_std = 0.0048  # sqrt(1 / (3 * 14336)) = 0.00482, the 530B formula (lesson 3)
 
 micro_batch_size = 2  # the run: 1 until the global batch reached 784 (see above)
 global_batch_size = 2048
-rampup_batch_size = [192, 16, 9_765_625]  # main-5 (lesson 12): PP 12 x MBS 2 x DP 8 = 192 fills the pipeline
+# main-5 (lesson 12): PP 12 x MBS 2 x DP 8 = 192 fills the pipeline
+rampup_batch_size = [192, 16, 9_765_625]
 train_samples = 220_000_000
 
 lr = 6e-5
@@ -55,9 +61,11 @@ seed = 42
 
 tensor_model_parallel_size = 4
 pipeline_model_parallel_size = 12
-pp_partition_method = "type:transformer|embedding"  # 70 layers + embedding + head = 72 = 12 stages x 6
+# 70 layers + embedding + head = 72 = 12 stages x 6
+pp_partition_method = "type:transformer|embedding"
 zero_stage = 1  # see above
-tp_replica_check_interval = 100  # see above: instead of --sync-tp-duplicated-parameters, with each periodic save
+# see above: instead of --sync-tp-duplicated-parameters, with each periodic save
+tp_replica_check_interval = 100
 tp_replica_resync = True
 
 log_interval = 1
@@ -66,4 +74,5 @@ eval_iters = 1
 save = "checkpoints/tr11-176B-ml"
 load = "checkpoints/tr11-176B-ml"
 save_interval = 100
-exit_duration_in_mins = 5990  # 100-hour jobs (qos_gpu-gc): "99:50 5990=60*100-10" (README; lesson 17)
+# 100-hour jobs (qos_gpu-gc): "99:50 5990=60*100-10" (README; lesson 17)
+exit_duration_in_mins = 5990

@@ -10,7 +10,8 @@ num_layers = 40
 hidden_size = 5120
 num_attention_heads = 32
 seq_length = 2048
-activation = "gelu_tanh"  # Megatron's fused bias-GeLU (the default, --no-bias-gelu-fusion unset) is tanh-GeLU
+# Megatron's fused bias-GeLU (the default, --no-bias-gelu-fusion unset) is tanh-GeLU
+activation = "gelu_tanh"
 hidden_dropout = 0.1  # Megatron's defaults: the script sets no dropout
 attention_dropout = 0.1
 
@@ -41,7 +42,8 @@ seed = 42
 
 tensor_model_parallel_size = 2
 pipeline_model_parallel_size = 4
-pp_partition_method = "type:transformer"  # Megatron-DeepSpeed's fixed choice then: equal layers per stage
+# Megatron-DeepSpeed's fixed choice then: equal layers per stage
+pp_partition_method = "type:transformer"
 zero_stage = 1
 
 log_interval = 10

@@ -11,7 +11,8 @@ num_layers = 32
 hidden_size = 16384
 num_attention_heads = 32
 seq_length = 2048
-activation = "gelu_tanh"  # Megatron's fused bias-GeLU (the default, --no-bias-gelu-fusion unset) is tanh-GeLU
+# Megatron's fused bias-GeLU (the default, --no-bias-gelu-fusion unset) is tanh-GeLU
+activation = "gelu_tanh"
 hidden_dropout = 0.1  # Megatron's defaults: the script sets no dropout
 attention_dropout = 0.1
 
@@ -29,10 +30,12 @@ lr_warmup_samples = 216_320
 lr_decay_samples = 126_953_125
 weight_decay = 0.1
 adam_beta1 = 0.9
-adam_beta2 = 0.95  # "later during experiments changed to --adam-beta2 0.95 as it proved to train faster"
+# "later during experiments changed to --adam-beta2 0.95 as it proved to train faster"
+adam_beta2 = 0.95
 adam_eps = 1e-8
 clip_grad = 1.0
-init_method_std = 0.02  # Megatron's default: the script sets none (0.006 came with Experiment 11, lesson 3)
+# Megatron's default: the script sets none (0.006 came with Experiment 11, lesson 3)
+init_method_std = 0.02
 fp16 = True
 # DeepSpeed's fp16 block: "initial_scale_power": 12, "loss_scale_window": 500, "hysteresis": 2, "min_loss_scale": 1
 initial_loss_scale = 4096
@@ -44,7 +47,8 @@ seed = 43  # Experiment 1 ran 42 and diverged; the chronicle moved to 43
 
 tensor_model_parallel_size = 4
 pipeline_model_parallel_size = 32
-pp_partition_method = "type:transformer"  # Megatron-DeepSpeed's fixed choice then: equal layers per stage
+# Megatron-DeepSpeed's fixed choice then: equal layers per stage
+pp_partition_method = "type:transformer"
 zero_stage = 1
 
 log_interval = 1  # every iteration, to map a spike back to its samples (lesson 9)

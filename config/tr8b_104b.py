@@ -13,13 +13,15 @@ num_layers = 64
 hidden_size = 11600
 num_attention_heads = 80
 seq_length = 2048
-activation = "gelu_tanh"  # Megatron's fused bias-GeLU (the default, --no-bias-gelu-fusion unset) is tanh-GeLU
+# Megatron's fused bias-GeLU (the default, --no-bias-gelu-fusion unset) is tanh-GeLU
+activation = "gelu_tanh"
 hidden_dropout = 0.1  # Megatron's defaults: the script sets no dropout
 attention_dropout = 0.1
 
 micro_batch_size = 1
 global_batch_size = 2048
-rampup_batch_size = [16, 16, 6_000_000]  # the log's batch sizes 80 @ 216960 and 528 @ 1519744 samples
+# the log's batch sizes 80 @ 216960 and 528 @ 1519744 samples
+rampup_batch_size = [16, 16, 6_000_000]
 train_samples = 300_000_000
 
 lr = 6e-5
@@ -32,7 +34,8 @@ adam_beta1 = 0.9
 adam_beta2 = 0.95
 adam_eps = 1e-8
 clip_grad = 1.0
-init_method_std = 0.006  # the script's; "small_init" would give sqrt(2 / (5 * 11600)) = 0.00587 (lesson 3)
+# the script's; "small_init" would give sqrt(2 / (5 * 11600)) = 0.00587 (lesson 3)
+init_method_std = 0.006
 embed_layernorm = True
 fp16 = True
 # DeepSpeed's fp16 block: "initial_scale_power": 12, "loss_scale_window": 500, "hysteresis": 2, "min_loss_scale": 1
@@ -45,7 +48,8 @@ seed = 43
 
 tensor_model_parallel_size = 4
 pipeline_model_parallel_size = 32
-pp_partition_method = "type:transformer"  # Megatron-DeepSpeed's fixed choice then: equal layers per stage
+# Megatron-DeepSpeed's fixed choice then: equal layers per stage
+pp_partition_method = "type:transformer"
 zero_stage = 1
 
 log_interval = 1
@@ -54,4 +58,5 @@ eval_iters = 5
 save = "checkpoints/tr8b-104B"
 load = "checkpoints/tr8b-104B"
 save_interval = 300
-exit_duration_in_mins = 1185  # 20-hour SLURM jobs (lesson 17); the launch had 1190, then "longer safety margin"
+# 20-hour SLURM jobs (lesson 17); the launch had 1190, then "longer safety margin"
+exit_duration_in_mins = 1185

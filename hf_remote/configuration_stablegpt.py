@@ -31,7 +31,8 @@ class StableGPTConfig(PretrainedConfig):
         self.num_query_groups = num_query_groups or num_attention_heads
         self.ffn_hidden_size = ffn_hidden_size or 4 * hidden_size
         self.seq_length = seq_length  # rows of the learned position table; the trained context
-        self.max_position_embeddings = max_position_embeddings or seq_length  # the context the model is made for
+        # the context the model is made for
+        self.max_position_embeddings = max_position_embeddings or seq_length
         self.layernorm_epsilon = layernorm_epsilon
         self.normalization = normalization  # layernorm | rmsnorm: every norm of the model
         self.swiglu = swiglu  # fc2(SiLU(gate(x)) * fc1(x)); activation unused then
@@ -44,12 +45,14 @@ class StableGPTConfig(PretrainedConfig):
         self.original_max_position_embeddings = original_max_position_embeddings
         self.low_freq_factor = low_freq_factor
         self.high_freq_factor = high_freq_factor
-        self.embed_layernorm = embed_layernorm  # a norm on the word embeddings (bitsandbytes' StableEmbedding)
+        # a norm on the word embeddings (bitsandbytes' StableEmbedding)
+        self.embed_layernorm = embed_layernorm
         self.scale_embeddings = scale_embeddings  # word embeddings times sqrt(hidden_size)
         self.qk_layernorm = qk_layernorm  # a norm over head_dim on each head's q and k
         self.normformer = normformer  # NormFormer's head scales and its two extra norms
         self.hidden_dropout = hidden_dropout
         self.attention_dropout = attention_dropout
         self.embed_dropout = hidden_dropout if embed_dropout is None else embed_dropout
-        self.initializer_range = initializer_range  # only for a model built from this config, not loaded
+        # only for a model built from this config, not loaded
+        self.initializer_range = initializer_range
         super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)

@@ -30,7 +30,8 @@ from stability.detector import LEARNT, Series  # noqa: E402
 
 CAMPAIGNS = ["fourth", "fourth-design", "fifth"]
 WINDOW, MIN_STEPS = 20, 10  # the campaign's GUARD flags (gc.GUARD)
-HALF = ("bf16", "fp16")  # the families run in half precision (the fp32 replay's diagnosis: numerical)
+# the families run in half precision (the fp32 replay's diagnosis: numerical)
+HALF = ("bf16", "fp16")
 
 RULES = [  # (the detection rule, the words that begin its reason)
     ("replica check", "the DP replicas differ"),

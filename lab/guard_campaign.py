@@ -79,7 +79,8 @@ FAMILIES = {"lr transient": "optimizer", "lr persistent": "optimizer", "lr after
             "ordered duplicate block": "data",
             "dp weight bit flip": "hardware", "dp grad bit flip": "hardware", "dp state bit flip": "hardware",
             "numerical bf16": "numerical", "numerical fp16": "numerical"}
-BITS = [23, 24, 28, 29, 30]  # fp32 exponent bits, counted from the lowest: 23, 24 x2 or x4; 28-30 x2^32 and more
+# fp32 exponent bits, counted from the lowest: 23, 24 x2 or x4; 28-30 x2^32 and more
+BITS = [23, 24, 28, 29, 30]
 CAUSES = ["data", "optimizer", "hardware", "numerical", "persistent", "none"]
 # --snapshots off and the restarts go back to disk checkpoints saved this often (tr8-104B saved
 # "every 300 iterations so that if we have to recover a training we don't have to roll back far"),
@@ -133,7 +134,8 @@ SETTINGS = {
 # detects and never acts (Megatron-LM's spiky-loss check re-runs and reports; its restart is the
 # operator's): it is reported as a detector, out of the remedies' table
 DETECTORS = ("spiky_loss",)
-HARM = 0.01  # a fault is harmful when it raises the clean twin's final validation loss by more than this
+# a fault is harmful when it raises the clean twin's final validation loss by more than this
+HARM = 0.01
 LOG = re.compile(r"^ iteration +(\d+)/ *\d+ \|.*?lm loss: (\S+) \|.*?grad norm: (\S+) \|.*?"
                  r"number of skipped iterations: +(\d+)", re.M)
 
@@ -201,7 +203,8 @@ def fault_of(rng, family, start, iters):
                  f"--inject_degenerate_fraction={fraction}"]
         what = f"{length} batches" + (f", {fraction:g} of the samples" if kind == "minority" else "")
     elif family == "ordered duplicate block":  # a shard of near-duplicates met in corpus order (BigScience, OPT)
-        length, period = rng.randint(20, 100) * iters // 400, rng.choice([1, 2, 4, 8])  # 20-100 of 400
+        # 20-100 of 400
+        length, period = rng.randint(20, 100) * iters // 400, rng.choice([1, 2, 4, 8])
         length = max(length, period)
         start = rng.randint(15, max(15, iters - length - 10))
         flags = [f"--inject_repeat_iters={start}-{start + length - 1}", f"--inject_repeat_period={period}"]
@@ -339,7 +342,8 @@ def run_one(out, name, parts, data_path, method="guard", nproc=1):
     launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
                                                     f"--nproc_per_node={nproc}"]
     checkpoint = os.path.join(out, "checkpoints", name)
-    shutil.rmtree(checkpoint, ignore_errors=True)  # a run interrupted before: its resume starts over
+    # a run interrupted before: its resume starts over
+    shutil.rmtree(checkpoint, ignore_errors=True)
     with open(log, "w") as f:
         for args in parts:
             code = subprocess.call([*launcher, "train.py", *args, f"--data_path={data_path}"], cwd=ROOT, env=env,
@@ -489,7 +493,8 @@ def campaign(a, registration=None):
 
     def submit(name, trial, base, fault, method):
         if name not in done:
-            held = min(trial["nproc"], a.jobs)  # --jobs processes at a time: a 2-process run holds two slots
+            # --jobs processes at a time: a 2-process run holds two slots
+            held = min(trial["nproc"], a.jobs)
             for _ in range(held):
                 slots.acquire()
             parts = processes(base, fault, method_flags(method, a), trial,
@@ -729,7 +734,8 @@ def report(out, harm=HARM, registration=None):
              f"{spent:.1f} CPU-hours of run time (each run's wall time x its processes)", ""]
     harmful, detected, right, diagnosed, within, rollbacks = 0, 0, 0, 0, 0, []
     matrix = {t: {c: 0 for c in CAUSES} for t in sorted(set(FAMILIES.values()))}
-    cleans = [r for name, r in runs_of(out).items() if name.endswith("-clean")]  # finished, their trial or not
+    # finished, their trial or not
+    cleans = [r for name, r in runs_of(out).items() if name.endswith("-clean")]
     clean_iters, false_positives, rows = sum(r["iters"] for r in cleans), sum(len(r["decisions"]) for r in cleans), []
     for t in trials:
         clean, bad, guarded = t["clean"], t["unguarded"], t["guarded"]

@@ -91,10 +91,12 @@ BASE = ["--num_layers=4", f"--hidden_size={WIDTH}", "--num_attention_heads=4", "
         "--telemetry_interval=10", *DATA]
 VOCAB_SIZE = bpe_corpus.VOCAB_SIZE
 L0 = math.log(VOCAB_SIZE)
-ATTENTION_LOGIT_BLOWUP = 1e4  # Wortsman et al. 3.1: past it, attention collapses and the loss diverges
+# Wortsman et al. 3.1: past it, attention collapses and the loss diverges
+ATTENTION_LOGIT_BLOWUP = 1e4
 # From the pilot (lab/stability.md): arm A's default at LR 1e-2 trains below the bigram entropy from here on
 BLOWUP_FROM = 440
-PILOT_MARGIN = 0.2  # "clearly below" the bigram entropy, in nats: a perplexity 18% lower than the bigram model's
+# "clearly below" the bigram entropy, in nats: a perplexity 18% lower than the bigram model's
+PILOT_MARGIN = 0.2
 
 
 def init(c):
@@ -145,7 +147,8 @@ REMEDIES = {"none": [], "guard": ["--spike_guard"], "skip_step": ["--skip_step_s
             "zclip": ["--zclip_z=2.5"], "qk_layernorm": QK,
             "opt_restart": ["--opt_restart_lr_factor=0.25"],
             "palm_restart": ["--palm_restart_skip=200"]}
-SHORT_WARMUP = [f"--lr_warmup_samples={10 * 16}"]  # 10 iterations: the edge comes in reach, as on the 104B
+# 10 iterations: the edge comes in reach, as on the 104B
+SHORT_WARMUP = [f"--lr_warmup_samples={10 * 16}"]
 ARMS.update({
     "N": {"title": "natural instabilities, fp32: arm A's default (z-loss 1e-4), a 10-iteration warm-up; the "
                    "remedies at their published defaults, qk-layernorm the prevention",
@@ -182,7 +185,8 @@ def seeds_at(spec, lr):
 def run_dir(out, arm, lever_set, lr, seed, width=WIDTH):
     """Where the run lives: a lever set that is another arm's runs (ARMS' "same_as") lives in that arm's place."""
     arm, lever_set = same_as(arm, lever_set) or (arm, lever_set)
-    ladder = [] if width == WIDTH else [f"w{width}"]  # the study's own width keeps the paths it ran under
+    # the study's own width keeps the paths it ran under
+    ladder = [] if width == WIDTH else [f"w{width}"]
     return os.path.join(out, "runs", *ladder, arm, lever_set, f"lr{lr:.0e}-seed{seed}")
 
 
@@ -391,7 +395,8 @@ def spike_score(values, window=100, sigmas=7.0):
 def run(command, log, env):
     """Run command with its output appended to the file log; returns (exit code, CPU seconds it used)."""
     proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-    _, status, usage = os.wait4(proc.pid, 0)  # this child's own resource usage (other runs go on in parallel)
+    # this child's own resource usage (other runs go on in parallel)
+    _, status, usage = os.wait4(proc.pid, 0)
     return os.waitstatus_to_exitcode(status), usage.ru_utime + usage.ru_stime
 
 
@@ -517,7 +522,8 @@ def complete_curves(by_key, lever_set, lrs):
 def sensitivities(by_key, lever_set, lrs):
     """The LR sensitivity over lrs: per seed with a complete curve ({seed: value}), and of the mean of those
     seeds' curves (None without one)."""
-    curves = complete_curves(by_key, lever_set, lrs) if lrs else {}  # a range none of the selection's LRs is in
+    # a range none of the selection's LRs is in
+    curves = complete_curves(by_key, lever_set, lrs) if lrs else {}
     if not curves:
         return {}, None
     mean_curve = {lr: sum(c[lr] for c in curves.values()) / len(curves) for lr in lrs}
@@ -785,7 +791,8 @@ def markdown(rows_by_arm, lrs_by_arm, corpus, warnings, code=None, width=WIDTH):
         lrs = lrs_by_arm[arm]
         header = ["| lever set | " + " | ".join(f"{lr:.0e}" for lr in lrs) + " |", "| --- |" + " --- |" * len(lrs)]
         ranges = {label: [lr for lr in lrs if low <= lr <= high] for label, (low, high) in SENSITIVITY_RANGES.items()}
-        ranges = {label: x for label, x in ranges.items() if label == "grid" or x != ranges["grid"]}  # once if equal
+        # once if equal
+        ranges = {label: x for label, x in ranges.items() if label == "grid" or x != ranges["grid"]}
         titles = [f"LR sensitivity over {x[0]:.0e}..{x[-1]:.0e}" + (" (the grid)" if label == "grid" else
                                                                       " (Wortsman et al.'s range)")
                   for label, x in ranges.items() if x]
@@ -903,7 +910,8 @@ def plot(rows_by_arm, results, corpus, path):
                 right.text(0.5, 0.5, "no series: no run of seed 1 with its metrics.jsonl", ha="center",
                            transform=right.transAxes)
             right.axhline(0, color="grey", linewidth=0.8)
-            right.set_yscale("symlog", linthresh=10)  # the drift of a few nats, and a diverged run's hundreds
+            # the drift of a few nats, and a diverged run's hundreds
+            right.set_yscale("symlog", linthresh=10)
             right.set_title("arm B: mean output logit (thin) and mean log Z (thick), seed 1", fontsize=10)
             right.set_xlabel("iteration")
         for axis in (ax, right) if arm != "B" else (ax,):
@@ -949,7 +957,8 @@ def parse_args(argv):
     args = p.parse_args(argv)
     if (args.results or args.docs) and not args.report:
         p.error("--results and --docs go with --report")
-    args.out = os.path.abspath(args.out)  # the runs' --save, whatever directory they are started from
+    # the runs' --save, whatever directory they are started from
+    args.out = os.path.abspath(args.out)
     if args.quick:
         for key, value in QUICK.items():
             setattr(args, key, getattr(args, key) or ",".join(map(str, value)))
@@ -1075,7 +1084,8 @@ def main(argv=None):
     if warnings and not args.allow_weak_study:
         raise SystemExit("lr_sweep: this study cannot show what it tests:\n  - " + "\n  - ".join(warnings) +
                          "\nfix the setup, or pass --allow_weak_study to run it anyway")
-    corpus = bpe_corpus.build()  # the corpus and its tokenizer once, before the runs race to build them
+    # the corpus and its tokenizer once, before the runs race to build them
+    corpus = bpe_corpus.build()
     import data
     data.IndexedDataset(corpus["prefix"])
     grid = [(arm, lever, lr, seed) for arm, spec in arms.items() for lever in spec["levers"]
@@ -1086,7 +1096,8 @@ def main(argv=None):
     if narrow:
         raise SystemExit(f"lr_sweep: arm {narrow[0]} runs at width {ARMS[narrow[0]]['widths']} only; pass "
                          f"--width {ARMS[narrow[0]]['widths'][0]} or leave the arm out")
-    pilot = PILOT  # the pilot is the study's width's; another width's runs are the ladder's, without it
+    # the pilot is the study's width's; another width's runs are the ladder's, without it
+    pilot = PILOT
     if width != WIDTH:
         if not set(arms) <= {"A", "N", "F"}:
             raise SystemExit("lr_sweep: --width is the size ladder of arms A, N and F; pass --arms A, N or F")

@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 
 from sections import section
 
-DECIDED = "a checkpoint's guard decisions"  # not a key: the guard's entry is built for them too (switched_on())
+# not a key: the guard's entry is built for them too (switched_on())
+DECIDED = "a checkpoint's guard decisions"
 
 # The callbacks in the order they act (training.Callbacks calls each event in list order): (the switches that
 # build it, "module.Class" in stability/). Adding a check is a class and a line here (docs/forking.md).

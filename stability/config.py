@@ -26,94 +26,126 @@ from sections import section
 @dataclass
 class SoftSkipConfig:  # soft_skip.SoftSkip
     # -- stability: the soft skip, telemetry, the skip list, the spike guard (lesson 21), fault injection --
-    soft_skip_loss_ratio: float = 0.0  # loss > this x its trend: gradients x trend/loss before clipping (0: off)
+    # loss > this x its trend: gradients x trend/loss before clipping (0: off)
+    soft_skip_loss_ratio: float = 0.0
 
 
 @dataclass
 class TelemetryConfig:  # telemetry.Recording
     # -- stability --
-    telemetry_interval: int = 0  # per-layer grad/param/update norms, activations, logits every N iterations (0: off)
+    # per-layer grad/param/update norms, activations, logits every N iterations (0: off)
+    telemetry_interval: int = 0
 
 
 @dataclass
 class ReplicaCheckConfig:  # replica_check.ReplicaCheck
     # -- stability --
-    dp_replica_check_interval: int | None = None  # checksum the DP replicas' state every N iters (None: guard's)
+    # checksum the DP replicas' state every N iters (None: guard's)
+    dp_replica_check_interval: int | None = None
 
 
 @dataclass
 class SkipListConfig:  # skip_list.SkipList
     # -- stability --
-    skip_documents: str | None = None  # a skip list (<save>/skip_documents.jsonl): no sample takes its documents
+    # a skip list (<save>/skip_documents.jsonl): no sample takes its documents
+    skip_documents: str | None = None
 
 
 @dataclass
 class GuardConfig:  # spike_guard.SpikeGuard: what a spike calls for
     # -- stability --
-    spike_guard: bool = False  # skip a spiking step; if it persists roll back and skip data; on a relapse lower the LR
-    spike_guard_max_skips: int = 3  # spikes (or NaN/inf steps) within spike_guard_rewind iterations before a rollback
-    spike_guard_rewind: int = 100  # roll back to before (first spike - this) and skip the data from there ...
-    spike_guard_skip_after: int = 200  # ... to this many iterations after the last spike (PaLM: 200-500 in all)
-    spike_guard_lr_factor: float = 0.5  # on a relapse (a second rollback), multiply the LR by this from then on
-    spike_guard_reset_optimizer: bool = False  # on a relapse, also reset the optimizer with the lr=0 warm-up (lesson 8)
-    spike_guard_max_rollbacks: int = 3  # more would be needed: save the last good state and exit (code 3)
-    spike_guard_max_skipped_iters: int = 2000  # iterations skipped by the guard in all, then save and exit (code 3)
-    spike_guard_max_hardware_faults: int = 3  # transient faults on one DP rank before the run stops, naming it
-    spike_guard_max_numerical: int = 4  # numerical diagnoses in spike_guard_rewind iterations: persistent, stop
+    # skip a spiking step; if it persists roll back and skip data; on a relapse lower the LR
+    spike_guard: bool = False
+    # spikes (or NaN/inf steps) within spike_guard_rewind iterations before a rollback
+    spike_guard_max_skips: int = 3
+    # roll back to before (first spike - this) and skip the data from there ...
+    spike_guard_rewind: int = 100
+    # ... to this many iterations after the last spike (PaLM: 200-500 in all)
+    spike_guard_skip_after: int = 200
+    # on a relapse (a second rollback), multiply the LR by this from then on
+    spike_guard_lr_factor: float = 0.5
+    # on a relapse, also reset the optimizer with the lr=0 warm-up (lesson 8)
+    spike_guard_reset_optimizer: bool = False
+    # more would be needed: save the last good state and exit (code 3)
+    spike_guard_max_rollbacks: int = 3
+    # iterations skipped by the guard in all, then save and exit (code 3)
+    spike_guard_max_skipped_iters: int = 2000
+    # transient faults on one DP rank before the run stops, naming it
+    spike_guard_max_hardware_faults: int = 3
+    # numerical diagnoses in spike_guard_rewind iterations: persistent, stop
+    spike_guard_max_numerical: int = 4
 
 
 @dataclass
 class DetectorConfig:  # detector.Detector: what a spike is
     # -- stability --
-    spike_guard_window: int = 128  # applied steps in the trailing loss / grad-norm statistics (OLMo-core: 128)
-    spike_guard_min_steps: int = 16  # applied steps recorded before it judges (its own warm-up; the LR's need not end)
-    spike_guard_zscore: float = 6.0  # a spike: loss or grad norm this many spreads above its trend's prediction ...
+    # applied steps in the trailing loss / grad-norm statistics (OLMo-core: 128)
+    spike_guard_window: int = 128
+    # applied steps recorded before it judges (its own warm-up; the LR's need not end)
+    spike_guard_min_steps: int = 16
+    # a spike: loss or grad norm this many spreads above its trend's prediction ...
+    spike_guard_zscore: float = 6.0
     spike_guard_ema_ratio: float = 1.1  # ... and above this multiple of the predicted value
-    spike_guard_grad_norm_ratio: float = 100.0  # ... or the grad norm this multiple (a clean tiny run: lone 12x jumps)
-    spike_guard_rise_steps: int = 3  # ... or the loss this many steps in a row over half that zscore (0: off)
-    spike_guard_unseen_interval: int = 10  # ... or far below an unseen batch's loss, measured every N iters (0: off)
-    spike_guard_update_ratio: float = 4.0  # the weights' move per update this x its trend, at each snapshot (0: off)
+    # ... or the grad norm this multiple (a clean tiny run: lone 12x jumps)
+    spike_guard_grad_norm_ratio: float = 100.0
+    # ... or the loss this many steps in a row over half that zscore (0: off)
+    spike_guard_rise_steps: int = 3
+    # ... or far below an unseen batch's loss, measured every N iters (0: off)
+    spike_guard_unseen_interval: int = 10
+    # the weights' move per update this x its trend, at each snapshot (0: off)
+    spike_guard_update_ratio: float = 4.0
 
 
 @dataclass
 class SnapshotConfig:  # snapshots.Snapshots: the states a rollback returns to
     # -- stability --
-    spike_guard_snapshot_interval: int = 50  # a CPU copy of the run every N iterations to roll back to (0: disk only)
-    spike_guard_snapshot_dir: str | None = None  # node-local disk ($SLURM_TMPDIR): snapshots there, not in host memory
+    # a CPU copy of the run every N iterations to roll back to (0: disk only)
+    spike_guard_snapshot_interval: int = 50
+    # node-local disk ($SLURM_TMPDIR): snapshots there, not in host memory
+    spike_guard_snapshot_dir: str | None = None
 
 
 @dataclass
 class ForensicsConfig:  # guard.Forensics
     # -- stability --
-    spike_guard_fp32_replay: bool = True  # fp16/bf16: replay a reproduced spike in fp32 (an fp32 copy of the weights)
+    # fp16/bf16: replay a reproduced spike in fp32 (an fp32 copy of the weights)
+    spike_guard_fp32_replay: bool = True
 
 
 @dataclass
 class PrecursorConfig:  # guard.Precursor, spike_guard.precursor_rung
     # -- stability --
-    spike_guard_precursor: str | None = None  # EXPERIMENTAL early rung (None: off): cut the LR when this passes ...
-    spike_guard_precursor_threshold: float | None = None  # ... this threshold (docs/spike_guard.md, section 7)
-    spike_guard_precursor_lr_factor: float = 0.5  # ... by this factor, once per crossing (precursors.PRECURSORS)
+    # EXPERIMENTAL early rung (None: off): cut the LR when this passes ...
+    spike_guard_precursor: str | None = None
+    # ... this threshold (docs/spike_guard.md, section 7)
+    spike_guard_precursor_threshold: float | None = None
+    # ... by this factor, once per crossing (precursors.PRECURSORS)
+    spike_guard_precursor_lr_factor: float = 0.5
 
 
 @dataclass
 class SkipStepConfig:  # remedies.SkipStep
     # -- stability: the field's remedies, baselines for the guard (stability/remedies.py; docs/spike_guard.md) --
-    skip_step_sigma: float = 0.0  # OLMo-core's SkipStep: skip a step > this many stds above the window (6; 0: off)
-    skip_step_window: int = 128  # ... the previous steps' losses and grad norms it is judged against (OLMo-core: 128)
+    # OLMo-core's SkipStep: skip a step > this many stds above the window (6; 0: off)
+    skip_step_sigma: float = 0.0
+    # ... the previous steps' losses and grad norms it is judged against (OLMo-core: 128)
+    skip_step_window: int = 128
 
 
 @dataclass
 class SpikyLossConfig:  # remedies.SpikyLoss
     # -- stability --
-    spiky_loss_factor: float = 0.0  # Megatron's spiky loss: a loss >= this x the largest seen is re-run (10; 0: off)
-    spiky_loss_samples: int = 100  # ... the first steps whose largest loss is the bar (Megatron: 100)
+    # Megatron's spiky loss: a loss >= this x the largest seen is re-run (10; 0: off)
+    spiky_loss_factor: float = 0.0
+    # ... the first steps whose largest loss is the bar (Megatron: 100)
+    spiky_loss_samples: int = 100
 
 
 @dataclass
 class ZClipConfig:  # remedies.ZClip
     # -- stability --
-    zclip_z: float = 0.0  # ZClip: clip a grad norm whose z-score over its EMA is above this (2.5; 0: off)
+    # ZClip: clip a grad norm whose z-score over its EMA is above this (2.5; 0: off)
+    zclip_z: float = 0.0
     zclip_alpha: float = 0.97  # ... the EMA's smoothing factor (ZClip: 0.97)
     zclip_warmup: int = 25  # ... grad norms collected before the EMA starts (ZClip: 25)
 
@@ -133,27 +165,43 @@ class RestartConfig:  # remedies.OptRestart, remedies.PalmRestart
 @dataclass
 class FaultsConfig:  # faults.Faults
     # -- stability --
-    inject_bad_batch_iters: list[str] | None = None  # fault injection: iterations ("40-45") given random-token batches
-    inject_lr_iters: list[str] | None = None  # fault injection: iteration ranges whose LR is x inject_lr_factor
+    # fault injection: iterations ("40-45") given random-token batches
+    inject_bad_batch_iters: list[str] | None = None
+    # fault injection: iteration ranges whose LR is x inject_lr_factor
+    inject_lr_iters: list[str] | None = None
     inject_lr_factor: float = 100.0  # the LR multiplier of inject_lr_iters
-    inject_lr_persistent: bool = False  # inject_lr_iters on every pass (a resume with a higher LR), not once in time
-    inject_degenerate_iters: list[str] | None = None  # fault injection: iterations given degenerate batches ...
-    inject_degenerate_kind: str = "repeat"  # ... one token repeated ("repeat"), an 8-gram ("ngram"), or "minority":
+    # inject_lr_iters on every pass (a resume with a higher LR), not once in time
+    inject_lr_persistent: bool = False
+    # fault injection: iterations given degenerate batches ...
+    inject_degenerate_iters: list[str] | None = None
+    # ... one token repeated ("repeat"), an 8-gram ("ngram"), or "minority":
+    inject_degenerate_kind: str = "repeat"
     inject_degenerate_fraction: float = 0.25  # ... random tokens in this fraction of the samples
-    inject_bitflip_iters: list[str] | None = None  # fault injection: flip a bit of one gradient element at these iters
-    inject_bitflip_rank: int = 0  # ... on this rank, after the DP all-reduce (a faulty GPU: silent data corruption)
-    inject_bitflip_target: str = "grad"  # ... of a gradient ("grad"), a weight, "exp_avg", "exp_avg_sq" or "master"
+    # fault injection: flip a bit of one gradient element at these iters
+    inject_bitflip_iters: list[str] | None = None
+    # ... on this rank, after the DP all-reduce (a faulty GPU: silent data corruption)
+    inject_bitflip_rank: int = 0
+    # ... of a gradient ("grad"), a weight, "exp_avg", "exp_avg_sq" or "master"
+    inject_bitflip_target: str = "grad"
     inject_bitflip_bit: int = -1  # ... this bit of the element (-1: the top exponent bit)
-    inject_bitflip_element: int = -1  # ... this element of the first matrix (-1: its largest in magnitude)
-    inject_numerical_iters: list[str] | None = None  # fault injection: a cancellation only half precision loses
-    inject_lost_optimizer_state_iter: int | None = None  # fault injection: Adam's moments zeroed before this step
-    inject_repeat_iters: list[str] | None = None  # fault injection: a block of repeated documents in corpus order ...
-    inject_repeat_period: int = 1  # ... its iterations given again the samples of its first this many iterations
+    # ... this element of the first matrix (-1: its largest in magnitude)
+    inject_bitflip_element: int = -1
+    # fault injection: a cancellation only half precision loses
+    inject_numerical_iters: list[str] | None = None
+    # fault injection: Adam's moments zeroed before this step
+    inject_lost_optimizer_state_iter: int | None = None
+    # fault injection: a block of repeated documents in corpus order ...
+    inject_repeat_iters: list[str] | None = None
+    # ... its iterations given again the samples of its first this many iterations
+    inject_repeat_period: int = 1
     inject_overflow_iters: list[str] | None = None  # fault injection (fp16): gradients overflow
-    inject_bad_samples: list[str] | None = None  # fault injection: sample ranges ("0-7") bad in the corpus ...
-    inject_bad_samples_kind: str = "random"  # ... random tokens, "repeat", "ngram" or "duplicate" ...
+    # fault injection: sample ranges ("0-7") bad in the corpus ...
+    inject_bad_samples: list[str] | None = None
+    # ... random tokens, "repeat", "ngram" or "duplicate" ...
+    inject_bad_samples_kind: str = "random"
     inject_duplicate_period: int = 8  # ... of the range's first this many samples, in turn
-    inject_bad_device_iter: int | None = None  # fault injection: inject_bitflip_rank's device bad from here on
+    # fault injection: inject_bitflip_rank's device bad from here on
+    inject_bad_device_iter: int | None = None
 
 
 @dataclass

@@ -20,7 +20,8 @@ import math
 
 import run_state
 
-LEARNT = "text learnt by heart"  # the words of a loss far below an unseen batch's (Detector.below_unseen)
+# the words of a loss far below an unseen batch's (Detector.below_unseen)
+LEARNT = "text learnt by heart"
 
 
 class Series:
@@ -39,9 +40,12 @@ class Series:
 
     def __init__(self, window, log=False):
         self.log = log
-        self.values = collections.deque(maxlen=window)  # applied steps (logarithms for the grad norm)
-        self.errors = collections.deque(maxlen=window)  # |value - the line's prediction of it|, from FIT values on
-        self.zs = collections.deque(maxlen=window)  # each applied value's z when it was judged (rising())
+        # applied steps (logarithms for the grad norm)
+        self.values = collections.deque(maxlen=window)
+        # |value - the line's prediction of it|, from FIT values on
+        self.errors = collections.deque(maxlen=window)
+        # each applied value's z when it was judged (rising())
+        self.zs = collections.deque(maxlen=window)
 
     def transform(self, value):
         return math.log(max(value, 1e-30)) if self.log else float(value)
@@ -139,10 +143,13 @@ class Detector:
         window = detector_cfg.spike_guard_window
         self.series = {"loss": Series(window), "grad norm": Series(window, log=True),
                        "update": Series(window, log=True)}  # the weights' move per update
-        self.lr_sum = 0.0  # the learning rates of the applied steps, summed: how far Adam can have moved a weight
+        # the learning rates of the applied steps, summed: how far Adam can have moved a weight
+        self.lr_sum = 0.0
         self.updates = 0  # the applied steps: how many updates a move between two states took
-        self.unseen = None  # the loss of a batch never trained on, on recent weights (guard.Guard measures it)
-        self.grad_norm_alone = False  # the last judged step was a spike of its grad norm alone (judge)
+        # the loss of a batch never trained on, on recent weights (guard.Guard measures it)
+        self.unseen = None
+        # the last judged step was a spike of its grad norm alone (judge)
+        self.grad_norm_alone = False
 
     def stats(self):
         return {**{name: series.state() for name, series in self.series.items()}, "lr sum": self.lr_sum,

@@ -330,7 +330,8 @@ def corrupted_weights(guard, model, optimizer, iteration, then, payload, say=Tru
 def farthest_move(model, weights, move, decay):
     """(the largest ratio of a weight's move since `weights` to what the optimizer can have moved it, (name, index,
     then, now) of that weight): at most `move`, plus `decay` x |weight| of weight decay, plus its dtype's rounding."""
-    worst, where, chunk = 0.0, None, 2**24  # elements compared at a time: a few fp32 temporaries of 64 MiB
+    # elements compared at a time: a few fp32 temporaries of 64 MiB
+    worst, where, chunk = 0.0, None, 2**24
     for name, p in parallel.unwrap(model).named_parameters():
         if name not in weights:
             continue
@@ -353,7 +354,8 @@ def replay_in_fp32(guard, rng_before, model, optimizer, rerun):
     weights, masters, optimizer, loss scaler and RNG streams, and the reason the guard gives)."""
     rng_after, pending, unseen = checkpoint.rng_state(), guard.pending, guard.unseen
     checkpoint.set_rng_state(rng_before)
-    guard.unseen = None  # measured in half precision, with the fault if it persists: no bar for an fp32 loss
+    # measured in half precision, with the fault if it persists: no bar for an fp32 loss
+    guard.unseen = None
     with Fp32Step(model, optimizer) as fp32:
         exact = rerun(guard.judge if guard.armed() else None, optim.LossScaler(dynamic=False, static_scale=1.0))
         fp32.keep = exact.outcome == "ok"
@@ -460,7 +462,8 @@ def highest_loss_samples(model, batches, first_sample, core, count=3, positions=
     return [(loss, first_sample + i) for loss, i in zip(top.values.tolist(), top.indices.tolist())]
 
 
-SKIP_LIST = "skip_documents.jsonl"  # in save: the documents of the samples behind data-driven spikes
+# in save: the documents of the samples behind data-driven spikes
+SKIP_LIST = "skip_documents.jsonl"
 
 
 def name_samples(model, batches, first_sample, core, dataset, seqlen, iteration, decision=None):

@@ -373,5 +373,6 @@ class NoTimeline:
         return False
 
 
-STATE_TARGETS = ("exp_avg", "exp_avg_sq", "master")  # inject_bitflip_target's names of the optimizer's state
+# inject_bitflip_target's names of the optimizer's state
+STATE_TARGETS = ("exp_avg", "exp_avg_sq", "master")
 

@@ -71,14 +71,16 @@ class Guard(training.Callback):
         rng = checkpoint.rng_state()
         loss = diagnosis.evaluate_batches(self.parts.model, batches, self.core, self.device)
         checkpoint.set_rng_state(rng)
-        return loss if math.isfinite(loss) else None  # a forward that overflowed tells nothing of the data
+        # a forward that overflowed tells nothing of the data
+        return loss if math.isfinite(loss) else None
 
     def update_factor(self, loss, grad_norm):
         return 0.0 if self.guard.armed() and self.guard.judge(loss, grad_norm) else 1.0
 
     def after_step(self, it, step):
         guard, n = self.guard, it.number
-        found, guard.diagnosis = guard.diagnosis, None  # what Forensics found about this step, if it was suspect
+        # what Forensics found about this step, if it was suspect
+        found, guard.diagnosis = guard.diagnosis, None
         if (found or {}).get("replicas"):  # the replica check's finding: its re-sync or rollback
             guard.last_run, guard.pending = max(guard.last_run, n), None
             return self.built["replica_check"].act(n, *found["replicas"])
@@ -171,7 +173,8 @@ class Precursor(training.Callback):
 
     def __init__(self, precursor_cfg, shared, adam_eps):  # adam_eps: the optimizer's epsilon
         self.settings, self.adam_eps = precursor_cfg, adam_eps
-        self.guard, self.telemetry = shared.guard, shared.built["telemetry"]  # config.check: telemetry is on
+        # config.check: telemetry is on
+        self.guard, self.telemetry = shared.guard, shared.built["telemetry"]
 
     def start(self, parts, report, train_data):
         self.report = report
@@ -204,7 +207,8 @@ class Forensics(training.Callback):
         self.device = next(parallel.unwrap(parts.model).parameters()).device
 
     def before_step(self, it):
-        self.before = (checkpoint.rng_state(), self.parts.scaler.state_dict())  # where a replay starts from
+        # where a replay starts from
+        self.before = (checkpoint.rng_state(), self.parts.scaler.state_dict())
 
     def check_step(self, it, step):
         guard, scaler = self.guard, self.parts.scaler
@@ -225,7 +229,8 @@ class Forensics(training.Callback):
 
         def per_sample():
             return diagnosis.sample_losses(parts.model, it.batches, core).tolist()
-        vetoed = step.outcome == "vetoed"  # by the guard's judge (a NaN step or replicas that differ are not)
+        # by the guard's judge (a NaN step or replicas that differ are not)
+        vetoed = step.outcome == "vetoed"
         step, self.guard.diagnosis = diagnosis.investigate(
             self.guard, parts, step, it.number, self.before, self.snapshots, rerun=rerun,
             forward=lambda: diagnosis.evaluate_batches(parts.model, it.batches, core, self.device),

@@ -61,7 +61,8 @@ class ReplicaCheck(training.Callback):
             self.interval = (snapshot_interval or 50) if spike_guard else 0
         self.sharded = sharded
         self.guard, self.snapshots, self.writer = shared.guard, shared.snapshots, shared.writer
-        self.stopper = shared.built.get("spike_guard")  # guard.Guard: saves and stops the run at the cap
+        # guard.Guard: saves and stops the run at the cap
+        self.stopper = shared.built.get("spike_guard")
         self.last_agreed, self.faults = 0, {}
 
     def start(self, parts, report, train_data):

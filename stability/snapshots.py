@@ -20,7 +20,8 @@ import run_state
 import training
 from report import print0
 
-HOST_SHARE = 0.75  # of the node's memory the snapshots may take; the rest: the processes, data workers, page cache
+# of the node's memory the snapshots may take; the rest: the processes, data workers, page cache
+HOST_SHARE = 0.75
 
 
 class Snapshots:

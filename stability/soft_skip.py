@@ -40,4 +40,5 @@ def soft_skip_trend(ratio, history, min_steps, window):
     losses = Series(window)
     losses.values.extend(history["loss"][-Series.FIT:])
     trend = losses.expected()
-    return trend if trend > 0 else None  # a line through a fast fall can cross zero: no ratio to speak of
+    # a line through a fast fall can cross zero: no ratio to speak of
+    return trend if trend > 0 else None

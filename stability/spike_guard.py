@@ -119,12 +119,15 @@ class SpikeGuard(Detector):
         self.decisions = []
         self.faults = {}  # DP rank (None: unknown) -> transient faults seen on it
         self.last_run = 0  # the highest iteration run (fault injection happens once in time)
-        self.noise = None  # the run's own nondeterminism: relative difference of a forward and its repeat
+        # the run's own nondeterminism: relative difference of a forward and its repeat
+        self.noise = None
         # the current step: why it is a spike (judge -> update), what the forensics found (-> update)
         self.pending = self.diagnosis = None
-        self.numericals = []  # iterations of the numerical diagnoses of the current window (persistence)
+        # iterations of the numerical diagnoses of the current window (persistence)
+        self.numericals = []
         self.aside = False  # a persistent fp16 overflow left to the loss scaler (stands_aside)
-        self.lrs = {}  # iteration -> (the LR its replay would get, the LR applied), where they differ
+        # iteration -> (the LR its replay would get, the LR applied), where they differ
+        self.lrs = {}
         if saved:
             self.load_state_dict(saved)
 
@@ -304,7 +307,8 @@ class SpikeGuard(Detector):
         else:
             recent = [s for s in self.strikes if iteration - s <= ladder.spike_guard_rewind]
             self.strikes = recent + [iteration]
-        stretch = self._learnt_stretch(iteration, reason, cause)  # rolled back once: its batches vetoed as they come
+        # rolled back once: its batches vetoed as they come
+        stretch = self._learnt_stretch(iteration, reason, cause)
         if stretch:
             self.strikes = []
         elif diagnosis and len(self.strikes) >= ladder.spike_guard_max_skips:

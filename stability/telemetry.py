@@ -78,11 +78,13 @@ class Telemetry:
         L = self.num_layers
         self.act = self._zeros(2 * L)  # sum of mean squares, number of calls
         self.attn = self._zeros(L, -math.inf)
-        self.entropy = self._zeros(2 * L * self.heads)  # per (layer, head): sum over queries, number of queries
+        # per (layer, head): sum over queries, number of queries
+        self.entropy = self._zeros(2 * L * self.heads)
         self.logz = self._zeros(3)  # sum over tokens, token count, max
         self.logz[2] = -math.inf
         self.logit = self._zeros(2)  # sum of the output logits (the real vocabulary's), their count
-        self.final_input = self._zeros(2)  # sum of mean squares entering the final LayerNorm, number of calls
+        # sum of mean squares entering the final LayerNorm, number of calls
+        self.final_input = self._zeros(2)
         self.grad_sq = self.param_sq = self.update_sq = self._zeros(self.n)
         self.before = None
         for key, block in self.gpt.blocks.items():
@@ -113,10 +115,12 @@ class Telemetry:
     def _attention(self, layer, q, k):
         local_heads, T, D = q.shape[-3], q.shape[-2], q.shape[-1]
         q, k = q.reshape(-1, T, D), k.reshape(-1, T, D)  # rows: batch-major, then this rank's heads
-        first_head = layer * self.heads + parallel.grid.tp_rank * local_heads  # this rank's heads are contiguous
+        # this rank's heads are contiguous
+        first_head = layer * self.heads + parallel.grid.tp_rank * local_heads
         # the causal mask added by baddbmm's beta term: one fused op, no masked copy of the scores
         mask = torch.full((1, T, T), -math.inf, device=q.device).triu(1)
-        rows = max(1, 2**24 // (T * T))  # bounds the fp32 scores in flight to 64 MB (and their softmax)
+        # bounds the fp32 scores in flight to 64 MB (and their softmax)
+        rows = max(1, 2**24 // (T * T))
         for i in range(0, q.shape[0], rows):
             scores = torch.baddbmm(mask, q[i:i + rows].float(), k[i:i + rows].float().transpose(1, 2),
                                    alpha=1.0 / math.sqrt(D))
@@ -158,7 +162,8 @@ class Telemetry:
     @torch.no_grad()
     def updated(self):
         """After the optimizer step (not called when the step was skipped: the update is then zero)."""
-        torch._foreach_sub_(self.before, self.masters)  # in place: before - after, the update's negative
+        # in place: before - after, the update's negative
+        torch._foreach_sub_(self.before, self.masters)
         self.update_sq = self._per_slot(self.before, self.masters_index)
         if self.masters_sharded:
             self.update_sq *= parallel.grid.dp_size  # finish() divides the DP sum by dp_size

@@ -86,7 +86,8 @@ def train_script():
     module = types.ModuleType("train_script")
     module.__file__ = path
     previous = sys.modules.get(module.__name__)
-    sys.modules[module.__name__] = module  # as runpy does while the script runs (dataclasses look it up)
+    # as runpy does while the script runs (dataclasses look it up)
+    sys.modules[module.__name__] = module
     try:
         with open(path) as f:
             exec(compile(f.read(), path, "exec"), module.__dict__)

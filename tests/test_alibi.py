@@ -31,7 +31,8 @@ def test_slopes_power_of_two_and_bloom_112_heads():
     _close(alibi_slopes(112), [2.0 ** (-i / 8) for i in range(1, 65)] + [2.0 ** (-j / 16) for j in range(1, 96, 2)])
     # 6 heads: 4 of the 4-head sequence, then the 1st and 3rd of the 8-head sequence
     assert alibi_slopes(6).tolist() == [2.0 ** -2, 2.0 ** -4, 2.0 ** -6, 2.0 ** -8, 2.0 ** -1, 2.0 ** -3]
-    assert torch.equal(alibi_slopes(112, range(56, 84)), alibi_slopes(112)[56:84])  # a TP rank's heads
+    # a TP rank's heads
+    assert torch.equal(alibi_slopes(112, range(56, 84)), alibi_slopes(112)[56:84])
 
 
 def test_slopes_equal_transformers_bloom():

@@ -137,15 +137,18 @@ TINY = ["--num_layers=1", "--hidden_size=64", "--num_attention_heads=2", "--num_
         "--micro_batch_size=1", "--global_batch_size=2", "--tensor_model_parallel_size=1",
         "--pipeline_model_parallel_size=1", "--vocab_size=50257", "--fp16=false", "--bf16=false", "--device=cpu",
         "--bench_steps=1", "--bench_warmup=0"]
-CONFIGS = sorted(glob.glob(os.path.join(ROOT, "config", "*.py")))  # a new config is covered as it is added
+# a new config is covered as it is added
+CONFIGS = sorted(glob.glob(os.path.join(ROOT, "config", "*.py")))
 
 
 @pytest.fixture
 def unmeasured_peak(monkeypatch):
-    monkeypatch.setattr(bench, "device_peak", lambda device, dtype: (1e12, "not measured"))  # seconds of matmuls
+    # seconds of matmuls
+    monkeypatch.setattr(bench, "device_peak", lambda device, dtype: (1e12, "not measured"))
 
 
-@pytest.mark.slow  # 9-29 s on a shared 2-core CPU (about 10 s of CPU time): ten configs built and run
+# 9-29 s on a shared 2-core CPU (about 10 s of CPU time): ten configs built and run
+@pytest.mark.slow
 def test_bench_runs_on_every_config(corpus, unmeasured_peak, capsys, monkeypatch):  # noqa: F811
     """Each config's schedule (warm-ups longer than the run, ramp-ups, train_samples) and data keys (no data_path,
     BLOOM's corpus and tokenizer) are set aside, with the line that says so; each gives its report and row. The
@@ -180,7 +183,8 @@ def test_the_schedule_is_set_aside_in_bench_only():
     assert "rampup_batch_size=[192, 16, 9765625]" in notes[0] and "data/bloom/roots is not here" in notes[1]
     assert arguments.load_config([os.path.join(ROOT, "config", "tr11_176b.py")]).lr_warmup_samples == 183_105
     given = arguments.load_config(["config/tiny.py", "--data_path=data/elsewhere"])
-    assert len(bench.for_timing(given, {"data_path": "data/elsewhere"}, 5)) == 1  # the user's data, as given
+    # the user's data, as given
+    assert len(bench.for_timing(given, {"data_path": "data/elsewhere"}, 5)) == 1
     assert given.data_path == ["data/elsewhere"]
 
 
@@ -211,7 +215,8 @@ def test_telemetry_at_every_iteration_is_timed_with_it(corpus512, unmeasured_pea
     assert result["tokens/s"] > 0 and "recorded at every timed iteration (telemetry_interval=1)" in out, out
 
 
-@pytest.mark.slow  # 16-28 s on a shared 2-core CPU: two processes, each importing torch, one measuring the peak
+# 16-28 s on a shared 2-core CPU: two processes, each importing torch, one measuring the peak
+@pytest.mark.slow
 def test_the_table_runs_each_config_apart_and_a_failure_loses_one_row(corpus, capfd):  # noqa: F811
     """One process per row: the tiny model's row and costs, and the broken config's error in a row of its own."""
     rows = bench.table(["config/tiny.py", "config/no_such.py", *TINY, f"--data_path={corpus}"])

@@ -68,7 +68,8 @@ def test_manifest_lists_every_file_with_its_size_and_crc(ckpt):
     files = sorted(n for n in os.listdir(tag_dir) if n != checkpoint.MANIFEST)
     assert sorted(manifest["files"]) == files == ["mp_rank_00_000_model_states.pt", "rank_00000_optim_states.pt"]
     for name, entry in manifest["files"].items():
-        content = open(os.path.join(tag_dir, name), "rb").read()  # computed here from the file, independently
+        # computed here from the file, independently
+        content = open(os.path.join(tag_dir, name), "rb").read()
         assert entry == {"bytes": len(content), "crc32": f"{zlib.crc32(content):08x}"}, name
 
 
@@ -110,7 +111,8 @@ def test_flipped_byte_is_found_before_the_tensors_are_read(ckpt, tmp_path):
         content = bytearray(path.read_bytes())
         content[len(content) // 2] ^= 0x04  # one bit, inside a tensor's bytes
         path.write_bytes(bytes(content))
-        torch.load(path, weights_only=False)  # torch reads it without a word: only the checksum can tell
+        # torch reads it without a word: only the checksum can tell
+        torch.load(path, weights_only=False)
         with pytest.raises(ValueError, match=rf"{name}: its CRC-32 is [0-9a-f]{{8}} where the manifest says "
                                              r"[0-9a-f]{8}: it is corrupt .* resume from global_step1"):
             checkpoint.load(str(directory / "global_step2"))
@@ -245,7 +247,8 @@ def test_kill_during_a_background_write_leaves_the_previous_checkpoint(straight,
 
 TP2PP2 = ["--num_layers=4", "--hidden_size=32", "--num_attention_heads=4", "--seq_length=32", "--vocab_size=50257",
           "--embed_layernorm=false", "--activation=gelu_tanh", "--tensor_model_parallel_size=2",
-          "--pipeline_model_parallel_size=2", "--init_method_std=1.0"]  # large weights: greedy text that varies
+          # large weights: greedy text that varies
+          "--pipeline_model_parallel_size=2", "--init_method_std=1.0"]
 
 
 @torch.no_grad()

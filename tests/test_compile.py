@@ -108,7 +108,8 @@ def test_a_tensor_parallel_block_compiles_around_its_forked_core():
     gpt = model()
     block, x = gpt.blocks["0"], torch.randn(2, 16, 32, requires_grad=True)
     bias, rotary = gpt.positions(x)
-    assert torch._dynamo.explain(block)(x, bias, rotary).graph_break_count > 0  # whole, the fork breaks it
+    # whole, the fork breaks it
+    assert torch._dynamo.explain(block)(x, bias, rotary).graph_break_count > 0
     q, _, _ = block.before_attention(x, rotary)
     for side, args in ((block.before_attention, (x, rotary)), (block.after_attention, (x, q))):
         explained = torch._dynamo.explain(side)(*args)
@@ -116,7 +117,8 @@ def test_a_tensor_parallel_block_compiles_around_its_forked_core():
         assert explained.graph_count == 1
     # and compiled, it trains as eager: the same masks from both streams, checkpointing's replay included
     torch._dynamo.reset()
-    ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))  # rank 0's vocabulary
+    # rank 0's vocabulary
+    ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))
     results = []
     for compiled in (False, True):
         gpt = model()

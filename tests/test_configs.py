@@ -112,7 +112,8 @@ def load(name):
 @pytest.mark.parametrize("name", RUNS)
 def test_config_is_the_run(name):
     script, commit, gpus, run = RUNS[name]
-    cfg = arguments.prepare(load(name), gpus, reads_data=False)  # derive() fills apply_query_key_layer_scaling
+    # derive() fills apply_query_key_layer_scaling
+    cfg = arguments.prepare(load(name), gpus, reads_data=False)
     ours = DIFFERENCES[name]
     drift = {key: (getattr(cfg, key), ours.get(key, real)) for key, real in run.items()
              if getattr(cfg, key) != ours.get(key, real)}
@@ -130,7 +131,8 @@ def test_the_ramp_up_fits_the_runs_layout(name):
     _, _, gpus, _ = RUNS[name]
     cfg = load(name)
     dp = gpus // (cfg.tensor_model_parallel_size * cfg.pipeline_model_parallel_size)
-    schedule.RampupBatchSize(cfg.rampup_batch_size, cfg.global_batch_size, cfg.micro_batch_size, dp)  # raises if not
+    # raises if not
+    schedule.RampupBatchSize(cfg.rampup_batch_size, cfg.global_batch_size, cfg.micro_batch_size, dp)
 
 
 @pytest.mark.parametrize("name", ["tr3_1b3", "tr1_13b", "tr8_104b", "gpt2_125m"])

@@ -44,7 +44,8 @@ def test_one_failing_rank_ends_a_torchrun_job(synthetic_corpus, tmp_path):
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out[-3000:]
     assert "an illegal memory access was encountered (injected)" in out, out[-3000:]
-    assert " iteration        1/" in out and " iteration        2/" not in out, out[-3000:]  # stopped at the failure
+    # stopped at the failure
+    assert " iteration        1/" in out and " iteration        2/" not in out, out[-3000:]
 
 
 class StopsAtTwo(training.Callback):

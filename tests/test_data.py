@@ -96,13 +96,15 @@ def test_preprocess_deterministic_across_workers(tmp_path):
     for ext in (".bin", ".idx"):
         assert (tmp_path / ("one" + ext)).read_bytes() == (tmp_path / ("two" + ext)).read_bytes()
 
-    expected = [texts[0], "jsonl doc one", "jsonl doc two <|endoftext|>", texts[2]] + many  # empty docs dropped
+    # empty docs dropped
+    expected = [texts[0], "jsonl doc one", "jsonl doc two <|endoftext|>", texts[2]] + many
     ds = data.IndexedDataset(str(tmp_path / "two"))
     enc = data.get_tokenizer()
     assert len(ds) == len(expected)
     for i, text in enumerate(expected):
         doc = ds.get(i).tolist()
-        assert doc[-1] == data.EOD and data.EOD not in doc[:-1]  # literal "<|endoftext|>" text is not the EOD id
+        # literal "<|endoftext|>" text is not the EOD id
+        assert doc[-1] == data.EOD and data.EOD not in doc[:-1]
         assert doc[:-1] == enc.encode_ordinary(text) and enc.decode(doc[:-1]) == text
 
 
@@ -252,7 +254,8 @@ def test_gpt_dataset_determinism_and_cache(toy, tmp_path, monkeypatch):
     indexed = data.IndexedDataset(prefix)
     documents = np.arange(len(docs))
     a = data.GPTDataset(indexed, documents, 30, 8, 1, "train", str(tmp_path / "a"))
-    b = data.GPTDataset(indexed, documents, 30, 8, 1, "train", str(tmp_path / "b"))  # fresh build, same seed
+    # fresh build, same seed
+    b = data.GPTDataset(indexed, documents, 30, 8, 1, "train", str(tmp_path / "b"))
     c = data.GPTDataset(indexed, documents, 30, 8, 2, "train", str(tmp_path / "a"))
     assert all(np.array_equal(a[i], b[i]) for i in range(len(a)))
     assert not np.array_equal(np.asarray(a.shuffle_idx), np.asarray(c.shuffle_idx))
@@ -272,7 +275,8 @@ def test_gpt_dataset_determinism_and_cache(toy, tmp_path, monkeypatch):
         assert np.array_equal(getattr(again, k), getattr(a, k))
     # another document range must not reuse these files, even one with the same number of tokens
     with pytest.raises(AssertionError, match="rebuilt"):
-        data.GPTDataset(indexed, np.arange(1, 12), 30, 8, 1, "valid", str(tmp_path / "a"))  # doc 1 is empty
+        # doc 1 is empty
+        data.GPTDataset(indexed, np.arange(1, 12), 30, 8, 1, "valid", str(tmp_path / "a"))
 
 
 def _reference_index_arrays(sizes, documents, num_samples, seq_length, seed):
@@ -303,7 +307,8 @@ def _reference_index_arrays(sizes, documents, num_samples, seq_length, seed):
 def test_index_arrays_equal_the_numpy_reference(num_docs, num_samples, seq_length, seed):
     rng = np.random.default_rng(num_docs)
     sizes = rng.integers(0, 3 * seq_length, num_docs + 5).astype(np.int32)
-    sizes[rng.integers(0, len(sizes), len(sizes) // 5)] = 0  # empty documents are skipped by samples
+    # empty documents are skipped by samples
+    sizes[rng.integers(0, len(sizes), len(sizes) // 5)] = 0
     sizes[3] = max(sizes[3], 2 * seq_length)
     documents = np.arange(3, 3 + num_docs) if num_docs > 1 else np.array([3])
     got = data.index_arrays(sizes, documents, num_samples, seq_length, seed)
@@ -374,7 +379,8 @@ def test_blended_dataset_items_and_errors():
         def __getitem__(self, i):
             return (self.tag, i)
 
-    bd = data.BlendedDataset([Fake("a", 100), Fake("b", 100)], [3, 1], 100)  # weights get normalised
+    # weights get normalised
+    bd = data.BlendedDataset([Fake("a", 100), Fake("b", 100)], [3, 1], 100)
     assert len(bd) == 100 and bd[0] == ("a", 0)
     assert [bd[i] for i in range(100)].count(("b", 24)) == 1 and sum(bd[i][0] == "b" for i in range(100)) == 25
     with pytest.raises(ValueError, match="positive"):
@@ -415,7 +421,8 @@ def test_build_datasets_single_and_blend(tmp_path):
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
     train, valid, test = data.build_datasets(a, "80,20,0", 16, 1, (50, 10, 5))
     assert isinstance(train, data.GPTDataset) and len(train) >= 50 and len(valid) >= 10 and test is None
-    assert train.doc_idx.max() < 16 <= valid.doc_idx.min()  # contiguous document ranges 0..15 / 16..19
+    # contiguous document ranges 0..15 / 16..19
+    assert train.doc_idx.max() < 16 <= valid.doc_idx.min()
 
     train, valid, test = data.build_datasets(["0.75", a, "0.25", b], "80,20,0", 16, 1, (400, 0, 0))
     assert isinstance(train, data.BlendedDataset) and len(train) == 400 and valid is None and test is None
@@ -428,7 +435,8 @@ def test_build_datasets_single_and_blend(tmp_path):
     with pytest.raises(ValueError, match="blend"):
         data.build_datasets(["0.5", a, "0.5"], "80,20,0", 16, 1, (10, 0, 0))
     with pytest.raises(ValueError, match="test split of .* is empty"):
-        data.build_datasets(a, "949,50,1", 16, 1, (10, 10, 10))  # 20 docs: test gets round(0.02) = 0
+        # 20 docs: test gets round(0.02) = 0
+        data.build_datasets(a, "949,50,1", 16, 1, (10, 10, 10))
     with pytest.raises(ValueError, match="cannot fill one sample"):
         data.build_datasets(a, "95,5,0", 64, 1, (10, 10, 0))  # valid = 1 doc of 40 tokens < 65
     with pytest.raises(FileNotFoundError, match="nothere.idx"):
@@ -456,10 +464,12 @@ def test_rampup_values_against_spec():
     assert r.num_micro_batches(0) == 1 and r.num_micro_batches(10**9) == 128
     for c in list(range(0, 400_000, 997)) + [int(k * per_increment) + e for k in range(128) for e in (-1, 0, 1)]:
         assert r(max(c, 0)) == _spec_rampup(max(c, 0), 16, 16, 9_765_625, 2048)
-    r = schedule.RampupBatchSize([32, 32, 6_000_000], 2048, 1, 32)  # lesson 12: tr8-104B (list form)
+    # lesson 12: tr8-104B (list form)
+    r = schedule.RampupBatchSize([32, 32, 6_000_000], 2048, 1, 32)
     for c in range(0, 6_100_000, 12_345):
         assert r(c) == _spec_rampup(c, 32, 32, 6_000_000, 2048)
-    assert schedule.RampupBatchSize("384 16 9_765_625", 2048, 2, 8)(0) == 384  # lesson 12: BLOOM main-2
+    # lesson 12: BLOOM main-2
+    assert schedule.RampupBatchSize("384 16 9_765_625", 2048, 2, 8)(0) == 384
     # c == samples is not "> samples": start + floor(9 / (9/7)) * 1 = 8 exactly (float division gives 6.999...)
     assert schedule.RampupBatchSize("1 1 9", 8, 1, 1)(9) == 8
     const = schedule.RampupBatchSize(None, 512, 4, 2)
@@ -523,7 +533,8 @@ def test_check_curriculum():
 
 def test_default_corpus(tmp_path, monkeypatch):
     prefix = data.default_corpus(str(tmp_path))
-    assert prefix == os.path.join(str(tmp_path), f"shakespeare-v{data.CORPUS_VERSION}")  # versioned: new tokens
+    # versioned: new tokens
+    assert prefix == os.path.join(str(tmp_path), f"shakespeare-v{data.CORPUS_VERSION}")
     ds = data.IndexedDataset(prefix)
     assert len(ds) == 38 and int(ds.sizes.sum()) > 1_000_000
     enc = data.get_tokenizer()

@@ -61,7 +61,8 @@ class Windows:
     def __init__(self, name, tokens, bounds, ids, num_samples, seq_length):
         self.name, self.ids, self.num_samples, self.seq_length = name, ids, num_samples, seq_length
         self.stream = np.concatenate([tokens[bounds[d]:bounds[d + 1]] for d in ids]).astype(np.int64)
-        self.starts = np.concatenate([[0], np.cumsum(bounds[ids + 1] - bounds[ids])])  # of each document in stream
+        # of each document in stream
+        self.starts = np.concatenate([[0], np.cumsum(bounds[ids + 1] - bounds[ids])])
         self.windows = (len(self.stream) - 1) // seq_length
         if self.windows < 1:
             raise ValueError(f"{name}: {len(ids)} documents cannot fill a sample; use more data or a larger share")
@@ -180,7 +181,8 @@ def test_a_run_trains_on_the_new_source(npy):
 
 def test_bad_sources_and_keys_are_refused_with_the_fix(npy, monkeypatch):
     path, _ = npy
-    monkeypatch.setattr(loader, "SOURCES", dict(loader.SOURCES))  # what this test registers goes with it
+    # what this test registers goes with it
+    monkeypatch.setattr(loader, "SOURCES", dict(loader.SOURCES))
     with pytest.raises(ValueError, match=r"data_source 'nope' is not a registered data source \(megatron, npy\)"):
         arguments.prepare(arguments.load_config(["--data_source=nope"]))
     with pytest.raises(ValueError, match="set data_path=FILE.npy"):
@@ -212,7 +214,8 @@ def test_megatron_is_the_first_source_and_the_default(corpus):
     assert (data_cfg.data_path, context.seq_length) == ([corpus], SEQ)
     blended = dataclasses.replace(data_cfg, data_path=["0.5", corpus, "0.5", corpus])
     blend = loader.MegatronSource(blended, context, (8, 0))
-    assert [name for name, _ in blend.documents()] == [corpus, corpus]  # a skip list's entry per blend component
+    # a skip list's entry per blend component
+    assert [name for name, _ in blend.documents()] == [corpus, corpus]
     plan = plan_of(cfg)
     train, valid = data_of(cfg, plan)
     want = data.build_datasets([corpus], cfg.split, SEQ, cfg.seed, (plan.total_samples, 8, 0))

@@ -28,8 +28,10 @@ from helpers import E2E_ARGS, ROOT, gather, spawn, synthetic_corpus, train_scrip
 from optim import OptimizerConfig
 from sections import section
 
-E2E = list(E2E_ARGS)  # --save=none: a run that saves passes --save=DIR after it (the later value wins)
-BF16_REL = (6e-5, 7e-4)  # DeepSpeed bf16 against native bf16, lm loss and grad norm: the README's figures
+# --save=none: a run that saves passes --save=DIR after it (the later value wins)
+E2E = list(E2E_ARGS)
+# DeepSpeed bf16 against native bf16, lm loss and grad norm: the README's figures
+BF16_REL = (6e-5, 7e-4)
 
 
 class Recorder:
@@ -166,7 +168,8 @@ def _accumulates_in_fp32(rec):
     from training import forward_backward
     wrapper, model = rec.wrapper, rec.model
     assert type(wrapper.optimizer).__name__ == "BF16_Optimizer"
-    assert wrapper.engine.communication_data_type == torch.float32  # the DP all-reduce of the fp32 buffers
+    # the DP all-reduce of the fp32 buffers
+    assert wrapper.engine.communication_data_type == torch.float32
     cfg = arguments.load_config([*E2E, "--bf16", "--pipeline_model_parallel_size=2"])
     tokens = torch.randint(0, 512, (64, 2, 33), generator=torch.Generator().manual_seed(0))
     batches = [(t[:, :-1], t[:, 1:]) for t in tokens]
@@ -292,4 +295,5 @@ def test_spike_guard_and_telemetry_are_refused_under_deepspeed(flag, message):
     import arguments
     with pytest.raises(ValueError, match=re.escape(message)):
         arguments.validate(arguments.load_config(["--deepspeed", "--bf16", "--zero_stage=1", flag]), world_size=1)
-    arguments.validate(arguments.load_config(["--bf16", flag]), world_size=1)  # the native path takes it
+    # the native path takes it
+    arguments.validate(arguments.load_config(["--bf16", flag]), world_size=1)

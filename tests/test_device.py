@@ -147,7 +147,8 @@ def test_no_rank_holds_a_full_tensor(monkeypatch):
         Allocations.largest = 0
         with Allocations():
             rank_model.init_weights(3)
-        assert Allocations.largest <= 4096 + 2 * cfg.hidden_size  # a chunk is whole rows, multiples of 16 values
+        # a chunk is whole rows, multiples of 16 values
+        assert Allocations.largest <= 4096 + 2 * cfg.hidden_size
         for name, p in rank_model.named_parameters():
             tp_dim = getattr(p, "tp_dim", None)
             assert torch.equal(p, parallel.shard(dict(whole.named_parameters())[name], tp_dim,
@@ -314,7 +315,8 @@ def _meta_step(monkeypatch, extra, tp=1, pp=1, dp=1, rank=0, micro_batches=2):
         setattr(grid, group, group)  # sentinels: Collectives(run=False) communicates nothing
     meta = torch.device("meta")
     monkeypatch.setattr(parallel, "grid", grid)
-    monkeypatch.setattr(parallel, "comm_device", lambda backend=None: meta)  # NCCL's: the model's GPU
+    # NCCL's: the model's GPU
+    monkeypatch.setattr(parallel, "comm_device", lambda backend=None: meta)
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: world)
     monkeypatch.setattr(dist, "get_rank", lambda group=None: rank)
@@ -345,7 +347,8 @@ def _meta_step(monkeypatch, extra, tp=1, pp=1, dp=1, rank=0, micro_batches=2):
                 report.log(1, parts.state, cfg.global_batch_size, cfg.seq_length, parts.scaler.scale)
                 exit_signal()
                 in_step = list(syncs.syncs)
-                store.maybe_take(1, parts)  # every spike_guard_snapshot_interval iterations, not each one
+                # every spike_guard_snapshot_interval iterations, not each one
+                store.maybe_take(1, parts)
         finally:
             exit_signal.restore()
     assert store.items
@@ -368,7 +371,8 @@ def test_train_step_on_meta(monkeypatch, layout, precision):
     extra = kw.pop("extra", []) + [precision]
     step, syncs_2, comms = _meta_step(monkeypatch, extra, **kw, micro_batches=2)
     assert step.outcome == "ok"  # the update ran
-    assert (step.z_loss is not None) == ("--z_loss=1e-4" in extra)  # the log line's z-loss, read in the step's sync
+    # the log line's z-loss, read in the step's sync
+    assert (step.z_loss is not None) == ("--z_loss=1e-4" in extra)
     assert comms.problems("meta") == []
     if kw:  # a layout of several ranks communicates inside the step
         assert any(phase == "loop" for phase, _, _ in comms.calls)
@@ -404,7 +408,8 @@ def _audited_runs(corpus, layouts):
             finally:
                 training.backward = backward
         assert any(phase == "loop" for phase, _, _ in comms.calls), layout
-        problems = comms.problems("cpu")  # gloo's device and the model's (the meta test checks the device apart)
+        # gloo's device and the model's (the meta test checks the device apart)
+        problems = comms.problems("cpu")
         assert not problems, f"{layout}: {sorted(set(problems))}"
 
 
@@ -457,7 +462,8 @@ def test_cuda_settings(monkeypatch):
     cfg = arguments.prepare(arguments.load_config(["--device=cuda"]))
     assert cfg.tf32
     monkeypatch.setattr(launcher, "get_device", lambda cfg: torch.device("cuda", 0))
-    monkeypatch.setattr(launcher.rng, "seed", lambda seed, device: None)  # the CUDA generator: not in this torch
+    # the CUDA generator: not in this torch
+    monkeypatch.setattr(launcher.rng, "seed", lambda seed, device: None)
     previous = torch.get_float32_matmul_precision()
     try:
         launcher.setup(cfg)
@@ -516,14 +522,16 @@ def test_a_cpu_run_on_a_machine_with_gpus_never_touches_cuda(monkeypatch):
         raise AssertionError("CUDA touched by a CPU run")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
-    monkeypatch.setattr(torch.cuda, "_queued_calls", [])  # torch.manual_seed's lazy CUDA seeding, dropped after
+    # torch.manual_seed's lazy CUDA seeding, dropped after
+    monkeypatch.setattr(torch.cuda, "_queued_calls", [])
     for name in ("get_rng_state", "set_rng_state", "current_device", "init"):
         monkeypatch.setattr(torch.cuda, name, touched)
     device = launcher.setup(arguments.prepare(arguments.load_config(["--device=cpu"])))
     assert device == torch.device("cpu") and set(rng.get_states()) == {"cpu"}
     state = checkpoint.rng_state()
     assert state["cuda"] is None
-    checkpoint.set_rng_state(dict(state, cuda=torch.zeros(16, dtype=torch.uint8)))  # a GPU run's checkpoint
+    # a GPU run's checkpoint
+    checkpoint.set_rng_state(dict(state, cuda=torch.zeros(16, dtype=torch.uint8)))
 
 
 def _save_on_two_ranks(directory):
@@ -750,7 +758,8 @@ def test_the_nccl_flight_recorder_is_on_for_cuda_unless_the_user_set_it(monkeypa
     assert not set(names) & set(os.environ)  # gloo: nothing to record
     monkeypatch.setenv("WORLD_SIZE", "1")
     launcher.use_nccl_flight_recorder(arguments.load_config(["--device=cuda", f"--save={tmp_path}"]))
-    assert not set(names) & set(os.environ) and not (tmp_path / "nccl_trace").exists()  # one GPU: no collective
+    # one GPU: no collective
+    assert not set(names) & set(os.environ) and not (tmp_path / "nccl_trace").exists()
     assert "flight recorder" not in capsys.readouterr().out
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("TORCH_NCCL_TRACE_BUFFER_SIZE", "50")  # the user's
@@ -762,7 +771,8 @@ def test_the_nccl_flight_recorder_is_on_for_cuda_unless_the_user_set_it(monkeypa
         f"NCCL flight recorder: on a collective timeout each rank dumps its last 50 collectives to "
         f"{tmp_path / 'nccl_trace' / 'rank_'}<rank>; `python -m torch.distributed.flight_recorder.fr_trace "
         f"{tmp_path / 'nccl_trace'}` names the rank that did not join\n")
-    monkeypatch.setenv("TORCH_NCCL_DUMP_ON_TIMEOUT", "0")  # the user turned the dump off: nothing to point at
+    # the user turned the dump off: nothing to point at
+    monkeypatch.setenv("TORCH_NCCL_DUMP_ON_TIMEOUT", "0")
     launcher.use_nccl_flight_recorder(arguments.load_config(["--device=cuda", f"--save={tmp_path}"]))
     monkeypatch.setenv("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
     monkeypatch.setenv("RANK", "1")  # said once, by rank 0

@@ -109,7 +109,8 @@ def test_a_packed_batch_trains_as_each_document_alone(monkeypatch, float64):
             for a, b in zip([0] + ends, ends + [xs.shape[1]]):
                 if a == b:
                     continue
-                logits = model(xs[row:row + 1, a:b])[0, :, :50]  # the document alone, from position 0
+                # the document alone, from position 0
+                logits = model(xs[row:row + 1, a:b])[0, :, :50]
                 keep = xs[row, a:b] != EOD
                 total = total + F.cross_entropy(logits[keep], ys[row, a:b][keep], reduction="sum")
                 count += int(keep.sum())
@@ -129,7 +130,8 @@ def test_the_loss_mask_is_counted_as_megatron_counts_it(monkeypatch, float64):
     y = torch.tensor([[0, 7, 0, 0, 3, 4], [9, 9, 9, 9, 0, 2]])
     mask = torch.tensor([[1, 0, 1, 0, 0, 1], [1, 1, 1, 1, 1, 0]])  # 8 tokens count
     with torch.no_grad():
-        per_token = F.cross_entropy(model(x)[..., :50].transpose(1, 2), y, reduction="none")  # real columns
+        # real columns
+        per_token = F.cross_entropy(model(x)[..., :50].transpose(1, 2), y, reduction="none")
         loss = forward_backward(model, [(x, y)], loader.packing(flagged(eod_mask_loss=True)), "cpu",
                                 forward_only=True)
     assert math.isclose(loss.item(), (per_token * mask).sum().item() / 8, rel_tol=1e-12)
@@ -190,7 +192,8 @@ def _layout_with_flags():
         assert math.isclose(loss.item(), ref_loss, rel_tol=1e-12), (g, flags, loss.item(), ref_loss)
         ref_grads = dict(one.named_parameters())
         for name, p in model.named_parameters():
-            twin = "embed.word.weight" if name == "output_weight" else name  # the last stage's tied copy
+            # the last stage's tied copy
+            twin = "embed.word.weight" if name == "output_weight" else name
             expected = parallel.shard(ref_grads[twin].grad, getattr(p, "tp_dim", None))
             torch.testing.assert_close(p.main_grad, expected, rtol=1e-9, atol=1e-12,
                                        msg=lambda m: f"{g} {flags} {name}: {m}")

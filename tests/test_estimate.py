@@ -67,7 +67,8 @@ def test_layer_activations_of_the_llama_block_by_hand():
     cfg = GPTConfig(hidden_size=2048, num_attention_heads=32, num_query_groups=8, ffn_hidden_size=8192,
                     swiglu=True, normalization="rmsnorm", position_embedding_type="rotary")
     s, h, f = 2048, 2048, 8192
-    replicated = 2 * s * h * 4 + s * h * 2  # norm, QKV and MLP inputs (bf16), two dropout masks (a byte each)
+    # norm, QKV and MLP inputs (bf16), two dropout masks (a byte each)
+    replicated = 2 * s * h * 4 + s * h * 2
     q, k, v, proj_in = 2 * s * h, 2 * s * 8 * 64, 2 * s * 8 * 64, 2 * s * h
     scores = 4 * 32 * s  # the fused kernel's fp32 log-sum-exp of each query's softmax
     swiglu = 4 * (2 * s * f)  # gate out, up out, SiLU out, product

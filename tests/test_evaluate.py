@@ -32,7 +32,8 @@ TOOL_SPEC.loader.exec_module(evaluate_tool)
 
 TASKS = os.path.join(ROOT, "tests", "data", "eval_tasks")
 NAMES = ["stablegpt_choice", "stablegpt_text", "stablegpt_answer"]
-SLOW = pytest.mark.slow  # the export, both models and lm-eval's runs, made once: ~25 s on 2 busy cores
+# the export, both models and lm-eval's runs, made once: ~25 s on 2 busy cores
+SLOW = pytest.mark.slow
 # GPT-2 without the embedding LayerNorm (a GPT2LMHeadModel export), GPT-2's vocabulary (the run's tokenizer), a
 # context of 32 tokens (the longest text spans several rolling windows); weights drawn with std 0.3 so that the
 # choices' log-likelihoods are far apart and the generations not all empty.
@@ -60,7 +61,8 @@ def offline(tmp_path_factory):
 def checkpoint(tmp_path_factory, offline):
     """(a TP=2 x PP=2 checkpoint written as its 4 ranks would, its transformers export)."""
     tmp = tmp_path_factory.mktemp("evaluate")
-    write_checkpoint(str(tmp / "ckpt"), ARGS, fill=lambda stage: None)  # the model's own init, any layout
+    # the model's own init, any layout
+    write_checkpoint(str(tmp / "ckpt"), ARGS, fill=lambda stage: None)
     diff, hf, _ = export_hf.export(str(tmp / "ckpt"), str(tmp / "hf"))
     assert diff <= 1e-5 and type(hf).__name__ == "GPT2LMHeadModel"
     return str(tmp / "ckpt"), str(tmp / "hf")
@@ -101,7 +103,8 @@ def test_loglikelihoods_equal_lm_evals_transformers_backend_per_document(ours, t
         for doc in a:
             mine = [r[0][0] if task == "stablegpt_choice" else r[0] for r in a[doc]]
             hfs = [r[0][0] if task == "stablegpt_choice" else r[0] for r in b[doc]]
-            assert mine == pytest.approx(hfs, rel=1e-6, abs=1e-5), (task, doc)  # measured: <= 7.6e-6
+            # measured: <= 7.6e-6
+            assert mine == pytest.approx(hfs, rel=1e-6, abs=1e-5), (task, doc)
             if task == "stablegpt_choice":
                 assert [r[0][1] for r in a[doc]] == [r[0][1] for r in b[doc]]  # is-greedy flags
                 gaps = [abs(x - y) for i, x in enumerate(mine) for y in mine[i + 1:]]
@@ -116,7 +119,8 @@ def test_loglikelihoods_equal_lm_evals_transformers_backend_per_document(ours, t
 def test_the_longest_text_spans_several_windows():
     import tokenizer
     text = json.loads(open(os.path.join(TASKS, "text.jsonl")).readlines()[1])["text"]
-    assert len(tokenizer.get_tokenizer().encode_ordinary(text)) > 3 * 32  # at least 4 windows of seq_length 32
+    # at least 4 windows of seq_length 32
+    assert len(tokenizer.get_tokenizer().encode_ordinary(text)) > 3 * 32
 
 
 @SLOW
@@ -165,7 +169,8 @@ def test_the_command_writes_lm_evals_results(checkpoint, ours, tmp_path, capsys)
                         "--only_include_path", "--batch_size", "2", "--output_path", str(out)])
     written = json.load(open(out))
     assert written["results"]["stablegpt_choice"]["acc,none"] == ours[1]["results"]["stablegpt_choice"]["acc,none"]
-    assert list(written["results"]) == ["stablegpt_choice"] and written["config"]["batch_size"] == 2  # the glob's
+    # the glob's
+    assert list(written["results"]) == ["stablegpt_choice"] and written["config"]["batch_size"] == 2
     assert "stablegpt_choice" in capsys.readouterr().out  # lm-eval's table
 
 

@@ -51,7 +51,8 @@ TINY = ["--num_layers=2", "--hidden_size=32", "--num_attention_heads=4", "--seq_
 def test_what_no_class_expresses_is_refused_by_the_classes_and_exports_as_our_own(switches, message):
     with pytest.raises(ValueError, match=message):
         hf.family(GPTConfig(**switches))
-    assert export_hf.target_class(GPTConfig(**switches)) == "stablegpt"  # tests/test_export_remote.py
+    # tests/test_export_remote.py
+    assert export_hf.target_class(GPTConfig(**switches)) == "stablegpt"
     assert export_hf.target_class(GPTConfig(stable_attention=True, apply_query_key_layer_scaling=True,
                                             z_loss=1e-4)) == "gpt2"
     assert export_hf.target_class(GPTConfig(position_embedding_type="alibi", embed_layernorm=True,
@@ -78,7 +79,8 @@ def test_gpt2_export_from_tp2(corpus, tmp_path):  # noqa: F811
     ids = torch.randint(0, 50257, (2, 32), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         assert (gpt(ids)[..., :50257] - hf(ids).logits).abs().max().item() <= 1e-5
-    _greedy_matches(hf, loaded, str(tmp_path / "ckpt"))  # greedy generation in transformers is model.generate's
+    # greedy generation in transformers is model.generate's
+    _greedy_matches(hf, loaded, str(tmp_path / "ckpt"))
 
 
 def merged_by_hand(tag_dir, tp):
@@ -128,7 +130,8 @@ def test_bloom_export_from_tp2_generates_the_same_tokens(play, tmp_path):
           "--position_embedding_type=alibi", "--embed_layernorm", "--activation=gelu_tanh", "--train_iters=4",
           "--tensor_model_parallel_size=2", f"--save={tmp_path / 'ckpt'}")
     diff, hf, tok = export_hf.export(str(tmp_path / "ckpt"), str(tmp_path / "hf"))
-    assert diff <= 1e-5 and type(hf).__name__ == "BloomForCausalLM" and hf.config.vocab_size == 400  # not 512
+    # not 512
+    assert diff <= 1e-5 and type(hf).__name__ == "BloomForCausalLM" and hf.config.vocab_size == 400
     config = json.load(open(tmp_path / "hf" / "config.json"))
     assert config["eos_token_id"] == 2 and config["n_head"] == 4
     assert tok.eos_token == "</s>" and os.path.exists(tmp_path / "hf" / "tokenizer.json")

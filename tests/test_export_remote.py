@@ -87,7 +87,8 @@ def test_what_no_class_computes_exports_with_our_modeling_file_at_equal_logits(n
     assert {"configuration_stablegpt.py", "modeling_stablegpt.py"} <= set(os.listdir(tmp_path / "hf"))
     theirs = _load(tmp_path / "hf")
     assert type(theirs).__name__ == "StableGPTForCausalLM"
-    tied = not cfg.untie_embeddings_and_output_weights  # and so in any transformers version, whichever way it ties
+    # and so in any transformers version, whichever way it ties
+    tied = not cfg.untie_embeddings_and_output_weights
     assert theirs.config.tie_word_embeddings == tied
     assert (theirs.lm_head.weight.data_ptr() == theirs.model.embed.word.weight.data_ptr()) == tied
     x = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(1))
@@ -188,7 +189,8 @@ def test_gpt2_125m_exports_from_tp2_pp2_and_loads_without_this_repository(tmp_pa
     write_checkpoint(str(tmp_path / "ckpt"), argv, lambda stage: None)
     diff, theirs, tok = export_hf.export(str(tmp_path / "ckpt"), str(tmp_path / "hf"))
     assert diff <= 1e-5 and type(theirs).__name__ == "StableGPTForCausalLM" and tok is not None
-    assert json.load(open(tmp_path / "hf" / "config.json"))["vocab_size"] == 50257  # TP=2's padding dropped
+    # TP=2's padding dropped
+    assert json.load(open(tmp_path / "hf" / "config.json"))["vocab_size"] == 50257
     prompt = tok("ROMEO:\nBut soft", return_tensors="pt")["input_ids"]
     code = ("import sys, json, torch, transformers\n"
             f"m = transformers.AutoModelForCausalLM.from_pretrained({str(tmp_path / 'hf')!r}, "

@@ -38,7 +38,8 @@ def _forked(tmp_path):
     (fork / "stability" / "loss_cap.py").write_text(module)
     config = fork / "stability" / "config.py"
     _edit(config, "@dataclass\nclass StabilityConfig(", section + "\n\n@dataclass\nclass StabilityConfig(")
-    _edit(config, "class StabilityConfig(", "class StabilityConfig(LossCapConfig, ")  # first: its key last
+    # first: its key last
+    _edit(config, "class StabilityConfig(", "class StabilityConfig(LossCapConfig, ")
     after_guard = '"guard.Guard"),\n'
     _edit(fork / "stability" / "__init__.py", after_guard, after_guard + line)
     return fork
@@ -58,7 +59,8 @@ def test_the_pages_stability_check_with_its_key_is_built_keeps_its_state_and_vet
     args = [*SMALL, f"--data_path={corpus}", "--train_iters=4", "--eval_iters=0"]
     out = _run(fork, *args, "--loss_cap=3", f"--save={tmp_path / 'kept'}", "--save_interval=4")
     state = torch.load(tmp_path / "kept" / "global_step4" / "mp_rank_00_000_model_states.pt", weights_only=False)
-    first = state["run"]["state"]["callbacks"]["loss_cap"]["first"]  # its own entry in the checkpoint
+    # its own entry in the checkpoint
+    first = state["run"]["state"]["callbacks"]["loss_cap"]["first"]
     assert abs(first - float(losses(out)[1])) < 1e-3 * first
     assert state["run"]["config"]["loss_cap"] == 3.0
     assert "loss cap:" not in out  # a clean start is far from 3x its first loss

@@ -58,7 +58,8 @@ def test_half_weight_gradient_is_the_fp32_sum_of_the_half_products(dtype, scale,
     assert ((layer.weight.main_grad.double() - exact).abs() <= bound).all()
     unfused(monkeypatch)
     plain, plain_xs, _ = _layer_backwards(dtype, 3, scale)
-    assert ((plain.weight.main_grad.double() - exact).abs() > bound).any()  # the bound catches bf16 rounding
+    # the bound catches bf16 rounding
+    assert ((plain.weight.main_grad.double() - exact).abs() > bound).any()
     assert torch.equal(layer.bias.main_grad, plain.bias.main_grad)
     assert all(torch.equal(x.grad, y.grad) for x, y in zip(xs, plain_xs))
 
@@ -68,7 +69,8 @@ def test_fp32_weight_keeps_autograds_path():
     .grad is made and the hook adds it, as before."""
     layer = parallel.ColumnParallelLinear(H, OUT)
     buffer = parallel.GradBuffer(layer.parameters(), torch.float32)
-    made = []  # the post-accumulate hook runs once autograd has accumulated a .grad (the buffer's frees it)
+    # the post-accumulate hook runs once autograd has accumulated a .grad (the buffer's frees it)
+    made = []
     layer.weight.register_post_accumulate_grad_hook(lambda p: made.append(p))
     buffer.start(1)
     x = torch.randn(*TOKENS, H, requires_grad=True)
@@ -130,7 +132,8 @@ def test_model_backward_makes_no_bf16_weight_gradient_and_matches_the_grad_path(
     """
     model = GPT(GPTConfig(**CFG))
     shapes = {tuple(p.shape) for p in _linear_weights(model).values()}
-    assert len(shapes) == 4 and 2 * 24 not in {s[0] for s in shapes}  # no activation (48 tokens) of a weight's shape
+    # no activation (48 tokens) of a weight's shape
+    assert len(shapes) == 4 and 2 * 24 not in {s[0] for s in shapes}
     fused_mode = HalfWeightProducts(shapes)
     fused, fused_after, _ = _train_micro_batches(checkpoint_activations, mode=fused_mode)
     unfused(monkeypatch)

@@ -27,7 +27,8 @@ def test_every_step_prints_its_lines_to_the_verdict_on_the_cpu(tmp_path):
     lines = out.stdout.splitlines()
     assert out.returncode == 0, out.stdout + out.stderr
     found = [next((i for i, line in enumerate(lines) if line.startswith(step)), None) for step in STEPS]
-    assert None not in found and found == sorted(found), out.stdout  # each step's header, in the order stated
+    # each step's header, in the order stated
+    assert None not in found and found == sorted(found), out.stdout
     for result in ("ceiling: copy", "ceiling: matmul gpt2_125m qkv", "ceiling: matmul tr3_1b3_1gpu output",
                    "ceiling: sdpa default gpt2_125m", "ceiling: sdpa default tr3_1b3_1gpu",
                    "| gpt2_125m compile=true | skipped on the CPU", "| gpt2_125m compile=false | ",
@@ -37,7 +38,8 @@ def test_every_step_prints_its_lines_to_the_verdict_on_the_cpu(tmp_path):
                    "| tr3_1b3_1gpu (2, 2, 64, 32, bfloat16) | efficient | unavailable here",
                    "   guard: gpt2_125m "):
         assert any(result in line for line in lines), (result, out.stdout)
-    assert not any("?" in line for line in lines if line.startswith("| ")), out.stdout  # each row has its numbers
+    # each row has its numbers
+    assert not any("?" in line for line in lines if line.startswith("| ")), out.stdout
     assert "n/a on CPU" in out.stdout and "FAIL" not in out.stdout
     verdict = re.fullmatch(r"verdict: OK -- gpt2_125m ([\d.]+) tokens/s ([\d.]+)% MFU, "
                            r"tr3_1b3_1gpu ([\d.]+) tokens/s ([\d.]+)% MFU, guard ratio ([\d.]+) "
@@ -80,7 +82,8 @@ def test_a_failing_step_is_recorded_and_the_next_ones_run(tmp_path):
     lines = out.stdout.splitlines()
     assert "| gpt2_125m compile=true | 401234 | 41.3% |" in out.stdout
     assert "| tr3_1b3_1gpu | ? | ?% |" in out.stdout and "   | torch.OutOfMemoryError: CUDA out of memory" in lines
-    assert "   1 passed, 1 failed, 0 skipped" in lines  # the tests ran after the failures before them
+    # the tests ran after the failures before them
+    assert "   1 passed, 1 failed, 0 skipped" in lines
     assert "   ceiling: fine" in lines and "   loss: fine" in lines
     assert "   paths: torch 2.11.0" in lines
     assert lines[0].startswith(f"== no prepared data at {tmp_path / 'absent'}: ")
@@ -106,7 +109,8 @@ def test_a_sync_warned_inside_a_library_or_a_thread_is_named_by_our_line():
     spec.loader.exec_module(probe)
 
     def ours():
-        warnings.warn("called a synchronizing CUDA operation", stacklevel=2)  # named after its caller, threading.py
+        # named after its caller, threading.py
+        warnings.warn("called a synchronizing CUDA operation", stacklevel=2)
     line = ours.__code__.co_firstlineno + 1
 
     def fn():

@@ -196,13 +196,15 @@ def test_the_counterfactual_batch_is_one_the_weights_were_never_trained_on(run, 
     found = re.search(r"decided by iteration (\d+)'s batch \(unseen\) on these weights", lines[0])
     assert len(lines) == 1 and found, lines
     held_out = int(found.group(1))
-    assert held_out > 42 and drawn[0] == (held_out - 1) * 8, (held_out, drawn)  # the rest: validation's
+    # the rest: validation's
+    assert held_out > 42 and drawn[0] == (held_out - 1) * 8, (held_out, drawn)
     assert not {40 * 8, 39 * 8, 38 * 8} & set(drawn), drawn
 
 
 # -- a block of repeated documents met in corpus order ------------------------------------------------------------
 
-BLOCK = ["--inject_repeat_iters=30-110", "--train_iters=130"]  # the samples of iteration 30, 81 times
+# the samples of iteration 30, 81 times
+BLOCK = ["--inject_repeat_iters=30-110", "--train_iters=130"]
 
 
 def test_a_block_of_repeated_documents_is_noticed_while_it_happens_and_only_its_documents_skipped(run, tmp_path):

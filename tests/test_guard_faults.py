@@ -114,7 +114,8 @@ def test_a_low_loss_with_an_outlying_grad_norm_is_a_spike_and_either_alone_is_no
         guard.update(i + 1, "ok", 5.3 + 0.01 * (-1) ** i, 0.55 + 0.01 * (-1) ** i, None, lr=1e-3)
     assert re.match(r"loss 2\.2 is 0\.4\dx its trend's \S+, \S+ spreads below it, with grad norm 5 ",
                     guard.judge(2.2, 5.0))
-    assert guard.judge(2.2, 0.55) is None and guard.judge(5.3, 5.0) is None  # 9x: under the 100x bar alone
+    # 9x: under the 100x bar alone
+    assert guard.judge(2.2, 0.55) is None and guard.judge(5.3, 5.0) is None
 
 
 def test_an_optimizer_rollback_cuts_the_lr_unless_the_lrs_since_the_snapshot_were_not_the_schedules():
@@ -124,7 +125,8 @@ def test_an_optimizer_rollback_cuts_the_lr_unless_the_lrs_since_the_snapshot_wer
     d = guard.update(41, "vetoed", 9.0, 9.0, None, {"cause": "optimizer", "evidence": "e", "since": 35})
     assert d["action"] == "rollback" and d["lr_scale"] == 0.5 and "would replay the spike: LR x0.5" in d["line"]
     cfg, guard = _guard()
-    guard.lrs = {n: (1e-3, 1e-3 * (1000 if n == 40 else 1)) for n in range(30, 42)}  # an LR fault in time
+    # an LR fault in time
+    guard.lrs = {n: (1e-3, 1e-3 * (1000 if n == 40 else 1)) for n in range(30, 42)}
     guard.pending = "loss 9 is 2x its trend's"
     d = guard.update(41, "vetoed", 9.0, 9.0, None, {"cause": "optimizer", "evidence": "e", "since": 35})
     assert d["action"] == "rollback" and d["lr_scale"] == 1.0 and d["line"].endswith("skip no data")
@@ -132,8 +134,10 @@ def test_an_optimizer_rollback_cuts_the_lr_unless_the_lrs_since_the_snapshot_wer
 
 def test_a_minority_of_samples_far_from_the_others_is_named_on_either_side():
     assert diagnosis.minority([5.0, 5.1, 4.9, 6.3, 5.05, 4.95, 6.2, 5.0]) == ([3, 6], pytest.approx(5.0, abs=0.01))
-    assert diagnosis.minority([5.0, 5.1, 0.3, 4.9, 5.05, 4.95, 5.0, 5.02])[0] == [2]  # low losses too
-    assert diagnosis.minority([6.2, 6.3, 6.25, 6.2, 6.1, 6.3, 6.2, 6.2])[0] == []  # a whole bad batch: no minority
+    # low losses too
+    assert diagnosis.minority([5.0, 5.1, 0.3, 4.9, 5.05, 4.95, 5.0, 5.02])[0] == [2]
+    # a whole bad batch: no minority
+    assert diagnosis.minority([6.2, 6.3, 6.25, 6.2, 6.1, 6.3, 6.2, 6.2])[0] == []
 
 
 def test_reproduced_tolerates_the_measured_nondeterminism_and_no_less_than_one_in_a_million():
@@ -221,13 +225,15 @@ def test_a_rise_of_two_steps_is_not_a_spike_of_three_is_and_the_message_names_th
         guard.update(i + 1, "ok", 5.0 + 0.05 * rng.standard_normal(), 0.5, None, lr=1e-3)
     losses = guard.series["loss"]
     for k in range(2):
-        step = losses.expected() + 4.5 * losses.fit()[1]  # 4.5 scatters up: under the bar of 6, over half of it
+        # 4.5 scatters up: under the bar of 6, over half of it
+        step = losses.expected() + 4.5 * losses.fit()[1]
         assert guard.judge(step, 0.5) is None, k
         guard.update(25 + k, "ok", step, 0.5, None, lr=1e-3)
     step = losses.expected() + 4.5 * losses.fit()[1]
     assert re.match(r"loss rose 3 steps in a row, each more than 3 spreads above its trend: \S+, \S+, \S+ \(trend",
                     guard.judge(step, 0.5) or ""), guard.judge(step, 0.5)
-    assert guard.judge(losses.expected() + 2.5 * losses.fit()[1], 0.5) is None  # the third under half the bar
+    # the third under half the bar
+    assert guard.judge(losses.expected() + 2.5 * losses.fit()[1], 0.5) is None
 
 
 @pytest.mark.slow

@@ -24,7 +24,8 @@ def test_only_a_grad_norm_spike_diagnosed_data_under_clip_grad_is_let_through():
     assert guard.tolerates(data)
     for cause in ("hardware", "numerical", "optimizer"):  # a bit flip, a half-precision cancellation, the LR
         assert not guard.tolerates({"cause": cause, "evidence": "e", "rank": 0})
-    assert not guard.tolerates({**data, "rebase": (5.3, 79.7)})  # a regime change: re-based, as before
+    # a regime change: re-based, as before
+    assert not guard.tolerates({**data, "rebase": (5.3, 79.7)})
     unclipped = _guard("--clip_grad=0")  # nothing bounds its update: skipped, as before
     assert unclipped.judge(5.3, 79.7) and not unclipped.tolerates(data)
     guard.judge(6.5, 79.7)  # the loss an outlier too: a spike of both, acted on as before
@@ -38,14 +39,16 @@ def test_a_spike_let_through_is_no_decision_and_does_not_become_the_grad_norms_t
     assert guard.update(17, "ok", 5.3, 79.7, None, {"cause": "data", "evidence": "e", "tolerated": True},
                         lr=1e-3) is None
     assert guard.decisions == [] and guard.strikes == [] and guard.pending is None
-    assert abs(guard.series["grad norm"].expected() / trend - 1) < 0.05  # the outlier recorded as the trend's value
+    # the outlier recorded as the trend's value
+    assert abs(guard.series["grad norm"].expected() / trend - 1) < 0.05
     assert guard.judge(5.3, 79.7)  # the same outlier again is still one
 
 
 def _trial_19_clean(corpus512, *method):
     """The fifth campaign's trial 19, its clean twin (4x128, fp32, one process, seed 1253: lab/campaign/fifth), to
     iteration 21: its batch of iteration 20 has a grad norm 131x its trend's and an ordinary loss."""
-    trial = {**gc.draw(51, 19, 400), "seed": 1253}  # the fifth drew trial k's training seed as 1234 + k (since fixed)
+    # the fifth drew trial k's training seed as 1234 + k (since fixed)
+    trial = {**gc.draw(51, 19, 400), "seed": 1253}
     args = [a for a in gc.base_args(trial, "4x128", 400) if not a.startswith("--train_iters")]
     return run_main(*args, "--train_iters=21", "--eval_iters=2", *method, f"--data_path={corpus512}")
 

@@ -55,7 +55,8 @@ def test_the_relative_move_is_the_norm_of_the_weights_change_over_their_norm_per
     flat = lambda d: torch.cat([v.reshape(-1).double() for v in d.values()])  # noqa: E731
     now = flat({k: p.detach() for k, p in model.named_parameters()})
     expected = float(torch.linalg.vector_norm(now - flat(then)) / torch.linalg.vector_norm(now)) / 3
-    assert update_size.relative_move(model, then, 3) == pytest.approx(expected, rel=1e-6)  # fp32 differences
+    # fp32 differences
+    assert update_size.relative_move(model, then, 3) == pytest.approx(expected, rel=1e-6)
     with torch.no_grad():
         model[0].weight[0, 0] = math.inf
     assert update_size.relative_move(model, then, 3) == math.inf
@@ -100,7 +101,8 @@ def test_a_move_far_above_its_trend_is_an_outlier_and_the_schedules_is_not():
     guard = _guard()
     assert guard.moved(1.0) is None  # no trend yet (under 3 readings)
     next_move = _moves(guard)
-    assert guard.moved(next_move) is None and guard.moved(2.5 * next_move) is None  # the schedule's; 2.5x: under 4x
+    # the schedule's; 2.5x: under 4x
+    assert guard.moved(next_move) is None and guard.moved(2.5 * next_move) is None
     reason = guard.moved(15 * next_move)
     assert re.match(r"the weights moved \S+ of their norm per update, 1\d\.\dx their trend's \S+, \S+ spreads above",
                     reason), reason

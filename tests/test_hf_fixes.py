@@ -161,7 +161,8 @@ def test_llama3_rope_scaling_factor_and_original_context_import_and_export(facto
         llama3 = GPT(GPTConfig(**{**ours.cfg.__dict__, "rope_scaling_factor": 8.0,
                                   "original_max_position_embeddings": 8192}))
         llama3.load_state_dict(ours.state_dict())
-        assert (llama3.eval()(x)[..., :512] - expected).abs().max() > 1e-3  # Llama 3's constants are not these
+        # Llama 3's constants are not these
+        assert (llama3.eval()(x)[..., :512] - expected).abs().max() > 1e-3
     torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
     exported, state = export_hf.hf_model(ours, keys={})
     missing, unexpected = exported.load_state_dict(state, strict=False)
@@ -264,9 +265,11 @@ def test_untied_output_layer_is_drawn_independently_of_the_embedding():
 
     embed, output = weights(1234)
     assert not torch.equal(embed, output)
-    assert not torch.equal(embed.flatten().sort().values, output.flatten().sort().values)  # not a permutation
+    # not a permutation
+    assert not torch.equal(embed.flatten().sort().values, output.flatten().sort().values)
     correlation = torch.corrcoef(torch.stack([embed.flatten(), output.flatten()]))[0, 1].item()
-    assert abs(correlation) < 0.03, correlation  # 32000 pairs: ~0.0056 for independent draws; 1 for a copy
+    # 32000 pairs: ~0.0056 for independent draws; 1 for a copy
+    assert abs(correlation) < 0.03, correlation
     # each output row's best match among the embedding's rows: ~0.4 by chance over 500 rows of 64 features, 1 for
     # rows copied, scaled or moved
     best = torch.corrcoef(torch.cat([embed, output]))[500:, :500].abs().max(dim=1).values

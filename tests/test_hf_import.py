@@ -92,7 +92,8 @@ def test_config_from_the_model(models):
         activation="gelu_tanh", position_embedding_type="learned", embed_layernorm=False)
     assert hf.config_from_hf(models["bloom"][0]) == dict(
         num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=300, layernorm_epsilon=1e-6,
-        activation="gelu_tanh", position_embedding_type="alibi", embed_layernorm=True)  # ALiBi: any seq_length
+        # ALiBi: any seq_length
+        activation="gelu_tanh", position_embedding_type="alibi", embed_layernorm=True)
 
 
 @pytest.mark.parametrize("kind", ["gpt2", "bloom"])
@@ -108,7 +109,8 @@ def test_logits_match_transformers_at_tp1(models, kind):
 def _tp2_logits(cases):
     for directory, x, expected in cases:
         model = ours(directory, tp=2)
-        assert model.embed.word.weight.shape[0] * 2 == model.cfg.padded_vocab_size  # this rank's half
+        # this rank's half
+        assert model.embed.word.weight.shape[0] * 2 == model.cfg.padded_vocab_size
         with torch.no_grad():
             logits = parallel.gather_from_tp(model(x))[..., :expected.shape[-1]]
         diff = (logits - expected).abs().max().item()

@@ -72,12 +72,14 @@ def test_fp16_dynamic_loss_scale_overflows_skip_and_halve(half, tmp_path):
     fields = log_fields(out)
     assert fields[1]["number of skipped iterations"] == "1"
     assert fields[1]["loss scale"] == "16777216.0" and fields[2]["loss scale"] == "8388608.0"
-    assert any(f["number of skipped iterations"] == "0" for f in fields.values())  # it does get to train
+    # it does get to train
+    assert any(f["number of skipped iterations"] == "0" for f in fields.values())
     # a skipped step changes nothing: the optimizer has stepped once per applied iteration only
     _, opt, run = checkpoint_state(tmp_path, 8)
     applied = sum(f["number of skipped iterations"] == "0" for f in fields.values())
     assert steps_of(opt) == {applied}
-    assert run["scaler"]["scale"] == float(fields[8]["loss scale"]) < 2**24  # the scaler state is checkpointed
+    # the scaler state is checkpointed
+    assert run["scaler"]["scale"] == float(fields[8]["loss scale"]) < 2**24
 
 
 @pytest.mark.parametrize("precision", [["--fp16", "--initial_loss_scale=65536", "--loss_scale_window=2"],
@@ -109,14 +111,16 @@ def test_bf16_trains_past_the_warmup_like_fp32(half, tmp_path):
     assert sorted(bf16) == list(range(1, 13))
     for i in bf16:
         assert math.isclose(fp32[i], bf16[i], rel_tol=1e-3), (i, fp32[i], bf16[i])
-    assert bf16[12] < min(bf16[i] for i in range(1, 7)) - 0.4, bf16  # it learns once past the warm-up
+    # it learns once past the warm-up
+    assert bf16[12] < min(bf16[i] for i in range(1, 7)) - 0.4, bf16
     weights, opt, _ = checkpoint_state(tmp_path, 12)
     cfg = arguments.prepare(arguments.load_config([*args, "--bf16"]))
     initial = build_model(cfg, torch.device("cpu")).state_dict()
     assert set(weights) == set(initial) and {w.dtype for w in weights.values()} == {torch.bfloat16}
     moved = [k for k in weights if not torch.equal(weights[k], initial[k])]
     assert moved == list(weights), set(weights) - set(moved)
-    rounded = [m.to(torch.bfloat16) for m in opt["fp32_master_weights"]]  # in the optimizer's order, not by name
+    # in the optimizer's order, not by name
+    rounded = [m.to(torch.bfloat16) for m in opt["fp32_master_weights"]]
     assert all(any(torch.equal(w, r) for r in rounded if r.shape == w.shape) for w in weights.values())
 
 
@@ -157,7 +161,8 @@ def test_bnb_8bit_adam_runs_and_resumes_exactly(small512, tmp_path):
     run_main(*args, "--train_iters=3", f"--save={tmp_path / 'b'}")
     resumed = losses(run_main(*args, "--train_iters=6", f"--save={tmp_path / 'b'}", f"--load={tmp_path / 'b'}"))
     assert {i: full[i] for i in (4, 5, 6)} == resumed
-    assert_same_checkpoint(tmp_path / "a", tmp_path / "b", 6)  # the 8-bit states and their statistics too
+    # the 8-bit states and their statistics too
+    assert_same_checkpoint(tmp_path / "a", tmp_path / "b", 6)
 
 
 # -- schedules -----------------------------------------------------------------------------------------------------
@@ -181,14 +186,16 @@ def test_batch_size_rampup_follows_megatron(small512):
 
 
 def test_train_tokens_ends_training(small512):
-    out = run_main(*small512, "--train_iters=none", "--train_tokens=1500")  # 512 tokens per iteration
+    # 512 tokens per iteration
+    out = run_main(*small512, "--train_iters=none", "--train_tokens=1500")
     assert sorted(log_fields(out)) == [1, 2, 3]
 
 
 def test_curriculum_truncates_counts_tokens_and_evaluates_at_full_length(small512, tmp_path, monkeypatch):
     args = [*small512, "--curriculum_learning", "--min_difficulty=16", "--total_curriculum_step=8",
             "--train_iters=10", "--eval_interval=5"]
-    seqlens = {True: set(), False: set()}  # the sequence lengths of the evaluation's batches, of training's
+    # the sequence lengths of the evaluation's batches, of training's
+    seqlens = {True: set(), False: set()}
     forward_backward = training.forward_backward
 
     def recording(model, batches, *args, **kw):

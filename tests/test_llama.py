@@ -77,7 +77,8 @@ def _llama_layout(tp, pp):
     assert math.isclose(loss.item(), ref_loss, rel_tol=1e-12), (g, loss.item(), ref_loss)
     names = [n for n, _ in model.named_parameters()]
     assert any(n.endswith("mlp.gate.weight") for n in names) and not any(n.endswith("bias") for n in names)
-    assert ("output_layer" in names) == g.is_last_stage and "output_weight" not in names  # untied: no copy
+    # untied: no copy
+    assert ("output_layer" in names) == g.is_last_stage and "output_weight" not in names
     for name, p in model.named_parameters():
         expected = parallel.shard(ref_grads[name], getattr(p, "tp_dim", None))
         torch.testing.assert_close(p.main_grad, expected, rtol=1e-9, atol=1e-12, msg=lambda m: f"{g} {name}: {m}")
@@ -153,7 +154,8 @@ def test_rotary_angles_are_fp32_rounded_once_in_a_bf16_model():
     ref_cos, ref_sin = rotary_cos_sin(4096, 8, torch.float32)
     assert torch.equal(cos, ref_cos.to(torch.bfloat16)) and torch.equal(sin, ref_sin.to(torch.bfloat16))
     exact_cos, _ = rotary_cos_sin(4096, 8, torch.float64)
-    assert (cos.double() - exact_cos).abs().max() < 2 ** -8 + 1e-3  # bf16's rounding, not bf16's angles
+    # bf16's rounding, not bf16's angles
+    assert (cos.double() - exact_cos).abs().max() < 2 ** -8 + 1e-3
     # rotary_base reaches the angles
     base = GPTConfig(**LLAMA_TINY)
     _, (cos5, _) = GPT(base).positions(torch.zeros(1, 16, 32))
@@ -229,7 +231,8 @@ def _imported(directory, tp=1):
     return cfg
 
 
-@pytest.mark.parametrize("tie, vocab", [(False, 32000), (True, 32000), (False, 128256)])  # Llama 2's, Llama 3's
+# Llama 2's, Llama 3's
+@pytest.mark.parametrize("tie, vocab", [(False, 32000), (True, 32000), (False, 128256)])
 def test_llama_import_first_loss_equals_transformers(tie, vocab, tmp_path):
     theirs = _llama_dir(tmp_path, tie, vocab)
     x, y = _batch(vocab)
@@ -422,7 +425,8 @@ def test_packed_documents_compute_each_document_alone(block):
                        **block, "seq_length": 24})
     gpt = GPT(cfg).double().eval()
     tokens = torch.randint(1, 50, (2, 24), generator=torch.Generator().manual_seed(0))
-    cuts = ([6, 15], [0, 11, 12])  # the second sample starts with an empty document and has two eods in a row
+    # the second sample starts with an empty document and has two eods in a row
+    cuts = ([6, 15], [0, 11, 12])
     for row, ends in enumerate(cuts):
         tokens[row, ends] = eod
     documents = document_ids(tokens, eod)
@@ -434,8 +438,10 @@ def test_packed_documents_compute_each_document_alone(block):
             for a, b in zip(bounds, bounds[1:]):
                 alone = gpt(tokens[row:row + 1, a:b])[0]
                 torch.testing.assert_close(packed[row, a:b], alone, rtol=1e-10, atol=1e-10)
-    assert not torch.allclose(packed, unmasked, atol=1e-3)  # the documents did see each other without it
-    assert documents[1].tolist()[:14] == [0] + [1] * 11 + [2, 3]  # an eod belongs to the document it ends
+    # the documents did see each other without it
+    assert not torch.allclose(packed, unmasked, atol=1e-3)
+    # an eod belongs to the document it ends
+    assert documents[1].tolist()[:14] == [0] + [1] * 11 + [2, 3]
 
 
 @pytest.mark.slow

@@ -16,7 +16,8 @@ from run_state import RunState
 def dataset(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("loader")
     rng = np.random.default_rng(0)
-    docs = [rng.integers(0, 50257, n) for n in rng.integers(0, 90, 60)]  # empty and short documents included
+    # empty and short documents included
+    docs = [rng.integers(0, 50257, n) for n in rng.integers(0, 90, 60)]
     data.write_indexed_dataset(str(tmp / "corpus"), docs)
     return data.GPTDataset(data.IndexedDataset(str(tmp / "corpus")), np.arange(60), 2000, 32, 5, "train", str(tmp))
 
@@ -79,8 +80,10 @@ def test_wrong_guesses_and_errors(dataset):
 
     with loader.Prefetcher(load, lambda k: k + 1 if k < 5 else None) as prefetcher:
         assert prefetcher.get(0) == 0 and prefetcher.get(1) == 10
-        assert prefetcher.get(4) == 40  # not the guess (2): dropped, loaded on the spot, then 5 guessed
-        assert prefetcher.get(5) == 50 and prefetcher.get(3) == 30  # a step back (a rollback) works too
+        # not the guess (2): dropped, loaded on the spot, then 5 guessed
+        assert prefetcher.get(4) == 40
+        # a step back (a rollback) works too
+        assert prefetcher.get(5) == 50 and prefetcher.get(3) == 30
         with pytest.raises(KeyError, match="bad key -1"):
             prefetcher.get(-1)
     # a failing guess past the end is never seen; the exception of a requested key surfaces in the caller

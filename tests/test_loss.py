@@ -44,7 +44,8 @@ def _ours(hidden, weight, target, z_loss, weights):
 
 
 @pytest.mark.parametrize("z_loss", [0.0, 1e-2])
-@pytest.mark.parametrize("chunk", [2**22, 12 * 1000 + 7])  # one chunk, or ragged chunks of 1000 columns
+# one chunk, or ragged chunks of 1000 columns
+@pytest.mark.parametrize("chunk", [2**22, 12 * 1000 + 7])
 def test_equals_plain_ops_in_float64(z_loss, chunk, monkeypatch):
     monkeypatch.setattr(cross_entropy, "CROSS_ENTROPY_CHUNK", chunk)
     hidden, weight, target = _inputs()
@@ -93,7 +94,8 @@ def test_the_model_never_holds_the_logits(monkeypatch):
     with LargestTensor() as mode:
         gpt(ids, targets=ids).backward()
     tokens_x_vocab = ids.numel() * cfg.padded_vocab_size
-    assert mode.largest <= cfg.padded_vocab_size * H < tokens_x_vocab / 4  # the weight (and its gradient)
+    # the weight (and its gradient)
+    assert mode.largest <= cfg.padded_vocab_size * H < tokens_x_vocab / 4
     # and the same loss and gradients as through the logits
     loss = gpt(ids, targets=ids)
     grads = torch.autograd.grad(loss, list(gpt.parameters()))
@@ -114,7 +116,8 @@ def _tp2_equals_plain_ops(z_loss):
     (weights * loss).sum().backward()
     torch.testing.assert_close(loss, expected[0], atol=1e-10, rtol=1e-10)
     torch.testing.assert_close(log_z, expected[1], atol=1e-10, rtol=1e-10)
-    torch.testing.assert_close(h.grad, expected[2], atol=1e-10, rtol=1e-10)  # copy_to_tp's all-reduce
+    # copy_to_tp's all-reduce
+    torch.testing.assert_close(h.grad, expected[2], atol=1e-10, rtol=1e-10)
     torch.testing.assert_close(mine.grad, parallel.shard(expected[3], 0), atol=1e-10, rtol=1e-10)
 
 
@@ -140,7 +143,8 @@ def test_megatrons_padded_softmax_is_a_switch():
     torch.testing.assert_close(ours(x, targets=x), masked, atol=1e-12, rtol=0)
     torch.testing.assert_close(megatron(x, targets=x), full, atol=1e-12, rtol=0)
     megatron(x, targets=x).backward()
-    assert megatron.embed.word.weight.grad[V_REAL:].abs().max() > 0  # the padded rows learn, as Megatron's
+    # the padded rows learn, as Megatron's
+    assert megatron.embed.word.weight.grad[V_REAL:].abs().max() > 0
 
 
 @pytest.mark.cuda
@@ -192,7 +196,8 @@ def _ours_mean(hidden, weight, target, z_loss, vocab, upstream=3.0):
 
 @pytest.mark.parametrize("z_loss", [0.0, 1e-2])
 @pytest.mark.parametrize("vocab", [V_REAL, None])  # the padding masked; Megatron's softmax over it
-@pytest.mark.parametrize("chunk", [2**22, 1])  # 48 tokens in one chunk, or in chunks of H = 16 (the least)
+# 48 tokens in one chunk, or in chunks of H = 16 (the least)
+@pytest.mark.parametrize("chunk", [2**22, 1])
 def test_mean_equals_f_cross_entropy_on_the_logits(z_loss, vocab, chunk, monkeypatch):
     monkeypatch.setattr(cross_entropy, "CROSS_ENTROPY_CHUNK", chunk)
     hidden, weight, target = _inputs(T=24)
@@ -201,14 +206,16 @@ def test_mean_equals_f_cross_entropy_on_the_logits(z_loss, vocab, chunk, monkeyp
     expected = _reference_mean(hidden, weight, target, z_loss, vocab or V_PADDED)
     for name, a, b in zip(("loss", "log Z", "grad hidden", "grad weight"), ours, expected):
         torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10, msg=name)
-    assert (ours[3][V_REAL:].abs().max() == 0) == (vocab == V_REAL)  # padding rows: a gradient only in the softmax
+    # padding rows: a gradient only in the softmax
+    assert (ours[3][V_REAL:].abs().max() == 0) == (vocab == V_REAL)
 
 
 def test_the_gradient_is_computed_once_and_only_when_wanted():
     # FLOPs of the matmuls: logits, then their products with the weight and the hidden states -- three for the mean
     # (none again in backward), one without a gradient, four for the per-token loss (its backward recomputes)
     hidden, weight, target = _inputs(torch.float32)
-    matmul = 2 * target.numel() * H * V_PADDED  # the padded weight's rows: aligned matmuls, the padding masked
+    # the padded weight's rows: aligned matmuls, the padding masked
+    matmul = 2 * target.numel() * H * V_PADDED
 
     def flops(reduction, grad=True):
         h, w = hidden.clone().requires_grad_(grad), weight.clone().requires_grad_(grad)
@@ -227,7 +234,8 @@ def test_the_gradient_is_computed_once_and_only_when_wanted():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("chunk", [20 * V_PADDED, 2**22])  # chunks of 20, 20 and 8 tokens (an fp32 sum), or one
+# chunks of 20, 20 and 8 tokens (an fp32 sum), or one
+@pytest.mark.parametrize("chunk", [20 * V_PADDED, 2**22])
 def test_mean_is_as_close_to_float64_as_the_logits_path(dtype, chunk, monkeypatch):
     # fp16 with a loss scale's upstream gradient (2^16): the weight's gradient is held in fp32 until it is applied
     monkeypatch.setattr(cross_entropy, "CROSS_ENTROPY_CHUNK", chunk)

@@ -94,7 +94,8 @@ def _inputs(dtype, tokens=48, seed=0):
     hidden = torch.randn(tokens, H, generator=g, dtype=torch.float64)
     weight = 0.5 * torch.randn(V, H, generator=g, dtype=torch.float64)
     target = torch.randint(0, V_REAL, (tokens,), generator=g)
-    target[: tokens // 2] = 7  # one row of the weight's gradient summed over many tokens, in every chunk
+    # one row of the weight's gradient summed over many tokens, in every chunk
+    target[: tokens // 2] = 7
     return hidden.to(dtype), weight.to(dtype), target
 
 
@@ -122,11 +123,13 @@ def test_eager_chain_exponentiates_each_chunk_once(dtype, monkeypatch):
     step: issue 39), and no chunk-sized tensor made but one buffer that every chunk's logits are written into
     (bf16: and each chunk's fp32 exponentials), which the next forward writes into again (made afresh, its
     pages were faulted in again on every forward: 19k at 6 x 384). Same numbers as the fp64 reference."""
-    monkeypatch.setattr(cross_entropy, "CROSS_ENTROPY_CHUNK", 1)  # chunks of H = 16 tokens: 3 of them
+    # chunks of H = 16 tokens: 3 of them
+    monkeypatch.setattr(cross_entropy, "CROSS_ENTROPY_CHUNK", 1)
     monkeypatch.setattr(cross_entropy, "CPU_LOGITS", [])  # none kept from an earlier test
     hidden, weight, target = _inputs(dtype)
     h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-    copies = ["aten._to_copy.default"] * 3 if dtype != torch.float32 else []  # bf16: each chunk's fp32 exps
+    # bf16: each chunk's fp32 exps
+    copies = ["aten._to_copy.default"] * 3 if dtype != torch.float32 else []
     for made in (["aten.new_empty.default"], []):  # one buffer for every chunk, and for the next forward
         with ChunkSized((H, V), (H, V_REAL)) as recorded:
             loss, _ = cross_entropy.linear_cross_entropy(h, w, target, V_REAL, 1e-2, "mean")
@@ -159,7 +162,8 @@ def test_eager_chain_takes_the_softmax_from_torchs_kernel_a_row_at_a_time(monkey
     softmax over the chunk written over it (a row at a time through the cache), the max of that (1 / the sum of
     exp), and the one-hot subtracted. The subtract, exp, sum and scale it replaces each went through the chunk in
     memory: 1.7x the time at 2048 x 50304 on 2 cores, 2-6% of a 6 x 384 model's CPU step (docs/speed.md)."""
-    monkeypatch.setattr(cross_entropy, "CPU_LOGITS", [])  # the logits buffer made here (new_empty), not kept
+    # the logits buffer made here (new_empty), not kept
+    monkeypatch.setattr(cross_entropy, "CPU_LOGITS", [])
     hidden, weight, target = _inputs(torch.float32)
     h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
     with ChunkOps(hidden.shape[0] * V_REAL) as recorded:  # one chunk of 48 tokens
@@ -173,7 +177,8 @@ def test_fp32_weight_gradient_sum_starts_from_the_first_product_not_zeros(reduct
     """fp32: the first chunk's product is written into the weight's gradient sum instead of added to zeros: no
     weight-sized zero fill (a 77 MB pass a micro-batch at 384 x 50304 on the CPU), the same bits as before (the
     reference: the sum started from zeros, every chunk added)."""
-    monkeypatch.setattr(cross_entropy, "CROSS_ENTROPY_CHUNK", 1)  # chunks of H = 16 tokens: 3 of them
+    # chunks of H = 16 tokens: 3 of them
+    monkeypatch.setattr(cross_entropy, "CROSS_ENTROPY_CHUNK", 1)
     hidden, weight, target = _inputs(torch.float32)
 
     def grads():
@@ -290,7 +295,8 @@ def test_output_weight_gradient_goes_into_main_grad_with_no_grad(dtype, buffer_d
     assert not fired and w.grad is None and not made, (len(fired), made)
     exact = [sum(pair) for pair in zip(*(_reference(h, weight, t) for h, _, t in batches))]
     if dtype == torch.float32:
-        torch.testing.assert_close(w.main_grad, plain.grad)  # fp32 rounding: main_grad + g * scale in one op
+        # fp32 rounding: main_grad + g * scale in one op
+        torch.testing.assert_close(w.main_grad, plain.grad)
     else:
         assert _error(w.main_grad / upstream, exact[1]) <= _error(plain.grad.double() / upstream, exact[1])
 

@@ -33,7 +33,8 @@ def test_the_moments_are_zeroed_once_in_time_and_the_step_count_kept():
                                                           torch.as_tensor(steps[id(p)]))
     sum(p.sum() for p in model.parameters()).backward()
     optimizer.step()
-    guard.last_run = 4  # the iteration has been run: met again (a rollback's replay), it is not a fault anew
+    # the iteration has been run: met again (a rollback's replay), it is not a fault anew
+    guard.last_run = 4
     faults.lose_optimizer_state(4, guard)
     assert all(s["exp_avg_sq"].abs().sum() > 0 for s in optimizer.state.values())
 

@@ -44,8 +44,10 @@ ARGS = ["--num_layers=2", "--hidden_size=64", "--num_attention_heads=4", "--seq_
 BLOCK = {"ln_1": "input_layernorm", "attn.qkv": "self_attention.query_key_value",
          "attn.proj": "self_attention.dense", "ln_2": "post_attention_layernorm", "mlp.fc1": "mlp.dense_h_to_4h",
          "mlp.fc2": "mlp.dense_4h_to_h"}
-COLUMNS = ("self_attention.dense.weight", "mlp.dense_4h_to_h.weight")  # row-parallel: split along the inputs
-ROWS = ("word_embeddings.weight", "self_attention.query_key_value", "mlp.dense_h_to_4h")  # split along the outputs
+# row-parallel: split along the inputs
+COLUMNS = ("self_attention.dense.weight", "mlp.dense_4h_to_h.weight")
+# split along the outputs
+ROWS = ("word_embeddings.weight", "self_attention.query_key_value", "mlp.dense_h_to_4h")
 
 
 class PositionEmbeddingType(enum.Enum):  # megatron.enums's, pickled into args as Megatron does
@@ -313,10 +315,13 @@ def test_resumed_at_tp1_equals_the_straight_run_bit_for_bit(imported, tmp_path):
     out = run_main(*ARGS, f"--load={ours}", f"--save={tmp_path}")
     assert "saved with TP=2 x PP=2 x DP=1, now TP=1 x PP=1 x DP=1" in out
     assert "loaded checkpoint" in out and "at iteration 2" in out
-    assert sorted(losses(out)) == [3] and losses(out)[3] == losses(ref_out)[3]  # the loss of the imported weights
+    # the loss of the imported weights
+    assert sorted(losses(out)) == [3] and losses(out)[3] == losses(ref_out)[3]
     (_, model, rank), (_, want_model, want_rank) = final_state(tmp_path), final_state(ref)
-    assert_same(model["model"], want_model["model"], "weights")  # one step from the imported state: bit-exact
-    assert_same(rank["optimizer"], want_rank["optimizer"], "optimizer")  # fp32 masters, moments, step
+    # one step from the imported state: bit-exact
+    assert_same(model["model"], want_model["model"], "weights")
+    # fp32 masters, moments, step
+    assert_same(rank["optimizer"], want_rank["optimizer"], "optimizer")
     for key in ("iteration", "consumed_samples", "consumed_tokens", "scheduler_samples", "scheduler_tokens"):
         assert model["run"]["state"][key] == want_model["run"]["state"][key], key
 
@@ -368,7 +373,8 @@ def test_deepspeeds_universal_checkpoint_gives_the_same_state(imported, tmp_path
             input_folder=str(imported[2] / "global_step2"), output_folder=str(universal), num_extract_workers=1,
             num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=False))
     assert not any(n.startswith("layer_") for n in os.listdir(universal))
-    _import(tmp_path / "universal", tmp_path / "ours", "--padded_vocab_in_softmax=false")  # by latest_universal
+    # by latest_universal
+    _import(tmp_path / "universal", tmp_path / "ours", "--padded_vocab_in_softmax=false")
     _, _, _, _, cfg, (blob, ref_rank) = imported
     _assert_holds_reference(tmp_path / "ours", cfg, blob, ref_rank, capsys)
 
@@ -487,7 +493,8 @@ def test_files_are_found_by_their_rank_numbers_not_as_text(tmp_path):
     tag.mkdir()
     args = argparse.Namespace(num_layers=3, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     for t in range(tp):
-        (tag / f"layer_01-model_{t:02d}-model_states.pt").touch()  # not read here: TP is their number
+        # not read here: TP is their number
+        (tag / f"layer_01-model_{t:02d}-model_states.pt").touch()
     for mp in range(tp * pp):
         torch.save({"args": args, "mp": mp}, tag / f"mp_rank_{mp:02d}_model_states.pt")
         for d in range(dp):
@@ -546,7 +553,8 @@ def test_a_full_save_directory_and_an_older_zero_format_are_refused(imported, tm
 
 def test_zero_partitions_padded_per_parameter_are_refused(imported, tmp_path):
     mds, tag = _copy(imported[2], tmp_path)
-    path = tag / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"  # DeepSpeed's newer parameter_alignment
+    # DeepSpeed's newer parameter_alignment
+    path = tag / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"
     shard = torch.load(path, weights_only=False)
     shard["optimizer_state_dict"]["param_alignment_paddings"] = [[0, 3, 0], [0]]
     torch.save(shard, path)
@@ -717,7 +725,8 @@ def test_without_optimizer_files_the_weights_alone_are_imported(imported, tmp_pa
     _import(mds, tmp_path / "out")
     assert "importing the weights alone; the run continues with a fresh Adam" in capsys.readouterr().out
     config = final_state(tmp_path / "out")[1]["run"]["config"]
-    assert config["padded_vocab_in_softmax"] and config["vocab_size"] == 50257  # Megatron's model, by default
+    # Megatron's model, by default
+    assert config["padded_vocab_in_softmax"] and config["vocab_size"] == 50257
     tag_dir = str(tmp_path / "out" / "global_step2")
     for r in range(TP * PP):
         g = parallel.Grid(TP, PP, world_size=TP * PP, rank=r)

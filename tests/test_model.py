@@ -75,7 +75,8 @@ def test_num_parameters_with_switches(switches):
     if switches.get("embed_layernorm"):
         expected += 2 * h  # LayerNorm gain and bias on the word embeddings
     if switches.get("normformer"):
-        expected += n * (2 * h + 2 * 4 * h + heads)  # post-attention LN, FFN LN (4h wide), one scale per head
+        # post-attention LN, FFN LN (4h wide), one scale per head
+        expected += n * (2 * h + 2 * 4 * h + heads)
     assert _numel(GPT(cfg)) == cfg.num_parameters() == expected
 
 
@@ -103,13 +104,15 @@ def test_word_embedding_weight_is_this_stages_copy():
     assert first.word_embedding_weight() is first.embed.word.weight
     assert middle.word_embedding_weight() is None
     assert last.word_embedding_weight() is last.output_weight
-    assert torch.equal(last.word_embedding_weight(), first.word_embedding_weight())  # the same initial values
+    # the same initial values
+    assert torch.equal(last.word_embedding_weight(), first.word_embedding_weight())
 
 
 def test_a_model_built_for_another_grid_is_that_ranks_slice():
     """GPT(grid=...) builds TP rank 1 of 2 in this single process: its shapes and initial values are that rank's
     slices of the one-process model, and this process's grid is left alone (what estimate.py relies on)."""
-    cfg = _cfg(vocab_size=100, make_vocab_size_divisible_by=8, tensor_model_parallel_size=2)  # padded to 112
+    # padded to 112
+    cfg = _cfg(vocab_size=100, make_vocab_size_divisible_by=8, tensor_model_parallel_size=2)
     full = GPT(cfg, grid=parallel.Grid(world_size=1))
     rank1 = GPT(cfg, grid=parallel.Grid(2, 1, world_size=2, rank=1))
     assert parallel.grid.tp_size == 1 and parallel.grid.world_size == 1
@@ -224,7 +227,8 @@ def _hf_and_ours(dtype):
             elif "ln_" in name:
                 p.normal_(1.0, 0.1)
             elif "c_attn" in name:
-                p.normal_(0.0, 0.2)  # peaked attention, so that a head permutation would change the output
+                # peaked attention, so that a head permutation would change the output
+                p.normal_(0.0, 0.2)
             else:
                 p.normal_(0.0, 0.05)
     h, heads, hd = 64, 4, 16
@@ -269,14 +273,17 @@ def test_logits_equal_huggingface_gpt2(dtype, atol):
     torch.testing.assert_close(logits, expected, atol=atol, rtol=0)
 
 
-@pytest.mark.parametrize("dtype,atol", [(torch.float64, 1e-10), (torch.float32, 1e-5)])  # the logits' standard
+# the logits' standard
+@pytest.mark.parametrize("dtype,atol", [(torch.float64, 1e-10), (torch.float32, 1e-5)])
 def test_loss_equals_huggingface_gpt2(dtype, atol):
     hf, ours = _hf_and_ours(dtype)
     ids = torch.randint(0, 50257, (2, 32), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
-        out = hf(ids, labels=ids)  # HF shifts the labels itself, and takes its loss in fp32 whatever the dtype
+        # HF shifts the labels itself, and takes its loss in fp32 whatever the dtype
+        out = hf(ids, labels=ids)
         loss = ours(ids[:, :-1], targets=ids[:, 1:])  # ours takes them already shifted
-        expected = F.cross_entropy(out.logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())  # in dtype
+        # in dtype
+        expected = F.cross_entropy(out.logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
     assert loss.ndim == 0 and loss.dtype == dtype
     torch.testing.assert_close(loss, expected, atol=atol, rtol=0)
     torch.testing.assert_close(loss.double(), out.loss.double(), atol=1e-5, rtol=0)
@@ -323,7 +330,8 @@ def test_init_std_of_every_weight():
 def test_xavier_uniform_embedding():
     V, h = 1000, 256
     cfg = _cfg(hidden_size=h, vocab_size=V, embed_init="xavier_uniform", init_method_std=0.02)
-    w = GPT(cfg).embed.word.weight.detach().double()[:V]  # the real rows (the padded ones are zeros)
+    # the real rows (the padded ones are zeros)
+    w = GPT(cfg).embed.word.weight.detach().double()[:V]
     bound = math.sqrt(6 / (V + h))
     assert w.abs().max() <= bound
     assert w.abs().max() > 0.99 * bound  # uniform over the whole interval, not a narrower one
@@ -513,7 +521,8 @@ def test_embed_layernorm_normalises_word_embeddings_only():
     handle.remove()
     word, pos = model.embed.word.weight, model.embed.position.weight
     assert len(seen) == 2
-    torch.testing.assert_close(seen[0], word[ids], atol=0, rtol=0)  # the input is the word embedding alone
+    # the input is the word embedding alone
+    torch.testing.assert_close(seen[0], word[ids], atol=0, rtol=0)
     expected = _layer_norm(word[ids], norm.weight, norm.bias) + pos[:10]
     torch.testing.assert_close(out, expected, atol=1e-12, rtol=0)
 
@@ -613,7 +622,8 @@ def test_normformer_refuses_tensor_parallel():
 @pytest.mark.parametrize("streams", ["default only", "with the model-parallel stream"])
 def test_checkpoint_activations_gives_identical_loss_and_grads(streams):
     import rng
-    rng.set_states(None)  # unseeded: attention dropout draws from the default stream too (conftest resets it)
+    # unseeded: attention dropout draws from the default stream too (conftest resets it)
+    rng.set_states(None)
     ids = _ids(_cfg(), length=12)
     results = []
     for checkpointing in (False, True):

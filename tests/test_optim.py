@@ -65,7 +65,8 @@ def test_adamw_matches_torch_adamw_with_groups_and_changing_lr():
                                 weight_decay=0.1, fused=True)
     assert [g["name"] for g in opt.param_groups] == ["decay", "no_decay"]
     sched = AnnealingLR(1e-2, 1e-3, "cosine", warmup_samples=40, decay_samples=240)
-    lrs = [sched.get_lr(8 * (i + 1), 0) for i in range(30)]  # warm-up, then decay: changes every step
+    # warm-up, then decay: changes every step
+    lrs = [sched.get_lr(8 * (i + 1), 0) for i in range(30)]
     assert len(set(lrs)) == 30
     _train(ours, opt, 30, torch.Generator().manual_seed(1), lrs)
     _train(ref, ref_opt, 30, torch.Generator().manual_seed(1), lrs)
@@ -103,7 +104,8 @@ def test_step_reset_inflates_updates_by_the_bias_correction_ratio():
     # lesson 7: a resume that restarts the counter (apex FusedAdam) divides long-run moments by a
     # bias correction meant for fresh ones; update ratio sqrt(1 - b2^k) / (1 - b1^k) at restarted step k
     beta1, beta2, steps = 0.9, 0.95, 300
-    w = torch.nn.Parameter(torch.zeros(64, 64, dtype=torch.float64))  # fp64: exact update differences
+    # fp64: exact update differences
+    w = torch.nn.Parameter(torch.zeros(64, 64, dtype=torch.float64))
     opt = AdamW([w], lr=1e-3, betas=(beta1, beta2), eps=1e-12)
     for i in range(steps):
         _set_grads([w], seed=i)
@@ -177,7 +179,8 @@ def test_param_groups_follow_megatrons_rule():
 
 def _bnb_model(seed=0):
     torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Embedding(256, 64), torch.nn.Linear(64, 256))  # 16384 + 256 params
+    # 16384 + 256 params
+    return torch.nn.Sequential(torch.nn.Embedding(256, 64), torch.nn.Linear(64, 256))
 
 
 def _bnb_loss(model, gen):
@@ -547,7 +550,8 @@ def test_loss_scaler_state_round_trip():
     assert (a.scale, a.clean_steps, a.hysteresis_left) == (2.0**14, 1, 0)
     b = LossScaler(initial_scale=2.0**16, window=5, hysteresis=3)
     b.load_state_dict(_roundtrip(a.state_dict()))
-    c = LossScaler(initial_scale=2.0**16, window=5, hysteresis=3)  # not restored: must behave differently
+    # not restored: must behave differently
+    c = LossScaler(initial_scale=2.0**16, window=5, hysteresis=3)
     events = [False, False, False, False, True, True, True]
     for overflow in events:
         assert a.update(overflow) == b.update(overflow)
@@ -573,7 +577,9 @@ def test_bnb_keeps_an_untied_output_layers_state_32bit_as_the_embeddings():
         x = torch.randint(0, 512, (2, 16))
         assert whole_step(model, opt, optim.scaler_for(cfg), [(x, x)], 1e-3, step_rules(cfg),
                           torch.device("cpu")).outcome == "ok"
-        main = dict(zip(map(id, opt.model_params), opt.main_params))  # the tensor the optimizer keeps state for
+        # the tensor the optimizer keeps state for
+        main = dict(zip(map(id, opt.model_params), opt.main_params))
         dtypes = {name: opt.optimizer.state[main[id(p)]]["state1"].dtype for name, p in model.named_parameters()}
         assert dtypes["output_layer"] == dtypes["embed.word.weight"] == torch.float32, dtypes
-        assert dtypes["blocks.0.mlp.fc1.weight"] == torch.uint8, dtypes  # the others 8-bit: the check means something
+        # the others 8-bit: the check means something
+        assert dtypes["blocks.0.mlp.fc1.weight"] == torch.uint8, dtypes

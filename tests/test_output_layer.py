@@ -72,7 +72,8 @@ def _shapes_on_this_rank(tp):
     torch.testing.assert_close(loss, expected[0], atol=1e-10, rtol=1e-10)
     torch.testing.assert_close(h.grad, expected[1], atol=1e-10, rtol=1e-10)
     torch.testing.assert_close(mine.grad, parallel.shard(expected[2], 0), atol=1e-10, rtol=1e-10)
-    assert parallel.grid.tp_rank < parallel.grid.tp_size - 1 or not mine.grad[V_REAL % rows:].any()  # padding
+    # padding
+    assert parallel.grid.tp_rank < parallel.grid.tp_size - 1 or not mine.grad[V_REAL % rows:].any()
 
 
 def test_output_layer_matmuls_are_multiples_of_128_on_one_process():
@@ -92,7 +93,8 @@ def test_per_token_loss_on_the_padded_weight_equals_plain_ops(monkeypatch):
     with MatmulShapes() as recorded:
         loss, _ = cross_entropy.linear_cross_entropy(h, w, target, V_REAL, 1e-2)
         loss.mean().backward()
-    assert len(recorded.shapes) == 2 * 4  # per chunk: logits, again in backward, and the two gradients
+    # per chunk: logits, again in backward, and the two gradients
+    assert len(recorded.shapes) == 2 * 4
     assert all(weight.shape[0] in shape for shape in recorded.shapes), recorded.shapes
     expected = _reference(hidden, weight, target)
     torch.testing.assert_close(loss.mean(), expected[0], atol=1e-10, rtol=1e-10)
@@ -136,7 +138,8 @@ def _mean_and_grads(hidden, weight, target, z_loss=1e-2):
 def test_the_compiled_chain_gives_the_eager_numbers(backend, monkeypatch):
     # aot_eager: the traced graph itself; inductor: its fused CPU kernels; both to fp32 rounding (eager takes the
     # softmax from torch's kernel, compiled from exp(logits - log Z): the same values, not the same operations)
-    monkeypatch.setattr(cross_entropy, "CROSS_ENTROPY_CHUNK", 1)  # 40 tokens in chunks of 16, 16 and 8
+    # 40 tokens in chunks of 16, 16 and 8
+    monkeypatch.setattr(cross_entropy, "CROSS_ENTROPY_CHUNK", 1)
     hidden, weight, target = _inputs(1, 40, torch.float32)
     eager = _mean_and_grads(hidden, weight, target)
     torch._dynamo.reset()
@@ -158,7 +161,8 @@ def test_bf16_weight_gradient_over_64_chunks_is_as_close_as_the_logits_path(monk
     # the weight's gradient summed over 64 chunks in fp32 (in bf16, its error would be ~4x the logits path's)
     monkeypatch.setattr(cross_entropy, "CROSS_ENTROPY_CHUNK", 1)  # chunks of H = 16 tokens
     hidden, weight, target = _inputs(1, 64 * H, torch.bfloat16)
-    target[: 64 * H // 2] = 7  # one row of the gradient summed over many tokens (half of them), in every chunk
+    # one row of the gradient summed over many tokens (half of them), in every chunk
+    target[: 64 * H // 2] = 7
     exact = _reference(hidden, weight, target, 0.0)
     ours = _mean_and_grads(hidden, weight, target, 0.0)
     h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()

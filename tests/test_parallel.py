@@ -148,7 +148,8 @@ def _layout_matches_one_process(micro_per_rank, mbs):
     cfg = GPTConfig(**TINY, tensor_model_parallel_size=g.tp_size)
     model = stage(cfg)
     # gradients go through train.py's path: accumulated in a GradBuffer, DP all-reduce overlapped with backward
-    buffer = parallel.attach_grad_buffer(model, torch.float64, bucket_numel=500)  # several buckets per stage
+    # several buckets per stage
+    buffer = parallel.attach_grad_buffer(model, torch.float64, bucket_numel=500)
     for step, seqlen in enumerate((16, 8)):
         everything = random_batches(step, micro_per_rank * g.dp_size, mbs, seqlen, cfg.vocab_size)
         # micro-batch k of DP rank d is global micro-batch k * dp + d (Megatron's order, loader.micro_batches)
@@ -463,7 +464,8 @@ def test_tp2_pp2_resume_is_exact_and_weights_survive_the_reload(tp2_pp2, synthet
 # 50304 by one process, 50432 by TP=2)
 
 GPT2_VOCAB = ["--vocab_size=50257"]
-HALF_PRECISION = {"bf16": ["--bf16"], "fp16": ["--fp16", "--loss_scale=1024"]}  # a static scale: no skipped step
+# a static scale: no skipped step
+HALF_PRECISION = {"bf16": ["--bf16"], "fp16": ["--fp16", "--loss_scale=1024"]}
 HALF_LAYOUTS = {"tp2": (2, ["--tensor_model_parallel_size=2"]), "pp2": (2, ["--pipeline_model_parallel_size=2"]),
                 "dp2": (2, [])}
 
@@ -512,7 +514,8 @@ def test_half_precision_layouts_match_one_process(precision, layout, one_process
     fp32, one = one_process("fp32"), one_process(precision, *half)
     roundoff = {"bf16": 2.0**-8, "fp16": 2.0**-11}[precision]
     tolerance = 2 * max(*relative_gaps(one, fp32), roundoff)
-    assert 1e-4 < tolerance < 5e-2, tolerance  # half computes in half, and trains the model fp32 trains
+    # half computes in half, and trains the model fp32 trains
+    assert 1e-4 < tolerance < 5e-2, tolerance
     nproc, extra = HALF_LAYOUTS[layout]
     run = launch(tmp_path, nproc, f"--data_path={synthetic_corpus}", *GPT2_VOCAB, *half, *extra)
     assert ("padded to 50432" if layout == "tp2" else "padded to 50304") in run.out

@@ -55,11 +55,13 @@ def test_weights_and_block_output_are_in_the_compute_dtype(name):
 
 def test_layernorm_computes_in_fp32_and_returns_half():
     """PyTorch's LayerNorm takes its statistics in fp32 for half inputs (Megatron's fused LayerNorm does too)."""
-    g = torch.Generator().manual_seed(0)  # seeded: bit-for-bit comparisons of drawn inputs, independent of order
+    # seeded: bit-for-bit comparisons of drawn inputs, independent of order
+    g = torch.Generator().manual_seed(0)
     ln = torch.nn.LayerNorm(64).to(torch.bfloat16)
     with torch.no_grad():
         ln.weight.copy_(torch.randn(64, generator=g)), ln.bias.copy_(torch.randn(64, generator=g))
-    x = (torch.randn(4, 64, generator=g) * 30 + 200).to(torch.bfloat16)  # a large mean: bf16 statistics would be off
+    # a large mean: bf16 statistics would be off
+    x = (torch.randn(4, 64, generator=g) * 30 + 200).to(torch.bfloat16)
     out = ln(x)
     assert out.dtype == torch.bfloat16
     ref = torch.nn.functional.layer_norm(x.float(), (64,), ln.weight.float(), ln.bias.float(), 1e-5)
@@ -175,7 +177,8 @@ def test_master_weights_are_fp32_and_round_into_the_model():
     for p, master in optimizer.copies:  # the model holds the masters rounded to bf16, in storage of its own
         assert torch.equal(p, master.to(torch.bfloat16)) and p.data_ptr() != master.data_ptr()
     masters = [m.clone() for _, m in optimizer.copies]
-    assert any(not torch.equal(m, m.to(torch.bfloat16).float()) for m in masters)  # more bits than the weights
+    # more bits than the weights
+    assert any(not torch.equal(m, m.to(torch.bfloat16).float()) for m in masters)
     # the saved masters are what a fresh optimizer resumes from, not the weights' bf16 values widened
     buffer = io.BytesIO()
     torch.save(state, buffer)
@@ -196,14 +199,16 @@ def test_bnb_8bit_state_lives_on_the_fp32_masters_with_the_embedding_32bit():
     master = dict((id(p), m) for p, m in optimizer.copies)
     embedding, fc1 = master[id(model.word_embedding_weight())], master[id(model.blocks["0"].mlp.fc1.weight)]
     assert embedding.dtype == fc1.dtype == torch.float32
-    assert optimizer.state[embedding]["state1"].dtype == torch.float32  # lesson 14: the embedding stays 32-bit
+    # lesson 14: the embedding stays 32-bit
+    assert optimizer.state[embedding]["state1"].dtype == torch.float32
     assert optimizer.state[fc1]["state1"].dtype == torch.uint8
 
 
 # -----------------------------------------------------------------------------
 # The attention softmax is computed in fp32 from half inputs, on every path
 
-EPS = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}  # half an ulp at 1: the relative rounding of a value
+# half an ulp at 1: the relative rounding of a value
+EPS = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}
 
 
 def _peaked_qkv(dtype, score, device):
@@ -265,5 +270,7 @@ def test_attention_softmax_is_fp32_on_every_path(path, dtype, device):
     tolerance = 2 * EPS[dtype] * v.abs().max().item()
     error = (out.double() - reference).abs().max().item()
     assert error <= tolerance, (error, tolerance)
-    in_half = _softmax_attention(scores.to(dtype) * coeff, v, bias)  # the scores kept in the input dtype
-    assert (in_half.double() - reference).abs().max().item() > 8 * tolerance  # the inputs can tell the two apart
+    # the scores kept in the input dtype
+    in_half = _softmax_attention(scores.to(dtype) * coeff, v, bias)
+    # the inputs can tell the two apart
+    assert (in_half.double() - reference).abs().max().item() > 8 * tolerance

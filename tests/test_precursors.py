@@ -36,7 +36,8 @@ def write_run(directory, losses, records, every=5):
 
 
 def noisy(i):
-    return 3.0 - 0.002 * i + 0.01 * (i * 7 % 5)  # a slow fall with a scatter: the detector's trend is defined
+    # a slow fall with a scatter: the detector's trend is defined
+    return 3.0 - 0.002 * i + 0.01 * (i * 7 % 5)
 
 
 def test_lead_times_thresholds_and_false_positives_on_runs_whose_answer_is_known(tmp_path):
@@ -94,7 +95,8 @@ def test_the_rung_cuts_the_lr_once_per_crossing_and_a_resumed_guard_remembers():
     # a low-side precursor warns under its threshold; a NaN warns whatever the side
     low = cfg_with(spike_guard_precursor="grad_rms_over_eps", spike_guard_precursor_threshold=100.0)
     guard = spike_guard_of(low)
-    assert spike_guard.precursor_rung(guard, low, low.adam_eps, 10, telemetry(1.0, grad_rms=1e-5)) is None  # 1000 x eps
+    # 1000 x eps
+    assert spike_guard.precursor_rung(guard, low, low.adam_eps, 10, telemetry(1.0, grad_rms=1e-5)) is None
     rung = spike_guard.precursor_rung(guard, low, low.adam_eps, 20, telemetry(1.0, grad_rms=1e-7))
     assert rung["action"] == "precursor"
     guard = spike_guard_of(cfg)

@@ -18,7 +18,8 @@ def test_profile_steps_writes_a_trace_of_those_iterations(tmp_path):
     assert f"profile of iterations 2-3: {tmp_path / 'tb' / 'profile'}" in out
     events = json.loads(trace.read_text())["traceEvents"]
     names = {e.get("name", "") for e in events}
-    assert any("aten::mm" in n or "aten::addmm" in n for n in names)  # the model's matmuls were recorded
+    # the model's matmuls were recorded
+    assert any("aten::mm" in n or "aten::addmm" in n for n in names)
     # two iterations' worth: the optimizer's steps (one each) seen twice, not once nor four times
     steps = [e for e in events if e.get("name", "").startswith("Optimizer.step#")]
     assert len(steps) == 2, sorted({e.get("name") for e in steps})

@@ -77,8 +77,10 @@ def test_skip_step_decides_as_olmo_core_at_every_step_and_across_a_checkpoint(wi
     cfg = cfg_with(skip_step_sigma=6.0, skip_step_window=window)
     got = [f == 0.0 for f in drive(remedies.SkipStep(cfg), loss, norm)]
     assert got == want
-    assert want[90] and want[130] and want[170] and not want[200]  # the planted spikes are skipped ...
-    assert not want[30] if window == 128 else want[30]  # ... the one in a 128-window's warm-up is not
+    # the planted spikes are skipped ...
+    assert want[90] and want[130] and want[170] and not want[200]
+    # ... the one in a 128-window's warm-up is not
+    assert not want[30] if window == 128 else want[30]
     first = remedies.SkipStep(cfg)
     drive(first, loss[:150], norm[:150])
     resumed = remedies.SkipStep(cfg)
@@ -111,7 +113,8 @@ def test_spiky_loss_flags_as_megatron_at_every_step_and_across_a_checkpoint(caps
     want = megatron_spiky(loss, num_samples=100)
     cfg = cfg_with(spiky_loss_factor=10.0, spiky_loss_samples=100)
     callback = remedies.SpikyLoss(cfg, None, cfg)
-    monkeypatch.setattr(callback, "rerun", lambda: callback.it.number)  # a re-run differing from every loss here
+    # a re-run differing from every loss here
+    monkeypatch.setattr(callback, "rerun", lambda: callback.it.number)
     factors = drive(callback, loss, norm)
     flagged = [int(line.split("iteration ")[1].split(":")[0]) for line in capsys.readouterr().out.splitlines()]
     assert flagged == [i + 1 for i, f in enumerate(want) if f] == [201, 211]
@@ -176,8 +179,10 @@ def test_bad_remedy_keys_name_the_fix():
 # -----------------------------------------------------------------------------
 # In train.py: each acts on a planted fault, none on a clean run
 
-FAULT = ["--inject_lr_iters=25-26", "--inject_lr_factor=3000"]  # the loss ~3,000 from iteration 26 on
-WATCH = ["--spiky_loss_factor=10", "--spiky_loss_samples=10", "--zclip_z=2.5"]  # neither vetoes nor skips
+# the loss ~3,000 from iteration 26 on
+FAULT = ["--inject_lr_iters=25-26", "--inject_lr_factor=3000"]
+# neither vetoes nor skips
+WATCH = ["--spiky_loss_factor=10", "--spiky_loss_samples=10", "--zclip_z=2.5"]
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,8 @@ ARGS = ["--num_layers=2", "--hidden_size=64", "--num_attention_heads=4", "--seq_
         "--global_batch_size=4", "--train_iters=8", "--lr=5e-3", "--min_lr=1e-4", "--lr_warmup_samples=8",
         "--log_interval=1", "--eval_interval=1000", "--eval_iters=0", "--sample_tokens=0", "--device=cpu",
         "--save_interval=none", "--dump_weights"]
-FLIP = ["--inject_bitflip_iters=4-4", "--inject_bitflip_rank=1"]  # after iteration 4's update, on DP rank 1
+# after iteration 4's update, on DP rank 1
+FLIP = ["--inject_bitflip_iters=4-4", "--inject_bitflip_rank=1"]
 CHECK = ["--dp_replica_check_interval=4"]
 GUARDED = ["--dp_replica_check_interval=2", "--spike_guard", "--spike_guard_snapshot_interval=2",
            "--spike_guard_rewind=4", "--inject_bitflip_iters=3-3", "--inject_bitflip_rank=1",
@@ -138,7 +139,8 @@ def runs(synthetic_corpus, tmp_path_factory):
                    for r in range(2)]
         states = [torch.load(base / "global_step8" / f"rank_{r:05d}_optim_states.pt", weights_only=False)
                   for r in range(2)]
-        return out, weights, [s["optimizer"] for s in states]  # Adam's state, its groups, bf16's fp32 masters
+        # Adam's state, its groups, bf16's fp32 masters
+        return out, weights, [s["optimizer"] for s in states]
     read.directory = directory
     return read
 
@@ -172,7 +174,8 @@ def test_a_flipped_bit_on_one_replica_is_named_resynced_and_the_run_is_the_clean
                               "DP rank 0: no majority tells which is right: DP rank 0's copy taken (no snapshot of "
                               "equal replicas to roll back to)"), _lines(out)
     assert re.search(r"DP replica check: iteration 4: DP rank 1 is global rank 1 on host \S+", out)
-    assert len([x for x in _lines(out) if x.startswith("DP replica check: iteration")]) == 3  # the line, 2 hosts
+    # the line, 2 hosts
+    assert len([x for x in _lines(out) if x.startswith("DP replica check: iteration")]) == 3
     for rank in range(2):
         assert _same(weights[rank], reference[0]), f"rank {rank}'s weights"
         assert _same(states[rank], reference_states[0]), f"rank {rank}'s optimizer state"
@@ -225,7 +228,8 @@ def test_with_the_guard_two_replicas_that_differ_roll_back_to_the_snapshot_of_eq
             "newest snapshot at or before iteration 2 (the last check that agreed); no data skipped, LR unchanged"
             in lines)
     assert "spike guard: rolled back to iteration 2" in lines
-    assert out.count("injected a bit flip") == 1  # an event in time: the second pass does not meet it
+    # an event in time: the second pass does not meet it
+    assert out.count("injected a bit flip") == 1
     for rank in range(2):
         assert _same(weights[rank], reference[0]), f"rank {rank}'s weights"
         assert _same(states[rank], reference_states[0]), f"rank {rank}'s optimizer state"
@@ -318,7 +322,8 @@ def test_the_checksum_sees_any_single_flipped_bit_where_a_float_sum_misses_the_l
         assert not torch.equal(checksums([[flipped]], t.device), before), f"bit {bit}"
         if flipped.sum() == t.sum():
             missed.append(bit)
-    assert missed  # the float sum rounds the lowest mantissa bits away: why the bits are summed as integers
+    # the float sum rounds the lowest mantissa bits away: why the bits are summed as integers
+    assert missed
     half = t.bfloat16()
     flipped = half.clone()
     flipped.view(torch.int16)[7] ^= 1 << 7  # bf16's lowest exponent bit
@@ -332,8 +337,10 @@ def test_the_majority_is_copied_from_and_without_one_dp_rank_0_and_each_dp_group
     monkeypatch.setattr(parallel, "grid", parallel.Grid(1, 1, world_size=4, rank=0))
     assert differing([same, same, same, same]) == {}
     assert differing([same, same, odd, same]) == {(0, 0): (0, [2])}
-    assert differing([odd, same, same, same]) == {(0, 0): (1, [0])}  # DP rank 0 itself in the minority
-    assert differing([same, same, odd, odd]) == {(0, 0): (None, [2, 3])}  # two against two: no majority
+    # DP rank 0 itself in the minority
+    assert differing([odd, same, same, same]) == {(0, 0): (1, [0])}
+    # two against two: no majority
+    assert differing([same, same, odd, odd]) == {(0, 0): (None, [2, 3])}
     assert describe(5, 0, 0, 1, [0], [odd, same, same, same], False) == (
         "DP replica check: iteration 5: DP rank 0 (global rank 0) in its optimizer state differs from the 3 of 4 "
         "replicas that agree: re-synced from DP rank 1")

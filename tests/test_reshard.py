@@ -30,7 +30,8 @@ def test_slice_drops_and_repads_the_vocabulary():
     old = torch.cat([full, torch.full((212, 3), 7.0)]).chunk(2)  # TP=2 pads 300 rows to 512
     one = reshard.reslice(list(old), 0, 300, 384, 1, 0)  # TP=1 pads to 384
     assert torch.equal(one[:300], full) and not one[300:].any()
-    four = [reshard.reslice([one], 0, 300, 512, 4, r) for r in range(4)]  # and back to TP=4: 4 x 128 rows
+    # and back to TP=4: 4 x 128 rows
+    four = [reshard.reslice([one], 0, 300, 512, 4, r) for r in range(4)]
     assert torch.equal(torch.cat(four)[:300], full) and not torch.cat(four)[300:].any()
     cols = torch.randn(4, 6)  # a row-parallel weight: split along dim 1
     assert torch.equal(reshard.reslice(list(cols.chunk(3, 1)), 1, 6, 6, 2, 1), cols[:, 3:])
@@ -132,7 +133,8 @@ def test_tp2_pp2_dp2_zero1_checkpoint_loads_as_one_process(tmp_path, capsys):
 def test_bf16_fp32_masters_are_resharded_not_rounded(tmp_path):
     """Under bf16 the checkpoint's truth is the fp32 masters (lesson 6): they are re-sliced like the parameter,
     and the model's weights are those masters rounded -- not the template's masters of a fresh optimizer."""
-    delta = 1e-4  # smaller than bf16's spacing at the weights' size: the masters hold what the weights cannot
+    # smaller than bf16's spacing at the weights' size: the masters hold what the weights cannot
+    delta = 1e-4
 
     def nudge(model, inner):
         for group in inner.param_groups:
@@ -152,7 +154,8 @@ def test_bf16_fp32_masters_are_resharded_not_rounded(tmp_path):
 
 
 def test_same_tp_keeps_each_ranks_state_as_it_was(tmp_path):
-    _save_layout(tmp_path, 2, 2, 2, zero_stage=1)  # to TP=2 x PP=1 x DP=1: stages joined, ZeRO shards merged
+    # to TP=2 x PP=1 x DP=1: stages joined, ZeRO shards merged
+    _save_layout(tmp_path, 2, 2, 2, zero_stage=1)
     for rank in range(2):
         model, optimizer, _, reference = _load_one_process(tmp_path, tp=2, rank=rank)
         for name, p in model.named_parameters():
@@ -212,7 +215,8 @@ def test_resume_on_other_layouts_follows_the_straight_run(synthetic_corpus, tmp_
     one = launch(tmp_path / "b", 1, *args, f"--load={tmp_path / 'a'}")
     assert "saved with TP=2 x PP=2 x DP=1, now TP=1 x PP=1 x DP=1" in one.out
     _assert_follows(one, straight, range(7, 13))
-    dp2 = launch(tmp_path / "c", 2, *args, f"--load={tmp_path / 'a'}", "--zero_stage=1")  # Adam's state split
+    # Adam's state split
+    dp2 = launch(tmp_path / "c", 2, *args, f"--load={tmp_path / 'a'}", "--zero_stage=1")
     _assert_follows(dp2, straight, range(7, 13))
 
 

@@ -80,7 +80,8 @@ def test_help_lists_every_key_with_type_default_and_meaning_without_importing_to
 
 def test_rerun_resumes_from_save_and_never_moves_latest_back(ckpt, tmp_path):
     directory = _copy(ckpt, tmp_path / "run")
-    out = run_main(*SMALL, "--train_iters=3", f"--save={directory}")  # the same command, longer: resumes
+    # the same command, longer: resumes
+    out = run_main(*SMALL, "--train_iters=3", f"--save={directory}")
     assert "resuming from" in out and "train_iters: 2 -> 3" in out
     assert sorted(log_fields(out)) == [3] and _latest(directory) == "global_step3"
     other = tmp_path / "elsewhere"
@@ -170,7 +171,8 @@ def test_eval_only_prints_validation_and_writes_nothing(ckpt):
     out = run_main(*SMALL, "--train_iters=2", f"--load={ckpt}", f"--save={ckpt}", "--eval_only")
     m = re.search(r"validation loss at iteration 2 \| lm loss value: (\S+) \| lm loss PPL: (\S+) \|", out)
     assert m and abs(float(m.group(2)) - torch.tensor(float(m.group(1))).exp().item()) < 1e-3 * float(m.group(2))
-    assert log_fields(out) == {} and _files(ckpt) == before  # no training iteration, nothing written
+    # no training iteration, nothing written
+    assert log_fields(out) == {} and _files(ckpt) == before
 
 
 def test_eval_only_without_a_checkpoint_is_an_error(corpus, tmp_path):
@@ -235,7 +237,8 @@ def test_config_file_with_a_syntax_error(tmp_path):
 
 
 def test_failing_bitsandbytes_import(corpus, tmp_path, monkeypatch):
-    monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # `import bitsandbytes` now raises ImportError
+    # `import bitsandbytes` now raises ImportError
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)
     with pytest.raises(ValueError, match="use_bnb_optimizer needs bitsandbytes"):
         run_main(*SMALL, "--train_iters=1", "--use_bnb_optimizer", f"--save={tmp_path}")
     assert not os.path.exists(tmp_path / "lock")
@@ -317,7 +320,8 @@ def test_data_py_bad_input(tmp_path, content, message):
 
 
 def test_deterministic_switch(corpus, tmp_path, monkeypatch):
-    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", "")  # recorded, so that teardown removes what the run sets
+    # recorded, so that teardown removes what the run sets
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", "")
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG")
     try:
         run_main(*SMALL, "--train_iters=1", "--deterministic", "--eval_iters=0")
@@ -344,7 +348,8 @@ def _workers_agree_when_to_exit():
         assert exit_signal() == "SIGTERM", rank
     finally:
         exit_signal.restore()
-    exit_signal = safety.ExitSignal(True)  # SLURM's early SIGUSR1 to one task: every rank names it, not SIGTERM
+    # SLURM's early SIGUSR1 to one task: every rank names it, not SIGTERM
+    exit_signal = safety.ExitSignal(True)
     try:
         if rank == 1:
             os.kill(os.getpid(), signal.SIGUSR1)
@@ -374,7 +379,8 @@ def test_the_documented_slurm_signal_asks_to_save_and_exit(signum, capsys):
         assert exit_signal() is False
         os.kill(os.getpid(), signum)
         assert exit_signal() == signal.Signals(signum).name
-        assert exit_signal() == signal.Signals(signum).name  # asked again (every iteration): said once
+        # asked again (every iteration): said once
+        assert exit_signal() == signal.Signals(signum).name
     finally:
         exit_signal.restore()
     assert {s: signal.getsignal(s) for s in safety.ExitSignal.SIGNALS} == before

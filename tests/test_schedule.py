@@ -57,7 +57,8 @@ def test_wsd_warms_up_holds_then_anneals_over_its_last_samples(anneal, middle):
 
 def test_wsd_from_the_config_and_its_refusals():
     p = plan("--lr_decay_style=wsd", "--lr_wsd_decay_samples=1600", "--lr_wsd_decay_style=linear")
-    assert p.lr_schedule.decay_samples == 16_000  # tiny's lr_decay_samples: the anneal is its last 1600
+    # tiny's lr_decay_samples: the anneal is its last 1600
+    assert p.lr_schedule.decay_samples == 16_000
     for argv, message in [
         (["--lr_decay_style=wsd"], "lr_decay_style='wsd' needs lr_wsd_decay_samples"),
         (["--lr_decay_style=wsd", "--lr_wsd_decay_samples=100", "--lr_wsd_decay_style=step"],

@@ -52,8 +52,10 @@ def test_sample_documents_names_the_documents_a_sample_is_cut_from(labelled, tmp
     for index in range(0, 100, 7):
         prefix, component, pieces = skip_list.sample_documents(ds, index)
         assert prefix == labelled and component == 0 and sum(n for _, n in pieces) == 17
-        assert [d for d, _ in pieces] == list(dict.fromkeys(ds[index] // 100))  # the documents, in order
-        prefix, component, short = skip_list.sample_documents(ds, index, 5)  # a curriculum's shorter sample
+        # the documents, in order
+        assert [d for d, _ in pieces] == list(dict.fromkeys(ds[index] // 100))
+        # a curriculum's shorter sample
+        prefix, component, short = skip_list.sample_documents(ds, index, 5)
         assert [d for d, _ in short] == list(dict.fromkeys(ds[index][:5] // 100))
     other = str(tmp_path / "other")
     data.write_indexed_dataset(other, (5000 + np.arange(30) for _ in range(10)), np.int32)
@@ -67,7 +69,8 @@ def test_build_datasets_honours_a_skip_list_and_refuses_a_bad_one(labelled, tmp_
     path = str(tmp_path / "skip.jsonl")
     skip_list.append(path, [{"dataset": labelled, "documents": [3, 17]}, {"dataset": "elsewhere/x",
                                                                                "documents": [1]}])
-    skip_list.append(path, [{"dataset": os.path.relpath(labelled), "documents": [17, 30]}])  # any spelling
+    # any spelling
+    skip_list.append(path, [{"dataset": os.path.relpath(labelled), "documents": [17, 30]}])
     skips, others = skip_list.read(path, [labelled])
     assert [list(ids) for ids in skips] == [[3, 17, 30]] and others == ["elsewhere/x"]
     train, valid, _ = data.build_datasets([labelled], "100,0,0", 16, 7, (150, 0, 0), str(tmp_path), skips)
@@ -103,7 +106,8 @@ def test_the_guard_writes_the_documents_of_a_bad_batch_to_the_skip_list_and_a_ru
     assert re.search(r"spike guard: iteration 30: .*data-driven", out), out[-3000:]
     assert f"appended to the skip list {path}; to train without them, set skip_documents={path}" in out
     records = [json.loads(line) for line in open(path)]
-    assert [r["iteration"] for r in records] == [30, 30, 30]  # the three highest-loss samples of the batch
+    # the three highest-loss samples of the batch
+    assert [r["iteration"] for r in records] == [30, 30, 30]
     named = [int(x) for x in re.findall(r"spike guard: iteration 30: sample (\d+)", out)]
     assert [r["sample"] for r in records] == named and all(r["dataset"] == synthetic_corpus for r in records)
     # the documents recorded are the samples' (as the run's own index cuts them)

@@ -46,7 +46,8 @@ def test_snapshots_reach_back_two_rewinds_and_an_interval(monkeypatch, tmp_path,
     files = sorted(os.listdir(tmp_path))
     if where == "disk":
         assert files == sorted(f"snapshot-rank00000-iteration{it}.pt" for it in (900, 950, 1000, 1050, 1100))
-    store.drop(lambda it: it > found)  # what the rollback to it does: the later ones are of another timeline
+    # what the rollback to it does: the later ones are of another timeline
+    store.drop(lambda it: it > found)
     assert [it for it, *_ in store.items] == [900]
     assert len(os.listdir(tmp_path)) == (1 if where == "disk" else 0)
     store.close()
@@ -75,8 +76,10 @@ def test_host_copy_is_a_copy_into_the_buffers_given():
     assert event is None and torch.equal(copy["w"], live["w"]) and copy["opt"][1] == 5 and copy["rng"] == (1, 2)
     live["w"].add_(1)
     live["history"][0].append(2.3)
-    assert copy["w"].tolist() == [1.0, 1.0, 1.0] and copy["history"] == [[2.5, 2.4], [0.5]]  # not aliased
-    again, _ = checkpoint.host_copy(live, buffers)  # the next snapshot into the dropped one's buffers
+    # not aliased
+    assert copy["w"].tolist() == [1.0, 1.0, 1.0] and copy["history"] == [[2.5, 2.4], [0.5]]
+    # the next snapshot into the dropped one's buffers
+    again, _ = checkpoint.host_copy(live, buffers)
     assert again["w"].data_ptr() == copy["w"].data_ptr() and again["w"].tolist() == [2.0, 2.0, 2.0]
 
 
@@ -101,7 +104,8 @@ def test_a_snapshot_of_cuda_tensors_on_disk_is_written_from_pinned_buffers_and_r
     writer.write(str(tmp_path / "snap.pt"), live)
     live["w"].mul_(2)  # the training goes on: the file has the state of the call
     writer.wait()
-    assert writer.buffers[("w",)].is_pinned()  # the CUDA tensor's buffer (the RNG state is a CPU tensor)
+    # the CUDA tensor's buffer (the RNG state is a CPU tensor)
+    assert writer.buffers[("w",)].is_pinned()
     back = torch.load(tmp_path / "snap.pt", map_location="cpu", weights_only=False)
     assert torch.equal(back["w"] * 2, live["w"].cpu())
 
@@ -125,7 +129,8 @@ def test_the_dry_run_reports_the_snapshots_host_memory(capsys, monkeypatch):
     assert "does not fit: spike guard snapshots need" in capsys.readouterr().out
 
 
-TR11_SNAPSHOT = 3_982_551_552 * (2 + 12 / 8)  # tr11-176B's largest stage on TP4 x PP12, bf16, an even ZeRO-1 DP8
+# tr11-176B's largest stage on TP4 x PP12, bf16, an even ZeRO-1 DP8
+TR11_SNAPSHOT = 3_982_551_552 * (2 + 12 / 8)
 
 
 def test_snapshots_that_do_not_fit_the_node_are_refused_with_the_keys_that_make_them_fit():
@@ -144,10 +149,12 @@ def test_snapshots_that_do_not_fit_the_node_are_refused_with_the_keys_that_make_
     cfg.spike_guard_snapshot_interval = 100  # what the message says: 3 snapshots now
     assert snapshots.keep(plan(cfg)) == 3
     assert snapshots.describe_host_memory(plan(cfg), TR11_SNAPSHOT, 8, node)[1] is None
-    cfg.spike_guard_snapshot_interval, cfg.spike_guard_snapshot_dir = 50, "/tmp"  # on disk: one copy in memory
+    # on disk: one copy in memory
+    cfg.spike_guard_snapshot_interval, cfg.spike_guard_snapshot_dir = 50, "/tmp"
     line, problem = snapshots.describe_host_memory(plan(cfg), TR11_SNAPSHOT, 8, node)
     assert problem is None and "1 x 12.98 GiB = 12.98 GiB of host memory per GPU (and 5 on disk in /tmp)" in line
-    _, problem = snapshots.describe_host_memory(plan(cfg), TR11_SNAPSHOT, 8, 64 * 2**30)  # not even one
+    # not even one
+    _, problem = snapshots.describe_host_memory(plan(cfg), TR11_SNAPSHOT, 8, 64 * 2**30)
     assert ": 0 per GPU fit" in problem and "spike_guard_snapshot_interval=0" in problem
 
 
@@ -162,10 +169,12 @@ def test_the_run_refuses_at_its_start_snapshots_the_node_cannot_hold(monkeypatch
 
 def test_a_ranks_snapshot_holds_the_optimizer_state_of_the_parameters_zero1_deals_it(monkeypatch):
     cfg = arguments.load_config(["--spike_guard", "--zero_stage=1"])
-    model = torch.nn.Linear(256, 256)  # 65,536 + 256 parameters: the weight to DP rank 0, the bias to rank 1
+    # 65,536 + 256 parameters: the weight to DP rank 0, the bias to rank 1
+    model = torch.nn.Linear(256, 256)
     for rank, owned in ((0, 65536), (1, 256)):
         monkeypatch.setattr(parallel, "grid", parallel.Grid(world_size=2, rank=rank))
-        assert snapshots.rank_snapshot_bytes(plan(cfg), model) == 4 * 65792 + 8 * owned  # fp32 weights, Adam's moments
+        # fp32 weights, Adam's moments
+        assert snapshots.rank_snapshot_bytes(plan(cfg), model) == 4 * 65792 + 8 * owned
 
 
 def _refused_on_every_rank():
@@ -224,7 +233,8 @@ def test_pinned_buffers_are_counted_as_the_caching_host_allocator_rounds_them(mo
     # bf16 weights, then the fp32 master and Adam's two moments of each parameter: one buffer each
     assert snapshots.rank_snapshot_bytes(plan(cfg), model, pinned=True) == 2**18 + 2**10 + 3 * (2**19 + 2**11)
     cfg = arguments.load_config(["--spike_guard", "--bf16", "--zero_stage=1"])
-    monkeypatch.setattr(parallel, "grid", parallel.Grid(world_size=2, rank=1))  # ZeRO-1: the bias's state here
+    # ZeRO-1: the bias's state here
+    monkeypatch.setattr(parallel, "grid", parallel.Grid(world_size=2, rank=1))
     assert snapshots.rank_snapshot_bytes(plan(cfg), model, pinned=True) == 2**18 + 2**10 + 3 * 2**11
 
 
@@ -304,7 +314,9 @@ def test_a_rollback_to_a_disk_checkpoint_saves_it_so_latest_never_names_the_aban
     assert "spike guard: rolled back to iteration 35" in out
     ahead = [(it, latest) for it, latest in spy.seen if latest > it]
     assert not ahead, f"`latest` named a later iteration than the run's (iteration, latest): {ahead}"
-    assert [latest for it, latest in spy.seen if it == 36][-1] == 35  # after the rollback: its state
+    # after the rollback: its state
+    assert [latest for it, latest in spy.seen if it == 36][-1] == 35
     state = torch.load(os.path.join(save, "global_step35", "mp_rank_00_000_model_states.pt"), weights_only=False)
     decisions = state["run"]["state"]["callbacks"]["spike_guard"]["decisions"]
-    assert decisions[-1]["action"] == "rollback" and decisions[-1]["restored_iteration"] == 35  # kept
+    # kept
+    assert decisions[-1]["action"] == "rollback" and decisions[-1]["restored_iteration"] == 35

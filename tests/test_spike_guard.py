@@ -81,7 +81,8 @@ def test_clean_run_never_triggers_the_guard_and_is_unchanged_by_it_and_by_teleme
 
 def test_bad_batches_spike_and_the_guard_skips_rolls_back_and_recovers(run):
     clean, bad, guarded = run("clean"), run("bad", *BAD), run("bad_guarded", *BAD, *GUARD)
-    assert all(loss(bad, i) > 1.15 * loss(clean, i) for i in range(40, 46))  # the injected batches spike
+    # the injected batches spike
+    assert all(loss(bad, i) > 1.15 * loss(clean, i) for i in range(40, 46))
     lines = guard_lines(guarded)
     assert any(re.match(r"spike guard: iteration 40: loss .* spreads above it; data-driven: replayed: .*, "
                         r"reproduced; the batch on the model of iteration 35: .*the batch is the outlier: update "
@@ -89,7 +90,8 @@ def test_bad_batches_spike_and_the_guard_skips_rolls_back_and_recovers(run):
     assert any(re.match(r"spike guard: iteration 42: .*: roll back to before iteration 37 and skip iterations "
                         r"37-44$", x) for x in lines), lines
     assert "spike guard: rolled back to iteration 35; iterations 37-44 will be skipped" in lines
-    assert any(x.startswith("spike guard: iteration 40: sample 3") for x in lines)  # the bad samples, named
+    # the bad samples, named
+    assert any(x.startswith("spike guard: iteration 40: sample 3") for x in lines)
     assert " iteration       37/      60 | skipped (spike guard): samples 288-295 not used |" in guarded
     assert abs(validation(guarded) / validation(clean) - 1) < 0.02
 
@@ -101,7 +103,8 @@ def test_lr_spike_diverges_unguarded_and_the_guard_rolls_back_without_skipping_d
     assert any(re.match(r"spike guard: iteration 41: .*; optimizer-driven: replayed: .*, reproduced; the batch on "
                         r"the model of iteration 35: .*the batch is ordinary, the weights are not: roll back to "
                         r"before iteration 40 and skip no data$", x) for x in lines), lines
-    decisions = [x for x in lines if ": sample " not in x]  # the samples named are the batch's, not decisions
+    # the samples named are the batch's, not decisions
+    decisions = [x for x in lines if ": sample " not in x]
     assert decisions[1] == "spike guard: rolled back to iteration 35" and len(decisions) == 2
     # the injected LR spike is an event in time, over once rolled back: the run goes on as the clean one, bit for bit
     assert log_fields(guarded)[41]["lm loss"] == log_fields(clean)[41]["lm loss"]
@@ -122,7 +125,8 @@ def test_a_bit_flip_is_retried_as_a_transient_fault_and_the_run_is_the_clean_one
         {i: f["lm loss"] for i, f in log_fields(clean).items()}
     assert validation(guarded) == validation(clean)
     unguarded = run("flip", *FLIP)
-    assert validation(unguarded) != validation(clean)  # the flip does harm when nobody retries the step
+    # the flip does harm when nobody retries the step
+    assert validation(unguarded) != validation(clean)
 
 
 def test_a_weight_bit_flip_is_hardware_and_rolled_back_without_skipping_data_and_the_run_is_the_clean_one(run):
@@ -144,7 +148,8 @@ def test_a_weight_bit_flip_is_hardware_and_rolled_back_without_skipping_data_and
     assert {i: (f["lm loss"], f["learning rate"]) for i, f in log_fields(guarded).items()} == \
         {i: (f["lm loss"], f["learning rate"]) for i, f in log_fields(clean).items()}
     assert validation(guarded) == validation(clean)
-    assert not math.isfinite(loss(run("flip_weight", *FLIP_WEIGHT), 31))  # unguarded, the corrupted weight stays
+    # unguarded, the corrupted weight stays
+    assert not math.isfinite(loss(run("flip_weight", *FLIP_WEIGHT), 31))
 
 
 @pytest.mark.parametrize("half", ["bf16", "fp16"])
@@ -156,7 +161,8 @@ def test_numerical_spike_gets_the_fp32_step_and_a_bad_batch_still_is_data(run, h
     out = run(f"{half}_numerical", f"--{half}", "--initial_loss_scale=32", "--train_iters=20", *GUARD,
               "--inject_numerical_iters=14-14", "--inject_bad_batch_iters=17-17")
     lines = [x for x in guard_lines(out) if ": sample " not in x]
-    scale = ", loss scale lowered to 16" if half == "fp16" else ""  # fp16's dynamic loss scale, halved
+    # fp16's dynamic loss scale, halved
+    scale = ", loss scale lowered to 16" if half == "fp16" else ""
     assert re.match(r"spike guard: iteration 14: .* spreads above it; numerical: replayed: loss \S+, grad norm \S+, "
                     r"reproduced; in fp32: loss \S+, grad norm \S+, ordinary: the fp32 step applied; no data skipped, "
                     rf"LR unchanged{scale}$", lines[0]), lines
@@ -212,8 +218,10 @@ def test_fp32_step_is_an_fp32_runs_step_and_without_keep_leaves_the_half_precisi
     assert math.isclose(step.loss, expected.loss, **tol) and math.isclose(step.grad_norm, expected.grad_norm, **tol)
     same = torch.equal if device == "cpu" else lambda a, b: torch.allclose(a.float(), b.float(), rtol=1e-2, atol=1e-5)
     for p, ref in zip(model.parameters(), reference.parameters()):
-        assert same(optimizer.main_param(p), ref) and same(p, ref.to(dtype))  # the fp32 run's update, rounded
-        assert p.main_grad.dtype == precision.grad_dtype(cfg)  # the run's own gradient buffer is back
+        # the fp32 run's update, rounded
+        assert same(optimizer.main_param(p), ref) and same(p, ref.to(dtype))
+        # the run's own gradient buffer is back
+        assert p.main_grad.dtype == precision.grad_dtype(cfg)
 
 
 def test_a_numerical_diagnosis_lowers_fp16s_loss_scale_and_a_hardware_rollback_is_no_relapse():
@@ -222,15 +230,18 @@ def test_a_numerical_diagnosis_lowers_fp16s_loss_scale_and_a_hardware_rollback_i
     d = guard.update(50, "ok", 3.0, 1.0, fp16, {"cause": "numerical", "evidence": "in fp32: ordinary"}, lr=0.1)
     assert d["action"] == "retry" and d["cause"] == "numerical" and fp16.scale == 512.0 and fp16.clean_steps == 0
     assert "the fp32 step applied; no data skipped, LR unchanged, loss scale lowered to 512" in d["line"]
-    assert guard.lr_sum == 0.1 and guard.series["loss"].values[-1] == 3.0  # the fp32 step is an applied step
+    # the fp32 step is an applied step
+    assert guard.lr_sum == 0.1 and guard.series["loss"].values[-1] == 3.0
     weight = {"cause": "hardware", "evidence": "a weight moved", "rank": 0, "rollback": True}
     d = guard.update(60, "nan", math.nan, math.nan, SCALER, weight)
     assert d["action"] == "rollback" and (d["start"], d["end"], d["lr_scale"]) == (59, None, 1.0)
     guard.applied(d, 55)
-    assert guard.rollbacks == 0 and guard.skip_ranges == []  # not a relapse: a later rollback cuts no LR
+    # not a relapse: a later rollback cuts no LR
+    assert guard.rollbacks == 0 and guard.skip_ranges == []
     d = guard.update(61, "nan", math.nan, 1.0, SCALER, {"cause": "optimizer", "evidence": "ordinary then"})
     assert d["action"] == "rollback" and d["lr_scale"] == 1.0
-    d = guard.update(70, "nan", math.nan, math.nan, SCALER, weight)  # the 2nd on DP rank 0: its own cap
+    # the 2nd on DP rank 0: its own cap
+    d = guard.update(70, "nan", math.nan, math.nan, SCALER, weight)
     assert d["action"] == "stop" and "spike_guard_max_hardware_faults=2" in d["line"] and d["start"] == 69
 
 
@@ -287,7 +298,8 @@ def test_a_resumed_run_does_not_meet_an_injected_lr_spike_again(run):
     first = run("lr_guarded_part1", *LR_SPIKE, *GUARD, f"--save={parts}", "--exit_interval=44")
     assert "roll back to before iteration 40 and skip no data" in first and "exiting at iteration 44" in first
     second = run("lr_guarded_part2", *LR_SPIKE, *GUARD, f"--save={parts}", f"--load={parts}")
-    assert guard_lines(second) == []  # iteration 45 is in the range, but the fault ended with the rollback
+    # iteration 45 is in the range, but the fault ended with the rollback
+    assert guard_lines(second) == []
     assert _numbers(second, 0) == _numbers(full, 44) and validation(second) == validation(full)
 
 
@@ -448,7 +460,8 @@ def test_nan_streak_and_fp16_loss_scale_collapse():
     assert [d["action"] for d in decisions] == ["skip", "skip", "rollback"]
     cfg, guard = _guard()
     fp16 = types.SimpleNamespace(dynamic=True, scale=1024.0, min_scale=1.0)
-    assert guard.update(50, "skipped", 3.0, float("inf"), fp16) is None  # an overflow: the loss scaler's business
+    # an overflow: the loss scaler's business
+    assert guard.update(50, "skipped", 3.0, float("inf"), fp16) is None
     fp16.scale = 1.0
     collapse = guard.update(51, "skipped", 3.0, float("inf"), fp16)
     assert collapse["action"] == "skip"
@@ -497,7 +510,8 @@ def _agreed_on_replicas():
     same = agree(torch.tensor(3.5), torch.tensor(0.25, dtype=torch.float64))
     apart = agree(torch.tensor(3.5), torch.tensor(0.25 + rank, dtype=torch.float64))
     assert same == ((3.5, 0.25), (3.5, 0.25)) and not training.differ(same)
-    assert apart == ((3.5, 0.25), (3.5, 1.25)) and training.differ(apart)  # the same list on every rank
+    # the same list on every rank
+    assert apart == ((3.5, 0.25), (3.5, 1.25)) and training.differ(apart)
 
 
 def _forensics_on_replicas():
@@ -512,7 +526,8 @@ def _forensics_on_replicas():
     batches = random_batches(g.dp_rank, 1, 2, 16, 512)
     rules = step_rules(cfg)
     whole_step(model, optimizer, scaler, batches, 1e-2, rules, cpu)  # masters != bf16 weights now
-    assert any(optimizer.main_param(p) is None for p in model.parameters())  # sharded: some are the other rank's
+    # sharded: some are the other rank's
+    assert any(optimizer.main_param(p) is None for p in model.parameters())
     with diagnosis.Fp32Step(model, optimizer) as fp32:
         for p in model.parameters():
             held = optimizer.main_param(p)  # None: the other rank's shard
@@ -529,7 +544,8 @@ def _forensics_on_replicas():
                                                                                                 guard.stats()}}})
     step = whole_step(model, optimizer, scaler, batches, 1e-2, rules, cpu)
     guard.record(step.loss, step.grad_norm, 1e-2)
-    assert diagnosis.corrupted_weights(guard, model, optimizer, 7, 5, payload) is None  # Adam's own update
+    # Adam's own update
+    assert diagnosis.corrupted_weights(guard, model, optimizer, 7, 5, payload) is None
     flip = Faults(cfg, None, cfg.seed, cfg.vocab_size).bitflip(6, guard, "weight")
     assert (flip is not None) == (g.rank == 1)
     if flip is not None:
@@ -584,7 +600,8 @@ def test_fault_injection_only_in_its_ranges_and_reproducible():
     assert Faults(cfg, None, cfg.seed, cfg.vocab_size).bad_batches(2, batches) is batches
     a, b = (Faults(cfg, None, cfg.seed, cfg.vocab_size).bad_batches(4, batches) for _ in range(2))
     assert torch.equal(a[0][0], b[0][0]) and a[0][0].max() > 0 and a[0][0].max() < 512
-    assert torch.equal(a[0][0][:, 1:], a[0][1][:, :-1])  # still a sample: labels are the next tokens
+    # still a sample: labels are the next tokens
+    assert torch.equal(a[0][0][:, 1:], a[0][1][:, :-1])
     faults = Faults(arguments.prepare(cfg), None, cfg.seed, cfg.vocab_size)
     assert [faults.lr_factor(i, spike_guard_of(cfg)) for i in (4, 5, 6, 7)] == [1.0, 7.0, 7.0, 1.0]
     with pytest.raises(ValueError, match="inject_lr_iters entry '6-5'"):
@@ -595,7 +612,8 @@ def test_telemetry_matches_direct_computation():
     cfg = arguments.prepare(arguments.load_config(["--num_layers=2", "--hidden_size=32", "--num_attention_heads=2",
                                                     "--seq_length=16", "--micro_batch_size=2", "--global_batch_size=4",
                                                     "--hidden_dropout=0", "--attention_dropout=0",
-                                                    "--embed_layernorm", "--clip_grad=1e9"]))  # p.grad unclipped
+                                                    # p.grad unclipped
+                                                    "--embed_layernorm", "--clip_grad=1e9"]))
     cpu = torch.device("cpu")
     model = build_model(cfg, cpu)
     optimizer, scaler = build_optimizer(cfg, model), optim.scaler_for(cfg)
@@ -636,7 +654,8 @@ def test_telemetry_matches_direct_computation():
                 logit_max[int(i)] = max(logit_max[int(i)], s.max().item())
                 h = block(h)
                 outs[int(i)].append(h.square().mean().item())
-            lse.append(torch.logsumexp((model.ln_f(h) @ model.embed.word.weight.T)[..., :50257], dim=-1))  # no padding
+            # no padding
+            lse.append(torch.logsumexp((model.ln_f(h) @ model.embed.word.weight.T)[..., :50257], dim=-1))
     for i in (0, 1):
         assert math.isclose(stats["block output rms"][i], math.sqrt(sum(outs[i]) / 2), rel_tol=1e-4)
         assert math.isclose(stats["attention logit max"][i], logit_max[i], rel_tol=1e-4)

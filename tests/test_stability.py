@@ -35,7 +35,8 @@ NO_DROPOUT = ["--hidden_dropout=0", "--attention_dropout=0"]
 
 def test_z_loss_value_and_gradient_match_the_plain_formula():
     gen = torch.Generator().manual_seed(0)
-    V, c = 50257, 1e-2  # GPT-2's vocabulary; a coefficient large enough to move the gradient visibly
+    # GPT-2's vocabulary; a coefficient large enough to move the gradient visibly
+    V, c = 50257, 1e-2
     logits = (torch.randn(2, 3, V, generator=gen, dtype=torch.float64) * 4).requires_grad_()
     target = torch.randint(0, V, (2, 3), generator=gen)
     loss, log_z = parallel.vocab_parallel_cross_entropy(logits, target, z_loss=c)
@@ -61,14 +62,16 @@ def test_model_keeps_the_z_loss_for_the_log_and_evaluates_without_it():
     x = torch.randint(0, cfg.vocab_size, (2, 8))
     y = torch.roll(x, -1, dims=1)
     with torch.no_grad():
-        log_z = torch.logsumexp(model(x).double()[..., :cfg.vocab_size], dim=-1)  # the columns the softmax sees
+        # the columns the softmax sees
+        log_z = torch.logsumexp(model(x).double()[..., :cfg.vocab_size], dim=-1)
     losses_ = [model(x, y) for _ in range(2)]  # two micro-batches
     z = model.pop_z_loss()
     assert math.isclose(z.item(), 1e-3 * log_z.square().mean().item(), rel_tol=1e-5)
     assert model.pop_z_loss().item() == 0.0  # popped
     model.eval()
     with torch.no_grad():
-        assert torch.equal(model(x, y), losses_[0].detach())  # the same lm loss: the value never includes z
+        # the same lm loss: the value never includes z
+        assert torch.equal(model(x, y), losses_[0].detach())
     assert model.pop_z_loss().item() == 0.0  # evaluation adds no z-loss
 
 
@@ -80,7 +83,8 @@ def test_z_loss_is_logged_apart_from_the_lm_loss(corpus):
     # iteration 1 runs the same weights on the same batch: the same lm loss, the z-loss beside it
     assert with_z[1]["lm loss"] == plain[1]["lm loss"]
     z = float(with_z[1]["z loss"])
-    assert 0.5 * 1e-2 * math.log(50257) ** 2 < z < 1.5 * 1e-2 * math.log(50257) ** 2  # small logits: log Z ~ ln V
+    # small logits: log Z ~ ln V
+    assert 0.5 * 1e-2 * math.log(50257) ** 2 < z < 1.5 * 1e-2 * math.log(50257) ** 2
     assert with_z[2]["lm loss"] != plain[2]["lm loss"]  # ... and its gradient changed the update
     with pytest.raises(ValueError, match="z_loss"):
         arguments.validate(arguments.load_config([*SMALL, "--train_iters=1", "--z_loss=-1"]))

@@ -31,7 +31,8 @@ def test_the_slowest_replica_names_itself_past_the_slack(monkeypatch):
     timer.gathered([0.0, 0.0])  # the first gather carries the reading before any step: not counted
     timer.gathered([2.0, 3.0])
     timer.gathered([4.0, 1.0])
-    assert timer.sums == [6.0, 4.0] and timer.straggler(1) is None and timer.sums is None  # cleared each interval
+    # cleared each interval
+    assert timer.sums == [6.0, 4.0] and timer.straggler(1) is None and timer.sums is None
 
 
 def _slowed_run(corpus, slow_rank):

@@ -20,7 +20,8 @@ def _python_files():
         listed = None
     if listed is not None and listed.returncode == 0:
         paths = [os.path.join(ROOT, p) for p in listed.stdout.splitlines()]
-        yield from (p for p in paths if os.path.exists(p))  # not a file deleted but not yet committed
+        # not a file deleted but not yet committed
+        yield from (p for p in paths if os.path.exists(p))
         return
     for directory, subdirs, files in os.walk(ROOT):
         subdirs[:] = [d for d in subdirs if not d.startswith((".", "__")) and

@@ -27,7 +27,8 @@ def sources(tmp_path_factory):
     docs_a, docs_b = labelled(1, 40, 0), labelled(2, 20, 50)
     a, b = str(tmp / "a"), str(tmp / "b")
     data.write_indexed_dataset(a, docs_a, np.int32)
-    data.write_indexed_dataset(b, docs_b, np.int32)  # its documents are 0-19 in its files, its tokens its own
+    # its documents are 0-19 in its files, its tokens its own
+    data.write_indexed_dataset(b, docs_b, np.int32)
     gpt_a = data.GPTDataset(data.IndexedDataset(a), np.arange(40), 200, SEQ, 7, "train", str(tmp))
     gpt_b = data.GPTDataset(data.IndexedDataset(b), np.arange(20), 120, SEQ, 7, "train", str(tmp))
     return {"gpt": (gpt_a, {a: (0, docs_a)}),
@@ -111,7 +112,8 @@ def test_loader_and_resume_run_on_the_memory_source():
         return batches
 
     unbroken = train(RunState(0, 0, 0))
-    assert len({b.shape for _, b in unbroken.values()}) >= 3  # batch sizes and sequence lengths both changed
+    # batch sizes and sequence lengths both changed
+    assert len({b.shape for _, b in unbroken.values()}) >= 3
     for start, batch in unbroken.values():
         first = start.consumed_samples
         want = [stream[i * SEQ:i * SEQ + batch.shape[1]] for i in range(first, first + len(batch))]

@@ -76,7 +76,8 @@ def test_scalar_collectives_use_the_comm_device(monkeypatch):
 
 def test_partition_layers_is_deepspeeds_balanced_partition():
     from deepspeed.runtime.utils import partition_balanced
-    bloom = parallel.partition_layers(70, 12)  # BLOOM-176B: 70 layers + embedding + head = 72 = 12 x 6
+    # BLOOM-176B: 70 layers + embedding + head = 72 = 12 x 6
+    bloom = parallel.partition_layers(70, 12)
     assert [len(r) for r in bloom] == [5] + [6] * 10 + [5]
     assert [len(r) for r in parallel.partition_layers(70, 12, "type:transformer")] == [6] * 10 + [5] * 2
     for layers in range(1, 13):
@@ -111,7 +112,8 @@ def test_dry_run_of_bloom_layers_on_twelve_stages():
     estimate.dry_run(cfg, world_size=384, file=out)
     rows = [line.split()[:2] for line in out.getvalue().splitlines() if line.split()[:1] in (["0"], ["1-10"], ["11"])]
     assert rows == [["0", "5"], ["1-10", "6"], ["11", "5"]]
-    assert "activations on stage 1 " in out.getvalue()  # 6 layers x 11 in flight > 5 x 12 on stage 0
+    # 6 layers x 11 in flight > 5 x 12 on stage 0
+    assert "activations on stage 1 " in out.getvalue()
 
 
 # -----------------------------------------------------------------------------
@@ -261,7 +263,8 @@ def test_layout_errors_under_torchrun_are_one_line_and_exit_2(nproc, layout, mes
     # has torchrun stop the others, rank 0 too, at times before it prints
     errors = [m.group(1) for m in re.finditer(r"^(?:\s*traceback\s*: )?(error: .*)$", proc.stderr, re.M)]
     assert errors and all(line.startswith(f"error: {message}") for line in errors), proc.stderr[-3000:]
-    assert "exitcode  : 2" in proc.stderr and 'train.py", line' not in proc.stderr  # no traceback of ours
+    # no traceback of ours
+    assert "exitcode  : 2" in proc.stderr and 'train.py", line' not in proc.stderr
     assert not (tmp_path / "ckpt").exists()  # stopped before anything was written
 
 

@@ -150,7 +150,8 @@ def test_config_error_under_torchrun_is_printed_once_and_is_the_root_cause(tmp_p
     assert ours == [f"error: {message}"], proc.stderr[-3000:]
     root_cause = proc.stderr.split("Root Cause")[1]
     assert f"traceback : error: {message}" in root_cause and "To enable traceback" not in root_cause
-    assert "File \"" + os.path.join(ROOT, "train.py") not in proc.stderr  # the launcher's own stack only
+    # the launcher's own stack only
+    assert "File \"" + os.path.join(ROOT, "train.py") not in proc.stderr
 
 
 @pytest.mark.slow
@@ -226,7 +227,8 @@ def test_changed_lr_schedule_needs_override(corpus, tmp_path):
     proc = run(*SMALL, "--train_iters=4", f"--load={tmp_path}", "--min_lr=1e-5", expect_ok=False)
     assert proc.returncode == 2
     assert "override_lr_scheduler" in proc.stderr and "minimum learning rate" in proc.stderr
-    assert open(os.path.join(tmp_path, "latest")).read().strip() == "global_step2"  # checkpoint untouched
+    # checkpoint untouched
+    assert open(os.path.join(tmp_path, "latest")).read().strip() == "global_step2"
     out = run(*SMALL, "--train_iters=4", f"--load={tmp_path}", f"--save={tmp_path}", "--min_lr=1e-5",
               "--override_lr_scheduler").stdout
     assert " iteration        4/" in out

@@ -28,7 +28,8 @@ from helpers import (  # noqa: F401 (fixtures)
     synthetic_corpus,
 )
 
-SPLIT, SEQ, SEED, SAMPLES = "949,50,1", 64, 1234, 2 * 8  # the split, seq_length, seed; eval_iters x global batch
+# the split, seq_length, seed; eval_iters x global batch
+SPLIT, SEQ, SEED, SAMPLES = "949,50,1", 64, 1234, 2 * 8
 NAMES = ["all", "shakespeare", "synthetic", "heldout"]
 
 
@@ -68,7 +69,8 @@ def named_run(sets, corpus512, synthetic_corpus, heldout, tmp_path_factory):
     sets: each call of evaluate is followed by evaluate on its set built by hand, on the model of that moment."""
     args, named = sets
     references = [by_hand(["0.5", corpus512, "0.5", synthetic_corpus], SPLIT), by_hand([corpus512], SPLIT),
-                  by_hand([synthetic_corpus], SPLIT), by_hand([heldout], "0,1,0")]  # heldout: all its documents
+                  # heldout: all its documents
+                  by_hand([synthetic_corpus], SPLIT), by_hand([heldout], "0,1,0")]
     seen, evaluate = [], training.evaluate
 
     def evaluate_and_the_reference(model, dataset, cfg, device):
@@ -97,8 +99,10 @@ def test_each_named_set_is_logged_and_equals_evaluate_on_that_set_alone(named_ru
         value = re.escape(f"{loss:.6E}")
         assert re.search(rf"^ {name} loss at iteration {iteration} \| lm loss value: {value} \| lm loss PPL: ", out,
                          re.M)
-    assert "validation loss at iteration" not in out and "validation lm loss" not in records[4]  # no blended set
-    assert len({loss for loss, _ in seen[4:]}) == len(NAMES)  # four different sets, not one read four times
+    # no blended set
+    assert "validation loss at iteration" not in out and "validation lm loss" not in records[4]
+    # four different sets, not one read four times
+    assert len({loss for loss, _ in seen[4:]}) == len(NAMES)
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     events = EventAccumulator(str(save / "tensorboard"))
     events.Reload()

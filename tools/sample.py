@@ -38,7 +38,8 @@ def main(argv=None):
         raise ValueError("--temperature must be positive, --max_tokens and --top_k not negative")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model, config = load_model(args.load, device)
-    tok = data.get_tokenizer(config.get("tokenizer_file"))  # the run's tokenizer (GPT-2 BPE by default)
+    # the run's tokenizer (GPT-2 BPE by default)
+    tok = data.get_tokenizer(config.get("tokenizer_file"))
     prompt = tok.encode_ordinary(args.prompt) or [tok.eot_token]
     generator = torch.Generator(device=device).manual_seed(args.seed)
     with torch.no_grad():

@@ -58,8 +58,10 @@ def test_method_results_count_by_hand():
     # false positives: the guard's clean runs are the 4 clean twins, none acted
     assert (guard["clean_runs"], guard["fp_runs"], guard["clean_iters"]) == (4, 0, 400)
     # ZClip ran 2 of the 3 harmful faults; it says no cause (no diagnosis counted)
-    assert (zclip["n"], zclip["detected"], zclip["diagnosed"], zclip["within"]) == (2, 2, 0, 1)  # 5.04: +0.8%
-    assert zclip["classes"] == {"lr transient": [1, 1, 1], "lr persistent": [1, 1, 0]}  # detected, of, within
+    # 5.04: +0.8%
+    assert (zclip["n"], zclip["detected"], zclip["diagnosed"], zclip["within"]) == (2, 2, 0, 1)
+    # detected, of, within
+    assert zclip["classes"] == {"lr transient": [1, 1, 1], "lr persistent": [1, 1, 0]}
     # the run is the unit: 1 of 2 clean runs acted, with 3 actions in 200 iterations
     assert (zclip["clean_runs"], zclip["fp_runs"], zclip["fp_actions"], zclip["clean_iters"]) == (2, 1, 3, 200)
     assert none["n"] == 3 and none["detected"] == 0 and none["clean_runs"] == 0
@@ -80,9 +82,11 @@ def test_the_methods_table_shows_each_rate_with_its_wilson_interval():
     lo, hi = gc.wilson(1, 2)
     assert f"| 1/2 = 50% ({lo:.0%}-{hi:.0%}) |" in rows["zclip"]  # clean runs with an action
     lo, hi = gc.wilson(3, 200)
-    assert f"| 15.00 ({1000 * lo:.2f}-{1000 * hi:.2f}) |" in rows["zclip"]  # per 1,000 clean iterations
+    # per 1,000 clean iterations
+    assert f"| 15.00 ({1000 * lo:.2f}-{1000 * hi:.2f}) |" in rows["zclip"]
     lo, hi = gc.wilson(1, 2)
-    assert rows["zclip"].endswith(f"| - | 1/2 = 50% ({lo:.0%}-{hi:.0%}) | 1.180 |")  # no diagnosis; damage; the
+    # no diagnosis; damage; the
+    assert rows["zclip"].endswith(f"| - | 1/2 = 50% ({lo:.0%}-{hi:.0%}) | 1.180 |")
     # upper median of 1.008 and 1.18
     lo, hi = gc.wilson(1, 1)
     assert rows["lr persistent"] == f"| lr persistent | 0/1 = 0% (0%-79%) | 1/1 = 100% ({lo:.0%}-{hi:.0%}) |"
@@ -149,7 +153,8 @@ def test_one_tiny_trial_under_zclip_keeps_every_run_losses_and_registration(tmp_
     ident = gc.registration_id(json.load(open(reg)))
     for r in runs.values():
         assert r["registration"] == ident and r["exit"] == 0
-        assert [row[0] for row in r["series"]] == list(range(1, 41))  # every iteration's loss and grad norm
+        # every iteration's loss and grad norm
+        assert [row[0] for row in r["series"]] == list(range(1, 41))
     assert runs["0-clean-zclip"]["method"] == "zclip"
     zclip_lines = [x for x in open(out / "logs" / "0-clean-zclip.log").read().splitlines()
                    if x.startswith("remedy zclip:")]
@@ -188,7 +193,8 @@ def first_of_each_family(seed, iters=100):
 
 def test_every_family_is_drawn_and_a_draw_depends_on_seed_and_k_alone():
     found = first_of_each_family(41)
-    assert set(found) == set(gc.FAMILIES) and max(found.values()) < 100  # all in a campaign of 100 trials
+    # all in a campaign of 100 trials
+    assert set(found) == set(gc.FAMILIES) and max(found.values()) < 100
     alone = gc.draw(41, 57, 100)
     for k in range(60):  # other draws before it change nothing
         gc.draw(41, k, 100)
@@ -198,7 +204,8 @@ def test_every_family_is_drawn_and_a_draw_depends_on_seed_and_k_alone():
     # the sixth's first 28 clean twins repeated 16 of the fifth's bit for bit)
     seeds = {campaign: [gc.draw(campaign, k, 100)["seed"] for k in range(100)] for campaign in (51, 62)}
     assert len(set(seeds[51]) | set(seeds[62])) == 200
-    longs = {campaign: [gc.long_clean_seed(campaign, j) for j in range(10)] for campaign in (51, 62)}  # likewise
+    # likewise
+    longs = {campaign: [gc.long_clean_seed(campaign, j) for j in range(10)] for campaign in (51, 62)}
     assert len(set(longs[51]) | set(longs[62]) | set(seeds[51]) | set(seeds[62])) == 220
     assert {gc.FAMILIES[f] for f in gc.FAMILIES} <= set(gc.CAUSES)
 
@@ -215,7 +222,8 @@ def test_each_drawn_flag_set_passes_the_runs_own_parser_and_checks():
                     cfg = arguments.load_config([*argv, "--data_path=unused"])
                     arguments.validate(cfg, world_size=trial["nproc"], reads_data=False)
                     assert cfg.global_batch_size == cfg.micro_batch_size * trial["nproc"]
-                assert all(flag in parts[-1] for flag in trial["flags"])  # the fault: in the last process only
+                # the fault: in the last process only
+                assert all(flag in parts[-1] for flag in trial["flags"])
                 assert not any(flag in p for flag in trial["flags"] for p in parts[:-1])
         if trial["resume"] is not None:
             first, resumed = parts
@@ -288,4 +296,5 @@ def test_replicas_apart_at_the_end_are_harm_that_rank_0s_validation_loss_does_no
     runs = dict([("0-clean", clean), ("0-unguarded", {**drifted, "replica_gap": 0.07}),
                  ("0-zclip", {**drifted, "name": "0-zclip", "method": "zclip", "replica_gap": 0.07})])
     zclip = gc.method_results(runs)["zclip"]
-    assert (zclip["n"], zclip["within"]) == (1, 0)  # the same loss, but its replicas apart: not within
+    # the same loss, but its replicas apart: not within
+    assert (zclip["n"], zclip["within"]) == (1, 0)

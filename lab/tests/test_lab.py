@@ -49,14 +49,16 @@ def _run(optimizer, params, lrs, grads=None):
 
 def test_independent_weight_decay_matches_torch_adamw_with_the_decay_applied_by_hand():
     peak, wd = 0.3, 0.05  # large, so that a wrong decay shows
-    schedule = [peak * s for s in (0.25, 0.5, 1.0, 1.0, 0.6, 0.1, 0.0)]  # warm-up, constant, decay, lr 0
+    # warm-up, constant, decay, lr 0
+    schedule = [peak * s for s in (0.25, 0.5, 1.0, 1.0, 0.6, 0.1, 0.0)]
     gen = torch.Generator().manual_seed(1)
     grads = [[torch.randn(8, 4, generator=gen, dtype=torch.float64), torch.randn(8, generator=gen,
                                                                                  dtype=torch.float64)]
              for _ in schedule]
     ours = _linear(_params(0))
     opt = optim.build_optimizer(ours, peak, wd, 0.9, 0.95, 1e-8, independent_decay=True)
-    assert [g["weight_decay"] for g in opt.param_groups] == [wd / peak, 0.0]  # the bias is not decayed
+    # the bias is not decayed
+    assert [g["weight_decay"] for g in opt.param_groups] == [wd / peak, 0.0]
     got = _run(opt, [ours.weight, ours.bias], schedule, grads)
     # the reference: torch's AdamW without decay, each step preceded by weight *= 1 - wd * lr_t / peak
     ref = _linear(_params(0))
@@ -93,7 +95,8 @@ def test_independent_weight_decay_per_step_does_not_depend_on_the_lr():
     coupled = _run(opt, [model.weight], [1e-3 * s for s in shape])[0]
     torch.testing.assert_close(coupled, _params(0) * math.prod(1 - wd * 1e-3 * s for s in shape),
                                rtol=1e-14, atol=0)
-    assert optim.decay_coefficient(1e-4, 0.0, independent=True) == 0.0  # lr 0: no division by zero, no decay
+    # lr 0: no division by zero, no decay
+    assert optim.decay_coefficient(1e-4, 0.0, independent=True) == 0.0
 
 
 def test_weight_decay_independent_reaches_the_optimizer_from_the_config():
@@ -342,7 +345,8 @@ def test_blow_up_of_the_arm_that_tests_the_attention_logits_does_not_use_them():
     """Arm A tests the attention logits: a run that stalls with a logit past 1e4 is `flat` and `logit`, not `up`;
     arm B, which tests log Z, still counts such a logit as a blow-up."""
     stalled = _record("default", 3e-2, 1, 4.2, loss10=FLAT, logit=2e4)
-    lost = _record("default", 3e-2, 2, 4.3, loss10=LEARNED[:60] + [4.0] * 40, logit=20.0)  # up after iteration 600
+    # up after iteration 600
+    lost = _record("default", 3e-2, 2, 4.3, loss10=LEARNED[:60] + [4.0] * 40, logit=20.0)
     (row,) = lr_sweep.summarize([stalled, lost], "A", ["default"], [3e-2], H2)
     p = row["points"][3e-2]
     assert (p["n"], p["blew_up"], p["never_below"]) == (2, 1, 1)  # `lost` alone

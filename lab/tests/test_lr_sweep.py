@@ -65,15 +65,19 @@ def test_lr_sensitivity_blow_ups_and_spike_score_on_hand_made_numbers():
     l0 = 10.0
     # a NaN and a run above L0 both count as L0; the best loss is 4: (1 + 0 + 6 + 6) / 4
     assert lr_sweep.sensitivity({1e-3: 5.0, 1e-2: 4.0, 1e-1: float("nan"), 1.0: 12.0}, l0) == 3.25
-    assert lr_sweep.sensitivity({1e-3: float("inf"), 1e-2: 11.0}, l0) == 0.0  # all diverged: flat at L0
+    # all diverged: flat at L0
+    assert lr_sweep.sensitivity({1e-3: float("inf"), 1e-2: 11.0}, l0) == 0.0
     bigram = 3.5
     # the 10-iteration loss means over 500 iterations: clearly below H2 (by 0.2) from iteration 40
     learned = [6.0, 4.0, 3.4] + [3.2] * 47
     assert not lr_sweep.blew_up({"loss10": learned}, bigram, start=150)
     assert lr_sweep.blew_up({"loss10": learned[:19] + [3.6]}, bigram, start=150)
-    assert not lr_sweep.blew_up({"loss10": [6.0, 3.2, 3.8] + [3.2] * 17}, bigram, start=150)  # before `start`
-    assert not lr_sweep.blew_up({"loss10": [6.0] * 20}, bigram, start=150)  # never learned: not a blow-up
-    slow = [6.0] * 10 + [3.52, 3.45, 3.53, 3.47, 3.55, 3.44, 3.51, 3.42, 3.6, 3.4]  # hovering at H2: noise
+    # before `start`
+    assert not lr_sweep.blew_up({"loss10": [6.0, 3.2, 3.8] + [3.2] * 17}, bigram, start=150)
+    # never learned: not a blow-up
+    assert not lr_sweep.blew_up({"loss10": [6.0] * 20}, bigram, start=150)
+    # hovering at H2: noise
+    slow = [6.0] * 10 + [3.52, 3.45, 3.53, 3.47, 3.55, 3.44, 3.51, 3.42, 3.6, 3.4]
     assert not lr_sweep.blew_up({"loss10": slow}, bigram, start=150)
     assert lr_sweep.blew_up({"loss10": [6.0] * 20, "attention_logit_max": 2e4}, bigram)
     assert lr_sweep.blew_up({"loss10": learned, "nan_iterations": 1}, bigram)
@@ -89,7 +93,8 @@ def test_lr_sensitivity_blow_ups_and_spike_score_on_hand_made_numbers():
     assert lr_sweep.spike_score(spiky) == 1 / 100
     # a diverged run: 100 NaNs, then finite values with no finite window before them (arm W's LR 1 ended so)
     lost = [1.0] * 100 + [float("nan")] * 100 + [5.0] * 50
-    assert lr_sweep.spike_score(lost) == 100 / 149  # the 100 NaNs; the first 5.0 is not scored, the next are calm
+    # the 100 NaNs; the first 5.0 is not scored, the next are calm
+    assert lr_sweep.spike_score(lost) == 100 / 149
     # summarize: two seeds of one lever set over two LRs
     runs = [(1e-2, 1, 3.2, learned), (1e-2, 2, 3.4, learned), (1.0, 1, 5.0, [6.0] * 50),
             (1.0, 2, 11.0, learned[:49] + [9])]  # up at iteration 500, after BLOWUP_FROM
@@ -136,7 +141,8 @@ def test_lr_sweep_end_to_end_resumes_a_killed_run_writes_table_and_png_and_skips
         assert r["attention_logit_max"] > 0 and 0 < r["attention_entropy_min"] < math.log(32)
         assert r["grad_rms_over_eps"] > 1 and r["final_ln_input_rms_max"] > 0 and r["spike_score"] is None
         run = lr_sweep.run_dir(str(tmp_path / "lab"), "A", "default", r["lr"], 1)
-        assert not [n for n in os.listdir(run) if n.startswith("global_step")]  # the checkpoints are gone
+        # the checkpoints are gone
+        assert not [n for n in os.listdir(run) if n.startswith("global_step")]
     # the resumed run equals the run made in one go
     whole = lr_sweep.execute(str(tmp_path / "whole"), "A", "default", 1e-2, 1, small.split())
     assert whole["val_loss"] == results[1e-2]["val_loss"] and whole["loss10"] == results[1e-2]["loss10"]

@@ -15,7 +15,8 @@ H2 = 3.509
 CORPUS = {"tokens": 2_666_329, "unigram_entropy": 5.219, "bigram_entropy": H2}
 LEARNED = [6.0, 4.0] + [3.2] * 98  # 10-iteration loss means: clearly below H2 from iteration 20 on
 FLAT = [6.0] + [4.2] * 99  # never below H2
-LOST = [6.0, 3.2] + [3.2] * 50 + [3.9] * 48  # below H2, then back above it after iteration 440: blew up
+# below H2, then back above it after iteration 440: blew up
+LOST = [6.0, 3.2] + [3.2] * 50 + [3.9] * 48
 
 
 def _result(lever_set, lr, seed, loss, loss10=LEARNED, logit=50.0, code="abc1234", width=128, **more):
@@ -60,7 +61,8 @@ def test_the_tracked_records_alone_give_the_tables_the_full_results_give(tmp_pat
     assert all(len(line) < 1000 for line in open(path))  # one short line a run
     # the flags stand for the series: the same counts of up / flat / div, the same cells, sensitivities, precursors
     reference = _tables(results)
-    assert "up 2" in reference and "up 1 div 1" in reference and "flat 3" in reference  # the fakes exercise them
+    # the fakes exercise them
+    assert "up 2" in reference and "up 1 div 1" in reference and "flat 3" in reference
     docs = tmp_path / "stability.md"
     docs.write_text(f"# before\n\n{lr_sweep.DOCS_BEGIN}\nold tables\n{lr_sweep.DOCS_END}\n\n# after\n")
     lr_sweep.main(["--report", "--results", path, "--arms", "A", "--out", str(tmp_path / "report"),
@@ -112,7 +114,8 @@ def test_a_run_records_its_code_version_and_is_not_resumed_on_other_code(tmp_pat
     subprocess.run([*git, "commit", "-qm", "code"], check=True)
     first = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     assert lr_sweep.code_version(str(repo)) == first
-    (repo / "docs" / "a.md").write_text("more doc\n")  # neither the docs, the report nor its records are code
+    # neither the docs, the report nor its records are code
+    (repo / "docs" / "a.md").write_text("more doc\n")
     (repo / "lab" / "lr_sweep.py").write_text("# the report, changed\n")
     (repo / "lab" / "results.jsonl").write_text("{}\n{}\n")
     subprocess.run([*git, "commit", "-qam", "docs, report and records"], check=True)
@@ -134,7 +137,8 @@ def test_the_ladder_predicts_the_third_width_from_the_two_smallest():
         runs = []
         for lr in lr_sweep.HALF_DECADES:
             for seed in (1, 2):
-                logit = 1e4 * (lr / crossing) ** 2 * (1.1 if seed == 1 else 1 / 1.1)  # geometric mean on the line
+                # geometric mean on the line
+                logit = 1e4 * (lr / crossing) ** 2 * (1.1 if seed == 1 else 1 / 1.1)
                 runs.append(_result("default", lr, seed, 3.2 + lr * 64 / width, logit=logit, width=width))
                 runs.append(_result("qk_layernorm", lr, seed, 3.3 + lr * 32 / width, width=width))
         return runs
@@ -142,7 +146,8 @@ def test_the_ladder_predicts_the_third_width_from_the_two_smallest():
     assert steps[64]["crossing"] == pytest.approx(0.08) and steps[128]["crossing"] == pytest.approx(0.04)
     assert steps[256]["n"] == 0 and "predicted" not in steps[128]
     guess = steps[256]["predicted"]
-    assert guess["crossing"] == pytest.approx(0.02) and guess["from"] == (64, 128)  # halves with each doubling
+    # halves with each doubling
+    assert guess["crossing"] == pytest.approx(0.02) and guess["from"] == (64, 128)
     # the sensitivity of each lever set: a straight line in log width through the two measured
     s64, s128 = steps[64]["sensitivity"]["default"], steps[128]["sensitivity"]["default"]
     assert guess["sensitivity"]["default"] == pytest.approx(2 * s128 - s64)
@@ -205,7 +210,8 @@ def test_arm_w_s_short_warm_up_is_arm_a_s_default_run_and_recorded_once(tmp_path
     assert lr_sweep.preflight(lr_sweep.ARMS) == []
     # execute() goes to arm A's directory: a run there with other arguments is refused by its path
     taken = lr_sweep.run_dir(str(tmp_path), "A", "default", 1e-2, 1)
-    assert lr_sweep.run_dir(str(tmp_path), "W", "warmup_100", 1e-2, 1) == taken  # so a study skips it once finished
+    # so a study skips it once finished
+    assert lr_sweep.run_dir(str(tmp_path), "W", "warmup_100", 1e-2, 1) == taken
     os.makedirs(taken)
     with open(os.path.join(taken, "result.json"), "w") as f:
         json.dump({"args": ["--other"]}, f)
