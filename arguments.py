@@ -10,6 +10,7 @@ overrides in any of the forms BigScience's SLURM scripts use:
 
 Unknown keys and impossible values stop the run with one message naming the problem and the fix.
 """
+
 import difflib
 import math
 import os
@@ -46,8 +47,17 @@ DEFAULT_CONFIG = "config/tiny.py"
 
 
 @dataclass
-class Config(StabilityConfig, EvalHarnessConfig, LoggingConfig, CheckpointConfig, LayoutConfig, ScheduleConfig,
-             OptimizerConfig, DataConfig, GPTConfig):
+class Config(
+    StabilityConfig,
+    EvalHarnessConfig,
+    LoggingConfig,
+    CheckpointConfig,
+    LayoutConfig,
+    ScheduleConfig,
+    OptimizerConfig,
+    DataConfig,
+    GPTConfig,
+):
     """Every key of a run, flat (cfg.lr), each declared and checked by its owner: a dataclass's fields come base
     class last first, so the keys read model, data, optimizer, schedule, parallel, checkpoint, logging, stability.
     usage.py reads this list of bases from the source for `--help`: an owner is one more base here."""
@@ -147,7 +157,9 @@ def parse_cli(argv):
                 config_file = arg
                 i += 1
                 continue
-            raise ValueError(f"unexpected argument {arg!r}: give one config file, then --key=value overrides")
+            raise ValueError(
+                f"unexpected argument {arg!r}: give one config file, then --key=value overrides"
+            )
         key, eq, value = arg[2:].partition("=")
         key = key.replace("-", "_")
         if key not in FIELDS:
@@ -181,14 +193,19 @@ def load_config(argv=None):
     try:
         values = runpy.run_path(config_file)
     except FileNotFoundError:
-        raise ValueError(f"config file {config_file!r} not found; pass a file from config/ (e.g. "
-                         f"{DEFAULT_CONFIG})") from None
+        raise ValueError(
+            f"config file {config_file!r} not found; pass a file from config/ (e.g. "
+            f"{DEFAULT_CONFIG})"
+        ) from None
     except SyntaxError as e:
-        raise ValueError(f"config file {config_file}, line {e.lineno}: {e.msg}; fix the file (a config is Python: "
-                         "key = value per line)") from None
+        raise ValueError(
+            f"config file {config_file}, line {e.lineno}: {e.msg}; fix the file (a config is Python: "
+            "key = value per line)"
+        ) from None
     except Exception as e:  # a config is executed: NameError, ImportError, ... in it
-        raise ValueError(f"config file {config_file} fails when executed ({type(e).__name__}: {e}); "
-                         "fix the file") from None
+        raise ValueError(
+            f"config file {config_file} fails when executed ({type(e).__name__}: {e}); fix the file"
+        ) from None
     settings = {}
     for key, value in values.items():
         if key.startswith("_") or isinstance(value, (types.ModuleType, types.FunctionType, type)):
@@ -211,6 +228,7 @@ def _drop_replaced(settings, overrides):
     with one printed line: the command line says what this run means, where the file's key would be refused beside
     it (train_iters beside rampup_batch_size) or would end the run in another unit first. A key set to its default
     neither replaces nor is replaced; two exclusive keys both given on the command line are left to the checks."""
+
     def given(key, value):
         return _convert(key, value, FIELDS[key].type) != FIELDS[key].default
 
@@ -220,9 +238,13 @@ def _drop_replaced(settings, overrides):
         for pair in (p for p in EXCLUSIVE if key in p):
             other = pair[1 - pair.index(key)]
             if other in settings and other not in overrides and given(other, settings[other]):
-                if os.environ.get("RANK", "0") == "0":  # each process parses the config: one line per run
-                    print(f"{key} from the command line replaces the config file's {other} = {settings[other]!r}",
-                          flush=True)
+                if (
+                    os.environ.get("RANK", "0") == "0"
+                ):  # each process parses the config: one line per run
+                    print(
+                        f"{key} from the command line replaces the config file's {other} = {settings[other]!r}",
+                        flush=True,
+                    )
                 del settings[other]
 
 
@@ -236,9 +258,14 @@ def from_hf(cfg, given):
     try:
         hf.check_config(cfg, cfg.init_from_hf)
     except ValueError as e:
-        hint = "" if cfg.config_file != DEFAULT_CONFIG else (
-            f" ({DEFAULT_CONFIG}, the default config, describes a model of its own: start from config/finetune.py, "
-            "which sets training keys only)")
+        hint = (
+            ""
+            if cfg.config_file != DEFAULT_CONFIG
+            else (
+                f" ({DEFAULT_CONFIG}, the default config, describes a model of its own: start from config/finetune.py, "
+                "which sets training keys only)"
+            )
+        )
         raise ValueError(f"{e}{hint}") from None
 
 
@@ -248,16 +275,25 @@ def check_device(cfg, local_world_size=None):
     if cfg.device != "cuda":
         return
     if not torch.cuda.is_available():
-        why = ("this torch is a CPU-only build" if torch.version.cuda is None else
-               f"this torch (CUDA {torch.version.cuda}) sees no GPU: check the node and CUDA_VISIBLE_DEVICES")
-        raise ValueError(f"device=cuda but {why}; install a CUDA build of torch on a GPU node (see "
-                         "https://pytorch.org/get-started/locally), or use --device=cpu (--device=auto takes the GPU "
-                         "when there is one)")
+        why = (
+            "this torch is a CPU-only build"
+            if torch.version.cuda is None
+            else f"this torch (CUDA {torch.version.cuda}) sees no GPU: check the node and CUDA_VISIBLE_DEVICES"
+        )
+        raise ValueError(
+            f"device=cuda but {why}; install a CUDA build of torch on a GPU node (see "
+            "https://pytorch.org/get-started/locally), or use --device=cpu (--device=auto takes the GPU "
+            "when there is one)"
+        )
     local = local_world_size or int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     gpus = torch.cuda.device_count()
-    if gpus < local and not (gpus == 1 and "CUDA_VISIBLE_DEVICES" in os.environ):  # one GPU per task: GPU 0
-        raise ValueError(f"device=cuda with {local} processes on this node but {gpus} GPU(s) visible: one process per "
-                         f"GPU; launch torchrun --nproc_per_node {gpus}, or check CUDA_VISIBLE_DEVICES")
+    if gpus < local and not (
+        gpus == 1 and "CUDA_VISIBLE_DEVICES" in os.environ
+    ):  # one GPU per task: GPU 0
+        raise ValueError(
+            f"device=cuda with {local} processes on this node but {gpus} GPU(s) visible: one process per "
+            f"GPU; launch torchrun --nproc_per_node {gpus}, or check CUDA_VISIBLE_DEVICES"
+        )
 
 
 def to_dict(cfg):
@@ -287,9 +323,14 @@ def validate(cfg, world_size=1, reads_data=True):
     data_cfg, context = section(DataConfig, cfg), section(loader.DataContext, cfg)
     loader.check(data_cfg, context, cfg.position_embedding_type, reads_data)
     GPTConfig.check(cfg)
-    parallel.check(section(LayoutConfig, cfg), world_size, tp=cfg.tensor_model_parallel_size,
-                   num_layers=cfg.num_layers, qk_layernorm=cfg.qk_layernorm,
-                   eval_only=cfg.eval_only)
+    parallel.check(
+        section(LayoutConfig, cfg),
+        world_size,
+        tp=cfg.tensor_model_parallel_size,
+        num_layers=cfg.num_layers,
+        qk_layernorm=cfg.qk_layernorm,
+        eval_only=cfg.eval_only,
+    )
     dp_size = world_size // (cfg.tensor_model_parallel_size * cfg.pipeline_model_parallel_size)
     schedule.check(section(ScheduleConfig, cfg), dp_size, cfg.load)
     optim.check(cfg)
@@ -304,7 +345,9 @@ def derive(cfg, world_size=1):
     if cfg.global_batch_size is None:  # one micro-batch per data-parallel rank
         dp = world_size // (cfg.tensor_model_parallel_size * cfg.pipeline_model_parallel_size)
         cfg.global_batch_size = cfg.micro_batch_size * dp
-    if cfg.apply_query_key_layer_scaling is None:  # Megatron's default: on with fp16, where it avoids overflows
+    if (
+        cfg.apply_query_key_layer_scaling is None
+    ):  # Megatron's default: on with fp16, where it avoids overflows
         cfg.apply_query_key_layer_scaling = cfg.fp16
     if cfg.curriculum_learning and cfg.max_difficulty is None:
         cfg.max_difficulty = cfg.seq_length

@@ -46,6 +46,7 @@ dominates) add to it.
 On a shared machine other processes move these numbers a lot: compare runs taken back to back, alternating,
 and look at the best iteration as well as the mean.
 """
+
 import argparse
 import contextlib
 import dataclasses
@@ -93,7 +94,10 @@ def sync(device):
 def measured_peak(device, dtype, n, repeats=10):
     """Best-of-`repeats` FLOP/s of an n x n x n matmul: what this device really does when nothing else gets in
     the way (on a CPU it depends on the cores and threads given, so it is measured, not looked up)."""
-    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+    a, b = (
+        torch.randn(n, n, device=device, dtype=dtype),
+        torch.randn(n, n, device=device, dtype=dtype),
+    )
     a @ b  # warm-up: thread pools, cuBLAS handles
     best = float("inf")
     for _ in range(repeats):
@@ -108,43 +112,82 @@ def measured_peak(device, dtype, n, repeats=10):
 def device_peak(device, dtype):
     """(peak FLOP/s, where the number comes from); dtype is what the matmuls of training run in (CPU only)."""
     if device.type == "cuda":
-        name, peaks = torch.cuda.get_device_name(device), gpu_peaks(torch.cuda.get_device_name(device))
+        name, peaks = (
+            torch.cuda.get_device_name(device),
+            gpu_peaks(torch.cuda.get_device_name(device)),
+        )
         if peaks is not None:
             return peaks[0] * 1e12, f"{name}, bf16 dense peak from the datasheet"
         return measured_peak(device, torch.bfloat16, 8192), f"{name}, measured bf16 8192^3 matmul"
     name = str(dtype).removeprefix("torch.")
-    return measured_peak(device, dtype, 2048), f"CPU, {torch.get_num_threads()} threads, measured {name} 2048^3 matmul"
+    return measured_peak(
+        device, dtype, 2048
+    ), f"CPU, {torch.get_num_threads()} threads, measured {name} 2048^3 matmul"
 
 
 def peak_memory(device):
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device), "torch.cuda.max_memory_allocated"
     # ru_maxrss is in KiB on Linux; it covers the whole process (Python, torch's libraries), not just tensors
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "peak RSS of the whole process"
+    return resource.getrusage(
+        resource.RUSAGE_SELF
+    ).ru_maxrss * 1024, "peak RSS of the whole process"
 
 
 def parse(argv):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     allow_abbrev=False)
-    parser.add_argument("--bench_steps", "--bench-steps", type=int, default=10, help="timed iterations")
-    parser.add_argument("--bench_warmup", "--bench-warmup", type=int, default=2,
-                        help="untimed iterations first (allocator, thread pools, torch.compile, optimizer state)")
-    parser.add_argument("--nproc", type=int, default=1,
-                        help="gloo processes to start here (CPU), compared with one process on the same batch")
-    parser.add_argument("--step_costs", "--step-costs", action=argparse.BooleanOptionalAction, default=True,
-                        help="profile one more iteration and split its time into shares (output layer, attention, ...)")
-    parser.add_argument("--table", action="store_true",
-                        help="measure each CONFIG.py given, each in a process of its own, then print one table")
-    parser.add_argument("--guard_price", "--guard-price", action="store_true",
-                        help="time CONFIG.py with --spike_guard at its defaults against without, "
-                        "each in a process of its own, and print the ratio of their tokens/s")
-    parser.add_argument("--result_json", "--result-json", metavar="PATH",
-                        help="also write rank 0's numbers to PATH as JSON (what --table reads from each process)")
+    parser = argparse.ArgumentParser(
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
+    )
+    parser.add_argument(
+        "--bench_steps", "--bench-steps", type=int, default=10, help="timed iterations"
+    )
+    parser.add_argument(
+        "--bench_warmup",
+        "--bench-warmup",
+        type=int,
+        default=2,
+        help="untimed iterations first (allocator, thread pools, torch.compile, optimizer state)",
+    )
+    parser.add_argument(
+        "--nproc",
+        type=int,
+        default=1,
+        help="gloo processes to start here (CPU), compared with one process on the same batch",
+    )
+    parser.add_argument(
+        "--step_costs",
+        "--step-costs",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="profile one more iteration and split its time into shares (output layer, attention, ...)",
+    )
+    parser.add_argument(
+        "--table",
+        action="store_true",
+        help="measure each CONFIG.py given, each in a process of its own, then print one table",
+    )
+    parser.add_argument(
+        "--guard_price",
+        "--guard-price",
+        action="store_true",
+        help="time CONFIG.py with --spike_guard at its defaults against without, "
+        "each in a process of its own, and print the ratio of their tokens/s",
+    )
+    parser.add_argument(
+        "--result_json",
+        "--result-json",
+        metavar="PATH",
+        help="also write rank 0's numbers to PATH as JSON (what --table reads from each process)",
+    )
     # the rest is CONFIG.py --key=value ..., exactly as train.py takes it
     bench, rest = parser.parse_known_args(argv)
     if bench.bench_steps < 1 or bench.bench_warmup < 0:
-        raise ValueError(f"--bench_steps={bench.bench_steps} --bench_warmup={bench.bench_warmup}: time at least one "
-                         "iteration, after zero or more warm-up ones")
+        raise ValueError(
+            f"--bench_steps={bench.bench_steps} --bench_warmup={bench.bench_warmup}: time at least one "
+            "iteration, after zero or more warm-up ones"
+        )
     return bench, rest
 
 
@@ -152,9 +195,19 @@ def parse(argv):
 # iterations, warm-up and decay), and some of it refuses a run of a few iterations (a warm-up longer than the run,
 # a ramp-up counted in samples beside train_iters, an optimizer reset without a checkpoint). None of it is part of
 # what a step costs: bench times every iteration at the full batch and length, at the constant LR cfg.lr.
-SCHEDULE_KEYS = ("lr_warmup_samples", "lr_warmup_tokens", "lr_decay_samples", "lr_decay_tokens", "lr_decay_style",
-                 "lr_wsd_decay_samples", "lr_wsd_decay_style", "rampup_batch_size", "curriculum_learning",
-                 "skip_train_iteration_range", "reset_optimizer_warmup_iters")
+SCHEDULE_KEYS = (
+    "lr_warmup_samples",
+    "lr_warmup_tokens",
+    "lr_decay_samples",
+    "lr_decay_tokens",
+    "lr_decay_style",
+    "lr_wsd_decay_samples",
+    "lr_wsd_decay_style",
+    "rampup_batch_size",
+    "curriculum_learning",
+    "skip_train_iteration_range",
+    "reset_optimizer_warmup_iters",
+)
 # fp16 with a dynamic loss scale: timing starts from at most this scale (torch.amp.GradScaler's first one), not from
 # Megatron's default initial_loss_scale of 2^32, at which every step overflows and is skipped, its optimizer never
 # run. The warm-up then goes on while a step overflows, the scale backing off as in training (at most
@@ -167,21 +220,29 @@ def for_timing(cfg, given, iterations):
     """Make cfg a run of `iterations` iterations of one shape at a constant LR (SCHEDULE_KEYS), on data that is
     there, with the model's weights drawn (not imported). given: the keys set on the command line. The config's
     own values are only set aside here, never written back. Returns the lines that say what was set aside."""
-    steady = {key: arguments.FIELDS[key].default for key in SCHEDULE_KEYS} | {"lr_decay_style": "constant"}
+    steady = {key: arguments.FIELDS[key].default for key in SCHEDULE_KEYS} | {
+        "lr_decay_style": "constant"
+    }
     aside = {key: getattr(cfg, key) for key, value in steady.items() if getattr(cfg, key) != value}
     for key, value in steady.items():
         setattr(cfg, key, value)
     cfg.train_iters, cfg.train_samples, cfg.train_tokens = iterations, None, None
     cfg.eval_iters = 0  # no validation set to build
-    notes = [f"bench: timing at a constant LR = {cfg.lr:g}, every iteration at the full batch and length: the "
-             "config's warm-up/decay/ramp-up/curriculum/skips are not part of a step's cost"
-             + (f" (set aside: {', '.join(f'{k}={v!r}' for k, v in aside.items())})" if aside else "")]
+    notes = [
+        f"bench: timing at a constant LR = {cfg.lr:g}, every iteration at the full batch and length: the "
+        "config's warm-up/decay/ramp-up/curriculum/skips are not part of a step's cost"
+        + (f" (set aside: {', '.join(f'{k}={v!r}' for k, v in aside.items())})" if aside else "")
+    ]
     data_note = bundled_instead(cfg, given)
     if data_note:
         notes.append(data_note)
-    if cfg.init_from_hf is not None:  # the model's keys came from its config.json already (arguments.from_hf)
-        notes.append(f"bench: the model's shape from {cfg.init_from_hf}, its weights drawn, not imported: their values "
-                     "are not part of a step's cost")
+    if (
+        cfg.init_from_hf is not None
+    ):  # the model's keys came from its config.json already (arguments.from_hf)
+        notes.append(
+            f"bench: the model's shape from {cfg.init_from_hf}, its weights drawn, not imported: their values "
+            "are not part of a step's cost"
+        )
         cfg.init_from_hf = None
     return notes
 
@@ -206,8 +267,10 @@ def bundled_instead(cfg, given):
             return None
         why = f"{cfg.config_file}'s data_path {' '.join(cfg.data_path)} is not here"
     cfg.data_path, cfg.use_bundled_corpus, cfg.tokenizer_file = None, True, None
-    return (f"bench: {why}: timing on the bundled corpus (the tokens' values are not part of a step's cost; "
-            "--data_path=PREFIX times loading yours)")
+    return (
+        f"bench: {why}: timing on the bundled corpus (the tokens' values are not part of a step's cost; "
+        "--data_path=PREFIX times loading yours)"
+    )
 
 
 # bench's MFU on a CPU, for the up-front estimate: 4.4-6.1% measured on 2 shared cores (gpt2_125m's
@@ -224,16 +287,19 @@ def cpu_cost_note(cfg, iterations, device, processes=1):
     dtype = matmul_dtype(cfg)
     rate = measured_peak(device, dtype, 1024, repeats=3)
     seconds = iterations * flops / (CPU_MFU * rate)
-    return (f"bench: on the CPU, {iterations} iteration(s) of {flops / 1e9:,.1f} GFLOP (the "
-            f"model's) at {rate / 1e9:,.1f} GFLOP/s ({str(dtype)[6:]} 1024^3 matmul here): about "
-            f"{seconds:,.0f} s at the ~{100 * CPU_MFU:.0f}% MFU bench measures on a CPU, after "
-            "start-up (imports, build, the data's index: 15-30 s on 2 cores); --hidden_size, "
-            "--num_layers and --bf16=false cut it")
+    return (
+        f"bench: on the CPU, {iterations} iteration(s) of {flops / 1e9:,.1f} GFLOP (the "
+        f"model's) at {rate / 1e9:,.1f} GFLOP/s ({str(dtype)[6:]} 1024^3 matmul here): about "
+        f"{seconds:,.0f} s at the ~{100 * CPU_MFU:.0f}% MFU bench measures on a CPU, after "
+        "start-up (imports, build, the data's index: 15-30 s on 2 cores); --hidden_size, "
+        "--num_layers and --bf16=false cut it"
+    )
 
 
 @dataclasses.dataclass
 class Run:
     """What bench times, built as train.py builds it."""
+
     cfg: arguments.Config
     grid: parallel.Grid
     device: torch.device
@@ -275,7 +341,9 @@ def set_up(bench, argv):
     scaler = optim.scaler_for(cfg)
     scale_note = None
     if scaler.dynamic and scaler.scale > TIMING_LOSS_SCALE:
-        scale_note = f"the config's initial_loss_scale {scaler.scale:.0f} capped at {TIMING_LOSS_SCALE:.0f}"
+        scale_note = (
+            f"the config's initial_loss_scale {scaler.scale:.0f} capped at {TIMING_LOSS_SCALE:.0f}"
+        )
         scaler.scale = max(TIMING_LOSS_SCALE, scaler.min_scale)
     if launch.compiles(layout_cfg):  # as train.py: on CUDA unless --compile=false
         parallel.unwrap(model).compile_blocks()
@@ -285,12 +353,28 @@ def set_up(bench, argv):
     data_cfg, context = section(loader.DataConfig, cfg), section(loader.DataContext, cfg)
     train_data, _ = loader.build_data(data_cfg, context, plan)
     # as train.py; with --spike_guard its callbacks record telemetry (with_callbacks)
-    recorder = (telemetry.Telemetry(model, cfg, optimizer) if cfg.telemetry_interval
-                and not cfg.spike_guard else None)
+    recorder = (
+        telemetry.Telemetry(model, cfg, optimizer)
+        if cfg.telemetry_interval and not cfg.spike_guard
+        else None
+    )
     rules = builders.step_rules(cfg)
     parts = with_callbacks(cfg, model, optimizer, plan, scaler, train_data, rules)
-    return Run(cfg, grid, device, model, optimizer, scaler, plan, train_data, recorder,
-               local_params, scale_note, rules, parts)
+    return Run(
+        cfg,
+        grid,
+        device,
+        model,
+        optimizer,
+        scaler,
+        plan,
+        train_data,
+        recorder,
+        local_params,
+        scale_note,
+        rules,
+        parts,
+    )
 
 
 def with_callbacks(cfg, model, optimizer, plan, scaler, train_data, rules):
@@ -323,8 +407,17 @@ def iterate(run, prefetcher, key, probe=None):
     if probe:
         probe.begin()
     callbacks = telemetry.Probe(probe) if probe else training.NO_CALLBACKS
-    step = training.whole_step(run.model, run.optimizer, run.scaler, batches, run.cfg.lr, run.rules,
-                               run.device, callbacks, logged(run, key))
+    step = training.whole_step(
+        run.model,
+        run.optimizer,
+        run.scaler,
+        batches,
+        run.cfg.lr,
+        run.rules,
+        run.device,
+        callbacks,
+        logged(run, key),
+    )
     if probe:
         probe.finish()
     sync(run.device)
@@ -338,8 +431,17 @@ def guarded_step(run, key, batches):
     callbacks, state = run.parts.callbacks, run.parts.state
     it = training.Iteration(key[0], key[1], key[2], key[3], batches, run.cfg.lr)
     callbacks.before_step(it)
-    step = training.whole_step(run.model, run.optimizer, run.scaler, it.batches, it.lr, run.rules,
-                               run.device, callbacks, logged(run, key))
+    step = training.whole_step(
+        run.model,
+        run.optimizer,
+        run.scaler,
+        it.batches,
+        it.lr,
+        run.rules,
+        run.device,
+        callbacks,
+        logged(run, key),
+    )
     step = callbacks.check_step(it, step)
     state.advance(it.batch_size, it.seqlen, applied=step.outcome == "ok", step=step)
     callbacks.after_step(it, step)
@@ -357,6 +459,7 @@ class Timings:
     """The timed iterations. With telemetry_interval, every interval-th one records telemetry, as in training:
     timed apart, so that its cost can be stated per step (interleaved steps share the machine's noise); CPU time
     too, the steadier measure on a shared machine."""
+
     # wall seconds of the iterations without telemetry
     times: list = dataclasses.field(default_factory=list)
     probed: list = dataclasses.field(default_factory=list)  # of those recording telemetry
@@ -382,9 +485,14 @@ def warm_up(run, bench, prefetcher, key, timings):
     of the timed steps. Returns the next key."""
     settle = SETTLE_ITERATIONS if run.cfg.fp16 and run.scaler.dynamic else 0
     updated = not settle
-    while timings.warmup < bench.bench_warmup or (not updated and timings.warmup < bench.bench_warmup + settle):
+    while timings.warmup < bench.bench_warmup or (
+        not updated and timings.warmup < bench.bench_warmup + settle
+    ):
         updated = iterate(run, prefetcher, key)[3].outcome == "ok"
-        timings.warmup, timings.warmup_skipped = timings.warmup + 1, timings.warmup_skipped + (not updated)
+        timings.warmup, timings.warmup_skipped = (
+            timings.warmup + 1,
+            timings.warmup_skipped + (not updated),
+        )
         key = run.plan.next_key(key)
     if settle and timings.warmup_skipped:
         run.scaler.scale = max(run.scaler.scale / 2, run.scaler.min_scale)
@@ -413,12 +521,26 @@ def time_steps(run, bench, prefetcher, key, timings):
 
 def profile_step(run, prefetcher, key):
     """step_costs of one more iteration, kept out of the pipeline's times, which are of the timed iterations."""
-    seconds, events, parallel.pipeline_events = dict(parallel.pipeline_seconds), parallel.pipeline_events, None
-    costs = step_costs(lambda: loader.to_device(prefetcher.get(key), run.device),
-                       lambda batches: training.whole_step(
-                           run.model, run.optimizer, run.scaler, batches, run.cfg.lr, run.rules,
-                           run.device, count_zeros=logged(run, key)),
-                       run.optimizer, run.device)
+    seconds, events, parallel.pipeline_events = (
+        dict(parallel.pipeline_seconds),
+        parallel.pipeline_events,
+        None,
+    )
+    costs = step_costs(
+        lambda: loader.to_device(prefetcher.get(key), run.device),
+        lambda batches: training.whole_step(
+            run.model,
+            run.optimizer,
+            run.scaler,
+            batches,
+            run.cfg.lr,
+            run.rules,
+            run.device,
+            count_zeros=logged(run, key),
+        ),
+        run.optimizer,
+        run.device,
+    )
     parallel.pipeline_seconds.update(seconds)
     parallel.pipeline_events = events
     return costs
@@ -438,9 +560,13 @@ def pipeline_stages(grid):
     """[(seconds in communicate, seconds in the 1F1B schedule)] of each stage over the timed iterations, every
     rank's gathered for rank 0's report."""
     seconds = dict(parallel.pipeline_seconds)
-    if parallel.pipeline_events is not None:  # CUDA: the stream's time between the events, after a sync
-        seconds = {kind: sum(a.elapsed_time(b) for a, b in pairs) / 1000
-                   for kind, pairs in parallel.pipeline_events.items()}
+    if (
+        parallel.pipeline_events is not None
+    ):  # CUDA: the stream's time between the events, after a sync
+        seconds = {
+            kind: sum(a.elapsed_time(b) for a, b in pairs) / 1000
+            for kind, pairs in parallel.pipeline_events.items()
+        }
         parallel.pipeline_events = None
     mine = (grid.pp_rank, seconds["communicate"], seconds["schedule"])
     stages = [mine]
@@ -481,13 +607,29 @@ def numbers(run, timings, stages, costs):
     memory, memory_source = peak_memory(run.device)
     peak, peak_source = device_peak(run.device, matmul_dtype(cfg))
     wait_share = sum(timings.waits) / (sum(timings.times) + sum(timings.probed))
-    result = {"mean": mean, "best": best, "wait_share": wait_share, "layout": repr(grid), "stages": stages,
-              "tokens/s": B * T / mean, "TFLOPs": tflops, "model TFLOPs": model_tflops,
-              "MFU": model_tflops * 1e12 / peak, "peak": peak, "peak_source": peak_source, "memory": memory,
-              "memory_source": memory_source, "micro_batches": B // (cfg.micro_batch_size * grid.dp_size),
-              "pp": grid.pp_size, "costs": costs, "skipped": timings.skipped, "loss_scale": timings.loss_scale,
-              "warmup_skipped": timings.warmup_skipped, "steps": len(times),
-              "iterations": timings.warmup + len(timings.times) + len(timings.probed)}
+    result = {
+        "mean": mean,
+        "best": best,
+        "wait_share": wait_share,
+        "layout": repr(grid),
+        "stages": stages,
+        "tokens/s": B * T / mean,
+        "TFLOPs": tflops,
+        "model TFLOPs": model_tflops,
+        "MFU": model_tflops * 1e12 / peak,
+        "peak": peak,
+        "peak_source": peak_source,
+        "memory": memory,
+        "memory_source": memory_source,
+        "micro_batches": B // (cfg.micro_batch_size * grid.dp_size),
+        "pp": grid.pp_size,
+        "costs": costs,
+        "skipped": timings.skipped,
+        "loss_scale": timings.loss_scale,
+        "warmup_skipped": timings.warmup_skipped,
+        "steps": len(times),
+        "iterations": timings.warmup + len(timings.times) + len(timings.probed),
+    }
     if grid.pp_size > 1:
         result["bubble"] = [comm / pipe for comm, pipe in stages]
     return result
@@ -501,21 +643,24 @@ def report(run, bench, timings, r, load):
     """Print rank 0's report of one configuration."""
     cfg, grid, device, gpt = run.cfg, run.grid, run.device, parallel.unwrap(run.model).cfg
     B, T, times = cfg.global_batch_size, cfg.seq_length, timings.steady()
-    print(f"model:        {gpt.num_parameters():,} parameters ({gpt.num_parameters(padded=True):,} with the vocabulary "
-          f"padded to {gpt.padded_vocab_size}; {run.local_params:,} on this rank); {grid}\n"
-          f"run:          {str(matmul_dtype(cfg)).removeprefix('torch.')}, global batch {B} x {T} tokens (micro-batch "
-          f"{cfg.micro_batch_size}), {bench.bench_steps} timed iterations after {timings.warmup} warm-up, "
-          f"{device}, {torch.get_num_threads()} threads\n"
-          f"tokens/s:     {r['tokens/s']:,.1f} (best iteration {B * T / r['best']:,.1f})\n"
-          f"ms/iteration: {r['mean'] * 1000:.1f} (best {r['best'] * 1000:.1f}, stdev "
-          f"{statistics.pstdev(times) * 1000:.1f})\n"
-          f"TFLOPs:       {r['TFLOPs']:.4g} per {'GPU' if device.type == 'cuda' else 'process'} (Megatron's formula, "
-          f"recomputation included)\n"
-          f"MFU:          {100 * r['MFU']:.1f}% of {r['peak'] / 1e12:.4g} TFLOP/s ({r['peak_source']}): the "
-          f"model's FLOPs alone, {r['model TFLOPs']:.4g} TFLOPs (6N + attention, no recomputation)\n"
-          f"peak memory:  {r['memory'] / 2**20:,.0f} MiB ({r['memory_source']})\n"
-          f"data wait:    {100 * r['wait_share']:.3f}% of the iteration ({1000 * statistics.mean(timings.waits):.2f} "
-          f"ms; loading a batch not prepared ahead takes {1000 * load:.2f} ms)", flush=True)
+    print(
+        f"model:        {gpt.num_parameters():,} parameters ({gpt.num_parameters(padded=True):,} with the vocabulary "
+        f"padded to {gpt.padded_vocab_size}; {run.local_params:,} on this rank); {grid}\n"
+        f"run:          {str(matmul_dtype(cfg)).removeprefix('torch.')}, global batch {B} x {T} tokens (micro-batch "
+        f"{cfg.micro_batch_size}), {bench.bench_steps} timed iterations after {timings.warmup} warm-up, "
+        f"{device}, {torch.get_num_threads()} threads\n"
+        f"tokens/s:     {r['tokens/s']:,.1f} (best iteration {B * T / r['best']:,.1f})\n"
+        f"ms/iteration: {r['mean'] * 1000:.1f} (best {r['best'] * 1000:.1f}, stdev "
+        f"{statistics.pstdev(times) * 1000:.1f})\n"
+        f"TFLOPs:       {r['TFLOPs']:.4g} per {'GPU' if device.type == 'cuda' else 'process'} (Megatron's formula, "
+        f"recomputation included)\n"
+        f"MFU:          {100 * r['MFU']:.1f}% of {r['peak'] / 1e12:.4g} TFLOP/s ({r['peak_source']}): the "
+        f"model's FLOPs alone, {r['model TFLOPs']:.4g} TFLOPs (6N + attention, no recomputation)\n"
+        f"peak memory:  {r['memory'] / 2**20:,.0f} MiB ({r['memory_source']})\n"
+        f"data wait:    {100 * r['wait_share']:.3f}% of the iteration ({1000 * statistics.mean(timings.waits):.2f} "
+        f"ms; loading a batch not prepared ahead takes {1000 * load:.2f} ms)",
+        flush=True,
+    )
     if cfg.fp16 or timings.skipped:
         print(f"loss scale:   {loss_scale_line(run, timings)}", flush=True)
     if r["costs"]:
@@ -524,53 +669,88 @@ def report(run, bench, timings, r, load):
         print_telemetry(timings)
     if grid.pp_size > 1:
         ideal = (grid.pp_size - 1) / (r["micro_batches"] + grid.pp_size - 1)
-        print("bubble:       " + ", ".join(f"stage {p} waits {100 * b:.1f}%" for p, b in enumerate(r["bubble"]))
-              + f" of its forward-backward; ideal (p-1)/(m+p-1) = {100 * ideal:.1f}% (p={grid.pp_size}, "
-              f"m={r['micro_batches']})", flush=True)
+        print(
+            "bubble:       "
+            + ", ".join(f"stage {p} waits {100 * b:.1f}%" for p, b in enumerate(r["bubble"]))
+            + f" of its forward-backward; ideal (p-1)/(m+p-1) = {100 * ideal:.1f}% (p={grid.pp_size}, "
+            f"m={r['micro_batches']})",
+            flush=True,
+        )
 
 
 def loss_scale_line(run, timings):
     """fp16: where the timed iterations' loss scale came from; any precision: the timed steps that did not update."""
-    skipped = (f"{timings.skipped} of {len(timings.times) + len(timings.probed)} timed iterations applied no update "
-               "(their optimizer step not run)")
+    skipped = (
+        f"{timings.skipped} of {len(timings.times) + len(timings.probed)} timed iterations applied no update "
+        "(their optimizer step not run)"
+    )
     if not run.cfg.fp16:
         return skipped
     if not run.scaler.dynamic:
         return f"{timings.loss_scale:.10g}, static (loss_scale); {skipped}"
     start = run.scale_note or "the config's initial_loss_scale"
-    return (f"{timings.loss_scale:.10g} at the first timed iteration (dynamic, from {start}; "
-            f"{timings.warmup_skipped} of {timings.warmup} warm-up iterations did not update"
-            f"{', then halved once more' if timings.warmup_skipped else ''}); {skipped}")
+    return (
+        f"{timings.loss_scale:.10g} at the first timed iteration (dynamic, from {start}; "
+        f"{timings.warmup_skipped} of {timings.warmup} warm-up iterations did not update"
+        f"{', then halved once more' if timings.warmup_skipped else ''}); {skipped}"
+    )
 
 
 def print_telemetry(timings):
     """What recording telemetry adds to a step, in wall and CPU time."""
     if not timings.times:
-        print("telemetry:    recorded at every timed iteration (telemetry_interval=1): the times above include it; "
-              "a telemetry_interval of 2 or more times steps without it too", flush=True)
+        print(
+            "telemetry:    recorded at every timed iteration (telemetry_interval=1): the times above include it; "
+            "a telemetry_interval of 2 or more times steps without it too",
+            flush=True,
+        )
         return
-    for what, plain, recording in (("wall", timings.times, timings.probed),
-                                   ("CPU", timings.cpu[False], timings.cpu[True])):
+    for what, plain, recording in (
+        ("wall", timings.times, timings.probed),
+        ("CPU", timings.cpu[False], timings.cpu[True]),
+    ):
         plain, recording = statistics.median(plain), statistics.median(recording)
-        print(f"telemetry:    {what} {recording * 1000:.1f} ms per recording step vs {plain * 1000:.1f} ms "
-              f"(medians of {len(timings.probed)} and {len(timings.times)}): +{100 * (recording / plain - 1):.1f}% "
-              f"per recording step, +{10 * (recording / plain - 1):.2f}% at telemetry_interval=10", flush=True)
+        print(
+            f"telemetry:    {what} {recording * 1000:.1f} ms per recording step vs {plain * 1000:.1f} ms "
+            f"(medians of {len(timings.probed)} and {len(timings.times)}): +{100 * (recording / plain - 1):.1f}% "
+            f"per recording step, +{10 * (recording / plain - 1):.2f}% at telemetry_interval=10",
+            flush=True,
+        )
 
 
 # -----------------------------------------------------------------------------
 # Where one iteration's time goes: one profiled iteration, its ops' time in shares
 
-COSTS = ("output layer + loss", "attention", "other matmuls", "elementwise and other ops", "optimizer",
-         "gradient accumulation / reduction", "data wait", "other")
-MATMULS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::matmul", "aten::linear",
-           "aten::_addmm_activation"}
+COSTS = (
+    "output layer + loss",
+    "attention",
+    "other matmuls",
+    "elementwise and other ops",
+    "optimizer",
+    "gradient accumulation / reduction",
+    "data wait",
+    "other",
+)
+MATMULS = {
+    "aten::mm",
+    "aten::addmm",
+    "aten::bmm",
+    "aten::baddbmm",
+    "aten::matmul",
+    "aten::linear",
+    "aten::_addmm_activation",
+}
 # Ranges around the parts of the step (training.py) that an op's name cannot place (an add_ is an
 # add_), set for the profiled iteration by costs_named. Gradient accumulation's own: autograd's
 # AccumulateGrad, where parallel.GradBuffer's hook adds each .grad into its bucket and starts the DP
 # all-reduce.
-RANGES = {"bench: data wait": "data wait", "bench: optimizer": "optimizer", "Optimizer.step#": "optimizer",
-          "bench: gradient reduction": "gradient accumulation / reduction",
-          "torch::autograd::AccumulateGrad": "gradient accumulation / reduction"}
+RANGES = {
+    "bench: data wait": "data wait",
+    "bench: optimizer": "optimizer",
+    "Optimizer.step#": "optimizer",
+    "bench: gradient reduction": "gradient accumulation / reduction",
+    "torch::autograd::AccumulateGrad": "gradient accumulation / reduction",
+}
 
 
 def cost_of(chain):
@@ -609,11 +789,17 @@ def costs_named(optimizer):
         def named(*args, **kwargs):
             with record_function(label):
                 return original(*args, **kwargs)
+
         undo.append((owner, attribute, vars(owner).get(attribute, None), attribute in vars(owner)))
         setattr(owner, attribute, named)
+
     for attribute in ("zero_grad", "prepare_grads", "step", "finish_step"):
         name(optimizer, attribute, "bench: optimizer")
-    for owner, attribute in ((parallel, "grad_norm"), (parallel, "count_zeros"), (optim, "clip_grads")):
+    for owner, attribute in (
+        (parallel, "grad_norm"),
+        (parallel, "count_zeros"),
+        (optim, "clip_grads"),
+    ):
         name(owner, attribute, "bench: optimizer")
     name(parallel, "reduce_gradients", "bench: gradient reduction")
     try:
@@ -659,10 +845,18 @@ def gpu_busy(events):
     """Microseconds in which the GPU ran a kernel or a copy on some stream: the union of the device events'
     intervals, overlapping streams counted once; the ranges' GPU-side copies (user annotations, named as the
     host's ranges) left out, since they span idle time too."""
-    ranges = {e.name for e in events if e.device_type == torch.autograd.DeviceType.CPU and e.is_user_annotation}
-    spans = sorted((e.time_range.start, e.time_range.end) for e in events
-                   if e.device_type != torch.autograd.DeviceType.CPU and not e.is_user_annotation
-                   and e.name not in ranges)
+    ranges = {
+        e.name
+        for e in events
+        if e.device_type == torch.autograd.DeviceType.CPU and e.is_user_annotation
+    }
+    spans = sorted(
+        (e.time_range.start, e.time_range.end)
+        for e in events
+        if e.device_type != torch.autograd.DeviceType.CPU
+        and not e.is_user_annotation
+        and e.name not in ranges
+    )
     busy, reach = 0.0, float("-inf")
     for start, end in spans:
         if end > reach:
@@ -701,14 +895,21 @@ def shares(spent, wall):
 
 def costs_line(costs):
     line = ", ".join(f"{cost} {100 * costs[cost]:.1f}%" for cost in COSTS)
-    if "GPU idle" in costs:  # not a share beside the others: time in which the GPU waited, whatever the host did
+    if (
+        "GPU idle" in costs
+    ):  # not a share beside the others: time in which the GPU waited, whatever the host did
         line += f"; the GPU idle {100 * costs['GPU idle']:.1f}% (no kernel or copy on any stream)"
     return line
 
 
 def _worker(rank, nproc, port, argv, results):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(nproc),
-                      LOCAL_RANK=str(rank))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(nproc),
+        LOCAL_RANK=str(rank),
+    )
     # the cores shared out, not oversubscribed
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // nproc))
     try:
@@ -726,18 +927,30 @@ def table(argv):
     second's blocks for dynamic shapes), and a row that fails prints its error while the others still print.
     Returns [(config, numbers or the error)]."""
     configs = [a for a in argv if a.endswith(".py")]
-    others = [a for a in argv if not a.endswith(".py") and a != "--table" and not a.startswith("--result_json")
-              and not a.startswith("--result-json")]
+    others = [
+        a
+        for a in argv
+        if not a.endswith(".py")
+        and a != "--table"
+        and not a.startswith("--result_json")
+        and not a.startswith("--result-json")
+    ]
     rows = [(name, measure_apart(name, others)) for name in configs]
-    print("\n| config | tokens/s | TFLOPs (Megatron) | MFU (model FLOPs) | peak memory |\n"
-          "| --- | ---: | ---: | ---: | ---: |")
+    print(
+        "\n| config | tokens/s | TFLOPs (Megatron) | MFU (model FLOPs) | peak memory |\n"
+        "| --- | ---: | ---: | ---: | ---: |"
+    )
     for name, r in rows:
         print(row(name, r))
     costed = [(name, r["costs"]) for name, r in rows if isinstance(r, dict) and r["costs"]]
     if costed:  # where each config's iteration goes: what to make faster first
         print("\n| config | " + " | ".join(COSTS) + " |\n| --- |" + " ---: |" * len(COSTS))
         for name, costs in costed:
-            print(f"| {config_name(name)} | " + " | ".join(f"{100 * costs[c]:.1f}%" for c in COSTS) + " |")
+            print(
+                f"| {config_name(name)} | "
+                + " | ".join(f"{100 * costs[c]:.1f}%" for c in COSTS)
+                + " |"
+            )
     sys.stdout.flush()
     return rows
 
@@ -748,13 +961,21 @@ def guard_price(argv):
     Returns the rows as table()."""
     configs = [a for a in argv if a.endswith(".py")]
     if len(configs) != 1 or any(a.startswith("--spike_guard") for a in argv):
-        raise ValueError("--guard_price times one CONFIG.py, with --spike_guard at its defaults "
-                         "against without: give one config file and no --spike_guard* key")
-    others = [a for a in argv if not a.endswith(".py")
-              and a not in ("--guard_price", "--guard-price")
-              and not a.startswith(("--result_json", "--result-json"))]
-    rows = [(configs[0], measure_apart(configs[0], others)),
-            (configs[0] + " --spike_guard", measure_apart(configs[0], others + ["--spike_guard"]))]
+        raise ValueError(
+            "--guard_price times one CONFIG.py, with --spike_guard at its defaults "
+            "against without: give one config file and no --spike_guard* key"
+        )
+    others = [
+        a
+        for a in argv
+        if not a.endswith(".py")
+        and a not in ("--guard_price", "--guard-price")
+        and not a.startswith(("--result_json", "--result-json"))
+    ]
+    rows = [
+        (configs[0], measure_apart(configs[0], others)),
+        (configs[0] + " --spike_guard", measure_apart(configs[0], others + ["--spike_guard"])),
+    ]
     (_, plain), (_, guarded) = rows
     name = config_name(configs[0])
     if isinstance(plain, str) or isinstance(guarded, str):
@@ -763,16 +984,24 @@ def guard_price(argv):
         return rows
     cfg = arguments.load_config([configs[0], *parse(others)[1]])
     iterations, interval = guarded["iterations"], cfg.spike_guard_snapshot_interval
-    snapshots = (f"snapshots every {interval} iterations: none in these {iterations}, their cost "
-                 "not in the ratio" if iterations < interval
-                 else f"snapshots every {interval} iterations included")
+    snapshots = (
+        f"snapshots every {interval} iterations: none in these {iterations}, their cost "
+        "not in the ratio"
+        if iterations < interval
+        else f"snapshots every {interval} iterations included"
+    )
     if iterations < cfg.spike_guard_min_steps:  # unarmed: no noise measure, no unseen forwards
-        snapshots += (f"; the guard arms after {cfg.spike_guard_min_steps} steps: unarmed in "
-                      "these, its checks' forwards not in the ratio")
-    print(f"guard: {name} {guarded['tokens/s']:,.1f} tokens/s with --spike_guard at its defaults, "
-          f"{plain['tokens/s']:,.1f} without: ratio {guarded['tokens/s'] / plain['tokens/s']:.3f} "
-          f"(means of {guarded['steps']} timed iterations each, a process each; {snapshots}; "
-          "goal >= 0.99)", flush=True)
+        snapshots += (
+            f"; the guard arms after {cfg.spike_guard_min_steps} steps: unarmed in "
+            "these, its checks' forwards not in the ratio"
+        )
+    print(
+        f"guard: {name} {guarded['tokens/s']:,.1f} tokens/s with --spike_guard at its defaults, "
+        f"{plain['tokens/s']:,.1f} without: ratio {guarded['tokens/s'] / plain['tokens/s']:.3f} "
+        f"(means of {guarded['steps']} timed iterations each, a process each; {snapshots}; "
+        "goal >= 0.99)",
+        flush=True,
+    )
     return rows
 
 
@@ -784,8 +1013,10 @@ def row(name, r):
     """The table's row of one configuration: its numbers, or its error (a str)."""
     if isinstance(r, str):
         return f"| {config_name(name)} | failed: {r} | | | |"
-    return (f"| {config_name(name)} | {r['tokens/s']:,.0f} | {r['TFLOPs']:.1f} | {100 * r['MFU']:.1f}% | "
-            f"{r['memory'] / 2**30:.1f} GiB |")
+    return (
+        f"| {config_name(name)} | {r['tokens/s']:,.0f} | {r['TFLOPs']:.1f} | {100 * r['MFU']:.1f}% | "
+        f"{r['memory'] / 2**30:.1f} GiB |"
+    )
 
 
 def measure_apart(config, others):
@@ -794,8 +1025,11 @@ def measure_apart(config, others):
     sys.stdout.flush()
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "result.json")
-        done = subprocess.run([sys.executable, os.path.abspath(__file__), config, *others, f"--result_json={path}"],
-                              stderr=subprocess.PIPE, text=True)
+        done = subprocess.run(
+            [sys.executable, os.path.abspath(__file__), config, *others, f"--result_json={path}"],
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         sys.stderr.write(done.stderr)
         if done.returncode == 0 and os.path.exists(path):
             with open(path) as f:
@@ -821,21 +1055,31 @@ def main(argv=None):
 def compare(bench, rest, argv):
     """--nproc N: one process, then N gloo processes on the same global batch; returns the N processes' numbers."""
     print("-- 1 process, the same global batch", flush=True)
-    single = measure(rest + ["--tensor_model_parallel_size=1", "--pipeline_model_parallel_size=1",
-                             f"--bench_steps={bench.bench_steps}", f"--bench_warmup={bench.bench_warmup}"])
+    single = measure(
+        rest
+        + [
+            "--tensor_model_parallel_size=1",
+            "--pipeline_model_parallel_size=1",
+            f"--bench_steps={bench.bench_steps}",
+            f"--bench_warmup={bench.bench_warmup}",
+        ]
+    )
     print(f"-- {bench.nproc} processes", flush=True)
     ctx = torch.multiprocessing.get_context("spawn")
     results = ctx.SimpleQueue()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    torch.multiprocessing.start_processes(_worker, args=(bench.nproc, port, argv, results), nprocs=bench.nproc,
-                                          start_method="spawn")
+    torch.multiprocessing.start_processes(
+        _worker, args=(bench.nproc, port, argv, results), nprocs=bench.nproc, start_method="spawn"
+    )
     multi = results.get()
-    print(f"-- {multi['layout']} against 1 process: {multi['best'] * 1000:.0f} vs {single['best'] * 1000:.0f} ms "
-          f"per iteration (best), {single['best'] / multi['best']:.2f}x the throughput "
-          f"(means {multi['mean'] * 1000:.0f} vs {single['mean'] * 1000:.0f} ms: "
-          f"{single['mean'] / multi['mean']:.2f}x)")
+    print(
+        f"-- {multi['layout']} against 1 process: {multi['best'] * 1000:.0f} vs {single['best'] * 1000:.0f} ms "
+        f"per iteration (best), {single['best'] / multi['best']:.2f}x the throughput "
+        f"(means {multi['mean'] * 1000:.0f} vs {single['mean'] * 1000:.0f} ms: "
+        f"{single['mean'] / multi['mean']:.2f}x)"
+    )
     return multi
 
 

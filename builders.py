@@ -11,6 +11,7 @@ This is the one file that knows every part: the parts themselves (model.py, opti
 import each other to build themselves. It hands each part its section of the config
 (sections.section), and the values it needs from other owners as arguments.
 """
+
 import torch
 
 import checkpoint
@@ -21,6 +22,7 @@ import optim
 import parallel
 import precision
 import run_state
+
 # its package holds the switches alone: a module of the layer is imported when one asks
 import stability
 import training
@@ -34,12 +36,19 @@ def build_model(cfg, device):
     """This rank's stage, its weights in the compute dtype (precision.py); on the native path with the GradBuffer
     its gradients accumulate and are all-reduced in (DeepSpeed brings its own)."""
     g = parallel.grid
-    layers = parallel.partition_layers(cfg.num_layers, g.pp_size, cfg.pp_partition_method)[g.pp_rank]
+    layers = parallel.partition_layers(cfg.num_layers, g.pp_size, cfg.pp_partition_method)[
+        g.pp_rank
+    ]
     # Allocated on the device directly; the weights are drawn once, on the CPU (GPT.init_weights), for this rank's
     # slice only, and copied in. The ambient device is only where the parameters are allocated.
     with torch.device(device):
-        model = GPT(section(GPTConfig, cfg), layers, pre_process=g.is_first_stage,
-                    post_process=g.is_last_stage, seed=cfg.seed)
+        model = GPT(
+            section(GPTConfig, cfg),
+            layers,
+            pre_process=g.is_first_stage,
+            post_process=g.is_last_stage,
+            seed=cfg.seed,
+        )
     if cfg.init_from_hf:
         init_from_hf(cfg, model)
     optim_cfg = section(OptimizerConfig, cfg)  # fp16, bf16: the precision's keys
@@ -52,23 +61,27 @@ def build_model(cfg, device):
 def build_optimizer(cfg, model):
     """The optimizer of model (optim.optimizer_for): the optimizer's keys, the schedule's peak
     lr, the layout's deepspeed and zero_stage."""
-    return optim.optimizer_for(section(OptimizerConfig, cfg), model, cfg.lr, cfg.deepspeed,
-                               cfg.zero_stage)
+    return optim.optimizer_for(
+        section(OptimizerConfig, cfg), model, cfg.lr, cfg.deepspeed, cfg.zero_stage
+    )
 
 
 def build_deepspeed(cfg, model, optimizer):
     """(the model to run, the optimizer to step) of deepspeed=True (deepspeed_engine.initialize)."""
     optim_cfg = section(OptimizerConfig, cfg)
-    return deepspeed_engine.initialize(optim_cfg, model, optimizer, cfg.zero_stage,
-                                       cfg.micro_batch_size)
+    return deepspeed_engine.initialize(
+        optim_cfg, model, optimizer, cfg.zero_stage, cfg.micro_batch_size
+    )
 
 
 def init_from_hf(cfg, model):
     """The weights of the Hugging Face model cfg.init_from_hf (hf.load_into), unless the run resumes: then the
     checkpoint's weights win and the model directory is not read."""
     if cfg.load and checkpoint.latest_dir(cfg.load):
-        print0(f"init_from_hf {cfg.init_from_hf} not loaded: resuming from the checkpoint in {cfg.load}, whose "
-               "weights win")
+        print0(
+            f"init_from_hf {cfg.init_from_hf} not loaded: resuming from the checkpoint in {cfg.load}, whose "
+            "weights win"
+        )
         return
     hf.load_into(model, cfg.init_from_hf)
     print0(f"initialised from the Hugging Face model in {cfg.init_from_hf}")
@@ -79,9 +92,13 @@ def build(cfg, grid, schedule, device, callbacks=training.NO_CALLBACKS):
     model = build_model(cfg, device)
     gpt = model.cfg
     n, padded = gpt.num_parameters(), gpt.num_parameters(padded=True)
-    print0(f"Model size: {n / 1e9:.3f}B ({n:,} parameters; {padded:,} with the vocabulary padded to "
-           f"{gpt.padded_vocab_size})")
-    print0(f"{grid}; training for {schedule.total_iters} iterations, {schedule.total_samples:,} samples")
+    print0(
+        f"Model size: {n / 1e9:.3f}B ({n:,} parameters; {padded:,} with the vocabulary padded to "
+        f"{gpt.padded_vocab_size})"
+    )
+    print0(
+        f"{grid}; training for {schedule.total_iters} iterations, {schedule.total_samples:,} samples"
+    )
     if grid.pp_size > 1:
         print0(describe_partition(cfg.num_layers, grid.pp_size, cfg.pp_partition_method))
     optimizer = build_optimizer(cfg, model)
@@ -98,10 +115,17 @@ def build(cfg, grid, schedule, device, callbacks=training.NO_CALLBACKS):
 def step_rules(cfg):
     """What a step and an evaluation read of the config (training.StepRules), made once, here."""
     return training.StepRules(
-        clip_grad=cfg.clip_grad, skip_grad_norm_above=cfg.skip_grad_norm_above, fp16=cfg.fp16,
-        deepspeed=cfg.deepspeed, z_loss=cfg.z_loss, packing=loader.packing(cfg),
-        eval_iters=cfg.eval_iters, global_batch_size=cfg.global_batch_size,
-        micro_batch_size=cfg.micro_batch_size, seq_length=cfg.seq_length)
+        clip_grad=cfg.clip_grad,
+        skip_grad_norm_above=cfg.skip_grad_norm_above,
+        fp16=cfg.fp16,
+        deepspeed=cfg.deepspeed,
+        z_loss=cfg.z_loss,
+        packing=loader.packing(cfg),
+        eval_iters=cfg.eval_iters,
+        global_batch_size=cfg.global_batch_size,
+        micro_batch_size=cfg.micro_batch_size,
+        seq_length=cfg.seq_length,
+    )
 
 
 def build_callbacks(cfg, writer=None, saved_state=None):

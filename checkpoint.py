@@ -19,6 +19,7 @@ SLURM's 20-hour limit made every resume a real one (lesson 17), so everything a 
 optimizer with its step counter, LR-schedule and loss-scale state, iteration, consumed samples and tokens, the
 RNG states of python, numpy, torch and cuda and the dropout streams of rng.py, and the config.
 """
+
 import contextlib
 import copy
 import errno
@@ -133,10 +134,18 @@ def rank_file(tag_dir, g=None):
 def layout_files(tag_dir, topology):
     """Every file of a checkpoint written by this layout: the model shard of each (TP rank, stage), then the
     optimizer file of each rank."""
-    tp, pp, dp = (topology[k] for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
-                                        "data_parallel_size"))
+    tp, pp, dp = (
+        topology[k]
+        for k in (
+            "tensor_model_parallel_size",
+            "pipeline_model_parallel_size",
+            "data_parallel_size",
+        )
+    )
     grids = [parallel.Grid(tp, pp, world_size=tp * pp * dp, rank=r) for r in range(tp * pp * dp)]
-    return [model_file(tag_dir, g) for g in grids if g.dp_rank == 0] + [rank_file(tag_dir, g) for g in grids]
+    return [model_file(tag_dir, g) for g in grids if g.dp_rank == 0] + [
+        rank_file(tag_dir, g) for g in grids
+    ]
 
 
 def rng_state():
@@ -160,8 +169,11 @@ def set_rng_state(state):
 
 def topology(g=None):
     g = g or parallel.grid
-    return {"tensor_model_parallel_size": g.tp_size, "pipeline_model_parallel_size": g.pp_size,
-            "data_parallel_size": g.dp_size}
+    return {
+        "tensor_model_parallel_size": g.tp_size,
+        "pipeline_model_parallel_size": g.pp_size,
+        "data_parallel_size": g.dp_size,
+    }
 
 
 MESSAGE_BYTES = 1024  # of a failed rank's OSError message, shared with every rank
@@ -181,12 +193,19 @@ def _phase(work, group=None):
     if not dist.is_initialized():
         return failure, [result]
     code, text = failure or (0, "")
-    numbers = _all_gather([failure is not None, code or 0, result is not None, *(result or [0] * RESULT_WIDTH)],
-                          torch.int64, group)
+    numbers = _all_gather(
+        [failure is not None, code or 0, result is not None, *(result or [0] * RESULT_WIDTH)],
+        torch.int64,
+        group,
+    )
     failed = next((r for r, row in enumerate(numbers) if row[0]), None)
     if failed is not None:  # the first failed rank's message: the same words on every rank
         message = list(text.encode()[:MESSAGE_BYTES].ljust(MESSAGE_BYTES, b"\0"))
-        text = bytes(_all_gather(message, torch.uint8, group)[failed]).rstrip(b"\0").decode(errors="replace")
+        text = (
+            bytes(_all_gather(message, torch.uint8, group)[failed])
+            .rstrip(b"\0")
+            .decode(errors="replace")
+        )
         failure = (numbers[failed][1] or None, text)
     return failure, [row[3:] if row[2] else None for row in numbers]
 
@@ -212,9 +231,14 @@ def _entry_numbers(entries, g):
 
 def _entries(numbers, g):
     model_bytes, model_crc, rank_bytes, rank_crc = numbers
-    entries = {os.path.basename(rank_file("", g)): {"bytes": rank_bytes, "crc32": f"{rank_crc:08x}"}}
+    entries = {
+        os.path.basename(rank_file("", g)): {"bytes": rank_bytes, "crc32": f"{rank_crc:08x}"}
+    }
     if model_bytes >= 0:
-        entries[os.path.basename(model_file("", g))] = {"bytes": model_bytes, "crc32": f"{model_crc:08x}"}
+        entries[os.path.basename(model_file("", g))] = {
+            "bytes": model_bytes,
+            "crc32": f"{model_crc:08x}",
+        }
     return entries
 
 
@@ -227,7 +251,8 @@ def write_files(tag_dir, model_state, run_state, rank_state, write_model_state, 
     if write_model_state:
         path = model_file(tag_dir, g)
         entries[os.path.basename(path)] = _atomic_write(
-            {"model": model_state, "run": run_state, "topology": topology(g)}, path)
+            {"model": model_state, "run": run_state, "topology": topology(g)}, path
+        )
     path = rank_file(tag_dir, g)
     entries[os.path.basename(path)] = _atomic_write(rank_state, path)
     return entries
@@ -238,8 +263,12 @@ def write_manifest(tag_dir, entries, g=None):
     files = {}
     for e in entries:
         files.update(e)
-    manifest = {"format": MANIFEST_FORMAT, "checksum": "crc32", "topology": topology(g),
-                "files": dict(sorted(files.items()))}
+    manifest = {
+        "format": MANIFEST_FORMAT,
+        "checksum": "crc32",
+        "topology": topology(g),
+        "files": dict(sorted(files.items())),
+    }
     _atomic_write(json.dumps(manifest, indent=1), os.path.join(tag_dir, MANIFEST))
 
 
@@ -260,13 +289,17 @@ def save(save_dir, iteration, model_state, run_state, rank_state, write_model_st
             os.makedirs(partial)
 
     def write():
-        return _entry_numbers(write_files(partial, model_state, run_state, rank_state, write_model_state), g)
+        return _entry_numbers(
+            write_files(partial, model_state, run_state, rank_state, write_model_state), g
+        )
 
     def publish():
         if rank0:
             write_manifest(partial, written)
             _fsync_dir(partial)
-            if os.path.exists(final):  # saving the same iteration again (e.g. after a rollback): replace it
+            if os.path.exists(
+                final
+            ):  # saving the same iteration again (e.g. after a rollback): replace it
                 shutil.rmtree(final)
             os.replace(partial, final)
             _fsync_dir(save_dir)
@@ -276,8 +309,12 @@ def save(save_dir, iteration, model_state, run_state, rank_state, write_model_st
     for work in (prepare, write, publish):
         failure, results = _phase(work, group)
         if work is write and failure is None:  # every rank's entries, for the manifest
-            written = [_entries(numbers, parallel.Grid(g.tp_size, g.pp_size, world_size=len(results), rank=r))
-                       for r, numbers in enumerate(results)]
+            written = [
+                _entries(
+                    numbers, parallel.Grid(g.tp_size, g.pp_size, world_size=len(results), rank=r)
+                )
+                for r, numbers in enumerate(results)
+            ]
         if failure is not None:
             if rank0:
                 shutil.rmtree(partial, ignore_errors=True)
@@ -285,9 +322,11 @@ def save(save_dir, iteration, model_state, run_state, rank_state, write_model_st
                     os.remove(os.path.join(save_dir, LATEST + ".tmp"))
             code, message = failure
             problem = "no space left on device" if code == errno.ENOSPC else message
-            raise ValueError(f"saving checkpoint {final} failed: {problem}. The partial checkpoint was removed and "
-                             f"{os.path.join(save_dir, LATEST)} still names the previous one; free space (or fix the "
-                             "directory) and resume")
+            raise ValueError(
+                f"saving checkpoint {final} failed: {problem}. The partial checkpoint was removed and "
+                f"{os.path.join(save_dir, LATEST)} still names the previous one; free space (or fix the "
+                "directory) and resume"
+            )
     return final
 
 
@@ -313,12 +352,23 @@ class AsyncWriter:
         # the process group late), and a slow write waits there with its own timeout, not the training's
         group = parallel.host_group() if dist.is_initialized() else None
         if not self.enabled:
-            return save(save_dir, iteration, model_state, run_state, rank_state, write_model_state, group=group)
+            return save(
+                save_dir,
+                iteration,
+                model_state,
+                run_state,
+                rank_state,
+                write_model_state,
+                group=group,
+            )
         self.wait()  # the previous write is done before its buffers are reused
         payload = self._copy((model_state, run_state, rank_state))
         path = os.path.join(save_dir, f"global_step{iteration}")
-        self._start(lambda: save(save_dir, iteration, *payload, write_model_state, group=group),
-                    f"checkpoint {iteration}", f"saved checkpoint {path}")
+        self._start(
+            lambda: save(save_dir, iteration, *payload, write_model_state, group=group),
+            f"checkpoint {iteration}",
+            f"saved checkpoint {path}",
+        )
         return path
 
     def write(self, path, obj):
@@ -338,7 +388,9 @@ class AsyncWriter:
         return payload
 
     def _start(self, work, what, done):
-        self.thread = threading.Thread(target=self._write, args=(work, what, done), name=what.replace(" ", "-"))
+        self.thread = threading.Thread(
+            target=self._write, args=(work, what, done), name=what.replace(" ", "-")
+        )
         self.thread.start()
 
     def _write(self, work, what, done):
@@ -348,11 +400,17 @@ class AsyncWriter:
         except BaseException as e:  # re-raised by wait(), in the main thread
             self.error = e
             if parallel.grid.rank == 0:
-                print(f"the background write of {what} failed; the run stops at its next write (or its end) and says "
-                      "why", flush=True)
+                print(
+                    f"the background write of {what} failed; the run stops at its next write (or its end) and says "
+                    "why",
+                    flush=True,
+                )
             return
         if done and parallel.grid.rank == 0:
-            print(f"{done} (written in the background in {time.perf_counter() - start:.2f} s)", flush=True)
+            print(
+                f"{done} (written in the background in {time.perf_counter() - start:.2f} s)",
+                flush=True,
+            )
 
     def wait(self):
         """Until the save in flight (if any) is on disk and published; its error, if it failed."""
@@ -409,7 +467,9 @@ def to_host(obj, buffers, key=()):
     if isinstance(obj, dict):
         return {k: to_host(v, buffers, (*key, k)) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        if all(type(v) in _ATOMS for v in obj):  # the run's history (2 x 1,024 numbers): no walk per number
+        if all(
+            type(v) in _ATOMS for v in obj
+        ):  # the run's history (2 x 1,024 numbers): no walk per number
             return type(obj)(obj)
         return type(obj)(to_host(v, buffers, (*key, i)) for i, v in enumerate(obj))
     return copy.deepcopy(obj)
@@ -435,17 +495,20 @@ def half_finished(directory):
     an import) was killed before it completed."""
     if not os.path.isdir(directory):
         return []
-    return sorted(n for n in os.listdir(directory)
-                  if n.startswith("global_step") and n.endswith(PARTIAL))
+    return sorted(
+        n for n in os.listdir(directory) if n.startswith("global_step") and n.endswith(PARTIAL)
+    )
 
 
 def describe_half_finished(directory, names):
     """What a global_stepN.partial is and what to do with it, for a message."""
     paths = " ".join(os.path.join(directory, n) for n in names)
     what = "is a checkpoint" if len(names) == 1 else "are checkpoints"
-    return (f"{', '.join(names)} {what} whose writing was killed before it completed (a save or "
-            "an import that did not finish): nothing in it can be resumed or exported; delete it "
-            f"(rm -r {paths}) and save or import again")
+    return (
+        f"{', '.join(names)} {what} whose writing was killed before it completed (a save or "
+        "an import that did not finish): nothing in it can be resumed or exported; delete it "
+        f"(rm -r {paths}) and save or import again"
+    )
 
 
 def latest_dir(load_dir):
@@ -457,23 +520,30 @@ def latest_dir(load_dir):
         names = os.listdir(load_dir) if os.path.isdir(load_dir) else []
         if any(n.startswith("global_step") and n not in partials for n in names):
             also = f" ({describe_half_finished(load_dir, partials)})" if partials else ""
-            raise ValueError(f"{load_dir} has global_step* directories but no '{LATEST}' file; "
-                             "write the tag of the checkpoint to resume from into "
-                             f"{path} (e.g. echo global_step300 > {path}){also}")
+            raise ValueError(
+                f"{load_dir} has global_step* directories but no '{LATEST}' file; "
+                "write the tag of the checkpoint to resume from into "
+                f"{path} (e.g. echo global_step300 > {path}){also}"
+            )
         if partials:
-            raise ValueError(f"{load_dir} holds no checkpoint: "
-                             f"{describe_half_finished(load_dir, partials)}")
+            raise ValueError(
+                f"{load_dir} holds no checkpoint: {describe_half_finished(load_dir, partials)}"
+            )
         return None
     with open(path) as f:
         tag = f.read().strip()
     tag_dir = os.path.join(load_dir, tag)
     if tag.endswith(PARTIAL):
-        raise ValueError(f"{path} names {tag!r}, which is no checkpoint: "
-                         f"{describe_half_finished(load_dir, [tag])}; point '{LATEST}' at a "
-                         "complete global_step* directory")
+        raise ValueError(
+            f"{path} names {tag!r}, which is no checkpoint: "
+            f"{describe_half_finished(load_dir, [tag])}; point '{LATEST}' at a "
+            "complete global_step* directory"
+        )
     if not os.path.isdir(tag_dir):
-        raise ValueError(f"{path} names {tag!r} but {tag_dir} does not exist; point '{LATEST}' at an existing "
-                         "global_step* directory")
+        raise ValueError(
+            f"{path} names {tag!r} but {tag_dir} does not exist; point '{LATEST}' at an existing "
+            "global_step* directory"
+        )
     return tag_dir
 
 
@@ -481,8 +551,11 @@ def _earlier(tag_dir):
     """What to do about a damaged checkpoint: resume from the newest earlier one in the same directory."""
     save_dir, tag = os.path.split(os.path.normpath(tag_dir))
     step = re.fullmatch(r"global_step(\d+)", tag)
-    steps = [int(m.group(1)) for m in map(re.compile(r"global_step(\d+)").fullmatch, os.listdir(save_dir or "."))
-             if m and (step is None or int(m.group(1)) < int(step.group(1)))]
+    steps = [
+        int(m.group(1))
+        for m in map(re.compile(r"global_step(\d+)").fullmatch, os.listdir(save_dir or "."))
+        if m and (step is None or int(m.group(1)) < int(step.group(1)))
+    ]
     if not steps:
         return f"there is no earlier checkpoint in {save_dir}: restore the file from a copy, or train from scratch"
     earlier = f"global_step{max(steps)}"
@@ -500,8 +573,10 @@ def read_manifest(tag_dir):
         if not isinstance(manifest.get("files"), dict) or "topology" not in manifest:
             raise ValueError("no 'files' or 'topology'")
     except (OSError, ValueError, AttributeError) as e:
-        raise ValueError(f"checkpoint manifest {path} cannot be read ({type(e).__name__}: {e}); the checkpoint is "
-                         f"damaged -- {_earlier(tag_dir)}") from None
+        raise ValueError(
+            f"checkpoint manifest {path} cannot be read ({type(e).__name__}: {e}); the checkpoint is "
+            f"damaged -- {_earlier(tag_dir)}"
+        ) from None
     return manifest
 
 
@@ -543,8 +618,11 @@ def verify(path):
     manifest = read_manifest(tag_dir)
     if manifest is None:
         if not warned_no_manifest and parallel.grid.rank == 0:
-            print(f"note: checkpoint {tag_dir} has no {MANIFEST} (written by an older version): its files are read "
-                  "without checking their sizes and checksums", flush=True)
+            print(
+                f"note: checkpoint {tag_dir} has no {MANIFEST} (written by an older version): its files are read "
+                "without checking their sizes and checksums",
+                flush=True,
+            )
         warned_no_manifest = True
         return
     stat = os.stat(path)
@@ -553,7 +631,9 @@ def verify(path):
         return
     problem = check_file(path, manifest)
     if problem is not None:
-        raise ValueError(f"checkpoint file {path}: {problem}. Nothing was loaded; {_earlier(tag_dir)}")
+        raise ValueError(
+            f"checkpoint file {path}: {problem}. Nothing was loaded; {_earlier(tag_dir)}"
+        )
     _verified.add(key)
 
 
@@ -561,14 +641,18 @@ def read(path, what, mmap=False):
     """torch.load of a checkpoint file (memory-mapped with mmap=True: only the bytes used are read) after checking
     it against the manifest, or one ValueError naming the missing or corrupt file."""
     if not os.path.exists(path):
-        raise ValueError(f"checkpoint file {path} ({what}) is missing; the checkpoint is incomplete or was written "
-                         "by another topology -- resume from another global_step* by editing 'latest'")
+        raise ValueError(
+            f"checkpoint file {path} ({what}) is missing; the checkpoint is incomplete or was written "
+            "by another topology -- resume from another global_step* by editing 'latest'"
+        )
     verify(path)
     try:
         return torch.load(path, map_location="cpu", weights_only=False, mmap=mmap)
     except Exception as e:  # truncated or corrupt file: say which
-        raise ValueError(f"checkpoint file {path} ({what}) cannot be read ({type(e).__name__}: {e}); it is "
-                         "corrupt -- resume from another global_step* by editing 'latest'") from None
+        raise ValueError(
+            f"checkpoint file {path} ({what}) cannot be read ({type(e).__name__}: {e}); it is "
+            "corrupt -- resume from another global_step* by editing 'latest'"
+        ) from None
 
 
 def load(tag_dir):
@@ -577,10 +661,18 @@ def load(tag_dir):
     model_blob = read(model_file(tag_dir), "model shard")
     saved, now = model_blob["topology"], topology()
     if saved != now:
-        diff = ", ".join(f"{k} {saved[k]} (checkpoint) vs {now[k]} (now)" for k in now if saved[k] != now[k])
-        raise ValueError(f"checkpoint {tag_dir} was saved with another parallel layout: {diff}; load it with "
-                         "reshard.load")
-    return model_blob["model"], model_blob["run"], read(rank_file(tag_dir), "optimizer and RNG state")
+        diff = ", ".join(
+            f"{k} {saved[k]} (checkpoint) vs {now[k]} (now)" for k in now if saved[k] != now[k]
+        )
+        raise ValueError(
+            f"checkpoint {tag_dir} was saved with another parallel layout: {diff}; load it with "
+            "reshard.load"
+        )
+    return (
+        model_blob["model"],
+        model_blob["run"],
+        read(rank_file(tag_dir), "optimizer and RNG state"),
+    )
 
 
 def saved_topology(tag_dir):
@@ -589,7 +681,9 @@ def saved_topology(tag_dir):
     manifest = read_manifest(tag_dir)
     if manifest is not None:
         return manifest["topology"]
-    return read(model_file(tag_dir, parallel.Grid(world_size=1)), "model shard", mmap=True)["topology"]
+    return read(model_file(tag_dir, parallel.Grid(world_size=1)), "model shard", mmap=True)[
+        "topology"
+    ]
 
 
 # -----------------------------------------------------------------------------
@@ -597,29 +691,53 @@ def saved_topology(tag_dir):
 
 # The keys of run_state.RunState (tests/test_run_state_checks.py keeps the two the same): a key
 # added there needs its entry here, and a migration for the checkpoints written before it.
-RUN_STATE_KEYS = ("iteration", "consumed_samples", "consumed_tokens", "scheduler_samples",
-                  "scheduler_tokens", "optimizer_reset", "callbacks", "history", "hf_origin")
+RUN_STATE_KEYS = (
+    "iteration",
+    "consumed_samples",
+    "consumed_tokens",
+    "scheduler_samples",
+    "scheduler_tokens",
+    "optimizer_reset",
+    "callbacks",
+    "history",
+    "hf_origin",
+)
 # The keys an older version did not write, each filled by what that version did -- named, and said
 # at the resume: key -> (its value from the saved dict, the note). Any other key missing is refused:
 # a default resumes another run in silence (consumed_samples 0 restarts the data order while the
 # token count goes on).
 MIGRATIONS = {
-    "scheduler_samples": (lambda s: s["consumed_samples"],
-                          "consumed_samples, which the LR schedule followed before 0856c27"),
-    "scheduler_tokens": (lambda s: s["consumed_tokens"],
-                         "consumed_tokens, which the LR schedule followed before 0856c27"),
-    "history": (lambda s: {"loss": [], "grad norm": []},
-                "empty, as none was kept before c2d4e22: the trend the soft skip and the spike "
-                "guard judge a step against refills from here"),
-    "callbacks": (lambda s: {"spike_guard": s["spike_guard"]} if s.get("spike_guard") else {},
-                  "{'spike_guard': its state}, the stability layer's state kept alone before "
-                  "f54cd2f"),
-    "hf_origin": (lambda s: None, "None, as it was not kept before 2a414b5: an export reads the "
-                  "init_from_hf directory instead"),
+    "scheduler_samples": (
+        lambda s: s["consumed_samples"],
+        "consumed_samples, which the LR schedule followed before 0856c27",
+    ),
+    "scheduler_tokens": (
+        lambda s: s["consumed_tokens"],
+        "consumed_tokens, which the LR schedule followed before 0856c27",
+    ),
+    "history": (
+        lambda s: {"loss": [], "grad norm": []},
+        "empty, as none was kept before c2d4e22: the trend the soft skip and the spike "
+        "guard judge a step against refills from here",
+    ),
+    "callbacks": (
+        lambda s: {"spike_guard": s["spike_guard"]} if s.get("spike_guard") else {},
+        "{'spike_guard': its state}, the stability layer's state kept alone before f54cd2f",
+    ),
+    "hf_origin": (
+        lambda s: None,
+        "None, as it was not kept before 2a414b5: an export reads the "
+        "init_from_hf directory instead",
+    ),
 }
 REQUIRED = ("iteration", "consumed_samples", "consumed_tokens", "optimizer_reset")  # since d635d5c
-COUNTERS = ("iteration", "consumed_samples", "consumed_tokens", "scheduler_samples",
-            "scheduler_tokens")
+COUNTERS = (
+    "iteration",
+    "consumed_samples",
+    "consumed_tokens",
+    "scheduler_samples",
+    "scheduler_tokens",
+)
 LEGACY_KEYS = {"spike_guard"}  # read by a migration (callbacks)
 
 
@@ -631,20 +749,28 @@ def checked_run_state(saved, config=None):
         raise _damaged("the run state", f"is a {type(saved).__name__}, not a dict")
     unknown = sorted(set(saved) - set(RUN_STATE_KEYS) - LEGACY_KEYS)
     if unknown:
-        raise _damaged(unknown[0], "is no key of this version's run state (a newer version or a "
-                       "fork wrote it): resuming here would drop it")
+        raise _damaged(
+            unknown[0],
+            "is no key of this version's run state (a newer version or a "
+            "fork wrote it): resuming here would drop it",
+        )
     for key in REQUIRED:
         if key not in saved:  # every version wrote these: a damaged or hand-made state lacks it
-            raise _damaged(key, "is missing, and no version of stablegpt wrote a run state without "
-                           "it: nothing can say where the run is")
+            raise _damaged(
+                key,
+                "is missing, and no version of stablegpt wrote a run state without "
+                "it: nothing can say where the run is",
+            )
     state, notes = dict(saved), []
     for key in COUNTERS[:3]:
         _need_count(state, key)
     for key, (fill, note) in MIGRATIONS.items():
         if key not in state:
             state[key] = fill(state)
-            notes.append(f"run state: {key} missing (a checkpoint of an older version), filled by "
-                         f"its migration: {note}")
+            notes.append(
+                f"run state: {key} missing (a checkpoint of an older version), filled by "
+                f"its migration: {note}"
+            )
     _check_ranges(state, config)
     _check_history(state["history"])
     for key, kind in (("callbacks", dict), ("hf_origin", (dict, type(None)))):
@@ -655,9 +781,11 @@ def checked_run_state(saved, config=None):
 
 
 def _damaged(key, problem):
-    return ValueError(f"checkpoint run state: {key} {problem}. The checkpoint's run state is "
-                      "damaged (or was written by hand): resume from an earlier checkpoint by "
-                      "editing 'latest', or restore this one from a copy")
+    return ValueError(
+        f"checkpoint run state: {key} {problem}. The checkpoint's run state is "
+        "damaged (or was written by hand): resume from an earlier checkpoint by "
+        "editing 'latest', or restore this one from a copy"
+    )
 
 
 def _need_count(state, key):
@@ -676,24 +804,36 @@ def _check_ranges(state, config):
         _need_count(state, key)
     it, samples, tokens = state["iteration"], state["consumed_samples"], state["consumed_tokens"]
     if samples < it or (it == 0) != (samples == 0):
-        raise _damaged("consumed_samples", f"is {samples} after {it} iterations, each of which "
-                       "draws a batch")
+        raise _damaged(
+            "consumed_samples", f"is {samples} after {it} iterations, each of which draws a batch"
+        )
     seq_length = (config or {}).get("seq_length")
     most = samples * seq_length if isinstance(seq_length, int) else tokens
     if not samples <= tokens <= most:
-        raise _damaged("consumed_tokens", f"is {tokens} for {samples} samples of at most "
-                       f"{seq_length} tokens")
-    for key, total in (("scheduler_samples", "consumed_samples"),
-                       ("scheduler_tokens", "consumed_tokens")):
+        raise _damaged(
+            "consumed_tokens", f"is {tokens} for {samples} samples of at most {seq_length} tokens"
+        )
+    for key, total in (
+        ("scheduler_samples", "consumed_samples"),
+        ("scheduler_tokens", "consumed_tokens"),
+    ):
         if state[key] > state[total]:
-            raise _damaged(key, f"is {state[key]}, more than the {state[total]} {total}: the LR "
-                           "schedule counts the applied iterations among those")
+            raise _damaged(
+                key,
+                f"is {state[key]}, more than the {state[total]} {total}: the LR "
+                "schedule counts the applied iterations among those",
+            )
     reset = state["optimizer_reset"]
-    counts = isinstance(reset, dict) and set(reset) == {"iteration", "warmup_iters"} and all(
-        isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in reset.values())
+    counts = (
+        isinstance(reset, dict)
+        and set(reset) == {"iteration", "warmup_iters"}
+        and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in reset.values())
+    )
     if reset is not None and not (counts and reset["iteration"] <= it):
-        raise _damaged("optimizer_reset", f"is {_short(reset)}, not None or "
-                       f"{{'iteration': <= {it}, 'warmup_iters': >= 0}}")
+        raise _damaged(
+            "optimizer_reset",
+            f"is {_short(reset)}, not None or {{'iteration': <= {it}, 'warmup_iters': >= 0}}",
+        )
 
 
 def _schedule_note(state, config):
@@ -702,8 +842,12 @@ def _schedule_note(state, config):
     but said."""
     config = config or {}
     try:
-        batch = schedule.RampupBatchSize(config.get("rampup_batch_size"),
-                                         config["global_batch_size"], config["micro_batch_size"], 1)
+        batch = schedule.RampupBatchSize(
+            config.get("rampup_batch_size"),
+            config["global_batch_size"],
+            config["micro_batch_size"],
+            1,
+        )
     except (KeyError, TypeError, ValueError):  # a hand-made config: nothing to compare with
         return []
     samples, left = 0, state["iteration"]
@@ -712,25 +856,32 @@ def _schedule_note(state, config):
     samples += left * batch.global_batch_size
     if samples == state["consumed_samples"]:
         return []
-    return [f"run state: consumed_samples is {state['consumed_samples']}, where the checkpoint's "
-            f"batch schedule (global_batch_size {batch.global_batch_size}, rampup_batch_size "
-            f"{config.get('rampup_batch_size')}) gives {samples} after {state['iteration']} "
-            "iterations: the batch size changed during the run (or the run state is damaged); the "
-            f"data order goes on from sample {state['consumed_samples']}"]
+    return [
+        f"run state: consumed_samples is {state['consumed_samples']}, where the checkpoint's "
+        f"batch schedule (global_batch_size {batch.global_batch_size}, rampup_batch_size "
+        f"{config.get('rampup_batch_size')}) gives {samples} after {state['iteration']} "
+        "iterations: the batch size changed during the run (or the run state is damaged); the "
+        f"data order goes on from sample {state['consumed_samples']}"
+    ]
 
 
 def _check_history(history):
     """Two lists of numbers of one length: the losses and grad norms of the last applied steps."""
     if not isinstance(history, dict) or set(history) != {"loss", "grad norm"}:
-        raise _damaged("history", f"is {_short(history)}, not "
-                       "{'loss': [numbers], 'grad norm': [numbers]}")
+        raise _damaged(
+            "history", f"is {_short(history)}, not {{'loss': [numbers], 'grad norm': [numbers]}}"
+        )
     for key, values in history.items():
         if not isinstance(values, list) or not all(
-                isinstance(v, numbers.Real) and not isinstance(v, bool) for v in values):
+            isinstance(v, numbers.Real) and not isinstance(v, bool) for v in values
+        ):
             raise _damaged("history", f"[{key!r}] is {_short(values)}, not a list of numbers")
     if len(history["loss"]) != len(history["grad norm"]):
-        raise _damaged("history", f"holds {len(history['loss'])} losses but "
-                       f"{len(history['grad norm'])} grad norms (one of each per applied step)")
+        raise _damaged(
+            "history",
+            f"holds {len(history['loss'])} losses but "
+            f"{len(history['grad norm'])} grad norms (one of each per applied step)",
+        )
 
 
 def _short(value):
@@ -748,6 +899,8 @@ def dump_weights(directory, preamble, iteration, model):
     g = parallel.grid
     out = os.path.join(directory, "weight_dumps")
     os.makedirs(out, exist_ok=True)
-    name = f"debug-{iteration}-pp{g.pp_rank}-tp{g.tp_rank}-dp{g.dp_rank}-global{g.rank}-{preamble}.pt"
+    name = (
+        f"debug-{iteration}-pp{g.pp_rank}-tp{g.tp_rank}-dp{g.dp_rank}-global{g.rank}-{preamble}.pt"
+    )
     weights = {n: p.detach().cpu().clone() for n, p in parallel.unwrap(model).named_parameters()}
     torch.save(weights, os.path.join(out, name))

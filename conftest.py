@@ -24,4 +24,5 @@ def _unseeded_dropout_streams():
     """train.py's main seeds rng.py's model-parallel dropout stream, a module global: no test inherits another's."""
     yield
     import rng
+
     rng.set_states(None)

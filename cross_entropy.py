@@ -11,6 +11,7 @@ Same numbers as parallel.vocab_parallel_cross_entropy(F.linear(hidden, weight), 
 columns (ids >= vocab_size) are left out of the softmax, z_loss adds z_loss * log(Z)^2 to the gradient (not to
 the value), and log Z comes back alongside, without a gradient, for the log.
 """
+
 import functools
 import types
 
@@ -50,9 +51,13 @@ def linear_cross_entropy(hidden, weight, target, vocab_size=None, z_loss=0.0, re
     tokens = max(CROSS_ENTROPY_CHUNK // vocab_local, hidden.shape[-1])
     grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     add = main_grad_adder(weight) if grad and hidden.requires_grad else None
-    if add is not None:  # autograd carries no gradient of the weight: backward adds it into main_grad itself
+    if (
+        add is not None
+    ):  # autograd carries no gradient of the weight: backward adds it into main_grad itself
         weight = weight.detach()
-    return LinearCrossEntropy.apply(hidden, weight, target, vocab_size, z_loss, tokens, reduction, grad, add)
+    return LinearCrossEntropy.apply(
+        hidden, weight, target, vocab_size, z_loss, tokens, reduction, grad, add
+    )
 
 
 def main_grad_adder(weight):
@@ -91,18 +96,35 @@ class LinearCrossEntropy(torch.autograd.Function):
         buffer = logits_buffer(h, min(tokens, h.shape[0]), vocab_local)
         for i in range(0, h.shape[0], tokens):
             c = slice(i, i + tokens)
-            logits, probs, log_z[c], loss[c] = chunk_softmax(h[c], weight, local[c], outside[c], real, buffer)
+            logits, probs, log_z[c], loss[c] = chunk_softmax(
+                h[c], weight, local[c], outside[c], real, buffer
+            )
             if fused:  # softmax * (1 + 2 z_loss log Z) - onehot: the z-loss's gradient rides along (lesson 20)
                 scale = 1.0 + 2.0 * z_loss * log_z[c] if z_loss else None
-                g = chain.logit_grad(logits, log_z[c], scale, 1.0, local[c], outside[c], real, probs)
+                g = chain.logit_grad(
+                    logits, log_z[c], scale, 1.0, local[c], outside[c], real, probs
+                )
                 grad_hidden[c] = chunk_grads(g, h[c], weight, grad_weight, first=i == 0)
             del logits, probs
         log_z = log_z.view(target.shape)
         ctx.mark_non_differentiable(log_z)
-        ctx.shape, ctx.dtype, ctx.reduction, ctx.real, ctx.z_loss, ctx.tokens, ctx.add = \
-            hidden.shape, weight.dtype, reduction, real, z_loss, tokens, add
+        ctx.shape, ctx.dtype, ctx.reduction, ctx.real, ctx.z_loss, ctx.tokens, ctx.add = (
+            hidden.shape,
+            weight.dtype,
+            reduction,
+            real,
+            z_loss,
+            tokens,
+            add,
+        )
         if fused:  # held until backward in the weight's dtype (fp16: fp32), or as summed when added to main_grad
-            kept = grad_weight.dtype if add else torch.float32 if weight.dtype == torch.float16 else weight.dtype
+            kept = (
+                grad_weight.dtype
+                if add
+                else torch.float32
+                if weight.dtype == torch.float16
+                else weight.dtype
+            )
             ctx.save_for_backward(grad_hidden, grad_weight.to(kept))
         elif grad:
             ctx.save_for_backward(hidden, weight, local, outside, log_z)
@@ -113,7 +135,11 @@ class LinearCrossEntropy(torch.autograd.Function):
         if ctx.reduction == "mean":  # the forward's gradients, of the mean over this many tokens
             grad_hidden, grad_weight = ctx.saved_tensors
             grad = grad / grad_hidden.shape[0]
-            return grad_hidden.mul_(grad).view(ctx.shape), weight_grad(ctx, grad_weight, grad), *[None] * 7
+            return (
+                grad_hidden.mul_(grad).view(ctx.shape),
+                weight_grad(ctx, grad_weight, grad),
+                *[None] * 7,
+            )
         hidden, weight, local, outside, log_z = ctx.saved_tensors
         h, log_z = hidden.reshape(-1, hidden.shape[-1]), log_z.reshape(-1)
         grad = grad.reshape(-1).to(log_z.dtype)
@@ -124,7 +150,7 @@ class LinearCrossEntropy(torch.autograd.Function):
         for i in range(0, h.shape[0], ctx.tokens):
             c = slice(i, i + ctx.tokens)
             scale = grad[c] * (1.0 + 2.0 * ctx.z_loss * log_z[c]) if ctx.z_loss else grad[c]
-            logits = torch.mm(h[c], weight.t(), out=buffer[:len(h[c])])
+            logits = torch.mm(h[c], weight.t(), out=buffer[: len(h[c])])
             g = chain.logit_grad(logits, log_z[c], scale, grad[c], local[c], outside[c], ctx.real)
             grad_hidden[c] = chunk_grads(g, h[c], weight, grad_weight, first=i == 0)
         return grad_hidden.view(ctx.shape), weight_grad(ctx, grad_weight), *[None] * 7
@@ -147,7 +173,7 @@ def chunk_softmax(hidden, weight, local, outside, real, buffer):
     the target's logit (one all-reduce for both). Returns (logits, the softmax in fp32 at least or None (eager:
     logits_sum_exp; compiled: the gradient's kernel computes it), log Z, loss = log Z - target)."""
     grid = parallel.grid
-    logits = torch.mm(hidden, weight.t(), out=buffer[:len(hidden)])
+    logits = torch.mm(hidden, weight.t(), out=buffer[: len(hidden)])
     top, target_logit = chain.max(logits, local, outside, real)
     # to this rank's max; probs: over this rank's columns
     sum_exp, probs = chain.sum_exp(logits, top, real)
@@ -209,15 +235,19 @@ def chunk_grads(g, hidden, weight, grad_weight, first=False):
 # -- the elementwise chain: between the matmuls and the all-reduces, compiled into a few fused kernels where the
 # run compiles (compile_chain). Eager, they hold one fp32 copy of a chunk's logits at a time.
 
+
 def logits_max(logits, local, outside, real):
     """(max over the real columns, the target's logit or 0 where it is another rank's) in fp32 at least."""
     dtype = torch.promote_types(logits.dtype, torch.float32)
     if not real:  # a slice of padding only (possible with a large TP): the other ranks have the max and the target
-        return logits.new_full(logits.shape[:-1], float("-inf"), dtype=dtype), logits.new_zeros(logits.shape[:-1],
-                                                                                                 dtype=dtype)
+        return logits.new_full(logits.shape[:-1], float("-inf"), dtype=dtype), logits.new_zeros(
+            logits.shape[:-1], dtype=dtype
+        )
     # exact: the max of fp16/bf16 numbers is one of them
     top = logits[:, :real].amax(dim=-1).to(dtype)
-    return top, logits.gather(-1, local.unsqueeze(-1)).squeeze(-1).to(dtype).masked_fill(outside, 0.0)
+    return top, logits.gather(-1, local.unsqueeze(-1)).squeeze(-1).to(dtype).masked_fill(
+        outside, 0.0
+    )
 
 
 def logits_sum_exp(logits, top, real):
@@ -237,7 +267,9 @@ def logits_sum_exp(logits, top, real):
     dtype = torch.promote_types(logits.dtype, torch.float32)
     if torch.compiler.is_compiling():
         x = logits[:, :real]
-        return (x - top.unsqueeze(-1) if x.dtype == dtype else x.to(dtype) - top.unsqueeze(-1)).exp().sum(-1), None
+        return (
+            x - top.unsqueeze(-1) if x.dtype == dtype else x.to(dtype) - top.unsqueeze(-1)
+        ).exp().sum(-1), None
     if not real:  # padding only: nothing of the softmax on this rank
         return logits.new_zeros(logits.shape[:-1], dtype=dtype), None
     logits[:, real:] = float("-inf")
@@ -260,7 +292,11 @@ def logits_grad(logits, shift, scale, onehot, local, outside, real, probs=None):
     if torch.compiler.is_compiling():
         return logits.copy_(pointwise_grad(logits, shift, scale, onehot, local, outside, real))
     dtype = torch.promote_types(logits.dtype, torch.float32)
-    x = logits[:, :real].to(dtype).sub_(shift.unsqueeze(-1)).exp_() if probs is None else probs[:, :real]
+    x = (
+        logits[:, :real].to(dtype).sub_(shift.unsqueeze(-1)).exp_()
+        if probs is None
+        else probs[:, :real]
+    )
     if scale is not None:
         x.mul_(scale.unsqueeze(-1))
     if real:

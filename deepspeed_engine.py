@@ -28,6 +28,7 @@ The grad norm counts each parameter once, as parallel.grad_norm does: DeepSpeed 
 (TP-split: every TP rank's share; replicated: TP rank 0's) and `ds_pipe_replicated` (the last stage's copy of
 the tied embedding: not counted), which are set on our parameters below.
 """
+
 import math
 import os
 
@@ -43,31 +44,43 @@ def check(optim_cfg, zero_stage, grid):
     `import deepspeed`. optim_cfg: the optimizer's keys (optim.OptimizerConfig); zero_stage: the
     layout's."""
     if optim_cfg.fp16:
-        raise ValueError("deepspeed=True with fp16 is not supported: DeepSpeed would take over loss scaling (and "
-                         "its CPU build refuses fp16); use bf16, or fp16 with deepspeed=False (native ZeRO-1 too)")
+        raise ValueError(
+            "deepspeed=True with fp16 is not supported: DeepSpeed would take over loss scaling (and "
+            "its CPU build refuses fp16); use bf16, or fp16 with deepspeed=False (native ZeRO-1 too)"
+        )
     if zero_stage == 0 and not optim_cfg.bf16:
-        raise ValueError("deepspeed=True with zero_stage=0 and fp32 adds nothing to the native path; set "
-                         "zero_stage to 1 or 2, or bf16, or deepspeed=False")
+        raise ValueError(
+            "deepspeed=True with zero_stage=0 and fp32 adds nothing to the native path; set "
+            "zero_stage to 1 or 2, or bf16, or deepspeed=False"
+        )
     if zero_stage > 2:
-        raise ValueError(f"zero_stage={zero_stage} is not supported (ZeRO-3 would shard the "
-                         "weights our TP/PP layers hold); use zero_stage 1 or 2")
+        raise ValueError(
+            f"zero_stage={zero_stage} is not supported (ZeRO-3 would shard the "
+            "weights our TP/PP layers hold); use zero_stage 1 or 2"
+        )
     if zero_stage == 2 and grid.pp_size > 1:
-        raise ValueError("zero_stage=2 with pipeline_model_parallel_size > 1 is not supported: ZeRO-2 reduces "
-                         "gradients during backward, before the two stages' tied-embedding gradients are summed "
-                         "(DeepSpeed refuses it with pipelines too); use zero_stage=1")
+        raise ValueError(
+            "zero_stage=2 with pipeline_model_parallel_size > 1 is not supported: ZeRO-2 reduces "
+            "gradients during backward, before the two stages' tied-embedding gradients are summed "
+            "(DeepSpeed refuses it with pipelines too); use zero_stage=1"
+        )
     if optim_cfg.skip_grad_norm_above is not None:
-        raise ValueError("skip_grad_norm_above needs the grad norm before the update, which DeepSpeed computes "
-                         "inside its step(); unset it or use deepspeed=False")
+        raise ValueError(
+            "skip_grad_norm_above needs the grad norm before the update, which DeepSpeed computes "
+            "inside its step(); unset it or use deepspeed=False"
+        )
     # 8-bit AdamW is refused here: it quantizes each parameter on its own and keeps the embedding's
     # state 32-bit (lesson 14), which DeepSpeed's flat buffers would mix up
     name = optim.name(optim_cfg)
     if not optim.OPTIMIZERS[name].deepspeed:
         given = "use_bnb_optimizer" if optim_cfg.use_bnb_optimizer else f"optimizer={name!r}"
-        raise ValueError(f"{given} with deepspeed=True is not supported: DeepSpeed hands the "
-                         "optimizer flat buffers that mix many parameters, which "
-                         f"{name} does not take (optim.OPTIMIZERS[{name!r}].deepspeed is "
-                         "False: only an elementwise update can); use deepspeed=False: the "
-                         "native path, zero_stage=1 included, hands the optimizer whole parameters")
+        raise ValueError(
+            f"{given} with deepspeed=True is not supported: DeepSpeed hands the "
+            "optimizer flat buffers that mix many parameters, which "
+            f"{name} does not take (optim.OPTIMIZERS[{name!r}].deepspeed is "
+            "False: only an elementwise update can); use deepspeed=False: the "
+            "native path, zero_stage=1 included, hands the optimizer whole parameters"
+        )
 
 
 def ds_config(optim_cfg, zero_stage, grid, micro_batch_size):
@@ -82,8 +95,10 @@ def ds_config(optim_cfg, zero_stage, grid, micro_batch_size):
         # step() is the accumulation boundary: backward only accumulates, step() reduces and updates
         "managed_gradient_accumulation": False,
         "gradient_clipping": optim_cfg.clip_grad,
-        "zero_optimization": {"stage": 1 if bf16_zero1 else zero_stage,
-                              "elastic_checkpoint": False},
+        "zero_optimization": {
+            "stage": 1 if bf16_zero1 else zero_stage,
+            "elastic_checkpoint": False,
+        },
         "bf16": {"enabled": bf16, "immediate_grad_update": bf16_zero1},
         "zero_allow_untested_optimizer": True,  # our AdamW is not on DeepSpeed's list
         "steps_per_print": 2**62,
@@ -158,29 +173,44 @@ class DeepSpeedOptimizer:
         on_cuda = next(model.parameters()).is_cuda
         # read at DeepSpeed's first use
         os.environ.setdefault("DS_ACCELERATOR", "cuda" if on_cuda else "cpu")
-        if not dist.is_initialized():  # one process (python train.py): DeepSpeed still wants a process group
+        if (
+            not dist.is_initialized()
+        ):  # one process (python train.py): DeepSpeed still wants a process group
             os.environ.setdefault("LOCAL_RANK", "0")
-            dist.init_process_group("nccl" if on_cuda else "gloo", store=dist.HashStore(), rank=0, world_size=1)
+            dist.init_process_group(
+                "nccl" if on_cuda else "gloo", store=dist.HashStore(), rank=0, world_size=1
+            )
             g = parallel.init(g.tp_size, g.pp_size)  # one process: TP = PP = 1
         import deepspeed
+
         for p in model.parameters():
             p.tensor_model_parallel = getattr(p, "tp_dim", None) is not None
         if model.output_weight is not None:
             model.output_weight.ds_pipe_replicated = True
         # model_parameters is left out: DeepSpeed then takes the optimizer's param groups (weight decay and all)
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
-            model=model, optimizer=optimizer, mpu=DeepSpeedMPU(g),
+            model=model,
+            optimizer=optimizer,
+            mpu=DeepSpeedMPU(g),
             config=ds_config(optim_cfg, zero_stage, g, micro_batch_size),
-            dist_init_required=False)
+            dist_init_required=False,
+        )
         self.model, self.dp_size = model, g.dp_size
         self.tied = not model.cfg.untie_embeddings_and_output_weights
-        if any(s.get("step", 0) for s in optimizer.state.values()):  # no optimizer step may happen before ours
-            raise RuntimeError(f"{type(self.optimizer).__name__} stepped the optimizer at construction")
+        if any(
+            s.get("step", 0) for s in optimizer.state.values()
+        ):  # no optimizer step may happen before ours
+            raise RuntimeError(
+                f"{type(self.optimizer).__name__} stepped the optimizer at construction"
+            )
         if optim_cfg.bf16 and zero_stage < 2 and g.rank == 0:
-            print(f"DeepSpeed bf16, zero_stage={zero_stage}: {type(self.optimizer).__name__}, "
-                  "fp32 gradient "
-                  f"accumulation and DP all-reduce, fp32 master weights and Adam moments sharded over DP="
-                  f"{g.dp_size} (ZeRO-1)", flush=True)
+            print(
+                f"DeepSpeed bf16, zero_stage={zero_stage}: {type(self.optimizer).__name__}, "
+                "fp32 gradient "
+                f"accumulation and DP all-reduce, fp32 master weights and Adam moments sharded over DP="
+                f"{g.dp_size} (ZeRO-1)",
+                flush=True,
+            )
 
     @property
     def param_groups(self):

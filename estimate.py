@@ -5,6 +5,7 @@ memory) for a grid on paper (parallel.Grid with world_size given: sizes and rank
 are those of the real model code, not of a second formula that could drift from it. The memory model is the
 back-of-the-envelope of lesson 16 (docs/lessons.md), written out.
 """
+
 import os
 from typing import NamedTuple
 
@@ -38,29 +39,45 @@ def dry_run(cfg, world_size=None, file=None):
     tp, pp = cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size
     world = world_size or int(os.environ.get("WORLD_SIZE", tp * pp))
     if world % (tp * pp):
-        raise ValueError(f"WORLD_SIZE {world} is not divisible by tensor_model_parallel_size ({tp}) x "
-                         f"pipeline_model_parallel_size ({pp}); set WORLD_SIZE to a multiple of {tp * pp}")
+        raise ValueError(
+            f"WORLD_SIZE {world} is not divisible by tensor_model_parallel_size ({tp}) x "
+            f"pipeline_model_parallel_size ({pp}); set WORLD_SIZE to a multiple of {tp * pp}"
+        )
     # a layout that cannot train is refused here too
     arguments.prepare(cfg, world, reads_data=False)
     paper = build_stages(section(GPTConfig, cfg), pp, cfg.pp_partition_method, world)
-    plan = Plan(precision.name(section(OptimizerConfig, cfg)), cfg.deepspeed, cfg.zero_stage,
-                cfg.micro_batch_size, cfg.global_batch_size)
+    plan = Plan(
+        precision.name(section(OptimizerConfig, cfg)),
+        cfg.deepspeed,
+        cfg.zero_stage,
+        cfg.micro_batch_size,
+        cfg.global_batch_size,
+    )
 
     def say(text=""):
         print(text, file=file, flush=True)
 
-    say(f"dry run: TP={tp} x PP={pp} x DP={paper.dp} = {world} GPUs (WORLD_SIZE; default TP x PP), nothing allocated")
+    say(
+        f"dry run: TP={tp} x PP={pp} x DP={paper.dp} = {world} GPUs (WORLD_SIZE; default TP x PP), nothing allocated"
+    )
     say_parameters(paper, say)
     say_model_states(plan, paper, say)
     activations = say_activations(plan, paper, say)
     say_snapshots(cfg, paper, world, say)
-    return {"params": paper.params, "padded_params": paper.padded_total, "stages": paper.stages,
-            "gpu_params": paper.gpu_params, "dp": paper.dp,
-            "model_states": model_states(plan, paper, cfg.zero_stage), **activations}
+    return {
+        "params": paper.params,
+        "padded_params": paper.padded_total,
+        "stages": paper.stages,
+        "gpu_params": paper.gpu_params,
+        "dp": paper.dp,
+        "model_states": model_states(plan, paper, cfg.zero_stage),
+        **activations,
+    }
 
 
 class Plan(NamedTuple):
     """What the memory follows from besides the model, of other owners' keys: dry_run makes it."""
+
     precision: str  # fp32 | bf16 | fp16 (precision.name)
     deepspeed: bool
     zero_stage: int
@@ -70,6 +87,7 @@ class Plan(NamedTuple):
 
 class Stages(NamedTuple):
     """The pipeline stages of TP rank 0, built on the meta device: what the memory of a layout follows from."""
+
     dp: int
     partition: list  # the layers of each stage
     model_cfg: GPTConfig
@@ -94,30 +112,51 @@ def build_stages(model_cfg, pp, pp_partition_method, world):
         # TP rank 0 of this stage
         paper = parallel.Grid(tp, pp, world_size=world, rank=stage * dp * tp)
         with torch.device("meta"):
-            gpt = GPT(model_cfg, partition[stage], pre_process=stage == 0, post_process=stage == pp - 1,
-                      grid=paper)
+            gpt = GPT(
+                model_cfg,
+                partition[stage],
+                pre_process=stage == 0,
+                post_process=stage == pp - 1,
+                grid=paper,
+            )
         gpu = sum(p.numel() for p in gpt.parameters())
-        full = sum(p.numel() * (tp if getattr(p, "tp_dim", None) is not None else 1)
-                   for p in gpt.parameters() if p is not gpt.output_weight)
+        full = sum(
+            p.numel() * (tp if getattr(p, "tp_dim", None) is not None else 1)
+            for p in gpt.parameters()
+            if p is not gpt.output_weight
+        )
         stages.append((gpu, full))
         # native ZeRO-1 deals out whole parameters: the DP rank with the most elements of optimizer state
-        largest_shard.append(max(parallel.shard_numels([p.numel() for p in gpt.parameters() if p.requires_grad], dp)))
-    return Stages(dp, partition, model_cfg, stages, largest_shard, model_cfg.num_parameters(),
-                  sum(full for _, full in stages))
+        largest_shard.append(
+            max(parallel.shard_numels([p.numel() for p in gpt.parameters() if p.requires_grad], dp))
+        )
+    return Stages(
+        dp,
+        partition,
+        model_cfg,
+        stages,
+        largest_shard,
+        model_cfg.num_parameters(),
+        sum(full for _, full in stages),
+    )
 
 
 def say_parameters(paper, say):
     """The model's size, then one row per run of consecutive stages of the same size."""
     stages, partition = paper.stages, paper.partition
-    say(f"model: {paper.params / 1e9:.2f}B parameters, {paper.padded_total / 1e9:.2f}B with the "
+    say(
+        f"model: {paper.params / 1e9:.2f}B parameters, {paper.padded_total / 1e9:.2f}B with the "
         f"vocabulary padded to {paper.model_cfg.padded_vocab_size}; the last stage's copy of the tied embedding is "
-        "not counted")
+        "not counted"
+    )
     say(f"{'stages':>10} {'layers/stage':>13} {'params/stage':>15} {'params/GPU':>15}")
     start = 0
     for s in range(len(stages) + 1):
         if s == len(stages) or stages[s] != stages[start]:
             label = f"{start}" if s - 1 == start else f"{start}-{s - 1}"
-            say(f"{label:>10} {len(partition[start]):>13} {stages[start][1]:>15,} {stages[start][0]:>15,}")
+            say(
+                f"{label:>10} {len(partition[start]):>13} {stages[start][1]:>15,} {stages[start][0]:>15,}"
+            )
             start = s
 
 
@@ -129,8 +168,10 @@ def model_states(plan, paper, zero):
         per_param = bytes_per_parameter(plan.precision, zero, dp, plan.deepspeed)
         return paper.gpu_params * sum(per_param.values())
     whole = bytes_per_parameter(plan.precision, 0, dp)
-    return max(gpu * (whole["weights"] + whole["gradients"]) + shard * whole["optimizer"]
-               for (gpu, _), shard in zip(paper.stages, paper.largest_shard))
+    return max(
+        gpu * (whole["weights"] + whole["gradients"]) + shard * whole["optimizer"]
+        for (gpu, _), shard in zip(paper.stages, paper.largest_shard)
+    )
 
 
 def say_model_states(plan, paper, say):
@@ -138,20 +179,30 @@ def say_model_states(plan, paper, say):
     GiB, params, dp = 2**30, paper.params, paper.dp
     dtype, deepspeed = plan.precision, plan.deepspeed
     per_param = (2 + 4 if dtype != "fp32" else 4) + 8 + 4  # weights (+ master), Adam, gradients
-    say(f"model states of the whole model without ZeRO: {per_param} B x {params / 1e9:.2f}B = "
-        f"{per_param * params / 1e9:,.0f} GB (lesson 16: 18 x 104 = 1872 GB for tr8b-104B)")
+    say(
+        f"model states of the whole model without ZeRO: {per_param} B x {params / 1e9:.2f}B = "
+        f"{per_param * params / 1e9:,.0f} GB (lesson 16: 18 x 104 = 1872 GB for tr8b-104B)"
+    )
     path = "DeepSpeed" if deepspeed else "native"
-    say(f"model states per GPU as the {path} path allocates them (largest "
-        f"stage, {paper.gpu_params:,} parameters, {dtype}, Adam):")
+    say(
+        f"model states per GPU as the {path} path allocates them (largest "
+        f"stage, {paper.gpu_params:,} parameters, {dtype}, Adam):"
+    )
     for zero in (0, 1, 2) if deepspeed else (0, 1):
         parts = bytes_per_parameter(dtype, zero, dp, deepspeed)
         mark = "  <- configured" if zero == plan.zero_stage else ""
         even = paper.gpu_params * sum(parts.values())
         states = model_states(plan, paper, zero)
-        uneven = "" if abs(states - even) < 0.005 * GiB else \
-            f" on the largest rank (an even share would be {even / GiB:.2f} GiB)"
-        say(f"  ZeRO-{zero} over DP={dp}: {states / GiB:8.2f} GiB{uneven} = "
-            + " + ".join(f"{v:.3g} ({k})" for k, v in parts.items()) + f" B/param{mark}")
+        uneven = (
+            ""
+            if abs(states - even) < 0.005 * GiB
+            else f" on the largest rank (an even share would be {even / GiB:.2f} GiB)"
+        )
+        say(
+            f"  ZeRO-{zero} over DP={dp}: {states / GiB:8.2f} GiB{uneven} = "
+            + " + ".join(f"{v:.3g} ({k})" for k, v in parts.items())
+            + f" B/param{mark}"
+        )
 
 
 def say_activations(plan, paper, say):
@@ -170,11 +221,17 @@ def say_activations(plan, paper, say):
     full_layer = layer_activations(model_cfg, s, b, model_cfg.tensor_model_parallel_size)
     without = held[busiest] * full_layer
     with_ckpt = held[busiest] * 2 * s * b * h + full_layer
-    say(f"activations on stage {busiest} (seq {s}, micro batch {b}, {micro} micro-batches, {in_flight} in flight):")
-    say(f"  without checkpointing: {without / GiB:8.2f} GiB, with checkpointing: {with_ckpt / GiB:8.2f} GiB"
-        f"{'  <- configured' if checkpointed else ''}")
+    say(
+        f"activations on stage {busiest} (seq {s}, micro batch {b}, {micro} micro-batches, {in_flight} in flight):"
+    )
+    say(
+        f"  without checkpointing: {without / GiB:8.2f} GiB, with checkpointing: {with_ckpt / GiB:8.2f} GiB"
+        f"{'  <- configured' if checkpointed else ''}"
+    )
     total = model_states(plan, paper, plan.zero_stage) + (with_ckpt if checkpointed else without)
-    say(f"estimated total per GPU: {total / GiB:.2f} GiB (plus temporaries: logits, communication buffers)")
+    say(
+        f"estimated total per GPU: {total / GiB:.2f} GiB (plus temporaries: logits, communication buffers)"
+    )
     return {"activations": without, "activations_checkpointed": with_ckpt}
 
 
@@ -182,11 +239,16 @@ def say_snapshots(cfg, paper, world, say):
     """The spike guard's snapshots in host memory, per node: a line when they are on, and whether they fit."""
     # the GPU whose snapshot is largest: with native ZeRO-1 the rank holding the most optimizer state
     native_zero = cfg.zero_stage >= 1 and not cfg.deepspeed
-    one = max(snapshots.snapshot_bytes(stability.snapshot_plan(cfg), gpu, paper.dp, shard if native_zero else None)
-              for (gpu, _), shard in zip(paper.stages, paper.largest_shard))
+    one = max(
+        snapshots.snapshot_bytes(
+            stability.snapshot_plan(cfg), gpu, paper.dp, shard if native_zero else None
+        )
+        for (gpu, _), shard in zip(paper.stages, paper.largest_shard)
+    )
     # GPUs per node: LOCAL_WORLD_SIZE as torchrun sets it, else a node of 8 (the node's memory: this machine's)
-    line, problem = snapshots.describe_host_memory(stability.snapshot_plan(cfg), one,
-                                                   int(os.environ.get("LOCAL_WORLD_SIZE", min(world, 8))))
+    line, problem = snapshots.describe_host_memory(
+        stability.snapshot_plan(cfg), one, int(os.environ.get("LOCAL_WORLD_SIZE", min(world, 8)))
+    )
     if line:
         say(line)
     if problem:
@@ -230,5 +292,8 @@ def bytes_per_parameter(precision, zero_stage, dp, deepspeed=False):
         grads, optimizer = 4, (12 if half else 8)
     else:
         grads, optimizer = 4, 8 + (4 if half else 0)
-    return {"weights": weights, "gradients": grads / dp if deepspeed and zero_stage >= 2 else grads,
-            "optimizer": optimizer / dp if zero_stage >= 1 else optimizer}
+    return {
+        "weights": weights,
+        "gradients": grads / dp if deepspeed and zero_stage >= 2 else grads,
+        "optimizer": optimizer / dp if zero_stage >= 1 else optimizer,
+    }

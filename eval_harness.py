@@ -24,6 +24,7 @@ spread over the run's layout. lm-eval itself is imported only when it is used (S
 RunEvaluation): arguments.py imports this module for its keys, and a run without eval_harness_tasks
 loads nothing of lm-eval.
 """
+
 import contextlib
 import numbers
 import os
@@ -62,27 +63,37 @@ def check(harness_cfg, eval_only=False):
     EvalHarnessConfig; eval_only: logging's). The task names are lm-eval's to resolve:
     RunEvaluation, before training starts."""
     if harness_cfg.eval_harness_tasks is None:
-        given = [f.name for f in fields(EvalHarnessConfig)
-                 if getattr(harness_cfg, f.name) != f.default]
+        given = [
+            f.name for f in fields(EvalHarnessConfig) if getattr(harness_cfg, f.name) != f.default
+        ]
         if given:
-            raise ValueError(f"{given[0]} does nothing without eval_harness_tasks: give the tasks "
-                             "(--eval_harness_tasks=hellaswag,...) or drop the key")
+            raise ValueError(
+                f"{given[0]} does nothing without eval_harness_tasks: give the tasks "
+                "(--eval_harness_tasks=hellaswag,...) or drop the key"
+            )
         return
     if not task_names(harness_cfg.eval_harness_tasks):
-        raise ValueError(f"eval_harness_tasks={harness_cfg.eval_harness_tasks!r} names no task; "
-                         "give comma-separated lm-eval task names, or None to evaluate none")
+        raise ValueError(
+            f"eval_harness_tasks={harness_cfg.eval_harness_tasks!r} names no task; "
+            "give comma-separated lm-eval task names, or None to evaluate none"
+        )
     if eval_only:
-        raise ValueError("eval_harness_tasks runs during training, not with eval_only: evaluate "
-                         "the checkpoint with tools/evaluate.py --load DIR --tasks ...")
+        raise ValueError(
+            "eval_harness_tasks runs during training, not with eval_only: evaluate "
+            "the checkpoint with tools/evaluate.py --load DIR --tasks ..."
+        )
     if harness_cfg.eval_harness_interval < 1 or harness_cfg.eval_harness_batch_size < 1:
         raise ValueError("eval_harness_interval and eval_harness_batch_size must be at least 1")
     limit = harness_cfg.eval_harness_limit
     if (harness_cfg.eval_harness_num_fewshot or 0) < 0 or (limit is not None and limit <= 0):
-        raise ValueError("eval_harness_num_fewshot must not be negative and eval_harness_limit "
-                         "must be positive")
+        raise ValueError(
+            "eval_harness_num_fewshot must not be negative and eval_harness_limit must be positive"
+        )
     if harness_cfg.eval_harness_only_include_path and not harness_cfg.eval_harness_include_path:
-        raise ValueError("eval_harness_only_include_path needs eval_harness_include_path (the "
-                         "folder of your tasks)")
+        raise ValueError(
+            "eval_harness_only_include_path needs eval_harness_include_path (the "
+            "folder of your tasks)"
+        )
     include_path = harness_cfg.eval_harness_include_path
     if include_path and not os.path.isdir(include_path):
         raise ValueError(f"eval_harness_include_path {include_path} is not a directory")
@@ -98,6 +109,7 @@ def task_names(text):
 
 def task_manager(include_path=None, only_include_path=False):
     from lm_eval.tasks import TaskManager
+
     return TaskManager(include_path=include_path, include_defaults=not only_include_path)
 
 
@@ -109,11 +121,14 @@ def known_tasks(names, manager, include_path=None, flag="--include_path"):
     matches = {n: manager.match_tasks([n]) for n in names}
     unknown = [n for n, found in matches.items() if not found]
     if unknown:
-        broken = "".join(f"; {path} does not parse: {error}"
-                         for path, error in unparsable(include_path))
-        raise ValueError(f"unknown task(s) {', '.join(unknown)}: `lm-eval list tasks` lists "
-                         "lm-eval's; a task of your own is a YAML file in the folder given to "
-                         f"{flag}{broken}")
+        broken = "".join(
+            f"; {path} does not parse: {error}" for path, error in unparsable(include_path)
+        )
+        raise ValueError(
+            f"unknown task(s) {', '.join(unknown)}: `lm-eval list tasks` lists "
+            "lm-eval's; a task of your own is a YAML file in the folder given to "
+            f"{flag}{broken}"
+        )
     return list(dict.fromkeys(t for found in matches.values() for t in found))
 
 
@@ -141,11 +156,21 @@ def evaluate(lm, tasks, manager, num_fewshot=None, limit=None, log_samples=False
     """lm_eval.simple_evaluate's results of the LM lm on tasks (names manager knows); its batch size
     and device recorded in the results' config."""
     import lm_eval
-    return lm_eval.simple_evaluate(model=lm, tasks=tasks, num_fewshot=num_fewshot, limit=limit,
-                                   batch_size=lm.batch_size, device=str(lm.device),
-                                   task_manager=manager, log_samples=log_samples, random_seed=seed,
-                                   numpy_random_seed=seed, torch_random_seed=seed,
-                                   fewshot_random_seed=seed)
+
+    return lm_eval.simple_evaluate(
+        model=lm,
+        tasks=tasks,
+        num_fewshot=num_fewshot,
+        limit=limit,
+        batch_size=lm.batch_size,
+        device=str(lm.device),
+        task_manager=manager,
+        log_samples=log_samples,
+        random_seed=seed,
+        numpy_random_seed=seed,
+        torch_random_seed=seed,
+        fewshot_random_seed=seed,
+    )
 
 
 def task_scalars(results):
@@ -178,20 +203,28 @@ class RunEvaluation:
         self.harness_cfg, self.model_cfg = harness_cfg, model_cfg
         n = model_cfg.num_parameters()
         if n > GATHER_LIMIT:
-            raise ValueError(f"eval_harness_tasks: this model ({n / 1e9:.2f}e9 parameters) would "
-                             "be gathered whole, in fp32, onto one rank (eval_harness.py); above "
-                             f"{GATHER_LIMIT / 1e9:.0f}e9 that is refused: evaluate its "
-                             "checkpoints with tools/evaluate.py instead")
+            raise ValueError(
+                f"eval_harness_tasks: this model ({n / 1e9:.2f}e9 parameters) would "
+                "be gathered whole, in fp32, onto one rank (eval_harness.py); above "
+                f"{GATHER_LIMIT / 1e9:.0f}e9 that is refused: evaluate its "
+                "checkpoints with tools/evaluate.py instead"
+            )
         self.tok = tokenizer.get_tokenizer(tokenizer_file)
         if self.tok.n_vocab > model_cfg.vocab_size:
-            raise ValueError(f"eval_harness_tasks: the tokenizer has {self.tok.n_vocab} ids but "
-                             f"vocab_size is {model_cfg.vocab_size}: lm-eval's texts would hold "
-                             "ids the model has no row for")
-        self.manager = task_manager(harness_cfg.eval_harness_include_path,
-                                    harness_cfg.eval_harness_only_include_path)
-        self.tasks = known_tasks(task_names(harness_cfg.eval_harness_tasks), self.manager,
-                                 harness_cfg.eval_harness_include_path,
-                                 flag="eval_harness_include_path")
+            raise ValueError(
+                f"eval_harness_tasks: the tokenizer has {self.tok.n_vocab} ids but "
+                f"vocab_size is {model_cfg.vocab_size}: lm-eval's texts would hold "
+                "ids the model has no row for"
+            )
+        self.manager = task_manager(
+            harness_cfg.eval_harness_include_path, harness_cfg.eval_harness_only_include_path
+        )
+        self.tasks = known_tasks(
+            task_names(harness_cfg.eval_harness_tasks),
+            self.manager,
+            harness_cfg.eval_harness_include_path,
+            flag="eval_harness_include_path",
+        )
 
     def due(self, iteration, last):
         return last or iteration % self.harness_cfg.eval_harness_interval == 0
@@ -205,12 +238,21 @@ class RunEvaluation:
                 keys = self.harness_cfg
                 lm = lm_class()(gpt.to(device), self.tok, batch_size=keys.eval_harness_batch_size)
                 with alone():
-                    results = evaluate(lm, self.tasks, self.manager, keys.eval_harness_num_fewshot,
-                                       keys.eval_harness_limit)
+                    results = evaluate(
+                        lm,
+                        self.tasks,
+                        self.manager,
+                        keys.eval_harness_num_fewshot,
+                        keys.eval_harness_limit,
+                    )
         if gpt is not None:
             values = task_scalars(results)
-            print(f" lm-eval at iteration {iteration} | " +
-                  " | ".join(f"{k}: {v:.6E}" for k, v in values.items()) + " |", flush=True)
+            print(
+                f" lm-eval at iteration {iteration} | "
+                + " | ".join(f"{k}: {v:.6E}" for k, v in values.items())
+                + " |",
+                flush=True,
+            )
             report.scalars(values, iteration, state)
             report.record(iteration, values)
         if parallel.grid.world_size > 1:  # the others wait as long as a host's work may take
@@ -306,8 +348,12 @@ def lm_class():
     seconds)."""
     if "StableGPT" not in globals():
         from lm_eval.api.model import TemplateLM
-        globals()["StableGPT"] = type("StableGPT", (LMAdapter, TemplateLM),
-                                      {"__doc__": LMAdapter.__doc__, "__module__": __name__})
+
+        globals()["StableGPT"] = type(
+            "StableGPT",
+            (LMAdapter, TemplateLM),
+            {"__doc__": LMAdapter.__doc__, "__module__": __name__},
+        )
     return globals()["StableGPT"]
 
 
@@ -325,8 +371,10 @@ class LMAdapter:
     def __init__(self, model, tok, batch_size=1, max_gen_toks=256, info=None):
         super().__init__()
         if tok.n_vocab > model.cfg.vocab_size:
-            raise ValueError(f"the tokenizer has {tok.n_vocab} ids but the model only {model.cfg.vocab_size}: "
-                             "evaluate with the tokenizer the model was trained with (its tokenizer_file)")
+            raise ValueError(
+                f"the tokenizer has {tok.n_vocab} ids but the model only {model.cfg.vocab_size}: "
+                "evaluate with the tokenizer the model was trained with (its tokenizer_file)"
+            )
         if batch_size < 1 or max_gen_toks < 1:
             raise ValueError("batch_size and max_gen_toks must be at least 1")
         self.model, self.tok = model.eval(), tok
@@ -368,6 +416,7 @@ class LMAdapter:
         """[(log p(continuation | context), is it the greedy continuation)] of requests
         [((context, continuation) strings, context ids, continuation ids)], scored a batch at a time."""
         from lm_eval.models.utils import Collator
+
         order = Collator(requests, sort_fn=lambda r: (-len(r[1]) - len(r[2]), tuple(r[1] + r[2])))
         results = []
         for chunk in order.get_batched(n=self.batch_size):
@@ -379,9 +428,11 @@ class LMAdapter:
         """[(sum of the log-probabilities of the last n tokens of each sequence, are they all the argmax)]: one
         forward pass over the batch. A sequence over seq_length + 1 tokens loses its first tokens (as in HFLM)."""
         if max(continuation_lengths) > self.max_length:
-            raise ValueError(f"a continuation of {max(continuation_lengths)} tokens is longer than the model's "
-                             f"seq_length {self.max_length}")
-        sequences = [s[-(self.max_length + 1):] for s in sequences]
+            raise ValueError(
+                f"a continuation of {max(continuation_lengths)} tokens is longer than the model's "
+                f"seq_length {self.max_length}"
+            )
+        sequences = [s[-(self.max_length + 1) :] for s in sequences]
         ids, lengths = self.right_padded([s[:-1] for s in sequences])
         targets, _ = self.right_padded([s[1:] for s in sequences])
         ids, lengths, targets = (t.to(self.device) for t in (ids, lengths, targets))
@@ -400,11 +451,18 @@ class LMAdapter:
         """Each document's log-likelihood, scored in disjoint windows of seq_length tokens (the first after the
         end-of-document id), as HFLM does; the windows of all documents are batched together."""
         from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+
         windows, owner = [], []
         for i, (text,) in enumerate(r.args for r in requests):
-            for context, target in map(make_disjoint_window, get_rolling_token_windows(
-                    token_list=self.tok_encode(text), prefix_token=self.prefix_token_id,
-                    max_seq_len=self.max_length, context_len=1)):
+            for context, target in map(
+                make_disjoint_window,
+                get_rolling_token_windows(
+                    token_list=self.tok_encode(text),
+                    prefix_token=self.prefix_token_id,
+                    max_seq_len=self.max_length,
+                    context_len=1,
+                ),
+            ):
                 windows.append((None, context, target))
                 owner.append(i)
         totals = [0.0] * len(requests)
@@ -418,8 +476,13 @@ class LMAdapter:
         """Greedy continuations of each context, cut before the first of its stop strings (`until`, and the
         end-of-document token's text) and after max_gen_toks tokens; batched among requests of the same kwargs."""
         from lm_eval.models.utils import Collator
-        order = Collator([r.args for r in requests], sort_fn=lambda a: (-len(self.tok_encode(a[0])), a[0]),
-                         group_by="gen_kwargs", group_fn=lambda a: a[1])
+
+        order = Collator(
+            [r.args for r in requests],
+            sort_fn=lambda a: (-len(self.tok_encode(a[0])), a[0]),
+            group_by="gen_kwargs",
+            group_fn=lambda a: a[1],
+        )
         results = []
         for chunk in order.get_batched(n=self.batch_size):
             contexts, kwargs = zip(*chunk)
@@ -433,19 +496,29 @@ class LMAdapter:
             normalize_gen_kwargs,
             postprocess_generated_text,
         )
+
         kwargs = normalize_gen_kwargs(gen_kwargs, self.max_gen_toks)
         if kwargs.get("do_sample"):
-            raise ValueError(f"only greedy generation is implemented; the task asks to sample ({gen_kwargs}): "
-                             "set do_sample: false (or temperature: 0) in its generation_kwargs")
+            raise ValueError(
+                f"only greedy generation is implemented; the task asks to sample ({gen_kwargs}): "
+                "set do_sample: false (or temperature: 0) in its generation_kwargs"
+            )
         until = handle_stop_sequences(kwargs["until"], eos=self.tok.decode([self.eot_token_id]))
         max_new = kwargs["max_gen_toks"]
         if max_new >= self.max_length:
-            raise ValueError(f"max_gen_toks {max_new} leaves no room for a context in seq_length {self.max_length}")
+            raise ValueError(
+                f"max_gen_toks {max_new} leaves no room for a context in seq_length {self.max_length}"
+            )
         # as HFLM: the context keeps its last seq_length - max_gen_toks tokens
         # an empty context starts after the end-of-document id, as a document does (and as tools/sample.py)
-        prompts = [self.tok_encode(c)[-(self.max_length - max_new):] or [self.eot_token_id] for c in contexts]
-        return [postprocess_generated_text(self.tok.decode(new), until, None)
-                for new in self.greedy(prompts, max_new, until)]
+        prompts = [
+            self.tok_encode(c)[-(self.max_length - max_new) :] or [self.eot_token_id]
+            for c in contexts
+        ]
+        return [
+            postprocess_generated_text(self.tok.decode(new), until, None)
+            for new in self.greedy(prompts, max_new, until)
+        ]
 
     @torch.no_grad()
     def greedy(self, prompts, max_new, until):
@@ -459,10 +532,12 @@ class LMAdapter:
         rows = torch.arange(len(prompts), device=self.device)
         new, done = [[] for _ in prompts], [False] * len(prompts)
         for step in range(max_new):
-            token = self.logits(ids[:, :longest + step])[rows, lengths - 1].argmax(-1)
+            token = self.logits(ids[:, : longest + step])[rows, lengths - 1].argmax(-1)
             ids[rows, lengths] = token
             lengths += 1
-            for i, t in enumerate(token.tolist()):  # one host sync per step: the stop rule reads text
+            for i, t in enumerate(
+                token.tolist()
+            ):  # one host sync per step: the stop rule reads text
                 if done[i] or t == self.eot_token_id:
                     done[i] = True
                     continue
@@ -474,7 +549,7 @@ class LMAdapter:
 
     def logits(self, ids):
         """(B, T, vocab_size) fp32 logits of ids (B, T), the vocabulary's padding dropped."""
-        return self.model(ids)[..., :self.vocab_size].float()
+        return self.model(ids)[..., : self.vocab_size].float()
 
     @staticmethod
     def right_padded(sequences, room=0):
@@ -482,5 +557,5 @@ class LMAdapter:
         lengths = torch.tensor([len(s) for s in sequences])
         ids = torch.zeros(len(sequences), int(lengths.max()) + room, dtype=torch.long)
         for i, s in enumerate(sequences):
-            ids[i, :len(s)] = torch.tensor(s)
+            ids[i, : len(s)] = torch.tensor(s)
         return ids, lengths

@@ -5,6 +5,7 @@ Not here: the config (arguments.py), what is built on the device (model.py, opti
 Each function takes the layout's section of the config (layout_cfg: parallel.LayoutConfig) and the
 other owners' values it needs.
 """
+
 import json
 import os
 import sys
@@ -29,10 +30,13 @@ def start(layout_cfg, tensor_model_parallel_size, save=None):
     the model's; save: checkpointing's directory (where NCCL's flight recorder dumps)."""
     use_expandable_segments(layout_cfg)
     use_nccl_flight_recorder(layout_cfg, save)
-    return parallel.init(tensor_model_parallel_size, layout_cfg.pipeline_model_parallel_size,
-                         backend="nccl" if use_cuda(layout_cfg) else "gloo",
-                         timeout_minutes=layout_cfg.distributed_timeout_minutes,
-                         host_timeout_minutes=layout_cfg.host_work_timeout_minutes)
+    return parallel.init(
+        tensor_model_parallel_size,
+        layout_cfg.pipeline_model_parallel_size,
+        backend="nccl" if use_cuda(layout_cfg) else "gloo",
+        timeout_minutes=layout_cfg.distributed_timeout_minutes,
+        host_timeout_minutes=layout_cfg.host_work_timeout_minutes,
+    )
 
 
 def setup(layout_cfg, seed):
@@ -79,19 +83,31 @@ def use_nccl_flight_recorder(layout_cfg, save=None):
     if not use_cuda(layout_cfg) or world_size() == 1:
         return
     directory = os.path.abspath(os.path.join(save or ".", "nccl_trace"))
-    defaults = {"TORCH_NCCL_TRACE_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
-                "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": os.path.join(directory, "rank_")}
+    defaults = {
+        "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
+        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": os.path.join(directory, "rank_"),
+    }
     if "TORCH_NCCL_DEBUG_INFO_TEMP_FILE" not in os.environ:
         os.makedirs(directory, exist_ok=True)
     for name, value in defaults.items():
         os.environ.setdefault(name, value)
-    entries, prefix = os.environ["TORCH_NCCL_TRACE_BUFFER_SIZE"], os.environ["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"]
-    on = entries.strip() not in ("", "0") and os.environ["TORCH_NCCL_DUMP_ON_TIMEOUT"].strip().lower() not in (
-        "", "0", "false", "no", "n", "off")
-    if on and int(os.environ.get("RANK", "0")) == 0:  # the one place a hang's evidence is named before it happens
-        print(f"NCCL flight recorder: on a collective timeout each rank dumps its last {entries} collectives to "
-              f"{prefix}<rank>; `python -m torch.distributed.flight_recorder.fr_trace {os.path.dirname(prefix)}` "
-              "names the rank that did not join", flush=True)
+    entries, prefix = (
+        os.environ["TORCH_NCCL_TRACE_BUFFER_SIZE"],
+        os.environ["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"],
+    )
+    on = entries.strip() not in ("", "0") and os.environ[
+        "TORCH_NCCL_DUMP_ON_TIMEOUT"
+    ].strip().lower() not in ("", "0", "false", "no", "n", "off")
+    if (
+        on and int(os.environ.get("RANK", "0")) == 0
+    ):  # the one place a hang's evidence is named before it happens
+        print(
+            f"NCCL flight recorder: on a collective timeout each rank dumps its last {entries} collectives to "
+            f"{prefix}<rank>; `python -m torch.distributed.flight_recorder.fr_trace {os.path.dirname(prefix)}` "
+            "names the rank that did not join",
+            flush=True,
+        )
 
 
 def set_deterministic(layout_cfg):
@@ -120,13 +136,22 @@ def exit_with(error, code):
     everyone's) or some do (a file): rank 0 prints it, and each rank that has it leaves it in torchrun's error file,
     so that the launcher's summary names it as the root cause instead of 'To enable traceback see ...'."""
     line = f"error: {error}"
-    if int(os.environ.get("RANK", "0")) == 0:  # torchrun's rank (the process group may not exist yet)
+    if (
+        int(os.environ.get("RANK", "0")) == 0
+    ):  # torchrun's rank (the process group may not exist yet)
         print(line, file=sys.stderr, flush=True)
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if error_file:
         with open(error_file, "w") as f:  # torch.distributed.elastic's format
-            json.dump({"message": {"message": f"{type(error).__name__}: {error}",
-                                   "extraInfo": {"py_callstack": line, "timestamp": str(int(time.time()))}}}, f)
+            json.dump(
+                {
+                    "message": {
+                        "message": f"{type(error).__name__}: {error}",
+                        "extraInfo": {"py_callstack": line, "timestamp": str(int(time.time()))},
+                    }
+                },
+                f,
+            )
     sys.exit(code)
 
 

@@ -6,6 +6,7 @@ model.mlp(); nothing else changes (the parameter count and FLOPs follow from the
 
 Not here: the attention (model.py), the parallel linears these are made of (parallel.py).
 """
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -90,23 +91,38 @@ class DocumentBlockMask:
 
     def __init__(self, documents, slopes=None):
         from torch.nn.attention.flex_attention import create_block_mask
+
         B, T = documents.shape
 
         def causal_within_document(b, h, q, kv):
             return (kv <= q) & (documents[b, q] == documents[b, kv])
-        self.block_mask = create_block_mask(causal_within_document, B, None, T, T, device=documents.device)
+
+        self.block_mask = create_block_mask(
+            causal_within_document, B, None, T, T, device=documents.device
+        )
         self.slopes = slopes  # ALiBi's, this rank's heads (fp32), or None
 
     def attend(self, q, k, v, scale=None, enable_gqa=False):
         from torch.nn.attention.flex_attention import flex_attention
+
         score_mod = None
         if self.slopes is not None:
             slopes = self.slopes
 
-            def score_mod(score, b, h, q_idx, kv_idx):  # alibi_bias's -slope * (i - j), in the scores' fp32
+            def score_mod(
+                score, b, h, q_idx, kv_idx
+            ):  # alibi_bias's -slope * (i - j), in the scores' fp32
                 return score + slopes[h] * (kv_idx - q_idx)
-        return flex_attention(q, k, v, score_mod=score_mod, block_mask=self.block_mask, scale=scale,
-                              enable_gqa=enable_gqa)
+
+        return flex_attention(
+            q,
+            k,
+            v,
+            score_mod=score_mod,
+            block_mask=self.block_mask,
+            scale=scale,
+            enable_gqa=enable_gqa,
+        )
 
 
 def flex_documents(device, compiled, head_dim):
@@ -117,7 +133,9 @@ def flex_documents(device, compiled, head_dim):
     return device.type == "cuda" and compiled and head_dim >= 16
 
 
-def packed_inputs(tokens, eod, reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False):
+def packed_inputs(
+    tokens, eod, reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False
+):
     """The model's keyword inputs for a micro-batch of input tokens (B, T) under Megatron's data flags, as
     get_ltor_masks_and_position_ids makes them, computed on the tokens' device in a few vectorised ops (no loop
     over samples or documents, no host sync): documents (the block-diagonal mask, reset_attention_mask), positions

@@ -17,6 +17,7 @@ other owners give it (DataContext). The first is Megatron's .bin/.idx files of d
 is one file and one registry line. Its validation is one blended set, or named sets
 (valid_weighted_split_names and _paths), each evaluated apart.
 """
+
 import collections
 import dataclasses
 import functools
@@ -38,16 +39,31 @@ import parallel
 from report import print0
 
 
-def sample_indices(first_sample: int, num_micro_batches: int, micro_batch_size: int, dp_rank: int, dp_size: int):
+def sample_indices(
+    first_sample: int, num_micro_batches: int, micro_batch_size: int, dp_rank: int, dp_size: int
+):
     """[num_micro_batches, micro_batch_size] sample indices of this DP rank's share of the global batch of
     num_micro_batches * micro_batch_size * dp_size samples from first_sample, in Megatron's order: micro-batch k
     takes the samples k*mbs*dp + dp_rank*mbs + [0, mbs)."""
     k = np.arange(num_micro_batches, dtype=np.int64)[:, None]
-    return first_sample + k * micro_batch_size * dp_size + dp_rank * micro_batch_size + np.arange(micro_batch_size)
+    return (
+        first_sample
+        + k * micro_batch_size * dp_size
+        + dp_rank * micro_batch_size
+        + np.arange(micro_batch_size)
+    )
 
 
-def load_tokens(dataset, first_sample, num_micro_batches, seqlen, micro_batch_size, dp_rank, dp_size,
-                pin_memory=False):
+def load_tokens(
+    dataset,
+    first_sample,
+    num_micro_batches,
+    seqlen,
+    micro_batch_size,
+    dp_rank,
+    dp_size,
+    pin_memory=False,
+):
     """This rank's micro-batches as one int64 host tensor [num_micro_batches, micro_batch_size, seqlen + 1]:
     the first seqlen+1 tokens of each sample (inputs are [:-1], labels [1:]), pinned for a CUDA device."""
     index = sample_indices(first_sample, num_micro_batches, micro_batch_size, dp_rank, dp_size)
@@ -72,7 +88,9 @@ class Prefetcher:
         self._pending = collections.deque()  # (key, Future), in the order guessed
         self._requests = queue.SimpleQueue()
         # The thread holds only the queue and `load`, not self: dropping the Prefetcher ends it (finalize).
-        thread = threading.Thread(target=_serve, args=(self._requests, load), name="batch-prefetch", daemon=True)
+        thread = threading.Thread(
+            target=_serve, args=(self._requests, load), name="batch-prefetch", daemon=True
+        )
         thread.start()
         self._load, self.thread = load, thread
         self._finalizer = weakref.finalize(self, self._requests.put, None)
@@ -117,7 +135,9 @@ def _serve(requests, load):
             continue  # cancelled while queued
         try:
             future.set_result(load(key))
-        except BaseException as e:  # handed to whoever asks for this key (nobody, for a guess past the end)
+        except (
+            BaseException
+        ) as e:  # handed to whoever asks for this key (nobody, for a guess past the end)
             future.set_exception(e)
 
 
@@ -161,20 +181,25 @@ def register_source(name: str, source: type) -> type:
     """Make `source` (a DataSource class) the data_source `name`: the one line a new source's file ends with."""
     missing = [m for m in ("check", "documents", "build") if not hasattr(source, m)]
     if missing:
-        raise ValueError(f"data source {source.__name__} lacks {', '.join(missing)} of "
-                         "loader.DataSource; add it")
+        raise ValueError(
+            f"data source {source.__name__} lacks {', '.join(missing)} of loader.DataSource; add it"
+        )
     if SOURCES.get(name, source) is not source:
-        raise ValueError(f"data_source {name!r} is {SOURCES[name].__name__} already; register {source.__name__} "
-                         "under another name")
+        raise ValueError(
+            f"data_source {name!r} is {SOURCES[name].__name__} already; register {source.__name__} "
+            "under another name"
+        )
     SOURCES[name] = source
     return source
 
 
 def source_class(name: str) -> type:
     if name not in SOURCES:
-        raise ValueError(f"data_source {name!r} is not a registered data source ({', '.join(sorted(SOURCES))}): "
-                         "set one of those, or import the file of yours that calls loader.register_source in your "
-                         "config file (a config is Python; docs/data.md, 'A new data source')")
+        raise ValueError(
+            f"data_source {name!r} is not a registered data source ({', '.join(sorted(SOURCES))}): "
+            "set one of those, or import the file of yours that calls loader.register_source in your "
+            "config file (a config is Python; docs/data.md, 'A new data source')"
+        )
     return SOURCES[name]
 
 
@@ -184,6 +209,7 @@ class DataContext:
     cfg)): the model's seq_length and vocab_size; the checkpoint's init_from_hf (an imported model's
     vocabulary is given: data of another tokenizer is refused); logging's eval keys, which count the
     validation samples; the config file's name, for messages (arguments.load_config sets it)."""
+
     seq_length: int
     vocab_size: int
     init_from_hf: str | None = None
@@ -199,8 +225,10 @@ def build_data(data_cfg, context, schedule, documents_to_skip=lambda collections
     (DataSource.documents), the ids each collection's samples leave out (a skip list), or None."""
     source = source_class(data_cfg.data_source)
     evals = schedule.total_iters // context.eval_interval + 1
-    num_samples = (0 if context.eval_only else schedule.total_samples,
-                   context.eval_iters * schedule.rampup.global_batch_size * (1 if evals else 0))
+    num_samples = (
+        0 if context.eval_only else schedule.total_samples,
+        context.eval_iters * schedule.rampup.global_batch_size * (1 if evals else 0),
+    )
     opened = source(data_cfg, context, num_samples)
     return opened.build(documents_to_skip(opened.documents()))
 
@@ -222,6 +250,7 @@ class MegatronSource:
     validation and test documents by `split`, sampled through the cached sample index; without a data_path, the
     bundled corpus. With valid_weighted_split_names, named validation sets instead of the blended one
     (named_valid_sets)."""
+
     reads_valid_sets = True
 
     @staticmethod
@@ -230,12 +259,14 @@ class MegatronSource:
             raise ValueError(
                 f"{context.config_file} sets no data_path: tokenize a corpus with `python data.py "
                 "--input FILES --output-prefix data/NAME` and pass --data_path data/NAME (only "
-                "config/tiny.py trains on the bundled Shakespeare: use_bundled_corpus)")
+                "config/tiny.py trains on the bundled Shakespeare: use_bundled_corpus)"
+            )
         if data_cfg.tokenizer_file is not None and data_cfg.data_path is None:
             raise ValueError(
                 "tokenizer_file is set but data_path is not: the bundled corpus is GPT-2 tokens; prepare your data "
                 "with `python data.py --input ... --output-prefix PREFIX --tokenizer-file FILE` and set "
-                "data_path=PREFIX")
+                "data_path=PREFIX"
+            )
         check_valid_sets(data_cfg.valid_weighted_split_names, data_cfg.valid_weighted_split_paths)
 
     def __init__(self, data_cfg, context, num_samples):
@@ -249,7 +280,10 @@ class MegatronSource:
             check_vocabulary(context, [p for path in paths for p in data.parse_data_path(path)[0]])
 
     def documents(self):
-        return [(prefix, len(data.IndexedDataset(prefix))) for prefix in data.parse_data_path(self.data_path)[0]]
+        return [
+            (prefix, len(data.IndexedDataset(prefix)))
+            for prefix in data.parse_data_path(self.data_path)[0]
+        ]
 
     def build(self, skips):
         data_cfg, (train, valid) = self.data_cfg, self.num_samples
@@ -259,9 +293,22 @@ class MegatronSource:
         # Rank 0 builds and caches the index arrays first; the others then read the cache.
         for builders in (True, False):
             if (parallel.grid.rank == 0) == builders:
-                datasets = data.build_datasets(self.data_path, split, seq_length, seed,
-                                               (train, 0 if named else valid, 0), cache, skips)
-                validation = datasets[1] if not named else self.build_valid_sets(valid, skips) if valid else None
+                datasets = data.build_datasets(
+                    self.data_path,
+                    split,
+                    seq_length,
+                    seed,
+                    (train, 0 if named else valid, 0),
+                    cache,
+                    skips,
+                )
+                validation = (
+                    datasets[1]
+                    if not named
+                    else self.build_valid_sets(valid, skips)
+                    if valid
+                    else None
+                )
             if builders and dist.is_initialized():
                 # an index build can outlast the training's timeout
                 dist.barrier(group=parallel.host_group())
@@ -271,13 +318,21 @@ class MegatronSource:
         """{name: TokenSource} of the named validation sets, num_samples each; a skip list of a data_path corpus
         holds for it in a set too (as it does in the blended validation)."""
         data_cfg, prefixes = self.data_cfg, data.parse_data_path(self.data_path)[0]
-        skip_of = {os.path.realpath(p): s for p, s in zip(prefixes, skips or [None] * len(prefixes))}
+        skip_of = {
+            os.path.realpath(p): s for p, s in zip(prefixes, skips or [None] * len(prefixes))
+        }
         out = {}
         for name, path, split in self.valid_sets:
             set_skips = [skip_of.get(os.path.realpath(p)) for p in data.parse_data_path(path)[0]]
-            out[name] = data.build_datasets(path, split, self.context.seq_length, data_cfg.seed,
-                                            (0, num_samples, 0), data_cfg.data_cache_dir,
-                                            set_skips)[1]
+            out[name] = data.build_datasets(
+                path,
+                split,
+                self.context.seq_length,
+                data_cfg.seed,
+                (0, num_samples, 0),
+                data_cfg.data_cache_dir,
+                set_skips,
+            )[1]
         return out
 
 
@@ -302,9 +357,13 @@ def check_data(split, context, data_path, train_samples):
     check_vocabulary(context, prefixes)
     for prefix, weight in zip(prefixes, weights):
         epochs = data.train_epochs(prefix, split, context.seq_length, train_samples * weight)
-        if epochs > 4:  # Muennighoff et al. 2023: up to ~4 epochs of repeated data cost little, more do
-            print0(f"warning: this run goes over the train split of {prefix} {epochs:.1f} times; beyond about 4 "
-                   "epochs repeated data stops helping (more data, or a shorter run)")
+        if (
+            epochs > 4
+        ):  # Muennighoff et al. 2023: up to ~4 epochs of repeated data cost little, more do
+            print0(
+                f"warning: this run goes over the train split of {prefix} {epochs:.1f} times; beyond about 4 "
+                "epochs repeated data stops helping (more data, or a shorter run)"
+            )
 
 
 def check_vocabulary(context, prefixes):
@@ -336,12 +395,15 @@ def check_valid_sets(names, paths):
         raise ValueError(
             f"valid_weighted_split_names names {len(names or [])} validation set(s) but valid_weighted_split_paths "
             f"gives {len(paths or [])} path(s): give one path per name, in the same order (a path is a prefix, or a "
-            "blend 'w1 prefix1 w2 prefix2' as one entry: one string of the list in a config file)")
+            "blend 'w1 prefix1 w2 prefix2' as one entry: one string of the list in a config file)"
+        )
     for name in names:
         if not SET_NAME.fullmatch(name) or names.count(name) > 1:
             why = "given twice" if SET_NAME.fullmatch(name) else "not a name"
-            raise ValueError(f"valid_weighted_split_names: {name!r} is {why}; give each set its own name of letters, "
-                             "digits, '_', '-' and '.' (e.g. valid_en)")
+            raise ValueError(
+                f"valid_weighted_split_names: {name!r} is {why}; give each set its own name of letters, "
+                "digits, '_', '-' and '.' (e.g. valid_en)"
+            )
     for name, path in zip(names, paths):
         try:
             prefixes = data.parse_data_path(path)[0]
@@ -349,9 +411,11 @@ def check_valid_sets(names, paths):
             raise ValueError(f"validation set {name!r}: {e}") from None
         for prefix in prefixes:
             if not (os.path.isfile(prefix + ".bin") and os.path.isfile(prefix + ".idx")):
-                raise ValueError(f"validation set {name!r}: {prefix}.bin/.idx not found; fix its entry in "
-                                 f"valid_weighted_split_paths, or tokenize the corpus with `python data.py --input "
-                                 f"FILES --output-prefix {prefix}`")
+                raise ValueError(
+                    f"validation set {name!r}: {prefix}.bin/.idx not found; fix its entry in "
+                    f"valid_weighted_split_paths, or tokenize the corpus with `python data.py --input "
+                    f"FILES --output-prefix {prefix}`"
+                )
 
 
 def named_valid_sets(data_cfg, data_path):
@@ -364,22 +428,30 @@ def named_valid_sets(data_cfg, data_path):
         prefixes = data.parse_data_path(path)[0]
         inside = [os.path.realpath(p) in trained for p in prefixes]
         if any(inside) != all(inside):
-            raise ValueError(f"validation set {name!r} blends corpora of data_path with others ({path}): the first "
-                             "give their validation split, the others all their documents; make them two sets")
+            raise ValueError(
+                f"validation set {name!r} blends corpora of data_path with others ({path}): the first "
+                "give their validation split, the others all their documents; make them two sets"
+            )
         split = data_cfg.split if all(inside) else "0,1,0"
         for prefix in prefixes:
             documents = len(data.IndexedDataset(prefix))
             start, end = data.split_documents(split, documents)[1]
             if end == start and not all(inside):
-                raise ValueError(f"validation set {name!r} has no validation documents: {prefix} holds none; "
-                                 "tokenize its corpus again, or drop the set")
+                raise ValueError(
+                    f"validation set {name!r} has no validation documents: {prefix} holds none; "
+                    "tokenize its corpus again, or drop the set"
+                )
             if end == start:
-                raise ValueError(f"validation set {name!r} has no validation documents: {prefix} "
-                                 f"is in data_path, and split {data_cfg.split!r} gives validation "
-                                 f"none of its {documents} documents; give validation a share of "
-                                 "split (e.g. 949,50,1), or drop the set")
-            print0(f"validation set {name}: documents {start}-{end - 1} of {prefix} "
-                   f"({'its validation split' if all(inside) else 'not in data_path: all of them'})")
+                raise ValueError(
+                    f"validation set {name!r} has no validation documents: {prefix} "
+                    f"is in data_path, and split {data_cfg.split!r} gives validation "
+                    f"none of its {documents} documents; give validation a share of "
+                    "split (e.g. 949,50,1), or drop the set"
+                )
+            print0(
+                f"validation set {name}: documents {start}-{end - 1} of {prefix} "
+                f"({'its validation split' if all(inside) else 'not in data_path: all of them'})"
+            )
         out.append((name, path, split))
     return out
 
@@ -397,23 +469,38 @@ def check_tokenizer(tokenizer_file, context):
         return
     n_vocab, vocab_size = data.get_tokenizer(tokenizer_file).n_vocab, context.vocab_size
     if n_vocab > vocab_size:
-        fix = ("use the tokenizer of the model in init_from_hf" if context.init_from_hf else
-               f"set vocab_size={n_vocab} (padding to a multiple is automatic)")
-        raise ValueError(f"tokenizer_file {tokenizer_file} has {n_vocab} tokens but the model's "
-                         f"vocab_size is {vocab_size}: its ids would not all have an embedding "
-                         f"row; {fix}")
+        fix = (
+            "use the tokenizer of the model in init_from_hf"
+            if context.init_from_hf
+            else f"set vocab_size={n_vocab} (padding to a multiple is automatic)"
+        )
+        raise ValueError(
+            f"tokenizer_file {tokenizer_file} has {n_vocab} tokens but the model's "
+            f"vocab_size is {vocab_size}: its ids would not all have an embedding "
+            f"row; {fix}"
+        )
     if n_vocab < vocab_size and not context.init_from_hf:
-        raise ValueError(f"tokenizer_file {tokenizer_file} has {n_vocab} tokens but vocab_size is "
-                         f"{vocab_size}; set vocab_size={n_vocab} (padding to a multiple is "
-                         "automatic)")
+        raise ValueError(
+            f"tokenizer_file {tokenizer_file} has {n_vocab} tokens but vocab_size is "
+            f"{vocab_size}; set vocab_size={n_vocab} (padding to a multiple is "
+            "automatic)"
+        )
 
 
 def micro_batches(dataset, first_sample, num_micro_batches, micro_batch_size, seqlen, device):
     """This DP rank's micro-batches [(inputs, labels)] of the global batch of num_micro_batches * mbs * dp samples
     from first_sample, in Megatron's order (sample_indices), truncated to seqlen (curriculum)."""
     g = parallel.grid
-    tokens = load_tokens(dataset, first_sample, num_micro_batches, seqlen, micro_batch_size,
-                         g.dp_rank, g.dp_size, pin_memory=device.type == "cuda")
+    tokens = load_tokens(
+        dataset,
+        first_sample,
+        num_micro_batches,
+        seqlen,
+        micro_batch_size,
+        g.dp_rank,
+        g.dp_size,
+        pin_memory=device.type == "cuda",
+    )
     return to_device(tokens, device)
 
 
@@ -433,10 +520,13 @@ def packing(data_cfg):
     reads the same micro-batches, so each computes what it needs from the tokens instead of receiving it."""
     if not packs_documents(data_cfg):
         return None
-    return functools.partial(layers.packed_inputs, eod=eod_token(data_cfg.tokenizer_file),
-                             reset_position_ids=data_cfg.reset_position_ids,
-                             reset_attention_mask=data_cfg.reset_attention_mask,
-                             eod_mask_loss=data_cfg.eod_mask_loss)
+    return functools.partial(
+        layers.packed_inputs,
+        eod=eod_token(data_cfg.tokenizer_file),
+        reset_position_ids=data_cfg.reset_position_ids,
+        reset_attention_mask=data_cfg.reset_attention_mask,
+        eod_mask_loss=data_cfg.eod_mask_loss,
+    )
 
 
 def batch_prefetcher(dataset, schedule, device):
@@ -445,8 +535,17 @@ def batch_prefetcher(dataset, schedule, device):
 
     def load(key):
         _, first_sample, _, seqlen = key
-        return load_tokens(dataset, first_sample, schedule.rampup.num_micro_batches(first_sample), seqlen,
-                           micro_batch_size, g.dp_rank, g.dp_size, pin_memory=device.type == "cuda")
+        return load_tokens(
+            dataset,
+            first_sample,
+            schedule.rampup.num_micro_batches(first_sample),
+            seqlen,
+            micro_batch_size,
+            g.dp_rank,
+            g.dp_size,
+            pin_memory=device.type == "cuda",
+        )
+
     return Prefetcher(load, schedule.next_key)
 
 
@@ -490,19 +589,28 @@ def check(data_cfg, context, position_embedding_type, reads_data=True):
     source = source_class(data_cfg.data_source)
     for key in ("valid_weighted_split_names", "valid_weighted_split_paths"):
         if getattr(data_cfg, key) and not getattr(source, "reads_valid_sets", False):
-            raise ValueError(f"data_source {data_cfg.data_source!r} has no named validation sets "
-                             f"({key} is set): drop {key}, or use a source that reads it "
-                             "(megatron)")
+            raise ValueError(
+                f"data_source {data_cfg.data_source!r} has no named validation sets "
+                f"({key} is set): drop {key}, or use a source that reads it "
+                "(megatron)"
+            )
     source.check(data_cfg, context)
-    if (data_cfg.reset_position_ids and position_embedding_type == "alibi"
-            and not data_cfg.reset_attention_mask):
-        raise ValueError("reset_position_ids does nothing with position_embedding_type=alibi (ALiBi has no position "
-                         "ids; its bias depends on i - j alone): add reset_attention_mask to keep documents apart, "
-                         "or drop reset_position_ids")
+    if (
+        data_cfg.reset_position_ids
+        and position_embedding_type == "alibi"
+        and not data_cfg.reset_attention_mask
+    ):
+        raise ValueError(
+            "reset_position_ids does nothing with position_embedding_type=alibi (ALiBi has no position "
+            "ids; its bias depends on i - j alone): add reset_attention_mask to keep documents apart, "
+            "or drop reset_position_ids"
+        )
     vocab_size = context.vocab_size
     eod = eod_token(data_cfg.tokenizer_file) if packs_documents(data_cfg) else None
     if eod is not None and eod >= vocab_size:
-        raise ValueError(f"reset_position_ids, reset_attention_mask and eod_mask_loss find "
-                         f"documents by the tokenizer's end-of-document id {eod}, which is not "
-                         f"below vocab_size={vocab_size}: set the tokenizer_file the data was "
-                         "prepared with")
+        raise ValueError(
+            f"reset_position_ids, reset_attention_mask and eod_mask_loss find "
+            f"documents by the tokenizer's end-of-document id {eod}, which is not "
+            f"below vocab_size={vocab_size}: set the tokenizer_file the data was "
+            "prepared with"
+        )

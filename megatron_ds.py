@@ -52,6 +52,7 @@ time), and only its parameters' elements are read and copied: 14 bytes a paramet
 or last stage (5 layers and the word embedding) instead of ~617 GB for a whole TP rank; more output stages cut it
 further. The lesson-11 check reads the tied word embedding's two fp32 copies (~7 GB there).
 """
+
 import math
 import os
 import pickle
@@ -77,10 +78,20 @@ from optim import OptimizerConfig
 from sections import section
 
 # Their names -> ours: the embedding layer's, a transformer layer's (weight and bias each), the final LayerNorm's
-EMBEDDING = {"word_embeddings.weight": "embed.word.weight", "position_embeddings.weight": "embed.position.weight",
-             "word_embeddings.norm.weight": "embed.norm.weight", "word_embeddings.norm.bias": "embed.norm.bias"}
-BLOCK = {"input_layernorm": "ln_1", "self_attention.query_key_value": "attn.qkv", "self_attention.dense": "attn.proj",
-         "post_attention_layernorm": "ln_2", "mlp.dense_h_to_4h": "mlp.fc1", "mlp.dense_4h_to_h": "mlp.fc2"}
+EMBEDDING = {
+    "word_embeddings.weight": "embed.word.weight",
+    "position_embeddings.weight": "embed.position.weight",
+    "word_embeddings.norm.weight": "embed.norm.weight",
+    "word_embeddings.norm.bias": "embed.norm.bias",
+}
+BLOCK = {
+    "input_layernorm": "ln_1",
+    "self_attention.query_key_value": "attn.qkv",
+    "self_attention.dense": "attn.proj",
+    "post_attention_layernorm": "ln_2",
+    "mlp.dense_h_to_4h": "mlp.fc1",
+    "mlp.dense_4h_to_h": "mlp.fc2",
+}
 FINAL_NORM = {"weight": "ln_f.weight", "bias": "ln_f.bias"}
 # the prefix of the embedding module's parameters in the optimizer's names
 TIED = "tied_modules.embed."
@@ -89,21 +100,48 @@ LAYER_FILE = re.compile(r"layer_(\d+)-model_(\d+)-model_states\.pt")
 STATE_KEYS = ("fp32", "exp_avg", "exp_avg_sq")
 
 # Megatron's args -> our keys of the same meaning and name; the others are translated in config_from_args
-SAME_ARGS = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "layernorm_epsilon", "init_method_std",
-             "hidden_dropout", "attention_dropout", "make_vocab_size_divisible_by", "apply_query_key_layer_scaling",
-             "embed_layernorm", "micro_batch_size", "global_batch_size", "seed", "weight_decay", "clip_grad",
-             "adam_beta1", "adam_beta2", "adam_eps", "fp16", "bf16", "loss_scale", "initial_loss_scale",
-             "min_loss_scale", "loss_scale_window", "hysteresis", "tensor_model_parallel_size")
+SAME_ARGS = (
+    "num_layers",
+    "hidden_size",
+    "num_attention_heads",
+    "seq_length",
+    "layernorm_epsilon",
+    "init_method_std",
+    "hidden_dropout",
+    "attention_dropout",
+    "make_vocab_size_divisible_by",
+    "apply_query_key_layer_scaling",
+    "embed_layernorm",
+    "micro_batch_size",
+    "global_batch_size",
+    "seed",
+    "weight_decay",
+    "clip_grad",
+    "adam_beta1",
+    "adam_beta2",
+    "adam_eps",
+    "fp16",
+    "bf16",
+    "loss_scale",
+    "initial_loss_scale",
+    "min_loss_scale",
+    "loss_scale_window",
+    "hysteresis",
+    "tensor_model_parallel_size",
+)
 POSITIONS = {"absolute": "learned", "alibi": "alibi"}  # PositionEmbeddingType's names -> ours
 
 
 # Megatron's enums in its pickled args, by value: read without Megatron installed (_StandIn)
-MEGATRON_ENUMS = {("megatron.enums", "PositionEmbeddingType"): {1: "rotary", 2: "absolute", 3: "alibi"}}
+MEGATRON_ENUMS = {
+    ("megatron.enums", "PositionEmbeddingType"): {1: "rotary", 2: "absolute", 3: "alibi"}
+}
 
 
 class _StandIn:
     """An object of a class whose module is not installed here (Megatron's, in the pickled args): the
     arguments and state it was pickled with, and the member name of a known Megatron enum."""
+
     names = {}
 
     def __init__(self, *args):
@@ -119,7 +157,11 @@ class _Unpickler(pickle.Unpickler):
         try:
             return super().find_class(module, name)
         except (ImportError, AttributeError):
-            return type(name, (_StandIn,), {"names": MEGATRON_ENUMS.get((module, name), {}), "__module__": module})
+            return type(
+                name,
+                (_StandIn,),
+                {"names": MEGATRON_ENUMS.get((module, name), {}), "__module__": module},
+            )
 
 
 # torch.load's pickle_module: the standard pickle with the Unpickler above
@@ -132,23 +174,38 @@ def read_file(path, what):
     a layer file or a ZeRO partition only the parameters it needs. torch.save's files since torch 1.6 (zip
     archives) allow it; older ones (torch.save's legacy format) are read whole."""
     try:
-        return torch.load(path, map_location="cpu", weights_only=False, mmap=zipfile.is_zipfile(path),
-                          pickle_module=PICKLE)
+        return torch.load(
+            path,
+            map_location="cpu",
+            weights_only=False,
+            mmap=zipfile.is_zipfile(path),
+            pickle_module=PICKLE,
+        )
     except Exception as e:  # truncated or not a torch file: say which
-        raise ValueError(f"{path} ({what}) cannot be read ({type(e).__name__}: {e}); the Megatron-DeepSpeed "
-                         "checkpoint is incomplete or corrupt: copy the file again") from None
+        raise ValueError(
+            f"{path} ({what}) cannot be read ({type(e).__name__}: {e}); the Megatron-DeepSpeed "
+            "checkpoint is incomplete or corrupt: copy the file again"
+        ) from None
 
 
 def tag_dir_of(load_dir):
     """The global_stepN directory that load_dir's `latest` names (or load_dir itself when it is one)."""
     if not os.path.isdir(load_dir):
         raise ValueError(f"Megatron-DeepSpeed checkpoint directory {load_dir} does not exist")
-    if any(LAYER_FILE.fullmatch(n) for n in os.listdir(load_dir)) or os.path.isdir(os.path.join(load_dir, "zero")):
+    if any(LAYER_FILE.fullmatch(n) for n in os.listdir(load_dir)) or os.path.isdir(
+        os.path.join(load_dir, "zero")
+    ):
         return load_dir
-    latest, tracker = os.path.join(load_dir, "latest"), os.path.join(load_dir, "latest_checkpointed_iteration.txt")
+    latest, tracker = (
+        os.path.join(load_dir, "latest"),
+        os.path.join(load_dir, "latest_checkpointed_iteration.txt"),
+    )
     if not os.path.isfile(latest):  # ds_to_universal's tag file, beside its output
-        latest = os.path.join(load_dir, "latest_universal") if os.path.isfile(os.path.join(
-            load_dir, "latest_universal")) else latest
+        latest = (
+            os.path.join(load_dir, "latest_universal")
+            if os.path.isfile(os.path.join(load_dir, "latest_universal"))
+            else latest
+        )
     if os.path.isfile(latest):  # DeepSpeed's tag file
         with open(latest) as f:
             tag = f.read().strip()
@@ -157,12 +214,16 @@ def tag_dir_of(load_dir):
         with open(tracker) as f:
             tag = f"global_step{f.read().strip()}"
     else:
-        raise ValueError(f"{load_dir} is not a Megatron-DeepSpeed checkpoint: no layer_XX-model_YY-model_states.pt "
-                         "files and no 'latest' file; pass the directory given to --save (or one of its "
-                         "global_stepN)")
+        raise ValueError(
+            f"{load_dir} is not a Megatron-DeepSpeed checkpoint: no layer_XX-model_YY-model_states.pt "
+            "files and no 'latest' file; pass the directory given to --save (or one of its "
+            "global_stepN)"
+        )
     if not os.path.isdir(os.path.join(load_dir, tag)):
-        raise ValueError(f"{latest} names {tag!r}, which is not a directory of {load_dir}; write an existing "
-                         "global_stepN into it")
+        raise ValueError(
+            f"{latest} names {tag!r}, which is not a directory of {load_dir}; write an existing "
+            "global_stepN into it"
+        )
     return os.path.join(load_dir, tag)
 
 
@@ -180,6 +241,7 @@ class Checkpoint:
             get_files_with_prefix,
             get_zero_files,
         )
+
         self.dir = tag_dir_of(load_dir)
         files = get_files(self.dir)
         self.layer_files = sorted(f for f in files if LAYER_FILE.fullmatch(os.path.basename(f)))
@@ -187,51 +249,77 @@ class Checkpoint:
         # DeepSpeed's universal checkpoint (ds_to_universal): zero/<parameter>/fp32.pt, ... and the mp_rank files
         self.universal = os.path.isdir(os.path.join(self.dir, "zero"))
         if not (self.layer_files or self.universal) or not model_files:
-            raise ValueError(f"{self.dir} is not a Megatron-DeepSpeed pipeline checkpoint: it needs "
-                             "layer_XX-model_YY-model_states.pt (or a universal checkpoint's zero/) and "
-                             "mp_rank_XX_model_states.pt files (a checkpoint saved with --no-pipeline-parallel, or "
-                             "of another program, cannot be imported)")
+            raise ValueError(
+                f"{self.dir} is not a Megatron-DeepSpeed pipeline checkpoint: it needs "
+                "layer_XX-model_YY-model_states.pt (or a universal checkpoint's zero/) and "
+                "mp_rank_XX_model_states.pt files (a checkpoint saved with --no-pipeline-parallel, or "
+                "of another program, cannot be imported)"
+            )
         self.tp = self.pp = 1
         self._shapes = {}
         self.state = self.model_state(0, 0)  # Megatron's own: args, iteration, tokens, lr_scheduler
         self.args = self.state.get("args")
         if getattr(self.args, "num_layers", None) is None:
-            raise ValueError(f"{self.dir}'s mp_rank_00_model_states.pt holds no Megatron 'args': not a "
-                             "Megatron-DeepSpeed checkpoint")
+            raise ValueError(
+                f"{self.dir}'s mp_rank_00_model_states.pt holds no Megatron 'args': not a "
+                "Megatron-DeepSpeed checkpoint"
+            )
         # before the layout is read from the file names (a missing TP rank reads as a smaller TP)
         check_files(self, model_files)
         check_args_agree(self, model_files)
         zero_files = [] if self.universal else get_zero_files(self.dir)
         # the layout from the file names alone (TP = the embedding layer's files, PP = model files / TP); a
         # universal checkpoint has no layer files: its args say
-        layout = model_3d_desc(self.args.pipeline_model_parallel_size, self.args.tensor_model_parallel_size) \
-            if self.universal else get_model_3d_descriptor_from_metadata(files, zero_files,
-                                                                          [(f, {}) for f in model_files])
+        layout = (
+            model_3d_desc(
+                self.args.pipeline_model_parallel_size, self.args.tensor_model_parallel_size
+            )
+            if self.universal
+            else get_model_3d_descriptor_from_metadata(
+                files, zero_files, [(f, {}) for f in model_files]
+            )
+        )
         self.tp, self.pp, self.dp = layout.tp_degree, layout.pp_degree, layout.dp_degree
         if len(model_files) != self.tp * self.pp:
-            raise ValueError(f"{self.dir} has {len(model_files)} mp_rank_*_model_states.pt files for TP={self.tp}: "
-                             "some are missing; copy the whole checkpoint directory")
+            raise ValueError(
+                f"{self.dir} has {len(model_files)} mp_rank_*_model_states.pt files for TP={self.tp}: "
+                "some are missing; copy the whole checkpoint directory"
+            )
         self.zero = None
         if zero_files:
             from deepspeed.checkpoint.zero_checkpoint import ZeROCheckpoint
+
             self.zero = ZeROCheckpoint(self.dir, source_3d=layout)
         self.has_optimizer = self.universal or self.zero is not None
-        self.layers = sorted({int(LAYER_FILE.fullmatch(os.path.basename(f)).group(1)) for f in self.layer_files})
-        if self.universal:  # the embedding (1), then the layers its parameters name: the blocks, the final norm
-            self.layers = [1] + sorted({int(n.split(".")[0]) for n in os.listdir(os.path.join(self.dir, "zero"))
-                                        if n.split(".")[0].isdigit()})
+        self.layers = sorted(
+            {int(LAYER_FILE.fullmatch(os.path.basename(f)).group(1)) for f in self.layer_files}
+        )
+        if (
+            self.universal
+        ):  # the embedding (1), then the layers its parameters name: the blocks, the final norm
+            self.layers = [1] + sorted(
+                {
+                    int(n.split(".")[0])
+                    for n in os.listdir(os.path.join(self.dir, "zero"))
+                    if n.split(".")[0].isdigit()
+                }
+            )
 
     def model_state(self, pp, tp):
         # by name, not by place in the sorted list: mp_rank_100 sorts before mp_rank_11 (tr8b-104B had 128)
         path = os.path.join(self.dir, f"mp_rank_{pp * self.tp + tp:02d}_model_states.pt")
         if not os.path.isfile(path):
-            raise ValueError(f"{path} is missing: the checkpoint is incomplete; copy the whole directory")
+            raise ValueError(
+                f"{path} is missing: the checkpoint is incomplete; copy the whole directory"
+            )
         return read_file(path, f"engine state of stage {pp}, TP rank {tp}")
 
     def layer(self, index, tp):
         path = os.path.join(self.dir, f"layer_{index:02d}-model_{tp:02d}-model_states.pt")
         if not os.path.isfile(path):
-            raise ValueError(f"{path} is missing: the checkpoint is incomplete; copy the whole directory")
+            raise ValueError(
+                f"{path} is missing: the checkpoint is incomplete; copy the whole directory"
+            )
         return read_file(path, f"layer {index} of TP rank {tp}")
 
     def param_shapes(self, pp, tp):
@@ -255,15 +343,29 @@ class Checkpoint:
     def zero_shards(self, pp, tp, ranks=None):
         """The optimizer_state_dict of DP ranks `ranks` (default all) of (stage pp, TP rank tp), in DP order,
         memory-mapped."""
-        return [read_file(self.zero_file(pp, tp, dp), f"ZeRO partition of DP rank {dp}, stage {pp}, TP rank {tp}")
-                ["optimizer_state_dict"] for dp in (range(self.dp) if ranks is None else ranks)]
+        return [
+            read_file(
+                self.zero_file(pp, tp, dp),
+                f"ZeRO partition of DP rank {dp}, stage {pp}, TP rank {tp}",
+            )["optimizer_state_dict"]
+            for dp in (range(self.dp) if ranks is None else ranks)
+        ]
 
 
 # Megatron's args that every mp_rank file of one save holds alike (rank, local_rank and such differ)
 AGREED_ARGS = SAME_ARGS + (
-    "pipeline_model_parallel_size", "padded_vocab_size", "ffn_hidden_size",
-    "max_position_embeddings", "position_embedding_type", "glu_activation", "tokenizer_type",
-    "train_iters", "train_samples", "consumed_train_samples", "consumed_train_tokens")
+    "pipeline_model_parallel_size",
+    "padded_vocab_size",
+    "ffn_hidden_size",
+    "max_position_embeddings",
+    "position_embedding_type",
+    "glu_activation",
+    "tokenizer_type",
+    "train_iters",
+    "train_samples",
+    "consumed_train_samples",
+    "consumed_train_tokens",
+)
 
 
 def check_files(ckpt, model_files):
@@ -281,13 +383,19 @@ def check_files(ckpt, model_files):
     for f in ckpt.layer_files:
         index, rank = LAYER_FILE.fullmatch(os.path.basename(f)).groups()
         ranks.setdefault(int(index), set()).add(int(rank))
-    missing += [f"layer_{i:02d}-model_{t:02d}-model_states.pt" for i in sorted(ranks)
-                for t in range(tp) if t not in ranks[i]]
+    missing += [
+        f"layer_{i:02d}-model_{t:02d}-model_states.pt"
+        for i in sorted(ranks)
+        for t in range(tp)
+        if t not in ranks[i]
+    ]
     if missing:
         more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""
-        raise ValueError(f"{ckpt.dir} is incomplete: its args say TP={tp} x PP={pp}, and "
-                         f"{len(missing)} of its files are missing: "
-                         f"{', '.join(missing[:8])}{more}; copy the whole checkpoint directory")
+        raise ValueError(
+            f"{ckpt.dir} is incomplete: its args say TP={tp} x PP={pp}, and "
+            f"{len(missing)} of its files are missing: "
+            f"{', '.join(missing[:8])}{more}; copy the whole checkpoint directory"
+        )
 
 
 def _comparable(value):
@@ -309,12 +417,15 @@ def check_args_agree(ckpt, model_files):
         state = read_file(path, "engine state")
         theirs = {k: _comparable(getattr(state.get("args"), k, None)) for k in AGREED_ARGS}
         theirs["iteration"] = state.get("iteration")
-        differ = [f"{k} {theirs[k]!r} (there) vs {first[k]!r}" for k in first
-                  if theirs[k] != first[k]]
+        differ = [
+            f"{k} {theirs[k]!r} (there) vs {first[k]!r}" for k in first if theirs[k] != first[k]
+        ]
         if differ:
-            raise ValueError(f"{path}'s args disagree with mp_rank_00_model_states.pt's: "
-                             f"{'; '.join(differ)}: the directory holds files of two runs or two "
-                             "saves; copy the whole checkpoint directory of one save")
+            raise ValueError(
+                f"{path}'s args disagree with mp_rank_00_model_states.pt's: "
+                f"{'; '.join(differ)}: the directory holds files of two runs or two "
+                "saves; copy the whole checkpoint directory of one save"
+            )
 
 
 def shapes_from_slice_mappings(ckpt, pp, tp):
@@ -324,11 +435,13 @@ def shapes_from_slice_mappings(ckpt, pp, tp):
     shards = ckpt.zero_shards(pp, tp)
     where = f"stage {pp}, TP rank {tp}"
     if any(not s.get("param_slice_mappings") for s in shards):
-        raise ValueError(f"{ckpt.dir}: mp_rank_{pp * ckpt.tp + tp:02d}_model_states.pt holds no "
-                         f"param_shapes and the ZeRO partitions of {where} no "
-                         "param_slice_mappings: nothing names the parameters in the optimizer's "
-                         "flat groups; import the weights alone (Adam then restarts from step 0) "
-                         "by moving the *zero_pp_rank_* files away")
+        raise ValueError(
+            f"{ckpt.dir}: mp_rank_{pp * ckpt.tp + tp:02d}_model_states.pt holds no "
+            f"param_shapes and the ZeRO partitions of {where} no "
+            "param_slice_mappings: nothing names the parameters in the optimizer's "
+            "flat groups; import the weights alone (Adam then restarts from step 0) "
+            "by moving the *zero_pp_rank_* files away"
+        )
     shapes, files = [], {}  # files: layer index -> {key: shape} of its file on TP rank tp
     for group in range(len(shards[0]["param_slice_mappings"])):
         places, base = {}, 0  # name -> [start, stop) in the group's flat tensor
@@ -337,9 +450,11 @@ def shapes_from_slice_mappings(ckpt, pp, tp):
                 start = base + address.start
                 lo, hi = places.get(name, (start, start))
                 if hi != start:
-                    raise ValueError(f"{ckpt.dir}: {name}'s fragments in the ZeRO partitions "
-                                     f"of {where} are not contiguous: the partitions are damaged "
-                                     "or of two runs")
+                    raise ValueError(
+                        f"{ckpt.dir}: {name}'s fragments in the ZeRO partitions "
+                        f"of {where} are not contiguous: the partitions are damaged "
+                        "or of two runs"
+                    )
                 places[name] = (lo, start + address.numel)
             base += shard["single_partition_of_fp32_groups"][group].numel()
         names, end = OrderedDict(), 0
@@ -350,10 +465,12 @@ def shapes_from_slice_mappings(ckpt, pp, tp):
             shape = files[layer].get(key)
             if shape is None or lo != end or hi - lo != math.prod(shape):
                 found = "nothing" if shape is None else f"shape {tuple(shape)}"
-                raise ValueError(f"{ckpt.dir}: {name} takes elements [{lo}, {hi}) of ZeRO group "
-                                 f"{group} of {where}, where the previous parameter ends at {end}; "
-                                 f"layer {layer}'s file has {found} for it: the partitions and the "
-                                 "layer files are of two runs")
+                raise ValueError(
+                    f"{ckpt.dir}: {name} takes elements [{lo}, {hi}) of ZeRO group "
+                    f"{group} of {where}, where the previous parameter ends at {end}; "
+                    f"layer {layer}'s file has {found} for it: the partitions and the "
+                    "layer files are of two runs"
+                )
             names[name], end = shape, hi
         shapes.append(names)
     return shapes
@@ -374,8 +491,10 @@ def our_name(ckpt, layer, key):
     else:
         name = table.get(key)
     if name is None:
-        raise ValueError(f"{ckpt.dir}: layer {layer} holds {key!r}, which this model has no place for (a "
-                         "Megatron-DeepSpeed feature stablegpt does not compute); it cannot be imported")
+        raise ValueError(
+            f"{ckpt.dir}: layer {layer} holds {key!r}, which this model has no place for (a "
+            "Megatron-DeepSpeed feature stablegpt does not compute); it cannot be imported"
+        )
     return name
 
 
@@ -383,10 +502,12 @@ def optimizer_name(ckpt, name):
     """(layer index, key in its layer file) of a name in the engine's param_shapes ('3.mlp.dense_4h_to_h.weight',
     'tied_modules.embed.word_embeddings.weight')."""
     if name.startswith(TIED):
-        return ckpt.layers[0], name[len(TIED):]
+        return ckpt.layers[0], name[len(TIED) :]
     index, _, key = name.partition(".")
     if not index.isdigit():
-        raise ValueError(f"{ckpt.dir}: the optimizer holds {name!r}, not a parameter of GPTModelPipe's layers")
+        raise ValueError(
+            f"{ckpt.dir}: the optimizer holds {name!r}, not a parameter of GPTModelPipe's layers"
+        )
     return int(index), key
 
 
@@ -398,10 +519,12 @@ def source_index(ckpt, tp):
     for pp in range(ckpt.pp):
         shapes = ckpt.param_shapes(pp, tp)
         if not shapes:  # a universal checkpoint's: its ZeRO partitions are gone
-            raise ValueError(f"{ckpt.dir}: mp_rank_{pp * ckpt.tp + tp:02d}_model_states.pt "
-                             "holds no param_shapes (the names and shapes of the optimizer's "
-                             "parameters), which a universal checkpoint needs; import the one it "
-                             "was made from")
+            raise ValueError(
+                f"{ckpt.dir}: mp_rank_{pp * ckpt.tp + tp:02d}_model_states.pt "
+                "holds no param_shapes (the names and shapes of the optimizer's "
+                "parameters), which a universal checkpoint needs; import the one it "
+                "was made from"
+            )
         for names in shapes:
             for name in names:
                 if pp == 0 or not name.startswith(TIED):
@@ -423,7 +546,11 @@ def stage_weights(ckpt, tp, names):
     universal checkpoint's: its fp32 masters, one parameter's file at a time)."""
     if ckpt.universal:
         index = source_index(ckpt, tp)
-        return {ours: universal_slice(ckpt, index[ours][1], "fp32", tp) for ours in sorted(names) if ours in index}
+        return {
+            ours: universal_slice(ckpt, index[ours][1], "fp32", tp)
+            for ours in sorted(names)
+            if ours in index
+        }
     out = {}
     for layer in sorted({_layer_of(ckpt, ours) for ours in names} & set(ckpt.layers)):
         for key, tensor in ckpt.layer(layer, tp).items():
@@ -437,10 +564,14 @@ def stage_weights(ckpt, tp, names):
 def universal_slice(ckpt, name, key, tp):
     """TP rank tp's slice of a universal checkpoint's zero/<name>/<key>.pt (a whole tensor, cut along its cat_dim;
     replicated without one), the vocabulary's padding rows, which it drops, back as zeros."""
-    blob = read_file(os.path.join(ckpt.dir, "zero", name, f"{key}.pt"), f"universal {key} of {name}")
+    blob = read_file(
+        os.path.join(ckpt.dir, "zero", name, f"{key}.pt"), f"universal {key} of {name}"
+    )
     if "sub_param_shape" in blob or "param_n_sub_params" in blob:
-        raise ValueError(f"{ckpt.dir}: {name} is stored as sub-parameters (a GLU's fused weights), which this import "
-                         "does not read")
+        raise ValueError(
+            f"{ckpt.dir}: {name} is stored as sub-parameters (a GLU's fused weights), which this import "
+            "does not read"
+        )
     t = blob["param"]
     if blob.get("vocab_tensor"):
         t = torch.cat([t, t.new_zeros(ckpt.args.padded_vocab_size - t.shape[0], *t.shape[1:])])
@@ -460,13 +591,17 @@ def universal_states(ckpt, shapes, tp, wanted=None, keys=STATE_KEYS):
                 continue
             state = {key: universal_slice(ckpt, name, key, tp) for key in keys}
             if any(tuple(t.shape) != tuple(shape) for t in state.values()):
-                raise ValueError(f"{ckpt.dir}: zero/{name} cut for TP rank {tp} of {ckpt.tp} is not of shape "
-                                 f"{tuple(shape)} (param_shapes): the universal checkpoint is of another layout")
+                raise ValueError(
+                    f"{ckpt.dir}: zero/{name} cut for TP rank {tp} of {ckpt.tp} is not of shape "
+                    f"{tuple(shape)} (param_shapes): the universal checkpoint is of another layout"
+                )
             step = os.path.join(ckpt.dir, "zero", name, "step.pt")
             if os.path.isfile(step):
                 state["step"] = int(read_file(step, f"universal step of {name}"))
             else:
-                common = common or read_file(os.path.join(ckpt.dir, "zero", "optimizer_state.pt"), "optimizer state")
+                common = common or read_file(
+                    os.path.join(ckpt.dir, "zero", "optimizer_state.pt"), "optimizer state"
+                )
                 state["step"] = int(common["param_groups"][group]["step"])
             out[name] = state
     return out
@@ -505,13 +640,17 @@ def _checked_zero_shards(ckpt, pp, tp):
     shards = ckpt.zero_shards(pp, tp)
     if "single_partition_of_fp32_groups" not in shards[0] or not shapes:
         found = ", ".join(sorted(shards[0])[:6])
-        raise ValueError(f"{ckpt.dir}: the ZeRO partitions hold {found}: not the ZeRO-1/2 or BF16 optimizer format "
-                         "of DeepSpeed >= 0.4 (flat fp32 groups and param_shapes); convert it with a DeepSpeed of "
-                         "its time, or import the weights alone by moving the *zero_pp_rank_* files away")
+        raise ValueError(
+            f"{ckpt.dir}: the ZeRO partitions hold {found}: not the ZeRO-1/2 or BF16 optimizer format "
+            "of DeepSpeed >= 0.4 (flat fp32 groups and param_shapes); convert it with a DeepSpeed of "
+            "its time, or import the weights alone by moving the *zero_pp_rank_* files away"
+        )
     if any(any(p) for s in shards for p in s.get("param_alignment_paddings") or []):
-        raise ValueError(f"{ckpt.dir}: the ZeRO partitions pad each parameter (DeepSpeed's parameter_alignment, "
-                         "newer than Megatron-DeepSpeed), which this import does not read; import the weights alone "
-                         "by moving the *zero_pp_rank_* files away")
+        raise ValueError(
+            f"{ckpt.dir}: the ZeRO partitions pad each parameter (DeepSpeed's parameter_alignment, "
+            "newer than Megatron-DeepSpeed), which this import does not read; import the weights alone "
+            "by moving the *zero_pp_rank_* files away"
+        )
     return shards, shapes
 
 
@@ -527,19 +666,32 @@ def adam_states(ckpt, pp, tp, wanted=None, keys=STATE_KEYS):
     for group, names in enumerate(shapes):
         states = [_group_states(s, group) for s in shards]
         parts = {"fp32": [s["single_partition_of_fp32_groups"][group] for s in shards]}
-        parts.update({key: [state[key] for state, _ in states] for key in ("exp_avg", "exp_avg_sq")})
+        parts.update(
+            {key: [state[key] for state, _ in states] for key in ("exp_avg", "exp_avg_sq")}
+        )
         steps = {None if step is None else int(step) for _, step in states}
-        total, held = sum(math.prod(shape) for shape in names.values()), sum(t.numel() for t in parts["fp32"])
-        if len(steps) != 1 or None in steps or any(sum(t.numel() for t in p) < total for p in parts.values()):
-            raise ValueError(f"{ckpt.dir}: the ZeRO partitions of stage {pp}, TP rank {tp}, group {group} hold "
-                             f"{held} values and Adam steps {sorted(steps, key=str)} for {total} "
-                             "parameters: partitions are missing or of another checkpoint; copy the whole directory")
+        total, held = (
+            sum(math.prod(shape) for shape in names.values()),
+            sum(t.numel() for t in parts["fp32"]),
+        )
+        if (
+            len(steps) != 1
+            or None in steps
+            or any(sum(t.numel() for t in p) < total for p in parts.values())
+        ):
+            raise ValueError(
+                f"{ckpt.dir}: the ZeRO partitions of stage {pp}, TP rank {tp}, group {group} hold "
+                f"{held} values and Adam steps {sorted(steps, key=str)} for {total} "
+                "parameters: partitions are missing or of another checkpoint; copy the whole directory"
+            )
         (step,) = steps
         offset = 0
         for name, shape in names.items():
             n = math.prod(shape)
             if wanted is None or name in wanted:  # copies: torch.save writes a view's whole storage
-                out[name] = {k: _flat_slice(parts[k], offset, offset + n).view(tuple(shape)) for k in keys}
+                out[name] = {
+                    k: _flat_slice(parts[k], offset, offset + n).view(tuple(shape)) for k in keys
+                }
                 out[name]["step"] = step
             offset += n
     return out
@@ -566,13 +718,21 @@ def check_tied_copies(ckpt, tp):
     stage's: its fp32 masters must be the same (lesson 11). Read from the two stages' partitions alone, before
     anything is written."""
     name = TIED + "word_embeddings.weight"
-    if ckpt.pp == 1 or ckpt.universal or not any(name in g for g in ckpt.param_shapes(ckpt.pp - 1, tp) or []):
+    if (
+        ckpt.pp == 1
+        or ckpt.universal
+        or not any(name in g for g in ckpt.param_shapes(ckpt.pp - 1, tp) or [])
+    ):
         return  # one copy; a universal checkpoint keeps one file per parameter
-    first, last = (adam_states(ckpt, pp, tp, {name}, keys=("fp32",))[name]["fp32"] for pp in (0, ckpt.pp - 1))
+    first, last = (
+        adam_states(ckpt, pp, tp, {name}, keys=("fp32",))[name]["fp32"] for pp in (0, ckpt.pp - 1)
+    )
     if not torch.equal(first, last):
-        raise ValueError(f"{ckpt.dir}: the last stage's fp32 copy of the tied word embedding differs from "
-                         f"the first stage's on TP rank {tp} (lesson 11); the checkpoint cannot be "
-                         "continued as it is: compare the two in Megatron-DeepSpeed, or repair one copy")
+        raise ValueError(
+            f"{ckpt.dir}: the last stage's fp32 copy of the tied word embedding differs from "
+            f"the first stage's on TP rank {tp} (lesson 11); the checkpoint cannot be "
+            "continued as it is: compare the two in Megatron-DeepSpeed, or repair one copy"
+        )
 
 
 def untrained(name, exp_avg_sq):
@@ -620,7 +780,8 @@ def check_replicated_copies(ckpt, tp):
             "pipeline_replicated_parameter_patterns (a bigscience-fork checkpoint has no "
             "universal_checkpoint_info; --inject_missing_state adds an empty one); import the "
             "original global_stepN directory instead, from which each parameter is taken from the "
-            "stage that trains it")
+            "stage that trains it"
+        )
 
 
 # -----------------------------------------------------------------------------
@@ -633,9 +794,11 @@ def _vocab_size(args, vocab_size):
         return vocab_size
     if getattr(args, "tokenizer_type", None) == "GPT2BPETokenizer":
         return 50257
-    raise ValueError(f"the checkpoint's tokenizer is {getattr(args, 'tokenizer_type', None)!r}, whose vocabulary "
-                     f"size Megatron does not store (only the padded {args.padded_vocab_size}): give it with "
-                     "--vocab_size (tokenizer.json's size, e.g. 250680 for BLOOM's)")
+    raise ValueError(
+        f"the checkpoint's tokenizer is {getattr(args, 'tokenizer_type', None)!r}, whose vocabulary "
+        f"size Megatron does not store (only the padded {args.padded_vocab_size}): give it with "
+        "--vocab_size (tokenizer.json's size, e.g. 250680 for BLOOM's)"
+    )
 
 
 def _model_keys(args):
@@ -644,17 +807,31 @@ def _model_keys(args):
     position = getattr(args, "position_embedding_type", "absolute")
     # the enum, or its name
     position = (getattr(position, "name", None) or str(position)).split(".")[-1]
-    refusals = [(position not in POSITIONS, f"position_embedding_type {position} (stablegpt imports absolute and "
-                 "alibi positions)"),
-                (bool(getattr(args, "glu_activation", None)), f"glu_activation {getattr(args, 'glu_activation', 0)}"),
-                (getattr(args, "apply_residual_connection_post_layernorm", False),
-                 "apply_residual_connection_post_layernorm (the residual taken after the LayerNorm)"),
-                (position == "absolute" and getattr(args, "max_position_embeddings", args.seq_length)
-                 != args.seq_length, f"max_position_embeddings {getattr(args, 'max_position_embeddings', None)} "
-                 f"other than seq_length {args.seq_length} (stablegpt's table has seq_length rows)")]
+    refusals = [
+        (
+            position not in POSITIONS,
+            f"position_embedding_type {position} (stablegpt imports absolute and alibi positions)",
+        ),
+        (
+            bool(getattr(args, "glu_activation", None)),
+            f"glu_activation {getattr(args, 'glu_activation', 0)}",
+        ),
+        (
+            getattr(args, "apply_residual_connection_post_layernorm", False),
+            "apply_residual_connection_post_layernorm (the residual taken after the LayerNorm)",
+        ),
+        (
+            position == "absolute"
+            and getattr(args, "max_position_embeddings", args.seq_length) != args.seq_length,
+            f"max_position_embeddings {getattr(args, 'max_position_embeddings', None)} "
+            f"other than seq_length {args.seq_length} (stablegpt's table has seq_length rows)",
+        ),
+    ]
     for refused, what in refusals:
         if refused:
-            raise ValueError(f"the Megatron-DeepSpeed checkpoint has {what}: stablegpt cannot continue it")
+            raise ValueError(
+                f"the Megatron-DeepSpeed checkpoint has {what}: stablegpt cannot continue it"
+            )
     keys["position_embedding_type"] = POSITIONS[position]
     # Megatron's fused bias-GeLU (bias_gelu_fusion, its default) and openai_gelu are the tanh approximation
     tanh = getattr(args, "bias_gelu_fusion", False) or getattr(args, "openai_gelu", False)
@@ -664,8 +841,13 @@ def _model_keys(args):
     return keys
 
 
-def config_from_args(ckpt, vocab_size=None, pipeline_model_parallel_size=None, pp_partition_method=None,
-                     padded_vocab_in_softmax=True):
+def config_from_args(
+    ckpt,
+    vocab_size=None,
+    pipeline_model_parallel_size=None,
+    pp_partition_method=None,
+    padded_vocab_in_softmax=True,
+):
     """Our training config of the checkpoint's run (arguments.Config), laid out as TP=its TP, PP=the given
     number of stages (default its own), DP=1. The LR schedule comes from the scheduler's own state (samples
     throughout, whichever unit its args used). padded_vocab_in_softmax: Megatron's softmax runs over the padded
@@ -673,26 +855,40 @@ def config_from_args(ckpt, vocab_size=None, pipeline_model_parallel_size=None, p
     (a model of any TP size, no longer exactly Megatron's)."""
     args, lr = ckpt.args, ckpt.state.get("lr_scheduler") or {}
     keys = {k: getattr(args, k) for k in SAME_ARGS if getattr(args, k, None) is not None}
-    keys.update(_model_keys(args), vocab_size=_vocab_size(args, vocab_size), tensor_model_parallel_size=ckpt.tp,
-                pipeline_model_parallel_size=pipeline_model_parallel_size or ckpt.pp,
-                padded_vocab_in_softmax=padded_vocab_in_softmax)
+    keys.update(
+        _model_keys(args),
+        vocab_size=_vocab_size(args, vocab_size),
+        tensor_model_parallel_size=ckpt.tp,
+        pipeline_model_parallel_size=pipeline_model_parallel_size or ckpt.pp,
+        padded_vocab_in_softmax=padded_vocab_in_softmax,
+    )
     if getattr(args, "rampup_batch_size", None):  # Megatron keeps the three numbers as strings
         keys["rampup_batch_size"] = [int(x) for x in args.rampup_batch_size]
     method = pp_partition_method or getattr(args, "pp_partition_method", None) or "type:transformer"
     if method in parallel.PARTITION_METHODS:
         keys["pp_partition_method"] = method
     if lr:
-        keys.update(lr=lr["max_lr"], min_lr=lr["min_lr"], lr_decay_style=lr["decay_style"],
-                    lr_warmup_samples=lr["warmup_steps"], lr_decay_samples=lr["decay_steps"],
-                    lr_decay_tokens=getattr(args, "lr_decay_tokens", None))
-    length = {"train_samples": args.train_samples} if getattr(args, "train_samples", None) else \
-        {"train_iters": getattr(args, "train_iters", None)}
+        keys.update(
+            lr=lr["max_lr"],
+            min_lr=lr["min_lr"],
+            lr_decay_style=lr["decay_style"],
+            lr_warmup_samples=lr["warmup_steps"],
+            lr_decay_samples=lr["decay_steps"],
+            lr_decay_tokens=getattr(args, "lr_decay_tokens", None),
+        )
+    length = (
+        {"train_samples": args.train_samples}
+        if getattr(args, "train_samples", None)
+        else {"train_iters": getattr(args, "train_iters", None)}
+    )
     cfg = arguments.Config(**keys, **length)
     padded = section(GPTConfig, cfg).padded_vocab_size
     if padded != args.padded_vocab_size:
-        raise ValueError(f"vocab_size {cfg.vocab_size} pads to {padded} rows at TP={ckpt.tp} with "
-                         f"make_vocab_size_divisible_by={cfg.make_vocab_size_divisible_by}, the checkpoint has "
-                         f"{args.padded_vocab_size}: give the tokenizer's vocabulary size with --vocab_size")
+        raise ValueError(
+            f"vocab_size {cfg.vocab_size} pads to {padded} rows at TP={ckpt.tp} with "
+            f"make_vocab_size_divisible_by={cfg.make_vocab_size_divisible_by}, the checkpoint has "
+            f"{args.padded_vocab_size}: give the tokenizer's vocabulary size with --vocab_size"
+        )
     return arguments.prepare(cfg, ckpt.tp * cfg.pipeline_model_parallel_size, reads_data=False)
 
 
@@ -705,7 +901,11 @@ def loss_scale_state(scaler, ours):
         return ours
     stable = scaler.cur_iter - scaler.last_overflow_iter - 1
     clean = (stable - 1) % scaler.scale_window if stable > 0 else -1
-    return {"scale": float(scaler.cur_scale), "clean_steps": clean, "hysteresis_left": int(scaler.cur_hysteresis)}
+    return {
+        "scale": float(scaler.cur_scale),
+        "clean_steps": clean,
+        "hysteresis_left": int(scaler.cur_hysteresis),
+    }
 
 
 def run_dict(ckpt, cfg):
@@ -717,11 +917,16 @@ def run_dict(ckpt, cfg):
     samples = int(getattr(args, "consumed_train_samples", 0) or 0)
     # A checkpoint that saved no token count ran every sample at full length (the curriculum that shortens
     # them is the bigscience fork's, which saves `tokens`); zero would be refused on resume as damaged.
-    tokens = int(sd.get("tokens") or getattr(args, "consumed_train_tokens", 0)
-                 or samples * cfg.seq_length)
-    state = run_state.RunState(iteration=int(sd["iteration"]), consumed_samples=samples, consumed_tokens=tokens,
-                               scheduler_samples=int(lr.get("num_steps", samples)),
-                               scheduler_tokens=int(lr.get("num_tokens", tokens)))
+    tokens = int(
+        sd.get("tokens") or getattr(args, "consumed_train_tokens", 0) or samples * cfg.seq_length
+    )
+    state = run_state.RunState(
+        iteration=int(sd["iteration"]),
+        consumed_samples=samples,
+        consumed_tokens=tokens,
+        scheduler_samples=int(lr.get("num_steps", samples)),
+        scheduler_tokens=int(lr.get("num_tokens", tokens)),
+    )
     schedule_cfg = section(schedule.ScheduleConfig, cfg)
     annealing = schedule.Schedule(schedule_cfg, 1, cfg.seq_length).lr_schedule
     scheduler = annealing.state_dict()
@@ -733,8 +938,12 @@ def run_dict(ckpt, cfg):
     if ckpt.zero is not None and cfg.fp16:
         scaler = ckpt.zero_shards(0, 0, ranks=[0])[0].get("loss_scaler")
     fresh = optim.scaler_for(section(OptimizerConfig, cfg)).state_dict()
-    return {"state": asdict(state), "scheduler": scheduler,
-            "scaler": loss_scale_state(scaler, fresh), "config": asdict(cfg)}
+    return {
+        "state": asdict(state),
+        "scheduler": scheduler,
+        "scaler": loss_scale_state(scaler, fresh),
+        "config": asdict(cfg),
+    }
 
 
 # -----------------------------------------------------------------------------
@@ -746,6 +955,7 @@ class Target:
     """What our checkpoint's files follow from, of the run's config (convert makes it): the model's
     and the optimizer's sections, the layout's values that split the model and lay out the optimizer
     state, and the schedule's peak lr (the optimizer's param groups hold it)."""
+
     model_cfg: GPTConfig
     optim_cfg: OptimizerConfig
     pipeline_model_parallel_size: int
@@ -774,28 +984,38 @@ def stage_files(tag_dir, target, g, tensors, adam, run):
         source = tensors.get(reshard.TIED_COPY.get(name, name))
         if source is None or source.shape != live.shape:
             found = "nothing" if source is None else f"shape {tuple(source.shape)}"
-            raise ValueError(f"{name} of TP rank {g.tp_rank} needs shape {tuple(live.shape)}, the Megatron-DeepSpeed "
-                             f"checkpoint has {found}: its args do not describe its weights (or --vocab_size is "
-                             "wrong); check the checkpoint's files")
+            raise ValueError(
+                f"{name} of TP rank {g.tp_rank} needs shape {tuple(live.shape)}, the Megatron-DeepSpeed "
+                f"checkpoint has {found}: its args do not describe its weights (or --vocab_size is "
+                "wrong); check the checkpoint's files"
+            )
         model_state[name] = source.to(live.dtype).clone()
-    optimizer = optim.optimizer_for(target.optim_cfg, gpt, target.lr, target.deepspeed,
-                                    target.zero_stage)
+    optimizer = optim.optimizer_for(
+        target.optim_cfg, gpt, target.lr, target.deepspeed, target.zero_stage
+    )
     template = optimizer.state_dict()
     masters = template.get("fp32_master_weights")
     names = reshard.param_names(gpt, optimizer)
     for index, name in enumerate(names):
         state = None if adam is None else adam.get(reshard.TIED_COPY.get(name, name))
         if adam is not None and (state is None or state["fp32"].shape != model_state[name].shape):
-            raise ValueError(f"the ZeRO partitions of TP rank {g.tp_rank} hold no state of shape "
-                             f"{tuple(model_state[name].shape)} for {name}: the optimizer's param_shapes do not match "
-                             "the layer files; the checkpoint is of two runs, or damaged")
+            raise ValueError(
+                f"the ZeRO partitions of TP rank {g.tp_rank} hold no state of shape "
+                f"{tuple(model_state[name].shape)} for {name}: the optimizer's param_shapes do not match "
+                "the layer files; the checkpoint is of two runs, or damaged"
+            )
         if masters is not None:  # the run's truth under fp16/bf16 (lesson 6)
             masters[index] = model_state[name].float() if state is None else state["fp32"]
         if state is not None:
-            template["state"][index] = {"step": state["step"], "exp_avg": state["exp_avg"],
-                                        "exp_avg_sq": state["exp_avg_sq"]}
+            template["state"][index] = {
+                "step": state["step"],
+                "exp_avg": state["exp_avg"],
+                "exp_avg_sq": state["exp_avg_sq"],
+            }
     rank_state = {"optimizer": template, "rng": None, "param_names": names}
-    return checkpoint.write_files(tag_dir, model_state, run, rank_state, write_model_state=True, g=g)
+    return checkpoint.write_files(
+        tag_dir, model_state, run, rank_state, write_model_state=True, g=g
+    )
 
 
 def _write_stage(ckpt, target, g, run, tag_dir):
@@ -832,12 +1052,16 @@ def check_save_dir(save_dir):
     held = sorted(os.listdir(save_dir)) if os.path.isdir(save_dir) else []
     leftovers = [n for n in held if n.endswith(".partial")]
     if leftovers:
-        raise ValueError(f"{save_dir} holds {', '.join(leftovers)}: a half-finished import, killed "
-                         f"before it completed; delete it (rm -r "
-                         f"{os.path.join(save_dir, leftovers[0])}) and run the import again")
+        raise ValueError(
+            f"{save_dir} holds {', '.join(leftovers)}: a half-finished import, killed "
+            f"before it completed; delete it (rm -r "
+            f"{os.path.join(save_dir, leftovers[0])}) and run the import again"
+        )
     if held:
-        raise ValueError(f"{save_dir} is not empty: the import writes a new checkpoint directory; "
-                         "give an empty or new --save")
+        raise ValueError(
+            f"{save_dir} is not empty: the import writes a new checkpoint directory; "
+            "give an empty or new --save"
+        )
 
 
 def convert(ckpt, save_dir, cfg, log=print):
@@ -847,17 +1071,25 @@ def convert(ckpt, save_dir, cfg, log=print):
     config, which the checkpoint records whole; the files' writers get the Target."""
     check_save_dir(save_dir)
     if not ckpt.has_optimizer:
-        log(f"no ZeRO optimizer files in {ckpt.dir}: importing the weights alone; the run continues with a fresh "
-            "Adam (step 0, zero moments) and fp32 masters from the weights")
+        log(
+            f"no ZeRO optimizer files in {ckpt.dir}: importing the weights alone; the run continues with a fresh "
+            "Adam (step 0, zero moments) and fp32 masters from the weights"
+        )
     run = run_dict(ckpt, cfg)
     tag_dir = os.path.join(save_dir, f"global_step{run['state']['iteration']}")
     # written into .partial, renamed when complete: a refusal half-way (a damaged partition) leaves nothing
     partial, created = tag_dir + ".partial", not os.path.exists(save_dir)
     os.makedirs(partial)
     try:
-        target = Target(section(GPTConfig, cfg), section(OptimizerConfig, cfg),
-                        cfg.pipeline_model_parallel_size, cfg.pp_partition_method, cfg.deepspeed,
-                        cfg.zero_stage, cfg.lr)
+        target = Target(
+            section(GPTConfig, cfg),
+            section(OptimizerConfig, cfg),
+            cfg.pipeline_model_parallel_size,
+            cfg.pp_partition_method,
+            cfg.deepspeed,
+            cfg.zero_stage,
+            cfg.lr,
+        )
         g = _write(ckpt, target, run, partial)
     except BaseException:
         shutil.rmtree(save_dir if created else partial)
@@ -866,7 +1098,9 @@ def convert(ckpt, save_dir, cfg, log=print):
     with open(os.path.join(save_dir, checkpoint.LATEST), "w") as f:
         f.write(os.path.basename(tag_dir) + "\n")
     state = run["state"]
-    log(f"imported {ckpt.dir} (TP={ckpt.tp} x PP={ckpt.pp} x DP={ckpt.dp}) into {tag_dir} as "
+    log(
+        f"imported {ckpt.dir} (TP={ckpt.tp} x PP={ckpt.pp} x DP={ckpt.dp}) into {tag_dir} as "
         f"{reshard.describe(checkpoint.topology(g))}: iteration {state['iteration']}, consumed samples "
-        f"{state['consumed_samples']:,}, tokens {state['consumed_tokens']:,}; load it with any layout")
+        f"{state['consumed_samples']:,}, tokens {state['consumed_tokens']:,}; load it with any layout"
+    )
     return tag_dir

@@ -31,6 +31,7 @@ position embedding is a POSITION_EMBEDDINGS entry plus what GPT.positions hands 
 parameter count and the FLOPs come from the model as built (census), and GPTConfig.check holds every rule a
 model config must follow (arguments.validate asks it too, before anything is built).
 """
+
 import contextlib
 import math
 import zlib
@@ -121,7 +122,9 @@ class GPTConfig:
         """The MLP's width: ffn_hidden_size, or Megatron's default for the block (4h; 2/3 of it with swiglu)."""
         if self.ffn_hidden_size is not None:
             return self.ffn_hidden_size
-        return layers.swiglu_ffn_hidden_size(self.hidden_size) if self.swiglu else 4 * self.hidden_size
+        return (
+            layers.swiglu_ffn_hidden_size(self.hidden_size) if self.swiglu else 4 * self.hidden_size
+        )
 
     @property
     def query_groups(self):
@@ -163,44 +166,100 @@ class GPTConfig:
         tp = self.tensor_model_parallel_size if tp_size is None else tp_size
         h, heads, groups = self.hidden_size, self.num_attention_heads, self.query_groups
         problems = [
-            (h % heads == 0, f"hidden_size ({h}) must be divisible by num_attention_heads ({heads})"),
-            (heads % tp == 0, f"num_attention_heads ({heads}) must be divisible by tensor_model_parallel_size ({tp})"),
-            (0 < groups <= heads and heads % groups == 0, f"num_query_groups ({groups}) must divide "
-             f"num_attention_heads ({heads}): each key/value head serves a group of as many query heads"),
-            (groups % tp == 0, f"num_query_groups ({groups}) must be divisible by tensor_model_parallel_size ({tp}): "
-             "each TP rank computes whole groups (their key/value heads are not replicated); use a TP size that "
-             "divides it"),
-            (self.ffn_size > 0 and self.ffn_size % tp == 0, f"ffn_hidden_size ({self.ffn_size}) must be positive "
-             f"and divisible by tensor_model_parallel_size ({tp})"),
-            (self.attention_backend in ATTENTION_BACKENDS, f"attention_backend="
-             f"{self.attention_backend!r} is not one of {', '.join(ATTENTION_BACKENDS)}"),
-            (self.normalization in NORMALIZATIONS,
-             f"normalization={self.normalization!r} is not one of {', '.join(NORMALIZATIONS)}"),
-            (not (self.swiglu and self.normformer), "normformer with swiglu: NormFormer's FFN LayerNorm belongs to "
-             "the plain MLP; turn one of them off"),
-            (self.rotary_base > 0, f"rotary_base={self.rotary_base} must be positive (10000; Llama 3: 500000)"),
-            (not self.use_rope_scaling or self.position_embedding_type == "rotary", "use_rope_scaling scales "
-             "rotary's frequencies: set position_embedding_type='rotary' or drop it"),
-            (self.rope_scaling_factor >= 1, f"rope_scaling_factor={self.rope_scaling_factor} must be at least 1 "
-             "(Llama 3.1: 8, Llama 3.2: 32)"),
-            (self.original_max_position_embeddings > 0, "original_max_position_embeddings="
-             f"{self.original_max_position_embeddings} must be positive (Llama 3's: 8192)"),
-            (self.position_embedding_type in POSITION_EMBEDDINGS, f"position_embedding_type="
-             f"{self.position_embedding_type!r} is not one of {', '.join(POSITION_EMBEDDINGS)}"),
-            (self.position_embedding_init in ("normal", "sinusoidal"),
-             f"position_embedding_init={self.position_embedding_init!r} is not 'normal' or 'sinusoidal'"),
-            (self.position_embedding_type == "learned" or self.position_embedding_init == "normal",
-             f"position_embedding_init={self.position_embedding_init!r} has nothing to initialise: "
-             f"{self.position_embedding_type} has no position embeddings; drop it or use position_embedding_type="
-             "'learned'"),
-            (self.position_embedding_type != "rotary" or (h // heads) % 2 == 0,
-             f"rotary embeddings turn pairs of q and k features: the head size ({h // heads}) must be even"),
-            (self.activation in ACTIVATIONS, f"activation={self.activation!r} is not one of {sorted(ACTIVATIONS)}"),
-            (self.embed_init in ("normal", "xavier_uniform"),
-             f"embed_init={self.embed_init!r} is not 'normal' or 'xavier_uniform'"),
-            (not (self.normformer and tp > 1), "normformer with tensor_model_parallel_size > 1 is not supported (its "
-             "FFN LayerNorm would need statistics across TP ranks); use TP=1 or turn normformer off"),
-            (self.z_loss >= 0, f"z_loss={self.z_loss} is negative: it is the coefficient of log(Z)^2 (PaLM used 1e-4)"),
+            (
+                h % heads == 0,
+                f"hidden_size ({h}) must be divisible by num_attention_heads ({heads})",
+            ),
+            (
+                heads % tp == 0,
+                f"num_attention_heads ({heads}) must be divisible by tensor_model_parallel_size ({tp})",
+            ),
+            (
+                0 < groups <= heads and heads % groups == 0,
+                f"num_query_groups ({groups}) must divide "
+                f"num_attention_heads ({heads}): each key/value head serves a group of as many query heads",
+            ),
+            (
+                groups % tp == 0,
+                f"num_query_groups ({groups}) must be divisible by tensor_model_parallel_size ({tp}): "
+                "each TP rank computes whole groups (their key/value heads are not replicated); use a TP size that "
+                "divides it",
+            ),
+            (
+                self.ffn_size > 0 and self.ffn_size % tp == 0,
+                f"ffn_hidden_size ({self.ffn_size}) must be positive "
+                f"and divisible by tensor_model_parallel_size ({tp})",
+            ),
+            (
+                self.attention_backend in ATTENTION_BACKENDS,
+                f"attention_backend="
+                f"{self.attention_backend!r} is not one of {', '.join(ATTENTION_BACKENDS)}",
+            ),
+            (
+                self.normalization in NORMALIZATIONS,
+                f"normalization={self.normalization!r} is not one of {', '.join(NORMALIZATIONS)}",
+            ),
+            (
+                not (self.swiglu and self.normformer),
+                "normformer with swiglu: NormFormer's FFN LayerNorm belongs to "
+                "the plain MLP; turn one of them off",
+            ),
+            (
+                self.rotary_base > 0,
+                f"rotary_base={self.rotary_base} must be positive (10000; Llama 3: 500000)",
+            ),
+            (
+                not self.use_rope_scaling or self.position_embedding_type == "rotary",
+                "use_rope_scaling scales "
+                "rotary's frequencies: set position_embedding_type='rotary' or drop it",
+            ),
+            (
+                self.rope_scaling_factor >= 1,
+                f"rope_scaling_factor={self.rope_scaling_factor} must be at least 1 "
+                "(Llama 3.1: 8, Llama 3.2: 32)",
+            ),
+            (
+                self.original_max_position_embeddings > 0,
+                "original_max_position_embeddings="
+                f"{self.original_max_position_embeddings} must be positive (Llama 3's: 8192)",
+            ),
+            (
+                self.position_embedding_type in POSITION_EMBEDDINGS,
+                f"position_embedding_type="
+                f"{self.position_embedding_type!r} is not one of {', '.join(POSITION_EMBEDDINGS)}",
+            ),
+            (
+                self.position_embedding_init in ("normal", "sinusoidal"),
+                f"position_embedding_init={self.position_embedding_init!r} is not 'normal' or 'sinusoidal'",
+            ),
+            (
+                self.position_embedding_type == "learned"
+                or self.position_embedding_init == "normal",
+                f"position_embedding_init={self.position_embedding_init!r} has nothing to initialise: "
+                f"{self.position_embedding_type} has no position embeddings; drop it or use position_embedding_type="
+                "'learned'",
+            ),
+            (
+                self.position_embedding_type != "rotary" or (h // heads) % 2 == 0,
+                f"rotary embeddings turn pairs of q and k features: the head size ({h // heads}) must be even",
+            ),
+            (
+                self.activation in ACTIVATIONS,
+                f"activation={self.activation!r} is not one of {sorted(ACTIVATIONS)}",
+            ),
+            (
+                self.embed_init in ("normal", "xavier_uniform"),
+                f"embed_init={self.embed_init!r} is not 'normal' or 'xavier_uniform'",
+            ),
+            (
+                not (self.normformer and tp > 1),
+                "normformer with tensor_model_parallel_size > 1 is not supported (its "
+                "FFN LayerNorm would need statistics across TP ranks); use TP=1 or turn normformer off",
+            ),
+            (
+                self.z_loss >= 0,
+                f"z_loss={self.z_loss} is negative: it is the coefficient of log(Z)^2 (PaLM used 1e-4)",
+            ),
         ]
         for ok, message in problems:
             if not ok:
@@ -224,10 +283,15 @@ def census(model_cfg):
         # each with its padding rows
         vocab_tables = 2 if whole.untie_embeddings_and_output_weights else 1
         padding = (whole.padded_vocab_size - whole.vocab_size) * whole.hidden_size * vocab_tables
-        _CENSUS[key] = {"parameters": padded - padding,
-                        "padded parameters": padded,
-                        "block matmul weights": sum(p.numel() for name, p in gpt.named_parameters()
-                                                    if name.startswith("blocks.") and p.ndim >= 2)}
+        _CENSUS[key] = {
+            "parameters": padded - padding,
+            "padded parameters": padded,
+            "block matmul weights": sum(
+                p.numel()
+                for name, p in gpt.named_parameters()
+                if name.startswith("blocks.") and p.ndim >= 2
+            ),
+        }
     return _CENSUS[key]
 
 
@@ -259,8 +323,15 @@ def alibi_bias(slopes, seq_len, dtype=torch.float32, device=None):
     return bias.masked_fill(distance > 0, float("-inf"))
 
 
-def rotary_cos_sin(seq_len, head_dim, dtype=torch.float32, device=None, base=10000.0, scaling_factor=None,
-                   original_context=None):
+def rotary_cos_sin(
+    seq_len,
+    head_dim,
+    dtype=torch.float32,
+    device=None,
+    base=10000.0,
+    scaling_factor=None,
+    original_context=None,
+):
     """cos and sin, (seq, head_dim), of rotary embeddings (Su et al. 2021) as GPT-NeoX and Megatron-DeepSpeed
     lay them out: position t times the frequencies base^(-2i/d), i < d/2, the list written twice (feature i and
     i + d/2 turn together). Computed in `dtype` (fp32 at least) on `device`, for every layer at once.
@@ -273,7 +344,11 @@ def rotary_cos_sin(seq_len, head_dim, dtype=torch.float32, device=None, base=100
     return angles.cos(), angles.sin()
 
 
-LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+LLAMA3_ROPE = {
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
 
 
 def llama3_frequencies(inv_freq, factor, original=None):
@@ -302,8 +377,13 @@ def apply_rotary(x, cos, sin):
 # attention_backend's names for torch's SDPA kernels (Megatron's key); None: torch's own choice
 # among those that take the call. One named is taken, or the first step fails saying so (no silent
 # fall-back); tools/gpu_probe.py backends times each.
-ATTENTION_BACKENDS = {"auto": None, "flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION",
-                      "efficient": "EFFICIENT_ATTENTION", "math": "MATH"}
+ATTENTION_BACKENDS = {
+    "auto": None,
+    "flash": "FLASH_ATTENTION",
+    "cudnn": "CUDNN_ATTENTION",
+    "efficient": "EFFICIENT_ATTENTION",
+    "math": "MATH",
+}
 
 
 def sdpa_backend(name):
@@ -311,11 +391,21 @@ def sdpa_backend(name):
     if ATTENTION_BACKENDS[name] is None:
         return contextlib.nullcontext()
     from torch.nn.attention import SDPBackend, sdpa_kernel
+
     return sdpa_kernel([getattr(SDPBackend, ATTENTION_BACKENDS[name])])
 
 
-def core_attention(q, k, v, dropout_p=0.0, stable=False, layer_scaling=None, bias=None,
-                   unfused=False, backend="auto"):
+def core_attention(
+    q,
+    k,
+    v,
+    dropout_p=0.0,
+    stable=False,
+    layer_scaling=None,
+    bias=None,
+    unfused=False,
+    backend="auto",
+):
     """Causal softmax(q k^T / sqrt(d) + bias) v with the softmax in fp32; q, k, v are (batch, heads, seq,
     head_dim), bias (heads, seq, seq) is ALiBi's (alibi_bias, causal mask included, in q's dtype) or None.
 
@@ -335,21 +425,40 @@ def core_attention(q, k, v, dropout_p=0.0, stable=False, layer_scaling=None, bia
     if stable:
         s = q.shape[-1] ** -0.25
         q, k, scale = q * s, k * s, 1.0
-    if isinstance(bias, layers.DocumentBlockMask):  # packed documents on CUDA: no dense mask (no dropout there)
+    if isinstance(
+        bias, layers.DocumentBlockMask
+    ):  # packed documents on CUDA: no dense mask (no dropout there)
         return bias.attend(q, k, v, scale, gqa)
     if backend == "auto":
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout_p,
-                                              is_causal=bias is None, scale=scale, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=bias,
+            dropout_p=dropout_p,
+            is_causal=bias is None,
+            scale=scale,
+            enable_gqa=gqa,
+        )
     try:
         with sdpa_backend(backend):
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout_p,
-                                                  is_causal=bias is None, scale=scale,
-                                                  enable_gqa=gqa)
+            return F.scaled_dot_product_attention(
+                q,
+                k,
+                v,
+                attn_mask=bias,
+                dropout_p=dropout_p,
+                is_causal=bias is None,
+                scale=scale,
+                enable_gqa=gqa,
+            )
     except RuntimeError as e:  # torch's "No available kernel"; its reasons came as warnings
         what = f"{q.device.type}, {q.dtype}, head_dim {q.shape[-1]}, dropout {dropout_p}"
-        raise ValueError(f"attention_backend={backend}: torch's {backend} kernel does not take "
-                         f"this attention ({what}, {'a bias' if bias is not None else 'causal'}): "
-                         f"{e}; use --attention_backend=auto (torch's choice)") from e
+        raise ValueError(
+            f"attention_backend={backend}: torch's {backend} kernel does not take "
+            f"this attention ({what}, {'a bias' if bias is not None else 'causal'}): "
+            f"{e}; use --attention_backend=auto (torch's choice)"
+        ) from e
 
 
 def unfused_attention(q, k, v, dropout_p=0.0, stable=False, layer_scaling=None, bias=None):
@@ -385,8 +494,9 @@ class Attention(nn.Module):
         h, heads = model_cfg.hidden_size, model_cfg.num_attention_heads
         self.head_dim = h // heads
         self.local_heads = parallel.divide(heads, grid.tp_size, "num_attention_heads")
-        self.local_groups = parallel.divide(model_cfg.query_groups, grid.tp_size,
-                                            "num_query_groups")
+        self.local_groups = parallel.divide(
+            model_cfg.query_groups, grid.tp_size, "num_query_groups"
+        )
         self.q_per_group = heads // model_cfg.query_groups
         self.tp_size = grid.tp_size
         # One fused projection laid out group by group, [groups, q_per_group + 2, head_dim]: a group's query heads,
@@ -431,9 +541,13 @@ class Attention(nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if self.q_norm is not None:  # statistics in fp32, as every LayerNorm (lesson 6)
             q, k = self.q_norm(q), self.k_norm(k)
-        if rotary is not None:  # after qk-layernorm, as OLMo 2: the norm sees the features, not their rotation
+        if (
+            rotary is not None
+        ):  # after qk-layernorm, as OLMo 2: the norm sees the features, not their rotation
             q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
-        if self.probe is not None:  # the softmax's q and k (after qk-layernorm and rotary; not ALiBi's bias)
+        if (
+            self.probe is not None
+        ):  # the softmax's q and k (after qk-layernorm and rotary; not ALiBi's bias)
             self.probe(q, k.repeat_interleave(self.q_per_group, dim=1))
         return q, k, v
 
@@ -447,8 +561,9 @@ class Attention(nn.Module):
         """Attention of this rank's heads, their dropout from the model-parallel stream where forks()."""
         dropout = self.dropout if self.training else 0.0
         with rng.fork(q.device) if dropout and self.forks() else contextlib.nullcontext():
-            return core_attention(q, k, v, dropout, self.stable, self.layer_scaling, bias,
-                                  self.unfused, self.backend)
+            return core_attention(
+                q, k, v, dropout, self.stable, self.layer_scaling, bias, self.unfused, self.backend
+            )
 
     def project(self, y):
         """The heads' outputs, (batch, heads, seq, head_dim), through the output projection."""
@@ -514,7 +629,9 @@ class Block(nn.Module):
         self.dropout = nn.Dropout(model_cfg.hidden_dropout)
 
     def forward(self, x, attn_bias=None, rotary=None):
-        return self.after_attention(x, self.attn.attend(*self.before_attention(x, rotary), attn_bias))
+        return self.after_attention(
+            x, self.attn.attend(*self.before_attention(x, rotary), attn_bias)
+        )
 
     # The two sides of the attention core, compiled on their own where it swaps generators (GPT.compile_blocks)
 
@@ -558,7 +675,9 @@ class Embedding(nn.Module):
         if self.scale != 1.0:
             x = x * self.scale
         if self.position is not None:
-            x = x + self.position(torch.arange(ids.shape[1], device=ids.device) if positions is None else positions)
+            x = x + self.position(
+                torch.arange(ids.shape[1], device=ids.device) if positions is None else positions
+            )
         return self.dropout(x)
 
 
@@ -576,8 +695,15 @@ class GPT(nn.Module):
     # ((T, dtype, device), what positions() returns for them); see positions()
     positions_cache = (None, None)
 
-    def __init__(self, model_cfg: GPTConfig, layers=None, pre_process=True, post_process=True,
-                 grid=None, seed=1234):
+    def __init__(
+        self,
+        model_cfg: GPTConfig,
+        layers=None,
+        pre_process=True,
+        post_process=True,
+        grid=None,
+        seed=1234,
+    ):
         super().__init__()
         grid = parallel.grid if grid is None else grid
         model_cfg.check(grid.tp_size)
@@ -650,7 +776,10 @@ class GPT(nn.Module):
                 p.zero_()
             elif p.ndim == 1:  # LayerNorm gains, NormFormer head scales
                 p.fill_(1.0)
-            elif name in ("embed.word.weight", "output_layer"):  # an untied output layer is drawn as the embedding
+            elif name in (
+                "embed.word.weight",
+                "output_layer",
+            ):  # an untied output layer is drawn as the embedding
                 # Only the real rows are drawn (xavier's bound counts them, not the padding), and the padded rows
                 # are zeros: every padding, hence every TP size, starts from the same model. Padded rows are
                 # never looked up and are masked out of the softmax, so they get no gradient and stay zero.
@@ -665,15 +794,24 @@ class GPT(nn.Module):
                     if model_cfg.embed_init == "xavier_uniform":
                         return t.uniform_(-bound, bound, generator=gen)
                     return t.normal_(0.0, std, generator=gen)
+
                 draw_slice(p, full_shape, tp_dim, self.grid.tp_rank, draw, rows=rows)
-            elif name == "embed.position.weight" and \
-                    model_cfg.position_embedding_init == "sinusoidal":
+            elif (
+                name == "embed.position.weight"
+                and model_cfg.position_embedding_init == "sinusoidal"
+            ):
                 p.copy_(parallel.shard(sinusoidal_positions(*full_shape), tp_dim, self.grid))
             else:
                 std = model_cfg.std
                 if getattr(p, "is_output_layer", False):
                     std = std / math.sqrt(2.0 * model_cfg.num_layers)
-                draw_slice(p, full_shape, tp_dim, self.grid.tp_rank, lambda t: t.normal_(0.0, std, generator=gen))
+                draw_slice(
+                    p,
+                    full_shape,
+                    tp_dim,
+                    self.grid.tp_rank,
+                    lambda t: t.normal_(0.0, std, generator=gen),
+                )
 
     # -- forward ----------------------------------------------------------------------------------------------
 
@@ -693,7 +831,9 @@ class GPT(nn.Module):
         bias, rotary = self.positions(x)
         if documents is not None:
             bias = self.separate_documents(documents, bias, x.dtype)
-        if positions is not None and rotary is not None:  # each token's angles at its position in its document
+        if (
+            positions is not None and rotary is not None
+        ):  # each token's angles at its position in its document
             rotary = tuple(t[positions].unsqueeze(1) for t in rotary)
         for block in self.blocks.values():
             if self.cfg.checkpoint_activations and self.training:
@@ -713,7 +853,9 @@ class GPT(nn.Module):
         # unless padded_vocab_in_softmax asks for Megatron's softmax over all of them (docs/lessons.md, lesson 16)
         vocab = None if self.cfg.padded_vocab_in_softmax else self.cfg.vocab_size
         if loss_mask is None:
-            loss, log_z = cross_entropy.linear_cross_entropy(x, weight, targets, vocab, z_loss, reduction="mean")
+            loss, log_z = cross_entropy.linear_cross_entropy(
+                x, weight, targets, vocab, z_loss, reduction="mean"
+            )
         else:  # Megatron's count: the masked tokens' mean (per-token losses: backward computes the logits again)
             loss, log_z = cross_entropy.linear_cross_entropy(x, weight, targets, vocab, z_loss)
             # a batch of eods only: 0, not NaN
@@ -744,14 +886,24 @@ class GPT(nn.Module):
         (layers.DocumentBlockMask): no T x T tensor in attention; elsewhere the mask is materialised, and SDPA takes
         it as attn_mask (eager flex_attention would materialise the scores)."""
         head_dim = self.cfg.hidden_size // self.cfg.num_attention_heads
-        if layers.flex_documents(documents.device, self.compiled, head_dim) and not self.cfg.unfused_attention \
-                and not self.cfg.attention_dropout:
-            slopes = None if self.alibi_heads is None else alibi_slopes(
-                self.cfg.num_attention_heads, self.alibi_heads, documents.device).float()
+        if (
+            layers.flex_documents(documents.device, self.compiled, head_dim)
+            and not self.cfg.unfused_attention
+            and not self.cfg.attention_dropout
+        ):
+            slopes = (
+                None
+                if self.alibi_heads is None
+                else alibi_slopes(
+                    self.cfg.num_attention_heads, self.alibi_heads, documents.device
+                ).float()
+            )
             return layers.DocumentBlockMask(documents, slopes)
         mask = layers.document_mask(documents)
         if bias is None:
-            bias = torch.zeros(mask.shape, dtype=torch.promote_types(dtype, torch.float32), device=mask.device)
+            bias = torch.zeros(
+                mask.shape, dtype=torch.promote_types(dtype, torch.float32), device=mask.device
+            )
         bias = bias.masked_fill(~mask, float("-inf"))
         return bias if self.cfg.unfused_attention else bias.to(dtype)
 
@@ -763,10 +915,17 @@ class GPT(nn.Module):
             return (bias if self.cfg.unfused_attention else bias.to(compute_dtype)), None
         if self.cfg.position_embedding_type == "rotary":
             head_dim = self.cfg.hidden_size // self.cfg.num_attention_heads
-            scaling = {"scaling_factor": self.cfg.rope_scaling_factor,
-                       "original_context": self.cfg.original_max_position_embeddings,
-                       } if self.cfg.use_rope_scaling else {}
-            cos, sin = rotary_cos_sin(T, head_dim, dtype, device, base=self.cfg.rotary_base, **scaling)
+            scaling = (
+                {
+                    "scaling_factor": self.cfg.rope_scaling_factor,
+                    "original_context": self.cfg.original_max_position_embeddings,
+                }
+                if self.cfg.use_rope_scaling
+                else {}
+            )
+            cos, sin = rotary_cos_sin(
+                T, head_dim, dtype, device, base=self.cfg.rotary_base, **scaling
+            )
             return None, (cos.to(compute_dtype), sin.to(compute_dtype))
         return None, None
 
@@ -776,7 +935,9 @@ class GPT(nn.Module):
         recomputation replays the dropout masks as in eager mode); with TP and attention dropout, two graphs, the
         sides of the attention core, which swaps generators (rng.fork). kwargs go to torch.compile (a backend)."""
         for block in self.blocks.values():
-            if block.attn.forks():  # rng.fork's generator swap cannot be traced: the core stays outside
+            if (
+                block.attn.forks()
+            ):  # rng.fork's generator swap cannot be traced: the core stays outside
                 block.before_attention = torch.compile(block.before_attention, **kwargs)
                 block.after_attention = torch.compile(block.after_attention, **kwargs)
             else:
@@ -795,11 +956,13 @@ class GPT(nn.Module):
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, generator=None):
         """Sample a continuation of idx (B, T) token by token (whole model on this rank: PP=1)."""
         if not (self.pre_process and self.post_process):
-            raise ValueError("generate() needs the whole model on one rank (pipeline_model_parallel_size=1)")
+            raise ValueError(
+                "generate() needs the whole model on one rank (pipeline_model_parallel_size=1)"
+            )
         for _ in range(max_new_tokens):
-            logits = parallel.gather_from_tp(self(idx[:, -self.cfg.seq_length:]))
+            logits = parallel.gather_from_tp(self(idx[:, -self.cfg.seq_length :]))
             # never sample padding ids
-            logits = logits[:, -1, :self.cfg.vocab_size].float() / temperature
+            logits = logits[:, -1, : self.cfg.vocab_size].float() / temperature
             if top_k is not None:
                 kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, [-1]]
                 logits[logits < kth] = float("-inf")
@@ -830,7 +993,7 @@ def draw_slice(out, full_shape, tp_dim, tp_rank, draw, rows=None, chunk_numel=No
     r0 = tp_rank * out.shape[0] if tp_dim == 0 else 0
     c0 = tp_rank * out.shape[1] if tp_dim == 1 else 0
     r1 = r0 + out.shape[0]
-    out[max(0, min(rows - r0, out.shape[0])):].zero_()
+    out[max(0, min(rows - r0, out.shape[0])) :].zero_()
     # rows whose values are a multiple of 16: chunks start at such boundaries
     align = 16 // math.gcd(C, 16)
     step = max(align, chunk_numel // C // align * align)  # rows per chunk
@@ -845,7 +1008,7 @@ def draw_slice(out, full_shape, tp_dim, tp_rank, draw, rows=None, chunk_numel=No
         chunk = draw(torch.empty(b - a, C, dtype=torch.float32, device="cpu"))
         lo, hi = max(a, r0), min(b, r1)
         if lo < hi:
-            out[lo - r0:hi - r0].copy_(chunk[lo - a:hi - a, c0:c0 + out.shape[1]])
+            out[lo - r0 : hi - r0].copy_(chunk[lo - a : hi - a, c0 : c0 + out.shape[1]])
 
 
 def sinusoidal_positions(num_positions, dim):
@@ -853,7 +1016,9 @@ def sinusoidal_positions(num_positions, dim):
     CPU, whatever the ambient device)."""
     cpu = torch.device("cpu")
     pos = torch.arange(num_positions, dtype=torch.float64, device=cpu).unsqueeze(1)
-    freq = torch.exp(torch.arange(0, dim, 2, dtype=torch.float64, device=cpu) * (-math.log(10000.0) / dim))
+    freq = torch.exp(
+        torch.arange(0, dim, 2, dtype=torch.float64, device=cpu) * (-math.log(10000.0) / dim)
+    )
     table = torch.zeros(num_positions, dim, dtype=torch.float64, device=cpu)
     table[:, 0::2] = torch.sin(pos * freq)
     table[:, 1::2] = torch.cos(pos * freq)[:, : dim // 2]

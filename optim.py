@@ -8,6 +8,7 @@ run's from its config: the optimizer `optimizer` names, inside precision.py's fp
 sharded over DP by parallel.py (ZeRO-1). A new optimizer is a class and one entry of OPTIMIZERS
 (docs/forking.md).
 """
+
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -110,7 +111,9 @@ class AdamW(torch.optim.Optimizer):
                 if p.grad is None:
                     continue
                 if p.grad.is_sparse:
-                    raise ValueError("AdamW does not support sparse gradients; use a dense nn.Embedding")
+                    raise ValueError(
+                        "AdamW does not support sparse gradients; use a dense nn.Embedding"
+                    )
                 state = self.state[p]
                 if len(state) == 0:
                     # moments in the parameter's dtype: fp32 master weights get fp32 moments
@@ -140,9 +143,21 @@ class AdamW(torch.optim.Optimizer):
                 for into, t in zip(lists, (p, g, m, v, counts[key])):
                     into.append(t)
             for p, g, m, v, step in by_kind.values():
-                torch._fused_adamw_(p, g, m, v, [], step, lr=group["lr"], beta1=beta1, beta2=beta2,
-                                    weight_decay=group["weight_decay"], eps=group["eps"], amsgrad=False,
-                                    maximize=False)
+                torch._fused_adamw_(
+                    p,
+                    g,
+                    m,
+                    v,
+                    [],
+                    step,
+                    lr=group["lr"],
+                    beta1=beta1,
+                    beta2=beta2,
+                    weight_decay=group["weight_decay"],
+                    eps=group["eps"],
+                    amsgrad=False,
+                    maximize=False,
+                )
         return loss
 
 
@@ -158,9 +173,11 @@ def adamw8bit(groups, tables=(), **hyper):
     try:
         import bitsandbytes as bnb
     except Exception as e:  # not installed, or its native library does not load on this machine
-        raise ValueError(f"optimizer='adamw8bit' or use_bnb_optimizer needs bitsandbytes, whose "
-                         f"import fails ({type(e).__name__}: {e}); `pip install bitsandbytes`, or "
-                         "choose another optimizer") from None
+        raise ValueError(
+            f"optimizer='adamw8bit' or use_bnb_optimizer needs bitsandbytes, whose "
+            f"import fails ({type(e).__name__}: {e}); `pip install bitsandbytes`, or "
+            "choose another optimizer"
+        ) from None
     manager = bnb.optim.GlobalOptimManager.get_instance()
     # The manager is a process-wide dict keyed by id(param). A freed parameter's id can be reused by
     # one of ours, so first drop whatever it holds for our parameters, then set the one override.
@@ -206,13 +223,17 @@ def optimizer_name(optimizer=None, use_bnb_optimizer=False):
     """The entry of OPTIMIZERS that `optimizer` and its shortcut use_bnb_optimizer name: None is
     adamw, or adamw8bit with use_bnb_optimizer; another name beside use_bnb_optimizer is refused."""
     if use_bnb_optimizer and optimizer not in (None, BNB):
-        raise ValueError(f"use_bnb_optimizer asks for optimizer={BNB!r} but "
-                         f"optimizer={optimizer!r}; unset one of them (use_bnb_optimizer is the "
-                         f"shortcut for {BNB})")
+        raise ValueError(
+            f"use_bnb_optimizer asks for optimizer={BNB!r} but "
+            f"optimizer={optimizer!r}; unset one of them (use_bnb_optimizer is the "
+            f"shortcut for {BNB})"
+        )
     chosen = optimizer or (BNB if use_bnb_optimizer else "adamw")
     if chosen not in OPTIMIZERS:
-        raise ValueError(f"optimizer={chosen!r} is not one of {', '.join(OPTIMIZERS)}; pick one, "
-                         "or register a fork's own in optim.OPTIMIZERS (docs/forking.md)")
+        raise ValueError(
+            f"optimizer={chosen!r} is not one of {', '.join(OPTIMIZERS)}; pick one, "
+            "or register a fork's own in optim.OPTIMIZERS (docs/forking.md)"
+        )
     return chosen
 
 
@@ -262,8 +283,17 @@ def decay_coefficient(weight_decay, lr, independent=False):
     return weight_decay / lr if lr > 0 else 0.0
 
 
-def build_optimizer(model, lr, weight_decay, *values, optimizer=None, use_bnb_optimizer=False,
-                    embedding=None, params=None, independent_decay=False):
+def build_optimizer(
+    model,
+    lr,
+    weight_decay,
+    *values,
+    optimizer=None,
+    use_bnb_optimizer=False,
+    embedding=None,
+    params=None,
+    independent_decay=False,
+):
     """OPTIMIZERS[optimizer] (default adamw; use_bnb_optimizer: adamw8bit) over param_groups(model);
     values: the config values of its entry's keys, in order (AdamW's: adam_beta1, adam_beta2,
     adam_eps). embedding: the token embedding weight, or a list of it and an untied output layer
@@ -298,20 +328,27 @@ def resume_adam_params(optimizer, optim_cfg, saved_config) -> str | None:
     to print."""
     saved, now = checkpoint_optimizer(saved_config), name(optim_cfg)
     if saved != now:
-        raise ValueError(f"the checkpoint's optimizer state is {saved}'s, but this run's "
-                         f"optimizer is {now}, which cannot continue from it; resume with "
-                         f"optimizer={saved!r}, or set no_load_optim to start {now} from a fresh "
-                         "state (the weights are loaded)")
+        raise ValueError(
+            f"the checkpoint's optimizer state is {saved}'s, but this run's "
+            f"optimizer is {now}, which cannot continue from it; resume with "
+            f"optimizer={saved!r}, or set no_load_optim to start {now} from a fresh "
+            "state (the weights are loaded)"
+        )
     entry = OPTIMIZERS[now]
-    changed = {k: (saved_config[k], getattr(optim_cfg, k)) for k in entry.keys
-               if k in saved_config and saved_config[k] != getattr(optim_cfg, k)}
+    changed = {
+        k: (saved_config[k], getattr(optim_cfg, k))
+        for k in entry.keys
+        if k in saved_config and saved_config[k] != getattr(optim_cfg, k)
+    }
     if not changed:
         return None
     what = ", ".join(f"{k} {old} -> {new}" for k, (old, new) in changed.items())
     if not optim_cfg.override_adam_params:
-        raise ValueError(f"the checkpoint's optimizer has other Adam settings than this config ({what}): a resumed "
-                         "optimizer keeps its checkpoint's; set override_adam_params to use this config's from now on "
-                         "(the moments are kept), or resume with the checkpoint's values")
+        raise ValueError(
+            f"the checkpoint's optimizer has other Adam settings than this config ({what}): a resumed "
+            "optimizer keeps its checkpoint's; set override_adam_params to use this config's from now on "
+            "(the moments are kept), or resume with the checkpoint's values"
+        )
     options = entry.options(*(getattr(optim_cfg, key) for key in entry.keys))
     for group in optimizer.param_groups:
         group.update(options)
@@ -357,8 +394,15 @@ class LossScaler:
     static_scale=1.0) is the no-op scaler for fp32/bf16.
     """
 
-    def __init__(self, dynamic=True, initial_scale=2.0**32, min_scale=1.0, window=1000, hysteresis=2,
-                 static_scale=None):
+    def __init__(
+        self,
+        dynamic=True,
+        initial_scale=2.0**32,
+        min_scale=1.0,
+        window=1000,
+        hysteresis=2,
+        static_scale=None,
+    ):
         self.dynamic = bool(dynamic) and static_scale is None
         self.scale = float(static_scale if static_scale is not None else initial_scale)
         self.min_scale = float(min_scale)
@@ -368,9 +412,13 @@ class LossScaler:
             raise ValueError(f"loss scale must be > 0, got {self.scale}")
         if self.dynamic:
             if not 0.0 < self.min_scale <= self.scale:
-                raise ValueError(f"min_loss_scale {self.min_scale} must be in (0, initial_loss_scale {self.scale}]")
+                raise ValueError(
+                    f"min_loss_scale {self.min_scale} must be in (0, initial_loss_scale {self.scale}]"
+                )
             if self.window < 1 or self.hysteresis < 1:
-                raise ValueError(f"loss_scale_window ({self.window}) and hysteresis ({self.hysteresis}) must be >= 1")
+                raise ValueError(
+                    f"loss_scale_window ({self.window}) and hysteresis ({self.hysteresis}) must be >= 1"
+                )
         self.clean_steps = 0  # clean (no overflow) steps since the last overflow or growth
         self.hysteresis_left = self.hysteresis
 
@@ -396,7 +444,11 @@ class LossScaler:
         return None
 
     def state_dict(self) -> dict:
-        return {"scale": self.scale, "clean_steps": self.clean_steps, "hysteresis_left": self.hysteresis_left}
+        return {
+            "scale": self.scale,
+            "clean_steps": self.clean_steps,
+            "hysteresis_left": self.hysteresis_left,
+        }
 
     def load_state_dict(self, sd: dict) -> None:
         # a static scale is configuration, not state: the config's value stays
@@ -422,17 +474,26 @@ def optimizer_for(optim_cfg, model, lr, deepspeed=False, zero_stage=0):
     values = [getattr(optim_cfg, key) for key in OPTIMIZERS[chosen].keys]
 
     def build(params):
-        optimizer = build_optimizer(model, lr, optim_cfg.weight_decay, *values, optimizer=chosen,
-                                    embedding=embedding, params=params,
-                                    independent_decay=optim_cfg.weight_decay_independent)
+        optimizer = build_optimizer(
+            model,
+            lr,
+            optim_cfg.weight_decay,
+            *values,
+            optimizer=chosen,
+            embedding=embedding,
+            params=params,
+            independent_decay=optim_cfg.weight_decay_independent,
+        )
         return optimizer if deepspeed else precision.MixedPrecisionOptimizer(optimizer)
 
     if deepspeed or zero_stage == 0 or parallel.grid.dp_size == 1:
         # not sharded here (under DeepSpeed, deepspeed_engine shards it)
         return build(list(model.parameters()))
     if zero_stage != 1:
-        raise ValueError(f"zero_stage={zero_stage} needs deepspeed=True (the native path shards "
-                         "the optimizer state only: zero_stage=1)")
+        raise ValueError(
+            f"zero_stage={zero_stage} needs deepspeed=True (the native path shards "
+            "the optimizer state only: zero_stage=1)"
+        )
     return parallel.ZeroShardedOptimizer(model.parameters(), build)
 
 
@@ -442,6 +503,10 @@ def scaler_for(optim_cfg):
         return LossScaler(dynamic=False, static_scale=1.0)
     if optim_cfg.loss_scale is not None:
         return LossScaler(dynamic=False, static_scale=optim_cfg.loss_scale)
-    return LossScaler(dynamic=True, initial_scale=optim_cfg.initial_loss_scale,
-                      min_scale=optim_cfg.min_loss_scale, window=optim_cfg.loss_scale_window,
-                      hysteresis=optim_cfg.hysteresis)
+    return LossScaler(
+        dynamic=True,
+        initial_scale=optim_cfg.initial_loss_scale,
+        min_scale=optim_cfg.min_loss_scale,
+        window=optim_cfg.loss_scale_window,
+        hysteresis=optim_cfg.hysteresis,
+    )

@@ -7,6 +7,7 @@ uses these layers unconditionally and reads like a normal GPT.
 Tensor parallelism follows the Megatron-LM paper (arXiv 1909.08053): a column-parallel linear followed by a
 row-parallel one needs one all-reduce forward (the paper's g) and one backward (its conjugate f).
 """
+
 import datetime
 import os
 import time
@@ -26,7 +27,9 @@ class LayoutConfig:
     # -- parallel: the TP x PP x DP layout, the devices, and what runs on them --
     # tensor_model_parallel_size is a model.GPTConfig field: it pads the vocabulary
     pipeline_model_parallel_size: int = 1  # PP: split the layers into this many stages
-    pp_partition_method: str = "type:transformer|embedding"  # or "type:transformer": the embedding not counted
+    pp_partition_method: str = (
+        "type:transformer|embedding"  # or "type:transformer": the embedding not counted
+    )
     # every N iterations check that TP-replicated weights agree (0: never)
     tp_replica_check_interval: int = 0
     # when they differ, copy TP rank 0's weights (and their Adam state) over
@@ -60,6 +63,7 @@ def check(layout_cfg, world_size, *, tp, num_layers, qk_layernorm, eval_only):
     group exists: Grid asks check_world_size again, for the world it finds). layout_cfg: the
     layout's keys (LayoutConfig); tp, num_layers, qk_layernorm: the model's (model.GPTConfig);
     eval_only: the run's mode (report.LoggingConfig)."""
+
     def need(ok, message):
         if not ok:
             raise ValueError(message)
@@ -68,17 +72,23 @@ def check(layout_cfg, world_size, *, tp, num_layers, qk_layernorm, eval_only):
     check_world_size(world_size, tp, pp)
     partition_layers(num_layers, pp, layout_cfg.pp_partition_method)  # raises if it cannot be done
     need(not (eval_only and layout_cfg.dry_run), "eval_only and dry_run are exclusive; choose one")
-    need(not (qk_layernorm and deepspeed and tp > 1),
-         "qk_layernorm with deepspeed=True and tensor_model_parallel_size > 1 is not supported (the qk-layernorm "
-         "gradients must be summed over TP before DeepSpeed's step); use the native path (deepspeed=False) or TP=1")
+    need(
+        not (qk_layernorm and deepspeed and tp > 1),
+        "qk_layernorm with deepspeed=True and tensor_model_parallel_size > 1 is not supported (the qk-layernorm "
+        "gradients must be summed over TP before DeepSpeed's step); use the native path (deepspeed=False) or TP=1",
+    )
     zero = layout_cfg.zero_stage
     need(zero in (0, 1, 2, 3), f"zero_stage={zero} is not 0, 1, 2 or 3")
     interval, resync = layout_cfg.tp_replica_check_interval, layout_cfg.tp_replica_resync
     need(interval >= 0, "tp_replica_check_interval must be 0 (off) or a number of iterations")
-    need(not resync or interval > 0,
-         "tp_replica_resync acts on what the check finds: set tp_replica_check_interval too")
-    need(not (resync and deepspeed),
-         "tp_replica_resync cannot reach DeepSpeed's fp32 master weights; use deepspeed=False or only the check")
+    need(
+        not resync or interval > 0,
+        "tp_replica_resync acts on what the check finds: set tp_replica_check_interval too",
+    )
+    need(
+        not (resync and deepspeed),
+        "tp_replica_resync cannot reach DeepSpeed's fp32 master weights; use deepspeed=False or only the check",
+    )
     device = layout_cfg.device
     need(device in ("auto", "cpu", "cuda"), f"device={device!r} is not auto, cpu or cuda")
     for key in ("distributed_timeout_minutes", "host_work_timeout_minutes"):
@@ -90,7 +100,8 @@ def check_world_size(world_size, tp, pp):
     if tp < 1 or pp < 1 or world_size % (tp * pp):
         raise ValueError(
             f"world size {world_size} is not divisible by tensor_model_parallel_size ({tp}) x "
-            f"pipeline_model_parallel_size ({pp}); launch a multiple of {tp * pp} processes or change the sizes")
+            f"pipeline_model_parallel_size ({pp}); launch a multiple of {tp * pp} processes or change the sizes"
+        )
 
 
 # -----------------------------------------------------------------------------
@@ -147,8 +158,10 @@ class Grid:
             setattr(self, attr, group)
 
     def __repr__(self):
-        return (f"Grid(rank {self.rank}/{self.world_size}: tp {self.tp_rank}/{self.tp_size}, "
-                f"pp {self.pp_rank}/{self.pp_size}, dp {self.dp_rank}/{self.dp_size})")
+        return (
+            f"Grid(rank {self.rank}/{self.world_size}: tp {self.tp_rank}/{self.tp_size}, "
+            f"pp {self.pp_rank}/{self.pp_size}, dp {self.dp_rank}/{self.dp_size})"
+        )
 
 
 grid = Grid()  # single process until init() is called
@@ -166,14 +179,18 @@ def partition_layers(num_layers, pp_size, method="type:transformer|embedding"):
     units and the first n % p one more, which is what DeepSpeed's partition_balanced returns for equal weights.
     BLOOM's 70 layers on 12 stages: 72 units, 6 each, so 5 layers on the first and last stage, 6 in between."""
     if method not in PARTITION_METHODS:
-        raise ValueError(f"pp_partition_method={method!r} is not one of {', '.join(PARTITION_METHODS)}")
+        raise ValueError(
+            f"pp_partition_method={method!r} is not one of {', '.join(PARTITION_METHODS)}"
+        )
     # units before the first layer (and after the last)
     ends = 1 if method == "type:transformer|embedding" else 0
     units = num_layers + 2 * ends
     if num_layers < 1 or pp_size > units:
-        raise ValueError(f"num_layers ({num_layers}) is too small for pipeline_model_parallel_size ({pp_size}) "
-                         f"with pp_partition_method={method!r}: every stage needs a layer (or the embedding or "
-                         "head); use fewer stages")
+        raise ValueError(
+            f"num_layers ({num_layers}) is too small for pipeline_model_parallel_size ({pp_size}) "
+            f"with pp_partition_method={method!r}: every stage needs a layer (or the embedding or "
+            "head); use fewer stages"
+        )
     per, extra = divmod(units, pp_size)
     bounds = [0]
     for stage in range(pp_size):
@@ -181,7 +198,13 @@ def partition_layers(num_layers, pp_size, method="type:transformer|embedding"):
     return [range(max(0, a - ends), min(num_layers, b - ends)) for a, b in zip(bounds, bounds[1:])]
 
 
-def init(tensor_parallel_size=1, pipeline_parallel_size=1, backend=None, timeout_minutes=10, host_timeout_minutes=60):
+def init(
+    tensor_parallel_size=1,
+    pipeline_parallel_size=1,
+    backend=None,
+    timeout_minutes=10,
+    host_timeout_minutes=60,
+):
     """Start torch.distributed if launched by torchrun and build the grid. Returns the grid.
 
     Under NCCL this process's GPU is LOCAL_RANK's, made current and bound to the process group (device_id: the
@@ -191,14 +214,22 @@ def init(tensor_parallel_size=1, pipeline_parallel_size=1, backend=None, timeout
     checkpoint, the data's index) take longer and run on host_group(), with host_timeout_minutes."""
     global grid, host_timeout
     host_timeout = host_timeout_minutes
-    if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1 and not dist.is_initialized():
+    if (
+        "WORLD_SIZE" in os.environ
+        and int(os.environ["WORLD_SIZE"]) > 1
+        and not dist.is_initialized()
+    ):
         backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         device = None
-        if backend == "nccl":  # modulo: one GPU per task (SLURM's, torchrun --virtual-local-rank) is GPU 0
+        if (
+            backend == "nccl"
+        ):  # modulo: one GPU per task (SLURM's, torchrun --virtual-local-rank) is GPU 0
             local, gpus = int(os.environ.get("LOCAL_RANK", 0)), torch.cuda.device_count()
             device = torch.device("cuda", local % gpus if gpus else local)
             torch.cuda.set_device(device)
-        dist.init_process_group(backend, timeout=datetime.timedelta(minutes=timeout_minutes), device_id=device)
+        dist.init_process_group(
+            backend, timeout=datetime.timedelta(minutes=timeout_minutes), device_id=device
+        )
         host_groups.clear()  # a group of an earlier process group is gone with it
     grid = Grid(tensor_parallel_size, pipeline_parallel_size)
     return grid
@@ -212,7 +243,9 @@ def host_group():
     with init()'s host timeout: a slow disk does not trip the training collectives' shorter one, which stays what a
     hang costs. Made at the first call, which every rank makes at the same point (new_group is collective)."""
     if not host_groups:
-        host_groups.append(dist.new_group(backend="gloo", timeout=datetime.timedelta(minutes=host_timeout)))
+        host_groups.append(
+            dist.new_group(backend="gloo", timeout=datetime.timedelta(minutes=host_timeout))
+        )
     return host_groups[0]
 
 
@@ -307,18 +340,27 @@ def linear(x, weight, bias=None):
     fp32 weights keep autograd's path (on the CPU an addmm into a non-zero sum is not bit for bit
     main_grad.add_(product)). Compiled blocks trace the same: the add is a custom op, and the weight's arrival
     (for the GradBuffer's DP buckets) an autograd leaf of its own whose hook runs after the block's backward."""
-    if not (torch.is_grad_enabled() and fuses_weight_gradient(weight) and (
-            x.requires_grad or bias is not None and bias.requires_grad)):
+    if not (
+        torch.is_grad_enabled()
+        and fuses_weight_gradient(weight)
+        and (x.requires_grad or bias is not None and bias.requires_grad)
+    ):
         return F.linear(x, weight, bias)
     # the weight goes in detached: no edge to its AccumulateGrad, so no .grad of it is ever made
-    return _LinearIntoMainGrad.apply(x, weight.detach(), bias, weight.main_grad, weight.main_grad_arrival)
+    return _LinearIntoMainGrad.apply(
+        x, weight.detach(), bias, weight.main_grad, weight.main_grad_arrival
+    )
 
 
 def fuses_weight_gradient(weight):
     """Does linear() add this weight's gradient into its main_grad itself? Half-precision trained leaf weights
     with a GradBuffer (which gives them main_grad_arrival; DeepSpeed's path takes .grads)."""
-    return (weight.dtype in (torch.bfloat16, torch.float16) and weight.requires_grad and weight.is_leaf
-            and getattr(weight, "main_grad_arrival", None) is not None)
+    return (
+        weight.dtype in (torch.bfloat16, torch.float16)
+        and weight.requires_grad
+        and weight.is_leaf
+        and getattr(weight, "main_grad_arrival", None) is not None
+    )
 
 
 class _LinearIntoMainGrad(torch.autograd.Function):
@@ -379,7 +421,10 @@ def fp32_accumulating_addmm(device):
     if device.type != "cuda":
         return False
     if device.type not in FP32_ACCUMULATING_ADDMM:
-        c, a = torch.ones(2, 2, device=device), torch.ones(2, 2, device=device, dtype=torch.bfloat16)
+        c, a = (
+            torch.ones(2, 2, device=device),
+            torch.ones(2, 2, device=device, dtype=torch.bfloat16),
+        )
         try:
             torch.addmm(c, a, a, out_dtype=torch.float32, out=c)
             # one sync, the first call's
@@ -393,7 +438,9 @@ class ColumnParallelLinear(nn.Linear):
     """Y = X A with A split by columns (output features): each rank computes its own slice of Y."""
 
     def __init__(self, in_features, out_features, bias=True, grid=None):
-        super().__init__(in_features, divide(out_features, _this(grid).tp_size, "output features"), bias=bias)
+        super().__init__(
+            in_features, divide(out_features, _this(grid).tp_size, "output features"), bias=bias
+        )
         self.weight.tp_dim = 0
         if bias:
             self.bias.tp_dim = 0
@@ -406,7 +453,9 @@ class RowParallelLinear(nn.Linear):
     """Y = X A with A split by rows (input features): partial products are summed across ranks."""
 
     def __init__(self, in_features, out_features, bias=True, grid=None):
-        super().__init__(divide(in_features, _this(grid).tp_size, "input features"), out_features, bias=bias)
+        super().__init__(
+            divide(in_features, _this(grid).tp_size, "input features"), out_features, bias=bias
+        )
         self.weight.tp_dim = 1
 
     def forward(self, x):
@@ -497,7 +546,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad, _grad_log_z):
         softmax, local, outside = ctx.saved_tensors
         # softmax - onehot(target), written over the saved softmax (backward runs once: no retain_graph)
-        grad_logits = softmax.scatter_add_(-1, local.unsqueeze(-1), (outside.to(softmax.dtype) - 1.0).unsqueeze(-1))
+        grad_logits = softmax.scatter_add_(
+            -1, local.unsqueeze(-1), (outside.to(softmax.dtype) - 1.0).unsqueeze(-1)
+        )
         return grad_logits.mul_(grad.unsqueeze(-1)), None, None, None
 
 
@@ -557,9 +608,16 @@ def communicate(send_next=None, send_prev=None, recv_prev=None, recv_next=None):
     from deadlocking (steady state of 1F1B: my activation goes down while an older micro-batch's gradient comes
     up); under NCCL the batch is one group, where separate blocking calls would wait on each other.
     """
-    posts = [(op, tensor, peer) for op, tensor, peer in (
-        (dist.isend, send_next, grid.next_rank), (dist.isend, send_prev, grid.prev_rank),
-        (dist.irecv, recv_prev, grid.prev_rank), (dist.irecv, recv_next, grid.next_rank)) if tensor is not None]
+    posts = [
+        (op, tensor, peer)
+        for op, tensor, peer in (
+            (dist.isend, send_next, grid.next_rank),
+            (dist.isend, send_prev, grid.prev_rank),
+            (dist.irecv, recv_prev, grid.prev_rank),
+            (dist.irecv, recv_next, grid.next_rank),
+        )
+        if tensor is not None
+    ]
     ops = [dist.P2POp(*post) for post in posts]
     if ops:
         device = posts[0][1].device
@@ -590,7 +648,12 @@ class PipelineStage:
     """This stage's steps on one global batch's micro-batches (buffers, forward, backward), ordered by a schedule."""
 
     def __init__(self, model, batches, loss_scale, forward_only, packing):
-        self.model, self.batches, self.loss_scale, self.packing = model, batches, loss_scale, packing
+        self.model, self.batches, self.loss_scale, self.packing = (
+            model,
+            batches,
+            loss_scale,
+            packing,
+        )
         self.forward_only, self.m, self.gpt = forward_only, len(batches), unwrap(model)
         self.device = batches[0][0].device
         # Activations and their gradients cross stage boundaries in the compute dtype, that of the weights:
@@ -598,8 +661,15 @@ class PipelineStage:
         self.dtype = next(self.gpt.parameters()).dtype
         self.total = torch.zeros((), device=self.device)
 
-    def buffer(self, i):  # receive buffer for micro-batch i's activation or its gradient: (batch, seq, hidden)
-        return torch.empty(*self.batches[i][0].shape, self.gpt.cfg.hidden_size, dtype=self.dtype, device=self.device)
+    def buffer(
+        self, i
+    ):  # receive buffer for micro-batch i's activation or its gradient: (batch, seq, hidden)
+        return torch.empty(
+            *self.batches[i][0].shape,
+            self.gpt.cfg.hidden_size,
+            dtype=self.dtype,
+            device=self.device,
+        )
 
     def activation(self, i):  # what comes from the previous stage (nothing on the first)
         return None if grid.is_first_stage else self.buffer(i)
@@ -612,7 +682,9 @@ class PipelineStage:
         if received is not None and not self.forward_only:
             received.requires_grad_()
         packed = self.packing(x) if self.packing else {}
-        out = self.model(x if grid.is_first_stage else received, y if grid.is_last_stage else None, **packed)
+        out = self.model(
+            x if grid.is_first_stage else received, y if grid.is_last_stage else None, **packed
+        )
         if grid.is_last_stage:
             self.total += out.detach()
             return out * (self.loss_scale / self.m)  # backward starts from here
@@ -649,9 +721,13 @@ def one_forward_one_backward(stage):
     for i in range(warmup, m):
         out = stage.forward(i, received)
         in_flight.append((received, out))
-        _, grad_out = communicate(send_next=stage.sendable(out), recv_next=stage.gradient(i - warmup))
+        _, grad_out = communicate(
+            send_next=stage.sendable(out), recv_next=stage.gradient(i - warmup)
+        )
         grad_in = stage.backward(*in_flight.pop(0), grad_out)
-        received, _ = communicate(send_prev=grad_in, recv_prev=stage.activation(i + 1) if i + 1 < m else None)
+        received, _ = communicate(
+            send_prev=grad_in, recv_prev=stage.activation(i + 1) if i + 1 < m else None
+        )
     # cool-down: the backwards of the warm-up's micro-batches
     for j in range(m - warmup, m):
         _, grad_out = communicate(recv_next=stage.gradient(j))
@@ -692,7 +768,11 @@ def average_loss(loss):
         dist.all_reduce(loss, group=grid.dp_group)
         loss /= grid.dp_size
     if grid.pp_size > 1:
-        dist.broadcast(loss, src=grid.rank_of(grid.tp_rank, grid.dp_rank, grid.pp_size - 1), group=grid.pp_group)
+        dist.broadcast(
+            loss,
+            src=grid.rank_of(grid.tp_rank, grid.dp_rank, grid.pp_size - 1),
+            group=grid.pp_group,
+        )
     return loss
 
 
@@ -756,7 +836,10 @@ class GradBuffer:
         for p in self.params:
             p.register_post_accumulate_grad_hook(self._accumulate)
             p.main_grad_buffer = self
-            if p.dtype in (torch.bfloat16, torch.float16):  # linear() adds these weights' gradients itself
+            if p.dtype in (
+                torch.bfloat16,
+                torch.float16,
+            ):  # linear() adds these weights' gradients itself
                 p.main_grad_arrival = self._arrival(p)
         self.countdown = None  # per parameter: gradients still to come this step (armed by start())
         self.handles = []
@@ -774,7 +857,7 @@ class GradBuffer:
         offset = 0
         for i in members:
             p = self.params[i]
-            p.main_grad = flat[offset:offset + p.numel()].view_as(p)
+            p.main_grad = flat[offset : offset + p.numel()].view_as(p)
             offset += p.numel()
 
     def start(self, micro_batches):
@@ -789,7 +872,9 @@ class GradBuffer:
         self.launched, self.handles = 0, []
 
     def _accumulate(self, p):
-        if p.grad is None:  # a compiled block's backward hands linear()'s weights an undefined gradient: the
+        if (
+            p.grad is None
+        ):  # a compiled block's backward hands linear()'s weights an undefined gradient: the
             return  # weight's gradient is in main_grad already, and its main_grad_arrival counts it
         p.main_grad.add_(p.grad)
         p.grad = None
@@ -813,6 +898,7 @@ class GradBuffer:
         def arrived(token):
             token.grad = None
             self._arrived(p)
+
         arrival.register_post_accumulate_grad_hook(arrived)
         return arrival
 
@@ -885,12 +971,18 @@ def reduce_gradients(model, data_parallel=True):
                 p.grad = torch.zeros_like(p)
         if data_parallel and grid.dp_size > 1:
             all_reduce_mean([p.grad for p in params], grid.dp_group, grid.dp_size)
-    partial = [main_grad(p) for p in gpt.parameters() if p.requires_grad and getattr(p, "tp_partial", False)]
+    partial = [
+        main_grad(p)
+        for p in gpt.parameters()
+        if p.requires_grad and getattr(p, "tp_partial", False)
+    ]
     if partial and grid.tp_size > 1:
         all_reduce_mean(partial, grid.tp_group, 1)  # a sum: "mean" over a size of 1
     # an output layer of its own has no copy to sum
     tied = not gpt.cfg.untie_embeddings_and_output_weights
-    if tied and grid.pp_size > 1 and (grid.is_first_stage or grid.is_last_stage):  # PP=1: one copy, nothing to sum
+    if (
+        tied and grid.pp_size > 1 and (grid.is_first_stage or grid.is_last_stage)
+    ):  # PP=1: one copy, nothing to sum
         dist.all_reduce(main_grad(gpt.word_embedding_weight()), group=grid.embedding_group)
 
 
@@ -918,7 +1010,9 @@ def check_tp_replicas(model, resync=False, optimizer=None):
                     p.copy_(ref)
                 i += 1
         if resync:
-            state = getattr(optimizer, "optimizer", optimizer).state if optimizer is not None else {}
+            state = (
+                getattr(optimizer, "optimizer", optimizer).state if optimizer is not None else {}
+            )
             # the optimizer steps fp32 masters of half-precision weights (precision.py): those are resynced too
             main_param = getattr(optimizer, "main_param", lambda p: p)
             for _, p in replicated:
@@ -947,12 +1041,18 @@ def log_tp_replicas(model, optimizer, iteration, resync):
     worst, differ = check_tp_replicas(model, resync=resync, optimizer=optimizer)
     if differ:
         listed = ", ".join(f"{name} ({d:.3e})" for name, d in differ[:8])
-        print(f" rank {grid.rank} (TP rank {grid.tp_rank}): {len(differ)} replicated parameter(s) "
-              f"differ from TP rank 0: {listed}{' ...' if len(differ) > 8 else ''}", flush=True)
+        print(
+            f" rank {grid.rank} (TP rank {grid.tp_rank}): {len(differ)} replicated parameter(s) "
+            f"differ from TP rank 0: {listed}{' ...' if len(differ) > 8 else ''}",
+            flush=True,
+        )
     if grid.rank == 0:  # the ground floor has no report.print0
         action = " | re-synced from TP rank 0" if resync and worst > 0 else ""
-        print(f" TP replica check at iteration {iteration} | max abs difference from TP rank 0: "
-              f"{worst:.3e}{action} |", flush=True)
+        print(
+            f" TP replica check at iteration {iteration} | max abs difference from TP rank 0: "
+            f"{worst:.3e}{action} |",
+            flush=True,
+        )
 
 
 def counted_once(model):
@@ -961,8 +1061,11 @@ def counted_once(model):
     gpt = unwrap(model)
     # GPT's duplicate of the embedding (None unless PP > 1)
     copy = getattr(gpt, "output_weight", None)
-    return [p for p in gpt.parameters()
-            if p is not copy and (getattr(p, "tp_dim", None) is not None or grid.tp_rank == 0)]
+    return [
+        p
+        for p in gpt.parameters()
+        if p is not copy and (getattr(p, "tp_dim", None) is not None or grid.tp_rank == 0)
+    ]
 
 
 # Elements of a gradient the CPU's grad_norm takes at a time: the norm's fp64 copy of a whole gradient (the
@@ -993,7 +1096,10 @@ def count_zeros(model):
     tensor on the model's device, read by the caller with its other numbers (one host sync per iteration)."""
     grads = [g for g in map(main_grad, counted_once(model)) if g is not None]
     if grads:  # the element count rides in as the kernel's scalar: a tensor built from it would be a host copy
-        zeros = sum(g.numel() for g in grads) - torch.stack([torch.count_nonzero(g) for g in grads]).sum()
+        zeros = (
+            sum(g.numel() for g in grads)
+            - torch.stack([torch.count_nonzero(g) for g in grads]).sum()
+        )
     else:
         zeros = torch.zeros((), dtype=torch.int64, device=next(unwrap(model).parameters()).device)
     if grid.mp_group is not None and grid.tp_size * grid.pp_size > 1:
@@ -1038,7 +1144,9 @@ class ZeroShardedOptimizer:
     def __init__(self, params, build):
         """params: this stage's parameters in model order; build(shard) makes the optimizer of a list of them."""
         self.params = [p for p in params if p.requires_grad]
-        self.owner = dict(zip(self.params, deal_out([p.numel() for p in self.params], grid.dp_size)))
+        self.owner = dict(
+            zip(self.params, deal_out([p.numel() for p in self.params], grid.dp_size))
+        )
         self.optimizer = build([p for p in self.params if self.owner[p] == grid.dp_rank])
 
     def __getattr__(self, name):
@@ -1071,17 +1179,29 @@ class ZeroShardedOptimizer:
             if not mine:
                 continue
             flat = torch._utils._flatten_dense_tensors(mine)
-            dist.broadcast(flat, src=grid.rank_of(grid.tp_rank, rank, grid.pp_rank), group=grid.dp_group)
+            dist.broadcast(
+                flat, src=grid.rank_of(grid.tp_rank, rank, grid.pp_rank), group=grid.dp_group
+            )
             for t, new in zip(mine, torch._utils._unflatten_dense_tensors(flat, mine)):
                 t.copy_(new)
 
     def state_dict(self):
-        return {"zero_stage": 1, "dp_rank": grid.dp_rank, "dp_size": grid.dp_size,
-                "optimizer": self.optimizer.state_dict()}
+        return {
+            "zero_stage": 1,
+            "dp_rank": grid.dp_rank,
+            "dp_size": grid.dp_size,
+            "optimizer": self.optimizer.state_dict(),
+        }
 
     def load_state_dict(self, state):
-        if state.get("zero_stage") != 1 or state["dp_size"] != grid.dp_size or state["dp_rank"] != grid.dp_rank:
-            raise ValueError("the optimizer state in the checkpoint is not this rank's ZeRO-1 shard (saved without "
-                             "zero_stage=1 or with another data-parallel size); resume with the same zero_stage "
-                             "and number of processes, or set no_load_optim")
+        if (
+            state.get("zero_stage") != 1
+            or state["dp_size"] != grid.dp_size
+            or state["dp_rank"] != grid.dp_rank
+        ):
+            raise ValueError(
+                "the optimizer state in the checkpoint is not this rank's ZeRO-1 shard (saved without "
+                "zero_stage=1 or with another data-parallel size); resume with the same zero_stage "
+                "and number of processes, or set no_load_optim"
+            )
         self.optimizer.load_state_dict(state["optimizer"])

@@ -24,6 +24,7 @@ arguments.derive).
 There is no autocast: weights are stored in the compute dtype, so what runs is what Megatron ran, and the
 half-precision rounding of the residual stream (a source of the 104B's spikes) is reproduced, not hidden.
 """
+
 import torch
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -120,9 +121,11 @@ class MixedPrecisionOptimizer:
         state = dict(state)
         masters = state.pop("fp32_master_weights", None)
         if self.copies and (masters is None or len(masters) != len(self.copies)):
-            raise ValueError("the optimizer state in the checkpoint has no fp32 master weights for this model's "
-                             "half-precision parameters (saved with another precision?); resume with the same "
-                             "fp16/bf16 setting, or set no_load_optim to start the masters from the weights")
+            raise ValueError(
+                "the optimizer state in the checkpoint has no fp32 master weights for this model's "
+                "half-precision parameters (saved with another precision?); resume with the same "
+                "fp16/bf16 setting, or set no_load_optim to start the masters from the weights"
+            )
         self.optimizer.load_state_dict(state)
         with torch.no_grad():
             for (p, main), saved in zip(self.copies, masters or []):

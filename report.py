@@ -13,6 +13,7 @@ iterations and the time.
 Nothing here decides anything: the numbers come from train.py and from the stability layer (its spike guard's
 decisions, its telemetry), which records them through `scalars` and `record`.
 """
+
 import json
 import math
 import os
@@ -30,8 +31,13 @@ import parallel
 # datasheets: the peak the log line's MFU (and bench.py's) divides by. The first name contained in
 # torch.cuda.get_device_name wins: the PCIe and NVL parts come before the SXM one of their name (an
 # H100 PCIe's MFU against the SXM's 989 would read 24% low).
-GPU_PEAKS = (("H100 PCIe", 756, 2000), ("H100 NVL", 835, 3900), ("H200", 989, 4800),
-             ("H100", 989, 3350), ("A100", 312, 2039))
+GPU_PEAKS = (
+    ("H100 PCIe", 756, 2000),
+    ("H100 NVL", 835, 3900),
+    ("H200", 989, 4800),
+    ("H100", 989, 3350),
+    ("A100", 312, 2039),
+)
 
 
 def gpu_peaks(name):
@@ -82,8 +88,10 @@ def profile_range(text):
     """profile_steps "A-B" as (A, B), 1 <= A <= B; a ValueError with the fix otherwise."""
     first, _, last = str(text).partition("-")
     if not (first.strip().isdigit() and last.strip().isdigit() and 1 <= int(first) <= int(last)):
-        raise ValueError(f"profile_steps={text!r} is not a range of iterations A-B with 1 <= A <= B; "
-                         "give e.g. --profile_steps=5-7")
+        raise ValueError(
+            f"profile_steps={text!r} is not a range of iterations A-B with 1 <= A <= B; "
+            "give e.g. --profile_steps=5-7"
+        )
     return int(first), int(last)
 
 
@@ -127,12 +135,15 @@ class Report:
         tb_dir = log_cfg.tensorboard_dir or (save and os.path.join(save, "tensorboard"))
         if tb_dir:
             from torch.utils.tensorboard import SummaryWriter
+
             self.tb = SummaryWriter(tb_dir)
         mode = os.environ.get("WANDB_MODE", log_cfg.wandb_mode)
         if log_cfg.wandb_project and mode != "disabled":
             import wandb
-            self.wandb = wandb.init(project=log_cfg.wandb_project, mode=mode,
-                                    config=run_config, dir=save or ".")
+
+            self.wandb = wandb.init(
+                project=log_cfg.wandb_project, mode=mode, config=run_config, dir=save or "."
+            )
 
     # -- the interval between two log lines -------------------------------------------------
 
@@ -151,8 +162,10 @@ class Report:
     def skipped(self, iteration, state, batch_size, why):
         """An iteration whose batch is drawn and thrown away (skip_train_iteration_range, guard)."""
         first, last = state.consumed_samples, state.consumed_samples + batch_size - 1
-        print0(f" iteration {iteration:8d}/{self.schedule.total_iters:8d} | skipped ({why}): "
-               f"samples {first}-{last} not used |")
+        print0(
+            f" iteration {iteration:8d}/{self.schedule.total_iters:8d} | skipped ({why}): "
+            f"samples {first}-{last} not used |"
+        )
         self.record(iteration, {"skipped": why})
 
     def timed(self, seconds):
@@ -179,12 +192,14 @@ class Report:
         tflops = flops / (elapsed * parallel.grid.world_size * 1e12)
         tokens = batch_size * seqlen / elapsed  # the whole run's; MFU per GPU, as bench counts it
         mfu = mfu_of(self.gpt.cfg.model_flops_per_iteration(batch_size, seqlen), elapsed, self.peak)
-        fields = [("iteration", f"{iteration:8d}/{self.schedule.total_iters:8d}"),
-                  ("consumed samples", f"{state.consumed_samples:12d}"),
-                  ("consumed tokens", f"{state.consumed_tokens:12d}"),
-                  ("elapsed time per iteration (ms)", f"{elapsed * 1000:.1f}"),
-                  ("learning rate", f"{lr:.3E}"),
-                  ("global batch size", f"{batch_size:5d}")]
+        fields = [
+            ("iteration", f"{iteration:8d}/{self.schedule.total_iters:8d}"),
+            ("consumed samples", f"{state.consumed_samples:12d}"),
+            ("consumed tokens", f"{state.consumed_tokens:12d}"),
+            ("elapsed time per iteration (ms)", f"{elapsed * 1000:.1f}"),
+            ("learning rate", f"{lr:.3E}"),
+            ("global batch size", f"{batch_size:5d}"),
+        ]
         if self.curriculum:
             fields.append(("curriculum seqlen", f"{seqlen:5d}"))
         fields.append(("lm loss", f"{mean_loss:.6E}"))
@@ -195,25 +210,35 @@ class Report:
                 z_loss = parallel.average_loss(self.gpt.pop_z_loss()).item()
             fields.append(("z loss", f"{z_loss:.6E}"))
             scalars["z-loss"] = z_loss
-        fields += [("loss scale", f"{loss_scale:.1f}"),
-                   ("grad norm", f"{step.grad_norm:.3f}"),
-                   ("num zeros", f"{float(step.num_zeros):.1f}"),
-                   ("number of skipped iterations", f"{interval['skipped']:3d}"),
-                   ("number of nan iterations", f"{interval['nan']:3d}"),
-                   ("samples per second", f"{batch_size / elapsed:.3f}"),
-                   ("TFLOPs", f"{tflops:.2f}"),
-                   ("tokens per second", f"{tokens:.1f}"),
-                   ("MFU", "n/a" if mfu is None else f"{100 * mfu:.2f}%")]
+        fields += [
+            ("loss scale", f"{loss_scale:.1f}"),
+            ("grad norm", f"{step.grad_norm:.3f}"),
+            ("num zeros", f"{float(step.num_zeros):.1f}"),
+            ("number of skipped iterations", f"{interval['skipped']:3d}"),
+            ("number of nan iterations", f"{interval['nan']:3d}"),
+            ("samples per second", f"{batch_size / elapsed:.3f}"),
+            ("TFLOPs", f"{tflops:.2f}"),
+            ("tokens per second", f"{tokens:.1f}"),
+            ("MFU", "n/a" if mfu is None else f"{100 * mfu:.2f}%"),
+        ]
         print_last_rank(log_line(fields))
         straggler = self.timer.straggler(iteration) if self.timer is not None else None
         if straggler:
             print(straggler, flush=True)
         self.record(iteration, line_values(fields))
-        scalars.update({"learning-rate": lr, "grad-norm": step.grad_norm, "loss-scale": loss_scale,
-                        "batch-size": batch_size, "seqlen": seqlen,
-                        "consumed-tokens": state.consumed_tokens, "tflops": tflops,
-                        "tokens-per-second": tokens}
-                       | ({} if mfu is None else {"mfu": mfu}))
+        scalars.update(
+            {
+                "learning-rate": lr,
+                "grad-norm": step.grad_norm,
+                "loss-scale": loss_scale,
+                "batch-size": batch_size,
+                "seqlen": seqlen,
+                "consumed-tokens": state.consumed_tokens,
+                "tflops": tflops,
+                "tokens-per-second": tokens,
+            }
+            | ({} if mfu is None else {"mfu": mfu})
+        )
         self.scalars(scalars, iteration, state)
         self.restart_interval()
 
@@ -237,8 +262,14 @@ class Report:
                 self.tb.add_scalar(f"{k} vs samples", v, state.consumed_samples)
                 self.tb.add_scalar(f"{k} vs tokens", v, state.consumed_tokens)
         if self.wandb:  # one step axis: the counters go along, to be picked as x axis in its UI
-            self.wandb.log({**values, "consumed-samples": state.consumed_samples,
-                            "consumed-tokens": state.consumed_tokens}, step=step)
+            self.wandb.log(
+                {
+                    **values,
+                    "consumed-samples": state.consumed_samples,
+                    "consumed-tokens": state.consumed_tokens,
+                },
+                step=step,
+            )
 
     def record(self, step, values):
         """Into metrics.jsonl only (the log line's scalars by their log names, lists, decisions)."""
@@ -252,17 +283,23 @@ class Report:
         dynamo = sys.modules.get("torch._dynamo.utils")
         total = dynamo.counters["stats"]["unique_graphs"] if dynamo else 0
         if total > self.graphs:
-            self.graphs_by_seqlen[seqlen] = self.graphs_by_seqlen.get(seqlen, 0) + total - self.graphs
-            print0(f"torch.compile: {total - self.graphs} graph(s) compiled at sequence length {seqlen} "
-                   f"({self.graphs_by_seqlen[seqlen]} at this length, {total} in all)")
+            self.graphs_by_seqlen[seqlen] = (
+                self.graphs_by_seqlen.get(seqlen, 0) + total - self.graphs
+            )
+            print0(
+                f"torch.compile: {total - self.graphs} graph(s) compiled at sequence length {seqlen} "
+                f"({self.graphs_by_seqlen[seqlen]} at this length, {total} in all)"
+            )
             self.graphs = total
 
     def close(self):
         if self.profiler:
             self.profiler.stop()
         if self.graphs_by_seqlen:
-            print0("torch.compile graphs per sequence length: " +
-                   ", ".join(f"{s}: {n}" for s, n in sorted(self.graphs_by_seqlen.items())))
+            print0(
+                "torch.compile graphs per sequence length: "
+                + ", ".join(f"{s}: {n}" for s, n in sorted(self.graphs_by_seqlen.items()))
+            )
         if self.metrics:
             self.metrics.close()
         if self.tb:
@@ -282,8 +319,11 @@ class ComputeTimer:
 
     def start(self, device):
         self.cuda = device.type == "cuda"
-        self.pending = [torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)] if self.cuda \
+        self.pending = (
+            [torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)]
+            if self.cuda
             else [time.perf_counter(), None]
+        )
         if self.cuda:
             self.pending[0].record()
 
@@ -315,9 +355,11 @@ class ComputeTimer:
         median, slowest = statistics.median(sums), max(range(len(sums)), key=sums.__getitem__)
         if sums[slowest] <= slack * median or slowest != parallel.grid.dp_rank:
             return None
-        return (f" straggler at iteration {iteration}: DP rank {slowest} (rank {parallel.grid.rank}, host "
-                f"{socket.gethostname()}) computed {sums[slowest] / median:.2f}x the median of the DP replicas since "
-                f"the last log line |")
+        return (
+            f" straggler at iteration {iteration}: DP rank {slowest} (rank {parallel.grid.rank}, host "
+            f"{socket.gethostname()}) computed {sums[slowest] / median:.2f}x the median of the DP replicas since "
+            f"the last log line |"
+        )
 
 
 def mfu_of(model_flops, seconds, peak):
@@ -353,8 +395,10 @@ def print_validation(loss, iteration, name=None):
     """Megatron's validation block, or a named set's as Megatron-DeepSpeed prints it ("NAME loss at iteration");
     returns the perplexity."""
     ppl = math.exp(min(20.0, loss))
-    line = (f" {'validation' if name is None else name} loss at iteration {iteration} | lm loss value: {loss:.6E} | "
-            f"lm loss PPL: {ppl:.6E} |")
+    line = (
+        f" {'validation' if name is None else name} loss at iteration {iteration} | lm loss value: {loss:.6E} | "
+        f"lm loss PPL: {ppl:.6E} |"
+    )
     print_last_rank("-" * len(line) + "\n" + line + "\n" + "-" * len(line))
     return ppl
 
@@ -415,7 +459,10 @@ class StepProfiler:
     def start(self):
         import torch
         from torch.profiler import ProfilerActivity, profile
-        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_initialized() else [])
+
+        activities = [ProfilerActivity.CPU] + (
+            [ProfilerActivity.CUDA] if torch.cuda.is_initialized() else []
+        )
         if torch.cuda.is_initialized():
             torch.cuda.memory._record_memory_history(max_entries=100_000)
         self.profile = profile(activities=activities, record_shapes=True, with_stack=False)
@@ -431,6 +478,7 @@ class StepProfiler:
         if self.profile is None:
             return
         import torch
+
         self.profile.__exit__(None, None, None)
         os.makedirs(self.directory, exist_ok=True)
         name = f"rank{parallel.grid.rank}"

@@ -24,6 +24,7 @@ draws fresh streams seeded from seed + iteration, and says so; bitsandbytes' 8-b
 changes (their quantization blocks run along the flattened tensor, which a new TP cut would split) and
 DeepSpeed's optimizer states (its own format): both are refused with the fix (the old layout, or no_load_optim).
 """
+
 import os
 from dataclasses import fields
 
@@ -53,8 +54,10 @@ def param_names(model, optimizer):
 
 
 def describe(topology):
-    return (f"TP={topology['tensor_model_parallel_size']} x PP={topology['pipeline_model_parallel_size']} x "
-            f"DP={topology['data_parallel_size']}")
+    return (
+        f"TP={topology['tensor_model_parallel_size']} x PP={topology['pipeline_model_parallel_size']} x "
+        f"DP={topology['data_parallel_size']}"
+    )
 
 
 class SavedLayout:
@@ -62,8 +65,14 @@ class SavedLayout:
 
     def __init__(self, tag_dir, topology):
         self.tag_dir = tag_dir
-        self.tp, self.pp, self.dp = (topology[k] for k in ("tensor_model_parallel_size",
-                                                           "pipeline_model_parallel_size", "data_parallel_size"))
+        self.tp, self.pp, self.dp = (
+            topology[k]
+            for k in (
+                "tensor_model_parallel_size",
+                "pipeline_model_parallel_size",
+                "data_parallel_size",
+            )
+        )
         self.paper = {}  # (tp, dp, pp) -> a Grid on paper, to name the files of that rank
         self._models, self._ranks = {}, {}
         self.run = self.model(0, 0)["run"]
@@ -75,13 +84,19 @@ class SavedLayout:
                 self.stage_of[TIED_COPY.get(name, name) if pp else name] = pp
 
     def grid(self, tp, dp, pp):
-        return parallel.Grid(self.tp, self.pp, world_size=self.tp * self.pp * self.dp,
-                             rank=(pp * self.dp + dp) * self.tp + tp)
+        return parallel.Grid(
+            self.tp,
+            self.pp,
+            world_size=self.tp * self.pp * self.dp,
+            rank=(pp * self.dp + dp) * self.tp + tp,
+        )
 
     def model(self, tp, pp):
         if (tp, pp) not in self._models:
             path = checkpoint.model_file(self.tag_dir, self.grid(tp, 0, pp))
-            self._models[tp, pp] = checkpoint.read(path, f"model shard of TP rank {tp}, stage {pp}", mmap=True)
+            self._models[tp, pp] = checkpoint.read(
+                path, f"model shard of TP rank {tp}, stage {pp}", mmap=True
+            )
         return self._models[tp, pp]
 
     def rank(self, tp, dp, pp):
@@ -118,16 +133,19 @@ class Resharder:
         self.params = dict(gpt.named_parameters())
         saved_vocab = layout.config.get("vocab_size")
         if saved_vocab != gpt.cfg.vocab_size:
-            raise ValueError(f"checkpoint {layout.tag_dir} has vocab_size {saved_vocab}, this model "
-                             f"{gpt.cfg.vocab_size}; resume with the checkpoint's vocab_size")
-
+            raise ValueError(
+                f"checkpoint {layout.tag_dir} has vocab_size {saved_vocab}, this model "
+                f"{gpt.cfg.vocab_size}; resume with the checkpoint's vocab_size"
+            )
 
     def _pieces(self, name, get):
         """[get(state dict of old TP rank t at the stage holding name) for each old TP rank t]."""
         src = TIED_COPY.get(name, name)
         if src not in self.old.stage_of:
-            raise ValueError(f"checkpoint {self.old.tag_dir} has no parameter {src!r}; it was saved from another "
-                             "model (compare its config with this one's)")
+            raise ValueError(
+                f"checkpoint {self.old.tag_dir} has no parameter {src!r}; it was saved from another "
+                "model (compare its config with this one's)"
+            )
         return [get(t, self.old.stage_of[src], src) for t in range(self.old.tp)]
 
     def _merge(self, name, pieces, live_shape, what):
@@ -136,19 +154,27 @@ class Resharder:
         if tp_dim is None:
             for t, piece in enumerate(pieces[1:], 1):
                 if not torch.equal(piece, pieces[0]):
-                    raise ValueError(f"{what} of {name!r} differs between TP rank 0 and TP rank {t} in checkpoint "
-                                     f"{self.old.tag_dir}: replicated copies must be identical (lesson 18); "
-                                     "resume with the saved layout, or repair the checkpoint")
+                    raise ValueError(
+                        f"{what} of {name!r} differs between TP rank 0 and TP rank {t} in checkpoint "
+                        f"{self.old.tag_dir}: replicated copies must be identical (lesson 18); "
+                        "resume with the saved layout, or repair the checkpoint"
+                    )
             return pieces[0]
-        old_total, total = sum(p.shape[tp_dim] for p in pieces), live_shape[tp_dim] * self.grid.tp_size
+        old_total, total = (
+            sum(p.shape[tp_dim] for p in pieces),
+            live_shape[tp_dim] * self.grid.tp_size,
+        )
         # the vocabulary's padding rows are dropped (and zeros padded) only when the padded size changes
         real = self.gpt.cfg.vocab_size if name in VOCAB_PARAMS and old_total != total else total
         other_dims = [n for d, n in enumerate(pieces[0].shape) if d != tp_dim]
         if other_dims != [n for d, n in enumerate(live_shape) if d != tp_dim] or (
-                name not in VOCAB_PARAMS and old_total != total):
-            raise ValueError(f"checkpoint {self.old.tag_dir}: {name!r} has {self.old.tp} slices of shape "
-                             f"{tuple(pieces[0].shape)}, this model needs {tuple(live_shape)} x TP "
-                             f"{self.grid.tp_size}: the model config differs from the checkpoint's")
+            name not in VOCAB_PARAMS and old_total != total
+        ):
+            raise ValueError(
+                f"checkpoint {self.old.tag_dir}: {name!r} has {self.old.tp} slices of shape "
+                f"{tuple(pieces[0].shape)}, this model needs {tuple(live_shape)} x TP "
+                f"{self.grid.tp_size}: the model config differs from the checkpoint's"
+            )
         return reslice(pieces, tp_dim, real, total, self.grid.tp_size, self.grid.tp_rank)
 
     def model_state(self):
@@ -156,11 +182,16 @@ class Resharder:
         tied = not self.gpt.cfg.untie_embeddings_and_output_weights
         if tied and old.pp > 1 and (self.gpt.pre_process or self.gpt.post_process):
             for t in range(old.tp):  # the tied embedding's two copies must agree (lesson 11)
-                first, last = old.model(t, 0)["model"]["embed.word.weight"], old.model(t, old.pp - 1)["model"]
+                first, last = (
+                    old.model(t, 0)["model"]["embed.word.weight"],
+                    old.model(t, old.pp - 1)["model"],
+                )
                 if not torch.equal(first, last["output_weight"]):
-                    raise ValueError(f"checkpoint {old.tag_dir}: the last stage's copy of the tied word embedding "
-                                     f"differs from the first stage's on TP rank {t} (lesson 11); resume with the "
-                                     "saved layout to investigate (dump_weights)")
+                    raise ValueError(
+                        f"checkpoint {old.tag_dir}: the last stage's copy of the tied word embedding "
+                        f"differs from the first stage's on TP rank {t} (lesson 11); resume with the "
+                        "saved layout to investigate (dump_weights)"
+                    )
         out = {}
         for name, live in self.gpt.state_dict().items():
             pieces = self._pieces(name, lambda t, pp, src: old.model(t, pp)["model"][src])
@@ -174,18 +205,22 @@ class Resharder:
             blob = self.old.rank(t, dp, pp)
             names, opt = blob.get("param_names"), blob["optimizer"]
             if names is None:
-                raise ValueError(f"checkpoint {self.old.tag_dir} does not name its optimizer's parameters (saved "
-                                 "under DeepSpeed, or by an older version): its optimizer state cannot be "
-                                 "resharded; resume with the saved layout, or set no_load_optim")
+                raise ValueError(
+                    f"checkpoint {self.old.tag_dir} does not name its optimizer's parameters (saved "
+                    "under DeepSpeed, or by an older version): its optimizer state cannot be "
+                    "resharded; resume with the saved layout, or set no_load_optim"
+                )
             zero = opt.get("zero_stage") == 1
             inner = opt["optimizer"] if zero else opt
             # The fp32 masters (fp16/bf16, lesson 6) are listed in the same order as the names: every parameter
             # of a half-precision model has one. Kept as one more per-parameter state, re-sliced like the rest.
             masters = inner.get("fp32_master_weights")
             if masters is not None and len(masters) != len(names):
-                raise ValueError(f"checkpoint {self.old.tag_dir} holds {len(masters)} fp32 master weights for "
-                                 f"{len(names)} parameters: it cannot be resharded; resume with the saved layout, "
-                                 "or set no_load_optim (the masters then start from the weights)")
+                raise ValueError(
+                    f"checkpoint {self.old.tag_dir} holds {len(masters)} fp32 master weights for "
+                    f"{len(names)} parameters: it cannot be resharded; resume with the saved layout, "
+                    "or set no_load_optim (the masters then start from the weights)"
+                )
             for index, name in enumerate(names):
                 state = inner["state"].get(index)
                 if masters is not None:
@@ -201,16 +236,22 @@ class Resharder:
         old, cache = self.old, {}
         config = old.config
         if config.get("deepspeed"):
-            raise ValueError(f"checkpoint {old.tag_dir} holds DeepSpeed's optimizer state, which cannot be "
-                             "resharded here; resume with the saved layout, or set no_load_optim")
+            raise ValueError(
+                f"checkpoint {old.tag_dir} holds DeepSpeed's optimizer state, which cannot be "
+                "resharded here; resume with the saved layout, or set no_load_optim"
+            )
         if bool(config.get("use_bnb_optimizer")) != use_bnb_optimizer:
-            raise ValueError(f"checkpoint {old.tag_dir} was saved with use_bnb_optimizer="
-                             f"{bool(config.get('use_bnb_optimizer'))}: its optimizer state is not this optimizer's; "
-                             "resume with the same use_bnb_optimizer, or set no_load_optim")
+            raise ValueError(
+                f"checkpoint {old.tag_dir} was saved with use_bnb_optimizer="
+                f"{bool(config.get('use_bnb_optimizer'))}: its optimizer state is not this optimizer's; "
+                "resume with the same use_bnb_optimizer, or set no_load_optim"
+            )
         if config.get("use_bnb_optimizer") and old.tp != self.grid.tp_size:
-            raise ValueError("bitsandbytes' 8-bit optimizer states are quantized in blocks along the flattened "
-                             f"tensor, which a new tensor_model_parallel_size cuts apart: resume with "
-                             f"tensor_model_parallel_size={old.tp} (PP and DP may change), or set no_load_optim")
+            raise ValueError(
+                "bitsandbytes' 8-bit optimizer states are quantized in blocks along the flattened "
+                f"tensor, which a new tensor_model_parallel_size cuts apart: resume with "
+                f"tensor_model_parallel_size={old.tp} (PP and DP may change), or set no_load_optim"
+            )
 
         def old_state(t, pp, src):
             if (t, pp) not in cache:
@@ -218,8 +259,11 @@ class Resharder:
             return cache[t, pp].get(src)
 
         # The same TP cut (and vocabulary padding): each TP rank's state is what it was, whatever its format.
-        same_cut = old.tp == self.grid.tp_size and config.get("make_vocab_size_divisible_by") == \
-            self.gpt.cfg.make_vocab_size_divisible_by
+        same_cut = (
+            old.tp == self.grid.tp_size
+            and config.get("make_vocab_size_divisible_by")
+            == self.gpt.cfg.make_vocab_size_divisible_by
+        )
         template = optimizer.state_dict()
         inner = template["optimizer"] if "zero_stage" in template else template
         # this run's masters (fp16/bf16), to be replaced one by one
@@ -229,9 +273,11 @@ class Resharder:
             if any(s is None for s in states):
                 if all(s is None for s in states) and masters is None:
                     continue  # never stepped
-                raise ValueError(f"checkpoint {old.tag_dir} has no optimizer state (or fp32 master weight) for "
-                                 f"{name!r} on some TP ranks: saved with another precision? Resume with the same "
-                                 "fp16/bf16 setting, or set no_load_optim")
+                raise ValueError(
+                    f"checkpoint {old.tag_dir} has no optimizer state (or fp32 master weight) for "
+                    f"{name!r} on some TP ranks: saved with another precision? Resume with the same "
+                    "fp16/bf16 setting, or set no_load_optim"
+                )
             if same_cut:
                 merged = dict(states[self.grid.tp_rank])
             else:
@@ -239,8 +285,10 @@ class Resharder:
             master = merged.pop("fp32_master", None)
             if masters is not None:
                 if master is None:
-                    raise ValueError(f"checkpoint {old.tag_dir} has no fp32 master weight for {name!r} (saved "
-                                     "without fp16/bf16): resume with the same precision, or set no_load_optim")
+                    raise ValueError(
+                        f"checkpoint {old.tag_dir} has no fp32 master weight for {name!r} (saved "
+                        "without fp16/bf16): resume with the same precision, or set no_load_optim"
+                    )
                 masters[index] = master.float()
             if merged:
                 inner["state"][index] = merged
@@ -256,24 +304,38 @@ class Resharder:
             values = [s[key] for s in states]
             if torch.is_tensor(value) and value.ndim > 0:
                 like_param = value.is_floating_point() and (
-                    tp_dim is None and value.shape == live.shape
-                    or tp_dim is not None and value.ndim == live.ndim)
+                    tp_dim is None
+                    and value.shape == live.shape
+                    or tp_dim is not None
+                    and value.ndim == live.ndim
+                )
                 if not like_param:
-                    raise ValueError(f"optimizer state {key!r} of {name!r} (shape {tuple(value.shape)}, "
-                                     f"{value.dtype}) is not shaped like the parameter and cannot be re-sliced "
-                                     f"for TP={self.grid.tp_size}; resume with tensor_model_parallel_size="
-                                     f"{old.tp}, or set no_load_optim")
+                    raise ValueError(
+                        f"optimizer state {key!r} of {name!r} (shape {tuple(value.shape)}, "
+                        f"{value.dtype}) is not shaped like the parameter and cannot be re-sliced "
+                        f"for TP={self.grid.tp_size}; resume with tensor_model_parallel_size="
+                        f"{old.tp}, or set no_load_optim"
+                    )
                 merged[key] = self._merge(name, values, live.shape, f"optimizer state {key!r}")
             else:  # Adam's step, as an int or a 0-d tensor: the same on every TP rank
                 if any(not torch.equal(torch.as_tensor(v), torch.as_tensor(value)) for v in values):
-                    raise ValueError(f"optimizer state {key!r} of {name!r} differs across TP ranks in "
-                                     f"checkpoint {old.tag_dir}: {values}")
+                    raise ValueError(
+                        f"optimizer state {key!r} of {name!r} differs across TP ranks in "
+                        f"checkpoint {old.tag_dir}: {values}"
+                    )
                 merged[key] = value
         return merged
 
 
-def load(tag_dir, saved_topology, model, optimizer, deepspeed=False, use_bnb_optimizer=False,
-         need_optimizer=True):
+def load(
+    tag_dir,
+    saved_topology,
+    model,
+    optimizer,
+    deepspeed=False,
+    use_bnb_optimizer=False,
+    need_optimizer=True,
+):
     """(model_state, run_state, rank_state) for this rank from a checkpoint of another layout, in the format
     checkpoint.load returns; rank_state's "rng" is None (see the module docstring). need_optimizer=False
     (no_load_optim, an optimizer reset) skips the optimizer state, whatever its format. deepspeed
@@ -285,8 +347,10 @@ def load(tag_dir, saved_topology, model, optimizer, deepspeed=False, use_bnb_opt
     optimizer_state = None
     if need_optimizer:
         if deepspeed:
-            raise ValueError("resharding into DeepSpeed's optimizer is not supported: resume with the saved layout, "
-                             "or set no_load_optim (the weights are resharded, the optimizer starts fresh)")
+            raise ValueError(
+                "resharding into DeepSpeed's optimizer is not supported: resume with the saved layout, "
+                "or set no_load_optim (the weights are resharded, the optimizer starts fresh)"
+            )
         optimizer_state = resharder.optimizer_state(optimizer, model, use_bnb_optimizer)
     return model_state, layout.run, {"optimizer": optimizer_state, "rng": None}
 

@@ -15,6 +15,7 @@ default stream's state for that, and checkpoint() below restores the model-paral
 Megatron's CheckpointFunction does), so the recomputed masks are the forward's. Both streams are saved in
 checkpoints (checkpoint.rng_state), so a resumed run draws the masks an uninterrupted one would.
 """
+
 import contextlib
 
 import torch
@@ -115,6 +116,7 @@ def _restored(states):
 def checkpoint(function, *args):
     """function(*args) with its activations recomputed in backward (torch's non-reentrant checkpoint, which
     replays the default stream), replaying the model-parallel stream from its state at the forward too."""
+
     def contexts():  # called at the forward: the state to replay is the one of this moment
         return contextlib.nullcontext(), _restored(get_states())
 

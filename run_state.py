@@ -14,6 +14,7 @@ a name -> state map (training.Callbacks.state_dict), which this file carries wit
 Not here: how the files are written (checkpoint.py), what the counters mean for the next iteration
 (schedule.py).
 """
+
 import copy
 import random
 import time
@@ -106,12 +107,19 @@ def capture(parts):
     p = parts
     p.state.callbacks = p.callbacks.state_dict()
     model_state = parallel.unwrap(p.model).state_dict()
-    run = {"state": asdict(p.state), "scheduler": p.schedule.lr_schedule.state_dict(),
-           "scaler": p.scaler.state_dict(), "config": asdict(p.cfg)}
+    run = {
+        "state": asdict(p.state),
+        "scheduler": p.schedule.lr_schedule.state_dict(),
+        "scaler": p.scaler.state_dict(),
+        "config": asdict(p.cfg),
+    }
     # param_names: what another layout needs to find this optimizer state by name (reshard.py)
     names = None if p.cfg.deepspeed else reshard.param_names(p.model, p.optimizer)
-    rank_state = {"optimizer": p.optimizer.state_dict(), "rng": checkpoint.rng_state(),
-                  "param_names": names}
+    rank_state = {
+        "optimizer": p.optimizer.state_dict(),
+        "rng": checkpoint.rng_state(),
+        "param_names": names,
+    }
     return model_state, run, rank_state
 
 
@@ -141,8 +149,7 @@ def reset_optimizer(parts, warmup_iters):
     state = getattr(parts.optimizer, "state", None)  # DeepSpeed's: reset only at a resume, fresh
     if state:
         state.clear()
-    parts.state.optimizer_reset = {"iteration": parts.state.iteration,
-                                   "warmup_iters": warmup_iters}
+    parts.state.optimizer_reset = {"iteration": parts.state.iteration, "warmup_iters": warmup_iters}
 
 
 # -----------------------------------------------------------------------------
@@ -158,8 +165,14 @@ def save(parts, writer=None):
     start = time.perf_counter()
     write = writer.save if writer is not None else checkpoint.save
     path = write(cfg.save, iteration, *capture(parts), write_model_state=parallel.grid.dp_rank == 0)
-    how = "saving checkpoint in the background" if writer is not None and writer.enabled else "saved checkpoint"
-    print0(f"{how} at iteration {iteration:8d} to {path} (the loop waited {time.perf_counter() - start:.3f} s)")
+    how = (
+        "saving checkpoint in the background"
+        if writer is not None and writer.enabled
+        else "saved checkpoint"
+    )
+    print0(
+        f"{how} at iteration {iteration:8d} to {path} (the loop waited {time.perf_counter() - start:.3f} s)"
+    )
 
 
 def load(parts):
@@ -175,11 +188,19 @@ def load(parts):
     if saved == checkpoint.topology():
         payload = checkpoint.load(tag_dir)
     else:  # another TP x PP x DP layout: rebuilt from its slices (reshard.py)
-        print0(f"resharding checkpoint {tag_dir}: saved with {reshard.describe(saved)}, now "
-               f"{reshard.describe(checkpoint.topology())}")
-        payload = reshard.load(tag_dir, saved, parts.model, parts.optimizer,
-                               deepspeed=cfg.deepspeed, use_bnb_optimizer=cfg.use_bnb_optimizer,
-                               need_optimizer=not (cfg.no_load_optim or warmup))
+        print0(
+            f"resharding checkpoint {tag_dir}: saved with {reshard.describe(saved)}, now "
+            f"{reshard.describe(checkpoint.topology())}"
+        )
+        payload = reshard.load(
+            tag_dir,
+            saved,
+            parts.model,
+            parts.optimizer,
+            deepspeed=cfg.deepspeed,
+            use_bnb_optimizer=cfg.use_bnb_optimizer,
+            need_optimizer=not (cfg.no_load_optim or warmup),
+        )
     reset_now = warmup and payload[1]["state"].get("optimizer_reset") is None
     fresh = cfg.no_load_optim or reset_now
     restore(payload, parts, optimizer=not fresh, rng_state=not cfg.no_load_rng)
@@ -187,18 +208,23 @@ def load(parts):
         line = optim.resume_adam_params(parts.optimizer, cfg, payload[1].get("config", {}))
         if line:
             print0(line)
-    if state.callbacks:  # their decisions (skip ranges, LR factor): builders.build_callbacks saw them, they hold
+    if (
+        state.callbacks
+    ):  # their decisions (skip ranges, LR factor): builders.build_callbacks saw them, they hold
         parts.callbacks.load_state_dict(state.callbacks, state, resume=True)
     if reset_now:
         reset_optimizer(parts, warmup)
-        print0(f"optimizer reset at iteration {state.iteration}: fresh optimizer, lr=0 for "
-               f"{warmup} iterations")
+        print0(
+            f"optimizer reset at iteration {state.iteration}: fresh optimizer, lr=0 for "
+            f"{warmup} iterations"
+        )
     elif warmup:
-        print0(f"reset_optimizer_warmup_iters ignored: this run's optimizer was already reset at "
-               f"iteration {state.optimizer_reset['iteration']}")
+        print0(
+            f"reset_optimizer_warmup_iters ignored: this run's optimizer was already reset at "
+            f"iteration {state.optimizer_reset['iteration']}"
+        )
     if fresh:
-        print0("optimizer state not loaded: starting from a fresh optimizer (step 0, zero "
-               "moments)")
+        print0("optimizer state not loaded: starting from a fresh optimizer (step 0, zero moments)")
         if hasattr(parts.optimizer, "refresh_fp32_params"):  # masters from the loaded weights
             parts.optimizer.refresh_fp32_params()
     if payload[2]["rng"] is None:
@@ -208,8 +234,10 @@ def load(parts):
         rng.seed(seed, next(parallel.unwrap(parts.model).parameters()).device)
         np.random.seed(seed)
         random.seed(seed)
-        print0(f"RNG states not restored (the layout changed): fresh streams seeded with seed + "
-               f"iteration = {seed}")
+        print0(
+            f"RNG states not restored (the layout changed): fresh streams seeded with seed + "
+            f"iteration = {seed}"
+        )
     print0(f"loaded checkpoint {tag_dir} at iteration {state.iteration}")
     if cfg.dump_weights:
         checkpoint.dump_weights(cfg.load, "after-load", state.iteration, parts.model)

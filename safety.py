@@ -16,6 +16,7 @@ During the run, ExitSignal turns SIGTERM (what SLURM sends at its time limit) or
 asks for ahead of it) into "finish this iteration, save, exit 0" (Megatron's exit_signal_handler);
 exit_reason says when the job stops: on that signal, or at exit_interval / exit_duration_in_mins.
 """
+
 import json
 import os
 import signal
@@ -37,10 +38,20 @@ LOCK = "lock"
 
 # Model keys that do not change the weights' shapes or the function they compute: they may differ on resume.
 # Every other GPTConfig field (shapes, activation, LayerNorms, attention scaling, ...) must match the checkpoint.
-RESUMABLE_MODEL_KEYS = {"hidden_dropout", "attention_dropout", "embed_dropout", "checkpoint_activations", "z_loss",
-                        "init_method_std", "embed_init", "embed_init_std", "position_embedding_init",
-                        # the layout: checkpoint.load
-                        "tensor_model_parallel_size", "pipeline_model_parallel_size"}
+RESUMABLE_MODEL_KEYS = {
+    "hidden_dropout",
+    "attention_dropout",
+    "embed_dropout",
+    "checkpoint_activations",
+    "z_loss",
+    "init_method_std",
+    "embed_init",
+    "embed_init_std",
+    "position_embedding_init",
+    # the layout: checkpoint.load
+    "tensor_model_parallel_size",
+    "pipeline_model_parallel_size",
+}
 
 
 def architecture_keys():
@@ -77,6 +88,7 @@ def checkpoint_run(tag_dir):
     first = checkpoint.model_file(tag_dir, parallel.Grid(world_size=1))
     return checkpoint.read(first, "model shard", mmap=True)["run"]
 
+
 def _show(value):
     return repr(value) if isinstance(value, str) else str(value)
 
@@ -87,10 +99,13 @@ def compare_configs(saved, current, tag_dir):
     run)."""
     arch = [k for k in architecture_keys() if k in saved and saved[k] != current[k]]
     if arch:
-        diff = ", ".join(f"{k} {_show(saved[k])} (checkpoint) vs {_show(current[k])} (now)"
-                         for k in arch)
-        raise ValueError(f"checkpoint {tag_dir} holds another model: {diff}. Resume with the checkpoint's values, or "
-                         "train this model from scratch with another save directory")
+        diff = ", ".join(
+            f"{k} {_show(saved[k])} (checkpoint) vs {_show(current[k])} (now)" for k in arch
+        )
+        raise ValueError(
+            f"checkpoint {tag_dir} holds another model: {diff}. Resume with the checkpoint's values, or "
+            "train this model from scratch with another save directory"
+        )
     changed = []
     for key, value in saved.items():
         if key in ("load", "save") or key not in current or current[key] == value:
@@ -119,21 +134,29 @@ def resolve_resume(ckpt_cfg, eval_only, current):
     save_tag = _latest(keys.save)
     if keys.load is None and save_tag is not None:
         keys.load = keys.save
-        lines.append(f"resuming from {save_tag}: save holds a checkpoint and load is unset (same directory for "
-                     "both, the SLURM habit)")
+        lines.append(
+            f"resuming from {save_tag}: save holds a checkpoint and load is unset (same directory for "
+            "both, the SLURM habit)"
+        )
     load, save = keys.load, keys.save
     if load is not None and not os.path.isdir(load) and not _same_dir(load, save):
-        raise ValueError(f"load directory {load} does not exist; fix the path, or unset load to "
-                         "train from scratch")
+        raise ValueError(
+            f"load directory {load} does not exist; fix the path, or unset load to "
+            "train from scratch"
+        )
     load_tag = _latest(load) if load else None
     if save_tag is not None and not _same_dir(save, load) and not eval_only:
-        raise ValueError(f"save directory {save} already holds checkpoint "
-                         f"{os.path.basename(save_tag)}, which this run (loading {load}) would "
-                         f"write over; resume it with --load {save} (or unset load), or pick a new "
-                         "save directory")
+        raise ValueError(
+            f"save directory {save} already holds checkpoint "
+            f"{os.path.basename(save_tag)}, which this run (loading {load}) would "
+            f"write over; resume it with --load {save} (or unset load), or pick a new "
+            "save directory"
+        )
     if eval_only and load_tag is None:
-        raise ValueError(f"eval_only needs a checkpoint, but {load or save or 'no load directory'} "
-                         "holds none; set load to a directory with a 'latest' file")
+        raise ValueError(
+            f"eval_only needs a checkpoint, but {load or save or 'no load directory'} "
+            "holds none; set load to a directory with a 'latest' file"
+        )
     saved_state = None
     if load_tag is not None:
         run = checkpoint_run(load_tag)
@@ -165,10 +188,15 @@ def acquire_lock(directory):
     try:
         os.makedirs(directory, exist_ok=True)
     except OSError as e:
-        raise ValueError(f"cannot create the save directory {directory} ({e.strerror}); choose another "
-                         "--save") from None
+        raise ValueError(
+            f"cannot create the save directory {directory} ({e.strerror}); choose another --save"
+        ) from None
     path = os.path.join(directory, LOCK)
-    me = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.strftime("%Y-%m-%d %H:%M:%S")}
+    me = {
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "since": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
     for _ in range(2):  # a second try after taking over a stale lock
         try:
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
@@ -179,16 +207,25 @@ def acquire_lock(directory):
             except (OSError, ValueError):
                 holder = None
             if holder and holder.get("host") == me["host"] and not _alive(holder.get("pid")):
-                _print0(f"taking over the lock {path} of pid {holder['pid']}, which is no longer running")
+                _print0(
+                    f"taking over the lock {path} of pid {holder['pid']}, which is no longer running"
+                )
                 os.remove(path)
                 continue
-            who = (f"host {holder.get('host')} pid {holder.get('pid')} since {holder.get('since')}" if holder
-                   else "an unreadable lock")
-            raise ValueError(f"save directory {directory} is in use by another run ({who}, in {path}); wait for it "
-                             "to end or use another --save (delete the lock only if that run is gone)") from None
+            who = (
+                f"host {holder.get('host')} pid {holder.get('pid')} since {holder.get('since')}"
+                if holder
+                else "an unreadable lock"
+            )
+            raise ValueError(
+                f"save directory {directory} is in use by another run ({who}, in {path}); wait for it "
+                "to end or use another --save (delete the lock only if that run is gone)"
+            ) from None
         except OSError as e:
-            raise ValueError(f"save directory {directory} is not writable ({e.strerror}); fix its permissions or "
-                             "choose another --save") from None
+            raise ValueError(
+                f"save directory {directory} is not writable ({e.strerror}); fix its permissions or "
+                "choose another --save"
+            ) from None
         with os.fdopen(fd, "w") as f:
             json.dump(me, f)
         return path
@@ -285,7 +322,9 @@ class ExitSignal:
         name = signal.Signals(received).name
         if not self.said:  # the log says which signal asked, whatever the caller prints
             self.said = True
-            _print0(f"exit_signal_handler: {name} received; saving and exiting at the end of this iteration")
+            _print0(
+                f"exit_signal_handler: {name} received; saving and exiting at the end of this iteration"
+            )
         return name
 
     def restore(self):
@@ -306,7 +345,8 @@ def exit_reason(ckpt_cfg, iterations, job_start, exit_signal):
     iteration: it is always called."""
     duration, interval = ckpt_cfg.exit_duration_in_mins, ckpt_cfg.exit_interval
     clock = (interval is not None and iterations >= interval) or (
-        duration is not None and minutes_since(job_start) >= duration)
+        duration is not None and minutes_since(job_start) >= duration
+    )
     signal_name = exit_signal()
     if signal_name:
         return f"{signal_name} (exit_signal_handler)"

@@ -20,6 +20,7 @@ token count at the end of a sample warm-up, which the checkpoint keeps. Not here
 The schedule's keys and their checks are ScheduleConfig and check() below (arguments.Config is made of
 each owner's keys).
 """
+
 import math
 from dataclasses import dataclass
 
@@ -80,8 +81,17 @@ def _given(schedule_cfg, key):
 
 
 # The config keys of the LR schedule: what a resume may change only with override_lr_scheduler (safety.py)
-LR_KEYS = ("lr", "min_lr", "lr_decay_style", "lr_warmup_samples", "lr_warmup_tokens", "lr_decay_samples",
-           "lr_decay_tokens", "lr_wsd_decay_samples", "lr_wsd_decay_style")
+LR_KEYS = (
+    "lr",
+    "min_lr",
+    "lr_decay_style",
+    "lr_warmup_samples",
+    "lr_warmup_tokens",
+    "lr_decay_samples",
+    "lr_decay_tokens",
+    "lr_wsd_decay_samples",
+    "lr_wsd_decay_style",
+)
 
 
 def check(schedule_cfg, dp_size=1, load=None):
@@ -89,52 +99,85 @@ def check(schedule_cfg, dp_size=1, load=None):
     of the run (it divides the global batch); load: checkpointing's load directory (an optimizer
     reset needs one)."""
     keys = schedule_cfg
+
     def need(ok, message):
         if not ok:
             raise ValueError(message)
 
-    for key in ("micro_batch_size", "global_batch_size", "train_iters", "train_samples", "train_tokens"):
+    for key in (
+        "micro_batch_size",
+        "global_batch_size",
+        "train_iters",
+        "train_samples",
+        "train_tokens",
+    ):
         value = getattr(keys, key)
         need(value is None or value > 0, f"{key}={value} must be positive")
     for key in ("lr", "min_lr", "lr_warmup_samples"):
         need(getattr(keys, key) >= 0, f"{key}={getattr(keys, key)} must not be negative")
     gbs, mbs, dp = keys.global_batch_size, keys.micro_batch_size, dp_size
-    need(gbs is None or gbs % (mbs * dp) == 0,
-         f"global_batch_size ({gbs}) must be divisible by micro_batch_size ({mbs})"
-         f" x data-parallel size ({dp}); change one of them")
-    need(any(x is not None for x in (keys.train_iters, keys.train_samples, keys.train_tokens)),
-         "set the length of training: train_iters, train_samples or train_tokens")
-    need(keys.rampup_batch_size is None or keys.train_iters is None,
-         "rampup_batch_size counts samples: set train_samples (or train_tokens) instead of train_iters")
+    need(
+        gbs is None or gbs % (mbs * dp) == 0,
+        f"global_batch_size ({gbs}) must be divisible by micro_batch_size ({mbs})"
+        f" x data-parallel size ({dp}); change one of them",
+    )
+    need(
+        any(x is not None for x in (keys.train_iters, keys.train_samples, keys.train_tokens)),
+        "set the length of training: train_iters, train_samples or train_tokens",
+    )
+    need(
+        keys.rampup_batch_size is None or keys.train_iters is None,
+        "rampup_batch_size counts samples: set train_samples (or train_tokens) instead of train_iters",
+    )
     for a, b in EXCLUSIVE:
-        need(not (_given(keys, a) and _given(keys, b)),
-             f"both {a} and {b} are set; set only one of them")
-    need(keys.rampup_batch_size is None or len(keys.rampup_batch_size) == 3,
-         f"rampup_batch_size must be 'start increment samples', got {keys.rampup_batch_size}")
-    need(keys.lr_decay_style in LR_SHAPES,
-         f"lr_decay_style={keys.lr_decay_style!r} is not "
-         f"{' or '.join(', '.join(LR_SHAPES).rsplit(', ', 1))}")
+        need(
+            not (_given(keys, a) and _given(keys, b)),
+            f"both {a} and {b} are set; set only one of them",
+        )
+    need(
+        keys.rampup_batch_size is None or len(keys.rampup_batch_size) == 3,
+        f"rampup_batch_size must be 'start increment samples', got {keys.rampup_batch_size}",
+    )
+    need(
+        keys.lr_decay_style in LR_SHAPES,
+        f"lr_decay_style={keys.lr_decay_style!r} is not "
+        f"{' or '.join(', '.join(LR_SHAPES).rsplit(', ', 1))}",
+    )
     need(keys.min_lr <= keys.lr, f"min_lr ({keys.min_lr}) is larger than lr ({keys.lr})")
-    need(keys.lr_decay_style != "wsd" or (keys.lr_wsd_decay_samples or 0) > 0,
-         "lr_decay_style='wsd' needs lr_wsd_decay_samples (the samples of its final anneal, e.g. a tenth of the run)")
-    need(keys.lr_decay_style != "wsd" or keys.lr_decay_tokens is None,
-         "lr_decay_style='wsd' counts its anneal in samples (lr_wsd_decay_samples): use lr_decay_samples, not "
-         "lr_decay_tokens")
-    need(keys.lr_wsd_decay_style in WSD_ANNEALS,
-         f"lr_wsd_decay_style={keys.lr_wsd_decay_style!r} is not one of {', '.join(WSD_ANNEALS)}")
+    need(
+        keys.lr_decay_style != "wsd" or (keys.lr_wsd_decay_samples or 0) > 0,
+        "lr_decay_style='wsd' needs lr_wsd_decay_samples (the samples of its final anneal, e.g. a tenth of the run)",
+    )
+    need(
+        keys.lr_decay_style != "wsd" or keys.lr_decay_tokens is None,
+        "lr_decay_style='wsd' counts its anneal in samples (lr_wsd_decay_samples): use lr_decay_samples, not "
+        "lr_decay_tokens",
+    )
+    need(
+        keys.lr_wsd_decay_style in WSD_ANNEALS,
+        f"lr_wsd_decay_style={keys.lr_wsd_decay_style!r} is not one of {', '.join(WSD_ANNEALS)}",
+    )
     parse_iteration_ranges(keys.skip_train_iteration_range, "skip_train_iteration_range")
     warmup = keys.reset_optimizer_warmup_iters
-    need(warmup in (None, "auto") or isinstance(warmup, int),
-         "reset_optimizer_warmup_iters must be a number of iterations or 'auto'")
+    need(
+        warmup in (None, "auto") or isinstance(warmup, int),
+        "reset_optimizer_warmup_iters must be a number of iterations or 'auto'",
+    )
     # a count: -3 would read as "lr=0 for -3 iterations", and 0 resets nothing (reset_warmup_iters)
-    need(not isinstance(warmup, int) or warmup > 0,
-         f"reset_optimizer_warmup_iters={warmup} must be a positive number of lr=0 iterations "
-         "after the optimizer reset (or 'auto': 5 / (1 - adam_beta2)); unset it for none")
-    need(warmup is None or load is not None,
-         "reset_optimizer_warmup_iters resets the optimizer of a loaded checkpoint: set load too")
+    need(
+        not isinstance(warmup, int) or warmup > 0,
+        f"reset_optimizer_warmup_iters={warmup} must be a positive number of lr=0 iterations "
+        "after the optimizer reset (or 'auto': 5 / (1 - adam_beta2)); unset it for none",
+    )
+    need(
+        warmup is None or load is not None,
+        "reset_optimizer_warmup_iters resets the optimizer of a loaded checkpoint: set load too",
+    )
     steps = keys.total_curriculum_step
-    need(not keys.curriculum_learning or (steps is not None and steps > 0),
-         "curriculum_learning needs total_curriculum_step (about train_tokens / global_batch / seq_length / 2)")
+    need(
+        not keys.curriculum_learning or (steps is not None and steps > 0),
+        "curriculum_learning needs total_curriculum_step (about train_tokens / global_batch / seq_length / 2)",
+    )
 
 
 class Schedule:
@@ -143,18 +186,26 @@ class Schedule:
     def __init__(self, schedule_cfg, dp_size, seq_length):
         """schedule_cfg: a ScheduleConfig; seq_length: the model's (the length, no curriculum)."""
         self.schedule_cfg, self.seq_length, keys = schedule_cfg, seq_length, schedule_cfg
-        self.rampup = RampupBatchSize(keys.rampup_batch_size, keys.global_batch_size,
-                                      keys.micro_batch_size, dp_size)
+        self.rampup = RampupBatchSize(
+            keys.rampup_batch_size, keys.global_batch_size, keys.micro_batch_size, dp_size
+        )
         if keys.curriculum_learning:
-            check_curriculum(keys.min_difficulty, keys.max_difficulty, seq_length,
-                             keys.difficulty_step)
+            check_curriculum(
+                keys.min_difficulty, keys.max_difficulty, seq_length, keys.difficulty_step
+            )
         self.skip_ranges = parse_iteration_ranges(keys.skip_train_iteration_range)
         self.total_iters, self.total_samples, self.total_tokens = self._simulate()
         self.lr_schedule = AnnealingLR(
-            keys.lr, keys.min_lr, keys.lr_decay_style, warmup_samples=keys.lr_warmup_samples,
+            keys.lr,
+            keys.min_lr,
+            keys.lr_decay_style,
+            warmup_samples=keys.lr_warmup_samples,
             decay_samples=keys.lr_decay_samples or self.total_samples,
-            warmup_tokens=keys.lr_warmup_tokens, decay_tokens=keys.lr_decay_tokens,
-            wsd_decay_samples=keys.lr_wsd_decay_samples, wsd_decay_style=keys.lr_wsd_decay_style)
+            warmup_tokens=keys.lr_warmup_tokens,
+            decay_tokens=keys.lr_decay_tokens,
+            wsd_decay_samples=keys.lr_wsd_decay_samples,
+            wsd_decay_style=keys.lr_wsd_decay_style,
+        )
 
     def batch_size(self, consumed_samples):
         return self.rampup(consumed_samples)
@@ -163,8 +214,13 @@ class Schedule:
         keys = self.schedule_cfg
         if not keys.curriculum_learning:
             return self.seq_length
-        return curriculum_seqlen(iteration, keys.min_difficulty, keys.max_difficulty,
-                                 keys.total_curriculum_step, keys.difficulty_step)
+        return curriculum_seqlen(
+            iteration,
+            keys.min_difficulty,
+            keys.max_difficulty,
+            keys.total_curriculum_step,
+            keys.difficulty_step,
+        )
 
     def skipped(self, iteration):
         return in_ranges(iteration, self.skip_ranges)
@@ -199,10 +255,14 @@ class Schedule:
         """Megatron's update_train_iters: a last batch that would go past train_samples is not run
         (tr8b-104B's 300M samples are "159576" iterations, not 159577)."""
         keys = self.schedule_cfg
-        return ((keys.train_iters is not None and iteration >= keys.train_iters)
-                or (keys.train_samples is not None
-                    and samples + self.batch_size(samples) > keys.train_samples)
-                or (keys.train_tokens is not None and tokens >= keys.train_tokens))
+        return (
+            (keys.train_iters is not None and iteration >= keys.train_iters)
+            or (
+                keys.train_samples is not None
+                and samples + self.batch_size(samples) > keys.train_samples
+            )
+            or (keys.train_tokens is not None and tokens >= keys.train_tokens)
+        )
 
     def _simulate(self):
         it = samples = tokens = 0
@@ -217,8 +277,12 @@ class Schedule:
 # Iteration ranges: skip_train_iteration_range, the spike guard's skip ranges, fault injection
 
 
-def parse_iteration_ranges(ranges, key="skip_train_iteration_range", lowest=1,
-                           unit="iterations are 1-based and inclusive, e.g. 13251-14000"):
+def parse_iteration_ranges(
+    ranges,
+    key="skip_train_iteration_range",
+    lowest=1,
+    unit="iterations are 1-based and inclusive, e.g. 13251-14000",
+):
     """["13251-14000", "16652-18500"] -> [(13251, 14000), (16652, 18500)]: inclusive, 1-based
     (Megatron-DeepSpeed's format); lowest and unit: another count's (a fault's sample indices)."""
     out = []
@@ -229,8 +293,9 @@ def parse_iteration_ranges(ranges, key="skip_train_iteration_range", lowest=1,
         except ValueError:
             end = None
         if end is None or not lowest <= start <= end:
-            raise ValueError(f"{key} entry {r!r} is not 'START-END' with {lowest} <= START <= END "
-                             f"({unit})")
+            raise ValueError(
+                f"{key} entry {r!r} is not 'START-END' with {lowest} <= START <= END ({unit})"
+            )
         out.append((start, end))
     return sorted(out)
 
@@ -262,8 +327,11 @@ def reset_warmup_iters(setting, adam_beta2, unset=None):
 # small to fill the pipeline runs at a fraction of the throughput: main-2 tried "384 16 9_765_625", the final
 # run started at 192.
 
+
 class RampupBatchSize:
-    def __init__(self, rampup, global_batch_size: int, micro_batch_size: int, data_parallel_size: int):
+    def __init__(
+        self, rampup, global_batch_size: int, micro_batch_size: int, data_parallel_size: int
+    ):
         self.global_batch_size = global_batch_size
         self.micro_batch_times_dp = micro_batch_size * data_parallel_size
         if rampup is None:
@@ -271,23 +339,38 @@ class RampupBatchSize:
         else:
             try:
                 parts = rampup.split() if isinstance(rampup, str) else list(rampup)
-                self.start, self.increment, self.samples = (int(str(p).replace("_", "")) for p in parts)
+                self.start, self.increment, self.samples = (
+                    int(str(p).replace("_", "")) for p in parts
+                )
             except ValueError:
-                raise ValueError(f"rampup_batch_size {rampup!r} must be three integers 'start increment samples', "
-                                 "e.g. '16 16 9_765_625'") from None
-            if self.start <= 0 or self.increment <= 0 or self.samples <= 0 or self.start > global_batch_size:
-                raise ValueError(f"rampup_batch_size {rampup!r}: need 0 < start <= global_batch_size "
-                                 f"({global_batch_size}), increment > 0 and samples > 0")
+                raise ValueError(
+                    f"rampup_batch_size {rampup!r} must be three integers 'start increment samples', "
+                    "e.g. '16 16 9_765_625'"
+                ) from None
+            if (
+                self.start <= 0
+                or self.increment <= 0
+                or self.samples <= 0
+                or self.start > global_batch_size
+            ):
+                raise ValueError(
+                    f"rampup_batch_size {rampup!r}: need 0 < start <= global_batch_size "
+                    f"({global_batch_size}), increment > 0 and samples > 0"
+                )
             diff = global_batch_size - self.start
             if diff % self.increment:
-                raise ValueError(f"rampup_batch_size {rampup!r}: global_batch_size - start = {diff} is not a multiple "
-                                 f"of the increment {self.increment}")
+                raise ValueError(
+                    f"rampup_batch_size {rampup!r}: global_batch_size - start = {diff} is not a multiple "
+                    f"of the increment {self.increment}"
+                )
             self.increments = diff // self.increment
         for batch in range(self.start, global_batch_size + 1, self.increment or 1):
             if batch % self.micro_batch_times_dp:
-                raise ValueError(f"batch size {batch} (reached by rampup_batch_size {rampup!r} / global_batch_size "
-                                 f"{global_batch_size}) is not divisible by micro_batch_size * data_parallel_size = "
-                                 f"{micro_batch_size} * {data_parallel_size}; change the ramp-up or the batch sizes")
+                raise ValueError(
+                    f"batch size {batch} (reached by rampup_batch_size {rampup!r} / global_batch_size "
+                    f"{global_batch_size}) is not divisible by micro_batch_size * data_parallel_size = "
+                    f"{micro_batch_size} * {data_parallel_size}; change the ramp-up or the batch sizes"
+                )
 
     def __call__(self, consumed_samples: int) -> int:
         """Global batch size once `consumed_samples` samples have been consumed."""
@@ -306,32 +389,55 @@ class RampupBatchSize:
 # Sequence-length curriculum (DeepSpeed's fixed_linear, lesson 13): train on the first d tokens of each
 # sample, d growing linearly from min_difficulty to max_difficulty = seq_length over total_curriculum_step steps.
 
-def check_curriculum(min_difficulty: int, max_difficulty: int, seq_length: int, difficulty_step: int = 8,
-                     total_curriculum_step: int | None = None) -> None:
+
+def check_curriculum(
+    min_difficulty: int,
+    max_difficulty: int,
+    seq_length: int,
+    difficulty_step: int = 8,
+    total_curriculum_step: int | None = None,
+) -> None:
     """Raise one ValueError listing every violated constraint (total_curriculum_step is checked when given)."""
     problems = []
     if difficulty_step <= 0 or difficulty_step % 8:
-        problems.append(f"difficulty_step {difficulty_step} must be a positive multiple of 8 (tensor cores; "
-                        "lesson 13)")
+        problems.append(
+            f"difficulty_step {difficulty_step} must be a positive multiple of 8 (tensor cores; "
+            "lesson 13)"
+        )
     elif min_difficulty <= 0 or min_difficulty % difficulty_step:
-        problems.append(f"min_difficulty {min_difficulty} must be a positive multiple of difficulty_step "
-                        f"{difficulty_step} (lesson 13)")
+        problems.append(
+            f"min_difficulty {min_difficulty} must be a positive multiple of difficulty_step "
+            f"{difficulty_step} (lesson 13)"
+        )
     if max_difficulty != seq_length:
-        problems.append(f"max_difficulty {max_difficulty} must equal seq_length {seq_length} (lesson 13)")
+        problems.append(
+            f"max_difficulty {max_difficulty} must equal seq_length {seq_length} (lesson 13)"
+        )
     if min_difficulty > max_difficulty:
-        problems.append(f"min_difficulty {min_difficulty} must not exceed max_difficulty {max_difficulty}")
+        problems.append(
+            f"min_difficulty {min_difficulty} must not exceed max_difficulty {max_difficulty}"
+        )
     if total_curriculum_step is not None and total_curriculum_step <= 0:
-        problems.append(f"total_curriculum_step {total_curriculum_step} must be positive (lesson 13 recommends "
-                        "~train_tokens / global_batch / seq_length / 2)")
+        problems.append(
+            f"total_curriculum_step {total_curriculum_step} must be positive (lesson 13 recommends "
+            "~train_tokens / global_batch / seq_length / 2)"
+        )
     if problems:
         raise ValueError("curriculum learning config: " + "; ".join(problems))
 
 
-def curriculum_seqlen(step: int, min_difficulty: int, max_difficulty: int, total_curriculum_step: int,
-                      difficulty_step: int = 8) -> int:
+def curriculum_seqlen(
+    step: int,
+    min_difficulty: int,
+    max_difficulty: int,
+    total_curriculum_step: int,
+    difficulty_step: int = 8,
+) -> int:
     """Sequence length for 1-based iteration `step` (Megatron-DeepSpeed calls update_difficulty(iteration + 1)).
     Same float expression as DeepSpeed, so the lengths switch at exactly the same iterations."""
-    d = math.floor(float(step) / total_curriculum_step * (max_difficulty - min_difficulty) + min_difficulty)
+    d = math.floor(
+        float(step) / total_curriculum_step * (max_difficulty - min_difficulty) + min_difficulty
+    )
     d -= d % difficulty_step
     return min(d, max_difficulty)
 
@@ -363,7 +469,12 @@ def lr_minus_sqrt(progress):
 
 
 # Megatron's --lr-wsd-decay-style: the shape of WSD's final anneal, over the anneal's own progress
-WSD_ANNEALS = {"exponential": lr_exponential, "linear": lr_linear, "cosine": lr_cosine, "minus_sqrt": lr_minus_sqrt}
+WSD_ANNEALS = {
+    "exponential": lr_exponential,
+    "linear": lr_linear,
+    "cosine": lr_cosine,
+    "minus_sqrt": lr_minus_sqrt,
+}
 
 
 def lr_wsd(progress, decay_fraction, anneal="exponential"):
@@ -414,8 +525,18 @@ class AnnealingLR:
     731-738 sample lag).
     """
 
-    def __init__(self, max_lr, min_lr, decay_style, warmup_samples=0, decay_samples=None,
-                 warmup_tokens=None, decay_tokens=None, wsd_decay_samples=None, wsd_decay_style="exponential"):
+    def __init__(
+        self,
+        max_lr,
+        min_lr,
+        decay_style,
+        warmup_samples=0,
+        decay_samples=None,
+        warmup_tokens=None,
+        decay_tokens=None,
+        wsd_decay_samples=None,
+        wsd_decay_style="exponential",
+    ):
         self.max_lr = float(max_lr)
         self.min_lr = float(min_lr)
         self.decay_style = decay_style
@@ -428,8 +549,11 @@ class AnnealingLR:
         self._validate()
         options = {}
         if decay_style == "wsd":
-            options = {"decay_fraction": self.wsd_decay_samples / (self.decay_samples - self.warmup_samples),
-                       "anneal": wsd_decay_style}
+            options = {
+                "decay_fraction": self.wsd_decay_samples
+                / (self.decay_samples - self.warmup_samples),
+                "anneal": wsd_decay_style,
+            }
         self.coefficient = build_lr_fn(decay_style, **options)
 
         # token count at the end of warm-up: fixed by the config for a token warm-up or no warm-up,
@@ -442,41 +566,69 @@ class AnnealingLR:
         return 0 if self.warmup_samples == 0 else None
 
     def _validate(self):
-        fix = "check lr, min_lr, lr_decay_style, lr_warmup_samples/tokens and lr_decay_samples/tokens"
+        fix = (
+            "check lr, min_lr, lr_decay_style, lr_warmup_samples/tokens and lr_decay_samples/tokens"
+        )
         if self.decay_style not in LR_SHAPES:
-            raise ValueError(f"unknown lr_decay_style {self.decay_style!r}; use one of {', '.join(LR_SHAPES)}")
+            raise ValueError(
+                f"unknown lr_decay_style {self.decay_style!r}; use one of {', '.join(LR_SHAPES)}"
+            )
         if self.min_lr < 0.0 or self.max_lr < 0.0:
-            raise ValueError(f"learning rates must be >= 0 (lr {self.max_lr}, min_lr {self.min_lr}); {fix}")
+            raise ValueError(
+                f"learning rates must be >= 0 (lr {self.max_lr}, min_lr {self.min_lr}); {fix}"
+            )
         if self.min_lr > self.max_lr:
-            raise ValueError(f"min_lr {self.min_lr} is larger than lr {self.max_lr}; lower min_lr or raise lr")
+            raise ValueError(
+                f"min_lr {self.min_lr} is larger than lr {self.max_lr}; lower min_lr or raise lr"
+            )
         if self.warmup_samples < 0:
             raise ValueError(f"lr_warmup_samples must be >= 0, got {self.warmup_samples}")
         if self.warmup_tokens is not None:
             if self.warmup_samples > 0:
-                raise ValueError("both lr_warmup_samples and lr_warmup_tokens are set; set only one of them")
+                raise ValueError(
+                    "both lr_warmup_samples and lr_warmup_tokens are set; set only one of them"
+                )
             if self.warmup_tokens < 0:
                 raise ValueError(f"lr_warmup_tokens must be >= 0, got {self.warmup_tokens}")
             if self.decay_tokens is None and self.decay_style != "constant":
-                raise ValueError("lr_warmup_tokens needs lr_decay_tokens (a token warm-up and a sample decay "
-                                 "have no common origin); set lr_decay_tokens or use lr_warmup_samples")
+                raise ValueError(
+                    "lr_warmup_tokens needs lr_decay_tokens (a token warm-up and a sample decay "
+                    "have no common origin); set lr_decay_tokens or use lr_warmup_samples"
+                )
         if self.decay_tokens is not None:
             warmup = self.warmup_tokens or 0
             if self.decay_tokens <= warmup:
-                raise ValueError(f"lr_decay_tokens ({self.decay_tokens}) must be larger than the warm-up "
-                                 f"({warmup} tokens); {fix}")
+                raise ValueError(
+                    f"lr_decay_tokens ({self.decay_tokens}) must be larger than the warm-up "
+                    f"({warmup} tokens); {fix}"
+                )
         elif self.decay_style != "constant" and self.decay_samples is None:
-            raise ValueError(f"lr_decay_style {self.decay_style!r} needs lr_decay_samples (or lr_decay_tokens)")
+            raise ValueError(
+                f"lr_decay_style {self.decay_style!r} needs lr_decay_samples (or lr_decay_tokens)"
+            )
         if self.decay_samples is not None and self.decay_samples <= self.warmup_samples:
-            raise ValueError(f"lr_decay_samples ({self.decay_samples}) must be larger than lr_warmup_samples "
-                             f"({self.warmup_samples}); {fix}")
+            raise ValueError(
+                f"lr_decay_samples ({self.decay_samples}) must be larger than lr_warmup_samples "
+                f"({self.warmup_samples}); {fix}"
+            )
         if self.decay_style == "wsd":
-            window = None if self.decay_samples is None else self.decay_samples - self.warmup_samples
-            if self.decay_tokens is not None or not self.wsd_decay_samples or not 0 < self.wsd_decay_samples <= window:
-                raise ValueError(f"lr_decay_style 'wsd' needs 0 < lr_wsd_decay_samples ({self.wsd_decay_samples}) <= "
-                                 f"lr_decay_samples - lr_warmup_samples ({window}), counted in samples; {fix}")
+            window = (
+                None if self.decay_samples is None else self.decay_samples - self.warmup_samples
+            )
+            if (
+                self.decay_tokens is not None
+                or not self.wsd_decay_samples
+                or not 0 < self.wsd_decay_samples <= window
+            ):
+                raise ValueError(
+                    f"lr_decay_style 'wsd' needs 0 < lr_wsd_decay_samples ({self.wsd_decay_samples}) <= "
+                    f"lr_decay_samples - lr_warmup_samples ({window}), counted in samples; {fix}"
+                )
             if self.wsd_decay_style not in WSD_ANNEALS:
-                raise ValueError(f"unknown lr_wsd_decay_style {self.wsd_decay_style!r}; use one of "
-                                 f"{', '.join(WSD_ANNEALS)}")
+                raise ValueError(
+                    f"unknown lr_wsd_decay_style {self.wsd_decay_style!r}; use one of "
+                    f"{', '.join(WSD_ANNEALS)}"
+                )
 
     def get_lr(self, consumed_samples: int, consumed_tokens: int) -> float:
         if self.warmup_tokens is None and self.warmup_samples > 0:
@@ -500,16 +652,20 @@ class AnnealingLR:
         if self.decay_tokens is None:
             if consumed_samples > self.decay_samples:
                 return self.min_lr
-            ratio = (consumed_samples - self.warmup_samples) / (self.decay_samples - self.warmup_samples)
+            ratio = (consumed_samples - self.warmup_samples) / (
+                self.decay_samples - self.warmup_samples
+            )
         else:
             if consumed_tokens >= self.decay_tokens:  # ratio 1 gives min_lr too; >= avoids 0/0 when
-                return self.min_lr                    # the warm-up ended at or past decay_tokens
+                return self.min_lr  # the warm-up ended at or past decay_tokens
             start = self.warmup_end_tokens
             ratio = (consumed_tokens - start) / (self.decay_tokens - start)
         if not 0.0 <= ratio <= 1.0:
-            raise ValueError(f"lr decay ratio {ratio} outside [0, 1] at {consumed_samples} samples / "
-                             f"{consumed_tokens} tokens (warm-up ended at {self.warmup_end_tokens} tokens); "
-                             f"the consumed counters went backwards, check the checkpoint")
+            raise ValueError(
+                f"lr decay ratio {ratio} outside [0, 1] at {consumed_samples} samples / "
+                f"{consumed_tokens} tokens (warm-up ended at {self.warmup_end_tokens} tokens); "
+                f"the consumed counters went backwards, check the checkpoint"
+            )
 
         return self.min_lr + self.coefficient(ratio) * (self.max_lr - self.min_lr)
 
@@ -521,8 +677,10 @@ class AnnealingLR:
         if self.decay_style == "constant":
             decay = "then constant"
         elif self.decay_style == "wsd":
-            decay = (f"constant, then a {self.wsd_decay_style} anneal over the last {self.wsd_decay_samples} of "
-                     f"{self.decay_samples} samples")
+            decay = (
+                f"constant, then a {self.wsd_decay_style} anneal over the last {self.wsd_decay_samples} of "
+                f"{self.decay_samples} samples"
+            )
         elif self.decay_tokens is not None:
             decay = f"{self.decay_style} decay to {self.decay_tokens} tokens"
         else:
@@ -571,9 +729,11 @@ class AnnealingLR:
             if getattr(self, key) != sd.get(key)
         ]
         if mismatches and not override:
-            raise ValueError("AnnealingLR: " + "; ".join(mismatches) + "; to use the config's schedule from "
-                             "the current consumed samples/tokens, set override_lr_scheduler "
-                             "(--override-lr-scheduler)")
+            raise ValueError(
+                "AnnealingLR: " + "; ".join(mismatches) + "; to use the config's schedule from "
+                "the current consumed samples/tokens, set override_lr_scheduler "
+                "(--override-lr-scheduler)"
+            )
         self.warmup_end_tokens = self._configured_warmup_end_tokens()
         if self.warmup_end_tokens is None:
             self.warmup_end_tokens = sd.get("warmup_end_tokens")

@@ -15,6 +15,7 @@ A parameter holding a section is named after its part: model_cfg (GPTConfig), da
 schedule_cfg, layout_cfg, ckpt_cfg, log_cfg, harness_cfg, and the stability layer's sections after their
 callbacks (guard_cfg, faults_cfg, ...). A bare `cfg` is the whole config and nothing else.
 """
+
 from dataclasses import fields
 
 

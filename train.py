@@ -18,6 +18,7 @@ keeps it so).
 Every number that decides what happens next is in the checkpoint, and the sample order is a function
 of consumed samples only, so a resumed run is bit-exact.
 """
+
 import sys
 
 if __name__ == "__main__" and {"-h", "--help"} & set(sys.argv[1:]):
@@ -52,6 +53,7 @@ def main(argv=None):
     arguments.check_device(cfg)
     if cfg.dry_run:  # sizes the TP x PP x DP layout on the meta device, starting no process
         import estimate  # it sizes the stability layer's snapshots too: imported for a dry run only
+
         estimate.dry_run(cfg)
         return
     # a config that cannot work stops before any process group
@@ -59,10 +61,14 @@ def main(argv=None):
     # lm-eval's tasks found (imported only then), before any process group too
     harness = None
     if cfg.eval_harness_tasks:
-        harness = eval_harness.RunEvaluation(section(eval_harness.EvalHarnessConfig, cfg),
-                                             section(GPTConfig, cfg), cfg.tokenizer_file)
-    grid = launch.start(section(parallel.LayoutConfig, cfg), cfg.tensor_model_parallel_size,
-                        cfg.save)
+        harness = eval_harness.RunEvaluation(
+            section(eval_harness.EvalHarnessConfig, cfg),
+            section(GPTConfig, cfg),
+            cfg.tokenizer_file,
+        )
+    grid = launch.start(
+        section(parallel.LayoutConfig, cfg), cfg.tensor_model_parallel_size, cfg.save
+    )
     loader.check_tokenizer(cfg.tokenizer_file, section(loader.DataContext, cfg))
     # Before anything is built or written: which checkpoint to resume, is it this model, is save ours (lock).
     # The checkpoint writer inside: a save in flight is on disk before the lock is released.
@@ -86,18 +92,26 @@ def run(cfg, grid, exit_signal=lambda: False, writer=None, callbacks=NO_CALLBACK
 
     def exit_reason(n):  # a signal, the job's time up, exit_interval (safety.py)
         return safety.exit_reason(ckpt_cfg, n - first_iteration, job_start, exit_signal)
+
     model.train()
     # closed however the loop ends (a callback's StopRun too): no thread is left loading when the process exits
     with loader.batch_prefetcher(train_data, schedule, device) as prefetcher:
         while not schedule.done(state):
             t0, n = time.time(), state.iteration + 1
-            it = Iteration(n, state.consumed_samples, schedule.batch_size(state.consumed_samples), schedule.seqlen(n))
+            it = Iteration(
+                n,
+                state.consumed_samples,
+                schedule.batch_size(state.consumed_samples),
+                schedule.seqlen(n),
+            )
             skip = "skip_train_iteration_range" if schedule.skipped(n) else callbacks.skip(n)
             if skip:  # drawn and thrown away: later iterations see the batches an unskipped run sees (lesson 9)
                 step = training.skipped_step(skip)
                 report.skipped(n, state, it.batch_size, step.outcome)
             else:  # the batch, its learning rate, the step
-                it.batches = loader.to_device(prefetcher.get((n, it.first_sample, it.batch_size, it.seqlen)), device)
+                it.batches = loader.to_device(
+                    prefetcher.get((n, it.first_sample, it.batch_size, it.seqlen)), device
+                )
                 it.lr = schedule.lr_at(n, state)
                 callbacks.before_step(it)
                 logged = n % cfg.log_interval == 0
@@ -110,8 +124,9 @@ def run(cfg, grid, exit_signal=lambda: False, writer=None, callbacks=NO_CALLBACK
                 report.restart_interval()  # an abandoned timeline
                 continue
             # log, check, evaluate, save; stop when the job's time is up
-            why_exit = log_and_save(cfg, grid, parts, it, report, device, valid_data, harness,
-                                    writer, exit_reason)
+            why_exit = log_and_save(
+                cfg, grid, parts, it, report, device, valid_data, harness, writer, exit_reason
+            )
             if why_exit:
                 print0(f"exiting at iteration {n} ({why_exit})")
                 break
@@ -166,8 +181,9 @@ def finish(cfg, parts, report, device):
     """The run's end: the report and the callbacks closed, a sample printed, DeepSpeed released."""
     report.close()
     parts.callbacks.close()
-    training.print_sample(parts.model, device, cfg.sample_tokens, cfg.sample_prompt,
-                          cfg.tokenizer_file, cfg.seed)
+    training.print_sample(
+        parts.model, device, cfg.sample_tokens, cfg.sample_prompt, cfg.tokenizer_file, cfg.seed
+    )
     if cfg.deepspeed:
         parts.optimizer.close()  # DeepSpeed's released before the process groups (launch.shut_down)
 
@@ -202,7 +218,9 @@ if __name__ == "__main__":
         finished = True
     except (ValueError, FileNotFoundError) as e:
         launch.exit_with(e, 2)
-    except StopRun as e:  # a callback stopped the run (the spike guard's caps): saved, with its message
+    except (
+        StopRun
+    ) as e:  # a callback stopped the run (the spike guard's caps): saved, with its message
         launch.exit_with(e, e.exit_code)
     finally:
         launch.shut_down(finished)

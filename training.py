@@ -23,6 +23,7 @@ stability layer (stability/) is a list of them. The dependency runs one way: the
 and knows nothing else of what is behind them. This file sits below the loop (train.py) and the
 stability layer, which both build on it.
 """
+
 import math
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -40,9 +41,12 @@ from report import print0, print_validation
 class Callback:
     """A named point of the loop where code outside the core acts; these do nothing. `name` keys the callback's
     state in the run state (RunState.callbacks): a checkpoint and a rollback carry it, the core never reads it."""
+
     name = None
 
-    def documents_to_skip(self, collections):  # [(name, documents)] of the data: the ids to leave out, or None
+    def documents_to_skip(
+        self, collections
+    ):  # [(name, documents)] of the data: the ids to leave out, or None
         return None
 
     def start(self, parts, report, train_data):  # the run is built (and resumed); the loop begins
@@ -51,22 +55,30 @@ class Callback:
     def skip(self, iteration):  # a reason to draw this iteration's batch and throw it away, or None
         return None
 
-    def before_step(self, it):  # it.batches and it.lr may be replaced (fault injection, an LR factor)
+    def before_step(
+        self, it
+    ):  # it.batches and it.lr may be replaced (fault injection, an LR factor)
         pass
 
     def on_grads(self, model, loss_scale):  # the reduced gradients, before their norm
         pass
 
-    def update_factor(self, loss, grad_norm):  # before any update: 1 apply, 0 veto, in between scale it
+    def update_factor(
+        self, loss, grad_norm
+    ):  # before any update: 1 apply, 0 veto, in between scale it
         return 1.0
 
     def after_update(self):
         pass
 
-    def check_step(self, it, step):  # the step that stands (a replay of a suspect step may replace it)
+    def check_step(
+        self, it, step
+    ):  # the step that stands (a replay of a suspect step may replace it)
         return step
 
-    def after_step(self, it, step):  # the iteration is counted; True: the run was rolled back instead
+    def after_step(
+        self, it, step
+    ):  # the iteration is counted; True: the run was rolled back instead
         return False
 
     def after_iteration(self, iteration):  # the iteration is logged, evaluated and saved
@@ -91,7 +103,9 @@ class Callbacks(Callback):
         self.callbacks = list(callbacks)
 
     def documents_to_skip(self, collections):
-        return next((s for c in self.callbacks if (s := c.documents_to_skip(collections)) is not None), None)
+        return next(
+            (s for c in self.callbacks if (s := c.documents_to_skip(collections)) is not None), None
+        )
 
     def start(self, parts, report, train_data):
         for c in self.callbacks:
@@ -150,12 +164,14 @@ NO_CALLBACKS = Callbacks()  # a run with no callback: the loop calls these, whic
 
 class StopRun(RuntimeError):
     """Raised by a callback that stops the run on purpose, having saved it (the spike guard at a cap)."""
+
     exit_code = 1
 
 
 @dataclass
 class Iteration:
     """The iteration the loop is running, as the callbacks see it."""
+
     number: int
     first_sample: int
     batch_size: int
@@ -168,6 +184,7 @@ class Iteration:
 class StepRules:
     """What a step and an evaluation read of the run's config, built once where the config is
     whole (builders.step_rules) and handed in: other owners' keys, by their flat names."""
+
     clip_grad: float  # optim.OptimizerConfig's
     skip_grad_norm_above: float | None
     fp16: bool
@@ -182,6 +199,7 @@ class StepRules:
 
 class Step(NamedTuple):
     """An iteration's numbers and its outcome: "ok", or why no update was applied (outcome())."""
+
     loss: float
     grad_norm: float
     num_zeros: int
@@ -299,8 +317,15 @@ def train_step(model, optimizer, scaler, loss, lr, rules, count_zeros=True, time
         if message:
             print0(message)
     core = skip_reason(rules.skip_grad_norm_above, loss_value, grad_norm_value, replicas)
-    return Step(loss_value, grad_norm_value, int(num_zeros), outcome(core=core),
-                logged[0] if logged else None, replicas, grad_norm)
+    return Step(
+        loss_value,
+        grad_norm_value,
+        int(num_zeros),
+        outcome(core=core),
+        logged[0] if logged else None,
+        replicas,
+        grad_norm,
+    )
 
 
 def apply_step(optimizer, scaler, step, lr, rules, factor=1.0):
@@ -320,8 +345,9 @@ def apply_step(optimizer, scaler, step, lr, rules, factor=1.0):
     return step
 
 
-def whole_step(model, optimizer, scaler, batches, lr, rules, device, callbacks=NO_CALLBACKS,
-               count_zeros=True):
+def whole_step(
+    model, optimizer, scaler, batches, lr, rules, device, callbacks=NO_CALLBACKS, count_zeros=True
+):
     """One step in the order train.py's loop takes it (its take_step spells the order out):
     backward(), the callbacks' on_grads, train_step(), their update_factor (asked only of a step
     the core would apply), apply_step(), their after_update. For a step outside the loop: a replay
@@ -343,9 +369,13 @@ def whole_step(model, optimizer, scaler, batches, lr, rules, device, callbacks=N
 def skip_reason(skip_grad_norm_above, loss, grad_norm, replicas):
     """Why the core applies no update (outcome()'s core), or None: on host floats, the same on
     every replica. replicas: every DP replica's numbers (agree())."""
-    if differ(replicas):  # a faulty GPU: no update anywhere (the spike guard, when on, retries the step)
-        print0(f"warning: the DP replicas computed different loss / grad norm {list(replicas)}: update skipped "
-               "(a faulty GPU? spike_guard retries such steps)")
+    if differ(
+        replicas
+    ):  # a faulty GPU: no update anywhere (the spike guard, when on, retries the step)
+        print0(
+            f"warning: the DP replicas computed different loss / grad norm {list(replicas)}: update skipped "
+            "(a faulty GPU? spike_guard retries such steps)"
+        )
         return "replicas differ"
     if not math.isfinite(loss):
         return "nan"  # a NaN loss never updates the weights
@@ -364,8 +394,9 @@ def evaluate(model, dataset, rules, device):
     losses, count = [], rules.global_batch_size // (rules.micro_batch_size * parallel.grid.dp_size)
     for i in range(rules.eval_iters):
         first = i * rules.global_batch_size
-        batches = loader.micro_batches(dataset, first, count, rules.micro_batch_size,
-                                       rules.seq_length, device)
+        batches = loader.micro_batches(
+            dataset, first, count, rules.micro_batch_size, rules.seq_length, device
+        )
         loss = forward_backward(model, batches, rules.packing, device, forward_only=True)
         losses.append(parallel.average_loss(loss).item())
     model.train()
@@ -376,9 +407,11 @@ def evaluate_only(model, valid_data, state, rules, device, split):
     """eval_only: the loaded checkpoint's validation loss and perplexity, on each validation set.
     split: the data's (the message names it when the validation split is empty)."""
     if valid_data is None:
-        raise ValueError(f"eval_only: no validation data (split {split!r}, eval_iters "
-                         f"{rules.eval_iters}); give the validation split a share (e.g. --split "
-                         "0,100,0 for the whole data_path)")
+        raise ValueError(
+            f"eval_only: no validation data (split {split!r}, eval_iters "
+            f"{rules.eval_iters}); give the validation split a share (e.g. --split "
+            "0,100,0 for the whole data_path)"
+        )
     for name, dataset in loader.validation_sets(valid_data):
         print_validation(evaluate(model, dataset, rules, device), state.iteration, name)
     return state
@@ -389,13 +422,16 @@ def print_sample(model, device, tokens, prompt, tokenizer_file, seed):
     temperature 0.8, drawn with a generator seeded by seed, when one rank holds the whole model.
     tokenizer_file: the data's."""
     if tokens and parallel.grid.pp_size > 1:
-        print0(f"no sample printed: with pipeline_model_parallel_size {parallel.grid.pp_size} no "
-               "rank holds the whole model; sample from the checkpoint with tools/sample.py")
+        print0(
+            f"no sample printed: with pipeline_model_parallel_size {parallel.grid.pp_size} no "
+            "rank holds the whole model; sample from the checkpoint with tools/sample.py"
+        )
     elif tokens:
         tok = data.get_tokenizer(tokenizer_file)
         ids = torch.tensor([tok.encode_ordinary(prompt)], device=device)
         gen = torch.Generator(device=device).manual_seed(seed)
         model.eval()
-        out = parallel.unwrap(model).generate(ids, tokens, temperature=0.8, top_k=200,
-                                              generator=gen)
+        out = parallel.unwrap(model).generate(
+            ids, tokens, temperature=0.8, top_k=200, generator=gen
+        )
         print0("-" * 30 + " sample " + "-" * 30 + "\n" + tok.decode(out[0].tolist()))

@@ -7,6 +7,7 @@ after a field (or the comment lines right above it) is its meaning and a comment
 torch nor the project's modules, so help prints at once; tests/test_safety.py checks that it lists exactly the
 fields of the real dataclass.
 """
+
 import ast
 import io
 import os
@@ -18,7 +19,17 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 CONFIG = ("arguments.py", "Config")  # the composition of the owners' dataclasses
 SECTION = re.compile(r"#\s*--\s*(\w+):?\s*(.*?)\s*-*$")  # "# -- group: what it holds --"
 # The groups an owner may declare; a group comment naming another is a typo, refused when help is built
-ORDER = ("model", "data", "optimizer", "precision", "schedule", "parallel", "checkpoint", "logging", "stability")
+ORDER = (
+    "model",
+    "data",
+    "optimizer",
+    "precision",
+    "schedule",
+    "parallel",
+    "checkpoint",
+    "logging",
+    "stability",
+)
 
 USAGE = """\
 usage: python train.py [CONFIG.py] [--key=value | --key value | --flag] ...
@@ -47,20 +58,30 @@ def _parts(filename, class_name):
     of its sections): its bases, each found where the file defines it or imports it (`from MODULE
     import NAME`)."""
     tree = ast.parse(_read(os.path.join(ROOT, filename)))
-    modules = {alias.asname or alias.name: node.module for node in tree.body if isinstance(node, ast.ImportFrom)
-               for alias in node.names}
+    modules = {
+        alias.asname or alias.name: node.module
+        for node in tree.body
+        if isinstance(node, ast.ImportFrom)
+        for alias in node.names
+    }
     node = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == class_name)
     if any(isinstance(stmt, ast.AnnAssign) for stmt in node.body) or not node.bases:
         return [(filename, class_name)]
-    return [part for base in reversed(node.bases)
-            for part in _parts(modules[base.id].replace(".", "/") + ".py" if base.id in modules else filename,
-                               base.id)]
+    return [
+        part
+        for base in reversed(node.bases)
+        for part in _parts(
+            modules[base.id].replace(".", "/") + ".py" if base.id in modules else filename, base.id
+        )
+    ]
 
 
 def _owned_fields():
     out = []
     for filename, class_name in owners():
-        out += [(filename, *field) for field in _class_fields(os.path.join(ROOT, filename), class_name)]
+        out += [
+            (filename, *field) for field in _class_fields(os.path.join(ROOT, filename), class_name)
+        ]
     return out
 
 
@@ -71,22 +92,36 @@ def _read(path):
 
 def _class_fields(path, class_name):
     source = _read(path)
-    comments = {tok.start[0]: (tok.start[1], tok.string)
-                for tok in tokenize.generate_tokens(io.StringIO(source).readline) if tok.type == tokenize.COMMENT}
-    node = next(n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.ClassDef) and n.name == class_name)
-    fields = {stmt.lineno: stmt for stmt in node.body
-              if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)}
+    comments = {
+        tok.start[0]: (tok.start[1], tok.string)
+        for tok in tokenize.generate_tokens(io.StringIO(source).readline)
+        if tok.type == tokenize.COMMENT
+    }
+    node = next(
+        n
+        for n in ast.walk(ast.parse(source))
+        if isinstance(n, ast.ClassDef) and n.name == class_name
+    )
+    fields = {
+        stmt.lineno: stmt
+        for stmt in node.body
+        if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)
+    }
     out, group, about = [], "model", ""
     for line in range(node.lineno, node.end_lineno + 1):
         if line in fields:
             stmt = fields[line]
             meaning = _meaning(comments, stmt)
             default = ast.unparse(stmt.value) if stmt.value is not None else "(required)"
-            out.append((group, about, stmt.target.id, ast.unparse(stmt.annotation), default, meaning))
+            out.append(
+                (group, about, stmt.target.id, ast.unparse(stmt.annotation), default, meaning)
+            )
         elif line in comments and (m := SECTION.match(comments[line][1])):
             group, about = m.group(1), m.group(2) or ""
             if group not in ORDER:
-                raise ValueError(f"{path}: group {group!r} of {class_name} is not one of usage.ORDER {ORDER}")
+                raise ValueError(
+                    f"{path}: group {group!r} of {class_name} is not one of usage.ORDER {ORDER}"
+                )
     return out
 
 
@@ -97,7 +132,11 @@ def _meaning(comments, stmt):
     if after:
         return " ".join(c.lstrip("# ") for c in after)
     above, line = [], stmt.lineno - 1
-    while line in comments and comments[line][0] == stmt.col_offset and not SECTION.match(comments[line][1]):
+    while (
+        line in comments
+        and comments[line][0] == stmt.col_offset
+        and not SECTION.match(comments[line][1])
+    ):
         above.insert(0, comments[line][1].lstrip("# "))
         line -= 1
     return " ".join(above)
@@ -112,11 +151,15 @@ def format_help(width=120):
         entry["keys"].append((name, kind, default, meaning))
     lines = [USAGE]
     for (owner, group), entry in sections.items():
-        lines.append(f"{group} ({owner})" + (": " + "; ".join(entry["about"]) if entry["about"] else ""))
+        lines.append(
+            f"{group} ({owner})" + (": " + "; ".join(entry["about"]) if entry["about"] else "")
+        )
         for name, kind, default, meaning in entry["keys"]:
             head = f"  --{name:<30} {kind} = {default}"
             indent = max(len(head) + 2, 58)
-            lines += textwrap.wrap(meaning, width, initial_indent=head.ljust(indent), subsequent_indent=" " * indent)
+            lines += textwrap.wrap(
+                meaning, width, initial_indent=head.ljust(indent), subsequent_indent=" " * indent
+            )
         lines.append("")
     return "\n".join(lines)
 

@@ -7,22 +7,51 @@ Self-contained: torch and transformers only, never the stablegpt repository, so 
 The keys are stablegpt's own (Megatron's flag names, as in its model.py); transformers' generic names
 (num_hidden_layers, num_key_value_heads) are aliases of them.
 """
+
 from transformers import PretrainedConfig
 
 
 class StableGPTConfig(PretrainedConfig):
     model_type = "stablegpt"
-    attribute_map = {"num_hidden_layers": "num_layers", "num_key_value_heads": "num_query_groups",
-                     "intermediate_size": "ffn_hidden_size"}
+    attribute_map = {
+        "num_hidden_layers": "num_layers",
+        "num_key_value_heads": "num_query_groups",
+        "intermediate_size": "ffn_hidden_size",
+    }
 
-    def __init__(self, vocab_size=50257, hidden_size=768, num_layers=12, num_attention_heads=12,
-                 num_query_groups=None, ffn_hidden_size=None, seq_length=1024, max_position_embeddings=None,
-                 layernorm_epsilon=1e-5, normalization="layernorm", swiglu=False, activation="gelu",
-                 add_bias_linear=True, position_embedding_type="learned", rotary_base=10000.0,
-                 use_rope_scaling=False, rope_scaling_factor=8.0, original_max_position_embeddings=8192,
-                 low_freq_factor=1.0, high_freq_factor=4.0, embed_layernorm=False, scale_embeddings=False,
-                 qk_layernorm=False, normformer=False, hidden_dropout=0.0, attention_dropout=0.0, embed_dropout=None,
-                 initializer_range=0.02, tie_word_embeddings=True, **kwargs):
+    def __init__(
+        self,
+        vocab_size=50257,
+        hidden_size=768,
+        num_layers=12,
+        num_attention_heads=12,
+        num_query_groups=None,
+        ffn_hidden_size=None,
+        seq_length=1024,
+        max_position_embeddings=None,
+        layernorm_epsilon=1e-5,
+        normalization="layernorm",
+        swiglu=False,
+        activation="gelu",
+        add_bias_linear=True,
+        position_embedding_type="learned",
+        rotary_base=10000.0,
+        use_rope_scaling=False,
+        rope_scaling_factor=8.0,
+        original_max_position_embeddings=8192,
+        low_freq_factor=1.0,
+        high_freq_factor=4.0,
+        embed_layernorm=False,
+        scale_embeddings=False,
+        qk_layernorm=False,
+        normformer=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        embed_dropout=None,
+        initializer_range=0.02,
+        tie_word_embeddings=True,
+        **kwargs,
+    ):
         self.vocab_size = vocab_size
         self.hidden_size = hidden_size
         self.num_layers = num_layers

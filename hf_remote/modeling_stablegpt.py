@@ -14,6 +14,7 @@ generation step runs the whole sequence), and the sequence is at most the positi
 positions. An attention_mask with zeros (left padding) masks those keys and counts positions from the first
 real token.
 """
+
 import math
 
 import torch
@@ -70,7 +71,9 @@ def alibi_bias(num_heads, seq_len, dtype, device):
 def rotary_frequencies(config, head_dim, dtype, device):
     """base^(-2i/d), i < d/2; with use_rope_scaling, Llama 3.1's: wavelengths longer than the original context /
     low_freq_factor divided by the factor, shorter than it / high_freq_factor kept, the ones between interpolated."""
-    inv_freq = 1.0 / config.rotary_base ** (torch.arange(0, head_dim, 2, device=device, dtype=dtype) / head_dim)
+    inv_freq = 1.0 / config.rotary_base ** (
+        torch.arange(0, head_dim, 2, device=device, dtype=dtype) / head_dim
+    )
     if not config.use_rope_scaling:
         return inv_freq
     factor, original = config.rope_scaling_factor, config.original_max_position_embeddings
@@ -85,8 +88,10 @@ def rotary_frequencies(config, head_dim, dtype, device):
 
 def rotary_cos_sin(config, seq_len, head_dim, dtype, device):
     """cos and sin, (seq, head_dim), feature i and i + d/2 turning together (GPT-NeoX's layout)."""
-    angles = torch.outer(torch.arange(seq_len, device=device, dtype=dtype),
-                         rotary_frequencies(config, head_dim, dtype, device))
+    angles = torch.outer(
+        torch.arange(seq_len, device=device, dtype=dtype),
+        rotary_frequencies(config, head_dim, dtype, device),
+    )
     angles = torch.cat((angles, angles), dim=-1)
     return angles.cos(), angles.sin()
 
@@ -124,9 +129,15 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if rotary is not None:
             q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, is_causal=bias is None,
-                                           dropout_p=self.dropout if self.training else 0.0,
-                                           enable_gqa=self.groups != self.heads)
+        y = F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=bias,
+            is_causal=bias is None,
+            dropout_p=self.dropout if self.training else 0.0,
+            enable_gqa=self.groups != self.heads,
+        )
         if self.head_scale is not None:
             y = y * self.head_scale.view(1, -1, 1, 1)
         return self.proj(y.transpose(1, 2).reshape(B, T, self.heads * self.head_dim))
@@ -237,13 +248,22 @@ class StableGPTModel(StableGPTPreTrainedModel):
         """(ALiBi's bias in the compute dtype, or None; rotary's (cos, sin) at each token's position, or None)."""
         c = self.config
         if c.position_embedding_type == "alibi":
-            return alibi_bias(c.num_attention_heads, T, torch.promote_types(dtype, torch.float32),
-                              device).to(dtype), None
+            return alibi_bias(
+                c.num_attention_heads, T, torch.promote_types(dtype, torch.float32), device
+            ).to(dtype), None
         if c.position_embedding_type == "rotary":
             length = max(T, int(position_ids.max()) + 1)
-            cos, sin = rotary_cos_sin(c, length, c.hidden_size // c.num_attention_heads,
-                                      torch.promote_types(dtype, torch.float32), device)
-            return None, (cos.to(dtype)[position_ids].unsqueeze(1), sin.to(dtype)[position_ids].unsqueeze(1))
+            cos, sin = rotary_cos_sin(
+                c,
+                length,
+                c.hidden_size // c.num_attention_heads,
+                torch.promote_types(dtype, torch.float32),
+                device,
+            )
+            return None, (
+                cos.to(dtype)[position_ids].unsqueeze(1),
+                sin.to(dtype)[position_ids].unsqueeze(1),
+            )
         return None, None
 
     @staticmethod
@@ -254,7 +274,9 @@ class StableGPTModel(StableGPTPreTrainedModel):
         if bias is None:
             causal = torch.ones(T, T, dtype=torch.bool, device=device).tril()
             bias = torch.zeros(T, T, dtype=dtype, device=device).masked_fill(~causal, float("-inf"))
-        keep = attention_mask.bool()[:, None, None, :] | torch.eye(T, dtype=torch.bool, device=device)
+        keep = attention_mask.bool()[:, None, None, :] | torch.eye(
+            T, dtype=torch.bool, device=device
+        )
         return torch.where(keep, bias, float("-inf"))
 
 
@@ -279,13 +301,17 @@ class StableGPTForCausalLM(StableGPTPreTrainedModel, GenerationMixin):
     def set_output_embeddings(self, value):
         self.lm_head = value
 
-    def forward(self, input_ids=None, attention_mask=None, position_ids=None, labels=None, **kwargs):
+    def forward(
+        self, input_ids=None, attention_mask=None, position_ids=None, labels=None, **kwargs
+    ):
         """Logits (batch, seq, vocab); with labels, the mean cross entropy of each token predicting the next
         (labels -100 ignored), as transformers' causal LMs. Cache arguments are accepted and unused."""
         logits = self.lm_head(self.model(input_ids, attention_mask, position_ids))
         loss = None
         if labels is not None:
-            loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100)
+            loss = F.cross_entropy(
+                logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100
+            )
         return CausalLMOutput(loss=loss, logits=logits)
 
     def prepare_inputs_for_generation(self, input_ids, attention_mask=None, **kwargs):

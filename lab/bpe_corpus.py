@@ -19,6 +19,7 @@ H2 = H(x_t | x_{t-1}) = -sum p(a, b) ln p(b | a) over adjacent pairs within a do
 looks only at the previous token can reach at best on this very text (held-out text costs it more), so a run
 whose loss is not clearly below H2 has learned nothing that attention over the context could lose.
 """
+
 import json
 import math
 import os
@@ -42,11 +43,16 @@ CORPUS_VERSION = 1
 def train_tokenizer(texts, vocab_size=VOCAB_SIZE):
     """A byte-level BPE (GPT-2's pre-tokenizer and byte alphabet) of vocab_size tokens, EOD included."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOD_TOKEN], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOD_TOKEN],
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tokenizer.train_from_iterator(texts, trainer)
     return tokenizer
 
@@ -77,9 +83,13 @@ def build(data_dir=DATA_DIR):
     """Build DATA_DIR/lab/ unless complete; returns {"prefix", "tokenizer_file", "vocab_size", "tokens",
     "unigram_entropy", "bigram_entropy"} (entropy.json, written last, marks a complete build)."""
     import data
+
     directory = os.path.join(data_dir, "lab")
     summary_file = os.path.join(directory, "entropy.json")
-    tokenizer_file, prefix = os.path.join(directory, "tokenizer.json"), os.path.join(directory, NAME)
+    tokenizer_file, prefix = (
+        os.path.join(directory, "tokenizer.json"),
+        os.path.join(directory, NAME),
+    )
     if os.path.exists(summary_file):
         with open(summary_file) as f:
             summary = json.load(f)
@@ -94,8 +104,14 @@ def build(data_dir=DATA_DIR):
     documents = [tok.encode_ordinary(text) + [tok.eot_token] for text in texts]
     data.write_indexed_dataset(prefix, documents, dtype=data.token_dtype(tok.n_vocab))
     h1, h2 = entropies(documents, VOCAB_SIZE)
-    summary = {"corpus_version": CORPUS_VERSION, "vocab_size": VOCAB_SIZE, "tokens": sum(len(d) for d in documents),
-               "uniform": math.log(VOCAB_SIZE), "unigram_entropy": h1, "bigram_entropy": h2}
+    summary = {
+        "corpus_version": CORPUS_VERSION,
+        "vocab_size": VOCAB_SIZE,
+        "tokens": sum(len(d) for d in documents),
+        "uniform": math.log(VOCAB_SIZE),
+        "unigram_entropy": h1,
+        "bigram_entropy": h2,
+    }
     with open(summary_file + ".tmp", "w") as f:
         json.dump(summary, f, indent=1)
     os.replace(summary_file + ".tmp", summary_file)
@@ -104,6 +120,8 @@ def build(data_dir=DATA_DIR):
 
 if __name__ == "__main__":
     s = build()
-    print(f"{s['prefix']}: {s['tokens']:,} tokens of a {s['vocab_size']}-token BPE ({s['tokenizer_file']}); "
-          f"entropy per token: uniform {s['uniform']:.3f}, unigram {s['unigram_entropy']:.3f}, "
-          f"bigram (given the previous token) {s['bigram_entropy']:.3f} nats")
+    print(
+        f"{s['prefix']}: {s['tokens']:,} tokens of a {s['vocab_size']}-token BPE ({s['tokenizer_file']}); "
+        f"entropy per token: uniform {s['uniform']:.3f}, unigram {s['unigram_entropy']:.3f}, "
+        f"bigram (given the previous token) {s['bigram_entropy']:.3f} nats"
+    )

@@ -16,6 +16,7 @@ earlier ones, which a rule changes: where a rule removes a trial's first decisio
 known from the records, so the trial counts as a possible loss (and a sure one when the rule removes all its
 decisions). These are design numbers: the records were studied to choose the rule; held-out ones need a new campaign.
 """
+
 import argparse
 import math
 import os
@@ -51,7 +52,9 @@ RULES = [  # (the detection rule, the words that begin its reason)
 def rule_of(head):
     if LEARNT in head:
         return "learnt by heart"
-    if re.match(r"loss \S+ is \S+x its trend's \S+, \S+ spreads (above|below) it, with grad norm", head):
+    if re.match(
+        r"loss \S+ is \S+x its trend's \S+, \S+ spreads (above|below) it, with grad norm", head
+    ):
         return "joint"
     for name, words in RULES:
         if words and re.match(words, head):
@@ -60,8 +63,15 @@ def rule_of(head):
 
 
 def action_of(line):
-    if any(w in line for w in ("would exceed", "a persistent numerical fault", "take its node out",
-                               "more than spike_guard_max_skipped_iters")):
+    if any(
+        w in line
+        for w in (
+            "would exceed",
+            "a persistent numerical fault",
+            "take its node out",
+            "more than spike_guard_max_skipped_iters",
+        )
+    ):
         return "stop"
     if "roll back to before" in line:
         return "rollback"
@@ -108,7 +118,8 @@ def fresh(states=(None, None)):
 def numbers_of(line):
     """The step's loss and grad norm as the decision line gives them (its replay's, or DP rank 0's), or None."""
     found = re.search(r"replayed: loss (\S+), grad norm ([^,;\s]+)", line) or re.search(
-        r"DP rank 0 loss (\S+), grad norm ([^,;\s]+)", line)
+        r"DP rank 0 loss (\S+), grad norm ([^,;\s]+)", line
+    )
     return (float(found[1]), float(found[2])) if found else None
 
 
@@ -128,13 +139,26 @@ def decisions_of(run):
         head = line.split(": ", 2)[2]
         # the row of this iteration in the pass of this decision (a rollback's row may be missing from the log)
         k = pos
-        while k < len(walked) and walked[k][0][0] < it and (k == pos or walked[k][0][0] > walked[k - 1][0][0]):
+        while (
+            k < len(walked)
+            and walked[k][0][0] < it
+            and (k == pos or walked[k][0][0] > walked[k - 1][0][0])
+        ):
             k += 1
         row, trends = walked[min(k, len(walked) - 1)]
         numbers = (row[1], row[2]) if row[0] == it else numbers_of(line)
         pos = k if row[0] == it else pos
-        out.append({"iteration": it, "rule": rule_of(head), "cause": gc.cause_of(line), "action": action_of(line),
-                    "lr": lr_cut(line), "signals": judged(trends, *numbers) if numbers else "-", "line": line})
+        out.append(
+            {
+                "iteration": it,
+                "rule": rule_of(head),
+                "cause": gc.cause_of(line),
+                "action": action_of(line),
+                "lr": lr_cut(line),
+                "signals": judged(trends, *numbers) if numbers else "-",
+                "line": line,
+            }
+        )
     return out
 
 
@@ -145,7 +169,9 @@ def load(campaign):
 
 def reference(campaign):
     """The runs that judge harm: the campaign's own clean twins and unguarded runs (fourth-design: the fourth's)."""
-    return gc.runs_of(os.path.join(HERE, "campaign", "fourth" if campaign == "fourth-design" else campaign))
+    return gc.runs_of(
+        os.path.join(HERE, "campaign", "fourth" if campaign == "fourth-design" else campaign)
+    )
 
 
 def trials(campaign):
@@ -175,13 +201,20 @@ def grad_norm_only_data(d):
 def ordinary_move_optimizer(d):
     """Candidate 3: a loss spike's optimizer rollback whose LR cut is the full spike_guard_lr_factor (0.5): the weights'
     move per update since the snapshot was at most 2x its trend, or not measured (the fourth's guard)."""
-    return d["action"] == "rollback" and d["cause"] == "optimizer" and d["rule"] != "move per update" and \
-        d["lr"] is not None and "x0.5: the move per update" in d["line"]
+    return (
+        d["action"] == "rollback"
+        and d["cause"] == "optimizer"
+        and d["rule"] != "move per update"
+        and d["lr"] is not None
+        and "x0.5: the move per update" in d["line"]
+    )
 
 
-CANDIDATES = {"1: no action on a grad-norm-only outlier under clip_grad": grad_norm_only,
-              "1': the same, only where the diagnosis is data": grad_norm_only_data,
-              "3: no optimizer rollback where the move per update was ordinary": ordinary_move_optimizer}
+CANDIDATES = {
+    "1: no action on a grad-norm-only outlier under clip_grad": grad_norm_only,
+    "1': the same, only where the diagnosis is data": grad_norm_only_data,
+    "3: no optimizer rollback where the move per update was ordinary": ordinary_move_optimizer,
+}
 
 
 def lr_cut_runs(decisions):
@@ -195,9 +228,18 @@ def count(rows):
     cuts = {"clean": [], "harmful": [], "factors": []}
     for campaign, name, run, kind, decisions in rows:
         tag = f"{campaign} {name} ({run['family']}, {run.get('model')})"
-        cuts["factors"] += [(d["lr"], tag) for d in decisions if kind != "clean" and d["cause"] == "optimizer"
-                            and d["action"] == "rollback" and d["lr"] is not None and
-                            ("the move per update back to its trend" in d["line"] or d["rule"] == "move per update")]
+        cuts["factors"] += [
+            (d["lr"], tag)
+            for d in decisions
+            if kind != "clean"
+            and d["cause"] == "optimizer"
+            and d["action"] == "rollback"
+            and d["lr"] is not None
+            and (
+                "the move per update back to its trend" in d["line"]
+                or d["rule"] == "move per update"
+            )
+        ]
         if kind in ("clean", "harmful") and lr_cut_runs(decisions):
             cuts[kind].append(tag)
         for cand, rule in CANDIDATES.items():
@@ -224,37 +266,57 @@ def main(argv=None):
     for campaign, name, run, kind, decisions in rows:
         if not decisions or (kind == "harmless" and not a.all):
             continue
-        print(f"{campaign} {name} [{kind}] {run['what']} ({run.get('model')}, {run.get('nproc')} proc): "
-              f"{len(decisions)} decisions")
+        print(
+            f"{campaign} {name} [{kind}] {run['what']} ({run.get('model')}, {run.get('nproc')} proc): "
+            f"{len(decisions)} decisions"
+        )
         for d in decisions:
             cut = f", LR x{d['lr']:g}" if d["lr"] is not None else ""
-            print(f"  {d['iteration']:>4} {d['rule']:<26} {d['cause']:<10} {d['action']}{cut}: {d['signals']}")
+            print(
+                f"  {d['iteration']:>4} {d['rule']:<26} {d['cause']:<10} {d['action']}{cut}: {d['signals']}"
+            )
     out, cuts = count(rows)
     print("\n# The candidates (DESIGN numbers: these records chose them)\n")
     for campaign in CAMPAIGNS:
         cleans = [r for r in rows if r[0] == campaign and r[3] == "clean"]
         harmful = [r for r in rows if r[0] == campaign and r[3] == "harmful"]
         detected = sum(any(d["iteration"] >= r[2]["start"] for d in r[4]) for r in harmful)
-        print(f"{campaign}: {sum(bool(r[4]) for r in cleans)}/{len(cleans)} clean runs with a decision, "
-              f"{len(harmful)} harmful trials ({detected} detected)")
+        print(
+            f"{campaign}: {sum(bool(r[4]) for r in cleans)}/{len(cleans)} clean runs with a decision, "
+            f"{len(harmful)} harmful trials ({detected} detected)"
+        )
     for cand, found in out.items():
         print(f"\ncandidate {cand}")
-        print(f"  clean runs with a decision removed: {len(found['removed'])}: {'; '.join(found['removed']) or '-'}")
-        print(f"  harmful detections lost (every decision removed): {len(found['lost'])}: "
-              f"{'; '.join(found['lost']) or '-'}")
-        print(f"  harmful detections possibly lost (the first removed, later ones unknowable): "
-              f"{len(found['possible'])}: {'; '.join(found['possible']) or '-'}")
-        print(f"  harmless faults whose first detection it removes (right detections, no harm to undo): "
-              f"{len(found['harmless'])}: {'; '.join(found['harmless']) or '-'}")
+        print(
+            f"  clean runs with a decision removed: {len(found['removed'])}: {'; '.join(found['removed']) or '-'}"
+        )
+        print(
+            f"  harmful detections lost (every decision removed): {len(found['lost'])}: "
+            f"{'; '.join(found['lost']) or '-'}"
+        )
+        print(
+            f"  harmful detections possibly lost (the first removed, later ones unknowable): "
+            f"{len(found['possible'])}: {'; '.join(found['possible']) or '-'}"
+        )
+        print(
+            f"  harmless faults whose first detection it removes (right detections, no harm to undo): "
+            f"{len(found['harmless'])}: {'; '.join(found['harmless']) or '-'}"
+        )
     factor, tag = max(cuts["factors"])
-    print(f"  the LR factors of the fault trials' optimizer rollbacks that cut the LR ({len(cuts['factors'])}): the "
-          f"largest x{factor:.3g} ({tag}): the weights' move per update {1 / factor:.1f}x its trend or more, where a "
-          "cut of the full x0.5 says at most 2x")
-    print("\ncandidate 2: an LR cut that expires. It removes no decision (a clean run keeps its rollback); it changes "
-          "only what follows a cut, which no record shows:")
+    print(
+        f"  the LR factors of the fault trials' optimizer rollbacks that cut the LR ({len(cuts['factors'])}): the "
+        f"largest x{factor:.3g} ({tag}): the weights' move per update {1 / factor:.1f}x its trend or more, where a "
+        "cut of the full x0.5 says at most 2x"
+    )
+    print(
+        "\ncandidate 2: an LR cut that expires. It removes no decision (a clean run keeps its rollback); it changes "
+        "only what follows a cut, which no record shows:"
+    )
     print(f"  clean runs with an LR cut: {len(cuts['clean'])}: {'; '.join(cuts['clean']) or '-'}")
-    print(f"  harmful trials with an LR cut (each a possible loss): {len(cuts['harmful'])}: "
-          f"{'; '.join(cuts['harmful']) or '-'}")
+    print(
+        f"  harmful trials with an LR cut (each a possible loss): {len(cuts['harmful'])}: "
+        f"{'; '.join(cuts['harmful']) or '-'}"
+    )
 
 
 if __name__ == "__main__":

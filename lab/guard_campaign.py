@@ -39,6 +39,7 @@ Resumable: each finished run is a line of OUT/runs.jsonl, and a restarted campai
 (trial k's draw depends on --seed and k alone). --jobs processes at a time (a 2-process run holds two); --minutes
 bounds the wall time (no trial starts after it). Not a test: it measures, and docs quote what it measured.
 """
+
 import argparse
 import glob
 import hashlib
@@ -59,26 +60,58 @@ import torch
 import guard_metrics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MODEL = ["--num_layers=2", "--hidden_size=64", "--num_attention_heads=4", "--seq_length=64", "--vocab_size=512",
-         "--micro_batch_size=8", "--global_batch_size=8", "--lr=2e-3", "--lr_warmup_samples=40",
-         "--hidden_dropout=0", "--attention_dropout=0", "--log_interval=1", "--eval_interval=100000",
-         "--eval_iters=8", "--sample_tokens=0", "--save=none", "--save_interval=none"]
+MODEL = [
+    "--num_layers=2",
+    "--hidden_size=64",
+    "--num_attention_heads=4",
+    "--seq_length=64",
+    "--vocab_size=512",
+    "--micro_batch_size=8",
+    "--global_batch_size=8",
+    "--lr=2e-3",
+    "--lr_warmup_samples=40",
+    "--hidden_dropout=0",
+    "--attention_dropout=0",
+    "--log_interval=1",
+    "--eval_interval=100000",
+    "--eval_iters=8",
+    "--sample_tokens=0",
+    "--save=none",
+    "--save_interval=none",
+]
 # the default config's wider model (config/tiny.py: 4 layers x 128), at the campaign's sequence and batch
 WIDE = ["--num_layers=4", "--hidden_size=128"]
 # the subset's model of 10M+ parameters (6 x 384: 12 x 6 x 384^2 = 10.6M in its blocks), for --iters
 # 1000 and more
 BIG = ["--num_layers=6", "--hidden_size=384", "--num_attention_heads=6"]
 MODELS = {"2x64": [], "4x128": WIDE, "10M": BIG}
-GUARD = ["--spike_guard", "--spike_guard_window=20", "--spike_guard_min_steps=10", "--spike_guard_rewind=3",
-         "--spike_guard_skip_after=2", "--spike_guard_snapshot_interval=5"]
+GUARD = [
+    "--spike_guard",
+    "--spike_guard_window=20",
+    "--spike_guard_min_steps=10",
+    "--spike_guard_rewind=3",
+    "--spike_guard_skip_after=2",
+    "--spike_guard_snapshot_interval=5",
+]
 # family -> the cause a right diagnosis names. A family is a line here and a branch of draw() (a new one changes
 # every trial's draw: a new registration, docs/spike_guard.md, section 9)
-FAMILIES = {"lr transient": "optimizer", "lr persistent": "optimizer", "lr after resume": "optimizer",
-            "lr slow persistent": "optimizer", "lost optimizer state": "optimizer", "random tokens": "data",
-            "repeated token": "data", "repeated 8-gram": "data", "poisoned minority": "data",
-            "ordered duplicate block": "data",
-            "dp weight bit flip": "hardware", "dp grad bit flip": "hardware", "dp state bit flip": "hardware",
-            "numerical bf16": "numerical", "numerical fp16": "numerical"}
+FAMILIES = {
+    "lr transient": "optimizer",
+    "lr persistent": "optimizer",
+    "lr after resume": "optimizer",
+    "lr slow persistent": "optimizer",
+    "lost optimizer state": "optimizer",
+    "random tokens": "data",
+    "repeated token": "data",
+    "repeated 8-gram": "data",
+    "poisoned minority": "data",
+    "ordered duplicate block": "data",
+    "dp weight bit flip": "hardware",
+    "dp grad bit flip": "hardware",
+    "dp state bit flip": "hardware",
+    "numerical bf16": "numerical",
+    "numerical fp16": "numerical",
+}
 # fp32 exponent bits, counted from the lowest: 23, 24 x2 or x4; 28-30 x2^32 and more
 BITS = [23, 24, 28, 29, 30]
 CAUSES = ["data", "optimizer", "hardware", "numerical", "persistent", "none"]
@@ -88,14 +121,16 @@ CAUSES = ["data", "optimizer", "hardware", "numerical", "persistent", "none"]
 SAVE_INTERVAL = 300
 # method -> its flags, each remedy at its published default (stability/remedies.py cites each); grad_norm_skip is
 # metaseq's --skip-gradient-update-on-clip-norm: the bound is the clip norm (--grad_norm_bound, clip_grad's 1.0)
-REMEDIES = {"skip_step": ["--skip_step_sigma=6", "--skip_step_window=128"],
-            "spiky_loss": ["--spiky_loss_factor=10", "--spiky_loss_samples=100"],
-            "grad_norm_skip": [],
-            "zclip": ["--zclip_z=2.5", "--zclip_alpha=0.97", "--zclip_warmup=25"],
-            # the automated checkpoint restarts (remedies.OptRestart, PalmRestart), not in the sixth: from the
-            # run's disk checkpoints, saved every SAVE_INTERVAL iterations as the guard's --snapshots off
-            "opt_restart": ["--opt_restart_lr_factor=0.25", f"--save_interval={SAVE_INTERVAL}"],
-            "palm_restart": ["--palm_restart_skip=200", f"--save_interval={SAVE_INTERVAL}"]}
+REMEDIES = {
+    "skip_step": ["--skip_step_sigma=6", "--skip_step_window=128"],
+    "spiky_loss": ["--spiky_loss_factor=10", "--spiky_loss_samples=100"],
+    "grad_norm_skip": [],
+    "zclip": ["--zclip_z=2.5", "--zclip_alpha=0.97", "--zclip_warmup=25"],
+    # the automated checkpoint restarts (remedies.OptRestart, PalmRestart), not in the sixth: from the
+    # run's disk checkpoints, saved every SAVE_INTERVAL iterations as the guard's --snapshots off
+    "opt_restart": ["--opt_restart_lr_factor=0.25", f"--save_interval={SAVE_INTERVAL}"],
+    "palm_restart": ["--palm_restart_skip=200", f"--save_interval={SAVE_INTERVAL}"],
+}
 METHODS = ["guard", "none", *REMEDIES]
 # The seventh campaign's rule for every method alike (--windows): each setting that counts
 # iterations at its published default ("published": the guard's are its config defaults,
@@ -136,8 +171,11 @@ SETTINGS = {
 DETECTORS = ("spiky_loss",)
 # a fault is harmful when it raises the clean twin's final validation loss by more than this
 HARM = 0.01
-LOG = re.compile(r"^ iteration +(\d+)/ *\d+ \|.*?lm loss: (\S+) \|.*?grad norm: (\S+) \|.*?"
-                 r"number of skipped iterations: +(\d+)", re.M)
+LOG = re.compile(
+    r"^ iteration +(\d+)/ *\d+ \|.*?lm loss: (\S+) \|.*?grad norm: (\S+) \|.*?"
+    r"number of skipped iterations: +(\d+)",
+    re.M,
+)
 
 
 def long_clean_seed(seed, j):
@@ -173,48 +211,100 @@ def fault_of(rng, family, start, iters):
     """The first six campaigns' fault of `family` from `start`, its magnitudes drawn from rng."""
     precision, nproc, resume = [], 1, None
     if family == "lr transient":
-        length, factor = rng.randint(1, 6), round(math.exp(rng.uniform(math.log(30), math.log(3000))))
+        length, factor = (
+            rng.randint(1, 6),
+            round(math.exp(rng.uniform(math.log(30), math.log(3000)))),
+        )
         flags = [f"--inject_lr_iters={start}-{start + length - 1}", f"--inject_lr_factor={factor}"]
         what = f"LR x{factor} for {length}"
-    elif family == "lr persistent":  # a higher LR from `start` to the end, on every pass, in one process
+    elif (
+        family == "lr persistent"
+    ):  # a higher LR from `start` to the end, on every pass, in one process
         factor = round(math.exp(rng.uniform(math.log(10), math.log(100))))
-        flags = [f"--inject_lr_iters={start}-{iters}", f"--inject_lr_factor={factor}", "--inject_lr_persistent"]
+        flags = [
+            f"--inject_lr_iters={start}-{iters}",
+            f"--inject_lr_factor={factor}",
+            "--inject_lr_persistent",
+        ]
         what = f"LR x{factor} from then on"
-    elif family == "lr after resume":  # the run stops at K; its resume has the LR x factor from then on
+    elif (
+        family == "lr after resume"
+    ):  # the run stops at K; its resume has the LR x factor from then on
         resume = rng.randint(20, iters - 20)
         start, factor = resume + 1, round(math.exp(rng.uniform(math.log(10), math.log(100))))
-        flags = [f"--inject_lr_iters={start}-{iters}", f"--inject_lr_factor={factor}", "--inject_lr_persistent"]
+        flags = [
+            f"--inject_lr_iters={start}-{iters}",
+            f"--inject_lr_factor={factor}",
+            "--inject_lr_persistent",
+        ]
         what = f"resumed at {resume} with LR x{factor}"
-    elif family == "lr slow persistent":  # a slow harm: x20-40 from mid-run on (issue 41: x30 cost +3%)
+    elif (
+        family == "lr slow persistent"
+    ):  # a slow harm: x20-40 from mid-run on (issue 41: x30 cost +3%)
         start, factor = rng.randint(iters // 3, 2 * iters // 3), rng.randint(20, 40)
-        flags = [f"--inject_lr_iters={start}-{iters}", f"--inject_lr_factor={factor}", "--inject_lr_persistent"]
+        flags = [
+            f"--inject_lr_iters={start}-{iters}",
+            f"--inject_lr_factor={factor}",
+            "--inject_lr_persistent",
+        ]
         what = f"LR x{factor} from then on"
-    elif family == "lost optimizer state":  # the run stops at K; its resume finds Adam's moments zeroed
+    elif (
+        family == "lost optimizer state"
+    ):  # the run stops at K; its resume finds Adam's moments zeroed
         resume = rng.randint(20, iters - 20)
-        start, flags, what = resume + 1, [f"--inject_lost_optimizer_state_iter={resume + 1}"], f"resumed at {resume}"
+        start, flags, what = (
+            resume + 1,
+            [f"--inject_lost_optimizer_state_iter={resume + 1}"],
+            f"resumed at {resume}",
+        )
     elif family == "random tokens":
         length = rng.randint(1, 4)
-        flags, what = [f"--inject_bad_batch_iters={start}-{start + length - 1}"], f"{length} batches"
+        flags, what = (
+            [f"--inject_bad_batch_iters={start}-{start + length - 1}"],
+            f"{length} batches",
+        )
     elif family in ("repeated token", "repeated 8-gram", "poisoned minority"):
         length = rng.randint(1, 4)
-        kind = {"repeated token": "repeat", "repeated 8-gram": "ngram", "poisoned minority": "minority"}[family]
+        kind = {
+            "repeated token": "repeat",
+            "repeated 8-gram": "ngram",
+            "poisoned minority": "minority",
+        }[family]
         fraction = rng.choice([0.125, 0.25, 0.375])
-        flags = [f"--inject_degenerate_iters={start}-{start + length - 1}", f"--inject_degenerate_kind={kind}",
-                 f"--inject_degenerate_fraction={fraction}"]
-        what = f"{length} batches" + (f", {fraction:g} of the samples" if kind == "minority" else "")
-    elif family == "ordered duplicate block":  # a shard of near-duplicates met in corpus order (BigScience, OPT)
+        flags = [
+            f"--inject_degenerate_iters={start}-{start + length - 1}",
+            f"--inject_degenerate_kind={kind}",
+            f"--inject_degenerate_fraction={fraction}",
+        ]
+        what = f"{length} batches" + (
+            f", {fraction:g} of the samples" if kind == "minority" else ""
+        )
+    elif (
+        family == "ordered duplicate block"
+    ):  # a shard of near-duplicates met in corpus order (BigScience, OPT)
         # 20-100 of 400
         length, period = rng.randint(20, 100) * iters // 400, rng.choice([1, 2, 4, 8])
         length = max(length, period)
         start = rng.randint(15, max(15, iters - length - 10))
-        flags = [f"--inject_repeat_iters={start}-{start + length - 1}", f"--inject_repeat_period={period}"]
+        flags = [
+            f"--inject_repeat_iters={start}-{start + length - 1}",
+            f"--inject_repeat_period={period}",
+        ]
         what = f"{length} iterations repeating {period} batches"
-    elif family.startswith("dp "):  # one DP replica of two: rank 1's gradient, weight or optimizer state
-        target = {"dp weight bit flip": "weight", "dp grad bit flip": "grad"}.get(family) or rng.choice(
-            ["exp_avg", "exp_avg_sq", "master"])
+    elif family.startswith(
+        "dp "
+    ):  # one DP replica of two: rank 1's gradient, weight or optimizer state
+        target = {"dp weight bit flip": "weight", "dp grad bit flip": "grad"}.get(
+            family
+        ) or rng.choice(["exp_avg", "exp_avg_sq", "master"])
         bit, element, nproc = rng.choice(BITS), rng.randint(0, 10**6), 2
-        flags = [f"--inject_bitflip_iters={start}-{start}", f"--inject_bitflip_bit={bit}", "--inject_bitflip_rank=1",
-                 f"--inject_bitflip_element={element}", f"--inject_bitflip_target={target}"]
+        flags = [
+            f"--inject_bitflip_iters={start}-{start}",
+            f"--inject_bitflip_bit={bit}",
+            "--inject_bitflip_rank=1",
+            f"--inject_bitflip_element={element}",
+            f"--inject_bitflip_target={target}",
+        ]
         what = f"bit {bit} of {target} element {element} on DP rank 1"
     else:  # numerical, in bf16 or fp16; in fp16 half of them early, while the loss scale searches
         half = family.split()[1]
@@ -224,8 +314,15 @@ def fault_of(rng, family, start, iters):
         flags, precision = [f"--inject_numerical_iters={start}-{start + length - 1}"], [f"--{half}"]
         what = f"{length} iterations"
     what = f"{family} at {start}: {what}"
-    return {"family": family, "flags": flags, "precision": precision, "what": what, "start": start,
-            "nproc": nproc, "resume": resume}
+    return {
+        "family": family,
+        "flags": flags,
+        "precision": precision,
+        "what": what,
+        "start": start,
+        "nproc": nproc,
+        "resume": resume,
+    }
 
 
 # The seventh campaign's families: the sixth's, their data faults placed in the corpus
@@ -304,8 +401,15 @@ def base_args(trial, model, iters):
     """A trial's train.py flags but the fault's and the method's: the model, its batch (2 processes: the global
     batch two micro-batches, one per DP replica), precision and seed."""
     batch = 8 * trial["nproc"]
-    return [*MODEL, *MODELS[model], f"--global_batch_size={batch}", f"--train_iters={iters}",
-            f"--lr_decay_samples={batch * iters}", *trial["precision"], f"--seed={trial['seed']}"]
+    return [
+        *MODEL,
+        *MODELS[model],
+        f"--global_batch_size={batch}",
+        f"--train_iters={iters}",
+        f"--lr_decay_samples={batch * iters}",
+        *trial["precision"],
+        f"--seed={trial['seed']}",
+    ]
 
 
 def processes(base, fault, method, trial, checkpoint):
@@ -321,15 +425,18 @@ def processes(base, fault, method, trial, checkpoint):
         return [[*base, *fault, *method, *disk, *dumps]]
     k = trial["resume"]
     saves = [f for f in method if f.startswith("--save_interval=")] or ["--save_interval=none"]
-    return [[*base, *method, f"--save={checkpoint}", f"--save_interval={k}", f"--exit_interval={k}"],
-            [*base, *method, *fault, f"--save={checkpoint}", *saves, *dumps]]
+    return [
+        [*base, *method, f"--save={checkpoint}", f"--save_interval={k}", f"--exit_interval={k}"],
+        [*base, *method, *fault, f"--save={checkpoint}", *saves, *dumps],
+    ]
 
 
 def goes_to_disk(method):
     """Does the method (its flags) go back to disk checkpoints it saves itself?"""
     restarts = ("--opt_restart_lr_factor=", "--palm_restart_skip=")
     return "--spike_guard_snapshot_interval=0" in method or any(
-        f.startswith(restarts) for f in method)
+        f.startswith(restarts) for f in method
+    )
 
 
 def run_one(out, name, parts, data_path, method="guard", nproc=1):
@@ -339,15 +446,29 @@ def run_one(out, name, parts, data_path, method="guard", nproc=1):
     replays appear again). A part that fails ends the run; the resumed run's checkpoint is removed after it."""
     log = os.path.join(out, "logs", f"{name}.log")
     env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled")
-    launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                                    f"--nproc_per_node={nproc}"]
+    launcher = (
+        [sys.executable]
+        if nproc == 1
+        else [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={nproc}",
+        ]
+    )
     checkpoint = os.path.join(out, "checkpoints", name)
     # a run interrupted before: its resume starts over
     shutil.rmtree(checkpoint, ignore_errors=True)
     with open(log, "w") as f:
         for args in parts:
-            code = subprocess.call([*launcher, "train.py", *args, f"--data_path={data_path}"], cwd=ROOT, env=env,
-                                   stdout=f, stderr=subprocess.STDOUT)
+            code = subprocess.call(
+                [*launcher, "train.py", *args, f"--data_path={data_path}"],
+                cwd=ROOT,
+                env=env,
+                stdout=f,
+                stderr=subprocess.STDOUT,
+            )
             if code != 0:
                 break
     gap = replica_gap(checkpoint) if nproc > 1 and code == 0 else None
@@ -355,21 +476,37 @@ def run_one(out, name, parts, data_path, method="guard", nproc=1):
     text = open(log).read()
     values = re.findall(r"lm loss value: (\S+)", text)
     lines = [x for x in text.splitlines() if x.startswith("spike guard:")]
-    series = [[int(i), float(loss), float(norm), int(skips)] for i, loss, norm, skips in LOG.findall(text)]
+    series = [
+        [int(i), float(loss), float(norm), int(skips)] for i, loss, norm, skips in LOG.findall(text)
+    ]
     held = re.search(r"spike guard snapshots(?: and async_save's copy)?: (\d+) x", text)
-    return {"name": name, "exit": code, "valid": float(values[-1]) if values else math.nan, "method": method,
-            "decisions": actions_of(text, method, series), "rollbacks": sum("rolled back to" in x for x in lines),
-            "series": series, "nproc": nproc, "processes": len(parts), "replica_gap": gap,
-            "snapshots": int(held[1]) if held else 0}
+    return {
+        "name": name,
+        "exit": code,
+        "valid": float(values[-1]) if values else math.nan,
+        "method": method,
+        "decisions": actions_of(text, method, series),
+        "rollbacks": sum("rolled back to" in x for x in lines),
+        "series": series,
+        "nproc": nproc,
+        "processes": len(parts),
+        "replica_gap": gap,
+        "snapshots": int(held[1]) if held else 0,
+    }
 
 
 def replica_gap(checkpoint):
     """The largest |difference| between DP rank 0's and DP rank 1's final weights (the dumps of the run's last save):
     a replica that silently drifted (a low bit flipped on one rank, issue 41) ends the run above 0."""
-    paths = sorted(glob.glob(os.path.join(checkpoint, "weight_dumps", "debug-*-before-save.pt")),
-                   key=lambda p: int(re.search(r"debug-(\d+)-", p)[1]))
+    paths = sorted(
+        glob.glob(os.path.join(checkpoint, "weight_dumps", "debug-*-before-save.pt")),
+        key=lambda p: int(re.search(r"debug-(\d+)-", p)[1]),
+    )
     last = re.search(r"debug-(\d+)-", paths[-1])[1]
-    dp0, dp1 = (torch.load(next(p for p in paths if f"debug-{last}-" in p and f"-dp{d}-" in p)) for d in (0, 1))
+    dp0, dp1 = (
+        torch.load(next(p for p in paths if f"debug-{last}-" in p and f"-dp{d}-" in p))
+        for d in (0, 1)
+    )
     return max(float((dp0[n].float() - dp1[n].float()).abs().max()) for n in dp0)
 
 
@@ -380,22 +517,40 @@ def actions_of(text, method, series):
     if method == "guard":
         return [x for x in lines if x.startswith("spike guard:") and is_decision(x)]
     if method == "grad_norm_skip":
-        return [f"grad_norm_skip: iteration {i}: skipped, grad norm {g:g}" for i, _, g, skips in series
-                if skips and math.isfinite(g)]
+        return [
+            f"grad_norm_skip: iteration {i}: skipped, grad norm {g:g}"
+            for i, _, g, skips in series
+            if skips and math.isfinite(g)
+        ]
     return [x for x in lines if x.startswith(f"remedy {method}:")]
 
 
 def is_decision(line):
     """A `spike guard:` line that is a decision (not a sample named, a fault injected, a host, a restore)."""
-    noise = (": sample ", "injected a ", " is global rank ", ": on rank ", "rolled back to", "the documents")
-    return re.match(r"spike guard: iteration \d+: ", line) is not None and not any(n in line for n in noise)
+    noise = (
+        ": sample ",
+        "injected a ",
+        " is global rank ",
+        ": on rank ",
+        "rolled back to",
+        "the documents",
+    )
+    return re.match(r"spike guard: iteration \d+: ", line) is not None and not any(
+        n in line for n in noise
+    )
 
 
 def cause_of(line):
     # the DP replica check's decisions (replica_check.py) name no cause word: replicas that differ are hardware
-    for key, cause in (("persistent fault", "persistent"), ("hardware/transient", "hardware"),
-                       ("the DP replicas differ", "hardware"), ("take its node out", "hardware"),
-                       ("numerical: ", "numerical"), ("data-driven", "data"), ("optimizer-driven", "optimizer")):
+    for key, cause in (
+        ("persistent fault", "persistent"),
+        ("hardware/transient", "hardware"),
+        ("the DP replicas differ", "hardware"),
+        ("take its node out", "hardware"),
+        ("numerical: ", "numerical"),
+        ("data-driven", "data"),
+        ("optimizer-driven", "optimizer"),
+    ):
         if key in line:
             return cause
     return "none"
@@ -406,8 +561,10 @@ def wilson(k, n, z=1.96):
     if n == 0:
         return (math.nan, math.nan)
     p = k / n
-    centre, half = (p + z * z / (2 * n)) / (1 + z * z / n), z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (
-        1 + z * z / n)
+    centre, half = (
+        (p + z * z / (2 * n)) / (1 + z * z / n),
+        z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n),
+    )
     return (max(0.0, centre - half), min(1.0, centre + half))
 
 
@@ -479,14 +636,23 @@ def campaign(a, registration=None):
     def one(name, parts, meta, method, held):
         try:
             t0, started = time.time(), utc()
-            record = {**run_one(a.out, name, parts, a.data_path, method, meta["nproc"]), **meta,
-                      "registration": reg_id, "seconds": round(time.time() - t0, 1),
-                      "started": started, "ended": utc(), **stamp}
+            record = {
+                **run_one(a.out, name, parts, a.data_path, method, meta["nproc"]),
+                **meta,
+                "registration": reg_id,
+                "seconds": round(time.time() - t0, 1),
+                "started": started,
+                "ended": utc(),
+                **stamp,
+            }
             with lock:
                 with open(path, "a") as f:
                     f.write(json.dumps(record) + "\n")
-            print(f"campaign: {name} ({meta['what']}): exit {record['exit']}, valid {record['valid']:.4f}, "
-                  f"{len(record['decisions'])} actions, {record['seconds']} s", flush=True)
+            print(
+                f"campaign: {name} ({meta['what']}): exit {record['exit']}, valid {record['valid']:.4f}, "
+                f"{len(record['decisions'])} actions, {record['seconds']} s",
+                flush=True,
+            )
         finally:
             for _ in range(held):
                 slots.release()
@@ -497,24 +663,49 @@ def campaign(a, registration=None):
             held = min(trial["nproc"], a.jobs)
             for _ in range(held):
                 slots.acquire()
-            parts = processes(base, fault, method_flags(method, a), trial,
-                              os.path.join(a.out, "checkpoints", name))
-            meta = {key: trial[key] for key in ("trial", "family", "what", "start", "model", "nproc", "resume", "iters")
-                    if trial[key] is not None}  # a long clean run is no trial
+            parts = processes(
+                base,
+                fault,
+                method_flags(method, a),
+                trial,
+                os.path.join(a.out, "checkpoints", name),
+            )
+            meta = {
+                key: trial[key]
+                for key in ("trial", "family", "what", "start", "model", "nproc", "resume", "iters")
+                if trial[key] is not None
+            }  # a long clean run is no trial
             threads.append(threading.Thread(target=one, args=(name, parts, meta, method, held)))
             threads[-1].start()
-    for j in range(a.long_clean if a.method == "guard" else 0):  # false positives late in training, fewer start-ups
+
+    for j in range(
+        a.long_clean if a.method == "guard" else 0
+    ):  # false positives late in training, fewer start-ups
         n = a.long_iters
-        long = {"trial": None, "family": None, "what": f"clean, {n} iterations", "start": None, "model": "2x64",
-                "iters": n, "nproc": 1, "resume": None, "precision": [], "seed": long_clean_seed(a.seed, j)}
+        long = {
+            "trial": None,
+            "family": None,
+            "what": f"clean, {n} iterations",
+            "start": None,
+            "model": "2x64",
+            "iters": n,
+            "nproc": 1,
+            "resume": None,
+            "precision": [],
+            "seed": long_clean_seed(a.seed, j),
+        }
         submit(f"long{j}-clean", long, base_args(long, "2x64", n), [], "guard")
     trials = {}
     for k in range(a.first, a.first + a.trials):
         if time.time() - began > 60 * a.minutes:
             print(f"campaign: {a.minutes} minutes spent; stopped before trial {k}", flush=True)
             break
-        trial = {"trial": k, **DRAWS[a.draw](a.seed, k, a.iters), "model": model_of(a, k),
-                 "iters": a.iters}
+        trial = {
+            "trial": k,
+            **DRAWS[a.draw](a.seed, k, a.iters),
+            "model": model_of(a, k),
+            "iters": a.iters,
+        }
         trials[k] = trial, base_args(trial, trial["model"], a.iters)
         submit(f"{k}-clean", trial, trials[k][1], [], "guard")
         submit(f"{k}-unguarded", trial, trials[k][1], trial["flags"], "none")
@@ -522,13 +713,17 @@ def campaign(a, registration=None):
             submit(f"{k}-guarded", trial, trials[k][1], trial["flags"], "guard")
     for t in threads:
         t.join()
-    if a.method in REMEDIES:  # the references are in: a remedy runs the harmful faults and its clean runs
+    if (
+        a.method in REMEDIES
+    ):  # the references are in: a remedy runs the harmful faults and its clean runs
         done, threads[:] = runs_of(a.out), []
         if a.method == "grad_norm_skip" and a.grad_norm_bound is None:  # OPT's, on the clean twins
             cleans = [r for n, r in done.items() if n.endswith("-clean")]
             a.grad_norm_bound = guard_metrics.calibrated_bound(cleans)
-            print(f"campaign: grad_norm_skip's bound, calibrated on the clean twins: "
-                  f"{a.grad_norm_bound:.4g}")
+            print(
+                f"campaign: grad_norm_skip's bound, calibrated on the clean twins: "
+                f"{a.grad_norm_bound:.4g}"
+            )
         for k, (trial, base) in trials.items():
             faulted, clean = names(k, a.method)
             if is_harmful(done[f"{k}-clean"], done[f"{k}-unguarded"], a.harm):
@@ -605,15 +800,13 @@ DRAWS = {"seventh": draw_seventh, "sixth": draw, "withdrawn-61": draw_withdrawn_
 # the seventh campaign's goals, frozen with it (a goal is met when its interval, not its estimate,
 # is past it)
 GOALS = {
-    "damage removed (mean share; trials harmful by their loss)":
-        ">= 0.8, the 95% interval above every remedy's mean",
+    "damage removed (mean share; trials harmful by their loss)": ">= 0.8, the 95% interval above every remedy's mean",
     "trials ending worse than the unremedied twin by more than the harm threshold": "0",
     "replicas equal at the end (trials harmful by their replicas)": ">= 90%",
     "detected within the window, net of the clean-run base rate": ">= 90%",
     "clean runs with an action": "<= 1 in 100",
     "harmless faults stopped": "0",
-    "harmful trials per family":
-        ">= 10 (stratified draw; trials added, registered anew, where short)",
+    "harmful trials per family": ">= 10 (stratified draw; trials added, registered anew, where short)",
 }
 
 
@@ -658,12 +851,16 @@ def preregister(a):
     now = registration_of(a)
     if not os.path.exists(a.preregister):
         if os.path.exists(os.path.join(a.out, "runs.jsonl")):
-            raise SystemExit(f"--preregister {a.preregister}: {a.out} has runs already; a registration comes before "
-                             "any run: register in a new --out")
+            raise SystemExit(
+                f"--preregister {a.preregister}: {a.out} has runs already; a registration comes before "
+                "any run: register in a new --out"
+            )
         if now["dirty"]:
             first = uncommitted().splitlines()[0]
-            raise SystemExit(f"--preregister: the tree has uncommitted changes ({first} ...): "
-                             "commit the tree first, so that the registration's hash names it")
+            raise SystemExit(
+                f"--preregister: the tree has uncommitted changes ({first} ...): "
+                "commit the tree first, so that the registration's hash names it"
+            )
         now["written"] = utc()
         os.makedirs(os.path.dirname(os.path.abspath(a.preregister)), exist_ok=True)
         with open(a.preregister, "w") as f:
@@ -672,15 +869,19 @@ def preregister(a):
         return now
     saved = json.load(open(a.preregister))
     if (saved.get("tree"), saved.get("dirty")) != (now["tree"], now["dirty"]):
-        raise SystemExit(f"--preregister {a.preregister}: the tree (hash {now['tree'][:12]}, "
-                         f"{'dirty' if now['dirty'] else 'clean'}) is not the registered one "
-                         f"({str(saved.get('tree'))[:12]}, clean): run from the registered commit "
-                         f"{saved.get('commit')}, with nothing uncommitted, or register anew in a "
-                         "new --out")
+        raise SystemExit(
+            f"--preregister {a.preregister}: the tree (hash {now['tree'][:12]}, "
+            f"{'dirty' if now['dirty'] else 'clean'}) is not the registered one "
+            f"({str(saved.get('tree'))[:12]}, clean): run from the registered commit "
+            f"{saved.get('commit')}, with nothing uncommitted, or register anew in a "
+            "new --out"
+        )
     differ = [key for key in now if key != "commit" and saved.get(key) != now[key]]
     if differ:
-        raise SystemExit(f"--preregister {a.preregister}: this campaign differs from its registration in "
-                         f"{', '.join(differ)}: run the registered code and flags, or register anew in a new --out")
+        raise SystemExit(
+            f"--preregister {a.preregister}: this campaign differs from its registration in "
+            f"{', '.join(differ)}: run the registered code and flags, or register anew in a new --out"
+        )
     return saved
 
 
@@ -700,11 +901,15 @@ def one_registration(runs, registration=None):
     `registration` (the --preregister file) when given."""
     ids = {r.get("registration") for r in runs.values()}
     if len(ids) > 1:
-        raise SystemExit(f"the runs come from {len(ids)} registrations ({', '.join(map(str, sorted(ids, key=str)))}):"
-                         " report each campaign from its own --out")
+        raise SystemExit(
+            f"the runs come from {len(ids)} registrations ({', '.join(map(str, sorted(ids, key=str)))}):"
+            " report each campaign from its own --out"
+        )
     if registration is not None and ids and ids != {registration_id(registration)}:
-        raise SystemExit(f"the runs are of registration {ids.pop()}, not of --preregister's "
-                         f"{registration_id(registration)}")
+        raise SystemExit(
+            f"the runs are of registration {ids.pop()}, not of --preregister's "
+            f"{registration_id(registration)}"
+        )
 
 
 def runs_of(out):
@@ -730,19 +935,29 @@ def report(out, harm=HARM, registration=None):
     one_registration(runs_of(out), registration)
     trials = trials_of(out)
     spent = sum(r.get("seconds", 0) * r.get("nproc", 1) for r in runs_of(out).values()) / 3600
-    lines = [f"{len(trials)} complete trials (3 runs each; false positives: every finished clean run); "
-             f"{spent:.1f} CPU-hours of run time (each run's wall time x its processes)", ""]
+    lines = [
+        f"{len(trials)} complete trials (3 runs each; false positives: every finished clean run); "
+        f"{spent:.1f} CPU-hours of run time (each run's wall time x its processes)",
+        "",
+    ]
     harmful, detected, right, diagnosed, within, rollbacks = 0, 0, 0, 0, 0, []
     matrix = {t: {c: 0 for c in CAUSES} for t in sorted(set(FAMILIES.values()))}
     # finished, their trial or not
     cleans = [r for name, r in runs_of(out).items() if name.endswith("-clean")]
-    clean_iters, false_positives, rows = sum(r["iters"] for r in cleans), sum(len(r["decisions"]) for r in cleans), []
+    clean_iters, false_positives, rows = (
+        sum(r["iters"] for r in cleans),
+        sum(len(r["decisions"]) for r in cleans),
+        [],
+    )
     for t in trials:
         clean, bad, guarded = t["clean"], t["unguarded"], t["guarded"]
         ratio = bad["valid"] / clean["valid"] if math.isfinite(bad["valid"]) else math.inf
         harmful_here = is_harmful(clean, bad, harm)
-        acts = [d for d in guarded["decisions"] if int(re.match(r"spike guard: iteration (\d+)", d)[1]) >=
-                guarded["start"]]
+        acts = [
+            d
+            for d in guarded["decisions"]
+            if int(re.match(r"spike guard: iteration (\d+)", d)[1]) >= guarded["start"]
+        ]
         true = FAMILIES[guarded["family"]]
         decided = cause_of(acts[0]) if acts else "none"
         if acts:
@@ -755,38 +970,70 @@ def report(out, harm=HARM, registration=None):
             detected += bool(acts)
             within += g_ratio <= 1 + harm and not guarded.get("replica_gap")
             rollbacks.append(guarded["rollbacks"])
-        rows.append((guarded["family"], guarded["what"], harmful_here, decided, ratio, g_ratio, guarded["exit"],
-                     guarded["rollbacks"]))
+        rows.append(
+            (
+                guarded["family"],
+                guarded["what"],
+                harmful_here,
+                decided,
+                ratio,
+                g_ratio,
+                guarded["exit"],
+                guarded["rollbacks"],
+            )
+        )
 
     def rate(k, n):
         lo, hi = wilson(k, n)
         return f"{k}/{n} = {k / n:.0%} (95% CI {lo:.0%}-{hi:.0%})" if n else "0/0"
+
     fp_runs = sum(bool(r["decisions"]) for r in cleans)
     fp_lo, fp_hi = wilson(false_positives, clean_iters)
     fp = 1000 * false_positives / max(clean_iters, 1)
-    lines += ["| measure | goal | measured |", "|---|---|---|",
-              f"| harmful faults detected | >= 90% | {rate(detected, harmful)} |",
-              f"| diagnoses right (of the faults the guard acted on) | >= 85% | {rate(right, diagnosed)} |",
-              f"| false positives per 1,000 clean iterations | <= 0.1 | {fp:.2f} ({false_positives} in {clean_iters}; "
-              f"95% CI {1000 * fp_lo:.2f}-{1000 * fp_hi:.2f}) |",
-              f"| clean runs with a decision (the run as the unit) | <= 1 in 100 | {rate(fp_runs, len(cleans))} |",
-              f"| guarded final loss within 1% of the clean twin's (harmful faults) | >= 80% | "
-              f"{rate(within, harmful)} |",
-              f"| rollbacks per harmful fault | <= 1 | mean {sum(rollbacks) / max(len(rollbacks), 1):.2f}, max "
-              f"{max(rollbacks, default=0)} |", "",
-              "Diagnosis (rows: the true cause; columns: the cause of the guard's first decision at or after the "
-              "fault's start):", "", "| true \\ decided | " + " | ".join(CAUSES) + " |",
-              "|---|" + "---|" * len(CAUSES)]
+    lines += [
+        "| measure | goal | measured |",
+        "|---|---|---|",
+        f"| harmful faults detected | >= 90% | {rate(detected, harmful)} |",
+        f"| diagnoses right (of the faults the guard acted on) | >= 85% | {rate(right, diagnosed)} |",
+        f"| false positives per 1,000 clean iterations | <= 0.1 | {fp:.2f} ({false_positives} in {clean_iters}; "
+        f"95% CI {1000 * fp_lo:.2f}-{1000 * fp_hi:.2f}) |",
+        f"| clean runs with a decision (the run as the unit) | <= 1 in 100 | {rate(fp_runs, len(cleans))} |",
+        f"| guarded final loss within 1% of the clean twin's (harmful faults) | >= 80% | "
+        f"{rate(within, harmful)} |",
+        f"| rollbacks per harmful fault | <= 1 | mean {sum(rollbacks) / max(len(rollbacks), 1):.2f}, max "
+        f"{max(rollbacks, default=0)} |",
+        "",
+        "Diagnosis (rows: the true cause; columns: the cause of the guard's first decision at or after the "
+        "fault's start):",
+        "",
+        "| true \\ decided | " + " | ".join(CAUSES) + " |",
+        "|---|" + "---|" * len(CAUSES),
+    ]
     lines += [f"| {t} | " + " | ".join(str(matrix[t][c]) for c in CAUSES) + " |" for t in matrix]
-    lines += ["", "| fault | harmful | decided | unguarded / clean | guarded / clean | exit | rollbacks |",
-              "|---|---|---|---|---|---|---|"]
-    lines += [f"| {w} | {'yes' if h else 'no'} | {d} | {r:.3f} | {g:.3f} | {e} | {rb} |"
-              for f, w, h, d, r, g, e, rb in rows]
+    lines += [
+        "",
+        "| fault | harmful | decided | unguarded / clean | guarded / clean | exit | rollbacks |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {w} | {'yes' if h else 'no'} | {d} | {r:.3f} | {g:.3f} | {e} | {rb} |"
+        for f, w, h, d, r, g, e, rb in rows
+    ]
     if any(r.get("method") not in (None, "guard", "none") for r in runs_of(out).values()):
-        lines += ["", "Methods on the same faults (each remedy runs the harmful trials and its own clean runs; the "
-                  "guard's clean runs are the clean twins):", "", method_table(runs_of(out), harm)]
-    lines += ["", "The primary metric and the costs (lab/guard_metrics.py; a rollback's replays "
-              "count as iterations run):", "", primary_table(runs_of(out), harm)]
+        lines += [
+            "",
+            "Methods on the same faults (each remedy runs the harmful trials and its own clean runs; the "
+            "guard's clean runs are the clean twins):",
+            "",
+            method_table(runs_of(out), harm),
+        ]
+    lines += [
+        "",
+        "The primary metric and the costs (lab/guard_metrics.py; a rollback's replays "
+        "count as iterations run):",
+        "",
+        primary_table(runs_of(out), harm),
+    ]
     text = "\n".join(lines) + "\n"
     with open(os.path.join(out, "report.md"), "w") as f:
         f.write(text)
@@ -819,27 +1066,51 @@ def method_results(runs, harm=HARM):
     """{method: its numbers} over the trials whose clean twin and unguarded run are in: on the harmful ones, its
     faulted runs (detected, right diagnosis, final validation loss / the clean twin's); its clean runs (runs with
     an action, actions per iteration); per fault class, detected of harmful."""
-    ks = sorted({r["trial"] for r in runs.values() if "trial" in r and f"{r['trial']}-clean" in runs
-                 and f"{r['trial']}-unguarded" in runs})
+    ks = sorted(
+        {
+            r["trial"]
+            for r in runs.values()
+            if "trial" in r and f"{r['trial']}-clean" in runs and f"{r['trial']}-unguarded" in runs
+        }
+    )
     harmful = [k for k in ks if is_harmful(runs[f"{k}-clean"], runs[f"{k}-unguarded"], harm)]
     results = {}
     for method in METHODS:
-        out = {"n": 0, "detected": 0, "diagnosed": 0, "right": 0, "within": 0, "ratios": [], "classes": {}}
+        out = {
+            "n": 0,
+            "detected": 0,
+            "diagnosed": 0,
+            "right": 0,
+            "within": 0,
+            "ratios": [],
+            "classes": {},
+        }
         for k in harmful:
             run, clean = runs.get(names(k, method)[0]), runs[f"{k}-clean"]
             if run is None:
                 continue
             acts = acts_from(run, run["start"])
-            ratio = run["valid"] / clean["valid"] if math.isfinite(run["valid"]) and run["exit"] == 0 else math.inf
+            ratio = (
+                run["valid"] / clean["valid"]
+                if math.isfinite(run["valid"]) and run["exit"] == 0
+                else math.inf
+            )
             right = right_diagnosis(method, acts[0], run["family"]) if acts else None
             within = ratio <= 1 + harm and not run.get("replica_gap")
             cls = out["classes"].setdefault(run["family"], [0, 0, 0])  # detected, harmful, within
             cls[0], cls[1], cls[2] = cls[0] + bool(acts), cls[1] + 1, cls[2] + within
             out["n"], out["detected"] = out["n"] + 1, out["detected"] + bool(acts)
             out["ratios"].append(ratio)
-            out["diagnosed"], out["right"] = out["diagnosed"] + (right is not None), out["right"] + bool(right)
+            out["diagnosed"], out["right"] = (
+                out["diagnosed"] + (right is not None),
+                out["right"] + bool(right),
+            )
             out["within"] += within
-        cleans = [runs[names(k, method)[1]] for k in ks if names(k, method)[1] in runs and method != "none"]
+        cleans = [
+            runs[names(k, method)[1]]
+            for k in ks
+            if names(k, method)[1] in runs and method != "none"
+        ]
         cleans += [r for name, r in runs.items() if name.startswith("long") and method == "guard"]
         out["clean_runs"], out["fp_runs"] = len(cleans), sum(bool(r["decisions"]) for r in cleans)
         out["clean_iters"] = sum(r["iters"] for r in cleans)
@@ -852,32 +1123,63 @@ def method_table(runs, harm=HARM):
     """The markdown of methods x (detection, false positives, right diagnosis, damage), then detection per fault
     class, each rate with its 95% Wilson interval."""
     results = method_results(runs, harm)
-    lines = [f"| method | harmful faults detected | clean runs with an action (false positives) | false positives per "
-             f"1,000 clean iterations | right diagnosis | final loss within {harm:.0%} of the clean twin | median "
-             "final / clean |", "|---|---|---|---|---|---|---|"]
+    lines = [
+        f"| method | harmful faults detected | clean runs with an action (false positives) | false positives per "
+        f"1,000 clean iterations | right diagnosis | final loss within {harm:.0%} of the clean twin | median "
+        "final / clean |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for method, r in results.items():
         if not r["n"] and not r["clean_runs"]:
             continue
         lo, hi = wilson(r["fp_actions"], r["clean_iters"])
-        fp = (f"{1000 * r['fp_actions'] / r['clean_iters']:.2f} ({1000 * lo:.2f}-{1000 * hi:.2f})"
-              if r["clean_iters"] else "-")
+        fp = (
+            f"{1000 * r['fp_actions'] / r['clean_iters']:.2f} ({1000 * lo:.2f}-{1000 * hi:.2f})"
+            if r["clean_iters"]
+            else "-"
+        )
         ratios = sorted(r["ratios"])
         median = f"{ratios[len(ratios) // 2]:.3f}" if ratios else "-"
-        lines.append(f"| {method} | {rate(r['detected'], r['n']) if method != 'none' else '-'} | "
-                     f"{rate(r['fp_runs'], r['clean_runs'])} | {fp} | {rate(r['right'], r['diagnosed'])} | "
-                     f"{rate(r['within'], r['n'])} | {median} |")
+        lines.append(
+            f"| {method} | {rate(r['detected'], r['n']) if method != 'none' else '-'} | "
+            f"{rate(r['fp_runs'], r['clean_runs'])} | {fp} | {rate(r['right'], r['diagnosed'])} | "
+            f"{rate(r['within'], r['n'])} | {median} |"
+        )
     shown = [m for m in METHODS if m != "none" and results[m]["n"]]
     classes = sorted({c for m in shown for c in results[m]["classes"]})
-    lines += ["", "Harmful faults detected, per fault class:", "", "| fault class | " + " | ".join(shown) + " |",
-              "|---|" + "---|" * len(shown)]
-    lines += [f"| {c} | " + " | ".join(rate(*results[m]["classes"].get(c, (0, 0))[:2]) for m in shown) + " |"
-              for c in classes]
+    lines += [
+        "",
+        "Harmful faults detected, per fault class:",
+        "",
+        "| fault class | " + " | ".join(shown) + " |",
+        "|---|" + "---|" * len(shown),
+    ]
+    lines += [
+        f"| {c} | "
+        + " | ".join(rate(*results[m]["classes"].get(c, (0, 0))[:2]) for m in shown)
+        + " |"
+        for c in classes
+    ]
     # where a remedy beats the guard is a class's damage, not its detection: an action that does not undo the harm
-    lines += ["", f"Harmful faults ending within {harm:.0%} of the clean twin, per fault class:", "",
-              "| fault class | " + " | ".join(shown) + " |", "|---|" + "---|" * len(shown)]
-    lines += [f"| {c} | " + " | ".join(rate(results[m]["classes"].get(c, (0, 0, 0))[2],
-                                             results[m]["classes"].get(c, (0, 0, 0))[1]) for m in shown) + " |"
-              for c in classes]
+    lines += [
+        "",
+        f"Harmful faults ending within {harm:.0%} of the clean twin, per fault class:",
+        "",
+        "| fault class | " + " | ".join(shown) + " |",
+        "|---|" + "---|" * len(shown),
+    ]
+    lines += [
+        f"| {c} | "
+        + " | ".join(
+            rate(
+                results[m]["classes"].get(c, (0, 0, 0))[2],
+                results[m]["classes"].get(c, (0, 0, 0))[1],
+            )
+            for m in shown
+        )
+        + " |"
+        for c in classes
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -1013,14 +1315,18 @@ MEASURED = (
 
 def figure(rows, path):
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     fig, ax = plt.subplots(figsize=(7, 4))
     for k, (_, _, harmful, _, ratio, g_ratio, _, _) in enumerate(rows):
         clip = lambda v: min(v, 1.5) if math.isfinite(v) else 1.5  # noqa: E731 (a diverged run drawn at the top)
         ax.plot([k, k], [clip(ratio), clip(g_ratio)], color="0.8", zorder=1)
         ax.scatter([k], [clip(ratio)], marker="x", color="tab:red" if harmful else "0.5", zorder=2)
-        ax.scatter([k], [clip(g_ratio)], marker="o", facecolors="none", edgecolors="tab:blue", zorder=3)
+        ax.scatter(
+            [k], [clip(g_ratio)], marker="o", facecolors="none", edgecolors="tab:blue", zorder=3
+        )
     ax.axhline(1.01, color="k", lw=0.5, ls="--")
     ax.set_xlabel("trial (x: unguarded, red if harmful; o: guarded)")
     ax.set_ylabel("final validation loss / clean twin's (clipped at 1.5)")
@@ -1035,35 +1341,85 @@ def main(argv=None):
     p.add_argument("--trials", type=int, default=1000)
     p.add_argument("--iters", type=int, default=100, help="iterations per run")
     p.add_argument("--seed", type=int, default=28)
-    p.add_argument("--minutes", type=float, default=45.0, help="wall-time budget: no trial starts after it")
-    p.add_argument("--first", type=int, default=0, help="the first trial's number (a second campaign beside one)")
+    p.add_argument(
+        "--minutes", type=float, default=45.0, help="wall-time budget: no trial starts after it"
+    )
+    p.add_argument(
+        "--first",
+        type=int,
+        default=0,
+        help="the first trial's number (a second campaign beside one)",
+    )
     p.add_argument("--jobs", type=int, default=1, help="runs at a time (each one process)")
-    p.add_argument("--long_clean", type=int, default=0, help="clean guarded runs of --long_iters iterations, first")
+    p.add_argument(
+        "--long_clean",
+        type=int,
+        default=0,
+        help="clean guarded runs of --long_iters iterations, first",
+    )
     p.add_argument("--long_iters", type=int, default=3000)
-    p.add_argument("--method", choices=METHODS, default="guard", help="the method the trials run under")
-    p.add_argument("--model", choices=[*MODELS, "mixed"], default="2x64",
-                   help="the trials' model (mixed: every fourth trial the wider 4x128; 10M: the "
-                   "subset's, 10.8M parameters, for --iters 1000 or more)")
-    p.add_argument("--clean_runs", type=int, default=20, help="a remedy's clean runs: the first N trials' twins")
-    p.add_argument("--grad_norm_bound", type=float, default=None,
-                   help="grad_norm_skip's bound (default: calibrated, the clean twins' 99.9th "
-                   "percentile after iteration 50, guard_metrics.CALIBRATION)")
-    p.add_argument("--draw", choices=list(DRAWS), default="seventh",
-                   help="the trials' draw: seventh (faults that stay where they live), sixth "
-                   "(events in time), or withdrawn-61 (the withdrawn seed-61 registration's "
-                   "trials, with --seed 61)")
-    p.add_argument("--windows", choices=["published", "scaled", "sixth"], default="published",
-                   help="every method's iteration-counting settings at their published "
-                   "defaults, or all x --window_scale, or the sixth campaign's flags")
-    p.add_argument("--window_scale", type=float, default=None,
-                   help="--windows scaled: the one factor")
-    p.add_argument("--snapshots", choices=["on", "off"], default="on",
-                   help="off: the guard rolls back to disk checkpoints saved every "
-                   "SAVE_INTERVAL iterations")
-    p.add_argument("--harm", type=float, default=HARM, help="harmful: the final loss this much over the clean twin's")
-    p.add_argument("--preregister", help="a registration file: written before any run, checked on every later one")
-    p.add_argument("--register_only", action="store_true",
-                   help="write --preregister's file and stop, so that it is committed before the first run")
+    p.add_argument(
+        "--method", choices=METHODS, default="guard", help="the method the trials run under"
+    )
+    p.add_argument(
+        "--model",
+        choices=[*MODELS, "mixed"],
+        default="2x64",
+        help="the trials' model (mixed: every fourth trial the wider 4x128; 10M: the "
+        "subset's, 10.8M parameters, for --iters 1000 or more)",
+    )
+    p.add_argument(
+        "--clean_runs",
+        type=int,
+        default=20,
+        help="a remedy's clean runs: the first N trials' twins",
+    )
+    p.add_argument(
+        "--grad_norm_bound",
+        type=float,
+        default=None,
+        help="grad_norm_skip's bound (default: calibrated, the clean twins' 99.9th "
+        "percentile after iteration 50, guard_metrics.CALIBRATION)",
+    )
+    p.add_argument(
+        "--draw",
+        choices=list(DRAWS),
+        default="seventh",
+        help="the trials' draw: seventh (faults that stay where they live), sixth "
+        "(events in time), or withdrawn-61 (the withdrawn seed-61 registration's "
+        "trials, with --seed 61)",
+    )
+    p.add_argument(
+        "--windows",
+        choices=["published", "scaled", "sixth"],
+        default="published",
+        help="every method's iteration-counting settings at their published "
+        "defaults, or all x --window_scale, or the sixth campaign's flags",
+    )
+    p.add_argument(
+        "--window_scale", type=float, default=None, help="--windows scaled: the one factor"
+    )
+    p.add_argument(
+        "--snapshots",
+        choices=["on", "off"],
+        default="on",
+        help="off: the guard rolls back to disk checkpoints saved every SAVE_INTERVAL iterations",
+    )
+    p.add_argument(
+        "--harm",
+        type=float,
+        default=HARM,
+        help="harmful: the final loss this much over the clean twin's",
+    )
+    p.add_argument(
+        "--preregister",
+        help="a registration file: written before any run, checked on every later one",
+    )
+    p.add_argument(
+        "--register_only",
+        action="store_true",
+        help="write --preregister's file and stop, so that it is committed before the first run",
+    )
     p.add_argument("--report", action="store_true", help="only write the report of what has run")
     a = p.parse_args(argv)
     check_args(a)
@@ -1100,8 +1456,9 @@ def check_args(a):
             "guard flags keep snapshots every 5 iterations"
         )
     if a.draw == "withdrawn-61" and a.seed != 61:
-        raise ValueError(f"--draw withdrawn-61 is the seed-61 registration's draw: give --seed 61, "
-                         f"not {a.seed}")
+        raise ValueError(
+            f"--draw withdrawn-61 is the seed-61 registration's draw: give --seed 61, not {a.seed}"
+        )
 
 
 if __name__ == "__main__":

@@ -55,6 +55,7 @@ pilot's default at LR 1e-2 is below it from there on) having been clearly below 
 at init, which the old study used, is above where a small LM learns anything. A largest attention logit past 1e4
 (Wortsman et al. 3.1) is counted apart (`logit`), and counts as a blow-up only in arm B, which does not test it.
 """
+
 import argparse
 import concurrent.futures
 import json
@@ -74,21 +75,46 @@ import bpe_corpus  # noqa: E402
 
 WIDTH = 128
 HEAD_DIM = 32  # the study's 4 heads of 32; the ladder keeps the head size (width_args)
-DATA = ["--data_path=data/lab/" + bpe_corpus.NAME, "--tokenizer_file=data/lab/tokenizer.json",
-        f"--vocab_size={bpe_corpus.VOCAB_SIZE}"]
+DATA = [
+    "--data_path=data/lab/" + bpe_corpus.NAME,
+    "--tokenizer_file=data/lab/tokenizer.json",
+    f"--vocab_size={bpe_corpus.VOCAB_SIZE}",
+]
 # Every run: the model, Wortsman et al.'s optimizer and schedule scaled down, the telemetry. 16 x 128 tokens an
 # iteration (one micro-batch: its logits are 4 MB), 1,000 iterations = 2M tokens, 80% of an epoch; about 0.28 s
 # of one core an iteration. 100 iterations of warm-up, then cosine decay to 1e-5 as theirs: with a constant LR,
 # or with 500 iterations, the pilot's default at LR 1e-2 ended within 0.2 nats of the bigram entropy
 # (lab/stability.md). The levers of the defaults below are set explicitly (config/tiny.py turns some on).
-BASE = ["--num_layers=4", f"--hidden_size={WIDTH}", "--num_attention_heads=4", "--seq_length=128",
-        "--micro_batch_size=16", "--global_batch_size=16", "--train_iters=1000", "--lr_warmup_samples=1600",
-        "--lr_decay_style=cosine", "--lr_decay_samples=16000", "--min_lr=1e-5", "--hidden_dropout=0",
-        "--attention_dropout=0",
-        "--init_method_std=0.02", "--embed_layernorm=false", "--adam_beta1=0.9", "--adam_beta2=0.95",
-        "--adam_eps=1e-8", "--weight_decay=1e-4", "--weight_decay_independent", "--clip_grad=1.0",
-        "--log_interval=1", "--eval_interval=1000000", "--eval_iters=16", "--sample_tokens=0", "--save_interval=100",
-        "--telemetry_interval=10", *DATA]
+BASE = [
+    "--num_layers=4",
+    f"--hidden_size={WIDTH}",
+    "--num_attention_heads=4",
+    "--seq_length=128",
+    "--micro_batch_size=16",
+    "--global_batch_size=16",
+    "--train_iters=1000",
+    "--lr_warmup_samples=1600",
+    "--lr_decay_style=cosine",
+    "--lr_decay_samples=16000",
+    "--min_lr=1e-5",
+    "--hidden_dropout=0",
+    "--attention_dropout=0",
+    "--init_method_std=0.02",
+    "--embed_layernorm=false",
+    "--adam_beta1=0.9",
+    "--adam_beta2=0.95",
+    "--adam_eps=1e-8",
+    "--weight_decay=1e-4",
+    "--weight_decay_independent",
+    "--clip_grad=1.0",
+    "--log_interval=1",
+    "--eval_interval=1000000",
+    "--eval_iters=16",
+    "--sample_tokens=0",
+    "--save_interval=100",
+    "--telemetry_interval=10",
+    *DATA,
+]
 VOCAB_SIZE = bpe_corpus.VOCAB_SIZE
 L0 = math.log(VOCAB_SIZE)
 # Wortsman et al. 3.1: past it, attention collapses and the loss diverges
@@ -115,27 +141,52 @@ SENSITIVITY_RANGES = {"grid": (0.0, math.inf), "1e-3..3e-1": WORTSMAN_RANGE}
 # Each arm: its lever sets (arguments on top of BASE and the arm's own), its LR grid, its seeds (and more seeds at
 # some LRs: {lr: seeds}).
 ARMS = {
-    "A": {"title": "qk-layernorm, z-loss 1e-4 on both (Wortsman et al. figs. 1-2)", "args": [],
-          "levers": {"default": Z_LOSS, "qk_layernorm": [*Z_LOSS, *QK]},
-          "lrs": HALF_DECADES, "seeds": [1, 2, 3], "logit_blows_up": False},
+    "A": {
+        "title": "qk-layernorm, z-loss 1e-4 on both (Wortsman et al. figs. 1-2)",
+        "args": [],
+        "levers": {"default": Z_LOSS, "qk_layernorm": [*Z_LOSS, *QK]},
+        "lrs": HALF_DECADES,
+        "seeds": [1, 2, 3],
+        "logit_blows_up": False,
+    },
     # as the paper ran it: an output layer of its own (a tied one would be the embedding, held by the inputs' use),
     # with no weight decay, which would hold its logits where the z-loss is under test
-    "B": {"title": "z-loss, qk-layernorm on both, an untied output layer, no weight decay (figs. 3-4)",
-          "args": ["--weight_decay=0", "--untie_embeddings_and_output_weights", *QK],
-          "levers": {"no_z_loss": [], "z_loss": Z_LOSS, "z_loss_1e-2": ["--z_loss=1e-2"]},  # PaLM's, and 100x
-          "lrs": [1e-2, 1e-1, 1.0], "seeds": [1, 2]},
-    "C": {"title": "the chronicles' levers on arm A's default (z-loss 1e-4) where it breaks", "args": Z_LOSS,
-          "levers": {"init_2.15": [init(2.15)], "init_0.63": [init(0.63)],
-                     "init_2.15+embed_layernorm": [init(2.15), "--embed_layernorm"],
-                     "init_0.63+embed_layernorm": [init(0.63), "--embed_layernorm"]},
-          "lrs": [1e-2, 3e-2, 1e-1], "seeds": [1, 2, 3], "logit_blows_up": False},
+    "B": {
+        "title": "z-loss, qk-layernorm on both, an untied output layer, no weight decay (figs. 3-4)",
+        "args": ["--weight_decay=0", "--untie_embeddings_and_output_weights", *QK],
+        "levers": {
+            "no_z_loss": [],
+            "z_loss": Z_LOSS,
+            "z_loss_1e-2": ["--z_loss=1e-2"],
+        },  # PaLM's, and 100x
+        "lrs": [1e-2, 1e-1, 1.0],
+        "seeds": [1, 2],
+    },
+    "C": {
+        "title": "the chronicles' levers on arm A's default (z-loss 1e-4) where it breaks",
+        "args": Z_LOSS,
+        "levers": {
+            "init_2.15": [init(2.15)],
+            "init_0.63": [init(0.63)],
+            "init_2.15+embed_layernorm": [init(2.15), "--embed_layernorm"],
+            "init_0.63+embed_layernorm": [init(0.63), "--embed_layernorm"],
+        },
+        "lrs": [1e-2, 3e-2, 1e-1],
+        "seeds": [1, 2, 3],
+        "logit_blows_up": False,
+    },
     # The 104B's longer warm-up (lesson 4: it did not cure the spikes) and Wortsman et al.'s warm-up figure (a longer
     # one lowers the LR sensitivity): arm A's default, no qk-layernorm as on the 104B. Its 100-iteration lever set
     # is arm A's default itself ("same_as": the same arguments, so the same runs, run and recorded once).
-    "W": {"title": "warm-up length on arm A's default (z-loss 1e-4): 100 against 300 of the 1,000 iterations",
-          "args": Z_LOSS, "levers": {"warmup_100": [], "warmup_300": [f"--lr_warmup_samples={300 * 16}"]},
-          "same_as": {"warmup_100": ("A", "default")},
-          "lrs": HALF_DECADES, "seeds": [1, 2, 3], "logit_blows_up": False},
+    "W": {
+        "title": "warm-up length on arm A's default (z-loss 1e-4): 100 against 300 of the 1,000 iterations",
+        "args": Z_LOSS,
+        "levers": {"warmup_100": [], "warmup_300": [f"--lr_warmup_samples={300 * 16}"]},
+        "same_as": {"warmup_100": ("A", "default")},
+        "lrs": HALF_DECADES,
+        "seeds": [1, 2, 3],
+        "logit_blows_up": False,
+    },
 }
 # The natural instabilities (issue 50): the 104B's kind -- a too-high LR, no qk-layernorm, a short warm-up, fp16 --
 # met by the remedies, each at its published defaults (none scaled to the run), with qk-layernorm as the
@@ -143,24 +194,45 @@ ARMS = {
 # checkpoints (every 100 iterations, BASE's save_interval): OPT's with the LR x0.25 from there,
 # PaLM's skipping 200 batches from a checkpoint 100 or more before the spike
 # (stability/remedies.py; lab/natural.md, the registration).
-REMEDIES = {"none": [], "guard": ["--spike_guard"], "skip_step": ["--skip_step_sigma=6"],
-            "zclip": ["--zclip_z=2.5"], "qk_layernorm": QK,
-            "opt_restart": ["--opt_restart_lr_factor=0.25"],
-            "palm_restart": ["--palm_restart_skip=200"]}
+REMEDIES = {
+    "none": [],
+    "guard": ["--spike_guard"],
+    "skip_step": ["--skip_step_sigma=6"],
+    "zclip": ["--zclip_z=2.5"],
+    "qk_layernorm": QK,
+    "opt_restart": ["--opt_restart_lr_factor=0.25"],
+    "palm_restart": ["--palm_restart_skip=200"],
+}
 # 10 iterations: the edge comes in reach, as on the 104B
 SHORT_WARMUP = [f"--lr_warmup_samples={10 * 16}"]
-ARMS.update({
-    "N": {"title": "natural instabilities, fp32: arm A's default (z-loss 1e-4), a 10-iteration warm-up; the "
-                   "remedies at their published defaults, qk-layernorm the prevention",
-          "args": [*Z_LOSS, *SHORT_WARMUP], "levers": REMEDIES, "lrs": [3e-3, 1e-2, 3e-2, 1e-1],
-          "seeds": [1, 2, 3], "logit_blows_up": False, "remedies": True,
-          "short_warmup": "the instabilities under test are the warm-up's and the LR's own"},
-    "F": {"title": "natural instabilities, fp16 with dynamic loss scaling: arm N's runs in Megatron's fp16",
-          "args": [*Z_LOSS, *SHORT_WARMUP, "--fp16"], "levers": REMEDIES, "lrs": [3e-3, 1e-2, 3e-2, 1e-1],
-          "seeds": [1, 2, 3], "logit_blows_up": False, "remedies": True,
-          "widths": [64],  # fp16 on a CPU: 5.3 s an iteration against fp32's 0.86 (width 64, loaded, n = 1)
-          "short_warmup": "the instabilities under test are the warm-up's and the LR's own"},
-})
+ARMS.update(
+    {
+        "N": {
+            "title": "natural instabilities, fp32: arm A's default (z-loss 1e-4), a 10-iteration warm-up; the "
+            "remedies at their published defaults, qk-layernorm the prevention",
+            "args": [*Z_LOSS, *SHORT_WARMUP],
+            "levers": REMEDIES,
+            "lrs": [3e-3, 1e-2, 3e-2, 1e-1],
+            "seeds": [1, 2, 3],
+            "logit_blows_up": False,
+            "remedies": True,
+            "short_warmup": "the instabilities under test are the warm-up's and the LR's own",
+        },
+        "F": {
+            "title": "natural instabilities, fp16 with dynamic loss scaling: arm N's runs in Megatron's fp16",
+            "args": [*Z_LOSS, *SHORT_WARMUP, "--fp16"],
+            "levers": REMEDIES,
+            "lrs": [3e-3, 1e-2, 3e-2, 1e-1],
+            "seeds": [1, 2, 3],
+            "logit_blows_up": False,
+            "remedies": True,
+            "widths": [
+                64
+            ],  # fp16 on a CPU: 5.3 s an iteration against fp32's 0.86 (width 64, loaded, n = 1)
+            "short_warmup": "the instabilities under test are the warm-up's and the LR's own",
+        },
+    }
+)
 # A remedy's stable LR range: the grid LRs, next to each other, whose seed-mean final loss is within this of the
 # best run of the arm at that width, any lever set (the margin is the study's, stated before any run)
 STABLE_MARGIN = 0.1
@@ -196,16 +268,30 @@ def width_args(width):
     if width == WIDTH:
         return []
     if width % HEAD_DIM:
-        raise SystemExit(f"lr_sweep: --width {width} is not a multiple of the head size {HEAD_DIM}; use 64, 256, ...")
+        raise SystemExit(
+            f"lr_sweep: --width {width} is not a multiple of the head size {HEAD_DIM}; use 64, 256, ..."
+        )
     return [f"--hidden_size={width}", f"--num_attention_heads={width // HEAD_DIM}"]
 
 
 def train_args(arm, lever_set, lr, seed, directory, extra=(), width=WIDTH):
     spec = ARMS[arm]
-    if width != WIDTH and arm == "C":  # its init levers are c / sqrt(WIDTH), written for the study's width
-        raise SystemExit(f"lr_sweep: arm C's init levers are defined at width {WIDTH}; the ladder is arm A's")
-    return [*BASE, *width_args(width), *spec["args"], *spec["levers"][lever_set], f"--lr={lr}", f"--seed={seed}",
-            f"--save={directory}", *extra]
+    if (
+        width != WIDTH and arm == "C"
+    ):  # its init levers are c / sqrt(WIDTH), written for the study's width
+        raise SystemExit(
+            f"lr_sweep: arm C's init levers are defined at width {WIDTH}; the ladder is arm A's"
+        )
+    return [
+        *BASE,
+        *width_args(width),
+        *spec["args"],
+        *spec["levers"][lever_set],
+        f"--lr={lr}",
+        f"--seed={seed}",
+        f"--save={directory}",
+        *extra,
+    ]
 
 
 def width_of(args):
@@ -218,13 +304,25 @@ def width_of(args):
 # and figures, and this file (whose run-shaping part, BASE and ARMS, each run records as its arguments), "+dirty"
 # when the work tree differs from it there. A commit to the report alone leaves it as it is, so that a study going
 # on across such commits stays one code version; runs of two versions are never mixed in one table (report_records).
-CODE_PATHS = [".", ":(exclude)docs", ":(exclude)tests", ":(exclude)*.md", ":(exclude)lab/lr_sweep.py",
-              ":(exclude)lab/tests", ":(exclude)lab/results.jsonl", ":(exclude)lab/campaign", ":(exclude)lab/*.png"]
+CODE_PATHS = [
+    ".",
+    ":(exclude)docs",
+    ":(exclude)tests",
+    ":(exclude)*.md",
+    ":(exclude)lab/lr_sweep.py",
+    ":(exclude)lab/tests",
+    ":(exclude)lab/results.jsonl",
+    ":(exclude)lab/campaign",
+    ":(exclude)lab/*.png",
+]
 
 
 def code_version(root=ROOT):
     def git(*args):
-        return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, check=True).stdout.strip()
+        return subprocess.run(
+            ["git", *args], cwd=root, capture_output=True, text=True, check=True
+        ).stdout.strip()
+
     try:
         commit = git("log", "-1", "--format=%h", "--", *CODE_PATHS)
         dirty = git("status", "--porcelain", "--", *CODE_PATHS)
@@ -241,8 +339,10 @@ def record_code(directory, code):
         with open(path) as f:
             before = json.load(f)["code"]
         if before != code:
-            raise SystemExit(f"lr_sweep: {directory} was started on code {before} and would resume on {code}; "
-                             "delete the directory to run it again on this code, or check out " + before)
+            raise SystemExit(
+                f"lr_sweep: {directory} was started on code {before} and would resume on {code}; "
+                "delete the directory to run it again on this code, or check out " + before
+            )
         return
     os.makedirs(directory, exist_ok=True)
     with open(path, "w") as f:
@@ -260,6 +360,7 @@ def read_code(directory):
 def config_of(args):
     """The run's validated train.py config (config/tiny.py under the arguments, as train.py builds it)."""
     import arguments
+
     return arguments.prepare(arguments.load_config(list(args)))
 
 
@@ -274,42 +375,69 @@ def preflight(arms, extra=(), base=BASE):
     holds the logits then need not be the z-loss)."""
     problems = []
     for name, spec in arms.items():
-        configs = {lever: config_of([*base, *spec["args"], *args, "--lr=0.01", *extra])
-                   for lever, args in spec["levers"].items()}
+        configs = {
+            lever: config_of([*base, *spec["args"], *args, "--lr=0.01", *extra])
+            for lever, args in spec["levers"].items()
+        }
         found = {}  # sentence -> the lever sets it applies to
 
         def check(lever, ok, sentence):
             if not ok:
                 found.setdefault(sentence, []).append(lever)
+
         for lever, cfg in configs.items():
             share = cfg.vocab_size * cfg.hidden_size / cfg.num_parameters()
-            check(lever, share <= 0.5, f"{share:.0%} of the parameters are the embedding ({cfg.vocab_size} x "
-                  f"{cfg.hidden_size}): a model that learns the unigram statistics; use a small vocabulary "
-                  "(lab/bpe_corpus.py) or a wider, deeper model")
+            check(
+                lever,
+                share <= 0.5,
+                f"{share:.0%} of the parameters are the embedding ({cfg.vocab_size} x "
+                f"{cfg.hidden_size}): a model that learns the unigram statistics; use a small vocabulary "
+                "(lab/bpe_corpus.py) or a wider, deeper model",
+            )
             tokens = cfg.global_batch_size * cfg.seq_length
-            warmup = cfg.lr_warmup_tokens / tokens if cfg.lr_warmup_tokens else \
-                cfg.lr_warmup_samples / cfg.global_batch_size
-            check(lever, warmup >= 100 or spec.get("short_warmup"), f"a warm-up of {warmup:g} iterations: "
-                  "runs at high LR blow up in the "
-                  "warm-up, not by the slow growths under study; warm up over 100 iterations or more")
-            check(lever, cfg.weight_decay == 0 or cfg.weight_decay_independent or len(spec["lrs"]) < 2,
-                  f"weight decay {cfg.weight_decay} coupled to the LR across LRs {min(spec['lrs']):g}.."
-                  f"{max(spec['lrs']):g}: the decay per step varies {max(spec['lrs']) / min(spec['lrs']):.3g}x; "
-                  "set weight_decay_independent")
-        problems += [f"arm {name} ({', '.join(levers)}): {sentence}" for sentence, levers in found.items()]
+            warmup = (
+                cfg.lr_warmup_tokens / tokens
+                if cfg.lr_warmup_tokens
+                else cfg.lr_warmup_samples / cfg.global_batch_size
+            )
+            check(
+                lever,
+                warmup >= 100 or spec.get("short_warmup"),
+                f"a warm-up of {warmup:g} iterations: "
+                "runs at high LR blow up in the "
+                "warm-up, not by the slow growths under study; warm up over 100 iterations or more",
+            )
+            check(
+                lever,
+                cfg.weight_decay == 0 or cfg.weight_decay_independent or len(spec["lrs"]) < 2,
+                f"weight decay {cfg.weight_decay} coupled to the LR across LRs {min(spec['lrs']):g}.."
+                f"{max(spec['lrs']):g}: the decay per step varies {max(spec['lrs']) / min(spec['lrs']):.3g}x; "
+                "set weight_decay_independent",
+            )
+        problems += [
+            f"arm {name} ({', '.join(levers)}): {sentence}" for sentence, levers in found.items()
+        ]
         qk = {cfg.qk_layernorm for cfg in configs.values()}
         z = {cfg.z_loss > 0 for cfg in configs.values()}
         if len(qk) > 1 and z != {True}:
-            problems.append(f"arm {name}: qk-layernorm compared without z-loss on every lever set; Wortsman et al. "
-                            "keep z-loss on (1e-4), so that the output logits cannot be what breaks")
+            problems.append(
+                f"arm {name}: qk-layernorm compared without z-loss on every lever set; Wortsman et al. "
+                "keep z-loss on (1e-4), so that the output logits cannot be what breaks"
+            )
         if len(z) > 1 and qk != {True}:
-            problems.append(f"arm {name}: z-loss compared without qk-layernorm on every lever set; Wortsman et al. "
-                            "keep qk-layernorm on, so that the attention logits cannot be what breaks")
-        if len(z) > 1 and not all(cfg.untie_embeddings_and_output_weights and cfg.weight_decay == 0
-                                  for cfg in configs.values()):
-            problems.append(f"arm {name}: z-loss compared on a tied output layer or one with weight decay; Wortsman "
-                            "et al.'s output-logit drift is of an untied output layer without weight decay "
-                            "(--untie_embeddings_and_output_weights --weight_decay=0)")
+            problems.append(
+                f"arm {name}: z-loss compared without qk-layernorm on every lever set; Wortsman et al. "
+                "keep qk-layernorm on, so that the attention logits cannot be what breaks"
+            )
+        if len(z) > 1 and not all(
+            cfg.untie_embeddings_and_output_weights and cfg.weight_decay == 0
+            for cfg in configs.values()
+        ):
+            problems.append(
+                f"arm {name}: z-loss compared on a tied output layer or one with weight decay; Wortsman "
+                "et al.'s output-logit drift is of an untied output layer without weight decay "
+                "(--untie_embeddings_and_output_weights --weight_decay=0)"
+            )
     return problems
 
 
@@ -326,8 +454,14 @@ def read_metrics(path):
             if line.strip():
                 record = json.loads(line)
                 records[record["iteration"]] = {**records.get(record["iteration"], {}), **record}
-    out = {"val_loss": None, "loss": [], "grad_norm": [], "nan_iterations": 0, "telemetry": [],
-           "iterations": max(records, default=0)}
+    out = {
+        "val_loss": None,
+        "loss": [],
+        "grad_norm": [],
+        "nan_iterations": 0,
+        "telemetry": [],
+        "iterations": max(records, default=0),
+    }
     for iteration, record in sorted(records.items()):
         if "validation lm loss" in record:
             out["val_loss"] = record["validation lm loss"]
@@ -344,7 +478,7 @@ def summarize_run(metrics, eps):
     """result.json's numbers from read_metrics(): final losses, the 10-iteration loss means, the telemetry's
     maxima and last values, the precursors' series, the spike score."""
     t = metrics["telemetry"]
-    loss10 = [_mean(metrics["loss"][i:i + 10]) for i in range(0, len(metrics["loss"]), 10)]
+    loss10 = [_mean(metrics["loss"][i : i + 10]) for i in range(0, len(metrics["loss"]), 10)]
     finite = [v for v in metrics["loss"] if v is not None and math.isfinite(v)]
     last = t[-1] if t else {}
 
@@ -352,21 +486,32 @@ def summarize_run(metrics, eps):
         values = [reduce(r[key]) if isinstance(r[key], list) else r[key] for r in t if key in r]
         values = [v for v in values if v is not None and math.isfinite(v)]
         return max(values) if values else None
+
     return {
-        "val_loss": metrics["val_loss"], "train_loss": loss10[-1] if loss10 else None,
-        "train_loss_max": max(finite) if finite else None, "nan_iterations": metrics["nan_iterations"],
-        "loss10": loss10, "spike_score": spike_score(metrics["grad_norm"]),
-        "attention_logit_max": peak("attention logit max"), "log_z_max": peak("log z max"),
+        "val_loss": metrics["val_loss"],
+        "train_loss": loss10[-1] if loss10 else None,
+        "train_loss_max": max(finite) if finite else None,
+        "nan_iterations": metrics["nan_iterations"],
+        "loss10": loss10,
+        "spike_score": spike_score(metrics["grad_norm"]),
+        "attention_logit_max": peak("attention logit max"),
+        "log_z_max": peak("log z max"),
         "embedding_norm_max": peak("word embedding norm"),
         "final_ln_input_rms_max": peak("final layernorm input rms"),
         "attention_entropy_min": min(last["attention entropy min"]) if t else None,
-        "log_z": last.get("log z"), "output_logit_mean": last.get("output logit mean"),
+        "log_z": last.get("log z"),
+        "output_logit_mean": last.get("output logit mean"),
         "grad_rms_over_eps": min(last["grad rms"]) / eps if t else None,
-        "series": {key: [r.get(name) if not isinstance(r.get(name), list) else reduce(r[name]) for r in t]
-                   for key, name, reduce in (("iteration", "iteration", None), ("log_z", "log z", None),
-                                             ("output_logit_mean", "output logit mean", None),
-                                             ("attention_logit_max", "attention logit max", max),
-                                             ("attention_entropy_min", "attention entropy min", min))},
+        "series": {
+            key: [r.get(name) if not isinstance(r.get(name), list) else reduce(r[name]) for r in t]
+            for key, name, reduce in (
+                ("iteration", "iteration", None),
+                ("log_z", "log z", None),
+                ("output_logit_mean", "output logit mean", None),
+                ("attention_logit_max", "attention logit max", max),
+                ("attention_entropy_min", "attention entropy min", min),
+            )
+        },
     }
 
 
@@ -382,7 +527,7 @@ def spike_score(values, window=100, sigmas=7.0):
             spikes += 1
             scored += 1
             continue
-        past = [v for v in values[i - window:i] if math.isfinite(v)]
+        past = [v for v in values[i - window : i] if math.isfinite(v)]
         if not past:
             continue
         scored += 1
@@ -402,9 +547,13 @@ def run(command, log, env):
 
 def with_same_runs(results):
     """results, and each run that is also another arm's lever set (ARMS' "same_as") once more under that label."""
-    return results + [{**r, "arm": arm, "lever_set": lever} for arm, spec in ARMS.items()
-                      for lever, (other, other_lever) in spec.get("same_as", {}).items()
-                      for r in results if r["arm"] == other and r["lever_set"] == other_lever]
+    return results + [
+        {**r, "arm": arm, "lever_set": lever}
+        for arm, spec in ARMS.items()
+        for lever, (other, other_lever) in spec.get("same_as", {}).items()
+        for r in results
+        if r["arm"] == other and r["lever_set"] == other_lever
+    ]
 
 
 def counted_elsewhere(arm, lever_set, arms):
@@ -426,18 +575,36 @@ def execute(out, arm, lever_set, lr, seed, extra=(), width=WIDTH):
     if os.path.exists(result_file):
         with open(result_file) as f:
             result = json.load(f)
+
         def unplaced(a):  # a run directory moved elsewhere holds the same run
             return [x for x in a or [] if not x.startswith("--save=")]
-        if unplaced(result.get("args")) != unplaced(args):  # the study was redefined: its results are not this run's
-            raise SystemExit(f"{directory} holds a run with other arguments than this study's; use another --out "
-                             "or delete it")
+
+        if unplaced(result.get("args")) != unplaced(
+            args
+        ):  # the study was redefined: its results are not this run's
+            raise SystemExit(
+                f"{directory} holds a run with other arguments than this study's; use another --out "
+                "or delete it"
+            )
         # the numbers are read again from metrics.jsonl: a changed summary applies to finished runs too
-        return {**result, "width": width, "code": read_code(directory),
-                **summarize_run(read_metrics(os.path.join(directory, "metrics.jsonl")), config_of(args).adam_eps)}
+        return {
+            **result,
+            "width": width,
+            "code": read_code(directory),
+            **summarize_run(
+                read_metrics(os.path.join(directory, "metrics.jsonl")), config_of(args).adam_eps
+            ),
+        }
     os.makedirs(directory, exist_ok=True)
     # glibc would hand large freed blocks back to the kernel and page-fault them in afresh: keep them.
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", WANDB_MODE="disabled",
-               MALLOC_MMAP_THRESHOLD_=str(32 << 20), MALLOC_TRIM_THRESHOLD_=str(4 << 30))
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        MKL_NUM_THREADS="1",
+        WANDB_MODE="disabled",
+        MALLOC_MMAP_THRESHOLD_=str(32 << 20),
+        MALLOC_TRIM_THRESHOLD_=str(4 << 30),
+    )
     start = time.time()
     with open(os.path.join(directory, "stdout.log"), "a") as log:  # a resumed run appends
         code, cpu = run([sys.executable, os.path.abspath(__file__), "--train", *args], log, env)
@@ -447,12 +614,27 @@ def execute(out, arm, lever_set, lr, seed, extra=(), width=WIDTH):
             return {**key, "error": f.read()[-2000:]}
     cfg = config_of(args)
     metrics = read_metrics(os.path.join(directory, "metrics.jsonl"))
-    if metrics["iterations"] < cfg.train_iters or metrics["val_loss"] is None:  # stopped early: resumed next time
-        return {**key, "error": f"{directory}: stopped at iteration {metrics['iterations']} of {cfg.train_iters}"
-                + ("" if metrics["val_loss"] is not None else " without its final validation loss (if it is at the "
-                   "last iteration, it was killed after its last save: delete the directory)")}
-    result = {**key, "args": args, "code": read_code(directory), "seconds": round(seconds, 1),
-              "cpu_seconds": round(cpu, 1), **summarize_run(metrics, cfg.adam_eps)}
+    if (
+        metrics["iterations"] < cfg.train_iters or metrics["val_loss"] is None
+    ):  # stopped early: resumed next time
+        return {
+            **key,
+            "error": f"{directory}: stopped at iteration {metrics['iterations']} of {cfg.train_iters}"
+            + (
+                ""
+                if metrics["val_loss"] is not None
+                else " without its final validation loss (if it is at the "
+                "last iteration, it was killed after its last save: delete the directory)"
+            ),
+        }
+    result = {
+        **key,
+        "args": args,
+        "code": read_code(directory),
+        "seconds": round(seconds, 1),
+        "cpu_seconds": round(cpu, 1),
+        **summarize_run(metrics, cfg.adam_eps),
+    }
     for name in os.listdir(directory):  # the checkpoints have served their purpose (resuming)
         if name.startswith("global_step") or name in ("latest", "lock"):
             path = os.path.join(directory, name)
@@ -490,11 +672,19 @@ def blew_up(result, bigram, start=BLOWUP_FROM, margin=PILOT_MARGIN, attention_lo
         return True
     if attention_logit and (result.get("attention_logit_max") or 0) > ATTENTION_LOGIT_BLOWUP:
         return True
-    if "loss10" not in result:  # a tracked record (record()): the loss criterion as it was computed from the series
+    if (
+        "loss10" not in result
+    ):  # a tracked record (record()): the loss criterion as it was computed from the series
         return bool(result.get("lost_what_it_learned"))
-    loss10 = [v if v is not None and math.isfinite(v) else math.inf for v in result.get("loss10", [])]
+    loss10 = [
+        v if v is not None and math.isfinite(v) else math.inf for v in result.get("loss10", [])
+    ]
     for i, value in enumerate(loss10):
-        if (i + 1) * 10 > start and value > bigram and min(loss10[:i], default=math.inf) < bigram - margin:
+        if (
+            (i + 1) * 10 > start
+            and value > bigram
+            and min(loss10[:i], default=math.inf) < bigram - margin
+        ):
             return True
     return False
 
@@ -515,8 +705,11 @@ def complete_curves(by_key, lever_set, lrs):
     """{seed: {lr: final loss (clipped)}} of the seeds run at every LR of lrs: no run stands in for another, so a
     seed missing at one LR has no curve."""
     seeds = sorted({seed for (s, _, seed) in by_key if s == lever_set})
-    return {seed: {lr: clipped(by_key[(lever_set, lr, seed)]["val_loss"]) for lr in lrs} for seed in seeds
-            if all((lever_set, lr, seed) in by_key for lr in lrs)}
+    return {
+        seed: {lr: clipped(by_key[(lever_set, lr, seed)]["val_loss"]) for lr in lrs}
+        for seed in seeds
+        if all((lever_set, lr, seed) in by_key for lr in lrs)
+    }
 
 
 def sensitivities(by_key, lever_set, lrs):
@@ -549,7 +742,11 @@ def summarize(results, arm, lever_sets, lrs, bigram):
     seeds); the LR sensitivity over the arm's grid and over Wortsman et al.'s range (`ranges`: per seed whose
     curve is complete there, and of those seeds' mean curve). `sensitivity` and `sensitivity_seeds` are the
     grid's (None where no seed ran every LR of it)."""
-    by_key = {(r["lever_set"], r["lr"], r["seed"]): r for r in results if r["arm"] == arm and "error" not in r}
+    by_key = {
+        (r["lever_set"], r["lr"], r["seed"]): r
+        for r in results
+        if r["arm"] == arm and "error" not in r
+    }
     logit_blows_up = ARMS.get(arm, {}).get("logit_blows_up", True)
     rows = []
     for lever_set in lever_sets:
@@ -559,14 +756,20 @@ def summarize(results, arm, lever_sets, lrs, bigram):
             if not runs:
                 continue
             values = [clipped(r["val_loss"]) for r in runs]
-            points[lr] = {"mean": sum(values) / len(values), "min": min(values), "max": max(values),
-                          "n": len(values), "seeds": [r["seed"] for r in runs], "values": values,
-                          "diverged": sum(v == L0 for v in values),
-                          "blew_up": sum(blew_up(r, bigram, attention_logit=logit_blows_up) for r in runs),
-                          "logit_past_1e4": sum(logit_past_1e4(r) for r in runs),
-                          "never_below": sum(lowest_loss10(r) >= bigram for r in runs),
-                          "runs": {key: [r.get(key) for r in runs] for key in PRECURSORS},
-                          **{key: _mean([r.get(key) for r in runs]) for key in PRECURSORS}}
+            points[lr] = {
+                "mean": sum(values) / len(values),
+                "min": min(values),
+                "max": max(values),
+                "n": len(values),
+                "seeds": [r["seed"] for r in runs],
+                "values": values,
+                "diverged": sum(v == L0 for v in values),
+                "blew_up": sum(blew_up(r, bigram, attention_logit=logit_blows_up) for r in runs),
+                "logit_past_1e4": sum(logit_past_1e4(r) for r in runs),
+                "never_below": sum(lowest_loss10(r) >= bigram for r in runs),
+                "runs": {key: [r.get(key) for r in runs] for key in PRECURSORS},
+                **{key: _mean([r.get(key) for r in runs]) for key in PRECURSORS},
+            }
         if not points:
             continue
         ranges = {}
@@ -577,26 +780,48 @@ def summarize(results, arm, lever_sets, lrs, bigram):
         grid = ranges["grid"]["seeds"]
         mean_curve = {lr: p["mean"] for lr, p in points.items()}
         best_lr = min(mean_curve, key=mean_curve.get)
-        rows.append({"lever_set": lever_set, "points": points, "ranges": ranges,
-                     "sensitivity": ranges["grid"]["mean_curve"],
-                     "sensitivity_seeds": (min(grid.values()), max(grid.values())) if len(grid) > 1 else None,
-                     "best_loss": mean_curve[best_lr], "best_lr": best_lr})
+        rows.append(
+            {
+                "lever_set": lever_set,
+                "points": points,
+                "ranges": ranges,
+                "sensitivity": ranges["grid"]["mean_curve"],
+                "sensitivity_seeds": (min(grid.values()), max(grid.values()))
+                if len(grid) > 1
+                else None,
+                "best_loss": mean_curve[best_lr],
+                "best_lr": best_lr,
+            }
+        )
     return rows
 
 
 # result.json keys shown per LR (mean over seeds), with their table titles
-PRECURSORS = {"attention_logit_max": "largest attention logit", "attention_entropy_min": "lowest head entropy",
-              "log_z": "mean log Z at the end", "output_logit_mean": "mean output logit at the end",
-              "grad_rms_over_eps": "lowest layer grad RMS / eps", "final_ln_input_rms_max": "largest RMS into ln_f",
-              "spike_score": "spike score (grad norm)"}
+PRECURSORS = {
+    "attention_logit_max": "largest attention logit",
+    "attention_entropy_min": "lowest head entropy",
+    "log_z": "mean log Z at the end",
+    "output_logit_mean": "mean output logit at the end",
+    "grad_rms_over_eps": "lowest layer grad RMS / eps",
+    "final_ln_input_rms_max": "largest RMS into ln_f",
+    "spike_score": "spike score (grad norm)",
+}
 
 
 # -----------------------------------------------------------------------------
 # The tracked results (lab/results.jsonl): one line a run, from which --report --results rebuilds the tables
 # and the figure without the runs' directories (out/ is not tracked)
 
-RECORD_KEYS = ["val_loss", "train_loss", "train_loss_max", "nan_iterations", "cpu_seconds", *PRECURSORS,
-               "log_z_max", "embedding_norm_max"]
+RECORD_KEYS = [
+    "val_loss",
+    "train_loss",
+    "train_loss_max",
+    "nan_iterations",
+    "cpu_seconds",
+    *PRECURSORS,
+    "log_z_max",
+    "embedding_norm_max",
+]
 RECORD_ID = ("arm", "lever_set", "lr", "seed", "width", "code")
 
 
@@ -614,8 +839,9 @@ def record(result, corpus):
     out["code"] = result.get("code", "unrecorded")
     out.update({key: _rounded(result.get(key)) for key in RECORD_KEYS})
     out["loss10_min"] = _rounded(lowest_loss10(result))
-    out["lost_what_it_learned"] = blew_up({"loss10": result.get("loss10", [])}, corpus["bigram_entropy"],
-                                          attention_logit=False)
+    out["lost_what_it_learned"] = blew_up(
+        {"loss10": result.get("loss10", [])}, corpus["bigram_entropy"], attention_logit=False
+    )
     out["corpus"] = {key: corpus[key] for key in ("tokens", "unigram_entropy", "bigram_entropy")}
     return out
 
@@ -623,7 +849,10 @@ def record(result, corpus):
 def merge_records(path, records):
     """Add records to the file at path, one JSON line a run; a record replaces the line of the same run on the
     same code version (the same run's numbers read again), never one of another version."""
-    kept = {tuple(r[k] for k in RECORD_ID): r for r in (load_records(path) if os.path.exists(path) else [])}
+    kept = {
+        tuple(r[k] for k in RECORD_ID): r
+        for r in (load_records(path) if os.path.exists(path) else [])
+    }
     kept.update({tuple(r[k] for k in RECORD_ID): r for r in records})
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path + ".tmp", "w") as f:
@@ -641,11 +870,15 @@ def load_records(path):
         try:
             r = json.loads(line)
         except json.JSONDecodeError as e:
-            raise SystemExit(f"lr_sweep: {path}:{number} is not JSON ({e}); fix or remove the line") from None
+            raise SystemExit(
+                f"lr_sweep: {path}:{number} is not JSON ({e}); fix or remove the line"
+            ) from None
         missing = [k for k in (*RECORD_ID, "val_loss", "corpus") if k not in r]
         if missing:
-            raise SystemExit(f"lr_sweep: {path}:{number} lacks {', '.join(missing)}: not a line lr_sweep --record "
-                             "wrote; remove it, or record the run again from its directory")
+            raise SystemExit(
+                f"lr_sweep: {path}:{number} lacks {', '.join(missing)}: not a line lr_sweep --record "
+                "wrote; remove it, or record the run again from its directory"
+            )
         records.append(r)
     return records
 
@@ -661,8 +894,11 @@ def one_code(results, chosen=None):
     for r in results:
         codes[r.get("code", "unrecorded")] = codes.get(r.get("code", "unrecorded"), 0) + 1
     if len(codes) > 1:
-        raise SystemExit("lr_sweep: the selection mixes runs of " + ", ".join(f"code {c} ({n} runs)" for c, n in
-                         sorted(codes.items())) + "; a table compares like with like: pass --code=<one of them>")
+        raise SystemExit(
+            "lr_sweep: the selection mixes runs of "
+            + ", ".join(f"code {c} ({n} runs)" for c, n in sorted(codes.items()))
+            + "; a table compares like with like: pass --code=<one of them>"
+        )
     return results, next(iter(codes), None)
 
 
@@ -676,18 +912,29 @@ def ladder(results, bigram, targets=(), lever_sets=("default", "qk_layernorm")):
     {...} or absent}}."""
     results = [r for r in results if r["arm"] == "A"]
     widths = sorted({r["width"] for r in results})
-    seeds = sorted(set.intersection(*({r["seed"] for r in results if r["width"] == w} for w in widths))) if widths \
+    seeds = (
+        sorted(set.intersection(*({r["seed"] for r in results if r["width"] == w} for w in widths)))
+        if widths
         else []
+    )
     results = [r for r in results if r["seed"] in seeds]
     out = {}
     for width in sorted({*widths, *targets}):
         runs = [r for r in results if r["width"] == width]
-        rows = {row["lever_set"]: row for row in summarize(runs, "A", list(lever_sets), HALF_DECADES, bigram)}
+        rows = {
+            row["lever_set"]: row
+            for row in summarize(runs, "A", list(lever_sets), HALF_DECADES, bigram)
+        }
         default = rows.get("default")
-        out[width] = {"n": len(runs), "seeds": seeds,
-                      "crossing": logit_crossing(default["points"]) if default else None,
-                      "sensitivity": {lever: rows[lever]["ranges"]["1e-3..3e-1"]["mean_curve"] if lever in rows
-                                      else None for lever in lever_sets}}
+        out[width] = {
+            "n": len(runs),
+            "seeds": seeds,
+            "crossing": logit_crossing(default["points"]) if default else None,
+            "sensitivity": {
+                lever: rows[lever]["ranges"]["1e-3..3e-1"]["mean_curve"] if lever in rows else None
+                for lever in lever_sets
+            },
+        }
     if len(widths) >= 2:
         (w1, w2), log = widths[:2], math.log
 
@@ -696,12 +943,20 @@ def ladder(results, bigram, targets=(), lever_sets=("default", "qk_layernorm")):
                 return None
             slope = (transform(y2) - transform(y1)) / (log(w2) - log(w1))
             return back(transform(y1) + slope * (log(w) - log(w1)))
+
         for width in [w for w in out if w > w2]:
             out[width]["predicted"] = {
-                "crossing": through(out[w1]["crossing"], out[w2]["crossing"], width, math.log, math.exp),
-                "sensitivity": {lever: through(out[w1]["sensitivity"][lever], out[w2]["sensitivity"][lever], width)
-                                for lever in lever_sets},
-                "from": (w1, w2)}
+                "crossing": through(
+                    out[w1]["crossing"], out[w2]["crossing"], width, math.log, math.exp
+                ),
+                "sensitivity": {
+                    lever: through(
+                        out[w1]["sensitivity"][lever], out[w2]["sensitivity"][lever], width
+                    )
+                    for lever in lever_sets
+                },
+                "from": (w1, w2),
+            }
     return out
 
 
@@ -711,7 +966,11 @@ def logit_crossing(points):
     is already past it or no LR reaches it (a crossing outside the grid is not extrapolated)."""
     logs = {}
     for lr, p in sorted(points.items()):
-        values = [v for v in p["runs"]["attention_logit_max"] if v is not None and math.isfinite(v) and v > 0]
+        values = [
+            v
+            for v in p["runs"]["attention_logit_max"]
+            if v is not None and math.isfinite(v) and v > 0
+        ]
         if values:
             logs[lr] = sum(math.log(v) for v in values) / len(values)
     target, lrs = math.log(ATTENTION_LOGIT_BLOWUP), sorted(logs)
@@ -728,22 +987,37 @@ def ladder_markdown(steps):
 
     def sens(v):
         return "no complete curve" if v is None else f"{v:.3f}"
-    lines = ["### The size ladder: arm A against width", "",
-             "Per width (depth 4, heads of 32), over the seeds run at every width (" + (", ".join(
-                 str(s) for s in next(iter(steps.values()))["seeds"]) if steps else "none") + "): the LR at which "
-             "the default's largest attention logit (geometric mean over those seeds) passes 1e4, interpolated "
-             "between grid LRs, and the LR sensitivity over "
-             "1e-3..3e-1 (default / qk-layernorm, of the seeds' mean curve); from the third width on, each predicted "
-             "from the two smallest widths (a line in log width) beside what was measured:", "",
-             "| width | runs | logit 1e4 at LR: measured | predicted | sensitivity: measured | predicted |",
-             "| --- | --- | --- | --- | --- | --- |"]
+
+    lines = [
+        "### The size ladder: arm A against width",
+        "",
+        "Per width (depth 4, heads of 32), over the seeds run at every width ("
+        + (", ".join(str(s) for s in next(iter(steps.values()))["seeds"]) if steps else "none")
+        + "): the LR at which "
+        "the default's largest attention logit (geometric mean over those seeds) passes 1e4, interpolated "
+        "between grid LRs, and the LR sensitivity over "
+        "1e-3..3e-1 (default / qk-layernorm, of the seeds' mean curve); from the third width on, each predicted "
+        "from the two smallest widths (a line in log width) beside what was measured:",
+        "",
+        "| width | runs | logit 1e4 at LR: measured | predicted | sensitivity: measured | predicted |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
     for width, step in steps.items():
         guess = step.get("predicted")
-        measured = " / ".join(sens(v) for v in step["sensitivity"].values()) if step["n"] else "not run"
-        lines.append(f"| {width} | {step['n']} | {lr(step['crossing']) if step['n'] else 'not run'} | "
-                     + (f"{lr(guess['crossing'])} (from {guess['from'][0]}, {guess['from'][1]})" if guess else "")
-                     + f" | {measured} | "
-                     + (" / ".join(sens(v) for v in guess["sensitivity"].values()) if guess else "") + " |")
+        measured = (
+            " / ".join(sens(v) for v in step["sensitivity"].values()) if step["n"] else "not run"
+        )
+        lines.append(
+            f"| {width} | {step['n']} | {lr(step['crossing']) if step['n'] else 'not run'} | "
+            + (
+                f"{lr(guess['crossing'])} (from {guess['from'][0]}, {guess['from'][1]})"
+                if guess
+                else ""
+            )
+            + f" | {measured} | "
+            + (" / ".join(sens(v) for v in guess["sensitivity"].values()) if guess else "")
+            + " |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -760,7 +1034,9 @@ def spread(values, digits=3):
     if len(values) < 3:
         return ", ".join(f"{v:.{digits}f}" for v in values) + f" (n={len(values)})"
     mean = sum(values) / len(values)
-    return f"{mean:.{digits}f} [{min(values):.{digits}f}-{max(values):.{digits}f}] (n={len(values)})"
+    return (
+        f"{mean:.{digits}f} [{min(values):.{digits}f}-{max(values):.{digits}f}] (n={len(values)})"
+    )
 
 
 def sensitivity_cell(entry):
@@ -769,50 +1045,91 @@ def sensitivity_cell(entry):
     if not per_seed:
         return "no seed ran every LR"
     if len(per_seed) < 3:
-        return ", ".join(f"{v:.3f}" for v in per_seed.values()) + \
-            f" (seed{'s' if len(per_seed) > 1 else ''} {', '.join(map(str, per_seed))})"
+        return (
+            ", ".join(f"{v:.3f}" for v in per_seed.values())
+            + f" (seed{'s' if len(per_seed) > 1 else ''} {', '.join(map(str, per_seed))})"
+        )
     return spread(per_seed.values())
 
 
 def markdown(rows_by_arm, lrs_by_arm, corpus, warnings, code=None, width=WIDTH):
     lines = []
     if warnings:
-        lines += ["**WARNING: this study cannot show what it tests** (run with --allow_weak_study):", "",
-                  *[f"- {w}" for w in warnings], ""]
-    lines += [f"Corpus: {corpus['tokens']:,} tokens of a {VOCAB_SIZE}-token BPE; entropy per token: uniform "
-              f"L0 = {L0:.3f}, unigram {corpus['unigram_entropy']:.3f}, bigram (given the previous token) "
-              f"H2 = {corpus['bigram_entropy']:.3f} nats.", ""]
+        lines += [
+            "**WARNING: this study cannot show what it tests** (run with --allow_weak_study):",
+            "",
+            *[f"- {w}" for w in warnings],
+            "",
+        ]
+    lines += [
+        f"Corpus: {corpus['tokens']:,} tokens of a {VOCAB_SIZE}-token BPE; entropy per token: uniform "
+        f"L0 = {L0:.3f}, unigram {corpus['unigram_entropy']:.3f}, bigram (given the previous token) "
+        f"H2 = {corpus['bigram_entropy']:.3f} nats.",
+        "",
+    ]
     if code:
-        runs = sum(p["n"] for arm, rows in rows_by_arm.items() for row in rows for p in row["points"].values()
-                   if not counted_elsewhere(arm, row["lever_set"], rows_by_arm))
-        lines += [f"Every run below ran on code {code} (the last commit of the code it trained with: "
-                  f"lr_sweep.code_version), at width {width}: {runs} run{'s' if runs != 1 else ''}.", ""]
+        runs = sum(
+            p["n"]
+            for arm, rows in rows_by_arm.items()
+            for row in rows
+            for p in row["points"].values()
+            if not counted_elsewhere(arm, row["lever_set"], rows_by_arm)
+        )
+        lines += [
+            f"Every run below ran on code {code} (the last commit of the code it trained with: "
+            f"lr_sweep.code_version), at width {width}: {runs} run{'s' if runs != 1 else ''}.",
+            "",
+        ]
     for arm, rows in rows_by_arm.items():
         lrs = lrs_by_arm[arm]
-        header = ["| lever set | " + " | ".join(f"{lr:.0e}" for lr in lrs) + " |", "| --- |" + " --- |" * len(lrs)]
-        ranges = {label: [lr for lr in lrs if low <= lr <= high] for label, (low, high) in SENSITIVITY_RANGES.items()}
+        header = [
+            "| lever set | " + " | ".join(f"{lr:.0e}" for lr in lrs) + " |",
+            "| --- |" + " --- |" * len(lrs),
+        ]
+        ranges = {
+            label: [lr for lr in lrs if low <= lr <= high]
+            for label, (low, high) in SENSITIVITY_RANGES.items()
+        }
         # once if equal
         ranges = {label: x for label, x in ranges.items() if label == "grid" or x != ranges["grid"]}
-        titles = [f"LR sensitivity over {x[0]:.0e}..{x[-1]:.0e}" + (" (the grid)" if label == "grid" else
-                                                                      " (Wortsman et al.'s range)")
-                  for label, x in ranges.items() if x]
-        lines += [f"### Arm {arm}: {ARMS[arm]['title']}", "",
-                  "LR sensitivity per seed, of the seeds run at every LR of the range (no run stands in for a "
-                  "missing one); mean [min-max] where n >= 3:", "",
-                  "| lever set | " + " | ".join(titles) + " | best final loss (seed mean) | at LR |",
-                  "| --- |" + " --- |" * (len(titles) + 2)]
+        titles = [
+            f"LR sensitivity over {x[0]:.0e}..{x[-1]:.0e}"
+            + (" (the grid)" if label == "grid" else " (Wortsman et al.'s range)")
+            for label, x in ranges.items()
+            if x
+        ]
+        lines += [
+            f"### Arm {arm}: {ARMS[arm]['title']}",
+            "",
+            "LR sensitivity per seed, of the seeds run at every LR of the range (no run stands in for a "
+            "missing one); mean [min-max] where n >= 3:",
+            "",
+            "| lever set | " + " | ".join(titles) + " | best final loss (seed mean) | at LR |",
+            "| --- |" + " --- |" * (len(titles) + 2),
+        ]
         for row in rows:
             cells = [sensitivity_cell(row["ranges"][label]) for label, x in ranges.items() if x]
             best = row["points"][row["best_lr"]]
-            lines.append(f"| {row['lever_set']} | " + " | ".join(cells) +
-                         f" | {row['best_loss']:.3f} (n={best['n']}) | {row['best_lr']:.0e} |")
-        logit = ", or an attention logit past 1e4" if ARMS[arm].get("logit_blows_up", True) else \
-            "; not the attention logits, which arm A tests and the others compare with it"
-        lines += ["", "Final validation loss: each seed's for n < 3, mean [min-max] for n >= 3, n the seeds run; "
-                  "`up k`: k of the n blew up (a NaN, or the loss back above H2 after having been clearly below it"
-                  f"{logit}); `logit k`: k passed an "
-                  "attention logit of 1e4; `flat k`: k never got below the bigram entropy; `div k`: k ended above L0 "
-                  "(counted as L0):", "", *header]
+            lines.append(
+                f"| {row['lever_set']} | "
+                + " | ".join(cells)
+                + f" | {row['best_loss']:.3f} (n={best['n']}) | {row['best_lr']:.0e} |"
+            )
+        logit = (
+            ", or an attention logit past 1e4"
+            if ARMS[arm].get("logit_blows_up", True)
+            else "; not the attention logits, which arm A tests and the others compare with it"
+        )
+        lines += [
+            "",
+            "Final validation loss: each seed's for n < 3, mean [min-max] for n >= 3, n the seeds run; "
+            "`up k`: k of the n blew up (a NaN, or the loss back above H2 after having been clearly below it"
+            f"{logit}); `logit k`: k passed an "
+            "attention logit of 1e4; `flat k`: k never got below the bigram entropy; `div k`: k ended above L0 "
+            "(counted as L0):",
+            "",
+            *header,
+        ]
         for row in rows:
             cells = []
             for lr in lrs:
@@ -821,16 +1138,30 @@ def markdown(rows_by_arm, lrs_by_arm, corpus, warnings, code=None, width=WIDTH):
                     cells.append("not run")
                     continue
                 cell = spread(p["values"])
-                for key, label in (("blew_up", "up"), ("logit_past_1e4", "logit"), ("never_below", "flat"),
-                                   ("diverged", "div")):
+                for key, label in (
+                    ("blew_up", "up"),
+                    ("logit_past_1e4", "logit"),
+                    ("never_below", "flat"),
+                    ("diverged", "div"),
+                ):
                     cell += f" {label} {p[key]}" if p[key] else ""
                 cells.append(cell)
             lines.append(f"| {row['lever_set']} | " + " | ".join(cells) + " |")
-        lines += ["", "Precursors, mean over the n seeds of the cell above: " + "; ".join(PRECURSORS.values()) + ":",
-                  "", *header]
+        lines += [
+            "",
+            "Precursors, mean over the n seeds of the cell above: "
+            + "; ".join(PRECURSORS.values())
+            + ":",
+            "",
+            *header,
+        ]
         for row in rows:
-            cells = [" / ".join(f"{row['points'][lr][key]:.3g}" for key in PRECURSORS) if lr in row["points"] else ""
-                     for lr in lrs]
+            cells = [
+                " / ".join(f"{row['points'][lr][key]:.3g}" for key in PRECURSORS)
+                if lr in row["points"]
+                else ""
+                for lr in lrs
+            ]
             lines.append(f"| {row['lever_set']} | " + " | ".join(cells) + " |")
         if ARMS[arm].get("remedies"):
             lines += remedy_table(rows)
@@ -841,15 +1172,21 @@ def markdown(rows_by_arm, lrs_by_arm, corpus, warnings, code=None, width=WIDTH):
 def remedy_table(rows, margin=STABLE_MARGIN):
     """Each remedy's final loss against the best run of the arm (any lever set, any LR) and its stable LR range."""
     best = min(row["best_loss"] for row in rows)
-    lines = ["", f"Each remedy against the best run of the arm ({best:.3f}, seed mean): its best final loss and "
-             f"the widest range of neighbouring grid LRs whose seed-mean final loss is within {margin} nats of it:",
-             "", "| lever set | best final loss - the arm's best | stable LR range | grid points |",
-             "| --- | --- | --- | --- |"]
+    lines = [
+        "",
+        f"Each remedy against the best run of the arm ({best:.3f}, seed mean): its best final loss and "
+        f"the widest range of neighbouring grid LRs whose seed-mean final loss is within {margin} nats of it:",
+        "",
+        "| lever set | best final loss - the arm's best | stable LR range | grid points |",
+        "| --- | --- | --- | --- |",
+    ]
     for row in rows:
         found = stable_range(row, best, margin)
         span = f"{found[0]:.0e}..{found[1]:.0e}" if found else "none"
-        lines.append(f"| {row['lever_set']} | {row['best_loss'] - best:+.3f} | {span} | "
-                     f"{found[2] if found else 0} of {len(row['points'])} |")
+        lines.append(
+            f"| {row['lever_set']} | {row['best_loss'] - best:+.3f} | {span} | "
+            f"{found[2] if found else 0} of {len(row['points'])} |"
+        )
     return lines
 
 
@@ -859,8 +1196,10 @@ def plot(rows_by_arm, results, corpus, path):
     would shade LRs with fewer seeds); beside it what the arm is about: each run's largest attention logit (A),
     seed 1's mean output logit and log Z over the iterations (B), each run's spike score (C)."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     arms = list(rows_by_arm)
     fig, axes = plt.subplots(len(arms), 2, figsize=(11, 3.6 * len(arms)), dpi=72, squeeze=False)
     for (ax, right), arm in zip(axes, arms):
@@ -869,50 +1208,122 @@ def plot(rows_by_arm, results, corpus, path):
             p = [row["points"][lr] for lr in xs]
             counts = sorted({q["n"] for q in p})
             seeds = f"n={counts[0]}" if len(counts) == 1 else f"n={counts[0]}-{counts[-1]}"
-            line, = ax.plot(xs, [q["mean"] for q in p], linewidth=1, label=f"{row['lever_set']} ({seeds})")
+            (line,) = ax.plot(
+                xs, [q["mean"] for q in p], linewidth=1, label=f"{row['lever_set']} ({seeds})"
+            )
             color = line.get_color()
-            ax.plot([lr for lr, q in zip(xs, p) for _ in q["values"]], [v for q in p for v in q["values"]], "o",
-                    markersize=3.5, color=color, alpha=0.8)
+            ax.plot(
+                [lr for lr, q in zip(xs, p) for _ in q["values"]],
+                [v for q in p for v in q["values"]],
+                "o",
+                markersize=3.5,
+                color=color,
+                alpha=0.8,
+            )
             wide = [(lr, q) for lr, q in zip(xs, p) if q["n"] >= 3]
             if wide:
-                ax.errorbar([lr for lr, _ in wide], [q["mean"] for _, q in wide],
-                            yerr=[[q["mean"] - q["min"] for _, q in wide], [q["max"] - q["mean"] for _, q in wide]],
-                            fmt="none", ecolor=color, capsize=3, linewidth=1)
+                ax.errorbar(
+                    [lr for lr, _ in wide],
+                    [q["mean"] for _, q in wide],
+                    yerr=[
+                        [q["mean"] - q["min"] for _, q in wide],
+                        [q["max"] - q["mean"] for _, q in wide],
+                    ],
+                    fmt="none",
+                    ecolor=color,
+                    capsize=3,
+                    linewidth=1,
+                )
             for key, axes_of in (("attention_logit_max", ("A", "W")), ("spike_score", ("C",))):
                 if arm in axes_of:
                     scale = 100 if key == "spike_score" else 1
-                    runs = [(lr, v * scale) for lr, q in zip(xs, p) for v in q["runs"][key]
-                            if v is not None and math.isfinite(v)]
-                    right.plot([lr for lr, _ in runs], [v for _, v in runs], "o", markersize=3.5, color=color,
-                               label=row["lever_set"])
-        ax.axhline(corpus["bigram_entropy"], color="grey", linestyle="--", linewidth=1, label="bigram entropy")
-        ax.axhline(corpus["unigram_entropy"], color="grey", linestyle=":", linewidth=1, label="unigram entropy")
+                    runs = [
+                        (lr, v * scale)
+                        for lr, q in zip(xs, p)
+                        for v in q["runs"][key]
+                        if v is not None and math.isfinite(v)
+                    ]
+                    right.plot(
+                        [lr for lr, _ in runs],
+                        [v for _, v in runs],
+                        "o",
+                        markersize=3.5,
+                        color=color,
+                        label=row["lever_set"],
+                    )
+        ax.axhline(
+            corpus["bigram_entropy"],
+            color="grey",
+            linestyle="--",
+            linewidth=1,
+            label="bigram entropy",
+        )
+        ax.axhline(
+            corpus["unigram_entropy"],
+            color="grey",
+            linestyle=":",
+            linewidth=1,
+            label="unigram entropy",
+        )
         ax.set_ylim(top=L0 + 0.3)
-        ax.set_title(f"arm {arm}: final validation loss (a dot a run; bars: min-max where n >= 3)", fontsize=10)
+        ax.set_title(
+            f"arm {arm}: final validation loss (a dot a run; bars: min-max where n >= 3)",
+            fontsize=10,
+        )
         ax.set_ylabel("final loss (nats)")
         ax.legend(fontsize=7)
         if arm in ("A", "W"):
-            right.axhline(ATTENTION_LOGIT_BLOWUP, color="grey", linestyle="--", linewidth=1, label="1e4")
+            right.axhline(
+                ATTENTION_LOGIT_BLOWUP, color="grey", linestyle="--", linewidth=1, label="1e4"
+            )
             right.set_yscale("log")
-            right.set_title(f"arm {arm}: largest attention logit in training, a dot a run", fontsize=10)
+            right.set_title(
+                f"arm {arm}: largest attention logit in training, a dot a run", fontsize=10
+            )
         elif arm == "C":
-            right.set_title("arm C: spike score of the grad norm (%, 7 sigma), a dot a run", fontsize=10)
+            right.set_title(
+                "arm C: spike score of the grad norm (%, 7 sigma), a dot a run", fontsize=10
+            )
         elif arm == "B":
-            runs = [r for r in results if r["arm"] == "B" and "error" not in r and r["seed"] == 1 and r.get("series")]
+            runs = [
+                r
+                for r in results
+                if r["arm"] == "B" and "error" not in r and r["seed"] == 1 and r.get("series")
+            ]
             colors = {lr: f"C{i}" for i, lr in enumerate(sorted({r["lr"] for r in runs}))}
             for r in sorted(runs, key=lambda r: (r["lr"], r["lever_set"])):
                 s = r["series"]
                 style = {"no_z_loss": "--", "z_loss": "-"}.get(r["lever_set"], ":")
-                right.plot(s["iteration"], s["output_logit_mean"], style, color=colors[r["lr"]], linewidth=1,
-                           label=f"{r['lever_set']}, LR {r['lr']:.0e}")
-                right.plot(s["iteration"], s["log_z"], style, color=colors[r["lr"]], linewidth=2.5, alpha=0.4)
+                right.plot(
+                    s["iteration"],
+                    s["output_logit_mean"],
+                    style,
+                    color=colors[r["lr"]],
+                    linewidth=1,
+                    label=f"{r['lever_set']}, LR {r['lr']:.0e}",
+                )
+                right.plot(
+                    s["iteration"],
+                    s["log_z"],
+                    style,
+                    color=colors[r["lr"]],
+                    linewidth=2.5,
+                    alpha=0.4,
+                )
             if not runs:
-                right.text(0.5, 0.5, "no series: no run of seed 1 with its metrics.jsonl", ha="center",
-                           transform=right.transAxes)
+                right.text(
+                    0.5,
+                    0.5,
+                    "no series: no run of seed 1 with its metrics.jsonl",
+                    ha="center",
+                    transform=right.transAxes,
+                )
             right.axhline(0, color="grey", linewidth=0.8)
             # the drift of a few nats, and a diverged run's hundreds
             right.set_yscale("symlog", linthresh=10)
-            right.set_title("arm B: mean output logit (thin) and mean log Z (thick), seed 1", fontsize=10)
+            right.set_title(
+                "arm B: mean output logit (thin) and mean log Z (thick), seed 1", fontsize=10
+            )
             right.set_xlabel("iteration")
         for axis in (ax, right) if arm != "B" else (ax,):
             axis.set_xscale("log")
@@ -931,29 +1342,65 @@ def plot(rows_by_arm, results, corpus, path):
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter
+    )
     p.add_argument("--quick", action="store_true", help="the pilot alone: " + json.dumps(QUICK))
-    p.add_argument("--out", default=os.path.join(ROOT, "out", "lab"), help="directory of runs and results")
+    p.add_argument(
+        "--out", default=os.path.join(ROOT, "out", "lab"), help="directory of runs and results"
+    )
     p.add_argument("--arms", help="comma-separated, from: " + ", ".join(ARMS))
     p.add_argument("--lever_sets", help="comma-separated: only these lever sets of the arms")
     p.add_argument("--lrs", help="comma-separated learning rates (default: each arm's grid)")
     p.add_argument("--seeds", help="comma-separated seeds (default: each arm's)")
-    p.add_argument("--jobs", type=int, default=os.cpu_count(), help="runs at a time, one thread each")
-    p.add_argument("--extra", default="", help="more train.py arguments for every run, after an = sign (e.g. "
-                   "--extra=--train_iters=1000); changes the runs, so use another --out")
-    p.add_argument("--report", action="store_true", help="only the tables and the figure, from the selection's "
-                   "runs finished so far (the pilot's included); starts no run")
-    p.add_argument("--allow_weak_study", action="store_true",
-                   help="run a study that the preflight or the pilot refuses; results.md says why it is weak")
-    p.add_argument("--width", type=int, default=WIDTH, help="the model's width (the size ladder: depth 4, heads of "
-                   f"{HEAD_DIM}; arms A, N, F); runs of another width than {WIDTH} go to OUT/runs/w<width>/")
-    p.add_argument("--record", metavar="FILE", help="add the finished runs' summaries to FILE, one line a run "
-                   "(lab/results.jsonl is the study's tracked record)")
-    p.add_argument("--results", metavar="FILE", help="with --report: the tables and the figure from FILE's lines "
-                   "(written by --record) instead of OUT's run directories")
-    p.add_argument("--docs", metavar="MD", help="with --report: also write the tables into MD between its two "
-                   "`lr_sweep --report` markers and the figure to MD's name with .png (lab/stability.md)")
-    p.add_argument("--code", help="only the runs of this code version (a report refuses to mix versions)")
+    p.add_argument(
+        "--jobs", type=int, default=os.cpu_count(), help="runs at a time, one thread each"
+    )
+    p.add_argument(
+        "--extra",
+        default="",
+        help="more train.py arguments for every run, after an = sign (e.g. "
+        "--extra=--train_iters=1000); changes the runs, so use another --out",
+    )
+    p.add_argument(
+        "--report",
+        action="store_true",
+        help="only the tables and the figure, from the selection's "
+        "runs finished so far (the pilot's included); starts no run",
+    )
+    p.add_argument(
+        "--allow_weak_study",
+        action="store_true",
+        help="run a study that the preflight or the pilot refuses; results.md says why it is weak",
+    )
+    p.add_argument(
+        "--width",
+        type=int,
+        default=WIDTH,
+        help="the model's width (the size ladder: depth 4, heads of "
+        f"{HEAD_DIM}; arms A, N, F); runs of another width than {WIDTH} go to OUT/runs/w<width>/",
+    )
+    p.add_argument(
+        "--record",
+        metavar="FILE",
+        help="add the finished runs' summaries to FILE, one line a run "
+        "(lab/results.jsonl is the study's tracked record)",
+    )
+    p.add_argument(
+        "--results",
+        metavar="FILE",
+        help="with --report: the tables and the figure from FILE's lines "
+        "(written by --record) instead of OUT's run directories",
+    )
+    p.add_argument(
+        "--docs",
+        metavar="MD",
+        help="with --report: also write the tables into MD between its two "
+        "`lr_sweep --report` markers and the figure to MD's name with .png (lab/stability.md)",
+    )
+    p.add_argument(
+        "--code", help="only the runs of this code version (a report refuses to mix versions)"
+    )
     args = p.parse_args(argv)
     if (args.results or args.docs) and not args.report:
         p.error("--results and --docs go with --report")
@@ -997,6 +1444,7 @@ def train(argv):
     if saves:
         record_code(saves[-1], code_version())
     import torch
+
     torch.set_flush_denormal(True)
     # train.py is a script, not a module to import: run its file and call the main it defines
     runpy.run_path(os.path.join(ROOT, "train.py"), run_name="stablegpt_train")["main"](argv)
@@ -1004,8 +1452,13 @@ def train(argv):
 
 def in_selection(r, arms, width=None):
     spec = arms.get(r["arm"])
-    return (spec is not None and r["lever_set"] in spec["levers"] and r["lr"] in spec["lrs"]
-            and r["seed"] in seeds_at(spec, r["lr"]) and (width is None or r.get("width", WIDTH) == width))
+    return (
+        spec is not None
+        and r["lever_set"] in spec["levers"]
+        and r["lr"] in spec["lrs"]
+        and r["seed"] in seeds_at(spec, r["lr"])
+        and (width is None or r.get("width", WIDTH) == width)
+    )
 
 
 DOCS_BEGIN = "<!-- lr_sweep --report --docs writes what follows, up to its end marker; edit lab/lr_sweep.py -->"
@@ -1017,23 +1470,38 @@ def report_from_records(args, arms):
     records = with_same_runs(load_records(args.results))
     selected, code = one_code([r for r in records if in_selection(r, arms, args.width)], args.code)
     if not selected:
-        raise SystemExit(f"lr_sweep: {args.results} has no run of the selection (width {args.width}); "
-                         "widen it (--arms, --lever_sets, --lrs, --seeds, --width, --code)")
+        raise SystemExit(
+            f"lr_sweep: {args.results} has no run of the selection (width {args.width}); "
+            "widen it (--arms, --lever_sets, --lrs, --seeds, --width, --code)"
+        )
     corpora = {json.dumps(r["corpus"], sort_keys=True) for r in selected}
     if len(corpora) > 1:
-        raise SystemExit(f"lr_sweep: {args.results}'s runs of the selection were measured on {len(corpora)} corpora; "
-                         "a table compares like with like")
+        raise SystemExit(
+            f"lr_sweep: {args.results}'s runs of the selection were measured on {len(corpora)} corpora; "
+            "a table compares like with like"
+        )
     corpus = selected[0]["corpus"]
-    rows_by_arm = {arm: summarize(selected, arm, list(spec["levers"]), spec["lrs"], corpus["bigram_entropy"])
-                   for arm, spec in arms.items()}
+    rows_by_arm = {
+        arm: summarize(selected, arm, list(spec["levers"]), spec["lrs"], corpus["bigram_entropy"])
+        for arm, spec in arms.items()
+    }
     rows_by_arm = {arm: rows for arm, rows in rows_by_arm.items() if rows}
-    table = markdown(rows_by_arm, {arm: spec["lrs"] for arm, spec in arms.items()}, corpus, [], code, args.width)
-    defined = sum(len(seeds_at(spec, lr)) for arm, spec in arms.items() for lever in spec["levers"]
-                  for lr in spec["lrs"] if not counted_elsewhere(arm, lever, arms))
+    table = markdown(
+        rows_by_arm, {arm: spec["lrs"] for arm, spec in arms.items()}, corpus, [], code, args.width
+    )
+    defined = sum(
+        len(seeds_at(spec, lr))
+        for arm, spec in arms.items()
+        for lever in spec["levers"]
+        for lr in spec["lrs"]
+        if not counted_elsewhere(arm, lever, arms)
+    )
     present = sum(not counted_elsewhere(r["arm"], r["lever_set"], arms) for r in selected)
-    table = (f"{present} of the selection's {defined} runs are in {os.path.basename(args.results)} on this code "
-             "(a cell `not run` was not run on it, and each cell's n counts the seeds that ran; a lever set that is "
-             "another arm's runs counts there).\n\n" + table)
+    table = (
+        f"{present} of the selection's {defined} runs are in {os.path.basename(args.results)} on this code "
+        "(a cell `not run` was not run on it, and each cell's n counts the seeds that ran; a lever set that is "
+        "another arm's runs counts there).\n\n" + table
+    )
     ladder_runs = [r for r in records if r["arm"] == "A" and r["code"] == code]
     if "A" in arms and len({r["width"] for r in ladder_runs}) > 1:
         table += "\n" + ladder_markdown(ladder(ladder_runs, corpus["bigram_entropy"], LADDER))
@@ -1044,15 +1512,32 @@ def report_from_records(args, arms):
     if args.docs:
         with open(args.docs) as f:
             text = f.read()
-        if text.count(DOCS_BEGIN) != 1 or text.count(DOCS_END) != 1 or text.index(DOCS_BEGIN) > text.index(DOCS_END):
-            raise SystemExit(f"lr_sweep: {args.docs} needs the two markers, once each and in this order, around the "
-                             f"place of the tables:\n{DOCS_BEGIN}\n{DOCS_END}")
+        if (
+            text.count(DOCS_BEGIN) != 1
+            or text.count(DOCS_END) != 1
+            or text.index(DOCS_BEGIN) > text.index(DOCS_END)
+        ):
+            raise SystemExit(
+                f"lr_sweep: {args.docs} needs the two markers, once each and in this order, around the "
+                f"place of the tables:\n{DOCS_BEGIN}\n{DOCS_END}"
+            )
         head, rest = text.split(DOCS_BEGIN)
         with open(args.docs, "w") as f:
-            f.write(head + DOCS_BEGIN + "\n\n" + table.rstrip("\n") + "\n\n" + DOCS_END + rest.split(DOCS_END, 1)[1])
+            f.write(
+                head
+                + DOCS_BEGIN
+                + "\n\n"
+                + table.rstrip("\n")
+                + "\n\n"
+                + DOCS_END
+                + rest.split(DOCS_END, 1)[1]
+            )
         plot(rows_by_arm, selected, corpus, os.path.splitext(args.docs)[0] + ".png")
     print(table)
-    print(f"wrote {args.out}/results.md, lr_sweep.png" + (f"; {args.docs} and its figure" if args.docs else ""))
+    print(
+        f"wrote {args.out}/results.md, lr_sweep.png"
+        + (f"; {args.docs} and its figure" if args.docs else "")
+    )
 
 
 def check_pilot(results, bigram):
@@ -1062,13 +1547,17 @@ def check_pilot(results, bigram):
     low, high = by_lr.get(PILOT[0][2]), by_lr.get(PILOT[1][2])
     if low is None or not low["val_loss"] < bigram - PILOT_MARGIN:
         loss = "failed" if low is None else f"{low['val_loss']:.3f}"
-        problems.append(f"pilot: arm A's default at LR {PILOT[0][2]:g} ends at {loss}, not clearly below the bigram "
-                        f"entropy {bigram:.3f} (by {PILOT_MARGIN}): nothing that attention learned can be lost; train "
-                        "longer or deeper")
+        problems.append(
+            f"pilot: arm A's default at LR {PILOT[0][2]:g} ends at {loss}, not clearly below the bigram "
+            f"entropy {bigram:.3f} (by {PILOT_MARGIN}): nothing that attention learned can be lost; train "
+            "longer or deeper"
+        )
     if high is None or not (high.get("attention_logit_max") or 0) > 1e3:
         logit = "failed" if high is None else f"{high.get('attention_logit_max')}"
-        problems.append(f"pilot: arm A's default at LR {PILOT[1][2]:g} has a largest attention logit of {logit}, not "
-                        "above 1e3: the attention-logit growth under study does not happen in this setup")
+        problems.append(
+            f"pilot: arm A's default at LR {PILOT[1][2]:g} has a largest attention logit of {logit}, not "
+            "above 1e3: the attention-logit growth under study does not happen in this setup"
+        )
     return problems
 
 
@@ -1082,25 +1571,38 @@ def main(argv=None):
         return report_from_records(args, arms)
     warnings = preflight(arms, extra)
     if warnings and not args.allow_weak_study:
-        raise SystemExit("lr_sweep: this study cannot show what it tests:\n  - " + "\n  - ".join(warnings) +
-                         "\nfix the setup, or pass --allow_weak_study to run it anyway")
+        raise SystemExit(
+            "lr_sweep: this study cannot show what it tests:\n  - "
+            + "\n  - ".join(warnings)
+            + "\nfix the setup, or pass --allow_weak_study to run it anyway"
+        )
     # the corpus and its tokenizer once, before the runs race to build them
     corpus = bpe_corpus.build()
     import data
+
     data.IndexedDataset(corpus["prefix"])
-    grid = [(arm, lever, lr, seed) for arm, spec in arms.items() for lever in spec["levers"]
-            for lr in spec["lrs"] for seed in seeds_at(spec, lr)]
+    grid = [
+        (arm, lever, lr, seed)
+        for arm, spec in arms.items()
+        for lever in spec["levers"]
+        for lr in spec["lrs"]
+        for seed in seeds_at(spec, lr)
+    ]
     width = args.width
     unpiloted = False
     narrow = [arm for arm, spec in arms.items() if width not in spec.get("widths", [width])]
     if narrow:
-        raise SystemExit(f"lr_sweep: arm {narrow[0]} runs at width {ARMS[narrow[0]]['widths']} only; pass "
-                         f"--width {ARMS[narrow[0]]['widths'][0]} or leave the arm out")
+        raise SystemExit(
+            f"lr_sweep: arm {narrow[0]} runs at width {ARMS[narrow[0]]['widths']} only; pass "
+            f"--width {ARMS[narrow[0]]['widths'][0]} or leave the arm out"
+        )
     # the pilot is the study's width's; another width's runs are the ladder's, without it
     pilot = PILOT
     if width != WIDTH:
         if not set(arms) <= {"A", "N", "F"}:
-            raise SystemExit("lr_sweep: --width is the size ladder of arms A, N and F; pass --arms A, N or F")
+            raise SystemExit(
+                "lr_sweep: --width is the size ladder of arms A, N and F; pass --arms A, N or F"
+            )
         pilot = []
 
     # the pilot first, then every arm's first seed, then arm A's other seeds, then the others': an interrupted
@@ -1108,14 +1610,25 @@ def main(argv=None):
     def order(g):
         again = seeds_at(arms[g[0]], g[2]).index(g[3])
         return (again > 0, again > 0 and g[0] != "A", again)
+
     grid = pilot + sorted((g for g in grid if g not in pilot), key=order)
-    todo = [g for g in grid if not os.path.exists(os.path.join(run_dir(args.out, *g, width), "result.json"))]
-    print(f"{len(grid)} runs (the pilot's {len(pilot)} first), {len(grid) - len(todo)} finished already, "
-          f"{len(todo)} to run, {args.jobs} at a time", flush=True)
+    todo = [
+        g
+        for g in grid
+        if not os.path.exists(os.path.join(run_dir(args.out, *g, width), "result.json"))
+    ]
+    print(
+        f"{len(grid)} runs (the pilot's {len(pilot)} first), {len(grid) - len(todo)} finished already, "
+        f"{len(todo)} to run, {args.jobs} at a time",
+        flush=True,
+    )
     if args.report:  # the finished runs alone; results.md says how many of the study's they are
         if len(todo) == len(grid):
-            raise SystemExit(f"lr_sweep --report: no run of the selection has finished in {args.out}"
-                             + (" (the pilot has not run either)" if pilot else "") + "; run the study first")
+            raise SystemExit(
+                f"lr_sweep --report: no run of the selection has finished in {args.out}"
+                + (" (the pilot has not run either)" if pilot else "")
+                + "; run the study first"
+            )
         unpiloted = any(g in todo for g in pilot)
         pilot = [g for g in pilot if g not in todo]
         grid = [g for g in grid if g not in todo]
@@ -1124,8 +1637,11 @@ def main(argv=None):
     def report(result):
         results.append(result)
         status = "error" if "error" in result else f"val {result['val_loss']:.4f}"
-        print(f"[{time.time() - start:6.0f}s] {result['arm']} {result['lever_set']} lr {result['lr']:.0e} seed "
-              f"{result['seed']}: {status}", flush=True)
+        print(
+            f"[{time.time() - start:6.0f}s] {result['arm']} {result['lever_set']} lr {result['lr']:.0e} seed "
+            f"{result['seed']}: {status}",
+            flush=True,
+        )
 
     with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
         for result in pool.map(lambda g: execute(args.out, *g, extra, width), pilot):
@@ -1133,36 +1649,57 @@ def main(argv=None):
         # a report without the whole pilot has no verdict on the setup (its header says so)
         verdict = check_pilot(results, corpus["bigram_entropy"]) if pilot and not unpiloted else []
         if verdict and not args.allow_weak_study:
-            raise SystemExit("lr_sweep: the pilot says this study cannot show what it tests:\n  - " +
-                             "\n  - ".join(verdict) + "\nfix the setup, or pass --allow_weak_study to run it anyway")
+            raise SystemExit(
+                "lr_sweep: the pilot says this study cannot show what it tests:\n  - "
+                + "\n  - ".join(verdict)
+                + "\nfix the setup, or pass --allow_weak_study to run it anyway"
+            )
         warnings += verdict
-        for result in pool.map(lambda g: execute(args.out, *g, extra, width), grid[len(pilot):]):
+        for result in pool.map(lambda g: execute(args.out, *g, extra, width), grid[len(pilot) :]):
             report(result)
     failed = [r for r in results if "error" in r]
     for r in failed:
-        print(f"failed: {r['arm']} {r['lever_set']} lr {r['lr']} seed {r['seed']}:\n{r['error']}", file=sys.stderr)
+        print(
+            f"failed: {r['arm']} {r['lever_set']} lr {r['lr']} seed {r['seed']}:\n{r['error']}",
+            file=sys.stderr,
+        )
     selected = [r for r in results if "error" not in r and in_selection(r, arms)]
     if args.record:
-        merge_records(args.record, [record(r, corpus) for r in selected if not same_as(r["arm"], r["lever_set"])])
+        merge_records(
+            args.record,
+            [record(r, corpus) for r in selected if not same_as(r["arm"], r["lever_set"])],
+        )
     selected, code = one_code(selected, args.code)
-    rows_by_arm = {arm: summarize(selected, arm, list(spec["levers"]), spec["lrs"], corpus["bigram_entropy"])
-                   for arm, spec in arms.items()}
+    rows_by_arm = {
+        arm: summarize(selected, arm, list(spec["levers"]), spec["lrs"], corpus["bigram_entropy"])
+        for arm, spec in arms.items()
+    }
     rows_by_arm = {arm: rows for arm, rows in rows_by_arm.items() if rows}
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "results.jsonl"), "w") as f:
         for r in results:
             f.write(json.dumps(r) + "\n")
-    table = markdown(rows_by_arm, {arm: spec["lrs"] for arm, spec in arms.items()}, corpus, warnings, code, width)
+    table = markdown(
+        rows_by_arm, {arm: spec["lrs"] for arm, spec in arms.items()}, corpus, warnings, code, width
+    )
     if args.report and unpiloted:
-        table = f"The pilot has not run in {args.out}: its verdict on the setup is not here.\n\n" + table
+        table = (
+            f"The pilot has not run in {args.out}: its verdict on the setup is not here.\n\n"
+            + table
+        )
     if args.report and todo:
-        table = (f"{len(grid)} of the selection's {len(grid) + len(todo)} runs finished; the tables and the figure are "
-                 "theirs (a cell `not run` was not run, and each cell's n counts the seeds that ran).\n\n" + table)
+        table = (
+            f"{len(grid)} of the selection's {len(grid) + len(todo)} runs finished; the tables and the figure are "
+            "theirs (a cell `not run` was not run, and each cell's n counts the seeds that ran).\n\n"
+            + table
+        )
     timed = [r for r in results if "cpu_seconds" in r]
     if timed:
         cpu = [r["cpu_seconds"] for r in timed]
-        table += (f"\nCPU time, {len(timed)} runs: {sum(cpu) / len(cpu):.0f} s a run on average, "
-                  f"{sum(cpu) / 3600:.2f} h in all (a resumed run counts its last part only).\n")
+        table += (
+            f"\nCPU time, {len(timed)} runs: {sum(cpu) / len(cpu):.0f} s a run on average, "
+            f"{sum(cpu) / 3600:.2f} h in all (a resumed run counts its last part only).\n"
+        )
     with open(os.path.join(args.out, "results.md"), "w") as f:
         f.write(table)
     plot(rows_by_arm, selected, corpus, os.path.join(args.out, "lr_sweep.png"))

@@ -19,6 +19,7 @@ The dependency runs one way: these files use the core (training, model, parallel
 module imports them; builders.build_callbacks wires them in when the run asks for any of them. This file imports
 none of them until a switch asks.
 """
+
 from collections import namedtuple
 from dataclasses import dataclass, field
 
@@ -32,13 +33,34 @@ DECIDED = "a checkpoint's guard decisions"
 REGISTRY = [
     # first: the fault is in the batch, the LR and the weights every callback after it sees (the guard judges
     # it, the forensics replay it); its gradient flip comes before telemetry reads the gradients
-    (("inject_bad_batch_iters", "inject_degenerate_iters", "inject_lr_iters", "inject_bitflip_iters",
-      "inject_numerical_iters", "inject_lost_optimizer_state_iter", "inject_repeat_iters",
-      "inject_overflow_iters", "inject_bad_samples", "inject_bad_device_iter"), "faults.Faults"),
+    (
+        (
+            "inject_bad_batch_iters",
+            "inject_degenerate_iters",
+            "inject_lr_iters",
+            "inject_bitflip_iters",
+            "inject_numerical_iters",
+            "inject_lost_optimizer_state_iter",
+            "inject_repeat_iters",
+            "inject_overflow_iters",
+            "inject_bad_samples",
+            "inject_bad_device_iter",
+        ),
+        "faults.Faults",
+    ),
     # before telemetry: the forwards that measure the run's nondeterminism as the guard arms are not probed;
     # before the soft skip: a vetoed update is not scaled too. Also with the faults in time: it keeps the timeline
-    (("spike_guard", "spike_guard_precursor", "inject_lr_iters", "inject_bitflip_iters",
-      "inject_lost_optimizer_state_iter", DECIDED), "guard.Guard"),
+    (
+        (
+            "spike_guard",
+            "spike_guard_precursor",
+            "inject_lr_iters",
+            "inject_bitflip_iters",
+            "inject_lost_optimizer_state_iter",
+            DECIDED,
+        ),
+        "guard.Guard",
+    ),
     # its record finished before the forensics replay the step: the probes see the step, not its replays
     (("telemetry_interval",), "telemetry.Recording"),
     # after telemetry: reads this iteration's record
@@ -74,6 +96,7 @@ class Shared:
     a stop saves through it); the spike guard (spike_guard.SpikeGuard: the detector's statistics, the decisions,
     the run's timeline, the diagnosis of the current step); the snapshots a rollback returns to; the callbacks
     built before this one, by name."""
+
     writer: object
     guard: object
     snapshots: object
@@ -84,6 +107,7 @@ def switched_on(cfg, saved_state=None):
     """The switches set, and DECIDED for a checkpoint whose guard decided something that holds (skip ranges, an
     LR factor: a resumed run honours them with the guard off too)."""
     import run_state
+
     on = {key for key in SWITCHES if getattr(cfg, key)}
     guard = run_state.callback_states(saved_state or {}).get("spike_guard") or {}
     return on | ({DECIDED} if guard.get("decisions") or guard.get("skip_ranges") else set())
@@ -100,9 +124,13 @@ def build_callbacks(cfg, writer=None, saved_state=None):
     from stability.snapshots import Snapshots
     from stability.spike_guard import SpikeGuard
     from training import Callbacks
+
     made = construction(cfg)
-    shared = Shared(writer, SpikeGuard(*made["spike_guard.SpikeGuard"]),
-                    Snapshots(*made["snapshots.Snapshots"], saver=writer))
+    shared = Shared(
+        writer,
+        SpikeGuard(*made["spike_guard.SpikeGuard"]),
+        Snapshots(*made["snapshots.Snapshots"], saver=writer),
+    )
     for switches, where in REGISTRY:
         if on & set(switches):
             module, name = where.rsplit(".", 1)
@@ -117,9 +145,22 @@ def build_callbacks(cfg, writer=None, saved_state=None):
 # draw or the samples to name (training.train_step and forward_backward, loader.micro_batches,
 # diagnosis.name_samples): the core's keys, handed by name to the callbacks that replay, not
 # declared again.
-CORE_KEYS = ("micro_batch_size", "global_batch_size", "clip_grad", "skip_grad_norm_above", "z_loss",
-             "fp16", "bf16", "deepspeed", "reset_position_ids", "reset_attention_mask",
-             "eod_mask_loss", "tokenizer_file", "vocab_size", "save")
+CORE_KEYS = (
+    "micro_batch_size",
+    "global_batch_size",
+    "clip_grad",
+    "skip_grad_norm_above",
+    "z_loss",
+    "fp16",
+    "bf16",
+    "deepspeed",
+    "reset_position_ids",
+    "reset_attention_mask",
+    "eod_mask_loss",
+    "tokenizer_file",
+    "vocab_size",
+    "save",
+)
 CoreKeys = namedtuple("CoreKeys", CORE_KEYS)
 
 
@@ -131,15 +172,18 @@ def construction(cfg):
     import schedule
     from model import GPTConfig
     from stability import config as c
+
     guard_cfg, detector_cfg = section(c.GuardConfig, cfg), section(c.DetectorConfig, cfg)
     core = CoreKeys(*(getattr(cfg, key) for key in CORE_KEYS))
     interval = cfg.spike_guard_snapshot_interval
     sharded = cfg.deepspeed or cfg.zero_stage >= 1  # each DP rank holds its own optimizer shard
     return {
         "spike_guard.SpikeGuard": (detector_cfg, guard_cfg, cfg.clip_grad, interval),
-        "snapshots.Snapshots": (snapshot_plan(cfg), (cfg.save, cfg.load),
-                                schedule.reset_warmup_iters(cfg.reset_optimizer_warmup_iters,
-                                                          cfg.adam_beta2, "auto")),
+        "snapshots.Snapshots": (
+            snapshot_plan(cfg),
+            (cfg.save, cfg.load),
+            schedule.reset_warmup_iters(cfg.reset_optimizer_warmup_iters, cfg.adam_beta2, "auto"),
+        ),
         "faults.Faults": (section(c.FaultsConfig, cfg), cfg.seed, cfg.vocab_size, core),
         "guard.Guard": (guard_cfg, core),
         "telemetry.Recording": (section(c.TelemetryConfig, cfg), section(GPTConfig, cfg)),
@@ -148,10 +192,18 @@ def construction(cfg):
         "remedies.SpikyLoss": (section(c.SpikyLossConfig, cfg), core),
         "remedies.OptRestart": (section(c.RestartConfig, cfg),),
         "remedies.PalmRestart": (section(c.RestartConfig, cfg),),
-        "replica_check.ReplicaCheck": (section(c.ReplicaCheckConfig, cfg), guard_cfg.spike_guard, interval,
-                                       guard_cfg.spike_guard_max_hardware_faults, sharded),
-        "soft_skip.SoftSkip": (section(c.SoftSkipConfig, cfg), detector_cfg.spike_guard_min_steps,
-                               detector_cfg.spike_guard_window),
+        "replica_check.ReplicaCheck": (
+            section(c.ReplicaCheckConfig, cfg),
+            guard_cfg.spike_guard,
+            interval,
+            guard_cfg.spike_guard_max_hardware_faults,
+            sharded,
+        ),
+        "soft_skip.SoftSkip": (
+            section(c.SoftSkipConfig, cfg),
+            detector_cfg.spike_guard_min_steps,
+            detector_cfg.spike_guard_window,
+        ),
         "snapshots.Snapshotting": (section(c.SnapshotConfig, cfg),),
     }
 
@@ -160,7 +212,13 @@ def snapshot_plan(cfg):
     """The snapshots' number, place and size (snapshots.Plan) of a run's config; estimate.py's dry
     run asks too."""
     from stability.snapshots import Plan
-    return Plan(interval=cfg.spike_guard_snapshot_interval if cfg.spike_guard else 0,
-                rewind=cfg.spike_guard_rewind, directory=cfg.spike_guard_snapshot_dir,
-                half=cfg.fp16 or cfg.bf16, zero1=cfg.zero_stage >= 1, engine=cfg.deepspeed,
-                async_copy=cfg.async_save)
+
+    return Plan(
+        interval=cfg.spike_guard_snapshot_interval if cfg.spike_guard else 0,
+        rewind=cfg.spike_guard_rewind,
+        directory=cfg.spike_guard_snapshot_dir,
+        half=cfg.fp16 or cfg.bf16,
+        zero1=cfg.zero_stage >= 1,
+        engine=cfg.deepspeed,
+        async_copy=cfg.async_save,
+    )

@@ -15,6 +15,7 @@ ordinary.
 Its statistics (the recent losses and grad norms, the LRs applied) belong to the weights: checkpoints and
 snapshots carry them and a rollback restores them. What a spike calls for is spike_guard.py's.
 """
+
 import collections
 import math
 
@@ -52,12 +53,14 @@ class Series:
 
     def line(self):
         """(the next point of the line fitted to the last FIT values, the residuals' robust scatter), or None."""
-        ys = list(self.values)[-self.FIT:]
+        ys = list(self.values)[-self.FIT :]
         n = len(ys)
         if n < 2:
             return None
         xm, ym = (n - 1) / 2, sum(ys) / n
-        slope = sum((i - xm) * (y - ym) for i, y in enumerate(ys)) / sum((i - xm) ** 2 for i in range(n))
+        slope = sum((i - xm) * (y - ym) for i, y in enumerate(ys)) / sum(
+            (i - xm) ** 2 for i in range(n)
+        )
         residuals = sorted(abs(y - ym - slope * (i - xm)) for i, y in enumerate(ys))
         return ym + slope * (n - xm), 1.4826 * residuals[n // 2]
 
@@ -86,7 +89,9 @@ class Series:
         if len(self.values) < 2:
             return 0.0, 1.0
         x, (p, s) = self.transform(value), self.fit()
-        return scatters(x, p, s), math.exp(x - p) if self.log else (value / p if p > 0 else math.inf)
+        return scatters(x, p, s), math.exp(x - p) if self.log else (
+            value / p if p > 0 else math.inf
+        )
 
     def rising(self, z, steps, bar):
         """Whether a value judged z (judge()) and the last steps - 1 applied ones each landed more than `bar`
@@ -94,7 +99,7 @@ class Series:
         spike alone."""
         if len(self.errors) < self.FIT // 2 or len(self.zs) < steps - 1:
             return False
-        return z > bar and all(past > bar for past in list(self.zs)[len(self.zs) - steps + 1:])
+        return z > bar and all(past > bar for past in list(self.zs)[len(self.zs) - steps + 1 :])
 
     def shift_to(self, value):
         """The line moved so that its next point is this value: every kept value shifted alike (slope and scatter
@@ -141,8 +146,11 @@ class Detector:
         self.rules = detector_cfg  # a DetectorConfig
         self.clip_grad = clip_grad  # the grad norm's stand-in bar before it has a trend (0: none)
         window = detector_cfg.spike_guard_window
-        self.series = {"loss": Series(window), "grad norm": Series(window, log=True),
-                       "update": Series(window, log=True)}  # the weights' move per update
+        self.series = {
+            "loss": Series(window),
+            "grad norm": Series(window, log=True),
+            "update": Series(window, log=True),
+        }  # the weights' move per update
         # the learning rates of the applied steps, summed: how far Adam can have moved a weight
         self.lr_sum = 0.0
         self.updates = 0  # the applied steps: how many updates a move between two states took
@@ -152,8 +160,12 @@ class Detector:
         self.grad_norm_alone = False
 
     def stats(self):
-        return {**{name: series.state() for name, series in self.series.items()}, "lr sum": self.lr_sum,
-                "unseen": self.unseen, "updates": self.updates}
+        return {
+            **{name: series.state() for name, series in self.series.items()},
+            "lr sum": self.lr_sum,
+            "unseen": self.unseen,
+            "updates": self.updates,
+        }
 
     def load_stats(self, stats=None):
         """The statistics of a snapshot or checkpoint (None: one written without the guard, start afresh)."""
@@ -182,12 +194,19 @@ class Detector:
 
     def judge(self, loss, grad_norm):
         """Why this step is a spike, or None: the first rule that calls it one, with its numbers."""
-        judged = {"loss": self.series["loss"].judge(loss), "grad norm": self.series["grad norm"].judge(grad_norm)}
+        judged = {
+            "loss": self.series["loss"].judge(loss),
+            "grad norm": self.series["grad norm"].judge(grad_norm),
+        }
         reasons = self.outliers(loss, grad_norm, judged) + self.without_trend(grad_norm)
         # the grad norm's rules alone, the loss ordinary: what SpikeGuard.tolerates asks of the spike
         self.grad_norm_alone = bool(reasons) and not self.over("loss", judged)
-        reasons = reasons or self.joint_outlier(loss, grad_norm, judged) or self.slow_rise(loss, judged) or \
-            self.below_unseen(loss)
+        reasons = (
+            reasons
+            or self.joint_outlier(loss, grad_norm, judged)
+            or self.slow_rise(loss, judged)
+            or self.below_unseen(loss)
+        )
         return "; ".join(reasons) or None
 
     def outliers(self, loss, grad_norm, judged):
@@ -196,8 +215,10 @@ class Detector:
         for name, value in (("loss", loss), ("grad norm", grad_norm)):
             series, (z, ratio) = self.series[name], judged[name]
             if self.over(name, judged):
-                reasons.append(f"{name} {value:.4g} is {ratio:.2f}x its trend's {series.expected():.4g}, {z:.1f} "
-                               f"spreads above it")
+                reasons.append(
+                    f"{name} {value:.4g} is {ratio:.2f}x its trend's {series.expected():.4g}, {z:.1f} "
+                    f"spreads above it"
+                )
         return reasons
 
     def over(self, name, judged):
@@ -210,9 +231,14 @@ class Detector:
         """fp16 while the loss scale searches: the losses are recorded, the grad norms are not (inf); until they
         have a trend, clip_grad stands in for it."""
         r = self.rules
-        if len(self.series["grad norm"].values) < 2 and self.clip_grad \
-                and grad_norm > r.spike_guard_grad_norm_ratio * self.clip_grad:
-            return [f"grad norm {grad_norm:.4g} is {grad_norm / self.clip_grad:.2f}x clip_grad (no trend yet)"]
+        if (
+            len(self.series["grad norm"].values) < 2
+            and self.clip_grad
+            and grad_norm > r.spike_guard_grad_norm_ratio * self.clip_grad
+        ):
+            return [
+                f"grad norm {grad_norm:.4g} is {grad_norm / self.clip_grad:.2f}x clip_grad (no trend yet)"
+            ]
         return []
 
     def joint_outlier(self, loss, grad_norm, judged):
@@ -222,21 +248,32 @@ class Detector:
         its bar is a clean run's."""
         (z, ratio), (gz, gratio) = judged["loss"], judged["grad norm"]
         half, bar = self.rules.spike_guard_zscore / 2, self.rules.spike_guard_ema_ratio
-        if (z > half and ratio > bar or z < -half and ratio < 1 / bar) \
-                and gz > self.rules.spike_guard_zscore and gratio > bar:
-            return [f"loss {loss:.4g} is {ratio:.2f}x its trend's {self.series['loss'].expected():.4g}, "
-                    f"{abs(z):.1f} spreads {'above' if z > 0 else 'below'} it, with grad norm {grad_norm:.4g} "
-                    f"{gratio:.2f}x its trend's"]
+        if (
+            (z > half and ratio > bar or z < -half and ratio < 1 / bar)
+            and gz > self.rules.spike_guard_zscore
+            and gratio > bar
+        ):
+            return [
+                f"loss {loss:.4g} is {ratio:.2f}x its trend's {self.series['loss'].expected():.4g}, "
+                f"{abs(z):.1f} spreads {'above' if z > 0 else 'below'} it, with grad norm {grad_norm:.4g} "
+                f"{gratio:.2f}x its trend's"
+            ]
         return []
 
     def slow_rise(self, loss, judged):
         """A slow rise: the line tilts with it, so no step is a spike alone (an LR x37 from iteration 158 on, in the
         fault campaign of docs/spike_guard.md, section 9)."""
-        steps, losses, half = self.rules.spike_guard_rise_steps, self.series["loss"], self.rules.spike_guard_zscore / 2
+        steps, losses, half = (
+            self.rules.spike_guard_rise_steps,
+            self.series["loss"],
+            self.rules.spike_guard_zscore / 2,
+        )
         if steps and losses.rising(judged["loss"][0], steps, half):
-            rise = ", ".join(f"{v:.4g}" for v in [*list(losses.values)[-(steps - 1):], loss])
-            return [f"loss rose {steps} steps in a row, each more than {half:g} spreads above its trend: {rise} "
-                    f"(trend now {losses.expected():.4g})"]
+            rise = ", ".join(f"{v:.4g}" for v in [*list(losses.values)[-(steps - 1) :], loss])
+            return [
+                f"loss rose {steps} steps in a row, each more than {half:g} spreads above its trend: {rise} "
+                f"(trend now {losses.expected():.4g})"
+            ]
         return []
 
     def below_unseen(self, loss):
@@ -247,13 +284,23 @@ class Detector:
         batch, never seen, a batch's noise apart; a later epoch has seen both alike. Judged by the bar of a spike:
         zscore scatters of the loss's line below it, and under 1 / ema_ratio of it."""
         found = self.series["loss"].fit()
-        if self.unseen is None or found is None or not math.isfinite(loss) or not math.isfinite(self.unseen):
+        if (
+            self.unseen is None
+            or found is None
+            or not math.isfinite(loss)
+            or not math.isfinite(self.unseen)
+        ):
             return []
         z = (self.unseen - loss) / found[1] if found[1] > 0 else math.inf
-        if z > self.rules.spike_guard_zscore and loss * self.rules.spike_guard_ema_ratio < self.unseen \
-                and self.below_before(found[1]):
-            return [f"loss {loss:.4g} is {loss / self.unseen:.2f}x an unseen batch's {self.unseen:.4g} on these "
-                    f"weights, {z:.1f} spreads below it: {LEARNT}"]
+        if (
+            z > self.rules.spike_guard_zscore
+            and loss * self.rules.spike_guard_ema_ratio < self.unseen
+            and self.below_before(found[1])
+        ):
+            return [
+                f"loss {loss:.4g} is {loss / self.unseen:.2f}x an unseen batch's {self.unseen:.4g} on these "
+                f"weights, {z:.1f} spreads below it: {LEARNT}"
+            ]
         return []
 
     def below_before(self, scatter):
@@ -265,8 +312,11 @@ class Detector:
         count = max(self.rules.spike_guard_rise_steps - 1, 0)
         before = list(self.series["loss"].values)[-count:] if count else []
         r = self.rules
-        return all(self.unseen - v > r.spike_guard_zscore / 2 * scatter and v * r.spike_guard_ema_ratio < self.unseen
-                   for v in before)
+        return all(
+            self.unseen - v > r.spike_guard_zscore / 2 * scatter
+            and v * r.spike_guard_ema_ratio < self.unseen
+            for v in before
+        )
 
     def moved(self, move):
         """Why the weights' move per update (relative to their norm, between two states: update_size.relative_move)
@@ -279,8 +329,10 @@ class Detector:
             return None
         z, ratio = series.judge(move)
         if z > self.rules.spike_guard_zscore and ratio > bar:
-            return (f"the weights moved {move:.3g} of their norm per update, {ratio:.1f}x their trend's "
-                    f"{series.expected():.3g}, {z:.1f} spreads above it")
+            return (
+                f"the weights moved {move:.3g} of their norm per update, {ratio:.1f}x their trend's "
+                f"{series.expected():.3g}, {z:.1f} spreads above it"
+            )
         return None
 
 
@@ -306,8 +358,11 @@ def run_stats(state):
         return stats
     history = state.get("history") or {}
     series = {"loss": Series(1), "grad norm": Series(1, log=True)}
-    return {name: {"values": [s.transform(v) for v in history.get(name, [])]} for name, s in series.items()
-            if history.get(name)}
+    return {
+        name: {"values": [s.transform(v) for v in history.get(name, [])]}
+        for name, s in series.items()
+        if history.get(name)
+    }
 
 
 def snapshot_stats(payload):

@@ -11,6 +11,7 @@ are named here too (name_samples), and a data spike's documents appended to the 
 
 Every rank runs the same replays on the same numbers (the step's are DP rank 0's on every replica: training.agree).
 """
+
 import math
 import os
 
@@ -68,8 +69,19 @@ def measure_noise(model, batches, core, device):
     return abs(first - again) / max(abs(first), 1e-30)
 
 
-def investigate(guard, parts, step, iteration, before, snapshots, rerun, forward, other=None, per_sample=None,
-                fp32_replay=False):
+def investigate(
+    guard,
+    parts,
+    step,
+    iteration,
+    before,
+    snapshots,
+    rerun,
+    forward,
+    other=None,
+    per_sample=None,
+    fp32_replay=False,
+):
     """Before the guard acts on a suspect step: (step, diagnosis). The weights and optimizer are still those
     before the step (a suspect step is never applied); before = (RNG state, loss scaler state) before it.
     1. replay: the step again, same weights, batch, RNG and loss scaler (rerun(judge, scaler) runs train_step on
@@ -113,18 +125,40 @@ def investigate(guard, parts, step, iteration, before, snapshots, rerun, forward
         corrupted = corrupted_weights(guard, parts.model, parts.optimizer, iteration, *snapshot)
         if corrupted is not None:
             rank, evidence = corrupted
-            return replay, {"cause": "hardware", "evidence": f"{replayed}; {evidence}", "rank": rank,
-                            "rollback": True}
+            return replay, {
+                "cause": "hardware",
+                "evidence": f"{replayed}; {evidence}",
+                "rank": rank,
+                "rollback": True,
+            }
     if fp32_replay:
         exact = replay_in_fp32(guard, rng_before, parts.model, parts.optimizer, rerun)
         if exact.outcome == "ok":  # overflow: the core skips such a step (SpikeGuard._numerical)
-            return exact, {"cause": "numerical", "evidence": f"{replayed}; in fp32: loss {exact.loss:.6g}, grad "
-                           f"norm {exact.grad_norm:.6g}, ordinary", "overflow": overflowed(step)}
-        replayed += f"; in fp32: loss {exact.loss:.6g}, grad norm {exact.grad_norm:.6g}, a spike too"
+            return exact, {
+                "cause": "numerical",
+                "evidence": f"{replayed}; in fp32: loss {exact.loss:.6g}, grad "
+                f"norm {exact.grad_norm:.6g}, ordinary",
+                "overflow": overflowed(step),
+            }
+        replayed += (
+            f"; in fp32: loss {exact.loss:.6g}, grad norm {exact.grad_norm:.6g}, a spike too"
+        )
     if snapshot is None:
-        return replay, {"cause": "data", "evidence": f"{replayed}; no earlier snapshot to test the batch on"}
-    return replay, data_or_optimizer(guard, parts.model, replay, replayed, snapshot, forward, other, per_sample,
-                                     snapshots.oldest(disk=False))
+        return replay, {
+            "cause": "data",
+            "evidence": f"{replayed}; no earlier snapshot to test the batch on",
+        }
+    return replay, data_or_optimizer(
+        guard,
+        parts.model,
+        replay,
+        replayed,
+        snapshot,
+        forward,
+        other,
+        per_sample,
+        snapshots.oldest(disk=False),
+    )
 
 
 def said(step):
@@ -144,28 +178,41 @@ def replay_verdict(guard, step, replay, rows, rows_again):
     differ, differ_again = differing(rows), differing(rows_again)
     if differ and differ_again[:1] == differ[:1]:
         rank = differ[0]
-        return {"cause": "persistent", "rank": rank, "evidence": f"DP rank {rank} computed loss {rows[rank][0]:.6g}, "
-                f"DP rank 0 {first}; replayed, DP rank {rank} again: loss {rows_again[rank][0]:.6g}, DP rank 0 {again}"}
+        return {
+            "cause": "persistent",
+            "rank": rank,
+            "evidence": f"DP rank {rank} computed loss {rows[rank][0]:.6g}, "
+            f"DP rank 0 {first}; replayed, DP rank {rank} again: loss {rows_again[rank][0]:.6g}, DP rank 0 {again}",
+        }
     tolerance = reproduced_tolerance(guard.noise)
-    close = (not math.isfinite(step.loss) and not math.isfinite(replay.loss)) or \
-        abs(replay.loss - step.loss) <= tolerance * abs(step.loss)
+    close = (not math.isfinite(step.loss) and not math.isfinite(replay.loss)) or abs(
+        replay.loss - step.loss
+    ) <= tolerance * abs(step.loss)
     spiked = replay.outcome in SUSPECT or overflowed(replay)  # an overflow replayed is reproduced
     if spiked and not close and not differ:
         rank = 0 if parallel.grid.dp_size == 1 else None
-        return {"cause": "hardware", "rank": rank, "evidence": f"first {first}; replayed: {again}, a spike that "
-                f"differs by more than the run's nondeterminism allows ({tolerance:.2g} relative)"}
+        return {
+            "cause": "hardware",
+            "rank": rank,
+            "evidence": f"first {first}; replayed: {again}, a spike that "
+            f"differs by more than the run's nondeterminism allows ({tolerance:.2g} relative)",
+        }
     if differ or not spiked:
         rank = differ[0] if differ else (0 if parallel.grid.dp_size == 1 else None)
         if differ:
-            evidence = (f"DP rank {rank} computed loss {rows[rank][0]:.6g}, grad norm {rows[rank][1]:.6g}, DP rank 0 "
-                        f"{first}; replayed: {again}")
+            evidence = (
+                f"DP rank {rank} computed loss {rows[rank][0]:.6g}, grad norm {rows[rank][1]:.6g}, DP rank 0 "
+                f"{first}; replayed: {again}"
+            )
         else:
             evidence = f"first {first}; replayed: {again}, not reproduced"
         return {"cause": "hardware", "evidence": evidence, "rank": rank}
     return None
 
 
-def data_or_optimizer(guard, model, replay, replayed, snapshot, forward, other, per_sample, oldest=None):
+def data_or_optimizer(
+    guard, model, replay, replayed, snapshot, forward, other, per_sample, oldest=None
+):
     """A reproduced spike of sound weights: is the batch the outlier ("data") or the weights ("optimizer")? The
     fair question is asked of a batch these weights were never trained on (other(): held out; the
     last applied batch looks ordinary on weights just trained on it, whatever the cause) and of the
@@ -184,30 +231,42 @@ def data_or_optimizer(guard, model, replay, replayed, snapshot, forward, other, 
     trend.load(snapshot_stats(payload).get("loss"))
     expected_then, expected_now = trend.expected(), guard.series["loss"].expected()
     excess_now = replay.loss - expected_now if math.isfinite(replay.loss) else math.inf
-    excess_then = old - expected_then if expected_then is not None and math.isfinite(old) else math.inf
-    evidence = (f"{replayed}; the batch on the model of iteration {then}: loss {old:.4g}, "
-                f"{excess_then:+.3g} against its trend, now {excess_now:+.3g}")
+    excess_then = (
+        old - expected_then if expected_then is not None and math.isfinite(old) else math.inf
+    )
+    evidence = (
+        f"{replayed}; the batch on the model of iteration {then}: loss {old:.4g}, "
+        f"{excess_then:+.3g} against its trend, now {excess_now:+.3g}"
+    )
     diagnosis = {"since": then}
     if unseen is not None:
         first, weights = oldest or snapshot
-        data, diagnosis["decided_by"], words, rebase = unseen_verdict(guard, model, weights[0], first, excess_now,
-                                                                      rng_after, *unseen)
+        data, diagnosis["decided_by"], words, rebase = unseen_verdict(
+            guard, model, weights[0], first, excess_now, rng_after, *unseen
+        )
         evidence += words
         if rebase is not None:
             diagnosis["rebase"] = rebase
     else:  # no unseen batch to ask: the older model's answer, on the loss's sign alone
-        data = excess_then >= 0.5 * excess_now if math.isfinite(excess_now) else not math.isfinite(old)
+        data = (
+            excess_then >= 0.5 * excess_now if math.isfinite(excess_now) else not math.isfinite(old)
+        )
         diagnosis["decided_by"] = f"the batch on the model of iteration {then}"
     diagnosis["cause"] = "data" if data else "optimizer"
     if data and per_sample is not None:
         suspects, rest = minority(per_sample())
         if suspects:
             expected = expected_now if expected_now is not None else math.nan
-            evidence += (f"; {len(suspects)} samples far from the others (positions {', '.join(map(str, suspects))}), "
-                         f"the batch without them: loss {rest:.4g}, trend {expected:.4g}")
+            evidence += (
+                f"; {len(suspects)} samples far from the others (positions {', '.join(map(str, suspects))}), "
+                f"the batch without them: loss {rest:.4g}, trend {expected:.4g}"
+            )
             diagnosis["suspects"] = suspects
-    diagnosis["evidence"] = evidence + f"; decided by {diagnosis['decided_by']}: the " + (
-        "batch is the outlier" if data else "batch is ordinary, the weights are not")
+    diagnosis["evidence"] = (
+        evidence
+        + f"; decided by {diagnosis['decided_by']}: the "
+        + ("batch is the outlier" if data else "batch is ordinary, the weights are not")
+    )
     return diagnosis
 
 
@@ -234,11 +293,17 @@ def unseen_verdict(guard, model, weights, then, excess_now, rng_after, step, lab
       off its trend too, and worse than on the pre-spike weights -> optimizer: the updates since did it
     Judged without touching the guard's reason for the step under investigation."""
     pending, alone, half = guard.pending, guard.grad_norm_alone, guard.rules.spike_guard_zscore / 2
-    spike_there = (not math.isfinite(step.loss) or not math.isfinite(step.grad_norm)
-                   or bool(guard.judge(step.loss, step.grad_norm)) or guard.series["loss"].judge(step.loss)[0] > half)
+    spike_there = (
+        not math.isfinite(step.loss)
+        or not math.isfinite(step.grad_norm)
+        or bool(guard.judge(step.loss, step.grad_norm))
+        or guard.series["loss"].judge(step.loss)[0] > half
+    )
     guard.pending, guard.grad_norm_alone = pending, alone
-    words = (f"; {label} on these weights: loss {step.loss:.4g}, grad norm {step.grad_norm:.4g}, "
-             + ("off its trend too" if spike_there else "ordinary"))
+    words = (
+        f"; {label} on these weights: loss {step.loss:.4g}, grad norm {step.grad_norm:.4g}, "
+        + ("off its trend too" if spike_there else "ordinary")
+    )
     if not spike_there:
         return True, f"{label} on these weights", words, None
     if not (math.isfinite(step.loss) and math.isfinite(step.grad_norm)):  # no batch's fault
@@ -252,7 +317,12 @@ def unseen_verdict(guard, model, weights, then, excess_now, rng_after, step, lab
     words += f"; on the model of iteration {then}: loss {before:.4g} ({worse:+.3g} since)"
     decided = f"{label} on the model of iteration {then}"
     if worse <= 0.5 * off:
-        return True, decided, words + ", as far off: the trend is stale", (step.loss, step.grad_norm)
+        return (
+            True,
+            decided,
+            words + ", as far off: the trend is stale",
+            (step.loss, step.grad_norm),
+        )
     return False, decided, words + ": the weights got worse", None
 
 
@@ -280,7 +350,6 @@ def minority(losses, spread=4.0):
     return far, sum(kept) / len(kept)
 
 
-
 def adam_bound(beta1, beta2):
     """The most one Adam step can move a weight, in units of its learning rate (before weight decay): by
     Cauchy-Schwarz, |m_hat| / sqrt(v_hat) <= (1 - beta1) / sqrt((1 - beta2) (1 - beta1^2 / beta2)) whatever the
@@ -292,7 +361,6 @@ def adam_bound(beta1, beta2):
     return (1 - beta1) / math.sqrt((1 - beta2) * (1 - beta1 * beta1 / beta2))
 
 
-
 @torch.no_grad()
 def corrupted_weights(guard, model, optimizer, iteration, then, payload, say=True):
     """(DP rank, evidence) when some rank holds a weight the optimizer cannot have written since the snapshot of
@@ -302,14 +370,18 @@ def corrupted_weights(guard, model, optimizer, iteration, then, payload, say=Tru
     ranks of one number per DP rank, so every rank names the same DP rank (the corrupted weight may be on any TP or
     PP rank of it)."""
     g, stats = parallel.grid, snapshot_stats(payload)
-    if "lr sum" not in stats:  # a checkpoint written before the guard summed its LRs: no bound to test against
+    if (
+        "lr sum" not in stats
+    ):  # a checkpoint written before the guard summed its LRs: no bound to test against
         return None
     lr_sum = max(guard.lr_sum - stats["lr sum"], 0.0)
     move = 2 * lr_sum * max(adam_bound(*group["betas"]) for group in optimizer.param_groups)
     if not math.isfinite(move):
         return None
     decay = max([group.get("weight_decay", 0.0) for group in optimizer.param_groups] or [0.0])
-    worst, where = farthest_move(model, payload[0], move, 2 * max(lr_sum, max(iteration - 1 - then, 1)) * decay)
+    worst, where = farthest_move(
+        model, payload[0], move, 2 * max(lr_sum, max(iteration - 1 - then, 1)) * decay
+    )
     ratios = torch.zeros(g.dp_size, dtype=torch.float64, device=next(model.parameters()).device)
     ratios[g.dp_rank] = worst
     if dist.is_initialized() and dist.get_world_size() > 1:
@@ -320,10 +392,15 @@ def corrupted_weights(guard, model, optimizer, iteration, then, payload, say=Tru
     rank = max(range(g.dp_size), key=ratios.__getitem__)
     if say and where is not None and worst > 1:  # the rank that holds it says which weight
         name, i, before, now = where
-        print(f"spike guard: iteration {iteration}: on rank {g.rank}, weight {name}[{i}] is {now:.4g}, was "
-              f"{before:.4g} at iteration {then}", flush=True)
-    return rank, (f"a weight of DP rank {rank} moved {ratios[rank]:.3g}x farther since iteration {then} than Adam "
-                  f"can move it at the LRs applied since (summed: {lr_sum:.3g}): written by something else")
+        print(
+            f"spike guard: iteration {iteration}: on rank {g.rank}, weight {name}[{i}] is {now:.4g}, was "
+            f"{before:.4g} at iteration {then}",
+            flush=True,
+        )
+    return rank, (
+        f"a weight of DP rank {rank} moved {ratios[rank]:.3g}x farther since iteration {then} than Adam "
+        f"can move it at the LRs applied since (summed: {lr_sum:.3g}): written by something else"
+    )
 
 
 @torch.no_grad()
@@ -336,16 +413,19 @@ def farthest_move(model, weights, move, decay):
         if name not in weights:
             continue
         for k in range(0, p.numel(), chunk):
-            before = weights[name].view(-1)[k:k + chunk].to(p.device, torch.float32)
-            now = p.detach().view(-1)[k:k + chunk].float()
-            allowed = (move + decay * before.abs() + 4 * torch.finfo(p.dtype).eps * (before.abs() + move)
-                       + torch.finfo(torch.float32).tiny)
+            before = weights[name].view(-1)[k : k + chunk].to(p.device, torch.float32)
+            now = p.detach().view(-1)[k : k + chunk].float()
+            allowed = (
+                move
+                + decay * before.abs()
+                + 4 * torch.finfo(p.dtype).eps * (before.abs() + move)
+                + torch.finfo(torch.float32).tiny
+            )
             ratio = torch.where(torch.isfinite(now), (now - before).abs() / allowed, math.inf)
             i = int(ratio.argmax())
             if ratio[i] > worst:
                 worst, where = float(ratio[i]), (name, k + i, float(before[i]), float(now[i]))
     return worst, where
-
 
 
 def replay_in_fp32(guard, rng_before, model, optimizer, rerun):
@@ -357,7 +437,10 @@ def replay_in_fp32(guard, rng_before, model, optimizer, rerun):
     # measured in half precision, with the fault if it persists: no bar for an fp32 loss
     guard.unseen = None
     with Fp32Step(model, optimizer) as fp32:
-        exact = rerun(guard.judge if guard.armed() else None, optim.LossScaler(dynamic=False, static_scale=1.0))
+        exact = rerun(
+            guard.judge if guard.armed() else None,
+            optim.LossScaler(dynamic=False, static_scale=1.0),
+        )
         fp32.keep = exact.outcome == "ok"
     guard.pending, guard.unseen = pending, unseen  # the spike's reason is the half-precision step's
     if not fp32.keep:
@@ -421,7 +504,9 @@ def master_weights(params, optimizer):
 def evaluate_batches(model, batches, core, device):
     """The mean loss of these micro-batches in train mode (dropout on, as in the trend it is compared with: eval
     mode would bias it low); the caller restores the RNG streams the dropout draws from."""
-    loss = training.forward_backward(model, batches, loader.packing(core), device, forward_only=True)
+    loss = training.forward_backward(
+        model, batches, loader.packing(core), device, forward_only=True
+    )
     return parallel.average_loss(loss).item()
 
 
@@ -442,10 +527,16 @@ def sample_losses(model, batches, core):
     for k, (x, y) in enumerate(batches):
         inputs = packing(x) if packing else {}
         mask = inputs.pop("loss_mask", None)
-        per_token = parallel.vocab_parallel_cross_entropy(model(x, **inputs), y, core.vocab_size)[0].float()
-        per_sample = per_token.mean(dim=1) if mask is None else (per_token * mask).sum(1) / mask.sum(1).clamp(min=1)
+        per_token = parallel.vocab_parallel_cross_entropy(model(x, **inputs), y, core.vocab_size)[
+            0
+        ].float()
+        per_sample = (
+            per_token.mean(dim=1)
+            if mask is None
+            else (per_token * mask).sum(1) / mask.sum(1).clamp(min=1)
+        )
         start = k * mbs * g.dp_size + g.dp_rank * mbs
-        losses[start:start + mbs] = per_sample
+        losses[start : start + mbs] = per_sample
     model.train(was_training)
     if g.dp_group is not None and g.dp_size > 1:
         dist.all_reduce(losses, group=g.dp_group)  # each sample's slot is filled by one DP rank
@@ -471,19 +562,34 @@ def name_samples(model, batches, first_sample, core, dataset, seqlen, iteration,
     did it (decision's cause "data"), their documents go to the skip list SAVE/skip_documents.jsonl too
     (skip_list.py's format), which skip_documents=FILE makes the data leave out."""
     import data
+
     if parallel.grid.pp_size > 1:
-        print0(f"spike guard: iteration {iteration}: samples {first_sample}-{first_sample + core.global_batch_size - 1}"
-               " (not ranked by loss with pipeline parallelism; tools/show_samples.py decodes them)")
+        print0(
+            f"spike guard: iteration {iteration}: samples {first_sample}-{first_sample + core.global_batch_size - 1}"
+            " (not ranked by loss with pipeline parallelism; tools/show_samples.py decodes them)"
+        )
         return []
-    named = highest_loss_samples(model, batches, first_sample, core, positions=(decision or {}).get("suspects"))
+    named = highest_loss_samples(
+        model, batches, first_sample, core, positions=(decision or {}).get("suspects")
+    )
     records = []
     for loss, index in named:
-        print0(f"spike guard: iteration {iteration}: sample {index} (loss {loss:.3f}): "
-               f"{data.sample_text(dataset, index, seqlen, 160, core.tokenizer_file)!r}")
+        print0(
+            f"spike guard: iteration {iteration}: sample {index} (loss {loss:.3f}): "
+            f"{data.sample_text(dataset, index, seqlen, 160, core.tokenizer_file)!r}"
+        )
         prefix, component, pieces = skip_list.sample_documents(dataset, index, seqlen + 1)
-        records.append({"iteration": iteration, "sample": index, "loss": round(loss, 4), "dataset": prefix,
-                        "dataset_index": component, "documents": [d for d, _ in pieces],
-                        "tokens": [n for _, n in pieces]})
+        records.append(
+            {
+                "iteration": iteration,
+                "sample": index,
+                "loss": round(loss, 4),
+                "dataset": prefix,
+                "dataset_index": component,
+                "documents": [d for d, _ in pieces],
+                "tokens": [n for _, n in pieces],
+            }
+        )
     if (decision or {}).get("cause") == "data" and core.save and records:
         to_skip_list(os.path.join(core.save, SKIP_LIST), records, iteration)
     return named
@@ -498,6 +604,8 @@ def to_skip_list(path, records, iteration):
         ids = by_dataset.setdefault(r["dataset"], [])
         ids += [d for d in r["documents"] if d not in ids]
     docs = "; ".join(f"{prefix}: {', '.join(map(str, ids))}" for prefix, ids in by_dataset.items())
-    print0(f"spike guard: iteration {iteration}: the documents of these samples ({docs}) appended to the skip "
-           f"list {path}; to train without them, set skip_documents={path} (a new run, or a resume from a "
-           "checkpoint before the spike)")
+    print0(
+        f"spike guard: iteration {iteration}: the documents of these samples ({docs}) appended to the skip "
+        f"list {path}; to train without them, set skip_documents={path} (a new run, or a resume from a "
+        "checkpoint before the spike)"
+    )

@@ -46,6 +46,7 @@ inject_repeat_iters) stay for the first six campaigns' draws and their tests: th
 their samples only while no skip list moves the data. The ranges are parsed once, when the run
 starts.
 """
+
 import torch
 
 import loader
@@ -59,6 +60,7 @@ class Faults(training.Callback):
     """The configured faults, asked at each iteration whether they strike it. As a callback: the batch and LR
     replaced before the step, a gradient bit flipped after the all-reduce, the numerical fault's hook on during
     the step (and its replays), a weight bit flipped after an applied step."""
+
     name = "faults"
 
     def __init__(self, faults_cfg, shared, seed, vocab_size, core=None):
@@ -74,7 +76,9 @@ class Faults(training.Callback):
         self.lr_ranges = parse(faults_cfg.inject_lr_iters, "inject_lr_iters")
         self.bitflip_ranges = parse(faults_cfg.inject_bitflip_iters, "inject_bitflip_iters")
         self.numerical_ranges = parse(faults_cfg.inject_numerical_iters, "inject_numerical_iters")
-        self.degenerate_ranges = parse(faults_cfg.inject_degenerate_iters, "inject_degenerate_iters")
+        self.degenerate_ranges = parse(
+            faults_cfg.inject_degenerate_iters, "inject_degenerate_iters"
+        )
         self.repeat_ranges = parse(faults_cfg.inject_repeat_iters, "inject_repeat_iters")
         self.overflow_ranges = parse(faults_cfg.inject_overflow_iters, "inject_overflow_iters")
         self.overflow_hook = None  # this iteration's steps overflow (inject_overflow_iters)
@@ -151,7 +155,10 @@ class Faults(training.Callback):
         by (seed, iteration) as bad_batches: "repeat" -- every sample its commonest token repeated (tr8-104B's
         backslash-only samples: a loss far below the trend, a grad norm far above it); "ngram" -- an 8-gram repeated;
         "minority" -- random tokens in the first inject_degenerate_fraction of each micro-batch's samples."""
-        faults_cfg, gen = self.faults_cfg, self.generator(iteration, self.degenerate_ranges, 1_000_033)
+        faults_cfg, gen = (
+            self.faults_cfg,
+            self.generator(iteration, self.degenerate_ranges, 1_000_033),
+        )
         if gen is None:
             return batches
         out = []
@@ -175,8 +182,16 @@ class Faults(training.Callback):
         """inject_lr_factor in the first pass through inject_lr_iters (on every pass with inject_lr_persistent:
         then it is the schedule's, and a replay meets it too), else 1."""
         if self.faults_cfg.inject_lr_persistent:
-            return self.faults_cfg.inject_lr_factor if schedule.in_ranges(iteration, self.lr_ranges) else 1.0
-        return self.faults_cfg.inject_lr_factor if guard.meets_fault(iteration, self.lr_ranges) else 1.0
+            return (
+                self.faults_cfg.inject_lr_factor
+                if schedule.in_ranges(iteration, self.lr_ranges)
+                else 1.0
+            )
+        return (
+            self.faults_cfg.inject_lr_factor
+            if guard.meets_fault(iteration, self.lr_ranges)
+            else 1.0
+        )
 
     def bitflip(self, iteration, guard, target="grad"):
         """The fault of inject_bitflip_iters (or None), when inject_bitflip_target is `target`: on rank
@@ -186,8 +201,10 @@ class Faults(training.Callback):
         weight itself after the update ("weight": the next step computes with it). Once in time: not in a replay,
         nor when the iteration is run again."""
         faults_cfg = self.faults_cfg
-        if faults_cfg.inject_bitflip_target != target or not (guard.meets_fault(iteration, self.bitflip_ranges)
-                                                              and parallel.grid.rank == faults_cfg.inject_bitflip_rank):
+        if faults_cfg.inject_bitflip_target != target or not (
+            guard.meets_fault(iteration, self.bitflip_ranges)
+            and parallel.grid.rank == faults_cfg.inject_bitflip_rank
+        ):
             return None
 
         @torch.no_grad()
@@ -195,6 +212,7 @@ class Faults(training.Callback):
             params = [p for p in parallel.unwrap(model).parameters() if p.dim() == 2]
             flat = (parallel.main_grad(params[0]) if target == "grad" else params[0].data).view(-1)
             self.flip_bit(flat, iteration, "gradient" if target == "grad" else "weight")
+
         return flip
 
     def numerical(self, iteration, model):
@@ -212,6 +230,7 @@ class Faults(training.Callback):
         def cancel(module, args):
             x = args[0]
             return (x + 4096 * x.detach().abs().amax(), *args[1:])
+
         return ln_f.register_forward_pre_hook(cancel)
 
     # -- bit flips in the optimizer's state (what the DP replica check, replica_check.py, must see) ----------------
@@ -223,8 +242,10 @@ class Faults(training.Callback):
         compute with it. With ZeRO-1 only the rank that owns the matrix's state holds it (elsewhere: a line, no
         flip). Once in time, as bitflip()."""
         target = self.faults_cfg.inject_bitflip_target
-        if target not in STATE_TARGETS or not (guard.meets_fault(iteration, self.bitflip_ranges)
-                                               and parallel.grid.rank == self.faults_cfg.inject_bitflip_rank):
+        if target not in STATE_TARGETS or not (
+            guard.meets_fault(iteration, self.bitflip_ranges)
+            and parallel.grid.rank == self.faults_cfg.inject_bitflip_rank
+        ):
             return None
 
         @torch.no_grad()
@@ -233,10 +254,14 @@ class Faults(training.Callback):
             main = getattr(self.optimizer, "main_param", lambda p: p)(first)
             held = main if target == "master" else self.optimizer.state.get(main, {}).get(target)
             if held is None:
-                print(f"spike guard: iteration {iteration}: rank {parallel.grid.rank} holds no {target} of the first "
-                      "matrix (ZeRO-1: another DP rank owns it): no bit flipped", flush=True)
+                print(
+                    f"spike guard: iteration {iteration}: rank {parallel.grid.rank} holds no {target} of the first "
+                    "matrix (ZeRO-1: another DP rank owns it): no bit flipped",
+                    flush=True,
+                )
                 return
             self.flip_bit(held.view(-1), iteration, target)
+
         return flip
 
     def flip_bit(self, flat, iteration, what):
@@ -246,13 +271,19 @@ class Faults(training.Callback):
         faults_cfg = self.faults_cfg
         element = faults_cfg.inject_bitflip_element
         i = int(flat.abs().argmax()) if element < 0 else element % flat.numel()
-        itype, bit = {torch.float32: (torch.int32, 30), torch.bfloat16: (torch.int16, 14),
-                      torch.float16: (torch.int16, 14)}[flat.dtype]
+        itype, bit = {
+            torch.float32: (torch.int32, 30),
+            torch.bfloat16: (torch.int16, 14),
+            torch.float16: (torch.int16, 14),
+        }[flat.dtype]
         if faults_cfg.inject_bitflip_bit >= 0:  # any bit (sign, exponent, mantissa) of its width
             bit = faults_cfg.inject_bitflip_bit % (8 * flat.element_size())
         flat.view(itype)[i] ^= 1 << bit
-        print(f"spike guard: iteration {iteration}: injected a bit flip into {what} element {i} on rank "
-              f"{parallel.grid.rank}: {float(flat[i]):.4g}", flush=True)
+        print(
+            f"spike guard: iteration {iteration}: injected a bit flip into {what} element {i} on rank "
+            f"{parallel.grid.rank}: {float(flat[i]):.4g}",
+            flush=True,
+        )
 
     def lose_optimizer_state(self, iteration, guard):
         """The fault of inject_lost_optimizer_state_iter: before its step, every exp_avg and exp_avg_sq the optimizer
@@ -268,9 +299,11 @@ class Faults(training.Callback):
                 if key in state:
                     state[key].zero_()
                     zeroed += state[key].numel()
-        print(f"spike guard: iteration {iteration}: injected a lost optimizer state on rank {parallel.grid.rank}: "
-              f"{zeroed} moment elements zeroed", flush=True)
-
+        print(
+            f"spike guard: iteration {iteration}: injected a lost optimizer state on rank {parallel.grid.rank}: "
+            f"{zeroed} moment elements zeroed",
+            flush=True,
+        )
 
     # -- a block of repeated documents (added last: other faults' functions go above) ----------------------------
 
@@ -284,8 +317,14 @@ class Faults(training.Callback):
             if start <= number <= end:
                 source = start + (number - start) % self.faults_cfg.inject_repeat_period
                 first = first_sample - (number - source) * batch_size
-                return loader.micro_batches(self.train_data, first, len(batches), self.core.micro_batch_size,
-                                            seqlen, batches[0][0].device)
+                return loader.micro_batches(
+                    self.train_data,
+                    first,
+                    len(batches),
+                    self.core.micro_batch_size,
+                    seqlen,
+                    batches[0][0].device,
+                )
         return batches
 
     def overflow(self, iteration, model):
@@ -304,6 +343,7 @@ class Faults(training.Callback):
             grad = grad.clone()
             grad.view(-1)[0] = float("inf")
             return grad
+
         return first.register_hook(overflow)
 
     # -- faults that stay where they live: samples bad in the corpus, a device that stays bad -----
@@ -362,6 +402,7 @@ class Faults(training.Callback):
             params = [p for p in parallel.unwrap(model).parameters() if p.dim() == 2]
             grad = parallel.main_grad(params[0]).view(-1)
             self.flip_bit(grad, iteration, "gradient (a bad device)")
+
         return flip
 
 
@@ -375,4 +416,3 @@ class NoTimeline:
 
 # inject_bitflip_target's names of the optimizer's state
 STATE_TARGETS = ("exp_avg", "exp_avg_sq", "master")
-

@@ -9,6 +9,7 @@ They share the spike guard (spike_guard.SpikeGuard: the detector's statistics, t
 the snapshots, handed to each at construction (stability.Shared). Every rank runs them on the same numbers (the
 step's are DP rank 0's on every replica: training.agree), so the ranks cannot decide apart.
 """
+
 import math
 
 import checkpoint
@@ -19,20 +20,23 @@ import training
 from stability import detector, diagnosis, spike_guard, update_size
 
 # What a stopped run's message asks of its operator, by the cause the guard found
-NEXT = {None: "no cause was named (the decision lines above say what was tested): resume with "
-              "the caps raised or other settings",
-        "data": "look at the samples named above (their documents: the skip list), then resume with the caps raised",
-        "optimizer": "the cause persists in the LR or the optimizer state, not in the data: resume with a lower lr "
-                     "(or spike_guard_reset_optimizer)",
-        "hardware": "take the named rank's node out, then resume",
-        "persistent": "take the named rank's node out, then resume",
-        "numerical": "train these iterations in fp32 or find the operation, then resume"}
+NEXT = {
+    None: "no cause was named (the decision lines above say what was tested): resume with "
+    "the caps raised or other settings",
+    "data": "look at the samples named above (their documents: the skip list), then resume with the caps raised",
+    "optimizer": "the cause persists in the LR or the optimizer state, not in the data: resume with a lower lr "
+    "(or spike_guard_reset_optimizer)",
+    "hardware": "take the named rank's node out, then resume",
+    "persistent": "take the named rank's node out, then resume",
+    "numerical": "train these iterations in fp32 or find the operation, then resume",
+}
 
 
 class Guard(training.Callback):
     """The spike guard's decisions where the loop meets them. Its state is the guard's (checkpoints keep its
     decisions; a rollback restores its statistics only), and it holds whether or not the guard is on now: a
     resumed run honours the skip ranges and LR factor it finds (stability.switched_on)."""
+
     name = "spike_guard"
 
     def __init__(self, guard_cfg, shared, core):
@@ -52,8 +56,12 @@ class Guard(training.Callback):
     def before_step(self, it):
         guard = self.guard
         it.lr = it.lr * guard.lr_scale
-        if guard.noise is None and guard.armed():  # the tolerance of a replay (diagnosis.reproduced_tolerance)
-            guard.noise = diagnosis.measure_noise(self.parts.model, it.batches, self.core, self.device)
+        if (
+            guard.noise is None and guard.armed()
+        ):  # the tolerance of a replay (diagnosis.reproduced_tolerance)
+            guard.noise = diagnosis.measure_noise(
+                self.parts.model, it.batches, self.core, self.device
+            )
         interval = guard.rules.spike_guard_unseen_interval
         if guard.armed() and interval and it.number % interval == 0:
             guard.unseen = self.unseen_loss(it)
@@ -84,16 +92,29 @@ class Guard(training.Callback):
         if (found or {}).get("replicas"):  # the replica check's finding: its re-sync or rollback
             guard.last_run, guard.pending = max(guard.last_run, n), None
             return self.built["replica_check"].act(n, *found["replicas"])
-        if (found or {}).get("cause") == "optimizer" and found.get("since") is not None \
-                and guard.rules.spike_guard_update_ratio:  # how far the LR is off: the move since the snapshot
+        if (
+            (found or {}).get("cause") == "optimizer"
+            and found.get("since") is not None
+            and guard.rules.spike_guard_update_ratio
+        ):  # how far the LR is off: the move since the snapshot
             found["update_size"] = self.move_since(found["since"])
-        decision = guard.update(n, step.outcome, step.loss, step.grad_norm, self.parts.scaler, found, lr=it.lr)
+        decision = guard.update(
+            n, step.outcome, step.loss, step.grad_norm, self.parts.scaler, found, lr=it.lr
+        )
         if decision is None:
             decision = self.update_size(n, step)
         elif decision.get("cause") == "data" and not decision.get("rebased"):  # name the batch
             # (not a regime change's, an optimizer's or an undiagnosed one's: ordinary samples)
-            decision["samples"] = diagnosis.name_samples(self.parts.model, it.batches, it.first_sample, self.core,
-                                                         self.train_data, it.seqlen, n, decision)
+            decision["samples"] = diagnosis.name_samples(
+                self.parts.model,
+                it.batches,
+                it.first_sample,
+                self.core,
+                self.train_data,
+                it.seqlen,
+                n,
+                decision,
+            )
         if decision is None:
             return False
         self.report.record(n, {"spike guard": [decision]})
@@ -107,8 +128,13 @@ class Guard(training.Callback):
         doing (SpikeGuard.moved_too_far) -- unless a weight moved farther than Adam can move it, a corruption that
         the hardware diagnosis and the replica check answer, not this rule. The decision, or None."""
         guard, interval = self.guard, self.snapshots.interval
-        if not (guard.enabled and guard.rules.spike_guard_update_ratio and interval and n % interval == 0
-                and step.outcome == "ok"):
+        if not (
+            guard.enabled
+            and guard.rules.spike_guard_update_ratio
+            and interval
+            and n % interval == 0
+            and step.outcome == "ok"
+        ):
             return None
         found = self.snapshots.newest_before(n)  # after a resume, the checkpoint resumed from
         move = None if found is None else self.move_since(found[0], found)
@@ -119,8 +145,12 @@ class Guard(training.Callback):
         if reason is None:
             guard.series["update"].record(move)
             return None
-        if diagnosis.corrupted_weights(guard, self.parts.model, self.parts.optimizer, n, then, payload,
-                                       say=False) is not None:
+        if (
+            diagnosis.corrupted_weights(
+                guard, self.parts.model, self.parts.optimizer, n, then, payload, say=False
+            )
+            is not None
+        ):
             return None
         return guard.moved_too_far(n, f"at the snapshot: {reason}", move, then)
 
@@ -141,7 +171,10 @@ class Guard(training.Callback):
         stopped (SpikeGuardStop)."""
         if self.writer is not None:
             self.writer.wait()  # a rollback may read the checkpoint being written
-        if self.snapshots.roll_back(decision, self.parts, self.guard) is None or decision["action"] == "stop":
+        if (
+            self.snapshots.roll_back(decision, self.parts, self.guard) is None
+            or decision["action"] == "stop"
+        ):
             iteration = self.parts.state.iteration
             if self.core.save:
                 run_state.save(self.parts, self.writer)
@@ -150,8 +183,9 @@ class Guard(training.Callback):
                 saved = f"nothing saved (save=none: the state of iteration {iteration} is lost)"
             self.report.close()
             self.snapshots.close()
-            raise spike_guard.SpikeGuardStop(f"{decision['line']}; {saved}: "
-                                             + NEXT.get(decision.get("cause"), NEXT[None]))
+            raise spike_guard.SpikeGuardStop(
+                f"{decision['line']}; {saved}: " + NEXT.get(decision.get("cause"), NEXT[None])
+            )
         return True
 
     def state_dict(self):
@@ -163,12 +197,15 @@ class Guard(training.Callback):
         state's (run_state.RunState) history of applied steps stands in for them."""
         if resume and state:
             self.guard.load_state_dict(state)
-        self.guard.load_stats(detector.run_stats({"callbacks": {self.name: state}, "history": run.history}))
+        self.guard.load_stats(
+            detector.run_stats({"callbacks": {self.name: state}, "history": run.history})
+        )
 
 
 class Precursor(training.Callback):
     """The early rung (spike_guard_precursor): this iteration's telemetry record, when there is one, against its
     threshold (spike_guard.precursor_rung); the cut goes into the guard's LR scale, the decision into its log."""
+
     name = "precursor"
 
     def __init__(self, precursor_cfg, shared, adam_eps):  # adam_eps: the optimizer's epsilon
@@ -181,8 +218,9 @@ class Precursor(training.Callback):
 
     def check_step(self, it, step):
         if self.telemetry.record is not None:
-            warning = spike_guard.precursor_rung(self.guard, self.settings, self.adam_eps, it.number,
-                                                 self.telemetry.record)
+            warning = spike_guard.precursor_rung(
+                self.guard, self.settings, self.adam_eps, it.number, self.telemetry.record
+            )
             if warning is not None:
                 self.report.record(it.number, {"spike guard": [warning]})
         return step
@@ -193,6 +231,7 @@ class Forensics(training.Callback):
     batch tested; the step that stands is returned and the diagnosis left on the guard (SpikeGuard.diagnosis) for
     its decision after the step. Stateless: the counterfactual's batch is a held-out one (comparison()), found
     from the iteration itself."""
+
     name = "forensics"
 
     def __init__(self, forensics_cfg, shared, core):
@@ -216,27 +255,48 @@ class Forensics(training.Callback):
             return step
         if guard.stands_aside(it.number, step):  # a persistent fp16 overflow: the scaler's
             return step
-        if step.outcome == "vetoed" and not self.guard.pending:  # another callback's veto: not the guard's spike
+        if (
+            step.outcome == "vetoed" and not self.guard.pending
+        ):  # another callback's veto: not the guard's spike
             return step
         if self.replicas_differ():  # a replay on replicas that differ tells nothing of the step
             return step
         parts, core = self.parts, self.core
 
         def rerun(judge, scaler=parts.scaler):
-            return training.whole_step(parts.model, parts.optimizer, scaler, it.batches, it.lr,
-                                       parts.rules, self.device, count_zeros=False,
-                                       callbacks=diagnosis.Veto(judge))
+            return training.whole_step(
+                parts.model,
+                parts.optimizer,
+                scaler,
+                it.batches,
+                it.lr,
+                parts.rules,
+                self.device,
+                count_zeros=False,
+                callbacks=diagnosis.Veto(judge),
+            )
 
         def per_sample():
             return diagnosis.sample_losses(parts.model, it.batches, core).tolist()
+
         # by the guard's judge (a NaN step or replicas that differ are not)
         vetoed = step.outcome == "vetoed"
         step, self.guard.diagnosis = diagnosis.investigate(
-            self.guard, parts, step, it.number, self.before, self.snapshots, rerun=rerun,
+            self.guard,
+            parts,
+            step,
+            it.number,
+            self.before,
+            self.snapshots,
+            rerun=rerun,
             forward=lambda: diagnosis.evaluate_batches(parts.model, it.batches, core, self.device),
-            other=lambda: self.counterfactual(it), per_sample=per_sample if parallel.grid.pp_size == 1 else None,
-            fp32_replay=self.fp32_replay)
-        if vetoed and self.guard.tolerates(self.guard.diagnosis):  # clip_grad bounds it: the step applied after all
+            other=lambda: self.counterfactual(it),
+            per_sample=per_sample if parallel.grid.pp_size == 1 else None,
+            fp32_replay=self.fp32_replay,
+        )
+        if vetoed and self.guard.tolerates(
+            self.guard.diagnosis
+        ):  # clip_grad bounds it: the step applied after all
             checkpoint.set_rng_state(self.before[0])
             parts.scaler.load_state_dict(self.before[1])
             step = rerun(None)
@@ -268,14 +328,23 @@ class Forensics(training.Callback):
             return None
         batches, label = found
         rng, scaler = checkpoint.rng_state(), parts.scaler.state_dict()
-        step = training.whole_step(parts.model, parts.optimizer, parts.scaler, batches, it.lr,
-                                   parts.rules, self.device, count_zeros=False,
-                                   callbacks=diagnosis.Veto(lambda *numbers: "never applied"))
+        step = training.whole_step(
+            parts.model,
+            parts.optimizer,
+            parts.scaler,
+            batches,
+            it.lr,
+            parts.rules,
+            self.device,
+            count_zeros=False,
+            callbacks=diagnosis.Veto(lambda *numbers: "never applied"),
+        )
         checkpoint.set_rng_state(rng)
         parts.scaler.load_state_dict(scaler)
 
         def forward():
             return diagnosis.evaluate_batches(parts.model, batches, core, self.device)
+
         return step, label, forward
 
 
@@ -297,7 +366,9 @@ def comparison(train_data, it, faults, core, device):
     if first + size > len(train_data):
         return None
     number = it.number + (first - it.first_sample) // size  # the iteration that will draw it
-    batches = loader.micro_batches(train_data, first, len(it.batches), core.micro_batch_size, it.seqlen, device)
+    batches = loader.micro_batches(
+        train_data, first, len(it.batches), core.micro_batch_size, it.seqlen, device
+    )
     if faults is not None:
         batches = faults.data_batches(number, first, size, it.seqlen, batches)
     return batches, f"iteration {number}'s batch (unseen)"

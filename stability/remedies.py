@@ -29,6 +29,7 @@ its course, with no diagnosis:
                 batches that were seen before and during the spike" (Chowdhery et al. 2022,
                 sec. 5.1)
 """
+
 import math
 
 import checkpoint
@@ -56,7 +57,9 @@ def skip_step_outliers(losses, grad_norms, sigma):
     for name, values in (("loss", losses), ("grad norm", grad_norms)):
         mean, std = mean_std(values[:-1])
         if values[-1] - mean > sigma * std:
-            outliers.append(f"{name} {values[-1]:.4g} > mean {mean:.4g} + {sigma:g} x std {std:.3g}")
+            outliers.append(
+                f"{name} {values[-1]:.4g} > mean {mean:.4g} + {sigma:g} x std {std:.3g}"
+            )
     return outliers
 
 
@@ -66,6 +69,7 @@ class SkipStep(training.Callback):
     ones before it is skipped (vetoed). As in OLMo-core, a skipped step's numbers stay in the window (the optimizer
     records them before it decides); a NaN/inf step never reaches it here (the core skips it first), where in
     OLMo-core it would enter the statistics."""
+
     name = "skip_step"
     Config = SkipStepConfig  # its section: stability.build_callbacks builds it with it
 
@@ -78,7 +82,10 @@ class SkipStep(training.Callback):
 
     def update_factor(self, loss, grad_norm):
         keep = self.settings.skip_step_window + 1
-        self.losses, self.grad_norms = (self.losses + [loss])[-keep:], (self.grad_norms + [grad_norm])[-keep:]
+        self.losses, self.grad_norms = (
+            (self.losses + [loss])[-keep:],
+            (self.grad_norms + [grad_norm])[-keep:],
+        )
         if len(self.losses) < max(2, self.settings.skip_step_window // 2):  # its warm-up
             return 1.0
         outliers = skip_step_outliers(self.losses, self.grad_norms, self.settings.skip_step_sigma)
@@ -92,7 +99,10 @@ class SkipStep(training.Callback):
 
     def load_state_dict(self, state, run, resume):
         state = state or {}
-        self.losses, self.grad_norms = list(state.get("losses", [])), list(state.get("grad norms", []))
+        self.losses, self.grad_norms = (
+            list(state.get("losses", [])),
+            list(state.get("grad norms", [])),
+        )
 
 
 def spiky_loss_check(state, loss, factor, samples):
@@ -119,6 +129,7 @@ class SpikyLoss(training.Callback):
     the spiky loss, it logs and continues). Either way the step is applied. Differences from Megatron: the step's
     DP-averaged loss is checked (Megatron: each rank's micro-batch loss sum; equal ratios at a fixed batch), and
     the re-run is a forward only whose gradients are not used (Megatron's re-run recomputes them)."""
+
     name = "spiky_loss"
 
     def __init__(self, spiky_loss_cfg, shared, core):
@@ -137,21 +148,29 @@ class SpikyLoss(training.Callback):
         if self.first:
             self.first = False
             return 1.0
-        if spiky_loss_check(self.state, loss, self.settings.spiky_loss_factor, self.settings.spiky_loss_samples):
+        if spiky_loss_check(
+            self.state, loss, self.settings.spiky_loss_factor, self.settings.spiky_loss_samples
+        ):
             again = self.rerun()
-            verdict = ("reproducible (Megatron: correct result or application error; continuing)" if again == loss
-                       else f"not reproducible ({again:.6g}): possible transient error")
+            verdict = (
+                "reproducible (Megatron: correct result or application error; continuing)"
+                if again == loss
+                else f"not reproducible ({again:.6g}): possible transient error"
+            )
             s = self.settings
-            print0(f"remedy spiky_loss: iteration {self.it.number}: loss {loss:.4g} >= {s.spiky_loss_factor:g} x the "
-                   f"largest of the first {s.spiky_loss_samples} ({self.state['max']:.4g}): {verdict}")
+            print0(
+                f"remedy spiky_loss: iteration {self.it.number}: loss {loss:.4g} >= {s.spiky_loss_factor:g} x the "
+                f"largest of the first {s.spiky_loss_samples} ({self.state['max']:.4g}): {verdict}"
+            )
         return 1.0
 
     def rerun(self):
         """The step's loss again: the same batch on the same weights from the step's RNG state, nothing applied."""
         now = checkpoint.rng_state()
         checkpoint.set_rng_state(self.rng)
-        loss = training.forward_backward(self.model, self.it.batches, self.packing, self.device,
-                                         forward_only=True)
+        loss = training.forward_backward(
+            self.model, self.it.batches, self.packing, self.device, forward_only=True
+        )
         loss = parallel.average_loss(loss).item()
         checkpoint.set_rng_state(now)
         return loss
@@ -190,6 +209,7 @@ class ZClip(training.Callback):
     """ZClip's adaptive gradient clipping (zclip_threshold): an outlying grad norm's gradients are scaled to the
     clip norm (x clip / (g + 1e-6), as ZClip's in-place clipping); the core's clip_grad still bounds every step,
     as ZClip's optional max_grad_norm (the smaller of the two wins in both)."""
+
     name = "zclip"
 
     Config = ZClipConfig  # its section: stability.build_callbacks builds it with it
@@ -206,8 +226,10 @@ class ZClip(training.Callback):
         clip = zclip_threshold(self.state, grad_norm, s.zclip_z, s.zclip_alpha, s.zclip_warmup)
         if clip is None:
             return 1.0
-        print0(f"remedy zclip: iteration {self.iteration}: clipped: grad norm {grad_norm:.4g} to {clip:.4g} "
-               f"(EMA mean {self.state['mean']:.4g})")
+        print0(
+            f"remedy zclip: iteration {self.iteration}: clipped: grad norm {grad_norm:.4g} to {clip:.4g} "
+            f"(EMA mean {self.state['mean']:.4g})"
+        )
         return clip / (grad_norm + 1e-6)
 
     def state_dict(self):
@@ -240,6 +262,7 @@ class CheckpointRestart(training.Callback):
     diagnosis: these are the baselines the guard is compared with. Its losses go with the
     weights; its decisions (the LR factor, the skip ranges, the decision log) are history, kept
     by checkpoints and never rolled back."""
+
     name = None
 
     def __init__(self, restart_cfg, shared):
@@ -275,12 +298,18 @@ class CheckpointRestart(training.Callback):
         target = self.target(n) if restarts < self.settings.restart_max else None
         if target is None:  # said once: a diverged run would say it at every step
             if restarts >= self.settings.restart_max:
-                self.decide_once(n, "cap", reason, f"no restart: restart_max="
-                                 f"{self.settings.restart_max} reached; the run goes on "
-                                 "without restarts")
+                self.decide_once(
+                    n,
+                    "cap",
+                    reason,
+                    f"no restart: restart_max="
+                    f"{self.settings.restart_max} reached; the run goes on "
+                    "without restarts",
+                )
             else:
-                self.decide_once(n, "none", reason, "no restart: no checkpoint before iteration "
-                                 f"{n} in save")
+                self.decide_once(
+                    n, "none", reason, f"no restart: no checkpoint before iteration {n} in save"
+                )
             return False
         if self.writer is not None:
             self.writer.wait()  # the checkpoint to read may be the one being written
@@ -311,9 +340,12 @@ class CheckpointRestart(training.Callback):
             self.decide(n, action, reason, plan)
 
     def state_dict(self):
-        return {"losses": list(self.losses), "lr_scale": self.lr_scale,
-                "skip_ranges": [list(r) for r in self.skip_ranges],
-                "decisions": list(self.decisions)}
+        return {
+            "losses": list(self.losses),
+            "lr_scale": self.lr_scale,
+            "skip_ranges": [list(r) for r in self.skip_ranges],
+            "decisions": list(self.decisions),
+        }
 
     def load_state_dict(self, state, run, resume):
         state = state or {}
@@ -330,12 +362,15 @@ class OptRestart(CheckpointRestart):
     2022, sec. 2.5). Back to the last checkpoint before the spike, and the LR x
     opt_restart_lr_factor from there on, compounding at each restart; no data skipped. The
     factor: the one cut the seeds' OPT notes give a number for, 3e-4 to 7.5e-5 (x0.25)."""
+
     name = "opt_restart"
 
     def change(self, n, target):
         self.lr_scale *= self.settings.opt_restart_lr_factor
-        return (f"restarted from the checkpoint of iteration {target}; LR x{self.lr_scale:.3g} "
-                f"from iteration {target + 1} on; no data skipped")
+        return (
+            f"restarted from the checkpoint of iteration {target}; LR x{self.lr_scale:.3g} "
+            f"from iteration {target + 1} on; no data skipped"
+        )
 
 
 class PalmRestart(CheckpointRestart):
@@ -346,6 +381,7 @@ class PalmRestart(CheckpointRestart):
     oldest before it), and palm_restart_skip iterations from there skipped, through the spike's
     own at least: drawn and thrown away, as skip_train_iteration_range does (lesson 9). The LR is
     unchanged."""
+
     name = "palm_restart"
 
     def target(self, n):
@@ -356,5 +392,7 @@ class PalmRestart(CheckpointRestart):
     def change(self, n, target):
         start, end = target + 1, max(target + self.settings.palm_restart_skip, n)
         self.skip_ranges.append((start, end))
-        return (f"restarted from the checkpoint of iteration {target}; iterations {start}-{end} "
-                f"skipped ({end - start + 1} batches); LR unchanged")
+        return (
+            f"restarted from the checkpoint of iteration {target}; iterations {start}-{end} "
+            f"skipped ({end - start + 1} batches); LR unchanged"
+        )

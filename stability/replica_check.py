@@ -29,6 +29,7 @@ x4) is no spike either. Such a replica drifts from the others silently, for the 
 The check runs after the step and the guard's decision (a rollback of the guard's own comes first) and before the
 snapshot of the iteration: with the default interval, every snapshot is of replicas just found equal.
 """
+
 import socket
 from collections import Counter
 
@@ -40,17 +41,30 @@ import training
 from report import print0
 
 KINDS = ("weights", "fp32 masters", "optimizer state")
-BITS = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16,
-        torch.float64: torch.int64}  # a float tensor's bits read as the integers of its width
+BITS = {
+    torch.float32: torch.int32,
+    torch.bfloat16: torch.int16,
+    torch.float16: torch.int16,
+    torch.float64: torch.int64,
+}  # a float tensor's bits read as the integers of its width
 
 
 class ReplicaCheck(training.Callback):
     """Every `interval` iterations, after the step: the DP replicas' checksums gathered and compared, a replica that
     differs re-synced (or the run rolled back, or stopped at the guard's hardware cap). Its state: the last
     iteration whose check agreed (it goes with the weights), and the faults it found per DP rank (history)."""
+
     name = "replica_check"
 
-    def __init__(self, replica_check_cfg, shared, spike_guard, snapshot_interval, max_hardware_faults, sharded):
+    def __init__(
+        self,
+        replica_check_cfg,
+        shared,
+        spike_guard,
+        snapshot_interval,
+        max_hardware_faults,
+        sharded,
+    ):
         """spike_guard on: the default interval (snapshot_interval's: each snapshot taken right
         after a check); max_hardware_faults: a DP rank found differing this many times stops the
         run, naming it; sharded: each DP rank holds its own shard of the optimizer state
@@ -98,20 +112,32 @@ class ReplicaCheck(training.Callback):
                 main = main_param(p)
                 if main is not None and main is not p:
                     masters.append(main)
-                state += [t for t in optimizer.state.get(main if main is not None else p, {}).values()
-                          if torch.is_tensor(t)]
+                state += [
+                    t
+                    for t in optimizer.state.get(main if main is not None else p, {}).values()
+                    if torch.is_tensor(t)
+                ]
         return [params, masters, state]
 
     def act(self, n, table, found):
         """Name the replicas that differ, count their faults; then stop at the guard's cap, roll back (no majority,
         and a snapshot at or before the last check that agreed), or re-sync. True: the run was rolled back."""
         split = any(healthy is None for healthy, _ in found.values())
-        rollback = split and self.guard.enabled and any(item[0] <= self.last_agreed for item in self.snapshots.items)
-        lines = [describe(n, tp, pp, healthy, ranks, table, rollback) for (tp, pp), (healthy, ranks) in found.items()]
+        rollback = (
+            split
+            and self.guard.enabled
+            and any(item[0] <= self.last_agreed for item in self.snapshots.items)
+        )
+        lines = [
+            describe(n, tp, pp, healthy, ranks, table, rollback)
+            for (tp, pp), (healthy, ranks) in found.items()
+        ]
         for line in lines:
             print0(line)
         name_hosts(n, found)
-        suspects = sorted({d for healthy, ranks in found.values() if healthy is not None for d in ranks}) or [None]
+        suspects = sorted(
+            {d for healthy, ranks in found.values() if healthy is not None for d in ranks}
+        ) or [None]
         worst = self.count(suspects)
         reason = "; ".join(lines)
         self.report.record(n, {"replica check": [{"iteration": n, "reason": reason}]})
@@ -131,28 +157,50 @@ class ReplicaCheck(training.Callback):
             self.faults[d] = self.faults.get(d, 0) + 1
             if self.guard.enabled:
                 self.guard.faults[d] = self.guard.faults.get(d, 0) + 1
-        return max(suspects, key=lambda d: self.guard.faults.get(d, 0)) if self.guard.enabled else None
+        return (
+            max(suspects, key=lambda d: self.guard.faults.get(d, 0)) if self.guard.enabled else None
+        )
 
     def stop(self, n, reason, rank, cap):
         """The guard's stop at its hardware cap: the last good state (the newest snapshot at or before the last
         check that agreed) saved, and the run stopped (spike_guard.SpikeGuardStop)."""
         where = "an unknown DP rank (two replicas differ)" if rank is None else f"DP rank {rank}"
-        decision = {"iteration": n, "action": "stop", "reason": reason, "cause": "hardware", "rank": rank,
-                    "start": self.last_agreed + 1, "evidence": reason}
-        decision["line"] = (f"spike guard: iteration {n}: {self.guard.faults[rank]} faults on {where}, the "
-                            f"spike_guard_max_hardware_faults={cap}th: take its node out")
+        decision = {
+            "iteration": n,
+            "action": "stop",
+            "reason": reason,
+            "cause": "hardware",
+            "rank": rank,
+            "start": self.last_agreed + 1,
+            "evidence": reason,
+        }
+        decision["line"] = (
+            f"spike guard: iteration {n}: {self.guard.faults[rank]} faults on {where}, the "
+            f"spike_guard_max_hardware_faults={cap}th: take its node out"
+        )
         print0(decision["line"])
         self.stopper.carry_out(decision)
 
     def roll_back(self, n, reason):
         """Two replicas differ and nothing tells which is right: back to the newest snapshot of replicas found
         equal, as the guard's hardware rollback (no data skipped, the LR unchanged, no relapse counted)."""
-        decision = {"iteration": n, "action": "rollback", "reason": reason, "cause": "hardware", "rank": None,
-                    "evidence": reason, "start": self.last_agreed + 1, "end": None, "lr_scale": self.guard.lr_scale,
-                    "reset_optimizer": False}
-        decision["line"] = (f"spike guard: iteration {n}: the DP replicas differ and no majority tells the healthy "
-                            f"one: roll back to the newest snapshot at or before iteration {self.last_agreed} (the "
-                            "last check that agreed); no data skipped, LR unchanged")
+        decision = {
+            "iteration": n,
+            "action": "rollback",
+            "reason": reason,
+            "cause": "hardware",
+            "rank": None,
+            "evidence": reason,
+            "start": self.last_agreed + 1,
+            "end": None,
+            "lr_scale": self.guard.lr_scale,
+            "reset_optimizer": False,
+        }
+        decision["line"] = (
+            f"spike guard: iteration {n}: the DP replicas differ and no majority tells the healthy "
+            f"one: roll back to the newest snapshot at or before iteration {self.last_agreed} (the "
+            "last check that agreed); no data skipped, LR unchanged"
+        )
         print0(decision["line"])
         self.report.record(n, {"spike guard": [decision]})
         if self.writer is not None:
@@ -233,9 +281,16 @@ def describe(n, tp, pp, healthy, ranks, table, rollback):
     line = f"DP replica check: iteration {n}{where}: " + ", ".join(parts)
     if healthy is not None:
         agree = sum(1 for d in range(g.dp_size) if table[g.rank_of(tp, d, pp)] == reference)
-        return line + f" differs from the {agree} of {g.dp_size} replicas that agree: re-synced from DP rank {healthy}"
+        return (
+            line
+            + f" differs from the {agree} of {g.dp_size} replicas that agree: re-synced from DP rank {healthy}"
+        )
     line += f" differs from DP rank {healthy or 0}: no majority tells which is right"
-    return line + ("" if rollback else ": DP rank 0's copy taken (no snapshot of equal replicas to roll back to)")
+    return line + (
+        ""
+        if rollback
+        else ": DP rank 0's copy taken (no snapshot of equal replicas to roll back to)"
+    )
 
 
 def name_hosts(n, found):
@@ -243,5 +298,8 @@ def name_hosts(n, found):
     g = parallel.grid
     healthy, ranks = found.get((g.tp_rank, g.pp_rank), (0, []))
     if g.dp_rank in ranks or (healthy is None and ranks):
-        print(f"DP replica check: iteration {n}: DP rank {g.dp_rank} is global rank {g.rank} on host "
-              f"{socket.gethostname()}", flush=True)
+        print(
+            f"DP replica check: iteration {n}: DP rank {g.dp_rank} is global rank {g.rank} on host "
+            f"{socket.gethostname()}",
+            flush=True,
+        )

@@ -16,6 +16,7 @@ out, so the others keep their order. The samples, cut from the shorter stream, c
 list goes on in another sample order, as with another seed; the index cache is named after the list, never reused
 across lists.
 """
+
 import json
 import os
 
@@ -31,6 +32,7 @@ class SkipList(training.Callback):
     """skip_documents=FILE: the data leaves out the documents the list names (training.Callback.documents_to_skip).
     loader.build_data hands the data source's collections as (name, number of documents) pairs
     (loader.DataSource.documents): a list written for collections of other sizes is refused, whatever the source."""
+
     name = "skip_list"
 
     Config = SkipListConfig  # its section: stability.build_callbacks builds it with it
@@ -62,8 +64,10 @@ def read(path, prefixes, num_documents=None):
     are none of them). Prefixes are matched by absolute path. num_documents: how many documents each prefix has, for
     a source that is not PREFIX.bin/.idx files (by default PREFIX.idx's count), to refuse a list written for others."""
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"skip_documents file {path} not found; point skip_documents at a skip list (the "
-                                "spike guard writes SAVE/skip_documents.jsonl) or unset it")
+        raise FileNotFoundError(
+            f"skip_documents file {path} not found; point skip_documents at a skip list (the "
+            "spike guard writes SAVE/skip_documents.jsonl) or unset it"
+        )
     wanted = {os.path.abspath(p): i for i, p in enumerate(prefixes)}
     found, others = [set() for _ in prefixes], set()
     with open(path) as f:
@@ -74,23 +78,31 @@ def read(path, prefixes, num_documents=None):
                 record = json.loads(line)
                 prefix, ids = record["dataset"], record["documents"]
                 ok = isinstance(prefix, str) and isinstance(ids, list)
-                ok = ok and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in ids)
+                ok = ok and all(
+                    isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in ids
+                )
             except (json.JSONDecodeError, KeyError, TypeError):
                 ok = False
             if not ok:
-                raise ValueError(f"{path}:{lineno}: expected a JSON object with \"dataset\" (a data_path prefix) and "
-                                 "\"documents\" (a list of document ids), like {\"dataset\": \"data/corpus\", "
-                                 "\"documents\": [17]}; fix or delete that line")
+                raise ValueError(
+                    f'{path}:{lineno}: expected a JSON object with "dataset" (a data_path prefix) and '
+                    '"documents" (a list of document ids), like {"dataset": "data/corpus", '
+                    '"documents": [17]}; fix or delete that line'
+                )
             if os.path.abspath(prefix) in wanted:
                 found[wanted[os.path.abspath(prefix)]].update(ids)
             else:
                 others.add(prefix)
     skips = [np.asarray(sorted(ids), dtype=np.int64) for ids in found]
-    counts = num_documents or [len(data.IndexedDataset(p)) if len(ids) else 0 for p, ids in zip(prefixes, skips)]
+    counts = num_documents or [
+        len(data.IndexedDataset(p)) if len(ids) else 0 for p, ids in zip(prefixes, skips)
+    ]
     for prefix, ids, n in zip(prefixes, skips, counts):
         if len(ids) and ids[-1] >= n:
-            raise ValueError(f"skip_documents file {path} names document {ids[-1]} of {prefix}, which has {n} "
-                             "documents: the list was written for other data")
+            raise ValueError(
+                f"skip_documents file {path} names document {ids[-1]} of {prefix}, which has {n} "
+                "documents: the list was written for other data"
+            )
     return skips, sorted(others)
 
 
@@ -98,10 +110,23 @@ def summary(path, prefixes, num_documents=None):
     """What a skip list takes out of this run's data, in one line (read's checks included); the tokens counted for
     PREFIX.bin/.idx files (num_documents None)."""
     skips, others = read(path, prefixes, num_documents)
-    parts = [f"{len(ids)} of {prefix}" + ("" if num_documents else
-             f" ({int(data.IndexedDataset(prefix).sizes[ids].sum(dtype=np.int64)):,} tokens)")
-             for prefix, ids in zip(prefixes, skips) if len(ids)]
-    return (f"skip_documents {path}: documents never sampled: {', '.join(parts) or 'none'}"
-            + (f"; entries for datasets not in data_path ignored: {', '.join(others)}" if others else "")
-            + ". The sample order is this list's: a run resumed with another list goes on in another order (as "
-            "with another seed)")
+    parts = [
+        f"{len(ids)} of {prefix}"
+        + (
+            ""
+            if num_documents
+            else f" ({int(data.IndexedDataset(prefix).sizes[ids].sum(dtype=np.int64)):,} tokens)"
+        )
+        for prefix, ids in zip(prefixes, skips)
+        if len(ids)
+    ]
+    return (
+        f"skip_documents {path}: documents never sampled: {', '.join(parts) or 'none'}"
+        + (
+            f"; entries for datasets not in data_path ignored: {', '.join(others)}"
+            if others
+            else ""
+        )
+        + ". The sample order is this list's: a run resumed with another list goes on in another order (as "
+        "with another seed)"
+    )

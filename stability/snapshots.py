@@ -5,6 +5,7 @@ A snapshot is taken every spike_guard_snapshot_interval iterations, and as many 
 reach back (keep()): in host memory, or with spike_guard_snapshot_dir in one file per rank on a node-local disk.
 Without one old enough, a rollback goes to the newest disk checkpoint in `save` or `load`. The run refuses to
 start when the snapshots would not fit in the node's memory (check_host_memory), and the dry run says so."""
+
 import glob
 import math
 import os
@@ -40,7 +41,12 @@ class Snapshots:
         disk checkpoints a rollback returns to too; reset_warmup: the lr=0 iterations of a relapse's
         optimizer reset; saver: the run's checkpoint.AsyncWriter, which saves a state rolled back to
         from the disk (roll_back)."""
-        self.plan, self.reset_warmup, self.save_dir, self.saver = plan, reset_warmup, checkpoint_dirs[0], saver
+        self.plan, self.reset_warmup, self.save_dir, self.saver = (
+            plan,
+            reset_warmup,
+            checkpoint_dirs[0],
+            saver,
+        )
         self.dirs = [d for d in dict.fromkeys(checkpoint_dirs) if d]
         self.interval = plan.interval
         self.keep = keep(plan)
@@ -52,9 +58,11 @@ class Snapshots:
             try:  # config.check refused what it could see; what changed since is said alike
                 os.makedirs(self.dir, exist_ok=True)
             except OSError as e:
-                raise ValueError(f"spike_guard_snapshot_dir={self.dir} cannot be created ({e}): "
-                                 "give a directory the run can create or write (a node-local "
-                                 "disk, e.g. $SLURM_TMPDIR)") from e
+                raise ValueError(
+                    f"spike_guard_snapshot_dir={self.dir} cannot be created ({e}): "
+                    "give a directory the run can create or write (a node-local "
+                    "disk, e.g. $SLURM_TMPDIR)"
+                ) from e
             for leftover in glob.glob(self.path("*") + "*"):  # this rank's, from a run that crashed
                 os.remove(leftover)
             self.writer = checkpoint.AsyncWriter()
@@ -64,14 +72,18 @@ class Snapshots:
         if not self.keep:
             return
         one, node = rank_snapshot_bytes(self.plan, model), node_memory()
-        if dist.is_initialized():  # the largest rank's and the smallest node's: one verdict on every rank
+        if (
+            dist.is_initialized()
+        ):  # the largest rank's and the smallest node's: one verdict on every rank
             both = torch.tensor([one, -node], dtype=torch.int64, device=parallel.comm_device())
             dist.all_reduce(both, op=dist.ReduceOp.MAX)
             one, node = both[0].item(), -both[1].item()
         check_host_memory(self.plan, one, int(os.environ.get("LOCAL_WORLD_SIZE", "1")), node)
 
     def path(self, iteration):
-        return os.path.join(self.dir, f"snapshot-rank{parallel.grid.rank:05d}-iteration{iteration}.pt")
+        return os.path.join(
+            self.dir, f"snapshot-rank{parallel.grid.rank:05d}-iteration{iteration}.pt"
+        )
 
     def maybe_take(self, iteration, parts):
         if not (self.interval and iteration % self.interval == 0):
@@ -102,8 +114,10 @@ class Snapshots:
         try:
             self.writer.wait()
         except OSError as e:
-            raise ValueError(f"a spike guard snapshot could not be written to spike_guard_snapshot_dir {self.dir} "
-                             f"({e}); free space there, or point spike_guard_snapshot_dir at another local disk") from e
+            raise ValueError(
+                f"a spike guard snapshot could not be written to spike_guard_snapshot_dir {self.dir} "
+                f"({e}); free space there, or point spike_guard_snapshot_dir at another local disk"
+            ) from e
 
     def close(self):
         """At the run's end: the snapshot files deleted."""
@@ -122,10 +136,15 @@ class Snapshots:
         for directory in self.dirs:
             if not os.path.isdir(directory):
                 continue
-            steps = [int(m.group(1)) for m in map(re.compile(r"global_step(\d+)$").match, os.listdir(directory))
-                     if m and int(m.group(1)) < start]
+            steps = [
+                int(m.group(1))
+                for m in map(re.compile(r"global_step(\d+)$").match, os.listdir(directory))
+                if m and int(m.group(1)) < start
+            ]
             if steps:
-                return max(steps), checkpoint.load(os.path.join(directory, f"global_step{max(steps)}"))
+                return max(steps), checkpoint.load(
+                    os.path.join(directory, f"global_step{max(steps)}")
+                )
         return None
 
     def oldest(self, disk=True):
@@ -140,8 +159,11 @@ class Snapshots:
         found = set()
         for directory in self.dirs:
             if os.path.isdir(directory):
-                found |= {int(m.group(1)) for m in map(re.compile(r"global_step(\d+)$").match, os.listdir(directory))
-                          if m}
+                found |= {
+                    int(m.group(1))
+                    for m in map(re.compile(r"global_step(\d+)$").match, os.listdir(directory))
+                    if m
+                }
         return sorted(found)
 
     def roll_back(self, decision, parts, guard):
@@ -153,10 +175,12 @@ class Snapshots:
         if found is None:
             if decision["action"] == "rollback":
                 decision["action"] = "stop"
-                decision["line"] = (f"spike guard: iteration {decision['iteration']}: {decision['reason']}: stopped, "
-                                    f"the last resort: no snapshot or checkpoint before iteration "
-                                    f"{decision['iteration'] - 1} to roll back to (save=DIR keeps checkpoints, "
-                                    "spike_guard_snapshot_interval snapshots)")
+                decision["line"] = (
+                    f"spike guard: iteration {decision['iteration']}: {decision['reason']}: stopped, "
+                    f"the last resort: no snapshot or checkpoint before iteration "
+                    f"{decision['iteration'] - 1} to roll back to (save=DIR keeps checkpoints, "
+                    "spike_guard_snapshot_interval snapshots)"
+                )
                 print0(decision["line"])
             guard.applied(decision, None)
             return None
@@ -168,9 +192,17 @@ class Snapshots:
             run_state.reset_optimizer(parts, self.reset_warmup)
         guard.applied(decision, target)
         skipping = decision["action"] == "rollback" and decision["end"] is not None
-        print0(f"spike guard: rolled back to iteration {target}{decision.get('fallback', '')}" + (
-            f"; iterations {decision['start']}-{decision['end']} will be skipped" if skipping else ""))
-        if from_disk and self.save_dir and decision["action"] == "rollback":  # (a stop saves anyway)
+        print0(
+            f"spike guard: rolled back to iteration {target}{decision.get('fallback', '')}"
+            + (
+                f"; iterations {decision['start']}-{decision['end']} will be skipped"
+                if skipping
+                else ""
+            )
+        )
+        if (
+            from_disk and self.save_dir and decision["action"] == "rollback"
+        ):  # (a stop saves anyway)
             # saved again at once, with the decision: `latest` named a checkpoint of the timeline left
             # behind (after target), which a run killed before its next save would resume from
             run_state.save(parts, self.saver)
@@ -182,19 +214,32 @@ class Snapshots:
         answered as decided, from there -- and the decision's line says so; else None. A hardware rollback gets
         none: every state it could reach holds the corrupted weight."""
         found = self.oldest()
-        if found is None or found[0] >= decision["iteration"] - 1 or decision.get("cause") == "hardware":
+        if (
+            found is None
+            or found[0] >= decision["iteration"] - 1
+            or decision.get("cause") == "hardware"
+        ):
             return None
         target, start = found[0], decision["start"]
-        where = "the oldest snapshot" if self.items and self.items[0][0] == target else "the oldest checkpoint"
-        decision["fallback"] = (f" (the oldest state there is, {where}: the target, before iteration {start}, is "
-                                "before every state kept)")
-        decision["line"] += f"; no state before iteration {start} exists: rolled back to iteration {target}"
+        where = (
+            "the oldest snapshot"
+            if self.items and self.items[0][0] == target
+            else "the oldest checkpoint"
+        )
+        decision["fallback"] = (
+            f" (the oldest state there is, {where}: the target, before iteration {start}, is "
+            "before every state kept)"
+        )
+        decision["line"] += (
+            f"; no state before iteration {start} exists: rolled back to iteration {target}"
+        )
         return found
 
 
 class Snapshotting(training.Callback):
     """The snapshots (the store the guard and its forensics share, stability.Shared) checked to fit at the start,
     taken after each spike_guard_snapshot_interval-th iteration, deleted at the end."""
+
     name = "snapshots"
 
     def __init__(self, snapshot_cfg, shared):  # its keys are the store's (stability.snapshot_plan)
@@ -214,6 +259,7 @@ class Snapshotting(training.Callback):
 @dataclass(frozen=True)
 class Plan:
     """What the snapshots' number, place and size depend on (made by stability.snapshot_plan)."""
+
     interval: int  # a snapshot every N iterations: spike_guard_snapshot_interval (guard off: 0)
     rewind: int  # spike_guard_rewind: how far back a rollback can reach
     directory: str | None  # spike_guard_snapshot_dir
@@ -256,13 +302,23 @@ def rank_snapshot_bytes(plan, model, pinned=None):
         owners = parallel.deal_out([p.numel() for p in trainable], g.dp_size)
         owned = [p for p, rank in zip(trainable, owners) if rank == g.dp_rank]
     if not (any(p.is_cuda for p in params) if pinned is None else pinned):
-        return int(snapshot_bytes(plan, sum(p.numel() for p in params), g.dp_size,
-                                  None if owned is None else sum(p.numel() for p in owned)))
+        return int(
+            snapshot_bytes(
+                plan,
+                sum(p.numel() for p in params),
+                g.dp_size,
+                None if owned is None else sum(p.numel() for p in owned),
+            )
+        )
     rounded, states = checkpoint.pinned_bytes, 3 if plan.half else 2
     weights = sum(rounded(p.numel() * p.element_size()) for p in params)
     if plan.engine and plan.zero1:
-        return weights + states * rounded(4 * math.ceil(sum(p.numel() for p in trainable) / g.dp_size))
-    return weights + sum(states * rounded(4 * p.numel()) for p in (trainable if owned is None else owned))
+        return weights + states * rounded(
+            4 * math.ceil(sum(p.numel() for p in trainable) / g.dp_size)
+        )
+    return weights + sum(
+        states * rounded(4 * p.numel()) for p in (trainable if owned is None else owned)
+    )
 
 
 def host_copies(plan):
@@ -318,27 +374,35 @@ def describe_host_memory(plan, one, gpus_per_node, node_bytes=None):
     GiB, rewind, interval = 2**30, plan.rewind, plan.interval
     what = "spike guard snapshots" + (" and async_save's copy" if plan.async_copy else "")
     where = f" (and {keep(plan)} on disk in {plan.directory})" if plan.directory else ""
-    line = (f"{what}: {copies} x {one / GiB:.2f} GiB = {copies * one / GiB:.2f} GiB of host memory per "
-            f"GPU{where}, x {gpus_per_node} GPUs per node = {copies * one * gpus_per_node / GiB:.1f} GiB of the node's "
-            f"{node / GiB:.0f} GiB (spike_guard_rewind {rewind}, spike_guard_snapshot_interval {interval})")
+    line = (
+        f"{what}: {copies} x {one / GiB:.2f} GiB = {copies * one / GiB:.2f} GiB of host memory per "
+        f"GPU{where}, x {gpus_per_node} GPUs per node = {copies * one * gpus_per_node / GiB:.1f} GiB of the node's "
+        f"{node / GiB:.0f} GiB (spike_guard_rewind {rewind}, spike_guard_snapshot_interval {interval})"
+    )
     fit = int(HOST_SHARE * node // (one * gpus_per_node))
     if copies <= fit:
         return line, None
     room = fit - int(plan.async_copy)  # snapshots that fit beside the async save's copy
     fixes = []
     if room >= 2:
-        fixes.append(f"keep fewer (spike_guard_snapshot_interval {math.ceil(2 * rewind / (room - 1))} or more, or "
-                     f"spike_guard_rewind {(room - 1) * interval // 2} or less: ceil(2 x rewind / interval) + 1 are "
-                     "kept)")
+        fixes.append(
+            f"keep fewer (spike_guard_snapshot_interval {math.ceil(2 * rewind / (room - 1))} or more, or "
+            f"spike_guard_rewind {(room - 1) * interval // 2} or less: ceil(2 x rewind / interval) + 1 are "
+            "kept)"
+        )
     if not plan.directory and room >= 1:
-        fixes.append("keep them on a node-local disk (spike_guard_snapshot_dir=$SLURM_TMPDIR or /tmp: one in host "
-                     f"memory, {keep(plan)} x {one / GiB:.2f} GiB per GPU on the disk)")
+        fixes.append(
+            "keep them on a node-local disk (spike_guard_snapshot_dir=$SLURM_TMPDIR or /tmp: one in host "
+            f"memory, {keep(plan)} x {one / GiB:.2f} GiB per GPU on the disk)"
+        )
     if plan.async_copy:
         fixes.append("save synchronously (async_save=false: one copy fewer)")
     fixes.append("roll back to the checkpoints in save only (spike_guard_snapshot_interval=0)")
-    problem = (f"{what} need {copies * one * gpus_per_node / GiB:.1f} GiB of host memory per node "
-               f"({copies} x {one / GiB:.2f} GiB per GPU x {gpus_per_node} GPUs), more than {HOST_SHARE:.0%} of the "
-               f"node's {node / GiB:.0f} GiB: {fit} per GPU fit. To fit: " + "; or ".join(fixes))
+    problem = (
+        f"{what} need {copies * one * gpus_per_node / GiB:.1f} GiB of host memory per node "
+        f"({copies} x {one / GiB:.2f} GiB per GPU x {gpus_per_node} GPUs), more than {HOST_SHARE:.0%} of the "
+        f"node's {node / GiB:.0f} GiB: {fit} per GPU fit. To fit: " + "; or ".join(fixes)
+    )
     return line, problem
 
 

@@ -97,6 +97,7 @@ EXIT_CODE = 3
 
 class SpikeGuardStop(training.StopRun):
     """A cap was reached: the run saved its last good state and stops (train.py exits with EXIT_CODE)."""
+
     exit_code = EXIT_CODE
 
 
@@ -134,16 +135,28 @@ class SpikeGuard(Detector):
     # -- state -----------------------------------------------------------------------------------------------
 
     def state_dict(self):
-        return {"stats": self.stats(), "strikes": list(self.strikes), "skip_ranges": [list(r) for r in
-                self.skip_ranges], "lr_scale": self.lr_scale, "rollbacks": self.rollbacks,
-                "skipped_iters": self.skipped_iters, "decisions": list(self.decisions), "faults": dict(self.faults),
-                "last_run": self.last_run, "noise": self.noise}
+        return {
+            "stats": self.stats(),
+            "strikes": list(self.strikes),
+            "skip_ranges": [list(r) for r in self.skip_ranges],
+            "lr_scale": self.lr_scale,
+            "rollbacks": self.rollbacks,
+            "skipped_iters": self.skipped_iters,
+            "decisions": list(self.decisions),
+            "faults": dict(self.faults),
+            "last_run": self.last_run,
+            "noise": self.noise,
+        }
 
     def load_state_dict(self, sd):
         self.load_stats(sd["stats"])
         self.strikes = list(sd["strikes"])
         self.skip_ranges = [tuple(r) for r in sd["skip_ranges"]]
-        self.lr_scale, self.rollbacks, self.skipped_iters = sd["lr_scale"], sd["rollbacks"], sd["skipped_iters"]
+        self.lr_scale, self.rollbacks, self.skipped_iters = (
+            sd["lr_scale"],
+            sd["rollbacks"],
+            sd["skipped_iters"],
+        )
         self.decisions = list(sd["decisions"])
         self.faults, self.last_run = dict(sd.get("faults", {})), sd.get("last_run", 0)
         self.noise = sd.get("noise")
@@ -170,7 +183,9 @@ class SpikeGuard(Detector):
         iterations run again, and the rest of its range, do not meet it). A bad batch is data: it comes back."""
         for start, end in ranges:
             if schedule.in_ranges(iteration, [(start, end)]):
-                rolled_back = any(d["action"] == "rollback" and d["iteration"] >= start for d in self.decisions)
+                rolled_back = any(
+                    d["action"] == "rollback" and d["iteration"] >= start for d in self.decisions
+                )
                 return iteration > self.last_run and not rolled_back
         return False
 
@@ -185,7 +200,11 @@ class SpikeGuard(Detector):
         """Would a rollback to the snapshot of iteration `since` apply the same LRs as the run did since? Only
         fault injection makes a pass's LR differ from its replay's (an event in time); else, with the data and
         the RNG streams restored, the run would replay the spike bit for bit."""
-        return all(expected == applied for n, (expected, applied) in self.lrs.items() if since < n <= iteration)
+        return all(
+            expected == applied
+            for n, (expected, applied) in self.lrs.items()
+            if since < n <= iteration
+        )
 
     # -- the decision ----------------------------------------------------------------------------------------
 
@@ -203,10 +222,16 @@ class SpikeGuard(Detector):
         if cause == "numerical":
             return self._numerical(iteration, loss, grad_norm, lr, scaler, diagnosis)
         if cause == "persistent":  # a retry on that rank cannot help
-            return self._decide(iteration, "stop", f"persistent fault on DP rank {diagnosis['rank']}: "
-                                f"{diagnosis['evidence']}", "the same rank disagrees on replay: take its node out",
-                                cause="persistent", evidence=diagnosis["evidence"], rank=diagnosis["rank"],
-                                start=iteration - 1)
+            return self._decide(
+                iteration,
+                "stop",
+                f"persistent fault on DP rank {diagnosis['rank']}: {diagnosis['evidence']}",
+                "the same rank disagrees on replay: take its node out",
+                cause="persistent",
+                evidence=diagnosis["evidence"],
+                rank=diagnosis["rank"],
+                start=iteration - 1,
+            )
         if outcome == "ok" and (diagnosis or {}).get("tolerated"):
             return self._tolerated(iteration, loss, grad_norm, lr, diagnosis)
         if outcome == "ok":
@@ -226,9 +251,13 @@ class SpikeGuard(Detector):
         diagnosed nor acted on: the core skips it, as without the guard."""
         outcome = getattr(step_or_outcome, "outcome", step_or_outcome)
         grad_norm = getattr(step_or_outcome, "grad_norm", grad_norm)
-        return (self.aside and outcome == "skipped" and not math.isfinite(grad_norm)
-                and bool(self.numericals)
-                and iteration - self.numericals[-1] <= self.ladder.spike_guard_rewind)
+        return (
+            self.aside
+            and outcome == "skipped"
+            and not math.isfinite(grad_norm)
+            and bool(self.numericals)
+            and iteration - self.numericals[-1] <= self.ladder.spike_guard_rewind
+        )
 
     def tolerates(self, diagnosis):
         """Is this spike one to let through: its grad norm alone an outlier (the loss ordinary: Detector.judge), the
@@ -239,8 +268,12 @@ class SpikeGuard(Detector):
         131x and 821x its trend), while the faults whose grad norm alone spiked -- a gradient bit flip, a cancellation
         in half precision -- were diagnosed hardware or numerical, which this leaves as they were (docs/spike_guard.md,
         section 9: "Designed for the sixth campaign"; lab/design_sixth.py)."""
-        return bool(self.clip_grad) and self.grad_norm_alone and (diagnosis or {}).get("cause") == "data" \
+        return (
+            bool(self.clip_grad)
+            and self.grad_norm_alone
+            and (diagnosis or {}).get("cause") == "data"
             and not diagnosis.get("rebase")
+        )
 
     def _tolerated(self, iteration, loss, grad_norm, lr, diagnosis):
         """A spike tolerates() let through, its update applied (clipped) by Forensics: no decision, no strike, one
@@ -248,23 +281,33 @@ class SpikeGuard(Detector):
         widens the scatter the next steps are judged by."""
         expected = self.series["grad norm"].expected()
         self.record(loss, grad_norm if expected is None else expected, lr)
-        print0(f"spike guard (no action): iteration {iteration}: {self.pending}; data-driven: {diagnosis['evidence']}: "
-               f"the update applied, clip_grad={self.clip_grad:g} bounds it")
+        print0(
+            f"spike guard (no action): iteration {iteration}: {self.pending}; data-driven: {diagnosis['evidence']}: "
+            f"the update applied, clip_grad={self.clip_grad:g} bounds it"
+        )
         self.pending = None
         return None
 
     def _loss_scale_search(self, outcome, loss, grad_norm, scaler):
         """An fp16 overflow while the loss scale searches: the loss is the weights' (no update was made), so the
         guard arms on it even while the scale searches; a fault early in fp16 is judged, not learnt as the trend."""
-        if outcome == "skipped" and scaler is not None and scaler.dynamic and math.isfinite(loss) \
-                and not math.isfinite(grad_norm) and scaler.scale > scaler.min_scale:
+        if (
+            outcome == "skipped"
+            and scaler is not None
+            and scaler.dynamic
+            and math.isfinite(loss)
+            and not math.isfinite(grad_norm)
+            and scaler.scale > scaler.min_scale
+        ):
             self.series["loss"].record(loss)
             return True
         return False
 
     def _spike(self, outcome, loss, grad_norm, scaler):
         """Why this step that applied no update is a spike, or None."""
-        if outcome == "vetoed":  # by the guard's judge (pending), or by another callback: not a spike of its own
+        if (
+            outcome == "vetoed"
+        ):  # by the guard's judge (pending), or by another callback: not a spike of its own
             return self.pending or None
         if outcome == "nan":
             return f"the loss is {loss}"
@@ -286,18 +329,32 @@ class SpikeGuard(Detector):
         worse than doing nothing). A data spike whose unseen batch was as far off on the pre-spike
         weights is a regime change: the trend is re-based and the episode's strikes cleared."""
         ladder = self.ladder
-        cause = {"cause": diagnosis["cause"], "evidence": diagnosis["evidence"]} if diagnosis else {}
+        cause = (
+            {"cause": diagnosis["cause"], "evidence": diagnosis["evidence"]} if diagnosis else {}
+        )
         if diagnosis and diagnosis.get("suspects"):
             cause["suspects"] = diagnosis["suspects"]
-        if cause.get("cause") == "optimizer":  # the weights are already damaged: skipping updates cannot help
+        if (
+            cause.get("cause") == "optimizer"
+        ):  # the weights are already damaged: skipping updates cannot help
             # it came back within spike_guard_rewind of an optimizer rollback, which had changed the LR
-            cause["persistent"] = any(d.get("cause") == "optimizer" and d["action"] == "rollback" and
-                                      abs(iteration - d["iteration"]) <= ladder.spike_guard_rewind
-                                      for d in self.decisions)
+            cause["persistent"] = any(
+                d.get("cause") == "optimizer"
+                and d["action"] == "rollback"
+                and abs(iteration - d["iteration"]) <= ladder.spike_guard_rewind
+                for d in self.decisions
+            )
             self.strikes = [iteration]
             reason += f"; {self._cause_words(cause)}: {diagnosis['evidence']}"
-            return self._rollback(iteration, reason, iteration - 1, None, cause, diagnosis.get("since"),
-                                  self._to_trend(diagnosis.get("update_size")))
+            return self._rollback(
+                iteration,
+                reason,
+                iteration - 1,
+                None,
+                cause,
+                diagnosis.get("since"),
+                self._to_trend(diagnosis.get("update_size")),
+            )
         if diagnosis:
             reason += f"; {diagnosis['cause']}-driven: {diagnosis['evidence']}"
         if diagnosis and diagnosis.get("rebase"):
@@ -313,17 +370,36 @@ class SpikeGuard(Detector):
             self.strikes = []
         elif diagnosis and len(self.strikes) >= ladder.spike_guard_max_skips:
             start = max(1, self.strikes[0] - ladder.spike_guard_rewind)
-            return self._rollback(iteration, reason, start, iteration + ladder.spike_guard_skip_after, cause)
+            return self._rollback(
+                iteration, reason, start, iteration + ladder.spike_guard_skip_after, cause
+            )
         if outcome == "vetoed":
             self.skipped_iters += 1
         if self.skipped_iters > ladder.spike_guard_max_skipped_iters:
-            return self._decide(iteration, "stop", reason, f"{self.skipped_iters} iterations skipped, more than "
-                                f"spike_guard_max_skipped_iters={ladder.spike_guard_max_skipped_iters}", **cause)
+            return self._decide(
+                iteration,
+                "stop",
+                reason,
+                f"{self.skipped_iters} iterations skipped, more than "
+                f"spike_guard_max_skipped_iters={ladder.spike_guard_max_skipped_iters}",
+                **cause,
+            )
         what = "update skipped" if outcome == "vetoed" else "no update"
-        decision = self._decide(iteration, "skip", reason, f"{what} (" + (
-            "more of a stretch of text learnt by heart already rolled back: skipped as it comes" if stretch else
-            "nothing more is done without a cause" if not diagnosis else
-            f"spike {len(self.strikes)} of {ladder.spike_guard_max_skips} before a rollback") + ")", **cause)
+        decision = self._decide(
+            iteration,
+            "skip",
+            reason,
+            f"{what} ("
+            + (
+                "more of a stretch of text learnt by heart already rolled back: skipped as it comes"
+                if stretch
+                else "nothing more is done without a cause"
+                if not diagnosis
+                else f"spike {len(self.strikes)} of {ladder.spike_guard_max_skips} before a rollback"
+            )
+            + ")",
+            **cause,
+        )
         self.decisions.append(decision)
         return decision
 
@@ -351,13 +427,22 @@ class SpikeGuard(Detector):
         the snapshot (Guard.update_size's reading, None: not measured) says the LR is further off its trend -- an LR
         x82 cut x0.5 at each of three rollbacks is still x10 (the fourth campaign's trials 84 and 98)."""
         expected, factor = self.series["update"].expected(), self.ladder.spike_guard_lr_factor
-        if move is None or expected is None or len(self.series["update"].values) < 3 or not math.isfinite(move):
+        if (
+            move is None
+            or expected is None
+            or len(self.series["update"].values) < 3
+            or not math.isfinite(move)
+        ):
             return None
         return min(expected / move, factor) if move > 0 else factor
 
     @staticmethod
     def _cause_words(cause):
-        return "optimizer-driven (persistent)" if cause.get("persistent") else f"{cause.get('cause', '')}-driven"
+        return (
+            "optimizer-driven (persistent)"
+            if cause.get("persistent")
+            else f"{cause.get('cause', '')}-driven"
+        )
 
     def _rebase(self, iteration, outcome, reason, cause, loss, grad_norm):
         """A regime change (the data moved, the weights did not: diagnosis.unseen_verdict): this update skipped,
@@ -368,8 +453,15 @@ class SpikeGuard(Detector):
         if outcome == "vetoed":
             self.skipped_iters += 1
         what = "update skipped" if outcome == "vetoed" else "no update"
-        decision = self._decide(iteration, "skip", reason, f"{what}; a regime change, not a fault: the trend re-based "
-                                f"to loss {loss:.4g}, grad norm {grad_norm:.4g}", rebased=True, **cause)
+        decision = self._decide(
+            iteration,
+            "skip",
+            reason,
+            f"{what}; a regime change, not a fault: the trend re-based "
+            f"to loss {loss:.4g}, grad norm {grad_norm:.4g}",
+            rebased=True,
+            **cause,
+        )
         self.decisions.append(decision)
         return decision
 
@@ -382,12 +474,25 @@ class SpikeGuard(Detector):
         ladder = self.ladder
         skipping = 0 if end is None else end - start + 1
         if self.rollbacks >= ladder.spike_guard_max_rollbacks:
-            return self._decide(iteration, "stop", reason, f"another rollback would exceed spike_guard_max_rollbacks"
-                                f"={ladder.spike_guard_max_rollbacks}", start=start, **cause)
+            return self._decide(
+                iteration,
+                "stop",
+                reason,
+                f"another rollback would exceed spike_guard_max_rollbacks"
+                f"={ladder.spike_guard_max_rollbacks}",
+                start=start,
+                **cause,
+            )
         if self.skipped_iters + skipping > ladder.spike_guard_max_skipped_iters:
-            return self._decide(iteration, "stop", reason, f"skipping iterations {start}-{end} would exceed "
-                                f"spike_guard_max_skipped_iters={ladder.spike_guard_max_skipped_iters}", start=start,
-                                **cause)
+            return self._decide(
+                iteration,
+                "stop",
+                reason,
+                f"skipping iterations {start}-{end} would exceed "
+                f"spike_guard_max_skipped_iters={ladder.spike_guard_max_skipped_iters}",
+                start=start,
+                **cause,
+            )
         relapse = self.rollbacks > 0
         cuts = cause.get("cause") == "optimizer"  # the optimizer's remedy, on its diagnosis only
         same = end is None and since is not None and self.replays_same_lrs(since, iteration)
@@ -395,7 +500,8 @@ class SpikeGuard(Detector):
         lr_scale = self.lr_scale * (cut if cuts and (relapse or same) else 1.0)
         reset = relapse and cuts and ladder.spike_guard_reset_optimizer
         plan = f"roll back to before iteration {start} and " + (
-            "skip no data" if end is None else f"skip iterations {start}-{end}")
+            "skip no data" if end is None else f"skip iterations {start}-{end}"
+        )
         to_trend = "" if factor is None else f" (x{cut:.3g}: the move per update back to its trend)"
         if relapse and not cuts:
             plan += f"; relapse {self.rollbacks}, of the data: LR unchanged"
@@ -406,8 +512,17 @@ class SpikeGuard(Detector):
             plan += f"; the same data at the same LRs would replay the spike: LR x{lr_scale:.3g} from now on{to_trend}"
         elif factor is not None:
             plan += "; the LRs since were not the schedule's: LR unchanged"
-        return self._decide(iteration, "rollback", reason, plan, start=start, end=end, lr_scale=lr_scale,
-                            reset_optimizer=reset, **cause)
+        return self._decide(
+            iteration,
+            "rollback",
+            reason,
+            plan,
+            start=start,
+            end=end,
+            lr_scale=lr_scale,
+            reset_optimizer=reset,
+            **cause,
+        )
 
     def moved_too_far(self, iteration, reason, move, then):
         """The weights moved per update far more than their trend says (Detector.moved; update_size.py), with or
@@ -416,14 +531,27 @@ class SpikeGuard(Detector):
         the move comes back to its trend -- a x0.5 cut would leave an LR x35 at x17 -- where a replay would meet
         the same LRs (all but fault injection's events in time: replays_same_lrs). Said in one line."""
         expected = self.series["update"].expected()
-        to_trend = min(expected / move, 1.0) if math.isfinite(move) else self.ladder.spike_guard_lr_factor
-        if not self.replays_same_lrs(then, iteration):  # fault injection's event in time: the rollback ends it
+        to_trend = (
+            min(expected / move, 1.0) if math.isfinite(move) else self.ladder.spike_guard_lr_factor
+        )
+        if not self.replays_same_lrs(
+            then, iteration
+        ):  # fault injection's event in time: the rollback ends it
             to_trend = 1.0
-        evidence = (f"the weights moved {move:.3g} of their norm per update since iteration {then}, against a trend "
-                    f"of {expected:.3g}; no weight moved farther than Adam can move it at the LRs applied")
+        evidence = (
+            f"the weights moved {move:.3g} of their norm per update since iteration {then}, against a trend "
+            f"of {expected:.3g}; no weight moved farther than Adam can move it at the LRs applied"
+        )
         self.strikes = [iteration]
-        return self._rollback(iteration, f"{reason}; optimizer-driven: {evidence}", then + 1, None,
-                              {"cause": "optimizer", "evidence": evidence, "update_size": move}, then, to_trend)
+        return self._rollback(
+            iteration,
+            f"{reason}; optimizer-driven: {evidence}",
+            then + 1,
+            None,
+            {"cause": "optimizer", "evidence": evidence, "update_size": move},
+            then,
+            to_trend,
+        )
 
     def _hardware(self, iteration, outcome, loss, grad_norm, lr, diagnosis):
         """A transient fault: a step that its replay (or the other DP replicas) did not reproduce -- the retried
@@ -440,16 +568,37 @@ class SpikeGuard(Detector):
         if rollback:  # the corrupted weight is in the state: a stop saves the state before it
             cause["start"] = iteration - 1
         if rank is not None and parallel.grid.dp_rank == rank and parallel.grid.tp_rank == 0:
-            print(f"spike guard: iteration {iteration}: DP rank {rank} is global rank {parallel.grid.rank} on host "
-                  f"{socket.gethostname()}", flush=True)
+            print(
+                f"spike guard: iteration {iteration}: DP rank {rank} is global rank {parallel.grid.rank} on host "
+                f"{socket.gethostname()}",
+                flush=True,
+            )
         if self.faults[rank] >= cap:
-            return self._decide(iteration, "stop", reason, f"{self.faults[rank]} faults on {where}, the "
-                                f"spike_guard_max_hardware_faults={cap}th: take its node out", **cause)
+            return self._decide(
+                iteration,
+                "stop",
+                reason,
+                f"{self.faults[rank]} faults on {where}, the "
+                f"spike_guard_max_hardware_faults={cap}th: take its node out",
+                **cause,
+            )
         count = f"no data skipped, LR unchanged (fault {self.faults[rank]} of {cap} on {where} before a stop)"
-        if rollback:  # booked by applied(), not counted against spike_guard_max_rollbacks nor as a relapse
-            return self._decide(iteration, "rollback", reason, f"roll back to before iteration {iteration - 1}; "
-                                f"{count}", end=None, lr_scale=self.lr_scale, reset_optimizer=False, **cause)
-        what = "step retried and applied" if outcome == "ok" else "no update (the retry differed too)"
+        if (
+            rollback
+        ):  # booked by applied(), not counted against spike_guard_max_rollbacks nor as a relapse
+            return self._decide(
+                iteration,
+                "rollback",
+                reason,
+                f"roll back to before iteration {iteration - 1}; {count}",
+                end=None,
+                lr_scale=self.lr_scale,
+                reset_optimizer=False,
+                **cause,
+            )
+        what = (
+            "step retried and applied" if outcome == "ok" else "no update (the retry differed too)"
+        )
         decision = self._decide(iteration, "retry", reason, f"{what}; {count}", **cause)
         self.decisions.append(decision)
         return decision
@@ -463,34 +612,59 @@ class SpikeGuard(Detector):
         ladder = self.ladder
         self.record(loss, grad_norm, lr)
         fresh = not self.numericals or iteration - self.numericals[-1] > ladder.spike_guard_rewind
-        self.numericals = [n for n in self.numericals if iteration - n <= ladder.spike_guard_rewind] + [iteration]
+        self.numericals = [
+            n for n in self.numericals if iteration - n <= ladder.spike_guard_rewind
+        ] + [iteration]
         self.aside = self.aside and not fresh
         reason = f"{self.pending}; numerical: " if self.pending else "numerical: "
         self.pending = None
         persistent = len(self.numericals) >= ladder.spike_guard_max_numerical
         if persistent and diagnosis.get("overflow"):  # without the guard: skipped steps, no stop
             self.aside = True
-            plan = (f"the fp32 step applied; a persistent fp16 overflow ({len(self.numericals)} "
-                    f"steps since iteration {self.numericals[0]}): its steps are left to the loss "
-                    "scaler from now on, skipped as without the guard, until none comes for "
-                    "spike_guard_rewind iterations; no data skipped, LR unchanged")
-            decision = self._decide(iteration, "retry", reason + diagnosis["evidence"], plan,
-                                    cause="numerical", evidence=diagnosis["evidence"],
-                                    persistent=True)
+            plan = (
+                f"the fp32 step applied; a persistent fp16 overflow ({len(self.numericals)} "
+                f"steps since iteration {self.numericals[0]}): its steps are left to the loss "
+                "scaler from now on, skipped as without the guard, until none comes for "
+                "spike_guard_rewind iterations; no data skipped, LR unchanged"
+            )
+            decision = self._decide(
+                iteration,
+                "retry",
+                reason + diagnosis["evidence"],
+                plan,
+                cause="numerical",
+                evidence=diagnosis["evidence"],
+                persistent=True,
+            )
             self.decisions.append(decision)
             return decision
         if persistent:
-            return self._decide(iteration, "stop", reason + diagnosis["evidence"], f"a persistent numerical fault: "
-                                f"{len(self.numericals)} half-precision steps since iteration {self.numericals[0]} "
-                                "spiked and their fp32 replays did not; find the operation (tools/whatif.py, "
-                                "telemetry_interval=1) or train these iterations in fp32", cause="numerical",
-                                evidence=diagnosis["evidence"], persistent=True, start=iteration - 1)
+            return self._decide(
+                iteration,
+                "stop",
+                reason + diagnosis["evidence"],
+                f"a persistent numerical fault: "
+                f"{len(self.numericals)} half-precision steps since iteration {self.numericals[0]} "
+                "spiked and their fp32 replays did not; find the operation (tools/whatif.py, "
+                "telemetry_interval=1) or train these iterations in fp32",
+                cause="numerical",
+                evidence=diagnosis["evidence"],
+                persistent=True,
+                start=iteration - 1,
+            )
         plan = "the fp32 step applied; no data skipped, LR unchanged"
         if scaler is not None and scaler.dynamic and fresh and scaler.scale / 2 > scaler.min_scale:
             scaler.scale, scaler.clean_steps = scaler.scale / 2, 0
             plan += f", loss scale lowered to {scaler.scale:g}"
-        decision = self._decide(iteration, "retry", reason + diagnosis["evidence"], plan, cause="numerical",
-                                evidence=diagnosis["evidence"], count=len(self.numericals))
+        decision = self._decide(
+            iteration,
+            "retry",
+            reason + diagnosis["evidence"],
+            plan,
+            cause="numerical",
+            evidence=diagnosis["evidence"],
+            count=len(self.numericals),
+        )
         self.decisions.append(decision)
         return decision
 
@@ -516,6 +690,7 @@ class SpikeGuard(Detector):
 # -----------------------------------------------------------------------------
 # Warning before the spike: the precursor rung (docs/spike_guard.md, section 7)
 
+
 def precursor_rung(guard, precursor_cfg, adam_eps, iteration, telemetry):
     """The early rung (`spike_guard_precursor`, off by default), called with each telemetry record: when the
     precursor passes `spike_guard_precursor_threshold`, multiply the LR by `spike_guard_precursor_lr_factor` from
@@ -534,15 +709,24 @@ def precursor_rung(guard, precursor_cfg, adam_eps, iteration, telemetry):
     crossed = precursors.past(name, value, threshold)
     high = precursors.PRECURSORS[name][1] == "high"
     if not armed and not crossed:
-        reason = f"{name} {value:.4g} is back {'under' if high else 'over'} its threshold {threshold:g}"
-        decision = guard._decide(iteration, "precursor rearmed", reason, "the precursor rung is armed again")
+        reason = (
+            f"{name} {value:.4g} is back {'under' if high else 'over'} its threshold {threshold:g}"
+        )
+        decision = guard._decide(
+            iteration, "precursor rearmed", reason, "the precursor rung is armed again"
+        )
     elif armed and crossed:
         guard.lr_scale *= p.spike_guard_precursor_lr_factor
         reason = f"{name} {value:.4g} is {'over' if high else 'under'} its threshold {threshold:g}"
-        decision = guard._decide(iteration, "precursor", reason, f"warning before a spike: LR x{guard.lr_scale:g} "
-                                 "from the next iteration on", lr_scale=guard.lr_scale, value=value)
+        decision = guard._decide(
+            iteration,
+            "precursor",
+            reason,
+            f"warning before a spike: LR x{guard.lr_scale:g} from the next iteration on",
+            lr_scale=guard.lr_scale,
+            value=value,
+        )
     else:  # armed and on the safe side, or already acted on this crossing
         return None
     guard.decisions.append(decision)
     return decision
-

@@ -21,6 +21,7 @@ nothing. Fused attention never forms q k^T, so on telemetry iterations the probe
 
 The statistics go to TensorBoard, wandb and metrics.jsonl through report.py (scalars() names them).
 """
+
 import math
 
 import torch
@@ -50,8 +51,11 @@ class Telemetry:
                 slots.append(self._slot(name))
         self.device = self.params[0].device
         self.index = torch.tensor(slots, device=self.device)
-        self.numel = self._zeros(self.n).index_add_(  # each layer's parameter count (this rank's share)
-            0, self.index, torch.tensor([float(p.numel()) for p in self.params], device=self.device))
+        self.numel = self._zeros(
+            self.n
+        ).index_add_(  # each layer's parameter count (this rank's share)
+            0, self.index, torch.tensor([float(p.numel()) for p in self.params], device=self.device)
+        )
         self.handles = []
 
     def _slot(self, name):
@@ -90,14 +94,20 @@ class Telemetry:
         for key, block in self.gpt.blocks.items():
             layer = int(key)
             if parallel.grid.tp_rank == 0:  # a block's output is replicated over TP: counted once
-                self.handles.append(block.register_forward_hook(
-                    lambda module, args, out, layer=layer: self._block_output(layer, out)))
+                self.handles.append(
+                    block.register_forward_hook(
+                        lambda module, args, out, layer=layer: self._block_output(layer, out)
+                    )
+                )
             block.attn.probe = lambda q, k, layer=layer: self._attention(layer, q, k)
         if self.gpt.post_process:
             self.gpt.logits_probe = self._logits
             if parallel.grid.tp_rank == 0:  # replicated over TP, as a block's output
-                self.handles.append(self.gpt.ln_f.register_forward_pre_hook(
-                    lambda module, args: self._final_input(args[0])))
+                self.handles.append(
+                    self.gpt.ln_f.register_forward_pre_hook(
+                        lambda module, args: self._final_input(args[0])
+                    )
+                )
 
     @torch.no_grad()
     def _block_output(self, layer, out):
@@ -122,14 +132,20 @@ class Telemetry:
         # bounds the fp32 scores in flight to 64 MB (and their softmax)
         rows = max(1, 2**24 // (T * T))
         for i in range(0, q.shape[0], rows):
-            scores = torch.baddbmm(mask, q[i:i + rows].float(), k[i:i + rows].float().transpose(1, 2),
-                                   alpha=1.0 / math.sqrt(D))
+            scores = torch.baddbmm(
+                mask,
+                q[i : i + rows].float(),
+                k[i : i + rows].float().transpose(1, 2),
+                alpha=1.0 / math.sqrt(D),
+            )
             self.attn[layer] = torch.maximum(self.attn[layer], scores.amax())
             probs = scores.softmax(-1)
             entropy = -torch.special.xlogy(probs, probs).sum(-1).sum(-1)  # masked keys: 0 log 0 = 0
             head = first_head + torch.arange(i, i + len(scores), device=q.device) % local_heads
             self.entropy.index_add_(0, head, entropy)
-            self.entropy.index_add_(0, head + self.num_layers * self.heads, torch.full_like(entropy, T))
+            self.entropy.index_add_(
+                0, head + self.num_layers * self.heads, torch.full_like(entropy, T)
+            )
 
     @torch.no_grad()
     def _logits(self, lse, hidden, weight):
@@ -150,8 +166,13 @@ class Telemetry:
         loss_scale (fp16)."""
         grads = [parallel.main_grad(p) for p in self.params]
         with_grad = [i for i, g in enumerate(grads) if g is not None]
-        self.updating, self.updating_index = [self.params[i] for i in with_grad], self.index[with_grad]
-        self.grad_sq = self._per_slot([grads[i] for i in with_grad], self.updating_index) / loss_scale**2
+        self.updating, self.updating_index = (
+            [self.params[i] for i in with_grad],
+            self.index[with_grad],
+        )
+        self.grad_sq = (
+            self._per_slot([grads[i] for i in with_grad], self.updating_index) / loss_scale**2
+        )
         # The update is measured on the fp32 masters the optimizer steps: on bf16/fp16 weights most updates are
         # below half an ulp and round away (ZeRO-1: only the masters this rank holds).
         masters = [self.main_param(p) for p in self.updating]
@@ -180,34 +201,61 @@ class Telemetry:
         self.before = None
         self.param_sq = self._per_slot(self.params, self.index)
         word = self.gpt.embed.word.weight if self.gpt.embed is not None else None
-        embed_sq = word.detach().float().square().sum().view(1) if word is not None else self._zeros(1)
+        embed_sq = (
+            word.detach().float().square().sum().view(1) if word is not None else self._zeros(1)
+        )
         g = parallel.grid
         # Parameter statistics are the same on every DP rank; activations differ. One SUM and one MAX reduction.
         n, L, LH = self.n, self.num_layers, self.num_layers * self.heads
-        sums = torch.cat([self.grad_sq, self.param_sq, self.update_sq, self.numel, embed_sq, self.act,
-                          self.logz[:2], self.logit, self.final_input, self.entropy])
+        sums = torch.cat(
+            [
+                self.grad_sq,
+                self.param_sq,
+                self.update_sq,
+                self.numel,
+                embed_sq,
+                self.act,
+                self.logz[:2],
+                self.logit,
+                self.final_input,
+                self.entropy,
+            ]
+        )
         maxes = torch.cat([self.attn, self.logz[2:]])
         if dist.is_initialized() and g.world_size > 1:
             dist.all_reduce(sums)
             dist.all_reduce(maxes, op=dist.ReduceOp.MAX)
-            sums[:4 * n + 1] /= g.dp_size
+            sums[: 4 * n + 1] /= g.dp_size
         sums, maxes = sums.tolist(), maxes.tolist()
-        grad, param, update, numel = sums[:n], sums[n:2 * n], sums[2 * n:3 * n], sums[3 * n:4 * n]
-        act = sums[4 * n + 1:4 * n + 1 + 2 * L]
-        logz_sum, logz_count, logit_sum, logit_count, final_sum, final_calls = sums[4 * n + 1 + 2 * L:-2 * LH]
-        entropy = [s / c if c else float("nan") for s, c in zip(sums[-2 * LH:-LH], sums[-LH:])]
+        grad, param, update, numel = (
+            sums[:n],
+            sums[n : 2 * n],
+            sums[2 * n : 3 * n],
+            sums[3 * n : 4 * n],
+        )
+        act = sums[4 * n + 1 : 4 * n + 1 + 2 * L]
+        logz_sum, logz_count, logit_sum, logit_count, final_sum, final_calls = sums[
+            4 * n + 1 + 2 * L : -2 * LH
+        ]
+        entropy = [s / c if c else float("nan") for s, c in zip(sums[-2 * LH : -LH], sums[-LH:])]
         return {
             "grad norm": [math.sqrt(v) for v in grad],
             "grad rms": [math.sqrt(v / c) if c else float("nan") for v, c in zip(grad, numel)],
             "param norm": [math.sqrt(v) for v in param],
             "update/param rms": [math.sqrt(u / p) if p > 0 else 0.0 for u, p in zip(update, param)],
-            "block output rms": [math.sqrt(s / c) if c else float("nan") for s, c in zip(act[:L], act[L:])],
+            "block output rms": [
+                math.sqrt(s / c) if c else float("nan") for s, c in zip(act[:L], act[L:])
+            ],
             "attention logit max": maxes[:L],
-            "attention entropy min": [min(entropy[layer * self.heads:(layer + 1) * self.heads]) for layer in range(L)],
+            "attention entropy min": [
+                min(entropy[layer * self.heads : (layer + 1) * self.heads]) for layer in range(L)
+            ],
             "log z": logz_sum / logz_count if logz_count else float("nan"),
             "log z max": maxes[L],
             "output logit mean": logit_sum / logit_count if logit_count else float("nan"),
-            "final layernorm input rms": math.sqrt(final_sum / final_calls) if final_calls else float("nan"),
+            "final layernorm input rms": math.sqrt(final_sum / final_calls)
+            if final_calls
+            else float("nan"),
             "word embedding norm": math.sqrt(sums[4 * n]),
         }
 
@@ -248,6 +296,7 @@ class Probe(training.Callback):
 class Recording(training.Callback):
     """A run's telemetry: a record every telemetry_interval iterations, to TensorBoard, wandb and metrics.jsonl
     (report.py); `record` holds this iteration's (None on the others), for the precursor rung."""
+
     name = "telemetry"
 
     def __init__(self, telemetry_cfg, shared, model_cfg):

@@ -17,6 +17,7 @@ counted twice would make a TP2 or PP2 run, or a resharded resume, read another m
 (ZeRO-1's too: they hold whole weights) each add the same, which the ratio cancels. No memory beyond the snapshots
 the guard keeps anyway.
 """
+
 import math
 
 import torch
@@ -41,8 +42,12 @@ def relative_move(model, weights, updates):
             continue
         flat, then = p.detach().view(-1), weights[name].view(-1)
         for k in range(0, flat.numel(), CHUNK):
-            now = flat[k:k + CHUNK].float()
-            sums[0] += (now - then[k:k + CHUNK].to(device, torch.float32)).square().sum(dtype=torch.float64)
+            now = flat[k : k + CHUNK].float()
+            sums[0] += (
+                (now - then[k : k + CHUNK].to(device, torch.float32))
+                .square()
+                .sum(dtype=torch.float64)
+            )
             sums[1] += now.square().sum(dtype=torch.float64)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(sums)

@@ -1,4 +1,5 @@
 """Tests marked `cuda` need an NVIDIA GPU: skipped without one; with one, `python -m pytest -m cuda` runs them."""
+
 import pytest
 import torch
 

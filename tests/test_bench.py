@@ -2,6 +2,7 @@
 known by construction (an injected clock, one kind of op at a time), and on a real tiny model; bench on every
 shipped config; --table one process per row; fp16 timed from a loss scale at which steps update. No assertion
 here depends on how fast anything ran."""
+
 import glob
 import os
 
@@ -68,9 +69,15 @@ def test_waiting_is_data_wait_and_other():
 def test_the_shares_of_known_times():
     spent = dict.fromkeys(bench.COSTS, 0.0) | {"attention": 30.0, "data wait": 10.0}
     assert bench.shares(spent, wall=100.0) == dict.fromkeys(bench.COSTS, 0.0) | {
-        "attention": 0.3, "data wait": 0.1, "other": 0.6}
+        "attention": 0.3,
+        "data wait": 0.1,
+        "other": 0.6,
+    }
     # ops on overlapping streams adding up to more than the wall time: shares of their sum, no "other"
-    assert bench.shares(spent, wall=20.0) == dict.fromkeys(bench.COSTS, 0.0) | {"attention": 0.75, "data wait": 0.25}
+    assert bench.shares(spent, wall=20.0) == dict.fromkeys(bench.COSTS, 0.0) | {
+        "attention": 0.75,
+        "data wait": 0.25,
+    }
 
 
 def test_each_kind_of_op_goes_to_its_share():
@@ -115,17 +122,30 @@ def test_each_kind_of_op_goes_to_its_share():
     # besides its own: small ops (the loss's zeros, ...), and the loss's backward ends in its two leaves'
     # AccumulateGrad
     elsewhere = ("elementwise and other ops", "gradient accumulation / reduction")
-    for run, cost in ((attention, "attention"), (matmuls, "other matmuls"), (elementwise, "elementwise and other ops"),
-                      (step, "optimizer"), (clip, "optimizer"), (output_layer, "output layer + loss")):
+    for run, cost in (
+        (attention, "attention"),
+        (matmuls, "other matmuls"),
+        (elementwise, "elementwise and other ops"),
+        (step, "optimizer"),
+        (clip, "optimizer"),
+        (output_layer, "output layer + loss"),
+    ):
         costs = shares(run, optimizer=optimizer)
         assert costs[cost] > 0.5 and costs["other"] == 0 and costs["data wait"] == 0, (cost, costs)
-        assert all(share == 0 for c, share in costs.items() if c not in (cost, *elsewhere)), (cost, costs)
+        assert all(share == 0 for c, share in costs.items() if c not in (cost, *elsewhere)), (
+            cost,
+            costs,
+        )
 
 
 def test_the_named_parts_are_undone():
     optimizer, grad_norm, clip = Optimizer(), parallel.grad_norm, optim.clip_grads
     shares(lambda _: optimizer.step(), optimizer=optimizer)
-    assert "step" not in vars(optimizer) and parallel.grad_norm is grad_norm and optim.clip_grads is clip
+    assert (
+        "step" not in vars(optimizer)
+        and parallel.grad_norm is grad_norm
+        and optim.clip_grads is clip
+    )
 
 
 # -----------------------------------------------------------------------------
@@ -133,10 +153,23 @@ def test_the_named_parts_are_undone():
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # A config's shape shrunk to seconds on a CPU: what bench must survive is the config's schedule and data keys
-TINY = ["--num_layers=1", "--hidden_size=64", "--num_attention_heads=2", "--num_query_groups=2", "--seq_length=32",
-        "--micro_batch_size=1", "--global_batch_size=2", "--tensor_model_parallel_size=1",
-        "--pipeline_model_parallel_size=1", "--vocab_size=50257", "--fp16=false", "--bf16=false", "--device=cpu",
-        "--bench_steps=1", "--bench_warmup=0"]
+TINY = [
+    "--num_layers=1",
+    "--hidden_size=64",
+    "--num_attention_heads=2",
+    "--num_query_groups=2",
+    "--seq_length=32",
+    "--micro_batch_size=1",
+    "--global_batch_size=2",
+    "--tensor_model_parallel_size=1",
+    "--pipeline_model_parallel_size=1",
+    "--vocab_size=50257",
+    "--fp16=false",
+    "--bf16=false",
+    "--device=cpu",
+    "--bench_steps=1",
+    "--bench_warmup=0",
+]
 # a new config is covered as it is added
 CONFIGS = sorted(glob.glob(os.path.join(ROOT, "config", "*.py")))
 
@@ -164,24 +197,49 @@ def test_bench_runs_on_every_config(corpus, unmeasured_peak, capsys, monkeypatch
             assert "\n" + line in out, (config, line, out)
         assert result["skipped"] == 0 and result["tokens/s"] > 0, (config, result)
         assert bench.row(config, result).startswith(f"| {os.path.basename(config)[:-3]} | "), config
-        if config.endswith(("gpt2_125m.py", "llama_1b.py", "tr11_176b.py")):  # no data here: the bundled corpus
+        if config.endswith(
+            ("gpt2_125m.py", "llama_1b.py", "tr11_176b.py")
+        ):  # no data here: the bundled corpus
             assert "timing on the bundled corpus" in out, (config, out)
         if profiled:
             costs = result["costs"]
-            assert list(costs) == list(bench.COSTS) and sum(costs.values()) == pytest.approx(1.0, abs=1e-9)
-            for cost in ("output layer + loss", "attention", "other matmuls", "elementwise and other ops",
-                         "optimizer", "gradient accumulation / reduction"):
+            assert list(costs) == list(bench.COSTS) and sum(costs.values()) == pytest.approx(
+                1.0, abs=1e-9
+            )
+            for cost in (
+                "output layer + loss",
+                "attention",
+                "other matmuls",
+                "elementwise and other ops",
+                "optimizer",
+                "gradient accumulation / reduction",
+            ):
                 assert costs[cost] > 0, (cost, costs)
 
 
 def test_the_schedule_is_set_aside_in_bench_only():
     cfg = arguments.load_config([os.path.join(ROOT, "config", "tr11_176b.py")])
     notes = bench.for_timing(cfg, {}, iterations=5)
-    assert (cfg.lr_warmup_samples, cfg.lr_decay_samples, cfg.lr_decay_style, cfg.rampup_batch_size) == \
-        (0, None, "constant", None)
-    assert (cfg.train_iters, cfg.train_samples, cfg.data_path, cfg.tokenizer_file) == (5, None, None, None)
-    assert "rampup_batch_size=[192, 16, 9765625]" in notes[0] and "data/bloom/roots is not here" in notes[1]
-    assert arguments.load_config([os.path.join(ROOT, "config", "tr11_176b.py")]).lr_warmup_samples == 183_105
+    assert (
+        cfg.lr_warmup_samples,
+        cfg.lr_decay_samples,
+        cfg.lr_decay_style,
+        cfg.rampup_batch_size,
+    ) == (0, None, "constant", None)
+    assert (cfg.train_iters, cfg.train_samples, cfg.data_path, cfg.tokenizer_file) == (
+        5,
+        None,
+        None,
+        None,
+    )
+    assert (
+        "rampup_batch_size=[192, 16, 9765625]" in notes[0]
+        and "data/bloom/roots is not here" in notes[1]
+    )
+    assert (
+        arguments.load_config([os.path.join(ROOT, "config", "tr11_176b.py")]).lr_warmup_samples
+        == 183_105
+    )
     given = arguments.load_config(["config/tiny.py", "--data_path=data/elsewhere"])
     # the user's data, as given
     assert len(bench.for_timing(given, {"data_path": "data/elsewhere"}, 5)) == 1
@@ -191,28 +249,50 @@ def test_the_schedule_is_set_aside_in_bench_only():
 def test_fp16_times_steps_that_update(corpus512, unmeasured_peak, capsys, monkeypatch):
     """From the default initial_loss_scale of 2^32 every step overflows and is skipped; bench starts at most at
     2^16 and warms up until a step updates, so that no timed step is skipped (counted, not timed)."""
-    argv = [os.path.join(ROOT, "config", "tiny.py"), *TINY, "--fp16", "--vocab_size=512", f"--data_path={corpus512}",
-            "--bench_steps=3", "--no-step_costs"]
+    argv = [
+        os.path.join(ROOT, "config", "tiny.py"),
+        *TINY,
+        "--fp16",
+        "--vocab_size=512",
+        f"--data_path={corpus512}",
+        "--bench_steps=3",
+        "--no-step_costs",
+    ]
     result = bench.measure(argv)
     out = capsys.readouterr().out
     assert result["skipped"] == 0 and result["loss_scale"] <= 2.0**16, out
-    assert "loss scale:   " in out and "capped at 65536" in out and "0 of 3 timed iterations applied no update" in out
+    assert (
+        "loss scale:   " in out
+        and "capped at 65536" in out
+        and "0 of 3 timed iterations applied no update" in out
+    )
     # uncapped, from 2^32: the warm-up goes on through the overflows until a step updates
     monkeypatch.setattr(bench, "TIMING_LOSS_SCALE", 2.0**32)
     result = bench.measure(argv)
     out = capsys.readouterr().out
-    assert result["warmup_skipped"] > 1 and result["skipped"] == 0 and result["loss_scale"] < 2.0**32, out
+    assert (
+        result["warmup_skipped"] > 1 and result["skipped"] == 0 and result["loss_scale"] < 2.0**32
+    ), out
     assert "OVERFLOW" in out and "then halved once more" in out, out
 
 
 def test_telemetry_at_every_iteration_is_timed_with_it(corpus512, unmeasured_peak, capsys):
     """telemetry_interval=1 records at every timed iteration, so none is timed without it: bench divided by that
     empty list ("mean requires at least one data point"); it now times the recording iterations and says so."""
-    argv = [os.path.join(ROOT, "config", "tiny.py"), *TINY, "--vocab_size=512", f"--data_path={corpus512}",
-            "--bench_steps=2", "--no-step_costs", "--telemetry_interval=1"]
+    argv = [
+        os.path.join(ROOT, "config", "tiny.py"),
+        *TINY,
+        "--vocab_size=512",
+        f"--data_path={corpus512}",
+        "--bench_steps=2",
+        "--no-step_costs",
+        "--telemetry_interval=1",
+    ]
     result = bench.measure(argv)
     out = capsys.readouterr().out
-    assert result["tokens/s"] > 0 and "recorded at every timed iteration (telemetry_interval=1)" in out, out
+    assert (
+        result["tokens/s"] > 0 and "recorded at every timed iteration (telemetry_interval=1)" in out
+    ), out
 
 
 # 16-28 s on a shared 2-core CPU: two processes, each importing torch, one measuring the peak
@@ -242,27 +322,53 @@ def test_cpu_vs_nanogpt_times_nanogpts_model_at_our_shape():
     """tools/cpu_vs_nanogpt.py's restatement of nanoGPT has the parameters of the GPT that bench times at the same
     shape (config/tiny.py's, less its embedding LayerNorm), one tied vocabulary table; and its step runs."""
     import importlib.util
-    spec = importlib.util.spec_from_file_location("cpu_vs_nanogpt", os.path.join(ROOT, "tools", "cpu_vs_nanogpt.py"))
+
+    spec = importlib.util.spec_from_file_location(
+        "cpu_vs_nanogpt", os.path.join(ROOT, "tools", "cpu_vs_nanogpt.py")
+    )
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)
-    shape = ["--num_layers=2", "--hidden_size=64", "--num_attention_heads=4", "--seq_length=32", "--micro_batch_size=2"]
+    shape = [
+        "--num_layers=2",
+        "--hidden_size=64",
+        "--num_attention_heads=4",
+        "--seq_length=32",
+        "--micro_batch_size=2",
+    ]
     args = tool.parse([*shape, "--steps=1", "--warmup=0", "--threads=1"])
-    cfg = arguments.prepare(arguments.load_config([os.path.join(ROOT, "config", "tiny.py"), *shape, "--train_iters=1"]))
+    cfg = arguments.prepare(
+        arguments.load_config([os.path.join(ROOT, "config", "tiny.py"), *shape, "--train_iters=1"])
+    )
     ours = build_model(cfg, CPU)
-    shapes = sorted(tuple(p.shape) for n, p in ours.named_parameters() if not n.startswith("embed.norm."))
+    shapes = sorted(
+        tuple(p.shape) for n, p in ours.named_parameters() if not n.startswith("embed.norm.")
+    )
     assert sorted(tuple(p.shape) for p in tool.nanogpt_model(args).parameters()) == shapes
     assert tool.nanogpt_tokens_per_second(args) > 0
 
 
-def test_bench_counts_zeros_on_the_iterations_train_py_logs(corpus512, unmeasured_peak, monkeypatch):  # noqa: F811
+def test_bench_counts_zeros_on_the_iterations_train_py_logs(
+    corpus512, unmeasured_peak, monkeypatch
+):  # noqa: F811
     """train.py counts the zero gradients (a pass over all of them, for the log) only on the iterations it logs,
     every log_interval-th; bench's iterations as many, not every one (work a training step does not do: 1-3% of
     the 6 x 384 CPU step). Iteration 1 the warm-up, 2-6 timed, 7 profiled: counted at 2, 4 and 6."""
     counted = []
     count_zeros = parallel.count_zeros
-    monkeypatch.setattr(parallel, "count_zeros", lambda model: counted.append(1) or count_zeros(model))
-    bench.measure([os.path.join(ROOT, "config", "tiny.py"), *TINY, "--vocab_size=512", f"--data_path={corpus512}",
-                   "--bench_warmup=1", "--bench_steps=5", "--log_interval=2"])
+    monkeypatch.setattr(
+        parallel, "count_zeros", lambda model: counted.append(1) or count_zeros(model)
+    )
+    bench.measure(
+        [
+            os.path.join(ROOT, "config", "tiny.py"),
+            *TINY,
+            "--vocab_size=512",
+            f"--data_path={corpus512}",
+            "--bench_warmup=1",
+            "--bench_steps=5",
+            "--log_interval=2",
+        ]
+    )
     assert len(counted) == 3, counted
 
 
@@ -270,18 +376,28 @@ def test_gpu_busy_is_the_union_of_the_device_kernels_and_copies():
     """bench.gpu_busy, which gives a GPU step's idle share: kernels on two streams that overlap count once, a gap
     counts as idle, and neither a range's GPU-side copy (which spans the idle time too) nor a host op counts."""
     from types import SimpleNamespace
+
     CUDA, HOST = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
 
     def event(name, device, start, end, annotation=False):
-        return SimpleNamespace(name=name, device_type=device, is_user_annotation=annotation,
-                               time_range=SimpleNamespace(start=start, end=end))
-    events = [event("bench: step", HOST, 0, 100, annotation=True),
-              event("bench: step", CUDA, 0, 100, annotation=True),  # the range on the GPU's timeline
-              event("bench: optimizer", HOST, 60, 90, annotation=True),
-              event("bench: optimizer", CUDA, 60, 90),  # flagged or not, named as a host range: left out
-              event("aten::mm", HOST, 0, 3),
-              event("sm90_xmma_gemm", CUDA, 0, 10), event("triton_poi_fused_add", CUDA, 5, 20),  # two streams
-              event("Memcpy HtoD", CUDA, 20, 25), event("triton_red_fused_sum", CUDA, 30, 40)]
+        return SimpleNamespace(
+            name=name,
+            device_type=device,
+            is_user_annotation=annotation,
+            time_range=SimpleNamespace(start=start, end=end),
+        )
+
+    events = [
+        event("bench: step", HOST, 0, 100, annotation=True),
+        event("bench: step", CUDA, 0, 100, annotation=True),  # the range on the GPU's timeline
+        event("bench: optimizer", HOST, 60, 90, annotation=True),
+        event("bench: optimizer", CUDA, 60, 90),  # flagged or not, named as a host range: left out
+        event("aten::mm", HOST, 0, 3),
+        event("sm90_xmma_gemm", CUDA, 0, 10),
+        event("triton_poi_fused_add", CUDA, 5, 20),  # two streams
+        event("Memcpy HtoD", CUDA, 20, 25),
+        event("triton_red_fused_sum", CUDA, 30, 40),
+    ]
     assert bench.gpu_busy(events) == 35.0  # [0, 25) and [30, 40)
     assert bench.gpu_busy([e for e in events if e.device_type == HOST]) == 0.0
 
@@ -291,7 +407,10 @@ def test_gpu_busy_is_the_union_of_the_device_kernels_and_copies():
 
 
 def test_a_guarded_run_calls_the_stability_layer_at_train_py_s_points(
-    corpus512, unmeasured_peak, capsys, monkeypatch  # noqa: F811
+    corpus512,
+    unmeasured_peak,
+    capsys,
+    monkeypatch,  # noqa: F811
 ):
     """With --spike_guard each iteration bench times passes the callbacks' points of train.py's
     loop, in its order, after one start: what the guard costs is in the time. Without it none is
@@ -348,8 +467,10 @@ def test_guard_price_prints_the_ratio_of_the_guarded_run_to_the_plain_one(monkey
         "ratio 0.990 (means of 10 timed iterations each"
     ), line
     assert "snapshots every 50 iterations: none in these 13, their cost not in the ratio" in line
-    assert line.endswith("; the guard arms after 16 steps: unarmed in these, its checks' forwards "
-                         "not in the ratio; goal >= 0.99)"), line
+    assert line.endswith(
+        "; the guard arms after 16 steps: unarmed in these, its checks' forwards "
+        "not in the ratio; goal >= 0.99)"
+    ), line
     with pytest.raises(ValueError, match="--guard_price times one CONFIG.py"):
         bench.main(["config/gpt2_125m.py", "--guard_price", "--spike_guard"])
 

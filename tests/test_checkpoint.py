@@ -3,6 +3,7 @@ before `latest` moves) checked on load, so a truncated or bit-rotted file stops 
 and the earlier checkpoint, touching nothing; old checkpoints without one still load; tools/check_checkpoint.py
 finds missing, damaged, misshapen and drifted files offline; tools/sample.py reads a TP2 x PP2 checkpoint and
 generates what one process generates from the same weights."""
+
 import hashlib
 import os
 import shutil
@@ -46,7 +47,9 @@ import sample  # noqa: E402
 def ckpt(corpus, tmp_path_factory):
     """global_step1 and global_step2 of the SMALL model; tests copy the directory before changing it."""
     directory = tmp_path_factory.mktemp("ckpt")
-    run_main(*SMALL, "--train_iters=2", "--eval_iters=0", f"--save={directory}", "--save_interval=1")
+    run_main(
+        *SMALL, "--train_iters=2", "--eval_iters=0", f"--save={directory}", "--save_interval=1"
+    )
     return directory
 
 
@@ -56,17 +59,26 @@ def _contents(directory):
     for d, _, names in os.walk(directory):
         for name in names:
             path = os.path.join(d, name)
-            out[os.path.relpath(path, directory)] = hashlib.sha256(open(path, "rb").read()).hexdigest()
+            out[os.path.relpath(path, directory)] = hashlib.sha256(
+                open(path, "rb").read()
+            ).hexdigest()
     return out
 
 
 def test_manifest_lists_every_file_with_its_size_and_crc(ckpt):
     tag_dir = os.path.join(ckpt, "global_step2")
     manifest = checkpoint.read_manifest(tag_dir)
-    assert manifest["topology"] == {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1,
-                                    "data_parallel_size": 1}
+    assert manifest["topology"] == {
+        "tensor_model_parallel_size": 1,
+        "pipeline_model_parallel_size": 1,
+        "data_parallel_size": 1,
+    }
     files = sorted(n for n in os.listdir(tag_dir) if n != checkpoint.MANIFEST)
-    assert sorted(manifest["files"]) == files == ["mp_rank_00_000_model_states.pt", "rank_00000_optim_states.pt"]
+    assert (
+        sorted(manifest["files"])
+        == files
+        == ["mp_rank_00_000_model_states.pt", "rank_00000_optim_states.pt"]
+    )
     for name, entry in manifest["files"].items():
         # computed here from the file, independently
         content = open(os.path.join(tag_dir, name), "rb").read()
@@ -84,8 +96,12 @@ def test_a_save_whose_manifest_fails_leaves_latest_where_it_was(corpus, tmp_path
         return write_manifest(*args, **kwargs)
 
     monkeypatch.setattr(checkpoint, "write_manifest", fails_second_time)
-    with pytest.raises(ValueError, match="saving checkpoint .*global_step2 failed: .*Input/output error"):
-        run_main(*SMALL, "--train_iters=2", "--eval_iters=0", f"--save={tmp_path}", "--save_interval=1")
+    with pytest.raises(
+        ValueError, match="saving checkpoint .*global_step2 failed: .*Input/output error"
+    ):
+        run_main(
+            *SMALL, "--train_iters=2", "--eval_iters=0", f"--save={tmp_path}", "--save_interval=1"
+        )
     assert open(tmp_path / "latest").read().strip() == "global_step1"
     assert not [n for n in os.listdir(tmp_path) if n.startswith("global_step2")]
 
@@ -95,10 +111,14 @@ def test_truncated_file_stops_the_run_with_one_message_and_touches_nothing(ckpt,
     path = directory / "global_step2" / "mp_rank_00_000_model_states.pt"
     path.write_bytes(path.read_bytes()[:-1000])  # a copy cut short
     before = _contents(directory)
-    proc = run_cli(*SMALL, "--train_iters=4", f"--load={directory}", f"--save={directory}", expect_ok=False)
+    proc = run_cli(
+        *SMALL, "--train_iters=4", f"--load={directory}", f"--save={directory}", expect_ok=False
+    )
     assert proc.returncode == 2, proc.stderr[-3000:]
     errors = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert len(errors) == 1 and errors[0].startswith(f"error: checkpoint file {path}: it is truncated"), proc.stderr
+    assert len(errors) == 1 and errors[0].startswith(
+        f"error: checkpoint file {path}: it is truncated"
+    ), proc.stderr
     assert "Nothing was loaded; resume from global_step1 instead: echo global_step1 > " in errors[0]
     assert _contents(directory) == before
 
@@ -113,8 +133,11 @@ def test_flipped_byte_is_found_before_the_tensors_are_read(ckpt, tmp_path):
         path.write_bytes(bytes(content))
         # torch reads it without a word: only the checksum can tell
         torch.load(path, weights_only=False)
-        with pytest.raises(ValueError, match=rf"{name}: its CRC-32 is [0-9a-f]{{8}} where the manifest says "
-                                             r"[0-9a-f]{8}: it is corrupt .* resume from global_step1"):
+        with pytest.raises(
+            ValueError,
+            match=rf"{name}: its CRC-32 is [0-9a-f]{{8}} where the manifest says "
+            r"[0-9a-f]{8}: it is corrupt .* resume from global_step1",
+        ):
             checkpoint.load(str(directory / "global_step2"))
     with pytest.raises(ValueError, match="mp_rank_00_000_model_states.pt: its CRC-32 is"):
         sample.load_model(str(directory), "cpu")
@@ -141,11 +164,16 @@ def test_checkpoint_without_a_manifest_loads_with_one_note(ckpt, tmp_path, capsy
 def straight(corpus, tmp_path_factory):
     """(losses, final checkpoint's directory) of 3 iterations uninterrupted, saved synchronously at the end."""
     directory = tmp_path_factory.mktemp("straight")
-    return losses(run_main(*SMALL, "--eval_iters=0", "--train_iters=3", f"--save={directory}")), directory
+    return losses(
+        run_main(*SMALL, "--eval_iters=0", "--train_iters=3", f"--save={directory}")
+    ), directory
 
 
 def assert_same_end(straight, directory):
-    (tag_a, model_a, rank_a), (tag_b, model_b, rank_b) = final_state(straight[1]), final_state(directory)
+    (tag_a, model_a, rank_a), (tag_b, model_b, rank_b) = (
+        final_state(straight[1]),
+        final_state(directory),
+    )
     assert tag_a == tag_b == "global_step3"
     assert_same(model_a["model"], model_b["model"], "model")
     assert_same(rank_a["optimizer"], rank_b["optimizer"], "optimizer")
@@ -160,7 +188,9 @@ def test_async_save_writes_what_a_save_writes_and_resumes_bit_exactly(ckpt, stra
     out = run_main(*args, "--train_iters=2", "--save_interval=1")
     assert "saving checkpoint in the background at iteration        1" in out
     for tag in ("global_step1", "global_step2"):
-        (model_a, run_a, rank_a), (model_b, run_b, rank_b) = (checkpoint.load(str(d / tag)) for d in (ckpt, directory))
+        (model_a, run_a, rank_a), (model_b, run_b, rank_b) = (
+            checkpoint.load(str(d / tag)) for d in (ckpt, directory)
+        )
         assert_same(model_a, model_b, f"{tag} model")
         assert_same(rank_a["optimizer"], rank_b["optimizer"], f"{tag} optimizer")
         assert run_a["state"] == run_b["state"]
@@ -173,17 +203,29 @@ def test_async_save_writes_what_a_save_writes_and_resumes_bit_exactly(ckpt, stra
 def test_async_save_on_two_ranks_writes_what_a_save_writes(synthetic_corpus, tmp_path):
     """TP=2 under torchrun: the writer threads' barriers run on their own gloo group beside the training's
     collectives; every file of each checkpoint holds what a synchronous run's holds."""
-    args = [f"--data_path={synthetic_corpus}", "--tensor_model_parallel_size=2", "--train_iters=4",
-            "--save_interval=2"]
+    args = [
+        f"--data_path={synthetic_corpus}",
+        "--tensor_model_parallel_size=2",
+        "--train_iters=4",
+        "--save_interval=2",
+    ]
     sync = launch(tmp_path, 2, *args, f"--save={tmp_path / 'sync'}")
     background = launch(tmp_path, 2, *args, f"--save={tmp_path / 'async'}", "--async_save")
-    assert background.lines == sync.lines and "saving checkpoint in the background" in background.out
+    assert (
+        background.lines == sync.lines and "saving checkpoint in the background" in background.out
+    )
     for tag in ("global_step2", "global_step4"):
         names = sorted(checkpoint.read_manifest(str(tmp_path / "sync" / tag))["files"])
         assert sorted(checkpoint.read_manifest(str(tmp_path / "async" / tag))["files"]) == names
         for name in names:
-            a, b = (torch.load(tmp_path / d / tag / name, weights_only=False) for d in ("sync", "async"))
-            assert_same(a.get("model", a.get("optimizer")), b.get("model", b.get("optimizer")), f"{tag}/{name}")
+            a, b = (
+                torch.load(tmp_path / d / tag / name, weights_only=False) for d in ("sync", "async")
+            )
+            assert_same(
+                a.get("model", a.get("optimizer")),
+                b.get("model", b.get("optimizer")),
+                f"{tag}/{name}",
+            )
     assert check_checkpoint.main([str(tmp_path / "async")]) == 0
 
 
@@ -211,15 +253,30 @@ def test_kill_during_a_background_write_leaves_the_previous_checkpoint(straight,
     """kill -9 while global_step2 is half written: `latest` still names global_step1, which is whole, and the
     run resumed from it (the stale lock taken over, the debris removed) ends as an uninterrupted run does."""
     directory, marker = tmp_path / "run", tmp_path / "writing"
-    args = [*SMALL, "--eval_iters=0", "--train_iters=3", f"--save={directory}", "--save_interval=1", "--async_save"]
+    args = [
+        *SMALL,
+        "--eval_iters=0",
+        "--train_iters=3",
+        f"--save={directory}",
+        "--save_interval=1",
+        "--async_save",
+    ]
     env = dict(os.environ, WANDB_MODE="disabled", PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen([sys.executable, "-c", KILLED_MID_WRITE, str(marker), *args], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", KILLED_MID_WRITE, str(marker), *args],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         deadline = time.time() + 300
         while not marker.exists() and proc.poll() is None and time.time() < deadline:
             time.sleep(0.2)
-        assert marker.exists(), proc.communicate(timeout=60)[0][-3000:] if proc.poll() is not None else "timeout"
+        assert marker.exists(), (
+            proc.communicate(timeout=60)[0][-3000:] if proc.poll() is not None else "timeout"
+        )
         time.sleep(1.0)  # the loop goes on beside the write: iteration 3 runs
         os.kill(proc.pid, signal.SIGKILL)
         out = proc.communicate(timeout=60)[0]
@@ -231,24 +288,38 @@ def test_kill_during_a_background_write_leaves_the_previous_checkpoint(straight,
     assert open(directory / "latest").read().strip() == "global_step1"
     assert not (directory / "global_step2").exists()
     partial = directory / "global_step2.partial"
-    assert [n for n in os.listdir(partial) if n.endswith(".tmp")] and not (partial / checkpoint.MANIFEST).exists()
+    assert [n for n in os.listdir(partial) if n.endswith(".tmp")] and not (
+        partial / checkpoint.MANIFEST
+    ).exists()
     assert check_checkpoint.main([str(directory)]) == 0  # global_step1, the one `latest` names
     resumed = run_main(*args)
     assert "resuming from" in resumed and "taking over the lock" in resumed
     assert losses(resumed) == {i: straight[0][i] for i in (2, 3)}
     assert_same_end(straight, directory)
     assert sorted(n for n in os.listdir(directory) if n.startswith("global_step")) == [
-        "global_step1", "global_step2", "global_step3"]
+        "global_step1",
+        "global_step2",
+        "global_step3",
+    ]
 
 
 # -----------------------------------------------------------------------------
 # tools/check_checkpoint.py, and a TP2 x PP2 checkpoint
 
 
-TP2PP2 = ["--num_layers=4", "--hidden_size=32", "--num_attention_heads=4", "--seq_length=32", "--vocab_size=50257",
-          "--embed_layernorm=false", "--activation=gelu_tanh", "--tensor_model_parallel_size=2",
-          # large weights: greedy text that varies
-          "--pipeline_model_parallel_size=2", "--init_method_std=1.0"]
+TP2PP2 = [
+    "--num_layers=4",
+    "--hidden_size=32",
+    "--num_attention_heads=4",
+    "--seq_length=32",
+    "--vocab_size=50257",
+    "--embed_layernorm=false",
+    "--activation=gelu_tanh",
+    "--tensor_model_parallel_size=2",
+    # large weights: greedy text that varies
+    "--pipeline_model_parallel_size=2",
+    "--init_method_std=1.0",
+]
 
 
 @torch.no_grad()
@@ -259,8 +330,10 @@ def weights(stage):
     for name, p in stage.named_parameters():
         if p.ndim == 1:
             tp_dim = getattr(p, "tp_dim", None)
-            full = torch.randn(p.shape[0] * (stage.grid.tp_size if tp_dim is not None else 1),
-                               generator=torch.Generator().manual_seed(zlib.crc32(name.encode())))
+            full = torch.randn(
+                p.shape[0] * (stage.grid.tp_size if tp_dim is not None else 1),
+                generator=torch.Generator().manual_seed(zlib.crc32(name.encode())),
+            )
             p.add_(parallel.shard(full, tp_dim, stage.grid))
 
 
@@ -282,8 +355,14 @@ def test_check_tool_passes_whole_checkpoints(ckpt, tp2pp2, capsys):
 
 def run_tool(directory):
     import subprocess
-    return subprocess.run([sys.executable, "tools/check_checkpoint.py", str(directory)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
+
+    return subprocess.run(
+        [sys.executable, "tools/check_checkpoint.py", str(directory)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def test_check_tool_finds_damaged_and_drifted_files(tp2pp2, tmp_path, capsys):
@@ -302,19 +381,27 @@ def test_check_tool_finds_damaged_and_drifted_files(tp2pp2, tmp_path, capsys):
     directory = shutil.copytree(tp2pp2, tmp_path / "wrong")
     tag_dir = str(directory / "global_step1")
     files = checkpoint.read_manifest(tag_dir)["files"]
-    for rank, change in ((1, lambda m: m["blocks.0.ln_1.weight"][3].add_(1e-3)),
-                         (2, lambda m: (m.pop("ln_f.bias"), m.update({"blocks.3.mlp.fc1.weight": torch.zeros(3)})))):
+    for rank, change in (
+        (1, lambda m: m["blocks.0.ln_1.weight"][3].add_(1e-3)),
+        (2, lambda m: (m.pop("ln_f.bias"), m.update({"blocks.3.mlp.fc1.weight": torch.zeros(3)}))),
+    ):
         g = parallel.Grid(2, 2, world_size=4, rank=rank)
         blob = torch.load(checkpoint.model_file(tag_dir, g), weights_only=False)
         change(blob["model"])
-        files.update(checkpoint.write_files(tag_dir, blob["model"], blob["run"], {"optimizer": {}}, True, g))
+        files.update(
+            checkpoint.write_files(tag_dir, blob["model"], blob["run"], {"optimizer": {}}, True, g)
+        )
     checkpoint.write_manifest(tag_dir, [files], g)
     assert check_checkpoint.main([str(directory)]) == 1
     out = capsys.readouterr().out
-    assert "mp_rank_01_000_model_states.pt: blocks.0.ln_1.weight differs from TP rank 0's copy" in out, out
+    assert (
+        "mp_rank_01_000_model_states.pt: blocks.0.ln_1.weight differs from TP rank 0's copy" in out
+    ), out
     assert "mp_rank_00_001_model_states.pt: ln_f.bias is missing" in out
-    assert "mp_rank_00_001_model_states.pt: blocks.3.mlp.fc1.weight has shape (3,), the stored config's model " \
-           "(64, 32)" in out
+    assert (
+        "mp_rank_00_001_model_states.pt: blocks.3.mlp.fc1.weight has shape (3,), the stored config's model "
+        "(64, 32)" in out
+    )
     assert out.count("FAIL") == 3
 
 
@@ -323,7 +410,9 @@ def test_sample_reads_a_tp2_pp2_checkpoint(tp2pp2, capsys):
     weights in one process."""
     sample.main(["--load", str(tp2pp2), "--prompt", "ROMEO:", "--max_tokens", "12", "--top_k", "1"])
     text = capsys.readouterr().out.rstrip("\n")
-    cfg = arguments.load_config([*TP2PP2, "--tensor_model_parallel_size=1", "--pipeline_model_parallel_size=1"])
+    cfg = arguments.load_config(
+        [*TP2PP2, "--tensor_model_parallel_size=1", "--pipeline_model_parallel_size=1"]
+    )
     one = GPT(section(GPTConfig, cfg)).eval()
     weights(one)
     tok = data.get_tokenizer()
@@ -331,7 +420,10 @@ def test_sample_reads_a_tp2_pp2_checkpoint(tp2pp2, capsys):
     assert text == tok.decode(out[0].tolist())
     assert len(set(out[0, 3:].tolist())) >= 4, "a degenerate model would not tell layouts apart"
     gathered, _, _ = reshard.load_full_model(str(tp2pp2))
-    assert all(torch.equal(p, dict(one.named_parameters())[n][:p.shape[0]]) for n, p in gathered.named_parameters())
+    assert all(
+        torch.equal(p, dict(one.named_parameters())[n][: p.shape[0]])
+        for n, p in gathered.named_parameters()
+    )
 
 
 # -- async save under a forced interleaving: the writer held until the next step and the next save have run --
@@ -341,23 +433,37 @@ def _state(value):
     """A rank's checkpoint state at one step: weights, Adam moments, the run state, the RNG."""
     g = torch.Generator().manual_seed(int(value))
     model_state = {"w": torch.randn(64, 32, generator=g), "b": torch.full((32,), float(value))}
-    return model_state, {"state": {"iteration": int(value)}}, {"adam": torch.randn(64, 32, generator=g)}
+    return (
+        model_state,
+        {"state": {"iteration": int(value)}},
+        {"adam": torch.randn(64, 32, generator=g)},
+    )
 
 
 def _files(directory):
-    return {os.path.relpath(os.path.join(d, f), directory): open(os.path.join(d, f), "rb").read()
-            for d, _, names in os.walk(directory) for f in names}
+    return {
+        os.path.relpath(os.path.join(d, f), directory): open(os.path.join(d, f), "rb").read()
+        for d, _, names in os.walk(directory)
+        for f in names
+    }
 
 
-def test_async_save_held_until_the_next_step_and_save_writes_what_a_synchronous_save_writes(tmp_path, monkeypatch):
+def test_async_save_held_until_the_next_step_and_save_writes_what_a_synchronous_save_writes(
+    tmp_path, monkeypatch
+):
     """The background write of checkpoint 1 is held until the training has changed the live tensors (the next
     optimizer step) and started the next save (its host copy made, or it waiting for the first): checkpoint 1's
     files must still be byte for byte a synchronous save's of step 1's state. Fails if a save does not wait for
     the one in flight (the next copy overwrites the held payload's buffers) or if the payload is written from
     the live tensors instead of its host copy. Not timing: an event orders the threads."""
     import threading
+
     release, held = threading.Event(), threading.Event()
-    real_save, real_copy, real_wait = checkpoint.save, checkpoint.host_copy, checkpoint.AsyncWriter.wait
+    real_save, real_copy, real_wait = (
+        checkpoint.save,
+        checkpoint.host_copy,
+        checkpoint.AsyncWriter.wait,
+    )
 
     def held_save(*args, **kwargs):
         if threading.current_thread() is not threading.main_thread() and not held.is_set():
@@ -374,6 +480,7 @@ def test_async_save_held_until_the_next_step_and_save_writes_what_a_synchronous_
     def wait_releases(self):
         release.set()  # a save that waits for the one in flight must let it finish first
         return real_wait(self)
+
     monkeypatch.setattr(checkpoint, "save", held_save)
     monkeypatch.setattr(checkpoint, "host_copy", copy_then_release)
     monkeypatch.setattr(checkpoint.AsyncWriter, "wait", wait_releases)
@@ -384,7 +491,9 @@ def test_async_save_held_until_the_next_step_and_save_writes_what_a_synchronous_
     expected[1] = _files(tmp_path / "sync" / "global_step1")
     with checkpoint.AsyncWriter() as writer:
         writer.save(str(tmp_path / "async"), 1, model_state, run, rank, write_model_state=True)
-        for live, new in zip((model_state, rank), _state(2)[::2]):  # the next optimizer step, in place
+        for live, new in zip(
+            (model_state, rank), _state(2)[::2]
+        ):  # the next optimizer step, in place
             for key in live:
                 live[key].copy_(new[key])
         run["state"]["iteration"] = 2
@@ -408,18 +517,25 @@ def _checkpoint_writes_talk_on_the_host_group(directory):
     import threading
 
     import torch.distributed as dist
+
     calls, made, real_new_group = [], [], dist.new_group
-    wrapped = {name: getattr(dist, name) for name in ("all_gather", "all_reduce", "barrier", "broadcast")}
+    wrapped = {
+        name: getattr(dist, name) for name in ("all_gather", "all_reduce", "barrier", "broadcast")
+    }
 
     def recording(name):
         def call(*args, **kwargs):
-            calls.append((threading.current_thread() is threading.main_thread(), name, kwargs.get("group")))
+            calls.append(
+                (threading.current_thread() is threading.main_thread(), name, kwargs.get("group"))
+            )
             return wrapped[name](*args, **kwargs)
+
         return call
 
     def new_group(*args, **kwargs):
         made.append((kwargs.get("backend"), kwargs.get("timeout")))
         return real_new_group(*args, **kwargs)
+
     try:
         dist.new_group = new_group
         for name in wrapped:
@@ -427,8 +543,12 @@ def _checkpoint_writes_talk_on_the_host_group(directory):
         for enabled in (True, False):
             with checkpoint.AsyncWriter(enabled) as writer:
                 for iteration in (1, 2):
-                    writer.save(f"{directory}/{enabled}", iteration, *_state(iteration),
-                                write_model_state=parallel.grid.rank == 0)
+                    writer.save(
+                        f"{directory}/{enabled}",
+                        iteration,
+                        *_state(iteration),
+                        write_model_state=parallel.grid.rank == 0,
+                    )
             if enabled:
                 background, calls[:] = list(calls), []
     finally:

@@ -6,6 +6,7 @@ does from there (OPT: the LR x0.25 at every later iteration; PaLM: its window sk
 after it bit for bit a run with skip_train_iteration_range of the same iterations); it keeps its
 decisions across a resume (a run stopped after the restart and resumed ends as the one that was
 not); and it does nothing on a clean run."""
+
 import re
 
 import pytest
@@ -31,16 +32,32 @@ def cfg_with(**keys):
 
 @pytest.fixture(scope="module")
 def run(corpus512, tmp_path_factory):  # noqa: F811 (the fixture)
-    base = ["--num_layers=2", "--hidden_size=64", "--num_attention_heads=4", "--seq_length=64",
-            "--vocab_size=512", "--micro_batch_size=8", "--global_batch_size=8",
-            "--train_iters=50", "--lr=2e-3", "--lr_warmup_samples=40", "--lr_decay_samples=1600",
-            "--hidden_dropout=0", "--attention_dropout=0", "--log_interval=1",
-            "--eval_interval=1000", "--eval_iters=4", "--sample_tokens=0", "--save_interval=10",
-            f"--data_path={corpus512}"]
+    base = [
+        "--num_layers=2",
+        "--hidden_size=64",
+        "--num_attention_heads=4",
+        "--seq_length=64",
+        "--vocab_size=512",
+        "--micro_batch_size=8",
+        "--global_batch_size=8",
+        "--train_iters=50",
+        "--lr=2e-3",
+        "--lr_warmup_samples=40",
+        "--lr_decay_samples=1600",
+        "--hidden_dropout=0",
+        "--attention_dropout=0",
+        "--log_interval=1",
+        "--eval_interval=1000",
+        "--eval_iters=4",
+        "--sample_tokens=0",
+        "--save_interval=10",
+        f"--data_path={corpus512}",
+    ]
 
     def go(*extra, save=None):
         save = save or tmp_path_factory.mktemp("run")
         return run_main(*base, f"--save={save}", *extra)
+
     return go
 
 
@@ -54,13 +71,17 @@ def actions(out, name):
 
 
 def lrs(out):
-    return {i: float(f["learning rate"]) for i, f in log_fields(out).items()
-            if "learning rate" in f}
+    return {
+        i: float(f["learning rate"]) for i, f in log_fields(out).items() if "learning rate" in f
+    }
 
 
 def after(out, iteration, *keys):
-    return {i: tuple(f[k] for k in keys) for i, f in log_fields(out).items()
-            if i > iteration and "lm loss" in f}
+    return {
+        i: tuple(f[k] for k in keys)
+        for i, f in log_fields(out).items()
+        if i > iteration and "lm loss" in f
+    }
 
 
 def test_a_restart_keeps_its_decisions_through_a_rollback_and_its_losses_go_with_the_weights():
@@ -80,21 +101,28 @@ def test_a_restart_keeps_its_decisions_through_a_rollback_and_its_losses_go_with
 def test_bad_restart_keys_name_the_fix():
     on = {"save": "x", "save_interval": 1}
     for keys, words in (
-            ({"opt_restart_lr_factor": 1.0},
-             "opt_restart_lr_factor=1.0 must be 0 (off) or in (0, 1)"),
-            ({"palm_restart_skip": 200},
-             "palm_restart_skip restarts from the run's disk checkpoints: set save=DIR and"),
-            ({"palm_restart_skip": 200, "opt_restart_lr_factor": 0.25, **on},
-             "two baselines: set one of them to 0"),
-            ({"opt_restart_lr_factor": 0.5, "spike_guard": True, **on},
-             "set spike_guard=False or opt_restart_lr_factor=0"),
-            ({"restart_window": 3}, "restart_window >= 4")):
+        ({"opt_restart_lr_factor": 1.0}, "opt_restart_lr_factor=1.0 must be 0 (off) or in (0, 1)"),
+        (
+            {"palm_restart_skip": 200},
+            "palm_restart_skip restarts from the run's disk checkpoints: set save=DIR and",
+        ),
+        (
+            {"palm_restart_skip": 200, "opt_restart_lr_factor": 0.25, **on},
+            "two baselines: set one of them to 0",
+        ),
+        (
+            {"opt_restart_lr_factor": 0.5, "spike_guard": True, **on},
+            "set spike_guard=False or opt_restart_lr_factor=0",
+        ),
+        ({"restart_window": 3}, "restart_window >= 4"),
+    ):
         with pytest.raises(ValueError, match=re.escape(words)):
             stability_config.check(cfg_with(**keys))
 
 
 def test_opt_restart_goes_back_to_the_last_checkpoint_and_cuts_the_lr_from_there(
-        run, clean, tmp_path):
+    run, clean, tmp_path
+):
     quiet = run(*OPT)
     assert not actions(quiet, "opt_restart") and losses(quiet) == losses(clean)
     out = run(*OPT, *LR_FAULT)
@@ -114,7 +142,8 @@ def test_opt_restart_goes_back_to_the_last_checkpoint_and_cuts_the_lr_from_there
 
 
 def test_palm_restart_goes_back_and_skips_the_batches_as_skip_train_iteration_range(
-        run, clean, tmp_path):
+    run, clean, tmp_path
+):
     quiet = run(*PALM)
     assert not actions(quiet, "palm_restart") and losses(quiet) == losses(clean)
     out = run(*PALM, *BAD_BATCH)
@@ -122,12 +151,16 @@ def test_palm_restart_goes_back_and_skips_the_batches_as_skip_train_iteration_ra
     # 10 or more before the spike at 35: the checkpoint of 20; 20 batches from there, through 35
     assert line.startswith("remedy palm_restart: iteration 35: loss ") and line.endswith(
         "restarted from the checkpoint of iteration 20; iterations 21-40 skipped (20 batches); "
-        "LR unchanged")
+        "LR unchanged"
+    )
     skipped = [i for i in range(1, 51) if f"{i:8d}/      50 | skipped (palm_restart)" in out]
     assert skipped == list(range(21, 41))
     reference = run(*BAD_BATCH, "--skip_train_iteration_range=21-40")
-    assert after(out, 40, "lm loss", "consumed samples") == after(
-        reference, 40, "lm loss", "consumed samples") != {}
+    assert (
+        after(out, 40, "lm loss", "consumed samples")
+        == after(reference, 40, "lm loss", "consumed samples")
+        != {}
+    )
     # stopped inside its skipped window (at 38) and resumed: 39 and 40 still skipped
     run(*PALM, *BAD_BATCH, "--train_iters=38", save=tmp_path)
     resumed = run(*PALM, *BAD_BATCH, save=tmp_path)
@@ -138,8 +171,13 @@ def test_palm_restart_goes_back_and_skips_the_batches_as_skip_train_iteration_ra
 def test_a_loss_that_is_not_finite_restarts_and_the_cap_ends_the_restarts(run):
     # the LR x1e9 on every pass through 25-26: the loss NaN at 26 each time, however far it is cut;
     # the default window (128) never judges in 50 iterations, so the divergence rule alone acts
-    out = run("--opt_restart_lr_factor=0.25", "--restart_max=2", "--inject_lr_iters=25-26",
-              "--inject_lr_factor=1e9", "--inject_lr_persistent")
+    out = run(
+        "--opt_restart_lr_factor=0.25",
+        "--restart_max=2",
+        "--inject_lr_iters=25-26",
+        "--inject_lr_factor=1e9",
+        "--inject_lr_persistent",
+    )
     lines = actions(out, "opt_restart")
     assert [line.split(": ", 2)[1] for line in lines] == ["iteration 26"] * 2 + ["iteration 27"]
     assert all("loss nan (a divergence)" in line for line in lines)

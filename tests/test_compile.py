@@ -1,6 +1,7 @@
 """compile=True: each block is one graph (no graph break), with dropout and activation checkpointing, and the
 compiled model trains bit for bit as the eager one (the aot_eager backend: dynamo and AOT autograd without
 inductor's kernels, so that the only difference a break or a replayed mask could make shows)."""
+
 import glob
 import os
 
@@ -15,18 +16,34 @@ from model import GPT, GPTConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = sorted(os.path.basename(p)[:-3] for p in glob.glob(os.path.join(ROOT, "config", "*.py")))
-BLOCK_KEYS = ("position_embedding_type", "apply_query_key_layer_scaling", "stable_attention", "qk_layernorm",
-              "normformer", "activation")
+BLOCK_KEYS = (
+    "position_embedding_type",
+    "apply_query_key_layer_scaling",
+    "stable_attention",
+    "qk_layernorm",
+    "normformer",
+    "activation",
+)
 
 
 def tiny(name=None, **kw):
     """A tiny model with config `name`'s block settings, dropout on everywhere."""
     settings = {}
     if name is not None:
-        cfg = arguments.derive(arguments.load_config([os.path.join(ROOT, "config", f"{name}.py")]), world_size=1)
+        cfg = arguments.derive(
+            arguments.load_config([os.path.join(ROOT, "config", f"{name}.py")]), world_size=1
+        )
         settings = {key: getattr(cfg, key) for key in BLOCK_KEYS}
-    base = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=300,
-                hidden_dropout=0.1, attention_dropout=0.1, embed_dropout=0.1)
+    base = dict(
+        num_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        seq_length=16,
+        vocab_size=300,
+        hidden_dropout=0.1,
+        attention_dropout=0.1,
+        embed_dropout=0.1,
+    )
     return GPTConfig(**{**base, **settings, **kw})
 
 
@@ -78,15 +95,23 @@ def test_compile_keeps_parameter_names():
 @pytest.mark.cuda
 def test_compiled_block_on_cuda_matches_eager():
     """inductor's kernels on a GPU, bf16: close to eager (fused kernels round differently), no graph break."""
-    cfg = tiny("tr3_1b3", hidden_dropout=0.0, attention_dropout=0.0, embed_dropout=0.0, hidden_size=256,
-               seq_length=256)
+    cfg = tiny(
+        "tr3_1b3",
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        embed_dropout=0.0,
+        hidden_size=256,
+        seq_length=256,
+    )
     gpt = GPT(cfg).to("cuda", torch.bfloat16).train()
     ids = torch.randint(0, 300, (2, 256), device="cuda")
     eager = gpt(ids, targets=ids)
     torch._dynamo.reset()
     # explained before compile_blocks: explain() of a module already compiled reports no graph at all (-1 breaks,
     # torch 2.11 on an H200), which says nothing of the graph compile_blocks traces
-    explained = torch._dynamo.explain(gpt.blocks["0"])(torch.randn(2, 256, 256, device="cuda", dtype=torch.bfloat16))
+    explained = torch._dynamo.explain(gpt.blocks["0"])(
+        torch.randn(2, 256, 256, device="cuda", dtype=torch.bfloat16)
+    )
     assert explained.graph_count == 1 and explained.graph_break_count == 0, explained.break_reasons
     torch._dynamo.reset()
     gpt.compile_blocks()
@@ -113,7 +138,9 @@ def test_a_tensor_parallel_block_compiles_around_its_forked_core():
     q, _, _ = block.before_attention(x, rotary)
     for side, args in ((block.before_attention, (x, rotary)), (block.after_attention, (x, q))):
         explained = torch._dynamo.explain(side)(*args)
-        assert explained.graph_break_count == 0, [str(b.reason)[:200] for b in explained.break_reasons]
+        assert explained.graph_break_count == 0, [
+            str(b.reason)[:200] for b in explained.break_reasons
+        ]
         assert explained.graph_count == 1
     # and compiled, it trains as eager: the same masks from both streams, checkpointing's replay included
     torch._dynamo.reset()

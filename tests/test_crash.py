@@ -2,6 +2,7 @@
 in a collective for distributed_timeout_minutes (a hung 104B job idles every GPU meanwhile). Under srun,
 `--kill-on-bad-exit=1` in docs/parallelism.md's recipe does what torchrun's agent does here (tests/test_safety.py
 checks the recipe has it)."""
+
 import os
 import subprocess
 import sys
@@ -37,8 +38,20 @@ def test_one_failing_rank_ends_a_torchrun_job(synthetic_corpus, tmp_path):
     script = tmp_path / "failing_rank.py"
     script.write_text(FAILING_RANK)
     # train.py's loop looks train_step up in its own namespace: the script patches training before train.py runs
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-           str(script), *E2E_ARGS, f"--data_path={synthetic_corpus}", "--train_iters=6", "--log_interval=1"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(free_port()),
+        str(script),
+        *E2E_ARGS,
+        f"--data_path={synthetic_corpus}",
+        "--train_iters=6",
+        "--log_interval=1",
+    ]
     env = dict(os.environ, WANDB_MODE="disabled", OMP_NUM_THREADS="1")
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     out = proc.stdout + proc.stderr
@@ -61,7 +74,12 @@ def test_a_callback_that_stops_the_run_leaves_no_thread_loading(corpus, monkeypa
     """The batch prefetcher's thread is joined however the loop ends: a thread still loading when the process exits
     can abort it ("terminate called without an active exception", exit 134 instead of the stop's 3)."""
     import threading
-    monkeypatch.setattr(builders, "build_callbacks", lambda *args: training.Callbacks([StopsAtTwo()]))
+
+    monkeypatch.setattr(
+        builders, "build_callbacks", lambda *args: training.Callbacks([StopsAtTwo()])
+    )
     with pytest.raises(training.StopRun, match="stopped on purpose"):
         run_main(*SMALL, f"--data_path={corpus}", "--train_iters=5")
-    assert [t.name for t in threading.enumerate() if t.name == "batch-prefetch" and t.is_alive()] == []
+    assert [
+        t.name for t in threading.enumerate() if t.name == "batch-prefetch" and t.is_alive()
+    ] == []

@@ -17,6 +17,7 @@ import schedule
 # -----------------------------------------------------------------------------
 # tokenizer
 
+
 def test_tokenizer_gpt2_ids_and_round_trip():
     enc = data.get_tokenizer()
     assert enc.encode_ordinary("Hello world") == [15496, 995]  # GPT-2's published ids
@@ -30,6 +31,7 @@ def test_tokenizer_gpt2_ids_and_round_trip():
 # -----------------------------------------------------------------------------
 # .bin/.idx writer and reader
 
+
 def _parse_idx(path):
     """Independent reader of the MMIDIDX layout, straight from the format description."""
     raw = open(path, "rb").read()
@@ -41,7 +43,9 @@ def _parse_idx(path):
     return magic, version, code, sizes, pointers, doc_idx
 
 
-@pytest.mark.parametrize("dtype,code", [(np.uint16, 8), (np.int32, 4), (np.uint8, 1), (np.int64, 5)])
+@pytest.mark.parametrize(
+    "dtype,code", [(np.uint16, 8), (np.int32, 4), (np.uint8, 1), (np.int64, 5)]
+)
 def test_write_read_round_trip(tmp_path, dtype, code):
     rng = np.random.default_rng(0)
     high = min(np.iinfo(dtype).max, 60000)
@@ -83,9 +87,14 @@ def test_empty_dataset(tmp_path):
 def test_preprocess_deterministic_across_workers(tmp_path):
     texts = ["First plain document.\nWith two lines.", "", "Second one: Ünïcödé 東京."]
     (tmp_path / "a.txt").write_text(texts[0], encoding="utf-8")
-    lines = [json.dumps({"text": t, "id": i}) for i, t in enumerate(["jsonl doc one", "jsonl doc two <|endoftext|>"])]
+    lines = [
+        json.dumps({"text": t, "id": i})
+        for i, t in enumerate(["jsonl doc one", "jsonl doc two <|endoftext|>"])
+    ]
     (tmp_path / "b.jsonl").write_text(lines[0] + "\n\n" + lines[1] + "\n", encoding="utf-8")
-    (tmp_path / "c.json").write_text(json.dumps({"text": texts[2]}) + "\n" + json.dumps({"text": ""}) + "\n")
+    (tmp_path / "c.json").write_text(
+        json.dumps({"text": texts[2]}) + "\n" + json.dumps({"text": ""}) + "\n"
+    )
     # many documents of very different lengths, so that a worker finishing early would show up out of order
     rng = np.random.default_rng(0)
     many = [" ".join(f"w{i}x{j}" for j in range(int(rng.integers(1, 3000)))) for i in range(300)]
@@ -118,6 +127,7 @@ def test_preprocess_bad_json_names_the_line(tmp_path):
 # -----------------------------------------------------------------------------
 # damaged or missing files -> one clear error naming the file and the fix
 
+
 @pytest.fixture
 def small_prefix(tmp_path):
     prefix = str(tmp_path / "small")
@@ -147,7 +157,9 @@ def test_bad_magic(small_prefix):
 
 def test_truncated_bin(small_prefix):
     os.truncate(small_prefix + ".bin", 12)
-    with pytest.raises(ValueError, match=r"small\.bin is truncated \(12 bytes, index says 30\).*--output-prefix"):
+    with pytest.raises(
+        ValueError, match=r"small\.bin is truncated \(12 bytes, index says 30\).*--output-prefix"
+    ):
         data.IndexedDataset(small_prefix)
 
 
@@ -163,6 +175,7 @@ def test_truncated_idx_and_bad_dtype(small_prefix):
 
 # -----------------------------------------------------------------------------
 # GPTDataset
+
 
 def _reference_stream(sizes_docs, documents, num_epochs, seed):
     """Naive Python: shuffle each epoch's documents with RandomState([seed, epoch, 0]), concatenate the tokens."""
@@ -190,7 +203,9 @@ def test_gpt_dataset_matches_naive_stream(toy, tmp_path, num_samples, seq_length
     indexed = data.IndexedDataset(prefix)
     documents = np.arange(2, 11)  # a sub-range, as a split would pass
     seed = 7
-    ds = data.GPTDataset(indexed, documents, num_samples, seq_length, seed, "train", cache_dir=str(tmp_path / "c"))
+    ds = data.GPTDataset(
+        indexed, documents, num_samples, seq_length, seed, "train", cache_dir=str(tmp_path / "c")
+    )
     tokens_per_epoch = sum(len(docs[d]) for d in documents)
     num_epochs = 1
     while (num_epochs * tokens_per_epoch - 1) // seq_length < num_samples:
@@ -201,26 +216,34 @@ def test_gpt_dataset_matches_naive_stream(toy, tmp_path, num_samples, seq_length
 
     # each epoch of doc_idx is a permutation of the documents
     for e in range(num_epochs):
-        assert sorted(ds.doc_idx[e * len(documents):(e + 1) * len(documents)]) == documents.tolist()
+        assert (
+            sorted(ds.doc_idx[e * len(documents) : (e + 1) * len(documents)]) == documents.tolist()
+        )
 
     # unshuffled sample j is stream[j*s : j*s + s + 1]; consecutive samples share one token
     for j in range(num_all):
         sample = ds.sample(j)
-        assert sample.dtype == np.int64 and sample.tolist() == stream[j * seq_length:j * seq_length + seq_length + 1]
+        assert (
+            sample.dtype == np.int64
+            and sample.tolist() == stream[j * seq_length : j * seq_length + seq_length + 1]
+        )
         if j:
             assert sample[0] == ds.sample(j - 1)[-1]
     # shuffled access is a permutation of the samples
     assert sorted(np.asarray(ds.shuffle_idx).tolist()) == list(range(num_all))
     for i in range(num_all):
         s = int(ds.shuffle_idx[i])
-        assert ds[i].tolist() == stream[s * seq_length:s * seq_length + seq_length + 1]
+        assert ds[i].tolist() == stream[s * seq_length : s * seq_length + seq_length + 1]
 
 
 def test_gpt_dataset_first_epoch_order_is_seeded_permutation(toy, tmp_path):
     prefix, docs = toy
     documents = np.arange(len(docs))
     ds = data.GPTDataset(data.IndexedDataset(prefix), documents, 3, 8, 42, "train", str(tmp_path))
-    assert np.asarray(ds.doc_idx).tolist() == np.random.RandomState([42, 0, 0]).permutation(documents).tolist()
+    assert (
+        np.asarray(ds.doc_idx).tolist()
+        == np.random.RandomState([42, 0, 0]).permutation(documents).tolist()
+    )
 
 
 def test_gpt_dataset_shuffles_within_each_epoch(toy, tmp_path):
@@ -231,7 +254,9 @@ def test_gpt_dataset_shuffles_within_each_epoch(toy, tmp_path):
     n = (2 * tokens - 1) // seq + 2  # two full epochs plus 2 samples of a third
     ds = data.GPTDataset(data.IndexedDataset(prefix), documents, n, seq, 3, "train", str(tmp_path))
     shuffle = np.asarray(ds.shuffle_idx)
-    for e in range(3):  # samples starting in epoch e stay in epoch e's block: each document once per epoch
+    for e in range(
+        3
+    ):  # samples starting in epoch e stay in epoch e's block: each document once per epoch
         lo, hi = (max(0, (e * tokens - 1) // seq), (((e + 1) * tokens - 1) // seq))
         assert sorted(shuffle[lo:hi]) == list(range(lo, hi))
     assert not np.array_equal(shuffle[:hi], np.arange(hi))
@@ -284,8 +309,9 @@ def _reference_index_arrays(sizes, documents, num_samples, seq_length, seed):
     the compiled one must give identical arrays."""
     tokens_per_epoch = int(sizes[documents].sum(dtype=np.int64))
     num_epochs = max(1, -(-(num_samples * seq_length + 1) // tokens_per_epoch))
-    doc_idx = np.concatenate([np.random.RandomState([seed, e, 0]).permutation(documents)
-                              for e in range(num_epochs)]).astype(np.int32)
+    doc_idx = np.concatenate(
+        [np.random.RandomState([seed, e, 0]).permutation(documents) for e in range(num_epochs)]
+    ).astype(np.int32)
     num_all = (num_epochs * tokens_per_epoch - 1) // seq_length
     lengths = sizes[doc_idx]
     ends = np.cumsum(lengths, dtype=np.int64)
@@ -293,17 +319,29 @@ def _reference_index_arrays(sizes, documents, num_samples, seq_length, seed):
     k = np.searchsorted(ends, starts, side="right")
     sample_idx = np.stack([k, starts - (ends - lengths)[k]], axis=1).astype(np.int32)
     bounds = [0] + [(e * tokens_per_epoch - 1) // seq_length for e in range(1, num_epochs + 1)]
-    shuffle_idx = np.concatenate([lo + np.random.RandomState([seed, e, 1]).permutation(hi - lo)
-                                  for e, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:]))])
+    shuffle_idx = np.concatenate(
+        [
+            lo + np.random.RandomState([seed, e, 1]).permutation(hi - lo)
+            for e, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:]))
+        ]
+    )
     return doc_idx, sample_idx, shuffle_idx.astype(np.uint32)
 
 
-@pytest.mark.parametrize("num_docs,num_samples,seq_length,seed", [
-    (1, 50, 8, 0),            # one document, many epochs
-    (12, 3, 8, 42),           # less than an epoch
-    (40, 2000, 16, 7),        # hundreds of epochs, empty documents
-    (3000, 5000, 64, 2**32 - 1),  # thousands of documents (many rejection draws), the largest seed
-])
+@pytest.mark.parametrize(
+    "num_docs,num_samples,seq_length,seed",
+    [
+        (1, 50, 8, 0),  # one document, many epochs
+        (12, 3, 8, 42),  # less than an epoch
+        (40, 2000, 16, 7),  # hundreds of epochs, empty documents
+        (
+            3000,
+            5000,
+            64,
+            2**32 - 1,
+        ),  # thousands of documents (many rejection draws), the largest seed
+    ],
+)
 def test_index_arrays_equal_the_numpy_reference(num_docs, num_samples, seq_length, seed):
     rng = np.random.default_rng(num_docs)
     sizes = rng.integers(0, 3 * seq_length, num_docs + 5).astype(np.int32)
@@ -315,8 +353,12 @@ def test_index_arrays_equal_the_numpy_reference(num_docs, num_samples, seq_lengt
     want = _reference_index_arrays(sizes, documents, num_samples, seq_length, seed)
     for name, a, b in zip(("doc_idx", "sample_idx", "shuffle_idx"), got, want):
         assert a.dtype == b.dtype and np.array_equal(a, b), name
-    sparse = np.sort(rng.choice(np.arange(3, num_docs + 5), size=max(1, num_docs // 2), replace=False))[::-1]
-    if sizes[sparse].sum() > seq_length:  # an arbitrary (descending, gapped) document list, as a blend may pass
+    sparse = np.sort(
+        rng.choice(np.arange(3, num_docs + 5), size=max(1, num_docs // 2), replace=False)
+    )[::-1]
+    if (
+        sizes[sparse].sum() > seq_length
+    ):  # an arbitrary (descending, gapped) document list, as a blend may pass
         got = data.index_arrays(sizes, sparse, num_samples, seq_length, seed)
         want = _reference_index_arrays(sizes, sparse, num_samples, seq_length, seed)
         assert all(np.array_equal(a, b) for a, b in zip(got, want))
@@ -324,9 +366,12 @@ def test_index_arrays_equal_the_numpy_reference(num_docs, num_samples, seq_lengt
 
 def test_gpt_dataset_default_cache_dir_and_pickle(toy):
     import pickle
+
     prefix, docs = toy
     ds = data.GPTDataset(data.IndexedDataset(prefix), np.arange(len(docs)), 10, 8, 1, "valid")
-    assert all(os.path.dirname(p) == os.path.dirname(os.path.abspath(prefix)) for p in ds.paths.values())
+    assert all(
+        os.path.dirname(p) == os.path.dirname(os.path.abspath(prefix)) for p in ds.paths.values()
+    )
     clone = pickle.loads(pickle.dumps(ds))
     assert len(pickle.dumps(ds)) < 2000  # paths travel, not the memory maps
     assert all(np.array_equal(clone[i], ds[i]) for i in range(len(ds)))
@@ -335,19 +380,29 @@ def test_gpt_dataset_default_cache_dir_and_pickle(toy):
 # -----------------------------------------------------------------------------
 # blending
 
+
 def _max_deviation(dataset_index, weights):
     n = len(dataset_index)
     steps = np.arange(1, n + 1)
-    return max(np.abs(np.cumsum(dataset_index == d) - w * steps).max() for d, w in enumerate(weights))
+    return max(
+        np.abs(np.cumsum(dataset_index == d) - w * steps).max() for d, w in enumerate(weights)
+    )
 
 
-@pytest.mark.parametrize("weights", [
-    [0.7, 0.3], [0.5, 0.3, 0.2], [1, 1, 1, 1],
-    [0.6, 0.1, 0.1, 0.1, 0.1],            # skewed: deadline schedule, periodic shortcut (period 10)
-    [0.9] + [0.1 / 9] * 9,                # the merge of arrival times would be 4 samples off here
-    list(np.random.default_rng(0).dirichlet(np.ones(6))),         # irrational-looking: full sequential run
-    list(np.random.default_rng(1).dirichlet(0.3 * np.ones(12))),
-])
+@pytest.mark.parametrize(
+    "weights",
+    [
+        [0.7, 0.3],
+        [0.5, 0.3, 0.2],
+        [1, 1, 1, 1],
+        [0.6, 0.1, 0.1, 0.1, 0.1],  # skewed: deadline schedule, periodic shortcut (period 10)
+        [0.9] + [0.1 / 9] * 9,  # the merge of arrival times would be 4 samples off here
+        list(
+            np.random.default_rng(0).dirichlet(np.ones(6))
+        ),  # irrational-looking: full sequential run
+        list(np.random.default_rng(1).dirichlet(0.3 * np.ones(12))),
+    ],
+)
 def test_blending_tracks_weights_within_one(weights):
     w = np.asarray(weights, dtype=np.float64) / np.sum(weights)
     n = 30_000
@@ -382,7 +437,9 @@ def test_blended_dataset_items_and_errors():
     # weights get normalised
     bd = data.BlendedDataset([Fake("a", 100), Fake("b", 100)], [3, 1], 100)
     assert len(bd) == 100 and bd[0] == ("a", 0)
-    assert [bd[i] for i in range(100)].count(("b", 24)) == 1 and sum(bd[i][0] == "b" for i in range(100)) == 25
+    assert [bd[i] for i in range(100)].count(("b", 24)) == 1 and sum(
+        bd[i][0] == "b" for i in range(100)
+    ) == 25
     with pytest.raises(ValueError, match="positive"):
         data.BlendedDataset([Fake("a", 10), Fake("b", 10)], [1, 0], 10)
     with pytest.raises(ValueError, match="has 10 samples but the blend draws"):
@@ -391,6 +448,7 @@ def test_blended_dataset_items_and_errors():
 
 # -----------------------------------------------------------------------------
 # splits and build_datasets
+
 
 def test_parse_split():
     assert parse_close(data.parse_split("949,50,1"), [0.949, 0.05, 0.001])
@@ -417,16 +475,31 @@ def test_split_documents_megatron_rounding():
 def test_build_datasets_single_and_blend(tmp_path):
     rng = np.random.default_rng(2)
     for name in ("a", "b"):
-        data.write_indexed_dataset(str(tmp_path / name), [rng.integers(0, 50000, 40) for _ in range(20)])
+        data.write_indexed_dataset(
+            str(tmp_path / name), [rng.integers(0, 50000, 40) for _ in range(20)]
+        )
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
     train, valid, test = data.build_datasets(a, "80,20,0", 16, 1, (50, 10, 5))
-    assert isinstance(train, data.GPTDataset) and len(train) >= 50 and len(valid) >= 10 and test is None
+    assert (
+        isinstance(train, data.GPTDataset)
+        and len(train) >= 50
+        and len(valid) >= 10
+        and test is None
+    )
     # contiguous document ranges 0..15 / 16..19
     assert train.doc_idx.max() < 16 <= valid.doc_idx.min()
 
     train, valid, test = data.build_datasets(["0.75", a, "0.25", b], "80,20,0", 16, 1, (400, 0, 0))
-    assert isinstance(train, data.BlendedDataset) and len(train) == 400 and valid is None and test is None
-    assert [c.num_samples for c in train.datasets] == [math.ceil(400 * 0.75 * 1.005), math.ceil(400 * 0.25 * 1.005)]
+    assert (
+        isinstance(train, data.BlendedDataset)
+        and len(train) == 400
+        and valid is None
+        and test is None
+    )
+    assert [c.num_samples for c in train.datasets] == [
+        math.ceil(400 * 0.75 * 1.005),
+        math.ceil(400 * 0.25 * 1.005),
+    ]
     assert np.bincount(train.dataset_index).tolist() == [300, 100]
     assert train[5].shape == (17,)
 
@@ -447,6 +520,7 @@ def test_build_datasets_single_and_blend(tmp_path):
 # batch-size ramp-up (lesson 12: increments = (gbs - start)/incr, per increment = samples/increments,
 # c > samples -> gbs, else start + floor(c / per_increment) * incr)
 
+
 def _spec_rampup(c, start, incr, samples, gbs):
     if c > samples:
         return gbs
@@ -460,9 +534,13 @@ def test_rampup_values_against_spec():
     assert r(0) == 16
     assert r(76_894) == 16 and r(76_895) == 32  # first boundary
     assert r(2 * 76_894) == 16 + 16 and r(153_790) == 48  # 2*76894.685 = 153789.37
-    assert r(9_765_624) == 2032 and r(9_765_625) == 2048 and r(9_765_626) == 2048 and r(10**9) == 2048
+    assert (
+        r(9_765_624) == 2032 and r(9_765_625) == 2048 and r(9_765_626) == 2048 and r(10**9) == 2048
+    )
     assert r.num_micro_batches(0) == 1 and r.num_micro_batches(10**9) == 128
-    for c in list(range(0, 400_000, 997)) + [int(k * per_increment) + e for k in range(128) for e in (-1, 0, 1)]:
+    for c in list(range(0, 400_000, 997)) + [
+        int(k * per_increment) + e for k in range(128) for e in (-1, 0, 1)
+    ]:
         assert r(max(c, 0)) == _spec_rampup(max(c, 0), 16, 16, 9_765_625, 2048)
     # lesson 12: tr8-104B (list form)
     r = schedule.RampupBatchSize([32, 32, 6_000_000], 2048, 1, 32)
@@ -479,7 +557,9 @@ def test_rampup_values_against_spec():
 def test_rampup_validation():
     with pytest.raises(ValueError, match="not a multiple of the increment 48"):
         schedule.RampupBatchSize("16 48 1000", 2048, 1, 1)
-    with pytest.raises(ValueError, match="batch size 16 .*not divisible by micro_batch_size \\* data_parallel_size"):
+    with pytest.raises(
+        ValueError, match="batch size 16 .*not divisible by micro_batch_size \\* data_parallel_size"
+    ):
         schedule.RampupBatchSize("16 16 1000", 2048, 2, 16)
     with pytest.raises(ValueError, match="batch size 100 .*not divisible"):
         schedule.RampupBatchSize(None, 100, 8, 1)
@@ -492,11 +572,12 @@ def test_rampup_validation():
 # -----------------------------------------------------------------------------
 # curriculum (lesson 13: d = floor(t / total * (max - min) + min); d -= d % 8; d = min(d, max))
 
+
 def test_curriculum_hand_computed():
     cl = lambda t: schedule.curriculum_seqlen(t, 64, 2048, 36_000)  # lesson 13's settings
     assert cl(0) == 64 and cl(1) == 64
-    assert cl(145) == 64   # 145/36000*1984 + 64 = 71.99 -> 71 -> 64
-    assert cl(146) == 72   # 72.05 -> 72
+    assert cl(145) == 64  # 145/36000*1984 + 64 = 71.99 -> 71 -> 64
+    assert cl(146) == 72  # 72.05 -> 72
     assert cl(18_000) == 1056  # 992 + 64
     assert cl(35_999) == 2040  # 2047.94 -> 2047 -> 2040
     assert cl(36_000) == 2048 and cl(50_000) == 2048  # clamp at max
@@ -506,13 +587,25 @@ def test_curriculum_hand_computed():
 
 def test_curriculum_matches_deepspeed():
     CurriculumScheduler = pytest.importorskip(
-        "deepspeed.runtime.data_pipeline.curriculum_scheduler").CurriculumScheduler
+        "deepspeed.runtime.data_pipeline.curriculum_scheduler"
+    ).CurriculumScheduler
     for lo, hi, total in [(64, 2048, 36_000), (8, 1024, 777), (128, 512, 10)]:
-        ds = CurriculumScheduler({"curriculum_type": "seqlen", "min_difficulty": lo, "max_difficulty": hi,
-                                  "schedule_type": "fixed_linear",
-                                  "schedule_config": {"total_curriculum_step": total, "difficulty_step": 8}})
+        ds = CurriculumScheduler(
+            {
+                "curriculum_type": "seqlen",
+                "min_difficulty": lo,
+                "max_difficulty": hi,
+                "schedule_type": "fixed_linear",
+                "schedule_config": {"total_curriculum_step": total, "difficulty_step": 8},
+            }
+        )
         for t in range(1, int(total * 1.2) + 2, max(1, total // 3000)):
-            assert schedule.curriculum_seqlen(t, lo, hi, total) == ds.update_difficulty(t), (lo, hi, total, t)
+            assert schedule.curriculum_seqlen(t, lo, hi, total) == ds.update_difficulty(t), (
+                lo,
+                hi,
+                total,
+                t,
+            )
 
 
 def test_check_curriculum():
@@ -531,6 +624,7 @@ def test_check_curriculum():
 # -----------------------------------------------------------------------------
 # bundled corpus
 
+
 def test_default_corpus(tmp_path, monkeypatch):
     prefix = data.default_corpus(str(tmp_path))
     # versioned: new tokens
@@ -546,12 +640,24 @@ def test_default_corpus(tmp_path, monkeypatch):
     text = "".join(plays)
     for markup in ("*", "_", "#", "\\", "  \n", " \n", "[ ]"):
         assert markup not in text, markup
-    assert "\nBERNARDO:\nWho's there?\n\nFRANCISCO:\nNay, answer me: stand, and unfold yourself.\n" in hamlet
-    assert "HAMLET:\nTo be, or not to be: that is the question:\nWhether 'tis nobler in the mind to suffer\n" in hamlet
-    assert "\nExit Ghost\n" in hamlet and "[Aside]" in text and "--O God, that I were a man!" in text
+    assert (
+        "\nBERNARDO:\nWho's there?\n\nFRANCISCO:\nNay, answer me: stand, and unfold yourself.\n"
+        in hamlet
+    )
+    assert (
+        "HAMLET:\nTo be, or not to be: that is the question:\nWhether 'tis nobler in the mind to suffer\n"
+        in hamlet
+    )
+    assert (
+        "\nExit Ghost\n" in hamlet and "[Aside]" in text and "--O God, that I were a man!" in text
+    )
     mtimes = [os.stat(prefix + ext).st_mtime_ns for ext in (".bin", ".idx")]
     # a second call reuses the files: it reads no play and tokenizes nothing (no clock: a loaded machine is slow)
-    monkeypatch.setattr(data, "write_indexed_dataset", lambda *a, **k: pytest.fail("the corpus was written again"))
-    monkeypatch.setattr(data, "get_tokenizer", lambda *a, **k: pytest.fail("the corpus was tokenized again"))
+    monkeypatch.setattr(
+        data, "write_indexed_dataset", lambda *a, **k: pytest.fail("the corpus was written again")
+    )
+    monkeypatch.setattr(
+        data, "get_tokenizer", lambda *a, **k: pytest.fail("the corpus was tokenized again")
+    )
     assert data.default_corpus(str(tmp_path)) == prefix
     assert [os.stat(prefix + ext).st_mtime_ns for ext in (".bin", ".idx")] == mtimes

@@ -1,6 +1,7 @@
 """A new data source is one file and one registry line (loader.DataSource): the source below, a .npy file of token
 ids, is docs/data.md's example verbatim; registered here, it is checked, loaded, prefetched, trained on, and its
 documents skipped, with nothing else changed."""
+
 import dataclasses
 import os
 import re
@@ -28,8 +29,10 @@ class NpyTokens:
     def check(data_cfg, context):
         path = data_cfg.data_path
         if not path or len(path) != 1 or not path[0].endswith(".npy"):
-            raise ValueError(f"data_source=npy reads one .npy file of token ids, not "
-                             f"data_path={path}; set data_path=FILE.npy")
+            raise ValueError(
+                f"data_source=npy reads one .npy file of token ids, not "
+                f"data_path={path}; set data_path=FILE.npy"
+            )
 
     def __init__(self, data_cfg, context, num_samples):
         self.split, self.seq_length = data_cfg.split, context.seq_length
@@ -37,8 +40,10 @@ class NpyTokens:
         self.tokens = np.load(self.path, mmap_mode="r")
         top = self.tokens.max()
         if top >= context.vocab_size:
-            raise ValueError(f"{self.path} holds token id {top}, at or above vocab_size "
-                             f"{context.vocab_size}; set vocab_size to at least {top + 1}")
+            raise ValueError(
+                f"{self.path} holds token id {top}, at or above vocab_size "
+                f"{context.vocab_size}; set vocab_size to at least {top + 1}"
+            )
         # document d is tokens[bounds[d]:bounds[d + 1]]
         self.bounds = np.concatenate([[0], np.flatnonzero(self.tokens == data.EOD) + 1])
 
@@ -48,9 +53,19 @@ class NpyTokens:
     def build(self, skips):
         splits = data.split_documents(self.split, len(self.bounds) - 1)
         skip = skips[0] if skips else []
-        sets = [Windows(self.path, self.tokens, self.bounds, np.setdiff1d(np.arange(*docs), skip),
-                        n, self.seq_length) if n else None
-                for docs, n in zip(splits, self.num_samples)]
+        sets = [
+            Windows(
+                self.path,
+                self.tokens,
+                self.bounds,
+                np.setdiff1d(np.arange(*docs), skip),
+                n,
+                self.seq_length,
+            )
+            if n
+            else None
+            for docs, n in zip(splits, self.num_samples)
+        ]
         return sets[0], sets[1]
 
 
@@ -60,12 +75,16 @@ class Windows:
 
     def __init__(self, name, tokens, bounds, ids, num_samples, seq_length):
         self.name, self.ids, self.num_samples, self.seq_length = name, ids, num_samples, seq_length
-        self.stream = np.concatenate([tokens[bounds[d]:bounds[d + 1]] for d in ids]).astype(np.int64)
+        self.stream = np.concatenate([tokens[bounds[d] : bounds[d + 1]] for d in ids]).astype(
+            np.int64
+        )
         # of each document in stream
         self.starts = np.concatenate([[0], np.cumsum(bounds[ids + 1] - bounds[ids])])
         self.windows = (len(self.stream) - 1) // seq_length
         if self.windows < 1:
-            raise ValueError(f"{name}: {len(ids)} documents cannot fill a sample; use more data or a larger share")
+            raise ValueError(
+                f"{name}: {len(ids)} documents cannot fill a sample; use more data or a larger share"
+            )
 
     def __len__(self):
         return self.num_samples
@@ -74,7 +93,9 @@ class Windows:
         indices = np.asarray(indices, dtype=np.int64)
         if len(indices) and (indices.min() < 0 or indices.max() >= len(self)):
             raise IndexError(f"samples {indices.min()}..{indices.max()} requested from {len(self)}")
-        out[:] = self.stream[(indices % self.windows * self.seq_length)[:, None] + np.arange(out.shape[1])]
+        out[:] = self.stream[
+            (indices % self.windows * self.seq_length)[:, None] + np.arange(out.shape[1])
+        ]
 
     def provenance(self, index, length=None):
         start = index % self.windows * self.seq_length
@@ -85,6 +106,7 @@ class Windows:
             pieces.append((int(self.ids[k]), int(lo - self.starts[k]), int(hi - lo)))
             k += 1
         return data.Provenance(self.name, 0, pieces)
+
 
 loader.register_source("npy", NpyTokens)
 # -- end of the example ------------------------------------------------------------------------------------------
@@ -105,9 +127,20 @@ def npy(tmp_path_factory):
 
 
 def npy_config(path, *more):
-    cfg = arguments.load_config(["--data_source=npy", f"--data_path={path}", "--split=90,10,0", f"--seq_length={SEQ}",
-                                 "--micro_batch_size=2", "--global_batch_size=8", "--train_iters=20",
-                                 "--eval_interval=10", "--eval_iters=2", *more])
+    cfg = arguments.load_config(
+        [
+            "--data_source=npy",
+            f"--data_path={path}",
+            "--split=90,10,0",
+            f"--seq_length={SEQ}",
+            "--micro_batch_size=2",
+            "--global_batch_size=8",
+            "--train_iters=20",
+            "--eval_interval=10",
+            "--eval_iters=2",
+            *more,
+        ]
+    )
     return arguments.prepare(cfg)
 
 
@@ -130,19 +163,23 @@ def test_the_loop_loads_and_prefetches_the_new_sources_batches(npy):
         for iteration in range(1, plan.total_iters + 1):
             first = (iteration - 1) * cfg.global_batch_size
             batches = loader.micro_batches(train, first, 4, cfg.micro_batch_size, SEQ, device)
-            prefetched = loader.to_device(prefetcher.get((iteration, first, cfg.global_batch_size, SEQ)), device)
+            prefetched = loader.to_device(
+                prefetcher.get((iteration, first, cfg.global_batch_size, SEQ)), device
+            )
             for k, ((x, y), (px, py)) in enumerate(zip(batches, prefetched)):
                 assert torch.equal(x, px) and torch.equal(y, py)
                 for row, sample in zip(x.numpy(), range(first + 2 * k, first + 2 * k + 2)):
                     start = sample % windows * SEQ
-                    assert np.array_equal(row, stream[start:start + SEQ]), sample
+                    assert np.array_equal(row, stream[start : start + SEQ]), sample
     # the data-source contract (tests/test_token_source.py): a sample is what its provenance names
     out = np.empty((len(train), SEQ + 1), np.int64)
     train.gather(np.arange(len(train)), out)
     for index in range(len(train)):
         name, component, pieces = train.provenance(index)
         assert (name, component) == (path, 0)
-        assert np.array_equal(out[index], np.concatenate([documents[d][o:o + n] for d, o, n in pieces]))
+        assert np.array_equal(
+            out[index], np.concatenate([documents[d][o : o + n] for d, o, n in pieces])
+        )
 
 
 def test_skip_lists_leave_the_new_sources_documents_out(npy, tmp_path):
@@ -155,9 +192,13 @@ def test_skip_lists_leave_the_new_sources_documents_out(npy, tmp_path):
     skip_list.append(skip_path, [{"dataset": path, "documents": culprits}])
     asked = []
 
-    def documents_to_skip(collections):  # as the skip-list callback reads the list: with the source's counts
+    def documents_to_skip(
+        collections,
+    ):  # as the skip-list callback reads the list: with the source's counts
         asked.append(collections)
-        return skip_list.read(skip_path, [n for n, _ in collections], [c for _, c in collections])[0]
+        return skip_list.read(skip_path, [n for n, _ in collections], [c for _, c in collections])[
+            0
+        ]
 
     train, _ = data_of(cfg, plan, documents_to_skip)
     assert asked == [[(path, len(documents))]]
@@ -166,16 +207,32 @@ def test_skip_lists_leave_the_new_sources_documents_out(npy, tmp_path):
     seen = set(np.unique(out[out != data.EOD] // 100).tolist())
     assert not seen & set(culprits) and len(seen) > 50
     stream = split_stream(documents, cfg.split, skip=set(culprits))
-    assert np.array_equal(out[0], stream[:SEQ + 1])
+    assert np.array_equal(out[0], stream[: SEQ + 1])
 
 
 def test_a_run_trains_on_the_new_source(npy):
     path, _ = npy
-    out = run_main("--num_layers=1", "--hidden_size=32", "--num_attention_heads=2", f"--seq_length={SEQ}",
-                   "--micro_batch_size=2", "--global_batch_size=4", "--train_iters=3", "--eval_interval=3",
-                   "--eval_iters=1", "--log_interval=1", "--sample_tokens=0", "--save=none", "--save_interval=none",
-                   "--data_source=npy", f"--data_path={path}", "--split=90,10,0")
-    assert sorted(log_fields(out)) == [1, 2, 3] and all("lm loss" in f for f in log_fields(out).values())
+    out = run_main(
+        "--num_layers=1",
+        "--hidden_size=32",
+        "--num_attention_heads=2",
+        f"--seq_length={SEQ}",
+        "--micro_batch_size=2",
+        "--global_batch_size=4",
+        "--train_iters=3",
+        "--eval_interval=3",
+        "--eval_iters=1",
+        "--log_interval=1",
+        "--sample_tokens=0",
+        "--save=none",
+        "--save_interval=none",
+        "--data_source=npy",
+        f"--data_path={path}",
+        "--split=90,10,0",
+    )
+    assert sorted(log_fields(out)) == [1, 2, 3] and all(
+        "lm loss" in f for f in log_fields(out).values()
+    )
     assert re.search(r"validation loss at iteration 3 \| lm loss value: \S+", out)
 
 
@@ -183,14 +240,19 @@ def test_bad_sources_and_keys_are_refused_with_the_fix(npy, monkeypatch):
     path, _ = npy
     # what this test registers goes with it
     monkeypatch.setattr(loader, "SOURCES", dict(loader.SOURCES))
-    with pytest.raises(ValueError, match=r"data_source 'nope' is not a registered data source \(megatron, npy\)"):
+    with pytest.raises(
+        ValueError, match=r"data_source 'nope' is not a registered data source \(megatron, npy\)"
+    ):
         arguments.prepare(arguments.load_config(["--data_source=nope"]))
     with pytest.raises(ValueError, match="set data_path=FILE.npy"):
         npy_config(path.replace(".npy", ".bin"))
     with pytest.raises(ValueError, match="at or above vocab_size 512; set vocab_size to at least"):
         data_of(npy_config(path, "--vocab_size=512"), plan_of(npy_config(path)))
-    with pytest.raises(ValueError, match="data_source 'npy' has no named validation sets "
-                                         "\\(valid_weighted_split_names is set\\): drop"):
+    with pytest.raises(
+        ValueError,
+        match="data_source 'npy' has no named validation sets "
+        "\\(valid_weighted_split_names is set\\): drop",
+    ):
         npy_config(path, "--valid_weighted_split_names=a", f"--valid_weighted_split_paths={path}")
 
     class Other(NpyTokens):
@@ -207,8 +269,18 @@ def test_bad_sources_and_keys_are_refused_with_the_fix(npy, monkeypatch):
 
 
 def test_megatron_is_the_first_source_and_the_default(corpus):
-    cfg = arguments.prepare(arguments.load_config([f"--data_path={corpus}", f"--seq_length={SEQ}", "--train_iters=5",
-                                                   "--global_batch_size=8", "--micro_batch_size=2", "--eval_iters=1"]))
+    cfg = arguments.prepare(
+        arguments.load_config(
+            [
+                f"--data_path={corpus}",
+                f"--seq_length={SEQ}",
+                "--train_iters=5",
+                "--global_batch_size=8",
+                "--micro_batch_size=2",
+                "--eval_iters=1",
+            ]
+        )
+    )
     assert cfg.data_source == "megatron" and loader.SOURCES["megatron"] is loader.MegatronSource
     data_cfg, context = section(loader.DataConfig, cfg), section(loader.DataContext, cfg)
     assert (data_cfg.data_path, context.seq_length) == ([corpus], SEQ)
@@ -229,11 +301,11 @@ def test_megatron_is_the_first_source_and_the_default(corpus):
 def test_the_doc_example_is_this_files_source():
     with open(os.path.join(ROOT, "docs", "data.md"), encoding="utf-8") as f:
         doc = f.read()
-    section = doc[doc.index("## A new data source"):]
+    section = doc[doc.index("## A new data source") :]
     example = re.search(r"```python\n(.*?)```", section, re.S).group(1)
     with open(__file__, encoding="utf-8") as f:
         here = f.read()
-    here = here[here.index("class NpyTokens:"):here.index("# -- end of the example")]
+    here = here[here.index("class NpyTokens:") : here.index("# -- end of the example")]
     assert example.strip() == here.strip()
 
 

@@ -11,6 +11,7 @@ bit-exactly with its step counter, and PP=2 with an untied output layer trains a
 (python train.py --deepspeed) gets a one-process group and trains as the native path. The refusals (fp16,
 bitsandbytes, ...) are checked without starting DeepSpeed.
 """
+
 import contextlib
 import io
 import math
@@ -43,15 +44,20 @@ class Recorder:
 
         import builders
         import deepspeed_engine
+
         # BF16_Optimizer reports memory at construction with six forced gc.collect() (1 s each in a test
         # process's heap) and prints it: nothing the comparisons need
         deepspeed.runtime.bf16_optimizer.see_memory_usage = lambda *args, **kwargs: None
         import optim
         import training
+
         self.main, self.deepspeed_engine = train_script()["main"], deepspeed_engine
         # where train.py finds them: the modules of the step, the builders and the optimizer
-        self.owners = {"train_step": vars(training), "build_model": vars(builders),
-                       "optimizer_for": vars(optim)}
+        self.owners = {
+            "train_step": vars(training),
+            "build_model": vars(builders),
+            "optimizer_for": vars(optim),
+        }
         self.originals = {name: owner[name] for name, owner in self.owners.items()}
         self.wrapper_class = deepspeed_engine.DeepSpeedOptimizer
         self.steps, self.model, self.optimizer, self.wrapper = [], None, None, None
@@ -81,7 +87,11 @@ class Recorder:
             def close(self):  # the engine stays alive after the run: the checks below still use it
                 pass
 
-        for name, fn in (("train_step", train_step), ("build_model", build_model), ("optimizer_for", optimizer_for)):
+        for name, fn in (
+            ("train_step", train_step),
+            ("build_model", build_model),
+            ("optimizer_for", optimizer_for),
+        ):
             self.owners[name][name] = fn
         self.deepspeed_engine.DeepSpeedOptimizer = Wrapper
         try:
@@ -103,9 +113,13 @@ def _check_replicas(model, what):
         assert torch.equal(first, last), f"{what}: the tied embedding's two copies differ"
     for name, p in model.named_parameters():
         if getattr(p, "tp_dim", None) is None and g.tp_size > 1:
-            assert all(torch.equal(q, p) for q in gather(p.detach(), g.tp_group)), f"{what}: {name} across TP"
+            assert all(torch.equal(q, p) for q in gather(p.detach(), g.tp_group)), (
+                f"{what}: {name} across TP"
+            )
         if g.dp_size > 1:
-            assert all(torch.equal(q, p) for q in gather(p.detach(), g.dp_group)), f"{what}: {name} across DP"
+            assert all(torch.equal(q, p) for q in gather(p.detach(), g.dp_group)), (
+                f"{what}: {name} across DP"
+            )
 
 
 def _matrix(rec, synthetic_corpus, layouts, extra=()):
@@ -113,8 +127,12 @@ def _matrix(rec, synthetic_corpus, layouts, extra=()):
     at each stage against it; extra: more flags for every run. Prints the worst relative differences (pytest -s
     shows them)."""
     for tp, pp, runs in layouts:
-        layout = [f"--data_path={synthetic_corpus}", f"--tensor_model_parallel_size={tp}",
-                  f"--pipeline_model_parallel_size={pp}", *extra]
+        layout = [
+            f"--data_path={synthetic_corpus}",
+            f"--tensor_model_parallel_size={tp}",
+            f"--pipeline_model_parallel_size={pp}",
+            *extra,
+        ]
         for precision, stages in runs.items():
             flags = ["--bf16"] if precision == "bf16" else []
             rel = BF16_REL if precision == "bf16" else (1e-5, 1e-5)
@@ -128,26 +146,40 @@ def _matrix(rec, synthetic_corpus, layouts, extra=()):
                 for it, (got, ref) in enumerate(zip(steps, native), 1):
                     assert got[2] == "ok", (what, it)
                     for k, name in enumerate(("lm loss", "grad norm")):
-                        assert math.isclose(got[k], ref[k], rel_tol=rel[k]), \
+                        assert math.isclose(got[k], ref[k], rel_tol=rel[k]), (
                             f"{what} iteration {it}: {name} {got[k]} vs {ref[k]} (native)"
+                        )
                         worst[k] = max(worst[k], abs(got[k] - ref[k]) / abs(ref[k]))
                 if precision == "bf16":
                     assert next(rec.model.parameters()).dtype == torch.bfloat16, what
                 # Adam's step counter: 10 updates, none made by DeepSpeed at construction
                 states = list(rec.optimizer.state.values())
-                assert states and all(int(s["step"]) == 10 for s in states), (what, [s["step"] for s in states])
+                assert states and all(int(s["step"]) == 10 for s in states), (
+                    what,
+                    [s["step"] for s in states],
+                )
                 _check_replicas(rec.model, what)
                 if parallel.grid.rank == 0:
-                    print(f"{what}: worst relative difference to native over 10 iterations: lm loss {worst[0]:.1e},"
-                          f" grad norm {worst[1]:.1e}", file=sys.stderr, flush=True)
+                    print(
+                        f"{what}: worst relative difference to native over 10 iterations: lm loss {worst[0]:.1e},"
+                        f" grad norm {worst[1]:.1e}",
+                        file=sys.stderr,
+                        flush=True,
+                    )
 
 
 def _world2(synthetic_corpus, tmp):
     os.environ["DS_ACCELERATOR"] = "cpu"
     rec = Recorder()
-    _matrix(rec, synthetic_corpus, [(1, 1, {"bf16": (0, 1, 2)}),  # DP=2
-                          (2, 1, {"bf16": (0, 1, 2), "fp32": (1, 2)}),  # TP=2
-                          (1, 2, {"bf16": (0, 1)})])  # PP=2: the last run, resumed below
+    _matrix(
+        rec,
+        synthetic_corpus,
+        [
+            (1, 1, {"bf16": (0, 1, 2)}),  # DP=2
+            (2, 1, {"bf16": (0, 1, 2), "fp32": (1, 2)}),  # TP=2
+            (1, 2, {"bf16": (0, 1)}),
+        ],
+    )  # PP=2: the last run, resumed below
     full = rec.steps
     _accumulates_in_fp32(rec)
     _resumes_exactly(rec, synthetic_corpus, tmp, full)
@@ -156,8 +188,14 @@ def _world2(synthetic_corpus, tmp):
 
 def _world4(synthetic_corpus):
     os.environ["DS_ACCELERATOR"] = "cpu"
-    _matrix(Recorder(), synthetic_corpus, [(2, 2, {"bf16": (0, 1)}),  # TP=2 x PP=2
-                                 (1, 2, {"bf16": (0, 1)})])  # PP=2 x DP=2
+    _matrix(
+        Recorder(),
+        synthetic_corpus,
+        [
+            (2, 2, {"bf16": (0, 1)}),  # TP=2 x PP=2
+            (1, 2, {"bf16": (0, 1)}),
+        ],
+    )  # PP=2 x DP=2
 
 
 def _accumulates_in_fp32(rec):
@@ -166,6 +204,7 @@ def _accumulates_in_fp32(rec):
     import arguments
     import loader
     from training import forward_backward
+
     wrapper, model = rec.wrapper, rec.model
     assert type(wrapper.optimizer).__name__ == "BF16_Optimizer"
     # the DP all-reduce of the fp32 buffers
@@ -176,7 +215,9 @@ def _accumulates_in_fp32(rec):
     params = list(model.parameters())
     exact = [torch.zeros(p.shape, dtype=torch.float64) for p in params]
     running = [torch.zeros(p.shape, dtype=torch.bfloat16) for p in params]
-    for batch in batches:  # one micro-batch at a time: its own bf16 gradient, exactly, in the fp32 buffer
+    for (
+        batch
+    ) in batches:  # one micro-batch at a time: its own bf16 gradient, exactly, in the fp32 buffer
         wrapper.zero_grad()
         forward_backward(model, [batch], loader.packing(cfg), torch.device("cpu"))
         for e, r, p in zip(exact, running, params):
@@ -189,7 +230,10 @@ def _accumulates_in_fp32(rec):
         got = wrapper.gradient(p)
         assert got.dtype == torch.float32, name
         assert (got.double() - e).abs().max() <= 1e-5 * e.abs().max(), name
-    assert max(((r.double() - e).abs().max() / e.abs().max()).item() for e, r in zip(exact, running)) > 1e-3
+    assert (
+        max(((r.double() - e).abs().max() / e.abs().max()).item() for e, r in zip(exact, running))
+        > 1e-3
+    )
     wrapper.zero_grad()
 
 
@@ -197,18 +241,33 @@ def _resumes_exactly(rec, synthetic_corpus, tmp, full):
     """PP=2, DeepSpeed bf16 ZeRO-1: 5 iterations, save, resume for 5 more: the same numbers bit for bit as the
     uninterrupted run (`full`), the fp32 master weights and Adam's step counter from the rank files, and every
     stage's weights the same after the load as before the save."""
-    args = [f"--data_path={synthetic_corpus}", "--bf16", "--deepspeed", "--zero_stage=1",
-            "--pipeline_model_parallel_size=2", f"--save={tmp}", "--dump_weights"]
+    args = [
+        f"--data_path={synthetic_corpus}",
+        "--bf16",
+        "--deepspeed",
+        "--zero_stage=1",
+        "--pipeline_model_parallel_size=2",
+        f"--save={tmp}",
+        "--dump_weights",
+    ]
     assert rec.run(*args, "--exit_interval=5") == full[:5]
-    steps = torch.load(os.path.join(tmp, "global_step5", f"rank_{parallel.grid.rank:05d}_optim_states.pt"),
-                       weights_only=False)["optimizer"]["base_optimizer_state"]["state"]
+    steps = torch.load(
+        os.path.join(tmp, "global_step5", f"rank_{parallel.grid.rank:05d}_optim_states.pt"),
+        weights_only=False,
+    )["optimizer"]["base_optimizer_state"]["state"]
     assert steps and all(int(s["step"]) == 5 for s in steps.values())
     assert rec.run(*args, f"--load={tmp}") == full[5:]
     dist.barrier()
     if parallel.grid.rank == 0:
-        check = subprocess.run([sys.executable, "tools/compare_weight_dumps.py", tmp], cwd=ROOT,
-                               capture_output=True, text=True)
-        assert check.returncode == 0 and "2 of 2 rank(s) identical" in check.stdout, check.stdout + check.stderr
+        check = subprocess.run(
+            [sys.executable, "tools/compare_weight_dumps.py", tmp],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+        )
+        assert check.returncode == 0 and "2 of 2 rank(s) identical" in check.stdout, (
+            check.stdout + check.stderr
+        )
 
 
 @pytest.mark.slow
@@ -226,7 +285,9 @@ def _untied_pp2(rec, synthetic_corpus):
     """An untied output layer lives on the last stage alone: no tied-embedding sum across the stages (which had
     no second copy to sum with), and DeepSpeed trains as the native path (in _world2's processes: a spawn of its
     own cost as much as its three runs again)."""
-    _matrix(rec, synthetic_corpus, [(1, 2, {"bf16": (0, 1)})], ["--untie_embeddings_and_output_weights"])
+    _matrix(
+        rec, synthetic_corpus, [(1, 2, {"bf16": (0, 1)})], ["--untie_embeddings_and_output_weights"]
+    )
 
 
 def _one_process(synthetic_corpus):
@@ -234,7 +295,13 @@ def _one_process(synthetic_corpus):
     assert not dist.is_initialized()
     rec = Recorder()
     native = rec.run(f"--data_path={synthetic_corpus}", "--bf16", "--train_iters=3")
-    steps = rec.run(f"--data_path={synthetic_corpus}", "--bf16", "--train_iters=3", "--deepspeed", "--zero_stage=1")
+    steps = rec.run(
+        f"--data_path={synthetic_corpus}",
+        "--bf16",
+        "--train_iters=3",
+        "--deepspeed",
+        "--zero_stage=1",
+    )
     assert len(steps) == len(native) == 3
     for got, ref in zip(steps, native):
         assert got[2] == "ok", got
@@ -253,19 +320,34 @@ def test_deepspeed_in_one_process(synthetic_corpus):
 # What DeepSpeed does not run as the native path would: one message each, before DeepSpeed is imported
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--fp16"], "deepspeed=True with fp16 is not supported"),
-    (["--bf16", "--use_bnb_optimizer"], "use_bnb_optimizer with deepspeed=True is not supported"),
-    (["--bf16", "--zero_stage=3"], "zero_stage=3 is not supported"),
-    (["--bf16", "--zero_stage=2", "--pipeline_model_parallel_size=2"], "zero_stage=2 with pipeline"),
-    (["--zero_stage=0"], "zero_stage=0 and fp32 adds nothing"),
-    (["--bf16", "--skip_grad_norm_above=1.0"], "skip_grad_norm_above needs the grad norm before the update"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--fp16"], "deepspeed=True with fp16 is not supported"),
+        (
+            ["--bf16", "--use_bnb_optimizer"],
+            "use_bnb_optimizer with deepspeed=True is not supported",
+        ),
+        (["--bf16", "--zero_stage=3"], "zero_stage=3 is not supported"),
+        (
+            ["--bf16", "--zero_stage=2", "--pipeline_model_parallel_size=2"],
+            "zero_stage=2 with pipeline",
+        ),
+        (["--zero_stage=0"], "zero_stage=0 and fp32 adds nothing"),
+        (
+            ["--bf16", "--skip_grad_norm_above=1.0"],
+            "skip_grad_norm_above needs the grad norm before the update",
+        ),
+    ],
+)
 def test_deepspeed_refuses_what_it_would_get_wrong(flags, message):
     import arguments
     import deepspeed_engine
+
     cfg = arguments.load_config(["--deepspeed", "--zero_stage=1", *flags])
-    grid = parallel.Grid(1, cfg.pipeline_model_parallel_size, world_size=cfg.pipeline_model_parallel_size * 2)
+    grid = parallel.Grid(
+        1, cfg.pipeline_model_parallel_size, world_size=cfg.pipeline_model_parallel_size * 2
+    )
     with pytest.raises(ValueError, match=message):
         deepspeed_engine.check(section(OptimizerConfig, cfg), cfg.zero_stage, grid)
 
@@ -275,25 +357,42 @@ def test_deepspeed_bf16_zero0_is_bf16_optimizer_like_zero1():
     ZeRO-1: zero_stage=0 is given the same configuration (and a line at start says so)."""
     import arguments
     import deepspeed_engine
+
     grid = parallel.Grid(1, 1, world_size=2)
     cfg = arguments.load_config(["--deepspeed", "--bf16"])
     optim_cfg = section(OptimizerConfig, cfg)
-    config = {z: deepspeed_engine.ds_config(optim_cfg, z, grid, cfg.micro_batch_size)
-              for z in (0, 1, 2)}
+    config = {
+        z: deepspeed_engine.ds_config(optim_cfg, z, grid, cfg.micro_batch_size) for z in (0, 1, 2)
+    }
     assert config[0] == config[1] and config[1]["zero_optimization"]["stage"] == 1
-    assert config[1]["data_types"] == {"grad_accum_dtype": "fp32"} and config[1]["communication_data_type"] == "fp32"
-    assert config[1]["bf16"]["immediate_grad_update"] and not config[2]["bf16"]["immediate_grad_update"]
+    assert (
+        config[1]["data_types"] == {"grad_accum_dtype": "fp32"}
+        and config[1]["communication_data_type"] == "fp32"
+    )
+    assert (
+        config[1]["bf16"]["immediate_grad_update"]
+        and not config[2]["bf16"]["immediate_grad_update"]
+    )
 
 
-@pytest.mark.parametrize("flag, message", [
-    ("--spike_guard", "spike_guard judges the loss and grad norm before the update, which DeepSpeed computes inside "
-                      "its step(); set spike_guard=False or deepspeed=False"),
-    ("--telemetry_interval=10", "telemetry_interval needs the gradients before the update"),
-])
+@pytest.mark.parametrize(
+    "flag, message",
+    [
+        (
+            "--spike_guard",
+            "spike_guard judges the loss and grad norm before the update, which DeepSpeed computes inside "
+            "its step(); set spike_guard=False or deepspeed=False",
+        ),
+        ("--telemetry_interval=10", "telemetry_interval needs the gradients before the update"),
+    ],
+)
 def test_spike_guard_and_telemetry_are_refused_under_deepspeed(flag, message):
     """What needs the loss or the gradients before the update cannot run inside DeepSpeed's step (README)."""
     import arguments
+
     with pytest.raises(ValueError, match=re.escape(message)):
-        arguments.validate(arguments.load_config(["--deepspeed", "--bf16", "--zero_stage=1", flag]), world_size=1)
+        arguments.validate(
+            arguments.load_config(["--deepspeed", "--bf16", "--zero_stage=1", flag]), world_size=1
+        )
     # the native path takes it
     arguments.validate(arguments.load_config(["--bf16", flag]), world_size=1)

@@ -63,8 +63,15 @@ def written(tmp_path_factory):
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
     command = [sys.executable, os.path.join(ROOT, "tests", "deepspeed_writer.py"), str(root)]
     # a session of its own: a hung gloo rank is ended with the whole tree, not left behind
-    proc = subprocess.Popen([*command, *SETTINGS], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        [*command, *SETTINGS],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         out, err = proc.communicate(timeout=1200)
     finally:
@@ -195,8 +202,9 @@ def test_the_imported_model_computes_what_the_deepspeed_model_did(written, tmp_p
         block.load_state_dict(_layer(source, 3 + i))
     weights = {}
     for stage in range(PP):
-        blob = torch.load(checkpoint.model_file(str(tag), parallel.Grid(1, PP, PP, stage)),
-                          weights_only=False)
+        blob = torch.load(
+            checkpoint.model_file(str(tag), parallel.Grid(1, PP, PP, stage)), weights_only=False
+        )
         weights.update((k, v.float()) for k, v in blob["model"].items() if k != "output_weight")
     cfg = arguments.Config(**blob["run"]["config"])
     ours = GPT(section(GPTConfig, cfg), grid=parallel.Grid(1, 1, world_size=1, rank=0))

@@ -12,6 +12,7 @@ Every user trains on NVIDIA GPUs and no GPU runs these tests, so what would brea
 - telemetry's update/param ratio is the fp32 masters' (a bf16 update mostly rounds away);
 - marked `cuda` (python -m pytest -m cuda, skipped without a GPU): the same on a GPU.
 """
+
 import datetime
 import os
 
@@ -44,8 +45,15 @@ from helpers import (  # noqa: F401
 from model import GPT, GPTConfig, draw_slice
 from training import backward, whole_step
 
-CFG = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=1000,
-           make_vocab_size_divisible_by=64, embed_layernorm=True)
+CFG = dict(
+    num_layers=2,
+    hidden_size=32,
+    num_attention_heads=4,
+    seq_length=16,
+    vocab_size=1000,
+    make_vocab_size_divisible_by=64,
+    embed_layernorm=True,
+)
 
 
 def _weights(m):
@@ -62,7 +70,9 @@ def _assert_same(a, b):
 # Construction
 
 
-@pytest.mark.parametrize("switches", [{}, dict(embed_init="xavier_uniform", position_embedding_init="sinusoidal")])
+@pytest.mark.parametrize(
+    "switches", [{}, dict(embed_init="xavier_uniform", position_embedding_init="sinusoidal")]
+)
 def test_init_ignores_the_ambient_device(switches):
     """init_weights under `with torch.device("meta")` gives the weights it gives without: its scratch tensors are
     made on the CPU, where its generator is. The same mechanism as CUDA's "Expected a 'cuda' device type for
@@ -77,9 +87,20 @@ def test_init_ignores_the_ambient_device(switches):
 def test_build_model_ignores_the_ambient_device():
     """builders.build_model for the CPU called inside another ambient device builds the same model, on the CPU."""
     import arguments
-    cfg = arguments.prepare(arguments.load_config(["--num_layers=2", "--hidden_size=32", "--num_attention_heads=4",
-                                                   "--seq_length=16", "--vocab_size=1000", "--seed=5",
-                                                   "--embed_layernorm"]))
+
+    cfg = arguments.prepare(
+        arguments.load_config(
+            [
+                "--num_layers=2",
+                "--hidden_size=32",
+                "--num_attention_heads=4",
+                "--seq_length=16",
+                "--vocab_size=1000",
+                "--seed=5",
+                "--embed_layernorm",
+            ]
+        )
+    )
     reference = _weights(build_model(cfg, torch.device("cpu")))
     with torch.device("meta"):
         built = build_model(cfg, torch.device("cpu"))
@@ -90,21 +111,37 @@ def test_build_model_ignores_the_ambient_device():
 def test_weights_drawn_once_per_parameter(monkeypatch):
     """build_model draws each random parameter once (GPT's seed), not once in GPT() and again afterwards."""
     import arguments
-    cfg = arguments.prepare(arguments.load_config(["--num_layers=2", "--hidden_size=32", "--num_attention_heads=4",
-                                                   "--seq_length=16", "--vocab_size=1000", "--seed=5"]))
+
+    cfg = arguments.prepare(
+        arguments.load_config(
+            [
+                "--num_layers=2",
+                "--hidden_size=32",
+                "--num_attention_heads=4",
+                "--seq_length=16",
+                "--vocab_size=1000",
+                "--seed=5",
+            ]
+        )
+    )
     drawn = []
     original = model_module.draw_slice
-    monkeypatch.setattr(model_module, "draw_slice", lambda out, *a, **k: drawn.append(out) or original(out, *a, **k))
+    monkeypatch.setattr(
+        model_module, "draw_slice", lambda out, *a, **k: drawn.append(out) or original(out, *a, **k)
+    )
     built = build_model(cfg, torch.device("cpu"))
     random = [p for n, p in built.named_parameters() if p.ndim == 2]
     assert len(drawn) == len(random) and {id(p) for p in drawn} == {id(p) for p in random}
 
 
-@pytest.mark.parametrize("shape,rows", [((37, 13), 37), ((100, 24), 98), ((7, 1), 7), ((64, 17), 50)])
+@pytest.mark.parametrize(
+    "shape,rows", [((37, 13), 37), ((100, 24), 98), ((7, 1), 7), ((64, 17), 50)]
+)
 @pytest.mark.parametrize("kind", ["normal", "uniform"])
 def test_chunked_draw_is_the_whole_draw(shape, rows, kind):
     """draw_slice's chunks give, bit for bit, every TP rank's slice of one draw of the whole tensor (its first
     `rows` rows drawn, the rest zeros), whatever the chunk size: odd widths, a tail shorter than 16 values."""
+
     def draw(seed):
         gen = torch.Generator().manual_seed(seed)
         if kind == "normal":
@@ -121,7 +158,9 @@ def test_chunked_draw_is_the_whole_draw(shape, rows, kind):
                 expected = full if tp_dim is None else full.chunk(tp, tp_dim)[rank]
                 for chunk in (1, 16, 40, 2**24):
                     out = torch.full_like(expected, float("nan"))
-                    draw_slice(out, list(shape), tp_dim, rank, draw(3), rows=rows, chunk_numel=chunk)
+                    draw_slice(
+                        out, list(shape), tp_dim, rank, draw(3), rows=rows, chunk_numel=chunk
+                    )
                     assert torch.equal(out, expected), (tp_dim, tp, rank, chunk)
 
 
@@ -151,8 +190,14 @@ def test_no_rank_holds_a_full_tensor(monkeypatch):
         assert Allocations.largest <= 4096 + 2 * cfg.hidden_size
         for name, p in rank_model.named_parameters():
             tp_dim = getattr(p, "tp_dim", None)
-            assert torch.equal(p, parallel.shard(dict(whole.named_parameters())[name], tp_dim,
-                                                 parallel.Grid(2, 1, world_size=2, rank=rank))), name
+            assert torch.equal(
+                p,
+                parallel.shard(
+                    dict(whole.named_parameters())[name],
+                    tp_dim,
+                    parallel.Grid(2, 1, world_size=2, rank=rank),
+                ),
+            ), name
 
 
 # -----------------------------------------------------------------------------
@@ -162,14 +207,46 @@ def test_no_rank_holds_a_full_tensor(monkeypatch):
 # What makes the host wait for the device: a value read (item, tolist, float, bool, ...) or a blocking copy out.
 HOST_READS = {"item", "tolist", "numpy", "__bool__", "__float__", "__int__", "__index__", "cpu"}
 # What NCCL's all-reduce, broadcast, all-gather and send/recv take (no bool, int16, complex).
-NCCL_DTYPES = {torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8, torch.uint8, torch.int32,
-               torch.int64}
-OBJECT_COLLECTIVES = ("all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list",
-                      "send_object_list", "recv_object_list")
-COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter",
-               "reduce_scatter_tensor", "reduce", "gather", "scatter", "all_to_all", "all_to_all_single", "send",
-               "recv", "isend", "irecv", "batch_isend_irecv", "barrier", "all_gather_coalesced",
-               "all_reduce_coalesced", "monitored_barrier") + OBJECT_COLLECTIVES
+NCCL_DTYPES = {
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.float64,
+    torch.int8,
+    torch.uint8,
+    torch.int32,
+    torch.int64,
+}
+OBJECT_COLLECTIVES = (
+    "all_gather_object",
+    "broadcast_object_list",
+    "gather_object",
+    "scatter_object_list",
+    "send_object_list",
+    "recv_object_list",
+)
+COLLECTIVES = (
+    "all_reduce",
+    "broadcast",
+    "all_gather",
+    "all_gather_into_tensor",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "reduce",
+    "gather",
+    "scatter",
+    "all_to_all",
+    "all_to_all_single",
+    "send",
+    "recv",
+    "isend",
+    "irecv",
+    "batch_isend_irecv",
+    "barrier",
+    "all_gather_coalesced",
+    "all_reduce_coalesced",
+    "monitored_barrier",
+) + OBJECT_COLLECTIVES
 P2P_OP = dist.P2POp  # torch's (Collectives(run=False) puts a stand-in in its place)
 
 
@@ -187,10 +264,16 @@ class HostSyncs(TorchFunctionMode):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
         t = args[0] if args and isinstance(args[0], torch.Tensor) else None
-        if name in ("tensor", "as_tensor") and not isinstance(args[0], torch.Tensor) and self.device.type != "cpu" \
-                and torch.device(kwargs.get("device") or "cpu").type == self.device.type:  # host data copied over
+        if (
+            name in ("tensor", "as_tensor")
+            and not isinstance(args[0], torch.Tensor)
+            and self.device.type != "cpu"
+            and torch.device(kwargs.get("device") or "cpu").type == self.device.type
+        ):  # host data copied over
             self.syncs.append(name)
-        if name == "copy_" and len(args) > 1 and isinstance(args[1], torch.Tensor):  # host.copy_(device tensor)
+        if (
+            name == "copy_" and len(args) > 1 and isinstance(args[1], torch.Tensor)
+        ):  # host.copy_(device tensor)
             if args[0].device.type == "cpu" and args[1].device.type == self.device.type != "cpu":
                 if not kwargs.get("non_blocking", args[2] if len(args) > 2 else False):
                     self.syncs.append("copy_")
@@ -199,8 +282,11 @@ class HostSyncs(TorchFunctionMode):
             return func(*args, **kwargs)
         if name == "to" or name == "cpu":
             to = {k: v for k, v in kwargs.items() if k != "copy"}
-            target, dtype, non_blocking, _ = torch._C._nn._parse_to(*args[1:], **to) if name == "to" else (
-                torch.device("cpu"), None, False, None)
+            target, dtype, non_blocking, _ = (
+                torch._C._nn._parse_to(*args[1:], **to)
+                if name == "to"
+                else (torch.device("cpu"), None, False, None)
+            )
             if target is None or target.type != "cpu":
                 return func(*args, **kwargs)
             if not non_blocking:
@@ -247,8 +333,14 @@ class Collectives:
             if self.run:
                 return original(*args, **kwargs)
             handle = _Done()
-            return [handle] * len(args[0]) if name == "batch_isend_irecv" else handle if kwargs.get("async_op") \
+            return (
+                [handle] * len(args[0])
+                if name == "batch_isend_irecv"
+                else handle
+                if kwargs.get("async_op")
                 else None
+            )
+
         return call
 
     def problems(self, device):
@@ -256,10 +348,14 @@ class Collectives:
         out = []
         for phase, name, tensors in self.calls:
             if name in OBJECT_COLLECTIVES and phase == "loop":
-                out.append(f"{name}: an object collective inside the training loop (pickles and syncs the host)")
+                out.append(
+                    f"{name}: an object collective inside the training loop (pickles and syncs the host)"
+                )
             for t in tensors:
                 if t.device.type != torch.device(device).type:
-                    out.append(f"{name} ({phase}): a tensor on {t.device}, not the model's device {device}")
+                    out.append(
+                        f"{name} ({phase}): a tensor on {t.device}, not the model's device {device}"
+                    )
                 if not t.is_contiguous():
                     out.append(f"{name} ({phase}): a non-contiguous tensor")
                 if t.dtype not in NCCL_DTYPES:
@@ -289,10 +385,23 @@ def _tensors(a):
 # One training step with every tensor on the meta device
 
 
-META_ARGV = ["--num_layers=4", "--hidden_size=32", "--num_attention_heads=4", "--seq_length=16",
-             "--vocab_size=50257", "--micro_batch_size=2", "--log_interval=1", "--telemetry_interval=1",
-             "--spike_guard", "--spike_guard_snapshot_interval=1", "--exit_signal_handler", "--save=none",
-             "--save_interval=none", "--hidden_dropout=0.1", "--attention_dropout=0.1"]
+META_ARGV = [
+    "--num_layers=4",
+    "--hidden_size=32",
+    "--num_attention_heads=4",
+    "--seq_length=16",
+    "--vocab_size=50257",
+    "--micro_batch_size=2",
+    "--log_interval=1",
+    "--telemetry_interval=1",
+    "--spike_guard",
+    "--spike_guard_snapshot_interval=1",
+    "--exit_signal_handler",
+    "--save=none",
+    "--save_interval=none",
+    "--hidden_dropout=0.1",
+    "--attention_dropout=0.1",
+]
 
 
 def _meta_step(monkeypatch, extra, tp=1, pp=1, dp=1, rank=0, micro_batches=2):
@@ -305,10 +414,17 @@ def _meta_step(monkeypatch, extra, tp=1, pp=1, dp=1, rank=0, micro_batches=2):
     from report import LoggingConfig, Report
     from sections import section
     from stability import telemetry
+
     world = tp * pp * dp
-    cfg = arguments.load_config(META_ARGV + [f"--tensor_model_parallel_size={tp}",
-                                             f"--pipeline_model_parallel_size={pp}",
-                                             f"--global_batch_size={2 * micro_batches * dp}", *extra])
+    cfg = arguments.load_config(
+        META_ARGV
+        + [
+            f"--tensor_model_parallel_size={tp}",
+            f"--pipeline_model_parallel_size={pp}",
+            f"--global_batch_size={2 * micro_batches * dp}",
+            *extra,
+        ]
+    )
     cfg = arguments.prepare(cfg, world)
     grid = parallel.Grid(tp, pp, world_size=world, rank=rank)
     for group in ("tp_group", "dp_group", "pp_group", "mp_group", "embedding_group"):
@@ -336,15 +452,27 @@ def _meta_step(monkeypatch, extra, tp=1, pp=1, dp=1, rank=0, micro_batches=2):
         try:
             with syncs:
                 recorder.begin()
-                step = whole_step(parts.model, parts.optimizer, parts.scaler, batches, 1e-4,
-                                  parts.rules, meta, callbacks=telemetry.Probe(recorder),
-                                  count_zeros=True)
+                step = whole_step(
+                    parts.model,
+                    parts.optimizer,
+                    parts.scaler,
+                    batches,
+                    1e-4,
+                    parts.rules,
+                    meta,
+                    callbacks=telemetry.Probe(recorder),
+                    count_zeros=True,
+                )
                 recorder.finish()
                 guard.update(1, step.outcome, step.loss, step.grad_norm, parts.scaler)
                 report.step(step, 1e-4)
-                parts.state.advance(cfg.global_batch_size, cfg.seq_length, applied=step.outcome == "ok")
+                parts.state.advance(
+                    cfg.global_batch_size, cfg.seq_length, applied=step.outcome == "ok"
+                )
                 report.timed(0.1)
-                report.log(1, parts.state, cfg.global_batch_size, cfg.seq_length, parts.scaler.scale)
+                report.log(
+                    1, parts.state, cfg.global_batch_size, cfg.seq_length, parts.scaler.scale
+                )
                 exit_signal()
                 in_step = list(syncs.syncs)
                 # every spike_guard_snapshot_interval iterations, not each one
@@ -355,12 +483,19 @@ def _meta_step(monkeypatch, extra, tp=1, pp=1, dp=1, rank=0, micro_batches=2):
     return step, in_step, comms
 
 
-LAYOUTS = {"one process": {}, "TP2": dict(tp=2, rank=1), "PP2 first": dict(pp=2, rank=0),
-           "PP2 last": dict(pp=2, rank=1), "DP2 ZeRO-1": dict(dp=2, rank=1, extra=["--zero_stage=1"]),
-           "DP2 z-loss": dict(dp=2, rank=1, extra=["--z_loss=1e-4"])}
+LAYOUTS = {
+    "one process": {},
+    "TP2": dict(tp=2, rank=1),
+    "PP2 first": dict(pp=2, rank=0),
+    "PP2 last": dict(pp=2, rank=1),
+    "DP2 ZeRO-1": dict(dp=2, rank=1, extra=["--zero_stage=1"]),
+    "DP2 z-loss": dict(dp=2, rank=1, extra=["--z_loss=1e-4"]),
+}
 
 
-@pytest.mark.parametrize("layout,precision", [(layout, "--fp16") for layout in LAYOUTS] + [("one process", "--bf16")])
+@pytest.mark.parametrize(
+    "layout,precision", [(layout, "--fp16") for layout in LAYOUTS] + [("one process", "--bf16")]
+)
 def test_train_step_on_meta(monkeypatch, layout, precision):
     """One iteration of the loop with every tensor on the meta device, the stand-in for CUDA here: a meta tensor
     has a device but no data, so an op that mixes it with a CPU tensor raises as it would with a CUDA tensor,
@@ -394,17 +529,26 @@ def _audited_runs(corpus, layouts):
     import io
 
     import training
+
     for layout in layouts:
         with Collectives(run=True) as comms:
 
             def in_loop(*a, **k):
                 comms.phase = "loop"
                 return backward(*a, **k)
+
             training.backward = in_loop  # where train.py looks it up: the step's first call
             try:
                 with contextlib.redirect_stdout(io.StringIO()):
-                    train_script()["main"]([*E2E_ARGS, f"--data_path={corpus}", "--train_iters=3",
-                                            "--exit_signal_handler", *layout])
+                    train_script()["main"](
+                        [
+                            *E2E_ARGS,
+                            f"--data_path={corpus}",
+                            "--train_iters=3",
+                            "--exit_signal_handler",
+                            *layout,
+                        ]
+                    )
             finally:
                 training.backward = backward
         assert any(phase == "loop" for phase, _, _ in comms.calls), layout
@@ -418,9 +562,18 @@ def test_collectives_of_two_process_runs(synthetic_corpus):
     """TP2, PP2 and DP2 with ZeRO-1 (fp16 on PP2: the loss scaler's path), 3 iterations each on 2 gloo processes:
     every collective and point-to-point call takes contiguous tensors of a dtype NCCL takes, and no object
     collective happens inside the loop (the exit signal used to all-gather a Python object every iteration)."""
-    spawn(_audited_runs, 2, 1, 1, synthetic_corpus,
-          [["--tensor_model_parallel_size=2", "--telemetry_interval=2"],
-           ["--pipeline_model_parallel_size=2", "--fp16"], ["--zero_stage=1", "--bf16"]])
+    spawn(
+        _audited_runs,
+        2,
+        1,
+        1,
+        synthetic_corpus,
+        [
+            ["--tensor_model_parallel_size=2", "--telemetry_interval=2"],
+            ["--pipeline_model_parallel_size=2", "--fp16"],
+            ["--zero_stage=1", "--bf16"],
+        ],
+    )
 
 
 @pytest.mark.slow
@@ -439,26 +592,37 @@ def test_process_group_binds_the_gpu_and_a_hang_costs_its_timeout(monkeypatch):
     collectives' timeout is the configured one (10 minutes by default: what a hung rank costs), the host work's
     (checkpoint writes, tests/test_checkpoint.py) an hour on a group of its own."""
     import arguments
+
     calls = []
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("LOCAL_RANK", "1")
-    monkeypatch.setattr(torch.cuda, "set_device", lambda device: calls.append(("set_device", device)))
+    monkeypatch.setattr(
+        torch.cuda, "set_device", lambda device: calls.append(("set_device", device))
+    )
     monkeypatch.setattr(dist, "init_process_group", lambda *a, **k: calls.append(("init", a, k)))
     defaults = arguments.Config()
-    parallel.init(1, 1, backend="nccl", timeout_minutes=defaults.distributed_timeout_minutes,
-                  host_timeout_minutes=defaults.host_work_timeout_minutes)
+    parallel.init(
+        1,
+        1,
+        backend="nccl",
+        timeout_minutes=defaults.distributed_timeout_minutes,
+        host_timeout_minutes=defaults.host_work_timeout_minutes,
+    )
     (_, device), (_, args, kwargs) = calls
     assert device == torch.device("cuda", 1) and args == ("nccl",) and kwargs["device_id"] == device
     assert kwargs["timeout"].total_seconds() == 600 and parallel.host_timeout == 60
     calls.clear()
     parallel.init(1, 1, backend="gloo", timeout_minutes=5)
-    assert calls == [("init", ("gloo",), {"timeout": datetime.timedelta(minutes=5), "device_id": None})]
+    assert calls == [
+        ("init", ("gloo",), {"timeout": datetime.timedelta(minutes=5), "device_id": None})
+    ]
 
 
 def test_cuda_settings(monkeypatch):
     """tf32 (default on) sets the fp32 matmul precision on CUDA, and only there; train.py asks for expandable
     segments unless the user configured the allocator, and never on the CPU."""
     import arguments
+
     cfg = arguments.prepare(arguments.load_config(["--device=cuda"]))
     assert cfg.tf32
     monkeypatch.setattr(launcher, "get_device", lambda cfg: torch.device("cuda", 0))
@@ -492,15 +656,21 @@ def test_rng_state_is_the_current_gpus_only(monkeypatch):
     """A checkpoint holds the current CUDA device's generator state, not every visible device's (which ties it to
     CUDA_VISIBLE_DEVICES); an older checkpoint's list gives back the current device's entry."""
     import checkpoint
+
     restored = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)  # a CUDA run's process
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
-    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device="cuda": torch.tensor([7], dtype=torch.uint8))
-    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device="cuda": restored.append(state))
+    monkeypatch.setattr(
+        torch.cuda, "get_rng_state", lambda device="cuda": torch.tensor([7], dtype=torch.uint8)
+    )
+    monkeypatch.setattr(
+        torch.cuda, "set_rng_state", lambda state, device="cuda": restored.append(state)
+    )
 
     def every_device(*args):
         raise AssertionError("every visible device's RNG state")
+
     monkeypatch.setattr(torch.cuda, "get_rng_state_all", every_device)
     monkeypatch.setattr(torch.cuda, "set_rng_state_all", every_device)
     state = checkpoint.rng_state()
@@ -520,6 +690,7 @@ def test_a_cpu_run_on_a_machine_with_gpus_never_touches_cuda(monkeypatch):
 
     def touched(*args, **kwargs):
         raise AssertionError("CUDA touched by a CPU run")
+
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
     # torch.manual_seed's lazy CUDA seeding, dropped after
@@ -539,14 +710,19 @@ def _save_on_two_ranks(directory):
     import errno
 
     import checkpoint
+
     g = parallel.grid
     model_state, run = {"w": torch.full((4,), 1.0 + g.rank)}, {"state": {"iteration": 5}}
     with Collectives(run=True) as comms:
         comms.phase = "loop"  # a save at save_interval
-        path = checkpoint.save(directory, 5, model_state, run, {"rank": g.rank}, write_model_state=g.dp_rank == 0)
+        path = checkpoint.save(
+            directory, 5, model_state, run, {"rank": g.rank}, write_model_state=g.dp_rank == 0
+        )
     assert any(name == "all_gather" for _, name, _ in comms.calls) and comms.problems("cpu") == []
     files = checkpoint.read_manifest(path)["files"]
-    assert sorted(files) == sorted(os.path.basename(f) for f in checkpoint.layout_files(path, checkpoint.topology()))
+    assert sorted(files) == sorted(
+        os.path.basename(f) for f in checkpoint.layout_files(path, checkpoint.topology())
+    )
     for name in files:
         assert checkpoint.check_file(os.path.join(path, name), {"files": files}) is None
     assert checkpoint.load(path)[2] == {"rank": g.rank}
@@ -556,9 +732,12 @@ def _save_on_two_ranks(directory):
         if g.rank == 1:
             raise OSError(errno.EACCES, "Permission denied", f"{directory}/rank1")
         return write_files(*args, **kwargs)
+
     checkpoint.write_files = fails_on_rank_1
     try:
-        checkpoint.save(directory, 6, model_state, run, {"rank": g.rank}, write_model_state=g.dp_rank == 0)
+        checkpoint.save(
+            directory, 6, model_state, run, {"rank": g.rank}, write_model_state=g.dp_rank == 0
+        )
     except ValueError as e:  # on both ranks, rank 1's words
         assert f"failed: Permission denied ({directory}/rank1)" in str(e), e
     else:
@@ -579,14 +758,30 @@ def test_bench_starts_as_train_does(monkeypatch, corpus):
     (seeds, TF32), and its telemetry has the optimizer (the update ratio on the fp32 masters)."""
     import bench
     from stability import telemetry
+
     calls, Telemetry = [], telemetry.Telemetry
     for name in ("start", "setup"):
-        monkeypatch.setattr(launcher, name,
-                            lambda cfg, name=name, f=getattr(launcher, name): calls.append(name) or f(cfg))
+        monkeypatch.setattr(
+            launcher,
+            name,
+            lambda cfg, name=name, f=getattr(launcher, name): calls.append(name) or f(cfg),
+        )
     monkeypatch.setattr(telemetry, "Telemetry", lambda *a: calls.append(len(a)) or Telemetry(*a))
-    bench.measure(["config/tiny.py", "--num_layers=1", "--hidden_size=32", "--num_attention_heads=2",
-                   "--seq_length=16", "--micro_batch_size=2", "--global_batch_size=2", "--telemetry_interval=2",
-                   "--bench_steps=2", "--bench_warmup=0", f"--data_path={corpus}"])
+    bench.measure(
+        [
+            "config/tiny.py",
+            "--num_layers=1",
+            "--hidden_size=32",
+            "--num_attention_heads=2",
+            "--seq_length=16",
+            "--micro_batch_size=2",
+            "--global_batch_size=2",
+            "--telemetry_interval=2",
+            "--bench_steps=2",
+            "--bench_warmup=0",
+            f"--data_path={corpus}",
+        ]
+    )
     assert calls == ["start", "setup", 3]
 
 
@@ -599,11 +794,24 @@ def test_telemetry_update_ratio_on_fp32_masters():
     move while the fp32 masters do. The update/param ratio is the masters' (|m_after - m_before| / |p|)."""
     import arguments
     from stability import telemetry
-    cfg = arguments.prepare(arguments.load_config(["--num_layers=2", "--hidden_size=32", "--num_attention_heads=4",
-                                                   "--seq_length=16", "--vocab_size=512", "--bf16",
-                                                   "--micro_batch_size=2", "--global_batch_size=2",
-                                                   "--telemetry_interval=1", "--hidden_dropout=0",
-                                                   "--attention_dropout=0"]))
+
+    cfg = arguments.prepare(
+        arguments.load_config(
+            [
+                "--num_layers=2",
+                "--hidden_size=32",
+                "--num_attention_heads=4",
+                "--seq_length=16",
+                "--vocab_size=512",
+                "--bf16",
+                "--micro_batch_size=2",
+                "--global_batch_size=2",
+                "--telemetry_interval=1",
+                "--hidden_dropout=0",
+                "--attention_dropout=0",
+            ]
+        )
+    )
     model = build_model(cfg, torch.device("cpu"))
     optimizer = build_optimizer(cfg, model)
     recorder = telemetry.Telemetry(model, cfg, optimizer)
@@ -612,9 +820,16 @@ def test_telemetry_update_ratio_on_fp32_masters():
     before = [m.detach().clone() for m in masters]
     weights_before = [p.detach().clone() for p in model.parameters()]
     recorder.begin()
-    step = whole_step(model, optimizer, optim.scaler_for(cfg), [(ids[:, :-1], ids[:, 1:])], 1e-6,
-                      builders.step_rules(cfg), torch.device("cpu"),
-                      callbacks=telemetry.Probe(recorder))
+    step = whole_step(
+        model,
+        optimizer,
+        optim.scaler_for(cfg),
+        [(ids[:, :-1], ids[:, 1:])],
+        1e-6,
+        builders.step_rules(cfg),
+        torch.device("cpu"),
+        callbacks=telemetry.Probe(recorder),
+    )
     stats = recorder.finish()
     assert step.outcome == "ok"
     update = sum(float((m.detach() - b).double().square().sum()) for m, b in zip(masters, before))
@@ -630,20 +845,44 @@ def test_telemetry_update_ratio_on_fp32_masters():
 def _telemetry_with_and_without_zero():
     import arguments
     from stability import telemetry
+
     stats = {}
     for zero in (0, 1):
-        cfg = arguments.prepare(arguments.load_config(
-            ["--num_layers=2", "--hidden_size=32", "--num_attention_heads=4", "--seq_length=16", "--vocab_size=512",
-             "--bf16", "--micro_batch_size=2", "--global_batch_size=4", "--hidden_dropout=0",
-             "--attention_dropout=0", f"--zero_stage={zero}"]), 2)
+        cfg = arguments.prepare(
+            arguments.load_config(
+                [
+                    "--num_layers=2",
+                    "--hidden_size=32",
+                    "--num_attention_heads=4",
+                    "--seq_length=16",
+                    "--vocab_size=512",
+                    "--bf16",
+                    "--micro_batch_size=2",
+                    "--global_batch_size=4",
+                    "--hidden_dropout=0",
+                    "--attention_dropout=0",
+                    f"--zero_stage={zero}",
+                ]
+            ),
+            2,
+        )
         model = build_model(cfg, torch.device("cpu"))
         optimizer = build_optimizer(cfg, model)
         recorder = telemetry.Telemetry(model, cfg, optimizer)
-        tokens = torch.randint(0, 512, (2, 17), generator=torch.Generator().manual_seed(parallel.grid.dp_rank))
+        tokens = torch.randint(
+            0, 512, (2, 17), generator=torch.Generator().manual_seed(parallel.grid.dp_rank)
+        )
         recorder.begin()
-        whole_step(model, optimizer, optim.scaler_for(cfg), [(tokens[:, :-1], tokens[:, 1:])], 1e-3,
-                   builders.step_rules(cfg), torch.device("cpu"),
-                   callbacks=telemetry.Probe(recorder))
+        whole_step(
+            model,
+            optimizer,
+            optim.scaler_for(cfg),
+            [(tokens[:, :-1], tokens[:, 1:])],
+            1e-3,
+            builders.step_rules(cfg),
+            torch.device("cpu"),
+            callbacks=telemetry.Probe(recorder),
+        )
         stats[zero] = recorder.finish()["update/param rms"]
     assert all(r > 0 for r in stats[0])
     for a, b in zip(stats[0], stats[1]):
@@ -667,9 +906,19 @@ GPU = [*SMALL, "--device=cuda", "--deterministic"]
 def test_gpu_build_has_the_cpu_weights():
     """build_model on the GPU (the construction that used to stop every CUDA run) gives the CPU's weights."""
     import arguments
-    cfg = arguments.prepare(arguments.load_config(["--num_layers=2", "--hidden_size=64", "--num_attention_heads=4",
-                                                   "--seq_length=32", "--embed_layernorm", "--tensor_model_parallel_"
-                                                   "size=1"]))
+
+    cfg = arguments.prepare(
+        arguments.load_config(
+            [
+                "--num_layers=2",
+                "--hidden_size=64",
+                "--num_attention_heads=4",
+                "--seq_length=32",
+                "--embed_layernorm",
+                "--tensor_model_parallel_size=1",
+            ]
+        )
+    )
     on_cpu = _weights(build_model(cfg, torch.device("cpu")))
     on_gpu = build_model(cfg, torch.device("cuda", torch.cuda.current_device()))
     assert all(p.is_cuda for p in on_gpu.parameters())
@@ -682,7 +931,9 @@ def test_train_on_a_gpu(corpus, precision):
     """python train.py --device=cuda in fp32 (TF32 matmuls), bf16 and fp16: builds, trains 3 iterations, finite
     losses, the log line printed."""
     got = losses(run_cli(*GPU, "--train_iters=3", *precision).stdout)
-    assert sorted(got) == [1, 2, 3] and all(float(v) == float(v) and float(v) < 20 for v in got.values()), got
+    assert sorted(got) == [1, 2, 3] and all(
+        float(v) == float(v) and float(v) < 20 for v in got.values()
+    ), got
 
 
 @pytest.mark.cuda
@@ -690,31 +941,43 @@ def test_resume_on_a_gpu_is_bit_exact(corpus, tmp_path):
     """bf16 on the GPU, deterministic: 6 iterations straight, or 3 then a resume for 3 more, end with the same
     weights, bit for bit (the CUDA generator state of this device is in the checkpoint)."""
     import checkpoint
+
     straight, split = tmp_path / "straight", tmp_path / "split"
     full = losses(run_cli(*GPU, "--bf16", "--train_iters=6", f"--save={straight}").stdout)
     run_cli(*GPU, "--bf16", "--train_iters=3", f"--save={split}")
     resumed = losses(run_cli(*GPU, "--bf16", "--train_iters=6", f"--save={split}").stdout)
     assert {i: full[i] for i in range(4, 7)} == resumed
-    a, b = (checkpoint.read(checkpoint.model_file(str(d / "global_step6"), parallel.Grid(world_size=1)), "model")
-            for d in (straight, split))
+    a, b = (
+        checkpoint.read(
+            checkpoint.model_file(str(d / "global_step6"), parallel.Grid(world_size=1)), "model"
+        )
+        for d in (straight, split)
+    )
     _assert_same(a["model"], b["model"])
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs"
+)
 def test_two_gpus_nccl_tp2_trains_as_one(synthetic_corpus, tmp_path):
     """torchrun with 2 processes on 2 GPUs (NCCL, TP=2) trains the model one GPU trains (full fp32 matmuls)."""
     gpu = [f"--data_path={synthetic_corpus}", "--device=cuda", "--tf32=false"]
     ref = launch(tmp_path / "one", 1, *gpu)
-    assert_same_training(launch(tmp_path / "tp2", 2, *gpu, "--tensor_model_parallel_size=2"), ref, rel=1e-4)
+    assert_same_training(
+        launch(tmp_path / "tp2", 2, *gpu, "--tensor_model_parallel_size=2"), ref, rel=1e-4
+    )
 
 
 @pytest.mark.parametrize("local_rank,gpus,expected", [(3, 8, 3), (11, 8, 3), (3, 1, 0), (0, 1, 0)])
-def test_the_gpu_of_a_process_is_local_rank_modulo_the_visible_gpus(monkeypatch, local_rank, gpus, expected):
+def test_the_gpu_of_a_process_is_local_rank_modulo_the_visible_gpus(
+    monkeypatch, local_rank, gpus, expected
+):
     """LOCAL_RANK % torch.cuda.device_count(): 8 GPUs, all visible (torchrun); one per task (SLURM's per-task
     CUDA_VISIBLE_DEVICES, where LOCAL_RANK 3 was 'invalid device ordinal'); torchrun --virtual-local-rank
     (LOCAL_RANK 0 and one visible GPU). The config check lets one visible GPU per task through."""
     import arguments
+
     calls = []
     monkeypatch.setenv("WORLD_SIZE", "16")
     monkeypatch.setenv("LOCAL_RANK", str(local_rank))
@@ -740,41 +1003,63 @@ def test_compile_is_on_for_cuda_unless_switched_off():
 
     def compiles(*argv):
         return launcher.compiles(arguments.load_config(list(argv)))
+
     assert arguments.Config().compile is None
     assert compiles("--device=cuda") and not compiles("--device=cpu")
-    assert not compiles("--device=cuda", "--compile=false") and not compiles("--device=cuda", "--compile", "false")
+    assert not compiles("--device=cuda", "--compile=false") and not compiles(
+        "--device=cuda", "--compile", "false"
+    )
     assert compiles("--device=cpu", "--compile") and compiles("--device=cpu", "--compile=true")
 
 
-def test_the_nccl_flight_recorder_is_on_for_cuda_unless_the_user_set_it(monkeypatch, tmp_path, capsys):
+def test_the_nccl_flight_recorder_is_on_for_cuda_unless_the_user_set_it(
+    monkeypatch, tmp_path, capsys
+):
     """On with several processes, and its dump's place named at the start (a timeout aborts the process before
     Python can say it); a single-GPU run has no collective to record and gets no nccl_trace/ directory."""
     import arguments
-    names = ("TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_NCCL_DUMP_ON_TIMEOUT", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
+
+    names = (
+        "TORCH_NCCL_TRACE_BUFFER_SIZE",
+        "TORCH_NCCL_DUMP_ON_TIMEOUT",
+        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE",
+    )
     for name in names:
         monkeypatch.delenv(name, raising=False)
     monkeypatch.delenv("RANK", raising=False)
     launcher.use_nccl_flight_recorder(arguments.load_config(["--device=cpu", f"--save={tmp_path}"]))
     assert not set(names) & set(os.environ)  # gloo: nothing to record
     monkeypatch.setenv("WORLD_SIZE", "1")
-    launcher.use_nccl_flight_recorder(arguments.load_config(["--device=cuda", f"--save={tmp_path}"]))
+    launcher.use_nccl_flight_recorder(
+        arguments.load_config(["--device=cuda", f"--save={tmp_path}"])
+    )
     # one GPU: no collective
     assert not set(names) & set(os.environ) and not (tmp_path / "nccl_trace").exists()
     assert "flight recorder" not in capsys.readouterr().out
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("TORCH_NCCL_TRACE_BUFFER_SIZE", "50")  # the user's
-    launcher.use_nccl_flight_recorder(arguments.load_config(["--device=cuda", f"--save={tmp_path}"]))
-    assert os.environ["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "50" and os.environ["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
+    launcher.use_nccl_flight_recorder(
+        arguments.load_config(["--device=cuda", f"--save={tmp_path}"])
+    )
+    assert (
+        os.environ["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "50"
+        and os.environ["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
+    )
     assert os.environ["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == str(tmp_path / "nccl_trace" / "rank_")
     assert (tmp_path / "nccl_trace").is_dir()  # next to the checkpoints, ready for the dump
     assert capsys.readouterr().out == (
         f"NCCL flight recorder: on a collective timeout each rank dumps its last 50 collectives to "
         f"{tmp_path / 'nccl_trace' / 'rank_'}<rank>; `python -m torch.distributed.flight_recorder.fr_trace "
-        f"{tmp_path / 'nccl_trace'}` names the rank that did not join\n")
+        f"{tmp_path / 'nccl_trace'}` names the rank that did not join\n"
+    )
     # the user turned the dump off: nothing to point at
     monkeypatch.setenv("TORCH_NCCL_DUMP_ON_TIMEOUT", "0")
-    launcher.use_nccl_flight_recorder(arguments.load_config(["--device=cuda", f"--save={tmp_path}"]))
+    launcher.use_nccl_flight_recorder(
+        arguments.load_config(["--device=cuda", f"--save={tmp_path}"])
+    )
     monkeypatch.setenv("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
     monkeypatch.setenv("RANK", "1")  # said once, by rank 0
-    launcher.use_nccl_flight_recorder(arguments.load_config(["--device=cuda", f"--save={tmp_path}"]))
+    launcher.use_nccl_flight_recorder(
+        arguments.load_config(["--device=cuda", f"--save={tmp_path}"])
+    )
     assert capsys.readouterr().out == ""

@@ -5,6 +5,7 @@ every gradient), the loss mask counted by hand, and TP2 / PP2 (forward_backward'
 one process with the flags on. The model's side (the block-diagonal mask for every attention variant) is
 tested in test_llama.py.
 """
+
 import itertools
 import math
 import re
@@ -24,8 +25,16 @@ from sections import section
 from training import forward_backward
 
 EOD = 0
-BLOCK = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=50,
-             make_vocab_size_divisible_by=32, hidden_dropout=0.0, attention_dropout=0.0)
+BLOCK = dict(
+    num_layers=2,
+    hidden_size=32,
+    num_attention_heads=4,
+    seq_length=16,
+    vocab_size=50,
+    make_vocab_size_divisible_by=32,
+    hidden_dropout=0.0,
+    attention_dropout=0.0,
+)
 FLAGS = ("reset_position_ids", "reset_attention_mask", "eod_mask_loss")
 
 
@@ -42,9 +51,9 @@ def megatron_masks(data, eod, reset_position_ids, reset_attention_mask, eod_mask
         previous = 0
         for i in [int(i) for i in torch.nonzero(data[row] == eod)]:
             if reset_attention_mask:
-                attention[row, i + 1:, :i + 1] = 0
+                attention[row, i + 1 :, : i + 1] = 0
             if reset_position_ids:
-                positions[row, i + 1:] -= i + 1 - previous
+                positions[row, i + 1 :] -= i + 1 - previous
                 previous = i + 1
     return attention.expand(b, t, t) > 0.5, loss_mask, positions
 
@@ -63,7 +72,9 @@ def test_packed_inputs_are_megatrons(flags):
     attention, loss_mask, positions = megatron_masks(tokens, EOD, *flags)
     inputs = layers.packed_inputs(tokens, EOD, **dict(zip(FLAGS, flags)))
     reset_positions, reset_mask, mask_loss = flags
-    assert set(inputs) == {name for name, on in zip(("positions", "documents", "loss_mask"), flags) if on}
+    assert set(inputs) == {
+        name for name, on in zip(("positions", "documents", "loss_mask"), flags) if on
+    }
     if reset_mask:
         assert torch.equal(layers.document_mask(inputs["documents"])[:, 0], attention)
     if reset_positions:
@@ -83,7 +94,9 @@ def float64():
 
 def flagged(**flags):
     """The data keys forward_backward reads, with the end-of-document id EOD (monkeypatched eod_token)."""
-    return types.SimpleNamespace(**{name: flags.get(name, False) for name in FLAGS}, tokenizer_file=None)
+    return types.SimpleNamespace(
+        **{name: flags.get(name, False) for name in FLAGS}, tokenizer_file=None
+    )
 
 
 def test_a_packed_batch_trains_as_each_document_alone(monkeypatch, float64):
@@ -110,7 +123,7 @@ def test_a_packed_batch_trains_as_each_document_alone(monkeypatch, float64):
                 if a == b:
                     continue
                 # the document alone, from position 0
-                logits = model(xs[row:row + 1, a:b])[0, :, :50]
+                logits = model(xs[row : row + 1, a:b])[0, :, :50]
                 keep = xs[row, a:b] != EOD
                 total = total + F.cross_entropy(logits[keep], ys[row, a:b][keep], reduction="sum")
                 count += int(keep.sum())
@@ -118,7 +131,9 @@ def test_a_packed_batch_trains_as_each_document_alone(monkeypatch, float64):
     reference.backward()
     assert math.isclose(loss.item(), reference.item(), rel_tol=1e-12)
     for name, p in model.named_parameters():
-        torch.testing.assert_close(grads[name], p.grad, rtol=1e-9, atol=1e-12, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(
+            grads[name], p.grad, rtol=1e-9, atol=1e-12, msg=lambda m: f"{name}: {m}"
+        )
 
 
 def test_the_loss_mask_is_counted_as_megatron_counts_it(monkeypatch, float64):
@@ -132,8 +147,9 @@ def test_the_loss_mask_is_counted_as_megatron_counts_it(monkeypatch, float64):
     with torch.no_grad():
         # real columns
         per_token = F.cross_entropy(model(x)[..., :50].transpose(1, 2), y, reduction="none")
-        loss = forward_backward(model, [(x, y)], loader.packing(flagged(eod_mask_loss=True)), "cpu",
-                                forward_only=True)
+        loss = forward_backward(
+            model, [(x, y)], loader.packing(flagged(eod_mask_loss=True)), "cpu", forward_only=True
+        )
     assert math.isclose(loss.item(), (per_token * mask).sum().item() / 8, rel_tol=1e-12)
     assert not math.isclose(loss.item(), per_token.mean().item(), rel_tol=1e-6)
 
@@ -169,8 +185,12 @@ def _layout_with_flags():
     loader.eod_token = lambda cfg: EOD  # a spawned process: no monkeypatch
     g = parallel.grid
     torch.set_default_dtype(torch.float64)
-    cfg = GPTConfig(**{**BLOCK, "num_layers": 4}, position_embedding_type="rotary", num_query_groups=2,
-                    tensor_model_parallel_size=g.tp_size)
+    cfg = GPTConfig(
+        **{**BLOCK, "num_layers": 4},
+        position_embedding_type="rotary",
+        num_query_groups=2,
+        tensor_model_parallel_size=g.tp_size,
+    )
     batches = random_batches(0, 3, 2, 16, cfg.vocab_size)
     for x, _ in batches:
         x[:, [2, 7, 8]] = EOD
@@ -195,8 +215,13 @@ def _layout_with_flags():
             # the last stage's tied copy
             twin = "embed.word.weight" if name == "output_weight" else name
             expected = parallel.shard(ref_grads[twin].grad, getattr(p, "tp_dim", None))
-            torch.testing.assert_close(p.main_grad, expected, rtol=1e-9, atol=1e-12,
-                                       msg=lambda m: f"{g} {flags} {name}: {m}")
+            torch.testing.assert_close(
+                p.main_grad,
+                expected,
+                rtol=1e-9,
+                atol=1e-12,
+                msg=lambda m: f"{g} {flags} {name}: {m}",
+            )
 
 
 @pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2)])
@@ -215,10 +240,17 @@ def test_flags_that_cannot_work_are_refused_by_name():
         data_cfg, context = section(loader.DataConfig, cfg), section(loader.DataContext, cfg)
         loader.check(data_cfg, context, cfg.position_embedding_type)
 
-    with pytest.raises(ValueError, match="reset_position_ids does nothing with position_embedding_type=alibi"):
-        check(arguments.load_config(["config/tiny.py", "--position_embedding_type=alibi",
-                                     "--reset_position_ids"]))
-    with pytest.raises(ValueError, match="end-of-document id 50256, which is not below vocab_size=512"):
+    with pytest.raises(
+        ValueError, match="reset_position_ids does nothing with position_embedding_type=alibi"
+    ):
+        check(
+            arguments.load_config(
+                ["config/tiny.py", "--position_embedding_type=alibi", "--reset_position_ids"]
+            )
+        )
+    with pytest.raises(
+        ValueError, match="end-of-document id 50256, which is not below vocab_size=512"
+    ):
         check(arguments.load_config(["config/tiny.py", "--vocab_size=512", "--eod_mask_loss"]))
 
 
@@ -234,27 +266,54 @@ def test_train_py_packs_documents_in_training_and_evaluation(tmp_path):
 
     import data
     from helpers import log_fields, run_main
+
     rng = np.random.default_rng(0)
     prefix = str(tmp_path / "short")
-    data.write_indexed_dataset(prefix, [list(rng.integers(0, 100, rng.integers(3, 12))) + [data.EOD]
-                                        for _ in range(400)])
-    base = ["--num_layers=2", "--hidden_size=32", "--num_attention_heads=4", "--seq_length=32",
-            "--micro_batch_size=4", "--global_batch_size=8", "--train_iters=2", "--log_interval=1",
-            "--eval_interval=2", "--eval_iters=1", "--split=80,20,0", f"--data_path={prefix}", "--device=cpu",
-            "--save=none", "--save_interval=none", "--sample_tokens=0", "--lr_warmup_samples=0"]
+    data.write_indexed_dataset(
+        prefix, [list(rng.integers(0, 100, rng.integers(3, 12))) + [data.EOD] for _ in range(400)]
+    )
+    base = [
+        "--num_layers=2",
+        "--hidden_size=32",
+        "--num_attention_heads=4",
+        "--seq_length=32",
+        "--micro_batch_size=4",
+        "--global_batch_size=8",
+        "--train_iters=2",
+        "--log_interval=1",
+        "--eval_interval=2",
+        "--eval_iters=1",
+        "--split=80,20,0",
+        f"--data_path={prefix}",
+        "--device=cpu",
+        "--save=none",
+        "--save_interval=none",
+        "--sample_tokens=0",
+        "--lr_warmup_samples=0",
+    ]
     valid = re.compile(r"validation loss at iteration 2 \| lm loss value: (\S+)")
     runs = {}
     for flags in ((), ("--reset_position_ids", "--reset_attention_mask", "--eod_mask_loss")):
         out = run_main(*base, *flags)
-        runs[flags] = (log_fields(out)[1]["lm loss"], log_fields(out)[2]["lm loss"], valid.search(out).group(1))
+        runs[flags] = (
+            log_fields(out)[1]["lm loss"],
+            log_fields(out)[2]["lm loss"],
+            valid.search(out).group(1),
+        )
     plain, packed = runs.values()
     assert all(a != b for a, b in zip(plain, packed)), runs
 
 
-@pytest.mark.parametrize("variant", [dict(), dict(position_embedding_type="rotary"),
-                                     dict(position_embedding_type="alibi"),
-                                     dict(position_embedding_type="rotary", num_query_groups=2)],
-                         ids=["learned", "rotary", "alibi", "rotary-gqa"])
+@pytest.mark.parametrize(
+    "variant",
+    [
+        dict(),
+        dict(position_embedding_type="rotary"),
+        dict(position_embedding_type="alibi"),
+        dict(position_embedding_type="rotary", num_query_groups=2),
+    ],
+    ids=["learned", "rotary", "alibi", "rotary-gqa"],
+)
 def test_the_flex_attention_block_mask_is_the_dense_masks_model(monkeypatch, variant):
     """On CUDA packed documents attend through FlexAttention's block mask (layers.DocumentBlockMask), with no T x T
     tensor; forced here on CPU, where flex_attention runs eagerly (forward only: its backward is CUDA's): the
@@ -266,7 +325,9 @@ def test_the_flex_attention_block_mask_is_the_dense_masks_model(monkeypatch, var
     y = torch.randint(1, 50, x.shape, generator=torch.Generator().manual_seed(1))
     inputs = layers.packed_inputs(x, EOD, reset_position_ids=True, reset_attention_mask=True)
     results, seen, real = [], [], layers.DocumentBlockMask.attend
-    monkeypatch.setattr(layers.DocumentBlockMask, "attend", lambda self, *a: seen.append(1) or real(self, *a))
+    monkeypatch.setattr(
+        layers.DocumentBlockMask, "attend", lambda self, *a: seen.append(1) or real(self, *a)
+    )
     for flex in (False, True):
         monkeypatch.setattr(layers, "flex_documents", lambda device, compiled, head_dim: flex)
         seen.clear()
@@ -285,7 +346,9 @@ def test_packed_documents_train_through_compiled_flex_attention_on_cuda(monkeypa
     device = torch.device("cuda")
     torch.manual_seed(0)
     # heads of 16: the narrowest inductor's flex_attention kernel takes (BLOCK's 8 take the dense mask)
-    cfg = GPTConfig(**{**BLOCK, "hidden_size": 64, "position_embedding_type": "rotary", "num_query_groups": 2})
+    cfg = GPTConfig(
+        **{**BLOCK, "hidden_size": 64, "position_embedding_type": "rotary", "num_query_groups": 2}
+    )
     assert layers.flex_documents(device, True, cfg.hidden_size // cfg.num_attention_heads)
     model = GPT(cfg).to(device)
     model.compile_blocks()
@@ -294,7 +357,9 @@ def test_packed_documents_train_through_compiled_flex_attention_on_cuda(monkeypa
     inputs = layers.packed_inputs(x, EOD, reset_position_ids=True, reset_attention_mask=True)
     results = []
     for flex in (False, True):
-        monkeypatch.setattr(layers, "flex_documents", lambda device, compiled, head_dim: flex and compiled)
+        monkeypatch.setattr(
+            layers, "flex_documents", lambda device, compiled, head_dim: flex and compiled
+        )
         model.zero_grad(set_to_none=True)
         loss = model(x, y, **inputs)
         loss.backward()

@@ -1,4 +1,5 @@
 """estimate.py (the dry run) sizes the GPU that needs the most: native ZeRO-1 deals out whole parameters."""
+
 import io
 import os
 
@@ -33,12 +34,18 @@ def test_layer_activations_of_the_gpt2_block_are_korthikantis():
     """With Megatron's unfused attention, which keeps the B*H*T^2 scores; the fused kernels keep a log-sum-exp of
     each query's softmax instead (4asb in fp32)."""
     from model import GPTConfig
+
     s, b, h, a = 2048, 4, 1024, 16
     cfg = GPTConfig(hidden_size=h, num_attention_heads=a, unfused_attention=True)
     fused = GPTConfig(hidden_size=h, num_attention_heads=a)
     for t in (1, 2, 4):
-        assert estimate.layer_activations(cfg, s, b, t) == s * b * h * (10 + 24 / t + 5 * a * s / (h * t))
-        assert estimate.layer_activations(fused, s, b, t) == s * b * h * (10 + 24 / t) + 4 * a * s * b / t
+        assert estimate.layer_activations(cfg, s, b, t) == s * b * h * (
+            10 + 24 / t + 5 * a * s / (h * t)
+        )
+        assert (
+            estimate.layer_activations(fused, s, b, t)
+            == s * b * h * (10 + 24 / t) + 4 * a * s * b / t
+        )
 
 
 def test_fused_attention_keeps_its_output_and_a_log_sum_exp_per_query():
@@ -46,6 +53,7 @@ def test_fused_attention_keeps_its_output_and_a_log_sum_exp_per_query():
     is its output (the output projection's input, 2sbh in bf16) and the softmax's log-sum-exp in fp32 (4asb),
     not the scores that layer_activations counts only for unfused_attention."""
     from model import core_attention
+
     b, a, s, d = 2, 4, 64, 16
     q, k, v = (torch.randn(b, a, s, d, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
     skip = {t.untyped_storage().data_ptr() for t in (q, k, v)}
@@ -55,6 +63,7 @@ def test_fused_attention_keeps_its_output_and_a_log_sum_exp_per_query():
         if t.untyped_storage().data_ptr() not in skip:
             kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         return t
+
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         core_attention(q, k, v)
     assert sum(kept.values()) == 2 * s * b * a * d + 4 * a * s * b
@@ -64,8 +73,16 @@ def test_layer_activations_of_the_llama_block_by_hand():
     """Llama-3.2-1B's layer (h 2048, 32 query heads, 8 key/value heads of 64, SwiGLU of 8192) at s 2048, b 1,
     counted tensor by tensor in bytes: GQA keeps a quarter of MHA's keys and values, SwiGLU four tensors of f."""
     from model import GPTConfig
-    cfg = GPTConfig(hidden_size=2048, num_attention_heads=32, num_query_groups=8, ffn_hidden_size=8192,
-                    swiglu=True, normalization="rmsnorm", position_embedding_type="rotary")
+
+    cfg = GPTConfig(
+        hidden_size=2048,
+        num_attention_heads=32,
+        num_query_groups=8,
+        ffn_hidden_size=8192,
+        swiglu=True,
+        normalization="rmsnorm",
+        position_embedding_type="rotary",
+    )
     s, h, f = 2048, 2048, 8192
     # norm, QKV and MLP inputs (bf16), two dropout masks (a byte each)
     replicated = 2 * s * h * 4 + s * h * 2
@@ -76,13 +93,18 @@ def test_layer_activations_of_the_llama_block_by_hand():
         expected = replicated + (q + k + v + proj_in + scores + swiglu) / t
         assert estimate.layer_activations(cfg, s, 1, t) == expected
     mha = GPTConfig(hidden_size=2048, num_attention_heads=32, ffn_hidden_size=8192, swiglu=True)
-    assert estimate.layer_activations(mha, s, 1) - estimate.layer_activations(cfg, s, 1) == 2 * 2 * s * h * 3 / 4
+    assert (
+        estimate.layer_activations(mha, s, 1) - estimate.layer_activations(cfg, s, 1)
+        == 2 * 2 * s * h * 3 / 4
+    )
 
 
 def _saved_bytes(module, x):
     """Bytes of the tensors autograd keeps for backward in module(x), each storage once, leaving out the
     parameters and x itself: what the module adds to a layer's activations."""
-    skip = {p.untyped_storage().data_ptr() for p in module.parameters()} | {x.untyped_storage().data_ptr()}
+    skip = {p.untyped_storage().data_ptr() for p in module.parameters()} | {
+        x.untyped_storage().data_ptr()
+    }
     kept = {}
 
     def pack(t):
@@ -90,6 +112,7 @@ def _saved_bytes(module, x):
         if storage.data_ptr() not in skip:
             kept[storage.data_ptr()] = storage.nbytes()
         return t
+
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         module(x)
     return sum(kept.values())
@@ -99,12 +122,14 @@ def test_mlp_activations_are_what_torch_keeps():
     """Measured: the bytes autograd keeps in bf16 for the GeLU MLP (4sbf) and SwiGLU (8sbf), tiny CPU modules."""
     from layers import SwiGLU
     from model import MLP, GPTConfig
+
     s, b, h, f = 16, 2, 32, 48
     x = torch.randn(s, b, h, dtype=torch.bfloat16, requires_grad=True)
     for swiglu, per_f in ((False, 4), (True, 8)):
         cfg = GPTConfig(hidden_size=h, num_attention_heads=4, ffn_hidden_size=f, swiglu=swiglu)
         module = (SwiGLU if swiglu else MLP)(cfg, parallel.Grid()).to(torch.bfloat16)
         assert _saved_bytes(module, x) == per_f * s * b * f
-        attention_and_rest = estimate.layer_activations(GPTConfig(hidden_size=h, num_attention_heads=4,
-                                                                  ffn_hidden_size=1, swiglu=swiglu), s, b)
+        attention_and_rest = estimate.layer_activations(
+            GPTConfig(hidden_size=h, num_attention_heads=4, ffn_hidden_size=1, swiglu=swiglu), s, b
+        )
         assert estimate.layer_activations(cfg, s, b) - attention_and_rest == per_f * s * b * (f - 1)

@@ -1,6 +1,7 @@
 """The linear layers' weight gradients added straight into the fp32 main_grad (parallel.linear, Megatron's
 gradient_accumulation_fusion): against fp64 sums of the same half-precision products, against autograd's .grad
 path (parallel.fuses_weight_gradient patched off), and the GradBuffer's bucket launches against that path's."""
+
 import contextlib
 import types
 
@@ -52,7 +53,9 @@ def test_half_weight_gradient_is_the_fp32_sum_of_the_half_products(dtype, scale,
     below). The input's and the bias's gradients are autograd's, bit for bit. fp16 with a loss scale of 1024."""
     layer, xs, gs = _layer_backwards(dtype, 3, scale)
     assert layer.weight.grad is None
-    flat = [(g.reshape(-1, OUT).double(), x.detach().reshape(-1, H).double()) for g, x in zip(gs, xs)]
+    flat = [
+        (g.reshape(-1, OUT).double(), x.detach().reshape(-1, H).double()) for g, x in zip(gs, xs)
+    ]
     exact = sum(g.t() @ x for g, x in flat)
     bound = 1e-5 * sum(g.abs().t() @ x.abs() for g, x in flat)
     assert ((layer.weight.main_grad.double() - exact).abs() <= bound).all()
@@ -76,12 +79,24 @@ def test_fp32_weight_keeps_autograds_path():
     x = torch.randn(*TOKENS, H, requires_grad=True)
     layer(x).sum().backward()
     assert made == [layer.weight]
-    torch.testing.assert_close(layer.weight.main_grad, torch.ones(*TOKENS, OUT).reshape(-1, OUT).t()
-                               @ x.detach().reshape(-1, H), rtol=0, atol=1e-5)
+    torch.testing.assert_close(
+        layer.weight.main_grad,
+        torch.ones(*TOKENS, OUT).reshape(-1, OUT).t() @ x.detach().reshape(-1, H),
+        rtol=0,
+        atol=1e-5,
+    )
 
 
-CFG = dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=24, vocab_size=512,
-           make_vocab_size_divisible_by=128, hidden_dropout=0.0, attention_dropout=0.0)
+CFG = dict(
+    num_layers=2,
+    hidden_size=64,
+    num_attention_heads=4,
+    seq_length=24,
+    vocab_size=512,
+    make_vocab_size_divisible_by=128,
+    hidden_dropout=0.0,
+    attention_dropout=0.0,
+)
 MICRO_BATCHES = 2
 
 
@@ -94,8 +109,11 @@ class HalfWeightProducts(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm) \
-                and out.dtype == torch.bfloat16 and tuple(out.shape) in self.shapes:
+        if (
+            func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm)
+            and out.dtype == torch.bfloat16
+            and tuple(out.shape) in self.shapes
+        ):
             self.count += 1
         return out
 
@@ -122,8 +140,9 @@ def _linear_weights(model):
 
 
 @pytest.mark.parametrize("checkpoint_activations", [False, True])
-def test_model_backward_makes_no_bf16_weight_gradient_and_matches_the_grad_path(checkpoint_activations,
-                                                                                  monkeypatch):
+def test_model_backward_makes_no_bf16_weight_gradient_and_matches_the_grad_path(
+    checkpoint_activations, monkeypatch
+):
     """A 2-layer bf16 GPT, 2 micro-batches: the fused backward makes no bf16 matmul output of a linear weight's shape
     (the .grad path makes one per linear per micro-batch, 16 here), no .grad of those weights, and its main_grads
     differ from the .grad path's by the bf16 roundings of that path's products alone: elementwise within 2^-8 of the
@@ -140,8 +159,10 @@ def test_model_backward_makes_no_bf16_weight_gradient_and_matches_the_grad_path(
     plain_mode = HalfWeightProducts(shapes)
     _, plain_after, _ = _train_micro_batches(checkpoint_activations, mode=plain_mode)
     linears = _linear_weights(fused)
-    assert fused_mode.count == 0 and plain_mode.count == len(linears) * MICRO_BATCHES == 16, \
-        (fused_mode.count, plain_mode.count)
+    assert fused_mode.count == 0 and plain_mode.count == len(linears) * MICRO_BATCHES == 16, (
+        fused_mode.count,
+        plain_mode.count,
+    )
     assert all(p.grad is None for p in linears.values())
     for name, got in fused_after[-1].items():
         want = plain_after[-1][name]
@@ -159,6 +180,7 @@ def test_data_parallel_buckets_launch_in_the_same_order_during_the_last_backward
     """A data-parallel GradBuffer of small buckets (its all-reduce recorded instead of run): the fused path launches
     the same buckets in the same order as the .grad path, each once, all during the last micro-batch's backward
     (overlapped with it, none left for finish())."""
+
     def launches():
         launched, phase = [], ["forward"]
         model = GPT(GPTConfig(**CFG))
@@ -166,17 +188,22 @@ def test_data_parallel_buckets_launch_in_the_same_order_during_the_last_backward
         model = model.to(torch.bfloat16)
         buffer = parallel.GradBuffer(model.parameters(), torch.float32, bucket_numel=2**13)
         buffer.group, buffer.size = "dp", 1
+
         def all_reduce(flat, **kwargs):
             launched.append((phase[0], next(i for i, b in enumerate(buffer.buckets) if b is flat)))
             return types.SimpleNamespace(wait=lambda: None)
+
         monkeypatch.setattr(parallel.dist, "all_reduce", all_reduce)
         buffer.start(MICRO_BATCHES)
-        for i, (x, y) in enumerate(random_batches(0, MICRO_BATCHES, 2, CFG["seq_length"], CFG["vocab_size"])):
+        for i, (x, y) in enumerate(
+            random_batches(0, MICRO_BATCHES, 2, CFG["seq_length"], CFG["vocab_size"])
+        ):
             phase[0] = f"backward {i}"
             model(x, y).backward()
         phase[0] = "finish"
         buffer.finish()
         return launched, len(buffer.buckets)
+
     fused, buckets = launches()
     unfused(monkeypatch)
     plain, _ = launches()
@@ -213,6 +240,7 @@ def _bucket_launches_and_grads(compiled, interleaved, monkeypatch):
     def all_reduce(flat, **kwargs):
         launched.append((phase[0], next(i for i, b in enumerate(buffer.buckets) if b is flat)))
         return types.SimpleNamespace(wait=lambda: None)
+
     monkeypatch.setattr(parallel.dist, "all_reduce", all_reduce)
     buffer.start(MICRO_BATCHES)
     batches = random_batches(0, MICRO_BATCHES, 2, CFG["seq_length"], CFG["vocab_size"])
@@ -223,7 +251,11 @@ def _bucket_launches_and_grads(compiled, interleaved, monkeypatch):
         loss.backward()
     phase[0] = "finish"
     buffer.finish()
-    return launched, {n: p.main_grad for n, p in model.named_parameters()}, sum(counters["graph_break"].values())
+    return (
+        launched,
+        {n: p.main_grad for n, p in model.named_parameters()},
+        sum(counters["graph_break"].values()),
+    )
 
 
 def test_compiled_blocks_fuse_the_same_and_1f1b_order_works(monkeypatch):
@@ -235,7 +267,10 @@ def test_compiled_blocks_fuse_the_same_and_1f1b_order_works(monkeypatch):
     eager_launched, eager, _ = _bucket_launches_and_grads(False, False, monkeypatch)
     compiled_launched, compiled, breaks = _bucket_launches_and_grads(True, True, monkeypatch)
     assert breaks == 0
-    assert all(torch.equal(compiled[n], eager[n]) for n in eager), [n for n in eager
-                                                                     if not torch.equal(compiled[n], eager[n])]
-    assert compiled_launched == eager_launched and {phase for phase, _ in eager_launched} == {"backward 1"}
+    assert all(torch.equal(compiled[n], eager[n]) for n in eager), [
+        n for n in eager if not torch.equal(compiled[n], eager[n])
+    ]
+    assert compiled_launched == eager_launched and {phase for phase, _ in eager_launched} == {
+        "backward 1"
+    }
     assert len(eager_launched) > 4

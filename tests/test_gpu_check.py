@@ -1,6 +1,7 @@
 """tools/gpu_check.sh: on the CPU (--cpu) every step runs at tiny shapes and prints its lines, to the verdict; on a
 GPU machine (python stood in for by a script of canned outputs) a failing or slow step is recorded, not masked,
 the next steps still run, and the verdict holds the MFU targets."""
+
 import os
 import re
 import stat
@@ -9,14 +10,27 @@ import subprocess
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-STEPS = ("== 0. the paths taken", "== a. device ceilings", "== b. bench.py gpt2_125m",
-         "== c. bench.py tr3_1b3_1gpu", "== c2. the spike guard's price",
-         "== d. the compiled bf16 loss", "== e. host syncs", "== f. the cuda-marked tests")
+STEPS = (
+    "== 0. the paths taken",
+    "== a. device ceilings",
+    "== b. bench.py gpt2_125m",
+    "== c. bench.py tr3_1b3_1gpu",
+    "== c2. the spike guard's price",
+    "== d. the compiled bf16 loss",
+    "== e. host syncs",
+    "== f. the cuda-marked tests",
+)
 
 
 def run_check(*args, env=None):
-    return subprocess.run(["bash", os.path.join("tools", "gpu_check.sh"), *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=900, env=env)
+    return subprocess.run(
+        ["bash", os.path.join("tools", "gpu_check.sh"), *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=env,
+    )
 
 
 @pytest.mark.slow
@@ -26,28 +40,51 @@ def test_every_step_prints_its_lines_to_the_verdict_on_the_cpu(tmp_path):
     out = run_check("--cpu", str(tmp_path))
     lines = out.stdout.splitlines()
     assert out.returncode == 0, out.stdout + out.stderr
-    found = [next((i for i, line in enumerate(lines) if line.startswith(step)), None) for step in STEPS]
+    found = [
+        next((i for i, line in enumerate(lines) if line.startswith(step)), None) for step in STEPS
+    ]
     # each step's header, in the order stated
     assert None not in found and found == sorted(found), out.stdout
-    for result in ("ceiling: copy", "ceiling: matmul gpt2_125m qkv", "ceiling: matmul tr3_1b3_1gpu output",
-                   "ceiling: sdpa default gpt2_125m", "ceiling: sdpa default tr3_1b3_1gpu",
-                   "| gpt2_125m compile=true | skipped on the CPU", "| gpt2_125m compile=false | ",
-                   "| tr3_1b3_1gpu | ", "loss: init   eager", "loss: peaked eager", "syncs: one train_step",
-                   "tests collected", "   paths: torch ",
-                   "backend: | gpt2_125m (2, 2, 64, 32, bfloat16) | math |",
-                   "| tr3_1b3_1gpu (2, 2, 64, 32, bfloat16) | efficient | unavailable here",
-                   "   guard: gpt2_125m "):
+    for result in (
+        "ceiling: copy",
+        "ceiling: matmul gpt2_125m qkv",
+        "ceiling: matmul tr3_1b3_1gpu output",
+        "ceiling: sdpa default gpt2_125m",
+        "ceiling: sdpa default tr3_1b3_1gpu",
+        "| gpt2_125m compile=true | skipped on the CPU",
+        "| gpt2_125m compile=false | ",
+        "| tr3_1b3_1gpu | ",
+        "loss: init   eager",
+        "loss: peaked eager",
+        "syncs: one train_step",
+        "tests collected",
+        "   paths: torch ",
+        "backend: | gpt2_125m (2, 2, 64, 32, bfloat16) | math |",
+        "| tr3_1b3_1gpu (2, 2, 64, 32, bfloat16) | efficient | unavailable here",
+        "   guard: gpt2_125m ",
+    ):
         assert any(result in line for line in lines), (result, out.stdout)
     # each row has its numbers
     assert not any("?" in line for line in lines if line.startswith("| ")), out.stdout
     assert "n/a on CPU" in out.stdout and "FAIL" not in out.stdout
-    verdict = re.fullmatch(r"verdict: OK -- gpt2_125m ([\d.]+) tokens/s ([\d.]+)% MFU, "
-                           r"tr3_1b3_1gpu ([\d.]+) tokens/s ([\d.]+)% MFU, guard ratio ([\d.]+) "
-                           r"\(CPU smoke: targets not applicable; \d+ s of 3000, logs in .*\); "
-                           r"no failures", lines[-1])
+    verdict = re.fullmatch(
+        r"verdict: OK -- gpt2_125m ([\d.]+) tokens/s ([\d.]+)% MFU, "
+        r"tr3_1b3_1gpu ([\d.]+) tokens/s ([\d.]+)% MFU, guard ratio ([\d.]+) "
+        r"\(CPU smoke: targets not applicable; \d+ s of 3000, logs in .*\); "
+        r"no failures",
+        lines[-1],
+    )
     assert verdict and all(float(v) > 0 for v in verdict.groups()), lines[-1]
-    for step in ("backends", "ceilings", "bench_gpt2_125m_eager", "bench_tr3_1b3_1gpu", "guard",
-                 "loss", "syncs", "tests"):
+    for step in (
+        "backends",
+        "ceilings",
+        "bench_gpt2_125m_eager",
+        "bench_tr3_1b3_1gpu",
+        "guard",
+        "loss",
+        "syncs",
+        "tests",
+    ):
         assert (tmp_path / f"{step}.txt").stat().st_size > 0
 
 
@@ -75,24 +112,36 @@ def test_a_failing_step_is_recorded_and_the_next_ones_run(tmp_path):
     fake.parent.mkdir()
     fake.write_text(FAKE_PYTHON)
     fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
-    env = dict(os.environ, PATH=f"{fake.parent}{os.pathsep}{os.environ['PATH']}",
-               GPU_CHECK_PREPARED=str(tmp_path / "absent"))
+    env = dict(
+        os.environ,
+        PATH=f"{fake.parent}{os.pathsep}{os.environ['PATH']}",
+        GPU_CHECK_PREPARED=str(tmp_path / "absent"),
+    )
     out = run_check(str(tmp_path / "logs"), env=env)
     assert out.returncode == 1, out.stdout + out.stderr
     lines = out.stdout.splitlines()
     assert "| gpt2_125m compile=true | 401234 | 41.3% |" in out.stdout
-    assert "| tr3_1b3_1gpu | ? | ?% |" in out.stdout and "   | torch.OutOfMemoryError: CUDA out of memory" in lines
+    assert (
+        "| tr3_1b3_1gpu | ? | ?% |" in out.stdout
+        and "   | torch.OutOfMemoryError: CUDA out of memory" in lines
+    )
     # the tests ran after the failures before them
     assert "   1 passed, 1 failed, 0 skipped" in lines
     assert "   ceiling: fine" in lines and "   loss: fine" in lines
     assert "   paths: torch 2.11.0" in lines
     assert lines[0].startswith(f"== no prepared data at {tmp_path / 'absent'}: ")
-    assert lines[2] == ("== gpu_check on NVIDIA H100 80GB HBM3 torch 2.11.0 (1 GPU(s) visible, GPU "
-                        f"0 used; logs in {tmp_path / 'logs'}; verdict within 580 s)"), lines[2]
-    head = ("verdict: FAIL -- gpt2_125m 401234 tokens/s 41.3% MFU, tr3_1b3_1gpu ? tokens/s ?% MFU, "
-            "guard ratio 0.990 (targets 40% and 50%; ")
-    tail = (f" s of 580, logs in {tmp_path / 'logs'}); bench_tr3_1b3_1gpu failed (exit 1); syncs "
-            "failed (exit 1); tests failed (exit 1); tr3_1b3_1gpu bf16 ?% MFU < 50%")
+    assert lines[2] == (
+        "== gpu_check on NVIDIA H100 80GB HBM3 torch 2.11.0 (1 GPU(s) visible, GPU "
+        f"0 used; logs in {tmp_path / 'logs'}; verdict within 580 s)"
+    ), lines[2]
+    head = (
+        "verdict: FAIL -- gpt2_125m 401234 tokens/s 41.3% MFU, tr3_1b3_1gpu ? tokens/s ?% MFU, "
+        "guard ratio 0.990 (targets 40% and 50%; "
+    )
+    tail = (
+        f" s of 580, logs in {tmp_path / 'logs'}); bench_tr3_1b3_1gpu failed (exit 1); syncs "
+        "failed (exit 1); tests failed (exit 1); tr3_1b3_1gpu bf16 ?% MFU < 50%"
+    )
     assert re.fullmatch(re.escape(head) + r"\d+" + re.escape(tail), lines[-1]), lines[-1]
 
 
@@ -104,13 +153,17 @@ def test_a_sync_warned_inside_a_library_or_a_thread_is_named_by_our_line():
     import importlib.util
     import threading
     import warnings
-    spec = importlib.util.spec_from_file_location("gpu_probe", os.path.join(ROOT, "tools", "gpu_probe.py"))
+
+    spec = importlib.util.spec_from_file_location(
+        "gpu_probe", os.path.join(ROOT, "tools", "gpu_probe.py")
+    )
     probe = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(probe)
 
     def ours():
         # named after its caller, threading.py
         warnings.warn("called a synchronizing CUDA operation", stacklevel=2)
+
     line = ours.__code__.co_firstlineno + 1
 
     def fn():
@@ -119,11 +172,17 @@ def test_a_sync_warned_inside_a_library_or_a_thread_is_named_by_our_line():
         thread.start()
         thread.join()
         # torch's notice on setting the mode, counted as a sync by the first GPU run: not one
-        warnings.warn("Synchronization debug mode is a prototype feature and does not yet detect all synchronizing "
-                      "operations", stacklevel=1)
+        warnings.warn(
+            "Synchronization debug mode is a prototype feature and does not yet detect all synchronizing "
+            "operations",
+            stacklevel=1,
+        )
+
     places = probe.warned_places(fn, probe.SYNC_WARNING)
     here = f" from tests/test_gpu_check.py:{line}"
-    assert len(places) == 2 and all(re.fullmatch(r".*threading\.py:\d+" + re.escape(here) + r".*", p) for p in places)
+    assert len(places) == 2 and all(
+        re.fullmatch(r".*threading\.py:\d+" + re.escape(here) + r".*", p) for p in places
+    )
     assert not places[0].endswith(")") and places[1].endswith(" (thread copier)"), places
 
 

@@ -6,6 +6,7 @@ End-to-end runs are test_guard_faults.py's 2x64 model on a 512-token vocabulary 
 end-to-end test's docstring says what the guard before this change did (each was run against it and failed). The
 bookkeeping tests on synthetic numbers each fail on one planted bug (the noise tolerance unused, the noise left out
 of the checkpoint, diagnoses and strikes counted over the whole run or not cleared by a rollback)."""
+
 import json
 import re
 
@@ -22,11 +23,22 @@ from helpers import (  # noqa: F401 (fixtures)
 )
 from stability import spike_guard
 
-GUARD = ["--spike_guard", "--spike_guard_window=20", "--spike_guard_min_steps=10", "--spike_guard_rewind=3",
-         "--spike_guard_skip_after=2", "--spike_guard_snapshot_interval=5"]
+GUARD = [
+    "--spike_guard",
+    "--spike_guard_window=20",
+    "--spike_guard_min_steps=10",
+    "--spike_guard_rewind=3",
+    "--spike_guard_skip_after=2",
+    "--spike_guard_snapshot_interval=5",
+]
 # (the subject is the counterfactual: the weights' move per update, which meets these LRs first at a snapshot, off;
 # test_guard_update_size.py is its)
-LR50 = ["--inject_lr_iters=30-60", "--inject_lr_factor=50", "--inject_lr_persistent", "--spike_guard_update_ratio=0"]
+LR50 = [
+    "--inject_lr_iters=30-60",
+    "--inject_lr_factor=50",
+    "--inject_lr_persistent",
+    "--spike_guard_update_ratio=0",
+]
 
 
 @pytest.fixture(scope="module")
@@ -42,8 +54,10 @@ def test_a_persistent_lr_cause_is_diagnosed_optimizer_every_time_and_named_persi
     from the second time on names the cause persistent."""
     lines = decisions(run(*LR50, *GUARD))
     assert lines and all("optimizer" in x and "data-driven" not in x for x in lines), lines
-    assert all(re.search(r"decided by iteration \d+'s batch \(unseen\) on the model of iteration \d+", x)
-               for x in lines), lines
+    assert all(
+        re.search(r"decided by iteration \d+'s batch \(unseen\) on the model of iteration \d+", x)
+        for x in lines
+    ), lines
     assert "optimizer-driven (persistent)" in lines[-1], lines
 
 
@@ -55,11 +69,22 @@ def test_after_a_resume_a_persistent_lr_cause_is_optimizer_and_a_stop_names_it(r
     save = str(tmp_path / "resumed")
     run(*GUARD, f"--save={save}", "--exit_interval=30")
     with pytest.raises(spike_guard.SpikeGuardStop) as stop:
-        run(*GUARD, *LR50, "--inject_lr_iters=31-60", f"--save={save}", f"--load={save}",
-            "--spike_guard_max_rollbacks=1")
+        run(
+            *GUARD,
+            *LR50,
+            "--inject_lr_iters=31-60",
+            f"--save={save}",
+            f"--load={save}",
+            "--spike_guard_max_rollbacks=1",
+        )
     message = str(stop.value)
-    assert "optimizer-driven (persistent)" in message and "no snapshot or checkpoint" not in message, message
-    assert "spike_guard_max_rollbacks=1" in message and "not in the data: resume with a lower lr" in message
+    assert (
+        "optimizer-driven (persistent)" in message and "no snapshot or checkpoint" not in message
+    ), message
+    assert (
+        "spike_guard_max_rollbacks=1" in message
+        and "not in the data: resume with a lower lr" in message
+    )
 
 
 def test_a_rollback_target_before_the_resume_point_goes_to_the_oldest_state(run, tmp_path):
@@ -71,10 +96,14 @@ def test_a_rollback_target_before_the_resume_point_goes_to_the_oldest_state(run,
     run(*GUARD, f"--save={save}", "--exit_interval=30")
     out = run(*GUARD, "--inject_bad_batch_iters=31-33", f"--save={save}", f"--load={save}")
     lines = decisions(out)
-    assert re.search(r"iteration 33: .*data-driven.*roll back to before iteration 28 and skip iterations 28-35$",
-                     lines[-1]), lines
-    assert ("spike guard: rolled back to iteration 30 (the oldest state there is, the oldest checkpoint: the target, "
-            "before iteration 28, is before every state kept); iterations 28-35 will be skipped") in out
+    assert re.search(
+        r"iteration 33: .*data-driven.*roll back to before iteration 28 and skip iterations 28-35$",
+        lines[-1],
+    ), lines
+    assert (
+        "spike guard: rolled back to iteration 30 (the oldest state there is, the oldest checkpoint: the target, "
+        "before iteration 28, is before every state kept); iterations 28-35 will be skipped"
+    ) in out
     assert re.search(r" iteration\s+60/", out)
 
 
@@ -82,19 +111,36 @@ def test_with_no_state_at_all_the_stop_says_why_in_one_line(run, tmp_path):
     """No snapshots (spike_guard_snapshot_interval=0) and no checkpoint yet: the rollback's stop is the last resort
     and its one line names the spike's cause and what was missing."""
     with pytest.raises(spike_guard.SpikeGuardStop) as stop:
-        run(*GUARD, "--spike_guard_snapshot_interval=0", f"--save={tmp_path / 'none'}", "--save_interval=1000",
-            "--inject_bad_batch_iters=31-33")
+        run(
+            *GUARD,
+            "--spike_guard_snapshot_interval=0",
+            f"--save={tmp_path / 'none'}",
+            "--save_interval=1000",
+            "--inject_bad_batch_iters=31-33",
+        )
     message = str(stop.value)
     assert "\n" not in message and "data-driven" in message, message
-    assert "stopped, the last resort: no snapshot or checkpoint before iteration 32 to roll back to" in message
+    assert (
+        "stopped, the last resort: no snapshot or checkpoint before iteration 32 to roll back to"
+        in message
+    )
 
 
 # -- the guard's bookkeeping, on synthetic numbers ------------------------------------------------------------------
 
 
 def _guard(**overrides):
-    return warm_guard(["--spike_guard_window=16", "--spike_guard_min_steps=8", "--spike_guard_rewind=10",
-                       "--spike_guard_skip_after=20", *[f"--{k}={v}" for k, v in overrides.items()]], 3.0, 1.0)
+    return warm_guard(
+        [
+            "--spike_guard_window=16",
+            "--spike_guard_min_steps=8",
+            "--spike_guard_rewind=10",
+            "--spike_guard_skip_after=20",
+            *[f"--{k}={v}" for k, v in overrides.items()],
+        ],
+        3.0,
+        1.0,
+    )
 
 
 def _spike(guard, iteration, cause=None):
@@ -108,19 +154,24 @@ def test_reproduced_is_judged_within_the_measured_nondeterminism():
     from one another (GPU atomics: 16x that is tolerated); judged at a fixed 1e-6 it would be a transient fault."""
     from stability import diagnosis
     from training import Step
+
     guard = _guard()
     first, again = Step(9.0, 5.0, 0, "vetoed"), Step(9.0 * (1 + 5e-4), 5.0, 0, "vetoed")
     guard.noise = 1e-4
     assert diagnosis.replay_verdict(guard, first, again, [], []) is None  # reproduced
     guard.noise = 1e-6
     verdict = diagnosis.replay_verdict(guard, first, again, [], [])
-    assert verdict["cause"] == "hardware" and "differs by more than the run's nondeterminism" in verdict["evidence"]
+    assert (
+        verdict["cause"] == "hardware"
+        and "differs by more than the run's nondeterminism" in verdict["evidence"]
+    )
 
 
 def test_the_measured_noise_is_in_the_guards_checkpoint_state():
     guard = _guard()
     guard.noise = 3.5e-4
     import arguments
+
     resumed = spike_guard_of(arguments.load_config(["--spike_guard"]), guard.state_dict())
     assert resumed.noise == 3.5e-4
 
@@ -130,8 +181,13 @@ def test_numerical_diagnoses_count_within_the_rewind_not_over_the_run():
     (iterations 20, 40, 60) are three separate episodes, each retried."""
     guard = _guard(spike_guard_max_numerical=3)
     numerical = {"cause": "numerical", "evidence": "in fp32: ordinary"}
-    assert [guard.update(n, "ok", 3.0, 1.0, None, numerical)["action"] for n in (20, 40, 60)] == ["retry"] * 3
-    assert [guard.update(n, "ok", 3.0, 1.0, None, numerical)["action"] for n in (61, 62)] == ["retry", "stop"]
+    assert [guard.update(n, "ok", 3.0, 1.0, None, numerical)["action"] for n in (20, 40, 60)] == [
+        "retry"
+    ] * 3
+    assert [guard.update(n, "ok", 3.0, 1.0, None, numerical)["action"] for n in (61, 62)] == [
+        "retry",
+        "stop",
+    ]
 
 
 def test_strikes_count_within_the_rewind_and_are_cleared_by_a_rollback():
@@ -153,8 +209,11 @@ def test_a_data_rollback_never_cuts_the_lr_an_optimizer_one_does():
     first = _spike(guard, 30, "data")
     guard.applied(first, 19)
     relapse = _spike(guard, 60, "data")
-    assert relapse["action"] == "rollback" and relapse["lr_scale"] == 1.0 and "of the data: LR unchanged" in \
-        relapse["line"]
+    assert (
+        relapse["action"] == "rollback"
+        and relapse["lr_scale"] == 1.0
+        and "of the data: LR unchanged" in relapse["line"]
+    )
     guard.applied(relapse, 49)
     optimizer = _spike(guard, 90, "optimizer")
     assert optimizer["action"] == "rollback" and optimizer["lr_scale"] == 0.5
@@ -164,7 +223,10 @@ def test_an_optimizer_cause_is_persistent_when_it_comes_back_within_the_rewind()
     guard = _guard(spike_guard_max_rollbacks=5)
     for n, target, persistent in ((30, 25, False), (31, 25, True), (80, 75, False)):
         d = _spike(guard, n, "optimizer")
-        assert d["persistent"] == persistent and ("optimizer-driven (persistent)" in d["line"]) == persistent, d
+        assert (
+            d["persistent"] == persistent
+            and ("optimizer-driven (persistent)" in d["line"]) == persistent
+        ), d
         guard.applied(d, target)
 
 
@@ -174,8 +236,14 @@ def test_a_regime_change_rebases_the_trend_and_the_next_batches_are_ordinary():
     strike counted toward a rollback."""
     guard = _guard(spike_guard_max_skips=2)
     guard.pending = "loss 6 is 2x its trend's 3"
-    d = guard.update(30, "vetoed", 6.0, 1.0, None, {"cause": "data", "evidence": "e", "rebase": (6.1, 1.0)})
-    assert d["action"] == "skip" and "the trend re-based to loss 6.1" in d["line"] and guard.strikes == []
+    d = guard.update(
+        30, "vetoed", 6.0, 1.0, None, {"cause": "data", "evidence": "e", "rebase": (6.1, 1.0)}
+    )
+    assert (
+        d["action"] == "skip"
+        and "the trend re-based to loss 6.1" in d["line"]
+        and guard.strikes == []
+    )
     assert abs(guard.series["loss"].expected() - 6.1) < 0.05
     assert guard.judge(6.05, 1.0) is None and guard.judge(6.15, 1.0) is None
 
@@ -187,12 +255,22 @@ def test_the_counterfactual_batch_is_one_the_weights_were_never_trained_on(run, 
     the weights were just trained on it, so it looks ordinary whatever the cause); nor the next
     one, which comes from the stretch under suspicion (issue #50)."""
     import loader
+
     drawn, real = [], loader.micro_batches
-    monkeypatch.setattr(loader, "micro_batches", lambda data, first, *args: drawn.append(first) or real(data, first,
-                                                                                                         *args))
+    monkeypatch.setattr(
+        loader,
+        "micro_batches",
+        lambda data, first, *args: drawn.append(first) or real(data, first, *args),
+    )
     # (the unseen batch's periodic check off: it draws the next batch too, for the detector)
-    lines = decisions(run(*GUARD, "--inject_bad_batch_iters=40-40", "--train_iters=42",
-                          "--spike_guard_unseen_interval=0"))
+    lines = decisions(
+        run(
+            *GUARD,
+            "--inject_bad_batch_iters=40-40",
+            "--train_iters=42",
+            "--spike_guard_unseen_interval=0",
+        )
+    )
     found = re.search(r"decided by iteration (\d+)'s batch \(unseen\) on these weights", lines[0])
     assert len(lines) == 1 and found, lines
     held_out = int(found.group(1))
@@ -207,7 +285,9 @@ def test_the_counterfactual_batch_is_one_the_weights_were_never_trained_on(run, 
 BLOCK = ["--inject_repeat_iters=30-110", "--train_iters=130"]
 
 
-def test_a_block_of_repeated_documents_is_noticed_while_it_happens_and_only_its_documents_skipped(run, tmp_path):
+def test_a_block_of_repeated_documents_is_noticed_while_it_happens_and_only_its_documents_skipped(
+    run, tmp_path
+):
     """From iteration 30 to 110 the same 8 samples come back: the loss falls smoothly (5.4 -> 2.9 unguarded) while a
     batch the model has not seen stays above 5.5, and the trend line follows the fall, so no step is off its trend
     (the guard before this change said nothing for the whole block, then made data decisions and LR cuts on the
@@ -218,7 +298,9 @@ def test_a_block_of_repeated_documents_is_noticed_while_it_happens_and_only_its_
     lines = decisions(out)
     assert lines and all("data-driven" in x and "LR x" not in x for x in lines), lines
     first = int(re.match(r"spike guard: iteration (\d+):", lines[0]).group(1))
-    assert 30 < first < 60 and "an unseen batch's" in lines[0] and "text learnt by heart" in lines[0], lines
+    assert (
+        30 < first < 60 and "an unseen batch's" in lines[0] and "text learnt by heart" in lines[0]
+    ), lines
     assert any("roll back to before" in x for x in lines), lines
     with open(f"{save}/skip_documents.jsonl") as f:
         named = [json.loads(line) for line in f]

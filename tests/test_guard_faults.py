@@ -4,6 +4,7 @@ searches), and the tightness of the weight-corruption bound; plus the counterfac
 
 End-to-end runs are the tests' 2x64 model on a 512-token vocabulary (test_spike_guard.py's, with its guard flags).
 Each end-to-end test's docstring says what a guard without the rule it tests would do."""
+
 import re
 
 import numpy as np
@@ -15,8 +16,14 @@ from builders import build_model, build_optimizer
 from helpers import corpus, corpus512, decisions, guard_model_args, run_main, spike_guard_of  # noqa: F401 (corpus, corpus512: fixtures)
 from stability import detector, diagnosis, spike_guard
 
-GUARD = ["--spike_guard", "--spike_guard_window=20", "--spike_guard_min_steps=10", "--spike_guard_rewind=3",
-         "--spike_guard_skip_after=2", "--spike_guard_snapshot_interval=5"]
+GUARD = [
+    "--spike_guard",
+    "--spike_guard_window=20",
+    "--spike_guard_min_steps=10",
+    "--spike_guard_rewind=3",
+    "--spike_guard_skip_after=2",
+    "--spike_guard_snapshot_interval=5",
+]
 
 
 @pytest.fixture(scope="module")
@@ -28,8 +35,13 @@ def test_a_persistent_lr_cause_is_never_replayed_unchanged(run):
     """From iteration 30 the LR is 30x on every pass (as a resume with a much higher LR would be). A rollback that
     skipped no data and kept the LR would replay the same spike, bit for bit (the run is deterministic): every
     rollback changes the trajectory (a lower LR), and no spike is met twice with the same numbers."""
-    out = run("--inject_lr_iters=30-60", "--inject_lr_factor=30", "--inject_lr_persistent", *GUARD,
-              "--spike_guard_max_rollbacks=6")
+    out = run(
+        "--inject_lr_iters=30-60",
+        "--inject_lr_factor=30",
+        "--inject_lr_persistent",
+        *GUARD,
+        "--spike_guard_max_rollbacks=6",
+    )
     lines = decisions(out)
     rollbacks = [x for x in lines if ": roll back to before" in x]
     assert rollbacks, lines
@@ -48,31 +60,56 @@ def test_a_repeated_token_batch_far_below_its_trend_is_data_and_only_skipped(run
     lines = decisions(out)
     assert len(lines) == 1, lines
     # (the unseen batch: a held-out one, at the far end of the data: guard.comparison)
-    assert re.match(r"spike guard: iteration 40: loss \S+ is 0\.\d+x its trend's \S+, \S+ spreads "
-                    r"below it, with grad norm .*data-driven: .*iteration (\d+)'s batch \(unseen\) "
-                    r"on these weights: loss \S+, grad norm \S+, ordinary; decided by iteration "
-                    r"\1's batch \(unseen\) on these weights: the batch is the "
-                    r"outlier: update skipped \(spike 1 of 3", lines[0]), lines
+    assert re.match(
+        r"spike guard: iteration 40: loss \S+ is 0\.\d+x its trend's \S+, \S+ spreads "
+        r"below it, with grad norm .*data-driven: .*iteration (\d+)'s batch \(unseen\) "
+        r"on these weights: loss \S+, grad norm \S+, ordinary; decided by iteration "
+        r"\1's batch \(unseen\) on these weights: the batch is the "
+        r"outlier: update skipped \(spike 1 of 3",
+        lines[0],
+    ), lines
 
 
 def test_a_persistent_numerical_fault_in_bf16_stops_naming_it(run):
     """A cancellation that bf16 loses from iteration 14 to 40. Each step is diagnosed numerical and retried in fp32;
     without a cap that would have no end: the spike_guard_max_numerical-th diagnosis within spike_guard_rewind
     iterations stops the run, naming a persistent numerical fault."""
-    with pytest.raises(spike_guard.SpikeGuardStop, match="a persistent numerical fault: 3 half-precision steps"):
-        run("--bf16", "--train_iters=30", *GUARD, "--inject_numerical_iters=14-30", "--spike_guard_max_numerical=3")
+    with pytest.raises(
+        spike_guard.SpikeGuardStop, match="a persistent numerical fault: 3 half-precision steps"
+    ):
+        run(
+            "--bf16",
+            "--train_iters=30",
+            *GUARD,
+            "--inject_numerical_iters=14-30",
+            "--spike_guard_max_numerical=3",
+        )
 
 
 def test_a_numerical_fault_in_fp16_never_drives_the_loss_scale_down_more_than_once(run):
     """fp16, a cancellation from 14 to 30: the loss scale is halved once for the episode (32 -> 16), not at each
     diagnosis (which would be 32, 16, 8, ... down to min_loss_scale)."""
-    out = run("--fp16", "--initial_loss_scale=32", "--train_iters=30", *GUARD, "--inject_numerical_iters=14-30",
-              "--spike_guard_max_numerical=30")
+    out = run(
+        "--fp16",
+        "--initial_loss_scale=32",
+        "--train_iters=30",
+        *GUARD,
+        "--inject_numerical_iters=14-30",
+        "--spike_guard_max_numerical=30",
+    )
     lines = decisions(out)
-    numerical = [x for x in lines if "; numerical: " in x or x.startswith("spike guard: iteration") and
-                 "numerical: replayed" in x]
+    numerical = [
+        x
+        for x in lines
+        if "; numerical: " in x
+        or x.startswith("spike guard: iteration")
+        and "numerical: replayed" in x
+    ]
     assert len(numerical) > 3, lines
-    assert sum("loss scale lowered to" in x for x in lines) == 1 and "loss scale lowered to 16" in numerical[0]
+    assert (
+        sum("loss scale lowered to" in x for x in lines) == 1
+        and "loss scale lowered to 16" in numerical[0]
+    )
 
 
 def test_fp16_arms_while_the_loss_scale_searches(run):
@@ -91,8 +128,14 @@ def test_fp16_arms_while_the_loss_scale_searches(run):
 # -- the pieces, on synthetic numbers -----------------------------------------------------------------------------
 
 
-TINY = ["--num_layers=1", "--hidden_size=32", "--num_attention_heads=2", "--seq_length=16", "--vocab_size=512",
-        "--micro_batch_size=2"]
+TINY = [
+    "--num_layers=1",
+    "--hidden_size=32",
+    "--num_attention_heads=2",
+    "--seq_length=16",
+    "--vocab_size=512",
+    "--micro_batch_size=2",
+]
 
 
 def _tiny(*argv):
@@ -103,8 +146,14 @@ def _tiny(*argv):
 
 
 def _guard(**overrides):
-    cfg = arguments.load_config(["--spike_guard", "--spike_guard_window=16", "--spike_guard_min_steps=8",
-                                 *[f"--{k}={v}" for k, v in overrides.items()]])
+    cfg = arguments.load_config(
+        [
+            "--spike_guard",
+            "--spike_guard_window=16",
+            "--spike_guard_min_steps=8",
+            *[f"--{k}={v}" for k, v in overrides.items()],
+        ]
+    )
     return cfg, spike_guard_of(cfg)
 
 
@@ -112,8 +161,10 @@ def test_a_low_loss_with_an_outlying_grad_norm_is_a_spike_and_either_alone_is_no
     cfg, guard = _guard()
     for i in range(16):
         guard.update(i + 1, "ok", 5.3 + 0.01 * (-1) ** i, 0.55 + 0.01 * (-1) ** i, None, lr=1e-3)
-    assert re.match(r"loss 2\.2 is 0\.4\dx its trend's \S+, \S+ spreads below it, with grad norm 5 ",
-                    guard.judge(2.2, 5.0))
+    assert re.match(
+        r"loss 2\.2 is 0\.4\dx its trend's \S+, \S+ spreads below it, with grad norm 5 ",
+        guard.judge(2.2, 5.0),
+    )
     # 9x: under the 100x bar alone
     assert guard.judge(2.2, 0.55) is None and guard.judge(5.3, 5.0) is None
 
@@ -122,18 +173,29 @@ def test_an_optimizer_rollback_cuts_the_lr_unless_the_lrs_since_the_snapshot_wer
     """Same data, same LRs, same RNG: a rollback would replay the spike; it is taken only with the LR cut."""
     cfg, guard = _guard()
     guard.lrs, guard.pending = {n: (1e-3, 1e-3) for n in range(30, 42)}, "loss 9 is 2x its trend's"
-    d = guard.update(41, "vetoed", 9.0, 9.0, None, {"cause": "optimizer", "evidence": "e", "since": 35})
-    assert d["action"] == "rollback" and d["lr_scale"] == 0.5 and "would replay the spike: LR x0.5" in d["line"]
+    d = guard.update(
+        41, "vetoed", 9.0, 9.0, None, {"cause": "optimizer", "evidence": "e", "since": 35}
+    )
+    assert (
+        d["action"] == "rollback"
+        and d["lr_scale"] == 0.5
+        and "would replay the spike: LR x0.5" in d["line"]
+    )
     cfg, guard = _guard()
     # an LR fault in time
     guard.lrs = {n: (1e-3, 1e-3 * (1000 if n == 40 else 1)) for n in range(30, 42)}
     guard.pending = "loss 9 is 2x its trend's"
-    d = guard.update(41, "vetoed", 9.0, 9.0, None, {"cause": "optimizer", "evidence": "e", "since": 35})
+    d = guard.update(
+        41, "vetoed", 9.0, 9.0, None, {"cause": "optimizer", "evidence": "e", "since": 35}
+    )
     assert d["action"] == "rollback" and d["lr_scale"] == 1.0 and d["line"].endswith("skip no data")
 
 
 def test_a_minority_of_samples_far_from_the_others_is_named_on_either_side():
-    assert diagnosis.minority([5.0, 5.1, 4.9, 6.3, 5.05, 4.95, 6.2, 5.0]) == ([3, 6], pytest.approx(5.0, abs=0.01))
+    assert diagnosis.minority([5.0, 5.1, 4.9, 6.3, 5.05, 4.95, 6.2, 5.0]) == (
+        [3, 6],
+        pytest.approx(5.0, abs=0.01),
+    )
     # low losses too
     assert diagnosis.minority([5.0, 5.1, 0.3, 4.9, 5.05, 4.95, 5.0, 5.02])[0] == [2]
     # a whole bad batch: no minority
@@ -141,7 +203,10 @@ def test_a_minority_of_samples_far_from_the_others_is_named_on_either_side():
 
 
 def test_reproduced_tolerates_the_measured_nondeterminism_and_no_less_than_one_in_a_million():
-    assert diagnosis.reproduced_tolerance(None) == 1e-6 and diagnosis.reproduced_tolerance(1e-4) == 16e-4
+    assert (
+        diagnosis.reproduced_tolerance(None) == 1e-6
+        and diagnosis.reproduced_tolerance(1e-4) == 16e-4
+    )
 
 
 def test_the_fp32_replay_turns_tf32_off_and_restores_it():
@@ -197,7 +262,9 @@ def test_a_lone_grad_norm_jump_of_a_clean_run_is_not_a_spike_a_bit_flip_is():
     for i in range(16):
         guard.update(i + 1, "ok", 5.3 + 0.01 * (-1) ** i, 0.47 + 0.01 * (-1) ** i, None, lr=1e-3)
     assert guard.judge(5.3, 12 * 0.47) is None
-    assert re.match(r"grad norm \S+ is 6\d{4}\.\d\dx its trend.s", guard.judge(5.3, 0.47 * 2 ** 16) or "")
+    assert re.match(
+        r"grad norm \S+ is 6\d{4}\.\d\dx its trend.s", guard.judge(5.3, 0.47 * 2**16) or ""
+    )
 
 
 def test_a_slow_rise_is_caught_on_its_third_step_and_the_clean_twin_never():
@@ -208,10 +275,16 @@ def test_a_slow_rise_is_caught_on_its_third_step_and_the_clean_twin_never():
     each over the 21,920 judged iterations of the recorded clean runs, docs/spike_guard.md, section 1)."""
     import json
     import os
-    with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "campaign_trial12.json")) as f:
+
+    with open(
+        os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "campaign_trial12.json")
+    ) as f:
         runs = json.load(f)
     flags = ["--spike_guard", "--spike_guard_window=20", "--spike_guard_min_steps=10"]
-    cfg, off = arguments.load_config(flags), arguments.load_config([*flags, "--spike_guard_rise_steps=0"])
+    cfg, off = (
+        arguments.load_config(flags),
+        arguments.load_config([*flags, "--spike_guard_rise_steps=0"]),
+    )
     assert detector.spikes_in(runs["lr_x37_from_158"], cfg, cfg.clip_grad)[0] == 161
     found = detector.spikes_in(runs["lr_x37_from_158"], off, off.clip_grad)
     assert [i for i in found if i < 200] == []  # the rule catches it
@@ -230,8 +303,10 @@ def test_a_rise_of_two_steps_is_not_a_spike_of_three_is_and_the_message_names_th
         assert guard.judge(step, 0.5) is None, k
         guard.update(25 + k, "ok", step, 0.5, None, lr=1e-3)
     step = losses.expected() + 4.5 * losses.fit()[1]
-    assert re.match(r"loss rose 3 steps in a row, each more than 3 spreads above its trend: \S+, \S+, \S+ \(trend",
-                    guard.judge(step, 0.5) or ""), guard.judge(step, 0.5)
+    assert re.match(
+        r"loss rose 3 steps in a row, each more than 3 spreads above its trend: \S+, \S+, \S+ \(trend",
+        guard.judge(step, 0.5) or "",
+    ), guard.judge(step, 0.5)
     # the third under half the bar
     assert guard.judge(losses.expected() + 2.5 * losses.fit()[1], 0.5) is None
 
@@ -241,22 +316,44 @@ def test_a_clean_guarded_run_of_3000_iterations_decides_nothing(corpus512):
     """The review's clean 3,000-iteration run acted twice (a warm-up grad-norm jump, a late 1.13x batch); the run
     before this change skipped one batch, at iteration 2644 (see the scatter test above). Clean: no decision."""
     n = 3000
-    out = run_main("--num_layers=2", "--hidden_size=64", "--num_attention_heads=4", "--seq_length=64",
-                   "--vocab_size=512", "--micro_batch_size=8", "--global_batch_size=8", f"--train_iters={n}",
-                   "--lr=2e-3", "--lr_warmup_samples=40", f"--lr_decay_samples={8 * n}", "--hidden_dropout=0",
-                   "--attention_dropout=0", "--log_interval=100", "--eval_interval=100000", "--eval_iters=4",
-                   "--sample_tokens=0", "--save=none", "--save_interval=none", f"--data_path={corpus512}", *GUARD)
+    out = run_main(
+        "--num_layers=2",
+        "--hidden_size=64",
+        "--num_attention_heads=4",
+        "--seq_length=64",
+        "--vocab_size=512",
+        "--micro_batch_size=8",
+        "--global_batch_size=8",
+        f"--train_iters={n}",
+        "--lr=2e-3",
+        "--lr_warmup_samples=40",
+        f"--lr_decay_samples={8 * n}",
+        "--hidden_dropout=0",
+        "--attention_dropout=0",
+        "--log_interval=100",
+        "--eval_interval=100000",
+        "--eval_iters=4",
+        "--sample_tokens=0",
+        "--save=none",
+        "--save_interval=none",
+        f"--data_path={corpus512}",
+        *GUARD,
+    )
     assert re.search(rf"iteration\s+{n}/", out), out[-2000:]
     assert decisions(out) == []
 
 
-def test_the_guard_and_the_soft_skip_judge_each_applied_step_once_however_long_the_run(run, monkeypatch):
+def test_the_guard_and_the_soft_skip_judge_each_applied_step_once_however_long_the_run(
+    run, monkeypatch
+):
     """Per step, the guard records a loss and a grad norm into its series and the soft skip reads the line's next
     point: work that does not grow with the history (1,024 steps kept). Rebuilding the trend from the history each
     step judged every kept value again, and made a 3,000-iteration run three times slower."""
     appended = []
     real = detector.Series.append
-    monkeypatch.setattr(detector.Series, "append", lambda self, x: appended.append(x) or real(self, x))
+    monkeypatch.setattr(
+        detector.Series, "append", lambda self, x: appended.append(x) or real(self, x)
+    )
     out = run(*GUARD, "--soft_skip_loss_ratio=1.5")
     assert re.search(r"iteration\s+60/", out) and decisions(out) == []
     # a loss and a grad norm per applied step, and the weights' move per update at each snapshot after the first
@@ -269,15 +366,25 @@ def test_the_named_samples_losses_are_those_training_sees_with_packed_documents(
     per-sample losses (which name the samples behind a spike) are each sample's training loss, not a forward
     across document boundaries."""
     import loader
+
     monkeypatch.setattr(loader, "eod_token", lambda cfg: 7)
-    cfg, model, _ = _tiny("--reset_position_ids", "--reset_attention_mask", "--eod_mask_loss", "--micro_batch_size=4",
-                          "--global_batch_size=4", "--hidden_dropout=0", "--attention_dropout=0")
+    cfg, model, _ = _tiny(
+        "--reset_position_ids",
+        "--reset_attention_mask",
+        "--eod_mask_loss",
+        "--micro_batch_size=4",
+        "--global_batch_size=4",
+        "--hidden_dropout=0",
+        "--attention_dropout=0",
+    )
     torch.manual_seed(0)
     x = torch.randint(0, 512, (4, 16))
     x[:, [3, 9]] = 7
     y = torch.randint(0, 512, (4, 16))
     packing = loader.packing(cfg)
     model.eval()
-    want = torch.stack([model(x[i:i + 1], y[i:i + 1], **packing(x[i:i + 1])).float() for i in range(4)])
+    want = torch.stack(
+        [model(x[i : i + 1], y[i : i + 1], **packing(x[i : i + 1])).float() for i in range(4)]
+    )
     got = diagnosis.sample_losses(model, [(x, y)], cfg)
     torch.testing.assert_close(got, want.flatten(), rtol=1e-5, atol=1e-6)

@@ -15,6 +15,7 @@ where the guard acted wrongly, each run guarded and unguarded on the tests' 2x64
 
 Each end-to-end test says what the guard before the change did; the last is the guard's property
 over them: its final validation loss never measurably worse than its unguarded twin's."""
+
 import json
 import math
 import os
@@ -28,16 +29,30 @@ import loader
 from helpers import ROOT, corpus, corpus512, decisions, free_port, guard_model_args, run_main  # noqa: F401 (fixtures)
 from stability import spike_guard
 
-GUARD = ["--spike_guard", "--spike_guard_window=20", "--spike_guard_min_steps=10",
-         "--spike_guard_rewind=3", "--spike_guard_skip_after=2",
-         "--spike_guard_snapshot_interval=5"]
+GUARD = [
+    "--spike_guard",
+    "--spike_guard_window=20",
+    "--spike_guard_min_steps=10",
+    "--spike_guard_rewind=3",
+    "--spike_guard_skip_after=2",
+    "--spike_guard_snapshot_interval=5",
+]
 # fp16 from a loss scale of 32: six overflows take it to its floor (hysteresis 2), the rest of the
 # burst is there (sequences of 32 tokens, 40 iterations: fp16 matmuls are slow on CPU)
-OVERFLOW = ["--fp16", "--initial_loss_scale=32", "--inject_overflow_iters=20-32",
-            "--train_iters=40", "--seq_length=32"]
+OVERFLOW = [
+    "--fp16",
+    "--initial_loss_scale=32",
+    "--inject_overflow_iters=20-32",
+    "--train_iters=40",
+    "--seq_length=32",
+]
 # DP2, the default guard settings: snapshot and replica check at 50, the flip at 55 (after its step)
-FLIP = ["--inject_bitflip_iters=55-55", "--inject_bitflip_rank=1",
-        "--inject_bitflip_target=exp_avg", "--train_iters=70"]
+FLIP = [
+    "--inject_bitflip_iters=55-55",
+    "--inject_bitflip_rank=1",
+    "--inject_bitflip_target=exp_avg",
+    "--train_iters=70",
+]
 BLOCK_START, BLOCK_END = 30, 129  # the samples of iteration 30, 100 times, in the corpus's order
 TOLERANCE = 0.01  # "measurably worse": a final validation loss 1% above the unguarded twin's
 
@@ -60,11 +75,21 @@ def _in_process(data_path, *extra):
 def _dp2(data_path, *extra):
     """The run under torchrun, 2 processes (DP2, gloo, micro-batches of 4)."""
     args = [a for a in guard_model_args(data_path) if not a.startswith("--micro_batch_size")]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-           f"--master_port={free_port()}", "train.py", *args, "--micro_batch_size=4", *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        f"--master_port={free_port()}",
+        "train.py",
+        *args,
+        "--micro_batch_size=4",
+        *extra,
+    ]
     env = dict(os.environ, WANDB_MODE="disabled", OMP_NUM_THREADS="1")
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
-                          check=False)
+    proc = subprocess.run(
+        cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900, check=False
+    )
     assert proc.returncode in (0, 3), proc.stderr[-3000:]
     return proc.stdout + proc.stderr, validation(proc.stdout)
 
@@ -79,6 +104,7 @@ def _block_corpus(monkeypatch):
         if first <= first_sample < end:
             first_sample = first + (first_sample - first) % 8
         return real(dataset, first_sample, *args, **kwargs)
+
     monkeypatch.setattr(loader, "load_tokens", load_tokens)
 
 
@@ -107,6 +133,7 @@ def scenario(name, guarded, data_path, monkeypatch, tmp_path_factory):
 def run(corpus512, monkeypatch, tmp_path_factory):
     def get(name, guarded=True):
         return scenario(name, guarded, corpus512, monkeypatch, tmp_path_factory)
+
     return get
 
 
@@ -122,8 +149,9 @@ def test_an_fp16_overflow_burst_is_diagnosed_numerical_and_never_rolled_back(run
     assert final is not None and not out.startswith("stopped"), out[-2000:]
     assert lines and all("numerical: replayed" in x for x in lines), lines
     assert not any("roll back" in x or "LR x" in x or "skip iterations" in x for x in lines), lines
-    assert any("a persistent fp16 overflow" in x and "left to the loss scaler" in x
-               for x in lines), lines
+    assert any(
+        "a persistent fp16 overflow" in x and "left to the loss scaler" in x for x in lines
+    ), lines
 
 
 @pytest.mark.slow
@@ -136,8 +164,11 @@ def test_a_nan_grad_norm_on_dp2_asks_the_replica_check_first_and_skips_no_data(r
     out, final = run("flip")
     assert "DP replica check: iteration 5" in out, out[-3000:]
     assert "no majority tells which is right" in out, out[-3000:]
-    assert re.search(r"roll back to the newest snapshot at or before iteration 50 \(the last check "
-                     r"that agreed\); no data skipped, LR unchanged", out), out[-3000:]
+    assert re.search(
+        r"roll back to the newest snapshot at or before iteration 50 \(the last check "
+        r"that agreed\); no data skipped, LR unchanged",
+        out,
+    ), out[-3000:]
     assert "the grad norm is nan" not in out and "skip iterations" not in out
     assert "skipped (spike guard)" not in out
     assert "spike guard: rolled back to iteration 50" in out

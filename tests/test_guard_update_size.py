@@ -2,6 +2,7 @@
 an LR far too high with no loss spike (the weights' move per update, judged against its trend: update_size.py), one
 ordinary batch called "text learnt by heart", and a block of one repeated batch that rolled back until the cap
 stopped the run. The end-to-end runs are test_guard_causes.py's 2x64 model on a 512-token vocabulary."""
+
 import math
 import re
 import zlib
@@ -24,21 +25,36 @@ from helpers import (  # noqa: F401
 )
 from stability import update_size
 
-GUARD = ["--spike_guard", "--spike_guard_window=20", "--spike_guard_min_steps=10", "--spike_guard_rewind=3",
-         "--spike_guard_skip_after=2", "--spike_guard_snapshot_interval=5"]
+GUARD = [
+    "--spike_guard",
+    "--spike_guard_window=20",
+    "--spike_guard_min_steps=10",
+    "--spike_guard_rewind=3",
+    "--spike_guard_skip_after=2",
+    "--spike_guard_snapshot_interval=5",
+]
 LEARNT = "loss 4.5 is 0.87x an unseen batch's 5.2 on these weights, 30 spreads below it: text learnt by heart"
 
 
 def _guard(**overrides):
-    return warm_guard(["--spike_guard_window=20", "--spike_guard_min_steps=8", "--spike_guard_rewind=3",
-                       "--spike_guard_skip_after=2", *[f"--{k}={v}" for k, v in overrides.items()]], 5.0, 0.6)
+    return warm_guard(
+        [
+            "--spike_guard_window=20",
+            "--spike_guard_min_steps=8",
+            "--spike_guard_rewind=3",
+            "--spike_guard_skip_after=2",
+            *[f"--{k}={v}" for k, v in overrides.items()],
+        ],
+        5.0,
+        0.6,
+    )
 
 
 def _moves(guard, count=12):
     """A schedule's moves per update: falling 3% a reading, 2% of noise."""
     for i in range(count):
-        guard.series["update"].record(1e-3 * 0.97 ** i * (1 + 0.02 * (-1) ** i))
-    return 1e-3 * 0.97 ** count
+        guard.series["update"].record(1e-3 * 0.97**i * (1 + 0.02 * (-1) ** i))
+    return 1e-3 * 0.97**count
 
 
 # -- the update size ------------------------------------------------------------------------------------------------
@@ -63,8 +79,16 @@ def test_the_relative_move_is_the_norm_of_the_weights_change_over_their_norm_per
 
 
 # 2 x 64 on a 512-token vocabulary: no padding rows at TP 1 or 2, so every layout holds the same full tensors.
-MOVED = dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32, vocab_size=512,
-             make_vocab_size_divisible_by=128, hidden_dropout=0.0, attention_dropout=0.0)
+MOVED = dict(
+    num_layers=2,
+    hidden_size=64,
+    num_attention_heads=4,
+    seq_length=32,
+    vocab_size=512,
+    make_vocab_size_divisible_by=128,
+    hidden_dropout=0.0,
+    attention_dropout=0.0,
+)
 
 
 def _reading(model):
@@ -83,6 +107,7 @@ def _reading(model):
 
 def _layouts_read(expected):
     from model import GPTConfig
+
     for tp, pp in [(2, 1), (1, 2), (1, 1)]:  # TP2, PP2 (the tied embedding on both stages), DP2
         parallel.grid = parallel.Grid(tp, pp)
         move = _reading(stage(GPTConfig(**MOVED, tensor_model_parallel_size=tp)))
@@ -93,6 +118,7 @@ def test_every_layout_reads_the_one_process_move_of_the_same_weights():
     """Replicated TP parameters (LayerNorms, row-parallel biases) and the last stage's copy of the tied embedding
     count once, as in one process; DP replicas cancel in the ratio. Only the order of the fp64 sums differs."""
     from model import GPT, GPTConfig
+
     expected = _reading(GPT(GPTConfig(**MOVED)))
     spawn(_layouts_read, 2, 1, 1, expected)
 
@@ -104,8 +130,10 @@ def test_a_move_far_above_its_trend_is_an_outlier_and_the_schedules_is_not():
     # the schedule's; 2.5x: under 4x
     assert guard.moved(next_move) is None and guard.moved(2.5 * next_move) is None
     reason = guard.moved(15 * next_move)
-    assert re.match(r"the weights moved \S+ of their norm per update, 1\d\.\dx their trend's \S+, \S+ spreads above",
-                    reason), reason
+    assert re.match(
+        r"the weights moved \S+ of their norm per update, 1\d\.\dx their trend's \S+, \S+ spreads above",
+        reason,
+    ), reason
     assert _guard(spike_guard_update_ratio=0).moved(15 * next_move) is None  # off
 
 
@@ -115,14 +143,19 @@ def test_an_outlying_move_rolls_back_to_its_reference_and_brings_the_lr_back_to_
     guard = _guard()
     _moves(guard)
     expected = guard.series["update"].expected()
-    d = guard.moved_too_far(40, guard.moved(15 * 1e-3 * 0.97 ** 12), 15 * 1e-3 * 0.97 ** 12, 35)
-    assert d["action"] == "rollback" and d["start"] == 36 and d["end"] is None and d["cause"] == "optimizer"
-    assert d["lr_scale"] == pytest.approx(expected / (15 * 1e-3 * 0.97 ** 12))
+    d = guard.moved_too_far(40, guard.moved(15 * 1e-3 * 0.97**12), 15 * 1e-3 * 0.97**12, 35)
+    assert (
+        d["action"] == "rollback"
+        and d["start"] == 36
+        and d["end"] is None
+        and d["cause"] == "optimizer"
+    )
+    assert d["lr_scale"] == pytest.approx(expected / (15 * 1e-3 * 0.97**12))
     assert "optimizer-driven" in d["line"] and "the move per update back to its trend)" in d["line"]
     guard = _guard()
     _moves(guard)
     guard.lrs = {n: (1e-3, 1e-3 * (30 if n == 38 else 1)) for n in range(34, 41)}
-    d = guard.moved_too_far(40, "r", 15 * 1e-3 * 0.97 ** 12, 35)
+    d = guard.moved_too_far(40, "r", 15 * 1e-3 * 0.97**12, 35)
     assert d["action"] == "rollback" and d["lr_scale"] == 1.0 and "LR unchanged" in d["line"]
 
 
@@ -134,14 +167,26 @@ def test_a_loss_spikes_optimizer_rollback_cuts_the_lr_as_far_as_the_move_says_an
     _moves(guard)
     expected = guard.series["update"].expected()
     guard.pending = "loss 9 is 2x its trend's 5"
-    d = guard.update(40, "vetoed", 9.0, 0.6, None, {"cause": "optimizer", "evidence": "e", "since": 35,
-                                                    "update_size": 30 * expected})
+    d = guard.update(
+        40,
+        "vetoed",
+        9.0,
+        0.6,
+        None,
+        {"cause": "optimizer", "evidence": "e", "since": 35, "update_size": 30 * expected},
+    )
     assert d["action"] == "rollback" and d["lr_scale"] == pytest.approx(1 / 30), d["line"]
     guard = _guard()
     _moves(guard)
     guard.pending = "loss 9 is 2x its trend's 5"
-    d = guard.update(40, "vetoed", 9.0, 0.6, None, {"cause": "optimizer", "evidence": "e", "since": 35,
-                                                    "update_size": 1.2 * expected})
+    d = guard.update(
+        40,
+        "vetoed",
+        9.0,
+        0.6,
+        None,
+        {"cause": "optimizer", "evidence": "e", "since": 35, "update_size": 1.2 * expected},
+    )
     assert d["lr_scale"] == 0.5  # a move near its trend: the ordinary cut
 
 
@@ -162,7 +207,9 @@ def final_valid(out):
     return re.findall(r"lm loss value: (\S+)", out)[-1]
 
 
-def test_an_lr_fault_in_time_with_no_loss_spike_is_rolled_back_and_the_run_is_the_clean_ones(run, clean):
+def test_an_lr_fault_in_time_with_no_loss_spike_is_rolled_back_and_the_run_is_the_clean_ones(
+    run, clean
+):
     """LR x20 at iterations 43-44 and no loss spike (the fourth campaign's LR x77 for 2 at 330: no decision, +1.2%
     final loss). The guard frozen there decided nothing here (final validation loss 5.2346, the clean run's
     5.2153). The weights' move per update since the snapshot of 40 is 9x its trend's: rolled back to 40, the LR
@@ -171,9 +218,13 @@ def test_an_lr_fault_in_time_with_no_loss_spike_is_rolled_back_and_the_run_is_th
     assert decisions(clean) == []
     out = run(*GUARD, "--inject_lr_iters=43-44", "--inject_lr_factor=20")
     lines = decisions(out)
-    assert len(lines) == 1 and lines[0].startswith("spike guard: iteration 45: at the snapshot: the weights moved "), \
-        lines
-    assert "optimizer-driven" in lines[0] and "roll back to before iteration 41 and skip no data" in lines[0]
+    assert len(lines) == 1 and lines[0].startswith(
+        "spike guard: iteration 45: at the snapshot: the weights moved "
+    ), lines
+    assert (
+        "optimizer-driven" in lines[0]
+        and "roll back to before iteration 41 and skip no data" in lines[0]
+    )
     assert lines[0].endswith("the LRs since were not the schedule's: LR unchanged"), lines
     assert final_valid(out) == final_valid(clean)
 
@@ -185,13 +236,27 @@ def test_an_lr_too_high_from_a_resume_on_is_brought_back_to_its_trend(run, clean
     undoes the x10 to within 2x (a x0.5 cut would leave x5); the LRs applied after are the clean run's x that."""
     save = str(tmp_path / "resumed")
     run(*GUARD, f"--save={save}", "--exit_interval=30")
-    out = run(*GUARD, "--inject_lr_iters=31-60", "--inject_lr_factor=10", "--inject_lr_persistent", f"--save={save}",
-              f"--load={save}")
+    out = run(
+        *GUARD,
+        "--inject_lr_iters=31-60",
+        "--inject_lr_factor=10",
+        "--inject_lr_persistent",
+        f"--save={save}",
+        f"--load={save}",
+    )
     lines = decisions(out)
-    assert len(lines) == 1 and lines[0].startswith("spike guard: iteration 35: at the snapshot: "), lines
-    assert "optimizer-driven" in lines[0] and "roll back to before iteration 31 and skip no data" in lines[0]
-    scale = float(re.search(r"LR x(\S+) from now on \(x\S+: the move per update back to its trend\)$",
-                            lines[0]).group(1))
+    assert len(lines) == 1 and lines[0].startswith(
+        "spike guard: iteration 35: at the snapshot: "
+    ), lines
+    assert (
+        "optimizer-driven" in lines[0]
+        and "roll back to before iteration 31 and skip no data" in lines[0]
+    )
+    scale = float(
+        re.search(
+            r"LR x(\S+) from now on \(x\S+: the move per update back to its trend\)$", lines[0]
+        ).group(1)
+    )
     assert 0.5 < 10 * scale < 2, lines
     lr = lambda stdout: float(log_fields(stdout)[50]["learning rate"])  # noqa: E731
     assert lr(out) / lr(clean) == pytest.approx(10 * scale, rel=2e-3)
@@ -221,13 +286,18 @@ def test_a_stretch_learnt_by_heart_rolls_back_once_then_its_batches_are_skipped_
 
     def strike(n, reason=LEARNT):
         guard.pending = reason
-        return guard.update(n, "vetoed", 4.5, 0.6, None, {"cause": "data", "evidence": "e", "since": n - 5})
+        return guard.update(
+            n, "vetoed", 4.5, 0.6, None, {"cause": "data", "evidence": "e", "since": n - 5}
+        )
+
     assert [strike(n)["action"] for n in (30, 31)] == ["skip", "skip"]
     rollback = strike(32)
     assert rollback["action"] == "rollback" and rollback["lr_scale"] == 1.0
     guard.applied(rollback, 25)
     later = [strike(n) for n in range(38, 60)]
-    assert all(d["action"] == "skip" for d in later) and "already rolled back" in later[-1]["line"], later[-1]
+    assert (
+        all(d["action"] == "skip" for d in later) and "already rolled back" in later[-1]["line"]
+    ), later[-1]
     others = [strike(n, "loss 9 is 2x its trend's 4.5") for n in (62, 63, 64)]
     assert [d["action"] for d in others] == ["skip", "skip", "rollback"]
     guard.applied(others[-1], 58)

@@ -1,4 +1,5 @@
 """Every lever of the chronicles, through the trainer: each test fails if the switch does something else."""
+
 import math
 import os
 import re
@@ -62,9 +63,17 @@ def steps_of(optimizer_state):
 def test_fp16_dynamic_loss_scale_overflows_skip_and_halve(half, tmp_path):
     # 2^24: the first iterations' fp16 gradients overflow (2^20 overflowed at once only while the micro-batches
     # were summed in fp16; in fp32 it overflows at iterations 2 and 6)
-    out = run_main(*half, "--fp16", "--train_iters=8", "--initial_loss_scale=16777216", "--hysteresis=2",
-                   f"--save={tmp_path}")
-    overflows = re.findall(r"OVERFLOW! Skipping step. Attempted loss scale: (\S+), reducing to (\S+)", out)
+    out = run_main(
+        *half,
+        "--fp16",
+        "--train_iters=8",
+        "--initial_loss_scale=16777216",
+        "--hysteresis=2",
+        f"--save={tmp_path}",
+    )
+    overflows = re.findall(
+        r"OVERFLOW! Skipping step. Attempted loss scale: (\S+), reducing to (\S+)", out
+    )
     assert overflows, out
     # hysteresis 2: the first overflow keeps the scale, the next ones halve it (lesson 5)
     assert overflows[0] == ("16777216.0", "16777216.0")
@@ -82,13 +91,18 @@ def test_fp16_dynamic_loss_scale_overflows_skip_and_halve(half, tmp_path):
     assert run["scaler"]["scale"] == float(fields[8]["loss scale"]) < 2**24
 
 
-@pytest.mark.parametrize("precision", [["--fp16", "--initial_loss_scale=65536", "--loss_scale_window=2"],
-                                       ["--bf16"]], ids=["fp16", "bf16"])
+@pytest.mark.parametrize(
+    "precision",
+    [["--fp16", "--initial_loss_scale=65536", "--loss_scale_window=2"], ["--bf16"]],
+    ids=["fp16", "bf16"],
+)
 def test_half_precision_resume_is_bit_exact_including_the_loss_scaler(half, tmp_path, precision):
     args = [*half, *precision]
     full = losses(run_main(*args, "--train_iters=8", f"--save={tmp_path / 'a'}"))
     run_main(*args, "--train_iters=4", f"--save={tmp_path / 'b'}")
-    resumed = losses(run_main(*args, "--train_iters=8", f"--save={tmp_path / 'b'}", f"--load={tmp_path / 'b'}"))
+    resumed = losses(
+        run_main(*args, "--train_iters=8", f"--save={tmp_path / 'b'}", f"--load={tmp_path / 'b'}")
+    )
     assert {i: full[i] for i in range(5, 9)} == resumed
     # half weights, fp32 masters, moments, step, loss scaler and its hysteresis, RNG: bit for bit
     assert_same_checkpoint(tmp_path / "a", tmp_path / "b", 8)
@@ -121,7 +135,9 @@ def test_bf16_trains_past_the_warmup_like_fp32(half, tmp_path):
     assert moved == list(weights), set(weights) - set(moved)
     # in the optimizer's order, not by name
     rounded = [m.to(torch.bfloat16) for m in opt["fp32_master_weights"]]
-    assert all(any(torch.equal(w, r) for r in rounded if r.shape == w.shape) for w in weights.values())
+    assert all(
+        any(torch.equal(w, r) for r in rounded if r.shape == w.shape) for w in weights.values()
+    )
 
 
 def test_static_loss_scale_is_used_and_kept(half):
@@ -130,12 +146,16 @@ def test_static_loss_scale_is_used_and_kept(half):
 
 
 def test_skip_grad_norm_above_skips_without_updating(small512, tmp_path):
-    out = run_main(*small512, "--train_iters=3", "--skip_grad_norm_above=1e-6", f"--save={tmp_path}")
+    out = run_main(
+        *small512, "--train_iters=3", "--skip_grad_norm_above=1e-6", f"--save={tmp_path}"
+    )
     fields = log_fields(out)
     assert all(f["number of skipped iterations"] == "1" for f in fields.values())
     model_state, opt, _ = checkpoint_state(tmp_path, 3)
     assert opt["state"] == {}  # never stepped
-    fresh = build_model(arguments.prepare(arguments.load_config(list(small512))), torch.device("cpu"))
+    fresh = build_model(
+        arguments.prepare(arguments.load_config(list(small512))), torch.device("cpu")
+    )
     assert all(torch.equal(v, model_state[k]) for k, v in fresh.state_dict().items())
 
 
@@ -147,8 +167,15 @@ def test_nan_loss_never_updates_the_weights():
         model.ln_f.bias[0] = float("nan")
     before = {k: v.clone() for k, v in model.state_dict().items()}
     x = torch.randint(0, 50257, (4, 64))
-    step = whole_step(model, optimizer, optim.scaler_for(cfg), [(x, x), (x, x)], 1e-3,
-                      step_rules(cfg), torch.device("cpu"))
+    step = whole_step(
+        model,
+        optimizer,
+        optim.scaler_for(cfg),
+        [(x, x), (x, x)],
+        1e-3,
+        step_rules(cfg),
+        torch.device("cpu"),
+    )
     assert step.outcome == "nan" and math.isnan(step.loss)
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items() if k != "ln_f.bias")
     assert optimizer.state_dict()["state"] == {}
@@ -159,7 +186,9 @@ def test_bnb_8bit_adam_runs_and_resumes_exactly(small512, tmp_path):
     full = losses(run_main(*args, "--train_iters=6", f"--save={tmp_path / 'a'}"))
     assert float(full[6]) < float(full[1])
     run_main(*args, "--train_iters=3", f"--save={tmp_path / 'b'}")
-    resumed = losses(run_main(*args, "--train_iters=6", f"--save={tmp_path / 'b'}", f"--load={tmp_path / 'b'}"))
+    resumed = losses(
+        run_main(*args, "--train_iters=6", f"--save={tmp_path / 'b'}", f"--load={tmp_path / 'b'}")
+    )
     assert {i: full[i] for i in (4, 5, 6)} == resumed
     # the 8-bit states and their statistics too
     assert_same_checkpoint(tmp_path / "a", tmp_path / "b", 6)
@@ -169,8 +198,17 @@ def test_bnb_8bit_adam_runs_and_resumes_exactly(small512, tmp_path):
 
 
 def test_batch_size_rampup_follows_megatron(small512):
-    out = run_main(*small512, "--micro_batch_size=4", "--global_batch_size=12", "--rampup_batch_size", "4", "4", "40",
-                   "--train_samples=120", "--train_iters=none")
+    out = run_main(
+        *small512,
+        "--micro_batch_size=4",
+        "--global_batch_size=12",
+        "--rampup_batch_size",
+        "4",
+        "4",
+        "40",
+        "--train_samples=120",
+        "--train_iters=none",
+    )
     fields = log_fields(out)
     ramp = schedule.RampupBatchSize([4, 4, 40], 12, 4, 1)
     consumed = 0
@@ -191,9 +229,17 @@ def test_train_tokens_ends_training(small512):
     assert sorted(log_fields(out)) == [1, 2, 3]
 
 
-def test_curriculum_truncates_counts_tokens_and_evaluates_at_full_length(small512, tmp_path, monkeypatch):
-    args = [*small512, "--curriculum_learning", "--min_difficulty=16", "--total_curriculum_step=8",
-            "--train_iters=10", "--eval_interval=5"]
+def test_curriculum_truncates_counts_tokens_and_evaluates_at_full_length(
+    small512, tmp_path, monkeypatch
+):
+    args = [
+        *small512,
+        "--curriculum_learning",
+        "--min_difficulty=16",
+        "--total_curriculum_step=8",
+        "--train_iters=10",
+        "--eval_interval=5",
+    ]
     # the sequence lengths of the evaluation's batches, of training's
     seqlens = {True: set(), False: set()}
     forward_backward = training.forward_backward
@@ -215,8 +261,9 @@ def test_curriculum_truncates_counts_tokens_and_evaluates_at_full_length(small51
     assert fields[1]["curriculum seqlen"] == "16" and fields[10]["curriculum seqlen"] == "64"
     # evaluation (at iterations 5 and 10, when training's batches are 40 and 64 long) is at the full length
     assert "validation loss at iteration 5" in out
-    assert seqlens[True] == {64} and seqlens[False] == {schedule.curriculum_seqlen(i, 16, 64, 8, 8)
-                                                           for i in range(1, 11)}
+    assert seqlens[True] == {64} and seqlens[False] == {
+        schedule.curriculum_seqlen(i, 16, 64, 8, 8) for i in range(1, 11)
+    }
     # resuming mid-curriculum continues the same lengths and losses, and ends in the same state
     run_main(*args, "--train_iters=4", f"--save={tmp_path}")
     resumed = run_main(*args, f"--save={tmp_path}", f"--load={tmp_path}")
@@ -225,12 +272,26 @@ def test_curriculum_truncates_counts_tokens_and_evaluates_at_full_length(small51
 
 
 def test_lr_warmup_and_decay_tokens(small512):
-    out = run_main(*small512, "--train_iters=6", "--lr_warmup_samples=0", "--lr_warmup_tokens=1024",
-                   "--lr_decay_tokens=4096", "--lr_decay_style=linear", "--lr=1e-3", "--min_lr=1e-4")
+    out = run_main(
+        *small512,
+        "--train_iters=6",
+        "--lr_warmup_samples=0",
+        "--lr_warmup_tokens=1024",
+        "--lr_decay_tokens=4096",
+        "--lr_decay_style=linear",
+        "--lr=1e-3",
+        "--min_lr=1e-4",
+    )
     lrs = [float(f["learning rate"]) for _, f in sorted(log_fields(out).items())]
     # tokens before each iteration: 0, 512, 1024, ...; warm-up over 1024 tokens, then linear to 4096
-    expected = [0.0, 5e-4, 1e-3, 1e-4 + 0.9e-3 * (1 - 512 / 3072), 1e-4 + 0.9e-3 * (1 - 1024 / 3072),
-                1e-4 + 0.9e-3 * (1 - 1536 / 3072)]
+    expected = [
+        0.0,
+        5e-4,
+        1e-3,
+        1e-4 + 0.9e-3 * (1 - 512 / 3072),
+        1e-4 + 0.9e-3 * (1 - 1024 / 3072),
+        1e-4 + 0.9e-3 * (1 - 1536 / 3072),
+    ]
     assert lrs == pytest.approx(expected, rel=1e-3, abs=1e-9)
 
 
@@ -269,7 +330,9 @@ def test_skipped_iterations_consume_their_batches_without_training(small512, tmp
 def test_every_skip_range_is_honoured_after_a_resume(small512, tmp_path):
     ranges = ["--skip_train_iteration_range", "2-2", "5-6"]
     run_main(*small512, *ranges, "--train_iters=3", f"--save={tmp_path}")
-    resumed = run_main(*small512, *ranges, "--train_iters=8", f"--save={tmp_path}", f"--load={tmp_path}")
+    resumed = run_main(
+        *small512, *ranges, "--train_iters=8", f"--save={tmp_path}", f"--load={tmp_path}"
+    )
     assert sorted(losses(resumed)) == [4, 7, 8]  # Megatron-DeepSpeed #230 kept only the last range
 
 
@@ -278,8 +341,21 @@ def test_show_samples_tool_prints_what_an_iteration_consumed(corpus):
     import sys
 
     from helpers import ROOT
-    proc = subprocess.run([sys.executable, "tools/show_samples.py", "--iterations", "2-2", *SMALL,
-                           "--train_iters=4", "--max_chars=100000"], cwd=ROOT, capture_output=True, text=True)
+
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "tools/show_samples.py",
+            "--iterations",
+            "2-2",
+            *SMALL,
+            "--train_iters=4",
+            "--max_chars=100000",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 0, proc.stderr
     assert "=== iteration 2: samples 8-15, seqlen 64" in proc.stdout
     cfg = arguments.prepare(arguments.load_config([*SMALL, "--train_iters=4"]))
@@ -294,7 +370,9 @@ def test_show_samples_tool_prints_what_an_iteration_consumed(corpus):
 def test_reset_optimizer_with_lr0_warmup(small512, tmp_path):
     base = [*small512, "--adam_beta2=0.95", "--save_interval=3", f"--save={tmp_path}"]
     run_main(*base, "--train_iters=3")
-    out = run_main(*base, "--train_iters=9", f"--load={tmp_path}", "--reset_optimizer_warmup_iters=3")
+    out = run_main(
+        *base, "--train_iters=9", f"--load={tmp_path}", "--reset_optimizer_warmup_iters=3"
+    )
     assert "optimizer reset at iteration 3" in out
     fields = log_fields(out)
     assert [fields[i]["learning rate"] for i in (4, 5, 6)] == ["0.000E+00"] * 3
@@ -308,7 +386,9 @@ def test_reset_optimizer_with_lr0_warmup(small512, tmp_path):
     assert fields[7]["learning rate"] == log_fields(plain)[7]["learning rate"] != "0.000E+00"
     # resuming the reset run again (from its iteration-6 checkpoint) does not reset again
     (tmp_path / "latest").write_text("global_step6\n")
-    again = run_main(*base, "--train_iters=9", f"--load={tmp_path}", "--reset_optimizer_warmup_iters=3")
+    again = run_main(
+        *base, "--train_iters=9", f"--load={tmp_path}", "--reset_optimizer_warmup_iters=3"
+    )
     assert "ignored" in again and losses(again) == {i: losses(out)[i] for i in (7, 8, 9)}
     assert schedule.reset_warmup_iters("auto", 0.95) == 100
 
@@ -316,8 +396,16 @@ def test_reset_optimizer_with_lr0_warmup(small512, tmp_path):
 def test_no_load_optim_and_no_load_rng(small512, tmp_path):
     run_main(*small512, "--train_iters=3", f"--save={tmp_path}")
     full = losses(run_main(*small512, "--train_iters=5"))
-    fresh_rng = losses(run_main(*small512, "--train_iters=5", f"--load={tmp_path}", "--no_load_rng"))
+    fresh_rng = losses(
+        run_main(*small512, "--train_iters=5", f"--load={tmp_path}", "--no_load_rng")
+    )
     assert fresh_rng[4] != full[4]  # dropout masks come from a different RNG state
-    run_main(*small512, "--train_iters=4", f"--load={tmp_path}", f"--save={tmp_path / 'x'}", "--no_load_optim")
+    run_main(
+        *small512,
+        "--train_iters=4",
+        f"--load={tmp_path}",
+        f"--save={tmp_path / 'x'}",
+        "--no_load_optim",
+    )
     _, opt, _ = checkpoint_state(tmp_path / "x", 4)
     assert steps_of(opt) == {1}  # not 4: the optimizer started fresh

@@ -5,6 +5,7 @@ vocabulary of 32000) imported into TP x PP layouts and exported back by tools/ex
 numerics in bf16 against fp32 values rounded once, and the order of qk-layernorm and rotary against a
 hand-written attention.
 """
+
 import math
 import os
 import sys
@@ -33,10 +34,24 @@ from sections import section
 
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 
-LLAMA_TINY = dict(num_layers=4, hidden_size=32, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=48,
-                  seq_length=16, vocab_size=50, make_vocab_size_divisible_by=32, hidden_dropout=0.0,
-                  attention_dropout=0.0, position_embedding_type="rotary", normalization="rmsnorm", swiglu=True,
-                  untie_embeddings_and_output_weights=True, add_bias_linear=False, rotary_base=500000.0)
+LLAMA_TINY = dict(
+    num_layers=4,
+    hidden_size=32,
+    num_attention_heads=4,
+    num_query_groups=2,
+    ffn_hidden_size=48,
+    seq_length=16,
+    vocab_size=50,
+    make_vocab_size_divisible_by=32,
+    hidden_dropout=0.0,
+    attention_dropout=0.0,
+    position_embedding_type="rotary",
+    normalization="rmsnorm",
+    swiglu=True,
+    untie_embeddings_and_output_weights=True,
+    add_bias_linear=False,
+    rotary_base=500000.0,
+)
 
 
 # -----------------------------------------------------------------------------
@@ -76,16 +91,22 @@ def _llama_layout(tp, pp):
     parallel.reduce_gradients(model)
     assert math.isclose(loss.item(), ref_loss, rel_tol=1e-12), (g, loss.item(), ref_loss)
     names = [n for n, _ in model.named_parameters()]
-    assert any(n.endswith("mlp.gate.weight") for n in names) and not any(n.endswith("bias") for n in names)
+    assert any(n.endswith("mlp.gate.weight") for n in names) and not any(
+        n.endswith("bias") for n in names
+    )
     # untied: no copy
     assert ("output_layer" in names) == g.is_last_stage and "output_weight" not in names
     for name, p in model.named_parameters():
         expected = parallel.shard(ref_grads[name], getattr(p, "tp_dim", None))
-        torch.testing.assert_close(p.main_grad, expected, rtol=1e-9, atol=1e-12, msg=lambda m: f"{g} {name}: {m}")
+        torch.testing.assert_close(
+            p.main_grad, expected, rtol=1e-9, atol=1e-12, msg=lambda m: f"{g} {name}: {m}"
+        )
     if tp > 1:  # replicated RMSNorm gains: the same gradient on every TP rank, bit for bit
         for name, p in model.named_parameters():
             if getattr(p, "tp_dim", None) is None:
-                assert all(torch.equal(o, p.main_grad) for o in gather(p.main_grad, g.tp_group)), name
+                assert all(torch.equal(o, p.main_grad) for o in gather(p.main_grad, g.tp_group)), (
+                    name
+                )
         # packed documents under TP: each rank's heads masked alike
         x, y = batches[0]
         x = x.clone()
@@ -108,9 +129,13 @@ def test_llama_block_tp2_and_pp2_match_one_process():
 
 
 def test_a_layout_that_cannot_split_the_groups_is_refused_by_name():
-    with pytest.raises(ValueError, match=r"num_query_groups \(1\) must be divisible by tensor_model_parallel_size"):
+    with pytest.raises(
+        ValueError, match=r"num_query_groups \(1\) must be divisible by tensor_model_parallel_size"
+    ):
         GPTConfig(**{**LLAMA_TINY, "num_query_groups": 1}).check(tp_size=2)
-    with pytest.raises(ValueError, match=r"num_query_groups \(3\) must divide num_attention_heads \(4\)"):
+    with pytest.raises(
+        ValueError, match=r"num_query_groups \(3\) must divide num_attention_heads \(4\)"
+    ):
         GPTConfig(**{**LLAMA_TINY, "num_query_groups": 3}).check()
 
 
@@ -140,7 +165,9 @@ def test_rmsnorm_statistics_in_fp32_in_bf16():
         norm.weight.copy_(torch.rand(256, generator=gen) + 0.5)
         got = norm(x)
     x64 = x.double()
-    expected = norm.weight * (x64 / (x64.square().mean(-1, keepdim=True) + 1e-6).sqrt()).to(torch.bfloat16)
+    expected = norm.weight * (x64 / (x64.square().mean(-1, keepdim=True) + 1e-6).sqrt()).to(
+        torch.bfloat16
+    )
     assert got.dtype == torch.bfloat16
     assert torch.equal(got, expected)
 
@@ -152,10 +179,12 @@ def test_rotary_angles_are_fp32_rounded_once_in_a_bf16_model():
     gpt = GPT(cfg).to(torch.bfloat16)
     _, (cos, sin) = gpt.positions(torch.zeros(1, 4096, 32, dtype=torch.bfloat16))
     ref_cos, ref_sin = rotary_cos_sin(4096, 8, torch.float32)
-    assert torch.equal(cos, ref_cos.to(torch.bfloat16)) and torch.equal(sin, ref_sin.to(torch.bfloat16))
+    assert torch.equal(cos, ref_cos.to(torch.bfloat16)) and torch.equal(
+        sin, ref_sin.to(torch.bfloat16)
+    )
     exact_cos, _ = rotary_cos_sin(4096, 8, torch.float64)
     # bf16's rounding, not bf16's angles
-    assert (cos.double() - exact_cos).abs().max() < 2 ** -8 + 1e-3
+    assert (cos.double() - exact_cos).abs().max() < 2**-8 + 1e-3
     # rotary_base reaches the angles
     base = GPTConfig(**LLAMA_TINY)
     _, (cos5, _) = GPT(base).positions(torch.zeros(1, 16, 32))
@@ -201,11 +230,20 @@ def _llama_dir(path, tie, vocab=32000, seed=0, rope=None):
     """A random LlamaForCausalLM (GQA 8 heads / 2 groups, rope_theta 500000) saved in path, its weights drawn
     wide enough that every part of the model moves the logits."""
     import transformers
+
     torch.manual_seed(seed)
-    c = transformers.LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                 num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=64,
-                                 rope_parameters=rope or {"rope_type": "default", "rope_theta": 500000.0},
-                                 tie_word_embeddings=tie, rms_norm_eps=1e-6)
+    c = transformers.LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        rope_parameters=rope or {"rope_type": "default", "rope_theta": 500000.0},
+        tie_word_embeddings=tie,
+        rms_norm_eps=1e-6,
+    )
     model = transformers.LlamaForCausalLM(c).eval()
     with torch.no_grad():
         for p in model.parameters():
@@ -226,8 +264,12 @@ def _hf_loss(model, x, y):
 
 
 def _imported(directory, tp=1):
-    cfg = GPTConfig(**hf.config_from_hf(directory), hidden_dropout=0.0, attention_dropout=0.0,
-                    tensor_model_parallel_size=tp)
+    cfg = GPTConfig(
+        **hf.config_from_hf(directory),
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=tp,
+    )
     return cfg
 
 
@@ -238,7 +280,11 @@ def test_llama_import_first_loss_equals_transformers(tie, vocab, tmp_path):
     x, y = _batch(vocab)
     expected, logits = _hf_loss(theirs, x, y)
     cfg = _imported(tmp_path)
-    assert (cfg.untie_embeddings_and_output_weights, cfg.num_query_groups, cfg.rotary_base) == (not tie, 2, 5e5)
+    assert (cfg.untie_embeddings_and_output_weights, cfg.num_query_groups, cfg.rotary_base) == (
+        not tie,
+        2,
+        5e5,
+    )
     ours = GPT(cfg)
     hf.load_into(ours, str(tmp_path))
     ours.eval()
@@ -258,7 +304,11 @@ def _import_layouts(directory, expected):
         model = stage(cfg)
         hf.load_into(model, directory)
         with torch.no_grad():
-            loss = parallel.pipeline_forward_backward(model, [(x, y)], forward_only=True) if pp > 1 else model(x, y)
+            loss = (
+                parallel.pipeline_forward_backward(model, [(x, y)], forward_only=True)
+                if pp > 1
+                else model(x, y)
+            )
         loss = parallel.average_loss(loss).item()
         assert abs(loss - expected) <= 1e-5 * expected, (g, loss, expected)
 
@@ -275,8 +325,17 @@ def test_llama_export_generates_the_same_logits(tie, tmp_path):
     """tools/export_hf.py's model and state of our Llama-block model: LlamaForCausalLM computes our logits, and the
     import of the export is the model we started from, bit for bit."""
     import export_hf
-    cfg = GPTConfig(**{**LLAMA_TINY, "vocab_size": 32000, "untie_embeddings_and_output_weights": not tie,
-                       "hidden_size": 64, "num_attention_heads": 8, "ffn_hidden_size": None})
+
+    cfg = GPTConfig(
+        **{
+            **LLAMA_TINY,
+            "vocab_size": 32000,
+            "untie_embeddings_and_output_weights": not tie,
+            "hidden_size": 64,
+            "num_attention_heads": 8,
+            "ffn_hidden_size": None,
+        }
+    )
     ours = GPT(cfg).eval()
     with torch.no_grad():
         for p in ours.parameters():
@@ -300,8 +359,14 @@ def test_llama_export_generates_the_same_logits(tie, tmp_path):
         assert torch.equal(a, b), name
 
 
-LLAMA3 = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
-          "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}  # Llama-3.2-1B's
+LLAMA3 = {
+    "rope_type": "llama3",
+    "rope_theta": 500000.0,
+    "factor": 32.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}  # Llama-3.2-1B's
 
 
 def test_llama3_rope_frequencies_are_transformers():
@@ -309,13 +374,20 @@ def test_llama3_rope_frequencies_are_transformers():
     Llama 3.2's factor 32: high, medium and low frequencies all present)."""
     import transformers
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
-    c = transformers.LlamaConfig(hidden_size=512, num_attention_heads=8, rope_parameters=dict(LLAMA3))
+
+    c = transformers.LlamaConfig(
+        hidden_size=512, num_attention_heads=8, rope_parameters=dict(LLAMA3)
+    )
     theirs = LlamaRotaryEmbedding(c).inv_freq
     plain = 1.0 / 500000.0 ** (torch.arange(0, 64, 2, dtype=torch.float32) / 64)
     ours = llama3_frequencies(plain, 32.0)
     assert torch.equal(ours, theirs)
     wavelen = 2 * math.pi / plain
-    assert (wavelen < 2048).any() and (wavelen > 8192).any() and ((wavelen > 2048) & (wavelen < 8192)).any()
+    assert (
+        (wavelen < 2048).any()
+        and (wavelen > 8192).any()
+        and ((wavelen > 2048) & (wavelen < 8192)).any()
+    )
     cos, _ = rotary_cos_sin(9000, 64, base=500000.0, scaling_factor=32.0)
     assert torch.equal(cos[8999, :32], torch.cos(8999 * ours))
 
@@ -353,9 +425,20 @@ def test_imported_llama_resumes_bit_exactly(corpus, tmp_path):
     vocabulary on the bundled corpus: 4 iterations straight, or 2, a save, and 2 more resumed -- the same losses
     and the same checkpoint bit for bit (weights, Adam's moments, the RNG streams)."""
     _llama_dir(tmp_path / "llama", tie=False, vocab=50257, rope=dict(LLAMA3, factor=8.0))
-    argv = ["config/finetune.py", f"--init_from_hf={tmp_path / 'llama'}", f"--data_path={corpus}", "--bf16=false",
-            "--micro_batch_size=2", "--global_batch_size=4", "--log_interval=1", "--eval_iters=0",
-            "--lr_warmup_samples=0", "--lr=1e-3", "--lr_decay_samples=40", "--save_interval=none"]
+    argv = [
+        "config/finetune.py",
+        f"--init_from_hf={tmp_path / 'llama'}",
+        f"--data_path={corpus}",
+        "--bf16=false",
+        "--micro_batch_size=2",
+        "--global_batch_size=4",
+        "--log_interval=1",
+        "--eval_iters=0",
+        "--lr_warmup_samples=0",
+        "--lr=1e-3",
+        "--lr_decay_samples=40",
+        "--save_interval=none",
+    ]
     straight = run_main(*argv, "--train_iters=4", f"--save={tmp_path / 'a'}")
     run_main(*argv, "--train_iters=2", f"--save={tmp_path / 'b'}")
     resumed = run_main(*argv, "--train_iters=4", f"--save={tmp_path / 'b'}")
@@ -374,6 +457,7 @@ def test_llama_1b_config_counts_llama_3_2_1b_and_dry_runs():
 
     import arguments
     import estimate
+
     cfg = arguments.load_config([os.path.join(ROOT, "config", "llama_1b.py")])
     model_cfg = section(GPTConfig, cfg)
     assert model_cfg.num_parameters() == 1_235_814_400 and model_cfg.ffn_size == 8192
@@ -385,11 +469,28 @@ def test_llama_1b_config_counts_llama_3_2_1b_and_dry_runs():
 @pytest.mark.slow
 def test_llama_1b_config_trains_one_cpu_iteration_at_reduced_size():
     from helpers import losses, run_main
-    out = run_main("config/llama_1b.py", "--data_path=data/shakespeare-v2", "--num_layers=2", "--hidden_size=64",
-                   "--num_attention_heads=4", "--num_query_groups=2", "--ffn_hidden_size=128", "--seq_length=64",
-                   "--vocab_size=50257", "--micro_batch_size=2", "--global_batch_size=2", "--train_iters=1",
-                   "--lr_warmup_samples=0", "--log_interval=1", "--eval_interval=1000", "--eval_iters=1",
-                   "--sample_tokens=0", "--save=none", "--save_interval=none")
+
+    out = run_main(
+        "config/llama_1b.py",
+        "--data_path=data/shakespeare-v2",
+        "--num_layers=2",
+        "--hidden_size=64",
+        "--num_attention_heads=4",
+        "--num_query_groups=2",
+        "--ffn_hidden_size=128",
+        "--seq_length=64",
+        "--vocab_size=50257",
+        "--micro_batch_size=2",
+        "--global_batch_size=2",
+        "--train_iters=1",
+        "--lr_warmup_samples=0",
+        "--log_interval=1",
+        "--eval_interval=1000",
+        "--eval_iters=1",
+        "--sample_tokens=0",
+        "--save=none",
+        "--save_interval=none",
+    )
     assert list(losses(out)) == [1] and math.isfinite(float(losses(out)[1]))
 
 
@@ -397,10 +498,16 @@ def test_init_from_hf_without_a_config_file_takes_the_model_s_keys(tmp_path):
     """`python train.py --init_from_hf=DIR`: the implicit default config's model keys (config/tiny.py's 4 x 128 and
     its embedding LayerNorm) yield to the model; a key given on the command line that contradicts it does not."""
     import arguments
+
     _llama_dir(tmp_path, tie=False, vocab=512)
     cfg = arguments.load_config([f"--init_from_hf={tmp_path}"])
-    assert (cfg.num_layers, cfg.hidden_size, cfg.embed_layernorm, cfg.normalization, cfg.num_query_groups) == (
-        2, 64, False, "rmsnorm", 2)
+    assert (
+        cfg.num_layers,
+        cfg.hidden_size,
+        cfg.embed_layernorm,
+        cfg.normalization,
+        cfg.num_query_groups,
+    ) == (2, 64, False, "rmsnorm", 2)
     hf.check_config(section(GPTConfig, cfg), str(tmp_path))
     with pytest.raises(ValueError, match=r"num_layers 3 \(config\) vs 2 \(model\)"):
         arguments.load_config([f"--init_from_hf={tmp_path}", "--num_layers=3"])
@@ -410,19 +517,35 @@ def test_init_from_hf_without_a_config_file_takes_the_model_s_keys(tmp_path):
 # Packed documents that do not see each other
 
 
-@pytest.mark.parametrize("block", [
-    dict(position_embedding_type="learned"),
-    dict(position_embedding_type="alibi", embed_layernorm=True),
-    LLAMA_TINY,
-    {**LLAMA_TINY, "unfused_attention": True},
-])
+@pytest.mark.parametrize(
+    "block",
+    [
+        dict(position_embedding_type="learned"),
+        dict(position_embedding_type="alibi", embed_layernorm=True),
+        LLAMA_TINY,
+        {**LLAMA_TINY, "unfused_attention": True},
+    ],
+)
 def test_packed_documents_compute_each_document_alone(block):
     """The logits of a packed sample (documents separated by the end-of-document token, layers.document_ids) equal
     those of each document run on its own, in float64: attention within the document, positions from 0."""
     eod = 0
-    cfg = GPTConfig(**{**dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=24, vocab_size=50,
-                              make_vocab_size_divisible_by=32, hidden_dropout=0.0, attention_dropout=0.0),
-                       **block, "seq_length": 24})
+    cfg = GPTConfig(
+        **{
+            **dict(
+                num_layers=2,
+                hidden_size=32,
+                num_attention_heads=4,
+                seq_length=24,
+                vocab_size=50,
+                make_vocab_size_divisible_by=32,
+                hidden_dropout=0.0,
+                attention_dropout=0.0,
+            ),
+            **block,
+            "seq_length": 24,
+        }
+    )
     gpt = GPT(cfg).double().eval()
     tokens = torch.randint(1, 50, (2, 24), generator=torch.Generator().manual_seed(0))
     # the second sample starts with an empty document and has two eods in a row
@@ -431,12 +554,14 @@ def test_packed_documents_compute_each_document_alone(block):
         tokens[row, ends] = eod
     documents = document_ids(tokens, eod)
     with torch.no_grad():
-        packed = gpt(tokens, **packed_inputs(tokens, eod, reset_position_ids=True, reset_attention_mask=True))
+        packed = gpt(
+            tokens, **packed_inputs(tokens, eod, reset_position_ids=True, reset_attention_mask=True)
+        )
         unmasked = gpt(tokens)
         for row, ends in enumerate(cuts):
             bounds = [0] + [e + 1 for e in ends] + [24]
             for a, b in zip(bounds, bounds[1:]):
-                alone = gpt(tokens[row:row + 1, a:b])[0]
+                alone = gpt(tokens[row : row + 1, a:b])[0]
                 torch.testing.assert_close(packed[row, a:b], alone, rtol=1e-10, atol=1e-10)
     # the documents did see each other without it
     assert not torch.allclose(packed, unmasked, atol=1e-3)
@@ -450,12 +575,27 @@ def test_untied_gqa_checkpoint_of_tp2_exports_as_llama(synthetic_corpus, tmp_pat
     the untied output layer's vocab-parallel slices re-padded) and LlamaForCausalLM computes its logits."""
     import export_hf
     from helpers import launch
-    llama = ["--position_embedding_type=rotary", "--normalization=rmsnorm", "--swiglu", "--num_query_groups=2",
-             "--untie_embeddings_and_output_weights", "--add_bias_linear=False", "--rotary_base=500000",
-             "--embed_layernorm=False"]
-    launch(tmp_path / "logs", 2, "--tensor_model_parallel_size=2", *llama, "--train_iters=2",
-           f"--data_path={synthetic_corpus}",
-           f"--save={tmp_path / 'ckpt'}", "--save_interval=2")
+
+    llama = [
+        "--position_embedding_type=rotary",
+        "--normalization=rmsnorm",
+        "--swiglu",
+        "--num_query_groups=2",
+        "--untie_embeddings_and_output_weights",
+        "--add_bias_linear=False",
+        "--rotary_base=500000",
+        "--embed_layernorm=False",
+    ]
+    launch(
+        tmp_path / "logs",
+        2,
+        "--tensor_model_parallel_size=2",
+        *llama,
+        "--train_iters=2",
+        f"--data_path={synthetic_corpus}",
+        f"--save={tmp_path / 'ckpt'}",
+        "--save_interval=2",
+    )
     diff, model, _ = export_hf.export(str(tmp_path / "ckpt"), str(tmp_path / "hf"))
     assert type(model).__name__ == "LlamaForCausalLM" and not model.config.tie_word_embeddings
     assert diff <= 1e-5

@@ -1,4 +1,5 @@
 """loader.py: batches prepared on a background thread are exactly the batches computed on the spot."""
+
 import threading
 
 import numpy as np
@@ -19,7 +20,9 @@ def dataset(tmp_path_factory):
     # empty and short documents included
     docs = [rng.integers(0, 50257, n) for n in rng.integers(0, 90, 60)]
     data.write_indexed_dataset(str(tmp / "corpus"), docs)
-    return data.GPTDataset(data.IndexedDataset(str(tmp / "corpus")), np.arange(60), 2000, 32, 5, "train", str(tmp))
+    return data.GPTDataset(
+        data.IndexedDataset(str(tmp / "corpus")), np.arange(60), 2000, 32, 5, "train", str(tmp)
+    )
 
 
 def reference(dataset, first_sample, batch_size, seqlen, mbs, dp_rank, dp_size):
@@ -33,11 +36,23 @@ def reference(dataset, first_sample, batch_size, seqlen, mbs, dp_rank, dp_size):
 
 
 def test_prefetched_batches_equal_direct_ones_across_rampup_curriculum_and_skips(dataset):
-    cfg = arguments.load_config(["--seq_length=32", "--micro_batch_size=2", "--global_batch_size=16",
-                                 "--rampup_batch_size=4 4 60", "--train_iters=none", "--train_samples=400",
-                                 "--curriculum_learning",
-                                 "--min_difficulty=8", "--total_curriculum_step=12",
-                                 "--skip_train_iteration_range", "4-5", "9-9", "20-21"])
+    cfg = arguments.load_config(
+        [
+            "--seq_length=32",
+            "--micro_batch_size=2",
+            "--global_batch_size=16",
+            "--rampup_batch_size=4 4 60",
+            "--train_iters=none",
+            "--train_samples=400",
+            "--curriculum_learning",
+            "--min_difficulty=8",
+            "--total_curriculum_step=12",
+            "--skip_train_iteration_range",
+            "4-5",
+            "9-9",
+            "20-21",
+        ]
+    )
     arguments.prepare(cfg, world_size=2)
     dp_size, mbs = 2, cfg.micro_batch_size
     plan = plan_of(cfg, dp_size)
@@ -48,17 +63,23 @@ def test_prefetched_batches_equal_direct_ones_across_rampup_curriculum_and_skips
         def load(key):
             loads.append(key)
             _, first, batch_size, seqlen = key
-            return loader.load_tokens(dataset, first, batch_size // (mbs * dp_size), seqlen, mbs, dp_rank, dp_size)
+            return loader.load_tokens(
+                dataset, first, batch_size // (mbs * dp_size), seqlen, mbs, dp_rank, dp_size
+            )
 
         with loader.Prefetcher(load, plan.next_key) as prefetcher:
             iteration = samples = tokens = 0
-            while not plan.done(RunState(iteration, samples, tokens)):  # the training loop's bookkeeping
+            while not plan.done(
+                RunState(iteration, samples, tokens)
+            ):  # the training loop's bookkeeping
                 iteration += 1
                 batch_size, seqlen = plan.batch_size(samples), plan.seqlen(iteration)
                 if plan.skipped(iteration):
                     seen["skipped"] += 1
                 else:
-                    got = loader.to_device(prefetcher.get((iteration, samples, batch_size, seqlen)), "cpu")
+                    got = loader.to_device(
+                        prefetcher.get((iteration, samples, batch_size, seqlen)), "cpu"
+                    )
                     want = reference(dataset, samples, batch_size, seqlen, mbs, dp_rank, dp_size)
                     assert len(got) == len(want)
                     for (x, y), (rx, ry) in zip(got, want):
@@ -69,7 +90,11 @@ def test_prefetched_batches_equal_direct_ones_across_rampup_curriculum_and_skips
                 samples, tokens = samples + batch_size, tokens + batch_size * seqlen
         # every iteration that trained was loaded exactly once (ahead of time except the first): no guess was wrong
         assert len(loads) == len(set(loads)) == plan.total_iters - 5
-    assert seen["batch sizes"] == {4, 8, 12, 16} and len(seen["seqlens"]) >= 3 and seen["skipped"] == 2 * 5
+    assert (
+        seen["batch sizes"] == {4, 8, 12, 16}
+        and len(seen["seqlens"]) >= 3
+        and seen["skipped"] == 2 * 5
+    )
 
 
 def test_wrong_guesses_and_errors(dataset):

@@ -2,6 +2,7 @@
 Against the plain ops (F.linear, F.cross_entropy, autograd of the z-loss) in float64 with the real GPT-2
 vocabulary (50257, padded), under TP 1 and TP 2; against today's logits path in the model; and never holding a
 (tokens x vocabulary) tensor."""
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -30,7 +31,9 @@ def _reference(hidden, weight, target, z_loss, weights):
     """Plain ops on the real columns: (loss, log Z, grad of hidden, grad of weight) of sum(weights * (ce + z))."""
     hidden, weight = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
     logits = F.linear(hidden, weight)[..., :V_REAL]
-    ce = F.cross_entropy(logits.flatten(0, 1), target.flatten(), reduction="none").view(target.shape)
+    ce = F.cross_entropy(logits.flatten(0, 1), target.flatten(), reduction="none").view(
+        target.shape
+    )
     log_z = logits.logsumexp(dim=-1)
     (weights * (ce + z_loss * log_z.square())).sum().backward()
     return ce.detach(), log_z.detach(), hidden.grad, weight.grad
@@ -50,7 +53,10 @@ def test_equals_plain_ops_in_float64(z_loss, chunk, monkeypatch):
     monkeypatch.setattr(cross_entropy, "CROSS_ENTROPY_CHUNK", chunk)
     hidden, weight, target = _inputs()
     weights = torch.arange(1.0, target.numel() + 1, dtype=torch.float64).view(target.shape)
-    ours, expected = _ours(hidden, weight, target, z_loss, weights), _reference(hidden, weight, target, z_loss, weights)
+    ours, expected = (
+        _ours(hidden, weight, target, z_loss, weights),
+        _reference(hidden, weight, target, z_loss, weights),
+    )
     for name, a, b in zip(("loss", "log Z", "grad hidden", "grad weight"), ours, expected):
         torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10, msg=name)
     assert ours[3][V_REAL:].abs().max() == 0  # padding: no gradient
@@ -75,6 +81,7 @@ def test_equals_the_logits_path_to_rounding(dtype, monkeypatch):
 
 class LargestTensor(TorchDispatchMode):
     """Records the largest tensor any op creates."""
+
     largest = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -87,8 +94,16 @@ class LargestTensor(TorchDispatchMode):
 
 def test_the_model_never_holds_the_logits(monkeypatch):
     monkeypatch.setattr(cross_entropy, "CROSS_ENTROPY_CHUNK", 2**18)  # 2048 columns per chunk
-    cfg = GPTConfig(num_layers=1, hidden_size=H, num_attention_heads=2, seq_length=64, vocab_size=V_REAL,
-                    hidden_dropout=0.0, attention_dropout=0.0, z_loss=1e-4)
+    cfg = GPTConfig(
+        num_layers=1,
+        hidden_size=H,
+        num_attention_heads=2,
+        seq_length=64,
+        vocab_size=V_REAL,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        z_loss=1e-4,
+    )
     gpt = GPT(cfg)
     ids = torch.randint(0, V_REAL, (2, 64), generator=torch.Generator().manual_seed(0))
     with LargestTensor() as mode:
@@ -112,7 +127,9 @@ def _tp2_equals_plain_ops(z_loss):
     expected = _reference(hidden, weight, target, z_loss, weights)
     mine = parallel.shard(weight, 0).clone().requires_grad_()
     h = hidden.clone().requires_grad_()
-    loss, log_z = cross_entropy.linear_cross_entropy(parallel.copy_to_tp(h), mine, target, V_REAL, z_loss)
+    loss, log_z = cross_entropy.linear_cross_entropy(
+        parallel.copy_to_tp(h), mine, target, V_REAL, z_loss
+    )
     (weights * loss).sum().backward()
     torch.testing.assert_close(loss, expected[0], atol=1e-10, rtol=1e-10)
     torch.testing.assert_close(log_z, expected[1], atol=1e-10, rtol=1e-10)
@@ -129,9 +146,19 @@ def test_tensor_parallel_2_equals_one_process():
 def test_megatrons_padded_softmax_is_a_switch():
     # padded_vocab_in_softmax: the padding columns (zero rows here: logit 0) take part in the softmax, as Megatron
     hidden, weight, target = _inputs()
-    cfg = dict(num_layers=1, hidden_size=H, num_attention_heads=2, seq_length=6, vocab_size=V_REAL,
-               hidden_dropout=0.0, attention_dropout=0.0)
-    ours, megatron = GPT(GPTConfig(**cfg)).double(), GPT(GPTConfig(**cfg, padded_vocab_in_softmax=True)).double()
+    cfg = dict(
+        num_layers=1,
+        hidden_size=H,
+        num_attention_heads=2,
+        seq_length=6,
+        vocab_size=V_REAL,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
+    ours, megatron = (
+        GPT(GPTConfig(**cfg)).double(),
+        GPT(GPTConfig(**cfg, padded_vocab_in_softmax=True)).double(),
+    )
     assert not ours.embed.word.weight[V_REAL:].any()  # ours: the padded rows start at zero
     assert megatron.embed.word.weight[V_REAL:].abs().min() > 0  # Megatron's: drawn like the others
     megatron.load_state_dict(ours.state_dict())
@@ -154,7 +181,9 @@ def test_gpt2_output_layer_peak_memory_on_cuda():
     plus the weight's gradient, fp32 while it sums the chunks (~1 GiB)."""
     g = torch.Generator(device="cuda").manual_seed(0)
     hidden = torch.randn(16, 1024, 768, device="cuda", generator=g).bfloat16().requires_grad_()
-    weight = (0.02 * torch.randn(50304, 768, device="cuda", generator=g)).bfloat16().requires_grad_()
+    weight = (
+        (0.02 * torch.randn(50304, 768, device="cuda", generator=g)).bfloat16().requires_grad_()
+    )
     target = torch.randint(0, 50257, (16, 1024), device="cuda", generator=g)
     peaks = []
     for path in ("logits", "chunked"):
@@ -165,7 +194,9 @@ def test_gpt2_output_layer_peak_memory_on_cuda():
         if path == "logits":
             loss, _ = parallel.vocab_parallel_cross_entropy(F.linear(hidden, weight), target, 50257)
         else:
-            loss, _ = cross_entropy.linear_cross_entropy(hidden, weight, target, 50257, reduction="mean")
+            loss, _ = cross_entropy.linear_cross_entropy(
+                hidden, weight, target, 50257, reduction="mean"
+            )
         loss.mean().backward()
         torch.cuda.synchronize()
         peaks.append((torch.cuda.max_memory_allocated() - base) / 2**30)
@@ -189,7 +220,9 @@ def _reference_mean(hidden, weight, target, z_loss, vocab, upstream=3.0):
 
 def _ours_mean(hidden, weight, target, z_loss, vocab, upstream=3.0):
     hidden, weight = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-    loss, log_z = cross_entropy.linear_cross_entropy(hidden, weight, target, vocab, z_loss, reduction="mean")
+    loss, log_z = cross_entropy.linear_cross_entropy(
+        hidden, weight, target, vocab, z_loss, reduction="mean"
+    )
     (upstream * loss).backward()
     return loss.detach(), log_z, hidden.grad, weight.grad
 
@@ -249,8 +282,13 @@ def test_mean_is_as_close_to_float64_as_the_logits_path(dtype, chunk, monkeypatc
 
     def error(a, b):
         return ((a.double() - b).abs().max() / b.abs().max()).item()
-    for name, a, b, e in zip(("loss", "log Z", "grad hidden", "grad weight"), ours,
-                             (loss.mean(), log_z, h.grad, w.grad), exact):
+
+    for name, a, b, e in zip(
+        ("loss", "log Z", "grad hidden", "grad weight"),
+        ours,
+        (loss.mean(), log_z, h.grad, w.grad),
+        exact,
+    ):
         assert a.dtype == b.dtype, name
         # bf16: 1e-3 both, fp16: 3e-4 ours, 6e-4 theirs; fp32: up to 2e-5, sums over 50k columns in fp32 in
         # another order (the CPU's matmul of a few rows sums them one by one)
@@ -263,7 +301,10 @@ def test_per_token_loss_in_several_chunks_equals_plain_ops(z_loss, monkeypatch):
     monkeypatch.setattr(cross_entropy, "CROSS_ENTROPY_CHUNK", 1)
     hidden, weight, target = _inputs(T=24)
     weights = torch.arange(1.0, target.numel() + 1, dtype=torch.float64).view(target.shape)
-    ours, expected = _ours(hidden, weight, target, z_loss, weights), _reference(hidden, weight, target, z_loss, weights)
+    ours, expected = (
+        _ours(hidden, weight, target, z_loss, weights),
+        _reference(hidden, weight, target, z_loss, weights),
+    )
     for name, a, b in zip(("loss", "log Z", "grad hidden", "grad weight"), ours, expected):
         torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10, msg=name)
 
@@ -275,14 +316,24 @@ def test_checkpointing_and_accumulation_count_the_weight_once(reentrant, monkeyp
     monkeypatch.setattr(cross_entropy, "CROSS_ENTROPY_CHUNK", 1)  # chunks of H = 16 tokens
     hidden, weight, target = _inputs(T=24)
     hidden2, _, target2 = _inputs(T=24, seed=1)
-    expected = [sum(pair) for pair in zip(_reference_mean(hidden, weight, target, 1e-2, V_REAL, 1.0)[2:],
-                                          _reference_mean(hidden2, weight, target2, 1e-2, V_REAL, 1.0)[2:])]
+    expected = [
+        sum(pair)
+        for pair in zip(
+            _reference_mean(hidden, weight, target, 1e-2, V_REAL, 1.0)[2:],
+            _reference_mean(hidden2, weight, target2, 1e-2, V_REAL, 1.0)[2:],
+        )
+    ]
     w = weight.clone().requires_grad_()
     hs = [hidden.clone().requires_grad_(), hidden2.clone().requires_grad_()]
     for h, t in zip(hs, (target, target2)):
         loss = torch.utils.checkpoint.checkpoint(
-            lambda h, w: cross_entropy.linear_cross_entropy(h, w, t, V_REAL, 1e-2, reduction="mean")[0],
-            h, w, use_reentrant=reentrant)
+            lambda h, w: cross_entropy.linear_cross_entropy(
+                h, w, t, V_REAL, 1e-2, reduction="mean"
+            )[0],
+            h,
+            w,
+            use_reentrant=reentrant,
+        )
         loss.backward()
     torch.testing.assert_close(hs[0].grad + hs[1].grad, expected[0], atol=1e-10, rtol=1e-10)
     torch.testing.assert_close(w.grad, expected[1], atol=1e-10, rtol=1e-10)
@@ -296,11 +347,18 @@ def _tp2_mean_equals_f_cross_entropy(z_loss):
         expected = _reference_mean(hidden, weight, target, z_loss, vocab or V_PADDED)
         mine = parallel.shard(weight, 0).clone().requires_grad_()
         h = hidden.clone().requires_grad_()
-        loss, log_z = cross_entropy.linear_cross_entropy(parallel.copy_to_tp(h), mine, target, vocab, z_loss, "mean")
+        loss, log_z = cross_entropy.linear_cross_entropy(
+            parallel.copy_to_tp(h), mine, target, vocab, z_loss, "mean"
+        )
         (3.0 * loss).backward()
-        for name, a, b in zip(("loss", "log Z", "grad hidden", "grad weight"),
-                              (loss, log_z, h.grad, mine.grad), expected[:3] + (parallel.shard(expected[3], 0),)):
-            torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10, msg=f"{name}, vocab_size {vocab}")
+        for name, a, b in zip(
+            ("loss", "log Z", "grad hidden", "grad weight"),
+            (loss, log_z, h.grad, mine.grad),
+            expected[:3] + (parallel.shard(expected[3], 0),),
+        ):
+            torch.testing.assert_close(
+                a, b, atol=1e-10, rtol=1e-10, msg=f"{name}, vocab_size {vocab}"
+            )
 
 
 def test_tensor_parallel_2_mean_equals_f_cross_entropy():

@@ -3,6 +3,7 @@ logits is one pointwise write over them (no scatter, no fp32 copy written back);
 exponentiates each chunk once; the weight's gradient is summed over chunks in fp32 with no half-precision
 (vocabulary x hidden) product; and with a GradBuffer the output layer's weight gradient goes into main_grad with no
 .grad (fp16's too), counted once per backward, tied to the embedding or not."""
+
 import contextlib
 
 import pytest
@@ -46,14 +47,19 @@ def test_compiled_logits_grad_is_one_pointwise_write_over_the_logits(dtype):
     def capture(gm, example_inputs):
         graphs.append(gm)
         return gm
+
     logits, shift, scale, local, outside = _chunk(dtype)
     for onehot in (1.0, torch.rand(len(shift), dtype=shift.dtype)):
         torch._dynamo.reset()
         graphs.clear()
-        compiled = torch.compile(cross_entropy.logits_grad, backend=aot_autograd(fw_compiler=capture), fullgraph=True)
+        compiled = torch.compile(
+            cross_entropy.logits_grad, backend=aot_autograd(fw_compiler=capture), fullgraph=True
+        )
         ours = compiled(logits.clone(), shift, scale, onehot, local, outside, V_REAL)
-        assert torch.equal(ours, cross_entropy.logits_grad(logits.clone(), shift, scale, onehot, local, outside,
-                                                           V_REAL))
+        assert torch.equal(
+            ours,
+            cross_entropy.logits_grad(logits.clone(), shift, scale, onehot, local, outside, V_REAL),
+        )
         (graph,) = graphs
         writes = []
         logits_input = next(n for n in graph.graph.nodes if n.op == "placeholder")
@@ -61,17 +67,27 @@ def test_compiled_logits_grad_is_one_pointwise_write_over_the_logits(dtype):
             if node.op != "call_function":
                 continue
             name = str(node.target)
-            assert not any(bad in name for bad in ("scatter", "index_put", "index_add", "setitem")), name
+            assert not any(
+                bad in name for bad in ("scatter", "index_put", "index_add", "setitem")
+            ), name
             val = node.meta.get("val")
             if isinstance(val, torch.Tensor) and val.shape == logits.shape:
                 if node.target == aten.copy.default:  # the mutation of the logits, functionalized
-                    assert node.args[0] is logits_input and node.args[1].meta["val"].dtype == dtype, node.args
+                    assert (
+                        node.args[0] is logits_input and node.args[1].meta["val"].dtype == dtype
+                    ), node.args
                     writes.append(node)
                 else:
-                    assert torch.Tag.pointwise in node.target.tags or node.target == aten._to_copy.default, name
+                    assert (
+                        torch.Tag.pointwise in node.target.tags
+                        or node.target == aten._to_copy.default
+                    ), name
         assert len(writes) == 1, writes
-        outputs = [a for a in next(iter(reversed(graph.graph.nodes))).args[0]
-                   if a.meta["val"].shape == logits.shape]
+        outputs = [
+            a
+            for a in next(iter(reversed(graph.graph.nodes))).args[0]
+            if a.meta["val"].shape == logits.shape
+        ]
         assert len({id(a) for a in outputs}) == 1 and outputs[0].meta["val"].dtype == dtype, outputs
 
 
@@ -130,7 +146,10 @@ def test_eager_chain_exponentiates_each_chunk_once(dtype, monkeypatch):
     h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
     # bf16: each chunk's fp32 exps
     copies = ["aten._to_copy.default"] * 3 if dtype != torch.float32 else []
-    for made in (["aten.new_empty.default"], []):  # one buffer for every chunk, and for the next forward
+    for made in (
+        ["aten.new_empty.default"],
+        [],
+    ):  # one buffer for every chunk, and for the next forward
         with ChunkSized((H, V), (H, V_REAL)) as recorded:
             loss, _ = cross_entropy.linear_cross_entropy(h, w, target, V_REAL, 1e-2, "mean")
         exps = ("aten.exp", "aten.exp_", "aten.softmax", "aten._softmax")
@@ -151,7 +170,9 @@ class ChunkOps(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        large = [t for t in (*args, out) if isinstance(t, torch.Tensor) and t.numel() >= self.elements]
+        large = [
+            t for t in (*args, out) if isinstance(t, torch.Tensor) and t.numel() >= self.elements
+        ]
         if large and not func.is_view:
             self.ops.append(str(func.overloadpacket).removeprefix("aten."))
         return out
@@ -168,8 +189,17 @@ def test_eager_chain_takes_the_softmax_from_torchs_kernel_a_row_at_a_time(monkey
     h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
     with ChunkOps(hidden.shape[0] * V_REAL) as recorded:  # one chunk of 48 tokens
         cross_entropy.linear_cross_entropy(h, w, target, V_REAL, 0.0, "mean")
-    assert recorded.ops == ["new_empty", "mm", "amax", "gather", "softmax", "amax", "scatter_add_", "mm", "mm"], \
-        " ".join(recorded.ops)
+    assert recorded.ops == [
+        "new_empty",
+        "mm",
+        "amax",
+        "gather",
+        "softmax",
+        "amax",
+        "scatter_add_",
+        "mm",
+        "mm",
+    ], " ".join(recorded.ops)
 
 
 @pytest.mark.parametrize("reduction", ["mean", "none"])
@@ -187,11 +217,14 @@ def test_fp32_weight_gradient_sum_starts_from_the_first_product_not_zeros(reduct
             loss, _ = cross_entropy.linear_cross_entropy(h, w, target, V_REAL, 1e-2, reduction)
             loss.mean().backward()
         return recorded.ops, w.grad
+
     ops, ours = grads()
     assert not {"aten.zeros", "aten.new_zeros", "aten.zero_", "aten.fill_"} & set(ops), ops
     assert ops.count("aten.mm") == 1 and ops.count("aten.addmm") == 2, ops
     chunk_grads = cross_entropy.chunk_grads
-    monkeypatch.setattr(cross_entropy, "weight_grad_sum", lambda w, dtype, _: w.new_zeros(w.shape, dtype=dtype))
+    monkeypatch.setattr(
+        cross_entropy, "weight_grad_sum", lambda w, dtype, _: w.new_zeros(w.shape, dtype=dtype)
+    )
     monkeypatch.setattr(cross_entropy, "chunk_grads", lambda *args, first: chunk_grads(*args))
     ops, reference = grads()
     assert "aten.new_zeros" in ops and torch.equal(ours, reference)
@@ -241,7 +274,9 @@ def _error(a, b):
 
 
 @pytest.mark.parametrize("reduction", ["mean", "none"])
-def test_bf16_weight_gradient_sums_chunks_with_no_bf16_vocab_by_hidden_product(reduction, monkeypatch):
+def test_bf16_weight_gradient_sums_chunks_with_no_bf16_vocab_by_hidden_product(
+    reduction, monkeypatch
+):
     # 48 tokens in chunks of H = 16: three chunks' products with the hidden states summed in fp32
     monkeypatch.setattr(cross_entropy, "CROSS_ENTROPY_CHUNK", 1)
     hidden, weight, target = _inputs(torch.bfloat16)
@@ -250,7 +285,9 @@ def test_bf16_weight_gradient_sums_chunks_with_no_bf16_vocab_by_hidden_product(r
         loss, _ = cross_entropy.linear_cross_entropy(h, w, target, V_REAL, 1e-2, reduction)
         loss.mean().backward()
     weight_sized = [o for o in recorded.outputs if o[1] == (V, H)]
-    assert len(weight_sized) == 3 and all(o[2] == torch.float32 for o in weight_sized), recorded.outputs
+    assert len(weight_sized) == 3 and all(o[2] == torch.float32 for o in weight_sized), (
+        recorded.outputs
+    )
     exact = _reference(hidden, weight, target)
     assert w.grad.dtype == torch.bfloat16
     assert _error(w.grad, exact[1]) < 1e-2 and _error(h.grad, exact[0]) < 1e-2
@@ -261,10 +298,18 @@ def _grad_buffer(weight, dtype):
     return w, parallel.GradBuffer([w], dtype)
 
 
-@pytest.mark.parametrize("dtype,buffer_dtype", [(torch.bfloat16, torch.float32), (torch.float16, torch.float32),
-                                                (torch.float32, torch.float32)])
+@pytest.mark.parametrize(
+    "dtype,buffer_dtype",
+    [
+        (torch.bfloat16, torch.float32),
+        (torch.float16, torch.float32),
+        (torch.float32, torch.float32),
+    ],
+)
 @pytest.mark.parametrize("reduction", ["mean", "none"])
-def test_output_weight_gradient_goes_into_main_grad_with_no_grad(dtype, buffer_dtype, reduction, monkeypatch):
+def test_output_weight_gradient_goes_into_main_grad_with_no_grad(
+    dtype, buffer_dtype, reduction, monkeypatch
+):
     """Two micro-batches' backwards with a GradBuffer: autograd never accumulates a .grad of the weight (its
     post-accumulate hook never runs, and no tensor of the weight's shape in its half dtype is made), main_grad
     holds the sum of the two gradients (fp32 weights: the .grad path's to fp32 rounding; half: as close to fp64
@@ -281,16 +326,22 @@ def test_output_weight_gradient_goes_into_main_grad_with_no_grad(dtype, buffer_d
     class WeightSized(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
-            if not (func.is_view or func._schema.is_mutable) and isinstance(out, torch.Tensor) \
-                    and out.shape == w.shape and out.dtype == dtype != torch.float32:  # a new tensor
+            if (
+                not (func.is_view or func._schema.is_mutable)
+                and isinstance(out, torch.Tensor)
+                and out.shape == w.shape
+                and out.dtype == dtype != torch.float32
+            ):  # a new tensor
                 made.append(str(func))
             return out
+
     plain = weight.clone().requires_grad_()  # the .grad path: no GradBuffer
     for hidden, _, target in batches:
         for p in (w, plain):
             with WeightSized() if p is w else contextlib.nullcontext():
-                loss, _ = cross_entropy.linear_cross_entropy(hidden.clone().requires_grad_(), p, target, V_REAL,
-                                                             1e-2, reduction)
+                loss, _ = cross_entropy.linear_cross_entropy(
+                    hidden.clone().requires_grad_(), p, target, V_REAL, 1e-2, reduction
+                )
                 (upstream * loss.mean()).backward()
     assert not fired and w.grad is None and not made, (len(fired), made)
     exact = [sum(pair) for pair in zip(*(_reference(h, weight, t) for h, _, t in batches))]
@@ -298,7 +349,9 @@ def test_output_weight_gradient_goes_into_main_grad_with_no_grad(dtype, buffer_d
         # fp32 rounding: main_grad + g * scale in one op
         torch.testing.assert_close(w.main_grad, plain.grad)
     else:
-        assert _error(w.main_grad / upstream, exact[1]) <= _error(plain.grad.double() / upstream, exact[1])
+        assert _error(w.main_grad / upstream, exact[1]) <= _error(
+            plain.grad.double() / upstream, exact[1]
+        )
 
 
 @pytest.mark.parametrize("tied", [False, True])
@@ -312,7 +365,9 @@ def test_main_grad_bucket_launches_once_the_weight_gradient_is_complete(tied, mo
     w, buffer = _grad_buffer(batches[0][1], torch.float32)
     buffer.group, buffer.size = "dp", 1
     launched = []
-    monkeypatch.setattr(parallel.dist, "all_reduce", lambda flat, **kw: launched.append(flat.clone()) or kw)
+    monkeypatch.setattr(
+        parallel.dist, "all_reduce", lambda flat, **kw: launched.append(flat.clone()) or kw
+    )
     plain = batches[0][1].clone().requires_grad_()
     buffer.start(2)
     for i, (hidden, _, target) in enumerate(batches):

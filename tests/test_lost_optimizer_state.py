@@ -1,6 +1,7 @@
 """inject_lost_optimizer_state_iter (stability/faults.py): a resume whose Adam moments are lost. Against the run's
 own references: the moments the optimizer held before (zeroed, the step count kept) and an uninterrupted clean run
 (the same losses up to the fault's step, other ones after it)."""
+
 import torch
 
 import arguments
@@ -8,8 +9,14 @@ from builders import build_model, build_optimizer
 from helpers import corpus, corpus512, losses, run_main, spike_guard_of  # noqa: F401 (corpus, corpus512: fixtures)
 from stability.faults import Faults
 
-TINY = ["--num_layers=1", "--hidden_size=32", "--num_attention_heads=2", "--seq_length=16", "--vocab_size=512",
-        "--micro_batch_size=2"]
+TINY = [
+    "--num_layers=1",
+    "--hidden_size=32",
+    "--num_attention_heads=2",
+    "--seq_length=16",
+    "--vocab_size=512",
+    "--micro_batch_size=2",
+]
 
 
 def test_the_moments_are_zeroed_once_in_time_and_the_step_count_kept():
@@ -29,8 +36,9 @@ def test_the_moments_are_zeroed_once_in_time_and_the_step_count_kept():
     faults.lose_optimizer_state(4, guard)
     for p, s in optimizer.state.items():
         assert not s["exp_avg"].any() and not s["exp_avg_sq"].any()
-        assert s.get("step") is steps[id(p)] or torch.equal(torch.as_tensor(s["step"]),
-                                                          torch.as_tensor(steps[id(p)]))
+        assert s.get("step") is steps[id(p)] or torch.equal(
+            torch.as_tensor(s["step"]), torch.as_tensor(steps[id(p)])
+        )
     sum(p.sum() for p in model.parameters()).backward()
     optimizer.step()
     # the iteration has been run: met again (a rollback's replay), it is not a fault anew
@@ -39,16 +47,35 @@ def test_the_moments_are_zeroed_once_in_time_and_the_step_count_kept():
     assert all(s["exp_avg_sq"].abs().sum() > 0 for s in optimizer.state.values())
 
 
-def test_a_resume_that_loses_the_moments_departs_from_the_clean_run_after_its_step(corpus512, tmp_path):
-    base = ["--num_layers=2", "--hidden_size=64", "--num_attention_heads=4", "--seq_length=32", "--vocab_size=512",
-            "--micro_batch_size=4", "--global_batch_size=4", "--train_iters=10", "--lr=2e-3",
-            "--lr_warmup_samples=8", "--lr_decay_samples=40", "--hidden_dropout=0", "--attention_dropout=0",
-            "--log_interval=1", "--eval_interval=1000", "--eval_iters=1", "--sample_tokens=0",
-            f"--data_path={corpus512}"]
+def test_a_resume_that_loses_the_moments_departs_from_the_clean_run_after_its_step(
+    corpus512, tmp_path
+):
+    base = [
+        "--num_layers=2",
+        "--hidden_size=64",
+        "--num_attention_heads=4",
+        "--seq_length=32",
+        "--vocab_size=512",
+        "--micro_batch_size=4",
+        "--global_batch_size=4",
+        "--train_iters=10",
+        "--lr=2e-3",
+        "--lr_warmup_samples=8",
+        "--lr_decay_samples=40",
+        "--hidden_dropout=0",
+        "--attention_dropout=0",
+        "--log_interval=1",
+        "--eval_interval=1000",
+        "--eval_iters=1",
+        "--sample_tokens=0",
+        f"--data_path={corpus512}",
+    ]
     clean = losses(run_main(*base, "--save=none", "--save_interval=none"))
     save = str(tmp_path / "ckpt")
     first = losses(run_main(*base, f"--save={save}", "--save_interval=6", "--exit_interval=6"))
-    lost_out = run_main(*base, f"--save={save}", "--save_interval=none", "--inject_lost_optimizer_state_iter=7")
+    lost_out = run_main(
+        *base, f"--save={save}", "--save_interval=none", "--inject_lost_optimizer_state_iter=7"
+    )
     lost = losses(lost_out)
     assert lost_out.count("injected a lost optimizer state") == 1
     assert {i: first[i] for i in range(1, 7)} == {i: clean[i] for i in range(1, 7)}

@@ -22,8 +22,16 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def _cfg(**kw):
     """A small config with dropout off (tests that need dropout turn it on explicitly)."""
-    base = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=100,
-                make_vocab_size_divisible_by=1, hidden_dropout=0.0, attention_dropout=0.0)
+    base = dict(
+        num_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        seq_length=16,
+        vocab_size=100,
+        make_vocab_size_divisible_by=1,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
     base.update(kw)
     return GPTConfig(**base)
 
@@ -60,17 +68,32 @@ def _reference_attention(q, k, v):
 # 1. Parameter count
 
 
-@pytest.mark.parametrize("n,h,heads,v,s", [(1, 8, 2, 11, 4), (2, 64, 4, 100, 32), (3, 48, 6, 1000, 17)])
+@pytest.mark.parametrize(
+    "n,h,heads,v,s", [(1, 8, 2, 11, 4), (2, 64, 4, 100, 32), (3, 48, 6, 1000, 17)]
+)
 def test_num_parameters_matches_model_and_seed_formula(n, h, heads, v, s):
     cfg = _cfg(num_layers=n, hidden_size=h, num_attention_heads=heads, vocab_size=v, seq_length=s)
     assert cfg.num_parameters() == _numel(GPT(cfg)) == _formula(n, h, v, s)
 
 
-@pytest.mark.parametrize("switches", [dict(embed_layernorm=True), dict(normformer=True),
-                                      dict(embed_layernorm=True, normformer=True)])
+@pytest.mark.parametrize(
+    "switches",
+    [
+        dict(embed_layernorm=True),
+        dict(normformer=True),
+        dict(embed_layernorm=True, normformer=True),
+    ],
+)
 def test_num_parameters_with_switches(switches):
     n, h, heads, v, s = 3, 48, 6, 101, 20
-    cfg = _cfg(num_layers=n, hidden_size=h, num_attention_heads=heads, vocab_size=v, seq_length=s, **switches)
+    cfg = _cfg(
+        num_layers=n,
+        hidden_size=h,
+        num_attention_heads=heads,
+        vocab_size=v,
+        seq_length=s,
+        **switches,
+    )
     expected = _formula(n, h, v, s)
     if switches.get("embed_layernorm"):
         expected += 2 * h  # LayerNorm gain and bias on the word embeddings
@@ -84,7 +107,11 @@ def test_num_parameters_counts_padding_only_when_asked():
     cfg = _cfg(vocab_size=100, make_vocab_size_divisible_by=64)  # padded to 128
     model = GPT(cfg)
     assert model.embed.word.weight.shape[0] == 128
-    assert _numel(model) == cfg.num_parameters(padded=True) == cfg.num_parameters() + 28 * cfg.hidden_size
+    assert (
+        _numel(model)
+        == cfg.num_parameters(padded=True)
+        == cfg.num_parameters() + 28 * cfg.hidden_size
+    )
 
 
 def test_pipeline_stages_hold_the_model_with_the_tied_head_twice():
@@ -116,7 +143,10 @@ def test_a_model_built_for_another_grid_is_that_ranks_slice():
     full = GPT(cfg, grid=parallel.Grid(world_size=1))
     rank1 = GPT(cfg, grid=parallel.Grid(2, 1, world_size=2, rank=1))
     assert parallel.grid.tp_size == 1 and parallel.grid.world_size == 1
-    assert rank1.embed.word.weight.shape == (56, cfg.hidden_size) and rank1.embed.word.vocab_start == 56
+    assert (
+        rank1.embed.word.weight.shape == (56, cfg.hidden_size)
+        and rank1.embed.word.vocab_start == 56
+    )
     assert rank1.blocks["0"].attn.local_heads == cfg.num_attention_heads // 2
     named = dict(full.named_parameters())
     for name, p in rank1.named_parameters():
@@ -138,7 +168,9 @@ REAL_SIZES = [
 @pytest.mark.parametrize("name,n,h,heads,s,size_ok", REAL_SIZES, ids=[r[0] for r in REAL_SIZES])
 def test_real_model_sizes_on_meta_device(name, n, h, heads, s, size_ok):
     v = 50257
-    cfg = GPTConfig(num_layers=n, hidden_size=h, num_attention_heads=heads, seq_length=s, vocab_size=v)
+    cfg = GPTConfig(
+        num_layers=n, hidden_size=h, num_attention_heads=heads, seq_length=s, vocab_size=v
+    )
     assert cfg.num_parameters() == _formula(n, h, v, s)
     assert size_ok(cfg.num_parameters())
     # Padding to a multiple of 128 (x TP): 50304 on one rank, 50688 with TP=4 (as the 104B runs).
@@ -146,16 +178,29 @@ def test_real_model_sizes_on_meta_device(name, n, h, heads, s, size_ok):
     assert cfg.num_parameters(padded=True) == _formula(n, h, 50304, s)
     with torch.device("meta"):
         model = GPT(cfg)
-        unpadded = GPT(GPTConfig(num_layers=n, hidden_size=h, num_attention_heads=heads, seq_length=s,
-                                 vocab_size=v, make_vocab_size_divisible_by=1))
+        unpadded = GPT(
+            GPTConfig(
+                num_layers=n,
+                hidden_size=h,
+                num_attention_heads=heads,
+                seq_length=s,
+                vocab_size=v,
+                make_vocab_size_divisible_by=1,
+            )
+        )
     assert all(p.is_meta for p in model.parameters())
     assert _numel(model) == cfg.num_parameters(padded=True)
     assert _numel(unpadded) == cfg.num_parameters()
 
 
 def test_padded_count_with_tensor_parallel():
-    cfg = GPTConfig(num_layers=64, hidden_size=11600, num_attention_heads=80, seq_length=2048,
-                    tensor_model_parallel_size=4)
+    cfg = GPTConfig(
+        num_layers=64,
+        hidden_size=11600,
+        num_attention_heads=80,
+        seq_length=2048,
+        tensor_model_parallel_size=4,
+    )
     assert cfg.padded_vocab_size == 50688
     assert cfg.num_parameters(padded=True) == _formula(64, 11600, 50688, 2048)
     assert cfg.num_parameters() == _formula(64, 11600, 50257, 2048)
@@ -165,10 +210,18 @@ def test_padded_count_with_tensor_parallel():
 def test_flops_are_megatrons_formula(recompute, f):
     """The log line's TFLOPs (lesson 23): 24 f B s n h^2 (1 + s/6h + V/16nh), f = 4 with recomputation."""
     n, h, s, B = 64, 11600, 2048, 2048
-    cfg = GPTConfig(num_layers=n, hidden_size=h, num_attention_heads=80, seq_length=s,
-                    checkpoint_activations=recompute, tensor_model_parallel_size=4)
+    cfg = GPTConfig(
+        num_layers=n,
+        hidden_size=h,
+        num_attention_heads=80,
+        seq_length=s,
+        checkpoint_activations=recompute,
+        tensor_model_parallel_size=4,
+    )
     V = cfg.padded_vocab_size
-    assert cfg.flops_per_iteration(B, s) == 24 * f * B * s * n * h * h * (1 + s / (6 * h) + V / (16 * n * h))
+    assert cfg.flops_per_iteration(B, s) == 24 * f * B * s * n * h * h * (
+        1 + s / (6 * h) + V / (16 * n * h)
+    )
 
 
 def test_a_forked_mlp_is_counted_as_built(monkeypatch):
@@ -176,12 +229,27 @@ def test_a_forked_mlp_is_counted_as_built(monkeypatch):
     weights of a block 4h^2 + 16h^2) changes both without a formula to edit. (A config no other test uses: the
     count is cached per config.)"""
     h, n = 40, 3
-    monkeypatch.setattr(model_module, "mlp", lambda cfg, grid: nn.Sequential(nn.Linear(h, 8 * h), nn.Linear(8 * h, h)))
-    cfg = GPTConfig(num_layers=n, hidden_size=h, num_attention_heads=5, seq_length=8, vocab_size=99,
-                    make_vocab_size_divisible_by=1)
-    assert cfg.num_parameters() == _numel(GPT(cfg)) == n * (4 * h * h + 4 * h + 16 * h * h + 9 * h + 4 * h) + 99 * h \
-        + 8 * h + 2 * h
-    assert cfg.flops_per_iteration(2, 8) == 3 * 2 * 8 * (2 * 20 * n * h * h) * (1 + 8 / (6 * h) + 99 / (16 * n * h))
+    monkeypatch.setattr(
+        model_module,
+        "mlp",
+        lambda cfg, grid: nn.Sequential(nn.Linear(h, 8 * h), nn.Linear(8 * h, h)),
+    )
+    cfg = GPTConfig(
+        num_layers=n,
+        hidden_size=h,
+        num_attention_heads=5,
+        seq_length=8,
+        vocab_size=99,
+        make_vocab_size_divisible_by=1,
+    )
+    assert (
+        cfg.num_parameters()
+        == _numel(GPT(cfg))
+        == n * (4 * h * h + 4 * h + 16 * h * h + 9 * h + 4 * h) + 99 * h + 8 * h + 2 * h
+    )
+    assert cfg.flops_per_iteration(2, 8) == 3 * 2 * 8 * (2 * 20 * n * h * h) * (
+        1 + 8 / (6 * h) + 99 / (16 * n * h)
+    )
 
 
 # (file, n, h, s, size check): the shipped configs must be the models the seeds describe.
@@ -213,9 +281,18 @@ def test_config_files_have_the_seeds_sizes(name, n, h, s, size_ok):
 
 def _hf_and_ours(dtype):
     transformers = pytest.importorskip("transformers")
-    hf_cfg = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, n_positions=32, vocab_size=50257,
-                                     activation_function="gelu_new", resid_pdrop=0.0, embd_pdrop=0.0,
-                                     attn_pdrop=0.0, layer_norm_epsilon=1e-5)
+    hf_cfg = transformers.GPT2Config(
+        n_layer=2,
+        n_embd=64,
+        n_head=4,
+        n_positions=32,
+        vocab_size=50257,
+        activation_function="gelu_new",
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        layer_norm_epsilon=1e-5,
+    )
     hf_cfg._attn_implementation = "eager"  # an implementation independent of ours (we use SDPA)
     torch.manual_seed(0)
     hf = transformers.GPT2LMHeadModel(hf_cfg).eval()
@@ -251,12 +328,26 @@ def _hf_and_ours(dtype):
         # Conv1D stores (in, out): transpose to nn.Linear's (out, in).
         ours_sd[dst + "attn.qkv.weight"] = qkv(sd[src + "attn.c_attn.weight"].t())
         ours_sd[dst + "attn.qkv.bias"] = qkv(sd[src + "attn.c_attn.bias"])
-        for ours_name, hf_name in (("attn.proj", "attn.c_proj"), ("mlp.fc1", "mlp.c_fc"), ("mlp.fc2", "mlp.c_proj")):
+        for ours_name, hf_name in (
+            ("attn.proj", "attn.c_proj"),
+            ("mlp.fc1", "mlp.c_fc"),
+            ("mlp.fc2", "mlp.c_proj"),
+        ):
             ours_sd[dst + ours_name + ".weight"] = sd[src + hf_name + ".weight"].t()
             ours_sd[dst + ours_name + ".bias"] = sd[src + hf_name + ".bias"]
-    ours = GPT(GPTConfig(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32, vocab_size=50257,
-                         make_vocab_size_divisible_by=1, hidden_dropout=0.0, attention_dropout=0.0,
-                         activation="gelu_tanh")).eval()
+    ours = GPT(
+        GPTConfig(
+            num_layers=2,
+            hidden_size=64,
+            num_attention_heads=4,
+            seq_length=32,
+            vocab_size=50257,
+            make_vocab_size_divisible_by=1,
+            hidden_dropout=0.0,
+            attention_dropout=0.0,
+            activation="gelu_tanh",
+        )
+    ).eval()
     ours.load_state_dict(ours_sd, strict=True)
     return hf.to(dtype), ours.to(dtype)
 
@@ -294,9 +385,12 @@ def test_loss_equals_huggingface_gpt2(dtype, atol):
 
 
 def test_small_init_formula():
-    assert GPTConfig(hidden_size=11600, init_method_std="small_init").std == pytest.approx(0.00587220219514703,
-                                                                                          rel=1e-12)
-    assert GPTConfig(hidden_size=768, init_method_std="small_init").std == pytest.approx(math.sqrt(2 / 3840))
+    assert GPTConfig(hidden_size=11600, init_method_std="small_init").std == pytest.approx(
+        0.00587220219514703, rel=1e-12
+    )
+    assert GPTConfig(hidden_size=768, init_method_std="small_init").std == pytest.approx(
+        math.sqrt(2 / 3840)
+    )
     assert GPTConfig(init_method_std=0.006).std == 0.006
 
 
@@ -308,8 +402,14 @@ def _assert_std(t, expected, rel=0.03):
 
 def test_init_std_of_every_weight():
     n, h = 4, 256
-    cfg = _cfg(num_layers=n, hidden_size=h, num_attention_heads=4, vocab_size=1000, seq_length=64,
-               init_method_std="small_init")
+    cfg = _cfg(
+        num_layers=n,
+        hidden_size=h,
+        num_attention_heads=4,
+        vocab_size=1000,
+        seq_length=64,
+        init_method_std="small_init",
+    )
     std = math.sqrt(2 / (5 * h))
     model = GPT(cfg)
     _assert_std(model.embed.word.weight[:1000], std)  # the real rows (the padded ones are zeros)
@@ -335,7 +435,7 @@ def test_xavier_uniform_embedding():
     bound = math.sqrt(6 / (V + h))
     assert w.abs().max() <= bound
     assert w.abs().max() > 0.99 * bound  # uniform over the whole interval, not a narrower one
-    assert w.var().item() == pytest.approx(bound ** 2 / 3, rel=0.03)  # variance of U(-b, b)
+    assert w.var().item() == pytest.approx(bound**2 / 3, rel=0.03)  # variance of U(-b, b)
     assert abs(w.mean().item()) < 0.01 * bound
     # a uniform, not a normal: the fraction inside half the bound is 1/2 (a normal of that variance gives 0.66)
     assert (w.abs() < bound / 2).double().mean().item() == pytest.approx(0.5, abs=0.01)
@@ -359,7 +459,9 @@ def test_sinusoidal_position_init():
             angle = pos / 10000 ** (2 * i / h)
             expected[pos, 2 * i] = math.sin(angle)
             expected[pos, 2 * i + 1] = math.cos(angle)
-    torch.testing.assert_close(model.embed.position.weight.detach().double(), expected, atol=1e-6, rtol=0)
+    torch.testing.assert_close(
+        model.embed.position.weight.detach().double(), expected, atol=1e-6, rtol=0
+    )
     torch.testing.assert_close(sinusoidal_positions(T, h).double(), expected, atol=1e-6, rtol=0)
 
 
@@ -400,7 +502,9 @@ def test_pipeline_stages_start_from_the_single_model_weights():
     # ... and the two stages compute what the whole model computes.
     ids = _ids(cfg)
     with torch.no_grad():
-        torch.testing.assert_close(last(first(ids), targets=ids), whole(ids, targets=ids), atol=1e-6, rtol=0)
+        torch.testing.assert_close(
+            last(first(ids), targets=ids), whole(ids, targets=ids), atol=1e-6, rtol=0
+        )
 
 
 # -----------------------------------------------------------------------------
@@ -417,11 +521,15 @@ def _qkv(dtype=torch.float64, B=2, H=3, T=24, D=16, seed=0):
 ATTENTION_VARIANTS = {
     "fused": lambda q, k, v: core_attention(q, k, v),
     "fused_stable": lambda q, k, v: core_attention(q, k, v, stable=True),
-    "core_unfused_layer_scaling": lambda q, k, v: core_attention(q, k, v, stable=True, layer_scaling=5.0, unfused=True),
+    "core_unfused_layer_scaling": lambda q, k, v: core_attention(
+        q, k, v, stable=True, layer_scaling=5.0, unfused=True
+    ),
     "unfused": lambda q, k, v: unfused_attention(q, k, v),
     "unfused_stable": lambda q, k, v: unfused_attention(q, k, v, stable=True),
     "unfused_layer_scaling": lambda q, k, v: unfused_attention(q, k, v, layer_scaling=3.0),
-    "unfused_stable_layer_scaling": lambda q, k, v: unfused_attention(q, k, v, stable=True, layer_scaling=7.0),
+    "unfused_stable_layer_scaling": lambda q, k, v: unfused_attention(
+        q, k, v, stable=True, layer_scaling=7.0
+    ),
 }
 
 
@@ -468,12 +576,18 @@ def test_attention_variants_in_half_precision_round_differently_but_stay_close()
     # bitwise-equal outputs would mean a switch is ignored.
     names = list(outs)
     for i, a in enumerate(names):
-        for b in names[i + 1:]:
+        for b in names[i + 1 :]:
             assert not torch.equal(outs[a], outs[b]), (a, b)
 
 
-@pytest.mark.parametrize("switch", [dict(stable_attention=True), dict(apply_query_key_layer_scaling=True),
-                                    dict(stable_attention=True, apply_query_key_layer_scaling=True)])
+@pytest.mark.parametrize(
+    "switch",
+    [
+        dict(stable_attention=True),
+        dict(apply_query_key_layer_scaling=True),
+        dict(stable_attention=True, apply_query_key_layer_scaling=True),
+    ],
+)
 def test_model_with_attention_switches_computes_the_same_function_in_float64(switch):
     cfg = _cfg(num_layers=3)
     ids = _ids(cfg)
@@ -481,7 +595,9 @@ def test_model_with_attention_switches_computes_the_same_function_in_float64(swi
     other = GPT(_cfg(num_layers=3, **switch)).double()
     with torch.no_grad():
         torch.testing.assert_close(other(ids), base(ids), atol=1e-12, rtol=0)
-        torch.testing.assert_close(other(ids, targets=ids), base(ids, targets=ids), atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(
+            other(ids, targets=ids), base(ids, targets=ids), atol=1e-6, rtol=1e-6
+        )
 
 
 def test_layer_scaling_is_fused_unless_unfused_is_asked():
@@ -490,8 +606,10 @@ def test_layer_scaling_is_fused_unless_unfused_is_asked():
     for stable in (False, True):
         fused = core_attention(q, k, v, stable=stable)
         assert torch.equal(core_attention(q, k, v, stable=stable, layer_scaling=3.0), fused)
-        assert torch.equal(core_attention(q, k, v, stable=stable, layer_scaling=3.0, unfused=True),
-                           unfused_attention(q, k, v, stable=stable, layer_scaling=3.0))
+        assert torch.equal(
+            core_attention(q, k, v, stable=stable, layer_scaling=3.0, unfused=True),
+            unfused_attention(q, k, v, stable=stable, layer_scaling=3.0),
+        )
 
 
 def test_layer_scaling_uses_the_layer_number():
@@ -533,7 +651,9 @@ def test_scale_embeddings_multiplies_word_embeddings_by_sqrt_h():
     ids = _ids(cfg, length=10)
     word, pos = model.embed.word.weight, model.embed.position.weight
     with torch.no_grad():
-        torch.testing.assert_close(model.embed(ids), word[ids] * math.sqrt(48) + pos[:10], atol=1e-12, rtol=0)
+        torch.testing.assert_close(
+            model.embed(ids), word[ids] * math.sqrt(48) + pos[:10], atol=1e-12, rtol=0
+        )
         plain = GPT(_cfg(hidden_size=48, num_attention_heads=4)).double()
         torch.testing.assert_close(plain.embed(ids), word[ids] + pos[:10], atol=1e-12, rtol=0)
 
@@ -562,7 +682,9 @@ def test_embed_dropout_is_separate_from_hidden_dropout():
 ACTIVATION_FORMULAS = {
     "relu": lambda x: x.clamp(min=0),
     "gelu": lambda x: 0.5 * x * (1 + torch.erf(x / math.sqrt(2))),
-    "gelu_tanh": lambda x: 0.5 * x * (1 + torch.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x ** 3))),
+    "gelu_tanh": lambda x: (
+        0.5 * x * (1 + torch.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x**3)))
+    ),
 }
 
 
@@ -591,7 +713,11 @@ def test_normformer_block_matches_manual_computation():
     cfg = _cfg(normformer=True, hidden_size=h, num_attention_heads=heads)
     model = GPT(cfg).double()
     block = model.blocks["1"]
-    assert block.ln_attn is not None and block.mlp.ln is not None and block.attn.head_scale.shape == (heads,)
+    assert (
+        block.ln_attn is not None
+        and block.mlp.ln is not None
+        and block.attn.head_scale.shape == (heads,)
+    )
     plain = GPT(_cfg(hidden_size=h, num_attention_heads=heads)).blocks["1"]
     assert plain.ln_attn is None and plain.mlp.ln is None and plain.attn.head_scale is None
     with torch.no_grad():  # non-trivial values for the three NormFormer additions
@@ -616,27 +742,39 @@ def test_normformer_block_matches_manual_computation():
 
 def test_normformer_refuses_tensor_parallel():
     with pytest.raises(ValueError, match="normformer"):
-        GPT(_cfg(normformer=True, tensor_model_parallel_size=2), grid=parallel.Grid(2, 1, world_size=2))
+        GPT(
+            _cfg(normformer=True, tensor_model_parallel_size=2),
+            grid=parallel.Grid(2, 1, world_size=2),
+        )
 
 
 @pytest.mark.parametrize("streams", ["default only", "with the model-parallel stream"])
 def test_checkpoint_activations_gives_identical_loss_and_grads(streams):
     import rng
+
     # unseeded: attention dropout draws from the default stream too (conftest resets it)
     rng.set_states(None)
     ids = _ids(_cfg(), length=12)
     results = []
     for checkpointing in (False, True):
         # dropout on: recomputation must replay the same masks
-        model = GPT(_cfg(num_layers=3, hidden_dropout=0.2, attention_dropout=0.2,
-                         checkpoint_activations=checkpointing)).train()
+        model = GPT(
+            _cfg(
+                num_layers=3,
+                hidden_dropout=0.2,
+                attention_dropout=0.2,
+                checkpoint_activations=checkpointing,
+            )
+        ).train()
         calls = []
         for block in model.blocks.values():
             # (a hook on the block itself would miss the recomputation, which stops early once its last needed
             # activation is rebuilt; the block's first LayerNorm runs in both passes)
             block.ln_1.register_forward_hook(lambda *args: calls.append(1))
         torch.manual_seed(7)
-        if streams != "default only":  # attention dropout from its own stream, replayed in the recomputation
+        if (
+            streams != "default only"
+        ):  # attention dropout from its own stream, replayed in the recomputation
             rng.seed(7)
         loss = model(ids, targets=ids)
         loss.backward()
@@ -655,11 +793,22 @@ def test_checkpoint_activations_gives_identical_loss_and_grads(streams):
 # 6. Vocabulary padding
 
 
-@pytest.mark.parametrize("vocab,multiple,tp,expected", [
-    (50257, 128, 1, 50304), (50257, 128, 4, 50688), (50257, 1, 1, 50257), (50257, 1, 2, 50258),
-    (100, 8, 2, 112), (128, 128, 1, 128), (129, 128, 1, 256)])
+@pytest.mark.parametrize(
+    "vocab,multiple,tp,expected",
+    [
+        (50257, 128, 1, 50304),
+        (50257, 128, 4, 50688),
+        (50257, 1, 1, 50257),
+        (50257, 1, 2, 50258),
+        (100, 8, 2, 112),
+        (128, 128, 1, 128),
+        (129, 128, 1, 256),
+    ],
+)
 def test_padded_vocab_size(vocab, multiple, tp, expected):
-    cfg = GPTConfig(vocab_size=vocab, make_vocab_size_divisible_by=multiple, tensor_model_parallel_size=tp)
+    cfg = GPTConfig(
+        vocab_size=vocab, make_vocab_size_divisible_by=multiple, tensor_model_parallel_size=tp
+    )
     assert cfg.padded_vocab_size == expected
     assert expected % (multiple * tp) == 0 and vocab <= expected < vocab + multiple * tp
 
@@ -688,8 +837,17 @@ def test_generate_never_samples_padding_ids():
 def test_padding_does_not_change_the_model(embed_init):
     """GPT-2's 50257 tokens padded to 50304 (TP=1) and to 50432 (TP=2's multiple): the real rows start the same,
     the padded rows are zeros, and loss and gradients are the same (the padding is masked out of the softmax)."""
-    models = [GPT(_cfg(num_layers=1, vocab_size=50257, make_vocab_size_divisible_by=m, embed_init=embed_init))
-              for m in (128, 256)]
+    models = [
+        GPT(
+            _cfg(
+                num_layers=1,
+                vocab_size=50257,
+                make_vocab_size_divisible_by=m,
+                embed_init=embed_init,
+            )
+        )
+        for m in (128, 256)
+    ]
     assert [m.embed.word.weight.shape[0] for m in models] == [50304, 50432]
     a, b = (m.embed.word.weight for m in models)
     assert torch.equal(a[:50257], b[:50257])
@@ -731,10 +889,22 @@ def test_census_builds_the_model_without_importing_dynamo():
     so that no earlier test's imports count."""
     import subprocess
     import sys
-    code = ("import sys, model; c = model.census(model.GPTConfig(num_layers=2, hidden_size=64, num_attention_heads=4,"
-            " vocab_size=512)); print(c['parameters'], 'torch._dynamo' in sys.modules)")
-    out = subprocess.run([sys.executable, "-c", code], cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                         capture_output=True, text=True, check=True).stdout.split()
-    expected = sum(p.numel() for p in GPT(GPTConfig(num_layers=2, hidden_size=64, num_attention_heads=4,
-                                                     vocab_size=512)).parameters())
+
+    code = (
+        "import sys, model; c = model.census(model.GPTConfig(num_layers=2, hidden_size=64, num_attention_heads=4,"
+        " vocab_size=512)); print(c['parameters'], 'torch._dynamo' in sys.modules)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    expected = sum(
+        p.numel()
+        for p in GPT(
+            GPTConfig(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=512)
+        ).parameters()
+    )
     assert out == [str(expected), "False"]

@@ -11,6 +11,7 @@ would change:
 Written against what the layer decides and calls (SpikeGuard.update's decisions, training.Callbacks,
 the order of build_callbacks' list), not its private state: the layer is being reworked.
 """
+
 import types
 
 import pytest
@@ -77,9 +78,13 @@ def test_the_counterfactual_is_drawn_when_the_next_batch_is_the_datas_last(
     )
     scaler = types.SimpleNamespace(state_dict=lambda: {}, load_state_dict=lambda state: None)
     cfg = arguments.load_config(["--spike_guard"])
-    forensics = guard.Forensics(cfg, types.SimpleNamespace(guard=None, snapshots=None, built={}), cfg)
+    forensics = guard.Forensics(
+        cfg, types.SimpleNamespace(guard=None, snapshots=None, built={}), cfg
+    )
     forensics.start(
-        types.SimpleNamespace(model=torch.nn.Linear(1, 1), optimizer=None, scaler=scaler, rules=None),
+        types.SimpleNamespace(
+            model=torch.nn.Linear(1, 1), optimizer=None, scaler=scaler, rules=None
+        ),
         None,
         Data(24),
     )

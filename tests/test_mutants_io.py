@@ -10,6 +10,7 @@ change:
 - data: a named validation set leaves out the skip list's documents;
 - launch.start hands each of the two collective timeouts to its own place.
 """
+
 import argparse
 import importlib
 import json

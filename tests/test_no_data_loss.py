@@ -110,8 +110,10 @@ def test_an_output_the_export_did_not_write_is_refused_overwrite_or_not(ckpt, tm
     a_file = tmp_path / "a_file"
     a_file.write_text("keep me")
     line = refused(["--load", str(ckpt), "--output", str(a_file / "hf")], capsys)
-    assert line == f"error: --output {a_file / 'hf'} cannot be written: {a_file} is a file; give " \
-                   "another directory"
+    assert (
+        line == f"error: --output {a_file / 'hf'} cannot be written: {a_file} is a file; give "
+        "another directory"
+    )
     before = contents(tmp_path)
     for output, message in (
         (other_run, "holds a checkpoint or a run's save directory (global_step1, latest)"),

@@ -60,9 +60,17 @@ def _set_grads(params, seed):
 
 def test_adamw_matches_torch_adamw_with_groups_and_changing_lr():
     ours, ref = _mlp(), _mlp()
-    opt = AdamW(optim.param_groups(ours, 0.1), lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
-    ref_opt = torch.optim.AdamW(optim.param_groups(ref, 0.1), lr=1e-2, betas=(0.9, 0.95), eps=1e-8,
-                                weight_decay=0.1, fused=True)
+    opt = AdamW(
+        optim.param_groups(ours, 0.1), lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1
+    )
+    ref_opt = torch.optim.AdamW(
+        optim.param_groups(ref, 0.1),
+        lr=1e-2,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+        weight_decay=0.1,
+        fused=True,
+    )
     assert [g["name"] for g in opt.param_groups] == ["decay", "no_decay"]
     sched = AnnealingLR(1e-2, 1e-3, "cosine", warmup_samples=40, decay_samples=240)
     # warm-up, then decay: changes every step
@@ -90,7 +98,9 @@ def test_step_counter_survives_save_and_load():
     assert all(s["step"] == 12 for s in sd["optim"]["state"].values())
     resumed = _mlp(seed=99)
     resumed.load_state_dict(sd["model"])
-    resumed_opt = AdamW(optim.param_groups(resumed, 0.1), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
+    resumed_opt = AdamW(
+        optim.param_groups(resumed, 0.1), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1
+    )
     resumed_opt.load_state_dict(sd["optim"])
 
     _train(model, opt, 3, torch.Generator().manual_seed(3))
@@ -129,7 +139,8 @@ def test_step_reset_inflates_updates_by_the_bias_correction_ratio():
     ratios = []
     for k in range(1, 6):
         expected = (math.sqrt(1 - beta2**k) / (1 - beta1**k)) / (
-            math.sqrt(1 - beta2 ** (steps + k)) / (1 - beta1 ** (steps + k)))
+            math.sqrt(1 - beta2 ** (steps + k)) / (1 - beta1 ** (steps + k))
+        )
         ratio = reset[k - 1] / good[k - 1]
         torch.testing.assert_close(ratio, torch.full_like(ratio, expected), rtol=1e-6, atol=0)
         ratios.append(expected)
@@ -202,8 +213,9 @@ def _bnb_train(model, opt, steps, gen):
 def test_bnb_8bit_trains_keeps_embedding_32bit_and_resumes_exactly():
     pytest.importorskip("bitsandbytes")
     model = _bnb_model()
-    opt = optim.build_optimizer(model, 3e-3, 0.01, 0.9, 0.95, 1e-8, use_bnb_optimizer=True,
-                                embedding=model[0].weight)
+    opt = optim.build_optimizer(
+        model, 3e-3, 0.01, 0.9, 0.95, 1e-8, use_bnb_optimizer=True, embedding=model[0].weight
+    )
     assert type(opt).__name__ == "AdamW8bit"
     losses = _bnb_train(model, opt, 60, torch.Generator().manual_seed(7))
     assert sum(losses[-5:]) / 5 < 0.8 * sum(losses[:5]) / 5
@@ -216,8 +228,9 @@ def test_bnb_8bit_trains_keeps_embedding_32bit_and_resumes_exactly():
     sd = _roundtrip({"model": model.state_dict(), "optim": opt.state_dict()})
     resumed = _bnb_model(seed=123)
     resumed.load_state_dict(sd["model"])
-    resumed_opt = optim.build_optimizer(resumed, 3e-3, 0.01, 0.9, 0.95, 1e-8, use_bnb_optimizer=True,
-                                        embedding=resumed[0].weight)
+    resumed_opt = optim.build_optimizer(
+        resumed, 3e-3, 0.01, 0.9, 0.95, 1e-8, use_bnb_optimizer=True, embedding=resumed[0].weight
+    )
     resumed_opt.load_state_dict(sd["optim"])
     _bnb_train(model, opt, 2, torch.Generator().manual_seed(8))
     _bnb_train(resumed, resumed_opt, 2, torch.Generator().manual_seed(8))
@@ -265,7 +278,9 @@ def test_grad_norm_and_clip_match_torch(max_norm):
         if p.grad is not None:
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=0)
     if max_norm > 1e5:
-        assert all(torch.equal(p.grad, q.grad) for p, q in zip(_grad_params(), ours) if p.grad is not None)
+        assert all(
+            torch.equal(p.grad, q.grad) for p, q in zip(_grad_params(), ours) if p.grad is not None
+        )
 
 
 def test_cpu_grad_norm_copies_pieces_to_fp64(monkeypatch):
@@ -273,6 +288,7 @@ def test_cpu_grad_norm_copies_pieces_to_fp64(monkeypatch):
     gradient to fp64 first: the vocabulary's, 155 MB at 384 x 50304, faulted in afresh every step, 38k faults),
     the norm the fp64 one of the whole gradient to 1e-12. The copies' sizes by torch.profiler's input shapes."""
     from torch.profiler import profile
+
     monkeypatch.setattr(parallel, "NORM_PIECE", 1000)
     gen = torch.Generator().manual_seed(0)
     params = [torch.nn.Parameter(torch.zeros(s)) for s in [(50, 60), (7,), (1000,), (2, 1001)]]
@@ -307,7 +323,9 @@ def test_count_zeros():
     params[0].grad[2] = 0.0  # 5 zeros
     params[2].grad[0, 1, 1] = 0.0
     assert parallel.count_zeros(_module(params)) == 6
-    assert parallel.count_zeros(_module(params)) == sum(int((p.grad == 0).sum()) for p in params if p.grad is not None)
+    assert parallel.count_zeros(_module(params)) == sum(
+        int((p.grad == 0).sum()) for p in params if p.grad is not None
+    )
 
 
 # -----------------------------------------------------------------------------
@@ -325,7 +343,9 @@ def test_lr_sample_based_styles():
         assert s.get_lr(100, 0) == mx  # exactly at the end of warm-up: still the warm-up formula
     # ratio = (samples - warmup) / (decay - warmup)
     assert lin.get_lr(350, 0) == pytest.approx(mn + (1 - 0.25) * (mx - mn), rel=1e-12)
-    assert cos.get_lr(350, 0) == pytest.approx(mn + 0.5 * (math.cos(math.pi * 0.25) + 1) * (mx - mn), rel=1e-12)
+    assert cos.get_lr(350, 0) == pytest.approx(
+        mn + 0.5 * (math.cos(math.pi * 0.25) + 1) * (mx - mn), rel=1e-12
+    )
     assert cos.get_lr(600, 0) == pytest.approx(mn + 0.5 * (mx - mn), rel=1e-12)
     assert lin.get_lr(101, 0) == pytest.approx(mn + (1 - 1 / 1000) * (mx - mn), rel=1e-12)
     assert lin.get_lr(1099, 0) == pytest.approx(mn + (1 / 1000) * (mx - mn), rel=1e-12)
@@ -336,7 +356,9 @@ def test_lr_sample_based_styles():
     assert const.get_lr(101, 0) == const.get_lr(10**9, 0) == mx
     # no warm-up
     nowarm = AnnealingLR(mx, mn, "linear", warmup_samples=0, decay_samples=1000)
-    assert nowarm.get_lr(0, 0) == mx and nowarm.get_lr(500, 0) == pytest.approx((mx + mn) / 2, rel=1e-12)
+    assert nowarm.get_lr(0, 0) == mx and nowarm.get_lr(500, 0) == pytest.approx(
+        (mx + mn) / 2, rel=1e-12
+    )
 
 
 def test_lr_token_based_decay_remembers_warmup_end_tokens():
@@ -354,14 +376,20 @@ def test_lr_token_based_decay_remembers_warmup_end_tokens():
     assert s.get_lr(170, 10_001) == mn
 
     # remembered across save/load: a fresh scheduler without the state decays from another origin
-    resumed = AnnealingLR(mx, mn, "linear", warmup_samples=100, decay_samples=10**6, decay_tokens=10_000)
+    resumed = AnnealingLR(
+        mx, mn, "linear", warmup_samples=100, decay_samples=10**6, decay_tokens=10_000
+    )
     resumed.load_state_dict(_roundtrip(s.state_dict()), override=False)
     assert resumed.get_lr(150, 6000) == s.get_lr(150, 6000)
-    fresh = AnnealingLR(mx, mn, "linear", warmup_samples=100, decay_samples=10**6, decay_tokens=10_000)
+    fresh = AnnealingLR(
+        mx, mn, "linear", warmup_samples=100, decay_samples=10**6, decay_tokens=10_000
+    )
     assert fresh.get_lr(150, 6000) != s.get_lr(150, 6000)
 
     # batches that step over the warm-up end (90 -> 110 samples): recorded at the first call past it
-    jump = AnnealingLR(mx, mn, "cosine", warmup_samples=100, decay_samples=10**6, decay_tokens=10_000)
+    jump = AnnealingLR(
+        mx, mn, "cosine", warmup_samples=100, decay_samples=10**6, decay_tokens=10_000
+    )
     jump.get_lr(90, 1800)
     assert jump.get_lr(110, 2200) == pytest.approx(mx, rel=1e-12)  # ratio 0: no drop at warm-up end
     assert jump.warmup_end_tokens == 2200
@@ -397,8 +425,9 @@ def test_lr_seed_000_numbers():
     assert f"{new.get_lr(1_519_744, 0):.3E}" == "5.842E-05"
     assert f"{new.get_lr(1_520_272, 0):.3E}" == "5.841E-05"
     ratio = (1_520_272 - 216_320) / (12_695_312 - 216_320)
-    assert new.get_lr(1_520_272, 0) == pytest.approx(6e-7 + 0.5 * (math.cos(math.pi * ratio) + 1) * (6e-5 - 6e-7),
-                                                     rel=1e-12)
+    assert new.get_lr(1_520_272, 0) == pytest.approx(
+        6e-7 + 0.5 * (math.cos(math.pi * ratio) + 1) * (6e-5 - 6e-7), rel=1e-12
+    )
 
 
 def test_lr_load_state_dict_mismatch_message_and_override():
@@ -409,14 +438,23 @@ def test_lr_load_state_dict_mismatch_message_and_override():
     assert str(err.value) == (
         "AnnealingLR: class input value 1e-06 and checkpoint value 1e-05 for minimum learning rate do not "
         "match; to use the config's schedule from the current consumed samples/tokens, set "
-        "override_lr_scheduler (--override-lr-scheduler)")
+        "override_lr_scheduler (--override-lr-scheduler)"
+    )
     # each checked quantity is named
     for kwargs, name in [
-        (dict(max_lr=1e-4), "learning rate"), (dict(warmup_samples=10), "warm-up samples"),
-        (dict(decay_samples=5000), "decay samples"), (dict(decay_style="linear"), "decay style"),
+        (dict(max_lr=1e-4), "learning rate"),
+        (dict(warmup_samples=10), "warm-up samples"),
+        (dict(decay_samples=5000), "decay samples"),
+        (dict(decay_style="linear"), "decay style"),
         (dict(decay_tokens=10**9), "decay tokens"),
     ]:
-        args = dict(max_lr=6e-5, min_lr=1e-5, decay_style="cosine", warmup_samples=1000, decay_samples=100_000)
+        args = dict(
+            max_lr=6e-5,
+            min_lr=1e-5,
+            decay_style="cosine",
+            warmup_samples=1000,
+            decay_samples=100_000,
+        )
         args.update(kwargs)
         with pytest.raises(ValueError, match=f"for {name} do not match"):
             AnnealingLR(**args).load_state_dict(ckpt.state_dict(), override=False)
@@ -428,7 +466,8 @@ def test_lr_load_state_dict_mismatch_message_and_override():
     assert ckpt.get_lr(100_000, 0) == pytest.approx(1e-5, abs=1e-18)
     # same config: loads silently
     AnnealingLR(6e-5, 1e-5, "cosine", warmup_samples=1000, decay_samples=100_000).load_state_dict(
-        ckpt.state_dict(), override=False)
+        ckpt.state_dict(), override=False
+    )
 
 
 def test_lr_override_with_changed_warmup():
@@ -455,16 +494,43 @@ def test_lr_override_with_changed_warmup():
     assert shorter.get_lr(300, 6000) == pytest.approx(1e-3 * (1 - 4000 / 98_000), rel=1e-12)
 
 
-@pytest.mark.parametrize("kwargs, msg", [
-    (dict(max_lr=1e-4, min_lr=1e-3, decay_style="cosine", decay_samples=10), "min_lr 0.001 is larger than lr"),
-    (dict(max_lr=1e-3, min_lr=0, decay_style="cosine", warmup_samples=10, decay_samples=10), "must be larger"),
-    (dict(max_lr=1e-3, min_lr=0, decay_style="exponential", decay_samples=10), "unknown lr_decay_style"),
-    (dict(max_lr=1e-3, min_lr=0, decay_style="cosine"), "needs lr_decay_samples"),
-    (dict(max_lr=1e-3, min_lr=0, decay_style="cosine", warmup_tokens=10, decay_samples=100), "needs lr_decay_tokens"),
-    (dict(max_lr=1e-3, min_lr=0, decay_style="cosine", warmup_samples=5, warmup_tokens=10, decay_tokens=100),
-     "set only one"),
-    (dict(max_lr=1e-3, min_lr=0, decay_style="cosine", warmup_tokens=100, decay_tokens=100), "lr_decay_tokens"),
-])
+@pytest.mark.parametrize(
+    "kwargs, msg",
+    [
+        (
+            dict(max_lr=1e-4, min_lr=1e-3, decay_style="cosine", decay_samples=10),
+            "min_lr 0.001 is larger than lr",
+        ),
+        (
+            dict(max_lr=1e-3, min_lr=0, decay_style="cosine", warmup_samples=10, decay_samples=10),
+            "must be larger",
+        ),
+        (
+            dict(max_lr=1e-3, min_lr=0, decay_style="exponential", decay_samples=10),
+            "unknown lr_decay_style",
+        ),
+        (dict(max_lr=1e-3, min_lr=0, decay_style="cosine"), "needs lr_decay_samples"),
+        (
+            dict(max_lr=1e-3, min_lr=0, decay_style="cosine", warmup_tokens=10, decay_samples=100),
+            "needs lr_decay_tokens",
+        ),
+        (
+            dict(
+                max_lr=1e-3,
+                min_lr=0,
+                decay_style="cosine",
+                warmup_samples=5,
+                warmup_tokens=10,
+                decay_tokens=100,
+            ),
+            "set only one",
+        ),
+        (
+            dict(max_lr=1e-3, min_lr=0, decay_style="cosine", warmup_tokens=100, decay_tokens=100),
+            "lr_decay_tokens",
+        ),
+    ],
+)
 def test_lr_validation(kwargs, msg):
     with pytest.raises(ValueError, match=msg):
         AnnealingLR(**kwargs)
@@ -472,8 +538,10 @@ def test_lr_validation(kwargs, msg):
 
 def test_lr_describe():
     s = AnnealingLR(6e-5, 6e-6, "cosine", warmup_samples=216_320, decay_samples=126_953_125)
-    assert s.describe() == ("lr schedule: max_lr 6e-05, min_lr 6e-06, warm-up 216320 samples, "
-                            "cosine decay to 126953125 samples")
+    assert s.describe() == (
+        "lr schedule: max_lr 6e-05, min_lr 6e-06, warm-up 216320 samples, "
+        "cosine decay to 126953125 samples"
+    )
 
 
 # -----------------------------------------------------------------------------
@@ -485,7 +553,8 @@ def test_loss_scaler_reproduces_seed_000_overflow_sequence():
     scaler = LossScaler(initial_scale=1048576.0, hysteresis=2)
     events = [False, False, True, True, True, True, False, True, True]
     expected = [
-        None, None,
+        None,
+        None,
         "OVERFLOW! Skipping step. Attempted loss scale: 1048576.0, reducing to 1048576.0",
         "OVERFLOW! Skipping step. Attempted loss scale: 1048576.0, reducing to 524288.0",
         "OVERFLOW! Skipping step. Attempted loss scale: 524288.0, reducing to 262144.0",
@@ -494,7 +563,17 @@ def test_loss_scaler_reproduces_seed_000_overflow_sequence():
         "OVERFLOW! Skipping step. Attempted loss scale: 131072.0, reducing to 65536.0",
         "OVERFLOW! Skipping step. Attempted loss scale: 65536.0, reducing to 32768.0",
     ]
-    logged_scales = [1048576.0, 1048576.0, 1048576.0, 524288.0, 262144.0, 131072.0, 131072.0, 65536.0, 32768.0]
+    logged_scales = [
+        1048576.0,
+        1048576.0,
+        1048576.0,
+        524288.0,
+        262144.0,
+        131072.0,
+        131072.0,
+        65536.0,
+        32768.0,
+    ]
     for overflow, line, logged in zip(events, expected, logged_scales):
         assert scaler.update(overflow) == line
         assert scaler.scale == logged
@@ -522,7 +601,9 @@ def test_loss_scaler_growth_hysteresis_and_floor():
     for expected in [2.0**11, 2.0**10, 2.0**9, 2.0**8, 2.0**8, 2.0**8]:
         s.update(True)
         assert s.scale == expected  # halves, floored at min_scale
-    assert s.update(True) == "OVERFLOW! Skipping step. Attempted loss scale: 256.0, reducing to 256.0"
+    assert (
+        s.update(True) == "OVERFLOW! Skipping step. Attempted loss scale: 256.0, reducing to 256.0"
+    )
 
     first = LossScaler()  # defaults: 2^32, hysteresis 2 -> the second overflow halves
     first.update(True)
@@ -567,19 +648,45 @@ def test_bnb_keeps_an_untied_output_layers_state_32bit_as_the_embeddings():
     import arguments
     from builders import build_model, build_optimizer, step_rules
     from training import whole_step
+
     for precision in ([], ["--bf16"]):
-        cfg = arguments.prepare(arguments.load_config([
-            "--num_layers=1", "--hidden_size=64", "--num_attention_heads=2", "--seq_length=16", "--vocab_size=512",
-            "--micro_batch_size=2", "--global_batch_size=2", "--use_bnb_optimizer",
-            "--untie_embeddings_and_output_weights", *precision]))
+        cfg = arguments.prepare(
+            arguments.load_config(
+                [
+                    "--num_layers=1",
+                    "--hidden_size=64",
+                    "--num_attention_heads=2",
+                    "--seq_length=16",
+                    "--vocab_size=512",
+                    "--micro_batch_size=2",
+                    "--global_batch_size=2",
+                    "--use_bnb_optimizer",
+                    "--untie_embeddings_and_output_weights",
+                    *precision,
+                ]
+            )
+        )
         model = build_model(cfg, torch.device("cpu"))
         opt = build_optimizer(cfg, model)
         x = torch.randint(0, 512, (2, 16))
-        assert whole_step(model, opt, optim.scaler_for(cfg), [(x, x)], 1e-3, step_rules(cfg),
-                          torch.device("cpu")).outcome == "ok"
+        assert (
+            whole_step(
+                model,
+                opt,
+                optim.scaler_for(cfg),
+                [(x, x)],
+                1e-3,
+                step_rules(cfg),
+                torch.device("cpu"),
+            ).outcome
+            == "ok"
+        )
         # the tensor the optimizer keeps state for
         main = dict(zip(map(id, opt.model_params), opt.main_params))
-        dtypes = {name: opt.optimizer.state[main[id(p)]]["state1"].dtype for name, p in model.named_parameters()}
+        dtypes = {
+            name: opt.optimizer.state[main[id(p)]]["state1"].dtype
+            for name, p in model.named_parameters()
+        }
         assert dtypes["output_layer"] == dtypes["embed.word.weight"] == torch.float32, dtypes
         # the others 8-bit: the check means something
         assert dtypes["blocks.0.mlp.fc1.weight"] == torch.uint8, dtypes

@@ -1,6 +1,7 @@
 """The optimizer registry (optim.OPTIMIZERS): docs/forking.md's third optimizer, Lion, added as the
 page writes it -- its update against the paper's formula, a run of the small model with it resumed
 bit for bit -- and a checkpoint of one optimizer refused when resumed as another, by name."""
+
 import os
 import re
 import textwrap
@@ -25,7 +26,7 @@ def _register_lion(monkeypatch):
     code, line = re.findall(r"```python\n(.*?)```", section, re.S)[:2]
     namespace = dict(vars(optim))
     exec(compile(code, "docs/forking.md", "exec"), namespace)
-    (name, entry), = eval("{" + textwrap.dedent(line) + "}", namespace).items()
+    ((name, entry),) = eval("{" + textwrap.dedent(line) + "}", namespace).items()
     monkeypatch.setitem(optim.OPTIMIZERS, name, entry)
     return namespace["Lion"]
 
@@ -40,8 +41,9 @@ def _lion_reference(params, momenta, grads, lr, weight_decays, beta1, beta2):
 def test_the_pages_lion_steps_as_the_papers_formula(monkeypatch):
     _register_lion(monkeypatch)
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16),
-                                torch.nn.Linear(16, 4))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 4)
+    )
     # lr 1e-2, weight_decay 0.1, then the values of Lion's keys: adam_beta1, adam_beta2
     opt = optim.build_optimizer(model, 1e-2, 0.1, 0.9, 0.99, optimizer="lion")
     initial = [p.detach().clone() for p in model.parameters()]
@@ -73,14 +75,18 @@ def test_a_run_with_lion_resumes_bit_exact_and_is_refused_as_adamw(monkeypatch, 
     assert {i: full[i] for i in (3, 4)} == resumed
     # weights, Lion's momentum, the RNG streams: bit for bit
     assert_same_checkpoint(tmp_path / "a", tmp_path / "b", 4)
-    state = torch.load(tmp_path / "b" / "global_step2" / "mp_rank_00_000_model_states.pt",
-                       weights_only=False)
+    state = torch.load(
+        tmp_path / "b" / "global_step2" / "mp_rank_00_000_model_states.pt", weights_only=False
+    )
     assert state["run"]["config"]["optimizer"] == "lion"  # the checkpoint names its optimizer
 
     adamw = [x for x in args if "lion" not in x] + ["--train_iters=5", f"--load={tmp_path}/b"]
-    with pytest.raises(ValueError, match=r"^the checkpoint's optimizer state is lion's, but this "
-                                         r"run's optimizer is adamw, which cannot continue from "
-                                         r"it; resume with optimizer='lion', or set no_load_optim"):
+    with pytest.raises(
+        ValueError,
+        match=r"^the checkpoint's optimizer state is lion's, but this "
+        r"run's optimizer is adamw, which cannot continue from "
+        r"it; resume with optimizer='lion', or set no_load_optim",
+    ):
         run_main(*adamw, c)
     out = run_main(*adamw, c, "--no_load_optim")  # the fix it names: a fresh AdamW, Lion's weights
     assert "optimizer state not loaded" in out and list(losses(out)) == [5]
@@ -101,11 +107,19 @@ def test_an_older_checkpoint_without_the_key_is_adamws_or_with_use_bnb_optimizer
         optim.resume_adam_params(None, bnb, {"optimizer": "adamw"})
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--optimizer=sgd"], r"optimizer='sgd' is not one of adamw, adamw8bit; pick one, or regis"),
-    (["--optimizer=adamw", "--use_bnb_optimizer"],
-     r"use_bnb_optimizer asks for optimizer='adamw8bit' but optimizer='adamw'; unset one of them"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (
+            ["--optimizer=sgd"],
+            r"optimizer='sgd' is not one of adamw, adamw8bit; pick one, or regis",
+        ),
+        (
+            ["--optimizer=adamw", "--use_bnb_optimizer"],
+            r"use_bnb_optimizer asks for optimizer='adamw8bit' but optimizer='adamw'; unset one of them",
+        ),
+    ],
+)
 def test_an_unknown_or_contradicted_optimizer_is_refused_before_anything_runs(flags, message):
     with pytest.raises(ValueError, match=message):
         arguments.validate(arguments.load_config(["--train_iters=1", *flags]))
@@ -113,8 +127,9 @@ def test_an_unknown_or_contradicted_optimizer_is_refused_before_anything_runs(fl
 
 def test_deepspeed_refuses_an_optimizer_not_declared_elementwise_by_name(monkeypatch):
     grid = parallel.Grid(1, 1, world_size=2)
-    cfg = arguments.load_config(["--deepspeed", "--bf16", "--zero_stage=1",
-                                 "--optimizer=adamw8bit"])
+    cfg = arguments.load_config(
+        ["--deepspeed", "--bf16", "--zero_stage=1", "--optimizer=adamw8bit"]
+    )
     with pytest.raises(ValueError, match=r"optimizer='adamw8bit' with deepspeed=True is not suppo"):
         deepspeed_engine.check(section(OptimizerConfig, cfg), cfg.zero_stage, grid)
     # a fork's entry that does not declare deepspeed=True

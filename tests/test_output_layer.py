@@ -3,6 +3,7 @@ weight (a multiple of 128 rows on every TP rank, as cuBLAS's aligned kernels wan
 ops; the elementwise chain compiled with no graph break and the eager numbers; and the precision and no-gradient
 cases a mutation audit found untested (a bf16 weight gradient over 64 chunks, an fp16 sum past 65504, evaluation
 under no_grad doing no gradient matmul). GPT-2's real vocabulary (50257) throughout."""
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -15,7 +16,12 @@ from helpers import spawn
 from model import GPTConfig
 
 V_REAL, H = 50257, 16
-MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.mm.out, torch.ops.aten.addmm.default, torch.ops.aten.addmm.out}
+MATMULS = {
+    torch.ops.aten.mm.default,
+    torch.ops.aten.mm.out,
+    torch.ops.aten.addmm.default,
+    torch.ops.aten.addmm.out,
+}
 
 
 class MatmulShapes(TorchDispatchMode):
@@ -27,7 +33,11 @@ class MatmulShapes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func in MATMULS:
-            a, b = (args[0], args[1]) if func.overloadpacket == torch.ops.aten.mm else (args[1], args[2])
+            a, b = (
+                (args[0], args[1])
+                if func.overloadpacket == torch.ops.aten.mm
+                else (args[1], args[2])
+            )
             self.shapes.append((a.shape[-2], a.shape[-1], b.shape[-1]))
         return func(*args, **(kwargs or {}))
 
@@ -63,17 +73,21 @@ def _shapes_on_this_rank(tp):
     mine = parallel.shard(weight, 0).clone().requires_grad_()
     h = hidden.clone().requires_grad_()
     with MatmulShapes() as recorded:
-        loss, _ = cross_entropy.linear_cross_entropy(parallel.copy_to_tp(h), mine, target, V_REAL, 1e-2, "mean")
+        loss, _ = cross_entropy.linear_cross_entropy(
+            parallel.copy_to_tp(h), mine, target, V_REAL, 1e-2, "mean"
+        )
         loss.backward()
     rows = mine.shape[0]
     assert rows % 128 == 0, rows
     # per chunk: logits (tokens x H x rows), the weight's gradient (rows x tokens x H), the hidden's (tokens x rows x H)
-    assert recorded.shapes == [s for n in (16, 8) for s in ((n, H, rows), (rows, n, H), (n, rows, H))], recorded.shapes
+    assert recorded.shapes == [
+        s for n in (16, 8) for s in ((n, H, rows), (rows, n, H), (n, rows, H))
+    ], recorded.shapes
     torch.testing.assert_close(loss, expected[0], atol=1e-10, rtol=1e-10)
     torch.testing.assert_close(h.grad, expected[1], atol=1e-10, rtol=1e-10)
     torch.testing.assert_close(mine.grad, parallel.shard(expected[2], 0), atol=1e-10, rtol=1e-10)
     # padding
-    assert parallel.grid.tp_rank < parallel.grid.tp_size - 1 or not mine.grad[V_REAL % rows:].any()
+    assert parallel.grid.tp_rank < parallel.grid.tp_size - 1 or not mine.grad[V_REAL % rows :].any()
 
 
 def test_output_layer_matmuls_are_multiples_of_128_on_one_process():
@@ -117,13 +131,30 @@ def _chain_args(dtype, tokens=24, seed=0):
 def test_the_chain_compiles_without_a_graph_break(dtype):
     logits, target, outside, wide = _chain_args(dtype)
     top = logits[:, :V_REAL].amax(-1).to(wide)
-    calls = {"max": (logits, target, outside, V_REAL), "sum_exp": (logits, top, V_REAL),
-             "logit_grad": (logits.clone(), top, torch.rand(len(top), dtype=wide), 1.0, target, outside, V_REAL)}
-    for name, fn in (("max", cross_entropy.logits_max), ("sum_exp", cross_entropy.logits_sum_exp),
-                     ("logit_grad", cross_entropy.logits_grad)):
+    calls = {
+        "max": (logits, target, outside, V_REAL),
+        "sum_exp": (logits, top, V_REAL),
+        "logit_grad": (
+            logits.clone(),
+            top,
+            torch.rand(len(top), dtype=wide),
+            1.0,
+            target,
+            outside,
+            V_REAL,
+        ),
+    }
+    for name, fn in (
+        ("max", cross_entropy.logits_max),
+        ("sum_exp", cross_entropy.logits_sum_exp),
+        ("logit_grad", cross_entropy.logits_grad),
+    ):
         torch._dynamo.reset()
         explained = torch._dynamo.explain(fn)(*calls[name])
-        assert explained.graph_break_count == 0, (name, [str(b.reason)[:200] for b in explained.break_reasons])
+        assert explained.graph_break_count == 0, (
+            name,
+            [str(b.reason)[:200] for b in explained.break_reasons],
+        )
         assert explained.graph_count == 1, name
 
 
@@ -171,6 +202,7 @@ def test_bf16_weight_gradient_over_64_chunks_is_as_close_as_the_logits_path(monk
 
     def error(a, b):
         return ((a.double() - b).abs().max() / b.abs().max()).item()
+
     ours_error, logits_error = error(ours[3], exact[2]), error(w.grad, exact[2])
     assert ours_error <= 1.5 * logits_error, (ours_error, logits_error)  # summed in bf16: 4-5x
     assert error(ours[2], exact[1]) <= 1.5 * error(h.grad, exact[1])

@@ -9,6 +9,7 @@ AdamW. End to end through train.py (torchrun): the log lines of parallel runs ag
 save/resume across TP=2 x PP=2 and the weight-dump comparison of lesson 11 (another layout on load:
 tests/test_reshard.py).
 """
+
 import io
 import math
 import os
@@ -65,9 +66,15 @@ def _tp_layers():
     (y * y).sum().backward()
     torch.testing.assert_close(yp, y, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(xp.grad, full[0].grad, rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(col.weight.grad, parallel.shard(full[1].grad, 0), rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(col.bias.grad, parallel.shard(full[2].grad, 0), rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(row.weight.grad, parallel.shard(full[3].grad, 1), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(
+        col.weight.grad, parallel.shard(full[1].grad, 0), rtol=1e-12, atol=1e-12
+    )
+    torch.testing.assert_close(
+        col.bias.grad, parallel.shard(full[2].grad, 0), rtol=1e-12, atol=1e-12
+    )
+    torch.testing.assert_close(
+        row.weight.grad, parallel.shard(full[3].grad, 1), rtol=1e-12, atol=1e-12
+    )
     torch.testing.assert_close(row.bias.grad, full[4].grad, rtol=1e-12, atol=1e-12)
     # the replicated bias gets the same gradient on every TP rank, bit for bit (Megatron-DeepSpeed #271)
     for other in gather(row.bias.grad, g.tp_group):
@@ -86,14 +93,20 @@ def _tp_layers():
     loss.mean().backward()
     ref_table = table.clone().requires_grad_()
     ref_h = F.embedding(ids, ref_table)
-    ref_loss = F.cross_entropy(F.linear(ref_h, ref_table).flatten(0, 1), target.flatten(), reduction="none")
+    ref_loss = F.cross_entropy(
+        F.linear(ref_h, ref_table).flatten(0, 1), target.flatten(), reduction="none"
+    )
     ref_loss.mean().backward()
     torch.testing.assert_close(h, ref_h, rtol=0, atol=0)
     torch.testing.assert_close(loss, ref_loss.view(B, T), rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(emb.weight.grad, parallel.shard(ref_table.grad, 0), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(
+        emb.weight.grad, parallel.shard(ref_table.grad, 0), rtol=1e-12, atol=1e-12
+    )
 
     # all-gather of the logits (generate) is the full logits
-    torch.testing.assert_close(parallel.gather_from_tp(logits), F.linear(ref_h, table), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(
+        parallel.gather_from_tp(logits), F.linear(ref_h, table), rtol=1e-12, atol=1e-12
+    )
 
     # a padded vocabulary: only the first `real` columns are tokens, the others are left out of the softmax
     # (7: TP rank 1's slice is all padding); loss and gradient are those of the real columns alone
@@ -123,6 +136,7 @@ def _reference(cfg, global_batches, loss_scale=1.0):
     """Loss, gradients and grad norm of the whole model in one process (the paper grid has TP=1; the forward
     pass communicates over parallel.grid, so it is swapped for the paper grid while the reference runs)."""
     from model import GPT
+
     real, parallel.grid = parallel.grid, parallel.Grid(1, 1, world_size=1, rank=0)
     try:
         model = GPT(cfg)
@@ -143,6 +157,7 @@ def _layout_matches_one_process(micro_per_rank, mbs):
     """One GPT stage per rank; the same global batch as the reference, split over DP as loader.micro_batches
     does; two steps with different sequence lengths (curriculum) plus a forward-only pass."""
     from model import GPTConfig
+
     g = parallel.grid
     torch.set_default_dtype(torch.float64)
     cfg = GPTConfig(**TINY, tensor_model_parallel_size=g.tp_size)
@@ -164,7 +179,9 @@ def _layout_matches_one_process(micro_per_rank, mbs):
                 micro = model(x, y)
                 (micro * (4.0 / len(mine))).backward()
                 loss = loss + micro.detach() / len(mine)
-        if g.dp_size > 1:  # every bucket's all-reduce was started by the hooks during backward, none after
+        if (
+            g.dp_size > 1
+        ):  # every bucket's all-reduce was started by the hooks during backward, none after
             assert buffer.launched == len(buffer.buckets) == len(buffer.handles) > 1
         loss = parallel.average_loss(loss)
         parallel.reduce_gradients(model)
@@ -174,8 +191,13 @@ def _layout_matches_one_process(micro_per_rank, mbs):
         assert math.isclose(loss.item(), ref_loss, rel_tol=1e-12), (loss.item(), ref_loss)
         for name, p in model.named_parameters():
             ref = ref_grads[getattr(p, "init_name", name)]
-            torch.testing.assert_close(p.main_grad, parallel.shard(ref, getattr(p, "tp_dim", None)), rtol=1e-9,
-                                       atol=1e-12, msg=lambda m: f"{name}: {m}")
+            torch.testing.assert_close(
+                p.main_grad,
+                parallel.shard(ref, getattr(p, "tp_dim", None)),
+                rtol=1e-9,
+                atol=1e-12,
+                msg=lambda m: f"{name}: {m}",
+            )
         assert math.isclose(parallel.grad_norm(model).item(), ref_norm, rel_tol=1e-12)
         # replicated TP parameters: bitwise equal gradients on every TP rank (Megatron-DeepSpeed #271)
         if g.tp_size > 1:
@@ -228,6 +250,7 @@ def _zero1_matches_adamw(dtype):
     import optim
     import precision
     from model import GPTConfig
+
     g = parallel.grid
     cfg = GPTConfig(**TINY)
 
@@ -238,7 +261,8 @@ def _zero1_matches_adamw(dtype):
 
     def build(model):
         return lambda params: precision.MixedPrecisionOptimizer(
-            optim.build_optimizer(model, 1e-2, 0.1, 0.9, 0.95, 1e-8, params=params))
+            optim.build_optimizer(model, 1e-2, 0.1, 0.9, 0.95, 1e-8, params=params)
+        )
 
     sharded_model, plain_model = fresh_stage(), fresh_stage()
     sharded = parallel.ZeroShardedOptimizer(sharded_model.parameters(), build(sharded_model))
@@ -267,7 +291,9 @@ def _zero1_matches_adamw(dtype):
     torch.save(sharded.state_dict(), buffer)
     buffer.seek(0)
     state = torch.load(buffer)
-    assert state["optimizer"]["state"] and all(s["step"] == 3 for s in state["optimizer"]["state"].values())
+    assert state["optimizer"]["state"] and all(
+        s["step"] == 3 for s in state["optimizer"]["state"].values()
+    )
     if dtype != torch.float32:
         assert sum(m.numel() for m in state["optimizer"]["fp32_master_weights"]) == owned
     resumed_model = fresh_stage()
@@ -295,6 +321,7 @@ def test_native_zero1_matches_adamw():
 def test_dry_run_tr8b_104b(capsys):
     import arguments
     import estimate
+
     cfg = arguments.load_config([os.path.join(ROOT, "config/tr8b_104b.py")])
     report = estimate.dry_run(cfg, world_size=256)
     out = capsys.readouterr().out
@@ -343,20 +370,45 @@ def _measure_model_states(results):
     import arguments
     from builders import step_rules
     from training import whole_step
+
     g = parallel.grid
     for precision in ("fp32", "bf16", "fp16"):
-        cfg = arguments.prepare(arguments.load_config(
-            ["--num_layers=2", "--hidden_size=64", "--num_attention_heads=4", "--seq_length=16", "--vocab_size=512",
-             "--micro_batch_size=2", "--train_iters=1", "--zero_stage=1", "--loss_scale=1"]
-            + ([f"--{precision}"] if precision != "fp32" else [])), g.world_size)
+        cfg = arguments.prepare(
+            arguments.load_config(
+                [
+                    "--num_layers=2",
+                    "--hidden_size=64",
+                    "--num_attention_heads=4",
+                    "--seq_length=16",
+                    "--vocab_size=512",
+                    "--micro_batch_size=2",
+                    "--train_iters=1",
+                    "--zero_stage=1",
+                    "--loss_scale=1",
+                ]
+                + ([f"--{precision}"] if precision != "fp32" else [])
+            ),
+            g.world_size,
+        )
         model = build_model(cfg, torch.device("cpu"))
         optimizer = build_optimizer(cfg, model)
-        x = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(g.dp_rank))
-        outcome = whole_step(model, optimizer, optim.scaler_for(cfg), [(x, x)], 1e-3,
-                             step_rules(cfg), torch.device("cpu"))
+        x = torch.randint(
+            0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(g.dp_rank)
+        )
+        outcome = whole_step(
+            model,
+            optimizer,
+            optim.scaler_for(cfg),
+            [(x, x)],
+            1e-3,
+            step_rules(cfg),
+            torch.device("cpu"),
+        )
         assert outcome.outcome == "ok"
-        results[(precision, g.dp_size, g.dp_rank)] = (_model_state_bytes(model, optimizer),
-                                                      sum(p.numel() for p in model.parameters()))
+        results[(precision, g.dp_size, g.dp_rank)] = (
+            _model_state_bytes(model, optimizer),
+            sum(p.numel() for p in model.parameters()),
+        )
 
 
 def _measure_dp2(queue):
@@ -369,6 +421,7 @@ def _measure_dp2(queue):
 def test_memory_estimate_matches_what_the_code_allocates():
     """estimate.bytes_per_parameter against the exact bytes held after a step, DP=1 and DP=2 (ZeRO-1)."""
     import estimate
+
     results = {}
     _measure_model_states(results)  # DP=1, this process
     queue = mp.get_context("spawn").SimpleQueue()
@@ -382,14 +435,25 @@ def test_memory_estimate_matches_what_the_code_allocates():
             n = ranks[0][1]
             # summed over the DP ranks, every shard counted once: the estimate to its step counters (< 0.1%)
             total = sum(measured for measured, _ in ranks)
-            assert math.isclose(total, dp * per_param * n, rel_tol=1e-3), (precision, dp, total, dp * per_param * n)
+            assert math.isclose(total, dp * per_param * n, rel_tol=1e-3), (
+                precision,
+                dp,
+                total,
+                dp * per_param * n,
+            )
             # each rank within 15%: parameters are dealt out whole, so shards differ by up to a parameter
             for measured, _ in ranks:
-                assert math.isclose(measured, per_param * n, rel_tol=0.15), (precision, dp, measured, per_param * n)
+                assert math.isclose(measured, per_param * n, rel_tol=0.15), (
+                    precision,
+                    dp,
+                    measured,
+                    per_param * n,
+                )
 
 
 # -----------------------------------------------------------------------------
 # End to end: the real train.py under torchrun against the single-process run
+
 
 @pytest.fixture(scope="module")
 def reference(synthetic_corpus, tmp_path_factory):
@@ -400,23 +464,42 @@ def reference(synthetic_corpus, tmp_path_factory):
 def tp2_pp2(synthetic_corpus, tmp_path_factory):
     """TP=2 x PP=2, uninterrupted, saved (and dumped) at iteration 10."""
     tmp = tmp_path_factory.mktemp("tp2pp2")
-    run = launch(tmp, 4, f"--data_path={synthetic_corpus}", "--tensor_model_parallel_size=2",
-                 "--pipeline_model_parallel_size=2", f"--save={tmp / 'ckpt'}", "--dump_weights")
+    run = launch(
+        tmp,
+        4,
+        f"--data_path={synthetic_corpus}",
+        "--tensor_model_parallel_size=2",
+        "--pipeline_model_parallel_size=2",
+        f"--save={tmp / 'ckpt'}",
+        "--dump_weights",
+    )
     run.dir = tmp / "ckpt"
     return run
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("nproc, extra", [
-    (2, ["--tensor_model_parallel_size=2"]),
-    (2, ["--pipeline_model_parallel_size=2"]),
-    (2, []),  # DP=2
-    (4, ["--pipeline_model_parallel_size=2", "--zero_stage=1"]),  # PP=2 x DP=2, native ZeRO-1
-    (2, ["--deepspeed", "--zero_stage=1"]),  # DeepSpeed ZeRO-1, DP=2
-], ids=["tp2", "pp2", "dp2", "pp2-dp2-zero1", "deepspeed-zero1-dp2"])
-def test_parallel_training_matches_single_process(nproc, extra, synthetic_corpus, reference, tmp_path):
-    run = launch(tmp_path, nproc, f"--data_path={synthetic_corpus}", f"--save={tmp_path / 'ckpt'}", "--dump_weights",
-                 *extra)
+@pytest.mark.parametrize(
+    "nproc, extra",
+    [
+        (2, ["--tensor_model_parallel_size=2"]),
+        (2, ["--pipeline_model_parallel_size=2"]),
+        (2, []),  # DP=2
+        (4, ["--pipeline_model_parallel_size=2", "--zero_stage=1"]),  # PP=2 x DP=2, native ZeRO-1
+        (2, ["--deepspeed", "--zero_stage=1"]),  # DeepSpeed ZeRO-1, DP=2
+    ],
+    ids=["tp2", "pp2", "dp2", "pp2-dp2-zero1", "deepspeed-zero1-dp2"],
+)
+def test_parallel_training_matches_single_process(
+    nproc, extra, synthetic_corpus, reference, tmp_path
+):
+    run = launch(
+        tmp_path,
+        nproc,
+        f"--data_path={synthetic_corpus}",
+        f"--save={tmp_path / 'ckpt'}",
+        "--dump_weights",
+        *extra,
+    )
     assert_same_training(run, reference, rel=1e-5)
     assert_replicas_identical(dumps(tmp_path / "ckpt", 10))
 
@@ -430,20 +513,33 @@ def test_tp2_pp2_matches_single_process(tp2_pp2, reference):
 
 
 @pytest.mark.slow
-def test_tp2_pp2_resume_is_exact_and_weights_survive_the_reload(tp2_pp2, synthetic_corpus, tmp_path):
-    layout = [f"--data_path={synthetic_corpus}", "--tensor_model_parallel_size=2", "--pipeline_model_parallel_size=2",
-              f"--save={tmp_path}", "--dump_weights"]
+def test_tp2_pp2_resume_is_exact_and_weights_survive_the_reload(
+    tp2_pp2, synthetic_corpus, tmp_path
+):
+    layout = [
+        f"--data_path={synthetic_corpus}",
+        "--tensor_model_parallel_size=2",
+        "--pipeline_model_parallel_size=2",
+        f"--save={tmp_path}",
+        "--dump_weights",
+    ]
     first = launch(tmp_path, 4, *layout, "--exit_interval=5")
     assert sorted(first.lines) == [1, 2, 3, 4, 5] and (tmp_path / "global_step5").is_dir()
     second = launch(tmp_path, 4, *layout, f"--load={tmp_path}")
     assert sorted(second.lines) == [6, 7, 8, 9, 10]
-    for it in range(6, 11):  # bit-exact: the same printed numbers and the same full-precision scalars
+    for it in range(
+        6, 11
+    ):  # bit-exact: the same printed numbers and the same full-precision scalars
         assert second.lines[it] == tp2_pp2.lines[it], it
         assert second.scalars[it] == tp2_pp2.scalars[it], it
     assert second.valid[10] == tp2_pp2.valid[10]
     # every stage's every parameter, embedding LayerNorm included, is back after the load (lesson 11)
-    check = subprocess.run([sys.executable, "tools/compare_weight_dumps.py", str(tmp_path)], cwd=ROOT,
-                           capture_output=True, text=True)
+    check = subprocess.run(
+        [sys.executable, "tools/compare_weight_dumps.py", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     assert check.returncode == 0, check.stdout + check.stderr
     assert "4 of 4 rank(s) identical" in check.stdout
     # ... and the tool does see a difference: the 176B bug, the last stage's copy reset on load
@@ -452,8 +548,12 @@ def test_tp2_pp2_resume_is_exact_and_weights_survive_the_reload(tp2_pp2, synthet
     weights["output_weight"][3, 5] += 1e-3
     del weights["ln_f.bias"]
     torch.save(weights, after)
-    check = subprocess.run([sys.executable, "tools/compare_weight_dumps.py", str(tmp_path)], cwd=ROOT,
-                           capture_output=True, text=True)
+    check = subprocess.run(
+        [sys.executable, "tools/compare_weight_dumps.py", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     assert check.returncode == 1
     assert "output_weight: 1 of" in check.stdout and "ln_f.bias: missing after load" in check.stdout
     assert "3 of 4 rank(s) identical" in check.stdout
@@ -466,8 +566,11 @@ def test_tp2_pp2_resume_is_exact_and_weights_survive_the_reload(tp2_pp2, synthet
 GPT2_VOCAB = ["--vocab_size=50257"]
 # a static scale: no skipped step
 HALF_PRECISION = {"bf16": ["--bf16"], "fp16": ["--fp16", "--loss_scale=1024"]}
-HALF_LAYOUTS = {"tp2": (2, ["--tensor_model_parallel_size=2"]), "pp2": (2, ["--pipeline_model_parallel_size=2"]),
-                "dp2": (2, [])}
+HALF_LAYOUTS = {
+    "tp2": (2, ["--tensor_model_parallel_size=2"]),
+    "pp2": (2, ["--pipeline_model_parallel_size=2"]),
+    "dp2": (2, []),
+}
 
 
 @pytest.fixture(scope="module")
@@ -478,8 +581,11 @@ def one_process(synthetic_corpus, tmp_path_factory):
 
     def get(name, *extra):
         if name not in runs:
-            runs[name] = launch_once(tmp_path_factory, 1, f"--data_path={synthetic_corpus}", *GPT2_VOCAB, *extra)
+            runs[name] = launch_once(
+                tmp_path_factory, 1, f"--data_path={synthetic_corpus}", *GPT2_VOCAB, *extra
+            )
         return runs[name]
+
     return get
 
 
@@ -500,7 +606,9 @@ def relative_gaps(run, ref):
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", HALF_LAYOUTS)
 @pytest.mark.parametrize("precision", HALF_PRECISION)
-def test_half_precision_layouts_match_one_process(precision, layout, one_process, synthetic_corpus, tmp_path):
+def test_half_precision_layouts_match_one_process(
+    precision, layout, one_process, synthetic_corpus, tmp_path
+):
     """A layout only reorders the roundings of the same computation (TP's partial sums, the DP all-reduce, PP's
     tied-embedding gradients summed across stages), roundings as large as the precision's own: it may
     move a run away from the one-process run in the same precision by no more than twice as far as that precision
@@ -520,7 +628,9 @@ def test_half_precision_layouts_match_one_process(precision, layout, one_process
     run = launch(tmp_path, nproc, f"--data_path={synthetic_corpus}", *GPT2_VOCAB, *half, *extra)
     assert ("padded to 50432" if layout == "tp2" else "padded to 50304") in run.out
     worst = max(relative_gaps(run, one))
-    print(f"{precision} {layout}: largest relative gap {worst:.2e} to one process, tolerance {tolerance:.2e}")
+    print(
+        f"{precision} {layout}: largest relative gap {worst:.2e} to one process, tolerance {tolerance:.2e}"
+    )
     assert worst <= tolerance, (worst, tolerance)
 
 
@@ -529,20 +639,33 @@ FP16_DYNAMIC = ["--fp16", "--initial_loss_scale=131072", "--loss_scale_window=1"
 
 def loss_scaling(run):
     """{iteration: (loss scale, skipped iterations)} of the log lines."""
-    return {it: (f["loss scale"], f["number of skipped iterations"]) for it, f in log_fields(run.out).items()}
+    return {
+        it: (f["loss scale"], f["number of skipped iterations"])
+        for it, f in log_fields(run.out).items()
+    }
 
 
 @pytest.mark.slow
-def test_fp16_overflow_skips_agree_across_stages_and_with_one_process(one_process, synthetic_corpus, tmp_path):
+def test_fp16_overflow_skips_agree_across_stages_and_with_one_process(
+    one_process, synthetic_corpus, tmp_path
+):
     """Dynamic loss scaling from 2^17, doubled after every good step until the gradients overflow, on one stage
     or the other: both stages must skip those steps and halve the scale where one process does (PP does not
     change a value), and otherwise train as one process does, within fp16's tolerance of the test above."""
     one = one_process("fp16-dynamic", *FP16_DYNAMIC)
     assert {skipped for _, skipped in loss_scaling(one).values()} == {"1", "0"}, loss_scaling(one)
-    run = launch(tmp_path, 2, f"--data_path={synthetic_corpus}", *GPT2_VOCAB, *FP16_DYNAMIC,
-                 "--pipeline_model_parallel_size=2")
+    run = launch(
+        tmp_path,
+        2,
+        f"--data_path={synthetic_corpus}",
+        *GPT2_VOCAB,
+        *FP16_DYNAMIC,
+        "--pipeline_model_parallel_size=2",
+    )
     assert loss_scaling(run) == loss_scaling(one)
-    tolerance = 2 * max(relative_gaps(one_process("fp16", *HALF_PRECISION["fp16"]), one_process("fp32")))
+    tolerance = 2 * max(
+        relative_gaps(one_process("fp16", *HALF_PRECISION["fp16"]), one_process("fp32"))
+    )
     worst = max(relative_gaps(run, one))
     assert worst <= tolerance, (worst, tolerance)
 
@@ -553,40 +676,62 @@ def test_fp16_overflow_skips_agree_across_dp_ranks(synthetic_corpus, tmp_path):
     own micro-batches' fp16 gradients: near the threshold the overflows need not fall where one process's do), and
     every rank must then skip: the replicas stay bitwise equal, and the run skips some steps and trains on the
     others."""
-    run = launch(tmp_path, 2, f"--data_path={synthetic_corpus}", *GPT2_VOCAB, *FP16_DYNAMIC,
-                 f"--save={tmp_path / 'ckpt'}", "--dump_weights")
+    run = launch(
+        tmp_path,
+        2,
+        f"--data_path={synthetic_corpus}",
+        *GPT2_VOCAB,
+        *FP16_DYNAMIC,
+        f"--save={tmp_path / 'ckpt'}",
+        "--dump_weights",
+    )
     scaling = loss_scaling(run)
     assert {skipped for _, skipped in scaling.values()} == {"1", "0"}, scaling
     assert_replicas_identical(dumps(tmp_path / "ckpt", 10))
     assert run.scalars[10]["lm-loss"] < run.scalars[1]["lm-loss"]
 
 
-
 DS_BF16 = ["--deepspeed", "--bf16", "--zero_stage=1"]
 TP2 = ["--tensor_model_parallel_size=2", "--num_attention_heads=4"]
 
 
-@pytest.mark.parametrize("flags, world, message", [
-    (["--eval_only", "--dry_run"], 1, r"^eval_only and dry_run are exclusive; choose one$"),
-    (["--qk_layernorm", *DS_BF16, *TP2], 2,
-     "qk_layernorm with deepspeed=True and tensor_model_parallel_size > 1"),
-    (["--zero_stage=4"], 1, r"^zero_stage=4 is not 0, 1, 2 or 3$"),
-    (["--tp_replica_check_interval=-1"], 1, "tp_replica_check_interval must be 0"),
-    (["--tp_replica_resync"], 1, "tp_replica_resync acts on what the check finds"),
-    (["--tp_replica_resync", "--tp_replica_check_interval=5", *DS_BF16], 1,
-     "tp_replica_resync cannot reach DeepSpeed's fp32 master weights"),
-    (["--device=tpu"], 1, r"^device='tpu' is not auto, cpu or cuda$"),
-    (["--host_work_timeout_minutes=0"], 1, r"^host_work_timeout_minutes=0 must be at least 1"),
-    (TP2, 3, "world size 3 is not divisible"),
-    (["--pipeline_model_parallel_size=3", "--num_layers=1",
-      "--pp_partition_method=type:transformer"], 3,
-     r"num_layers \(1\) is too small for pipeline_model_parallel_size \(3\)"),
-])
+@pytest.mark.parametrize(
+    "flags, world, message",
+    [
+        (["--eval_only", "--dry_run"], 1, r"^eval_only and dry_run are exclusive; choose one$"),
+        (
+            ["--qk_layernorm", *DS_BF16, *TP2],
+            2,
+            "qk_layernorm with deepspeed=True and tensor_model_parallel_size > 1",
+        ),
+        (["--zero_stage=4"], 1, r"^zero_stage=4 is not 0, 1, 2 or 3$"),
+        (["--tp_replica_check_interval=-1"], 1, "tp_replica_check_interval must be 0"),
+        (["--tp_replica_resync"], 1, "tp_replica_resync acts on what the check finds"),
+        (
+            ["--tp_replica_resync", "--tp_replica_check_interval=5", *DS_BF16],
+            1,
+            "tp_replica_resync cannot reach DeepSpeed's fp32 master weights",
+        ),
+        (["--device=tpu"], 1, r"^device='tpu' is not auto, cpu or cuda$"),
+        (["--host_work_timeout_minutes=0"], 1, r"^host_work_timeout_minutes=0 must be at least 1"),
+        (TP2, 3, "world size 3 is not divisible"),
+        (
+            [
+                "--pipeline_model_parallel_size=3",
+                "--num_layers=1",
+                "--pp_partition_method=type:transformer",
+            ],
+            3,
+            r"num_layers \(1\) is too small for pipeline_model_parallel_size \(3\)",
+        ),
+    ],
+)
 def test_the_layout_check_reads_its_section_and_the_models_keys_given_to_it(flags, world, message):
     """parallel.check takes the layout's section, and the model's and the run's keys it reads as
     arguments (arguments.validate hands them in): each refusal names its keys, before anything is
     built."""
     import arguments
+
     cfg = arguments.load_config(["--train_iters=1", *flags])
     with pytest.raises(ValueError, match=message):
         arguments.validate(cfg, world_size=world, reads_data=False)
@@ -597,11 +742,14 @@ def test_the_pipeline_stages_line_names_each_stages_layers():
     the whole config's version printed (BLOOM-176B's 70 layers on 12 stages: whether the embedding
     counts as a layer moves the stages' bounds)."""
     from model import describe_partition
+
     assert describe_partition(3, 2, "type:transformer|embedding") == (
         "pipeline stages (type:transformer|embedding): "
-        "0: embedding + layers 0-1 | 1: layer 2 + head")
+        "0: embedding + layers 0-1 | 1: layer 2 + head"
+    )
     assert describe_partition(70, 12, "type:transformer|embedding").startswith(
-        "pipeline stages (type:transformer|embedding): "
-        "0: embedding + layers 0-4 | 1: layers 5-10 |")
+        "pipeline stages (type:transformer|embedding): 0: embedding + layers 0-4 | 1: layers 5-10 |"
+    )
     assert describe_partition(70, 12, "type:transformer").startswith(
-        "pipeline stages (type:transformer): 0: embedding + layers 0-5 | 1: layers 6-11 |")
+        "pipeline stages (type:transformer): 0: embedding + layers 0-5 | 1: layers 6-11 |"
+    )

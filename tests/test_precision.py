@@ -2,6 +2,7 @@
 
 Each test fails under the old autocast regime (fp32 weights, fp32 residual stream and pipeline messages, gradients
 accumulated in the parameters' dtype)."""
+
 import copy
 import io
 import math
@@ -21,8 +22,16 @@ from training import whole_step
 
 PRECISIONS = {"fp32": [], "bf16": ["--bf16"], "fp16": ["--fp16"]}
 HALF = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-TINY = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=512,
-            make_vocab_size_divisible_by=128, hidden_dropout=0.0, attention_dropout=0.0)
+TINY = dict(
+    num_layers=2,
+    hidden_size=32,
+    num_attention_heads=4,
+    seq_length=16,
+    vocab_size=512,
+    make_vocab_size_divisible_by=128,
+    hidden_dropout=0.0,
+    attention_dropout=0.0,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -67,7 +76,9 @@ def test_layernorm_computes_in_fp32_and_returns_half():
     ref = torch.nn.functional.layer_norm(x.float(), (64,), ln.weight.float(), ln.bias.float(), 1e-5)
     assert torch.equal(out, ref.to(torch.bfloat16))
     centered = x - x.mean(-1, keepdim=True)  # the same formula with bf16 statistics
-    in_bf16 = centered / (centered.square().mean(-1, keepdim=True) + 1e-5).sqrt() * ln.weight + ln.bias
+    in_bf16 = (
+        centered / (centered.square().mean(-1, keepdim=True) + 1e-5).sqrt() * ln.weight + ln.bias
+    )
     assert not torch.equal(out, in_bf16)
 
 
@@ -131,7 +142,10 @@ def test_half_gradients_accumulate_in_fp32_over_64_micro_batches(name):
     def error(grads):
         return max(((grads[n].double() - exact[n]).norm() / exact[n].norm()).item() for n in exact)
 
-    buffer_error, half_error = error({n: p.main_grad for n, p in model.named_parameters()}), error(in_half)
+    buffer_error, half_error = (
+        error({n: p.main_grad for n, p in model.named_parameters()}),
+        error(in_half),
+    )
     assert buffer_error < 1e-6, buffer_error  # fp32 rounding of 64 additions
     # bf16 keeps 8 bits, fp16 11: the accumulation the fp32 buffer exists to avoid
     assert half_error > (1e-3 if name == "bf16" else 1e-4), half_error
@@ -158,7 +172,10 @@ def test_query_key_layer_scaling_defaults_to_megatrons():
     assert _cfg("--fp16").apply_query_key_layer_scaling is True
     assert _cfg("--bf16").apply_query_key_layer_scaling is False
     assert _cfg().apply_query_key_layer_scaling is False
-    assert _cfg("--fp16", "--apply_query_key_layer_scaling=false").apply_query_key_layer_scaling is False
+    assert (
+        _cfg("--fp16", "--apply_query_key_layer_scaling=false").apply_query_key_layer_scaling
+        is False
+    )
     assert _cfg("--apply_query_key_layer_scaling").apply_query_key_layer_scaling is True
 
 
@@ -167,14 +184,26 @@ def test_master_weights_are_fp32_and_round_into_the_model():
     model = build_model(cfg, torch.device("cpu"))
     optimizer = build_optimizer(cfg, model)
     masters = [p for group in optimizer.param_groups for p in group["params"]]
-    assert {p.dtype for p in masters} == {torch.float32} and len(masters) == len(list(model.parameters()))
+    assert {p.dtype for p in masters} == {torch.float32} and len(masters) == len(
+        list(model.parameters())
+    )
     x = torch.randint(0, cfg.vocab_size, (4, cfg.seq_length))
     for _ in range(3):
-        whole_step(model, optimizer, optim.scaler_for(cfg), [(x, x)], 1e-3, step_rules(cfg),
-                   torch.device("cpu"))
+        whole_step(
+            model,
+            optimizer,
+            optim.scaler_for(cfg),
+            [(x, x)],
+            1e-3,
+            step_rules(cfg),
+            torch.device("cpu"),
+        )
     state = optimizer.state_dict()
     assert all(s["exp_avg"].dtype == torch.float32 for s in state["state"].values())
-    for p, master in optimizer.copies:  # the model holds the masters rounded to bf16, in storage of its own
+    for (
+        p,
+        master,
+    ) in optimizer.copies:  # the model holds the masters rounded to bf16, in storage of its own
         assert torch.equal(p, master.to(torch.bfloat16)) and p.data_ptr() != master.data_ptr()
     masters = [m.clone() for _, m in optimizer.copies]
     # more bits than the weights
@@ -194,10 +223,20 @@ def test_bnb_8bit_state_lives_on_the_fp32_masters_with_the_embedding_32bit():
     model = build_model(cfg, torch.device("cpu"))
     optimizer = build_optimizer(cfg, model)
     x = torch.randint(0, cfg.vocab_size, (4, cfg.seq_length))
-    whole_step(model, optimizer, optim.scaler_for(cfg), [(x, x)], 1e-3, step_rules(cfg),
-               torch.device("cpu"))
+    whole_step(
+        model,
+        optimizer,
+        optim.scaler_for(cfg),
+        [(x, x)],
+        1e-3,
+        step_rules(cfg),
+        torch.device("cpu"),
+    )
     master = dict((id(p), m) for p, m in optimizer.copies)
-    embedding, fc1 = master[id(model.word_embedding_weight())], master[id(model.blocks["0"].mlp.fc1.weight)]
+    embedding, fc1 = (
+        master[id(model.word_embedding_weight())],
+        master[id(model.blocks["0"].mlp.fc1.weight)],
+    )
     assert embedding.dtype == fc1.dtype == torch.float32
     # lesson 14: the embedding stays 32-bit
     assert optimizer.state[embedding]["state1"].dtype == torch.float32
@@ -208,7 +247,7 @@ def test_bnb_8bit_state_lives_on_the_fp32_masters_with_the_embedding_32bit():
 # The attention softmax is computed in fp32 from half inputs, on every path
 
 # half an ulp at 1: the relative rounding of a value
-EPS = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}
+EPS = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
 
 
 def _peaked_qkv(dtype, score, device):
@@ -226,17 +265,22 @@ def _softmax_attention(scores, v, bias=None):
     """softmax(scores + bias) v of the given scores (causal unless bias, which carries the mask), in their dtype."""
     T = scores.shape[-1]
     if bias is None:
-        scores = scores.masked_fill(~torch.ones(T, T, dtype=torch.bool, device=scores.device).tril(), float("-inf"))
+        scores = scores.masked_fill(
+            ~torch.ones(T, T, dtype=torch.bool, device=scores.device).tril(), float("-inf")
+        )
     else:
         scores = scores + bias.to(scores.dtype)
     return scores.softmax(dim=-1).to(v.dtype) @ v
 
 
 PATHS = {  # core_attention's keywords: the fused (SDPA) path, or Megatron's explicit one with its layer scaling
-    "fused": {}, "fused-stable": dict(stable=True), "fused-alibi": dict(bias=True),
+    "fused": {},
+    "fused-stable": dict(stable=True),
+    "fused-alibi": dict(bias=True),
     "unfused": dict(layer_scaling=3.0, unfused=True),
     "unfused-stable": dict(layer_scaling=3.0, stable=True, unfused=True),
-    "unfused-alibi": dict(layer_scaling=3.0, bias=True, unfused=True)}
+    "unfused-alibi": dict(layer_scaling=3.0, bias=True, unfused=True),
+}
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
@@ -258,10 +302,10 @@ def test_attention_softmax_is_fp32_on_every_path(path, dtype, device):
         kw["bias"] = bias = bias.to(dtype) if coeff == 1.0 else bias
     out = model.core_attention(q, k, v, **kw)
     if kw.get("stable"):
-        s = (D ** 0.5 * coeff) ** -0.5 if coeff != 1.0 else D ** -0.25
+        s = (D**0.5 * coeff) ** -0.5 if coeff != 1.0 else D**-0.25
         q, k, alpha = q * s, k * s, 1.0
     else:
-        alpha = 1.0 / (D ** 0.5 * coeff)
+        alpha = 1.0 / (D**0.5 * coeff)
     if coeff == 1.0:  # SDPA multiplies and accumulates in fp32
         scores = (q.double() @ k.double().transpose(-1, -2)) * alpha
     else:  # Megatron's baddbmm in the input dtype, scaled down by the layer number

@@ -1,5 +1,6 @@
 """Warning before the spike: tools/precursors.py's lead times on a metrics file whose answer is known, and the
 guard's precursor rung (spike_guard.precursor_rung) on and off."""
+
 import json
 import math
 import os
@@ -18,9 +19,14 @@ import precursors  # noqa: E402
 
 def telemetry(logit, entropy=2.0, log_z=6.0, ratio=0.01, grad_rms=1e-4, final=1.0):
     """A telemetry record (two layers) with the given precursor values."""
-    return {"attention logit max": [logit / 2, logit], "attention entropy min": [entropy, 3.0], "log z": log_z,
-            "update/param rms": [ratio, ratio / 2], "grad rms": [grad_rms, 2 * grad_rms],
-            "final layernorm input rms": final}
+    return {
+        "attention logit max": [logit / 2, logit],
+        "attention entropy min": [entropy, 3.0],
+        "log z": log_z,
+        "update/param rms": [ratio, ratio / 2],
+        "grad rms": [grad_rms, 2 * grad_rms],
+        "final layernorm input rms": final,
+    }
 
 
 def write_run(directory, losses, records, every=5):
@@ -42,28 +48,43 @@ def noisy(i):
 
 def test_lead_times_thresholds_and_false_positives_on_runs_whose_answer_is_known(tmp_path):
     # clean: attention logits up to 40 -> threshold 80 (margin 2); entropy down to 1.0 -> 0.5
-    clean = write_run(tmp_path / "clean" / "x" / "lr1-seed1", [noisy(i) for i in range(1, 81)],
-                      lambda i: telemetry(40.0 * i / 80, entropy=1.0 + 1.0 / i))
+    clean = write_run(
+        tmp_path / "clean" / "x" / "lr1-seed1",
+        [noisy(i) for i in range(1, 81)],
+        lambda i: telemetry(40.0 * i / 80, entropy=1.0 + 1.0 / i),
+    )
     # diverged: the attention logit passes 80 at iteration 35 (telemetry every 5), the loss jumps at 50 and a
     # NaN at 60; entropy never gets under 0.5; log z goes up at 55, after the spike
     losses = [noisy(i) if i < 50 else 9.0 + i for i in range(1, 61)]
     losses[-1] = math.nan
-    diverged = write_run(tmp_path / "div" / "x" / "lr1-seed1", losses, lambda i: telemetry(
-        10.0 if i < 35 else 1e3, entropy=1.2, log_z=6.0 if i < 55 else 30.0))
+    diverged = write_run(
+        tmp_path / "div" / "x" / "lr1-seed1",
+        losses,
+        lambda i: telemetry(10.0 if i < 35 else 1e3, entropy=1.2, log_z=6.0 if i < 55 else 30.0),
+    )
     # held out: one clean run with a logit of 90 at iteration 20 (one false positive, one record)
-    held = write_run(tmp_path / "held" / "x" / "lr1-seed2", [noisy(i) for i in range(1, 41)],
-                     lambda i: telemetry(90.0 if i == 20 else 5.0))
+    held = write_run(
+        tmp_path / "held" / "x" / "lr1-seed2",
+        [noisy(i) for i in range(1, 41)],
+        lambda i: telemetry(90.0 if i == 20 else 5.0),
+    )
     steps, _ = precursors.read_run(diverged)
     assert precursors.onset(steps) == 50
     # a NaN with no spike before it is the onset too
-    assert precursors.onset([(i, noisy(i), 0.5) for i in range(1, 30)] + [(30, math.nan, math.nan)]) == 30
+    assert (
+        precursors.onset([(i, noisy(i), 0.5) for i in range(1, 30)] + [(30, math.nan, math.nan)])
+        == 30
+    )
     assert precursors.onset([(i, noisy(i), 0.5) for i in range(1, 30)]) is None
     result = precursors.measure({"x/lr1-seed1": diverged}, {"c": clean}, {"h": held})
     rows = {r["precursor"]: r for r in result["rows"]}
     assert result["onsets"] == {"x/lr1-seed1": 50}
     assert rows["attention_logit_max"]["threshold"] == pytest.approx(80.0)
     assert rows["attention_logit_max"]["leads"] == {"x/lr1-seed1": 15}  # crossed at 35, onset 50
-    assert (rows["attention_logit_max"]["fp_runs"], rows["attention_logit_max"]["fp_records"]) == (1, 1)
+    assert (rows["attention_logit_max"]["fp_runs"], rows["attention_logit_max"]["fp_records"]) == (
+        1,
+        1,
+    )
     assert rows["attention_entropy_min"]["threshold"] == pytest.approx((1.0 + 1.0 / 80) / 2)
     assert rows["attention_entropy_min"]["leads"] == {"x/lr1-seed1": None}  # never crossed
     assert rows["log_z"]["threshold"] == pytest.approx(6.0 + math.log(2))  # a logarithm: Z doubled
@@ -75,18 +96,34 @@ def test_lead_times_thresholds_and_false_positives_on_runs_whose_answer_is_known
 
 
 def cfg_with(**overrides):
-    return types.SimpleNamespace(**{**vars(arguments.Config()), "spike_guard_precursor": "attention_logit_max",
-                                    "spike_guard_precursor_threshold": 100.0, **overrides})
+    return types.SimpleNamespace(
+        **{
+            **vars(arguments.Config()),
+            "spike_guard_precursor": "attention_logit_max",
+            "spike_guard_precursor_threshold": 100.0,
+            **overrides,
+        }
+    )
 
 
 def test_the_rung_cuts_the_lr_once_per_crossing_and_a_resumed_guard_remembers():
     cfg = cfg_with()
     guard = spike_guard_of(cfg)
-    rung = [spike_guard.precursor_rung(guard, cfg, cfg.adam_eps, i, telemetry(logit)) for i, logit in
-            ((10, 50.0), (20, 150.0), (30, 300.0), (40, 80.0), (50, 120.0))]
-    assert [d and d["action"] for d in rung] == [None, "precursor", None, "precursor rearmed", "precursor"]
-    assert rung[1]["line"] == ("spike guard: iteration 20: attention_logit_max 150 is over its threshold 100: "
-                               "warning before a spike: LR x0.5 from the next iteration on")
+    rung = [
+        spike_guard.precursor_rung(guard, cfg, cfg.adam_eps, i, telemetry(logit))
+        for i, logit in ((10, 50.0), (20, 150.0), (30, 300.0), (40, 80.0), (50, 120.0))
+    ]
+    assert [d and d["action"] for d in rung] == [
+        None,
+        "precursor",
+        None,
+        "precursor rearmed",
+        "precursor",
+    ]
+    assert rung[1]["line"] == (
+        "spike guard: iteration 20: attention_logit_max 150 is over its threshold 100: "
+        "warning before a spike: LR x0.5 from the next iteration on"
+    )
     assert guard.lr_scale == 0.25
     # a checkpoint keeps the cuts and the rung's state (above the threshold: no second cut on resume)
     resumed = spike_guard_of(cfg, saved=guard.state_dict())
@@ -96,11 +133,17 @@ def test_the_rung_cuts_the_lr_once_per_crossing_and_a_resumed_guard_remembers():
     low = cfg_with(spike_guard_precursor="grad_rms_over_eps", spike_guard_precursor_threshold=100.0)
     guard = spike_guard_of(low)
     # 1000 x eps
-    assert spike_guard.precursor_rung(guard, low, low.adam_eps, 10, telemetry(1.0, grad_rms=1e-5)) is None
+    assert (
+        spike_guard.precursor_rung(guard, low, low.adam_eps, 10, telemetry(1.0, grad_rms=1e-5))
+        is None
+    )
     rung = spike_guard.precursor_rung(guard, low, low.adam_eps, 20, telemetry(1.0, grad_rms=1e-7))
     assert rung["action"] == "precursor"
     guard = spike_guard_of(cfg)
-    assert spike_guard.precursor_rung(guard, cfg, cfg.adam_eps, 10, telemetry(math.nan))["action"] == "precursor"
+    assert (
+        spike_guard.precursor_rung(guard, cfg, cfg.adam_eps, 10, telemetry(math.nan))["action"]
+        == "precursor"
+    )
     # off (the default): nothing, whatever the telemetry
     off = cfg_with(spike_guard_precursor=None)
     assert spike_guard.precursor_rung(guard, off, off.adam_eps, 10, telemetry(1e9)) is None
@@ -111,10 +154,18 @@ def test_rung_config_is_checked():
         with pytest.raises(ValueError) as e:
             arguments.prepare(arguments.load_config(list(argv)))
         return str(e.value)
-    assert "is not one of attention_logit_max" in error("--spike_guard_precursor=loss", "--telemetry_interval=5",
-                                                        "--spike_guard_precursor_threshold=1")
-    assert "needs spike_guard_precursor_threshold" in error("--spike_guard_precursor=log_z", "--telemetry_interval=5")
-    assert "set telemetry_interval" in error("--spike_guard_precursor=log_z", "--spike_guard_precursor_threshold=12")
+
+    assert "is not one of attention_logit_max" in error(
+        "--spike_guard_precursor=loss",
+        "--telemetry_interval=5",
+        "--spike_guard_precursor_threshold=1",
+    )
+    assert "needs spike_guard_precursor_threshold" in error(
+        "--spike_guard_precursor=log_z", "--telemetry_interval=5"
+    )
+    assert "set telemetry_interval" in error(
+        "--spike_guard_precursor=log_z", "--spike_guard_precursor_threshold=12"
+    )
     assert "must be in (0, 1]" in error("--spike_guard_precursor_lr_factor=0")
 
 
@@ -122,31 +173,64 @@ def guard_lines(out):
     return [line for line in out.splitlines() if line.startswith("spike guard:")]
 
 
-def test_the_rung_fires_before_an_induced_divergence_and_not_on_a_clean_run(synthetic_corpus, tmp_path):
+def test_the_rung_fires_before_an_induced_divergence_and_not_on_a_clean_run(
+    synthetic_corpus, tmp_path
+):
     """The 512-token synthetic corpus, 2 layers of 64, 12 iterations, telemetry every 2: at LR 3e-1 the attention
     logits pass 100 by iteration 6, and the LR is halved from then on; at 2e-3 (clean) they stay under 3, and the
     run is the run without the rung."""
-    base = ["--num_layers=2", "--hidden_size=64", "--num_attention_heads=4", "--seq_length=64", "--vocab_size=512",
-            "--micro_batch_size=8", "--global_batch_size=8", "--train_iters=12", "--lr_warmup_samples=40",
-            "--lr_decay_samples=1600", "--hidden_dropout=0", "--attention_dropout=0", "--log_interval=1",
-            "--eval_interval=1000", "--eval_iters=0", "--sample_tokens=0", "--save_interval=none",
-            "--split=90,10,0", f"--data_path={synthetic_corpus}", "--telemetry_interval=2"]
+    base = [
+        "--num_layers=2",
+        "--hidden_size=64",
+        "--num_attention_heads=4",
+        "--seq_length=64",
+        "--vocab_size=512",
+        "--micro_batch_size=8",
+        "--global_batch_size=8",
+        "--train_iters=12",
+        "--lr_warmup_samples=40",
+        "--lr_decay_samples=1600",
+        "--hidden_dropout=0",
+        "--attention_dropout=0",
+        "--log_interval=1",
+        "--eval_interval=1000",
+        "--eval_iters=0",
+        "--sample_tokens=0",
+        "--save_interval=none",
+        "--split=90,10,0",
+        f"--data_path={synthetic_corpus}",
+        "--telemetry_interval=2",
+    ]
     rung = ["--spike_guard_precursor=attention_logit_max", "--spike_guard_precursor_threshold=100"]
     clean = run_main(*base, "--lr=2e-3", f"--save={tmp_path / 'clean'}", *rung)
     assert guard_lines(clean) == []
     without = run_main(*base, "--lr=2e-3", "--save=none")
-    assert [f["lm loss"] for f in log_fields(clean).values()] == [f["lm loss"] for f in log_fields(without).values()]
+    assert [f["lm loss"] for f in log_fields(clean).values()] == [
+        f["lm loss"] for f in log_fields(without).values()
+    ]
     high = run_main(*base, "--lr=0.3", f"--save={tmp_path / 'high'}", *rung)
     unguarded = run_main(*base, "--lr=0.3", "--save=none")
     (line,) = guard_lines(high)
     fired = int(line.split()[3].rstrip(":"))
-    assert fired <= 8 and "attention_logit_max" in line and "LR x0.5 from the next iteration on" in line
+    assert (
+        fired <= 8
+        and "attention_logit_max" in line
+        and "LR x0.5 from the next iteration on" in line
+    )
 
     def lrs(out):
         return {i: float(fields["learning rate"]) for i, fields in log_fields(out).items()}
+
     assert all(lrs(high)[i] == lrs(unguarded)[i] for i in range(1, fired + 1))
     # the log line prints 4 digits
-    assert all(lrs(high)[i] == pytest.approx(0.5 * lrs(unguarded)[i], rel=2e-3) for i in range(fired + 1, 13))
+    assert all(
+        lrs(high)[i] == pytest.approx(0.5 * lrs(unguarded)[i], rel=2e-3)
+        for i in range(fired + 1, 13)
+    )
     records = [json.loads(x) for x in open(tmp_path / "high" / "metrics.jsonl")]
     (decision,) = [d for r in records for d in r.get("spike guard", [])]
-    assert decision["action"] == "precursor" and decision["iteration"] == fired and decision["lr_scale"] == 0.5
+    assert (
+        decision["action"] == "precursor"
+        and decision["iteration"] == fired
+        and decision["lr_scale"] == 0.5
+    )

@@ -1,5 +1,6 @@
 """--profile_steps A-B: a torch.profiler trace (Chrome's format) of iterations A to B next to the run's logs, on
 the CPU as on a GPU; the training it watches unchanged; a malformed range refused with the fix."""
+
 import json
 
 import pytest
@@ -12,7 +13,9 @@ from helpers import SMALL, losses, run_main
 @pytest.mark.slow  # ~70 s on a shared 2-core CPU: two short runs, one under the profiler
 def test_profile_steps_writes_a_trace_of_those_iterations(tmp_path):
     plain = run_main(*SMALL, "--train_iters=4", f"--tensorboard_dir={tmp_path / 'plain'}")
-    out = run_main(*SMALL, "--train_iters=4", "--profile_steps=2-3", f"--tensorboard_dir={tmp_path / 'tb'}")
+    out = run_main(
+        *SMALL, "--train_iters=4", "--profile_steps=2-3", f"--tensorboard_dir={tmp_path / 'tb'}"
+    )
     assert losses(out) == losses(plain)  # watched, not changed
     trace = tmp_path / "tb" / "profile" / "rank0.trace.json"
     assert f"profile of iterations 2-3: {tmp_path / 'tb' / 'profile'}" in out

@@ -4,6 +4,7 @@ checkpoint of its state); then in short train.py runs of the tests' 2x64 model: 
 3000x too high for two iterations) and none acts on a clean run, whose losses equal a faulted run's before the
 fault; Megatron's re-run reproduces the loss with dropout on (from the step's RNG state). OPT/metaseq's skip (the
 core's skip_grad_norm_above) is checked in the same runs."""
+
 import math
 import random
 import re
@@ -47,14 +48,20 @@ def olmo_skip_step(losses_, norms, window=128, sigma=6):
     no decision before max(2, window // 2) of them, then torch.std_mean over all but the last."""
     kept_l, kept_g, skipped = [], [], []
     for loss, norm in zip(losses_, norms):
-        kept_l, kept_g = (kept_l + [torch.tensor(loss, dtype=torch.float64)])[-(window + 1):], \
-            (kept_g + [torch.tensor(norm, dtype=torch.float64)])[-(window + 1):]
+        kept_l, kept_g = (
+            (kept_l + [torch.tensor(loss, dtype=torch.float64)])[-(window + 1) :],
+            (kept_g + [torch.tensor(norm, dtype=torch.float64)])[-(window + 1) :],
+        )
         if len(kept_l) < max(2, window // 2):
             skipped.append(False)
             continue
         l_std, l_mean = torch.std_mean(torch.stack(kept_l[:-1]))
         g_std, g_mean = torch.std_mean(torch.stack(kept_g[:-1]))
-        step = bool(torch.logical_and(kept_l[-1] - l_mean <= sigma * l_std, kept_g[-1] - g_mean <= sigma * g_std))
+        step = bool(
+            torch.logical_and(
+                kept_l[-1] - l_mean <= sigma * l_std, kept_g[-1] - g_mean <= sigma * g_std
+            )
+        )
         skipped.append(not step)
     return skipped
 
@@ -71,7 +78,7 @@ def drive(callback, losses_, norms, start=0):
 def test_skip_step_decides_as_olmo_core_at_every_step_and_across_a_checkpoint(window):
     loss, norm = series()
     # a grad norm under the bar with the sample standard deviation (torch.std's), over it with the population's
-    before = torch.tensor(norm[200 - window:200], dtype=torch.float64)
+    before = torch.tensor(norm[200 - window : 200], dtype=torch.float64)
     norm[200] = float(before.mean() + 6 * before.std() * (1 + math.sqrt((window - 1) / window)) / 2)
     want = olmo_skip_step(loss, norm, window=window)
     cfg = cfg_with(skip_step_sigma=6.0, skip_step_window=window)
@@ -116,7 +123,10 @@ def test_spiky_loss_flags_as_megatron_at_every_step_and_across_a_checkpoint(caps
     # a re-run differing from every loss here
     monkeypatch.setattr(callback, "rerun", lambda: callback.it.number)
     factors = drive(callback, loss, norm)
-    flagged = [int(line.split("iteration ")[1].split(":")[0]) for line in capsys.readouterr().out.splitlines()]
+    flagged = [
+        int(line.split("iteration ")[1].split(":")[0])
+        for line in capsys.readouterr().out.splitlines()
+    ]
     assert flagged == [i + 1 for i, f in enumerate(want) if f] == [201, 211]
     assert factors == [1.0] * len(loss)  # it never vetoes: Megatron goes on (fatal=False)
     again = remedies.SpikyLoss(cfg, None, cfg)
@@ -143,9 +153,11 @@ class ReferenceZClip:
                 self.mean = sum(self.buffer) / len(self.buffer)
                 self.var = sum((x - self.mean) ** 2 for x in self.buffer) / len(self.buffer)
             return 1.0
-        std = self.var ** 0.5
+        std = self.var**0.5
         z = (total_norm - self.mean) / (std + self.eps)
-        clip = self.mean + (self.z_thresh * std) / (z / self.z_thresh) if z > self.z_thresh else None
+        clip = (
+            self.mean + (self.z_thresh * std) / (z / self.z_thresh) if z > self.z_thresh else None
+        )
         effective = clip if clip is not None else total_norm
         coef = effective / (total_norm + 1e-6) if total_norm > effective else 1.0
         self.mean = self.alpha * self.mean + (1 - self.alpha) * effective
@@ -165,13 +177,17 @@ def test_zclip_scales_as_the_zclip_repository_at_every_step_and_across_a_checkpo
     drive(first, loss[:150], norm[:150])
     resumed = remedies.ZClip(cfg)
     resumed.load_state_dict(first.state_dict(), None, resume=True)
-    assert drive(resumed, loss[150:], norm[150:], start=150) == pytest.approx(want[150:], rel=1e-12, abs=0)
+    assert drive(resumed, loss[150:], norm[150:], start=150) == pytest.approx(
+        want[150:], rel=1e-12, abs=0
+    )
 
 
 def test_bad_remedy_keys_name_the_fix():
-    for keys, words in (({"skip_step_sigma": 6.0, "skip_step_window": 3}, "skip_step_window >= 4"),
-                        ({"spiky_loss_factor": 0.5}, "spiky_loss_factor=0.5 must be 0 (off) or > 1"),
-                        ({"zclip_z": 2.5, "zclip_alpha": 1.0}, "zclip_alpha in (0, 1)")):
+    for keys, words in (
+        ({"skip_step_sigma": 6.0, "skip_step_window": 3}, "skip_step_window >= 4"),
+        ({"spiky_loss_factor": 0.5}, "spiky_loss_factor=0.5 must be 0 (off) or > 1"),
+        ({"zclip_z": 2.5, "zclip_alpha": 1.0}, "zclip_alpha in (0, 1)"),
+    ):
         with pytest.raises(ValueError, match=re.escape(words)):
             stability_config.check(cfg_with(**keys))
 
@@ -187,20 +203,45 @@ WATCH = ["--spiky_loss_factor=10", "--spiky_loss_samples=10", "--zclip_z=2.5"]
 
 @pytest.fixture(scope="module")
 def run(corpus512):
-    base = ["--num_layers=2", "--hidden_size=64", "--num_attention_heads=4", "--seq_length=64", "--vocab_size=512",
-            "--micro_batch_size=8", "--global_batch_size=8", "--train_iters=30", "--lr=2e-3",
-            "--lr_warmup_samples=40", "--lr_decay_samples=1600", "--hidden_dropout=0", "--attention_dropout=0",
-            "--log_interval=1", "--eval_interval=1000", "--eval_iters=4", "--sample_tokens=0", "--save=none",
-            "--save_interval=none", f"--data_path={corpus512}"]
+    base = [
+        "--num_layers=2",
+        "--hidden_size=64",
+        "--num_attention_heads=4",
+        "--seq_length=64",
+        "--vocab_size=512",
+        "--micro_batch_size=8",
+        "--global_batch_size=8",
+        "--train_iters=30",
+        "--lr=2e-3",
+        "--lr_warmup_samples=40",
+        "--lr_decay_samples=1600",
+        "--hidden_dropout=0",
+        "--attention_dropout=0",
+        "--log_interval=1",
+        "--eval_interval=1000",
+        "--eval_iters=4",
+        "--sample_tokens=0",
+        "--save=none",
+        "--save_interval=none",
+        f"--data_path={corpus512}",
+    ]
     return lambda *extra: run_main(*base, *extra)
 
 
 def acted(out, name):
-    return [int(x.split("iteration ")[1].split(":")[0]) for x in out.splitlines() if x.startswith(f"remedy {name}:")]
+    return [
+        int(x.split("iteration ")[1].split(":")[0])
+        for x in out.splitlines()
+        if x.startswith(f"remedy {name}:")
+    ]
 
 
 def skipped(out):
-    return [i for i, f in log_fields(out).items() if f.get("number of skipped iterations", "0").strip() != "0"]
+    return [
+        i
+        for i, f in log_fields(out).items()
+        if f.get("number of skipped iterations", "0").strip() != "0"
+    ]
 
 
 @pytest.mark.slow
@@ -208,11 +249,15 @@ def test_each_remedy_acts_on_a_planted_lr_fault_and_none_on_a_clean_run(run):
     clean = run(*WATCH, "--skip_step_sigma=6", "--skip_step_window=20", "--skip_grad_norm_above=10")
     assert not [x for x in clean.splitlines() if x.startswith("remedy ")] and not skipped(clean)
     watched = run(*FAULT, *WATCH)
-    assert {i: v for i, v in losses(watched).items() if i <= 25} == {i: v for i, v in losses(clean).items() if i <= 25}
+    assert {i: v for i, v in losses(watched).items() if i <= 25} == {
+        i: v for i, v in losses(clean).items() if i <= 25
+    }
     assert acted(watched, "spiky_loss")[0] == 26 and "reproducible (Megatron" in watched
     assert acted(watched, "zclip")[0] == 26
     # dropout on: the re-run reproduces the loss only from the step's own RNG state
-    dropout = run(*FAULT, "--spiky_loss_factor=10", "--spiky_loss_samples=10", "--hidden_dropout=0.1")
+    dropout = run(
+        *FAULT, "--spiky_loss_factor=10", "--spiky_loss_samples=10", "--hidden_dropout=0.1"
+    )
     assert acted(dropout, "spiky_loss")[0] == 26 and "not reproducible" not in dropout
     skip_step = run(*FAULT, "--skip_step_sigma=6", "--skip_step_window=20")
     assert acted(skip_step, "skip_step")[0] == 26 and 26 in skipped(skip_step)

@@ -1,5 +1,6 @@
 """report.py knows no callback by name: a list a callback records (its decisions) accumulates
 over the iteration in metrics.jsonl, whatever its key; any other value is the iteration's last."""
+
 import json
 
 import report
@@ -15,8 +16,11 @@ def test_a_callbacks_list_accumulates_whatever_its_key(tmp_path):
     metrics.close()
     records = [json.loads(line) for line in path.read_text().splitlines()]
     assert records == [
-        {"iteration": 3, "spike guard": [{"rung": 1}, {"rung": 2}], "lm loss": 1.5,
-         "remedy shrink": [{"iteration": 3}, {"iteration": 3, "again": True}]},
+        {
+            "iteration": 3,
+            "spike guard": [{"rung": 1}, {"rung": 2}],
+            "lm loss": 1.5,
+            "remedy shrink": [{"iteration": 3}, {"iteration": 3, "again": True}],
+        },
         {"iteration": 4, "replica check": [{"reason": "a"}]},
     ]
-

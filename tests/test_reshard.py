@@ -7,6 +7,7 @@ that differ and 8-bit states across a TP change are refused with the parameter n
 End to end (torchrun): 6 iterations at TP2 x PP2, resumed at TP1 x PP1 and at DP2 with ZeRO-1: the losses
 follow a straight 12-iteration run within 1e-5.
 """
+
 import math
 import os
 
@@ -37,9 +38,19 @@ def test_slice_drops_and_repads_the_vocabulary():
     assert torch.equal(reshard.reslice(list(cols.chunk(3, 1)), 1, 6, 6, 2, 1), cols[:, 3:])
 
 
-CFG = ["--num_layers=4", "--hidden_size=32", "--num_attention_heads=4", "--seq_length=16", "--vocab_size=300",
-       "--embed_layernorm", "--position_embedding_type=alibi", "--train_iters=10", "--device=cpu",
-       "--micro_batch_size=2", "--global_batch_size=8"]
+CFG = [
+    "--num_layers=4",
+    "--hidden_size=32",
+    "--num_attention_heads=4",
+    "--seq_length=16",
+    "--vocab_size=300",
+    "--embed_layernorm",
+    "--position_embedding_type=alibi",
+    "--train_iters=10",
+    "--device=cpu",
+    "--micro_batch_size=2",
+    "--global_batch_size=8",
+]
 
 
 def _save_one_rank(save_dir, iteration, model_state, run_state, rank_state, write_model_state):
@@ -60,8 +71,16 @@ def _save_layout(directory, tp, pp, dp, zero_stage, cfg_args=(), mutate=None):
     """Write a checkpoint of a TP x PP x DP layout from this one process, rank by rank, through the trainer's
     own run_state.save (collectives are not needed: each rank only writes its files). The model is the
     deterministic init; every Adam state is made up from the weights so that a wrong mapping shows."""
-    cfg = arguments.load_config([*CFG, f"--tensor_model_parallel_size={tp}", f"--pipeline_model_parallel_size={pp}",
-                                 f"--zero_stage={zero_stage}", f"--save={directory}", *cfg_args])
+    cfg = arguments.load_config(
+        [
+            *CFG,
+            f"--tensor_model_parallel_size={tp}",
+            f"--pipeline_model_parallel_size={pp}",
+            f"--zero_stage={zero_stage}",
+            f"--save={directory}",
+            *cfg_args,
+        ]
+    )
     arguments.prepare(cfg, tp * pp * dp)
     saved, save = parallel.grid, checkpoint.save
     checkpoint.save = _save_one_rank
@@ -73,21 +92,35 @@ def _save_layout(directory, tp, pp, dp, zero_stage, cfg_args=(), mutate=None):
             inner = getattr(optimizer, "optimizer", optimizer)
             for group in inner.param_groups:
                 for p in group["params"]:
-                    inner.state[p] = {"step": 7, "exp_avg": p.detach() * 2, "exp_avg_sq": p.detach() ** 2}
+                    inner.state[p] = {
+                        "step": 7,
+                        "exp_avg": p.detach() * 2,
+                        "exp_avg_sq": p.detach() ** 2,
+                    }
             if mutate:
                 mutate(model, inner)
-            state = run_state.RunState(iteration=10, consumed_samples=80, consumed_tokens=1280,
-                                       scheduler_samples=80, scheduler_tokens=1280)
+            state = run_state.RunState(
+                iteration=10,
+                consumed_samples=80,
+                consumed_tokens=1280,
+                scheduler_samples=80,
+                scheduler_tokens=1280,
+            )
             plan = plan_of(cfg, parallel.grid.dp_size)
-            run_state.save(run_state.Parts(cfg, model, optimizer, plan,
-                                           optim.scaler_for(cfg), training.NO_CALLBACKS, state))
+            run_state.save(
+                run_state.Parts(
+                    cfg, model, optimizer, plan, optim.scaler_for(cfg), training.NO_CALLBACKS, state
+                )
+            )
     finally:
         parallel.grid, checkpoint.save = saved, save
 
 
 def _load_one_process(directory, *extra, tp=1, rank=0):
     """Load as one process, or as rank `rank` of a TP=tp layout (on paper: loading needs no collectives)."""
-    cfg = arguments.load_config([*CFG, f"--load={directory}", f"--tensor_model_parallel_size={tp}", *extra])
+    cfg = arguments.load_config(
+        [*CFG, f"--load={directory}", f"--tensor_model_parallel_size={tp}", *extra]
+    )
     arguments.prepare(cfg, tp)
     saved = parallel.grid
     parallel.grid = parallel.Grid(tp, 1, world_size=tp, rank=rank)
@@ -104,8 +137,9 @@ def _load(cfg):
         for p in model.parameters():
             p.zero_()
     optimizer = build_optimizer(cfg, model)
-    parts = run_state.Parts(cfg, model, optimizer, plan_of(cfg), optim.scaler_for(cfg),
-                            training.NO_CALLBACKS)
+    parts = run_state.Parts(
+        cfg, model, optimizer, plan_of(cfg), optim.scaler_for(cfg), training.NO_CALLBACKS
+    )
     run_state.load(parts)
     return model, optimizer, parts.state, reference
 
@@ -149,7 +183,9 @@ def test_bf16_fp32_masters_are_resharded_not_rounded(tmp_path):
         master = optimizer.main_param(p)
         assert master.dtype == torch.float32 and torch.equal(master[rows], want), name
         assert torch.equal(p[rows], want.to(torch.bfloat16)), name
-        assert torch.equal(optimizer.state[master]["exp_avg"][rows], 2 * reference[name][rows].float()), name
+        assert torch.equal(
+            optimizer.state[master]["exp_avg"][rows], 2 * reference[name][rows].float()
+        ), name
     assert not model.embed.word.weight[300:].any()
 
 
@@ -171,8 +207,11 @@ def test_replicated_copies_that_differ_are_refused(tmp_path):
                 model.blocks["0"].ln_1.weight[3] += 1e-3
 
     _save_layout(tmp_path, 2, 1, 1, zero_stage=0, mutate=drift)
-    with pytest.raises(ValueError, match=r"the weight of 'blocks.0.ln_1.weight' differs between TP rank 0 and TP "
-                                         r"rank 1"):
+    with pytest.raises(
+        ValueError,
+        match=r"the weight of 'blocks.0.ln_1.weight' differs between TP rank 0 and TP "
+        r"rank 1",
+    ):
         _load_one_process(tmp_path)
 
 
@@ -181,7 +220,9 @@ def test_8bit_states_are_refused_across_a_tp_change(tmp_path):
     _save_layout(tmp_path, 2, 1, 1, zero_stage=0, cfg_args=["--use_bnb_optimizer"])
     with pytest.raises(ValueError, match="8-bit optimizer states .* tensor_model_parallel_size=2"):
         _load_one_process(tmp_path, "--use_bnb_optimizer")
-    model, optimizer, _, reference = _load_one_process(tmp_path, "--use_bnb_optimizer", "--no_load_optim")
+    model, optimizer, _, reference = _load_one_process(
+        tmp_path, "--use_bnb_optimizer", "--no_load_optim"
+    )
     assert torch.equal(model.blocks["1"].mlp.fc1.weight, reference["blocks.1.mlp.fc1.weight"])
 
 
@@ -206,11 +247,22 @@ def test_resume_on_other_layouts_follows_the_straight_run(synthetic_corpus, tmp_
     # ALiBi and the embedding LayerNorm, BLOOM's model, with GPT-2's real vocabulary: padded to 50432 rows at TP=2
     # and to 50304 at TP=1, so the padding is dropped and redone (padded rows are masked out of the softmax).
     # Dropout is off: RNG streams do not survive a layout change.
-    args = [f"--data_path={synthetic_corpus}", "--position_embedding_type=alibi", "--train_iters=12",
-            "--vocab_size=50257"]
+    args = [
+        f"--data_path={synthetic_corpus}",
+        "--position_embedding_type=alibi",
+        "--train_iters=12",
+        "--vocab_size=50257",
+    ]
     straight = launch(tmp_path / "straight", 1, *args)
-    first = launch(tmp_path / "a", 4, *args, "--tensor_model_parallel_size=2", "--pipeline_model_parallel_size=2",
-                  f"--save={tmp_path / 'a'}", "--exit_interval=6")
+    first = launch(
+        tmp_path / "a",
+        4,
+        *args,
+        "--tensor_model_parallel_size=2",
+        "--pipeline_model_parallel_size=2",
+        f"--save={tmp_path / 'a'}",
+        "--exit_interval=6",
+    )
     _assert_follows(first, straight, range(1, 7))
     one = launch(tmp_path / "b", 1, *args, f"--load={tmp_path / 'a'}")
     assert "saved with TP=2 x PP=2 x DP=1, now TP=1 x PP=1 x DP=1" in one.out
@@ -221,14 +273,19 @@ def test_resume_on_other_layouts_follows_the_straight_run(synthetic_corpus, tmp_
 
 
 def test_tied_copies_that_differ_are_refused(tmp_path):
-    def drift(model, optimizer):  # lesson 11: the last stage's copy of the tied embedding left behind
+    def drift(
+        model, optimizer
+    ):  # lesson 11: the last stage's copy of the tied embedding left behind
         if parallel.grid.is_last_stage:
             with torch.no_grad():
                 model.output_weight[5, 3] += 1e-3
 
     _save_layout(tmp_path, 1, 2, 1, zero_stage=0, mutate=drift)
-    with pytest.raises(ValueError, match=r"the last stage's copy of the tied word embedding differs from the first "
-                                         r"stage's on TP rank 0 \(lesson 11\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"the last stage's copy of the tied word embedding differs from the first "
+        r"stage's on TP rank 0 \(lesson 11\)",
+    ):
         _load_one_process(tmp_path)
 
 
@@ -237,17 +294,24 @@ def test_deepspeed_optimizer_state_is_refused_in_both_directions(tmp_path):
     nor can a checkpoint be resharded into DeepSpeed's optimizer; no_load_optim takes the weights alone."""
     _save_layout(tmp_path, 2, 1, 1, zero_stage=0)
     tag_dir = tmp_path / "global_step10"
-    with pytest.raises(ValueError, match="resharding into DeepSpeed's optimizer is not supported: resume with the "
-                                         "saved layout, or set no_load_optim"):
+    with pytest.raises(
+        ValueError,
+        match="resharding into DeepSpeed's optimizer is not supported: resume with the "
+        "saved layout, or set no_load_optim",
+    ):
         cfg = arguments.load_config([*CFG, "--deepspeed", "--bf16", "--zero_stage=1"])
-        reshard.load(str(tag_dir), checkpoint.saved_topology(str(tag_dir)), GPT(cfg), None,
-                     deepspeed=True)
+        reshard.load(
+            str(tag_dir), checkpoint.saved_topology(str(tag_dir)), GPT(cfg), None, deepspeed=True
+        )
     for path in tag_dir.glob("mp_rank_*_model_states.pt"):  # as if saved with deepspeed=True
         blob = torch.load(path, weights_only=False)
         blob["run"]["config"]["deepspeed"] = True
         torch.save(blob, path)
-    with pytest.raises(ValueError, match="holds DeepSpeed's optimizer state, which cannot be resharded here; "
-                                         "resume with the saved layout, or set no_load_optim"):
+    with pytest.raises(
+        ValueError,
+        match="holds DeepSpeed's optimizer state, which cannot be resharded here; "
+        "resume with the saved layout, or set no_load_optim",
+    ):
         _load_one_process(tmp_path)
     model, _, _, reference = _load_one_process(tmp_path, "--no_load_optim")
     assert torch.equal(model.blocks["0"].mlp.fc1.weight, reference["blocks.0.mlp.fc1.weight"])

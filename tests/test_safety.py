@@ -1,4 +1,5 @@
 """Friendly and safe at the edges: --help, resuming without losing a run, SIGTERM, bad input, sampling, eval."""
+
 import errno
 import json
 import math
@@ -40,21 +41,32 @@ def ckpt(corpus, tmp_path_factory):
 
 def _copy(src, dst):
     import shutil
+
     shutil.copytree(src, dst)
     return dst
 
 
 def _files(directory):
-    return sorted(os.path.relpath(os.path.join(d, f), directory) for d, _, fs in os.walk(directory) for f in fs
-                  if "tensorboard" not in d)
+    return sorted(
+        os.path.relpath(os.path.join(d, f), directory)
+        for d, _, fs in os.walk(directory)
+        for f in fs
+        if "tensorboard" not in d
+    )
 
 
 # -- 1. --help --------------------------------------------------------------------------------------------------
 
 
 def test_help_lists_every_key_with_type_default_and_meaning_without_importing_torch():
-    proc = subprocess.run([sys.executable, "-X", "importtime", "train.py", "--help"], cwd=ROOT, env=ENV,
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-X", "importtime", "train.py", "--help"],
+        cwd=ROOT,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert not re.search(r"\|\s+torch$", proc.stderr, re.M), "--help imported torch"
     out = proc.stdout
@@ -92,12 +104,17 @@ def test_rerun_resumes_from_save_and_never_moves_latest_back(ckpt, tmp_path):
     assert _latest(directory) == "global_step3" and _files(directory) == before
 
 
-@pytest.mark.parametrize("change, message", [
-    (["--num_attention_heads=2"], "num_attention_heads 4 (checkpoint) vs 2 (now)"),
-    (["--activation=relu"], "activation 'gelu' (checkpoint) vs 'relu' (now)"),
-    (["--num_layers=3", "--seq_length=32"], "num_layers 2 (checkpoint) vs 3 (now), seq_length 64 (checkpoint) vs "
-                                            "32 (now)"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (["--num_attention_heads=2"], "num_attention_heads 4 (checkpoint) vs 2 (now)"),
+        (["--activation=relu"], "activation 'gelu' (checkpoint) vs 'relu' (now)"),
+        (
+            ["--num_layers=3", "--seq_length=32"],
+            "num_layers 2 (checkpoint) vs 3 (now), seq_length 64 (checkpoint) vs 32 (now)",
+        ),
+    ],
+)
 def test_resume_with_another_model_is_refused_before_loading(ckpt, change, message):
     before = _files(ckpt)
     with pytest.raises(ValueError, match=re.escape(message)):
@@ -108,7 +125,10 @@ def test_resume_with_another_model_is_refused_before_loading(ckpt, change, messa
 def test_another_model_exits_2_with_one_line(ckpt):
     proc = run_cli(*SMALL, "--train_iters=4", f"--load={ckpt}", "--num_layers=3", expect_ok=False)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert proc.stderr.strip().splitlines() == [proc.stderr.strip()] and "num_layers 2 (checkpoint)" in proc.stderr
+    assert (
+        proc.stderr.strip().splitlines() == [proc.stderr.strip()]
+        and "num_layers 2 (checkpoint)" in proc.stderr
+    )
 
 
 def test_missing_load_directory_is_an_error(corpus, tmp_path):
@@ -119,9 +139,22 @@ def test_missing_load_directory_is_an_error(corpus, tmp_path):
 @pytest.mark.slow
 def test_sigterm_saves_and_exits_0_then_the_rerun_resumes(corpus, tmp_path):
     """A real SIGTERM to a training process (what SLURM sends before its time limit)."""
-    proc = subprocess.Popen([sys.executable, "train.py", *SMALL, "--train_iters=1000", f"--save={tmp_path}",
-                             "--exit_signal_handler", "--eval_iters=0"], cwd=ROOT, env=ENV, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "train.py",
+            *SMALL,
+            "--train_iters=1000",
+            f"--save={tmp_path}",
+            "--exit_signal_handler",
+            "--eval_iters=0",
+        ],
+        cwd=ROOT,
+        env=ENV,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     lines = []
     try:
         for line in proc.stdout:
@@ -149,9 +182,25 @@ def test_only_the_tiny_default_trains_on_the_bundled_corpus(tmp_path):
         arguments.validate(arguments.load_config([gpt2]))
     arguments.validate(arguments.load_config([gpt2]), reads_data=False)  # bench.py: random tokens
     arguments.validate(arguments.load_config([]))  # config/tiny.py
-    proc = subprocess.run([sys.executable, "tools/show_samples.py", "config/tr8b_104b.py", "--iterations",
-                           "13251-13260"], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and "sets no data_path" in proc.stderr and "Traceback" not in proc.stderr
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "tools/show_samples.py",
+            "config/tr8b_104b.py",
+            "--iterations",
+            "13251-13260",
+        ],
+        cwd=ROOT,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert (
+        proc.returncode == 2
+        and "sets no data_path" in proc.stderr
+        and "Traceback" not in proc.stderr
+    )
 
 
 def test_warns_when_the_data_repeats_many_epochs(corpus, capsys):
@@ -160,7 +209,9 @@ def test_warns_when_the_data_repeats_many_epochs(corpus, capsys):
     loader.check_data(cfg.split, context, [corpus], train_samples=100)
     assert "warning" not in capsys.readouterr().out
     loader.check_data(cfg.split, context, [corpus], train_samples=200_000)
-    assert re.search(r"warning: this run goes over the train split of .* \d+\.\d times", capsys.readouterr().out)
+    assert re.search(
+        r"warning: this run goes over the train split of .* \d+\.\d times", capsys.readouterr().out
+    )
 
 
 # -- 4. use the model ---------------------------------------------------------------------------------------------
@@ -169,8 +220,12 @@ def test_warns_when_the_data_repeats_many_epochs(corpus, capsys):
 def test_eval_only_prints_validation_and_writes_nothing(ckpt):
     before = _files(ckpt)
     out = run_main(*SMALL, "--train_iters=2", f"--load={ckpt}", f"--save={ckpt}", "--eval_only")
-    m = re.search(r"validation loss at iteration 2 \| lm loss value: (\S+) \| lm loss PPL: (\S+) \|", out)
-    assert m and abs(float(m.group(2)) - torch.tensor(float(m.group(1))).exp().item()) < 1e-3 * float(m.group(2))
+    m = re.search(
+        r"validation loss at iteration 2 \| lm loss value: (\S+) \| lm loss PPL: (\S+) \|", out
+    )
+    assert m and abs(
+        float(m.group(2)) - torch.tensor(float(m.group(1))).exp().item()
+    ) < 1e-3 * float(m.group(2))
     # no training iteration, nothing written
     assert log_fields(out) == {} and _files(ckpt) == before
 
@@ -181,17 +236,39 @@ def test_eval_only_without_a_checkpoint_is_an_error(corpus, tmp_path):
 
 
 def test_sample_tool_continues_the_prompt(ckpt):
-    proc = subprocess.run([sys.executable, "tools/sample.py", "--load", str(ckpt), "--prompt", "ROMEO:",
-                           "--max_tokens", "5", "--seed", "3"], cwd=ROOT, env=ENV, capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "tools/sample.py",
+            "--load",
+            str(ckpt),
+            "--prompt",
+            "ROMEO:",
+            "--max_tokens",
+            "5",
+            "--seed",
+            "3",
+        ],
+        cwd=ROOT,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     tok = data.get_tokenizer()
     assert proc.stdout.startswith("ROMEO:") and len(tok.encode(proc.stdout.rstrip("\n"))) >= 4
 
 
 def test_sample_prompt_key(ckpt, tmp_path):
-    out = run_main(*SMALL, "--train_iters=3", f"--save={_copy(ckpt, tmp_path / 'r')}", "--sample_tokens=3",
-                   "--sample_prompt=JULIET:", "--eval_iters=0")
+    out = run_main(
+        *SMALL,
+        "--train_iters=3",
+        f"--save={_copy(ckpt, tmp_path / 'r')}",
+        "--sample_tokens=3",
+        "--sample_prompt=JULIET:",
+        "--eval_iters=0",
+    )
     assert re.search(r"-+ sample -+\nJULIET:", out)
 
 
@@ -200,6 +277,7 @@ def test_sample_prompt_key(ckpt, tmp_path):
 
 def test_tensorboard_scalars_against_samples_and_tokens(corpus, tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     out = run_main(*SMALL, "--train_iters=2", f"--tensorboard_dir={tmp_path}", "--eval_iters=0")
     events = EventAccumulator(str(tmp_path))
     events.Reload()
@@ -218,12 +296,15 @@ def test_tensorboard_scalars_against_samples_and_tokens(corpus, tmp_path):
 # -- 8. bad input -------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["--lr=inf"], "lr=inf is not a finite number"),
-    (["--global_batch_size=0"], "global_batch_size=0 must be positive"),
-    (["--micro_batch_size=0"], "micro_batch_size=0 must be positive"),
-    (["--train_iters=-5"], "train_iters=-5 must be positive"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["--lr=inf"], "lr=inf is not a finite number"),
+        (["--global_batch_size=0"], "global_batch_size=0 must be positive"),
+        (["--micro_batch_size=0"], "micro_batch_size=0 must be positive"),
+        (["--train_iters=-5"], "train_iters=-5 must be positive"),
+    ],
+)
 def test_values_that_cannot_work(overrides, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         arguments.validate(arguments.load_config(overrides))
@@ -272,10 +353,17 @@ def test_disk_full_during_save_cleans_up(corpus, tmp_path, monkeypatch):
     torch_save = torch.save
     monkeypatch.setattr(checkpoint.torch, "save", full_disk)
     with pytest.raises(ValueError, match="no space left on device"):
-        run_main(*SMALL, "--train_iters=2", "--save_interval=1", f"--save={tmp_path}", "--eval_iters=0")
+        run_main(
+            *SMALL, "--train_iters=2", "--save_interval=1", f"--save={tmp_path}", "--eval_iters=0"
+        )
     assert _latest(tmp_path) == "global_step1"
     # no .partial, no lock; metrics.jsonl and TensorBoard's events are the run's logs, not checkpoint debris
-    assert sorted(os.listdir(tmp_path)) == ["global_step1", "latest", "metrics.jsonl", "tensorboard"]
+    assert sorted(os.listdir(tmp_path)) == [
+        "global_step1",
+        "latest",
+        "metrics.jsonl",
+        "tensorboard",
+    ]
 
 
 def _dead_pid():
@@ -284,17 +372,22 @@ def _dead_pid():
     return proc.pid
 
 
-@pytest.mark.parametrize("holder, refused", [
-    ({"host": socket.gethostname(), "pid": os.getpid()}, True),  # a live run on this host
-    ({"host": "another-node", "pid": 1}, True),  # cannot tell: refuse
-    ({"host": socket.gethostname(), "pid": None}, False),  # stale: a dead process on this host
-])
+@pytest.mark.parametrize(
+    "holder, refused",
+    [
+        ({"host": socket.gethostname(), "pid": os.getpid()}, True),  # a live run on this host
+        ({"host": "another-node", "pid": 1}, True),  # cannot tell: refuse
+        ({"host": socket.gethostname(), "pid": None}, False),  # stale: a dead process on this host
+    ],
+)
 def test_one_run_per_save_directory(corpus, tmp_path, holder, refused):
     if holder["pid"] is None:
         holder["pid"] = _dead_pid()
     (tmp_path / "lock").write_text(json.dumps({**holder, "since": "2026-01-01 00:00:00"}))
     if refused:
-        with pytest.raises(ValueError, match=f"in use by another run \\(host {holder['host']} pid {holder['pid']}"):
+        with pytest.raises(
+            ValueError, match=f"in use by another run \\(host {holder['host']} pid {holder['pid']}"
+        ):
             run_main(*SMALL, "--train_iters=1", f"--save={tmp_path}")
         assert not os.path.exists(tmp_path / "latest")
     else:
@@ -303,15 +396,33 @@ def test_one_run_per_save_directory(corpus, tmp_path, holder, refused):
         assert not os.path.exists(tmp_path / "lock")  # released at the end
 
 
-@pytest.mark.parametrize("content, message", [
-    ("", "no text in"),
-    ('{"text": "fine"}\nnot json\n', "expected a JSON object"),
-])
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ("", "no text in"),
+        ('{"text": "fine"}\nnot json\n', "expected a JSON object"),
+    ],
+)
 def test_data_py_bad_input(tmp_path, content, message):
     path = tmp_path / "in.jsonl"
     path.write_text(content)
-    proc = subprocess.run([sys.executable, "data.py", "--input", str(path), "--output-prefix", str(tmp_path / "out"),
-                           "--workers", "1"], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "data.py",
+            "--input",
+            str(path),
+            "--output-prefix",
+            str(tmp_path / "out"),
+            "--workers",
+            "1",
+        ],
+        cwd=ROOT,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr
     assert not [p for p in os.listdir(tmp_path) if p.startswith("out")]
 
@@ -326,7 +437,10 @@ def test_deterministic_switch(corpus, tmp_path, monkeypatch):
     try:
         run_main(*SMALL, "--train_iters=1", "--deterministic", "--eval_iters=0")
         assert torch.are_deterministic_algorithms_enabled()
-        assert os.environ["MKL_CBWR"] == "AUTO,STRICT" and os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+        assert (
+            os.environ["MKL_CBWR"] == "AUTO,STRICT"
+            and os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+        )
     finally:
         torch.use_deterministic_algorithms(False)
 
@@ -339,11 +453,14 @@ def _workers_agree_when_to_exit():
 
     import parallel
     import safety
+
     rank = parallel.grid.rank
     exit_signal = safety.ExitSignal(True)
     try:
         assert exit_signal() is False
-        if rank == 1:  # torchrun forwards SIGTERM to every worker, but they need not get it in the same iteration
+        if (
+            rank == 1
+        ):  # torchrun forwards SIGTERM to every worker, but they need not get it in the same iteration
             os.kill(os.getpid(), signal.SIGTERM)
         assert exit_signal() == "SIGTERM", rank
     finally:
@@ -373,6 +490,7 @@ def test_the_documented_slurm_signal_asks_to_save_and_exit(signum, capsys):
     the time limit's SIGTERM still counts, and the log names the one that came (not "SIGTERM" for a SIGUSR1).
     The previous handlers come back at the end."""
     import safety
+
     before = {s: signal.getsignal(s) for s in safety.ExitSignal.SIGNALS}
     exit_signal = safety.ExitSignal(True)
     try:
@@ -384,12 +502,22 @@ def test_the_documented_slurm_signal_asks_to_save_and_exit(signum, capsys):
     finally:
         exit_signal.restore()
     assert {s: signal.getsignal(s) for s in safety.ExitSignal.SIGNALS} == before
-    said = [line for line in capsys.readouterr().out.splitlines() if line.startswith("exit_signal_handler:")]
-    assert said == [f"exit_signal_handler: {signal.Signals(signum).name} received; saving and exiting at the end of "
-                    "this iteration"]
+    said = [
+        line
+        for line in capsys.readouterr().out.splitlines()
+        if line.startswith("exit_signal_handler:")
+    ]
+    assert said == [
+        f"exit_signal_handler: {signal.Signals(signum).name} received; saving and exiting at the end of "
+        "this iteration"
+    ]
     with open(os.path.join(ROOT, "docs", "parallelism.md")) as f:
         doc = f.read()
-    assert "#SBATCH --signal=USR1@600" in doc and "--exit_signal_handler" in doc and "--kill-on-bad-exit=1" in doc
+    assert (
+        "#SBATCH --signal=USR1@600" in doc
+        and "--exit_signal_handler" in doc
+        and "--kill-on-bad-exit=1" in doc
+    )
 
 
 def _one_rank_scans_for_the_largest_id(prefix):
@@ -397,6 +525,7 @@ def _one_rank_scans_for_the_largest_id(prefix):
 
     import data
     import parallel
+
     scans = []
     scan = data.max_token_id
     data.max_token_id = lambda indexed: scans.append(indexed.prefix) or scan(indexed)

@@ -1,4 +1,5 @@
 """The run's plan (schedule.py): the length of training, the LR shapes of the registry, warm-up-stable-decay."""
+
 import math
 import re
 
@@ -19,15 +20,23 @@ def plan(*argv):
 def test_train_samples_that_fill_whole_batches_run_every_batch(samples, iterations):
     """Megatron's update_train_iters: 96 samples of 8 are 12 iterations (a `>=` for `>` in Schedule.done stops at
     11); a last batch that would go past train_samples is not run."""
-    p = plan("--train_iters=none", f"--train_samples={samples}", "--global_batch_size=8", "--micro_batch_size=8",
-             "--lr_warmup_samples=0")
+    p = plan(
+        "--train_iters=none",
+        f"--train_samples={samples}",
+        "--global_batch_size=8",
+        "--micro_batch_size=8",
+        "--lr_warmup_samples=0",
+    )
     assert p.total_iters == iterations and p.total_samples == 8 * iterations
 
 
 def test_cosine_and_linear_are_the_expression_megatron_computes_bit_for_bit():
     """Checkpoints and resumes are compared byte for byte: the registry must not reorder a float operation."""
     mx, mn, warmup, decay = 6e-5, 6e-6, 216_320, 126_953_125
-    for style, coeff in (("cosine", lambda r: 0.5 * (math.cos(math.pi * r) + 1.0)), ("linear", lambda r: 1.0 - r)):
+    for style, coeff in (
+        ("cosine", lambda r: 0.5 * (math.cos(math.pi * r) + 1.0)),
+        ("linear", lambda r: 1.0 - r),
+    ):
         s = AnnealingLR(mx, mn, style, warmup_samples=warmup, decay_samples=decay)
         for samples in range(warmup + 1, decay + 1, 999_983):
             ratio = (samples - warmup) / (decay - warmup)
@@ -35,24 +44,36 @@ def test_cosine_and_linear_are_the_expression_megatron_computes_bit_for_bit():
     assert AnnealingLR(mx, mn, "constant", warmup_samples=warmup).get_lr(10**9, 0) == mx
 
 
-@pytest.mark.parametrize("anneal, middle", [
-    ("linear", 0.1 + 0.5 * 0.9),
-    ("cosine", 0.1 + 0.5 * 0.9),
-    ("exponential", 0.1 + (math.sqrt(2) - 1) * 0.9),  # 2 * 0.5^0.5 - 1
-    ("minus_sqrt", 0.1 + (1 - math.sqrt(0.5)) * 0.9),
-])
+@pytest.mark.parametrize(
+    "anneal, middle",
+    [
+        ("linear", 0.1 + 0.5 * 0.9),
+        ("cosine", 0.1 + 0.5 * 0.9),
+        ("exponential", 0.1 + (math.sqrt(2) - 1) * 0.9),  # 2 * 0.5^0.5 - 1
+        ("minus_sqrt", 0.1 + (1 - math.sqrt(0.5)) * 0.9),
+    ],
+)
 def test_wsd_warms_up_holds_then_anneals_over_its_last_samples(anneal, middle):
     """lr 1, min_lr 0.1, warm-up 100 samples, decay window to 1100 samples whose last 200 anneal (Megatron's
     --lr-wsd-decay-samples 200): the anneal starts at 900 and is half way at 1000."""
-    s = AnnealingLR(1.0, 0.1, "wsd", warmup_samples=100, decay_samples=1100, wsd_decay_samples=200,
-                    wsd_decay_style=anneal)
+    s = AnnealingLR(
+        1.0,
+        0.1,
+        "wsd",
+        warmup_samples=100,
+        decay_samples=1100,
+        wsd_decay_samples=200,
+        wsd_decay_style=anneal,
+    )
     assert s.get_lr(50, 0) == 0.5  # the warm-up is the other shapes'
     assert s.get_lr(100, 0) == 1.0
     assert s.get_lr(500, 0) == 1.0 and s.get_lr(899, 0) == 1.0  # stable
     assert 0.1 < s.get_lr(901, 0) < 1.0
     assert s.get_lr(1000, 0) == pytest.approx(middle, rel=1e-12)
     assert s.get_lr(1100, 0) == pytest.approx(0.1, abs=1e-15) and s.get_lr(5000, 0) == 0.1
-    assert "exponential" in schedule.WSD_ANNEALS and s.describe().endswith("last 200 of 1100 samples")
+    assert "exponential" in schedule.WSD_ANNEALS and s.describe().endswith(
+        "last 200 of 1100 samples"
+    )
 
 
 def test_wsd_from_the_config_and_its_refusals():
@@ -61,8 +82,10 @@ def test_wsd_from_the_config_and_its_refusals():
     assert p.lr_schedule.decay_samples == 16_000
     for argv, message in [
         (["--lr_decay_style=wsd"], "lr_decay_style='wsd' needs lr_wsd_decay_samples"),
-        (["--lr_decay_style=wsd", "--lr_wsd_decay_samples=100", "--lr_wsd_decay_style=step"],
-         "lr_wsd_decay_style='step' is not one of exponential, linear, cosine, minus_sqrt"),
+        (
+            ["--lr_decay_style=wsd", "--lr_wsd_decay_samples=100", "--lr_wsd_decay_style=step"],
+            "lr_wsd_decay_style='step' is not one of exponential, linear, cosine, minus_sqrt",
+        ),
     ]:
         with pytest.raises(ValueError, match=re.escape(message)):
             arguments.validate(arguments.load_config(argv))
@@ -72,8 +95,16 @@ def test_wsd_from_the_config_and_its_refusals():
 
 def test_wsd_is_checked_on_resume_and_other_shapes_save_what_they_saved():
     cosine = AnnealingLR(1.0, 0.1, "cosine", warmup_samples=100, decay_samples=1100)
-    assert set(cosine.state_dict()) == {"max_lr", "min_lr", "warmup_samples", "warmup_tokens", "decay_samples",
-                                        "decay_tokens", "decay_style", "warmup_end_tokens"}
+    assert set(cosine.state_dict()) == {
+        "max_lr",
+        "min_lr",
+        "warmup_samples",
+        "warmup_tokens",
+        "decay_samples",
+        "decay_tokens",
+        "decay_style",
+        "warmup_end_tokens",
+    }
     wsd = dict(max_lr=1.0, min_lr=0.1, decay_style="wsd", warmup_samples=100, decay_samples=1100)
     saved = AnnealingLR(**wsd, wsd_decay_samples=200).state_dict()
     with pytest.raises(ValueError, match="for wsd decay samples do not match"):

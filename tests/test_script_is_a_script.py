@@ -6,6 +6,7 @@ library code in the script. Tests drive the library (`training`, `builders`, `sa
 goes on the module train.py looks the name up on: training.train_step, training.evaluate) or the
 command line.
 """
+
 import ast
 import os
 
@@ -41,14 +42,21 @@ def script_uses(source):
                         binding.add(v)
     found = []
     for node in ast.walk(tree):
-        named = isinstance(node, (ast.Name, ast.Attribute)) and isinstance(node.ctx, ast.Load) and \
-            ast.unparse(node) in bound
+        named = (
+            isinstance(node, (ast.Name, ast.Attribute))
+            and isinstance(node.ctx, ast.Load)
+            and ast.unparse(node) in bound
+        )
         if not (named or _runs_the_script(node)) or node in binding:  # a binding: its name's uses
             continue
         parent = parents.get(node)
-        main = isinstance(parent, ast.Subscript) and parent.value is node and \
-            isinstance(parent.ctx, ast.Load) and isinstance(parent.slice, ast.Constant) and \
-            parent.slice.value == "main"
+        main = (
+            isinstance(parent, ast.Subscript)
+            and parent.value is node
+            and isinstance(parent.ctx, ast.Load)
+            and isinstance(parent.slice, ast.Constant)
+            and parent.slice.value == "main"
+        )
         if not main:
             found.append((node.lineno, ast.unparse(parent if parent is not None else node)))
     return found
@@ -69,23 +77,29 @@ def test_no_test_reaches_into_the_script_but_for_its_main():
             uses = script_uses(f.read())
         if uses:
             found[rel] = uses
-    assert not found, (f"tests using train.py's namespace for more than its main: {found}; spy "
-                       "on the module train.py calls (training.train_step, training.evaluate) or "
-                       "drive the library directly")
+    assert not found, (
+        f"tests using train.py's namespace for more than its main: {found}; spy "
+        "on the module train.py calls (training.train_step, training.evaluate) or "
+        "drive the library directly"
+    )
 
 
 def test_the_check_catches_each_way_in():
-    ok = ('main = train_script()["main"]\n'
-          'train_script()["main"](["--train_iters=1"])\n'
-          'runpy.run_path("train.py", run_name="train_script")["main"](sys.argv[1:])\n'
-          'script = train_script()\nscript["main"]([])\n'
-          'self.main, other = train_script()["main"], 1\n')
+    ok = (
+        'main = train_script()["main"]\n'
+        'train_script()["main"](["--train_iters=1"])\n'
+        'runpy.run_path("train.py", run_name="train_script")["main"](sys.argv[1:])\n'
+        'script = train_script()\nscript["main"]([])\n'
+        'self.main, other = train_script()["main"], 1\n'
+    )
     assert script_uses(ok) == []
-    bad = {'f = train_script()["exit_reason"]': 1,
-           'script = train_script()\nscript["train_step"] = spy\nscript["main"]([])': 1,
-           'self.script, x = helpers.train_script(), 1\nowners = {"train_step": self.script}': 1,
-           'ns = runpy.run_path("train.py")\nns.get("run")': 1,
-           'run_with(train_script(), [])': 1,
-           'script = train_script()\nvars(script)\nscript["evaluate"] = e': 2}
+    bad = {
+        'f = train_script()["exit_reason"]': 1,
+        'script = train_script()\nscript["train_step"] = spy\nscript["main"]([])': 1,
+        'self.script, x = helpers.train_script(), 1\nowners = {"train_step": self.script}': 1,
+        'ns = runpy.run_path("train.py")\nns.get("run")': 1,
+        "run_with(train_script(), [])": 1,
+        'script = train_script()\nvars(script)\nscript["evaluate"] = e': 2,
+    }
     for source, count in bad.items():
         assert len(script_uses(source)) == count, (source, script_uses(source))

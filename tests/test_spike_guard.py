@@ -2,6 +2,7 @@
 
 End-to-end runs use a 512-token vocabulary (the bundled corpus's ids mod 512): the guard watches losses and
 grad norms, which do not depend on the vocabulary, and a run is then a few seconds."""
+
 import copy
 import json
 import math
@@ -26,8 +27,14 @@ from stability.diagnosis import Veto
 from stability.faults import Faults
 from training import agree, whole_step
 
-GUARD = ["--spike_guard", "--spike_guard_window=20", "--spike_guard_min_steps=10", "--spike_guard_rewind=3",
-         "--spike_guard_skip_after=2", "--spike_guard_snapshot_interval=5"]
+GUARD = [
+    "--spike_guard",
+    "--spike_guard_window=20",
+    "--spike_guard_min_steps=10",
+    "--spike_guard_rewind=3",
+    "--spike_guard_skip_after=2",
+    "--spike_guard_snapshot_interval=5",
+]
 BAD = ["--inject_bad_batch_iters=40-45"]
 # (the subject is the loss's spike and its rollback: the weights' move per update, which meets the LR at the snapshot
 # of 40 first, off; test_guard_update_size.py is its)
@@ -40,16 +47,34 @@ FLIP_WEIGHT = ["--inject_bitflip_iters=30-30", "--inject_bitflip_target=weight"]
 def run(corpus512, tmp_path_factory):
     """run(name, *extra) -> stdout of a 60-iteration run; cached by name, so tests share the runs."""
     cache = {}
-    base = ["--num_layers=2", "--hidden_size=64", "--num_attention_heads=4", "--seq_length=64", "--vocab_size=512",
-            "--micro_batch_size=8", "--global_batch_size=8", "--train_iters=60", "--lr=2e-3",
-            "--lr_warmup_samples=40", "--lr_decay_samples=1600", "--hidden_dropout=0", "--attention_dropout=0",
-            "--log_interval=1", "--eval_interval=1000", "--eval_iters=4", "--sample_tokens=0", "--save=none",
-            "--save_interval=none", f"--data_path={corpus512}"]
+    base = [
+        "--num_layers=2",
+        "--hidden_size=64",
+        "--num_attention_heads=4",
+        "--seq_length=64",
+        "--vocab_size=512",
+        "--micro_batch_size=8",
+        "--global_batch_size=8",
+        "--train_iters=60",
+        "--lr=2e-3",
+        "--lr_warmup_samples=40",
+        "--lr_decay_samples=1600",
+        "--hidden_dropout=0",
+        "--attention_dropout=0",
+        "--log_interval=1",
+        "--eval_interval=1000",
+        "--eval_iters=4",
+        "--sample_tokens=0",
+        "--save=none",
+        "--save_interval=none",
+        f"--data_path={corpus512}",
+    ]
 
     def get(name, *extra):
         if name not in cache:
             cache[name] = run_main(*base, *extra)
         return cache[name]
+
     get.dir, get.base = tmp_path_factory.mktemp("runs"), base
     return get
 
@@ -74,8 +99,9 @@ def test_clean_run_never_triggers_the_guard_and_is_unchanged_by_it_and_by_teleme
     save = str(run.dir / "clean_guarded")
     guarded = run("clean_guarded", *GUARD, "--telemetry_interval=10", f"--save={save}")
     assert guard_lines(guarded) == []
-    assert {i: f["lm loss"] for i, f in log_fields(guarded).items()} == \
-        {i: f["lm loss"] for i, f in log_fields(clean).items()}
+    assert {i: f["lm loss"] for i, f in log_fields(guarded).items()} == {
+        i: f["lm loss"] for i, f in log_fields(clean).items()
+    }
     assert validation(guarded) == validation(clean)
 
 
@@ -84,25 +110,50 @@ def test_bad_batches_spike_and_the_guard_skips_rolls_back_and_recovers(run):
     # the injected batches spike
     assert all(loss(bad, i) > 1.15 * loss(clean, i) for i in range(40, 46))
     lines = guard_lines(guarded)
-    assert any(re.match(r"spike guard: iteration 40: loss .* spreads above it; data-driven: replayed: .*, "
-                        r"reproduced; the batch on the model of iteration 35: .*the batch is the outlier: update "
-                        r"skipped \(spike 1 of 3", x) for x in lines), lines
-    assert any(re.match(r"spike guard: iteration 42: .*: roll back to before iteration 37 and skip iterations "
-                        r"37-44$", x) for x in lines), lines
+    assert any(
+        re.match(
+            r"spike guard: iteration 40: loss .* spreads above it; data-driven: replayed: .*, "
+            r"reproduced; the batch on the model of iteration 35: .*the batch is the outlier: update "
+            r"skipped \(spike 1 of 3",
+            x,
+        )
+        for x in lines
+    ), lines
+    assert any(
+        re.match(
+            r"spike guard: iteration 42: .*: roll back to before iteration 37 and skip iterations "
+            r"37-44$",
+            x,
+        )
+        for x in lines
+    ), lines
     assert "spike guard: rolled back to iteration 35; iterations 37-44 will be skipped" in lines
     # the bad samples, named
     assert any(x.startswith("spike guard: iteration 40: sample 3") for x in lines)
-    assert " iteration       37/      60 | skipped (spike guard): samples 288-295 not used |" in guarded
+    assert (
+        " iteration       37/      60 | skipped (spike guard): samples 288-295 not used |"
+        in guarded
+    )
     assert abs(validation(guarded) / validation(clean) - 1) < 0.02
 
 
 def test_lr_spike_diverges_unguarded_and_the_guard_rolls_back_without_skipping_data(run):
-    clean, spiked, guarded = run("clean"), run("lr", *LR_SPIKE), run("lr_guarded", *LR_SPIKE, *GUARD)
+    clean, spiked, guarded = (
+        run("clean"),
+        run("lr", *LR_SPIKE),
+        run("lr_guarded", *LR_SPIKE, *GUARD),
+    )
     assert loss(spiked, 60) > 2 * loss(spiked, 39)
     lines = guard_lines(guarded)
-    assert any(re.match(r"spike guard: iteration 41: .*; optimizer-driven: replayed: .*, reproduced; the batch on "
-                        r"the model of iteration 35: .*the batch is ordinary, the weights are not: roll back to "
-                        r"before iteration 40 and skip no data$", x) for x in lines), lines
+    assert any(
+        re.match(
+            r"spike guard: iteration 41: .*; optimizer-driven: replayed: .*, reproduced; the batch on "
+            r"the model of iteration 35: .*the batch is ordinary, the weights are not: roll back to "
+            r"before iteration 40 and skip no data$",
+            x,
+        )
+        for x in lines
+    ), lines
     # the samples named are the batch's, not decisions
     decisions = [x for x in lines if ": sample " not in x]
     assert decisions[1] == "spike guard: rolled back to iteration 35" and len(decisions) == 2
@@ -114,39 +165,60 @@ def test_lr_spike_diverges_unguarded_and_the_guard_rolls_back_without_skipping_d
 def test_a_bit_flip_is_retried_as_a_transient_fault_and_the_run_is_the_clean_one(run):
     clean, guarded = run("clean"), run("flip_guarded", *FLIP, *GUARD)
     lines = guard_lines(guarded)
-    assert re.match(r"spike guard: iteration 30: injected a bit flip into gradient element \d+ on rank 0: \S+e\+3",
-                    lines[0]), lines
-    assert re.match(r"spike guard: iteration 30: DP rank 0 is global rank 0 on host ", lines[1]), lines
-    assert re.match(r"spike guard: iteration 30: hardware/transient fault on DP rank 0: first loss \S+, grad norm "
-                    r"\S+e\+\d\d; replayed: .*, not reproduced: step retried and applied; no data skipped, LR "
-                    r"unchanged \(fault 1 of 3 on DP rank 0 before a stop\)$", lines[2]), lines
+    assert re.match(
+        r"spike guard: iteration 30: injected a bit flip into gradient element \d+ on rank 0: \S+e\+3",
+        lines[0],
+    ), lines
+    assert re.match(r"spike guard: iteration 30: DP rank 0 is global rank 0 on host ", lines[1]), (
+        lines
+    )
+    assert re.match(
+        r"spike guard: iteration 30: hardware/transient fault on DP rank 0: first loss \S+, grad norm "
+        r"\S+e\+\d\d; replayed: .*, not reproduced: step retried and applied; no data skipped, LR "
+        r"unchanged \(fault 1 of 3 on DP rank 0 before a stop\)$",
+        lines[2],
+    ), lines
     assert len(lines) == 3  # no rollback, no skip, no LR cut
-    assert {i: f["lm loss"] for i, f in log_fields(guarded).items()} == \
-        {i: f["lm loss"] for i, f in log_fields(clean).items()}
+    assert {i: f["lm loss"] for i, f in log_fields(guarded).items()} == {
+        i: f["lm loss"] for i, f in log_fields(clean).items()
+    }
     assert validation(guarded) == validation(clean)
     unguarded = run("flip", *FLIP)
     # the flip does harm when nobody retries the step
     assert validation(unguarded) != validation(clean)
 
 
-def test_a_weight_bit_flip_is_hardware_and_rolled_back_without_skipping_data_and_the_run_is_the_clean_one(run):
+def test_a_weight_bit_flip_is_hardware_and_rolled_back_without_skipping_data_and_the_run_is_the_clean_one(
+    run,
+):
     """A flipped weight is in the state: the next step spikes and its replay, from the same weights, reproduces it.
     The weights moved farther than Adam can move them since the snapshot: hardware, rolled back, no data skipped."""
     clean, guarded = run("clean"), run("flip_weight_guarded", *FLIP_WEIGHT, *GUARD)
     lines = guard_lines(guarded)
-    assert re.match(r"spike guard: iteration 30: injected a bit flip into weight element \d+ on rank 0: \S+e\+3",
-                    lines[0]), lines
-    assert re.match(r"spike guard: iteration 31: on rank 0, weight \S+\[\d+\] is \S+e\+3\d, was \S+ at iteration "
-                    r"25$", lines[1]), lines
-    assert re.match(r"spike guard: iteration 31: DP rank 0 is global rank 0 on host ", lines[2]), lines
-    assert re.match(r"spike guard: iteration 31: hardware/transient fault on DP rank 0: replayed: loss \S+, grad norm "
-                    r"\S+, reproduced; a weight of DP rank 0 moved \S+e\+\d+x farther since iteration 25 than Adam "
-                    r"can move it .*: roll back to before iteration 30; no data skipped, LR unchanged \(fault 1 of 3 "
-                    r"on DP rank 0 before a stop\)$", lines[3]), lines
+    assert re.match(
+        r"spike guard: iteration 30: injected a bit flip into weight element \d+ on rank 0: \S+e\+3",
+        lines[0],
+    ), lines
+    assert re.match(
+        r"spike guard: iteration 31: on rank 0, weight \S+\[\d+\] is \S+e\+3\d, was \S+ at iteration "
+        r"25$",
+        lines[1],
+    ), lines
+    assert re.match(r"spike guard: iteration 31: DP rank 0 is global rank 0 on host ", lines[2]), (
+        lines
+    )
+    assert re.match(
+        r"spike guard: iteration 31: hardware/transient fault on DP rank 0: replayed: loss \S+, grad norm "
+        r"\S+, reproduced; a weight of DP rank 0 moved \S+e\+\d+x farther since iteration 25 than Adam "
+        r"can move it .*: roll back to before iteration 30; no data skipped, LR unchanged \(fault 1 of 3 "
+        r"on DP rank 0 before a stop\)$",
+        lines[3],
+    ), lines
     assert lines[4:] == ["spike guard: rolled back to iteration 25"]
     # the flip is an event in time: the iterations run again are the clean run's, bit for bit (no LR cut either)
-    assert {i: (f["lm loss"], f["learning rate"]) for i, f in log_fields(guarded).items()} == \
-        {i: (f["lm loss"], f["learning rate"]) for i, f in log_fields(clean).items()}
+    assert {i: (f["lm loss"], f["learning rate"]) for i, f in log_fields(guarded).items()} == {
+        i: (f["lm loss"], f["learning rate"]) for i, f in log_fields(clean).items()
+    }
     assert validation(guarded) == validation(clean)
     # unguarded, the corrupted weight stays
     assert not math.isfinite(loss(run("flip_weight", *FLIP_WEIGHT), 31))
@@ -158,35 +230,72 @@ def test_numerical_spike_gets_the_fp32_step_and_a_bad_batch_still_is_data(run, h
     random-token batch. The fp32 replay is ordinary at 14 (numerical: its step applied) and spikes too at 17."""
     # fp16's loss scale is low enough that the step's scaled gradients (grad norm ~650) stay finite: at 1024 they
     # overflow or not by the summation order of the CPU's threads, and an overflow is the scaler's to skip
-    out = run(f"{half}_numerical", f"--{half}", "--initial_loss_scale=32", "--train_iters=20", *GUARD,
-              "--inject_numerical_iters=14-14", "--inject_bad_batch_iters=17-17")
+    out = run(
+        f"{half}_numerical",
+        f"--{half}",
+        "--initial_loss_scale=32",
+        "--train_iters=20",
+        *GUARD,
+        "--inject_numerical_iters=14-14",
+        "--inject_bad_batch_iters=17-17",
+    )
     lines = [x for x in guard_lines(out) if ": sample " not in x]
     # fp16's dynamic loss scale, halved
     scale = ", loss scale lowered to 16" if half == "fp16" else ""
-    assert re.match(r"spike guard: iteration 14: .* spreads above it; numerical: replayed: loss \S+, grad norm \S+, "
-                    r"reproduced; in fp32: loss \S+, grad norm \S+, ordinary: the fp32 step applied; no data skipped, "
-                    rf"LR unchanged{scale}$", lines[0]), lines
-    assert re.match(r"spike guard: iteration 17: .*; data-driven: replayed: .*; in fp32: .*, a spike too; the batch "
-                    r"on the model of iteration 15: .*the batch is the outlier: update skipped \(spike 1 of 3",
-                    lines[1]), lines[1]
+    assert re.match(
+        r"spike guard: iteration 14: .* spreads above it; numerical: replayed: loss \S+, grad norm \S+, "
+        r"reproduced; in fp32: loss \S+, grad norm \S+, ordinary: the fp32 step applied; no data skipped, "
+        rf"LR unchanged{scale}$",
+        lines[0],
+    ), lines
+    assert re.match(
+        r"spike guard: iteration 17: .*; data-driven: replayed: .*; in fp32: .*, a spike too; the batch "
+        r"on the model of iteration 15: .*the batch is the outlier: update skipped \(spike 1 of 3",
+        lines[1],
+    ), lines[1]
     assert len(lines) == 2
     fields = log_fields(out)
-    assert "skipped" not in fields[14] and float(fields[14]["lm loss"]) < 1.02 * float(fields[13]["lm loss"])
+    assert "skipped" not in fields[14] and float(fields[14]["lm loss"]) < 1.02 * float(
+        fields[13]["lm loss"]
+    )
 
 
 def _bf16_parts(argv=(), world_size=1, device=torch.device("cpu")):
-    cfg = arguments.prepare(arguments.load_config(["--num_layers=1", "--hidden_size=32", "--num_attention_heads=2",
-                                                    "--seq_length=16", "--vocab_size=512", "--micro_batch_size=2",
-                                                    "--hidden_dropout=0", "--attention_dropout=0", *argv]), world_size)
+    cfg = arguments.prepare(
+        arguments.load_config(
+            [
+                "--num_layers=1",
+                "--hidden_size=32",
+                "--num_attention_heads=2",
+                "--seq_length=16",
+                "--vocab_size=512",
+                "--micro_batch_size=2",
+                "--hidden_dropout=0",
+                "--attention_dropout=0",
+                *argv,
+            ]
+        ),
+        world_size,
+    )
     model = build_model(cfg, device)
     return cfg, model, build_optimizer(cfg, model), optim.scaler_for(cfg)
 
 
-@pytest.mark.parametrize("half,device", [("bf16", "cpu"), ("fp16", "cpu"), pytest.param("bf16", "cuda",
-                                                                                            marks=pytest.mark.cuda)])
-def test_fp32_step_is_an_fp32_runs_step_and_without_keep_leaves_the_half_precision_run_bit_identical(half, device):
-    dev, dtype, one = torch.device(device), precision.DTYPES[half], optim.LossScaler(dynamic=False, static_scale=1.0)
-    cfg, model, optimizer, scaler = _bf16_parts([f"--{half}", "--loss_scale=1024", f"--device={device}"], device=dev)
+@pytest.mark.parametrize(
+    "half,device",
+    [("bf16", "cpu"), ("fp16", "cpu"), pytest.param("bf16", "cuda", marks=pytest.mark.cuda)],
+)
+def test_fp32_step_is_an_fp32_runs_step_and_without_keep_leaves_the_half_precision_run_bit_identical(
+    half, device
+):
+    dev, dtype, one = (
+        torch.device(device),
+        precision.DTYPES[half],
+        optim.LossScaler(dynamic=False, static_scale=1.0),
+    )
+    cfg, model, optimizer, scaler = _bf16_parts(
+        [f"--{half}", "--loss_scale=1024", f"--device={device}"], device=dev
+    )
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, 512, (2, 17), generator=gen).to(dev)
     batches = [(tokens[:, :-1], tokens[:, 1:])]
@@ -199,13 +308,30 @@ def test_fp32_step_is_an_fp32_runs_step_and_without_keep_leaves_the_half_precisi
             p.copy_(optimizer.main_param(q))
 
     def everything():
-        return ([p.detach().clone() for p in model.parameters()] + [m.detach().clone() for m in optimizer.main_params]
-                + [t.clone() for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t)])
+        return (
+            [p.detach().clone() for p in model.parameters()]
+            + [m.detach().clone() for m in optimizer.main_params]
+            + [
+                t.clone()
+                for s in optimizer.state.values()
+                for t in s.values()
+                if torch.is_tensor(t)
+            ]
+        )
+
     before = everything()
     with diagnosis.Fp32Step(model, optimizer) as fp32:
         assert all(p.dtype == torch.float32 for p in model.parameters())
-        step = whole_step(model, optimizer, one, batches, 1e-2, rules, dev,
-                          callbacks=Veto(judge=lambda *_: "a spike"))
+        step = whole_step(
+            model,
+            optimizer,
+            one,
+            batches,
+            1e-2,
+            rules,
+            dev,
+            callbacks=Veto(judge=lambda *_: "a spike"),
+        )
         fp32.keep = step.outcome == "ok"
     assert step.outcome == "vetoed" and all(p.dtype == dtype for p in model.parameters())
     assert all(torch.equal(a, b) for a, b in zip(before, everything()))  # bit for bit, nothing kept
@@ -215,8 +341,14 @@ def test_fp32_step_is_an_fp32_runs_step_and_without_keep_leaves_the_half_precisi
     expected = whole_step(reference, ref_optimizer, one, batches, 1e-2, step_rules(fp32_cfg), dev)
     # bit for bit on the CPU; CUDA's attention backward may sum in another order from one call to the next
     tol = dict(rel_tol=0.0 if device == "cpu" else 1e-5)
-    assert math.isclose(step.loss, expected.loss, **tol) and math.isclose(step.grad_norm, expected.grad_norm, **tol)
-    same = torch.equal if device == "cpu" else lambda a, b: torch.allclose(a.float(), b.float(), rtol=1e-2, atol=1e-5)
+    assert math.isclose(step.loss, expected.loss, **tol) and math.isclose(
+        step.grad_norm, expected.grad_norm, **tol
+    )
+    same = (
+        torch.equal
+        if device == "cpu"
+        else lambda a, b: torch.allclose(a.float(), b.float(), rtol=1e-2, atol=1e-5)
+    )
     for p, ref in zip(model.parameters(), reference.parameters()):
         # the fp32 run's update, rounded
         assert same(optimizer.main_param(p), ref) and same(p, ref.to(dtype))
@@ -227,9 +359,19 @@ def test_fp32_step_is_an_fp32_runs_step_and_without_keep_leaves_the_half_precisi
 def test_a_numerical_diagnosis_lowers_fp16s_loss_scale_and_a_hardware_rollback_is_no_relapse():
     cfg, guard = _guard(spike_guard_max_hardware_faults=2)
     fp16 = types.SimpleNamespace(dynamic=True, scale=1024.0, min_scale=1.0, clean_steps=7)
-    d = guard.update(50, "ok", 3.0, 1.0, fp16, {"cause": "numerical", "evidence": "in fp32: ordinary"}, lr=0.1)
-    assert d["action"] == "retry" and d["cause"] == "numerical" and fp16.scale == 512.0 and fp16.clean_steps == 0
-    assert "the fp32 step applied; no data skipped, LR unchanged, loss scale lowered to 512" in d["line"]
+    d = guard.update(
+        50, "ok", 3.0, 1.0, fp16, {"cause": "numerical", "evidence": "in fp32: ordinary"}, lr=0.1
+    )
+    assert (
+        d["action"] == "retry"
+        and d["cause"] == "numerical"
+        and fp16.scale == 512.0
+        and fp16.clean_steps == 0
+    )
+    assert (
+        "the fp32 step applied; no data skipped, LR unchanged, loss scale lowered to 512"
+        in d["line"]
+    )
     # the fp32 step is an applied step
     assert guard.lr_sum == 0.1 and guard.series["loss"].values[-1] == 3.0
     weight = {"cause": "hardware", "evidence": "a weight moved", "rank": 0, "rollback": True}
@@ -238,11 +380,17 @@ def test_a_numerical_diagnosis_lowers_fp16s_loss_scale_and_a_hardware_rollback_i
     guard.applied(d, 55)
     # not a relapse: a later rollback cuts no LR
     assert guard.rollbacks == 0 and guard.skip_ranges == []
-    d = guard.update(61, "nan", math.nan, 1.0, SCALER, {"cause": "optimizer", "evidence": "ordinary then"})
+    d = guard.update(
+        61, "nan", math.nan, 1.0, SCALER, {"cause": "optimizer", "evidence": "ordinary then"}
+    )
     assert d["action"] == "rollback" and d["lr_scale"] == 1.0
     # the 2nd on DP rank 0: its own cap
     d = guard.update(70, "nan", math.nan, math.nan, SCALER, weight)
-    assert d["action"] == "stop" and "spike_guard_max_hardware_faults=2" in d["line"] and d["start"] == 69
+    assert (
+        d["action"] == "stop"
+        and "spike_guard_max_hardware_faults=2" in d["line"]
+        and d["start"] == 69
+    )
 
 
 def test_adam_bound_is_the_most_one_adam_step_moves_a_weight():
@@ -261,7 +409,11 @@ def test_adam_bound_is_the_most_one_adam_step_moves_a_weight():
 
 
 def _numbers(out, after):
-    return {i: (f["lm loss"], f["grad norm"]) for i, f in log_fields(out).items() if i > after and "lm loss" in f}
+    return {
+        i: (f["lm loss"], f["grad norm"])
+        for i, f in log_fields(out).items()
+        if i > after and "lm loss" in f
+    }
 
 
 def test_resume_across_a_rollback_is_bit_exact_and_keeps_the_skip_range(run):
@@ -272,23 +424,38 @@ def test_resume_across_a_rollback_is_bit_exact_and_keeps_the_skip_range(run):
     assert "skip iterations 37-44" in first and "exiting at iteration 43" in first
     second = run("bad_guarded_part2", *BAD, *GUARD, f"--save={parts}", f"--load={parts}")
     assert " iteration       44/      60 | skipped (spike guard)" in second
+
     # the same decisions; the resumed run tests the batch on the checkpoint at 43, the same weights as the snapshot at
     # 40 the straight run holds in memory (37-44 are skipped)
     def same(lines):
-        return [re.sub(r"model of iteration \d+", "model of iteration N", x).replace(parts, straight) for x in lines]
-    assert same(guard_lines(second)) == same([x for x in guard_lines(full) if re.match(r"spike guard: iteration 4[5-9]",
-                                                                                      x)])
+        return [
+            re.sub(r"model of iteration \d+", "model of iteration N", x).replace(parts, straight)
+            for x in lines
+        ]
+
+    assert same(guard_lines(second)) == same(
+        [x for x in guard_lines(full) if re.match(r"spike guard: iteration 4[5-9]", x)]
+    )
     assert _numbers(second, 0) == _numbers(full, 44) and len(_numbers(full, 44)) == 16
     assert validation(second) == validation(full)
-    a = torch.load(os.path.join(straight, "global_step60", "mp_rank_00_000_model_states.pt"), weights_only=False)
-    b = torch.load(os.path.join(parts, "global_step60", "mp_rank_00_000_model_states.pt"), weights_only=False)
+    a = torch.load(
+        os.path.join(straight, "global_step60", "mp_rank_00_000_model_states.pt"),
+        weights_only=False,
+    )
+    b = torch.load(
+        os.path.join(parts, "global_step60", "mp_rank_00_000_model_states.pt"), weights_only=False
+    )
     assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
     decisions = a["run"]["state"]["callbacks"]["spike_guard"]["decisions"]
     decisions_b = b["run"]["state"]["callbacks"]["spike_guard"]["decisions"]
-    assert [(d["iteration"], d["action"], d.get("samples")) for d in decisions] == \
-        [(d["iteration"], d["action"], d.get("samples")) for d in decisions_b]
+    assert [(d["iteration"], d["action"], d.get("samples")) for d in decisions] == [
+        (d["iteration"], d["action"], d.get("samples")) for d in decisions_b
+    ]
     assert [(d["iteration"], d["action"], d["cause"]) for d in decisions][:3] == [
-        (40, "skip", "data"), (41, "skip", "data"), (42, "rollback", "data")]
+        (40, "skip", "data"),
+        (41, "skip", "data"),
+        (42, "rollback", "data"),
+    ]
     assert decisions[2]["restored_iteration"] == 35 and len(decisions[0]["samples"]) == 3
 
 
@@ -296,7 +463,10 @@ def test_a_resumed_run_does_not_meet_an_injected_lr_spike_again(run):
     parts = str(run.dir / "lr_parts")
     full = run("lr_guarded", *LR_SPIKE, *GUARD)
     first = run("lr_guarded_part1", *LR_SPIKE, *GUARD, f"--save={parts}", "--exit_interval=44")
-    assert "roll back to before iteration 40 and skip no data" in first and "exiting at iteration 44" in first
+    assert (
+        "roll back to before iteration 40 and skip no data" in first
+        and "exiting at iteration 44" in first
+    )
     second = run("lr_guarded_part2", *LR_SPIKE, *GUARD, f"--save={parts}", f"--load={parts}")
     # iteration 45 is in the range, but the fault ended with the rollback
     assert guard_lines(second) == []
@@ -305,16 +475,28 @@ def test_a_resumed_run_does_not_meet_an_injected_lr_spike_again(run):
 
 def test_a_rollback_to_a_disk_checkpoint_is_the_rollback_to_a_snapshot(run):
     memory = run("lr_guarded", *LR_SPIKE, *GUARD)
-    disk = run("lr_guarded_disk", *LR_SPIKE, *GUARD, "--spike_guard_snapshot_interval=0",
-               f"--save={run.dir / 'disk'}", "--save_interval=5")
+    disk = run(
+        "lr_guarded_disk",
+        *LR_SPIKE,
+        *GUARD,
+        "--spike_guard_snapshot_interval=0",
+        f"--save={run.dir / 'disk'}",
+        "--save_interval=5",
+    )
     assert "spike guard: rolled back to iteration 35" in guard_lines(disk)
-    assert {i: f["lm loss"] for i, f in log_fields(disk).items() if "lm loss" in f} == \
-        {i: f["lm loss"] for i, f in log_fields(memory).items() if "lm loss" in f}
+    assert {i: f["lm loss"] for i, f in log_fields(disk).items() if "lm loss" in f} == {
+        i: f["lm loss"] for i, f in log_fields(memory).items() if "lm loss" in f
+    }
     assert validation(disk) == validation(memory)
 
 
-THREE_FAULTS = ["--inject_bitflip_iters=20-20", "--inject_bitflip_rank=1", "--inject_bad_batch_iters=30-31",
-                "--inject_lr_iters=45-45", "--inject_lr_factor=1000"]
+THREE_FAULTS = [
+    "--inject_bitflip_iters=20-20",
+    "--inject_bitflip_rank=1",
+    "--inject_bad_batch_iters=30-31",
+    "--inject_lr_iters=45-45",
+    "--inject_lr_factor=1000",
+]
 
 
 def _dp2(run, *extra):
@@ -323,9 +505,21 @@ def _dp2(run, *extra):
     import sys
 
     from helpers import ROOT, free_port
-    args = [a for a in run.base if not a.startswith("--micro_batch_size")] + ["--micro_batch_size=4"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-           "train.py", *args, *GUARD, *extra]
+
+    args = [a for a in run.base if not a.startswith("--micro_batch_size")] + [
+        "--micro_batch_size=4"
+    ]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        f"--master_port={free_port()}",
+        "train.py",
+        *args,
+        *GUARD,
+        *extra,
+    ]
     # both ranks write to one pipe: train.py writes each line whole (line buffering)
     env = dict(os.environ, WANDB_MODE="disabled", OMP_NUM_THREADS="1")
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
@@ -338,14 +532,28 @@ def test_three_faults_three_diagnoses_three_remedies_with_dp2(run, corpus512):
     """torchrun, 2 processes (DP2, gloo): a bit flip on rank 1's reduced gradient, bad batches, an LR spike."""
     proc = _dp2(run, *THREE_FAULTS)
     lines = guard_lines(proc.stdout)
-    assert any(re.match(r"spike guard: iteration 20: hardware/transient fault on DP rank 1: DP rank 1 computed loss "
-                        r"\S+, grad norm \S+e\+\d\d, DP rank 0 .*: step retried and applied; no data skipped", x)
-               for x in lines), lines
-    assert any(re.match(r"spike guard: iteration 30: .*; data-driven: .*: update skipped", x) for x in lines), lines
+    assert any(
+        re.match(
+            r"spike guard: iteration 20: hardware/transient fault on DP rank 1: DP rank 1 computed loss "
+            r"\S+, grad norm \S+e\+\d\d, DP rank 0 .*: step retried and applied; no data skipped",
+            x,
+        )
+        for x in lines
+    ), lines
+    assert any(
+        re.match(r"spike guard: iteration 30: .*; data-driven: .*: update skipped", x)
+        for x in lines
+    ), lines
     # the LR spike at 45, a snapshot's iteration: the weights' move per update since 40, summed over both processes
-    assert any(re.match(r"spike guard: iteration 45: at the snapshot: the weights moved .*; optimizer-driven: .*: roll "
-                        r"back to before iteration 41 and skip no data; the LRs since were not the schedule's: LR "
-                        r"unchanged$", x) for x in lines), lines
+    assert any(
+        re.match(
+            r"spike guard: iteration 45: at the snapshot: the weights moved .*; optimizer-driven: .*: roll "
+            r"back to before iteration 41 and skip no data; the LRs since were not the schedule's: LR "
+            r"unchanged$",
+            x,
+        )
+        for x in lines
+    ), lines
     assert "spike guard: rolled back to iteration 40" in lines
     assert re.search(r"spike guard: iteration 20: DP rank 1 is global rank 1 on host ", proc.stdout)
     assert abs(validation(proc.stdout) / validation(run("clean")) - 1) < 0.02
@@ -355,20 +563,31 @@ def test_three_faults_three_diagnoses_three_remedies_with_dp2(run, corpus512):
 def test_a_weight_flip_and_a_numerical_spike_with_dp2_in_bf16_and_zero1(run, corpus512):
     """torchrun, DP2, bf16, ZeRO-1: a weight flipped on rank 1 after iteration 20, a cancellation at 25. The DP
     replica check is off: on, it finds the flip at once (test_replica_check.py), and the forensics are tested here."""
-    proc = _dp2(run, "--bf16", "--zero_stage=1", "--train_iters=30", "--dp_replica_check_interval=0",
-                "--inject_bitflip_iters=20-20",
-                "--inject_bitflip_rank=1", "--inject_bitflip_target=weight", "--inject_numerical_iters=25-25")
-    expected = [r"spike guard: iteration 20: injected a bit flip into weight element \d+ on rank 1: ",
-                r"spike guard: iteration 21: on rank 1, weight \S+ is \S+, was \S+ at iteration 15$",  # rank 1's
-                r"spike guard: iteration 21: DP rank 1 is global rank 1 on host ",
-                r"spike guard: iteration 21: hardware/transient fault on DP rank 1: replayed: .*, reproduced; a weight "
-                r"of DP rank 1 moved .*: roll back to before iteration 20; no data skipped, LR unchanged",
-                r"spike guard: rolled back to iteration 15$",
-                r"spike guard: iteration 25: .*; numerical: replayed: .*; in fp32: .*, ordinary: the fp32 step "
-                r"applied; no data skipped, LR unchanged$"]
+    proc = _dp2(
+        run,
+        "--bf16",
+        "--zero_stage=1",
+        "--train_iters=30",
+        "--dp_replica_check_interval=0",
+        "--inject_bitflip_iters=20-20",
+        "--inject_bitflip_rank=1",
+        "--inject_bitflip_target=weight",
+        "--inject_numerical_iters=25-25",
+    )
+    expected = [
+        r"spike guard: iteration 20: injected a bit flip into weight element \d+ on rank 1: ",
+        r"spike guard: iteration 21: on rank 1, weight \S+ is \S+, was \S+ at iteration 15$",  # rank 1's
+        r"spike guard: iteration 21: DP rank 1 is global rank 1 on host ",
+        r"spike guard: iteration 21: hardware/transient fault on DP rank 1: replayed: .*, reproduced; a weight "
+        r"of DP rank 1 moved .*: roll back to before iteration 20; no data skipped, LR unchanged",
+        r"spike guard: rolled back to iteration 15$",
+        r"spike guard: iteration 25: .*; numerical: replayed: .*; in fp32: .*, ordinary: the fp32 step "
+        r"applied; no data skipped, LR unchanged$",
+    ]
     lines = guard_lines(proc.stdout)  # two processes print: in any order
-    assert len(lines) == len(expected) and all(any(re.match(e, x) for x in lines) for e in expected), \
-        "\n".join(["guard lines:", *lines, "the run's output:", proc.stdout[-6000:]])
+    assert len(lines) == len(expected) and all(
+        any(re.match(e, x) for x in lines) for e in expected
+    ), "\n".join(["guard lines:", *lines, "the run's output:", proc.stdout[-6000:]])
 
 
 def test_at_the_cap_the_run_saves_its_last_good_state_and_stops(run):
@@ -387,9 +606,16 @@ def test_at_the_cap_the_run_saves_its_last_good_state_and_stops(run):
 
 
 def _guard(**overrides):
-    cfg = arguments.load_config(["--spike_guard", "--spike_guard_window=16", "--spike_guard_min_steps=8",
-                                 "--spike_guard_rewind=10", "--spike_guard_skip_after=20",
-                                 *[f"--{k}={v}" for k, v in overrides.items()]])
+    cfg = arguments.load_config(
+        [
+            "--spike_guard",
+            "--spike_guard_window=16",
+            "--spike_guard_min_steps=8",
+            "--spike_guard_rewind=10",
+            "--spike_guard_skip_after=20",
+            *[f"--{k}={v}" for k, v in overrides.items()],
+        ]
+    )
     return cfg, spike_guard_of(cfg)
 
 
@@ -412,7 +638,9 @@ def _feed(guard, cfg, start, values, cause=None):
 def test_ladder_skip_then_rollback_then_lower_lr_and_reset_and_at_last_stop():
     cfg, guard = _guard(spike_guard_reset_optimizer=True, spike_guard_max_rollbacks=2)
     rng = np.random.default_rng(0)
-    normal = [(3.0 + 0.01 * rng.standard_normal(), 1.0 + 0.05 * rng.standard_normal()) for _ in range(40)]
+    normal = [
+        (3.0 + 0.01 * rng.standard_normal(), 1.0 + 0.05 * rng.standard_normal()) for _ in range(40)
+    ]
     assert not any(_feed(guard, cfg, 1, normal[:7]))
     assert not guard.armed()  # 7 < min_steps: a spike now is not judged
     assert _feed(guard, cfg, 8, [(9.0, 1.0)]) == [None]
@@ -478,7 +706,9 @@ def test_skipped_cap_stops():
 
 
 def _default_runs():
-    with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "default_runs.json")) as f:
+    with open(
+        os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "default_runs.json")
+    ) as f:
         return json.load(f)
 
 
@@ -506,6 +736,7 @@ def test_the_detector_catches_the_early_lr_x30_spike_of_the_default_run():
 
 def _agreed_on_replicas():
     import parallel
+
     rank = parallel.grid.dp_rank
     same = agree(torch.tensor(3.5), torch.tensor(0.25, dtype=torch.float64))
     apart = agree(torch.tensor(3.5), torch.tensor(0.25 + rank, dtype=torch.float64))
@@ -519,10 +750,19 @@ def _forensics_on_replicas():
     it) and leaves identical replicas; a weight flipped on DP rank 1 is named by both ranks."""
     import parallel
     from helpers import gather, random_batches
+
     g, cpu = parallel.grid, torch.device("cpu")
-    cfg, model, optimizer, scaler = _bf16_parts(["--bf16", "--zero_stage=1", "--global_batch_size=4",
-                                                 "--inject_bitflip_iters=6-6", "--inject_bitflip_rank=1",
-                                                 "--inject_bitflip_target=weight"], world_size=2)
+    cfg, model, optimizer, scaler = _bf16_parts(
+        [
+            "--bf16",
+            "--zero_stage=1",
+            "--global_batch_size=4",
+            "--inject_bitflip_iters=6-6",
+            "--inject_bitflip_rank=1",
+            "--inject_bitflip_target=weight",
+        ],
+        world_size=2,
+    )
     batches = random_batches(g.dp_rank, 1, 2, 16, 512)
     rules = step_rules(cfg)
     whole_step(model, optimizer, scaler, batches, 1e-2, rules, cpu)  # masters != bf16 weights now
@@ -537,11 +777,15 @@ def _forensics_on_replicas():
     assert fp32.keep
     for p in model.parameters():
         held = optimizer.main_param(p)
-        assert p.dtype == torch.bfloat16 and (held is None or torch.equal(p, held.to(torch.bfloat16)))
+        assert p.dtype == torch.bfloat16 and (
+            held is None or torch.equal(p, held.to(torch.bfloat16))
+        )
         assert torch.equal(*gather(p.detach(), g.dp_group))
     guard = spike_guard_of(cfg)
-    payload = ({k: v.clone() for k, v in model.state_dict().items()}, {"state": {"spike_guard": {"stats":
-                                                                                                guard.stats()}}})
+    payload = (
+        {k: v.clone() for k, v in model.state_dict().items()},
+        {"state": {"spike_guard": {"stats": guard.stats()}}},
+    )
     step = whole_step(model, optimizer, scaler, batches, 1e-2, rules, cpu)
     guard.record(step.loss, step.grad_norm, 1e-2)
     # Adam's own update
@@ -561,6 +805,7 @@ def _on_two_replicas():
 
 def test_dp2_decides_from_rank_0s_numbers_sees_replicas_differ_names_a_corrupted_rank_and_shares_fp32_masters():
     from helpers import spawn
+
     spawn(_on_two_replicas, 2)
 
 
@@ -568,9 +813,20 @@ def test_dp2_decides_from_rank_0s_numbers_sees_replicas_differ_names_a_corrupted
 
 
 def test_a_skipped_update_changes_no_weight_moment_or_step_counter():
-    cfg = arguments.prepare(arguments.load_config(["--num_layers=1", "--hidden_size=32", "--num_attention_heads=2",
-                                                    "--seq_length=16", "--vocab_size=512", "--micro_batch_size=2",
-                                                    "--hidden_dropout=0", "--attention_dropout=0"]))
+    cfg = arguments.prepare(
+        arguments.load_config(
+            [
+                "--num_layers=1",
+                "--hidden_size=32",
+                "--num_attention_heads=2",
+                "--seq_length=16",
+                "--vocab_size=512",
+                "--micro_batch_size=2",
+                "--hidden_dropout=0",
+                "--attention_dropout=0",
+            ]
+        )
+    )
     model = build_model(cfg, torch.device("cpu"))
     optimizer = build_optimizer(cfg, model)
     scaler = optim.scaler_for(cfg)
@@ -578,10 +834,20 @@ def test_a_skipped_update_changes_no_weight_moment_or_step_counter():
     rules = step_rules(cfg)
     whole_step(model, optimizer, scaler, batches, 1e-3, rules, torch.device("cpu"))  # Adam's state
     weights = {k: v.clone() for k, v in model.state_dict().items()}
-    moments = {id(p): {k: v.clone() if torch.is_tensor(v) else v for k, v in s.items()}
-               for p, s in optimizer.state.items()}
-    outcome = whole_step(model, optimizer, scaler, batches, 1e-3, rules, torch.device("cpu"),
-                         callbacks=Veto(judge=lambda loss, norm: "a spike")).outcome
+    moments = {
+        id(p): {k: v.clone() if torch.is_tensor(v) else v for k, v in s.items()}
+        for p, s in optimizer.state.items()
+    }
+    outcome = whole_step(
+        model,
+        optimizer,
+        scaler,
+        batches,
+        1e-3,
+        rules,
+        torch.device("cpu"),
+        callbacks=Veto(judge=lambda loss, norm: "a spike"),
+    ).outcome
     assert outcome == "vetoed"
     assert all(torch.equal(weights[k], v) for k, v in model.state_dict().items())
     for p, s in optimizer.state.items():
@@ -594,8 +860,16 @@ def test_a_skipped_update_changes_no_weight_moment_or_step_counter():
 
 
 def test_fault_injection_only_in_its_ranges_and_reproducible():
-    cfg = arguments.load_config(["--inject_bad_batch_iters", "3-4", "9-9", "--inject_lr_iters=5-6",
-                                 "--inject_lr_factor=7", "--vocab_size=512"])
+    cfg = arguments.load_config(
+        [
+            "--inject_bad_batch_iters",
+            "3-4",
+            "9-9",
+            "--inject_lr_iters=5-6",
+            "--inject_lr_factor=7",
+            "--vocab_size=512",
+        ]
+    )
     batches = [(torch.zeros(2, 8, dtype=torch.long), torch.zeros(2, 8, dtype=torch.long))]
     assert Faults(cfg, None, cfg.seed, cfg.vocab_size).bad_batches(2, batches) is batches
     a, b = (Faults(cfg, None, cfg.seed, cfg.vocab_size).bad_batches(4, batches) for _ in range(2))
@@ -609,22 +883,40 @@ def test_fault_injection_only_in_its_ranges_and_reproducible():
 
 
 def test_telemetry_matches_direct_computation():
-    cfg = arguments.prepare(arguments.load_config(["--num_layers=2", "--hidden_size=32", "--num_attention_heads=2",
-                                                    "--seq_length=16", "--micro_batch_size=2", "--global_batch_size=4",
-                                                    "--hidden_dropout=0", "--attention_dropout=0",
-                                                    # p.grad unclipped
-                                                    "--embed_layernorm", "--clip_grad=1e9"]))
+    cfg = arguments.prepare(
+        arguments.load_config(
+            [
+                "--num_layers=2",
+                "--hidden_size=32",
+                "--num_attention_heads=2",
+                "--seq_length=16",
+                "--micro_batch_size=2",
+                "--global_batch_size=4",
+                "--hidden_dropout=0",
+                "--attention_dropout=0",
+                # p.grad unclipped
+                "--embed_layernorm",
+                "--clip_grad=1e9",
+            ]
+        )
+    )
     cpu = torch.device("cpu")
     model = build_model(cfg, cpu)
     optimizer, scaler = build_optimizer(cfg, model), optim.scaler_for(cfg)
     gen = torch.Generator().manual_seed(0)
-    batches = [(torch.randint(0, 50257, (2, 16), generator=gen), torch.randint(0, 50257, (2, 16), generator=gen))
-               for _ in range(2)]
+    batches = [
+        (
+            torch.randint(0, 50257, (2, 16), generator=gen),
+            torch.randint(0, 50257, (2, 16), generator=gen),
+        )
+        for _ in range(2)
+    ]
     before = {k: v.clone() for k, v in model.named_parameters()}
     recorder = telemetry.Telemetry(model, cfg)
     recorder.begin()
-    step = whole_step(model, optimizer, scaler, batches, 1e-3, step_rules(cfg), cpu,
-                      telemetry.Probe(recorder))
+    step = whole_step(
+        model, optimizer, scaler, batches, 1e-3, step_rules(cfg), cpu, telemetry.Probe(recorder)
+    )
     grad_norm, outcome = step.grad_norm, step.outcome
     stats = recorder.finish()
     assert outcome == "ok"
@@ -633,12 +925,25 @@ def test_telemetry_matches_direct_computation():
     params = dict(model.named_parameters())
 
     def norm(prefix, what):
-        return math.sqrt(sum(what(n).double().square().sum().item() for n in params if n.startswith(prefix)))
-    assert math.isclose(stats["grad norm"][2], norm("blocks.1.", lambda n: params[n].grad), rel_tol=1e-4)
-    assert math.isclose(stats["param norm"][0], norm("embed.", lambda n: params[n].detach()), rel_tol=1e-4)
-    assert math.isclose(stats["update/param rms"][1], norm("blocks.0.", lambda n: params[n].detach() - before[n])
-                        / norm("blocks.0.", lambda n: params[n].detach()), rel_tol=1e-4)
-    assert math.isclose(stats["word embedding norm"], params["embed.word.weight"].norm().item(), rel_tol=1e-4)
+        return math.sqrt(
+            sum(what(n).double().square().sum().item() for n in params if n.startswith(prefix))
+        )
+
+    assert math.isclose(
+        stats["grad norm"][2], norm("blocks.1.", lambda n: params[n].grad), rel_tol=1e-4
+    )
+    assert math.isclose(
+        stats["param norm"][0], norm("embed.", lambda n: params[n].detach()), rel_tol=1e-4
+    )
+    assert math.isclose(
+        stats["update/param rms"][1],
+        norm("blocks.0.", lambda n: params[n].detach() - before[n])
+        / norm("blocks.0.", lambda n: params[n].detach()),
+        rel_tol=1e-4,
+    )
+    assert math.isclose(
+        stats["word embedding norm"], params["embed.word.weight"].norm().item(), rel_tol=1e-4
+    )
     # activations, attention logits and log Z, recomputed by hand with the weights of the forward pass
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -649,56 +954,97 @@ def test_telemetry_matches_direct_computation():
             for i, block in model.blocks.items():
                 a = block.attn
                 q, k, _v = a.qkv(block.ln_1(h)).view(2, 16, 2, 3, 16).transpose(1, 2).unbind(dim=3)
-                s = (q @ k.transpose(-1, -2) / 4.0).masked_fill(~torch.ones(16, 16, dtype=torch.bool).tril(),
-                                                                  -math.inf)
+                s = (q @ k.transpose(-1, -2) / 4.0).masked_fill(
+                    ~torch.ones(16, 16, dtype=torch.bool).tril(), -math.inf
+                )
                 logit_max[int(i)] = max(logit_max[int(i)], s.max().item())
                 h = block(h)
                 outs[int(i)].append(h.square().mean().item())
             # no padding
-            lse.append(torch.logsumexp((model.ln_f(h) @ model.embed.word.weight.T)[..., :50257], dim=-1))
+            lse.append(
+                torch.logsumexp((model.ln_f(h) @ model.embed.word.weight.T)[..., :50257], dim=-1)
+            )
     for i in (0, 1):
         assert math.isclose(stats["block output rms"][i], math.sqrt(sum(outs[i]) / 2), rel_tol=1e-4)
         assert math.isclose(stats["attention logit max"][i], logit_max[i], rel_tol=1e-4)
     assert math.isclose(stats["log z"], torch.cat(lse).mean().item(), rel_tol=1e-4)
     assert math.isclose(stats["log z max"], torch.cat(lse).max().item(), rel_tol=1e-4)
-    assert all(p.probe is None for p in (b.attn for b in model.blocks.values())) and model.logits_probe is None
+    assert (
+        all(p.probe is None for p in (b.attn for b in model.blocks.values()))
+        and model.logits_probe is None
+    )
 
 
 def test_metrics_file_has_the_log_line_telemetry_and_validation(run):
     run("clean_guarded", *GUARD, "--telemetry_interval=10", f"--save={run.dir / 'clean_guarded'}")
     import json
+
     with open(run.dir / "clean_guarded" / "metrics.jsonl") as f:
         records = [json.loads(line) for line in f]
     assert [r["iteration"] for r in records] == list(range(1, 61))
     last = records[-1]
-    assert {"lm loss", "grad norm", "learning rate", "loss scale", "global batch size", "consumed tokens",
-            "number of skipped iterations", "TFLOPs", "validation lm loss"} <= set(last)
+    assert {
+        "lm loss",
+        "grad norm",
+        "learning rate",
+        "loss scale",
+        "global batch size",
+        "consumed tokens",
+        "number of skipped iterations",
+        "TFLOPs",
+        "validation lm loss",
+    } <= set(last)
     assert [r["iteration"] for r in records if "telemetry" in r] == [10, 20, 30, 40, 50, 60]
-    assert len(last["telemetry"]["grad norm"]) == 4 and len(last["telemetry"]["attention logit max"]) == 2
+    assert (
+        len(last["telemetry"]["grad norm"]) == 4
+        and len(last["telemetry"]["attention logit max"]) == 2
+    )
 
 
 @pytest.mark.slow
-def test_whatif_forks_the_lower_lr_gets_through_a_too_high_lr_and_the_data_skip_does_not(run, tmp_path):
+def test_whatif_forks_the_lower_lr_gets_through_a_too_high_lr_and_the_data_skip_does_not(
+    run, tmp_path
+):
     """From iteration 30, with an LR too high from 31 on (x50, the lab's induced divergence): the forks."""
     import sys
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
+
+    sys.path.insert(
+        0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools")
+    )
     import whatif
+
     base = str(tmp_path / "base")
     run("whatif_base", f"--save={base}", "--exit_interval=30")
     high = [*run.base, "--inject_lr_iters=31-60", "--inject_lr_factor=50"]
-    results = whatif.main(["--load", base, "--iters=15", "--out", str(tmp_path / "whatif"), "--forks",
-                           "as is,lr x F,skip 200", "--lr_factor=0.02", "--skip=5", "--", *high])
+    results = whatif.main(
+        [
+            "--load",
+            base,
+            "--iters=15",
+            "--out",
+            str(tmp_path / "whatif"),
+            "--forks",
+            "as is,lr x F,skip 200",
+            "--lr_factor=0.02",
+            "--skip=5",
+            "--",
+            *high,
+        ]
+    )
     by_name = {name: (found, reached) for name, _, found, reached in results}
     assert by_name["as is"][0] and by_name["skip 5"][0]  # the spike comes back, data skipped or not
     assert by_name["lr x 0.02"] == ([], True)
     text = (tmp_path / "whatif" / "whatif.txt").read_text()
-    assert re.search(r"lr x 0.02 +0 +- .* yes", text) and re.search(r"skip 5 +\d+ +\d+ .* no", text), text
+    assert re.search(r"lr x 0.02 +0 +- .* yes", text) and re.search(
+        r"skip 5 +\d+ +\d+ .* no", text
+    ), text
     pixels = _png_pixels(tmp_path / "whatif" / "whatif.png")
     assert pixels[..., :3].std() > 0.05
 
 
 def _png_pixels(path):
     import matplotlib.image
+
     with open(path, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
     return matplotlib.image.imread(path)
@@ -706,14 +1052,22 @@ def _png_pixels(path):
 
 def test_plot_overlays_a_metrics_file_and_a_log_and_draws_the_layer_heat_maps(run, tmp_path):
     import sys
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
+
+    sys.path.insert(
+        0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools")
+    )
     import plot
+
     run("clean_guarded", *GUARD, "--telemetry_interval=10", f"--save={run.dir / 'clean_guarded'}")
     log = tmp_path / "bad_guarded.log"
     log.write_text(run("bad_guarded", *BAD, *GUARD))
     parsed = plot.load(str(log))
     assert parsed.records[60]["validation lm loss"] == validation(run("bad_guarded", *BAD, *GUARD))
-    assert (40, "skip") in parsed.actions and (42, "rollback") in parsed.actions and 37 in parsed.skipped
+    assert (
+        (40, "skip") in parsed.actions
+        and (42, "rollback") in parsed.actions
+        and 37 in parsed.skipped
+    )
     out = tmp_path / "runs.png"
     plot.main([str(run.dir / "clean_guarded"), str(log), "--out", str(out)])
     for path, min_size in ((out, 30_000), (tmp_path / "runs_layers.png", 15_000)):
@@ -728,8 +1082,16 @@ def _telemetry_of_one_step(cfg, batches):
     optimizer, scaler = build_optimizer(cfg, model), optim.scaler_for(cfg)
     recorder = telemetry.Telemetry(model, cfg)
     recorder.begin()
-    whole_step(model, optimizer, scaler, batches, 1e-3, step_rules(cfg), torch.device("cpu"),
-               telemetry.Probe(recorder))
+    whole_step(
+        model,
+        optimizer,
+        scaler,
+        batches,
+        1e-3,
+        step_rules(cfg),
+        torch.device("cpu"),
+        telemetry.Probe(recorder),
+    )
     return recorder.finish()
 
 
@@ -737,27 +1099,51 @@ def _telemetry_layouts():
     """On 4 processes: TP2 x PP2, TP2 x DP2, PP2 x DP2 give the telemetry of one process (each parameter
     counted once, activations averaged over DP, the last stage's copy of the embedding left out)."""
     import parallel
+
     for tp, pp in ((2, 2), (2, 1), (1, 2)):
         parallel.grid = g = parallel.Grid(tp, pp)
-        argv = ["--num_layers=2", "--hidden_size=32", "--num_attention_heads=2", "--seq_length=16",
-                "--vocab_size=512", "--micro_batch_size=2", "--global_batch_size=8", "--hidden_dropout=0",
-                "--attention_dropout=0", "--embed_layernorm"]
-        cfg = arguments.prepare(arguments.load_config(argv + [f"--tensor_model_parallel_size={tp}",
-                                                               f"--pipeline_model_parallel_size={pp}"]), 4)
+        argv = [
+            "--num_layers=2",
+            "--hidden_size=32",
+            "--num_attention_heads=2",
+            "--seq_length=16",
+            "--vocab_size=512",
+            "--micro_batch_size=2",
+            "--global_batch_size=8",
+            "--hidden_dropout=0",
+            "--attention_dropout=0",
+            "--embed_layernorm",
+        ]
+        cfg = arguments.prepare(
+            arguments.load_config(
+                argv
+                + [f"--tensor_model_parallel_size={tp}", f"--pipeline_model_parallel_size={pp}"]
+            ),
+            4,
+        )
         gen = torch.Generator().manual_seed(0)
         tokens = torch.randint(0, 512, (8, 17), generator=gen)
-        everything = [(tokens[i:i + 2, :-1], tokens[i:i + 2, 1:]) for i in range(0, 8, 2)]
+        everything = [(tokens[i : i + 2, :-1], tokens[i : i + 2, 1:]) for i in range(0, 8, 2)]
         mine = [everything[k * g.dp_size + g.dp_rank] for k in range(len(everything) // g.dp_size)]
         stats = _telemetry_of_one_step(cfg, mine)
         parallel.grid = parallel.Grid(1, 1, world_size=1, rank=0)
-        reference = _telemetry_of_one_step(arguments.prepare(arguments.load_config(argv)), everything)
+        reference = _telemetry_of_one_step(
+            arguments.prepare(arguments.load_config(argv)), everything
+        )
         parallel.grid = g
         for key, ref in reference.items():
             ref, got = (ref, stats[key]) if isinstance(ref, list) else ([ref], [stats[key]])
-            assert all(math.isclose(a, b, rel_tol=1e-4) for a, b in zip(got, ref)), (tp, pp, key, got, ref)
+            assert all(math.isclose(a, b, rel_tol=1e-4) for a, b in zip(got, ref)), (
+                tp,
+                pp,
+                key,
+                got,
+                ref,
+            )
 
 
 @pytest.mark.slow
 def test_telemetry_is_the_same_in_every_layout():
     from helpers import spawn
+
     spawn(_telemetry_layouts, 4)

@@ -5,6 +5,7 @@ qk_layernorm against attention written out by hand; z_loss against torch.logsume
 gradient against autograd of the plain formula (GPT-2's real vocabulary); both under TP=2 against one process
 (float64); through the trainer, the `z loss` field and an lm loss that excludes it.
 """
+
 import math
 
 import pytest
@@ -42,13 +43,17 @@ def test_z_loss_value_and_gradient_match_the_plain_formula():
     loss, log_z = parallel.vocab_parallel_cross_entropy(logits, target, z_loss=c)
     torch.testing.assert_close(log_z, torch.logsumexp(logits.detach(), dim=-1), rtol=0, atol=1e-12)
     # the value is the cross-entropy alone (what the log calls lm loss) ...
-    plain_ce = F.cross_entropy(logits.detach().flatten(0, 1), target.flatten(), reduction="none").view(2, 3)
+    plain_ce = F.cross_entropy(
+        logits.detach().flatten(0, 1), target.flatten(), reduction="none"
+    ).view(2, 3)
     torch.testing.assert_close(loss.detach(), plain_ce, rtol=0, atol=1e-12)
     # ... the gradient is that of cross-entropy + c * log(Z)^2, through whatever reduction the caller applies
     loss.mean().backward()
     reference = logits.detach().clone().requires_grad_()
-    (F.cross_entropy(reference.flatten(0, 1), target.flatten())
-     + c * torch.logsumexp(reference, dim=-1).square().mean()).backward()
+    (
+        F.cross_entropy(reference.flatten(0, 1), target.flatten())
+        + c * torch.logsumexp(reference, dim=-1).square().mean()
+    ).backward()
     torch.testing.assert_close(logits.grad, reference.grad, rtol=1e-10, atol=1e-15)
     without = logits.detach().clone().requires_grad_()
     parallel.vocab_parallel_cross_entropy(without, target)[0].mean().backward()
@@ -56,14 +61,21 @@ def test_z_loss_value_and_gradient_match_the_plain_formula():
 
 
 def test_model_keeps_the_z_loss_for_the_log_and_evaluates_without_it():
-    cfg = GPTConfig(num_layers=1, hidden_size=16, num_attention_heads=2, seq_length=8, hidden_dropout=0.0,
-                    attention_dropout=0.0, z_loss=1e-3)
+    cfg = GPTConfig(
+        num_layers=1,
+        hidden_size=16,
+        num_attention_heads=2,
+        seq_length=8,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        z_loss=1e-3,
+    )
     model = GPT(cfg)
     x = torch.randint(0, cfg.vocab_size, (2, 8))
     y = torch.roll(x, -1, dims=1)
     with torch.no_grad():
         # the columns the softmax sees
-        log_z = torch.logsumexp(model(x).double()[..., :cfg.vocab_size], dim=-1)
+        log_z = torch.logsumexp(model(x).double()[..., : cfg.vocab_size], dim=-1)
     losses_ = [model(x, y) for _ in range(2)]  # two micro-batches
     z = model.pop_z_loss()
     assert math.isclose(z.item(), 1e-3 * log_z.square().mean().item(), rel_tol=1e-5)
@@ -89,8 +101,16 @@ def test_z_loss_is_logged_apart_from_the_lm_loss(corpus):
     with pytest.raises(ValueError, match="z_loss"):
         arguments.validate(arguments.load_config([*SMALL, "--train_iters=1", "--z_loss=-1"]))
     with pytest.raises(ValueError, match="qk_layernorm with deepspeed"):
-        cfg = arguments.load_config([*SMALL, "--train_iters=1", "--qk_layernorm", "--deepspeed", "--bf16",
-                                     "--tensor_model_parallel_size=2"])
+        cfg = arguments.load_config(
+            [
+                *SMALL,
+                "--train_iters=1",
+                "--qk_layernorm",
+                "--deepspeed",
+                "--bf16",
+                "--tensor_model_parallel_size=2",
+            ]
+        )
         arguments.validate(cfg, world_size=2)
 
 
@@ -104,12 +124,22 @@ def _perturb_qk_norms(model):
         for name, p in model.named_parameters():
             if "q_norm" in name or "k_norm" in name:
                 base = 1.0 if name.endswith("weight") else 0.0
-                p.copy_(base + torch.linspace(-0.3, 0.5, p.numel(), dtype=p.dtype) + 0.1 * ("k_norm" in name))
+                p.copy_(
+                    base
+                    + torch.linspace(-0.3, 0.5, p.numel(), dtype=p.dtype)
+                    + 0.1 * ("k_norm" in name)
+                )
 
 
 def test_qk_layernorm_matches_attention_written_out():
     torch.manual_seed(0)
-    cfg = GPTConfig(hidden_size=32, num_attention_heads=4, seq_length=8, attention_dropout=0.0, qk_layernorm=True)
+    cfg = GPTConfig(
+        hidden_size=32,
+        num_attention_heads=4,
+        seq_length=8,
+        attention_dropout=0.0,
+        qk_layernorm=True,
+    )
     attn = Attention(cfg, 1, parallel.grid).double()
     with torch.no_grad():
         for p in attn.parameters():
@@ -133,7 +163,9 @@ def test_qk_layernorm_matches_attention_written_out():
     attn.q_norm = attn.k_norm = None  # the same weights without the switch compute something else
     assert (attn(x) - expected).abs().max() > 1e-3
     with_norms = GPTConfig(num_layers=3, hidden_size=32, num_attention_heads=4, qk_layernorm=True)
-    assert sum(p.numel() for p in GPT(with_norms).parameters()) == with_norms.num_parameters(padded=True)
+    assert sum(p.numel() for p in GPT(with_norms).parameters()) == with_norms.num_parameters(
+        padded=True
+    )
 
 
 def _levers_tp_matches_one_process():
@@ -158,13 +190,20 @@ def _levers_tp_matches_one_process():
         parallel.grid = real
     model, loss, z = step()
     parallel.reduce_gradients(model)  # sums the qk-layernorm gradients over TP
-    assert math.isclose(loss, ref_loss, rel_tol=1e-12) and math.isclose(z, ref_z, rel_tol=1e-12), (loss, z)
+    assert math.isclose(loss, ref_loss, rel_tol=1e-12) and math.isclose(z, ref_z, rel_tol=1e-12), (
+        loss,
+        z,
+    )
     assert z > 0.1 * loss  # the z-loss is large enough here that a wrong gradient would show
     ref_grads = dict(reference.named_parameters())
     for name, p in model.named_parameters():
         expected = parallel.shard(ref_grads[name].grad, getattr(p, "tp_dim", None))
-        torch.testing.assert_close(p.grad, expected, rtol=1e-5, atol=1e-12, msg=lambda m: f"{name}: {m}")
-        if "_norm" in name:  # the shared qk-layernorm weights: the same gradient on every TP rank, bit for bit
+        torch.testing.assert_close(
+            p.grad, expected, rtol=1e-5, atol=1e-12, msg=lambda m: f"{name}: {m}"
+        )
+        if (
+            "_norm" in name
+        ):  # the shared qk-layernorm weights: the same gradient on every TP rank, bit for bit
             assert all(torch.equal(other, p.grad) for other in gather(p.grad, g.tp_group)), name
 
 

@@ -1,5 +1,6 @@
 """The stability keys' refusals (issue #48): a key that cannot work is refused before any work, in
 one message that names it and says what to give instead; train.py exits 2."""
+
 import os
 
 import pytest
@@ -18,15 +19,20 @@ def test_a_bit_outside_the_flipped_elements_width_is_refused():
     """Bit 99 was taken modulo the width (bit 3 of an fp32 gradient) and flipped in silence."""
     flip = ["--inject_bitflip_iters=10-10"]
     assert "inject_bitflip_bit=99 is not a bit of the 32-bit element" in error(
-        *flip, "--inject_bitflip_bit=99")
+        *flip, "--inject_bitflip_bit=99"
+    )
     assert "give 0-31, or -1 for the top exponent bit" in error(*flip, "--inject_bitflip_bit=32")
     assert "inject_bitflip_bit=-2" in error(*flip, "--inject_bitflip_bit=-2")
     # a half-precision weight has 16 bits; its fp32 master 32
-    assert "of the 16-bit element" in error(*flip, "--bf16", "--inject_bitflip_target=weight",
-                                            "--inject_bitflip_bit=20")
-    for ok in (["--inject_bitflip_bit=-1"], ["--inject_bitflip_bit=31"],
-               ["--bf16", "--inject_bitflip_target=master", "--inject_bitflip_bit=30"],
-               ["--fp16", "--inject_bitflip_target=weight", "--inject_bitflip_bit=15"]):
+    assert "of the 16-bit element" in error(
+        *flip, "--bf16", "--inject_bitflip_target=weight", "--inject_bitflip_bit=20"
+    )
+    for ok in (
+        ["--inject_bitflip_bit=-1"],
+        ["--inject_bitflip_bit=31"],
+        ["--bf16", "--inject_bitflip_target=master", "--inject_bitflip_bit=30"],
+        ["--fp16", "--inject_bitflip_target=weight", "--inject_bitflip_bit=15"],
+    ):
         arguments.prepare(arguments.load_config([*flip, *ok]))
 
 
@@ -34,9 +40,13 @@ def test_a_precursor_threshold_without_the_precursor_is_refused():
     """The threshold alone did nothing, in silence: the rung is off without the precursor."""
     message = error("--spike_guard_precursor_threshold=3")
     assert message.startswith(
-        "spike_guard_precursor_threshold does nothing without spike_guard_precursor"), message
-    rung = ["--spike_guard_precursor=log_z", "--telemetry_interval=5",
-            "--spike_guard_precursor_threshold=3"]
+        "spike_guard_precursor_threshold does nothing without spike_guard_precursor"
+    ), message
+    rung = [
+        "--spike_guard_precursor=log_z",
+        "--telemetry_interval=5",
+        "--spike_guard_precursor_threshold=3",
+    ]
     arguments.prepare(arguments.load_config(rung))
 
 
@@ -49,17 +59,29 @@ def test_a_snapshot_dir_that_cannot_be_created_is_refused_before_training(tmp_pa
     guard = ["--spike_guard", "--spike_guard_snapshot_interval=5"]
     message = error(*guard, f"--spike_guard_snapshot_dir={bad}")
     assert message.startswith(
-        f"spike_guard_snapshot_dir={bad} cannot be created: {blocker} is a file"), message
+        f"spike_guard_snapshot_dir={bad} cannot be created: {blocker} is a file"
+    ), message
     assert f"spike_guard_snapshot_dir={blocker} is not a directory" in error(
-        *guard, f"--spike_guard_snapshot_dir={blocker}")
+        *guard, f"--spike_guard_snapshot_dir={blocker}"
+    )
     new = tmp_path / "new" / "deeper"
     arguments.prepare(arguments.load_config([*guard, f"--spike_guard_snapshot_dir={new}"]))
     assert not os.path.exists(tmp_path / "new")  # checked, not created: the run creates it
     # the real command line: exit 2, the one message, no iteration run
-    proc = run_cli("--num_layers=1", "--hidden_size=32", "--num_attention_heads=2",
-                   "--seq_length=32", "--vocab_size=512", "--train_iters=5", "--save=none",
-                   "--save_interval=none", f"--data_path={corpus512}", *guard,
-                   f"--spike_guard_snapshot_dir={bad}", expect_ok=False)
+    proc = run_cli(
+        "--num_layers=1",
+        "--hidden_size=32",
+        "--num_attention_heads=2",
+        "--seq_length=32",
+        "--vocab_size=512",
+        "--train_iters=5",
+        "--save=none",
+        "--save_interval=none",
+        f"--data_path={corpus512}",
+        *guard,
+        f"--spike_guard_snapshot_dir={bad}",
+        expect_ok=False,
+    )
     assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
     assert "spike_guard_snapshot_dir=" in proc.stderr, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr and " iteration " not in proc.stdout

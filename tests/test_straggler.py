@@ -1,6 +1,7 @@
 """The straggler line: each DP replica's compute time rides in the step's one all-gather (training.agree), and at a
 log interval the slowest replica names itself -- its rank and host -- when it computed over 1.2x the replicas'
 median. A rank slowed on purpose on 2 gloo processes, and the judgement on numbers given by hand."""
+
 import contextlib
 import io
 import socket
@@ -22,8 +23,10 @@ def _judged(monkeypatch, sums, dp_rank):
 
 def test_the_slowest_replica_names_itself_past_the_slack(monkeypatch):
     line = _judged(monkeypatch, [1.0, 1.0, 1.3, 1.0], dp_rank=2)
-    assert line == (f" straggler at iteration 40: DP rank 2 (rank 5, host {socket.gethostname()}) computed 1.30x "
-                    "the median of the DP replicas since the last log line |")
+    assert line == (
+        f" straggler at iteration 40: DP rank 2 (rank 5, host {socket.gethostname()}) computed 1.30x "
+        "the median of the DP replicas since the last log line |"
+    )
     assert _judged(monkeypatch, [1.0, 1.0, 1.3, 1.0], dp_rank=0) is None  # the others stay silent
     assert _judged(monkeypatch, [1.0, 1.0, 1.19, 1.0], dp_rank=2) is None  # within the slack
     assert _judged(monkeypatch, [1.0], dp_rank=0) is None  # no replica to compare with
@@ -43,19 +46,29 @@ def _slowed_run(corpus, slow_rank):
         if parallel.grid.dp_rank == slow_rank:
             time.sleep(0.2)
         return original(*args, **kwargs)
+
     training.forward_backward = slowed  # train_step's lookup: the training module's namespace
     out = io.StringIO()
     try:
         with contextlib.redirect_stdout(out):
-            train_script()["main"]([*E2E_ARGS, f"--data_path={corpus}", "--train_iters=4", "--log_interval=2",
-                                    "--eval_iters=0"])
+            train_script()["main"](
+                [
+                    *E2E_ARGS,
+                    f"--data_path={corpus}",
+                    "--train_iters=4",
+                    "--log_interval=2",
+                    "--eval_iters=0",
+                ]
+            )
     finally:
         training.forward_backward = original
     lines = [line for line in out.getvalue().splitlines() if "straggler" in line]
     if parallel.grid.dp_rank == slow_rank:
         assert len(lines) == 2, out.getvalue()[-3000:]  # at both log lines
-        assert all(f"DP rank {slow_rank} (rank {parallel.grid.rank}, host {socket.gethostname()})" in line
-                   for line in lines), lines
+        assert all(
+            f"DP rank {slow_rank} (rank {parallel.grid.rank}, host {socket.gethostname()})" in line
+            for line in lines
+        ), lines
     else:
         assert lines == [], lines
 

@@ -1,4 +1,5 @@
 """The shape of the code base: parallel.py is the ground floor, the "why" comments resolve, the core stays small."""
+
 import ast
 import os
 import re
@@ -14,8 +15,12 @@ def _python_files():
     """Every .py file of the project, committed or not, but for what git ignores (a fork's scratch files, the
     tokenized data/); outside a git checkout, every one but data/ and hidden or cache directories."""
     try:
-        listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", "*.py"], cwd=ROOT,
-                                capture_output=True, text=True)
+        listed = subprocess.run(
+            ["git", "ls-files", "--cached", "--others", "--exclude-standard", "*.py"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+        )
     except FileNotFoundError:  # no git on the machine: walk the tree
         listed = None
     if listed is not None and listed.returncode == 0:
@@ -24,8 +29,11 @@ def _python_files():
         yield from (p for p in paths if os.path.exists(p))
         return
     for directory, subdirs, files in os.walk(ROOT):
-        subdirs[:] = [d for d in subdirs if not d.startswith((".", "__")) and
-                      not (directory == ROOT and d == "data")]
+        subdirs[:] = [
+            d
+            for d in subdirs
+            if not d.startswith((".", "__")) and not (directory == ROOT and d == "data")
+        ]
         for name in files:
             if name.endswith(".py"):
                 yield os.path.join(directory, name)
@@ -39,7 +47,11 @@ def _read(path):
 def _project_modules():
     """Names a project import could use: the top-level modules and packages/folders (model, train, tools, ...)."""
     names = {n[:-3] for n in os.listdir(ROOT) if n.endswith(".py")}
-    names |= {n for n in os.listdir(ROOT) if os.path.isdir(os.path.join(ROOT, n)) and not n.startswith(".")}
+    names |= {
+        n
+        for n in os.listdir(ROOT)
+        if os.path.isdir(os.path.join(ROOT, n)) and not n.startswith(".")
+    }
     return names
 
 
@@ -63,13 +75,21 @@ def _imports(source):
 def test_parallel_imports_nothing_from_the_project():
     project = _project_modules()
     assert {"model", "train", "optim", "data", "arguments", "checkpoint", "estimate"} <= project
-    bad = [m for m in _imports(_read(os.path.join(ROOT, "parallel.py"))) if m == "." or m.split(".")[0] in project]
-    assert not bad, f"parallel.py imports project modules {bad}: it is the ground floor (model.py builds on it)"
+    bad = [
+        m
+        for m in _imports(_read(os.path.join(ROOT, "parallel.py")))
+        if m == "." or m.split(".")[0] in project
+    ]
+    assert not bad, (
+        f"parallel.py imports project modules {bad}: it is the ground floor (model.py builds on it)"
+    )
 
 
 def test_the_import_check_catches_imports_inside_functions():
-    source = "import torch\n\ndef f():\n    from model import GPT\n    import importlib\n" \
-             "    return importlib.import_module('train')\n"
+    source = (
+        "import torch\n\ndef f():\n    from model import GPT\n    import importlib\n"
+        "    return importlib.import_module('train')\n"
+    )
     assert {"model", "train"} <= set(_imports(source))
 
 
@@ -89,14 +109,17 @@ def _cited(text):
 def test_every_cited_lesson_exists_and_no_file_cites_the_seeds():
     lessons = _read(os.path.join(ROOT, "docs", "lessons.md"))
     headings = [int(n) for n in re.findall(r"^## (\d+)\. ", lessons, re.M)]
-    assert headings == list(range(1, len(headings) + 1)), "lessons are numbered 1, 2, 3, ... without gaps"
+    assert headings == list(range(1, len(headings) + 1)), (
+        "lessons are numbered 1, 2, 3, ... without gaps"
+    )
     cited, stale = {}, []
     for path in [*_python_files(), os.path.join(ROOT, "README.md")]:
         text, name = _read(path), os.path.relpath(path, ROOT)
         for n in _cited(text):
             cited.setdefault(n, []).append(name)
-        if path != os.path.abspath(__file__) and (re.search(r"seeds? 00\d", text, re.I) or
-                                                  re.search(r"\bSPEC\b", text)):
+        if path != os.path.abspath(__file__) and (
+            re.search(r"seeds? 00\d", text, re.I) or re.search(r"\bSPEC\b", text)
+        ):
             stale.append(name)
     assert len(cited) > 10, "the check found almost no citations: is the pattern right?"
     missing = {n: files for n, files in cited.items() if n not in headings}
@@ -106,14 +129,22 @@ def test_every_cited_lesson_exists_and_no_file_cites_the_seeds():
 
 def _long_functions(source, limit):
     """[(name, lines)] of every function in source longer than limit lines (its def to its last line)."""
-    return [(node.name, node.end_lineno - node.lineno + 1) for node in ast.walk(ast.parse(source))
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= limit]
+    return [
+        (node.name, node.end_lineno - node.lineno + 1)
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+        and node.end_lineno - node.lineno >= limit
+    ]
 
 
 def test_no_function_of_the_core_or_the_stability_layer_is_over_60_lines():
     """A function reads on one screen: a longer one is named steps waiting to be split."""
-    long = {os.path.relpath(path, ROOT): found for path in _product_files()
-            for found in [_long_functions(_read(path), 60)] if found}
+    long = {
+        os.path.relpath(path, ROOT): found
+        for path in _product_files()
+        for found in [_long_functions(_read(path), 60)]
+        if found
+    }
     assert not long, f"functions over 60 lines: {long}"
     assert _long_functions("def f():\n" + "    x = 1\n" * 60, 60) == [("f", 61)]
     assert _long_functions("def f():\n" + "    x = 1\n" * 59, 60) == []
@@ -145,14 +176,28 @@ def _private_uses(source, project):
         if isinstance(node, ast.Import):
             modules |= {alias.asname or alias.name for alias in node.names if alias.name in project}
         elif isinstance(node, ast.ImportFrom) and node.module in project:
-            found += [(node.lineno, f"from {node.module} import {a.name}") for a in node.names if private(a.name)]
+            found += [
+                (node.lineno, f"from {node.module} import {a.name}")
+                for a in node.names
+                if private(a.name)
+            ]
     for node in ast.walk(tree):
-        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in modules \
-                and private(node.attr):
+        if (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name)
+            and node.value.id in modules
+            and private(node.attr)
+        ):
             found.append((node.lineno, f"{node.value.id}.{node.attr}"))
-        elif isinstance(node, ast.Call) and len(node.args) >= 2 and isinstance(node.args[0], ast.Name) \
-                and node.args[0].id in modules and isinstance(node.args[1], ast.Constant) \
-                and isinstance(node.args[1].value, str) and private(node.args[1].value):
+        elif (
+            isinstance(node, ast.Call)
+            and len(node.args) >= 2
+            and isinstance(node.args[0], ast.Name)
+            and node.args[0].id in modules
+            and isinstance(node.args[1], ast.Constant)
+            and isinstance(node.args[1].value, str)
+            and private(node.args[1].value)
+        ):
             found.append((node.lineno, f"{node.args[0].id}, {node.args[1].value!r}"))
     return found
 
@@ -160,17 +205,30 @@ def _private_uses(source, project):
 def test_no_module_uses_another_modules_private_names():
     project, bad = _project_module_names(), []
     for path in _python_files():
-        bad += [f"{os.path.relpath(path, ROOT)}:{line}: {use}" for line, use in _private_uses(_read(path), project)]
-    assert not bad, "a name another module uses is public (no underscore); make it so:\n" + "\n".join(bad)
+        bad += [
+            f"{os.path.relpath(path, ROOT)}:{line}: {use}"
+            for line, use in _private_uses(_read(path), project)
+        ]
+    assert not bad, (
+        "a name another module uses is public (no underscore); make it so:\n" + "\n".join(bad)
+    )
 
 
 def test_the_private_name_check_catches_each_form():
-    source = ("import parallel\nimport train as trainer\nfrom data import _index\nimport torch\n"
-              "x = parallel._unwrap(m)\ny = trainer._minutes(0)\nz = torch._foreach_norm(g)\n"
-              "monkeypatch.setattr(parallel, '_communicate', f)\nself._own = parallel.__name__\n")
+    source = (
+        "import parallel\nimport train as trainer\nfrom data import _index\nimport torch\n"
+        "x = parallel._unwrap(m)\ny = trainer._minutes(0)\nz = torch._foreach_norm(g)\n"
+        "monkeypatch.setattr(parallel, '_communicate', f)\nself._own = parallel.__name__\n"
+    )
     uses = [use for _, use in _private_uses(source, {"parallel", "train", "data"})]
-    assert sorted(uses) == sorted(["from data import _index", "parallel._unwrap", "trainer._minutes",
-                                   "parallel, '_communicate'"])
+    assert sorted(uses) == sorted(
+        [
+            "from data import _index",
+            "parallel._unwrap",
+            "trainer._minutes",
+            "parallel, '_communicate'",
+        ]
+    )
 
 
 def _module_state(source):
@@ -178,15 +236,28 @@ def _module_state(source):
     ALL_CAPS constants: state that can change while a run goes on."""
     names = set()
     for node in ast.parse(source).body:
-        targets = node.targets if isinstance(node, ast.Assign) else \
-            [node.target] if isinstance(node, ast.AnnAssign) else []
+        targets = (
+            node.targets
+            if isinstance(node, ast.Assign)
+            else [node.target]
+            if isinstance(node, ast.AnnAssign)
+            else []
+        )
         names |= {t.id for t in targets if isinstance(t, ast.Name) and not t.id.isupper()}
     return names
 
 
 def _reads_of(source, module, names):
-    return sorted({f"{module}.{n.attr}" for n in ast.walk(ast.parse(source)) if isinstance(n, ast.Attribute)
-                   and isinstance(n.value, ast.Name) and n.value.id == module and n.attr in names})
+    return sorted(
+        {
+            f"{module}.{n.attr}"
+            for n in ast.walk(ast.parse(source))
+            if isinstance(n, ast.Attribute)
+            and isinstance(n.value, ast.Name)
+            and n.value.id == module
+            and n.attr in names
+        }
+    )
 
 
 def test_the_stability_layer_reads_no_state_of_the_step_module():
@@ -194,8 +265,13 @@ def test_the_stability_layer_reads_no_state_of_the_step_module():
     DP replica's numbers ride in it), never through a global the core leaves behind for it to read."""
     state = _module_state(_read(os.path.join(ROOT, "training.py")))
     layer = os.path.join(ROOT, "stability")
-    reads = {name: found for name in sorted(os.listdir(layer)) if name.endswith(".py")
-             for found in [_reads_of(_read(os.path.join(layer, name)), "training", state)] if found}
+    reads = {
+        name: found
+        for name in sorted(os.listdir(layer))
+        if name.endswith(".py")
+        for found in [_reads_of(_read(os.path.join(layer, name)), "training", state)]
+        if found
+    }
     assert not reads, f"stability/ reads training's module state: {reads}"
     planted = "replica_values = []\nNO_CALLBACKS = Callbacks()\ndef agree(): pass\n"
     assert _module_state(planted) == {"replica_values"}
@@ -204,15 +280,28 @@ def test_the_stability_layer_reads_no_state_of_the_step_module():
 
 def test_no_test_imports_another_test_module():
     tests = os.path.join(ROOT, "tests")
-    bad = {name: [m for m in _imports(_read(os.path.join(tests, name))) if m.split(".")[0].startswith("test_")]
-           for name in os.listdir(tests) if name.endswith(".py")}
+    bad = {
+        name: [
+            m
+            for m in _imports(_read(os.path.join(tests, name)))
+            if m.split(".")[0].startswith("test_")
+        ]
+        for name in os.listdir(tests)
+        if name.endswith(".py")
+    }
     bad = {name: modules for name, modules in bad.items() if modules}
-    assert not bad, f"tests import other test modules {bad}: shared helpers belong in tests/helpers.py"
+    assert not bad, (
+        f"tests import other test modules {bad}: shared helpers belong in tests/helpers.py"
+    )
 
 
 def test_no_line_is_over_120_characters():
-    long = [f"{os.path.relpath(path, ROOT)}:{i}" for path in _python_files()
-            for i, line in enumerate(_read(path).splitlines(), 1) if len(line) > 120]
+    long = [
+        f"{os.path.relpath(path, ROOT)}:{i}"
+        for path in _python_files()
+        for i, line in enumerate(_read(path).splitlines(), 1)
+        if len(line) > 120
+    ]
     assert not long, f"lines over 120 characters: {long}"
 
 
@@ -221,11 +310,21 @@ def _rule_sites(source):
     and the optimizer reset's lr=0 warm-up length (`5 / (1 - beta2)`)."""
     sites = []
     for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.Compare) and len(node.ops) == 2 and all(isinstance(o, ast.LtE) for o in node.ops) \
-                and isinstance(node.comparators[0], ast.Name) and node.comparators[0].id == "iteration":
+        if (
+            isinstance(node, ast.Compare)
+            and len(node.ops) == 2
+            and all(isinstance(o, ast.LtE) for o in node.ops)
+            and isinstance(node.comparators[0], ast.Name)
+            and node.comparators[0].id == "iteration"
+        ):
             sites.append("iteration ranges")
-        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div) and isinstance(node.left, ast.Constant) \
-                and node.left.value == 5 and "beta2" in ast.unparse(node.right):
+        if (
+            isinstance(node, ast.BinOp)
+            and isinstance(node.op, ast.Div)
+            and isinstance(node.left, ast.Constant)
+            and node.left.value == 5
+            and "beta2" in ast.unparse(node.right)
+        ):
             sites.append("reset warm-up")
     return sites
 
@@ -237,8 +336,9 @@ def test_each_run_rule_has_one_home():
             for rule in _rule_sites(_read(path)):
                 homes.setdefault(rule, set()).add(os.path.relpath(path, ROOT))
     assert homes == {"iteration ranges": {"schedule.py"}, "reset warm-up": {"schedule.py"}}, homes
-    assert _rule_sites("if a <= iteration <= b:\n    n = math.ceil(5 / (1 - cfg.adam_beta2))\n") == [
-        "iteration ranges", "reset warm-up"]
+    assert _rule_sites(
+        "if a <= iteration <= b:\n    n = math.ceil(5 / (1 - cfg.adam_beta2))\n"
+    ) == ["iteration ranges", "reset warm-up"]
 
 
 # -----------------------------------------------------------------------------
@@ -248,14 +348,32 @@ def test_each_run_rule_has_one_home():
 # and no import circle closes anywhere. The stability layer (the package and its modules) sits above the step it
 # acts on and below what composes a run; train.py and bench.py are scripts at the top, imported by nothing.
 FLOORS = (
-    {"parallel", "schedule", "sections", "tokenizer", "usage"},  # the ground: imports nothing of ours
+    {
+        "parallel",
+        "schedule",
+        "sections",
+        "tokenizer",
+        "usage",
+    },  # the ground: imports nothing of ours
     {"rng", "layers", "cross_entropy", "precision", "report", "data"},
     {"model", "checkpoint", "optim", "launch", "loader"},
-    {"reshard", "deepspeed_engine", "safety", "training"},  # training: the step and the callback interface
-    {"hf", "run_state", "eval_harness"},  # eval_harness: lm-eval over a gathered model (lm-eval on use)
+    {
+        "reshard",
+        "deepspeed_engine",
+        "safety",
+        "training",
+    },  # training: the step and the callback interface
+    {
+        "hf",
+        "run_state",
+        "eval_harness",
+    },  # eval_harness: lm-eval over a gathered model (lm-eval on use)
     {"stability"},  # the stability layer: callbacks on the step
     {"arguments", "builders"},  # every owner's keys; every part built
-    {"estimate", "megatron_ds"},  # megatron_ds: builds each stage and its optimizer to write a checkpoint
+    {
+        "estimate",
+        "megatron_ds",
+    },  # megatron_ds: builds each stage and its optimizer to write a checkpoint
     {"train", "bench"},  # the scripts
 )
 SCRIPTS = {"train"}  # run, never imported: by the product, the tools, the lab or the tests
@@ -266,12 +384,13 @@ def _product_files():
     names = sorted(n for n in os.listdir(ROOT) if n.endswith(".py") and n != "conftest.py")
     stability = os.path.join(ROOT, "stability")
     return [os.path.join(ROOT, n) for n in names] + sorted(
-        os.path.join(stability, n) for n in os.listdir(stability) if n.endswith(".py"))
+        os.path.join(stability, n) for n in os.listdir(stability) if n.endswith(".py")
+    )
 
 
 def _module_name(path):
     rel = os.path.relpath(path, ROOT)[:-3].replace(os.sep, ".")
-    return rel[:-len(".__init__")] if rel.endswith(".__init__") else rel
+    return rel[: -len(".__init__")] if rel.endswith(".__init__") else rel
 
 
 def _import_graph():
@@ -332,6 +451,7 @@ def _circles(graph):
                     break
             if len(component) > 1:
                 found.append(sorted(component))
+
     for v in sorted(graph):
         if v not in index:
             visit(v)
@@ -340,25 +460,41 @@ def _circles(graph):
 
 def test_the_import_graph_has_no_circle_and_no_upward_import():
     graph = _import_graph()
-    assert {"train", "training", "builders", "model", "hf", "stability", "stability.config"} <= set(graph)
+    assert {"train", "training", "builders", "model", "hf", "stability", "stability.config"} <= set(
+        graph
+    )
     unplaced = sorted({m.split(".")[0] for m in graph} - set().union(*FLOORS))
-    assert not unplaced, f"modules on no floor of FLOORS: {unplaced} (place each where its imports put it)"
+    assert not unplaced, (
+        f"modules on no floor of FLOORS: {unplaced} (place each where its imports put it)"
+    )
     assert not _circles(graph), f"import circles: {_circles(graph)}"
-    upward = sorted(f"{m} -> {t}" for m, targets in graph.items() for t in targets if _floor(t) > _floor(m))
+    upward = sorted(
+        f"{m} -> {t}" for m, targets in graph.items() for t in targets if _floor(t) > _floor(m)
+    )
     assert not upward, f"imports of a floor above: {upward}"
 
 
 def test_the_graph_checks_catch_a_circle_and_an_upward_import():
     assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert _circles({"a": {"b"}, "b": set()}) == []
-    assert _floor("parallel") < _floor("model") < _floor("training") < _floor("stability.hooks") < _floor("train")
+    assert (
+        _floor("parallel")
+        < _floor("model")
+        < _floor("training")
+        < _floor("stability.hooks")
+        < _floor("train")
+    )
 
 
 def test_nothing_imports_the_script():
     """train.py is the script: the product, its tools, the lab and the tests run it (tests/helpers.py's
     train_script runs the file), none imports it."""
-    importers = {os.path.relpath(path, ROOT): hits for path in _python_files()
-                 for hits in [[m for m in _imports(_read(path)) if m.split(".")[0] in SCRIPTS]] if hits}
+    importers = {
+        os.path.relpath(path, ROOT): hits
+        for path in _python_files()
+        for hits in [[m for m in _imports(_read(path)) if m.split(".")[0] in SCRIPTS]]
+        if hits
+    }
     assert not importers, f"train.py is imported by {importers}"
     assert "sys.modules" not in _read(os.path.join(ROOT, "train.py"))
 
@@ -367,14 +503,18 @@ def test_with_no_stability_switch_nothing_of_the_layer_is_built_or_imported(corp
     """A run with no stability switch: the loop gets no callbacks, and no module of the layer beyond its package's
     entry point (the switches, build_callbacks) and its keys (stability.config) is ever imported; nor, with no
     eval_harness_tasks, anything of lm-eval (seconds of imports)."""
-    code = ("import runpy, sys\n"
-            "runpy.run_path('train.py', run_name='train_script')['main']("
-            f"['--num_layers=1', '--hidden_size=32', '--num_attention_heads=2', '--seq_length=16', "
-            f"'--micro_batch_size=2', '--global_batch_size=2', '--train_iters=3', '--eval_iters=0', "
-            f"'--sample_tokens=0', '--save=none', '--save_interval=none', '--data_path={corpus}'])\n"
-            "print(sorted(m for m in sys.modules if m.startswith('stability.') and m != 'stability.config'))\n"
-            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'lm_eval'))\n")
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    code = (
+        "import runpy, sys\n"
+        "runpy.run_path('train.py', run_name='train_script')['main']("
+        f"['--num_layers=1', '--hidden_size=32', '--num_attention_heads=2', '--seq_length=16', "
+        f"'--micro_batch_size=2', '--global_batch_size=2', '--train_iters=3', '--eval_iters=0', "
+        f"'--sample_tokens=0', '--save=none', '--save_interval=none', '--data_path={corpus}'])\n"
+        "print(sorted(m for m in sys.modules if m.startswith('stability.') and m != 'stability.config'))\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'lm_eval'))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-2:] == ["[]", "[]"], out.stdout[-2000:]  # nor lm-eval
 

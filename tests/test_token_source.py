@@ -1,5 +1,6 @@
 """The data-source contract (data.TokenSource): each source's gather() is the concatenation of what its provenance()
 names, and the loader, a resume and the skip lists run on any source -- here on the in-memory one (helpers.py)."""
+
 import numpy as np
 import pytest
 
@@ -31,9 +32,14 @@ def sources(tmp_path_factory):
     data.write_indexed_dataset(b, docs_b, np.int32)
     gpt_a = data.GPTDataset(data.IndexedDataset(a), np.arange(40), 200, SEQ, 7, "train", str(tmp))
     gpt_b = data.GPTDataset(data.IndexedDataset(b), np.arange(20), 120, SEQ, 7, "train", str(tmp))
-    return {"gpt": (gpt_a, {a: (0, docs_a)}),
-            "blend": (data.BlendedDataset([gpt_a, gpt_b], [0.6, 0.4], 180), {a: (0, docs_a), b: (1, docs_b)}),
-            "memory": (MemorySource(docs_a, SEQ), {"memory": (0, docs_a)})}
+    return {
+        "gpt": (gpt_a, {a: (0, docs_a)}),
+        "blend": (
+            data.BlendedDataset([gpt_a, gpt_b], [0.6, 0.4], 180),
+            {a: (0, docs_a), b: (1, docs_b)},
+        ),
+        "memory": (MemorySource(docs_a, SEQ), {"memory": (0, docs_a)}),
+    }
 
 
 def assert_gather_is_what_provenance_names(source, corpus, indices, length):
@@ -43,8 +49,11 @@ def assert_gather_is_what_provenance_names(source, corpus, indices, length):
         name, component, pieces = source.provenance(int(index), length)
         want_component, documents = corpus[name]
         assert component == want_component, (index, name, component)
-        assert all(n > 0 for _, _, n in pieces) and sum(n for _, _, n in pieces) == length, (index, pieces)
-        named = np.concatenate([documents[d][offset:offset + n] for d, offset, n in pieces])
+        assert all(n > 0 for _, _, n in pieces) and sum(n for _, _, n in pieces) == length, (
+            index,
+            pieces,
+        )
+        named = np.concatenate([documents[d][offset : offset + n] for d, offset, n in pieces])
         assert np.array_equal(row, named), (index, pieces)
 
 
@@ -78,7 +87,9 @@ def test_the_memory_source_cuts_its_documents_as_a_user_expects():
     assert len(source) == (len(stream) - 1) // SEQ
     out = np.empty((len(source), SEQ + 1), np.int64)
     source.gather(np.arange(len(source)), out)
-    assert all(np.array_equal(row, stream[i * SEQ:i * SEQ + SEQ + 1]) for i, row in enumerate(out))
+    assert all(
+        np.array_equal(row, stream[i * SEQ : i * SEQ + SEQ + 1]) for i, row in enumerate(out)
+    )
     with pytest.raises(IndexError):
         source.gather([len(source)], out[:1])
 
@@ -88,9 +99,19 @@ def test_loader_and_resume_run_on_the_memory_source():
     samples in order; a run resumed from any consumed-samples point loads the very batches of an unbroken one."""
     source = MemorySource(labelled(4, 400, 0), SEQ)
     stream = np.concatenate(list(source.documents.values()))
-    cfg = arguments.load_config([f"--seq_length={SEQ}", "--micro_batch_size=2", "--global_batch_size=8",
-                                 "--rampup_batch_size=4 2 40", "--train_iters=none", "--train_samples=160",
-                                 "--curriculum_learning", "--min_difficulty=8", "--total_curriculum_step=6"])
+    cfg = arguments.load_config(
+        [
+            f"--seq_length={SEQ}",
+            "--micro_batch_size=2",
+            "--global_batch_size=8",
+            "--rampup_batch_size=4 2 40",
+            "--train_iters=none",
+            "--train_samples=160",
+            "--curriculum_learning",
+            "--min_difficulty=8",
+            "--total_curriculum_step=6",
+        ]
+    )
     arguments.prepare(cfg, world_size=1)
     plan, mbs = plan_of(cfg), cfg.micro_batch_size
 
@@ -107,8 +128,11 @@ def test_loader_and_resume_run_on_the_memory_source():
                 batch_size, seqlen = plan.batch_size(state.consumed_samples), plan.seqlen(iteration)
                 tokens = prefetcher.get((iteration, state.consumed_samples, batch_size, seqlen))
                 batches[iteration] = state, tokens.numpy().reshape(batch_size, seqlen + 1)
-                state = RunState(iteration, state.consumed_samples + batch_size,
-                                 state.consumed_tokens + batch_size * seqlen)
+                state = RunState(
+                    iteration,
+                    state.consumed_samples + batch_size,
+                    state.consumed_tokens + batch_size * seqlen,
+                )
         return batches
 
     unbroken = train(RunState(0, 0, 0))
@@ -116,7 +140,9 @@ def test_loader_and_resume_run_on_the_memory_source():
     assert len({b.shape for _, b in unbroken.values()}) >= 3
     for start, batch in unbroken.values():
         first = start.consumed_samples
-        want = [stream[i * SEQ:i * SEQ + batch.shape[1]] for i in range(first, first + len(batch))]
+        want = [
+            stream[i * SEQ : i * SEQ + batch.shape[1]] for i in range(first, first + len(batch))
+        ]
         assert np.array_equal(batch, np.stack(want))
     for resume_at in (3, len(unbroken) // 2):
         resumed = train(unbroken[resume_at + 1][0])
@@ -132,12 +158,16 @@ def test_skip_lists_and_the_naming_of_samples_run_on_the_memory_source(tmp_path)
     records = []
     for index in (2, 9):
         prefix, component, pieces = skip_list.sample_documents(source, index)
-        assert (prefix, component) == ("memory", 0) and [d for d, _ in pieces] == list(dict.fromkeys(out[index] // 100))
+        assert (prefix, component) == ("memory", 0) and [d for d, _ in pieces] == list(
+            dict.fromkeys(out[index] // 100)
+        )
         short = skip_list.sample_documents(source, index, 5)[2]  # a curriculum's shorter sample
         assert [d for d, _ in short] == list(dict.fromkeys(out[index][:5] // 100))
         records.append({"dataset": prefix, "documents": [d for d, _ in pieces]})
         # the other half of the guard's naming of a sample (diagnosis.name_samples): its text
-        assert data.sample_text(source, index, 4) == data.get_tokenizer().decode(out[index][:5].tolist())
+        assert data.sample_text(source, index, 4) == data.get_tokenizer().decode(
+            out[index][:5].tolist()
+        )
     path = str(tmp_path / "skip.jsonl")
     skip_list.append(path, records)
     (skips,), others = skip_list.read(path, ["memory"], num_documents=[len(docs)])

@@ -6,6 +6,7 @@ Unit level: a fake NCCL backend for the choice of device, DeepSpeed's partition_
 gloo processes for the streams and the replica check. End to end (train.py under torchrun, as test_parallel.py):
 TP=2 with GPT-2's vocabulary and 3 layers on PP=2 against one process, TP=2 with dropout and checkpointing resumed.
 """
+
 import math
 import os
 import re
@@ -76,10 +77,13 @@ def test_scalar_collectives_use_the_comm_device(monkeypatch):
 
 def test_partition_layers_is_deepspeeds_balanced_partition():
     from deepspeed.runtime.utils import partition_balanced
+
     # BLOOM-176B: 70 layers + embedding + head = 72 = 12 x 6
     bloom = parallel.partition_layers(70, 12)
     assert [len(r) for r in bloom] == [5] + [6] * 10 + [5]
-    assert [len(r) for r in parallel.partition_layers(70, 12, "type:transformer")] == [6] * 10 + [5] * 2
+    assert [len(r) for r in parallel.partition_layers(70, 12, "type:transformer")] == [6] * 10 + [
+        5
+    ] * 2
     for layers in range(1, 13):
         for pp in range(1, layers + 4):
             for method, ends in (("type:transformer|embedding", 1), ("type:transformer", 0)):
@@ -88,12 +92,18 @@ def test_partition_layers_is_deepspeeds_balanced_partition():
                         parallel.partition_layers(layers, pp, method)
                     continue
                 ranges = parallel.partition_layers(layers, pp, method)
-                assert [r.step for r in ranges] == [1] * pp and ranges[0].start == 0 and ranges[-1].stop == layers
+                assert (
+                    [r.step for r in ranges] == [1] * pp
+                    and ranges[0].start == 0
+                    and ranges[-1].stop == layers
+                )
                 assert all(a.stop == b.start for a, b in zip(ranges, ranges[1:]))
                 # DeepSpeed's partition of the units (embedding, layers..., head), each of weight 1
                 bounds = partition_balanced([1] * (layers + 2 * ends), pp)
                 units = [b - a for a, b in zip(bounds, bounds[1:])]
-                assert [len(r) + ends * ((s == 0) + (s == pp - 1)) for s, r in enumerate(ranges)] == units
+                assert [
+                    len(r) + ends * ((s == 0) + (s == pp - 1)) for s, r in enumerate(ranges)
+                ] == units
     with pytest.raises(ValueError, match="pp_partition_method"):
         parallel.partition_layers(4, 2, "parameters")
 
@@ -104,13 +114,23 @@ def test_dry_run_of_bloom_layers_on_twelve_stages():
 
     import arguments
     import estimate
+
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    cfg = arguments.load_config([os.path.join(root, "config/tr8b_104b.py"), "--num_layers=70",
-                                 "--pipeline_model_parallel_size=12",
-                                 "--pp_partition_method=type:transformer|embedding"])
+    cfg = arguments.load_config(
+        [
+            os.path.join(root, "config/tr8b_104b.py"),
+            "--num_layers=70",
+            "--pipeline_model_parallel_size=12",
+            "--pp_partition_method=type:transformer|embedding",
+        ]
+    )
     out = io.StringIO()
     estimate.dry_run(cfg, world_size=384, file=out)
-    rows = [line.split()[:2] for line in out.getvalue().splitlines() if line.split()[:1] in (["0"], ["1-10"], ["11"])]
+    rows = [
+        line.split()[:2]
+        for line in out.getvalue().splitlines()
+        if line.split()[:1] in (["0"], ["1-10"], ["11"])
+    ]
     assert rows == [["0", "5"], ["1-10", "6"], ["11", "5"]]
     # 6 layers x 11 in flight > 5 x 12 on stage 0
     assert "activations on stage 1 " in out.getvalue()
@@ -123,6 +143,7 @@ def test_dry_run_of_bloom_layers_on_twelve_stages():
 def _streams_and_replicas():
     import optim
     from model import GPTConfig
+
     g = parallel.grid
     try:
         # the default stream is the same on both TP ranks, the model-parallel stream is not
@@ -141,10 +162,18 @@ def _streams_and_replicas():
         # and the replicated parameters get the same gradient on both TP ranks
         results = []
         for checkpointing in (False, True):
-            cfg = GPTConfig(**{**TINY, "hidden_dropout": 0.2, "attention_dropout": 0.2,
-                               "checkpoint_activations": checkpointing})
+            cfg = GPTConfig(
+                **{
+                    **TINY,
+                    "hidden_dropout": 0.2,
+                    "attention_dropout": 0.2,
+                    "checkpoint_activations": checkpointing,
+                }
+            )
             model = stage(cfg).train()
-            x, y = torch.randint(0, cfg.vocab_size, (2, 2, 16), generator=torch.Generator().manual_seed(0))
+            x, y = torch.randint(
+                0, cfg.vocab_size, (2, 2, 16), generator=torch.Generator().manual_seed(0)
+            )
             rng.seed(1234)
             for _ in range(2):  # two micro-batches: the streams move on between them
                 model(x, y).backward()
@@ -190,7 +219,9 @@ def test_dropout_stream_seeds_are_megatrons(rank, monkeypatch):
     finally:
         rng.set_states(None)
     assert torch.equal(default, torch.manual_seed(1234 + 100 * g.pp_rank).get_state())
-    assert torch.equal(model_parallel, torch.manual_seed(1234 + 100 * g.pp_rank + 2718 + g.tp_rank).get_state())
+    assert torch.equal(
+        model_parallel, torch.manual_seed(1234 + 100 * g.pp_rank + 2718 + g.tp_rank).get_state()
+    )
 
 
 @pytest.mark.slow
@@ -213,8 +244,12 @@ def test_tp2_with_gpt2_vocabulary_matches_one_process(synthetic_corpus, tmp_path
     assert "padded to 50432" in tp2.out
     assert_same_training(tp2, one, rel=1e-5)
     # the README's figure: the lm loss agrees to 2e-7 (relative; 1.0e-7 measured) at every one of the 10 iterations
-    worst = max(abs(tp2.scalars[it]["lm-loss"] / one.scalars[it]["lm-loss"] - 1) for it in one.scalars)
-    print(f"TP=2 against one process, GPT-2 vocabulary: largest relative lm loss difference {worst:.1e}")
+    worst = max(
+        abs(tp2.scalars[it]["lm-loss"] / one.scalars[it]["lm-loss"] - 1) for it in one.scalars
+    )
+    print(
+        f"TP=2 against one process, GPT-2 vocabulary: largest relative lm loss difference {worst:.1e}"
+    )
     assert worst <= 2e-7, worst
 
 
@@ -225,7 +260,10 @@ def test_three_layers_on_two_stages_match_one_process_and_resume(synthetic_corpu
     ckpt = tmp_path / "ckpt"
     layout = [*three, "--pipeline_model_parallel_size=2", f"--save={ckpt}"]
     full = launch(tmp_path / "full", 2, *layout, "--save_interval=5")
-    assert "pipeline stages (type:transformer|embedding): 0: embedding + layers 0-1 | 1: layer 2 + head" in full.out
+    assert (
+        "pipeline stages (type:transformer|embedding): 0: embedding + layers 0-1 | 1: layer 2 + head"
+        in full.out
+    )
     assert_same_training(full, one, rel=1e-5)
     resumed = launch(tmp_path / "resumed", 2, *layout, f"--load={rewind(ckpt, 5)}")
     for it in range(6, 11):  # bit-exact
@@ -233,9 +271,18 @@ def test_three_layers_on_two_stages_match_one_process_and_resume(synthetic_corpu
 
 
 @pytest.mark.slow
-def test_tp2_dropout_with_checkpointing_keeps_replicas_and_resumes_exactly(synthetic_corpus, tmp_path):
-    layout = [f"--data_path={synthetic_corpus}", "--tensor_model_parallel_size=2", "--hidden_dropout=0.1",
-              "--attention_dropout=0.1", "--checkpoint_activations", "--tp_replica_check_interval=5", "--dump_weights"]
+def test_tp2_dropout_with_checkpointing_keeps_replicas_and_resumes_exactly(
+    synthetic_corpus, tmp_path
+):
+    layout = [
+        f"--data_path={synthetic_corpus}",
+        "--tensor_model_parallel_size=2",
+        "--hidden_dropout=0.1",
+        "--attention_dropout=0.1",
+        "--checkpoint_activations",
+        "--tp_replica_check_interval=5",
+        "--dump_weights",
+    ]
     ckpt = tmp_path / "ckpt"
     full = launch(tmp_path / "full", 2, *layout, f"--save={ckpt}", "--save_interval=5")
     assert full.out.count("max abs difference from TP rank 0: 0.000e+00") == 2
@@ -246,23 +293,62 @@ def test_tp2_dropout_with_checkpointing_keeps_replicas_and_resumes_exactly(synth
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("nproc, layout, message", [
-    (3, ["--tensor_model_parallel_size=2"], "world size 3 is not divisible by tensor_model_parallel_size (2) x "
-                                            "pipeline_model_parallel_size (1); launch a multiple of 2 processes"),
-    (2, ["--tensor_model_parallel_size=2", "--num_attention_heads=3", "--hidden_size=48"],
-     "num_attention_heads (3) must be divisible by tensor_model_parallel_size (2)"),
-    (2, ["--pipeline_model_parallel_size=2", "--num_layers=1", "--pp_partition_method=type:transformer"],
-     "num_layers (1) is too small for pipeline_model_parallel_size (2)"),
-], ids=["world-size", "heads", "stages"])
+@pytest.mark.parametrize(
+    "nproc, layout, message",
+    [
+        (
+            3,
+            ["--tensor_model_parallel_size=2"],
+            "world size 3 is not divisible by tensor_model_parallel_size (2) x "
+            "pipeline_model_parallel_size (1); launch a multiple of 2 processes",
+        ),
+        (
+            2,
+            ["--tensor_model_parallel_size=2", "--num_attention_heads=3", "--hidden_size=48"],
+            "num_attention_heads (3) must be divisible by tensor_model_parallel_size (2)",
+        ),
+        (
+            2,
+            [
+                "--pipeline_model_parallel_size=2",
+                "--num_layers=1",
+                "--pp_partition_method=type:transformer",
+            ],
+            "num_layers (1) is too small for pipeline_model_parallel_size (2)",
+        ),
+    ],
+    ids=["world-size", "heads", "stages"],
+)
 def test_layout_errors_under_torchrun_are_one_line_and_exit_2(nproc, layout, message, tmp_path):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
-           str(free_port()), "train.py", "--train_iters=1", f"--save={tmp_path / 'ckpt'}", *layout]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          env=dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled"))
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        str(nproc),
+        "--master_port",
+        str(free_port()),
+        "train.py",
+        "--train_iters=1",
+        f"--save={tmp_path / 'ckpt'}",
+        *layout,
+    ]
+    proc = subprocess.run(
+        cmd,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled"),
+    )
     # rank 0's line, or the one torchrun's summary copies from a rank's error file: a rank that fails first
     # has torchrun stop the others, rank 0 too, at times before it prints
-    errors = [m.group(1) for m in re.finditer(r"^(?:\s*traceback\s*: )?(error: .*)$", proc.stderr, re.M)]
-    assert errors and all(line.startswith(f"error: {message}") for line in errors), proc.stderr[-3000:]
+    errors = [
+        m.group(1) for m in re.finditer(r"^(?:\s*traceback\s*: )?(error: .*)$", proc.stderr, re.M)
+    ]
+    assert errors and all(line.startswith(f"error: {message}") for line in errors), proc.stderr[
+        -3000:
+    ]
     # no traceback of ours
     assert "exitcode  : 2" in proc.stderr and 'train.py", line' not in proc.stderr
     assert not (tmp_path / "ckpt").exists()  # stopped before anything was written

@@ -1,4 +1,5 @@
 """The trainer through its real command line: config parsing, log lines, bit-exact resume, clear errors."""
+
 import os
 import re
 import subprocess
@@ -30,10 +31,28 @@ from helpers import run_cli as run
 def test_cli_forms_hyphens_underscores_bare_flags_and_lists(tmp_path):
     cfg_file = tmp_path / "c.py"
     cfg_file.write_text("num_layers = 3\nlr = 1e-3\nimport math\n_private = 1\n")
-    cfg = arguments.load_config([str(cfg_file), "--lr-warmup-samples", "216_320", "--lr_decay_samples=1e6",
-                                 "--embed-layernorm", "--fp16", "false", "--skip-train-iteration-range",
-                                 "13251-14000", "16652-18500", "--rampup_batch_size=16 16 9_765_625",
-                                 "--init-method-std", "small_init", "--data-path", "0.3", "a", "0.7", "b"])
+    cfg = arguments.load_config(
+        [
+            str(cfg_file),
+            "--lr-warmup-samples",
+            "216_320",
+            "--lr_decay_samples=1e6",
+            "--embed-layernorm",
+            "--fp16",
+            "false",
+            "--skip-train-iteration-range",
+            "13251-14000",
+            "16652-18500",
+            "--rampup_batch_size=16 16 9_765_625",
+            "--init-method-std",
+            "small_init",
+            "--data-path",
+            "0.3",
+            "a",
+            "0.7",
+            "b",
+        ]
+    )
     assert cfg.num_layers == 3 and cfg.lr == 1e-3
     assert cfg.lr_warmup_samples == 216320 and cfg.lr_decay_samples == 1_000_000
     assert cfg.embed_layernorm is True and cfg.fp16 is False
@@ -41,29 +60,47 @@ def test_cli_forms_hyphens_underscores_bare_flags_and_lists(tmp_path):
     assert cfg.rampup_batch_size == [16, 16, 9765625]
     assert cfg.init_method_std == "small_init"
     assert cfg.data_path == ["0.3", "a", "0.7", "b"]
-    assert schedule.parse_iteration_ranges(cfg.skip_train_iteration_range) == [(13251, 14000), (16652, 18500)]
-    assert arguments.load_config(["--reset_optimizer_warmup_iters"]).reset_optimizer_warmup_iters == "auto"
+    assert schedule.parse_iteration_ranges(cfg.skip_train_iteration_range) == [
+        (13251, 14000),
+        (16652, 18500),
+    ]
+    assert (
+        arguments.load_config(["--reset_optimizer_warmup_iters"]).reset_optimizer_warmup_iters
+        == "auto"
+    )
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--lr_warmup_sample=5"], "did you mean 'lr_warmup_samples'"),
-    (["--lr=fast"], "cannot use 'fast'"),
-    (["--train_iters=1.5"], "train_iters"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--lr_warmup_sample=5"], "did you mean 'lr_warmup_samples'"),
+        (["--lr=fast"], "cannot use 'fast'"),
+        (["--train_iters=1.5"], "train_iters"),
+    ],
+)
 def test_bad_keys_and_values_name_the_problem(argv, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         arguments.load_config(argv)
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["--hidden_size=100", "--num_attention_heads=3"], "hidden_size (100) must be divisible by num_attention_heads"),
-    (["--global_batch_size=10", "--micro_batch_size=4"], "global_batch_size (10) must be divisible"),
-    (["--fp16", "--bf16"], "exclusive"),
-    (["--train_iters=none"], "set the length of training"),
-    (["--skip_train_iteration_range", "20-10"], "START-END"),
-    (["--lr_decay_style=exp"], "lr_decay_style"),
-    (["--rampup_batch_size=16 16 1000"], "train_samples"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            ["--hidden_size=100", "--num_attention_heads=3"],
+            "hidden_size (100) must be divisible by num_attention_heads",
+        ),
+        (
+            ["--global_batch_size=10", "--micro_batch_size=4"],
+            "global_batch_size (10) must be divisible",
+        ),
+        (["--fp16", "--bf16"], "exclusive"),
+        (["--train_iters=none"], "set the length of training"),
+        (["--skip_train_iteration_range", "20-10"], "START-END"),
+        (["--lr_decay_style=exp"], "lr_decay_style"),
+        (["--rampup_batch_size=16 16 1000"], "train_samples"),
+    ],
+)
 def test_impossible_configs_are_refused(overrides, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         arguments.validate(arguments.load_config(overrides), world_size=1)
@@ -75,11 +112,14 @@ def test_a_length_on_the_command_line_replaces_the_config_files_other_unit(capsy
     rampup = ["--rampup-batch-size", "4", "4", "64"]
     cfg = arguments.prepare(arguments.load_config(["--train-samples", "96", *rampup]))
     assert (cfg.train_iters, cfg.train_samples) == (None, 96)
-    assert capsys.readouterr().out == ("train_samples from the command line replaces the config file's "
-                                       "train_iters = 300\n")
+    assert capsys.readouterr().out == (
+        "train_samples from the command line replaces the config file's train_iters = 300\n"
+    )
     both = arguments.load_config(["--train-iters", "300", "--train-samples", "96", *rampup])
     assert capsys.readouterr().out == ""
-    with pytest.raises(ValueError, match="set train_samples \\(or train_tokens\\) instead of train_iters"):
+    with pytest.raises(
+        ValueError, match="set train_samples \\(or train_tokens\\) instead of train_iters"
+    ):
         arguments.validate(both)
 
 
@@ -88,27 +128,42 @@ def test_a_command_line_key_replaces_only_the_exclusive_keys_the_file_set(tmp_pa
     file's train_iters and keeps its train_samples. A key at its default is not set: it neither replaces nor is
     replaced."""
     cfg_file = tmp_path / "c.py"
-    cfg_file.write_text("train_iters = 300\ntrain_samples = 1000\nfp16 = True\nlr_warmup_samples = 0\n")
-    cfg = arguments.load_config([str(cfg_file), "--train-tokens", "5000", "--lr-warmup-tokens", "64", "--bf16", "no"])
+    cfg_file.write_text(
+        "train_iters = 300\ntrain_samples = 1000\nfp16 = True\nlr_warmup_samples = 0\n"
+    )
+    cfg = arguments.load_config(
+        [str(cfg_file), "--train-tokens", "5000", "--lr-warmup-tokens", "64", "--bf16", "no"]
+    )
     assert (cfg.train_iters, cfg.train_samples, cfg.train_tokens) == (None, 1000, 5000)
     assert (cfg.fp16, cfg.bf16, cfg.lr_warmup_samples, cfg.lr_warmup_tokens) == (True, False, 0, 64)
-    assert capsys.readouterr().out == ("train_tokens from the command line replaces the config file's "
-                                       "train_iters = 300\n")
+    assert capsys.readouterr().out == (
+        "train_tokens from the command line replaces the config file's train_iters = 300\n"
+    )
     cfg = arguments.load_config([str(cfg_file), "--bf16"])
     assert (cfg.fp16, cfg.bf16, cfg.train_iters) == (False, True, 300)
-    assert capsys.readouterr().out == "bf16 from the command line replaces the config file's fp16 = True\n"
+    assert (
+        capsys.readouterr().out
+        == "bf16 from the command line replaces the config file's fp16 = True\n"
+    )
 
 
 def test_exclusive_warmups_both_on_the_command_line_are_refused():
     """Refused by the config's check, before the schedule is built."""
-    with pytest.raises(ValueError, match="both lr_warmup_samples and lr_warmup_tokens are set; set only one of them"):
-        arguments.validate(arguments.load_config(["--lr-warmup-samples", "480", "--lr-warmup-tokens", "1000"]))
+    with pytest.raises(
+        ValueError,
+        match="both lr_warmup_samples and lr_warmup_tokens are set; set only one of them",
+    ):
+        arguments.validate(
+            arguments.load_config(["--lr-warmup-samples", "480", "--lr-warmup-tokens", "1000"])
+        )
 
 
 def test_unknown_key_in_config_file(tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text("num_layer = 2\n")
-    with pytest.raises(ValueError, match=r"bad.py: unknown config key 'num_layer'; did you mean 'num_layers'"):
+    with pytest.raises(
+        ValueError, match=r"bad.py: unknown config key 'num_layer'; did you mean 'num_layers'"
+    ):
         arguments.load_config([str(bad)])
 
 
@@ -118,15 +173,21 @@ def test_device_cuda_without_a_usable_gpu_is_one_message(monkeypatch):
     cuda = arguments.load_config(["--device=cuda"])
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(torch.version, "cuda", None)
-    with pytest.raises(ValueError, match=r"device=cuda but this torch is a CPU-only build; install a CUDA build of "
-                                         r"torch .* or use --device=cpu"):
+    with pytest.raises(
+        ValueError,
+        match=r"device=cuda but this torch is a CPU-only build; install a CUDA build of "
+        r"torch .* or use --device=cpu",
+    ):
         arguments.check_device(cuda)
     arguments.check_device(arguments.load_config(["--device=auto"]))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     arguments.check_device(cuda, local_world_size=2)
-    with pytest.raises(ValueError, match=r"device=cuda with 4 processes on this node but 2 GPU\(s\) visible: one "
-                                         r"process per GPU; launch torchrun --nproc_per_node 2"):
+    with pytest.raises(
+        ValueError,
+        match=r"device=cuda with 4 processes on this node but 2 GPU\(s\) visible: one "
+        r"process per GPU; launch torchrun --nproc_per_node 2",
+    ):
         arguments.check_device(cuda, local_world_size=4)
 
 
@@ -134,16 +195,35 @@ def test_device_cuda_without_a_usable_gpu_is_one_message(monkeypatch):
 def test_device_cuda_on_a_cpu_torch_through_the_command_line():
     proc = run("--device=cuda", "--save=none", expect_ok=False)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert proc.stderr.startswith("error: device=cuda but this torch") and proc.stderr.count("error:") == 1
+    assert (
+        proc.stderr.startswith("error: device=cuda but this torch")
+        and proc.stderr.count("error:") == 1
+    )
 
 
 @pytest.mark.slow
 def test_config_error_under_torchrun_is_printed_once_and_is_the_root_cause(tmp_path):
     """Every rank has the error: rank 0 prints it; torchrun's failure summary carries it (the error file) instead of
     'To enable traceback see ...'; no traceback of ours."""
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                           str(free_port()), "train.py", "--lr=fast", "--save=none"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=600, env=dict(os.environ, WANDB_MODE="disabled"))
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master_port",
+            str(free_port()),
+            "train.py",
+            "--lr=fast",
+            "--save=none",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=dict(os.environ, WANDB_MODE="disabled"),
+    )
     assert proc.returncode != 0
     message = "config key 'lr': cannot use 'fast' as float"
     ours = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
@@ -151,7 +231,7 @@ def test_config_error_under_torchrun_is_printed_once_and_is_the_root_cause(tmp_p
     root_cause = proc.stderr.split("Root Cause")[1]
     assert f"traceback : error: {message}" in root_cause and "To enable traceback" not in root_cause
     # the launcher's own stack only
-    assert "File \"" + os.path.join(ROOT, "train.py") not in proc.stderr
+    assert 'File "' + os.path.join(ROOT, "train.py") not in proc.stderr
 
 
 @pytest.mark.slow
@@ -160,20 +240,33 @@ def test_deepspeed_bf16_pp2_exits_cleanly_every_time(synthetic_corpus, tmp_path)
     (--dependency=afterok) stops at the first that does not. Such a run aborted at exit in 1 of 5 tries."""
     pytest.importorskip("deepspeed")
     for i in range(5):
-        run_i = launch(tmp_path / f"run{i}", 2, f"--data_path={synthetic_corpus}", "--deepspeed", "--bf16",
-                       "--zero_stage=0", "--pipeline_model_parallel_size=2", "--train_iters=6",
-                       f"--save={tmp_path / f'ckpt{i}'}", expect_ok=False)
-        assert run_i.proc.returncode == 0, f"run {i + 1} of 5: exit code {run_i.proc.returncode}\n{run_i.err[-3000:]}"
+        run_i = launch(
+            tmp_path / f"run{i}",
+            2,
+            f"--data_path={synthetic_corpus}",
+            "--deepspeed",
+            "--bf16",
+            "--zero_stage=0",
+            "--pipeline_model_parallel_size=2",
+            "--train_iters=6",
+            f"--save={tmp_path / f'ckpt{i}'}",
+            expect_ok=False,
+        )
+        assert run_i.proc.returncode == 0, (
+            f"run {i + 1} of 5: exit code {run_i.proc.returncode}\n{run_i.err[-3000:]}"
+        )
         assert "terminate called" not in run_i.err and sorted(run_i.lines) == list(range(1, 7))
 
 
 # -- the log line -------------------------------------------------------------------------------------------------
 
-SEED_LINE = (" iteration    17060/  159576 | consumed samples:      8126688 | consumed tokens:  16643457024 | "
-             "elapsed time per iteration (ms): 573125.8 | learning rate: 5.948E-05 | global batch size:  2048 | "
-             "lm loss: 2.665295E+00 | loss scale: 1048576.0 | grad norm: 453082.517 | num zeros: 0.0 | "
-             "number of skipped iterations:   0 | number of nan iterations:   0 | samples per second: 0.004 | "
-             "TFLOPs: 23.64 |")
+SEED_LINE = (
+    " iteration    17060/  159576 | consumed samples:      8126688 | consumed tokens:  16643457024 | "
+    "elapsed time per iteration (ms): 573125.8 | learning rate: 5.948E-05 | global batch size:  2048 | "
+    "lm loss: 2.665295E+00 | loss scale: 1048576.0 | grad norm: 453082.517 | num zeros: 0.0 | "
+    "number of skipped iterations:   0 | number of nan iterations:   0 | samples per second: 0.004 | "
+    "TFLOPs: 23.64 |"
+)
 
 
 def _shape(line):
@@ -193,7 +286,9 @@ def test_log_line_format_matches_the_seeds(corpus, tmp_path):
         fields = r"( [a-zA-Z ()]+: +[-+.\dE]+ \|)+"
         assert re.fullmatch(r" iteration +\d+/ +\d+ \|" + fields + r" MFU: n/a \|", line), line
     # field widths as Megatron prints them: iteration %8d, consumed %12d, batch %5d, skipped %3d
-    assert re.match(r" iteration {8}1/ {7}3 \| consumed samples: {12}8 \| consumed tokens: {10}512 \|", lines[0])
+    assert re.match(
+        r" iteration {8}1/ {7}3 \| consumed samples: {12}8 \| consumed tokens: {10}512 \|", lines[0]
+    )
     assert "Model size:" in out and "validation loss at iteration 3" in out
 
 
@@ -206,7 +301,9 @@ def test_resume_is_bit_exact(corpus512, tmp_path):
     the optimizer's state, the LR schedule (past its warm-up at 10) or the data position still differs."""
     small = [*SMALL, f"--data_path={corpus512}", "--vocab_size=512"]
     straight, split = tmp_path / "straight", tmp_path / "split"
-    full = losses(run(*small, "--train_iters=20", f"--save={straight}", "--save_interval=10").stdout)
+    full = losses(
+        run(*small, "--train_iters=20", f"--save={straight}", "--save_interval=10").stdout
+    )
     first = losses(run(*small, "--train_iters=10", f"--save={split}").stdout)
     second = run(*small, "--train_iters=20", f"--save={split}", f"--load={split}").stdout
     assert "loaded checkpoint" in second
@@ -229,8 +326,14 @@ def test_changed_lr_schedule_needs_override(corpus, tmp_path):
     assert "override_lr_scheduler" in proc.stderr and "minimum learning rate" in proc.stderr
     # checkpoint untouched
     assert open(os.path.join(tmp_path, "latest")).read().strip() == "global_step2"
-    out = run(*SMALL, "--train_iters=4", f"--load={tmp_path}", f"--save={tmp_path}", "--min_lr=1e-5",
-              "--override_lr_scheduler").stdout
+    out = run(
+        *SMALL,
+        "--train_iters=4",
+        f"--load={tmp_path}",
+        f"--save={tmp_path}",
+        "--min_lr=1e-5",
+        "--override_lr_scheduler",
+    ).stdout
     assert " iteration        4/" in out
 
 
@@ -252,8 +355,14 @@ def test_corrupt_checkpoint_is_reported_and_left_alone(corpus, tmp_path):
     run(*SMALL, "--train_iters=2", f"--save={tmp_path}")
     shard = tmp_path / "global_step2" / "mp_rank_00_000_model_states.pt"
     shard.write_bytes(shard.read_bytes()[:1000])
-    proc = run(*SMALL, "--train_iters=4", f"--load={tmp_path}", f"--save={tmp_path}", expect_ok=False)
-    assert proc.returncode == 2 and "corrupt" in proc.stderr and "mp_rank_00_000_model_states.pt" in proc.stderr
+    proc = run(
+        *SMALL, "--train_iters=4", f"--load={tmp_path}", f"--save={tmp_path}", expect_ok=False
+    )
+    assert (
+        proc.returncode == 2
+        and "corrupt" in proc.stderr
+        and "mp_rank_00_000_model_states.pt" in proc.stderr
+    )
     assert open(tmp_path / "latest").read().strip() == "global_step2"
 
 
@@ -267,9 +376,18 @@ def test_the_end_of_run_sample_follows_the_prompt_seed_and_settings(capsys, monk
     import builders
     import parallel
     import training
-    cfg = arguments.load_config(["--num_layers=1", "--hidden_size=32", "--num_attention_heads=2",
-                                 "--sample_tokens=32", "--sample_prompt=ROMEO:", "--seed=7",
-                                 "--init_method_std=0.5"])  # peaked logits: the temperature counts
+
+    cfg = arguments.load_config(
+        [
+            "--num_layers=1",
+            "--hidden_size=32",
+            "--num_attention_heads=2",
+            "--sample_tokens=32",
+            "--sample_prompt=ROMEO:",
+            "--seed=7",
+            "--init_method_std=0.5",
+        ]
+    )  # peaked logits: the temperature counts
     cpu = torch.device("cpu")
     model = builders.build_model(cfg, cpu)
     tok = data.get_tokenizer(cfg.tokenizer_file)
@@ -285,16 +403,22 @@ def test_the_end_of_run_sample_follows_the_prompt_seed_and_settings(capsys, monk
     monkeypatch.setattr(parallel.grid, "pp_size", 2)
     training.print_sample(model, cpu, *sample)
     said = capsys.readouterr().out
-    assert said == ("no sample printed: with pipeline_model_parallel_size 2 no rank holds the "
-                    "whole model; sample from the checkpoint with tools/sample.py\n")
+    assert said == (
+        "no sample printed: with pipeline_model_parallel_size 2 no rank holds the "
+        "whole model; sample from the checkpoint with tools/sample.py\n"
+    )
 
 
 def test_eval_only_without_validation_data_names_the_fix():
     import builders
     import training
+
     cfg = arguments.load_config(["--eval_only", "--split=100,0,0", "--eval_iters=5"])
-    message = (r"^eval_only: no validation data \(split '100,0,0', eval_iters 5\); give the "
-               r"validation split a share \(e.g. --split 0,100,0 for the whole data_path\)$")
+    message = (
+        r"^eval_only: no validation data \(split '100,0,0', eval_iters 5\); give the "
+        r"validation split a share \(e.g. --split 0,100,0 for the whole data_path\)$"
+    )
     with pytest.raises(ValueError, match=message):
-        training.evaluate_only(None, None, None, builders.step_rules(cfg), torch.device("cpu"),
-                               cfg.split)
+        training.evaluate_only(
+            None, None, None, builders.step_rules(cfg), torch.device("cpu"), cfg.split
+        )

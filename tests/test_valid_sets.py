@@ -6,6 +6,7 @@ that set alone built straight from data.build_datasets; the set of the whole ble
 validation of a run without names (and that run's training losses against this one's); a resumed run and
 eval_only against the uninterrupted run's numbers; and bad names and paths against their messages.
 """
+
 import json
 import os
 import re
@@ -37,7 +38,10 @@ NAMES = ["all", "shakespeare", "synthetic", "heldout"]
 def heldout(tmp_path_factory):
     """A third corpus, in no run's data_path: a named set reads all of its documents."""
     rng = np.random.default_rng(1)
-    docs = [((rng.integers(0, 512) + 3 * np.arange(rng.integers(30, 90))) % 512).astype(np.uint16) for _ in range(40)]
+    docs = [
+        ((rng.integers(0, 512) + 3 * np.arange(rng.integers(30, 90))) % 512).astype(np.uint16)
+        for _ in range(40)
+    ]
     prefix = str(tmp_path_factory.mktemp("heldout") / "heldout")
     data.write_indexed_dataset(prefix, docs)
     return prefix
@@ -47,8 +51,14 @@ def heldout(tmp_path_factory):
 def sets(corpus512, synthetic_corpus, heldout):
     blend = f"0.5 {corpus512} 0.5 {synthetic_corpus}"
     paths = [blend, corpus512, synthetic_corpus, heldout]
-    args = [*SMALL, "--vocab_size=512", f"--data_path={blend}", f"--split={SPLIT}", "--train_iters=4",
-            "--eval_interval=2"]
+    args = [
+        *SMALL,
+        "--vocab_size=512",
+        f"--data_path={blend}",
+        f"--split={SPLIT}",
+        "--train_iters=4",
+        "--eval_interval=2",
+    ]
     return args, ["--valid_weighted_split_names", *NAMES, "--valid_weighted_split_paths", *paths]
 
 
@@ -68,9 +78,13 @@ def named_run(sets, corpus512, synthetic_corpus, heldout, tmp_path_factory):
     """(stdout, save directory, [(logged loss, the by-hand reference)] per evaluation) of the run with the four
     sets: each call of evaluate is followed by evaluate on its set built by hand, on the model of that moment."""
     args, named = sets
-    references = [by_hand(["0.5", corpus512, "0.5", synthetic_corpus], SPLIT), by_hand([corpus512], SPLIT),
-                  # heldout: all its documents
-                  by_hand([synthetic_corpus], SPLIT), by_hand([heldout], "0,1,0")]
+    references = [
+        by_hand(["0.5", corpus512, "0.5", synthetic_corpus], SPLIT),
+        by_hand([corpus512], SPLIT),
+        # heldout: all its documents
+        by_hand([synthetic_corpus], SPLIT),
+        by_hand([heldout], "0,1,0"),
+    ]
     seen, evaluate = [], training.evaluate
 
     def evaluate_and_the_reference(model, dataset, cfg, device):
@@ -95,20 +109,27 @@ def test_each_named_set_is_logged_and_equals_evaluate_on_that_set_alone(named_ru
     for k, (iteration, name) in enumerate((i, n) for i in (2, 4) for n in NAMES):
         loss = seen[k][0]
         assert records[iteration][f"validation lm loss/{name}"] == loss
-        assert records[iteration][f"validation ppl/{name}"] == pytest.approx(np.exp(loss), rel=1e-12)
+        assert records[iteration][f"validation ppl/{name}"] == pytest.approx(
+            np.exp(loss), rel=1e-12
+        )
         value = re.escape(f"{loss:.6E}")
-        assert re.search(rf"^ {name} loss at iteration {iteration} \| lm loss value: {value} \| lm loss PPL: ", out,
-                         re.M)
+        assert re.search(
+            rf"^ {name} loss at iteration {iteration} \| lm loss value: {value} \| lm loss PPL: ",
+            out,
+            re.M,
+        )
     # no blended set
     assert "validation loss at iteration" not in out and "validation lm loss" not in records[4]
     # four different sets, not one read four times
     assert len({loss for loss, _ in seen[4:]}) == len(NAMES)
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     events = EventAccumulator(str(save / "tensorboard"))
     events.Reload()
     for name in NAMES:
         assert [(e.step, e.value) for e in events.Scalars(f"valid-lm-loss/{name}")] == [
-            (i, pytest.approx(records[i][f"validation lm loss/{name}"], rel=1e-6)) for i in (2, 4)]
+            (i, pytest.approx(records[i][f"validation lm loss/{name}"], rel=1e-6)) for i in (2, 4)
+        ]
         assert [e.step for e in events.Scalars(f"valid-ppl/{name} vs samples")] == [16, 32]
 
 
@@ -119,8 +140,9 @@ def test_the_set_of_the_whole_blend_is_the_old_blended_validation(named_run, set
     old, new = metrics(tmp_path), metrics(save)
     for iteration in (2, 4):
         assert old[iteration]["validation lm loss"] == new[iteration]["validation lm loss/all"]
-    assert {i: f["lm loss"] for i, f in log_fields(plain).items()} == {i: f["lm loss"] for i, f in
-                                                                       log_fields(out).items()}
+    assert {i: f["lm loss"] for i, f in log_fields(plain).items()} == {
+        i: f["lm loss"] for i, f in log_fields(out).items()
+    }
 
 
 def test_a_resumed_run_evaluates_the_same_samples(named_run, sets, tmp_path):
@@ -141,7 +163,11 @@ def test_eval_only_reports_every_set(named_run, sets):
     args, named = sets
     out = run_main(*args, *named, f"--load={save}", f"--save={save}", "--eval_only")
     for name, (loss, _) in zip(NAMES, seen[4:]):
-        assert re.search(rf"^ {name} loss at iteration 4 \| lm loss value: {re.escape(f'{loss:.6E}')} \|", out, re.M)
+        assert re.search(
+            rf"^ {name} loss at iteration 4 \| lm loss value: {re.escape(f'{loss:.6E}')} \|",
+            out,
+            re.M,
+        )
     assert log_fields(out) == {}
 
 
@@ -151,17 +177,45 @@ def config(*more):
 
 def test_bad_names_and_paths_are_refused_with_the_fix(corpus512, heldout, tmp_path):
     for more, message in [
-            (["--valid_weighted_split_names", "a", "b", f"--valid_weighted_split_paths={corpus512}"],
-             r"names 2 validation set\(s\) but valid_weighted_split_paths gives 1 path\(s\): give one path per name"),
-            ([f"--valid_weighted_split_paths={corpus512}"], r"names 0 validation set\(s\) but .* gives 1 path"),
-            (["--valid_weighted_split_names", "a", "a", "--valid_weighted_split_paths", corpus512, heldout],
-             r"'a' is given twice; give each set its own name"),
-            (["--valid_weighted_split_names=a|b", f"--valid_weighted_split_paths={corpus512}"],
-             r"'a\|b' is not a name; give each set its own name of letters"),
-            (["--valid_weighted_split_names=a", f"--valid_weighted_split_paths={tmp_path}/nothere"],
-             r"validation set 'a': .*nothere.bin/.idx not found; fix its entry in valid_weighted_split_paths"),
-            (["--valid_weighted_split_names", "a", "b", "--valid_weighted_split_paths", f"0.5 {corpus512} 0.5",
-              corpus512], r"validation set 'a': data_path .* must be one prefix or a blend")]:
+        (
+            ["--valid_weighted_split_names", "a", "b", f"--valid_weighted_split_paths={corpus512}"],
+            r"names 2 validation set\(s\) but valid_weighted_split_paths gives 1 path\(s\): give one path per name",
+        ),
+        (
+            [f"--valid_weighted_split_paths={corpus512}"],
+            r"names 0 validation set\(s\) but .* gives 1 path",
+        ),
+        (
+            [
+                "--valid_weighted_split_names",
+                "a",
+                "a",
+                "--valid_weighted_split_paths",
+                corpus512,
+                heldout,
+            ],
+            r"'a' is given twice; give each set its own name",
+        ),
+        (
+            ["--valid_weighted_split_names=a|b", f"--valid_weighted_split_paths={corpus512}"],
+            r"'a\|b' is not a name; give each set its own name of letters",
+        ),
+        (
+            ["--valid_weighted_split_names=a", f"--valid_weighted_split_paths={tmp_path}/nothere"],
+            r"validation set 'a': .*nothere.bin/.idx not found; fix its entry in valid_weighted_split_paths",
+        ),
+        (
+            [
+                "--valid_weighted_split_names",
+                "a",
+                "b",
+                "--valid_weighted_split_paths",
+                f"0.5 {corpus512} 0.5",
+                corpus512,
+            ],
+            r"validation set 'a': data_path .* must be one prefix or a blend",
+        ),
+    ]:
         with pytest.raises(ValueError, match=message):
             arguments.prepare(config(f"--data_path={corpus512}", *more))
 
@@ -169,20 +223,49 @@ def test_bad_names_and_paths_are_refused_with_the_fix(corpus512, heldout, tmp_pa
 def test_a_set_without_validation_documents_is_refused_when_opened(corpus512, heldout, tmp_path):
     data.write_indexed_dataset(str(tmp_path / "empty"), [])
     for more, message in [
-            (["--split=100,0,0", "--valid_weighted_split_names=a", f"--valid_weighted_split_paths={corpus512}"],
-             r"validation set 'a' has no validation documents: .* split '100,0,0' gives validation none of its 38 "
-             r"documents; give validation a share of split"),
-            (["--valid_weighted_split_names=a", f"--valid_weighted_split_paths={tmp_path}/empty"],
-             r"validation set 'a' has no validation documents: .*empty holds none"),
-            (["--valid_weighted_split_names", "a", "b", "--valid_weighted_split_paths",
-              f"0.5 {corpus512} 0.5 {heldout}", corpus512],
-             r"validation set 'a' blends corpora of data_path with others .* make them two sets")]:
+        (
+            [
+                "--split=100,0,0",
+                "--valid_weighted_split_names=a",
+                f"--valid_weighted_split_paths={corpus512}",
+            ],
+            r"validation set 'a' has no validation documents: .* split '100,0,0' gives validation none of its 38 "
+            r"documents; give validation a share of split",
+        ),
+        (
+            ["--valid_weighted_split_names=a", f"--valid_weighted_split_paths={tmp_path}/empty"],
+            r"validation set 'a' has no validation documents: .*empty holds none",
+        ),
+        (
+            [
+                "--valid_weighted_split_names",
+                "a",
+                "b",
+                "--valid_weighted_split_paths",
+                f"0.5 {corpus512} 0.5 {heldout}",
+                corpus512,
+            ],
+            r"validation set 'a' blends corpora of data_path with others .* make them two sets",
+        ),
+    ]:
         cfg = arguments.prepare(config(f"--data_path={corpus512}", *more))
         with pytest.raises(ValueError, match=message):
             data_of(cfg, plan_of(cfg))
 
 
 def test_the_command_line_stops_with_one_line(corpus512):
-    proc = run_cli(*SMALL, "--vocab_size=512", f"--data_path={corpus512}", "--valid_weighted_split_names", "a", "b",
-                   f"--valid_weighted_split_paths={corpus512}", expect_ok=False)
-    assert proc.returncode == 2 and "give one path per name" in proc.stderr and "Traceback" not in proc.stderr
+    proc = run_cli(
+        *SMALL,
+        "--vocab_size=512",
+        f"--data_path={corpus512}",
+        "--valid_weighted_split_names",
+        "a",
+        "b",
+        f"--valid_weighted_split_paths={corpus512}",
+        expect_ok=False,
+    )
+    assert (
+        proc.returncode == 2
+        and "give one path per name" in proc.stderr
+        and "Traceback" not in proc.stderr
+    )

@@ -1,5 +1,6 @@
 """tools/whatif.py's forks that need the run's help: Adam's beta2 changed on resume (override_adam_params) and
 metaseq's soft skip (soft_skip_loss_ratio, in train_step)."""
+
 import os
 import re
 import sys
@@ -22,11 +23,22 @@ from stability.soft_skip import SoftSkip, soft_skip_trend
 
 def trend_of(cfg, history):
     """soft_skip_trend with cfg's soft_skip_loss_ratio and the guard's line (spike_guard_min_steps, _window)."""
-    return soft_skip_trend(cfg.soft_skip_loss_ratio, history, cfg.spike_guard_min_steps, cfg.spike_guard_window)
+    return soft_skip_trend(
+        cfg.soft_skip_loss_ratio, history, cfg.spike_guard_min_steps, cfg.spike_guard_window
+    )
 
 
-TINY = ["--num_layers=1", "--hidden_size=32", "--num_attention_heads=2", "--seq_length=16", "--vocab_size=512",
-        "--micro_batch_size=2", "--hidden_dropout=0", "--attention_dropout=0", "--clip_grad=0"]
+TINY = [
+    "--num_layers=1",
+    "--hidden_size=32",
+    "--num_attention_heads=2",
+    "--seq_length=16",
+    "--vocab_size=512",
+    "--micro_batch_size=2",
+    "--hidden_dropout=0",
+    "--attention_dropout=0",
+    "--clip_grad=0",
+]
 
 
 def setup(*extra):
@@ -34,32 +46,61 @@ def setup(*extra):
     cfg = arguments.prepare(arguments.load_config([*TINY, *extra]))
     model = build_model(cfg, torch.device("cpu"))
     gen = torch.Generator().manual_seed(0)
-    batches = [(torch.randint(0, 512, (2, 16), generator=gen), torch.randint(0, 512, (2, 16), generator=gen))]
+    batches = [
+        (
+            torch.randint(0, 512, (2, 16), generator=gen),
+            torch.randint(0, 512, (2, 16), generator=gen),
+        )
+    ]
     return cfg, model, build_optimizer(cfg, model), optim.scaler_for(cfg), batches
 
 
 def step(parts, trend=None, lr=1e-2):
     cfg, model, optimizer, scaler, batches = parts
-    return whole_step(model, optimizer, scaler, batches, lr, step_rules(cfg), torch.device("cpu"),
-                      callbacks=SoftSkip(cfg, None, cfg.spike_guard_min_steps,
-                                         cfg.spike_guard_window, trend=trend))
+    return whole_step(
+        model,
+        optimizer,
+        scaler,
+        batches,
+        lr,
+        step_rules(cfg),
+        torch.device("cpu"),
+        callbacks=SoftSkip(
+            cfg, None, cfg.spike_guard_min_steps, cfg.spike_guard_window, trend=trend
+        ),
+    )
 
 
-def test_the_soft_skip_scales_the_gradients_of_a_step_above_its_trend_and_leaves_others_alone(capsys):
-    plain, soft, calm = setup(), setup("--soft_skip_loss_ratio=1.5"), setup("--soft_skip_loss_ratio=1.5")
+def test_the_soft_skip_scales_the_gradients_of_a_step_above_its_trend_and_leaves_others_alone(
+    capsys,
+):
+    plain, soft, calm = (
+        setup(),
+        setup("--soft_skip_loss_ratio=1.5"),
+        setup("--soft_skip_loss_ratio=1.5"),
+    )
     first = step(plain)
     assert step(soft, trend=first.loss / 4).outcome == "ok"  # 4x its trend: gradients x 1/4
     # 1.2x its trend, under the ratio: the plain step, bit for bit
     step(calm, trend=first.loss / 1.2)
-    lines = re.findall(r"soft skip: loss \S+ is (\S+)x its trend's \S+: gradients x (\S+)", capsys.readouterr().out)
+    lines = re.findall(
+        r"soft skip: loss \S+ is (\S+)x its trend's \S+: gradients x (\S+)", capsys.readouterr().out
+    )
     assert lines == [("4.00", "0.25")]
-    moments = [(plain[2].state[p], soft[2].state[q], calm[2].state[r]) for p, q, r in
-               zip(plain[2].param_groups[0]["params"], soft[2].param_groups[0]["params"],
-                   calm[2].param_groups[0]["params"])]
+    moments = [
+        (plain[2].state[p], soft[2].state[q], calm[2].state[r])
+        for p, q, r in zip(
+            plain[2].param_groups[0]["params"],
+            soft[2].param_groups[0]["params"],
+            calm[2].param_groups[0]["params"],
+        )
+    ]
     for a, b, c in moments:  # Adam's moments saw a quarter of the gradient
         torch.testing.assert_close(b["exp_avg"], a["exp_avg"] / 4, rtol=1e-5, atol=1e-12)
         torch.testing.assert_close(b["exp_avg_sq"], a["exp_avg_sq"] / 16, rtol=1e-5, atol=1e-20)
-        assert torch.equal(c["exp_avg"], a["exp_avg"]) and torch.equal(c["exp_avg_sq"], a["exp_avg_sq"])
+        assert torch.equal(c["exp_avg"], a["exp_avg"]) and torch.equal(
+            c["exp_avg_sq"], a["exp_avg_sq"]
+        )
     # Adam's update is blind to a gradient scaled on every step; after an ordinary step, the soft-skipped one enters
     # the moments at a quarter (m = beta1 m + (1 - beta1) g / 4) and moves the weights less than the full step
     full, shrunk = setup(), setup("--soft_skip_loss_ratio=1.5")
@@ -69,54 +110,111 @@ def test_the_soft_skip_scales_the_gradients_of_a_step_above_its_trend_and_leaves
     spike = step(full)
     step(shrunk, trend=spike.loss / 4)
     for m, p, q in zip(m1, full[2].param_groups[0]["params"], shrunk[2].param_groups[0]["params"]):
-        torch.testing.assert_close(shrunk[2].state[q]["exp_avg"] - 0.9 * m, (full[2].state[p]["exp_avg"] - 0.9 * m) / 4,
-                                   rtol=1e-4, atol=1e-9)
-    moved = [sum(float((parts[1].state_dict()[k] - w[k]).norm()) for k in w)
-             for parts, w in zip((full, shrunk), before)]
+        torch.testing.assert_close(
+            shrunk[2].state[q]["exp_avg"] - 0.9 * m,
+            (full[2].state[p]["exp_avg"] - 0.9 * m) / 4,
+            rtol=1e-4,
+            atol=1e-9,
+        )
+    moved = [
+        sum(float((parts[1].state_dict()[k] - w[k]).norm()) for k in w)
+        for parts, w in zip((full, shrunk), before)
+    ]
     assert moved[1] < moved[0], moved
 
 
 def test_a_resume_refuses_another_beta2_unless_override_adam_params(synthetic_corpus, tmp_path):
-    base = [*TINY, "--micro_batch_size=4", "--global_batch_size=4", "--log_interval=1", "--eval_iters=0",
-            "--sample_tokens=0", "--save_interval=none", f"--data_path={synthetic_corpus}", "--split=100,0,0",
-            "--train_iters=6"]
+    base = [
+        *TINY,
+        "--micro_batch_size=4",
+        "--global_batch_size=4",
+        "--log_interval=1",
+        "--eval_iters=0",
+        "--sample_tokens=0",
+        "--save_interval=none",
+        f"--data_path={synthetic_corpus}",
+        "--split=100,0,0",
+        "--train_iters=6",
+    ]
     save = str(tmp_path / "run")
     run_main(*base, f"--save={save}", "--exit_interval=3")
-    with pytest.raises(ValueError, match=r"other Adam settings than this config \(adam_beta2 0.95 -> 0.99\): a "
-                                         r"resumed optimizer keeps its checkpoint's; set override_adam_params"):
+    with pytest.raises(
+        ValueError,
+        match=r"other Adam settings than this config \(adam_beta2 0.95 -> 0.99\): a "
+        r"resumed optimizer keeps its checkpoint's; set override_adam_params",
+    ):
         run_main(*base, f"--save={save}", "--adam_beta2=0.99")  # config/tiny.py's is 0.95
     assert checkpoint.latest_dir(save).endswith("global_step3")  # nothing written
     out = run_main(*base, f"--save={save}", "--adam_beta2=0.99", "--override_adam_params")
-    assert "override_adam_params: adam_beta2 0.95 -> 0.99 from now on (the optimizer's moments kept)" in out
+    assert (
+        "override_adam_params: adam_beta2 0.95 -> 0.99 from now on (the optimizer's moments kept)"
+        in out
+    )
     _, run, rank = checkpoint.load(checkpoint.latest_dir(save))
     assert run["state"]["iteration"] == 6
     assert all(g["betas"] == (0.9, 0.99) for g in rank["optimizer"]["param_groups"])
 
 
 @pytest.mark.slow
-def test_whatif_runs_the_beta2_and_soft_skip_forks_and_the_soft_skip_meets_the_bad_batch(synthetic_corpus, tmp_path):
+def test_whatif_runs_the_beta2_and_soft_skip_forks_and_the_soft_skip_meets_the_bad_batch(
+    synthetic_corpus, tmp_path
+):
     """From iteration 20 of a clean run, 4 iterations per fork, a bad batch at 22 in the run's config."""
-    base = ["--num_layers=2", "--hidden_size=64", "--num_attention_heads=4", "--seq_length=64", "--vocab_size=512",
-            "--micro_batch_size=8", "--global_batch_size=8", "--lr=2e-3", "--lr_warmup_samples=40", "--train_iters=40",
-            "--hidden_dropout=0", "--attention_dropout=0", "--log_interval=1", "--eval_iters=0", "--sample_tokens=0",
-            "--save_interval=none", f"--data_path={synthetic_corpus}", "--split=100,0,0", "--adam_beta2=0.999"]
+    base = [
+        "--num_layers=2",
+        "--hidden_size=64",
+        "--num_attention_heads=4",
+        "--seq_length=64",
+        "--vocab_size=512",
+        "--micro_batch_size=8",
+        "--global_batch_size=8",
+        "--lr=2e-3",
+        "--lr_warmup_samples=40",
+        "--train_iters=40",
+        "--hidden_dropout=0",
+        "--attention_dropout=0",
+        "--log_interval=1",
+        "--eval_iters=0",
+        "--sample_tokens=0",
+        "--save_interval=none",
+        f"--data_path={synthetic_corpus}",
+        "--split=100,0,0",
+        "--adam_beta2=0.999",
+    ]
     load = str(tmp_path / "base")
     run_main(*base, f"--save={load}", "--exit_interval=20")
     out = str(tmp_path / "whatif")
-    results = whatif.main(["--load", load, "--iters=4", "--out", out, "--forks", "as is,beta2 0.95,soft skip,z-loss",
-                           "--", *base, "--inject_bad_batch_iters=22-22"])
+    results = whatif.main(
+        [
+            "--load",
+            load,
+            "--iters=4",
+            "--out",
+            out,
+            "--forks",
+            "as is,beta2 0.95,soft skip,z-loss",
+            "--",
+            *base,
+            "--inject_bad_batch_iters=22-22",
+        ]
+    )
     by_name = {name: series for name, series, _, reached in results if reached}
     # z_loss may change on resume
     assert set(by_name) == {"as is", "beta2 0.95", "soft skip", "z-loss"}
     assert all([it for it, *_ in series] == [21, 22, 23, 24] for series in by_name.values())
     log = open(os.path.join(out, "soft_skip.log")).read()
-    assert re.search(r"soft skip: loss \S+ is \S+x its trend's \S+: gradients x 0\.\d+", log), log[-2000:]
+    assert re.search(r"soft skip: loss \S+ is \S+x its trend's \S+: gradients x 0\.\d+", log), log[
+        -2000:
+    ]
     # the forks see the same batch at 21 and the same weights: the soft skip changes nothing before the bad batch
     assert by_name["soft skip"][0] == by_name["as is"][0]
     # the bad batch's loss: before its update
     assert by_name["soft skip"][1][1] == by_name["as is"][1][1]
     assert by_name["soft skip"][2][1] != by_name["as is"][2][1]  # after it: a smaller update
-    assert "override_adam_params: adam_beta2 0.999 -> 0.95" in open(os.path.join(out, "beta2_0.95.log")).read()
+    assert (
+        "override_adam_params: adam_beta2 0.999 -> 0.95"
+        in open(os.path.join(out, "beta2_0.95.log")).read()
+    )
     text = open(os.path.join(out, "whatif.txt")).read()
     assert all(re.search(rf"^{name} +\d+ ", text, re.M) for name in by_name), text
     assert os.path.getsize(os.path.join(out, "whatif.png")) > 10_000

@@ -9,6 +9,7 @@ costs its index (20 bytes a document) on disk and nothing else. Reported: the bu
 time: on a shared machine the CPU time is the honest one), the time to save the three .npy files, and the
 peak RSS of the process, which includes the .idx pages read.
 """
+
 import argparse
 import os
 import resource
@@ -32,14 +33,18 @@ def write_synthetic_corpus(prefix, num_docs, mean_doc_tokens, seed=0):
     for lo in range(0, num_docs, 1 << 24):  # in chunks: bounded temporaries
         n = min(1 << 24, num_docs - lo)
         mu = np.log(mean_doc_tokens) - sigma**2 / 2
-        sizes[lo:lo + n] = np.clip(rng.lognormal(mu, sigma, n), 1, 2**31 - 1)
+        sizes[lo : lo + n] = np.clip(rng.lognormal(mu, sigma, n), 1, 2**31 - 1)
     with open(prefix + ".idx", "wb") as f:
-        f.write(data.HEADER.pack(data.MAGIC, 1, data.DTYPE_TO_CODE[np.dtype(np.uint16)], num_docs, num_docs + 1))
+        f.write(
+            data.HEADER.pack(
+                data.MAGIC, 1, data.DTYPE_TO_CODE[np.dtype(np.uint16)], num_docs, num_docs + 1
+            )
+        )
         f.write(sizes.tobytes())
         pointers = np.empty(0, np.int64)
         offset = 0
         for lo in range(0, num_docs, 1 << 24):
-            chunk = sizes[lo:lo + (1 << 24)]
+            chunk = sizes[lo : lo + (1 << 24)]
             pointers = np.cumsum(chunk, dtype=np.int64) - chunk + offset
             offset = int(pointers[-1]) + int(chunk[-1])
             f.write((pointers * 2).tobytes())
@@ -51,14 +56,22 @@ def write_synthetic_corpus(prefix, num_docs, mean_doc_tokens, seed=0):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--samples", type=lambda s: int(s.replace("_", "")), required=True)
     parser.add_argument("--seq_length", type=int, default=2048)
     parser.add_argument("--mean_doc_tokens", type=float, default=2048)
     group = parser.add_mutually_exclusive_group()
-    group.add_argument("--epochs", type=float, default=1.0, help="corpus size in epochs of the samples asked for")
-    group.add_argument("--corpus_tokens", type=lambda s: int(s.replace("_", "")), help="corpus size in tokens")
-    parser.add_argument("--dir", default=None, help="where to write the corpus and the cache (default: a temp dir)")
+    group.add_argument(
+        "--epochs", type=float, default=1.0, help="corpus size in epochs of the samples asked for"
+    )
+    group.add_argument(
+        "--corpus_tokens", type=lambda s: int(s.replace("_", "")), help="corpus size in tokens"
+    )
+    parser.add_argument(
+        "--dir", default=None, help="where to write the corpus and the cache (default: a temp dir)"
+    )
     parser.add_argument("--seed", type=int, default=1234)
     args = parser.parse_args()
 
@@ -67,17 +80,23 @@ def main():
     work = tempfile.mkdtemp(dir=args.dir)
     try:
         t0 = time.time()
-        tokens = write_synthetic_corpus(os.path.join(work, "corpus"), num_docs, args.mean_doc_tokens)
+        tokens = write_synthetic_corpus(
+            os.path.join(work, "corpus"), num_docs, args.mean_doc_tokens
+        )
         epochs = args.samples * args.seq_length / tokens
-        print(f"corpus: {num_docs:,} documents, {tokens:,} tokens; {args.samples:,} samples x {args.seq_length} "
-              f"take {epochs:,.2f} epochs of it; written in {time.time() - t0:.1f}s")
+        print(
+            f"corpus: {num_docs:,} documents, {tokens:,} tokens; {args.samples:,} samples x {args.seq_length} "
+            f"take {epochs:,.2f} epochs of it; written in {time.time() - t0:.1f}s"
+        )
         rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         indexed = data.IndexedDataset(os.path.join(work, "corpus"))
         documents = np.arange(num_docs, dtype=np.int32 if num_docs < 2**31 else np.int64)
         # compile (or load numba's cache) first
         data.index_arrays(indexed.sizes[:1], documents[:1], 1, 1, 0)
         t0, c0 = time.time(), time.process_time()
-        arrays = data.index_arrays(indexed.sizes, documents, args.samples, args.seq_length, args.seed)
+        arrays = data.index_arrays(
+            indexed.sizes, documents, args.samples, args.seq_length, args.seed
+        )
         t_build, c_build = time.time() - t0, time.process_time() - c0
         t0 = time.time()
         for name, array in zip(("doc_idx", "sample_idx", "shuffle_idx"), arrays):
@@ -86,9 +105,11 @@ def main():
         size = sum(a.nbytes for a in arrays)
         del arrays
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        print(f"index:  built in {t_build:.1f}s ({c_build:.1f}s of CPU time), saved in {t_save:.1f}s "
-              f"({size / 2**30:.2f} GiB of arrays); "
-              f"peak RSS {rss / 2**20:.2f} GiB (the corpus writer alone: {rss0 / 2**20:.2f} GiB)")
+        print(
+            f"index:  built in {t_build:.1f}s ({c_build:.1f}s of CPU time), saved in {t_save:.1f}s "
+            f"({size / 2**30:.2f} GiB of arrays); "
+            f"peak RSS {rss / 2**20:.2f} GiB (the corpus writer alone: {rss0 / 2**20:.2f} GiB)"
+        )
     finally:
         shutil.rmtree(work)
 

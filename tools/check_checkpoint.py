@@ -11,6 +11,7 @@
    rank's file (lesson 18), and so are the two copies of the tied word embedding, first and last stage (lesson 11).
 Prints one line per problem and exits 1 if there is any, 0 if there is none, 2 when DIR is not a checkpoint.
 """
+
 import argparse
 import os
 import sys
@@ -31,17 +32,21 @@ def tag_dir_of(directory):
     name = os.path.basename(os.path.normpath(directory))
     if name.startswith("global_step") and name.endswith(checkpoint.PARTIAL):
         parent = os.path.dirname(os.path.normpath(directory))
-        raise ValueError(f"{directory} is no checkpoint: "
-                         f"{checkpoint.describe_half_finished(parent, [name])}")
+        raise ValueError(
+            f"{directory} is no checkpoint: {checkpoint.describe_half_finished(parent, [name])}"
+        )
     if os.path.exists(os.path.join(directory, checkpoint.MANIFEST)) or os.path.exists(
-            checkpoint.model_file(directory, parallel.Grid(world_size=1))):
+        checkpoint.model_file(directory, parallel.Grid(world_size=1))
+    ):
         return directory
     if not os.path.isdir(directory):
         raise ValueError(f"{directory} does not exist")
     tag_dir = checkpoint.latest_dir(directory)
     if tag_dir is None:
-        raise ValueError(f"{directory} is not a checkpoint (no {checkpoint.MANIFEST}, no model file) and holds none "
-                         f"(no '{checkpoint.LATEST}' file)")
+        raise ValueError(
+            f"{directory} is not a checkpoint (no {checkpoint.MANIFEST}, no model file) and holds none "
+            f"(no '{checkpoint.LATEST}' file)"
+        )
     return tag_dir
 
 
@@ -50,14 +55,23 @@ def check_files(tag_dir, topology):
     paths = checkpoint.layout_files(tag_dir, topology)
     manifest = checkpoint.read_manifest(tag_dir)
     if manifest is None:
-        print(f"note: {tag_dir} has no {checkpoint.MANIFEST} (written by an older version): sizes and checksums "
-              "are not checked")
+        print(
+            f"note: {tag_dir} has no {checkpoint.MANIFEST} (written by an older version): sizes and checksums "
+            "are not checked"
+        )
         return [f"{path}: it is missing" for path in paths if not os.path.exists(path)], len(paths)
-    problems = [f"{path}: {problem}" for path in paths
-                if (problem := checkpoint.check_file(path, manifest)) is not None]
+    problems = [
+        f"{path}: {problem}"
+        for path in paths
+        if (problem := checkpoint.check_file(path, manifest)) is not None
+    ]
     names = {os.path.basename(p) for p in paths}
-    problems += [f"{os.path.join(tag_dir, name)}: listed in the manifest but not a file of a "
-                 f"{reshard.describe(topology)} checkpoint" for name in manifest["files"] if name not in names]
+    problems += [
+        f"{os.path.join(tag_dir, name)}: listed in the manifest but not a file of a "
+        f"{reshard.describe(topology)} checkpoint"
+        for name in manifest["files"]
+        if name not in names
+    ]
     return problems, len(paths)
 
 
@@ -67,8 +81,9 @@ def check_model(tag_dir, topology):
     config = layout.config
     cfg = GPTConfig(**{f.name: config[f.name] for f in fields(GPTConfig) if f.name in config})
     cfg.tensor_model_parallel_size = layout.tp
-    stages = parallel.partition_layers(cfg.num_layers, layout.pp, config.get("pp_partition_method",
-                                                                             "type:transformer|embedding"))
+    stages = parallel.partition_layers(
+        cfg.num_layers, layout.pp, config.get("pp_partition_method", "type:transformer|embedding")
+    )
     problems = []
     for pp in range(layout.pp):
         for tp in range(layout.tp):
@@ -80,22 +95,37 @@ def check_model(tag_dir, topology):
             params = dict(stage.named_parameters())
             for name, p in params.items():
                 if name not in have:
-                    problems.append(f"{where}: {name} is missing (the stored config's model has it)")
+                    problems.append(
+                        f"{where}: {name} is missing (the stored config's model has it)"
+                    )
                 elif have[name].shape != p.shape:
-                    problems.append(f"{where}: {name} has shape {tuple(have[name].shape)}, the stored config's "
-                                    f"model {tuple(p.shape)}")
-                elif tp > 0 and getattr(p, "tp_dim", None) is None and name in first and not torch.equal(
-                        have[name], first[name]):
-                    problems.append(f"{where}: {name} differs from TP rank 0's copy (replicated parameters must be "
-                                    "identical, lesson 18)")
-            problems += [f"{where}: {name} is not a parameter of the stored config's model"
-                         for name in have if name not in params]
+                    problems.append(
+                        f"{where}: {name} has shape {tuple(have[name].shape)}, the stored config's "
+                        f"model {tuple(p.shape)}"
+                    )
+                elif (
+                    tp > 0
+                    and getattr(p, "tp_dim", None) is None
+                    and name in first
+                    and not torch.equal(have[name], first[name])
+                ):
+                    problems.append(
+                        f"{where}: {name} differs from TP rank 0's copy (replicated parameters must be "
+                        "identical, lesson 18)"
+                    )
+            problems += [
+                f"{where}: {name} is not a parameter of the stored config's model"
+                for name in have
+                if name not in params
+            ]
     if layout.pp > 1 and not problems:
         for tp in range(layout.tp):
             first, last = layout.model(tp, 0)["model"], layout.model(tp, layout.pp - 1)["model"]
             if not torch.equal(first["embed.word.weight"], last["output_weight"]):
-                problems.append(f"{checkpoint.model_file(tag_dir, layout.grid(tp, 0, layout.pp - 1))}: the last "
-                                "stage's copy of the tied word embedding differs from the first stage's (lesson 11)")
+                problems.append(
+                    f"{checkpoint.model_file(tag_dir, layout.grid(tp, 0, layout.pp - 1))}: the last "
+                    "stage's copy of the tied word embedding differs from the first stage's (lesson 11)"
+                )
     return problems
 
 
@@ -106,21 +136,29 @@ def check(directory):
     problems, files = check_files(tag_dir, topology)
     if not problems:  # tensors are read only from files known to be whole
         problems = check_model(tag_dir, topology)
-    summary = (f"{tag_dir}: {reshard.describe(topology)}, {files} files whole, shapes as the stored config's "
-               "model, TP replicas and tied copies equal")
+    summary = (
+        f"{tag_dir}: {reshard.describe(topology)}, {files} files whole, shapes as the stored config's "
+        "model, TP replicas and tied copies equal"
+    )
     return problems, summary
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("directory", help="a checkpoint (global_stepN) or a save directory (its 'latest')")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "directory", help="a checkpoint (global_stepN) or a save directory (its 'latest')"
+    )
     args = parser.parse_args(argv)
     problems, summary = check(args.directory)
     for problem in problems:
         print(f"FAIL {problem}")
     if problems:
-        print(f"{len(problems)} problem(s): do not resume from this checkpoint; an earlier global_stepN may be whole "
-              "(check it, then write its name into 'latest')")
+        print(
+            f"{len(problems)} problem(s): do not resume from this checkpoint; an earlier global_stepN may be whole "
+            "(check it, then write its name into 'latest')"
+        )
         return 1
     print(f"OK {summary}")
     return 0

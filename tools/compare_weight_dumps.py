@@ -8,6 +8,7 @@ is compared with the before-save dump of the same iteration, bit for bit. This i
 `diff -u a/debug-805-... b/debug-806-...` over 384 ranks (lesson 11), which showed the last stage's copy of the
 word embedding and its LayerNorm coming back different after a reload.
 """
+
 import argparse
 import glob
 import os
@@ -21,8 +22,11 @@ DUMP = re.compile(r"debug-(\d+)-pp(\d+)-tp(\d+)-dp(\d+)-global(\d+)-(before-save
 
 def find_dumps(directory):
     """{(global rank, iteration, preamble): path}"""
-    root = os.path.join(directory, "weight_dumps") if os.path.isdir(os.path.join(directory, "weight_dumps")) \
+    root = (
+        os.path.join(directory, "weight_dumps")
+        if os.path.isdir(os.path.join(directory, "weight_dumps"))
         else directory
+    )
     dumps = {}
     for path in glob.glob(os.path.join(root, "debug-*.pt")):
         m = DUMP.search(os.path.basename(path))
@@ -42,33 +46,45 @@ def compare(before, after):
         else:
             a, b = before[name], after[name]
             if a.shape != b.shape or a.dtype != b.dtype:
-                lines.append(f"  {name}: {tuple(a.shape)} {a.dtype} before save, {tuple(b.shape)} {b.dtype} after load")
+                lines.append(
+                    f"  {name}: {tuple(a.shape)} {a.dtype} before save, {tuple(b.shape)} {b.dtype} after load"
+                )
             elif not torch.equal(a, b):
                 diff = (a.double() - b.double()).abs()
-                lines.append(f"  {name}: {int((a != b).sum())} of {a.numel()} values differ, max |diff| "
-                             f"{diff.max().item():.3e} (before save mean {a.double().mean().item():.6e}, after "
-                             f"load {b.double().mean().item():.6e})")
+                lines.append(
+                    f"  {name}: {int((a != b).sum())} of {a.numel()} values differ, max |diff| "
+                    f"{diff.max().item():.3e} (before save mean {a.double().mean().item():.6e}, after "
+                    f"load {b.double().mean().item():.6e})"
+                )
     return lines
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("directory", help="the checkpoint directory (save/load) holding weight_dumps/")
+    parser.add_argument(
+        "directory", help="the checkpoint directory (save/load) holding weight_dumps/"
+    )
     args = parser.parse_args(argv)
     dumps = find_dumps(args.directory)
     loads = sorted((rank, it) for rank, it, what in dumps if what == "after-load")
     if not loads:
-        print(f"no after-load dumps in {args.directory}: train with dump_weights=True, save, then resume")
+        print(
+            f"no after-load dumps in {args.directory}: train with dump_weights=True, save, then resume"
+        )
         return 1
     bad = 0
     for rank, it in loads:
         after = dumps[(rank, it, "after-load")]
         before = dumps.get((rank, it, "before-save"))
         if before is None:
-            print(f"global rank {rank}, iteration {it}: no before-save dump to compare {os.path.basename(after)} with")
+            print(
+                f"global rank {rank}, iteration {it}: no before-save dump to compare {os.path.basename(after)} with"
+            )
             bad += 1
             continue
-        lines = compare(torch.load(before, map_location="cpu"), torch.load(after, map_location="cpu"))
+        lines = compare(
+            torch.load(before, map_location="cpu"), torch.load(after, map_location="cpu")
+        )
         name = os.path.basename(after)[: -len("-after-load.pt")]
         if lines:
             bad += 1

@@ -19,6 +19,7 @@ on the matrices only, as its configure_optimizers; not fused: nanoGPT fuses on C
 and LayerNorms, as GPT-2 and our blocks have them (its GPTConfig's default; its train.py's is bias=False:
 --no-nanogpt_bias). Random tokens: the data does not change the work.
 """
+
 import argparse
 import os
 import statistics
@@ -26,21 +27,37 @@ import subprocess
 import sys
 import time
 
-SHAPE = {"num_layers": 6, "num_attention_heads": 6, "hidden_size": 384, "seq_length": 256, "micro_batch_size": 8}
+SHAPE = {
+    "num_layers": 6,
+    "num_attention_heads": 6,
+    "hidden_size": 384,
+    "seq_length": 256,
+    "micro_batch_size": 8,
+}
 VOCAB = 50304
 
 
 def parse(argv):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--trees", nargs="*", default=[os.path.dirname(os.path.dirname(os.path.abspath(__file__)))],
-                        help="stablegpt checkouts to time (default: this one)")
+    parser.add_argument(
+        "--trees",
+        nargs="*",
+        default=[os.path.dirname(os.path.dirname(os.path.abspath(__file__)))],
+        help="stablegpt checkouts to time (default: this one)",
+    )
     parser.add_argument("--rounds", type=int, default=3, help="turns each contender takes")
     parser.add_argument("--steps", type=int, default=10, help="timed iterations per measurement")
     parser.add_argument("--warmup", type=int, default=2, help="untimed iterations first")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--no-nanogpt", dest="nanogpt_too", action="store_false", help="checkouts only")
-    parser.add_argument("--nanogpt_bias", action=argparse.BooleanOptionalAction, default=True,
-                        help="biases in nanoGPT's linears and LayerNorms (GPT-2's, as ours)")
+    parser.add_argument(
+        "--no-nanogpt", dest="nanogpt_too", action="store_false", help="checkouts only"
+    )
+    parser.add_argument(
+        "--nanogpt_bias",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="biases in nanoGPT's linears and LayerNorms (GPT-2's, as ours)",
+    )
     # one nanoGPT measurement
     parser.add_argument("--nanogpt", action="store_true", help=argparse.SUPPRESS)
     for key, value in SHAPE.items():
@@ -51,13 +68,19 @@ def parse(argv):
 # -----------------------------------------------------------------------------
 # nanoGPT's model and step (see the docstring)
 
+
 def nanogpt_model(args):
     """nanoGPT's GPT at args' shape (see the docstring): model(idx, targets) -> the mean cross-entropy."""
     import torch
     import torch.nn as nn
     import torch.nn.functional as F
 
-    h, heads, T, B = args.hidden_size, args.num_attention_heads, args.seq_length, args.micro_batch_size
+    h, heads, T, B = (
+        args.hidden_size,
+        args.num_attention_heads,
+        args.seq_length,
+        args.micro_batch_size,
+    )
     bias = args.nanogpt_bias
 
     class Block(nn.Module):
@@ -65,7 +88,10 @@ def nanogpt_model(args):
             super().__init__()
             self.ln_1, self.ln_2 = nn.LayerNorm(h, bias=bias), nn.LayerNorm(h, bias=bias)
             self.c_attn, self.attn_proj = nn.Linear(h, 3 * h, bias=bias), nn.Linear(h, h, bias=bias)
-            self.c_fc, self.mlp_proj = nn.Linear(h, 4 * h, bias=bias), nn.Linear(4 * h, h, bias=bias)
+            self.c_fc, self.mlp_proj = (
+                nn.Linear(h, 4 * h, bias=bias),
+                nn.Linear(4 * h, h, bias=bias),
+            )
 
         def attention(self, x):
             q, k, v = self.c_attn(x).split(h, dim=2)
@@ -102,12 +128,15 @@ def nanogpt_model(args):
 
 def nanogpt_tokens_per_second(args):
     import torch
+
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     model = nanogpt_model(args)
     params = list(model.parameters())
-    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
-              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
     optimizer = torch.optim.AdamW(groups, lr=6e-4, betas=(0.9, 0.95))
     B, T, times = args.micro_batch_size, args.seq_length, []
     for i in range(args.warmup + args.steps):
@@ -125,26 +154,48 @@ def nanogpt_tokens_per_second(args):
 # -----------------------------------------------------------------------------
 # The interleaved rounds
 
+
 def measure(contender, args):
     """tokens/s of one measurement, in a fresh process."""
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
     shape = [f"--{key}={getattr(args, key)}" for key in SHAPE]
     if contender == "nanoGPT":
-        command, cwd = [sys.executable, os.path.abspath(__file__), "--nanogpt", f"--steps={args.steps}",
-                        f"--warmup={args.warmup}", f"--threads={args.threads}", *shape,
-                        "--nanogpt_bias" if args.nanogpt_bias else "--no-nanogpt_bias"], None
+        command, cwd = (
+            [
+                sys.executable,
+                os.path.abspath(__file__),
+                "--nanogpt",
+                f"--steps={args.steps}",
+                f"--warmup={args.warmup}",
+                f"--threads={args.threads}",
+                *shape,
+                "--nanogpt_bias" if args.nanogpt_bias else "--no-nanogpt_bias",
+            ],
+            None,
+        )
     else:
-        command, cwd = [sys.executable, "bench.py", "config/tiny.py", *shape,
-                        f"--global_batch_size={args.micro_batch_size}", f"--bench_steps={args.steps}",
-                        f"--bench_warmup={args.warmup}"], contender
+        command, cwd = (
+            [
+                sys.executable,
+                "bench.py",
+                "config/tiny.py",
+                *shape,
+                f"--global_batch_size={args.micro_batch_size}",
+                f"--bench_steps={args.steps}",
+                f"--bench_warmup={args.warmup}",
+            ],
+            contender,
+        )
         if "step_costs" in open(os.path.join(contender, "bench.py")).read():
             # the profiled iteration is not timed, but it costs a minute
             command.append("--no-step_costs")
     out = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True)
     line = next((x for x in out.stdout.splitlines() if x.startswith("tokens/s:")), None)
     if out.returncode or line is None:
-        raise SystemExit(f"{contender}: no tokens/s line (exit {out.returncode})\n{out.stdout[-2000:]}"
-                         f"{out.stderr[-2000:]}")
+        raise SystemExit(
+            f"{contender}: no tokens/s line (exit {out.returncode})\n{out.stdout[-2000:]}"
+            f"{out.stderr[-2000:]}"
+        )
     return float(line.split()[1].replace(",", ""))
 
 
@@ -159,25 +210,43 @@ def main(argv=None):
     for r in range(args.rounds):
         for c in contenders:
             results[c].append(measure(c, args))
-        print(f"round {r + 1}: " + ", ".join(f"{name(c)} {results[c][-1]:,.0f}" for c in contenders), flush=True)
-    print(f"\ntokens/s over {args.rounds} rounds of {args.steps} iterations ({args.threads} threads):")
+        print(
+            f"round {r + 1}: " + ", ".join(f"{name(c)} {results[c][-1]:,.0f}" for c in contenders),
+            flush=True,
+        )
+    print(
+        f"\ntokens/s over {args.rounds} rounds of {args.steps} iterations ({args.threads} threads):"
+    )
     for c in contenders:
         ratios = [a / n for a, n in zip(results[c], results.get("nanoGPT", []))]
-        against = f", {min(ratios):.3f}-{max(ratios):.3f}x nanoGPT's in the same rounds" \
-            if ratios and c != "nanoGPT" else ""
-        print(f"  {name(c):40} median {statistics.median(results[c]):8,.1f}  "
-              f"({min(results[c]):,.1f}-{max(results[c]):,.1f}){against}")
+        against = (
+            f", {min(ratios):.3f}-{max(ratios):.3f}x nanoGPT's in the same rounds"
+            if ratios and c != "nanoGPT"
+            else ""
+        )
+        print(
+            f"  {name(c):40} median {statistics.median(results[c]):8,.1f}  "
+            f"({min(results[c]):,.1f}-{max(results[c]):,.1f}){against}"
+        )
     if len(trees) == 2:
         ratios = [b / a for a, b in zip(results[trees[0]], results[trees[1]])]
-        print(f"  {name(trees[1])} / {name(trees[0])}: {min(ratios):.3f}-{max(ratios):.3f} per round")
+        print(
+            f"  {name(trees[1])} / {name(trees[0])}: {min(ratios):.3f}-{max(ratios):.3f} per round"
+        )
 
 
 def name(contender):
     if contender == "nanoGPT":
         return contender
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=contender, capture_output=True, text=True)
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=contender,
-                           capture_output=True, text=True).stdout.strip()
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=contender, capture_output=True, text=True
+    )
+    dirty = subprocess.run(
+        ["git", "status", "--porcelain", "--untracked-files=no"],
+        cwd=contender,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
     return f"{contender} ({commit.stdout.strip() or '?'}{'+changes' if dirty else ''})"
 
 

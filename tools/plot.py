@@ -9,6 +9,7 @@ a log file of Megatron-DeepSpeed lines (` iteration N/ M | consumed samples: ...
 lines, `spike guard:` lines). When an iteration appears more than once (after a rollback or a resume), its last
 record wins. The heat maps go to OUT with `_layers` before the extension, when a run has telemetry.
 """
+
 import argparse
 import json
 import math
@@ -25,7 +26,13 @@ import numpy as np  # noqa: E402
 ITERATION = re.compile(r"^\s*iteration\s+(\d+)/\s*(\d+)\s*\|(.*)$")
 VALIDATION = re.compile(r"validation loss at iteration (\d+) \| lm loss value: (\S+)")
 GUARD = re.compile(r"^spike guard: iteration (\d+): (.*)$")
-LAYER_STATS = ["grad norm", "param norm", "update/param rms", "block output rms", "attention logit max"]
+LAYER_STATS = [
+    "grad norm",
+    "param norm",
+    "update/param rms",
+    "block output rms",
+    "attention logit max",
+]
 ACTION_STYLE = {"skip": ("tab:orange", ":"), "rollback": ("tab:red", "--"), "stop": ("black", "-")}
 
 
@@ -43,8 +50,11 @@ class Run:
         self.records.setdefault(iteration, {}).update(values)
 
     def series(self, key):
-        points = sorted((i, r[key]) for i, r in self.records.items()
-                        if isinstance(r.get(key), (int, float)) and math.isfinite(r[key]))
+        points = sorted(
+            (i, r[key])
+            for i, r in self.records.items()
+            if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])
+        )
         return [i for i, _ in points], [v for _, v in points]
 
 
@@ -67,8 +77,11 @@ def load(path):
     """A Run from a directory with metrics.jsonl, a metrics.jsonl file, or a Megatron log file."""
     if os.path.isdir(path):
         path = os.path.join(path, "metrics.jsonl")
-    label = os.path.basename(os.path.dirname(os.path.abspath(path))) if path.endswith("metrics.jsonl") else \
-        os.path.basename(path)
+    label = (
+        os.path.basename(os.path.dirname(os.path.abspath(path)))
+        if path.endswith("metrics.jsonl")
+        else os.path.basename(path)
+    )
     run = Run(label)
     with open(path, errors="replace") as f:
         first = f.readline()
@@ -84,7 +97,12 @@ def load(path):
         else:
             for line in f:
                 _parse_log_line(run, line.rstrip("\n"))
-    for i, r in run.records.items():  # a logged interval with skipped or NaN steps: marked at its iteration
+    for (
+        i,
+        r,
+    ) in (
+        run.records.items()
+    ):  # a logged interval with skipped or NaN steps: marked at its iteration
         if r.get("number of skipped iterations", 0) or r.get("number of nan iterations", 0):
             run.skipped.append(i)
     return run
@@ -132,7 +150,9 @@ def plot_runs(runs, out):
         norm.plot(*run.series("grad norm"), color=color, lw=1, label=run.label)
         scale.plot(*run.series("loss scale"), color=color, lw=1, label=run.label)
         lr.plot(*run.series("learning rate"), color=color, lw=1, label=run.label)
-        batch.plot(*run.series("global batch size"), color=color, lw=1, label=f"{run.label} batch size")
+        batch.plot(
+            *run.series("global batch size"), color=color, lw=1, label=f"{run.label} batch size"
+        )
         x, y = run.series("curriculum seqlen")
         if x:
             batch.plot(x, y, ":", color=color, lw=1, label=f"{run.label} curriculum seqlen")
@@ -170,16 +190,23 @@ def plot_layers(runs, out):
     runs = [r for r in runs if any("telemetry" in rec for rec in r.records.values())]
     if not runs:
         return False
-    fig, axes = plt.subplots(len(LAYER_STATS), len(runs), figsize=(7 * len(runs), 3 * len(LAYER_STATS)),
-                             squeeze=False)
+    fig, axes = plt.subplots(
+        len(LAYER_STATS), len(runs), figsize=(7 * len(runs), 3 * len(LAYER_STATS)), squeeze=False
+    )
     for col, run in enumerate(runs):
         its = sorted(i for i, r in run.records.items() if "telemetry" in r)
         for row, key in enumerate(LAYER_STATS):
             ax = axes[row][col]
             grid = np.array([run.records[i]["telemetry"][key] for i in its], dtype=float).T
             log = key != "attention logit max" and np.nanmin(grid) > 0
-            image = ax.imshow(np.log10(grid) if log else grid, aspect="auto", origin="lower", interpolation="nearest",
-                              extent=(its[0], its[-1], -0.5, grid.shape[0] - 0.5), cmap="viridis")
+            image = ax.imshow(
+                np.log10(grid) if log else grid,
+                aspect="auto",
+                origin="lower",
+                interpolation="nearest",
+                extent=(its[0], its[-1], -0.5, grid.shape[0] - 0.5),
+                cmap="viridis",
+            )
             fig.colorbar(image, ax=ax, label=("log10 " if log else "") + key)
             ax.set_title(f"{run.label}: {key}")
             num_layers = len(run.records[its[0]]["telemetry"]["block output rms"])
@@ -197,18 +224,28 @@ def plot_layers(runs, out):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("runs", nargs="+", metavar="RUN", help="directory with metrics.jsonl, the file, or a log")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "runs", nargs="+", metavar="RUN", help="directory with metrics.jsonl, the file, or a log"
+    )
     parser.add_argument("--out", required=True, help="the PNG to write")
-    parser.add_argument("--labels", nargs="*", help="a label per run (default: the directory or file name)")
+    parser.add_argument(
+        "--labels", nargs="*", help="a label per run (default: the directory or file name)"
+    )
     args = parser.parse_args(argv)
     runs = []
     for path in args.runs:
         if not os.path.exists(path):
-            raise ValueError(f"{path} does not exist: give a run directory, a metrics.jsonl or a log file")
+            raise ValueError(
+                f"{path} does not exist: give a run directory, a metrics.jsonl or a log file"
+            )
         runs.append(load(path))
         if not runs[-1].records:
-            raise ValueError(f"{path} has no iteration records (metrics.jsonl lines or Megatron log lines)")
+            raise ValueError(
+                f"{path} has no iteration records (metrics.jsonl lines or Megatron log lines)"
+            )
     for run, label in zip(runs, args.labels or []):
         run.label = label
     plot_runs(runs, args.out)

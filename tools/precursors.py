@@ -21,6 +21,7 @@ guard's early rung can watch.
 - **False positives**: of the held-out clean runs (--clean, not used for the thresholds), those with a crossing,
   and how many telemetry records crossed in all.
 """
+
 import argparse
 import json
 import math
@@ -48,7 +49,11 @@ def read_run(directory):
             if line.strip():
                 record = json.loads(line)
                 records.setdefault(record["iteration"], {}).update(record)
-    steps = [(i, r["lm loss"], r.get("grad norm", math.nan)) for i, r in sorted(records.items()) if "lm loss" in r]
+    steps = [
+        (i, r["lm loss"], r.get("grad norm", math.nan))
+        for i, r in sorted(records.items())
+        if "lm loss" in r
+    ]
     return steps, [(i, r["telemetry"]) for i, r in sorted(records.items()) if "telemetry" in r]
 
 
@@ -94,18 +99,30 @@ def measure(diverged, calibrate, clean, eps=1e-8, margin=MARGIN):
     """Everything the table shows. diverged, calibrate, clean: {label: run directory}. Returns
     {"onsets": {label: iteration}, "rows": [{precursor, side, threshold, first {label: first crossing},
     leads {label: lead}, fp_runs, fp_records}]}."""
-    diverged, calibrate, clean = ({label: read_run(d) for label, d in runs.items()}
-                                  for runs in (diverged, calibrate, clean))
+    diverged, calibrate, clean = (
+        {label: read_run(d) for label, d in runs.items()} for runs in (diverged, calibrate, clean)
+    )
     onsets = {label: onset(steps) for label, (steps, _) in diverged.items()}
     rows = []
     for name in precursors.PRECURSORS:
         limit = threshold(name, [telemetry for _, telemetry in calibrate.values()], eps, margin)
-        first = {label: next(iter(crossings(telemetry, name, limit, eps)), None)
-                 for label, (_, telemetry) in diverged.items()}
+        first = {
+            label: next(iter(crossings(telemetry, name, limit, eps)), None)
+            for label, (_, telemetry) in diverged.items()
+        }
         leads = {label: lead(onsets[label], first[label]) for label in diverged}
         false = [len(crossings(telemetry, name, limit, eps)) for _, telemetry in clean.values()]
-        rows.append({"precursor": name, "side": precursors.PRECURSORS[name][1], "threshold": limit,
-                     "first": first, "leads": leads, "fp_runs": sum(n > 0 for n in false), "fp_records": sum(false)})
+        rows.append(
+            {
+                "precursor": name,
+                "side": precursors.PRECURSORS[name][1],
+                "threshold": limit,
+                "first": first,
+                "leads": leads,
+                "fp_runs": sum(n > 0 for n in false),
+                "fp_records": sum(false),
+            }
+        )
     return {"onsets": onsets, "rows": rows, "clean": len(clean), "calibrate": len(calibrate)}
 
 
@@ -128,22 +145,39 @@ def markdown(result):
     for label in onsets:
         setups.setdefault(group(label)[0], []).append(label)
     spiked = [label for label in onsets if onsets[label] is not None]
-    lines = ["Onset (the first iteration the guard's detector calls a spike; -: none), per run: " + "; ".join(
-        f"{setup} " + ", ".join(f"{group(x)[1]} {onsets[x] if onsets[x] is not None else '-'}" for x in labels)
-        for setup, labels in setups.items()), "",
+    lines = [
+        "Onset (the first iteration the guard's detector calls a spike; -: none), per run: "
+        + "; ".join(
+            f"{setup} "
+            + ", ".join(
+                f"{group(x)[1]} {onsets[x] if onsets[x] is not None else '-'}" for x in labels
+            )
+            for setup, labels in setups.items()
+        ),
+        "",
         "Lead time in iterations, per seed: +n (@i): the precursor crossed its threshold at iteration i, n "
         "iterations before the onset; 0 or -n: with or after it (no warning); never: no crossing. Mean and min over "
         f"the {len(spiked)} runs with an onset, a late or missing warning counting as 0. False positives: of "
-        f"{result['clean']} held-out clean runs, those with a crossing (telemetry records crossing in all).", "",
+        f"{result['clean']} held-out clean runs, those with a crossing (telemetry records crossing in all).",
+        "",
         "| precursor | threshold | " + " | ".join(setups) + " | mean | min | false positives |",
-        "| --- | --- | " + " | ".join("---" for _ in setups) + " | --- | --- | --- |"]
+        "| --- | --- | " + " | ".join("---" for _ in setups) + " | --- | --- | --- |",
+    ]
     for row in result["rows"]:
         counted = [max(row["leads"][x] or 0, 0) for x in spiked]
         side = ">" if row["side"] == "high" else "<"
-        cells = [" / ".join(cell(onsets[x], row["first"][x]) for x in labels) for labels in setups.values()]
-        mean, least = (f"{sum(counted) / len(counted):.1f}", str(min(counted))) if counted else ("-", "-")
-        lines.append(f"| {row['precursor']} | {side} {row['threshold']:.3g} | " + " | ".join(cells) +
-                     f" | {mean} | {least} | {row['fp_runs']} ({row['fp_records']}) |")
+        cells = [
+            " / ".join(cell(onsets[x], row["first"][x]) for x in labels)
+            for labels in setups.values()
+        ]
+        mean, least = (
+            (f"{sum(counted) / len(counted):.1f}", str(min(counted))) if counted else ("-", "-")
+        )
+        lines.append(
+            f"| {row['precursor']} | {side} {row['threshold']:.3g} | "
+            + " | ".join(cells)
+            + f" | {mean} | {least} | {row['fp_runs']} ({row['fp_records']}) |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -154,15 +188,28 @@ def labelled(directories):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--diverged", nargs="+", required=True, help="run directories of divergences")
-    parser.add_argument("--calibrate", nargs="+", required=True, help="clean runs the thresholds come from")
-    parser.add_argument("--clean", nargs="*", default=[], help="held-out clean runs: the false positives")
+    parser.add_argument(
+        "--diverged", nargs="+", required=True, help="run directories of divergences"
+    )
+    parser.add_argument(
+        "--calibrate", nargs="+", required=True, help="clean runs the thresholds come from"
+    )
+    parser.add_argument(
+        "--clean", nargs="*", default=[], help="held-out clean runs: the false positives"
+    )
     parser.add_argument("--margin", type=float, default=MARGIN)
-    parser.add_argument("--adam_eps", type=float, default=1e-8, help="the runs' adam_eps (grad_rms_over_eps)")
+    parser.add_argument(
+        "--adam_eps", type=float, default=1e-8, help="the runs' adam_eps (grad_rms_over_eps)"
+    )
     parser.add_argument("--out", help="write the markdown table here too")
     args = parser.parse_args(argv)
-    result = measure(labelled(args.diverged), labelled(args.calibrate), labelled(args.clean), args.adam_eps,
-                     args.margin)
+    result = measure(
+        labelled(args.diverged),
+        labelled(args.calibrate),
+        labelled(args.clean),
+        args.adam_eps,
+        args.margin,
+    )
     text = markdown(result)
     print(text)
     if args.out:

@@ -6,6 +6,7 @@ Reads DIR/latest, builds the model from the config stored in the checkpoint (no 
 samples on one process (CPU, or CUDA when available). A checkpoint written by tensor- or pipeline-parallel ranks
 is gathered into the one process as it loads (reshard.py), the vocabulary padding dropped.
 """
+
 import argparse
 import os
 import sys
@@ -25,12 +26,20 @@ def load_model(directory, device):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--load", required=True, help="checkpoint directory (the run's save directory)")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--load", required=True, help="checkpoint directory (the run's save directory)"
+    )
     parser.add_argument("--prompt", default="\n", help="text to continue")
     parser.add_argument("--max_tokens", type=int, default=200, help="number of tokens to generate")
-    parser.add_argument("--temperature", type=float, default=0.8, help="divide the logits by this; lower: safer")
-    parser.add_argument("--top_k", type=int, default=200, help="sample among the k likeliest tokens; 0: all")
+    parser.add_argument(
+        "--temperature", type=float, default=0.8, help="divide the logits by this; lower: safer"
+    )
+    parser.add_argument(
+        "--top_k", type=int, default=200, help="sample among the k likeliest tokens; 0: all"
+    )
     parser.add_argument("--num_samples", type=int, default=1, help="independent samples to print")
     parser.add_argument("--seed", type=int, default=1234)
     args = parser.parse_args(argv)
@@ -44,8 +53,13 @@ def main(argv=None):
     generator = torch.Generator(device=device).manual_seed(args.seed)
     with torch.no_grad():
         for i in range(args.num_samples):
-            out = model.generate(torch.tensor([prompt], device=device), args.max_tokens,
-                                 temperature=args.temperature, top_k=args.top_k or None, generator=generator)
+            out = model.generate(
+                torch.tensor([prompt], device=device),
+                args.max_tokens,
+                temperature=args.temperature,
+                top_k=args.top_k or None,
+                generator=generator,
+            )
             print(("" if i == 0 else "-" * 60 + "\n") + tok.decode(out[0].tolist()), flush=True)
 
 

@@ -22,6 +22,7 @@ The changes leave the model function alone (PaLM's and the chronicles' remedies,
                      gradients scaled by trend / loss before clipping (soft_skip_loss_ratio)
     guard            the spike guard's own ladder, with its diagnosis
 """
+
 import argparse
 import json
 import os
@@ -37,14 +38,28 @@ from sections import section  # noqa: E402
 from stability import detector, spike_guard  # noqa: E402
 from stability.config import DetectorConfig  # noqa: E402
 
-FORKS = ("as is", "lr x F", "skip 200", "z-loss", "optimizer reset", "beta2 0.95", "clip 0.3", "soft skip", "guard")
+FORKS = (
+    "as is",
+    "lr x F",
+    "skip 200",
+    "z-loss",
+    "optimizer reset",
+    "beta2 0.95",
+    "clip 0.3",
+    "soft skip",
+    "guard",
+)
 
 
 def change(fork, cfg, iteration, lr_factor, skip=200, soft_skip_ratio=1.1):
     """The command-line overrides of one fork, from the run's config at the checkpoint's iteration."""
     return {
         "as is": [],
-        "lr x F": [f"--lr={cfg.lr * lr_factor!r}", f"--min_lr={cfg.min_lr * lr_factor!r}", "--override_lr_scheduler"],
+        "lr x F": [
+            f"--lr={cfg.lr * lr_factor!r}",
+            f"--min_lr={cfg.min_lr * lr_factor!r}",
+            "--override_lr_scheduler",
+        ],
         "skip 200": [f"--skip_train_iteration_range={iteration + 1}-{iteration + skip}"],
         "z-loss": ["--z_loss=1e-4"],
         "optimizer reset": ["--reset_optimizer_warmup_iters=auto"],
@@ -69,13 +84,25 @@ def run_fork(name, run_args, load, out, iters, extra):
         return directory
     source = directory if done is not None else load
     remaining = target - (done if done is not None else start)
-    cmd = [sys.executable, "train.py", *run_args, f"--load={source}", f"--save={directory}",
-           f"--exit_interval={remaining}", "--log_interval=1", "--sample_tokens=0", *extra]
+    cmd = [
+        sys.executable,
+        "train.py",
+        *run_args,
+        f"--load={source}",
+        f"--save={directory}",
+        f"--exit_interval={remaining}",
+        "--log_interval=1",
+        "--sample_tokens=0",
+        *extra,
+    ]
     print(f"whatif: {name}: {' '.join(cmd[2:])}", flush=True)
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     with open(os.path.join(out, name.replace(" ", "_") + ".log"), "a") as f:
         f.write(proc.stdout + proc.stderr)
-    if proc.returncode not in (0, spike_guard.EXIT_CODE):  # a guard that gives up is a result, not a failure
+    if proc.returncode not in (
+        0,
+        spike_guard.EXIT_CODE,
+    ):  # a guard that gives up is a result, not a failure
         raise RuntimeError(f"fork {name!r} failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}")
     return directory
 
@@ -92,20 +119,26 @@ def records(directory, after):
 
 
 def table(results, start, iters):
-    lines = [f"what-if from iteration {start}, {iters} iterations per fork:",
-             f"{'fork':<18} {'spikes':>7} {'first':>6} {'max loss':>9} {'last loss':>10}  got through"]
+    lines = [
+        f"what-if from iteration {start}, {iters} iterations per fork:",
+        f"{'fork':<18} {'spikes':>7} {'first':>6} {'max loss':>9} {'last loss':>10}  got through",
+    ]
     for name, series, found, reached in results:
         losses = [loss for _, loss, _ in series]
         through = not found and reached
-        lines.append(f"{name:<18} {len(found):>7} {found[0] if found else '-':>6} {max(losses):>9.4f} "
-                     f"{losses[-1]:>10.4f}  {'yes' if through else 'no'}")
+        lines.append(
+            f"{name:<18} {len(found):>7} {found[0] if found else '-':>6} {max(losses):>9.4f} "
+            f"{losses[-1]:>10.4f}  {'yes' if through else 'no'}"
+        )
     return "\n".join(lines)
 
 
 def figure(results, path):
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 7), sharex=True)
     for name, series, *_ in results:
         its = [it for it, _, _ in series]
@@ -124,17 +157,31 @@ def figure(results, path):
 
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
-    run_args = argv[argv.index("--") + 1:] if "--" in argv else []
-    argv = argv[:argv.index("--")] if "--" in argv else argv
+    run_args = argv[argv.index("--") + 1 :] if "--" in argv else []
+    argv = argv[: argv.index("--")] if "--" in argv else argv
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--load", required=True, help="checkpoint directory (its `latest`) to fork from")
+    parser.add_argument(
+        "--load", required=True, help="checkpoint directory (its `latest`) to fork from"
+    )
     parser.add_argument("--iters", type=int, required=True, help="iterations per fork")
-    parser.add_argument("--out", required=True, help="directory of the forks, the table and the figure")
-    parser.add_argument("--forks", default=",".join(FORKS), help=f"comma-separated, of: {', '.join(FORKS)}")
-    parser.add_argument("--lr_factor", type=float, default=0.5, help="the LR multiplier of the 'lr x F' fork")
-    parser.add_argument("--skip", type=int, default=200, help="iterations (batches) the 'skip 200' fork skips")
-    parser.add_argument("--soft_skip_ratio", type=float, default=1.1,
-                        help="the 'soft skip' fork scales the gradients of a loss above this x its trend")
+    parser.add_argument(
+        "--out", required=True, help="directory of the forks, the table and the figure"
+    )
+    parser.add_argument(
+        "--forks", default=",".join(FORKS), help=f"comma-separated, of: {', '.join(FORKS)}"
+    )
+    parser.add_argument(
+        "--lr_factor", type=float, default=0.5, help="the LR multiplier of the 'lr x F' fork"
+    )
+    parser.add_argument(
+        "--skip", type=int, default=200, help="iterations (batches) the 'skip 200' fork skips"
+    )
+    parser.add_argument(
+        "--soft_skip_ratio",
+        type=float,
+        default=1.1,
+        help="the 'soft skip' fork scales the gradients of a loss above this x its trend",
+    )
     args = parser.parse_args(argv)
     forks = [f.strip() for f in args.forks.split(",")]
     unknown = [f for f in forks if f not in FORKS]
@@ -142,16 +189,26 @@ def main(argv=None):
         raise SystemExit(f"error: unknown fork(s) {unknown}; choose from {', '.join(FORKS)}")
     start = saved_iteration(args.load)
     if start is None:
-        raise SystemExit(f"error: no checkpoint in {args.load} (no `latest`): point --load at a run's save directory")
+        raise SystemExit(
+            f"error: no checkpoint in {args.load} (no `latest`): point --load at a run's save directory"
+        )
     _, run, _ = checkpoint.load(checkpoint.latest_dir(args.load))
     cfg = arguments.load_config(run_args) if run_args else arguments.load_config([])
     stats = detector.run_stats(run["state"])
     os.makedirs(args.out, exist_ok=True)
     results = []
     for name in forks:
-        label = {"lr x F": f"lr x {args.lr_factor:g}", "skip 200": f"skip {args.skip}"}.get(name, name)
-        directory = run_fork(name, run_args, args.load, args.out, args.iters,
-                             change(name, cfg, start, args.lr_factor, args.skip, args.soft_skip_ratio))
+        label = {"lr x F": f"lr x {args.lr_factor:g}", "skip 200": f"skip {args.skip}"}.get(
+            name, name
+        )
+        directory = run_fork(
+            name,
+            run_args,
+            args.load,
+            args.out,
+            args.iters,
+            change(name, cfg, start, args.lr_factor, args.skip, args.soft_skip_ratio),
+        )
         series = records(directory, start)
         reached = saved_iteration(directory) == start + args.iters
         found = detector.spikes_in(series, section(DetectorConfig, cfg), cfg.clip_grad, stats)

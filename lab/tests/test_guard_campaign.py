@@ -3,6 +3,7 @@ Wilson interval (textbook values), false positives with the run as the unit besi
 per fault class, right diagnoses where a method diagnoses, damage against the clean twin, the methods table; the
 registration (written before any run, checked after, never mixed in a report); and one tiny trial run end to end
 under --method zclip."""
+
 import json
 import math
 import os
@@ -22,10 +23,31 @@ def test_wilson_matches_the_textbook_interval():
     assert all(math.isnan(x) for x in gc.wilson(0, 0))  # no interval over no trial
 
 
-def record(name, valid, decisions=(), family="lr transient", start=20, trial=None, method=None, exit=0, iters=100):
+def record(
+    name,
+    valid,
+    decisions=(),
+    family="lr transient",
+    start=20,
+    trial=None,
+    method=None,
+    exit=0,
+    iters=100,
+):
     trial = int(name.split("-")[0]) if trial is None else trial
-    return name, {"name": name, "valid": valid, "decisions": list(decisions), "family": family, "start": start,
-                  "trial": trial, "method": method, "exit": exit, "iters": iters, "rollbacks": 0, "what": family}
+    return name, {
+        "name": name,
+        "valid": valid,
+        "decisions": list(decisions),
+        "family": family,
+        "start": start,
+        "trial": trial,
+        "method": method,
+        "exit": exit,
+        "iters": iters,
+        "rollbacks": 0,
+        "what": family,
+    }
 
 
 def synthetic():
@@ -34,20 +56,39 @@ def synthetic():
     before it is not a detection), ends 0 within 1% (+0.8%); its clean runs: one of two acts, 3 times."""
     act = "spike guard: iteration {}: loss 9 is 2x its trend; {}"
     zact = "remedy zclip: iteration {}: clipped: grad norm 9 to 1"
-    return dict([
-        record("0-clean", 5.0), record("0-unguarded", 5.2), record("1-clean", 5.0, family="random tokens"),
-        record("1-unguarded", 6.0, family="random tokens"), record("2-clean", 5.0, family="lr persistent"),
-        record("2-unguarded", math.inf, family="lr persistent", exit=1), record("3-clean", 5.0),
-        record("3-unguarded", 5.01),
-        record("0-guarded", 5.02, [act.format(21, "optimizer-driven: ...")]),
-        record("1-guarded", 5.3, [act.format(20, "optimizer-driven: ...")], family="random tokens"),
-        record("2-guarded", 5.5, [], family="lr persistent"),
-        record("3-guarded", 5.0),
-        record("0-zclip", 5.04, [zact.format(22)], method="zclip"),
-        record("2-zclip", 5.9, [zact.format(10), zact.format(30)], family="lr persistent", method="zclip"),
-        record("0-clean-zclip", 5.0, [zact.format(5), zact.format(50), zact.format(70)], method="zclip"),
-        record("1-clean-zclip", 5.0, [], family="random tokens", method="zclip"),
-    ])
+    return dict(
+        [
+            record("0-clean", 5.0),
+            record("0-unguarded", 5.2),
+            record("1-clean", 5.0, family="random tokens"),
+            record("1-unguarded", 6.0, family="random tokens"),
+            record("2-clean", 5.0, family="lr persistent"),
+            record("2-unguarded", math.inf, family="lr persistent", exit=1),
+            record("3-clean", 5.0),
+            record("3-unguarded", 5.01),
+            record("0-guarded", 5.02, [act.format(21, "optimizer-driven: ...")]),
+            record(
+                "1-guarded", 5.3, [act.format(20, "optimizer-driven: ...")], family="random tokens"
+            ),
+            record("2-guarded", 5.5, [], family="lr persistent"),
+            record("3-guarded", 5.0),
+            record("0-zclip", 5.04, [zact.format(22)], method="zclip"),
+            record(
+                "2-zclip",
+                5.9,
+                [zact.format(10), zact.format(30)],
+                family="lr persistent",
+                method="zclip",
+            ),
+            record(
+                "0-clean-zclip",
+                5.0,
+                [zact.format(5), zact.format(50), zact.format(70)],
+                method="zclip",
+            ),
+            record("1-clean-zclip", 5.0, [], family="random tokens", method="zclip"),
+        ]
+    )
 
 
 def test_method_results_count_by_hand():
@@ -63,20 +104,33 @@ def test_method_results_count_by_hand():
     # detected, of, within
     assert zclip["classes"] == {"lr transient": [1, 1, 1], "lr persistent": [1, 1, 0]}
     # the run is the unit: 1 of 2 clean runs acted, with 3 actions in 200 iterations
-    assert (zclip["clean_runs"], zclip["fp_runs"], zclip["fp_actions"], zclip["clean_iters"]) == (2, 1, 3, 200)
+    assert (zclip["clean_runs"], zclip["fp_runs"], zclip["fp_actions"], zclip["clean_iters"]) == (
+        2,
+        1,
+        3,
+        200,
+    )
     assert none["n"] == 3 and none["detected"] == 0 and none["clean_runs"] == 0
     assert none["ratios"] == [5.2 / 5, 6.0 / 5, math.inf]
 
 
 def test_the_methods_table_shows_each_rate_with_its_wilson_interval():
     table = gc.method_table(synthetic())
-    damage = table[table.index("ending within 1% of the clean twin, per fault class"):]
+    damage = table[table.index("ending within 1% of the clean twin, per fault class") :]
     lo, hi = gc.wilson(0, 1)  # the guard's lr persistent run ended 10% over; ZClip's 18%
-    assert f"| lr persistent | 0/1 = 0% ({lo:.0%}-{hi:.0%}) | 0/1 = 0% ({lo:.0%}-{hi:.0%}) |" in damage
+    assert (
+        f"| lr persistent | 0/1 = 0% ({lo:.0%}-{hi:.0%}) | 0/1 = 0% ({lo:.0%}-{hi:.0%}) |" in damage
+    )
     lo, hi = gc.wilson(1, 1)  # both lr transient runs within 1% (+0.4%, +0.8%)
-    assert f"| lr transient | 1/1 = 100% ({lo:.0%}-{hi:.0%}) | 1/1 = 100% ({lo:.0%}-{hi:.0%}) |" in damage
-    rows = {line.split(" | ")[0].strip("| "): line for line in table[:table.index("ending within")].splitlines()
-            if line.startswith("| ")}  # the methods' rows and the detection per class
+    assert (
+        f"| lr transient | 1/1 = 100% ({lo:.0%}-{hi:.0%}) | 1/1 = 100% ({lo:.0%}-{hi:.0%}) |"
+        in damage
+    )
+    rows = {
+        line.split(" | ")[0].strip("| "): line
+        for line in table[: table.index("ending within")].splitlines()
+        if line.startswith("| ")
+    }  # the methods' rows and the detection per class
     lo, hi = gc.wilson(2, 3)
     assert f"| 2/3 = 67% ({lo:.0%}-{hi:.0%}) |" in rows["guard"]  # detected
     lo, hi = gc.wilson(1, 2)
@@ -89,25 +143,46 @@ def test_the_methods_table_shows_each_rate_with_its_wilson_interval():
     assert rows["zclip"].endswith(f"| - | 1/2 = 50% ({lo:.0%}-{hi:.0%}) | 1.180 |")
     # upper median of 1.008 and 1.18
     lo, hi = gc.wilson(1, 1)
-    assert rows["lr persistent"] == f"| lr persistent | 0/1 = 0% (0%-79%) | 1/1 = 100% ({lo:.0%}-{hi:.0%}) |"
+    assert (
+        rows["lr persistent"]
+        == f"| lr persistent | 0/1 = 0% (0%-79%) | 1/1 = 100% ({lo:.0%}-{hi:.0%}) |"
+    )
     assert rows["random tokens"].endswith("| 1/1 = 100% (21%-100%) | - |")  # zclip never ran it
 
 
 def test_megatron_rerun_diagnosis_is_right_when_transient_means_hardware():
-    reproducible = "remedy spiky_loss: iteration 5: loss 99 >= 10 x ...: reproducible (Megatron: ...)"
+    reproducible = (
+        "remedy spiky_loss: iteration 5: loss 99 >= 10 x ...: reproducible (Megatron: ...)"
+    )
     transient = "remedy spiky_loss: iteration 5: loss 99 >= 10 x ...: not reproducible (3.2): possible transient"
     assert gc.right_diagnosis("spiky_loss", reproducible, "random tokens")
     assert not gc.right_diagnosis("spiky_loss", transient, "random tokens")
     assert gc.right_diagnosis("spiky_loss", transient, "dp grad bit flip")
-    assert gc.right_diagnosis("zclip", "remedy zclip: iteration 5: clipped", "random tokens") is None
+    assert (
+        gc.right_diagnosis("zclip", "remedy zclip: iteration 5: clipped", "random tokens") is None
+    )
 
 
 def args(out, **more):
-    return gc.main.__globals__["argparse"].Namespace(**{
-        "out": str(out), "harm": gc.HARM, "seed": 5, "first": 0, "trials": 1, "iters": 40, "model": "2x64",
-        "clean_runs": 1, "grad_norm_bound": 1.0,
-        "preregister": os.path.join(out, "registration.json"),
-        "draw": "seventh", "windows": "published", "window_scale": None, "snapshots": "on", **more})
+    return gc.main.__globals__["argparse"].Namespace(
+        **{
+            "out": str(out),
+            "harm": gc.HARM,
+            "seed": 5,
+            "first": 0,
+            "trials": 1,
+            "iters": 40,
+            "model": "2x64",
+            "clean_runs": 1,
+            "grad_norm_bound": 1.0,
+            "preregister": os.path.join(out, "registration.json"),
+            "draw": "seventh",
+            "windows": "published",
+            "window_scale": None,
+            "snapshots": "on",
+            **more,
+        }
+    )
 
 
 def test_a_registration_comes_before_the_runs_and_is_never_mixed(tmp_path, monkeypatch):
@@ -118,7 +193,11 @@ def test_a_registration_comes_before_the_runs_and_is_never_mixed(tmp_path, monke
     monkeypatch.setattr(gc, "uncommitted", lambda: "")
     registration = gc.preregister(a)
     saved = json.load(open(a.preregister))
-    assert saved["stability_sha256"] == gc.stability_sha256() and saved["seed"] == 5 and saved["harm_threshold"] == 0.01
+    assert (
+        saved["stability_sha256"] == gc.stability_sha256()
+        and saved["seed"] == 5
+        and saved["harm_threshold"] == 0.01
+    )
     assert gc.preregister(a) == saved  # the same campaign: accepted
     with pytest.raises(SystemExit, match="differs from its registration in seed"):
         gc.preregister(args(tmp_path, seed=6))
@@ -126,8 +205,20 @@ def test_a_registration_comes_before_the_runs_and_is_never_mixed(tmp_path, monke
     with pytest.raises(SystemExit, match="has runs already"):
         gc.preregister(args(tmp_path, preregister=str(tmp_path / "later.json")))
     only = tmp_path / "only"
-    gc.main(["--out", str(only), "--preregister", str(only / "reg.json"), "--register_only", "--seed", "41"])
-    assert json.load(open(only / "reg.json"))["seed"] == 41 and not os.path.exists(only / "runs.jsonl")
+    gc.main(
+        [
+            "--out",
+            str(only),
+            "--preregister",
+            str(only / "reg.json"),
+            "--register_only",
+            "--seed",
+            "41",
+        ]
+    )
+    assert json.load(open(only / "reg.json"))["seed"] == 41 and not os.path.exists(
+        only / "runs.jsonl"
+    )
     runs = dict([record("0-clean", 5.0), record("0-unguarded", 5.2)])
     runs["0-clean"]["registration"] = gc.registration_id(registration)
     runs["0-unguarded"]["registration"] = None  # a run of no registration beside one of it
@@ -141,13 +232,32 @@ def test_a_registration_comes_before_the_runs_and_is_never_mixed(tmp_path, monke
 
 
 @pytest.mark.slow
-def test_one_tiny_trial_under_zclip_keeps_every_run_losses_and_registration(tmp_path, corpus512,
-                                                                            monkeypatch):
+def test_one_tiny_trial_under_zclip_keeps_every_run_losses_and_registration(
+    tmp_path, corpus512, monkeypatch
+):
     monkeypatch.setattr(gc, "uncommitted", lambda: "")  # a tree being edited: registered as clean
     out = tmp_path / "campaign"
     reg = tmp_path / "registration.json"
-    gc.main(["--out", str(out), "--data_path", corpus512, "--trials", "1", "--iters", "40", "--seed", "5",
-             "--method", "zclip", "--clean_runs", "1", "--preregister", str(reg)])
+    gc.main(
+        [
+            "--out",
+            str(out),
+            "--data_path",
+            corpus512,
+            "--trials",
+            "1",
+            "--iters",
+            "40",
+            "--seed",
+            "5",
+            "--method",
+            "zclip",
+            "--clean_runs",
+            "1",
+            "--preregister",
+            str(reg),
+        ]
+    )
     runs = gc.runs_of(str(out))
     assert {"0-clean", "0-unguarded", "0-clean-zclip"} <= set(runs)
     ident = gc.registration_id(json.load(open(reg)))
@@ -156,27 +266,43 @@ def test_one_tiny_trial_under_zclip_keeps_every_run_losses_and_registration(tmp_
         # every iteration's loss and grad norm
         assert [row[0] for row in r["series"]] == list(range(1, 41))
     assert runs["0-clean-zclip"]["method"] == "zclip"
-    zclip_lines = [x for x in open(out / "logs" / "0-clean-zclip.log").read().splitlines()
-                   if x.startswith("remedy zclip:")]
+    zclip_lines = [
+        x
+        for x in open(out / "logs" / "0-clean-zclip.log").read().splitlines()
+        if x.startswith("remedy zclip:")
+    ]
     assert runs["0-clean-zclip"]["decisions"] == zclip_lines
     assert os.path.exists(out / "report.md")
 
 
 def test_the_records_keep_every_logged_iteration_and_the_grad_norm_skips_are_finite_ones():
-    line = (" iteration {:8d}/      40 | consumed samples: 8 | lm loss: {} | loss scale: 1.0 | grad norm: {} | "
-            "num zeros: 0.0 | number of skipped iterations: {:3d} | number of nan iterations:   0 |")
-    text = "\n".join([line.format(1, "6.1E+00", "0.900", 0), line.format(2, "6.0E+00", "1.500", 1),
-                      line.format(3, "nan", "nan", 1), line.format(4, "5.9E+00", "0.800", 0)])
+    line = (
+        " iteration {:8d}/      40 | consumed samples: 8 | lm loss: {} | loss scale: 1.0 | grad norm: {} | "
+        "num zeros: 0.0 | number of skipped iterations: {:3d} | number of nan iterations:   0 |"
+    )
+    text = "\n".join(
+        [
+            line.format(1, "6.1E+00", "0.900", 0),
+            line.format(2, "6.0E+00", "1.500", 1),
+            line.format(3, "nan", "nan", 1),
+            line.format(4, "5.9E+00", "0.800", 0),
+        ]
+    )
     series = [[int(i), float(x), float(g), int(s)] for i, x, g, s in gc.LOG.findall(text)]
     assert [row[0] for row in series] == [1, 2, 3, 4] and series[1] == [2, 6.0, 1.5, 1]
-    assert gc.actions_of(text, "grad_norm_skip", series) == ["grad_norm_skip: iteration 2: skipped, grad norm 1.5"]
+    assert gc.actions_of(text, "grad_norm_skip", series) == [
+        "grad_norm_skip: iteration 2: skipped, grad norm 1.5"
+    ]
     assert gc.actions_of(text + "\nremedy zclip: iteration 4: clipped", "zclip", series) == [
-        "remedy zclip: iteration 4: clipped"]
+        "remedy zclip: iteration 4: clipped"
+    ]
 
 
 def test_mixed_runs_every_fourth_trial_on_the_wider_model():
     a = args("unused", model="mixed")
-    assert [gc.model_of(a, k) for k in range(8)] == ["2x64"] * 3 + ["4x128"] + ["2x64"] * 3 + ["4x128"]
+    assert [gc.model_of(a, k) for k in range(8)] == ["2x64"] * 3 + ["4x128"] + ["2x64"] * 3 + [
+        "4x128"
+    ]
     assert {gc.model_of(args("unused", model=m), 0) for m in ("2x64", "4x128")} == {"2x64", "4x128"}
 
 
@@ -202,22 +328,29 @@ def test_every_family_is_drawn_and_a_draw_depends_on_seed_and_k_alone():
     assert [gc.draw(42, k, 100) for k in range(10)] != [gc.draw(41, k, 100) for k in range(10)]
     # the training seed too: trial k's clean twin must be another run under another campaign seed (with 1234 + k,
     # the sixth's first 28 clean twins repeated 16 of the fifth's bit for bit)
-    seeds = {campaign: [gc.draw(campaign, k, 100)["seed"] for k in range(100)] for campaign in (51, 62)}
+    seeds = {
+        campaign: [gc.draw(campaign, k, 100)["seed"] for k in range(100)] for campaign in (51, 62)
+    }
     assert len(set(seeds[51]) | set(seeds[62])) == 200
     # likewise
-    longs = {campaign: [gc.long_clean_seed(campaign, j) for j in range(10)] for campaign in (51, 62)}
+    longs = {
+        campaign: [gc.long_clean_seed(campaign, j) for j in range(10)] for campaign in (51, 62)
+    }
     assert len(set(longs[51]) | set(longs[62]) | set(seeds[51]) | set(seeds[62])) == 220
     assert {gc.FAMILIES[f] for f in gc.FAMILIES} <= set(gc.CAUSES)
 
 
 def test_each_drawn_flag_set_passes_the_runs_own_parser_and_checks():
     import arguments
+
     for family, k in first_of_each_family(41).items():
         trial = gc.draw(41, k, 100)
         for model in ("2x64", "4x128"):
             base = gc.base_args(trial, model, 100)
             for method in gc.METHODS:
-                parts = gc.processes(base, trial["flags"], gc.method_flags(method, args("unused")), trial, "/tmp/ck")
+                parts = gc.processes(
+                    base, trial["flags"], gc.method_flags(method, args("unused")), trial, "/tmp/ck"
+                )
                 for argv in parts:
                     cfg = arguments.load_config([*argv, "--data_path=unused"])
                     arguments.validate(cfg, world_size=trial["nproc"], reads_data=False)
@@ -227,7 +360,10 @@ def test_each_drawn_flag_set_passes_the_runs_own_parser_and_checks():
                 assert not any(flag in p for flag in trial["flags"] for p in parts[:-1])
         if trial["resume"] is not None:
             first, resumed = parts
-            assert f"--exit_interval={trial['resume']}" in first and trial["start"] == trial["resume"] + 1
+            assert (
+                f"--exit_interval={trial['resume']}" in first
+                and trial["start"] == trial["resume"] + 1
+            )
             assert first[0] == resumed[0] and "--exit_interval" not in " ".join(resumed)
         if family.startswith("dp "):
             assert trial["nproc"] == 2 and "--inject_bitflip_rank=1" in trial["flags"]
@@ -235,10 +371,14 @@ def test_each_drawn_flag_set_passes_the_runs_own_parser_and_checks():
 
 
 def test_the_replica_checks_decisions_are_scored_as_hardware():
-    line = ("spike guard: iteration 20: the DP replicas differ and no majority tells the healthy one: roll back to "
-            "the newest snapshot at or before iteration 15 (the last check that agreed); no data skipped, LR unchanged")
+    line = (
+        "spike guard: iteration 20: the DP replicas differ and no majority tells the healthy one: roll back to "
+        "the newest snapshot at or before iteration 15 (the last check that agreed); no data skipped, LR unchanged"
+    )
     assert gc.is_decision(line) and gc.cause_of(line) == "hardware"
-    assert not gc.is_decision("spike guard: iteration 21: injected a lost optimizer state on rank 0: 9 moment elements")
+    assert not gc.is_decision(
+        "spike guard: iteration 21: injected a lost optimizer state on rank 0: 9 moment elements"
+    )
 
 
 def trial_of(family, seed=7, iters=40):
@@ -252,7 +392,9 @@ def same_until(a, b, last):
 
 
 @pytest.mark.slow
-def test_one_trial_on_two_processes_and_one_resumed_keep_both_twins_identical_until_the_fault(tmp_path, corpus512):
+def test_one_trial_on_two_processes_and_one_resumed_keep_both_twins_identical_until_the_fault(
+    tmp_path, corpus512
+):
     """One 2-process trial (DP rank 1's device bad from the fault on) and one resumed trial (LR
     x10-100 from the resume), each as its clean twin and unguarded run: before the fault the two are
     the same run (their losses equal), after it they are not; on 2 processes the clean twin's
@@ -262,14 +404,35 @@ def test_one_trial_on_two_processes_and_one_resumed_keep_both_twins_identical_un
     iterations, and no checkpoint is left behind."""
     for family in ("dp bad device", "lr after resume"):
         k, out = trial_of(family), tmp_path / family.replace(" ", "-")
-        gc.main(["--out", str(out), "--data_path", corpus512, "--trials", "1", "--first", str(k), "--iters", "40",
-                 "--seed", "7", "--method", "none", "--jobs", "2"])
+        gc.main(
+            [
+                "--out",
+                str(out),
+                "--data_path",
+                corpus512,
+                "--trials",
+                "1",
+                "--first",
+                str(k),
+                "--iters",
+                "40",
+                "--seed",
+                "7",
+                "--method",
+                "none",
+                "--jobs",
+                "2",
+            ]
+        )
         runs = gc.runs_of(str(out))
         clean, bad = runs[f"{k}-clean"], runs[f"{k}-unguarded"]
         trial = gc.draw_seventh(7, k, 40)
         for r in (clean, bad):
-            assert r["exit"] == 0 and r["nproc"] == trial["nproc"] and [x[0] for x in r["series"]] == list(
-                range(1, 41))
+            assert (
+                r["exit"] == 0
+                and r["nproc"] == trial["nproc"]
+                and [x[0] for x in r["series"]] == list(range(1, 41))
+            )
             assert r["processes"] == (1 if trial["resume"] is None else 2)
         assert same_until(clean, bad, trial["start"]) and not same_until(clean, bad, 40)
         log = open(out / "logs" / f"{k}-unguarded.log").read()
@@ -293,8 +456,13 @@ def test_replicas_apart_at_the_end_are_harm_that_rank_0s_validation_loss_does_no
     assert gc.is_harmful(clean, drifted)
     drifted["replica_gap"] = 0.0
     assert not gc.is_harmful(clean, drifted)
-    runs = dict([("0-clean", clean), ("0-unguarded", {**drifted, "replica_gap": 0.07}),
-                 ("0-zclip", {**drifted, "name": "0-zclip", "method": "zclip", "replica_gap": 0.07})])
+    runs = dict(
+        [
+            ("0-clean", clean),
+            ("0-unguarded", {**drifted, "replica_gap": 0.07}),
+            ("0-zclip", {**drifted, "name": "0-zclip", "method": "zclip", "replica_gap": 0.07}),
+        ]
+    )
     zclip = gc.method_results(runs)["zclip"]
     # the same loss, but its replicas apart: not within
     assert (zclip["n"], zclip["within"]) == (1, 0)

@@ -191,6 +191,7 @@ def test_published_windows_are_the_configs_defaults_and_scaled_ones_one_factor()
 def test_a_wrong_setting_is_refused_before_any_work(tmp_path, monkeypatch, flags, named):
     def started(*_):  # a check missed: fail here rather than run a campaign
         raise AssertionError("the campaign started")
+
     monkeypatch.setattr(gc, "campaign", started)
     with pytest.raises(ValueError, match=named):
         gc.main(["--out", str(tmp_path / "c"), "--data_path", "unused", *flags])
@@ -333,8 +334,7 @@ def test_the_primary_table_counts_by_hand():
     table = gc.primary_table(runs)
     assert (
         "| guard | 0.19 (-0.13 to 0.50), n=2 | 1 | 1/1 | 1/3 - 0.00 = +0.33 | +0.0% | +0.0% | 2.0 "
-        "| 1/1 / 1/1 |"
-        in table
+        "| 1/1 / 1/1 |" in table
     )
     assert "| random tokens | 4 | 3 |" in table
 

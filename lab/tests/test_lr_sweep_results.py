@@ -2,6 +2,7 @@
 from lab/results.jsonl's one line a run against the tables made from the runs' full results, the refusal to
 mix code versions, the code version a run records, and the size ladder's prediction against a hand computation.
 """
+
 import json
 import math
 import os
@@ -19,14 +20,35 @@ FLAT = [6.0] + [4.2] * 99  # never below H2
 LOST = [6.0, 3.2] + [3.2] * 50 + [3.9] * 48
 
 
-def _result(lever_set, lr, seed, loss, loss10=LEARNED, logit=50.0, code="abc1234", width=128, **more):
+def _result(
+    lever_set, lr, seed, loss, loss10=LEARNED, logit=50.0, code="abc1234", width=128, **more
+):
     """A run's result as execute() returns it (series and all), every number distinct per run."""
-    return {"arm": "A", "lever_set": lever_set, "lr": lr, "seed": seed, "width": width, "code": code,
-            "val_loss": loss, "train_loss": loss - 0.05, "train_loss_max": 6.25, "nan_iterations": 0,
-            "loss10": loss10, "attention_logit_max": logit, "attention_entropy_min": 0.1 * seed, "log_z": 7.0 + lr,
-            "output_logit_mean": -5.0 - lr, "grad_rms_over_eps": 1e3 * seed, "final_ln_input_rms_max": 10 / lr,
-            "spike_score": 0.001 * seed, "log_z_max": 9.0, "embedding_norm_max": 150.0, "cpu_seconds": 300.0 + seed,
-            "series": {"iteration": [10, 20], "log_z": [6.2, 6.3]}, **more}
+    return {
+        "arm": "A",
+        "lever_set": lever_set,
+        "lr": lr,
+        "seed": seed,
+        "width": width,
+        "code": code,
+        "val_loss": loss,
+        "train_loss": loss - 0.05,
+        "train_loss_max": 6.25,
+        "nan_iterations": 0,
+        "loss10": loss10,
+        "attention_logit_max": logit,
+        "attention_entropy_min": 0.1 * seed,
+        "log_z": 7.0 + lr,
+        "output_logit_mean": -5.0 - lr,
+        "grad_rms_over_eps": 1e3 * seed,
+        "final_ln_input_rms_max": 10 / lr,
+        "spike_score": 0.001 * seed,
+        "log_z_max": 9.0,
+        "embedding_norm_max": 150.0,
+        "cpu_seconds": 300.0 + seed,
+        "series": {"iteration": [10, 20], "log_z": [6.2, 6.3]},
+        **more,
+    }
 
 
 def _study(code="abc1234"):
@@ -35,20 +57,44 @@ def _study(code="abc1234"):
     for i, lr in enumerate(lr_sweep.HALF_DECADES):
         for seed in (1, 3):
             broken = lr >= 3e-2
-            results.append(_result("default", lr, seed, 3.2 + 0.4 * i + 0.003 * seed, FLAT if broken else LEARNED,
-                                   logit=10 ** (1 + i) * seed, code=code))
-            results.append(_result("qk_layernorm", lr, seed, 3.3 + 0.05 * i + 0.002 * seed,
-                                   LOST if lr == 0.3 else LEARNED, logit=5.0 * (i + 1), code=code))
+            results.append(
+                _result(
+                    "default",
+                    lr,
+                    seed,
+                    3.2 + 0.4 * i + 0.003 * seed,
+                    FLAT if broken else LEARNED,
+                    logit=10 ** (1 + i) * seed,
+                    code=code,
+                )
+            )
+            results.append(
+                _result(
+                    "qk_layernorm",
+                    lr,
+                    seed,
+                    3.3 + 0.05 * i + 0.002 * seed,
+                    LOST if lr == 0.3 else LEARNED,
+                    logit=5.0 * (i + 1),
+                    code=code,
+                )
+            )
     results[-1]["val_loss"] = float("nan")  # qk-layernorm at LR 1, seed 3: diverged
     results[-1]["nan_iterations"] = 3
-    results += [_result("default", 3e-2, 2, 3.95, FLAT, logit=2e4, code=code),
-                _result("qk_layernorm", 3e-2, 2, 3.44, code=code)]
+    results += [
+        _result("default", 3e-2, 2, 3.95, FLAT, logit=2e4, code=code),
+        _result("qk_layernorm", 3e-2, 2, 3.44, code=code),
+    ]
     return results
 
 
 def _tables(results, code="abc1234"):
     arms = {"A": lr_sweep.ARMS["A"]}
-    rows = {"A": lr_sweep.summarize(results, "A", ["default", "qk_layernorm"], lr_sweep.HALF_DECADES, H2)}
+    rows = {
+        "A": lr_sweep.summarize(
+            results, "A", ["default", "qk_layernorm"], lr_sweep.HALF_DECADES, H2
+        )
+    }
     return lr_sweep.markdown(rows, {"A": arms["A"]["lrs"]}, CORPUS, [], code, 128)
 
 
@@ -57,20 +103,39 @@ def test_the_tracked_records_alone_give_the_tables_the_full_results_give(tmp_pat
     path = str(tmp_path / "lab" / "results.jsonl")
     lr_sweep.merge_records(path, [lr_sweep.record(r, CORPUS) for r in results])
     lines = [json.loads(line) for line in open(path)]
-    assert len(lines) == len(results) and all("loss10" not in r and "series" not in r for r in lines)
+    assert len(lines) == len(results) and all(
+        "loss10" not in r and "series" not in r for r in lines
+    )
     assert all(len(line) < 1000 for line in open(path))  # one short line a run
     # the flags stand for the series: the same counts of up / flat / div, the same cells, sensitivities, precursors
     reference = _tables(results)
     # the fakes exercise them
     assert "up 2" in reference and "up 1 div 1" in reference and "flat 3" in reference
     docs = tmp_path / "stability.md"
-    docs.write_text(f"# before\n\n{lr_sweep.DOCS_BEGIN}\nold tables\n{lr_sweep.DOCS_END}\n\n# after\n")
-    lr_sweep.main(["--report", "--results", path, "--arms", "A", "--out", str(tmp_path / "report"),
-                   "--docs", str(docs)])
+    docs.write_text(
+        f"# before\n\n{lr_sweep.DOCS_BEGIN}\nold tables\n{lr_sweep.DOCS_END}\n\n# after\n"
+    )
+    lr_sweep.main(
+        [
+            "--report",
+            "--results",
+            path,
+            "--arms",
+            "A",
+            "--out",
+            str(tmp_path / "report"),
+            "--docs",
+            str(docs),
+        ]
+    )
     table = (tmp_path / "report" / "results.md").read_text()
-    assert table.split("\n\n", 1)[1] == reference and table.startswith("30 of the selection's 42 runs")
+    assert table.split("\n\n", 1)[1] == reference and table.startswith(
+        "30 of the selection's 42 runs"
+    )
     text = docs.read_text()
-    assert text.startswith("# before\n\n" + lr_sweep.DOCS_BEGIN) and text.endswith(lr_sweep.DOCS_END + "\n\n# after\n")
+    assert text.startswith("# before\n\n" + lr_sweep.DOCS_BEGIN) and text.endswith(
+        lr_sweep.DOCS_END + "\n\n# after\n"
+    )
     assert reference.strip() in text and "old tables" not in text
     assert "Every run below ran on code abc1234" in text and "30 runs" in text
     for png in (tmp_path / "report" / "lr_sweep.png", tmp_path / "stability.png"):
@@ -87,11 +152,17 @@ def test_a_report_refuses_to_mix_code_versions_and_names_the_one_it_shows(tmp_pa
     old = [r for r in _study(code="eded072") if r["lr"] == 3e-2 and r["seed"] == 3]
     lr_sweep.merge_records(path, [lr_sweep.record(r, CORPUS) for r in [*_study(), *old]])
     args = ["--report", "--results", path, "--arms", "A", "--out", str(tmp_path / "report")]
-    with pytest.raises(SystemExit, match=r"mixes runs of code abc1234 \(30 runs\), code eded072 \(2 runs\)"):
+    with pytest.raises(
+        SystemExit, match=r"mixes runs of code abc1234 \(30 runs\), code eded072 \(2 runs\)"
+    ):
         lr_sweep.main(args)
     lr_sweep.main([*args, "--code", "eded072"])
     table = (tmp_path / "report" / "results.md").read_text()
-    assert "Every run below ran on code eded072" in table and "2 runs." in table and table.startswith("2 of the")
+    assert (
+        "Every run below ran on code eded072" in table
+        and "2 runs." in table
+        and table.startswith("2 of the")
+    )
     assert "| default | not run | not run | not run | 4.409 (n=1) logit 1 flat 1 |" in table
     with pytest.raises(SystemExit, match="no run of the selection ran on code 0000000"):
         lr_sweep.main([*args, "--code", "0000000"])
@@ -112,7 +183,9 @@ def test_a_run_records_its_code_version_and_is_not_resumed_on_other_code(tmp_pat
     subprocess.run([*git, "init", "-q"], check=True)
     subprocess.run([*git, "add", "."], check=True)
     subprocess.run([*git, "commit", "-qm", "code"], check=True)
-    first = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    first = subprocess.run(
+        [*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
     assert lr_sweep.code_version(str(repo)) == first
     # neither the docs, the report nor its records are code
     (repo / "docs" / "a.md").write_text("more doc\n")
@@ -126,7 +199,9 @@ def test_a_run_records_its_code_version_and_is_not_resumed_on_other_code(tmp_pat
     lr_sweep.record_code(str(run), first)
     lr_sweep.record_code(str(run), first)  # resumed on the same code
     assert lr_sweep.read_code(str(run)) == first
-    with pytest.raises(SystemExit, match=f"started on code {first} and would resume on {first}\\+dirty"):
+    with pytest.raises(
+        SystemExit, match=f"started on code {first} and would resume on {first}\\+dirty"
+    ):
         lr_sweep.record_code(str(run), first + "+dirty")
     assert lr_sweep.read_code(str(tmp_path / "elsewhere")) == "unrecorded"
 
@@ -139,11 +214,18 @@ def test_the_ladder_predicts_the_third_width_from_the_two_smallest():
             for seed in (1, 2):
                 # geometric mean on the line
                 logit = 1e4 * (lr / crossing) ** 2 * (1.1 if seed == 1 else 1 / 1.1)
-                runs.append(_result("default", lr, seed, 3.2 + lr * 64 / width, logit=logit, width=width))
+                runs.append(
+                    _result("default", lr, seed, 3.2 + lr * 64 / width, logit=logit, width=width)
+                )
                 runs.append(_result("qk_layernorm", lr, seed, 3.3 + lr * 32 / width, width=width))
         return runs
-    steps = lr_sweep.ladder(width_runs(64, 0.08) + width_runs(128, 0.04), H2, targets=(64, 128, 256))
-    assert steps[64]["crossing"] == pytest.approx(0.08) and steps[128]["crossing"] == pytest.approx(0.04)
+
+    steps = lr_sweep.ladder(
+        width_runs(64, 0.08) + width_runs(128, 0.04), H2, targets=(64, 128, 256)
+    )
+    assert steps[64]["crossing"] == pytest.approx(0.08) and steps[128]["crossing"] == pytest.approx(
+        0.04
+    )
     assert steps[256]["n"] == 0 and "predicted" not in steps[128]
     guess = steps[256]["predicted"]
     # halves with each doubling
@@ -151,36 +233,64 @@ def test_the_ladder_predicts_the_third_width_from_the_two_smallest():
     # the sensitivity of each lever set: a straight line in log width through the two measured
     s64, s128 = steps[64]["sensitivity"]["default"], steps[128]["sensitivity"]["default"]
     assert guess["sensitivity"]["default"] == pytest.approx(2 * s128 - s64)
-    assert s64 == pytest.approx(lr_sweep.sensitivity({lr: 3.2 + lr for lr in lr_sweep.HALF_DECADES if lr <= 0.3}))
+    assert s64 == pytest.approx(
+        lr_sweep.sensitivity({lr: 3.2 + lr for lr in lr_sweep.HALF_DECADES if lr <= 0.3})
+    )
     table = lr_sweep.ladder_markdown(steps)
     assert "| 256 | 0 | not run | 0.02 (from 64, 128) |" in table
-    measured = lr_sweep.ladder(width_runs(64, 0.08) + width_runs(128, 0.04) + width_runs(256, 0.015), H2)
-    assert measured[256]["crossing"] == pytest.approx(0.015) and measured[256]["predicted"]["crossing"] == \
-        pytest.approx(0.02)
+    measured = lr_sweep.ladder(
+        width_runs(64, 0.08) + width_runs(128, 0.04) + width_runs(256, 0.015), H2
+    )
+    assert measured[256]["crossing"] == pytest.approx(0.015) and measured[256]["predicted"][
+        "crossing"
+    ] == pytest.approx(0.02)
     assert "| 256 | 28 | 0.015 | 0.02 (from 64, 128) |" in lr_sweep.ladder_markdown(measured)
     # a seed not run at every width is left out of every width: like with like
     extra = [r for r in width_runs(128, 0.01) if r["seed"] == 1]
     for r in extra:
         r["seed"] = 3
     mixed = lr_sweep.ladder(width_runs(64, 0.08) + width_runs(128, 0.04) + extra, H2)
-    assert mixed[128]["crossing"] == pytest.approx(0.04) and mixed[128]["n"] == 28 and mixed[64]["seeds"] == [1, 2]
+    assert (
+        mixed[128]["crossing"] == pytest.approx(0.04)
+        and mixed[128]["n"] == 28
+        and mixed[64]["seeds"] == [1, 2]
+    )
     assert "over the seeds run at every width (1, 2)" in lr_sweep.ladder_markdown(mixed)
     # no LR of the grid below the crossing: not extrapolated
-    assert lr_sweep.logit_crossing({1e-3: {"runs": {"attention_logit_max": [2e4]}},
-                                    1e-2: {"runs": {"attention_logit_max": [3e4]}}}) is None
-    assert math.isclose(lr_sweep.logit_crossing({1e-3: {"runs": {"attention_logit_max": [1e3]}},
-                                                 1e-2: {"runs": {"attention_logit_max": [1e5]}}}), 10 ** -2.5)
+    assert (
+        lr_sweep.logit_crossing(
+            {
+                1e-3: {"runs": {"attention_logit_max": [2e4]}},
+                1e-2: {"runs": {"attention_logit_max": [3e4]}},
+            }
+        )
+        is None
+    )
+    assert math.isclose(
+        lr_sweep.logit_crossing(
+            {
+                1e-3: {"runs": {"attention_logit_max": [1e3]}},
+                1e-2: {"runs": {"attention_logit_max": [1e5]}},
+            }
+        ),
+        10**-2.5,
+    )
 
 
 def test_a_width_of_the_ladder_runs_with_heads_of_32_in_its_own_directory():
     args = lr_sweep.train_args("A", "default", 1e-2, 1, "/x", width=256)
     cfg = lr_sweep.config_of(args)
     assert (cfg.hidden_size, cfg.num_attention_heads, cfg.num_layers) == (256, 8, 4)
-    assert lr_sweep.width_of(args) == 256 and lr_sweep.width_of(lr_sweep.train_args("A", "default", 1e-2, 1, "/x")) \
-        == 128
-    assert lr_sweep.run_dir("o", "A", "default", 1e-2, 1, 64) == os.path.join("o", "runs", "w64", "A", "default",
-                                                                               "lr1e-02-seed1")
-    assert lr_sweep.run_dir("o", "A", "default", 1e-2, 1) == os.path.join("o", "runs", "A", "default", "lr1e-02-seed1")
+    assert (
+        lr_sweep.width_of(args) == 256
+        and lr_sweep.width_of(lr_sweep.train_args("A", "default", 1e-2, 1, "/x")) == 128
+    )
+    assert lr_sweep.run_dir("o", "A", "default", 1e-2, 1, 64) == os.path.join(
+        "o", "runs", "w64", "A", "default", "lr1e-02-seed1"
+    )
+    assert lr_sweep.run_dir("o", "A", "default", 1e-2, 1) == os.path.join(
+        "o", "runs", "A", "default", "lr1e-02-seed1"
+    )
     with pytest.raises(SystemExit, match="arm C's init levers are defined at width 128"):
         lr_sweep.train_args("C", "init_0.63", 1e-2, 1, "/x", width=64)
     with pytest.raises(SystemExit, match="not a multiple of the head size 32"):
@@ -194,19 +304,31 @@ def test_a_line_that_record_did_not_write_is_refused_by_its_number(tmp_path):
     with pytest.raises(SystemExit, match=r"results.jsonl:3 is not JSON"):
         lr_sweep.load_records(str(path))
     path.write_text(good + "\n" + json.dumps({"arm": "A", "lr": 0.1}) + "\n")
-    with pytest.raises(SystemExit, match=r"results.jsonl:2 lacks lever_set, seed, width, code, val_loss, corpus"):
+    with pytest.raises(
+        SystemExit, match=r"results.jsonl:2 lacks lever_set, seed, width, code, val_loss, corpus"
+    ):
         lr_sweep.load_records(str(path))
 
 
 def test_arm_w_s_short_warm_up_is_arm_a_s_default_run_and_recorded_once(tmp_path):
     # the same arguments, so the same runs: arm W reads arm A's default, never trains or records it again
     for lr in lr_sweep.HALF_DECADES:
-        assert lr_sweep.train_args("W", "warmup_100", lr, 2, "/x") == lr_sweep.train_args("A", "default", lr, 2, "/x")
-    short, long = (lr_sweep.config_of(lr_sweep.train_args("W", lever, 1e-2, 1, "/x"))
-                   for lever in ("warmup_100", "warmup_300"))
-    assert (short.lr_warmup_samples // short.global_batch_size, long.lr_warmup_samples // long.global_batch_size) \
-        == (100, 300)
-    assert long.train_iters == 1000 and long.lr_decay_samples == short.lr_decay_samples and long.z_loss == 1e-4
+        assert lr_sweep.train_args("W", "warmup_100", lr, 2, "/x") == lr_sweep.train_args(
+            "A", "default", lr, 2, "/x"
+        )
+    short, long = (
+        lr_sweep.config_of(lr_sweep.train_args("W", lever, 1e-2, 1, "/x"))
+        for lever in ("warmup_100", "warmup_300")
+    )
+    assert (
+        short.lr_warmup_samples // short.global_batch_size,
+        long.lr_warmup_samples // long.global_batch_size,
+    ) == (100, 300)
+    assert (
+        long.train_iters == 1000
+        and long.lr_decay_samples == short.lr_decay_samples
+        and long.z_loss == 1e-4
+    )
     assert lr_sweep.preflight(lr_sweep.ARMS) == []
     # execute() goes to arm A's directory: a run there with other arguments is refused by its path
     taken = lr_sweep.run_dir(str(tmp_path), "A", "default", 1e-2, 1)
@@ -215,19 +337,28 @@ def test_arm_w_s_short_warm_up_is_arm_a_s_default_run_and_recorded_once(tmp_path
     os.makedirs(taken)
     with open(os.path.join(taken, "result.json"), "w") as f:
         json.dump({"args": ["--other"]}, f)
-    with pytest.raises(SystemExit, match=os.path.join("runs", "A", "default", "lr1e-02-seed1") + " holds a run"):
+    with pytest.raises(
+        SystemExit, match=os.path.join("runs", "A", "default", "lr1e-02-seed1") + " holds a run"
+    ):
         lr_sweep.execute(str(tmp_path), "W", "warmup_100", 1e-2, 1)
     # from the tracked records: arm W's short warm-up row is arm A's default row, its runs counted once
-    longer = [{**r, "arm": "W", "lever_set": "warmup_300", "val_loss": r["val_loss"] - 0.01}
-              for r in _study() if r["lever_set"] == "default"]
+    longer = [
+        {**r, "arm": "W", "lever_set": "warmup_300", "val_loss": r["val_loss"] - 0.01}
+        for r in _study()
+        if r["lever_set"] == "default"
+    ]
     path = str(tmp_path / "results.jsonl")
     lr_sweep.merge_records(path, [lr_sweep.record(r, CORPUS) for r in [*_study(), *longer]])
-    lr_sweep.main(["--report", "--results", path, "--arms", "A,W", "--out", str(tmp_path / "report")])
+    lr_sweep.main(
+        ["--report", "--results", path, "--arms", "A,W", "--out", str(tmp_path / "report")]
+    )
     table = (tmp_path / "report" / "results.md").read_text()
     assert table.startswith("45 of the selection's 63 runs") and "at width 128: 45 runs." in table
     a, w = table.split("### Arm W")
     rows = [line.split(" | ", 1)[1] for line in a.splitlines() if line.startswith("| default |")]
-    assert len(rows) == 3 and all(any(line == f"| warmup_100 | {row}" for line in w.splitlines()) for row in rows)
+    assert len(rows) == 3 and all(
+        any(line == f"| warmup_100 | {row}" for line in w.splitlines()) for row in rows
+    )
     assert len(lr_sweep.load_records(path)) == 45  # a report writes no record
     lr_sweep.main(["--report", "--results", path, "--arms", "W", "--out", str(tmp_path / "w")])
     assert (tmp_path / "w" / "results.md").read_text().startswith("30 of the selection's 42 runs")
