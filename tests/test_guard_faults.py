@@ -13,7 +13,16 @@ import torch
 
 import arguments
 from builders import build_model, build_optimizer
-from helpers import corpus, corpus512, decisions, guard_model_args, run_main, spike_guard_of  # noqa: F401 (corpus, corpus512: fixtures)
+
+# corpus, corpus512: fixtures
+from helpers import (  # noqa: F401
+    corpus,
+    corpus512,
+    decisions,
+    guard_model_args,
+    run_main,
+    spike_guard_of,
+)
 from stability import detector, diagnosis, spike_guard
 
 GUARD = [

@@ -10,7 +10,15 @@ import types
 import pytest
 
 import arguments
-from helpers import ROOT, log_fields, run_main, spike_guard_of, synthetic_corpus  # noqa: F401 (synthetic_corpus is a fixture)
+
+# synthetic_corpus is a fixture
+from helpers import (  # noqa: F401
+    ROOT,
+    log_fields,
+    run_main,
+    spike_guard_of,
+    synthetic_corpus,
+)
 from stability import spike_guard
 
 sys.path.insert(0, os.path.join(ROOT, "tools"))

@@ -15,7 +15,17 @@ import arguments
 import checkpoint
 import parallel
 import training
-from helpers import corpus, corpus512, log_fields, run_main, snapshots_of, spawn, spike_guard_of  # noqa: F401 (corpus, corpus512: fixtures)
+
+# corpus, corpus512: fixtures
+from helpers import (  # noqa: F401
+    corpus,
+    corpus512,
+    log_fields,
+    run_main,
+    snapshots_of,
+    spawn,
+    spike_guard_of,
+)
 from stability import snapshot_plan as plan
 from stability import snapshots
 
