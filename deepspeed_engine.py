@@ -72,12 +72,12 @@ def check(optim_cfg, zero_stage, grid):
     # 8-bit AdamW is refused here: it quantizes each parameter on its own and keeps the embedding's
     # state 32-bit (lesson 14), which DeepSpeed's flat buffers would mix up
     name = optim.name(optim_cfg)
-    if not optim.OPTIMIZERS[name].deepspeed:
+    if not optim.OPTIMIZERS[name].elementwise:
         given = "use_bnb_optimizer" if optim_cfg.use_bnb_optimizer else f"optimizer={name!r}"
         raise ValueError(
             f"{given} with deepspeed=True is not supported: DeepSpeed hands the "
             "optimizer flat buffers that mix many parameters, which "
-            f"{name} does not take (optim.OPTIMIZERS[{name!r}].deepspeed is "
+            f"{name} does not take (optim.OPTIMIZERS[{name!r}].elementwise is "
             "False: only an elementwise update can); use deepspeed=False: the "
             "native path, zero_stage=1 included, hands the optimizer whole parameters"
         )

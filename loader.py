@@ -212,10 +212,10 @@ class DataContext:
 
     seq_length: int
     vocab_size: int
-    init_from_hf: str | None = None
-    eval_only: bool = False
-    eval_iters: int = 0
-    eval_interval: int = 1
+    init_from_hf: str | None
+    eval_only: bool
+    eval_iters: int
+    eval_interval: int
     config_file: str = "this config"
 
 

@@ -207,12 +207,12 @@ class OptimizerEntry:
     options: Callable = dict  # options(*values of keys) -> make's keywords, also its groups' keys
     # True: its update is elementwise, so it may run on DeepSpeed's flat buffers (ZeRO's partitions,
     # which mix many parameters); the others are refused with deepspeed=True
-    deepspeed: bool = False
+    elementwise: bool = False
     tables: bool = False  # make also gets tables=: the vocabulary-sized weights, to treat apart
 
 
 OPTIMIZERS = {
-    "adamw": OptimizerEntry(AdamW, ADAM_KEYS, adam_options, deepspeed=True),
+    "adamw": OptimizerEntry(AdamW, ADAM_KEYS, adam_options, elementwise=True),
     # quantized in blocks along each parameter, the embedding's state 32-bit: whole parameters only
     "adamw8bit": OptimizerEntry(adamw8bit, ADAM_KEYS, adam_options, tables=True),
 }

@@ -174,7 +174,7 @@ def test_llama_data_of_another_tokenizer_names_the_models_tokenizer(corpus, tmp_
     cfg = arguments.load_config(
         ["config/finetune.py", f"--init_from_hf={tmp_path / 'llama'}", f"--data_path={corpus}"]
     )
-    context = loader.DataContext(cfg.seq_length, cfg.vocab_size, cfg.init_from_hf)
+    context = loader.DataContext(cfg.seq_length, cfg.vocab_size, cfg.init_from_hf, False, 0, 1)
     with pytest.raises(ValueError) as e:
         loader.check_data(cfg.split, context, [corpus], train_samples=10)
     tokenizer = os.path.join(str(tmp_path / "llama"), "tokenizer.json")
@@ -182,7 +182,7 @@ def test_llama_data_of_another_tokenizer_names_the_models_tokenizer(corpus, tmp_
         e.value
     )
     assert "at least" not in str(e.value)
-    plain = loader.DataContext(seq_length=64, vocab_size=32000)  # no import: the old advice
+    plain = loader.DataContext(64, 32000, None, False, 0, 1)  # no import: the old advice
     with pytest.raises(ValueError, match="set vocab_size to at least 50257"):
         loader.check_data("969,30,1", plain, [corpus], train_samples=10)
 

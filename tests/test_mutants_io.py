@@ -228,7 +228,7 @@ def test_a_named_validation_set_leaves_out_the_skip_lists_documents(corpus512):
         valid_weighted_split_names=["it"],
         valid_weighted_split_paths=[corpus512],
     )
-    context = loader.DataContext(seq_length=seq, vocab_size=512)
+    context = loader.DataContext(seq, 512, None, False, 0, 1)
     skip = np.arange(0, len(data.IndexedDataset(corpus512)), 2, dtype=np.int64)
     _, valid = loader.MegatronSource(data_cfg, context, (16, 16)).build([skip])
     by_hand = data.build_datasets([corpus512], split, seq, 1234, (0, 16, 0), None, [skip])[1]

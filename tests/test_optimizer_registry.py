@@ -132,7 +132,7 @@ def test_deepspeed_refuses_an_optimizer_not_declared_elementwise_by_name(monkeyp
     )
     with pytest.raises(ValueError, match=r"optimizer='adamw8bit' with deepspeed=True is not suppo"):
         deepspeed_engine.check(section(OptimizerConfig, cfg), cfg.zero_stage, grid)
-    # a fork's entry that does not declare deepspeed=True
+    # a fork's entry that does not declare elementwise=True
     monkeypatch.setitem(optim.OPTIMIZERS, "other", optim.OptimizerEntry(optim.AdamW))
     cfg.optimizer = "other"
     with pytest.raises(ValueError, match=r"'other' with deepspeed=True .*OPTIMIZERS\['other'\]"):

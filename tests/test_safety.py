@@ -530,7 +530,7 @@ def _one_rank_scans_for_the_largest_id(prefix):
     scan = data.max_token_id
     data.max_token_id = lambda indexed: scans.append(indexed.prefix) or scan(indexed)
     try:
-        context = loader.DataContext(seq_length=64, vocab_size=50257)
+        context = loader.DataContext(64, 50257, None, False, 0, 1)
         loader.check_data("969,30,1", context, [prefix], 10)  # in the vocabulary: passes
         context = dataclasses.replace(context, vocab_size=1000)
         with pytest.raises(ValueError, match="holds token id 50256, at or above vocab_size 1000"):
