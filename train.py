@@ -148,7 +148,7 @@ def take_step(parts, it, callbacks, device, count_zeros, timer):
     if step.outcome != "ok":  # the core's own reason: nothing for the callbacks to decide
         return step
     factor = callbacks.update_factor(step.loss, step.grad_norm)  # host floats: no sync of its own
-    step = training.apply_step(optimizer, scaler, step, it.lr, rules, factor)
+    step = training.apply_step(optimizer, step, it.lr, rules, factor)
     if step.outcome == "ok":
         callbacks.after_update()
     return step

@@ -2,7 +2,7 @@
 
     loss = backward(model, optimizer, scaler, batches, rules, device)   # the gradients, reduced
     step = train_step(model, optimizer, scaler, loss, lr, rules)        # the numbers, not applied
-    step = apply_step(optimizer, scaler, step, lr, rules, factor)       # the update, x factor
+    step = apply_step(optimizer, step, lr, rules, factor)       # the update, x factor
     loss = evaluate(model, valid_data, rules, device)
     evaluate_only(model, valid_data, state, rules, device, split)      # eval_only
     print_sample(model, device, tokens, prompt, tokenizer_file, seed)  # the run's last word
@@ -207,6 +207,9 @@ class Step(NamedTuple):
     z_loss: float | None = None  # on logged iterations with z_loss: the interval's mean (report.py)
     replicas: tuple = ()  # every DP replica's (loss, grad norm, ...) (agree()), DP rank 0's first
     norm: object = None  # the grad norm, a tensor on the device: apply_step clips with it (no sync)
+    # the loss scale the gradients carry: apply_step unscales by it, not by the scaler's next one
+    # (fp16's scaler.update may have grown it since; Megatron unscales with the old scale too)
+    loss_scale: float = 1.0
 
 
 def outcome(skip=None, core=None, factor=1.0):
@@ -312,6 +315,7 @@ def train_step(model, optimizer, scaler, loss, lr, rules, count_zeros=True, time
     # cannot split them
     replicas = agree(loss, grad_norm, zeros, *logged, timer=timer)
     loss_value, grad_norm_value, num_zeros, *logged = replicas[0]
+    scale = scaler.scale
     if rules.fp16:
         message = scaler.update(overflow=not math.isfinite(grad_norm_value))
         if message:
@@ -325,10 +329,11 @@ def train_step(model, optimizer, scaler, loss, lr, rules, count_zeros=True, time
         logged[0] if logged else None,
         replicas,
         grad_norm,
+        scale,
     )
 
 
-def apply_step(optimizer, scaler, step, lr, rules, factor=1.0):
+def apply_step(optimizer, step, lr, rules, factor=1.0):
     """Apply a step the core would apply (train_step's outcome "ok") at learning rate lr, its
     gradients x factor (the callbacks' update_factor: 0 vetoes it, and nothing at all changes).
     Returns the Step that stands, its outcome final (outcome()). Not under DeepSpeed, whose step()
@@ -338,7 +343,7 @@ def apply_step(optimizer, scaler, step, lr, rules, factor=1.0):
         return step
     # fp32 master weights with fp32, unscaled gradients (x factor: unscaled by scale / factor, in
     # the same pass)
-    params = optimizer.prepare_grads(scaler.scale / factor)
+    params = optimizer.prepare_grads(step.loss_scale / factor)
     optim.clip_grads(params, rules.clip_grad, step.norm if factor == 1.0 else step.norm * factor)
     optim.set_lr(optimizer, lr)
     optimizer.step()
@@ -360,7 +365,7 @@ def whole_step(
     if step.outcome != "ok":
         return step
     factor = callbacks.update_factor(step.loss, step.grad_norm)
-    step = apply_step(optimizer, scaler, step, lr, rules, factor)
+    step = apply_step(optimizer, step, lr, rules, factor)
     if step.outcome == "ok":
         callbacks.after_update()
     return step

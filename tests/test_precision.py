@@ -168,6 +168,22 @@ def test_an_fp16_overflow_in_one_micro_batch_survives_the_fp32_sum():
     assert {p.main_grad.dtype for p in model.parameters()} == {torch.float32}
 
 
+def test_a_growth_step_is_unscaled_by_the_scale_its_gradients_carry(monkeypatch):
+    """fp16's scaler grows after a clean window (here every step): the step that grows it was
+    computed at the old scale and is unscaled by it, as Megatron's (unscale, then update), not by
+    the grown one -- which would apply half of that step's gradient."""
+    cfg = _cfg("--fp16", "--initial_loss_scale=1024", "--loss_scale_window=1")
+    model = build_model(cfg, torch.device("cpu"))
+    optimizer, scaler = build_optimizer(cfg, model), optim.scaler_for(cfg)
+    divisors, prepare = [], optimizer.prepare_grads
+    monkeypatch.setattr(optimizer, "prepare_grads", lambda s: divisors.append(s) or prepare(s))
+    x = torch.randint(0, cfg.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0))
+    for _ in range(2):
+        step = whole_step(model, optimizer, scaler, [(x, x)], 1e-3, step_rules(cfg), "cpu")
+        assert step.outcome == "ok"
+    assert scaler.scale == 4096 and divisors == [1024, 2048]
+
+
 def test_query_key_layer_scaling_defaults_to_megatrons():
     assert _cfg("--fp16").apply_query_key_layer_scaling is True
     assert _cfg("--bf16").apply_query_key_layer_scaling is False
