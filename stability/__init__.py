@@ -189,7 +189,7 @@ def construction(cfg):
         "telemetry.Recording": (section(c.TelemetryConfig, cfg), section(GPTConfig, cfg)),
         "guard.Precursor": (section(c.PrecursorConfig, cfg), cfg.adam_eps),
         "guard.Forensics": (section(c.ForensicsConfig, cfg), core),
-        "remedies.SpikyLoss": (section(c.SpikyLossConfig, cfg), core),
+        "remedies.SpikyLoss": (section(c.SpikyLossConfig, cfg),),
         "remedies.OptRestart": (section(c.RestartConfig, cfg),),
         "remedies.PalmRestart": (section(c.RestartConfig, cfg),),
         "replica_check.ReplicaCheck": (

@@ -235,8 +235,8 @@ class Forensics(training.Callback):
     name = "forensics"
 
     def __init__(self, forensics_cfg, shared, core):
-        """core: the core's keys (stability.CoreKeys) that its replays hand to train_step and
-        loader.micro_batches."""
+        """core: the core's keys (stability.CoreKeys) its forwards, the samples it names and the
+        comparison batch read (its replays take the step's rules, parts.rules)."""
         self.core = core
         self.guard, self.snapshots, self.built = shared.guard, shared.snapshots, shared.built
         self.fp32_replay = forensics_cfg.spike_guard_fp32_replay and (core.fp16 or core.bf16)

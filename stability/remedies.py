@@ -132,9 +132,8 @@ class SpikyLoss(training.Callback):
 
     name = "spiky_loss"
 
-    def __init__(self, spiky_loss_cfg, shared, core):
+    def __init__(self, spiky_loss_cfg, shared):
         self.settings = spiky_loss_cfg
-        self.core = core  # the core's keys (stability.CoreKeys), for the core's forward_backward
         self.state, self.first = {"count": 0, "max": 0.0}, True
 
     def start(self, parts, report, train_data):

@@ -119,7 +119,7 @@ def test_spiky_loss_flags_as_megatron_at_every_step_and_across_a_checkpoint(caps
     loss[5], loss[150], loss[200], loss[210] = 8.0, 55.0, 85.0, 80.0
     want = megatron_spiky(loss, num_samples=100)
     cfg = cfg_with(spiky_loss_factor=10.0, spiky_loss_samples=100)
-    callback = remedies.SpikyLoss(cfg, None, cfg)
+    callback = remedies.SpikyLoss(cfg, None)
     # a re-run differing from every loss here
     monkeypatch.setattr(callback, "rerun", lambda: callback.it.number)
     factors = drive(callback, loss, norm)
@@ -129,7 +129,7 @@ def test_spiky_loss_flags_as_megatron_at_every_step_and_across_a_checkpoint(caps
     ]
     assert flagged == [i + 1 for i, f in enumerate(want) if f] == [201, 211]
     assert factors == [1.0] * len(loss)  # it never vetoes: Megatron goes on (fatal=False)
-    again = remedies.SpikyLoss(cfg, None, cfg)
+    again = remedies.SpikyLoss(cfg, None)
     again.load_state_dict(callback.state_dict(), None, resume=True)
     assert again.state == {"count": 100, "max": 8.0}
 
