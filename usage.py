@@ -2,10 +2,10 @@
 
 Each key is declared once, in its owner's dataclass (model.GPTConfig, schedule.ScheduleConfig, ...), and
 arguments.Config is made of those dataclasses. This module reads them from the source instead of importing them:
-Config's bases and the `from MODULE import NAME` lines that bring them, then each owner's class, where the comment
-after a field (or the comment lines right above it) is its meaning and a comment `# -- group: ... --` starts a
-group. Reading the files needs neither torch nor the project's modules, so help prints at once; tests/test_safety.py checks that it lists exactly the
-fields of the real dataclass.
+Config's bases and the `from MODULE import NAME` lines that bring them, then each owner's class, where the
+comment after a field (or the comment lines right above it) is its meaning and a comment `# -- group: ... --`
+starts a group. Reading the files needs neither torch nor the project's modules, so help prints at once;
+tests/test_safety.py checks that it lists exactly the fields of the real dataclass.
 """
 
 import ast
