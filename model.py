@@ -164,8 +164,21 @@ class GPTConfig:
         """Every rule a model config must follow, with its fix: here once, asked by GPT and by arguments.validate
         (before anything is built). tp_size: the TP ranks the model is split over (default: the config's)."""
         tp = self.tensor_model_parallel_size if tp_size is None else tp_size
+        # all groups are built before any raises: the first broken rule, in this order, is reported
+        problems = (
+            self._shape_problems(tp)
+            + self._layer_problems()
+            + self._position_problems()
+            + self._switch_problems(tp)
+        )
+        for ok, message in problems:
+            if not ok:
+                raise ValueError(message)
+
+    def _shape_problems(self, tp):
+        """(ok, message) of heads, query groups and FFN width against each other and TP."""
         h, heads, groups = self.hidden_size, self.num_attention_heads, self.query_groups
-        problems = [
+        return [
             (
                 h % heads == 0,
                 f"hidden_size ({h}) must be divisible by num_attention_heads ({heads})",
@@ -190,6 +203,11 @@ class GPTConfig:
                 f"ffn_hidden_size ({self.ffn_size}) must be positive "
                 f"and divisible by tensor_model_parallel_size ({tp})",
             ),
+        ]
+
+    def _layer_problems(self):
+        """(ok, message) of the block's kernels: attention backend, normalization, NormFormer."""
+        return [
             (
                 self.attention_backend in ATTENTION_BACKENDS,
                 f"attention_backend="
@@ -204,6 +222,12 @@ class GPTConfig:
                 "normformer with swiglu: NormFormer's FFN LayerNorm belongs to "
                 "the plain MLP; turn one of them off",
             ),
+        ]
+
+    def _position_problems(self):
+        """(ok, message) of the position embeddings: type and init, rotary's base and scaling."""
+        h, heads = self.hidden_size, self.num_attention_heads
+        return [
             (
                 self.rotary_base > 0,
                 f"rotary_base={self.rotary_base} must be positive (10000; Llama 3: 500000)",
@@ -243,6 +267,11 @@ class GPTConfig:
                 self.position_embedding_type != "rotary" or (h // heads) % 2 == 0,
                 f"rotary embeddings turn pairs of q and k features: the head size ({h // heads}) must be even",
             ),
+        ]
+
+    def _switch_problems(self, tp):
+        """(ok, message) of the other switches: activation, embed_init, NormFormer in TP, z_loss."""
+        return [
             (
                 self.activation in ACTIVATIONS,
                 f"activation={self.activation!r} is not one of {sorted(ACTIVATIONS)}",
@@ -261,9 +290,6 @@ class GPTConfig:
                 f"z_loss={self.z_loss} is negative: it is the coefficient of log(Z)^2 (PaLM used 1e-4)",
             ),
         ]
-        for ok, message in problems:
-            if not ok:
-                raise ValueError(message)
 
 
 POSITION_EMBEDDINGS = ("learned", "alibi", "rotary")
