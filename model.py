@@ -451,40 +451,40 @@ def core_attention(
     if stable:
         s = q.shape[-1] ** -0.25
         q, k, scale = q * s, k * s, 1.0
-    if isinstance(
-        bias, layers.DocumentBlockMask
-    ):  # packed documents on CUDA: no dense mask (no dropout there)
+    # packed documents on CUDA: no dense mask (no dropout there)
+    if isinstance(bias, layers.DocumentBlockMask):
         return bias.attend(q, k, v, scale, gqa)
     if backend == "auto":
-        return F.scaled_dot_product_attention(
-            q,
-            k,
-            v,
-            attn_mask=bias,
-            dropout_p=dropout_p,
-            is_causal=bias is None,
-            scale=scale,
-            enable_gqa=gqa,
-        )
+        return _sdpa(q, k, v, bias, dropout_p, scale, gqa)
     try:
         with sdpa_backend(backend):
-            return F.scaled_dot_product_attention(
-                q,
-                k,
-                v,
-                attn_mask=bias,
-                dropout_p=dropout_p,
-                is_causal=bias is None,
-                scale=scale,
-                enable_gqa=gqa,
-            )
+            return _sdpa(q, k, v, bias, dropout_p, scale, gqa)
     except RuntimeError as e:  # torch's "No available kernel"; its reasons came as warnings
-        what = f"{q.device.type}, {q.dtype}, head_dim {q.shape[-1]}, dropout {dropout_p}"
-        raise ValueError(
-            f"attention_backend={backend}: torch's {backend} kernel does not take "
-            f"this attention ({what}, {'a bias' if bias is not None else 'causal'}): "
-            f"{e}; use --attention_backend=auto (torch's choice)"
-        ) from e
+        raise _backend_refused(backend, q, dropout_p, bias, e) from e
+
+
+def _sdpa(q, k, v, bias, dropout_p, scale, gqa):
+    """torch's scaled_dot_product_attention, causal without a bias, else with the bias as its mask."""
+    return F.scaled_dot_product_attention(
+        q,
+        k,
+        v,
+        attn_mask=bias,
+        dropout_p=dropout_p,
+        is_causal=bias is None,
+        scale=scale,
+        enable_gqa=gqa,
+    )
+
+
+def _backend_refused(backend, q, dropout_p, bias, error):
+    """The ValueError, with its fix, of an attention_backend whose kernel does not take this call."""
+    what = f"{q.device.type}, {q.dtype}, head_dim {q.shape[-1]}, dropout {dropout_p}"
+    return ValueError(
+        f"attention_backend={backend}: torch's {backend} kernel does not take "
+        f"this attention ({what}, {'a bias' if bias is not None else 'causal'}): "
+        f"{error}; use --attention_backend=auto (torch's choice)"
+    )
 
 
 def unfused_attention(q, k, v, dropout_p=0.0, stable=False, layer_scaling=None, bias=None):
