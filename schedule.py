@@ -99,11 +99,24 @@ def check(schedule_cfg, dp_size=1, load=None):
     of the run (it divides the global batch); load: checkpointing's load directory (an optimizer
     reset needs one)."""
     keys = schedule_cfg
+    _check_sizes(keys, dp_size)
+    _check_lr(keys)
+    _check_restart(keys, load)
+    steps = keys.total_curriculum_step
+    _need(
+        not keys.curriculum_learning or (steps is not None and steps > 0),
+        "curriculum_learning needs total_curriculum_step (about train_tokens / global_batch / seq_length / 2)",
+    )
 
-    def need(ok, message):
-        if not ok:
-            raise ValueError(message)
 
+def _need(ok, message):
+    """Raise ValueError(message) unless ok."""
+    if not ok:
+        raise ValueError(message)
+
+
+def _check_sizes(keys, dp_size):
+    """Positive sizes and lengths, non-negative rates, a global batch that splits, one unit each."""
     for key in (
         "micro_batch_size",
         "global_batch_size",
@@ -112,71 +125,74 @@ def check(schedule_cfg, dp_size=1, load=None):
         "train_tokens",
     ):
         value = getattr(keys, key)
-        need(value is None or value > 0, f"{key}={value} must be positive")
+        _need(value is None or value > 0, f"{key}={value} must be positive")
     for key in ("lr", "min_lr", "lr_warmup_samples"):
-        need(getattr(keys, key) >= 0, f"{key}={getattr(keys, key)} must not be negative")
+        _need(getattr(keys, key) >= 0, f"{key}={getattr(keys, key)} must not be negative")
     gbs, mbs, dp = keys.global_batch_size, keys.micro_batch_size, dp_size
-    need(
+    _need(
         gbs is None or gbs % (mbs * dp) == 0,
         f"global_batch_size ({gbs}) must be divisible by micro_batch_size ({mbs})"
         f" x data-parallel size ({dp}); change one of them",
     )
-    need(
+    _need(
         any(x is not None for x in (keys.train_iters, keys.train_samples, keys.train_tokens)),
         "set the length of training: train_iters, train_samples or train_tokens",
     )
-    need(
+    _need(
         keys.rampup_batch_size is None or keys.train_iters is None,
         "rampup_batch_size counts samples: set train_samples (or train_tokens) instead of train_iters",
     )
     for a, b in EXCLUSIVE:
-        need(
+        _need(
             not (_given(keys, a) and _given(keys, b)),
             f"both {a} and {b} are set; set only one of them",
         )
-    need(
+    _need(
         keys.rampup_batch_size is None or len(keys.rampup_batch_size) == 3,
         f"rampup_batch_size must be 'start increment samples', got {keys.rampup_batch_size}",
     )
-    need(
+
+
+def _check_lr(keys):
+    """The LR schedule's shape, min_lr under lr, and WSD's anneal counted in samples."""
+    _need(
         keys.lr_decay_style in LR_SHAPES,
         f"lr_decay_style={keys.lr_decay_style!r} is not "
         f"{' or '.join(', '.join(LR_SHAPES).rsplit(', ', 1))}",
     )
-    need(keys.min_lr <= keys.lr, f"min_lr ({keys.min_lr}) is larger than lr ({keys.lr})")
-    need(
+    _need(keys.min_lr <= keys.lr, f"min_lr ({keys.min_lr}) is larger than lr ({keys.lr})")
+    _need(
         keys.lr_decay_style != "wsd" or (keys.lr_wsd_decay_samples or 0) > 0,
         "lr_decay_style='wsd' needs lr_wsd_decay_samples (the samples of its final anneal, e.g. a tenth of the run)",
     )
-    need(
+    _need(
         keys.lr_decay_style != "wsd" or keys.lr_decay_tokens is None,
         "lr_decay_style='wsd' counts its anneal in samples (lr_wsd_decay_samples): use lr_decay_samples, not "
         "lr_decay_tokens",
     )
-    need(
+    _need(
         keys.lr_wsd_decay_style in WSD_ANNEALS,
         f"lr_wsd_decay_style={keys.lr_wsd_decay_style!r} is not one of {', '.join(WSD_ANNEALS)}",
     )
+
+
+def _check_restart(keys, load):
+    """A restart after a divergence: iterations skipped, the optimizer reset's warm-up."""
     parse_iteration_ranges(keys.skip_train_iteration_range, "skip_train_iteration_range")
     warmup = keys.reset_optimizer_warmup_iters
-    need(
+    _need(
         warmup in (None, "auto") or isinstance(warmup, int),
         "reset_optimizer_warmup_iters must be a number of iterations or 'auto'",
     )
     # a count: -3 would read as "lr=0 for -3 iterations", and 0 resets nothing (reset_warmup_iters)
-    need(
+    _need(
         not isinstance(warmup, int) or warmup > 0,
         f"reset_optimizer_warmup_iters={warmup} must be a positive number of lr=0 iterations "
         "after the optimizer reset (or 'auto': 5 / (1 - adam_beta2)); unset it for none",
     )
-    need(
+    _need(
         warmup is None or load is not None,
         "reset_optimizer_warmup_iters resets the optimizer of a loaded checkpoint: set load too",
-    )
-    steps = keys.total_curriculum_step
-    need(
-        not keys.curriculum_learning or (steps is not None and steps > 0),
-        "curriculum_learning needs total_curriculum_step (about train_tokens / global_batch / seq_length / 2)",
     )
 
 
