@@ -517,6 +517,10 @@ def build_lr_fn(style, **options):
 # The learning-rate schedule
 
 
+# the fix of the rules on several of the LR schedule's keys at once (AnnealingLR._validate)
+_LR_FIX = "check lr, min_lr, lr_decay_style, lr_warmup_samples/tokens and lr_decay_samples/tokens"
+
+
 class AnnealingLR:
     """Megatron-DeepSpeed's AnnealingLR (lesson 23) as a function of consumed samples and
     tokens. Megatron's "steps" are consumed samples.
@@ -582,21 +586,30 @@ class AnnealingLR:
         return 0 if self.warmup_samples == 0 else None
 
     def _validate(self):
-        fix = (
-            "check lr, min_lr, lr_decay_style, lr_warmup_samples/tokens and lr_decay_samples/tokens"
-        )
+        """Raise ValueError with the fix for a schedule that cannot run: rates, warm-up, decay."""
+        self._validate_rates()
+        self._validate_warmup()
+        self._validate_decay()
+        if self.decay_style == "wsd":
+            self._validate_wsd()
+
+    def _validate_rates(self):
+        """A known decay shape, learning rates not negative, min_lr not above lr."""
         if self.decay_style not in LR_SHAPES:
             raise ValueError(
                 f"unknown lr_decay_style {self.decay_style!r}; use one of {', '.join(LR_SHAPES)}"
             )
         if self.min_lr < 0.0 or self.max_lr < 0.0:
             raise ValueError(
-                f"learning rates must be >= 0 (lr {self.max_lr}, min_lr {self.min_lr}); {fix}"
+                f"learning rates must be >= 0 (lr {self.max_lr}, min_lr {self.min_lr}); {_LR_FIX}"
             )
         if self.min_lr > self.max_lr:
             raise ValueError(
                 f"min_lr {self.min_lr} is larger than lr {self.max_lr}; lower min_lr or raise lr"
             )
+
+    def _validate_warmup(self):
+        """A warm-up in samples or in tokens, not negative; a token warm-up needs a token decay."""
         if self.warmup_samples < 0:
             raise ValueError(f"lr_warmup_samples must be >= 0, got {self.warmup_samples}")
         if self.warmup_tokens is not None:
@@ -611,12 +624,15 @@ class AnnealingLR:
                     "lr_warmup_tokens needs lr_decay_tokens (a token warm-up and a sample decay "
                     "have no common origin); set lr_decay_tokens or use lr_warmup_samples"
                 )
+
+    def _validate_decay(self):
+        """A decay length (samples or tokens, unless constant) that ends after the warm-up."""
         if self.decay_tokens is not None:
             warmup = self.warmup_tokens or 0
             if self.decay_tokens <= warmup:
                 raise ValueError(
                     f"lr_decay_tokens ({self.decay_tokens}) must be larger than the warm-up "
-                    f"({warmup} tokens); {fix}"
+                    f"({warmup} tokens); {_LR_FIX}"
                 )
         elif self.decay_style != "constant" and self.decay_samples is None:
             raise ValueError(
@@ -625,26 +641,27 @@ class AnnealingLR:
         if self.decay_samples is not None and self.decay_samples <= self.warmup_samples:
             raise ValueError(
                 f"lr_decay_samples ({self.decay_samples}) must be larger than lr_warmup_samples "
-                f"({self.warmup_samples}); {fix}"
+                f"({self.warmup_samples}); {_LR_FIX}"
             )
-        if self.decay_style == "wsd":
-            window = (
-                None if self.decay_samples is None else self.decay_samples - self.warmup_samples
+
+    def _validate_wsd(self):
+        """WSD's anneal: a length in samples that fits in the decay window, a known shape."""
+        window = None if self.decay_samples is None else self.decay_samples - self.warmup_samples
+        if (
+            self.decay_tokens is not None
+            or not self.wsd_decay_samples
+            or not 0 < self.wsd_decay_samples <= window
+        ):
+            raise ValueError(
+                "lr_decay_style 'wsd' needs 0 < "
+                f"lr_wsd_decay_samples ({self.wsd_decay_samples}) <= "
+                f"lr_decay_samples - lr_warmup_samples ({window}), counted in samples; {_LR_FIX}"
             )
-            if (
-                self.decay_tokens is not None
-                or not self.wsd_decay_samples
-                or not 0 < self.wsd_decay_samples <= window
-            ):
-                raise ValueError(
-                    f"lr_decay_style 'wsd' needs 0 < lr_wsd_decay_samples ({self.wsd_decay_samples}) <= "
-                    f"lr_decay_samples - lr_warmup_samples ({window}), counted in samples; {fix}"
-                )
-            if self.wsd_decay_style not in WSD_ANNEALS:
-                raise ValueError(
-                    f"unknown lr_wsd_decay_style {self.wsd_decay_style!r}; use one of "
-                    f"{', '.join(WSD_ANNEALS)}"
-                )
+        if self.wsd_decay_style not in WSD_ANNEALS:
+            raise ValueError(
+                f"unknown lr_wsd_decay_style {self.wsd_decay_style!r}; use one of "
+                f"{', '.join(WSD_ANNEALS)}"
+            )
 
     def get_lr(self, consumed_samples: int, consumed_tokens: int) -> float:
         if self.warmup_tokens is None and self.warmup_samples > 0:
