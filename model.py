@@ -164,8 +164,21 @@ class GPTConfig:
         """Every rule a model config must follow, with its fix: here once, asked by GPT and by arguments.validate
         (before anything is built). tp_size: the TP ranks the model is split over (default: the config's)."""
         tp = self.tensor_model_parallel_size if tp_size is None else tp_size
+        # all groups are built before any raises: the first broken rule, in this order, is reported
+        problems = (
+            self._shape_problems(tp)
+            + self._layer_problems()
+            + self._position_problems()
+            + self._switch_problems(tp)
+        )
+        for ok, message in problems:
+            if not ok:
+                raise ValueError(message)
+
+    def _shape_problems(self, tp):
+        """(ok, message) of heads, query groups and FFN width against each other and TP."""
         h, heads, groups = self.hidden_size, self.num_attention_heads, self.query_groups
-        problems = [
+        return [
             (
                 h % heads == 0,
                 f"hidden_size ({h}) must be divisible by num_attention_heads ({heads})",
@@ -190,6 +203,11 @@ class GPTConfig:
                 f"ffn_hidden_size ({self.ffn_size}) must be positive "
                 f"and divisible by tensor_model_parallel_size ({tp})",
             ),
+        ]
+
+    def _layer_problems(self):
+        """(ok, message) of the block's kernels: attention backend, normalization, NormFormer."""
+        return [
             (
                 self.attention_backend in ATTENTION_BACKENDS,
                 f"attention_backend="
@@ -204,6 +222,12 @@ class GPTConfig:
                 "normformer with swiglu: NormFormer's FFN LayerNorm belongs to "
                 "the plain MLP; turn one of them off",
             ),
+        ]
+
+    def _position_problems(self):
+        """(ok, message) of the position embeddings: type and init, rotary's base and scaling."""
+        h, heads = self.hidden_size, self.num_attention_heads
+        return [
             (
                 self.rotary_base > 0,
                 f"rotary_base={self.rotary_base} must be positive (10000; Llama 3: 500000)",
@@ -243,6 +267,11 @@ class GPTConfig:
                 self.position_embedding_type != "rotary" or (h // heads) % 2 == 0,
                 f"rotary embeddings turn pairs of q and k features: the head size ({h // heads}) must be even",
             ),
+        ]
+
+    def _switch_problems(self, tp):
+        """(ok, message) of the other switches: activation, embed_init, NormFormer in TP, z_loss."""
+        return [
             (
                 self.activation in ACTIVATIONS,
                 f"activation={self.activation!r} is not one of {sorted(ACTIVATIONS)}",
@@ -261,9 +290,6 @@ class GPTConfig:
                 f"z_loss={self.z_loss} is negative: it is the coefficient of log(Z)^2 (PaLM used 1e-4)",
             ),
         ]
-        for ok, message in problems:
-            if not ok:
-                raise ValueError(message)
 
 
 POSITION_EMBEDDINGS = ("learned", "alibi", "rotary")
@@ -425,40 +451,40 @@ def core_attention(
     if stable:
         s = q.shape[-1] ** -0.25
         q, k, scale = q * s, k * s, 1.0
-    if isinstance(
-        bias, layers.DocumentBlockMask
-    ):  # packed documents on CUDA: no dense mask (no dropout there)
+    # packed documents on CUDA: no dense mask (no dropout there)
+    if isinstance(bias, layers.DocumentBlockMask):
         return bias.attend(q, k, v, scale, gqa)
     if backend == "auto":
-        return F.scaled_dot_product_attention(
-            q,
-            k,
-            v,
-            attn_mask=bias,
-            dropout_p=dropout_p,
-            is_causal=bias is None,
-            scale=scale,
-            enable_gqa=gqa,
-        )
+        return _sdpa(q, k, v, bias, dropout_p, scale, gqa)
     try:
         with sdpa_backend(backend):
-            return F.scaled_dot_product_attention(
-                q,
-                k,
-                v,
-                attn_mask=bias,
-                dropout_p=dropout_p,
-                is_causal=bias is None,
-                scale=scale,
-                enable_gqa=gqa,
-            )
+            return _sdpa(q, k, v, bias, dropout_p, scale, gqa)
     except RuntimeError as e:  # torch's "No available kernel"; its reasons came as warnings
-        what = f"{q.device.type}, {q.dtype}, head_dim {q.shape[-1]}, dropout {dropout_p}"
-        raise ValueError(
-            f"attention_backend={backend}: torch's {backend} kernel does not take "
-            f"this attention ({what}, {'a bias' if bias is not None else 'causal'}): "
-            f"{e}; use --attention_backend=auto (torch's choice)"
-        ) from e
+        raise _backend_refused(backend, q, dropout_p, bias, e) from e
+
+
+def _sdpa(q, k, v, bias, dropout_p, scale, gqa):
+    """torch's scaled_dot_product_attention, causal without a bias, else with the bias as its mask."""
+    return F.scaled_dot_product_attention(
+        q,
+        k,
+        v,
+        attn_mask=bias,
+        dropout_p=dropout_p,
+        is_causal=bias is None,
+        scale=scale,
+        enable_gqa=gqa,
+    )
+
+
+def _backend_refused(backend, q, dropout_p, bias, error):
+    """The ValueError, with its fix, of an attention_backend whose kernel does not take this call."""
+    what = f"{q.device.type}, {q.dtype}, head_dim {q.shape[-1]}, dropout {dropout_p}"
+    return ValueError(
+        f"attention_backend={backend}: torch's {backend} kernel does not take "
+        f"this attention ({what}, {'a bias' if bias is not None else 'causal'}): "
+        f"{error}; use --attention_backend=auto (torch's choice)"
+    )
 
 
 def unfused_attention(q, k, v, dropout_p=0.0, stable=False, layer_scaling=None, bias=None):

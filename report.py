@@ -186,30 +186,10 @@ class Report:
             return
         step, lr = self.last
         elapsed = interval["time"] / interval["iters"]
-        good = interval["steps"] - interval["nan"]
-        mean_loss = interval["loss"] / good if good else float("nan")
-        flops = self.gpt.cfg.flops_per_iteration(batch_size, seqlen)  # Megatron's count (lesson 23)
-        tflops = flops / (elapsed * parallel.grid.world_size * 1e12)
-        tokens = batch_size * seqlen / elapsed  # the whole run's; MFU per GPU, as bench counts it
-        mfu = mfu_of(self.gpt.cfg.model_flops_per_iteration(batch_size, seqlen), elapsed, self.peak)
-        fields = [
-            ("iteration", f"{iteration:8d}/{self.schedule.total_iters:8d}"),
-            ("consumed samples", f"{state.consumed_samples:12d}"),
-            ("consumed tokens", f"{state.consumed_tokens:12d}"),
-            ("elapsed time per iteration (ms)", f"{elapsed * 1000:.1f}"),
-            ("learning rate", f"{lr:.3E}"),
-            ("global batch size", f"{batch_size:5d}"),
-        ]
-        if self.curriculum:
-            fields.append(("curriculum seqlen", f"{seqlen:5d}"))
-        fields.append(("lm loss", f"{mean_loss:.6E}"))
-        scalars = {"lm-loss": mean_loss}
-        if self.gpt.cfg.z_loss:  # the interval's mean, apart from the lm loss (lesson 20)
-            z_loss = step.z_loss  # read in the step's one host sync (training.train_step)
-            if z_loss is None:  # DeepSpeed's step, or a logged iteration skipped
-                z_loss = parallel.average_loss(self.gpt.pop_z_loss()).item()
-            fields.append(("z loss", f"{z_loss:.6E}"))
-            scalars["z-loss"] = z_loss
+        tflops, tokens, mfu = self._throughput(batch_size, seqlen, elapsed)
+        progress = self._progress_fields(iteration, state, batch_size, seqlen, elapsed, lr)
+        loss_fields, scalars = self._losses(step)
+        fields = progress + loss_fields
         fields += [
             ("loss scale", f"{loss_scale:.1f}"),
             ("grad norm", f"{step.grad_norm:.3f}"),
@@ -241,6 +221,43 @@ class Report:
         )
         self.scalars(scalars, iteration, state)
         self.restart_interval()
+
+    def _throughput(self, batch_size, seqlen, elapsed):
+        """(TFLOPs per GPU, tokens per second, MFU or None) of an iteration of elapsed seconds."""
+        flops = self.gpt.cfg.flops_per_iteration(batch_size, seqlen)  # Megatron's count (lesson 23)
+        tflops = flops / (elapsed * parallel.grid.world_size * 1e12)
+        tokens = batch_size * seqlen / elapsed  # the whole run's; MFU per GPU, as bench counts it
+        mfu = mfu_of(self.gpt.cfg.model_flops_per_iteration(batch_size, seqlen), elapsed, self.peak)
+        return tflops, tokens, mfu
+
+    def _progress_fields(self, iteration, state, batch_size, seqlen, elapsed, lr):
+        """The log line's first fields: where the run is, its time per iteration, lr and batch."""
+        fields = [
+            ("iteration", f"{iteration:8d}/{self.schedule.total_iters:8d}"),
+            ("consumed samples", f"{state.consumed_samples:12d}"),
+            ("consumed tokens", f"{state.consumed_tokens:12d}"),
+            ("elapsed time per iteration (ms)", f"{elapsed * 1000:.1f}"),
+            ("learning rate", f"{lr:.3E}"),
+            ("global batch size", f"{batch_size:5d}"),
+        ]
+        if self.curriculum:
+            fields.append(("curriculum seqlen", f"{seqlen:5d}"))
+        return fields
+
+    def _losses(self, step):
+        """The interval's mean lm loss (NaN iterations left out) and, with z_loss on, its z-loss, as
+        the log line's fields and as scalars. On every rank: the z-loss may be averaged over DP."""
+        interval = self.interval
+        good = interval["steps"] - interval["nan"]
+        mean_loss = interval["loss"] / good if good else float("nan")
+        fields, scalars = [("lm loss", f"{mean_loss:.6E}")], {"lm-loss": mean_loss}
+        if self.gpt.cfg.z_loss:  # the interval's mean, apart from the lm loss (lesson 20)
+            z_loss = step.z_loss  # read in the step's one host sync (training.train_step)
+            if z_loss is None:  # DeepSpeed's step, or a logged iteration skipped
+                z_loss = parallel.average_loss(self.gpt.pop_z_loss()).item()
+            fields.append(("z loss", f"{z_loss:.6E}"))
+            scalars["z-loss"] = z_loss
+        return fields, scalars
 
     # -- everything else an iteration may produce -------------------------------------------
 

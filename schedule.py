@@ -99,11 +99,24 @@ def check(schedule_cfg, dp_size=1, load=None):
     of the run (it divides the global batch); load: checkpointing's load directory (an optimizer
     reset needs one)."""
     keys = schedule_cfg
+    _check_sizes(keys, dp_size)
+    _check_lr(keys)
+    _check_restart(keys, load)
+    steps = keys.total_curriculum_step
+    _need(
+        not keys.curriculum_learning or (steps is not None and steps > 0),
+        "curriculum_learning needs total_curriculum_step (about train_tokens / global_batch / seq_length / 2)",
+    )
 
-    def need(ok, message):
-        if not ok:
-            raise ValueError(message)
 
+def _need(ok, message):
+    """Raise ValueError(message) unless ok."""
+    if not ok:
+        raise ValueError(message)
+
+
+def _check_sizes(keys, dp_size):
+    """Positive sizes and lengths, non-negative rates, a global batch that splits, one unit each."""
     for key in (
         "micro_batch_size",
         "global_batch_size",
@@ -112,71 +125,74 @@ def check(schedule_cfg, dp_size=1, load=None):
         "train_tokens",
     ):
         value = getattr(keys, key)
-        need(value is None or value > 0, f"{key}={value} must be positive")
+        _need(value is None or value > 0, f"{key}={value} must be positive")
     for key in ("lr", "min_lr", "lr_warmup_samples"):
-        need(getattr(keys, key) >= 0, f"{key}={getattr(keys, key)} must not be negative")
+        _need(getattr(keys, key) >= 0, f"{key}={getattr(keys, key)} must not be negative")
     gbs, mbs, dp = keys.global_batch_size, keys.micro_batch_size, dp_size
-    need(
+    _need(
         gbs is None or gbs % (mbs * dp) == 0,
         f"global_batch_size ({gbs}) must be divisible by micro_batch_size ({mbs})"
         f" x data-parallel size ({dp}); change one of them",
     )
-    need(
+    _need(
         any(x is not None for x in (keys.train_iters, keys.train_samples, keys.train_tokens)),
         "set the length of training: train_iters, train_samples or train_tokens",
     )
-    need(
+    _need(
         keys.rampup_batch_size is None or keys.train_iters is None,
         "rampup_batch_size counts samples: set train_samples (or train_tokens) instead of train_iters",
     )
     for a, b in EXCLUSIVE:
-        need(
+        _need(
             not (_given(keys, a) and _given(keys, b)),
             f"both {a} and {b} are set; set only one of them",
         )
-    need(
+    _need(
         keys.rampup_batch_size is None or len(keys.rampup_batch_size) == 3,
         f"rampup_batch_size must be 'start increment samples', got {keys.rampup_batch_size}",
     )
-    need(
+
+
+def _check_lr(keys):
+    """The LR schedule's shape, min_lr under lr, and WSD's anneal counted in samples."""
+    _need(
         keys.lr_decay_style in LR_SHAPES,
         f"lr_decay_style={keys.lr_decay_style!r} is not "
         f"{' or '.join(', '.join(LR_SHAPES).rsplit(', ', 1))}",
     )
-    need(keys.min_lr <= keys.lr, f"min_lr ({keys.min_lr}) is larger than lr ({keys.lr})")
-    need(
+    _need(keys.min_lr <= keys.lr, f"min_lr ({keys.min_lr}) is larger than lr ({keys.lr})")
+    _need(
         keys.lr_decay_style != "wsd" or (keys.lr_wsd_decay_samples or 0) > 0,
         "lr_decay_style='wsd' needs lr_wsd_decay_samples (the samples of its final anneal, e.g. a tenth of the run)",
     )
-    need(
+    _need(
         keys.lr_decay_style != "wsd" or keys.lr_decay_tokens is None,
         "lr_decay_style='wsd' counts its anneal in samples (lr_wsd_decay_samples): use lr_decay_samples, not "
         "lr_decay_tokens",
     )
-    need(
+    _need(
         keys.lr_wsd_decay_style in WSD_ANNEALS,
         f"lr_wsd_decay_style={keys.lr_wsd_decay_style!r} is not one of {', '.join(WSD_ANNEALS)}",
     )
+
+
+def _check_restart(keys, load):
+    """A restart after a divergence: iterations skipped, the optimizer reset's warm-up."""
     parse_iteration_ranges(keys.skip_train_iteration_range, "skip_train_iteration_range")
     warmup = keys.reset_optimizer_warmup_iters
-    need(
+    _need(
         warmup in (None, "auto") or isinstance(warmup, int),
         "reset_optimizer_warmup_iters must be a number of iterations or 'auto'",
     )
     # a count: -3 would read as "lr=0 for -3 iterations", and 0 resets nothing (reset_warmup_iters)
-    need(
+    _need(
         not isinstance(warmup, int) or warmup > 0,
         f"reset_optimizer_warmup_iters={warmup} must be a positive number of lr=0 iterations "
         "after the optimizer reset (or 'auto': 5 / (1 - adam_beta2)); unset it for none",
     )
-    need(
+    _need(
         warmup is None or load is not None,
         "reset_optimizer_warmup_iters resets the optimizer of a loaded checkpoint: set load too",
-    )
-    steps = keys.total_curriculum_step
-    need(
-        not keys.curriculum_learning or (steps is not None and steps > 0),
-        "curriculum_learning needs total_curriculum_step (about train_tokens / global_batch / seq_length / 2)",
     )
 
 
@@ -501,6 +517,10 @@ def build_lr_fn(style, **options):
 # The learning-rate schedule
 
 
+# the fix of the rules on several of the LR schedule's keys at once (AnnealingLR._validate)
+_LR_FIX = "check lr, min_lr, lr_decay_style, lr_warmup_samples/tokens and lr_decay_samples/tokens"
+
+
 class AnnealingLR:
     """Megatron-DeepSpeed's AnnealingLR (lesson 23) as a function of consumed samples and
     tokens. Megatron's "steps" are consumed samples.
@@ -566,21 +586,30 @@ class AnnealingLR:
         return 0 if self.warmup_samples == 0 else None
 
     def _validate(self):
-        fix = (
-            "check lr, min_lr, lr_decay_style, lr_warmup_samples/tokens and lr_decay_samples/tokens"
-        )
+        """Raise ValueError with the fix for a schedule that cannot run: rates, warm-up, decay."""
+        self._validate_rates()
+        self._validate_warmup()
+        self._validate_decay()
+        if self.decay_style == "wsd":
+            self._validate_wsd()
+
+    def _validate_rates(self):
+        """A known decay shape, learning rates not negative, min_lr not above lr."""
         if self.decay_style not in LR_SHAPES:
             raise ValueError(
                 f"unknown lr_decay_style {self.decay_style!r}; use one of {', '.join(LR_SHAPES)}"
             )
         if self.min_lr < 0.0 or self.max_lr < 0.0:
             raise ValueError(
-                f"learning rates must be >= 0 (lr {self.max_lr}, min_lr {self.min_lr}); {fix}"
+                f"learning rates must be >= 0 (lr {self.max_lr}, min_lr {self.min_lr}); {_LR_FIX}"
             )
         if self.min_lr > self.max_lr:
             raise ValueError(
                 f"min_lr {self.min_lr} is larger than lr {self.max_lr}; lower min_lr or raise lr"
             )
+
+    def _validate_warmup(self):
+        """A warm-up in samples or in tokens, not negative; a token warm-up needs a token decay."""
         if self.warmup_samples < 0:
             raise ValueError(f"lr_warmup_samples must be >= 0, got {self.warmup_samples}")
         if self.warmup_tokens is not None:
@@ -595,12 +624,15 @@ class AnnealingLR:
                     "lr_warmup_tokens needs lr_decay_tokens (a token warm-up and a sample decay "
                     "have no common origin); set lr_decay_tokens or use lr_warmup_samples"
                 )
+
+    def _validate_decay(self):
+        """A decay length (samples or tokens, unless constant) that ends after the warm-up."""
         if self.decay_tokens is not None:
             warmup = self.warmup_tokens or 0
             if self.decay_tokens <= warmup:
                 raise ValueError(
                     f"lr_decay_tokens ({self.decay_tokens}) must be larger than the warm-up "
-                    f"({warmup} tokens); {fix}"
+                    f"({warmup} tokens); {_LR_FIX}"
                 )
         elif self.decay_style != "constant" and self.decay_samples is None:
             raise ValueError(
@@ -609,26 +641,27 @@ class AnnealingLR:
         if self.decay_samples is not None and self.decay_samples <= self.warmup_samples:
             raise ValueError(
                 f"lr_decay_samples ({self.decay_samples}) must be larger than lr_warmup_samples "
-                f"({self.warmup_samples}); {fix}"
+                f"({self.warmup_samples}); {_LR_FIX}"
             )
-        if self.decay_style == "wsd":
-            window = (
-                None if self.decay_samples is None else self.decay_samples - self.warmup_samples
+
+    def _validate_wsd(self):
+        """WSD's anneal: a length in samples that fits in the decay window, a known shape."""
+        window = None if self.decay_samples is None else self.decay_samples - self.warmup_samples
+        if (
+            self.decay_tokens is not None
+            or not self.wsd_decay_samples
+            or not 0 < self.wsd_decay_samples <= window
+        ):
+            raise ValueError(
+                "lr_decay_style 'wsd' needs 0 < "
+                f"lr_wsd_decay_samples ({self.wsd_decay_samples}) <= "
+                f"lr_decay_samples - lr_warmup_samples ({window}), counted in samples; {_LR_FIX}"
             )
-            if (
-                self.decay_tokens is not None
-                or not self.wsd_decay_samples
-                or not 0 < self.wsd_decay_samples <= window
-            ):
-                raise ValueError(
-                    f"lr_decay_style 'wsd' needs 0 < lr_wsd_decay_samples ({self.wsd_decay_samples}) <= "
-                    f"lr_decay_samples - lr_warmup_samples ({window}), counted in samples; {fix}"
-                )
-            if self.wsd_decay_style not in WSD_ANNEALS:
-                raise ValueError(
-                    f"unknown lr_wsd_decay_style {self.wsd_decay_style!r}; use one of "
-                    f"{', '.join(WSD_ANNEALS)}"
-                )
+        if self.wsd_decay_style not in WSD_ANNEALS:
+            raise ValueError(
+                f"unknown lr_wsd_decay_style {self.wsd_decay_style!r}; use one of "
+                f"{', '.join(WSD_ANNEALS)}"
+            )
 
     def get_lr(self, consumed_samples: int, consumed_tokens: int) -> float:
         if self.warmup_tokens is None and self.warmup_samples > 0:
