@@ -276,6 +276,16 @@ def to_theirs(t, steps, model_cfg):
 def family(model_cfg):
     """'gpt2', 'bloom' or 'llama' for a GPTConfig (or anything with its fields), or a ValueError naming what no
     class can compute."""
+    _refuse_unmapped(model_cfg)
+    if model_cfg.position_embedding_type == "rotary":
+        _refuse_unlike_llama(model_cfg)
+        return "llama"
+    _refuse_unlike_gpt2_block(model_cfg)
+    return _gpt2_or_bloom(model_cfg)
+
+
+def _refuse_unmapped(model_cfg):
+    """Refuses a field off its default that is in neither MAPPED nor NOT_MAPPED."""
     defaults = GPTConfig()
     unknown = [
         f"{f.name}={getattr(model_cfg, f.name)!r}"
@@ -285,23 +295,27 @@ def family(model_cfg):
     ]
     if unknown:
         raise ValueError(f"{', '.join(unknown)}: neither {' nor '.join(KINDS.values())} has it")
-    if model_cfg.position_embedding_type == "rotary":
-        differ = [
-            f"{key}={getattr(model_cfg, key)!r}"
-            for key, value in FIXED["llama"].items()
-            if getattr(model_cfg, key) != value
-        ]
-        if differ:
-            raise ValueError(
-                f"position_embedding_type='rotary' with {', '.join(differ)}: GPT2LMHeadModel and "
-                "BloomForCausalLM: neither has rotary embeddings; LlamaForCausalLM has them with "
-                + ", ".join(
-                    f"{k}={v!r}"
-                    for k, v in FIXED["llama"].items()
-                    if k != "position_embedding_type"
-                )
+
+
+def _refuse_unlike_llama(model_cfg):
+    """Refuses rotary embeddings with any of LlamaForCausalLM's fixed switches set otherwise."""
+    differ = [
+        f"{key}={getattr(model_cfg, key)!r}"
+        for key, value in FIXED["llama"].items()
+        if getattr(model_cfg, key) != value
+    ]
+    if differ:
+        raise ValueError(
+            f"position_embedding_type='rotary' with {', '.join(differ)}: GPT2LMHeadModel and "
+            "BloomForCausalLM: neither has rotary embeddings; LlamaForCausalLM has them with "
+            + ", ".join(
+                f"{k}={v!r}" for k, v in FIXED["llama"].items() if k != "position_embedding_type"
             )
-        return "llama"
+        )
+
+
+def _refuse_unlike_gpt2_block(model_cfg):
+    """Refuses learned or ALiBi positions with a block other than GPT-2's (Llama's switches)."""
     differ = [
         f"{key}={getattr(model_cfg, key)!r}"
         for key, value in GPT2_BLOCK.items()
@@ -313,6 +327,10 @@ def family(model_cfg):
             "GPT2LMHeadModel and "
             "BloomForCausalLM have the GPT-2 block (LlamaForCausalLM, with rotary embeddings, has these)"
         )
+
+
+def _gpt2_or_bloom(model_cfg):
+    """'gpt2' (learned positions) or 'bloom' (ALiBi) for a GPT-2 block, or what neither has."""
     # a fork's own: no class has it
     if model_cfg.position_embedding_type not in ("learned", "alibi"):
         raise ValueError(
@@ -493,6 +511,33 @@ def remote_state(state, model_cfg):
 
 def _hf_config(directory):
     """(kind, the transformers config) of the model in directory, or one error naming the fix."""
+    model_type = _model_type_in(directory)
+    import transformers
+
+    theirs = transformers.AutoConfig.from_pretrained(directory, local_files_only=True)
+    refusals = [
+        (
+            model_type != "llama" and not theirs.tie_word_embeddings,
+            "tie_word_embeddings=false: an output "
+            "layer of its own (stablegpt ties it to the word embedding in this class)",
+        )
+    ]
+    if model_type == "llama":
+        refusals += _llama_refusals(theirs)
+    elif model_type == "gpt2":
+        refusals += _gpt2_refusals(theirs)
+    else:
+        refusals += _bloom_refusals(theirs)
+    for refused, why in refusals:
+        if refused:
+            raise ValueError(
+                f"the {KINDS[model_type]} in {directory} has {why}; stablegpt cannot compute it"
+            )
+    return model_type, theirs
+
+
+def _model_type_in(directory):
+    """The model_type of directory's config.json, one of KINDS, or the error naming the fix."""
     if not os.path.isdir(directory):
         raise FileNotFoundError(
             f"Hugging Face model directory {directory} does not exist; nothing is downloaded: "
@@ -517,86 +562,79 @@ def _hf_config(directory):
             f"{directory} holds a model of type {model_type!r}; stablegpt imports "
             f"{', '.join(KINDS.values())} (model_type {', '.join(map(repr, KINDS))})"
         )
-    import transformers
+    return model_type
 
-    theirs = transformers.AutoConfig.from_pretrained(directory, local_files_only=True)
-    refusals = [
+
+def _llama_refusals(theirs):
+    """[(refused, why)] of a LlamaConfig: its rope scaling, activation, head size and biases."""
+    rope_type, found = rope_type_of(theirs), rope(theirs)
+    head_dim = getattr(theirs, "head_dim", None) or theirs.hidden_size // theirs.num_attention_heads
+    other = {
+        k: found.get(k)
+        for k, v in LLAMA3_ROPE.items()
+        # that one is a key of ours
+        if found.get(k) != v and k != "original_max_position_embeddings"
+    }
+    return [
         (
-            model_type != "llama" and not theirs.tie_word_embeddings,
-            "tie_word_embeddings=false: an output "
-            "layer of its own (stablegpt ties it to the word embedding in this class)",
+            rope_type not in ("default", "llama3"),
+            f"rope scaling of type {rope_type!r}: stablegpt's rotary "
+            "embeddings are unscaled (rope_type 'default') or Llama 3.1's (rope_type 'llama3')",
+        ),
+        (
+            rope_type == "llama3" and bool(other),
+            f"rope_type 'llama3' with {other}: stablegpt's (Megatron's) "
+            f"llama3 scaling has Llama 3's low_freq_factor {LLAMA3_ROPE['low_freq_factor']} and "
+            f"high_freq_factor {LLAMA3_ROPE['high_freq_factor']}",
+        ),
+        (
+            theirs.hidden_act != "silu",
+            f"hidden_act={theirs.hidden_act!r}: stablegpt's swiglu gates with SiLU",
+        ),
+        (
+            head_dim * theirs.num_attention_heads != theirs.hidden_size,
+            f"head_dim={head_dim}: stablegpt's head size is hidden_size / num_attention_heads",
+        ),
+        (
+            theirs.attention_bias != theirs.mlp_bias,
+            f"attention_bias={theirs.attention_bias} with mlp_bias="
+            f"{theirs.mlp_bias}: stablegpt's add_bias_linear is one switch for both",
+        ),
+    ]
+
+
+def _gpt2_refusals(theirs):
+    """[(refused, why)] of a GPT2Config: activation, MLP width, score scaling, cross-attention."""
+    return [
+        (
+            theirs.activation_function not in GPT2_ACTIVATIONS_IN,
+            f"activation_function={theirs.activation_function!r}: not one of "
+            f"{sorted(GPT2_ACTIVATIONS_IN)}",
+        ),
+        (
+            theirs.n_inner not in (None, 4 * theirs.n_embd),
+            f"n_inner={theirs.n_inner}: stablegpt's MLP is 4 x n_embd wide",
+        ),
+        (
+            not theirs.scale_attn_weights,
+            "scale_attn_weights=false: attention scores without 1/sqrt(head_dim)",
+        ),
+        (
+            theirs.scale_attn_by_inverse_layer_idx,
+            "scale_attn_by_inverse_layer_idx=true: scores divided by the layer number",
+        ),
+        (theirs.add_cross_attention, "add_cross_attention=true: an encoder-decoder model"),
+    ]
+
+
+def _bloom_refusals(theirs):
+    """[(refused, why)] of a BloomConfig: a residual taken after the LayerNorm."""
+    return [
+        (
+            theirs.apply_residual_connection_post_layernorm,
+            "apply_residual_connection_post_layernorm=true: the residual taken after the LayerNorm",
         )
     ]
-    if model_type == "llama":
-        rope_type, found = rope_type_of(theirs), rope(theirs)
-        head_dim = (
-            getattr(theirs, "head_dim", None) or theirs.hidden_size // theirs.num_attention_heads
-        )
-        other = {
-            k: found.get(k)
-            for k, v in LLAMA3_ROPE.items()
-            # that one is a key of ours
-            if found.get(k) != v and k != "original_max_position_embeddings"
-        }
-        refusals += [
-            (
-                rope_type not in ("default", "llama3"),
-                f"rope scaling of type {rope_type!r}: stablegpt's rotary "
-                "embeddings are unscaled (rope_type 'default') or Llama 3.1's (rope_type 'llama3')",
-            ),
-            (
-                rope_type == "llama3" and bool(other),
-                f"rope_type 'llama3' with {other}: stablegpt's (Megatron's) "
-                f"llama3 scaling has Llama 3's low_freq_factor {LLAMA3_ROPE['low_freq_factor']} and high_freq_factor "
-                f"{LLAMA3_ROPE['high_freq_factor']}",
-            ),
-            (
-                theirs.hidden_act != "silu",
-                f"hidden_act={theirs.hidden_act!r}: stablegpt's swiglu gates with SiLU",
-            ),
-            (
-                head_dim * theirs.num_attention_heads != theirs.hidden_size,
-                f"head_dim={head_dim}: stablegpt's head size is hidden_size / num_attention_heads",
-            ),
-            (
-                theirs.attention_bias != theirs.mlp_bias,
-                f"attention_bias={theirs.attention_bias} with mlp_bias="
-                f"{theirs.mlp_bias}: stablegpt's add_bias_linear is one switch for both",
-            ),
-        ]
-    elif model_type == "gpt2":
-        refusals += [
-            (
-                theirs.activation_function not in GPT2_ACTIVATIONS_IN,
-                f"activation_function={theirs.activation_function!r}: not one of {sorted(GPT2_ACTIVATIONS_IN)}",
-            ),
-            (
-                theirs.n_inner not in (None, 4 * theirs.n_embd),
-                f"n_inner={theirs.n_inner}: stablegpt's MLP is 4 x n_embd wide",
-            ),
-            (
-                not theirs.scale_attn_weights,
-                "scale_attn_weights=false: attention scores without 1/sqrt(head_dim)",
-            ),
-            (
-                theirs.scale_attn_by_inverse_layer_idx,
-                "scale_attn_by_inverse_layer_idx=true: scores divided by the layer number",
-            ),
-            (theirs.add_cross_attention, "add_cross_attention=true: an encoder-decoder model"),
-        ]
-    else:
-        refusals += [
-            (
-                theirs.apply_residual_connection_post_layernorm,
-                "apply_residual_connection_post_layernorm=true: the residual taken after the LayerNorm",
-            )
-        ]
-    for refused, why in refusals:
-        if refused:
-            raise ValueError(
-                f"the {KINDS[model_type]} in {directory} has {why}; stablegpt cannot compute it"
-            )
-    return model_type, theirs
 
 
 def rope(theirs):

@@ -232,10 +232,6 @@ class Checkpoint:
 
     def __init__(self, load_dir):
         from deepspeed.checkpoint import constants as ds
-        from deepspeed.checkpoint.reshape_3d_utils import (
-            get_model_3d_descriptor_from_metadata,
-            model_3d_desc,
-        )
         from deepspeed.checkpoint.reshape_utils import (
             get_files,
             get_files_with_prefix,
@@ -255,19 +251,34 @@ class Checkpoint:
                 "mp_rank_XX_model_states.pt files (a checkpoint saved with --no-pipeline-parallel, or "
                 "of another program, cannot be imported)"
             )
+        self._read_args()
+        # before the layout is read from the file names (a missing TP rank reads as a smaller TP)
+        check_files(self, model_files)
+        check_args_agree(self, model_files)
+        zero_files = [] if self.universal else get_zero_files(self.dir)
+        layout = self._read_layout(files, zero_files, model_files)
+        self._open_zero(zero_files, layout)
+        self.layers = self._layer_indices()
+
+    def _read_args(self):
+        """Megatron's own state (args, iteration, tokens, lr_scheduler), from mp_rank_00."""
         self.tp = self.pp = 1
         self._shapes = {}
-        self.state = self.model_state(0, 0)  # Megatron's own: args, iteration, tokens, lr_scheduler
+        self.state = self.model_state(0, 0)
         self.args = self.state.get("args")
         if getattr(self.args, "num_layers", None) is None:
             raise ValueError(
                 f"{self.dir}'s mp_rank_00_model_states.pt holds no Megatron 'args': not a "
                 "Megatron-DeepSpeed checkpoint"
             )
-        # before the layout is read from the file names (a missing TP rank reads as a smaller TP)
-        check_files(self, model_files)
-        check_args_agree(self, model_files)
-        zero_files = [] if self.universal else get_zero_files(self.dir)
+
+    def _read_layout(self, files, zero_files, model_files):
+        """DeepSpeed's 3D layout (kept as tp, pp, dp), refused if mp_rank files are missing."""
+        from deepspeed.checkpoint.reshape_3d_utils import (
+            get_model_3d_descriptor_from_metadata,
+            model_3d_desc,
+        )
+
         # the layout from the file names alone (TP = the embedding layer's files, PP = model files / TP); a
         # universal checkpoint has no layer files: its args say
         layout = (
@@ -285,25 +296,31 @@ class Checkpoint:
                 f"{self.dir} has {len(model_files)} mp_rank_*_model_states.pt files for TP={self.tp}: "
                 "some are missing; copy the whole checkpoint directory"
             )
+        return layout
+
+    def _open_zero(self, zero_files, layout):
+        """DeepSpeed's reader of the ZeRO partitions, if any; whether optimizer state was saved."""
         self.zero = None
         if zero_files:
             from deepspeed.checkpoint.zero_checkpoint import ZeROCheckpoint
 
             self.zero = ZeROCheckpoint(self.dir, source_3d=layout)
         self.has_optimizer = self.universal or self.zero is not None
-        self.layers = sorted(
-            {int(LAYER_FILE.fullmatch(os.path.basename(f)).group(1)) for f in self.layer_files}
-        )
-        if (
-            self.universal
-        ):  # the embedding (1), then the layers its parameters name: the blocks, the final norm
-            self.layers = [1] + sorted(
-                {
-                    int(n.split(".")[0])
-                    for n in os.listdir(os.path.join(self.dir, "zero"))
-                    if n.split(".")[0].isdigit()
-                }
+
+    def _layer_indices(self):
+        """The pipeline layer indices held: from the layer files, or a universal one's zero/."""
+        if not self.universal:
+            return sorted(
+                {int(LAYER_FILE.fullmatch(os.path.basename(f)).group(1)) for f in self.layer_files}
             )
+        # the embedding (1), then the layers its parameters name: the blocks, the final norm
+        return [1] + sorted(
+            {
+                int(n.split(".")[0])
+                for n in os.listdir(os.path.join(self.dir, "zero"))
+                if n.split(".")[0].isdigit()
+            }
+        )
 
     def model_state(self, pp, tp):
         # by name, not by place in the sorted list: mp_rank_100 sorts before mp_rank_11 (tr8b-104B had 128)

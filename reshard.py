@@ -235,23 +235,7 @@ class Resharder:
         """optimizer.state_dict() with every parameter's state filled in from the old layout."""
         old, cache = self.old, {}
         config = old.config
-        if config.get("deepspeed"):
-            raise ValueError(
-                f"checkpoint {old.tag_dir} holds DeepSpeed's optimizer state, which cannot be "
-                "resharded here; resume with the saved layout, or set no_load_optim"
-            )
-        if bool(config.get("use_bnb_optimizer")) != use_bnb_optimizer:
-            raise ValueError(
-                f"checkpoint {old.tag_dir} was saved with use_bnb_optimizer="
-                f"{bool(config.get('use_bnb_optimizer'))}: its optimizer state is not this optimizer's; "
-                "resume with the same use_bnb_optimizer, or set no_load_optim"
-            )
-        if config.get("use_bnb_optimizer") and old.tp != self.grid.tp_size:
-            raise ValueError(
-                "bitsandbytes' 8-bit optimizer states are quantized in blocks along the flattened "
-                f"tensor, which a new tensor_model_parallel_size cuts apart: resume with "
-                f"tensor_model_parallel_size={old.tp} (PP and DP may change), or set no_load_optim"
-            )
+        self._check_optimizer_reshardable(use_bnb_optimizer)
 
         def old_state(t, pp, src):
             if (t, pp) not in cache:
@@ -293,6 +277,28 @@ class Resharder:
             if merged:
                 inner["state"][index] = merged
         return template
+
+    def _check_optimizer_reshardable(self, use_bnb_optimizer):
+        """Refuses an old optimizer state that cannot be resharded into this run's optimizer."""
+        old = self.old
+        config = old.config
+        if config.get("deepspeed"):
+            raise ValueError(
+                f"checkpoint {old.tag_dir} holds DeepSpeed's optimizer state, which cannot be "
+                "resharded here; resume with the saved layout, or set no_load_optim"
+            )
+        if bool(config.get("use_bnb_optimizer")) != use_bnb_optimizer:
+            raise ValueError(
+                f"checkpoint {old.tag_dir} was saved with use_bnb_optimizer="
+                f"{bool(config.get('use_bnb_optimizer'))}: its optimizer state is not this optimizer's; "
+                "resume with the same use_bnb_optimizer, or set no_load_optim"
+            )
+        if config.get("use_bnb_optimizer") and old.tp != self.grid.tp_size:
+            raise ValueError(
+                "bitsandbytes' 8-bit optimizer states are quantized in blocks along the flattened "
+                f"tensor, which a new tensor_model_parallel_size cuts apart: resume with "
+                f"tensor_model_parallel_size={old.tp} (PP and DP may change), or set no_load_optim"
+            )
 
     def _merge_state(self, name, states):
         """One parameter's optimizer state for this rank, from the old TP ranks' states of it."""

@@ -184,23 +184,7 @@ def load(parts):
         print0(f"no checkpoint in {cfg.load}: training from scratch")
         return False
     warmup = schedule.reset_warmup_iters(cfg.reset_optimizer_warmup_iters, cfg.adam_beta2)
-    saved = checkpoint.saved_topology(tag_dir)
-    if saved == checkpoint.topology():
-        payload = checkpoint.load(tag_dir)
-    else:  # another TP x PP x DP layout: rebuilt from its slices (reshard.py)
-        print0(
-            f"resharding checkpoint {tag_dir}: saved with {reshard.describe(saved)}, now "
-            f"{reshard.describe(checkpoint.topology())}"
-        )
-        payload = reshard.load(
-            tag_dir,
-            saved,
-            parts.model,
-            parts.optimizer,
-            deepspeed=cfg.deepspeed,
-            use_bnb_optimizer=cfg.use_bnb_optimizer,
-            need_optimizer=not (cfg.no_load_optim or warmup),
-        )
+    payload = _read_payload(parts, tag_dir, warmup)
     reset_now = warmup and payload[1]["state"].get("optimizer_reset") is None
     fresh = cfg.no_load_optim or reset_now
     restore(payload, parts, optimizer=not fresh, rng_state=not cfg.no_load_rng)
@@ -208,9 +192,8 @@ def load(parts):
         line = optim.resume_adam_params(parts.optimizer, cfg, payload[1].get("config", {}))
         if line:
             print0(line)
-    if (
-        state.callbacks
-    ):  # their decisions (skip ranges, LR factor): builders.build_callbacks saw them, they hold
+    # their decisions (skip ranges, LR factor): builders.build_callbacks saw them, they hold
+    if state.callbacks:
         parts.callbacks.load_state_dict(state.callbacks, state, resume=True)
     if reset_now:
         reset_optimizer(parts, warmup)
@@ -228,17 +211,44 @@ def load(parts):
         if hasattr(parts.optimizer, "refresh_fp32_params"):  # masters from the loaded weights
             parts.optimizer.refresh_fp32_params()
     if payload[2]["rng"] is None:
-        # A resharded checkpoint: a rank's RNG streams do not map onto another layout's ranks. Fresh
-        # streams, seeded as at the start of a run (per TP rank and stage) but from another seed.
-        seed = cfg.seed + state.iteration
-        rng.seed(seed, next(parallel.unwrap(parts.model).parameters()).device)
-        np.random.seed(seed)
-        random.seed(seed)
-        print0(
-            f"RNG states not restored (the layout changed): fresh streams seeded with seed + "
-            f"iteration = {seed}"
-        )
+        _reseed_after_reshard(parts)
     print0(f"loaded checkpoint {tag_dir} at iteration {state.iteration}")
     if cfg.dump_weights:
         checkpoint.dump_weights(cfg.load, "after-load", state.iteration, parts.model)
     return True
+
+
+def _read_payload(parts, tag_dir, warmup):
+    """checkpoint.load(tag_dir)'s payload, rebuilt by reshard.py if saved on another layout."""
+    cfg = parts.cfg
+    saved = checkpoint.saved_topology(tag_dir)
+    if saved == checkpoint.topology():
+        return checkpoint.load(tag_dir)
+    print0(
+        f"resharding checkpoint {tag_dir}: saved with {reshard.describe(saved)}, now "
+        f"{reshard.describe(checkpoint.topology())}"
+    )
+    return reshard.load(
+        tag_dir,
+        saved,
+        parts.model,
+        parts.optimizer,
+        deepspeed=cfg.deepspeed,
+        use_bnb_optimizer=cfg.use_bnb_optimizer,
+        need_optimizer=not (cfg.no_load_optim or warmup),
+    )
+
+
+def _reseed_after_reshard(parts):
+    """Seeds fresh RNG streams after a reshard: the saved ones are the old layout's ranks'."""
+    cfg, state = parts.cfg, parts.state
+    # A rank's RNG streams do not map onto another layout's ranks. Fresh streams, seeded as at the
+    # start of a run (per TP rank and stage) but from another seed.
+    seed = cfg.seed + state.iteration
+    rng.seed(seed, next(parallel.unwrap(parts.model).parameters()).device)
+    np.random.seed(seed)
+    random.seed(seed)
+    print0(
+        f"RNG states not restored (the layout changed): fresh streams seeded with seed + "
+        f"iteration = {seed}"
+    )
