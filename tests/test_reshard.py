@@ -109,7 +109,13 @@ def _save_layout(directory, tp, pp, dp, zero_stage, cfg_args=(), mutate=None):
             plan = plan_of(cfg, parallel.grid.dp_size)
             run_state.save(
                 run_state.Parts(
-                    cfg, model, optimizer, plan, optim.scaler_for(cfg), training.NO_CALLBACKS, state
+                    cfg,
+                    model,
+                    optimizer,
+                    plan,
+                    optim.scaler_for(cfg),
+                    training.NO_CALLBACKS,
+                    state=state,
                 )
             )
     finally:
