@@ -329,32 +329,10 @@ class SpikeGuard(Detector):
         worse than doing nothing). A data spike whose unseen batch was as far off on the pre-spike
         weights is a regime change: the trend is re-based and the episode's strikes cleared."""
         ladder = self.ladder
-        cause = (
-            {"cause": diagnosis["cause"], "evidence": diagnosis["evidence"]} if diagnosis else {}
-        )
-        if diagnosis and diagnosis.get("suspects"):
-            cause["suspects"] = diagnosis["suspects"]
-        if (
-            cause.get("cause") == "optimizer"
-        ):  # the weights are already damaged: skipping updates cannot help
-            # it came back within spike_guard_rewind of an optimizer rollback, which had changed the LR
-            cause["persistent"] = any(
-                d.get("cause") == "optimizer"
-                and d["action"] == "rollback"
-                and abs(iteration - d["iteration"]) <= ladder.spike_guard_rewind
-                for d in self.decisions
-            )
-            self.strikes = [iteration]
-            reason += f"; {self._cause_words(cause)}: {diagnosis['evidence']}"
-            return self._rollback(
-                iteration,
-                reason,
-                iteration - 1,
-                None,
-                cause,
-                diagnosis.get("since"),
-                self._to_trend(diagnosis.get("update_size")),
-            )
+        cause = self._cause_of(diagnosis)
+        # the weights are already damaged: skipping updates cannot help
+        if cause.get("cause") == "optimizer":
+            return self._optimizer_strike(iteration, reason, cause, diagnosis)
         if diagnosis:
             reason += f"; {diagnosis['cause']}-driven: {diagnosis['evidence']}"
         if diagnosis and diagnosis.get("rebase"):
@@ -373,6 +351,42 @@ class SpikeGuard(Detector):
             return self._rollback(
                 iteration, reason, start, iteration + ladder.spike_guard_skip_after, cause
             )
+        return self._skip(iteration, outcome, reason, cause, diagnosis, stretch)
+
+    @staticmethod
+    def _cause_of(diagnosis):
+        """The diagnosis's part that a decision carries: its cause, evidence and suspect samples."""
+        cause = (
+            {"cause": diagnosis["cause"], "evidence": diagnosis["evidence"]} if diagnosis else {}
+        )
+        if diagnosis and diagnosis.get("suspects"):
+            cause["suspects"] = diagnosis["suspects"]
+        return cause
+
+    def _optimizer_strike(self, iteration, reason, cause, diagnosis):
+        """An optimizer-driven spike: roll back to before it now, skipping no data (_rollback)."""
+        # it came back within spike_guard_rewind of an optimizer rollback, which had changed the LR
+        cause["persistent"] = any(
+            d.get("cause") == "optimizer"
+            and d["action"] == "rollback"
+            and abs(iteration - d["iteration"]) <= self.ladder.spike_guard_rewind
+            for d in self.decisions
+        )
+        self.strikes = [iteration]
+        reason += f"; {self._cause_words(cause)}: {diagnosis['evidence']}"
+        return self._rollback(
+            iteration,
+            reason,
+            iteration - 1,
+            None,
+            cause,
+            diagnosis.get("since"),
+            self._to_trend(diagnosis.get("update_size")),
+        )
+
+    def _skip(self, iteration, outcome, reason, cause, diagnosis, stretch):
+        """Skip the spike's update, or stop past spike_guard_max_skipped_iters skipped."""
+        ladder = self.ladder
         if outcome == "vetoed":
             self.skipped_iters += 1
         if self.skipped_iters > ladder.spike_guard_max_skipped_iters:
