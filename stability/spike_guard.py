@@ -634,38 +634,50 @@ class SpikeGuard(Detector):
         self.pending = None
         persistent = len(self.numericals) >= ladder.spike_guard_max_numerical
         if persistent and diagnosis.get("overflow"):  # without the guard: skipped steps, no stop
-            self.aside = True
-            plan = (
-                f"the fp32 step applied; a persistent fp16 overflow ({len(self.numericals)} "
-                f"steps since iteration {self.numericals[0]}): its steps are left to the loss "
-                "scaler from now on, skipped as without the guard, until none comes for "
-                "spike_guard_rewind iterations; no data skipped, LR unchanged"
-            )
-            decision = self._decide(
-                iteration,
-                "retry",
-                reason + diagnosis["evidence"],
-                plan,
-                cause="numerical",
-                evidence=diagnosis["evidence"],
-                persistent=True,
-            )
-            self.decisions.append(decision)
-            return decision
+            return self._overflow_left_to_the_scaler(iteration, reason, diagnosis)
         if persistent:
-            return self._decide(
-                iteration,
-                "stop",
-                reason + diagnosis["evidence"],
-                f"a persistent numerical fault: "
-                f"{len(self.numericals)} half-precision steps since iteration {self.numericals[0]} "
-                "spiked and their fp32 replays did not; find the operation (tools/whatif.py, "
-                "telemetry_interval=1) or train these iterations in fp32",
-                cause="numerical",
-                evidence=diagnosis["evidence"],
-                persistent=True,
-                start=iteration - 1,
-            )
+            return self._persistent_numerical(iteration, reason, diagnosis)
+        return self._numerical_retry(iteration, reason, scaler, fresh, diagnosis)
+
+    def _overflow_left_to_the_scaler(self, iteration, reason, diagnosis):
+        """A persistent fp16 overflow: this fp32 step stands, the loss scaler takes the next."""
+        self.aside = True
+        plan = (
+            f"the fp32 step applied; a persistent fp16 overflow ({len(self.numericals)} "
+            f"steps since iteration {self.numericals[0]}): its steps are left to the loss "
+            "scaler from now on, skipped as without the guard, until none comes for "
+            "spike_guard_rewind iterations; no data skipped, LR unchanged"
+        )
+        decision = self._decide(
+            iteration,
+            "retry",
+            reason + diagnosis["evidence"],
+            plan,
+            cause="numerical",
+            evidence=diagnosis["evidence"],
+            persistent=True,
+        )
+        self.decisions.append(decision)
+        return decision
+
+    def _persistent_numerical(self, iteration, reason, diagnosis):
+        """A persistent numerical fault that is no overflow: save and stop, naming it."""
+        return self._decide(
+            iteration,
+            "stop",
+            reason + diagnosis["evidence"],
+            f"a persistent numerical fault: "
+            f"{len(self.numericals)} half-precision steps since iteration {self.numericals[0]} "
+            "spiked and their fp32 replays did not; find the operation (tools/whatif.py, "
+            "telemetry_interval=1) or train these iterations in fp32",
+            cause="numerical",
+            evidence=diagnosis["evidence"],
+            persistent=True,
+            start=iteration - 1,
+        )
+
+    def _numerical_retry(self, iteration, reason, scaler, fresh, diagnosis):
+        """The fp32 step stands; fp16's loss scale halved at an episode's first diagnosis."""
         plan = "the fp32 step applied; no data skipped, LR unchanged"
         if scaler is not None and scaler.dynamic and fresh and scaler.scale / 2 > scaler.min_scale:
             scaler.scale, scaler.clean_steps = scaler.scale / 2, 0
