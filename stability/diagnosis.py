@@ -82,35 +82,27 @@ def investigate(
     per_sample=None,
     fp32_replay=False,
 ):
-    """Before the guard acts on a suspect step: (step, diagnosis). The weights and optimizer are still those
-    before the step (a suspect step is never applied); before = (RNG state, loss scaler state) before it.
-    1. replay: the step again, same weights, batch, RNG and loss scaler (rerun(judge, scaler) runs train_step on
-       the run's parts, with its scaler unless another is given). Not reproduced
-       -- the replay is no spike, or the DP replicas disagreed -- is a transient fault ("hardware"): the replay
-       applied its update (the step retried) and its step is returned.
-    2. reproduced: are the weights ones the optimizer can have written? Compared with the newest snapshot two
-       updates or more back, a weight that moved farther than Adam can move it at the LRs applied since was
-       written by something else: a silent corruption ("hardware", rolled back: the replay reproduces it
-       because it is in the state).
-    3. fp16/bf16 (fp32_replay: spike_guard_fp32_replay in half precision): the step replayed in fp32 (same batch,
-       RNG and master weights). Ordinary there: "numerical", and the fp32 step was applied and is returned.
-    4. the batch on the model of that snapshot (forward() is the loss of the batch on the live model). Still an
-       outlier against that model's own trend: "data". The batch is ordinary there, the loss is not now: the
-       update went wrong ("optimizer").
-    The verdict between 4's two is a counterfactual, asked on both signs of the loss (data_or_optimizer): other()
-    is a batch these weights were never trained on (held out: guard.comparison), computed and never
-    applied, and the
-    same batch on the snapshot's weights. Ordinary here: the weights are fine and this batch is the cause ("data",
-    however low its loss: a batch of one repeated token has a loss far below its trend and a grad norm far above
-    it). A spike here too, and worse than on the snapshot's weights: the updates since did it ("optimizer"; the
-    rollback changes the trajectory, SpikeGuard._rollback); as far off there: the trend is stale (data, re-based).
-    per_sample() gives the batch's per-sample losses:
-    a minority far from the others' median is named (diagnosis "suspects"), with the batch's loss without them.
-    "Reproduced" means a spike again whose loss is within the run's own nondeterminism of the first (guard.noise,
-    measured when the guard arms, as Megatron's rerun state machine measures what it tolerates); a replay on which
-    the same DP rank disagrees again is a persistent fault of that rank, not a transient one.
-    Costs one extra step (two in half precision: one of them in fp32), one more step (not applied) for the
-    counterfactual and three forwards per spike; a clean run never calls it."""
+    """Before the guard acts on a suspect step: (step, diagnosis). The weights and optimizer are
+    still those before the step (a suspect step is never applied); before = (RNG state, loss scaler
+    state) before it.
+    1. replay: the step again, same weights, batch, RNG and loss scaler (rerun(judge, scaler) runs
+       train_step on the run's parts, with its scaler unless another is given). Not reproduced
+       -- the replay is no spike, or the DP replicas disagreed -- is a transient fault ("hardware"):
+       the replay applied its update (the step retried) and its step is returned.
+    2. reproduced: are the weights ones the optimizer can have written (_corruption_verdict)?
+    3. fp16/bf16 (fp32_replay: spike_guard_fp32_replay in half precision): the step replayed in fp32
+       (same batch, RNG and master weights). Ordinary there: "numerical", and the fp32 step was
+       applied and is returned.
+    4. the batch on the model of the newest snapshot two updates or more back (forward() is the loss
+       of the batch on the live model): "data" or "optimizer" (_batch_verdict), other() a batch
+       these weights were never trained on (held out: guard.comparison), per_sample() the batch's
+       per-sample losses.
+    "Reproduced" means a spike again whose loss is within the run's own nondeterminism of the first
+    (guard.noise, measured when the guard arms, as Megatron's rerun state machine measures what it
+    tolerates); a replay on which the same DP rank disagrees again is a persistent fault of that
+    rank, not a transient one.
+    Costs one extra step (two in half precision: one of them in fp32), one more step (not applied)
+    for the counterfactual and three forwards per spike; a clean run never calls it."""
     rows = list(step.replicas)
     rng_before, scaler_before = before
     checkpoint.set_rng_state(rng_before)
@@ -121,36 +113,73 @@ def investigate(
         return replay, found
     replayed = f"replayed: {said(replay)}, reproduced"
     snapshot = snapshots.newest_before(iteration - 1)
-    if snapshot is not None:
-        corrupted = corrupted_weights(guard, parts.model, parts.optimizer, iteration, *snapshot)
-        if corrupted is not None:
-            rank, evidence = corrupted
-            return replay, {
-                "cause": "hardware",
-                "evidence": f"{replayed}; {evidence}",
-                "rank": rank,
-                "rollback": True,
-            }
+    found = _corruption_verdict(guard, parts, iteration, snapshot, replayed)
+    if found is not None:
+        return replay, found
     if fp32_replay:
-        exact = replay_in_fp32(guard, rng_before, parts.model, parts.optimizer, rerun)
-        if exact.outcome == "ok":  # overflow: the core skips such a step (SpikeGuard._numerical)
-            return exact, {
-                "cause": "numerical",
-                "evidence": f"{replayed}; in fp32: loss {exact.loss:.6g}, grad "
-                f"norm {exact.grad_norm:.6g}, ordinary",
-                "overflow": overflowed(step),
-            }
-        replayed += (
-            f"; in fp32: loss {exact.loss:.6g}, grad norm {exact.grad_norm:.6g}, a spike too"
-        )
+        exact, replayed, found = _fp32_verdict(guard, step, rng_before, parts, rerun, replayed)
+        if found is not None:
+            return exact, found
+    return replay, _batch_verdict(
+        guard, parts.model, replay, replayed, snapshot, snapshots, forward, other, per_sample
+    )
+
+
+def _corruption_verdict(guard, parts, iteration, snapshot, replayed):
+    """A reproduced spike's weights against the snapshot before it (None: none): "hardware" or None.
+
+    A weight that moved farther since the snapshot than Adam can move it at the LRs applied since
+    was written by something else: a silent corruption ("hardware", rolled back: the replay
+    reproduces it because it is in the state)."""
     if snapshot is None:
-        return replay, {
+        return None
+    corrupted = corrupted_weights(guard, parts.model, parts.optimizer, iteration, *snapshot)
+    if corrupted is None:
+        return None
+    rank, evidence = corrupted
+    return {
+        "cause": "hardware",
+        "evidence": f"{replayed}; {evidence}",
+        "rank": rank,
+        "rollback": True,
+    }
+
+
+def _fp32_verdict(guard, step, rng_before, parts, rerun, replayed):
+    """(the fp32 replay, the evidence so far, "numerical" if the replay is ordinary else None)."""
+    exact = replay_in_fp32(guard, rng_before, parts.model, parts.optimizer, rerun)
+    in_fp32 = f"{replayed}; in fp32: loss {exact.loss:.6g}, grad norm {exact.grad_norm:.6g}"
+    if exact.outcome == "ok":  # overflow: the core skips such a step (SpikeGuard._numerical)
+        numerical = {
+            "cause": "numerical",
+            "evidence": f"{in_fp32}, ordinary",
+            "overflow": overflowed(step),
+        }
+        return exact, replayed, numerical
+    return exact, f"{in_fp32}, a spike too", None
+
+
+def _batch_verdict(guard, model, replay, replayed, snapshot, snapshots, forward, other, per_sample):
+    """A reproduced spike of sound weights: "data" or "optimizer", from the batch on older weights.
+
+    Still an outlier on the snapshot's model against its own trend: "data". The batch is ordinary
+    there, the loss is not now: the update went wrong ("optimizer"). The verdict between the two is
+    a counterfactual, asked on both signs of the loss (data_or_optimizer): other() is a batch these
+    weights were never trained on, computed and never applied, and the same batch on the snapshot's
+    weights. Ordinary here: the weights are fine and this batch is the cause ("data", however low
+    its loss: a batch of one repeated token has a loss far below its trend and a grad norm far above
+    it). A spike here too, and worse than on the snapshot's weights: the updates since did it
+    ("optimizer"; the rollback changes the trajectory, SpikeGuard._rollback); as far off there: the
+    trend is stale (data, re-based). Of the batch's per-sample losses (per_sample()), a minority far
+    from the others' median is named (diagnosis "suspects"), with the batch's loss without them."""
+    if snapshot is None:
+        return {
             "cause": "data",
             "evidence": f"{replayed}; no earlier snapshot to test the batch on",
         }
-    return replay, data_or_optimizer(
+    return data_or_optimizer(
         guard,
-        parts.model,
+        model,
         replay,
         replayed,
         snapshot,

@@ -329,32 +329,10 @@ class SpikeGuard(Detector):
         worse than doing nothing). A data spike whose unseen batch was as far off on the pre-spike
         weights is a regime change: the trend is re-based and the episode's strikes cleared."""
         ladder = self.ladder
-        cause = (
-            {"cause": diagnosis["cause"], "evidence": diagnosis["evidence"]} if diagnosis else {}
-        )
-        if diagnosis and diagnosis.get("suspects"):
-            cause["suspects"] = diagnosis["suspects"]
-        if (
-            cause.get("cause") == "optimizer"
-        ):  # the weights are already damaged: skipping updates cannot help
-            # it came back within spike_guard_rewind of an optimizer rollback, which had changed the LR
-            cause["persistent"] = any(
-                d.get("cause") == "optimizer"
-                and d["action"] == "rollback"
-                and abs(iteration - d["iteration"]) <= ladder.spike_guard_rewind
-                for d in self.decisions
-            )
-            self.strikes = [iteration]
-            reason += f"; {self._cause_words(cause)}: {diagnosis['evidence']}"
-            return self._rollback(
-                iteration,
-                reason,
-                iteration - 1,
-                None,
-                cause,
-                diagnosis.get("since"),
-                self._to_trend(diagnosis.get("update_size")),
-            )
+        cause = self._cause_of(diagnosis)
+        # the weights are already damaged: skipping updates cannot help
+        if cause.get("cause") == "optimizer":
+            return self._optimizer_strike(iteration, reason, cause, diagnosis)
         if diagnosis:
             reason += f"; {diagnosis['cause']}-driven: {diagnosis['evidence']}"
         if diagnosis and diagnosis.get("rebase"):
@@ -373,6 +351,42 @@ class SpikeGuard(Detector):
             return self._rollback(
                 iteration, reason, start, iteration + ladder.spike_guard_skip_after, cause
             )
+        return self._skip(iteration, outcome, reason, cause, diagnosis, stretch)
+
+    @staticmethod
+    def _cause_of(diagnosis):
+        """The diagnosis's part that a decision carries: its cause, evidence and suspect samples."""
+        cause = (
+            {"cause": diagnosis["cause"], "evidence": diagnosis["evidence"]} if diagnosis else {}
+        )
+        if diagnosis and diagnosis.get("suspects"):
+            cause["suspects"] = diagnosis["suspects"]
+        return cause
+
+    def _optimizer_strike(self, iteration, reason, cause, diagnosis):
+        """An optimizer-driven spike: roll back to before it now, skipping no data (_rollback)."""
+        # it came back within spike_guard_rewind of an optimizer rollback, which had changed the LR
+        cause["persistent"] = any(
+            d.get("cause") == "optimizer"
+            and d["action"] == "rollback"
+            and abs(iteration - d["iteration"]) <= self.ladder.spike_guard_rewind
+            for d in self.decisions
+        )
+        self.strikes = [iteration]
+        reason += f"; {self._cause_words(cause)}: {diagnosis['evidence']}"
+        return self._rollback(
+            iteration,
+            reason,
+            iteration - 1,
+            None,
+            cause,
+            diagnosis.get("since"),
+            self._to_trend(diagnosis.get("update_size")),
+        )
+
+    def _skip(self, iteration, outcome, reason, cause, diagnosis, stretch):
+        """Skip the spike's update, or stop past spike_guard_max_skipped_iters skipped."""
+        ladder = self.ladder
         if outcome == "vetoed":
             self.skipped_iters += 1
         if self.skipped_iters > ladder.spike_guard_max_skipped_iters:
@@ -620,38 +634,50 @@ class SpikeGuard(Detector):
         self.pending = None
         persistent = len(self.numericals) >= ladder.spike_guard_max_numerical
         if persistent and diagnosis.get("overflow"):  # without the guard: skipped steps, no stop
-            self.aside = True
-            plan = (
-                f"the fp32 step applied; a persistent fp16 overflow ({len(self.numericals)} "
-                f"steps since iteration {self.numericals[0]}): its steps are left to the loss "
-                "scaler from now on, skipped as without the guard, until none comes for "
-                "spike_guard_rewind iterations; no data skipped, LR unchanged"
-            )
-            decision = self._decide(
-                iteration,
-                "retry",
-                reason + diagnosis["evidence"],
-                plan,
-                cause="numerical",
-                evidence=diagnosis["evidence"],
-                persistent=True,
-            )
-            self.decisions.append(decision)
-            return decision
+            return self._overflow_left_to_the_scaler(iteration, reason, diagnosis)
         if persistent:
-            return self._decide(
-                iteration,
-                "stop",
-                reason + diagnosis["evidence"],
-                f"a persistent numerical fault: "
-                f"{len(self.numericals)} half-precision steps since iteration {self.numericals[0]} "
-                "spiked and their fp32 replays did not; find the operation (tools/whatif.py, "
-                "telemetry_interval=1) or train these iterations in fp32",
-                cause="numerical",
-                evidence=diagnosis["evidence"],
-                persistent=True,
-                start=iteration - 1,
-            )
+            return self._persistent_numerical(iteration, reason, diagnosis)
+        return self._numerical_retry(iteration, reason, scaler, fresh, diagnosis)
+
+    def _overflow_left_to_the_scaler(self, iteration, reason, diagnosis):
+        """A persistent fp16 overflow: this fp32 step stands, the loss scaler takes the next."""
+        self.aside = True
+        plan = (
+            f"the fp32 step applied; a persistent fp16 overflow ({len(self.numericals)} "
+            f"steps since iteration {self.numericals[0]}): its steps are left to the loss "
+            "scaler from now on, skipped as without the guard, until none comes for "
+            "spike_guard_rewind iterations; no data skipped, LR unchanged"
+        )
+        decision = self._decide(
+            iteration,
+            "retry",
+            reason + diagnosis["evidence"],
+            plan,
+            cause="numerical",
+            evidence=diagnosis["evidence"],
+            persistent=True,
+        )
+        self.decisions.append(decision)
+        return decision
+
+    def _persistent_numerical(self, iteration, reason, diagnosis):
+        """A persistent numerical fault that is no overflow: save and stop, naming it."""
+        return self._decide(
+            iteration,
+            "stop",
+            reason + diagnosis["evidence"],
+            f"a persistent numerical fault: "
+            f"{len(self.numericals)} half-precision steps since iteration {self.numericals[0]} "
+            "spiked and their fp32 replays did not; find the operation (tools/whatif.py, "
+            "telemetry_interval=1) or train these iterations in fp32",
+            cause="numerical",
+            evidence=diagnosis["evidence"],
+            persistent=True,
+            start=iteration - 1,
+        )
+
+    def _numerical_retry(self, iteration, reason, scaler, fresh, diagnosis):
+        """The fp32 step stands; fp16's loss scale halved at an episode's first diagnosis."""
         plan = "the fp32 step applied; no data skipped, LR unchanged"
         if scaler is not None and scaler.dynamic and fresh and scaler.scale / 2 > scaler.min_scale:
             scaler.scale, scaler.clean_steps = scaler.scale / 2, 0

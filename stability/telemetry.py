@@ -192,6 +192,13 @@ class Telemetry:
     @torch.no_grad()
     def finish(self):
         """Remove the probes, reduce over all ranks, return the statistics as plain numbers."""
+        self._remove_probes()
+        self.param_sq = self._per_slot(self.params, self.index)
+        sums, maxes = self._reduced()
+        return self._statistics(sums, maxes)
+
+    def _remove_probes(self):
+        """Take the forward probes out of the model and drop the copy of the masters."""
         for handle in self.handles:
             handle.remove()
         self.handles = []
@@ -199,14 +206,17 @@ class Telemetry:
             block.attn.probe = None
         self.gpt.logits_probe = None
         self.before = None
-        self.param_sq = self._per_slot(self.params, self.index)
+
+    def _reduced(self):
+        """(sums, maxes): every statistic summed, or maxed, over all ranks, as plain numbers."""
         word = self.gpt.embed.word.weight if self.gpt.embed is not None else None
         embed_sq = (
             word.detach().float().square().sum().view(1) if word is not None else self._zeros(1)
         )
         g = parallel.grid
-        # Parameter statistics are the same on every DP rank; activations differ. One SUM and one MAX reduction.
-        n, L, LH = self.n, self.num_layers, self.num_layers * self.heads
+        # Parameter statistics are the same on every DP rank; activations differ.
+        # One SUM and one MAX reduction.
+        n = self.n
         sums = torch.cat(
             [
                 self.grad_sq,
@@ -226,7 +236,11 @@ class Telemetry:
             dist.all_reduce(sums)
             dist.all_reduce(maxes, op=dist.ReduceOp.MAX)
             sums[: 4 * n + 1] /= g.dp_size
-        sums, maxes = sums.tolist(), maxes.tolist()
+        return sums.tolist(), maxes.tolist()
+
+    def _statistics(self, sums, maxes):
+        """The reduced numbers (_reduced's layout) as named statistics: per-layer lists and scalars."""
+        n, L, LH = self.n, self.num_layers, self.num_layers * self.heads
         grad, param, update, numel = (
             sums[:n],
             sums[n : 2 * n],
