@@ -43,6 +43,8 @@ from helpers import (  # noqa: F401
     train_script,
 )
 from model import GPT, GPTConfig, draw_slice
+from parallel import LayoutConfig
+from sections import section
 from training import backward, whole_step
 
 CFG = dict(
@@ -630,14 +632,14 @@ def test_cuda_settings(monkeypatch):
     monkeypatch.setattr(launcher.rng, "seed", lambda seed, device: None)
     previous = torch.get_float32_matmul_precision()
     try:
-        launcher.setup(cfg)
+        launcher.setup(section(LayoutConfig, cfg), cfg.seed)
         assert torch.get_float32_matmul_precision() == "high"
         cfg.tf32 = False
-        launcher.setup(cfg)
+        launcher.setup(section(LayoutConfig, cfg), cfg.seed)
         assert torch.get_float32_matmul_precision() == "highest"
         monkeypatch.setattr(launcher, "get_device", lambda cfg: torch.device("cpu"))
         cfg.tf32 = True
-        launcher.setup(cfg)
+        launcher.setup(section(LayoutConfig, cfg), cfg.seed)
         assert torch.get_float32_matmul_precision() == "highest"  # CPU matmuls untouched
     finally:
         torch.set_float32_matmul_precision(previous)
@@ -697,7 +699,8 @@ def test_a_cpu_run_on_a_machine_with_gpus_never_touches_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "_queued_calls", [])
     for name in ("get_rng_state", "set_rng_state", "current_device", "init"):
         monkeypatch.setattr(torch.cuda, name, touched)
-    device = launcher.setup(arguments.prepare(arguments.load_config(["--device=cpu"])))
+    cfg = arguments.prepare(arguments.load_config(["--device=cpu"]))
+    device = launcher.setup(section(LayoutConfig, cfg), cfg.seed)
     assert device == torch.device("cpu") and set(rng.get_states()) == {"cpu"}
     state = checkpoint.rng_state()
     assert state["cuda"] is None
@@ -764,7 +767,7 @@ def test_bench_starts_as_train_does(monkeypatch, corpus):
         monkeypatch.setattr(
             launcher,
             name,
-            lambda cfg, name=name, f=getattr(launcher, name): calls.append(name) or f(cfg),
+            lambda *a, name=name, f=getattr(launcher, name): calls.append(name) or f(*a),
         )
     monkeypatch.setattr(telemetry, "Telemetry", lambda *a: calls.append(len(a)) or Telemetry(*a))
     bench.measure(
@@ -1012,12 +1015,18 @@ def test_compile_is_on_for_cuda_unless_switched_off():
     assert compiles("--device=cpu", "--compile") and compiles("--device=cpu", "--compile=true")
 
 
+def _flight_recorder(argv):
+    import arguments
+
+    cfg = arguments.load_config(argv)
+    launcher.use_nccl_flight_recorder(section(LayoutConfig, cfg), cfg.save)
+
+
 def test_the_nccl_flight_recorder_is_on_for_cuda_unless_the_user_set_it(
     monkeypatch, tmp_path, capsys
 ):
     """On with several processes, and its dump's place named at the start (a timeout aborts the process before
     Python can say it); a single-GPU run has no collective to record and gets no nccl_trace/ directory."""
-    import arguments
 
     names = (
         "TORCH_NCCL_TRACE_BUFFER_SIZE",
@@ -1027,20 +1036,16 @@ def test_the_nccl_flight_recorder_is_on_for_cuda_unless_the_user_set_it(
     for name in names:
         monkeypatch.delenv(name, raising=False)
     monkeypatch.delenv("RANK", raising=False)
-    launcher.use_nccl_flight_recorder(arguments.load_config(["--device=cpu", f"--save={tmp_path}"]))
+    _flight_recorder(["--device=cpu", f"--save={tmp_path}"])
     assert not set(names) & set(os.environ)  # gloo: nothing to record
     monkeypatch.setenv("WORLD_SIZE", "1")
-    launcher.use_nccl_flight_recorder(
-        arguments.load_config(["--device=cuda", f"--save={tmp_path}"])
-    )
+    _flight_recorder(["--device=cuda", f"--save={tmp_path}"])
     # one GPU: no collective
     assert not set(names) & set(os.environ) and not (tmp_path / "nccl_trace").exists()
     assert "flight recorder" not in capsys.readouterr().out
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("TORCH_NCCL_TRACE_BUFFER_SIZE", "50")  # the user's
-    launcher.use_nccl_flight_recorder(
-        arguments.load_config(["--device=cuda", f"--save={tmp_path}"])
-    )
+    _flight_recorder(["--device=cuda", f"--save={tmp_path}"])
     assert (
         os.environ["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "50"
         and os.environ["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
@@ -1054,12 +1059,8 @@ def test_the_nccl_flight_recorder_is_on_for_cuda_unless_the_user_set_it(
     )
     # the user turned the dump off: nothing to point at
     monkeypatch.setenv("TORCH_NCCL_DUMP_ON_TIMEOUT", "0")
-    launcher.use_nccl_flight_recorder(
-        arguments.load_config(["--device=cuda", f"--save={tmp_path}"])
-    )
+    _flight_recorder(["--device=cuda", f"--save={tmp_path}"])
     monkeypatch.setenv("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
     monkeypatch.setenv("RANK", "1")  # said once, by rank 0
-    launcher.use_nccl_flight_recorder(
-        arguments.load_config(["--device=cuda", f"--save={tmp_path}"])
-    )
+    _flight_recorder(["--device=cuda", f"--save={tmp_path}"])
     assert capsys.readouterr().out == ""
