@@ -84,7 +84,7 @@ class GPTConfig:
     rope_scaling_factor: float = 8.0
     # with use_rope_scaling: the context it scales (Llama 3's: 8192)
     original_max_position_embeddings: int = 8192
-    # -- stability: the switches of the 104B, 176B and OPT-175B runs --
+    # -- levers: the stability switches of the 104B, 176B and OPT-175B runs (docs/levers.md) --
     # gelu (exact, erf) | gelu_tanh (GPT-2, Megatron's fused bias-GeLU) | relu (OPT)
     activation: str = "gelu"
     # std of the init, or "small_init" = sqrt(2/(5*hidden_size))

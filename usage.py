@@ -21,6 +21,7 @@ SECTION = re.compile(r"#\s*--\s*(\w+):?\s*(.*?)\s*-*$")  # "# -- group: what it 
 # The groups an owner may declare; a group comment naming another is a typo, refused when help is built
 ORDER = (
     "model",
+    "levers",  # the model's stability switches (docs/levers.md); "stability" is the layer (stability/)
     "data",
     "optimizer",
     "precision",
