@@ -56,7 +56,7 @@ def _forked(tmp_path):
     )
     # first: its key last
     _edit(config, "class StabilityConfig(", "class StabilityConfig(LossCapConfig, ")
-    after_guard = '"guard.Guard"),\n'
+    after_guard = '        "guard.Guard",\n    ),\n'
     _edit(fork / "stability" / "__init__.py", after_guard, after_guard + line)
     return fork
 

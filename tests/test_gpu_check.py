@@ -160,8 +160,8 @@ def test_a_sync_warned_inside_a_library_or_a_thread_is_named_by_our_line():
     probe = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(probe)
 
+    # named after its caller, threading.py
     def ours():
-        # named after its caller, threading.py
         warnings.warn("called a synchronizing CUDA operation", stacklevel=2)
 
     line = ours.__code__.co_firstlineno + 1
