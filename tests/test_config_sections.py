@@ -57,8 +57,47 @@ def defaulted_keys(source, keys):
     return found
 
 
+def held_keys(source, keys):
+    """[(class, key)] for each config key a dataclass of source holds, with a default or without."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ClassDef) and any(
+            "dataclass" in ast.unparse(d) for d in node.decorator_list
+        ):
+            found += [
+                (node.name, s.target.id)
+                for s in node.body
+                if isinstance(s, ast.AnnAssign)
+                and isinstance(s.target, ast.Name)
+                and s.target.id in keys
+            ]
+    return found
+
+
 # a record of the run, not of its config, whose field shares a key's name: the iteration's own lr
 NOT_CONFIG = {"training.py:Iteration"}
+
+
+def test_no_part_holds_a_copy_of_its_own_keys():
+    """A dataclass beside an owner holding that owner's own keys is the owner declared a second time
+    (a section re-declared for one reader: the stability layer's 58, loader.MegatronKeys' 11): the
+    reader takes the owner's section itself. A carrier holds other owners' values only."""
+    import inspect
+
+    from arguments import Config
+
+    owned = {}  # file -> the keys its owners declare
+    for cls in Config.__mro__[1:-1]:  # but object
+        rel = os.path.relpath(inspect.getfile(cls), ROOT)
+        owned.setdefault(rel, set()).update(cls.__dict__.get("__annotations__", {}))
+    composition = {cls.__name__ for cls in Config.__mro__}
+    copies = [
+        f"{rel}:{cls}.{key}"
+        for rel, keys in sorted(owned.items())
+        for cls, key in held_keys(_read(rel), keys)
+        if cls not in composition
+    ]
+    assert not copies, f"keys held again beside their owner (take the owner's section): {copies}"
 
 
 def test_no_config_key_is_declared_twice():
@@ -106,5 +145,6 @@ def test_the_checks_see_what_they_guard_against():
     )
     assert defaulted_keys(two, {"lr"}) == [("A", "lr")]  # B carries a value: no declaration
     assert defaulted_keys("class A:\n    lr: float = 1\n", {"lr"}) == []  # not a dataclass
+    assert held_keys(two, {"lr"}) == [("A", "lr"), ("B", "lr")]
     whole = "def f(model_cfg, x):\n    pass\ndef g(a, *, cfg):\n    pass\n"
     assert takes_whole_config(whole) == ["g"]
