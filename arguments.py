@@ -238,9 +238,8 @@ def _drop_replaced(settings, overrides):
         for pair in (p for p in EXCLUSIVE if key in p):
             other = pair[1 - pair.index(key)]
             if other in settings and other not in overrides and given(other, settings[other]):
-                if (
-                    os.environ.get("RANK", "0") == "0"
-                ):  # each process parses the config: one line per run
+                # each process parses the config: one line per run
+                if os.environ.get("RANK", "0") == "0":
                     print(
                         f"{key} from the command line replaces the config file's {other} = {settings[other]!r}",
                         flush=True,
@@ -287,9 +286,8 @@ def check_device(cfg, local_world_size=None):
         )
     local = local_world_size or int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     gpus = torch.cuda.device_count()
-    if gpus < local and not (
-        gpus == 1 and "CUDA_VISIBLE_DEVICES" in os.environ
-    ):  # one GPU per task: GPU 0
+    # one GPU per task: GPU 0
+    if gpus < local and not (gpus == 1 and "CUDA_VISIBLE_DEVICES" in os.environ):
         raise ValueError(
             f"device=cuda with {local} processes on this node but {gpus} GPU(s) visible: one process per "
             f"GPU; launch torchrun --nproc_per_node {gpus}, or check CUDA_VISIBLE_DEVICES"
@@ -345,9 +343,8 @@ def derive(cfg, world_size=1):
     if cfg.global_batch_size is None:  # one micro-batch per data-parallel rank
         dp = world_size // (cfg.tensor_model_parallel_size * cfg.pipeline_model_parallel_size)
         cfg.global_batch_size = cfg.micro_batch_size * dp
-    if (
-        cfg.apply_query_key_layer_scaling is None
-    ):  # Megatron's default: on with fp16, where it avoids overflows
+    # Megatron's default: on with fp16, where it avoids overflows
+    if cfg.apply_query_key_layer_scaling is None:
         cfg.apply_query_key_layer_scaling = cfg.fp16
     if cfg.curriculum_learning and cfg.max_difficulty is None:
         cfg.max_difficulty = cfg.seq_length

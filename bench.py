@@ -236,9 +236,8 @@ def for_timing(cfg, given, iterations):
     data_note = bundled_instead(cfg, given)
     if data_note:
         notes.append(data_note)
-    if (
-        cfg.init_from_hf is not None
-    ):  # the model's keys came from its config.json already (arguments.from_hf)
+    # the model's keys came from its config.json already (arguments.from_hf)
+    if cfg.init_from_hf is not None:
         notes.append(
             f"bench: the model's shape from {cfg.init_from_hf}, its weights drawn, not imported: their values "
             "are not part of a step's cost"
@@ -560,9 +559,8 @@ def pipeline_stages(grid):
     """[(seconds in communicate, seconds in the 1F1B schedule)] of each stage over the timed iterations, every
     rank's gathered for rank 0's report."""
     seconds = dict(parallel.pipeline_seconds)
-    if (
-        parallel.pipeline_events is not None
-    ):  # CUDA: the stream's time between the events, after a sync
+    # CUDA: the stream's time between the events, after a sync
+    if parallel.pipeline_events is not None:
         seconds = {
             kind: sum(a.elapsed_time(b) for a, b in pairs) / 1000
             for kind, pairs in parallel.pipeline_events.items()
@@ -895,9 +893,8 @@ def shares(spent, wall):
 
 def costs_line(costs):
     line = ", ".join(f"{cost} {100 * costs[cost]:.1f}%" for cost in COSTS)
-    if (
-        "GPU idle" in costs
-    ):  # not a share beside the others: time in which the GPU waited, whatever the host did
+    # not a share beside the others: time in which the GPU waited, whatever the host did
+    if "GPU idle" in costs:
         line += f"; the GPU idle {100 * costs['GPU idle']:.1f}% (no kernel or copy on any stream)"
     return line
 

@@ -297,9 +297,8 @@ def save(save_dir, iteration, model_state, run_state, rank_state, write_model_st
         if rank0:
             write_manifest(partial, written)
             _fsync_dir(partial)
-            if os.path.exists(
-                final
-            ):  # saving the same iteration again (e.g. after a rollback): replace it
+            # saving the same iteration again (e.g. after a rollback): replace it
+            if os.path.exists(final):
                 shutil.rmtree(final)
             os.replace(partial, final)
             _fsync_dir(save_dir)
@@ -467,9 +466,8 @@ def to_host(obj, buffers, key=()):
     if isinstance(obj, dict):
         return {k: to_host(v, buffers, (*key, k)) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        if all(
-            type(v) in _ATOMS for v in obj
-        ):  # the run's history (2 x 1,024 numbers): no walk per number
+        # the run's history (2 x 1,024 numbers): no walk per number
+        if all(type(v) in _ATOMS for v in obj):
             return type(obj)(obj)
         return type(obj)(to_host(v, buffers, (*key, i)) for i, v in enumerate(obj))
     return copy.deepcopy(obj)

@@ -51,9 +51,8 @@ def linear_cross_entropy(hidden, weight, target, vocab_size=None, z_loss=0.0, re
     tokens = max(CROSS_ENTROPY_CHUNK // vocab_local, hidden.shape[-1])
     grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     add = main_grad_adder(weight) if grad and hidden.requires_grad else None
-    if (
-        add is not None
-    ):  # autograd carries no gradient of the weight: backward adds it into main_grad itself
+    # autograd carries no gradient of the weight: backward adds it into main_grad itself
+    if add is not None:
         weight = weight.detach()
     return LinearCrossEntropy.apply(
         hidden, weight, target, vocab_size, z_loss, tokens, reduction, grad, add

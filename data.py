@@ -596,9 +596,8 @@ def _walk(sizes, doc_idx, sample_idx, j, length, pieces):
     """pieces[p] = (document, offset, tokens) of the p-th non-empty document piece of the first `length` tokens of
     unshuffled sample j; returns how many (at most `length`). The one walk that gather and provenance share."""
     k, offset, n, p = sample_idx[j, 0], sample_idx[j, 1], 0, 0
-    while (
-        n < length
-    ):  # the sample's pieces of consecutive documents in doc_idx; empty ones give nothing
+    # the sample's pieces of consecutive documents in doc_idx; empty ones give nothing
+    while n < length:
         d = doc_idx[k]
         take = min(sizes[d] - offset, length - n)
         if take > 0:
@@ -656,9 +655,8 @@ def _cache_paths(
         docs = f"{documents[0]}-{documents[0] + len(documents)}docs"
     else:
         docs = hashlib.md5(documents.astype(np.int64).tobytes()).hexdigest()[:12] + "docs"
-    if skip is not None and len(
-        skip
-    ):  # the documents left out (their ids, sorted): without any, the old names
+    # the documents left out (their ids, sorted): without any, the old names
+    if skip is not None and len(skip):
         docs += "_skip" + hashlib.md5(np.unique(skip).astype(np.int64).tobytes()).hexdigest()[:12]
     base = os.path.join(
         cache_dir or os.path.dirname(os.path.abspath(prefix)),

@@ -173,9 +173,8 @@ class DeepSpeedOptimizer:
         on_cuda = next(model.parameters()).is_cuda
         # read at DeepSpeed's first use
         os.environ.setdefault("DS_ACCELERATOR", "cuda" if on_cuda else "cpu")
-        if (
-            not dist.is_initialized()
-        ):  # one process (python train.py): DeepSpeed still wants a process group
+        # one process (python train.py): DeepSpeed still wants a process group
+        if not dist.is_initialized():
             os.environ.setdefault("LOCAL_RANK", "0")
             dist.init_process_group(
                 "nccl" if on_cuda else "gloo", store=dist.HashStore(), rank=0, world_size=1
@@ -197,9 +196,8 @@ class DeepSpeedOptimizer:
         )
         self.model, self.dp_size = model, g.dp_size
         self.tied = not model.cfg.untie_embeddings_and_output_weights
-        if any(
-            s.get("step", 0) for s in optimizer.state.values()
-        ):  # no optimizer step may happen before ours
+        # no optimizer step may happen before ours
+        if any(s.get("step", 0) for s in optimizer.state.values()):
             raise RuntimeError(
                 f"{type(self.optimizer).__name__} stepped the optimizer at construction"
             )

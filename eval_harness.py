@@ -535,9 +535,8 @@ class LMAdapter:
             token = self.logits(ids[:, : longest + step])[rows, lengths - 1].argmax(-1)
             ids[rows, lengths] = token
             lengths += 1
-            for i, t in enumerate(
-                token.tolist()
-            ):  # one host sync per step: the stop rule reads text
+            # one host sync per step: the stop rule reads text
+            for i, t in enumerate(token.tolist()):
                 if done[i] or t == self.eot_token_id:
                     done[i] = True
                     continue

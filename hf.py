@@ -457,9 +457,8 @@ def export_class(model_cfg):
         for key, known in REMOTE_VALUES.items()
         if getattr(model_cfg, key) not in known
     ]
-    if (
-        unknown
-    ):  # padded_vocab_in_softmax: the padding columns' share of the softmax, by TP size (lesson 16)
+    # padded_vocab_in_softmax: the padding columns' share of the softmax, by TP size (lesson 16)
+    if unknown:
         raise ValueError(
             f"{', '.join(unknown)}: no transformers class has it ({standard}), nor stablegpt's own "
             f"{REMOTE} (hf_remote/modeling_stablegpt.py: add it there)"

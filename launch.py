@@ -99,9 +99,8 @@ def use_nccl_flight_recorder(layout_cfg, save=None):
     on = entries.strip() not in ("", "0") and os.environ[
         "TORCH_NCCL_DUMP_ON_TIMEOUT"
     ].strip().lower() not in ("", "0", "false", "no", "n", "off")
-    if (
-        on and int(os.environ.get("RANK", "0")) == 0
-    ):  # the one place a hang's evidence is named before it happens
+    # the one place a hang's evidence is named before it happens
+    if on and int(os.environ.get("RANK", "0")) == 0:
         print(
             f"NCCL flight recorder: on a collective timeout each rank dumps its last {entries} collectives to "
             f"{prefix}<rank>; `python -m torch.distributed.flight_recorder.fr_trace {os.path.dirname(prefix)}` "
@@ -136,9 +135,8 @@ def exit_with(error, code):
     everyone's) or some do (a file): rank 0 prints it, and each rank that has it leaves it in torchrun's error file,
     so that the launcher's summary names it as the root cause instead of 'To enable traceback see ...'."""
     line = f"error: {error}"
-    if (
-        int(os.environ.get("RANK", "0")) == 0
-    ):  # torchrun's rank (the process group may not exist yet)
+    # torchrun's rank (the process group may not exist yet)
+    if int(os.environ.get("RANK", "0")) == 0:
         print(line, file=sys.stderr, flush=True)
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if error_file:

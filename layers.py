@@ -109,9 +109,8 @@ class DocumentBlockMask:
         if self.slopes is not None:
             slopes = self.slopes
 
-            def score_mod(
-                score, b, h, q_idx, kv_idx
-            ):  # alibi_bias's -slope * (i - j), in the scores' fp32
+            # alibi_bias's -slope * (i - j), in the scores' fp32
+            def score_mod(score, b, h, q_idx, kv_idx):
                 return score + slopes[h] * (kv_idx - q_idx)
 
         return flex_attention(

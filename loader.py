@@ -357,9 +357,8 @@ def check_data(split, context, data_path, train_samples):
     check_vocabulary(context, prefixes)
     for prefix, weight in zip(prefixes, weights):
         epochs = data.train_epochs(prefix, split, context.seq_length, train_samples * weight)
-        if (
-            epochs > 4
-        ):  # Muennighoff et al. 2023: up to ~4 epochs of repeated data cost little, more do
+        # Muennighoff et al. 2023: up to ~4 epochs of repeated data cost little, more do
+        if epochs > 4:
             print0(
                 f"warning: this run goes over the train split of {prefix} {epochs:.1f} times; beyond about 4 "
                 "epochs repeated data stops helping (more data, or a shorter run)"

@@ -567,13 +567,11 @@ class Attention(nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if self.q_norm is not None:  # statistics in fp32, as every LayerNorm (lesson 6)
             q, k = self.q_norm(q), self.k_norm(k)
-        if (
-            rotary is not None
-        ):  # after qk-layernorm, as OLMo 2: the norm sees the features, not their rotation
+        # after qk-layernorm, as OLMo 2: the norm sees the features, not their rotation
+        if rotary is not None:
             q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
-        if (
-            self.probe is not None
-        ):  # the softmax's q and k (after qk-layernorm and rotary; not ALiBi's bias)
+        # the softmax's q and k (after qk-layernorm and rotary; not ALiBi's bias)
+        if self.probe is not None:
             self.probe(q, k.repeat_interleave(self.q_per_group, dim=1))
         return q, k, v
 
@@ -802,10 +800,11 @@ class GPT(nn.Module):
                 p.zero_()
             elif p.ndim == 1:  # LayerNorm gains, NormFormer head scales
                 p.fill_(1.0)
+            # an untied output layer is drawn as the embedding
             elif name in (
                 "embed.word.weight",
                 "output_layer",
-            ):  # an untied output layer is drawn as the embedding
+            ):
                 # Only the real rows are drawn (xavier's bound counts them, not the padding), and the padded rows
                 # are zeros: every padding, hence every TP size, starts from the same model. Padded rows are
                 # never looked up and are masked out of the softmax, so they get no gradient and stay zero.
@@ -857,9 +856,8 @@ class GPT(nn.Module):
         bias, rotary = self.positions(x)
         if documents is not None:
             bias = self.separate_documents(documents, bias, x.dtype)
-        if (
-            positions is not None and rotary is not None
-        ):  # each token's angles at its position in its document
+        # each token's angles at its position in its document
+        if positions is not None and rotary is not None:
             rotary = tuple(t[positions].unsqueeze(1) for t in rotary)
         for block in self.blocks.values():
             if self.cfg.checkpoint_activations and self.training:
@@ -961,9 +959,8 @@ class GPT(nn.Module):
         recomputation replays the dropout masks as in eager mode); with TP and attention dropout, two graphs, the
         sides of the attention core, which swaps generators (rng.fork). kwargs go to torch.compile (a backend)."""
         for block in self.blocks.values():
-            if (
-                block.attn.forks()
-            ):  # rng.fork's generator swap cannot be traced: the core stays outside
+            # rng.fork's generator swap cannot be traced: the core stays outside
+            if block.attn.forks():
                 block.before_attention = torch.compile(block.before_attention, **kwargs)
                 block.after_attention = torch.compile(block.after_attention, **kwargs)
             else:

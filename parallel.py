@@ -221,9 +221,8 @@ def init(
     ):
         backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         device = None
-        if (
-            backend == "nccl"
-        ):  # modulo: one GPU per task (SLURM's, torchrun --virtual-local-rank) is GPU 0
+        # modulo: one GPU per task (SLURM's, torchrun --virtual-local-rank) is GPU 0
+        if backend == "nccl":
             local, gpus = int(os.environ.get("LOCAL_RANK", 0)), torch.cuda.device_count()
             device = torch.device("cuda", local % gpus if gpus else local)
             torch.cuda.set_device(device)
@@ -661,9 +660,8 @@ class PipelineStage:
         self.dtype = next(self.gpt.parameters()).dtype
         self.total = torch.zeros((), device=self.device)
 
-    def buffer(
-        self, i
-    ):  # receive buffer for micro-batch i's activation or its gradient: (batch, seq, hidden)
+    # receive buffer for micro-batch i's activation or its gradient: (batch, seq, hidden)
+    def buffer(self, i):
         return torch.empty(
             *self.batches[i][0].shape,
             self.gpt.cfg.hidden_size,
@@ -836,10 +834,11 @@ class GradBuffer:
         for p in self.params:
             p.register_post_accumulate_grad_hook(self._accumulate)
             p.main_grad_buffer = self
+            # linear() adds these weights' gradients itself
             if p.dtype in (
                 torch.bfloat16,
                 torch.float16,
-            ):  # linear() adds these weights' gradients itself
+            ):
                 p.main_grad_arrival = self._arrival(p)
         self.countdown = None  # per parameter: gradients still to come this step (armed by start())
         self.handles = []
@@ -872,9 +871,8 @@ class GradBuffer:
         self.launched, self.handles = 0, []
 
     def _accumulate(self, p):
-        if (
-            p.grad is None
-        ):  # a compiled block's backward hands linear()'s weights an undefined gradient: the
+        # a compiled block's backward hands linear()'s weights an undefined gradient: the
+        if p.grad is None:
             return  # weight's gradient is in main_grad already, and its main_grad_arrival counts it
         p.main_grad.add_(p.grad)
         p.grad = None
@@ -980,9 +978,8 @@ def reduce_gradients(model, data_parallel=True):
         all_reduce_mean(partial, grid.tp_group, 1)  # a sum: "mean" over a size of 1
     # an output layer of its own has no copy to sum
     tied = not gpt.cfg.untie_embeddings_and_output_weights
-    if (
-        tied and grid.pp_size > 1 and (grid.is_first_stage or grid.is_last_stage)
-    ):  # PP=1: one copy, nothing to sum
+    # PP=1: one copy, nothing to sum
+    if tied and grid.pp_size > 1 and (grid.is_first_stage or grid.is_last_stage):
         dist.all_reduce(main_grad(gpt.word_embedding_weight()), group=grid.embedding_group)
 
 

@@ -44,9 +44,8 @@ class Callback:
 
     name = None
 
-    def documents_to_skip(
-        self, collections
-    ):  # [(name, documents)] of the data: the ids to leave out, or None
+    # [(name, documents)] of the data: the ids to leave out, or None
+    def documents_to_skip(self, collections):
         return None
 
     def start(self, parts, report, train_data):  # the run is built (and resumed); the loop begins
@@ -55,30 +54,26 @@ class Callback:
     def skip(self, iteration):  # a reason to draw this iteration's batch and throw it away, or None
         return None
 
-    def before_step(
-        self, it
-    ):  # it.batches and it.lr may be replaced (fault injection, an LR factor)
+    # it.batches and it.lr may be replaced (fault injection, an LR factor)
+    def before_step(self, it):
         pass
 
     def on_grads(self, model, loss_scale):  # the reduced gradients, before their norm
         pass
 
-    def update_factor(
-        self, loss, grad_norm
-    ):  # before any update: 1 apply, 0 veto, in between scale it
+    # before any update: 1 apply, 0 veto, in between scale it
+    def update_factor(self, loss, grad_norm):
         return 1.0
 
     def after_update(self):
         pass
 
-    def check_step(
-        self, it, step
-    ):  # the step that stands (a replay of a suspect step may replace it)
+    # the step that stands (a replay of a suspect step may replace it)
+    def check_step(self, it, step):
         return step
 
-    def after_step(
-        self, it, step
-    ):  # the iteration is counted; True: the run was rolled back instead
+    # the iteration is counted; True: the run was rolled back instead
+    def after_step(self, it, step):
         return False
 
     def after_iteration(self, iteration):  # the iteration is logged, evaluated and saved
@@ -374,9 +369,8 @@ def whole_step(
 def skip_reason(skip_grad_norm_above, loss, grad_norm, replicas):
     """Why the core applies no update (outcome()'s core), or None: on host floats, the same on
     every replica. replicas: every DP replica's numbers (agree())."""
-    if differ(
-        replicas
-    ):  # a faulty GPU: no update anywhere (the spike guard, when on, retries the step)
+    # a faulty GPU: no update anywhere (the spike guard, when on, retries the step)
+    if differ(replicas):
         print0(
             f"warning: the DP replicas computed different loss / grad norm {list(replicas)}: update skipped "
             "(a faulty GPU? spike_guard retries such steps)"

@@ -217,9 +217,8 @@ def fault_of(rng, family, start, iters):
         )
         flags = [f"--inject_lr_iters={start}-{start + length - 1}", f"--inject_lr_factor={factor}"]
         what = f"LR x{factor} for {length}"
-    elif (
-        family == "lr persistent"
-    ):  # a higher LR from `start` to the end, on every pass, in one process
+    # a higher LR from `start` to the end, on every pass, in one process
+    elif family == "lr persistent":
         factor = round(math.exp(rng.uniform(math.log(10), math.log(100))))
         flags = [
             f"--inject_lr_iters={start}-{iters}",
@@ -227,9 +226,8 @@ def fault_of(rng, family, start, iters):
             "--inject_lr_persistent",
         ]
         what = f"LR x{factor} from then on"
-    elif (
-        family == "lr after resume"
-    ):  # the run stops at K; its resume has the LR x factor from then on
+    # the run stops at K; its resume has the LR x factor from then on
+    elif family == "lr after resume":
         resume = rng.randint(20, iters - 20)
         start, factor = resume + 1, round(math.exp(rng.uniform(math.log(10), math.log(100))))
         flags = [
@@ -238,9 +236,8 @@ def fault_of(rng, family, start, iters):
             "--inject_lr_persistent",
         ]
         what = f"resumed at {resume} with LR x{factor}"
-    elif (
-        family == "lr slow persistent"
-    ):  # a slow harm: x20-40 from mid-run on (issue 41: x30 cost +3%)
+    # a slow harm: x20-40 from mid-run on (issue 41: x30 cost +3%)
+    elif family == "lr slow persistent":
         start, factor = rng.randint(iters // 3, 2 * iters // 3), rng.randint(20, 40)
         flags = [
             f"--inject_lr_iters={start}-{iters}",
@@ -248,9 +245,8 @@ def fault_of(rng, family, start, iters):
             "--inject_lr_persistent",
         ]
         what = f"LR x{factor} from then on"
-    elif (
-        family == "lost optimizer state"
-    ):  # the run stops at K; its resume finds Adam's moments zeroed
+    # the run stops at K; its resume finds Adam's moments zeroed
+    elif family == "lost optimizer state":
         resume = rng.randint(20, iters - 20)
         start, flags, what = (
             resume + 1,
@@ -279,9 +275,8 @@ def fault_of(rng, family, start, iters):
         what = f"{length} batches" + (
             f", {fraction:g} of the samples" if kind == "minority" else ""
         )
-    elif (
-        family == "ordered duplicate block"
-    ):  # a shard of near-duplicates met in corpus order (BigScience, OPT)
+    # a shard of near-duplicates met in corpus order (BigScience, OPT)
+    elif family == "ordered duplicate block":
         # 20-100 of 400
         length, period = rng.randint(20, 100) * iters // 400, rng.choice([1, 2, 4, 8])
         length = max(length, period)
@@ -291,9 +286,8 @@ def fault_of(rng, family, start, iters):
             f"--inject_repeat_period={period}",
         ]
         what = f"{length} iterations repeating {period} batches"
-    elif family.startswith(
-        "dp "
-    ):  # one DP replica of two: rank 1's gradient, weight or optimizer state
+    # one DP replica of two: rank 1's gradient, weight or optimizer state
+    elif family.startswith("dp "):
         target = {"dp weight bit flip": "weight", "dp grad bit flip": "grad"}.get(
             family
         ) or rng.choice(["exp_avg", "exp_avg_sq", "master"])
@@ -362,9 +356,8 @@ def draw_seventh(seed, k, iters):
     trial["family"], trial["what"] = family, family + trial["what"][trial["what"].index(" at ") :]
     if family in CORPUS_KINDS:
         trial["flags"], trial["what"] = corpus_fault(rng, family, trial, iters)
-    elif (
-        family == "dp bad device"
-    ):  # the grad flip's bit, element and rank, from its start on and staying
+    # the grad flip's bit, element and rank, from its start on and staying
+    elif family == "dp bad device":
         trial["flags"][0] = f"--inject_bad_device_iter={trial['start']}"
         trial["what"] = trial["what"].replace(
             "on DP rank 1", "on DP rank 1's device, bad from then on"
@@ -678,9 +671,8 @@ def campaign(a, registration=None):
             threads.append(threading.Thread(target=one, args=(name, parts, meta, method, held)))
             threads[-1].start()
 
-    for j in range(
-        a.long_clean if a.method == "guard" else 0
-    ):  # false positives late in training, fewer start-ups
+    # false positives late in training, fewer start-ups
+    for j in range(a.long_clean if a.method == "guard" else 0):
         n = a.long_iters
         long = {
             "trial": None,
@@ -713,9 +705,8 @@ def campaign(a, registration=None):
             submit(f"{k}-guarded", trial, trials[k][1], trial["flags"], "guard")
     for t in threads:
         t.join()
-    if (
-        a.method in REMEDIES
-    ):  # the references are in: a remedy runs the harmful faults and its clean runs
+    # the references are in: a remedy runs the harmful faults and its clean runs
+    if a.method in REMEDIES:
         done, threads[:] = runs_of(a.out), []
         if a.method == "grad_norm_skip" and a.grad_norm_bound is None:  # OPT's, on the clean twins
             cleans = [r for n, r in done.items() if n.endswith("-clean")]

@@ -276,9 +276,8 @@ def width_args(width):
 
 def train_args(arm, lever_set, lr, seed, directory, extra=(), width=WIDTH):
     spec = ARMS[arm]
-    if (
-        width != WIDTH and arm == "C"
-    ):  # its init levers are c / sqrt(WIDTH), written for the study's width
+    # its init levers are c / sqrt(WIDTH), written for the study's width
+    if width != WIDTH and arm == "C":
         raise SystemExit(
             f"lr_sweep: arm C's init levers are defined at width {WIDTH}; the ladder is arm A's"
         )
@@ -579,9 +578,8 @@ def execute(out, arm, lever_set, lr, seed, extra=(), width=WIDTH):
         def unplaced(a):  # a run directory moved elsewhere holds the same run
             return [x for x in a or [] if not x.startswith("--save=")]
 
-        if unplaced(result.get("args")) != unplaced(
-            args
-        ):  # the study was redefined: its results are not this run's
+        # the study was redefined: its results are not this run's
+        if unplaced(result.get("args")) != unplaced(args):
             raise SystemExit(
                 f"{directory} holds a run with other arguments than this study's; use another --out "
                 "or delete it"
@@ -614,9 +612,8 @@ def execute(out, arm, lever_set, lr, seed, extra=(), width=WIDTH):
             return {**key, "error": f.read()[-2000:]}
     cfg = config_of(args)
     metrics = read_metrics(os.path.join(directory, "metrics.jsonl"))
-    if (
-        metrics["iterations"] < cfg.train_iters or metrics["val_loss"] is None
-    ):  # stopped early: resumed next time
+    # stopped early: resumed next time
+    if metrics["iterations"] < cfg.train_iters or metrics["val_loss"] is None:
         return {
             **key,
             "error": f"{directory}: stopped at iteration {metrics['iterations']} of {cfg.train_iters}"
@@ -672,9 +669,8 @@ def blew_up(result, bigram, start=BLOWUP_FROM, margin=PILOT_MARGIN, attention_lo
         return True
     if attention_logit and (result.get("attention_logit_max") or 0) > ATTENTION_LOGIT_BLOWUP:
         return True
-    if (
-        "loss10" not in result
-    ):  # a tracked record (record()): the loss criterion as it was computed from the series
+    # a tracked record (record()): the loss criterion as it was computed from the series
+    if "loss10" not in result:
         return bool(result.get("lost_what_it_learned"))
     loss10 = [
         v if v is not None and math.isfinite(v) else math.inf for v in result.get("loss10", [])

@@ -399,9 +399,8 @@ def corrupted_weights(guard, model, optimizer, iteration, then, payload, say=Tru
     ranks of one number per DP rank, so every rank names the same DP rank (the corrupted weight may be on any TP or
     PP rank of it)."""
     g, stats = parallel.grid, snapshot_stats(payload)
-    if (
-        "lr sum" not in stats
-    ):  # a checkpoint written before the guard summed its LRs: no bound to test against
+    # a checkpoint written before the guard summed its LRs: no bound to test against
+    if "lr sum" not in stats:
         return None
     lr_sum = max(guard.lr_sum - stats["lr sum"], 0.0)
     move = 2 * lr_sum * max(adam_bound(*group["betas"]) for group in optimizer.param_groups)

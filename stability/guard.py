@@ -56,9 +56,8 @@ class Guard(training.Callback):
     def before_step(self, it):
         guard = self.guard
         it.lr = it.lr * guard.lr_scale
-        if (
-            guard.noise is None and guard.armed()
-        ):  # the tolerance of a replay (diagnosis.reproduced_tolerance)
+        # the tolerance of a replay (diagnosis.reproduced_tolerance)
+        if guard.noise is None and guard.armed():
             guard.noise = diagnosis.measure_noise(
                 self.parts.model, it.batches, self.core, self.device
             )
@@ -92,11 +91,12 @@ class Guard(training.Callback):
         if (found or {}).get("replicas"):  # the replica check's finding: its re-sync or rollback
             guard.last_run, guard.pending = max(guard.last_run, n), None
             return self.built["replica_check"].act(n, *found["replicas"])
+        # how far the LR is off: the move since the snapshot
         if (
             (found or {}).get("cause") == "optimizer"
             and found.get("since") is not None
             and guard.rules.spike_guard_update_ratio
-        ):  # how far the LR is off: the move since the snapshot
+        ):
             found["update_size"] = self.move_since(found["since"])
         decision = guard.update(
             n, step.outcome, step.loss, step.grad_norm, self.parts.scaler, found, lr=it.lr
@@ -255,9 +255,8 @@ class Forensics(training.Callback):
             return step
         if guard.stands_aside(it.number, step):  # a persistent fp16 overflow: the scaler's
             return step
-        if (
-            step.outcome == "vetoed" and not self.guard.pending
-        ):  # another callback's veto: not the guard's spike
+        # another callback's veto: not the guard's spike
+        if step.outcome == "vetoed" and not self.guard.pending:
             return step
         if self.replicas_differ():  # a replay on replicas that differ tells nothing of the step
             return step
@@ -294,9 +293,8 @@ class Forensics(training.Callback):
             per_sample=per_sample if parallel.grid.pp_size == 1 else None,
             fp32_replay=self.fp32_replay,
         )
-        if vetoed and self.guard.tolerates(
-            self.guard.diagnosis
-        ):  # clip_grad bounds it: the step applied after all
+        # clip_grad bounds it: the step applied after all
+        if vetoed and self.guard.tolerates(self.guard.diagnosis):
             checkpoint.set_rng_state(self.before[0])
             parts.scaler.load_state_dict(self.before[1])
             step = rerun(None)

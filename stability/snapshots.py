@@ -72,9 +72,8 @@ class Snapshots:
         if not self.keep:
             return
         one, node = rank_snapshot_bytes(self.plan, model), node_memory()
-        if (
-            dist.is_initialized()
-        ):  # the largest rank's and the smallest node's: one verdict on every rank
+        # the largest rank's and the smallest node's: one verdict on every rank
+        if dist.is_initialized():
             both = torch.tensor([one, -node], dtype=torch.int64, device=parallel.comm_device())
             dist.all_reduce(both, op=dist.ReduceOp.MAX)
             one, node = both[0].item(), -both[1].item()
@@ -200,9 +199,8 @@ class Snapshots:
                 else ""
             )
         )
-        if (
-            from_disk and self.save_dir and decision["action"] == "rollback"
-        ):  # (a stop saves anyway)
+        # (a stop saves anyway)
+        if from_disk and self.save_dir and decision["action"] == "rollback":
             # saved again at once, with the decision: `latest` named a checkpoint of the timeline left
             # behind (after target), which a run killed before its next save would resume from
             run_state.save(parts, self.saver)

@@ -305,9 +305,8 @@ class SpikeGuard(Detector):
 
     def _spike(self, outcome, loss, grad_norm, scaler):
         """Why this step that applied no update is a spike, or None."""
-        if (
-            outcome == "vetoed"
-        ):  # by the guard's judge (pending), or by another callback: not a spike of its own
+        # by the guard's judge (pending), or by another callback: not a spike of its own
+        if outcome == "vetoed":
             return self.pending or None
         if outcome == "nan":
             return f"the loss is {loss}"
@@ -548,9 +547,8 @@ class SpikeGuard(Detector):
         to_trend = (
             min(expected / move, 1.0) if math.isfinite(move) else self.ladder.spike_guard_lr_factor
         )
-        if not self.replays_same_lrs(
-            then, iteration
-        ):  # fault injection's event in time: the rollback ends it
+        # fault injection's event in time: the rollback ends it
+        if not self.replays_same_lrs(then, iteration):
             to_trend = 1.0
         evidence = (
             f"the weights moved {move:.3g} of their norm per update since iteration {then}, against a trend "
@@ -597,9 +595,8 @@ class SpikeGuard(Detector):
                 **cause,
             )
         count = f"no data skipped, LR unchanged (fault {self.faults[rank]} of {cap} on {where} before a stop)"
-        if (
-            rollback
-        ):  # booked by applied(), not counted against spike_guard_max_rollbacks nor as a relapse
+        # booked by applied(), not counted against spike_guard_max_rollbacks nor as a relapse
+        if rollback:
             return self._decide(
                 iteration,
                 "rollback",

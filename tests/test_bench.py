@@ -197,9 +197,8 @@ def test_bench_runs_on_every_config(corpus, unmeasured_peak, capsys, monkeypatch
             assert "\n" + line in out, (config, line, out)
         assert result["skipped"] == 0 and result["tokens/s"] > 0, (config, result)
         assert bench.row(config, result).startswith(f"| {os.path.basename(config)[:-3]} | "), config
-        if config.endswith(
-            ("gpt2_125m.py", "llama_1b.py", "tr11_176b.py")
-        ):  # no data here: the bundled corpus
+        # no data here: the bundled corpus
+        if config.endswith(("gpt2_125m.py", "llama_1b.py", "tr11_176b.py")):
             assert "timing on the bundled corpus" in out, (config, out)
         if profiled:
             costs = result["costs"]
@@ -347,9 +346,10 @@ def test_cpu_vs_nanogpt_times_nanogpts_model_at_our_shape():
     assert tool.nanogpt_tokens_per_second(args) > 0
 
 
+# noqa: F811
 def test_bench_counts_zeros_on_the_iterations_train_py_logs(
     corpus512, unmeasured_peak, monkeypatch
-):  # noqa: F811
+):
     """train.py counts the zero gradients (a pass over all of them, for the log) only on the iterations it logs,
     every log_interval-th; bench's iterations as many, not every one (work a training step does not do: 1-3% of
     the 6 x 384 CPU step). Iteration 1 the warm-up, 2-6 timed, 7 profiled: counted at 2, 4 and 6."""

@@ -491,9 +491,8 @@ def test_async_save_held_until_the_next_step_and_save_writes_what_a_synchronous_
     expected[1] = _files(tmp_path / "sync" / "global_step1")
     with checkpoint.AsyncWriter() as writer:
         writer.save(str(tmp_path / "async"), 1, model_state, run, rank, write_model_state=True)
-        for live, new in zip(
-            (model_state, rank), _state(2)[::2]
-        ):  # the next optimizer step, in place
+        # the next optimizer step, in place
+        for live, new in zip((model_state, rank), _state(2)[::2]):
             for key in live:
                 live[key].copy_(new[key])
         run["state"]["iteration"] = 2

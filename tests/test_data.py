@@ -254,9 +254,8 @@ def test_gpt_dataset_shuffles_within_each_epoch(toy, tmp_path):
     n = (2 * tokens - 1) // seq + 2  # two full epochs plus 2 samples of a third
     ds = data.GPTDataset(data.IndexedDataset(prefix), documents, n, seq, 3, "train", str(tmp_path))
     shuffle = np.asarray(ds.shuffle_idx)
-    for e in range(
-        3
-    ):  # samples starting in epoch e stay in epoch e's block: each document once per epoch
+    # samples starting in epoch e stay in epoch e's block: each document once per epoch
+    for e in range(3):
         lo, hi = (max(0, (e * tokens - 1) // seq), (((e + 1) * tokens - 1) // seq))
         assert sorted(shuffle[lo:hi]) == list(range(lo, hi))
     assert not np.array_equal(shuffle[:hi], np.arange(hi))
@@ -356,9 +355,8 @@ def test_index_arrays_equal_the_numpy_reference(num_docs, num_samples, seq_lengt
     sparse = np.sort(
         rng.choice(np.arange(3, num_docs + 5), size=max(1, num_docs // 2), replace=False)
     )[::-1]
-    if (
-        sizes[sparse].sum() > seq_length
-    ):  # an arbitrary (descending, gapped) document list, as a blend may pass
+    # an arbitrary (descending, gapped) document list, as a blend may pass
+    if sizes[sparse].sum() > seq_length:
         got = data.index_arrays(sizes, sparse, num_samples, seq_length, seed)
         want = _reference_index_arrays(sizes, sparse, num_samples, seq_length, seed)
         assert all(np.array_equal(a, b) for a, b in zip(got, want))

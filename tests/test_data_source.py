@@ -192,9 +192,10 @@ def test_skip_lists_leave_the_new_sources_documents_out(npy, tmp_path):
     skip_list.append(skip_path, [{"dataset": path, "documents": culprits}])
     asked = []
 
+    # as the skip-list callback reads the list: with the source's counts
     def documents_to_skip(
         collections,
-    ):  # as the skip-list callback reads the list: with the source's counts
+    ):
         asked.append(collections)
         return skip_list.read(skip_path, [n for n, _ in collections], [c for _, c in collections])[
             0

@@ -266,16 +266,16 @@ class HostSyncs(TorchFunctionMode):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
         t = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        # host data copied over
         if (
             name in ("tensor", "as_tensor")
             and not isinstance(args[0], torch.Tensor)
             and self.device.type != "cpu"
             and torch.device(kwargs.get("device") or "cpu").type == self.device.type
-        ):  # host data copied over
+        ):
             self.syncs.append(name)
-        if (
-            name == "copy_" and len(args) > 1 and isinstance(args[1], torch.Tensor)
-        ):  # host.copy_(device tensor)
+        # host.copy_(device tensor)
+        if name == "copy_" and len(args) > 1 and isinstance(args[1], torch.Tensor):
             if args[0].device.type == "cpu" and args[1].device.type == self.device.type != "cpu":
                 if not kwargs.get("non_blocking", args[2] if len(args) > 2 else False):
                     self.syncs.append("copy_")

@@ -23,11 +23,12 @@ def test_only_a_grad_norm_spike_diagnosed_data_under_clip_grad_is_let_through():
     guard = _guard()
     assert re.match(r"grad norm 79\.7 is \S+x its trend's", guard.judge(5.3, 79.7))
     assert guard.tolerates(data)
+    # a bit flip, a half-precision cancellation, the LR
     for cause in (
         "hardware",
         "numerical",
         "optimizer",
-    ):  # a bit flip, a half-precision cancellation, the LR
+    ):
         assert not guard.tolerates({"cause": cause, "evidence": "e", "rank": 0})
     # a regime change: re-based, as before
     assert not guard.tolerates({**data, "rebase": (5.3, 79.7)})

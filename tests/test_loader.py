@@ -69,9 +69,8 @@ def test_prefetched_batches_equal_direct_ones_across_rampup_curriculum_and_skips
 
         with loader.Prefetcher(load, plan.next_key) as prefetcher:
             iteration = samples = tokens = 0
-            while not plan.done(
-                RunState(iteration, samples, tokens)
-            ):  # the training loop's bookkeeping
+            # the training loop's bookkeeping
+            while not plan.done(RunState(iteration, samples, tokens)):
                 iteration += 1
                 batch_size, seqlen = plan.batch_size(samples), plan.seqlen(iteration)
                 if plan.skipped(iteration):

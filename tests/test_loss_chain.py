@@ -146,10 +146,11 @@ def test_eager_chain_exponentiates_each_chunk_once(dtype, monkeypatch):
     h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
     # bf16: each chunk's fp32 exps
     copies = ["aten._to_copy.default"] * 3 if dtype != torch.float32 else []
+    # one buffer for every chunk, and for the next forward
     for made in (
         ["aten.new_empty.default"],
         [],
-    ):  # one buffer for every chunk, and for the next forward
+    ):
         with ChunkSized((H, V), (H, V_REAL)) as recorded:
             loss, _ = cross_entropy.linear_cross_entropy(h, w, target, V_REAL, 1e-2, "mean")
         exps = ("aten.exp", "aten.exp_", "aten.softmax", "aten._softmax")
@@ -326,12 +327,13 @@ def test_output_weight_gradient_goes_into_main_grad_with_no_grad(
     class WeightSized(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
+            # a new tensor
             if (
                 not (func.is_view or func._schema.is_mutable)
                 and isinstance(out, torch.Tensor)
                 and out.shape == w.shape
                 and out.dtype == dtype != torch.float32
-            ):  # a new tensor
+            ):
                 made.append(str(func))
             return out
 

@@ -772,9 +772,8 @@ def test_checkpoint_activations_gives_identical_loss_and_grads(streams):
             # activation is rebuilt; the block's first LayerNorm runs in both passes)
             block.ln_1.register_forward_hook(lambda *args: calls.append(1))
         torch.manual_seed(7)
-        if (
-            streams != "default only"
-        ):  # attention dropout from its own stream, replayed in the recomputation
+        # attention dropout from its own stream, replayed in the recomputation
+        if streams != "default only":
             rng.seed(7)
         loss = model(ids, targets=ids)
         loss.backward()

@@ -179,9 +179,8 @@ def _layout_matches_one_process(micro_per_rank, mbs):
                 micro = model(x, y)
                 (micro * (4.0 / len(mine))).backward()
                 loss = loss + micro.detach() / len(mine)
-        if (
-            g.dp_size > 1
-        ):  # every bucket's all-reduce was started by the hooks during backward, none after
+        # every bucket's all-reduce was started by the hooks during backward, none after
+        if g.dp_size > 1:
             assert buffer.launched == len(buffer.buckets) == len(buffer.handles) > 1
         loss = parallel.average_loss(loss)
         parallel.reduce_gradients(model)
@@ -527,9 +526,8 @@ def test_tp2_pp2_resume_is_exact_and_weights_survive_the_reload(
     assert sorted(first.lines) == [1, 2, 3, 4, 5] and (tmp_path / "global_step5").is_dir()
     second = launch(tmp_path, 4, *layout, f"--load={tmp_path}")
     assert sorted(second.lines) == [6, 7, 8, 9, 10]
-    for it in range(
-        6, 11
-    ):  # bit-exact: the same printed numbers and the same full-precision scalars
+    # bit-exact: the same printed numbers and the same full-precision scalars
+    for it in range(6, 11):
         assert second.lines[it] == tp2_pp2.lines[it], it
         assert second.scalars[it] == tp2_pp2.scalars[it], it
     assert second.valid[10] == tp2_pp2.valid[10]

@@ -279,9 +279,8 @@ def test_resume_on_other_layouts_follows_the_straight_run(synthetic_corpus, tmp_
 
 
 def test_tied_copies_that_differ_are_refused(tmp_path):
-    def drift(
-        model, optimizer
-    ):  # lesson 11: the last stage's copy of the tied embedding left behind
+    # lesson 11: the last stage's copy of the tied embedding left behind
+    def drift(model, optimizer):
         if parallel.grid.is_last_stage:
             with torch.no_grad():
                 model.output_weight[5, 3] += 1e-3

@@ -257,7 +257,6 @@ def test_a_negative_reset_warmup_is_refused_by_name(ckpt):
         r"iterations",
     ):
         run_main(*SMALL, "--train_iters=3", f"--load={ckpt}", "--reset_optimizer_warmup_iters=-3")
-    with pytest.raises(
-        ValueError, match=r"^reset_optimizer_warmup_iters=0 must be a positive"
-    ):  # it reset nothing
+    # it reset nothing
+    with pytest.raises(ValueError, match=r"^reset_optimizer_warmup_iters=0 must be a positive"):
         run_main(*SMALL, "--train_iters=3", f"--load={ckpt}", "--reset_optimizer_warmup_iters=0")

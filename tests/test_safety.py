@@ -458,9 +458,8 @@ def _workers_agree_when_to_exit():
     exit_signal = safety.ExitSignal(True)
     try:
         assert exit_signal() is False
-        if (
-            rank == 1
-        ):  # torchrun forwards SIGTERM to every worker, but they need not get it in the same iteration
+        # torchrun forwards SIGTERM to every worker, but they need not get it in the same iteration
+        if rank == 1:
             os.kill(os.getpid(), signal.SIGTERM)
         assert exit_signal() == "SIGTERM", rank
     finally:

@@ -40,9 +40,8 @@ def test_a_single_gpu_command_passes_its_dry_run_with_one_process(doc, command, 
     out = io.StringIO()
     sizes = estimate.dry_run(cfg, world_size=1, file=out)
     assert "= 1 GPUs" in out.getvalue() and sizes["dp"] == 1
-    if (
-        "1gpu" in command or "gpt2_125m" in command
-    ):  # the configs chosen for one 80 GB GPU fit with room to spare
+    # the configs chosen for one 80 GB GPU fit with room to spare
+    if "1gpu" in command or "gpt2_125m" in command:
         activations = sizes[
             "activations_checkpointed" if cfg.checkpoint_activations else "activations"
         ]

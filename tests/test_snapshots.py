@@ -251,9 +251,8 @@ def test_a_ranks_snapshot_holds_the_optimizer_state_of_the_parameters_zero1_deal
 def _refused_on_every_rank():
     snapshots.node_memory = lambda: 2**20
     cfg = arguments.load_config(["--spike_guard"])
-    with pytest.raises(
-        ValueError, match="spike guard snapshots need"
-    ):  # rank 1's snapshots do not fit: on both
+    # rank 1's snapshots do not fit: on both
+    with pytest.raises(ValueError, match="spike guard snapshots need"):
         snapshots_of(
             cfg, torch.nn.Linear(4, 4) if parallel.grid.rank == 0 else torch.nn.Linear(256, 256)
         )

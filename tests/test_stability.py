@@ -201,9 +201,8 @@ def _levers_tp_matches_one_process():
         torch.testing.assert_close(
             p.grad, expected, rtol=1e-5, atol=1e-12, msg=lambda m: f"{name}: {m}"
         )
-        if (
-            "_norm" in name
-        ):  # the shared qk-layernorm weights: the same gradient on every TP rank, bit for bit
+        # the shared qk-layernorm weights: the same gradient on every TP rank, bit for bit
+        if "_norm" in name:
             assert all(torch.equal(other, p.grad) for other in gather(p.grad, g.tp_group)), name
 
 

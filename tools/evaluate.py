@@ -19,9 +19,8 @@ import os
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-if (
-    __name__ == "__main__"
-):  # this file would stand in for Hugging Face's `evaluate`, which lm-eval may import
+# this file would stand in for Hugging Face's `evaluate`, which lm-eval may import
+if __name__ == "__main__":
     sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != HERE]
 sys.path.insert(0, os.path.dirname(HERE))
 

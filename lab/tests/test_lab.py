@@ -188,9 +188,10 @@ def test_telemetry_precursors_match_direct_computation():
     assert outcome == "ok"
     params = dict(model.named_parameters())
 
+    # the gradient RMS of a layer's parameters (the tied embedding counted once, in the embedding)
     def rms(
         prefix,
-    ):  # the gradient RMS of a layer's parameters (the tied embedding counted once, in the embedding)
+    ):
         grads = [params[n].grad.double().flatten() for n in params if n.startswith(prefix)]
         return torch.cat(grads).square().mean().sqrt().item()
 

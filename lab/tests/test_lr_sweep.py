@@ -90,10 +90,11 @@ def test_preflight_refuses_the_old_study_and_passes_the_lab():
     assert [
         "z-loss compared without qk-layernorm" in p for p in lr_sweep.preflight({"B": z_alone})
     ] == [True]
+    # tied, or decayed (the default)
     for dropped in (
         "--untie_embeddings_and_output_weights",
         "--weight_decay=0",
-    ):  # tied, or decayed (the default)
+    ):
         held = {**arm_b, "args": [a for a in arm_b["args"] if a != dropped]}
         assert [
             "z-loss compared on a tied output layer" in p for p in lr_sweep.preflight({"B": held})
