@@ -55,9 +55,9 @@ def owners():
 
 def _parts(filename, class_name):
     """[(file, class name)] of the classes whose own fields make class_name's, in its fields' order.
-    A class with no field of its own is their composition (Config; stability.config.StabilityConfig
-    of its sections): its bases, each found where the file defines it or imports it (`from MODULE
-    import NAME`)."""
+    A class with no field of its own is their composition (Config): its bases, each found where
+    the file defines it or imports it (`from MODULE import NAME`); stability.config.StabilityConfig
+    composes the sections of the layer's parts (_layer_sections)."""
     tree = ast.parse(_read(os.path.join(ROOT, filename)))
     modules = {
         alias.asname or alias.name: node.module
@@ -68,13 +68,58 @@ def _parts(filename, class_name):
     node = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == class_name)
     if any(isinstance(stmt, ast.AnnAssign) for stmt in node.body) or not node.bases:
         return [(filename, class_name)]
+    if isinstance(node.bases[0], ast.Starred):  # StabilityConfig(*reversed(sections()))
+        return _layer_sections()
     return [
         part
         for base in reversed(node.bases)
-        for part in _parts(
-            modules[base.id].replace(".", "/") + ".py" if base.id in modules else filename, base.id
-        )
+        for part in _parts(_defined_in(modules, base.id, filename), base.id)
     ]
+
+
+def _defined_in(modules, name, filename):
+    """The file that defines name, as seen from filename: its `from MODULE import name`'s, or its own."""
+    return modules[name].replace(".", "/") + ".py" if name in modules else filename
+
+
+def _layer_sections():
+    """[(file, class name)] of the stability layer's sections, as stability.config.sections() makes
+    them: each part's Config, once, the parts of stability.FRAME first, then REGISTRY's."""
+    tree = ast.parse(_read(os.path.join(ROOT, "stability", "__init__.py")))
+    lists = {
+        node.targets[0].id: node.value
+        for node in tree.body
+        if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name)
+    }
+    wheres = [e.value for e in lists["FRAME"].elts]
+    wheres += [
+        entry.elts[-1].value for entry in lists["REGISTRY"].elts
+    ]  # (switches, "module.Class")
+    return list(dict.fromkeys(_section_of(*where.rsplit(".", 1)) for where in wheres))
+
+
+def _section_of(module, class_name):
+    """(file, class name) of the section a part of the layer names as its Config, in its class or
+    the nearest base class that does (remedies.OptRestart: CheckpointRestart's)."""
+    filename = f"stability/{module}.py"
+    tree = ast.parse(_read(os.path.join(ROOT, filename)))
+    modules = {
+        alias.asname or alias.name: node.module
+        for node in tree.body
+        if isinstance(node, ast.ImportFrom)
+        for alias in node.names
+    }
+    node = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == class_name)
+    for stmt in node.body:
+        if isinstance(stmt, ast.Assign) and ast.unparse(stmt.targets[0]) == "Config":
+            value = ast.unparse(stmt.value)  # GuardConfig, or spike_guard.GuardConfig
+            if "." in value:
+                return f"stability/{value.split('.')[0]}.py", value.split(".")[1]
+            return _defined_in(modules, value, filename), value
+    base = ast.unparse(node.bases[0])
+    if "." in base:
+        raise ValueError(f"{filename}: {class_name} names no Config (its section)")
+    return _section_of(module, base)
 
 
 def _owned_fields():

@@ -134,7 +134,7 @@ REMEDIES = {
 METHODS = ["guard", "none", *REMEDIES]
 # The seventh campaign's rule for every method alike (--windows): each setting that counts
 # iterations at its published default ("published": the guard's are its config defaults,
-# stability/config.py), or every one of them x --window_scale ("scaled"); "sixth" keeps the sixth's
+# its parts' sections), or every one of them x --window_scale ("scaled"); "sixth" keeps the sixth's
 # flags (GUARD, REMEDIES) to run its draws as they ran.
 WINDOWS = {
     "guard": {

@@ -1,5 +1,6 @@
 """The stability layer: what the run does about instabilities by itself, as callbacks the loop calls
-(training.Callback), one per concern, each with its own config section and its own state in the checkpoint.
+(training.Callback), one per concern, each with its section of the config beside it (its class's Config) and
+its own state in the checkpoint.
 
     faults.py      Faults: spikes made on purpose (fault injection)
     guard.py       Guard: the spike guard's decisions carried out; Precursor: its early rung; Forensics: a suspect
@@ -13,11 +14,11 @@
     snapshots.py   Snapshotting: the copies of the run a rollback returns to, and their cost in host memory
     skip_list.py   SkipList: the documents behind data-driven spikes, which the data then leaves out
     replica_check.py ReplicaCheck: the DP replicas' weights and optimizer state compared by checksum, re-synced
-    config.py      the layer's keys, their checks, and each callback's section of them
+    config.py      StabilityConfig: every part's section composed; the checks of keys that work only together
 
 The dependency runs one way: these files use the core (training, model, parallel, optim, schedule, ...), and no core
-module imports them; builders.build_callbacks wires them in when the run asks for any of them. This file imports
-none of them until a switch asks.
+module imports them; builders.build_callbacks wires them in when the run asks for any of them. Every run imports
+them for their sections (stability.config, with the config); none is built until a switch asks.
 """
 
 from collections import namedtuple
@@ -28,8 +29,14 @@ from sections import section
 # not a key: the guard's entry is built for them too (switched_on())
 DECIDED = "a checkpoint's guard decisions"
 
+# The parts every callback shares (Shared), built first when the layer is: the spike guard, made of its detector
+# (what a spike is) and its decisions (what one calls for), and the snapshots a rollback returns to. Each has its
+# section, as a callback has, and is built with it (construction()).
+FRAME = ("detector.Detector", "spike_guard.SpikeGuard", "snapshots.Snapshots")
+
 # The callbacks in the order they act (training.Callbacks calls each event in list order): (the switches that
-# build it, "module.Class" in stability/). Adding a check is a class and a line here (docs/forking.md).
+# build it, "module.Class" in stability/). Adding a check, its key included, is its file and a line here
+# (docs/forking.md): its class's Config is its section, which stability.config composes with the others.
 REGISTRY = [
     # first: the fault is in the batch, the LR and the weights every callback after it sees (the guard judges
     # it, the forensics replay it); its gradient flip comes before telemetry reads the gradients
@@ -113,14 +120,20 @@ def switched_on(cfg, saved_state=None):
     return on | ({DECIDED} if guard.get("decisions") or guard.get("skip_ranges") else set())
 
 
+def part(where):
+    """The class of a part of the layer, by its "module.Class" in stability/ (REGISTRY's, FRAME's)."""
+    import importlib
+
+    module, name = where.rsplit(".", 1)
+    return getattr(importlib.import_module(f"stability.{module}"), name)
+
+
 def build_callbacks(cfg, writer=None, saved_state=None):
     """The run's callbacks (a training.Callbacks) in REGISTRY's order, each built when one of its
     switches is on; None when the run needs none."""
     on = switched_on(cfg, saved_state)
     if not on:
         return None
-    import importlib
-
     from stability.snapshots import Snapshots
     from stability.spike_guard import SpikeGuard
     from training import Callbacks
@@ -133,8 +146,7 @@ def build_callbacks(cfg, writer=None, saved_state=None):
     )
     for switches, where in REGISTRY:
         if on & set(switches):
-            module, name = where.rsplit(".", 1)
-            kind = getattr(importlib.import_module(f"stability.{module}"), name)
+            kind = part(where)
             section_cfg, *more = made.get(where) or (section(kind.Config, cfg),)
             callback = kind(section_cfg, shared, *more)
             shared.built[callback.name] = callback
@@ -171,9 +183,11 @@ def construction(cfg):
     With switched_on, snapshot_plan and config.check, the layer's boundary with the whole config."""
     import schedule
     from model import GPTConfig
-    from stability import config as c
 
-    guard_cfg, detector_cfg = section(c.GuardConfig, cfg), section(c.DetectorConfig, cfg)
+    def own(where):  # a part's section
+        return section(part(where).Config, cfg)
+
+    guard_cfg, detector_cfg = own("spike_guard.SpikeGuard"), own("detector.Detector")
     core = CoreKeys(*(getattr(cfg, key) for key in CORE_KEYS))
     interval = cfg.spike_guard_snapshot_interval
     sharded = cfg.deepspeed or cfg.zero_stage >= 1  # each DP rank holds its own optimizer shard
@@ -184,27 +198,23 @@ def construction(cfg):
             (cfg.save, cfg.load),
             schedule.reset_warmup_iters(cfg.reset_optimizer_warmup_iters, cfg.adam_beta2, "auto"),
         ),
-        "faults.Faults": (section(c.FaultsConfig, cfg), cfg.seed, cfg.vocab_size, core),
+        "faults.Faults": (own("faults.Faults"), cfg.seed, cfg.vocab_size, core),
         "guard.Guard": (guard_cfg, core),
-        "telemetry.Recording": (section(c.TelemetryConfig, cfg), section(GPTConfig, cfg)),
-        "guard.Precursor": (section(c.PrecursorConfig, cfg), cfg.adam_eps),
-        "guard.Forensics": (section(c.ForensicsConfig, cfg), core),
-        "remedies.SpikyLoss": (section(c.SpikyLossConfig, cfg),),
-        "remedies.OptRestart": (section(c.RestartConfig, cfg),),
-        "remedies.PalmRestart": (section(c.RestartConfig, cfg),),
+        "telemetry.Recording": (own("telemetry.Recording"), section(GPTConfig, cfg)),
+        "guard.Precursor": (own("guard.Precursor"), cfg.adam_eps),
+        "guard.Forensics": (own("guard.Forensics"), core),
         "replica_check.ReplicaCheck": (
-            section(c.ReplicaCheckConfig, cfg),
+            own("replica_check.ReplicaCheck"),
             guard_cfg.spike_guard,
             interval,
             guard_cfg.spike_guard_max_hardware_faults,
             sharded,
         ),
         "soft_skip.SoftSkip": (
-            section(c.SoftSkipConfig, cfg),
+            own("soft_skip.SoftSkip"),
             detector_cfg.spike_guard_min_steps,
             detector_cfg.spike_guard_window,
         ),
-        "snapshots.Snapshotting": (section(c.SnapshotConfig, cfg),),
     }
 
 

@@ -1,15 +1,18 @@
-"""The stability layer's keys and their checks: the spike guard (lesson 21), the soft skip, telemetry, the skip list
-and fault injection. arguments.Config is made of each owner's keys; this file is the stability layer's part.
+"""The stability layer's keys: StabilityConfig, every part's section composed, and the checks of
+the keys that work only together.
 
-Each key is declared once, in the section of the part that reads it (a dataclass below, its fields
-the keys by their names); StabilityConfig is the sections composed, as arguments.Config composes the
-owners. Each callback is handed its section when it is built (sections.section, in
-stability.build_callbacks), and the core's keys it needs (clip_grad, seed, save, ...) as arguments,
-by name. check() is the one function here that reads the whole config: the checks of keys across
-sections and owners; each section's own checks take the section.
+Each key is declared once, in the section of the part that reads it: a dataclass beside the part,
+in its own file (faults.FaultsConfig beside faults.Faults), named as the part's `Config`, as the
+core's owners keep theirs (checkpoint.CheckpointConfig). StabilityConfig composes the sections of
+the parts stability.REGISTRY and stability.FRAME name, so a check with a key of its own is its
+file and its registry line (docs/forking.md); arguments.Config composes StabilityConfig with the
+core's sections, and usage.py reads the same composition from the source for `--help`.
 
-The dependency runs from this layer to the core, never back: the checks below use the core's rules
-(schedule.parse_iteration_ranges), and stability.precursors is imported inside check() only.
+Each part is handed its section when it is built (sections.section, in stability.build_callbacks),
+and the core's keys it needs (clip_grad, seed, save, ...) as arguments, by name. check() is the
+one function here that reads the whole config: the checks of keys across sections and owners; each
+section's own checks take the section. Every run imports the layer's modules for their sections;
+a run builds its parts only when a switch asks (stability.build_callbacks).
 """
 
 import math
@@ -17,214 +20,26 @@ from dataclasses import dataclass
 
 import schedule
 from sections import section
+from stability import FRAME, REGISTRY, part
+from stability.detector import DetectorConfig
+from stability.faults import SAMPLE_KINDS, FaultsConfig, bitflip_width, sample_ranges
+from stability.guard import PrecursorConfig
+from stability.remedies import RestartConfig, SkipStepConfig, SpikyLossConfig, ZClipConfig
+from stability.snapshots import SnapshotConfig
+from stability.spike_guard import GuardConfig
 
-# -----------------------------------------------------------------------------
-# The keys, each declared once, in the section of the part that reads it; StabilityConfig is their
-# composition. A part that needs a key of another section, or of the core (clip_grad, seed, save...),
-# gets its value at construction from stability.construction, by name.
+
+def sections():
+    """Each part's section (its class's Config), once, in the order the parts act: the frame's, then
+    REGISTRY's; the order of the keys in StabilityConfig and in `--help`."""
+    wheres = (*FRAME, *(where for _, where in REGISTRY))
+    return list(dict.fromkeys(part(where).Config for where in wheres))
 
 
+# a dataclass's fields come base class last first: the bases reversed, the keys in sections()'s order
 @dataclass
-class SoftSkipConfig:  # soft_skip.SoftSkip
-    # -- stability: the soft skip, telemetry, the skip list, the spike guard (lesson 21), fault injection --
-    # loss > this x its trend: gradients x trend/loss before clipping (0: off)
-    soft_skip_loss_ratio: float = 0.0
-
-
-@dataclass
-class TelemetryConfig:  # telemetry.Recording
-    # -- stability --
-    # per-layer grad/param/update norms, activations, logits every N iterations (0: off)
-    telemetry_interval: int = 0
-
-
-@dataclass
-class ReplicaCheckConfig:  # replica_check.ReplicaCheck
-    # -- stability --
-    # checksum the DP replicas' state every N iters (None: guard's)
-    dp_replica_check_interval: int | None = None
-
-
-@dataclass
-class SkipListConfig:  # skip_list.SkipList
-    # -- stability --
-    # a skip list (<save>/skip_documents.jsonl): no sample takes its documents
-    skip_documents: str | None = None
-
-
-@dataclass
-class GuardConfig:  # spike_guard.SpikeGuard: what a spike calls for
-    # -- stability --
-    # skip a spiking step; if it persists roll back and skip data; on a relapse lower the LR
-    spike_guard: bool = False
-    # spikes (or NaN/inf steps) within spike_guard_rewind iterations before a rollback
-    spike_guard_max_skips: int = 3
-    # roll back to before (first spike - this) and skip the data from there ...
-    spike_guard_rewind: int = 100
-    # ... to this many iterations after the last spike (PaLM: 200-500 in all)
-    spike_guard_skip_after: int = 200
-    # on a relapse (a second rollback), multiply the LR by this from then on
-    spike_guard_lr_factor: float = 0.5
-    # on a relapse, also reset the optimizer with the lr=0 warm-up (lesson 8)
-    spike_guard_reset_optimizer: bool = False
-    # more would be needed: save the last good state and exit (code 3)
-    spike_guard_max_rollbacks: int = 3
-    # iterations skipped by the guard in all, then save and exit (code 3)
-    spike_guard_max_skipped_iters: int = 2000
-    # transient faults on one DP rank before the run stops, naming it
-    spike_guard_max_hardware_faults: int = 3
-    # numerical diagnoses in spike_guard_rewind iterations: persistent, stop
-    spike_guard_max_numerical: int = 4
-
-
-@dataclass
-class DetectorConfig:  # detector.Detector: what a spike is
-    # -- stability --
-    # applied steps in the trailing loss / grad-norm statistics (OLMo-core: 128)
-    spike_guard_window: int = 128
-    # applied steps recorded before it judges (its own warm-up; the LR's need not end)
-    spike_guard_min_steps: int = 16
-    # a spike: loss or grad norm this many spreads above its trend's prediction ...
-    spike_guard_zscore: float = 6.0
-    spike_guard_ema_ratio: float = 1.1  # ... and above this multiple of the predicted value
-    # ... or the grad norm this multiple (a clean tiny run: lone 12x jumps)
-    spike_guard_grad_norm_ratio: float = 100.0
-    # ... or the loss this many steps in a row over half that zscore (0: off)
-    spike_guard_rise_steps: int = 3
-    # ... or far below an unseen batch's loss, measured every N iters (0: off)
-    spike_guard_unseen_interval: int = 10
-    # the weights' move per update this x its trend, at each snapshot (0: off)
-    spike_guard_update_ratio: float = 4.0
-
-
-@dataclass
-class SnapshotConfig:  # snapshots.Snapshots: the states a rollback returns to
-    # -- stability --
-    # a CPU copy of the run every N iterations to roll back to (0: disk only)
-    spike_guard_snapshot_interval: int = 50
-    # node-local disk ($SLURM_TMPDIR): snapshots there, not in host memory
-    spike_guard_snapshot_dir: str | None = None
-
-
-@dataclass
-class ForensicsConfig:  # guard.Forensics
-    # -- stability --
-    # fp16/bf16: replay a reproduced spike in fp32 (an fp32 copy of the weights)
-    spike_guard_fp32_replay: bool = True
-
-
-@dataclass
-class PrecursorConfig:  # guard.Precursor, spike_guard.precursor_rung
-    # -- stability --
-    # EXPERIMENTAL early rung (None: off): cut the LR when this passes ...
-    spike_guard_precursor: str | None = None
-    # ... this threshold (docs/spike_guard.md, section 7)
-    spike_guard_precursor_threshold: float | None = None
-    # ... by this factor, once per crossing (precursors.PRECURSORS)
-    spike_guard_precursor_lr_factor: float = 0.5
-
-
-@dataclass
-class SkipStepConfig:  # remedies.SkipStep
-    # -- stability: the field's remedies, baselines for the guard (stability/remedies.py; docs/spike_guard.md) --
-    # OLMo-core's SkipStep: skip a step > this many stds above the window (6; 0: off)
-    skip_step_sigma: float = 0.0
-    # ... the previous steps' losses and grad norms it is judged against (OLMo-core: 128)
-    skip_step_window: int = 128
-
-
-@dataclass
-class SpikyLossConfig:  # remedies.SpikyLoss
-    # -- stability --
-    # Megatron's spiky loss: a loss >= this x the largest seen is re-run (10; 0: off)
-    spiky_loss_factor: float = 0.0
-    # ... the first steps whose largest loss is the bar (Megatron: 100)
-    spiky_loss_samples: int = 100
-
-
-@dataclass
-class ZClipConfig:  # remedies.ZClip
-    # -- stability --
-    # ZClip: clip a grad norm whose z-score over its EMA is above this (2.5; 0: off)
-    zclip_z: float = 0.0
-    zclip_alpha: float = 0.97  # ... the EMA's smoothing factor (ZClip: 0.97)
-    zclip_warmup: int = 25  # ... grad norms collected before the EMA starts (ZClip: 25)
-
-
-@dataclass
-class RestartConfig:  # remedies.OptRestart, remedies.PalmRestart
-    # -- stability --
-    # the automated checkpoint restarts (remedies.OptRestart, PalmRestart; 0: off): on a spike,
-    opt_restart_lr_factor: float = 0.0  # OPT's: back to the last checkpoint, the LR x this (0.25)
-    palm_restart_skip: int = 0  # PaLM's: back palm_restart_back iterations, skip this many (200)
-    palm_restart_back: int = 100  # ... to the newest checkpoint this far before the spike (PaLM)
-    restart_sigma: float = 6.0  # their spike: the loss this many stds above the window's mean ...
-    restart_window: int = 128  # ... of these previous steps (OLMo-core's SkipStep rule: 6, 128)
-    restart_max: int = 3  # restarts in a run, then none (spike_guard_max_rollbacks' default)
-
-
-@dataclass
-class FaultsConfig:  # faults.Faults
-    # -- stability --
-    # fault injection: iterations ("40-45") given random-token batches
-    inject_bad_batch_iters: list[str] | None = None
-    # fault injection: iteration ranges whose LR is x inject_lr_factor
-    inject_lr_iters: list[str] | None = None
-    inject_lr_factor: float = 100.0  # the LR multiplier of inject_lr_iters
-    # inject_lr_iters on every pass (a resume with a higher LR), not once in time
-    inject_lr_persistent: bool = False
-    # fault injection: iterations given degenerate batches ...
-    inject_degenerate_iters: list[str] | None = None
-    # ... one token repeated ("repeat"), an 8-gram ("ngram"), or "minority":
-    inject_degenerate_kind: str = "repeat"
-    inject_degenerate_fraction: float = 0.25  # ... random tokens in this fraction of the samples
-    # fault injection: flip a bit of one gradient element at these iters
-    inject_bitflip_iters: list[str] | None = None
-    # ... on this rank, after the DP all-reduce (a faulty GPU: silent data corruption)
-    inject_bitflip_rank: int = 0
-    # ... of a gradient ("grad"), a weight, "exp_avg", "exp_avg_sq" or "master"
-    inject_bitflip_target: str = "grad"
-    inject_bitflip_bit: int = -1  # ... this bit of the element (-1: the top exponent bit)
-    # ... this element of the first matrix (-1: its largest in magnitude)
-    inject_bitflip_element: int = -1
-    # fault injection: a cancellation only half precision loses
-    inject_numerical_iters: list[str] | None = None
-    # fault injection: Adam's moments zeroed before this step
-    inject_lost_optimizer_state_iter: int | None = None
-    # fault injection: a block of repeated documents in corpus order ...
-    inject_repeat_iters: list[str] | None = None
-    # ... its iterations given again the samples of its first this many iterations
-    inject_repeat_period: int = 1
-    inject_overflow_iters: list[str] | None = None  # fault injection (fp16): gradients overflow
-    # fault injection: sample ranges ("0-7") bad in the corpus ...
-    inject_bad_samples: list[str] | None = None
-    # ... random tokens, "repeat", "ngram" or "duplicate" ...
-    inject_bad_samples_kind: str = "random"
-    inject_duplicate_period: int = 8  # ... of the range's first this many samples, in turn
-    # fault injection: inject_bitflip_rank's device bad from here on
-    inject_bad_device_iter: int | None = None
-
-
-@dataclass
-class StabilityConfig(
-    FaultsConfig,
-    RestartConfig,
-    ZClipConfig,
-    SpikyLossConfig,
-    SkipStepConfig,
-    PrecursorConfig,
-    ForensicsConfig,
-    SnapshotConfig,
-    DetectorConfig,
-    GuardConfig,
-    SkipListConfig,
-    ReplicaCheckConfig,
-    TelemetryConfig,
-    SoftSkipConfig,
-):
-    """Every key of the stability layer, flat: the sections above composed (a dataclass's fields
-    come base class last first: the soft skip's first, the faults' last). usage.py reads these bases
-    for `--help`."""
+class StabilityConfig(*reversed(sections())):
+    """Every key of the stability layer, flat: the parts' sections composed."""
 
 
 def need(ok, message):
@@ -432,24 +247,6 @@ def check_faults(faults_cfg, half):
         f.inject_bad_device_iter is None or f.inject_bad_device_iter >= 1,
         "inject_bad_device_iter must be an iteration (>= 1), or None (off)",
     )
-
-
-SAMPLE_KINDS = ("random", "repeat", "ngram", "duplicate")  # inject_bad_samples_kind's names
-
-
-def sample_ranges(ranges, key):
-    """["0-7", "96-99"] -> [(0, 7), (96, 99)]: consumed-sample indices (0-based, inclusive: the
-    first sample of the run is 0, as loader.sample_indices counts them)."""
-    return schedule.parse_iteration_ranges(
-        ranges, key, lowest=0, unit="consumed-sample indices, 0-based and inclusive, e.g. 96-103"
-    )
-
-
-def bitflip_width(target, half):
-    """The width in bits of the element inject_bitflip_target flips: a weight is in the run's
-    precision (fp16, bf16: 16 bits); gradients (accumulated in fp32: precision.grad_dtype), Adam's
-    moments and the masters are fp32. half: the run is fp16 or bf16."""
-    return 16 if target == "weight" and half else 32
 
 
 def check_directory(path, key):

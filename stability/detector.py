@@ -18,6 +18,7 @@ snapshots carry them and a rollback restores them. What a spike calls for is spi
 
 import collections
 import math
+from dataclasses import dataclass
 
 import run_state
 
@@ -139,8 +140,30 @@ def scatters(x, predicted, scatter):
     return (x - predicted) / scatter if scatter > 0 else (math.inf if x > predicted else 0.0)
 
 
+@dataclass
+class DetectorConfig:  # Detector: what a spike is
+    # -- stability: the spike guard's detector --
+    # applied steps in the trailing loss / grad-norm statistics (OLMo-core: 128)
+    spike_guard_window: int = 128
+    # applied steps recorded before it judges (its own warm-up; the LR's need not end)
+    spike_guard_min_steps: int = 16
+    # a spike: loss or grad norm this many spreads above its trend's prediction ...
+    spike_guard_zscore: float = 6.0
+    spike_guard_ema_ratio: float = 1.1  # ... and above this multiple of the predicted value
+    # ... or the grad norm this multiple (a clean tiny run: lone 12x jumps)
+    spike_guard_grad_norm_ratio: float = 100.0
+    # ... or the loss this many steps in a row over half that zscore (0: off)
+    spike_guard_rise_steps: int = 3
+    # ... or far below an unseen batch's loss, measured every N iters (0: off)
+    spike_guard_unseen_interval: int = 10
+    # the weights' move per update this x its trend, at each snapshot (0: off)
+    spike_guard_update_ratio: float = 4.0
+
+
 class Detector:
     """The trailing statistics of applied steps and the rules that call a step a spike (the module's docstring)."""
+
+    Config = DetectorConfig  # its section: stability.build_callbacks builds it with it
 
     def __init__(self, detector_cfg, clip_grad):
         self.rules = detector_cfg  # a DetectorConfig

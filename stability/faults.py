@@ -47,19 +47,82 @@ their samples only while no skip list moves the data. The ranges are parsed once
 starts.
 """
 
+from dataclasses import dataclass
+
 import torch
 
 import loader
 import parallel
 import schedule
 import training
-from stability.config import sample_ranges
+
+
+@dataclass
+class FaultsConfig:  # Faults
+    # -- stability: fault injection --
+    # fault injection: iterations ("40-45") given random-token batches
+    inject_bad_batch_iters: list[str] | None = None
+    # fault injection: iteration ranges whose LR is x inject_lr_factor
+    inject_lr_iters: list[str] | None = None
+    inject_lr_factor: float = 100.0  # the LR multiplier of inject_lr_iters
+    # inject_lr_iters on every pass (a resume with a higher LR), not once in time
+    inject_lr_persistent: bool = False
+    # fault injection: iterations given degenerate batches ...
+    inject_degenerate_iters: list[str] | None = None
+    # ... one token repeated ("repeat"), an 8-gram ("ngram"), or "minority":
+    inject_degenerate_kind: str = "repeat"
+    inject_degenerate_fraction: float = 0.25  # ... random tokens in this fraction of the samples
+    # fault injection: flip a bit of one gradient element at these iters
+    inject_bitflip_iters: list[str] | None = None
+    # ... on this rank, after the DP all-reduce (a faulty GPU: silent data corruption)
+    inject_bitflip_rank: int = 0
+    # ... of a gradient ("grad"), a weight, "exp_avg", "exp_avg_sq" or "master"
+    inject_bitflip_target: str = "grad"
+    inject_bitflip_bit: int = -1  # ... this bit of the element (-1: the top exponent bit)
+    # ... this element of the first matrix (-1: its largest in magnitude)
+    inject_bitflip_element: int = -1
+    # fault injection: a cancellation only half precision loses
+    inject_numerical_iters: list[str] | None = None
+    # fault injection: Adam's moments zeroed before this step
+    inject_lost_optimizer_state_iter: int | None = None
+    # fault injection: a block of repeated documents in corpus order ...
+    inject_repeat_iters: list[str] | None = None
+    # ... its iterations given again the samples of its first this many iterations
+    inject_repeat_period: int = 1
+    inject_overflow_iters: list[str] | None = None  # fault injection (fp16): gradients overflow
+    # fault injection: sample ranges ("0-7") bad in the corpus ...
+    inject_bad_samples: list[str] | None = None
+    # ... random tokens, "repeat", "ngram" or "duplicate" ...
+    inject_bad_samples_kind: str = "random"
+    inject_duplicate_period: int = 8  # ... of the range's first this many samples, in turn
+    # fault injection: inject_bitflip_rank's device bad from here on
+    inject_bad_device_iter: int | None = None
+
+
+SAMPLE_KINDS = ("random", "repeat", "ngram", "duplicate")  # inject_bad_samples_kind's names
+
+
+def sample_ranges(ranges, key):
+    """["0-7", "96-99"] -> [(0, 7), (96, 99)]: consumed-sample indices (0-based, inclusive: the
+    first sample of the run is 0, as loader.sample_indices counts them)."""
+    return schedule.parse_iteration_ranges(
+        ranges, key, lowest=0, unit="consumed-sample indices, 0-based and inclusive, e.g. 96-103"
+    )
+
+
+def bitflip_width(target, half):
+    """The width in bits of the element inject_bitflip_target flips: a weight is in the run's
+    precision (fp16, bf16: 16 bits); gradients (accumulated in fp32: precision.grad_dtype), Adam's
+    moments and the masters are fp32. half: the run is fp16 or bf16."""
+    return 16 if target == "weight" and half else 32
 
 
 class Faults(training.Callback):
     """The configured faults, asked at each iteration whether they strike it. As a callback: the batch and LR
     replaced before the step, a gradient bit flipped after the all-reduce, the numerical fault's hook on during
     the step (and its replays), a weight bit flipped after an applied step."""
+
+    Config = FaultsConfig  # its section: stability.build_callbacks builds it with it
 
     name = "faults"
 

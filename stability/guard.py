@@ -11,6 +11,7 @@ step's are DP rank 0's on every replica: training.agree), so the ranks cannot de
 """
 
 import math
+from dataclasses import dataclass
 
 import checkpoint
 import loader
@@ -36,6 +37,8 @@ class Guard(training.Callback):
     """The spike guard's decisions where the loop meets them. Its state is the guard's (checkpoints keep its
     decisions; a rollback restores its statistics only), and it holds whether or not the guard is on now: a
     resumed run honours the skip ranges and LR factor it finds (stability.switched_on)."""
+
+    Config = spike_guard.GuardConfig  # the spike guard's section: what a spike calls for
 
     name = "spike_guard"
 
@@ -202,9 +205,22 @@ class Guard(training.Callback):
         )
 
 
+@dataclass
+class PrecursorConfig:  # Precursor, spike_guard.precursor_rung
+    # -- stability: the spike guard's precursor and forensics --
+    # EXPERIMENTAL early rung (None: off): cut the LR when this passes ...
+    spike_guard_precursor: str | None = None
+    # ... this threshold (docs/spike_guard.md, section 7)
+    spike_guard_precursor_threshold: float | None = None
+    # ... by this factor, once per crossing (precursors.PRECURSORS)
+    spike_guard_precursor_lr_factor: float = 0.5
+
+
 class Precursor(training.Callback):
     """The early rung (spike_guard_precursor): this iteration's telemetry record, when there is one, against its
     threshold (spike_guard.precursor_rung); the cut goes into the guard's LR scale, the decision into its log."""
+
+    Config = PrecursorConfig  # its section: stability.build_callbacks builds it with it
 
     name = "precursor"
 
@@ -226,11 +242,20 @@ class Precursor(training.Callback):
         return step
 
 
+@dataclass
+class ForensicsConfig:  # Forensics
+    # -- stability --
+    # fp16/bf16: replay a reproduced spike in fp32 (an fp32 copy of the weights)
+    spike_guard_fp32_replay: bool = True
+
+
 class Forensics(training.Callback):
     """A suspect step investigated before the guard decides (diagnosis.investigate): replayed, its weights and
     batch tested; the step that stands is returned and the diagnosis left on the guard (SpikeGuard.diagnosis) for
     its decision after the step. Stateless: the counterfactual's batch is a held-out one (comparison()), found
     from the iteration itself."""
+
+    Config = ForensicsConfig  # its section: stability.build_callbacks builds it with it
 
     name = "forensics"
 

@@ -31,6 +31,7 @@ its course, with no diagnosis:
 """
 
 import math
+from dataclasses import dataclass
 
 import checkpoint
 import parallel
@@ -38,7 +39,6 @@ import run_state
 import schedule
 import training
 from report import print0
-from stability.config import SkipStepConfig, ZClipConfig
 
 
 def mean_std(values):
@@ -61,6 +61,15 @@ def skip_step_outliers(losses, grad_norms, sigma):
                 f"{name} {values[-1]:.4g} > mean {mean:.4g} + {sigma:g} x std {std:.3g}"
             )
     return outliers
+
+
+@dataclass
+class SkipStepConfig:  # SkipStep
+    # -- stability: the field's remedies, baselines for the guard (docs/spike_guard.md) --
+    # OLMo-core's SkipStep: skip a step > this many stds above the window (6; 0: off)
+    skip_step_sigma: float = 0.0
+    # ... the previous steps' losses and grad norms it is judged against (OLMo-core: 128)
+    skip_step_window: int = 128
 
 
 class SkipStep(training.Callback):
@@ -120,6 +129,15 @@ def spiky_loss_check(state, loss, factor, samples):
     return value >= state["max"] * factor
 
 
+@dataclass
+class SpikyLossConfig:  # SpikyLoss
+    # -- stability --
+    # Megatron's spiky loss: a loss >= this x the largest seen is re-run (10; 0: off)
+    spiky_loss_factor: float = 0.0
+    # ... the first steps whose largest loss is the bar (Megatron: 100)
+    spiky_loss_samples: int = 100
+
+
 class SpikyLoss(training.Callback):
     """Megatron-LM's spiky-loss check (--check-for-spiky-loss; pretrain_gpt.py: SPIKY_LOSS_FACTOR = 10,
     validate_result(..., tolerance=0.0, fatal=False)). Not checked on the process's first iteration (Megatron
@@ -129,6 +147,8 @@ class SpikyLoss(training.Callback):
     the spiky loss, it logs and continues). Either way the step is applied. Differences from Megatron: the step's
     DP-averaged loss is checked (Megatron: each rank's micro-batch loss sum; equal ratios at a fixed batch), and
     the re-run is a forward only whose gradients are not used (Megatron's re-run recomputes them)."""
+
+    Config = SpikyLossConfig  # its section: stability.build_callbacks builds it with it
 
     name = "spiky_loss"
 
@@ -204,6 +224,15 @@ def zclip_threshold(state, grad_norm, z_thresh, alpha, warmup, eps=1e-6):
     return clip
 
 
+@dataclass
+class ZClipConfig:  # ZClip
+    # -- stability --
+    # ZClip: clip a grad norm whose z-score over its EMA is above this (2.5; 0: off)
+    zclip_z: float = 0.0
+    zclip_alpha: float = 0.97  # ... the EMA's smoothing factor (ZClip: 0.97)
+    zclip_warmup: int = 25  # ... grad norms collected before the EMA starts (ZClip: 25)
+
+
 class ZClip(training.Callback):
     """ZClip's adaptive gradient clipping (zclip_threshold): an outlying grad norm's gradients are scaled to the
     clip norm (x clip / (g + 1e-6), as ZClip's in-place clipping); the core's clip_grad still bounds every step,
@@ -251,6 +280,18 @@ def loss_spike(losses, sigma):
     return found[0] if found else None
 
 
+@dataclass
+class RestartConfig:  # OptRestart, remedies.PalmRestart
+    # -- stability --
+    # the automated checkpoint restarts (remedies.OptRestart, PalmRestart; 0: off): on a spike,
+    opt_restart_lr_factor: float = 0.0  # OPT's: back to the last checkpoint, the LR x this (0.25)
+    palm_restart_skip: int = 0  # PaLM's: back palm_restart_back iterations, skip this many (200)
+    palm_restart_back: int = 100  # ... to the newest checkpoint this far before the spike (PaLM)
+    restart_sigma: float = 6.0  # their spike: the loss this many stds above the window's mean ...
+    restart_window: int = 128  # ... of these previous steps (OLMo-core's SkipStep rule: 6, 128)
+    restart_max: int = 3  # restarts in a run, then none (spike_guard_max_rollbacks' default)
+
+
 class CheckpointRestart(training.Callback):
     """A restart from the run's own disk checkpoints (save, every save_interval): what OPT and PaLM
     went back to, and where a 100B run's state lives (no host snapshots: those are the guard's).
@@ -261,6 +302,8 @@ class CheckpointRestart(training.Callback):
     diagnosis: these are the baselines the guard is compared with. Its losses go with the
     weights; its decisions (the LR factor, the skip ranges, the decision log) are history, kept
     by checkpoints and never rolled back."""
+
+    Config = RestartConfig  # its section: stability.build_callbacks builds it with it
 
     name = None
 

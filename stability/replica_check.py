@@ -32,6 +32,7 @@ snapshot of the iteration: with the default interval, every snapshot is of repli
 
 import socket
 from collections import Counter
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -49,10 +50,19 @@ BITS = {
 }  # a float tensor's bits read as the integers of its width
 
 
+@dataclass
+class ReplicaCheckConfig:  # ReplicaCheck
+    # -- stability: the DP replicas' check --
+    # checksum the DP replicas' state every N iters (None: guard's)
+    dp_replica_check_interval: int | None = None
+
+
 class ReplicaCheck(training.Callback):
     """Every `interval` iterations, after the step: the DP replicas' checksums gathered and compared, a replica that
     differs re-synced (or the run rolled back, or stopped at the guard's hardware cap). Its state: the last
     iteration whose check agreed (it goes with the weights), and the faults it found per DP rank (history)."""
+
+    Config = ReplicaCheckConfig  # its section: stability.build_callbacks builds it with it
 
     name = "replica_check"
 

@@ -19,13 +19,20 @@ across lists.
 
 import json
 import os
+from dataclasses import dataclass
 
 import numpy as np
 
 import data
 import training
 from report import print0
-from stability.config import SkipListConfig
+
+
+@dataclass
+class SkipListConfig:  # SkipList
+    # -- stability: the skip list --
+    # a skip list (<save>/skip_documents.jsonl): no sample takes its documents
+    skip_documents: str | None = None
 
 
 class SkipList(training.Callback):

@@ -25,6 +25,15 @@ from report import print0
 HOST_SHARE = 0.75
 
 
+@dataclass
+class SnapshotConfig:  # Snapshots: the states a rollback returns to
+    # -- stability: the spike guard's snapshots --
+    # a CPU copy of the run every N iterations to roll back to (0: disk only)
+    spike_guard_snapshot_interval: int = 50
+    # node-local disk ($SLURM_TMPDIR): snapshots there, not in host memory
+    spike_guard_snapshot_dir: str | None = None
+
+
 class Snapshots:
     """A copy of the run every spike_guard_snapshot_interval iterations, enough of them to reach as far back as
     a rollback can (keep()); older ones are dropped. Without one, the disk checkpoints in `save`.
@@ -35,6 +44,8 @@ class Snapshots:
     With spike_guard_snapshot_dir: each rank's snapshot is one file there, written in the background by a
     checkpoint.AsyncWriter (one snapshot of host memory, its buffers), read back on a rollback, deleted when
     dropped and at the run's end. model: this rank's, to check at the start that the snapshots fit."""
+
+    Config = SnapshotConfig  # its section: stability.build_callbacks builds it with it
 
     def __init__(self, plan, checkpoint_dirs=(None, None), reset_warmup=0, model=None, saver=None):
         """plan: a Plan (stability.snapshot_plan); checkpoint_dirs: the run's save and load, whose
@@ -237,6 +248,8 @@ class Snapshots:
 class Snapshotting(training.Callback):
     """The snapshots (the store the guard and its forensics share, stability.Shared) checked to fit at the start,
     taken after each spike_guard_snapshot_interval-th iteration, deleted at the end."""
+
+    Config = SnapshotConfig  # its section: stability.build_callbacks builds it with it
 
     name = "snapshots"
 

@@ -1,14 +1,25 @@
 """metaseq's soft skip (soft_skip_loss_ratio): a step whose loss is above that ratio x its trend is taken with
 less weight -- its gradients scaled by trend / loss before clipping -- rather than skipped (docs/levers.md)."""
 
+from dataclasses import dataclass
+
 import training
 from report import print0
 from stability.detector import Series
 
 
+@dataclass
+class SoftSkipConfig:  # SoftSkip
+    # -- stability: the soft skip --
+    # loss > this x its trend: gradients x trend/loss before clipping (0: off)
+    soft_skip_loss_ratio: float = 0.0
+
+
 class SoftSkip(training.Callback):
     """The step's update_factor: trend / loss for a loss above soft_skip_loss_ratio x its trend, else 1. The trend
     is read from the run state's history before each step; `trend`: a fixed one (a step outside a run)."""
+
+    Config = SoftSkipConfig  # its section: stability.build_callbacks builds it with it
 
     name = "soft_skip"
 

@@ -84,6 +84,7 @@ replay the same LRs (note_lr, replays_same_lrs).
 
 import math
 import socket
+from dataclasses import dataclass
 
 import parallel
 import schedule
@@ -95,6 +96,31 @@ from stability.detector import LEARNT, Detector
 EXIT_CODE = 3
 
 
+@dataclass
+class GuardConfig:  # SpikeGuard: what a spike calls for
+    # -- stability: the spike guard (lesson 21) --
+    # skip a spiking step; if it persists roll back and skip data; on a relapse lower the LR
+    spike_guard: bool = False
+    # spikes (or NaN/inf steps) within spike_guard_rewind iterations before a rollback
+    spike_guard_max_skips: int = 3
+    # roll back to before (first spike - this) and skip the data from there ...
+    spike_guard_rewind: int = 100
+    # ... to this many iterations after the last spike (PaLM: 200-500 in all)
+    spike_guard_skip_after: int = 200
+    # on a relapse (a second rollback), multiply the LR by this from then on
+    spike_guard_lr_factor: float = 0.5
+    # on a relapse, also reset the optimizer with the lr=0 warm-up (lesson 8)
+    spike_guard_reset_optimizer: bool = False
+    # more would be needed: save the last good state and exit (code 3)
+    spike_guard_max_rollbacks: int = 3
+    # iterations skipped by the guard in all, then save and exit (code 3)
+    spike_guard_max_skipped_iters: int = 2000
+    # transient faults on one DP rank before the run stops, naming it
+    spike_guard_max_hardware_faults: int = 3
+    # numerical diagnoses in spike_guard_rewind iterations: persistent, stop
+    spike_guard_max_numerical: int = 4
+
+
 class SpikeGuardStop(training.StopRun):
     """A cap was reached: the run saved its last good state and stops (train.py exits with EXIT_CODE)."""
 
@@ -103,6 +129,8 @@ class SpikeGuardStop(training.StopRun):
 
 class SpikeGuard(Detector):
     """The detector's statistics and rules (detector.Detector), and the decisions taken from them."""
+
+    Config = GuardConfig  # its section: stability.build_callbacks builds it with it
 
     def __init__(self, detector_cfg, guard_cfg, clip_grad, snapshot_interval, saved=None):
         """detector_cfg, guard_cfg: its sections; clip_grad: the core's (Detector, tolerates());

@@ -23,6 +23,7 @@ The statistics go to TensorBoard, wandb and metrics.jsonl through report.py (sca
 """
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -307,9 +308,18 @@ class Probe(training.Callback):
         self.recorder.updated()
 
 
+@dataclass
+class TelemetryConfig:  # Recording
+    # -- stability: telemetry --
+    # per-layer grad/param/update norms, activations, logits every N iterations (0: off)
+    telemetry_interval: int = 0
+
+
 class Recording(training.Callback):
     """A run's telemetry: a record every telemetry_interval iterations, to TensorBoard, wandb and metrics.jsonl
     (report.py); `record` holds this iteration's (None on the others), for the precursor rung."""
+
+    Config = TelemetryConfig  # its section: stability.build_callbacks builds it with it
 
     name = "telemetry"
 

@@ -1,6 +1,6 @@
-"""docs/forking.md's stability check, run as the page writes it: its file, its section (its key)
-and its registry line applied to a copy of the product, then `--help`, short runs of the small model
-with the key on the command line, and the state it keeps in the checkpoint."""
+"""docs/forking.md's stability check, run as the page writes it: its file (its class and its
+section, its key) and its registry line applied to a copy of the product, then `--help`, short runs
+of the small model with the key on the command line, and the state it keeps in the checkpoint."""
 
 import os
 import re
@@ -15,23 +15,15 @@ from helpers import ROOT, SMALL, corpus, losses  # noqa: F401 (corpus: a fixture
 
 
 def _example():
-    """(the module's code, its section, the registry line) of the page's "A stability check"."""
+    """(the module's code, the registry line) of the page's "A stability check"."""
     with open(os.path.join(ROOT, "docs", "forking.md")) as f:
         section = f.read().split("## A stability check", 1)[1].split("\n## ", 1)[0]
-    return re.findall(r"```python\n(.*?)```", section, re.S)[:3]
-
-
-def _edit(path, old, new):
-    """The first occurrence of old in the file at path (which must hold it) replaced by new."""
-    with open(path) as f:
-        text = f.read()
-    assert old in text, f"{old!r} is not in {path}"
-    with open(path, "w") as f:
-        f.write(text.replace(old, new, 1))
+    return re.findall(r"```python\n(.*?)```", section, re.S)[:2]
 
 
 def _forked(tmp_path):
-    """A copy of the product (its modules and config files), the page's check added as it says."""
+    """A copy of the product (its modules and config files), the page's check added as it says: its
+    file and its registry line, nothing else."""
     fork = tmp_path / "fork"
     shutil.copytree(
         ROOT,
@@ -46,18 +38,13 @@ def _forked(tmp_path):
             )
         ],
     )
-    module, section, line = _example()
+    module, line = _example()
     (fork / "stability" / "loss_cap.py").write_text(module)
-    config = fork / "stability" / "config.py"
-    _edit(
-        config,
-        "@dataclass\nclass StabilityConfig(",
-        section + "\n\n@dataclass\nclass StabilityConfig(",
-    )
-    # first: its key last
-    _edit(config, "class StabilityConfig(", "class StabilityConfig(LossCapConfig, ")
+    registry = fork / "stability" / "__init__.py"
     after_guard = '        "guard.Guard",\n    ),\n'
-    _edit(fork / "stability" / "__init__.py", after_guard, after_guard + line)
+    text = registry.read_text()
+    assert after_guard in text, f"{after_guard!r} is not in {registry}"
+    registry.write_text(text.replace(after_guard, after_guard + line, 1))
     return fork
 
 

@@ -22,7 +22,7 @@ from builders import build_model, build_optimizer, step_rules
 from helpers import corpus, corpus512, log_fields, run_main, spike_guard_of  # noqa: F401 (corpus, corpus512: fixtures)
 from sections import section
 from stability import detector, diagnosis, spike_guard, telemetry
-from stability.config import DetectorConfig
+from stability.detector import DetectorConfig
 from stability.diagnosis import Veto
 from stability.faults import Faults
 from training import agree, whole_step

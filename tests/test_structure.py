@@ -499,24 +499,29 @@ def test_nothing_imports_the_script():
     assert "sys.modules" not in _read(os.path.join(ROOT, "train.py"))
 
 
-def test_with_no_stability_switch_nothing_of_the_layer_is_built_or_imported(corpus):
-    """A run with no stability switch: the loop gets no callbacks, and no module of the layer beyond its package's
-    entry point (the switches, build_callbacks) and its keys (stability.config) is ever imported; nor, with no
-    eval_harness_tasks, anything of lm-eval (seconds of imports)."""
+def test_with_no_stability_switch_nothing_of_the_layer_is_built(corpus):
+    """A run with no stability switch: the layer's modules are imported for their sections (the config
+    composes them), and nothing of it is built: stability.build_callbacks gives the loop no callback
+    and hands no part its section; nor, with no eval_harness_tasks, is anything of lm-eval imported
+    (seconds of imports)."""
     code = (
         "import runpy, sys\n"
+        "import stability\n"
+        "built, handed, build, section = [], [], stability.build_callbacks, stability.section\n"
+        "stability.build_callbacks = lambda *a, **k: built.append(build(*a, **k)) or built[-1]\n"
+        "stability.section = lambda cls, cfg: handed.append(cls.__name__) or section(cls, cfg)\n"
         "runpy.run_path('train.py', run_name='train_script')['main']("
         f"['--num_layers=1', '--hidden_size=32', '--num_attention_heads=2', '--seq_length=16', "
         f"'--micro_batch_size=2', '--global_batch_size=2', '--train_iters=3', '--eval_iters=0', "
         f"'--sample_tokens=0', '--save=none', '--save_interval=none', '--data_path={corpus}'])\n"
-        "print(sorted(m for m in sys.modules if m.startswith('stability.') and m != 'stability.config'))\n"
+        "print('stability.faults' in sys.modules, built, handed)\n"
         "print(sorted(m for m in sys.modules if m.split('.')[0] == 'lm_eval'))\n"
     )
     out = subprocess.run(
         [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600
     )
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip().splitlines()[-2:] == ["[]", "[]"], out.stdout[-2000:]  # nor lm-eval
+    assert out.stdout.strip().splitlines()[-2:] == ["True [None] []", "[]"], out.stdout[-2000:]
 
 
 def test_the_step_takes_no_callbacks():

@@ -34,7 +34,7 @@ sys.path.insert(0, ROOT)
 import arguments  # noqa: E402
 from sections import section  # noqa: E402
 from stability import detector, precursors  # noqa: E402
-from stability.config import DetectorConfig  # noqa: E402
+from stability.detector import DetectorConfig  # noqa: E402
 
 MARGIN = 2.0
 LOGARITHMS = {"log_z"}  # precursors that are logarithms: their margin is added, as ln(margin)

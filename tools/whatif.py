@@ -36,7 +36,7 @@ import arguments  # noqa: E402
 import checkpoint  # noqa: E402
 from sections import section  # noqa: E402
 from stability import detector, spike_guard  # noqa: E402
-from stability.config import DetectorConfig  # noqa: E402
+from stability.detector import DetectorConfig  # noqa: E402
 
 FORKS = (
     "as is",
