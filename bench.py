@@ -594,7 +594,7 @@ def measure(argv):
 
 def numbers(run, timings, stages, costs):
     """Rank 0's numbers of the timed iterations: what report prints and --table tabulates."""
-    cfg, grid, gpt = run.cfg, run.grid, parallel.unwrap(run.model).cfg
+    cfg, grid, gpt = run.cfg, run.grid, parallel.unwrap(run.model).config
     B, T = cfg.global_batch_size, cfg.seq_length
     times = timings.steady()
     mean, best = statistics.mean(times), min(times)
@@ -639,7 +639,7 @@ def matmul_dtype(cfg):
 
 def report(run, bench, timings, r, load):
     """Print rank 0's report of one configuration."""
-    cfg, grid, device, gpt = run.cfg, run.grid, run.device, parallel.unwrap(run.model).cfg
+    cfg, grid, device, gpt = run.cfg, run.grid, run.device, parallel.unwrap(run.model).config
     B, T, times = cfg.global_batch_size, cfg.seq_length, timings.steady()
     print(
         f"model:        {gpt.num_parameters():,} parameters ({gpt.num_parameters(padded=True):,} with the vocabulary "

@@ -90,7 +90,7 @@ def init_from_hf(cfg, model):
 def build(cfg, grid, schedule, device, callbacks=training.NO_CALLBACKS):
     """This rank's model, optimizer and loss scaler, a fresh run state: the run_state.Parts."""
     model = build_model(cfg, device)
-    gpt = model.cfg
+    gpt = model.config
     n, padded = gpt.num_parameters(), gpt.num_parameters(padded=True)
     print0(
         f"Model size: {n / 1e9:.3f}B ({n:,} parameters; {padded:,} with the vocabulary padded to "

@@ -195,7 +195,7 @@ class DeepSpeedOptimizer:
             dist_init_required=False,
         )
         self.model, self.dp_size = model, g.dp_size
-        self.tied = not model.cfg.untie_embeddings_and_output_weights
+        self.tied = not model.config.untie_embeddings_and_output_weights
         # no optimizer step may happen before ours
         if any(s.get("step", 0) for s in optimizer.state.values()):
             raise RuntimeError(

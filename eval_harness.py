@@ -370,18 +370,18 @@ class LMAdapter:
 
     def __init__(self, model, tok, batch_size=1, max_gen_toks=256, info=None):
         super().__init__()
-        if tok.n_vocab > model.cfg.vocab_size:
+        if tok.n_vocab > model.config.vocab_size:
             raise ValueError(
-                f"the tokenizer has {tok.n_vocab} ids but the model only {model.cfg.vocab_size}: "
+                f"the tokenizer has {tok.n_vocab} ids but the model only {model.config.vocab_size}: "
                 "evaluate with the tokenizer the model was trained with (its tokenizer_file)"
             )
         if batch_size < 1 or max_gen_toks < 1:
             raise ValueError("batch_size and max_gen_toks must be at least 1")
         self.model, self.tok = model.eval(), tok
         self.batch_size, self.max_gen_toks = batch_size, max_gen_toks
-        self.max_length = model.cfg.seq_length  # the longest window the model was trained on
+        self.max_length = model.config.seq_length  # the longest window the model was trained on
         # the logits of the padding ids are never scored or generated
-        self.vocab_size = model.cfg.vocab_size
+        self.vocab_size = model.config.vocab_size
         self._device = next(model.parameters()).device  # lm-eval's LM.device reads it
         self.info = info or {}
 

@@ -805,11 +805,11 @@ def load_into(model, directory):
     rank's TP x PP stage of it, before an optimizer takes its parameters (DeepSpeed's included). Refuses a model
     config that contradicts the directory's (check_config), and a directory whose weights do not all have a place
     here, or lack one."""
-    cfg = model.cfg
+    model_cfg = model.config
     kind, _ = _hf_config(directory)
-    check_config(cfg, directory)
+    check_config(model_cfg, directory)
     weights = Weights(directory)
-    table = weight_map(kind, cfg.num_layers, cfg)
+    table = weight_map(kind, model_cfg.num_layers, model_cfg)
     theirs = {name for names, _ in table.values() for name in their_names(names)}
     extra = sorted(n for n in weights.file_of if n not in theirs and not n.endswith(IGNORED))
     missing = sorted(theirs - set(weights.file_of))
@@ -824,7 +824,7 @@ def load_into(model, directory):
     for name, p in model.named_parameters():
         source, steps = table[reshard.TIED_COPY.get(name, name)]
         tensors = [weights.get(n) for n in their_names(source)]
-        full = to_ours(tensors if isinstance(source, tuple) else tensors[0], steps, cfg)
+        full = to_ours(tensors if isinstance(source, tuple) else tensors[0], steps, model_cfg)
         expected = list(p.shape)
         tp_dim = getattr(p, "tp_dim", None)
         if tp_dim is not None:

@@ -731,7 +731,7 @@ class GPT(nn.Module):
         super().__init__()
         grid = parallel.grid if grid is None else grid
         model_cfg.check(grid.tp_size)
-        self.cfg, self.grid = model_cfg, grid
+        self.config, self.grid = model_cfg, grid
         # ALiBi: this TP rank's heads are a contiguous slice of all heads, and so are their slopes.
         self.alibi_heads = None
         # compile_blocks: where FlexAttention runs fused (packed documents on CUDA)
@@ -785,7 +785,7 @@ class GPT(nn.Module):
         single-process weights. Large tensors are drawn in chunks (draw_slice), so no rank ever holds a full one
         (BLOOM's embedding is 14 GiB); each chunk is copied to the parameter's device. Every scratch tensor is
         made on the CPU explicitly: the ambient device (torch.device(...) around this call) changes nothing."""
-        model_cfg = self.cfg
+        model_cfg = self.config
         for name, p in self.named_parameters():
             if p.is_meta:
                 continue
@@ -860,7 +860,7 @@ class GPT(nn.Module):
         if positions is not None and rotary is not None:
             rotary = tuple(t[positions].unsqueeze(1) for t in rotary)
         for block in self.blocks.values():
-            if self.cfg.checkpoint_activations and self.training:
+            if self.config.checkpoint_activations and self.training:
                 # recomputed with both dropout streams replayed (lesson 22)
                 x = rng.checkpoint(block, x, bias, rotary)
             else:
@@ -870,12 +870,12 @@ class GPT(nn.Module):
         x, weight = parallel.copy_to_tp(self.ln_f(x)), self.output_layer_weight()
         if targets is None:
             return F.linear(x, weight)
-        z_loss = self.cfg.z_loss if self.training else 0.0
+        z_loss = self.config.z_loss if self.training else 0.0
         # the output layer and the loss in one, never holding the (tokens x vocabulary) logits, its gradient
         # computed in the forward (the mean: backward only scales it)
         # the padding columns are left out of the softmax (every padding, so every TP size, is the same model),
         # unless padded_vocab_in_softmax asks for Megatron's softmax over all of them (docs/lessons.md, lesson 16)
-        vocab = None if self.cfg.padded_vocab_in_softmax else self.cfg.vocab_size
+        vocab = None if self.config.padded_vocab_in_softmax else self.config.vocab_size
         if loss_mask is None:
             loss, log_z = cross_entropy.linear_cross_entropy(
                 x, weight, targets, vocab, z_loss, reduction="mean"
@@ -909,17 +909,17 @@ class GPT(nn.Module):
         blocks, without attention dropout or the explicit path, a FlexAttention block mask instead
         (layers.DocumentBlockMask): no T x T tensor in attention; elsewhere the mask is materialised, and SDPA takes
         it as attn_mask (eager flex_attention would materialise the scores)."""
-        head_dim = self.cfg.hidden_size // self.cfg.num_attention_heads
+        head_dim = self.config.hidden_size // self.config.num_attention_heads
         if (
             layers.flex_documents(documents.device, self.compiled, head_dim)
-            and not self.cfg.unfused_attention
-            and not self.cfg.attention_dropout
+            and not self.config.unfused_attention
+            and not self.config.attention_dropout
         ):
             slopes = (
                 None
                 if self.alibi_heads is None
                 else alibi_slopes(
-                    self.cfg.num_attention_heads, self.alibi_heads, documents.device
+                    self.config.num_attention_heads, self.alibi_heads, documents.device
                 ).float()
             )
             return layers.DocumentBlockMask(documents, slopes)
@@ -929,26 +929,26 @@ class GPT(nn.Module):
                 mask.shape, dtype=torch.promote_types(dtype, torch.float32), device=mask.device
             )
         bias = bias.masked_fill(~mask, float("-inf"))
-        return bias if self.cfg.unfused_attention else bias.to(dtype)
+        return bias if self.config.unfused_attention else bias.to(dtype)
 
     def build_positions(self, T, compute_dtype, device):
         dtype = torch.promote_types(compute_dtype, torch.float32)
         if self.alibi_heads is not None:
-            slopes = alibi_slopes(self.cfg.num_attention_heads, self.alibi_heads, device)
+            slopes = alibi_slopes(self.config.num_attention_heads, self.alibi_heads, device)
             bias = alibi_bias(slopes, T, dtype, device)
-            return (bias if self.cfg.unfused_attention else bias.to(compute_dtype)), None
-        if self.cfg.position_embedding_type == "rotary":
-            head_dim = self.cfg.hidden_size // self.cfg.num_attention_heads
+            return (bias if self.config.unfused_attention else bias.to(compute_dtype)), None
+        if self.config.position_embedding_type == "rotary":
+            head_dim = self.config.hidden_size // self.config.num_attention_heads
             scaling = (
                 {
-                    "scaling_factor": self.cfg.rope_scaling_factor,
-                    "original_context": self.cfg.original_max_position_embeddings,
+                    "scaling_factor": self.config.rope_scaling_factor,
+                    "original_context": self.config.original_max_position_embeddings,
                 }
-                if self.cfg.use_rope_scaling
+                if self.config.use_rope_scaling
                 else {}
             )
             cos, sin = rotary_cos_sin(
-                T, head_dim, dtype, device, base=self.cfg.rotary_base, **scaling
+                T, head_dim, dtype, device, base=self.config.rotary_base, **scaling
             )
             return None, (cos.to(compute_dtype), sin.to(compute_dtype))
         return None, None
@@ -983,9 +983,9 @@ class GPT(nn.Module):
                 "generate() needs the whole model on one rank (pipeline_model_parallel_size=1)"
             )
         for _ in range(max_new_tokens):
-            logits = parallel.gather_from_tp(self(idx[:, -self.cfg.seq_length :]))
+            logits = parallel.gather_from_tp(self(idx[:, -self.config.seq_length :]))
             # never sample padding ids
-            logits = logits[:, -1, : self.cfg.vocab_size].float() / temperature
+            logits = logits[:, -1, : self.config.vocab_size].float() / temperature
             if top_k is not None:
                 kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, [-1]]
                 logits[logits < kth] = float("-inf")

@@ -664,7 +664,7 @@ class PipelineStage:
     def buffer(self, i):
         return torch.empty(
             *self.batches[i][0].shape,
-            self.gpt.cfg.hidden_size,
+            self.gpt.config.hidden_size,
             dtype=self.dtype,
             device=self.device,
         )
@@ -977,7 +977,7 @@ def reduce_gradients(model, data_parallel=True):
     if partial and grid.tp_size > 1:
         all_reduce_mean(partial, grid.tp_group, 1)  # a sum: "mean" over a size of 1
     # an output layer of its own has no copy to sum
-    tied = not gpt.cfg.untie_embeddings_and_output_weights
+    tied = not gpt.config.untie_embeddings_and_output_weights
     # PP=1: one copy, nothing to sum
     if tied and grid.pp_size > 1 and (grid.is_first_stage or grid.is_last_stage):
         dist.all_reduce(main_grad(gpt.word_embedding_weight()), group=grid.embedding_group)

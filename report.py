@@ -224,10 +224,13 @@ class Report:
 
     def _throughput(self, batch_size, seqlen, elapsed):
         """(TFLOPs per GPU, tokens per second, MFU or None) of an iteration of elapsed seconds."""
-        flops = self.gpt.cfg.flops_per_iteration(batch_size, seqlen)  # Megatron's count (lesson 23)
+        # Megatron's count (lesson 23)
+        flops = self.gpt.config.flops_per_iteration(batch_size, seqlen)
         tflops = flops / (elapsed * parallel.grid.world_size * 1e12)
         tokens = batch_size * seqlen / elapsed  # the whole run's; MFU per GPU, as bench counts it
-        mfu = mfu_of(self.gpt.cfg.model_flops_per_iteration(batch_size, seqlen), elapsed, self.peak)
+        mfu = mfu_of(
+            self.gpt.config.model_flops_per_iteration(batch_size, seqlen), elapsed, self.peak
+        )
         return tflops, tokens, mfu
 
     def _progress_fields(self, iteration, state, batch_size, seqlen, elapsed, lr):
@@ -251,7 +254,7 @@ class Report:
         good = interval["steps"] - interval["nan"]
         mean_loss = interval["loss"] / good if good else float("nan")
         fields, scalars = [("lm loss", f"{mean_loss:.6E}")], {"lm-loss": mean_loss}
-        if self.gpt.cfg.z_loss:  # the interval's mean, apart from the lm loss (lesson 20)
+        if self.gpt.config.z_loss:  # the interval's mean, apart from the lm loss (lesson 20)
             z_loss = step.z_loss  # read in the step's one host sync (training.train_step)
             if z_loss is None:  # DeepSpeed's step, or a logged iteration skipped
                 z_loss = parallel.average_loss(self.gpt.pop_z_loss()).item()

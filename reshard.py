@@ -132,10 +132,10 @@ class Resharder:
         self.old, self.gpt, self.grid = layout, gpt, gpt.grid
         self.params = dict(gpt.named_parameters())
         saved_vocab = layout.config.get("vocab_size")
-        if saved_vocab != gpt.cfg.vocab_size:
+        if saved_vocab != gpt.config.vocab_size:
             raise ValueError(
                 f"checkpoint {layout.tag_dir} has vocab_size {saved_vocab}, this model "
-                f"{gpt.cfg.vocab_size}; resume with the checkpoint's vocab_size"
+                f"{gpt.config.vocab_size}; resume with the checkpoint's vocab_size"
             )
 
     def _pieces(self, name, get):
@@ -165,7 +165,7 @@ class Resharder:
             live_shape[tp_dim] * self.grid.tp_size,
         )
         # the vocabulary's padding rows are dropped (and zeros padded) only when the padded size changes
-        real = self.gpt.cfg.vocab_size if name in VOCAB_PARAMS and old_total != total else total
+        real = self.gpt.config.vocab_size if name in VOCAB_PARAMS and old_total != total else total
         other_dims = [n for d, n in enumerate(pieces[0].shape) if d != tp_dim]
         if other_dims != [n for d, n in enumerate(live_shape) if d != tp_dim] or (
             name not in VOCAB_PARAMS and old_total != total
@@ -179,7 +179,7 @@ class Resharder:
 
     def model_state(self):
         old = self.old
-        tied = not self.gpt.cfg.untie_embeddings_and_output_weights
+        tied = not self.gpt.config.untie_embeddings_and_output_weights
         if tied and old.pp > 1 and (self.gpt.pre_process or self.gpt.post_process):
             for t in range(old.tp):  # the tied embedding's two copies must agree (lesson 11)
                 first, last = (
@@ -246,7 +246,7 @@ class Resharder:
         same_cut = (
             old.tp == self.grid.tp_size
             and config.get("make_vocab_size_divisible_by")
-            == self.gpt.cfg.make_vocab_size_divisible_by
+            == self.gpt.config.make_vocab_size_divisible_by
         )
         template = optimizer.state_dict()
         inner = template["optimizer"] if "zero_stage" in template else template

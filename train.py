@@ -97,25 +97,30 @@ def run(cfg, grid, exit_signal=lambda: False, writer=None, callbacks=NO_CALLBACK
     # closed however the loop ends (a callback's StopRun too): no thread is left loading when the process exits
     with loader.batch_prefetcher(train_data, schedule, device) as prefetcher:
         while not schedule.done(state):
-            t0, n = time.time(), state.iteration + 1
-            it = Iteration(
-                n,
-                state.consumed_samples,
-                schedule.batch_size(state.consumed_samples),
-                schedule.seqlen(n),
-            )
+            t0, n, first = time.time(), state.iteration + 1, state.consumed_samples
+            it = Iteration(n, first, schedule.batch_size(first), schedule.seqlen(n))
             skip = "skip_train_iteration_range" if schedule.skipped(n) else callbacks.skip(n)
             if skip:  # drawn and thrown away: later iterations see the batches an unskipped run sees (lesson 9)
                 step = training.skipped_step(skip)
                 report.skipped(n, state, it.batch_size, step.outcome)
             else:  # the batch, its learning rate, the step
-                it.batches = loader.to_device(
-                    prefetcher.get((n, it.first_sample, it.batch_size, it.seqlen)), device
-                )
+                key = (n, first, it.batch_size, it.seqlen)  # the batch the prefetcher loaded ahead
+                it.batches = loader.to_device(prefetcher.get(key), device)
                 it.lr = schedule.lr_at(n, state)
                 callbacks.before_step(it)
-                logged = n % cfg.log_interval == 0
-                step = take_step(parts, it, callbacks, device, logged, report.timer)
+                # the step computes, the callbacks decide, then the core applies
+                step = training.whole_step(
+                    parts.model,
+                    parts.optimizer,
+                    parts.scaler,
+                    it.batches,
+                    it.lr,
+                    parts.rules,
+                    device,
+                    callbacks,
+                    count_zeros=n % cfg.log_interval == 0,  # a pass over the gradients: logged only
+                    timer=report.timer,
+                )
                 step = callbacks.check_step(it, step)
                 report.step(step, it.lr)
             state.advance(it.batch_size, it.seqlen, applied=step.outcome == "ok", step=step)
@@ -132,26 +137,6 @@ def run(cfg, grid, exit_signal=lambda: False, writer=None, callbacks=NO_CALLBACK
                 break
     finish(cfg, parts, report, device)
     return state
-
-
-def take_step(parts, it, callbacks, device, count_zeros, timer):
-    """One step in its order: the core computes (training.backward, training.train_step), the
-    callbacks act on the gradients and decide, the core applies (training.apply_step). DeepSpeed's
-    step() reduces, measures and applies in one call, with no callback inside (the stability layer
-    refuses those that would need one)."""
-    model, optimizer, scaler, rules = parts.model, parts.optimizer, parts.scaler, parts.rules
-    loss = training.backward(model, optimizer, scaler, it.batches, rules, device, timer)
-    if rules.deepspeed:
-        return training.train_step(model, optimizer, scaler, loss, it.lr, rules, count_zeros, timer)
-    callbacks.on_grads(model, scaler.scale)  # before the norm: an injected fault is measured
-    step = training.train_step(model, optimizer, scaler, loss, it.lr, rules, count_zeros, timer)
-    if step.outcome != "ok":  # the core's own reason: nothing for the callbacks to decide
-        return step
-    factor = callbacks.update_factor(step.loss, step.grad_norm)  # host floats: no sync of its own
-    step = training.apply_step(optimizer, step, it.lr, rules, factor)
-    if step.outcome == "ok":
-        callbacks.after_update()
-    return step
 
 
 def log_and_save(cfg, grid, parts, it, report, device, valid_data, harness, writer, exit_reason):

@@ -3,6 +3,7 @@
     loss = backward(model, optimizer, scaler, batches, rules, device)   # the gradients, reduced
     step = train_step(model, optimizer, scaler, loss, lr, rules)        # the numbers, not applied
     step = apply_step(optimizer, step, lr, rules, factor)       # the update, x factor
+    step = whole_step(model, optimizer, scaler, batches, lr, rules, device, callbacks)  # all three
     loss = evaluate(model, valid_data, rules, device)
     evaluate_only(model, valid_data, state, rules, device, split)      # eval_only
     print_sample(model, device, tokens, prompt, tokenizer_file, seed)  # the run's last word
@@ -12,9 +13,8 @@ micro-batches (pipelined across stages) and reduces the gradients over data para
 train_step() measures them (the grad norm, the step's one host sync, agree()) and says whether the
 core would apply them (outcome(): an fp16 overflow, a NaN loss, skip_grad_norm_above, replicas that
 differ); apply_step() clips and applies them, scaled by the callbacks' factor, or not at all (a
-veto). The loop calls the callbacks between: on_grads after backward() (fault injection flips a
-gradient there, before its norm is measured), update_factor after train_step(), after_update after
-apply_step() (train.py's take_step; whole_step() is the same order for a step outside the loop).
+veto). The callbacks are asked between these calls, in the order whole_step() spells out (the
+step train.py's loop takes, and every step outside it).
 Every skip decision is taken from the same floats on every replica. `rules` is a StepRules: the
 config's keys a step reads, built once (builders.step_rules).
 
@@ -346,18 +346,32 @@ def apply_step(optimizer, step, lr, rules, factor=1.0):
 
 
 def whole_step(
-    model, optimizer, scaler, batches, lr, rules, device, callbacks=NO_CALLBACKS, count_zeros=True
+    model,
+    optimizer,
+    scaler,
+    batches,
+    lr,
+    rules,
+    device,
+    callbacks=NO_CALLBACKS,
+    count_zeros=True,
+    timer=None,
 ):
-    """One step in the order train.py's loop takes it (its take_step spells the order out):
-    backward(), the callbacks' on_grads, train_step(), their update_factor (asked only of a step
-    the core would apply), apply_step(), their after_update. For a step outside the loop: a replay
-    (the guard's, with diagnosis.Veto alone), a tool's, a test's."""
-    loss = backward(model, optimizer, scaler, batches, rules, device)
-    if rules.deepspeed:  # its step() reduces, measures and applies in one call: no callback in it
-        return train_step(model, optimizer, scaler, loss, lr, rules, count_zeros)
+    """One step, in the one order there is (train.py's loop and every step outside it: a replay, the
+    guard's with diagnosis.Veto alone, a tool's, a test's): the step computes, the callbacks decide,
+    then the core applies. backward() (the gradients, reduced), the callbacks' on_grads (before the
+    norm: an injected fault is measured), train_step() (the numbers, not applied), their
+    update_factor (asked only of a step the core would apply, on host floats: no sync of its own),
+    apply_step() (x the factor), their after_update (only when it was applied). DeepSpeed's step()
+    reduces, measures and applies in one call, with no callback inside (the stability layer refuses
+    those that would need one). timer: a report.ComputeTimer timing the forward and backward (its
+    reading rides along in agree()), or None."""
+    loss = backward(model, optimizer, scaler, batches, rules, device, timer)
+    if rules.deepspeed:
+        return train_step(model, optimizer, scaler, loss, lr, rules, count_zeros, timer)
     callbacks.on_grads(model, scaler.scale)
-    step = train_step(model, optimizer, scaler, loss, lr, rules, count_zeros)
-    if step.outcome != "ok":
+    step = train_step(model, optimizer, scaler, loss, lr, rules, count_zeros, timer)
+    if step.outcome != "ok":  # the core's own reason: nothing for the callbacks to decide
         return step
     factor = callbacks.update_factor(step.loss, step.grad_norm)
     step = apply_step(optimizer, step, lr, rules, factor)

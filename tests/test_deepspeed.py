@@ -107,7 +107,7 @@ class Recorder:
 def _check_replicas(model, what):
     """Bitwise: the tied embedding's two copies, TP-replicated parameters across TP, everything across DP."""
     g = parallel.grid
-    tied = not model.cfg.untie_embeddings_and_output_weights
+    tied = not model.config.untie_embeddings_and_output_weights
     if tied and g.pp_size > 1 and (g.is_first_stage or g.is_last_stage):
         first, last = gather(model.word_embedding_weight().detach(), g.embedding_group)
         assert torch.equal(first, last), f"{what}: the tied embedding's two copies differ"

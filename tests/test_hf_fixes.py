@@ -208,7 +208,7 @@ def test_llama3_rope_scaling_factor_and_original_context_import_and_export(
     rope = dict(LLAMA3, factor=factor, original_max_position_embeddings=original)
     theirs = _llama(tmp_path / "llama", rope=rope)
     ours = _imported(tmp_path / "llama")
-    assert (ours.cfg.rope_scaling_factor, ours.cfg.original_max_position_embeddings) == (
+    assert (ours.config.rope_scaling_factor, ours.config.original_max_position_embeddings) == (
         factor,
         original,
     )
@@ -219,7 +219,7 @@ def test_llama3_rope_scaling_factor_and_original_context_import_and_export(
         llama3 = GPT(
             GPTConfig(
                 **{
-                    **ours.cfg.__dict__,
+                    **ours.config.__dict__,
                     "rope_scaling_factor": 8.0,
                     "original_max_position_embeddings": 8192,
                 }
@@ -321,7 +321,7 @@ def test_telemetry_attention_logits_of_gqa_pair_each_head_with_its_groups_key():
             return seen[layer]
 
         block.attn.heads = heads_of
-    recorder = telemetry.Telemetry(gpt, gpt.cfg)
+    recorder = telemetry.Telemetry(gpt, gpt.config)
     recorder.begin()
     with torch.no_grad():
         gpt(torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1)))

@@ -140,7 +140,7 @@ def _tp2_logits(cases):
     for directory, x, expected in cases:
         model = ours(directory, tp=2)
         # this rank's half
-        assert model.embed.word.weight.shape[0] * 2 == model.cfg.padded_vocab_size
+        assert model.embed.word.weight.shape[0] * 2 == model.config.padded_vocab_size
         with torch.no_grad():
             logits = parallel.gather_from_tp(model(x))[..., : expected.shape[-1]]
         diff = (logits - expected).abs().max().item()

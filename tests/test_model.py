@@ -851,7 +851,7 @@ def test_padding_does_not_change_the_model(embed_init):
     a, b = (m.embed.word.weight for m in models)
     assert torch.equal(a[:50257], b[:50257])
     assert not a[50257:].any() and not b[50257:].any()
-    x, y = _ids(models[0].cfg, length=9)[:, :-1], _ids(models[0].cfg, length=9, seed=1)[:, 1:]
+    x, y = _ids(models[0].config, length=9)[:, :-1], _ids(models[0].config, length=9, seed=1)[:, 1:]
     losses = [m(x, y) for m in models]
     for loss in losses:
         loss.backward()

@@ -21,7 +21,7 @@ class Model(torch.nn.Module):
 
     def __init__(self, cfg):
         super().__init__()
-        self.cfg = section(GPTConfig, cfg)
+        self.config = section(GPTConfig, cfg)
         self.weight = torch.nn.Parameter(torch.zeros(1))
 
 
@@ -59,7 +59,7 @@ def log_once(tmp_path, capsys, peak):
     reporter.metrics.close()
     line = capsys.readouterr().out.strip()
     record = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
-    flops = reporter.gpt.cfg.model_flops_per_iteration(cfg.global_batch_size, cfg.seq_length)
+    flops = reporter.gpt.config.model_flops_per_iteration(cfg.global_batch_size, cfg.seq_length)
     return (
         line,
         record,

@@ -527,7 +527,7 @@ def test_with_no_stability_switch_nothing_of_the_layer_is_built(corpus):
 def test_the_step_takes_no_callbacks():
     """The step computes, the callbacks decide (#49): training.train_step, which returns the step's
     numbers, has no parameter for callbacks; the loop asks them between the step's calls (train.py's
-    take_step) and applies with training.apply_step."""
+    loop, through training.whole_step) and applies with training.apply_step."""
     tree = ast.parse(_read(os.path.join(ROOT, "training.py")))
     step = next(f for f in tree.body if isinstance(f, ast.FunctionDef) and f.name == "train_step")
     a = step.args

@@ -81,7 +81,7 @@ def hf_model(gpt, eod=None, keys=None):
     is both special token ids."""
     import transformers
 
-    c, kind = gpt.cfg, hf.family(gpt.cfg)
+    c, kind = gpt.config, hf.family(gpt.config)
     keys = {"bos_token_id": eod, "eos_token_id": eod} if keys is None else keys
     hf_cfg = hf.hf_config(c, **keys, **dropout_keys(c, kind))
     return getattr(transformers, hf.KINDS[kind])(hf_cfg), hf.export_state(gpt.state_dict(), c)
@@ -94,14 +94,14 @@ def save_remote(gpt, output, dtype, keys):
 
     os.makedirs(output, exist_ok=True)
     config = hf.remote_config(
-        gpt.cfg,
+        gpt.config,
         **keys,
-        **dropout_keys(gpt.cfg, "stablegpt"),
+        **dropout_keys(gpt.config, "stablegpt"),
         dtype=str(dtype).removeprefix("torch."),
     )
     with open(os.path.join(output, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
-    state = hf.remote_state(gpt.state_dict(), gpt.cfg)
+    state = hf.remote_state(gpt.state_dict(), gpt.config)
     save_file(
         {name: t.to(dtype).contiguous() for name, t in state.items()},
         os.path.join(output, "model.safetensors"),
@@ -115,7 +115,7 @@ def save(gpt, output, dtype=torch.float32, keys=None):
     """Write our whole model (TP=1, PP=1) into output (new, or export's OUTPUT.partial) as the
     transformers model of its class (target_class); returns the class's name. keys: as
     hf_model's."""
-    kind = target_class(gpt.cfg)
+    kind = target_class(gpt.config)
     if kind == "stablegpt":
         save_remote(gpt, output, dtype, {} if keys is None else keys)
         return hf.REMOTE
@@ -203,11 +203,11 @@ def compare_logits(gpt, output, dtype, sequences=4, length=None, seed=0):
     hf = transformers.AutoModelForCausalLM.from_pretrained(
         output, dtype=dtype, trust_remote_code=True, local_files_only=True
     ).eval()
-    length = min(gpt.cfg.seq_length, length or 64)
+    length = min(gpt.config.seq_length, length or 64)
     ids = torch.randint(
-        0, gpt.cfg.vocab_size, (sequences, length), generator=torch.Generator().manual_seed(seed)
+        0, gpt.config.vocab_size, (sequences, length), generator=torch.Generator().manual_seed(seed)
     )
-    ours = gpt.to(dtype)(ids)[..., : gpt.cfg.vocab_size].float()
+    ours = gpt.to(dtype)(ids)[..., : gpt.config.vocab_size].float()
     theirs = hf(ids).logits.float()
     return (ours - theirs).abs().max().item(), hf
 
@@ -394,17 +394,17 @@ def export(load_dir, output, dtype="float32", tokenizer_file=None, tolerance=1e-
     leaves nothing at output (a kill -9 leaves OUTPUT.partial, which the next export removes)."""
     partial = check_output(output, load_dir, overwrite)
     gpt, saved, tag_dir = reshard.load_full_model(load_dir)
-    target_class(gpt.cfg)
+    target_class(gpt.config)
     tokenizer_file = tokenizer_file or saved.get("tokenizer_file")
     torch_dtype = getattr(torch, dtype)
-    keys = export_keys(gpt.cfg, imported_from(saved, tag_dir), tokenizer_file)
+    keys = export_keys(gpt.config, imported_from(saved, tag_dir), tokenizer_file)
     try:
         marker = start_partial(partial, load_dir, tag_dir, dtype)
         name = save(gpt, partial, torch_dtype, keys)
-        hf_tok = save_tokenizer(tokenizer_file, gpt.cfg.vocab_size, partial)
+        hf_tok = save_tokenizer(tokenizer_file, gpt.config.vocab_size, partial)
         remote = " (trust_remote_code=True)" if name == hf.REMOTE else ""
         print(
-            f"exported {tag_dir} ({gpt.cfg.num_parameters() / 1e6:.2f}M parameters) as "
+            f"exported {tag_dir} ({gpt.config.num_parameters() / 1e6:.2f}M parameters) as "
             f"{name}{remote}, {dtype}, into {partial}"
         )
         diff, loaded = compare_logits(gpt, partial, torch_dtype)
