@@ -17,6 +17,7 @@ import torch
 
 import parallel
 import precision
+import schedule
 
 # -----------------------------------------------------------------------------
 # The optimizer's keys and the precision's, and their checks (arguments.Config is made of each owner's keys)
@@ -208,9 +209,9 @@ def adam_bound(beta1, beta2, eps=None):
 
 
 def adam_reset_iters(beta1, beta2, eps=None):
-    """The lr=0 iterations Adam's fresh moments need after a reset (lesson 8): 5 / (1 - beta2),
-    the second moment's time constant five times over (100 at beta2 0.95)."""
-    return math.ceil(5 / (1 - beta2))
+    """The lr=0 iterations Adam's fresh moments need after a reset (lesson 8): its second
+    moment's, 5 / (1 - beta2)."""
+    return schedule.moment_warmup_iters(beta2)
 
 
 @dataclass(frozen=True)

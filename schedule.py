@@ -323,6 +323,17 @@ def in_ranges(iteration, ranges):
 
 
 # -----------------------------------------------------------------------------
+# The optimizer reset's lr=0 warm-up (lesson 8): how long, by the optimizer's entry (optim.py)
+
+
+def moment_warmup_iters(beta2):
+    """The lr=0 iterations an optimizer's moment averaging at decay beta2 (Adam's second moment,
+    Lion's momentum) needs after a reset zeroed it: five of its time constants 1 / (1 - beta2),
+    which leave e^-5 of the zero start (100 at 0.95, the tr8b-104B reset's N)."""
+    return math.ceil(5 / (1 - beta2))
+
+
+# -----------------------------------------------------------------------------
 # Batch-size ramp-up (Megatron's --rampup-batch-size "start incr samples"). Small batches early are cheap
 # steps while the loss falls fast; lesson 12 is the flip side: with pipeline parallelism a start batch too
 # small to fill the pipeline runs at a fraction of the throughput: main-2 tried "384 16 9_765_625", the final
