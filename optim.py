@@ -228,9 +228,9 @@ class OptimizerEntry:
     # which mix many parameters); the others are refused with deepspeed=True
     elementwise: bool = False
     tables: bool = False  # make also gets tables=: the vocabulary-sized weights, to treat apart
-    # What the run's rules need of its update, functions of the values of keys as options is (None:
-    # not declared). step_bound: the most one step can move a weight, in units of its LR (the
-    # spike guard's test for a weight something else wrote; none declared: no such test).
+    # What the run's rules need of its update, functions of the values of keys, as options is
+    # (None: not declared). step_bound: the most one step can move a weight, in units of its LR
+    # (the spike guard's test for a weight something else wrote; none declared: no such test).
     # reset_iters: the lr=0 iterations its fresh state needs after a reset, what
     # reset_optimizer_warmup_iters="auto" stands for (none declared: "auto" refused).
     step_bound: Callable | None = None
