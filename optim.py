@@ -9,6 +9,7 @@ sharded over DP by parallel.py (ZeRO-1). A new optimizer is a class and one entr
 (docs/forking.md).
 """
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -16,6 +17,7 @@ import torch
 
 import parallel
 import precision
+import schedule
 
 # -----------------------------------------------------------------------------
 # The optimizer's keys and the precision's, and their checks (arguments.Config is made of each owner's keys)
@@ -195,6 +197,23 @@ def adam_options(beta1, beta2, eps):
     return {"betas": (beta1, beta2), "eps": eps}
 
 
+def adam_bound(beta1, beta2, eps=None):
+    """The most one Adam step can move a weight, in units of its learning rate (before weight
+    decay): by Cauchy-Schwarz, |m_hat| / sqrt(v_hat) <= (1 - beta1) / sqrt((1 - beta2) (1 - beta1^2
+    / beta2)) whatever the gradients (clipped or not) and the step (with a = beta1^t, b = beta2^t,
+    the bias corrections only lower it: (1 - b)(1 - a^2 / b) <= (1 - a)^2 as b + a^2 / b >= 2a);
+    7.3 at (0.9, 0.999), 1.2 at (0.9, 0.95); no bound when beta1^2 >= beta2. eps only lowers it."""
+    if beta1 * beta1 >= beta2:
+        return math.inf
+    return (1 - beta1) / math.sqrt((1 - beta2) * (1 - beta1 * beta1 / beta2))
+
+
+def adam_reset_iters(beta1, beta2, eps=None):
+    """The lr=0 iterations Adam's fresh moments need after a reset (lesson 8): its second
+    moment's, 5 / (1 - beta2)."""
+    return schedule.moment_warmup_iters(beta2)
+
+
 @dataclass(frozen=True)
 class OptimizerEntry:
     """How a run builds one optimizer from its config. The keys keep Megatron's names (adam_beta1,
@@ -209,12 +228,20 @@ class OptimizerEntry:
     # which mix many parameters); the others are refused with deepspeed=True
     elementwise: bool = False
     tables: bool = False  # make also gets tables=: the vocabulary-sized weights, to treat apart
+    # What the run's rules need of its update, functions of the values of keys, as options is
+    # (None: not declared). step_bound: the most one step can move a weight, in units of its LR
+    # (the spike guard's test for a weight something else wrote; none declared: no such test).
+    # reset_iters: the lr=0 iterations its fresh state needs after a reset, what
+    # reset_optimizer_warmup_iters="auto" stands for (none declared: "auto" refused).
+    step_bound: Callable | None = None
+    reset_iters: Callable | None = None
 
 
+ADAM_RULES = dict(step_bound=adam_bound, reset_iters=adam_reset_iters)
 OPTIMIZERS = {
-    "adamw": OptimizerEntry(AdamW, ADAM_KEYS, adam_options, elementwise=True),
+    "adamw": OptimizerEntry(AdamW, ADAM_KEYS, adam_options, elementwise=True, **ADAM_RULES),
     # quantized in blocks along each parameter, the embedding's state 32-bit: whole parameters only
-    "adamw8bit": OptimizerEntry(adamw8bit, ADAM_KEYS, adam_options, tables=True),
+    "adamw8bit": OptimizerEntry(adamw8bit, ADAM_KEYS, adam_options, tables=True, **ADAM_RULES),
 }
 BNB = "adamw8bit"  # what use_bnb_optimizer is the shortcut for
 
@@ -240,6 +267,42 @@ def optimizer_name(optimizer=None, use_bnb_optimizer=False):
 def name(optim_cfg):
     """The optimizer a run's config chooses."""
     return optimizer_name(optim_cfg.optimizer, optim_cfg.use_bnb_optimizer)
+
+
+def key_values(optim_cfg):
+    """The config values of the keys the chosen optimizer's entry reads, in its order."""
+    return [getattr(optim_cfg, key) for key in OPTIMIZERS[name(optim_cfg)].keys]
+
+
+def step_bound(optim_cfg):
+    """The most one step of the chosen optimizer can move a weight, in units of its LR (its entry's
+    step_bound at this config's values), or None when its entry declares none."""
+    entry = OPTIMIZERS[name(optim_cfg)]
+    return None if entry.step_bound is None else entry.step_bound(*key_values(optim_cfg))
+
+
+def reset_warmup_iters(optim_cfg, setting, unset=None):
+    """The lr=0 iterations after an optimizer reset (lesson 8): setting,
+    reset_optimizer_warmup_iters, where "auto" is the iterations the chosen optimizer's fresh state
+    needs (its entry's reset_iters: Adam's 5 / (1 - adam_beta2)); 0 without one. `unset`: the
+    setting when the config has none (the spike guard resets with "auto"). "auto" under an entry
+    that declares no reset_iters is refused: no number would mean anything."""
+    given = setting or unset
+    if not given:
+        return 0
+    if given != "auto":
+        return int(given)
+    chosen = name(optim_cfg)
+    entry = OPTIMIZERS[chosen]
+    if entry.reset_iters is None:
+        how = "" if setting else " (unset: what spike_guard_reset_optimizer resets with)"
+        raise ValueError(
+            f"reset_optimizer_warmup_iters='auto'{how} is the lr=0 iterations the optimizer's "
+            f"state needs after a reset, which optimizer={chosen!r} does not declare (its "
+            f"OPTIMIZERS entry has no reset_iters): give reset_optimizer_warmup_iters a count "
+            "of iterations (e.g. 100), or declare reset_iters in its entry"
+        )
+    return entry.reset_iters(*key_values(optim_cfg))
 
 
 def checkpoint_optimizer(saved_config):
@@ -470,15 +533,14 @@ def optimizer_for(optim_cfg, model, lr, deepspeed=False, zero_stage=0):
     learning rate (independent weight decay divides by it); deepspeed, zero_stage: the layout's."""
     # this stage's vocabulary tables: the tied embedding's copy, and an untied output layer (the last stage's)
     embedding = [w for w in (model.word_embedding_weight(), model.output_layer) if w is not None]
-    chosen = name(optim_cfg)
-    values = [getattr(optim_cfg, key) for key in OPTIMIZERS[chosen].keys]
+    chosen, given = name(optim_cfg), key_values(optim_cfg)
 
     def build(params):
         optimizer = build_optimizer(
             model,
             lr,
             optim_cfg.weight_decay,
-            *values,
+            *given,
             optimizer=chosen,
             embedding=embedding,
             params=params,

@@ -27,7 +27,6 @@ import optim
 import parallel
 import reshard
 import rng
-import schedule
 from report import print0
 
 # applied steps whose loss and grad norm the run state keeps: the trend a step is judged against
@@ -179,11 +178,12 @@ def load(parts):
     """Resume from cfg.load/latest if there is one, on any layout (reshard.py); True if it did.
     With reset_optimizer_warmup_iters the optimizer is reset here, once per run (lesson 8)."""
     cfg, state = parts.cfg, parts.state
+    # first: "auto" under an optimizer that declares no count is refused with or without a checkpoint
+    warmup = optim.reset_warmup_iters(cfg, cfg.reset_optimizer_warmup_iters)
     tag_dir = checkpoint.latest_dir(cfg.load)
     if tag_dir is None:
         print0(f"no checkpoint in {cfg.load}: training from scratch")
         return False
-    warmup = schedule.reset_warmup_iters(cfg.reset_optimizer_warmup_iters, cfg.adam_beta2)
     payload = _read_payload(parts, tag_dir, warmup)
     reset_now = warmup and payload[1]["state"].get("optimizer_reset") is None
     fresh = cfg.no_load_optim or reset_now

@@ -59,7 +59,7 @@ class ScheduleConfig:
     # iterations until the curriculum reaches max_difficulty
     total_curriculum_step: int | None = None
     difficulty_step: int = 8  # curriculum sequence lengths are multiples of this
-    # resume: fresh Adam, lr 0 for N iters ("auto": 5/(1-beta2))
+    # resume: fresh optimizer, lr 0 for N iters ("auto": the optimizer's count; Adam's 5/(1-beta2))
     reset_optimizer_warmup_iters: int | str | None = None
     # discard the batches of iterations "13251-14000 ..."
     skip_train_iteration_range: list[str] | None = None
@@ -184,11 +184,13 @@ def _check_restart(keys, load):
         warmup in (None, "auto") or isinstance(warmup, int),
         "reset_optimizer_warmup_iters must be a number of iterations or 'auto'",
     )
-    # a count: -3 would read as "lr=0 for -3 iterations", and 0 resets nothing (reset_warmup_iters)
+    # a count: -3 would read as "lr=0 for -3 iterations", and 0 resets nothing
+    # (optim.reset_warmup_iters, which also turns "auto" into the optimizer's own count)
     _need(
         not isinstance(warmup, int) or warmup > 0,
         f"reset_optimizer_warmup_iters={warmup} must be a positive number of lr=0 iterations "
-        "after the optimizer reset (or 'auto': 5 / (1 - adam_beta2)); unset it for none",
+        "after the optimizer reset (or 'auto': the optimizer's own count, Adam's "
+        "5 / (1 - adam_beta2)); unset it for none",
     )
     _need(
         warmup is None or load is not None,
@@ -321,20 +323,14 @@ def in_ranges(iteration, ranges):
 
 
 # -----------------------------------------------------------------------------
-# The learning rate's own rules: the optimizer reset's lr=0 warm-up
+# The optimizer reset's lr=0 warm-up (lesson 8): how long, by the optimizer's entry (optim.py)
 
 
-def reset_warmup_iters(setting, adam_beta2, unset=None):
-    """The lr=0 iterations after an optimizer reset (lesson 8): setting,
-    reset_optimizer_warmup_iters, where "auto" is 5 / (1 - adam_beta2), the time Adam's second
-    moment needs; 0 without one. `unset`: the setting when the config has none (the spike guard
-    resets with "auto")."""
-    setting = setting or unset
-    if not setting:
-        return 0
-    if setting == "auto":
-        return math.ceil(5 / (1 - adam_beta2))
-    return int(setting)
+def moment_warmup_iters(beta2):
+    """The lr=0 iterations an optimizer's moment averaging at decay beta2 (Adam's second moment,
+    Lion's momentum) needs after a reset zeroed it: five of its time constants 1 / (1 - beta2),
+    which leave e^-5 of the zero start (100 at 0.95, the tr8b-104B reset's N)."""
+    return math.ceil(5 / (1 - beta2))
 
 
 # -----------------------------------------------------------------------------

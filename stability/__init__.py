@@ -180,24 +180,27 @@ def construction(cfg):
     """What each part of the layer is built with, by its "module.Class": its section of the config
     first, then (after `shared`, for a callback) the values it needs of other sections and of the
     core, by name. A callback not named here is built with its section alone: its class's Config.
-    With switched_on, snapshot_plan and config.check, the layer's boundary with the whole config."""
-    import schedule
+    With switched_on, snapshot_plan and config.check, the layer's boundary with the whole config.
+    What the layer knows of the optimizer's update comes from here, its entry's numbers
+    (optim.OPTIMIZERS): the most one step moves a weight, the lr=0 iterations of a reset."""
+    import optim
     from model import GPTConfig
 
     def own(where):  # a part's section
         return section(part(where).Config, cfg)
 
     guard_cfg, detector_cfg = own("spike_guard.SpikeGuard"), own("detector.Detector")
+    optim_cfg = section(optim.OptimizerConfig, cfg)
     core = CoreKeys(*(getattr(cfg, key) for key in CORE_KEYS))
     interval = cfg.spike_guard_snapshot_interval
     sharded = cfg.deepspeed or cfg.zero_stage >= 1  # each DP rank holds its own optimizer shard
+    # a relapse resets the optimizer only with spike_guard_reset_optimizer: "auto" asked of it then
+    relapse = "auto" if guard_cfg.spike_guard_reset_optimizer else None
+    reset = optim.reset_warmup_iters(optim_cfg, cfg.reset_optimizer_warmup_iters, relapse)
+    bound = optim.step_bound(optim_cfg)
     return {
-        "spike_guard.SpikeGuard": (detector_cfg, guard_cfg, cfg.clip_grad, interval),
-        "snapshots.Snapshots": (
-            snapshot_plan(cfg),
-            (cfg.save, cfg.load),
-            schedule.reset_warmup_iters(cfg.reset_optimizer_warmup_iters, cfg.adam_beta2, "auto"),
-        ),
+        "spike_guard.SpikeGuard": (detector_cfg, guard_cfg, cfg.clip_grad, interval, bound),
+        "snapshots.Snapshots": (snapshot_plan(cfg), (cfg.save, cfg.load), reset),
         "faults.Faults": (own("faults.Faults"), cfg.seed, cfg.vocab_size, core),
         "guard.Guard": (guard_cfg, core),
         "telemetry.Recording": (own("telemetry.Recording"), section(GPTConfig, cfg)),

@@ -128,9 +128,9 @@ def investigate(
 def _corruption_verdict(guard, parts, iteration, snapshot, replayed):
     """A reproduced spike's weights against the snapshot before it (None: none): "hardware" or None.
 
-    A weight that moved farther since the snapshot than Adam can move it at the LRs applied since
-    was written by something else: a silent corruption ("hardware", rolled back: the replay
-    reproduces it because it is in the state)."""
+    A weight that moved farther since the snapshot than the optimizer can move it at the LRs
+    applied since was written by something else: a silent corruption ("hardware", rolled back: the
+    replay reproduces it because it is in the state)."""
     if snapshot is None:
         return None
     corrupted = corrupted_weights(guard, parts.model, parts.optimizer, iteration, *snapshot)
@@ -379,31 +379,22 @@ def minority(losses, spread=4.0):
     return far, sum(kept) / len(kept)
 
 
-def adam_bound(beta1, beta2):
-    """The most one Adam step can move a weight, in units of its learning rate (before weight decay): by
-    Cauchy-Schwarz, |m_hat| / sqrt(v_hat) <= (1 - beta1) / sqrt((1 - beta2) (1 - beta1^2 / beta2)) whatever the
-    gradients (clipped or not) and the step (with a = beta1^t, b = beta2^t, the bias corrections only lower it:
-    (1 - b)(1 - a^2 / b) <= (1 - a)^2 as b + a^2 / b >= 2a); 7.3 at (0.9, 0.999), 1.2 at (0.9, 0.95); no bound
-    when beta1^2 >= beta2."""
-    if beta1 * beta1 >= beta2:
-        return math.inf
-    return (1 - beta1) / math.sqrt((1 - beta2) * (1 - beta1 * beta1 / beta2))
-
-
 @torch.no_grad()
 def corrupted_weights(guard, model, optimizer, iteration, then, payload, say=True):
-    """(DP rank, evidence) when some rank holds a weight the optimizer cannot have written since the snapshot of
-    iteration `then`, else None; say: the rank that holds it prints which weight. A weight may move by at most 2 x
-    (sum of the LRs applied since) x (adam_bound + weight decay x |weight|), plus the rounding of its dtype; one that
-    moved farther (or is not finite) was written by something else: a bit flipped in memory. One all-reduce over all
-    ranks of one number per DP rank, so every rank names the same DP rank (the corrupted weight may be on any TP or
-    PP rank of it)."""
+    """(DP rank, evidence) when some rank holds a weight the optimizer cannot have written since
+    the snapshot of iteration `then`, else None; say: the rank that holds it prints which weight. A
+    weight may move by at most 2 x (sum of the LRs applied since) x (guard.step_bound, the most one
+    step of the optimizer moves a weight in LR units, + weight decay x |weight|), plus the rounding
+    of its dtype; one that moved farther (or is not finite) was written by something else: a bit
+    flipped in memory. One all-reduce over all ranks of one number per DP rank, so every rank names
+    the same DP rank (the corrupted weight may be on any TP or PP rank of it)."""
     g, stats = parallel.grid, snapshot_stats(payload)
-    # a checkpoint written before the guard summed its LRs: no bound to test against
-    if "lr sum" not in stats:
+    # a checkpoint written before the guard summed its LRs, or an optimizer whose entry declares no
+    # bound (a fork's; Adam's is infinite when beta1^2 >= beta2): nothing to test against
+    if "lr sum" not in stats or guard.step_bound is None:
         return None
     lr_sum = max(guard.lr_sum - stats["lr sum"], 0.0)
-    move = 2 * lr_sum * max(adam_bound(*group["betas"]) for group in optimizer.param_groups)
+    move = 2 * lr_sum * guard.step_bound
     if not math.isfinite(move):
         return None
     decay = max([group.get("weight_decay", 0.0) for group in optimizer.param_groups] or [0.0])

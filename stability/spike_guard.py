@@ -132,12 +132,16 @@ class SpikeGuard(Detector):
 
     Config = GuardConfig  # its section: stability.build_callbacks builds it with it
 
-    def __init__(self, detector_cfg, guard_cfg, clip_grad, snapshot_interval, saved=None):
+    def __init__(
+        self, detector_cfg, guard_cfg, clip_grad, snapshot_interval, step_bound, saved=None
+    ):
         """detector_cfg, guard_cfg: its sections; clip_grad: the core's (Detector, tolerates());
         snapshot_interval: spike_guard_snapshot_interval, how far back the LRs a rollback would
-        replay are kept."""
+        replay are kept; step_bound: the most one step of the run's optimizer moves a weight, in
+        units of its LR (optim.step_bound; None: unknown, no weight is judged corrupted)."""
         super().__init__(detector_cfg, clip_grad)
         self.ladder, self.snapshot_interval = guard_cfg, snapshot_interval
+        self.step_bound = step_bound
         self.enabled = self.ladder.spike_guard
         # decisions: never rolled back
         self.strikes = []  # iterations of the spikes of the current episode

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import arguments
+import optim
 from builders import build_model, build_optimizer
 
 # corpus, corpus512: fixtures
@@ -241,7 +242,7 @@ def test_the_weight_corruption_bound_is_tight(beyond):
     payload = (before, {"state": {"spike_guard": {"stats": {"lr sum": then_sum}}}})
     name, p = next((n, p) for n, p in model.named_parameters() if p.dim() == 2)
     old = float(before[name].view(-1)[7])
-    move = 2 * lr_sum * diagnosis.adam_bound(cfg.adam_beta1, cfg.adam_beta2)
+    move = 2 * lr_sum * optim.adam_bound(cfg.adam_beta1, cfg.adam_beta2)
     allowed = move + 4 * torch.finfo(torch.float32).eps * (abs(old) + move)
     with torch.no_grad():
         p.view(-1)[7] = old + allowed * (1.01 if beyond else 0.99)

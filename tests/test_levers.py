@@ -390,7 +390,8 @@ def test_reset_optimizer_with_lr0_warmup(small512, tmp_path):
         *base, "--train_iters=9", f"--load={tmp_path}", "--reset_optimizer_warmup_iters=3"
     )
     assert "ignored" in again and losses(again) == {i: losses(out)[i] for i in (7, 8, 9)}
-    assert schedule.reset_warmup_iters("auto", 0.95) == 100
+    # "auto": AdamW's entry's count, 5 / (1 - adam_beta2)
+    assert optim.reset_warmup_iters(optim.OptimizerConfig(adam_beta2=0.95), "auto") == 100
 
 
 def test_no_load_optim_and_no_load_rng(small512, tmp_path):

@@ -1,7 +1,10 @@
 """The optimizer registry (optim.OPTIMIZERS): docs/forking.md's third optimizer, Lion, added as the
 page writes it -- its update against the paper's formula, a run of the small model with it resumed
-bit for bit -- and a checkpoint of one optimizer refused when resumed as another, by name."""
+bit for bit, the spike guard's weight bound and the reset's "auto" following its entry -- a
+checkpoint of one optimizer refused when resumed as another, by name, and "auto" refused under an
+entry that declares no count."""
 
+import dataclasses
 import os
 import re
 import textwrap
@@ -13,9 +16,19 @@ import arguments
 import deepspeed_engine
 import optim
 import parallel
-from helpers import ROOT, SMALL, assert_same_checkpoint, corpus, losses, run_main  # noqa: F401 (a fixture)
+from helpers import (  # noqa: F401 (a fixture)
+    ROOT,
+    SMALL,
+    assert_same_checkpoint,
+    corpus,
+    losses,
+    run_main,
+    snapshots_of,
+    spike_guard_of,
+)
 from optim import OptimizerConfig
 from sections import section
+from stability import diagnosis
 
 
 def _register_lion(monkeypatch):
@@ -90,6 +103,90 @@ def test_a_run_with_lion_resumes_bit_exact_and_is_refused_as_adamw(monkeypatch, 
         run_main(*adamw, c)
     out = run_main(*adamw, c, "--no_load_optim")  # the fix it names: a fresh AdamW, Lion's weights
     assert "optimizer state not loaded" in out and list(losses(out)) == [5]
+
+
+def _moved(guard, optimizer, times, *values):
+    """corrupted_weights after one weight of a small model moved `times` the most the guard allows
+    an optimizer of bound 1 since a snapshot (2 x the LRs summed since, x 1, and fp32's rounding);
+    values: those of the optimizer's keys."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 8)
+    opt = optim.build_optimizer(model, 1e-3, 0.0, *values, optimizer=optimizer)
+    then_sum, lr_sum = 0.25, 3e-3
+    guard.lr_sum = then_sum + lr_sum
+    before = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    payload = (before, {"state": {"spike_guard": {"stats": {"lr sum": then_sum}}}})
+    old = float(before["weight"].view(-1)[7])
+    move = 2 * lr_sum * 1.0
+    allowed = move + 4 * torch.finfo(torch.float32).eps * (abs(old) + move)
+    with torch.no_grad():
+        model.weight.view(-1)[7] = old + allowed * times
+    return diagnosis.corrupted_weights(guard, model, opt, 40, 35, payload, say=False)
+
+
+@pytest.mark.parametrize("beyond", [False, True])
+def test_under_lion_the_guard_bounds_a_weights_move_by_lions_step_not_adams(monkeypatch, beyond):
+    """Lion moves a weight by lr x a sign: since a snapshot, by at most the LRs summed (x2, the
+    guard's margin). A weight 1% inside that is the optimizer's; 1% past it, something else's --
+    which Adam's formula at Lion's betas (2.3 at 0.9, 0.99) would have let pass."""
+    _register_lion(monkeypatch)
+    flags = ["--spike_guard", "--optimizer=lion", "--adam_beta2=0.99", "--weight_decay=0"]
+    guard = spike_guard_of(arguments.load_config(flags))
+    assert guard.step_bound == 1.0 < optim.adam_bound(0.9, 0.99)
+    found = _moved(guard, "lion", 1.01 if beyond else 0.99, 0.9, 0.99)
+    assert (found is not None) == beyond, found
+
+
+def test_under_lion_auto_is_its_entrys_count(monkeypatch):
+    """The page's entry: 5 / (1 - beta2) on Lion's one moment, for a resume's reset and the spike
+    guard's; a count given is the count."""
+    _register_lion(monkeypatch)
+    flags = ["--spike_guard", "--spike_guard_reset_optimizer", "--optimizer=lion"]
+    cfg = arguments.load_config([*flags, "--adam_beta2=0.99"])
+    assert optim.reset_warmup_iters(section(OptimizerConfig, cfg), "auto") == 500
+    assert optim.reset_warmup_iters(section(OptimizerConfig, cfg), 7) == 7
+    assert snapshots_of(cfg).reset_warmup == 500  # a relapse's reset, "auto" when unset
+    # the entry's, not Adam's formula on the same beta2: another count in the entry is followed
+    entry = dataclasses.replace(optim.OPTIMIZERS["lion"], reset_iters=lambda b1, b2: 42)
+    monkeypatch.setitem(optim.OPTIMIZERS, "lion", entry)
+    assert optim.reset_warmup_iters(section(OptimizerConfig, cfg), "auto") == 42
+    assert snapshots_of(cfg).reset_warmup == 42
+
+
+def _register_fork(monkeypatch):
+    """A fork's optimizer whose entry declares neither rule (AdamW's make and keys, for a cheap run)."""
+    entry = optim.OptimizerEntry(optim.AdamW, optim.ADAM_KEYS, optim.adam_options)
+    monkeypatch.setitem(optim.OPTIMIZERS, "fork", entry)
+
+
+AUTO_REFUSED = (
+    r"^reset_optimizer_warmup_iters='auto'{} is the lr=0 iterations the optimizer's state needs "
+    r"after a reset, which optimizer='fork' does not declare \(its OPTIMIZERS entry has no "
+    r"reset_iters\): give reset_optimizer_warmup_iters a count of iterations \(e.g. 100\), or "
+    r"declare reset_iters in its entry$"
+)
+
+
+def test_auto_under_an_entry_that_declares_no_count_is_refused_before_the_run(
+    monkeypatch, corpus, tmp_path
+):
+    _register_fork(monkeypatch)
+    args = [*SMALL, f"--data_path={corpus}", "--eval_iters=0", "--optimizer=fork"]
+    resume = [*args, "--train_iters=2", f"--load={tmp_path}", f"--save={tmp_path}"]
+    with pytest.raises(ValueError, match=AUTO_REFUSED.format("")):
+        run_main(*resume, "--reset_optimizer_warmup_iters=auto")
+    assert not os.listdir(tmp_path)  # nothing saved: no iteration ran
+    # the spike guard resets a relapse with "auto" when the key is unset: refused when it would
+    cfg = arguments.load_config(["--spike_guard", "--optimizer=fork"])
+    guard = spike_guard_of(cfg)
+    assert (
+        guard.step_bound is None and _moved(guard, "fork", 1e3, 0.9, 0.999, 1e-8) is None
+    )  # no weight test
+    assert snapshots_of(cfg).reset_warmup == 0  # no reset asked of it
+    cfg.spike_guard_reset_optimizer = True
+    unset = r" \(unset: what spike_guard_reset_optimizer resets with\)"
+    with pytest.raises(ValueError, match=AUTO_REFUSED.format(unset)):
+        snapshots_of(cfg)
 
 
 def test_an_older_checkpoint_without_the_key_is_adamws_or_with_use_bnb_optimizer_8_bit():

@@ -404,8 +404,8 @@ def test_adam_bound_is_the_most_one_adam_step_moves_a_weight():
         p.grad = torch.tensor([(beta2 / beta1) ** i])
         adam.step()
         moves.append(float((p.detach() - before).abs()))
-    bound = diagnosis.adam_bound(beta1, beta2)
-    assert 0.98 * bound < max(moves) <= bound and diagnosis.adam_bound(0.9, 0.8) == math.inf
+    bound = optim.adam_bound(beta1, beta2)
+    assert 0.98 * bound < max(moves) <= bound and optim.adam_bound(0.9, 0.8) == math.inf
 
 
 def _numbers(out, after):
