@@ -332,6 +332,8 @@ def validate(cfg, world_size=1, reads_data=True):
     dp_size = world_size // (cfg.tensor_model_parallel_size * cfg.pipeline_model_parallel_size)
     schedule.check(section(ScheduleConfig, cfg), dp_size, cfg.load)
     optim.check(cfg)
+    # "auto" under an optimizer that declares no reset count: refused here, before any work
+    optim.reset_warmup_iters(section(OptimizerConfig, cfg), cfg.reset_optimizer_warmup_iters)
     checkpoint.check(section(CheckpointConfig, cfg))
     report.check(section(LoggingConfig, cfg))
     eval_harness.check(section(EvalHarnessConfig, cfg), cfg.eval_only)

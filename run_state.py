@@ -28,6 +28,7 @@ import parallel
 import reshard
 import rng
 from report import print0
+from sections import section
 
 # applied steps whose loss and grad norm the run state keeps: the trend a step is judged against
 HISTORY = 1024
@@ -179,7 +180,8 @@ def load(parts):
     With reset_optimizer_warmup_iters the optimizer is reset here, once per run (lesson 8)."""
     cfg, state = parts.cfg, parts.state
     # first: "auto" under an optimizer that declares no count is refused with or without a checkpoint
-    warmup = optim.reset_warmup_iters(cfg, cfg.reset_optimizer_warmup_iters)
+    optim_cfg = section(optim.OptimizerConfig, cfg)
+    warmup = optim.reset_warmup_iters(optim_cfg, cfg.reset_optimizer_warmup_iters)
     tag_dir = checkpoint.latest_dir(cfg.load)
     if tag_dir is None:
         print0(f"no checkpoint in {cfg.load}: training from scratch")

@@ -18,6 +18,7 @@ a run builds its parts only when a switch asks (stability.build_callbacks).
 import math
 from dataclasses import dataclass
 
+import optim
 import schedule
 from sections import section
 from stability import FRAME, REGISTRY, part
@@ -79,6 +80,11 @@ def check(cfg):
         "update, which DeepSpeed keeps inside its step(); set soft_skip_loss_ratio=0 or deepspeed=False",
     )
     check_detector(section(DetectorConfig, cfg))
+    # a relapse resets with "auto" when the key is unset: the optimizer must say what that is
+    if cfg.spike_guard and cfg.spike_guard_reset_optimizer:
+        optim.reset_warmup_iters(
+            section(optim.OptimizerConfig, cfg), cfg.reset_optimizer_warmup_iters, "auto"
+        )
     check_guard(section(GuardConfig, cfg))
     check_snapshots(section(SnapshotConfig, cfg))
     need(

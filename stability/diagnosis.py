@@ -417,8 +417,9 @@ def corrupted_weights(guard, model, optimizer, iteration, then, payload, say=Tru
             flush=True,
         )
     return rank, (
-        f"a weight of DP rank {rank} moved {ratios[rank]:.3g}x farther since iteration {then} than Adam "
-        f"can move it at the LRs applied since (summed: {lr_sum:.3g}): written by something else"
+        f"a weight of DP rank {rank} moved {ratios[rank]:.3g}x farther since iteration {then} "
+        f"than the optimizer can move it at the LRs applied since (summed: {lr_sum:.3g}): "
+        "written by something else"
     )
 
 

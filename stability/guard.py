@@ -128,8 +128,9 @@ class Guard(training.Callback):
     def update_size(self, n, step):
         """At each snapshot iteration, an applied step: the weights' move per update since the newest snapshot
         (update_size.py), judged against its trend (Detector.moved) and recorded; an outlier is the optimizer's
-        doing (SpikeGuard.moved_too_far) -- unless a weight moved farther than Adam can move it, a corruption that
-        the hardware diagnosis and the replica check answer, not this rule. The decision, or None."""
+        doing (SpikeGuard.moved_too_far) -- unless a weight moved farther than the optimizer can move
+        it, a corruption that the hardware diagnosis and the replica check answer, not this rule. The
+        decision, or None."""
         guard, interval = self.guard, self.snapshots.interval
         if not (
             guard.enabled

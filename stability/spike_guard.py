@@ -25,7 +25,8 @@ But the causes call for different remedies, so the guard asks why before it acts
                not reproduced (beyond the run's measured nondeterminism), or the replicas disagreed
                                                                -> hardware: the replayed step is applied (a retry)
                reproduced:
-                 a weight moved farther since the newest snapshot two updates back than Adam can move it
+                 a weight moved farther since the newest snapshot two updates back than the optimizer can
+                 move it (its step_bound)
                                                            -> hardware: roll back to it, no data skipped, no LR cut
                  fp16/bf16: the step replayed in fp32 (TF32 off) is ordinary
                                                            -> numerical: the fp32 step applied (fp16: the loss scale
@@ -583,8 +584,9 @@ class SpikeGuard(Detector):
         if not self.replays_same_lrs(then, iteration):
             to_trend = 1.0
         evidence = (
-            f"the weights moved {move:.3g} of their norm per update since iteration {then}, against a trend "
-            f"of {expected:.3g}; no weight moved farther than Adam can move it at the LRs applied"
+            f"the weights moved {move:.3g} of their norm per update since iteration {then}, against a "
+            f"trend of {expected:.3g}; no weight moved farther than the optimizer can move it at the "
+            "LRs applied"
         )
         self.strikes = [iteration]
         return self._rollback(

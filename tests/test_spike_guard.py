@@ -192,7 +192,8 @@ def test_a_weight_bit_flip_is_hardware_and_rolled_back_without_skipping_data_and
     run,
 ):
     """A flipped weight is in the state: the next step spikes and its replay, from the same weights, reproduces it.
-    The weights moved farther than Adam can move them since the snapshot: hardware, rolled back, no data skipped."""
+    The weights moved farther than the optimizer can move them since the snapshot: hardware,
+    rolled back, no data skipped."""
     clean, guarded = run("clean"), run("flip_weight_guarded", *FLIP_WEIGHT, *GUARD)
     lines = guard_lines(guarded)
     assert re.match(
@@ -209,8 +210,9 @@ def test_a_weight_bit_flip_is_hardware_and_rolled_back_without_skipping_data_and
     )
     assert re.match(
         r"spike guard: iteration 31: hardware/transient fault on DP rank 0: replayed: loss \S+, grad norm "
-        r"\S+, reproduced; a weight of DP rank 0 moved \S+e\+\d+x farther since iteration 25 than Adam "
-        r"can move it .*: roll back to before iteration 30; no data skipped, LR unchanged \(fault 1 of 3 "
+        r"\S+, reproduced; a weight of DP rank 0 moved \S+e\+\d+x farther since iteration 25 "
+        r"than the optimizer can move it .*: roll back to before iteration 30; no data skipped, "
+        r"LR unchanged \(fault 1 of 3 "
         r"on DP rank 0 before a stop\)$",
         lines[3],
     ), lines
