@@ -1189,8 +1189,8 @@ def remedy_table(rows, margin=STABLE_MARGIN):
 def plot(rows_by_arm, results, corpus, path):
     """Wortsman et al.'s figures, drawing what was run: per arm, final loss against LR, a marker per run, a line
     through the seeds' mean, the seeds' min-max as an error bar only where n >= 3 (no band: a band between LRs
-    would shade LRs with fewer seeds); beside it what the arm is about: each run's largest attention logit (A),
-    seed 1's mean output logit and log Z over the iterations (B), each run's spike score (C)."""
+    would shade LRs with fewer seeds); beside it what the arm is about: each run's largest attention logit (A, W,
+    N, F), seed 1's mean output logit and log Z over the iterations (B), each run's spike score (C)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -1230,7 +1230,9 @@ def plot(rows_by_arm, results, corpus, path):
                     capsize=3,
                     linewidth=1,
                 )
-            for key, axes_of in (("attention_logit_max", ("A", "W")), ("spike_score", ("C",))):
+            # N and F: the natural study's instabilities are the attention logits' slow climb
+            logit_arms = ("A", "W", "N", "F")
+            for key, axes_of in (("attention_logit_max", logit_arms), ("spike_score", ("C",))):
                 if arm in axes_of:
                     scale = 100 if key == "spike_score" else 1
                     runs = [
@@ -1268,7 +1270,7 @@ def plot(rows_by_arm, results, corpus, path):
         )
         ax.set_ylabel("final loss (nats)")
         ax.legend(fontsize=7)
-        if arm in ("A", "W"):
+        if arm in ("A", "W", "N", "F"):
             right.axhline(
                 ATTENTION_LOGIT_BLOWUP, color="grey", linestyle="--", linewidth=1, label="1e4"
             )
