@@ -59,12 +59,7 @@ def _parts(filename, class_name):
     the file defines it or imports it (`from MODULE import NAME`); stability.config.StabilityConfig
     composes the sections of the layer's parts (_layer_sections)."""
     tree = ast.parse(_read(os.path.join(ROOT, filename)))
-    modules = {
-        alias.asname or alias.name: node.module
-        for node in tree.body
-        if isinstance(node, ast.ImportFrom)
-        for alias in node.names
-    }
+    modules = _imported_names(tree)
     node = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == class_name)
     if any(isinstance(stmt, ast.AnnAssign) for stmt in node.body) or not node.bases:
         return [(filename, class_name)]
@@ -75,6 +70,16 @@ def _parts(filename, class_name):
         for base in reversed(node.bases)
         for part in _parts(_defined_in(modules, base.id, filename), base.id)
     ]
+
+
+def _imported_names(tree):
+    """{name: the module it comes from} of a file's `from MODULE import NAME` lines."""
+    return {
+        alias.asname or alias.name: node.module
+        for node in tree.body
+        if isinstance(node, ast.ImportFrom)
+        for alias in node.names
+    }
 
 
 def _defined_in(modules, name, filename):
@@ -92,9 +97,8 @@ def _layer_sections():
         if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name)
     }
     wheres = [e.value for e in lists["FRAME"].elts]
-    wheres += [
-        entry.elts[-1].value for entry in lists["REGISTRY"].elts
-    ]  # (switches, "module.Class")
+    # REGISTRY's entries: (switches, "module.Class")
+    wheres += [entry.elts[-1].value for entry in lists["REGISTRY"].elts]
     return list(dict.fromkeys(_section_of(*where.rsplit(".", 1)) for where in wheres))
 
 
@@ -103,12 +107,7 @@ def _section_of(module, class_name):
     the nearest base class that does (remedies.OptRestart: CheckpointRestart's)."""
     filename = f"stability/{module}.py"
     tree = ast.parse(_read(os.path.join(ROOT, filename)))
-    modules = {
-        alias.asname or alias.name: node.module
-        for node in tree.body
-        if isinstance(node, ast.ImportFrom)
-        for alias in node.names
-    }
+    modules = _imported_names(tree)
     node = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == class_name)
     for stmt in node.body:
         if isinstance(stmt, ast.Assign) and ast.unparse(stmt.targets[0]) == "Config":

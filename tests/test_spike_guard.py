@@ -19,7 +19,14 @@ import optim
 import precision
 import training
 from builders import build_model, build_optimizer, step_rules
-from helpers import corpus, corpus512, log_fields, run_main, spike_guard_of  # noqa: F401 (corpus, corpus512: fixtures)
+from helpers import (  # noqa: F401 (corpus, corpus512: fixtures)
+    corpus,
+    corpus512,
+    guard_model_args,
+    log_fields,
+    run_main,
+    spike_guard_of,
+)
 from sections import section
 from stability import detector, diagnosis, spike_guard, telemetry
 from stability.detector import DetectorConfig
@@ -47,28 +54,7 @@ FLIP_WEIGHT = ["--inject_bitflip_iters=30-30", "--inject_bitflip_target=weight"]
 def run(corpus512, tmp_path_factory):
     """run(name, *extra) -> stdout of a 60-iteration run; cached by name, so tests share the runs."""
     cache = {}
-    base = [
-        "--num_layers=2",
-        "--hidden_size=64",
-        "--num_attention_heads=4",
-        "--seq_length=64",
-        "--vocab_size=512",
-        "--micro_batch_size=8",
-        "--global_batch_size=8",
-        "--train_iters=60",
-        "--lr=2e-3",
-        "--lr_warmup_samples=40",
-        "--lr_decay_samples=1600",
-        "--hidden_dropout=0",
-        "--attention_dropout=0",
-        "--log_interval=1",
-        "--eval_interval=1000",
-        "--eval_iters=4",
-        "--sample_tokens=0",
-        "--save=none",
-        "--save_interval=none",
-        f"--data_path={corpus512}",
-    ]
+    base = guard_model_args(corpus512)
 
     def get(name, *extra):
         if name not in cache:
