@@ -1108,9 +1108,7 @@ if __name__ == "__main__":
             json_key=args.json_key,
             tokenizer_file=args.tokenizer_file,
         )
-    except (
-        ValueError,
-        FileNotFoundError,
-    ) as e:  # bad input: one line naming the problem, no traceback
+    # bad input: one line naming the problem, no traceback
+    except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

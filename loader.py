@@ -135,9 +135,8 @@ def _serve(requests, load):
             continue  # cancelled while queued
         try:
             future.set_result(load(key))
-        except (
-            BaseException
-        ) as e:  # handed to whoever asks for this key (nobody, for a guess past the end)
+        # handed to whoever asks for this key (nobody, for a guess past the end)
+        except BaseException as e:
             future.set_exception(e)
 
 

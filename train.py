@@ -203,9 +203,8 @@ if __name__ == "__main__":
         finished = True
     except (ValueError, FileNotFoundError) as e:
         launch.exit_with(e, 2)
-    except (
-        StopRun
-    ) as e:  # a callback stopped the run (the spike guard's caps): saved, with its message
+    # a callback stopped the run (the spike guard's caps): saved, with its message
+    except StopRun as e:
         launch.exit_with(e, e.exit_code)
     finally:
         launch.shut_down(finished)

@@ -170,9 +170,8 @@ def _main(argv, out_path, counted=None):
         with contextlib.redirect_stdout(out):
             try:
                 train_script()["main"](argv)
-            except (
-                StopRun
-            ) as e:  # the guard's stop: its message is the run's last line, as train.py prints it
+            # the guard's stop: its message is the run's last line, as train.py prints it
+            except StopRun as e:
                 print(f"stopped: {e}")
     finally:
         training.train_step = step
