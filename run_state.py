@@ -179,13 +179,12 @@ def load(parts):
     """Resume from cfg.load/latest if there is one, on any layout (reshard.py); True if it did.
     With reset_optimizer_warmup_iters the optimizer is reset here, once per run (lesson 8)."""
     cfg, state = parts.cfg, parts.state
-    # first: "auto" under an optimizer that declares no count is refused with or without a checkpoint
-    optim_cfg = section(optim.OptimizerConfig, cfg)
-    warmup = optim.reset_warmup_iters(optim_cfg, cfg.reset_optimizer_warmup_iters)
     tag_dir = checkpoint.latest_dir(cfg.load)
     if tag_dir is None:
         print0(f"no checkpoint in {cfg.load}: training from scratch")
         return False
+    optim_cfg = section(optim.OptimizerConfig, cfg)
+    warmup = optim.reset_warmup_iters(optim_cfg, cfg.reset_optimizer_warmup_iters)
     payload = _read_payload(parts, tag_dir, warmup)
     reset_now = warmup and payload[1]["state"].get("optimizer_reset") is None
     fresh = cfg.no_load_optim or reset_now

@@ -194,13 +194,10 @@ def construction(cfg):
     core = CoreKeys(*(getattr(cfg, key) for key in CORE_KEYS))
     interval = cfg.spike_guard_snapshot_interval
     sharded = cfg.deepspeed or cfg.zero_stage >= 1  # each DP rank holds its own optimizer shard
-    # a relapse resets the optimizer only with spike_guard_reset_optimizer: "auto" asked of it then
-    relapse = "auto" if guard_cfg.spike_guard_reset_optimizer else None
-    reset = optim.reset_warmup_iters(optim_cfg, cfg.reset_optimizer_warmup_iters, relapse)
     bound = optim.step_bound(optim_cfg)
     return {
         "spike_guard.SpikeGuard": (detector_cfg, guard_cfg, cfg.clip_grad, interval, bound),
-        "snapshots.Snapshots": (snapshot_plan(cfg), (cfg.save, cfg.load), reset),
+        "snapshots.Snapshots": (snapshot_plan(cfg), (cfg.save, cfg.load), reset_iters(cfg)),
         "faults.Faults": (own("faults.Faults"), cfg.seed, cfg.vocab_size, core),
         "guard.Guard": (guard_cfg, core),
         "telemetry.Recording": (own("telemetry.Recording"), section(GPTConfig, cfg)),
@@ -219,6 +216,18 @@ def construction(cfg):
             detector_cfg.spike_guard_window,
         ),
     }
+
+
+def reset_iters(cfg):
+    """The lr=0 iterations of the guard's optimizer reset on a relapse (optim.reset_warmup_iters):
+    reset_optimizer_warmup_iters, or "auto" when it is unset and spike_guard_reset_optimizer asks
+    for the reset; 0 when neither (the count is then never read). config.check asks it too, so an
+    optimizer that cannot answer "auto" is refused before any work."""
+    import optim
+
+    relapse = "auto" if cfg.spike_guard_reset_optimizer else None
+    optim_cfg = section(optim.OptimizerConfig, cfg)
+    return optim.reset_warmup_iters(optim_cfg, cfg.reset_optimizer_warmup_iters, relapse)
 
 
 def snapshot_plan(cfg):

@@ -18,10 +18,9 @@ a run builds its parts only when a switch asks (stability.build_callbacks).
 import math
 from dataclasses import dataclass
 
-import optim
 import schedule
 from sections import section
-from stability import FRAME, REGISTRY, part
+from stability import FRAME, REGISTRY, part, reset_iters
 from stability.detector import DetectorConfig
 from stability.faults import SAMPLE_KINDS, FaultsConfig, bitflip_width, sample_ranges
 from stability.guard import PrecursorConfig
@@ -80,11 +79,8 @@ def check(cfg):
         "update, which DeepSpeed keeps inside its step(); set soft_skip_loss_ratio=0 or deepspeed=False",
     )
     check_detector(section(DetectorConfig, cfg))
-    # a relapse resets with "auto" when the key is unset: the optimizer must say what that is
-    if cfg.spike_guard and cfg.spike_guard_reset_optimizer:
-        optim.reset_warmup_iters(
-            section(optim.OptimizerConfig, cfg), cfg.reset_optimizer_warmup_iters, "auto"
-        )
+    if cfg.spike_guard:  # its relapse's reset count: the optimizer must be able to say it
+        reset_iters(cfg)
     check_guard(section(GuardConfig, cfg))
     check_snapshots(section(SnapshotConfig, cfg))
     need(
