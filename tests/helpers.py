@@ -597,8 +597,9 @@ class MemorySource:
             row[:] = np.concatenate([self.documents[d][lo : lo + n] for d, lo, n in pieces])
 
 
-def guard_model_args(data_path):
-    """The guard tests' run: the 2x64 model, 512 tokens, 60 iterations, every iteration logged, nothing saved."""
+def guard_model_args(data_path, iters=60):
+    """The guard tests' run: the 2x64 model, 512 tokens, `iters` iterations, every iteration logged,
+    nothing saved (a later --save, --save_interval overrides)."""
     return [
         "--num_layers=2",
         "--hidden_size=64",
@@ -607,7 +608,7 @@ def guard_model_args(data_path):
         "--vocab_size=512",
         "--micro_batch_size=8",
         "--global_batch_size=8",
-        "--train_iters=60",
+        f"--train_iters={iters}",
         "--lr=2e-3",
         "--lr_warmup_samples=40",
         "--lr_decay_samples=1600",

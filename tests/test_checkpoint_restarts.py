@@ -12,7 +12,14 @@ import re
 import pytest
 
 import arguments
-from helpers import corpus, corpus512, log_fields, losses, run_main  # noqa: F401 (fixtures)
+from helpers import (  # noqa: F401 (fixtures)
+    corpus,
+    corpus512,
+    guard_model_args,
+    log_fields,
+    losses,
+    run_main,
+)
 from stability import Shared, remedies
 from stability import config as stability_config
 
@@ -32,27 +39,7 @@ def cfg_with(**keys):
 
 @pytest.fixture(scope="module")
 def run(corpus512, tmp_path_factory):  # noqa: F811 (the fixture)
-    base = [
-        "--num_layers=2",
-        "--hidden_size=64",
-        "--num_attention_heads=4",
-        "--seq_length=64",
-        "--vocab_size=512",
-        "--micro_batch_size=8",
-        "--global_batch_size=8",
-        "--train_iters=50",
-        "--lr=2e-3",
-        "--lr_warmup_samples=40",
-        "--lr_decay_samples=1600",
-        "--hidden_dropout=0",
-        "--attention_dropout=0",
-        "--log_interval=1",
-        "--eval_interval=1000",
-        "--eval_iters=4",
-        "--sample_tokens=0",
-        "--save_interval=10",
-        f"--data_path={corpus512}",
-    ]
+    base = [*guard_model_args(corpus512, iters=50), "--save_interval=10"]  # --save: go()
 
     def go(*extra, save=None):
         save = save or tmp_path_factory.mktemp("run")

@@ -14,7 +14,14 @@ import torch
 
 import arguments
 import training
-from helpers import corpus, corpus512, log_fields, losses, run_main  # noqa: F401 (corpus, corpus512: fixtures)
+from helpers import (  # noqa: F401 (corpus, corpus512: fixtures)
+    corpus,
+    corpus512,
+    guard_model_args,
+    log_fields,
+    losses,
+    run_main,
+)
 from stability import config as stability_config
 from stability import remedies
 
@@ -203,28 +210,7 @@ WATCH = ["--spiky_loss_factor=10", "--spiky_loss_samples=10", "--zclip_z=2.5"]
 
 @pytest.fixture(scope="module")
 def run(corpus512):
-    base = [
-        "--num_layers=2",
-        "--hidden_size=64",
-        "--num_attention_heads=4",
-        "--seq_length=64",
-        "--vocab_size=512",
-        "--micro_batch_size=8",
-        "--global_batch_size=8",
-        "--train_iters=30",
-        "--lr=2e-3",
-        "--lr_warmup_samples=40",
-        "--lr_decay_samples=1600",
-        "--hidden_dropout=0",
-        "--attention_dropout=0",
-        "--log_interval=1",
-        "--eval_interval=1000",
-        "--eval_iters=4",
-        "--sample_tokens=0",
-        "--save=none",
-        "--save_interval=none",
-        f"--data_path={corpus512}",
-    ]
+    base = guard_model_args(corpus512, iters=30)
     return lambda *extra: run_main(*base, *extra)
 
 
