@@ -736,29 +736,58 @@ def stability_sha256():
     return digest.hexdigest()
 
 
-def registration_of(a):
-    """What a registration freezes: the whole tree (tree_state: its hash and a dirty flag; the
-    commit; torch's version), the fault space (the families and the draw's code), the metrics (their
-    code), the goals, the thresholds, the seed, the trials, the iterations, the model, the methods'
-    rule and every method's flags."""
-    sources = lambda fs: hashlib.sha256(
-        "".join(inspect.getsource(f) for f in fs).encode()
-    ).hexdigest()
+def source_sha256(functions):
+    """The hash of these functions' source, in order: what a registration freezes of the draw's
+    and the metrics' code."""
+    return hashlib.sha256("".join(inspect.getsource(f) for f in functions).encode()).hexdigest()
+
+
+def measured(harm):
+    """What a registration freezes of how its runs are scored: the metrics' code, the goals and the
+    thresholds (a report checks them against its own, check_measured)."""
     return {
-        **code_stamp(),
-        "stability_sha256": stability_sha256(),
-        "draw": a.draw,
-        "families": SEVENTH if a.draw == "seventh" else FAMILIES,
-        "draw_sha256": sources(DRAWN),
-        "metrics_sha256": sources(MEASURED),
+        "metrics_sha256": source_sha256(MEASURED),
         "goals": GOALS,
-        "harm_threshold": a.harm,
+        "harm_threshold": harm,
         "thresholds": {
             "detect_window": guard_metrics.DETECT_WINDOW,
             "loss_cap": guard_metrics.LOSS_CAP,
             "bootstrap": guard_metrics.BOOTSTRAP,
             "calibration": list(guard_metrics.CALIBRATION),
         },
+    }
+
+
+def check_measured(registration, harm):
+    """Refuses to report a registration's runs with metrics, goals or thresholds other than the ones
+    it froze: a report may come from a later checkout, but it scores the runs as registered."""
+    if registration is None or "metrics_sha256" not in registration:
+        return  # the sixth's and older registrations froze no metrics
+    now = measured(harm)
+    changed = [k for k in now if registration.get(k) != now[k]]
+    if changed:
+        raise SystemExit(
+            f"this checkout scores runs differently from the registration ({', '.join(changed)} "
+            f"changed since {registration['commit'][:7]}): report with the registered "
+            f"lab/guard_metrics.py and lab/guard_campaign.py (git checkout "
+            f"{registration['commit'][:7]} -- lab/guard_metrics.py lab/guard_campaign.py), "
+            f"and --harm {registration['harm_threshold']}"
+        )
+
+
+def registration_of(a):
+    """What a registration freezes: the whole tree (tree_state: its hash and a dirty flag; the
+    commit; torch's version), the fault space (the families and the draw's code), the metrics (their
+    code), the goals, the thresholds, the seed, the trials, the iterations, the model, the methods'
+    rule and every method's flags."""
+    return {
+        **code_stamp(),
+        "stability_sha256": stability_sha256(),
+        "draw": a.draw,
+        "families": SEVENTH if a.draw == "seventh" else FAMILIES,
+        "draw_sha256": source_sha256(DRAWN),
+        "metrics_sha256": source_sha256(MEASURED),
+        **measured(a.harm),
         "seed": a.seed,
         "first": a.first,
         "trials": a.trials,
@@ -924,6 +953,7 @@ def report(out, harm=HARM, registration=None):
     """OUT/report.md (the tables) and OUT/campaign.png (the figure); returns the markdown. Refuses runs of more than
     one registration (one_registration)."""
     one_registration(runs_of(out), registration)
+    check_measured(registration, harm)
     trials = trials_of(out)
     spent = sum(r.get("seconds", 0) * r.get("nproc", 1) for r in runs_of(out).values()) / 3600
     lines = [
@@ -949,7 +979,7 @@ def report(out, harm=HARM, registration=None):
             for d in guarded["decisions"]
             if int(re.match(r"spike guard: iteration (\d+)", d)[1]) >= guarded["start"]
         ]
-        true = FAMILIES[guarded["family"]]
+        true = SEVENTH[guarded["family"]]
         decided = cause_of(acts[0]) if acts else "none"
         if acts:
             matrix[true][decided] += 1
@@ -1024,6 +1054,7 @@ def report(out, harm=HARM, registration=None):
         "count as iterations run):",
         "",
         primary_table(runs_of(out), harm),
+        worse_than_nothing(runs_of(out), out, harm),
     ]
     text = "\n".join(lines) + "\n"
     with open(os.path.join(out, "report.md"), "w") as f:
@@ -1040,7 +1071,7 @@ def acts_from(record, start):
 def right_diagnosis(method, act, family):
     """Whether the method's first action names the fault's cause, where the method says one: the guard's cause;
     Megatron's re-run tells a transient (hardware) fault from a reproducible one (not hardware). None elsewhere."""
-    true = FAMILIES[family]
+    true = SEVENTH[family]
     if method == "guard":
         return cause_of(act) == true
     if method == "spiky_loss":
@@ -1285,6 +1316,62 @@ def primary_table(runs, harm=HARM):
         bad = sum(is_harmful(runs[f"{k}-clean"], runs[f"{k}-unguarded"], harm) for k in ks)
         lines.append(f"| {family} | {len(ks)} | {bad} |")
     return "\n".join(lines) + "\n"
+
+
+def ending(out, record):
+    """How a run ended, in words: finished, stopped by the guard (its stop line names the cause;
+    torchrun turns a worker's exit 3 into its own 1), or died. The stop line is read from the run's
+    log where it is kept (OUT/logs, not committed); from the record alone, the last action's cause."""
+    if record["exit"] == 0:
+        return "finished"
+    log = os.path.join(out, "logs", f"{record['name']}.log")
+    if os.path.exists(log):
+        lines = open(log, errors="replace").read().splitlines()
+        stops = [x for x in lines if x.startswith("error: spike guard: iteration")]
+        if stops:
+            it = re.match(r"error: spike guard: iteration (\d+)", stops[-1])[1]
+            return f"stopped by the guard at iteration {it}, {cause_of(stops[-1])} (exit {record['exit']})"
+        errors = [x for x in lines if re.match(r"\w*(Error|error)\b", x)]
+        return f"died (exit {record['exit']}): {errors[-1][:80] if errors else 'no error line'}"
+    last = cause_of(record["decisions"][-1]) if record["decisions"] else "none"
+    return f"exit {record['exit']}, its last action's cause {last} (no log)"
+
+
+def worse_than_nothing(runs, out, harm=HARM):
+    """The markdown list of every trial in which a method ended measurably worse than doing nothing:
+    its final loss (a run that did not finish scored as LOSS_CAP) more than `harm` over the
+    unremedied twin's, or its DP replicas apart where the unremedied run's ended equal; with how it
+    ended. Beside the registered metrics, not one of them: it names where, the table counts."""
+    ks = sorted(
+        {
+            r["trial"]
+            for r in runs.values()
+            if "trial" in r and f"{r['trial']}-clean" in runs and f"{r['trial']}-unguarded" in runs
+        }
+    )
+    rows = []
+    for method in ["guard", *REMEDIES]:
+        for k in ks:
+            run, bad = runs.get(names(k, method)[0]), runs[f"{k}-unguarded"]
+            if run is None:
+                continue
+            mine, theirs = guard_metrics.final_loss(run), guard_metrics.final_loss(bad)
+            apart = bool(run.get("replica_gap")) and not bad.get("replica_gap")
+            if mine > theirs * (1 + harm) or apart:
+                rows.append(
+                    f"| {method} | {k} | {run['family']} | {theirs:.4f} | {mine:.4f} | "
+                    f"{'apart' if apart else 'equal' if run.get('replica_gap') == 0 else '-'} | "
+                    f"{ending(out, run)} |"
+                )
+    head = [
+        f"Trials in which a method ended more than {harm:.0%} worse than doing nothing (final loss; "
+        f"a run that did not finish scored as ln(512) = {guard_metrics.LOSS_CAP:.4f}), or with its "
+        "replicas apart where doing nothing kept them equal:",
+        "",
+        "| method | trial | family | unremedied final loss | its final loss | replicas | how it ended |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    return "\n".join(head + (rows or ["| none | | | | | | |"])) + "\n"
 
 
 # the code a registration hashes as its metrics

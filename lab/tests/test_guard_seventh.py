@@ -283,26 +283,28 @@ def test_opt_bound_is_calibrated_on_clean_runs():
         gm.calibrated_bound([run(4, series=warm)])
 
 
-def test_the_primary_table_counts_by_hand():
-    def rec(
-        name, valid, family="random tokens", start=20, decisions=(), exit=0, gap=None, method=None
-    ):
-        return name, {
-            "name": name,
-            "valid": valid,
-            "exit": exit,
-            "decisions": list(decisions),
-            "family": family,
-            "start": start,
-            "trial": int(name.split("-")[0]),
-            "method": method,
-            "iters": 100,
-            "series": [[i, 5.0, 1.0, 0] for i in range(1, 101)],
-            "seconds": 10.0,
-            "replica_gap": gap,
-            "snapshots": 2,
-        }
+def rec(name, valid, family="random tokens", start=20, decisions=(), exit=0, gap=None, method=None):
+    """(name, a hand-made run record as run_one writes it)."""
+    return name, {
+        "name": name,
+        "valid": valid,
+        "exit": exit,
+        "decisions": list(decisions),
+        "family": family,
+        "what": family,
+        "start": start,
+        "trial": int(name.split("-")[0]),
+        "method": method,
+        "iters": 100,
+        "series": [[i, 5.0, 1.0, 0] for i in range(1, 101)],
+        "seconds": 10.0,
+        "replica_gap": gap,
+        "snapshots": 2,
+        "rollbacks": 0,
+    }
 
+
+def test_the_primary_table_counts_by_hand():
     act, late = (
         "spike guard: iteration 25: loss 9 is 2x its trend; data-driven",
         "spike guard: iteration 60: loss 9 is 2x its trend; data-driven",
@@ -337,6 +339,62 @@ def test_the_primary_table_counts_by_hand():
         "| 1/1 / 1/1 |" in table
     )
     assert "| random tokens | 4 | 3 |" in table
+
+
+def test_the_report_names_every_trial_worse_than_doing_nothing_and_how_it_ended(tmp_path):
+    stop = (
+        "spike guard: iteration 339: hardware/transient fault on DP rank 1: 3 faults on DP rank 1, "
+        "the spike_guard_max_hardware_faults=3th: take its node out"
+    )
+    runs = dict(
+        [
+            # a device that stays bad (the seventh's own family): the guard stops it, torchrun exits 1
+            rec("0-clean", 4.0, family="dp bad device", gap=0.0),
+            rec("0-unguarded", 4.3, family="dp bad device", gap=0.0),
+            rec("0-guarded", math.nan, family="dp bad device", exit=1, decisions=[stop]),
+            # 0.5% worse than doing nothing: within the threshold, not listed
+            rec("1-clean", 4.0),
+            rec("1-unguarded", 4.4),
+            rec("1-guarded", 4.42, decisions=["spike guard: iteration 25: data-driven"]),
+            # replicas apart where doing nothing kept them equal, no log: the record's last action
+            rec("2-clean", 4.0, gap=0.0),
+            rec("2-unguarded", 4.0, gap=0.0),
+            rec(
+                "2-guarded",
+                4.0,
+                gap=0.2,
+                exit=2,
+                decisions=["spike guard: iteration 30: numerical: x"],
+            ),
+        ]
+    )
+    with open(tmp_path / "runs.jsonl", "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in runs.values())
+    os.makedirs(tmp_path / "logs")
+    (tmp_path / "logs" / "0-guarded.log").write_text(
+        f"iteration 339 ...\n{stop}\nerror: {stop}; the state of iteration 339 saved in ckpt\n"
+    )
+    text = gc.report(str(tmp_path))
+    assert "| dp bad device | 1 | 1 |" in text  # the family counted, its cause known
+    listed = text.split("more than 1% worse than doing nothing")[1]
+    assert (
+        f"| guard | 0 | dp bad device | 4.3000 | {gm.LOSS_CAP:.4f} | - | stopped by the guard at "
+        "iteration 339, hardware (exit 1) |" in listed
+    )
+    assert "| guard | 1 |" not in listed
+    assert (
+        "| guard | 2 | random tokens | 4.0000 | 6.2383 | apart | exit 2, its last action's cause "
+        "numerical (no log) |" in listed
+    )
+
+
+def test_a_report_scores_the_runs_as_registered():
+    registered = json.load(open(os.path.join(CAMPAIGN, "seventh", "registration.json")))
+    gc.check_measured(registered, registered["harm_threshold"])  # this checkout's are the same
+    with pytest.raises(SystemExit, match="harm_threshold changed since a396cd6"):
+        gc.check_measured(registered, 0.02)
+    with pytest.raises(SystemExit, match="metrics_sha256 changed"):
+        gc.check_measured({**registered, "metrics_sha256": "0" * 64}, registered["harm_threshold"])
 
 
 # -- the registration and the stamps -----------------------------------------------------------
