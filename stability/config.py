@@ -145,7 +145,7 @@ def check_guard(guard_cfg):
     need(g.spike_guard_max_hardware_faults >= 1, "spike_guard_max_hardware_faults must be >= 1")
     need(
         g.spike_guard_max_numerical >= 1,
-        "spike_guard_max_numerical must be >= 1 (the numerical diagnoses before a stop)",
+        "spike_guard_max_numerical must be >= 1 (the numerical diagnoses that make a fault persistent)",
     )
 
 

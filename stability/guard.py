@@ -29,7 +29,6 @@ NEXT = {
     "(or spike_guard_reset_optimizer)",
     "hardware": "take the named rank's node out, then resume",
     "persistent": "take the named rank's node out, then resume",
-    "numerical": "train these iterations in fp32 or find the operation, then resume",
 }
 
 

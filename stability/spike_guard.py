@@ -31,7 +31,8 @@ But the causes call for different remedies, so the guard asks why before it acts
                  fp16/bf16: the step replayed in fp32 (TF32 off) is ordinary
                                                            -> numerical: the fp32 step applied (fp16: the loss scale
                                                               halved once per episode, never to its floor);
-                                                              spike_guard_max_numerical in a window: stop, naming it
+                                                              spike_guard_max_numerical in a window: persistent,
+                                                              each step's fp32 step still applied, never a stop
                                                               -- an fp16 overflow's: the scaler's
                  counterfactual: a batch never trained on (the next one) on these weights (computed, never applied)
                    ordinary, or this batch far below it        -> data: this batch is the cause (either sign); a
@@ -118,7 +119,8 @@ class GuardConfig:  # SpikeGuard: what a spike calls for
     spike_guard_max_skipped_iters: int = 2000
     # transient faults on one DP rank before the run stops, naming it
     spike_guard_max_hardware_faults: int = 3
-    # numerical diagnoses in spike_guard_rewind iterations: persistent, stop
+    # numerical diagnoses in spike_guard_rewind iterations: a persistent fault (named; an fp16
+    # overflow's later steps are left to the loss scaler)
     spike_guard_max_numerical: int = 4
 
 
@@ -652,8 +654,10 @@ class SpikeGuard(Detector):
         """A half-precision step whose fp32 replay was ordinary: the fp32 step was applied (investigate()); no
         data skipped, no LR cut, nothing rolled back; with fp16's dynamic loss scale, the scale halved once per
         episode and never to its floor (a scale of 1 helps no overflow and underflows every small gradient). A
-        fault that persists -- spike_guard_max_numerical diagnoses within spike_guard_rewind iterations -- is no
-        longer retried step by step: the run saves and stops, naming it (fp32 for each affected step is no plan)."""
+        fault that persists -- spike_guard_max_numerical diagnoses within spike_guard_rewind iterations -- is
+        named as such, and never stops the run: a stop ends it worse than the half-precision steps would have,
+        and the fp32 step each diagnosis computes anyway is the repair. An fp16 overflow's later steps are left
+        to the loss scaler (_overflow_left_to_the_scaler)."""
         ladder = self.ladder
         self.record(loss, grad_norm, lr)
         fresh = not self.numericals or iteration - self.numericals[-1] > ladder.spike_guard_rewind
@@ -666,9 +670,7 @@ class SpikeGuard(Detector):
         persistent = len(self.numericals) >= ladder.spike_guard_max_numerical
         if persistent and diagnosis.get("overflow"):  # without the guard: skipped steps, no stop
             return self._overflow_left_to_the_scaler(iteration, reason, diagnosis)
-        if persistent:
-            return self._persistent_numerical(iteration, reason, diagnosis)
-        return self._numerical_retry(iteration, reason, scaler, fresh, diagnosis)
+        return self._numerical_retry(iteration, reason, scaler, fresh, diagnosis, persistent)
 
     def _overflow_left_to_the_scaler(self, iteration, reason, diagnosis):
         """A persistent fp16 overflow: this fp32 step stands, the loss scaler takes the next."""
@@ -691,25 +693,16 @@ class SpikeGuard(Detector):
         self.decisions.append(decision)
         return decision
 
-    def _persistent_numerical(self, iteration, reason, diagnosis):
-        """A persistent numerical fault that is no overflow: save and stop, naming it."""
-        return self._decide(
-            iteration,
-            "stop",
-            reason + diagnosis["evidence"],
-            f"a persistent numerical fault: "
-            f"{len(self.numericals)} half-precision steps since iteration {self.numericals[0]} "
-            "spiked and their fp32 replays did not; find the operation (tools/whatif.py, "
-            "telemetry_interval=1) or train these iterations in fp32",
-            cause="numerical",
-            evidence=diagnosis["evidence"],
-            persistent=True,
-            start=iteration - 1,
-        )
-
-    def _numerical_retry(self, iteration, reason, scaler, fresh, diagnosis):
+    def _numerical_retry(self, iteration, reason, scaler, fresh, diagnosis, persistent=False):
         """The fp32 step stands; fp16's loss scale halved at an episode's first diagnosis."""
         plan = "the fp32 step applied; no data skipped, LR unchanged"
+        if persistent:
+            plan = (
+                f"a persistent numerical fault ({len(self.numericals)} half-precision steps since "
+                f"iteration {self.numericals[0]} spiked and their fp32 replays did not): "
+                f"{plan}, as for each of its steps (a replay and an fp32 replay each); find the "
+                "operation (tools/whatif.py, telemetry_interval=1) or train these iterations in fp32"
+            )
         if scaler is not None and scaler.dynamic and fresh and scaler.scale / 2 > scaler.min_scale:
             scaler.scale, scaler.clean_steps = scaler.scale / 2, 0
             plan += f", loss scale lowered to {scaler.scale:g}"
@@ -721,6 +714,7 @@ class SpikeGuard(Detector):
             cause="numerical",
             evidence=diagnosis["evidence"],
             count=len(self.numericals),
+            persistent=persistent,
         )
         self.decisions.append(decision)
         return decision

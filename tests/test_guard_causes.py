@@ -177,17 +177,18 @@ def test_the_measured_noise_is_in_the_guards_checkpoint_state():
 
 
 def test_numerical_diagnoses_count_within_the_rewind_not_over_the_run():
-    """spike_guard_max_numerical=3 diagnoses within spike_guard_rewind (10) iterations stop the run; three far apart
-    (iterations 20, 40, 60) are three separate episodes, each retried."""
+    """spike_guard_max_numerical=3 diagnoses within spike_guard_rewind (10) iterations make the fault persistent
+    (named, its fp32 steps still applied: never a stop); three far apart (iterations 20, 40, 60) are three
+    separate episodes."""
     guard = _guard(spike_guard_max_numerical=3)
     numerical = {"cause": "numerical", "evidence": "in fp32: ordinary"}
-    assert [guard.update(n, "ok", 3.0, 1.0, None, numerical)["action"] for n in (20, 40, 60)] == [
-        "retry"
-    ] * 3
-    assert [guard.update(n, "ok", 3.0, 1.0, None, numerical)["action"] for n in (61, 62)] == [
-        "retry",
-        "stop",
-    ]
+    decided = [guard.update(n, "ok", 3.0, 1.0, None, numerical) for n in (20, 40, 60, 61, 62)]
+    assert [d["action"] for d in decided] == ["retry"] * 5
+    assert [d["persistent"] for d in decided] == [False] * 4 + [True]
+    assert (
+        "a persistent numerical fault (3 half-precision steps since iteration 60"
+        in decided[4]["line"]
+    )
 
 
 def test_strikes_count_within_the_rewind_and_are_cleared_by_a_rollback():
