@@ -11,7 +11,9 @@ Before the model is built (RunLock.__enter__), on rank 0, with the verdict share
     older version's missing key filled by its named migration, and said;
   - the save directory: created and writable now, not at the first save; and locked (DIR/lock holds the
     holder's host and pid) so that two runs cannot write one directory. A lock left by a dead process on this
-    host is taken over.
+    host is taken over;
+  - the record of a stop on purpose that the last run here left (DIR/stopped.json, write_stopped): said, and
+    moved aside to DIR/stopped_at_N.json, so that what a requeue script finds there is always this run's.
 During the run, ExitSignal turns SIGTERM (what SLURM sends at its time limit) or SIGUSR1 (what the SLURM recipe
 asks for ahead of it) into "finish this iteration, save, exit 0" (Megatron's exit_signal_handler);
 exit_reason says when the job stops: on that signal, or at exit_interval / exit_duration_in_mins.
@@ -35,6 +37,8 @@ from model import GPTConfig
 from sections import section
 
 LOCK = "lock"
+# why the last run in a save directory stopped on purpose (write_stopped)
+STOPPED = "stopped.json"
 
 # Model keys that do not change the weights' shapes or the function they compute: they may differ on resume.
 # Every other GPTConfig field (shapes, activation, LayerNorms, attention scaling, ...) must match the checkpoint.
@@ -263,7 +267,12 @@ class RunLock:
         def prepare():
             tag_dir, lines, saved_state = resolve_resume(ckpt_cfg, cfg.eval_only, asdict(cfg))
             lock = acquire_lock(ckpt_cfg.save) if ckpt_cfg.save and not cfg.eval_only else None
-            for line in lines:
+            try:
+                lines.append(set_stopped_aside(ckpt_cfg.save) if lock else None)
+            except ValueError:
+                release_lock(lock)
+                raise
+            for line in filter(None, lines):
                 print(line, flush=True)
             return ckpt_cfg.load, lock, saved_state
 
@@ -279,6 +288,42 @@ class RunLock:
         if self.lock_file:
             release_lock(self.lock_file)
         return False
+
+
+def write_stopped(directory, record):
+    """DIR/stopped.json: why this run stopped on purpose, what it saved and what it asks before a
+    resume, for a requeue script (docs/parallelism.md) -- under torchrun a stop's exit code 3
+    arrives as 1, like a crash's. Written whole (a temporary file renamed), after the state it
+    names is on disk."""
+    path = os.path.join(directory, STOPPED)
+    with open(path + ".tmp", "w") as f:
+        json.dump(record, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(path + ".tmp", path)
+
+
+def set_stopped_aside(directory):
+    """A new run in DIR: the last run's stop record, if any, moved to DIR/stopped_at_N.json (kept,
+    never removed) and said in a line (returned; None without one)."""
+    path = os.path.join(directory, STOPPED)
+    if not os.path.exists(path):
+        return None
+    try:
+        with open(path) as f:
+            record = json.load(f)
+        at = int(record["iteration"])
+    except (OSError, ValueError, KeyError, TypeError):
+        raise ValueError(
+            f"{path} is not a stop record this code wrote (a damaged or foreign file): read it, "
+            "move it out of the save directory, then start again"
+        ) from None
+    aside = os.path.join(directory, f"stopped_at_{at}.json")
+    os.replace(path, aside)
+    return (
+        f"the last run in {directory} stopped on purpose at iteration {at} ({record.get('cause')}): "
+        f"{record.get('next')}; its record moved to {aside}"
+    )
 
 
 # -----------------------------------------------------------------------------

@@ -11,12 +11,17 @@ step's are DP rank 0's on every replica: training.agree), so the ranks cannot de
 """
 
 import math
+import socket
+import time
 from dataclasses import dataclass
+
+import torch.distributed as dist
 
 import checkpoint
 import loader
 import parallel
 import run_state
+import safety
 import training
 from stability import detector, diagnosis, spike_guard, update_size
 
@@ -30,6 +35,21 @@ NEXT = {
     "hardware": "take the named rank's node out, then resume",
     "persistent": "take the named rank's node out, then resume",
 }
+
+
+def hosts_of(dp_rank):
+    """The hosts of the processes of DP rank `dp_rank` (every TP and PP rank of it), gathered from
+    every rank (a collective: called by all, as every rank decides alike); [] for an unknown rank."""
+    if dp_rank is None:
+        return []
+    mine = (parallel.grid.dp_rank, socket.gethostname())
+    everyone = [mine]
+    if dist.is_initialized():
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+    return (
+        sorted({host for rank, host in everyone if rank == dp_rank}) if dp_rank is not None else []
+    )
 
 
 class Guard(training.Callback):
@@ -184,11 +204,30 @@ class Guard(training.Callback):
                 saved = f"the state of iteration {iteration} saved in {self.core.save}"
             else:  # a stop says what there is to resume from: here, nothing
                 saved = f"nothing saved (save=none: the state of iteration {iteration} is lost)"
+            cause, then = decision.get("cause"), NEXT.get(decision.get("cause"), NEXT[None])
+            message = f"{decision['line']}; {saved}: {then}"
+            hosts = hosts_of(decision.get("rank")) if cause in ("hardware", "persistent") else []
+            if self.core.save:
+                if self.writer is not None:
+                    self.writer.wait()  # the record names a state on disk
+                if parallel.grid.rank == 0:
+                    safety.write_stopped(
+                        self.core.save,
+                        {
+                            "iteration": iteration,
+                            "decided_at": decision["iteration"],
+                            "cause": cause,
+                            "dp_rank": decision.get("rank"),
+                            "hosts": hosts,
+                            "exit_code": spike_guard.EXIT_CODE,
+                            "next": then,
+                            "message": message,
+                            "written": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                        },
+                    )
             self.report.close()
             self.snapshots.close()
-            raise spike_guard.SpikeGuardStop(
-                f"{decision['line']}; {saved}: " + NEXT.get(decision.get("cause"), NEXT[None])
-            )
+            raise spike_guard.SpikeGuardStop(message)
         return True
 
     def state_dict(self):

@@ -7,6 +7,7 @@ prefetcher's thread is such a thread (its loads run tensor code); the loop close
 Here train.py runs as `python train.py` does, in its own process, with the prefetcher's loads past the stop made
 long (tensor work, GIL released), so that a thread left running at exit would be inside one."""
 
+import json
 import os
 import subprocess
 import sys
@@ -105,3 +106,18 @@ def test_a_guard_stop_exits_3_every_time_with_no_thread_left(corpus512, tmp_path
         # what was saved, truly (it said "saved and stopped" with save=none too: issue #50)
         saved = "nothing saved (save=none" if "--save=none" in args else "; the state of iteration"
         assert saved in err, (args, err[-1500:])
+        # the stop's record for a requeue script (under torchrun the 3 arrives as 1), after the state
+        # it names is on disk -- the async writer's too
+        save = next(a.split("=", 1)[1] for a in args if a.startswith("--save="))
+        record = os.path.join(save, "stopped.json")
+        if save == "none":
+            continue
+        with open(record) as f:
+            stopped = json.load(f)
+        assert f"error: {stopped['message']}" in err and stopped["exit_code"] == 3, stopped
+        assert stopped["cause"] == "optimizer" and stopped["dp_rank"] is None, stopped
+        at = stopped["iteration"]
+        assert open(os.path.join(save, "latest")).read().strip() == f"global_step{at}"
+        assert os.path.exists(
+            os.path.join(save, f"global_step{at}", "mp_rank_00_000_model_states.pt")
+        )

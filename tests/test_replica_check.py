@@ -377,6 +377,27 @@ def test_at_the_guards_hardware_cap_the_run_saves_the_state_of_equal_replicas_an
     assert not list((off / "weight_dumps").glob("debug-2-*"))  # the reference saved at the end only
 
 
+def _hosts(directory):
+    import socket
+
+    import parallel
+    from stability import guard
+
+    socket.gethostname = lambda: f"node{dist.get_rank()}"  # TP2 x DP2: DP rank 1 is ranks 2 and 3
+    found = [guard.hosts_of(1), guard.hosts_of(0), guard.hosts_of(None)]
+    with open(os.path.join(directory, f"hosts-rank{parallel.grid.rank}.json"), "w") as f:
+        json.dump(found, f)
+
+
+def test_a_stop_record_names_the_hosts_of_the_faulty_dp_rank(tmp_path):
+    """The stop's record (DIR/stopped.json) names the hosts of every process of the rank at fault -- for a requeue
+    script's --exclude -- gathered from every rank, so each rank writes the same (TP2 x DP2, 4 processes)."""
+    spawn(_hosts, 4, 2, 1, str(tmp_path))
+    for rank in range(4):
+        found = json.loads((tmp_path / f"hosts-rank{rank}.json").read_text())
+        assert found == [["node2", "node3"], ["node0", "node1"], []], (rank, found)
+
+
 THREE = {
     "off": ["--dp_replica_check_interval=0"],
     # DP rank 0 itself flipped: the copy must come from the majority (DP rank 1), not from rank 0

@@ -396,6 +396,14 @@ def test_one_run_per_save_directory(corpus, tmp_path, holder, refused):
         assert not os.path.exists(tmp_path / "lock")  # released at the end
 
 
+def test_a_damaged_stop_record_is_refused_by_name_and_the_lock_released(corpus, tmp_path):
+    (tmp_path / "stopped.json").write_text("{not json")
+    with pytest.raises(ValueError, match="stopped.json is not a stop record this code wrote"):
+        run_main(*SMALL, "--train_iters=1", f"--save={tmp_path}")
+    assert not os.path.exists(tmp_path / "lock") and not os.path.exists(tmp_path / "latest")
+    assert (tmp_path / "stopped.json").read_text() == "{not json"  # not ours to remove
+
+
 @pytest.mark.parametrize(
     "content, message",
     [

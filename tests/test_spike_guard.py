@@ -588,6 +588,16 @@ def test_at_the_cap_the_run_saves_its_last_good_state_and_stops(run):
     with open(os.path.join(save, "latest")) as f:
         assert f.read().strip() == "global_step35"  # rolled back to the snapshot before saving
     assert spike_guard.EXIT_CODE == 3
+    with open(os.path.join(save, "stopped.json")) as f:
+        stopped = json.load(f)
+    assert stopped["message"] == str(stop.value) and stopped["iteration"] == 35, stopped
+    assert stopped["next"] in str(stop.value) and stopped["hosts"] == [], stopped
+    # the next run here says it and sets the record aside: what a requeue script finds is its own
+    out = run("capped-resumed", *GUARD, f"--save={save}", "--train_iters=36")
+    assert f"the last run in {save} stopped on purpose at iteration 35 (" in out, out[-2000:]
+    assert not os.path.exists(os.path.join(save, "stopped.json"))
+    with open(os.path.join(save, "stopped_at_35.json")) as f:
+        assert json.load(f) == stopped
 
 
 # -- the decision ladder, on synthetic numbers ------------------------------------------------------------------
