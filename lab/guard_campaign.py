@@ -90,9 +90,8 @@ GUARD = [
     "--spike_guard_window=20",
     "--spike_guard_min_steps=10",
     "--spike_guard_rewind=3",
-    "--spike_guard_skip_after=2",
     "--spike_guard_snapshot_interval=5",
-]
+]  # the sixth and earlier also had --spike_guard_skip_after=2 (their records hold their flags): gone since
 # family -> the cause a right diagnosis names. A family is a line here and a branch of draw() (a new one changes
 # every trial's draw: a new registration, docs/spike_guard.md, section 9)
 FAMILIES = {
@@ -135,13 +134,13 @@ METHODS = ["guard", "none", *REMEDIES]
 # The seventh campaign's rule for every method alike (--windows): each setting that counts
 # iterations at its published default ("published": the guard's are its config defaults,
 # its parts' sections), or every one of them x --window_scale ("scaled"); "sixth" keeps the sixth's
-# flags (GUARD, REMEDIES) to run its draws as they ran.
+# flags (GUARD, REMEDIES), less the guard's spike_guard_skip_after, gone since (a data rollback
+# skips no batch ahead).
 WINDOWS = {
     "guard": {
         "spike_guard_window": 128,
         "spike_guard_min_steps": 16,
         "spike_guard_rewind": 100,
-        "spike_guard_skip_after": 200,
         "spike_guard_snapshot_interval": 50,
     },
     "skip_step": {"skip_step_window": 128},

@@ -136,10 +136,8 @@ def check_detector(detector_cfg):
 def check_guard(guard_cfg):
     g = guard_cfg
     need(
-        g.spike_guard_max_skips >= 1
-        and g.spike_guard_rewind >= 0
-        and g.spike_guard_skip_after >= 0,
-        "spike_guard_max_skips must be >= 1, spike_guard_rewind and spike_guard_skip_after >= 0",
+        g.spike_guard_max_skips >= 1 and g.spike_guard_rewind >= 0,
+        "spike_guard_max_skips must be >= 1, spike_guard_rewind >= 0",
     )
     need(0 < g.spike_guard_lr_factor <= 1, "spike_guard_lr_factor must be in (0, 1]")
     need(g.spike_guard_max_hardware_faults >= 1, "spike_guard_max_hardware_faults must be >= 1")

@@ -53,11 +53,13 @@ But the causes call for different remedies, so the guard asks why before it acts
   act (data) (0) a spike of the grad norm alone (the loss ordinary) with clip_grad on: no action, the update
                  applied, as clip_grad bounds it (tolerates(): the campaigns' only such data spikes were in clean runs);
              (a) skip the update: no weight, Adam moment, step counter or LR-schedule change;
-             (b) at the `spike_guard_max_skips`-th spike within `spike_guard_rewind` iterations: roll back to the
-                 newest snapshot (host copy, or disk checkpoint) before the spike window and add the window -- from
-                 `spike_guard_rewind` before the first spike to `spike_guard_skip_after` after the last -- to the
-                 run's skip ranges;
-             (b') a stretch of text learnt by heart, once rolled back: its later batches skipped as they come;
+             (b) text learnt by heart (a batch far below a held-out one: the stretch before it taught it), at the
+                 `spike_guard_max_skips`-th such spike within `spike_guard_rewind` iterations: roll back to the
+                 newest snapshot (host copy, or disk checkpoint) before the stretch -- from `spike_guard_rewind`
+                 before the first spike to this one -- and add it to the run's skip ranges; once rolled back, the
+                 stretch's later batches are skipped as they come. A rollback never skips more than that: an
+                 outlier batch's update is skipped, and a rollback over outliers alone would replay the same
+                 updates (theirs withheld), so none is taken; no batch after the spike is skipped ahead;
              Undiagnosed (no run has such a step), a spike is an update not applied, nothing more.
              (c) on an optimizer relapse (not the data's, not undiagnosed): also multiply the LR by
                  `spike_guard_lr_factor` and, with `spike_guard_reset_optimizer`, reset the optimizer with the
@@ -101,14 +103,12 @@ EXIT_CODE = 3
 @dataclass
 class GuardConfig:  # SpikeGuard: what a spike calls for
     # -- stability: the spike guard (lesson 21) --
-    # skip a spiking step; if it persists roll back and skip data; on a relapse lower the LR
+    # skip a spiking step; a stretch learnt by heart: roll back over it; on a relapse lower the LR
     spike_guard: bool = False
-    # spikes (or NaN/inf steps) within spike_guard_rewind iterations before a rollback
+    # spikes of text learnt by heart within spike_guard_rewind iterations before a rollback
     spike_guard_max_skips: int = 3
-    # roll back to before (first spike - this) and skip the data from there ...
+    # that rollback goes back to before (first spike - this) and skips the stretch from there to now
     spike_guard_rewind: int = 100
-    # ... to this many iterations after the last spike (PaLM: 200-500 in all)
-    spike_guard_skip_after: int = 200
     # on a relapse (a second rollback), multiply the LR by this from then on
     spike_guard_lr_factor: float = 0.5
     # on a relapse, also reset the optimizer with the lr=0 warm-up (lesson 8)
@@ -147,7 +147,7 @@ class SpikeGuard(Detector):
         self.step_bound = step_bound
         self.enabled = self.ladder.spike_guard
         # decisions: never rolled back
-        self.strikes = []  # iterations of the spikes of the current episode
+        self.strikes = []  # iterations of the learnt-by-heart spikes of the current episode
         self.skip_ranges = []  # [start, end] inclusive, added by rollbacks
         self.lr_scale = 1.0
         self.rollbacks = 0
@@ -371,20 +371,20 @@ class SpikeGuard(Detector):
             reason += f"; {diagnosis['cause']}-driven: {diagnosis['evidence']}"
         if diagnosis and diagnosis.get("rebase"):
             return self._rebase(iteration, outcome, reason, cause, *diagnosis["rebase"])
+        learnt = LEARNT in reason
         if not diagnosis:  # never acted on undiagnosed: the update not applied, no strike counted
             reason += "; not diagnosed"
-        else:
+        elif learnt:  # the strikes of a stretch learnt by heart, the one data rollback's
             recent = [s for s in self.strikes if iteration - s <= ladder.spike_guard_rewind]
             self.strikes = recent + [iteration]
         # rolled back once: its batches vetoed as they come
         stretch = self._learnt_stretch(iteration, reason, cause)
         if stretch:
             self.strikes = []
-        elif diagnosis and len(self.strikes) >= ladder.spike_guard_max_skips:
+        elif learnt and diagnosis and len(self.strikes) >= ladder.spike_guard_max_skips:
+            # the stretch that taught it: from spike_guard_rewind before its first spike to this one
             start = max(1, self.strikes[0] - ladder.spike_guard_rewind)
-            return self._rollback(
-                iteration, reason, start, iteration + ladder.spike_guard_skip_after, cause
-            )
+            return self._rollback(iteration, reason, start, iteration, cause)
         return self._skip(iteration, outcome, reason, cause, diagnosis, stretch)
 
     @staticmethod
@@ -443,7 +443,10 @@ class SpikeGuard(Detector):
                 if stretch
                 else "nothing more is done without a cause"
                 if not diagnosis
-                else f"spike {len(self.strikes)} of {ladder.spike_guard_max_skips} before a rollback"
+                else f"spike {len(self.strikes)} of {ladder.spike_guard_max_skips} of the stretch "
+                "before a rollback"
+                if LEARNT in reason
+                else "this batch alone: no rollback, nothing skipped ahead"
             )
             + ")",
             **cause,

@@ -22,15 +22,17 @@ from helpers import (  # noqa: F401 (fixtures)
     warm_guard,
 )
 from stability import spike_guard
+from stability.detector import LEARNT
 
 GUARD = [
     "--spike_guard",
     "--spike_guard_window=20",
     "--spike_guard_min_steps=10",
     "--spike_guard_rewind=3",
-    "--spike_guard_skip_after=2",
     "--spike_guard_snapshot_interval=5",
 ]
+# one batch's samples again and again from 25 on: learnt by heart at 40-42 (the data rollback's one cause)
+REPEAT = ["--inject_repeat_iters=25-59"]
 # (the subject is the counterfactual: the weights' move per update, which meets these LRs first at a snapshot, off;
 # test_guard_update_size.py is its)
 LR50 = [
@@ -88,21 +90,22 @@ def test_after_a_resume_a_persistent_lr_cause_is_optimizer_and_a_stop_names_it(r
 
 
 def test_a_rollback_target_before_the_resume_point_goes_to_the_oldest_state(run, tmp_path):
-    """Bad batches at 31-33 right after a resume at 30: the third strike's rollback target is iteration 28
-    (31 - spike_guard_rewind), before the resume point. The guard before this change stopped ("no snapshot or
-    checkpoint before iteration 28"); here it rolls back to the resume point, the oldest state there is, says so,
-    skips the data and trains on to the end."""
+    """A block of one batch's samples from 25 on, the run resumed at 38: learnt by heart at 40-42, the third strike's
+    rollback target is iteration 37 (40 - spike_guard_rewind), before the resume point. The guard before this
+    rollback-within-what-exists rule stopped ("no snapshot or checkpoint before iteration 37"); here it rolls back to
+    the resume point, the oldest state there is, says so, skips the stretch and trains on to the end."""
     save = str(tmp_path / "resumed")
-    run(*GUARD, f"--save={save}", "--exit_interval=30")
-    out = run(*GUARD, "--inject_bad_batch_iters=31-33", f"--save={save}", f"--load={save}")
+    run(*GUARD, f"--save={save}", "--exit_interval=38", *REPEAT)
+    out = run(*GUARD, *REPEAT, f"--save={save}", f"--load={save}")
     lines = decisions(out)
     assert re.search(
-        r"iteration 33: .*data-driven.*roll back to before iteration 28 and skip iterations 28-35$",
-        lines[-1],
+        r"iteration 42: .*text learnt by heart; data-driven.*roll back to before iteration 37 and skip "
+        r"iterations 37-42$",
+        lines[2],
     ), lines
     assert (
-        "spike guard: rolled back to iteration 30 (the oldest state there is, the oldest checkpoint: the target, "
-        "before iteration 28, is before every state kept); iterations 28-35 will be skipped"
+        "spike guard: rolled back to iteration 38 (the oldest state there is, the oldest checkpoint: the target, "
+        "before iteration 37, is before every state kept); iterations 37-42 will be skipped"
     ) in out
     assert re.search(r" iteration\s+60/", out)
 
@@ -116,14 +119,14 @@ def test_with_no_state_at_all_the_stop_says_why_in_one_line(run, tmp_path):
             "--spike_guard_snapshot_interval=0",
             f"--save={tmp_path / 'none'}",
             "--save_interval=1000",
-            "--inject_bad_batch_iters=31-33",
+            *REPEAT,
         )
     message = str(stop.value)
     assert "\n" not in message and "data-driven" in message, message
-    assert (
-        "stopped, the last resort: no snapshot or checkpoint before iteration 32 to roll back to"
-        in message
-    )
+    assert re.search(
+        r"stopped, the last resort: no snapshot or checkpoint before iteration \d+ to roll back to",
+        message,
+    ), message
 
 
 # -- the guard's bookkeeping, on synthetic numbers ------------------------------------------------------------------
@@ -135,7 +138,6 @@ def _guard(**overrides):
             "--spike_guard_window=16",
             "--spike_guard_min_steps=8",
             "--spike_guard_rewind=10",
-            "--spike_guard_skip_after=20",
             *[f"--{k}={v}" for k, v in overrides.items()],
         ],
         3.0,
@@ -143,8 +145,12 @@ def _guard(**overrides):
     )
 
 
-def _spike(guard, iteration, cause=None):
-    guard.pending = "loss 9 is 3x its trend's 3"
+def _spike(guard, iteration, cause=None, learnt=False):
+    """A spike at iteration, its update vetoed, diagnosed `cause` (None: not diagnosed); learnt: text learnt by
+    heart (the one data spike that rolls back)."""
+    guard.pending = (
+        f"loss 2 is 0.5x an unseen batch's 4: {LEARNT}" if learnt else "loss 9 is 3x its trend's 3"
+    )
     diagnosis = {"cause": cause, "evidence": "e", "since": iteration - 5} if cause else None
     return guard.update(iteration, "vetoed", 9.0, 1.0, None, diagnosis)
 
@@ -192,24 +198,28 @@ def test_numerical_diagnoses_count_within_the_rewind_not_over_the_run():
 
 
 def test_strikes_count_within_the_rewind_and_are_cleared_by_a_rollback():
-    """spike_guard_max_skips=2: two data spikes far apart (20, 40) are two skips; two within the rewind (40, 45) a
-    rollback; after it, the next spike (50) is the first of a new episode, a skip."""
+    """spike_guard_max_skips=2: two spikes of text learnt by heart far apart (20, 40) are two skips; two within the
+    rewind (40, 45) a rollback over the stretch (30-45: nothing ahead skipped); after it, the next spike past the
+    stretch's window (80) is the first of a new episode, a skip. Outlier batches are never rolled back, however many
+    (each update withheld)."""
     guard = _guard(spike_guard_max_skips=2)
-    assert _spike(guard, 20, "data")["action"] == "skip"
-    assert _spike(guard, 40, "data")["action"] == "skip"
-    rollback = _spike(guard, 45, "data")
-    assert rollback["action"] == "rollback" and rollback["start"] == 30
+    assert _spike(guard, 20, "data", learnt=True)["action"] == "skip"
+    assert _spike(guard, 40, "data", learnt=True)["action"] == "skip"
+    rollback = _spike(guard, 45, "data", learnt=True)
+    assert rollback["action"] == "rollback" and (rollback["start"], rollback["end"]) == (30, 45)
     guard.applied(rollback, 29)
-    again = _spike(guard, 50, "data")
+    again = _spike(guard, 80, "data", learnt=True)
     assert again["action"] == "skip" and "spike 1 of 2" in again["line"]
+    outliers = [_spike(guard, n, "data") for n in (100, 101, 102, 103)]
+    assert [d["action"] for d in outliers] == ["skip"] * 4, outliers[-1]["line"]
 
 
 def test_a_data_rollback_never_cuts_the_lr_an_optimizer_one_does():
     """A relapse (a second rollback) of the data skips more data at the same LR; the LR is the optimizer's remedy."""
     guard = _guard(spike_guard_max_skips=1)
-    first = _spike(guard, 30, "data")
+    first = _spike(guard, 30, "data", learnt=True)
     guard.applied(first, 19)
-    relapse = _spike(guard, 60, "data")
+    relapse = _spike(guard, 60, "data", learnt=True)
     assert (
         relapse["action"] == "rollback"
         and relapse["lr_scale"] == 1.0
@@ -295,7 +305,7 @@ def test_a_block_of_repeated_documents_is_noticed_while_it_happens_and_only_its_
     normal data after it). A loss far below an unseen batch's is noticed inside the block; the decisions are data,
     the LR is never cut, the documents on the skip list are all from the block's places, and the run goes on."""
     save = str(tmp_path / "block")
-    out = run(*GUARD, *BLOCK, "--spike_guard_skip_after=60", f"--save={save}")
+    out = run(*GUARD, *BLOCK, f"--save={save}")
     lines = decisions(out)
     assert lines and all("data-driven" in x and "LR x" not in x for x in lines), lines
     first = int(re.match(r"spike guard: iteration (\d+):", lines[0]).group(1))

@@ -34,7 +34,6 @@ GUARD = [
     "--spike_guard_window=20",
     "--spike_guard_min_steps=10",
     "--spike_guard_rewind=3",
-    "--spike_guard_skip_after=2",
     "--spike_guard_snapshot_interval=5",
 ]
 # fp16 from a loss scale of 32: six overflows take it to its floor (hysteresis 2), the rest of the

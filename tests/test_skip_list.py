@@ -115,7 +115,6 @@ GUARD = [
     "--spike_guard_window=20",
     "--spike_guard_min_steps=10",
     "--spike_guard_rewind=3",
-    "--spike_guard_skip_after=2",
     "--spike_guard_snapshot_interval=5",
 ]
 

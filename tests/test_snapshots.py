@@ -28,13 +28,14 @@ from helpers import (  # noqa: F401
 )
 from stability import snapshot_plan as plan
 from stability import snapshots
+from stability.detector import LEARNT
 
 SCALER = types.SimpleNamespace(dynamic=False, scale=1.0, min_scale=1.0)
 
 
 @pytest.mark.parametrize("where", ["memory", "disk"])
 def test_snapshots_reach_back_two_rewinds_and_an_interval(monkeypatch, tmp_path, where):
-    """Strikes at 1049, 1100 and 1149 (rewind 100, a snapshot every 50, no save) roll back to before 949. On disk:
+    """Strikes of text learnt by heart at 1049, 1100 and 1149 (rewind 100, a snapshot every 50, no save) roll back to before 949. On disk:
     one file per snapshot kept, the dropped ones deleted, none left at the end."""
     cfg = arguments.load_config(
         [
@@ -43,7 +44,6 @@ def test_snapshots_reach_back_two_rewinds_and_an_interval(monkeypatch, tmp_path,
             "--spike_guard_min_steps=8",
             "--spike_guard_rewind=100",
             "--spike_guard_snapshot_interval=50",
-            "--spike_guard_skip_after=20",
             "--spike_guard_max_skips=3",
         ]
         + ([f"--spike_guard_snapshot_dir={tmp_path}"] if where == "disk" else [])
@@ -54,9 +54,11 @@ def test_snapshots_reach_back_two_rewinds_and_an_interval(monkeypatch, tmp_path,
     store = snapshots_of(cfg)
     decision = None
     for it in range(1, 1150):
-        if it in (1049, 1100, 1149):  # diagnosed data (undiagnosed, no strike rolls back: #50)
+        # text learnt by heart, diagnosed data: the one data spike that rolls back (issue #50)
+        if it in (1049, 1100, 1149):
+            guard.pending = f"loss 2 is 0.6x an unseen batch's 3.3: {LEARNT}"
             data = {"cause": "data", "evidence": "e"}
-            decision = guard.update(it, "nan", float("nan"), 1.0, SCALER, data)
+            decision = guard.update(it, "vetoed", 2.0, 1.0, SCALER, data)
         store.maybe_take(it, it)
     assert decision["action"] == "rollback" and decision["start"] == 949
     assert [it for it, *_ in store.items] == [900, 950, 1000, 1050, 1100]
@@ -306,7 +308,6 @@ def test_a_rollback_to_a_snapshot_on_disk_is_the_rollback_to_one_in_memory(corpu
         "--spike_guard_window=10",
         "--spike_guard_min_steps=8",
         "--spike_guard_rewind=3",
-        "--spike_guard_skip_after=2",
         "--spike_guard_snapshot_interval=5",
     ]
     memory = run_main(*args)
@@ -457,7 +458,6 @@ def test_a_rollback_to_a_disk_checkpoint_saves_it_so_latest_never_names_the_aban
         "--spike_guard_window=20",
         "--spike_guard_min_steps=10",
         "--spike_guard_rewind=3",
-        "--spike_guard_skip_after=2",
         "--spike_guard_snapshot_interval=0",
         f"--save={save}",
         "--save_interval=5",

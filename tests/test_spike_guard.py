@@ -29,7 +29,7 @@ from helpers import (  # noqa: F401 (corpus, corpus512: fixtures)
 )
 from sections import section
 from stability import detector, diagnosis, spike_guard, telemetry
-from stability.detector import DetectorConfig
+from stability.detector import LEARNT, DetectorConfig
 from stability.diagnosis import Veto
 from stability.faults import Faults
 from training import agree, whole_step
@@ -39,10 +39,11 @@ GUARD = [
     "--spike_guard_window=20",
     "--spike_guard_min_steps=10",
     "--spike_guard_rewind=3",
-    "--spike_guard_skip_after=2",
     "--spike_guard_snapshot_interval=5",
 ]
 BAD = ["--inject_bad_batch_iters=40-45"]
+# one batch's samples again and again from 25 on: learnt by heart at 40-42 with GUARD
+BLOCK = ["--inject_repeat_iters=25-59"]
 # (the subject is the loss's spike and its rollback: the weights' move per update, which meets the LR at the snapshot
 # of 40 first, off; test_guard_update_size.py is its)
 LR_SPIKE = ["--inject_lr_iters=40-45", "--inject_lr_factor=1000", "--spike_guard_update_ratio=0"]
@@ -91,35 +92,30 @@ def test_clean_run_never_triggers_the_guard_and_is_unchanged_by_it_and_by_teleme
     assert validation(guarded) == validation(clean)
 
 
-def test_bad_batches_spike_and_the_guard_skips_rolls_back_and_recovers(run):
+def test_bad_batches_spike_and_the_guard_skips_each_and_recovers(run):
+    """Six bad batches in a row: each is diagnosed data (its batch an outlier against a held-out one) and its update
+    alone skipped. No rollback: every one of their updates was withheld, so a rollback over them would replay the
+    same updates, and no batch after them is skipped ahead (a rollback skips only what a diagnosis names)."""
     clean, bad, guarded = run("clean"), run("bad", *BAD), run("bad_guarded", *BAD, *GUARD)
     # the injected batches spike
     assert all(loss(bad, i) > 1.15 * loss(clean, i) for i in range(40, 46))
-    lines = guard_lines(guarded)
+    lines = [x for x in guard_lines(guarded) if ": sample " not in x and "the documents" not in x]
     assert any(
         re.match(
             r"spike guard: iteration 40: loss .* spreads above it; data-driven: replayed: .*, "
             r"reproduced; the batch on the model of iteration 35: .*the batch is the outlier: update "
-            r"skipped \(spike 1 of 3",
+            r"skipped \(this batch alone: no rollback, nothing skipped ahead\)$",
             x,
         )
         for x in lines
     ), lines
-    assert any(
-        re.match(
-            r"spike guard: iteration 42: .*: roll back to before iteration 37 and skip iterations "
-            r"37-44$",
-            x,
-        )
-        for x in lines
-    ), lines
-    assert "spike guard: rolled back to iteration 35; iterations 37-44 will be skipped" in lines
-    # the bad samples, named
-    assert any(x.startswith("spike guard: iteration 40: sample 3") for x in lines)
-    assert (
-        " iteration       37/      60 | skipped (spike guard): samples 288-295 not used |"
-        in guarded
+    assert [int(re.match(r"spike guard: iteration (\d+):", x)[1]) for x in lines] == list(
+        range(40, 46)
     )
+    assert all("update skipped (this batch alone" in x for x in lines), lines
+    assert "roll back" not in guarded and "| skipped (spike guard)" not in guarded
+    # the bad samples, named
+    assert any(x.startswith("spike guard: iteration 40: sample 3") for x in guard_lines(guarded))
     assert abs(validation(guarded) / validation(clean) - 1) < 0.02
 
 
@@ -238,7 +234,7 @@ def test_numerical_spike_gets_the_fp32_step_and_a_bad_batch_still_is_data(run, h
     ), lines
     assert re.match(
         r"spike guard: iteration 17: .*; data-driven: replayed: .*; in fp32: .*, a spike too; the batch "
-        r"on the model of iteration 15: .*the batch is the outlier: update skipped \(spike 1 of 3",
+        r"on the model of iteration 15: .*the batch is the outlier: update skipped \(this batch alone: no rollback",
         lines[1],
     ), lines[1]
     assert len(lines) == 2
@@ -404,17 +400,20 @@ def _numbers(out, after):
     }
 
 
-def test_resume_across_a_rollback_is_bit_exact_and_keeps_the_skip_range(run):
+def test_resume_across_a_rollback_is_bit_exact_and_keeps_the_guards_decisions(run):
+    """A block of one batch's samples from 25 on: learnt by heart at 40-42, rolled back to 35 over 37-42; its later
+    batches (50-59) skipped as they come, as a stretch already rolled back. A run stopped at 42 (the skip range's
+    end) and resumed decides the same from its checkpoint and ends bit for bit as the straight run."""
     straight, parts = str(run.dir / "straight"), str(run.dir / "parts")
-    full = run("bad_guarded_saved", *BAD, *GUARD, f"--save={straight}")
-    # exit at iteration 43: after the rollback at 42 and inside the skip range 37-44 it added
-    first = run("bad_guarded_part1", *BAD, *GUARD, f"--save={parts}", "--exit_interval=43")
-    assert "skip iterations 37-44" in first and "exiting at iteration 43" in first
-    second = run("bad_guarded_part2", *BAD, *GUARD, f"--save={parts}", f"--load={parts}")
-    assert " iteration       44/      60 | skipped (spike guard)" in second
+    full = run("block_guarded_saved", *BLOCK, *GUARD, f"--save={straight}")
+    first = run("block_guarded_part1", *BLOCK, *GUARD, f"--save={parts}", "--exit_interval=42")
+    assert "spike guard: rolled back to iteration 35; iterations 37-42 will be skipped" in first
+    assert " iteration       42/      60 | skipped (spike guard)" in first
+    assert "exiting at iteration 42" in first
+    second = run("block_guarded_part2", *BLOCK, *GUARD, f"--save={parts}", f"--load={parts}")
 
-    # the same decisions; the resumed run tests the batch on the checkpoint at 43, the same weights as the snapshot at
-    # 40 the straight run holds in memory (37-44 are skipped)
+    # the same decisions; the resumed run tests the batch on the checkpoint at 42's weights, the straight run on
+    # the snapshot it holds in memory (the same weights: 37-42 were skipped)
     def same(lines):
         return [
             re.sub(r"model of iteration \d+", "model of iteration N", x).replace(parts, straight)
@@ -422,9 +421,9 @@ def test_resume_across_a_rollback_is_bit_exact_and_keeps_the_skip_range(run):
         ]
 
     assert same(guard_lines(second)) == same(
-        [x for x in guard_lines(full) if re.match(r"spike guard: iteration 4[5-9]", x)]
+        [x for x in guard_lines(full) if re.match(r"spike guard: iteration (4[3-9]|5|60)", x)]
     )
-    assert _numbers(second, 0) == _numbers(full, 44) and len(_numbers(full, 44)) == 16
+    assert _numbers(second, 0) == _numbers(full, 42) and len(_numbers(full, 42)) == 18
     assert validation(second) == validation(full)
     a = torch.load(
         os.path.join(straight, "global_step60", "mp_rank_00_000_model_states.pt"),
@@ -445,6 +444,8 @@ def test_resume_across_a_rollback_is_bit_exact_and_keeps_the_skip_range(run):
         (42, "rollback", "data"),
     ]
     assert decisions[2]["restored_iteration"] == 35 and len(decisions[0]["samples"]) == 3
+    later = [d for d in decisions if 50 <= d["iteration"] < 60]
+    assert len(later) == 10 and all("already rolled back" in d["line"] for d in later), later
 
 
 def test_a_resumed_run_does_not_meet_an_injected_lr_spike_again(run):
@@ -610,7 +611,6 @@ def _guard(**overrides):
             "--spike_guard_window=16",
             "--spike_guard_min_steps=8",
             "--spike_guard_rewind=10",
-            "--spike_guard_skip_after=20",
             *[f"--{k}={v}" for k, v in overrides.items()],
         ]
     )
@@ -633,6 +633,12 @@ def _feed(guard, cfg, start, values, cause=None):
     return out
 
 
+def _learnt(guard, n):
+    """A spike of text learnt by heart at iteration n, its update vetoed, diagnosed data."""
+    guard.pending = f"loss 2 is 0.6x an unseen batch's 3.3 on these weights: {LEARNT}"
+    return guard.update(n, "vetoed", 2.0, 1.0, SCALER, {"cause": "data", "evidence": "e"})
+
+
 def test_ladder_skip_then_rollback_then_lower_lr_and_reset_and_at_last_stop():
     cfg, guard = _guard(spike_guard_reset_optimizer=True, spike_guard_max_rollbacks=2)
     rng = np.random.default_rng(0)
@@ -651,21 +657,24 @@ def test_ladder_skip_then_rollback_then_lower_lr_and_reset_and_at_last_stop():
     assert [d["action"] for d in _feed(guard, cfg, 40, [(6.0, 1.0)] * 3)] == ["skip"] * 3
     assert "not diagnosed" in guard.decisions[-1]["line"] and guard.rollbacks == 0
     guard.strikes = []
-    skip1, skip2, roll = _feed(guard, cfg, 100, [(6.0, 1.0), (3.0, 500.0), (6.0, 1.0)], "data")
-    assert skip1["action"] == "skip" and "loss 6 is" in skip1["reason"]
-    assert skip2["action"] == "skip" and "grad norm 500" in skip2["reason"]
-    assert roll["action"] == "rollback" and (roll["start"], roll["end"]) == (90, 122)
+    outliers = _feed(guard, cfg, 100, [(6.0, 1.0), (3.0, 500.0), (6.0, 1.0)], "data")
+    # outlier batches: each update alone withheld, never a rollback (it would replay the same updates)
+    assert [d["action"] for d in outliers] == ["skip"] * 3
+    assert "loss 6 is" in outliers[0]["reason"] and "grad norm 500" in outliers[1]["reason"]
+    # text learnt by heart: its third spike within the rewind rolls the stretch back, and skips it, nothing ahead
+    *_, roll = [_learnt(guard, n) for n in (104, 105, 106)]
+    assert roll["action"] == "rollback" and (roll["start"], roll["end"]) == (94, 106)
     assert roll["lr_scale"] == 1.0 and not roll["reset_optimizer"]
     guard.applied(roll, 85)
-    assert guard.skips(90) and guard.skips(122) and not guard.skips(123)
-    assert guard.skipped_iters == 3 + 2 + 33
+    assert guard.skips(94) and guard.skips(106) and not guard.skips(107)
+    assert guard.skipped_iters == 3 + 3 + 2 + 13
     # an optimizer relapse (on its diagnosis only: issue #50): the LR lowered, the optimizer reset
     again = _feed(guard, cfg, 130, [(6.0, 1.0)], "optimizer")[0]
     assert again["action"] == "rollback" and again["lr_scale"] == 0.5 and again["reset_optimizer"]
     assert "relapse 1: LR x0.5 from now on, optimizer reset" in again["line"]
     guard.applied(again, 115)
     assert guard.lr_scale == 0.5
-    *_, stop = _feed(guard, cfg, 200, [(6.0, 1.0)] * 3, "data")
+    *_, stop = [_learnt(guard, n) for n in (200, 201, 202)]
     assert stop["action"] == "stop" and "spike_guard_max_rollbacks=2" in stop["line"]
     # decisions survive a checkpoint; statistics are restored with the weights
     copy = spike_guard_of(cfg, guard.state_dict())
@@ -675,7 +684,8 @@ def test_ladder_skip_then_rollback_then_lower_lr_and_reset_and_at_last_stop():
 def test_nan_streak_and_fp16_loss_scale_collapse():
     """Undiagnosed, a NaN streak or a collapsed loss scale is never rolled back (issue #50: the
     rollback skipped 216 of 400 iterations of an overflow burst that doing nothing survived);
-    diagnosed data, it is."""
+    diagnosed data, its steps are skipped one by one (their updates were never applied: a rollback
+    would replay the same ones)."""
     cfg, guard = _guard()
     decisions = [guard.update(i, "nan", float("nan"), float("nan"), SCALER) for i in (50, 51, 52)]
     assert [d["action"] for d in decisions] == ["skip", "skip", "skip"]
@@ -683,7 +693,7 @@ def test_nan_streak_and_fp16_loss_scale_collapse():
     data = {"cause": "data", "evidence": "e"}
     nan = float("nan")
     decisions = [guard.update(i, "nan", nan, nan, SCALER, data) for i in (60, 61, 62)]
-    assert [d["action"] for d in decisions] == ["skip", "skip", "rollback"]
+    assert [d["action"] for d in decisions] == ["skip", "skip", "skip"]
     cfg, guard = _guard()
     fp16 = types.SimpleNamespace(dynamic=True, scale=1024.0, min_scale=1.0)
     # an overflow: the loss scaler's business
@@ -696,11 +706,20 @@ def test_nan_streak_and_fp16_loss_scale_collapse():
 
 def test_skipped_cap_stops():
     cfg, guard = _guard(spike_guard_max_skipped_iters=10)
-    data = {"cause": "data", "evidence": "e"}
-    d = guard.update(50, "nan", float("nan"), 1.0, SCALER, data)
-    d = guard.update(51, "nan", float("nan"), 1.0, SCALER, data)
-    d = guard.update(52, "nan", float("nan"), 1.0, SCALER, data)  # would skip 40-72: 33 iterations
+    *_, d = [_learnt(guard, n) for n in (50, 51, 52)]  # 2 skipped, then 40-52: 13 more
     assert d["action"] == "stop" and "spike_guard_max_skipped_iters=10" in d["line"]
+    # outliers skipped one by one: the 11th past the cap
+    cfg, guard = _guard(spike_guard_max_skipped_iters=10)
+    decided = []
+    for n in range(60, 71):
+        guard.pending = "loss 9 is 3x its trend's 3"
+        decided.append(
+            guard.update(n, "vetoed", 9.0, 1.0, SCALER, {"cause": "data", "evidence": "e"})
+        )
+    assert [d["action"] for d in decided] == ["skip"] * 10 + ["stop"]
+    assert (
+        "11 iterations skipped, more than spike_guard_max_skipped_iters=10" in decided[-1]["line"]
+    )
 
 
 def _default_runs():
@@ -1057,10 +1076,11 @@ def test_plot_overlays_a_metrics_file_and_a_log_and_draws_the_layer_heat_maps(ru
     import plot
 
     run("clean_guarded", *GUARD, "--telemetry_interval=10", f"--save={run.dir / 'clean_guarded'}")
-    log = tmp_path / "bad_guarded.log"
-    log.write_text(run("bad_guarded", *BAD, *GUARD))
+    log = tmp_path / "block_guarded.log"
+    block = run("block_guarded_saved", *BLOCK, *GUARD, f"--save={run.dir / 'straight'}")
+    log.write_text(block)
     parsed = plot.load(str(log))
-    assert parsed.records[60]["validation lm loss"] == validation(run("bad_guarded", *BAD, *GUARD))
+    assert parsed.records[60]["validation lm loss"] == validation(block)
     assert (
         (40, "skip") in parsed.actions
         and (42, "rollback") in parsed.actions

@@ -142,14 +142,12 @@ def test_published_windows_are_the_configs_defaults_and_scaled_ones_one_factor()
         "--spike_guard_window=128",
         "--spike_guard_min_steps=16",
         "--spike_guard_rewind=100",
-        "--spike_guard_skip_after=200",
         "--spike_guard_snapshot_interval=50",
     ]
     assert gc.method_flags("guard", scaled)[1:] == [
         "--spike_guard_window=32",
         "--spike_guard_min_steps=4",
         "--spike_guard_rewind=25",
-        "--spike_guard_skip_after=50",
         "--spike_guard_snapshot_interval=12",
     ]  # 12.5 to even: 12
     assert gc.method_flags("skip_step", scaled) == ["--skip_step_sigma=6", "--skip_step_window=32"]
