@@ -105,7 +105,7 @@ class _Checksummed:
         self.f.flush()
 
 
-def _atomic_write(obj_or_text, path):
+def atomic_write(obj_or_text, path):
     """Write a text, or torch.save an object, to path through a fsynced temporary file; returns the file's
     manifest entry {"bytes", "crc32"}."""
     tmp = path + ".tmp"
@@ -250,11 +250,11 @@ def write_files(tag_dir, model_state, run_state, rank_state, write_model_state, 
     entries = {}
     if write_model_state:
         path = model_file(tag_dir, g)
-        entries[os.path.basename(path)] = _atomic_write(
+        entries[os.path.basename(path)] = atomic_write(
             {"model": model_state, "run": run_state, "topology": topology(g)}, path
         )
     path = rank_file(tag_dir, g)
-    entries[os.path.basename(path)] = _atomic_write(rank_state, path)
+    entries[os.path.basename(path)] = atomic_write(rank_state, path)
     return entries
 
 
@@ -269,7 +269,7 @@ def write_manifest(tag_dir, entries, g=None):
         "topology": topology(g),
         "files": dict(sorted(files.items())),
     }
-    _atomic_write(json.dumps(manifest, indent=1), os.path.join(tag_dir, MANIFEST))
+    atomic_write(json.dumps(manifest, indent=1), os.path.join(tag_dir, MANIFEST))
 
 
 def save(save_dir, iteration, model_state, run_state, rank_state, write_model_state, group=None):
@@ -302,7 +302,7 @@ def save(save_dir, iteration, model_state, run_state, rank_state, write_model_st
                 shutil.rmtree(final)
             os.replace(partial, final)
             _fsync_dir(save_dir)
-            _atomic_write(tag, os.path.join(save_dir, LATEST))
+            atomic_write(tag, os.path.join(save_dir, LATEST))
             _fsync_dir(save_dir)
 
     for work in (prepare, write, publish):
@@ -374,11 +374,11 @@ class AsyncWriter:
         """One rank's file, written atomically (no manifest, no barrier: a spike-guard snapshot on local disk);
         in the background when enabled. Returns when obj is safe from the training."""
         if not self.enabled:
-            _atomic_write(obj, path)
+            atomic_write(obj, path)
             return
         self.wait()
         payload = self._copy(obj)
-        self._start(lambda: _atomic_write(payload, path), f"file {path}", None)
+        self._start(lambda: atomic_write(payload, path), f"file {path}", None)
 
     def _copy(self, obj):
         payload, landed = host_copy(obj, self.buffers)

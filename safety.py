@@ -295,12 +295,7 @@ def write_stopped(directory, record):
     resume, for a requeue script (docs/parallelism.md) -- under torchrun a stop's exit code 3
     arrives as 1, like a crash's. Written whole (a temporary file renamed), after the state it
     names is on disk."""
-    path = os.path.join(directory, STOPPED)
-    with open(path + ".tmp", "w") as f:
-        json.dump(record, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(path + ".tmp", path)
+    checkpoint.atomic_write(json.dumps(record, indent=1), os.path.join(directory, STOPPED))
 
 
 def set_stopped_aside(directory):
