@@ -948,9 +948,9 @@ def trials_of(out):
     return trials
 
 
-def report(out, harm=HARM, registration=None):
+def report(out, harm=HARM, registration=None, baselines=None):
     """OUT/report.md (the tables) and OUT/campaign.png (the figure); returns the markdown. Refuses runs of more than
-    one registration (one_registration)."""
+    one registration (one_registration). baselines: another registration's --out (beside_baselines)."""
     one_registration(runs_of(out), registration)
     check_measured(registration, harm)
     trials = trials_of(out)
@@ -1055,6 +1055,8 @@ def report(out, harm=HARM, registration=None):
         primary_table(runs_of(out), harm),
         worse_than_nothing(runs_of(out), out, harm),
     ]
+    if baselines:
+        lines += ["", *beside_baselines(out, baselines, harm)]
     text = "\n".join(lines) + "\n"
     with open(os.path.join(out, "report.md"), "w") as f:
         f.write(text)
@@ -1317,6 +1319,56 @@ def primary_table(runs, harm=HARM):
     return "\n".join(lines) + "\n"
 
 
+def same_twins(mine, theirs):
+    """Trial numbers whose clean and unremedied runs are in both records and agree to every recorded
+    digit (exit, final loss, every logged loss and grad norm): the runs the two registrations share."""
+
+    def key(r):
+        return (r["exit"], repr(r["valid"]), r["series"])
+
+    ks = {r["trial"] for r in mine.values() if "trial" in r}
+    return sorted(
+        k
+        for k in ks
+        if all(
+            f"{k}-{x}" in mine
+            and f"{k}-{x}" in theirs
+            and key(mine[f"{k}-{x}"]) == key(theirs[f"{k}-{x}"])
+            for x in ("clean", "unguarded")
+        )
+    )
+
+
+def beside_baselines(out, baselines, harm=HARM):
+    """The primary table of this registration's guard beside another registration's remedy runs of the
+    same trials (the eighth's guard, the seventh's remedies), on the trials whose twins both hold and
+    agree to every digit (same_twins); each registration's records checked against its own file
+    (BASELINES/registration.json), metrics included. Markdown lines."""
+    theirs_file = os.path.join(baselines, "registration.json")
+    theirs_reg = json.load(open(theirs_file)) if os.path.exists(theirs_file) else None
+    mine, theirs = runs_of(out), runs_of(baselines)
+    one_registration(theirs, theirs_reg)
+    check_measured(theirs_reg, harm)
+    agree = same_twins(mine, theirs)
+    ks = sorted({r["trial"] for r in mine.values() if "trial" in r})
+    apart = [k for k in ks if k not in agree]
+    merged = {n: r for n, r in mine.items() if r.get("trial") in agree or "trial" not in r}
+    merged.update(
+        (n, r)
+        for n, r in theirs.items()
+        if r.get("trial") in agree and r.get("method") not in (None, "guard", "none")
+    )
+    return [
+        f"Beside the remedies of {baselines} (registration {registration_id(theirs_reg)}): "
+        f"{len(agree)} of {len(ks)} trials, whose clean and unremedied runs agree to every recorded "
+        "digit in both registrations"
+        + (f"; apart (no baseline): {', '.join(map(str, apart))}" if apart else "")
+        + ":",
+        "",
+        primary_table(merged, harm),
+    ]
+
+
 def ending(out, record):
     """How a run ended, in words: finished, stopped by the guard (its stop line names the cause;
     torchrun turns a worker's exit 3 into its own 1), or died. The stop line is read from the run's
@@ -1498,6 +1550,11 @@ def main(argv=None):
         help="write --preregister's file and stop, so that it is committed before the first run",
     )
     p.add_argument("--report", action="store_true", help="only write the report of what has run")
+    p.add_argument(
+        "--baselines",
+        help="with --report: another registration's --out whose remedy runs ran the same trials (the "
+        "eighth's: the seventh's), used where both registrations' twins agree to every digit",
+    )
     a = p.parse_args(argv)
     check_args(a)
     registration = preregister(a) if a.preregister and not a.report else None
@@ -1509,11 +1566,15 @@ def main(argv=None):
         registration = json.load(open(a.preregister))
     if not a.report:
         campaign(a, registration)
-    print(report(a.out, a.harm, registration))
+    print(report(a.out, a.harm, registration, a.baselines))
 
 
 def check_args(a):
     """One ValueError naming the flag and the fix, before any work."""
+    if a.baselines and not a.report:
+        raise ValueError(
+            "--baselines goes with --report (it reads another registration's records): add --report"
+        )
     if not a.report and not a.register_only and not a.data_path:
         raise ValueError(
             "--data_path is needed to run trials (a corpus with ids < 512; --report needs none)"

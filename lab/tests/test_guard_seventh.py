@@ -386,6 +386,52 @@ def test_the_report_names_every_trial_worse_than_doing_nothing_and_how_it_ended(
     )
 
 
+def test_the_eighths_guard_is_reported_beside_the_sevenths_remedies_where_the_twins_agree(tmp_path):
+    seventh, eighth = tmp_path / "seventh", tmp_path / "eighth"
+    shared = [
+        rec("0-clean", 4.0),
+        rec("0-unguarded", 4.4),
+        rec("1-clean", 4.0),
+        rec("1-unguarded", 4.8),
+    ]
+    theirs = dict(
+        shared
+        + [
+            rec("0-skip_step", 4.3, method="skip_step"),
+            rec("1-skip_step", 4.6, method="skip_step"),
+            rec("0-clean-skip_step", 4.0, method="skip_step"),
+            rec("2-clean", 4.0),
+            rec("2-unguarded", 4.5),
+            rec("2-skip_step", 4.0, method="skip_step"),
+        ]
+    )
+    mine = dict(
+        shared
+        + [
+            rec("0-guarded", 4.0, method="guard"),
+            rec("1-guarded", 4.4, method="guard"),
+            rec("2-clean", 4.0),
+            rec("2-unguarded", 4.5000001),  # not the seventh's to every digit: no baseline
+            rec("2-guarded", 4.0, method="guard"),
+        ]
+    )
+    for directory, runs in ((seventh, theirs), (eighth, mine)):
+        os.makedirs(directory)
+        with open(directory / "runs.jsonl", "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in runs.values())
+    assert gc.same_twins(mine, theirs) == [0, 1]
+    text = "\n".join(gc.beside_baselines(str(eighth), str(seventh)))
+    assert (
+        "2 of 3 trials, whose clean and unremedied runs agree" in text
+        and "apart (no baseline): 2" in text
+    )
+    # trials 0 and 1, by hand: the guard removed 0.4 of 0.4 and 0.4 of 0.8; SkipStep 0.1 of 0.4, 0.2 of 0.8
+    assert "| guard | 0.75 (0.50 to 1.00), n=2 |" in text, text
+    assert "| skip_step | 0.25 (0.25 to 0.25), n=2 |" in text, text
+    with pytest.raises(ValueError, match="--baselines goes with --report"):
+        gc.main(["--out", str(eighth), "--baselines", str(seventh), "--data_path", "x"])
+
+
 def test_a_report_scores_the_runs_as_registered():
     registered = json.load(open(os.path.join(CAMPAIGN, "seventh", "registration.json")))
     gc.check_measured(registered, registered["harm_threshold"])  # this checkout's are the same
