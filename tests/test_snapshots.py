@@ -35,8 +35,8 @@ SCALER = types.SimpleNamespace(dynamic=False, scale=1.0, min_scale=1.0)
 
 @pytest.mark.parametrize("where", ["memory", "disk"])
 def test_snapshots_reach_back_two_rewinds_and_an_interval(monkeypatch, tmp_path, where):
-    """Strikes of text learnt by heart at 1049, 1100 and 1149 (rewind 100, a snapshot every 50, no save) roll back to before 949. On disk:
-    one file per snapshot kept, the dropped ones deleted, none left at the end."""
+    """Strikes of text learnt by heart at 1049, 1100 and 1149 (rewind 100, a snapshot every 50, no save) roll back
+    to before 949. On disk: one file per snapshot kept, the dropped ones deleted, none left at the end."""
     cfg = arguments.load_config(
         [
             "--spike_guard",
