@@ -785,7 +785,6 @@ def registration_of(a):
         "draw": a.draw,
         "families": SEVENTH if a.draw == "seventh" else FAMILIES,
         "draw_sha256": source_sha256(DRAWN),
-        "metrics_sha256": source_sha256(MEASURED),
         **measured(a.harm),
         "seed": a.seed,
         "first": a.first,
@@ -951,10 +950,11 @@ def trials_of(out):
 def report(out, harm=HARM, registration=None, baselines=None):
     """OUT/report.md (the tables) and OUT/campaign.png (the figure); returns the markdown. Refuses runs of more than
     one registration (one_registration). baselines: another registration's --out (beside_baselines)."""
-    one_registration(runs_of(out), registration)
+    runs = runs_of(out)
+    one_registration(runs, registration)
     check_measured(registration, harm)
     trials = trials_of(out)
-    spent = sum(r.get("seconds", 0) * r.get("nproc", 1) for r in runs_of(out).values()) / 3600
+    spent = sum(r.get("seconds", 0) * r.get("nproc", 1) for r in runs.values()) / 3600
     lines = [
         f"{len(trials)} complete trials (3 runs each; false positives: every finished clean run); "
         f"{spent:.1f} CPU-hours of run time (each run's wall time x its processes)",
@@ -963,7 +963,7 @@ def report(out, harm=HARM, registration=None, baselines=None):
     harmful, detected, right, diagnosed, within, rollbacks = 0, 0, 0, 0, 0, []
     matrix = {t: {c: 0 for c in CAUSES} for t in sorted(set(FAMILIES.values()))}
     # finished, their trial or not
-    cleans = [r for name, r in runs_of(out).items() if name.endswith("-clean")]
+    cleans = [r for name, r in runs.items() if name.endswith("-clean")]
     clean_iters, false_positives, rows = (
         sum(r["iters"] for r in cleans),
         sum(len(r["decisions"]) for r in cleans),
@@ -1039,21 +1039,21 @@ def report(out, harm=HARM, registration=None, baselines=None):
         f"| {w} | {'yes' if h else 'no'} | {d} | {r:.3f} | {g:.3f} | {e} | {rb} |"
         for f, w, h, d, r, g, e, rb in rows
     ]
-    if any(r.get("method") not in (None, "guard", "none") for r in runs_of(out).values()):
+    if any(r.get("method") not in (None, "guard", "none") for r in runs.values()):
         lines += [
             "",
             "Methods on the same faults (each remedy runs the harmful trials and its own clean runs; the "
             "guard's clean runs are the clean twins):",
             "",
-            method_table(runs_of(out), harm),
+            method_table(runs, harm),
         ]
     lines += [
         "",
         "The primary metric and the costs (lab/guard_metrics.py; a rollback's replays "
         "count as iterations run):",
         "",
-        primary_table(runs_of(out), harm),
-        worse_than_nothing(runs_of(out), out, harm),
+        primary_table(runs, harm),
+        worse_than_nothing(runs, out, harm),
     ]
     if baselines:
         lines += ["", *beside_baselines(out, baselines, harm)]

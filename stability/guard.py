@@ -47,9 +47,7 @@ def hosts_of(dp_rank):
     if dist.is_initialized():
         everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, mine)
-    return (
-        sorted({host for rank, host in everyone if rank == dp_rank}) if dp_rank is not None else []
-    )
+    return sorted({host for rank, host in everyone if rank == dp_rank})
 
 
 class Guard(training.Callback):
@@ -204,10 +202,14 @@ class Guard(training.Callback):
                 saved = f"the state of iteration {iteration} saved in {self.core.save}"
             else:  # a stop says what there is to resume from: here, nothing
                 saved = f"nothing saved (save=none: the state of iteration {iteration} is lost)"
-            cause, then = decision.get("cause"), NEXT.get(decision.get("cause"), NEXT[None])
+            cause = decision.get("cause")
+            then = NEXT.get(cause, NEXT[None])
             message = f"{decision['line']}; {saved}: {then}"
-            hosts = hosts_of(decision.get("rank")) if cause in ("hardware", "persistent") else []
             if self.core.save:
+                # a collective: every rank decided this stop
+                hosts = (
+                    hosts_of(decision.get("rank")) if cause in ("hardware", "persistent") else []
+                )
                 if self.writer is not None:
                     self.writer.wait()  # the record names a state on disk
                 if parallel.grid.rank == 0:
