@@ -29,7 +29,8 @@ method's actions, and is stamped with its UTC start and end, the commit, the tre
 version.
 
 The seventh campaign (docs/spike_guard.md, "The seventh campaign's design"): --draw seventh (the
-default; stratified, its faults staying where they live: stability/faults.py), sixth or
+default; stratified, its faults staying where they live: stability/faults.py), harm (the ninth's:
+each family's candidates screened by their twins until HARMFUL_EACH are harmful), sixth or
 withdrawn-61; --windows published or scaled (--window_scale), one rule for every method;
 --snapshots off (the guard rolls back to disk checkpoints); OPT's bound calibrated on the clean
 twins (--grad_norm_bound unset); --model 10M for the subset at scale. The report adds the primary
@@ -331,11 +332,11 @@ CORPUS_KINDS = {
 }
 
 
-def stratum(seed, k):
-    """Trial k's family in the seventh's stratified draw: each run of len(SEVENTH) trials holds
-    every family once, in an order drawn from (seed, the run's number), so that N x len(SEVENTH)
-    trials hold N of each."""
-    order = sorted(SEVENTH)
+def stratum(seed, k, families=SEVENTH):
+    """Trial k's family in a stratified draw: each run of len(families) trials holds every family
+    once, in an order drawn from (seed, the run's number), so that N x len(families) trials hold N
+    of each."""
+    order = sorted(families)
     random.Random(f"strata {seed} {k // len(order)}").shuffle(order)
     return order[k % len(order)]
 
@@ -345,7 +346,12 @@ def draw_seventh(seed, k, iters):
     stratified (stratum), its data faults in the corpus and its bad device staying bad
     (stability/faults.py)."""
     rng = random.Random(f"seventh {seed} {k}")
-    family = stratum(seed, k)
+    return {**seventh_fault(rng, stratum(seed, k), iters), "seed": rng.randrange(10**4, 10**9)}
+
+
+def seventh_fault(rng, family, iters):
+    """The seventh's fault of `family`, its start and magnitudes drawn from rng: the first six's
+    (fault_of), a data fault placed in the corpus, a bad device staying bad."""
     trial = fault_of(
         rng,
         family if family != "dp bad device" else "dp grad bit flip",
@@ -361,7 +367,74 @@ def draw_seventh(seed, k, iters):
         trial["what"] = trial["what"].replace(
             "on DP rank 1", "on DP rank 1's device, bad from then on"
         )
-    return {**trial, "seed": rng.randrange(10**4, 10**9)}
+    return trial
+
+
+# The ninth campaign's harm-first draw (--draw harm; docs/spike_guard.md, "The ninth campaign"): the
+# seventh's families but those no severity tried made harmful at 2x64 (HARMLESS), each family's
+# candidates screened in draw order (their clean and unremedied twins) until HARMFUL_EACH are harmful.
+# Where the seventh's ranges did no harm in its first 176 trials, the candidates come from the longer
+# ranges design runs found harmful (LONGER: batches, iterations or the LR's factor, least and most).
+HARMLESS = ("lost optimizer state", "dp grad bit flip", "poisoned minority")
+HARM_FIRST = {family: cause for family, cause in SEVENTH.items() if family not in HARMLESS}
+LONGER = {
+    "random tokens": (48, 128),
+    "repeated token": (96, 160),
+    "repeated 8-gram": (48, 128),
+    "numerical fp16": (50, 120),
+    "lr slow persistent": (35, 60),
+}
+HARMFUL_EACH = 10
+
+
+def draw_harm(seed, k, iters):
+    """Candidate k of the ninth's harm-first draw (--draw harm), from (seed, k) alone: its family
+    stratified over HARM_FIRST, its fault the seventh's (seventh_fault) or, for LONGER's families,
+    longer_fault's. Whether it runs is the screen's (campaign(): its family's earlier candidates)."""
+    rng = random.Random(f"harm {seed} {k}")
+    family = stratum(seed, k, HARM_FIRST)
+    fault = longer_fault if family in LONGER else seventh_fault
+    return {**fault(rng, family, iters), "seed": rng.randrange(10**4, 10**9)}
+
+
+def longer_fault(rng, family, iters, batch=8):
+    """A LONGER family's fault: its length (its LR factor, for the slow LR) drawn from LONGER's range,
+    its start such that it ends 10 iterations before the run does; a data fault in the corpus."""
+    least, most = LONGER[family]
+    n = rng.randint(least, most)
+    trial = {"family": family, "precision": [], "nproc": 1, "resume": None}
+    if family == "lr slow persistent":  # the seventh's start, mid-run
+        start = rng.randint(iters // 3, 2 * iters // 3)
+        flags = [
+            f"--inject_lr_iters={start}-{iters}",
+            f"--inject_lr_factor={n}",
+            "--inject_lr_persistent",
+        ]
+        what = f"LR x{n} from then on"
+    else:
+        start = rng.randint(15, iters - n - 10)
+        if family == "numerical fp16":
+            flags, what = [f"--inject_numerical_iters={start}-{start + n - 1}"], f"{n} iterations"
+            trial["precision"] = ["--fp16"]
+        else:
+            first, last = (start - 1) * batch, (start + n - 1) * batch - 1
+            flags = [
+                f"--inject_bad_samples={first}-{last}",
+                f"--inject_bad_samples_kind={CORPUS_KINDS[family]}",
+            ]
+            what = f"{n} batches (samples {first}-{last}, in the corpus)"
+    return {**trial, "flags": flags, "what": f"{family} at {start}: {what}", "start": start}
+
+
+def harmful_before(runs, family, k, first=0, harm=HARM):
+    """How many of `family`'s candidates before k (from `first`) are harmful by their twins in
+    `runs`: the ninth's screen runs candidate k of a family only while this is below HARMFUL_EACH."""
+    twins = [(runs.get(f"{j}-clean"), runs.get(f"{j}-unguarded")) for j in range(first, k)]
+    return sum(
+        is_harmful(clean, bad, harm)
+        for clean, bad in twins
+        if clean and bad and clean["family"] == family
+    )
 
 
 def corpus_fault(rng, family, trial, iters, batch=8):
@@ -697,6 +770,13 @@ def campaign(a, registration=None):
             "model": model_of(a, k),
             "iters": a.iters,
         }
+        if a.draw == "harm":  # the screen: a round's candidates run once the rounds before are in
+            if (k - a.first) % len(HARM_FIRST) == 0:
+                for t in threads:
+                    t.join()
+                done = runs_of(a.out) if os.path.exists(path) else {}
+            if harmful_before(done, trial["family"], k, a.first, a.harm) >= HARMFUL_EACH:
+                continue
         trials[k] = trial, base_args(trial, trial["model"], a.iters)
         submit(f"{k}-clean", trial, trials[k][1], [], "guard")
         submit(f"{k}-unguarded", trial, trials[k][1], trial["flags"], "none")
@@ -783,7 +863,12 @@ def registration_of(a):
         **code_stamp(),
         "stability_sha256": stability_sha256(),
         "draw": a.draw,
-        "families": SEVENTH if a.draw == "seventh" else FAMILIES,
+        "families": {"seventh": SEVENTH, "harm": HARM_FIRST}.get(a.draw, FAMILIES),
+        **(
+            {"longer": {f: list(r) for f, r in LONGER.items()}, "harmful_each": HARMFUL_EACH}
+            if a.draw == "harm"
+            else {}
+        ),
         "draw_sha256": source_sha256(DRAWN),
         **measured(a.harm),
         "seed": a.seed,
@@ -807,14 +892,23 @@ DRAWN = (
     fault_of,
     stratum,
     draw_seventh,
+    seventh_fault,
     corpus_fault,
+    draw_harm,
+    longer_fault,
+    harmful_before,
     base_args,
     processes,
     is_harmful,
     windows,
     method_flags,
 )
-DRAWS = {"seventh": draw_seventh, "sixth": draw, "withdrawn-61": draw_withdrawn_61}
+DRAWS = {
+    "seventh": draw_seventh,
+    "sixth": draw,
+    "withdrawn-61": draw_withdrawn_61,
+    "harm": draw_harm,
+}
 # the seventh campaign's goals, frozen with it (a goal is met when its interval, not its estimate,
 # is past it)
 GOALS = {
@@ -1514,9 +1608,10 @@ def main(argv=None):
         "--draw",
         choices=list(DRAWS),
         default="seventh",
-        help="the trials' draw: seventh (faults that stay where they live), sixth "
-        "(events in time), or withdrawn-61 (the withdrawn seed-61 registration's "
-        "trials, with --seed 61)",
+        help="the trials' draw: seventh (faults that stay where they live), harm (the ninth's: the "
+        "seventh's, harm first: each family screened until HARMFUL_EACH are harmful; --trials caps "
+        "the candidates), sixth (events in time), or withdrawn-61 (the withdrawn seed-61 "
+        "registration's trials, with --seed 61)",
     )
     p.add_argument(
         "--windows",
@@ -1592,6 +1687,14 @@ def check_args(a):
         raise ValueError(
             "--snapshots off needs the seventh's rule (--windows published or scaled): the sixth's "
             "guard flags keep snapshots every 5 iterations"
+        )
+    shortest = (
+        max(most for family, (_, most) in LONGER.items() if family != "lr slow persistent") + 25
+    )
+    if a.draw == "harm" and a.iters < shortest:
+        raise ValueError(
+            f"--draw harm's longer faults last up to {shortest - 25} iterations and start after 15: give "
+            f"--iters {shortest} or more, not {a.iters}"
         )
     if a.draw == "withdrawn-61" and a.seed != 61:
         raise ValueError(

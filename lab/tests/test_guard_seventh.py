@@ -93,6 +93,101 @@ def test_the_stratified_draw_holds_every_family_equally_and_places_its_faults():
             assert not keys & {"--inject_bitflip_iters"}
 
 
+def test_the_harm_first_draw_holds_its_families_equally_and_lengthens_the_harmless_ones():
+    n = len(gc.HARM_FIRST)
+    draws = [gc.draw_harm(90, k, 400) for k in range(4 * n)]
+    assert {f: sum(d["family"] == f for d in draws) for f in gc.SEVENTH} == {
+        f: 0 if f in gc.HARMLESS else 4 for f in gc.SEVENTH
+    }
+    assert gc.draw_harm(90, 7, 400) == draws[7] and gc.draw_harm(91, 7, 400) != draws[7]
+    for d in draws:
+        keys = dict(flag.split("=") if "=" in flag else (flag, None) for flag in d["flags"])
+        if d["family"] not in gc.LONGER:  # the seventh's own range
+            assert d["family"] == "dp bad device" or d["family"] in d["what"]
+            continue
+        least, most = gc.LONGER[d["family"]]
+        if d["family"] == "lr slow persistent":
+            assert (
+                least <= int(keys["--inject_lr_factor"]) <= most
+                and 400 // 3 <= d["start"] <= 800 // 3
+            )
+            continue
+        ranges = keys.get("--inject_numerical_iters") or keys["--inject_bad_samples"]
+        a, b = map(int, ranges.split("-"))
+        length = b - a + 1 if d["family"] == "numerical fp16" else (b - a + 1) // 8
+        assert least <= length <= most and 15 <= d["start"] and d["start"] + length + 10 <= 401
+        if d["family"] == "numerical fp16":
+            assert d["precision"] == ["--fp16"] and a == d["start"]
+        else:  # in the corpus, from the first sample of the fault's first iteration
+            assert (
+                a == (d["start"] - 1) * 8
+                and keys["--inject_bad_samples_kind"] == gc.CORPUS_KINDS[d["family"]]
+            )
+
+
+def test_the_screen_runs_a_family_until_it_has_its_harmful_candidates(tmp_path, monkeypatch):
+    """A fake run whose unremedied loss is harmful for the LR families always, for the data ones
+    every other candidate, and never for the rest: the screen stops each family at its count, or at
+    the cap, and the methods run only the screened candidates."""
+    monkeypatch.setattr(gc, "HARMFUL_EACH", 2)
+    seen = {}
+
+    def run(out, name, parts, data, method, nproc):
+        k = int(name.split("-")[0])
+        family = gc.draw_harm(5, k, 400)["family"]
+        seen[family] = seen.get(family, 0) + name.endswith("-unguarded")
+        rank = seen[family]  # this family's candidate count, the screen's order
+        harmful = name.endswith("-unguarded") and (
+            family.startswith("lr") or (gc.SEVENTH[family] == "data" and rank % 2 == 0)
+        )
+        return {
+            "name": name,
+            "exit": 0,
+            "valid": 5.0 if harmful else 4.0,
+            "method": method,
+            "decisions": [],
+            "series": [],
+            "nproc": nproc,
+        }
+
+    monkeypatch.setattr(gc, "run_one", run)
+    n = len(gc.HARM_FIRST)
+    gc.campaign(
+        args(tmp_path, draw="harm", trials=6 * n, iters=400, method="guard", preregister=None)
+    )
+    runs = gc.runs_of(str(tmp_path))
+    screened = {}
+    for r in runs.values():
+        if r["name"].endswith("-unguarded"):
+            screened.setdefault(r["family"], []).append(r["trial"])
+    for family in gc.HARM_FIRST:
+        want = 2 if family.startswith("lr") else 4 if gc.SEVENTH[family] == "data" else 6
+        assert len(screened[family]) == want, family
+        ks = sorted(screened[family])
+        assert all(f"{k}-guarded" in runs and f"{k}-clean" in runs for k in ks)
+        assert ks == [k for k in range(6 * n) if gc.draw_harm(5, k, 400)["family"] == family][:want]
+    # a remedy runs the harmful screened candidates only, and screens nothing anew
+    gc.campaign(
+        args(
+            tmp_path,
+            draw="harm",
+            trials=6 * n,
+            iters=400,
+            method="zclip",
+            preregister=None,
+            clean_runs=0,
+        )
+    )
+    runs = gc.runs_of(str(tmp_path))
+    zclip = sorted(r["trial"] for r in runs.values() if r["name"].endswith("-zclip"))
+    harmful = sorted(
+        r["trial"] for r in runs.values() if r["name"].endswith("-unguarded") and r["valid"] > 4.5
+    )
+    assert zclip == harmful and len(harmful) == sum(
+        2 for f in gc.HARM_FIRST if f.startswith("lr") or gc.SEVENTH[f] == "data"
+    )
+
+
 def test_each_seventh_flag_set_passes_the_runs_own_parser_and_checks():
     import arguments
 
@@ -102,8 +197,8 @@ def test_each_seventh_flag_set_passes_the_runs_own_parser_and_checks():
         {"snapshots": "off"},
         {"grad_norm_bound": 0.7},
     ]
-    for k in range(len(gc.SEVENTH)):
-        trial = gc.draw_seventh(70, k, 400)
+    draws = [gc.draw_seventh(70, k, 400) for k in range(len(gc.SEVENTH))]
+    for trial in draws + [gc.draw_harm(90, k, 400) for k in range(len(gc.HARM_FIRST))]:
         for more in settings:
             a = args("unused", **more)
             for method in gc.METHODS:
@@ -184,6 +279,7 @@ def test_published_windows_are_the_configs_defaults_and_scaled_ones_one_factor()
         (["--windows", "scaled", "--window_scale", "0"], "must be > 0"),
         (["--windows", "sixth", "--snapshots", "off"], "--snapshots off needs"),
         (["--draw", "withdrawn-61"], "give --seed 61"),
+        (["--draw", "harm", "--iters", "100"], "give --iters 185 or more"),
     ],
 )
 def test_a_wrong_setting_is_refused_before_any_work(tmp_path, monkeypatch, flags, named):
@@ -493,6 +589,25 @@ def test_every_record_is_stamped_and_a_registration_refuses_another_tree(tmp_pat
         gc, "code_stamp", lambda: {**stamp, "dirty": True}
     )  # the same commit, edited
     with pytest.raises(SystemExit, match=r"\(hash tttttttttttt, dirty\) is not the registered one"):
+        gc.preregister(a)
+
+
+def test_the_harm_first_registration_freezes_its_screen_and_reads_back_as_written(
+    tmp_path, monkeypatch
+):
+    monkeypatch.setattr(
+        gc, "code_stamp", lambda: {"commit": "c" * 40, "tree": "t" * 64, "dirty": False}
+    )
+    monkeypatch.setattr(gc, "uncommitted", lambda: "")
+    a = args(tmp_path, draw="harm", seed=90, iters=400)
+    written = gc.preregister(a)
+    assert written["families"] == gc.HARM_FIRST and written["harmful_each"] == gc.HARMFUL_EACH
+    assert written["longer"]["random tokens"] == list(gc.LONGER["random tokens"])
+    assert gc.preregister(a) == json.load(
+        open(a.preregister)
+    )  # the next run's check: the same campaign
+    monkeypatch.setattr(gc, "LONGER", {**gc.LONGER, "random tokens": (4, 8)})
+    with pytest.raises(SystemExit, match="differs from its registration in longer"):
         gc.preregister(a)
 
 
