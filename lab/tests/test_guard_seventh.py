@@ -8,6 +8,7 @@ of another tree."""
 import json
 import math
 import os
+import time
 
 import pytest
 
@@ -125,21 +126,24 @@ def test_the_harm_first_draw_holds_its_families_equally_and_lengthens_the_harmle
             )
 
 
-def test_the_screen_runs_a_family_until_it_has_its_harmful_candidates(tmp_path, monkeypatch):
+@pytest.mark.parametrize("jobs", [1, 4])
+def test_the_screen_runs_a_family_until_it_has_its_harmful_candidates(tmp_path, monkeypatch, jobs):
     """A fake run whose unremedied loss is harmful for the LR families always, for the data ones
     every other candidate, and never for the rest: the screen stops each family at its count, or at
-    the cap, and the methods run only the screened candidates."""
+    the cap, and the methods run only the screened candidates; with runs in parallel finishing late,
+    the same candidates (a round waits for the rounds before it)."""
     monkeypatch.setattr(gc, "HARMFUL_EACH", 2)
-    seen = {}
+    families = [gc.draw_harm(5, k, 400)["family"] for k in range(6 * len(gc.HARM_FIRST))]
 
     def run(out, name, parts, data, method, nproc):
         k = int(name.split("-")[0])
-        family = gc.draw_harm(5, k, 400)["family"]
-        seen[family] = seen.get(family, 0) + name.endswith("-unguarded")
-        rank = seen[family]  # this family's candidate count, the screen's order
+        family = families[k]
+        rank = families[: k + 1].count(family)  # its place among its family's candidates
         harmful = name.endswith("-unguarded") and (
             family.startswith("lr") or (gc.SEVENTH[family] == "data" and rank % 2 == 0)
         )
+        if harmful:
+            time.sleep(0.02)  # in parallel, a harmful twin comes in after the candidates beside it
         return {
             "name": name,
             "exit": 0,
@@ -153,7 +157,15 @@ def test_the_screen_runs_a_family_until_it_has_its_harmful_candidates(tmp_path, 
     monkeypatch.setattr(gc, "run_one", run)
     n = len(gc.HARM_FIRST)
     gc.campaign(
-        args(tmp_path, draw="harm", trials=6 * n, iters=400, method="guard", preregister=None)
+        args(
+            tmp_path,
+            draw="harm",
+            trials=6 * n,
+            iters=400,
+            method="guard",
+            preregister=None,
+            jobs=jobs,
+        )
     )
     runs = gc.runs_of(str(tmp_path))
     screened = {}
