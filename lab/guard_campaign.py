@@ -770,8 +770,9 @@ def campaign(a, registration=None):
             "model": model_of(a, k),
             "iters": a.iters,
         }
-        if a.draw == "harm":  # the screen: a round's candidates run once the rounds before are in
-            if (k - a.first) % len(HARM_FIRST) == 0:
+        # the screen: a round of the draw (stratum's, whatever --first) runs once the rounds before are in
+        if a.draw == "harm":
+            if k % len(HARM_FIRST) == 0 or k == a.first:
                 for t in threads:
                     t.join()
                 done = runs_of(a.out) if os.path.exists(path) else {}

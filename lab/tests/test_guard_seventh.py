@@ -126,28 +126,32 @@ def test_the_harm_first_draw_holds_its_families_equally_and_lengthens_the_harmle
             )
 
 
-@pytest.mark.parametrize("jobs", [1, 4])
-def test_the_screen_runs_a_family_until_it_has_its_harmful_candidates(tmp_path, monkeypatch, jobs):
+@pytest.mark.parametrize("jobs, first", [(1, 0), (4, 0), (4, 5)])
+def test_the_screen_runs_a_family_until_it_has_its_harmful_candidates(
+    tmp_path, monkeypatch, jobs, first
+):
     """A fake run whose unremedied loss is harmful for the LR families always, for the data ones
     every other candidate, and never for the rest: the screen stops each family at its count, or at
     the cap, and the methods run only the screened candidates; with runs in parallel finishing late,
-    the same candidates (a round waits for the rounds before it)."""
+    or a --first inside one of the draw's rounds, the same candidates (a round waits for the rounds
+    before it)."""
     monkeypatch.setattr(gc, "HARMFUL_EACH", 2)
-    families = [gc.draw_harm(5, k, 400)["family"] for k in range(6 * len(gc.HARM_FIRST))]
+    n = len(gc.HARM_FIRST)
+    families = [gc.draw_harm(5, k, 400)["family"] for k in range(first + 6 * n)]
+
+    def harmful(k):
+        rank = families[: k + 1].count(families[k])  # its place among its family's candidates
+        return families[k].startswith("lr") or (gc.SEVENTH[families[k]] == "data" and rank % 2 == 0)
 
     def run(out, name, parts, data, method, nproc):
         k = int(name.split("-")[0])
-        family = families[k]
-        rank = families[: k + 1].count(family)  # its place among its family's candidates
-        harmful = name.endswith("-unguarded") and (
-            family.startswith("lr") or (gc.SEVENTH[family] == "data" and rank % 2 == 0)
-        )
-        if harmful:
+        bad = name.endswith("-unguarded") and harmful(k)
+        if bad:
             time.sleep(0.02)  # in parallel, a harmful twin comes in after the candidates beside it
         return {
             "name": name,
             "exit": 0,
-            "valid": 5.0 if harmful else 4.0,
+            "valid": 5.0 if bad else 4.0,
             "method": method,
             "decisions": [],
             "series": [],
@@ -155,49 +159,34 @@ def test_the_screen_runs_a_family_until_it_has_its_harmful_candidates(tmp_path, 
         }
 
     monkeypatch.setattr(gc, "run_one", run)
-    n = len(gc.HARM_FIRST)
-    gc.campaign(
-        args(
-            tmp_path,
-            draw="harm",
-            trials=6 * n,
-            iters=400,
-            method="guard",
-            preregister=None,
-            jobs=jobs,
-        )
-    )
+    run_args = dict(draw="harm", first=first, trials=6 * n, iters=400, preregister=None, jobs=jobs)
+    gc.campaign(args(tmp_path, method="guard", **run_args))
     runs = gc.runs_of(str(tmp_path))
     screened = {}
     for r in runs.values():
         if r["name"].endswith("-unguarded"):
             screened.setdefault(r["family"], []).append(r["trial"])
     for family in gc.HARM_FIRST:
-        want = 2 if family.startswith("lr") else 4 if gc.SEVENTH[family] == "data" else 6
-        assert len(screened[family]) == want, family
-        ks = sorted(screened[family])
-        assert all(f"{k}-guarded" in runs and f"{k}-clean" in runs for k in ks)
-        assert ks == [k for k in range(6 * n) if gc.draw_harm(5, k, 400)["family"] == family][:want]
-    # a remedy runs the harmful screened candidates only, and screens nothing anew
-    gc.campaign(
-        args(
-            tmp_path,
-            draw="harm",
-            trials=6 * n,
-            iters=400,
-            method="zclip",
-            preregister=None,
-            clean_runs=0,
+        mine = [k for k in range(first, first + 6 * n) if families[k] == family]
+        want = next(
+            i + 1
+            for i in range(len(mine))
+            if sum(map(harmful, mine[: i + 1])) == 2 or i + 1 == len(mine)
         )
-    )
+        if first == 0:  # by hand: 2 of the LR families', 4 of the data ones', all 6 of the rest
+            assert want == (
+                2 if family.startswith("lr") else 4 if gc.SEVENTH[family] == "data" else 6
+            )
+        assert sorted(screened[family]) == mine[:want], family
+        assert all(f"{k}-guarded" in runs and f"{k}-clean" in runs for k in mine[:want])
+    # a remedy runs the harmful screened candidates only, and screens nothing anew
+    gc.campaign(args(tmp_path, method="zclip", clean_runs=0, **run_args))
     runs = gc.runs_of(str(tmp_path))
     zclip = sorted(r["trial"] for r in runs.values() if r["name"].endswith("-zclip"))
-    harmful = sorted(
+    bad = sorted(
         r["trial"] for r in runs.values() if r["name"].endswith("-unguarded") and r["valid"] > 4.5
     )
-    assert zclip == harmful and len(harmful) == sum(
-        2 for f in gc.HARM_FIRST if f.startswith("lr") or gc.SEVENTH[f] == "data"
-    )
+    assert bad and zclip == bad == sorted(k for ks in screened.values() for k in ks if harmful(k))
 
 
 def test_each_seventh_flag_set_passes_the_runs_own_parser_and_checks():
