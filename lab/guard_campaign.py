@@ -504,11 +504,19 @@ def goes_to_disk(method):
     )
 
 
-def run_one(out, name, parts, data_path, method="guard", nproc=1):
+# a device's fault flags: what a requeue without the device drops (a data fault stays in the corpus, an LR or a
+# numerical one in the run's settings)
+DEVICE_FLAGS = ("--inject_bad_device_iter=", "--inject_bitflip_")
+
+
+def run_one(out, name, parts, data_path, method="guard", nproc=1, requeue=False):
     """One run: train.py with each of `parts` in turn (processes() : a resumed run is two), under torchrun with
     nproc processes on gloo where nproc > 1; its record (exit code, final validation loss, the method's actions,
     rollbacks, and every logged iteration of every part as [iteration, loss, grad norm, skipped]: a rollback's
-    replays appear again). A part that fails ends the run; the resumed run's checkpoint is removed after it."""
+    replays appear again). A part that fails ends the run; the resumed run's checkpoint is removed after it.
+    requeue: a guard stop whose record (SAVE/stopped.json) names a device (cause hardware or persistent) is
+    followed as its message says: the node taken out (the last part's device fault flags dropped), the run
+    resumed from what the stop saved; the record's "requeued" names the stop."""
     log = os.path.join(out, "logs", f"{name}.log")
     env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled")
     launcher = (
@@ -525,6 +533,7 @@ def run_one(out, name, parts, data_path, method="guard", nproc=1):
     checkpoint = os.path.join(out, "checkpoints", name)
     # a run interrupted before: its resume starts over
     shutil.rmtree(checkpoint, ignore_errors=True)
+    requeued = None
     with open(log, "w") as f:
         for args in parts:
             code = subprocess.call(
@@ -536,6 +545,19 @@ def run_one(out, name, parts, data_path, method="guard", nproc=1):
             )
             if code != 0:
                 break
+        stop = os.path.join(checkpoint, "stopped.json")
+        if requeue and code != 0 and os.path.exists(stop):
+            record = json.load(open(stop))
+            if record.get("cause") in ("hardware", "persistent"):
+                requeued = {k: record.get(k) for k in ("iteration", "cause", "dp_rank")}
+                healthy = [x for x in parts[-1] if not x.startswith(DEVICE_FLAGS)]
+                code = subprocess.call(
+                    [*launcher, "train.py", *healthy, f"--data_path={data_path}"],
+                    cwd=ROOT,
+                    env=env,
+                    stdout=f,
+                    stderr=subprocess.STDOUT,
+                )
     gap = replica_gap(checkpoint) if nproc > 1 and code == 0 else None
     shutil.rmtree(checkpoint, ignore_errors=True)
     text = open(log).read()
@@ -557,6 +579,7 @@ def run_one(out, name, parts, data_path, method="guard", nproc=1):
         "processes": len(parts),
         "replica_gap": gap,
         "snapshots": int(held[1]) if held else 0,
+        **({"requeued": requeued} if requeued else {}),
     }
 
 
@@ -702,7 +725,15 @@ def campaign(a, registration=None):
         try:
             t0, started = time.time(), utc()
             record = {
-                **run_one(a.out, name, parts, a.data_path, method, meta["nproc"]),
+                **run_one(
+                    a.out,
+                    name,
+                    parts,
+                    a.data_path,
+                    method,
+                    meta["nproc"],
+                    a.requeue and method == "guard",
+                ),
                 **meta,
                 "registration": reg_id,
                 "seconds": round(time.time() - t0, 1),
@@ -728,13 +759,10 @@ def campaign(a, registration=None):
             held = min(trial["nproc"], a.jobs)
             for _ in range(held):
                 slots.acquire()
-            parts = processes(
-                base,
-                fault,
-                method_flags(method, a),
-                trial,
-                os.path.join(a.out, "checkpoints", name),
-            )
+            checkpoint = os.path.join(a.out, "checkpoints", name)
+            # a requeue resumes from what the guard's stop saved
+            saves = [f"--save={checkpoint}"] if a.requeue and method == "guard" else []
+            parts = processes(base, fault, [*method_flags(method, a), *saves], trial, checkpoint)
             meta = {
                 key: trial[key]
                 for key in ("trial", "family", "what", "start", "model", "nproc", "resume", "iters")
@@ -881,6 +909,7 @@ def registration_of(a):
         "windows": a.windows,
         "window_scale": a.window_scale,
         "snapshots": a.snapshots,
+        **({"requeue": True} if a.requeue else {}),
         "methods": {m: method_flags(m, a) for m in METHODS},
     }
 
@@ -1468,6 +1497,13 @@ def ending(out, record):
     """How a run ended, in words: finished, stopped by the guard (its stop line names the cause;
     torchrun turns a worker's exit 3 into its own 1), or died. The stop line is read from the run's
     log where it is kept (OUT/logs, not committed); from the record alone, the last action's cause."""
+    if record.get("requeued"):
+        r = record["requeued"]
+        then = "finished" if record["exit"] == 0 else f"failed again (exit {record['exit']})"
+        return (
+            f"stopped by the guard at iteration {r['iteration']}, {r['cause']}; requeued without DP rank "
+            f"{r['dp_rank']}'s device, {then}"
+        )
     if record["exit"] == 0:
         return "finished"
     log = os.path.join(out, "logs", f"{record['name']}.log")
@@ -1629,6 +1665,12 @@ def main(argv=None):
         choices=["on", "off"],
         default="on",
         help="off: the guard rolls back to disk checkpoints saved every SAVE_INTERVAL iterations",
+    )
+    p.add_argument(
+        "--requeue",
+        action="store_true",
+        help="the guard's runs save where they stop, and a stop that names a device is requeued as its message "
+        "says: the node out (the fault's device flags dropped), resumed from what the stop saved",
     )
     p.add_argument(
         "--harm",

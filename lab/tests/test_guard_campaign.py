@@ -180,6 +180,7 @@ def args(out, **more):
             "windows": "published",
             "window_scale": None,
             "snapshots": "on",
+            "requeue": False,
             **more,
         }
     )

@@ -35,6 +35,7 @@ def args(out, **more):
             "windows": "published",
             "window_scale": None,
             "snapshots": "on",
+            "requeue": False,
             "jobs": 1,
             "minutes": 60.0,
             "long_clean": 0,
@@ -143,7 +144,7 @@ def test_the_screen_runs_a_family_until_it_has_its_harmful_candidates(
         rank = families[: k + 1].count(families[k])  # its place among its family's candidates
         return families[k].startswith("lr") or (gc.SEVENTH[families[k]] == "data" and rank % 2 == 0)
 
-    def run(out, name, parts, data, method, nproc):
+    def run(out, name, parts, data, method, nproc, requeue=False):
         k = int(name.split("-")[0])
         bad = name.endswith("-unguarded") and harmful(k)
         if bad:
@@ -187,6 +188,89 @@ def test_the_screen_runs_a_family_until_it_has_its_harmful_candidates(
         r["trial"] for r in runs.values() if r["name"].endswith("-unguarded") and r["valid"] > 4.5
     )
     assert bad and zclip == bad == sorted(k for ks in screened.values() for k in ks if harmful(k))
+
+
+def fake_train(calls, cause):
+    """subprocess.call for run_one: the first run stops as the guard does, with a stop record naming
+    `cause` in its --save directory and exit 3; any later one resumes and ends with a validation loss."""
+
+    def call(cmd, cwd, env, stdout, stderr):
+        calls.append(cmd)
+        save = next(x.split("=", 1)[1] for x in cmd if x.startswith("--save="))
+        if len(calls) == 1:
+            os.makedirs(save, exist_ok=True)
+            with open(os.path.join(save, "stopped.json"), "w") as f:
+                json.dump({"iteration": 25, "cause": cause, "dp_rank": 1}, f)
+            stdout.write("error: spike guard: iteration 30: a bad device; saved and stopped\n")
+            return 3
+        stdout.write(" validation loss at iteration 40 | lm loss value: 4.500000E+00 |\n")
+        return 0
+
+    return call
+
+
+@pytest.mark.parametrize(
+    "cause, requeue", [("hardware", True), ("data", True), ("hardware", False)]
+)
+def test_a_device_stop_is_requeued_without_the_device_and_scored_where_it_ends(
+    tmp_path, monkeypatch, cause, requeue
+):
+    calls = []
+    monkeypatch.setattr(gc.subprocess, "call", fake_train(calls, cause))
+    os.makedirs(tmp_path / "logs")
+    save = f"--save={tmp_path / 'checkpoints' / '3-guarded'}"
+    device = ["--inject_bad_device_iter=20", "--inject_bitflip_bit=29", "--inject_bitflip_rank=1"]
+    part = ["--train_iters=40", "--inject_bad_samples=8-15", *device, "--spike_guard", save]
+    record = gc.run_one(str(tmp_path), "3-guarded", [part], "corpus", "guard", 1, requeue)
+    if cause != "hardware" or not requeue:  # a stop the node's removal does not answer stays a stop
+        assert len(calls) == 1 and record["exit"] == 3 and "requeued" not in record
+        assert gc.ending(str(tmp_path), record).startswith("stopped by the guard at iteration 30")
+        return
+    # the same run resumed from its save, the device's flags gone, the corpus fault kept
+    assert calls[1][-1] == "--data_path=corpus" and calls[1][:-1] == [
+        *calls[0][:2],
+        "--train_iters=40",
+        "--inject_bad_samples=8-15",
+        "--spike_guard",
+        save,
+    ]
+    assert record["exit"] == 0 and record["valid"] == 4.5
+    assert record["requeued"] == {"iteration": 25, "cause": "hardware", "dp_rank": 1}
+    assert gc.ending(str(tmp_path), record) == (
+        "stopped by the guard at iteration 25, hardware; requeued without DP rank 1's device, finished"
+    )
+
+
+def test_with_requeue_the_guards_runs_save_where_they_stop_and_the_remedies_do_not(
+    tmp_path, monkeypatch
+):
+    seen = {}
+
+    def run(out, name, parts, data, method, nproc, requeue=False):
+        seen[name] = (parts, requeue)
+        return {
+            "name": name,
+            "exit": 0,
+            "valid": 4.0,
+            "method": method,
+            "decisions": [],
+            "series": [],
+        }
+
+    monkeypatch.setattr(gc, "run_one", run)
+    for method in ("guard", "zclip"):
+        gc.campaign(args(tmp_path, method=method, requeue=True, preregister=None, clean_runs=1))
+    assert seen["0-guarded"][1] and seen["0-clean"][1]  # the clean twin runs the guard too
+    assert not seen["0-unguarded"][1] and not seen["0-clean-zclip"][1]
+    checkpoint = os.path.join(str(tmp_path), "checkpoints")
+    for name, (
+        parts,
+        requeue,
+    ) in seen.items():  # the last --save of a part is the one train.py takes
+        last = {[x for x in part if x.startswith("--save=")][-1] for part in parts}
+        assert last == {f"--save={os.path.join(checkpoint, name)}" if requeue else "--save=none"}
+    assert gc.registration_of(args(tmp_path, requeue=True))["requeue"] is True
+    assert "requeue" not in gc.registration_of(args(tmp_path))
 
 
 def test_each_seventh_flag_set_passes_the_runs_own_parser_and_checks():
@@ -548,7 +632,7 @@ def test_every_record_is_stamped_and_a_registration_refuses_another_tree(tmp_pat
     monkeypatch.setattr(
         gc,
         "run_one",
-        lambda out, name, parts, data, method, nproc: {
+        lambda out, name, parts, data, method, nproc, requeue=False: {
             "name": name,
             "exit": 0,
             "valid": 4.0,
