@@ -720,6 +720,7 @@ def campaign(a, registration=None):
     done = runs_of(a.out) if os.path.exists(path) else {}
     reg_id, stamp = registration_id(registration), code_stamp()
     began, lock, slots, threads = time.time(), threading.Lock(), threading.Semaphore(a.jobs), []
+    failed = []  # runs whose record could not be written: the campaign stops at the next submit or join
 
     def one(name, parts, meta, method, held):
         try:
@@ -749,9 +750,22 @@ def campaign(a, registration=None):
                 f"{len(record['decisions'])} actions, {record['seconds']} s",
                 flush=True,
             )
+        except Exception as e:  # in a thread: kept, and raised where the campaign next waits
+            failed.append(f"{name}: {e!r}")
         finally:
             for _ in range(held):
                 slots.release()
+
+    def settled():
+        """Waits for every run submitted; stops the campaign if one left no record (a screen must
+        not count a missing run as a harmless one)."""
+        for t in threads:
+            t.join()
+        if failed:
+            raise SystemExit(
+                f"campaign: run {failed[0]} failed before its record was written: fix the cause and run "
+                "again (the finished runs are kept)"
+            )
 
     def submit(name, trial, base, fault, method):
         if name not in done:
@@ -759,6 +773,10 @@ def campaign(a, registration=None):
             held = min(trial["nproc"], a.jobs)
             for _ in range(held):
                 slots.acquire()
+            if failed:  # a run that held a slot just failed: nothing more starts
+                for _ in range(held):
+                    slots.release()
+                settled()
             checkpoint = os.path.join(a.out, "checkpoints", name)
             # a requeue resumes from what the guard's stop saved
             saves = [f"--save={checkpoint}"] if a.requeue and method == "guard" else []
@@ -801,8 +819,7 @@ def campaign(a, registration=None):
         # the screen: a round of the draw (stratum's, whatever --first) runs once the rounds before are in
         if a.draw == "harm":
             if k % len(HARM_FIRST) == 0 or k == a.first:
-                for t in threads:
-                    t.join()
+                settled()
                 done = runs_of(a.out) if os.path.exists(path) else {}
             if harmful_before(done, trial["family"], k, a.first, a.harm) >= HARMFUL_EACH:
                 continue
@@ -811,8 +828,7 @@ def campaign(a, registration=None):
         submit(f"{k}-unguarded", trial, trials[k][1], trial["flags"], "none")
         if a.method == "guard":
             submit(f"{k}-guarded", trial, trials[k][1], trial["flags"], "guard")
-    for t in threads:
-        t.join()
+    settled()
     # the references are in: a remedy runs the harmful faults and its clean runs
     if a.method in REMEDIES:
         done, threads[:] = runs_of(a.out), []
@@ -829,8 +845,7 @@ def campaign(a, registration=None):
                 submit(faulted, trial, base, trial["flags"], a.method)
             if k < a.first + a.clean_runs:
                 submit(clean, trial, base, [], a.method)
-        for t in threads:
-            t.join()
+        settled()
 
 
 # -----------------------------------------------------------------------------

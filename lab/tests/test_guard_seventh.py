@@ -273,6 +273,35 @@ def test_with_requeue_the_guards_runs_save_where_they_stop_and_the_remedies_do_n
     assert "requeue" not in gc.registration_of(args(tmp_path))
 
 
+def test_a_run_that_leaves_no_record_stops_the_campaign_before_the_next_one(tmp_path, monkeypatch):
+    started = []
+
+    def run(out, name, parts, data, method, nproc, requeue=False):
+        started.append(name)
+        if (
+            name == "1-unguarded"
+        ):  # a failure of the tool itself, not of train.py (that has an exit code)
+            raise OSError("the disk is full")
+        return {
+            "name": name,
+            "exit": 0,
+            "valid": 4.0,
+            "method": method,
+            "decisions": [],
+            "series": [],
+        }
+
+    monkeypatch.setattr(gc, "run_one", run)
+    with pytest.raises(
+        SystemExit, match=r"run 1-unguarded: OSError\('the disk is full'\) failed before its record"
+    ):
+        gc.campaign(
+            args(tmp_path, draw="harm", trials=26, iters=400, method="guard", preregister=None)
+        )
+    assert started == ["0-clean", "0-unguarded", "0-guarded", "1-clean", "1-unguarded"]
+    assert set(gc.runs_of(str(tmp_path))) == {"0-clean", "0-unguarded", "0-guarded", "1-clean"}
+
+
 def test_each_seventh_flag_set_passes_the_runs_own_parser_and_checks():
     import arguments
 
