@@ -535,14 +535,13 @@ def run_one(out, name, parts, data_path, method="guard", nproc=1, requeue=False)
     shutil.rmtree(checkpoint, ignore_errors=True)
     requeued = None
     with open(log, "w") as f:
+
+        def train(args):
+            command = [*launcher, "train.py", *args, f"--data_path={data_path}"]
+            return subprocess.call(command, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
+
         for args in parts:
-            code = subprocess.call(
-                [*launcher, "train.py", *args, f"--data_path={data_path}"],
-                cwd=ROOT,
-                env=env,
-                stdout=f,
-                stderr=subprocess.STDOUT,
-            )
+            code = train(args)
             if code != 0:
                 break
         stop = os.path.join(checkpoint, "stopped.json")
@@ -550,14 +549,7 @@ def run_one(out, name, parts, data_path, method="guard", nproc=1, requeue=False)
             record = json.load(open(stop))
             if record.get("cause") in ("hardware", "persistent"):
                 requeued = {k: record.get(k) for k in ("iteration", "cause", "dp_rank")}
-                healthy = [x for x in parts[-1] if not x.startswith(DEVICE_FLAGS)]
-                code = subprocess.call(
-                    [*launcher, "train.py", *healthy, f"--data_path={data_path}"],
-                    cwd=ROOT,
-                    env=env,
-                    stdout=f,
-                    stderr=subprocess.STDOUT,
-                )
+                code = train([x for x in parts[-1] if not x.startswith(DEVICE_FLAGS)])
     gap = replica_gap(checkpoint) if nproc > 1 and code == 0 else None
     shutil.rmtree(checkpoint, ignore_errors=True)
     text = open(log).read()

@@ -149,15 +149,7 @@ def test_the_screen_runs_a_family_until_it_has_its_harmful_candidates(
         bad = name.endswith("-unguarded") and harmful(k)
         if bad:
             time.sleep(0.02)  # in parallel, a harmful twin comes in after the candidates beside it
-        return {
-            "name": name,
-            "exit": 0,
-            "valid": 5.0 if bad else 4.0,
-            "method": method,
-            "decisions": [],
-            "series": [],
-            "nproc": nproc,
-        }
+        return finished(name, method, 5.0 if bad else 4.0)
 
     monkeypatch.setattr(gc, "run_one", run)
     run_args = dict(draw="harm", first=first, trials=6 * n, iters=400, preregister=None, jobs=jobs)
@@ -188,6 +180,18 @@ def test_the_screen_runs_a_family_until_it_has_its_harmful_candidates(
         r["trial"] for r in runs.values() if r["name"].endswith("-unguarded") and r["valid"] > 4.5
     )
     assert bad and zclip == bad == sorted(k for ks in screened.values() for k in ks if harmful(k))
+
+
+def finished(name, method, valid=4.0):
+    """A fake run_one's record of a run that finished."""
+    return {
+        "name": name,
+        "exit": 0,
+        "valid": valid,
+        "method": method,
+        "decisions": [],
+        "series": [],
+    }
 
 
 def fake_train(calls, cause):
@@ -248,14 +252,7 @@ def test_with_requeue_the_guards_runs_save_where_they_stop_and_the_remedies_do_n
 
     def run(out, name, parts, data, method, nproc, requeue=False):
         seen[name] = (parts, requeue)
-        return {
-            "name": name,
-            "exit": 0,
-            "valid": 4.0,
-            "method": method,
-            "decisions": [],
-            "series": [],
-        }
+        return finished(name, method)
 
     monkeypatch.setattr(gc, "run_one", run)
     for method in ("guard", "zclip"):
@@ -263,10 +260,8 @@ def test_with_requeue_the_guards_runs_save_where_they_stop_and_the_remedies_do_n
     assert seen["0-guarded"][1] and seen["0-clean"][1]  # the clean twin runs the guard too
     assert not seen["0-unguarded"][1] and not seen["0-clean-zclip"][1]
     checkpoint = os.path.join(str(tmp_path), "checkpoints")
-    for name, (
-        parts,
-        requeue,
-    ) in seen.items():  # the last --save of a part is the one train.py takes
+    for name, (parts, requeue) in seen.items():
+        # the last --save of a part is the one train.py takes
         last = {[x for x in part if x.startswith("--save=")][-1] for part in parts}
         assert last == {f"--save={os.path.join(checkpoint, name)}" if requeue else "--save=none"}
     assert gc.registration_of(args(tmp_path, requeue=True))["requeue"] is True
@@ -278,18 +273,10 @@ def test_a_run_that_leaves_no_record_stops_the_campaign_before_the_next_one(tmp_
 
     def run(out, name, parts, data, method, nproc, requeue=False):
         started.append(name)
-        if (
-            name == "1-unguarded"
-        ):  # a failure of the tool itself, not of train.py (that has an exit code)
+        # a failure of the tool itself, not of train.py (that has an exit code)
+        if name == "1-unguarded":
             raise OSError("the disk is full")
-        return {
-            "name": name,
-            "exit": 0,
-            "valid": 4.0,
-            "method": method,
-            "decisions": [],
-            "series": [],
-        }
+        return finished(name, method)
 
     monkeypatch.setattr(gc, "run_one", run)
     with pytest.raises(
