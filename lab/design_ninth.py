@@ -28,10 +28,7 @@ LRS = (None, 1e-2, 3e-2)  # None: the campaign's own, 2e-3
 def corpus(kind, start, n, bad=None):
     """Samples of n batches from iteration `start` bad in the corpus; a poisoned minority: the first `bad` of
     each batch's 8."""
-    first = (start - 1) * BATCH
-    ranges = [f"{first}-{first + n * BATCH - 1}"]
-    if bad:
-        ranges = [f"{first + i * BATCH}-{first + i * BATCH + bad - 1}" for i in range(n)]
+    ranges = gc.corpus_samples(start, n, BATCH, bad)
     return [f"--inject_bad_samples={' '.join(ranges)}", f"--inject_bad_samples_kind={kind}"]
 
 

@@ -417,12 +417,12 @@ def longer_fault(rng, family, iters, batch=8):
             flags, what = [f"--inject_numerical_iters={start}-{start + n - 1}"], f"{n} iterations"
             trial["precision"] = ["--fp16"]
         else:
-            first, last = (start - 1) * batch, (start + n - 1) * batch - 1
+            (samples,) = corpus_samples(start, n, batch)
             flags = [
-                f"--inject_bad_samples={first}-{last}",
+                f"--inject_bad_samples={samples}",
                 f"--inject_bad_samples_kind={CORPUS_KINDS[family]}",
             ]
-            what = f"{n} batches (samples {first}-{last}, in the corpus)"
+            what = f"{n} batches (samples {samples}, in the corpus)"
     return {**trial, "flags": flags, "what": f"{family} at {start}: {what}", "start": start}
 
 
@@ -437,6 +437,16 @@ def harmful_before(runs, family, k, first=0, harm=HARM):
     )
 
 
+def corpus_samples(start, n, batch=8, bad=None):
+    """The consumed-sample ranges (inject_bad_samples') that n iterations from `start` read on their first
+    pass (iteration i: samples (i - 1) x batch to i x batch - 1, one process, no ramp-up); with `bad`, only the
+    first `bad` samples of each batch (a poisoned minority)."""
+    first = (start - 1) * batch
+    if bad is None:
+        return [f"{first}-{first + n * batch - 1}"]
+    return [f"{first + i * batch}-{first + i * batch + bad - 1}" for i in range(n)]
+
+
 def corpus_fault(rng, family, trial, iters, batch=8):
     """(flags, what) of a data family placed in the corpus: the consumed samples that the fault's
     iterations of the first pass read (iteration n: samples (n - 1) x batch to n x batch - 1, one
@@ -445,11 +455,10 @@ def corpus_fault(rng, family, trial, iters, batch=8):
     start, text = trial["start"], trial["what"]
     a, b = trial["flags"][0].split("=")[1].split("-")  # the sixth's iteration range of the fault
     length = int(b) - int(a) + 1
-    first = (start - 1) * batch
-    ranges = [f"{first}-{first + length * batch - 1}"]
+    ranges = corpus_samples(start, length, batch)
     if family == "poisoned minority":
         bad = rng.randint(1, 3)
-        ranges = [f"{first + i * batch}-{first + i * batch + bad - 1}" for i in range(length)]
+        ranges = corpus_samples(start, length, batch, bad)
         text = text[: text.index(": ") + 2] + f"{length} batches, {bad} of their 8 samples"
     flags = [
         f"--inject_bad_samples={' '.join(ranges)}",
@@ -930,6 +939,7 @@ DRAWN = (
     stratum,
     draw_seventh,
     seventh_fault,
+    corpus_samples,
     corpus_fault,
     draw_harm,
     longer_fault,
@@ -1738,13 +1748,11 @@ def check_args(a):
             "--snapshots off needs the seventh's rule (--windows published or scaled): the sixth's "
             "guard flags keep snapshots every 5 iterations"
         )
-    shortest = (
-        max(most for family, (_, most) in LONGER.items() if family != "lr slow persistent") + 25
-    )
-    if a.draw == "harm" and a.iters < shortest:
+    longest = max(most for family, (_, most) in LONGER.items() if family != "lr slow persistent")
+    if a.draw == "harm" and a.iters < longest + 25:
         raise ValueError(
-            f"--draw harm's longer faults last up to {shortest - 25} iterations and start after 15: give "
-            f"--iters {shortest} or more, not {a.iters}"
+            f"--draw harm's longer faults last up to {longest} iterations and start after 15: give "
+            f"--iters {longest + 25} or more, not {a.iters}"
         )
     if a.draw == "withdrawn-61" and a.seed != 61:
         raise ValueError(
