@@ -187,13 +187,15 @@ def _alive(pid):
     return True
 
 
-def acquire_lock(directory):
-    """Create DIR/lock naming this process, or refuse: one run per save directory. Returns the lock's path."""
+def acquire_lock(directory, flag="--save", user="run"):
+    """Create DIR/lock naming this process, or refuse: one run per save directory (or one `user` per `flag`'s
+    directory: the lab's campaigns lock their --out). Returns the lock's path."""
+    name = flag.lstrip("-")
     try:
         os.makedirs(directory, exist_ok=True)
     except OSError as e:
         raise ValueError(
-            f"cannot create the save directory {directory} ({e.strerror}); choose another --save"
+            f"cannot create the {name} directory {directory} ({e.strerror}); choose another {flag}"
         ) from None
     path = os.path.join(directory, LOCK)
     me = {
@@ -222,13 +224,13 @@ def acquire_lock(directory):
                 else "an unreadable lock"
             )
             raise ValueError(
-                f"save directory {directory} is in use by another run ({who}, in {path}); wait for it "
-                "to end or use another --save (delete the lock only if that run is gone)"
+                f"{name} directory {directory} is in use by another {user} ({who}, in {path}); wait for "
+                f"it to end or use another {flag} (delete the lock only if that {user} is gone)"
             ) from None
         except OSError as e:
             raise ValueError(
-                f"save directory {directory} is not writable ({e.strerror}); fix its permissions or "
-                "choose another --save"
+                f"{name} directory {directory} is not writable ({e.strerror}); fix its permissions or "
+                f"choose another {flag}"
             ) from None
         with os.fdopen(fd, "w") as f:
             json.dump(me, f)

@@ -61,6 +61,10 @@ import torch
 import guard_metrics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import safety  # noqa: E402
+
 MODEL = [
     "--num_layers=2",
     "--hidden_size=64",
@@ -715,7 +719,17 @@ def is_harmful(clean, unguarded, harm=HARM):
 def campaign(a, registration=None):
     """Runs what --method needs of trials --first.. (and the long clean runs), each once: the clean twin and the
     unguarded run of every trial; then the guard's faulted run, or a remedy's faulted run of each harmful trial
-    and its clean runs of the first --clean_runs trials."""
+    and its clean runs of the first --clean_runs trials. One campaign at a time in --out (OUT/lock): a second
+    would run the same missing trials again and write over their logs."""
+    held = safety.acquire_lock(a.out, "--out", "campaign")
+    try:
+        run_missing(a, registration)
+    finally:
+        safety.release_lock(held)
+
+
+def run_missing(a, registration):
+    """campaign's runs, --out locked."""
     os.makedirs(os.path.join(a.out, "logs"), exist_ok=True)
     path = os.path.join(a.out, "runs.jsonl")
     done = runs_of(a.out) if os.path.exists(path) else {}

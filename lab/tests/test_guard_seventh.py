@@ -8,6 +8,7 @@ of another tree."""
 import json
 import math
 import os
+import socket
 import time
 
 import pytest
@@ -287,6 +288,34 @@ def test_a_run_that_leaves_no_record_stops_the_campaign_before_the_next_one(tmp_
         )
     assert started == ["0-clean", "0-unguarded", "0-guarded", "1-clean", "1-unguarded"]
     assert set(gc.runs_of(str(tmp_path))) == {"0-clean", "0-unguarded", "0-guarded", "1-clean"}
+
+
+def test_a_second_campaign_in_the_same_out_is_refused_before_it_runs_anything(
+    tmp_path, monkeypatch
+):
+    """Two campaigns in one --out would run the same missing trials twice and write over each other's
+    logs: while one runs, a second is refused by name before any run; the lock goes with the first."""
+    started, refusals = [], []
+    run_args = dict(draw="harm", trials=2, iters=400, method="guard", preregister=None)
+
+    def run(out, name, parts, data, method, nproc, requeue=False):
+        started.append(name)
+        if name == "0-clean" and not started[:-1]:  # a second campaign, once, while the first runs
+            try:
+                gc.campaign(args(tmp_path, **run_args))
+            except ValueError as e:
+                refusals.append(str(e))
+        return finished(name, method)
+
+    monkeypatch.setattr(gc, "run_one", run)
+    gc.campaign(args(tmp_path, **run_args))
+    assert refusals == [
+        f"out directory {tmp_path} is in use by another campaign (host {socket.gethostname()} pid "
+        f"{os.getpid()} since {refusals[0].split(' since ')[1].split(',')[0]}, in {tmp_path / 'lock'}); "
+        "wait for it to end or use another --out (delete the lock only if that campaign is gone)"
+    ]
+    assert started == ["0-clean", "0-unguarded", "0-guarded", "1-clean", "1-unguarded", "1-guarded"]
+    assert not (tmp_path / "lock").exists()
 
 
 def test_each_seventh_flag_set_passes_the_runs_own_parser_and_checks():
