@@ -236,6 +236,9 @@ ARMS.update(
 # A remedy's stable LR range: the grid LRs, next to each other, whose seed-mean final loss is within this of the
 # best run of the arm at that width, any lever set (the margin is the study's, stated before any run)
 STABLE_MARGIN = 0.1
+# A remedy's run worse than none's twin (the same LR and seed) by more than this is listed by name: the margin of
+# the registration's predictions 2-4, 7 and 8 (lab/natural.md), stated before any run
+WORSE_MARGIN = 0.05
 PILOT = [("A", "default", 1e-2, 1), ("A", "default", 3e-1, 1)]
 LADDER = (64, 128, 256)  # the size ladder's widths: the third predicted from the two smallest
 QUICK = {"arms": ["A"], "lever_sets": ["default"], "lrs": [1e-2, 3e-1], "seeds": [1]}  # the pilot
@@ -1161,6 +1164,7 @@ def markdown(rows_by_arm, lrs_by_arm, corpus, warnings, code=None, width=WIDTH):
             lines.append(f"| {row['lever_set']} | " + " | ".join(cells) + " |")
         if ARMS[arm].get("remedies"):
             lines += remedy_table(rows)
+            lines += twin_table(rows)
         lines.append("")
     return "\n".join(lines)
 
@@ -1183,6 +1187,62 @@ def remedy_table(rows, margin=STABLE_MARGIN):
             f"| {row['lever_set']} | {row['best_loss'] - best:+.3f} | {span} | "
             f"{found[2] if found else 0} of {len(row['points'])} |"
         )
+    return lines
+
+
+def twin_table(rows, margin=WORSE_MARGIN):
+    """Each lever set against none run by run: its twin is none's run at the same LR and seed, which differs only
+    in the lever. How many of its runs ended on none's final loss (to the recorded digits: a remedy that never
+    acted), worse, better; the largest gap each way; every run worse by more than `margin` by name. A cell's mean
+    can hide a run a remedy made worse (issue 50: never worse than doing nothing, or say where)."""
+    none = next((row for row in rows if row["lever_set"] == "none"), None)
+    if none is None:
+        return []
+    lines = [
+        "",
+        "Each lever set against none, run by run (its twin: none's run at the same LR and seed): its runs with a "
+        f"twin, how many ended on the twin's final loss, worse, better, and the largest gap each way; each run "
+        f"worse by more than {margin} nats is listed below the table:",
+        "",
+        "| lever set | runs | equal | worse | better | most worse (LR, seed) | most better (LR, seed) |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    listed = []
+    for row in rows:
+        if row is none:
+            continue
+        gaps = []  # (its loss - none's, LR, seed, none's, its)
+        for lr, p in row["points"].items():
+            twin = none["points"].get(lr)
+            if twin is None:
+                continue
+            theirs = dict(zip(twin["seeds"], twin["values"]))
+            for seed, value in zip(p["seeds"], p["values"]):
+                if seed in theirs:
+                    gaps.append((value - theirs[seed], lr, seed, theirs[seed], value))
+        worse = [g for g in gaps if g[0] > 0]
+        better = [g for g in gaps if g[0] < 0]
+
+        def most(found, pick):
+            if not found:
+                return "-"
+            gap, lr, seed = pick(found)[:3]
+            return f"{gap:+.3f} ({lr:.0e}, {seed})"
+
+        lines.append(
+            f"| {row['lever_set']} | {len(gaps)} | {len(gaps) - len(worse) - len(better)} | {len(worse)} | "
+            f"{len(better)} | {most(worse, max)} | {most(better, min)} |"
+        )
+        listed += [
+            (row["lever_set"], *g)
+            for g in sorted(worse, key=lambda g: (g[1], g[2]))
+            if g[0] > margin
+        ]
+    lines.append("")
+    lines += [
+        f"- {lever} at {lr:.0e}, seed {seed}: {its:.3f} against none's {theirs:.3f} ({gap:+.3f})"
+        for lever, gap, lr, seed, theirs, its in listed
+    ] or [f"No run ended worse than its twin by more than {margin} nats."]
     return lines
 
 
@@ -1394,7 +1454,9 @@ def parse_args(argv):
         "--docs",
         metavar="MD",
         help="with --report: also write the tables into MD between its two "
-        "`lr_sweep --report` markers and the figure to MD's name with .png (lab/stability.md)",
+        "`lr_sweep --report` markers and the figure to MD's name with .png (lab/stability.md); "
+        "markers that name the selection (--arms N --width 64) mark one of a page's sections, "
+        "with its own figure (lab/natural.md)",
     )
     p.add_argument(
         "--code", help="only the runs of this code version (a report refuses to mix versions)"
@@ -1463,6 +1525,20 @@ DOCS_BEGIN = "<!-- lr_sweep --report --docs writes what follows, up to its end m
 DOCS_END = "<!-- end of what lr_sweep --report --docs writes -->"
 
 
+def docs_section(docs, arms, width):
+    """Where --report --docs writes in the page `docs`: (begin marker, end marker, the figure's path). A page of
+    several selections (lab/natural.md: arm N at widths 64 and 128, arm F at 64) names each in its markers, and each
+    has its own figure; a page with the plain markers holds one (lab/stability.md)."""
+    tag = f" --arms {','.join(arms)} --width {width}"
+    begin, end = (marker.replace(" --docs", " --docs" + tag) for marker in (DOCS_BEGIN, DOCS_END))
+    stem = os.path.splitext(docs)[0]
+    with open(docs) as f:
+        text = f.read()
+    if begin in text or end in text:
+        return begin, end, f"{stem}_{'_'.join(arms)}_w{width}.png"
+    return DOCS_BEGIN, DOCS_END, stem + ".png"
+
+
 def report_from_records(args, arms):
     """--report --results FILE: the tables, the ladder and the figure from the tracked records alone."""
     records = with_same_runs(load_records(args.results))
@@ -1510,27 +1586,19 @@ def report_from_records(args, arms):
     if args.docs:
         with open(args.docs) as f:
             text = f.read()
-        if (
-            text.count(DOCS_BEGIN) != 1
-            or text.count(DOCS_END) != 1
-            or text.index(DOCS_BEGIN) > text.index(DOCS_END)
-        ):
+        begin, end, figure = docs_section(args.docs, arms, args.width)
+        if text.count(begin) != 1 or text.count(end) != 1 or text.index(begin) > text.index(end):
             raise SystemExit(
                 f"lr_sweep: {args.docs} needs the two markers, once each and in this order, around the "
-                f"place of the tables:\n{DOCS_BEGIN}\n{DOCS_END}"
+                f"place of the tables:\n{begin}\n{end}\n(or, for a page of several selections, the same "
+                f"with this one named after --docs: --arms {','.join(arms)} --width {args.width})"
             )
-        head, rest = text.split(DOCS_BEGIN)
+        head, rest = text.split(begin)
         with open(args.docs, "w") as f:
             f.write(
-                head
-                + DOCS_BEGIN
-                + "\n\n"
-                + table.rstrip("\n")
-                + "\n\n"
-                + DOCS_END
-                + rest.split(DOCS_END, 1)[1]
+                head + begin + "\n\n" + table.rstrip("\n") + "\n\n" + end + rest.split(end, 1)[1]
             )
-        plot(rows_by_arm, selected, corpus, os.path.splitext(args.docs)[0] + ".png")
+        plot(rows_by_arm, selected, corpus, figure)
     print(table)
     print(
         f"wrote {args.out}/results.md, lr_sweep.png"

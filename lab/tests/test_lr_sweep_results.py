@@ -147,6 +147,38 @@ def test_the_tracked_records_alone_give_the_tables_the_full_results_give(tmp_pat
     assert len(lr_sweep.load_records(path)) == len(results) + 2
 
 
+def test_a_page_of_several_selections_gets_each_report_in_its_own_section_and_figure(tmp_path):
+    path = str(tmp_path / "results.jsonl")
+    lr_sweep.merge_records(path, [lr_sweep.record(r, CORPUS) for r in _study()])
+    here, there = (
+        [
+            m.replace(" --docs", f" --docs --arms A --width {w}")
+            for m in (lr_sweep.DOCS_BEGIN, lr_sweep.DOCS_END)
+        ]
+        for w in (128, 64)
+    )
+    page = tmp_path / "natural.md"
+    page.write_text(
+        f"# a\n{here[0]}\nold 128\n{here[1]}\n# b\n{there[0]}\nold 64\n{there[1]}\n# c\n"
+    )
+    report = ["--report", "--results", path, "--arms", "A", "--out", str(tmp_path / "r")]
+    lr_sweep.main([*report, "--docs", str(page)])
+    text = page.read_text()
+    assert "old 128" not in text and _tables(_study()).strip() in text
+    # the other selection's section, and the page around both, as they were
+    assert text.startswith(f"# a\n{here[0]}\n\n") and text.endswith(
+        f"{here[1]}\n# b\n{there[0]}\nold 64\n{there[1]}\n# c\n"
+    )
+    assert (tmp_path / "natural_A_w128.png").read_bytes().startswith(b"\x89PNG")
+    assert not (tmp_path / "natural.png").exists()
+    # no markers for it: refused, naming both forms
+    page.write_text("# nothing to write into\n")
+    with pytest.raises(SystemExit) as refused:
+        lr_sweep.main([*report, "--docs", str(page)])
+    message = str(refused.value)
+    assert lr_sweep.DOCS_BEGIN in message and "--arms A --width 128)" in message
+
+
 def test_a_report_refuses_to_mix_code_versions_and_names_the_one_it_shows(tmp_path):
     path = str(tmp_path / "results.jsonl")
     old = [r for r in _study(code="eded072") if r["lr"] == 3e-2 and r["seed"] == 3]

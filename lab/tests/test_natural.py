@@ -1,6 +1,8 @@
 """lab/lr_sweep.py's natural-instability arms (N, F; lab/natural.md): the remedies' table on hand-made numbers,
 and the short warm-up allowed only where an arm says why."""
 
+import os
+
 import lr_sweep
 
 
@@ -46,3 +48,56 @@ def test_a_short_warmup_passes_the_preflight_only_where_the_arm_says_why():
     del unexplained["short_warmup"]
     problems = lr_sweep.preflight({"N": unexplained})
     assert problems and all("a warm-up of 10 iterations" in p for p in problems)
+
+
+def _runs(lever_set, by_lr):
+    """A row whose points hold each seed's final loss: {lr: {seed: loss}}."""
+    points = {
+        lr: {"seeds": list(losses), "values": list(losses.values())} for lr, losses in by_lr.items()
+    }
+    return {"lever_set": lever_set, "points": points}
+
+
+def test_the_twin_table_compares_each_run_with_nones_at_the_same_lr_and_seed():
+    none = _runs("none", {3e-3: {1: 3.0, 2: 3.1, 3: 3.2}, 1e-2: {1: 3.5, 2: 3.6, 3: 3.7}})
+    # the guard never acted at 3e-3; at 1e-2 it made seed 2 worse by 0.2 and seed 3 better by 0.01
+    guard = _runs("guard", {3e-3: {1: 3.0, 2: 3.1, 3: 3.2}, 1e-2: {1: 3.5, 2: 3.8, 3: 3.69}})
+    # seed 3 ran at 3e-3 only in its own row (none has no seed 4); 3e-2 has no twin
+    zclip = _runs("zclip", {3e-3: {3: 3.23, 4: 2.0}, 3e-2: {1: 9.0}})
+    lines = lr_sweep.twin_table([none, guard, zclip], margin=0.05)
+    assert "| guard | 6 | 4 | 1 | 1 | +0.200 (1e-02, 2) | -0.010 (1e-02, 3) |" in lines
+    assert "| zclip | 1 | 0 | 1 | 0 | +0.030 (3e-03, 3) | - |" in lines
+    listed = [line for line in lines if line.startswith("- ")]
+    assert listed == ["- guard at 1e-02, seed 2: 3.800 against none's 3.600 (+0.200)"]
+    # nothing past the margin: said, not left blank
+    assert lr_sweep.twin_table([none, zclip], margin=0.05)[-1] == (
+        "No run ended worse than its twin by more than 0.05 nats."
+    )
+    assert lr_sweep.twin_table([guard, zclip]) == []  # no none row: no twins
+
+
+def test_natural_md_holds_the_tables_its_records_give(tmp_path):
+    """A reader can check every number of lab/natural.md's tables from lab/results.jsonl: the page rebuilt from
+    the records is the page as committed."""
+    committed = open(os.path.join(lr_sweep.ROOT, "lab", "natural.md")).read()
+    page = tmp_path / "natural.md"
+    page.write_text(committed)
+    for arms, width in [("N", 64)]:  # each section of the page: its selection
+        lr_sweep.main(
+            [
+                "--report",
+                "--results",
+                os.path.join(lr_sweep.ROOT, "lab", "results.jsonl"),
+                "--arms",
+                arms,
+                "--width",
+                str(width),
+                "--code",
+                "56f212b",
+                "--out",
+                str(tmp_path / "report"),
+                "--docs",
+                str(page),
+            ]
+        )
+    assert page.read_text() == committed
