@@ -37,7 +37,8 @@ twins (--grad_norm_bound unset); --model 10M for the subset at scale. The report
 metric, the share of the damage removed, and the costs (lab/guard_metrics.py).
 
 Resumable: each finished run is a line of OUT/runs.jsonl, and a restarted campaign runs only what is missing
-(trial k's draw depends on --seed and k alone). --jobs processes at a time (a 2-process run holds two); --minutes
+(trial k's draw depends on --seed and k alone); a second campaign in the same OUT is refused while one runs
+(OUT/lock). --jobs processes at a time (a 2-process run holds two); --minutes
 bounds the wall time (no trial starts after it). Not a test: it measures, and docs quote what it measured.
 """
 
