@@ -461,6 +461,7 @@ def read_metrics(path):
         "loss": [],
         "grad_norm": [],
         "nan_iterations": 0,
+        "skipped_iterations": 0,
         "telemetry": [],
         "iterations": max(records, default=0),
     }
@@ -471,6 +472,7 @@ def read_metrics(path):
             out["loss"].append(record["lm loss"])
             out["grad_norm"].append(record.get("grad norm"))
             out["nan_iterations"] += int(record.get("number of nan iterations", 0))
+            out["skipped_iterations"] += int(record.get("number of skipped iterations", 0))
         if "telemetry" in record:
             out["telemetry"].append({"iteration": iteration, **record["telemetry"]})
     return out
@@ -494,6 +496,7 @@ def summarize_run(metrics, eps):
         "train_loss": loss10[-1] if loss10 else None,
         "train_loss_max": max(finite) if finite else None,
         "nan_iterations": metrics["nan_iterations"],
+        "skipped_iterations": metrics["skipped_iterations"],
         "loss10": loss10,
         "spike_score": spike_score(metrics["grad_norm"]),
         "attention_logit_max": peak("attention logit max"),
@@ -766,6 +769,8 @@ def summarize(results, arm, lever_sets, lrs, bigram):
                 "blew_up": sum(blew_up(r, bigram, attention_logit=logit_blows_up) for r in runs),
                 "logit_past_1e4": sum(logit_past_1e4(r) for r in runs),
                 "never_below": sum(lowest_loss10(r) >= bigram for r in runs),
+                # updates not applied, over the seeds; None where a record predates the count
+                **{key: _total([r.get(key) for r in runs]) for key in NO_UPDATE},
                 "runs": {key: [r.get(key) for r in runs] for key in PRECURSORS},
                 **{key: _mean([r.get(key) for r in runs]) for key in PRECURSORS},
             }
@@ -795,6 +800,11 @@ def summarize(results, arm, lever_sets, lrs, bigram):
     return rows
 
 
+# result.json's counts of the iterations that applied no update, shown per LR (the sum over seeds) for the arms
+# that test remedies: the log's `number of skipped iterations` (an fp16 overflow, a non-finite grad norm, a
+# callback's veto: SkipStep's, the guard's) and `number of nan iterations`
+NO_UPDATE = ("skipped_iterations", "nan_iterations")
+
 # result.json keys shown per LR (mean over seeds), with their table titles
 PRECURSORS = {
     "attention_logit_max": "largest attention logit",
@@ -816,6 +826,7 @@ RECORD_KEYS = [
     "train_loss",
     "train_loss_max",
     "nan_iterations",
+    "skipped_iterations",
     "cpu_seconds",
     *PRECURSORS,
     "log_z_max",
@@ -1020,6 +1031,10 @@ def ladder_markdown(steps):
     return "\n".join(lines) + "\n"
 
 
+def _total(values):
+    return None if any(v is None for v in values) else sum(values)
+
+
 def _mean(values):
     """The mean of the finite values (None, NaN and inf left out); NaN if there are none."""
     finite = [v for v in values if v is not None and math.isfinite(v)]
@@ -1163,6 +1178,25 @@ def markdown(rows_by_arm, lrs_by_arm, corpus, warnings, code=None, width=WIDTH):
             ]
             lines.append(f"| {row['lever_set']} | " + " | ".join(cells) + " |")
         if ARMS[arm].get("remedies"):
+            lines += [
+                "",
+                "Iterations that applied no update, summed over the cell's n seeds: skipped (the log's `number of "
+                "skipped iterations`: an fp16 overflow, a non-finite grad norm, SkipStep's or the guard's veto) / "
+                "with a NaN loss; `-` where a run's record predates the count:",
+                "",
+                *header,
+            ]
+            for row in rows:
+                cells = [
+                    " / ".join(
+                        "-" if row["points"][lr][key] is None else str(row["points"][lr][key])
+                        for key in NO_UPDATE
+                    )
+                    if lr in row["points"]
+                    else ""
+                    for lr in lrs
+                ]
+                lines.append(f"| {row['lever_set']} | " + " | ".join(cells) + " |")
             lines += remedy_table(rows)
             lines += twin_table(rows)
         lines.append("")

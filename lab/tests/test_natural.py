@@ -1,6 +1,7 @@
 """lab/lr_sweep.py's natural-instability arms (N, F; lab/natural.md): the remedies' table on hand-made numbers,
 and the short warm-up allowed only where an arm says why."""
 
+import json
 import os
 
 import lr_sweep
@@ -101,3 +102,38 @@ def test_natural_md_holds_the_tables_its_records_give(tmp_path):
             ]
         )
     assert page.read_text() == committed
+
+
+def test_a_runs_skipped_and_nan_iterations_are_summed_from_its_log_lines(tmp_path):
+    """The log's counts are per line (per log interval): a run's are their sum; a cell's, its seeds' sum, unknown
+    (`-`) where one record predates the count."""
+    lines = [
+        {
+            "iteration": 1,
+            "lm loss": 6.0,
+            "number of skipped iterations": 0,
+            "number of nan iterations": 0,
+        },
+        {
+            "iteration": 2,
+            "lm loss": 5.9,
+            "number of skipped iterations": 2,
+            "number of nan iterations": 1,
+        },
+        {
+            "iteration": 3,
+            "lm loss": 5.8,
+            "number of skipped iterations": 1,
+            "number of nan iterations": 0,
+        },
+        {
+            "iteration": 3,
+            "validation lm loss": 5.7,
+        },  # the same iteration's second record adds to it
+    ]
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    metrics = lr_sweep.read_metrics(str(path))
+    assert (metrics["skipped_iterations"], metrics["nan_iterations"]) == (3, 1)
+    assert lr_sweep.summarize_run(metrics, 1e-8)["skipped_iterations"] == 3
+    assert lr_sweep._total([3, 0, 5]) == 8 and lr_sweep._total([3, None, 5]) is None
