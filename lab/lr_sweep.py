@@ -226,6 +226,7 @@ ARMS.update(
             "seeds": [1, 2, 3],
             "logit_blows_up": False,
             "remedies": True,
+            "reference": "N",  # prediction 6: arm F run by run against arm N's fp32 runs
             "widths": [
                 64
             ],  # fp16 on a CPU: 5.3 s an iteration against fp32's 0.86 (width 64, loaded, n = 1)
@@ -770,7 +771,7 @@ def summarize(results, arm, lever_sets, lrs, bigram):
                 "logit_past_1e4": sum(logit_past_1e4(r) for r in runs),
                 "never_below": sum(lowest_loss10(r) >= bigram for r in runs),
                 # updates not applied, over the seeds; None where a record predates the count
-                **{key: _total([r.get(key) for r in runs]) for key in NO_UPDATE},
+                **{key: total_or_none([r.get(key) for r in runs]) for key in NO_UPDATE},
                 "runs": {key: [r.get(key) for r in runs] for key in PRECURSORS},
                 **{key: _mean([r.get(key) for r in runs]) for key in PRECURSORS},
             }
@@ -1031,7 +1032,7 @@ def ladder_markdown(steps):
     return "\n".join(lines) + "\n"
 
 
-def _total(values):
+def total_or_none(values):
     return None if any(v is None for v in values) else sum(values)
 
 
@@ -1066,7 +1067,9 @@ def sensitivity_cell(entry):
     return spread(per_seed.values())
 
 
-def markdown(rows_by_arm, lrs_by_arm, corpus, warnings, code=None, width=WIDTH):
+def markdown(rows_by_arm, lrs_by_arm, corpus, warnings, code=None, width=WIDTH, references=None):
+    """The report's tables, per arm. references: {arm: the rows of the arm it names as its reference} (arm F's:
+    arm N's runs at the same width and code), for the table of the one against the other, run by run."""
     lines = []
     if warnings:
         lines += [
@@ -1199,6 +1202,8 @@ def markdown(rows_by_arm, lrs_by_arm, corpus, warnings, code=None, width=WIDTH):
                 lines.append(f"| {row['lever_set']} | " + " | ".join(cells) + " |")
             lines += remedy_table(rows)
             lines += twin_table(rows)
+        if (references or {}).get(arm):
+            lines += reference_table(rows, references[arm], lrs, arm, ARMS[arm]["reference"])
         lines.append("")
     return "\n".join(lines)
 
@@ -1277,6 +1282,32 @@ def twin_table(rows, margin=WORSE_MARGIN):
         f"- {lever} at {lr:.0e}, seed {seed}: {its:.3f} against none's {theirs:.3f} ({gap:+.3f})"
         for lever, gap, lr, seed, theirs, its in listed
     ] or [f"No run ended worse than its twin by more than {margin} nats."]
+    return lines
+
+
+def reference_table(rows, reference, lrs, arm, other):
+    """Each cell of `arm` against the same lever set, LR and seeds of the arm it names as its reference: the mean
+    over the seeds both ran of its final loss minus the other's, n the seeds paired."""
+    theirs = {row["lever_set"]: row["points"] for row in reference}
+    lines = [
+        "",
+        f"Arm {arm} against arm {other}, run by run (the same lever set, LR and seed): the mean over the seeds both "
+        f"ran of {arm}'s final loss minus {other}'s, n the seeds paired:",
+        "",
+        "| lever set | " + " | ".join(f"{lr:.0e}" for lr in lrs) + " |",
+        "| --- |" + " --- |" * len(lrs),
+    ]
+    for row in rows:
+        cells = []
+        for lr in lrs:
+            mine, other_point = row["points"].get(lr), theirs.get(row["lever_set"], {}).get(lr)
+            if not mine or not other_point:
+                cells.append("")
+                continue
+            paired = dict(zip(other_point["seeds"], other_point["values"]))
+            gaps = [v - paired[s] for s, v in zip(mine["seeds"], mine["values"]) if s in paired]
+            cells.append(f"{sum(gaps) / len(gaps):+.3f} (n={len(gaps)})" if gaps else "")
+        lines.append(f"| {row['lever_set']} | " + " | ".join(cells) + " |")
     return lines
 
 
@@ -1594,8 +1625,28 @@ def report_from_records(args, arms):
         for arm, spec in arms.items()
     }
     rows_by_arm = {arm: rows for arm, rows in rows_by_arm.items() if rows}
+    # an arm's reference arm (arm F's: N) on the same code and width, for the table of the one against the other
+    references = {}
+    for arm in rows_by_arm:
+        other = ARMS[arm].get("reference")
+        if other:
+            spec = {**ARMS[other], "levers": arms[arm]["levers"], "lrs": arms[arm]["lrs"]}
+            theirs = [
+                r
+                for r in records
+                if r["code"] == code and in_selection(r, {other: spec}, args.width)
+            ]
+            references[arm] = summarize(
+                theirs, other, list(spec["levers"]), spec["lrs"], corpus["bigram_entropy"]
+            )
     table = markdown(
-        rows_by_arm, {arm: spec["lrs"] for arm, spec in arms.items()}, corpus, [], code, args.width
+        rows_by_arm,
+        {arm: spec["lrs"] for arm, spec in arms.items()},
+        corpus,
+        [],
+        code,
+        args.width,
+        references,
     )
     defined = sum(
         len(seeds_at(spec, lr))

@@ -136,4 +136,4 @@ def test_a_runs_skipped_and_nan_iterations_are_summed_from_its_log_lines(tmp_pat
     metrics = lr_sweep.read_metrics(str(path))
     assert (metrics["skipped_iterations"], metrics["nan_iterations"]) == (3, 1)
     assert lr_sweep.summarize_run(metrics, 1e-8)["skipped_iterations"] == 3
-    assert lr_sweep._total([3, 0, 5]) == 8 and lr_sweep._total([3, None, 5]) is None
+    assert lr_sweep.total_or_none([3, 0, 5]) == 8 and lr_sweep.total_or_none([3, None, 5]) is None
