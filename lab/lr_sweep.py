@@ -1229,6 +1229,12 @@ def remedy_table(rows, margin=STABLE_MARGIN):
     return lines
 
 
+def seed_pairs(point, twin):
+    """(seed, the twin's final loss, this one's) for each seed both cells ran; none where the twin is missing."""
+    theirs = dict(zip(twin["seeds"], twin["values"])) if twin else {}
+    return [(s, theirs[s], v) for s, v in zip(point["seeds"], point["values"]) if s in theirs]
+
+
 def twin_table(rows, margin=WORSE_MARGIN):
     """Each lever set against none run by run: its twin is none's run at the same LR and seed, which differs only
     in the lever. How many of its runs ended on none's final loss (to the recorded digits: a remedy that never
@@ -1252,13 +1258,10 @@ def twin_table(rows, margin=WORSE_MARGIN):
             continue
         gaps = []  # (its loss - none's, LR, seed, none's, its)
         for lr, p in row["points"].items():
-            twin = none["points"].get(lr)
-            if twin is None:
-                continue
-            theirs = dict(zip(twin["seeds"], twin["values"]))
-            for seed, value in zip(p["seeds"], p["values"]):
-                if seed in theirs:
-                    gaps.append((value - theirs[seed], lr, seed, theirs[seed], value))
+            gaps += [
+                (value - twin, lr, seed, twin, value)
+                for seed, twin, value in seed_pairs(p, none["points"].get(lr))
+            ]
         worse = [g for g in gaps if g[0] > 0]
         better = [g for g in gaps if g[0] < 0]
 
@@ -1300,12 +1303,9 @@ def reference_table(rows, reference, lrs, arm, other):
     for row in rows:
         cells = []
         for lr in lrs:
-            mine, other_point = row["points"].get(lr), theirs.get(row["lever_set"], {}).get(lr)
-            if not mine or not other_point:
-                cells.append("")
-                continue
-            paired = dict(zip(other_point["seeds"], other_point["values"]))
-            gaps = [v - paired[s] for s, v in zip(mine["seeds"], mine["values"]) if s in paired]
+            mine = row["points"].get(lr)
+            pairs = seed_pairs(mine, theirs.get(row["lever_set"], {}).get(lr)) if mine else []
+            gaps = [value - twin for _, twin, value in pairs]
             cells.append(f"{sum(gaps) / len(gaps):+.3f} (n={len(gaps)})" if gaps else "")
         lines.append(f"| {row['lever_set']} | " + " | ".join(cells) + " |")
     return lines
