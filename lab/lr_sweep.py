@@ -1590,15 +1590,13 @@ DOCS_BEGIN = "<!-- lr_sweep --report --docs writes what follows, up to its end m
 DOCS_END = "<!-- end of what lr_sweep --report --docs writes -->"
 
 
-def docs_section(docs, arms, width):
-    """Where --report --docs writes in the page `docs`: (begin marker, end marker, the figure's path). A page of
-    several selections (lab/natural.md: arm N at widths 64 and 128, arm F at 64) names each in its markers, and each
-    has its own figure; a page with the plain markers holds one (lab/stability.md)."""
+def docs_section(docs, text, arms, width):
+    """Where --report --docs writes in the page `docs`, whose text is `text`: (begin marker, end marker, the
+    figure's path). A page of several selections (lab/natural.md: arm N at widths 64 and 128, arm F at 64) names
+    each in its markers, and each has its own figure; a page with the plain markers holds one (lab/stability.md)."""
     tag = f" --arms {','.join(arms)} --width {width}"
     begin, end = (marker.replace(" --docs", " --docs" + tag) for marker in (DOCS_BEGIN, DOCS_END))
     stem = os.path.splitext(docs)[0]
-    with open(docs) as f:
-        text = f.read()
     if begin in text or end in text:
         return begin, end, f"{stem}_{'_'.join(arms)}_w{width}.png"
     return DOCS_BEGIN, DOCS_END, stem + ".png"
@@ -1671,7 +1669,7 @@ def report_from_records(args, arms):
     if args.docs:
         with open(args.docs) as f:
             text = f.read()
-        begin, end, figure = docs_section(args.docs, arms, args.width)
+        begin, end, figure = docs_section(args.docs, text, arms, args.width)
         if text.count(begin) != 1 or text.count(end) != 1 or text.index(begin) > text.index(end):
             raise SystemExit(
                 f"lr_sweep: {args.docs} needs the two markers, once each and in this order, around the "
