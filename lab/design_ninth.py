@@ -8,7 +8,7 @@ of each fault and one clean twin per LR, precision and launch, n = 1 each. Re-ru
 Each run is the campaign's own (guard_campaign.base_args, processes: the tests' corpus512, 400 iterations, a fault
 on one DP replica on 2 gloo processes, a lost optimizer state as a resume) with one training seed, SEED, and no
 method; a fault's harm is its final validation loss over its clean twin's (same LR, precision, launch), in percent.
-The ninth's longer ranges (guard_campaign.LONGER) and its harmless families (HARMLESS) were set from these.
+The ninth's longer ranges (campaign_draw.LONGER) and its harmless families (HARMLESS) were set from these.
 """
 
 import argparse
@@ -18,6 +18,7 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+import campaign_draw as cd  # noqa: E402
 import guard_campaign as gc  # noqa: E402
 
 OUT = os.path.join(HERE, "campaign", "ninth-design")
@@ -28,7 +29,7 @@ LRS = (None, 1e-2, 3e-2)  # None: the campaign's own, 2e-3
 def corpus(kind, start, n, bad=None):
     """Samples of n batches from iteration `start` bad in the corpus; a poisoned minority: the first `bad` of
     each batch's 8."""
-    ranges = gc.corpus_samples(start, n, BATCH, bad)
+    ranges = cd.corpus_samples(start, n, BATCH, bad)
     return [f"--inject_bad_samples={' '.join(ranges)}", f"--inject_bad_samples_kind={kind}"]
 
 
@@ -188,7 +189,7 @@ def harm(recs, name, lr):
     clean = recs[key(clean_of(CASES[name][0]), lr)]
     pct = 100 * (r["valid"] / clean["valid"] - 1)
     text = f"{pct:+.2f}%"
-    return f"**{text}**" if pct > 100 * gc.HARM else text
+    return f"**{text}**" if pct > 100 * cd.HARM else text
 
 
 def cell(recs, cases, lr):

@@ -26,11 +26,12 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
-import guard_campaign as gc  # noqa: E402
+import campaign_draw as cd  # noqa: E402
+import campaign_report as cr  # noqa: E402
 from stability.detector import LEARNT, Series  # noqa: E402
 
 CAMPAIGNS = ["fourth", "fourth-design", "fifth"]
-WINDOW, MIN_STEPS = 20, 10  # the campaign's GUARD flags (gc.GUARD)
+WINDOW, MIN_STEPS = 20, 10  # the campaign's GUARD flags (guard_campaign.GUARD)
 # the families run in half precision (the fp32 replay's diagnosis: numerical)
 HALF = ("bf16", "fp16")
 
@@ -152,7 +153,7 @@ def decisions_of(run):
             {
                 "iteration": it,
                 "rule": rule_of(head),
-                "cause": gc.cause_of(line),
+                "cause": cr.cause_of(line),
                 "action": action_of(line),
                 "lr": lr_cut(line),
                 "signals": judged(trends, *numbers) if numbers else "-",
@@ -163,13 +164,13 @@ def decisions_of(run):
 
 
 def load(campaign):
-    runs = gc.runs_of(os.path.join(HERE, "campaign", campaign))
+    runs = cr.runs_of(os.path.join(HERE, "campaign", campaign))
     return {name: r for name, r in runs.items() if r.get("method") == "guard"}
 
 
 def reference(campaign):
     """The runs that judge harm: the campaign's own clean twins and unguarded runs (fourth-design: the fourth's)."""
-    return gc.runs_of(
+    return cr.runs_of(
         os.path.join(HERE, "campaign", "fourth" if campaign == "fourth-design" else campaign)
     )
 
@@ -182,7 +183,7 @@ def trials(campaign):
         if name.endswith("-clean"):
             out.append((name, run, "clean"))
         elif name.endswith("-guarded") and f"{k}-clean" in ref and f"{k}-unguarded" in ref:
-            harmful = gc.is_harmful(ref[f"{k}-clean"], ref[f"{k}-unguarded"])
+            harmful = cd.is_harmful(ref[f"{k}-clean"], ref[f"{k}-unguarded"])
             out.append((name, run, "harmful" if harmful else "harmless"))
     return out
 

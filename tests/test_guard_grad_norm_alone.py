@@ -10,6 +10,7 @@ import sys
 from helpers import ROOT, corpus, corpus512, decisions, log_fields, run_main, warm_guard  # noqa: F401 (fixtures)
 
 sys.path.insert(0, f"{ROOT}/lab")
+import campaign_draw as cd  # noqa: E402
 import guard_campaign as gc  # noqa: E402
 
 
@@ -64,7 +65,7 @@ def _trial_19_clean(corpus512, *method):
     """The fifth campaign's trial 19, its clean twin (4x128, fp32, one process, seed 1253: lab/campaign/fifth), to
     iteration 21: its batch of iteration 20 has a grad norm 131x its trend's and an ordinary loss."""
     # the fifth drew trial k's training seed as 1234 + k (since fixed)
-    trial = {**gc.draw(51, 19, 400), "seed": 1253}
+    trial = {**cd.draw(51, 19, 400), "seed": 1253}
     args = [a for a in gc.base_args(trial, "4x128", 400) if not a.startswith("--train_iters")]
     return run_main(
         *args, "--train_iters=21", "--eval_iters=2", *method, f"--data_path={corpus512}"

@@ -3,8 +3,8 @@ every run the script defines, and each run's arguments pass train.py's parser an
 
 import os
 
+import campaign_draw as cd
 import design_ninth as dn
-import guard_campaign as gc
 
 DOCS = os.path.join(os.path.dirname(dn.HERE), "docs", "spike_guard.md")
 
@@ -44,4 +44,4 @@ def test_each_run_passes_the_runs_own_parser_and_checks():
 def test_its_harm_threshold_is_the_campaigns():
     records = dn.records()
     bold = [n for n in dn.CASES if dn.harm(records, n, None).startswith("**")]
-    assert bold == ["random-200x64", "fp16-200x100", "fp16-300x60"] and dn.gc.HARM == gc.HARM
+    assert bold == ["random-200x64", "fp16-200x100", "fp16-300x60"] and dn.cd.HARM == cd.HARM

@@ -10,17 +10,19 @@ import os
 
 import pytest
 
+import campaign_draw as cd
+import campaign_report as cr
 import guard_campaign as gc
 from helpers import corpus, corpus512  # noqa: F401 (fixtures)
 
 
 def test_wilson_matches_the_textbook_interval():
     z = 1.96
-    lo, hi = gc.wilson(0, 35)  # k = 0: the upper bound is z^2 / (n + z^2)
+    lo, hi = cr.wilson(0, 35)  # k = 0: the upper bound is z^2 / (n + z^2)
     assert lo == 0 and hi == pytest.approx(z * z / (35 + z * z), rel=1e-12)
-    lo, hi = gc.wilson(5, 6)  # Wilson (1927) for 5 of 6 at 95%: 0.4365-0.9699
+    lo, hi = cr.wilson(5, 6)  # Wilson (1927) for 5 of 6 at 95%: 0.4365-0.9699
     assert (round(lo, 4), round(hi, 4)) == (0.4365, 0.9699)
-    assert all(math.isnan(x) for x in gc.wilson(0, 0))  # no interval over no trial
+    assert all(math.isnan(x) for x in cr.wilson(0, 0))  # no interval over no trial
 
 
 def record(
@@ -92,7 +94,7 @@ def synthetic():
 
 
 def test_method_results_count_by_hand():
-    results = gc.method_results(synthetic())
+    results = cr.method_results(synthetic())
     guard, zclip, none = results["guard"], results["zclip"], results["none"]
     assert (guard["n"], guard["detected"], guard["diagnosed"], guard["right"]) == (3, 2, 2, 1)
     assert guard["within"] == 1 and guard["ratios"] == pytest.approx([5.02 / 5, 5.3 / 5, 5.5 / 5])
@@ -115,13 +117,13 @@ def test_method_results_count_by_hand():
 
 
 def test_the_methods_table_shows_each_rate_with_its_wilson_interval():
-    table = gc.method_table(synthetic())
+    table = cr.method_table(synthetic())
     damage = table[table.index("ending within 1% of the clean twin, per fault class") :]
-    lo, hi = gc.wilson(0, 1)  # the guard's lr persistent run ended 10% over; ZClip's 18%
+    lo, hi = cr.wilson(0, 1)  # the guard's lr persistent run ended 10% over; ZClip's 18%
     assert (
         f"| lr persistent | 0/1 = 0% ({lo:.0%}-{hi:.0%}) | 0/1 = 0% ({lo:.0%}-{hi:.0%}) |" in damage
     )
-    lo, hi = gc.wilson(1, 1)  # both lr transient runs within 1% (+0.4%, +0.8%)
+    lo, hi = cr.wilson(1, 1)  # both lr transient runs within 1% (+0.4%, +0.8%)
     assert (
         f"| lr transient | 1/1 = 100% ({lo:.0%}-{hi:.0%}) | 1/1 = 100% ({lo:.0%}-{hi:.0%}) |"
         in damage
@@ -131,18 +133,18 @@ def test_the_methods_table_shows_each_rate_with_its_wilson_interval():
         for line in table[: table.index("ending within")].splitlines()
         if line.startswith("| ")
     }  # the methods' rows and the detection per class
-    lo, hi = gc.wilson(2, 3)
+    lo, hi = cr.wilson(2, 3)
     assert f"| 2/3 = 67% ({lo:.0%}-{hi:.0%}) |" in rows["guard"]  # detected
-    lo, hi = gc.wilson(1, 2)
+    lo, hi = cr.wilson(1, 2)
     assert f"| 1/2 = 50% ({lo:.0%}-{hi:.0%}) |" in rows["zclip"]  # clean runs with an action
-    lo, hi = gc.wilson(3, 200)
+    lo, hi = cr.wilson(3, 200)
     # per 1,000 clean iterations
     assert f"| 15.00 ({1000 * lo:.2f}-{1000 * hi:.2f}) |" in rows["zclip"]
-    lo, hi = gc.wilson(1, 2)
+    lo, hi = cr.wilson(1, 2)
     # no diagnosis; damage; the
     assert rows["zclip"].endswith(f"| - | 1/2 = 50% ({lo:.0%}-{hi:.0%}) | 1.180 |")
     # upper median of 1.008 and 1.18
-    lo, hi = gc.wilson(1, 1)
+    lo, hi = cr.wilson(1, 1)
     assert (
         rows["lr persistent"]
         == f"| lr persistent | 0/1 = 0% (0%-79%) | 1/1 = 100% ({lo:.0%}-{hi:.0%}) |"
@@ -157,7 +159,7 @@ def test_each_committed_report_is_what_its_committed_records_give(tmp_path, name
     it: the primary metric, the trials worse than doing nothing)."""
     committed = os.path.join(gc.ROOT, "lab", "campaign", name)
     os.symlink(os.path.join(committed, "runs.jsonl"), tmp_path / "runs.jsonl")
-    rebuilt = gc.report(str(tmp_path))
+    rebuilt = cr.report(str(tmp_path))
     assert rebuilt.startswith(open(os.path.join(committed, "report.md")).read())
 
 
@@ -166,11 +168,11 @@ def test_megatron_rerun_diagnosis_is_right_when_transient_means_hardware():
         "remedy spiky_loss: iteration 5: loss 99 >= 10 x ...: reproducible (Megatron: ...)"
     )
     transient = "remedy spiky_loss: iteration 5: loss 99 >= 10 x ...: not reproducible (3.2): possible transient"
-    assert gc.right_diagnosis("spiky_loss", reproducible, "random tokens")
-    assert not gc.right_diagnosis("spiky_loss", transient, "random tokens")
-    assert gc.right_diagnosis("spiky_loss", transient, "dp grad bit flip")
+    assert cr.right_diagnosis("spiky_loss", reproducible, "random tokens")
+    assert not cr.right_diagnosis("spiky_loss", transient, "random tokens")
+    assert cr.right_diagnosis("spiky_loss", transient, "dp grad bit flip")
     assert (
-        gc.right_diagnosis("zclip", "remedy zclip: iteration 5: clipped", "random tokens") is None
+        cr.right_diagnosis("zclip", "remedy zclip: iteration 5: clipped", "random tokens") is None
     )
 
 
@@ -178,7 +180,7 @@ def args(out, **more):
     return gc.main.__globals__["argparse"].Namespace(
         **{
             "out": str(out),
-            "harm": gc.HARM,
+            "harm": cd.HARM,
             "seed": 5,
             "first": 0,
             "trials": 1,
@@ -232,15 +234,15 @@ def test_a_registration_comes_before_the_runs_and_is_never_mixed(tmp_path, monke
         only / "runs.jsonl"
     )
     runs = dict([record("0-clean", 5.0), record("0-unguarded", 5.2)])
-    runs["0-clean"]["registration"] = gc.registration_id(registration)
+    runs["0-clean"]["registration"] = cr.registration_id(registration)
     runs["0-unguarded"]["registration"] = None  # a run of no registration beside one of it
     with pytest.raises(SystemExit, match="from 2 registrations"):
-        gc.one_registration(runs)
+        cr.one_registration(runs)
     runs["0-unguarded"]["registration"] = "0123456789abcdef"
     with pytest.raises(SystemExit, match="from 2 registrations"):
-        gc.one_registration(runs)
-    runs["0-unguarded"]["registration"] = gc.registration_id(registration)
-    gc.one_registration(runs, registration)
+        cr.one_registration(runs)
+    runs["0-unguarded"]["registration"] = cr.registration_id(registration)
+    cr.one_registration(runs, registration)
 
 
 @pytest.mark.slow
@@ -270,9 +272,9 @@ def test_one_tiny_trial_under_zclip_keeps_every_run_losses_and_registration(
             str(reg),
         ]
     )
-    runs = gc.runs_of(str(out))
+    runs = cr.runs_of(str(out))
     assert {"0-clean", "0-unguarded", "0-clean-zclip"} <= set(runs)
-    ident = gc.registration_id(json.load(open(reg)))
+    ident = cr.registration_id(json.load(open(reg)))
     for r in runs.values():
         assert r["registration"] == ident and r["exit"] == 0
         # every iteration's loss and grad norm
@@ -325,41 +327,41 @@ def first_of_each_family(seed, iters=100):
     """{family: the first k whose trial draws it} under seed."""
     found = {}
     for k in range(500):
-        found.setdefault(gc.draw(seed, k, iters)["family"], k)
+        found.setdefault(cd.draw(seed, k, iters)["family"], k)
     return found
 
 
 def test_every_family_is_drawn_and_a_draw_depends_on_seed_and_k_alone():
     found = first_of_each_family(41)
     # all in a campaign of 100 trials
-    assert set(found) == set(gc.FAMILIES) and max(found.values()) < 100
-    alone = gc.draw(41, 57, 100)
+    assert set(found) == set(cd.FAMILIES) and max(found.values()) < 100
+    alone = cd.draw(41, 57, 100)
     for k in range(60):  # other draws before it change nothing
-        gc.draw(41, k, 100)
-    assert gc.draw(41, 57, 100) == alone
-    assert [gc.draw(42, k, 100) for k in range(10)] != [gc.draw(41, k, 100) for k in range(10)]
+        cd.draw(41, k, 100)
+    assert cd.draw(41, 57, 100) == alone
+    assert [cd.draw(42, k, 100) for k in range(10)] != [cd.draw(41, k, 100) for k in range(10)]
     # the training seed too: trial k's clean twin must be another run under another campaign seed (with 1234 + k,
     # the sixth's first 28 clean twins repeated 16 of the fifth's bit for bit)
     seeds = {
-        campaign: [gc.draw(campaign, k, 100)["seed"] for k in range(100)] for campaign in (51, 62)
+        campaign: [cd.draw(campaign, k, 100)["seed"] for k in range(100)] for campaign in (51, 62)
     }
     assert len(set(seeds[51]) | set(seeds[62])) == 200
     # likewise
     longs = {
-        campaign: [gc.long_clean_seed(campaign, j) for j in range(10)] for campaign in (51, 62)
+        campaign: [cd.long_clean_seed(campaign, j) for j in range(10)] for campaign in (51, 62)
     }
     assert len(set(longs[51]) | set(longs[62]) | set(seeds[51]) | set(seeds[62])) == 220
-    assert {gc.FAMILIES[f] for f in gc.FAMILIES} <= set(gc.CAUSES)
+    assert {cd.FAMILIES[f] for f in cd.FAMILIES} <= set(cr.CAUSES)
 
 
 def test_each_drawn_flag_set_passes_the_runs_own_parser_and_checks():
     import arguments
 
     for family, k in first_of_each_family(41).items():
-        trial = gc.draw(41, k, 100)
+        trial = cd.draw(41, k, 100)
         for model in ("2x64", "4x128"):
             base = gc.base_args(trial, model, 100)
-            for method in gc.METHODS:
+            for method in cr.METHODS:
                 parts = gc.processes(
                     base, trial["flags"], gc.method_flags(method, args("unused")), trial, "/tmp/ck"
                 )
@@ -379,7 +381,7 @@ def test_each_drawn_flag_set_passes_the_runs_own_parser_and_checks():
             assert first[0] == resumed[0] and "--exit_interval" not in " ".join(resumed)
         if family.startswith("dp "):
             assert trial["nproc"] == 2 and "--inject_bitflip_rank=1" in trial["flags"]
-            assert int(trial["flags"][1].split("=")[1]) in gc.BITS
+            assert int(trial["flags"][1].split("=")[1]) in cd.BITS
 
 
 def test_the_replica_checks_decisions_are_scored_as_hardware():
@@ -387,14 +389,14 @@ def test_the_replica_checks_decisions_are_scored_as_hardware():
         "spike guard: iteration 20: the DP replicas differ and no majority tells the healthy one: roll back to "
         "the newest snapshot at or before iteration 15 (the last check that agreed); no data skipped, LR unchanged"
     )
-    assert gc.is_decision(line) and gc.cause_of(line) == "hardware"
+    assert gc.is_decision(line) and cr.cause_of(line) == "hardware"
     assert not gc.is_decision(
         "spike guard: iteration 21: injected a lost optimizer state on rank 0: 9 moment elements"
     )
 
 
 def trial_of(family, seed=7, iters=40):
-    return next(k for k in range(500) if gc.draw_seventh(seed, k, iters)["family"] == family)
+    return next(k for k in range(500) if cd.draw_seventh(seed, k, iters)["family"] == family)
 
 
 def same_until(a, b, last):
@@ -436,9 +438,9 @@ def test_one_trial_on_two_processes_and_one_resumed_keep_both_twins_identical_un
                 "2",
             ]
         )
-        runs = gc.runs_of(str(out))
+        runs = cr.runs_of(str(out))
         clean, bad = runs[f"{k}-clean"], runs[f"{k}-unguarded"]
-        trial = gc.draw_seventh(7, k, 40)
+        trial = cd.draw_seventh(7, k, 40)
         for r in (clean, bad):
             assert (
                 r["exit"] == 0
@@ -454,7 +456,7 @@ def test_one_trial_on_two_processes_and_one_resumed_keep_both_twins_identical_un
             assert log.count("(a bad device)") == after
             assert clean["replica_gap"] == bad["replica_gap"] == 0.0
             assert log.count("the DP replicas computed different loss / grad norm") == after
-            assert gc.is_harmful(clean, bad)
+            assert cd.is_harmful(clean, bad)
         else:
             assert clean["replica_gap"] is None and bad["replica_gap"] is None
         assert ("loaded checkpoint" in log) == (trial["resume"] is not None)
@@ -465,9 +467,9 @@ def test_replicas_apart_at_the_end_are_harm_that_rank_0s_validation_loss_does_no
     _, clean = record("0-clean", 5.0)
     _, drifted = record("0-unguarded", 5.0)
     clean["replica_gap"], drifted["replica_gap"] = 0.0, 0.07
-    assert gc.is_harmful(clean, drifted)
+    assert cd.is_harmful(clean, drifted)
     drifted["replica_gap"] = 0.0
-    assert not gc.is_harmful(clean, drifted)
+    assert not cd.is_harmful(clean, drifted)
     runs = dict(
         [
             ("0-clean", clean),
@@ -475,6 +477,6 @@ def test_replicas_apart_at_the_end_are_harm_that_rank_0s_validation_loss_does_no
             ("0-zclip", {**drifted, "name": "0-zclip", "method": "zclip", "replica_gap": 0.07}),
         ]
     )
-    zclip = gc.method_results(runs)["zclip"]
+    zclip = cr.method_results(runs)["zclip"]
     # the same loss, but its replicas apart: not within
     assert (zclip["n"], zclip["within"]) == (1, 0)

@@ -1,8 +1,8 @@
-"""The seventh campaign's machinery (lab/guard_campaign.py, lab/guard_metrics.py), against
-references worked out by hand here or kept in the repository: the old draws against the sixth's and
-the withdrawn seed-61 registration's own records; the primary metric, its bootstrap interval, the
-detection's base rate and OPT's calibrated bound on hand-made records; the stratified draw's counts;
-the methods' settings against the config's defaults; the records' stamps; the registration's refusal
+"""The seventh campaign's machinery (lab/guard_campaign.py, lab/campaign_draw.py, lab/campaign_report.py,
+lab/guard_metrics.py), against references worked out by hand here or kept in the repository: the old draws
+against the sixth's and the withdrawn seed-61 registration's own records; the primary metric, its bootstrap
+interval, the detection's base rate and OPT's calibrated bound on hand-made records; the stratified draw's
+counts; the methods' settings against the config's defaults; the records' stamps; the registration's refusal
 of another tree."""
 
 import json
@@ -13,6 +13,8 @@ import time
 
 import pytest
 
+import campaign_draw as cd
+import campaign_report as cr
 import guard_campaign as gc
 import guard_metrics as gm
 
@@ -23,7 +25,7 @@ def args(out, **more):
     return gc.main.__globals__["argparse"].Namespace(
         **{
             "out": str(out),
-            "harm": gc.HARM,
+            "harm": cd.HARM,
             "seed": 5,
             "first": 0,
             "trials": 1,
@@ -59,31 +61,31 @@ def test_the_old_draws_are_the_ones_their_records_ran(name, seed, how):
     trials = {r["trial"]: r for r in records if "trial" in r}
     assert len(trials) >= 28
     for k, r in trials.items():
-        trial = gc.DRAWS[how](seed, k, r["iters"])
+        trial = cd.DRAWS[how](seed, k, r["iters"])
         assert (trial["what"], trial["start"], trial["nproc"], trial["resume"]) == (
             r["what"],
             r["start"],
             r["nproc"],
             r.get("resume"),
         )
-    assert gc.DRAWS["withdrawn-61"](61, 7, 400)["seed"] == 1234 + 7  # the training seed it had then
-    assert gc.DRAWS["sixth"](61, 7, 400)["seed"] != 1234 + 7
+    assert cd.DRAWS["withdrawn-61"](61, 7, 400)["seed"] == 1234 + 7  # the training seed it had then
+    assert cd.DRAWS["sixth"](61, 7, 400)["seed"] != 1234 + 7
 
 
 def test_the_stratified_draw_holds_every_family_equally_and_places_its_faults():
-    n = len(gc.SEVENTH)
-    draws = [gc.draw_seventh(70, k, 400) for k in range(3 * n)]
-    counts = {f: sum(d["family"] == f for d in draws) for f in gc.SEVENTH}
+    n = len(cd.SEVENTH)
+    draws = [cd.draw_seventh(70, k, 400) for k in range(3 * n)]
+    counts = {f: sum(d["family"] == f for d in draws) for f in cd.SEVENTH}
     assert counts == {
-        f: 3 for f in gc.SEVENTH
+        f: 3 for f in cd.SEVENTH
     }  # 3 x 16 trials: 3 of each, the numerical ones included
     assert [d["family"] for d in draws[:n]] != sorted(
-        gc.SEVENTH
+        cd.SEVENTH
     )  # an order drawn, not the alphabet
-    assert gc.draw_seventh(70, 5, 400) == draws[5] and gc.draw_seventh(71, 5, 400) != draws[5]
+    assert cd.draw_seventh(70, 5, 400) == draws[5] and cd.draw_seventh(71, 5, 400) != draws[5]
     for d in draws:
         keys = {flag.split("=")[0] for flag in d["flags"]}
-        if gc.SEVENTH[d["family"]] == "data":  # in the corpus: samples, not iterations
+        if cd.SEVENTH[d["family"]] == "data":  # in the corpus: samples, not iterations
             assert "--inject_bad_samples" in keys and not keys & {
                 "--inject_bad_batch_iters",
                 "--inject_degenerate_iters",
@@ -97,18 +99,18 @@ def test_the_stratified_draw_holds_every_family_equally_and_places_its_faults():
 
 
 def test_the_harm_first_draw_holds_its_families_equally_and_lengthens_the_harmless_ones():
-    n = len(gc.HARM_FIRST)
-    draws = [gc.draw_harm(90, k, 400) for k in range(4 * n)]
-    assert {f: sum(d["family"] == f for d in draws) for f in gc.SEVENTH} == {
-        f: 0 if f in gc.HARMLESS else 4 for f in gc.SEVENTH
+    n = len(cd.HARM_FIRST)
+    draws = [cd.draw_harm(90, k, 400) for k in range(4 * n)]
+    assert {f: sum(d["family"] == f for d in draws) for f in cd.SEVENTH} == {
+        f: 0 if f in cd.HARMLESS else 4 for f in cd.SEVENTH
     }
-    assert gc.draw_harm(90, 7, 400) == draws[7] and gc.draw_harm(91, 7, 400) != draws[7]
+    assert cd.draw_harm(90, 7, 400) == draws[7] and cd.draw_harm(91, 7, 400) != draws[7]
     for d in draws:
         keys = dict(flag.split("=") if "=" in flag else (flag, None) for flag in d["flags"])
-        if d["family"] not in gc.LONGER:  # the seventh's own range
+        if d["family"] not in cd.LONGER:  # the seventh's own range
             assert d["family"] == "dp bad device" or d["family"] in d["what"]
             continue
-        least, most = gc.LONGER[d["family"]]
+        least, most = cd.LONGER[d["family"]]
         if d["family"] == "lr slow persistent":
             assert (
                 least <= int(keys["--inject_lr_factor"]) <= most
@@ -124,7 +126,7 @@ def test_the_harm_first_draw_holds_its_families_equally_and_lengthens_the_harmle
         else:  # in the corpus, from the first sample of the fault's first iteration
             assert (
                 a == (d["start"] - 1) * 8
-                and keys["--inject_bad_samples_kind"] == gc.CORPUS_KINDS[d["family"]]
+                and keys["--inject_bad_samples_kind"] == cd.CORPUS_KINDS[d["family"]]
             )
 
 
@@ -138,12 +140,12 @@ def test_the_screen_runs_a_family_until_it_has_its_harmful_candidates(
     or a --first inside one of the draw's rounds, the same candidates (a round waits for the rounds
     before it)."""
     monkeypatch.setattr(gc, "HARMFUL_EACH", 2)
-    n = len(gc.HARM_FIRST)
-    families = [gc.draw_harm(5, k, 400)["family"] for k in range(first + 6 * n)]
+    n = len(cd.HARM_FIRST)
+    families = [cd.draw_harm(5, k, 400)["family"] for k in range(first + 6 * n)]
 
     def harmful(k):
         rank = families[: k + 1].count(families[k])  # its place among its family's candidates
-        return families[k].startswith("lr") or (gc.SEVENTH[families[k]] == "data" and rank % 2 == 0)
+        return families[k].startswith("lr") or (cd.SEVENTH[families[k]] == "data" and rank % 2 == 0)
 
     def run(out, name, parts, data, method, nproc, requeue=False):
         k = int(name.split("-")[0])
@@ -155,12 +157,12 @@ def test_the_screen_runs_a_family_until_it_has_its_harmful_candidates(
     monkeypatch.setattr(gc, "run_one", run)
     run_args = dict(draw="harm", first=first, trials=6 * n, iters=400, preregister=None, jobs=jobs)
     gc.campaign(args(tmp_path, method="guard", **run_args))
-    runs = gc.runs_of(str(tmp_path))
+    runs = cr.runs_of(str(tmp_path))
     screened = {}
     for r in runs.values():
         if r["name"].endswith("-unguarded"):
             screened.setdefault(r["family"], []).append(r["trial"])
-    for family in gc.HARM_FIRST:
+    for family in cd.HARM_FIRST:
         mine = [k for k in range(first, first + 6 * n) if families[k] == family]
         want = next(
             i + 1
@@ -169,13 +171,13 @@ def test_the_screen_runs_a_family_until_it_has_its_harmful_candidates(
         )
         if first == 0:  # by hand: 2 of the LR families', 4 of the data ones', all 6 of the rest
             assert want == (
-                2 if family.startswith("lr") else 4 if gc.SEVENTH[family] == "data" else 6
+                2 if family.startswith("lr") else 4 if cd.SEVENTH[family] == "data" else 6
             )
         assert sorted(screened[family]) == mine[:want], family
         assert all(f"{k}-guarded" in runs and f"{k}-clean" in runs for k in mine[:want])
     # a remedy runs the harmful screened candidates only, and screens nothing anew
     gc.campaign(args(tmp_path, method="zclip", clean_runs=0, **run_args))
-    runs = gc.runs_of(str(tmp_path))
+    runs = cr.runs_of(str(tmp_path))
     zclip = sorted(r["trial"] for r in runs.values() if r["name"].endswith("-zclip"))
     bad = sorted(
         r["trial"] for r in runs.values() if r["name"].endswith("-unguarded") and r["valid"] > 4.5
@@ -229,7 +231,7 @@ def test_a_device_stop_is_requeued_without_the_device_and_scored_where_it_ends(
     record = gc.run_one(str(tmp_path), "3-guarded", [part], "corpus", "guard", 1, requeue)
     if cause != "hardware" or not requeue:  # a stop the node's removal does not answer stays a stop
         assert len(calls) == 1 and record["exit"] == 3 and "requeued" not in record
-        assert gc.ending(str(tmp_path), record).startswith("stopped by the guard at iteration 30")
+        assert cr.ending(str(tmp_path), record).startswith("stopped by the guard at iteration 30")
         return
     # the same run resumed from its save, the device's flags gone, the corpus fault kept
     assert calls[1][-1] == "--data_path=corpus" and calls[1][:-1] == [
@@ -241,7 +243,7 @@ def test_a_device_stop_is_requeued_without_the_device_and_scored_where_it_ends(
     ]
     assert record["exit"] == 0 and record["valid"] == 4.5
     assert record["requeued"] == {"iteration": 25, "cause": "hardware", "dp_rank": 1}
-    assert gc.ending(str(tmp_path), record) == (
+    assert cr.ending(str(tmp_path), record) == (
         "stopped by the guard at iteration 25, hardware; requeued without DP rank 1's device, finished"
     )
 
@@ -287,7 +289,7 @@ def test_a_run_that_leaves_no_record_stops_the_campaign_before_the_next_one(tmp_
             args(tmp_path, draw="harm", trials=26, iters=400, method="guard", preregister=None)
         )
     assert started == ["0-clean", "0-unguarded", "0-guarded", "1-clean", "1-unguarded"]
-    assert set(gc.runs_of(str(tmp_path))) == {"0-clean", "0-unguarded", "0-guarded", "1-clean"}
+    assert set(cr.runs_of(str(tmp_path))) == {"0-clean", "0-unguarded", "0-guarded", "1-clean"}
 
 
 def test_a_second_campaign_in_the_same_out_is_refused_before_it_runs_anything(
@@ -327,11 +329,11 @@ def test_each_seventh_flag_set_passes_the_runs_own_parser_and_checks():
         {"snapshots": "off"},
         {"grad_norm_bound": 0.7},
     ]
-    draws = [gc.draw_seventh(70, k, 400) for k in range(len(gc.SEVENTH))]
-    for trial in draws + [gc.draw_harm(90, k, 400) for k in range(len(gc.HARM_FIRST))]:
+    draws = [cd.draw_seventh(70, k, 400) for k in range(len(cd.SEVENTH))]
+    for trial in draws + [cd.draw_harm(90, k, 400) for k in range(len(cd.HARM_FIRST))]:
         for more in settings:
             a = args("unused", **more)
-            for method in gc.METHODS:
+            for method in cr.METHODS:
                 flags = gc.method_flags(method, a)
                 if "calibrated" in " ".join(flags):
                     continue  # its bound comes from the clean runs (test_opt_bound_is...)
@@ -345,6 +347,13 @@ def test_each_seventh_flag_set_passes_the_runs_own_parser_and_checks():
 
 
 # -- the methods' one rule ---------------------------------------------------------------------
+
+
+def test_every_method_the_report_scores_has_its_flags_and_no_other():
+    # the report's tables list METHODS; the runs take each one's flags from REMEDIES and SETTINGS
+    assert cr.METHODS == ["guard", "none", *gc.REMEDIES]
+    assert set(gc.SETTINGS) == set(gc.REMEDIES) and set(gc.WINDOWS) <= set(cr.METHODS)
+    assert set(cr.DETECTORS) <= set(gc.REMEDIES)
 
 
 def test_published_windows_are_the_configs_defaults_and_scaled_ones_one_factor():
@@ -398,7 +407,7 @@ def test_published_windows_are_the_configs_defaults_and_scaled_ones_one_factor()
         "--restart_window=128",
         "--save_interval=300",
     ]
-    assert "spiky_loss" in gc.DETECTORS
+    assert "spiky_loss" in cr.DETECTORS
 
 
 @pytest.mark.parametrize(
@@ -551,13 +560,13 @@ def test_the_primary_table_counts_by_hand():
             rec("3-guarded", 4.0, decisions=[act], exit=3),
         ]
     )
-    guard = gc.primary_results(runs)["guard"]
+    guard = cr.primary_results(runs)["guard"]
     assert guard["shares"] == pytest.approx(
         [0.5, -0.125]
     )  # trial 2 is harmful by its replicas alone: apart
     assert (guard["apart"], guard["rejoined"], guard["harmful"], guard["detected"]) == (1, 1, 3, 1)
     assert (guard["harmless"], guard["harmless_acted"], guard["harmless_stopped"]) == (1, 1, 1)
-    table = gc.primary_table(runs)
+    table = cr.primary_table(runs)
     assert (
         "| guard | 0.19 (-0.13 to 0.50), n=2 | 1 | 1/1 | 1/3 - 0.00 = +0.33 | +0.0% | +0.0% | 2.0 "
         "| 1/1 / 1/1 |" in table
@@ -598,7 +607,7 @@ def test_the_report_names_every_trial_worse_than_doing_nothing_and_how_it_ended(
     (tmp_path / "logs" / "0-guarded.log").write_text(
         f"iteration 339 ...\n{stop}\nerror: {stop}; the state of iteration 339 saved in ckpt\n"
     )
-    text = gc.report(str(tmp_path))
+    text = cr.report(str(tmp_path))
     assert "| dp bad device | 1 | 1 |" in text  # the family counted, its cause known
     listed = text.split("more than 1% worse than doing nothing")[1]
     assert (
@@ -645,8 +654,8 @@ def test_the_eighths_guard_is_reported_beside_the_sevenths_remedies_where_the_tw
         os.makedirs(directory)
         with open(directory / "runs.jsonl", "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in runs.values())
-    assert gc.same_twins(mine, theirs) == [0, 1]
-    text = "\n".join(gc.beside_baselines(str(eighth), str(seventh)))
+    assert cr.same_twins(mine, theirs) == [0, 1]
+    text = "\n".join(cr.beside_baselines(str(eighth), str(seventh)))
     assert (
         "2 of 3 trials, whose clean and unremedied runs agree" in text
         and "apart (no baseline): 2" in text
@@ -660,11 +669,17 @@ def test_the_eighths_guard_is_reported_beside_the_sevenths_remedies_where_the_tw
 
 def test_a_report_scores_the_runs_as_registered():
     registered = json.load(open(os.path.join(CAMPAIGN, "seventh", "registration.json")))
-    gc.check_measured(registered, registered["harm_threshold"])  # this checkout's are the same
+    cr.check_measured(registered, registered["harm_threshold"])  # this checkout's are the same
     with pytest.raises(SystemExit, match="harm_threshold changed since a396cd6"):
-        gc.check_measured(registered, 0.02)
+        cr.check_measured(registered, 0.02)
     with pytest.raises(SystemExit, match="metrics_sha256 changed"):
-        gc.check_measured({**registered, "metrics_sha256": "0" * 64}, registered["harm_threshold"])
+        cr.check_measured({**registered, "metrics_sha256": "0" * 64}, registered["harm_threshold"])
+    # the restore names every file that holds a registered metric's code
+    restore = (
+        "git checkout a396cd6 -- lab/campaign_draw.py lab/campaign_report.py lab/guard_metrics.py"
+    )
+    with pytest.raises(SystemExit, match=restore):
+        cr.check_measured(registered, 0.02)
 
 
 # -- the registration and the stamps -----------------------------------------------------------
@@ -705,8 +720,8 @@ def test_every_record_is_stamped_and_a_registration_refuses_another_tree(tmp_pat
         assert key in saved, key
     assert saved["tree"] == "t" * 64 and saved["thresholds"]["detect_window"] == gm.DETECT_WINDOW
     gc.campaign(a, registration)
-    for r in gc.runs_of(str(tmp_path)).values():
-        assert {k: r[k] for k in stamp} == stamp and r["registration"] == gc.registration_id(
+    for r in cr.runs_of(str(tmp_path)).values():
+        assert {k: r[k] for k in stamp} == stamp and r["registration"] == cr.registration_id(
             registration
         )
         assert r["started"] <= r["ended"] and r["ended"].endswith("Z") and len(r["started"]) == 20
@@ -731,12 +746,12 @@ def test_the_harm_first_registration_freezes_its_screen_and_reads_back_as_writte
     monkeypatch.setattr(gc, "uncommitted", lambda: "")
     a = args(tmp_path, draw="harm", seed=90, iters=400)
     written = gc.preregister(a)
-    assert written["families"] == gc.HARM_FIRST and written["harmful_each"] == gc.HARMFUL_EACH
-    assert written["longer"]["random tokens"] == list(gc.LONGER["random tokens"])
+    assert written["families"] == cd.HARM_FIRST and written["harmful_each"] == cd.HARMFUL_EACH
+    assert written["longer"]["random tokens"] == list(cd.LONGER["random tokens"])
     assert gc.preregister(a) == json.load(
         open(a.preregister)
     )  # the next run's check: the same campaign
-    monkeypatch.setattr(gc, "LONGER", {**gc.LONGER, "random tokens": (4, 8)})
+    monkeypatch.setattr(gc, "LONGER", {**cd.LONGER, "random tokens": (4, 8)})
     with pytest.raises(SystemExit, match="differs from its registration in longer"):
         gc.preregister(a)
 
@@ -765,7 +780,7 @@ def test_the_subset_model_has_10m_parameters():
 
     cfg = arguments.prepare(
         arguments.load_config(
-            [*gc.base_args(gc.draw_seventh(70, 1, 1000), "10M", 1000), "--data_path=unused"]
+            [*gc.base_args(cd.draw_seventh(70, 1, 1000), "10M", 1000), "--data_path=unused"]
         )
     )
     model = build_model(cfg, torch.device("meta"))
