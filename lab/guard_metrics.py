@@ -1,4 +1,4 @@
-"""The seventh campaign's metrics (lab/guard_campaign.py; docs/spike_guard.md, "The seventh
+"""The seventh campaign's metrics (lab/campaign_report.py; docs/spike_guard.md, "The seventh
 campaign's design"): metrics that a skip or a clip can win as well as a rollback, each over trials,
 from the records alone.
 

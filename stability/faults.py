@@ -18,7 +18,7 @@
                              scale (on every pass: it lives in the weights and data, as a real
                              burst does)
 
-Faults that stay where they live (the seventh campaign's, lab/guard_campaign.py):
+Faults that stay where they live (the seventh campaign's, lab/campaign_draw.py):
 
     inject_bad_samples      consumed-sample index ranges bad IN THE CORPUS
                             (inject_bad_samples_kind: random tokens, one token repeated, an 8-gram,
