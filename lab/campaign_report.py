@@ -98,21 +98,14 @@ def check_measured(registration, harm):
     now = measured(harm)
     changed = [k for k in now if registration.get(k) != now[k]]
     if changed:
-        files = measuring_files()
+        # the lab's modules as a whole: a registration older than the split into campaign_draw.py and
+        # campaign_report.py restores guard_campaign.py whole, which then holds every metric
         raise SystemExit(
             f"this checkout scores runs differently from the registration ({', '.join(changed)} "
-            f"changed since {registration['commit'][:7]}): report with the registered "
-            f"{', '.join(files)} (git checkout {registration['commit'][:7]} -- {' '.join(files)}), "
+            f"changed since {registration['commit'][:7]}): report with the registered lab code "
+            f"(git checkout {registration['commit'][:7]} -- ':(glob)lab/*.py'), "
             f"and --harm {registration['harm_threshold']}"
         )
-
-
-def measuring_files():
-    """The files, from the repository's root and sorted, that hold MEASURED's functions, and
-    lab/guard_metrics.py, which holds the thresholds too: what a report restores to score as
-    registered."""
-    files = {os.path.relpath(inspect.getsourcefile(f), ROOT) for f in MEASURED}
-    return sorted(files | {"lab/guard_metrics.py"})
 
 
 # the seventh campaign's goals, frozen with it (a goal is met when its interval, not its estimate,
