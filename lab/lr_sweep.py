@@ -61,6 +61,7 @@ import concurrent.futures
 import json
 import math
 import os
+import re
 import runpy
 import shutil
 import subprocess
@@ -568,6 +569,42 @@ def counted_elsewhere(arm, lever_set, arms):
     return target is not None and target[0] in arms
 
 
+# the spike guard's stop as a run's log ends with it: the exception's last line from the run's own process, or
+# train.py's "error:" line where train.py ran as a script
+GUARD_STOP = re.compile(
+    r"^(?:\S*SpikeGuardStop: |error: )spike guard: iteration (\d+): (.*)$", re.M
+)
+
+
+def guard_stop(directory):
+    """{iteration, message} of the spike guard's stop where the run's last attempt ended with one, else None. A
+    stopped run is finished: its method ended it (a resume would stop it again), and it scores as a diverged run
+    does, L0 (the guard's campaigns score a run that did not finish at the same ln 512)."""
+    log = os.path.join(directory, "stdout.log")
+    if not os.path.exists(log):
+        return None
+    text = open(log, errors="replace").read()
+    stops = list(GUARD_STOP.finditer(text))
+    # a later attempt that got past the stop (a resume on other code) ran on: its own end counts
+    if not stops or "validation lm loss" in text[stops[-1].end() :]:
+        return None
+    return {"iteration": int(stops[-1][1]), "message": stops[-1][2][:300]}
+
+
+def stopped_result(directory, key, args):
+    """A run the spike guard stopped, as result.json holds it: no final loss (None: L0 in every table), the
+    iteration and the guard's message, the rest of the summaries from what it logged before the stop."""
+    metrics = read_metrics(os.path.join(directory, "metrics.jsonl"))
+    return {
+        **key,
+        "args": args,
+        "code": read_code(directory),
+        **summarize_run(metrics, config_of(args).adam_eps),
+        "val_loss": None,
+        "stopped": guard_stop(directory),
+    }
+
+
 def execute(out, arm, lever_set, lr, seed, extra=(), width=WIDTH):
     """Train one run (unless finished; resumed if interrupted), write result.json last. Returns the result, with
     the code version the run recorded when it started (code.json)."""
@@ -599,7 +636,12 @@ def execute(out, arm, lever_set, lr, seed, extra=(), width=WIDTH):
             **summarize_run(
                 read_metrics(os.path.join(directory, "metrics.jsonl")), config_of(args).adam_eps
             ),
+            # a stopped run's last validation loss is an intermediate one: it has no final loss
+            **({"val_loss": None} if result.get("stopped") else {}),
         }
+    # stopped by the guard in an earlier attempt: finished, not trained again
+    if guard_stop(directory):
+        return write_result(directory, stopped_result(directory, key, args))
     os.makedirs(directory, exist_ok=True)
     # glibc would hand large freed blocks back to the kernel and page-fault them in afresh: keep them.
     env = dict(
@@ -614,6 +656,10 @@ def execute(out, arm, lever_set, lr, seed, extra=(), width=WIDTH):
     with open(os.path.join(directory, "stdout.log"), "a") as log:  # a resumed run appends
         code, cpu = run([sys.executable, os.path.abspath(__file__), "--train", *args], log, env)
     seconds = time.time() - start
+    if code != 0 and guard_stop(directory):
+        return write_result(
+            directory, {**stopped_result(directory, key, args), "cpu_seconds": round(cpu, 1)}
+        )
     if code != 0:
         with open(os.path.join(directory, "stdout.log")) as f:
             return {**key, "error": f.read()[-2000:]}
@@ -639,13 +685,20 @@ def execute(out, arm, lever_set, lr, seed, extra=(), width=WIDTH):
         "cpu_seconds": round(cpu, 1),
         **summarize_run(metrics, cfg.adam_eps),
     }
-    for name in os.listdir(directory):  # the checkpoints have served their purpose (resuming)
+    return write_result(directory, result)
+
+
+def write_result(directory, result):
+    """result.json, atomically (present means finished), once the checkpoints have served their purpose
+    (resuming)."""
+    for name in os.listdir(directory):
         if name.startswith("global_step") or name in ("latest", "lock"):
             path = os.path.join(directory, name)
             shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+    result_file = os.path.join(directory, "result.json")
     with open(result_file + ".tmp", "w") as f:
         json.dump(result, f)
-    os.replace(result_file + ".tmp", result_file)  # atomically: present means finished
+    os.replace(result_file + ".tmp", result_file)
     return result
 
 
@@ -767,6 +820,8 @@ def summarize(results, arm, lever_sets, lrs, bigram):
                 "seeds": [r["seed"] for r in runs],
                 "values": values,
                 "diverged": sum(v == L0 for v in values),
+                # stopped by the spike guard (result.json's `stopped`, a record's `stopped_at`): L0 too
+                "stopped": sum(bool(r.get("stopped") or r.get("stopped_at")) for r in runs),
                 "blew_up": sum(blew_up(r, bigram, attention_logit=logit_blows_up) for r in runs),
                 "logit_past_1e4": sum(logit_past_1e4(r) for r in runs),
                 "never_below": sum(lowest_loss10(r) >= bigram for r in runs),
@@ -850,6 +905,8 @@ def record(result, corpus):
     out["code"] = result.get("code", "unrecorded")
     out.update({key: _rounded(result.get(key)) for key in RECORD_KEYS})
     out["loss10_min"] = _rounded(lowest_loss10(result))
+    if result.get("stopped"):
+        out["stopped_at"] = result["stopped"]["iteration"]
     out["lost_what_it_learned"] = blew_up(
         {"loss10": result.get("loss10", [])}, corpus["bigram_entropy"], attention_logit=False
     )
@@ -1143,7 +1200,13 @@ def markdown(rows_by_arm, lrs_by_arm, corpus, warnings, code=None, width=WIDTH, 
             "`up k`: k of the n blew up (a NaN, or the loss back above H2 after having been clearly below it"
             f"{logit}); `logit k`: k passed an "
             "attention logit of 1e4; `flat k`: k never got below the bigram entropy; `div k`: k ended above L0 "
-            "(counted as L0):",
+            "(counted as L0)"
+            + (
+                "; `stop k`: the spike guard stopped k (no final loss: counted as L0, and in `div`)"
+                if any(p["stopped"] for row in rows for p in row["points"].values())
+                else ""
+            )
+            + ":",
             "",
             *header,
         ]
@@ -1160,6 +1223,7 @@ def markdown(rows_by_arm, lrs_by_arm, corpus, warnings, code=None, width=WIDTH, 
                     ("logit_past_1e4", "logit"),
                     ("never_below", "flat"),
                     ("diverged", "div"),
+                    ("stopped", "stop"),
                 ):
                     cell += f" {label} {p[key]}" if p[key] else ""
                 cells.append(cell)
@@ -1765,6 +1829,7 @@ def main(argv=None):
         g
         for g in grid
         if not os.path.exists(os.path.join(run_dir(args.out, *g, width), "result.json"))
+        and not guard_stop(run_dir(args.out, *g, width))
     ]
     print(
         f"{len(grid)} runs (the pilot's {len(pilot)} first), {len(grid) - len(todo)} finished already, "
@@ -1785,7 +1850,13 @@ def main(argv=None):
 
     def report(result):
         results.append(result)
-        status = "error" if "error" in result else f"val {result['val_loss']:.4f}"
+        status = (
+            "error"
+            if "error" in result
+            else f"stopped by the spike guard at iteration {result['stopped']['iteration']}"
+            if result.get("stopped")
+            else f"val {result['val_loss']:.4f}"
+        )
         print(
             f"[{time.time() - start:6.0f}s] {result['arm']} {result['lever_set']} lr {result['lr']:.0e} seed "
             f"{result['seed']}: {status}",

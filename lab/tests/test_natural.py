@@ -137,3 +137,68 @@ def test_a_runs_skipped_and_nan_iterations_are_summed_from_its_log_lines(tmp_pat
     assert (metrics["skipped_iterations"], metrics["nan_iterations"]) == (3, 1)
     assert lr_sweep.summarize_run(metrics, 1e-8)["skipped_iterations"] == 3
     assert lr_sweep.total_or_none([3, 0, 5]) == 8 and lr_sweep.total_or_none([3, None, 5]) is None
+
+
+# the last line of a run of arm F the spike guard stopped (the study's tree, width 64, LR 1e-1, seed 1), shortened
+STOP_LINE = (
+    "stability.spike_guard.SpikeGuardStop: spike guard: iteration 259: numerical: replayed: loss nan, grad norm "
+    "nan, reproduced; in fp32: loss 5.01486, grad norm 0.501827, ordinary: a persistent numerical fault"
+)
+
+
+def _stopped_run(out, tail=""):
+    """A run directory of arm F as the spike guard left it: an intermediate validation loss at 250, the last
+    iterations logged, the stop at the end of its log (then `tail`, a later attempt's lines)."""
+    directory = lr_sweep.run_dir(out, "F", "guard", 1e-1, 1, 64)
+    os.makedirs(os.path.join(directory, "global_step250"))
+    with open(os.path.join(directory, "metrics.jsonl"), "w") as f:
+        for it in range(1, 260):
+            f.write(json.dumps({"iteration": it, "lm loss": 5.0, "grad norm": 0.5}) + "\n")
+            if it == 250:
+                f.write(json.dumps({"iteration": it, "validation lm loss": 4.9}) + "\n")
+    with open(os.path.join(directory, "code.json"), "w") as f:
+        json.dump({"code": "56f212b"}, f)
+    with open(os.path.join(directory, "stdout.log"), "w") as f:
+        f.write("Traceback (most recent call last):\n  ...\n" + STOP_LINE + "\n" + tail)
+    return directory
+
+
+def test_a_run_the_guard_stopped_is_finished_and_scores_as_a_diverged_run(tmp_path, monkeypatch):
+    """A stop is the method's outcome, not a crash to retry: the run is not trained again, it has no final loss
+    (not the intermediate one), it counts as L0 with its own tag, and its record keeps the iteration."""
+
+    def no_training(*a, **k):
+        raise AssertionError("a stopped run was trained again")
+
+    monkeypatch.setattr(lr_sweep, "run", no_training)
+    out = str(tmp_path)
+    directory = _stopped_run(out)
+    result = lr_sweep.execute(out, "F", "guard", 1e-1, 1, width=64)
+    assert result["val_loss"] is None and result["stopped"]["iteration"] == 259
+    assert (
+        result["code"] == "56f212b" and "persistent numerical fault" in result["stopped"]["message"]
+    )
+    assert os.path.exists(os.path.join(directory, "result.json"))
+    assert not os.path.exists(os.path.join(directory, "global_step250"))  # served its purpose
+    again = lr_sweep.execute(
+        out, "F", "guard", 1e-1, 1, width=64
+    )  # read back, summaries recomputed
+    assert again["val_loss"] is None and again["stopped"] == result["stopped"]
+    corpus = {"tokens": 1, "unigram_entropy": 5.2, "bigram_entropy": 3.5}
+    record = lr_sweep.record(again, corpus)
+    assert record["stopped_at"] == 259 and record["val_loss"] is None
+    finished = {**record, "lever_set": "none", "val_loss": 4.8}
+    del finished["stopped_at"]
+    rows = lr_sweep.summarize([record, finished], "F", ["none", "guard"], [1e-1], 3.5)
+    point = rows[1]["points"][1e-1]
+    assert point["values"] == [lr_sweep.L0] and point["stopped"] == 1 and point["diverged"] == 1
+    table = lr_sweep.markdown(
+        {"F": rows}, {"F": [1e-1]}, {**corpus, "l0": lr_sweep.L0}, [], width=64
+    )
+    assert "`stop k`: the spike guard stopped k" in table and "div 1 stop 1" in table
+
+
+def test_a_later_attempt_past_the_stop_is_not_a_stop(tmp_path):
+    directory = _stopped_run(str(tmp_path), tail="validation lm loss at iteration 1000: 4.7\n")
+    assert lr_sweep.guard_stop(directory) is None
+    assert lr_sweep.guard_stop(str(tmp_path / "nothing")) is None
