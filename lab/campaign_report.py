@@ -39,6 +39,7 @@ def cause_of(line):
         ("persistent fault", "persistent"),
         ("hardware/transient", "hardware"),
         ("the DP replicas differ", "hardware"),
+        ("DP replica check:", "hardware"),
         ("take its node out", "hardware"),
         ("numerical: ", "numerical"),
         ("data-driven", "data"),

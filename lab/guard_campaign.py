@@ -320,7 +320,14 @@ def actions_of(text, method, series):
     lines, or the grad-norm skips (a skipped step whose grad norm is finite: a NaN/inf one the core skips anyway)."""
     lines = text.splitlines()
     if method == "guard":
-        return [x for x in lines if x.startswith("spike guard:") and is_decision(x)]
+        # the DP replica check acts alone where a majority names the healthy replica, or where no snapshot of
+        # equal replicas is there to roll back to (snapshots off); otherwise the guard's own line says the rollback
+        return [
+            x
+            for x in lines
+            if (x.startswith("spike guard:") and is_decision(x))
+            or (x.startswith("DP replica check:") and ("re-synced from" in x or "copy taken" in x))
+        ]
     if method == "grad_norm_skip":
         return [
             f"grad_norm_skip: iteration {i}: skipped, grad norm {g:g}"

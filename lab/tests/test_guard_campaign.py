@@ -152,8 +152,19 @@ def test_the_methods_table_shows_each_rate_with_its_wilson_interval():
     assert rows["random tokens"].endswith("| 1/1 = 100% (21%-100%) | - |")  # zclip never ran it
 
 
-@pytest.mark.parametrize("name", ["fourth", "fifth", "sixth", "seventh"])
-def test_each_committed_report_is_what_its_committed_records_give(tmp_path, name):
+@pytest.mark.parametrize(
+    "name, baselines",
+    [
+        ("fourth", None),
+        ("fifth", None),
+        ("sixth", None),
+        ("seventh", None),
+        ("eighth-disk", "seventh"),
+    ],
+)
+def test_each_committed_report_is_what_its_committed_records_give(
+    tmp_path, monkeypatch, name, baselines
+):
     """A reader can check every number of a campaign's report.md from its runs.jsonl: this checkout's report of
     the committed records begins with the committed report, digit for digit (later checkouts add sections after
     it: the primary metric, the trials worse than doing nothing)."""
@@ -162,7 +173,10 @@ def test_each_committed_report_is_what_its_committed_records_give(tmp_path, name
     registered = os.path.join(committed, "registration.json")
     # a registration that froze its metrics (the seventh's on) has its runs scored only as registered
     registration = json.load(open(registered)) if os.path.exists(registered) else None
-    rebuilt = cr.report(str(tmp_path), registration=registration)
+    # the baselines as the report's command names them, from the repository's root
+    monkeypatch.chdir(gc.ROOT)
+    theirs = os.path.join("lab", "campaign", baselines) if baselines else None
+    rebuilt = cr.report(str(tmp_path), registration=registration, baselines=theirs)
     assert rebuilt.startswith(open(os.path.join(committed, "report.md")).read())
 
 
@@ -396,6 +410,29 @@ def test_the_replica_checks_decisions_are_scored_as_hardware():
     assert not gc.is_decision(
         "spike guard: iteration 21: injected a lost optimizer state on rank 0: 9 moment elements"
     )
+
+
+def test_the_replica_checks_own_repairs_are_the_guards_actions():
+    """With snapshots off (or a majority), the DP replica check repairs alone, with a line of its own: eighth-disk's
+    records missed eight such repairs of harmful bit flips. Its host lines and its hand-over to the guard's
+    rollback (which the guard's own line records) are not actions."""
+    log = "\n".join(
+        [
+            "spike guard: iteration 247: injected a bit flip into weight element 22485 on rank 1: -3.499e+36",
+            "DP replica check: iteration 248: DP rank 1 is global rank 1 on host vm",
+            "DP replica check: iteration 248: DP rank 1 (global rank 1) in its weights differs from DP rank 0: no "
+            "majority tells which is right: DP rank 0's copy taken (no snapshot of equal replicas to roll back to)",
+            "DP replica check: iteration 300: DP rank 2 (global rank 2) in its weights differs from the 3 of 4 "
+            "replicas that agree: re-synced from DP rank 0",
+            "DP replica check: iteration 350: DP rank 1 (global rank 1) in its weights differs from DP rank 0: no "
+            "majority tells which is right",
+        ]
+    )
+    acts = gc.actions_of(log, "guard", [])
+    assert [a.split(":")[1] for a in acts] == [" iteration 248", " iteration 300"]
+    assert {cr.cause_of(a) for a in acts} == {"hardware"}
+    record = {"decisions": acts}
+    assert cr.acts_from(record, 248) == acts and cr.acts_from(record, 249) == acts[1:]
 
 
 def trial_of(family, seed=7, iters=40):
