@@ -639,9 +639,10 @@ def execute(out, arm, lever_set, lr, seed, extra=(), width=WIDTH):
             # a stopped run's last validation loss is an intermediate one: it has no final loss
             **({"val_loss": None} if result.get("stopped") else {}),
         }
-    # stopped by the guard in an earlier attempt: finished, not trained again
+    # stopped by the guard in an earlier attempt: finished, not trained again (read, not written: the
+    # attempt that stopped wrote result.json, or a runner of older code, which writes none, ran it)
     if guard_stop(directory):
-        return write_result(directory, stopped_result(directory, key, args))
+        return stopped_result(directory, key, args)
     os.makedirs(directory, exist_ok=True)
     # glibc would hand large freed blocks back to the kernel and page-fault them in afresh: keep them.
     env = dict(

@@ -165,7 +165,8 @@ def _stopped_run(out, tail=""):
 
 def test_a_run_the_guard_stopped_is_finished_and_scores_as_a_diverged_run(tmp_path, monkeypatch):
     """A stop is the method's outcome, not a crash to retry: the run is not trained again, it has no final loss
-    (not the intermediate one), it counts as L0 with its own tag, and its record keeps the iteration."""
+    (not the intermediate one), it counts as L0 with its own tag, and its record keeps the iteration. Reading a
+    stopped run writes nothing in its directory; the attempt that stops writes result.json."""
 
     def no_training(*a, **k):
         raise AssertionError("a stopped run was trained again")
@@ -178,14 +179,14 @@ def test_a_run_the_guard_stopped_is_finished_and_scores_as_a_diverged_run(tmp_pa
     assert (
         result["code"] == "56f212b" and "persistent numerical fault" in result["stopped"]["message"]
     )
-    assert os.path.exists(os.path.join(directory, "result.json"))
-    assert not os.path.exists(os.path.join(directory, "global_step250"))  # served its purpose
-    again = lr_sweep.execute(
-        out, "F", "guard", 1e-1, 1, width=64
-    )  # read back, summaries recomputed
-    assert again["val_loss"] is None and again["stopped"] == result["stopped"]
+    assert sorted(os.listdir(directory)) == [
+        "code.json",
+        "global_step250",
+        "metrics.jsonl",
+        "stdout.log",
+    ]
     corpus = {"tokens": 1, "unigram_entropy": 5.2, "bigram_entropy": 3.5}
-    record = lr_sweep.record(again, corpus)
+    record = lr_sweep.record(result, corpus)
     assert record["stopped_at"] == 259 and record["val_loss"] is None
     finished = {**record, "lever_set": "none", "val_loss": 4.8}
     del finished["stopped_at"]
@@ -196,6 +197,27 @@ def test_a_run_the_guard_stopped_is_finished_and_scores_as_a_diverged_run(tmp_pa
         {"F": rows}, {"F": [1e-1]}, {**corpus, "l0": lr_sweep.L0}, [], width=64
     )
     assert "`stop k`: the spike guard stopped k" in table and "div 1 stop 1" in table
+
+    # the attempt that stops: result.json written (the checkpoints gone), read back with no final loss
+    fresh = str(tmp_path / "fresh")
+    directory = _stopped_run(fresh)
+    os.remove(os.path.join(directory, "stdout.log"))
+
+    def stopping(command, log, env):
+        log.write("Traceback (most recent call last):\n" + STOP_LINE + "\n")
+        log.flush()
+        return 1, 12.5
+
+    monkeypatch.setattr(lr_sweep, "run", stopping)
+    stopped = lr_sweep.execute(fresh, "F", "guard", 1e-1, 1, width=64)
+    assert stopped["stopped"]["iteration"] == 259 and stopped["cpu_seconds"] == 12.5
+    assert os.path.exists(os.path.join(directory, "result.json"))
+    assert not os.path.exists(os.path.join(directory, "global_step250"))
+    monkeypatch.setattr(lr_sweep, "run", no_training)
+    again = lr_sweep.execute(
+        fresh, "F", "guard", 1e-1, 1, width=64
+    )  # result.json read, summaries recomputed
+    assert again["val_loss"] is None and again["stopped"] == stopped["stopped"]
 
 
 def test_a_later_attempt_past_the_stop_is_not_a_stop(tmp_path):
