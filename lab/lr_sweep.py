@@ -577,18 +577,15 @@ GUARD_STOP = re.compile(
 
 
 def guard_stop(directory):
-    """{iteration, message} of the spike guard's stop where the run's last attempt ended with one, else None. A
-    stopped run is finished: its method ended it (a resume would stop it again), and it scores as a diverged run
-    does, L0 (the guard's campaigns score a run that did not finish at the same ln 512)."""
+    """{iteration, message} of the spike guard's stop where the run's log holds one, else None. A stopped run is
+    finished: its method ended it, and an attempt on the same code (a run is one code version: code.json) stops
+    again. It scores as a diverged run does, L0 (the guard's campaigns score a run that did not finish at the same
+    ln 512)."""
     log = os.path.join(directory, "stdout.log")
     if not os.path.exists(log):
         return None
-    text = open(log, errors="replace").read()
-    stops = list(GUARD_STOP.finditer(text))
-    # a later attempt that got past the stop (a resume on other code) ran on: its own end counts
-    if not stops or "validation lm loss" in text[stops[-1].end() :]:
-        return None
-    return {"iteration": int(stops[-1][1]), "message": stops[-1][2][:300]}
+    stops = list(GUARD_STOP.finditer(open(log, errors="replace").read()))
+    return {"iteration": int(stops[-1][1]), "message": stops[-1][2][:300]} if stops else None
 
 
 def stopped_result(directory, key, args):

@@ -146,9 +146,9 @@ STOP_LINE = (
 )
 
 
-def _stopped_run(out, tail=""):
+def _stopped_run(out):
     """A run directory of arm F as the spike guard left it: an intermediate validation loss at 250, the last
-    iterations logged, the stop at the end of its log (then `tail`, a later attempt's lines)."""
+    iterations logged, the stop at the end of its log."""
     directory = lr_sweep.run_dir(out, "F", "guard", 1e-1, 1, 64)
     os.makedirs(os.path.join(directory, "global_step250"))
     with open(os.path.join(directory, "metrics.jsonl"), "w") as f:
@@ -159,7 +159,7 @@ def _stopped_run(out, tail=""):
     with open(os.path.join(directory, "code.json"), "w") as f:
         json.dump({"code": "56f212b"}, f)
     with open(os.path.join(directory, "stdout.log"), "w") as f:
-        f.write("Traceback (most recent call last):\n  ...\n" + STOP_LINE + "\n" + tail)
+        f.write("Traceback (most recent call last):\n  ...\n" + STOP_LINE + "\n")
     return directory
 
 
@@ -220,7 +220,11 @@ def test_a_run_the_guard_stopped_is_finished_and_scores_as_a_diverged_run(tmp_pa
     assert again["val_loss"] is None and again["stopped"] == stopped["stopped"]
 
 
-def test_a_later_attempt_past_the_stop_is_not_a_stop(tmp_path):
-    directory = _stopped_run(str(tmp_path), tail="validation lm loss at iteration 1000: 4.7\n")
+def test_a_run_without_a_stop_in_its_log_is_not_stopped(tmp_path):
+    directory = _stopped_run(str(tmp_path))
+    with open(os.path.join(directory, "stdout.log"), "w") as f:
+        f.write(
+            "spike guard: iteration 256: numerical: replayed: loss nan; the fp32 step applied\n"
+        )
     assert lr_sweep.guard_stop(directory) is None
     assert lr_sweep.guard_stop(str(tmp_path / "nothing")) is None
