@@ -588,9 +588,10 @@ def guard_stop(directory):
     return {"iteration": int(stops[-1][1]), "message": stops[-1][2][:300]} if stops else None
 
 
-def stopped_result(directory, key, args):
-    """A run the spike guard stopped, as result.json holds it: no final loss (None: L0 in every table), the
-    iteration and the guard's message, the rest of the summaries from what it logged before the stop."""
+def stopped_result(directory, key, args, stop):
+    """A run the spike guard stopped (`stop`: guard_stop's), as result.json holds it: no final loss (None: L0 in
+    every table), the iteration (`stopped_at`, as its record keeps it) and the guard's message, the rest of the
+    summaries from what it logged before the stop."""
     metrics = read_metrics(os.path.join(directory, "metrics.jsonl"))
     return {
         **key,
@@ -598,7 +599,8 @@ def stopped_result(directory, key, args):
         "code": read_code(directory),
         **summarize_run(metrics, config_of(args).adam_eps),
         "val_loss": None,
-        "stopped": guard_stop(directory),
+        "stopped_at": stop["iteration"],
+        "stop_message": stop["message"],
     }
 
 
@@ -634,12 +636,13 @@ def execute(out, arm, lever_set, lr, seed, extra=(), width=WIDTH):
                 read_metrics(os.path.join(directory, "metrics.jsonl")), config_of(args).adam_eps
             ),
             # a stopped run's last validation loss is an intermediate one: it has no final loss
-            **({"val_loss": None} if result.get("stopped") else {}),
+            **({"val_loss": None} if result.get("stopped_at") is not None else {}),
         }
     # stopped by the guard in an earlier attempt: finished, not trained again (read, not written: the
     # attempt that stopped wrote result.json, or a runner of older code, which writes none, ran it)
-    if guard_stop(directory):
-        return stopped_result(directory, key, args)
+    stop = guard_stop(directory)
+    if stop:
+        return stopped_result(directory, key, args, stop)
     os.makedirs(directory, exist_ok=True)
     # glibc would hand large freed blocks back to the kernel and page-fault them in afresh: keep them.
     env = dict(
@@ -654,9 +657,10 @@ def execute(out, arm, lever_set, lr, seed, extra=(), width=WIDTH):
     with open(os.path.join(directory, "stdout.log"), "a") as log:  # a resumed run appends
         code, cpu = run([sys.executable, os.path.abspath(__file__), "--train", *args], log, env)
     seconds = time.time() - start
-    if code != 0 and guard_stop(directory):
+    stop = guard_stop(directory) if code != 0 else None
+    if stop:
         return write_result(
-            directory, {**stopped_result(directory, key, args), "cpu_seconds": round(cpu, 1)}
+            directory, {**stopped_result(directory, key, args, stop), "cpu_seconds": round(cpu, 1)}
         )
     if code != 0:
         with open(os.path.join(directory, "stdout.log")) as f:
@@ -818,8 +822,8 @@ def summarize(results, arm, lever_sets, lrs, bigram):
                 "seeds": [r["seed"] for r in runs],
                 "values": values,
                 "diverged": sum(v == L0 for v in values),
-                # stopped by the spike guard (result.json's `stopped`, a record's `stopped_at`): L0 too
-                "stopped": sum(bool(r.get("stopped") or r.get("stopped_at")) for r in runs),
+                # stopped by the spike guard: L0 too
+                "stopped": sum(r.get("stopped_at") is not None for r in runs),
                 "blew_up": sum(blew_up(r, bigram, attention_logit=logit_blows_up) for r in runs),
                 "logit_past_1e4": sum(logit_past_1e4(r) for r in runs),
                 "never_below": sum(lowest_loss10(r) >= bigram for r in runs),
@@ -903,8 +907,8 @@ def record(result, corpus):
     out["code"] = result.get("code", "unrecorded")
     out.update({key: _rounded(result.get(key)) for key in RECORD_KEYS})
     out["loss10_min"] = _rounded(lowest_loss10(result))
-    if result.get("stopped"):
-        out["stopped_at"] = result["stopped"]["iteration"]
+    if result.get("stopped_at") is not None:
+        out["stopped_at"] = result["stopped_at"]
     out["lost_what_it_learned"] = blew_up(
         {"loss10": result.get("loss10", [])}, corpus["bigram_entropy"], attention_logit=False
     )
@@ -1851,8 +1855,8 @@ def main(argv=None):
         status = (
             "error"
             if "error" in result
-            else f"stopped by the spike guard at iteration {result['stopped']['iteration']}"
-            if result.get("stopped")
+            else f"stopped by the spike guard at iteration {result['stopped_at']}"
+            if result.get("stopped_at") is not None
             else f"val {result['val_loss']:.4f}"
         )
         print(

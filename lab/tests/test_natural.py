@@ -175,10 +175,8 @@ def test_a_run_the_guard_stopped_is_finished_and_scores_as_a_diverged_run(tmp_pa
     out = str(tmp_path)
     directory = _stopped_run(out)
     result = lr_sweep.execute(out, "F", "guard", 1e-1, 1, width=64)
-    assert result["val_loss"] is None and result["stopped"]["iteration"] == 259
-    assert (
-        result["code"] == "56f212b" and "persistent numerical fault" in result["stopped"]["message"]
-    )
+    assert result["val_loss"] is None and result["stopped_at"] == 259
+    assert result["code"] == "56f212b" and "persistent numerical fault" in result["stop_message"]
     assert sorted(os.listdir(directory)) == [
         "code.json",
         "global_step250",
@@ -210,14 +208,14 @@ def test_a_run_the_guard_stopped_is_finished_and_scores_as_a_diverged_run(tmp_pa
 
     monkeypatch.setattr(lr_sweep, "run", stopping)
     stopped = lr_sweep.execute(fresh, "F", "guard", 1e-1, 1, width=64)
-    assert stopped["stopped"]["iteration"] == 259 and stopped["cpu_seconds"] == 12.5
+    assert stopped["stopped_at"] == 259 and stopped["cpu_seconds"] == 12.5
     assert os.path.exists(os.path.join(directory, "result.json"))
     assert not os.path.exists(os.path.join(directory, "global_step250"))
     monkeypatch.setattr(lr_sweep, "run", no_training)
-    again = lr_sweep.execute(
-        fresh, "F", "guard", 1e-1, 1, width=64
-    )  # result.json read, summaries recomputed
-    assert again["val_loss"] is None and again["stopped"] == stopped["stopped"]
+    # result.json read, summaries recomputed
+    again = lr_sweep.execute(fresh, "F", "guard", 1e-1, 1, width=64)
+    assert again["val_loss"] is None and again["stopped_at"] == 259
+    assert again["stop_message"] == stopped["stop_message"]
 
 
 def test_a_run_without_a_stop_in_its_log_is_not_stopped(tmp_path):
