@@ -15,8 +15,9 @@ import torch
 
 import arguments
 import bpe_corpus
-import lr_sweep
 import optim
+import sweep_arms
+import sweep_report
 from builders import build_model, build_optimizer, step_rules
 from stability import telemetry
 from training import whole_step
@@ -364,7 +365,7 @@ def _partial_study():
     """Arm A as the old study ran it: seed 1 at every LR of the grid, seed 2 at 3e-2 only, seeds 2 and 3 of the
     default at 1e-2; every loss distinct, so that a substituted one would show."""
     records = []
-    for i, lr in enumerate(lr_sweep.HALF_DECADES):
+    for i, lr in enumerate(sweep_arms.HALF_DECADES):
         records.append(_record("default", lr, 1, 3.2 + 0.4 * i + 0.001))
         records.append(_record("qk_layernorm", lr, 1, 3.3 + 0.1 * i + 0.002))
     records += [
@@ -377,7 +378,7 @@ def _partial_study():
 
 
 def _own_sensitivity(records, lever_set, seed, lrs):
-    return lr_sweep.sensitivity(
+    return sweep_report.sensitivity(
         {
             r["lr"]: r["val_loss"]
             for r in records
@@ -388,9 +389,9 @@ def _own_sensitivity(records, lever_set, seed, lrs):
 
 def test_the_report_never_substitutes_a_run_and_shows_n_per_cell():
     records = _partial_study()
-    grid = lr_sweep.HALF_DECADES
-    rows = lr_sweep.summarize(records, "A", ["default", "qk_layernorm"], grid, H2)
-    table = lr_sweep.markdown({"A": rows}, {"A": grid}, CORPUS, [])
+    grid = sweep_arms.HALF_DECADES
+    rows = sweep_report.summarize(records, "A", ["default", "qk_layernorm"], grid, H2)
+    table = sweep_report.markdown({"A": rows}, {"A": grid}, CORPUS, [])
     wortsman = [lr for lr in grid if lr <= 0.3]
     for lever_set in ("default", "qk_layernorm"):
         own = _own_sensitivity(records, lever_set, 1, grid)
@@ -408,7 +409,7 @@ def test_the_report_never_substitutes_a_run_and_shows_n_per_cell():
                     if r["lever_set"] == lever_set and r["seed"] == seed
                 }
             )
-            substituted = lr_sweep.sensitivity(stand_in)
+            substituted = sweep_report.sensitivity(stand_in)
             assert f"{substituted:.3f}" not in table, (
                 f"{lever_set}: seed 1's runs standing in for seed {seed}'s"
             )
@@ -438,14 +439,14 @@ def test_the_figure_draws_each_run_and_no_band_over_fewer_than_three_seeds(tmp_p
     from matplotlib.figure import Figure
 
     records = _partial_study()
-    grid = lr_sweep.HALF_DECADES
-    rows = lr_sweep.summarize(records, "A", ["default", "qk_layernorm"], grid, H2)
+    grid = sweep_arms.HALF_DECADES
+    rows = sweep_report.summarize(records, "A", ["default", "qk_layernorm"], grid, H2)
     figures = []
     save = Figure.savefig
     monkeypatch.setattr(
         Figure, "savefig", lambda fig, *a, **k: (figures.append(fig), save(fig, *a, **k))
     )
-    lr_sweep.plot({"A": rows}, records, CORPUS, str(tmp_path / "lab.png"))
+    sweep_report.plot({"A": rows}, records, CORPUS, str(tmp_path / "lab.png"))
     (fig,) = figures
     loss_axes = fig.axes[0]
     n = {
@@ -486,13 +487,13 @@ def test_blow_up_of_the_arm_that_tests_the_attention_logits_does_not_use_them():
     stalled = _record("default", 3e-2, 1, 4.2, loss10=FLAT, logit=2e4)
     # up after iteration 600
     lost = _record("default", 3e-2, 2, 4.3, loss10=LEARNED[:60] + [4.0] * 40, logit=20.0)
-    (row,) = lr_sweep.summarize([stalled, lost], "A", ["default"], [3e-2], H2)
+    (row,) = sweep_report.summarize([stalled, lost], "A", ["default"], [3e-2], H2)
     p = row["points"][3e-2]
     assert (p["n"], p["blew_up"], p["never_below"]) == (2, 1, 1)  # `lost` alone
     assert p["logit_past_1e4"] == 1
     b = [{**r, "arm": "B", "lever_set": "z_loss"} for r in (stalled, lost)]
-    (row,) = lr_sweep.summarize(b, "B", ["z_loss"], [3e-2], H2)
+    (row,) = sweep_report.summarize(b, "B", ["z_loss"], [3e-2], H2)
     assert (row["points"][3e-2]["blew_up"], row["points"][3e-2]["logit_past_1e4"]) == (2, 1)
-    assert not lr_sweep.ARMS["A"]["logit_blows_up"] and lr_sweep.ARMS["B"].get(
+    assert not sweep_arms.ARMS["A"]["logit_blows_up"] and sweep_arms.ARMS["B"].get(
         "logit_blows_up", True
     )

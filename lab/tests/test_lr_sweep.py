@@ -1,6 +1,6 @@
-"""lab/lr_sweep.py: its preflight refuses the old study's setup; Wortsman et al.'s LR sensitivity, the blow-up
-criterion and OLMo 2's spike score on hand-made numbers; the pilot's two runs end to end, shrunk (killed and resumed,
-table, PNG, finished runs skipped).
+"""lab/lr_sweep.py with its study (sweep_arms.py, sweep_report.py): the preflight refuses the old study's setup;
+Wortsman et al.'s LR sensitivity, the blow-up criterion and OLMo 2's spike score on hand-made numbers; the pilot's
+two runs end to end, shrunk (killed and resumed, table, PNG, finished runs skipped).
 """
 
 import json
@@ -12,6 +12,8 @@ import sys
 import pytest
 
 import lr_sweep
+import sweep_arms
+import sweep_report
 from helpers import ROOT
 
 # The old study's setup (lab/stability.md before the lab had its corpus): 2 layers of 64 on GPT-2's vocabulary,
@@ -56,7 +58,7 @@ OLD_LRS = [3e-3, 1e-2, 3e-2, 1e-1, 3e-1, 1.0]
 
 
 def test_preflight_refuses_the_old_study_and_passes_the_lab():
-    problems = lr_sweep.preflight(
+    problems = sweep_arms.preflight(
         {"old": {"args": [], "levers": OLD_LEVERS, "lrs": OLD_LRS}}, base=OLD_BASE
     )
     assert len(problems) == 6, problems
@@ -68,9 +70,9 @@ def test_preflight_refuses_the_old_study_and_passes_the_lab():
         "qk-layernorm compared without z-loss" in qk and "z-loss compared without qk-layernorm" in z
     )
     assert "z-loss compared on a tied output layer or one with weight decay" in tied
-    assert lr_sweep.preflight(lr_sweep.ARMS) == []  # the lab's own study passes
+    assert sweep_arms.preflight(sweep_arms.ARMS) == []  # the lab's own study passes
     # each check alone: the lab's arm A with one thing of the old study's
-    arm_a = lr_sweep.ARMS["A"]
+    arm_a = sweep_arms.ARMS["A"]
     for extra, expected in (
         (["--lr_warmup_samples=800"], "a warm-up of 50 iterations"),
         (["--weight_decay_independent=false"], "coupled to the LR across LRs 0.001..1"),
@@ -79,16 +81,16 @@ def test_preflight_refuses_the_old_study_and_passes_the_lab():
             "89% of the parameters are the embedding (50257 x 128)",
         ),
     ):
-        found = lr_sweep.preflight({"A": arm_a}, extra)
+        found = sweep_arms.preflight({"A": arm_a}, extra)
         assert len(found) == 1 and expected in found[0], (extra, found)
     alone = {**arm_a, "levers": {"default": [], "qk_layernorm": ["--qk_layernorm"]}}
     assert [
-        "qk-layernorm compared without z-loss" in p for p in lr_sweep.preflight({"A": alone})
+        "qk-layernorm compared without z-loss" in p for p in sweep_arms.preflight({"A": alone})
     ] == [True]
-    arm_b = lr_sweep.ARMS["B"]
+    arm_b = sweep_arms.ARMS["B"]
     z_alone = {**arm_b, "args": [a for a in arm_b["args"] if a != "--qk_layernorm"]}
     assert [
-        "z-loss compared without qk-layernorm" in p for p in lr_sweep.preflight({"B": z_alone})
+        "z-loss compared without qk-layernorm" in p for p in sweep_arms.preflight({"B": z_alone})
     ] == [True]
     # tied, or decayed (the default)
     for dropped in (
@@ -97,7 +99,7 @@ def test_preflight_refuses_the_old_study_and_passes_the_lab():
     ):
         held = {**arm_b, "args": [a for a in arm_b["args"] if a != dropped]}
         assert [
-            "z-loss compared on a tied output layer" in p for p in lr_sweep.preflight({"B": held})
+            "z-loss compared on a tied output layer" in p for p in sweep_arms.preflight({"B": held})
         ] == [True]
 
 
@@ -112,37 +114,39 @@ def test_the_command_line_refuses_a_weak_study_before_any_run(tmp_path):
 def test_lr_sensitivity_blow_ups_and_spike_score_on_hand_made_numbers():
     l0 = 10.0
     # a NaN and a run above L0 both count as L0; the best loss is 4: (1 + 0 + 6 + 6) / 4
-    assert lr_sweep.sensitivity({1e-3: 5.0, 1e-2: 4.0, 1e-1: float("nan"), 1.0: 12.0}, l0) == 3.25
+    assert (
+        sweep_report.sensitivity({1e-3: 5.0, 1e-2: 4.0, 1e-1: float("nan"), 1.0: 12.0}, l0) == 3.25
+    )
     # all diverged: flat at L0
-    assert lr_sweep.sensitivity({1e-3: float("inf"), 1e-2: 11.0}, l0) == 0.0
+    assert sweep_report.sensitivity({1e-3: float("inf"), 1e-2: 11.0}, l0) == 0.0
     bigram = 3.5
     # the 10-iteration loss means over 500 iterations: clearly below H2 (by 0.2) from iteration 40
     learned = [6.0, 4.0, 3.4] + [3.2] * 47
-    assert not lr_sweep.blew_up({"loss10": learned}, bigram, start=150)
-    assert lr_sweep.blew_up({"loss10": learned[:19] + [3.6]}, bigram, start=150)
+    assert not sweep_report.blew_up({"loss10": learned}, bigram, start=150)
+    assert sweep_report.blew_up({"loss10": learned[:19] + [3.6]}, bigram, start=150)
     # before `start`
-    assert not lr_sweep.blew_up({"loss10": [6.0, 3.2, 3.8] + [3.2] * 17}, bigram, start=150)
+    assert not sweep_report.blew_up({"loss10": [6.0, 3.2, 3.8] + [3.2] * 17}, bigram, start=150)
     # never learned: not a blow-up
-    assert not lr_sweep.blew_up({"loss10": [6.0] * 20}, bigram, start=150)
+    assert not sweep_report.blew_up({"loss10": [6.0] * 20}, bigram, start=150)
     # hovering at H2: noise
     slow = [6.0] * 10 + [3.52, 3.45, 3.53, 3.47, 3.55, 3.44, 3.51, 3.42, 3.6, 3.4]
-    assert not lr_sweep.blew_up({"loss10": slow}, bigram, start=150)
-    assert lr_sweep.blew_up({"loss10": [6.0] * 20, "attention_logit_max": 2e4}, bigram)
-    assert lr_sweep.blew_up({"loss10": learned, "nan_iterations": 1}, bigram)
+    assert not sweep_report.blew_up({"loss10": slow}, bigram, start=150)
+    assert sweep_report.blew_up({"loss10": [6.0] * 20, "attention_logit_max": 2e4}, bigram)
+    assert sweep_report.blew_up({"loss10": learned, "nan_iterations": 1}, bigram)
     # spike score: 7 sigma above the mean of the 100 values before; a NaN is a spike
     calm = [1.0 + 0.01 * (i % 2) for i in range(200)]
-    assert lr_sweep.spike_score(calm) == 0.0 and lr_sweep.spike_score(calm[:100]) is None
+    assert sweep_report.spike_score(calm) == 0.0 and sweep_report.spike_score(calm[:100]) is None
     spiky = list(calm)
     spiky[150], spiky[160] = 1.2, float("nan")  # 1.2: 40 sigma above; 1 + 0.06 would be 12 sigma
-    assert lr_sweep.spike_score(spiky) == 2 / 100
+    assert sweep_report.spike_score(spiky) == 2 / 100
     spiky[150] = 1.005 + 0.005 * 7.5  # 7.5 sigma (the window's mean is 1.005, its std 0.005)
-    assert lr_sweep.spike_score(spiky) == 2 / 100
+    assert sweep_report.spike_score(spiky) == 2 / 100
     spiky[150] = 1.005 + 0.005 * 6.5
-    assert lr_sweep.spike_score(spiky) == 1 / 100
+    assert sweep_report.spike_score(spiky) == 1 / 100
     # a diverged run: 100 NaNs, then finite values with no finite window before them (arm W's LR 1 ended so)
     lost = [1.0] * 100 + [float("nan")] * 100 + [5.0] * 50
     # the 100 NaNs; the first 5.0 is not scored, the next are calm
-    assert lr_sweep.spike_score(lost) == 100 / 149
+    assert sweep_report.spike_score(lost) == 100 / 149
     # summarize: two seeds of one lever set over two LRs
     runs = [
         (1e-2, 1, 3.2, learned),
@@ -162,32 +166,32 @@ def test_lr_sensitivity_blow_ups_and_spike_score_on_hand_made_numbers():
         }
         for lr, seed, loss, loss10 in runs
     ]
-    (row,) = lr_sweep.summarize(results, "A", ["a"], [1e-2, 1.0], bigram)
+    (row,) = sweep_report.summarize(results, "A", ["a"], [1e-2, 1.0], bigram)
     high = row["points"][1.0]
     assert (high["mean"], high["min"], high["max"], high["n"]) == (
-        (5.0 + lr_sweep.L0) / 2,
+        (5.0 + sweep_report.L0) / 2,
         5.0,
-        lr_sweep.L0,
+        sweep_report.L0,
         2,
     )
     assert (high["blew_up"], high["never_below"], high["diverged"]) == (1, 1, 1)
     assert row["points"][1e-2]["attention_logit_max"] == 15.0 and row["best_lr"] == 1e-2
-    assert row["sensitivity"] == pytest.approx(((5.0 + lr_sweep.L0) / 2 - 3.3) / 2)
-    assert row["sensitivity_seeds"] == pytest.approx(((5.0 - 3.2) / 2, (lr_sweep.L0 - 3.4) / 2))
+    assert row["sensitivity"] == pytest.approx(((5.0 + sweep_report.L0) / 2 - 3.3) / 2)
+    assert row["sensitivity_seeds"] == pytest.approx(((5.0 - 3.2) / 2, (sweep_report.L0 - 3.4) / 2))
     # a third seed run at LR 1 only: no run stands in for it at 1e-2, so it has no curve
     results.append({**results[2], "seed": 3, "val_loss": 4.0})
-    (row,) = lr_sweep.summarize(results, "A", ["a"], [1e-2, 1.0], bigram)
+    (row,) = sweep_report.summarize(results, "A", ["a"], [1e-2, 1.0], bigram)
     assert row["points"][1.0]["n"] == 3 and row["points"][1e-2]["n"] == 2
-    assert row["sensitivity_seeds"] == pytest.approx(((5.0 - 3.2) / 2, (lr_sweep.L0 - 3.4) / 2))
+    assert row["sensitivity_seeds"] == pytest.approx(((5.0 - 3.2) / 2, (sweep_report.L0 - 3.4) / 2))
     # an LR of the grid not run: no sensitivity (it would not compare with a whole curve's)
-    (row,) = lr_sweep.summarize(results, "A", ["a"], [1e-2, 1e-1, 1.0], bigram)
+    (row,) = sweep_report.summarize(results, "A", ["a"], [1e-2, 1e-1, 1.0], bigram)
     assert (
         row["sensitivity"] is None
         and row["sensitivity_seeds"] is None
         and sorted(row["points"]) == [1e-2, 1.0]
     )
     # a selection of LR 1 alone (`--lrs 1`) is outside Wortsman et al.'s range: no sensitivity there, no error
-    (row,) = lr_sweep.summarize(results, "A", ["a"], [1.0], bigram)
+    (row,) = sweep_report.summarize(results, "A", ["a"], [1.0], bigram)
     assert (
         row["ranges"]["1e-3..3e-1"] == {"lrs": [], "seeds": {}, "mean_curve": None}
         and row["sensitivity"] == 0
@@ -246,7 +250,7 @@ def test_lr_sweep_end_to_end_resumes_a_killed_run_writes_table_and_png_and_skips
             and r["final_ln_input_rms_max"] > 0
             and r["spike_score"] is None
         )
-        run = lr_sweep.run_dir(str(tmp_path / "lab"), "A", "default", r["lr"], 1)
+        run = sweep_arms.run_dir(str(tmp_path / "lab"), "A", "default", r["lr"], 1)
         # the checkpoints are gone
         assert not [n for n in os.listdir(run) if n.startswith("global_step")]
     # the resumed run equals the run made in one go
@@ -271,7 +275,7 @@ def test_lr_sweep_end_to_end_resumes_a_killed_run_writes_table_and_png_and_skips
 
     assert matplotlib.image.imread(str(tmp_path / "lab" / "lr_sweep.png")).ndim == 3
     result_file = os.path.join(
-        lr_sweep.run_dir(str(tmp_path / "lab"), "A", "default", 1e-2, 1), "result.json"
+        sweep_arms.run_dir(str(tmp_path / "lab"), "A", "default", 1e-2, 1), "result.json"
     )
     stamp = os.path.getmtime(result_file)
     second = subprocess.run(
@@ -286,6 +290,6 @@ def test_lr_sweep_end_to_end_resumes_a_killed_run_writes_table_and_png_and_skips
     assert report.returncode == 0, report.stdout[-3000:] + report.stderr[-3000:]
     table = open(tmp_path / "lab" / "results.md").read()
     assert table.startswith("2 of the selection's 3 runs finished") and "| default |" in table
-    assert not os.path.exists(lr_sweep.run_dir(str(tmp_path / "lab"), "A", "default", 1.0, 1))
+    assert not os.path.exists(sweep_arms.run_dir(str(tmp_path / "lab"), "A", "default", 1.0, 1))
     with pytest.raises(SystemExit, match="the pilot has not run"):
         lr_sweep.main(["--out", str(tmp_path / "empty"), "--arms", "A", "--report"])

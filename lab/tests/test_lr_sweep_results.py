@@ -1,4 +1,4 @@
-"""The stability lab's tracked results (lab/lr_sweep.py): the tables that --report --results rebuilds
+"""The stability lab's tracked results (lab/sweep_report.py): the tables that --report --results rebuilds
 from lab/results.jsonl's one line a run against the tables made from the runs' full results, the refusal to
 mix code versions, the code version a run records, and the size ladder's prediction against a hand computation.
 """
@@ -11,6 +11,8 @@ import subprocess
 import pytest
 
 import lr_sweep
+import sweep_arms
+import sweep_report
 
 H2 = 3.509
 CORPUS = {"tokens": 2_666_329, "unigram_entropy": 5.219, "bigram_entropy": H2}
@@ -54,7 +56,7 @@ def _result(
 def _study(code="abc1234"):
     """Arm A: seeds 1 and 3 over the grid, seed 2 at two LRs; flat, lost, diverged and NaN runs among them."""
     results = []
-    for i, lr in enumerate(lr_sweep.HALF_DECADES):
+    for i, lr in enumerate(sweep_arms.HALF_DECADES):
         for seed in (1, 3):
             broken = lr >= 3e-2
             results.append(
@@ -89,19 +91,19 @@ def _study(code="abc1234"):
 
 
 def _tables(results, code="abc1234"):
-    arms = {"A": lr_sweep.ARMS["A"]}
+    arms = {"A": sweep_arms.ARMS["A"]}
     rows = {
-        "A": lr_sweep.summarize(
-            results, "A", ["default", "qk_layernorm"], lr_sweep.HALF_DECADES, H2
+        "A": sweep_report.summarize(
+            results, "A", ["default", "qk_layernorm"], sweep_arms.HALF_DECADES, H2
         )
     }
-    return lr_sweep.markdown(rows, {"A": arms["A"]["lrs"]}, CORPUS, [], code, 128)
+    return sweep_report.markdown(rows, {"A": arms["A"]["lrs"]}, CORPUS, [], code, 128)
 
 
 def test_the_tracked_records_alone_give_the_tables_the_full_results_give(tmp_path):
     results = _study()
     path = str(tmp_path / "lab" / "results.jsonl")
-    lr_sweep.merge_records(path, [lr_sweep.record(r, CORPUS) for r in results])
+    sweep_report.merge_records(path, [sweep_report.record(r, CORPUS) for r in results])
     lines = [json.loads(line) for line in open(path)]
     assert len(lines) == len(results) and all(
         "loss10" not in r and "series" not in r for r in lines
@@ -113,7 +115,7 @@ def test_the_tracked_records_alone_give_the_tables_the_full_results_give(tmp_pat
     assert "up 2" in reference and "up 1 div 1" in reference and "flat 3" in reference
     docs = tmp_path / "stability.md"
     docs.write_text(
-        f"# before\n\n{lr_sweep.DOCS_BEGIN}\nold tables\n{lr_sweep.DOCS_END}\n\n# after\n"
+        f"# before\n\n{sweep_report.DOCS_BEGIN}\nold tables\n{sweep_report.DOCS_END}\n\n# after\n"
     )
     lr_sweep.main(
         [
@@ -133,27 +135,27 @@ def test_the_tracked_records_alone_give_the_tables_the_full_results_give(tmp_pat
         "30 of the selection's 42 runs"
     )
     text = docs.read_text()
-    assert text.startswith("# before\n\n" + lr_sweep.DOCS_BEGIN) and text.endswith(
-        lr_sweep.DOCS_END + "\n\n# after\n"
+    assert text.startswith("# before\n\n" + sweep_report.DOCS_BEGIN) and text.endswith(
+        sweep_report.DOCS_END + "\n\n# after\n"
     )
     assert reference.strip() in text and "old tables" not in text
     assert "Every run below ran on code abc1234" in text and "30 runs" in text
     for png in (tmp_path / "report" / "lr_sweep.png", tmp_path / "stability.png"):
         assert png.read_bytes().startswith(b"\x89PNG")
     # the same run recorded again replaces its line; the same run on other code is another line
-    again = [lr_sweep.record(r, CORPUS) for r in _study()[:2]]
-    other = [lr_sweep.record(r, CORPUS) for r in _study(code="def5678")[:2]]
-    lr_sweep.merge_records(path, again + other)
-    assert len(lr_sweep.load_records(path)) == len(results) + 2
+    again = [sweep_report.record(r, CORPUS) for r in _study()[:2]]
+    other = [sweep_report.record(r, CORPUS) for r in _study(code="def5678")[:2]]
+    sweep_report.merge_records(path, again + other)
+    assert len(sweep_report.load_records(path)) == len(results) + 2
 
 
 def test_a_page_of_several_selections_gets_each_report_in_its_own_section_and_figure(tmp_path):
     path = str(tmp_path / "results.jsonl")
-    lr_sweep.merge_records(path, [lr_sweep.record(r, CORPUS) for r in _study()])
+    sweep_report.merge_records(path, [sweep_report.record(r, CORPUS) for r in _study()])
     here, there = (
         [
             m.replace(" --docs", f" --docs --arms A --width {w}")
-            for m in (lr_sweep.DOCS_BEGIN, lr_sweep.DOCS_END)
+            for m in (sweep_report.DOCS_BEGIN, sweep_report.DOCS_END)
         ]
         for w in (128, 64)
     )
@@ -176,7 +178,7 @@ def test_a_page_of_several_selections_gets_each_report_in_its_own_section_and_fi
     with pytest.raises(SystemExit) as refused:
         lr_sweep.main([*report, "--docs", str(page)])
     message = str(refused.value)
-    assert lr_sweep.DOCS_BEGIN in message and "--arms A --width 128)" in message
+    assert sweep_report.DOCS_BEGIN in message and "--arms A --width 128)" in message
 
 
 def test_arm_f_is_shown_against_arm_ns_runs_at_the_same_lever_lr_and_seed(tmp_path):
@@ -193,7 +195,7 @@ def test_arm_f_is_shown_against_arm_ns_runs_at_the_same_lever_lr_and_seed(tmp_pa
         _result("guard", 1e-2, 1, 3.70, arm="F", width=64),  # arm N has no guard run there
     ]
     path = str(tmp_path / "results.jsonl")
-    lr_sweep.merge_records(path, [lr_sweep.record(r, CORPUS) for r in runs])
+    sweep_report.merge_records(path, [sweep_report.record(r, CORPUS) for r in runs])
     out = tmp_path / "report"
     lr_sweep.main(
         ["--report", "--results", path, "--arms", "F", "--width", "64", "--out", str(out)]
@@ -231,7 +233,7 @@ def test_arm_f_is_shown_against_arm_ns_runs_at_the_same_lever_lr_and_seed(tmp_pa
 def test_a_report_refuses_to_mix_code_versions_and_names_the_one_it_shows(tmp_path):
     path = str(tmp_path / "results.jsonl")
     old = [r for r in _study(code="eded072") if r["lr"] == 3e-2 and r["seed"] == 3]
-    lr_sweep.merge_records(path, [lr_sweep.record(r, CORPUS) for r in [*_study(), *old]])
+    sweep_report.merge_records(path, [sweep_report.record(r, CORPUS) for r in [*_study(), *old]])
     args = ["--report", "--results", path, "--arms", "A", "--out", str(tmp_path / "report")]
     with pytest.raises(
         SystemExit, match=r"mixes runs of code abc1234 \(30 runs\), code eded072 \(2 runs\)"
@@ -249,7 +251,7 @@ def test_a_report_refuses_to_mix_code_versions_and_names_the_one_it_shows(tmp_pa
         lr_sweep.main([*args, "--code", "0000000"])
     # and so does a report from the runs themselves: execute()'s results carry their code
     with pytest.raises(SystemExit, match="mixes runs of code"):
-        lr_sweep.one_code([*_study(), *old])
+        sweep_report.one_code([*_study(), *old])
 
 
 def test_a_run_records_its_code_version_and_is_not_resumed_on_other_code(tmp_path):
@@ -291,7 +293,7 @@ def test_the_ladder_predicts_the_third_width_from_the_two_smallest():
     def width_runs(width, crossing):
         """Arm A at `width`, 2 seeds, the default's logit log-linear in the LR and 1e4 exactly at `crossing`."""
         runs = []
-        for lr in lr_sweep.HALF_DECADES:
+        for lr in sweep_arms.HALF_DECADES:
             for seed in (1, 2):
                 # geometric mean on the line
                 logit = 1e4 * (lr / crossing) ** 2 * (1.1 if seed == 1 else 1 / 1.1)
@@ -301,7 +303,7 @@ def test_the_ladder_predicts_the_third_width_from_the_two_smallest():
                 runs.append(_result("qk_layernorm", lr, seed, 3.3 + lr * 32 / width, width=width))
         return runs
 
-    steps = lr_sweep.ladder(
+    steps = sweep_report.ladder(
         width_runs(64, 0.08) + width_runs(128, 0.04), H2, targets=(64, 128, 256)
     )
     assert steps[64]["crossing"] == pytest.approx(0.08) and steps[128]["crossing"] == pytest.approx(
@@ -315,31 +317,31 @@ def test_the_ladder_predicts_the_third_width_from_the_two_smallest():
     s64, s128 = steps[64]["sensitivity"]["default"], steps[128]["sensitivity"]["default"]
     assert guess["sensitivity"]["default"] == pytest.approx(2 * s128 - s64)
     assert s64 == pytest.approx(
-        lr_sweep.sensitivity({lr: 3.2 + lr for lr in lr_sweep.HALF_DECADES if lr <= 0.3})
+        sweep_report.sensitivity({lr: 3.2 + lr for lr in sweep_arms.HALF_DECADES if lr <= 0.3})
     )
-    table = lr_sweep.ladder_markdown(steps)
+    table = sweep_report.ladder_markdown(steps)
     assert "| 256 | 0 | not run | 0.02 (from 64, 128) |" in table
-    measured = lr_sweep.ladder(
+    measured = sweep_report.ladder(
         width_runs(64, 0.08) + width_runs(128, 0.04) + width_runs(256, 0.015), H2
     )
     assert measured[256]["crossing"] == pytest.approx(0.015) and measured[256]["predicted"][
         "crossing"
     ] == pytest.approx(0.02)
-    assert "| 256 | 28 | 0.015 | 0.02 (from 64, 128) |" in lr_sweep.ladder_markdown(measured)
+    assert "| 256 | 28 | 0.015 | 0.02 (from 64, 128) |" in sweep_report.ladder_markdown(measured)
     # a seed not run at every width is left out of every width: like with like
     extra = [r for r in width_runs(128, 0.01) if r["seed"] == 1]
     for r in extra:
         r["seed"] = 3
-    mixed = lr_sweep.ladder(width_runs(64, 0.08) + width_runs(128, 0.04) + extra, H2)
+    mixed = sweep_report.ladder(width_runs(64, 0.08) + width_runs(128, 0.04) + extra, H2)
     assert (
         mixed[128]["crossing"] == pytest.approx(0.04)
         and mixed[128]["n"] == 28
         and mixed[64]["seeds"] == [1, 2]
     )
-    assert "over the seeds run at every width (1, 2)" in lr_sweep.ladder_markdown(mixed)
+    assert "over the seeds run at every width (1, 2)" in sweep_report.ladder_markdown(mixed)
     # no LR of the grid below the crossing: not extrapolated
     assert (
-        lr_sweep.logit_crossing(
+        sweep_report.logit_crossing(
             {
                 1e-3: {"runs": {"attention_logit_max": [2e4]}},
                 1e-2: {"runs": {"attention_logit_max": [3e4]}},
@@ -348,7 +350,7 @@ def test_the_ladder_predicts_the_third_width_from_the_two_smallest():
         is None
     )
     assert math.isclose(
-        lr_sweep.logit_crossing(
+        sweep_report.logit_crossing(
             {
                 1e-3: {"runs": {"attention_logit_max": [1e3]}},
                 1e-2: {"runs": {"attention_logit_max": [1e5]}},
@@ -359,46 +361,46 @@ def test_the_ladder_predicts_the_third_width_from_the_two_smallest():
 
 
 def test_a_width_of_the_ladder_runs_with_heads_of_32_in_its_own_directory():
-    args = lr_sweep.train_args("A", "default", 1e-2, 1, "/x", width=256)
-    cfg = lr_sweep.config_of(args)
+    args = sweep_arms.train_args("A", "default", 1e-2, 1, "/x", width=256)
+    cfg = sweep_arms.config_of(args)
     assert (cfg.hidden_size, cfg.num_attention_heads, cfg.num_layers) == (256, 8, 4)
     assert (
-        lr_sweep.width_of(args) == 256
-        and lr_sweep.width_of(lr_sweep.train_args("A", "default", 1e-2, 1, "/x")) == 128
+        sweep_arms.width_of(args) == 256
+        and sweep_arms.width_of(sweep_arms.train_args("A", "default", 1e-2, 1, "/x")) == 128
     )
-    assert lr_sweep.run_dir("o", "A", "default", 1e-2, 1, 64) == os.path.join(
+    assert sweep_arms.run_dir("o", "A", "default", 1e-2, 1, 64) == os.path.join(
         "o", "runs", "w64", "A", "default", "lr1e-02-seed1"
     )
-    assert lr_sweep.run_dir("o", "A", "default", 1e-2, 1) == os.path.join(
+    assert sweep_arms.run_dir("o", "A", "default", 1e-2, 1) == os.path.join(
         "o", "runs", "A", "default", "lr1e-02-seed1"
     )
     with pytest.raises(SystemExit, match="arm C's init levers are defined at width 128"):
-        lr_sweep.train_args("C", "init_0.63", 1e-2, 1, "/x", width=64)
+        sweep_arms.train_args("C", "init_0.63", 1e-2, 1, "/x", width=64)
     with pytest.raises(SystemExit, match="not a multiple of the head size 32"):
-        lr_sweep.train_args("A", "default", 1e-2, 1, "/x", width=100)
+        sweep_arms.train_args("A", "default", 1e-2, 1, "/x", width=100)
 
 
 def test_a_line_that_record_did_not_write_is_refused_by_its_number(tmp_path):
     path = tmp_path / "results.jsonl"
-    good = json.dumps(lr_sweep.record(_study()[0], CORPUS))
+    good = json.dumps(sweep_report.record(_study()[0], CORPUS))
     path.write_text(good + "\n\n{not json\n")
     with pytest.raises(SystemExit, match=r"results.jsonl:3 is not JSON"):
-        lr_sweep.load_records(str(path))
+        sweep_report.load_records(str(path))
     path.write_text(good + "\n" + json.dumps({"arm": "A", "lr": 0.1}) + "\n")
     with pytest.raises(
         SystemExit, match=r"results.jsonl:2 lacks lever_set, seed, width, code, val_loss, corpus"
     ):
-        lr_sweep.load_records(str(path))
+        sweep_report.load_records(str(path))
 
 
 def test_arm_w_s_short_warm_up_is_arm_a_s_default_run_and_recorded_once(tmp_path):
     # the same arguments, so the same runs: arm W reads arm A's default, never trains or records it again
-    for lr in lr_sweep.HALF_DECADES:
-        assert lr_sweep.train_args("W", "warmup_100", lr, 2, "/x") == lr_sweep.train_args(
+    for lr in sweep_arms.HALF_DECADES:
+        assert sweep_arms.train_args("W", "warmup_100", lr, 2, "/x") == sweep_arms.train_args(
             "A", "default", lr, 2, "/x"
         )
     short, long = (
-        lr_sweep.config_of(lr_sweep.train_args("W", lever, 1e-2, 1, "/x"))
+        sweep_arms.config_of(sweep_arms.train_args("W", lever, 1e-2, 1, "/x"))
         for lever in ("warmup_100", "warmup_300")
     )
     assert (
@@ -410,11 +412,11 @@ def test_arm_w_s_short_warm_up_is_arm_a_s_default_run_and_recorded_once(tmp_path
         and long.lr_decay_samples == short.lr_decay_samples
         and long.z_loss == 1e-4
     )
-    assert lr_sweep.preflight(lr_sweep.ARMS) == []
+    assert sweep_arms.preflight(sweep_arms.ARMS) == []
     # execute() goes to arm A's directory: a run there with other arguments is refused by its path
-    taken = lr_sweep.run_dir(str(tmp_path), "A", "default", 1e-2, 1)
+    taken = sweep_arms.run_dir(str(tmp_path), "A", "default", 1e-2, 1)
     # so a study skips it once finished
-    assert lr_sweep.run_dir(str(tmp_path), "W", "warmup_100", 1e-2, 1) == taken
+    assert sweep_arms.run_dir(str(tmp_path), "W", "warmup_100", 1e-2, 1) == taken
     os.makedirs(taken)
     with open(os.path.join(taken, "result.json"), "w") as f:
         json.dump({"args": ["--other"]}, f)
@@ -429,7 +431,7 @@ def test_arm_w_s_short_warm_up_is_arm_a_s_default_run_and_recorded_once(tmp_path
         if r["lever_set"] == "default"
     ]
     path = str(tmp_path / "results.jsonl")
-    lr_sweep.merge_records(path, [lr_sweep.record(r, CORPUS) for r in [*_study(), *longer]])
+    sweep_report.merge_records(path, [sweep_report.record(r, CORPUS) for r in [*_study(), *longer]])
     lr_sweep.main(
         ["--report", "--results", path, "--arms", "A,W", "--out", str(tmp_path / "report")]
     )
@@ -440,6 +442,6 @@ def test_arm_w_s_short_warm_up_is_arm_a_s_default_run_and_recorded_once(tmp_path
     assert len(rows) == 3 and all(
         any(line == f"| warmup_100 | {row}" for line in w.splitlines()) for row in rows
     )
-    assert len(lr_sweep.load_records(path)) == 45  # a report writes no record
+    assert len(sweep_report.load_records(path)) == 45  # a report writes no record
     lr_sweep.main(["--report", "--results", path, "--arms", "W", "--out", str(tmp_path / "w")])
     assert (tmp_path / "w" / "results.md").read_text().startswith("30 of the selection's 42 runs")

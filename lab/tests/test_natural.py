@@ -1,10 +1,12 @@
-"""lab/lr_sweep.py's natural-instability arms (N, F; lab/natural.md): the remedies' table on hand-made numbers,
-and the short warm-up allowed only where an arm says why."""
+"""The natural-instability arms (N, F of lab/sweep_arms.py; lab/natural.md): the remedies' table on hand-made
+numbers, and the short warm-up allowed only where an arm says why."""
 
 import json
 import os
 
 import lr_sweep
+import sweep_arms
+import sweep_report
 
 
 def _row(lever_set, means):
@@ -21,11 +23,15 @@ def _row(lever_set, means):
 def test_the_stable_range_is_the_widest_run_of_neighbouring_lrs_within_the_margin():
     best = 3.0
     row = _row("x", {3e-3: 3.05, 1e-2: 3.5, 3e-2: 3.02, 1e-1: 3.09, 3e-1: 3.2})
-    assert lr_sweep.stable_range(row, best, 0.1) == (3e-2, 1e-1, 2)  # not 3e-3 + 3e-2 over the gap
-    assert lr_sweep.stable_range(row, best, 0.6) == (3e-3, 3e-1, 5)
-    assert lr_sweep.stable_range(row, best, 0.01) is None
+    assert sweep_report.stable_range(row, best, 0.1) == (
+        3e-2,
+        1e-1,
+        2,
+    )  # not 3e-3 + 3e-2 over the gap
+    assert sweep_report.stable_range(row, best, 0.6) == (3e-3, 3e-1, 5)
+    assert sweep_report.stable_range(row, best, 0.01) is None
     # the run at the grid's end counts as much as one before a gap
-    assert lr_sweep.stable_range(_row("y", {1e-2: 3.5, 3e-2: 3.0, 1e-1: 3.0}), best, 0.1) == (
+    assert sweep_report.stable_range(_row("y", {1e-2: 3.5, 3e-2: 3.0, 1e-1: 3.0}), best, 0.1) == (
         3e-2,
         1e-1,
         2,
@@ -37,17 +43,17 @@ def test_the_remedy_table_measures_each_remedy_against_the_arms_best_run():
         _row("none", {3e-3: 3.09, 1e-2: 3.30, 3e-2: 4.1}),
         _row("qk_layernorm", {3e-3: 3.05, 1e-2: 3.00, 3e-2: 3.08}),
     ]
-    lines = lr_sweep.remedy_table(rows, margin=0.1)
+    lines = sweep_report.remedy_table(rows, margin=0.1)
     assert "the best run of the arm (3.000" in lines[1]
     assert "| none | +0.090 | 3e-03..3e-03 | 1 of 3 |" in lines
     assert "| qk_layernorm | +0.000 | 3e-03..3e-02 | 3 of 3 |" in lines
 
 
 def test_a_short_warmup_passes_the_preflight_only_where_the_arm_says_why():
-    assert lr_sweep.preflight({k: lr_sweep.ARMS[k] for k in ("N", "F")}) == []
-    unexplained = {**lr_sweep.ARMS["N"]}
+    assert sweep_arms.preflight({k: sweep_arms.ARMS[k] for k in ("N", "F")}) == []
+    unexplained = {**sweep_arms.ARMS["N"]}
     del unexplained["short_warmup"]
-    problems = lr_sweep.preflight({"N": unexplained})
+    problems = sweep_arms.preflight({"N": unexplained})
     assert problems and all("a warm-up of 10 iterations" in p for p in problems)
 
 
@@ -65,22 +71,22 @@ def test_the_twin_table_compares_each_run_with_nones_at_the_same_lr_and_seed():
     guard = _runs("guard", {3e-3: {1: 3.0, 2: 3.1, 3: 3.2}, 1e-2: {1: 3.5, 2: 3.8, 3: 3.69}})
     # seed 3 ran at 3e-3 only in its own row (none has no seed 4); 3e-2 has no twin
     zclip = _runs("zclip", {3e-3: {3: 3.23, 4: 2.0}, 3e-2: {1: 9.0}})
-    lines = lr_sweep.twin_table([none, guard, zclip], margin=0.05)
+    lines = sweep_report.twin_table([none, guard, zclip], margin=0.05)
     assert "| guard | 6 | 4 | 1 | 1 | +0.200 (1e-02, 2) | -0.010 (1e-02, 3) |" in lines
     assert "| zclip | 1 | 0 | 1 | 0 | +0.030 (3e-03, 3) | - |" in lines
     listed = [line for line in lines if line.startswith("- ")]
     assert listed == ["- guard at 1e-02, seed 2: 3.800 against none's 3.600 (+0.200)"]
     # nothing past the margin: said, not left blank
-    assert lr_sweep.twin_table([none, zclip], margin=0.05)[-1] == (
+    assert sweep_report.twin_table([none, zclip], margin=0.05)[-1] == (
         "No run ended worse than its twin by more than 0.05 nats."
     )
-    assert lr_sweep.twin_table([guard, zclip]) == []  # no none row: no twins
+    assert sweep_report.twin_table([guard, zclip]) == []  # no none row: no twins
 
 
 def test_natural_md_holds_the_tables_its_records_give(tmp_path):
     """A reader can check every number of lab/natural.md's tables from lab/results.jsonl: the page rebuilt from
     the records is the page as committed."""
-    committed = open(os.path.join(lr_sweep.ROOT, "lab", "natural.md")).read()
+    committed = open(os.path.join(sweep_arms.ROOT, "lab", "natural.md")).read()
     page = tmp_path / "natural.md"
     page.write_text(committed)
     for arms, width in [("N", 64), ("N", 128)]:  # each section of the page: its selection
@@ -88,7 +94,7 @@ def test_natural_md_holds_the_tables_its_records_give(tmp_path):
             [
                 "--report",
                 "--results",
-                os.path.join(lr_sweep.ROOT, "lab", "results.jsonl"),
+                os.path.join(sweep_arms.ROOT, "lab", "results.jsonl"),
                 "--arms",
                 arms,
                 "--width",
@@ -133,10 +139,13 @@ def test_a_runs_skipped_and_nan_iterations_are_summed_from_its_log_lines(tmp_pat
     ]
     path = tmp_path / "metrics.jsonl"
     path.write_text("".join(json.dumps(line) + "\n" for line in lines))
-    metrics = lr_sweep.read_metrics(str(path))
+    metrics = sweep_report.read_metrics(str(path))
     assert (metrics["skipped_iterations"], metrics["nan_iterations"]) == (3, 1)
-    assert lr_sweep.summarize_run(metrics, 1e-8)["skipped_iterations"] == 3
-    assert lr_sweep.total_or_none([3, 0, 5]) == 8 and lr_sweep.total_or_none([3, None, 5]) is None
+    assert sweep_report.summarize_run(metrics, 1e-8)["skipped_iterations"] == 3
+    assert (
+        sweep_report.total_or_none([3, 0, 5]) == 8
+        and sweep_report.total_or_none([3, None, 5]) is None
+    )
 
 
 # the last line of a run of arm F the spike guard stopped (the study's tree, width 64, LR 1e-1, seed 1), shortened
@@ -149,7 +158,7 @@ STOP_LINE = (
 def _stopped_run(out):
     """A run directory of arm F as the spike guard left it: an intermediate validation loss at 250, the last
     iterations logged, the stop at the end of its log."""
-    directory = lr_sweep.run_dir(out, "F", "guard", 1e-1, 1, 64)
+    directory = sweep_arms.run_dir(out, "F", "guard", 1e-1, 1, 64)
     os.makedirs(os.path.join(directory, "global_step250"))
     with open(os.path.join(directory, "metrics.jsonl"), "w") as f:
         for it in range(1, 260):
@@ -184,15 +193,15 @@ def test_a_run_the_guard_stopped_is_finished_and_scores_as_a_diverged_run(tmp_pa
         "stdout.log",
     ]
     corpus = {"tokens": 1, "unigram_entropy": 5.2, "bigram_entropy": 3.5}
-    record = lr_sweep.record(result, corpus)
+    record = sweep_report.record(result, corpus)
     assert record["stopped_at"] == 259 and record["val_loss"] is None
     finished = {**record, "lever_set": "none", "val_loss": 4.8}
     del finished["stopped_at"]
-    rows = lr_sweep.summarize([record, finished], "F", ["none", "guard"], [1e-1], 3.5)
+    rows = sweep_report.summarize([record, finished], "F", ["none", "guard"], [1e-1], 3.5)
     point = rows[1]["points"][1e-1]
-    assert point["values"] == [lr_sweep.L0] and point["stopped"] == 1 and point["diverged"] == 1
-    table = lr_sweep.markdown(
-        {"F": rows}, {"F": [1e-1]}, {**corpus, "l0": lr_sweep.L0}, [], width=64
+    assert point["values"] == [sweep_report.L0] and point["stopped"] == 1 and point["diverged"] == 1
+    table = sweep_report.markdown(
+        {"F": rows}, {"F": [1e-1]}, {**corpus, "l0": sweep_report.L0}, [], width=64
     )
     assert "`stop k`: the spike guard stopped k" in table and "div 1 stop 1" in table
 
