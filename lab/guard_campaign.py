@@ -205,7 +205,9 @@ def base_args(trial, model, iters):
 def processes(base, fault, method, trial, checkpoint):
     """The argument lists of one run's processes: one; or, for a resumed trial, the first to iteration K (it saves
     in `checkpoint` and stops) and the resume, which alone has the fault's flags. Every run of a resumed trial
-    resumes, the clean twin too: the fault is the only difference."""
+    resumes, the clean twin too: the fault is the only difference. A method that goes back to disk checkpoints
+    saves at its own cadence in the first process too, as the run a resume comes from did: its checkpoints before
+    K are there, and so is what the guard read at each (its update size's trend, without snapshots)."""
     # on 2 processes the last one saves at the end with every rank's weights (dump_weights): replica_gap() reads them
     dumps = [f"--save={checkpoint}", "--dump_weights"] if trial["nproc"] > 1 else []
     # a guard without snapshots (--snapshots off) and the restarts go back to the disk checkpoints
@@ -214,9 +216,12 @@ def processes(base, fault, method, trial, checkpoint):
     if trial["resume"] is None:
         return [[*base, *fault, *method, *disk, *dumps]]
     k = trial["resume"]
-    saves = [f for f in method if f.startswith("--save_interval=")] or ["--save_interval=none"]
+    own = [f for f in method if f.startswith("--save_interval=")]
+    saves = own or ["--save_interval=none"]
+    # --exit_interval saves at K anyway
+    first = own if goes_to_disk(method) else [f"--save_interval={k}"]
     return [
-        [*base, *method, f"--save={checkpoint}", f"--save_interval={k}", f"--exit_interval={k}"],
+        [*base, *method, f"--save={checkpoint}", *first, f"--exit_interval={k}"],
         [*base, *method, *fault, f"--save={checkpoint}", *saves, *dumps],
     ]
 

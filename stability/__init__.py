@@ -199,7 +199,7 @@ def construction(cfg):
         "spike_guard.SpikeGuard": (detector_cfg, guard_cfg, cfg.clip_grad, interval, bound),
         "snapshots.Snapshots": (snapshot_plan(cfg), (cfg.save, cfg.load), reset_iters(cfg)),
         "faults.Faults": (own("faults.Faults"), cfg.seed, cfg.vocab_size, core),
-        "guard.Guard": (guard_cfg, core),
+        "guard.Guard": (guard_cfg, core, cfg.save_interval),
         "telemetry.Recording": (own("telemetry.Recording"), section(GPTConfig, cfg)),
         "guard.Precursor": (own("guard.Precursor"), cfg.adam_eps),
         "guard.Forensics": (own("guard.Forensics"), core),

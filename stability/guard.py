@@ -59,16 +59,42 @@ class Guard(training.Callback):
 
     name = "spike_guard"
 
-    def __init__(self, guard_cfg, shared, core):
+    def __init__(self, guard_cfg, shared, core, save_interval):
         """guard_cfg: its keys, which the spike guard (shared.guard) reads; core: the core's keys
-        (stability.CoreKeys) its forwards and the samples it names read, and save."""
+        (stability.CoreKeys) its forwards and the samples it names read, and save; save_interval: the
+        disk checkpoints' cadence, the update size's without snapshots."""
         self.core = core
         self.guard, self.snapshots, self.writer = shared.guard, shared.snapshots, shared.writer
         self.built = shared.built  # the replica check, built after: it carries out its own findings
+        # the update size's readings: at each snapshot, or without snapshots at each disk checkpoint
+        self.reading_interval = self.snapshots.interval or (
+            (save_interval or 0) if core.save else 0
+        )
+        self.sampled = (
+            None  # without snapshots: (iteration, updates, weights, stride) of the last checkpoint
+        )
 
     def start(self, parts, report, train_data):
         self.parts, self.report, self.train_data = parts, report, train_data
         self.device = next(parallel.unwrap(parts.model).parameters()).device
+        if (
+            parts.state.iteration
+        ):  # resumed: the checkpoint resumed from is the first reading's reference
+            self.sample(parts.state.iteration)
+
+    def sample(self, iteration):
+        """Without snapshots: a sampled copy of the weights of now, the state of the disk checkpoint of
+        `iteration` (update_size.sample), the next reading's reference."""
+        guard = self.guard
+        if self.snapshots.interval or not (
+            guard.enabled and guard.rules.spike_guard_update_ratio and self.reading_interval
+        ):
+            return
+        self.sampled = (iteration, guard.updates, *update_size.sample(self.parts.model))
+
+    def after_iteration(self, iteration):
+        if self.reading_interval and iteration % self.reading_interval == 0:
+            self.sample(iteration)  # saved by now: the checkpoint's state
 
     def skip(self, iteration):
         return "spike guard" if self.guard.skips(iteration) else None
@@ -146,9 +172,10 @@ class Guard(training.Callback):
         """At each snapshot iteration, an applied step: the weights' move per update since the newest snapshot
         (update_size.py), judged against its trend (Detector.moved) and recorded; an outlier is the optimizer's
         doing (SpikeGuard.moved_too_far) -- unless a weight moved farther than the optimizer can move
-        it, a corruption that the hardware diagnosis and the replica check answer, not this rule. The
-        decision, or None."""
-        guard, interval = self.guard, self.snapshots.interval
+        it, a corruption that the hardware diagnosis and the replica check answer, not this rule. Without
+        snapshots, at each disk checkpoint: the move since the one before read from a sampled copy (sample()),
+        and only an outlier read again against that checkpoint itself, which decides. The decision, or None."""
+        guard, interval = self.guard, self.reading_interval
         if not (
             guard.enabled
             and guard.rules.spike_guard_update_ratio
@@ -157,6 +184,19 @@ class Guard(training.Callback):
             and step.outcome == "ok"
         ):
             return None
+        where = "at the snapshot" if self.snapshots.interval else "at the checkpoint"
+        if not self.snapshots.interval:
+            if self.sampled is None or self.sampled[0] >= n or guard.updates <= self.sampled[1]:
+                return None
+            then, updates, weights, stride = self.sampled
+            move = update_size.relative_move(
+                self.parts.model, weights, guard.updates - updates, stride
+            )
+            if not (guard.armed() and guard.moved(move)):
+                guard.series["update"].record(move)
+                return None
+            if self.writer is not None:
+                self.writer.wait()  # the checkpoint read next may be the one being written
         found = self.snapshots.newest_before(n)  # after a resume, the checkpoint resumed from
         move = None if found is None else self.move_since(found[0], found)
         if move is None:
@@ -173,7 +213,7 @@ class Guard(training.Callback):
             is not None
         ):
             return None
-        return guard.moved_too_far(n, f"at the snapshot: {reason}", move, then)
+        return guard.moved_too_far(n, f"{where}: {reason}", move, then)
 
     def move_since(self, then, found=None):
         """The weights' move per update since the state of iteration `then` (found: it, already read), or None
@@ -192,10 +232,10 @@ class Guard(training.Callback):
         stopped (SpikeGuardStop)."""
         if self.writer is not None:
             self.writer.wait()  # a rollback may read the checkpoint being written
-        if (
-            self.snapshots.roll_back(decision, self.parts, self.guard) is None
-            or decision["action"] == "stop"
-        ):
+        restored = self.snapshots.roll_back(decision, self.parts, self.guard)
+        if restored is not None:
+            self.sample(restored)  # without snapshots: the checkpoint rolled back to
+        if restored is None or decision["action"] == "stop":
             iteration = self.parts.state.iteration
             if self.core.save:
                 run_state.save(self.parts, self.writer)

@@ -343,8 +343,13 @@ def test_each_seventh_flag_set_passes_the_runs_own_parser_and_checks():
                 ):
                     cfg = arguments.load_config([*argv, "--data_path=unused"])
                     arguments.validate(cfg, world_size=trial["nproc"], reads_data=False)
-                    if gc.goes_to_disk(flags):  # it goes back to what it saves
-                        assert cfg.save == "/tmp/ck" and cfg.save_interval
+                    if gc.goes_to_disk(
+                        flags
+                    ):  # it goes back to what it saves, saved at its cadence
+                        own = [f for f in flags if f.startswith("--save_interval=")]
+                        assert cfg.save == "/tmp/ck" and own == [
+                            f"--save_interval={cfg.save_interval}"
+                        ]
 
 
 # -- the methods' one rule ---------------------------------------------------------------------
