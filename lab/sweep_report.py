@@ -906,20 +906,10 @@ def plot(rows_by_arm, results, corpus, path):
                         color=color,
                         label=row["lever_set"],
                     )
-        ax.axhline(
-            corpus["bigram_entropy"],
-            color="grey",
-            linestyle="--",
-            linewidth=1,
-            label="bigram entropy",
-        )
-        ax.axhline(
-            corpus["unigram_entropy"],
-            color="grey",
-            linestyle=":",
-            linewidth=1,
-            label="unigram entropy",
-        )
+        for key, style in (("bigram_entropy", "--"), ("unigram_entropy", ":")):
+            ax.axhline(
+                corpus[key], color="grey", linestyle=style, linewidth=1, label=key.replace("_", " ")
+            )
         ax.set_ylim(top=L0 + 0.3)
         ax.set_title(
             f"arm {arm}: final validation loss (a dot a run; bars: min-max where n >= 3)",

@@ -227,15 +227,14 @@ def test_an_lr_fault_in_time_with_no_loss_spike_is_rolled_back_and_the_run_is_th
     assert final_valid(out) == final_valid(clean)
 
 
-def test_an_lr_too_high_from_a_resume_on_is_brought_back_to_its_trend(run, clean, tmp_path):
-    """A resume at 30 with the LR x10 from then on, no loss spike (the campaign's LRs x13-x35 after a resume: 1.4-2.6%
-    final loss, no decision or a wrong "data" one). The guard frozen there decided nothing here. The move per update
-    since the checkpoint resumed from is ~10x its trend's: rolled back to it, and the LR scaled by trend / move, which
-    undoes the x10 to within 2x (a x0.5 cut would leave x5); the LRs applied after are the clean run's x that."""
-    save = str(tmp_path / "resumed")
-    run(*GUARD, f"--save={save}", "--exit_interval=30")
+def _resumed_with_lr_x10(run, clean, flags, save, where):
+    """A resume at 30 with the LR x10 from then on, under the guard's `flags`: one decision at 35, `where` (at the
+    snapshot, at the checkpoint), rolled back to before 31 with no data skipped and the LR scaled by trend / move,
+    which undoes the x10 to within 2x (a x0.5 cut would leave x5); the LRs applied after are the clean run's x that.
+    Returns the resumed run's output."""
+    run(*flags, f"--save={save}", "--exit_interval=30")
     out = run(
-        *GUARD,
+        *flags,
         "--inject_lr_iters=31-60",
         "--inject_lr_factor=10",
         "--inject_lr_persistent",
@@ -243,9 +242,7 @@ def test_an_lr_too_high_from_a_resume_on_is_brought_back_to_its_trend(run, clean
         f"--load={save}",
     )
     lines = decisions(out)
-    assert len(lines) == 1 and lines[0].startswith(
-        "spike guard: iteration 35: at the snapshot: "
-    ), lines
+    assert len(lines) == 1 and lines[0].startswith(f"spike guard: iteration 35: {where}: "), lines
     assert (
         "optimizer-driven" in lines[0]
         and "roll back to before iteration 31 and skip no data" in lines[0]
@@ -258,6 +255,14 @@ def test_an_lr_too_high_from_a_resume_on_is_brought_back_to_its_trend(run, clean
     assert 0.5 < 10 * scale < 2, lines
     lr = lambda stdout: float(log_fields(stdout)[50]["learning rate"])  # noqa: E731
     assert lr(out) / lr(clean) == pytest.approx(10 * scale, rel=2e-3)
+    return out
+
+
+def test_an_lr_too_high_from_a_resume_on_is_brought_back_to_its_trend(run, clean, tmp_path):
+    """A resume at 30 with the LR x10 from then on, no loss spike (the campaign's LRs x13-x35 after a resume: 1.4-2.6%
+    final loss, no decision or a wrong "data" one). The guard frozen there decided nothing here. The move per update
+    since the checkpoint resumed from is ~10x its trend's: rolled back to it, the LR brought back to its trend."""
+    _resumed_with_lr_x10(run, clean, GUARD, str(tmp_path / "resumed"), "at the snapshot")
 
 
 # -- the low side: one ordinary batch is not text learnt by heart ---------------------------------------------------
@@ -316,33 +321,12 @@ def test_without_snapshots_an_lr_too_high_from_a_resume_on_is_read_at_the_next_c
     75 iterations): no decision, 2.4% over the clean twin, where the seventh's guard (snapshots on) caught both. The
     update size had no reading without a snapshot. Now it reads at each disk checkpoint, against a sampled copy of
     the weights of the one before, and an outlier is read again against the checkpoint itself: the resume at 30 with
-    the LR x10 is rolled back to the checkpoint of 30 at the next one, 35, the LR brought back to within 2x of the
-    schedule's, as with snapshots. The clean run without snapshots decides nothing."""
+    the LR x10 is rolled back to the checkpoint of 30 at the next one, 35, as with snapshots. The clean run without
+    snapshots decides nothing."""
     clean = run(*DISK, f"--save={tmp_path / 'clean'}")
     assert decisions(clean) == []
-    save = str(tmp_path / "resumed")
-    run(*DISK, f"--save={save}", "--exit_interval=30")
-    out = run(
-        *DISK,
-        "--inject_lr_iters=31-60",
-        "--inject_lr_factor=10",
-        "--inject_lr_persistent",
-        f"--save={save}",
-        f"--load={save}",
-    )
-    lines = decisions(out)
-    assert len(lines) == 1 and lines[0].startswith(
-        "spike guard: iteration 35: at the checkpoint: the weights moved "
-    ), lines
-    assert (
-        "optimizer-driven" in lines[0]
-        and "roll back to before iteration 31 and skip no data" in lines[0]
-    )
+    out = _resumed_with_lr_x10(run, clean, DISK, str(tmp_path / "resumed"), "at the checkpoint")
     assert "spike guard: rolled back to iteration 30" in out
-    scale = float(re.search(r"LR x(\S+) from now on", lines[0]).group(1))
-    assert 0.5 < 10 * scale < 2, lines
-    lr = lambda stdout: float(log_fields(stdout)[50]["learning rate"])  # noqa: E731
-    assert lr(out) / lr(clean) == pytest.approx(10 * scale, rel=2e-3)
 
 
 def test_a_sampled_copy_reads_the_move_of_the_whole_weights():
