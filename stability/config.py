@@ -83,8 +83,10 @@ def check(cfg):
         reset_iters(cfg)
     check_guard(section(GuardConfig, cfg))
     check_snapshots(section(SnapshotConfig, cfg))
-    need(
-        not cfg.spike_guard or cfg.spike_guard_snapshot_interval or cfg.save,
+    need(  # and reads the weights' move at each of them (Guard.update_size)
+        not cfg.spike_guard
+        or cfg.spike_guard_snapshot_interval
+        or (cfg.save and cfg.save_interval),
         "spike_guard with spike_guard_snapshot_interval=0 rolls back to disk checkpoints: set save and save_interval",
     )
     need(

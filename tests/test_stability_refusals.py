@@ -50,6 +50,16 @@ def test_a_precursor_threshold_without_the_precursor_is_refused():
     arguments.prepare(arguments.load_config(rung))
 
 
+def test_a_guard_without_snapshots_or_a_checkpoint_cadence_is_refused():
+    """With spike_guard_snapshot_interval=0 the guard's states are the disk checkpoints, and its update size reads
+    at each: with save but no save_interval it had one checkpoint (the last) and no reading, in silence."""
+    guard = ["--spike_guard", "--spike_guard_snapshot_interval=0"]
+    needed = "rolls back to disk checkpoints: set save and save_interval"
+    assert needed in error(*guard, "--save=none", "--save_interval=none")
+    assert needed in error(*guard, "--save=/tmp/ck", "--save_interval=none")
+    arguments.prepare(arguments.load_config([*guard, "--save=/tmp/ck", "--save_interval=50"]))
+
+
 def test_a_snapshot_dir_that_cannot_be_created_is_refused_before_training(tmp_path, corpus512):
     """Its parent a file: a bare NotADirectoryError (errno 20) came from the snapshots' makedirs,
     naming no key."""
