@@ -70,16 +70,14 @@ class Guard(training.Callback):
         self.reading_interval = self.snapshots.interval or (
             (save_interval or 0) if core.save else 0
         )
-        self.sampled = (
-            None  # without snapshots: (iteration, updates, weights, stride) of the last checkpoint
-        )
+        # without snapshots: (iteration, updates, weights, stride) of the last checkpoint
+        self.sampled = None
 
     def start(self, parts, report, train_data):
         self.parts, self.report, self.train_data = parts, report, train_data
         self.device = next(parallel.unwrap(parts.model).parameters()).device
-        if (
-            parts.state.iteration
-        ):  # resumed: the checkpoint resumed from is the first reading's reference
+        # resumed: the checkpoint resumed from is the first reading's reference
+        if parts.state.iteration:
             self.sample(parts.state.iteration)
 
     def sample(self, iteration):
