@@ -187,11 +187,7 @@ def report(out, harm=HARM, registration=None, baselines=None):
         clean, bad, guarded = t["clean"], t["unguarded"], t["guarded"]
         ratio = bad["valid"] / clean["valid"] if math.isfinite(bad["valid"]) else math.inf
         harmful_here = is_harmful(clean, bad, harm)
-        acts = [
-            d
-            for d in guarded["decisions"]
-            if int(re.match(r"spike guard: iteration (\d+)", d)[1]) >= guarded["start"]
-        ]
+        acts = acts_from(guarded, guarded["start"])
         true = SEVENTH[guarded["family"]]
         decided = cause_of(acts[0]) if acts else "none"
         if acts:

@@ -181,6 +181,32 @@ def test_each_committed_report_is_what_its_committed_records_give(
     assert rebuilt.startswith(open(os.path.join(committed, "report.md")).read())
 
 
+def test_the_report_counts_the_replica_checks_own_repair_as_a_hardware_detection(tmp_path):
+    """Main records the DP replica check's repair as the guard's action (guard_campaign.actions_of); the report's
+    trial table read every action as a `spike guard: iteration N` line and crashed on it (a TypeError at the end of
+    a re-run of eighth-disk's 64 trials). Trial 11 of eighth-disk, with the line main's re-run recorded."""
+    line = (
+        "DP replica check: iteration 50: DP rank 1 (global rank 1) in its weights and optimizer state differs from "
+        "DP rank 0: no majority tells which is right: DP rank 0's copy taken (no snapshot of equal replicas to roll "
+        "back to)"
+    )
+    records = []
+    for text in open(os.path.join(gc.ROOT, "lab", "campaign", "eighth-disk", "runs.jsonl")):
+        r = json.loads(text)
+        if r["name"] == "11-guarded":
+            assert r["decisions"] == []  # the registered tree did not record it
+            r["decisions"] = [line]
+        records.append(json.dumps(r))
+    (tmp_path / "runs.jsonl").write_text("\n".join(records) + "\n")
+    table = cr.report(str(tmp_path))
+    (row,) = [
+        x
+        for x in table.splitlines()
+        if x.startswith("| dp state bit flip at 41: bit 23 of exp_avg ")
+    ]
+    assert "| hardware |" in row, row
+
+
 def test_megatron_rerun_diagnosis_is_right_when_transient_means_hardware():
     reproducible = (
         "remedy spiky_loss: iteration 5: loss 99 >= 10 x ...: reproducible (Megatron: ...)"
