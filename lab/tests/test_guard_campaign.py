@@ -161,6 +161,7 @@ def test_the_methods_table_shows_each_rate_with_its_wilson_interval():
         ("seventh", None),
         ("eighth-disk", "seventh"),
         ("withdrawn-61-third", None),
+        ("disk-reading-design", None),
     ],
 )
 def test_each_committed_report_is_what_its_committed_records_give(
