@@ -331,7 +331,7 @@ def test_without_snapshots_an_lr_too_high_from_a_resume_on_is_read_at_the_next_c
 
 def test_a_sampled_copy_reads_the_move_of_the_whole_weights():
     """update_size.sample: every stride-th element, the stride a prime (a row of 64 is not read as one column), and
-    the move read from it within 3% of the move of every element (2x64 model, 3,656 elements of ~135k, stride 37;
+    the move read from it within 3% of the move of every element (2x64 model, 3,656 elements of 134,912, stride 37;
     an Adam-like change, the same size for every element). Each parameter weighs as all its elements: weighed as 1
     in 37, a LayerNorm's 2 of 64 (whose ones are most of the weights' norm here) read 7% low (seeds 0-3: 5.6-7.6%;
     weighed, 0.7-1.5%)."""
