@@ -219,7 +219,7 @@ def processes(base, fault, method, trial, checkpoint):
     own = [f for f in method if f.startswith("--save_interval=")]
     saves = own or ["--save_interval=none"]
     # --exit_interval saves at K anyway
-    first = own if goes_to_disk(method) else [f"--save_interval={k}"]
+    first = own if disk else [f"--save_interval={k}"]
     return [
         [*base, *method, f"--save={checkpoint}", *first, f"--exit_interval={k}"],
         [*base, *method, *fault, f"--save={checkpoint}", *saves, *dumps],

@@ -71,8 +71,6 @@ import subprocess
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import bpe_corpus  # noqa: E402
@@ -81,6 +79,7 @@ from sweep_arms import (  # noqa: E402
     HEAD_DIM,
     PILOT,
     QUICK,
+    ROOT,
     WIDTH,
     config_of,
     in_selection,

@@ -33,8 +33,8 @@ import torch.distributed as dist
 import parallel
 
 CHUNK = 2**24  # elements compared at a time: a few fp32 temporaries of 64 MiB
-# a sampled copy's elements a rank: 16 MiB of fp32; a ratio of sums over 2^22 elements is off by far less than the
-# scatter of the readings themselves
+# a sampled copy's elements a rank: 16 MiB of fp32 (3,656 elements read the move within 0.7-1.5%: at 2^22, by
+# 1/sqrt(n), about 0.04%, extrapolated)
 SAMPLE = 2**22
 
 
