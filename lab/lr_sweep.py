@@ -182,22 +182,23 @@ GUARD_STOP = re.compile(
 
 
 def guard_stop(directory):
-    """{iteration, message} of the spike guard's stop where the run's log holds one, else None. A stopped run is
-    finished: its method ended it, and an attempt on the same code (a run is one code version: code.json) stops
+    """{iteration, message} of the spike guard's first stop where the run's log holds one, else None. A stopped run
+    is finished: its method ended it, and an attempt on the same code (a run is one code version: code.json) stops
     again. It scores as a diverged run does, L0 (the guard's campaigns score a run that did not finish at the same
-    ln 512)."""
+    ln 512). The first: a runner that knows no stop (the study's, a146575's) tries the run again at each restart,
+    resuming from the state the stop saved, and what it trains after the stop is not the run."""
     log = os.path.join(directory, "stdout.log")
     if not os.path.exists(log):
         return None
-    stops = list(GUARD_STOP.finditer(open(log, errors="replace").read()))
-    return {"iteration": int(stops[-1][1]), "message": stops[-1][2][:300]} if stops else None
+    first = GUARD_STOP.search(open(log, errors="replace").read())
+    return {"iteration": int(first[1]), "message": first[2][:300]} if first else None
 
 
 def stopped_result(directory, key, args, stop):
     """A run the spike guard stopped (`stop`: guard_stop's), as result.json holds it: no final loss (None: L0 in
     every table), the iteration (`stopped_at`, as its record keeps it) and the guard's message, the rest of the
-    summaries from what it logged before the stop."""
-    metrics = read_metrics(os.path.join(directory, "metrics.jsonl"))
+    summaries from what it logged up to the stop."""
+    metrics = read_metrics(os.path.join(directory, "metrics.jsonl"), upto=stop["iteration"])
     return {
         **key,
         "args": args,
@@ -232,13 +233,24 @@ def execute(out, arm, lever_set, lr, seed, extra=(), width=WIDTH):
                 f"{directory} holds a run with other arguments than this study's; use another --out "
                 "or delete it"
             )
+        # finished by a runner that knows no stop, resumed past one: the run is the stopped one (guard_stop);
+        # where the resume ended is kept beside it, not as its final loss
+        stop = guard_stop(directory) if result.get("stopped_at") is None else None
+        if stop:
+            return {
+                **stopped_result(directory, key, args, stop),
+                "resumed_val_loss": result.get("val_loss"),
+            }
         # the numbers are read again from metrics.jsonl: a changed summary applies to finished runs too
         return {
             **result,
             "width": width,
             "code": read_code(directory),
             **summarize_run(
-                read_metrics(os.path.join(directory, "metrics.jsonl")), config_of(args).adam_eps
+                read_metrics(
+                    os.path.join(directory, "metrics.jsonl"), upto=result.get("stopped_at")
+                ),
+                config_of(args).adam_eps,
             ),
             # a stopped run's last validation loss is an intermediate one: it has no final loss
             **({"val_loss": None} if result.get("stopped_at") is not None else {}),

@@ -59,15 +59,20 @@ WORSE_MARGIN = 0.05
 # One run's numbers
 
 
-def read_metrics(path):
-    """What a run's metrics.jsonl says: per iteration (the last record of each) the loss and grad norm, every
-    telemetry record, the final validation loss. Returns a dict of series and the summaries of result.json."""
+def read_metrics(path, upto=None):
+    """What a run's metrics.jsonl says, up to iteration `upto` if given: per iteration (the last record of each)
+    the loss and grad norm, every telemetry record, the final validation loss. Returns a dict of series and the
+    summaries of result.json."""
     records = {}
     with open(path) as f:
         for line in f:
             if line.strip():
                 record = json.loads(line)
-                records[record["iteration"]] = {**records.get(record["iteration"], {}), **record}
+                if upto is None or record["iteration"] <= upto:
+                    records[record["iteration"]] = {
+                        **records.get(record["iteration"], {}),
+                        **record,
+                    }
     out = {
         "val_loss": None,
         "loss": [],
@@ -363,6 +368,8 @@ def record(result, corpus):
     out["loss10_min"] = _rounded(lowest_loss10(result))
     if result.get("stopped_at") is not None:
         out["stopped_at"] = result["stopped_at"]
+    if result.get("resumed_val_loss") is not None:
+        out["resumed_val_loss"] = _rounded(result["resumed_val_loss"])
     out["lost_what_it_learned"] = blew_up(
         {"loss10": result.get("loss10", [])}, corpus["bigram_entropy"], attention_logit=False
     )

@@ -227,6 +227,61 @@ def test_a_run_the_guard_stopped_is_finished_and_scores_as_a_diverged_run(tmp_pa
     assert again["stop_message"] == stopped["stop_message"]
 
 
+def test_a_stopped_run_an_older_runner_resumed_is_the_stopped_run(tmp_path, monkeypatch):
+    """The study's runner (a146575's) knows no stop: at its next restart it resumes a stopped run from the state
+    the stop saved and, where the guard does not stop it again, finishes it and writes result.json. The run is
+    still the one the guard stopped (the registration: a stopped run is finished): no final loss, the first stop's
+    iteration, its summaries up to the stop; where the resume ended is kept apart."""
+
+    def no_training(*a, **k):
+        raise AssertionError("a stopped run was trained again")
+
+    monkeypatch.setattr(lr_sweep, "run", no_training)
+    out = str(tmp_path)
+    directory = sweep_arms.run_dir(out, "F", "guard", 1e-1, 2, 64)
+    os.makedirs(directory)
+    with open(os.path.join(directory, "metrics.jsonl"), "w") as f:
+        for it in range(1, 1001):
+            f.write(
+                json.dumps({"iteration": it, "lm loss": 7.0 if it <= 21 else 5.0, "grad norm": 0.5})
+                + "\n"
+            )
+        f.write(json.dumps({"iteration": 1000, "validation lm loss": 4.85}) + "\n")
+    with open(os.path.join(directory, "code.json"), "w") as f:
+        json.dump({"code": "56f212b"}, f)
+    stop = STOP_LINE.replace("259", "21")
+    with open(os.path.join(directory, "stdout.log"), "w") as f:
+        f.write(f"Traceback (most recent call last):\n{stop}\nresuming from global_step21\n")
+    args = sweep_arms.train_args("F", "guard", 1e-1, 2, directory, (), 64)
+    with open(os.path.join(directory, "result.json"), "w") as f:  # as a146575's runner writes it
+        json.dump(
+            {
+                "arm": "F",
+                "lever_set": "guard",
+                "lr": 1e-1,
+                "seed": 2,
+                "args": args,
+                "val_loss": 4.85,
+            },
+            f,
+        )
+    result = lr_sweep.execute(out, "F", "guard", 1e-1, 2, width=64)
+    assert result["val_loss"] is None and result["stopped_at"] == 21
+    assert result["resumed_val_loss"] == 4.85 and result["train_loss_max"] == 7.0
+    assert len(result["loss10"]) == 3  # iterations 1-21: three means of up to 10
+    corpus = {"tokens": 1, "unigram_entropy": 5.2, "bigram_entropy": 3.5}
+    record = sweep_report.record(result, corpus)
+    assert (record["stopped_at"], record["val_loss"], record["resumed_val_loss"]) == (
+        21,
+        None,
+        4.85,
+    )
+    # a later stop in the resumed part does not move the run's end
+    with open(os.path.join(directory, "stdout.log"), "a") as f:
+        f.write(STOP_LINE + "\n")
+    assert lr_sweep.guard_stop(directory)["iteration"] == 21
+
+
 def test_a_run_without_a_stop_in_its_log_is_not_stopped(tmp_path):
     directory = _stopped_run(str(tmp_path))
     with open(os.path.join(directory, "stdout.log"), "w") as f:
