@@ -89,11 +89,8 @@ def test_natural_md_holds_the_tables_its_records_give(tmp_path):
     committed = open(os.path.join(sweep_arms.ROOT, "lab", "natural.md")).read()
     page = tmp_path / "natural.md"
     page.write_text(committed)
-    for arms, width in [
-        ("N", 64),
-        ("N", 128),
-        ("F", 64),
-    ]:  # each section of the page: its selection
+    # each section of the page: its selection
+    for arms, width in [("N", 64), ("N", 128), ("F", 64)]:
         lr_sweep.main(
             [
                 "--report",
