@@ -173,10 +173,7 @@ def _batch_verdict(guard, model, replay, replayed, snapshot, snapshots, forward,
     trend is stale (data, re-based). Of the batch's per-sample losses (per_sample()), a minority far
     from the others' median is named (diagnosis "suspects"), with the batch's loss without them."""
     if snapshot is None:
-        return {
-            "cause": "data",
-            "evidence": f"{replayed}; no earlier snapshot to test the batch on",
-        }
+        return without_snapshot(guard, replay, replayed, other)
     return data_or_optimizer(
         guard,
         model,
@@ -188,6 +185,41 @@ def _batch_verdict(guard, model, replay, replayed, snapshot, snapshots, forward,
         per_sample,
         snapshots.oldest(disk=False),
     )
+
+
+def without_snapshot(guard, replay, replayed, other):
+    """A reproduced spike before the first snapshot (none two updates back): the batch against an unseen
+    one on these weights alone (unseen_verdict, no older weights). The unseen batch ordinary, or this
+    batch far below it: "data". Off its trend too: not this batch's -- the weights moved and the trend
+    lags them (a high LR's first updates raise every batch's loss), and with nothing older to roll back
+    to no remedy beats the step itself: "optimizer", "unrepairable" (SpikeGuard._unrepairable: the
+    update applied as without the guard, the trend re-based to the unseen batch's numbers). Called data,
+    such a spike had its update skipped on weights that then could not change, so the next batch spiked
+    too: 34 updates in a row until the first snapshot, where the unguarded run was learning again the
+    next iteration (docs/lessons.md, lesson 21: never worse than doing nothing)."""
+    rng_after = checkpoint.rng_state()
+    unseen = other() if other is not None else None
+    checkpoint.set_rng_state(rng_after)
+    if unseen is None:  # the end of the data: nothing to ask
+        return {"cause": "data", "evidence": f"{replayed}; no earlier snapshot, no unseen batch"}
+    expected = guard.series["loss"].expected()
+    excess_now = replay.loss - expected if math.isfinite(replay.loss) else math.inf
+    step, label, _ = unseen
+    data, decided, words, rebase = unseen_verdict(
+        guard, None, None, None, excess_now, rng_after, step, label, None
+    )
+    diagnosis = {"cause": "data" if data else "optimizer", "decided_by": decided}
+    if not data:  # rebase: the unseen batch's finite numbers, else None
+        diagnosis["unrepairable"], diagnosis["trend"] = True, rebase
+    diagnosis["evidence"] = (
+        f"{replayed}; no earlier snapshot{words}; decided by {decided}: the "
+        + (
+            "batch is the outlier"
+            if data
+            else "batch is ordinary, the weights are not, and there is nothing to roll back to"
+        )
+    )
+    return diagnosis
 
 
 def said(step):
@@ -320,6 +352,8 @@ def unseen_verdict(guard, model, weights, then, excess_now, rng_after, step, lab
       off its trend too (a spike, or its loss half the bar above), and as far off on the pre-spike weights (more
       than half of its excess was there already) -> data, a regime change: the trend is stale, not the weights
       off its trend too, and worse than on the pre-spike weights -> optimizer: the updates since did it
+      off its trend too, no pre-spike weights (weights None: without_snapshot)
+                                             -> optimizer, with the unseen batch's numbers
     Judged without touching the guard's reason for the step under investigation."""
     pending, alone, half = guard.pending, guard.grad_norm_alone, guard.rules.spike_guard_zscore / 2
     spike_there = (
@@ -340,6 +374,8 @@ def unseen_verdict(guard, model, weights, then, excess_now, rng_after, step, lab
     off = step.loss - guard.series["loss"].expected()
     if excess_now < 0.5 * off:
         return True, f"{label} on these weights (this batch lies far below it)", words, None
+    if weights is None:  # no snapshot yet (without_snapshot): no older weights to ask
+        return False, f"{label} on these weights", words, (step.loss, step.grad_norm)
     before = loss_on(model, weights, forward)
     checkpoint.set_rng_state(rng_after)
     worse = step.loss - before if math.isfinite(before) else -math.inf

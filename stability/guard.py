@@ -397,8 +397,8 @@ class Forensics(training.Callback):
             per_sample=per_sample if parallel.grid.pp_size == 1 else None,
             fp32_replay=self.fp32_replay,
         )
-        # clip_grad bounds it: the step applied after all
-        if vetoed and self.guard.tolerates(self.guard.diagnosis):
+        # clip_grad bounds it, or nothing older can help: the step applied after all
+        if vetoed and self.guard.lets_through(self.guard.diagnosis):
             checkpoint.set_rng_state(self.before[0])
             parts.scaler.load_state_dict(self.before[1])
             step = rerun(None)

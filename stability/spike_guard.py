@@ -44,6 +44,9 @@ But the causes call for different remedies, so the guard asks why before it acts
                                                                   cut the LR unless the LRs since the snapshot
                                                                   were not the schedule's: no rollback replays;
                                                                   again after a rollback: named persistent
+                   off its trend too, no snapshot yet (none two updates back: nothing older to test or roll
+                   back to)                                    -> optimizer, unrepairable: no action, the step
+                                                                  applied as without the guard, the trend re-based
              Every decision line says which test removed the spike, with its numbers.
              The weights' move per update far above its trend (a snapshot's reading, no replay)
                                                            -> optimizer: roll back to the snapshot it was measured
@@ -267,6 +270,8 @@ class SpikeGuard(Detector):
                 rank=diagnosis["rank"],
                 start=iteration - 1,
             )
+        if (diagnosis or {}).get("unrepairable"):
+            return self._unrepairable(iteration, outcome, loss, grad_norm, lr, diagnosis)
         if outcome == "ok" and (diagnosis or {}).get("tolerated"):
             return self._tolerated(iteration, loss, grad_norm, lr, diagnosis)
         if outcome == "ok":
@@ -309,6 +314,34 @@ class SpikeGuard(Detector):
             and (diagnosis or {}).get("cause") == "data"
             and not diagnosis.get("rebase")
         )
+
+    def lets_through(self, diagnosis):
+        """Is this spike's step to be applied after all (Forensics runs it again, unvetoed): one
+        tolerates() lets through, or one no remedy can help (diagnosis "unrepairable")?"""
+        return self.tolerates(diagnosis) or bool((diagnosis or {}).get("unrepairable"))
+
+    def _unrepairable(self, iteration, outcome, loss, grad_norm, lr, diagnosis):
+        """A spike of the weights with nothing older to roll back to (diagnosis.without_snapshot): the
+        step applied by Forensics as the core applies it without the guard, the trend re-based to the
+        unseen batch's numbers (when finite) so that the next steps are judged against where the
+        weights are, no decision, one line. Skipping its update would leave the same weights to spike
+        on the next batch: doing nothing is the best there is."""
+        trend = diagnosis.get("trend")
+        if trend is not None:
+            self.rebase(*trend)
+        if outcome == "ok":
+            self.record(loss, grad_norm, lr)
+        based = (
+            ""
+            if trend is None
+            else f", the trend re-based to loss {trend[0]:.4g}, grad norm {trend[1]:.4g}"
+        )
+        print0(
+            f"spike guard (no action): iteration {iteration}: {self.pending}; optimizer-driven: "
+            f"{diagnosis['evidence']}: the step applied as without the guard{based}"
+        )
+        self.pending = None
+        return None
 
     def _tolerated(self, iteration, loss, grad_norm, lr, diagnosis):
         """A spike tolerates() let through, its update applied (clipped) by Forensics: no decision, no strike, one

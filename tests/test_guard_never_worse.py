@@ -12,6 +12,11 @@ where the guard acted wrongly, each run guarded and unguarded on the tests' 2x64
   of duplicates      them): the "unseen" comparison batch was the next one, from the same block, so
                      the block looked like the norm, the trend was re-based to it and ordinary
                      documents after it went on the skip list.
+  a spike of the      the default guard settings (first snapshot at 50), an LR x100 at iteration 20:
+  weights before     every batch after it spikes. With no snapshot to test the batch on, each was
+  the first snapshot called data and its update skipped, so the weights could not change and the next
+                     batch spiked too: 25 updates in a row, the run 44% worse than its twin (the
+                     natural study's fp16 arm at LR 1e-1: 34 in a row).
 
 Each end-to-end test says what the guard before the change did; the last is the guard's property
 over them: its final validation loss never measurably worse than its unguarded twin's."""
@@ -55,6 +60,8 @@ FLIP = [
 # bf16, a cancellation it loses for 11 iterations (the seventh campaign's "numerical bf16"):
 # persistent at the guard's fourth numerical diagnosis within its rewind
 BF16 = ["--bf16", "--inject_numerical_iters=20-30", "--train_iters=40"]
+# the default guard (armed after 16 steps, first snapshot at 50); the LR x100 update at 20
+EARLY = ["--inject_lr_iters=20-20", "--inject_lr_factor=100", "--train_iters=45"]
 BLOCK_START, BLOCK_END = 30, 129  # the samples of iteration 30, 100 times, in the corpus's order
 TOLERANCE = 0.01  # "measurably worse": a final validation loss 1% above the unguarded twin's
 
@@ -118,6 +125,10 @@ def scenario(name, guarded, data_path, monkeypatch, tmp_path_factory):
         if name in ("overflow", "bf16"):
             flags = OVERFLOW if name == "overflow" else BF16
             RUNS[name, guarded] = _in_process(data_path, *flags, *guard)
+        elif name == "early":
+            RUNS[name, guarded] = _in_process(
+                data_path, *EARLY, *(["--spike_guard"] if guarded else [])
+            )
         elif name == "flip":
             RUNS[name, guarded] = _dp2(data_path, *FLIP, *(["--spike_guard"] if guarded else []))
         else:
@@ -213,8 +224,37 @@ def test_an_ordered_block_of_duplicates_is_compared_with_a_held_out_batch(run):
     assert named and all(r["sample"] in places for r in named), sorted(r["sample"] for r in named)
 
 
+def test_a_spike_of_the_weights_before_the_first_snapshot_is_left_to_the_step(run):
+    """Before: "data-driven ... no earlier snapshot to test the batch on: update skipped" at every
+    iteration from 21 to 45, the weights frozen where the LR fault left them (validation 13.14
+    against the twin's 9.11). Now the unseen batch is asked on these weights alone: off its trend
+    too, so not this batch's, and with nothing older to roll back to the step is applied as
+    without the guard, the trend re-based: one line, no action, the run its unguarded twin's to
+    the digit."""
+    out, final = run("early")
+    twin, twin_final = run("early", guarded=False)
+    lines = [x for x in out.splitlines() if x.startswith("spike guard") and "snapshots:" not in x]
+    assert len(lines) == 1 and lines[0].startswith("spike guard (no action): iteration 21:"), lines
+    assert "off its trend too" in lines[0] and "nothing to roll back to" in lines[0], lines
+    assert "the step applied as without the guard, the trend re-based" in lines[0], lines
+    assert re.findall(r"lm loss: (\S+)", out) == re.findall(r"lm loss: (\S+)", twin)
+    assert final == twin_final and final is not None
+
+
+def test_a_bad_batch_before_the_first_snapshot_is_still_the_datas(corpus512):
+    """The counterpart: the same guard, a batch of random tokens at 22 -- the unseen batch is
+    ordinary on these weights, so this batch is the cause and its update alone is skipped."""
+    out = run_main(
+        *guard_model_args(corpus512, 45), "--inject_bad_batch_iters=22-22", "--spike_guard"
+    )
+    lines = decisions(out)
+    assert len(lines) == 1 and lines[0].startswith("spike guard: iteration 22:"), lines
+    assert "data-driven" in lines[0] and "no earlier snapshot" in lines[0], lines
+    assert "ordinary; decided by" in lines[0] and "update skipped" in lines[0], lines
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["overflow", "bf16", "flip", "block"])
+@pytest.mark.parametrize("name", ["overflow", "bf16", "flip", "block", "early"])
 def test_the_guarded_run_is_never_measurably_worse_than_its_unguarded_twin(run, name):
     """The guard's property (issue #50): its final validation loss within TOLERANCE (1%) above the
     unguarded twin's, or the twin did not finish with a finite loss (the flip's twin diverges)."""
