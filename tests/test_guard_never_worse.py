@@ -15,7 +15,7 @@ where the guard acted wrongly, each run guarded and unguarded on the tests' 2x64
   a spike of the      the default guard settings (first snapshot at 50), an LR x100 at iteration 20:
   weights before     every batch after it spikes. With no snapshot to test the batch on, each was
   the first snapshot called data and its update skipped, so the weights could not change and the next
-                     batch spiked too: 25 updates in a row, the run 44% worse than its twin (the
+                     batch spiked too: 25 updates in a row, the run 32% worse than its twin (the
                      natural study's fp16 arm at LR 1e-1: 34 in a row).
 
 Each end-to-end test says what the guard before the change did; the last is the guard's property
@@ -227,7 +227,7 @@ def test_an_ordered_block_of_duplicates_is_compared_with_a_held_out_batch(run):
 def test_a_spike_of_the_weights_before_the_first_snapshot_is_left_to_the_step(run):
     """Before: "data-driven ... no earlier snapshot to test the batch on: update skipped" at every
     iteration from 21 to 45, the weights frozen where the LR fault left them (validation 13.14
-    against the twin's 9.11). Now the unseen batch is asked on these weights alone: off its trend
+    against the twin's 9.95). Now the unseen batch is asked on these weights alone: off its trend
     too, so not this batch's, and with nothing older to roll back to the step is applied as
     without the guard, the trend re-based: one line, no action, the run its unguarded twin's to
     the digit."""
