@@ -291,3 +291,52 @@ def test_a_run_without_a_stop_in_its_log_is_not_stopped(tmp_path):
         )
     assert lr_sweep.guard_stop(directory) is None
     assert lr_sweep.guard_stop(str(tmp_path / "nothing")) is None
+
+
+# the guard as it is now on arm F (lab/natural.md, "The guard as it is now"): design runs of this code version
+GUARD_NOW = "1dbe4df+dirty"
+
+
+def guard_now_rows(records):
+    """lab/natural.md's table of the guard as it is now, run by run: each of its arm F runs (width 64) beside
+    none's and the study's guard's at the same LR and seed (code 56f212b)."""
+
+    def cell(r):
+        if r.get("stopped_at") is not None:
+            return f"stopped at {r['stopped_at']}"
+        return (
+            "NaN"
+            if r["val_loss"] is None or r["val_loss"] != r["val_loss"]
+            else f"{r['val_loss']:.3f}"
+        )
+
+    def of(code, lever_set):
+        return {
+            (r["lr"], r["seed"]): r
+            for r in records
+            if (r["code"], r["arm"], r["width"], r["lever_set"]) == (code, "F", 64, lever_set)
+        }
+
+    none, study, now = of("56f212b", "none"), of("56f212b", "guard"), of(GUARD_NOW, "guard")
+    rows = []
+    for key in sorted(now):
+        r = now[key]
+        gap = r["val_loss"] - none[key]["val_loss"]
+        rows.append(
+            f"| {key[0]:g} | {key[1]} | {cell(none[key])} | {cell(study[key])} | {cell(r)} | "
+            + ("-" if gap != gap else f"{gap:+.3f}")
+            + f" | {r['train_loss']:.3f} | {r['skipped_iterations']} |"
+        )
+    return rows
+
+
+def test_natural_md_holds_the_guard_now_runs_as_recorded():
+    """Every row of the guard-as-it-is-now table in lab/natural.md is its records' (lab/results.jsonl): the 12
+    arm F runs of that code version, each beside its twins of the study."""
+    path = os.path.join(sweep_arms.ROOT, "lab", "results.jsonl")
+    records = [json.loads(line) for line in open(path)]
+    rows = guard_now_rows(records)
+    assert len(rows) == 12
+    page = open(os.path.join(sweep_arms.ROOT, "lab", "natural.md")).read()
+    missing = [row for row in rows if row not in page]
+    assert not missing, missing
