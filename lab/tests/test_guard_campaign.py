@@ -548,3 +548,23 @@ def test_replicas_apart_at_the_end_are_harm_that_rank_0s_validation_loss_does_no
     zclip = cr.method_results(runs)["zclip"]
     # the same loss, but its replicas apart: not within
     assert (zclip["n"], zclip["within"]) == (1, 0)
+
+
+def test_the_ninths_records_so_far_are_its_registrations_alone():
+    """The ninth runs across machines, its records committed as they stand (docs/spike_guard.md, "Running the
+    ninth, across machines"): each record is its registration's, run on the registered tree (clean) and torch,
+    each run once -- a resume from another checkout, or a run recorded twice, would be refused here before the
+    report mixes it in."""
+    folder = os.path.join(gc.ROOT, "lab", "campaign", "ninth")
+    registration = json.load(open(os.path.join(folder, "registration.json")))
+    names = []
+    for line in open(os.path.join(folder, "runs.jsonl")):
+        r = json.loads(line)
+        assert r["registration"] == cr.registration_id(registration), r["name"]
+        assert (r["tree"], r["dirty"], r["torch"]) == (
+            registration["tree"],
+            False,
+            registration["torch"],
+        ), r["name"]
+        names.append(r["name"])
+    assert names and len(names) == len(set(names))
