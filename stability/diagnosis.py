@@ -187,6 +187,15 @@ def _batch_verdict(guard, model, replay, replayed, snapshot, snapshots, forward,
     )
 
 
+def ask_unseen(other):
+    """(the RNG state after the step, other()'s unseen batch on these weights or None: none asked, or past
+    the end of the data), the RNG put back as it was: the counterfactual draws nothing from the run."""
+    rng_after = checkpoint.rng_state()
+    unseen = other() if other is not None else None
+    checkpoint.set_rng_state(rng_after)
+    return rng_after, unseen
+
+
 def without_snapshot(guard, replay, replayed, other):
     """A reproduced spike before the first snapshot (none two updates back): the batch against an unseen
     one on these weights alone (unseen_verdict, no older weights). The unseen batch ordinary, or this
@@ -197,9 +206,7 @@ def without_snapshot(guard, replay, replayed, other):
     such a spike had its update skipped on weights that then could not change, so the next batch spiked
     too: 34 updates in a row until the first snapshot, where the unguarded run was learning again the
     next iteration (docs/lessons.md, lesson 21: never worse than doing nothing)."""
-    rng_after = checkpoint.rng_state()
-    unseen = other() if other is not None else None
-    checkpoint.set_rng_state(rng_after)
+    rng_after, unseen = ask_unseen(other)
     if unseen is None:  # the end of the data: nothing to ask
         return {"cause": "data", "evidence": f"{replayed}; no earlier snapshot, no unseen batch"}
     expected = guard.series["loss"].expected()
@@ -283,9 +290,7 @@ def data_or_optimizer(
     comparison decided ("decided_by"), and asks, when the unseen batch is as far off on the pre-spike weights, for
     the trend to be re-based ("rebase": a regime change, not a fault of the weights)."""
     then, payload = snapshot
-    rng_after = checkpoint.rng_state()
-    unseen = other() if other is not None else None
-    checkpoint.set_rng_state(rng_after)
+    rng_after, unseen = ask_unseen(other)
     old = loss_on(model, payload[0], forward)
     checkpoint.set_rng_state(rng_after)
     trend = Series(guard.rules.spike_guard_window)
