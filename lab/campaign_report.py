@@ -267,6 +267,9 @@ def report(out, harm=HARM, registration=None, baselines=None):
     ]
     if baselines:
         lines += ["", *beside_baselines(out, baselines, harm)]
+    per_family = family_table(runs, harm)
+    if per_family:
+        lines += ["", per_family]
     text = "\n".join(lines) + "\n"
     with open(os.path.join(out, "report.md"), "w") as f:
         f.write(text)
@@ -527,6 +530,45 @@ def primary_table(runs, harm=HARM):
         bad = sum(is_harmful(runs[f"{k}-clean"], runs[f"{k}-unguarded"], harm) for k in ks)
         lines.append(f"| {family} | {len(ks)} | {bad} |")
     return "\n".join(lines) + "\n"
+
+
+def family_table(runs, harm=HARM):
+    """The primary metric per fault family: each method's mean share of the damage removed (primary_results on
+    that family's runs alone) and its n. Beside the registered metrics, not one of them: a mean over every family
+    is a mean over the draw's mix of families, and one family's stops (each scored ln 512) can outweigh all the
+    others'; this says where. Markdown, or "" where no method but doing nothing has a share."""
+    families = sorted({r["family"] for r in runs.values() if r.get("family")})
+    shares = {
+        f: primary_results({n: r for n, r in runs.items() if r.get("family") == f}, harm)
+        for f in families
+    }
+    shown = [
+        m
+        for m in METHODS
+        if m != "none" and m not in DETECTORS and any(shares[f][m]["shares"] for f in families)
+    ]
+    if not shown:
+        return ""
+
+    def cell(values):
+        return f"{sum(values) / len(values):.2f}, n={len(values)}" if values else "-"
+
+    return (
+        "\n".join(
+            [
+                "Damage removed per family (the mean share, as the primary metric, over each family's trials "
+                "harmful by their loss; beside the registered metrics, not one of them):",
+                "",
+                "| family | " + " | ".join(shown) + " |",
+                "|---|" + "---|" * len(shown),
+                *(
+                    f"| {f} | " + " | ".join(cell(shares[f][m]["shares"]) for m in shown) + " |"
+                    for f in families
+                ),
+            ]
+        )
+        + "\n"
+    )
 
 
 def same_twins(mine, theirs):

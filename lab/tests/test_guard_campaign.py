@@ -13,6 +13,7 @@ import pytest
 import campaign_draw as cd
 import campaign_report as cr
 import guard_campaign as gc
+import guard_metrics as gm
 from helpers import corpus, corpus512  # noqa: F401 (fixtures)
 
 
@@ -150,6 +151,36 @@ def test_the_methods_table_shows_each_rate_with_its_wilson_interval():
         == f"| lr persistent | 0/1 = 0% (0%-79%) | 1/1 = 100% ({lo:.0%}-{hi:.0%}) |"
     )
     assert rows["random tokens"].endswith("| 1/1 = 100% (21%-100%) | - |")  # zclip never ran it
+
+
+def test_the_damage_removed_per_family_is_each_familys_own_mean_share():
+    """A harm-first draw's mean share mixes its families: one family's stops (each scored ln 512) outweigh the
+    rest. The per-family table holds each family's own mean, over its trials harmful by their loss, by hand."""
+    runs = {
+        n: {**r, "series": []} for n, r in synthetic().items()
+    }  # the costs read each run's log lines
+    table = cr.family_table(runs)
+    rows = {
+        line.split(" | ")[0].strip("| "): line
+        for line in table.splitlines()
+        if line.startswith("| ")
+    }
+    assert rows["family"] == "| family | guard | zclip |"
+    # trial 0: damage 0.2; the guard's 5.02 removes 0.18 of it, ZClip's 5.04 0.16
+    assert rows["lr transient"] == "| lr transient | 0.90, n=1 | 0.80, n=1 |"
+    # trial 2: the unremedied run died (scored ln 512); the guard's 5.5 and ZClip's 5.9 finished
+    cap = gm.LOSS_CAP
+    assert rows["lr persistent"] == (
+        f"| lr persistent | {(cap - 5.5) / (cap - 5.0):.2f}, n=1 | {(cap - 5.9) / (cap - 5.0):.2f}, n=1 |"
+    )
+    assert rows["random tokens"] == "| random tokens | 0.70, n=1 | - |"  # ZClip never ran it
+    # trial 3 (harmless) has no share; a table of doing nothing alone is empty
+    assert (
+        cr.family_table(
+            {n: r for n, r in synthetic().items() if "zclip" not in n and "guarded" not in n}
+        )
+        == ""
+    )
 
 
 @pytest.mark.parametrize(
