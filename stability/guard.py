@@ -402,7 +402,8 @@ class Forensics(training.Callback):
             checkpoint.set_rng_state(self.before[0])
             parts.scaler.load_state_dict(self.before[1])
             step = rerun(None)
-            self.guard.diagnosis["tolerated"] = True
+            # SpikeGuard.update reads "unrepairable" first; "tolerated" is tolerates()'s case alone
+            self.guard.diagnosis["tolerated"] = not self.guard.diagnosis.get("unrepairable")
         return step
 
     def replicas_differ(self):
