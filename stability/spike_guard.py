@@ -737,7 +737,9 @@ class SpikeGuard(Detector):
                 f"a persistent numerical fault ({len(self.numericals)} half-precision steps since "
                 f"iteration {self.numericals[0]} spiked and their fp32 replays did not): "
                 f"{plan}, as for each of its steps (a replay and an fp32 replay each); find the "
-                "operation (tools/whatif.py, telemetry_interval=1) or train these iterations in fp32"
+                "operation (tools/whatif.py, telemetry_interval=1) or train these iterations in fp32; "
+                "if it does not end, the run has outgrown its half type: bf16 over fp16 (whose range "
+                "tops out at 65,504), qk-layernorm or a lower LR (docs/lessons.md, 6, 20 and 24)"
             )
         if scaler is not None and scaler.dynamic and fresh and scaler.scale / 2 > scaler.min_scale:
             scaler.scale, scaler.clean_steps = scaler.scale / 2, 0
