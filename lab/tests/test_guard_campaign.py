@@ -193,6 +193,7 @@ def test_the_damage_removed_per_family_is_each_familys_own_mean_share():
         ("eighth-disk", "seventh"),
         ("withdrawn-61-third", None),
         ("disk-reading-design", None),
+        ("ninth", None),
     ],
 )
 def test_each_committed_report_is_what_its_committed_records_give(
@@ -581,12 +582,13 @@ def test_replicas_apart_at_the_end_are_harm_that_rank_0s_validation_loss_does_no
     assert (zclip["n"], zclip["within"]) == (1, 0)
 
 
-def test_the_ninths_records_so_far_are_its_registrations_alone():
-    """The ninth runs across machines, its records committed as they stand (docs/spike_guard.md, "Running the
-    ninth, across machines"): each record is its registration's, run on the registered tree (clean) and torch,
-    each run once -- a resume from another checkout, or a run recorded twice, would be refused here before the
-    report mixes it in."""
-    folder = os.path.join(gc.ROOT, "lab", "campaign", "ninth")
+@pytest.mark.parametrize("name", ["ninth"])
+def test_a_campaigns_committed_records_are_its_registrations_alone(name):
+    """A campaign that runs across machines has its records committed as they stand (docs/spike_guard.md,
+    "Running the ninth, across machines"; eighth-10M's runs of 1,000 iterations on the 10M model span sessions):
+    each record is its registration's, run on the registered tree (clean) and torch, each run once -- a resume
+    from another checkout, or a run recorded twice, would be refused here before the report mixes it in."""
+    folder = os.path.join(gc.ROOT, "lab", "campaign", name)
     registration = json.load(open(os.path.join(folder, "registration.json")))
     names = []
     for line in open(os.path.join(folder, "runs.jsonl")):
@@ -599,3 +601,44 @@ def test_the_ninths_records_so_far_are_its_registrations_alone():
         ), r["name"]
         names.append(r["name"])
     assert names and len(names) == len(set(names))
+
+
+def test_the_docs_ninth_table_is_its_reports():
+    """docs/spike_guard.md's table of the ninth (the primary metric beside the baselines) quotes report.md's cells,
+    which the committed-report test rebuilds from the records; its medians, which report.md does not hold, are
+    the records' own. A digit changed in the docs turns this red."""
+    docs = open(os.path.join(gc.ROOT, "docs", "spike_guard.md")).read()
+    section = docs[docs.index("### The ninth campaign, reported whole") :]
+    section = section[: section.index("\n### ")]
+    folder = os.path.join(gc.ROOT, "lab", "campaign", "ninth")
+    report = open(os.path.join(folder, "report.md")).read()
+
+    def cells(line):
+        return [c.strip() for c in line.strip().strip("|").split("|")]
+
+    def table(head):
+        text = report[report.index(head) :]
+        return text[: text.index("\n\n")]
+
+    primary, methods = (
+        table("| method | damage removed"),
+        table("| method | harmful faults detected"),
+    )
+    rows = {cells(x)[0].split(" ")[0]: cells(x) for x in primary.splitlines() if x.startswith("| ")}
+    within = {cells(x)[0]: cells(x)[5] for x in methods.splitlines() if x.startswith("| ")}
+    runs = cr.runs_of(folder)
+    shares = {m: sorted(r["shares"]) for m, r in cr.primary_results(runs).items()}
+    quoted = [cells(x) for x in section.splitlines() if x.startswith("| `")]
+    assert {q[0].split("`")[1] for q in quoted} == {m for m in cr.METHODS if m != "none"}
+    for q in quoted:
+        method = q[0].split("`")[1]
+        s = shares[method]
+        median = (s[(len(s) - 1) // 2] + s[len(s) // 2]) / 2
+        assert q[1:] == [
+            rows[method][1],  # the mean share, its interval and n
+            f"{median:.2f}",
+            rows[method][2],  # worse than doing nothing
+            rows[method][3],  # replicas equal
+            rows[method][4],  # detected within the window, net of the clean-run base rate
+            within[method],  # final loss within 1% of the clean twin
+        ], method
