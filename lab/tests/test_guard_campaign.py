@@ -642,3 +642,37 @@ def test_the_docs_ninth_table_is_its_reports():
             rows[method][4],  # detected within the window, net of the clean-run base rate
             within[method],  # final loss within 1% of the clean twin
         ], method
+
+
+def test_the_ninths_bad_devices_requeued_are_what_the_docs_say():
+    """The ninth's 12 bad-device trials run again with --requeue (design runs, lab/campaign/ninth-requeue-design):
+    each stop requeued without the device, each run on its clean twin's final loss (the ninth's record), the same
+    code's unremedied twin on the ninth's; the docs' hypothetical mean share is the records'."""
+    folder = os.path.join(gc.ROOT, "lab", "campaign")
+    ninth, design = (
+        cr.runs_of(os.path.join(folder, "ninth")),
+        cr.runs_of(os.path.join(folder, "ninth-requeue-design")),
+    )
+    devices = sorted(
+        r["trial"]
+        for r in ninth.values()
+        if r["name"].endswith("-guarded") and r["family"] == "dp bad device"
+    )
+    assert len(devices) == 12 and all(ninth[f"{k}-guarded"]["exit"] != 0 for k in devices)
+    for k in devices:
+        run = design[f"{k}-guarded"]
+        assert run["requeued"]["cause"] == "hardware" and run["requeued"]["dp_rank"] == 1, k
+        assert (run["exit"], run["valid"]) == (0, ninth[f"{k}-clean"]["valid"]), k
+    assert design["1-unguarded"]["valid"] == ninth["1-unguarded"]["valid"]
+    shares = []
+    for k in sorted({r["trial"] for r in ninth.values() if "trial" in r}):
+        clean, bad = ninth[f"{k}-clean"], ninth[f"{k}-unguarded"]
+        share = gm.damage_removed(clean, bad, design.get(f"{k}-guarded", ninth[f"{k}-guarded"]))
+        if share is not None and cr.is_harmful(clean, {**bad, "replica_gap": None}):
+            shares.append(share)
+    mean, lo, hi = gm.bootstrap_mean(shares)
+    docs = open(os.path.join(gc.ROOT, "docs", "spike_guard.md")).read()
+    assert (
+        f"over the 109 trials would be {mean:.2f} ({lo:.2f} to {hi:.2f})" in docs
+        and len(shares) == 109
+    )
