@@ -673,3 +673,42 @@ def test_the_ninths_bad_devices_requeued_are_what_the_docs_say():
         f"over the 109 trials would be {mean:.2f} ({lo:.2f} to {hi:.2f})" in docs
         and len(shares) == 109
     )
+
+
+def test_at_10m_the_guarded_clean_twin_is_not_doing_nothing_as_the_docs_say():
+    """eighth-10M's trial 1: its clean twin (guarded) acted on the 10M model's own early spike, and the same run
+    with no method (design run, lab/campaign/eighth-10M-design, from the registered tree) ended higher; the docs'
+    numbers are the records'. The design run is the trial's own until its fault starts, so it is that trial's
+    clean run and no other."""
+    folder = os.path.join(gc.ROOT, "lab", "campaign")
+    registration = json.load(open(os.path.join(folder, "eighth-10M", "registration.json")))
+    runs = cr.runs_of(os.path.join(folder, "eighth-10M"))
+    none = cr.runs_of(os.path.join(folder, "eighth-10M-design"))["1-clean-none"]
+    assert (none["commit"], none["tree"], none["dirty"]) == (
+        registration["commit"],
+        registration["tree"],
+        False,
+    )
+    assert (none["method"], none["decisions"], none["exit"]) == ("none", [], 0)
+    clean, bad = runs["1-clean"], runs["1-unguarded"]
+    start = bad["start"]
+    assert none["series"][: start - 1] == bad["series"][: start - 1] != clean["series"][: start - 1]
+    spike = {it: loss for it, loss, *_ in none["series"] if 21 <= it <= 26}
+    assert (round(spike[21], 2), round(spike[23], 2), round(spike[24], 2), round(spike[26], 2)) == (
+        5.20,
+        6.70,
+        6.73,
+        5.46,
+    )
+    first = clean["decisions"][0]
+    assert first.startswith("spike guard: iteration 23: ") and "LR x0.5 from now on" in first
+    docs = " ".join(open(os.path.join(gc.ROOT, "docs", "spike_guard.md")).read().split())
+    higher = none["valid"] / clean["valid"] - 1
+    over = bad["valid"] / clean["valid"] - 1
+    assert (
+        f"It ended at {clean['valid']:.4f}; the same run with no method at {none['valid']:.4f}, "
+        f"{higher:.1%} higher" in docs
+    )
+    assert f"its unremedied run, {bad['valid']:.4f}, is {over:.1%} over the guarded twin" in docs
+    # harmful by the registered rule, not against the run with no method
+    assert over > cr.HARM and bad["valid"] < none["valid"]
