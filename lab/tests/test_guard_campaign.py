@@ -7,6 +7,7 @@ under --method zclip."""
 import json
 import math
 import os
+import re
 
 import pytest
 
@@ -712,3 +713,47 @@ def test_at_10m_the_guarded_clean_twin_is_not_doing_nothing_as_the_docs_say():
     assert f"its unremedied run, {bad['valid']:.4f}, is {over:.1%} over the guarded twin" in docs
     # harmful by the registered rule, not against the run with no method
     assert over > cr.HARM and bad["valid"] < none["valid"]
+
+
+def test_the_ninths_stale_trend_verdicts_asked_twice_are_what_the_docs_say():
+    """The ninth's guarded runs that reached the stale-trend verdict, run again after be6b0e8 asks the newest
+    snapshot's weights too (design runs, lab/campaign/ninth-stale-design): every one of them and no other, from a
+    clean tree; the data trials the ninth's runs to every digit, the two early LR faults now the optimizer's; the
+    docs' numbers (losses, shares, the hypothetical counts and mean) are the records'."""
+    folder = os.path.join(gc.ROOT, "lab", "campaign")
+    ninth = cr.runs_of(os.path.join(folder, "ninth"))
+    design = cr.runs_of(os.path.join(folder, "ninth-stale-design"))
+    stale = {
+        n
+        for n, r in ninth.items()
+        if r["method"] == "guard" and any("the trend is stale" in d for d in r["decisions"])
+    }
+    assert set(design) == stale and len(stale) == 14
+    assert all(r["commit"].startswith("be6b0e8") and not r["dirty"] for r in design.values())
+    lr = {n for n, r in design.items() if r["family"] == "lr persistent"}
+    assert lr == {"126-guarded", "158-guarded"}
+    for n in stale - lr:
+        assert (design[n]["valid"], design[n]["series"]) == (
+            ninth[n]["valid"],
+            ninth[n]["series"],
+        ), n
+    docs = " ".join(open(os.path.join(gc.ROOT, "docs", "spike_guard.md")).read().split())
+    section = docs[docs.index("#### The stale-trend verdict, asked twice") :]
+    section = section[: section.index(" ### ")]
+    for k in (126, 158):
+        run, old = design[f"{k}-guarded"], ninth[f"{k}-guarded"]
+        clean, bad = ninth[f"{k}-clean"], ninth[f"{k}-unguarded"]
+        assert "optimizer-driven" in run["decisions"][0] and not any(
+            "the trend is stale" in d for d in run["decisions"]
+        )
+        over = [g["valid"] / clean["valid"] - 1 for g in (run, old, bad)]
+        ended = rf"ended {over[0]:.2%} over( its clean twin)? \(was {over[1]:.2%}; unremedied {over[2]:.2%}\)"
+        assert re.search(ended, section), k
+        shares = [gm.damage_removed(clean, bad, g) for g in (run, old)]
+        assert f"{shares[0]:.2f} (was {shares[1]:.2f})" in section, k
+    runs = {**ninth, **design}
+    guard = cr.method_results(runs)["guard"]
+    mean, lo, hi = gm.bootstrap_mean(cr.primary_results(runs)["guard"]["shares"])
+    assert f"{guard['within']} of the 123 harmful trials within 1%" in section
+    assert f"diagnose {guard['right']} of {guard['diagnosed']} first decisions right" in section
+    assert f"over the 109 would be {mean:.2f} ({lo:.2f} to {hi:.2f})" in section
