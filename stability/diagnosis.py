@@ -307,9 +307,8 @@ def data_or_optimizer(
     diagnosis = {"since": then}
     if unseen is not None:
         first, weights = oldest or snapshot
-        newer = (then, payload[0]) if then != first else None
         data, diagnosis["decided_by"], words, rebase = unseen_verdict(
-            guard, model, weights[0], first, excess_now, rng_after, *unseen, newer=newer
+            guard, model, weights[0], first, excess_now, rng_after, *unseen
         )
         evidence += words
         if rebase is not None:
@@ -347,27 +346,19 @@ def loss_on(model, weights, forward):
     return loss
 
 
-def unseen_verdict(
-    guard, model, weights, then, excess_now, rng_after, step, label, forward, newer=None
-):
+def unseen_verdict(guard, model, weights, then, excess_now, rng_after, step, label, forward):
     """(is the suspect batch the cause, the comparison that decided, the evidence's words, the (loss, grad norm) to
     re-base the trend to or None), from an unseen batch (label) computed on these weights (step: never applied) and,
-    when it spikes there too, its loss on the pre-spike weights (forward() on the weights of the snapshot of
-    iteration `then`; newer: (iteration, weights) of a newer one, or None):
+    when it spikes there too, its loss on the pre-spike weights (forward() on the snapshot's weights):
       the unseen batch ordinary here         -> data: this batch is the cause
       this batch's loss far below the unseen one's (less than half as far above the trend)
                                              -> data: weights a fault damaged do not predict text better than
                                                 text they never saw (repeated text, one token over and over)
       off its trend too (a spike, or its loss half the bar above), and as far off on the pre-spike weights (more
-      than half of its excess was there already), the newer ones too -> data, a regime change: the trend is stale,
-                                                not the weights
-      off its trend too, and worse than on the pre-spike weights, or on the newer ones
-                                             -> optimizer: the updates since did it
+      than half of its excess was there already) -> data, a regime change: the trend is stale, not the weights
+      off its trend too, and worse than on the pre-spike weights -> optimizer: the updates since did it
       off its trend too, no pre-spike weights (weights None: without_snapshot)
                                              -> optimizer, with the unseen batch's numbers
-    The newer weights are asked because the oldest alone misreads a young run: the unseen batch's loss there is
-    high because the model had not learnt yet, so a fault of the last few updates (an LR x11 from iteration 30,
-    the oldest snapshot at 12) read as "as far off: the trend is stale", and the LR fault went on to the end.
     Judged without touching the guard's reason for the step under investigation."""
     pending, alone, half = guard.pending, guard.grad_norm_alone, guard.rules.spike_guard_zscore / 2
     spike_there = (
@@ -390,16 +381,19 @@ def unseen_verdict(
         return True, f"{label} on these weights (this batch lies far below it)", words, None
     if weights is None:  # no snapshot yet (without_snapshot): no older weights to ask
         return False, f"{label} on these weights", words, (step.loss, step.grad_norm)
-    for it, pre_spike in [(then, weights), *([newer] if newer else [])]:
-        before = loss_on(model, pre_spike, forward)
-        checkpoint.set_rng_state(rng_after)
-        worse = step.loss - before if math.isfinite(before) else -math.inf
-        words += f"; on the model of iteration {it}: loss {before:.4g} ({worse:+.3g} since)"
-        decided = f"{label} on the model of iteration {it}"
-        if worse > 0.5 * off:
-            return False, decided, words + ": the weights got worse", None
-        words += ", as far off"
-    return True, decided, words + ": the trend is stale", (step.loss, step.grad_norm)
+    before = loss_on(model, weights, forward)
+    checkpoint.set_rng_state(rng_after)
+    worse = step.loss - before if math.isfinite(before) else -math.inf
+    words += f"; on the model of iteration {then}: loss {before:.4g} ({worse:+.3g} since)"
+    decided = f"{label} on the model of iteration {then}"
+    if worse <= 0.5 * off:
+        return (
+            True,
+            decided,
+            words + ", as far off: the trend is stale",
+            (step.loss, step.grad_norm),
+        )
+    return False, decided, words + ": the weights got worse", None
 
 
 def reproduced_tolerance(noise):

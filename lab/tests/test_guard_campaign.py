@@ -715,31 +715,40 @@ def test_at_10m_the_guarded_clean_twin_is_not_doing_nothing_as_the_docs_say():
     assert over > cr.HARM and bad["valid"] < none["valid"]
 
 
-def test_the_ninths_stale_trend_verdicts_asked_twice_are_what_the_docs_say():
-    """The ninth's guarded runs that reached the stale-trend verdict, run again after be6b0e8 asks the newest
-    snapshot's weights too (design runs, lab/campaign/ninth-stale-design): every one of them and no other, from a
-    clean tree; the data trials the ninth's runs to every digit, the two early LR faults now the optimizer's; the
-    docs' numbers (losses, shares, the hypothetical counts and mean) are the records'."""
+def stale_verdicts(runs, suffix):
+    """The names of a campaign's guard runs (ending in `suffix`) with a stale-trend verdict."""
+    return {
+        n
+        for n, r in runs.items()
+        if n.endswith(suffix)
+        and r.get("method", "guard") == "guard"
+        and any("the trend is stale" in d for d in r["decisions"])
+    }
+
+
+def test_the_stale_trend_verdict_asked_twice_is_what_the_docs_say():
+    """be6b0e8 (a stale trend needs the newest snapshot's weights as far off too; not adopted) on every guarded run
+    that had reached that verdict in three campaigns (design runs, lab/campaign/*-stale-design), beside the guard
+    before it: each such run and no other, from clean trees; what changed and what did not is what the docs say,
+    to the digit -- the ninth's two early LR faults repaired, the seventh's natural spike in trial 269 made worse
+    than the same clean run with no method, eighth-disk (no snapshots) unchanged."""
     folder = os.path.join(gc.ROOT, "lab", "campaign")
+    docs = " ".join(open(os.path.join(gc.ROOT, "docs", "spike_guard.md")).read().split())
+    section = docs[docs.index("#### The stale-trend verdict, asked twice") :]
+    section = section[: section.index(" ### ")]
+
+    def same(a, b):
+        return (a["valid"], a["series"]) == (b["valid"], b["series"])
+
+    # the ninth: the change's runs beside the ninth's own (8f88a4e's guard, which 3be8e4a's repeats on them)
     ninth = cr.runs_of(os.path.join(folder, "ninth"))
     design = cr.runs_of(os.path.join(folder, "ninth-stale-design"))
-    stale = {
-        n
-        for n, r in ninth.items()
-        if r["method"] == "guard" and any("the trend is stale" in d for d in r["decisions"])
-    }
+    stale = stale_verdicts(ninth, "-guarded")
     assert set(design) == stale and len(stale) == 14
     assert all(r["commit"].startswith("be6b0e8") and not r["dirty"] for r in design.values())
     lr = {n for n, r in design.items() if r["family"] == "lr persistent"}
     assert lr == {"126-guarded", "158-guarded"}
-    for n in stale - lr:
-        assert (design[n]["valid"], design[n]["series"]) == (
-            ninth[n]["valid"],
-            ninth[n]["series"],
-        ), n
-    docs = " ".join(open(os.path.join(gc.ROOT, "docs", "spike_guard.md")).read().split())
-    section = docs[docs.index("#### The stale-trend verdict, asked twice") :]
-    section = section[: section.index(" ### ")]
+    assert all(same(design[n], ninth[n]) for n in stale - lr)
     for k in (126, 158):
         run, old = design[f"{k}-guarded"], ninth[f"{k}-guarded"]
         clean, bad = ninth[f"{k}-clean"], ninth[f"{k}-unguarded"]
@@ -757,3 +766,40 @@ def test_the_ninths_stale_trend_verdicts_asked_twice_are_what_the_docs_say():
     assert f"{guard['within']} of the 123 harmful trials within 1%" in section
     assert f"diagnose {guard['right']} of {guard['diagnosed']} first decisions right" in section
     assert f"over the 109 would be {mean:.2f} ({lo:.2f} to {hi:.2f})" in section
+
+    # the seventh and eighth-disk: each run under the change and under 3be8e4a (named -before)
+    seventh = cr.runs_of(os.path.join(folder, "seventh"))
+    design = cr.runs_of(os.path.join(folder, "seventh-stale-design"))
+    guarded = stale_verdicts(seventh, "-guarded")
+    cleans = {f"{n[: -len('-clean')]}-clean-guard" for n in stale_verdicts(seventh, "-clean")}
+    after = guarded | cleans | {n.replace("-guard", "-none") for n in cleans}
+    assert len(guarded) == 4 and len(cleans) == 2
+    assert set(design) == after | {f"{n}-before" for n in guarded | cleans}
+    for n, r in design.items():
+        assert not r["dirty"] and r["commit"].startswith(
+            "3be8e4a" if n.endswith("-before") else "1317564"
+        ), n
+    mine = {
+        n: seventh[n if n.endswith("-guarded") else n[: -len("-guard")]] for n in guarded | cleans
+    }
+    assert [n for n in sorted(mine) if not same(design[f"{n}-before"], mine[n])] == ["46-guarded"]
+    changed = [n for n in sorted(guarded | cleans) if not same(design[n], design[f"{n}-before"])]
+    assert changed == ["269-clean-guard", "269-guarded"]
+    none, before, now = (
+        design["269-clean-none"]["valid"],
+        design["269-clean-guard-before"]["valid"],
+        design["269-clean-guard"]["valid"],
+    )
+    assert now == design["269-guarded"]["valid"]
+    assert (
+        f"ended {before / none - 1:.2%} above the same run with no method ({before:.4f} against {none:.4f})"
+        in section
+    )
+    assert f"ended {now / none - 1:.2%} above it ({now:.4f})" in section and now > none * (
+        1 + cr.HARM
+    )
+    disk = cr.runs_of(os.path.join(folder, "eighth-disk"))
+    design = cr.runs_of(os.path.join(folder, "eighth-disk-stale-design"))
+    stale = stale_verdicts(disk, "-guarded")
+    assert set(design) == stale | {f"{n}-before" for n in stale} and len(stale) == 4
+    assert all(same(design[n], design[f"{n}-before"]) for n in stale)
