@@ -270,6 +270,9 @@ def report(out, harm=HARM, registration=None, baselines=None):
     per_family = family_table(runs, harm)
     if per_family:
         lines += ["", per_family]
+    no_method = beside_no_method(runs, harm)
+    if no_method:
+        lines += ["", no_method]
     text = "\n".join(lines) + "\n"
     with open(os.path.join(out, "report.md"), "w") as f:
         f.write(text)
@@ -565,6 +568,71 @@ def family_table(runs, harm=HARM):
                     f"| {f} | " + " | ".join(cell(shares[f][m]["shares"]) for m in shown) + " |"
                     for f in families
                 ),
+            ]
+        )
+        + "\n"
+    )
+
+
+def beside_no_method(runs, harm=HARM):
+    """The guard's clean twins beside the same runs with no method: a detector's clean runs (DETECTORS: it never
+    acts, so its clean run of trial k is trial k's clean run with no method). Beside the registered metrics, not
+    one of them: the registered scoring takes the guard's clean run as every method's reference, and where the
+    guard acted on it that reference is not doing nothing (docs/spike_guard.md, "At 10M, the clean twin is not
+    doing nothing"). Per trial where the two differ: the guard's decisions, both final losses, and the unremedied
+    run against each, and where the fault is harmful by the registered rule (is_harmful) against the twin and not
+    against doing nothing. Markdown, or "" where no trial has both runs."""
+    pairs = sorted(
+        (r["trial"], runs[f"{r['trial']}-clean"], r)
+        for n, r in runs.items()
+        if any(n.endswith(f"-clean-{d}") for d in DETECTORS) and f"{r['trial']}-clean" in runs
+    )
+    if not pairs:
+        return ""
+
+    def key(r):
+        return (r["exit"], repr(r["valid"]), r["series"])
+
+    differ = [(k, twin, none) for k, twin, none in pairs if key(twin) != key(none)]
+    fl = guard_metrics.final_loss
+
+    def over(a, b):
+        return fl(a) / fl(b) - 1
+
+    rows = []
+    for k, twin, none in differ:
+        bad = runs.get(f"{k}-unguarded")
+        against = (
+            "-"
+            if bad is None
+            else f"{over(bad, twin):+.2%} / {over(bad, none):+.2%}"
+            + (
+                " (harmful by the rule, not against doing nothing)"
+                if is_harmful(twin, bad, harm) and not is_harmful(none, bad, harm)
+                else ""
+            )
+        )
+        rows.append(
+            f"| {k} | {twin['family']} | {len(twin['decisions'])} | {fl(twin):.4f} | {fl(none):.4f} | "
+            f"{over(twin, none):+.2%} | {against} |"
+        )
+    acted = sum(bool(twin["decisions"]) for _, twin, _ in pairs)
+    head = (
+        f"The guard's clean twins beside the same runs with no method (the clean runs of {', '.join(DETECTORS)}, "
+        f"which never acts; beside the registered metrics, not one of them): {len(pairs)} trials, the guard acted "
+        f"on {acted} of its clean twins, {len(pairs) - len(differ)} the same to every recorded digit"
+    )
+    if not differ:
+        return head + ".\n"
+    return (
+        "\n".join(
+            [
+                head + "; where they differ:",
+                "",
+                "| trial | family | the guard's decisions on its clean twin | clean twin (guarded) | no method | "
+                "twin / no method | unremedied / twin, / no method |",
+                "|---|---|---|---|---|---|---|",
+                *rows,
             ]
         )
         + "\n"

@@ -803,3 +803,35 @@ def test_the_stale_trend_verdict_asked_twice_is_what_the_docs_say():
     stale = stale_verdicts(disk, "-guarded")
     assert set(design) == stale | {f"{n}-before" for n in stale} and len(stale) == 4
     assert all(same(design[n], design[f"{n}-before"]) for n in stale)
+
+
+def test_the_guards_clean_twins_are_shown_beside_the_runs_with_no_method():
+    """The report's table of the guard's clean twins beside the detector's clean runs (no method), on records: the
+    fifth's one clean twin the guard acted on (trial 19), and eighth-10M's trial 1 with its design run with no method
+    standing in as the detector's clean run -- a fault harmful by the registered rule and not against doing
+    nothing, which the table says; the numbers by hand from the records."""
+    folder = os.path.join(gc.ROOT, "lab", "campaign")
+    fifth = cr.runs_of(os.path.join(folder, "fifth"))
+    table = cr.beside_no_method(fifth)
+    rows = [x for x in table.splitlines() if x.startswith("| ") and not x.startswith("| trial")]
+    twin, none, bad = fifth["19-clean"], fifth["19-clean-spiky_loss"], fifth["19-unguarded"]
+    assert (
+        "20 trials, the guard acted on 1 of its clean twins, 19 the same to every recorded digit"
+        in table
+    )
+    assert rows == [
+        f"| 19 | random tokens | 1 | {twin['valid']:.4f} | {none['valid']:.4f} | "
+        f"{twin['valid'] / none['valid'] - 1:+.2%} | {bad['valid'] / twin['valid'] - 1:+.2%} / "
+        f"{bad['valid'] / none['valid'] - 1:+.2%} |"
+    ]
+    runs = cr.runs_of(os.path.join(folder, "eighth-10M"))
+    none = cr.runs_of(os.path.join(folder, "eighth-10M-design"))["1-clean-none"]
+    runs["1-clean-spiky_loss"] = {**none, "name": "1-clean-spiky_loss", "method": "spiky_loss"}
+    row = [x for x in cr.beside_no_method(runs).splitlines() if x.startswith("| 1 |")]
+    twin, bad = runs["1-clean"], runs["1-unguarded"]
+    assert row == [
+        f"| 1 | repeated token | 2 | {twin['valid']:.4f} | {none['valid']:.4f} | "
+        f"{twin['valid'] / none['valid'] - 1:+.2%} | {bad['valid'] / twin['valid'] - 1:+.2%} / "
+        f"{bad['valid'] / none['valid'] - 1:+.2%} (harmful by the rule, not against doing nothing) |"
+    ]
+    assert cr.beside_no_method({n: r for n, r in fifth.items() if "spiky_loss" not in n}) == ""
