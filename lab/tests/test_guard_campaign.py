@@ -835,3 +835,18 @@ def test_the_guards_clean_twins_are_shown_beside_the_runs_with_no_method():
         f"{bad['valid'] / none['valid'] - 1:+.2%} (harmful by the rule, not against doing nothing) |"
     ]
     assert cr.beside_no_method({n: r for n, r in fifth.items() if "spiky_loss" not in n}) == ""
+
+
+def test_the_10m_clean_runs_grad_norms_are_what_the_docs_say():
+    """The docs' reading of eighth-10M's trial 1 (an LR too high for the 10M model): the run with no method's grad
+    norm past 10 at six iterations from 24 to 114, the guarded clean twin's at none after iteration 6."""
+    folder = os.path.join(gc.ROOT, "lab", "campaign")
+    none = cr.runs_of(os.path.join(folder, "eighth-10M-design"))["1-clean-none"]
+    twin = cr.runs_of(os.path.join(folder, "eighth-10M"))["1-clean"]
+    past = [it for it, _, norm, *_ in none["series"] if norm > 10 and it > 6]
+    assert past == [24, 26, 32, 43, 48, 114]
+    assert not [it for it, _, norm, *_ in twin["series"] if norm > 10 and it > 6]
+    docs = " ".join(open(os.path.join(gc.ROOT, "docs", "spike_guard.md")).read().split())
+    assert (
+        "its grad norm past 10 at six iterations from 24 to 114, the guarded twin's at none" in docs
+    )
