@@ -16,6 +16,7 @@ import campaign_report as cr
 import guard_campaign as gc
 import guard_metrics as gm
 from helpers import corpus, corpus512  # noqa: F401 (fixtures)
+from stability import spike_guard
 
 
 def test_wilson_matches_the_textbook_interval():
@@ -760,6 +761,11 @@ def test_the_stale_trend_verdict_asked_twice_is_what_the_docs_say():
         assert re.search(ended, section), k
         shares = [gm.damage_removed(clean, bad, g) for g in (run, old)]
         assert f"{shares[0]:.2f} (was {shares[1]:.2f})" in section, k
+    # the next design's constraint: 158 used every rollback the default cap allows
+    assert (
+        design["158-guarded"]["rollbacks"] == 3 == spike_guard.GuardConfig.spike_guard_max_rollbacks
+    )
+    assert "trial 158 used all three that `spike_guard_max_rollbacks` allows" in section
     runs = {**ninth, **design}
     guard = cr.method_results(runs)["guard"]
     mean, lo, hi = gm.bootstrap_mean(cr.primary_results(runs)["guard"]["shares"])
