@@ -574,6 +574,11 @@ def family_table(runs, harm=HARM):
     )
 
 
+def same_run(a, b):
+    """Two records of one run to every recorded digit: exit, final loss, every logged loss and grad norm."""
+    return (a["exit"], repr(a["valid"]), a["series"]) == (b["exit"], repr(b["valid"]), b["series"])
+
+
 def beside_no_method(runs, harm=HARM):
     """The guard's clean twins beside the same runs with no method: a detector's clean runs (DETECTORS: it never
     acts, so its clean run of trial k is trial k's clean run with no method). Beside the registered metrics, not
@@ -589,11 +594,7 @@ def beside_no_method(runs, harm=HARM):
     )
     if not pairs:
         return ""
-
-    def key(r):
-        return (r["exit"], repr(r["valid"]), r["series"])
-
-    differ = [(k, twin, none) for k, twin, none in pairs if key(twin) != key(none)]
+    differ = [(k, twin, none) for k, twin, none in pairs if not same_run(twin, none)]
     fl = guard_metrics.final_loss
 
     def over(a, b):
@@ -642,10 +643,6 @@ def beside_no_method(runs, harm=HARM):
 def same_twins(mine, theirs):
     """Trial numbers whose clean and unremedied runs are in both records and agree to every recorded
     digit (exit, final loss, every logged loss and grad norm): the runs the two registrations share."""
-
-    def key(r):
-        return (r["exit"], repr(r["valid"]), r["series"])
-
     ks = {r["trial"] for r in mine.values() if "trial" in r}
     return sorted(
         k
@@ -653,7 +650,7 @@ def same_twins(mine, theirs):
         if all(
             f"{k}-{x}" in mine
             and f"{k}-{x}" in theirs
-            and key(mine[f"{k}-{x}"]) == key(theirs[f"{k}-{x}"])
+            and same_run(mine[f"{k}-{x}"], theirs[f"{k}-{x}"])
             for x in ("clean", "unguarded")
         )
     )

@@ -677,6 +677,12 @@ def test_the_ninths_bad_devices_requeued_are_what_the_docs_say():
     )
 
 
+def docs_text():
+    """docs/spike_guard.md with its line breaks and indents as single spaces: a quoted sentence found wherever
+    the text wraps it."""
+    return " ".join(open(os.path.join(gc.ROOT, "docs", "spike_guard.md")).read().split())
+
+
 def test_at_10m_the_guarded_clean_twin_is_not_doing_nothing_as_the_docs_say():
     """eighth-10M's trial 1: its clean twin (guarded) acted on the 10M model's own early spike, and the same run
     with no method (design run, lab/campaign/eighth-10M-design, from the registered tree) ended higher; the docs'
@@ -704,7 +710,7 @@ def test_at_10m_the_guarded_clean_twin_is_not_doing_nothing_as_the_docs_say():
     )
     first = clean["decisions"][0]
     assert first.startswith("spike guard: iteration 23: ") and "LR x0.5 from now on" in first
-    docs = " ".join(open(os.path.join(gc.ROOT, "docs", "spike_guard.md")).read().split())
+    docs = docs_text()
     higher = none["valid"] / clean["valid"] - 1
     over = bad["valid"] / clean["valid"] - 1
     assert (
@@ -734,12 +740,10 @@ def test_the_stale_trend_verdict_asked_twice_is_what_the_docs_say():
     to the digit -- the ninth's two early LR faults repaired, the seventh's natural spike in trial 269 made worse
     than the same clean run with no method, eighth-disk (no snapshots) unchanged."""
     folder = os.path.join(gc.ROOT, "lab", "campaign")
-    docs = " ".join(open(os.path.join(gc.ROOT, "docs", "spike_guard.md")).read().split())
+    docs = docs_text()
     section = docs[docs.index("#### The stale-trend verdict, asked twice") :]
     section = section[: section.index(" ### ")]
-
-    def same(a, b):
-        return (a["valid"], a["series"]) == (b["valid"], b["series"])
+    same = cr.same_run
 
     # the ninth: the change's runs beside the ninth's own (8f88a4e's guard, which 3be8e4a's repeats on them)
     ninth = cr.runs_of(os.path.join(folder, "ninth"))
@@ -852,7 +856,8 @@ def test_the_10m_clean_runs_grad_norms_are_what_the_docs_say():
     past = [it for it, _, norm, *_ in none["series"] if norm > 10 and it > 6]
     assert past == [24, 26, 32, 43, 48, 114]
     assert not [it for it, _, norm, *_ in twin["series"] if norm > 10 and it > 6]
-    docs = " ".join(open(os.path.join(gc.ROOT, "docs", "spike_guard.md")).read().split())
+    docs = docs_text()
     assert (
-        "its grad norm past 10 at six iterations from 24 to 114, the guarded twin's at none" in docs
+        "its grad norm past 10 at six iterations from 24 to 114, the guarded twin's at none after iteration 6"
+        in docs
     )
