@@ -773,7 +773,12 @@ def test_the_stale_trend_verdict_asked_twice_is_what_the_docs_say():
     runs = {**ninth, **design}
     guard = cr.method_results(runs)["guard"]
     mean, lo, hi = gm.bootstrap_mean(cr.primary_results(runs)["guard"]["shares"])
-    assert f"{guard['within']} of the 123 harmful trials within 1%" in section
+    lo_within, hi_within = cr.wilson(guard["within"], guard["n"])
+    assert (
+        f"{guard['within']} of the 123 harmful trials within 1% of the clean twin "
+        f"({guard['within'] / guard['n']:.0%}, {100 * lo_within:.0f}-{hi_within:.0%}; registered: 109, 82-93%)"
+        in section
+    )
     assert f"diagnose {guard['right']} of {guard['diagnosed']} first decisions right" in section
     assert f"over the 109 would be {mean:.2f} ({lo:.2f} to {hi:.2f})" in section
 
