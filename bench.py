@@ -53,7 +53,6 @@ import dataclasses
 import json
 import os
 import resource
-import socket
 import statistics
 import subprocess
 import sys
@@ -1064,11 +1063,11 @@ def compare(bench, rest, argv):
     print(f"-- {bench.nproc} processes", flush=True)
     ctx = torch.multiprocessing.get_context("spawn")
     results = ctx.SimpleQueue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     torch.multiprocessing.start_processes(
-        _worker, args=(bench.nproc, port, argv, results), nprocs=bench.nproc, start_method="spawn"
+        _worker,
+        args=(bench.nproc, parallel.free_port(), argv, results),
+        nprocs=bench.nproc,
+        start_method="spawn",
     )
     multi = results.get()
     print(

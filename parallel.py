@@ -10,6 +10,8 @@ row-parallel one needs one all-reduce forward (the paper's g) and one backward (
 
 import datetime
 import os
+import random
+import socket
 import time
 from dataclasses import dataclass
 
@@ -235,6 +237,31 @@ def init(
 
 
 host_timeout, host_groups = 60, []  # init()'s host_timeout_minutes; the group host_group() made
+
+
+def free_port():
+    """A TCP port free on this host for a one-node rendezvous (torchrun --standalone binds its own).
+
+    Taken below the kernel's ephemeral range: between choosing a port and the rendezvous binding it, any
+    outgoing connection may be handed an ephemeral one, and the rendezvous fails on EADDRINUSE; a port below the
+    range can only be taken by another listener, and the bind below checks there is none now."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768  # Linux's default
+    below = range(10000, low)
+    # not the global generator: a test that seeds it would draw the same ports every time
+    for port in random.SystemRandom().sample(below, min(64, len(below))):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+                return port
+            except OSError:
+                continue
+    with socket.socket() as s:  # no free port below the range: the kernel's choice
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def host_group():

@@ -23,7 +23,6 @@ import io
 import math
 import os
 import re
-import socket
 import subprocess
 import sys
 import traceback
@@ -196,10 +195,16 @@ def assert_same_checkpoint(dir_a, dir_b, iteration):
 # Several processes
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def torchrun(nproc):
+    """The launcher of nproc processes on this host: --standalone, whose rendezvous binds its own port (a port
+    chosen here and bound later can be taken in between)."""
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+    ]
 
 
 def _spawned(rank, world, port, tp, pp, fn, args, errors):
@@ -230,7 +235,7 @@ def spawn(fn, world, tp=1, pp=1, *args):
     try:
         mp.start_processes(
             _spawned,
-            args=(world, free_port(), tp, pp, fn, args, errors),
+            args=(world, parallel.free_port(), tp, pp, fn, args, errors),
             nprocs=world,
             start_method="spawn",
         )
@@ -371,19 +376,7 @@ def launch(tmp_path, nproc, *extra, expect_ok=True):
     """python train.py E2E_ARGS EXTRA, under torchrun with nproc processes (one: plain python): a Run."""
     tmp_path.mkdir(parents=True, exist_ok=True)
     tb_dir = str(tmp_path / f"tb-{len(os.listdir(tmp_path))}")
-    launcher = (
-        [sys.executable]
-        if nproc == 1
-        else [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc_per_node",
-            str(nproc),
-            "--master_port",
-            str(free_port()),
-        ]
-    )
+    launcher = [sys.executable] if nproc == 1 else torchrun(nproc)
     cmd = launcher + ["train.py", *E2E_ARGS, f"--tensorboard_dir={tb_dir}", *extra]
     # the processes share one pipe: train.py writes each line whole (line buffering)
     env = dict(

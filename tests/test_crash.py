@@ -5,13 +5,12 @@ checks the recipe has it)."""
 
 import os
 import subprocess
-import sys
 
 import pytest
 
 import builders
 import training
-from helpers import E2E_ARGS, ROOT, SMALL, corpus, free_port, run_main, synthetic_corpus  # noqa: F401 (fixtures)
+from helpers import E2E_ARGS, ROOT, SMALL, corpus, run_main, synthetic_corpus, torchrun  # noqa: F401 (fixtures)
 
 # train.py on each rank, its second step failing on rank 1 as a lost GPU would (an exception out of the step)
 FAILING_RANK = """
@@ -39,13 +38,7 @@ def test_one_failing_rank_ends_a_torchrun_job(synthetic_corpus, tmp_path):
     script.write_text(FAILING_RANK)
     # train.py's loop looks train_step up in its own namespace: the script patches training before train.py runs
     cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        "2",
-        "--master_port",
-        str(free_port()),
+        *torchrun(2),
         str(script),
         *E2E_ARGS,
         f"--data_path={synthetic_corpus}",

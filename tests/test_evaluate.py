@@ -21,7 +21,7 @@ import torch
 pytest.importorskip("lm_eval")
 pytest.importorskip("transformers")
 
-from helpers import ROOT, corpus, free_port, write_checkpoint  # noqa: E402,F401 (corpus: a fixture)
+from helpers import ROOT, corpus, torchrun, write_checkpoint  # noqa: E402,F401 (corpus: a fixture)
 
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 import export_hf  # noqa: E402
@@ -319,19 +319,7 @@ def train(*args, nproc=1):
         HF_HUB_OFFLINE="1",
         HF_DATASETS_OFFLINE="1",
     )
-    launcher = (
-        [sys.executable]
-        if nproc == 1
-        else [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc_per_node",
-            str(nproc),
-            "--master_port",
-            str(free_port()),
-        ]
-    )
+    launcher = [sys.executable] if nproc == 1 else torchrun(nproc)
     return subprocess.run(
         [*launcher, "train.py", *args],
         cwd=ROOT,

@@ -26,12 +26,11 @@ import math
 import os
 import re
 import subprocess
-import sys
 
 import pytest
 
 import loader
-from helpers import ROOT, corpus, corpus512, decisions, free_port, guard_model_args, run_main  # noqa: F401 (fixtures)
+from helpers import ROOT, corpus, corpus512, decisions, guard_model_args, run_main, torchrun  # noqa: F401 (fixtures)
 from stability import spike_guard
 
 GUARD = [
@@ -85,11 +84,7 @@ def _dp2(data_path, *extra):
     """The run under torchrun, 2 processes (DP2, gloo, micro-batches of 4)."""
     args = [a for a in guard_model_args(data_path) if not a.startswith("--micro_batch_size")]
     cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node=2",
-        f"--master_port={free_port()}",
+        *torchrun(2),
         "train.py",
         *args,
         "--micro_batch_size=4",

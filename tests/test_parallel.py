@@ -10,6 +10,7 @@ save/resume across TP=2 x PP=2 and the weight-dump comparison of lesson 11 (anot
 tests/test_reshard.py).
 """
 
+import glob
 import io
 import math
 import os
@@ -751,3 +752,32 @@ def test_the_pipeline_stages_line_names_each_stages_layers():
     assert describe_partition(70, 12, "type:transformer").startswith(
         "pipeline stages (type:transformer): 0: embedding + layers 0-5 | 1: layers 6-11 |"
     )
+
+
+def test_free_port_is_below_the_ephemeral_range_and_not_a_taken_one(monkeypatch):
+    # the kernel hands out ephemeral ports to any outgoing connection: a port chosen there and bound later by
+    # the rendezvous can be taken in between (EADDRINUSE)
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        low = int(f.read().split()[0])
+    ports = {parallel.free_port() for _ in range(8)}
+    assert all(10000 <= p < low for p in ports) and len(ports) > 1, ports
+    import random
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        busy = taken.getsockname()[1]
+        free = parallel.free_port()
+        monkeypatch.setattr(random.SystemRandom, "sample", lambda self, seq, k: [busy, free])
+        assert parallel.free_port() == free
+
+
+def test_no_test_launches_torchrun_on_a_port_it_chose():
+    # helpers.torchrun: --standalone, whose rendezvous binds a port of the kernel's choosing at once
+    for path in sorted(glob.glob(os.path.join(ROOT, "tests", "*.py"))):
+        with open(path) as f:
+            source = f.read()
+        if os.path.samefile(path, __file__):  # this test names what it looks for
+            continue
+        assert '"--master_port' not in source, f"{path}: launch with helpers.torchrun"

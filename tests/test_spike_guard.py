@@ -491,19 +491,14 @@ THREE_FAULTS = [
 def _dp2(run, *extra):
     """stdout of the test run under torchrun with 2 processes (DP2, gloo, micro batches of 4)."""
     import subprocess
-    import sys
 
-    from helpers import ROOT, free_port
+    from helpers import ROOT, torchrun
 
     args = [a for a in run.base if not a.startswith("--micro_batch_size")] + [
         "--micro_batch_size=4"
     ]
     cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node=2",
-        f"--master_port={free_port()}",
+        *torchrun(2),
         "train.py",
         *args,
         *GUARD,

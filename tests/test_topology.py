@@ -11,7 +11,6 @@ import math
 import os
 import re
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -26,13 +25,13 @@ from helpers import (  # noqa: F401
     assert_replicas_identical,
     assert_same_training,
     dumps,
-    free_port,
     gather,
     launch,
     launch_once,
     spawn,
     stage,
     synthetic_corpus,  # (synthetic_corpus: a fixture)
+    torchrun,
 )
 
 # -----------------------------------------------------------------------------
@@ -321,13 +320,7 @@ def test_tp2_dropout_with_checkpointing_keeps_replicas_and_resumes_exactly(
 )
 def test_layout_errors_under_torchrun_are_one_line_and_exit_2(nproc, layout, message, tmp_path):
     cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        str(nproc),
-        "--master_port",
-        str(free_port()),
+        *torchrun(nproc),
         "train.py",
         "--train_iters=1",
         f"--save={tmp_path / 'ckpt'}",

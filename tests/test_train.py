@@ -3,7 +3,6 @@
 import os
 import re
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -18,10 +17,10 @@ from helpers import (  # noqa: F401
     corpus,
     corpus512,
     final_state,
-    free_port,
     launch,
     losses,
     synthetic_corpus,
+    torchrun,
 )
 from helpers import run_cli as run
 
@@ -207,13 +206,7 @@ def test_config_error_under_torchrun_is_printed_once_and_is_the_root_cause(tmp_p
     'To enable traceback see ...'; no traceback of ours."""
     proc = subprocess.run(
         [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc_per_node",
-            "2",
-            "--master_port",
-            str(free_port()),
+            *torchrun(2),
             "train.py",
             "--lr=fast",
             "--save=none",
