@@ -1,6 +1,9 @@
 # Make the flat top-level modules (model, data, optim, ...) importable from tests/.
+import atexit
 import os
+import shutil
 import sys
+import tempfile
 
 import pytest
 
@@ -14,6 +17,11 @@ os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
 # xdist workers on 2 cores) two spinning OpenMP threads per process make each small op up to 40x slower. Bit-exact
 # comparisons are between runs made under this same setting. OMP_NUM_THREADS=N python -m pytest overrides it.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# transformers copies an exported model's remote code into its modules cache (not atomically): each test process
+# its own, so that two xdist workers loading exports at once never read a half-copied file, and none in ~/.cache
+_modules = tempfile.mkdtemp(prefix="hf_modules_")
+atexit.register(shutil.rmtree, _modules, ignore_errors=True)
+os.environ["HF_MODULES_CACHE"] = _modules
 import torch  # noqa: E402 (after the environment it reads)
 
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))

@@ -23,7 +23,6 @@ import argparse
 import enum
 import math
 import os
-import socket
 import sys
 import types
 
@@ -410,11 +409,15 @@ def main(argv):
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     out_dir, settings = argv[0], argv[1:]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    # the repository's port rule (a port chosen in the ephemeral range can be taken before rank 0 binds it)
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    import parallel
+
     mp.start_processes(
-        _worker, args=(PP * DP, port, out_dir, settings), nprocs=PP * DP, start_method="spawn"
+        _worker,
+        args=(PP * DP, parallel.free_port(), out_dir, settings),
+        nprocs=PP * DP,
+        start_method="spawn",
     )
 
 

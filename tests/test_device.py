@@ -1034,7 +1034,9 @@ def test_the_nccl_flight_recorder_is_on_for_cuda_unless_the_user_set_it(
         "TORCH_NCCL_DEBUG_INFO_TEMP_FILE",
     )
     for name in names:
-        monkeypatch.delenv(name, raising=False)
+        # set, then deleted: monkeypatch restores only what it saw, and _flight_recorder sets these
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
     monkeypatch.delenv("RANK", raising=False)
     _flight_recorder(["--device=cpu", f"--save={tmp_path}"])
     assert not set(names) & set(os.environ)  # gloo: nothing to record
