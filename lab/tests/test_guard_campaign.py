@@ -866,3 +866,97 @@ def test_the_10m_clean_runs_grad_norms_are_what_the_docs_say():
         "its grad norm past 10 at six iterations from 24 to 114, the guarded twin's at none after iteration 6"
         in docs
     )
+
+
+def test_what_a_skip_can_reach_on_the_ninths_data_faults_is_what_the_docs_say():
+    """Each of the ninth's data-fault trials run as its clean run with the fault skipped by hand (design runs,
+    lab/campaign/ninth-oracle-skip-design, from the ninth's registered tree): the skipped iterations are the
+    fault's, the tree repeats the ninth's clean run, and the docs' counts, shares and percentages are the
+    records'."""
+    folder = os.path.join(gc.ROOT, "lab", "campaign")
+    registration = json.load(open(os.path.join(folder, "ninth", "registration.json")))
+    ninth = cr.runs_of(os.path.join(folder, "ninth"))
+    design = cr.runs_of(os.path.join(folder, "ninth-oracle-skip-design"))
+    assert all(
+        (r["commit"], r["tree"], r["dirty"], r["exit"], r["decisions"])
+        == (registration["commit"], registration["tree"], False, 0, [])
+        for r in design.values()
+    )
+    assert design.pop("24-clean-again")["valid"] == ninth["24-clean"]["valid"]
+    data = ("random tokens", "repeated 8-gram", "repeated token", "ordered duplicate block")
+    trials = sorted(
+        r["trial"] for r in ninth.values() if r["name"].endswith("-guarded") and r["family"] in data
+    )
+    assert sorted(r["trial"] for r in design.values()) == trials and len(trials) == 61
+    skipped, same, text = {}, {f: [] for f in data}, docs_text()
+    fault = re.compile(r"at (\d+): (\d+) (?:batches|iterations repeating (\d+))")
+    for k in trials:
+        run, guarded = design[f"{k}-clean-oracle-skip"], ninth[f"{k}-guarded"]
+        start, n, period = map(int, fault.search(run["what"]).groups(default="0"))
+        # a duplicate block keeps its first period of batches: the corpus's own samples
+        assert run["skipped"] == f"{start + period}-{start + n - 1}", k
+        skipped[k] = run
+        same[run["family"]].append(guarded["exit"] == 0 and guarded["valid"] == run["valid"])
+    counts = [f"{sum(same[f])} of {len(same[f])}" for f in data[:3]]
+    total = sum(sum(same[f]) for f in data[:3])
+    assert f"On {total} of the {sum(len(same[f]) for f in data[:3])} random-token" in text
+    assert f"to every recorded digit ({', '.join(counts[:2])}, {counts[2]})" in text
+    assert not any(same["ordered duplicate block"])
+
+    def pct(a, b):
+        return 100 * (gm.final_loss(a) / gm.final_loss(b) - 1)
+
+    assert ninth["24-guarded"]["valid"] == skipped[24]["valid"]
+    assert (
+        f"with its fault skipped ends {pct(skipped[24], ninth['24-clean']):.2f}% over its clean twin"
+        in text
+    )
+    harmful = [k for k in trials if cd.is_harmful(ninth[f"{k}-clean"], ninth[f"{k}-unguarded"])]
+
+    def shares(ks, run):
+        return [gm.damage_removed(ninth[f"{k}-clean"], ninth[f"{k}-unguarded"], run(k)) for k in ks]
+
+    best, guard = (
+        gm.bootstrap_mean(shares(harmful, lambda k: skipped[k])),
+        gm.bootstrap_mean(shares(harmful, lambda k: ninth[f"{k}-guarded"])),
+    )
+    token = [k for k in harmful if ninth[f"{k}-guarded"]["family"] == "repeated token"]
+    token_best = gm.bootstrap_mean(shares(token, lambda k: skipped[k]))[0]
+    assert (
+        f"Over the {len(harmful)} harmful data trials a perfect skip removes a mean share of the damage of "
+        f"{best[0]:.2f} ({best[1]:.2f} to {best[2]:.2f}; {token_best:.2f} on the repeated token), the guard "
+        f"{guard[0]:.2f} ({guard[1]:.2f} to {guard[2]:.2f})" in text
+    )
+    readme = " ".join(open(os.path.join(gc.ROOT, "README.md")).read().split())
+    assert (
+        f"it ended where a perfect skip does, to every digit in {total} " in readme
+        and f"mean {best[0]:.2f} of the damage ({best[1]:.2f} to {best[2]:.2f}) over the {len(harmful)} harmful data "
+        f"trials and ends {pct(skipped[24], ninth['24-clean']):.1f}% over"
+        in readme
+    )
+    run86 = ninth["86-guarded"]
+    last = {it: was_skipped for it, _, _, was_skipped in run86["series"]}
+    rolled = [
+        tuple(map(int, m.groups()))
+        for d in run86["decisions"]
+        if (m := re.search(r"roll back to before iteration \d+ and skip iterations (\d+)-(\d+)", d))
+    ]
+    applied = [
+        it
+        for it in range(60, 214)
+        if last.get(it) == 0 and not any(a <= it <= b for a, b in rolled)
+    ]
+    assert (
+        f"ended {pct(run86, skipped[86]):.2f}% above its fault skipped ({pct(run86, ninth['86-clean']):.2f}% over "
+        f"clean, the skip {pct(skipped[86], ninth['86-clean']):.2f}%): {len(applied)} of its 154 bad batches "
+        f"(iterations {applied[0]}-{applied[-1]}) were applied" in text
+    ) and applied == list(range(applied[0], applied[-1] + 1))
+    block = [k for k in trials if ninth[f"{k}-guarded"]["family"] == "ordered duplicate block"]
+    apart = [pct(ninth[f"{k}-guarded"], skipped[k]) for k in block]
+    block_harmful = [k for k in block if k in harmful]
+    assert (
+        f"It ended {min(apart):+.2f}% to {max(apart):+.2f}% from the skipped run in its {len(block)} trials; on the "
+        f"{len(block_harmful)} harmful ones it removed a mean share of "
+        f"{gm.bootstrap_mean(shares(block_harmful, lambda k: ninth[f'{k}-guarded']))[0]:.2f}, a perfect skip "
+        f"{gm.bootstrap_mean(shares(block_harmful, lambda k: skipped[k]))[0]:.2f}" in text
+    )
