@@ -5,6 +5,7 @@ searches), and the tightness of the weight-corruption bound; plus the counterfac
 End-to-end runs are the tests' 2x64 model on a 512-token vocabulary (test_spike_guard.py's, with its guard flags).
 Each end-to-end test's docstring says what a guard without the rule it tests would do."""
 
+import math
 import re
 
 import numpy as np
@@ -77,6 +78,73 @@ def test_a_repeated_token_batch_far_below_its_trend_is_data_and_only_skipped(run
         r"outlier: update skipped \(this batch alone: no rollback",
         lines[0],
     ), lines
+
+
+def test_a_degenerate_batch_a_whole_bar_below_its_trend_needs_the_grad_norm_half_the_bar_up():
+    """The ninth campaign's trial 86 (its detector's statistics as it judged iteration 198, recorded from the run in
+    its registered tree: tests/data/ninth_trial86_198.json): a repeated-token batch after 17 skipped ones, loss 2.33
+    against a trend of 5.30 (41 scatters below) and grad norm 4.55, 11x its trend but 5.8 scatters up, under the
+    bar of 6. The joint rule took half the bar for the loss and the whole bar for the grad norm, let it through, and
+    the trend followed the next 14 such batches (docs/spike_guard.md, "What a skip can reach"); a loss a whole bar
+    below with the grad norm half the bar up is a spike too. A loss alone far below its line is not one, nor is a
+    loss half the bar below with the grad norm under its bar."""
+    import json
+    import os
+
+    with open(
+        os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "ninth_trial86_198.json")
+    ) as f:
+        recorded = json.load(f)
+    cfg = arguments.load_config(
+        ["--spike_guard", "--spike_guard_window=32", "--spike_guard_min_steps=4"]
+    )
+    guard = spike_guard_of(cfg)
+    guard.load_stats(recorded["stats"])
+    loss, grad_norm = recorded["loss"], recorded["grad_norm"]
+    (z, _), (gz, _) = (
+        guard.series["loss"].judge(loss),
+        guard.series["grad norm"].judge(grad_norm),
+    )
+    assert (
+        z < -cfg.spike_guard_zscore and cfg.spike_guard_zscore / 2 < gz < cfg.spike_guard_zscore
+    ), (z, gz)
+    assert re.fullmatch(
+        r"loss 2\.33 is 0\.44x its trend's 5\.297, 41\.\d spreads below it, with grad norm 4\.551 11\.22x its trend's",
+        guard.judge(loss, grad_norm) or "",
+    )
+    # the grad norm at the trend's own level: the loss alone is no spike, however far below
+    assert guard.judge(loss, guard.series["grad norm"].expected()) is None
+    # the grad norm just under half the bar: no spike
+    gn_series = guard.series["grad norm"]
+    under = math.exp(
+        math.log(gn_series.expected()) + 0.99 * cfg.spike_guard_zscore / 2 * gn_series.fit()[1]
+    )
+    assert guard.judge(loss, under) is None
+    assert guard.judge(loss, under * 1.03) is not None
+    # a noisy run's loss between half the bar and the bar below, the grad norm between half the bar and the bar
+    # up: no spike (the half bars are for a step that moved one of the two a whole bar)
+    cfg, guard = _guard()
+    rng = np.random.default_rng(0)
+    for i in range(24):
+        guard.update(
+            i + 1,
+            "ok",
+            5.0 + 0.3 * rng.standard_normal(),
+            0.5 * math.exp(0.2 * rng.standard_normal()),
+            None,
+            lr=1e-3,
+        )
+    (expected, scatter), (g_expected, g_scatter) = (
+        guard.series["loss"].fit(),
+        guard.series["grad norm"].fit(),
+    )
+    loss, grad_norm = expected - 4.5 * scatter, math.exp(g_expected + 4.5 * g_scatter)
+    assert (
+        loss < expected / cfg.spike_guard_ema_ratio
+        and grad_norm > cfg.spike_guard_ema_ratio * math.exp(g_expected)
+    )
+    assert guard.judge(loss, grad_norm) is None
+    assert guard.judge(expected - 6.5 * scatter, grad_norm) is not None
 
 
 def test_a_persistent_numerical_fault_in_bf16_is_named_and_never_stops_the_run(run):
