@@ -11,12 +11,14 @@ import re
 
 import pytest
 
+import arguments
 import campaign_draw as cd
 import campaign_report as cr
 import guard_campaign as gc
 import guard_metrics as gm
 from helpers import corpus, corpus512  # noqa: F401 (fixtures)
-from stability import spike_guard
+from sections import section
+from stability import detector, spike_guard
 
 
 def test_wilson_matches_the_textbook_interval():
@@ -960,3 +962,27 @@ def test_what_a_skip_can_reach_on_the_ninths_data_faults_is_what_the_docs_say():
         f"{gm.bootstrap_mean(shares(block_harmful, lambda k: ninth[f'{k}-guarded']))[0]:.2f}, a perfect skip "
         f"{gm.bootstrap_mean(shares(block_harmful, lambda k: skipped[k]))[0]:.2f}" in text
     )
+
+
+def test_the_detector_calls_no_spike_on_the_recorded_clean_runs_the_guard_let_be():
+    """The detector as it is now, fed each recorded clean run of the ninth and the seventh in which their guard did
+    not act (every applied step, the campaigns' window), calls no spike: a rule added since (the joint rule's loss
+    a whole bar below with the grad norm half the bar up) would have acted on none of them. Half the bar for both
+    would have on three."""
+    cfg = arguments.load_config(
+        ["--spike_guard", "--spike_guard_window=32", "--spike_guard_min_steps=4"]
+    )
+    rules = section(detector.DetectorConfig, cfg)
+    runs = 0
+    for campaign in ("ninth", "seventh"):
+        for name, run in cr.runs_of(os.path.join(gc.ROOT, "lab", "campaign", campaign)).items():
+            if not name.endswith("-clean") or run["decisions"]:
+                continue
+            applied = [
+                (i, loss, g)
+                for i, loss, g, skipped in run["series"]
+                if math.isfinite(g) and not skipped
+            ]
+            assert detector.spikes_in(applied, rules, cfg.clip_grad) == [], (campaign, name)
+            runs += 1
+    assert runs == 519
