@@ -986,3 +986,49 @@ def test_the_detector_calls_no_spike_on_the_recorded_clean_runs_the_guard_let_be
             assert detector.spikes_in(applied, rules, cfg.clip_grad) == [], (campaign, name)
             runs += 1
     assert runs == 519
+
+
+def test_the_joint_rules_whole_bar_below_on_the_ninth_is_what_the_docs_say():
+    """Every one of the ninth's 202 trials, guarded, under 919c85d's guard (the joint rule's loss a whole bar below its
+    trend with the grad norm half the bar up; design runs, lab/campaign/ninth-joint-design): trial 86 alone
+    changed, onto its fault-skipped run; every other is the ninth's guarded run to every recorded digit; the docs'
+    hypothetical count is the records'."""
+    folder = os.path.join(gc.ROOT, "lab", "campaign")
+    ninth, design = (
+        cr.runs_of(os.path.join(folder, "ninth")),
+        cr.runs_of(os.path.join(folder, "ninth-joint-design")),
+    )
+    skipped = cr.runs_of(os.path.join(folder, "ninth-oracle-skip-design"))
+    assert all(r["commit"].startswith("919c85d") and not r["dirty"] for r in design.values())
+    assert set(design) == {n for n in ninth if n.endswith("-guarded")} and len(design) == 202
+    changed = sorted(r["trial"] for n, r in design.items() if not cr.same_run(r, ninth[n]))
+    assert changed == [86]
+    run, clean, bad = design["86-guarded"], ninth["86-clean"], ninth["86-unguarded"]
+    assert run["valid"] == skipped["86-clean-oracle-skip"]["valid"]
+    section = docs_text()
+    share, was = (gm.damage_removed(clean, bad, g) for g in (run, ninth["86-guarded"]))
+    assert (
+        f"it changed trial {changed[0]} alone, which now ends on its fault-skipped run to every digit "
+        f"({run['valid']:.4f}, {run['valid'] / clean['valid'] - 1:.2%} over clean: a share of the damage removed of "
+        f"{share:.2f}, was {was:.2f})" in section
+    )
+    guard = cr.method_results({**ninth, **design})["guard"]
+    lo, hi = cr.wilson(guard["within"], guard["n"])
+    assert (
+        f"would end {guard['within']} of its {guard['n']} harmful trials there ({guard['within'] / guard['n']:.0%}, "
+        f"{100 * lo:.0f}-{hi:.0%}; registered: 109)" in section
+    )
+    assert (
+        f"the other {len(design) - 1} are the ninth's guarded runs to every recorded digit"
+        in section
+    )
+    assert (
+        f"repeats {len(design) - 1} of the {len(design)} guarded runs to every recorded digit and ends the "
+        f"{len(design)}nd, trial {changed[0]}, within 1%" in section
+    )
+    readme = " ".join(open(os.path.join(gc.ROOT, "README.md")).read().split())
+    # 519: test_the_detector_calls_no_spike_on_the_recorded_clean_runs_the_guard_let_be
+    assert (
+        f"which changed no other of the ninth's {len(design)} guarded runs and calls no spike on the 519 recorded "
+        "clean runs its guard let be" in readme
+    )
