@@ -275,10 +275,11 @@ class Detector:
         (z, ratio), (gz, gratio) = judged["loss"], judged["grad norm"]
         full, bar = self.rules.spike_guard_zscore, self.rules.spike_guard_ema_ratio
         half = full / 2
-        below = z < -half and ratio < 1 / bar
-        if gratio > bar and (
-            (z > half and ratio > bar or below) and gz > full or below and z < -full and gz > half
-        ):
+        above, below = z > half and ratio > bar, z < -half and ratio < 1 / bar
+        # the loss half the bar off its line, the grad norm a whole bar up; or the loss a whole bar below, the
+        # grad norm half the bar up
+        moved = (above or below) and gz > full or below and z < -full and gz > half
+        if moved and gratio > bar:
             return [
                 f"loss {loss:.4g} is {ratio:.2f}x its trend's {self.series['loss'].expected():.4g}, "
                 f"{abs(z):.1f} spreads {'above' if z > 0 else 'below'} it, with grad norm {grad_norm:.4g} "
