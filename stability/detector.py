@@ -3,10 +3,10 @@
 A step's loss is a spike when it lands more than `spike_guard_zscore` scatters above the line fitted to the last
 16 applied losses and above `spike_guard_ema_ratio` x that line's value (the scatter: the line's past prediction
 errors, Series); its grad norm (its logarithm) the same and above `spike_guard_grad_norm_ratio` x; or the loss
-half as far off its line, above or below (a degenerate batch the model finds easy), with an outlying grad norm;
-or `spike_guard_rise_steps` losses in a row each half as far above (a slow rise the line follows). It judges from
-`spike_guard_min_steps` applied steps on: the trend makes the LR warm-up's falling loss and rising grad norm
-ordinary.
+half as far off its line, above or below (a degenerate batch the model finds easy), with an outlying grad norm,
+or a whole bar below with the grad norm half as far up; or `spike_guard_rise_steps` losses in a row each half as
+far above (a slow rise the line follows). It judges from `spike_guard_min_steps` applied steps on: the trend makes
+the LR warm-up's falling loss and rising grad norm ordinary.
 
     detector = Detector(detector_cfg, clip_grad)  # a DetectorConfig, the core's clip_grad
     reason = detector.judge(loss, grad_norm)    # why this step is a spike, or None

@@ -9,8 +9,9 @@ But the causes call for different remedies, so the guard asks why before it acts
              applied losses and above `spike_guard_ema_ratio` x that line's value (the scatter: the line's past
              prediction errors, Series); or its grad norm (its logarithm) the same and above
              `spike_guard_grad_norm_ratio` x; or the loss half as far off its line, above or below (a
-             degenerate batch the model finds easy), with an outlying grad norm; or
-             `spike_guard_rise_steps` losses in a row each half as far above (a slow rise the line follows);
+             degenerate batch the model finds easy), with an outlying grad norm, or a whole bar below with
+             the grad norm half as far up; or `spike_guard_rise_steps` losses in a row each half as far
+             above (a slow rise the line follows);
              or the loss far below an unseen batch's on the same weights, a stretch of steps (text learnt by
              heart); or, at a snapshot, the weights' move per update far above its trend (update_size.py);
              or the loss is NaN/inf; or the DP replicas computed different numbers; or (fp16) the loss scale
