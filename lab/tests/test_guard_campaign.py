@@ -679,10 +679,10 @@ def test_the_ninths_bad_devices_requeued_are_what_the_docs_say():
     )
 
 
-def docs_text():
-    """docs/spike_guard.md with its line breaks and indents as single spaces: a quoted sentence found wherever
-    the text wraps it."""
-    return " ".join(open(os.path.join(gc.ROOT, "docs", "spike_guard.md")).read().split())
+def docs_text(path="docs/spike_guard.md"):
+    """A document of the repository (docs/spike_guard.md unless named) with its line breaks and indents as single
+    spaces: a quoted sentence found wherever the text wraps it."""
+    return " ".join(open(os.path.join(gc.ROOT, path)).read().split())
 
 
 def test_at_10m_the_guarded_clean_twin_is_not_doing_nothing_as_the_docs_say():
@@ -929,7 +929,7 @@ def test_what_a_skip_can_reach_on_the_ninths_data_faults_is_what_the_docs_say():
         f"{best[0]:.2f} ({best[1]:.2f} to {best[2]:.2f}; {token_best:.2f} on the repeated token), the guard "
         f"{guard[0]:.2f} ({guard[1]:.2f} to {guard[2]:.2f})" in text
     )
-    readme = " ".join(open(os.path.join(gc.ROOT, "README.md")).read().split())
+    readme = docs_text("README.md")
     assert (
         f"it ended where a perfect skip does, to every digit in {total} " in readme
         and f"mean {best[0]:.2f} of the damage ({best[1]:.2f} to {best[2]:.2f}) over the {len(harmful)} harmful data "
@@ -1026,7 +1026,7 @@ def test_the_joint_rules_whole_bar_below_on_the_ninth_is_what_the_docs_say():
         f"repeats {len(design) - 1} of the {len(design)} guarded runs to every recorded digit and ends the "
         f"{len(design)}nd, trial {changed[0]}, within 1%" in section
     )
-    readme = " ".join(open(os.path.join(gc.ROOT, "README.md")).read().split())
+    readme = docs_text("README.md")
     # 519: test_the_detector_calls_no_spike_on_the_recorded_clean_runs_the_guard_let_be
     assert (
         f"which changed no other of the ninth's {len(design)} guarded runs and calls no spike on the 519 recorded "
