@@ -133,7 +133,35 @@ def _convert_one(value, kind):
     raise TypeError(f"unsupported config type {kind}")
 
 
+# Megatron-LM flags with no key of that name here, and what sets the same thing: a spelling suggestion would be
+# wrong for each (lr_decay_iters is one letter-change from lr_decay_tokens, another unit).
+MEGATRON_NAMES = {
+    "lr_decay_iters": "the decay counts samples here: lr_decay_samples = lr_decay_iters x global_batch_size",
+    "lr_warmup_iters": "the warm-up counts samples here: lr_warmup_samples = lr_warmup_iters x global_batch_size",
+    "lr_warmup_fraction": "the warm-up counts samples here: lr_warmup_samples = the fraction x train_samples",
+    "use_checkpoint_lr_scheduler": "a resume follows the checkpoint's LR schedule already: drop the flag "
+    "(override_lr_scheduler follows the config's instead)",
+    "override_opt_param_scheduler": "override_lr_scheduler",
+    "use_distributed_optimizer": "zero_stage=1 (the optimizer state sharded over the data-parallel ranks)",
+    "num_key_value_heads": "num_query_groups (the key/value heads of grouped-query attention)",
+    "group_query_attention": "set num_query_groups below num_attention_heads (no switch)",
+    "encoder_seq_length": "seq_length",
+    "max_position_embeddings": "the learned position table has seq_length rows: set seq_length",
+    "use_rotary_position_embeddings": "position_embedding_type='rotary'",
+    "use_flash_attn": "attention_backend='flash'",
+    "recompute_activations": "checkpoint_activations",
+    "recompute_granularity": "checkpoint_activations (whole layers)",
+    "tokenizer_type": "GPT-2 BPE is the default; tokenizer_file for a Hugging Face tokenizer.json",
+    "vocab_file": "GPT-2 BPE is the default; tokenizer_file for a Hugging Face tokenizer.json",
+    "merge_file": "GPT-2 BPE is the default; tokenizer_file for a Hugging Face tokenizer.json",
+    "data_parallel_size": "the data-parallel size is the number of processes / "
+    "(tensor_model_parallel_size x pipeline_model_parallel_size)",
+}
+
+
 def _unknown(key):
+    if key in MEGATRON_NAMES:
+        return ValueError(f"unknown config key {key!r} (a Megatron-LM flag): {MEGATRON_NAMES[key]}")
     close = difflib.get_close_matches(key, FIELDS, n=1)
     hint = f"; did you mean {close[0]!r}?" if close else "; `python train.py --help` lists the keys"
     return ValueError(f"unknown config key {key!r}{hint}")
@@ -167,10 +195,15 @@ def parse_cli(argv):
         i += 1
         if not eq:  # --key value [value ...], or a bare --flag
             values = []
+            many = _accepts_many(FIELDS[key].type)
             while i < len(argv) and not argv[i].startswith("--"):
+                # a list's values end at a config file (no list takes a .py): read as a data path, the run
+                # would use the default config instead of the one typed
+                if many and argv[i].endswith(".py"):
+                    break
                 values.append(argv[i])
                 i += 1
-                if not _accepts_many(FIELDS[key].type):
+                if not many:
                     break
             if not values:
                 if FIELDS[key].type in (bool, bool | None):

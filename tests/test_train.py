@@ -157,6 +157,41 @@ def test_exclusive_warmups_both_on_the_command_line_are_refused():
         )
 
 
+@pytest.mark.parametrize(
+    "flag, message",
+    [
+        ("lr_decay_iters", "lr_decay_samples = lr_decay_iters x global_batch_size"),
+        ("use_distributed_optimizer", "zero_stage=1"),
+        ("num_key_value_heads", "num_query_groups"),
+        ("use_checkpoint_lr_scheduler", "drop the flag"),
+    ],
+)
+def test_a_megatron_flag_of_another_name_is_translated_not_misspelled(flag, message):
+    """difflib's nearest key for each is another setting (lr_decay_tokens: another unit; use_bnb_optimizer:
+    8-bit Adam; override_lr_scheduler: the opposite)."""
+    with pytest.raises(
+        ValueError,
+        match=f"unknown config key '{flag}' \\(a Megatron-LM flag\\): .*" + re.escape(message),
+    ):
+        arguments.load_config([f"--{flag}=1"])
+
+
+def test_every_megatron_translation_names_keys_that_exist():
+    for flag, translation in arguments.MEGATRON_NAMES.items():
+        assert flag not in arguments.FIELDS
+        named = set(re.findall(r"[a-z][a-z0-9]*(?:_[a-z0-9]+)+", translation)) - {flag}
+        assert named and named <= set(arguments.FIELDS), (flag, named - set(arguments.FIELDS))
+
+
+def test_a_config_file_after_a_list_key_is_the_config_file():
+    """`--data_path a config/x.py` read the file as a second data path and trained the default config."""
+    assert arguments.parse_cli(["--data_path", "a", "b", "config/gpt2_125m.py", "--lr=1"]) == (
+        "config/gpt2_125m.py",
+        {"data_path": ["a", "b"], "lr": "1"},
+    )
+    assert arguments.parse_cli(["--tokenizer_file", "t.py"]) == (None, {"tokenizer_file": "t.py"})
+
+
 def test_unknown_key_in_config_file(tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text("num_layer = 2\n")
