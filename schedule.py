@@ -67,8 +67,8 @@ class ScheduleConfig:
 
 # Pairs of keys that give one setting in two units, of which a config means one (Megatron's exclusive arguments): a
 # key given on the command line replaces the config file's other one (arguments.load_config).
-# The warm-up counts samples or tokens, never both: check() refuses the two together.
-EXCLUSIVE = (("lr_warmup_samples", "lr_warmup_tokens"),)
+# The warm-up and the decay count samples or tokens, never both: check() refuses the two together.
+EXCLUSIVE = (("lr_warmup_samples", "lr_warmup_tokens"), ("lr_decay_samples", "lr_decay_tokens"))
 # The length of training in iterations or in samples and tokens (these two go together: a curriculum's token budget,
 # lesson 13). check() refuses train_iters only with rampup_batch_size, which counts samples; without it, whichever
 # length is reached first ends training.
@@ -107,6 +107,17 @@ def check(schedule_cfg, dp_size=1, load=None):
         not keys.curriculum_learning or (steps is not None and steps > 0),
         "curriculum_learning needs total_curriculum_step (about train_tokens / global_batch / seq_length / 2)",
     )
+    # a key of a switch that is off would be silently ignored: the run would not be the one asked for
+    for switch, on, owned in (
+        ("curriculum_learning", keys.curriculum_learning, CURRICULUM_KEYS),
+        ("lr_decay_style='wsd'", keys.lr_decay_style == "wsd", WSD_KEYS),
+    ):
+        for key in (k for k in owned if not on and _given(keys, k)):
+            _need(False, f"{key} does nothing without {switch}: set {switch} too, or drop {key}")
+
+
+CURRICULUM_KEYS = ("min_difficulty", "max_difficulty", "total_curriculum_step", "difficulty_step")
+WSD_KEYS = ("lr_wsd_decay_samples", "lr_wsd_decay_style")
 
 
 def _need(ok, message):
@@ -150,6 +161,20 @@ def _check_sizes(keys, dp_size):
     _need(
         keys.rampup_batch_size is None or len(keys.rampup_batch_size) == 3,
         f"rampup_batch_size must be 'start increment samples', got {keys.rampup_batch_size}",
+    )
+    batch = gbs or mbs * dp  # arguments.derive's global batch
+    unset = "" if gbs else " (unset: micro_batch_size x data-parallel size)"
+    start = keys.rampup_batch_size[0] if keys.rampup_batch_size else batch
+    _need(
+        keys.rampup_batch_size is None or start != batch,
+        f"rampup_batch_size starts at {start} = global_batch_size{unset}: there is nothing to ramp; set "
+        "global_batch_size to the batch the ramp-up ends at, or drop rampup_batch_size",
+    )
+    # Megatron's last batch that would go past train_samples is not run: below the first batch, no iteration is
+    _need(
+        keys.train_samples is None or keys.train_samples >= start,
+        f"train_samples={keys.train_samples} is less than the first global batch ({start}): no iteration would "
+        "run; train_samples counts samples (iterations x global_batch_size)",
     )
 
 
@@ -267,7 +292,19 @@ class Schedule:
         return iteration, samples, self.batch_size(samples), self.seqlen(iteration)
 
     def describe(self):
-        return self.lr_schedule.describe()
+        """The LR schedule in words, and a warning line for a warm-up the run ends inside (Megatron runs it: a
+        short trial of a large config's first iterations does; a run that means to train never reaches lr)."""
+        lines, lr = [self.lr_schedule.describe()], self.lr_schedule
+        if lr.warmup_tokens is not None and lr.warmup_tokens > self.total_tokens:
+            longer = f"lr_warmup_tokens={lr.warmup_tokens:,} is longer than the run ({self.total_tokens:,} tokens)"
+        elif lr.warmup_tokens is None and lr.warmup_samples > self.total_samples:
+            longer = f"lr_warmup_samples={lr.warmup_samples:,} is longer than the run ({self.total_samples:,} samples)"
+        else:
+            return lines[0]
+        lines.append(
+            f"warning: the warm-up {longer}: the learning rate never reaches lr={lr.max_lr}"
+        )
+        return "\n".join(lines)
 
     def _done(self, iteration, samples, tokens):
         """Megatron's update_train_iters: a last batch that would go past train_samples is not run

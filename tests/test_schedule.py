@@ -93,6 +93,81 @@ def test_wsd_from_the_config_and_its_refusals():
         plan("--lr_decay_style=wsd", "--lr_wsd_decay_samples=20000")
 
 
+SAMPLES = ["--train_iters=none", "--train_samples=1000", "--micro_batch_size=4"]
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (
+            ["--lr_decay_samples=8000", "--lr_decay_tokens=1000000"],
+            "both lr_decay_samples and lr_decay_tokens are set; set only one of them",
+        ),
+        (
+            ["--total_curriculum_step=100"],
+            "total_curriculum_step does nothing without curriculum_learning",
+        ),
+        (["--min_difficulty=32"], "min_difficulty does nothing without curriculum_learning"),
+        (
+            ["--lr_wsd_decay_samples=1600"],
+            "lr_wsd_decay_samples does nothing without lr_decay_style='wsd'",
+        ),
+        (
+            ["--lr_wsd_decay_style=linear"],
+            "lr_wsd_decay_style does nothing without lr_decay_style='wsd'",
+        ),
+        (
+            [*SAMPLES, "--global_batch_size=none", "--rampup_batch_size=4 4 64"],
+            "rampup_batch_size starts at 4 = global_batch_size (unset: micro_batch_size x data-parallel size): "
+            "there is nothing to ramp",
+        ),
+        (
+            [*SAMPLES, "--global_batch_size=16", "--rampup_batch_size=16 4 64"],
+            "rampup_batch_size starts at 16 = global_batch_size: there is nothing to ramp",
+        ),
+        (
+            [*SAMPLES, "--global_batch_size=16", "--train_samples=8"],
+            "train_samples=8 is less than the first global batch (16): no iteration would run",
+        ),
+        (
+            [
+                *SAMPLES,
+                "--global_batch_size=16",
+                "--rampup_batch_size=12 4 64",
+                "--train_samples=8",
+            ],
+            "train_samples=8 is less than the first global batch (12)",
+        ),
+    ],
+)
+def test_keys_the_run_would_ignore_are_refused(argv, message):
+    """Each was accepted and did something else than asked: the tokens' decay won over the samples' (set in a
+    config file: tr1_13b.py), a curriculum or WSD key trained without it, a ramp-up from the global batch stayed
+    there (an unset global batch is one micro-batch per rank), train_samples below the first batch ran 0
+    iterations and exited 0."""
+    with pytest.raises(ValueError, match=re.escape(message)):
+        arguments.validate(arguments.load_config(argv))
+
+
+def test_a_ramp_up_runs_from_its_first_batch():
+    """What train_samples is measured against: the ramp-up's first batch, not the global one."""
+    p = plan(*SAMPLES, "--global_batch_size=16", "--rampup_batch_size=4 4 64", "--train_samples=8")
+    assert (p.total_iters, p.total_samples) == (2, 8)
+
+
+def test_a_warm_up_the_run_ends_inside_is_a_warning_line():
+    """Megatron runs it, and so does this code (a short trial of a large config's first iterations); the
+    schedule's description says the learning rate never reaches lr."""
+    short = plan("--lr_warmup_samples=6000", "--train_iters=2")
+    assert short.describe().splitlines()[1] == (
+        "warning: the warm-up lr_warmup_samples=6,000 is longer than the run (32 samples): the learning rate "
+        "never reaches lr=0.002"
+    )
+    assert "warning" not in plan("--lr_warmup_samples=32", "--train_iters=2").describe()
+    tokens = plan("--lr_warmup_tokens=5000", "--lr_decay_tokens=100000", "--train_iters=2")
+    assert "lr_warmup_tokens=5,000 is longer than the run (4,096 tokens)" in tokens.describe()
+
+
 def test_wsd_is_checked_on_resume_and_other_shapes_save_what_they_saved():
     cosine = AnnealingLR(1.0, 0.1, "cosine", warmup_samples=100, decay_samples=1100)
     assert set(cosine.state_dict()) == {
