@@ -203,6 +203,11 @@ class GPTConfig:
                 f"ffn_hidden_size ({self.ffn_size}) must be positive "
                 f"and divisible by tensor_model_parallel_size ({tp})",
             ),
+            (
+                self.make_vocab_size_divisible_by >= 1,
+                f"make_vocab_size_divisible_by={self.make_vocab_size_divisible_by} must be at least 1 "
+                "(1: no padding; Megatron's 128)",
+            ),
         ]
 
     def _layer_problems(self):
@@ -267,11 +272,40 @@ class GPTConfig:
                 self.position_embedding_type != "rotary" or (h // heads) % 2 == 0,
                 f"rotary embeddings turn pairs of q and k features: the head size ({h // heads}) must be even",
             ),
+        ] + [
+            # only rotary reads them: another position embedding would train as if they were not given
+            (
+                self.position_embedding_type == "rotary" or getattr(self, key) == default,
+                f"{key}={getattr(self, key)} does nothing with position_embedding_type="
+                f"{self.position_embedding_type} (only rotary embeddings read it): set "
+                "position_embedding_type='rotary', or drop it",
+            )
+            for key, default in ROTARY_KEYS.items()
         ]
 
     def _switch_problems(self, tp):
-        """(ok, message) of the other switches: activation, embed_init, NormFormer in TP, z_loss."""
+        """(ok, message) of the other switches: dropout rates, init_method_std, activation, embed_init,
+        NormFormer in TP, z_loss."""
+        dropouts = {
+            key: getattr(self, key)
+            for key in ("hidden_dropout", "attention_dropout", "embed_dropout")
+            if getattr(self, key) is not None
+        }
+        std = self.init_method_std
         return [
+            (
+                0 <= p < 1,
+                f"{key}={p} must be in [0, 1): the probability of dropping an activation "
+                "(0: off; Megatron's 0.1)",
+            )
+            for key, p in dropouts.items()
+        ] + [
+            (
+                std == "small_init"
+                or (isinstance(std, (int, float)) and not isinstance(std, bool) and std > 0),
+                f"init_method_std={std!r} must be a positive number (0.02; the 176B: 0.0048) or "
+                "'small_init' (sqrt(2/(5*hidden_size)))",
+            ),
             (
                 self.activation in ACTIVATIONS,
                 f"activation={self.activation!r} is not one of {sorted(ACTIVATIONS)}",
@@ -293,6 +327,11 @@ class GPTConfig:
 
 
 POSITION_EMBEDDINGS = ("learned", "alibi", "rotary")
+# rotary's keys and their defaults: set otherwise, they are refused with other position embeddings
+ROTARY_KEYS = {
+    key: next(f.default for f in fields(GPTConfig) if f.name == key)
+    for key in ("rotary_base", "rope_scaling_factor", "original_max_position_embeddings")
+}
 NORMALIZATIONS = ("layernorm", "rmsnorm")
 _CENSUS = {}
 

@@ -748,6 +748,62 @@ def test_normformer_refuses_tensor_parallel():
         )
 
 
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (
+            ["--make_vocab_size_divisible_by=0"],
+            r"^make_vocab_size_divisible_by=0 must be at least 1 \(1: no padding",
+        ),
+        (["--attention_dropout=-0.1"], r"^attention_dropout=-0.1 must be in \[0, 1\)"),
+        (["--hidden_dropout=1.5"], r"^hidden_dropout=1.5 must be in \[0, 1\)"),
+        (["--embed_dropout=1"], r"^embed_dropout=1.0 must be in \[0, 1\)"),
+        (
+            ["--init_method_std=-0.02"],
+            r"^init_method_std=-0.02 must be a positive number .* or 'small_init'",
+        ),
+        (
+            ["--init_method_std=smallinit"],
+            r"^init_method_std='smallinit' must be a positive number .* or 'small_init'",
+        ),
+        (
+            ["--rope_scaling_factor=32"],
+            r"^rope_scaling_factor=32.0 does nothing with position_embedding_type=learned "
+            r"\(only rotary embeddings read it\): set position_embedding_type='rotary', or drop it$",
+        ),
+        (
+            ["--original_max_position_embeddings=2048"],
+            r"^original_max_position_embeddings=2048 does nothing with position_embedding_type=learned",
+        ),
+        (
+            ["--position_embedding_type=alibi", "--rotary_base=500000"],
+            r"^rotary_base=500000.0 does nothing with position_embedding_type=alibi",
+        ),
+    ],
+)
+def test_model_keys_that_cannot_work_are_refused_by_name_before_anything_is_built(flags, message):
+    """Each was a traceback at the model's build or first forward (ZeroDivisionError, torch's dropout or init
+    message naming no key, float('smallinit')), or, for rotary's keys with other positions, a run that ignored
+    them: refused by GPTConfig.check in arguments.validate, naming the key and its value."""
+    cfg = arguments.load_config(["--train_iters=1", *flags])
+    with pytest.raises(ValueError, match=message):
+        arguments.validate(cfg, reads_data=False)
+
+
+def test_rotarys_keys_are_taken_with_rotary_positions_and_small_init_by_its_name():
+    for flags in (
+        [
+            "--position_embedding_type=rotary",
+            "--rotary_base=500000",
+            "--use_rope_scaling",
+            "--rope_scaling_factor=32",
+            "--original_max_position_embeddings=2048",
+        ],
+        ["--init_method_std=small_init", "--embed_dropout=0", "--hidden_dropout=0.5"],
+    ):
+        arguments.validate(arguments.load_config(["--train_iters=1", *flags]), reads_data=False)
+
+
 @pytest.mark.parametrize("streams", ["default only", "with the model-parallel stream"])
 def test_checkpoint_activations_gives_identical_loss_and_grads(streams):
     import rng
