@@ -79,6 +79,11 @@ def check(ckpt_cfg):
         raise ValueError("save_interval must be positive")
     if ckpt_cfg.save_interval is not None and ckpt_cfg.save is None:
         raise ValueError("save_interval is set but save (a directory) is not")
+    # Megatron reads 0 as off; here a count of 0 would stop after the first iteration
+    for key in ("exit_interval", "exit_duration_in_mins"):
+        value = getattr(ckpt_cfg, key)
+        if value is not None and value <= 0:
+            raise ValueError(f"{key}={value} must be positive; unset it for no exit")
 
 
 def _fsync_dir(path):
@@ -509,11 +514,26 @@ def describe_half_finished(directory, names):
     )
 
 
+def _refuse_a_checkpoint_for_its_directory(directory):
+    """load and save name a directory of checkpoints: one checkpoint's directory in their place held no
+    `latest`, so the run trained from scratch (and would save checkpoints inside the checkpoint)."""
+    names = os.listdir(directory) if os.path.isdir(directory) else []
+    if MANIFEST in names or any(
+        re.fullmatch(r"mp_rank_\d+_\d+_model_states\.pt", n) for n in names
+    ):
+        parent, tag = os.path.split(os.path.normpath(directory))
+        raise ValueError(
+            f"{directory} is a checkpoint, not a directory of checkpoints: give its directory ({parent}), "
+            f"whose '{LATEST}' file names the checkpoint to resume (echo {tag} > {os.path.join(parent, LATEST)})"
+        )
+
+
 def latest_dir(load_dir):
     """The directory `latest` names, or None when load_dir holds no checkpoint yet. A
     global_stepN.partial is none: a directory holding one and no `latest` is refused, naming it."""
     path = os.path.join(load_dir, LATEST)
     if not os.path.exists(path):
+        _refuse_a_checkpoint_for_its_directory(load_dir)
         partials = half_finished(load_dir)
         names = os.listdir(load_dir) if os.path.isdir(load_dir) else []
         if any(n.startswith("global_step") and n not in partials for n in names):

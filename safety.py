@@ -21,6 +21,7 @@ exit_reason says when the job stops: on that signal, or at exit_interval / exit_
 
 import json
 import os
+import re
 import signal
 import socket
 import time
@@ -90,6 +91,16 @@ def checkpoint_run(tag_dir):
     """The run dict stored in a checkpoint (its config, its run state; in TP rank 0, stage 0's file, which every
     layout has), its file checked against the manifest and memory-mapped: no tensor is read."""
     first = checkpoint.model_file(tag_dir, parallel.Grid(world_size=1))
+    names = os.listdir(tag_dir) if os.path.isdir(tag_dir) else []
+    # megatron_ds.LAYER_FILE: Megatron-DeepSpeed's pipeline files, which only the importer reads
+    if not os.path.exists(first) and any(
+        re.fullmatch(r"layer_\d+-model_\d+-model_states\.pt", n) for n in names
+    ):
+        load_dir = os.path.dirname(os.path.normpath(tag_dir))
+        raise ValueError(
+            f"checkpoint {tag_dir} was written by Megatron-DeepSpeed (layer_*-model_*-model_states.pt): import it "
+            f"first, python tools/import_megatron_deepspeed.py --load {load_dir} --save DIR, then --load DIR"
+        )
     return checkpoint.read(first, "model shard", mmap=True)["run"]
 
 
@@ -160,6 +171,12 @@ def resolve_resume(ckpt_cfg, eval_only, current):
         raise ValueError(
             f"eval_only needs a checkpoint, but {load or save or 'no load directory'} "
             "holds none; set load to a directory with a 'latest' file"
+        )
+    if load_tag is None and load is not None and not _same_dir(load, save):
+        # a load of its own that holds nothing is a wrong path, not a first job (which loads its save directory)
+        raise ValueError(
+            f"load directory {load} holds no checkpoint (no '{checkpoint.LATEST}' file); fix the path, or unset "
+            "load to train from scratch"
         )
     saved_state = None
     if load_tag is not None:
@@ -281,7 +298,7 @@ class RunLock:
         # rank 0 decided for everyone (it may resume from save)
         cfg.load, lock, self.saved_state = _on_rank0(prepare)
         self.lock_file = lock if parallel.grid.rank == 0 else None
-        self.exit_signal = ExitSignal(ckpt_cfg.exit_signal_handler)
+        self.exit_signal = ExitSignal(ckpt_cfg.exit_signal_handler, saves=ckpt_cfg.save is not None)
         return self
 
     def __exit__(self, *exc):
@@ -336,9 +353,9 @@ class ExitSignal:
 
     SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
-    def __init__(self, enabled, signums=SIGNALS):
+    def __init__(self, enabled, saves=True, signums=SIGNALS):
         # received: the signal's number, 0 for none
-        self.received, self.said, self.previous = 0, False, {}
+        self.received, self.said, self.previous, self.saves = 0, False, {}, saves
         if enabled:
             self.previous = {signum: signal.signal(signum, self._handler) for signum in signums}
 
@@ -364,9 +381,13 @@ class ExitSignal:
         name = signal.Signals(received).name
         if not self.said:  # the log says which signal asked, whatever the caller prints
             self.said = True
-            _print0(
-                f"exit_signal_handler: {name} received; saving and exiting at the end of this iteration"
+            # with no save directory nothing is saved: the line must not say it is
+            what = (
+                "saving and exiting"
+                if self.saves
+                else "exiting, with nothing saved (save is not set),"
             )
+            _print0(f"exit_signal_handler: {name} received; {what} at the end of this iteration")
         return name
 
     def restore(self):
@@ -390,9 +411,10 @@ def exit_reason(ckpt_cfg, iterations, job_start, exit_signal):
         duration is not None and minutes_since(job_start) >= duration
     )
     signal_name = exit_signal()
+    unsaved = "; nothing saved: save is not set" if ckpt_cfg.save is None else ""
     if signal_name:
-        return f"{signal_name} (exit_signal_handler)"
-    return "exit_interval / exit_duration_in_mins" if clock else None
+        return f"{signal_name} (exit_signal_handler){unsaved}"
+    return f"exit_interval / exit_duration_in_mins{unsaved}" if clock else None
 
 
 def minutes_since(start):

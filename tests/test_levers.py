@@ -306,7 +306,7 @@ def test_exit_interval_saves_and_resume_continues(small512, tmp_path):
 
 
 def test_exit_duration_in_mins_saves_and_exits(corpus, tmp_path):
-    out = run_main(*SMALL, "--train_iters=50", "--exit_duration_in_mins=0", f"--save={tmp_path}")
+    out = run_main(*SMALL, "--train_iters=50", "--exit_duration_in_mins=1e-9", f"--save={tmp_path}")
     assert sorted(losses(out)) == [1] and os.path.exists(tmp_path / "global_step1")
 
 

@@ -303,6 +303,12 @@ def test_tensorboard_scalars_against_samples_and_tokens(corpus, tmp_path):
         (["--global_batch_size=0"], "global_batch_size=0 must be positive"),
         (["--micro_batch_size=0"], "micro_batch_size=0 must be positive"),
         (["--train_iters=-5"], "train_iters=-5 must be positive"),
+        # Megatron's 0 is off; here it stopped the run after its first iteration
+        (["--exit_interval=0"], "exit_interval=0 must be positive; unset it for no exit"),
+        (
+            ["--exit_duration_in_mins=0"],
+            "exit_duration_in_mins=0.0 must be positive; unset it for no exit",
+        ),
     ],
 )
 def test_values_that_cannot_work(overrides, message):
@@ -554,8 +560,71 @@ def test_one_rank_scans_the_corpus_for_its_largest_token_id(corpus):
 
 def test_the_exit_reason_names_the_signal_that_came():
     """A SLURM recipe's SIGUSR1 is logged as SIGUSR1, not as the SIGTERM it once was said to be."""
-    cfg = types.SimpleNamespace(exit_interval=None, exit_duration_in_mins=None)
+    cfg = types.SimpleNamespace(exit_interval=None, exit_duration_in_mins=None, save="run")
     exit_reason = safety.exit_reason
     for name in ("SIGUSR1", "SIGTERM"):
         assert exit_reason(cfg, 1, time.time(), lambda: name) == f"{name} (exit_signal_handler)"
     assert exit_reason(cfg, 1, time.time(), lambda: False) is None
+    # with nothing to save to, the exit line says nothing was saved
+    unsaved = types.SimpleNamespace(exit_interval=1, exit_duration_in_mins=None, save=None)
+    assert exit_reason(unsaved, 1, time.time(), lambda: False) == (
+        "exit_interval / exit_duration_in_mins; nothing saved: save is not set"
+    )
+
+
+def test_a_signal_with_no_save_directory_does_not_say_it_saves(capsys):
+    """It said "saving and exiting" and exited 0 with nothing on disk."""
+    exit_signal = safety.ExitSignal(True, saves=False)
+    try:
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert exit_signal() == "SIGUSR1"
+    finally:
+        exit_signal.restore()
+    assert capsys.readouterr().out == (
+        "exit_signal_handler: SIGUSR1 received; exiting, with nothing saved (save is not set), at the end of "
+        "this iteration\n"
+    )
+
+
+def _megatron_deepspeed_layout(directory):
+    (directory / "global_step10").mkdir(parents=True)
+    (directory / "latest").write_text("global_step10")
+    for name in ("mp_rank_00_model_states.pt", "layer_01-model_00-model_states.pt"):
+        (directory / "global_step10" / name).write_bytes(b"")
+    return directory
+
+
+def test_a_load_that_names_no_checkpoint_of_ours_is_refused_with_the_fix(ckpt, tmp_path):
+    """Each trained from scratch and exited 0 (a checkpoint's own directory for its parent, an empty directory
+    that is not the save directory) or named the wrong fix (Megatron-DeepSpeed's files: "the checkpoint is
+    incomplete")."""
+    step = ckpt / "global_step2"
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            f"{step} is a checkpoint, not a directory of checkpoints: give its directory ({ckpt}), whose 'latest' "
+            f"file names the checkpoint to resume (echo global_step2 > {ckpt / 'latest'})"
+        ),
+    ):
+        run_main(*SMALL, "--train_iters=3", f"--load={step}", f"--save={tmp_path / 'new'}")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(
+        ValueError, match=f"load directory {empty} holds no checkpoint \\(no 'latest' file\\)"
+    ):
+        run_main(*SMALL, "--train_iters=3", f"--load={empty}", f"--save={tmp_path / 'new'}")
+    mds = _megatron_deepspeed_layout(tmp_path / "mds")
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            "was written by Megatron-DeepSpeed (layer_*-model_*-model_states.pt): import it first, python "
+            f"tools/import_megatron_deepspeed.py --load {mds} --save DIR, then --load DIR"
+        ),
+    ):
+        run_main(*SMALL, "--train_iters=3", f"--load={mds}", f"--save={tmp_path / 'new'}")
+    assert not os.path.exists(tmp_path / "new" / "latest")
+    # the first job of the SLURM habit (load = save, nothing there yet) trains from scratch, as before
+    first = tmp_path / "first"
+    assert "training from scratch" in run_main(
+        *SMALL, "--train_iters=1", f"--load={first}", f"--save={first}"
+    )
