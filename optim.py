@@ -64,6 +64,48 @@ def check(optim_cfg):
     for a, b in EXCLUSIVE:
         if getattr(optim_cfg, a) and getattr(optim_cfg, b):
             raise ValueError(f"{a} and {b} are exclusive; choose one")
+    # the optimizer's constructor and LossScaler refuse these too, but only once the model is built
+    for key, usual in (("adam_beta1", "0.9"), ("adam_beta2", "0.95 for large runs")):
+        beta = getattr(optim_cfg, key)
+        _need(0 <= beta < 1, f"{key}={beta} must be in [0, 1) ({usual})")
+    _need(
+        optim_cfg.adam_eps >= 0,
+        f"adam_eps={optim_cfg.adam_eps} must not be negative (1e-8)",
+    )
+    _check_loss_scale(optim_cfg)
+
+
+def _check_loss_scale(optim_cfg):
+    """fp16's loss-scaling keys in their ranges, whether fp16 is on or not: no value outside them means anything."""
+    static, initial, floor = (
+        optim_cfg.loss_scale,
+        optim_cfg.initial_loss_scale,
+        optim_cfg.min_loss_scale,
+    )
+    _need(
+        static is None or static > 0,
+        f"loss_scale={static} must be positive (a static fp16 loss scale), or None for the dynamic one",
+    )
+    _need(
+        initial > 0,
+        f"initial_loss_scale={initial} must be positive (2**32; the 104B's: 4096)",
+    )
+    _need(
+        0 < floor <= initial,
+        f"min_loss_scale={floor} must be positive and at most initial_loss_scale={initial:g} (1)",
+    )
+    for key, what in (
+        ("loss_scale_window", "clean steps before the loss scale doubles; the 104B's: 500"),
+        ("hysteresis", "overflows tolerated before the loss scale halves; 2"),
+    ):
+        value = getattr(optim_cfg, key)
+        _need(value >= 1, f"{key}={value} must be at least 1 ({what})")
+
+
+def _need(ok, message):
+    """Raise ValueError(message) unless ok."""
+    if not ok:
+        raise ValueError(message)
 
 
 # -----------------------------------------------------------------------------

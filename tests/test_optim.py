@@ -690,3 +690,29 @@ def test_bnb_keeps_an_untied_output_layers_state_32bit_as_the_embeddings():
         assert dtypes["output_layer"] == dtypes["embed.word.weight"] == torch.float32, dtypes
         # the others 8-bit: the check means something
         assert dtypes["blocks.0.mlp.fc1.weight"] == torch.uint8, dtypes
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--adam_beta2=1.0"], r"^adam_beta2=1.0 must be in \[0, 1\) \(0.95 for large runs\)$"),
+        (["--adam_beta1=-0.1"], r"^adam_beta1=-0.1 must be in \[0, 1\)"),
+        (["--adam_eps=-1e-8"], r"^adam_eps=-1e-08 must not be negative"),
+        (["--fp16", "--loss_scale=0"], r"^loss_scale=0.0 must be positive"),
+        (["--fp16", "--initial_loss_scale=0"], r"^initial_loss_scale=0.0 must be positive"),
+        (
+            ["--fp16", "--initial_loss_scale=1024", "--min_loss_scale=2048"],
+            r"^min_loss_scale=2048.0 must be positive and at most initial_loss_scale=1024",
+        ),
+        (["--fp16", "--loss_scale_window=0"], r"^loss_scale_window=0 must be at least 1"),
+        (["--fp16", "--hysteresis=0"], r"^hysteresis=0 must be at least 1"),
+    ],
+)
+def test_adam_and_loss_scale_keys_are_refused_by_name_before_anything_is_built(flags, message):
+    """AdamW's constructor and LossScaler refused these only once the model was built, in their own words
+    (betas, 'loss scale'); optim.check names the key, in arguments.validate."""
+    import arguments
+
+    cfg = arguments.load_config(["--train_iters=1", *flags])
+    with pytest.raises(ValueError, match=message):
+        arguments.validate(cfg, reads_data=False)
