@@ -81,6 +81,23 @@ def check(layout_cfg, world_size, *, tp, num_layers, qk_layernorm, eval_only):
     )
     zero = layout_cfg.zero_stage
     need(zero in (0, 1, 2, 3), f"zero_stage={zero} is not 0, 1, 2 or 3")
+    # deepspeed_engine.check and optim.optimizer_for say the same once the model is built; here before it
+    need(
+        zero <= 2,
+        f"zero_stage={zero} is not supported (ZeRO-3 would shard the "
+        "weights our TP/PP layers hold); use zero_stage 1 or 2",
+    )
+    need(
+        deepspeed or zero <= 1,
+        f"zero_stage={zero} needs deepspeed=True (the native path shards "
+        "the optimizer state only: zero_stage=1)",
+    )
+    need(
+        not (deepspeed and zero == 2 and pp > 1),
+        "zero_stage=2 with pipeline_model_parallel_size > 1 is not supported: ZeRO-2 reduces "
+        "gradients during backward, before the two stages' tied-embedding gradients are summed "
+        "(DeepSpeed refuses it with pipelines too); use zero_stage=1",
+    )
     interval, resync = layout_cfg.tp_replica_check_interval, layout_cfg.tp_replica_resync
     need(interval >= 0, "tp_replica_check_interval must be 0 (off) or a number of iterations")
     need(

@@ -705,6 +705,20 @@ TP2 = ["--tensor_model_parallel_size=2", "--num_attention_heads=4"]
             "qk_layernorm with deepspeed=True and tensor_model_parallel_size > 1",
         ),
         (["--zero_stage=4"], 1, r"^zero_stage=4 is not 0, 1, 2 or 3$"),
+        # deepspeed_engine.check's and optim.optimizer_for's words, said before the model is built
+        (
+            [*DS_BF16, "--zero_stage=3"],
+            2,
+            r"^zero_stage=3 is not supported \(ZeRO-3 would shard the weights",
+        ),
+        (["--zero_stage=3"], 2, r"^zero_stage=3 is not supported"),
+        (["--zero_stage=2"], 2, r"^zero_stage=2 needs deepspeed=True \(the native path shards"),
+        (["--zero_stage=2"], 1, r"^zero_stage=2 needs deepspeed=True"),
+        (
+            [*DS_BF16, "--zero_stage=2", "--pipeline_model_parallel_size=2"],
+            4,
+            r"^zero_stage=2 with pipeline_model_parallel_size > 1 is not supported",
+        ),
         (["--tp_replica_check_interval=-1"], 1, "tp_replica_check_interval must be 0"),
         (["--tp_replica_resync"], 1, "tp_replica_resync acts on what the check finds"),
         (
