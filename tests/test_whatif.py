@@ -1,6 +1,7 @@
 """tools/whatif.py's forks that need the run's help: Adam's beta2 changed on resume (override_adam_params) and
 metaseq's soft skip (soft_skip_loss_ratio, in train_step)."""
 
+import json
 import os
 import re
 import sys
@@ -233,3 +234,87 @@ def test_the_soft_skip_trend_is_the_guards_line_once_it_has_its_steps_and_never_
     for loss in (4.0, 2.0, 0.5, 0.1):
         state.advance(8, 16, applied=True, step=Step(loss, 1.0, 0, "ok"))
     assert trend_of(cfg, state.history) is None  # the line falls below zero
+
+
+def _fake_checkpoint(path):
+    """A save directory whose `latest` names an empty tag: enough for whatif's checks, and reading it as a
+    checkpoint fails (so a check that comes after the read shows as that failure)."""
+    os.makedirs(os.path.join(path, "global_step2"))
+    with open(os.path.join(path, "latest"), "w") as f:
+        f.write("global_step2\n")
+    return str(path)
+
+
+def _whatif_cli(*args):
+    import subprocess
+
+    return subprocess.run(
+        [sys.executable, os.path.join(ROOT, "tools", "whatif.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_whatif_refuses_an_unknown_run_key_and_an_out_that_is_a_file_before_the_checkpoint_is_read(
+    tmp_path,
+):
+    load = _fake_checkpoint(tmp_path / "run")
+    for out, run_args, said in [
+        (str(tmp_path / "wi"), ["--no_such_key", "1"], "no_such_key"),
+        (str(tmp_path / "afile"), ["--num_layers=1"], "is a file"),
+        (load, ["--num_layers=1"], "did not write"),  # a folder of other files
+    ]:
+        (tmp_path / "afile").write_text("a user's notes\n")
+        proc = _whatif_cli(
+            "--load", load, "--iters=1", "--out", out, "--forks", "as is", "--", *run_args
+        )
+        assert proc.returncode == 2, proc.stderr
+        assert "Traceback" not in proc.stderr and said in proc.stderr, proc.stderr
+        assert proc.stderr.startswith("error: ") and proc.stderr.count("\n") == 1, proc.stderr
+    assert (tmp_path / "afile").read_text() == "a user's notes\n"
+    assert not (tmp_path / "wi").exists()
+
+
+def test_whatif_refuses_an_out_holding_the_forks_of_another_load_or_checkpoint(
+    synthetic_corpus, tmp_path
+):
+    import shutil
+
+    base = [
+        *TINY,
+        "--micro_batch_size=4",
+        "--global_batch_size=4",
+        "--log_interval=1",
+        "--eval_iters=0",
+        "--sample_tokens=0",
+        f"--data_path={synthetic_corpus}",
+        "--split=100,0,0",
+        "--train_iters=6",
+    ]
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    run_main(*base, f"--save={a}", "--save_interval=1", "--exit_interval=2")
+    shutil.copytree(a, b)  # the same weights at another path: still another --load
+    out = str(tmp_path / "wi")
+
+    def whatif_from(load):
+        return whatif.main(
+            ["--load", load, "--iters=1", "--out", out, "--forks", "as is", "--", *base]
+        )
+
+    assert [r[3] for r in whatif_from(a)] == [True]
+    assert [r[3] for r in whatif_from(a)] == [True]  # a rerun of the same: its own forks reused
+    with pytest.raises(
+        ValueError, match=r"holds the forks of .*/a at global_step2, not of .*/b at "
+    ):
+        whatif_from(b)
+    with open(os.path.join(a, "latest"), "w") as f:  # the same --load at another checkpoint
+        f.write("global_step1\n")
+    with pytest.raises(
+        ValueError, match=r"at global_step2, not of .*/a at global_step1; give a new"
+    ):
+        whatif_from(a)
+    assert json.load(open(os.path.join(out, "whatif.json"))) == {
+        "load": os.path.realpath(a),
+        "tag": "global_step2",
+    }

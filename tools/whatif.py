@@ -75,6 +75,37 @@ def saved_iteration(directory):
     return None if tag is None else int(os.path.basename(tag).replace("global_step", ""))
 
 
+MARKER = "whatif.json"
+
+
+def check_out(out, load, tag):
+    """Refuse an --out whose forks would not be this --load's: a file, a folder of other files, or the forks
+    of another checkpoint (they resume from their own directories, so their results would be reported as
+    this checkpoint's). Returns the marker to write in a new --out, or None where OUT already holds it."""
+    mine = {"load": os.path.realpath(load), "tag": tag}
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise ValueError(f"--out {out} is a file; give a directory (a new one, or this tool's own)")
+    marker = os.path.join(out, MARKER)
+    if not os.path.isdir(out) or not os.listdir(out):
+        return mine
+    if not os.path.isfile(marker):
+        raise ValueError(
+            f"--out {out} holds files this tool did not write (no {MARKER}); give a new --out"
+        )
+    try:
+        with open(marker) as f:
+            found = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--out {out}: {marker} cannot be read ({e}); give a new --out") from None
+    if found != mine:
+        was = f"{found.get('load')} at {found.get('tag')}" if isinstance(found, dict) else found
+        raise ValueError(
+            f"--out {out} holds the forks of {was}, not of {mine['load']} at {tag}; give a new --out "
+            "(its forks would be reported as this checkpoint's)"
+        )
+    return None
+
+
 def run_fork(name, run_args, load, out, iters, extra):
     """Run (or finish) one fork; returns its directory."""
     directory = os.path.join(out, name.replace(" ", "_"))
@@ -187,16 +218,20 @@ def main(argv=None):
     forks = [f.strip() for f in args.forks.split(",")]
     unknown = [f for f in forks if f not in FORKS]
     if unknown:
-        raise SystemExit(f"error: unknown fork(s) {unknown}; choose from {', '.join(FORKS)}")
+        raise ValueError(f"unknown fork(s) {unknown}; choose from {', '.join(FORKS)}")
+    # the run's arguments and --out before the checkpoint is read: a typo costs no wait
+    cfg = arguments.load_config(run_args)
     start = saved_iteration(args.load)
     if start is None:
-        raise SystemExit(
-            f"error: no checkpoint in {args.load} (no `latest`): point --load at a run's save directory"
+        raise ValueError(
+            f"no checkpoint in {args.load} (no `latest`): point --load at a run's save directory"
         )
+    marker = check_out(args.out, args.load, os.path.basename(checkpoint.latest_dir(args.load)))
     _, run, _ = checkpoint.load(checkpoint.latest_dir(args.load))
-    cfg = arguments.load_config(run_args) if run_args else arguments.load_config([])
     stats = detector.run_stats(run["state"])
-    os.makedirs(args.out, exist_ok=True)
+    if marker is not None:
+        os.makedirs(args.out, exist_ok=True)
+        checkpoint.atomic_write(json.dumps(marker), os.path.join(args.out, MARKER))
     results = []
     for name in forks:
         label = {"lr x F": f"lr x {args.lr_factor:g}", "skip 200": f"skip {args.skip}"}.get(
@@ -223,4 +258,8 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
