@@ -242,3 +242,81 @@ def test_the_rung_fires_before_an_induced_divergence_and_not_on_a_clean_run(
         and decision["iteration"] == fired
         and decision["lr_scale"] == 0.5
     )
+
+
+def _precursors_cli(*args):
+    import subprocess
+
+    return subprocess.run(
+        [sys.executable, os.path.join(ROOT, "tools", "precursors.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def _one_error_line(proc, said):
+    assert proc.returncode == 2, (proc.returncode, proc.stderr)
+    assert proc.stderr.startswith("error: ") and proc.stderr.count("\n") == 1, proc.stderr
+    assert "Traceback" not in proc.stderr and said in proc.stderr, proc.stderr
+
+
+def test_out_is_checked_before_the_measurement_written_whole_and_over_its_own_tables_only(
+    tmp_path, monkeypatch
+):
+    run = write_run(
+        tmp_path / "run" / "x" / "lr1-seed1", [noisy(i) for i in range(1, 21)], telemetry
+    )
+    runs = ["--diverged", run, "--calibrate", run]
+    notes = tmp_path / "notes.md"
+    notes.write_text("a user's notes\n")
+
+    def measure(*args):
+        raise AssertionError("measured before --out was checked")
+
+    monkeypatch.setattr(precursors, "measure", measure)
+    for out, said in [
+        (notes, "exists and is not a table of this tool's"),
+        (tmp_path / "nodir" / "x.md", "does not exist"),
+        (tmp_path, "is a directory"),
+    ]:
+        with pytest.raises(ValueError, match=said):
+            precursors.main([*runs, "--out", str(out)])
+    assert notes.read_text() == "a user's notes\n"
+    monkeypatch.undo()
+    out = tmp_path / "table.md"
+    precursors.main([*runs, "--out", str(out)])
+    first = out.read_text()
+    assert first.startswith(precursors.HEADER) and first.endswith(" |\n")
+    precursors.main([*runs, "--out", str(out)])  # its own table: written over
+    assert out.read_text() == first and sorted(os.listdir(tmp_path)) == [
+        "notes.md",
+        "run",
+        "table.md",
+    ]
+    _one_error_line(_precursors_cli(*runs, "--out", str(notes)), "not a table of this tool's")
+    assert notes.read_text() == "a user's notes\n"
+
+
+def test_calibration_runs_without_telemetry_are_one_error_line(tmp_path):
+    run = write_run(
+        tmp_path / "run" / "x" / "lr1-seed1", [noisy(i) for i in range(1, 21)], telemetry
+    )
+    bare = write_run(
+        tmp_path / "bare" / "x" / "lr1-seed1",
+        [noisy(i) for i in range(1, 21)],
+        telemetry,
+        every=100,
+    )
+    _one_error_line(
+        _precursors_cli("--diverged", run, "--calibrate", bare), "hold no telemetry records"
+    )
+    # a record without a finite value of one precursor, in every calibration run
+    nan = write_run(
+        tmp_path / "nan" / "x" / "lr1-seed1",
+        [noisy(i) for i in range(1, 21)],
+        lambda i: telemetry(1.0, log_z=math.nan),
+    )
+    with pytest.raises(ValueError, match="holds no finite value of log_z"):
+        precursors.measure({"r": run}, {"n": nan}, {})
+    _one_error_line(_precursors_cli("--diverged", run, "--calibrate", str(tmp_path)), "no metrics")

@@ -32,6 +32,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import arguments  # noqa: E402
+import checkpoint  # noqa: E402
 from sections import section  # noqa: E402
 from stability import detector, precursors  # noqa: E402
 from stability.detector import DetectorConfig  # noqa: E402
@@ -44,7 +45,10 @@ def read_run(directory):
     """(steps, telemetry) of a run: [(iteration, loss, grad norm)] of every logged iteration, and
     [(iteration, telemetry record)]; the last record of an iteration wins (a resumed run repeats some)."""
     records = {}
-    with open(os.path.join(directory, "metrics.jsonl")) as f:
+    path = os.path.join(directory, "metrics.jsonl")
+    if not os.path.isfile(path):
+        raise ValueError(f"{directory} holds no metrics.jsonl: give run directories train.py wrote")
+    with open(path) as f:
         for line in f:
             if line.strip():
                 record = json.loads(line)
@@ -79,6 +83,11 @@ def threshold(name, runs, eps, margin=MARGIN):
     """margin x the largest value of the runs' telemetry (or the smallest / margin, for a low warning side); log Z
     is a logarithm, so its margin is Z's: + ln(margin)."""
     values = [v for telemetry in runs for _, v in series(telemetry, name, eps) if math.isfinite(v)]
+    if not values:
+        raise ValueError(
+            f"the --calibrate runs' telemetry holds no finite value of {name}: a threshold needs clean "
+            "runs whose telemetry records it"
+        )
     if name in LOGARITHMS:
         return max(values) + math.log(margin)
     high = precursors.PRECURSORS[name][1] == "high"
@@ -102,6 +111,12 @@ def measure(diverged, calibrate, clean, eps=1e-8, margin=MARGIN):
     diverged, calibrate, clean = (
         {label: read_run(d) for label, d in runs.items()} for runs in (diverged, calibrate, clean)
     )
+    bare = [label for label, (_, telemetry) in calibrate.items() if not telemetry]
+    if len(bare) == len(calibrate):  # the thresholds come from their telemetry
+        raise ValueError(
+            f"the --calibrate runs ({', '.join(bare)}) hold no telemetry records in their "
+            "metrics.jsonl: give clean runs trained with --telemetry_interval=N"
+        )
     onsets = {label: onset(steps) for label, (steps, _) in diverged.items()}
     rows = []
     for name in precursors.PRECURSORS:
@@ -146,7 +161,7 @@ def markdown(result):
         setups.setdefault(group(label)[0], []).append(label)
     spiked = [label for label in onsets if onsets[label] is not None]
     lines = [
-        "Onset (the first iteration the guard's detector calls a spike; -: none), per run: "
+        HEADER
         + "; ".join(
             f"{setup} "
             + ", ".join(
@@ -181,6 +196,34 @@ def markdown(result):
     return "\n".join(lines) + "\n"
 
 
+HEADER = "Onset (the first iteration the guard's detector calls a spike; -: none), per run: "
+
+
+def check_out(path):
+    """Refuse, before the measurement, an --out the table could not be written to, or a file that is not a
+    table of this tool's (its first line starts with HEADER): this tool writes over its own tables only."""
+    if os.path.isdir(path):
+        raise ValueError(
+            f"--out {path} is a directory; give a file name, e.g. {path}/precursors.md"
+        )
+    if os.path.exists(path):
+        try:
+            with open(path) as f:
+                ours = f.readline().startswith(HEADER)
+        except (OSError, UnicodeDecodeError):
+            ours = False
+        if not ours:
+            raise ValueError(
+                f"--out {path} exists and is not a table of this tool's; give another file "
+                "(this tool writes over its own tables only)"
+            )
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise ValueError(f"--out {path}: the directory {parent} does not exist; create it first")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(f"--out {path}: the directory {parent} is not writable; give another path")
+
+
 def labelled(directories):
     """{label: directory}: the label is the path's last three parts (arm/lever set/lr-seed in the lab)."""
     return {"/".join(os.path.normpath(d).split(os.sep)[-3:]): d for d in directories}
@@ -203,6 +246,8 @@ def main(argv=None):
     )
     parser.add_argument("--out", help="write the markdown table here too")
     args = parser.parse_args(argv)
+    if args.out:
+        check_out(args.out)
     result = measure(
         labelled(args.diverged),
         labelled(args.calibrate),
@@ -213,10 +258,13 @@ def main(argv=None):
     text = markdown(result)
     print(text)
     if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
+        checkpoint.atomic_write(text.rstrip("\n"), args.out)  # it ends the text with one newline
     return result
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
