@@ -65,6 +65,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 import arguments
 import builders
+import checkpoint
 import cross_entropy
 import data
 import launch
@@ -1034,6 +1035,41 @@ def measure_apart(config, others):
     return f"exit code {done.returncode}: {last[0].strip()}"
 
 
+# keys every result of numbers() has: an existing --result_json holding them is bench's own, written over on a rerun
+RESULT_KEYS = {"tokens/s", "TFLOPs", "MFU", "layout", "mean", "best"}
+
+
+def check_result_json(path):
+    """Refuse, before the measurement, a --result_json the numbers could not be written to (lost after the whole
+    measurement otherwise), or an existing file that is not bench's numbers (bench writes over nothing it did not
+    write)."""
+    if os.path.isdir(path):
+        raise ValueError(
+            f"--result_json {path} is a directory; give a file name, e.g. "
+            f"{os.path.join(path, 'bench.json')}"
+        )
+    if os.path.exists(path):
+        try:
+            with open(path) as f:
+                found = json.load(f)
+        except (OSError, ValueError):
+            found = None
+        if not (isinstance(found, dict) and RESULT_KEYS <= found.keys()):
+            raise ValueError(
+                f"--result_json {path} exists and is not bench's numbers; give another file "
+                "(bench writes over its own results only)"
+            )
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise ValueError(
+            f"--result_json {path}: the directory {parent} does not exist; create it first"
+        )
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(
+            f"--result_json {path}: the directory {parent} is not writable; give another path"
+        )
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     bench, rest = parse(argv)
@@ -1041,10 +1077,11 @@ def main(argv=None):
         return table(argv)
     if bench.guard_price:
         return guard_price(argv)
+    if bench.result_json:
+        check_result_json(bench.result_json)
     result = measure(argv) if bench.nproc <= 1 else compare(bench, rest, argv)
     if bench.result_json and result is not None:
-        with open(bench.result_json, "w") as f:
-            json.dump(result, f)
+        checkpoint.atomic_write(json.dumps(result), bench.result_json)
     return result
 
 

@@ -4,6 +4,7 @@ shipped config; --table one process per row; fp16 timed from a loss scale at whi
 here depends on how fast anything ran."""
 
 import glob
+import json
 import os
 
 import pytest
@@ -501,3 +502,30 @@ def test_on_the_cpu_bench_says_what_the_iterations_will_cost_before_running_them
         f"GFLOP/s (bfloat16 1024^3 matmul here): about {3 * flops / (0.05 * 2e10):,.0f} s at "
         "the ~5% MFU"
     ), line
+
+
+def test_result_json_is_checked_before_the_measurement_and_written_whole_over_its_own_only(
+    tmp_path, monkeypatch
+):
+    def unmeasured(argv):
+        raise AssertionError("measured before --result_json was checked")
+
+    monkeypatch.setattr(bench, "measure", unmeasured)
+    notes = tmp_path / "keep.json"
+    notes.write_text('{"a user": "file"}\n')
+    for path, said in [
+        (notes, "exists and is not bench's numbers"),
+        (tmp_path / "nodir" / "r.json", "does not exist; create it first"),
+        (tmp_path, "is a directory"),
+    ]:
+        with pytest.raises(ValueError, match=said):
+            bench.main(["config/tiny.py", f"--result_json={path}"])
+    assert notes.read_text() == '{"a user": "file"}\n'
+    numbers = {"tokens/s": 1.0, "TFLOPs": 2.0, "MFU": 0.1, "layout": "x", "mean": 1, "best": 1}
+    monkeypatch.setattr(bench, "measure", lambda argv: dict(numbers))
+    path = tmp_path / "r.json"
+    bench.main(["config/tiny.py", f"--result_json={path}"])
+    numbers["tokens/s"] = 3.0
+    bench.main(["config/tiny.py", f"--result_json={path}"])  # a rerun: its own file written over
+    assert json.loads(path.read_text()) == numbers
+    assert sorted(os.listdir(tmp_path)) == ["keep.json", "r.json"]  # no temporary file left
