@@ -282,7 +282,8 @@ def save(save_dir, iteration, model_state, run_state, rank_state, write_model_st
     the partial directory and raises ValueError on every rank. group: the process group of its barriers (an
     AsyncWriter's own, off the training's)."""
     tag = f"global_step{iteration}"
-    final, partial = os.path.join(save_dir, tag), os.path.join(save_dir, tag + ".partial")
+    final, partial = os.path.join(save_dir, tag), os.path.join(save_dir, tag + PARTIAL)
+    old = final + REPLACED
     g = parallel.grid
     rank0 = g.rank == 0
     written = []
@@ -302,13 +303,18 @@ def save(save_dir, iteration, model_state, run_state, rank_state, write_model_st
         if rank0:
             write_manifest(partial, written)
             _fsync_dir(partial)
-            # saving the same iteration again (e.g. after a rollback): replace it
+            # Saving the same iteration again (a rollback, a resume from an earlier `latest`): the old copy is set
+            # aside by a rename and deleted only once the new one is in place and named, so that no moment has
+            # `latest` on a deleted or half-deleted directory (latest_dir names the two renames' gap).
+            # ours: left by a save killed before its last line
+            shutil.rmtree(old, ignore_errors=True)
             if os.path.exists(final):
-                shutil.rmtree(final)
+                os.replace(final, old)
             os.replace(partial, final)
             _fsync_dir(save_dir)
             atomic_write(tag, os.path.join(save_dir, LATEST))
             _fsync_dir(save_dir)
+            shutil.rmtree(old, ignore_errors=True)
 
     for work in (prepare, write, publish):
         failure, results = _phase(work, group)
@@ -321,6 +327,10 @@ def save(save_dir, iteration, model_state, run_state, rank_state, write_model_st
             ]
         if failure is not None:
             if rank0:
+                if os.path.isdir(old) and not os.path.exists(
+                    final
+                ):  # failed between the renames: put it back
+                    os.replace(old, final)
                 shutil.rmtree(partial, ignore_errors=True)
                 with contextlib.suppress(OSError):
                     os.remove(os.path.join(save_dir, LATEST + ".tmp"))
@@ -491,6 +501,8 @@ def host_copy(obj, buffers):
 
 
 PARTIAL = ".partial"  # a checkpoint (or an export) still being written: never one to read
+# a checkpoint set aside while a new save of its iteration takes its place (save's publish)
+REPLACED = ".replaced"
 
 
 def half_finished(directory):
@@ -550,6 +562,11 @@ def latest_dir(load_dir):
         return None
     with open(path) as f:
         tag = f.read().strip()
+    if not tag or os.sep in tag or tag in (".", ".."):
+        raise ValueError(
+            f"{path} holds {tag!r}, which names no checkpoint: write the tag of a complete checkpoint into it "
+            f"(e.g. echo global_step300 > {path})"
+        )
     tag_dir = os.path.join(load_dir, tag)
     if tag.endswith(PARTIAL):
         raise ValueError(
@@ -557,12 +574,33 @@ def latest_dir(load_dir):
             f"{describe_half_finished(load_dir, [tag])}; point '{LATEST}' at a "
             "complete global_step* directory"
         )
+    if not os.path.isdir(tag_dir) and os.path.isdir(tag_dir + REPLACED):
+        raise ValueError(
+            f"a save replacing {tag_dir} was killed between its two renames: {tag}{PARTIAL} is the new checkpoint "
+            f"(whole: its manifest is written) and {tag}{REPLACED} the one it replaced; resume from either by "
+            f"renaming it: mv {tag_dir}{PARTIAL} {tag_dir} (or mv {tag_dir}{REPLACED} {tag_dir})"
+        )
     if not os.path.isdir(tag_dir):
         raise ValueError(
             f"{path} names {tag!r} but {tag_dir} does not exist; point '{LATEST}' at an existing "
             "global_step* directory"
         )
     return tag_dir
+
+
+def later(tag_dir):
+    """The global_stepM directories beside tag_dir with M above its iteration, in order: an abandoned timeline's,
+    after a rollback to an earlier `latest` (lesson 9)."""
+    save_dir, tag = os.path.split(os.path.normpath(tag_dir))
+    step = re.fullmatch(r"global_step(\d+)", tag)
+    if step is None:
+        return []
+    found = (re.fullmatch(r"global_step(\d+)", n) for n in os.listdir(save_dir or "."))
+    return [
+        m.group(0)
+        for m in sorted(filter(None, found), key=lambda m: int(m.group(1)))
+        if int(m.group(1)) > int(step.group(1))
+    ]
 
 
 def _earlier(tag_dir):

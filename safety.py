@@ -178,6 +178,15 @@ def resolve_resume(ckpt_cfg, eval_only, current):
             f"load directory {load} holds no checkpoint (no '{checkpoint.LATEST}' file); fix the path, or unset "
             "load to train from scratch"
         )
+    abandoned = (
+        checkpoint.later(load_tag) if load_tag and _same_dir(load, save) and not eval_only else []
+    )
+    if abandoned:
+        # Megatron's way, and the seeds' (a rollback edits `latest`): said, since they are not this run's
+        lines.append(
+            f"{', '.join(abandoned)} in {save} (after {os.path.basename(load_tag)}: the timeline this resume "
+            "leaves) will each be replaced if this run saves its iteration; copy them elsewhere to keep them"
+        )
     saved_state = None
     if load_tag is not None:
         run = checkpoint_run(load_tag)
@@ -220,20 +229,18 @@ def acquire_lock(directory, flag="--save", user="run"):
         "pid": os.getpid(),
         "since": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
-    for _ in range(2):  # a second try after taking over a stale lock
+    for _ in range(
+        3
+    ):  # tries again after taking over a stale lock, or after losing it to another run
         try:
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
         except FileExistsError:
-            try:
-                with open(path) as f:
-                    holder = json.load(f)
-            except (OSError, ValueError):
-                holder = None
+            holder = _read_lock(path)
             if holder and holder.get("host") == me["host"] and not _alive(holder.get("pid")):
-                _print0(
-                    f"taking over the lock {path} of pid {holder['pid']}, which is no longer running"
-                )
-                os.remove(path)
+                if _take_over(path, holder):
+                    _print0(
+                        f"taking over the lock {path} of pid {holder['pid']}, which is no longer running"
+                    )
                 continue
             who = (
                 f"host {holder.get('host')} pid {holder.get('pid')} since {holder.get('since')}"
@@ -253,6 +260,34 @@ def acquire_lock(directory, flag="--save", user="run"):
             json.dump(me, f)
         return path
     raise ValueError(f"could not take the lock {path}; another run took it first")
+
+
+def _read_lock(path):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def _take_over(path, stale):
+    """Remove the lock at path if it is still `stale`: True if this process removed it. Two runs that find one
+    stale lock must not both go on, the slower deleting the lock the faster has just made: the lock is moved to
+    a name of this process's first (one rename wins) and put back if it was no longer the stale one."""
+    aside = f"{path}.stale.{os.getpid()}"
+    try:
+        os.rename(path, aside)
+    except FileNotFoundError:
+        return False  # another run took it over first
+    if _read_lock(aside) == stale:
+        os.remove(aside)
+        return True
+    try:  # a live run's lock: back in place, unless a third run has made one meanwhile
+        os.link(aside, path)
+    except FileExistsError:
+        pass
+    os.remove(aside)
+    return False
 
 
 def release_lock(path):
@@ -332,7 +367,10 @@ def set_stopped_aside(directory):
             f"{path} is not a stop record this code wrote (a damaged or foreign file): read it, "
             "move it out of the save directory, then start again"
         ) from None
-    aside = os.path.join(directory, f"stopped_at_{at}.json")
+    # a run stopped twice at one iteration (a rollback, a requeue that stopped again) keeps both records
+    aside, n = os.path.join(directory, f"stopped_at_{at}.json"), 1
+    while os.path.exists(aside):
+        aside, n = os.path.join(directory, f"stopped_at_{at}.{n}.json"), n + 1
     os.replace(path, aside)
     return (
         f"the last run in {directory} stopped on purpose at iteration {at} ({record.get('cause')}): "

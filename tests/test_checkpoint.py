@@ -6,6 +6,7 @@ generates what one process generates from the same weights."""
 
 import hashlib
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -504,6 +505,89 @@ def test_async_save_held_until_the_next_step_and_save_writes_what_a_synchronous_
         assert written.keys() == expected[iteration].keys()
         for name in written:
             assert written[name] == expected[iteration][name], (iteration, name)
+
+
+class _Killed(BaseException):
+    """A kill -9 at that line: no handler of the save runs."""
+
+
+def _stop_at_the_second_rename(monkeypatch, exc):
+    """os.replace raises exc when it would move a save's partial directory into place."""
+    replace = os.replace
+
+    def stopped(src, dst):
+        if str(src).endswith(checkpoint.PARTIAL):
+            raise exc
+        return replace(src, dst)
+
+    monkeypatch.setattr(checkpoint.os, "replace", stopped)
+
+
+def test_a_new_save_of_the_latest_iteration_never_leaves_latest_on_a_deleted_checkpoint(
+    tmp_path, monkeypatch
+):
+    """A rollback saves the iteration `latest` names again. It deleted the old copy before moving the new one
+    in: a kill in between left `latest` on a missing (or, killed inside the rmtree, half-deleted) directory.
+    Now the old copy is renamed aside and deleted last; a kill between the two renames is named with the fix,
+    a failure there puts the old copy back."""
+    directory = tmp_path / "run"
+    checkpoint.save(str(directory), 2, *_state(1), write_model_state=True)
+    before = _files(directory / "global_step2")
+    with monkeypatch.context() as m:
+        _stop_at_the_second_rename(m, OSError(5, "Input/output error"))
+        with pytest.raises(ValueError, match="saving checkpoint .*global_step2 failed"):
+            checkpoint.save(str(directory), 2, *_state(2), write_model_state=True)
+    assert sorted(os.listdir(directory)) == ["global_step2", "latest"]
+    assert _files(directory / "global_step2") == before
+    with monkeypatch.context() as m:
+        _stop_at_the_second_rename(m, _Killed())
+        with pytest.raises(_Killed):
+            checkpoint.save(str(directory), 2, *_state(2), write_model_state=True)
+    step = directory / "global_step2"
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            f"a save replacing {step} was killed between its two renames: global_step2.partial is the new "
+            f"checkpoint (whole: its manifest is written) and global_step2.replaced the one it replaced; resume "
+            f"from either by renaming it: mv {step}.partial {step} (or mv {step}.replaced {step})"
+        ),
+    ):
+        checkpoint.latest_dir(str(directory))
+    assert _files(directory / "global_step2.replaced") == before
+    os.rename(f"{step}.partial", step)  # the fix the message gives
+    for name in os.listdir(step):
+        if name != checkpoint.MANIFEST:
+            checkpoint.verify(str(step / name))
+    assert _files(step) != before
+    # the next save of that iteration removes the set-aside copy, once it is no longer needed
+    checkpoint.save(str(directory), 2, *_state(2), write_model_state=True)
+    assert sorted(os.listdir(directory)) == ["global_step2", "latest"]
+
+
+def test_a_rollback_by_latest_says_which_checkpoints_it_will_replace(ckpt, tmp_path):
+    """Lesson 9's rollback (edit `latest`, run again) replaced the abandoned timeline's checkpoints with nothing
+    said. They are not this run's: named at the start."""
+    directory = shutil.copytree(ckpt, tmp_path / "run")
+    (directory / "latest").write_text("global_step1\n")
+    out = run_main(*SMALL, "--train_iters=2", "--eval_iters=0", f"--save={directory}")
+    assert (
+        f"global_step2 in {directory} (after global_step1: the timeline this resume leaves) will each be "
+        "replaced if this run saves its iteration; copy them elsewhere to keep them"
+    ) in out
+    assert checkpoint.later(str(directory / "global_step1")) == ["global_step2"]
+    assert "will each be replaced" not in run_main(
+        *SMALL, "--train_iters=3", "--eval_iters=0", f"--save={directory}"
+    )
+
+
+@pytest.mark.parametrize("tag", ["", "/etc", ".."])
+def test_a_latest_that_names_no_checkpoint_directory_is_refused(tmp_path, tag):
+    """An empty `latest` named the save directory itself: "model shard is missing ... another topology"."""
+    (tmp_path / "latest").write_text(tag + "\n")
+    with pytest.raises(
+        ValueError, match="which names no checkpoint: write the tag of a complete checkpoint"
+    ):
+        checkpoint.latest_dir(str(tmp_path))
 
 
 def _checkpoint_writes_talk_on_the_host_group(directory):

@@ -402,12 +402,46 @@ def test_one_run_per_save_directory(corpus, tmp_path, holder, refused):
         assert not os.path.exists(tmp_path / "lock")  # released at the end
 
 
+def test_two_runs_taking_over_one_stale_lock_do_not_both_hold_it(tmp_path, monkeypatch):
+    """Run B finds a dead run's lock; before B removes it, run A (faster) has taken it over and made its own.
+    B removed A's fresh lock and made its own: both trained into one save directory."""
+    lock = tmp_path / safety.LOCK
+    host = socket.gethostname()
+    lock.write_text(json.dumps({"host": host, "pid": _dead_pid(), "since": "then"}))
+    run_a = {"host": host, "pid": os.getppid(), "since": "now"}  # a live process
+
+    def a_takes_it_meanwhile(pid):
+        lock.unlink()
+        lock.write_text(json.dumps(run_a))
+        monkeypatch.setattr(safety, "_alive", lambda pid: pid == run_a["pid"])
+        return False
+
+    monkeypatch.setattr(safety, "_alive", a_takes_it_meanwhile)
+    with pytest.raises(
+        ValueError, match=f"in use by another run \\(host {host} pid {run_a['pid']} since now"
+    ):
+        safety.acquire_lock(str(tmp_path))
+    assert json.loads(lock.read_text()) == run_a and sorted(os.listdir(tmp_path)) == [safety.LOCK]
+
+
 def test_a_damaged_stop_record_is_refused_by_name_and_the_lock_released(corpus, tmp_path):
     (tmp_path / "stopped.json").write_text("{not json")
     with pytest.raises(ValueError, match="stopped.json is not a stop record this code wrote"):
         run_main(*SMALL, "--train_iters=1", f"--save={tmp_path}")
     assert not os.path.exists(tmp_path / "lock") and not os.path.exists(tmp_path / "latest")
     assert (tmp_path / "stopped.json").read_text() == "{not json"  # not ours to remove
+
+
+def test_a_second_stop_at_one_iteration_keeps_the_first_record(tmp_path):
+    """The records set aside are "kept, never removed": a second stop at iteration 2 replaced the first's."""
+    first = {"iteration": 2, "cause": "the first stop", "next": "read it"}
+    (tmp_path / "stopped_at_2.json").write_text(json.dumps(first))
+    (tmp_path / "stopped.json").write_text(json.dumps({**first, "cause": "the second stop"}))
+    line = safety.set_stopped_aside(str(tmp_path))
+    assert line.endswith(f"its record moved to {tmp_path / 'stopped_at_2.1.json'}")
+    assert json.loads((tmp_path / "stopped_at_2.json").read_text())["cause"] == "the first stop"
+    assert json.loads((tmp_path / "stopped_at_2.1.json").read_text())["cause"] == "the second stop"
+    assert not os.path.exists(tmp_path / "stopped.json")
 
 
 @pytest.mark.parametrize(
@@ -487,7 +521,7 @@ def _workers_agree_when_to_exit():
     finally:
         exit_signal.restore()
     # exit_duration_in_mins runs on rank 0's clock: a worker whose clock says otherwise follows rank 0
-    cfg = types.SimpleNamespace(exit_interval=None, exit_duration_in_mins=1.0)
+    cfg = types.SimpleNamespace(exit_interval=None, exit_duration_in_mins=1.0, save="run")
     now, exit_reason = time.time(), safety.exit_reason
     assert exit_reason(cfg, 1, now - (120 if rank == 1 else 0), lambda: False) is None, rank
     assert exit_reason(cfg, 1, now - (120 if rank == 0 else 0), lambda: False) is not None, rank
