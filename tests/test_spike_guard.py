@@ -1090,6 +1090,29 @@ def test_plot_overlays_a_metrics_file_and_a_log_and_draws_the_layer_heat_maps(ru
         assert (pixels[..., :3] < 0.9).mean() > 0.02  # lines and colours drawn
 
 
+def test_plot_refuses_an_out_it_cannot_save_to_before_plotting(tmp_path, monkeypatch):
+    import sys
+
+    sys.path.insert(
+        0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools")
+    )
+    import plot
+
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text('{"iteration": 1, "lm loss": 5.0, "grad norm": 1.0}\n')
+
+    def plotted(*args):
+        raise AssertionError("plotted before --out was checked")
+
+    monkeypatch.setattr(plot, "plot_runs", plotted)
+    for out, said in [
+        (tmp_path / "nodir" / "x.png", "does not exist; create it first"),
+        (tmp_path, "is a directory"),
+    ]:
+        with pytest.raises(ValueError, match=said):
+            plot.main([str(metrics), "--out", str(out)])
+
+
 def _telemetry_of_one_step(cfg, batches):
     model = build_model(cfg, torch.device("cpu"))
     optimizer, scaler = build_optimizer(cfg, model), optim.scaler_for(cfg)

@@ -222,6 +222,18 @@ def plot_layers(runs, out):
     return True
 
 
+def check_out(path):
+    """Refuse, before the runs are read and drawn, an --out the figure could not be saved to (matplotlib's
+    traceback after the plotting otherwise)."""
+    if os.path.isdir(path):
+        raise ValueError(f"--out {path} is a directory; give a file name, e.g. {path}/runs.png")
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise ValueError(f"--out {path}: the directory {parent} does not exist; create it first")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(f"--out {path}: the directory {parent} is not writable; give another path")
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -234,6 +246,7 @@ def main(argv=None):
         "--labels", nargs="*", help="a label per run (default: the directory or file name)"
     )
     args = parser.parse_args(argv)
+    check_out(args.out)
     runs = []
     for path in args.runs:
         if not os.path.exists(path):
