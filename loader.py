@@ -20,6 +20,7 @@ is one file and one registry line. Its validation is one blended set, or named s
 
 import collections
 import dataclasses
+import difflib
 import functools
 import os
 import queue
@@ -266,11 +267,16 @@ class MegatronSource:
                 "with `python data.py --input ... --output-prefix PREFIX --tokenizer-file FILE` and set "
                 "data_path=PREFIX"
             )
+        if data_cfg.data_path is not None:
+            # its files may not be there yet: a config is validated where its data is not (the
+            # lab's preflight); __init__ refuses a missing prefix
+            check_prefixes(data_cfg.data_path, "", "data_path", must_exist=False)
         check_valid_sets(data_cfg.valid_weighted_split_names, data_cfg.valid_weighted_split_paths)
 
     def __init__(self, data_cfg, context, num_samples):
         self.data_cfg, self.context, self.num_samples = data_cfg, context, num_samples
         self.data_path = bundled_corpus() if data_cfg.data_path is None else data_cfg.data_path
+        check_prefixes(self.data_path, "", "data_path")
         check_data(data_cfg.split, context, self.data_path, num_samples[0])
         self.valid_sets = None  # the blended validation split of data_path
         if data_cfg.valid_weighted_split_names:
@@ -403,17 +409,47 @@ def check_valid_sets(names, paths):
                 "digits, '_', '-' and '.' (e.g. valid_en)"
             )
     for name, path in zip(names, paths):
-        try:
-            prefixes = data.parse_data_path(path)[0]
-        except ValueError as e:
-            raise ValueError(f"validation set {name!r}: {e}") from None
-        for prefix in prefixes:
-            if not (os.path.isfile(prefix + ".bin") and os.path.isfile(prefix + ".idx")):
-                raise ValueError(
-                    f"validation set {name!r}: {prefix}.bin/.idx not found; fix its entry in "
-                    f"valid_weighted_split_paths, or tokenize the corpus with `python data.py --input "
-                    f"FILES --output-prefix {prefix}`"
-                )
+        check_prefixes(
+            path, f"validation set {name!r}: ", "its entry in valid_weighted_split_paths"
+        )
+
+
+def check_prefixes(data_path, where, key, must_exist=True):
+    """A data_path (one prefix or a blend) that cannot be opened, refused with the fix, reading no data: the blend's
+    shape, a prefix given with its .bin/.idx suffix, a prefix without its two files (unless not must_exist).
+    where: the message's start (naming what gave it, or ''); key: what to fix."""
+    try:
+        prefixes = data.parse_data_path(data_path)[0]
+    except ValueError as e:
+        raise ValueError(f"{where}{e}") from None
+    for prefix in prefixes:
+        missing = [s for s in (".bin", ".idx") if not os.path.isfile(prefix + s)]
+        if not missing:
+            continue
+        stem, suffix = os.path.splitext(prefix)
+        if suffix in (".bin", ".idx"):
+            raise ValueError(
+                f"{where}{key} gives {prefix!r}, a file's name, not a prefix: drop the suffix "
+                f"({stem}: the prefix of {stem}.bin and {stem}.idx)"
+            )
+        if not must_exist:
+            continue
+        raise ValueError(
+            f"{where}{prefix}{'/'.join(missing)} not found{_nearby(prefix)}; fix {key}, or tokenize "
+            f"the corpus with `python data.py --input FILES --output-prefix {prefix}`"
+        )
+
+
+def _nearby(prefix):
+    """' (did you mean X?)' where the directory of prefix holds a corpus of a close name, else ''."""
+    directory, base = os.path.split(prefix)
+    try:
+        names = os.listdir(directory or ".")
+    except OSError:
+        return ""
+    found = sorted(n[: -len(".idx")] for n in names if n.endswith(".idx"))
+    close = difflib.get_close_matches(base, found, n=1)
+    return f" (did you mean {os.path.join(directory, close[0])}?)" if close else ""
 
 
 def named_valid_sets(data_cfg, data_path):
@@ -582,6 +618,10 @@ def check(data_cfg, context, position_embedding_type, reads_data=True):
     position_embedding_type: the model's (alibi has no position ids to reset). reads_data=False: the
     caller feeds the model something else than the config's data (bench.py's random tokens), which
     then need not be configured."""
+    # the seed draws the initialization and dropout too, with or without data: np.random.seed's range
+    seed = data_cfg.seed
+    if not 0 <= seed <= 2**32 - 1:
+        raise ValueError(f"seed={seed} must be in [0, 2**32 - 1] (1234)")
     if not reads_data:
         return
     source = source_class(data_cfg.data_source)
@@ -593,6 +633,7 @@ def check(data_cfg, context, position_embedding_type, reads_data=True):
                 "(megatron)"
             )
     source.check(data_cfg, context)
+    check_split(data_cfg, context)
     if (
         data_cfg.reset_position_ids
         and position_embedding_type == "alibi"
@@ -611,4 +652,33 @@ def check(data_cfg, context, position_embedding_type, reads_data=True):
             f"documents by the tokenizer's end-of-document id {eod}, which is not "
             f"below vocab_size={vocab_size}: set the tokenizer_file the data was "
             "prepared with"
+        )
+
+
+def check_split(data_cfg, context):
+    """split that cannot be parsed, or that gives a part of the run no documents (context: a
+    DataContext): training none (its first batch would fail), validation none where eval_iters
+    asks for it. Named validation sets read their own documents: with them, validation's share
+    may be none."""
+    split = data_cfg.split
+    train, valid, _ = data.parse_split(split)  # its ValueError names split and the form
+    if not context.eval_only and train == 0:
+        raise ValueError(
+            f"split {split!r} gives training no documents; give train a share (e.g. 949,50,1), "
+            "or use --eval_only"
+        )
+    if data_cfg.valid_weighted_split_names or valid > 0:
+        return
+    if context.eval_only:  # training.evaluate_only's words, before the model is built
+        raise ValueError(
+            f"eval_only: no validation data (split {split!r}, eval_iters "
+            f"{context.eval_iters}); give the validation split a share (e.g. --split "
+            "0,100,0 for the whole data_path)"
+        )
+    # validation would be dropped without a word: the run would not be the one asked for
+    if context.eval_iters > 0:
+        raise ValueError(
+            f"eval_iters={context.eval_iters} does nothing with split {split!r}: it gives validation "
+            "no documents; give validation a share (e.g. 949,50,1), or set eval_iters=0 to train "
+            "without validation"
         )

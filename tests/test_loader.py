@@ -9,6 +9,7 @@ import data
 import loader
 from helpers import plan_of
 from run_state import RunState
+from sections import section
 
 
 @pytest.fixture(scope="module")
@@ -138,3 +139,74 @@ def test_blended_gather_equals_getitem(dataset):
     out = np.empty((64, 20), np.int64)
     blend.gather(index, out)
     assert np.array_equal(out, np.stack([blend[i][:20] for i in index]))
+
+
+# -----------------------------------------------------------------------------
+# The data's keys, refused before anything is built
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--split=98:1:1"], r"^split '98:1:1' must be up to three comma-separated numbers"),
+        (
+            ["--split=0,100,0"],
+            r"^split '0,100,0' gives training no documents; give train a share .*, or use --eval_only$",
+        ),
+        (
+            ["--split=100,0,0", "--eval_iters=10"],
+            r"^eval_iters=10 does nothing with split '100,0,0': it gives validation no documents; "
+            r"give validation a share .*, or set eval_iters=0",
+        ),
+        (
+            ["--split=100,0,0", "--eval_only"],
+            r"^eval_only: no validation data \(split '100,0,0', eval_iters 10\)",
+        ),
+        (["--seed=-1"], r"^seed=-1 must be in \[0, 2\*\*32 - 1\]"),
+        ([f"--seed={2**32}"], r"^seed=4294967296 must be in \[0, 2\*\*32 - 1\]"),
+        (
+            ["--data_path=data/x.bin"],
+            r"^data_path gives 'data/x.bin', a file's name, not a prefix: drop the suffix \(data/x: ",
+        ),
+        (["--data_path=data/x.idx"], r"^data_path gives 'data/x.idx', .*drop the suffix"),
+        (
+            ["--data_path", "0.7", "data/a", "data/b"],
+            r"^data_path .* must be one prefix or a blend",
+        ),
+        (
+            ["--data_path", "data/a", "0.7", "data/b", "0.3"],
+            r"^data_path .* must be one prefix or a blend .*\(weights first",
+        ),
+    ],
+)
+def test_data_keys_that_cannot_work_are_refused_by_name_before_anything_is_built(flags, message):
+    """Each failed once the model was built (a malformed split or blend, the prefix's suffix: the hint
+    to re-run preprocessing with --output-prefix data/x.bin), at the first batch (no training
+    documents: an AttributeError), in numpy's words (the seed), or not at all (validation dropped
+    without a word): loader.check names the key, in arguments.validate."""
+    cfg = arguments.load_config(["--train_iters=1", "--eval_iters=10", *flags])
+    with pytest.raises(ValueError, match=message):
+        arguments.validate(cfg)
+
+
+def test_the_seed_is_checked_without_data_and_a_split_without_validation_passes_without_it():
+    """The seed draws the initialization too: refused for a run without data (bench's random tokens). A split
+    with no validation share is a run without validation when eval_iters is 0."""
+    with pytest.raises(ValueError, match=r"^seed=-1 must be in"):
+        arguments.validate(arguments.load_config(["--seed=-1"]), reads_data=False)
+    arguments.validate(arguments.load_config(["--split=100,0,0", "--eval_iters=0"]))
+    arguments.validate(arguments.load_config(["--split=0,100,0", "--eval_only"]))
+
+
+def test_a_missing_prefix_is_refused_by_name_with_the_corpus_of_a_close_name(tmp_path):
+    """A prefix whose files are not there, when the source opens it: the corpus beside it of the
+    closest name is offered, where data.IndexedDataset said to re-run preprocessing."""
+    data.write_indexed_dataset(str(tmp_path / "shakespeare-v2"), [[1, 2, 3]])
+    cfg = arguments.load_config([f"--data_path={tmp_path}/shakespeare", "--train_iters=1"])
+    data_cfg, context = section(loader.DataConfig, cfg), section(loader.DataContext, cfg)
+    with pytest.raises(
+        ValueError,
+        match=rf"^{tmp_path}/shakespeare.bin/.idx not found \(did you mean "
+        rf"{tmp_path}/shakespeare-v2\?\); fix data_path",
+    ):
+        loader.MegatronSource(data_cfg, context, (16, 0))
