@@ -364,6 +364,20 @@ def test_show_samples_tool_prints_what_an_iteration_consumed(corpus):
     assert text in proc.stdout
 
 
+def test_show_samples_names_its_own_flag_in_a_bad_range():
+    import sys
+
+    from helpers import ROOT
+
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    import show_samples
+
+    with pytest.raises(ValueError) as refused:
+        show_samples.main(["--iterations", "1", *SMALL])
+    assert str(refused.value).startswith("--iterations entry '1' is not 'START-END'"), refused.value
+    assert "skip_train_iteration_range" not in str(refused.value)
+
+
 # -- optimizer reset ----------------------------------------------------------------------------------------------
 
 

@@ -42,7 +42,7 @@ def main(argv=None):
         "--max_chars", type=int, default=2000, help="truncate each sample's text to this"
     )
     args, rest = parser.parse_known_args(argv)
-    ((first, last),) = schedule.parse_iteration_ranges([args.iterations])
+    ((first, last),) = schedule.parse_iteration_ranges([args.iterations], key="--iterations")
     cfg = arguments.load_config(rest)
     # The order depends on the global batch only, not on the data-parallel size: validate as one replica.
     arguments.prepare(
