@@ -367,7 +367,7 @@ def validate(cfg, world_size=1, reads_data=True):
     optim.check(cfg)
     # "auto" under an optimizer that declares no reset count: refused here, before any work
     optim.reset_warmup_iters(section(OptimizerConfig, cfg), cfg.reset_optimizer_warmup_iters)
-    checkpoint.check(section(CheckpointConfig, cfg))
+    checkpoint.check(section(CheckpointConfig, cfg), cfg.eval_only)
     report.check(section(LoggingConfig, cfg))
     eval_harness.check(section(EvalHarnessConfig, cfg), cfg.eval_only)
     stability_config.check(cfg)

@@ -73,8 +73,14 @@ class CheckpointConfig:
     dump_weights: bool = False
 
 
-def check(ckpt_cfg):
-    """Raise ValueError with the fix for checkpoint keys that cannot work."""
+def check(ckpt_cfg, eval_only=False):
+    """Raise ValueError with the fix for checkpoint keys that cannot work. eval_only: logging's key (such a run
+    writes nothing)."""
+    if eval_only and ckpt_cfg.dump_weights:
+        raise ValueError(
+            "dump_weights writes the loaded weights into the load directory, and eval_only writes nothing: "
+            "drop dump_weights (tools/compare_weight_dumps.py reads the dumps of a resumed training run)"
+        )
     if ckpt_cfg.save_interval is not None and ckpt_cfg.save_interval <= 0:
         raise ValueError("save_interval must be positive")
     if ckpt_cfg.save_interval is not None and ckpt_cfg.save is None:
@@ -124,6 +130,14 @@ def atomic_write(obj_or_text, path):
         os.fsync(f.fileno())
     os.replace(tmp, path)
     return {"bytes": out.size, "crc32": f"{out.crc:08x}"}
+
+
+def point_latest(save_dir, tag):
+    """`latest` names tag, once the directory's renames are on disk, through a temporary file: a kill leaves the
+    old `latest` or the new one, never an empty or partly written one."""
+    _fsync_dir(save_dir)
+    atomic_write(tag, os.path.join(save_dir, LATEST))
+    _fsync_dir(save_dir)
 
 
 def model_file(tag_dir, g=None):
@@ -311,9 +325,7 @@ def save(save_dir, iteration, model_state, run_state, rank_state, write_model_st
             if os.path.exists(final):
                 os.replace(final, old)
             os.replace(partial, final)
-            _fsync_dir(save_dir)
-            atomic_write(tag, os.path.join(save_dir, LATEST))
-            _fsync_dir(save_dir)
+            point_latest(save_dir, tag)
             shutil.rmtree(old, ignore_errors=True)
 
     for work in (prepare, write, publish):

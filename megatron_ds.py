@@ -1112,8 +1112,7 @@ def convert(ckpt, save_dir, cfg, log=print):
         shutil.rmtree(save_dir if created else partial)
         raise
     os.replace(partial, tag_dir)
-    with open(os.path.join(save_dir, checkpoint.LATEST), "w") as f:
-        f.write(os.path.basename(tag_dir) + "\n")
+    checkpoint.point_latest(save_dir, os.path.basename(tag_dir))
     state = run["state"]
     log(
         f"imported {ckpt.dir} (TP={ckpt.tp} x PP={ckpt.pp} x DP={ckpt.dp}) into {tag_dir} as "

@@ -940,6 +940,32 @@ def test_a_killed_imports_partial_directory_is_named_and_kept(imported, tmp_path
     assert (tmp_path / "file").read_text() == "mine"
 
 
+def test_a_kill_while_latest_is_written_leaves_no_empty_latest(imported, tmp_path, monkeypatch):
+    """The import wrote `latest` in place: killed after the open, it left an empty one, which named the
+    directory itself ("model shard is missing ... another topology"). Here the kill comes as `latest`'s bytes
+    go to disk: there is no `latest` yet, and the finished directory is whole."""
+    import builtins
+
+    class Killed(BaseException):
+        pass
+
+    real_open = builtins.open
+
+    def killed_after_opening_latest(path, mode="r", *args, **kwargs):
+        f = real_open(path, mode, *args, **kwargs)
+        if "w" in mode and os.path.basename(str(path)).startswith(checkpoint.LATEST):
+            raise Killed
+        return f
+
+    monkeypatch.setattr(builtins, "open", killed_after_opening_latest)
+    with pytest.raises(Killed):
+        _import(imported[2], tmp_path / "out")
+    monkeypatch.setattr(builtins, "open", real_open)
+    assert sorted(os.listdir(tmp_path / "out")) == ["global_step2", "latest.tmp"]
+    with pytest.raises(ValueError, match="has global_step\\* directories but no 'latest' file"):
+        checkpoint.latest_dir(str(tmp_path / "out"))
+
+
 def test_a_sigterm_during_the_import_leaves_nothing_and_says_so(imported, tmp_path):
     """SIGTERM half-way (here: the process signals itself as the second output rank is written, in
     a process of its own): exit 143, a message, and no save directory; kill -9 is the case above."""

@@ -305,6 +305,11 @@ def test_tensorboard_scalars_against_samples_and_tokens(corpus, tmp_path):
         (["--train_iters=-5"], "train_iters=-5 must be positive"),
         # Megatron's 0 is off; here it stopped the run after its first iteration
         (["--exit_interval=0"], "exit_interval=0 must be positive; unset it for no exit"),
+        # it wrote into the load directory of a run that "writes nothing"
+        (
+            ["--eval_only", "--dump_weights"],
+            "dump_weights writes the loaded weights into the load directory",
+        ),
         (
             ["--exit_duration_in_mins=0"],
             "exit_duration_in_mins=0.0 must be positive; unset it for no exit",
