@@ -269,6 +269,28 @@ def test_an_unknown_task_or_a_missing_checkpoint_is_one_message(checkpoint, tmp_
         )
 
 
+def test_a_device_this_machine_lacks_is_refused_before_the_checkpoint_is_read(
+    tmp_path, monkeypatch
+):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+    def loaded(*args, **kwargs):
+        raise AssertionError("the checkpoint was read before --device was checked")
+
+    monkeypatch.setattr(evaluate_tool.eval_harness, "task_manager", loaded)
+    monkeypatch.setattr(evaluate_tool.eval_harness.StableGPT, "from_checkpoint", loaded)
+    for device, said in (
+        ("cuda", "device=cuda but this torch .* or use --device=cpu"),
+        ("cuda:1", "device=cuda but"),
+        ("gpu", "--device gpu is not a device; give cpu, cuda or cuda:N"),
+    ):
+        with pytest.raises(ValueError, match=said):
+            evaluate_tool.main(
+                ["--load", str(tmp_path), "--tasks", "stablegpt_choice", "--device", device]
+            )
+    assert evaluate_tool.parse(["--load", "x", "--tasks", "t"]).device == "cpu"  # auto, no CUDA
+
+
 def test_the_adapter_imports_lm_eval_only_when_it_is_used():
     """arguments.py imports eval_harness for its keys (and train.py for the run's evaluation): the
     module itself imports nothing of lm-eval, which costs seconds; StableGPT and the tasks import it

@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import sys
+import types
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 # this file would stand in for Hugging Face's `evaluate`, which lm-eval may import
@@ -26,6 +27,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 import torch  # noqa: E402
 
+import arguments  # noqa: E402
 import eval_harness  # noqa: E402 (it imports lm-eval when it is used)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -60,12 +62,17 @@ def parse(argv=None):
     parser.add_argument(
         "--log_samples", action="store_true", help="with --output_path: each document's answers"
     )
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument(
+        "--device",
+        default="auto",
+        help="cpu, cuda or cuda:N; auto (default): CUDA when available, else the CPU",
+    )
     parser.add_argument(
         "--dtype", choices=sorted(DTYPES), default=None, help="cast the model (default: as saved)"
     )
     parser.add_argument("--seed", type=int, default=1234, help="of lm-eval's few-shot sampling")
     args = parser.parse_args(argv)
+    check_device(args)
     if args.only_include_path and not args.include_path:
         raise ValueError("--only_include_path needs --include_path (the folder of your task files)")
     if args.include_path and not os.path.isdir(args.include_path):
@@ -81,6 +88,21 @@ def parse(argv=None):
     if args.output_path:
         check_output_path(args.output_path)
     return args
+
+
+def check_device(args):
+    """A --device this machine lacks refused before the checkpoint and lm-eval's index are read (torch's
+    traceback when the model moves otherwise), in train.py's words (arguments.check_device); auto resolved."""
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        kind = torch.device(args.device).type
+    except RuntimeError:
+        raise ValueError(
+            f"--device {args.device} is not a device; give cpu, cuda or cuda:N"
+        ) from None
+    # one process: the LOCAL_WORLD_SIZE of a launcher around it is not this tool's
+    arguments.check_device(types.SimpleNamespace(device=kind), local_world_size=1)
 
 
 def check_output_path(path):
