@@ -126,6 +126,31 @@ def test_an_output_the_export_did_not_write_is_refused_overwrite_or_not(ckpt, tm
     assert contents(tmp_path) == before
 
 
+def test_an_output_that_is_a_symbolic_link_is_refused_before_the_export(
+    ckpt, tmp_path, capsys, monkeypatch
+):
+    """It was accepted (an empty directory behind it) and failed after the whole export, at publish's
+    rmdir of the link."""
+
+    def loaded(*args):
+        raise AssertionError("the checkpoint was read before --output was checked")
+
+    monkeypatch.setattr(export_hf.reshard, "load_full_model", loaded)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    for target in (empty, tmp_path / "nowhere"):  # an empty directory; a dangling link
+        link = tmp_path / f"link-{target.name}"
+        link.symlink_to(target)
+        for overwrite in ([], ["--overwrite"]):
+            line = refused(["--load", str(ckpt), "--output", str(link), *overwrite], capsys)
+            assert line == (
+                f"error: --output {link} is a symbolic link (to {target}); give the directory itself "
+                f"(--output {os.path.realpath(link)}) or a new directory"
+            ), line
+    assert sorted(os.listdir(tmp_path)) == ["empty", "link-empty", "link-nowhere"]
+    assert os.listdir(empty) == []
+
+
 def test_an_earlier_export_is_replaced_with_overwrite_only(ckpt, tmp_path, capsys):
     out = tmp_path / "hf"
     assert export_hf.run(["--load", str(ckpt), "--output", str(out)]) == 0

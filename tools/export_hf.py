@@ -268,6 +268,14 @@ def check_output(output, load_dir, overwrite=False):
                 "export never writes there; give a new directory, e.g. --output "
                 f"{os.path.basename(os.path.abspath(load_dir))}-hf"
             )
+    if os.path.islink(out):
+        # refused, not resolved: the export is renamed into place, and a rename replaces the link itself
+        # (publish failed on it after the whole export); resolved, the export would land beside the link's
+        # target, a place --output did not name
+        raise ValueError(
+            f"--output {output} is a symbolic link (to {os.readlink(out)}); give the directory "
+            f"itself (--output {os.path.realpath(out)}) or a new directory"
+        )
     if os.path.exists(out) and not os.path.isdir(out):
         raise ValueError(f"--output {output} is a file; give a new directory")
     parent = os.path.dirname(os.path.abspath(out))
