@@ -40,6 +40,7 @@ from sections import section
 LOCK = "lock"
 # why the last run in a save directory stopped on purpose (write_stopped)
 STOPPED = "stopped.json"
+METRICS = "metrics"  # report.MetricsFile's metrics.jsonl
 
 # Model keys that do not change the weights' shapes or the function they compute: they may differ on resume.
 # Every other GPTConfig field (shapes, activation, LayerNorms, attention scaling, ...) must match the checkpoint.
@@ -323,6 +324,8 @@ class RunLock:
             lock = acquire_lock(ckpt_cfg.save) if ckpt_cfg.save and not cfg.eval_only else None
             try:
                 lines.append(set_stopped_aside(ckpt_cfg.save) if lock else None)
+                if lock and _latest(ckpt_cfg.save) is None:
+                    lines.append(set_logs_aside(ckpt_cfg.save, cfg.tensorboard_dir is None))
             except ValueError:
                 release_lock(lock)
                 raise
@@ -350,6 +353,30 @@ def write_stopped(directory, record):
     arrives as 1, like a crash's. Written whole (a temporary file renamed), after the state it
     names is on disk."""
     checkpoint.atomic_write(json.dumps(record, indent=1), os.path.join(directory, STOPPED))
+
+
+def set_logs_aside(directory, tensorboard):
+    """A run in DIR where no checkpoint is: the logs of an earlier run that left none (killed before its first
+    save) moved to metrics.K.jsonl (and tensorboard.K, when `tensorboard`: this run's TensorBoard goes there),
+    K the first free number, and said in a line (None when there are none). Appended to, they read as one run:
+    a reader keeps the last record of each iteration, the new run's first ones and the dead run's later ones."""
+    logs = [(METRICS, ".jsonl")] + ([("tensorboard", "")] if tensorboard else [])
+    present = [
+        (name, ext) for name, ext in logs if os.path.exists(os.path.join(directory, name + ext))
+    ]
+    if not present:
+        return None
+    k = 1
+    while any(os.path.exists(os.path.join(directory, f"{name}.{k}{ext}")) for name, ext in logs):
+        k += 1
+    moved = []
+    for name, ext in present:
+        os.replace(os.path.join(directory, name + ext), os.path.join(directory, f"{name}.{k}{ext}"))
+        moved.append(f"{name}{ext} to {name}.{k}{ext}")
+    return (
+        f"{directory} holds no checkpoint but the logs of a run before this one: moved {' and '.join(moved)}, "
+        "so that this run's are not read as its continuation"
+    )
 
 
 def set_stopped_aside(directory):

@@ -429,6 +429,35 @@ def test_two_runs_taking_over_one_stale_lock_do_not_both_hold_it(tmp_path, monke
     assert json.loads(lock.read_text()) == run_a and sorted(os.listdir(tmp_path)) == [safety.LOCK]
 
 
+def test_a_run_where_no_checkpoint_is_sets_an_earlier_runs_logs_aside(corpus, tmp_path):
+    """A run killed before its first save left metrics.jsonl; the next run appended to it, and a reader (which
+    keeps each iteration's last record) saw one run: the new run's iterations 1-2, then the dead one's 3-62."""
+    dead = "".join(json.dumps({"iteration": i, "lm loss": 9.0}) + "\n" for i in range(1, 63))
+    (tmp_path / "metrics.jsonl").write_text(dead)
+    (tmp_path / "tensorboard").mkdir()
+    (tmp_path / "tensorboard" / "events.dead").write_text("dead")
+    out = run_main(*SMALL, "--train_iters=2", f"--save={tmp_path}", "--eval_iters=0")
+    assert (
+        f"{tmp_path} holds no checkpoint but the logs of a run before this one: moved metrics.jsonl to "
+        "metrics.1.jsonl and tensorboard to tensorboard.1, so that this run's are not read as its continuation"
+    ) in out
+    assert (tmp_path / "metrics.1.jsonl").read_text() == dead
+    assert os.listdir(tmp_path / "tensorboard.1") == ["events.dead"]
+
+    def iterations():
+        return [
+            json.loads(x)["iteration"]
+            for x in (tmp_path / "metrics.jsonl").read_text().splitlines()
+        ]
+
+    assert iterations() == [1, 2]
+    # a resume continues its own run's file
+    assert "holds no checkpoint" not in run_main(
+        *SMALL, "--train_iters=3", f"--save={tmp_path}", "--eval_iters=0"
+    )
+    assert iterations() == [1, 2, 3]
+
+
 def test_a_damaged_stop_record_is_refused_by_name_and_the_lock_released(corpus, tmp_path):
     (tmp_path / "stopped.json").write_text("{not json")
     with pytest.raises(ValueError, match="stopped.json is not a stop record this code wrote"):
