@@ -12,6 +12,7 @@ from typing import NamedTuple
 import torch
 
 import arguments
+import launch
 import parallel
 import precision
 import stability
@@ -37,7 +38,7 @@ def dry_run(cfg, world_size=None, file=None):
     then hands its helpers the model's section and the few values of other owners the memory
     follows from (Plan)."""
     tp, pp = cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size
-    world = world_size or int(os.environ.get("WORLD_SIZE", tp * pp))
+    world = world_size or launch.world_size(default=tp * pp)
     if world % (tp * pp):
         raise ValueError(
             f"WORLD_SIZE {world} is not divisible by tensor_model_parallel_size ({tp}) x "

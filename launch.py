@@ -19,10 +19,16 @@ import parallel
 import rng
 
 
-def world_size():
-    """The number of processes the launcher started (torchrun's WORLD_SIZE; 1 without a launcher): known before
-    the process group exists, so that the config is checked first."""
-    return int(os.environ.get("WORLD_SIZE", "1"))
+def world_size(default=1):
+    """The number of processes the launcher started (torchrun's WORLD_SIZE; `default` without a launcher): known
+    before the process group exists, so that the config is checked first."""
+    value = os.environ.get("WORLD_SIZE", str(default))
+    if not value.strip().isdigit() or int(value) < 1:
+        raise ValueError(
+            f"WORLD_SIZE={value!r} must be a positive integer: torchrun sets it (for --dry_run of a cluster's "
+            "layout set it by hand, e.g. WORLD_SIZE=256)"
+        )
+    return int(value)
 
 
 def start(layout_cfg, tensor_model_parallel_size, save=None):

@@ -192,6 +192,24 @@ def test_a_config_file_after_a_list_key_is_the_config_file():
     assert arguments.parse_cli(["--tokenizer_file", "t.py"]) == (None, {"tokenizer_file": "t.py"})
 
 
+@pytest.mark.parametrize("value", ["0", "-4", "abc", ""])
+def test_a_world_size_that_is_no_count_of_processes_is_refused_by_name(value, monkeypatch):
+    """WORLD_SIZE=0 ended in a ZeroDivisionError, 'abc' in int()'s words, -4 in a batch-size message."""
+    import launch
+
+    monkeypatch.setenv("WORLD_SIZE", value)
+    with pytest.raises(
+        ValueError, match=f"^WORLD_SIZE={value!r} must be a positive integer: torchrun sets it"
+    ):
+        launch.world_size()
+    with pytest.raises(ValueError, match="must be a positive integer"):  # the dry run's own default
+        launch.world_size(default=8)
+    monkeypatch.setenv("WORLD_SIZE", "256")
+    assert launch.world_size() == 256
+    monkeypatch.delenv("WORLD_SIZE")
+    assert (launch.world_size(), launch.world_size(default=8)) == (1, 8)
+
+
 def test_unknown_key_in_config_file(tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text("num_layer = 2\n")
