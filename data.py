@@ -303,15 +303,24 @@ def preprocess(
     workers: int = max(1, (os.cpu_count() or 2) - 1),
     json_key: str = "text",
     tokenizer_file: str | None = None,
+    overwrite: bool = False,
 ) -> None:
     """Tokenize `inputs` into OUTPUT_PREFIX.bin/.idx with GPT-2 BPE or tokenizer_file. .jsonl/.json files hold
     one document per line (field `json_key`), any other file is one document; each ends with the tokenizer's
-    end-of-document id. Output bytes do not depend on `workers` (ordered imap)."""
+    end-of-document id. Output bytes do not depend on `workers` (ordered imap). An existing OUTPUT_PREFIX.bin
+    or .idx is replaced only with overwrite (--overwrite)."""
     from tqdm import tqdm
 
     missing = [path for path in inputs if not os.path.isfile(path)]
     if missing:
         raise FileNotFoundError(f"input file(s) not found: {', '.join(missing)}")
+    # a corpus is hours of tokenization and may be another's: replaced only when asked
+    existing = [p for p in (output_prefix + ".bin", output_prefix + ".idx") if os.path.lexists(p)]
+    if existing and not overwrite:
+        raise ValueError(
+            f"{' and '.join(existing)} already exist(s): pass --overwrite to replace the corpus at "
+            f"--output-prefix {output_prefix}, or give another --output-prefix"
+        )
     dtype = token_dtype(get_tokenizer(tokenizer_file).n_vocab)
     encode = functools.partial(_tokenize_document, json_key=json_key, tokenizer_file=tokenizer_file)
     stats = {"docs": 0, "tokens": 0, "empty": 0}
@@ -1099,6 +1108,11 @@ if __name__ == "__main__":
     parser.add_argument(
         "--tokenizer-file", default=None, help="a Hugging Face tokenizer.json (default: GPT-2 BPE)"
     )
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace an existing OUTPUT_PREFIX.bin/.idx (refused without it)",
+    )
     args = parser.parse_args()
     try:
         preprocess(
@@ -1107,6 +1121,7 @@ if __name__ == "__main__":
             workers=args.workers,
             json_key=args.json_key,
             tokenizer_file=args.tokenizer_file,
+            overwrite=args.overwrite,
         )
     # bad input: one line naming the problem, no traceback
     except (ValueError, FileNotFoundError) as e:

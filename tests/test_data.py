@@ -6,6 +6,8 @@ import json
 import math
 import os
 import struct
+import subprocess
+import sys
 from fractions import Fraction
 
 import numpy as np
@@ -13,6 +15,7 @@ import pytest
 
 import data
 import schedule
+from helpers import ROOT
 
 # -----------------------------------------------------------------------------
 # tokenizer
@@ -115,6 +118,40 @@ def test_preprocess_deterministic_across_workers(tmp_path):
         # literal "<|endoftext|>" text is not the EOD id
         assert doc[-1] == data.EOD and data.EOD not in doc[:-1]
         assert doc[:-1] == enc.encode_ordinary(text) and enc.decode(doc[:-1]) == text
+
+
+def test_preprocess_replaces_an_existing_corpus_only_with_overwrite(tmp_path):
+    (tmp_path / "in.txt").write_text("Now is the winter of our discontent")
+    prefix = str(tmp_path / "corp")
+    for ext in (
+        ".bin",
+        ".idx",
+    ):  # either file alone is a corpus's (the other lost or being written)
+        (tmp_path / f"corp{ext}").write_bytes(b"another corpus")
+        with pytest.raises(ValueError) as refused:
+            data.preprocess([str(tmp_path / "in.txt")], prefix, workers=1)
+        assert str(refused.value) == (
+            f"{prefix}{ext} already exist(s): pass --overwrite to replace the corpus at "
+            f"--output-prefix {prefix}, or give another --output-prefix"
+        )
+        assert (tmp_path / f"corp{ext}").read_bytes() == b"another corpus"
+        os.remove(tmp_path / f"corp{ext}")
+    (tmp_path / "corp.bin").write_bytes(b"another corpus")
+    (tmp_path / "corp.idx").write_bytes(b"another index")
+    proc = subprocess.run(
+        [sys.executable, "data.py", "--input", str(tmp_path / "in.txt"), "--output-prefix", prefix],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2 and proc.stderr == (
+        f"error: {prefix}.bin and {prefix}.idx already exist(s): pass --overwrite to replace the "
+        f"corpus at --output-prefix {prefix}, or give another --output-prefix\n"
+    ), proc.stderr
+    assert (tmp_path / "corp.bin").read_bytes() == b"another corpus"
+    data.preprocess([str(tmp_path / "in.txt"), str(tmp_path / "in.txt")], prefix, 1, overwrite=True)
+    assert len(data.IndexedDataset(prefix)) == 2
 
 
 def test_preprocess_bad_json_names_the_line(tmp_path):
