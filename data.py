@@ -297,6 +297,17 @@ def _tokenize_document(
     return np.asarray(tokens, dtype=token_dtype(tok.n_vocab))
 
 
+def check_output_prefix(prefix: str, overwrite: bool) -> None:
+    """An existing PREFIX.bin or .idx refused unless overwrite: a corpus is hours of tokenization and may be
+    another's."""
+    existing = [p for p in (prefix + ".bin", prefix + ".idx") if os.path.lexists(p)]
+    if existing and not overwrite:
+        raise ValueError(
+            f"{' and '.join(existing)} already exist(s): pass --overwrite to replace the corpus at "
+            f"--output-prefix {prefix}, or give another --output-prefix"
+        )
+
+
 def preprocess(
     inputs: list[str],
     output_prefix: str,
@@ -314,13 +325,7 @@ def preprocess(
     missing = [path for path in inputs if not os.path.isfile(path)]
     if missing:
         raise FileNotFoundError(f"input file(s) not found: {', '.join(missing)}")
-    # a corpus is hours of tokenization and may be another's: replaced only when asked
-    existing = [p for p in (output_prefix + ".bin", output_prefix + ".idx") if os.path.lexists(p)]
-    if existing and not overwrite:
-        raise ValueError(
-            f"{' and '.join(existing)} already exist(s): pass --overwrite to replace the corpus at "
-            f"--output-prefix {output_prefix}, or give another --output-prefix"
-        )
+    check_output_prefix(output_prefix, overwrite)
     dtype = token_dtype(get_tokenizer(tokenizer_file).n_vocab)
     encode = functools.partial(_tokenize_document, json_key=json_key, tokenizer_file=tokenizer_file)
     stats = {"docs": 0, "tokens": 0, "empty": 0}
