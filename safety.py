@@ -214,17 +214,18 @@ def _alive(pid):
     return True
 
 
-def acquire_lock(directory, flag="--save", user="run"):
-    """Create DIR/lock naming this process, or refuse: one run per save directory (or one `user` per `flag`'s
-    directory: the lab's campaigns lock their --out). Returns the lock's path."""
-    name = flag.lstrip("-")
+def acquire_lock(directory, flag="--save", user="run", name=LOCK):
+    """Create DIR/lock (DIR/`name`) naming this process, or refuse: one run per save directory (or one `user` per
+    `flag`'s directory: the lab's campaigns lock their --out; a rank's spike guard snapshots, its own file in
+    spike_guard_snapshot_dir). Returns the lock's path."""
+    lock_name, name = name, flag.lstrip("-")
     try:
         os.makedirs(directory, exist_ok=True)
     except OSError as e:
         raise ValueError(
             f"cannot create the {name} directory {directory} ({e.strerror}); choose another {flag}"
         ) from None
-    path = os.path.join(directory, LOCK)
+    path = os.path.join(directory, lock_name)
     me = {
         "host": socket.gethostname(),
         "pid": os.getpid(),

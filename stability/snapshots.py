@@ -18,6 +18,7 @@ import torch.distributed as dist
 import checkpoint
 import parallel
 import run_state
+import safety
 import training
 from report import print0
 
@@ -74,6 +75,13 @@ class Snapshots:
                     "give a directory the run can create or write (a node-local "
                     "disk, e.g. $SLURM_TMPDIR)"
                 ) from e
+            # Two runs given one directory deleted each other's snapshots and could restore each other's
+            # weights: each rank holds a lock of its own there (its files are the only ones it touches).
+            self.lock = safety.acquire_lock(
+                self.dir,
+                "--spike_guard_snapshot_dir",
+                name=f"snapshot-rank{parallel.grid.rank:05d}.lock",
+            )
             for leftover in glob.glob(self.path("*") + "*"):  # this rank's, from a run that crashed
                 os.remove(leftover)
             self.writer = checkpoint.AsyncWriter()
@@ -130,8 +138,10 @@ class Snapshots:
             ) from e
 
     def close(self):
-        """At the run's end: the snapshot files deleted."""
+        """At the run's end: the snapshot files deleted, the directory's lock released."""
         self.drop(lambda it: True)
+        if self.dir:
+            safety.release_lock(self.lock)
 
     def newest_before(self, start):
         """(iteration, snapshot) of the newest state at an iteration < start, from memory or else disk."""

@@ -64,7 +64,7 @@ def test_snapshots_reach_back_two_rewinds_and_an_interval(monkeypatch, tmp_path,
     assert [it for it, *_ in store.items] == [900, 950, 1000, 1050, 1100]
     found, payload = store.newest_before(decision["start"])
     assert found == 900 and payload == {"iteration": 900}
-    files = sorted(os.listdir(tmp_path))
+    files = sorted(n for n in os.listdir(tmp_path) if n.endswith(".pt"))  # not the rank's lock
     if where == "disk":
         assert files == sorted(
             f"snapshot-rank00000-iteration{it}.pt" for it in (900, 950, 1000, 1050, 1100)
@@ -72,7 +72,7 @@ def test_snapshots_reach_back_two_rewinds_and_an_interval(monkeypatch, tmp_path,
     # what the rollback to it does: the later ones are of another timeline
     store.drop(lambda it: it > found)
     assert [it for it, *_ in store.items] == [900]
-    assert len(os.listdir(tmp_path)) == (1 if where == "disk" else 0)
+    assert len([n for n in os.listdir(tmp_path) if n.endswith(".pt")]) == (1 if where == "disk" else 0)
     store.close()
     assert os.listdir(tmp_path) == []
 
@@ -102,6 +102,37 @@ def test_a_snapshot_that_cannot_be_written_stops_the_run_naming_the_directory(
         match=f"written to spike_guard_snapshot_dir {tmp_path} .*No space left on device",
     ):
         store.maybe_take(10, 10)
+
+
+def test_two_runs_given_one_snapshot_directory_do_not_delete_each_others_snapshots(
+    monkeypatch, tmp_path
+):
+    """The second run deleted the first's snapshot files at its start, as a crashed run's leftovers: the first
+    died at its next rollback's read (and the names, rank and iteration only, would restore the other's
+    weights). Each rank's files are locked; a crashed run's lock (its process gone) is taken over."""
+    cfg = arguments.load_config(
+        [
+            "--spike_guard",
+            "--spike_guard_snapshot_interval=5",
+            f"--spike_guard_snapshot_dir={tmp_path}",
+        ]
+    )
+    monkeypatch.setattr(snapshots.run_state, "capture", lambda parts: {"iteration": parts})
+    first = snapshots_of(cfg)
+    first.maybe_take(5, 5)
+    first.wait()
+    with pytest.raises(
+        ValueError,
+        match=(
+            f"spike_guard_snapshot_dir directory {tmp_path} is in use by another run .*snapshot-rank00000.lock"
+        ),
+    ):
+        snapshots_of(cfg)
+    assert torch.load(first.path(5))["iteration"] == 5
+    first.close()
+    assert os.listdir(tmp_path) == []
+    second = snapshots_of(cfg)  # after the first's end
+    second.close()
 
 
 def test_host_copy_is_a_copy_into_the_buffers_given():
