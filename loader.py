@@ -273,6 +273,12 @@ class MegatronSource:
             check_prefixes(data_cfg.data_path, "", "data_path", must_exist=False)
         check_valid_sets(data_cfg.valid_weighted_split_names, data_cfg.valid_weighted_split_paths)
 
+    @staticmethod
+    def check_files(data_cfg):
+        """The prefixes' files, where a run reads them (check_files)."""
+        if data_cfg.data_path is not None:
+            check_prefixes(data_cfg.data_path, "", "data_path")
+
     def __init__(self, data_cfg, context, num_samples):
         self.data_cfg, self.context, self.num_samples = data_cfg, context, num_samples
         self.data_path = bundled_corpus() if data_cfg.data_path is None else data_cfg.data_path
@@ -611,6 +617,15 @@ class DataConfig:
     valid_weighted_split_names: list[str] | None = None
     # per name a prefix or "w1 p1 w2 p2" blend (docs/data.md)
     valid_weighted_split_paths: list[str] | None = None
+
+
+def check_files(data_cfg):
+    """Raise ValueError with the fix for data files a run cannot open, before the model is built (a large
+    model's build takes minutes on every rank). Apart from check(): a config is validated where its data is
+    not (the lab's preflight, a cluster's config read on a laptop)."""
+    source_check = getattr(source_class(data_cfg.data_source), "check_files", None)
+    if source_check is not None:
+        source_check(data_cfg)
 
 
 def check(data_cfg, context, position_embedding_type, reads_data=True):

@@ -56,8 +56,9 @@ def main(argv=None):
 
         estimate.dry_run(cfg)
         return
-    # a config that cannot work stops before any process group
+    # a config that cannot work stops before any process group, and so do data files it cannot open
     arguments.prepare(cfg, launch.world_size())
+    loader.check_files(section(loader.DataConfig, cfg))
     # lm-eval's tasks found (imported only then), before any process group too
     harness = None
     if cfg.eval_harness_tasks:

@@ -1,5 +1,7 @@
 """loader.py: batches prepared on a background thread are exactly the batches computed on the spot."""
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -210,3 +212,19 @@ def test_a_missing_prefix_is_refused_by_name_with_the_corpus_of_a_close_name(tmp
         rf"{tmp_path}/shakespeare-v2\?\); fix data_path",
     ):
         loader.MegatronSource(data_cfg, context, (16, 0))
+
+
+def test_a_run_refuses_a_missing_prefix_before_the_model_is_built(tmp_path):
+    """train.py checks the files right after the config: it built the model first (minutes on every rank of a
+    large model) and created the save directory. The config alone passes: it is validated where its data is
+    not (the lab's preflight)."""
+    from helpers import run_cli
+
+    args = [f"--data_path={tmp_path}/typo", "--train_iters=1", f"--save={tmp_path / 'run'}"]
+    arguments.prepare(arguments.load_config(args))
+    proc = run_cli(*args, expect_ok=False)
+    assert proc.returncode == 2 and proc.stderr.strip() == (
+        f"error: {tmp_path}/typo.bin/.idx not found; fix data_path, or tokenize the corpus with `python data.py "
+        f"--input FILES --output-prefix {tmp_path}/typo`"
+    )
+    assert "Model size" not in proc.stdout and not os.path.exists(tmp_path / "run")
