@@ -779,6 +779,12 @@ def test_normformer_refuses_tensor_parallel():
             ["--position_embedding_type=alibi", "--rotary_base=500000"],
             r"^rotary_base=500000.0 does nothing with position_embedding_type=alibi",
         ),
+        (
+            ["--position_embedding_type=rotary", "--rope_scaling_factor=32"],
+            r"^rope_scaling_factor=32.0 does nothing without use_rope_scaling \(Llama 3's frequency scaling\): "
+            r"set use_rope_scaling, or drop it$",
+        ),
+        (["--embed_init_std=-0.01"], r"^embed_init_std=-0.01 must be positive, or None"),
     ],
 )
 def test_model_keys_that_cannot_work_are_refused_by_name_before_anything_is_built(flags, message):
