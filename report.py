@@ -80,6 +80,12 @@ def check(log_cfg):
             raise ValueError(f"{key}={getattr(log_cfg, key)} must not be negative")
     if not (log_cfg.log_interval > 0 and log_cfg.eval_interval > 0):
         raise ValueError("log_interval and eval_interval must be positive")
+    if (
+        log_cfg.eval_only and log_cfg.eval_iters == 0
+    ):  # training.evaluate_only's refusal, before the build
+        raise ValueError(
+            "eval_only: no validation data (eval_iters 0): set eval_iters to the global batches to evaluate"
+        )
     if log_cfg.profile_steps is not None:
         profile_range(log_cfg.profile_steps)  # raises
 

@@ -468,3 +468,11 @@ def test_eval_only_without_validation_data_names_the_fix():
         training.evaluate_only(
             None, None, None, builders.step_rules(cfg), torch.device("cpu"), cfg.split
         )
+
+
+def test_eval_only_with_no_validation_batches_is_refused_before_the_build():
+    """eval_iters=0 left the validation data empty: evaluate_only's refusal came after the model's build."""
+    with pytest.raises(
+        ValueError, match=r"^eval_only: no validation data \(eval_iters 0\): set eval_iters"
+    ):
+        arguments.validate(arguments.load_config(["--eval_only", "--eval_iters=0"]))
