@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, fields
 import torch
 
 import checkpoint
+import deepspeed_engine
 import eval_harness
 import hf
 import loader
@@ -365,6 +366,13 @@ def validate(cfg, world_size=1, reads_data=True):
     dp_size = world_size // (cfg.tensor_model_parallel_size * cfg.pipeline_model_parallel_size)
     schedule.check(section(ScheduleConfig, cfg), dp_size, cfg.load)
     optim.check(cfg)
+    if (
+        cfg.deepspeed
+    ):  # what DeepSpeed does not run as the native path would, before the build's import of it
+        paper = parallel.Grid(
+            cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size, world_size=world_size
+        )
+        deepspeed_engine.check(section(OptimizerConfig, cfg), cfg.zero_stage, paper)
     # "auto" under an optimizer that declares no reset count: refused here, before any work
     optim.reset_warmup_iters(section(OptimizerConfig, cfg), cfg.reset_optimizer_warmup_iters)
     checkpoint.check(section(CheckpointConfig, cfg), cfg.eval_only)

@@ -476,3 +476,24 @@ def test_eval_only_with_no_validation_batches_is_refused_before_the_build():
         ValueError, match=r"^eval_only: no validation data \(eval_iters 0\): set eval_iters"
     ):
         arguments.validate(arguments.load_config(["--eval_only", "--eval_iters=0"]))
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--fp16"], "deepspeed=True with fp16 is not supported"),
+        (["--zero_stage=0"], "deepspeed=True with zero_stage=0 and fp32 adds nothing"),
+        (
+            ["--bf16", "--skip_grad_norm_above=1"],
+            "skip_grad_norm_above needs the grad norm before the update",
+        ),
+        (
+            ["--bf16", "--use_bnb_optimizer"],
+            "use_bnb_optimizer with deepspeed=True is not supported",
+        ),
+    ],
+)
+def test_what_deepspeed_does_not_run_is_refused_before_the_build(flags, message):
+    """deepspeed_engine.check ran inside the build, after the model was made: now in the config's check too."""
+    with pytest.raises(ValueError, match=re.escape(message)):
+        arguments.validate(arguments.load_config(["--deepspeed", *flags]))
