@@ -291,6 +291,21 @@ def write_manifest(tag_dir, entries, g=None):
     atomic_write(json.dumps(manifest, indent=1), os.path.join(tag_dir, MANIFEST))
 
 
+def _replace(partial, final):
+    """Move a whole checkpoint into place and point `latest` at it. Saving an iteration again (a rollback, a
+    resume from an earlier `latest`) sets the old copy aside by a rename and deletes it only once the new one is
+    in place and named: no moment has `latest` on a deleted or half-deleted directory (latest_dir names the two
+    renames' gap, save() puts the old copy back on a failure there)."""
+    save_dir, tag = os.path.split(final)
+    old = final + REPLACED
+    shutil.rmtree(old, ignore_errors=True)  # ours: left by a save killed before its last line
+    if os.path.exists(final):
+        os.replace(final, old)
+    os.replace(partial, final)
+    point_latest(save_dir, tag)
+    shutil.rmtree(old, ignore_errors=True)
+
+
 def save(save_dir, iteration, model_state, run_state, rank_state, write_model_state, group=None):
     """Write one checkpoint from every rank (write_files' arguments). A failure on any rank (a full disk) removes
     the partial directory and raises ValueError on every rank. group: the process group of its barriers (an
@@ -317,16 +332,7 @@ def save(save_dir, iteration, model_state, run_state, rank_state, write_model_st
         if rank0:
             write_manifest(partial, written)
             _fsync_dir(partial)
-            # Saving the same iteration again (a rollback, a resume from an earlier `latest`): the old copy is set
-            # aside by a rename and deleted only once the new one is in place and named, so that no moment has
-            # `latest` on a deleted or half-deleted directory (latest_dir names the two renames' gap).
-            # ours: left by a save killed before its last line
-            shutil.rmtree(old, ignore_errors=True)
-            if os.path.exists(final):
-                os.replace(final, old)
-            os.replace(partial, final)
-            point_latest(save_dir, tag)
-            shutil.rmtree(old, ignore_errors=True)
+            _replace(partial, final)
 
     for work in (prepare, write, publish):
         failure, results = _phase(work, group)
@@ -339,9 +345,7 @@ def save(save_dir, iteration, model_state, run_state, rank_state, write_model_st
             ]
         if failure is not None:
             if rank0:
-                if os.path.isdir(old) and not os.path.exists(
-                    final
-                ):  # failed between the renames: put it back
+                if os.path.isdir(old) and not os.path.exists(final):  # failed between the renames
                     os.replace(old, final)
                 shutil.rmtree(partial, ignore_errors=True)
                 with contextlib.suppress(OSError):

@@ -169,6 +169,7 @@ class GPTConfig:
             self._shape_problems(tp)
             + self._layer_problems()
             + self._position_problems()
+            + self._rotary_problems()
             + self._switch_problems(tp)
         )
         for ok, message in problems:
@@ -230,72 +231,74 @@ class GPTConfig:
         ]
 
     def _position_problems(self):
-        """(ok, message) of the position embeddings: type and init, rotary's base and scaling."""
+        """(ok, message) of the position embeddings: type and init, rotary's head size."""
         h, heads = self.hidden_size, self.num_attention_heads
-        return (
-            [
-                (
-                    self.rotary_base > 0,
-                    f"rotary_base={self.rotary_base} must be positive (10000; Llama 3: 500000)",
-                ),
-                (
-                    not self.use_rope_scaling or self.position_embedding_type == "rotary",
-                    "use_rope_scaling scales "
-                    "rotary's frequencies: set position_embedding_type='rotary' or drop it",
-                ),
-                (
-                    self.rope_scaling_factor >= 1,
-                    f"rope_scaling_factor={self.rope_scaling_factor} must be at least 1 "
-                    "(Llama 3.1: 8, Llama 3.2: 32)",
-                ),
-                (
-                    self.original_max_position_embeddings > 0,
-                    "original_max_position_embeddings="
-                    f"{self.original_max_position_embeddings} must be positive (Llama 3's: 8192)",
-                ),
-                (
-                    self.position_embedding_type in POSITION_EMBEDDINGS,
-                    f"position_embedding_type="
-                    f"{self.position_embedding_type!r} is not one of {', '.join(POSITION_EMBEDDINGS)}",
-                ),
-                (
-                    self.position_embedding_init in ("normal", "sinusoidal"),
-                    f"position_embedding_init={self.position_embedding_init!r} is not 'normal' or 'sinusoidal'",
-                ),
-                (
-                    self.position_embedding_type == "learned"
-                    or self.position_embedding_init == "normal",
-                    f"position_embedding_init={self.position_embedding_init!r} has nothing to initialise: "
-                    f"{self.position_embedding_type} has no position embeddings; drop it or use position_embedding_type="
-                    "'learned'",
-                ),
-                (
-                    self.position_embedding_type != "rotary" or (h // heads) % 2 == 0,
-                    f"rotary embeddings turn pairs of q and k features: the head size ({h // heads}) must be even",
-                ),
-            ]
-            + [
-                # only rotary reads them: another position embedding would train as if they were not given
-                (
-                    self.position_embedding_type == "rotary" or getattr(self, key) == default,
-                    f"{key}={getattr(self, key)} does nothing with position_embedding_type="
-                    f"{self.position_embedding_type} (only rotary embeddings read it): set "
-                    "position_embedding_type='rotary', or drop it",
-                )
-                for key, default in ROTARY_KEYS.items()
-            ]
-            + [
-                # and of rotary's keys, the scaling's are read only with use_rope_scaling
-                (
-                    self.position_embedding_type != "rotary"
-                    or self.use_rope_scaling
-                    or getattr(self, key) == ROTARY_KEYS[key],
-                    f"{key}={getattr(self, key)} does nothing without use_rope_scaling (Llama 3's frequency "
-                    "scaling): set use_rope_scaling, or drop it",
-                )
-                for key in ("rope_scaling_factor", "original_max_position_embeddings")
-            ]
-        )
+        return [
+            (
+                self.position_embedding_type in POSITION_EMBEDDINGS,
+                f"position_embedding_type="
+                f"{self.position_embedding_type!r} is not one of {', '.join(POSITION_EMBEDDINGS)}",
+            ),
+            (
+                self.position_embedding_init in ("normal", "sinusoidal"),
+                f"position_embedding_init={self.position_embedding_init!r} is not 'normal' or 'sinusoidal'",
+            ),
+            (
+                self.position_embedding_type == "learned"
+                or self.position_embedding_init == "normal",
+                f"position_embedding_init={self.position_embedding_init!r} has nothing to initialise: "
+                f"{self.position_embedding_type} has no position embeddings; drop it or use "
+                "position_embedding_type='learned'",
+            ),
+            (
+                self.position_embedding_type != "rotary" or (h // heads) % 2 == 0,
+                f"rotary embeddings turn pairs of q and k features: the head size ({h // heads}) must be even",
+            ),
+        ]
+
+    def _rotary_problems(self):
+        """(ok, message) of rotary's keys: base and scaling in range, and read (a key nothing reads would train
+        as if it were not given)."""
+        rotary = self.position_embedding_type == "rotary"
+        unread = [
+            (
+                key,
+                f"with position_embedding_type={self.position_embedding_type} (only rotary embeddings read it): "
+                "set position_embedding_type='rotary'",
+            )
+            for key in ROTARY_KEYS
+            if not rotary
+        ] + [
+            (key, "without use_rope_scaling (Llama 3's frequency scaling): set use_rope_scaling")
+            for key in ("rope_scaling_factor", "original_max_position_embeddings")
+            if rotary and not self.use_rope_scaling
+        ]
+        return [
+            (
+                self.rotary_base > 0,
+                f"rotary_base={self.rotary_base} must be positive (10000; Llama 3: 500000)",
+            ),
+            (
+                not self.use_rope_scaling or rotary,
+                "use_rope_scaling scales rotary's frequencies: set position_embedding_type='rotary' or drop it",
+            ),
+            (
+                self.rope_scaling_factor >= 1,
+                f"rope_scaling_factor={self.rope_scaling_factor} must be at least 1 "
+                "(Llama 3.1: 8, Llama 3.2: 32)",
+            ),
+            (
+                self.original_max_position_embeddings > 0,
+                "original_max_position_embeddings="
+                f"{self.original_max_position_embeddings} must be positive (Llama 3's: 8192)",
+            ),
+        ] + [
+            (
+                getattr(self, key) == ROTARY_KEYS[key],
+                f"{key}={getattr(self, key)} does nothing {why}, or drop it",
+            )
+            for key, why in unread
+        ]
 
     def _switch_problems(self, tp):
         """(ok, message) of the other switches: dropout rates, init_method_std, activation, embed_init,

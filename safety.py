@@ -204,7 +204,7 @@ def resolve_resume(ckpt_cfg, eval_only, current):
 # The save directory: writable, and one run at a time
 
 
-def _alive(pid):
+def alive(pid):
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -238,7 +238,7 @@ def acquire_lock(directory, flag="--save", user="run", name=LOCK):
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
         except FileExistsError:
             holder = _read_lock(path)
-            if holder and holder.get("host") == me["host"] and not _alive(holder.get("pid")):
+            if holder and holder.get("host") == me["host"] and not alive(holder.get("pid")):
                 if _take_over(path, holder):
                     _print0(
                         f"taking over the lock {path} of pid {holder['pid']}, which is no longer running"

@@ -418,10 +418,10 @@ def test_two_runs_taking_over_one_stale_lock_do_not_both_hold_it(tmp_path, monke
     def a_takes_it_meanwhile(pid):
         lock.unlink()
         lock.write_text(json.dumps(run_a))
-        monkeypatch.setattr(safety, "_alive", lambda pid: pid == run_a["pid"])
+        monkeypatch.setattr(safety, "alive", lambda pid: pid == run_a["pid"])
         return False
 
-    monkeypatch.setattr(safety, "_alive", a_takes_it_meanwhile)
+    monkeypatch.setattr(safety, "alive", a_takes_it_meanwhile)
     with pytest.raises(
         ValueError, match=f"in use by another run \\(host {host} pid {run_a['pid']} since now"
     ):
