@@ -277,6 +277,7 @@ def test_lr_warmup_and_decay_tokens(small512):
         "--train_iters=6",
         "--lr_warmup_samples=0",
         "--lr_warmup_tokens=1024",
+        "--lr_decay_samples=none",  # SMALL's: the decay counts tokens here
         "--lr_decay_tokens=4096",
         "--lr_decay_style=linear",
         "--lr=1e-3",
