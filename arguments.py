@@ -364,7 +364,7 @@ def validate(cfg, world_size=1, reads_data=True):
         eval_only=cfg.eval_only,
     )
     dp_size = world_size // (cfg.tensor_model_parallel_size * cfg.pipeline_model_parallel_size)
-    schedule.check(section(ScheduleConfig, cfg), dp_size, cfg.load)
+    schedule.check(section(ScheduleConfig, cfg), dp_size, cfg.load, cfg.seq_length)
     optim.check(cfg)
     if (
         cfg.deepspeed

@@ -22,7 +22,7 @@ each owner's keys).
 """
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass
@@ -94,10 +94,12 @@ LR_KEYS = (
 )
 
 
-def check(schedule_cfg, dp_size=1, load=None):
+def check(schedule_cfg, dp_size=1, load=None, seq_length=None):
     """Raise ValueError with the fix for a schedule that cannot run. dp_size: the data-parallel size
     of the run (it divides the global batch); load: checkpointing's load directory (an optimizer
-    reset needs one)."""
+    reset needs one); seq_length: the model's, given: the whole Schedule is made once, so that what
+    only it checks (the ramp-up's batches, the curriculum's lengths, the LR's warm-up against its
+    decay) is refused before the run starts its processes and its save directory."""
     keys = schedule_cfg
     _check_sizes(keys, dp_size)
     _check_lr(keys)
@@ -114,6 +116,12 @@ def check(schedule_cfg, dp_size=1, load=None):
     ):
         for key in (k for k in owned if not on and _given(keys, k)):
             _need(False, f"{key} does nothing without {switch}: set {switch} too, or drop {key}")
+    if seq_length is not None:  # with what arguments.derive fills in
+        batch = keys.global_batch_size or keys.micro_batch_size * dp_size
+        longest = keys.max_difficulty or seq_length
+        Schedule(
+            replace(keys, global_batch_size=batch, max_difficulty=longest), dp_size, seq_length
+        )
 
 
 CURRICULUM_KEYS = ("min_difficulty", "max_difficulty", "total_curriculum_step", "difficulty_step")

@@ -193,3 +193,32 @@ def test_help_and_the_resume_check_read_the_registry():
     assert all(anneal in meaning["lr_wsd_decay_style"] for anneal in schedule.WSD_ANNEALS)
     assert {"lr_decay_style", "lr_wsd_decay_samples", "lr_wsd_decay_style"} <= set(schedule.LR_KEYS)
     assert set(schedule.LR_KEYS) <= set(arguments.FIELDS)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (
+            ["--curriculum_learning", "--total_curriculum_step=10", "--min_difficulty=60"],
+            "min_difficulty 60 must be a positive multiple of difficulty_step 8",
+        ),
+        (
+            ["--lr_warmup_samples=20000"],
+            "lr_decay_samples (16000) must be larger than lr_warmup_samples (20000)",
+        ),
+        (
+            [
+                "--train_iters=none",
+                "--train_samples=100",
+                "--global_batch_size=16",
+                "--rampup_batch_size=4 5 64",
+            ],
+            "global_batch_size - start = 12 is not a multiple of the increment 5",
+        ),
+    ],
+)
+def test_what_only_the_schedule_checks_is_refused_by_the_configs_check(argv, message):
+    """The ramp-up's batches, the curriculum's lengths and the LR's warm-up against its decay were checked when
+    the Schedule was made: after the process group and the save directory (left behind, empty)."""
+    with pytest.raises(ValueError, match=re.escape(message)):
+        arguments.validate(arguments.load_config(["--micro_batch_size=2", *argv]))

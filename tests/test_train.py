@@ -108,7 +108,7 @@ def test_impossible_configs_are_refused(overrides, message):
 def test_a_length_on_the_command_line_replaces_the_config_files_other_unit(capsys):
     """config/tiny.py sets train_iters, which rampup_batch_size refuses: a train_samples given on the command line
     replaces it, saying so. Both given on the command line are the user's contradiction: refused."""
-    rampup = ["--rampup-batch-size", "4", "4", "64"]
+    rampup = ["--rampup-batch-size", "4", "4", "64", "--micro-batch-size", "4"]
     cfg = arguments.prepare(arguments.load_config(["--train-samples", "96", *rampup]))
     assert (cfg.train_iters, cfg.train_samples) == (None, 96)
     assert capsys.readouterr().out == (
