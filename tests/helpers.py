@@ -66,6 +66,16 @@ SMALL = [
 LOG = re.compile(r"^ iteration\s+(\d+)/\s*\d+ \|(.*)$", re.M)
 
 
+def tool_cli(tool, *args):
+    """python tools/TOOL ARGS in a subprocess: its exit code and one-line error as a user sees them."""
+    return subprocess.run(
+        [sys.executable, os.path.join(ROOT, "tools", tool), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
 def run_cli(*args, expect_ok=True):
     """python train.py ARGS in a subprocess (the real command line, exit codes and stderr included)."""
     env = dict(os.environ, WANDB_MODE="disabled")

@@ -18,6 +18,7 @@ from helpers import (  # noqa: F401
     run_main,
     spike_guard_of,
     synthetic_corpus,
+    tool_cli,
 )
 from stability import spike_guard
 
@@ -244,17 +245,6 @@ def test_the_rung_fires_before_an_induced_divergence_and_not_on_a_clean_run(
     )
 
 
-def _precursors_cli(*args):
-    import subprocess
-
-    return subprocess.run(
-        [sys.executable, os.path.join(ROOT, "tools", "precursors.py"), *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-
-
 def _one_error_line(proc, said):
     assert proc.returncode == 2, (proc.returncode, proc.stderr)
     assert proc.stderr.startswith("error: ") and proc.stderr.count("\n") == 1, proc.stderr
@@ -294,7 +284,9 @@ def test_out_is_checked_before_the_measurement_written_whole_and_over_its_own_ta
         "run",
         "table.md",
     ]
-    _one_error_line(_precursors_cli(*runs, "--out", str(notes)), "not a table of this tool's")
+    _one_error_line(
+        tool_cli("precursors.py", *runs, "--out", str(notes)), "not a table of this tool's"
+    )
     assert notes.read_text() == "a user's notes\n"
 
 
@@ -309,7 +301,8 @@ def test_calibration_runs_without_telemetry_are_one_error_line(tmp_path):
         every=100,
     )
     _one_error_line(
-        _precursors_cli("--diverged", run, "--calibrate", bare), "hold no telemetry records"
+        tool_cli("precursors.py", "--diverged", run, "--calibrate", bare),
+        "hold no telemetry records",
     )
     # a record without a finite value of one precursor, in every calibration run
     nan = write_run(
@@ -319,4 +312,6 @@ def test_calibration_runs_without_telemetry_are_one_error_line(tmp_path):
     )
     with pytest.raises(ValueError, match="holds no finite value of log_z"):
         precursors.measure({"r": run}, {"n": nan}, {})
-    _one_error_line(_precursors_cli("--diverged", run, "--calibrate", str(tmp_path)), "no metrics")
+    _one_error_line(
+        tool_cli("precursors.py", "--diverged", run, "--calibrate", str(tmp_path)), "no metrics"
+    )

@@ -72,7 +72,9 @@ def test_snapshots_reach_back_two_rewinds_and_an_interval(monkeypatch, tmp_path,
     # what the rollback to it does: the later ones are of another timeline
     store.drop(lambda it: it > found)
     assert [it for it, *_ in store.items] == [900]
-    assert len([n for n in os.listdir(tmp_path) if n.endswith(".pt")]) == (1 if where == "disk" else 0)
+    assert len([n for n in os.listdir(tmp_path) if n.endswith(".pt")]) == (
+        1 if where == "disk" else 0
+    )
     store.close()
     assert os.listdir(tmp_path) == []
 

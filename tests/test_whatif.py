@@ -11,7 +11,7 @@ import torch
 
 import arguments
 import checkpoint
-from helpers import ROOT, log_fields, run_main, synthetic_corpus  # noqa: F401 (synthetic_corpus is a fixture)
+from helpers import ROOT, log_fields, run_main, synthetic_corpus, tool_cli  # noqa: F401 (synthetic_corpus is a fixture)
 from training import Step, whole_step
 
 sys.path.insert(0, os.path.join(ROOT, "tools"))
@@ -40,6 +40,21 @@ TINY = [
     "--attention_dropout=0",
     "--clip_grad=0",
 ]
+
+
+def six_iterations(corpus):
+    """TINY for 6 iterations of 4 samples of corpus, logged every one, no validation and no sample."""
+    return [
+        *TINY,
+        "--micro_batch_size=4",
+        "--global_batch_size=4",
+        "--log_interval=1",
+        "--eval_iters=0",
+        "--sample_tokens=0",
+        f"--data_path={corpus}",
+        "--split=100,0,0",
+        "--train_iters=6",
+    ]
 
 
 def setup(*extra):
@@ -125,18 +140,7 @@ def test_the_soft_skip_scales_the_gradients_of_a_step_above_its_trend_and_leaves
 
 
 def test_a_resume_refuses_another_beta2_unless_override_adam_params(synthetic_corpus, tmp_path):
-    base = [
-        *TINY,
-        "--micro_batch_size=4",
-        "--global_batch_size=4",
-        "--log_interval=1",
-        "--eval_iters=0",
-        "--sample_tokens=0",
-        "--save_interval=none",
-        f"--data_path={synthetic_corpus}",
-        "--split=100,0,0",
-        "--train_iters=6",
-    ]
+    base = [*six_iterations(synthetic_corpus), "--save_interval=none"]
     save = str(tmp_path / "run")
     run_main(*base, f"--save={save}", "--exit_interval=3")
     with pytest.raises(
@@ -245,17 +249,6 @@ def _fake_checkpoint(path):
     return str(path)
 
 
-def _whatif_cli(*args):
-    import subprocess
-
-    return subprocess.run(
-        [sys.executable, os.path.join(ROOT, "tools", "whatif.py"), *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-
-
 def test_whatif_refuses_an_unknown_run_key_and_an_out_that_is_a_file_before_the_checkpoint_is_read(
     tmp_path,
 ):
@@ -266,8 +259,17 @@ def test_whatif_refuses_an_unknown_run_key_and_an_out_that_is_a_file_before_the_
         (load, ["--num_layers=1"], "did not write"),  # a folder of other files
     ]:
         (tmp_path / "afile").write_text("a user's notes\n")
-        proc = _whatif_cli(
-            "--load", load, "--iters=1", "--out", out, "--forks", "as is", "--", *run_args
+        proc = tool_cli(
+            "whatif.py",
+            "--load",
+            load,
+            "--iters=1",
+            "--out",
+            out,
+            "--forks",
+            "as is",
+            "--",
+            *run_args,
         )
         assert proc.returncode == 2, proc.stderr
         assert "Traceback" not in proc.stderr and said in proc.stderr, proc.stderr
@@ -281,17 +283,7 @@ def test_whatif_refuses_an_out_holding_the_forks_of_another_load_or_checkpoint(
 ):
     import shutil
 
-    base = [
-        *TINY,
-        "--micro_batch_size=4",
-        "--global_batch_size=4",
-        "--log_interval=1",
-        "--eval_iters=0",
-        "--sample_tokens=0",
-        f"--data_path={synthetic_corpus}",
-        "--split=100,0,0",
-        "--train_iters=6",
-    ]
+    base = six_iterations(synthetic_corpus)
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
     run_main(*base, f"--save={a}", "--save_interval=1", "--exit_interval=2")
     shutil.copytree(a, b)  # the same weights at another path: still another --load
