@@ -9,9 +9,10 @@ Every rank writes into global_stepN.partial/ (write_files), computing each file'
 as they are written (no second read); when all ranks are done, rank 0 writes the manifest, renames the directory
 and then replaces `latest` (publish), each step fsynced. A crash at any point leaves `latest` naming a complete
 checkpoint, or (saving an iteration again, killed between the old copy's rename to global_stepN.replaced and the
-new one's into place) refused by latest_dir with the two whole copies named. A file is checked against the manifest before its tensors are read (read), so a truncated or
-bit-rotted file is named, with the earlier checkpoint to resume from, instead of failing somewhere in torch.load
-or, worse, loading; tools/check_checkpoint.py checks a whole checkpoint offline.
+new one's into place) refused by latest_dir with the two whole copies named. A file is checked against the
+manifest before its tensors are read (read), so a truncated or bit-rotted file is named, with the earlier
+checkpoint to resume from, instead of failing somewhere in torch.load or, worse, loading;
+tools/check_checkpoint.py checks a whole checkpoint offline.
 The run state it holds is checked before a resume uses it (checked_run_state): every key of its
 type and in its range, an older version's missing key filled by a named migration, never a default
 in silence. A global_stepN.partial is never a checkpoint: a directory holding one and no `latest`

@@ -56,8 +56,9 @@ def main(argv=None):
 
         estimate.dry_run(cfg)
         return
-    # a config that cannot work stops before any process group, and so do data files it cannot open
+    # a config that cannot work stops before any process group, and so do a tokenizer and data files it cannot use
     arguments.prepare(cfg, launch.world_size())
+    loader.check_tokenizer(cfg.tokenizer_file, section(loader.DataContext, cfg))
     loader.check_files(section(loader.DataConfig, cfg))
     # lm-eval's tasks found (imported only then), before any process group too
     harness = None
@@ -70,7 +71,6 @@ def main(argv=None):
     grid = launch.start(
         section(parallel.LayoutConfig, cfg), cfg.tensor_model_parallel_size, cfg.save
     )
-    loader.check_tokenizer(cfg.tokenizer_file, section(loader.DataContext, cfg))
     # Before anything is built or written: which checkpoint to resume, is it this model, is save ours (lock).
     # The checkpoint writer inside: a save in flight is on disk before the lock is released.
     with safety.RunLock(cfg) as run_lock, checkpoint.AsyncWriter(cfg.async_save) as writer:
