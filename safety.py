@@ -24,6 +24,7 @@ import os
 import re
 import signal
 import socket
+import subprocess
 import time
 from dataclasses import asdict, fields
 
@@ -230,19 +231,18 @@ def acquire_lock(directory, flag="--save", user="run", name=LOCK):
         "host": socket.gethostname(),
         "pid": os.getpid(),
         "since": time.strftime("%Y-%m-%d %H:%M:%S"),
+        **slurm_job(),
     }
-    for _ in range(
-        3
-    ):  # tries again after taking over a stale lock, or after losing it to another run
+    # tries again after taking over a stale lock, or after losing it to another run
+    for _ in range(3):
         try:
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
         except FileExistsError:
             holder = _read_lock(path)
-            if holder and holder.get("host") == me["host"] and not alive(holder.get("pid")):
+            gone = holder and _gone(holder, me)
+            if gone:
                 if _take_over(path, holder):
-                    _print0(
-                        f"taking over the lock {path} of pid {holder['pid']}, which is no longer running"
-                    )
+                    _print0(f"taking over the lock {path} of pid {holder['pid']}, {gone}")
                 continue
             who = (
                 f"host {holder.get('host')} pid {holder.get('pid')} since {holder.get('since')}"
@@ -262,6 +262,46 @@ def acquire_lock(directory, flag="--save", user="run", name=LOCK):
             json.dump(me, f)
         return path
     raise ValueError(f"could not take the lock {path}; another run took it first")
+
+
+def slurm_job():
+    """This process's SLURM job, as a lock records it ({} outside SLURM): its id and how many times it was
+    requeued."""
+    if "SLURM_JOB_ID" not in os.environ:
+        return {}
+    return {
+        "slurm_job": os.environ["SLURM_JOB_ID"],
+        "slurm_restart": int(os.environ.get("SLURM_RESTART_COUNT", "0")),
+    }
+
+
+def slurm_job_running(job):
+    """True or False: SLURM still runs (or queues, or is ending) job; None: SLURM cannot be asked."""
+    try:
+        out = subprocess.run(
+            ["squeue", "-h", "-j", str(job), "-o", "%T"], capture_output=True, text=True, timeout=30
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if out.returncode != 0:  # "Invalid job id specified": a job that ended a while ago
+        return False if "Invalid job id" in out.stderr else None
+    return bool(out.stdout.strip())
+
+
+def _gone(holder, me):
+    """Why the process that holds a lock is gone, or '' when it may still run. On this host: its pid. On
+    another host (a SLURM job chain resumes on other nodes after a crash): its SLURM job, an earlier
+    incarnation of this very job (requeued: SLURM runs one at a time) or one that squeue no longer lists."""
+    if holder.get("host") == me["host"]:
+        return "" if alive(holder.get("pid")) else "which is no longer running"
+    job = holder.get("slurm_job")
+    if job is None:
+        return ""  # cannot tell: refused
+    if job == me.get("slurm_job") and holder.get("slurm_restart", 0) < me.get("slurm_restart", 0):
+        return f"an earlier run of this SLURM job ({job}), requeued"
+    if slurm_job_running(job) is False:
+        return f"whose SLURM job {job} is no longer running (squeue)"
+    return ""
 
 
 def _read_lock(path):

@@ -407,6 +407,78 @@ def test_one_run_per_save_directory(corpus, tmp_path, holder, refused):
         assert not os.path.exists(tmp_path / "lock")  # released at the end
 
 
+@pytest.mark.parametrize(
+    "holder, running, taken",
+    [
+        (
+            {"slurm_job": "111", "slurm_restart": 0},
+            False,
+            "whose SLURM job 111 is no longer running (squeue)",
+        ),
+        ({"slurm_job": "111", "slurm_restart": 0}, True, None),
+        (
+            {"slurm_job": "111", "slurm_restart": 0},
+            None,
+            None,
+        ),  # squeue cannot be asked: cannot tell
+        (
+            {"slurm_job": "222", "slurm_restart": 0},
+            "unasked",
+            "an earlier run of this SLURM job (222), requeued",
+        ),
+        ({"slurm_job": "222", "slurm_restart": 1}, True, None),
+        ({}, False, None),  # no job recorded: cannot tell
+    ],
+)
+def test_a_lock_on_another_node_is_taken_over_once_slurm_says_its_job_is_gone(
+    tmp_path, monkeypatch, capsys, holder, running, taken
+):
+    """The SLURM chain resumes on other nodes: after a crash (no clean release) the next job of the array found
+    a lock of another host and was refused, and so was each job after it. The lock records the SLURM job;
+    squeue says whether it still runs, and an earlier incarnation of a requeued job is gone by SLURM's rule."""
+    lock = tmp_path / safety.LOCK
+    lock.write_text(json.dumps({"host": "another-node", "pid": 7, "since": "then", **holder}))
+    monkeypatch.setenv("SLURM_JOB_ID", "222")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+
+    def squeue(job):
+        assert running != "unasked", "an earlier incarnation of this job needs no squeue"
+        return running
+
+    monkeypatch.setattr(safety, "slurm_job_running", squeue)
+    if taken is None:
+        with pytest.raises(ValueError, match="in use by another run \\(host another-node pid 7"):
+            safety.acquire_lock(str(tmp_path))
+        assert json.loads(lock.read_text())["pid"] == 7
+        return
+    path = safety.acquire_lock(str(tmp_path))
+    assert capsys.readouterr().out == f"taking over the lock {path} of pid 7, {taken}\n"
+    mine = json.loads(lock.read_text())
+    assert (mine["pid"], mine["slurm_job"], mine["slurm_restart"]) == (os.getpid(), "222", 1)
+    safety.release_lock(path)
+
+
+@pytest.mark.parametrize(
+    "squeue, running",
+    [
+        ((0, "RUNNING\n", ""), True),
+        ((0, "", ""), False),  # ended, still in slurmctld's memory: not listed
+        ((1, "", "slurm_load_jobs error: Invalid job id specified\n"), False),
+        ((1, "", "slurm_load_jobs error: Unable to contact slurm controller\n"), None),
+        (FileNotFoundError(2, "squeue"), None),
+    ],
+)
+def test_what_squeue_says_of_a_job(monkeypatch, squeue, running):
+    def run(argv, **kwargs):
+        assert argv == ["squeue", "-h", "-j", "111", "-o", "%T"]
+        if isinstance(squeue, Exception):
+            raise squeue
+        return subprocess.CompletedProcess(argv, squeue[0], squeue[1], squeue[2])
+
+    monkeypatch.setattr(safety.subprocess, "run", run)
+    assert safety.slurm_job_running("111") is running
+
+
 def test_two_runs_taking_over_one_stale_lock_do_not_both_hold_it(tmp_path, monkeypatch):
     """Run B finds a dead run's lock; before B removes it, run A (faster) has taken it over and made its own.
     B removed A's fresh lock and made its own: both trained into one save directory."""
