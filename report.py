@@ -433,6 +433,22 @@ def print_validation(loss, iteration, name=None):
 # metrics.jsonl
 
 
+def _drop_a_partial_last_line(path):
+    """A run killed inside a write leaves a last line without its newline: appended to, it would run into the
+    resumed run's first record and neither would read. That half record is cut (it was never whole)."""
+    if not os.path.exists(path):
+        return
+    with open(path, "rb+") as f:
+        end = f.seek(0, os.SEEK_END)
+        if end == 0 or (f.seek(end - 1) is not None and f.read(1) == b"\n"):
+            return
+        start = max(0, end - 2**20)  # a record is a few kB: its line starts within the last MiB
+        f.seek(start)
+        cut = f.read().rfind(b"\n")
+        if cut >= 0 or start == 0:
+            f.truncate(start + cut + 1)
+
+
 class MetricsFile:
     """Appends one JSON object per iteration to PATH (resumed runs continue the file; after a
     rollback an iteration appears again, and readers keep the last record of each iteration). A list
@@ -440,6 +456,7 @@ class MetricsFile:
 
     def __init__(self, path):
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        _drop_a_partial_last_line(path)
         self.file = open(path, "a")
         self.record = None
 

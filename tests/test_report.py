@@ -3,6 +3,8 @@ over the iteration in metrics.jsonl, whatever its key; any other value is the it
 
 import json
 
+import pytest
+
 import report
 
 
@@ -24,3 +26,21 @@ def test_a_callbacks_list_accumulates_whatever_its_key(tmp_path):
         },
         {"iteration": 4, "replica check": [{"reason": "a"}]},
     ]
+
+
+@pytest.mark.parametrize(
+    "before", ['{"iteration": 1, "lm loss": 5.0}\n{"iteration": 2, "lm lo', '{"itera']
+)
+def test_a_record_cut_by_a_kill_is_dropped_before_the_resumed_run_appends(tmp_path, before):
+    """A kill inside a write left a line without its newline; the resumed run's first record ran into it and
+    the file no longer read (tools/plot.py, tools/precursors.py: a JSONDecodeError)."""
+    path = tmp_path / "metrics.jsonl"
+    path.write_text(before)
+    metrics = report.MetricsFile(str(path))
+    metrics.add(2, {"lm loss": 4.0})
+    metrics.close()
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    assert records[-1] == {"iteration": 2, "lm loss": 4.0}
+    assert records[:-1] == (
+        [{"iteration": 1, "lm loss": 5.0}] if before.startswith('{"iteration": 1') else []
+    )
