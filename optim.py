@@ -440,11 +440,27 @@ def resume_adam_params(optimizer, optim_cfg, saved_config) -> str | None:
             "state (the weights are loaded)"
         )
     entry = OPTIMIZERS[now]
+    # the decay groups' coefficient, which the param groups hold too: weight_decay, and the peak lr under
+    # independent decay (weight_decay / lr)
+    decay_keys = ("weight_decay", "weight_decay_independent", "lr")
     changed = {
         k: (saved_config[k], getattr(optim_cfg, k))
-        for k in entry.keys
+        for k in (*entry.keys, *decay_keys)
         if k in saved_config and saved_config[k] != getattr(optim_cfg, k)
     }
+    decay_now = decay_coefficient(
+        optim_cfg.weight_decay, optim_cfg.lr, optim_cfg.weight_decay_independent
+    )
+    if all(k in saved_config for k in decay_keys):
+        decay_then = decay_coefficient(
+            *(saved_config[k] for k in ("weight_decay", "lr", "weight_decay_independent"))
+        )
+    else:
+        decay_then = decay_now  # an older checkpoint's config: what its keys were is not known
+    if (
+        decay_then == decay_now
+    ):  # lr alone, under coupled decay: the schedule's (override_lr_scheduler)
+        changed = {k: v for k, v in changed.items() if k not in decay_keys}
     if not changed:
         return None
     what = ", ".join(f"{k} {old} -> {new}" for k, (old, new) in changed.items())
@@ -457,6 +473,8 @@ def resume_adam_params(optimizer, optim_cfg, saved_config) -> str | None:
     options = entry.options(*(getattr(optim_cfg, key) for key in entry.keys))
     for group in optimizer.param_groups:
         group.update(options)
+        if group.get("name") == "decay":
+            group["weight_decay"] = decay_now
     return f"override_adam_params: {what} from now on (the optimizer's moments kept)"
 
 

@@ -4,6 +4,7 @@ metaseq's soft skip (soft_skip_loss_ratio, in train_step)."""
 import json
 import os
 import re
+import shutil
 import sys
 
 import pytest
@@ -158,6 +159,33 @@ def test_a_resume_refuses_another_beta2_unless_override_adam_params(synthetic_co
     _, run, rank = checkpoint.load(checkpoint.latest_dir(save))
     assert run["state"]["iteration"] == 6
     assert all(g["betas"] == (0.9, 0.99) for g in rank["optimizer"]["param_groups"])
+
+
+def test_a_resume_refuses_another_weight_decay_unless_override_adam_params(
+    synthetic_corpus, tmp_path
+):
+    """The param groups hold the decay coefficient too: a changed weight_decay was printed among the changed
+    keys and trained with the checkpoint's (on the same layout; a reshard's groups took the new one)."""
+    base = [*six_iterations(synthetic_corpus), "--save_interval=none", "--weight_decay=0.1"]
+    save = str(tmp_path / "run")
+    run_main(*base, f"--save={save}", "--exit_interval=3")
+    for change, what in [
+        (["--weight_decay=0.5"], "weight_decay 0.1 -> 0.5"),
+        (["--weight_decay_independent"], "weight_decay_independent False -> True"),
+    ]:
+        with pytest.raises(
+            ValueError, match=re.escape(f"other Adam settings than this config ({what})")
+        ):
+            run_main(*base, f"--save={save}", *change)
+    # lr under coupled decay is the schedule's business (override_lr_scheduler), not the groups'
+    other_lr = shutil.copytree(save, tmp_path / "lr")
+    out = run_main(*base, f"--save={other_lr}", "--lr=0.001", "--override_lr_scheduler")
+    assert "override_adam_params" not in out
+    out = run_main(*base[:-1], f"--save={save}", "--weight_decay=0.5", "--override_adam_params")
+    assert "override_adam_params: weight_decay 0.1 -> 0.5 from now on" in out
+    _, run, rank = checkpoint.load(checkpoint.latest_dir(save))
+    groups = {g["name"]: g["weight_decay"] for g in rank["optimizer"]["param_groups"]}
+    assert run["state"]["iteration"] == 6 and groups == {"decay": 0.5, "no_decay": 0.0}
 
 
 @pytest.mark.slow
