@@ -131,7 +131,15 @@ def restore(payload, parts, optimizer=True, rng_state=True, keep_payload=False):
     p = parts
     p.schedule.lr_schedule.load_state_dict(run["scheduler"], override=p.cfg.override_lr_scheduler)
     parallel.unwrap(p.model).load_state_dict(model_state)  # strict: every parameter (lesson 11)
-    p.scaler.load_state_dict(run["scaler"])
+    saved = run.get("config") or {}
+    if saved.get("fp16", True) and saved.get("loss_scale") is None:
+        p.scaler.load_state_dict(run["scaler"])
+    elif p.scaler.dynamic:
+        # a bf16 or fp32 run's scaler is the static no-op one (scale 1): fp16 gradients would underflow at it
+        print0(
+            f"loss scale: the checkpoint's run had no dynamic loss scale; it starts at initial_loss_scale "
+            f"{p.scaler.scale:g}"
+        )
     p.state.load(run["state"], run.get("config"))
     # the callbacks' statistics go with the weights; their decisions are history and stay
     p.callbacks.load_state_dict(p.state.callbacks, p.state, resume=False)

@@ -334,3 +334,29 @@ def test_attention_softmax_is_fp32_on_every_path(path, dtype, device):
     in_half = _softmax_attention(scores.to(dtype) * coeff, v, bias)
     # the inputs can tell the two apart
     assert (in_half.double() - reference).abs().max().item() > 8 * tolerance
+
+
+def test_an_fp16_resume_of_a_bf16_run_starts_its_loss_scale_at_the_initial_one(corpus, tmp_path):
+    """The bf16 run's scaler is the static no-op one: loaded into fp16's dynamic scaler, its scale 1 trained the
+    fp16 run on gradients that underflow, for the 1,000 clean steps before it doubles."""
+    from helpers import log_fields
+
+    save = tmp_path / "run"
+    run_main(
+        *SMALL, "--bf16", "--train_iters=1", f"--save={save}", "--eval_iters=0", "--sample_tokens=0"
+    )
+    out = run_main(
+        *SMALL,
+        "--fp16",
+        "--apply_query_key_layer_scaling=false",  # fp16's default: another function of the same weights
+        "--train_iters=2",
+        f"--save={save}",
+        "--eval_iters=0",
+        "--sample_tokens=0",
+        "--log_interval=1",
+    )
+    assert (
+        "loss scale: the checkpoint's run had no dynamic loss scale; it starts at initial_loss_scale 4.29497e+09"
+        in out
+    )
+    assert float(log_fields(out)[2]["loss scale"]) >= 2.0**31
