@@ -55,6 +55,11 @@ RESUMABLE_MODEL_KEYS = {
     "embed_init",
     "embed_init_std",
     "position_embedding_init",
+    # the same attention function, computed otherwise (tools/export_hf.py exports each as is)
+    "attention_backend",
+    "unfused_attention",
+    "apply_query_key_layer_scaling",
+    "stable_attention",
     # the layout: checkpoint.load
     "tensor_model_parallel_size",
     "pipeline_model_parallel_size",
@@ -114,10 +119,19 @@ def compare_configs(saved, current, tag_dir):
     """Refuse another model; return the lines describing the keys allowed to differ. saved, current:
     the checkpoint's config and this run's, as dicts (every key: the comparison is of the whole
     run)."""
-    arch = [k for k in architecture_keys() if k in saved and saved[k] != current[k]]
+    # a key an older version did not save had its default then (a default derived from other keys, None,
+    # cannot be told: left out)
+    defaults = {f.name: f.default for f in fields(GPTConfig)}
+    then = {
+        k: saved.get(k, defaults[k])
+        for k in architecture_keys()
+        if k in saved or defaults[k] is not None
+    }
+    arch = [k for k in then if then[k] != current[k]]
     if arch:
         diff = ", ".join(
-            f"{k} {_show(saved[k])} (checkpoint) vs {_show(current[k])} (now)" for k in arch
+            f"{k} {_show(then[k])} (checkpoint{'' if k in saved else ': its default'}) vs {_show(current[k])} (now)"
+            for k in arch
         )
         raise ValueError(
             f"checkpoint {tag_dir} holds another model: {diff}. Resume with the checkpoint's values, or "
@@ -125,7 +139,10 @@ def compare_configs(saved, current, tag_dir):
         )
     changed = []
     for key, value in saved.items():
-        if key in ("load", "save") or key not in current or current[key] == value:
+        if key not in current:  # a newer version's or a fork's: said, as nothing here reads it
+            changed.append(f"{key}: {_show(value)} (a key this version does not know: ignored)")
+            continue
+        if key in ("load", "save") or current[key] == value:
             continue
         note = ""
         if key in schedule.LR_KEYS:
@@ -198,7 +215,45 @@ def resolve_resume(ckpt_cfg, eval_only, current):
         # before anything is built: a damaged run state refused, an older version's migrated, said
         saved_state, notes = checkpoint.checked_run_state(run["state"], run["config"])
         lines += notes
+        if not eval_only:
+            lines += what_is_left(saved_state, run["config"], current, load_tag)
     return load_tag, lines, saved_state
+
+
+def what_is_left(state, saved, current, tag_dir):
+    """Refuse a resume past the end of training, or a new skip_train_iteration_range wholly before the
+    checkpoint (its batches are trained on: the lesson-9 rollback without its `latest` edited); lines for a
+    run already complete and a new range partly before it. state: the checkpoint's run state; saved,
+    current: its config and this run's."""
+    it, lines = state["iteration"], []
+    for key, done in (("train_iters", it), ("train_samples", state["consumed_samples"])):
+        limit = current.get(key)
+        if limit is not None and done > limit:
+            raise ValueError(
+                f"checkpoint {tag_dir} is past the end of training: {key}={limit}, and it is at {done}; raise "
+                f"{key} to train on, or resume an earlier checkpoint (its tag into latest)"
+            )
+        if limit is not None and done == limit:
+            lines.append(
+                f"checkpoint {tag_dir} is at {key}={limit}: the run is complete, nothing to train"
+            )
+    before = set(saved.get("skip_train_iteration_range") or [])
+    for text in current.get("skip_train_iteration_range") or []:
+        if text in before:
+            continue
+        (start, end), *_ = schedule.parse_iteration_ranges([text])
+        if end <= it:
+            raise ValueError(
+                f"skip_train_iteration_range {text} ends at or before the checkpoint's iteration {it}: those batches "
+                f"are trained on already; to skip them, roll back: write the tag of a checkpoint before iteration "
+                f"{start} into the save directory's latest (e.g. echo global_stepN > DIR/latest)"
+            )
+        if start <= it:
+            lines.append(
+                f"skip_train_iteration_range {text}: iterations {start}-{it} are trained on already (the "
+                f"checkpoint's iteration is {it}); {it + 1}-{end} are skipped"
+            )
+    return lines
 
 
 # -----------------------------------------------------------------------------

@@ -122,6 +122,74 @@ def test_resume_with_another_model_is_refused_before_loading(ckpt, change, messa
     assert _files(ckpt) == before
 
 
+def test_a_checkpoint_of_another_version_is_compared_key_by_key(ckpt, tmp_path):
+    """A key the checkpoint's version did not have was skipped (qk_layernorm asked of an old checkpoint: a
+    traceback at the state dict's load; a switch without parameters: trained silently), a key this version
+    does not know was dropped without a word. The attention switches that compute the same function
+    (attention_backend, unfused_attention, apply_query_key_layer_scaling, stable_attention) may change."""
+    current = arguments.to_dict(arguments.prepare(arguments.load_config(SMALL)))
+    old = {k: v for k, v in current.items() if k not in ("qk_layernorm", "stable_attention")}
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            "holds another model: qk_layernorm False (checkpoint: its default) vs True (now)"
+        ),
+    ):
+        safety.compare_configs(old, {**current, "qk_layernorm": True}, "ckpt")
+    newer = {**current, "attention_logit_softcap": 30.0}
+    assert safety.compare_configs(newer, current, "ckpt") == [
+        "attention_logit_softcap: 30.0 (a key this version does not know: ignored)"
+    ]
+    same_function = {
+        "unfused_attention": True,
+        "stable_attention": True,
+        "attention_backend": "math",
+    }
+    assert safety.compare_configs(current, {**current, **same_function}, "ckpt") == [
+        "attention_backend: 'auto' -> 'math'",
+        "unfused_attention: False -> True",
+        "stable_attention: False -> True",
+    ]
+
+
+def test_a_resume_past_the_end_or_skipping_what_it_trained_is_refused_with_the_fix(ckpt, tmp_path):
+    """Each exited 0 having done nothing, or skipped nothing, and said nothing: train_iters below the
+    checkpoint's iteration; a new skip_train_iteration_range before it (lesson 9's rollback with latest left as
+    it was). A range the checkpoint's own run had already skipped is no change; one partly before it is said."""
+    run = _copy(ckpt, tmp_path / "run")  # at iteration 2
+    for change, message in [
+        (
+            ["--train_iters=1"],
+            "is past the end of training: train_iters=1, and it is at 2; raise train_iters",
+        ),
+        (
+            ["--train_iters=4", "--skip_train_iteration_range", "1-2"],
+            "skip_train_iteration_range 1-2 ends at or before the checkpoint's iteration 2: those batches are "
+            "trained on already; to skip them, roll back: write the tag of a checkpoint before iteration 1",
+        ),
+    ]:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            run_main(*SMALL, f"--save={run}", *change)
+    assert _latest(run) == "global_step2"
+    out = run_main(*SMALL, f"--save={run}", "--train_iters=2")
+    assert (
+        f"checkpoint {run / 'global_step2'} is at train_iters=2: the run is complete, nothing to train"
+        in out
+    )
+    out = run_main(
+        *SMALL, f"--save={run}", "--train_iters=4", "--skip_train_iteration_range", "2-3"
+    )
+    assert (
+        "skip_train_iteration_range 2-3: iterations 2-2 are trained on already (the checkpoint's iteration is 2); "
+        "3-3 are skipped" in out
+    )
+    # resumed again with the same range: the checkpoint's own run skipped it, nothing to say
+    out = run_main(
+        *SMALL, f"--save={run}", "--train_iters=5", "--skip_train_iteration_range", "2-3"
+    )
+    assert "skip_train_iteration_range 2-3" not in out and _latest(run) == "global_step5"
+
+
 def test_another_model_exits_2_with_one_line(ckpt):
     proc = run_cli(*SMALL, "--train_iters=4", f"--load={ckpt}", "--num_layers=3", expect_ok=False)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
