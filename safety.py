@@ -66,6 +66,16 @@ RESUMABLE_MODEL_KEYS = {
 }
 
 
+# what the length of training in samples follows (schedule.Schedule.total_samples)
+RUN_LENGTH_KEYS = (
+    "train_iters",
+    "train_samples",
+    "train_tokens",
+    "global_batch_size",
+    "rampup_batch_size",
+)
+
+
 def architecture_keys():
     return [f.name for f in fields(GPTConfig) if f.name not in RESUMABLE_MODEL_KEYS]
 
@@ -145,9 +155,15 @@ def compare_configs(saved, current, tag_dir):
         if key in ("load", "save") or current[key] == value:
             continue
         note = ""
-        if key in schedule.LR_KEYS:
+        # with no decay length of its own, the LR decays over the run: its length sets the schedule too
+        length_sets_lr = (
+            saved.get("lr_decay_samples") is None and saved.get("lr_decay_tokens") is None
+        )
+        if key in schedule.LR_KEYS or (length_sets_lr and key in RUN_LENGTH_KEYS):
             override = current["override_lr_scheduler"]
             note = " (override_lr_scheduler)" if override else " (needs override_lr_scheduler)"
+            if key in RUN_LENGTH_KEYS:
+                note += ": with lr_decay_samples unset the LR decays over the run's length"
         changed.append(f"{key}: {_show(value)} -> {_show(current[key])}{note}")
     return changed
 

@@ -190,6 +190,23 @@ def test_a_resume_past_the_end_or_skipping_what_it_trained_is_refused_with_the_f
     assert "skip_train_iteration_range 2-3" not in out and _latest(run) == "global_step5"
 
 
+def test_a_run_length_that_sets_the_lr_decay_is_said_to_need_override_lr_scheduler():
+    """With lr_decay_samples unset the decay runs over the run's length: a changed train_iters was listed as a
+    plain change, then refused after the build as "decay samples do not match", a key the user never set."""
+    current = arguments.to_dict(
+        arguments.prepare(arguments.load_config([*SMALL, "--lr_decay_samples=none"]))
+    )
+    saved = {**current, "train_iters": 2}
+    assert safety.compare_configs(saved, current, "ckpt") == [
+        f"train_iters: 2 -> {current['train_iters']} (needs override_lr_scheduler): with lr_decay_samples unset "
+        "the LR decays over the run's length"
+    ]
+    fixed = {**saved, "lr_decay_samples": 800}
+    assert safety.compare_configs(fixed, {**current, "lr_decay_samples": 800}, "ckpt") == [
+        f"train_iters: 2 -> {current['train_iters']}"
+    ]
+
+
 def test_another_model_exits_2_with_one_line(ckpt):
     proc = run_cli(*SMALL, "--train_iters=4", f"--load={ckpt}", "--num_layers=3", expect_ok=False)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
