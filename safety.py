@@ -233,7 +233,27 @@ def resolve_resume(ckpt_cfg, eval_only, current):
         lines += notes
         if not eval_only:
             lines += what_is_left(saved_state, run["config"], current, load_tag)
+            check_lr_schedule(run["scheduler"], current)
     return load_tag, lines, saved_state
+
+
+def check_lr_schedule(saved, current):
+    """The checkpoint's LR schedule against this config's, as the resume will (AnnealingLR.load_state_dict, by
+    value: Megatron's check), before the model is built: a changed length of a run whose decay follows it
+    was refused only after the build. saved: the checkpoint's scheduler state; current: the config (a dict)."""
+    keys = schedule.ScheduleConfig(
+        **{f.name: current[f.name] for f in fields(schedule.ScheduleConfig)}
+    )
+    dp = parallel.grid.dp_size
+    plan = schedule.Schedule(keys, dp, current["seq_length"])
+    try:
+        plan.lr_schedule.load_state_dict(saved, override=current["override_lr_scheduler"])
+    except ValueError as e:
+        unset = keys.lr_decay_samples is None and keys.lr_decay_tokens is None
+        why = (
+            " (lr_decay_samples is unset: the decay follows the length of the run)" if unset else ""
+        )
+        raise ValueError(f"{e}{why}") from None
 
 
 def what_is_left(state, saved, current, tag_dir):

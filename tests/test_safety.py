@@ -207,6 +207,31 @@ def test_a_run_length_that_sets_the_lr_decay_is_said_to_need_override_lr_schedul
     ]
 
 
+def test_a_changed_lr_schedule_is_refused_before_the_model_is_built(corpus, tmp_path):
+    """AnnealingLR compares the checkpoint's schedule with the config's by value (Megatron's check) when the
+    run state is restored, after the build: minutes on every rank of a large model. Now at the resume's check,
+    with why when the decay follows the run's length."""
+    args = [
+        *SMALL,
+        "--lr_decay_samples=none",
+        "--lr_warmup_samples=0",
+        f"--save={tmp_path}",
+        "--eval_iters=0",
+    ]
+    run_main(*args, "--train_iters=2")
+    proc = run_cli(*args, "--train_iters=4", expect_ok=False)
+    assert proc.returncode == 2 and "Model size" not in proc.stdout
+    assert proc.stderr.strip().endswith(
+        "for decay samples do not match; to use the config's schedule from the current consumed samples/tokens, "
+        "set override_lr_scheduler (--override-lr-scheduler) (lr_decay_samples is unset: the decay follows the "
+        "length of the run)"
+    )
+    assert sorted(log_fields(run_main(*args, "--train_iters=4", "--override_lr_scheduler"))) == [
+        3,
+        4,
+    ]
+
+
 def test_another_model_exits_2_with_one_line(ckpt):
     proc = run_cli(*SMALL, "--train_iters=4", f"--load={ckpt}", "--num_layers=3", expect_ok=False)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
