@@ -53,17 +53,9 @@ def check(optim_cfg, zero_stage, grid):
             "deepspeed=True with zero_stage=0 and fp32 adds nothing to the native path; set "
             "zero_stage to 1 or 2, or bf16, or deepspeed=False"
         )
-    if zero_stage > 2:
-        raise ValueError(
-            f"zero_stage={zero_stage} is not supported (ZeRO-3 would shard the "
-            "weights our TP/PP layers hold); use zero_stage 1 or 2"
-        )
-    if zero_stage == 2 and grid.pp_size > 1:
-        raise ValueError(
-            "zero_stage=2 with pipeline_model_parallel_size > 1 is not supported: ZeRO-2 reduces "
-            "gradients during backward, before the two stages' tied-embedding gradients are summed "
-            "(DeepSpeed refuses it with pipelines too); use zero_stage=1"
-        )
+    problem = parallel.zero_stage_problem(zero_stage, True, grid.pp_size)
+    if problem is not None:
+        raise ValueError(problem)
     if optim_cfg.skip_grad_norm_above is not None:
         raise ValueError(
             "skip_grad_norm_above needs the grad norm before the update, which DeepSpeed computes "

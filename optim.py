@@ -457,9 +457,8 @@ def resume_adam_params(optimizer, optim_cfg, saved_config) -> str | None:
         )
     else:
         decay_then = decay_now  # an older checkpoint's config: what its keys were is not known
-    if (
-        decay_then == decay_now
-    ):  # lr alone, under coupled decay: the schedule's (override_lr_scheduler)
+    # lr alone, under coupled decay: the schedule's business (override_lr_scheduler)
+    if decay_then == decay_now:
         changed = {k: v for k, v in changed.items() if k not in decay_keys}
     if not changed:
         return None
@@ -611,11 +610,9 @@ def optimizer_for(optim_cfg, model, lr, deepspeed=False, zero_stage=0):
     if deepspeed or zero_stage == 0 or parallel.grid.dp_size == 1:
         # not sharded here (under DeepSpeed, deepspeed_engine shards it)
         return build(list(model.parameters()))
-    if zero_stage != 1:
-        raise ValueError(
-            f"zero_stage={zero_stage} needs deepspeed=True (the native path shards "
-            "the optimizer state only: zero_stage=1)"
-        )
+    problem = parallel.zero_stage_problem(zero_stage, False, parallel.grid.pp_size)
+    if problem is not None:
+        raise ValueError(problem)
     return parallel.ZeroShardedOptimizer(model.parameters(), build)
 
 

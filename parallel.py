@@ -60,6 +60,29 @@ class LayoutConfig:
 EXCLUSIVE = (("eval_only", "dry_run"),)
 
 
+def zero_stage_problem(zero_stage, deepspeed, pp):
+    """Why a ZeRO stage cannot run with this layout (pp: its pipeline stages), or None. One text for the
+    config's check, before the build, and for deepspeed_engine.check and optim.optimizer_for, which ask again
+    where they act."""
+    if zero_stage > 2:
+        return (
+            f"zero_stage={zero_stage} is not supported (ZeRO-3 would shard the "
+            "weights our TP/PP layers hold); use zero_stage 1 or 2"
+        )
+    if not deepspeed and zero_stage > 1:
+        return (
+            f"zero_stage={zero_stage} needs deepspeed=True (the native path shards "
+            "the optimizer state only: zero_stage=1)"
+        )
+    if deepspeed and zero_stage == 2 and pp > 1:
+        return (
+            "zero_stage=2 with pipeline_model_parallel_size > 1 is not supported: ZeRO-2 reduces "
+            "gradients during backward, before the two stages' tied-embedding gradients are summed "
+            "(DeepSpeed refuses it with pipelines too); use zero_stage=1"
+        )
+    return None
+
+
 def check(layout_cfg, world_size, *, tp, num_layers, qk_layernorm, eval_only):
     """Raise ValueError with the fix for a layout that cannot run on world_size processes (before the process
     group exists: Grid asks check_world_size again, for the world it finds). layout_cfg: the
@@ -81,23 +104,8 @@ def check(layout_cfg, world_size, *, tp, num_layers, qk_layernorm, eval_only):
     )
     zero = layout_cfg.zero_stage
     need(zero in (0, 1, 2, 3), f"zero_stage={zero} is not 0, 1, 2 or 3")
-    # deepspeed_engine.check and optim.optimizer_for say the same once the model is built; here before it
-    need(
-        zero <= 2,
-        f"zero_stage={zero} is not supported (ZeRO-3 would shard the "
-        "weights our TP/PP layers hold); use zero_stage 1 or 2",
-    )
-    need(
-        deepspeed or zero <= 1,
-        f"zero_stage={zero} needs deepspeed=True (the native path shards "
-        "the optimizer state only: zero_stage=1)",
-    )
-    need(
-        not (deepspeed and zero == 2 and pp > 1),
-        "zero_stage=2 with pipeline_model_parallel_size > 1 is not supported: ZeRO-2 reduces "
-        "gradients during backward, before the two stages' tied-embedding gradients are summed "
-        "(DeepSpeed refuses it with pipelines too); use zero_stage=1",
-    )
+    problem = zero_stage_problem(zero, deepspeed, pp)
+    need(problem is None, problem)
     interval, resync = layout_cfg.tp_replica_check_interval, layout_cfg.tp_replica_resync
     need(interval >= 0, "tp_replica_check_interval must be 0 (off) or a number of iterations")
     need(
