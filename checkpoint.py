@@ -519,6 +519,8 @@ def host_copy(obj, buffers):
 
 
 PARTIAL = ".partial"  # a checkpoint (or an export) still being written: never one to read
+# Megatron-DeepSpeed's pipeline files: what megatron_ds reads, and what a resume names as needing its import
+MEGATRON_DS_LAYER_FILE = re.compile(r"layer_(\d+)-model_(\d+)-model_states\.pt")
 # a checkpoint set aside while a new save of its iteration takes its place (save's publish)
 REPLACED = ".replaced"
 
@@ -606,30 +608,28 @@ def latest_dir(load_dir):
     return tag_dir
 
 
+STEP = re.compile(r"global_step(\d+)")
+
+
+def _steps_beside(tag_dir):
+    """(its directory, tag_dir's iteration or None, the iterations of every global_stepN there, in order)."""
+    save_dir, tag = os.path.split(os.path.normpath(tag_dir))
+    step = STEP.fullmatch(tag)
+    found = sorted(int(m.group(1)) for m in map(STEP.fullmatch, os.listdir(save_dir or ".")) if m)
+    return save_dir, (int(step.group(1)) if step else None), found
+
+
 def later(tag_dir):
     """The global_stepM directories beside tag_dir with M above its iteration, in order: an abandoned timeline's,
     after a rollback to an earlier `latest` (lesson 9)."""
-    save_dir, tag = os.path.split(os.path.normpath(tag_dir))
-    step = re.fullmatch(r"global_step(\d+)", tag)
-    if step is None:
-        return []
-    found = (re.fullmatch(r"global_step(\d+)", n) for n in os.listdir(save_dir or "."))
-    return [
-        m.group(0)
-        for m in sorted(filter(None, found), key=lambda m: int(m.group(1)))
-        if int(m.group(1)) > int(step.group(1))
-    ]
+    _, iteration, steps = _steps_beside(tag_dir)
+    return [] if iteration is None else [f"global_step{n}" for n in steps if n > iteration]
 
 
 def _earlier(tag_dir):
     """What to do about a damaged checkpoint: resume from the newest earlier one in the same directory."""
-    save_dir, tag = os.path.split(os.path.normpath(tag_dir))
-    step = re.fullmatch(r"global_step(\d+)", tag)
-    steps = [
-        int(m.group(1))
-        for m in map(re.compile(r"global_step(\d+)").fullmatch, os.listdir(save_dir or "."))
-        if m and (step is None or int(m.group(1)) < int(step.group(1)))
-    ]
+    save_dir, iteration, steps = _steps_beside(tag_dir)
+    steps = [n for n in steps if iteration is None or n < iteration]
     if not steps:
         return f"there is no earlier checkpoint in {save_dir}: restore the file from a copy, or train from scratch"
     earlier = f"global_step{max(steps)}"

@@ -56,7 +56,6 @@ further. The lesson-11 check reads the tied word embedding's two fp32 copies (~7
 import math
 import os
 import pickle
-import re
 import shutil
 import types
 import zipfile
@@ -95,7 +94,7 @@ BLOCK = {
 FINAL_NORM = {"weight": "ln_f.weight", "bias": "ln_f.bias"}
 # the prefix of the embedding module's parameters in the optimizer's names
 TIED = "tied_modules.embed."
-LAYER_FILE = re.compile(r"layer_(\d+)-model_(\d+)-model_states\.pt")
+LAYER_FILE = checkpoint.MEGATRON_DS_LAYER_FILE
 # an optimizer state's tensors: the fp32 master and Adam's moments
 STATE_KEYS = ("fp32", "exp_avg", "exp_avg_sq")
 

@@ -21,11 +21,11 @@ exit_reason says when the job stops: on that signal, or at exit_interval / exit_
 
 import json
 import os
-import re
 import signal
 import socket
 import subprocess
 import time
+import types
 from dataclasses import asdict, fields
 
 import torch
@@ -109,10 +109,7 @@ def checkpoint_run(tag_dir):
     layout has), its file checked against the manifest and memory-mapped: no tensor is read."""
     first = checkpoint.model_file(tag_dir, parallel.Grid(world_size=1))
     names = os.listdir(tag_dir) if os.path.isdir(tag_dir) else []
-    # megatron_ds.LAYER_FILE: Megatron-DeepSpeed's pipeline files, which only the importer reads
-    if not os.path.exists(first) and any(
-        re.fullmatch(r"layer_\d+-model_\d+-model_states\.pt", n) for n in names
-    ):
+    if not os.path.exists(first) and any(map(checkpoint.MEGATRON_DS_LAYER_FILE.fullmatch, names)):
         load_dir = os.path.dirname(os.path.normpath(tag_dir))
         raise ValueError(
             f"checkpoint {tag_dir} was written by Megatron-DeepSpeed (layer_*-model_*-model_states.pt): import it "
@@ -241,11 +238,8 @@ def check_lr_schedule(saved, current):
     """The checkpoint's LR schedule against this config's, as the resume will (AnnealingLR.load_state_dict, by
     value: Megatron's check), before the model is built: a changed length of a run whose decay follows it
     was refused only after the build. saved: the checkpoint's scheduler state; current: the config (a dict)."""
-    keys = schedule.ScheduleConfig(
-        **{f.name: current[f.name] for f in fields(schedule.ScheduleConfig)}
-    )
-    dp = parallel.grid.dp_size
-    plan = schedule.Schedule(keys, dp, current["seq_length"])
+    keys = section(schedule.ScheduleConfig, types.SimpleNamespace(**current))
+    plan = schedule.Schedule(keys, parallel.grid.dp_size, current["seq_length"])
     try:
         plan.lr_schedule.load_state_dict(saved, override=current["override_lr_scheduler"])
     except ValueError as e:
