@@ -366,9 +366,8 @@ def validate(cfg, world_size=1, reads_data=True):
     dp_size = world_size // (cfg.tensor_model_parallel_size * cfg.pipeline_model_parallel_size)
     schedule.check(section(ScheduleConfig, cfg), dp_size, cfg.load, cfg.seq_length)
     optim.check(cfg)
-    if (
-        cfg.deepspeed
-    ):  # what DeepSpeed does not run as the native path would, before the build's import of it
+    # what DeepSpeed does not run as the native path would, before the build's import of it
+    if cfg.deepspeed:
         paper = parallel.Grid(
             cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size, world_size=world_size
         )

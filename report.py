@@ -80,9 +80,8 @@ def check(log_cfg):
             raise ValueError(f"{key}={getattr(log_cfg, key)} must not be negative")
     if not (log_cfg.log_interval > 0 and log_cfg.eval_interval > 0):
         raise ValueError("log_interval and eval_interval must be positive")
-    if (
-        log_cfg.eval_only and log_cfg.eval_iters == 0
-    ):  # training.evaluate_only's refusal, before the build
+    # training.evaluate_only's refusal, before the build
+    if log_cfg.eval_only and log_cfg.eval_iters == 0:
         raise ValueError(
             "eval_only: no validation data (eval_iters 0): set eval_iters to the global batches to evaluate"
         )
@@ -440,7 +439,10 @@ def _drop_a_partial_last_line(path):
         return
     with open(path, "rb+") as f:
         end = f.seek(0, os.SEEK_END)
-        if end == 0 or (f.seek(end - 1) is not None and f.read(1) == b"\n"):
+        if end == 0:
+            return
+        f.seek(end - 1)
+        if f.read(1) == b"\n":
             return
         start = max(0, end - 2**20)  # a record is a few kB: its line starts within the last MiB
         f.seek(start)

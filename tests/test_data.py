@@ -123,10 +123,8 @@ def test_preprocess_deterministic_across_workers(tmp_path):
 def test_preprocess_replaces_an_existing_corpus_only_with_overwrite(tmp_path):
     (tmp_path / "in.txt").write_text("Now is the winter of our discontent")
     prefix = str(tmp_path / "corp")
-    for ext in (
-        ".bin",
-        ".idx",
-    ):  # either file alone is a corpus's (the other lost or being written)
+    # either file alone is a corpus's (the other lost or being written)
+    for ext in (".bin", ".idx"):
         (tmp_path / f"corp{ext}").write_bytes(b"another corpus")
         with pytest.raises(ValueError) as refused:
             data.preprocess([str(tmp_path / "in.txt")], prefix, workers=1)
