@@ -1039,35 +1039,25 @@ def measure_apart(config, others):
 RESULT_KEYS = {"tokens/s", "TFLOPs", "MFU", "layout", "mean", "best"}
 
 
+def _bench_numbers(path):
+    try:
+        with open(path) as f:
+            found = json.load(f)
+    except (OSError, ValueError):
+        return False
+    return isinstance(found, dict) and RESULT_KEYS <= found.keys()
+
+
 def check_result_json(path):
     """Refuse, before the measurement, a --result_json the numbers could not be written to (lost after the whole
     measurement otherwise), or an existing file that is not bench's numbers (bench writes over nothing it did not
     write)."""
-    if os.path.isdir(path):
-        raise ValueError(
-            f"--result_json {path} is a directory; give a file name, e.g. "
-            f"{os.path.join(path, 'bench.json')}"
-        )
-    if os.path.exists(path):
-        try:
-            with open(path) as f:
-                found = json.load(f)
-        except (OSError, ValueError):
-            found = None
-        if not (isinstance(found, dict) and RESULT_KEYS <= found.keys()):
-            raise ValueError(
-                f"--result_json {path} exists and is not bench's numbers; give another file "
-                "(bench writes over its own results only)"
-            )
-    parent = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(parent):
-        raise ValueError(
-            f"--result_json {path}: the directory {parent} does not exist; create it first"
-        )
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise ValueError(
-            f"--result_json {path}: the directory {parent} is not writable; give another path"
-        )
+    checkpoint.check_output_file(
+        path,
+        "--result_json",
+        "bench.json",
+        (_bench_numbers, "bench's numbers", "bench writes over its own results only"),
+    )
 
 
 def main(argv=None):

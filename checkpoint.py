@@ -134,6 +134,28 @@ def atomic_write(obj_or_text, path):
     return {"bytes": out.size, "crc32": f"{out.crc:08x}"}
 
 
+def check_output_file(path, flag, example, ours=None):
+    """Refuse, before a tool's work, an output file it could not write (lost after the work otherwise) or an
+    existing file it did not write: a directory, a missing or unwritable folder, a file that `ours` does not
+    recognise. flag: the tool's option; example: a file name, for a directory given; ours: (is_ours(path), what
+    the tool's files are, its rule), or None where any existing file is written over (a figure)."""
+    if os.path.isdir(path):
+        raise ValueError(
+            f"{flag} {path} is a directory; give a file name, e.g. {os.path.join(path, example)}"
+        )
+    if ours is not None and os.path.exists(path):
+        is_ours, what, rule = ours
+        if not is_ours(path):
+            raise ValueError(f"{flag} {path} exists and is not {what}; give another file ({rule})")
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise ValueError(f"{flag} {path}: the directory {parent} does not exist; create it first")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(
+            f"{flag} {path}: the directory {parent} is not writable; give another path"
+        )
+
+
 def point_latest(save_dir, tag):
     """`latest` names tag, once the directory's renames are on disk, through a temporary file: a kill leaves the
     old `latest` or the new one, never an empty or partly written one."""

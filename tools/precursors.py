@@ -199,29 +199,24 @@ def markdown(result):
 HEADER = "Onset (the first iteration the guard's detector calls a spike; -: none), per run: "
 
 
+def _a_table_of_ours(path):
+    """Its first line starts with HEADER."""
+    try:
+        with open(path) as f:
+            return f.readline().startswith(HEADER)
+    except (OSError, UnicodeDecodeError):
+        return False
+
+
 def check_out(path):
     """Refuse, before the measurement, an --out the table could not be written to, or a file that is not a
-    table of this tool's (its first line starts with HEADER): this tool writes over its own tables only."""
-    if os.path.isdir(path):
-        raise ValueError(
-            f"--out {path} is a directory; give a file name, e.g. {path}/precursors.md"
-        )
-    if os.path.exists(path):
-        try:
-            with open(path) as f:
-                ours = f.readline().startswith(HEADER)
-        except (OSError, UnicodeDecodeError):
-            ours = False
-        if not ours:
-            raise ValueError(
-                f"--out {path} exists and is not a table of this tool's; give another file "
-                "(this tool writes over its own tables only)"
-            )
-    parent = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(parent):
-        raise ValueError(f"--out {path}: the directory {parent} does not exist; create it first")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise ValueError(f"--out {path}: the directory {parent} is not writable; give another path")
+    table of this tool's: this tool writes over its own tables only."""
+    checkpoint.check_output_file(
+        path,
+        "--out",
+        "precursors.md",
+        (_a_table_of_ours, "a table of this tool's", "this tool writes over its own tables only"),
+    )
 
 
 def labelled(directories):
