@@ -65,9 +65,9 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 import arguments
 import builders
-import checkpoint
 import cross_entropy
 import data
+import files
 import launch
 import loader
 import optim
@@ -1052,7 +1052,7 @@ def check_result_json(path):
     """Refuse, before the measurement, a --result_json the numbers could not be written to (lost after the whole
     measurement otherwise), or an existing file that is not bench's numbers (bench writes over nothing it did not
     write)."""
-    checkpoint.check_output_file(
+    files.check_output_file(
         path,
         "--result_json",
         "bench.json",
@@ -1071,7 +1071,7 @@ def main(argv=None):
         check_result_json(bench.result_json)
     result = measure(argv) if bench.nproc <= 1 else compare(bench, rest, argv)
     if bench.result_json and result is not None:
-        checkpoint.atomic_write(json.dumps(result), bench.result_json)
+        files.write_text(json.dumps(result), bench.result_json)
     return result
 
 

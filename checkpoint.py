@@ -40,6 +40,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+import files
 import parallel
 import rng
 import schedule
@@ -94,14 +95,6 @@ def check(ckpt_cfg, eval_only=False):
             raise ValueError(f"{key}={value} must be positive; unset it for no exit")
 
 
-def _fsync_dir(path):
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 class _Checksummed:
     """A binary file that counts and CRC-32s the bytes written through it (torch.save streams into it)."""
 
@@ -134,34 +127,12 @@ def atomic_write(obj_or_text, path):
     return {"bytes": out.size, "crc32": f"{out.crc:08x}"}
 
 
-def check_output_file(path, flag, example, ours=None):
-    """Refuse, before a tool's work, an output file it could not write (lost after the work otherwise) or an
-    existing file it did not write: a directory, a missing or unwritable folder, a file that `ours` does not
-    recognise. flag: the tool's option; example: a file name, for a directory given; ours: (is_ours(path), what
-    the tool's files are, its rule), or None where any existing file is written over (a figure)."""
-    if os.path.isdir(path):
-        raise ValueError(
-            f"{flag} {path} is a directory; give a file name, e.g. {os.path.join(path, example)}"
-        )
-    if ours is not None and os.path.exists(path):
-        is_ours, what, rule = ours
-        if not is_ours(path):
-            raise ValueError(f"{flag} {path} exists and is not {what}; give another file ({rule})")
-    parent = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(parent):
-        raise ValueError(f"{flag} {path}: the directory {parent} does not exist; create it first")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise ValueError(
-            f"{flag} {path}: the directory {parent} is not writable; give another path"
-        )
-
-
 def point_latest(save_dir, tag):
     """`latest` names tag, once the directory's renames are on disk, through a temporary file: a kill leaves the
     old `latest` or the new one, never an empty or partly written one."""
-    _fsync_dir(save_dir)
+    files.fsync_dir(save_dir)
     atomic_write(tag, os.path.join(save_dir, LATEST))
-    _fsync_dir(save_dir)
+    files.fsync_dir(save_dir)
 
 
 def model_file(tag_dir, g=None):
@@ -355,7 +326,7 @@ def save(save_dir, iteration, model_state, run_state, rank_state, write_model_st
     def publish():
         if rank0:
             write_manifest(partial, written)
-            _fsync_dir(partial)
+            files.fsync_dir(partial)
             _replace(partial, final)
 
     for work in (prepare, write, publish):

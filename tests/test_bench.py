@@ -515,7 +515,7 @@ def test_result_json_is_checked_before_the_measurement_and_written_whole_over_it
     notes.write_text('{"a user": "file"}\n')
     for path, said in [
         (notes, "exists and is not bench's numbers"),
-        (tmp_path / "nodir" / "r.json", "does not exist; create it first"),
+        (notes / "r.json", "keep.json is a file, not a directory"),
         (tmp_path, "is a directory"),
     ]:
         with pytest.raises(ValueError, match=said):

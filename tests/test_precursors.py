@@ -267,7 +267,7 @@ def test_out_is_checked_before_the_measurement_written_whole_and_over_its_own_ta
     monkeypatch.setattr(precursors, "measure", measure)
     for out, said in [
         (notes, "exists and is not a table of this tool's"),
-        (tmp_path / "nodir" / "x.md", "does not exist"),
+        (notes / "x.md", "notes.md is a file, not a directory"),
         (tmp_path, "is a directory"),
     ]:
         with pytest.raises(ValueError, match=said):

@@ -1090,7 +1090,9 @@ def test_plot_overlays_a_metrics_file_and_a_log_and_draws_the_layer_heat_maps(ru
         assert (pixels[..., :3] < 0.9).mean() > 0.02  # lines and colours drawn
 
 
-def test_plot_refuses_an_out_it_cannot_save_to_before_plotting(tmp_path, monkeypatch):
+def test_plot_refuses_an_out_it_cannot_save_to_or_did_not_write_before_plotting(
+    tmp_path, monkeypatch
+):
     import sys
 
     sys.path.insert(
@@ -1105,12 +1107,19 @@ def test_plot_refuses_an_out_it_cannot_save_to_before_plotting(tmp_path, monkeyp
         raise AssertionError("plotted before --out was checked")
 
     monkeypatch.setattr(plot, "plot_runs", plotted)
+    mine = tmp_path / "mine.png"
+    mine.write_bytes(b"\x89PNG\r\n\x1a\n a figure of the user's")
+    (tmp_path / "theirs_layers.png").write_text("the user's")
     for out, said in [
-        (tmp_path / "nodir" / "x.png", "does not exist; create it first"),
+        (metrics / "x.png", "metrics.jsonl is a file, not a directory"),
         (tmp_path, "is a directory"),
+        (tmp_path / "x.pdf", "must name a .png file"),
+        (mine, "mine.png exists and is not a figure of this tool's"),
+        (tmp_path / "theirs.png", "theirs_layers.png exists and is not a figure of this tool's"),
     ]:
         with pytest.raises(ValueError, match=said):
             plot.main([str(metrics), "--out", str(out)])
+    assert mine.read_bytes() == b"\x89PNG\r\n\x1a\n a figure of the user's"
 
 
 def _telemetry_of_one_step(cfg, batches):

@@ -349,6 +349,7 @@ def test_each_run_rule_has_one_home():
 # acts on and below what composes a run; train.py and bench.py are scripts at the top, imported by nothing.
 FLOORS = (
     {
+        "files",
         "parallel",
         "schedule",
         "sections",

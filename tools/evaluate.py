@@ -29,6 +29,7 @@ import torch  # noqa: E402
 
 import arguments  # noqa: E402
 import eval_harness  # noqa: E402 (it imports lm-eval when it is used)
+import files  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -109,28 +110,12 @@ def check_output_path(path):
     """Refuse, before the evaluation, an --output_path the results could not be written to (lost
     after the whole evaluation otherwise), or a file that is not lm-eval results (this tool writes
     over nothing it did not write)."""
-    if os.path.isdir(path):
-        raise ValueError(
-            f"--output_path {path} is a directory; give a file name, e.g. "
-            f"{os.path.join(path, 'results.json')}"
-        )
-    if os.path.exists(path) and not _results_file(path):
-        raise ValueError(
-            f"--output_path {path} exists and is not lm-eval results: give another "
-            "file (this tool writes over its own results only)"
-        )
-    parent = os.path.dirname(os.path.abspath(path))
-    while not os.path.exists(parent):  # the folders the write creates: the first one there decides
-        parent = os.path.dirname(parent)
-    if not os.path.isdir(parent):
-        raise ValueError(
-            f"--output_path {path} cannot be written: {parent} is a file, not a "
-            "directory; give another path"
-        )
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise ValueError(
-            f"--output_path {path} cannot be written: {parent} is not writable; give another path"
-        )
+    files.check_output_file(
+        path,
+        "--output_path",
+        "results.json",
+        (_results_file, "lm-eval results", "this tool writes over its own results only"),
+    )
 
 
 def _results_file(path):
@@ -143,19 +128,14 @@ def _results_file(path):
 
 
 def write_results(results, path):
-    """The results as JSON at path, through a temporary file: a killed write leaves the old file or
-    none. An OS error names --output_path."""
+    """The results as JSON at path, whole or not at all (files.replaced). An OS error names
+    --output_path."""
     import lm_eval.utils
 
-    tmp = f"{path}.tmp"
     try:
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        with open(tmp, "w") as f:
+        with files.replaced(path) as tmp, open(tmp, "w") as f:
             json.dump(results, f, indent=2, default=lm_eval.utils.handle_non_serializable)
-        os.replace(tmp, path)
     except OSError as e:
-        if os.path.exists(tmp):
-            os.remove(tmp)
         raise ValueError(
             f"--output_path {path}: the results cannot be written "
             f"({e.strerror or e}); the table above holds them"

@@ -7,7 +7,8 @@ actions, several runs overlaid; and the per-layer telemetry as heat maps (layer 
 A RUN is a directory holding metrics.jsonl (train.py writes it beside the checkpoints), a metrics.jsonl file, or
 a log file of Megatron-DeepSpeed lines (` iteration N/ M | consumed samples: ... | lm loss: ... |`, validation
 lines, `spike guard:` lines). When an iteration appears more than once (after a rollback or a resume), its last
-record wins. The heat maps go to OUT with `_layers` before the extension, when a run has telemetry.
+record wins. The heat maps go to OUT with `_layers` before the extension, when a run has telemetry. Each figure
+is written whole or not at all, over nothing but a figure of this tool's (a PNG it marked).
 """
 
 import argparse
@@ -23,9 +24,14 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import files  # noqa: E402
+
 ITERATION = re.compile(r"^\s*iteration\s+(\d+)/\s*(\d+)\s*\|(.*)$")
 VALIDATION = re.compile(r"validation loss at iteration (\d+) \| lm loss value: (\S+)")
 GUARD = re.compile(r"^spike guard: iteration (\d+): (.*)$")
+# the figures' PNG "Software" text: what tells this tool's figure (written over) from anyone's file (kept)
+SOFTWARE = "stablegpt tools/plot.py"
 LAYER_STATS = [
     "grad norm",
     "param norm",
@@ -163,11 +169,12 @@ def plot_runs(runs, out):
             for i in its:
                 loss.axvline(i, color=c, ls=style, lw=0.8, alpha=0.6)
     loss.set_title("lm loss (lines: spike guard skip / rollback / stop)")
-    loss.set_yscale("log")
     norm.set_title("grad norm")
-    norm.set_yscale("log")
     scale.set_title("loss scale")
-    scale.set_yscale("log")
+    for ax in (loss, norm, scale):
+        # a log axis with nothing positive on it (a log without loss scales) is matplotlib's error at save
+        if any(np.any(np.asarray(line.get_ydata(), dtype=float) > 0) for line in ax.get_lines()):
+            ax.set_yscale("log")
     lr.set_title("learning rate")
     batch.set_title("global batch size / curriculum seqlen")
     events.set_title("skipped or NaN iterations (|) and spike-guard actions")
@@ -180,8 +187,7 @@ def plot_runs(runs, out):
     for ax in axes[-1]:
         ax.set_xlabel("iteration")
     fig.tight_layout()
-    fig.savefig(out, dpi=80)
-    plt.close(fig)
+    save(fig, out, dpi=80)
 
 
 def plot_layers(runs, out):
@@ -217,21 +223,47 @@ def plot_layers(runs, out):
             ax.set_ylabel("layer")
             ax.set_xlabel("iteration")
     fig.tight_layout()
-    fig.savefig(out, dpi=70)
-    plt.close(fig)
+    save(fig, out, dpi=70)
     return True
 
 
+def save(fig, out, dpi):
+    """The figure as a PNG marked as this tool's (SOFTWARE), whole or not at all (files.replaced)."""
+    with files.replaced(out) as tmp:
+        fig.savefig(tmp, dpi=dpi, metadata={"Software": SOFTWARE})
+    plt.close(fig)
+
+
+def _a_figure_of_ours(path):
+    """A PNG whose text chunks (written before the pixels) name this tool."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4096)
+    except OSError:
+        return False
+    return head.startswith(b"\x89PNG") and SOFTWARE.encode() in head
+
+
+def layers_file(out):
+    stem, ext = os.path.splitext(out)
+    return f"{stem}_layers{ext}"
+
+
 def check_out(path):
-    """Refuse, before the runs are read and drawn, an --out the figure could not be saved to (matplotlib's
-    traceback after the plotting otherwise)."""
-    if os.path.isdir(path):
-        raise ValueError(f"--out {path} is a directory; give a file name, e.g. {path}/runs.png")
-    parent = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(parent):
-        raise ValueError(f"--out {path}: the directory {parent} does not exist; create it first")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise ValueError(f"--out {path}: the directory {parent} is not writable; give another path")
+    """Refuse, before the runs are read and drawn, an --out the figures could not be saved to (matplotlib's
+    traceback after the plotting otherwise), or a file there, or at its _layers name, that is not a figure of
+    this tool's: it writes over its own figures only."""
+    ours = (
+        _a_figure_of_ours,
+        "a figure of this tool's",
+        "this tool writes over its own figures only",
+    )
+    files.check_output_file(path, "--out", "runs.png", ours)
+    if not path.lower().endswith(".png"):
+        raise ValueError(
+            f"--out {path} must name a .png file (the figures are PNGs), e.g. runs.png"
+        )
+    files.check_output_file(layers_file(path), "--out", "runs.png", ours)
 
 
 def main(argv=None):
@@ -262,9 +294,8 @@ def main(argv=None):
         run.label = label
     plot_runs(runs, args.out)
     print(f"wrote {args.out}")
-    stem, ext = os.path.splitext(args.out)
-    if plot_layers(runs, f"{stem}_layers{ext or '.png'}"):
-        print(f"wrote {stem}_layers{ext or '.png'}")
+    if plot_layers(runs, layers_file(args.out)):
+        print(f"wrote {layers_file(args.out)}")
 
 
 if __name__ == "__main__":

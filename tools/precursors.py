@@ -32,7 +32,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import arguments  # noqa: E402
-import checkpoint  # noqa: E402
+import files  # noqa: E402
 from sections import section  # noqa: E402
 from stability import detector, precursors  # noqa: E402
 from stability.detector import DetectorConfig  # noqa: E402
@@ -211,7 +211,7 @@ def _a_table_of_ours(path):
 def check_out(path):
     """Refuse, before the measurement, an --out the table could not be written to, or a file that is not a
     table of this tool's: this tool writes over its own tables only."""
-    checkpoint.check_output_file(
+    files.check_output_file(
         path,
         "--out",
         "precursors.md",
@@ -253,7 +253,7 @@ def main(argv=None):
     text = markdown(result)
     print(text)
     if args.out:
-        checkpoint.atomic_write(text.rstrip("\n"), args.out)  # it ends the text with one newline
+        files.write_text(text, args.out)
     return result
 
 

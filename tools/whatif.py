@@ -34,6 +34,7 @@ sys.path.insert(0, ROOT)
 
 import arguments  # noqa: E402
 import checkpoint  # noqa: E402
+import files  # noqa: E402
 from sections import section  # noqa: E402
 from stability import detector, spike_guard  # noqa: E402
 from stability.detector import DetectorConfig  # noqa: E402
@@ -183,7 +184,8 @@ def figure(results, path):
     top.legend(fontsize=8)
     top.set_title("what-if forks")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    with files.replaced(path) as tmp:
+        fig.savefig(tmp, dpi=110)
     plt.close(fig)
 
 
@@ -231,7 +233,7 @@ def main(argv=None):
     stats = detector.run_stats(run["state"])
     if marker is not None:
         os.makedirs(args.out, exist_ok=True)
-        checkpoint.atomic_write(json.dumps(marker), os.path.join(args.out, MARKER))
+        files.write_text(json.dumps(marker), os.path.join(args.out, MARKER))
     results = []
     for name in forks:
         label = {"lr x F": f"lr x {args.lr_factor:g}", "skip 200": f"skip {args.skip}"}.get(
@@ -251,8 +253,7 @@ def main(argv=None):
         results.append((label, series, found, reached))
     text = table(results, start, args.iters)
     print(text)
-    with open(os.path.join(args.out, "whatif.txt"), "w") as f:
-        f.write(text + "\n")
+    files.write_text(text, os.path.join(args.out, "whatif.txt"))
     figure(results, os.path.join(args.out, "whatif.png"))
     return results
 
