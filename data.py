@@ -33,6 +33,7 @@ from typing import NamedTuple, Protocol, runtime_checkable
 import numba
 import numpy as np
 
+import files
 from tokenizer import EOD, data_dir, get_tokenizer  # noqa: F401 (data.EOD, data.get_tokenizer)
 
 # -----------------------------------------------------------------------------
@@ -88,6 +89,8 @@ def write_indexed_dataset(prefix: str, docs: Iterable, dtype=np.uint16) -> None:
                     )
                 f.write(doc.astype(dtype, copy=False).tobytes())
                 sizes.append(len(doc))
+            f.flush()
+            os.fsync(f.fileno())
     except BaseException:
         os.remove(prefix + ".bin" + tmp)  # an interrupted run leaves nothing behind
         raise
@@ -100,12 +103,16 @@ def write_indexed_dataset(prefix: str, docs: Iterable, dtype=np.uint16) -> None:
         f.write(sizes.tobytes())
         f.write(pointers.tobytes())
         f.write(np.arange(len(sizes) + 1, dtype=np.int64).tobytes())
+        f.flush()
+        os.fsync(f.fileno())
     # Drop a previous .idx first: if we die between the two renames, the reader sees "missing .idx",
     # never an old index paired with a new .bin.
     if os.path.exists(prefix + ".idx"):
         os.remove(prefix + ".idx")
     os.replace(prefix + ".bin" + tmp, prefix + ".bin")
     os.replace(prefix + ".idx" + tmp, prefix + ".idx")
+    # a power loss after this returns keeps both renames (the corpus is built once, read by every job)
+    files.fsync_dir(os.path.dirname(os.path.abspath(prefix)))
 
 
 class IndexedDataset:

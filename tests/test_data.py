@@ -82,6 +82,28 @@ def test_write_rejects_ids_that_do_not_fit(tmp_path):
     assert os.listdir(tmp_path) == []  # the interrupted write left nothing behind
 
 
+def test_write_syncs_both_files_before_their_renames_and_the_folder_after(tmp_path, monkeypatch):
+    # a rename is durable only with its data and its directory synced: a power cut would otherwise leave
+    # a PREFIX.idx of the right size over zeros, which the next job reads as a corpus
+    events, fsync, replace = [], os.fsync, os.replace
+
+    def synced(fd):
+        events.append(("fsync", os.path.basename(os.readlink(f"/proc/self/fd/{fd}"))))
+        fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", synced)
+    monkeypatch.setattr(os, "replace", lambda a, b: (events.append(("rename", b)), replace(a, b)))
+    data.write_indexed_dataset(str(tmp_path / "c"), [[1, 2, 3]])
+    pid = os.getpid()
+    assert [(e, os.path.basename(n)) for e, n in events] == [
+        ("fsync", f"c.bin.tmp{pid}"),
+        ("fsync", f"c.idx.tmp{pid}"),
+        ("rename", "c.bin"),
+        ("rename", "c.idx"),
+        ("fsync", tmp_path.name),
+    ]
+
+
 def test_empty_dataset(tmp_path):
     data.write_indexed_dataset(str(tmp_path / "e"), [])
     assert len(data.IndexedDataset(str(tmp_path / "e"))) == 0

@@ -1120,6 +1120,12 @@ def test_plot_refuses_an_out_it_cannot_save_to_or_did_not_write_before_plotting(
         with pytest.raises(ValueError, match=said):
             plot.main([str(metrics), "--out", str(out)])
     assert mine.read_bytes() == b"\x89PNG\r\n\x1a\n a figure of the user's"
+    monkeypatch.undo()
+    # a log of loss and grad norm alone (no loss scale: an empty log axis was matplotlib's error at save)
+    out = tmp_path / "new" / "runs.png"
+    plot.main([str(metrics), "--out", str(out)])
+    plot.main([str(metrics), "--out", str(out)])  # its own figure: written over
+    assert _png_pixels(out).shape[0] > 400 and os.listdir(out.parent) == ["runs.png"]
 
 
 def _telemetry_of_one_step(cfg, batches):
