@@ -122,6 +122,17 @@ def _show(value):
     return repr(value) if isinstance(value, str) else str(value)
 
 
+def _longer_context(key, then, current):
+    """A longer seq_length is the same model with rotary or ALiBi positions (computed, no table of the length's
+    size): a context-extension stage, which Megatron's resume allows too. Not a shorter one: the checkpoint's
+    token counters bound each sample by the saved length (checkpoint.checked_run_state)."""
+    return (
+        key == "seq_length"
+        and current["position_embedding_type"] != "learned"
+        and current[key] > then[key]
+    )
+
+
 def compare_configs(saved, current, tag_dir):
     """Refuse another model; return the lines describing the keys allowed to differ. saved, current:
     the checkpoint's config and this run's, as dicts (every key: the comparison is of the whole
@@ -134,15 +145,20 @@ def compare_configs(saved, current, tag_dir):
         for k in architecture_keys()
         if k in saved or defaults[k] is not None
     }
-    arch = [k for k in then if then[k] != current[k]]
+    arch = [k for k in then if then[k] != current[k] and not _longer_context(k, then, current)]
     if arch:
         diff = ", ".join(
             f"{k} {_show(then[k])} (checkpoint{'' if k in saved else ': its default'}) vs {_show(current[k])} (now)"
             for k in arch
         )
+        shorter = (
+            " (a rotary or ALiBi model's seq_length may grow on resume, not shrink)"
+            if "seq_length" in arch and current["position_embedding_type"] != "learned"
+            else ""
+        )
         raise ValueError(
-            f"checkpoint {tag_dir} holds another model: {diff}. Resume with the checkpoint's values, or "
-            "train this model from scratch with another save directory"
+            f"checkpoint {tag_dir} holds another model: {diff}{shorter}. Resume with the checkpoint's values, "
+            "or train this model from scratch with another save directory"
         )
     changed = []
     for key, value in saved.items():
@@ -152,6 +168,11 @@ def compare_configs(saved, current, tag_dir):
         if key in ("load", "save") or current[key] == value:
             continue
         note = ""
+        if key == "seq_length":
+            note = (
+                " (a longer context, the same weights: the data goes on at the same sample count, in samples "
+                "of the new length)"
+            )
         # with no decay length of its own, the LR decays over the run: its length sets the schedule too
         length_sets_lr = (
             saved.get("lr_decay_samples") is None and saved.get("lr_decay_tokens") is None

@@ -21,7 +21,16 @@ import data
 import loader
 import safety
 import usage
-from helpers import ROOT, SMALL, corpus, log_fields, run_cli, run_main, spawn  # noqa: F401 (a fixture)
+from helpers import (  # noqa: F401 (corpus: a fixture)
+    ROOT,
+    SMALL,
+    corpus,
+    log_fields,
+    losses,
+    run_cli,
+    run_main,
+    spawn,
+)
 from sections import section
 
 ENV = dict(os.environ, WANDB_MODE="disabled")
@@ -120,6 +129,32 @@ def test_resume_with_another_model_is_refused_before_loading(ckpt, change, messa
     with pytest.raises(ValueError, match=re.escape(message)):
         run_main(*SMALL, "--train_iters=4", f"--load={ckpt}", f"--save={ckpt}", *change)
     assert _files(ckpt) == before
+
+
+def test_a_rotary_model_resumes_at_a_longer_context_not_a_shorter_one(tmp_path):
+    """Rotary and ALiBi positions are computed, not a table of seq_length rows: a longer seq_length on resume is
+    the same weights (a context-extension stage, as Megatron's resume allows), and was refused as another model.
+    A shorter one is refused with the reason; learned positions' table is the length."""
+    rotary = [*SMALL, "--position_embedding_type=rotary", "--lr=1e-2", "--lr_warmup_samples=8"]
+    save = f"--save={tmp_path / 'run'}"
+    trained = losses(run_main(*rotary, "--seq_length=32", "--train_iters=12", save))
+    fresh = losses(run_main(*rotary, "--train_iters=1"))  # at 64, from the initialisation
+    out = run_main(*rotary, "--train_iters=13", save)
+    assert (
+        "seq_length: 32 -> 64 (a longer context, the same weights: the data goes on at the same sample count"
+    ) in out and "loaded checkpoint" in out
+    assert log_fields(out)[13]["consumed tokens"] == str(12 * 8 * 32 + 8 * 64)
+    # the checkpoint's weights, not a new model's: the loss goes on from where the short context left it
+    assert float(losses(out)[13]) < float(fresh[1]) - 1 and float(trained[12]) < float(fresh[1]) - 1
+    # the next resume at the new length checks its counters against it (tokens <= samples x seq_length)
+    assert "seq_length:" not in run_main(*rotary, "--train_iters=14", save)
+    with pytest.raises(ValueError, match=re.escape("may grow on resume, not shrink")):
+        run_main(*rotary, "--seq_length=32", "--train_iters=15", save)
+    current = arguments.to_dict(arguments.prepare(arguments.load_config(SMALL)))
+    with pytest.raises(
+        ValueError, match=re.escape("another model: seq_length 64 (checkpoint) vs 128 (now).")
+    ):
+        safety.compare_configs(current, {**current, "seq_length": 128}, "ckpt")  # learned
 
 
 def test_a_checkpoint_of_another_version_is_compared_key_by_key(ckpt, tmp_path):
