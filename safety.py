@@ -251,16 +251,17 @@ def resolve_resume(ckpt_cfg, eval_only, current):
         lines += notes
         if not eval_only:
             lines += what_is_left(saved_state, run["config"], current, load_tag)
-            check_lr_schedule(run["scheduler"], current)
+            check_lr_schedule(run["scheduler"], current, saved_state)
     return load_tag, lines, saved_state
 
 
-def check_lr_schedule(saved, current):
+def check_lr_schedule(saved, current, state):
     """The checkpoint's LR schedule against this config's, as the resume will (AnnealingLR.load_state_dict, by
     value: Megatron's check), before the model is built: a changed length of a run whose decay follows it
-    was refused only after the build. saved: the checkpoint's scheduler state; current: the config (a dict)."""
+    was refused only after the build. saved: the checkpoint's scheduler state; current: the config (a dict);
+    state: the checkpoint's run state, where the schedule goes on from."""
     keys = section(schedule.ScheduleConfig, types.SimpleNamespace(**current))
-    plan = schedule.Schedule(keys, parallel.grid.dp_size, current["seq_length"])
+    plan = schedule.Schedule(keys, parallel.grid.dp_size, current["seq_length"], state)
     try:
         plan.lr_schedule.load_state_dict(saved, override=current["override_lr_scheduler"])
     except ValueError as e:

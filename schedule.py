@@ -1,6 +1,6 @@
 """The run's plan: what each iteration does, as a function of the run's progress.
 
-    schedule = Schedule(schedule_cfg, dp_size, seq_length)
+    schedule = Schedule(schedule_cfg, dp_size, seq_length, start)   # start: a resume's run state
     schedule.batch_size(consumed_samples)     the global batch: Megatron's ramp-up (lesson 12)
     schedule.seqlen(iteration)                its length: DeepSpeed's curriculum (lesson 13)
     schedule.skipped(iteration)               in skip_train_iteration_range: skipped (lesson 9)
@@ -234,8 +234,11 @@ def _check_restart(keys, load):
 class Schedule:
     """Batch size, sequence length, skipped iterations, learning rate and the end of training."""
 
-    def __init__(self, schedule_cfg, dp_size, seq_length):
-        """schedule_cfg: a ScheduleConfig; seq_length: the model's (the length, no curriculum)."""
+    def __init__(self, schedule_cfg, dp_size, seq_length, start=None):
+        """schedule_cfg: a ScheduleConfig; seq_length: the model's (the length, no curriculum); start: the
+        checkpoint's run state a resume goes on from (a dict: iteration, consumed_samples, consumed_tokens), or
+        None. The totals are the run's at its end, from where it is: a resume that changed the global batch or
+        seq_length ends elsewhere than this config from iteration 0 would (the data's index is built for them)."""
         self.schedule_cfg, self.seq_length, keys = schedule_cfg, seq_length, schedule_cfg
         self.rampup = RampupBatchSize(
             keys.rampup_batch_size, keys.global_batch_size, keys.micro_batch_size, dp_size
@@ -245,7 +248,7 @@ class Schedule:
                 keys.min_difficulty, keys.max_difficulty, seq_length, keys.difficulty_step
             )
         self.skip_ranges = parse_iteration_ranges(keys.skip_train_iteration_range)
-        self.total_iters, self.total_samples, self.total_tokens = self._simulate()
+        self.total_iters, self.total_samples, self.total_tokens = self._simulate(start or {})
         self.lr_schedule = AnnealingLR(
             keys.lr,
             keys.min_lr,
@@ -327,8 +330,10 @@ class Schedule:
             or (keys.train_tokens is not None and tokens >= keys.train_tokens)
         )
 
-    def _simulate(self):
-        it = samples = tokens = 0
+    def _simulate(self, start):
+        it, samples, tokens = (
+            start.get(k, 0) for k in ("iteration", "consumed_samples", "consumed_tokens")
+        )
         while not self._done(it, samples, tokens):
             b = self.batch_size(samples)
             it += 1

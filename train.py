@@ -75,14 +75,14 @@ def main(argv=None):
     # The checkpoint writer inside: a save in flight is on disk before the lock is released.
     with safety.RunLock(cfg) as run_lock, checkpoint.AsyncWriter(cfg.async_save) as writer:
         callbacks = builders.build_callbacks(cfg, writer, run_lock.saved_state)
-        return run(cfg, grid, run_lock.exit_signal, writer, callbacks, harness)
+        return run(cfg, grid, run_lock, writer, callbacks, harness)
 
 
-def run(cfg, grid, exit_signal=lambda: False, writer=None, callbacks=NO_CALLBACKS, harness=None):
-    """Train (or, with eval_only, evaluate) the configured model; returns the run state. exit_signal() says when
-    a SIGTERM or SIGUSR1 asks to save and stop; writer: the checkpoint.AsyncWriter saves go through (None:
-    synchronous); harness: an eval_harness.RunEvaluation of lm-eval's tasks, or None."""
-    parts, device, train_data, valid_data = prepare(cfg, grid, callbacks)
+def run(cfg, grid, run_lock, writer=None, callbacks=NO_CALLBACKS, harness=None):
+    """Train (or, with eval_only, evaluate) the configured model; returns the run state. run_lock: safety.RunLock
+    (its exit_signal() asks to save and stop on SIGTERM or SIGUSR1; its saved_state: the checkpoint's run state);
+    writer: the checkpoint.AsyncWriter saves go through (None: synchronous); harness: lm-eval's tasks, or None."""
+    parts, device, train_data, valid_data = prepare(cfg, grid, callbacks, run_lock.saved_state)
     model, state, schedule = parts.model, parts.state, parts.schedule
     if cfg.eval_only:
         return training.evaluate_only(model, valid_data, state, parts.rules, device, cfg.split)
@@ -92,7 +92,7 @@ def run(cfg, grid, exit_signal=lambda: False, writer=None, callbacks=NO_CALLBACK
     ckpt_cfg = section(CheckpointConfig, cfg)
 
     def exit_reason(n):  # a signal, the job's time up, exit_interval (safety.py)
-        return safety.exit_reason(ckpt_cfg, n - first_iteration, job_start, exit_signal)
+        return safety.exit_reason(ckpt_cfg, n - first_iteration, job_start, run_lock.exit_signal)
 
     model.train()
     # closed however the loop ends (a callback's StopRun too): no thread is left loading when the process exits
@@ -174,11 +174,12 @@ def finish(cfg, parts, report, device):
         parts.optimizer.close()  # DeepSpeed's released before the process groups (launch.shut_down)
 
 
-def prepare(cfg, grid, callbacks):
+def prepare(cfg, grid, callbacks, saved_state):
     """This rank's parts of the run (run_state.Parts), resumed from a checkpoint if there is one, on its device,
-    and the data: (parts, device, train data, validation data)."""
+    and the data: (parts, device, train data, validation data). saved_state: the checkpoint's run state, or None
+    (the schedule's totals, the data's length, go on from it)."""
     device = launch.setup(section(parallel.LayoutConfig, cfg), cfg.seed)
-    schedule = Schedule(section(ScheduleConfig, cfg), grid.dp_size, cfg.seq_length)
+    schedule = Schedule(section(ScheduleConfig, cfg), grid.dp_size, cfg.seq_length, saved_state)
     parts = builders.build(cfg, grid, schedule, device, callbacks)
     data_cfg, context = section(loader.DataConfig, cfg), section(loader.DataContext, cfg)
     skips = callbacks.documents_to_skip

@@ -157,6 +157,20 @@ def test_a_rotary_model_resumes_at_a_longer_context_not_a_shorter_one(tmp_path):
         safety.compare_configs(current, {**current, "seq_length": 128}, "ckpt")  # learned
 
 
+def test_a_resume_with_a_smaller_global_batch_trains_to_its_end_on_a_blend(corpus, tmp_path):
+    """The data's length and the log's total were the config's from iteration 0 (6 x 8 samples), not the run's
+    (2 x 16, then 4 x 8): a blend's index of 48 samples, an IndexError at iteration 5 (Megatron sizes its blend
+    the same way)."""
+    blend = ["--data_path", "0.5", corpus, "0.5", corpus]
+    args = [*SMALL, *blend, "--train_iters=6", f"--save={tmp_path}", "--micro_batch_size=8"]
+    run_main(*args, "--global_batch_size=16", "--exit_interval=2")
+    out = run_main(*args, "--global_batch_size=8")
+    assert "training for 6 iterations, 64 samples" in out
+    fields = log_fields(out)
+    assert sorted(fields) == [3, 4, 5, 6] and fields[6]["consumed samples"] == "64"
+    assert re.search(r" iteration +6/ +6 \|", out)
+
+
 def test_a_checkpoint_of_another_version_is_compared_key_by_key(ckpt, tmp_path):
     """A key the checkpoint's version did not have was skipped (qk_layernorm asked of an old checkpoint: a
     traceback at the state dict's load; a switch without parameters: trained silently), a key this version

@@ -30,6 +30,32 @@ def test_train_samples_that_fill_whole_batches_run_every_batch(samples, iteratio
     assert p.total_iters == iterations and p.total_samples == 8 * iterations
 
 
+def test_a_resume_s_totals_go_on_from_its_checkpoint():
+    """A resume that changed the global batch or seq_length ends elsewhere than its config from iteration 0: the
+    totals (the log's "N/ total", the data's length, the decay over the run) go on from the checkpoint's
+    counters. From iteration 0 they were 6 iterations of 8 samples after 2 of 16 (a blend's index of 48 samples:
+    an IndexError at iteration 5), and 4 iterations of 16 for a train_samples run of 64 after 2 of 8 (5 ran)."""
+    keys = schedule.ScheduleConfig(
+        global_batch_size=8, micro_batch_size=4, train_iters=6, lr_decay_samples=800
+    )
+    after_16 = {"iteration": 2, "consumed_samples": 32, "consumed_tokens": 32 * 64}
+    whole = schedule.Schedule(keys, 1, 64, after_16)
+    assert (whole.total_iters, whole.total_samples, whole.total_tokens) == (6, 64, 64 * 64)
+    assert schedule.Schedule(keys, 1, 64).total_samples == 48  # from iteration 0
+    by_samples = schedule.ScheduleConfig(
+        global_batch_size=16, micro_batch_size=4, train_samples=64, lr_decay_samples=800
+    )
+    after_8 = {"iteration": 2, "consumed_samples": 16, "consumed_tokens": 16 * 32}
+    assert schedule.Schedule(by_samples, 1, 32, after_8).total_iters == 5
+    # a longer context after 12 iterations at 32: the tokens left, in samples of 64
+    by_tokens = schedule.ScheduleConfig(
+        global_batch_size=8, micro_batch_size=4, train_tokens=12 * 8 * 32 + 4 * 8 * 64
+    )
+    after_32 = {"iteration": 12, "consumed_samples": 96, "consumed_tokens": 12 * 8 * 32}
+    longer = schedule.Schedule(by_tokens, 1, 64, after_32)
+    assert (longer.total_iters, longer.total_samples) == (16, 128)
+
+
 def test_cosine_and_linear_are_the_expression_megatron_computes_bit_for_bit():
     """Checkpoints and resumes are compared byte for byte: the registry must not reorder a float operation."""
     mx, mn, warmup, decay = 6e-5, 6e-6, 216_320, 126_953_125
