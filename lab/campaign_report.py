@@ -9,11 +9,14 @@ import json
 import math
 import os
 import re
+import sys
 
 import guard_metrics
 from campaign_draw import FAMILIES, HARM, SEVENTH, is_harmful
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+import files  # noqa: E402
 
 CAUSES = ["data", "optimizer", "hardware", "numerical", "persistent", "none"]
 # the methods a campaign runs its trials under, in its tables' order: the guard, doing nothing, then the field's
@@ -274,8 +277,7 @@ def report(out, harm=HARM, registration=None, baselines=None):
     if no_method:
         lines += ["", no_method]
     text = "\n".join(lines) + "\n"
-    with open(os.path.join(out, "report.md"), "w") as f:
-        f.write(text)
+    files.write_text(text, os.path.join(out, "report.md"))
     figure(rows, os.path.join(out, "campaign.png"))
     return text
 
@@ -784,4 +786,5 @@ def figure(rows, path):
     ax.set_xlabel("trial (x: unguarded, red if harmful; o: guarded)")
     ax.set_ylabel("final validation loss / clean twin's (clipped at 1.5)")
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    with files.replaced(path) as tmp:
+        fig.savefig(tmp, dpi=100)

@@ -96,6 +96,7 @@ from campaign_report import (
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+import files  # noqa: E402
 import safety  # noqa: E402
 
 MODEL = [
@@ -654,9 +655,7 @@ def preregister(a):
                 "commit the tree first, so that the registration's hash names it"
             )
         now["written"] = utc()
-        os.makedirs(os.path.dirname(os.path.abspath(a.preregister)), exist_ok=True)
-        with open(a.preregister, "w") as f:
-            json.dump(now, f, indent=1, sort_keys=True)
+        files.write_text(json.dumps(now, indent=1, sort_keys=True), a.preregister)
         print(f"campaign: registered {registration_id(now)} in {a.preregister}", flush=True)
         return now
     saved = json.load(open(a.preregister))

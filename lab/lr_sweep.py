@@ -74,6 +74,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import bpe_corpus  # noqa: E402
+import files  # noqa: E402 (bpe_corpus puts the repository on the path)
 from sweep_arms import (  # noqa: E402
     ARMS,
     HEAD_DIM,
@@ -578,10 +579,9 @@ def main(argv=None):
         for arm, spec in arms.items()
     }
     rows_by_arm = {arm: rows for arm, rows in rows_by_arm.items() if rows}
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "results.jsonl"), "w") as f:
-        for r in results:
-            f.write(json.dumps(r) + "\n")
+    files.write_text(
+        "".join(json.dumps(r) + "\n" for r in results), os.path.join(args.out, "results.jsonl")
+    )
     table = markdown(
         rows_by_arm, {arm: spec["lrs"] for arm, spec in arms.items()}, corpus, warnings, code, width
     )
@@ -603,8 +603,7 @@ def main(argv=None):
             f"\nCPU time, {len(timed)} runs: {sum(cpu) / len(cpu):.0f} s a run on average, "
             f"{sum(cpu) / 3600:.2f} h in all (a resumed run counts its last part only).\n"
         )
-    with open(os.path.join(args.out, "results.md"), "w") as f:
-        f.write(table)
+    files.write_text(table, os.path.join(args.out, "results.md"))
     plot(rows_by_arm, selected, corpus, os.path.join(args.out, "lr_sweep.png"))
     print(table)
     print(f"wrote {args.out}/results.jsonl, results.md, lr_sweep.png in {time.time() - start:.0f}s")

@@ -7,8 +7,11 @@ nothing.
 import json
 import math
 import os
+import sys
 
-from sweep_arms import (
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import files  # noqa: E402
+from sweep_arms import (  # noqa: E402
     ARMS,
     HALF_DECADES,
     LADDER,
@@ -985,7 +988,8 @@ def plot(rows_by_arm, results, corpus, path):
         if any(not line.get_label().startswith("_") for line in right.lines):
             right.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path)
+    with files.replaced(path) as tmp:
+        fig.savefig(tmp)
     plt.close(fig)
 
 
@@ -1071,9 +1075,7 @@ def report_from_records(args, arms):
     ladder_runs = [r for r in records if r["arm"] == "A" and r["code"] == code]
     if "A" in arms and len({r["width"] for r in ladder_runs}) > 1:
         table += "\n" + ladder_markdown(ladder(ladder_runs, corpus["bigram_entropy"], LADDER))
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "results.md"), "w") as f:
-        f.write(table)
+    files.write_text(table, os.path.join(args.out, "results.md"))
     plot(rows_by_arm, selected, corpus, os.path.join(args.out, "lr_sweep.png"))
     if args.docs:
         with open(args.docs) as f:
@@ -1086,10 +1088,10 @@ def report_from_records(args, arms):
                 f"with this one named after --docs: --arms {','.join(arms)} --width {args.width})"
             )
         head, rest = text.split(begin)
-        with open(args.docs, "w") as f:
-            f.write(
-                head + begin + "\n\n" + table.rstrip("\n") + "\n\n" + end + rest.split(end, 1)[1]
-            )
+        files.write_text(
+            head + begin + "\n\n" + table.rstrip("\n") + "\n\n" + end + rest.split(end, 1)[1],
+            args.docs,
+        )
         plot(rows_by_arm, selected, corpus, figure)
     print(table)
     print(
