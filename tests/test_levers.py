@@ -365,6 +365,34 @@ def test_show_samples_tool_prints_what_an_iteration_consumed(corpus):
     assert text in proc.stdout
 
 
+def test_show_samples_follows_the_run_s_log_past_a_resume_that_changed_the_batch(tmp_path, capsys):
+    """The config replayed from iteration 0 named samples 16-23 for iteration 3 of a run whose first two
+    iterations took 16 samples each (resumed with 8): 32-39. From the run's log (metrics.jsonl in save), each
+    iteration it logged is the run's own; a batch of these keys' that the log contradicts is said."""
+    import sys
+
+    from helpers import ROOT
+
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    import show_samples
+
+    args = [*SMALL, "--train_iters=4", f"--save={tmp_path}"]
+    run_main(*args, "--global_batch_size=16", "--exit_interval=2")
+    run_main(*args, "--global_batch_size=8")
+    capsys.readouterr()
+    show_samples.main(["--iterations", "1-4", "--max_chars=100000", *args, "--global_batch_size=8"])
+    out = capsys.readouterr().out
+    assert [line for line in out.splitlines() if line.startswith("===")] == [
+        "=== iteration 1: samples 0-15, seqlen 64 (the run's batch, from its log; these keys' is 8)",
+        "=== iteration 2: samples 16-31, seqlen 64 (the run's batch, from its log; these keys' is 8)",
+        "=== iteration 3: samples 32-39, seqlen 64",
+        "=== iteration 4: samples 40-47, seqlen 64",
+    ]
+    cfg = arguments.prepare(arguments.load_config([*SMALL, "--train_iters=6"]))
+    train_data, _ = data_of(cfg, plan_of(cfg))
+    assert data.get_tokenizer().decode(train_data[39].tolist()) in out.split("=== iteration 4")[0]
+
+
 def test_show_samples_names_its_own_flag_in_a_bad_range():
     import sys
 

@@ -4,11 +4,15 @@
 
 The 104B team switched to logging every iteration "in case we need to remap samples to text to find a
 really bad text input" (lesson 9). The sample order is a function of the config (data, split, seed, batch
-ramp-up, curriculum) and of the consumed samples only, so it can be replayed without the checkpoint.
+ramp-up, curriculum) and of the consumed samples only, so it can be replayed without the checkpoint: from the
+run's own log where there is one (metrics.jsonl in the config's save directory: the consumed samples of the last
+logged iteration before A, so a resume that changed the global batch is followed), else from iteration 0. An
+iteration of A..B whose logged count differs from the replay is said: the run's keys were not these.
 Skipped iterations (skip_train_iteration_range) are listed too: their batches were drawn and thrown away.
 """
 
 import argparse
+import json
 import os
 import sys
 
@@ -21,13 +25,45 @@ import schedule  # noqa: E402
 from sections import section  # noqa: E402
 
 
-def iteration_starts(plan, last):
-    """{iteration: (first consumed sample, global batch size, seqlen)} for iterations 1..last."""
-    out, consumed = {}, 0
-    for it in range(1, last + 1):
-        batch = plan.batch_size(consumed)
-        out[it] = (consumed, batch, plan.seqlen(it))
-        consumed += batch
+def logged_progress(save):
+    """{iteration: (consumed samples, consumed tokens) after it} of the run's metrics.jsonl in save (an iteration
+    logged again after a rollback or a resume: its last record), or {} without one."""
+    path = os.path.join(save, "metrics.jsonl") if save else None
+    if path is None or not os.path.exists(path):
+        return {}
+    out = {}
+    with open(path) as f:
+        for line in f:
+            try:
+                r = json.loads(line)
+            except ValueError:  # a line the run is writing
+                continue
+            if "consumed samples" in r:
+                out[r["iteration"]] = (int(r["consumed samples"]), int(r["consumed tokens"]))
+    return out
+
+
+def iteration_starts(plan, first, last, logged):
+    """{iteration: (first consumed sample, global batch size, seqlen, note)} for iterations first..last: from the
+    run's last logged iteration before first, each batch the run's own where the log has the iteration after a
+    known count (log_interval 1: exact whatever the keys), else the plan's (a count the log then contradicts is
+    said in the note). logged: logged_progress's."""
+    done = max((i for i in logged if i < first), default=0)
+    out, consumed, known = {}, logged.get(done, (0, 0))[0], True
+    for it in range(done + 1, last + 1):
+        batch, note = plan.batch_size(consumed), ""
+        if it in logged and logged[it][0] != consumed + batch:
+            if known:
+                note = f" (the run's batch, from its log; these keys' is {batch})"
+                batch = logged[it][0] - consumed
+            else:
+                note = (
+                    f" -- but the run's log has {logged[it][0]} samples consumed after it, not {consumed + batch}: "
+                    "the run's keys (global_batch_size, rampup_batch_size) were not these"
+                )
+        if it >= first:
+            out[it] = (consumed, batch, plan.seqlen(it), note)
+        consumed, known = consumed + batch, it in logged
     return out
 
 
@@ -48,19 +84,37 @@ def main(argv=None):
     arguments.prepare(
         cfg, world_size=cfg.tensor_model_parallel_size * cfg.pipeline_model_parallel_size
     )
-    plan = schedule.Schedule(section(schedule.ScheduleConfig, cfg), 1, cfg.seq_length)
+    logged = logged_progress(cfg.save)
+    # the run's length from where its log ends, as its resume would go on (Schedule's start)
+    newest = max(logged, default=0)
+    samples, tokens = logged.get(newest, (0, 0))
+    start = {"iteration": newest, "consumed_samples": samples, "consumed_tokens": tokens}
+    plan = schedule.Schedule(section(schedule.ScheduleConfig, cfg), 1, cfg.seq_length, start)
+    anchor = max((i for i in logged if i < first), default=0)
+    samples = logged.get(anchor, (0, 0))[0]
     if last > plan.total_iters:
         raise ValueError(
             f"iteration {last} is past the end of this run ({plan.total_iters} iterations)"
         )
+    if logged:
+        print(
+            f"the consumed samples from the run's log, {cfg.save}/metrics.jsonl (replayed from iteration "
+            f"{anchor + 1}, after {samples} samples)"
+        )
+    starts = iteration_starts(plan, first, last, logged)
+    end = max(begin + batch for begin, batch, _, _ in starts.values())
+    if end > plan.total_samples:
+        raise ValueError(
+            f"iterations {first}-{last} consumed samples up to {end}, past these keys' {plan.total_samples}: the "
+            "run's keys (train_iters, train_samples, global_batch_size) were not these"
+        )
     data_cfg, context = section(loader.DataConfig, cfg), section(loader.DataContext, cfg)
     train_data, _ = loader.build_data(data_cfg, context, plan)
-    for it, (start, batch, seqlen) in iteration_starts(plan, last).items():
-        if it < first:
-            continue
-        note = " (skipped by skip_train_iteration_range)" if plan.skipped(it) else ""
-        print(f"=== iteration {it}: samples {start}-{start + batch - 1}, seqlen {seqlen}{note}")
-        for i in range(start, start + batch):
+    for it, (begin, batch, seqlen, note) in starts.items():
+        if plan.skipped(it):
+            note += " (skipped by skip_train_iteration_range)"
+        print(f"=== iteration {it}: samples {begin}-{begin + batch - 1}, seqlen {seqlen}{note}")
+        for i in range(begin, begin + batch):
             print(f"--- sample {i} ({len(train_data[i][: seqlen + 1])} tokens)")
             print(data.sample_text(train_data, i, seqlen, args.max_chars, cfg.tokenizer_file))
 
