@@ -393,6 +393,29 @@ def test_show_samples_follows_the_run_s_log_past_a_resume_that_changed_the_batch
     assert data.get_tokenizer().decode(train_data[39].tolist()) in out.split("=== iteration 4")[0]
 
 
+def test_show_samples_says_where_a_run_trained_at_another_seq_length(tmp_path, capsys):
+    """Samples of another length are another sample index: after a context extended on resume, the iterations
+    before it are named with the length to replay them at, from the log's token counts."""
+    import sys
+
+    from helpers import ROOT
+
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    import show_samples
+
+    args = [*SMALL, "--position_embedding_type=rotary", "--train_iters=3", f"--save={tmp_path}"]
+    run_main(*args, "--seq_length=32", "--exit_interval=2")
+    run_main(*args)
+    capsys.readouterr()
+    show_samples.main(["--iterations", "1-3", "--max_chars=10", *args])
+    heads = [line for line in capsys.readouterr().out.splitlines() if line.startswith("===")]
+    assert heads == [
+        f"=== iteration {i}: samples {8 * i - 8}-{8 * i - 1}, seqlen 64 -- the run trained at seqlen 32 here "
+        "(its log): give --seq_length=32 for its samples"
+        for i in (1, 2)
+    ] + ["=== iteration 3: samples 16-23, seqlen 64"]
+
+
 def test_show_samples_names_its_own_flag_in_a_bad_range():
     import sys
 

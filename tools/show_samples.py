@@ -49,9 +49,9 @@ def iteration_starts(plan, first, last, logged):
     known count (log_interval 1: exact whatever the keys), else the plan's (a count the log then contradicts is
     said in the note). logged: logged_progress's."""
     done = max((i for i in logged if i < first), default=0)
-    out, consumed, known = {}, logged.get(done, (0, 0))[0], True
+    out, (consumed, tokens), known = {}, logged.get(done, (0, 0)), True
     for it in range(done + 1, last + 1):
-        batch, note = plan.batch_size(consumed), ""
+        batch, seqlen, note = plan.batch_size(consumed), plan.seqlen(it), ""
         if it in logged and logged[it][0] != consumed + batch:
             if known:
                 note = f" (the run's batch, from its log; these keys' is {batch})"
@@ -61,9 +61,14 @@ def iteration_starts(plan, first, last, logged):
                     f" -- but the run's log has {logged[it][0]} samples consumed after it, not {consumed + batch}: "
                     "the run's keys (global_batch_size, rampup_batch_size) were not these"
                 )
+        if it in logged and known and logged[it][1] - tokens != batch * seqlen:
+            # samples of another length are another sample index (a context extended on resume)
+            ran = (logged[it][1] - tokens) // batch
+            note += f" -- the run trained at seqlen {ran} here (its log): give --seq_length={ran} for its samples"
         if it >= first:
-            out[it] = (consumed, batch, plan.seqlen(it), note)
+            out[it] = (consumed, batch, seqlen, note)
         consumed, known = consumed + batch, it in logged
+        tokens = logged[it][1] if known else tokens + batch * seqlen
     return out
 
 
