@@ -26,6 +26,21 @@ def test_tr11_dry_run_reports_the_rank_with_the_embedding_shard():
     assert "32.30 GiB on the largest rank (an even share would be 27.82 GiB)" in out.getvalue()
 
 
+def test_the_dry_run_in_docs_parallelism_is_what_it_prints():
+    """The page showed 2 B of gradients and 16 B of optimizer state per parameter (14.93 GiB) after the code had
+    come to allocate 4 and 12 (14.43 GiB): the block is compared with the dry run itself."""
+    command = "    $ WORLD_SIZE=256 python train.py config/tr8b_104b.py --dry_run\n"
+    with open(os.path.join(ROOT, "docs", "parallelism.md")) as f:
+        page = f.read()
+    shown = page.split(command, 1)[1].split("\n\n", 1)[0]
+    out = io.StringIO()
+    cfg = arguments.load_config([os.path.join(ROOT, "config", "tr8b_104b.py")])
+    estimate.dry_run(cfg, world_size=256, file=out)
+    assert shown.splitlines() == [
+        "    " + line for line in out.getvalue().rstrip("\n").splitlines()
+    ]
+
+
 # -----------------------------------------------------------------------------
 # Activations per layer: the GPT-2 block, GQA's keys and values, SwiGLU's gate
 
