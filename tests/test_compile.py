@@ -78,8 +78,13 @@ def _train(compiled, steps=3):
 
 def test_compiled_training_equals_eager_bit_for_bit():
     torch._dynamo.reset()
+    counters = torch._dynamo.utils.counters
+    counters.clear()
     eager, eager_state = _train(False)
+    assert counters["stats"]["unique_graphs"] == 0
     compiled, compiled_state = _train(True)
+    # the blocks were traced (a compile_blocks that compiled nothing would compare eager with eager)
+    assert counters["stats"]["unique_graphs"] >= 1, dict(counters["stats"])
     assert torch.equal(compiled, eager), (compiled, eager)
     for key in eager_state:
         assert torch.equal(compiled_state[key], eager_state[key]), key

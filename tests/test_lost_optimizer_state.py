@@ -5,9 +5,18 @@ own references: the moments the optimizer held before (zeroed, the step count ke
 import torch
 
 import arguments
-from builders import build_model, build_optimizer
-from helpers import corpus, corpus512, losses, run_main, spike_guard_of  # noqa: F401 (corpus, corpus512: fixtures)
+import optim
+from builders import build_model, build_optimizer, step_rules
+from helpers import (  # noqa: F401 (corpus, corpus512: fixtures)
+    corpus,
+    corpus512,
+    losses,
+    random_batches,
+    run_main,
+    spike_guard_of,
+)
 from stability.faults import Faults
+from training import whole_step
 
 TINY = [
     "--num_layers=1",
@@ -19,32 +28,49 @@ TINY = [
 ]
 
 
+def _steps(cfg, model, optimizer, n, seed):
+    """n whole steps on random batches (the grad buffer's path: a bare backward would leave the optimizer with no
+    gradient, so no state, and every check below over an empty dict)."""
+    for k in range(n):
+        batches = random_batches(seed + k, 1, cfg.micro_batch_size, cfg.seq_length, cfg.vocab_size)
+        step = whole_step(
+            model,
+            optimizer,
+            optim.scaler_for(cfg),
+            batches,
+            1e-3,
+            step_rules(cfg),
+            torch.device("cpu"),
+        )
+        assert step.outcome == "ok", step.outcome
+
+
 def test_the_moments_are_zeroed_once_in_time_and_the_step_count_kept():
     cfg = arguments.prepare(arguments.load_config([*TINY, "--inject_lost_optimizer_state_iter=4"]))
     model = build_model(cfg, torch.device("cpu"))
     optimizer = build_optimizer(cfg, model)
-    for _ in range(3):
-        sum(p.sum() for p in model.parameters()).backward()
-        optimizer.step()
-    steps = {id(p): s.get("step") for p, s in optimizer.state.items()}
-    assert all(s["exp_avg_sq"].abs().sum() > 0 for s in optimizer.state.values())
+    _steps(cfg, model, optimizer, 3, seed=0)
+    states = optimizer.state
+    assert len(states) == len(list(model.parameters())), "every parameter holds its moments"
+    steps = {id(p): torch.as_tensor(s["step"]).clone() for p, s in states.items()}
+    assert all(int(step) == 3 for step in steps.values())
+    assert all(s["exp_avg_sq"].abs().sum() > 0 for s in states.values())
     guard = spike_guard_of(cfg)
     faults = Faults(cfg, None, cfg.seed, cfg.vocab_size)
     faults.optimizer = optimizer
     faults.lose_optimizer_state(3, guard)  # not its iteration: untouched
-    assert all(s["exp_avg"].abs().sum() > 0 for s in optimizer.state.values())
+    assert all(s["exp_avg"].abs().sum() > 0 for s in states.values())
     faults.lose_optimizer_state(4, guard)
-    for p, s in optimizer.state.items():
+    for p, s in states.items():
         assert not s["exp_avg"].any() and not s["exp_avg_sq"].any()
-        assert s.get("step") is steps[id(p)] or torch.equal(
-            torch.as_tensor(s["step"]), torch.as_tensor(steps[id(p)])
-        )
-    sum(p.sum() for p in model.parameters()).backward()
-    optimizer.step()
+        assert torch.equal(
+            torch.as_tensor(s["step"]), steps[id(p)]
+        )  # bias correction goes on at step 4
+    _steps(cfg, model, optimizer, 1, seed=3)
     # the iteration has been run: met again (a rollback's replay), it is not a fault anew
     guard.last_run = 4
     faults.lose_optimizer_state(4, guard)
-    assert all(s["exp_avg_sq"].abs().sum() > 0 for s in optimizer.state.values())
+    assert all(s["exp_avg_sq"].abs().sum() > 0 for s in states.values())
 
 
 def test_a_resume_that_loses_the_moments_departs_from_the_clean_run_after_its_step(
