@@ -944,7 +944,8 @@ def run_dict(ckpt, cfg):
         scheduler_tokens=int(lr.get("num_tokens", tokens)),
     )
     schedule_cfg = section(schedule.ScheduleConfig, cfg)
-    annealing = schedule.Schedule(schedule_cfg, 1, cfg.seq_length).lr_schedule
+    # from the checkpoint's counters, as the resume of what this writes builds it (a decay over the run's length)
+    annealing = schedule.Schedule(schedule_cfg, 1, cfg.seq_length, asdict(state)).lr_schedule
     scheduler = annealing.state_dict()
     # Megatron records the token count at the end of its sample warm-up in `warmup_tokens` (0 unless it decays
     # by tokens); ours in warmup_end_tokens, None while the warm-up lasts

@@ -32,6 +32,7 @@ import megatron_ds
 import optim
 import parallel
 import run_state
+import safety
 import schedule
 import training
 from builders import build_model, build_optimizer
@@ -1064,3 +1065,33 @@ def test_a_checkpoint_without_a_token_count_resumes_with_full_length_samples():
     assert run["state"]["consumed_tokens"] == 96 * 32
     checked, _ = checkpoint.checked_run_state(run["state"], run["config"])
     assert checked["consumed_tokens"] == 96 * 32
+
+
+def test_an_imported_lr_schedule_is_the_one_its_resume_checks_against():
+    """A run whose decay follows its length (lr_decay_samples unset), imported at iteration 2 after batches of 16
+    where this config has 8: the resume builds its schedule from the checkpoint's counters (the run's length from
+    where it is), and so must the importer, or the resume refuses the import's own schedule as changed."""
+    cfg = arguments.prepare(
+        arguments.load_config(
+            [
+                "--global_batch_size=8",
+                "--micro_batch_size=8",
+                "--train_iters=10",
+                "--lr_warmup_samples=0",
+                "--lr_decay_samples=none",
+            ]
+        )
+    )
+    assert cfg.lr_decay_samples is None and cfg.lr_decay_tokens is None
+    samples = 32  # 2 x 16
+    ckpt = types.SimpleNamespace(
+        args=types.SimpleNamespace(consumed_train_samples=samples),
+        state={
+            "iteration": 2,
+            "tokens": samples * cfg.seq_length,
+            "lr_scheduler": {"num_steps": samples},
+        },
+        zero=None,
+    )
+    run = megatron_ds.run_dict(ckpt, cfg)
+    safety.check_lr_schedule(run["scheduler"], arguments.to_dict(cfg), run["state"])
