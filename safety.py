@@ -74,6 +74,9 @@ RUN_LENGTH_KEYS = (
     "global_batch_size",
     "rampup_batch_size",
 )
+# what the training data's sample order follows (loader.build_data): a resume goes on at its sample count, in the
+# new order (a blend's new weights, a later phase's mix)
+DATA_ORDER_KEYS = ("data_source", "data_path", "use_bundled_corpus", "split", "seed")
 
 
 def architecture_keys():
@@ -172,6 +175,11 @@ def compare_configs(saved, current, tag_dir):
             note = (
                 " (a longer context, the same weights: the data goes on at the same sample count, in samples "
                 "of the new length)"
+            )
+        elif key in DATA_ORDER_KEYS:
+            note = (
+                " (the training data's order follows it: the run goes on at its sample count in the new order, "
+                "which may give samples already read and skip others)"
             )
         # with no decay length of its own, the LR decays over the run: its length sets the schedule too
         length_sets_lr = (

@@ -201,6 +201,19 @@ def test_a_checkpoint_of_another_version_is_compared_key_by_key(ckpt, tmp_path):
     ]
 
 
+def test_a_resume_that_changes_the_data_order_says_what_it_does():
+    """seed, split or the blend changed on resume (Megatron allows it; a later phase's mix does it on purpose): the
+    run goes on at its sample count in another order, which the changed-keys line now says."""
+    current = arguments.to_dict(arguments.prepare(arguments.load_config(SMALL)))
+    said = " (the training data's order follows it: the run goes on at its sample count in the new order, "
+    assert safety.compare_configs(current, {**current, "seed": 42, "split": "98,2,0"}, "ckpt") == [
+        "split: '949,50,1' -> '98,2,0'"
+        + said
+        + "which may give samples already read and skip others)",
+        "seed: 1234 -> 42" + said + "which may give samples already read and skip others)",
+    ]
+
+
 def test_a_resume_past_the_end_or_skipping_what_it_trained_is_refused_with_the_fix(ckpt, tmp_path):
     """Each exited 0 having done nothing, or skipped nothing, and said nothing: train_iters below the
     checkpoint's iteration; a new skip_train_iteration_range before it (lesson 9's rollback with latest left as
