@@ -106,6 +106,9 @@ def main(argv=None):
             f"the consumed samples from the run's log, {cfg.save}/metrics.jsonl (replayed from iteration "
             f"{anchor + 1}, after {samples} samples)"
         )
+    else:  # a run that changed its batch on a resume is not followed: said
+        where = f"in save ({cfg.save})" if cfg.save else "(no save directory)"
+        print(f"no metrics.jsonl {where}: replayed by these keys from iteration 1")
     starts = iteration_starts(plan, first, last, logged)
     end = max(begin + batch for begin, batch, _, _ in starts.values())
     if end > plan.total_samples:
