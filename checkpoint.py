@@ -838,6 +838,7 @@ def checked_run_state(saved, config=None):
                 f"run state: {key} missing (a checkpoint of an older version), filled by "
                 f"its migration: {note}"
             )
+    notes += _migrate_reset(state)
     _check_ranges(state, config)
     _check_history(state["history"])
     for key, kind in (("callbacks", dict), ("hf_origin", (dict, type(None)))):
@@ -893,14 +894,39 @@ def _check_ranges(state, config):
     reset = state["optimizer_reset"]
     counts = (
         isinstance(reset, dict)
-        and set(reset) == {"iteration", "warmup_iters"}
+        and set(reset) == {"iteration", "warmup_iters", "updates"}
         and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in reset.values())
     )
-    if reset is not None and not (counts and reset["iteration"] <= it):
+    if reset is not None and not (
+        counts
+        and reset["iteration"] <= it
+        and reset["updates"] <= min(reset["warmup_iters"], it - reset["iteration"])
+    ):
         raise _damaged(
             "optimizer_reset",
-            f"is {_short(reset)}, not None or {{'iteration': <= {it}, 'warmup_iters': >= 0}}",
+            f"is {_short(reset)}, not None or {{'iteration': <= {it}, 'warmup_iters': >= 0, 'updates': "
+            "<= warmup_iters and the iterations since}",
         )
+
+
+def _migrate_reset(state):
+    """An optimizer reset of a version before 'updates' (its lr=0 window counted in iterations, skipped ones
+    too): the window's updates as that version counted them, so the resume goes on where it stood. Its note."""
+    reset = state["optimizer_reset"]
+    if (
+        not isinstance(reset, dict)
+        or "updates" in reset
+        or set(reset) != {"iteration", "warmup_iters"}
+    ):
+        return []
+    done = state["iteration"] - reset["iteration"]
+    if not all(isinstance(v, int) for v in (done, reset["warmup_iters"])) or done < 0:
+        return []  # refused by the range check, naming the key as it was saved
+    state["optimizer_reset"] = {**reset, "updates": min(reset["warmup_iters"], done)}
+    return [
+        "run state: optimizer_reset without its updates (a checkpoint of an older version, whose lr=0 window "
+        f"counted iterations): {state['optimizer_reset']['updates']} of its {reset['warmup_iters']}, as it counted"
+    ]
 
 
 def _schedule_note(state, config):

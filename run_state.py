@@ -45,7 +45,8 @@ class RunState:
     # the update succeeded: not on fp16 overflows nor on skip_train_iteration_range).
     scheduler_samples: int = 0
     scheduler_tokens: int = 0
-    optimizer_reset: dict | None = None  # {"iteration", "warmup_iters"} of the reset (lesson 8)
+    # {"iteration", "warmup_iters", "updates"} of the reset (lesson 8): updates, the applied ones at lr=0 so far
+    optimizer_reset: dict | None = None
     # each callback's state at the last capture, by its name
     callbacks: dict = field(default_factory=dict)
     # the loss and grad norm of the last HISTORY applied steps, oldest first: the trend that the soft skip and the
@@ -61,6 +62,10 @@ class RunState:
         if applied:
             self.scheduler_samples += batch_size
             self.scheduler_tokens += batch_size * seqlen
+        reset = self.optimizer_reset
+        # the warm-up is of the fresh moments: only an update that applied moved them (not a skipped batch)
+        if applied and reset is not None and reset["updates"] < reset["warmup_iters"]:
+            reset["updates"] += 1
         if applied and step is not None:
             for key, value in (("loss", step.loss), ("grad norm", step.grad_norm)):
                 values = self.history[key]
@@ -152,12 +157,16 @@ def restore(payload, parts, optimizer=True, rng_state=True, keep_payload=False):
 
 
 def reset_optimizer(parts, warmup_iters):
-    """Lesson 8's reset, at this iteration: Adam from step 0 with zero moments, then warmup_iters iterations at
-    lr=0 (schedule.lr_at). In the run state: a resumed run keeps the window and resets once only."""
+    """Lesson 8's reset, at this iteration: Adam from step 0 with zero moments, then warmup_iters applied updates
+    at lr=0 (schedule.lr_at; a skipped iteration is not one). In the run state: a resumed run keeps the window and resets once only."""
     state = getattr(parts.optimizer, "state", None)  # DeepSpeed's: reset only at a resume, fresh
     if state:
         state.clear()
-    parts.state.optimizer_reset = {"iteration": parts.state.iteration, "warmup_iters": warmup_iters}
+    parts.state.optimizer_reset = {
+        "iteration": parts.state.iteration,
+        "warmup_iters": warmup_iters,
+        "updates": 0,
+    }
 
 
 # -----------------------------------------------------------------------------

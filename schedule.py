@@ -284,8 +284,8 @@ class Schedule:
         scheduler_tokens count the applied updates: Megatron's schedule stands still on skipped
         steps (lesson 5)."""
         reset = state.optimizer_reset
-        if reset is not None and iteration <= reset["iteration"] + reset["warmup_iters"]:
-            return 0.0  # lesson 8: the fresh moments warm up while the weights stay put
+        if reset is not None and reset["updates"] < reset["warmup_iters"]:
+            return 0.0  # lesson 8: the fresh moments warm up (applied updates) while the weights stay put
         return self.lr_schedule.get_lr(state.scheduler_samples, state.scheduler_tokens)
 
     def done(self, state):

@@ -460,6 +460,34 @@ def test_reset_optimizer_with_lr0_warmup(small512, tmp_path):
     assert optim.reset_warmup_iters(optim.OptimizerConfig(adam_beta2=0.95), "auto") == 100
 
 
+def test_the_lr0_warm_up_counts_applied_updates_not_skipped_iterations(small512, tmp_path):
+    """The lesson-9 and lesson-8 recipe together (skip the bad data, reset the optimizer): the window was counted
+    in iterations, so a skip range over it used it up on discarded batches and the fresh moments met the full LR
+    at their first update. Now: 3 applied updates at lr=0 after the skips."""
+    base = [*small512, "--adam_beta2=0.95", f"--save={tmp_path}"]
+    run_main(*base, "--train_iters=2")
+    out = run_main(
+        *base,
+        "--train_iters=9",
+        f"--load={tmp_path}",
+        "--reset_optimizer_warmup_iters=3",
+        "--skip_train_iteration_range=3-5",
+    )
+    fields = log_fields(out)
+    assert sorted(fields) == [3, 4, 5, 6, 7, 8, 9] and "learning rate" not in fields[3]
+    assert [fields[i]["learning rate"] for i in (6, 7, 8)] == ["0.000E+00"] * 3
+    assert fields[9]["learning rate"] != "0.000E+00"
+    # the window's count is in the checkpoint: a resume inside it goes on where it stood
+    state = torch.load(
+        tmp_path / "global_step9" / "mp_rank_00_000_model_states.pt", weights_only=False
+    )
+    assert state["run"]["state"]["optimizer_reset"] == {
+        "iteration": 2,
+        "warmup_iters": 3,
+        "updates": 3,
+    }
+
+
 def test_no_load_optim_and_no_load_rng(small512, tmp_path):
     run_main(*small512, "--train_iters=3", f"--save={tmp_path}")
     full = losses(run_main(*small512, "--train_iters=5"))
