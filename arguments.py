@@ -377,7 +377,7 @@ def validate(cfg, world_size=1, reads_data=True):
     checkpoint.check(section(CheckpointConfig, cfg), cfg.eval_only)
     report.check(section(LoggingConfig, cfg))
     eval_harness.check(section(EvalHarnessConfig, cfg), cfg.eval_only)
-    stability_config.check(cfg)
+    stability_config.check(cfg, world_size)
 
 
 def derive(cfg, world_size=1):

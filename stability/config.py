@@ -18,6 +18,7 @@ a run builds its parts only when a switch asks (stability.build_callbacks).
 import math
 from dataclasses import dataclass
 
+import optim
 import schedule
 from sections import section
 from stability import FRAME, REGISTRY, part, reset_iters
@@ -47,11 +48,12 @@ def need(ok, message):
         raise ValueError(message)
 
 
-def check(cfg):
+def check(cfg, world_size=1):
     """Raise ValueError with the fix for stability keys that cannot work. The whole config: the keys
-    that work only together, across sections and with the core's (deepspeed, save, fp16), are
-    checked here; each section's own checks take the section."""
+    that work only together, across sections and with the core's (deepspeed, save, fp16, optimizer, the
+    number of processes), are checked here; each section's own checks take the section."""
     check_faults(section(FaultsConfig, cfg), half=cfg.fp16 or cfg.bf16)
+    check_faults_with_the_core(cfg, world_size)
     need(
         not cfg.inject_overflow_iters or cfg.fp16,
         "inject_overflow_iters makes fp16's gradients overflow: set fp16 (bf16 and fp32 have "
@@ -104,7 +106,44 @@ def check(cfg):
         section(SkipStepConfig, cfg), section(SpikyLossConfig, cfg), section(ZClipConfig, cfg)
     )
     check_restarts(
-        section(RestartConfig, cfg), cfg.spike_guard, cfg.deepspeed, cfg.save and cfg.save_interval
+        section(RestartConfig, cfg),
+        cfg.spike_guard,
+        cfg.deepspeed,
+        cfg.save and cfg.save_interval,
+        skip_step=bool(cfg.skip_step_sigma),
+    )
+
+
+def check_faults_with_the_core(cfg, world_size):
+    """Faults that would not happen, in silence, or fail mid-run: on a rank the run does not have, inside a
+    DeepSpeed step, or on moments the optimizer does not keep."""
+    on_a_rank = [k for k in ("inject_bitflip_iters", "inject_bad_device_iter") if getattr(cfg, k)]
+    need(
+        not on_a_rank or 0 <= cfg.inject_bitflip_rank < world_size,
+        f"{', '.join(on_a_rank)} strike rank inject_bitflip_rank={cfg.inject_bitflip_rank}, and the run has "
+        f"{world_size} process(es): give a rank below {world_size}",
+    )
+    # DeepSpeed keeps the gradients and the optimizer's state inside its step(), and its masters overwrite a weight
+    inside = on_a_rank + (
+        ["inject_lost_optimizer_state_iter"] if cfg.inject_lost_optimizer_state_iter else []
+    )
+    need(
+        not (cfg.deepspeed and inside),
+        f"{', '.join(inside)} act on the gradients, the weights or the optimizer's state, which DeepSpeed keeps "
+        "inside its step(): unset them or set deepspeed=False",
+    )
+    moments = (
+        ["inject_lost_optimizer_state_iter"] if cfg.inject_lost_optimizer_state_iter else []
+    ) + (
+        [f"inject_bitflip_target={cfg.inject_bitflip_target}"]
+        if cfg.inject_bitflip_iters and cfg.inject_bitflip_target in ("exp_avg", "exp_avg_sq")
+        else []
+    )
+    name = optim.optimizer_name(cfg.optimizer, cfg.use_bnb_optimizer)
+    need(
+        not moments or name == "adamw",
+        f"{', '.join(moments)} act on AdamW's exp_avg and exp_avg_sq, which optimizer={name} does not keep "
+        "under those names: use optimizer=adamw",
     )
 
 
@@ -281,8 +320,9 @@ def check_remedies(skip_step_cfg, spiky_loss_cfg, zclip_cfg):
     """The field's remedies (stability/remedies.py): their keys' ranges."""
     s, spiky, z = skip_step_cfg, spiky_loss_cfg, zclip_cfg
     need(
-        s.skip_step_sigma >= 0 and s.skip_step_window >= 4,
-        "skip_step_sigma must be >= 0 (0: off) and skip_step_window >= 4 (its warm-up is half of it, >= 2 steps)",
+        s.skip_step_sigma >= 0 and s.skip_step_window >= 6,
+        "skip_step_sigma must be >= 0 (0: off) and skip_step_window >= 6 (its warm-up is half of it: a standard "
+        "deviation of the 2 or more values before the step)",
     )
     need(
         spiky.spiky_loss_factor == 0 or spiky.spiky_loss_factor > 1,
@@ -298,9 +338,9 @@ def check_remedies(skip_step_cfg, spiky_loss_cfg, zclip_cfg):
     )
 
 
-def check_restarts(restart_cfg, spike_guard, deepspeed, saves):
+def check_restarts(restart_cfg, spike_guard, deepspeed, saves, skip_step=False):
     """The automated checkpoint restarts (remedies.OptRestart, PalmRestart): ranges, and the disk
-    checkpoints they go back to. saves: save and save_interval are set."""
+    checkpoints they go back to. saves: save and save_interval are set; skip_step: SkipStep is on."""
     r = restart_cfg
     need(
         0 <= r.opt_restart_lr_factor < 1,
@@ -312,8 +352,9 @@ def check_restarts(restart_cfg, spike_guard, deepspeed, saves):
         "palm_restart_skip (0: off; PaLM: 200-500) and palm_restart_back (PaLM: ~100) must be >= 0",
     )
     need(
-        r.restart_sigma > 0 and r.restart_window >= 4 and r.restart_max >= 1,
-        "restart_sigma must be > 0, restart_window >= 4 (its warm-up is half of it) and "
+        r.restart_sigma > 0 and r.restart_window >= 6 and r.restart_max >= 1,
+        "restart_sigma must be > 0, restart_window >= 6 (its warm-up is half of it: a standard deviation of the 2 "
+        "or more losses before the step) and "
         "restart_max >= 1",
     )
     on = [k for k in ("opt_restart_lr_factor", "palm_restart_skip") if getattr(r, k)]
@@ -327,6 +368,11 @@ def check_restarts(restart_cfg, spike_guard, deepspeed, saves):
         not spike_guard,
         f"{on[0]} is a baseline the spike guard is compared with, and both "
         f"would roll the run back: set spike_guard=False or {on[0]}=0",
+    )
+    need(  # a veto ends update_factor before the callbacks below it (stability.REGISTRY)
+        not skip_step,
+        f"{on[0]} restarts on a loss spike, and skip_step_sigma vetoes that step before the restart's rule sees "
+        f"it (no restart would come): set skip_step_sigma=0 or {on[0]}=0",
     )
     need(
         not deepspeed,

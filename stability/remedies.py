@@ -50,7 +50,7 @@ def mean_std(values):
 def skip_step_outliers(losses, grad_norms, sigma):
     """OLMo-core's rule (src/olmo_core/optim/skip_step_optimizer.py, SkipStepOptimizer.get_step_factor): the
     lists end with this step's value, after at least 2 before it (its warm-up: window // 2 values in all, and
-    skip_step_window >= 4). A step is skipped when its loss, or its grad norm, minus the mean of the values
+    skip_step_window >= 6). A step is skipped when its loss, or its grad norm, minus the mean of the values
     before it is more than sigma of their standard deviations. Returns the outlying numbers, named (empty:
     apply)."""
     outliers = []

@@ -101,7 +101,12 @@ def test_bad_restart_keys_name_the_fix():
             {"opt_restart_lr_factor": 0.5, "spike_guard": True, **on},
             "set spike_guard=False or opt_restart_lr_factor=0",
         ),
-        ({"restart_window": 3}, "restart_window >= 4"),
+        ({"restart_window": 5}, "restart_window >= 6"),
+        # SkipStep's veto ends update_factor before the restart's rule: the spike it looks for never reached it
+        (
+            {"opt_restart_lr_factor": 0.25, "skip_step_sigma": 6.0, **on},
+            "skip_step_sigma vetoes that step before the restart's rule sees it",
+        ),
     ):
         with pytest.raises(ValueError, match=re.escape(words)):
             stability_config.check(cfg_with(**keys))

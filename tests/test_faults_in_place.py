@@ -4,6 +4,8 @@ device that stays bad from its onset, a rollback to before it included. Against 
 here: the loader's sample order (loader.sample_indices), the clean batch, and a dataset whose every
 token is its sample's index."""
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -33,8 +35,8 @@ class Indexed:
         out[:] = (np.asarray(index)[:, None] + 37 * np.arange(out.shape[1])) % 512
 
 
-def faults(*flags):
-    cfg = arguments.prepare(arguments.load_config([*TINY, *flags]))
+def faults(*flags, world_size=1):
+    cfg = arguments.prepare(arguments.load_config([*TINY, *flags]), world_size)
     f = Faults(cfg, None, cfg.seed, cfg.vocab_size)
     f.train_data, f.model = Indexed(), build_model(cfg, torch.device("cpu"))
     return f
@@ -124,11 +126,48 @@ def test_a_bad_device_corrupts_every_step_from_its_onset_a_rollbacks_replays_inc
         step(3) == 2.0**127
     )  # a rollback to before the onset: its replays run on the same bad device
     assert (parallel.main_grad(matrix).view(-1)[:3] == 0.5).all()  # one element, as a flipped bit
-    healthy = faults(
-        "--inject_bad_device_iter=5", "--inject_bitflip_rank=1"
-    )  # rank 1's device; this is rank 0
+    # rank 1's device of two; this is rank 0
+    healthy = faults("--inject_bad_device_iter=5", "--inject_bitflip_rank=1", world_size=2)
     healthy.before_step(training.Iteration(6, 20, 4, 16, batches(20), lr=1e-3))
     assert healthy.flip_grad is None
+
+
+@pytest.mark.parametrize(
+    "flags, named",
+    [
+        # it struck no rank: the run went on without a fault, in silence
+        (
+            ["--inject_bitflip_iters=3-3", "--inject_bitflip_rank=3"],
+            "1 process(es): give a rank below 1",
+        ),
+        (["--inject_bad_device_iter=3", "--inject_bitflip_rank=1"], "give a rank below 1"),
+        # DeepSpeed's step: no injection line and no fault (a flip), or an AttributeError mid-run (the state)
+        (
+            ["--deepspeed", "--bf16", "--zero_stage=1", "--inject_bitflip_iters=3-3"],
+            "inject_bitflip_iters act on the gradients, the weights or the optimizer's state, which DeepSpeed",
+        ),
+        (
+            ["--deepspeed", "--bf16", "--zero_stage=1", "--inject_lost_optimizer_state_iter=3"],
+            "DeepSpeed keeps",
+        ),
+        # bitsandbytes' state has other names: "0 moment elements zeroed", a run without the fault
+        (
+            ["--optimizer=adamw8bit", "--inject_lost_optimizer_state_iter=3"],
+            "inject_lost_optimizer_state_iter act on AdamW's exp_avg and exp_avg_sq, which optimizer=adamw8bit",
+        ),
+        (
+            [
+                "--optimizer=adamw8bit",
+                "--inject_bitflip_iters=3-3",
+                "--inject_bitflip_target=exp_avg_sq",
+            ],
+            "inject_bitflip_target=exp_avg_sq act on AdamW's",
+        ),
+    ],
+)
+def test_a_fault_that_would_not_happen_is_refused_before_the_run(flags, named):
+    with pytest.raises(ValueError, match=re.escape(named)):
+        arguments.validate(arguments.load_config([*TINY, *flags]))
 
 
 @pytest.mark.parametrize(

@@ -191,7 +191,7 @@ def test_zclip_scales_as_the_zclip_repository_at_every_step_and_across_a_checkpo
 
 def test_bad_remedy_keys_name_the_fix():
     for keys, words in (
-        ({"skip_step_sigma": 6.0, "skip_step_window": 3}, "skip_step_window >= 4"),
+        ({"skip_step_sigma": 6.0, "skip_step_window": 5}, "skip_step_window >= 6"),
         ({"spiky_loss_factor": 0.5}, "spiky_loss_factor=0.5 must be 0 (off) or > 1"),
         ({"zclip_z": 2.5, "zclip_alpha": 1.0}, "zclip_alpha in (0, 1)"),
     ):
