@@ -163,6 +163,15 @@ def compare_configs(saved, current, tag_dir):
             f"checkpoint {tag_dir} holds another model: {diff}{shorter}. Resume with the checkpoint's values, "
             "or train this model from scratch with another save directory"
         )
+    # checkpoints stay ours under DeepSpeed, but its optimizer state is its own (deepspeed_engine.py): the other
+    # path's cannot be read (DeepSpeed: "Empty ds_version in checkpoint", after the build)
+    if bool(saved.get("deepspeed")) != bool(current["deepspeed"]) and not current["no_load_optim"]:
+        writer = "DeepSpeed's" if saved.get("deepspeed") else "the native path's"
+        raise ValueError(
+            f"checkpoint {tag_dir} holds {writer} optimizer state, which deepspeed={current['deepspeed']} cannot "
+            f"read: resume with deepspeed={bool(saved.get('deepspeed'))}, or set no_load_optim to go on from its "
+            "weights with a fresh optimizer"
+        )
     changed = []
     for key, value in saved.items():
         if key not in current:  # a newer version's or a fork's: said, as nothing here reads it

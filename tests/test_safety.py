@@ -214,6 +214,22 @@ def test_a_resume_that_changes_the_data_order_says_what_it_does():
     ]
 
 
+def test_a_resume_that_switches_deepspeed_needs_a_fresh_optimizer():
+    """A native checkpoint resumed with deepspeed=True listed the change, then failed inside DeepSpeed after the
+    build ("Empty ds_version in checkpoint"): the two paths keep the optimizer's state apart."""
+    current = arguments.to_dict(arguments.prepare(arguments.load_config(SMALL)))
+    with pytest.raises(
+        ValueError, match=re.escape("holds the native path's optimizer state, which deepspeed=True")
+    ):
+        safety.compare_configs(current, {**current, "deepspeed": True}, "ckpt")
+    with pytest.raises(
+        ValueError, match=re.escape("holds DeepSpeed's optimizer state, which deepspeed=False")
+    ):
+        safety.compare_configs({**current, "deepspeed": True}, current, "ckpt")
+    fresh = {**current, "deepspeed": True, "no_load_optim": True}
+    assert "deepspeed: False -> True" in safety.compare_configs(current, fresh, "ckpt")
+
+
 def test_a_resume_past_the_end_or_skipping_what_it_trained_is_refused_with_the_fix(ckpt, tmp_path):
     """Each exited 0 having done nothing, or skipped nothing, and said nothing: train_iters below the
     checkpoint's iteration; a new skip_train_iteration_range before it (lesson 9's rollback with latest left as
