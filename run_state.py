@@ -217,7 +217,7 @@ def load(parts):
         reset_optimizer(parts, warmup)
         print0(
             f"optimizer reset at iteration {state.iteration}: fresh optimizer, lr=0 for "
-            f"{warmup} iterations"
+            f"{warmup} iterations (updates applied: a skipped one does not count)"
         )
     elif warmup:
         print0(
