@@ -158,7 +158,8 @@ def restore(payload, parts, optimizer=True, rng_state=True, keep_payload=False):
 
 def reset_optimizer(parts, warmup_iters):
     """Lesson 8's reset, at this iteration: Adam from step 0 with zero moments, then warmup_iters applied updates
-    at lr=0 (schedule.lr_at; a skipped iteration is not one). In the run state: a resumed run keeps the window and resets once only."""
+    at lr=0 (schedule.lr_at; a skipped iteration is not one). In the run state: a resumed run keeps the window
+    and resets once only."""
     state = getattr(parts.optimizer, "state", None)  # DeepSpeed's: reset only at a resume, fresh
     if state:
         state.clear()

@@ -140,6 +140,20 @@ def compare_configs(saved, current, tag_dir):
     """Refuse another model; return the lines describing the keys allowed to differ. saved, current:
     the checkpoint's config and this run's, as dicts (every key: the comparison is of the whole
     run)."""
+    _refuse_another_model(saved, current, tag_dir)
+    changed = []
+    for key, value in saved.items():
+        if key not in current:  # a newer version's or a fork's: said, as nothing here reads it
+            changed.append(f"{key}: {_show(value)} (a key this version does not know: ignored)")
+        elif key not in ("load", "save") and current[key] != value:
+            changed.append(
+                f"{key}: {_show(value)} -> {_show(current[key])}{_change_note(key, saved, current)}"
+            )
+    return changed
+
+
+def _refuse_another_model(saved, current, tag_dir):
+    """Another architecture, or the optimizer's state of the other path (native, DeepSpeed): refused."""
     # a key an older version did not save had its default then (a default derived from other keys, None,
     # cannot be told: left out)
     defaults = {f.name: f.default for f in fields(GPTConfig)}
@@ -172,35 +186,30 @@ def compare_configs(saved, current, tag_dir):
             f"read: resume with deepspeed={bool(saved.get('deepspeed'))}, or set no_load_optim to go on from its "
             "weights with a fresh optimizer"
         )
-    changed = []
-    for key, value in saved.items():
-        if key not in current:  # a newer version's or a fork's: said, as nothing here reads it
-            changed.append(f"{key}: {_show(value)} (a key this version does not know: ignored)")
-            continue
-        if key in ("load", "save") or current[key] == value:
-            continue
-        note = ""
-        if key == "seq_length":
-            note = (
-                " (a longer context, the same weights: the data goes on at the same sample count, in samples "
-                "of the new length)"
-            )
-        elif key in DATA_ORDER_KEYS:
-            note = (
-                " (the training data's order follows it: the run goes on at its sample count in the new order, "
-                "which may give samples already read and skip others)"
-            )
-        # with no decay length of its own, the LR decays over the run: its length sets the schedule too
-        length_sets_lr = (
-            saved.get("lr_decay_samples") is None and saved.get("lr_decay_tokens") is None
+
+
+def _change_note(key, saved, current):
+    """What a changed key does to the resumed run, where it is not plain: the data's order or length, the LR
+    schedule."""
+    note = ""
+    if key == "seq_length":
+        note = (
+            " (a longer context, the same weights: the data goes on at the same sample count, in samples "
+            "of the new length)"
         )
-        if key in schedule.LR_KEYS or (length_sets_lr and key in RUN_LENGTH_KEYS):
-            override = current["override_lr_scheduler"]
-            note = " (override_lr_scheduler)" if override else " (needs override_lr_scheduler)"
-            if key in RUN_LENGTH_KEYS:
-                note += ": with lr_decay_samples unset the LR decays over the run's length"
-        changed.append(f"{key}: {_show(value)} -> {_show(current[key])}{note}")
-    return changed
+    elif key in DATA_ORDER_KEYS:
+        note = (
+            " (the training data's order follows it: the run goes on at its sample count in the new order, "
+            "which may give samples already read and skip others)"
+        )
+    # with no decay length of its own, the LR decays over the run: its length sets the schedule too
+    length_sets_lr = saved.get("lr_decay_samples") is None and saved.get("lr_decay_tokens") is None
+    if key in schedule.LR_KEYS or (length_sets_lr and key in RUN_LENGTH_KEYS):
+        override = current["override_lr_scheduler"]
+        note = " (override_lr_scheduler)" if override else " (needs override_lr_scheduler)"
+        if key in RUN_LENGTH_KEYS:
+            note += ": with lr_decay_samples unset the LR decays over the run's length"
+    return note
 
 
 def _latest(directory):

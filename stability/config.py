@@ -55,11 +55,6 @@ def check(cfg, world_size=1):
     check_faults(section(FaultsConfig, cfg), half=cfg.fp16 or cfg.bf16)
     check_faults_with_the_core(cfg, world_size)
     need(
-        not cfg.inject_overflow_iters or cfg.fp16,
-        "inject_overflow_iters makes fp16's gradients overflow: set fp16 (bf16 and fp32 have "
-        "fp32's range)",
-    )
-    need(
         cfg.dp_replica_check_interval is None or cfg.dp_replica_check_interval >= 0,
         "dp_replica_check_interval must be 0 (off), a number of iterations, or None (with spike_guard: its "
         "spike_guard_snapshot_interval)",
@@ -115,8 +110,13 @@ def check(cfg, world_size=1):
 
 
 def check_faults_with_the_core(cfg, world_size):
-    """Faults that would not happen, in silence, or fail mid-run: on a rank the run does not have, inside a
-    DeepSpeed step, or on moments the optimizer does not keep."""
+    """Faults that would not happen, in silence, or fail mid-run: an overflow without fp16, on a rank the run does
+    not have, inside a DeepSpeed step, or on moments the optimizer does not keep."""
+    need(
+        not cfg.inject_overflow_iters or cfg.fp16,
+        "inject_overflow_iters makes fp16's gradients overflow: set fp16 (bf16 and fp32 have "
+        "fp32's range)",
+    )
     on_a_rank = [k for k in ("inject_bitflip_iters", "inject_bad_device_iter") if getattr(cfg, k)]
     need(
         not on_a_rank or 0 <= cfg.inject_bitflip_rank < world_size,
