@@ -136,13 +136,17 @@ def get_device(layout_cfg):
     return torch.device("cpu")
 
 
+EXIT_GRACE_SECONDS = 5  # how long a rank other than 0 waits, after an error, before it exits
+
+
 def exit_with(error, code):
     """Stop on a configuration or input error: one clear line, no traceback. Every rank has it (the config is
     everyone's) or some do (a file): rank 0 prints it, and each rank that has it leaves it in torchrun's error file,
     so that the launcher's summary names it as the root cause instead of 'To enable traceback see ...'."""
     line = f"error: {error}"
     # torchrun's rank (the process group may not exist yet)
-    if int(os.environ.get("RANK", "0")) == 0:
+    rank = int(os.environ.get("RANK", "0"))
+    if rank == 0:
         print(line, file=sys.stderr, flush=True)
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if error_file:
@@ -156,6 +160,10 @@ def exit_with(error, code):
                 },
                 f,
             )
+    if rank != 0:
+        # torchrun stops every rank at the first exit: a rank that left first had rank 0, which has a config's
+        # error too, killed before it printed it (seen in a CI run on a loaded machine); this one waits for it
+        time.sleep(EXIT_GRACE_SECONDS)
     sys.exit(code)
 
 
