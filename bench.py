@@ -1039,15 +1039,6 @@ def measure_apart(config, others):
 RESULT_KEYS = {"tokens/s", "TFLOPs", "MFU", "layout", "mean", "best"}
 
 
-def _bench_numbers(path):
-    try:
-        with open(path) as f:
-            found = json.load(f)
-    except (OSError, ValueError):
-        return False
-    return isinstance(found, dict) and RESULT_KEYS <= found.keys()
-
-
 def check_result_json(path):
     """Refuse, before the measurement, a --result_json the numbers could not be written to (lost after the whole
     measurement otherwise), or an existing file that is not bench's numbers (bench writes over nothing it did not
@@ -1056,7 +1047,11 @@ def check_result_json(path):
         path,
         "--result_json",
         "bench.json",
-        (_bench_numbers, "bench's numbers", "bench writes over its own results only"),
+        (
+            lambda p: files.json_holds(p, RESULT_KEYS),
+            "bench's numbers",
+            "bench writes over its own results only",
+        ),
     )
 
 

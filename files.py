@@ -11,6 +11,7 @@ part of one that looks finished. Torch-free, so a plotting tool starts without i
 """
 
 import contextlib
+import json
 import os
 
 
@@ -48,6 +49,17 @@ def check_output_file(path, flag, example, ours=None):
         raise ValueError(
             f"{flag} {path} cannot be written: {parent} is not writable; give another path"
         )
+
+
+def json_holds(path, keys):
+    """The file at path is a JSON object with every one of keys (how a tool knows its own results); False when
+    it is missing, unreadable, not JSON or another value."""
+    try:
+        with open(path) as f:
+            found = json.load(f)
+    except (OSError, ValueError):
+        return False
+    return isinstance(found, dict) and set(keys) <= found.keys()
 
 
 @contextlib.contextmanager

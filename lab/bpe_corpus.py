@@ -29,6 +29,7 @@ import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+import files  # noqa: E402
 
 VOCAB_SIZE = 512
 EOD_TOKEN = "<|endoftext|>"
@@ -97,8 +98,8 @@ def build(data_dir=DATA_DIR):
             return {**summary, "prefix": prefix, "tokenizer_file": tokenizer_file}
     os.makedirs(directory, exist_ok=True)
     texts = data.bundled_plays(CORPUS_VERSION)
-    train_tokenizer(texts).save(tokenizer_file + ".tmp")
-    os.replace(tokenizer_file + ".tmp", tokenizer_file)
+    with files.replaced(tokenizer_file) as tmp:
+        train_tokenizer(texts).save(tmp)
     tok = data.get_tokenizer(tokenizer_file)
     assert tok.n_vocab == VOCAB_SIZE, tok.n_vocab
     documents = [tok.encode_ordinary(text) + [tok.eot_token] for text in texts]
@@ -112,9 +113,7 @@ def build(data_dir=DATA_DIR):
         "unigram_entropy": h1,
         "bigram_entropy": h2,
     }
-    with open(summary_file + ".tmp", "w") as f:
-        json.dump(summary, f, indent=1)
-    os.replace(summary_file + ".tmp", summary_file)
+    files.write_text(json.dumps(summary, indent=1), summary_file)
     return {**summary, "prefix": prefix, "tokenizer_file": tokenizer_file}
 
 

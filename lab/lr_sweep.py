@@ -316,9 +316,7 @@ def write_result(directory, result):
             path = os.path.join(directory, name)
             shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
     result_file = os.path.join(directory, "result.json")
-    with open(result_file + ".tmp", "w") as f:
-        json.dump(result, f)
-    os.replace(result_file + ".tmp", result_file)
+    files.write_text(json.dumps(result), result_file)
     return result
 
 

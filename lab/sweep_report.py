@@ -388,11 +388,9 @@ def merge_records(path, records):
         for r in (load_records(path) if os.path.exists(path) else [])
     }
     kept.update({tuple(r[k] for k in RECORD_ID): r for r in records})
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path + ".tmp", "w") as f:
+    with files.replaced(path) as tmp, open(tmp, "w") as f:
         for key in sorted(kept, key=lambda k: (k[5], k[4], k[0], k[1], k[2], k[3])):
             f.write(json.dumps(kept[key]) + "\n")
-    os.replace(path + ".tmp", path)
 
 
 def load_records(path):

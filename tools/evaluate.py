@@ -114,17 +114,12 @@ def check_output_path(path):
         path,
         "--output_path",
         "results.json",
-        (_results_file, "lm-eval results", "this tool writes over its own results only"),
+        (
+            lambda p: files.json_holds(p, ["results"]),
+            "lm-eval results",
+            "this tool writes over its own results only",
+        ),
     )
-
-
-def _results_file(path):
-    try:
-        with open(path) as f:
-            found = json.load(f)
-    except (OSError, ValueError):
-        return False
-    return isinstance(found, dict) and "results" in found
 
 
 def write_results(results, path):
