@@ -31,6 +31,7 @@ import optim
 import parallel
 import report
 import schedule
+import sections
 import usage
 from checkpoint import CheckpointConfig
 from eval_harness import EvalHarnessConfig
@@ -247,9 +248,10 @@ def load_config(argv=None):
         if key not in FIELDS:
             raise ValueError(f"{config_file}: " + str(_unknown(key)))
         settings[key] = value
+    in_file = _config(settings)
     _drop_replaced(settings, overrides)
-    settings.update(overrides)
-    cfg = Config(**{k: _convert(k, v, FIELDS[k].type) for k, v in settings.items()})
+    _drop_unread(settings, overrides, in_file)
+    cfg = _config({**settings, **overrides})
     cfg.config_file = config_file
     if cfg.init_from_hf is not None:
         # the implicit default's model keys yield
@@ -279,6 +281,32 @@ def _drop_replaced(settings, overrides):
                         flush=True,
                     )
                 del settings[other]
+
+
+def _config(settings):
+    return Config(**{k: _convert(k, v, FIELDS[k].type) for k, v in settings.items()})
+
+
+def _drop_unread(settings, overrides, in_file):
+    """Remove from the config file's `settings` the keys read only while a switch is on (sections.SWITCHED) whose
+    switch the command line turned off (--fp16=false, or --bf16 replacing the file's fp16), with one printed line:
+    the file's loss-scaling keys would be refused beside it, and the fix is not the user's file. in_file: the file's
+    settings alone, as a Config. A key given on the command line is left to validate(), which refuses it."""
+    run = _config({**settings, **overrides})
+    for switch, keys in sections.unread(run).items():
+        dropped = [k for k in keys if k in settings and k not in overrides]
+        if dropped and sections.switch_on(in_file, switch):
+            # each process parses the config: one line per run
+            if os.environ.get("RANK", "0") == "0":
+                given = ", ".join(f"{key} = {settings[key]!r}" for key in dropped)
+                verb = "is" if len(dropped) == 1 else "are"
+                print(
+                    f"{switch} is off from the command line: the config file's {given} {verb} left out (read only "
+                    f"with {switch})",
+                    flush=True,
+                )
+            for key in dropped:
+                del settings[key]
 
 
 def from_hf(cfg, given):
@@ -349,6 +377,10 @@ def validate(cfg, world_size=1, reads_data=True):
     for key, value in ((k, getattr(cfg, k)) for k in FIELDS):
         if isinstance(value, float) and not math.isfinite(value):
             raise ValueError(f"{key}={value} is not a finite number; give a finite value")
+    # a key of a switch that is off would be ignored in silence: the run would not be the one asked for
+    unread = sections.unread(cfg)
+    if unread:
+        raise ValueError(sections.unread_message(cfg, unread))
     for key in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size"):
         if getattr(cfg, key) <= 0:  # the model's sizes, before GPTConfig.check divides by them
             raise ValueError(f"{key}={getattr(cfg, key)} must be positive")

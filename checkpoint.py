@@ -75,6 +75,9 @@ class CheckpointConfig:
     # write every rank's weights around save and load, to diff them (lesson 11)
     dump_weights: bool = False
 
+    # keys read only while a switch is on (sections.py): a run resumes from load, or from save when it holds one
+    SWITCHED = {"save": ("save_interval",), "load|save": ("no_load_optim", "no_load_rng")}
+
 
 def check(ckpt_cfg, eval_only=False):
     """Raise ValueError with the fix for checkpoint keys that cannot work. eval_only: logging's key (such a run
@@ -86,8 +89,6 @@ def check(ckpt_cfg, eval_only=False):
         )
     if ckpt_cfg.save_interval is not None and ckpt_cfg.save_interval <= 0:
         raise ValueError("save_interval must be positive")
-    if ckpt_cfg.save_interval is not None and ckpt_cfg.save is None:
-        raise ValueError("save_interval is set but save (a directory) is not")
     # Megatron reads 0 as off; here a count of 0 would stop after the first iteration
     for key in ("exit_interval", "exit_duration_in_mins"):
         value = getattr(ckpt_cfg, key)

@@ -72,6 +72,7 @@ import precision
 import reshard
 import run_state
 import schedule
+import sections
 from model import GPT, GPTConfig
 from optim import OptimizerConfig
 from sections import section
@@ -898,6 +899,9 @@ def config_from_args(
         else {"train_iters": getattr(args, "train_iters", None)}
     )
     cfg = arguments.Config(**keys, **length)
+    # Megatron's args hold every flag, read or not (its loss scaler's beside bf16): ours, those its run read
+    for key in (k for unread in sections.unread(cfg).values() for k in unread):
+        setattr(cfg, key, arguments.FIELDS[key].default)
     padded = section(GPTConfig, cfg).padded_vocab_size
     if padded != args.padded_vocab_size:
         raise ValueError(

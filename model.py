@@ -45,6 +45,7 @@ import cross_entropy
 import layers
 import parallel
 import rng
+import sections
 from parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 
 
@@ -110,6 +111,13 @@ class GPTConfig:
     # -- parallel --
     # TP: split each layer over this many ranks (pads the vocabulary too)
     tensor_model_parallel_size: int = 1
+
+    # keys read only while a switch is on (sections.py): a key nothing reads would train as if it were not given
+    SWITCHED = {
+        "position_embedding_type=rotary": ("rotary_base", "use_rope_scaling"),
+        "use_rope_scaling": ("rope_scaling_factor", "original_max_position_embeddings"),
+        "position_embedding_type=learned": ("position_embedding_init",),
+    }
 
     @property
     def padded_vocab_size(self):
@@ -244,43 +252,19 @@ class GPTConfig:
                 f"position_embedding_init={self.position_embedding_init!r} is not 'normal' or 'sinusoidal'",
             ),
             (
-                self.position_embedding_type == "learned"
-                or self.position_embedding_init == "normal",
-                f"position_embedding_init={self.position_embedding_init!r} has nothing to initialise: "
-                f"{self.position_embedding_type} has no position embeddings; drop it or use "
-                "position_embedding_type='learned'",
-            ),
-            (
                 self.position_embedding_type != "rotary" or (h // heads) % 2 == 0,
                 f"rotary embeddings turn pairs of q and k features: the head size ({h // heads}) must be even",
             ),
         ]
 
     def _rotary_problems(self):
-        """(ok, message) of rotary's keys: base and scaling in range, and read (a key nothing reads would train
-        as if it were not given)."""
-        rotary = self.position_embedding_type == "rotary"
-        unread = [
-            (
-                key,
-                f"with position_embedding_type={self.position_embedding_type} (only rotary embeddings read it): "
-                "set position_embedding_type='rotary'",
-            )
-            for key in ROTARY_KEYS
-            if not rotary
-        ] + [
-            (key, "without use_rope_scaling (Llama 3's frequency scaling): set use_rope_scaling")
-            for key in ("rope_scaling_factor", "original_max_position_embeddings")
-            if rotary and not self.use_rope_scaling
-        ]
+        """(ok, message) of rotary's keys in range, and of the position keys read (SWITCHED)."""
+        unread = sections.unread(self)
         return [
+            (not unread, sections.unread_message(self, unread)),
             (
                 self.rotary_base > 0,
                 f"rotary_base={self.rotary_base} must be positive (10000; Llama 3: 500000)",
-            ),
-            (
-                not self.use_rope_scaling or rotary,
-                "use_rope_scaling scales rotary's frequencies: set position_embedding_type='rotary' or drop it",
             ),
             (
                 self.rope_scaling_factor >= 1,
@@ -292,12 +276,6 @@ class GPTConfig:
                 "original_max_position_embeddings="
                 f"{self.original_max_position_embeddings} must be positive (Llama 3's: 8192)",
             ),
-        ] + [
-            (
-                getattr(self, key) == ROTARY_KEYS[key],
-                f"{key}={getattr(self, key)} does nothing {why}, or drop it",
-            )
-            for key, why in unread
         ]
 
     def _switch_problems(self, tp):
@@ -348,11 +326,6 @@ class GPTConfig:
 
 
 POSITION_EMBEDDINGS = ("learned", "alibi", "rotary")
-# rotary's keys and their defaults: set otherwise, they are refused with other position embeddings
-ROTARY_KEYS = {
-    key: next(f.default for f in fields(GPTConfig) if f.name == key)
-    for key in ("rotary_base", "rope_scaling_factor", "original_max_position_embeddings")
-}
 NORMALIZATIONS = ("layernorm", "rmsnorm")
 _CENSUS = {}
 

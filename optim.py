@@ -49,6 +49,18 @@ class OptimizerConfig:
     loss_scale_window: int = 1000  # double the loss scale after this many steps without overflow
     hysteresis: int = 2  # overflows tolerated before the loss scale is halved
 
+    # keys read only while a switch is on (sections.py): bf16 and fp32 scale no loss; only a resume loads Adam
+    SWITCHED = {
+        "fp16": (
+            "loss_scale",
+            "initial_loss_scale",
+            "min_loss_scale",
+            "loss_scale_window",
+            "hysteresis",
+        ),
+        "load|save": ("override_adam_params",),
+    }
+
 
 # Keys of which a config turns on one, refused together by check(): one given on the command line replaces the
 # config file's other one (arguments.load_config)

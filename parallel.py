@@ -54,6 +54,8 @@ class LayoutConfig:
     # size the TP x PP x DP layout and memory per GPU on the meta device, then exit
     dry_run: bool = False
 
+    SWITCHED = {"tp_replica_check_interval": ("tp_replica_resync",)}  # sections.py
+
 
 # Modes of which a run is one, refused together by check(): one given on the command line replaces the config file's
 # other one (arguments.load_config)
@@ -108,10 +110,6 @@ def check(layout_cfg, world_size, *, tp, num_layers, qk_layernorm, eval_only):
     need(problem is None, problem)
     interval, resync = layout_cfg.tp_replica_check_interval, layout_cfg.tp_replica_resync
     need(interval >= 0, "tp_replica_check_interval must be 0 (off) or a number of iterations")
-    need(
-        not resync or interval > 0,
-        "tp_replica_resync acts on what the check finds: set tp_replica_check_interval too",
-    )
     need(
         not (resync and deepspeed),
         "tp_replica_resync cannot reach DeepSpeed's fp32 master weights; use deepspeed=False or only the check",

@@ -72,6 +72,11 @@ class LoggingConfig:
     # "A-B": a torch.profiler trace of iterations A to B in <save>/profile
     profile_steps: str | None = None
 
+    SWITCHED = {
+        "wandb_project": ("wandb_mode",),
+        "sample_tokens": ("sample_prompt",),
+    }  # sections.py
+
 
 def check(log_cfg):
     """Raise ValueError with the fix for logging keys (a LoggingConfig) that cannot work."""

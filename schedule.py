@@ -64,6 +64,18 @@ class ScheduleConfig:
     # discard the batches of iterations "13251-14000 ..."
     skip_train_iteration_range: list[str] | None = None
 
+    # keys read only while a switch is on (sections.py); only a resume has a checkpoint's schedule to override
+    SWITCHED = {
+        "curriculum_learning": (
+            "min_difficulty",
+            "max_difficulty",
+            "total_curriculum_step",
+            "difficulty_step",
+        ),
+        "lr_decay_style=wsd": ("lr_wsd_decay_samples", "lr_wsd_decay_style"),
+        "load|save": ("override_lr_scheduler",),
+    }
+
 
 # Pairs of keys that give one setting in two units, of which a config means one (Megatron's exclusive arguments): a
 # key given on the command line replaces the config file's other one (arguments.load_config).
@@ -109,23 +121,12 @@ def check(schedule_cfg, dp_size=1, load=None, seq_length=None):
         not keys.curriculum_learning or (steps is not None and steps > 0),
         "curriculum_learning needs total_curriculum_step (about train_tokens / global_batch / seq_length / 2)",
     )
-    # a key of a switch that is off would be silently ignored: the run would not be the one asked for
-    for switch, on, owned in (
-        ("curriculum_learning", keys.curriculum_learning, CURRICULUM_KEYS),
-        ("lr_decay_style='wsd'", keys.lr_decay_style == "wsd", WSD_KEYS),
-    ):
-        for key in (k for k in owned if not on and _given(keys, k)):
-            _need(False, f"{key} does nothing without {switch}: set {switch} too, or drop {key}")
     if seq_length is not None:  # with what arguments.derive fills in
         batch = keys.global_batch_size or keys.micro_batch_size * dp_size
         longest = keys.max_difficulty or seq_length
         Schedule(
             replace(keys, global_batch_size=batch, max_difficulty=longest), dp_size, seq_length
         )
-
-
-CURRICULUM_KEYS = ("min_difficulty", "max_difficulty", "total_curriculum_step", "difficulty_step")
-WSD_KEYS = ("lr_wsd_decay_samples", "lr_wsd_decay_style")
 
 
 def _need(ok, message):

@@ -23,3 +23,70 @@ def section(cls, config):
     """The dataclass cls filled from config (the whole config, or a larger section): each field the key
     of its name."""
     return cls(**{f.name: getattr(config, f.name) for f in fields(cls) if f.init})
+
+
+# -----------------------------------------------------------------------------
+# Keys a switch turns on
+#
+# An owner declares beside its keys the ones read only while a switch is on, as a class attribute of its dataclass
+# (not a key):
+#
+#     SWITCHED = {"fp16": ("loss_scale", "initial_loss_scale", ...)}
+#
+# A switch is a key, on when its value is set (true, non-zero, not None); "key=value", on at that value; or
+# alternatives "a|b", on when either is. Such a key given while its switch is off would be ignored in silence, and
+# the run would not be the one asked for: arguments.validate refuses it (unread()).
+
+
+def switched(config_class):
+    """{key: switch} of every SWITCHED a class or its bases declare (arguments.Config: every owner's)."""
+    found = {}
+    for cls in reversed(config_class.__mro__):
+        for switch, keys in vars(cls).get("SWITCHED", {}).items():
+            found.update(dict.fromkeys(keys, switch))
+    return found
+
+
+def switch_on(config, switch):
+    """Is `switch` (a SWITCHED switch) on in config?"""
+    for alternative in switch.split("|"):
+        key, is_value, value = alternative.partition("=")
+        current = getattr(config, key)
+        if (str(current) == value) if is_value else current:
+            return True
+    return False
+
+
+def switch_keys(switch):
+    return [alternative.partition("=")[0] for alternative in switch.split("|")]
+
+
+def unread(config):
+    """{switch: [key, ...]} of the keys of config (a dataclass: arguments.Config, or an owner's) given, not at their
+    default, while the switch that turns them on is off."""
+    defaults = {f.name: f.default for f in fields(config)}
+    found = {}
+    for key, switch in switched(type(config)).items():
+        if getattr(config, key) != defaults[key] and not switch_on(config, switch):
+            found.setdefault(switch, []).append(key)
+    return found
+
+
+def unread_message(config, found):
+    """One line for unread()'s keys, each switch's with its fix."""
+    problems = []
+    for switch, keys in found.items():
+        given = ", ".join(f"{key}={getattr(config, key)!r}" for key in keys)
+        verb = "does" if len(keys) == 1 else "do"
+        wanted = " or ".join(_show_switch(alternative) for alternative in switch.split("|"))
+        now = ", ".join(f"{key}={getattr(config, key)!r}" for key in switch_keys(switch))
+        drop = keys[0] if len(keys) == 1 else "them"
+        problems.append(
+            f"{given} {verb} nothing without {wanted} (here {now}): set {wanted}, or drop {drop}"
+        )
+    return "; ".join(problems)
+
+
+def _show_switch(alternative):
+    key, is_value, value = alternative.partition("=")
+    return f"{key}={value!r}" if is_value else key

@@ -152,11 +152,14 @@ def _class_fields(path, class_name):
         for stmt in node.body
         if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)
     }
+    switched = _switched(node)
     out, group, about = [], "model", ""
     for line in range(node.lineno, node.end_lineno + 1):
         if line in fields:
             stmt = fields[line]
             meaning = _meaning(comments, stmt)
+            if stmt.target.id in switched:
+                meaning += f" [with {switched[stmt.target.id].replace('|', ' or ')}]"
             default = ast.unparse(stmt.value) if stmt.value is not None else "(required)"
             out.append(
                 (group, about, stmt.target.id, ast.unparse(stmt.annotation), default, meaning)
@@ -168,6 +171,16 @@ def _class_fields(path, class_name):
                     f"{path}: group {group!r} of {class_name} is not one of usage.ORDER {ORDER}"
                 )
     return out
+
+
+def _switched(node):
+    """{key: switch} of the class's SWITCHED (sections.py): the keys read only while a switch is on."""
+    for stmt in node.body:
+        if isinstance(stmt, ast.Assign) and ast.unparse(stmt.targets[0]) == "SWITCHED":
+            return {
+                key: switch for switch, keys in ast.literal_eval(stmt.value).items() for key in keys
+            }
+    return {}
 
 
 def _meaning(comments, stmt):

@@ -222,11 +222,6 @@ def check_precursor(precursor_cfg, telemetry_interval):
             "spike_guard_precursor reads the telemetry: set telemetry_interval (e.g. 10)",
         )
     need(
-        p.spike_guard_precursor is not None or p.spike_guard_precursor_threshold is None,
-        "spike_guard_precursor_threshold does nothing without spike_guard_precursor: set "
-        "spike_guard_precursor (docs/spike_guard.md, section 7) or leave the threshold out",
-    )
-    need(
         0 < p.spike_guard_precursor_lr_factor <= 1,
         "spike_guard_precursor_lr_factor must be in (0, 1]",
     )

@@ -98,6 +98,21 @@ class FaultsConfig:  # Faults
     # fault injection: inject_bitflip_rank's device bad from here on
     inject_bad_device_iter: int | None = None
 
+    # keys read only while a switch is on (sections.py): each fault's settings, read while it is injected
+    SWITCHED = {
+        "inject_lr_iters": ("inject_lr_factor", "inject_lr_persistent"),
+        "inject_degenerate_iters": ("inject_degenerate_kind", "inject_degenerate_fraction"),
+        "inject_bitflip_iters": ("inject_bitflip_target",),
+        # a bad device flips inject_bitflip_bit of its gradient's element at every step from its onset
+        "inject_bitflip_iters|inject_bad_device_iter": (
+            "inject_bitflip_rank",
+            "inject_bitflip_bit",
+            "inject_bitflip_element",
+        ),
+        "inject_repeat_iters": ("inject_repeat_period",),
+        "inject_bad_samples": ("inject_bad_samples_kind", "inject_duplicate_period"),
+    }
+
 
 SAMPLE_KINDS = ("random", "repeat", "ngram", "duplicate")  # inject_bad_samples_kind's names
 

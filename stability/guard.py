@@ -294,6 +294,13 @@ class PrecursorConfig:  # Precursor, spike_guard.precursor_rung
     # ... by this factor, once per crossing (precursors.PRECURSORS)
     spike_guard_precursor_lr_factor: float = 0.5
 
+    SWITCHED = {  # sections.py
+        "spike_guard_precursor": (
+            "spike_guard_precursor_threshold",
+            "spike_guard_precursor_lr_factor",
+        )
+    }
+
 
 class Precursor(training.Callback):
     """The early rung (spike_guard_precursor): this iteration's telemetry record, when there is one, against its
@@ -326,6 +333,8 @@ class ForensicsConfig:  # Forensics
     # -- stability --
     # fp16/bf16: replay a reproduced spike in fp32 (an fp32 copy of the weights)
     spike_guard_fp32_replay: bool = True
+
+    SWITCHED = {"spike_guard": ("spike_guard_fp32_replay",)}  # sections.py
 
 
 class Forensics(training.Callback):

@@ -71,6 +71,8 @@ class SkipStepConfig:  # SkipStep
     # ... the previous steps' losses and grad norms it is judged against (OLMo-core: 128)
     skip_step_window: int = 128
 
+    SWITCHED = {"skip_step_sigma": ("skip_step_window",)}  # sections.py
+
 
 class SkipStep(training.Callback):
     """OLMo-core's SkipStep: the last skip_step_window + 1 losses and grad norms; from skip_step_window // 2 of
@@ -136,6 +138,8 @@ class SpikyLossConfig:  # SpikyLoss
     spiky_loss_factor: float = 0.0
     # ... the first steps whose largest loss is the bar (Megatron: 100)
     spiky_loss_samples: int = 100
+
+    SWITCHED = {"spiky_loss_factor": ("spiky_loss_samples",)}  # sections.py
 
 
 class SpikyLoss(training.Callback):
@@ -232,6 +236,8 @@ class ZClipConfig:  # ZClip
     zclip_alpha: float = 0.97  # ... the EMA's smoothing factor (ZClip: 0.97)
     zclip_warmup: int = 25  # ... grad norms collected before the EMA starts (ZClip: 25)
 
+    SWITCHED = {"zclip_z": ("zclip_alpha", "zclip_warmup")}  # sections.py
+
 
 class ZClip(training.Callback):
     """ZClip's adaptive gradient clipping (zclip_threshold): an outlying grad norm's gradients are scaled to the
@@ -290,6 +296,15 @@ class RestartConfig:  # OptRestart, remedies.PalmRestart
     restart_sigma: float = 6.0  # their spike: the loss this many stds above the window's mean ...
     restart_window: int = 128  # ... of these previous steps (OLMo-core's SkipStep rule: 6, 128)
     restart_max: int = 3  # restarts in a run, then none (spike_guard_max_rollbacks' default)
+
+    SWITCHED = {  # sections.py
+        "palm_restart_skip": ("palm_restart_back",),
+        "opt_restart_lr_factor|palm_restart_skip": (
+            "restart_sigma",
+            "restart_window",
+            "restart_max",
+        ),
+    }
 
 
 class CheckpointRestart(training.Callback):

@@ -34,6 +34,9 @@ class SnapshotConfig:  # Snapshots: the states a rollback returns to
     # node-local disk ($SLURM_TMPDIR): snapshots there, not in host memory
     spike_guard_snapshot_dir: str | None = None
 
+    # sections.py; the snapshots' interval is the replica check's default too
+    SWITCHED = {"spike_guard": ("spike_guard_snapshot_dir",)}
+
 
 class Snapshots:
     """A copy of the run every spike_guard_snapshot_interval iterations, enough of them to reach as far back as

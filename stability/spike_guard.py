@@ -127,6 +127,20 @@ class GuardConfig:  # SpikeGuard: what a spike calls for
     # overflow's later steps are left to the loss scaler)
     spike_guard_max_numerical: int = 4
 
+    # keys read only while a switch is on (sections.py): the decisions' (max_hardware_faults is the replica check's
+    # too); the detector's keys are read by the soft skip and the faults' timeline as well
+    SWITCHED = {
+        "spike_guard": (
+            "spike_guard_max_skips",
+            "spike_guard_rewind",
+            "spike_guard_lr_factor",
+            "spike_guard_reset_optimizer",
+            "spike_guard_max_rollbacks",
+            "spike_guard_max_skipped_iters",
+            "spike_guard_max_numerical",
+        )
+    }
+
 
 class SpikeGuardStop(training.StopRun):
     """A cap was reached: the run saved its last good state and stops (train.py exits with EXIT_CODE)."""

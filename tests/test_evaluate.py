@@ -486,7 +486,7 @@ def test_a_task_file_that_does_not_parse_is_named_with_its_parse_error(tmp_path)
     [
         (
             ["--eval_harness_interval=5"],
-            "eval_harness_interval does nothing without eval_harness_t",
+            "eval_harness_interval=5 does nothing without eval_harness_t",
         ),
         (["--eval_harness_tasks=a", "--eval_only"], "not with eval_only: .*tools/evaluate.py"),
         (["--eval_harness_tasks= , "], "names no task"),

@@ -684,6 +684,20 @@ def test_written_as_one_stage_it_holds_what_the_two_stage_import_holds(imported,
         assert_same(state, want_state, "optimizer")
 
 
+def test_flags_the_megatron_run_did_not_read_are_not_carried(imported):
+    """Megatron's args hold every flag: a bf16 run's still has the fp16 loss scaler's, which our run would refuse
+    beside bf16 (sections.SWITCHED). They are left at our defaults, as Megatron ignored them."""
+    ckpt = megatron_ds.Checkpoint(str(imported[2]))
+    ckpt.args.loss_scale, ckpt.args.loss_scale_window = 12.0, 500
+    cfg = megatron_ds.config_from_args(ckpt)
+    assert (cfg.bf16, cfg.loss_scale, cfg.loss_scale_window, cfg.hysteresis) == (
+        True,
+        None,
+        1000,
+        2,
+    )
+
+
 def test_files_are_found_by_their_rank_numbers_not_as_text(tmp_path):
     """DeepSpeedCheckpoint sorts the mp_rank files as text; DP ranks are not zero-padded in the ZeRO files' names,
     so that with 12 of them zero_pp_rank_10 sorts before zero_pp_rank_2 as text. Every file of a TP4 x PP3 x DP12

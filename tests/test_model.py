@@ -767,22 +767,23 @@ def test_normformer_refuses_tensor_parallel():
             r"^init_method_std='smallinit' must be a positive number .* or 'small_init'",
         ),
         (
-            ["--rope_scaling_factor=32"],
-            r"^rope_scaling_factor=32.0 does nothing with position_embedding_type=learned "
-            r"\(only rotary embeddings read it\): set position_embedding_type='rotary', or drop it$",
+            ["--use_rope_scaling"],
+            r"^use_rope_scaling=True does nothing without position_embedding_type='rotary' \(here "
+            r"position_embedding_type='learned'\): set position_embedding_type='rotary', or drop use_rope_scaling$",
         ),
         (
             ["--original_max_position_embeddings=2048"],
-            r"^original_max_position_embeddings=2048 does nothing with position_embedding_type=learned",
+            r"^original_max_position_embeddings=2048 does nothing without use_rope_scaling",
         ),
         (
             ["--position_embedding_type=alibi", "--rotary_base=500000"],
-            r"^rotary_base=500000.0 does nothing with position_embedding_type=alibi",
+            r"^rotary_base=500000.0 does nothing without position_embedding_type='rotary' \(here "
+            r"position_embedding_type='alibi'\)",
         ),
         (
             ["--position_embedding_type=rotary", "--rope_scaling_factor=32"],
-            r"^rope_scaling_factor=32.0 does nothing without use_rope_scaling \(Llama 3's frequency scaling\): "
-            r"set use_rope_scaling, or drop it$",
+            r"^rope_scaling_factor=32.0 does nothing without use_rope_scaling \(here use_rope_scaling=False\): "
+            r"set use_rope_scaling, or drop rope_scaling_factor$",
         ),
         (["--embed_init_std=-0.01"], r"^embed_init_std=-0.01 must be positive, or None"),
     ],

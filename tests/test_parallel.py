@@ -385,9 +385,9 @@ def _measure_model_states(results):
                     "--micro_batch_size=2",
                     "--train_iters=1",
                     "--zero_stage=1",
-                    "--loss_scale=1",
                 ]
                 + ([f"--{precision}"] if precision != "fp32" else [])
+                + (["--loss_scale=1"] if precision == "fp16" else [])
             ),
             g.world_size,
         )
@@ -720,7 +720,11 @@ TP2 = ["--tensor_model_parallel_size=2", "--num_attention_heads=4"]
             r"^zero_stage=2 with pipeline_model_parallel_size > 1 is not supported",
         ),
         (["--tp_replica_check_interval=-1"], 1, "tp_replica_check_interval must be 0"),
-        (["--tp_replica_resync"], 1, "tp_replica_resync acts on what the check finds"),
+        (
+            ["--tp_replica_resync"],
+            1,
+            "tp_replica_resync=True does nothing without tp_replica_check_interval",
+        ),
         (
             ["--tp_replica_resync", "--tp_replica_check_interval=5", *DS_BF16],
             1,

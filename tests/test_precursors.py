@@ -175,7 +175,15 @@ def test_rung_config_is_checked():
     assert "set telemetry_interval" in error(
         "--spike_guard_precursor=log_z", "--spike_guard_precursor_threshold=12"
     )
-    assert "must be in (0, 1]" in error("--spike_guard_precursor_lr_factor=0")
+    rung = [
+        "--spike_guard_precursor=log_z",
+        "--telemetry_interval=5",
+        "--spike_guard_precursor_threshold=12",
+    ]
+    assert "must be in (0, 1]" in error(*rung, "--spike_guard_precursor_lr_factor=0")
+    assert "does nothing without spike_guard_precursor" in error(
+        "--spike_guard_precursor_lr_factor=0.3"
+    )
 
 
 def guard_lines(out):

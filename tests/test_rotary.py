@@ -204,7 +204,9 @@ def test_gradients_with_activation_checkpointing_and_no_position_parameters():
     with pytest.raises(ValueError, match=r"head size \(7\) must be even"):
         GPT(_cfg(hidden_size=42))
     with pytest.raises(
-        ValueError, match="position_embedding_init='sinusoidal' has nothing to initialise: rotary"
+        ValueError,
+        match="position_embedding_init='sinusoidal' does nothing without position_embedding_type='learned' "
+        r"\(here position_embedding_type='rotary'\)",
     ):
         GPT(_cfg(position_embedding_init="sinusoidal"))
 

@@ -131,16 +131,16 @@ SAMPLES = ["--train_iters=none", "--train_samples=1000", "--micro_batch_size=4"]
         ),
         (
             ["--total_curriculum_step=100"],
-            "total_curriculum_step does nothing without curriculum_learning",
+            "total_curriculum_step=100 does nothing without curriculum_learning",
         ),
-        (["--min_difficulty=32"], "min_difficulty does nothing without curriculum_learning"),
+        (["--min_difficulty=32"], "min_difficulty=32 does nothing without curriculum_learning"),
         (
             ["--lr_wsd_decay_samples=1600"],
-            "lr_wsd_decay_samples does nothing without lr_decay_style='wsd'",
+            "lr_wsd_decay_samples=1600 does nothing without lr_decay_style='wsd' (here lr_decay_style='cosine')",
         ),
         (
             ["--lr_wsd_decay_style=linear"],
-            "lr_wsd_decay_style does nothing without lr_decay_style='wsd'",
+            "lr_wsd_decay_style='linear' does nothing without lr_decay_style='wsd'",
         ),
         (
             [*SAMPLES, "--global_batch_size=none", "--rampup_batch_size=4 4 64"],

@@ -40,7 +40,7 @@ def test_a_precursor_threshold_without_the_precursor_is_refused():
     """The threshold alone did nothing, in silence: the rung is off without the precursor."""
     message = error("--spike_guard_precursor_threshold=3")
     assert message.startswith(
-        "spike_guard_precursor_threshold does nothing without spike_guard_precursor"
+        "spike_guard_precursor_threshold=3.0 does nothing without spike_guard_precursor"
     ), message
     rung = [
         "--spike_guard_precursor=log_z",

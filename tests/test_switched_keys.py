@@ -1,0 +1,143 @@
+"""Keys read only while a switch is on (each owner's SWITCHED, sections.py): given with the switch off, a run
+would ignore them in silence and not be the one asked for. arguments.validate refuses them by name; a switch the
+command line turns off leaves the config file's keys of that switch out, with a line."""
+
+import dataclasses
+import typing
+
+import pytest
+
+import arguments
+import sections
+
+SWITCHED = sections.switched(arguments.Config)
+FIELDS = arguments.FIELDS
+# a switch on at its default is turned off with this value
+OFF = {"position_embedding_type": "alibi"}
+
+
+def _given(key):
+    """A value of key's type that is not its default."""
+    field = FIELDS[key]
+    default = field.default
+    if isinstance(default, bool):
+        return not default
+    if isinstance(default, (int, float)):
+        return default + 1
+    if isinstance(default, str):
+        return default + "x"
+    kind = next(a for a in typing.get_args(field.type) if a is not type(None))
+    return {int: 5, float: 0.5, str: "x"}.get(kind, ["1-2"])
+
+
+def _on(switch):
+    """{key: value} that turns switch on (its first alternative)."""
+    key, is_value, value = switch.split("|")[0].partition("=")
+    return {key: value if is_value else _given(key)}
+
+
+def test_the_owners_declare_keys_read_only_behind_a_switch():
+    """What the tests below read: every owner's declarations, each key a field of the config."""
+    assert {
+        "loss_scale_window",
+        "save_interval",
+        "zclip_alpha",
+        "inject_bitflip_rank",
+        "rotary_base",
+    } <= set(SWITCHED)
+    assert set(SWITCHED) <= set(FIELDS)
+    for switch in set(SWITCHED.values()):
+        assert set(sections.switch_keys(switch)) <= set(FIELDS), switch
+
+
+@pytest.mark.parametrize("key", sorted(SWITCHED))
+def test_a_key_given_with_its_switch_off_is_refused_by_name(key):
+    switch = SWITCHED[key]
+    off = {k: OFF[k] for k in sections.switch_keys(switch) if k in OFF}
+    cfg = arguments.Config(**off, **{key: _given(key)})
+    assert not sections.switch_on(cfg, switch)
+    with pytest.raises(ValueError, match=f"^{key}=.* does nothing without "):
+        arguments.validate(cfg)
+    # with its switch on it is read, and not refused as unread
+    cfg = dataclasses.replace(cfg, **_on(switch))
+    assert sections.switch_on(cfg, switch)
+    assert switch not in sections.unread(cfg)
+
+
+def test_the_message_names_every_key_of_the_switch_and_the_fix():
+    cfg = arguments.Config(loss_scale=1024.0, hysteresis=4, zclip_warmup=10)
+    with pytest.raises(ValueError) as e:
+        arguments.validate(cfg)
+    assert str(e.value) == (
+        "loss_scale=1024.0, hysteresis=4 do nothing without fp16 (here fp16=False): set fp16, or drop them; "
+        "zclip_warmup=10 does nothing without zclip_z (here zclip_z=0.0): set zclip_z, or drop zclip_warmup"
+    )
+
+
+def _config_file(tmp_path, text):
+    path = tmp_path / "run.py"
+    path.write_text(text)
+    return str(path)
+
+
+FP16_FILE = "\n".join(
+    [
+        "use_bundled_corpus = True",
+        "train_iters = 10",
+        "fp16 = True",
+        "initial_loss_scale = 4096",
+        "loss_scale_window = 500",
+    ]
+)
+
+
+@pytest.mark.parametrize("flags", [["--bf16"], ["--fp16=false"]])
+def test_a_switch_the_command_line_turns_off_leaves_the_file_s_keys_of_it_out(
+    tmp_path, capsys, flags
+):
+    """tr8b's file with --bf16 (which replaces its fp16) or --fp16=false: its loss-scaling keys would be refused,
+    and the fix is not the user's file: they are left out, with one line."""
+    cfg = arguments.load_config([_config_file(tmp_path, FP16_FILE), *flags])
+    arguments.validate(cfg)
+    assert (cfg.fp16, cfg.initial_loss_scale, cfg.loss_scale_window) == (False, 2.0**32, 1000)
+    out = capsys.readouterr().out
+    assert (
+        "fp16 is off from the command line: the config file's initial_loss_scale = 4096, loss_scale_window = 500 "
+        "are left out (read only with fp16)"
+    ) in out
+
+
+def test_a_key_of_a_switch_that_is_off_is_refused_where_it_was_given(tmp_path):
+    """Given on the command line beside the switch it turns off, or in a file that never turned it on: refused,
+    not left out (the user wrote it)."""
+    with pytest.raises(ValueError, match="^loss_scale_window=700 does nothing without fp16"):
+        arguments.validate(
+            arguments.load_config(
+                [_config_file(tmp_path, FP16_FILE), "--fp16=false", "--loss_scale_window=700"]
+            )
+        )
+    off = _config_file(tmp_path, "save_interval = 100\ntrain_iters = 10\n")
+    with pytest.raises(
+        ValueError, match=r"^save_interval=100 does nothing without save \(here save=None\)"
+    ):
+        arguments.validate(arguments.load_config([off]))
+
+
+def test_the_shipped_configs_give_no_key_they_do_not_read():
+    import glob
+
+    for path in sorted(glob.glob(f"{arguments.os.path.dirname(arguments.__file__)}/config/*.py")):
+        cfg = arguments.load_config([path])
+        assert sections.unread(cfg) == {}, path
+
+
+def test_help_says_which_switch_a_key_needs():
+    import usage
+
+    text = usage.format_help(width=400)
+    assert "[with fp16]" in next(
+        line for line in text.splitlines() if "--loss_scale_window " in line
+    )
+    assert "[with load or save]" in next(
+        line for line in text.splitlines() if "--no_load_optim " in line
+    )
