@@ -51,6 +51,26 @@ def check_output_file(path, flag, example, ours=None):
         )
 
 
+def check_output_dir(path, key, what, read_only_ok=False):
+    """Refuse, before the run's work, a directory it would write in at `path` (a key's value) and could not (a bare
+    errno at its first write otherwise, after the build): the path or its nearest existing parent is a file, or
+    that parent is not writable (a missing directory is created by the run). what: the directory wanted, for the
+    fix; read_only_ok: an existing directory the run may only read (an index cache built before) passes."""
+    path = os.path.abspath(path)
+    if os.path.exists(path):
+        if not os.path.isdir(path):
+            raise ValueError(f"{key}={path} is not a directory: give {what}")
+        if not read_only_ok and not os.access(path, os.W_OK | os.X_OK):
+            raise ValueError(f"{key}={path} is not writable: give {what}")
+        return
+    parent = os.path.dirname(path)
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not (os.path.isdir(parent) and os.access(parent, os.W_OK | os.X_OK)):
+        why = "a file, not a directory" if not os.path.isdir(parent) else "not writable"
+        raise ValueError(f"{key}={path} cannot be created: {parent} is {why}; give {what}")
+
+
 def json_holds(path, keys):
     """The file at path is a JSON object with every one of keys (how a tool knows its own results); False when
     it is missing, unreadable, not JSON or another value."""

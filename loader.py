@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 import data
+import files
 import layers
 import parallel
 from report import print0
@@ -649,6 +650,13 @@ def check(data_cfg, context, position_embedding_type, reads_data=True):
             )
     source.check(data_cfg, context)
     check_split(data_cfg, context)
+    if data_cfg.data_cache_dir is not None:  # an index cache built before may be read-only
+        files.check_output_dir(
+            data_cfg.data_cache_dir,
+            "data_cache_dir",
+            "a directory the run can write its sample index in",
+            True,
+        )
     if (
         data_cfg.reset_position_ids
         and position_embedding_type == "alibi"

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+import files
 import parallel
 
 # Nominal dense bf16 tensor-core TFLOP/s (no sparsity) and HBM GB/s by SKU, from NVIDIA's
@@ -92,6 +93,10 @@ def check(log_cfg):
         )
     if log_cfg.profile_steps is not None:
         profile_range(log_cfg.profile_steps)  # raises
+    if log_cfg.tensorboard_dir is not None:
+        files.check_output_dir(
+            log_cfg.tensorboard_dir, "tensorboard_dir", "a directory the run can write"
+        )
 
 
 def profile_range(text):

@@ -18,6 +18,7 @@ a run builds its parts only when a switch asks (stability.build_callbacks).
 import math
 from dataclasses import dataclass
 
+import files
 import optim
 import schedule
 from sections import section
@@ -199,7 +200,11 @@ def check_snapshots(snapshot_cfg):
         "spike_guard_snapshot_dir holds the snapshots of spike_guard_snapshot_interval: set an interval (e.g. 50)",
     )
     if s.spike_guard_snapshot_dir:
-        check_directory(s.spike_guard_snapshot_dir, "spike_guard_snapshot_dir")
+        files.check_output_dir(
+            s.spike_guard_snapshot_dir,
+            "spike_guard_snapshot_dir",
+            "a directory the run can write (a node-local disk, e.g. $SLURM_TMPDIR)",
+        )
 
 
 def check_precursor(precursor_cfg, telemetry_interval):
@@ -282,32 +287,6 @@ def check_faults(faults_cfg, half):
     need(
         f.inject_bad_device_iter is None or f.inject_bad_device_iter >= 1,
         "inject_bad_device_iter must be an iteration (>= 1), or None (off)",
-    )
-
-
-def check_directory(path, key):
-    """A directory the run will create (or use) at `path`: refused, naming the key, when it cannot
-    be -- the path or its nearest existing parent is not a directory, or that parent is not
-    writable -- before any work is done (else a bare errno when the run first writes there)."""
-    import os
-
-    path = os.path.abspath(path)
-    if os.path.exists(path):
-        need(
-            os.path.isdir(path) and os.access(path, os.W_OK | os.X_OK),
-            f"{key}={path} is "
-            + ("not a directory" if not os.path.isdir(path) else "not writable")
-            + ": give a directory the run can write (a node-local disk, e.g. $SLURM_TMPDIR)",
-        )
-        return
-    parent = os.path.dirname(path)
-    while not os.path.exists(parent):
-        parent = os.path.dirname(parent)
-    need(
-        os.path.isdir(parent) and os.access(parent, os.W_OK | os.X_OK),
-        f"{key}={path} cannot be created: {parent} is "
-        + ("a file, not a directory" if not os.path.isdir(parent) else "not writable")
-        + "; give a directory the run can create or write (a node-local disk, e.g. $SLURM_TMPDIR)",
     )
 
 

@@ -43,6 +43,47 @@ def test_an_unwritable_directory_is_refused(tmp_path, monkeypatch):
         files.check_output_file(str(tmp_path / "a" / "x.md"), "--out", "x.md")
 
 
+@pytest.mark.parametrize(
+    "key, read_only_ok",
+    [("tensorboard_dir", False), ("data_cache_dir", True), ("spike_guard_snapshot_dir", False)],
+)
+def test_a_directory_the_run_writes_in_is_checked_before_any_work(
+    tmp_path, monkeypatch, key, read_only_ok
+):
+    """Under a file, a bare NotADirectoryError came at the first write, after the data's build (tensorboard_dir's
+    a traceback); unwritable, a bare errno. An existing index cache may be read-only (built before)."""
+    import arguments
+
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    guard = ["--spike_guard"] if key == "spike_guard_snapshot_dir" else []
+
+    def error(path):
+        with pytest.raises(ValueError) as e:
+            arguments.validate(
+                arguments.load_config(["--train_iters=2", *guard, f"--{key}={path}"])
+            )
+        return str(e.value)
+
+    assert error(blocker / "deeper") == (
+        f"{key}={blocker}/deeper cannot be created: {blocker} is a file, not a directory; give a directory "
+        f"the run can {'write its sample index in' if key == 'data_cache_dir' else 'write'}"
+        + (" (a node-local disk, e.g. $SLURM_TMPDIR)" if guard else "")
+    )
+    assert error(blocker).startswith(f"{key}={blocker} is not a directory: give a directory")
+    arguments.validate(
+        arguments.load_config(["--train_iters=2", *guard, f"--{key}={tmp_path / 'new' / 'x'}"])
+    )
+    assert not (tmp_path / "new").exists()  # checked, not created: the run creates it
+    monkeypatch.setattr(
+        os, "access", lambda path, mode: path != str(tmp_path)
+    )  # root writes anywhere
+    if read_only_ok:
+        arguments.validate(arguments.load_config(["--train_iters=2", f"--{key}={tmp_path}"]))
+    else:
+        assert error(tmp_path).startswith(f"{key}={tmp_path} is not writable: give a directory")
+
+
 def test_a_write_is_whole_or_leaves_the_old_file_and_no_temporary_one(tmp_path):
     path = tmp_path / "deeper" / "table.md"
     files.write_text("first\n\n", str(path))
