@@ -225,12 +225,14 @@ def load_config(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     config_file, overrides = parse_cli(argv)
     implicit, config_file = config_file is None, config_file or DEFAULT_CONFIG
+    # the default is the repository's, from wherever train.py is run
+    here = os.path.dirname(os.path.abspath(__file__))
     try:
-        values = runpy.run_path(config_file)
+        values = runpy.run_path(os.path.join(here, DEFAULT_CONFIG) if implicit else config_file)
     except FileNotFoundError:
         raise ValueError(
-            f"config file {config_file!r} not found; pass a file from config/ (e.g. "
-            f"{DEFAULT_CONFIG})"
+            f"config file {config_file!r} not found (from {os.getcwd()}); pass a file from "
+            f"{os.path.join(here, 'config')} (e.g. {os.path.join(here, DEFAULT_CONFIG)})"
         ) from None
     except SyntaxError as e:
         raise ValueError(

@@ -317,3 +317,17 @@ def test_length_of_training_is_megatron_s():
         cfg = load(name)
         totals[name] = plan_of(cfg).total_iters
     assert totals == {"tr8b_104b": 159_576, "tr11_176b": 115_311, "tr3_1b3": 19_686}
+
+
+def test_the_default_config_is_the_repository_s_from_any_directory(tmp_path, monkeypatch):
+    """`python /path/to/train.py` from another directory read config/tiny.py from there: not found, with a message
+    that named config/ as if it were the current directory's."""
+    monkeypatch.chdir(tmp_path)
+    cfg = arguments.load_config([])
+    assert (cfg.config_file, cfg.num_layers, cfg.train_iters) == ("config/tiny.py", 4, 300)
+    with pytest.raises(ValueError) as e:
+        arguments.load_config(["config/tr1_13b.py"])
+    assert str(e.value) == (
+        f"config file 'config/tr1_13b.py' not found (from {tmp_path}); pass a file from {ROOT}/config (e.g. "
+        f"{ROOT}/config/tiny.py)"
+    )
