@@ -76,7 +76,10 @@ class CheckpointConfig:
     dump_weights: bool = False
 
     # keys read only while a switch is on (sections.py): a run resumes from load, or from save when it holds one
-    SWITCHED = {"save": ("save_interval",), "load|save": ("no_load_optim", "no_load_rng", "dump_weights")}
+    SWITCHED = {
+        "save": ("save_interval",),
+        "load|save": ("no_load_optim", "no_load_rng", "dump_weights"),
+    }
 
 
 def check(ckpt_cfg, eval_only=False):
