@@ -80,7 +80,7 @@ class ReplicaCheck(training.Callback):
         run, naming it; sharded: each DP rank holds its own shard of the optimizer state
         (zero_stage >= 1, DeepSpeed's partitions), nothing to compare there."""
         self.max_hardware_faults = max_hardware_faults
-        self.interval = replica_check_cfg.dp_replica_check_interval
+        self.interval = self.asked = replica_check_cfg.dp_replica_check_interval
         if self.interval is None:  # on with the guard: each snapshot right after a check
             self.interval = (snapshot_interval or 50) if spike_guard else 0
         self.sharded = sharded
@@ -92,6 +92,12 @@ class ReplicaCheck(training.Callback):
     def start(self, parts, report, train_data):
         self.parts, self.report = parts, report
         self.device = next(parallel.unwrap(parts.model).parameters()).device
+        # a config of many GPUs run on one process: said, not silent
+        if self.asked and parallel.grid.dp_size == 1:
+            print0(
+                f"replica check: dp_replica_check_interval={self.asked} compares the data-parallel replicas, "
+                "and this run has one: nothing is checked"
+            )
 
     def after_step(self, it, step):
         n = it.number

@@ -504,3 +504,23 @@ def test_the_majority_is_copied_from_and_without_one_dp_rank_0_and_each_dp_group
     # TP2 x DP2: TP is fastest, so the DP group of TP rank 1 is global ranks 1 and 3
     monkeypatch.setattr(parallel, "grid", parallel.Grid(2, 1, world_size=4, rank=0))
     assert differing([same, same, same, odd]) == {(1, 0): (None, [1])}
+
+
+def test_asked_for_with_one_replica_the_check_says_it_checks_nothing():
+    """A config of many GPUs run on one process: the check has nothing to compare, and said nothing."""
+    from helpers import run_main
+
+    tiny = ["--num_layers=1", "--hidden_size=32", "--num_attention_heads=2", "--seq_length=16"]
+    args = [
+        *tiny,
+        "--micro_batch_size=2",
+        "--global_batch_size=2",
+        "--train_iters=2",
+        "--eval_iters=0",
+    ]
+    out = run_main(*args, "--save=none", "--sample_tokens=0", "--dp_replica_check_interval=1")
+    assert (
+        "replica check: dp_replica_check_interval=1 compares the data-parallel replicas, and this run has one: "
+        "nothing is checked"
+    ) in out
+    assert "replica check:" not in run_main(*args, "--save=none", "--sample_tokens=0")
