@@ -63,7 +63,7 @@ class LoggingConfig:
     log_interval: int = 100  # print the log line every this many iterations
     eval_interval: int = 1000  # validation loss every this many iterations (and at the end)
     eval_iters: int = 100  # global batches per validation
-    eval_only: bool = False  # load the checkpoint, print the validation loss and perplexity, exit
+    eval_only: bool = False  # load the checkpoint, print the validation loss and a sample, exit
     tensorboard_dir: str | None = None  # TensorBoard events; None: <save>/tensorboard when saving
     wandb_project: str | None = None  # log to this wandb project too (files under <save>/wandb)
     wandb_mode: str = "offline"  # offline | online | disabled (WANDB_MODE overrides it)

@@ -85,7 +85,7 @@ def run(cfg, grid, run_lock, writer=None, callbacks=NO_CALLBACKS, harness=None):
     parts, device, train_data, valid_data = prepare(cfg, grid, callbacks, run_lock.saved_state)
     model, state, schedule = parts.model, parts.state, parts.schedule
     if cfg.eval_only:
-        return training.evaluate_only(model, valid_data, state, parts.rules, device, cfg.split)
+        return evaluate_checkpoint(cfg, parts, device, valid_data)
     report = Report(section(LoggingConfig, cfg), schedule, model, cfg.save, arguments.to_dict(cfg))
     callbacks.start(parts, report, train_data)
     first_iteration, job_start = state.iteration, time.time()
@@ -167,11 +167,22 @@ def finish(cfg, parts, report, device):
     """The run's end: the report and the callbacks closed, a sample printed, DeepSpeed released."""
     report.close()
     parts.callbacks.close()
-    training.print_sample(
-        parts.model, device, cfg.sample_tokens, cfg.sample_prompt, cfg.tokenizer_file, cfg.seed
-    )
+    print_sample(cfg, parts.model, device)
     if cfg.deepspeed:
         parts.optimizer.close()  # DeepSpeed's released before the process groups (launch.shut_down)
+
+
+def evaluate_checkpoint(cfg, parts, device, valid_data):
+    """eval_only: the checkpoint's validation loss, and its sample when sample_tokens asks for one."""
+    training.evaluate_only(parts.model, valid_data, parts.state, parts.rules, device, cfg.split)
+    print_sample(cfg, parts.model, device)
+    return parts.state
+
+
+def print_sample(cfg, model, device):
+    training.print_sample(
+        model, device, cfg.sample_tokens, cfg.sample_prompt, cfg.tokenizer_file, cfg.seed
+    )
 
 
 def prepare(cfg, grid, callbacks, saved_state):

@@ -416,6 +416,10 @@ def test_eval_only_prints_validation_and_writes_nothing(ckpt):
     ) < 1e-3 * float(m.group(2))
     # no training iteration, nothing written
     assert log_fields(out) == {} and _files(ckpt) == before
+    # the sample sample_tokens asks for, as at a training run's end (it printed none, in silence)
+    assert " sample " not in out
+    out = run_main(*SMALL, "--train_iters=2", f"--load={ckpt}", "--eval_only", "--sample_tokens=8")
+    assert "-" * 30 + " sample " + "-" * 30 in out and _files(ckpt) == before
 
 
 def test_eval_only_without_a_checkpoint_is_an_error(corpus, tmp_path):
