@@ -117,6 +117,8 @@ class GPTConfig:
         "position_embedding_type=rotary": ("rotary_base", "use_rope_scaling"),
         "use_rope_scaling": ("rope_scaling_factor", "original_max_position_embeddings"),
         "position_embedding_type=learned": ("position_embedding_init",),
+        "embed_init=normal": ("embed_init_std",),
+        "swiglu=False": ("activation",),  # the gated MLP's is SiLU
     }
 
     @property

@@ -89,4 +89,6 @@ def unread_message(config, found):
 
 def _show_switch(alternative):
     key, is_value, value = alternative.partition("=")
-    return f"{key}={value!r}" if is_value else key
+    if not is_value:
+        return key
+    return f"{key}={value}" if value in ("True", "False") else f"{key}={value!r}"

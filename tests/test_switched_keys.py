@@ -13,7 +13,7 @@ import sections
 SWITCHED = sections.switched(arguments.Config)
 FIELDS = arguments.FIELDS
 # a switch on at its default is turned off with this value
-OFF = {"position_embedding_type": "alibi"}
+OFF = {"position_embedding_type": "alibi", "embed_init": "xavier_uniform", "swiglu": True}
 
 
 def _given(key):
@@ -33,7 +33,7 @@ def _given(key):
 def _on(switch):
     """{key: value} that turns switch on (its first alternative)."""
     key, is_value, value = switch.split("|")[0].partition("=")
-    return {key: value if is_value else _given(key)}
+    return {key: arguments._convert(key, value, FIELDS[key].type) if is_value else _given(key)}
 
 
 def test_the_owners_declare_keys_read_only_behind_a_switch():
