@@ -45,7 +45,6 @@ import cross_entropy
 import layers
 import parallel
 import rng
-import sections
 from parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 
 
@@ -260,10 +259,9 @@ class GPTConfig:
         ]
 
     def _rotary_problems(self):
-        """(ok, message) of rotary's keys in range, and of the position keys read (SWITCHED)."""
-        unread = sections.unread(self)
+        """(ok, message) of rotary's keys in range. A key its switch leaves unread (SWITCHED) is a new run's
+        config error, refused by arguments.validate; a saved model with one still builds."""
         return [
-            (not unread, sections.unread_message(self, unread)),
             (
                 self.rotary_base > 0,
                 f"rotary_base={self.rotary_base} must be positive (10000; Llama 3: 500000)",

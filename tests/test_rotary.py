@@ -203,12 +203,6 @@ def test_gradients_with_activation_checkpointing_and_no_position_parameters():
     assert learned.num_parameters() - cfg.num_parameters() == 24 * 48  # the position table
     with pytest.raises(ValueError, match=r"head size \(7\) must be even"):
         GPT(_cfg(hidden_size=42))
-    with pytest.raises(
-        ValueError,
-        match="position_embedding_init='sinusoidal' does nothing without position_embedding_type='learned' "
-        r"\(here position_embedding_type='rotary'\)",
-    ):
-        GPT(_cfg(position_embedding_init="sinusoidal"))
 
 
 def _tp2_matches_one_process():

@@ -64,6 +64,29 @@ def test_a_key_given_with_its_switch_off_is_refused_by_name(key):
     assert switch not in sections.unread(cfg)
 
 
+def test_a_saved_model_with_a_key_its_switch_leaves_unread_still_builds():
+    """The rule is a new run's (arguments.validate), not the model's: a checkpoint whose config was accepted before
+    it (swiglu with activation=gelu_tanh) is still read, sampled, exported and resharded (each builds a GPT)."""
+    import model
+
+    cfg = model.GPTConfig(
+        num_layers=1, hidden_size=32, num_attention_heads=2, seq_length=8, vocab_size=64
+    )
+    model.GPT(
+        dataclasses.replace(
+            cfg,
+            swiglu=True,
+            activation="gelu_tanh",
+            embed_init="xavier_uniform",
+            embed_init_std=0.1,
+        )
+    )
+    with pytest.raises(
+        ValueError, match="^activation='gelu_tanh' does nothing without swiglu=False"
+    ):
+        arguments.validate(arguments.Config(swiglu=True, activation="gelu_tanh"))
+
+
 def test_the_message_names_every_key_of_the_switch_and_the_fix():
     cfg = arguments.Config(loss_scale=1024.0, hysteresis=4, zclip_warmup=10)
     with pytest.raises(ValueError) as e:
