@@ -34,6 +34,7 @@ import torch.distributed as dist
 import checkpoint
 import parallel
 import schedule
+import sections
 from checkpoint import CheckpointConfig
 from model import GPTConfig
 from sections import section
@@ -136,6 +137,16 @@ def _longer_context(key, then, current):
     )
 
 
+def _unread_by_both(key, then, current):
+    """A key the model reads only while a switch is on (GPTConfig.SWITCHED), off in the checkpoint's model and in
+    this one: activation beside swiglu (a checkpoint's, given before such a key was refused, and left out now)."""
+    switch = sections.switched(GPTConfig).get(key)
+    return switch is not None and not any(
+        sections.switch_on(types.SimpleNamespace(**{**current, **model}), switch)
+        for model in (then, current)
+    )
+
+
 def compare_configs(saved, current, tag_dir):
     """Refuse another model; return the lines describing the keys allowed to differ. saved, current:
     the checkpoint's config and this run's, as dicts (every key: the comparison is of the whole
@@ -162,7 +173,13 @@ def _refuse_another_model(saved, current, tag_dir):
         for k in architecture_keys()
         if k in saved or defaults[k] is not None
     }
-    arch = [k for k in then if then[k] != current[k] and not _longer_context(k, then, current)]
+    arch = [
+        k
+        for k in then
+        if then[k] != current[k]
+        and not _longer_context(k, then, current)
+        and not _unread_by_both(k, then, current)
+    ]
     if arch:
         diff = ", ".join(
             f"{k} {_show(then[k])} (checkpoint{'' if k in saved else ': its default'}) vs {_show(current[k])} (now)"

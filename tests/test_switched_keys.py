@@ -164,3 +164,15 @@ def test_help_says_which_switch_a_key_needs():
     assert "[with load or save]" in next(
         line for line in text.splitlines() if "--no_load_optim " in line
     )
+
+
+def test_a_resume_leaving_out_a_key_the_checkpoint_s_model_never_read_is_the_same_model():
+    """The fix the refusal names (drop activation beside swiglu) must not make the resume refuse the checkpoint
+    as another model; where the model reads the key, it is still one."""
+    import safety
+
+    saved = arguments.to_dict(arguments.Config(swiglu=True, activation="gelu_tanh"))
+    safety.compare_configs(saved, arguments.to_dict(arguments.Config(swiglu=True)), "ckpt")
+    saved = arguments.to_dict(arguments.Config(activation="gelu_tanh"))
+    with pytest.raises(ValueError, match="holds another model: activation 'gelu_tanh'"):
+        safety.compare_configs(saved, arguments.to_dict(arguments.Config()), "ckpt")
