@@ -33,7 +33,9 @@ def _given(key):
 def _on(switch):
     """{key: value} that turns switch on (its first alternative)."""
     key, is_value, value = switch.split("|")[0].partition("=")
-    return {key: arguments._convert(key, value, FIELDS[key].type) if is_value else _given(key)}
+    if not is_value:
+        return {key: _given(key)}
+    return {key: value == "True" if value in ("True", "False") else value}
 
 
 def test_the_owners_declare_keys_read_only_behind_a_switch():
