@@ -54,7 +54,12 @@ class LayoutConfig:
     # size the TP x PP x DP layout and memory per GPU on the meta device, then exit
     dry_run: bool = False
 
-    SWITCHED = {"tp_replica_check_interval": ("tp_replica_resync",)}  # sections.py
+    # sections.py; a check of the TP ranks' copies needs two of them, and only stages have a partition
+    SWITCHED = {
+        "tp_replica_check_interval": ("tp_replica_resync",),
+        "tensor_model_parallel_size>1": ("tp_replica_check_interval",),
+        "pipeline_model_parallel_size>1": ("pp_partition_method",),
+    }
 
 
 # Modes of which a run is one, refused together by check(): one given on the command line replaces the config file's

@@ -33,8 +33,8 @@ def section(cls, config):
 #
 #     SWITCHED = {"fp16": ("loss_scale", "initial_loss_scale", ...)}
 #
-# A switch is a key, on when its value is set (true, non-zero, not None); "key=value", on at that value; or
-# alternatives "a|b", on when either is. Such a key given while its switch is off would be ignored in silence, and
+# A switch is a key, on when its value is set (true, non-zero, not None); "key=value", on at that value;
+# "key>number", on above it; or alternatives "a|b", on when either is. Such a key given while its switch is off would be ignored in silence, and
 # the run would not be the one asked for: arguments.validate refuses it (unread()).
 
 
@@ -50,15 +50,28 @@ def switched(config_class):
 def switch_on(config, switch):
     """Is `switch` (a SWITCHED switch) on in config?"""
     for alternative in switch.split("|"):
-        key, is_value, value = alternative.partition("=")
+        key, op, value = _parse(alternative)
         current = getattr(config, key)
-        if (str(current) == value) if is_value else current:
+        if op == "=" and str(current) == value:
+            return True
+        if op == ">" and current is not None and current > float(value):
+            return True
+        if not op and current:
             return True
     return False
 
 
 def switch_keys(switch):
-    return [alternative.partition("=")[0] for alternative in switch.split("|")]
+    return [_parse(alternative)[0] for alternative in switch.split("|")]
+
+
+def _parse(alternative):
+    """(key, "=" or ">" or "", value) of one alternative of a switch."""
+    for op in "=>":
+        key, found, value = alternative.partition(op)
+        if found:
+            return key, op, value
+    return alternative, "", ""
 
 
 def unread(config):
@@ -88,7 +101,7 @@ def unread_message(config, found):
 
 
 def _show_switch(alternative):
-    key, is_value, value = alternative.partition("=")
-    if not is_value:
-        return key
-    return f"{key}={value}" if value in ("True", "False") else f"{key}={value!r}"
+    key, op, value = _parse(alternative)
+    if op != "=" or value in ("True", "False"):
+        return alternative
+    return f"{key}={value!r}"

@@ -18,6 +18,7 @@ import os as _os
 exec(open(_os.path.join(_os.path.dirname(__file__), "tr3_1b3.py")).read())
 
 pipeline_model_parallel_size = 1
+del pp_partition_method  # noqa: F821 (tr3_1b3.py sets it) one stage: nothing to partition
 zero_stage = 0  # one data-parallel rank: nothing to shard
 micro_batch_size = 8
 checkpoint_activations = False

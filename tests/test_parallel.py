@@ -719,15 +719,20 @@ TP2 = ["--tensor_model_parallel_size=2", "--num_attention_heads=4"]
             4,
             r"^zero_stage=2 with pipeline_model_parallel_size > 1 is not supported",
         ),
-        (["--tp_replica_check_interval=-1"], 1, "tp_replica_check_interval must be 0"),
+        ([*TP2, "--tp_replica_check_interval=-1"], 2, "tp_replica_check_interval must be 0"),
+        (
+            ["--tp_replica_check_interval=5"],
+            1,
+            r"^tp_replica_check_interval=5 does nothing without tensor_model_parallel_size>1",
+        ),
         (
             ["--tp_replica_resync"],
             1,
             "tp_replica_resync=True does nothing without tp_replica_check_interval",
         ),
         (
-            ["--tp_replica_resync", "--tp_replica_check_interval=5", *DS_BF16],
-            1,
+            [*TP2, "--tp_replica_resync", "--tp_replica_check_interval=5", *DS_BF16],
+            2,
             "tp_replica_resync cannot reach DeepSpeed's fp32 master weights",
         ),
         (["--device=tpu"], 1, r"^device='tpu' is not auto, cpu or cuda$"),

@@ -32,9 +32,13 @@ def _given(key):
 
 def _on(switch):
     """{key: value} that turns switch on (its first alternative)."""
-    key, is_value, value = switch.split("|")[0].partition("=")
-    if not is_value:
+    first = switch.split("|")[0]
+    key = sections.switch_keys(first)[0]
+    if first == key:
         return {key: _given(key)}
+    value = first[len(key) + 1 :]
+    if first[len(key)] == ">":
+        return {key: int(value) + 1}
     return {key: value == "True" if value in ("True", "False") else value}
 
 
