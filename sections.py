@@ -34,8 +34,9 @@ def section(cls, config):
 #     SWITCHED = {"fp16": ("loss_scale", "initial_loss_scale", ...)}
 #
 # A switch is a key, on when its value is set (true, non-zero, not None); "key=value", on at that value;
-# "key>number", on above it; or alternatives "a|b", on when either is. Such a key given while its switch is off would be ignored in silence, and
-# the run would not be the one asked for: arguments.validate refuses it (unread()).
+# "key>number", on above it; or alternatives "a|b", on when either is. Such a key given while its switch is off
+# would be ignored in silence, and the run would not be the one asked for: arguments.validate refuses it
+# (unread()).
 
 
 def switched(config_class):
