@@ -293,11 +293,15 @@ def _drop_unread(settings, overrides, in_file):
     """Remove from the config file's `settings` the keys read only while a switch is on (sections.SWITCHED) whose
     switch the command line turned off (--fp16=false, or --bf16 replacing the file's fp16), with one printed line:
     the file's loss-scaling keys would be refused beside it, and the fix is not the user's file. in_file: the file's
-    settings alone, as a Config. A key given on the command line is left to validate(), which refuses it."""
-    run = _config({**settings, **overrides})
-    for switch, keys in sections.unread(run).items():
-        dropped = [k for k in keys if k in settings and k not in overrides]
-        if dropped and sections.switch_on(in_file, switch):
+    settings alone, as a Config. A key given on the command line is left to validate(), which refuses it. A key
+    left out may be a switch itself (tr11's tp_replica_check_interval, at TP=1): its keys follow it."""
+    dropped_any = True
+    while dropped_any:
+        dropped_any = False
+        for switch, keys in sections.unread(_config({**settings, **overrides})).items():
+            dropped = [k for k in keys if k in settings and k not in overrides]
+            if not dropped or not sections.switch_on(in_file, switch):
+                continue
             # each process parses the config: one line per run
             if os.environ.get("RANK", "0") == "0":
                 given = ", ".join(f"{key} = {settings[key]!r}" for key in dropped)
@@ -309,6 +313,7 @@ def _drop_unread(settings, overrides, in_file):
                 )
             for key in dropped:
                 del settings[key]
+            dropped_any = True
 
 
 def from_hf(cfg, given):

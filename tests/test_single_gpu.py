@@ -53,6 +53,7 @@ def test_the_one_gpu_config_is_the_runs_config_with_one_gpus_layout():
     one = arguments.load_config([os.path.join(ROOT, "config", "tr3_1b3_1gpu.py")])
     machine = {
         "pipeline_model_parallel_size",
+        "pp_partition_method",  # one stage: left out, at its default
         "zero_stage",
         "micro_batch_size",
         "checkpoint_activations",

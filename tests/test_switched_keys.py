@@ -3,6 +3,7 @@ would ignore them in silence and not be the one asked for. arguments.validate re
 command line turns off leaves the config file's keys of that switch out, with a line."""
 
 import dataclasses
+import os
 import typing
 
 import pytest
@@ -182,3 +183,15 @@ def test_a_resume_leaving_out_a_key_the_checkpoint_s_model_never_read_is_the_sam
     saved = arguments.to_dict(arguments.Config(activation="gelu_tanh"))
     with pytest.raises(ValueError, match="holds another model: activation 'gelu_tanh'"):
         safety.compare_configs(saved, arguments.to_dict(arguments.Config()), "ckpt")
+
+
+def test_a_key_left_out_that_is_a_switch_takes_its_own_keys_with_it(capsys):
+    """tr11's TP=4 config at --tensor_model_parallel_size=1 (bench.py's timing on one process): its replica check
+    is left out, and the check's resync with it, where the resync alone was refused."""
+    path = os.path.join(os.path.dirname(arguments.__file__), "config", "tr11_176b.py")
+    cfg = arguments.load_config([path, "--tensor_model_parallel_size=1"])
+    arguments.validate(cfg, world_size=12, reads_data=False)
+    assert (cfg.tp_replica_check_interval, cfg.tp_replica_resync) == (0, False)
+    out = capsys.readouterr().out
+    assert "the config file's tp_replica_check_interval = 100 is left out" in out
+    assert "the config file's tp_replica_resync = True is left out" in out
