@@ -73,10 +73,8 @@ class LoggingConfig:
     # "A-B": a torch.profiler trace of iterations A to B in <save>/profile
     profile_steps: str | None = None
 
-    SWITCHED = {
-        "wandb_project": ("wandb_mode",),
-        "sample_tokens": ("sample_prompt",),
-    }  # sections.py
+    # keys read only while a switch is on (sections.py)
+    SWITCHED = {"wandb_project": ("wandb_mode",), "sample_tokens": ("sample_prompt",)}
 
 
 def check(log_cfg):
