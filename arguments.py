@@ -276,13 +276,15 @@ def _drop_replaced(settings, overrides):
         for pair in (p for p in EXCLUSIVE if key in p):
             other = pair[1 - pair.index(key)]
             if other in settings and other not in overrides and given(other, settings[other]):
-                # each process parses the config: one line per run
-                if os.environ.get("RANK", "0") == "0":
-                    print(
-                        f"{key} from the command line replaces the config file's {other} = {settings[other]!r}",
-                        flush=True,
-                    )
+                _say(
+                    f"{key} from the command line replaces the config file's {other} = {settings[other]!r}"
+                )
                 del settings[other]
+
+
+def _say(line):
+    if os.environ.get("RANK", "0") == "0":  # each process parses the config: one line per run
+        print(line, flush=True)
 
 
 def _config(settings):
@@ -302,15 +304,12 @@ def _drop_unread(settings, overrides, in_file):
             dropped = [k for k in keys if k in settings and k not in overrides]
             if not dropped or not sections.switch_on(in_file, switch):
                 continue
-            # each process parses the config: one line per run
-            if os.environ.get("RANK", "0") == "0":
-                given = ", ".join(f"{key} = {settings[key]!r}" for key in dropped)
-                verb = "is" if len(dropped) == 1 else "are"
-                print(
-                    f"{switch} is off from the command line: the config file's {given} {verb} left out (read only "
-                    f"with {switch})",
-                    flush=True,
-                )
+            given = ", ".join(f"{key} = {settings[key]!r}" for key in dropped)
+            verb = "is" if len(dropped) == 1 else "are"
+            _say(
+                f"{switch} is off from the command line: the config file's {given} {verb} left out (read only "
+                f"with {switch})"
+            )
             for key in dropped:
                 del settings[key]
             dropped_any = True

@@ -38,17 +38,25 @@ def check_output_file(path, flag, example, ours=None):
         is_ours, what, rule = ours
         if not is_ours(path):
             raise ValueError(f"{flag} {path} exists and is not {what}; give another file ({rule})")
-    parent = os.path.dirname(os.path.abspath(path))
-    while not os.path.exists(parent):  # the folders the write creates: the first one there decides
+    blocked = _blocked(os.path.abspath(path))
+    if blocked:
+        raise ValueError(
+            f"{flag} {path} cannot be written: {blocked[0]} is {blocked[1]}; give another path"
+        )
+
+
+def _blocked(path):
+    """(its nearest existing folder, why) when the folders above path cannot hold what the write creates there --
+    that folder is a file, or not writable -- else None. The folders missing in between are the write's to create:
+    the first one there decides."""
+    parent = os.path.dirname(path)
+    while not os.path.exists(parent):
         parent = os.path.dirname(parent)
     if not os.path.isdir(parent):
-        raise ValueError(
-            f"{flag} {path} cannot be written: {parent} is a file, not a directory; give another path"
-        )
+        return parent, "a file, not a directory"
     if not os.access(parent, os.W_OK | os.X_OK):
-        raise ValueError(
-            f"{flag} {path} cannot be written: {parent} is not writable; give another path"
-        )
+        return parent, "not writable"
+    return None
 
 
 def check_output_dir(path, key, what, read_only_ok=False):
@@ -63,12 +71,11 @@ def check_output_dir(path, key, what, read_only_ok=False):
         if not read_only_ok and not os.access(path, os.W_OK | os.X_OK):
             raise ValueError(f"{key}={path} is not writable: give {what}")
         return
-    parent = os.path.dirname(path)
-    while not os.path.exists(parent):
-        parent = os.path.dirname(parent)
-    if not (os.path.isdir(parent) and os.access(parent, os.W_OK | os.X_OK)):
-        why = "a file, not a directory" if not os.path.isdir(parent) else "not writable"
-        raise ValueError(f"{key}={path} cannot be created: {parent} is {why}; give {what}")
+    blocked = _blocked(path)
+    if blocked:
+        raise ValueError(
+            f"{key}={path} cannot be created: {blocked[0]} is {blocked[1]}; give {what}"
+        )
 
 
 def json_holds(path, keys):

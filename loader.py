@@ -655,7 +655,7 @@ def check(data_cfg, context, position_embedding_type, reads_data=True):
             data_cfg.data_cache_dir,
             "data_cache_dir",
             "a directory the run can write its sample index in",
-            True,
+            read_only_ok=True,
         )
     if (
         data_cfg.reset_position_ids

@@ -51,7 +51,7 @@ def switched(config_class):
 def switch_on(config, switch):
     """Is `switch` (a SWITCHED switch) on in config?"""
     for alternative in switch.split("|"):
-        key, op, value = _parse(alternative)
+        key, op, value = parse_switch(alternative)
         current = getattr(config, key)
         if op == "=" and str(current) == value:
             return True
@@ -63,10 +63,10 @@ def switch_on(config, switch):
 
 
 def switch_keys(switch):
-    return [_parse(alternative)[0] for alternative in switch.split("|")]
+    return [parse_switch(alternative)[0] for alternative in switch.split("|")]
 
 
-def _parse(alternative):
+def parse_switch(alternative):
     """(key, "=" or ">" or "", value) of one alternative of a switch."""
     for op in "=>":
         key, found, value = alternative.partition(op)
@@ -102,7 +102,7 @@ def unread_message(config, found):
 
 
 def _show_switch(alternative):
-    key, op, value = _parse(alternative)
+    key, op, value = parse_switch(alternative)
     if op != "=" or value in ("True", "False"):
         return alternative
     return f"{key}={value!r}"

@@ -33,12 +33,10 @@ def _given(key):
 
 def _on(switch):
     """{key: value} that turns switch on (its first alternative)."""
-    first = switch.split("|")[0]
-    key = sections.switch_keys(first)[0]
-    if first == key:
+    key, op, value = sections.parse_switch(switch.split("|")[0])
+    if not op:
         return {key: _given(key)}
-    value = first[len(key) + 1 :]
-    if first[len(key)] == ">":
+    if op == ">":
         return {key: int(value) + 1}
     return {key: value == "True" if value in ("True", "False") else value}
 
