@@ -1,5 +1,5 @@
 """The spike guard's reading of what the optimizer did: the weights' move per update, relative to their norm, between
-the newest snapshot and now (docs/spike_guard.md, "The update size").
+the newest snapshot and now (docs/spike_guard.md, section 1, "Why the weights' move per update").
 
     move = relative_move(model, snapshot_weights, updates)   # ||w_now - w_then|| / ||w_now|| / updates
 
