@@ -528,7 +528,7 @@ class LMAdapter:
         """The greedy continuation of each prompt (token ids), up to max_new tokens and stopped at the end of
         document or once its text holds a stop string. Right-padded: each row's next token is read at its own
         end and written after it, one forward pass of the batch per generated token (no cache, as
-        model.generate)."""
+        GPT.generate)."""
         ids, lengths = self.right_padded(prompts, room=max_new)
         longest = int(lengths.max())
         ids, lengths = ids.to(self.device), lengths.to(self.device)

@@ -169,7 +169,7 @@ class DataSource(Protocol):
     # components), named as their data.Provenance names them: what a skip list names (its "dataset"), by ids.
     def documents(self) -> list[tuple[str, int]]: ...
 
-    # (train, validation) data.TokenSources, validation None without samples. skips: per entry of documents(),
+    # (train, validation), each a data.TokenSource, validation None without samples. skips: per entry of documents(),
     # the ids of the documents no sample takes (a skip list), or None. Every rank builds; what is built once for
     # all (Megatron's cached sample index), rank 0 builds first.
     def build(self, skips: list | None) -> tuple: ...

@@ -3,7 +3,7 @@
     what                                                 fp32     bf16     fp16     where
     model weights, activations, residual stream          fp32     bf16     fp16     builders.build_model
     pipeline messages (activations and their gradients)  fp32     bf16     fp16     parallel.pipeline_forward_backward
-    LayerNorm statistics, softmax, cross-entropy         fp32     fp32     fp32     model.LayerNorm, core_attention,
+    LayerNorm statistics, softmax, cross-entropy         fp32     fp32     fp32     model.norm, core_attention,
                                                                                     vocab_parallel_cross_entropy
     gradient accumulation over micro-batches, DP mean    fp32     fp32     fp32     parallel.GradBuffer
     master weights, Adam moments (sharded by ZeRO-1)     fp32     fp32     fp32     MixedPrecisionOptimizer below

@@ -184,7 +184,7 @@ def test_generation_stops_where_lm_evals_transformers_backend_stops(ours, theirs
 
 @SLOW
 def test_an_empty_context_continues_from_the_end_of_document(ours):
-    """As model.generate (top-1: greedy) from the end-of-document id alone, as tools/sample.py starts."""
+    """As GPT.generate (top-1: greedy) from the end-of-document id alone, as tools/sample.py starts."""
     from lm_eval.api.instance import Instance
 
     lm, eot = ours[0], ours[0].eot_token_id

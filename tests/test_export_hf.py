@@ -1,7 +1,7 @@
 """tools/export_hf.py: GPT2LMHeadModel and BloomForCausalLM exports from TP=2 checkpoints (the vocabulary padding
 of TP=2 dropped), logits checked by the tool itself and against a merge of the TP shards written here (so a wrong
 merge in reshard.py, which the tool uses, is not exported and "verified"), greedy generation in transformers
-against model.generate; a tiny ALiBi + embedding-LayerNorm model resumes bit-exactly; configurations neither class can
+against GPT.generate; a tiny ALiBi + embedding-LayerNorm model resumes bit-exactly; configurations neither class can
 express are refused by name by hf.family, and exported with our own modeling file (tests/test_export_remote.py)."""
 
 import dataclasses
@@ -124,7 +124,7 @@ def test_gpt2_export_from_tp2(corpus, tmp_path):  # noqa: F811
     ids = torch.randint(0, 50257, (2, 32), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         assert (gpt(ids)[..., :50257] - hf(ids).logits).abs().max().item() <= 1e-5
-    # greedy generation in transformers is model.generate's
+    # greedy generation in transformers is GPT.generate's
     _greedy_matches(hf, loaded, str(tmp_path / "ckpt"))
 
 

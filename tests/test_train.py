@@ -282,7 +282,7 @@ def test_config_error_under_torchrun_is_printed_once_and_is_the_root_cause(tmp_p
 
 @pytest.mark.slow
 def test_deepspeed_bf16_pp2_exits_cleanly_every_time(synthetic_corpus, tmp_path):
-    """A finished run exits 0 on every rank, every time (train.shut_down): a SLURM chain of jobs
+    """A finished run exits 0 on every rank, every time (launch.shut_down): a SLURM chain of jobs
     (--dependency=afterok) stops at the first that does not. Such a run aborted at exit in 1 of 5 tries."""
     pytest.importorskip("deepspeed")
     for i in range(5):
