@@ -256,8 +256,8 @@ def load_config(argv=None):
     cfg = _config({**settings, **overrides})
     cfg.config_file = config_file
     if cfg.init_from_hf is not None:
-        # the implicit default's model keys yield
-        from_hf(cfg, given=set(overrides if implicit else settings))
+        # the implicit default's model keys yield; a file's and the command line's are the user's
+        from_hf(cfg, given=set(overrides) | (set() if implicit else set(settings)))
     return cfg
 
 

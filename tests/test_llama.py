@@ -513,6 +513,18 @@ def test_init_from_hf_without_a_config_file_takes_the_model_s_keys(tmp_path):
         arguments.load_config([f"--init_from_hf={tmp_path}", "--num_layers=3"])
 
 
+def test_init_from_hf_with_a_config_file_refuses_a_command_line_model_key(tmp_path):
+    """config/finetune.py sets training keys only: a model key typed beside it (--num_layers=3 for a 2-layer model)
+    is the user's and contradicts the model, not a value for the model's own to replace in silence."""
+    import arguments
+
+    _llama_dir(tmp_path, tie=False, vocab=512)
+    cfg = arguments.load_config(["config/finetune.py", f"--init_from_hf={tmp_path}"])
+    assert (cfg.num_layers, cfg.hidden_size) == (2, 64)
+    with pytest.raises(ValueError, match=r"num_layers 3 \(config\) vs 2 \(model\)"):
+        arguments.load_config(["config/finetune.py", f"--init_from_hf={tmp_path}", "--num_layers=3"])
+
+
 # -----------------------------------------------------------------------------
 # Packed documents that do not see each other
 
