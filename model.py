@@ -279,8 +279,8 @@ class GPTConfig:
         ]
 
     def _switch_problems(self, tp):
-        """(ok, message) of the other switches: dropout rates, init_method_std, activation, embed_init,
-        NormFormer in TP, z_loss."""
+        """(ok, message) of the other switches: dropout rates, init_method_std, activation, the norms' epsilon,
+        embed_init, NormFormer in TP, z_loss."""
         dropouts = {
             key: getattr(self, key)
             for key in ("hidden_dropout", "attention_dropout", "embed_dropout")
@@ -304,6 +304,12 @@ class GPTConfig:
             (
                 self.activation in ACTIVATIONS,
                 f"activation={self.activation!r} is not one of {sorted(ACTIVATIONS)}",
+            ),
+            (
+                # a negative one makes every normalized value NaN: a run of dropped steps
+                self.layernorm_epsilon > 0,
+                f"layernorm_epsilon={self.layernorm_epsilon} must be positive (1e-5; Llama's rmsnorm: 1e-5 "
+                "or 1e-6)",
             ),
             (
                 self.embed_init_std is None or self.embed_init_std > 0,

@@ -786,6 +786,9 @@ def test_normformer_refuses_tensor_parallel():
             r"set use_rope_scaling, or drop rope_scaling_factor$",
         ),
         (["--embed_init_std=-0.01"], r"^embed_init_std=-0.01 must be positive, or None"),
+        # a run of NaN losses, every step dropped, that exited 0
+        (["--layernorm_epsilon=-1"], r"^layernorm_epsilon=-1.0 must be positive"),
+        (["--layernorm_epsilon=0"], r"^layernorm_epsilon=0.0 must be positive"),
     ],
 )
 def test_model_keys_that_cannot_work_are_refused_by_name_before_anything_is_built(flags, message):
