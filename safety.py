@@ -321,8 +321,15 @@ def what_is_left(state, saved, current, tag_dir):
     run already complete and a new range partly before it. state: the checkpoint's run state; saved,
     current: its config and this run's."""
     it, lines = state["iteration"], []
-    for key, done in (("train_iters", it), ("train_samples", state["consumed_samples"])):
+    for key, done in (
+        ("train_iters", it),
+        ("train_samples", state["consumed_samples"]),
+        ("train_tokens", state["consumed_tokens"]),
+    ):
         limit = current.get(key)
+        # a run of train_tokens ends at the first batch that reaches it, a little past it
+        if key == "train_tokens" and limit is not None and done > limit and saved.get(key) == limit:
+            done = limit
         if limit is not None and done > limit:
             raise ValueError(
                 f"checkpoint {tag_dir} is past the end of training: {key}={limit}, and it is at {done}; raise "

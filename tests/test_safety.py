@@ -231,14 +231,19 @@ def test_a_resume_that_switches_deepspeed_needs_a_fresh_optimizer():
 
 
 def test_a_resume_past_the_end_or_skipping_what_it_trained_is_refused_with_the_fix(ckpt, tmp_path):
-    """Each exited 0 having done nothing, or skipped nothing, and said nothing: train_iters below the
-    checkpoint's iteration; a new skip_train_iteration_range before it (lesson 9's rollback with latest left as
+    """Each exited 0 having done nothing, or skipped nothing, and said nothing: train_iters (or train_tokens)
+    below the checkpoint's; a new skip_train_iteration_range before it (lesson 9's rollback with latest left as
     it was). A range the checkpoint's own run had already skipped is no change; one partly before it is said."""
     run = _copy(ckpt, tmp_path / "run")  # at iteration 2
     for change, message in [
         (
             ["--train_iters=1"],
             "is past the end of training: train_iters=1, and it is at 2; raise train_iters",
+        ),
+        (
+            # 2 iterations of 8 x 64 tokens
+            ["--train_iters=none", "--train_tokens=600"],
+            "is past the end of training: train_tokens=600, and it is at 1024; raise train_tokens",
         ),
         (
             ["--train_iters=4", "--skip_train_iteration_range", "1-2"],
@@ -249,6 +254,11 @@ def test_a_resume_past_the_end_or_skipping_what_it_trained_is_refused_with_the_f
         with pytest.raises(ValueError, match=re.escape(message)):
             run_main(*SMALL, f"--save={run}", *change)
     assert _latest(run) == "global_step2"
+    # a run of train_tokens=600 ends at 1024 tokens, its first batch at or past 600: complete, not past the end
+    state = {"iteration": 2, "consumed_samples": 16, "consumed_tokens": 1024}
+    assert safety.what_is_left(state, {"train_tokens": 600}, {"train_tokens": 600}, "ck") == [
+        "checkpoint ck is at train_tokens=600: the run is complete, nothing to train"
+    ]
     out = run_main(*SMALL, f"--save={run}", "--train_iters=2")
     assert (
         f"checkpoint {run / 'global_step2'} is at train_iters=2: the run is complete, nothing to train"
