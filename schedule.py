@@ -146,6 +146,13 @@ def _check_sizes(keys, dp_size):
     ):
         value = getattr(keys, key)
         _need(value is None or value > 0, f"{key}={value} must be positive")
+    for key in ("lr_decay_samples", "lr_decay_tokens"):
+        value = getattr(keys, key)
+        # lr_decay_samples=0 was read as unset: a decay over the whole run
+        _need(
+            value is None or value > 0,
+            f"{key}={value} must be positive, or unset for the run's length",
+        )
     for key in ("lr", "min_lr", "lr_warmup_samples"):
         _need(getattr(keys, key) >= 0, f"{key}={getattr(keys, key)} must not be negative")
     gbs, mbs, dp = keys.global_batch_size, keys.micro_batch_size, dp_size
@@ -255,7 +262,9 @@ class Schedule:
             keys.min_lr,
             keys.lr_decay_style,
             warmup_samples=keys.lr_warmup_samples,
-            decay_samples=keys.lr_decay_samples or self.total_samples,
+            decay_samples=self.total_samples
+            if keys.lr_decay_samples is None
+            else keys.lr_decay_samples,
             warmup_tokens=keys.lr_warmup_tokens,
             decay_tokens=keys.lr_decay_tokens,
             wsd_decay_samples=keys.lr_wsd_decay_samples,

@@ -505,6 +505,11 @@ def test_tensorboard_scalars_against_samples_and_tokens(corpus, tmp_path):
         (["--global_batch_size=0"], "global_batch_size=0 must be positive"),
         (["--micro_batch_size=0"], "micro_batch_size=0 must be positive"),
         (["--train_iters=-5"], "train_iters=-5 must be positive"),
+        # read as unset: a cosine decay over the whole run
+        (
+            ["--lr_decay_samples=0"],
+            "lr_decay_samples=0 must be positive, or unset for the run's length",
+        ),
         # Megatron's 0 is off; here it stopped the run after its first iteration
         (["--exit_interval=0"], "exit_interval=0 must be positive; unset it for no exit"),
         # it wrote into the load directory of a run that "writes nothing"
