@@ -69,7 +69,7 @@ class LoggingConfig:
     wandb_mode: str = "offline"  # offline | online | disabled (WANDB_MODE overrides it)
     # at the end, print a sample of this many tokens generated from sample_prompt
     sample_tokens: int = 0
-    sample_prompt: str = "ROMEO:\n"  # the prompt of that sample
+    sample_prompt: str = "ROMEO:\n"  # the prompt of that sample ("": from a document's start)
     # "A-B": a torch.profiler trace of iterations A to B in <save>/profile
     profile_steps: str | None = None
 

@@ -431,7 +431,7 @@ def evaluate_only(model, valid_data, state, rules, device, split):
 
 
 def print_sample(model, device, tokens, prompt, tokenizer_file, seed):
-    """`tokens` tokens (sample_tokens) generated from prompt (sample_prompt), top-k 200,
+    """`tokens` tokens (sample_tokens) generated from prompt (sample_prompt; empty: a document's start), top-k 200,
     temperature 0.8, drawn with a generator seeded by seed, when one rank holds the whole model.
     tokenizer_file: the data's."""
     if tokens and parallel.grid.pp_size > 1:
@@ -441,7 +441,8 @@ def print_sample(model, device, tokens, prompt, tokenizer_file, seed):
         )
     elif tokens:
         tok = data.get_tokenizer(tokenizer_file)
-        ids = torch.tensor([tok.encode_ordinary(prompt)], device=device)
+        # an empty prompt: from the end-of-document id, a document's start (as tools/sample.py)
+        ids = torch.tensor([tok.encode_ordinary(prompt) or [tok.eot_token]], device=device)
         gen = torch.Generator(device=device).manual_seed(seed)
         model.eval()
         out = parallel.unwrap(model).generate(

@@ -453,6 +453,14 @@ def test_the_end_of_run_sample_follows_the_prompt_seed_and_settings(capsys, monk
         "no sample printed: with pipeline_model_parallel_size 2 no rank holds the "
         "whole model; sample from the checkpoint with tools/sample.py\n"
     )
+    # an empty prompt (a traceback at the run's end, after its save): from the end-of-document id
+    monkeypatch.setattr(parallel.grid, "pp_size", 1)
+    training.print_sample(model, cpu, 8, "", cfg.tokenizer_file, cfg.seed)
+    gen = torch.Generator().manual_seed(7)
+    expected = model.generate(
+        torch.tensor([[tok.eot_token]]), 8, temperature=0.8, top_k=200, generator=gen
+    )
+    assert capsys.readouterr().out.endswith(tok.decode(expected[0].tolist()) + "\n")
 
 
 def test_eval_only_without_validation_data_names_the_fix():
