@@ -128,13 +128,17 @@ def capture(parts):
     return model_state, run, rank_state
 
 
-def restore(payload, parts, optimizer=True, rng_state=True, keep_payload=False):
+def restore(payload, parts, optimizer=True, rng_state=True, keep_payload=False, lr_schedule=True):
     """Put the run back to a payload; the LR schedule first, which refuses a changed one without
-    override_lr_scheduler (lesson 10). optimizer, rng_state=False: keep those as they are (a fresh
-    optimizer, fresh streams). keep_payload: the optimizer gets a copy, the payload stays usable."""
+    override_lr_scheduler (lesson 10). optimizer, rng_state, lr_schedule=False: keep those as they are (a
+    fresh optimizer, fresh streams, this config's schedule). keep_payload: the optimizer gets a copy, the
+    payload stays usable."""
     model_state, run, rank_state = payload
     p = parts
-    p.schedule.lr_schedule.load_state_dict(run["scheduler"], override=p.cfg.override_lr_scheduler)
+    if lr_schedule:
+        p.schedule.lr_schedule.load_state_dict(
+            run["scheduler"], override=p.cfg.override_lr_scheduler
+        )
     parallel.unwrap(p.model).load_state_dict(model_state)  # strict: every parameter (lesson 11)
     saved = run.get("config") or {}
     if saved.get("fp16", True) and saved.get("loss_scale") is None:
@@ -204,6 +208,11 @@ def load(parts):
     optim_cfg = section(optim.OptimizerConfig, cfg)
     warmup = optim.reset_warmup_iters(optim_cfg, cfg.reset_optimizer_warmup_iters)
     payload = _read_payload(parts, tag_dir, warmup)
+    if cfg.eval_only:
+        # it trains nothing: the optimizer's state, its settings and the LR schedule are not its business
+        restore(payload, parts, optimizer=False, rng_state=not cfg.no_load_rng, lr_schedule=False)
+        print0(f"loaded checkpoint {tag_dir} at iteration {state.iteration}")
+        return True
     reset_now = warmup and payload[1]["state"].get("optimizer_reset") is None
     fresh = cfg.no_load_optim or reset_now
     restore(payload, parts, optimizer=not fresh, rng_state=not cfg.no_load_rng)

@@ -432,6 +432,18 @@ def test_eval_only_prints_validation_and_writes_nothing(ckpt):
     assert "-" * 30 + " sample " + "-" * 30 in out and _files(ckpt) == before
 
 
+def test_eval_only_reads_the_weights_whatever_the_optimizer_and_lr_keys_say(ckpt):
+    """eval_only trains nothing: an LR, Adam settings or a precision other than the checkpoint's run were
+    refused (the LR schedule's and the optimizer's resume checks); bf16 evaluates the fp32 weights in bf16."""
+    plain = run_main(*SMALL, "--train_iters=2", f"--load={ckpt}", "--eval_only")
+    loss = re.compile(r"validation loss at iteration 2 \| lm loss value: (\S+)")
+    for changed in (["--lr=1"], ["--adam_beta2=0.99", "--weight_decay=0.2"]):
+        out = run_main(*SMALL, "--train_iters=2", f"--load={ckpt}", "--eval_only", *changed)
+        assert loss.search(out).group(1) == loss.search(plain).group(1), changed
+    out = run_main(*SMALL, "--train_iters=2", f"--load={ckpt}", "--eval_only", "--bf16")
+    assert abs(float(loss.search(out).group(1)) / float(loss.search(plain).group(1)) - 1) < 1e-2
+
+
 def test_eval_only_without_a_checkpoint_is_an_error(corpus, tmp_path):
     with pytest.raises(ValueError, match="eval_only needs a checkpoint"):
         run_main(*SMALL, "--train_iters=2", f"--save={tmp_path}", "--eval_only")
