@@ -435,14 +435,30 @@ def set_lr(optimizer, lr: float) -> None:
 
 
 def resume_adam_params(optimizer, optim_cfg, saved_config) -> str | None:
-    """After a resume has loaded the optimizer state (run_state.load), before any step. A
-    checkpoint of another optimizer is refused: its state holds other tensors (AdamW stepping
-    Lion's dies with a KeyError on its missing 'step'). Then the keys this optimizer's entry
-    reads: the param groups hold the checkpoint's values (torch's load_state_dict; a resharded
-    state is built on this run's groups), so a config asking for others than the checkpoint's
-    run (saved_config) is refused, unless override_adam_params, which writes this config's into
-    the groups, the state kept (Adam's beta2 changed mid-run: a what-if fork). Returns the line
-    to print."""
+    """After a resume has loaded the optimizer state (run_state.load), before any step: the param
+    groups hold the checkpoint's values (torch's load_state_dict; a resharded state is built on
+    this run's groups); with override_adam_params this config's are written into them, the state
+    kept (Adam's beta2 changed mid-run: a what-if fork). Returns the line to print."""
+    what = adam_changes(optim_cfg, saved_config)
+    if what is None:
+        return None
+    entry = OPTIMIZERS[name(optim_cfg)]
+    decay_now = decay_coefficient(
+        optim_cfg.weight_decay, optim_cfg.lr, optim_cfg.weight_decay_independent
+    )
+    options = entry.options(*(getattr(optim_cfg, key) for key in entry.keys))
+    for group in optimizer.param_groups:
+        group.update(options)
+        if group.get("name") == "decay":
+            group["weight_decay"] = decay_now
+    return f"override_adam_params: {what} from now on (the optimizer's moments kept)"
+
+
+def adam_changes(optim_cfg, saved_config) -> str | None:
+    """What of the optimizer's settings this config changes from the checkpoint's run (saved_config), as
+    "key old -> new, ..."; None if nothing. Refused: a checkpoint of another optimizer (its state holds
+    other tensors: AdamW stepping Lion's dies with a KeyError on its missing 'step'), and changed keys
+    without override_adam_params. Checked before the build (safety.resolve_resume) and at the load."""
     saved, now = checkpoint_optimizer(saved_config), name(optim_cfg)
     if saved != now:
         raise ValueError(
@@ -481,12 +497,7 @@ def resume_adam_params(optimizer, optim_cfg, saved_config) -> str | None:
             "optimizer keeps its checkpoint's; set override_adam_params to use this config's from now on "
             "(the moments are kept), or resume with the checkpoint's values"
         )
-    options = entry.options(*(getattr(optim_cfg, key) for key in entry.keys))
-    for group in optimizer.param_groups:
-        group.update(options)
-        if group.get("name") == "decay":
-            group["weight_decay"] = decay_now
-    return f"override_adam_params: {what} from now on (the optimizer's moments kept)"
+    return what
 
 
 # -----------------------------------------------------------------------------

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 import checkpoint
+import optim
 import parallel
 import schedule
 import sections
@@ -295,7 +296,33 @@ def resolve_resume(ckpt_cfg, eval_only, current):
         if not eval_only:
             lines += what_is_left(saved_state, run["config"], current, load_tag)
             check_lr_schedule(run["scheduler"], current, saved_state)
+            check_optimizer_state(run["config"], current, saved_state)
     return load_tag, lines, saved_state
+
+
+def check_optimizer_state(saved, current, state):
+    """The optimizer's state in the checkpoint against this config, as run_state.load will meet it, before the
+    model is built: another optimizer, changed Adam settings (optim.adam_changes) and fp32 against fp16/bf16
+    (the masters, precision.py) were refused only after the build. Nothing to check when the state is not
+    loaded: no_load_optim, or an optimizer reset due now. saved, current: the checkpoint's config and this
+    run's (dicts); state: the checkpoint's run state."""
+    # the optimizer's keys and the schedule's lr, as run_state.load hands them over
+    keys = types.SimpleNamespace(**current)
+    reset_due = optim.reset_warmup_iters(
+        keys, current["reset_optimizer_warmup_iters"]
+    ) and not state.get("optimizer_reset")
+    if current["no_load_optim"] or reset_due:
+        return
+    optim.adam_changes(keys, saved)
+    half = [bool(c.get("fp16") or c.get("bf16")) for c in (saved, current)]
+    # DeepSpeed keeps its own masters (deepspeed_engine.py)
+    if half[0] != half[1] and not current["deepspeed"]:
+        was, now = ("fp16/bf16", "fp32") if half[0] else ("fp32", "fp16/bf16")
+        raise ValueError(
+            f"the checkpoint's optimizer state is from an {was} run, this run is {now}: the fp32 master weights "
+            "do not carry over; resume with the checkpoint's fp16/bf16 setting, or set no_load_optim to start "
+            "the optimizer (and its masters) from the weights"
+        )
 
 
 def check_lr_schedule(saved, current, state):

@@ -522,7 +522,9 @@ def test_init_from_hf_with_a_config_file_refuses_a_command_line_model_key(tmp_pa
     cfg = arguments.load_config(["config/finetune.py", f"--init_from_hf={tmp_path}"])
     assert (cfg.num_layers, cfg.hidden_size) == (2, 64)
     with pytest.raises(ValueError, match=r"num_layers 3 \(config\) vs 2 \(model\)"):
-        arguments.load_config(["config/finetune.py", f"--init_from_hf={tmp_path}", "--num_layers=3"])
+        arguments.load_config(
+            ["config/finetune.py", f"--init_from_hf={tmp_path}", "--num_layers=3"]
+        )
 
 
 # -----------------------------------------------------------------------------

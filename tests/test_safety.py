@@ -214,6 +214,34 @@ def test_a_resume_that_changes_the_data_order_says_what_it_does():
     ]
 
 
+def test_an_optimizer_state_the_run_cannot_continue_is_refused_before_the_build(ckpt, monkeypatch):
+    """Changed Adam settings, or fp32 masters the run does not have, were refused after the model's build (at
+    176B: minutes of every rank's time); no_load_optim, override_adam_params or an optimizer reset due now
+    take the same resume on."""
+    import builders
+
+    def build(*args, **kwargs):
+        raise AssertionError("built before the refusal")
+
+    monkeypatch.setattr(builders, "build", build)
+    for change, message in [
+        (["--adam_beta2=0.99"], "other Adam settings than this config (adam_beta2 0.95 -> 0.99)"),
+        (
+            ["--bf16"],
+            "optimizer state is from an fp32 run, this run is fp16/bf16: the fp32 master weights",
+        ),
+    ]:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            run_main(*SMALL, f"--load={ckpt}", "--train_iters=3", *change)
+    for allowed in (
+        ["--adam_beta2=0.99", "--override_adam_params"],
+        ["--bf16", "--no_load_optim"],
+        ["--adam_beta2=0.99", "--reset_optimizer_warmup_iters=2"],
+    ):
+        with pytest.raises(AssertionError, match="built before the refusal"):
+            run_main(*SMALL, f"--load={ckpt}", "--train_iters=3", *allowed)
+
+
 def test_a_resume_that_switches_deepspeed_needs_a_fresh_optimizer():
     """A native checkpoint resumed with deepspeed=True listed the change, then failed inside DeepSpeed after the
     build ("Empty ds_version in checkpoint"): the two paths keep the optimizer's state apart."""
