@@ -10,6 +10,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -167,6 +168,86 @@ def test_an_earlier_export_is_replaced_with_overwrite_only(ckpt, tmp_path, capsy
     os.remove(out / "README.md")
     assert export_hf.run(["--load", str(ckpt), "--output", str(out), "--overwrite"]) == 0
     assert "export complete" in capsys.readouterr().out and sorted(os.listdir(out)) == sorted(first)
+
+
+def _whole(directory, first):
+    """Is directory a whole export: every file of the export first (contents), byte for byte (the
+    marker aside: it says when)?"""
+    found = contents(directory) if os.path.isdir(directory) else {}
+    return all(found.get(name) == h for name, h in first.items() if name != export_hf.MARKER)
+
+
+def test_an_overwrite_stopped_or_killed_in_its_publish_leaves_a_whole_export(
+    ckpt, tmp_path, capsys, monkeypatch
+):
+    """It was: publish deleted the earlier export, then renamed the new one into place; a SIGTERM
+    between the two removed the new one too, a kill -9 left the only whole export in OUTPUT.partial,
+    which the next export deletes. At each moment of publish (each rename, before and after, and
+    each file of the earlier export deleted) a whole export is at OUTPUT or OUTPUT.replaced; a
+    SIGTERM sent there waits for publish; the next export finishes what a kill -9 there left."""
+    out = tmp_path / "hf"
+    assert export_hf.run(["--load", str(ckpt), "--output", str(out)]) == 0
+    first = contents(out)
+    real_replace, real_remove = os.replace, os.remove
+    aside = f"{out}{export_hf.REPLACED}"
+    moments = []
+
+    def moment():
+        """Check the invariant, copy what a kill -9 now would leave, send a SIGTERM."""
+        assert _whole(out, first) or _whole(aside, first), os.listdir(tmp_path)
+        copy = tmp_path / f"killed-{len(moments)}"
+        for name in os.listdir(tmp_path):
+            if name.startswith("hf"):
+                shutil.copytree(tmp_path / name, copy / name)
+        moments.append(copy)
+        signal.raise_signal(signal.SIGTERM)
+
+    def replace(src, dst):
+        publishing = str(dst) in (str(out), aside)  # not a file's rename inside an export
+        if publishing:
+            moment()
+        real_replace(src, dst)
+        if publishing:
+            moment()
+
+    def remove(path):
+        real_remove(path)
+        if str(path).startswith(aside):
+            moment()
+
+    monkeypatch.setattr(os, "replace", replace)
+    monkeypatch.setattr(os, "remove", remove)
+    status = export_hf.run(["--load", str(ckpt), "--output", str(out), "--overwrite"])
+    monkeypatch.undo()
+    assert status == 128 + signal.SIGTERM
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "error: SIGTERM: it came while the export was being renamed into place, which was let "
+        f"finish: the export is complete at {out}"
+    )
+    assert len(moments) >= 5 and _whole(out, first)
+    assert sorted(os.listdir(tmp_path)) == sorted(["hf", *(m.name for m in moments)])
+    for copy in moments:
+        left = sorted(os.listdir(copy))
+        assert (
+            export_hf.run(["--load", str(ckpt), "--output", str(copy / "hf"), "--overwrite"]) == 0
+        )
+        said = capsys.readouterr().out
+        if "hf" not in left:  # killed between the renames: the earlier export is put back
+            assert f"restoring {copy / 'hf'} from {copy / 'hf'}.replaced: " in said, left
+        elif "hf.replaced" in left:  # killed after them: the earlier export's rest is deleted
+            assert f"removing {copy / 'hf'}.replaced: the earlier export" in said, left
+        assert os.listdir(copy) == ["hf"] and _whole(copy / "hf", first)
+    # a copy of an export the user made under that name is not ours: never deleted
+    shutil.copytree(out, aside)
+    kept = contents(aside)
+    line = refused(["--load", str(ckpt), "--output", str(out), "--overwrite"], capsys)
+    assert line == (
+        f"error: {aside} exists: it is where --overwrite sets the earlier export aside until the "
+        "new one is in place; move it away or give another --output"
+    )
+    shutil.rmtree(out)
+    assert export_hf.run(["--load", str(ckpt), "--output", str(out)]) == 0
+    assert contents(aside) == kept and _whole(out, first)
 
 
 def test_a_failed_write_names_the_flag_and_leaves_nothing(ckpt, tmp_path, capsys, monkeypatch):

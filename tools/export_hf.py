@@ -7,7 +7,9 @@ The export is written into OUTPUT.partial and renamed to OUTPUT once its logits 
 nothing at OUTPUT. OUTPUT must be new or empty: the checkpoint, a directory holding it, the working
 directory, a run's save directory and anything else are refused before any work; --overwrite
 replaces an earlier export of this tool (its stablegpt_export.json lists the files it wrote) and
-nothing else (docs/hf.md).
+nothing else (docs/hf.md): the earlier one is renamed to OUTPUT.replaced, the new one into place,
+then the earlier one deleted; a kill between those leaves OUTPUT.replaced, which the next export
+puts back or deletes.
 
 The target class follows from the model's config: learned positions without the embedding LayerNorm are
 GPT2LMHeadModel, ALiBi with the embedding LayerNorm is BloomForCausalLM (lesson 19), rotary embeddings with
@@ -27,6 +29,7 @@ attention, so they export as is.
 """
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -40,6 +43,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 import data  # noqa: E402
+import files  # noqa: E402
 import hf  # noqa: E402
 import reshard  # noqa: E402
 import safety  # noqa: E402
@@ -217,6 +221,7 @@ def compare_logits(gpt, output, dtype, sequences=4, length=None, seed=0):
 
 MARKER = "stablegpt_export.json"  # in every export of ours: what --overwrite may replace
 PARTIAL = ".partial"
+REPLACED = ".replaced"  # an earlier export, set aside by --overwrite until the new one is in place
 # What a checkpoint or a run's save directory holds: never an export's to replace
 RUN_FILES = ("latest", "lock", "metrics.jsonl", "manifest.json", "tensorboard")
 
@@ -255,7 +260,8 @@ def check_output(output, load_dir, overwrite=False):
     """Refuse, before any work, an --output this export must not write into; returns OUTPUT.partial.
     A new or empty directory is written; an earlier export of ours (its MARKER) with overwrite;
     never the checkpoint read, a directory holding it or the working directory, a checkpoint, a
-    run's save directory or a directory of anything else."""
+    run's save directory or a directory of anything else. An --overwrite export killed in its
+    publish is finished first (finish_replace)."""
     out = os.path.normpath(output)
     for what, path in (
         ("the checkpoint directory --load", load_dir),
@@ -287,6 +293,7 @@ def check_output(output, load_dir, overwrite=False):
             f"{'not writable' if os.path.isdir(parent) else 'a file'}; give another "
             "directory"
         )
+    finish_replace(out)  # what is at OUTPUT below is then what a completed publish left
     if os.path.isdir(out) and os.listdir(out):
         _check_replace(output, out, overwrite)
     _check_partial(out + PARTIAL)
@@ -322,6 +329,11 @@ def _check_replace(output, out, overwrite):
             f"--output {output} holds an earlier export and files it did not write "
             f"({', '.join(added[:4])}): --overwrite would delete them; move them away "
             "first"
+        )
+    if os.path.lexists(out + REPLACED):
+        raise ValueError(
+            f"{out + REPLACED} exists: it is where --overwrite sets the earlier export aside "
+            "until the new one is in place; move it away or give another --output"
         )
 
 
@@ -359,8 +371,8 @@ def _alive(pid):
 
 
 def write_marker(directory, marker):
-    with open(os.path.join(directory, MARKER), "w") as f:
-        json.dump(marker, f, indent=2)
+    """Written whole or not at all: an export whose marker a kill cut short would be nobody's."""
+    files.write_text(json.dumps(marker, indent=2), os.path.join(directory, MARKER))
 
 
 def start_partial(partial, load_dir, tag_dir, dtype):
@@ -387,19 +399,87 @@ def start_partial(partial, load_dir, tag_dir, dtype):
 
 def publish(partial, output, overwrite):
     """Rename the checked export into place. What is at output now is checked again (check_output
-    saw it before the export): an earlier export of ours, with overwrite, goes first."""
-    if os.path.isdir(output) and os.listdir(output):
-        _check_replace(output, output, overwrite)
-        shutil.rmtree(output)
-    elif os.path.isdir(output):
-        os.rmdir(output)
-    os.replace(partial, output)
+    saw it before the export): an earlier export of ours, with overwrite, is renamed aside to
+    OUTPUT.replaced first and deleted (remove_replaced) only once the new one is in place, so a
+    complete export is at output or at OUTPUT.replaced at every moment. A failure or a stop between
+    the renames puts the earlier export back; a kill there is undone by the next export
+    (finish_replace). Returns OUTPUT.replaced where it set the earlier export there, else None."""
+    aside, moved = output + REPLACED, False
+    try:
+        if os.path.isdir(output) and os.listdir(output):
+            _check_replace(output, output, overwrite)
+            # marked as set aside by us: a copy the user made under that name is never deleted
+            write_marker(output, {**_marker(output), "set_aside": True})
+            os.replace(output, aside)
+            moved = True
+        elif os.path.isdir(output):
+            os.rmdir(output)
+        os.replace(partial, output)
+    except BaseException:
+        if _set_aside(aside) and not os.path.lexists(output):
+            os.replace(aside, output)
+            _unmark(output)
+        raise
+    files.fsync_dir(os.path.dirname(os.path.abspath(output)))
+    return aside if moved else None
+
+
+def _set_aside(aside):
+    """Is aside an earlier export of ours that publish renamed there?"""
+    found = None if os.path.islink(aside) or not os.path.isdir(aside) else _marker(aside)
+    return found is not None and found.get("set_aside") is True
+
+
+def _unmark(directory):
+    """The export back in place: no longer marked as set aside."""
+    marker = _marker(directory)
+    marker.pop("set_aside", None)
+    write_marker(directory, marker)
+
+
+def remove_replaced(aside):
+    """Delete the earlier export publish set aside, its marker last: a delete cut short leaves a
+    directory still recognised as ours, which the next export removes."""
+    for name in os.listdir(aside):
+        if name != MARKER:
+            path = os.path.join(aside, name)
+            if os.path.isdir(path):
+                shutil.rmtree(path)
+            else:
+                os.remove(path)
+    shutil.rmtree(aside)
+
+
+def finish_replace(out):
+    """A replacing export killed in publish left OUTPUT.replaced, the earlier export set aside: put
+    it back where the new one never arrived, delete it where the new export is in place. Anything
+    else at that name is not ours and is left alone."""
+    aside = out + REPLACED
+    if not _set_aside(aside):
+        return
+    empty = os.path.isdir(out) and not os.path.islink(out) and not os.listdir(out)
+    if not os.path.lexists(out) or empty:
+        print(
+            f"restoring {out} from {aside}: the earlier export, set aside by an --overwrite export "
+            "that was killed before the new export was in place"
+        )
+        if empty:
+            os.rmdir(out)
+        os.replace(aside, out)
+        _unmark(out)
+    elif _marker(out) is not None:
+        print(
+            f"removing {aside}: the earlier export an --overwrite export replaced, left by an "
+            "export killed before it deleted it"
+        )
+        remove_replaced(aside)
 
 
 def export(load_dir, output, dtype="float32", tokenizer_file=None, tolerance=1e-5, overwrite=False):
     """Write the export; returns (largest logit difference, the transformers model, its tokenizer or
     None). Written into OUTPUT.partial, checked, then renamed: a failed, stopped or killed export
-    leaves nothing at output (a kill -9 leaves OUTPUT.partial, which the next export removes)."""
+    leaves nothing at output (a kill -9 leaves OUTPUT.partial, which the next export removes) and
+    the earlier export it replaces at output or at OUTPUT.replaced (publish)."""
     partial = check_output(output, load_dir, overwrite)
     gpt, saved, tag_dir = reshard.load_full_model(load_dir)
     target_class(gpt.config)
@@ -424,7 +504,10 @@ def export(load_dir, output, dtype="float32", tokenizer_file=None, tolerance=1e-
             )
         # the files this export wrote: --overwrite replaces them and nothing else
         write_marker(partial, {**marker, "files": sorted([*os.listdir(partial)])})
-        publish(partial, os.path.normpath(output), overwrite)
+        with held_stops() as held:
+            aside = publish(partial, os.path.normpath(output), overwrite)
+            if aside is not None:
+                remove_replaced(aside)
     except BaseException as e:
         shutil.rmtree(partial, ignore_errors=True)
         if isinstance(e, Stopped):
@@ -440,12 +523,33 @@ def export(load_dir, output, dtype="float32", tokenizer_file=None, tolerance=1e-
                 f"{output}"
             ) from None
         raise
+    if held:
+        raise Stopped(
+            f"{signal.Signals(held[0]).name}: it came while the export was being renamed into "
+            f"place, which was let finish: the export is complete at {output}"
+        )
     print(f"export complete: {output}")
     return diff, loaded, hf_tok
 
 
 def _stop(signum, frame):
     raise Stopped(signal.Signals(signum).name)
+
+
+@contextlib.contextmanager
+def held_stops():
+    """Yield a list; run's SIGTERM and SIGINT (_stop) only appended to it in the block: publish's
+    renames and the earlier export's deletion are never cut short by a stop, which is answered
+    after them. (A kill -9 there is finished by the next export: finish_replace.)"""
+    held = []
+    stops = [s for s in (signal.SIGTERM, signal.SIGINT) if signal.getsignal(s) is _stop]
+    for signum in stops:
+        signal.signal(signum, lambda signum, frame: held.append(signum))
+    try:
+        yield held
+    finally:
+        for signum in stops:
+            signal.signal(signum, _stop)
 
 
 def main(argv=None):
