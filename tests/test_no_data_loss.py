@@ -76,7 +76,8 @@ def test_an_export_into_its_own_checkpoint_is_refused_and_the_checkpoint_stays(
     ckpt, capsys, monkeypatch
 ):
     """It was: exit 0 after deleting global_step*/, latest and metrics.jsonl, the export in their
-    place."""
+    place. An --output inside the checkpoint was written, and deleted by the next save of that
+    iteration."""
     before = contents(ckpt.parent)
     for output, overwrite, message in (
         (ckpt, [], f"--output {ckpt} is the checkpoint directory --load"),
@@ -86,7 +87,14 @@ def test_an_export_into_its_own_checkpoint_is_refused_and_the_checkpoint_stays(
             ["--overwrite"],
             f"--output {ckpt.parent} holds the checkpoint directory --load",
         ),
-        (ckpt / "global_step1", ["--overwrite"], "holds a checkpoint or a run's save directory"),
+        (
+            ckpt / "global_step1" / "hf",
+            [],
+            f"--output {ckpt}/global_step1/hf is inside the checkpoint directory --load ({ckpt}): "
+            f"a later save there can delete it; give a directory outside it, e.g. --output {ckpt}-hf",
+        ),
+        (ckpt / "hf", [], "is inside the checkpoint directory --load"),
+        (ckpt / "global_step1", ["--overwrite"], "is inside the checkpoint directory --load"),
     ):
         line = refused(["--load", str(ckpt), "--output", str(output), *overwrite], capsys)
         assert line.startswith("error: ") and message in line, line
