@@ -338,3 +338,19 @@ def test_whatif_refuses_an_out_holding_the_forks_of_another_load_or_checkpoint(
         "load": os.path.realpath(a),
         "tag": "global_step2",
     }
+
+
+def test_whatif_reads_a_relative_load_and_out_from_the_cwd_as_its_forks_do(
+    synthetic_corpus, tmp_path, monkeypatch
+):
+    """The tool read them from the cwd, its forks (train.py, run from the repository's root) from
+    the root: a fork found no checkpoint, or saved into ROOT/OUT."""
+    base = six_iterations(synthetic_corpus)
+    run_main(*base, f"--save={tmp_path / 'a'}", "--save_interval=2", "--exit_interval=2")
+    monkeypatch.chdir(tmp_path)
+    results = whatif.main(
+        ["--load", "a", "--iters=1", "--out", "wi", "--forks", "as is", "--", *base]
+    )
+    assert [r[3] for r in results] == [True]
+    assert checkpoint.latest_dir(str(tmp_path / "wi" / "as_is")).endswith("global_step3")
+    assert not os.path.exists(os.path.join(ROOT, "wi"))

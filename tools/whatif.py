@@ -217,6 +217,8 @@ def main(argv=None):
         help="the 'soft skip' fork scales the gradients of a loss above this x its trend",
     )
     args = parser.parse_args(argv)
+    # the forks run train.py from the repository's root: their paths must not depend on the cwd
+    args.load, args.out = os.path.abspath(args.load), os.path.abspath(args.out)
     forks = [f.strip() for f in args.forks.split(",")]
     unknown = [f for f in forks if f not in FORKS]
     if unknown:
