@@ -340,6 +340,28 @@ def test_whatif_refuses_an_out_holding_the_forks_of_another_load_or_checkpoint(
     }
 
 
+def test_whatif_refuses_a_bad_flag_value_or_an_out_under_a_file_before_any_work(tmp_path):
+    """The values were checked by the fork that uses them, after --out was made and the others ran;
+    an --out under a file was a NotADirectoryError traceback."""
+    load = _fake_checkpoint(tmp_path / "run")
+    out = tmp_path / "wi"
+    (tmp_path / "afile").write_text("a user's notes\n")
+    for flags, said in [
+        (["--iters=0"], "--iters 0 must be at least 1: iterations per fork"),
+        (["--iters=1", "--skip=-3"], "--skip -3 must be at least 1: the iterations the 'skip 200'"),
+        (["--iters=1", "--lr_factor=0"], "--lr_factor 0.0 must be above 0: the LR's multiplier"),
+        (["--iters=1", "--soft_skip_ratio=0.5"], "--soft_skip_ratio 0.5 must be at least 1: a "),
+    ]:
+        with pytest.raises(ValueError, match="^" + re.escape(said)):
+            whatif.main(["--load", load, *flags, "--out", str(out), "--", "--num_layers=1"])
+    assert not out.exists()
+    under = tmp_path / "afile" / "wi"
+    with pytest.raises(
+        ValueError, match=re.escape(f"--out={under} cannot be created: {tmp_path / 'afile'} is a")
+    ):
+        whatif.main(["--load", load, "--iters=1", "--out", str(under), "--", "--num_layers=1"])
+
+
 def test_whatif_reads_a_relative_load_and_out_from_the_cwd_as_its_forks_do(
     synthetic_corpus, tmp_path, monkeypatch
 ):

@@ -189,6 +189,21 @@ def figure(results, path):
     plt.close(fig)
 
 
+def check_values(args):
+    """Refuse a flag value no fork can run with, before the first fork (not at the fork that uses
+    it, after the others' work)."""
+    for flag, value, bound, what in (
+        ("--iters", args.iters, 1, "iterations per fork"),
+        ("--skip", args.skip, 1, "the iterations the 'skip 200' fork skips"),
+        # the run's own rule for soft_skip_loss_ratio
+        ("--soft_skip_ratio", args.soft_skip_ratio, 1, "a multiple of the loss's trend"),
+    ):
+        if not value >= bound:
+            raise ValueError(f"{flag} {value} must be at least {bound}: {what}")
+    if not args.lr_factor > 0:
+        raise ValueError(f"--lr_factor {args.lr_factor} must be above 0: the LR's multiplier")
+
+
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     run_args = argv[argv.index("--") + 1 :] if "--" in argv else []
@@ -223,6 +238,7 @@ def main(argv=None):
     unknown = [f for f in forks if f not in FORKS]
     if unknown:
         raise ValueError(f"unknown fork(s) {unknown}; choose from {', '.join(FORKS)}")
+    check_values(args)
     # the run's arguments and --out before the checkpoint is read: a typo costs no wait
     cfg = arguments.load_config(run_args)
     start = saved_iteration(args.load)
@@ -231,6 +247,7 @@ def main(argv=None):
             f"no checkpoint in {args.load} (no `latest`): point --load at a run's save directory"
         )
     marker = check_out(args.out, args.load, os.path.basename(checkpoint.latest_dir(args.load)))
+    files.check_output_dir(args.out, "--out", "a directory for the forks, the table and the figure")
     _, run, _ = checkpoint.load(checkpoint.latest_dir(args.load))
     stats = detector.run_stats(run["state"])
     if marker is not None:
