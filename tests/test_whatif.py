@@ -376,3 +376,18 @@ def test_whatif_reads_a_relative_load_and_out_from_the_cwd_as_its_forks_do(
     assert [r[3] for r in results] == [True]
     assert checkpoint.latest_dir(str(tmp_path / "wi" / "as_is")).endswith("global_step3")
     assert not os.path.exists(os.path.join(ROOT, "wi"))
+
+
+def test_a_failed_fork_is_one_line_naming_its_log(synthetic_corpus, tmp_path):
+    """It was a RuntimeError traceback holding the fork's last 2000 characters of stderr."""
+    base = six_iterations(synthetic_corpus)
+    load = str(tmp_path / "a")
+    run_main(*base, f"--save={load}", "--save_interval=2", "--exit_interval=2")
+    out = tmp_path / "wi"
+    missing = tmp_path / "no_such_corpus"
+    args = ["--load", load, "--iters=1", "--out", str(out), "--forks", "as is", "--"]
+    proc = tool_cli("whatif.py", *args, *base, f"--data_path={missing}")
+    assert proc.returncode == 1, proc.stderr
+    line = proc.stderr.strip().splitlines()[-1]
+    assert line.startswith("error: fork 'as is' failed (exit ") and str(missing) in line, line
+    assert line.endswith(f"; its output: {out / 'as_is.log'}") and "Traceback" not in proc.stderr

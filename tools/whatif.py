@@ -107,6 +107,10 @@ def check_out(out, load, tag):
     return None
 
 
+class ForkFailed(Exception):
+    """A fork's train.py exited with an error: its last line, and where its whole output is."""
+
+
 def run_fork(name, run_args, load, out, iters, extra):
     """Run (or finish) one fork; returns its directory."""
     directory = os.path.join(out, name.replace(" ", "_"))
@@ -129,14 +133,16 @@ def run_fork(name, run_args, load, out, iters, extra):
     ]
     print(f"whatif: {name}: {' '.join(cmd[2:])}", flush=True)
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-    with open(os.path.join(out, name.replace(" ", "_") + ".log"), "a") as f:
+    log = os.path.join(out, name.replace(" ", "_") + ".log")
+    with open(log, "a") as f:
         f.write(proc.stdout + proc.stderr)
     # a guard that gives up is a result, not a failure
-    if proc.returncode not in (
-        0,
-        spike_guard.EXIT_CODE,
-    ):
-        raise RuntimeError(f"fork {name!r} failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}")
+    if proc.returncode not in (0, spike_guard.EXIT_CODE):
+        said = [line for line in proc.stderr.splitlines() if line.strip()]
+        raise ForkFailed(
+            f"fork {name!r} failed (exit {proc.returncode}): {said[-1] if said else 'no message'}"
+            f"; its output: {log}"
+        )
     return directory
 
 
@@ -283,3 +289,6 @@ if __name__ == "__main__":
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    except ForkFailed as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)
