@@ -66,6 +66,7 @@ import torch
 
 import arguments
 import checkpoint
+import files
 import optim
 import parallel
 import precision
@@ -1070,6 +1071,7 @@ def check_save_dir(save_dir):
     (a killed import's global_stepN.partial: kill -9 runs no clean-up), never deleted here."""
     if os.path.exists(save_dir) and not os.path.isdir(save_dir):
         raise ValueError(f"--save {save_dir} is a file: give a new or empty directory")
+    files.check_output_dir(save_dir, "--save", "a new or empty directory")
     held = sorted(os.listdir(save_dir)) if os.path.isdir(save_dir) else []
     leftovers = [n for n in held if n.endswith(".partial")]
     if leftovers:

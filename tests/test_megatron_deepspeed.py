@@ -17,6 +17,7 @@ import contextlib
 import enum
 import math
 import os
+import re
 import runpy
 import subprocess
 import sys
@@ -953,6 +954,19 @@ def test_a_killed_imports_partial_directory_is_named_and_kept(imported, tmp_path
     with pytest.raises(ValueError, match="--save .*file is a file: give a new or empty directory"):
         _import(imported[2], tmp_path / "file")
     assert (tmp_path / "file").read_text() == "mine"
+
+
+def test_a_save_under_a_file_is_refused_before_the_source_is_read(tmp_path):
+    """It was a NotADirectoryError traceback, after the source was read."""
+    (tmp_path / "file").write_text("mine")
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            f"--save={tmp_path / 'file' / 'out'} cannot be created: {tmp_path / 'file'} is a file"
+        ),
+    ):
+        _import(tmp_path / "no_source", tmp_path / "file" / "out")  # read, it would be named
+    assert sorted(os.listdir(tmp_path)) == ["file"]
 
 
 def test_a_kill_while_latest_is_written_leaves_no_empty_latest(imported, tmp_path, monkeypatch):
