@@ -340,3 +340,18 @@ def test_a_device_without_corpus_packages_or_network_runs_from_the_prepared_fold
     finally:
         # no test after this one gets the prepared folder's tokenizer
         tokenizer.get_tokenizer.cache_clear()
+
+
+def test_prepare_under_a_file_and_zero_repeats_are_refused_before_any_work(tmp_path, capsys):
+    """prepare DIR under a file was a NotADirectoryError traceback, after the tokenizer files were
+    found; --repeats 0 "min() arg is an empty sequence", after the model was built."""
+    (tmp_path / "afile").write_text("mine")
+    probe = load_probe()
+    assert probe.main(["prepare", str(tmp_path / "afile" / "prepared")]) == 2
+    assert capsys.readouterr().err == (
+        f"error: prepare DIR={tmp_path / 'afile' / 'prepared'} cannot be created: "
+        f"{tmp_path / 'afile'} is a file, not a directory; give a new folder, e.g. out/gpu_prepared\n"
+    )
+    assert probe.main(["ceilings", "--repeats=0", "--num_layers=1"]) == 2
+    assert capsys.readouterr().err == "error: --repeats 0 must be at least 1: timings per ceiling\n"
+    assert os.listdir(tmp_path) == ["afile"]

