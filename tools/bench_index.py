@@ -23,6 +23,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import data  # noqa: E402
+import files  # noqa: E402
 
 
 def write_synthetic_corpus(prefix, num_docs, mean_doc_tokens, seed=0):
@@ -55,7 +56,30 @@ def write_synthetic_corpus(prefix, num_docs, mean_doc_tokens, seed=0):
     return offset
 
 
-def main():
+def check_args(parser, args):
+    """Refuse, before the corpus is written, a size the index cannot be built of (a division by
+    zero, or a benchmark of nothing) and a --dir the work cannot go in."""
+    for flag, value in (
+        ("--samples", args.samples),
+        ("--seq_length", args.seq_length),
+        ("--corpus_tokens", 1 if args.corpus_tokens is None else args.corpus_tokens),
+    ):
+        if value < 1:
+            parser.error(f"{flag} {value} must be at least 1")
+    for flag, value in (("--mean_doc_tokens", args.mean_doc_tokens), ("--epochs", args.epochs)):
+        if not value > 0:
+            parser.error(f"{flag} {value} must be above 0")
+    if args.dir is not None:
+        try:
+            files.check_output_dir(args.dir, "--dir", "an existing directory")
+        except ValueError as e:
+            parser.error(str(e))
+        # the work goes in a temporary folder inside it, removed at the end: --dir is not ours to make
+        if not os.path.isdir(args.dir):
+            parser.error(f"--dir {args.dir} does not exist: give an existing directory")
+
+
+def main(argv=None):
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -73,7 +97,8 @@ def main():
         "--dir", default=None, help="where to write the corpus and the cache (default: a temp dir)"
     )
     parser.add_argument("--seed", type=int, default=1234)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    check_args(parser, args)
 
     corpus_tokens = args.corpus_tokens or int(args.epochs * args.samples * args.seq_length)
     num_docs = max(1, round(corpus_tokens / args.mean_doc_tokens))
