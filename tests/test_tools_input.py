@@ -2,6 +2,7 @@
 with a non-zero exit and no traceback: each tool's main run in this process on tiny inputs."""
 
 import os
+import re
 import sys
 
 import pytest
@@ -10,6 +11,7 @@ from helpers import ROOT
 
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 import bench_index  # noqa: E402
+import plot  # noqa: E402
 
 
 def refused(main, argv, capsys):
@@ -49,3 +51,44 @@ def test_bench_index_refuses_sizes_it_cannot_build_and_a_dir_it_cannot_use(
         line = refused(bench_index.main, flags, capsys)
         assert line.endswith(f": error: {said}") or f": error: {said}" in line, line
     assert os.listdir(tmp_path) == ["afile"]
+
+
+def test_plot_names_a_run_without_metrics_a_damaged_line_and_a_wrong_label_count(tmp_path, capsys):
+    """A run directory without metrics.jsonl was a FileNotFoundError traceback; a line that is no
+    JSON an error naming neither file nor line; --labels of another count than the runs was taken
+    as far as it went."""
+    good = tmp_path / "good"
+    good.mkdir()
+    (good / "metrics.jsonl").write_text('{"iteration": 1, "lm loss": 5.0, "grad norm": 1.0}\n')
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    out = str(tmp_path / "runs.png")
+    for runs, said in [
+        (
+            [good, empty],
+            f"{empty} holds no metrics.jsonl: give a run's save directory (train.py writes "
+            "metrics.jsonl there), a metrics.jsonl or a log file",
+        ),
+        (
+            [good, good, "--labels", "a"],
+            "--labels gives 1 label(s) for 2 run(s): give one per run, in their order, or none",
+        ),
+    ]:
+        with pytest.raises(ValueError, match="^" + re.escape(said)):
+            plot.main([*map(str, runs), "--out", out])
+    damaged = tmp_path / "damaged" / "metrics.jsonl"
+    damaged.parent.mkdir()
+    damaged.write_text('{"iteration": 1, "lm loss": 5.0}\n{"iteration": 2, "lm\n{"iteration": 3}\n')
+    with pytest.raises(
+        ValueError, match="^" + re.escape(f"{damaged} line 2 is not a JSON record (")
+    ):
+        plot.main([str(damaged.parent), "--out", out])
+    assert not os.path.exists(out)
+    # a run writing its last line (or killed in it): the line skipped, and said
+    writing = tmp_path / "writing" / "metrics.jsonl"
+    writing.parent.mkdir()
+    writing.write_text('{"iteration": 1, "lm loss": 5.0, "grad norm": 1.0}\n{"iteration": 2, "lm')
+    plot.main([str(writing.parent), "--out", out])
+    said = capsys.readouterr().out
+    assert f"{writing}: its last line is cut short (a run writing it, or killed): skipped" in said
+    assert os.path.getsize(out) > 0

@@ -93,8 +93,7 @@ def load(path):
         first = f.readline()
         f.seek(0)
         if first.lstrip().startswith("{"):
-            for line in f:
-                record = json.loads(line)
+            for record in records(path, f):
                 for decision in record.pop("spike guard", []):
                     run.actions.append((decision["iteration"], decision["action"]))
                 if record.pop("skipped", None):
@@ -111,6 +110,24 @@ def load(path):
         if r.get("number of skipped iterations", 0) or r.get("number of nan iterations", 0):
             run.skipped.append(i)
     return run
+
+
+def records(path, f):
+    """The JSON records of a metrics.jsonl open as f. A last line without its newline is one the run
+    is writing (or was, when killed): skipped, and said; any other line that is no JSON is the
+    file's damage, named by its line."""
+    lines = f.readlines()
+    for number, line in enumerate(lines, 1):
+        try:
+            yield json.loads(line)
+        except ValueError as e:
+            if number == len(lines) and not line.endswith("\n"):
+                print(f"{path}: its last line is cut short (a run writing it, or killed): skipped")
+                return
+            raise ValueError(
+                f"{path} line {number} is not a JSON record ({e}): the file is damaged there; "
+                "remove or repair that line"
+            ) from None
 
 
 def _parse_log_line(run, line):
@@ -279,12 +296,23 @@ def main(argv=None):
     )
     args = parser.parse_args(argv)
     check_out(args.out)
-    runs = []
+    if args.labels is not None and len(args.labels) != len(args.runs):
+        raise ValueError(
+            f"--labels gives {len(args.labels)} label(s) for {len(args.runs)} run(s): give one "
+            "per run, in their order, or none (the directory or file names)"
+        )
     for path in args.runs:
         if not os.path.exists(path):
             raise ValueError(
                 f"{path} does not exist: give a run directory, a metrics.jsonl or a log file"
             )
+        if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "metrics.jsonl")):
+            raise ValueError(
+                f"{path} holds no metrics.jsonl: give a run's save directory (train.py writes "
+                "metrics.jsonl there), a metrics.jsonl or a log file"
+            )
+    runs = []
+    for path in args.runs:
         runs.append(load(path))
         if not runs[-1].records:
             raise ValueError(
