@@ -4,6 +4,7 @@ guard's precursor rung (spike_guard.precursor_rung) on and off."""
 import json
 import math
 import os
+import re
 import sys
 import types
 
@@ -323,3 +324,34 @@ def test_calibration_runs_without_telemetry_are_one_error_line(tmp_path):
     _one_error_line(
         tool_cli("precursors.py", "--diverged", run, "--calibrate", str(tmp_path)), "no metrics"
     )
+
+
+def test_a_margin_or_eps_without_a_threshold_and_runs_given_twice_are_refused(tmp_path):
+    """--margin 0 and --adam_eps 0 were a ZeroDivisionError, --margin -1 a "math domain error"; two
+    runs whose last three path parts match were merged into one label; a run given to both
+    --calibrate and --clean was counted as its own false positive."""
+    losses = [noisy(i) for i in range(1, 21)]
+    run = write_run(tmp_path / "run" / "x" / "lr1-seed1", losses, telemetry)
+    twin = write_run(tmp_path / "other" / "run" / "x" / "lr1-seed1", losses, telemetry)
+    other = write_run(tmp_path / "run" / "x" / "lr1-seed2", losses, telemetry)
+    runs = ["--diverged", run, "--calibrate", run]
+    for flags, said in [
+        (["--margin=0"], "--margin 0.0 must be at least 1: the threshold is margin x the "),
+        (["--margin=-1"], "--margin -1.0 must be at least 1"),
+        (["--margin=0.5"], "--margin 0.5 must be at least 1"),
+        (["--adam_eps=0"], "--adam_eps 0.0 must be above 0: the runs' adam_eps"),
+        (
+            ["--clean", other, run],
+            f"{run} given to --calibrate and --clean: a held-out clean run must not make the "
+            "thresholds it is checked against",
+        ),
+    ]:
+        with pytest.raises(ValueError, match=re.escape(said)):
+            precursors.main([*runs, *flags])
+    with pytest.raises(
+        ValueError,
+        match="^"
+        + re.escape(f"--diverged: {run} and {twin} have the same label run/x/lr1-seed1 (a run's"),
+    ):
+        precursors.main(["--diverged", run, twin, "--calibrate", other])
+    assert precursors.main([*runs, "--margin=1", "--clean", other])["clean"] == 1

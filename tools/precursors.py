@@ -219,9 +219,37 @@ def check_out(path):
     )
 
 
-def labelled(directories):
-    """{label: directory}: the label is the path's last three parts (arm/lever set/lr-seed in the lab)."""
-    return {"/".join(os.path.normpath(d).split(os.sep)[-3:]): d for d in directories}
+def labelled(directories, flag):
+    """{label: directory}: the label is the path's last three parts (arm/lever set/lr-seed in the lab).
+    Two runs of one label are refused: the table would show one of them as both."""
+    found = {}
+    for d in directories:
+        label = "/".join(os.path.normpath(d).split(os.sep)[-3:])
+        if label in found:
+            raise ValueError(
+                f"{flag}: {found[label]} and {d} have the same label {label} (a run's label is its "
+                "path's last three parts): give each run once, or runs whose last three parts differ"
+            )
+        found[label] = d
+    return found
+
+
+def check_args(args):
+    """Refuse, before any run is read, a margin or adam_eps no threshold can be made of, and a clean
+    run held out from the thresholds that also makes them."""
+    if not args.margin >= 1:  # below 1 the calibration runs' own values cross their threshold
+        raise ValueError(
+            f"--margin {args.margin} must be at least 1: the threshold is margin x the calibration "
+            "runs' largest value (or their smallest / margin)"
+        )
+    if not args.adam_eps > 0:
+        raise ValueError(f"--adam_eps {args.adam_eps} must be above 0: the runs' adam_eps")
+    both = {os.path.realpath(d) for d in args.calibrate} & {os.path.realpath(d) for d in args.clean}
+    if both:
+        raise ValueError(
+            f"{', '.join(sorted(both))} given to --calibrate and --clean: a held-out clean run "
+            "must not make the thresholds it is checked against; give it to one of them"
+        )
 
 
 def main(argv=None):
@@ -241,12 +269,13 @@ def main(argv=None):
     )
     parser.add_argument("--out", help="write the markdown table here too")
     args = parser.parse_args(argv)
+    check_args(args)
     if args.out:
         check_out(args.out)
     result = measure(
-        labelled(args.diverged),
-        labelled(args.calibrate),
-        labelled(args.clean),
+        labelled(args.diverged, "--diverged"),
+        labelled(args.calibrate, "--calibrate"),
+        labelled(args.clean, "--clean"),
         args.adam_eps,
         args.margin,
     )
