@@ -6,11 +6,13 @@ import re
 import sys
 
 import pytest
+import torch
 
 from helpers import ROOT
 
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 import bench_index  # noqa: E402
+import compare_weight_dumps  # noqa: E402
 import plot  # noqa: E402
 
 
@@ -92,3 +94,34 @@ def test_plot_names_a_run_without_metrics_a_damaged_line_and_a_wrong_label_count
     said = capsys.readouterr().out
     assert f"{writing}: its last line is cut short (a run writing it, or killed): skipped" in said
     assert os.path.getsize(out) > 0
+
+
+def test_compare_weight_dumps_gives_bad_input_exit_2_and_its_own_line(tmp_path, capsys):
+    """A missing directory or a file printed "no after-load dumps" and exited 1, the status of
+    weights that differ; a dump cut short was a traceback from torch.load."""
+    main = compare_weight_dumps.main
+    (tmp_path / "afile").write_text("mine")
+    dumps = tmp_path / "run" / "weight_dumps"
+    dumps.mkdir(parents=True)
+    for directory, said in [
+        (tmp_path / "missing", "does not exist: give the checkpoint directory of a run trained "),
+        (tmp_path / "afile", "is a file: give the checkpoint directory"),
+        (tmp_path / "run", "error: no after-load dumps in "),
+    ]:
+        assert main([str(directory)]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and said in err, err
+    name = "debug-5-pp0-tp0-dp0-global0-{}.pt"
+    torch.save({"w": torch.ones(3)}, dumps / name.format("before-save"))
+    torch.save({"w": torch.ones(3)}, dumps / name.format("after-load"))
+    assert main([str(tmp_path / "run")]) == 0
+    capsys.readouterr()
+    torch.save({"w": torch.zeros(3)}, dumps / name.format("after-load"))
+    assert main([str(tmp_path / "run")]) == 1  # weights that differ: 1, not 2
+    capsys.readouterr()
+    after = dumps / name.format("after-load")
+    after.write_bytes(after.read_bytes()[:100])  # a kill while the dump was written
+    assert main([str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {after} cannot be read (") and err.count("\n") == 1, err
+    assert "a dump cut short, or not one; remove it or dump again" in err
