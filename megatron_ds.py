@@ -877,11 +877,19 @@ def config_from_args(
         _model_keys(args),
         vocab_size=_vocab_size(args, vocab_size),
         tensor_model_parallel_size=ckpt.tp,
-        pipeline_model_parallel_size=pipeline_model_parallel_size or ckpt.pp,
+        pipeline_model_parallel_size=(
+            ckpt.pp if pipeline_model_parallel_size is None else pipeline_model_parallel_size
+        ),
         padded_vocab_in_softmax=padded_vocab_in_softmax,
     )
     if getattr(args, "rampup_batch_size", None):  # Megatron keeps the three numbers as strings
         keys["rampup_batch_size"] = [int(x) for x in args.rampup_batch_size]
+    if pp_partition_method is not None and pp_partition_method not in parallel.PARTITION_METHODS:
+        raise ValueError(
+            f"--pp_partition_method {pp_partition_method!r} is not one of "
+            f"{', '.join(parallel.PARTITION_METHODS)}"
+        )
+    # the source run's own value, where ours reads it: one we do not read is left at our default
     method = pp_partition_method or getattr(args, "pp_partition_method", None) or "type:transformer"
     if method in parallel.PARTITION_METHODS:
         keys["pp_partition_method"] = method

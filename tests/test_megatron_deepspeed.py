@@ -969,6 +969,32 @@ def test_a_save_under_a_file_is_refused_before_the_source_is_read(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["file"]
 
 
+def test_a_bad_stage_count_or_partition_method_is_refused(imported, tmp_path):
+    """--pipeline_model_parallel_size 0 was taken as the source's, -1 gave a message about layers;
+    an unknown --pp_partition_method was dropped in silence (the source's own value, when ours does
+    not read it, still is: test_flags_the_megatron_run_did_not_read_are_not_carried)."""
+    for stages in ("0", "-1"):
+        with pytest.raises(
+            ValueError,
+            match=f"^--pipeline_model_parallel_size {stages} must be at least 1: the stages of the "
+            "written checkpoint; leave it out for the source's",
+        ):
+            _import(
+                tmp_path / "no_source", tmp_path / "out", f"--pipeline_model_parallel_size={stages}"
+            )
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            "--pp_partition_method 'bogus' is not one of type:transformer|embedding, type:transformer"
+        ),
+    ):
+        _import(imported[2], tmp_path / "out", "--pp_partition_method=bogus")
+    ckpt = megatron_ds.Checkpoint(str(imported[2]))
+    ckpt.args.pp_partition_method = "parameters"  # Megatron's, which ours does not read
+    assert megatron_ds.config_from_args(ckpt).pp_partition_method == "type:transformer|embedding"
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_kill_while_latest_is_written_leaves_no_empty_latest(imported, tmp_path, monkeypatch):
     """The import wrote `latest` in place: killed after the open, it left an empty one, which named the
     directory itself ("model shard is missing ... another topology"). Here the kill comes as `latest`'s bytes

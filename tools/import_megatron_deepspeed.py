@@ -60,6 +60,12 @@ def main(argv=None):
         "trained (its TP size then stays); false: the padding left out from now on",
     )
     args = parser.parse_args(argv)
+    stages = args.pipeline_model_parallel_size
+    if stages is not None and stages < 1:
+        raise ValueError(
+            f"--pipeline_model_parallel_size {stages} must be at least 1: the stages of the "
+            "written checkpoint; leave it out for the source's"
+        )
     megatron_ds.check_save_dir(args.save)  # before the source is read
     ckpt = megatron_ds.Checkpoint(args.load)
     cfg = megatron_ds.config_from_args(
