@@ -992,7 +992,8 @@ def _short(value):
 
 
 def dump_weights(directory, preamble, iteration, model):
-    """Write this rank's parameters, exactly as they are, to directory/weight_dumps/debug-...-{preamble}.pt."""
+    """Write this rank's parameters, exactly as they are, to directory/weight_dumps/debug-...-{preamble}.pt,
+    whole or not at all (atomic_write: a kill mid-write leaves no dump that looks complete)."""
     g = parallel.grid
     out = os.path.join(directory, "weight_dumps")
     os.makedirs(out, exist_ok=True)
@@ -1000,4 +1001,4 @@ def dump_weights(directory, preamble, iteration, model):
         f"debug-{iteration}-pp{g.pp_rank}-tp{g.tp_rank}-dp{g.dp_rank}-global{g.rank}-{preamble}.pt"
     )
     weights = {n: p.detach().cpu().clone() for n, p in parallel.unwrap(model).named_parameters()}
-    torch.save(weights, os.path.join(out, name))
+    atomic_write(weights, os.path.join(out, name))

@@ -5,6 +5,7 @@ finds missing, damaged, misshapen and drifted files offline; tools/sample.py rea
 generates what one process generates from the same weights."""
 
 import hashlib
+import io
 import os
 import re
 import shutil
@@ -647,3 +648,31 @@ def _checkpoint_writes_talk_on_the_host_group(directory):
 
 def test_checkpoint_writes_talk_on_the_host_group(tmp_path):
     spawn(_checkpoint_writes_talk_on_the_host_group, 2, 1, 1, str(tmp_path))
+
+
+def test_a_weight_dump_cut_short_leaves_no_dump_under_its_name(tmp_path, monkeypatch):
+    """dump_weights wrote its file in place: a kill mid-write left a dump cut short under the name
+    tools/compare_weight_dumps.py reads."""
+    monkeypatch.setattr(parallel, "grid", parallel.Grid(1, 1, world_size=1, rank=0))
+    model = torch.nn.Linear(2, 2)
+    real_save = torch.save
+
+    def killed(obj, f, *args, **kwargs):
+        buffer = io.BytesIO()
+        real_save(obj, buffer)
+        data = buffer.getvalue()
+        if hasattr(f, "write"):
+            f.write(data[: len(data) // 2])
+        else:
+            with open(f, "wb") as out:
+                out.write(data[: len(data) // 2])
+        raise KeyboardInterrupt  # the kill, half-way through the bytes
+
+    monkeypatch.setattr(torch, "save", killed)
+    with pytest.raises(KeyboardInterrupt):
+        checkpoint.dump_weights(str(tmp_path), "before-save", 5, model)
+    monkeypatch.setattr(torch, "save", real_save)
+    assert [n for n in os.listdir(tmp_path / "weight_dumps") if n.endswith(".pt")] == []
+    checkpoint.dump_weights(str(tmp_path), "before-save", 5, model)
+    (name,) = [n for n in os.listdir(tmp_path / "weight_dumps") if n.endswith(".pt")]
+    assert torch.equal(torch.load(tmp_path / "weight_dumps" / name)["weight"], model.weight)
