@@ -5,8 +5,8 @@
 The export is written into OUTPUT.partial and renamed to OUTPUT once its logits are checked
 (below), so a failed, stopped (SIGTERM: the partial removed, and said) or killed export leaves
 nothing at OUTPUT. OUTPUT must be new or empty: the checkpoint, a directory holding it or inside
-it, the working directory, a run's save directory and anything else are refused before any work; --overwrite
-replaces an earlier export of this tool (its stablegpt_export.json lists the files it wrote) and
+it, the working directory, a run's save directory and anything else are refused before any work;
+--overwrite replaces an earlier export of this tool (its stablegpt_export.json lists the files it wrote) and
 nothing else (docs/hf.md): the earlier one is renamed to OUTPUT.replaced, the new one into place,
 then the earlier one deleted; a kill between those leaves OUTPUT.replaced, which the next export
 puts back or deletes.
@@ -260,9 +260,8 @@ def check_output(output, load_dir, overwrite=False):
     """Refuse, before any work, an --output this export must not write into; returns OUTPUT.partial.
     A new or empty directory is written; an earlier export of ours (its MARKER) with overwrite;
     never the checkpoint read, a directory holding it or inside it, the working directory, a
-    checkpoint, a
-    run's save directory or a directory of anything else. An --overwrite export killed in its
-    publish is finished first (finish_replace)."""
+    checkpoint, a run's save directory or a directory of anything else. An --overwrite export
+    killed in its publish is finished first (finish_replace)."""
     out = os.path.normpath(output)
     for what, path in (
         ("the checkpoint directory --load", load_dir),
