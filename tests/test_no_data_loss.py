@@ -76,8 +76,8 @@ def test_an_export_into_its_own_checkpoint_is_refused_and_the_checkpoint_stays(
     ckpt, capsys, monkeypatch
 ):
     """It was: exit 0 after deleting global_step*/, latest and metrics.jsonl, the export in their
-    place. An --output inside the checkpoint was written, and deleted by the next save of that
-    iteration."""
+    place. An --output inside one of its global_stepN was written, and deleted by the next save of
+    that iteration (a folder of the save directory beside them is no save's: tests/test_export_hf.py)."""
     before = contents(ckpt.parent)
     for output, overwrite, message in (
         (ckpt, [], f"--output {ckpt} is the checkpoint directory --load"),
@@ -90,11 +90,11 @@ def test_an_export_into_its_own_checkpoint_is_refused_and_the_checkpoint_stays(
         (
             ckpt / "global_step1" / "hf",
             [],
-            f"--output {ckpt}/global_step1/hf is inside the checkpoint directory --load ({ckpt}): "
-            f"a later save there can delete it; give a directory outside it, e.g. --output {ckpt}-hf",
+            f"--output {ckpt}/global_step1/hf is inside the checkpoint global_step1 of --load ({ckpt}): "
+            f"a later save of that iteration deletes it; give a directory outside it, e.g. --output "
+            f"{ckpt}/hf",
         ),
-        (ckpt / "hf", [], "is inside the checkpoint directory --load"),
-        (ckpt / "global_step1", ["--overwrite"], "is inside the checkpoint directory --load"),
+        (ckpt / "global_step1", ["--overwrite"], "is inside the checkpoint global_step1 of --load"),
     ):
         line = refused(["--load", str(ckpt), "--output", str(output), *overwrite], capsys)
         assert line.startswith("error: ") and message in line, line

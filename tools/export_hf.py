@@ -4,8 +4,8 @@
 
 The export is written into OUTPUT.partial and renamed to OUTPUT once its logits are checked
 (below), so a failed, stopped (SIGTERM: the partial removed, and said) or killed export leaves
-nothing at OUTPUT. OUTPUT must be new or empty: the checkpoint, a directory holding it or inside
-it, the working directory, a run's save directory and anything else are refused before any work;
+nothing at OUTPUT. OUTPUT must be new or empty: the checkpoint, a directory holding it or one of
+its global_stepN, the working directory, a run's save directory and anything else are refused before any work;
 --overwrite replaces an earlier export of this tool (its stablegpt_export.json lists the files it wrote) and
 nothing else (docs/hf.md): the earlier one is renamed to OUTPUT.replaced, the new one into place,
 then the earlier one deleted; a kill between those leaves OUTPUT.replaced, which the next export
@@ -259,7 +259,7 @@ def _marker(directory):
 def check_output(output, load_dir, overwrite=False):
     """Refuse, before any work, an --output this export must not write into; returns OUTPUT.partial.
     A new or empty directory is written; an earlier export of ours (its MARKER) with overwrite;
-    never the checkpoint read, a directory holding it or inside it, the working directory, a
+    never the checkpoint read, a directory holding it or one of its global_stepN, the working directory, a
     checkpoint, a run's save directory or a directory of anything else. An --overwrite export
     killed in its publish is finished first (finish_replace)."""
     out = os.path.normpath(output)
@@ -274,13 +274,14 @@ def check_output(output, load_dir, overwrite=False):
                 "export never writes there; give a new directory, e.g. --output "
                 f"{os.path.basename(os.path.abspath(load_dir))}-hf"
             )
-    if _inside(out, load_dir):
+    tag = os.path.relpath(os.path.realpath(out), os.path.realpath(load_dir)).split(os.sep)[0]
+    if _inside(out, load_dir) and tag.startswith("global_step"):
         # a save of that iteration again (a rollback, a resume from an earlier `latest`)
         # replaces its global_stepN directory, the export inside with it
         raise ValueError(
-            f"--output {output} is inside the checkpoint directory --load "
-            f"({os.path.abspath(load_dir)}): a later save there can delete it; give a directory "
-            f"outside it, e.g. --output {os.path.abspath(load_dir)}-hf"
+            f"--output {output} is inside the checkpoint {tag} of --load "
+            f"({os.path.abspath(load_dir)}): a later save of that iteration deletes it; give a "
+            f"directory outside it, e.g. --output {os.path.join(os.path.abspath(load_dir), 'hf')}"
         )
     if os.path.islink(out):
         # refused, not resolved: the export is renamed into place, and a rename replaces the link itself
