@@ -1022,30 +1022,41 @@ def _split_datasets(
 ):
     indexed = IndexedDataset(prefix)
     out = []
+    for name, (start, end), n in check_splits(indexed, split, seq_length, num_samples):
+        if n == 0:
+            out.append(None)
+            continue
+        # 4 bytes a document
+        documents = np.arange(start, end, dtype=np.int32 if end < 2**31 else np.int64)
+        out.append(GPTDataset(indexed, documents, n, seq_length, seed, name, cache_dir, skip))
+    return out
+
+
+def check_splits(indexed: IndexedDataset, split: str, seq_length: int, num_samples) -> list:
+    """[(name, (first document, end), samples)] of the train, valid and test splits (samples 0 where none is
+    read); a split the run reads samples of that is empty or shorter than one sample is refused with the fix.
+    Reads the index only: the run's preflight (loader.check_files) and the build ask the same."""
+    out = []
     for name, (start, end), share, n in zip(
         ("train", "valid", "test"),
         split_documents(split, len(indexed)),
         parse_split(split),
         num_samples,
     ):
-        if n == 0 or share == 0:
-            out.append(None)
-            continue
-        if end == start:
-            raise ValueError(
-                f"the {name} split of {prefix} is empty ({len(indexed)} documents, split {split!r}) "
-                f"but {n} {name} samples are requested; give {name} a larger share or use more data"
-            )
-        # 4 bytes a document
-        documents = np.arange(start, end, dtype=np.int32 if end < 2**31 else np.int64)
+        n = 0 if share == 0 else n
         tokens = int(indexed.sizes[start:end].sum(dtype=np.int64))
-        if (tokens - 1) // seq_length < 1:
+        if n and end == start:
             raise ValueError(
-                f"the {name} split of {prefix} (documents {start}..{end - 1}, {tokens} tokens) cannot "
-                f"fill one sample of seq_length+1 = {seq_length + 1} tokens; give {name} a larger "
+                f"the {name} split of {indexed.prefix} is empty ({len(indexed)} documents, split "
+                f"{split!r}) but the run reads {name} samples; give {name} a larger share or use more data"
+            )
+        if n and (tokens - 1) // seq_length < 1:
+            raise ValueError(
+                f"the {name} split of {indexed.prefix} (documents {start}..{end - 1}, {tokens} tokens) "
+                f"cannot fill one sample of seq_length+1 = {seq_length + 1} tokens; give {name} a larger "
                 "share, use more data or a shorter seq_length"
             )
-        out.append(GPTDataset(indexed, documents, n, seq_length, seed, name, cache_dir, skip))
+        out.append((name, (start, end), n))
     return out
 
 

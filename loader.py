@@ -275,15 +275,21 @@ class MegatronSource:
         check_valid_sets(data_cfg.valid_weighted_split_names, data_cfg.valid_weighted_split_paths)
 
     @staticmethod
-    def check_files(data_cfg):
-        """The prefixes' files, where a run reads them (check_files)."""
-        if data_cfg.data_path is not None:
-            check_prefixes(data_cfg.data_path, "", "data_path")
+    def check_files(data_cfg, context):
+        """The prefixes' files, where a run reads them (check_files): each index opened (a file of
+        another format refused) and the splits the run reads checked (data.check_splits)."""
+        if data_cfg.data_path is None:
+            return
+        check_prefixes(data_cfg.data_path, "", "data_path")
+        reads = (0 if context.eval_only else 1, 1 if context.eval_iters else 0, 0)
+        check_splits(data_cfg.data_path, data_cfg.split, context.seq_length, reads)
 
     def __init__(self, data_cfg, context, num_samples):
         self.data_cfg, self.context, self.num_samples = data_cfg, context, num_samples
         self.data_path = bundled_corpus() if data_cfg.data_path is None else data_cfg.data_path
         check_prefixes(self.data_path, "", "data_path")
+        # the bundled corpus's too, before the vocabulary's pass and the epochs' warning
+        check_splits(self.data_path, data_cfg.split, context.seq_length, (*num_samples, 0))
         check_data(data_cfg.split, context, self.data_path, num_samples[0])
         self.valid_sets = None  # the blended validation split of data_path
         if data_cfg.valid_weighted_split_names:
@@ -359,6 +365,13 @@ def bundled_corpus():
         dist.broadcast_object_list(box, src=0)
         data_path = box[0]
     return data_path
+
+
+def check_splits(data_path, split, seq_length, reads):
+    """Each prefix of data_path opened (an index of another format refused) and the splits the run reads
+    (reads: train, valid, test samples, or 1 for some) checked: data.check_splits, the index only."""
+    for prefix in data.parse_data_path(data_path)[0]:
+        data.check_splits(data.IndexedDataset(prefix), split, seq_length, reads)
 
 
 def check_data(split, context, data_path, train_samples):
@@ -620,13 +633,14 @@ class DataConfig:
     valid_weighted_split_paths: list[str] | None = None
 
 
-def check_files(data_cfg):
-    """Raise ValueError with the fix for data files a run cannot open, before the model is built (a large
-    model's build takes minutes on every rank). Apart from check(): a config is validated where its data is
-    not (the lab's preflight, a cluster's config read on a laptop)."""
+def check_files(data_cfg, context):
+    """Raise ValueError with the fix for data files a run cannot open or read its splits from, before the
+    model is built (a large model's build takes minutes on every rank); context: a DataContext. Apart from
+    check(): a config is validated where its data is not (the lab's preflight, a cluster's config read on a
+    laptop)."""
     source_check = getattr(source_class(data_cfg.data_source), "check_files", None)
     if source_check is not None:
-        source_check(data_cfg)
+        source_check(data_cfg, context)
 
 
 def check(data_cfg, context, position_embedding_type, reads_data=True):

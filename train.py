@@ -59,7 +59,7 @@ def main(argv=None):
     # a config that cannot work stops before any process group, and so do a tokenizer and data files it cannot use
     arguments.prepare(cfg, launch.world_size())
     loader.check_tokenizer(cfg.tokenizer_file, section(loader.DataContext, cfg))
-    loader.check_files(section(loader.DataConfig, cfg))
+    loader.check_files(section(loader.DataConfig, cfg), section(loader.DataContext, cfg))
     # lm-eval's tasks found (imported only then), before any process group too
     harness = None
     if cfg.eval_harness_tasks:

@@ -9,7 +9,7 @@ import torch
 import arguments
 import data
 import loader
-from helpers import plan_of
+from helpers import SMALL, corpus, plan_of, run_main  # noqa: F401 (corpus: a fixture)
 from run_state import RunState
 from sections import section
 
@@ -228,3 +228,35 @@ def test_a_run_refuses_a_missing_prefix_before_the_model_is_built(tmp_path):
         f"--input FILES --output-prefix {tmp_path}/typo`"
     )
     assert "Model size" not in proc.stdout and not os.path.exists(tmp_path / "run")
+
+
+def test_data_the_run_cannot_read_is_refused_before_the_model_is_built(
+    corpus, tmp_path, monkeypatch
+):
+    """An index of another format, an empty train split, an empty validation split the run evaluates on: each
+    was refused after the model's build (minutes at scale), the empty train split after a warning that the run
+    goes over it 4096 times. The preflight reads the index only (train.main: loader.check_files)."""
+    import builders
+
+    def build(*args, **kwargs):
+        raise AssertionError("built before the refusal")
+
+    monkeypatch.setattr(builders, "build", build)
+    bad = tmp_path / "bad"
+    (tmp_path / "bad.bin").write_bytes(b"\0" * 64)
+    (tmp_path / "bad.idx").write_bytes(b"not an index at all")
+    for flags, message in (
+        ([f"--data_path={bad}"], r"bad\.idx is not a Megatron mmap index \(bad magic"),
+        (
+            [f"--data_path={corpus}", "--split=1,999,0"],
+            r"the train split of .* is empty \(38 documents, split '1,999,0'\) but the run reads train",
+        ),
+        ([f"--data_path={corpus}", "--split=999,1,0"], r"the valid split of .* is empty"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            run_main(*SMALL, "--train_iters=1", *flags)
+    # no validation: the empty validation split is not read
+    with pytest.raises(AssertionError, match="built before the refusal"):
+        run_main(
+            *SMALL, "--train_iters=1", f"--data_path={corpus}", "--split=999,1,0", "--eval_iters=0"
+        )
