@@ -91,6 +91,12 @@ def check(log_cfg):
         )
     if log_cfg.profile_steps is not None:
         profile_range(log_cfg.profile_steps)  # raises
+    # else wandb's own refusal, a page of pydantic naming no key, after the model's build
+    if log_cfg.wandb_project and log_cfg.wandb_mode not in ("offline", "online", "disabled"):
+        raise ValueError(
+            f"wandb_mode={log_cfg.wandb_mode!r} is not offline, online or disabled (offline: files to "
+            "`wandb sync` later, as a cluster without internet needs)"
+        )
     if log_cfg.tensorboard_dir is not None:
         files.check_output_dir(
             log_cfg.tensorboard_dir, "tensorboard_dir", "a directory the run can write"

@@ -44,3 +44,18 @@ def test_a_record_cut_by_a_kill_is_dropped_before_the_resumed_run_appends(tmp_pa
     assert records[:-1] == (
         [{"iteration": 1, "lm loss": 5.0}] if before.startswith('{"iteration": 1') else []
     )
+
+
+def test_a_wandb_mode_wandb_does_not_know_is_refused_before_the_run():
+    """wandb_mode=offlin was wandb's page of pydantic errors, naming no key, after the model's build."""
+    import arguments
+
+    cfg = arguments.load_config(["--wandb_project=p", "--wandb_mode=offlin"])
+    with pytest.raises(
+        ValueError, match=r"^wandb_mode='offlin' is not offline, online or disabled"
+    ):
+        arguments.validate(cfg, reads_data=False)
+    for mode in ("offline", "online", "disabled"):
+        arguments.validate(
+            arguments.load_config(["--wandb_project=p", f"--wandb_mode={mode}"]), reads_data=False
+        )
