@@ -161,9 +161,46 @@ MEGATRON_NAMES = {
 }
 
 
+# nanoGPT's config names (and a few trainers' common ones): the closest key by spelling is often another thing
+# (max_iters -> eval_iters, block_size -> vocab_size, dropout -> embed_dropout)
+NANOGPT_NAMES = {
+    "out_dir": "save (checkpoints, metrics.jsonl)",
+    "save_dir": "save",
+    "checkpoint_dir": "save",
+    "init_from": "'resume' is load (a run resumes its save directory by itself); a GPT-2 is init_from_hf "
+    "with the downloaded model's directory",
+    "always_save_checkpoint": "save_interval (every N iterations; a run saves at its end too)",
+    "wandb_log": "wandb_project (set, the run logs to it)",
+    "dataset": "data_path (the prefix of a tokenized .bin/.idx: `python data.py --input FILES --output-prefix P`)",
+    "batch_size": "micro_batch_size (samples per process per step) and global_batch_size (per iteration)",
+    "gradient_accumulation_steps": "global_batch_size = micro_batch_size x data-parallel size x the steps",
+    "block_size": "seq_length",
+    "n_layer": "num_layers",
+    "n_head": "num_attention_heads",
+    "n_embd": "hidden_size",
+    "dropout": "hidden_dropout and attention_dropout (and embed_dropout)",
+    "bias": "add_bias_linear",
+    "learning_rate": "lr",
+    "max_iters": "train_iters",
+    "train_epochs": "train_iters, train_samples or train_tokens (the data repeats as needed)",
+    "beta1": "adam_beta1",
+    "beta2": "adam_beta2",
+    "grad_clip": "clip_grad",
+    "decay_lr": "lr_decay_style (constant: no decay)",
+    "warmup_iters": "the warm-up counts samples here: lr_warmup_samples = warmup_iters x global_batch_size",
+    "warmup_steps": "the warm-up counts samples here: lr_warmup_samples = warmup_steps x global_batch_size",
+    "dtype": "bf16 or fp16 (set: that precision; neither: fp32)",
+    "backend": "the backend is NCCL on GPUs and gloo on CPU, by device",
+    "distributed_backend": "the backend is NCCL on GPUs and gloo on CPU, by device",
+    "num_workers": "batches are made on one background thread (loader.py): nothing to set",
+}
+
+
 def _unknown(key):
     if key in MEGATRON_NAMES:
         return ValueError(f"unknown config key {key!r} (a Megatron-LM flag): {MEGATRON_NAMES[key]}")
+    if key in NANOGPT_NAMES:
+        return ValueError(f"unknown config key {key!r} (nanoGPT's name): {NANOGPT_NAMES[key]}")
     close = difflib.get_close_matches(key, FIELDS, n=1)
     hint = f"; did you mean {close[0]!r}?" if close else "; `python train.py --help` lists the keys"
     return ValueError(f"unknown config key {key!r}{hint}")
@@ -248,7 +285,9 @@ def load_config(argv=None):
         if key.startswith("_") or isinstance(value, (types.ModuleType, types.FunctionType, type)):
             continue
         if key not in FIELDS:
-            raise ValueError(f"{config_file}: " + str(_unknown(key)))
+            raise ValueError(
+                f"{config_file}: {_unknown(key)} (a variable of the file's own: name it _{key})"
+            )
         settings[key] = value
     in_file = _config(settings)
     _drop_replaced(settings, overrides)

@@ -176,6 +176,34 @@ def test_a_megatron_flag_of_another_name_is_translated_not_misspelled(flag, mess
         arguments.load_config([f"--{flag}=1"])
 
 
+@pytest.mark.parametrize(
+    "flag, message",
+    [
+        ("max_iters", "train_iters"),
+        ("block_size", "seq_length"),
+        ("warmup_iters", "lr_warmup_samples = warmup_iters x global_batch_size"),
+        ("dropout", "hidden_dropout and attention_dropout"),
+        ("out_dir", "save"),
+        ("num_workers", "nothing to set"),
+    ],
+)
+def test_a_nanogpt_name_is_translated_not_misspelled(flag, message):
+    """difflib's nearest key for each was another setting: eval_iters, vocab_size, lr_warmup_tokens (another
+    unit), embed_dropout, save_interval, num_layers."""
+    with pytest.raises(
+        ValueError,
+        match=f"unknown config key '{flag}' \\(nanoGPT's name\\): .*" + re.escape(message),
+    ):
+        arguments.load_config([f"--{flag}=1"])
+
+
+def test_every_nanogpt_translation_names_keys_that_exist():
+    for flag, translation in arguments.NANOGPT_NAMES.items():
+        assert flag not in arguments.FIELDS and flag not in arguments.MEGATRON_NAMES
+        named = set(re.findall(r"[a-z][a-z0-9]*(?:_[a-z0-9]+)+", translation)) - {flag}
+        assert named <= set(arguments.FIELDS), (flag, named - set(arguments.FIELDS))
+
+
 def test_every_megatron_translation_names_keys_that_exist():
     for flag, translation in arguments.MEGATRON_NAMES.items():
         assert flag not in arguments.FIELDS
@@ -217,6 +245,12 @@ def test_unknown_key_in_config_file(tmp_path):
         ValueError, match=r"bad.py: unknown config key 'num_layer'; did you mean 'num_layers'"
     ):
         arguments.load_config([str(bad)])
+    # a helper of the file's own arithmetic: a name with _ is not a key
+    bad.write_text("n = 2\nnum_layers = n\n")
+    with pytest.raises(ValueError, match=r"bad.py: unknown config key 'n'.* name it _n\)$"):
+        arguments.load_config([str(bad)])
+    bad.write_text("_n = 2\nnum_layers = _n\n")
+    assert arguments.load_config([str(bad)]).num_layers == 2
 
 
 def test_device_cuda_without_a_usable_gpu_is_one_message(monkeypatch):
