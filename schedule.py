@@ -314,17 +314,25 @@ class Schedule:
 
     def describe(self):
         """The LR schedule in words, and a warning line for a warm-up the run ends inside (Megatron runs it: a
-        short trial of a large config's first iterations does; a run that means to train never reaches lr)."""
-        lines, lr = [self.lr_schedule.describe()], self.lr_schedule
+        short trial of a large config's first iterations does; a run that means to train never reaches lr) and
+        for each skip_train_iteration_range that starts after the run's end."""
+        lines, lr, longer = [self.lr_schedule.describe()], self.lr_schedule, None
         if lr.warmup_tokens is not None and lr.warmup_tokens > self.total_tokens:
             longer = f"lr_warmup_tokens={lr.warmup_tokens:,} is longer than the run ({self.total_tokens:,} tokens)"
         elif lr.warmup_tokens is None and lr.warmup_samples > self.total_samples:
             longer = f"lr_warmup_samples={lr.warmup_samples:,} is longer than the run ({self.total_samples:,} samples)"
-        else:
-            return lines[0]
-        lines.append(
-            f"warning: the warm-up {longer}: the learning rate never reaches lr={lr.max_lr}"
-        )
+        if longer:
+            lines.append(
+                f"warning: the warm-up {longer}: the learning rate never reaches lr={lr.max_lr}"
+            )
+        # a range of a longer run's config, kept: it skips nothing here
+        for text in self.schedule_cfg.skip_train_iteration_range or []:
+            ((start, _),) = parse_iteration_ranges([text])
+            if start > self.total_iters:
+                lines.append(
+                    f"warning: skip_train_iteration_range {text} starts after the run's last iteration "
+                    f"{self.total_iters}: nothing of it is skipped"
+                )
         return "\n".join(lines)
 
     def _done(self, iteration, samples, tokens):

@@ -194,6 +194,22 @@ def test_a_warm_up_the_run_ends_inside_is_a_warning_line():
     assert "lr_warmup_tokens=5,000 is longer than the run (4,096 tokens)" in tokens.describe()
 
 
+def test_a_skip_range_after_the_runs_end_is_a_warning_line():
+    """A range of a longer run's config skipped nothing, in silence."""
+    p = plan(
+        "--lr_warmup_samples=0",
+        "--train_iters=5",
+        "--skip_train_iteration_range",
+        "9-12",
+        "5-6",
+        "6-7",
+    )
+    assert p.describe().splitlines()[1:] == [
+        "warning: skip_train_iteration_range 9-12 starts after the run's last iteration 5: nothing of it is skipped",
+        "warning: skip_train_iteration_range 6-7 starts after the run's last iteration 5: nothing of it is skipped",
+    ]
+
+
 def test_wsd_is_checked_on_resume_and_other_shapes_save_what_they_saved():
     cosine = AnnealingLR(1.0, 0.1, "cosine", warmup_samples=100, decay_samples=1100)
     assert set(cosine.state_dict()) == {
