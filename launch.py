@@ -19,6 +19,12 @@ import parallel
 import rng
 
 
+def world_size_set():
+    """WORLD_SIZE as a launcher set it, 1 where it is unset or no count."""
+    value = os.environ.get("WORLD_SIZE", "1").strip()
+    return int(value) if value.isdigit() else 1
+
+
 def world_size(default=1):
     """The number of processes the launcher started (torchrun's WORLD_SIZE; `default` without a launcher): known
     before the process group exists, so that the config is checked first."""
@@ -31,9 +37,28 @@ def world_size(default=1):
     return int(value)
 
 
+def check_launcher():
+    """A WORLD_SIZE or RANK a launcher did not set (WORLD_SIZE set by hand, as --dry_run takes it, or left in
+    the shell): torch's rendezvous failed naming MASTER_ADDR, and a stray RANK=1 silenced every error line
+    (exit_with prints rank 0's)."""
+    n, rank = world_size(), os.environ.get("RANK", "0")
+    missing = [key for key in ("RANK", "MASTER_ADDR", "MASTER_PORT") if key not in os.environ]
+    if n > 1 and missing:
+        raise ValueError(
+            f"WORLD_SIZE={n} but {', '.join(missing)} unset: no launcher started this process; run "
+            f"`torchrun --nproc_per_node {n} train.py ...` (SLURM: srun ... torchrun ...), or unset WORLD_SIZE "
+            "for one process"
+        )
+    if not (rank.isdigit() and int(rank) < n):
+        raise ValueError(
+            f"RANK={rank!r} is no rank of WORLD_SIZE={n}: the launcher sets both; unset RANK for one process"
+        )
+
+
 def start(layout_cfg, tensor_model_parallel_size, save=None):
     """The process group, CUDA's allocator configured before it starts. tensor_model_parallel_size:
     the model's; save: checkpointing's directory (where NCCL's flight recorder dumps)."""
+    check_launcher()
     use_expandable_segments(layout_cfg)
     use_nccl_flight_recorder(layout_cfg, save)
     return parallel.init(
@@ -144,8 +169,9 @@ def exit_with(error, code):
     everyone's) or some do (a file): rank 0 prints it, and each rank that has it leaves it in torchrun's error file,
     so that the launcher's summary names it as the root cause instead of 'To enable traceback see ...'."""
     line = f"error: {error}"
-    # torchrun's rank (the process group may not exist yet)
-    rank = int(os.environ.get("RANK", "0"))
+    # torchrun's rank (the process group may not exist yet); a process alone prints whatever RANK says
+    rank = os.environ.get("RANK", "0")
+    rank = int(rank) if rank.isdigit() and world_size_set() > 1 else 0
     if rank == 0:
         print(line, file=sys.stderr, flush=True)
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")

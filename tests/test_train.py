@@ -238,6 +238,29 @@ def test_a_world_size_that_is_no_count_of_processes_is_refused_by_name(value, mo
     assert (launch.world_size(), launch.world_size(default=8)) == (1, 8)
 
 
+def test_a_world_size_or_rank_no_launcher_set_is_refused_with_the_fix(monkeypatch, capsys):
+    """WORLD_SIZE=2 left in a shell: torch's rendezvous message naming MASTER_ADDR; a stray RANK=1 in a process
+    alone: its error lines were never printed (rank 0 prints them)."""
+    import launch
+
+    for key in ("RANK", "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "TORCHELASTIC_ERROR_FILE"):
+        monkeypatch.delenv(key, raising=False)
+    launch.check_launcher()  # one process, nothing set
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(
+        ValueError, match=r"^WORLD_SIZE=2 but RANK, MASTER_ADDR, MASTER_PORT unset: .*torchrun"
+    ):
+        launch.check_launcher()
+    monkeypatch.delenv("WORLD_SIZE")
+    monkeypatch.setenv("RANK", "1")
+    with pytest.raises(ValueError, match=r"^RANK='1' is no rank of WORLD_SIZE=1"):
+        launch.check_launcher()
+    monkeypatch.setattr(launch, "EXIT_GRACE_SECONDS", 0)
+    with pytest.raises(SystemExit):
+        launch.exit_with(ValueError("the message"), 2)
+    assert capsys.readouterr().err == "error: the message\n"
+
+
 def test_unknown_key_in_config_file(tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text("num_layer = 2\n")
