@@ -257,19 +257,27 @@ class Schedule:
             )
         self.skip_ranges = parse_iteration_ranges(keys.skip_train_iteration_range)
         self.total_iters, self.total_samples, self.total_tokens = self._simulate(start or {})
-        self.lr_schedule = AnnealingLR(
-            keys.lr,
-            keys.min_lr,
-            keys.lr_decay_style,
-            warmup_samples=keys.lr_warmup_samples,
-            decay_samples=self.total_samples
-            if keys.lr_decay_samples is None
-            else keys.lr_decay_samples,
-            warmup_tokens=keys.lr_warmup_tokens,
-            decay_tokens=keys.lr_decay_tokens,
-            wsd_decay_samples=keys.lr_wsd_decay_samples,
-            wsd_decay_style=keys.lr_wsd_decay_style,
-        )
+        unset = keys.lr_decay_samples is None
+        try:
+            self.lr_schedule = AnnealingLR(
+                keys.lr,
+                keys.min_lr,
+                keys.lr_decay_style,
+                warmup_samples=keys.lr_warmup_samples,
+                decay_samples=self.total_samples if unset else keys.lr_decay_samples,
+                warmup_tokens=keys.lr_warmup_tokens,
+                decay_tokens=keys.lr_decay_tokens,
+                wsd_decay_samples=keys.lr_wsd_decay_samples,
+                wsd_decay_style=keys.lr_wsd_decay_style,
+            )
+        except ValueError as e:
+            # the message names a key the config does not set: say where its value came from
+            if not (unset and keys.lr_decay_tokens is None and "lr_decay_samples (" in str(e)):
+                raise
+            raise ValueError(
+                f"{e} (lr_decay_samples is unset: the decay runs over the run's {self.total_samples:,} samples; "
+                "lengthen the run, shorten the warm-up or set lr_decay_samples)"
+            ) from None
 
     def batch_size(self, consumed_samples):
         return self.rampup(consumed_samples)

@@ -248,6 +248,11 @@ def test_help_and_the_resume_check_read_the_registry():
             ["--lr_warmup_samples=20000"],
             "lr_decay_samples (16000) must be larger than lr_warmup_samples (20000)",
         ),
+        # a key the config does not set, named: where its value came from
+        (
+            ["--lr_warmup_samples=6400", "--lr_decay_samples=none", "--train_iters=2"],
+            "(lr_decay_samples is unset: the decay runs over the run's 32 samples; lengthen the run",
+        ),
         (
             [
                 "--train_iters=none",
