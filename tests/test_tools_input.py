@@ -8,12 +8,13 @@ import sys
 import pytest
 import torch
 
-from helpers import ROOT
+from helpers import ROOT, tool_cli
 
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 import bench_index  # noqa: E402
 import compare_weight_dumps  # noqa: E402
 import plot  # noqa: E402
+import sample  # noqa: E402
 
 
 def refused(main, argv, capsys):
@@ -125,3 +126,25 @@ def test_compare_weight_dumps_gives_bad_input_exit_2_and_its_own_line(tmp_path, 
     err = capsys.readouterr().err
     assert err.startswith(f"error: {after} cannot be read (") and err.count("\n") == 1, err
     assert "a dump cut short, or not one; remove it or dump again" in err
+
+
+def not_read(*args, **kwargs):
+    raise AssertionError("the input was read before the flags were checked")
+
+
+def test_sample_refuses_what_it_cannot_sample_before_reading_the_checkpoint(capsys, monkeypatch):
+    """--num_samples -1 (or 0) printed nothing and exited 0; the other flags shared one message that
+    named none of them, and a nan temperature sampled."""
+    monkeypatch.setattr(sample, "load_model", not_read)
+    for flag, said in [
+        ("--num_samples=-1", "--num_samples -1 must be at least 1"),
+        ("--num_samples=0", "--num_samples 0 must be at least 1"),
+        ("--max_tokens=-1", "--max_tokens -1 must be 0 or more"),
+        ("--temperature=0", "--temperature 0.0 must be above 0"),
+        ("--temperature=nan", "--temperature nan must be above 0"),
+        ("--top_k=-2", "--top_k -2 must be 0 (all tokens) or more"),
+    ]:
+        with pytest.raises(ValueError, match="^" + re.escape(said) + "$"):
+            sample.main(["--load", "nowhere", flag])
+    proc = tool_cli("sample.py", "--load", "nowhere", "--num_samples", "-1")
+    assert (proc.returncode, proc.stderr) == (2, "error: --num_samples -1 must be at least 1\n")

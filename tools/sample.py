@@ -25,6 +25,20 @@ def load_model(directory, device):
     return model.to(device), config
 
 
+def check(args):
+    """Refuse, before the checkpoint is read, a flag no sampling can follow: each named with its
+    value (a --num_samples below 1 printed nothing and exited 0)."""
+    for flag, value, bad, need in (
+        ("--num_samples", args.num_samples, args.num_samples < 1, "at least 1"),
+        ("--max_tokens", args.max_tokens, args.max_tokens < 0, "0 or more"),
+        # not `<= 0`: a nan is no temperature either
+        ("--temperature", args.temperature, not args.temperature > 0, "above 0"),
+        ("--top_k", args.top_k, args.top_k < 0, "0 (all tokens) or more"),
+    ):
+        if bad:
+            raise ValueError(f"{flag} {value} must be {need}")
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -43,8 +57,7 @@ def main(argv=None):
     parser.add_argument("--num_samples", type=int, default=1, help="independent samples to print")
     parser.add_argument("--seed", type=int, default=1234)
     args = parser.parse_args(argv)
-    if args.temperature <= 0 or args.max_tokens < 0 or args.top_k < 0:
-        raise ValueError("--temperature must be positive, --max_tokens and --top_k not negative")
+    check(args)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model, config = load_model(args.load, device)
     # the run's tokenizer (GPT-2 BPE by default)
