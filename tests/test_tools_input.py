@@ -1,6 +1,7 @@
 """The small tools refuse bad input with one message naming the problem and the fix, before any work,
 with a non-zero exit and no traceback: each tool's main run in this process on tiny inputs."""
 
+import importlib.util
 import os
 import re
 import sys
@@ -15,6 +16,13 @@ import bench_index  # noqa: E402
 import compare_weight_dumps  # noqa: E402
 import plot  # noqa: E402
 import sample  # noqa: E402
+
+# tools/evaluate.py under another name: as `evaluate` it would stand in for Hugging Face's package
+TOOL_SPEC = importlib.util.spec_from_file_location(
+    "evaluate_tool", os.path.join(ROOT, "tools", "evaluate.py")
+)
+evaluate_tool = importlib.util.module_from_spec(TOOL_SPEC)
+TOOL_SPEC.loader.exec_module(evaluate_tool)
 
 
 def refused(main, argv, capsys):
@@ -148,3 +156,9 @@ def test_sample_refuses_what_it_cannot_sample_before_reading_the_checkpoint(caps
             sample.main(["--load", "nowhere", flag])
     proc = tool_cli("sample.py", "--load", "nowhere", "--num_samples", "-1")
     assert (proc.returncode, proc.stderr) == (2, "error: --num_samples -1 must be at least 1\n")
+
+
+def test_evaluate_refuses_log_samples_without_a_file_to_write_them_to():
+    """--log_samples without --output_path computed each document's answers and dropped them."""
+    with pytest.raises(ValueError, match="^--log_samples .* give --output_path too$"):
+        evaluate_tool.parse(["--load", "x", "--tasks", "t", "--log_samples", "--device=cpu"])

@@ -86,6 +86,12 @@ def parse(argv=None):
         raise ValueError(
             "--batch_size must be at least 1, --num_fewshot not negative and --limit positive"
         )
+    if args.log_samples and not args.output_path:
+        # the answers go into the results file only: without one they are computed and lost
+        raise ValueError(
+            "--log_samples writes each document's answers into --output_path's results: "
+            "give --output_path too"
+        )
     if args.output_path:
         check_output_path(args.output_path)
     return args
