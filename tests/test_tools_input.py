@@ -16,6 +16,7 @@ import bench_index  # noqa: E402
 import compare_weight_dumps  # noqa: E402
 import plot  # noqa: E402
 import sample  # noqa: E402
+import show_samples  # noqa: E402
 
 # tools/evaluate.py under another name: as `evaluate` it would stand in for Hugging Face's package
 TOOL_SPEC = importlib.util.spec_from_file_location(
@@ -162,3 +163,10 @@ def test_evaluate_refuses_log_samples_without_a_file_to_write_them_to():
     """--log_samples without --output_path computed each document's answers and dropped them."""
     with pytest.raises(ValueError, match="^--log_samples .* give --output_path too$"):
         evaluate_tool.parse(["--load", "x", "--tasks", "t", "--log_samples", "--device=cpu"])
+
+
+def test_show_samples_refuses_a_negative_max_chars(monkeypatch):
+    """--max_chars -1 was a slice's end: each text cut by one character, in silence."""
+    monkeypatch.setattr(show_samples.arguments, "load_config", not_read)
+    with pytest.raises(ValueError, match="^--max_chars -1 must be 0 \\(headers only\\) or more$"):
+        show_samples.main(["--iterations", "1-2", "--max_chars=-1"])

@@ -80,9 +80,14 @@ def main(argv=None):
         "--iterations", required=True, help="A-B, 1-based and inclusive, as in the log"
     )
     parser.add_argument(
-        "--max_chars", type=int, default=2000, help="truncate each sample's text to this"
+        "--max_chars",
+        type=int,
+        default=2000,
+        help="truncate each sample's text to this; 0: the samples' headers only",
     )
     args, rest = parser.parse_known_args(argv)
+    if args.max_chars < 0:  # a slice's negative end: each text silently cut at its end instead
+        raise ValueError(f"--max_chars {args.max_chars} must be 0 (headers only) or more")
     ((first, last),) = schedule.parse_iteration_ranges([args.iterations], key="--iterations")
     cfg = arguments.load_config(rest)
     # The order depends on the global batch only, not on the data-parallel size: validate as one replica.
