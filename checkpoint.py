@@ -557,6 +557,18 @@ def _refuse_a_checkpoint_for_its_directory(directory):
         )
 
 
+def check_directory(load_dir):
+    """Refuse a load_dir that is no directory, in the words of what it is: a file given for it is
+    not said to be missing (the tools read DIR/latest, which a file has not)."""
+    if os.path.isfile(load_dir):
+        raise ValueError(
+            f"{load_dir} is a file, not a checkpoint directory: give the directory the run saved "
+            f"its checkpoints into (it holds the '{LATEST}' file)"
+        )
+    if not os.path.isdir(load_dir):
+        raise ValueError(f"checkpoint directory {load_dir} does not exist")
+
+
 def latest_dir(load_dir):
     """The directory `latest` names, or None when load_dir holds no checkpoint yet. A
     global_stepN.partial is none: a directory holding one and no `latest` is refused, naming it."""

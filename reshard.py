@@ -25,7 +25,6 @@ changes (their quantization blocks run along the flattened tensor, which a new T
 DeepSpeed's optimizer states (its own format): both are refused with the fix (the old layout, or no_load_optim).
 """
 
-import os
 from dataclasses import fields
 
 import torch
@@ -367,8 +366,7 @@ def load_full_model(load_dir):
     as a dict, its tag directory). What tools/sample.py and tools/export_hf.py read."""
     if parallel.grid.world_size != 1:
         raise ValueError("a checkpoint is gathered into one process: run this as one process")
-    if not os.path.isdir(load_dir):
-        raise ValueError(f"checkpoint directory {load_dir} does not exist")
+    checkpoint.check_directory(load_dir)
     tag_dir = checkpoint.latest_dir(load_dir)
     if tag_dir is None:
         raise ValueError(f"{load_dir} holds no checkpoint (no '{checkpoint.LATEST}' file)")

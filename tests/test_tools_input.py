@@ -13,7 +13,9 @@ from helpers import ROOT, tool_cli
 
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 import bench_index  # noqa: E402
+import check_checkpoint  # noqa: E402
 import compare_weight_dumps  # noqa: E402
+import export_hf  # noqa: E402
 import plot  # noqa: E402
 import sample  # noqa: E402
 import show_samples  # noqa: E402
@@ -170,3 +172,24 @@ def test_show_samples_refuses_a_negative_max_chars(monkeypatch):
     monkeypatch.setattr(show_samples.arguments, "load_config", not_read)
     with pytest.raises(ValueError, match="^--max_chars -1 must be 0 \\(headers only\\) or more$"):
         show_samples.main(["--iterations", "1-2", "--max_chars=-1"])
+
+
+def test_a_file_given_for_the_checkpoint_directory_is_called_a_file(tmp_path, capsys):
+    """sample, evaluate, export_hf and check_checkpoint said a file given for --load "does not
+    exist"."""
+    afile = tmp_path / "latest"
+    afile.write_text("global_step1\n")
+    said = (
+        f"{afile} is a file, not a checkpoint directory: give the directory the run saved its "
+        "checkpoints into (it holds the 'latest' file)"
+    )
+    for main in (
+        lambda: sample.main(["--load", str(afile)]),
+        lambda: evaluate_tool.main(["--load", str(afile), "--tasks", "t", "--device=cpu"]),
+        lambda: check_checkpoint.main([str(afile)]),
+    ):
+        with pytest.raises(ValueError, match="^" + re.escape(said) + "$"):
+            main()
+    assert export_hf.run(["--load", str(afile), "--output", str(tmp_path / "hf")]) == 2
+    assert capsys.readouterr().err == f"error: {said}\n"
+    assert sorted(os.listdir(tmp_path)) == ["latest"]

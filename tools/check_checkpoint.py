@@ -39,8 +39,7 @@ def tag_dir_of(directory):
         checkpoint.model_file(directory, parallel.Grid(world_size=1))
     ):
         return directory
-    if not os.path.isdir(directory):
-        raise ValueError(f"{directory} does not exist")
+    checkpoint.check_directory(directory)
     tag_dir = checkpoint.latest_dir(directory)
     if tag_dir is None:
         raise ValueError(

@@ -28,6 +28,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 import torch  # noqa: E402
 
 import arguments  # noqa: E402
+import checkpoint  # noqa: E402
 import eval_harness  # noqa: E402 (it imports lm-eval when it is used)
 import files  # noqa: E402
 
@@ -145,8 +146,7 @@ def write_results(results, path):
 
 def main(argv=None):
     args = parse(argv)
-    if not os.path.isdir(args.load):  # before lm-eval's import and index: a typo costs no wait
-        raise ValueError(f"checkpoint directory {args.load} does not exist")
+    checkpoint.check_directory(args.load)  # before lm-eval's import and index: a typo costs no wait
     manager = eval_harness.task_manager(args.include_path, args.only_include_path)
     names = [t for t in args.tasks.split(",") if t]
     tasks = eval_harness.known_tasks(names, manager, args.include_path)
