@@ -48,6 +48,8 @@ import schedule
 LATEST = "latest"
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = 1
+# a manifest's topology: the sizes topology() writes
+TOPOLOGY_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "data_parallel_size")
 
 
 # -----------------------------------------------------------------------------
@@ -655,6 +657,19 @@ def read_manifest(tag_dir):
             manifest = json.load(f)
         if not isinstance(manifest.get("files"), dict) or "topology" not in manifest:
             raise ValueError("no 'files' or 'topology'")
+        # every reader indexes these sizes: a manifest without them is damaged, or not ours
+        sizes = manifest["topology"]
+        if not isinstance(sizes, dict) or not all(
+            type(sizes.get(key)) is int and sizes[key] >= 1 for key in TOPOLOGY_KEYS
+        ):
+            raise ValueError(
+                f"its topology does not give {', '.join(TOPOLOGY_KEYS)} (each 1 or more)"
+            )
+        if not all(
+            isinstance(e, dict) and type(e.get("bytes")) is int and isinstance(e.get("crc32"), str)
+            for e in manifest["files"].values()
+        ):
+            raise ValueError("an entry of its 'files' has no 'bytes' or no 'crc32'")
     except (OSError, ValueError, AttributeError) as e:
         raise ValueError(
             f"checkpoint manifest {path} cannot be read ({type(e).__name__}: {e}); the checkpoint is "

@@ -2,6 +2,7 @@
 with a non-zero exit and no traceback: each tool's main run in this process on tiny inputs."""
 
 import importlib.util
+import json
 import os
 import re
 import sys
@@ -9,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from helpers import ROOT, tool_cli
+from helpers import ROOT, tool_cli, write_checkpoint
 
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 import bench_index  # noqa: E402
@@ -26,6 +27,18 @@ TOOL_SPEC = importlib.util.spec_from_file_location(
 )
 evaluate_tool = importlib.util.module_from_spec(TOOL_SPEC)
 TOOL_SPEC.loader.exec_module(evaluate_tool)
+
+# a GPT2LMHeadModel-shaped model small enough to write in a moment
+TINY = [
+    "--num_layers=1",
+    "--hidden_size=32",
+    "--num_attention_heads=4",
+    "--seq_length=16",
+    "--vocab_size=128",
+    "--activation=gelu_tanh",
+    "--embed_layernorm=false",
+    "--device=cpu",
+]
 
 
 def refused(main, argv, capsys):
@@ -193,3 +206,29 @@ def test_a_file_given_for_the_checkpoint_directory_is_called_a_file(tmp_path, ca
     assert export_hf.run(["--load", str(afile), "--output", str(tmp_path / "hf")]) == 2
     assert capsys.readouterr().err == f"error: {said}\n"
     assert sorted(os.listdir(tmp_path)) == ["latest"]
+
+
+def test_check_checkpoint_names_a_manifest_that_is_not_ours(tmp_path):
+    """A manifest whose topology lacks its sizes, or a file entry its checksum, was a KeyError
+    traceback."""
+    tag_dir = write_checkpoint(str(tmp_path / "ckpt"), TINY, lambda stage: None)
+    path = os.path.join(tag_dir, "manifest.json")
+    whole = json.load(open(path))
+    sizes = "tensor_model_parallel_size, pipeline_model_parallel_size, data_parallel_size"
+    name = sorted(whole["files"])[0]
+    for manifest, problem in [
+        ({**whole, "topology": {}}, f"its topology does not give {sizes} (each 1 or more)"),
+        (
+            {**whole, "topology": {"tensor_model_parallel_size": 1}},
+            f"its topology does not give {sizes} (each 1 or more)",
+        ),
+        (
+            {**whole, "files": {**whole["files"], name: {"bytes": whole["files"][name]["bytes"]}}},
+            "an entry of its 'files' has no 'bytes' or no 'crc32'",
+        ),
+    ]:
+        with open(path, "w") as f:
+            json.dump(manifest, f)
+        said = f"checkpoint manifest {path} cannot be read (ValueError: {problem}); the checkpoint "
+        with pytest.raises(ValueError, match="^" + re.escape(said) + "is damaged -- "):
+            check_checkpoint.main([str(tmp_path / "ckpt")])
