@@ -31,6 +31,7 @@ import torch
 
 import checkpoint
 import parallel
+import safety
 from model import GPT, GPTConfig
 
 # rows are the padded vocabulary
@@ -360,20 +361,28 @@ def load(
     return model_state, layout.run, {"optimizer": optimizer_state, "rng": None}
 
 
-def load_full_model(load_dir):
-    """The model of load_dir's latest checkpoint, whatever its layout, gathered into this one process (TP=1,
-    PP=1, the vocabulary padded for one process), on the CPU in eval mode: (GPT, the checkpoint's training config
-    as a dict, its tag directory). What tools/sample.py and tools/export_hf.py read."""
+def saved_model_config(load_dir):
+    """(the GPTConfig of load_dir's latest checkpoint's model in one process, the checkpoint's training
+    config as a dict, its tag directory), no tensor read: what load_full_model builds, for a tool to
+    refuse a model before the gather."""
     if parallel.grid.world_size != 1:
         raise ValueError("a checkpoint is gathered into one process: run this as one process")
     checkpoint.check_directory(load_dir)
     tag_dir = checkpoint.latest_dir(load_dir)
     if tag_dir is None:
         raise ValueError(f"{load_dir} holds no checkpoint (no '{checkpoint.LATEST}' file)")
-    layout = SavedLayout(tag_dir, checkpoint.saved_topology(tag_dir))
-    saved = layout.config
+    saved = safety.checkpoint_run(tag_dir)["config"]
     cfg = GPTConfig(**{f.name: saved[f.name] for f in fields(GPTConfig) if f.name in saved})
     cfg.tensor_model_parallel_size = 1
+    return cfg, saved, tag_dir
+
+
+def load_full_model(load_dir):
+    """The model of load_dir's latest checkpoint, whatever its layout, gathered into this one process (TP=1,
+    PP=1, the vocabulary padded for one process), on the CPU in eval mode: (GPT, the checkpoint's training config
+    as a dict, its tag directory). What tools/sample.py and tools/export_hf.py read."""
+    cfg, saved, tag_dir = saved_model_config(load_dir)
+    layout = SavedLayout(tag_dir, checkpoint.saved_topology(tag_dir))
     with torch.device("cpu"):
         gpt = GPT(cfg).eval()
     gpt.load_state_dict(Resharder(layout, gpt).model_state())

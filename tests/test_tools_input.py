@@ -232,3 +232,20 @@ def test_check_checkpoint_names_a_manifest_that_is_not_ours(tmp_path):
         said = f"checkpoint manifest {path} cannot be read (ValueError: {problem}); the checkpoint "
         with pytest.raises(ValueError, match="^" + re.escape(said) + "is damaged -- "):
             check_checkpoint.main([str(tmp_path / "ckpt")])
+
+
+def test_export_hf_refuses_a_model_it_cannot_export_before_the_gather(
+    tmp_path, capsys, monkeypatch
+):
+    """The whole model was gathered (every weight read) before padded_vocab_in_softmax was
+    refused."""
+    write_checkpoint(str(tmp_path / "ckpt"), [*TINY, "--padded_vocab_in_softmax=true"], lambda s: 0)
+    monkeypatch.setattr(export_hf.reshard, "load_full_model", not_read)
+    output = tmp_path / "hf"
+    assert export_hf.run(["--load", str(tmp_path / "ckpt"), "--output", str(output)]) == 2
+    err = capsys.readouterr().err
+    assert (
+        err.startswith("error: cannot export padded_vocab_in_softmax=True: ")
+        and err.count("\n") == 1
+    ), err
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]
