@@ -16,6 +16,7 @@ sys.path.insert(0, os.path.join(ROOT, "tools"))
 import bench_index  # noqa: E402
 import check_checkpoint  # noqa: E402
 import compare_weight_dumps  # noqa: E402
+import cpu_vs_nanogpt  # noqa: E402
 import export_hf  # noqa: E402
 import plot  # noqa: E402
 import sample  # noqa: E402
@@ -249,3 +250,34 @@ def test_export_hf_refuses_a_model_it_cannot_export_before_the_gather(
         and err.count("\n") == 1
     ), err
     assert sorted(os.listdir(tmp_path)) == ["ckpt"]
+
+
+def test_cpu_vs_nanogpt_refuses_what_it_cannot_time_before_the_first_measurement(
+    tmp_path, capsys, monkeypatch
+):
+    """A --trees without bench.py was a traceback after the trees before it were measured;
+    --rounds 0 and --steps 0 a StatisticsError after the rounds."""
+
+    def measured(*args):
+        raise AssertionError("a measurement ran")
+
+    monkeypatch.setattr(cpu_vs_nanogpt, "measure", measured)
+    for flags, said in [
+        (
+            [
+                "--trees",
+                ROOT,
+                str(tmp_path),
+            ],  # the first one whole: all are checked before any runs
+            f"--trees {tmp_path} has no bench.py: give the root of a stablegpt checkout "
+            "(git worktree add DIR COMMIT makes one)",
+        ),
+        (["--rounds=0"], "--rounds 0 must be at least 1"),
+        (["--steps=0"], "--steps 0 must be at least 1"),
+        (["--threads=0"], "--threads 0 must be at least 1"),
+        (["--num_layers=-1"], "--num_layers -1 must be at least 1"),
+        (["--warmup=-1"], "--warmup -1 must be 0 or more"),
+        (["--trees", "--no-nanogpt"], "--trees names no checkout and --no-nanogpt drops nanoGPT: "),
+    ]:
+        line = refused(cpu_vs_nanogpt.main, flags, capsys)
+        assert f": error: {said}" in line, line

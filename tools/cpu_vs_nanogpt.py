@@ -62,7 +62,23 @@ def parse(argv):
     parser.add_argument("--nanogpt", action="store_true", help=argparse.SUPPRESS)
     for key, value in SHAPE.items():
         parser.add_argument(f"--{key}", type=int, default=value)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    # all up front: a bad one otherwise fails after the first measurements (minutes), or at the
+    # statistics of none
+    for key in ("rounds", "steps", "threads", *SHAPE):
+        if getattr(args, key) < 1:
+            parser.error(f"--{key} {getattr(args, key)} must be at least 1")
+    if args.warmup < 0:
+        parser.error(f"--warmup {args.warmup} must be 0 or more")
+    if not args.trees and not args.nanogpt_too:
+        parser.error("--trees names no checkout and --no-nanogpt drops nanoGPT: nothing to time")
+    for tree in args.trees:
+        if not os.path.isfile(os.path.join(tree, "bench.py")):
+            parser.error(
+                f"--trees {tree} has no bench.py: give the root of a stablegpt checkout "
+                "(git worktree add DIR COMMIT makes one)"
+            )
+    return args
 
 
 # -----------------------------------------------------------------------------
