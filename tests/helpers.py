@@ -42,6 +42,18 @@ from sections import section
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+# a GPT2LMHeadModel-shaped model small enough to write in a moment (the tools' tests' checkpoints)
+TINY_GPT2 = [
+    "--num_layers=1",
+    "--hidden_size=32",
+    "--num_attention_heads=4",
+    "--seq_length=16",
+    "--vocab_size=128",
+    "--activation=gelu_tanh",
+    "--embed_layernorm=false",
+    "--device=cpu",
+]
+
 # A small model on the bundled corpus; dropout on, so that resuming must restore the RNG too.
 SMALL = [
     "--num_layers=2",

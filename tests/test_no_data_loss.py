@@ -20,7 +20,7 @@ import pytest
 
 import checkpoint
 import eval_harness
-from helpers import ROOT, SMALL, run_main, write_checkpoint
+from helpers import ROOT, SMALL, TINY_GPT2, run_main, write_checkpoint
 
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 import check_checkpoint  # noqa: E402
@@ -29,24 +29,13 @@ import export_hf  # noqa: E402
 
 pytest.importorskip("transformers")
 
-TINY = [
-    "--num_layers=1",
-    "--hidden_size=32",
-    "--num_attention_heads=4",
-    "--seq_length=16",
-    "--vocab_size=128",
-    "--activation=gelu_tanh",
-    "--embed_layernorm=false",
-    "--device=cpu",
-]
-
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     """A run's save directory: global_step1 of a tiny GPT2LMHeadModel-shaped model, `latest`, a
     metrics file."""
     directory = tmp_path_factory.mktemp("run") / "ck"
-    write_checkpoint(str(directory), TINY, lambda stage: None)
+    write_checkpoint(str(directory), TINY_GPT2, lambda stage: None)
     (directory / "metrics.jsonl").write_text('{"iteration": 1}\n')
     return directory
 
@@ -112,7 +101,7 @@ def test_an_export_into_its_own_checkpoint_is_refused_and_the_checkpoint_stays(
 
 def test_an_output_the_export_did_not_write_is_refused_overwrite_or_not(ckpt, tmp_path, capsys):
     other_run = tmp_path / "other"  # another run's save directory
-    write_checkpoint(str(other_run), TINY, lambda stage: None)
+    write_checkpoint(str(other_run), TINY_GPT2, lambda stage: None)
     mine = tmp_path / "mine"  # a directory of anything else
     mine.mkdir()
     (mine / "notes.txt").write_text("keep me")

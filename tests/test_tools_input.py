@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from helpers import ROOT, tool_cli, write_checkpoint
+from helpers import ROOT, TINY_GPT2, tool_cli, write_checkpoint
 
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 import bench_index  # noqa: E402
@@ -28,18 +28,6 @@ TOOL_SPEC = importlib.util.spec_from_file_location(
 )
 evaluate_tool = importlib.util.module_from_spec(TOOL_SPEC)
 TOOL_SPEC.loader.exec_module(evaluate_tool)
-
-# a GPT2LMHeadModel-shaped model small enough to write in a moment
-TINY = [
-    "--num_layers=1",
-    "--hidden_size=32",
-    "--num_attention_heads=4",
-    "--seq_length=16",
-    "--vocab_size=128",
-    "--activation=gelu_tanh",
-    "--embed_layernorm=false",
-    "--device=cpu",
-]
 
 
 def refused(main, argv, capsys):
@@ -212,7 +200,7 @@ def test_a_file_given_for_the_checkpoint_directory_is_called_a_file(tmp_path, ca
 def test_check_checkpoint_names_a_manifest_that_is_not_ours(tmp_path):
     """A manifest whose topology lacks its sizes, or a file entry its checksum, was a KeyError
     traceback."""
-    tag_dir = write_checkpoint(str(tmp_path / "ckpt"), TINY, lambda stage: None)
+    tag_dir = write_checkpoint(str(tmp_path / "ckpt"), TINY_GPT2, lambda stage: None)
     path = os.path.join(tag_dir, "manifest.json")
     whole = json.load(open(path))
     sizes = "tensor_model_parallel_size, pipeline_model_parallel_size, data_parallel_size"
@@ -240,7 +228,9 @@ def test_export_hf_refuses_a_model_it_cannot_export_before_the_gather(
 ):
     """The whole model was gathered (every weight read) before padded_vocab_in_softmax was
     refused."""
-    write_checkpoint(str(tmp_path / "ckpt"), [*TINY, "--padded_vocab_in_softmax=true"], lambda s: 0)
+    write_checkpoint(
+        str(tmp_path / "ckpt"), [*TINY_GPT2, "--padded_vocab_in_softmax=true"], lambda s: 0
+    )
     monkeypatch.setattr(export_hf.reshard, "load_full_model", not_read)
     output = tmp_path / "hf"
     assert export_hf.run(["--load", str(tmp_path / "ckpt"), "--output", str(output)]) == 2
