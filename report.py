@@ -141,6 +141,11 @@ class Report:
         profile_dir = os.path.join(save or log_cfg.tensorboard_dir or ".", "profile")
         steps = log_cfg.profile_steps
         self.profiler = StepProfiler(steps, profile_dir) if steps else None
+        if steps and self.profiler.first > schedule.total_iters:
+            print0(
+                f"warning: profile_steps {steps} starts after the run's last iteration "
+                f"{schedule.total_iters}: no profile is written"
+            )
         # with DP replicas to compare, each one's compute time rides in the step's sync (training.agree)
         self.timer = ComputeTimer() if parallel.grid.dp_size > 1 else None
         # torch.compile's graphs so far, and per sequence length

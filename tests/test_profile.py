@@ -33,3 +33,15 @@ def test_a_malformed_profile_range_is_refused_with_the_fix(text):
     with pytest.raises(ValueError, match="give e.g. --profile_steps=5-7"):
         arguments.validate(arguments.load_config([f"--profile_steps={text}"]))
     assert report.profile_range("5-7") == (5, 7)
+
+
+def test_a_profile_range_after_the_runs_end_is_a_warning_line(tmp_path):
+    """A longer run's profile_steps kept in a config wrote nothing, in silence."""
+    out = run_main(
+        *SMALL, "--train_iters=2", "--profile_steps=5-6", f"--tensorboard_dir={tmp_path}"
+    )
+    assert (
+        "warning: profile_steps 5-6 starts after the run's last iteration 2: no profile is written"
+        in out
+    )
+    assert not (tmp_path / "profile").exists()
