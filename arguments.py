@@ -36,7 +36,7 @@ import usage
 from checkpoint import CheckpointConfig
 from eval_harness import EvalHarnessConfig
 from loader import DataConfig
-from model import GPTConfig
+from model import GPTConfig, attention_backend_problem
 from optim import OptimizerConfig
 from parallel import LayoutConfig
 from report import LoggingConfig
@@ -432,6 +432,9 @@ def validate(cfg, world_size=1, reads_data=True):
     data_cfg, context = section(DataConfig, cfg), section(loader.DataContext, cfg)
     loader.check(data_cfg, context, cfg.position_embedding_type, reads_data)
     GPTConfig.check(cfg)
+    problem = attention_backend_problem(cfg)
+    if problem:
+        raise ValueError(problem)
     parallel.check(
         section(LayoutConfig, cfg),
         world_size,

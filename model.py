@@ -451,6 +451,24 @@ ATTENTION_BACKENDS = {
 }
 
 
+def attention_backend_problem(model_cfg):
+    """The message of an attention_backend this model cannot run with on any device, or None: a new run's check
+    (arguments.validate), before the build, where the kernel would refuse it at the first step or never be
+    called. Which kernel takes which call otherwise depends on the device, dtype and head size: left to it."""
+    backend = model_cfg.attention_backend
+    if backend != "auto" and model_cfg.unfused_attention:
+        return (
+            f"attention_backend={backend} does nothing with unfused_attention (Megatron's explicit path, no SDPA "
+            "kernel): drop one of them"
+        )
+    if backend == "flash" and model_cfg.position_embedding_type == "alibi":
+        return (
+            "attention_backend=flash takes no bias, and ALiBi's is one: use attention_backend=efficient (CUDA) "
+            "or auto"
+        )
+    return None
+
+
 def sdpa_backend(name):
     """The sdpa_kernel context of attention_backend `name` (a nullcontext for auto)."""
     if ATTENTION_BACKENDS[name] is None:

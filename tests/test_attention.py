@@ -207,3 +207,26 @@ def test_a_chosen_backend_computes_the_same_attention_and_one_that_cannot_says_s
         GPTConfig(
             num_layers=1, hidden_size=32, num_attention_heads=4, attention_backend="fa3"
         ).check()
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        # refused at the first step, after the build
+        (
+            ["--attention_backend=flash", "--position_embedding_type=alibi"],
+            "attention_backend=flash takes no bias, and ALiBi's is one",
+        ),
+        # never called: the explicit path takes no SDPA kernel
+        (
+            ["--attention_backend=math", "--unfused_attention"],
+            "attention_backend=math does nothing with unfused_attention",
+        ),
+    ],
+)
+def test_a_backend_the_model_cannot_run_with_on_any_device_is_refused_before_the_build(
+    flags, message
+):
+    with pytest.raises(ValueError, match=message):
+        arguments.validate(arguments.load_config(["--train_iters=1", *flags]), reads_data=False)
+    arguments.validate(arguments.load_config(["--train_iters=1", flags[1]]), reads_data=False)
