@@ -366,12 +366,16 @@ def test_whatif_reads_a_relative_load_and_out_from_the_cwd_as_its_forks_do(
     synthetic_corpus, tmp_path, monkeypatch
 ):
     """The tool read them from the cwd, its forks (train.py, run from the repository's root) from
-    the root: a fork found no checkpoint, or saved into ROOT/OUT."""
+    the root: a fork found no checkpoint, or saved into ROOT/OUT; a relative data_path after `--`
+    was another file for the forks."""
     base = six_iterations(synthetic_corpus)
     run_main(*base, f"--save={tmp_path / 'a'}", "--save_interval=2", "--exit_interval=2")
+    for suffix in (".bin", ".idx"):
+        shutil.copy(synthetic_corpus + suffix, tmp_path / f"corpus{suffix}")
     monkeypatch.chdir(tmp_path)
+    relative = [a for a in base if not a.startswith("--data_path=")] + ["--data_path=corpus"]
     results = whatif.main(
-        ["--load", "a", "--iters=1", "--out", "wi", "--forks", "as is", "--", *base]
+        ["--load", "a", "--iters=1", "--out", "wi", "--forks", "as is", "--", *relative]
     )
     assert [r[3] for r in results] == [True]
     assert checkpoint.latest_dir(str(tmp_path / "wi" / "as_is")).endswith("global_step3")

@@ -122,7 +122,7 @@ def run_fork(name, run_args, load, out, iters, extra):
     remaining = target - (done if done is not None else start)
     cmd = [
         sys.executable,
-        "train.py",
+        os.path.join(ROOT, "train.py"),
         *run_args,
         f"--load={source}",
         f"--save={directory}",
@@ -132,7 +132,8 @@ def run_fork(name, run_args, load, out, iters, extra):
         *extra,
     ]
     print(f"whatif: {name}: {' '.join(cmd[2:])}", flush=True)
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    # in the cwd, as the tool: a relative path after `--` (a config file, data_path) names the same file for both
+    proc = subprocess.run(cmd, capture_output=True, text=True)
     log = os.path.join(out, name.replace(" ", "_") + ".log")
     with open(log, "a") as f:
         f.write(proc.stdout + proc.stderr)
