@@ -49,6 +49,9 @@ from training import NO_CALLBACKS, Iteration, StopRun
 
 
 def main(argv=None):
+    # exit_duration_in_mins counts from here (Megatron's clock starts with pretrain): the build, the load and the
+    # data's index take minutes at scale, and a job limit counts them
+    job_start = time.time()
     cfg = arguments.load_config(argv)
     arguments.check_device(cfg)
     if cfg.dry_run:  # sizes the TP x PP x DP layout on the meta device, starting no process
@@ -75,20 +78,22 @@ def main(argv=None):
     # The checkpoint writer inside: a save in flight is on disk before the lock is released.
     with safety.RunLock(cfg) as run_lock, checkpoint.AsyncWriter(cfg.async_save) as writer:
         callbacks = builders.build_callbacks(cfg, writer, run_lock.saved_state)
-        return run(cfg, grid, run_lock, writer, callbacks, harness)
+        return run(cfg, grid, run_lock, writer, callbacks, harness, job_start)
 
 
-def run(cfg, grid, run_lock, writer=None, callbacks=NO_CALLBACKS, harness=None):
+def run(cfg, grid, run_lock, writer=None, callbacks=NO_CALLBACKS, harness=None, job_start=None):
     """Train (or, with eval_only, evaluate) the configured model; returns the run state. run_lock: safety.RunLock
     (its exit_signal() asks to save and stop on SIGTERM or SIGUSR1; its saved_state: the checkpoint's run state);
-    writer: the checkpoint.AsyncWriter saves go through (None: synchronous); harness: lm-eval's tasks, or None."""
+    writer: the checkpoint.AsyncWriter saves go through (None: synchronous); harness: lm-eval's tasks, or None;
+    job_start: when the job started (time.time(); None: now), exit_duration_in_mins's clock."""
+    job_start = time.time() if job_start is None else job_start
     parts, device, train_data, valid_data = prepare(cfg, grid, callbacks, run_lock.saved_state)
     model, state, schedule = parts.model, parts.state, parts.schedule
     if cfg.eval_only:
         return evaluate_checkpoint(cfg, parts, device, valid_data)
     report = Report(section(LoggingConfig, cfg), schedule, model, cfg.save, arguments.to_dict(cfg))
     callbacks.start(parts, report, train_data)
-    first_iteration, job_start = state.iteration, time.time()
+    first_iteration = state.iteration
     ckpt_cfg = section(CheckpointConfig, cfg)
 
     def exit_reason(n):  # a signal, the job's time up, exit_interval (safety.py)

@@ -880,6 +880,29 @@ def _workers_agree_when_to_exit():
     assert exit_reason(cfg, 1, now - (120 if rank == 0 else 0), lambda: False) is not None, rank
 
 
+def test_exit_duration_counts_from_the_jobs_start_not_from_its_first_iteration(corpus, monkeypatch):
+    """The clock started after the build, the checkpoint's load and the data's index (minutes at scale): a job
+    with exit_duration_in_mins a few minutes under SLURM's limit overran it and was killed unsaved."""
+    import builders
+
+    started, clocks, build = time.time(), [], builders.build
+
+    def timed_build(*args, **kwargs):
+        clocks.append(("build", time.time()))
+        return build(*args, **kwargs)
+
+    def exit_reason(ckpt_cfg, iterations, job_start, exit_signal):
+        clocks.append(("clock", job_start))
+        exit_signal()
+        return None
+
+    monkeypatch.setattr(builders, "build", timed_build)
+    monkeypatch.setattr(safety, "exit_reason", exit_reason)
+    run_main(*SMALL, "--train_iters=1", "--exit_duration_in_mins=60")
+    (_, built), (_, job_start) = clocks[0], clocks[1]
+    assert started <= job_start <= built
+
+
 def test_sigterm_and_exit_duration_are_agreed_across_workers():
     spawn(_workers_agree_when_to_exit, 2)
 
