@@ -469,7 +469,22 @@ def slurm_job_running(job):
         return None
     if out.returncode != 0:  # "Invalid job id specified": a job that ended a while ago
         return False if "Invalid job id" in out.stderr else None
-    return bool(out.stdout.strip())
+    # a job that ended lately is listed with its end state (for MinJobAge): the next job of a chain, started
+    # after a time-limit kill or a node failure, would find its lock "held"; an unknown state counts as alive
+    return any(state not in SLURM_ENDED for state in out.stdout.split())
+
+
+SLURM_ENDED = {
+    "BOOT_FAIL",
+    "CANCELLED",
+    "COMPLETED",
+    "DEADLINE",
+    "FAILED",
+    "NODE_FAIL",
+    "OUT_OF_MEMORY",
+    "PREEMPTED",
+    "TIMEOUT",
+}
 
 
 def _gone(holder, me):

@@ -709,7 +709,11 @@ def test_a_lock_on_another_node_is_taken_over_once_slurm_says_its_job_is_gone(
     "squeue, running",
     [
         ((0, "RUNNING\n", ""), True),
+        ((0, "COMPLETING\n", ""), True),
         ((0, "", ""), False),  # ended, still in slurmctld's memory: not listed
+        # or listed with its end state: a time-limit kill, a node failure
+        ((0, "TIMEOUT\n", ""), False),
+        ((0, "NODE_FAIL\n", ""), False),
         ((1, "", "slurm_load_jobs error: Invalid job id specified\n"), False),
         ((1, "", "slurm_load_jobs error: Unable to contact slurm controller\n"), None),
         (FileNotFoundError(2, "squeue"), None),
