@@ -426,8 +426,18 @@ def validate(cfg, world_size=1, reads_data=True):
     unread = sections.unread(cfg)
     if unread:
         raise ValueError(sections.unread_message(cfg, unread))
-    for key in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size"):
-        if getattr(cfg, key) <= 0:  # the model's sizes, before GPTConfig.check divides by them
+    for key in (
+        "num_layers",
+        "hidden_size",
+        "num_attention_heads",
+        "seq_length",
+        "vocab_size",
+        "tensor_model_parallel_size",
+        "pipeline_model_parallel_size",
+    ):
+        if (
+            getattr(cfg, key) <= 0
+        ):  # the model's sizes and splits, before GPTConfig.check divides by them
             raise ValueError(f"{key}={getattr(cfg, key)} must be positive")
     data_cfg, context = section(DataConfig, cfg), section(loader.DataContext, cfg)
     loader.check(data_cfg, context, cfg.position_embedding_type, reads_data)

@@ -73,6 +73,12 @@ def check(optim_cfg):
     for key in ("weight_decay", "clip_grad"):
         if getattr(optim_cfg, key) < 0:
             raise ValueError(f"{key}={getattr(optim_cfg, key)} must not be negative")
+    bound = optim_cfg.skip_grad_norm_above
+    # at 0 or below, every update was skipped: a run that never moved and exited 0
+    _need(
+        bound is None or bound > 0,
+        f"skip_grad_norm_above={bound} must be positive (a grad norm; OPT's 1.0 on its scale), or None (off)",
+    )
     for a, b in EXCLUSIVE:
         if getattr(optim_cfg, a) and getattr(optim_cfg, b):
             raise ValueError(f"{a} and {b} are exclusive; choose one")

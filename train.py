@@ -78,23 +78,21 @@ def main(argv=None):
     # The checkpoint writer inside: a save in flight is on disk before the lock is released.
     with safety.RunLock(cfg) as run_lock, checkpoint.AsyncWriter(cfg.async_save) as writer:
         callbacks = builders.build_callbacks(cfg, writer, run_lock.saved_state)
-        return run(cfg, grid, run_lock, writer, callbacks, harness, job_start)
+        return run(cfg, grid, run_lock, job_start, writer, callbacks, harness)
 
 
-def run(cfg, grid, run_lock, writer=None, callbacks=NO_CALLBACKS, harness=None, job_start=None):
+def run(cfg, grid, run_lock, job_start, writer=None, callbacks=NO_CALLBACKS, harness=None):
     """Train (or, with eval_only, evaluate) the configured model; returns the run state. run_lock: safety.RunLock
     (its exit_signal() asks to save and stop on SIGTERM or SIGUSR1; its saved_state: the checkpoint's run state);
-    writer: the checkpoint.AsyncWriter saves go through (None: synchronous); harness: lm-eval's tasks, or None;
-    job_start: when the job started (time.time(); None: now), exit_duration_in_mins's clock."""
-    job_start = time.time() if job_start is None else job_start
+    job_start: time.time() at the job's start, exit_duration_in_mins's clock; writer: the checkpoint.AsyncWriter
+    saves go through (None: synchronous); harness: lm-eval's tasks, or None."""
     parts, device, train_data, valid_data = prepare(cfg, grid, callbacks, run_lock.saved_state)
     model, state, schedule = parts.model, parts.state, parts.schedule
     if cfg.eval_only:
         return evaluate_checkpoint(cfg, parts, device, valid_data)
     report = Report(section(LoggingConfig, cfg), schedule, model, cfg.save, arguments.to_dict(cfg))
     callbacks.start(parts, report, train_data)
-    first_iteration = state.iteration
-    ckpt_cfg = section(CheckpointConfig, cfg)
+    first_iteration, ckpt_cfg = state.iteration, section(CheckpointConfig, cfg)
 
     def exit_reason(n):  # a signal, the job's time up, exit_interval (safety.py)
         return safety.exit_reason(ckpt_cfg, n - first_iteration, job_start, run_lock.exit_signal)

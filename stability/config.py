@@ -16,13 +16,14 @@ a run builds its parts only when a switch asks (stability.build_callbacks).
 """
 
 import math
+import os
 from dataclasses import dataclass
 
 import files
 import optim
 import schedule
 from sections import section
-from stability import FRAME, REGISTRY, part, reset_iters
+from stability import FRAME, REGISTRY, part, reset_iters, skip_list
 from stability.detector import DetectorConfig
 from stability.faults import SAMPLE_KINDS, FaultsConfig, bitflip_width, sample_ranges
 from stability.guard import PrecursorConfig
@@ -54,6 +55,11 @@ def check(cfg, world_size=1):
     that work only together, across sections and with the core's (deepspeed, save, fp16, optimizer, the
     number of processes), are checked here; each section's own checks take the section."""
     check_faults(section(FaultsConfig, cfg), half=cfg.fp16 or cfg.bf16)
+    # else refused by the data's build, after the model's
+    need(
+        not cfg.skip_documents or os.path.isfile(cfg.skip_documents),
+        skip_list.missing(cfg.skip_documents),
+    )
     check_faults_with_the_core(cfg, world_size)
     need(
         cfg.dp_replica_check_interval is None or cfg.dp_replica_check_interval >= 0,
@@ -61,21 +67,7 @@ def check(cfg, world_size=1):
         "spike_guard_snapshot_interval)",
     )
     need(cfg.telemetry_interval >= 0, "telemetry_interval must be >= 0 (0 turns telemetry off)")
-    need(
-        not (cfg.deepspeed and cfg.telemetry_interval),
-        "telemetry_interval needs the gradients before the "
-        "update, which DeepSpeed keeps inside its step(); set telemetry_interval=0 or deepspeed=False",
-    )
-    need(
-        not (cfg.deepspeed and cfg.spike_guard),
-        "spike_guard judges the loss and grad norm before the update, "
-        "which DeepSpeed computes inside its step(); set spike_guard=False or deepspeed=False",
-    )
-    need(
-        not (cfg.deepspeed and cfg.soft_skip_loss_ratio),
-        "soft_skip_loss_ratio scales the gradients before the "
-        "update, which DeepSpeed keeps inside its step(); set soft_skip_loss_ratio=0 or deepspeed=False",
-    )
+    check_beside_deepspeed(cfg)
     check_detector(section(DetectorConfig, cfg))
     if cfg.spike_guard:  # its relapse's reset count: the optimizer must be able to say it
         reset_iters(cfg)
@@ -92,12 +84,6 @@ def check(cfg, world_size=1):
         f"soft_skip_loss_ratio={cfg.soft_skip_loss_ratio} must be 0 (off) or >= 1 (a multiple of the loss's trend)",
     )
     check_precursor(section(PrecursorConfig, cfg), cfg.telemetry_interval)
-    remedies = [k for k in ("skip_step_sigma", "spiky_loss_factor", "zclip_z") if getattr(cfg, k)]
-    need(
-        not (cfg.deepspeed and remedies),
-        f"{', '.join(remedies)} judge the loss and grad norm before the update, "
-        "which DeepSpeed computes inside its step(); set them to 0 or deepspeed=False",
-    )
     check_remedies(
         section(SkipStepConfig, cfg), section(SpikyLossConfig, cfg), section(ZClipConfig, cfg)
     )
@@ -107,6 +93,32 @@ def check(cfg, world_size=1):
         cfg.deepspeed,
         cfg.save and cfg.save_interval,
         skip_step=bool(cfg.skip_step_sigma),
+    )
+
+
+def check_beside_deepspeed(cfg):
+    """What reads the gradients, the loss or the grad norm before the update: DeepSpeed keeps them inside its
+    step()."""
+    need(
+        not (cfg.deepspeed and cfg.telemetry_interval),
+        "telemetry_interval needs the gradients before the "
+        "update, which DeepSpeed keeps inside its step(); set telemetry_interval=0 or deepspeed=False",
+    )
+    need(
+        not (cfg.deepspeed and cfg.spike_guard),
+        "spike_guard judges the loss and grad norm before the update, "
+        "which DeepSpeed computes inside its step(); set spike_guard=False or deepspeed=False",
+    )
+    need(
+        not (cfg.deepspeed and cfg.soft_skip_loss_ratio),
+        "soft_skip_loss_ratio scales the gradients before the "
+        "update, which DeepSpeed keeps inside its step(); set soft_skip_loss_ratio=0 or deepspeed=False",
+    )
+    remedies = [k for k in ("skip_step_sigma", "spiky_loss_factor", "zclip_z") if getattr(cfg, k)]
+    need(
+        not (cfg.deepspeed and remedies),
+        f"{', '.join(remedies)} judge the loss and grad norm before the update, "
+        "which DeepSpeed computes inside its step(); set them to 0 or deepspeed=False",
     )
 
 
@@ -184,6 +196,10 @@ def check_guard(guard_cfg):
     need(0 < g.spike_guard_lr_factor <= 1, "spike_guard_lr_factor must be in (0, 1]")
     need(g.spike_guard_max_hardware_faults >= 1, "spike_guard_max_hardware_faults must be >= 1")
     need(
+        g.spike_guard_max_rollbacks >= 0 and g.spike_guard_max_skipped_iters >= 0,
+        "spike_guard_max_rollbacks and spike_guard_max_skipped_iters must be >= 0 (0: none, the run stops instead)",
+    )
+    need(
         g.spike_guard_max_numerical >= 1,
         "spike_guard_max_numerical must be >= 1 (the numerical diagnoses that make a fault persistent)",
     )
@@ -257,6 +273,7 @@ def check_faults(faults_cfg, half):
         f"it flips (inject_bitflip_target={f.inject_bitflip_target}): give 0-{width - 1}, "
         "or -1 for the top exponent bit",
     )
+    check_fault_values(f)
     need(
         f.inject_lost_optimizer_state_iter is None or f.inject_lost_optimizer_state_iter >= 1,
         "inject_lost_optimizer_state_iter must be an iteration (>= 1), or None (off)",
@@ -287,6 +304,19 @@ def check_faults(faults_cfg, half):
     need(
         f.inject_bad_device_iter is None or f.inject_bad_device_iter >= 1,
         "inject_bad_device_iter must be an iteration (>= 1), or None (off)",
+    )
+
+
+def check_fault_values(f):
+    """The values a fault multiplies or indexes by. f: a FaultsConfig."""
+    # a factor of 1 injects nothing; one of 0 or below stops or reverses the updates
+    need(
+        f.inject_lr_factor > 0 and f.inject_lr_factor != 1,
+        f"inject_lr_factor={f.inject_lr_factor} must be positive and not 1 (the LR's multiplier in inject_lr_iters)",
+    )
+    need(
+        f.inject_bitflip_element >= -1,
+        f"inject_bitflip_element={f.inject_bitflip_element} must be an element's index, or -1 for the largest",
     )
 
 

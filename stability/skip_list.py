@@ -66,15 +66,21 @@ def append(path, records):
         f.write("".join(json.dumps(r) + "\n" for r in records))
 
 
+def missing(path):
+    """The message of a skip_documents file that is not there: at the config's check, before the build, and at
+    the read (a file removed meanwhile)."""
+    return (
+        f"skip_documents file {path} not found; point skip_documents at a skip list (the spike guard writes "
+        "SAVE/skip_documents.jsonl) or unset it"
+    )
+
+
 def read(path, prefixes, num_documents=None):
     """(the ids the list names for each of `prefixes`, sorted and unique, as int64 arrays; the datasets it names that
     are none of them). Prefixes are matched by absolute path. num_documents: how many documents each prefix has, for
     a source that is not PREFIX.bin/.idx files (by default PREFIX.idx's count), to refuse a list written for others."""
     if not os.path.isfile(path):
-        raise FileNotFoundError(
-            f"skip_documents file {path} not found; point skip_documents at a skip list (the "
-            "spike guard writes SAVE/skip_documents.jsonl) or unset it"
-        )
+        raise FileNotFoundError(missing(path))
     wanted = {os.path.abspath(p): i for i, p in enumerate(prefixes)}
     found, others = [set() for _ in prefixes], set()
     with open(path) as f:

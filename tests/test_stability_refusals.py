@@ -95,3 +95,39 @@ def test_a_snapshot_dir_that_cannot_be_created_is_refused_before_training(tmp_pa
     assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
     assert "spike_guard_snapshot_dir=" in proc.stderr, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr and " iteration " not in proc.stdout
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        # every update skipped: a run that never moved, exit 0
+        (["--skip_grad_norm_above=0"], "skip_grad_norm_above=0.0 must be positive"),
+        # gradient ascent in the fault's iterations; a factor of 1 injected nothing
+        (
+            ["--inject_lr_iters=2-3", "--inject_lr_factor=-5"],
+            "inject_lr_factor=-5.0 must be positive and not 1",
+        ),
+        (
+            ["--inject_lr_iters=2-3", "--inject_lr_factor=1"],
+            "inject_lr_factor=1.0 must be positive and not 1",
+        ),
+        (
+            ["--inject_bitflip_iters=2-2", "--inject_bitflip_element=-5"],
+            "inject_bitflip_element=-5 must be",
+        ),
+        # behaved as 0, in silence
+        (
+            ["--spike_guard", "--spike_guard_max_rollbacks=-1"],
+            "spike_guard_max_rollbacks and spike_guard_max",
+        ),
+        # a ZeroDivisionError traceback
+        (["--tensor_model_parallel_size=0"], "tensor_model_parallel_size=0 must be positive"),
+        # refused by the data's build, after the model's
+        (
+            ["--skip_documents=/no/such/list.jsonl"],
+            "skip_documents file /no/such/list.jsonl not found",
+        ),
+    ],
+)
+def test_a_value_no_run_can_mean_is_refused_before_the_build(argv, message):
+    assert message in error("--train_iters=5", *argv)
