@@ -55,6 +55,7 @@ import loader
 import parallel
 import schedule
 import training
+from report import print0
 
 
 @dataclass
@@ -182,6 +183,33 @@ class Faults(training.Callback):
 
     def start(self, parts, report, train_data):
         self.model, self.optimizer, self.train_data = parts.model, parts.optimizer, train_data
+        for line in self.after_the_end(parts.schedule.total_iters, parts.schedule.total_samples):
+            print0(line)
+
+    def after_the_end(self, total_iters, total_samples):
+        """A warning line for each fault that starts after the run's last iteration (or sample): a longer run's
+        fault kept in a config struck nothing, in silence."""
+        f, lines = self.faults_cfg, []
+        for key in [
+            k for k in vars(f) if k.startswith("inject_") and k.endswith(("_iters", "_iter"))
+        ]:
+            texts = getattr(f, key)
+            if texts is None or texts == []:
+                continue
+            starts = (
+                [texts]
+                if isinstance(texts, int)
+                else [r[0] for r in schedule.parse_iteration_ranges(texts)]
+            )
+            if min(starts) > total_iters:
+                lines.append(
+                    f"warning: {key} starts after the run's last iteration {total_iters}: it strikes nothing"
+                )
+        if self.bad_sample_ranges and self.bad_sample_ranges[0][0] >= total_samples:
+            lines.append(
+                f"warning: inject_bad_samples starts after the run's {total_samples} samples: it strikes nothing"
+            )
+        return lines
 
     def on_grads(self, model, loss_scale):
         if self.flip_grad is not None:

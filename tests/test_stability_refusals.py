@@ -131,3 +131,29 @@ def test_a_snapshot_dir_that_cannot_be_created_is_refused_before_training(tmp_pa
 )
 def test_a_value_no_run_can_mean_is_refused_before_the_build(argv, message):
     assert message in error("--train_iters=5", *argv)
+
+
+def test_a_fault_after_the_runs_end_is_a_warning_line():
+    """A longer run's fault kept in a config struck nothing, in silence (skip ranges and profile_steps say so)."""
+    from sections import section
+    from stability.faults import Faults, FaultsConfig
+
+    cfg = arguments.load_config(
+        [
+            "--train_iters=5",
+            "--inject_lr_iters=50-60",
+            "--inject_bad_device_iter=100",
+            "--inject_bitflip_iters=3-3",
+            "--inject_bad_samples=1000-2000",
+        ]
+    )
+    faults = Faults(section(FaultsConfig, cfg), None, 1, 512)
+    assert faults.after_the_end(5, 80) == [
+        "warning: inject_lr_iters starts after the run's last iteration 5: it strikes nothing",
+        "warning: inject_bad_device_iter starts after the run's last iteration 5: it strikes nothing",
+        "warning: inject_bad_samples starts after the run's 80 samples: it strikes nothing",
+    ]
+    assert (
+        Faults(section(FaultsConfig, arguments.load_config([])), None, 1, 512).after_the_end(5, 80)
+        == []
+    )
