@@ -69,7 +69,7 @@ class CheckpointConfig:
     # copy the state to host memory and write it on a background thread while training goes on
     async_save: bool = False
     no_load_optim: bool = False  # resume without the optimizer state (fresh Adam)
-    no_load_rng: bool = False  # resume without the RNG states
+    no_load_rng: bool = False  # resume without the RNG states (fresh streams: seed + iteration)
     exit_interval: int | None = None  # save and exit after this many iterations of this job
     exit_duration_in_mins: float | None = None  # save and exit when this job has run this long
     # on SIGTERM or SIGUSR1 (SLURM's --signal): finish the iteration, save, exit 0

@@ -238,8 +238,8 @@ def load(parts):
         print0("optimizer state not loaded: starting from a fresh optimizer (step 0, zero moments)")
         if hasattr(parts.optimizer, "refresh_fp32_params"):  # masters from the loaded weights
             parts.optimizer.refresh_fp32_params()
-    if payload[2]["rng"] is None:
-        _reseed_after_reshard(parts)
+    if payload[2]["rng"] is None or cfg.no_load_rng:
+        _reseed(parts, "the layout changed" if payload[2]["rng"] is None else "no_load_rng")
     print0(f"loaded checkpoint {tag_dir} at iteration {state.iteration}")
     if cfg.dump_weights:
         checkpoint.dump_weights(cfg.load, "after-load", state.iteration, parts.model)
@@ -267,8 +267,9 @@ def _read_payload(parts, tag_dir, warmup):
     )
 
 
-def _reseed_after_reshard(parts):
-    """Seeds fresh RNG streams after a reshard: the saved ones are the old layout's ranks'."""
+def _reseed(parts, why):
+    """Seeds fresh RNG streams where the saved ones are not restored: after a reshard (they are the old
+    layout's ranks'), or with no_load_rng (the seed's own would repeat the run's first dropout masks)."""
     cfg, state = parts.cfg, parts.state
     # A rank's RNG streams do not map onto another layout's ranks. Fresh streams, seeded as at the
     # start of a run (per TP rank and stage) but from another seed.
@@ -276,7 +277,4 @@ def _reseed_after_reshard(parts):
     rng.seed(seed, next(parallel.unwrap(parts.model).parameters()).device)
     np.random.seed(seed)
     random.seed(seed)
-    print0(
-        f"RNG states not restored (the layout changed): fresh streams seeded with seed + "
-        f"iteration = {seed}"
-    )
+    print0(f"RNG states not restored ({why}): fresh streams seeded with seed + iteration = {seed}")

@@ -491,10 +491,15 @@ def test_the_lr0_warm_up_counts_applied_updates_not_skipped_iterations(small512,
 def test_no_load_optim_and_no_load_rng(small512, tmp_path):
     run_main(*small512, "--train_iters=3", f"--save={tmp_path}")
     full = losses(run_main(*small512, "--train_iters=5"))
-    fresh_rng = losses(
-        run_main(*small512, "--train_iters=5", f"--load={tmp_path}", "--no_load_rng")
-    )
+    out = run_main(*small512, "--train_iters=5", f"--load={tmp_path}", "--no_load_rng")
+    fresh_rng = losses(out)
     assert fresh_rng[4] != full[4]  # dropout masks come from a different RNG state
+    # said, and not the seed's own streams: those would repeat the run's first dropout masks
+    seed = arguments.load_config(list(small512)).seed + 3
+    assert (
+        f"RNG states not restored (no_load_rng): fresh streams seeded with seed + iteration = {seed}"
+        in out
+    )
     run_main(
         *small512,
         "--train_iters=4",
