@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 import parallel
 import training
+from report import print0
 
 
 class Telemetry:
@@ -330,6 +331,13 @@ class Recording(training.Callback):
     def start(self, parts, report, train_data):
         self.recorder = Telemetry(parts.model, self.model_cfg, parts.optimizer)
         self.report, self.state = report, parts.state
+        last = parts.schedule.total_iters
+        # an interval of a longer run kept in a config recorded nothing, in silence
+        if last // self.interval * self.interval <= parts.state.iteration:
+            print0(
+                f"warning: telemetry_interval {self.interval}: no iteration of this run "
+                f"({parts.state.iteration + 1}-{last}) is a multiple of it: no telemetry is recorded"
+            )
 
     def before_step(self, it):
         self.record = None

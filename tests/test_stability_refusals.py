@@ -6,7 +6,7 @@ import os
 import pytest
 
 import arguments
-from helpers import corpus, corpus512, run_cli  # noqa: F401 (corpus, corpus512: fixtures)
+from helpers import SMALL, corpus, corpus512, run_cli, run_main  # noqa: F401 (corpus, corpus512: fixtures)
 
 
 def error(*argv):
@@ -157,3 +157,12 @@ def test_a_fault_after_the_runs_end_is_a_warning_line():
         Faults(section(FaultsConfig, arguments.load_config([])), None, 1, 512).after_the_end(5, 80)
         == []
     )
+
+
+def test_a_telemetry_interval_no_iteration_of_the_run_meets_is_a_warning_line(corpus):
+    """A longer run's interval kept in a config recorded nothing, in silence."""
+    out = run_main(*SMALL, "--train_iters=3", "--telemetry_interval=10")
+    assert (
+        "warning: telemetry_interval 10: no iteration of this run (1-3) is a multiple of it" in out
+    )
+    assert "telemetry_interval" not in run_main(*SMALL, "--train_iters=3", "--telemetry_interval=3")
