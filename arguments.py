@@ -435,9 +435,8 @@ def validate(cfg, world_size=1, reads_data=True):
         "tensor_model_parallel_size",
         "pipeline_model_parallel_size",
     ):
-        if (
-            getattr(cfg, key) <= 0
-        ):  # the model's sizes and splits, before GPTConfig.check divides by them
+        # the model's sizes and splits, before GPTConfig.check divides by them
+        if getattr(cfg, key) <= 0:
             raise ValueError(f"{key}={getattr(cfg, key)} must be positive")
     data_cfg, context = section(DataConfig, cfg), section(loader.DataContext, cfg)
     loader.check(data_cfg, context, cfg.position_embedding_type, reads_data)

@@ -19,12 +19,6 @@ import parallel
 import rng
 
 
-def world_size_set():
-    """WORLD_SIZE as a launcher set it, 1 where it is unset or no count."""
-    value = os.environ.get("WORLD_SIZE", "1").strip()
-    return int(value) if value.isdigit() else 1
-
-
 def world_size(default=1):
     """The number of processes the launcher started (torchrun's WORLD_SIZE; `default` without a launcher): known
     before the process group exists, so that the config is checked first."""
@@ -170,8 +164,12 @@ def exit_with(error, code):
     so that the launcher's summary names it as the root cause instead of 'To enable traceback see ...'."""
     line = f"error: {error}"
     # torchrun's rank (the process group may not exist yet); a process alone prints whatever RANK says
+    try:
+        launched = world_size() > 1
+    except ValueError:  # a WORLD_SIZE that is no count: the error being said may be that one
+        launched = False
     rank = os.environ.get("RANK", "0")
-    rank = int(rank) if rank.isdigit() and world_size_set() > 1 else 0
+    rank = int(rank) if launched and rank.isdigit() else 0
     if rank == 0:
         print(line, file=sys.stderr, flush=True)
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
