@@ -341,6 +341,13 @@ def step_bound(optim_cfg):
     return None if entry.step_bound is None else entry.step_bound(*key_values(optim_cfg))
 
 
+def reset_due(warmup_iters, saved_state):
+    """Is lesson 8's reset due at this resume: asked for (reset_warmup_iters' count), and the
+    checkpoint's run (saved_state: its run state) not reset yet? Then its optimizer state is not
+    loaded (run_state.load), nor checked against this config (safety.check_optimizer_state)."""
+    return bool(warmup_iters) and saved_state.get("optimizer_reset") is None
+
+
 def reset_warmup_iters(optim_cfg, setting, unset=None):
     """The lr=0 iterations after an optimizer reset (lesson 8): setting,
     reset_optimizer_warmup_iters, where "auto" is the iterations the chosen optimizer's fresh state

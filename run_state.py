@@ -213,7 +213,7 @@ def load(parts):
         restore(payload, parts, optimizer=False, rng_state=not cfg.no_load_rng, lr_schedule=False)
         print0(f"loaded checkpoint {tag_dir} at iteration {state.iteration}")
         return True
-    reset_now = warmup and payload[1]["state"].get("optimizer_reset") is None
+    reset_now = optim.reset_due(warmup, payload[1]["state"])
     fresh = cfg.no_load_optim or reset_now
     restore(payload, parts, optimizer=not fresh, rng_state=not cfg.no_load_rng)
     if not fresh:  # the checkpoint's betas and eps came with its optimizer state

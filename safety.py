@@ -308,10 +308,8 @@ def check_optimizer_state(saved, current, state):
     run's (dicts); state: the checkpoint's run state."""
     # the optimizer's keys and the schedule's lr, as run_state.load hands them over
     keys = types.SimpleNamespace(**current)
-    reset_due = optim.reset_warmup_iters(
-        keys, current["reset_optimizer_warmup_iters"]
-    ) and not state.get("optimizer_reset")
-    if current["no_load_optim"] or reset_due:
+    warmup = optim.reset_warmup_iters(keys, current["reset_optimizer_warmup_iters"])
+    if current["no_load_optim"] or optim.reset_due(warmup, state):
         return
     optim.adam_changes(keys, saved)
     half = [bool(c.get("fp16") or c.get("bf16")) for c in (saved, current)]
