@@ -7,8 +7,9 @@
 The log line is Megatron-DeepSpeed's, field for field and width for width, so the chronicles' logs
 and ours parse alike. A new field is one entry in Report.log's `fields`; it reaches metrics.jsonl
 under its log name. Scalars go to TensorBoard against iterations, consumed samples and consumed
-tokens, and to wandb. Between two log lines the interval sums the lm loss, the skipped and NaN
-iterations and the time.
+tokens (a directory per axis), and to wandb. A resume or a rollback starts a new timeline
+(Report.new_timeline); read_metrics reads metrics.jsonl's last one. Between two log lines the
+interval sums the lm loss, the skipped and NaN iterations and the time.
 
 Nothing here decides anything: the numbers come from train.py and from the stability layer (its spike guard's
 decisions, its telemetry), which records them through `scalars` and `record`.
@@ -157,10 +158,13 @@ class Report:
         if metrics_dir:
             self.metrics = MetricsFile(os.path.join(metrics_dir, "metrics.jsonl"))
         tb_dir = log_cfg.tensorboard_dir or (save and os.path.join(save, "tensorboard"))
-        if tb_dir:
+        if tb_dir:  # a writer per x axis: a resume or a rollback hides each one's abandoned steps
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tb = SummaryWriter(tb_dir)
+            self.tb = {
+                axis: SummaryWriter(os.path.join(tb_dir, axis) if axis != "iterations" else tb_dir)
+                for axis in TB_AXES
+            }
         mode = os.environ.get("WANDB_MODE", log_cfg.wandb_mode)
         if log_cfg.wandb_project and mode != "disabled":
             import wandb
@@ -172,8 +176,26 @@ class Report:
     # -- the interval between two log lines -------------------------------------------------
 
     def restart_interval(self):
-        """Forget the interval so far (at a log line; after a rollback: an abandoned timeline)."""
+        """Forget the interval so far (at a log line, and on a new timeline)."""
         self.interval = {"time": 0.0, "iters": 0, "loss": 0.0, "steps": 0, "skipped": 0, "nan": 0}
+
+    def new_timeline(self, state, rollback=False):
+        """The run goes on from state's iteration: at its start (a resume, or a fresh run over an
+        earlier one's files) and after a rollback. What the files hold past that iteration is an
+        abandoned timeline, read as such: a marker in metrics.jsonl (read_metrics drops the
+        iterations past it), and in TensorBoard a restart event at each axis's next step, which
+        hides that axis's later steps (what SummaryWriter's purge_step writes)."""
+        self.restart_interval()
+        if self.metrics and (rollback or self.metrics.held_records):
+            why = "rollback" if rollback else "resume" if state.iteration else "start"
+            self.metrics.timeline(state.iteration, why)
+        if self.tb:
+            from tensorboard.compat.proto.event_pb2 import Event, SessionLog
+
+            restart = SessionLog(status=SessionLog.START)
+            for axis, writer in self.tb.items():
+                step = axis_steps(state.iteration, state)[axis] + 1
+                writer.file_writer.add_event(Event(step=step, session_log=restart))
 
     def step(self, step, lr):
         """A trained iteration (a training.Step): its loss into the mean unless NaN, skips counted."""
@@ -301,10 +323,12 @@ class Report:
         """Each scalar against iterations, and in TensorBoard also against consumed samples and
         tokens (Megatron's "lm-loss vs samples"): runs with other batch sizes compare on those."""
         if self.tb:
-            for k, v in values.items():
-                self.tb.add_scalar(k, v, step)
-                self.tb.add_scalar(f"{k} vs samples", v, state.consumed_samples)
-                self.tb.add_scalar(f"{k} vs tokens", v, state.consumed_tokens)
+            steps = axis_steps(step, state)
+            for axis, writer in self.tb.items():
+                for k, v in values.items():
+                    writer.add_scalar(
+                        k if axis == "iterations" else f"{k} vs {axis}", v, steps[axis]
+                    )
         if self.wandb:  # one step axis: the counters go along, to be picked as x axis in its UI
             self.wandb.log(
                 {
@@ -346,8 +370,8 @@ class Report:
             )
         if self.metrics:
             self.metrics.close()
-        if self.tb:
-            self.tb.close()
+        for writer in (self.tb or {}).values():
+            writer.close()
         if self.wandb:
             self.wandb.finish()
 
@@ -447,6 +471,18 @@ def print_validation(loss, iteration, name=None):
     return ppl
 
 
+TB_AXES = ("iterations", "samples", "tokens")  # in tensorboard_dir, its samples/ and its tokens/
+
+
+def axis_steps(iteration, state):
+    """An iteration's step on each TensorBoard axis (state: the run state after it)."""
+    return {
+        "iterations": iteration,
+        "samples": state.consumed_samples,
+        "tokens": state.consumed_tokens,
+    }
+
+
 # -----------------------------------------------------------------------------
 # metrics.jsonl
 
@@ -471,15 +507,23 @@ def _drop_a_partial_last_line(path):
 
 
 class MetricsFile:
-    """Appends one JSON object per iteration to PATH (resumed runs continue the file; after a
-    rollback an iteration appears again, and readers keep the last record of each iteration). A list
-    value (a callback's decisions) extends the iteration's list under its key; another replaces."""
+    """Appends one JSON object per iteration to PATH. A list value (a callback's decisions) extends
+    the iteration's list under its key; another replaces. A resumed run continues the file, and a
+    rollback runs iterations again: each starts a new timeline with a marker record
+    {"iteration": N, "timeline": "start", "resume" or "rollback"}; read_metrics reads the file."""
 
     def __init__(self, path):
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         _drop_a_partial_last_line(path)
+        self.held_records = os.path.exists(path) and os.path.getsize(path) > 0
         self.file = open(path, "a")
         self.record = None
+
+    def timeline(self, iteration, why):
+        """The run goes on from iteration (why: "start", "resume" or "rollback")."""
+        self.flush()
+        self.file.write(json.dumps({"iteration": iteration, "timeline": why}) + "\n")
+        self.file.flush()
 
     def add(self, iteration, values):
         if self.record is not None and self.record["iteration"] != iteration:
@@ -501,6 +545,45 @@ class MetricsFile:
     def close(self):
         self.flush()
         self.file.close()
+
+
+def read_metrics(path):
+    """{iteration: record} of the timeline a metrics.jsonl (MetricsFile's) ends on, by iteration:
+    records of one iteration merged (a list extended, any other value the last); at a timeline
+    marker, the iterations past its own are abandoned: their numbers are dropped, their lists
+    (decisions, warnings: they were made, a rollback's own among them) kept. A last line without
+    its newline is one a run is writing, or was when killed: left out, and said; any other line
+    that is no JSON is the file's damage, a ValueError naming the line."""
+    with open(path, errors="replace") as f:
+        lines = f.readlines()
+    records = {}
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError as e:
+            if number == len(lines) and not line.endswith("\n"):
+                print(f"{path}: its last line is cut short (a run writing it, or killed): skipped")
+                break
+            raise ValueError(
+                f"{path} line {number} is not a JSON record ({e}): the file is damaged there; "
+                "remove or repair that line"
+            ) from None
+        n = record["iteration"]
+        if "timeline" in record:
+            for i in [i for i in records if i > n]:
+                events = {k: v for k, v in records.pop(i).items() if isinstance(v, list)}
+                if events:
+                    records[i] = {"iteration": i, **events}
+            continue
+        merged = records.setdefault(n, {"iteration": n})
+        for key, value in record.items():
+            if isinstance(value, list) and isinstance(merged.get(key), list):
+                merged[key] = merged[key] + value
+            else:
+                merged[key] = value
+    return dict(sorted(records.items()))
 
 
 # -----------------------------------------------------------------------------

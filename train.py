@@ -91,6 +91,7 @@ def run(cfg, grid, run_lock, job_start, writer=None, callbacks=NO_CALLBACKS, har
     if cfg.eval_only:
         return evaluate_checkpoint(cfg, parts, device, valid_data)
     report = Report(section(LoggingConfig, cfg), schedule, model, cfg.save, arguments.to_dict(cfg))
+    report.new_timeline(state)  # a resume: the files' iterations past it are abandoned
     callbacks.start(parts, report, train_data)
     first_iteration, ckpt_cfg = state.iteration, section(CheckpointConfig, cfg)
 
@@ -130,14 +131,12 @@ def run(cfg, grid, run_lock, job_start, writer=None, callbacks=NO_CALLBACKS, har
             state.advance(it.batch_size, it.seqlen, applied=step.outcome == "ok", step=step)
             report.timed(time.time() - t0)
             if not skip and callbacks.after_step(it, step):  # the stability layer rolled back
-                report.restart_interval()  # an abandoned timeline
+                report.new_timeline(state, rollback=True)
                 continue
             # log, check, evaluate, save; stop when the job's time is up
-            why_exit = log_and_save(
+            if log_and_save(
                 cfg, grid, parts, it, report, device, valid_data, harness, writer, exit_reason
-            )
-            if why_exit:
-                print0(f"exiting at iteration {n} ({why_exit})")
+            ):
                 break
     finish(cfg, parts, report, device)
     return state
@@ -163,6 +162,8 @@ def log_and_save(cfg, grid, parts, it, report, device, valid_data, harness, writ
     if cfg.save and (last or why_exit or (cfg.save_interval and n % cfg.save_interval == 0)):
         run_state.save(parts, writer)
     parts.callbacks.after_iteration(n)
+    if why_exit:
+        print0(f"exiting at iteration {n} ({why_exit})")
     return why_exit
 
 

@@ -36,18 +36,17 @@ then the pilot (arm A's default at LRs 1e-2 and 3e-1) must end below the corpus'
 an attention logit of 1e3 at 3e-1, or the rest is refused. --allow_weak_study runs it anyway, with the
 problems written at the top of results.md.
 
-Each run is train.py in a process of its own (`lr_sweep.py --train ARGS`: train.py's main with denormals flushed, one
-thread each, --jobs at a time) in OUT/runs/<arm>/<lever set>/lr<lr>-seed<seed>/: stdout.log, the metrics.jsonl
+Each run is train.py in a process of its own (`lr_sweep.py --train ARGS`: train.py's main with denormals flushed,
+one thread each, --jobs at a time) in OUT/runs/<arm>/<lever set>/lr<lr>-seed<seed>/: stdout.log, the metrics.jsonl
 train.py writes (every iteration's loss and grad norm, the telemetry every 10), checkpoints every 100 iterations,
-code.json (the code version it trains with: code_version), and result.json, written last. A run whose
-directory holds result.json is finished and skipped (its numbers are
-read again from its metrics.jsonl, so that a change to the summaries applies to it); a run killed
-half way resumes from its last checkpoint (train.py resumes bit for bit; metrics.jsonl keeps the last record of
-an iteration). From all finished runs of the selection it writes OUT/results.jsonl, OUT/results.md (the tables)
-and OUT/lr_sweep.png (the figure). out/ is not tracked: --record adds one short line a run to a tracked file
-(lab/results.jsonl), from which --report --results rebuilds the tables and the figure alone. A table holds the
-runs of one code version: runs of two are refused together (--code picks one), so that a run of older code never
-passes for a seed of today's.
+code.json (the code version it trains with: code_version), and result.json, written last. A run whose directory
+holds result.json is finished and skipped (its numbers are read again from its metrics.jsonl, so that a change to
+the summaries applies to it); a run killed half way resumes from its last checkpoint (train.py resumes bit for bit;
+metrics.jsonl is read on the timeline the run ends on, report.read_metrics). From all finished runs of the selection
+it writes OUT/results.jsonl, OUT/results.md (the tables) and OUT/lr_sweep.png (the figure). out/ is not tracked:
+--record adds one short line a run to a tracked file (lab/results.jsonl), from which --report --results rebuilds the
+tables and the figure alone. A table holds the runs of one code version: runs of two are refused together (--code
+picks one), so that a run of older code never passes for a seed of today's.
 
 LR sensitivity is theirs: the mean over the LR grid of min(L(lr), L0) - L*, with L* the curve's best final
 loss over the grid and L0 = ln 512, the loss of the uniform prediction (every init but the 2.15/sqrt(h) one starts

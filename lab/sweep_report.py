@@ -11,6 +11,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import files  # noqa: E402
+import report  # noqa: E402
 from sweep_arms import (  # noqa: E402
     ARMS,
     HALF_DECADES,
@@ -63,19 +64,10 @@ WORSE_MARGIN = 0.05
 
 
 def read_metrics(path, upto=None):
-    """What a run's metrics.jsonl says, up to iteration `upto` if given: per iteration (the last record of each)
-    the loss and grad norm, every telemetry record, the final validation loss. Returns a dict of series and the
-    summaries of result.json."""
-    records = {}
-    with open(path) as f:
-        for line in f:
-            if line.strip():
-                record = json.loads(line)
-                if upto is None or record["iteration"] <= upto:
-                    records[record["iteration"]] = {
-                        **records.get(record["iteration"], {}),
-                        **record,
-                    }
+    """What a run's metrics.jsonl says, up to iteration `upto` if given: per iteration of the timeline it ends on
+    (report.read_metrics) the loss and grad norm, every telemetry record, the final validation loss. Returns a
+    dict of series and the summaries of result.json."""
+    records = {i: r for i, r in report.read_metrics(path).items() if upto is None or i <= upto}
     out = {
         "val_loss": None,
         "loss": [],

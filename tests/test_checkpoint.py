@@ -22,6 +22,7 @@ import arguments
 import checkpoint
 import data
 import parallel
+import report
 import reshard
 from helpers import (  # noqa: F401
     ROOT,
@@ -30,6 +31,7 @@ from helpers import (  # noqa: F401
     corpus,
     final_state,
     launch,
+    log_fields,
     losses,
     run_cli,
     run_main,
@@ -579,6 +581,31 @@ def test_a_rollback_by_latest_says_which_checkpoints_it_will_replace(ckpt, tmp_p
     assert "will each be replaced" not in run_main(
         *SMALL, "--train_iters=3", "--eval_iters=0", f"--save={directory}"
     )
+
+
+def test_a_rollback_by_latest_leaves_the_abandoned_iterations_out_of_the_metrics_and_tensorboard(
+    corpus, tmp_path
+):
+    """Lesson 9's rollback, run to an iteration short of the abandoned timeline's last: metrics.jsonl's readers
+    (tools/plot.py, tools/precursors.py, the lab) took that timeline's later iterations for the run's, and
+    TensorBoard showed both timelines' points of every iteration the run had run again."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    args = (*SMALL, "--eval_iters=0", f"--save={tmp_path}", "--save_interval=2")
+    run_main(*args, "--train_iters=4")
+    (tmp_path / "latest").write_text("global_step2\n")
+    out = run_main(*args, "--train_iters=3")  # iteration 3 again; 4 abandoned
+    records = report.read_metrics(str(tmp_path / "metrics.jsonl"))
+    assert sorted(records) == [1, 2, 3]
+    assert f"{records[3]['lm loss']:.6E}" == log_fields(out)[3]["lm loss"]
+    for axis, tag, steps in (
+        ("", "lm-loss", [1, 2, 3]),
+        ("samples", "lm-loss vs samples", [8, 16, 24]),
+        ("tokens", "lm-loss vs tokens", [512, 1024, 1536]),
+    ):
+        events = EventAccumulator(str(tmp_path / "tensorboard" / axis))
+        events.Reload()
+        assert [e.step for e in events.Scalars(tag)] == steps, axis
 
 
 @pytest.mark.parametrize("tag", ["", "/etc", ".."])

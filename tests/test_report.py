@@ -46,6 +46,42 @@ def test_a_record_cut_by_a_kill_is_dropped_before_the_resumed_run_appends(tmp_pa
     )
 
 
+def test_read_metrics_ends_on_the_last_timeline_and_keeps_every_decision(tmp_path):
+    """A resume from a checkpoint older than the file's last records, or a rollback, runs iterations again: the
+    file's later records of the old timeline were read as the run's (readers kept the last record of an iteration,
+    and merged keys across timelines; an iteration the new timeline had not reached kept the dead one's numbers)."""
+    path = tmp_path / "metrics.jsonl"
+    metrics = report.MetricsFile(str(path))
+    assert not metrics.held_records
+    for i in (1, 2, 3, 4):
+        metrics.add(i, {"lm loss": 10.0 - i, "old": True} | ({"skipped": "x"} if i == 4 else {}))
+    metrics.add(4, {"spike guard": [{"iteration": 4, "action": "rollback"}]})
+    metrics.timeline(2, "rollback")
+    metrics.add(2, {"validation lm loss": 7.5})  # iteration 2 itself stands: its records merge
+    metrics.add(3, {"lm loss": 3.0})
+    metrics.add(3, {"spike guard": [{"iteration": 3, "action": "skip"}]})
+    metrics.close()
+    resumed = report.MetricsFile(
+        str(path)
+    )  # a resume from iteration 1's checkpoint: 2 and 3 abandoned
+    assert resumed.held_records
+    resumed.timeline(1, "resume")
+    resumed.add(2, {"lm loss": 2.5})
+    resumed.close()
+    assert report.read_metrics(str(path)) == {
+        1: {"iteration": 1, "lm loss": 9.0, "old": True},
+        2: {"iteration": 2, "lm loss": 2.5},
+        3: {"iteration": 3, "spike guard": [{"iteration": 3, "action": "skip"}]},
+        4: {"iteration": 4, "spike guard": [{"iteration": 4, "action": "rollback"}]},
+    }
+    with open(path, "a") as f:
+        f.write('{"iteration": 3, "lm lo')  # a run writing it
+    assert report.read_metrics(str(path))[3] == {
+        "iteration": 3,
+        "spike guard": [{"iteration": 3, "action": "skip"}],
+    }
+
+
 def test_a_wandb_mode_wandb_does_not_know_is_refused_before_the_run():
     """wandb_mode=offlin was wandb's page of pydantic errors, naming no key, after the model's build."""
     import arguments

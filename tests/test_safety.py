@@ -521,11 +521,14 @@ def test_tensorboard_scalars_against_samples_and_tokens(corpus, tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     out = run_main(*SMALL, "--train_iters=2", f"--tensorboard_dir={tmp_path}", "--eval_iters=0")
-    events = EventAccumulator(str(tmp_path))
-    events.Reload()
-    assert [e.step for e in events.Scalars("lm-loss")] == [1, 2]
-    assert [e.step for e in events.Scalars("lm-loss vs samples")] == [8, 16]
-    assert [e.step for e in events.Scalars("lm-loss vs tokens")] == [512, 1024]
+    for axis, tag, steps in (
+        ("", "lm-loss", [1, 2]),
+        ("samples", "lm-loss vs samples", [8, 16]),
+        ("tokens", "lm-loss vs tokens", [512, 1024]),
+    ):  # each axis in a directory of its own: a resume hides each one's abandoned steps
+        events = EventAccumulator(str(tmp_path / axis))
+        events.Reload()
+        assert [e.step for e in events.Scalars(tag)] == steps
     # without save, metrics.jsonl goes to tensorboard_dir: one object per iteration, every field of the log line
     with open(tmp_path / "metrics.jsonl") as f:
         records = [json.loads(line) for line in f]
@@ -769,16 +772,16 @@ def test_a_run_where_no_checkpoint_is_sets_an_earlier_runs_logs_aside(corpus, tm
 
     def iterations():
         return [
-            json.loads(x)["iteration"]
-            for x in (tmp_path / "metrics.jsonl").read_text().splitlines()
+            (r["iteration"], r.get("timeline"))
+            for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())
         ]
 
-    assert iterations() == [1, 2]
-    # a resume continues its own run's file
+    assert iterations() == [(1, None), (2, None)]
+    # a resume continues its own run's file, from its checkpoint's iteration on (report.read_metrics)
     assert "holds no checkpoint" not in run_main(
         *SMALL, "--train_iters=3", f"--save={tmp_path}", "--eval_iters=0"
     )
-    assert iterations() == [1, 2, 3]
+    assert iterations() == [(1, None), (2, None), (2, "resume"), (3, None)]
 
 
 def test_a_damaged_stop_record_is_refused_by_name_and_the_lock_released(corpus, tmp_path):

@@ -46,7 +46,7 @@ def log_once(tmp_path, capsys, peak):
     reporter = report.Report(section(report.LoggingConfig, cfg), plan_of(cfg), Model(cfg))
     reporter.peak = peak
     reporter.metrics = report.MetricsFile(str(tmp_path / "metrics.jsonl"))
-    reporter.tb, reporter.wandb = Writer(), Writer()
+    reporter.tb, reporter.wandb = {"iterations": Writer()}, Writer()
     step = types.SimpleNamespace(loss=2.0, outcome="ok", grad_norm=1.0, num_zeros=0.0, z_loss=None)
     state = types.SimpleNamespace(
         consumed_samples=cfg.global_batch_size,
@@ -63,7 +63,7 @@ def log_once(tmp_path, capsys, peak):
     return (
         line,
         record,
-        reporter.tb.scalars,
+        reporter.tb["iterations"].scalars,
         reporter.wandb.scalars,
         flops,
         cfg.global_batch_size * cfg.seq_length,

@@ -17,6 +17,7 @@ import torch
 import arguments
 import optim
 import precision
+import report
 import training
 from builders import build_model, build_optimizer, step_rules
 from helpers import (  # noqa: F401 (corpus, corpus512: fixtures)
@@ -24,6 +25,7 @@ from helpers import (  # noqa: F401 (corpus, corpus512: fixtures)
     corpus512,
     guard_model_args,
     log_fields,
+    losses,
     run_main,
     spike_guard_of,
 )
@@ -445,6 +447,11 @@ def test_resume_across_a_rollback_is_bit_exact_and_keeps_the_guards_decisions(ru
         (42, "rollback", "data"),
     ]
     assert decisions[2]["restored_iteration"] == 35 and len(decisions[0]["samples"]) == 3
+    # metrics.jsonl: the timeline the run ends on (37-42 skipped: their first losses abandoned), every decision
+    records = report.read_metrics(os.path.join(straight, "metrics.jsonl"))
+    assert {i: f"{r['lm loss']:.6E}" for i, r in records.items() if "lm loss" in r} == losses(full)
+    assert all(records[i]["skipped"] == "spike guard" for i in range(37, 43))
+    assert [d["action"] for d in records[42]["spike guard"]][:1] == ["rollback"]
     later = [d for d in decisions if 50 <= d["iteration"] < 60]
     assert len(later) == 10 and all("already rolled back" in d["line"] for d in later), later
 

@@ -7,7 +7,6 @@ validation of a run without names (and that run's training losses against this o
 eval_only against the uninterrupted run's numbers; and bad names and paths against their messages.
 """
 
-import json
 import os
 import re
 
@@ -16,6 +15,7 @@ import pytest
 
 import arguments
 import data
+import report
 import training
 from helpers import (  # noqa: F401 (fixtures)
     SMALL,
@@ -63,9 +63,8 @@ def sets(corpus512, synthetic_corpus, heldout):
 
 
 def metrics(directory):
-    """{iteration: record} of metrics.jsonl, the last record of each iteration (a resumed run appends)."""
-    with open(os.path.join(directory, "metrics.jsonl")) as f:
-        return {r["iteration"]: r for r in map(json.loads, f)}
+    """{iteration: record} of metrics.jsonl's timeline (a resumed run appends)."""
+    return report.read_metrics(os.path.join(directory, "metrics.jsonl"))
 
 
 def by_hand(prefixes, split):
@@ -130,6 +129,11 @@ def test_each_named_set_is_logged_and_equals_evaluate_on_that_set_alone(named_ru
         assert [(e.step, e.value) for e in events.Scalars(f"valid-lm-loss/{name}")] == [
             (i, pytest.approx(records[i][f"validation lm loss/{name}"], rel=1e-6)) for i in (2, 4)
         ]
+    events = EventAccumulator(
+        str(save / "tensorboard" / "samples")
+    )  # each axis in a directory of its own
+    events.Reload()
+    for name in NAMES:
         assert [e.step for e in events.Scalars(f"valid-ppl/{name} vs samples")] == [16, 32]
 
 

@@ -12,7 +12,6 @@ is written whole or not at all, over nothing but a figure of this tool's (a PNG 
 """
 
 import argparse
-import json
 import math
 import os
 import re
@@ -26,6 +25,7 @@ import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import files  # noqa: E402
+import report  # noqa: E402
 
 ITERATION = re.compile(r"^\s*iteration\s+(\d+)/\s*(\d+)\s*\|(.*)$")
 VALIDATION = re.compile(r"validation loss at iteration (\d+) \| lm loss value: (\S+)")
@@ -90,18 +90,20 @@ def load(path):
     )
     run = Run(label)
     with open(path, errors="replace") as f:
-        first = f.readline()
+        jsonl = f.readline().lstrip().startswith("{")
         f.seek(0)
-        if first.lstrip().startswith("{"):
-            for record in records(path, f):
-                for decision in record.pop("spike guard", []):
-                    run.actions.append((decision["iteration"], decision["action"]))
-                if record.pop("skipped", None):
-                    run.skipped.append(record["iteration"])
-                run.add(record.pop("iteration"), record, replace=True)
-        else:
+        if not jsonl:  # a Megatron log
             for line in f:
                 _parse_log_line(run, line.rstrip("\n"))
+    if (
+        jsonl
+    ):  # the timeline the run ends on (a resume's or a rollback's abandoned iterations left out)
+        for record in report.read_metrics(path).values():
+            for decision in record.pop("spike guard", []):
+                run.actions.append((decision["iteration"], decision["action"]))
+            if record.pop("skipped", None):
+                run.skipped.append(record["iteration"])
+            run.add(record.pop("iteration"), record)
     # a logged interval with skipped or NaN steps: marked at its iteration
     for (
         i,
@@ -110,24 +112,6 @@ def load(path):
         if r.get("number of skipped iterations", 0) or r.get("number of nan iterations", 0):
             run.skipped.append(i)
     return run
-
-
-def records(path, f):
-    """The JSON records of a metrics.jsonl open as f. A last line without its newline is one the run
-    is writing (or was, when killed): skipped, and said; any other line that is no JSON is the
-    file's damage, named by its line."""
-    lines = f.readlines()
-    for number, line in enumerate(lines, 1):
-        try:
-            yield json.loads(line)
-        except ValueError as e:
-            if number == len(lines) and not line.endswith("\n"):
-                print(f"{path}: its last line is cut short (a run writing it, or killed): skipped")
-                return
-            raise ValueError(
-                f"{path} line {number} is not a JSON record ({e}): the file is damaged there; "
-                "remove or repair that line"
-            ) from None
 
 
 def _parse_log_line(run, line):

@@ -23,7 +23,6 @@ guard's early rung can watch.
 """
 
 import argparse
-import json
 import math
 import os
 import sys
@@ -33,6 +32,7 @@ sys.path.insert(0, ROOT)
 
 import arguments  # noqa: E402
 import files  # noqa: E402
+import report  # noqa: E402
 from sections import section  # noqa: E402
 from stability import detector, precursors  # noqa: E402
 from stability.detector import DetectorConfig  # noqa: E402
@@ -43,16 +43,11 @@ LOGARITHMS = {"log_z"}  # precursors that are logarithms: their margin is added,
 
 def read_run(directory):
     """(steps, telemetry) of a run: [(iteration, loss, grad norm)] of every logged iteration, and
-    [(iteration, telemetry record)]; the last record of an iteration wins (a resumed run repeats some)."""
-    records = {}
+    [(iteration, telemetry record)], of the timeline the run ends on (report.read_metrics)."""
     path = os.path.join(directory, "metrics.jsonl")
     if not os.path.isfile(path):
         raise ValueError(f"{directory} holds no metrics.jsonl: give run directories train.py wrote")
-    with open(path) as f:
-        for line in f:
-            if line.strip():
-                record = json.loads(line)
-                records.setdefault(record["iteration"], {}).update(record)
+    records = report.read_metrics(path)
     steps = [
         (i, r["lm loss"], r.get("grad norm", math.nan))
         for i, r in sorted(records.items())

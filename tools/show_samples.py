@@ -12,7 +12,6 @@ Skipped iterations (skip_train_iteration_range) are listed too: their batches we
 """
 
 import argparse
-import json
 import os
 import sys
 
@@ -20,27 +19,23 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import arguments  # noqa: E402
 import data  # noqa: E402
-import loader
+import loader  # noqa: E402
+import report  # noqa: E402
 import schedule  # noqa: E402
 from sections import section  # noqa: E402
 
 
 def logged_progress(save):
-    """{iteration: (consumed samples, consumed tokens) after it} of the run's metrics.jsonl in save (an iteration
-    logged again after a rollback or a resume: its last record), or {} without one."""
+    """{iteration: (consumed samples, consumed tokens) after it} of the run's metrics.jsonl in save (the timeline
+    it ends on: report.read_metrics), or {} without one."""
     path = os.path.join(save, "metrics.jsonl") if save else None
     if path is None or not os.path.exists(path):
         return {}
-    out = {}
-    with open(path) as f:
-        for line in f:
-            try:
-                r = json.loads(line)
-            except ValueError:  # a line the run is writing
-                continue
-            if "consumed samples" in r:
-                out[r["iteration"]] = (int(r["consumed samples"]), int(r["consumed tokens"]))
-    return out
+    return {
+        i: (int(r["consumed samples"]), int(r["consumed tokens"]))
+        for i, r in report.read_metrics(path).items()
+        if "consumed samples" in r
+    }
 
 
 def iteration_starts(plan, first, last, logged):

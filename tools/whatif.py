@@ -35,6 +35,7 @@ sys.path.insert(0, ROOT)
 import arguments  # noqa: E402
 import checkpoint  # noqa: E402
 import files  # noqa: E402
+import report  # noqa: E402
 from sections import section  # noqa: E402
 from stability import detector, spike_guard  # noqa: E402
 from stability.detector import DetectorConfig  # noqa: E402
@@ -148,14 +149,11 @@ def run_fork(name, run_args, load, out, iters, extra):
 
 
 def records(directory, after):
-    """[(iteration, lm loss, grad norm)] of a fork's metrics.jsonl, the last record of each iteration."""
-    found = {}
-    with open(os.path.join(directory, "metrics.jsonl")) as f:
-        for line in f:
-            r = json.loads(line)
-            if r["iteration"] > after and "lm loss" in r:
-                found[r["iteration"]] = (r["iteration"], r["lm loss"], r["grad norm"])
-    return [found[k] for k in sorted(found)]
+    """[(iteration, lm loss, grad norm)] past after of the timeline a fork's metrics.jsonl ends on."""
+    found = report.read_metrics(os.path.join(directory, "metrics.jsonl"))
+    return [
+        (i, r["lm loss"], r["grad norm"]) for i, r in found.items() if i > after and "lm loss" in r
+    ]
 
 
 def table(results, start, iters):
