@@ -70,7 +70,8 @@ class CheckpointConfig:
     async_save: bool = False
     no_load_optim: bool = False  # resume without the optimizer state (fresh Adam)
     no_load_rng: bool = False  # resume without the RNG states (fresh streams: seed + iteration)
-    exit_interval: int | None = None  # save and exit after this many iterations of this job
+    # save and exit at every multiple of this iteration (Megatron's: the run's iteration, not the job's count)
+    exit_interval: int | None = None
     exit_duration_in_mins: float | None = None  # save and exit when this job has run this long
     # on SIGTERM or SIGUSR1 (SLURM's --signal): finish the iteration, save, exit 0
     exit_signal_handler: bool = False

@@ -705,12 +705,12 @@ class ExitSignal:
 # decision sits here, beside ExitSignal, its third cause.
 
 
-def exit_reason(ckpt_cfg, iterations, job_start, exit_signal):
-    """Why this job stops after its `iterations`-th iteration (exit_interval, exit_duration_in_mins
-    of ckpt_cfg, a SIGTERM or SIGUSR1), or None. exit_signal() takes part in a collective on every
-    iteration: it is always called."""
+def exit_reason(ckpt_cfg, iteration, job_start, exit_signal):
+    """Why this job stops after the run's iteration `iteration` (exit_interval: at its multiples, as
+    Megatron's; exit_duration_in_mins: on the job's clock; a SIGTERM or SIGUSR1), or None.
+    exit_signal() takes part in a collective on every iteration: it is always called."""
     duration, interval = ckpt_cfg.exit_duration_in_mins, ckpt_cfg.exit_interval
-    clock = (interval is not None and iterations >= interval) or (
+    clock = (interval is not None and iteration % interval == 0) or (
         duration is not None and minutes_since(job_start) >= duration
     )
     signal_name = exit_signal()

@@ -93,10 +93,10 @@ def run(cfg, grid, run_lock, job_start, writer=None, callbacks=NO_CALLBACKS, har
     report = Report(section(LoggingConfig, cfg), schedule, model, cfg.save, arguments.to_dict(cfg))
     report.new_timeline(state)  # a resume: the files' iterations past it are abandoned
     callbacks.start(parts, report, train_data)
-    first_iteration, ckpt_cfg = state.iteration, section(CheckpointConfig, cfg)
+    ckpt_cfg = section(CheckpointConfig, cfg)
 
     def exit_reason(n):  # a signal, the job's time up, exit_interval (safety.py)
-        return safety.exit_reason(ckpt_cfg, n - first_iteration, job_start, run_lock.exit_signal)
+        return safety.exit_reason(ckpt_cfg, n, job_start, run_lock.exit_signal)
 
     model.train()
     # closed however the loop ends (a callback's StopRun too): no thread is left loading when the process exits

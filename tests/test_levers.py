@@ -297,12 +297,16 @@ def test_lr_warmup_and_decay_tokens(small512):
 
 
 def test_exit_interval_saves_and_resume_continues(small512, tmp_path):
+    """exit_interval is Megatron's: the job stops at the run's iterations that are its multiples. It counted this
+    job's iterations: a chain resumed at 3 with exit_interval=2 stopped at 5, where a Megatron user expects 4."""
     full = losses(run_main(*small512, "--train_iters=6", f"--save={tmp_path / 'straight'}"))
-    out = run_main(*small512, "--train_iters=6", "--exit_interval=2", f"--save={tmp_path}")
-    assert sorted(losses(out)) == [1, 2] and "exiting at iteration 2" in out
-    assert open(tmp_path / "latest").read().strip() == "global_step2"
+    out = run_main(*small512, "--train_iters=6", "--exit_interval=3", f"--save={tmp_path}")
+    assert sorted(losses(out)) == [1, 2, 3] and "exiting at iteration 3" in out
+    assert open(tmp_path / "latest").read().strip() == "global_step3"
+    again = run_main(*small512, "--train_iters=6", "--exit_interval=2", f"--save={tmp_path}")
+    assert sorted(losses(again)) == [4] and "exiting at iteration 4" in again
     resumed = run_main(*small512, "--train_iters=6", f"--save={tmp_path}", f"--load={tmp_path}")
-    assert losses(resumed) == {i: full[i] for i in range(3, 7)}
+    assert losses(resumed) == {i: full[i] for i in range(5, 7)}
     assert_same_checkpoint(tmp_path / "straight", tmp_path, 6)
 
 

@@ -3,7 +3,8 @@
     python tools/whatif.py --load CKPT_DIR --iters 200 --out whatif/ -- config/tr8b_104b.py --key=value ...
 
 Everything after `--` is the run's own command line (config file and overrides). Each fork is a process of its
-own, `python train.py RUN_ARGS --load=CKPT_DIR --save=OUT/FORK --exit_interval=ITERS CHANGE`; a fork whose
+own, `python train.py RUN_ARGS --load=CKPT_DIR --save=OUT/FORK --exit_interval=START+ITERS CHANGE` (START: the
+checkpoint's iteration; exit_interval stops at its multiples, Megatron's, the first past START); a fork whose
 directory already holds a checkpoint resumes from it, so a killed what-if picks up where it stopped. Then one
 table (which forks got through without a spike, found by the spike guard's own detector seeded with the
 checkpoint's statistics, and at what loss) and one figure (loss and grad norm per fork, overlaid): OUT/whatif.png.
@@ -115,19 +116,18 @@ class ForkFailed(Exception):
 def run_fork(name, run_args, load, out, iters, extra):
     """Run (or finish) one fork; returns its directory."""
     directory = os.path.join(out, name.replace(" ", "_"))
-    start, target = saved_iteration(load), saved_iteration(load) + iters
+    target = saved_iteration(load) + iters
     done = saved_iteration(directory) if os.path.isdir(directory) else None
     if done is not None and done >= target:
         return directory
     source = directory if done is not None else load
-    remaining = target - (done if done is not None else start)
     cmd = [
         sys.executable,
         os.path.join(ROOT, "train.py"),
         *run_args,
         f"--load={source}",
         f"--save={directory}",
-        f"--exit_interval={remaining}",
+        f"--exit_interval={target}",  # the first multiple past the checkpoint's iteration
         "--log_interval=1",
         "--sample_tokens=0",
         *extra,
