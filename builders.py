@@ -17,6 +17,8 @@ import torch
 import checkpoint
 import deepspeed_engine
 import hf
+import launch
+import layers
 import loader
 import optim
 import parallel
@@ -26,7 +28,7 @@ import run_state
 # its package holds the switches alone: a module of the layer is imported when one asks
 import stability
 import training
-from model import GPT, GPTConfig, describe_partition
+from model import GPT, GPTConfig, check_attention_backend, describe_partition
 from optim import OptimizerConfig
 from report import print0
 from sections import section
@@ -56,6 +58,18 @@ def build_model(cfg, device):
     if not cfg.deepspeed:
         parallel.attach_grad_buffer(model, precision.grad_dtype(optim_cfg))
     return model
+
+
+def check_attention(cfg, device):
+    """attention_backend's kernel checked on this device before the build (model.check_attention_backend). Packed
+    documents attend through a dense mask unless they go through FlexAttention (layers.flex_documents), which no
+    backend names."""
+    model_cfg = section(GPTConfig, cfg)
+    head_dim = model_cfg.hidden_size // model_cfg.num_attention_heads
+    compiled = launch.compiles(section(parallel.LayoutConfig, cfg))
+    documents = cfg.reset_attention_mask and not layers.flex_documents(device, compiled, head_dim)
+    dtype = precision.compute_dtype(section(OptimizerConfig, cfg))
+    check_attention_backend(model_cfg, device, dtype, documents)
 
 
 def build_optimizer(cfg, model):

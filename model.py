@@ -440,8 +440,8 @@ def apply_rotary(x, cos, sin):
 
 
 # attention_backend's names for torch's SDPA kernels (Megatron's key); None: torch's own choice
-# among those that take the call. One named is taken, or the first step fails saying so (no silent
-# fall-back); tools/gpu_probe.py backends times each.
+# among those that take the call. One named is taken, or the run is refused saying so before the
+# build (check_attention_backend; no silent fall-back); tools/gpu_probe.py backends times each.
 ATTENTION_BACKENDS = {
     "auto": None,
     "flash": "FLASH_ATTENTION",
@@ -454,7 +454,8 @@ ATTENTION_BACKENDS = {
 def attention_backend_problem(model_cfg):
     """The message of an attention_backend this model cannot run with on any device, or None: a new run's check
     (arguments.validate), before the build, where the kernel would refuse it at the first step or never be
-    called. Which kernel takes which call otherwise depends on the device, dtype and head size: left to it."""
+    called. Which kernel takes which call otherwise depends on the device, dtype and head size: checked on the
+    device (check_attention_backend)."""
     backend = model_cfg.attention_backend
     if backend != "auto" and model_cfg.unfused_attention:
         return (
@@ -467,6 +468,35 @@ def attention_backend_problem(model_cfg):
             "or auto"
         )
     return None
+
+
+def check_attention_backend(model_cfg, device, dtype, documents=False):
+    """Raise the first step's ValueError (_backend_refused) before the build, which takes minutes at scale: where
+    attention_backend's kernel does not take this model's attention on this device, in this dtype. One call at the
+    run's sequence length, forward and backward, of one query group's heads laid out as Attention lays them out,
+    with a bias where the model has one (ALiBi; documents: the dense mask of packed documents)."""
+    backend = model_cfg.attention_backend
+    if backend == "auto" or model_cfg.unfused_attention:
+        return
+    T, head_dim = model_cfg.seq_length, model_cfg.hidden_size // model_cfg.num_attention_heads
+    group = model_cfg.num_attention_heads // model_cfg.query_groups
+
+    def heads(n):
+        x = torch.randn(1, T, n, head_dim, device=device, dtype=dtype)
+        return x.transpose(1, 2).requires_grad_()
+
+    q, k, v = heads(group), heads(1), heads(1)
+    bias = None
+    if model_cfg.position_embedding_type == "alibi" or documents:
+        causal = torch.ones(T, T, dtype=torch.bool, device=device).tril()
+        bias = torch.zeros(group, T, T, device=device).masked_fill(~causal, float("-inf")).to(dtype)
+    y = core_attention(
+        q, k, v, model_cfg.attention_dropout, model_cfg.stable_attention, None, bias, False, backend
+    )
+    try:
+        y.sum().backward()
+    except RuntimeError as e:  # a kernel with a forward and no backward for this call
+        raise _backend_refused(backend, q, model_cfg.attention_dropout, bias, e) from e
 
 
 def sdpa_backend(name):

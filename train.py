@@ -194,6 +194,7 @@ def prepare(cfg, grid, callbacks, saved_state):
     and the data: (parts, device, train data, validation data). saved_state: the checkpoint's run state, or None
     (the schedule's totals, the data's length, go on from it)."""
     device = launch.setup(section(parallel.LayoutConfig, cfg), cfg.seed)
+    builders.check_attention(cfg, device)  # the first step's refusal, before the build
     schedule = Schedule(section(ScheduleConfig, cfg), grid.dp_size, cfg.seq_length, saved_state)
     parts = builders.build(cfg, grid, schedule, device, callbacks)
     data_cfg, context = section(loader.DataConfig, cfg), section(loader.DataContext, cfg)

@@ -9,6 +9,7 @@ import torch
 
 import arguments
 import model
+from helpers import SMALL, corpus, run_main  # noqa: F401 (corpus: a fixture)
 from model import GPT, GPTConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -230,3 +231,37 @@ def test_a_backend_the_model_cannot_run_with_on_any_device_is_refused_before_the
     with pytest.raises(ValueError, match=message):
         arguments.validate(arguments.load_config(["--train_iters=1", *flags]), reads_data=False)
     arguments.validate(arguments.load_config(["--train_iters=1", flags[1]]), reads_data=False)
+
+
+@pytest.mark.parametrize(
+    "flags, what",
+    [
+        (
+            ["--attention_backend=efficient", "--attention_dropout=0"],
+            "dropout 0.0, causal",
+        ),  # no CPU kernel
+        (["--attention_backend=flash", "--attention_dropout=0.1"], "dropout 0.1, causal"),
+        # the documents' dense mask
+        (
+            ["--attention_backend=flash", "--attention_dropout=0", "--reset_attention_mask"],
+            "dropout 0.0, a bias",
+        ),
+        # refused for any device: validate's
+        (["--attention_backend=flash", "--position_embedding_type=alibi"], None),
+    ],
+)
+def test_a_backend_this_device_cannot_run_is_refused_before_the_build(
+    corpus, monkeypatch, flags, what
+):
+    """A kernel that does not take the model's attention on this device refused it at the first step, after the
+    build and the checkpoint's load (minutes at scale). A refusal for every device is arguments.validate's."""
+    import builders
+
+    def build(*args, **kwargs):
+        raise AssertionError("built")
+
+    monkeypatch.setattr(builders, "build", build)
+    with pytest.raises(ValueError, match=f"^{flags[0][2:]}") as refused:
+        run_main(*SMALL, "--train_iters=1", *flags)
+    if what:
+        assert f"(cpu, torch.float32, head_dim 16, {what}" in str(refused.value)
