@@ -474,7 +474,8 @@ def check_attention_backend(model_cfg, device, dtype, documents=False):
     """Raise the first step's ValueError (_backend_refused) before the build, which takes minutes at scale: where
     attention_backend's kernel does not take this model's attention on this device, in this dtype. One call at the
     run's sequence length, forward and backward, of one query group's heads laid out as Attention lays them out,
-    with a bias where the model has one (ALiBi; documents: the dense mask of packed documents)."""
+    with a bias where the model has one (ALiBi; documents: the dense mask of packed documents). Its dropout draws
+    from a forked stream: the run's RNG states are left as they were."""
     backend = model_cfg.attention_backend
     if backend == "auto" or model_cfg.unfused_attention:
         return
@@ -482,21 +483,24 @@ def check_attention_backend(model_cfg, device, dtype, documents=False):
     group = model_cfg.num_attention_heads // model_cfg.query_groups
 
     def heads(n):
-        x = torch.randn(1, T, n, head_dim, device=device, dtype=dtype)
-        return x.transpose(1, 2).requires_grad_()
+        return (
+            torch.ones(1, T, n, head_dim, device=device, dtype=dtype)
+            .transpose(1, 2)
+            .requires_grad_()
+        )
 
     q, k, v = heads(group), heads(1), heads(1)
     bias = None
     if model_cfg.position_embedding_type == "alibi" or documents:
         causal = torch.ones(T, T, dtype=torch.bool, device=device).tril()
         bias = torch.zeros(group, T, T, device=device).masked_fill(~causal, float("-inf")).to(dtype)
-    y = core_attention(
-        q, k, v, model_cfg.attention_dropout, model_cfg.stable_attention, None, bias, False, backend
-    )
-    try:
-        y.sum().backward()
-    except RuntimeError as e:  # a kernel with a forward and no backward for this call
-        raise _backend_refused(backend, q, model_cfg.attention_dropout, bias, e) from e
+    dropout, cuda = model_cfg.attention_dropout, [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=cuda):
+        y = core_attention(q, k, v, dropout, model_cfg.stable_attention, None, bias, False, backend)
+        try:
+            y.sum().backward()
+        except RuntimeError as e:  # a kernel with a forward and no backward for this call
+            raise _backend_refused(backend, q, dropout, bias, e) from e
 
 
 def sdpa_backend(name):

@@ -265,3 +265,19 @@ def test_a_backend_this_device_cannot_run_is_refused_before_the_build(
         run_main(*SMALL, "--train_iters=1", *flags)
     if what:
         assert f"(cpu, torch.float32, head_dim 16, {what}" in str(refused.value)
+
+
+def test_the_backend_probe_leaves_the_runs_random_streams_as_they_were():
+    """The probe's dropout drew from the run's stream: a run with a named backend then drew other dropout masks
+    (and other data orders where the CPU stream draws them) than the same run with auto."""
+    cfg = GPTConfig(
+        num_layers=1,
+        hidden_size=32,
+        num_attention_heads=2,
+        seq_length=16,
+        attention_backend="math",
+        attention_dropout=0.5,
+    )
+    before = torch.get_rng_state()
+    model.check_attention_backend(cfg, torch.device("cpu"), torch.float32)
+    assert torch.equal(torch.get_rng_state(), before)
