@@ -159,6 +159,19 @@ class DetectorConfig:  # Detector: what a spike is
     # the weights' move per update this x its trend, at each snapshot (0: off)
     spike_guard_update_ratio: float = 4.0
 
+    # keys read only while a switch is on (sections.py): the soft skip's trend is the guard's line too
+    SWITCHED = {
+        "spike_guard|soft_skip_loss_ratio": ("spike_guard_window", "spike_guard_min_steps"),
+        "spike_guard": (
+            "spike_guard_zscore",
+            "spike_guard_ema_ratio",
+            "spike_guard_grad_norm_ratio",
+            "spike_guard_rise_steps",
+            "spike_guard_unseen_interval",
+            "spike_guard_update_ratio",
+        ),
+    }
+
 
 class Detector:
     """The trailing statistics of applied steps and the rules that call a step a spike (the module's docstring)."""

@@ -49,6 +49,9 @@ def test_the_owners_declare_keys_read_only_behind_a_switch():
         "zclip_alpha",
         "inject_bitflip_rank",
         "rotary_base",
+        # the detector's: a --spike_guard_zscore without the guard ran as if not given
+        "spike_guard_zscore",
+        "spike_guard_window",
     } <= set(SWITCHED)
     assert set(SWITCHED) <= set(FIELDS)
     for switch in set(SWITCHED.values()):
