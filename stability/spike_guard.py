@@ -128,7 +128,7 @@ class GuardConfig:  # SpikeGuard: what a spike calls for
     spike_guard_max_numerical: int = 4
 
     # keys read only while a switch is on (sections.py): the decisions' (max_hardware_faults is the replica check's
-    # too); the detector's keys are read by the soft skip and the faults' timeline as well
+    # too); the detector's are detector.DetectorConfig's
     SWITCHED = {
         "spike_guard": (
             "spike_guard_max_skips",
