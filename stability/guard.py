@@ -23,6 +23,7 @@ import parallel
 import run_state
 import safety
 import training
+from report import print0
 from stability import detector, diagnosis, spike_guard, update_size
 
 # What a stopped run's message asks of its operator, by the cause the guard found
@@ -76,6 +77,17 @@ class Guard(training.Callback):
     def start(self, parts, report, train_data):
         self.parts, self.report, self.train_data = parts, report, train_data
         self.device = next(parallel.unwrap(parts.model).parameters()).device
+        # a longer run's warm-up kept in a config: the detector would judge nothing, in silence
+        held, left = (
+            len(self.guard.series["loss"].values),
+            parts.schedule.total_iters - parts.state.iteration,
+        )
+        needed = self.guard.rules.spike_guard_min_steps
+        if self.guard.enabled and held + left < needed:
+            print0(
+                f"warning: spike_guard_min_steps {needed}: this run's {left} iterations after the {held} steps its "
+                "detector holds do not reach it: the spike guard's detector judges no step of this run"
+            )
         # resumed: the checkpoint resumed from is the first reading's reference
         if parts.state.iteration:
             self.sample(parts.state.iteration)

@@ -166,3 +166,17 @@ def test_a_telemetry_interval_no_iteration_of_the_run_meets_is_a_warning_line(co
         "warning: telemetry_interval 10: no iteration of this run (1-3) is a multiple of it" in out
     )
     assert "telemetry_interval" not in run_main(*SMALL, "--train_iters=3", "--telemetry_interval=3")
+
+
+def test_a_run_shorter_than_the_detectors_warm_up_is_a_warning_line(corpus, tmp_path):
+    """A longer run's spike_guard_min_steps kept in a config: the detector judged no step, in silence. A resumed
+    run counts the steps its checkpoint's detector holds."""
+    out = run_main(*SMALL, "--train_iters=3", "--spike_guard", f"--save={tmp_path}")
+    assert (
+        "warning: spike_guard_min_steps 16: this run's 3 iterations after the 0 steps its detector holds do not "
+        "reach it: the spike guard's detector judges no step of this run"
+    ) in out
+    guarded = ["--spike_guard", "--spike_guard_min_steps=4"]
+    assert "warning: spike_guard_min_steps" not in run_main(*SMALL, "--train_iters=4", *guarded)
+    resumed = run_main(*SMALL, "--train_iters=4", *guarded, f"--save={tmp_path}")
+    assert "warning: spike_guard_min_steps" not in resumed  # 3 held + 1
