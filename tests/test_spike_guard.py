@@ -48,7 +48,8 @@ BAD = ["--inject_bad_batch_iters=40-45"]
 BLOCK = ["--inject_repeat_iters=25-59"]
 # (the subject is the loss's spike and its rollback: the weights' move per update, which meets the LR at the snapshot
 # of 40 first, off; test_guard_update_size.py is its)
-LR_SPIKE = ["--inject_lr_iters=40-45", "--inject_lr_factor=1000", "--spike_guard_update_ratio=0"]
+LR_FAULT = ["--inject_lr_iters=40-45", "--inject_lr_factor=1000"]
+LR_SPIKE = [*LR_FAULT, "--spike_guard_update_ratio=0"]
 FLIP = ["--inject_bitflip_iters=30-30"]
 FLIP_WEIGHT = ["--inject_bitflip_iters=30-30", "--inject_bitflip_target=weight"]
 
@@ -124,7 +125,7 @@ def test_bad_batches_spike_and_the_guard_skips_each_and_recovers(run):
 def test_lr_spike_diverges_unguarded_and_the_guard_rolls_back_without_skipping_data(run):
     clean, spiked, guarded = (
         run("clean"),
-        run("lr", *LR_SPIKE),
+        run("lr", *LR_FAULT),
         run("lr_guarded", *LR_SPIKE, *GUARD),
     )
     assert loss(spiked, 60) > 2 * loss(spiked, 39)
