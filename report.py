@@ -172,6 +172,10 @@ class Report:
             self.wandb = wandb.init(
                 project=log_cfg.wandb_project, mode=mode, config=run_config, dir=save or "."
             )
+            # the x axis is the iteration, a value: wandb's own step only increases, and drops what is logged
+            # at a lower one -- every iteration a rollback runs again
+            self.wandb.define_metric("iteration")
+            self.wandb.define_metric("*", step_metric="iteration")
 
     # -- the interval between two log lines -------------------------------------------------
 
@@ -329,14 +333,14 @@ class Report:
                     writer.add_scalar(
                         k if axis == "iterations" else f"{k} vs {axis}", v, steps[axis]
                     )
-        if self.wandb:  # one step axis: the counters go along, to be picked as x axis in its UI
+        if self.wandb:  # the counters go along, to be picked as x axis in its UI
             self.wandb.log(
                 {
                     **values,
+                    "iteration": step,
                     "consumed-samples": state.consumed_samples,
                     "consumed-tokens": state.consumed_tokens,
-                },
-                step=step,
+                }
             )
 
     def record(self, step, values):

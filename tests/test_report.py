@@ -2,10 +2,12 @@
 over the iteration in metrics.jsonl, whatever its key; any other value is the iteration's last."""
 
 import json
+import os
 
 import pytest
 
 import report
+from helpers import ROOT, corpus, corpus512, guard_model_args  # noqa: F401 (fixtures)
 
 
 def test_a_callbacks_list_accumulates_whatever_its_key(tmp_path):
@@ -95,3 +97,37 @@ def test_a_wandb_mode_wandb_does_not_know_is_refused_before_the_run():
         arguments.validate(
             arguments.load_config(["--wandb_project=p", f"--wandb_mode={mode}"]), reads_data=False
         )
+
+
+def test_wandb_keeps_the_iterations_a_rollback_runs_again(corpus512, tmp_path):
+    """wandb's step only increases: what is logged at a lower one is dropped ("Tried to log to step 36 that is less
+    than the current step 41 ... this data will be ignored"), and after the guard's rollback every iteration it ran
+    again was. The iteration is a value, the x axis of every scalar (define_metric)."""
+    import glob
+    import subprocess
+    import sys
+
+    guarded = ["--spike_guard", "--spike_guard_window=20", "--spike_guard_min_steps=10"]
+    guarded += [
+        "--spike_guard_rewind=3",
+        "--spike_guard_snapshot_interval=5",
+        "--spike_guard_update_ratio=0",
+    ]
+    fault = ["--inject_lr_iters=40-45", "--inject_lr_factor=1000"]
+    env = dict(os.environ, WANDB_MODE="offline", OMP_NUM_THREADS="1", WANDB_SILENT="false")
+    done = subprocess.run(
+        [sys.executable, "train.py", *guard_model_args(corpus512), *guarded, *fault]
+        + ["--wandb_project=p", f"--save={tmp_path}"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "spike guard: rolled back to iteration 35" in done.stdout
+    said = done.stdout + done.stderr
+    assert "monotonically increasing" not in said and "will be ignored" not in said
+    assert (
+        len(glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "run-*.wandb"))) == 1
+    )  # it logged

@@ -34,7 +34,7 @@ class Writer:
     def add_scalar(self, key, value, step):
         self.scalars.setdefault(key, value)
 
-    def log(self, values, step):
+    def log(self, values):  # no step: wandb drops one below its last (report.Report.scalars)
         self.scalars.update(values)
 
 
