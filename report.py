@@ -196,10 +196,9 @@ class Report:
         if self.tb:
             from tensorboard.compat.proto.event_pb2 import Event, SessionLog
 
-            restart = SessionLog(status=SessionLog.START)
+            restart, steps = SessionLog(status=SessionLog.START), axis_steps(state.iteration, state)
             for axis, writer in self.tb.items():
-                step = axis_steps(state.iteration, state)[axis] + 1
-                writer.file_writer.add_event(Event(step=step, session_log=restart))
+                writer.file_writer.add_event(Event(step=steps[axis] + 1, session_log=restart))
 
     def step(self, step, lr):
         """A trained iteration (a training.Step): its loss into the mean unless NaN, skips counted."""

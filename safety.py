@@ -596,8 +596,8 @@ def write_stopped(directory, record):
 def set_logs_aside(directory, tensorboard):
     """A run in DIR where no checkpoint is: the logs of an earlier run that left none (killed before its first
     save) moved to metrics.K.jsonl (and tensorboard.K, when `tensorboard`: this run's TensorBoard goes there),
-    K the first free number, and said in a line (None when there are none). Appended to, they would read as this run's
-    own past."""
+    K the first free number, and said in a line (None when there are none). Appended to, they would read as this
+    run's own past."""
     logs = [(METRICS, ".jsonl")] + ([("tensorboard", "")] if tensorboard else [])
     present = [
         (name, ext) for name, ext in logs if os.path.exists(os.path.join(directory, name + ext))

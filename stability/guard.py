@@ -78,10 +78,8 @@ class Guard(training.Callback):
         self.parts, self.report, self.train_data = parts, report, train_data
         self.device = next(parallel.unwrap(parts.model).parameters()).device
         # a longer run's warm-up kept in a config: the detector would judge nothing, in silence
-        held, left = (
-            len(self.guard.series["loss"].values),
-            parts.schedule.total_iters - parts.state.iteration,
-        )
+        held = len(self.guard.series["loss"].values)
+        left = parts.schedule.total_iters - parts.state.iteration
         needed = self.guard.rules.spike_guard_min_steps
         if self.guard.enabled and held + left < needed:
             print0(

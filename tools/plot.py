@@ -91,13 +91,12 @@ def load(path):
     run = Run(label)
     with open(path, errors="replace") as f:
         jsonl = f.readline().lstrip().startswith("{")
-        f.seek(0)
         if not jsonl:  # a Megatron log
+            f.seek(0)
             for line in f:
                 _parse_log_line(run, line.rstrip("\n"))
-    if (
-        jsonl
-    ):  # the timeline the run ends on (a resume's or a rollback's abandoned iterations left out)
+    # metrics.jsonl: the timeline the run ends on (a resume's or a rollback's abandoned iterations left out)
+    if jsonl:
         for record in report.read_metrics(path).values():
             for decision in record.pop("spike guard", []):
                 run.actions.append((decision["iteration"], decision["action"]))

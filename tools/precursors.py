@@ -50,10 +50,10 @@ def read_run(directory):
     records = report.read_metrics(path)
     steps = [
         (i, r["lm loss"], r.get("grad norm", math.nan))
-        for i, r in sorted(records.items())
+        for i, r in records.items()
         if "lm loss" in r
     ]
-    return steps, [(i, r["telemetry"]) for i, r in sorted(records.items()) if "telemetry" in r]
+    return steps, [(i, r["telemetry"]) for i, r in records.items() if "telemetry" in r]
 
 
 def onset(steps, cfg=None):
