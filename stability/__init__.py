@@ -134,6 +134,7 @@ def build_callbacks(cfg, writer=None, saved_state=None):
     on = switched_on(cfg, saved_state)
     if not on:
         return None
+    from report import print0
     from stability.snapshots import Snapshots
     from stability.spike_guard import SpikeGuard
     from training import Callbacks
@@ -150,6 +151,8 @@ def build_callbacks(cfg, writer=None, saved_state=None):
             section_cfg, *more = made.get(where) or (section(kind.Config, cfg),)
             callback = kind(section_cfg, shared, *more)
             shared.built[callback.name] = callback
+    # two remedies on one step act in this order (a veto ends the update for those after it): said, not implied
+    print0(f"stability layer, in the order each step meets it: {', '.join(shared.built)}")
     return Callbacks(shared.built.values())
 
 

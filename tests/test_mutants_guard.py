@@ -144,3 +144,19 @@ def test_telemetry_finishes_its_record_before_the_forensics_replay_the_step():
     names = [type(c).__name__ for c in stability.build_callbacks(cfg).callbacks]
     assert "Recording" in names and "Forensics" in names, names
     assert names.index("Recording") < names.index("Forensics") < names.index("Snapshotting"), names
+
+
+def test_a_run_prints_the_order_its_callbacks_act_in(capsys):
+    """Two remedies on one step act in the registry's order (a veto ends the update for those after
+    it): the run says which order it built, the list's own, not the keys' order on the command line."""
+    import stability
+
+    cfg = arguments.prepare(
+        arguments.load_config(
+            ["--zclip_z=2.5", "--skip_step_sigma=6", "--save=none", "--save_interval=none"]
+        )
+    )
+    built = [c.name for c in stability.build_callbacks(cfg).callbacks]
+    assert built == ["skip_step", "zclip"]
+    said = [line for line in capsys.readouterr().out.splitlines() if "stability layer" in line]
+    assert said == [f"stability layer, in the order each step meets it: {', '.join(built)}"], said
