@@ -334,20 +334,18 @@ class Resharder:
 
 
 def load(
-    tag_dir,
-    saved_topology,
+    layout,
     model,
     optimizer,
     deepspeed=False,
     use_bnb_optimizer=False,
     need_optimizer=True,
 ):
-    """(model_state, run_state, rank_state) for this rank from a checkpoint of another layout, in the format
-    checkpoint.load returns; rank_state's "rng" is None (see the module docstring). need_optimizer=False
-    (no_load_optim, an optimizer reset) skips the optimizer state, whatever its format. deepspeed
-    (the layout's) and use_bnb_optimizer (the optimizer's): the run's keys of those names."""
+    """(model_state, run_state, rank_state) for this rank from a checkpoint of another layout (a SavedLayout), in
+    the format checkpoint.load returns; rank_state's "rng" is None (see the module docstring).
+    need_optimizer=False (no_load_optim, an optimizer reset due now) skips the optimizer state, whatever its
+    format. deepspeed (the layout's) and use_bnb_optimizer (the optimizer's): the run's keys of those names."""
     gpt = parallel.unwrap(model)
-    layout = SavedLayout(tag_dir, saved_topology)
     resharder = Resharder(layout, gpt)
     model_state = resharder.model_state()
     optimizer_state = None

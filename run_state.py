@@ -256,14 +256,15 @@ def _read_payload(parts, tag_dir, warmup):
         f"resharding checkpoint {tag_dir}: saved with {reshard.describe(saved)}, now "
         f"{reshard.describe(checkpoint.topology())}"
     )
+    layout = reshard.SavedLayout(tag_dir, saved)
     return reshard.load(
-        tag_dir,
-        saved,
+        layout,
         parts.model,
         parts.optimizer,
         deepspeed=cfg.deepspeed,
         use_bnb_optimizer=cfg.use_bnb_optimizer,
-        need_optimizer=not (cfg.no_load_optim or warmup),
+        # a reset done before the save is not due again (its key stays in the config): the state goes on
+        need_optimizer=not (cfg.no_load_optim or optim.reset_due(warmup, layout.run["state"])),
     )
 
 

@@ -67,10 +67,11 @@ def _save_one_rank(save_dir, iteration, model_state, run_state, rank_state, writ
     return tag_dir
 
 
-def _save_layout(directory, tp, pp, dp, zero_stage, cfg_args=(), mutate=None):
+def _save_layout(directory, tp, pp, dp, zero_stage, cfg_args=(), mutate=None, optimizer_reset=None):
     """Write a checkpoint of a TP x PP x DP layout from this one process, rank by rank, through the trainer's
     own run_state.save (collectives are not needed: each rank only writes its files). The model is the
-    deterministic init; every Adam state is made up from the weights so that a wrong mapping shows."""
+    deterministic init; every Adam state is made up from the weights so that a wrong mapping shows.
+    optimizer_reset: the run state's (a reset of lesson 8 done before the save)."""
     cfg = arguments.load_config(
         [
             *CFG,
@@ -105,6 +106,7 @@ def _save_layout(directory, tp, pp, dp, zero_stage, cfg_args=(), mutate=None):
                 consumed_tokens=1280,
                 scheduler_samples=80,
                 scheduler_tokens=1280,
+                optimizer_reset=optimizer_reset,
             )
             plan = plan_of(cfg, parallel.grid.dp_size)
             run_state.save(
@@ -206,6 +208,20 @@ def test_same_tp_keeps_each_ranks_state_as_it_was(tmp_path):
             assert optimizer.state[p]["step"] == 7
 
 
+def test_a_reset_done_before_the_save_keeps_the_optimizer_state_across_a_reshard(tmp_path):
+    """reset_optimizer_warmup_iters stays in a run's config after its reset: a later resume on another layout
+    loads the optimizer state the reset's run has built up since (a crash before: no state read at all)."""
+    done = {"iteration": 4, "warmup_iters": 5, "updates": 5}
+    _save_layout(tmp_path, 2, 1, 1, zero_stage=0, optimizer_reset=done)
+    model, optimizer, state, reference = _load_one_process(
+        tmp_path, "--reset_optimizer_warmup_iters=5"
+    )
+    assert state.optimizer_reset == done
+    fc1 = model.blocks["1"].mlp.fc1.weight
+    assert optimizer.state[fc1]["step"] == 7
+    assert torch.equal(optimizer.state[fc1]["exp_avg"], 2 * reference["blocks.1.mlp.fc1.weight"])
+
+
 def test_replicated_copies_that_differ_are_refused(tmp_path):
     def drift(model, optimizer):  # lesson 18: a LayerNorm drifting on one TP rank
         if parallel.grid.tp_rank == 1 and "blocks.0.ln_1.weight" in dict(model.named_parameters()):
@@ -305,9 +321,8 @@ def test_deepspeed_optimizer_state_is_refused_in_both_directions(tmp_path):
         "saved layout, or set no_load_optim",
     ):
         cfg = arguments.load_config([*CFG, "--deepspeed", "--bf16", "--zero_stage=1"])
-        reshard.load(
-            str(tag_dir), checkpoint.saved_topology(str(tag_dir)), GPT(cfg), None, deepspeed=True
-        )
+        layout = reshard.SavedLayout(str(tag_dir), checkpoint.saved_topology(str(tag_dir)))
+        reshard.load(layout, GPT(cfg), None, deepspeed=True)
     for path in tag_dir.glob("mp_rank_*_model_states.pt"):  # as if saved with deepspeed=True
         blob = torch.load(path, weights_only=False)
         blob["run"]["config"]["deepspeed"] = True
