@@ -247,15 +247,20 @@ def load(parts):
 
 
 def _read_payload(parts, tag_dir, warmup):
-    """checkpoint.load(tag_dir)'s payload, rebuilt by reshard.py if saved on another layout."""
+    """checkpoint.load(tag_dir)'s payload, rebuilt by reshard.py if saved on another layout, or with
+    another pp_partition_method (the same stages holding other layers)."""
     cfg = parts.cfg
     saved = checkpoint.saved_topology(tag_dir)
-    if saved == checkpoint.topology():
-        return checkpoint.load(tag_dir)
-    print0(
-        f"resharding checkpoint {tag_dir}: saved with {reshard.describe(saved)}, now "
-        f"{reshard.describe(checkpoint.topology())}"
-    )
+    if saved != checkpoint.topology():
+        how = f"saved with {reshard.describe(saved)}, now {reshard.describe(checkpoint.topology())}"
+    else:
+        payload = checkpoint.load(tag_dir)
+        # a checkpoint of a version without the key: nothing to compare with
+        method = payload[1]["config"].get("pp_partition_method", cfg.pp_partition_method)
+        if _stages(cfg, method) == _stages(cfg, cfg.pp_partition_method):
+            return payload
+        how = f"saved with pp_partition_method {method!r}, now {cfg.pp_partition_method!r}"
+    print0(f"resharding checkpoint {tag_dir}: {how}")
     layout = reshard.SavedLayout(tag_dir, saved)
     return reshard.load(
         layout,
@@ -266,6 +271,11 @@ def _read_payload(parts, tag_dir, warmup):
         # a reset done before the save is not due again (its key stays in the config): the state goes on
         need_optimizer=not (cfg.no_load_optim or optim.reset_due(warmup, layout.run["state"])),
     )
+
+
+def _stages(cfg, method):
+    """The transformer layers of each of cfg's pipeline stages under a pp_partition_method."""
+    return parallel.partition_layers(cfg.num_layers, cfg.pipeline_model_parallel_size, method)
 
 
 def _reseed(parts, why):

@@ -222,6 +222,32 @@ def test_a_reset_done_before_the_save_keeps_the_optimizer_state_across_a_reshard
     assert torch.equal(optimizer.state[fc1]["exp_avg"], 2 * reference["blocks.1.mlp.fc1.weight"])
 
 
+def test_another_pp_partition_method_moves_the_layers_between_the_stages(tmp_path):
+    """The same TP x PP x DP with another pp_partition_method puts other layers on a stage (4 layers on 3
+    stages: [0], [1, 2], [3] or [0, 1], [2], [3]): each is found by name, as on another layout (it was a
+    strict load_state_dict's missing keys, a traceback)."""
+    _save_layout(tmp_path, 1, 3, 1, zero_stage=0)  # type:transformer|embedding
+    cfg = arguments.load_config(
+        [
+            *CFG,
+            f"--load={tmp_path}",
+            "--pipeline_model_parallel_size=3",
+            "--pp_partition_method=type:transformer",
+        ]
+    )
+    arguments.prepare(cfg, 3)
+    saved = parallel.grid
+    parallel.grid = parallel.Grid(1, 3, world_size=3, rank=0)  # the first stage, on paper
+    try:
+        model, optimizer, _, reference = _load(cfg)
+    finally:
+        parallel.grid = saved
+    assert sorted(model.blocks) == ["0", "1"]
+    for name, p in model.named_parameters():
+        assert torch.equal(p, reference[name]), name
+        assert torch.equal(optimizer.state[p]["exp_avg"], 2 * reference[name]), name
+
+
 def test_replicated_copies_that_differ_are_refused(tmp_path):
     def drift(model, optimizer):  # lesson 18: a LayerNorm drifting on one TP rank
         if parallel.grid.tp_rank == 1 and "blocks.0.ln_1.weight" in dict(model.named_parameters()):
