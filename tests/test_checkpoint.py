@@ -357,6 +357,18 @@ def test_check_tool_passes_whole_checkpoints(ckpt, tp2pp2, capsys):
     assert check_checkpoint.main([str(ckpt / "global_step1")]) == 0
 
 
+def test_check_tool_passes_an_untied_output_layer_on_the_last_stage(tmp_path):
+    """An untied output layer (Llama's) is the last stage's own parameter: no copy of the embedding to compare
+    (it was a KeyError traceback on 'output_weight')."""
+    write_checkpoint(
+        str(tmp_path),
+        [*TP2PP2, "--tensor_model_parallel_size=1", "--untie_embeddings_and_output_weights"],
+        weights,
+    )
+    problems, summary = check_checkpoint.check(str(tmp_path))
+    assert problems == [] and "TP=1 x PP=2 x DP=1, 4 files whole" in summary
+
+
 def run_tool(directory):
     import subprocess
 

@@ -117,7 +117,8 @@ def check_model(tag_dir, topology):
                 for name in have
                 if name not in params
             ]
-    if layout.pp > 1 and not problems:
+    # an untied output layer is the last stage's own: no copy of the embedding there
+    if layout.pp > 1 and not cfg.untie_embeddings_and_output_weights and not problems:
         for tp in range(layout.tp):
             first, last = layout.model(tp, 0)["model"], layout.model(tp, layout.pp - 1)["model"]
             if not torch.equal(first["embed.word.weight"], last["output_weight"]):
