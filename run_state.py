@@ -268,8 +268,11 @@ def _read_payload(parts, tag_dir, warmup):
         parts.optimizer,
         deepspeed=cfg.deepspeed,
         use_bnb_optimizer=cfg.use_bnb_optimizer,
-        # a reset done before the save is not due again (its key stays in the config): the state goes on
-        need_optimizer=not (cfg.no_load_optim or optim.reset_due(warmup, layout.run["state"])),
+        # eval_only trains nothing; a reset done before the save is not due again (its key stays in the
+        # config): its state goes on
+        need_optimizer=not (
+            cfg.no_load_optim or cfg.eval_only or optim.reset_due(warmup, layout.run["state"])
+        ),
     )
 
 

@@ -338,7 +338,8 @@ def test_tied_copies_that_differ_are_refused(tmp_path):
 
 def test_deepspeed_optimizer_state_is_refused_in_both_directions(tmp_path):
     """A checkpoint saved under DeepSpeed (its optimizer state is DeepSpeed's flat buffers) cannot be resharded,
-    nor can a checkpoint be resharded into DeepSpeed's optimizer; no_load_optim takes the weights alone."""
+    nor can a checkpoint be resharded into DeepSpeed's optimizer; no_load_optim (and eval_only) take the weights
+    alone."""
     _save_layout(tmp_path, 2, 1, 1, zero_stage=0)
     tag_dir = tmp_path / "global_step10"
     with pytest.raises(
@@ -361,3 +362,7 @@ def test_deepspeed_optimizer_state_is_refused_in_both_directions(tmp_path):
         _load_one_process(tmp_path)
     model, _, _, reference = _load_one_process(tmp_path, "--no_load_optim")
     assert torch.equal(model.blocks["0"].mlp.fc1.weight, reference["blocks.0.mlp.fc1.weight"])
+    # eval_only trains nothing: the weights alone, as at the saved layout (it was refused as above)
+    model, _, state, reference = _load_one_process(tmp_path, "--eval_only")
+    assert torch.equal(model.blocks["0"].mlp.fc1.weight, reference["blocks.0.mlp.fc1.weight"])
+    assert state.iteration == 10
