@@ -12,7 +12,14 @@ import torch
 
 import arguments
 import checkpoint
-from helpers import ROOT, log_fields, run_main, synthetic_corpus, tool_cli  # noqa: F401 (synthetic_corpus is a fixture)
+from helpers import (  # noqa: F401 (synthetic_corpus is a fixture)
+    ROOT,
+    log_fields,
+    run_main,
+    synthetic_corpus,
+    tool_cli,
+    write_checkpoint,
+)
 from training import Step, whole_step
 
 sys.path.insert(0, os.path.join(ROOT, "tools"))
@@ -360,6 +367,25 @@ def test_whatif_refuses_a_bad_flag_value_or_an_out_under_a_file_before_any_work(
         ValueError, match=re.escape(f"--out={under} cannot be created: {tmp_path / 'afile'} is a")
     ):
         whatif.main(["--load", load, "--iters=1", "--out", str(under), "--", "--num_layers=1"])
+
+
+def test_whatif_reads_the_run_state_of_a_checkpoint_of_several_ranks(tmp_path, monkeypatch):
+    """Its forks (one process each) reshard the checkpoint as any resume does; the tool read its run state
+    through checkpoint.load, which refused every checkpoint not saved by one process (TP, PP or DP > 1)
+    with "load it with reshard.load"."""
+    layout = [*TINY, "--num_layers=2", "--tensor_model_parallel_size=2"]
+    write_checkpoint(str(tmp_path / "run"), layout, lambda stage: None, iteration=2)
+
+    class Forked(Exception):
+        """The first fork starts: the checkpoint was read."""
+
+    def fork(name, *args):
+        raise Forked(name)
+
+    monkeypatch.setattr(whatif, "run_fork", fork)
+    args = ["--load", str(tmp_path / "run"), "--iters=1", "--out", str(tmp_path / "wi")]
+    with pytest.raises(Forked, match="as is"):
+        whatif.main([*args, "--forks", "as is", "--", *layout])
 
 
 def test_whatif_reads_a_relative_load_and_out_from_the_cwd_as_its_forks_do(

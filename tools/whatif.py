@@ -37,6 +37,7 @@ import arguments  # noqa: E402
 import checkpoint  # noqa: E402
 import files  # noqa: E402
 import report  # noqa: E402
+import safety  # noqa: E402
 from sections import section  # noqa: E402
 from stability import detector, spike_guard  # noqa: E402
 from stability.detector import DetectorConfig  # noqa: E402
@@ -253,7 +254,8 @@ def main(argv=None):
         )
     marker = check_out(args.out, args.load, os.path.basename(checkpoint.latest_dir(args.load)))
     files.check_output_dir(args.out, "--out", "a directory for the forks, the table and the figure")
-    _, run, _ = checkpoint.load(checkpoint.latest_dir(args.load))
+    # the run state alone, of any layout: the forks reshard the checkpoint, as any resume does
+    run = safety.checkpoint_run(checkpoint.latest_dir(args.load))
     stats = detector.run_stats(run["state"])
     if marker is not None:
         os.makedirs(args.out, exist_ok=True)
