@@ -21,6 +21,7 @@ import time
 from dataclasses import asdict, dataclass, field, fields
 
 import numpy as np
+import torch
 
 import checkpoint
 import optim
@@ -238,8 +239,10 @@ def load(parts):
         print0("optimizer state not loaded: starting from a fresh optimizer (step 0, zero moments)")
         if hasattr(parts.optimizer, "refresh_fp32_params"):  # masters from the loaded weights
             parts.optimizer.refresh_fp32_params()
-    if payload[2]["rng"] is None or cfg.no_load_rng:
-        _reseed(parts, "the layout changed" if payload[2]["rng"] is None else "no_load_rng")
+    device = next(parallel.unwrap(parts.model).parameters()).device
+    why = rng_not_restored(cfg, payload[2]["rng"], device)
+    if why:
+        _reseed(parts, why)
     print0(f"loaded checkpoint {tag_dir} at iteration {state.iteration}")
     if cfg.dump_weights:
         checkpoint.dump_weights(cfg.load, "after-load", state.iteration, parts.model)
@@ -279,6 +282,19 @@ def _read_payload(parts, tag_dir, warmup):
 def _stages(cfg, method):
     """The transformer layers of each of cfg's pipeline stages under a pp_partition_method."""
     return parallel.partition_layers(cfg.num_layers, cfg.pipeline_model_parallel_size, method)
+
+
+def rng_not_restored(cfg, saved, device):
+    """Why the checkpoint's RNG streams (checkpoint.rng_state) are not this run's to go on with, or None."""
+    if cfg.no_load_rng:
+        return "no_load_rng"
+    if saved is None:
+        return "the layout changed"
+    # saved on a CPU, resumed on a GPU (or the reverse): no stream for the TP ranks' dropout here (rng.py)
+    streams = saved.get("model_parallel")
+    if streams is not None and torch.device(device).type not in streams:
+        return f"saved on {', '.join(streams)}, now on {torch.device(device).type}"
+    return None
 
 
 def _reseed(parts, why):

@@ -513,3 +513,18 @@ def test_no_load_optim_and_no_load_rng(small512, tmp_path):
     )
     _, opt, _ = checkpoint_state(tmp_path / "x", 4)
     assert steps_of(opt) == {1}  # not 4: the optimizer started fresh
+
+
+def test_rng_streams_of_another_device_are_reseeded_not_a_crash():
+    """A checkpoint saved on a CPU and resumed on a GPU (or the reverse) holds no model-parallel stream
+    for this device (rng.py keeps one per device type): restored as is, the first TP-split dropout
+    would stop on a KeyError. Fresh streams instead, and said why."""
+    import run_state
+
+    cfg = arguments.load_config([])
+    saved = {"model_parallel": {"cpu": torch.get_rng_state()}}
+    why = run_state.rng_not_restored(cfg, saved, torch.device("cuda", 0))
+    assert why == "saved on cpu, now on cuda"
+    assert run_state.rng_not_restored(cfg, saved, "cpu") is None
+    assert run_state.rng_not_restored(cfg, {"model_parallel": None}, "cuda") is None  # not seeded
+    assert run_state.rng_not_restored(cfg, None, "cpu") == "the layout changed"
