@@ -676,6 +676,12 @@ def read_manifest(tag_dir):
             f"checkpoint manifest {path} cannot be read ({type(e).__name__}: {e}); the checkpoint is "
             f"damaged -- {_earlier(tag_dir)}"
         ) from None
+    # a later layout of the files, read as this one, would be read wrong: refused, not guessed
+    if manifest.get("format", MANIFEST_FORMAT) != MANIFEST_FORMAT:
+        raise ValueError(
+            f"checkpoint {tag_dir} is in format {manifest['format']!r} (its manifest.json), which this "
+            f"version does not read (format {MANIFEST_FORMAT}): resume it with the code that wrote it"
+        )
     return manifest
 
 

@@ -6,6 +6,7 @@ generates what one process generates from the same weights."""
 
 import hashlib
 import io
+import json
 import os
 import re
 import shutil
@@ -158,6 +159,17 @@ def test_checkpoint_without_a_manifest_loads_with_one_note(ckpt, tmp_path, capsy
     assert run["state"]["iteration"] == 2 and "optimizer" in rank
     assert capsys.readouterr().out.count("has no manifest.json (written by an older version)") == 1
     assert check_checkpoint.main([str(directory)]) == 0
+
+
+def test_a_checkpoint_of_another_format_is_refused_by_name(ckpt, tmp_path):
+    """A manifest of a format this code does not read (a later version's) is refused before a tensor
+    is read, not read as this version's files."""
+    directory = shutil.copytree(ckpt, tmp_path / "later")
+    path = directory / "global_step2" / checkpoint.MANIFEST
+    manifest = json.loads(path.read_text())
+    path.write_text(json.dumps({**manifest, "format": 2}))
+    with pytest.raises(ValueError, match=r"global_step2 is in format 2 .* \(format 1\): resume it"):
+        checkpoint.load(str(directory / "global_step2"))
 
 
 # -----------------------------------------------------------------------------
