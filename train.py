@@ -196,10 +196,12 @@ def prepare(cfg, grid, callbacks, saved_state):
     device = launch.setup(section(parallel.LayoutConfig, cfg), cfg.seed)
     builders.check_attention(cfg, device)  # the first step's refusal, before the build
     schedule = Schedule(section(ScheduleConfig, cfg), grid.dp_size, cfg.seq_length, saved_state)
-    parts = builders.build(cfg, grid, schedule, device, callbacks)
+    # the data before the model: its refusals (token ids outside the vocabulary, the bundled corpus's splits) need
+    # the corpus read, which the preflight does not do, and would come after minutes of build on every rank
     data_cfg, context = section(loader.DataConfig, cfg), section(loader.DataContext, cfg)
     skips = callbacks.documents_to_skip
     train_data, valid_data = loader.build_data(data_cfg, context, schedule, skips)
+    parts = builders.build(cfg, grid, schedule, device, callbacks)
     if cfg.load:
         run_state.load(parts)
     # each block one graph, checkpointing outside it; the loss's elementwise chain fused

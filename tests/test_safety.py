@@ -592,7 +592,14 @@ def test_save_directory_is_checked_at_start(corpus, tmp_path):
         run_main(*SMALL, "--train_iters=1", f"--save={tmp_path}/file/run")
 
 
-def test_token_ids_outside_the_vocabulary(tmp_path):
+def test_token_ids_outside_the_vocabulary(tmp_path, monkeypatch):
+    """Refused before the model is built: the build came first (minutes on every rank of a large model)."""
+    import builders
+
+    def build(*args, **kwargs):
+        raise AssertionError("built before the refusal")
+
+    monkeypatch.setattr(builders, "build", build)
     prefix = str(tmp_path / "big")
     data.write_indexed_dataset(prefix, [list(range(1, 200)) + [60000]] * 30)
     with pytest.raises(ValueError, match="token id 60000, at or above vocab_size 50257"):
