@@ -158,6 +158,17 @@ MEGATRON_NAMES = {
     "merge_file": "GPT-2 BPE is the default; tokenizer_file for a Hugging Face tokenizer.json",
     "data_parallel_size": "the data-parallel size is the number of processes / "
     "(tensor_model_parallel_size x pipeline_model_parallel_size)",
+    # BigScience's scripts' own (config/tr*.py follow them), whose closest key by spelling is another setting
+    "sync_tp_duplicated_parameters": "tp_replica_check_interval=N with tp_replica_resync: every N iterations "
+    "TP rank 0's copies of the replicated weights are copied over where they differ (as tr11's config does)",
+    "pad_vocab_size_to": "make_vocab_size_divisible_by (the vocabulary is padded to a multiple of it x TP; "
+    "vocab_size stays the tokenizer's)",
+    "data_impl": "Megatron's mmap .bin/.idx is the one format here: drop the flag (data_path names the prefix)",
+    "tensorboard_queue_size": "the events are written as they come: drop the flag (tensorboard_dir says where)",
+    "train_weighted_split_paths_path": "data_path (a prefix or a blend 'w1 prefix1 w2 prefix2 ...', which split "
+    "divides into train and validation)",
+    "deepspeed_config": "deepspeed=True: DeepSpeed's config is made from this config's keys (zero_stage, bf16, "
+    "clip_grad, micro_batch_size), no JSON file is read",
 }
 
 

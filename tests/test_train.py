@@ -164,11 +164,20 @@ def test_exclusive_warmups_both_on_the_command_line_are_refused():
         ("use_distributed_optimizer", "zero_stage=1"),
         ("num_key_value_heads", "num_query_groups"),
         ("use_checkpoint_lr_scheduler", "drop the flag"),
+        ("sync_tp_duplicated_parameters", "tp_replica_check_interval=N with tp_replica_resync"),
+        ("pad_vocab_size_to", "make_vocab_size_divisible_by"),
+        ("data_impl", "drop the flag"),
+        ("tensorboard_queue_size", "drop the flag"),
+        ("train_weighted_split_paths_path", "data_path"),
+        ("deepspeed_config", "no JSON file is read"),
     ],
 )
 def test_a_megatron_flag_of_another_name_is_translated_not_misspelled(flag, message):
     """difflib's nearest key for each is another setting (lr_decay_tokens: another unit; use_bnb_optimizer:
-    8-bit Adam; override_lr_scheduler: the opposite)."""
+    8-bit Adam; override_lr_scheduler: the opposite). BigScience's scripts' flags too: tr11's
+    --sync-tp-duplicated-parameters was offered inject_duplicate_period (a fault injection), --pad-vocab-size-to
+    vocab_size, --data-impl data_path, --tensorboard-queue-size tensorboard_dir, --train-weighted-split-paths-path
+    valid_weighted_split_paths, --deepspeed_config deepspeed (whose file nothing would read)."""
     with pytest.raises(
         ValueError,
         match=f"unknown config key '{flag}' \\(a Megatron-LM flag\\): .*" + re.escape(message),
