@@ -246,17 +246,18 @@ def parse_cli(argv):
         if not eq:  # --key value [value ...], or a bare --flag
             values = []
             many = _accepts_many(FIELDS[key].type)
+            switch = FIELDS[key].type in (bool, bool | None)
             while i < len(argv) and not argv[i].startswith("--"):
                 # a list's values end at a config file (no list takes a .py): read as a data path, the run
-                # would use the default config instead of the one typed
-                if many and argv[i].endswith(".py"):
+                # would use the default config instead of the one typed; a bare switch's value is none
+                if (many or switch) and argv[i].endswith(".py"):
                     break
                 values.append(argv[i])
                 i += 1
                 if not many:
                     break
             if not values:
-                if FIELDS[key].type in (bool, bool | None):
+                if switch:
                     value = True
                 elif key == "reset_optimizer_warmup_iters":
                     value = "auto"

@@ -229,6 +229,16 @@ def test_a_config_file_after_a_list_key_is_the_config_file():
     assert arguments.parse_cli(["--tokenizer_file", "t.py"]) == (None, {"tokenizer_file": "t.py"})
 
 
+def test_a_config_file_after_a_bare_switch_is_the_config_file():
+    """`--embed-layernorm config/x.py` was refused as "cannot use 'config/x.py' as bool": the bare switch took the
+    file for its value."""
+    assert arguments.parse_cli(["--embed-layernorm", "config/gpt2_125m.py", "--compile"]) == (
+        "config/gpt2_125m.py",
+        {"embed_layernorm": True, "compile": True},
+    )
+    assert arguments.parse_cli(["--fp16", "false"]) == (None, {"fp16": "false"})
+
+
 @pytest.mark.parametrize("value", ["0", "-4", "abc", ""])
 def test_a_world_size_that_is_no_count_of_processes_is_refused_by_name(value, monkeypatch):
     """WORLD_SIZE=0 ended in a ZeroDivisionError, 'abc' in int()'s words, -4 in a batch-size message."""
