@@ -80,7 +80,7 @@ class CheckpointConfig:
 
     # keys read only while a switch is on (sections.py): a run resumes from load, or from save when it holds one
     SWITCHED = {
-        "save": ("save_interval",),
+        "save": ("save_interval", "async_save"),
         "load|save": ("no_load_optim", "no_load_rng", "dump_weights"),
     }
 
