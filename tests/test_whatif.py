@@ -344,6 +344,7 @@ def test_whatif_refuses_an_out_holding_the_forks_of_another_load_or_checkpoint(
     assert json.load(open(os.path.join(out, "whatif.json"))) == {
         "load": os.path.realpath(a),
         "tag": "global_step2",
+        "forks": {"as is": base},
     }
 
 
@@ -421,3 +422,29 @@ def test_a_failed_fork_is_one_line_naming_its_log(synthetic_corpus, tmp_path):
     line = proc.stderr.strip().splitlines()[-1]
     assert line.startswith("error: fork 'as is' failed (exit ") and str(missing) in line, line
     assert line.endswith(f"; its output: {out / 'as_is.log'}") and "Traceback" not in proc.stderr
+
+
+def test_whatif_refuses_to_report_a_fork_run_with_other_arguments_as_these(
+    synthetic_corpus, tmp_path
+):
+    """A rerun into the same --out with another --lr_factor, or other run arguments after `--`,
+    reused (or resumed) the forks the first run made and reported them under the new arguments."""
+    base = six_iterations(synthetic_corpus)
+    load = str(tmp_path / "a")
+    run_main(*base, f"--save={load}", "--save_interval=2", "--exit_interval=2")
+    out = str(tmp_path / "wi")
+
+    def whatif_with(*flags, run_args=base):
+        args = ["--load", load, "--iters=1", "--out", out, "--forks", "as is,lr x F", *flags]
+        return whatif.main([*args, "--", *run_args])
+
+    assert [r[3] for r in whatif_with("--lr_factor=0.5")] == [True, True]
+    for flags, run_args, fork in [
+        (["--lr_factor=0.25"], base, "lr x F"),
+        (["--lr_factor=0.5"], [*base, "--clip_grad=1.0"], "as is"),
+    ]:
+        with pytest.raises(ValueError, match=f"^--out {re.escape(out)} holds the fork '{fork}' "):
+            whatif_with(*flags, run_args=run_args)
+    logs = {name: open(os.path.join(out, name)).read() for name in ("as_is.log", "lr_x_F.log")}
+    assert [r[3] for r in whatif_with("--lr_factor=0.5")] == [True, True]  # the same: reused
+    assert logs == {name: open(os.path.join(out, name)).read() for name in logs}

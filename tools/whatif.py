@@ -5,9 +5,10 @@
 Everything after `--` is the run's own command line (config file and overrides). Each fork is a process of its
 own, `python train.py RUN_ARGS --load=CKPT_DIR --save=OUT/FORK --exit_interval=START+ITERS CHANGE` (START: the
 checkpoint's iteration; exit_interval stops at its multiples, Megatron's, the first past START); a fork whose
-directory already holds a checkpoint resumes from it, so a killed what-if picks up where it stopped. Then one
-table (which forks got through without a spike, found by the spike guard's own detector seeded with the
-checkpoint's statistics, and at what loss) and one figure (loss and grad norm per fork, overlaid): OUT/whatif.png.
+directory already holds a checkpoint resumes from it, so a killed what-if picks up where it stopped (a rerun
+with other arguments for it is refused: OUT/whatif.json records each fork's). Then one table (which forks got
+through without a spike, found by the spike guard's own detector seeded with the checkpoint's statistics, and at
+what loss) and one figure (loss and grad norm per fork, overlaid): OUT/whatif.png.
 
 The changes leave the model function alone (PaLM's and the chronicles' remedies, docs/spike_guard.md):
 
@@ -85,13 +86,13 @@ MARKER = "whatif.json"
 def check_out(out, load, tag):
     """Refuse an --out whose forks would not be this --load's: a file, a folder of other files, or the forks
     of another checkpoint (they resume from their own directories, so their results would be reported as
-    this checkpoint's). Returns the marker to write in a new --out, or None where OUT already holds it."""
+    this checkpoint's). Returns OUT's marker: the one it holds, or a new one (no forks yet) for a new --out."""
     mine = {"load": os.path.realpath(load), "tag": tag}
     if os.path.exists(out) and not os.path.isdir(out):
         raise ValueError(f"--out {out} is a file; give a directory (a new one, or this tool's own)")
     marker = os.path.join(out, MARKER)
     if not os.path.isdir(out) or not os.listdir(out):
-        return mine
+        return {**mine, "forks": {}}
     if not os.path.isfile(marker):
         raise ValueError(
             f"--out {out} holds files this tool did not write (no {MARKER}); give a new --out"
@@ -101,13 +102,38 @@ def check_out(out, load, tag):
             found = json.load(f)
     except (OSError, ValueError) as e:
         raise ValueError(f"--out {out}: {marker} cannot be read ({e}); give a new --out") from None
-    if found != mine:
+    if not isinstance(found, dict) or {key: found.get(key) for key in mine} != mine:
         was = f"{found.get('load')} at {found.get('tag')}" if isinstance(found, dict) else found
         raise ValueError(
             f"--out {out} holds the forks of {was}, not of {mine['load']} at {tag}; give a new --out "
             "(its forks would be reported as this checkpoint's)"
         )
-    return None
+    return {"forks": {}, **found}
+
+
+def check_forks(out, marker, commands):
+    """Refuse a fork whose directory in OUT holds a checkpoint of other arguments (a rerun with another
+    --lr_factor, or other run arguments after `--`): it would be reused or resumed, and its results
+    reported as these arguments'. commands: {fork: its train.py arguments, less the per-call ones}."""
+    for name, command in commands.items():
+        ran = marker["forks"].get(name)
+        if ran != command and saved_iteration(fork_dir(out, name)) is not None:
+            said = "were not recorded" if ran is None else f"differ: {_difference(ran, command)}"
+            raise ValueError(
+                f"--out {out} holds the fork '{name}' run with other arguments (they {said}); give "
+                "a new --out (its results would be reported as these arguments')"
+            )
+
+
+def _difference(ran, command):
+    """The arguments only the fork's run had, and those only these have."""
+    gone = " ".join(a for a in ran if a not in command) or "nothing else"
+    new = " ".join(a for a in command if a not in ran) or "nothing else"
+    return f"it ran with {gone}, these have {new}"
+
+
+def fork_dir(out, name):
+    return os.path.join(out, name.replace(" ", "_"))
 
 
 class ForkFailed(Exception):
@@ -116,7 +142,7 @@ class ForkFailed(Exception):
 
 def run_fork(name, run_args, load, out, iters, extra):
     """Run (or finish) one fork; returns its directory."""
-    directory = os.path.join(out, name.replace(" ", "_"))
+    directory = fork_dir(out, name)
     target = saved_iteration(load) + iters
     done = saved_iteration(directory) if os.path.isdir(directory) else None
     if done is not None and done >= target:
@@ -254,25 +280,25 @@ def main(argv=None):
         )
     marker = check_out(args.out, args.load, os.path.basename(checkpoint.latest_dir(args.load)))
     files.check_output_dir(args.out, "--out", "a directory for the forks, the table and the figure")
+    extras = {
+        name: change(name, cfg, start, args.lr_factor, args.skip, args.soft_skip_ratio)
+        for name in forks
+    }
+    commands = {name: [*run_args, *extra] for name, extra in extras.items()}
+    check_forks(args.out, marker, commands)
     # the run state alone, of any layout: the forks reshard the checkpoint, as any resume does
     run = safety.checkpoint_run(checkpoint.latest_dir(args.load))
     stats = detector.run_stats(run["state"])
-    if marker is not None:
-        os.makedirs(args.out, exist_ok=True)
-        files.write_text(json.dumps(marker), os.path.join(args.out, MARKER))
+    # before the forks run: a killed what-if's forks are resumed by a rerun of the same arguments only
+    marker["forks"].update(commands)
+    os.makedirs(args.out, exist_ok=True)
+    files.write_text(json.dumps(marker), os.path.join(args.out, MARKER))
     results = []
     for name in forks:
         label = {"lr x F": f"lr x {args.lr_factor:g}", "skip 200": f"skip {args.skip}"}.get(
             name, name
         )
-        directory = run_fork(
-            name,
-            run_args,
-            args.load,
-            args.out,
-            args.iters,
-            change(name, cfg, start, args.lr_factor, args.skip, args.soft_skip_ratio),
-        )
+        directory = run_fork(name, run_args, args.load, args.out, args.iters, extras[name])
         series = records(directory, start)
         reached = saved_iteration(directory) == start + args.iters
         found = detector.spikes_in(series, section(DetectorConfig, cfg), cfg.clip_grad, stats)
