@@ -448,3 +448,23 @@ def test_whatif_refuses_to_report_a_fork_run_with_other_arguments_as_these(
     logs = {name: open(os.path.join(out, name)).read() for name in ("as_is.log", "lr_x_F.log")}
     assert [r[3] for r in whatif_with("--lr_factor=0.5")] == [True, True]  # the same: reused
     assert logs == {name: open(os.path.join(out, name)).read() for name in logs}
+
+
+def test_whatif_with_fewer_iters_than_its_forks_ran_reports_those_iterations(
+    synthetic_corpus, tmp_path
+):
+    """A rerun with a smaller --iters reused the forks as they were: the table, headed with the new
+    --iters, showed the longer run's iterations and said the fork had not got through."""
+    base = six_iterations(synthetic_corpus)
+    load = str(tmp_path / "a")
+    run_main(*base, f"--save={load}", "--save_interval=2", "--exit_interval=2")
+    out = str(tmp_path / "wi")
+
+    def whatif_for(iters):
+        args = ["--load", load, f"--iters={iters}", "--out", out, "--forks", "as is", "--", *base]
+        return whatif.main(args)
+
+    ((_, longer, _, reached),) = whatif_for(2)
+    assert [it for it, *_ in longer] == [3, 4] and reached
+    ((_, shorter, _, reached),) = whatif_for(1)
+    assert shorter == longer[:1] and reached

@@ -175,11 +175,14 @@ def run_fork(name, run_args, load, out, iters, extra):
     return directory
 
 
-def records(directory, after):
-    """[(iteration, lm loss, grad norm)] past after of the timeline a fork's metrics.jsonl ends on."""
+def records(directory, after, last):
+    """[(iteration, lm loss, grad norm)] of after+1..last of the timeline a fork's metrics.jsonl ends
+    on (a fork an earlier call of more --iters ran holds more)."""
     found = report.read_metrics(os.path.join(directory, "metrics.jsonl"))
     return [
-        (i, r["lm loss"], r["grad norm"]) for i, r in found.items() if i > after and "lm loss" in r
+        (i, r["lm loss"], r["grad norm"])
+        for i, r in found.items()
+        if after < i <= last and "lm loss" in r
     ]
 
 
@@ -299,8 +302,8 @@ def main(argv=None):
             name, name
         )
         directory = run_fork(name, run_args, args.load, args.out, args.iters, extras[name])
-        series = records(directory, start)
-        reached = saved_iteration(directory) == start + args.iters
+        series = records(directory, start, start + args.iters)
+        reached = saved_iteration(directory) >= start + args.iters
         found = detector.spikes_in(series, section(DetectorConfig, cfg), cfg.clip_grad, stats)
         results.append((label, series, found, reached))
     text = table(results, start, args.iters)
