@@ -242,6 +242,22 @@ def test_export_hf_refuses_a_model_it_cannot_export_before_the_gather(
     assert sorted(os.listdir(tmp_path)) == ["ckpt"]
 
 
+def test_export_hf_refuses_a_missing_tokenizer_file_before_the_gather(
+    tmp_path, capsys, monkeypatch
+):
+    """A --tokenizer_file that is not there (or the checkpoint's own, on another machine) was
+    refused once the whole model was gathered, every weight read."""
+    write_checkpoint(str(tmp_path / "ckpt"), TINY_GPT2, lambda s: 0)
+    monkeypatch.setattr(export_hf.reshard, "load_full_model", not_read)
+    missing = tmp_path / "tokenizer.json"
+    output = tmp_path / "hf"
+    argv = ["--load", str(tmp_path / "ckpt"), "--output", str(output)]
+    assert export_hf.run([*argv, "--tokenizer_file", str(missing)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: tokenizer_file {missing} not found; ") and err.count("\n") == 1
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]
+
+
 def test_cpu_vs_nanogpt_refuses_what_it_cannot_time_before_the_first_measurement(
     tmp_path, capsys, monkeypatch
 ):

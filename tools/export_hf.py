@@ -490,10 +490,12 @@ def export(load_dir, output, dtype="float32", tokenizer_file=None, tolerance=1e-
     leaves nothing at output (a kill -9 leaves OUTPUT.partial, which the next export removes) and
     the earlier export it replaces at output or at OUTPUT.replaced (publish)."""
     partial = check_output(output, load_dir, overwrite)
-    # the saved config refused before the gather, which reads every weight
-    target_class(reshard.saved_model_config(load_dir)[0])
-    gpt, saved, tag_dir = reshard.load_full_model(load_dir)
+    # the saved config and the tokenizer refused before the gather, which reads every weight
+    cfg, saved, _ = reshard.saved_model_config(load_dir)
+    target_class(cfg)
     tokenizer_file = tokenizer_file or saved.get("tokenizer_file")
+    data.get_tokenizer(tokenizer_file)
+    gpt, saved, tag_dir = reshard.load_full_model(load_dir)
     torch_dtype = getattr(torch, dtype)
     keys = export_keys(gpt.config, imported_from(saved, tag_dir), tokenizer_file)
     try:
