@@ -391,10 +391,12 @@ class LMAdapter:
     @classmethod
     def from_checkpoint(cls, load_dir, device="cpu", dtype=None, **kwargs):
         """The LM of load_dir's latest checkpoint (any layout), on device, in dtype (default: as saved)."""
-        model, saved, tag_dir = reshard.load_full_model(load_dir)
+        # the tokenizer first: a tokenizer_file not on this machine is refused before the gather
+        tok = tokenizer.get_tokenizer(reshard.saved_model_config(load_dir)[1].get("tokenizer_file"))
+        model, _, tag_dir = reshard.load_full_model(load_dir)
         model = model.to(device=device, dtype=dtype)
         info = {"checkpoint": tag_dir, "dtype": str(next(model.parameters()).dtype)}
-        return cls(model, tokenizer.get_tokenizer(saved.get("tokenizer_file")), info=info, **kwargs)
+        return cls(model, tok, info=info, **kwargs)
 
     def get_model_info(self):
         return dict(self.info)  # lm-eval adds it to its results' config

@@ -163,6 +163,25 @@ def test_sample_refuses_what_it_cannot_sample_before_reading_the_checkpoint(caps
     assert (proc.returncode, proc.stderr) == (2, "error: --num_samples -1 must be at least 1\n")
 
 
+def test_sample_and_evaluate_refuse_a_tokenizer_file_not_here_before_the_gather(
+    tmp_path, monkeypatch
+):
+    """A checkpoint whose run's tokenizer_file is not on this machine was refused once the whole
+    model was gathered, every weight read."""
+    missing = tmp_path / "tokenizer.json"
+    write_checkpoint(
+        str(tmp_path / "ckpt"), [*TINY_GPT2, f"--tokenizer_file={missing}"], lambda s: 0
+    )
+    monkeypatch.setattr(sample.reshard, "load_full_model", not_read)
+    said = f"^tokenizer_file {re.escape(str(missing))} not found; "
+    for main in (
+        lambda: sample.main(["--load", str(tmp_path / "ckpt")]),
+        lambda: evaluate_tool.eval_harness.StableGPT.from_checkpoint(str(tmp_path / "ckpt")),
+    ):
+        with pytest.raises(FileNotFoundError, match=said):
+            main()
+
+
 def test_evaluate_refuses_log_samples_without_a_file_to_write_them_to():
     """--log_samples without --output_path computed each document's answers and dropped them."""
     with pytest.raises(ValueError, match="^--log_samples .* give --output_path too$"):

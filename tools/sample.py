@@ -20,9 +20,11 @@ import reshard  # noqa: E402
 
 
 def load_model(directory, device):
-    """(model, its training config) from DIR/latest, on device, in eval mode."""
-    model, config, _ = reshard.load_full_model(directory)
-    return model.to(device), config
+    """(model, the run's tokenizer) from DIR/latest, the model on device, in eval mode. The tokenizer
+    (GPT-2 BPE by default) first: a tokenizer_file not on this machine is refused before the gather."""
+    tok = data.get_tokenizer(reshard.saved_model_config(directory)[1].get("tokenizer_file"))
+    model, _, _ = reshard.load_full_model(directory)
+    return model.to(device), tok
 
 
 def check(args):
@@ -59,9 +61,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     check(args)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    model, config = load_model(args.load, device)
-    # the run's tokenizer (GPT-2 BPE by default)
-    tok = data.get_tokenizer(config.get("tokenizer_file"))
+    model, tok = load_model(args.load, device)
     prompt = tok.encode_ordinary(args.prompt) or [tok.eot_token]
     generator = torch.Generator(device=device).manual_seed(args.seed)
     with torch.no_grad():
