@@ -182,6 +182,16 @@ def test_sample_and_evaluate_refuse_a_tokenizer_file_not_here_before_the_gather(
             main()
 
 
+def test_evaluate_refuses_a_tokenizer_of_more_ids_than_the_model_before_the_gather(
+    tmp_path, monkeypatch
+):
+    """GPT-2's 50257 ids over a 128-token model were refused once the whole model was gathered."""
+    write_checkpoint(str(tmp_path / "ckpt"), TINY_GPT2, lambda s: 0)
+    monkeypatch.setattr(evaluate_tool.eval_harness.reshard, "load_full_model", not_read)
+    with pytest.raises(ValueError, match="^the tokenizer has 50257 ids but the model only 128: "):
+        evaluate_tool.eval_harness.StableGPT.from_checkpoint(str(tmp_path / "ckpt"))
+
+
 def test_evaluate_refuses_log_samples_without_a_file_to_write_them_to():
     """--log_samples without --output_path computed each document's answers and dropped them."""
     with pytest.raises(ValueError, match="^--log_samples .* give --output_path too$"):
