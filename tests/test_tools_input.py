@@ -192,6 +192,18 @@ def test_evaluate_refuses_a_tokenizer_of_more_ids_than_the_model_before_the_gath
         evaluate_tool.eval_harness.StableGPT.from_checkpoint(str(tmp_path / "ckpt"))
 
 
+def test_sample_refuses_a_tokenizer_of_more_ids_than_the_model_before_the_gather(
+    tmp_path, monkeypatch
+):
+    """GPT-2's ids over a 128-token model were an IndexError traceback from the embedding, after
+    the gather."""
+    write_checkpoint(str(tmp_path / "ckpt"), TINY_GPT2, lambda s: 0)
+    monkeypatch.setattr(sample.reshard, "load_full_model", not_read)
+    said = "the tokenizer (GPT-2 BPE: the run named no tokenizer_file) has 50257 ids but the model "
+    with pytest.raises(ValueError, match="^" + re.escape(said) + "only 128: "):
+        sample.main(["--load", str(tmp_path / "ckpt")])
+
+
 def test_evaluate_refuses_log_samples_without_a_file_to_write_them_to():
     """--log_samples without --output_path computed each document's answers and dropped them."""
     with pytest.raises(ValueError, match="^--log_samples .* give --output_path too$"):

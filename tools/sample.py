@@ -21,8 +21,16 @@ import reshard  # noqa: E402
 
 def load_model(directory, device):
     """(model, the run's tokenizer) from DIR/latest, the model on device, in eval mode. The tokenizer
-    (GPT-2 BPE by default) first: a tokenizer_file not on this machine is refused before the gather."""
-    tok = data.get_tokenizer(reshard.saved_model_config(directory)[1].get("tokenizer_file"))
+    (GPT-2 BPE by default) first: a tokenizer_file not on this machine, or not the model's, is
+    refused before the gather."""
+    cfg, saved, _ = reshard.saved_model_config(directory)
+    tok = data.get_tokenizer(saved.get("tokenizer_file"))
+    if tok.n_vocab > cfg.vocab_size:  # its ids past the model's are no embedding row: no text
+        which = saved.get("tokenizer_file") or "GPT-2 BPE: the run named no tokenizer_file"
+        raise ValueError(
+            f"the tokenizer ({which}) has {tok.n_vocab} ids but the model only {cfg.vocab_size}: "
+            "they are not the model's tokens, so no text can be sampled"
+        )
     model, _, _ = reshard.load_full_model(directory)
     return model.to(device), tok
 
