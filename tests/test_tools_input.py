@@ -210,6 +210,13 @@ def test_evaluate_refuses_log_samples_without_a_file_to_write_them_to():
         evaluate_tool.parse(["--load", "x", "--tasks", "t", "--log_samples", "--device=cpu"])
 
 
+def test_evaluate_refuses_tasks_that_name_no_task():
+    """--tasks , (or "") gathered the model, then lm-eval said "No tasks specified"."""
+    for tasks in (",", ""):
+        with pytest.raises(ValueError, match=f"^--tasks '{tasks}' names no task: give "):
+            evaluate_tool.parse(["--load", "x", "--tasks", tasks, "--device=cpu"])
+
+
 def test_show_samples_refuses_a_negative_max_chars(monkeypatch):
     """--max_chars -1 was a slice's end: each text cut by one character, in silence."""
     monkeypatch.setattr(show_samples.arguments, "load_config", not_read)

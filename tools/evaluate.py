@@ -75,6 +75,10 @@ def parse(argv=None):
     parser.add_argument("--seed", type=int, default=1234, help="of lm-eval's few-shot sampling")
     args = parser.parse_args(argv)
     check_device(args)
+    if not any(args.tasks.split(",")):
+        raise ValueError(
+            f"--tasks {args.tasks!r} names no task: give lm-eval task names, comma-separated"
+        )
     if args.only_include_path and not args.include_path:
         raise ValueError("--only_include_path needs --include_path (the folder of your task files)")
     if args.include_path and not os.path.isdir(args.include_path):
