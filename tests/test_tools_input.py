@@ -224,6 +224,22 @@ def test_show_samples_refuses_a_negative_max_chars(monkeypatch):
         show_samples.main(["--iterations", "1-2", "--max_chars=-1"])
 
 
+def test_show_samples_names_a_missing_tokenizer_file_before_the_data(tmp_path):
+    """A tokenizer_file that is not there was a FileNotFoundError traceback, after the data's
+    sample index was built."""
+    missing = tmp_path / "tokenizer.json"
+    proc = tool_cli(
+        "show_samples.py",
+        "--iterations=1-1",
+        *TINY_GPT2,
+        f"--data_path={tmp_path / 'no_corpus'}",  # read after the tokenizer: not reached
+        f"--tokenizer_file={missing}",
+        f"--save={tmp_path / 'run'}",
+    )
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.startswith(f"error: tokenizer_file {missing} not found; "), proc.stderr
+
+
 def test_a_file_given_for_the_checkpoint_directory_is_called_a_file(tmp_path, capsys):
     """sample, evaluate, export_hf and check_checkpoint said a file given for --load "does not
     exist"."""

@@ -116,6 +116,7 @@ def main(argv=None):
             f"iterations {first}-{last} consumed samples up to {end}, past these keys' {plan.total_samples}: the "
             "run's keys (train_iters, train_samples, global_batch_size) were not these"
         )
+    data.get_tokenizer(cfg.tokenizer_file)  # a missing one said before the sample index is built
     data_cfg, context = section(loader.DataConfig, cfg), section(loader.DataContext, cfg)
     train_data, _ = loader.build_data(data_cfg, context, plan)
     for it, (begin, batch, seqlen, note) in starts.items():
@@ -130,6 +131,6 @@ def main(argv=None):
 if __name__ == "__main__":
     try:
         main()
-    except ValueError as e:
+    except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
