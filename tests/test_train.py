@@ -20,6 +20,7 @@ from helpers import (  # noqa: F401
     corpus512,
     final_state,
     losses,
+    run_main,
     synthetic_corpus,
     torchrun,
 )
@@ -489,21 +490,25 @@ def test_resume_is_bit_exact(corpus512, tmp_path):
     assert model_a["run"]["state"] == model_b["run"]["state"]
 
 
-def test_changed_lr_schedule_needs_override(corpus, tmp_path):
-    run(*SMALL, "--train_iters=2", f"--save={tmp_path}")
-    proc = run(*SMALL, "--train_iters=4", f"--load={tmp_path}", "--min_lr=1e-5", expect_ok=False)
+def test_changed_lr_schedule_needs_override(corpus512, tmp_path):
+    """The refusal through the command line (exit 2, the flag named, the checkpoint untouched). The run before it
+    and the one after in this process (train.py's main), on a 512-token vocabulary: the subject is the LR
+    schedule, not the interpreter's start-up or the vocabulary."""
+    small = [*SMALL, f"--data_path={corpus512}", "--vocab_size=512"]
+    run_main(*small, "--train_iters=2", f"--save={tmp_path}")
+    proc = run(*small, "--train_iters=4", f"--load={tmp_path}", "--min_lr=1e-5", expect_ok=False)
     assert proc.returncode == 2
     assert "override_lr_scheduler" in proc.stderr and "minimum learning rate" in proc.stderr
     # checkpoint untouched
     assert open(os.path.join(tmp_path, "latest")).read().strip() == "global_step2"
-    out = run(
-        *SMALL,
+    out = run_main(
+        *small,
         "--train_iters=4",
         f"--load={tmp_path}",
         f"--save={tmp_path}",
         "--min_lr=1e-5",
         "--override_lr_scheduler",
-    ).stdout
+    )
     assert " iteration        4/" in out
 
 
@@ -521,12 +526,15 @@ def test_missing_and_corrupt_data_files_are_reported(tmp_path):
     assert proc.returncode == 2 and "tiny.bin" in proc.stderr and "Traceback" not in proc.stderr
 
 
-def test_corrupt_checkpoint_is_reported_and_left_alone(corpus, tmp_path):
-    run(*SMALL, "--train_iters=2", f"--save={tmp_path}")
+def test_corrupt_checkpoint_is_reported_and_left_alone(corpus512, tmp_path):
+    """The report through the command line; the checkpoint it reads written in this process (train.py's main),
+    on a 512-token vocabulary: the subject is the damaged file, not its size."""
+    small = [*SMALL, f"--data_path={corpus512}", "--vocab_size=512"]
+    run_main(*small, "--train_iters=2", f"--save={tmp_path}")
     shard = tmp_path / "global_step2" / "mp_rank_00_000_model_states.pt"
     shard.write_bytes(shard.read_bytes()[:1000])
     proc = run(
-        *SMALL, "--train_iters=4", f"--load={tmp_path}", f"--save={tmp_path}", expect_ok=False
+        *small, "--train_iters=4", f"--load={tmp_path}", f"--save={tmp_path}", expect_ok=False
     )
     assert (
         proc.returncode == 2
