@@ -559,30 +559,27 @@ def _audited_runs(corpus, layouts):
         assert not problems, f"{layout}: {sorted(set(problems))}"
 
 
+# TP2, PP2 and DP2 with ZeRO-1 (fp16 on PP2: the loss scaler's path)
+NATIVE_LAYOUTS = [
+    ["--tensor_model_parallel_size=2", "--telemetry_interval=2"],
+    ["--pipeline_model_parallel_size=2", "--fp16"],
+    ["--zero_stage=1", "--bf16"],
+]
+
+
 @pytest.mark.slow
-def test_collectives_of_two_process_runs(synthetic_corpus):
+def test_collectives_of_two_process_runs(two_ranks):
     """TP2, PP2 and DP2 with ZeRO-1 (fp16 on PP2: the loss scaler's path), 3 iterations each on 2 gloo processes:
     every collective and point-to-point call takes contiguous tensors of a dtype NCCL takes, and no object
     collective happens inside the loop (the exit signal used to all-gather a Python object every iteration)."""
-    spawn(
-        _audited_runs,
-        2,
-        1,
-        1,
-        synthetic_corpus,
-        [
-            ["--tensor_model_parallel_size=2", "--telemetry_interval=2"],
-            ["--pipeline_model_parallel_size=2", "--fp16"],
-            ["--zero_stage=1", "--bf16"],
-        ],
-    )
+    two_ranks("collectives")
 
 
 @pytest.mark.slow
-def test_collectives_of_a_two_process_deepspeed_run(synthetic_corpus):
+def test_collectives_of_a_two_process_deepspeed_run(two_ranks):
     """DeepSpeed ZeRO-1 bf16 on 2 gloo processes: the same audit, DeepSpeed's own collectives included."""
     pytest.importorskip("deepspeed")
-    spawn(_audited_runs, 2, 1, 1, synthetic_corpus, [["--deepspeed", "--zero_stage=1", "--bf16"]])
+    two_ranks("deepspeed")
 
 
 # -----------------------------------------------------------------------------
@@ -750,10 +747,10 @@ def _save_on_two_ranks(directory):
     assert checkpoint.latest_dir(directory) == path
 
 
-def test_a_save_inside_the_loop_shares_its_results_by_tensor_collectives(tmp_path):
+def test_a_save_inside_the_loop_shares_its_results_by_tensor_collectives(two_ranks):
     """A save at save_interval is inside the training loop: its barriers (failures, every rank's file sizes and
     CRCs for the manifest) are all-gathers of tensors on the backend's device, never object collectives."""
-    spawn(_save_on_two_ranks, 2, 1, 1, str(tmp_path))
+    two_ranks("save")
 
 
 def test_bench_starts_as_train_does(monkeypatch, corpus):
@@ -893,9 +890,75 @@ def _telemetry_with_and_without_zero():
 
 
 @pytest.mark.slow
-def test_telemetry_update_ratio_with_zero1_masters():
+def test_telemetry_update_ratio_with_zero1_masters(two_ranks):
     """DP2 with ZeRO-1 (each fp32 master on one DP rank) reports the update/param ratio DP2 without it does."""
-    spawn(_telemetry_with_and_without_zero, 2)
+    two_ranks("telemetry")
+
+
+# -----------------------------------------------------------------------------
+# The two-process checks above share one pair of gloo processes: a spawn's start-up (two interpreters importing torch
+# and this module) costs more than most of the checks. Each runs in turn; a rank that fails ends the pair.
+
+# test -> its check, in the order they run: those on the spawn's own DP2 grid before train.py's main sets its
+# layouts; DeepSpeed last, so that what its import and engine leave in a process is not under the native audit
+TWO_RANK_CHECKS = {
+    "test_a_save_inside_the_loop_shares_its_results_by_tensor_collectives": "save",
+    "test_telemetry_update_ratio_with_zero1_masters": "telemetry",
+    "test_collectives_of_two_process_runs": "collectives",
+    "test_collectives_of_a_two_process_deepspeed_run": "deepspeed",
+}
+
+
+def _two_rank_checks(directory, corpus, checks):
+    """The checks in turn on this rank; after each, a file saying this rank passed it."""
+    for check in checks:
+        if check == "save":
+            _save_on_two_ranks(os.path.join(directory, "save"))
+        elif check == "telemetry":
+            _telemetry_with_and_without_zero()
+        elif check == "collectives":
+            _audited_runs(corpus, NATIVE_LAYOUTS)
+        else:
+            _audited_runs(corpus, [["--deepspeed", "--zero_stage=1", "--bf16"]])
+        open(os.path.join(directory, f"{check}.{parallel.grid.rank}"), "w").close()
+
+
+@pytest.fixture(scope="module")
+def two_ranks(request, synthetic_corpus, tmp_path_factory):
+    """two_ranks(check): fails with the rank's traceback unless both ranks passed it. Only the checks of the
+    tests selected run (a -k or -m subset pays for its own)."""
+    import importlib.util
+
+    selected = {
+        getattr(item, "originalname", item.name)
+        for item in request.session.items
+        if item.path == request.path
+    }
+    checks = [c for t, c in TWO_RANK_CHECKS.items() if t in selected]
+    if importlib.util.find_spec("deepspeed") is None and "deepspeed" in checks:
+        checks.remove("deepspeed")
+    directory = tmp_path_factory.mktemp("two_ranks")
+    failure = None
+    try:
+        spawn(_two_rank_checks, 2, 1, 1, str(directory), synthetic_corpus, checks)
+    except pytest.fail.Exception as e:
+        failure = str(e)
+
+    def done(check):
+        return all((directory / f"{check}.{rank}").exists() for rank in (0, 1))
+
+    def passed(check):
+        if done(check):
+            return
+        failed = next((c for c in checks if not done(c)), check)
+        if failed != check:
+            pytest.fail(
+                f"not run: the check {failed!r} ended the processes first:\n{failure}",
+                pytrace=False,
+            )
+        pytest.fail(failure or f"{check}: did not run", pytrace=False)
+
+    return passed
 
 
 # -----------------------------------------------------------------------------
