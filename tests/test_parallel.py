@@ -43,6 +43,64 @@ from helpers import (  # noqa: F401
 )
 
 # -----------------------------------------------------------------------------
+# The two-process unit checks below run in one pair of processes, one after the other (a spawn is seconds of
+# interpreter start-up per process, the checks a fraction of that); each test reads its own check's outcome.
+
+
+def _two_rank_checks(names, queue):
+    """Run the checks `names` in order on this rank; after each, tell the test process it passed here. A check that
+    fails ends both processes (the other rank would wait in a collective): the checks after it run again in a new
+    pair (two_ranks)."""
+    checks = {
+        "tensor-parallel layers": (2, _tp_layers, ()),
+        "two-process layouts": (1, _layouts, ([(2, 1, 2), (1, 2, 3), (1, 1, 2)],)),
+        "native zero1": (1, _zero1_both_precisions, ()),
+        "model states": (1, _measure_dp2, (queue,)),
+    }
+    for name in names:
+        tp, check, args = checks[name]
+        # what a fresh process would start with: the grid of its check (DP=2, or TP=2) and float32
+        parallel.grid = parallel.Grid(tp, 1)
+        torch.set_default_dtype(torch.float32)
+        check(*args)
+        queue.put(("passed", name, parallel.grid.rank))
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    """{check: None if it passed on both ranks, else why not} and "model states results", what the DP=2 ranks of
+    _measure_dp2 measured."""
+    queue = mp.get_context("spawn").SimpleQueue()
+    outcome = {"model states results": {}}
+    left = ["tensor-parallel layers", "two-process layouts", "native zero1", "model states"]
+    while left:
+        try:
+            spawn(_two_rank_checks, 2, 1, 1, left, queue)
+            failure = None
+        except pytest.fail.Exception as e:
+            failure = str(e)
+        done = []
+        while not queue.empty():
+            message = queue.get()
+            if isinstance(message, dict):
+                outcome["model states results"].update(message)
+            else:
+                done.append(message[1])
+        outcome.update({name: None for name in left if done.count(name) == 2})
+        left = [name for name in left if name not in outcome]
+        if failure is not None:
+            # the processes failed after every check had passed on both ranks: every test fails
+            assert left, failure
+            outcome[left.pop(0)] = failure  # the first check that did not pass on both ranks
+    return outcome
+
+
+def passed(two_ranks, name):
+    if two_ranks[name] is not None:
+        pytest.fail(two_ranks[name], pytrace=False)
+
+
+# -----------------------------------------------------------------------------
 # Tensor-parallel layers against the plain ops (float64, so that the only differences are summation order)
 
 
@@ -126,8 +184,8 @@ def _tp_layers():
         torch.testing.assert_close(mine.grad, parallel.shard(expected, 2), rtol=1e-12, atol=1e-12)
 
 
-def test_tensor_parallel_layers_match_plain_ops():
-    spawn(_tp_layers, 2, 2, 1)
+def test_tensor_parallel_layers_match_plain_ops(two_ranks):
+    passed(two_ranks, "tensor-parallel layers")  # TP=2
 
 
 # -----------------------------------------------------------------------------
@@ -232,9 +290,9 @@ def _layouts(layouts):
             raise AssertionError(f"{parallel.grid}: {e}") from e
 
 
-def test_two_process_layouts_match_one_process():
+def test_two_process_layouts_match_one_process(two_ranks):
     # TP=2; PP=2 with an odd number of micro-batches; DP=2
-    spawn(_layouts, 2, 1, 1, [(2, 1, 2), (1, 2, 3), (1, 1, 2)])
+    passed(two_ranks, "two-process layouts")
 
 
 def test_four_process_layouts_match_one_process():
@@ -311,8 +369,8 @@ def _zero1_both_precisions():
         _zero1_matches_adamw(dtype)
 
 
-def test_native_zero1_matches_adamw():
-    spawn(_zero1_both_precisions, 2, 1, 1)
+def test_native_zero1_matches_adamw(two_ranks):
+    passed(two_ranks, "native zero1")  # DP=2
 
 
 # -----------------------------------------------------------------------------
@@ -419,16 +477,14 @@ def _measure_dp2(queue):
 
 
 @pytest.mark.slow
-def test_memory_estimate_matches_what_the_code_allocates():
+def test_memory_estimate_matches_what_the_code_allocates(two_ranks):
     """estimate.bytes_per_parameter against the exact bytes held after a step, DP=1 and DP=2 (ZeRO-1)."""
     import estimate
 
     results = {}
     _measure_model_states(results)  # DP=1, this process
-    queue = mp.get_context("spawn").SimpleQueue()
-    spawn(_measure_dp2, 2, 1, 1, queue)
-    while not queue.empty():
-        results.update(queue.get())
+    passed(two_ranks, "model states")  # DP=2
+    results.update(two_ranks["model states results"])
     for precision in ("fp32", "bf16", "fp16"):
         for dp in (1, 2):
             per_param = sum(estimate.bytes_per_parameter(precision, 1, dp).values())
