@@ -15,6 +15,7 @@ import io
 import math
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -519,7 +520,7 @@ def reference(synthetic_corpus, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tp2_pp2(synthetic_corpus, tmp_path_factory):
-    """TP=2 x PP=2, uninterrupted, saved (and dumped) at iteration 10."""
+    """TP=2 x PP=2, uninterrupted, saved (and dumped) at iterations 5 and 10."""
     tmp = tmp_path_factory.mktemp("tp2pp2")
     run = launch(
         tmp,
@@ -528,6 +529,7 @@ def tp2_pp2(synthetic_corpus, tmp_path_factory):
         "--tensor_model_parallel_size=2",
         "--pipeline_model_parallel_size=2",
         f"--save={tmp / 'ckpt'}",
+        "--save_interval=5",
         "--dump_weights",
     )
     run.dir = tmp / "ckpt"
@@ -580,8 +582,13 @@ def test_tp2_pp2_resume_is_exact_and_weights_survive_the_reload(
         f"--save={tmp_path}",
         "--dump_weights",
     ]
-    first = launch(tmp_path, 4, *layout, "--exit_interval=5")
-    assert sorted(first.lines) == [1, 2, 3, 4, 5] and (tmp_path / "global_step5").is_dir()
+    # resumed from the uninterrupted run's own checkpoint at 5 (a copy: that run is shared) rather than from a run
+    # stopped there: one 4-process run fewer, and the same save (run_state.save at save_interval as at exit)
+    shutil.copytree(tp2_pp2.dir / "global_step5", tmp_path / "global_step5")
+    (tmp_path / "weight_dumps").mkdir()
+    for dump in (tp2_pp2.dir / "weight_dumps").glob("debug-5-*-before-save.pt"):
+        shutil.copy(dump, tmp_path / "weight_dumps")
+    (tmp_path / "latest").write_text("global_step5\n")
     second = launch(tmp_path, 4, *layout, f"--load={tmp_path}")
     assert sorted(second.lines) == [6, 7, 8, 9, 10]
     # bit-exact: the same printed numbers and the same full-precision scalars
