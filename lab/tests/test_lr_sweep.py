@@ -200,7 +200,7 @@ def test_lr_sensitivity_blow_ups_and_spike_score_on_hand_made_numbers():
 
 @pytest.mark.slow
 def test_lr_sweep_end_to_end_resumes_a_killed_run_writes_table_and_png_and_skips_finished_runs(
-    tmp_path,
+    tmp_path, capsys
 ):
     """The pilot's two runs, shrunk: first stopped at iteration 2 (as if killed), then resumed to the end; one of
     them against the same run uninterrupted; the tables, the figure; a third call finds everything done."""
@@ -278,16 +278,16 @@ def test_lr_sweep_end_to_end_resumes_a_killed_run_writes_table_and_png_and_skips
         sweep_arms.run_dir(str(tmp_path / "lab"), "A", "default", 1e-2, 1), "result.json"
     )
     stamp = os.path.getmtime(result_file)
-    second = subprocess.run(
-        [*cmd, f"--extra={small}"], cwd=ROOT, capture_output=True, text=True, timeout=600
-    )
-    assert second.returncode == 0 and "2 finished already, 0 to run" in second.stdout, second.stdout
+    # the calls that start no run: main in this process (the command line's code, its exit a
+    # SystemExit), without two more interpreters' start-up
+    capsys.readouterr()
+    lr_sweep.main([*cmd[2:], f"--extra={small}"])
+    second = capsys.readouterr().out
+    assert "2 finished already, 0 to run" in second, second
     assert os.path.getmtime(result_file) == stamp
     # --report: the tables of the finished runs of a wider selection, starting none
     lrs = cmd.index("--lrs") + 1
-    wider = [*cmd[:lrs], "1e-2,3e-1,1", *cmd[lrs + 1 :], f"--extra={small}", "--report"]
-    report = subprocess.run(wider, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert report.returncode == 0, report.stdout[-3000:] + report.stderr[-3000:]
+    lr_sweep.main([*cmd[2:lrs], "1e-2,3e-1,1", *cmd[lrs + 1 :], f"--extra={small}", "--report"])
     table = open(tmp_path / "lab" / "results.md").read()
     assert table.startswith("2 of the selection's 3 runs finished") and "| default |" in table
     assert not os.path.exists(sweep_arms.run_dir(str(tmp_path / "lab"), "A", "default", 1.0, 1))
