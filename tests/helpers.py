@@ -394,12 +394,13 @@ class Run:
                     self.scalars.setdefault(e.step, {})[tag] = e.value
 
 
-def launch(tmp_path, nproc, *extra, expect_ok=True):
-    """python train.py E2E_ARGS EXTRA, under torchrun with nproc processes (one: plain python): a Run."""
+def launch(tmp_path, nproc, *extra, expect_ok=True, script="train.py"):
+    """python train.py E2E_ARGS EXTRA, under torchrun with nproc processes (one: plain python): a Run.
+    script: another file that runs train.py (e.g. with a spy on its teardown), from the repository's root."""
     tmp_path.mkdir(parents=True, exist_ok=True)
     tb_dir = str(tmp_path / f"tb-{len(os.listdir(tmp_path))}")
     launcher = [sys.executable] if nproc == 1 else torchrun(nproc)
-    cmd = launcher + ["train.py", *E2E_ARGS, f"--tensorboard_dir={tb_dir}", *extra]
+    cmd = launcher + [script, *E2E_ARGS, f"--tensorboard_dir={tb_dir}", *extra]
     # the processes share one pipe: train.py writes each line whole (line buffering)
     env = dict(
         os.environ,

@@ -11,14 +11,13 @@ import arguments
 import data
 import schedule
 from helpers import (  # noqa: F401
-    E2E_ARGS,
     ROOT,
     SMALL,
-    Run,
     assert_same,
     corpus,
     corpus512,
     final_state,
+    launch,
     losses,
     run_main,
     synthetic_corpus,
@@ -392,32 +391,20 @@ def test_deepspeed_bf16_pp2_exits_cleanly_every_time(synthetic_corpus, tmp_path)
     pytest.importorskip("deepspeed")
     wrapper = tmp_path / "teardown_noted.py"
     wrapper.write_text(TEARDOWN_NOTED)
-    tb_dir = tmp_path / "tb"
-    extra = ["--deepspeed", "--bf16", "--zero_stage=0", "--pipeline_model_parallel_size=2"]
-    proc = subprocess.run(
-        [
-            *torchrun(2),
-            str(wrapper),
-            *E2E_ARGS,
-            f"--tensorboard_dir={tb_dir}",
-            f"--data_path={synthetic_corpus}",
-            *extra,
-            "--train_iters=6",
-            f"--save={tmp_path / 'ckpt'}",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=dict(
-            os.environ,
-            WANDB_MODE="disabled",
-            DS_ACCELERATOR="cpu",
-            OMP_NUM_THREADS="1",
-            PYTHONHASHSEED="0",
-        ),
+    run = launch(
+        tmp_path / "run",
+        2,
+        f"--data_path={synthetic_corpus}",
+        "--deepspeed",
+        "--bf16",
+        "--zero_stage=0",
+        "--pipeline_model_parallel_size=2",
+        "--train_iters=6",
+        f"--save={tmp_path / 'ckpt'}",
+        expect_ok=False,
+        script=str(wrapper),
     )
-    run = Run(proc, str(tb_dir))
+    proc = run.proc
     assert proc.returncode == 0, f"exit code {proc.returncode}\n{run.err[-3000:]}"
     assert "terminate called" not in run.err and sorted(run.lines) == list(range(1, 7))
     for rank in (0, 1):
