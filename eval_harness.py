@@ -366,14 +366,6 @@ def __getattr__(name):  # eval_harness.StableGPT (tools/evaluate.py, tests): mad
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def check_vocab(tok, vocab_size):
-    if tok.n_vocab > vocab_size:
-        raise ValueError(
-            f"the tokenizer has {tok.n_vocab} ids but the model only {vocab_size}: "
-            "evaluate with the tokenizer the model was trained with (its tokenizer_file)"
-        )
-
-
 class LMAdapter:
     """lm-eval's LM (as StableGPT, with TemplateLM) over a whole GPT (TP=1, PP=1) in eval mode.
     model: a GPT; tok: its run's tokenizer (tokenizer.get_tokenizer); batch_size: requests per
@@ -381,7 +373,7 @@ class LMAdapter:
 
     def __init__(self, model, tok, batch_size=1, max_gen_toks=256, info=None):
         super().__init__()
-        check_vocab(tok, model.config.vocab_size)
+        tokenizer.check_vocab(tok, model.config.vocab_size)
         if batch_size < 1 or max_gen_toks < 1:
             raise ValueError("batch_size and max_gen_toks must be at least 1")
         self.model, self.tok = model.eval(), tok
@@ -393,13 +385,14 @@ class LMAdapter:
         self.info = info or {}
 
     @classmethod
-    def from_checkpoint(cls, load_dir, device="cpu", dtype=None, **kwargs):
-        """The LM of load_dir's latest checkpoint (any layout), on device, in dtype (default: as saved)."""
+    def from_checkpoint(cls, load_dir, device="cpu", dtype=None, tokenizer_file=None, **kwargs):
+        """The LM of load_dir's latest checkpoint (any layout), on device, in dtype (default: as saved),
+        with tokenizer_file's tokenizer (default: the run's)."""
         # the tokenizer first: a tokenizer_file not on this machine, or not the model's, is refused
         # before the gather
         cfg, saved, _ = reshard.saved_model_config(load_dir)
-        tok = tokenizer.get_tokenizer(saved.get("tokenizer_file"))
-        check_vocab(tok, cfg.vocab_size)
+        tok = tokenizer.run_tokenizer(saved.get("tokenizer_file"), tokenizer_file)
+        tokenizer.check_vocab(tok, cfg.vocab_size)
         model, _, tag_dir = reshard.load_full_model(load_dir)
         model = model.to(device=device, dtype=dtype)
         info = {"checkpoint": tag_dir, "dtype": str(next(model.parameters()).dtype)}

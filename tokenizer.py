@@ -81,6 +81,28 @@ class TokenizerFile:
 
 
 @functools.cache
+def run_tokenizer(run_file: str | None, tokenizer_file: str | None = None):
+    """The tokenizer of a checkpoint's run (run_file: the tokenizer_file it trained with; None:
+    GPT-2 BPE), or tokenizer_file's where given: the run's path is one on the machine that trained it."""
+    if tokenizer_file is None and run_file is not None and not os.path.isfile(run_file):
+        raise FileNotFoundError(
+            f"the run's tokenizer_file {run_file} is not on this machine: give --tokenizer_file "
+            "its path here"
+        )
+    return get_tokenizer(tokenizer_file or run_file)
+
+
+def check_vocab(tok, vocab_size: int):
+    """Refuse a tokenizer of more ids than the model has embedding rows: its ids past them are no
+    token of the model (an IndexError in the embedding, or text decoded from another vocabulary)."""
+    if tok.n_vocab > vocab_size:
+        which = getattr(tok, "path", None) or "GPT-2 BPE: the run named no tokenizer_file"
+        raise ValueError(
+            f"the tokenizer ({which}) has {tok.n_vocab} ids but the model only {vocab_size}: give "
+            "--tokenizer_file the tokenizer.json the model was trained with"
+        )
+
+
 def get_tokenizer(tokenizer_file: str | None = None):
     """The tokenizer of tokenizer_file (a Hugging Face tokenizer.json, see TokenizerFile), or by default GPT-2
     BPE (50257 tokens, <|endoftext|> = 50256) as a tiktoken Encoding, built without network access.

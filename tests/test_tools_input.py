@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from helpers import ROOT, TINY_GPT2, tool_cli, write_checkpoint
+from helpers import ROOT, TINY_GPT2, build_tokenizer_file, tool_cli, write_checkpoint
 
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 import bench_index  # noqa: E402
@@ -163,23 +163,42 @@ def test_sample_refuses_what_it_cannot_sample_before_reading_the_checkpoint(caps
     assert (proc.returncode, proc.stderr) == (2, "error: --num_samples -1 must be at least 1\n")
 
 
-def test_sample_and_evaluate_refuse_a_tokenizer_file_not_here_before_the_gather(
-    tmp_path, monkeypatch
+def test_a_runs_tokenizer_file_not_here_is_refused_before_the_gather_and_can_be_given(
+    tmp_path, monkeypatch, capsys
 ):
-    """A checkpoint whose run's tokenizer_file is not on this machine was refused once the whole
-    model was gathered, every weight read."""
-    missing = tmp_path / "tokenizer.json"
+    """A checkpoint whose run's tokenizer_file is not on this machine (trained elsewhere) was
+    refused once the whole model was gathered, and sample and evaluate had no flag to say where
+    it is here: the checkpoint could not be used at all."""
+    missing = tmp_path / "elsewhere" / "tokenizer.json"
+    ckpt = str(tmp_path / "ckpt")
     write_checkpoint(
-        str(tmp_path / "ckpt"), [*TINY_GPT2, f"--tokenizer_file={missing}"], lambda s: 0
+        ckpt, [*TINY_GPT2, "--vocab_size=400", f"--tokenizer_file={missing}"], lambda s: 0
     )
-    monkeypatch.setattr(sample.reshard, "load_full_model", not_read)
-    said = f"^tokenizer_file {re.escape(str(missing))} not found; "
-    for main in (
-        lambda: sample.main(["--load", str(tmp_path / "ckpt")]),
-        lambda: evaluate_tool.eval_harness.StableGPT.from_checkpoint(str(tmp_path / "ckpt")),
-    ):
-        with pytest.raises(FileNotFoundError, match=said):
-            main()
+    said = (
+        f"^the run's tokenizer_file {re.escape(str(missing))} is not on this machine: give "
+        "--tokenizer_file its path here$"
+    )
+    with monkeypatch.context() as m:
+        m.setattr(sample.reshard, "load_full_model", not_read)
+        for main in (
+            lambda: sample.main(["--load", ckpt]),
+            lambda: evaluate_tool.eval_harness.StableGPT.from_checkpoint(ckpt),
+        ):
+            with pytest.raises(FileNotFoundError, match=said):
+                main()
+        assert export_hf.run(["--load", ckpt, "--output", str(tmp_path / "hf")]) == 2
+        assert re.match(said[1:-1], capsys.readouterr().err[len("error: ") :])
+    here = build_tokenizer_file(tmp_path / "tokenizer.json")
+    sample.main(["--load", ckpt, "--tokenizer_file", here, "--max_tokens=4", "--prompt=ROMEO:"])
+    assert capsys.readouterr().out.startswith("ROMEO:")
+    lm = evaluate_tool.eval_harness.StableGPT.from_checkpoint(ckpt, tokenizer_file=here)
+    assert lm.tok.path == here
+    assert (
+        evaluate_tool.parse(
+            ["--load", ckpt, "--tasks=t", f"--tokenizer_file={here}"]
+        ).tokenizer_file
+        == here
+    )
 
 
 def test_evaluate_refuses_a_tokenizer_of_more_ids_than_the_model_before_the_gather(
@@ -188,7 +207,10 @@ def test_evaluate_refuses_a_tokenizer_of_more_ids_than_the_model_before_the_gath
     """GPT-2's 50257 ids over a 128-token model were refused once the whole model was gathered."""
     write_checkpoint(str(tmp_path / "ckpt"), TINY_GPT2, lambda s: 0)
     monkeypatch.setattr(evaluate_tool.eval_harness.reshard, "load_full_model", not_read)
-    with pytest.raises(ValueError, match="^the tokenizer has 50257 ids but the model only 128: "):
+    with pytest.raises(
+        ValueError,
+        match="^the tokenizer \\(GPT-2 BPE: the run named no tokenizer_file\\) has 50257 ids but the model only 128: ",
+    ):
         evaluate_tool.eval_harness.StableGPT.from_checkpoint(str(tmp_path / "ckpt"))
 
 

@@ -73,6 +73,9 @@ def parse(argv=None):
         "--dtype", choices=sorted(DTYPES), default=None, help="cast the model (default: as saved)"
     )
     parser.add_argument("--seed", type=int, default=1234, help="of lm-eval's few-shot sampling")
+    parser.add_argument(
+        "--tokenizer_file", default=None, help="tokenizer.json if not the checkpoint's own"
+    )
     args = parser.parse_args(argv)
     check_device(args)
     if not any(args.tasks.split(",")):
@@ -157,7 +160,11 @@ def main(argv=None):
     import lm_eval.utils
 
     lm = eval_harness.StableGPT.from_checkpoint(
-        args.load, device=args.device, dtype=DTYPES.get(args.dtype), batch_size=args.batch_size
+        args.load,
+        device=args.device,
+        dtype=DTYPES.get(args.dtype),
+        tokenizer_file=args.tokenizer_file,
+        batch_size=args.batch_size,
     )
     results = eval_harness.evaluate(
         lm, tasks, manager, args.num_fewshot, args.limit, args.log_samples, args.seed

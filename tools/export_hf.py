@@ -47,6 +47,7 @@ import files  # noqa: E402
 import hf  # noqa: E402
 import reshard  # noqa: E402
 import safety  # noqa: E402
+import tokenizer  # noqa: E402
 
 REMOTE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "hf_remote")
 
@@ -493,8 +494,8 @@ def export(load_dir, output, dtype="float32", tokenizer_file=None, tolerance=1e-
     # the saved config and the tokenizer refused before the gather, which reads every weight
     cfg, saved, _ = reshard.saved_model_config(load_dir)
     target_class(cfg)
+    tokenizer.run_tokenizer(saved.get("tokenizer_file"), tokenizer_file)
     tokenizer_file = tokenizer_file or saved.get("tokenizer_file")
-    data.get_tokenizer(tokenizer_file)
     gpt, saved, tag_dir = reshard.load_full_model(load_dir)
     torch_dtype = getattr(torch, dtype)
     keys = export_keys(gpt.config, imported_from(saved, tag_dir), tokenizer_file)

@@ -15,22 +15,17 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-import data  # noqa: E402
 import reshard  # noqa: E402
+import tokenizer  # noqa: E402
 
 
-def load_model(directory, device):
-    """(model, the run's tokenizer) from DIR/latest, the model on device, in eval mode. The tokenizer
-    (GPT-2 BPE by default) first: a tokenizer_file not on this machine, or not the model's, is
-    refused before the gather."""
+def load_model(directory, device, tokenizer_file=None):
+    """(model, tokenizer) from DIR/latest, the model on device, in eval mode; the tokenizer
+    tokenizer_file's, by default the run's (GPT-2 BPE where it named none). The tokenizer first: a
+    tokenizer_file not on this machine, or not the model's, is refused before the gather."""
     cfg, saved, _ = reshard.saved_model_config(directory)
-    tok = data.get_tokenizer(saved.get("tokenizer_file"))
-    if tok.n_vocab > cfg.vocab_size:  # its ids past the model's are no embedding row: no text
-        which = saved.get("tokenizer_file") or "GPT-2 BPE: the run named no tokenizer_file"
-        raise ValueError(
-            f"the tokenizer ({which}) has {tok.n_vocab} ids but the model only {cfg.vocab_size}: "
-            "they are not the model's tokens, so no text can be sampled"
-        )
+    tok = tokenizer.run_tokenizer(saved.get("tokenizer_file"), tokenizer_file)
+    tokenizer.check_vocab(tok, cfg.vocab_size)
     model, _, _ = reshard.load_full_model(directory)
     return model.to(device), tok
 
@@ -66,10 +61,13 @@ def main(argv=None):
     )
     parser.add_argument("--num_samples", type=int, default=1, help="independent samples to print")
     parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument(
+        "--tokenizer_file", default=None, help="tokenizer.json if not the checkpoint's own"
+    )
     args = parser.parse_args(argv)
     check(args)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    model, tok = load_model(args.load, device)
+    model, tok = load_model(args.load, device, args.tokenizer_file)
     prompt = tok.encode_ordinary(args.prompt) or [tok.eot_token]
     generator = torch.Generator(device=device).manual_seed(args.seed)
     with torch.no_grad():
