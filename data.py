@@ -659,7 +659,7 @@ def _permute_samples(shuffle_idx, tokens_per_epoch, seq_length, seed):
 def _cache_paths(
     prefix: str,
     documents: np.ndarray,
-    tokens: int,
+    sizes: np.ndarray,
     num_samples: int,
     seq_length: int,
     seed: int,
@@ -679,9 +679,16 @@ def _cache_paths(
     # the documents left out (their ids, sorted): without any, the old names
     if skip is not None and len(skip):
         docs += "_skip" + hashlib.md5(np.unique(skip).astype(np.int64).tobytes()).hexdigest()[:12]
+    # the documents' sizes, in order: a corpus tokenized again under the same prefix (its files reordered, a text
+    # edited) can keep the count of documents and of tokens, and an index of the old sizes reads past the new
+    # documents' ends (about 1 s for 300M documents)
+    sizes = np.ascontiguousarray(sizes, dtype=np.int32)
+    digest = hashlib.sha1(memoryview(sizes), usedforsecurity=False).hexdigest()[:12]
+    tokens = int(sizes.sum(dtype=np.int64))
     base = os.path.join(
         cache_dir or os.path.dirname(os.path.abspath(prefix)),
-        f"{os.path.basename(prefix)}_{name}_{num_samples}ns_{seq_length}sl_{seed}s_{docs}_{tokens}tok",
+        f"{os.path.basename(prefix)}_{name}_{num_samples}ns_{seq_length}sl_{seed}s_{docs}_{tokens}tok_"
+        f"{digest}",
     )
     return {kind: f"{base}_{kind}.npy" for kind in ("doc_idx", "sample_idx", "shuffle_idx")}
 
@@ -704,9 +711,16 @@ def build_indices(
         skip = np.unique(skip)
         # this split's: another split's leave its index (and name) alone
         skip = skip[np.isin(skip, documents)]
-    tokens = int(indexed.sizes[documents].sum(dtype=np.int64))
     paths = _cache_paths(
-        indexed.prefix, documents, tokens, num_samples, seq_length, seed, name, cache_dir, skip
+        indexed.prefix,
+        documents,
+        indexed.sizes[documents],
+        num_samples,
+        seq_length,
+        seed,
+        name,
+        cache_dir,
+        skip,
     )
     if all(os.path.isfile(p) for p in paths.values()):
         return paths

@@ -360,6 +360,25 @@ def test_gpt_dataset_determinism_and_cache(toy, tmp_path, monkeypatch):
         data.GPTDataset(indexed, np.arange(1, 12), 30, 8, 1, "valid", str(tmp_path / "a"))
 
 
+def test_a_corpus_tokenized_again_under_its_prefix_gets_a_new_index(toy, tmp_path):
+    """`python data.py --overwrite` over the same files in another order keeps the count of documents and of
+    tokens: the index of the old sizes was reused (named after those counts only), and its samples read past the
+    new documents' ends (train.py: 'cannot assign slice of shape (129,)', or worse, numba's writes past the
+    batch). The cache is named after the documents' sizes too. Compared as arrays: a stale index is not read."""
+    prefix, docs = toy
+    documents = np.arange(len(docs))
+    old = data.GPTDataset(data.IndexedDataset(prefix), documents, 30, 8, 1, "train", str(tmp_path))
+    data.write_indexed_dataset(prefix, docs[::-1])
+    indexed = data.IndexedDataset(prefix)
+    new = data.GPTDataset(indexed, documents, 30, 8, 1, "train", str(tmp_path))
+    assert new.paths != old.paths
+    for name, array in zip(
+        ("doc_idx", "sample_idx", "shuffle_idx"),
+        data.index_arrays(indexed.sizes, documents, 30, 8, 1),
+    ):
+        assert np.array_equal(getattr(new, name), array), name
+
+
 def _reference_index_arrays(sizes, documents, num_samples, seq_length, seed):
     """The index builder as it was in plain NumPy (a Python loop per epoch, temporaries the size of the stream):
     the compiled one must give identical arrays."""
