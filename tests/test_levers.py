@@ -4,6 +4,7 @@ import math
 import os
 import re
 
+import numpy as np
 import pytest
 import torch
 
@@ -418,6 +419,36 @@ def test_show_samples_says_where_a_run_trained_at_another_seq_length(tmp_path, c
         "(its log): give --seq_length=32 for its samples"
         for i in (1, 2)
     ] + ["=== iteration 3: samples 16-23, seqlen 64"]
+
+
+def test_show_samples_prints_the_samples_of_a_run_with_a_skip_list(corpus, tmp_path, capsys):
+    """A run with skip_documents trains on a sample index built without the listed documents; show_samples built
+    it with them, and printed for iteration 1 the text of the very documents the run never read."""
+    import json
+    import sys
+
+    from helpers import ROOT
+
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    import show_samples
+
+    args = [*SMALL, "--train_iters=4", f"--save={tmp_path / 'run'}"]
+    cfg = arguments.prepare(arguments.load_config(args))
+    plain, _ = data_of(cfg, plan_of(cfg))
+    # the documents of iteration 1's samples without the list
+    listed = sorted({d for i in range(8) for d, _, _ in plain.provenance(i).pieces})
+    skip = tmp_path / "skip_documents.jsonl"
+    skip.write_text(json.dumps({"dataset": corpus, "documents": listed}) + "\n")
+    trained, _ = data_of(cfg, plan_of(cfg), lambda collections: [np.array(listed)])
+    capsys.readouterr()
+    show_samples.main(
+        ["--iterations", "1-1", "--max_chars=100000", *args, f"--skip_documents={skip}"]
+    )
+    out = capsys.readouterr().out
+    tok = data.get_tokenizer()
+    for i in range(8):
+        assert tok.decode(trained[i].tolist()) in out, i
+        assert tok.decode(plain[i].tolist()) not in out, i
 
 
 def test_show_samples_names_its_own_flag_in_a_bad_range():

@@ -8,7 +8,8 @@ ramp-up, curriculum) and of the consumed samples only, so it can be replayed wit
 run's own log where there is one (metrics.jsonl in the config's save directory: the consumed samples of the last
 logged iteration before A, so a resume that changed the global batch is followed), else from iteration 0. An
 iteration of A..B whose logged count differs from the replay is said: the run's keys were not these.
-Skipped iterations (skip_train_iteration_range) are listed too: their batches were drawn and thrown away.
+Skipped iterations (skip_train_iteration_range) are listed too: their batches were drawn and thrown away. A skip
+list (skip_documents) is the run's: give it as the run did.
 """
 
 import argparse
@@ -18,6 +19,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import arguments  # noqa: E402
+import builders  # noqa: E402
 import data  # noqa: E402
 import loader  # noqa: E402
 import report  # noqa: E402
@@ -118,7 +120,9 @@ def main(argv=None):
         )
     data.get_tokenizer(cfg.tokenizer_file)  # a missing one said before the sample index is built
     data_cfg, context = section(loader.DataConfig, cfg), section(loader.DataContext, cfg)
-    train_data, _ = loader.build_data(data_cfg, context, plan)
+    # the documents the run's callbacks leave out (skip_documents): the run's sample index is built without them
+    skips = builders.build_callbacks(cfg).documents_to_skip
+    train_data, _ = loader.build_data(data_cfg, context, plan, skips)
     for it, (begin, batch, seqlen, note) in starts.items():
         if plan.skipped(it):
             note += " (skipped by skip_train_iteration_range)"
