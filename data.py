@@ -289,6 +289,10 @@ def _tokenize_document(
     else:
         try:
             text = json.loads(line)[json_key]
+            # null reads as an empty document; a number or a list is no text (the tokenizer's TypeError, in a
+            # worker, was a traceback naming no line)
+            if text is not None and not isinstance(text, str):
+                raise TypeError(f"its {json_key!r} is {type(text).__name__} {text!r:.40}")
         except (json.JSONDecodeError, KeyError, TypeError) as e:
             raise ValueError(
                 f"{path}:{lineno}: expected a JSON object with a {json_key!r} string field "

@@ -181,6 +181,22 @@ def test_preprocess_bad_json_names_the_line(tmp_path):
     assert not (tmp_path / "out.idx").exists()
 
 
+@pytest.mark.parametrize(
+    "value, said", [(5, "int 5"), (["a", "b"], "list ['a', 'b']"), (0, "int 0")]
+)
+def test_preprocess_names_the_line_of_a_text_field_that_is_not_a_string(tmp_path, value, said):
+    """A number or a list as the text went to the tokenizer: a TypeError traceback from the worker, naming no
+    file or line (a number 0 or an empty list was an empty document, in silence)."""
+    (tmp_path / "bad.jsonl").write_text(f'{{"text": "ok"}}\n{json.dumps({"text": value})}\n')
+    with pytest.raises(ValueError) as refused:
+        data.preprocess([str(tmp_path / "bad.jsonl")], str(tmp_path / "out"), workers=1)
+    assert str(refused.value) == (
+        f"{tmp_path / 'bad.jsonl'}:2: expected a JSON object with a 'text' string field (TypeError: its "
+        f"'text' is {said}); pass --json-key to pick another field"
+    )
+    assert not (tmp_path / "out.idx").exists()
+
+
 # -----------------------------------------------------------------------------
 # damaged or missing files -> one clear error naming the file and the fix
 
