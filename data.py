@@ -310,7 +310,18 @@ def _tokenize_document(
 
 def check_output_prefix(prefix: str, overwrite: bool) -> None:
     """An existing PREFIX.bin or .idx refused unless overwrite: a corpus is hours of tokenization and may be
-    another's."""
+    another's. A prefix that names no file (a directory's) or whose directory cannot be written is refused too: the
+    first would be the hidden files .bin and .idx, the second an OSError traceback."""
+    if not os.path.basename(prefix):
+        raise ValueError(
+            f"--output-prefix {prefix} names a directory, not the corpus's files (they would be its hidden "
+            f"files .bin and .idx); add their name, e.g. --output-prefix {os.path.join(prefix, 'corpus')}"
+        )
+    files.check_output_dir(
+        os.path.dirname(os.path.abspath(prefix)),
+        f"--output-prefix {prefix}: its directory",
+        "an --output-prefix in a directory the corpus can be written in",
+    )
     existing = [p for p in (prefix + ".bin", prefix + ".idx") if os.path.lexists(p)]
     if existing and not overwrite:
         raise ValueError(

@@ -174,6 +174,19 @@ def test_preprocess_replaces_an_existing_corpus_only_with_overwrite(tmp_path):
     assert len(data.IndexedDataset(prefix)) == 2
 
 
+def test_preprocess_refuses_a_prefix_that_names_no_file_or_sits_under_a_file(tmp_path):
+    """--output-prefix data/ wrote the corpus as data/.bin and data/.idx, hidden, in silence; a prefix under a
+    file (data.txt/corpus) was os.makedirs's FileExistsError traceback. Both refused before any tokenizing."""
+    (tmp_path / "a.txt").write_text("some text")
+    for prefix, message in (
+        (f"{tmp_path}/", rf"names a directory, .* --output-prefix {tmp_path}/corpus$"),
+        (f"{tmp_path}/a.txt/corpus", rf"its directory={tmp_path}/a.txt is not a directory"),
+    ):
+        with pytest.raises(ValueError, match=rf"^--output-prefix {prefix}.*{message}"):
+            data.preprocess([str(tmp_path / "a.txt")], prefix, workers=1)
+    assert sorted(os.listdir(tmp_path)) == ["a.txt"]
+
+
 def test_preprocess_bad_json_names_the_line(tmp_path):
     (tmp_path / "bad.jsonl").write_text('{"text": "ok"}\n{"body": "no text field"}\n')
     with pytest.raises(ValueError, match=r"bad.jsonl:2: .*'text'"):
