@@ -277,23 +277,32 @@ class MegatronSource:
     @staticmethod
     def check_files(data_cfg, context):
         """The prefixes' files, where a run reads them (check_files): each index opened (a file of
-        another format refused) and the splits the run reads checked (data.check_splits)."""
+        another format refused), the splits the run reads checked (data.check_splits), and each named
+        validation set's documents (named_valid_sets)."""
         if data_cfg.data_path is None:
             return
         check_prefixes(data_cfg.data_path, "", "data_path")
-        reads = (0 if context.eval_only else 1, 1 if context.eval_iters else 0, 0)
+        named = bool(data_cfg.valid_weighted_split_names)
+        # named sets replace the blended validation: data_path's own validation split is not read
+        reads = (0 if context.eval_only else 1, 1 if context.eval_iters and not named else 0, 0)
         check_splits(data_cfg.data_path, data_cfg.split, context.seq_length, reads)
+        if named:
+            named_valid_sets(
+                data_cfg, data_cfg.data_path, context.seq_length, say=lambda line: None
+            )
 
     def __init__(self, data_cfg, context, num_samples):
         self.data_cfg, self.context, self.num_samples = data_cfg, context, num_samples
         self.data_path = bundled_corpus() if data_cfg.data_path is None else data_cfg.data_path
         check_prefixes(self.data_path, "", "data_path")
         # the bundled corpus's too, before the vocabulary's pass and the epochs' warning
-        check_splits(self.data_path, data_cfg.split, context.seq_length, (*num_samples, 0))
+        named = bool(data_cfg.valid_weighted_split_names)
+        reads = (num_samples[0], 0 if named else num_samples[1], 0)
+        check_splits(self.data_path, data_cfg.split, context.seq_length, reads)
         check_data(data_cfg.split, context, self.data_path, num_samples[0])
         self.valid_sets = None  # the blended validation split of data_path
         if data_cfg.valid_weighted_split_names:
-            self.valid_sets = named_valid_sets(data_cfg, self.data_path)
+            self.valid_sets = named_valid_sets(data_cfg, self.data_path, context.seq_length)
             paths = [path for _, path, _ in self.valid_sets]
             check_vocabulary(context, [p for path in paths for p in data.parse_data_path(path)[0]])
 
@@ -472,10 +481,11 @@ def _nearby(prefix):
     return f" (did you mean {os.path.join(directory, close[0])}?)" if close else ""
 
 
-def named_valid_sets(data_cfg, data_path):
+def named_valid_sets(data_cfg, data_path, seq_length, say=print0):
     """[(name, path, split)] of the named validation sets: each reads the documents training does not. A corpus of
     data_path gives its validation share of `split` (the blended validation's documents of it); any other corpus,
-    all of its documents (Megatron-LM's valid_data_path). A set with no such document is refused."""
+    all of its documents (Megatron-LM's valid_data_path). A set with no such document, or too few tokens for one
+    sample of seq_length + 1, is refused. say: where each set's documents are told."""
     trained = {os.path.realpath(p) for p in data.parse_data_path(data_path)[0]}
     out = []
     for name, path in zip(data_cfg.valid_weighted_split_names, data_cfg.valid_weighted_split_paths):
@@ -488,7 +498,8 @@ def named_valid_sets(data_cfg, data_path):
             )
         split = data_cfg.split if all(inside) else "0,1,0"
         for prefix in prefixes:
-            documents = len(data.IndexedDataset(prefix))
+            indexed = data.IndexedDataset(prefix)
+            documents = len(indexed)
             start, end = data.split_documents(split, documents)[1]
             if end == start and not all(inside):
                 raise ValueError(
@@ -502,7 +513,11 @@ def named_valid_sets(data_cfg, data_path):
                     f"none of its {documents} documents; give validation a share of "
                     "split (e.g. 949,50,1), or drop the set"
                 )
-            print0(
+            try:
+                data.check_splits(indexed, split, seq_length, (0, 1, 0))
+            except ValueError as e:
+                raise ValueError(f"validation set {name!r}: {e}") from None
+            say(
                 f"validation set {name}: documents {start}-{end - 1} of {prefix} "
                 f"({'its validation split' if all(inside) else 'not in data_path: all of them'})"
             )

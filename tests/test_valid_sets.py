@@ -15,6 +15,7 @@ import pytest
 
 import arguments
 import data
+import loader
 import report
 import training
 from helpers import (  # noqa: F401 (fixtures)
@@ -28,6 +29,7 @@ from helpers import (  # noqa: F401 (fixtures)
     run_main,
     synthetic_corpus,
 )
+from sections import section
 
 # the split, seq_length, seed; eval_iters x global batch
 SPLIT, SEQ, SEED, SAMPLES = "949,50,1", 64, 1234, 2 * 8
@@ -255,6 +257,50 @@ def test_a_set_without_validation_documents_is_refused_when_opened(corpus512, he
         cfg = arguments.prepare(config(f"--data_path={corpus512}", *more))
         with pytest.raises(ValueError, match=message):
             data_of(cfg, plan_of(cfg))
+
+
+def preflight(cfg):
+    """train.main's check of the data files, before the process group and the save directory."""
+    loader.check_files(section(loader.DataConfig, cfg), section(loader.DataContext, cfg))
+
+
+def test_the_preflight_checks_the_sets_and_not_the_validation_split_they_replace(
+    corpus512, heldout, tmp_path
+):
+    """A set without validation documents was refused only when the data was opened: after the process group,
+    with the save directory made (train.py left it behind, empty); one too short for a sample, at the build.
+    With named sets, data_path's own validation split, which no set reads, was refused when empty ('but the run
+    reads valid samples'), at the preflight and again at the open: the fix it gave (a larger share) took training
+    documents for nothing. The preflight (loader.check_files) now checks the sets, and only them."""
+    data.write_indexed_dataset(str(tmp_path / "short"), [[1, 2, 3]])
+    for more, message in [
+        (
+            [
+                "--split=100,0,0",
+                "--valid_weighted_split_names=a",
+                f"--valid_weighted_split_paths={corpus512}",
+            ],
+            r"^validation set 'a' has no validation documents: .* split '100,0,0' gives validation none",
+        ),
+        (
+            ["--valid_weighted_split_names=a", f"--valid_weighted_split_paths={tmp_path}/short"],
+            r"^validation set 'a': the valid split of .*short \(documents 0..0, 3 tokens\) cannot fill one sample",
+        ),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            preflight(arguments.prepare(config(f"--data_path={corpus512}", *more)))
+    # 38 documents: split 999,1,0 gives data_path's validation none, which only the blended validation reads
+    cfg = arguments.prepare(
+        config(
+            f"--data_path={corpus512}",
+            "--split=999,1,0",
+            "--valid_weighted_split_names=h",
+            f"--valid_weighted_split_paths={heldout}",
+        )
+    )
+    preflight(cfg)
+    _, valid = data_of(cfg, plan_of(cfg))
+    assert list(valid) == ["h"] and len(valid["h"]) >= SAMPLES
 
 
 def test_the_command_line_stops_with_one_line(corpus512):
