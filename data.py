@@ -739,9 +739,18 @@ def build_indices(
     )
     if all(os.path.isfile(p) for p in paths.values()):
         return paths
+    directory = os.path.dirname(paths["doc_idx"])
+    os.makedirs(directory, exist_ok=True)
+    # before the arrays' minutes at scale: a read-only cache passes the preflight, holding an index
+    # built before, and only here is it known not to hold this one
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise ValueError(
+            f"the {name} sample index of {indexed.prefix} is not cached in {directory}, which this "
+            "run cannot write: set data_cache_dir to a writable directory (a read-only one must "
+            "hold the index already)"
+        )
     t0 = time.time()
     arrays = index_arrays(indexed.sizes, documents, num_samples, seq_length, seed, skip)
-    os.makedirs(os.path.dirname(paths["doc_idx"]), exist_ok=True)
     for path, array in zip(paths.values(), arrays):
         # tmp + rename: another rank polling for the file never reads a half-written one
         tmp = f"{path}.tmp{os.getpid()}"

@@ -5,6 +5,7 @@ from lessons 12-13, DeepSpeed's own scheduler)."""
 import json
 import math
 import os
+import re
 import struct
 import subprocess
 import sys
@@ -406,6 +407,21 @@ def test_a_corpus_tokenized_again_under_its_prefix_gets_a_new_index(toy, tmp_pat
         data.index_arrays(indexed.sizes, documents, 30, 8, 1),
     ):
         assert np.array_equal(getattr(new, name), array), name
+
+
+def test_a_read_only_cache_without_the_index_is_named_before_the_build(toy, tmp_path, monkeypatch):
+    """A read-only data_cache_dir passes the preflight (it may hold an index built before); one
+    without this run's index was an OSError traceback at the first write, after the index's
+    arrays were computed (minutes at scale)."""
+    prefix, _ = toy
+    cache = str(tmp_path / "shared")
+    os.makedirs(cache)
+    writable = os.access
+    monkeypatch.setattr(data.os, "access", lambda p, m: p != cache and writable(p, m))
+    monkeypatch.setattr(data, "index_arrays", lambda *a: pytest.fail("built before the refusal"))
+    said = f"the train sample index of {prefix} is not cached in {cache}, which this run cannot "
+    with pytest.raises(ValueError, match="^" + re.escape(said) + "write: set data_cache_dir to "):
+        data.build_indices(data.IndexedDataset(prefix), np.arange(3), 30, 8, 1, "train", cache)
 
 
 def _reference_index_arrays(sizes, documents, num_samples, seq_length, seed):
