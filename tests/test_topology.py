@@ -206,6 +206,47 @@ def _streams_and_replicas():
         rng.set_states(None)
 
 
+def test_replica_resync_copies_all_of_an_8bit_adam_state(monkeypatch):
+    """tp_replica_resync with bitsandbytes' 8-bit AdamW: a replicated weight of 4096 elements or more (any
+    LayerNorm of a large model) has its moments as uint8 codes (state1, state2) and one scale per block (absmax1,
+    absmax2); TP rank 1 must get TP rank 0's codes and scales together, or its moments are neither rank's. The
+    two TP ranks in one process: rank 0's broadcasts are recorded, then replayed into rank 1's check."""
+    pytest.importorskip("bitsandbytes")
+    import optim
+    import precision
+
+    def rank(gain, grad):
+        model = torch.nn.Module()
+        model.ln = torch.nn.Parameter(torch.full((8192,), gain))  # replicated: no tp_dim
+        model.ln.grad = grad
+        # 32-bit state for tensors below 4096 elements only
+        opt = precision.MixedPrecisionOptimizer(
+            optim.build_optimizer(model, 1e-3, 0.0, 0.9, 0.95, 1e-8, use_bnb_optimizer=True)
+        )
+        opt.step()
+        return model, opt
+
+    gen = torch.Generator().manual_seed(0)
+    zero = rank(1.0, torch.randn(8192, generator=gen))
+    one = rank(1.001, 100 * torch.randn(8192, generator=gen))  # drifted, other moments
+    assert not torch.equal(zero[1].state[zero[0].ln]["absmax1"], one[1].state[one[0].ln]["absmax1"])
+    sent = []
+    monkeypatch.setattr(dist, "broadcast", lambda t, src, group=None: sent.append(t.clone()))
+    monkeypatch.setattr(parallel, "grid", parallel.Grid(2, 1, world_size=2, rank=0))
+    parallel.check_tp_replicas(zero[0], resync=True, optimizer=zero[1])
+    received = iter(sent)
+    monkeypatch.setattr(dist, "broadcast", lambda t, src, group=None: t.copy_(next(received)))
+    monkeypatch.setattr(parallel, "grid", parallel.Grid(2, 1, world_size=2, rank=1))
+    parallel.check_tp_replicas(one[0], resync=True, optimizer=one[1])
+    assert torch.equal(one[0].ln, zero[0].ln)
+    mine, reference = one[1].state[one[0].ln], zero[1].state[zero[0].ln]
+    assert mine.keys() == reference.keys()
+    differ = [
+        k for k, t in reference.items() if not torch.equal(*map(torch.as_tensor, (mine[k], t)))
+    ]
+    assert differ == []
+
+
 @pytest.mark.parametrize("rank", range(4))
 def test_dropout_stream_seeds_are_megatrons(rank, monkeypatch):
     """Rank `rank` of TP=2 x PP=2 (a grid on paper): the default stream is seeded with seed + 100 x stage, the
