@@ -389,8 +389,10 @@ def from_hf(cfg, given):
 
 def check_device(cfg, local_world_size=None):
     """device=cuda where this torch has no CUDA, or with fewer GPUs than processes on the node: one message with
-    the fix, before the process group or a device is touched (where torch's own error is a bare traceback)."""
-    if cfg.device != "cuda":
+    the fix, before the process group or a device is touched (where torch's own error is a bare traceback).
+    device=auto takes CUDA whenever torch sees a GPU, and then needs as many as device=cuda does."""
+    auto = cfg.device == "auto" and torch.cuda.is_available()
+    if cfg.device != "cuda" and not auto:
         return
     if not torch.cuda.is_available():
         why = (
@@ -407,9 +409,16 @@ def check_device(cfg, local_world_size=None):
     gpus = torch.cuda.device_count()
     # one GPU per task: GPU 0
     if gpus < local and not (gpus == 1 and "CUDA_VISIBLE_DEVICES" in os.environ):
+        # NCCL refuses two ranks on one GPU ("Duplicate GPU detected"), at the first collective
+        which = "device=auto (CUDA: torch sees a GPU)" if auto else "device=cuda"
+        check = (
+            ", check CUDA_VISIBLE_DEVICES, or use --device=cpu"
+            if auto
+            else ", or check CUDA_VISIBLE_DEVICES"
+        )
         raise ValueError(
-            f"device=cuda with {local} processes on this node but {gpus} GPU(s) visible: one process per "
-            f"GPU; launch torchrun --nproc_per_node {gpus}, or check CUDA_VISIBLE_DEVICES"
+            f"{which} with {local} processes on this node but {gpus} GPU(s) visible: one process per GPU; "
+            f"launch torchrun --nproc_per_node {gpus}{check}"
         )
 
 

@@ -318,6 +318,18 @@ def test_device_cuda_without_a_usable_gpu_is_one_message(monkeypatch):
         r"process per GPU; launch torchrun --nproc_per_node 2",
     ):
         arguments.check_device(cuda, local_world_size=4)
+    # the default, device=auto, is CUDA here: two ranks would share a GPU, which NCCL refuses at the first
+    # collective (parallel.init gives both LOCAL_RANK % 1 = GPU 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    with pytest.raises(
+        ValueError,
+        match=r"^device=auto \(CUDA: torch sees a GPU\) with 2 processes on this node but 1 GPU\(s\) "
+        r"visible: .*--nproc_per_node 1, check CUDA_VISIBLE_DEVICES, or use --device=cpu$",
+    ):
+        arguments.check_device(arguments.load_config(["--device=auto"]), local_world_size=2)
+    arguments.check_device(arguments.load_config(["--device=auto"]), local_world_size=1)
+    arguments.check_device(arguments.load_config(["--device=cpu"]), local_world_size=2)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a torch without CUDA")
