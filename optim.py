@@ -62,9 +62,11 @@ class OptimizerConfig:
     }
 
 
-# Keys of which a config turns on one, refused together by check(): one given on the command line replaces the
+# The dynamic loss scaler's keys, which a static loss_scale leaves unread (scaler_for)
+DYNAMIC_SCALE_KEYS = ("initial_loss_scale", "min_loss_scale", "loss_scale_window", "hysteresis")
+# Keys of which a config gives one, refused together by check(): one given on the command line replaces the
 # config file's other one (arguments.load_config)
-EXCLUSIVE = (("fp16", "bf16"),)
+EXCLUSIVE = (("fp16", "bf16"),) + tuple(("loss_scale", key) for key in DYNAMIC_SCALE_KEYS)
 
 
 def check(optim_cfg):
@@ -79,9 +81,8 @@ def check(optim_cfg):
         bound is None or bound > 0,
         f"skip_grad_norm_above={bound} must be positive (a grad norm; OPT's 1.0 on its scale), or None (off)",
     )
-    for a, b in EXCLUSIVE:
-        if getattr(optim_cfg, a) and getattr(optim_cfg, b):
-            raise ValueError(f"{a} and {b} are exclusive; choose one")
+    if optim_cfg.fp16 and optim_cfg.bf16:
+        raise ValueError("fp16 and bf16 are exclusive; choose one")
     # the optimizer's constructor and LossScaler refuse these too, but only once the model is built
     for key, usual in (("adam_beta1", "0.9"), ("adam_beta2", "0.95 for large runs")):
         beta = getattr(optim_cfg, key)
@@ -111,6 +112,17 @@ def _check_loss_scale(optim_cfg):
     _need(
         0 < floor <= initial,
         f"min_loss_scale={floor} must be positive and at most initial_loss_scale={initial:g} (1)",
+    )
+    dynamic = [
+        f"{key}={getattr(optim_cfg, key)!r}"
+        for key in DYNAMIC_SCALE_KEYS
+        if getattr(optim_cfg, key) != OptimizerConfig.__dataclass_fields__[key].default
+    ]
+    _need(
+        static is None or not dynamic,
+        f"loss_scale={static} is a static loss scale, which never changes: {', '.join(dynamic)} "
+        "(the dynamic scale's) would be ignored; drop loss_scale for the dynamic scale, or drop "
+        f"{'it' if len(dynamic) == 1 else 'them'}",
     )
     for key, what in (
         ("loss_scale_window", "clean steps before the loss scale doubles; the 104B's: 500"),

@@ -706,6 +706,13 @@ def test_bnb_keeps_an_untied_output_layers_state_32bit_as_the_embeddings():
         ),
         (["--fp16", "--loss_scale_window=0"], r"^loss_scale_window=0 must be at least 1"),
         (["--fp16", "--hysteresis=0"], r"^hysteresis=0 must be at least 1"),
+        # a static scale never changes: the dynamic scaler's keys beside it were ignored in silence
+        (
+            ["--fp16", "--loss_scale=1024", "--initial_loss_scale=4096", "--hysteresis=1"],
+            r"^loss_scale=1024.0 is a static loss scale, which never changes: initial_loss_scale=4096.0, "
+            r"hysteresis=1 \(the dynamic scale's\) would be ignored; drop loss_scale for the dynamic "
+            r"scale, or drop them$",
+        ),
     ],
 )
 def test_adam_and_loss_scale_keys_are_refused_by_name_before_anything_is_built(flags, message):
@@ -716,3 +723,24 @@ def test_adam_and_loss_scale_keys_are_refused_by_name_before_anything_is_built(f
     cfg = arguments.load_config(["--train_iters=1", *flags])
     with pytest.raises(ValueError, match=message):
         arguments.validate(cfg, reads_data=False)
+
+
+def test_a_static_loss_scale_on_the_command_line_replaces_the_files_dynamic_keys(tmp_path, capsys):
+    """The fp16 configs carry DeepSpeed's dynamic scaler (initial_loss_scale=4096, loss_scale_window=500);
+    --loss_scale on the command line is the user's choice of a static scale: the file's dynamic keys are left
+    out, said in one line each, and the run is the static one asked for."""
+    import arguments
+
+    config = tmp_path / "fp16.py"
+    config.write_text(
+        "fp16 = True\ninitial_loss_scale = 4096\nloss_scale_window = 500\ntrain_iters = 1\n"
+    )
+    cfg = arguments.load_config([str(config), "--loss_scale=12"])
+    arguments.validate(cfg, reads_data=False)
+    assert (cfg.loss_scale, cfg.initial_loss_scale, cfg.loss_scale_window) == (12.0, 2.0**32, 1000)
+    assert optim.scaler_for(cfg).state_dict()["scale"] == 12.0
+    out = capsys.readouterr().out
+    assert (
+        "loss_scale from the command line replaces the config file's initial_loss_scale = 4096"
+        in out
+    )
