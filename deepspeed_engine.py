@@ -75,6 +75,12 @@ def check(optim_cfg, zero_stage, grid):
         )
 
 
+def zero_stage_run(bf16, zero_stage):
+    """The ZeRO stage DeepSpeed runs for the config's zero_stage: with bf16, 0 runs as 1 (BF16_Optimizer, see
+    above); what ds_config asks for, and what estimate.py sizes."""
+    return 1 if bf16 and zero_stage == 0 else zero_stage
+
+
 def ds_config(optim_cfg, zero_stage, grid, micro_batch_size):
     """The DeepSpeed config: one micro-batch per step() as far as DeepSpeed knows (we run the micro-batches and
     divide the loss ourselves), no loss scaling, fp32 gradient accumulation and reduction under bf16."""
@@ -88,7 +94,7 @@ def ds_config(optim_cfg, zero_stage, grid, micro_batch_size):
         "managed_gradient_accumulation": False,
         "gradient_clipping": optim_cfg.clip_grad,
         "zero_optimization": {
-            "stage": 1 if bf16_zero1 else zero_stage,
+            "stage": zero_stage_run(bf16, zero_stage),
             "elastic_checkpoint": False,
         },
         "bf16": {"enabled": bf16, "immediate_grad_update": bf16_zero1},

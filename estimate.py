@@ -12,6 +12,7 @@ from typing import NamedTuple
 import torch
 
 import arguments
+import deepspeed_engine
 import launch
 import parallel
 import precision
@@ -47,10 +48,13 @@ def dry_run(cfg, world_size=None, file=None):
     # a layout that cannot train is refused here too
     arguments.prepare(cfg, world, reads_data=False)
     paper = build_stages(section(GPTConfig, cfg), pp, cfg.pp_partition_method, world)
+    zero = cfg.zero_stage
+    if cfg.deepspeed:  # the stage DeepSpeed runs: bf16's 0 is 1
+        zero = deepspeed_engine.zero_stage_run(cfg.bf16, zero)
     plan = Plan(
         precision.name(section(OptimizerConfig, cfg)),
         cfg.deepspeed,
-        cfg.zero_stage,
+        zero,
         cfg.micro_batch_size,
         cfg.global_batch_size,
     )
@@ -62,7 +66,7 @@ def dry_run(cfg, world_size=None, file=None):
         f"dry run: TP={tp} x PP={pp} x DP={paper.dp} = {world} GPUs (WORLD_SIZE; default TP x PP), nothing allocated"
     )
     say_parameters(paper, say)
-    say_model_states(plan, paper, say)
+    say_model_states(plan, paper, say, cfg.zero_stage)
     activations = say_activations(plan, paper, say)
     say_snapshots(cfg, paper, world, say)
     return {
@@ -71,7 +75,7 @@ def dry_run(cfg, world_size=None, file=None):
         "stages": paper.stages,
         "gpu_params": paper.gpu_params,
         "dp": paper.dp,
-        "model_states": model_states(plan, paper, cfg.zero_stage),
+        "model_states": model_states(plan, paper, plan.zero_stage),
         **activations,
     }
 
@@ -175,8 +179,10 @@ def model_states(plan, paper, zero):
     )
 
 
-def say_model_states(plan, paper, say):
-    """Lesson 16's textbook count, then what each ZeRO stage leaves on the GPU that needs the most."""
+def say_model_states(plan, paper, say, configured=None):
+    """Lesson 16's textbook count, then what each ZeRO stage leaves on the GPU that needs the most. configured:
+    the config's zero_stage, where DeepSpeed runs another (plan.zero_stage)."""
+    configured = plan.zero_stage if configured is None else configured
     GiB, params, dp = 2**30, paper.params, paper.dp
     dtype, deepspeed = plan.precision, plan.deepspeed
     per_param = (2 + 4 if dtype != "fp32" else 4) + 8 + 4  # weights (+ master), Adam, gradients
@@ -192,6 +198,8 @@ def say_model_states(plan, paper, say):
     for zero in (0, 1, 2) if deepspeed else (0, 1):
         parts = bytes_per_parameter(dtype, zero, dp, deepspeed)
         mark = "  <- configured" if zero == plan.zero_stage else ""
+        if mark and zero != configured:
+            mark += f" (zero_stage={configured} runs as {zero} under DeepSpeed with {dtype})"
         even = paper.gpu_params * sum(parts.values())
         states = model_states(plan, paper, zero)
         uneven = (

@@ -26,6 +26,23 @@ def test_tr11_dry_run_reports_the_rank_with_the_embedding_shard():
     assert "32.30 GiB on the largest rank (an even share would be 27.82 GiB)" in out.getvalue()
 
 
+def test_deepspeed_bf16_zero_stage_0_is_sized_as_the_zero_1_it_runs():
+    """DeepSpeed with bf16 runs zero_stage=0 as ZeRO-1 (BF16_Optimizer, deepspeed_engine.ds_config): its optimizer
+    state is sharded over DP, and the dry run sizes that, not an unsharded ZeRO-0."""
+    results, lines = [], []
+    for zero in (0, 1):
+        cfg = arguments.load_config(
+            ["--deepspeed", "--bf16", f"--zero_stage={zero}", "--global_batch_size=64"]
+        )
+        out = io.StringIO()
+        results.append(estimate.dry_run(cfg, world_size=4, file=out)["model_states"])
+        lines.append(next(line for line in out.getvalue().splitlines() if "<- configured" in line))
+    assert results[0] == results[1]
+    assert lines[0].startswith("  ZeRO-1 over DP=4:")
+    assert lines[0].endswith("<- configured (zero_stage=0 runs as 1 under DeepSpeed with bf16)")
+    assert lines[1].startswith("  ZeRO-1 over DP=4:") and lines[1].endswith("<- configured")
+
+
 def test_the_dry_run_in_docs_parallelism_is_what_it_prints():
     """The page showed 2 B of gradients and 16 B of optimizer state per parameter (14.93 GiB) after the code had
     come to allocate 4 and 12 (14.43 GiB): the block is compared with the dry run itself."""
