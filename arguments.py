@@ -135,6 +135,19 @@ def _convert_one(value, kind):
     raise TypeError(f"unsupported config type {kind}")
 
 
+_NO_VIRTUAL_STAGES = (
+    "no interleaved (virtual) pipeline stages: each of the pipeline_model_parallel_size stages holds one run of "
+    "consecutive layers under 1F1B; drop the flag, and keep pipeline_model_parallel_size the number of stages"
+)
+_RECOMPUTE_ONE_LAYER = (
+    "checkpoint_activations recomputes every layer, one at a time (Megatron's uniform method, 1 layer a chunk): "
+    "drop the flag (num_layers is the model's depth)"
+)
+_WHOLE_ACTIVATIONS = (
+    "the layer inputs that checkpoint_activations keeps are not split over the tensor-parallel ranks: each "
+    "keeps them whole; drop the flag"
+)
+
 # Megatron-LM flags with no key of that name here, and what sets the same thing: a spelling suggestion would be
 # wrong for each (lr_decay_iters is one letter-change from lr_decay_tokens, another unit).
 MEGATRON_NAMES = {
@@ -169,6 +182,27 @@ MEGATRON_NAMES = {
     "divides into train and validation)",
     "deepspeed_config": "deepspeed=True: DeepSpeed's config is made from this config's keys (zero_stage, bf16, "
     "clip_grad, micro_batch_size), no JSON file is read",
+    # the layout's and precision's flags whose closest key by spelling changes another thing: the pipeline's
+    # stages for its virtual chunks, the model's depth for recomputation's, a scale for its power of two
+    "virtual_pipeline_model_parallel_size": _NO_VIRTUAL_STAGES,
+    "num_layers_per_virtual_pipeline_stage": _NO_VIRTUAL_STAGES,
+    "pipeline_model_parallel_split_rank": "an encoder-decoder's split; a GPT is one stack, cut into "
+    "pipeline_model_parallel_size stages (pp_partition_method)",
+    "checkpoint_num_layers": _RECOMPUTE_ONE_LAYER,
+    "recompute_num_layers": _RECOMPUTE_ONE_LAYER,
+    "recompute_method": _RECOMPUTE_ONE_LAYER,
+    "partition_activations": _WHOLE_ACTIVATIONS,
+    "distribute_saved_activations": _WHOLE_ACTIVATIONS,
+    "distribute_checkpointed_activations": _WHOLE_ACTIVATIONS,
+    "overlap_grad_reduce": "the native path (deepspeed=False, any zero_stage) always overlaps the data-parallel "
+    "all-reduce with backward, in gradient buckets: drop the flag",
+    "initial_scale_power": "DeepSpeed's power of two: initial_loss_scale = 2**initial_scale_power (the 104B's 12 "
+    "is initial_loss_scale=4096)",
+    "num_micro_batches": "global_batch_size = micro_batch_size x data-parallel size x the micro-batches of a step",
+    "no_save_optim": "every checkpoint holds the optimizer state: drop the flag (no_load_optim leaves it out "
+    "at a resume)",
+    "cpu_optimizer": "ZeRO-Offload is not supported: the optimizer steps on the device; zero_stage=1 shards its "
+    "state over the data-parallel ranks",
 }
 
 

@@ -171,6 +171,17 @@ def test_exclusive_warmups_both_on_the_command_line_are_refused():
         ("tensorboard_queue_size", "drop the flag"),
         ("train_weighted_split_paths_path", "data_path"),
         ("deepspeed_config", "no JSON file is read"),
+        ("virtual_pipeline_model_parallel_size", "no interleaved (virtual) pipeline stages"),
+        ("num_layers_per_virtual_pipeline_stage", "no interleaved (virtual) pipeline stages"),
+        ("pipeline_model_parallel_split_rank", "a GPT is one stack"),
+        ("checkpoint_num_layers", "checkpoint_activations recomputes every layer, one at a time"),
+        ("recompute_num_layers", "checkpoint_activations recomputes every layer, one at a time"),
+        ("partition_activations", "not split over the tensor-parallel ranks"),
+        ("distribute_saved_activations", "not split over the tensor-parallel ranks"),
+        ("overlap_grad_reduce", "always overlaps the data-parallel all-reduce"),
+        ("initial_scale_power", "initial_loss_scale = 2**initial_scale_power"),
+        ("num_micro_batches", "micro_batch_size x data-parallel size x the micro-batches"),
+        ("no_save_optim", "every checkpoint holds the optimizer state"),
     ],
 )
 def test_a_megatron_flag_of_another_name_is_translated_not_misspelled(flag, message):
@@ -178,7 +189,12 @@ def test_a_megatron_flag_of_another_name_is_translated_not_misspelled(flag, mess
     8-bit Adam; override_lr_scheduler: the opposite). BigScience's scripts' flags too: tr11's
     --sync-tp-duplicated-parameters was offered inject_duplicate_period (a fault injection), --pad-vocab-size-to
     vocab_size, --data-impl data_path, --tensorboard-queue-size tensorboard_dir, --train-weighted-split-paths-path
-    valid_weighted_split_paths, --deepspeed_config deepspeed (whose file nothing would read)."""
+    valid_weighted_split_paths, --deepspeed_config deepspeed (whose file nothing would read). The layout's and
+    precision's: the virtual pipeline's sizes and the split rank were offered pipeline_model_parallel_size (other
+    stages), --checkpoint-num-layers and --recompute-num-layers num_layers (another depth), DeepSpeed's
+    initial_scale_power initial_loss_scale (12 for 4096), --partition-activations and
+    --distribute-saved-activations checkpoint_activations and distributed_timeout_minutes, --overlap-grad-reduce
+    override_lr_scheduler, --num-micro-batches micro_batch_size, --no-save-optim no_load_optim (the opposite)."""
     with pytest.raises(
         ValueError,
         match=f"unknown config key '{flag}' \\(a Megatron-LM flag\\): .*" + re.escape(message),
