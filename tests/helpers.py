@@ -5,7 +5,7 @@
   vocabulary); two checkpoints bit for bit
   (assert_same_checkpoint, assert_same);
 - several processes: spawn(fn, world, tp, pp) runs fn on gloo processes, gather, TINY / stage / random_batches
-  for GPT stages against one process;
+  for GPT stages against one process; two_rank_checks runs a module's two-process checks in one spawned pair;
 - end to end: launch() runs train.py under torchrun on the `synthetic_corpus` fixture with E2E_ARGS, a Run holds
   its log lines and TensorBoard scalars (launch_once: one run shared by the tests that compare with it),
   assert_same_training / assert_replicas_identical / dumps compare runs;
@@ -264,6 +264,55 @@ def spawn(fn, world, tp=1, pp=1, *args):
     except Exception as e:
         message = errors.get() if not errors.empty() else str(e)
         pytest.fail(message, pytrace=False)
+
+
+def _paired(directory, run_check, checks, args):
+    """On this rank, the checks in turn; after each, a file saying this rank passed it."""
+    for check in checks:
+        run_check(check, directory, *args)
+        open(os.path.join(directory, f"{check}.{parallel.grid.rank}"), "w").close()
+
+
+def two_rank_checks(request, directory, run_check, checks_of_tests, *args):
+    """Run the two-process checks of request's module in one spawned pair of gloo ranks (a spawn's
+    start-up, two interpreters importing torch, costs more than most checks): run_check(check,
+    directory, *args) on each rank (a module-level function; the grid is DP=2, run_check sets
+    another). checks_of_tests: test name -> its check, in the order they run; only the selected
+    tests' checks run (a -k subset pays for its own). A failed check ends the pair (the other rank
+    would wait in a collective); the checks after it run in a new pair, so that each test reports its
+    own. Returns passed(check): fails with the failing rank's traceback unless both ranks passed it,
+    else returns directory (where a check may leave what it measured)."""
+    selected = {
+        getattr(item, "originalname", item.name)
+        for item in request.session.items
+        if item.path == request.path
+    }
+    left = [check for test, check in checks_of_tests.items() if test in selected]
+
+    def done(check):
+        return all(os.path.exists(os.path.join(directory, f"{check}.{r}")) for r in (0, 1))
+
+    failures = {}
+    while left:
+        try:
+            spawn(_paired, 2, 1, 1, str(directory), run_check, left, args)
+            break
+        except pytest.fail.Exception as e:
+            failed = next((check for check in left if not done(check)), None)
+            if failed is None:  # after every check passed on both ranks: none can be trusted
+                failures.update({check: str(e) for check in left})
+                break
+            failures[failed] = str(e)
+            left = left[left.index(failed) + 1 :]
+
+    def passed(check):
+        if check in failures:
+            pytest.fail(failures[check], pytrace=False)
+        if not done(check):
+            pytest.fail(f"{check}: did not run", pytrace=False)
+        return directory
+
+    return passed
 
 
 def gather(t, group):

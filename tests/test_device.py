@@ -37,10 +37,10 @@ from helpers import (  # noqa: F401
     plan_of,
     run_cli,
     snapshots_of,
-    spawn,
     spike_guard_of,
     synthetic_corpus,  # (corpus, synthetic_corpus: fixtures)
     train_script,
+    two_rank_checks,
 )
 from model import GPT, GPTConfig, draw_slice
 from parallel import LayoutConfig
@@ -896,11 +896,9 @@ def test_telemetry_update_ratio_with_zero1_masters(two_ranks):
 
 
 # -----------------------------------------------------------------------------
-# The two-process checks above share one pair of gloo processes: a spawn's start-up (two interpreters importing torch
-# and this module) costs more than most of the checks. Each runs in turn; a rank that fails ends the pair.
-
-# test -> its check, in the order they run: those on the spawn's own DP2 grid before train.py's main sets its
-# layouts; DeepSpeed last, so that what its import and engine leave in a process is not under the native audit
+# test -> its check, in the order they run in one pair of processes (helpers.two_rank_checks): those on the spawn's
+# own DP2 grid before train.py's main sets its layouts; DeepSpeed last, so that what its import and engine leave in a
+# process is not under the native audit
 TWO_RANK_CHECKS = {
     "test_a_save_inside_the_loop_shares_its_results_by_tensor_collectives": "save",
     "test_telemetry_update_ratio_with_zero1_masters": "telemetry",
@@ -909,56 +907,26 @@ TWO_RANK_CHECKS = {
 }
 
 
-def _two_rank_checks(directory, corpus, checks):
-    """The checks in turn on this rank; after each, a file saying this rank passed it."""
-    for check in checks:
-        if check == "save":
-            _save_on_two_ranks(os.path.join(directory, "save"))
-        elif check == "telemetry":
-            _telemetry_with_and_without_zero()
-        elif check == "collectives":
-            _audited_runs(corpus, NATIVE_LAYOUTS)
-        else:
-            _audited_runs(corpus, [["--deepspeed", "--zero_stage=1", "--bf16"]])
-        open(os.path.join(directory, f"{check}.{parallel.grid.rank}"), "w").close()
+def _run_check(check, directory, corpus):
+    if check == "save":
+        _save_on_two_ranks(os.path.join(directory, "save"))
+    elif check == "telemetry":
+        _telemetry_with_and_without_zero()
+    elif check == "collectives":
+        _audited_runs(corpus, NATIVE_LAYOUTS)
+    else:
+        _audited_runs(corpus, [["--deepspeed", "--zero_stage=1", "--bf16"]])
 
 
 @pytest.fixture(scope="module")
 def two_ranks(request, synthetic_corpus, tmp_path_factory):
-    """two_ranks(check): fails with the rank's traceback unless both ranks passed it. Only the checks of the
-    tests selected run (a -k or -m subset pays for its own)."""
     import importlib.util
 
-    selected = {
-        getattr(item, "originalname", item.name)
-        for item in request.session.items
-        if item.path == request.path
-    }
-    checks = [c for t, c in TWO_RANK_CHECKS.items() if t in selected]
-    if importlib.util.find_spec("deepspeed") is None and "deepspeed" in checks:
-        checks.remove("deepspeed")
+    checks = dict(TWO_RANK_CHECKS)
+    if importlib.util.find_spec("deepspeed") is None:
+        del checks["test_collectives_of_a_two_process_deepspeed_run"]
     directory = tmp_path_factory.mktemp("two_ranks")
-    failure = None
-    try:
-        spawn(_two_rank_checks, 2, 1, 1, str(directory), synthetic_corpus, checks)
-    except pytest.fail.Exception as e:
-        failure = str(e)
-
-    def done(check):
-        return all((directory / f"{check}.{rank}").exists() for rank in (0, 1))
-
-    def passed(check):
-        if done(check):
-            return
-        failed = next((c for c in checks if not done(c)), check)
-        if failed != check:
-            pytest.fail(
-                f"not run: the check {failed!r} ended the processes first:\n{failure}",
-                pytrace=False,
-            )
-        pytest.fail(failure or f"{check}: did not run", pytrace=False)
-
-    return passed
+    return two_rank_checks(request, directory, _run_check, checks, synthetic_corpus)
 
 
 # -----------------------------------------------------------------------------

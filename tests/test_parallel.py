@@ -21,7 +21,6 @@ import sys
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 import optim
@@ -41,64 +40,38 @@ from helpers import (  # noqa: F401
     spawn,
     stage,
     synthetic_corpus,  # (synthetic_corpus is a fixture)
+    two_rank_checks,
 )
 
 # -----------------------------------------------------------------------------
-# The two-process unit checks below run in one pair of processes, one after the other (a spawn is seconds of
-# interpreter start-up per process, the checks a fraction of that); each test reads its own check's outcome.
+# The two-process unit checks below run in one pair of processes (helpers.two_rank_checks): test -> its check,
+# in the order they run
+
+TWO_RANK_CHECKS = {
+    "test_tensor_parallel_layers_match_plain_ops": "tensor-parallel layers",
+    "test_two_process_layouts_match_one_process": "two-process layouts",
+    "test_native_zero1_matches_adamw": "native zero1",
+    "test_memory_estimate_matches_what_the_code_allocates": "model states",
+}
 
 
-def _two_rank_checks(names, queue):
-    """Run the checks `names` in order on this rank; after each, tell the test process it passed here. A check that
-    fails ends both processes (the other rank would wait in a collective): the checks after it run again in a new
-    pair (two_ranks)."""
-    checks = {
+def _run_check(check, directory):
+    tp, run, args = {
         "tensor-parallel layers": (2, _tp_layers, ()),
         "two-process layouts": (1, _layouts, ([(2, 1, 2), (1, 2, 3), (1, 1, 2)],)),
         "native zero1": (1, _zero1_both_precisions, ()),
-        "model states": (1, _measure_dp2, (queue,)),
-    }
-    for name in names:
-        tp, check, args = checks[name]
-        # what a fresh process would start with: the grid of its check (DP=2, or TP=2) and float32
-        parallel.grid = parallel.Grid(tp, 1)
-        torch.set_default_dtype(torch.float32)
-        check(*args)
-        queue.put(("passed", name, parallel.grid.rank))
+        "model states": (1, _measure_dp2, (directory,)),
+    }[check]
+    # what a fresh process would start with: the grid of its check (DP=2, or TP=2) and float32
+    parallel.grid = parallel.Grid(tp, 1)
+    torch.set_default_dtype(torch.float32)
+    run(*args)
 
 
 @pytest.fixture(scope="module")
-def two_ranks():
-    """{check: None if it passed on both ranks, else why not} and "model states results", what the DP=2 ranks of
-    _measure_dp2 measured."""
-    queue = mp.get_context("spawn").SimpleQueue()
-    outcome = {"model states results": {}}
-    left = ["tensor-parallel layers", "two-process layouts", "native zero1", "model states"]
-    while left:
-        try:
-            spawn(_two_rank_checks, 2, 1, 1, left, queue)
-            failure = None
-        except pytest.fail.Exception as e:
-            failure = str(e)
-        done = []
-        while not queue.empty():
-            message = queue.get()
-            if isinstance(message, dict):
-                outcome["model states results"].update(message)
-            else:
-                done.append(message[1])
-        outcome.update({name: None for name in left if done.count(name) == 2})
-        left = [name for name in left if name not in outcome]
-        if failure is not None:
-            # the processes failed after every check had passed on both ranks: every test fails
-            assert left, failure
-            outcome[left.pop(0)] = failure  # the first check that did not pass on both ranks
-    return outcome
-
-
-def passed(two_ranks, name):
-    if two_ranks[name] is not None:
-        pytest.fail(two_ranks[name], pytrace=False)
+def two_ranks(request, tmp_path_factory):
+    directory = tmp_path_factory.mktemp("two_ranks")
+    return two_rank_checks(request, directory, _run_check, TWO_RANK_CHECKS)
 
 
 # -----------------------------------------------------------------------------
@@ -186,7 +159,7 @@ def _tp_layers():
 
 
 def test_tensor_parallel_layers_match_plain_ops(two_ranks):
-    passed(two_ranks, "tensor-parallel layers")  # TP=2
+    two_ranks("tensor-parallel layers")  # TP=2
 
 
 # -----------------------------------------------------------------------------
@@ -293,7 +266,7 @@ def _layouts(layouts):
 
 def test_two_process_layouts_match_one_process(two_ranks):
     # TP=2; PP=2 with an odd number of micro-batches; DP=2
-    passed(two_ranks, "two-process layouts")
+    two_ranks("two-process layouts")
 
 
 def test_four_process_layouts_match_one_process():
@@ -371,7 +344,7 @@ def _zero1_both_precisions():
 
 
 def test_native_zero1_matches_adamw(two_ranks):
-    passed(two_ranks, "native zero1")  # DP=2
+    two_ranks("native zero1")  # DP=2
 
 
 # -----------------------------------------------------------------------------
@@ -471,10 +444,10 @@ def _measure_model_states(results):
         )
 
 
-def _measure_dp2(queue):
+def _measure_dp2(directory):
     results = {}
     _measure_model_states(results)
-    queue.put(results)
+    torch.save(results, os.path.join(directory, f"model_states.{parallel.grid.dp_rank}.pt"))
 
 
 @pytest.mark.slow
@@ -484,8 +457,9 @@ def test_memory_estimate_matches_what_the_code_allocates(two_ranks):
 
     results = {}
     _measure_model_states(results)  # DP=1, this process
-    passed(two_ranks, "model states")  # DP=2
-    results.update(two_ranks["model states results"])
+    directory = two_ranks("model states")  # DP=2
+    for rank in (0, 1):
+        results.update(torch.load(os.path.join(directory, f"model_states.{rank}.pt")))
     for precision in ("fp32", "bf16", "fp16"):
         for dp in (1, 2):
             per_param = sum(estimate.bytes_per_parameter(precision, 1, dp).values())
