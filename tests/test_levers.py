@@ -398,6 +398,36 @@ def test_show_samples_follows_the_run_s_log_past_a_resume_that_changed_the_batch
     assert data.get_tokenizer().decode(train_data[39].tolist()) in out.split("=== iteration 4")[0]
 
 
+def test_show_samples_takes_an_unset_global_batch_from_the_run_s_checkpoint(
+    corpus, tmp_path, capsys
+):
+    """A config that leaves global_batch_size to the layout (micro_batch_size x DP) was replayed as one
+    replica's, in silence: for a DP=4 run, iteration 2 was named samples 4-7, not the run's 16-31.
+    The run's batch is in its checkpoint; without one the replay says what it assumed."""
+    import sys
+
+    from helpers import ROOT, write_checkpoint
+
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    import show_samples
+
+    run = tmp_path / "run"
+    write_checkpoint(str(run), [*SMALL, "--global_batch_size=16"], lambda s: 0)
+    unset = [*SMALL, "--global_batch_size=none", "--train_iters=4"]
+    capsys.readouterr()
+    show_samples.main(["--iterations", "2-2", "--max_chars=0", *unset, f"--save={run}"])
+    out = capsys.readouterr().out
+    assert "global_batch_size unset: the run's, 16, from its checkpoint " in out
+    assert "=== iteration 2: samples 16-31, seqlen 64" in out
+    show_samples.main(["--iterations", "2-2", "--max_chars=0", *unset])
+    out = capsys.readouterr().out
+    assert (
+        "replayed as one data-parallel replica's, micro_batch_size 4; give --global_batch_size"
+        in out
+    )
+    assert "=== iteration 2: samples 4-7, seqlen 64" in out
+
+
 def test_show_samples_says_where_a_run_trained_at_another_seq_length(tmp_path, capsys):
     """Samples of another length are another sample index: after a context extended on resume, the iterations
     before it are named with the length to replay them at, from the log's token counts."""

@@ -9,7 +9,8 @@ run's own log where there is one (metrics.jsonl in the config's save directory: 
 logged iteration before A, so a resume that changed the global batch is followed), else from iteration 0. An
 iteration of A..B whose logged count differs from the replay is said: the run's keys were not these.
 Skipped iterations (skip_train_iteration_range) are listed too: their batches were drawn and thrown away. A skip
-list (skip_documents) is the run's: give it as the run did.
+list (skip_documents) is the run's: give it as the run did. A global_batch_size left to the layout is the run's
+checkpoint's in save (without one, one replica's, said).
 """
 
 import argparse
@@ -20,9 +21,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import arguments  # noqa: E402
 import builders  # noqa: E402
+import checkpoint  # noqa: E402
 import data  # noqa: E402
 import loader  # noqa: E402
 import report  # noqa: E402
+import safety  # noqa: E402
 import schedule  # noqa: E402
 from sections import section  # noqa: E402
 
@@ -69,6 +72,23 @@ def iteration_starts(plan, first, last, logged):
     return out
 
 
+def run_batch(cfg):
+    """The global batch of a config that leaves it to the run's layout (micro_batch_size x its
+    data-parallel size, which the config does not hold): the run's, from its checkpoint in save,
+    else one replica's, said."""
+    tag = checkpoint.latest_dir(cfg.save) if cfg.save and os.path.isdir(cfg.save) else None
+    if tag is not None:
+        batch = safety.checkpoint_run(tag)["config"]["global_batch_size"]
+        print(f"global_batch_size unset: the run's, {batch}, from its checkpoint {tag}")
+        return batch
+    print(
+        f"global_batch_size unset and no checkpoint in save ({cfg.save}): replayed as one "
+        f"data-parallel replica's, micro_batch_size {cfg.micro_batch_size}; give "
+        "--global_batch_size=N if the run had more"
+    )
+    return cfg.micro_batch_size
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -87,6 +107,8 @@ def main(argv=None):
         raise ValueError(f"--max_chars {args.max_chars} must be 0 (headers only) or more")
     ((first, last),) = schedule.parse_iteration_ranges([args.iterations], key="--iterations")
     cfg = arguments.load_config(rest)
+    if cfg.global_batch_size is None:
+        cfg.global_batch_size = run_batch(cfg)
     # The order depends on the global batch only, not on the data-parallel size: validate as one replica.
     arguments.prepare(
         cfg, world_size=cfg.tensor_model_parallel_size * cfg.pipeline_model_parallel_size
