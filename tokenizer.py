@@ -80,7 +80,6 @@ class TokenizerFile:
         return self.tokenizer.decode(ids, skip_special_tokens=False)
 
 
-@functools.cache
 def run_tokenizer(run_file: str | None, tokenizer_file: str | None = None):
     """The tokenizer of a checkpoint's run (run_file: the tokenizer_file it trained with; None:
     GPT-2 BPE), or tokenizer_file's where given: the run's path is one on the machine that trained it."""
@@ -103,6 +102,7 @@ def check_vocab(tok, vocab_size: int):
         )
 
 
+@functools.cache
 def get_tokenizer(tokenizer_file: str | None = None):
     """The tokenizer of tokenizer_file (a Hugging Face tokenizer.json, see TokenizerFile), or by default GPT-2
     BPE (50257 tokens, <|endoftext|> = 50256) as a tiktoken Encoding, built without network access.
