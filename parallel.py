@@ -1071,10 +1071,11 @@ def check_tp_replicas(model, resync=False, optimizer=None):
                 main = main_param(p)
                 if main is not None and main is not p:
                     dist.broadcast(main, src=src, group=grid.tp_group)
-                # every tensor of the state, whatever its shape: 8-bit Adam's codes are only read with their
-                # per-block scales (absmax), and a copy of the codes alone gives moments of neither rank
+                # every tensor of the state on the weight's device, whatever its shape: 8-bit Adam's codes
+                # are only read with their per-block scales (absmax). Not a step count kept on the host
+                # (torch.optim's): the same on every rank, and NCCL broadcasts device tensors only.
                 for t in state.get(main, {}).values():
-                    if torch.is_tensor(t):
+                    if torch.is_tensor(t) and t.device == main.device:
                         dist.broadcast(t, src=src, group=grid.tp_group)
     diffs = torch.nan_to_num(diffs, nan=float("inf"))
     diffs[-1] = diffs[:-1].max() if replicated else 0.0
