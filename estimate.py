@@ -179,10 +179,9 @@ def model_states(plan, paper, zero):
     )
 
 
-def say_model_states(plan, paper, say, configured=None):
+def say_model_states(plan, paper, say, configured):
     """Lesson 16's textbook count, then what each ZeRO stage leaves on the GPU that needs the most. configured:
     the config's zero_stage, where DeepSpeed runs another (plan.zero_stage)."""
-    configured = plan.zero_stage if configured is None else configured
     GiB, params, dp = 2**30, paper.params, paper.dp
     dtype, deepspeed = plan.precision, plan.deepspeed
     per_param = (2 + 4 if dtype != "fp32" else 4) + 8 + 4  # weights (+ master), Adam, gradients
