@@ -88,10 +88,22 @@ def build_deepspeed(cfg, model, optimizer):
     )
 
 
+def _resumes(cfg):
+    return bool(cfg.load and checkpoint.latest_dir(cfg.load))
+
+
+def check_init_from_hf(cfg):
+    """The weight files of init_from_hf checked from their headers (hf.check_weights) before anything is built: a
+    download that is not the model its config.json describes stops the run before the data's index and the
+    model's build, not after them. Not read when the run resumes (init_from_hf)."""
+    if cfg.init_from_hf and not _resumes(cfg):
+        hf.check_weights(section(GPTConfig, cfg), cfg.init_from_hf)
+
+
 def init_from_hf(cfg, model):
     """The weights of the Hugging Face model cfg.init_from_hf (hf.load_into), unless the run resumes: then the
     checkpoint's weights win and the model directory is not read."""
-    if cfg.load and checkpoint.latest_dir(cfg.load):
+    if _resumes(cfg):
         print0(
             f"init_from_hf {cfg.init_from_hf} not loaded: resuming from the checkpoint in {cfg.load}, whose "
             "weights win"

@@ -110,6 +110,7 @@ NOT_MAPPED = {
     "stable_attention",
     "unfused_attention",
     "tensor_model_parallel_size",
+    "attention_backend",  # which of torch's kernels computes attention, not what it computes
     "z_loss",
 }  # a term of the training loss only
 # ... and the GPT-2 block, which both have: the Llama block's keys at their defaults (family() checks them)
@@ -798,16 +799,21 @@ class Weights:
         file, key = self.file_of[name]
         return self._read(file, lambda f: f.get_tensor(key) if hasattr(f, "get_tensor") else f[key])
 
+    def rows(self, name):
+        """The first dimension of tensor `name`, from safetensors' header (nothing else read) or the .bin's
+        memory-mapped state dict."""
+        file, key = self.file_of[name]
+        return self._read(
+            file,
+            lambda f: f.get_slice(key).get_shape()[0] if hasattr(f, "get_slice") else len(f[key]),
+        )
 
-@torch.no_grad()
-def load_into(model, directory):
-    """Copy the weights of the transformers model in directory into `model`: a GPT (model.py), whole or this
-    rank's TP x PP stage of it, before an optimizer takes its parameters (DeepSpeed's included). Refuses a model
-    config that contradicts the directory's (check_config), and a directory whose weights do not all have a place
-    here, or lack one."""
-    model_cfg = model.config
+
+def check_weights(model_cfg, directory):
+    """Refuse a directory whose weight files do not hold exactly the tensors of its model (names, and the
+    vocabulary's rows: their vocab_size, which the "vocab" step would otherwise pad up to with zero rows in
+    silence), from the files' headers: one ValueError, before anything is built. Returns the Weights."""
     kind, _ = _hf_config(directory)
-    check_config(model_cfg, directory)
     weights = Weights(directory)
     table = weight_map(kind, model_cfg.num_layers, model_cfg)
     theirs = {name for names, _ in table.values() for name in their_names(names)}
@@ -821,6 +827,30 @@ def load_into(model, directory):
             + (f"unexpected {', '.join(extra[:5])}" if extra else "")
             + "; download the model again"
         )
+    for source, steps in table.values():
+        if "vocab" in steps:
+            name = their_names(source)[0]
+            rows = weights.rows(name)
+            if rows != model_cfg.vocab_size:
+                raise ValueError(
+                    f"{name} in {directory} has {rows} rows where its config.json says vocab_size "
+                    f"{model_cfg.vocab_size}: the config does not describe the weights; download the "
+                    "model again"
+                )
+    return weights
+
+
+@torch.no_grad()
+def load_into(model, directory):
+    """Copy the weights of the transformers model in directory into `model`: a GPT (model.py), whole or this
+    rank's TP x PP stage of it, before an optimizer takes its parameters (DeepSpeed's included). Refuses a model
+    config that contradicts the directory's (check_config), and a directory whose weights do not all have a place
+    here, or lack one."""
+    model_cfg = model.config
+    kind, _ = _hf_config(directory)
+    check_config(model_cfg, directory)
+    weights = check_weights(model_cfg, directory)
+    table = weight_map(kind, model_cfg.num_layers, model_cfg)
     for name, p in model.named_parameters():
         source, steps = table[reshard.TIED_COPY.get(name, name)]
         tensors = [weights.get(n) for n in their_names(source)]

@@ -59,10 +59,12 @@ def main(argv=None):
 
         estimate.dry_run(cfg)
         return
-    # a config that cannot work stops before any process group, and so do a tokenizer and data files it cannot use
+    # a config that cannot work stops before any process group, and so do a tokenizer, data files and init_from_hf
+    # weights it cannot use
     arguments.prepare(cfg, launch.world_size())
     loader.check_tokenizer(cfg.tokenizer_file, section(loader.DataContext, cfg))
     loader.check_files(section(loader.DataConfig, cfg), section(loader.DataContext, cfg))
+    builders.check_init_from_hf(cfg)
     # lm-eval's tasks found (imported only then), before any process group too
     harness = None
     if cfg.eval_harness_tasks:

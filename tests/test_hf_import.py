@@ -16,6 +16,7 @@ import torch
 
 import arguments
 import hf
+import launch
 import loader
 import parallel
 from helpers import (  # noqa: F401
@@ -237,7 +238,11 @@ def test_config_that_contradicts_the_model_is_refused(models):
     with pytest.raises(ValueError, match=r"contradicts .*: normformer=True: neither"):
         hf.check_config(GPTConfig(**{**keys, "normformer": True}), directory)
     hf.check_config(
-        GPTConfig(**{**keys, "seq_length": 16, "hidden_dropout": 0.3, "z_loss": 1e-4}), directory
+        GPTConfig(
+            **{**keys, "seq_length": 16, "hidden_dropout": 0.3, "z_loss": 1e-4},
+            attention_backend="math",  # the kernel, not the function: was refused, "neither has it"
+        ),
+        directory,
     )
     short = ours(directory, seq_length=16)  # the first 16 of GPT-2's 24 positions
     assert torch.equal(short.embed.position.weight, models["gpt2"][1].transformer.wpe.weight[:16])
@@ -366,3 +371,37 @@ def test_run_config_that_contradicts_the_model_stops_with_one_message(models):
         "num_layers 4 (config) vs 2 (model)" in proc.stderr
         and "start from config/finetune.py" in proc.stderr
     )
+
+
+def test_weights_their_config_does_not_describe_are_refused_before_the_run_builds(
+    models, corpus, tmp_path, monkeypatch
+):
+    """A config.json whose vocab_size is not the embedding's rows: the "vocab" step padded the 50257 rows to
+    50300 with zero rows in silence. Refused from the files' headers, before the data and the model are built
+    (init_from_hf read the weights only in the build)."""
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for name in os.listdir(models["gpt2"][0]):
+        (broken / name).write_bytes(open(os.path.join(models["gpt2"][0], name), "rb").read())
+    settings = json.loads((broken / "config.json").read_text())
+    (broken / "config.json").write_text(json.dumps({**settings, "vocab_size": 50300}))
+    message = (
+        "wte.weight in {} has 50257 rows where its config.json says vocab_size 50300: the config does "
+        "not describe the weights; download the model again"
+    )
+    with pytest.raises(ValueError, match=message.format(".*")):
+        hf.load_into(GPT(GPTConfig(**hf.config_from_hf(str(broken)))), str(broken))
+    proc = run_cli(
+        *RUN, f"--init_from_hf={broken}", f"--data_path={corpus}", "--train_iters=2",
+        "--save=none", expect_ok=False,
+    )  # fmt: skip
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.count("error:") == 1 and message.format(broken) in proc.stderr
+    argv = [*RUN, f"--init_from_hf={broken}", f"--data_path={corpus}", "--train_iters=2"]
+
+    def started(*args, **kwargs):
+        raise AssertionError("a process group started before the weights were checked")
+
+    monkeypatch.setattr(launch, "start", started)
+    with pytest.raises(ValueError, match=message.format(".*")):
+        run_main(*argv, "--save=none")
