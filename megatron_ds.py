@@ -210,6 +210,12 @@ def tag_dir_of(load_dir):
     if os.path.isfile(latest):  # DeepSpeed's tag file
         with open(latest) as f:
             tag = f.read().strip()
+        if not tag:  # it would name load_dir itself
+            steps = sorted(n for n in os.listdir(load_dir) if n.startswith("global_step"))
+            raise ValueError(
+                f"{latest} is empty (a save killed while it wrote it?): pass the global_stepN directory "
+                f"to import as --load (it holds {', '.join(steps) or 'no global_stepN'})"
+            )
     elif os.path.isfile(tracker):  # Megatron's, an iteration number
         latest = tracker
         with open(tracker) as f:
@@ -260,6 +266,7 @@ class Checkpoint:
         layout = self._read_layout(files, zero_files, model_files)
         self._open_zero(zero_files, layout)
         self.layers = self._layer_indices()
+        check_layers(self)
 
     def _read_args(self):
         """Megatron's own state (args, iteration, tokens, lr_scheduler), from mp_rank_00."""
@@ -414,6 +421,30 @@ def check_files(ckpt, model_files):
             f"{len(missing)} of its files are missing: "
             f"{', '.join(missing[:8])}{more}; copy the whole checkpoint directory"
         )
+
+
+def check_layers(ckpt):
+    """The layer files are the embedding, args.num_layers consecutive transformer layers and the final norm, or
+    one ValueError naming the missing ones: our_name counts the blocks from the first one's index, and a
+    missing one would shift the others (GPTModelPipe's layout: the embedding at E, the layers from E + 2, the
+    final norm after one more function)."""
+    n = ckpt.args.num_layers
+    held, first = ckpt.layers, ckpt.layers[0] + 2
+    blocks = held[1:-1]
+    if len(held) == n + 2 and blocks == list(range(blocks[0], blocks[0] + n)):
+        return
+    expected = [held[0], *range(first, first + n), first + n + 1]
+    missing = [i for i in expected if i not in held]
+    names = ", ".join(f"layer_{i:02d}" for i in missing)
+    named = (
+        f"the files of {names} are missing"
+        if missing and set(held) <= set(expected)
+        else f"it holds layers {', '.join(map(str, held))}"
+    )
+    raise ValueError(
+        f"{ckpt.dir} is incomplete: its args say num_layers={n} (the embedding, {n} transformer layers and "
+        f"the final norm), and {named}; copy the whole checkpoint directory"
+    )
 
 
 def _comparable(value):
@@ -1074,11 +1105,19 @@ def _write(ckpt, target, run, tag_dir):
     return g
 
 
-def check_save_dir(save_dir):
-    """save_dir is new or empty, or one ValueError; one that names a half-finished import left in it
-    (a killed import's global_stepN.partial: kill -9 runs no clean-up), never deleted here."""
+def check_save_dir(save_dir, load_dir=None):
+    """save_dir is new or empty, and outside the source checkpoint load_dir, or one ValueError; one that names
+    a half-finished import left in it (a killed import's global_stepN.partial: kill -9 runs no clean-up),
+    never deleted here."""
     if os.path.exists(save_dir) and not os.path.isdir(save_dir):
         raise ValueError(f"--save {save_dir} is a file: give a new or empty directory")
+    source = load_dir and os.path.realpath(load_dir)
+    if source and (os.path.realpath(save_dir) + os.sep).startswith(source + os.sep):
+        # DeepSpeed's readers walk the source's tree: our files inside it would be read as its own
+        raise ValueError(
+            f"--save {save_dir} is inside the Megatron-DeepSpeed checkpoint --load {load_dir}, which "
+            "the import only reads; give a directory outside it"
+        )
     files.check_output_dir(save_dir, "--save", "a new or empty directory")
     held = sorted(os.listdir(save_dir)) if os.path.isdir(save_dir) else []
     leftovers = [n for n in held if n.endswith(".partial")]

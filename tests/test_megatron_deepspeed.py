@@ -712,8 +712,8 @@ def test_files_are_found_by_their_rank_numbers_not_as_text(tmp_path):
         num_layers=3, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp
     )
     for t in range(tp):
-        # not read here: TP is their number
-        (tag / f"layer_01-model_{t:02d}-model_states.pt").touch()
+        for layer in (1, 3, 4, 5, 7):  # not read here: TP is their number, the layers their indices
+            (tag / f"layer_{layer:02d}-model_{t:02d}-model_states.pt").touch()
     for mp in range(tp * pp):
         torch.save({"args": args, "mp": mp}, tag / f"mp_rank_{mp:02d}_model_states.pt")
         for d in range(dp):
@@ -743,10 +743,11 @@ def _copy(mds, tmp_path):
 
 def test_a_directory_that_is_not_such_a_checkpoint_is_refused(imported, tmp_path):
     ref = imported[0]
+    (tmp_path / "source").mkdir()
     with pytest.raises(
         ValueError, match="is not a Megatron-DeepSpeed checkpoint: no layer_XX-model_YY"
     ):
-        _import(tmp_path, tmp_path / "out")
+        _import(tmp_path / "source", tmp_path / "out")
     with pytest.raises(
         ValueError, match="is not a Megatron-DeepSpeed pipeline checkpoint: it needs layer_XX"
     ):
@@ -1149,3 +1150,41 @@ def test_an_imported_lr_schedule_is_the_one_its_resume_checks_against():
     )
     run = megatron_ds.run_dict(ckpt, cfg)
     safety.check_lr_schedule(run["scheduler"], arguments.to_dict(cfg), run["state"])
+
+
+@pytest.mark.parametrize("layer", [4, 6])
+def test_a_missing_layer_is_named(imported, tmp_path, layer):
+    """A transformer layer's files (every TP rank's) gone: the blocks after it were counted one place down (a
+    message about shapes); the final norm's gone: the last block was read as it (a message about a feature)."""
+    mds, tag = _copy(imported[2], tmp_path)
+    for name in os.listdir(tag):
+        if name.startswith(f"layer_{layer:02d}-"):
+            os.remove(tag / name)
+    message = (
+        r"global_step2 is incomplete: its args say num_layers=2 \(the embedding, 2 transformer "
+        rf"layers and the final norm\), and the files of layer_0{layer} are missing; copy the whole"
+    )
+    with pytest.raises(ValueError, match=message):
+        _import(mds, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_empty_latest_is_named(imported, tmp_path):
+    """It named the directory itself, then 'mp_rank_00_model_states.pt is missing'."""
+    mds, _ = _copy(imported[2], tmp_path)
+    (mds / "latest").write_text("\n")
+    message = r"latest is empty .*: pass the global_stepN directory to import as --load \(it holds global_step2\)"
+    with pytest.raises(ValueError, match=message):
+        _import(mds, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_save_inside_the_source_is_refused(imported, tmp_path):
+    """It was written there, and DeepSpeed's readers, which walk the tree, then read it as the source's own files:
+    the source no longer imported ("args disagree")."""
+    mds, tag = _copy(imported[2], tmp_path)
+    before = sorted(os.listdir(tag))
+    for inside in (tag / "ours", mds / "ours"):
+        with pytest.raises(ValueError, match=r"is inside the Megatron-DeepSpeed checkpoint --load"):
+            _import(mds, inside)
+    assert sorted(os.listdir(tag)) == before and not (mds / "ours").exists()

@@ -66,7 +66,7 @@ def main(argv=None):
             f"--pipeline_model_parallel_size {stages} must be at least 1: the stages of the "
             "written checkpoint; leave it out for the source's"
         )
-    megatron_ds.check_save_dir(args.save)  # before the source is read
+    megatron_ds.check_save_dir(args.save, args.load)  # before the source is read
     ckpt = megatron_ds.Checkpoint(args.load)
     cfg = megatron_ds.config_from_args(
         ckpt,
