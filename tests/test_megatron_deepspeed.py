@@ -901,18 +901,33 @@ def test_zero_files_without_param_shapes_or_slice_mappings_are_refused(imported,
     assert not (tmp_path / "out").exists()
 
 
-def test_missing_layer_files_of_a_tp_rank_are_named(imported, tmp_path):
-    """Without TP rank 1's layer files the file names alone look like TP1 (then refused for its
-    vocabulary, or its layer count): the args' TP x PP names the missing files."""
+TP_RANK_FILES = ", ".join(f"layer_{i:02d}-model_01-model_states.pt" for i in (1, 3, 4, 6))
+LAYER_MISSING = (
+    r"global_step2 is incomplete: its args say num_layers=2 \(the embedding, 2 transformer layers and "
+    r"the final norm\), and the files of {} are missing; copy the whole checkpoint directory"
+)
+
+
+@pytest.mark.parametrize(
+    "gone, message",
+    [
+        (
+            "-model_01-",
+            rf"its args say TP=2 x PP=2, and 4 of its files are missing: {TP_RANK_FILES};",
+        ),
+        ("layer_04-", LAYER_MISSING.format("layer_04")),
+        ("layer_06-", LAYER_MISSING.format("layer_06")),
+    ],
+)
+def test_missing_layer_files_are_named(imported, tmp_path, gone, message):
+    """TP rank 1's layer files gone: the file names alone look like TP1 (then refused for its vocabulary, or
+    its layer count); the args' TP x PP names the missing files. A transformer layer's files (every TP
+    rank's) gone: the layers after it were counted one place down (a message about shapes); the final
+    norm's: the last layer was read as it (a message about a feature)."""
     mds, tag = _copy(imported[2], tmp_path)
     for name in os.listdir(tag):
-        if name.startswith("layer_") and "-model_01-" in name:
+        if name.startswith("layer_") and gone in name:
             os.remove(tag / name)
-    files = ", ".join(f"layer_{i:02d}-model_01-model_states.pt" for i in (1, 3, 4, 6))
-    message = (
-        r"is incomplete: its args say TP=2 x PP=2, and 4 of its files are missing: "
-        rf"{files}; copy the whole checkpoint directory"
-    )
     with pytest.raises(ValueError, match=message):
         _import(mds, tmp_path / "out")
     assert not (tmp_path / "out").exists()
@@ -1150,23 +1165,6 @@ def test_an_imported_lr_schedule_is_the_one_its_resume_checks_against():
     )
     run = megatron_ds.run_dict(ckpt, cfg)
     safety.check_lr_schedule(run["scheduler"], arguments.to_dict(cfg), run["state"])
-
-
-@pytest.mark.parametrize("layer", [4, 6])
-def test_a_missing_layer_is_named(imported, tmp_path, layer):
-    """A transformer layer's files (every TP rank's) gone: the blocks after it were counted one place down (a
-    message about shapes); the final norm's gone: the last block was read as it (a message about a feature)."""
-    mds, tag = _copy(imported[2], tmp_path)
-    for name in os.listdir(tag):
-        if name.startswith(f"layer_{layer:02d}-"):
-            os.remove(tag / name)
-    message = (
-        r"global_step2 is incomplete: its args say num_layers=2 \(the embedding, 2 transformer "
-        rf"layers and the final norm\), and the files of layer_0{layer} are missing; copy the whole"
-    )
-    with pytest.raises(ValueError, match=message):
-        _import(mds, tmp_path / "out")
-    assert not (tmp_path / "out").exists()
 
 
 def test_an_empty_latest_is_named(imported, tmp_path):
