@@ -1052,6 +1052,17 @@ def parse_data_path(data_path) -> tuple[list[str], list[float]]:
         ) from None
     if any(w <= 0 or not math.isfinite(w) for w in weights):
         raise ValueError(f"blend weights in data_path {data_path} must be positive")
+    # one corpus twice is two components of one seed: the same samples in the same order, each trained on twice
+    given = {}
+    for prefix, w in zip(data_path[1::2], weights):
+        same = given.get(os.path.realpath(prefix))
+        given[os.path.realpath(prefix)] = (prefix, w)
+        if same is not None:
+            raise ValueError(
+                f"data_path {data_path} gives the corpus {prefix} twice ({same[0]} before): both would "
+                f"draw the same samples in the same order; give it once, with the sum of its weights "
+                f"({same[1] + w:g})"
+            )
     return data_path[1::2], [w / sum(weights) for w in weights]
 
 

@@ -23,6 +23,7 @@ import io
 import math
 import os
 import re
+import shutil
 import subprocess
 import sys
 import traceback
@@ -164,6 +165,15 @@ def corpus():
     import data
 
     return data.default_corpus(os.path.join(ROOT, "data"))
+
+
+@pytest.fixture(scope="session")
+def corpus_copy(corpus, tmp_path_factory):
+    """The bundled corpus under another prefix: a blend's second component (one corpus given twice is refused)."""
+    prefix = str(tmp_path_factory.mktemp("corpus_copy") / "shakespeare")
+    for ext in (".bin", ".idx"):
+        shutil.copyfile(corpus + ext, prefix + ext)
+    return prefix
 
 
 @pytest.fixture(scope="session")

@@ -13,7 +13,15 @@ import torch
 import arguments
 import data
 import loader
-from helpers import ROOT, corpus, data_of, log_fields, plan_of, run_main  # noqa: F401 (a fixture)
+from helpers import (  # noqa: F401 (corpus, corpus_copy: fixtures)
+    ROOT,
+    corpus,
+    corpus_copy,
+    data_of,
+    log_fields,
+    plan_of,
+    run_main,
+)
 from sections import section
 from stability import skip_list
 
@@ -269,7 +277,7 @@ def test_bad_sources_and_keys_are_refused_with_the_fix(npy, monkeypatch):
         loader.register_source("bare", Bare)
 
 
-def test_megatron_is_the_first_source_and_the_default(corpus):
+def test_megatron_is_the_first_source_and_the_default(corpus, corpus_copy):
     cfg = arguments.prepare(
         arguments.load_config(
             [
@@ -285,10 +293,10 @@ def test_megatron_is_the_first_source_and_the_default(corpus):
     assert cfg.data_source == "megatron" and loader.SOURCES["megatron"] is loader.MegatronSource
     data_cfg, context = section(loader.DataConfig, cfg), section(loader.DataContext, cfg)
     assert (data_cfg.data_path, context.seq_length) == ([corpus], SEQ)
-    blended = dataclasses.replace(data_cfg, data_path=["0.5", corpus, "0.5", corpus])
+    blended = dataclasses.replace(data_cfg, data_path=["0.5", corpus, "0.5", corpus_copy])
     blend = loader.MegatronSource(blended, context, (8, 0))
     # a skip list's entry per blend component
-    assert [name for name, _ in blend.documents()] == [corpus, corpus]
+    assert [name for name, _ in blend.documents()] == [corpus, corpus_copy]
     plan = plan_of(cfg)
     train, valid = data_of(cfg, plan)
     want = data.build_datasets([corpus], cfg.split, SEQ, cfg.seed, (plan.total_samples, 8, 0))

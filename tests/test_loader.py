@@ -179,6 +179,12 @@ def test_blended_gather_equals_getitem(dataset):
             ["--data_path", "data/a", "0.7", "data/b", "0.3"],
             r"^data_path .* must be one prefix or a blend .*\(weights first",
         ),
+        (
+            ["--data_path", "0.5", "data/a", "0.2", "data/b", "0.3", "./data/a"],
+            r"^data_path .* gives the corpus ./data/a twice \(data/a before\): both would draw the "
+            r"same samples in the same order; give it once, with the sum of its weights \(0.8\)$",
+        ),
+        (["--data_path", "0.5", "data/a", "0.5", "data/a"], r"gives the corpus data/a twice"),
     ],
 )
 def test_data_keys_that_cannot_work_are_refused_by_name_before_anything_is_built(flags, message):

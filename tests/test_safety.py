@@ -21,10 +21,11 @@ import data
 import loader
 import safety
 import usage
-from helpers import (  # noqa: F401 (corpus: a fixture)
+from helpers import (  # noqa: F401 (corpus, corpus_copy: fixtures)
     ROOT,
     SMALL,
     corpus,
+    corpus_copy,
     log_fields,
     losses,
     run_cli,
@@ -157,11 +158,13 @@ def test_a_rotary_model_resumes_at_a_longer_context_not_a_shorter_one(tmp_path):
         safety.compare_configs(current, {**current, "seq_length": 128}, "ckpt")  # learned
 
 
-def test_a_resume_with_a_smaller_global_batch_trains_to_its_end_on_a_blend(corpus, tmp_path):
+def test_a_resume_with_a_smaller_global_batch_trains_to_its_end_on_a_blend(
+    corpus, corpus_copy, tmp_path
+):
     """The data's length and the log's total were the config's from iteration 0 (6 x 8 samples), not the run's
     (2 x 16, then 4 x 8): a blend's index of 48 samples, an IndexError at iteration 5 (Megatron sizes its blend
     the same way)."""
-    blend = ["--data_path", "0.5", corpus, "0.5", corpus]
+    blend = ["--data_path", "0.5", corpus, "0.5", corpus_copy]
     args = [*SMALL, *blend, "--train_iters=6", f"--save={tmp_path}", "--micro_batch_size=8"]
     run_main(*args, "--global_batch_size=16", "--exit_interval=2")
     out = run_main(*args, "--global_batch_size=8")
