@@ -189,49 +189,68 @@ class IndexedDataset:
         self.__init__(prefix)
 
 
-def max_token_id(indexed: IndexedDataset) -> int:
-    """The largest token id in the data: one numpy pass over the memory map (about 1 GB/s), remembered in
-    PREFIX.maxid (bytes and mtime of the .bin, the max) so that later runs read one number. The .idx stays
-    Megatron's format."""
+def token_id_range(indexed: IndexedDataset) -> tuple[int, int]:
+    """(smallest, largest) token id in the data: one numpy pass over the memory map (about 1 GB/s), remembered
+    in PREFIX.maxid (bytes and mtime of the .bin, the max, and the min of a signed dtype) so that later runs read
+    two numbers. An unsigned dtype's smallest is taken as 0 (nothing below it to find); an empty corpus is (0,
+    -1). The .idx stays Megatron's format."""
     bin_path = indexed.prefix + ".bin"
     stat = os.stat(bin_path)
     key = {"bin_bytes": stat.st_size, "bin_mtime_ns": stat.st_mtime_ns}
+    signed = np.issubdtype(indexed.dtype, np.signedinteger)
     cache = indexed.prefix + ".maxid"
     try:
         with open(cache) as f:
             saved = json.load(f)
         if {k: saved.get(k) for k in key} == key:
-            return int(saved["max"])
-    except (OSError, ValueError, KeyError):
+            return (int(saved["min"]) if signed else 0), int(saved["max"])
+    except (
+        OSError,
+        ValueError,
+        KeyError,
+    ):  # a cache without "min", from before it was kept: scanned again
         pass
     chunk = 1 << 28  # a bounded working set, whatever the size of the corpus
-    result = max(
-        (int(indexed.tokens[i : i + chunk].max()) for i in range(0, len(indexed.tokens), chunk)),
-        default=-1,
-    )
+    lo, hi = 0, -1
+    for i in range(0, len(indexed.tokens), chunk):
+        part = indexed.tokens[i : i + chunk]
+        hi = max(hi, int(part.max()))
+        if signed:
+            lo = min(lo, int(part.min()))
     try:  # a read-only data directory just means no cache
         tmp = f"{cache}.tmp{os.getpid()}"
         with open(tmp, "w") as f:
-            json.dump({**key, "max": result}, f)
+            json.dump({**key, "max": hi, "min": lo}, f)
         os.replace(tmp, cache)
     except OSError:
         pass
-    return result
+    return lo, hi
 
 
-def largest_token_id(prefix: str, vocab_size: int) -> int:
-    """max_token_id of PREFIX, or -1 where its dtype cannot hold an id as large as vocab_size (nothing to scan)."""
+def token_ids_to_check(prefix: str, vocab_size: int) -> tuple[int, int]:
+    """token_id_range of PREFIX, or (0, -1) where its dtype can hold neither an id as large as vocab_size nor a
+    negative one (nothing to scan)."""
     indexed = IndexedDataset(prefix)
-    return max_token_id(indexed) if np.iinfo(indexed.dtype).max >= vocab_size else -1
+    dtype = np.iinfo(indexed.dtype)
+    return token_id_range(indexed) if dtype.max >= vocab_size or dtype.min < 0 else (0, -1)
 
 
 def check_token_ids(
-    prefix: str, vocab_size: int, top: int | None = None, init_from_hf: str | None = None
+    prefix: str,
+    vocab_size: int,
+    id_range: tuple[int, int] | None = None,
+    init_from_hf: str | None = None,
 ) -> None:
-    """Refuse data with token ids outside the vocabulary (tokenized with another tokenizer): the embedding would
-    otherwise fail mid-run with 'index out of range'. top: largest_token_id, found by one rank for all (None:
-    here). init_from_hf: the imported model's directory, whose vocabulary is given: the fix is its tokenizer."""
-    top = largest_token_id(prefix, vocab_size) if top is None else top
+    """Refuse data with token ids outside the vocabulary (tokenized with another tokenizer, or negative): the
+    embedding would otherwise fail mid-run with 'index out of range' (on a GPU, a device-side assert).
+    id_range: token_ids_to_check, found by one rank for all (None: here). init_from_hf: the imported model's
+    directory, whose vocabulary is given: the fix is its tokenizer."""
+    bottom, top = token_ids_to_check(prefix, vocab_size) if id_range is None else id_range
+    if bottom < 0:
+        raise ValueError(
+            f"data file {prefix}.bin holds token id {bottom}: no token has a negative id (padding, or ids "
+            "written into a dtype too narrow for them); re-tokenize it with `python data.py`"
+        )
     if top >= vocab_size and init_from_hf:
         tokenizer = os.path.join(init_from_hf, "tokenizer.json")
         raise ValueError(

@@ -400,16 +400,17 @@ def check_data(split, context, data_path, train_samples):
 
 
 def check_vocabulary(context, prefixes):
-    """Refuse corpora with token ids at or above context.vocab_size (a DataContext). Rank 0 finds
-    each corpus's largest id (on a first run, a pass over the whole .bin; then data.max_token_id's
-    cache) and the other ranks get it in one broadcast, instead of every rank reading the corpus at
-    once."""
+    """Refuse corpora with token ids at or above context.vocab_size (a DataContext), or negative. Rank 0
+    finds each corpus's smallest and largest id (on a first run, a pass over the whole .bin; then
+    data.token_id_range's cache) and the other ranks get them in one broadcast, instead of every rank
+    reading the corpus at once."""
     vocab_size = context.vocab_size
     rank0 = parallel.grid.rank == 0
-    tops = [data.largest_token_id(p, vocab_size) if rank0 else -1 for p in prefixes]
-    tops = parallel.broadcast_scalars(tops)  # float64: exact for any token id
-    for prefix, top in zip(prefixes, tops):
-        data.check_token_ids(prefix, context.vocab_size, int(top), context.init_from_hf)
+    ranges = [data.token_ids_to_check(p, vocab_size) if rank0 else (0, -1) for p in prefixes]
+    flat = parallel.broadcast_scalars([x for r in ranges for x in r])  # float64: exact for any id
+    for i, prefix in enumerate(prefixes):
+        id_range = int(flat[2 * i]), int(flat[2 * i + 1])
+        data.check_token_ids(prefix, context.vocab_size, id_range, context.init_from_hf)
 
 
 # -----------------------------------------------------------------------------

@@ -12,6 +12,7 @@ import sys
 import time
 import types
 
+import numpy as np
 import pytest
 import torch
 
@@ -609,6 +610,11 @@ def test_token_ids_outside_the_vocabulary(tmp_path, monkeypatch):
         run_main(*SMALL, "--train_iters=1", f"--data_path={prefix}", f"--save={tmp_path}/run")
     assert json.load(open(prefix + ".maxid"))["max"] == 60000  # remembered for the next run
     assert not os.path.exists(tmp_path / "run" / "global_step1")
+    # a negative id in a signed dtype (padding written as -1): it was an IndexError at its first batch
+    data.write_indexed_dataset(prefix + "-pad", [list(range(1, 200)) + [-1]] * 30, dtype=np.int32)
+    with pytest.raises(ValueError, match="holds token id -1: no token has a negative id"):
+        run_main(*SMALL, "--train_iters=1", f"--data_path={prefix}-pad", f"--save={tmp_path}/run")
+    assert json.load(open(prefix + "-pad.maxid"))["min"] == -1
 
 
 def test_disk_full_during_save_cleans_up(corpus, tmp_path, monkeypatch):
@@ -967,8 +973,8 @@ def _one_rank_scans_for_the_largest_id(prefix):
     import parallel
 
     scans = []
-    scan = data.max_token_id
-    data.max_token_id = lambda indexed: scans.append(indexed.prefix) or scan(indexed)
+    scan = data.token_id_range
+    data.token_id_range = lambda indexed: scans.append(indexed.prefix) or scan(indexed)
     try:
         context = loader.DataContext(64, 50257, None, False, 0, 1)
         loader.check_data("969,30,1", context, [prefix], 10)  # in the vocabulary: passes
@@ -976,7 +982,7 @@ def _one_rank_scans_for_the_largest_id(prefix):
         with pytest.raises(ValueError, match="holds token id 50256, at or above vocab_size 1000"):
             loader.check_data("969,30,1", context, [prefix], 10)  # every rank: rank 0's number
     finally:
-        data.max_token_id = scan
+        data.token_id_range = scan
     assert scans == ([prefix] * 2 if parallel.grid.rank == 0 else []), (parallel.grid.rank, scans)
 
 
