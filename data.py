@@ -204,11 +204,8 @@ def token_id_range(indexed: IndexedDataset) -> tuple[int, int]:
             saved = json.load(f)
         if {k: saved.get(k) for k in key} == key:
             return (int(saved["min"]) if signed else 0), int(saved["max"])
-    except (
-        OSError,
-        ValueError,
-        KeyError,
-    ):  # a cache without "min", from before it was kept: scanned again
+    # KeyError: a signed corpus's cache from before "min" was kept, scanned again
+    except (OSError, ValueError, KeyError):
         pass
     chunk = 1 << 28  # a bounded working set, whatever the size of the corpus
     lo, hi = 0, -1

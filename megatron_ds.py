@@ -431,7 +431,7 @@ def check_layers(ckpt):
     n = ckpt.args.num_layers
     held, first = ckpt.layers, ckpt.layers[0] + 2
     blocks = held[1:-1]
-    if len(held) == n + 2 and blocks == list(range(blocks[0], blocks[0] + n)):
+    if len(held) == n + 2 and blocks == list(range(held[1], held[1] + n)):
         return
     expected = [held[0], *range(first, first + n), first + n + 1]
     missing = [i for i in expected if i not in held]
