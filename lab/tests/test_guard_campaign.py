@@ -590,10 +590,11 @@ def test_replicas_apart_at_the_end_are_harm_that_rank_0s_validation_loss_does_no
     assert (zclip["n"], zclip["within"]) == (1, 0)
 
 
-@pytest.mark.parametrize("name", ["ninth", "eighth-10M"])
+@pytest.mark.parametrize("name", ["ninth", "eighth-10M", "eighth"])
 def test_a_campaigns_committed_records_are_its_registrations_alone(name):
     """A campaign that runs across machines has its records committed as they stand (docs/spike_guard.md,
-    "Running the ninth, across machines"; eighth-10M's runs of 1,000 iterations on the 10M model span sessions):
+    "Running the ninth, across machines"; eighth-10M's runs of 1,000 iterations on the 10M model, and the eighth's
+    960, span sessions):
     each record is its registration's, run on the registered tree (clean) and torch, each run once -- a resume
     from another checkout, or a run recorded twice, would be refused here before the report mixes it in."""
     folder = os.path.join(gc.ROOT, "lab", "campaign", name)
