@@ -1071,8 +1071,8 @@ def parse_data_path(data_path) -> tuple[list[str], list[float]]:
     # one corpus twice is two components of one seed: the same samples in the same order, each trained on twice
     given = {}
     for prefix, w in zip(data_path[1::2], weights):
-        same = given.get(os.path.realpath(prefix))
-        given[os.path.realpath(prefix)] = (prefix, w)
+        path = os.path.realpath(prefix)
+        same, given[path] = given.get(path), (prefix, w)
         if same is not None:
             raise ValueError(
                 f"data_path {data_path} gives the corpus {prefix} twice ({same[0]} before): both would "

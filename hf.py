@@ -812,7 +812,8 @@ class Weights:
 def check_weights(model_cfg, directory):
     """Refuse a directory whose weight files do not hold exactly the tensors of its model (names, and the
     vocabulary's rows: their vocab_size, which the "vocab" step would otherwise pad up to with zero rows in
-    silence), from the files' headers: one ValueError, before anything is built. Returns the Weights."""
+    silence), from the files' headers: one ValueError, before anything is built. Returns (the Weights, the
+    weight_map they were checked against)."""
     kind, _ = _hf_config(directory)
     weights = Weights(directory)
     table = weight_map(kind, model_cfg.num_layers, model_cfg)
@@ -837,7 +838,7 @@ def check_weights(model_cfg, directory):
                     f"{model_cfg.vocab_size}: the config does not describe the weights; download the "
                     "model again"
                 )
-    return weights
+    return weights, table
 
 
 @torch.no_grad()
@@ -847,10 +848,8 @@ def load_into(model, directory):
     config that contradicts the directory's (check_config), and a directory whose weights do not all have a place
     here, or lack one."""
     model_cfg = model.config
-    kind, _ = _hf_config(directory)
     check_config(model_cfg, directory)
-    weights = check_weights(model_cfg, directory)
-    table = weight_map(kind, model_cfg.num_layers, model_cfg)
+    weights, table = check_weights(model_cfg, directory)
     for name, p in model.named_parameters():
         source, steps = table[reshard.TIED_COPY.get(name, name)]
         tensors = [weights.get(n) for n in their_names(source)]
