@@ -25,8 +25,9 @@ aside, and a dirty flag), the draws, the metrics, the goals, the thresholds, the
 the model and every method's flags: a run from another tree or a dirty one, or under another
 registration, is refused, every record carries the registration's id, and the report refuses to
 mix registrations. Every record keeps its run's per-iteration losses and grad norms and its
-method's actions, and is stamped with its UTC start and end, the commit, the tree and torch's
-version.
+method's actions, and is stamped with its UTC start and end, the commit, the tree, torch's
+version and the machine (its CPU and vector instructions: machine()), which the registration
+freezes too: the same run on two kinds of CPU can end apart.
 
 The seventh campaign (docs/spike_guard.md, "The seventh campaign's design"): --draw seventh (the
 default; stratified, its faults staying where they live: stability/faults.py), harm (the ninth's:
@@ -51,6 +52,7 @@ import hashlib
 import json
 import math
 import os
+import platform
 import re
 import shutil
 import subprocess
@@ -610,10 +612,39 @@ DRAWN = (
 
 
 def code_stamp():
-    """What every record and the registration carry of the code: the commit, the whole tree's state
-    (tree_state) and torch's version."""
+    """What every record and the registration carry of the code and the arithmetic it ran on: the
+    commit, the whole tree's state (tree_state), torch's version and the machine (machine())."""
     git = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    return {"commit": git.stdout.strip(), **tree_state(), "torch": torch.__version__}
+    return {
+        "commit": git.stdout.strip(),
+        **tree_state(),
+        "torch": torch.__version__,
+        "machine": machine(),
+    }
+
+
+def machine(cpuinfo="/proc/cpuinfo"):
+    """The CPU a run's arithmetic comes from, beyond torch's version: its vendor, family, model and
+    name, the vector instructions torch's and oneDNN's kernels choose by, and torch's own choice.
+    The same run of the 10M model on two kinds of CPU, one torch, differed from its first
+    iterations and ended up to 1.5% apart (docs/spike_guard.md, "Two machines' arithmetic")."""
+    info = {}
+    if os.path.exists(cpuinfo):
+        for line in open(cpuinfo):
+            key, _, value = line.partition(":")
+            info.setdefault(key.strip(), value.strip())
+    cpu = (
+        f"{info.get('vendor_id', '?')} family {info.get('cpu family', '?')} model "
+        f"{info.get('model', '?')} ({info.get('model name', '?')})"
+    )
+    isa = sorted(
+        f for f in info.get("flags", "").split() if f.startswith(("avx", "amx", "fma", "f16c"))
+    )
+    return {
+        "cpu": cpu if info else platform.processor() or platform.machine(),
+        "isa": " ".join(isa),
+        "capability": torch.backends.cpu.get_cpu_capability(),
+    }
 
 
 def tree_state():
@@ -666,6 +697,14 @@ def preregister(a):
             f"({str(saved.get('tree'))[:12]}, clean): run from the registered commit "
             f"{saved.get('commit')}, with nothing uncommitted, or register anew in a "
             "new --out"
+        )
+    if saved.get("machine") != now.get("machine"):
+        here, there = now.get("machine") or {}, saved.get("machine") or {}
+        raise SystemExit(
+            f"--preregister {a.preregister}: this machine ({here.get('cpu')}, "
+            f"{here.get('capability')}) is not the registered kind ({there.get('cpu', 'none recorded')}): "
+            "on another CPU a run is not its twins' to the digit; run on a machine of the registered "
+            "kind, or register anew in a new --out"
         )
     differ = [key for key in now if key != "commit" and saved.get(key) != now[key]]
     if differ:

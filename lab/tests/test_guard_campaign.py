@@ -603,10 +603,11 @@ def test_a_campaigns_committed_records_are_its_registrations_alone(name):
     for line in open(os.path.join(folder, "runs.jsonl")):
         r = json.loads(line)
         assert r["registration"] == cr.registration_id(registration), r["name"]
-        assert (r["tree"], r["dirty"], r["torch"]) == (
+        assert (r["tree"], r["dirty"], r["torch"], r.get("machine")) == (
             registration["tree"],
             False,
             registration["torch"],
+            registration.get("machine"),  # registrations since 2 December name it
         ), r["name"]
         names.append(r["name"])
     assert names and len(names) == len(set(names))
@@ -1037,3 +1038,50 @@ def test_the_joint_rules_whole_bar_below_on_the_ninth_is_what_the_docs_say():
         f"which changed no other of the ninth's {len(design)} guarded runs and calls no spike on the 519 recorded "
         "clean runs its guard let be" in readme
     )
+
+
+def test_eighth_10ms_runs_from_another_machine_are_set_apart_as_the_docs_say():
+    """eighth-10M's records came from two kinds of machine, one tree and one torch. On one machine a run whose
+    method never acted is the run with no method to every recorded digit; every such run of the other kind
+    differed from its first iterations. Those runs are set apart (other-machine.jsonl: kept, not scored, run again):
+    each no-action run left in runs.jsonl equals its counterpart, each set apart differs; the docs' numbers are
+    the records'. A record moved back, or one of the other kind committed as it stands, turns this red."""
+    folder = os.path.join(gc.ROOT, "lab", "campaign", "eighth-10M")
+    kept = cr.runs_of(folder)
+    apart = {
+        r["name"]: r for r in map(json.loads, open(os.path.join(folder, "other-machine.jsonl")))
+    }
+    assert apart and not set(kept) & set(apart)
+
+    def pairs(runs):
+        """(run, the same run with no method) where neither acted: a clean run beside the clean twin, a
+        faulted run beside the unremedied one."""
+        out = []
+        for name, r in runs.items():
+            if r["method"] in ("guard", "none") or r["decisions"]:
+                continue
+            k = r["trial"]
+            ref = kept[f"{k}-clean" if "-clean-" in name else f"{k}-unguarded"]
+            if not ref["decisions"]:
+                out.append((r, ref))
+        return out
+
+    here, there = pairs(kept), pairs(apart)
+    assert here and all(cr.same_run(r, ref) for r, ref in here)
+    first = [next(x[0] for x, y in zip(r["series"], ref["series"]) if x != y) for r, ref in there]
+    gaps = [gm.final_loss(r) / gm.final_loss(ref) - 1 for r, ref in there]
+    text = docs_text()
+    assert f"{len(here)} of {len(here)} such runs in eighth-10M's records" in text
+    assert (
+        f"The {len(apart)} runs started between 1 December "
+        f"{min(r['started'] for r in apart.values())[11:16]} and "
+        f"{max(r['started'] for r in apart.values())[11:16]} UTC came from another machine: each of its "
+        f"{len(there)} such runs differs from its counterpart from iteration {min(first)} to {max(first)} on"
+        in text
+    )
+    assert f"ended {min(gaps):+.2%} to {max(gaps):+.2%} from it" in text
+    assert all(r["started"].startswith("2026-12-01") for r in apart.values())
+    # the other 65 ran before or after that stretch, never inside it
+    stretch = (min(r["started"] for r in apart.values()), max(r["ended"] for r in apart.values()))
+    assert not [n for n, r in kept.items() if stretch[0] <= r["started"] <= stretch[1]]
+    assert f"`lab/campaign/eighth-10M/runs.jsonl`: {len(kept)} runs" in text

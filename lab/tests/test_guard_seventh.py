@@ -689,7 +689,12 @@ def test_a_report_scores_the_runs_as_registered():
 
 
 def test_every_record_is_stamped_and_a_registration_refuses_another_tree(tmp_path, monkeypatch):
-    stamp = {"commit": "c" * 40, "tree": "t" * 64, "dirty": False, "torch": "2.x"}
+    here = {
+        "cpu": "AuthenticAMD family 25 model 17 (AMD EPYC)",
+        "isa": "avx2",
+        "capability": "AVX2",
+    }
+    stamp = {"commit": "c" * 40, "tree": "t" * 64, "dirty": False, "torch": "2.x", "machine": here}
     monkeypatch.setattr(gc, "code_stamp", lambda: dict(stamp))
     monkeypatch.setattr(gc, "uncommitted", lambda: "")
     monkeypatch.setattr(
@@ -712,6 +717,7 @@ def test_every_record_is_stamped_and_a_registration_refuses_another_tree(tmp_pat
         "tree",
         "dirty",
         "torch",
+        "machine",
         "goals",
         "metrics_sha256",
         "draw_sha256",
@@ -738,6 +744,34 @@ def test_every_record_is_stamped_and_a_registration_refuses_another_tree(tmp_pat
     )  # the same commit, edited
     with pytest.raises(SystemExit, match=r"\(hash tttttttttttt, dirty\) is not the registered one"):
         gc.preregister(a)
+    # the same code on another kind of CPU: its runs are not their twins' to the digit
+    there = {**here, "cpu": "GenuineIntel family 6 model 143 (Intel Xeon)", "isa": "amx_fp16 avx2"}
+    monkeypatch.setattr(gc, "code_stamp", lambda: {**stamp, "machine": there})
+    with pytest.raises(
+        SystemExit,
+        match=r"this machine \(GenuineIntel family 6 model 143 .* is not the registered kind",
+    ):
+        gc.preregister(a)
+
+
+def test_the_machine_names_the_cpu_and_the_instructions_kernels_choose_by(tmp_path):
+    """A record's machine: /proc/cpuinfo's first processor (vendor, family, model, name) and its vector
+    instructions (avx*, amx*, fma, f16c; not the rest of its flags), and torch's own kernel choice."""
+    import torch
+
+    info = tmp_path / "cpuinfo"
+    processor = (
+        "processor\t: {n}\nvendor_id\t: GenuineIntel\ncpu family\t: 6\nmodel\t\t: 143\n"
+        "model name\t: Intel(R) Xeon(R) Platinum 8480+\n"
+        "flags\t\t: fpu sse2 avx avx2 fma f16c avx512f avx512_fp16 amx_tile amx_bf16 sha_ni\n\n"
+    )
+    info.write_text(processor.format(n=0) + processor.format(n=1).replace("amx_bf16", ""))
+    assert gc.machine(str(info)) == {
+        "cpu": "GenuineIntel family 6 model 143 (Intel(R) Xeon(R) Platinum 8480+)",
+        "isa": "amx_bf16 amx_tile avx avx2 avx512_fp16 avx512f f16c fma",
+        "capability": torch.backends.cpu.get_cpu_capability(),
+    }
+    assert gc.machine(str(tmp_path / "none"))["cpu"]  # no /proc: the platform's name
 
 
 def test_the_harm_first_registration_freezes_its_screen_and_reads_back_as_written(
