@@ -1070,20 +1070,20 @@ def test_eighth_10ms_runs_from_another_machine_are_set_apart_as_the_docs_say():
     }
     assert apart and not set(kept) & set(apart)
 
-    def pairs(runs):
-        """(run, the same run with no method) where neither acted: a clean run beside the clean twin, a
-        faulted run beside the unremedied one."""
+    def pairs(runs, refs):
+        """(run, the same run with no method, from refs) where neither acted: a clean run beside the clean
+        twin, a faulted run beside the unremedied one."""
         out = []
         for name, r in runs.items():
-            if r["method"] in ("guard", "none") or r["decisions"]:
+            if r.get("method") in (None, "guard", "none") or r["decisions"] or "trial" not in r:
                 continue
             k = r["trial"]
-            ref = kept[f"{k}-clean" if "-clean-" in name else f"{k}-unguarded"]
-            if not ref["decisions"]:
+            ref = refs.get(f"{k}-clean" if "-clean-" in name else f"{k}-unguarded")
+            if ref is not None and not ref["decisions"]:
                 out.append((r, ref))
         return out
 
-    here, there = pairs(kept), pairs(apart)
+    here, there = pairs(kept, kept), pairs(apart, kept)
     assert here and all(cr.same_run(r, ref) for r, ref in here)
     first = [next(x[0] for x, y in zip(r["series"], ref["series"]) if x != y) for r, ref in there]
     gaps = [gm.final_loss(r) / gm.final_loss(ref) - 1 for r, ref in there]
@@ -1102,3 +1102,14 @@ def test_eighth_10ms_runs_from_another_machine_are_set_apart_as_the_docs_say():
     stretch = (min(r["started"] for r in apart.values()), max(r["ended"] for r in apart.values()))
     assert not [n for n, r in kept.items() if stretch[0] <= r["started"] <= stretch[1]]
     assert f"`lab/campaign/eighth-10M/runs.jsonl`: {len(kept)} runs" in text
+    # on the 2x64 model every such pair of the committed campaigns is the same run
+    counts = {}
+    for name in ("seventh", "ninth", "fifth", "sixth", "withdrawn-61-third"):
+        runs = cr.runs_of(os.path.join(gc.ROOT, "lab", "campaign", name))
+        assert all(cr.same_run(r, ref) for r, ref in pairs(runs, runs)), name
+        counts[name] = len(pairs(runs, runs))
+    assert (
+        f"the seventh's {counts['seventh']} and the ninth's {counts['ninth']} (across two sessions) are the same "
+        f"to every recorded digit, as are the fifth's, the sixth's and withdrawn-61-third's "
+        f"{counts['fifth'] + counts['sixth'] + counts['withdrawn-61-third']}" in text
+    )
