@@ -1102,6 +1102,10 @@ def test_eighth_10ms_runs_from_another_machine_are_set_apart_as_the_docs_say():
     stretch = (min(r["started"] for r in apart.values()), max(r["ended"] for r in apart.values()))
     assert not [n for n, r in kept.items() if stretch[0] <= r["started"] <= stretch[1]]
     assert f"`lab/campaign/eighth-10M/runs.jsonl`: {len(kept)} runs" in text
+    assert (
+        f"({len(there)} of {len(there)} pairs; on one machine {len(here)} of {len(here)} runs the same to every "
+        "digit)" in docs_text("README.md")
+    )
     # on the 2x64 model every such pair of the committed campaigns is the same run
     counts = {}
     for name in ("seventh", "ninth", "fifth", "sixth", "withdrawn-61-third"):
