@@ -195,6 +195,7 @@ def test_the_damage_removed_per_family_is_each_familys_own_mean_share():
         ("sixth", None),
         ("seventh", None),
         ("eighth-disk", "seventh"),
+        ("eighth", "seventh"),
         ("withdrawn-61-third", None),
         ("disk-reading-design", None),
         ("ninth", None),
@@ -617,6 +618,7 @@ def test_a_campaigns_committed_records_are_its_registrations_alone(name):
     "name, heading, baselines",
     [
         ("ninth", "### The ninth campaign, reported whole", None),
+        ("eighth", "#### The eighth, reported whole", "seventh"),
     ],
 )
 def test_the_docs_primary_table_is_the_reports(name, heading, baselines):
