@@ -658,6 +658,19 @@ def same_twins(mine, theirs):
     )
 
 
+def with_baselines(mine, theirs):
+    """(the trials whose twins agree in both records: same_twins; this registration's runs of those
+    trials and its untrialled runs, with the other's remedy runs of the same trials)."""
+    agree = same_twins(mine, theirs)
+    merged = {n: r for n, r in mine.items() if r.get("trial") in agree or "trial" not in r}
+    merged.update(
+        (n, r)
+        for n, r in theirs.items()
+        if r.get("trial") in agree and r.get("method") not in (None, "guard", "none")
+    )
+    return agree, merged
+
+
 def beside_baselines(out, baselines, harm=HARM):
     """The primary table of this registration's guard beside another registration's remedy runs of the
     same trials (the eighth's guard, the seventh's remedies), on the trials whose twins both hold and
@@ -668,15 +681,9 @@ def beside_baselines(out, baselines, harm=HARM):
     mine, theirs = runs_of(out), runs_of(baselines)
     one_registration(theirs, theirs_reg)
     check_measured(theirs_reg, harm)
-    agree = same_twins(mine, theirs)
+    agree, merged = with_baselines(mine, theirs)
     ks = sorted({r["trial"] for r in mine.values() if "trial" in r})
     apart = [k for k in ks if k not in agree]
-    merged = {n: r for n, r in mine.items() if r.get("trial") in agree or "trial" not in r}
-    merged.update(
-        (n, r)
-        for n, r in theirs.items()
-        if r.get("trial") in agree and r.get("method") not in (None, "guard", "none")
-    )
     return [
         f"Beside the remedies of {baselines} (registration {registration_id(theirs_reg)}): "
         f"{len(agree)} of {len(ks)} trials, whose clean and unremedied runs agree to every recorded "

@@ -645,13 +645,7 @@ def test_the_docs_primary_table_is_the_reports(name, heading, baselines):
     if baselines:
         primary = table("Beside the remedies of")
         theirs = cr.runs_of(os.path.join(gc.ROOT, "lab", "campaign", baselines))
-        agree = cr.same_twins(runs, theirs)
-        runs = {n: r for n, r in runs.items() if r.get("trial") in agree}
-        runs.update(
-            (n, r)
-            for n, r in theirs.items()
-            if r.get("trial") in agree and r.get("method") not in (None, "guard", "none")
-        )
+        _, runs = cr.with_baselines(runs, theirs)  # the runs the report's table scores
     else:
         primary = table("The primary metric and the costs")
     rows = {cells(x)[0].split(" ")[0]: cells(x) for x in primary.splitlines() if x.startswith("| ")}
