@@ -239,7 +239,9 @@ def torchrun(nproc):
     ]
 
 
-def _spawned(rank, world, port, tp, pp, fn, args, errors):
+def _spawned(rank, world, port, tp, pp, fn, args, errors, environ):
+    os.environ.clear()
+    os.environ.update(environ)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -260,16 +262,36 @@ def _spawned(rank, world, port, tp, pp, fn, args, errors):
         parallel.grid = parallel.Grid()
 
 
+def _forkserver():
+    """The context whose processes fork from one server that has imported torch and this module (a spawned
+    process imports them again: ~2 CPU-s a rank). Python 3.11's server ignores the sys.path it is sent, so it
+    starts with this one as PYTHONPATH."""
+    from multiprocessing import forkserver
+
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["helpers"])
+    before = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(sys.path)
+    try:
+        forkserver.ensure_running()
+    finally:
+        if before is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = before
+    return ctx
+
+
 def spawn(fn, world, tp=1, pp=1, *args):
     """Run fn(*args) on `world` gloo processes laid out as TP x PP x DP; fail with the first rank's traceback."""
-    ctx = mp.get_context("spawn")
+    ctx = _forkserver()
     errors = ctx.SimpleQueue()
     try:
         mp.start_processes(
             _spawned,
-            args=(world, parallel.free_port(), tp, pp, fn, args, errors),
+            args=(world, parallel.free_port(), tp, pp, fn, args, errors, dict(os.environ)),
             nprocs=world,
-            start_method="spawn",
+            start_method="forkserver",
         )
     except Exception as e:
         message = errors.get() if not errors.empty() else str(e)
