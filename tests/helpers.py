@@ -306,8 +306,9 @@ def _paired(directory, run_check, checks, args):
 
 
 def two_rank_checks(request, directory, run_check, checks_of_tests, *args):
-    """Run the two-process checks of request's module in one spawned pair of gloo ranks (a spawn's
-    start-up, two interpreters importing torch, costs more than most checks): run_check(check,
+    """Run the two-process checks of request's module in one spawned pair of gloo ranks (a pair's
+    start-up, each rank importing the test module and joining the process groups, costs more than
+    most checks): run_check(check,
     directory, *args) on each rank (a module-level function; the grid is DP=2, run_check sets
     another). checks_of_tests: test name -> its check, in the order they run; only the selected
     tests' checks run (a -k subset pays for its own). A failed check ends the pair (the other rank
