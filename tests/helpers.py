@@ -28,6 +28,7 @@ import subprocess
 import sys
 import traceback
 import types
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -270,15 +271,8 @@ def _forkserver():
 
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["helpers"])
-    before = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join(sys.path)
-    try:
-        forkserver.ensure_running()
-    finally:
-        if before is None:
-            del os.environ["PYTHONPATH"]
-        else:
-            os.environ["PYTHONPATH"] = before
+    with mock.patch.dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)):
+        forkserver.ensure_running()  # a no-op once it runs
     return ctx
 
 
@@ -308,13 +302,12 @@ def _paired(directory, run_check, checks, args):
 def two_rank_checks(request, directory, run_check, checks_of_tests, *args):
     """Run the two-process checks of request's module in one spawned pair of gloo ranks (a pair's
     start-up, each rank importing the test module and joining the process groups, costs more than
-    most checks): run_check(check,
-    directory, *args) on each rank (a module-level function; the grid is DP=2, run_check sets
-    another). checks_of_tests: test name -> its check, in the order they run; only the selected
-    tests' checks run (a -k subset pays for its own). A failed check ends the pair (the other rank
-    would wait in a collective); the checks after it run in a new pair, so that each test reports its
-    own. Returns passed(check): fails with the failing rank's traceback unless both ranks passed it,
-    else returns directory (where a check may leave what it measured)."""
+    most checks): run_check(check, directory, *args) on each rank (a module-level function; the grid
+    is DP=2, run_check sets another). checks_of_tests: test name -> its check, in the order they
+    run; only the selected tests' checks run (a -k subset pays for its own). A failed check ends the
+    pair (the other rank would wait in a collective); the checks after it run in a new pair, so that
+    each test reports its own. Returns passed(check): fails with the failing rank's traceback unless
+    both ranks passed it, else returns directory (where a check may leave what it measured)."""
     selected = {
         getattr(item, "originalname", item.name)
         for item in request.session.items
