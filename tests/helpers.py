@@ -26,6 +26,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 import traceback
 import types
 from unittest import mock
@@ -90,11 +91,45 @@ def tool_cli(tool, *args):
     )
 
 
+def python_for(env):
+    """(python, env): the executable that runs `python ARGS` in env as a fork of tests/zygote.py's server for
+    that environment (started on first use, one per environment and pytest process, stopped at its exit), and
+    env with what it needs to find the server (torchrun runs each rank through it too)."""
+    import zygote
+
+    key = tuple(zygote.signature(env))
+    if key not in _ZYGOTES:
+        import atexit
+        import tempfile
+
+        if not _ZYGOTES:
+            directory = tempfile.mkdtemp(prefix="zygote_")
+            atexit.register(shutil.rmtree, directory, ignore_errors=True)
+            _ZYGOTES["proxy"] = zygote.proxy(directory)
+        address = os.path.join(os.path.dirname(_ZYGOTES["proxy"]), f"{len(_ZYGOTES)}.sock")
+        server = subprocess.Popen(
+            [sys.executable, zygote.__file__, address],
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+        )
+        atexit.register(server.kill)
+        # bound before it imports anything: a request made before would find no server and start python
+        while not os.path.exists(address) and server.poll() is None:
+            time.sleep(0.01)
+        _ZYGOTES[key] = address
+    proxy = _ZYGOTES["proxy"]
+    return proxy, dict(env, **{zygote.SERVER: _ZYGOTES[key], zygote.PYTHON_EXEC: proxy})
+
+
+_ZYGOTES = {}
+
+
 def run_cli(*args, expect_ok=True):
     """python train.py ARGS in a subprocess (the real command line, exit codes and stderr included)."""
-    env = dict(os.environ, WANDB_MODE="disabled")
+    python, env = python_for(dict(os.environ, WANDB_MODE="disabled"))
     proc = subprocess.run(
-        [sys.executable, "train.py", *args],
+        [python, "train.py", *args],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -270,7 +305,7 @@ def _forkserver():
     from multiprocessing import forkserver
 
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["helpers"])
+    ctx.set_forkserver_preload(["helpers", "torch._dynamo"])
     with mock.patch.dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)):
         forkserver.ensure_running()  # a no-op once it runs
     return ctx
@@ -474,16 +509,18 @@ def launch(tmp_path, nproc, *extra, expect_ok=True, script="train.py"):
     script: another file that runs train.py (e.g. with a spy on its teardown), from the repository's root."""
     tmp_path.mkdir(parents=True, exist_ok=True)
     tb_dir = str(tmp_path / f"tb-{len(os.listdir(tmp_path))}")
-    launcher = [sys.executable] if nproc == 1 else torchrun(nproc)
-    cmd = launcher + [script, *E2E_ARGS, f"--tensorboard_dir={tb_dir}", *extra]
     # the processes share one pipe: train.py writes each line whole (line buffering)
-    env = dict(
-        os.environ,
-        WANDB_MODE="disabled",
-        DS_ACCELERATOR="cpu",
-        OMP_NUM_THREADS="1",
-        PYTHONHASHSEED="0",
+    python, env = python_for(
+        dict(
+            os.environ,
+            WANDB_MODE="disabled",
+            DS_ACCELERATOR="cpu",
+            OMP_NUM_THREADS="1",
+            PYTHONHASHSEED="0",
+        )
     )
+    launcher = [python] if nproc == 1 else torchrun(nproc)
+    cmd = launcher + [script, *E2E_ARGS, f"--tensorboard_dir={tb_dir}", *extra]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     if expect_ok and proc.returncode != 0:
         raise AssertionError(
