@@ -6,6 +6,8 @@
   (assert_same_checkpoint, assert_same);
 - several processes: spawn(fn, world, tp, pp) runs fn on gloo processes, gather, TINY / stage / random_batches
   for GPT stages against one process; two_rank_checks runs a module's two-process checks in one spawned pair;
+- python_for(env): the executable that runs `python ARGS` as a fork of tests/zygote.py's server (torch imported
+  once), what launch and run_cli run train.py with;
 - end to end: launch() runs train.py under torchrun on the `synthetic_corpus` fixture with E2E_ARGS, a Run holds
   its log lines and TensorBoard scalars (launch_once: one run shared by the tests that compare with it),
   assert_same_training / assert_replicas_identical / dumps compare runs;
@@ -93,11 +95,13 @@ def tool_cli(tool, *args):
 
 def python_for(env):
     """(python, env): the executable that runs `python ARGS` in env as a fork of tests/zygote.py's server for
-    that environment (started on first use, one per environment and pytest process, stopped at its exit), and
-    env with what it needs to find the server (torchrun runs each rank through it too)."""
+    that environment (started on first use, one per environment and pytest process up to MAX_ZYGOTES, stopped at
+    its exit), and env with what it needs to find the server (torchrun runs each rank through it too)."""
     import zygote
 
     key = tuple(zygote.signature(env))
+    if key not in _ZYGOTES and len(_ZYGOTES) > MAX_ZYGOTES:  # ~390 MB each: the rest run in python
+        return sys.executable, env
     if key not in _ZYGOTES:
         import atexit
         import tempfile
@@ -122,7 +126,8 @@ def python_for(env):
     return proxy, dict(env, **{zygote.SERVER: _ZYGOTES[key], zygote.PYTHON_EXEC: proxy})
 
 
-_ZYGOTES = {}
+_ZYGOTES = {}  # "proxy": its path; an environment's signature: its server's address
+MAX_ZYGOTES = 6
 
 
 def run_cli(*args, expect_ok=True):

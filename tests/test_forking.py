@@ -6,12 +6,11 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 
 import pytest
 import torch
 
-from helpers import ROOT, SMALL, corpus, losses  # noqa: F401 (corpus: a fixture)
+from helpers import ROOT, SMALL, corpus, losses, python_for  # noqa: F401 (corpus: a fixture)
 
 
 def _example():
@@ -49,13 +48,9 @@ def _forked(tmp_path):
 
 
 def _run(fork, *args):
+    python, env = python_for({**os.environ, "OMP_NUM_THREADS": "1"})
     proc = subprocess.run(
-        [sys.executable, "train.py", *args],
-        cwd=fork,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        [python, "train.py", *args], cwd=fork, capture_output=True, text=True, timeout=600, env=env
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout

@@ -7,7 +7,7 @@ import os
 import pytest
 
 import report
-from helpers import ROOT, corpus, corpus512, guard_model_args  # noqa: F401 (fixtures)
+from helpers import ROOT, corpus, corpus512, guard_model_args, python_for  # noqa: F401 (fixtures)
 
 
 def test_a_callbacks_list_accumulates_whatever_its_key(tmp_path):
@@ -105,7 +105,6 @@ def test_wandb_keeps_the_iterations_a_rollback_runs_again(corpus512, tmp_path):
     again was. The iteration is a value, the x axis of every scalar (define_metric)."""
     import glob
     import subprocess
-    import sys
 
     guarded = ["--spike_guard", "--spike_guard_window=20", "--spike_guard_min_steps=10"]
     guarded += [
@@ -114,9 +113,11 @@ def test_wandb_keeps_the_iterations_a_rollback_runs_again(corpus512, tmp_path):
         "--spike_guard_update_ratio=0",
     ]
     fault = ["--inject_lr_iters=40-45", "--inject_lr_factor=1000"]
-    env = dict(os.environ, WANDB_MODE="offline", OMP_NUM_THREADS="1", WANDB_SILENT="false")
+    python, env = python_for(
+        dict(os.environ, WANDB_MODE="offline", OMP_NUM_THREADS="1", WANDB_SILENT="false")
+    )
     done = subprocess.run(
-        [sys.executable, "train.py", *guard_model_args(corpus512), *guarded, *fault]
+        [python, "train.py", *guard_model_args(corpus512), *guarded, *fault]
         + ["--wandb_project=p", f"--save={tmp_path}"],
         cwd=ROOT,
         env=env,
