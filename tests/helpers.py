@@ -515,23 +515,30 @@ def launch(tmp_path, nproc, *extra, expect_ok=True, script="train.py"):
     tmp_path.mkdir(parents=True, exist_ok=True)
     tb_dir = str(tmp_path / f"tb-{len(os.listdir(tmp_path))}")
     # the processes share one pipe: train.py writes each line whole (line buffering)
-    python, env = python_for(
-        dict(
-            os.environ,
-            WANDB_MODE="disabled",
-            DS_ACCELERATOR="cpu",
-            OMP_NUM_THREADS="1",
-            PYTHONHASHSEED="0",
-        )
+    env = dict(
+        os.environ,
+        WANDB_MODE="disabled",
+        DS_ACCELERATOR="cpu",
+        OMP_NUM_THREADS="1",
+        PYTHONHASHSEED="0",
     )
-    launcher = [python] if nproc == 1 else torchrun(nproc)
-    cmd = launcher + [script, *E2E_ARGS, f"--tensorboard_dir={tb_dir}", *extra]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    args = [script, *E2E_ARGS, f"--tensorboard_dir={tb_dir}", *extra]
+    proc = run_python(nproc, args, env)
     if expect_ok and proc.returncode != 0:
         raise AssertionError(
-            f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+            f"{' '.join(proc.args)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
         )
     return Run(proc, tb_dir)
+
+
+def run_python(nproc, args, env, cwd=ROOT):
+    """`python ARGS` in env (under torchrun for nproc > 1) through python_for: its CompletedProcess, output
+    captured as text."""
+    python, env = python_for(env)
+    launcher = [python] if nproc == 1 else torchrun(nproc)
+    return subprocess.run(
+        [*launcher, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=600
+    )
 
 
 def launch_once(tmp_path_factory, nproc, *extra):

@@ -21,7 +21,7 @@ import torch
 pytest.importorskip("lm_eval")
 pytest.importorskip("transformers")
 
-from helpers import ROOT, corpus, python_for, torchrun, write_checkpoint  # noqa: E402,F401 (corpus: a fixture)
+from helpers import ROOT, corpus, run_python, write_checkpoint  # noqa: E402,F401 (corpus: a fixture)
 
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 import export_hf  # noqa: E402
@@ -334,24 +334,14 @@ RUN = [
 
 
 def train(*args, nproc=1):
-    python, env = python_for(
-        dict(
-            os.environ,
-            WANDB_MODE="disabled",
-            OMP_NUM_THREADS="1",
-            HF_HUB_OFFLINE="1",
-            HF_DATASETS_OFFLINE="1",
-        )
+    env = dict(
+        os.environ,
+        WANDB_MODE="disabled",
+        OMP_NUM_THREADS="1",
+        HF_HUB_OFFLINE="1",
+        HF_DATASETS_OFFLINE="1",
     )
-    launcher = [python] if nproc == 1 else torchrun(nproc)
-    return subprocess.run(
-        [*launcher, "train.py", *args],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    return run_python(nproc, ["train.py", *args], env)
 
 
 @SLOW

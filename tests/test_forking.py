@@ -5,12 +5,11 @@ of the small model with the key on the command line, and the state it keeps in t
 import os
 import re
 import shutil
-import subprocess
 
 import pytest
 import torch
 
-from helpers import ROOT, SMALL, corpus, losses, python_for  # noqa: F401 (corpus: a fixture)
+from helpers import ROOT, SMALL, corpus, losses, run_python  # noqa: F401 (corpus: a fixture)
 
 
 def _example():
@@ -48,10 +47,7 @@ def _forked(tmp_path):
 
 
 def _run(fork, *args):
-    python, env = python_for({**os.environ, "OMP_NUM_THREADS": "1"})
-    proc = subprocess.run(
-        [python, "train.py", *args], cwd=fork, capture_output=True, text=True, timeout=600, env=env
-    )
+    proc = run_python(1, ["train.py", *args], {**os.environ, "OMP_NUM_THREADS": "1"}, cwd=fork)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout
 

@@ -7,7 +7,7 @@ import os
 import pytest
 
 import report
-from helpers import ROOT, corpus, corpus512, guard_model_args, python_for  # noqa: F401 (fixtures)
+from helpers import corpus, corpus512, guard_model_args, run_python  # noqa: F401 (fixtures)
 
 
 def test_a_callbacks_list_accumulates_whatever_its_key(tmp_path):
@@ -104,7 +104,6 @@ def test_wandb_keeps_the_iterations_a_rollback_runs_again(corpus512, tmp_path):
     than the current step 41 ... this data will be ignored"), and after the guard's rollback every iteration it ran
     again was. The iteration is a value, the x axis of every scalar (define_metric)."""
     import glob
-    import subprocess
 
     guarded = ["--spike_guard", "--spike_guard_window=20", "--spike_guard_min_steps=10"]
     guarded += [
@@ -113,18 +112,15 @@ def test_wandb_keeps_the_iterations_a_rollback_runs_again(corpus512, tmp_path):
         "--spike_guard_update_ratio=0",
     ]
     fault = ["--inject_lr_iters=40-45", "--inject_lr_factor=1000"]
-    python, env = python_for(
-        dict(os.environ, WANDB_MODE="offline", OMP_NUM_THREADS="1", WANDB_SILENT="false")
-    )
-    done = subprocess.run(
-        [python, "train.py", *guard_model_args(corpus512), *guarded, *fault]
-        + ["--wandb_project=p", f"--save={tmp_path}"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    env = dict(os.environ, WANDB_MODE="offline", OMP_NUM_THREADS="1", WANDB_SILENT="false")
+    args = [
+        *guard_model_args(corpus512),
+        *guarded,
+        *fault,
+        "--wandb_project=p",
+        f"--save={tmp_path}",
+    ]
+    done = run_python(1, ["train.py", *args], env)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "spike guard: rolled back to iteration 35" in done.stdout
     said = done.stdout + done.stderr
