@@ -7,7 +7,7 @@
 - several processes: spawn(fn, world, tp, pp) runs fn on gloo processes, gather, TINY / stage / random_batches
   for GPT stages against one process; two_rank_checks runs a module's two-process checks in one spawned pair;
 - python_for(env): the executable that runs `python ARGS` as a fork of tests/zygote.py's server (torch imported
-  once), what launch and run_cli run train.py with;
+  once); run_python(nproc, args, env) runs it (under torchrun for nproc > 1), as launch and run_cli do;
 - end to end: launch() runs train.py under torchrun on the `synthetic_corpus` fixture with E2E_ARGS, a Run holds
   its log lines and TensorBoard scalars (launch_once: one run shared by the tests that compare with it),
   assert_same_training / assert_replicas_identical / dumps compare runs;
@@ -20,6 +20,7 @@
 """
 
 import contextlib
+import functools
 import importlib.metadata
 import io
 import math
@@ -100,17 +101,12 @@ def python_for(env):
     import zygote
 
     key = tuple(zygote.signature(env))
-    if key not in _ZYGOTES and len(_ZYGOTES) > MAX_ZYGOTES:  # ~390 MB each: the rest run in python
-        return sys.executable, env
     if key not in _ZYGOTES:
+        if len(_ZYGOTES) == MAX_ZYGOTES:  # ~390 MB each: the rest run in python
+            return sys.executable, env
         import atexit
-        import tempfile
 
-        if not _ZYGOTES:
-            directory = tempfile.mkdtemp(prefix="zygote_")
-            atexit.register(shutil.rmtree, directory, ignore_errors=True)
-            _ZYGOTES["proxy"] = zygote.proxy(directory)
-        address = os.path.join(os.path.dirname(_ZYGOTES["proxy"]), f"{len(_ZYGOTES)}.sock")
+        address = os.path.join(os.path.dirname(_proxy()), f"{len(_ZYGOTES)}.sock")
         server = subprocess.Popen(
             [sys.executable, zygote.__file__, address],
             env=env,
@@ -122,25 +118,39 @@ def python_for(env):
         while not os.path.exists(address) and server.poll() is None:
             time.sleep(0.01)
         _ZYGOTES[key] = address
-    proxy = _ZYGOTES["proxy"]
-    return proxy, dict(env, **{zygote.SERVER: _ZYGOTES[key], zygote.PYTHON_EXEC: proxy})
+    return _proxy(), dict(env, **{zygote.SERVER: _ZYGOTES[key], zygote.PYTHON_EXEC: _proxy()})
 
 
-_ZYGOTES = {}  # "proxy": its path; an environment's signature: its server's address
+_ZYGOTES = {}  # an environment's signature: its server's address
 MAX_ZYGOTES = 6
+
+
+@functools.cache
+def _proxy():
+    """The zygote proxy's path, in a directory of this process's that also holds its servers' sockets."""
+    import atexit
+    import tempfile
+
+    import zygote
+
+    directory = tempfile.mkdtemp(prefix="zygote_")
+    atexit.register(shutil.rmtree, directory, ignore_errors=True)
+    return zygote.proxy(directory)
+
+
+def run_python(nproc, args, env, cwd=ROOT, timeout=600):
+    """`python ARGS` in env (under torchrun for nproc > 1) through python_for: its CompletedProcess, output
+    captured as text."""
+    python, env = python_for(env)
+    launcher = [python] if nproc == 1 else torchrun(nproc)
+    return subprocess.run(
+        [*launcher, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def run_cli(*args, expect_ok=True):
     """python train.py ARGS in a subprocess (the real command line, exit codes and stderr included)."""
-    python, env = python_for(dict(os.environ, WANDB_MODE="disabled"))
-    proc = subprocess.run(
-        [python, "train.py", *args],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
+    proc = run_python(1, ["train.py", *args], dict(os.environ, WANDB_MODE="disabled"), timeout=900)
     if expect_ok and proc.returncode != 0:
         raise AssertionError(
             f"train.py {' '.join(args)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
@@ -529,16 +539,6 @@ def launch(tmp_path, nproc, *extra, expect_ok=True, script="train.py"):
             f"{' '.join(proc.args)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
         )
     return Run(proc, tb_dir)
-
-
-def run_python(nproc, args, env, cwd=ROOT):
-    """`python ARGS` in env (under torchrun for nproc > 1) through python_for: its CompletedProcess, output
-    captured as text."""
-    python, env = python_for(env)
-    launcher = [python] if nproc == 1 else torchrun(nproc)
-    return subprocess.run(
-        [*launcher, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=600
-    )
 
 
 def launch_once(tmp_path_factory, nproc, *extra):

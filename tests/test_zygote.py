@@ -39,9 +39,9 @@ def both(tmp_path, *args, env=None, unbuffered=False):
     """(real, forked): the probe's CompletedProcess in python and through the zygote."""
     (tmp_path / "probe.py").write_text(PROBE)
     env = dict(os.environ, PROBE="yes", **(env or {}))
+    flags = ["-u"] if unbuffered else []
     runs = []
     for python, run_env in ((sys.executable, env), python_for(env)):
-        flags = ["-u"] if unbuffered else []
         runs.append(
             subprocess.run(
                 [python, *flags, "probe.py", *args],

@@ -1,8 +1,8 @@
 """A server that has imported torch and the other libraries every train.py run imports, and forks a process for
 each `python [-u] SCRIPT ARGS` asked of it, instead of a new interpreter importing them again (torch,
 torch._dynamo, which torch's optimizers import on their first use, numba, TensorBoard): the suite starts ~150 runs
-of train.py, and a 10-iteration run of the tests' model took 4.9 CPU-s, most of it imports. helpers.launch and
-helpers.run_cli run train.py through it (tests/test_topology.py: 129 -> 76 CPU-s on 2 cores).
+of train.py, and a 10-iteration run of the tests' model took 4.9 CPU-s, most of it imports. helpers.python_for
+and run_python (launch, run_cli) run train.py through it (tests/test_topology.py: 129 -> 76 CPU-s on 2 cores).
 
 The run is what `python SCRIPT ARGS` would be: a process of its own with its environment, working directory,
 standard streams, sys.argv, sys.path[0] and __main__; the project's modules imported afresh (only third-party
@@ -70,7 +70,9 @@ def proxy(directory):
     """Write the proxy into directory (its first line names this interpreter); returns its path."""
     path = os.path.join(directory, "python")
     with open(path, "w") as f:
-        f.write(f"#!{sys.executable} -S\n{PROXY}")
+        f.write(
+            f"#!{sys.executable} -S\nSERVER, PYTHON_EXEC = {SERVER!r}, {PYTHON_EXEC!r}\n{PROXY}"
+        )
     os.chmod(path, 0o755)
     return path
 
@@ -80,8 +82,8 @@ import json, os, signal, socket, struct, sys
 
 argv = sys.argv[1:]
 env = dict(os.environ)
-address = env.pop("STABLEGPT_ZYGOTE", None)
-env.pop("PYTHON_EXEC", None)
+address = env.pop(SERVER, None)
+env.pop(PYTHON_EXEC, None)
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
 run, pending = None, []
 
