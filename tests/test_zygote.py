@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+import helpers
 from helpers import python_for
 
 PROBE = """
@@ -33,6 +34,12 @@ if what == "wait":
     print("waiting", os.getpid(), flush=True)
     threading.Event().wait(60)
 """
+
+
+@pytest.fixture(autouse=True)
+def _servers_past_the_cap(monkeypatch):
+    """These tests need their servers, however many environments this pytest process served before."""
+    monkeypatch.setattr(helpers, "MAX_ZYGOTES", 1_000)
 
 
 def both(tmp_path, *args, env=None, unbuffered=False):
