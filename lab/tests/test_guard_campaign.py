@@ -1116,3 +1116,27 @@ def test_eighth_10ms_runs_from_another_machine_are_set_apart_as_the_docs_say():
         f"to every recorded digit, as are the fifth's, the sixth's and withdrawn-61-third's "
         f"{counts['fifth'] + counts['sixth'] + counts['withdrawn-61-third']}" in text
     )
+
+
+def test_a_third_kind_of_machine_differs_from_eighth_10ms_records_as_the_docs_say():
+    """The probe on a third kind of machine (lab/campaign/eighth-10M-design/machine-probe.jsonl): trial 0's clean
+    run by the registered runner, stopped early. It names a machine other than the records' kind, repeats the
+    record for the iterations the docs say and differs from the next on; the docs' numbers are the records'."""
+    folder = os.path.join(gc.ROOT, "lab", "campaign")
+    (probe,) = map(
+        json.loads, open(os.path.join(folder, "eighth-10M-design", "machine-probe.jsonl"))
+    )
+    record = cr.runs_of(os.path.join(folder, "eighth-10M"))[probe["name"]]
+    assert (probe["commit"], probe["registration"]) == (record["commit"], record["registration"])
+    assert probe["torch"] == record["torch"]
+    assert "family 25 model 17 " not in probe["machine"]["cpu"]
+    first = next(k for k, (a, b) in enumerate(zip(probe["series"], record["series"])) if a != b)
+    assert probe["series"][:first] == record["series"][:first] and first >= 1
+    mine, theirs = probe["series"][first], record["series"][first]
+    after = probe["series"][first + 1][1], record["series"][first + 1][1]
+    text = docs_text()
+    assert (
+        f"to every recorded digit for {first} iterations and differed from the {mine[0]}th on (loss "
+        f"{mine[1]} against {theirs[1]}, then {after[0]} against {after[1]} at the {mine[0] + 1}th); stopped "
+        f"by hand after {probe['series'][-1][0]} iterations" in text
+    )
